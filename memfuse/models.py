@@ -1,0 +1,239 @@
+"""Wire models of the control-plane API v1 (DESIGN.md §7), shared by server, client and CLI.
+
+Every body the API sends or takes is one of these pydantic models, so the OpenAPI document the
+reference server publishes (``/openapi.json``) and the client agree by construction.
+
+Conventions:
+- times are timezone-aware UTC ``datetime``;
+- ``sha256`` is the lowercase hex digest of the UTF-8 content bytes and doubles as the ETag
+  (``"<sha256>"`` in ``ETag`` / ``If-Match`` headers, RFC 9110 §8.8.3);
+- ``content`` is text (UTF-8); records hold Markdown, JSONL or plain text;
+- ``seq`` is the change-feed position: a number that grows with every version written.
+"""
+from __future__ import annotations
+
+import hashlib
+from datetime import datetime
+from enum import Enum
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+RECORD_TYPES = ("user", "feedback", "project", "reference")
+SLUG_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
+
+
+def sha256_hex(data: bytes) -> str:
+    """Return the lowercase hex sha256 of ``data`` (the record ETag)."""
+    return hashlib.sha256(data).hexdigest()
+
+
+class Access(str, Enum):
+    """How a workspace may use an attached store."""
+
+    read_write = "read_write"
+    read_only = "read_only"
+
+
+class Operation(str, Enum):
+    """What one version did to its record (DESIGN §5)."""
+
+    created = "created"
+    modified = "modified"
+    moved = "moved"
+    deleted = "deleted"
+    restored = "restored"
+
+
+# ---------------------------------------------------------------- admin resources
+
+
+class WorkspaceCreate(BaseModel):
+    name: str = Field(pattern=SLUG_PATTERN)
+
+
+class Workspace(BaseModel):
+    name: str
+    created_at: datetime
+
+
+class StoreLimits(BaseModel):
+    """Per-store limits; ``None`` in an update means 'leave as is'."""
+
+    max_record_bytes: int = 1 << 20
+    max_store_bytes: int = 64 << 20
+    max_records: int = 10_000
+
+
+class StoreCreate(BaseModel):
+    slug: str = Field(pattern=SLUG_PATTERN)
+    description: str = ""
+    default_type: Literal["user", "feedback", "project", "reference"] = "project"
+    max_record_bytes: int = Field(default=1 << 20, gt=0)
+    max_store_bytes: int = Field(default=64 << 20, gt=0)
+    max_records: int = Field(default=10_000, gt=0)
+
+
+class StoreUpdate(BaseModel):
+    description: str | None = None
+    default_type: Literal["user", "feedback", "project", "reference"] | None = None
+    max_record_bytes: int | None = Field(default=None, gt=0)
+    max_store_bytes: int | None = Field(default=None, gt=0)
+    max_records: int | None = Field(default=None, gt=0)
+
+
+class Store(BaseModel):
+    slug: str
+    description: str
+    default_type: str
+    max_record_bytes: int
+    max_store_bytes: int
+    max_records: int
+    created_at: datetime
+    usage_bytes: int = 0
+    record_count: int = 0
+
+
+class AttachmentPut(BaseModel):
+    access: Access = Access.read_write
+    instructions: str = ""
+
+
+class Attachment(BaseModel):
+    """One store attached to one workspace, with the store's description and limits."""
+
+    workspace: str
+    store: Store
+    access: Access
+    instructions: str
+    created_at: datetime
+
+
+class TokenCreate(BaseModel):
+    """A token for one workspace, or an admin token when ``workspace`` is None."""
+
+    workspace: str | None = None
+    name: str = ""
+
+
+class TokenCreated(BaseModel):
+    id: str
+    workspace: str | None
+    name: str
+    token: str  # shown once; the server keeps only its sha256
+
+
+# ---------------------------------------------------------------- records
+
+
+class RecordCreate(BaseModel):
+    path: str
+    content: str
+    type: str | None = None
+
+
+class RecordUpdate(BaseModel):
+    content: str
+    type: str | None = None
+
+
+class RecordMove(BaseModel):
+    """Move one record to ``path``. With ``replace`` an existing record at ``path`` keeps its
+    id and history and gets this record's content as a new version; this record is deleted."""
+
+    path: str
+    replace: bool = False
+
+
+class PrefixMove(BaseModel):
+    """Move every record under ``from_prefix/`` to ``to_prefix/`` in one transaction."""
+
+    from_prefix: str
+    to_prefix: str
+
+
+class Restore(BaseModel):
+    version: int
+
+
+class Record(BaseModel):
+    """The current state of a record. ``content`` is None where the call did not ask for it."""
+
+    id: str
+    store: str
+    path: str
+    type: str | None  # None only for the store's root MEMORY.md (the index)
+    version: int
+    sha256: str
+    size: int
+    deleted: bool = False
+    created_at: datetime
+    updated_at: datetime
+    updated_by: str
+    seq: int
+    content: str | None = None
+
+
+class Version(BaseModel):
+    record_id: str
+    version: int
+    operation: Operation
+    path: str
+    type: str | None
+    sha256: str
+    size: int
+    created_at: datetime
+    actor: str
+    redacted: bool = False
+    seq: int
+    content: str | None = None
+
+
+class RecordPage(BaseModel):
+    """One page of a store snapshot. ``next_cursor`` is None on the last page; ``seq`` is the
+    change-feed position the snapshot is consistent with (resume ``changes?after=seq``)."""
+
+    records: list[Record]
+    next_cursor: str | None = None
+    seq: int
+
+
+class MoveResult(BaseModel):
+    records: list[Record]
+
+
+class Change(BaseModel):
+    """One entry of a store's change feed: the record's state after version ``seq``.
+    ``old_path`` is set for moves; ``record.deleted`` is True for deletes."""
+
+    seq: int
+    operation: Operation
+    old_path: str | None = None
+    record: Record
+
+
+class ChangePage(BaseModel):
+    changes: list[Change]
+    seq: int  # resume with after=seq
+
+
+class WorkspaceEvent(BaseModel):
+    seq: int
+    kind: Literal["attached", "detached", "store_changed"]
+    store: str
+    access: Access | None = None
+
+
+class EventPage(BaseModel):
+    events: list[WorkspaceEvent]
+    seq: int
+
+
+class Problem(BaseModel):
+    """RFC 9457 problem details. ``code`` is memfuse's machine-readable reason."""
+
+    type: str = "about:blank"
+    title: str
+    status: int
+    detail: str = ""
+    code: str = ""

@@ -1,0 +1,94 @@
+"""Record path and store slug rules (DESIGN.md §2), and local-only temporary names (§3).
+
+One implementation for the server (which enforces) and the sidecar (which checks early so a bad
+name fails at the syscall with ``EINVAL`` / ``ENAMETOOLONG``).
+"""
+from __future__ import annotations
+
+import fnmatch
+import re
+
+MAX_COMPONENT_BYTES = 255
+MAX_COMPONENTS = 32
+MAX_PATH_BYTES = 1024
+
+SLUG_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
+
+# U+0000–U+001F, U+007F–U+009F, U+200B–U+200F, U+2028, U+2029, U+202A–U+202E, U+2060–U+2064, U+FEFF
+_FORBIDDEN_RE = re.compile(
+    "[\u0000-\u001f\u007f-\u009f\u200b-\u200f\u2028\u2029\u202a-\u202e\u2060-\u2064\ufeff]"
+)
+
+DEFAULT_LOCAL_ONLY = (".*.sw?", ".*.swp", ".*.swpx", "4913", "*~", ".#*", "#*#", ".goutputstream-*", ".~lock.*#")
+
+
+class NameError_(ValueError):
+    """A name breaks DESIGN §2. ``too_long`` tells ENAMETOOLONG from EINVAL."""
+
+    def __init__(self, reason: str, *, too_long: bool = False) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.too_long = too_long
+
+
+def check_component(name: str | bytes) -> str:
+    """Validate one path component; return it as ``str``.
+
+    Raises ``NameError_`` (``too_long`` set when over 255 bytes) for: empty, over 255 UTF-8
+    bytes, not UTF-8, ``.`` or ``..``, a ``/``, NUL, or a control / Unicode format character.
+    """
+    if isinstance(name, bytes):
+        raw = name
+        try:
+            name = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise NameError_("name is not valid UTF-8") from None
+    else:
+        try:
+            raw = name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise NameError_("name is not valid UTF-8") from None
+    if not raw:
+        raise NameError_("empty name")
+    if len(raw) > MAX_COMPONENT_BYTES:
+        raise NameError_(f"name is {len(raw)} bytes, limit {MAX_COMPONENT_BYTES}", too_long=True)
+    if name in (".", ".."):
+        raise NameError_(f"'{name}' is not a valid name")
+    if "/" in name:
+        raise NameError_("name contains '/'")
+    m = _FORBIDDEN_RE.search(name)
+    if m:
+        raise NameError_(f"name contains forbidden character U+{ord(m.group()):04X}")
+    return name
+
+
+def check_path(path: str) -> str:
+    """Validate a record path ``a/b/c.md`` (no leading or trailing slash); return it.
+
+    Raises ``NameError_``: bad component (see ``check_component``), more than 32 components
+    (``too_long``), more than 1,024 bytes in all (``too_long``).
+    """
+    if not isinstance(path, str) or not path:
+        raise NameError_("empty path")
+    parts = path.split("/")
+    if len(parts) > MAX_COMPONENTS:
+        raise NameError_(f"path has {len(parts)} components, limit {MAX_COMPONENTS}", too_long=True)
+    for part in parts:
+        check_component(part)
+    n = len(path.encode("utf-8"))
+    if n > MAX_PATH_BYTES:
+        raise NameError_(f"path is {n} bytes, limit {MAX_PATH_BYTES}", too_long=True)
+    return path
+
+
+def check_slug(slug: str) -> str:
+    """Validate a store or workspace slug ``[a-z0-9][a-z0-9._-]{0,62}``; raise ``NameError_``."""
+    if not SLUG_RE.match(slug or ""):
+        raise NameError_(f"'{slug}' is not a valid slug ([a-z0-9][a-z0-9._-]{{0,62}})")
+    return slug
+
+
+def is_local_only(name: str, patterns: tuple[str, ...] = DEFAULT_LOCAL_ONLY) -> bool:
+    """True when ``name`` (one component) is an editor or tool temporary that stays in the
+    sidecar: never sent to the control plane, invisible to other workspaces (DESIGN §3)."""
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
