@@ -1,0 +1,904 @@
+"""Async HTTP client of the control-plane API v1 (docs/API.md), shared by the sidecar and the CLI.
+
+One :class:`ApiClient` wraps one ``httpx.AsyncClient``; every endpoint of the API is a method that
+returns the pydantic models of :mod:`memfuse.models`. Methods never retry: the sidecar's outbox
+owns retries (with idempotency keys), and the CLI wraps its calls in :func:`with_retries`.
+
+Errors are classified once, here, so callers only look at the exception class:
+
+- :class:`TransientError` — the request may succeed later: connection refused, timeouts, a
+  response lost on the way back (``ReadError`` / ``RemoteProtocolError``), 5xx (except 507),
+  429. Its
+  ``retry_after`` carries the server's ``Retry-After`` in seconds when given.
+- :class:`PermanentError` — the server refused for good (every other 4xx), with subclasses
+  :class:`Unauthorized` (401), :class:`Forbidden` (403), :class:`NotFound` (404),
+  :class:`Conflict` (409), :class:`Gone` (410), :class:`PreconditionFailed` (412), and
+  :class:`StoreFull` (507 ``store_full``: a 5xx, but a refusal the API maps to ENOSPC).
+
+Secrets: neither the token nor any record content ever goes into an exception message, an
+exception attribute or a log line; messages carry the method, the URL path, the status, the
+problem ``code``, ``title`` and ``detail``.
+"""
+from __future__ import annotations
+
+import email.utils
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+from urllib.parse import quote
+
+import httpx
+from pydantic import BaseModel, TypeAdapter, ValidationError
+
+from .models import (
+    Access,
+    Attachment,
+    AttachmentPut,
+    ChangePage,
+    EventPage,
+    MoveResult,
+    PrefixMove,
+    Record,
+    RecordCreate,
+    RecordMove,
+    RecordPage,
+    RecordUpdate,
+    Restore,
+    Store,
+    StoreCreate,
+    StoreUpdate,
+    TokenCreate,
+    TokenCreated,
+    Version,
+    Workspace,
+    WorkspaceCreate,
+)
+
+__all__ = [
+    "ApiClient",
+    "ApiError",
+    "TransientError",
+    "PermanentError",
+    "Unauthorized",
+    "Forbidden",
+    "NotFound",
+    "Conflict",
+    "Gone",
+    "PreconditionFailed",
+    "StoreFull",
+    "quote_etag",
+    "unquote_etag",
+    "parse_retry_after",
+    "with_retries",
+]
+
+log = logging.getLogger("memfuse.client")
+
+
+def _package_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("memfuse")
+    except Exception:  # not installed (running from a source tree)
+        return "0"
+
+
+_version = _package_version()
+
+T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
+
+INSTANCE_HEADER = "X-Memfuse-Instance"
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+
+
+# ---------------------------------------------------------------- errors
+
+
+class ApiError(Exception):
+    """A call to the control plane failed.
+
+    Attributes:
+        status: HTTP status, or ``None`` when no response arrived (connect error, timeout,
+            lost response).
+        code: memfuse's machine reason from the problem body (``path_exists``,
+            ``precondition_failed``, ...), or a client-side reason for transport failures
+            (``connect_error``, ``timeout``, ``read_error``, ``bad_response``, ...).
+        detail: the problem's human-readable detail (may be empty).
+        title: the problem's title (or the HTTP reason phrase).
+        problem: the whole RFC 9457 problem body as a dict (extra fields such as ``record_id``
+            on 409 ``path_exists`` or ``sha256`` on 412 included); ``{}`` when none.
+        retry_after: seconds the server asked to wait (``Retry-After``), else ``None``.
+        method, path: the request's method and URL path (no host, no query, no token).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int | None = None,
+        code: str = "",
+        detail: str = "",
+        title: str = "",
+        problem: dict[str, Any] | None = None,
+        retry_after: float | None = None,
+        method: str | None = None,
+        path: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.code = code
+        self.detail = detail
+        self.title = title
+        self.problem: dict[str, Any] = problem or {}
+        self.retry_after = retry_after
+        self.method = method
+        self.path = path
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(status={self.status!r}, code={self.code!r}, message={self.message!r})"
+
+
+class TransientError(ApiError):
+    """The request may succeed if repeated: connect error, timeout, lost or garbled response,
+    5xx or 429. Writes carrying an ``Idempotency-Key`` are safe to repeat."""
+
+
+class PermanentError(ApiError):
+    """The control plane refused the request for good (a 4xx other than 429); repeating the
+    same request gives the same answer."""
+
+
+class Unauthorized(PermanentError):
+    """401: missing, unknown or revoked token."""
+
+
+class Forbidden(PermanentError):
+    """403: the token may not do this (``forbidden``; ``read_only`` attachment)."""
+
+
+class NotFound(PermanentError):
+    """404: store, workspace, record, version or token not found, or store not attached."""
+
+
+class Conflict(PermanentError):
+    """409: ``path_exists`` (see :attr:`record_id`), ``exists``, ``redacted``,
+    ``current_version``."""
+
+    @property
+    def record_id(self) -> str | None:
+        """The id of the live record holding the path, for ``path_exists``."""
+        rid = self.problem.get("record_id")
+        return rid if isinstance(rid, str) else None
+
+
+class StoreFull(PermanentError):
+    """507 ``store_full``: the store is over ``max_store_bytes`` or ``max_records``. A 5xx, but
+    a refusal (ENOSPC in DESIGN §4), not an outage: repeating it only helps once space is
+    freed, so it is permanent."""
+
+
+class Gone(PermanentError):
+    """410: ``cursor_expired`` — the change-feed cursor is unknown; take a full snapshot."""
+
+
+class PreconditionFailed(PermanentError):
+    """412: ``If-Match`` did not match; :attr:`current_sha256` is the record's current sha256."""
+
+    @property
+    def current_sha256(self) -> str | None:
+        """The record's current content sha256 as reported by the server, if any."""
+        sha = self.problem.get("sha256")
+        return sha if isinstance(sha, str) else None
+
+
+_STATUS_CLASSES: dict[int, type[PermanentError]] = {
+    401: Unauthorized,
+    403: Forbidden,
+    404: NotFound,
+    409: Conflict,
+    410: Gone,
+    412: PreconditionFailed,
+    507: StoreFull,
+}
+
+
+def parse_retry_after(value: str | None, *, now: float | None = None) -> float | None:
+    """Parse a ``Retry-After`` header (RFC 9110 §10.2.3) into seconds ≥ 0.
+
+    Accepts delay-seconds (``"5"``, also ``"1.5"``) or an HTTP-date; returns ``None`` when the
+    header is absent or unparsable.
+    """
+    if value is None:
+        return None
+    value = value.strip()
+    if not value:
+        return None
+    try:
+        secs = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError):
+            return None
+        if when is None:
+            return None
+        secs = when.timestamp() - (time.time() if now is None else now)
+    if math.isnan(secs) or math.isinf(secs):
+        return None
+    return max(0.0, secs)
+
+
+def quote_etag(sha256: str) -> str:
+    """Return ``sha256`` as an entity tag for ``If-Match`` (RFC 9110 §8.8.3): ``"<sha256>"``.
+
+    A value that already is an entity tag (starts with ``"`` or ``W/"``) or ``*`` is returned
+    unchanged.
+    """
+    if sha256 == "*" or sha256.startswith('"') or sha256.startswith('W/"'):
+        return sha256
+    return f'"{sha256}"'
+
+
+def unquote_etag(etag: str | None) -> str | None:
+    """Return the opaque value of an entity tag (``W/"x"`` or ``"x"`` → ``x``); ``None`` stays
+    ``None``."""
+    if etag is None:
+        return None
+    etag = etag.strip()
+    if etag.startswith("W/"):
+        etag = etag[2:]
+    if len(etag) >= 2 and etag[0] == etag[-1] == '"':
+        etag = etag[1:-1]
+    return etag
+
+
+def _transport_error(exc: httpx.HTTPError, method: str, path: str) -> ApiError:
+    """Classify an httpx exception raised before a complete response arrived."""
+    if isinstance(exc, httpx.TimeoutException):
+        code = {
+            httpx.ConnectTimeout: "connect_timeout",
+            httpx.ReadTimeout: "read_timeout",
+            httpx.WriteTimeout: "write_timeout",
+            httpx.PoolTimeout: "pool_timeout",
+        }.get(type(exc), "timeout")
+        cls: type[ApiError] = TransientError
+    elif isinstance(exc, (httpx.UnsupportedProtocol, httpx.LocalProtocolError, httpx.InvalidURL)):
+        # configuration or client bug: repeating cannot help
+        code, cls = "client_error", PermanentError
+    elif isinstance(exc, httpx.ConnectError):
+        code, cls = "connect_error", TransientError
+    elif isinstance(exc, httpx.ReadError):
+        code, cls = "read_error", TransientError
+    elif isinstance(exc, httpx.WriteError):
+        code, cls = "write_error", TransientError
+    elif isinstance(exc, httpx.RemoteProtocolError):
+        code, cls = "protocol_error", TransientError
+    else:  # NetworkError, ProxyError, DecodingError, StreamError, ...
+        code, cls = "transport_error", TransientError
+    reason = str(exc) or type(exc).__name__
+    msg = f"{method} {path}: control plane unreachable ({type(exc).__name__}: {reason})"
+    if cls is PermanentError:
+        msg = f"{method} {path}: {type(exc).__name__}: {reason}"
+    return cls(msg, code=code, detail=reason, method=method, path=path)
+
+
+def _http_error(resp: httpx.Response, method: str, path: str) -> ApiError:
+    """Build the exception for a non-2xx response from its problem body."""
+    status = resp.status_code
+    problem: dict[str, Any] = {}
+    try:
+        body = resp.json()
+        if isinstance(body, dict):
+            problem = body
+    except ValueError:
+        pass
+    title = str(problem.get("title") or resp.reason_phrase or "HTTP error")
+    detail = problem.get("detail") or ""
+    if not isinstance(detail, str):  # FastAPI validation errors put a list here
+        detail = _one_line(repr(detail))[:500]
+    code = str(problem.get("code") or "")
+    if not problem:
+        problem = {"type": "about:blank", "title": title, "status": status}
+    retry_after = None
+    if status in _STATUS_CLASSES:
+        cls: type[ApiError] = _STATUS_CLASSES[status]
+    elif status >= 500 or status == 429:
+        cls = TransientError
+        retry_after = parse_retry_after(resp.headers.get("Retry-After"))
+    elif 400 <= status < 500:
+        cls = _STATUS_CLASSES.get(status, PermanentError)
+    else:  # 1xx/3xx that httpx did not handle: nothing sensible to do again
+        cls = PermanentError
+    msg = f"{method} {path}: {status} {title}"
+    if code:
+        msg += f" [{code}]"
+    if detail:
+        msg += f": {detail}"
+    return cls(
+        _one_line(msg),
+        status=status,
+        code=code,
+        detail=detail,
+        title=title,
+        problem=problem,
+        retry_after=retry_after,
+        method=method,
+        path=path,
+    )
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _seg(value: str | int) -> str:
+    """Percent-encode one URL path segment."""
+    return quote(str(value), safe="")
+
+
+def _bool(value: bool) -> str:
+    return "true" if value else "false"
+
+
+_RECORDS = TypeAdapter(list[Record])
+_STORES = TypeAdapter(list[Store])
+_WORKSPACES = TypeAdapter(list[Workspace])
+_ATTACHMENTS = TypeAdapter(list[Attachment])
+_VERSIONS = TypeAdapter(list[Version])
+
+
+# ---------------------------------------------------------------- client
+
+
+class ApiClient:
+    """Async client of the control-plane API v1.
+
+    Args:
+        base_url: the control plane's root URL, e.g. ``http://127.0.0.1:8080`` (no ``/v1``).
+        token: bearer token (workspace-scoped or admin); ``None`` sends no ``Authorization``.
+        transport: an httpx transport (``httpx.ASGITransport`` for in-process use, the fake's
+            fault-injecting transport in tests); default: real network.
+        instance: sidecar id sent as ``X-Memfuse-Instance`` (recorded in version actors).
+        timeout: seconds for connect, read, write and pool waits of ordinary calls. Long-poll
+            calls (``wait > 0``) get a read timeout of ``wait + timeout``.
+
+    Use as ``async with ApiClient(...) as api:`` or call :meth:`aclose`. Every method raises
+    :class:`TransientError` or :class:`PermanentError` (see the module docstring); none retries.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
+        instance: str | None = None,
+        timeout: float = 30.0,
+    ) -> None:
+        headers = {"User-Agent": f"memfuse/{_version}", "Accept": "application/json"}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        if instance:
+            headers[INSTANCE_HEADER] = instance
+        self.base_url = base_url.rstrip("/")
+        self.instance = instance
+        self.timeout = float(timeout)
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url,
+            headers=headers,
+            transport=transport,
+            timeout=httpx.Timeout(self.timeout),
+            limits=httpx.Limits(max_connections=200, max_keepalive_connections=50),
+            follow_redirects=False,
+        )
+
+    def __repr__(self) -> str:  # never show the token
+        return f"ApiClient({self.base_url!r}, instance={self.instance!r})"
+
+    async def __aenter__(self) -> ApiClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the connection pool. Idempotent."""
+        await self._http.aclose()
+
+    # ------------------------------------------------------------ plumbing
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: dict[str, Any] | None = None,
+        body: BaseModel | None = None,
+        if_match: str | None = None,
+        idempotency_key: str | None = None,
+        wait: float = 0.0,
+        accept: str | None = None,
+        exclude_none: bool = False,
+    ) -> httpx.Response:
+        headers: dict[str, str] = {}
+        if if_match is not None:
+            headers["If-Match"] = quote_etag(if_match)
+        if idempotency_key is not None:
+            headers[IDEMPOTENCY_HEADER] = idempotency_key
+        if accept is not None:
+            headers["Accept"] = accept
+        timeout = None
+        if wait > 0:
+            timeout = httpx.Timeout(self.timeout, read=wait + self.timeout)
+        kwargs: dict[str, Any] = {"params": params, "headers": headers}
+        if timeout is not None:
+            kwargs["timeout"] = timeout
+        if body is not None:
+            kwargs["content"] = body.model_dump_json(exclude_none=exclude_none).encode("utf-8")
+            headers["Content-Type"] = "application/json"
+        try:
+            resp = await self._http.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            err = _transport_error(exc, method, path)
+            log.debug("%s %s failed: %s", method, path, err.code)
+            raise err from None
+        log.debug("%s %s -> %s", method, path, resp.status_code)
+        if not resp.is_success:
+            raise _http_error(resp, method, path)
+        return resp
+
+    @staticmethod
+    def _parse(model: type[M] | TypeAdapter[Any], resp: httpx.Response, method: str, path: str) -> Any:
+        try:
+            if isinstance(model, TypeAdapter):
+                return model.validate_json(resp.content)
+            return model.model_validate_json(resp.content)
+        except (ValidationError, ValueError) as exc:
+            # A 2xx whose body is not what the contract says: treat like a garbled response.
+            raise TransientError(
+                f"{method} {path}: {resp.status_code} response does not match the API contract"
+                f" ({type(exc).__name__})",
+                status=resp.status_code,
+                code="bad_response",
+                method=method,
+                path=path,
+            ) from None
+
+    async def _call(self, model: Any, method: str, path: str, **kw: Any) -> Any:
+        resp = await self._request(method, path, **kw)
+        return self._parse(model, resp, method, path)
+
+    # ------------------------------------------------------------ workspace endpoints
+
+    async def list_attachments(self, ws: str) -> list[Attachment]:
+        """``GET /v1/workspaces/{ws}/attachments``: the stores attached to ``ws``, sorted by
+        slug. Raises NotFound (``workspace_not_found``), Forbidden for another workspace."""
+        return await self._call(_ATTACHMENTS, "GET", f"/v1/workspaces/{_seg(ws)}/attachments")
+
+    async def workspace_events(self, ws: str, after: int = 0, wait: float = 0) -> EventPage:
+        """``GET /v1/workspaces/{ws}/events``: attach / detach / store_changed events with
+        seq > ``after``; long-polls up to ``wait`` seconds (0–60) while there are none.
+        Resume with ``after=page.seq``."""
+        return await self._call(
+            EventPage,
+            "GET",
+            f"/v1/workspaces/{_seg(ws)}/events",
+            params={"after": after, "wait": _num(wait)},
+            wait=wait,
+        )
+
+    async def context(self, ws: str) -> str:
+        """``GET /v1/workspaces/{ws}/context``: the Markdown prompt block (DESIGN §5) as text."""
+        resp = await self._request(
+            "GET", f"/v1/workspaces/{_seg(ws)}/context", accept="text/markdown, text/plain, */*"
+        )
+        return resp.text
+
+    # ------------------------------------------------------------ records: reading
+
+    async def list_records(
+        self,
+        store: str,
+        cursor: str | None = None,
+        limit: int = 500,
+        content: bool = False,
+        path: str | None = None,
+        include_deleted: bool = False,
+    ) -> RecordPage:
+        """``GET /v1/stores/{store}/records``: one snapshot page of live records ordered by path
+        (plus deleted ones with ``include_deleted``). ``limit`` 1–1000; ``path`` filters on an
+        exact path; ``page.seq`` is the change-feed position read before the page;
+        ``page.next_cursor`` is None on the last page."""
+        params: dict[str, Any] = {"limit": limit, "content": _bool(content)}
+        if cursor is not None:
+            params["cursor"] = cursor
+        if path is not None:
+            params["path"] = path
+        if include_deleted:
+            params["include_deleted"] = "true"
+        return await self._call(RecordPage, "GET", f"/v1/stores/{_seg(store)}/records", params=params)
+
+    async def iter_pages(
+        self, store: str, *, content: bool = True, limit: int = 500
+    ) -> AsyncIterator[RecordPage]:
+        """Async generator over every snapshot page of ``store``, following ``next_cursor``.
+
+        The first page's ``seq`` is where to resume the change feed (``changes(after=seq)``);
+        applying a change the snapshot already contains is harmless.
+        """
+        cursor: str | None = None
+        while True:
+            page = await self.list_records(store, cursor=cursor, limit=limit, content=content)
+            yield page
+            if not page.next_cursor:
+                return
+            cursor = page.next_cursor
+
+    async def snapshot(
+        self, store: str, *, content: bool = True, limit: int = 500
+    ) -> tuple[list[Record], int]:
+        """Every live record of ``store`` (all pages) and the change-feed seq to resume from
+        (the first page's ``seq``). Returns ``(records ordered by path, seq)``."""
+        records: list[Record] = []
+        seq: int | None = None
+        cursor: str | None = None
+        while True:
+            page = await self.list_records(store, cursor=cursor, limit=limit, content=content)
+            if seq is None:
+                seq = page.seq
+            records.extend(page.records)
+            if not page.next_cursor:
+                break
+            cursor = page.next_cursor
+        assert seq is not None
+        return records, seq
+
+    async def find_record(self, store: str, path: str, include_deleted: bool = False) -> Record | None:
+        """The record at ``path`` (exact, via the ``path=`` filter), or ``None``.
+
+        With ``include_deleted`` a deleted record may be returned; when several records had
+        that path (deleted, then created anew), the live one wins, else the most recently
+        updated deleted one. Content is not included.
+        """
+        page = await self.list_records(store, limit=1000, path=path, include_deleted=include_deleted)
+        found = [r for r in page.records if r.path == path]
+        if not found:
+            return None
+        live = [r for r in found if not r.deleted]
+        if live:
+            return live[0]
+        return max(found, key=lambda r: (r.updated_at, r.seq))
+
+    async def get_record(self, store: str, id: str, content: bool = True) -> Record:
+        """``GET /v1/stores/{store}/records/{id}``: the record (deleted ones have
+        ``deleted=True``). Raises NotFound (``record_not_found``)."""
+        return await self._call(
+            Record,
+            "GET",
+            f"/v1/stores/{_seg(store)}/records/{_seg(id)}",
+            params={"content": _bool(content)},
+        )
+
+    async def changes(
+        self,
+        store: str,
+        after: int,
+        wait: float = 0,
+        content: bool = True,
+        limit: int = 1000,
+    ) -> ChangePage:
+        """``GET /v1/stores/{store}/changes``: versions with seq > ``after``, oldest first;
+        long-polls up to ``wait`` s (0–60) while empty. Resume with ``after=page.seq``.
+        Raises Gone (410 ``cursor_expired``) when ``after`` is unknown → take a snapshot."""
+        return await self._call(
+            ChangePage,
+            "GET",
+            f"/v1/stores/{_seg(store)}/changes",
+            params={"after": after, "wait": _num(wait), "content": _bool(content), "limit": limit},
+            wait=wait,
+        )
+
+    async def versions(self, store: str, id: str) -> list[Version]:
+        """``GET .../records/{id}/versions``: every version without content, oldest first."""
+        return await self._call(
+            _VERSIONS, "GET", f"/v1/stores/{_seg(store)}/records/{_seg(id)}/versions"
+        )
+
+    async def version(self, store: str, id: str, n: int) -> Version:
+        """``GET .../records/{id}/versions/{n}``: version ``n`` with content (``None`` when
+        redacted). Raises NotFound (``version_not_found``)."""
+        return await self._call(
+            Version, "GET", f"/v1/stores/{_seg(store)}/records/{_seg(id)}/versions/{int(n)}"
+        )
+
+    # ------------------------------------------------------------ records: writing
+
+    async def create_record(
+        self,
+        store: str,
+        path: str,
+        content: str,
+        type: str | None = None,
+        idempotency_key: str | None = None,
+    ) -> Record:
+        """``POST /v1/stores/{store}/records``: create a record; returns it without content
+        (its ``sha256`` is the ETag). Raises Conflict (``path_exists``, see ``.record_id``),
+        PermanentError 413 (``record_too_large``) / 422 (``invalid_path``, ``invalid_type``,
+        ``secret_detected``, ...), StoreFull (507)."""
+        return await self._call(
+            Record,
+            "POST",
+            f"/v1/stores/{_seg(store)}/records",
+            body=RecordCreate(path=path, content=content, type=type),
+            idempotency_key=idempotency_key,
+        )
+
+    async def update_record(
+        self,
+        store: str,
+        id: str,
+        content: str,
+        type: str | None = None,
+        if_match: str | None = None,
+        idempotency_key: str | None = None,
+    ) -> Record:
+        """``PUT /v1/stores/{store}/records/{id}``: new content (and type). ``if_match`` is the
+        base sha256 (quoted for you). Identical content and type makes no new version.
+        Raises PreconditionFailed (see ``.current_sha256``), NotFound for a deleted record."""
+        return await self._call(
+            Record,
+            "PUT",
+            f"/v1/stores/{_seg(store)}/records/{_seg(id)}",
+            body=RecordUpdate(content=content, type=type),
+            if_match=if_match,
+            idempotency_key=idempotency_key,
+        )
+
+    async def move_record(
+        self,
+        store: str,
+        id: str,
+        path: str,
+        replace: bool = False,
+        if_match: str | None = None,
+        idempotency_key: str | None = None,
+    ) -> MoveResult:
+        """``POST .../records/{id}/move``: move one record to ``path``; with ``replace`` an
+        existing target keeps its id and gets this content. Returns the one resulting record.
+        Raises Conflict (``path_exists``) when the target is taken and not ``replace``."""
+        return await self._call(
+            MoveResult,
+            "POST",
+            f"/v1/stores/{_seg(store)}/records/{_seg(id)}/move",
+            body=RecordMove(path=path, replace=replace),
+            if_match=if_match,
+            idempotency_key=idempotency_key,
+        )
+
+    async def move_prefix(
+        self, store: str, from_prefix: str, to_prefix: str, idempotency_key: str | None = None
+    ) -> MoveResult:
+        """``POST /v1/stores/{store}/move``: move every record under ``from_prefix/`` to
+        ``to_prefix/`` in one transaction; returns every moved record. Raises Conflict
+        (``path_exists``), PermanentError 422 (``invalid_path``)."""
+        return await self._call(
+            MoveResult,
+            "POST",
+            f"/v1/stores/{_seg(store)}/move",
+            body=PrefixMove(from_prefix=from_prefix, to_prefix=to_prefix),
+            idempotency_key=idempotency_key,
+        )
+
+    async def delete_record(
+        self, store: str, id: str, if_match: str | None = None, idempotency_key: str | None = None
+    ) -> None:
+        """``DELETE /v1/stores/{store}/records/{id}``: delete (a ``deleted`` version is kept).
+        Raises NotFound when already deleted, PreconditionFailed on ``if_match`` mismatch."""
+        await self._request(
+            "DELETE",
+            f"/v1/stores/{_seg(store)}/records/{_seg(id)}",
+            if_match=if_match,
+            idempotency_key=idempotency_key,
+        )
+
+    async def restore(
+        self, store: str, id: str, version: int, idempotency_key: str | None = None
+    ) -> Record:
+        """``POST .../records/{id}/restore``: a ``restored`` version with version ``version``'s
+        content, type and path (undeletes). Raises Conflict (``path_exists``, ``redacted``)."""
+        return await self._call(
+            Record,
+            "POST",
+            f"/v1/stores/{_seg(store)}/records/{_seg(id)}/restore",
+            body=Restore(version=version),
+            idempotency_key=idempotency_key,
+        )
+
+    async def redact(
+        self, store: str, id: str, n: int, idempotency_key: str | None = None
+    ) -> Version:
+        """``POST .../records/{id}/versions/{n}/redact`` (admin): remove version ``n``'s content.
+        Raises Conflict (``current_version``), Forbidden for non-admin tokens."""
+        return await self._call(
+            Version,
+            "POST",
+            f"/v1/stores/{_seg(store)}/records/{_seg(id)}/versions/{int(n)}/redact",
+            idempotency_key=idempotency_key,
+        )
+
+    # ------------------------------------------------------------ admin
+
+    async def create_workspace(self, name: str, idempotency_key: str | None = None) -> Workspace:
+        """``POST /v1/workspaces`` (admin). Raises Conflict (``exists``)."""
+        return await self._call(
+            Workspace,
+            "POST",
+            "/v1/workspaces",
+            body=WorkspaceCreate(name=name),
+            idempotency_key=idempotency_key,
+        )
+
+    async def list_workspaces(self) -> list[Workspace]:
+        """``GET /v1/workspaces`` (admin)."""
+        return await self._call(_WORKSPACES, "GET", "/v1/workspaces")
+
+    async def create_store(
+        self,
+        slug: str,
+        description: str = "",
+        default_type: str = "project",
+        max_record_bytes: int | None = None,
+        max_store_bytes: int | None = None,
+        max_records: int | None = None,
+        idempotency_key: str | None = None,
+    ) -> Store:
+        """``POST /v1/stores`` (admin). Limits left ``None`` take the server defaults (1 MiB,
+        64 MiB, 10,000). Raises Conflict (``exists``); pydantic ValidationError (before any
+        request) for a bad slug or type."""
+        fields: dict[str, Any] = {"slug": slug, "description": description, "default_type": default_type}
+        for k, v in (
+            ("max_record_bytes", max_record_bytes),
+            ("max_store_bytes", max_store_bytes),
+            ("max_records", max_records),
+        ):
+            if v is not None:
+                fields[k] = v
+        return await self._call(
+            Store, "POST", "/v1/stores", body=StoreCreate(**fields), idempotency_key=idempotency_key
+        )
+
+    async def list_stores(self) -> list[Store]:
+        """``GET /v1/stores`` (admin): every store."""
+        return await self._call(_STORES, "GET", "/v1/stores")
+
+    async def get_store(self, slug: str) -> Store:
+        """``GET /v1/stores/{slug}`` (admin or an attached workspace). Raises NotFound."""
+        return await self._call(Store, "GET", f"/v1/stores/{_seg(slug)}")
+
+    async def update_store(
+        self,
+        slug: str,
+        *,
+        description: str | None = None,
+        default_type: str | None = None,
+        max_record_bytes: int | None = None,
+        max_store_bytes: int | None = None,
+        max_records: int | None = None,
+        idempotency_key: str | None = None,
+    ) -> Store:
+        """``PATCH /v1/stores/{slug}`` (admin): change only the fields given (not ``None``)."""
+        update = StoreUpdate(
+            description=description,
+            default_type=default_type,  # type: ignore[arg-type]
+            max_record_bytes=max_record_bytes,
+            max_store_bytes=max_store_bytes,
+            max_records=max_records,
+        )
+        return await self._call(
+            Store,
+            "PATCH",
+            f"/v1/stores/{_seg(slug)}",
+            body=update,
+            exclude_none=True,
+            idempotency_key=idempotency_key,
+        )
+
+    async def attach(
+        self,
+        ws: str,
+        store: str,
+        access: Access | str = Access.read_write,
+        instructions: str = "",
+        idempotency_key: str | None = None,
+    ) -> Attachment:
+        """``PUT /v1/workspaces/{ws}/attachments/{store}`` (admin): attach or change access.
+        Raises NotFound (``workspace_not_found``, ``store_not_found``)."""
+        return await self._call(
+            Attachment,
+            "PUT",
+            f"/v1/workspaces/{_seg(ws)}/attachments/{_seg(store)}",
+            body=AttachmentPut(access=Access(access), instructions=instructions),
+            idempotency_key=idempotency_key,
+        )
+
+    async def detach(self, ws: str, store: str, idempotency_key: str | None = None) -> None:
+        """``DELETE /v1/workspaces/{ws}/attachments/{store}`` (admin). Raises NotFound when
+        not attached."""
+        await self._request(
+            "DELETE",
+            f"/v1/workspaces/{_seg(ws)}/attachments/{_seg(store)}",
+            idempotency_key=idempotency_key,
+        )
+
+    async def create_token(
+        self, workspace: str | None = None, name: str = "", idempotency_key: str | None = None
+    ) -> TokenCreated:
+        """``POST /v1/tokens`` (admin): a token for ``workspace``, or an admin token when
+        ``None``. The raw token is in ``.token`` and is shown only once."""
+        return await self._call(
+            TokenCreated,
+            "POST",
+            "/v1/tokens",
+            body=TokenCreate(workspace=workspace, name=name),
+            idempotency_key=idempotency_key,
+        )
+
+
+
+def _num(value: float) -> str:
+    """Format seconds for a query string: ``5`` rather than ``5.0``."""
+    f = float(value)
+    return str(int(f)) if f.is_integer() else repr(f)
+
+
+# ---------------------------------------------------------------- retries for the CLI
+
+
+def _retry_hook(max_wait: float) -> Callable[[Exception], bool | float]:
+    def hook(exc: Exception) -> bool | float:
+        if not isinstance(exc, TransientError):
+            return False
+        if exc.retry_after is not None:
+            return min(exc.retry_after, max_wait)
+        return True
+
+    return hook
+
+
+async def with_retries(
+    fn: Callable[[], Awaitable[T]],
+    *,
+    attempts: int = 4,
+    timeout: float = 60.0,
+    wait_initial: float = 0.5,
+    wait_max: float = 10.0,
+) -> T:
+    """Await ``fn()`` and repeat it on :class:`TransientError`, for interactive (CLI) use.
+
+    Up to ``attempts`` calls within ``timeout`` seconds, exponential backoff with jitter from
+    ``wait_initial`` up to ``wait_max`` seconds; a ``Retry-After`` from the server (429/503) is
+    honoured, capped at ``wait_max``. Permanent errors and the last transient error propagate.
+    ``fn`` takes no arguments, so nothing it closes over (content, tokens) is logged by the
+    retry machinery. Writes should pass one fixed ``idempotency_key`` across the attempts.
+    """
+    import stamina
+
+    async for attempt in stamina.retry_context(
+        on=_retry_hook(wait_max),
+        attempts=attempts,
+        timeout=timeout,
+        wait_initial=wait_initial,
+        wait_max=wait_max,
+        wait_jitter=min(1.0, wait_max),
+    ):
+        with attempt:
+            return await fn()
+    raise AssertionError("unreachable")  # pragma: no cover

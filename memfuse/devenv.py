@@ -1,0 +1,157 @@
+"""The embedded dev setup shared by ``memfuse dev`` and the CLI's local mode (DESIGN §1, §8).
+
+Everything lives in one data directory, ``platformdirs.user_data_dir("memfuse")`` or
+``$MEMFUSE_HOME`` when set: the dev database ``dev.db`` (SQLite) and ``admin.token`` written by
+``memfuse serve``. The reference control plane runs in-process on that file, reached through
+``httpx.ASGITransport``; each process gets its own random static tokens (an admin token and a
+token for workspace ``dev``), which never leave the process. Several processes (``memfuse dev``
+and CLI commands) may use the same database at once; SQLite arbitrates.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import platformdirs
+
+from .client import ApiClient, Conflict
+from .models import Access
+
+__all__ = [
+    "DEV_WORKSPACE",
+    "DEV_STORE",
+    "DEV_STORE_DESCRIPTION",
+    "LOCAL_BASE_URL",
+    "DevApp",
+    "data_dir",
+    "dev_db_path",
+    "dev_db_url",
+    "dev_cache_dir",
+    "dev_app",
+    "local_client",
+    "dev_workspace_client",
+    "ensure_dev_setup",
+]
+
+DEV_WORKSPACE = "dev"
+DEV_STORE = "default"
+DEV_STORE_DESCRIPTION = "default memory store"
+LOCAL_BASE_URL = "http://memfuse.local"
+HOME_ENV = "MEMFUSE_HOME"
+
+
+def data_dir(create: bool = True) -> Path:
+    """The memfuse data directory: ``$MEMFUSE_HOME`` if set, else
+    ``platformdirs.user_data_dir("memfuse")``. Created (mode 0700) when ``create``."""
+    home = os.environ.get(HOME_ENV)
+    path = Path(home).expanduser() if home else Path(platformdirs.user_data_dir("memfuse"))
+    if create:
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return path
+
+
+def dev_db_path() -> Path:
+    """Path of the dev database, ``<data dir>/dev.db``."""
+    return data_dir() / "dev.db"
+
+
+def dev_db_url() -> str:
+    """SQLAlchemy URL of the dev database, ``sqlite:///<absolute path>/dev.db``."""
+    return f"sqlite:///{dev_db_path().resolve()}"
+
+
+def dev_cache_dir() -> Path:
+    """Sidecar cache directory for ``memfuse dev``: ``platformdirs.user_cache_dir("memfuse")/dev``,
+    or ``$MEMFUSE_HOME/cache/dev`` when ``MEMFUSE_HOME`` is set (so one variable relocates
+    everything, and a cache never outlives the database it mirrors). Not created here."""
+    home = os.environ.get(HOME_ENV)
+    if home:
+        return Path(home).expanduser() / "cache" / "dev"
+    return Path(platformdirs.user_cache_dir("memfuse")) / "dev"
+
+
+@dataclass
+class DevApp:
+    """The reference control plane on a database, in this process.
+
+    Attributes:
+        app: the ASGI (FastAPI) application.
+        admin_token: random static admin token, valid only for this ``app``.
+        workspace_token: random static token scoped to workspace ``dev``.
+        db_url: the database URL the app runs on.
+    """
+
+    app: Any
+    admin_token: str
+    workspace_token: str
+    db_url: str
+    workspace: str = DEV_WORKSPACE
+    _transport: Any = field(default=None, repr=False)
+
+    def transport(self) -> Any:
+        """An ``httpx.ASGITransport`` to :attr:`app` (shared by the clients of this DevApp)."""
+        import httpx
+
+        if self._transport is None:
+            self._transport = httpx.ASGITransport(app=self.app)
+        return self._transport
+
+    def admin_client(self, *, timeout: float = 30.0) -> ApiClient:
+        """A new admin :class:`ApiClient` on :attr:`app`; close it when done."""
+        return ApiClient(LOCAL_BASE_URL, self.admin_token, transport=self.transport(), timeout=timeout)
+
+    def workspace_client(self, *, instance: str | None = "dev", timeout: float = 30.0) -> ApiClient:
+        """A new :class:`ApiClient` scoped to workspace ``dev`` on :attr:`app` (what the sidecar
+        uses in dev mode); ``instance`` is sent as ``X-Memfuse-Instance``."""
+        return ApiClient(
+            LOCAL_BASE_URL,
+            self.workspace_token,
+            transport=self.transport(),
+            instance=instance,
+            timeout=timeout,
+        )
+
+
+def dev_app(db_url: str | None = None) -> DevApp:
+    """Create the reference app on ``db_url`` (default: the dev database) with fresh random
+    static tokens: one admin, one for workspace ``dev``. Each call makes a new app (own
+    engine); make one per event loop (``trio.run``)."""
+    from .server.app import create_app
+
+    url = db_url or dev_db_url()
+    admin = "mfa_" + secrets.token_urlsafe(32)
+    ws = "mfw_" + secrets.token_urlsafe(32)
+    app = create_app(url, static_tokens={admin: None, ws: DEV_WORKSPACE})
+    return DevApp(app=app, admin_token=admin, workspace_token=ws, db_url=url)
+
+
+def local_client(db_url: str | None = None, *, timeout: float = 30.0) -> ApiClient:
+    """An admin :class:`ApiClient` over ``httpx.ASGITransport`` to a new :func:`dev_app` on the
+    dev database (base URL ``http://memfuse.local``): the CLI's local mode."""
+    return dev_app(db_url).admin_client(timeout=timeout)
+
+
+def dev_workspace_client(db_url: str | None = None, *, instance: str | None = "dev") -> ApiClient:
+    """A workspace-``dev``-scoped :class:`ApiClient` to a new :func:`dev_app` (the sidecar's
+    client in dev mode). Prefer :meth:`DevApp.workspace_client` to share one app."""
+    return dev_app(db_url).workspace_client(instance=instance)
+
+
+async def ensure_dev_setup(client: ApiClient) -> None:
+    """Idempotently make workspace ``dev``, store ``default`` ("default memory store") and
+    attach it ``read_write``. An existing attachment is left as it is (an access the user
+    changed on purpose is kept). ``client`` must be an admin client. Raises ApiError."""
+    try:
+        await client.create_workspace(DEV_WORKSPACE)
+    except Conflict:
+        pass
+    try:
+        await client.create_store(DEV_STORE, description=DEV_STORE_DESCRIPTION)
+    except Conflict:
+        pass
+    attached = {a.store.slug for a in await client.list_attachments(DEV_WORKSPACE)}
+    if DEV_STORE not in attached:
+        await client.attach(DEV_WORKSPACE, DEV_STORE, Access.read_write)
