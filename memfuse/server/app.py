@@ -1,0 +1,409 @@
+"""HTTP layer of the reference control plane: the FastAPI app of docs/API.md.
+
+Handlers are thin: authenticate, call ``Service``, turn the result into a response. Every
+error is ``application/problem+json`` (RFC 9457) with memfuse's ``code``: refusals of the
+service, request validation (422 ``validation_error``), unknown routes (404 ``not_found``),
+a database that stays locked (503 ``unavailable``, ``Retry-After: 1``) and unexpected
+exceptions (500 ``internal_error``, logged with the traceback).
+
+Plain ``def`` handlers run in anyio's worker threads (fine under trio and asyncio); the
+long-polls (``changes``, ``events``) are ``async``: they query the database in a worker
+thread, then sleep without holding a session until a commit in this process wakes them or
+100 ms pass (to see commits of other processes sharing the database).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any
+
+import anyio
+from fastapi import Depends, FastAPI, Header, Path, Query, Request, Security
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy.exc import OperationalError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from memfuse.models import (
+    Attachment,
+    AttachmentPut,
+    ChangePage,
+    EventPage,
+    MoveResult,
+    PrefixMove,
+    Problem,
+    Record,
+    RecordCreate,
+    RecordMove,
+    RecordPage,
+    RecordUpdate,
+    Restore,
+    Store,
+    StoreCreate,
+    StoreUpdate,
+    TokenCreate,
+    TokenCreated,
+    Version,
+    Workspace,
+    WorkspaceCreate,
+)
+from memfuse.server.db import Database
+from memfuse.server.service import (
+    MAX_WAIT_SECONDS,
+    IdempotencyRequest,
+    Principal,
+    Reply,
+    Service,
+    ServiceError,
+    body_sha256,
+)
+
+log = logging.getLogger(__name__)
+
+PROBLEM_JSON = "application/problem+json"
+POLL_INTERVAL = 0.1  # seconds between database checks of a long-poll
+_REASONS = {
+    400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found",
+    405: "Method Not Allowed", 409: "Conflict", 410: "Gone", 412: "Precondition Failed",
+    413: "Content Too Large", 415: "Unsupported Media Type", 422: "Unprocessable Content",
+    429: "Too Many Requests", 500: "Internal Server Error", 503: "Service Unavailable",
+    507: "Insufficient Storage",
+}
+_PROBLEM_RESPONSES: dict[int | str, dict[str, Any]] = {
+    "4XX": {"model": Problem, "description": "Refusal (RFC 9457 problem details)",
+            "content": {PROBLEM_JSON: {}}},
+    "5XX": {"model": Problem, "description": "Transient failure (RFC 9457 problem details)",
+            "content": {PROBLEM_JSON: {}}},
+}
+
+
+def problem_response(
+    status: int,
+    code: str,
+    detail: str = "",
+    *,
+    headers: dict[str, str] | None = None,
+    **extra: Any,
+) -> JSONResponse:
+    """An ``application/problem+json`` response; ``extra`` become additional members."""
+    body = Problem(title=_REASONS.get(status, "Error"), status=status, detail=detail, code=code).model_dump()
+    body.update(jsonable_encoder(extra))
+    return JSONResponse(body, status_code=status, headers=headers, media_type=PROBLEM_JSON)
+
+
+class _CatchAll:
+    """Turns an exception no handler took into a logged 500 problem (when the response has
+    not started), so clients always get problem+json and the server keeps serving."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        except Exception:
+            log.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
+            if started:
+                raise
+            await problem_response(500, "internal_error", "unexpected server error")(scope, receive, send)
+
+
+def _reply(r: Reply) -> Response:
+    headers = dict(r.headers)
+    if r.replayed:
+        headers["Idempotent-Replayed"] = "true"
+    if r.status == 204 or not r.body:
+        return Response(status_code=r.status, headers=headers)
+    return Response(content=r.body, status_code=r.status, headers=headers, media_type="application/json")
+
+
+def _json(model: Any, *, etag: str | None = None) -> JSONResponse:
+    headers = {"ETag": f'"{etag}"'} if etag else None
+    return JSONResponse(jsonable_encoder(model), headers=headers)
+
+_bearer = HTTPBearer(auto_error=False, description="workspace or admin token")
+
+
+def _service(request: Request) -> Service:
+    return request.app.state.service
+
+
+def _principal(
+    request: Request,
+    cred: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)],
+    x_memfuse_instance: Annotated[str | None, Header(description="sidecar id, recorded in actor")] = None,
+) -> Principal:
+    return _service(request).authenticate(cred.credentials if cred else None, x_memfuse_instance)
+
+
+async def _idempotency(
+    request: Request,
+    idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
+) -> IdempotencyRequest | None:
+    if not idempotency_key:
+        return None
+    body = await request.body()
+    return IdempotencyRequest(idempotency_key, request.method, request.url.path, body_sha256(body))
+
+
+P = Annotated[Principal, Depends(_principal)]
+Idem = Annotated[IdempotencyRequest | None, Depends(_idempotency)]
+IfMatch = Annotated[str | None, Header(description='"<sha256>" of the version the change is based on, or *')]
+StoreSlug = Annotated[str, Path(description="store slug")]
+Wait = Annotated[float, Query(ge=0, description="long-poll seconds (capped at 60)")]
+
+
+def create_app(db_url: str, *, static_tokens: dict[str, str | None] | None = None) -> FastAPI:
+    """Build the control-plane app over the database at ``db_url`` (tables are created).
+
+    ``db_url``: ``sqlite:///PATH``, ``sqlite://`` (in memory) or a PostgreSQL URL.
+    ``static_tokens``: raw token → workspace name, or None for admin; the dict is consulted
+    on every request (tokens may be added later). ``app.state.service`` is the ``Service``.
+    Raises ``sqlalchemy.exc.ArgumentError`` for a bad URL, ``OperationalError`` when the
+    database cannot be opened.
+    """
+    svc = Service(Database(db_url), static_tokens)
+    app = FastAPI(
+        title="memfuse control plane",
+        version="1",
+        description="Long-term memory for AI agents, served as files (see docs/API.md).",
+        responses=_PROBLEM_RESPONSES,
+    )
+    app.state.service = svc
+    _install_error_handlers(app)
+    app.add_middleware(_CatchAll)
+
+    @app.get("/healthz", include_in_schema=False)
+    def healthz() -> dict[str, bool]:
+        return {"ok": True}
+
+    # ------------------------------------------------------------ admin
+
+    @app.post("/v1/workspaces", status_code=201, response_model=Workspace, tags=["admin"])
+    def create_workspace(body: WorkspaceCreate, p: P, idem: Idem):
+        return _reply(svc.create_workspace(p, body, idem))
+
+    @app.get("/v1/workspaces", response_model=list[Workspace], tags=["admin"])
+    def list_workspaces(p: P):
+        return _json(svc.list_workspaces(p))
+
+    @app.post("/v1/stores", status_code=201, response_model=Store, tags=["admin"])
+    def create_store(body: StoreCreate, p: P, idem: Idem):
+        return _reply(svc.create_store(p, body, idem))
+
+    @app.get("/v1/stores", response_model=list[Store], tags=["admin"])
+    def list_stores(p: P):
+        return _json(svc.list_stores(p))
+
+    @app.get("/v1/stores/{store}", response_model=Store, tags=["admin"])
+    def get_store(store: StoreSlug, p: P):
+        return _json(svc.get_store(p, store))
+
+    @app.patch("/v1/stores/{store}", response_model=Store, tags=["admin"])
+    def update_store(store: StoreSlug, body: StoreUpdate, p: P, idem: Idem):
+        return _reply(svc.update_store(p, store, body, idem))
+
+    @app.put("/v1/workspaces/{ws}/attachments/{store}", response_model=Attachment, tags=["admin"])
+    def put_attachment(ws: str, store: StoreSlug, body: AttachmentPut, p: P, idem: Idem):
+        return _reply(svc.put_attachment(p, ws, store, body, idem))
+
+    @app.delete("/v1/workspaces/{ws}/attachments/{store}", status_code=204, tags=["admin"])
+    def delete_attachment(ws: str, store: StoreSlug, p: P, idem: Idem):
+        return _reply(svc.delete_attachment(p, ws, store, idem))
+
+    @app.post("/v1/tokens", status_code=201, response_model=TokenCreated, tags=["admin"])
+    def create_token(body: TokenCreate, p: P, idem: Idem):
+        return _reply(svc.create_token(p, body, idem))
+
+    # ------------------------------------------------------------ workspace
+
+    @app.get("/v1/workspaces/{ws}/attachments", response_model=list[Attachment], tags=["workspace"])
+    def list_attachments(ws: str, p: P):
+        return _json(svc.list_attachments(p, ws))
+
+    @app.get("/v1/workspaces/{ws}/events", response_model=EventPage, tags=["workspace"])
+    async def events(
+        request: Request,
+        ws: str,
+        p: P,
+        after: Annotated[int, Query(ge=0)] = 0,
+        wait: Wait = 0,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 1000,
+    ):
+        page = await _long_poll(
+            svc, request, wait, lambda: svc.events_page(p, ws, after, limit), lambda pg: bool(pg.events)
+        )
+        return _json(page)
+
+    @app.get(
+        "/v1/workspaces/{ws}/context",
+        response_class=PlainTextResponse,
+        responses={200: {"content": {"text/markdown": {}}, "description": "the prompt block"}},
+        tags=["workspace"],
+    )
+    def context(
+        ws: str,
+        p: P,
+        mount_root: Annotated[str, Query(description="where the sidecar mounts the stores")] = "/mnt/memory",
+    ):
+        text = svc.context(p, ws, mount_root)
+        return PlainTextResponse(text, media_type="text/markdown; charset=utf-8")
+
+    # ------------------------------------------------------------ records
+
+    @app.get("/v1/stores/{store}/records", response_model=RecordPage, tags=["records"])
+    def list_records(
+        store: StoreSlug,
+        p: P,
+        cursor: str | None = None,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 500,
+        content: bool = False,
+        path: str | None = None,
+        include_deleted: bool = False,
+    ):
+        return _json(
+            svc.list_records(
+                p, store, cursor=cursor, limit=limit, with_content=content, path=path,
+                include_deleted=include_deleted,
+            )
+        )
+
+    @app.post("/v1/stores/{store}/records", status_code=201, response_model=Record, tags=["records"])
+    def create_record(store: StoreSlug, body: RecordCreate, p: P, idem: Idem):
+        return _reply(svc.create_record(p, store, body, idem))
+
+    @app.get("/v1/stores/{store}/records/{record_id}", response_model=Record, tags=["records"])
+    def get_record(store: StoreSlug, record_id: str, p: P, content: bool = True):
+        rec = svc.get_record(p, store, record_id, with_content=content)
+        return _json(rec, etag=rec.sha256)
+
+    @app.put("/v1/stores/{store}/records/{record_id}", response_model=Record, tags=["records"])
+    def update_record(store: StoreSlug, record_id: str, body: RecordUpdate, p: P, idem: Idem, if_match: IfMatch = None):
+        return _reply(svc.update_record(p, store, record_id, body, if_match, idem))
+
+    @app.post("/v1/stores/{store}/records/{record_id}/move", response_model=MoveResult, tags=["records"])
+    def move_record(store: StoreSlug, record_id: str, body: RecordMove, p: P, idem: Idem, if_match: IfMatch = None):
+        return _reply(svc.move_record(p, store, record_id, body, if_match, idem))
+
+    @app.post("/v1/stores/{store}/move", response_model=MoveResult, tags=["records"])
+    def move_prefix(store: StoreSlug, body: PrefixMove, p: P, idem: Idem):
+        return _reply(svc.move_prefix(p, store, body, idem))
+
+    @app.delete("/v1/stores/{store}/records/{record_id}", status_code=204, tags=["records"])
+    def delete_record(store: StoreSlug, record_id: str, p: P, idem: Idem, if_match: IfMatch = None):
+        return _reply(svc.delete_record(p, store, record_id, if_match, idem))
+
+    @app.get("/v1/stores/{store}/records/{record_id}/versions", response_model=list[Version], tags=["records"])
+    def list_versions(store: StoreSlug, record_id: str, p: P):
+        return _json(svc.list_versions(p, store, record_id))
+
+    @app.get("/v1/stores/{store}/records/{record_id}/versions/{n}", response_model=Version, tags=["records"])
+    def get_version(store: StoreSlug, record_id: str, n: int, p: P):
+        return _json(svc.get_version(p, store, record_id, n))
+
+    @app.post("/v1/stores/{store}/records/{record_id}/restore", response_model=Record, tags=["records"])
+    def restore_record(store: StoreSlug, record_id: str, body: Restore, p: P, idem: Idem):
+        return _reply(svc.restore_record(p, store, record_id, body, idem))
+
+    @app.post(
+        "/v1/stores/{store}/records/{record_id}/versions/{n}/redact", response_model=Version, tags=["records"]
+    )
+    def redact_version(store: StoreSlug, record_id: str, n: int, p: P, idem: Idem):
+        return _reply(svc.redact_version(p, store, record_id, n, idem))
+
+    @app.get("/v1/stores/{store}/changes", response_model=ChangePage, tags=["records"])
+    async def changes(
+        request: Request,
+        store: StoreSlug,
+        p: P,
+        after: Annotated[int, Query(ge=0)] = 0,
+        wait: Wait = 0,
+        content: bool = True,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 1000,
+    ):
+        page = await _long_poll(
+            svc, request, wait,
+            lambda: svc.changes_page(p, store, after, limit=limit, with_content=content),
+            lambda pg: bool(pg.changes),
+        )
+        return _json(page)
+
+    return app
+
+
+async def _long_poll(
+    svc: Service,
+    request: Request,
+    wait: float,
+    query: Callable[[], Any],
+    ready: Callable[[Any], bool],
+) -> Any:
+    """Run ``query`` (blocking, in a worker thread) until ``ready(result)`` or ``wait``
+    seconds (capped at 60) pass; return the last result. Between queries it holds no
+    database session: it sleeps until a commit in this process or ``POLL_INTERVAL``. Stops
+    early when the client has gone away. ``ServiceError`` from ``query`` propagates."""
+    deadline = anyio.current_time() + min(max(wait, 0.0), MAX_WAIT_SECONDS)
+    while True:
+        waiter = svc.notifier.subscribe()  # before the query: a commit after it wakes us
+        try:
+            result = await anyio.to_thread.run_sync(query)
+            remaining = deadline - anyio.current_time()
+            if ready(result) or remaining <= 0 or await request.is_disconnected():
+                return result
+            with anyio.move_on_after(min(POLL_INTERVAL, remaining)):
+                await waiter.event.wait()
+        finally:
+            svc.notifier.unsubscribe(waiter)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    async def on_service_error(request: Request, exc: ServiceError) -> Response:
+        if exc.status >= 500:
+            log.warning("%s %s: %s %s", request.method, request.url.path, exc.status, exc.code)
+        return problem_response(exc.status, exc.code, exc.detail, headers=exc.headers, **exc.extra)
+
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> Response:
+        errors = [
+            {"loc": list(e.get("loc", ())), "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))}
+            for e in exc.errors()
+        ]
+        detail = "; ".join(f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in errors)
+        return problem_response(422, "validation_error", detail, errors=errors)
+
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        detail = exc.detail if isinstance(exc.detail, str) else ""
+        if exc.status_code == 404 and detail == "Not Found":
+            detail = f"no route for {request.method} {request.url.path}"
+        return problem_response(exc.status_code, code, detail, headers=getattr(exc, "headers", None))
+
+    async def on_db_error(request: Request, exc: OperationalError) -> Response:
+        text = str(exc.orig).lower() if exc.orig is not None else ""
+        if "locked" in text or "busy" in text:
+            log.warning("database busy on %s %s", request.method, request.url.path)
+            return problem_response(503, "unavailable", "the database is busy; retry", headers={"Retry-After": "1"})
+        log.error("database error on %s %s", request.method, request.url.path, exc_info=exc)
+        return problem_response(503, "unavailable", "database error; retry", headers={"Retry-After": "1"})
+
+    handlers: dict[type[Exception], Callable[[Request, Any], Awaitable[Response]]] = {
+        ServiceError: on_service_error,
+        RequestValidationError: on_validation_error,
+        StarletteHTTPException: on_http_error,
+        OperationalError: on_db_error,
+    }
+    for exc_type, handler in handlers.items():
+        app.add_exception_handler(exc_type, handler)

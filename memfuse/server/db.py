@@ -1,0 +1,316 @@
+"""Database schema and engine setup of the reference control plane (SQLAlchemy 2.x, sync).
+
+SQLite is the default (``sqlite:///PATH``, or ``sqlite://`` for an in-memory database);
+PostgreSQL works by URL (``postgresql+psycopg://...``). The SQL is kept portable: partial
+unique indexes carry both ``sqlite_where`` and ``postgresql_where``.
+
+Concurrency rules (see ``Database``):
+
+- every request opens its own short ``Session`` (``Database.read()`` / ``Database.write()``)
+  and never holds it across an ``await``;
+- write transactions on SQLite start with ``BEGIN IMMEDIATE`` so two writers (threads or
+  processes sharing one file) queue on the database lock (``busy_timeout`` 5 s) instead of
+  dead-locking on a read-to-write upgrade; in one process writers also queue on a lock;
+- the in-memory database is one connection shared by all threads (``StaticPool``), so every
+  session, read or write, holds the process lock for its whole life;
+- on PostgreSQL a write to a store locks the store row (``SELECT ... FOR UPDATE``), so the
+  versions of one store commit in ``seq`` order and the change feed never skips one.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime, timezone
+
+from sqlalchemy import (
+    Boolean,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+    create_engine,
+    event,
+    false,
+)
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
+from sqlalchemy.pool import StaticPool
+
+log = logging.getLogger(__name__)
+
+
+def utcnow() -> datetime:
+    """Current time, timezone-aware UTC."""
+    return datetime.now(timezone.utc)
+
+
+class UTCDateTime(TypeDecorator):
+    """A timezone-aware UTC ``datetime`` on every backend (SQLite stores naive UTC)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value, dialect):  # noqa: D102
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            value = value.replace(tzinfo=timezone.utc)
+        value = value.astimezone(timezone.utc)
+        if dialect.name == "sqlite":
+            value = value.replace(tzinfo=None)
+        return value
+
+    def process_result_value(self, value, dialect):  # noqa: D102
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            return value.replace(tzinfo=timezone.utc)
+        return value.astimezone(timezone.utc)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class WorkspaceRow(Base):
+    __tablename__ = "workspaces"
+
+    name: Mapped[str] = mapped_column(String(63), primary_key=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class StoreRow(Base):
+    __tablename__ = "stores"
+
+    slug: Mapped[str] = mapped_column(String(63), primary_key=True)
+    description: Mapped[str] = mapped_column(Text, default="")
+    default_type: Mapped[str] = mapped_column(String(16), default="project")
+    max_record_bytes: Mapped[int] = mapped_column(Integer)
+    max_store_bytes: Mapped[int] = mapped_column(Integer)
+    max_records: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class AttachmentRow(Base):
+    __tablename__ = "attachments"
+
+    workspace: Mapped[str] = mapped_column(
+        ForeignKey("workspaces.name", ondelete="CASCADE"), primary_key=True
+    )
+    store: Mapped[str] = mapped_column(ForeignKey("stores.slug", ondelete="CASCADE"), primary_key=True)
+    access: Mapped[str] = mapped_column(String(16))
+    instructions: Mapped[str] = mapped_column(Text, default="")
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class TokenRow(Base):
+    """An API token; only the sha256 of the token is kept."""
+
+    __tablename__ = "tokens"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    token_sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    workspace: Mapped[str | None] = mapped_column(
+        ForeignKey("workspaces.name", ondelete="CASCADE"), nullable=True
+    )
+    name: Mapped[str] = mapped_column(String(200), default="")
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class RecordRow(Base):
+    """The current state of one record (its latest version)."""
+
+    __tablename__ = "records"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    store: Mapped[str] = mapped_column(ForeignKey("stores.slug", ondelete="CASCADE"))
+    path: Mapped[str] = mapped_column(Text)
+    type: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    version: Mapped[int] = mapped_column(Integer)
+    sha256: Mapped[str] = mapped_column(String(64))
+    size: Mapped[int] = mapped_column(Integer)
+    # None only when the record is deleted and its last version was redacted.
+    content: Mapped[str | None] = mapped_column(Text, nullable=True)
+    deleted: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    updated_by: Mapped[str] = mapped_column(String(300))
+    seq: Mapped[int] = mapped_column(Integer)
+
+    __table_args__ = (
+        Index(
+            "ix_records_live_path",
+            "store",
+            "path",
+            unique=True,
+            sqlite_where=deleted == false(),
+            postgresql_where=deleted == false(),
+        ),
+        Index("ix_records_store_path", "store", "path", "id"),
+    )
+
+
+class VersionRow(Base):
+    """One immutable version of a record; ``seq`` is the change-feed position."""
+
+    __tablename__ = "versions"
+
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    record_id: Mapped[str] = mapped_column(ForeignKey("records.id", ondelete="CASCADE"))
+    store: Mapped[str] = mapped_column(String(63))
+    version: Mapped[int] = mapped_column(Integer)
+    operation: Mapped[str] = mapped_column(String(16))
+    path: Mapped[str] = mapped_column(Text)
+    old_path: Mapped[str | None] = mapped_column(Text, nullable=True)
+    type: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    sha256: Mapped[str] = mapped_column(String(64))
+    size: Mapped[int] = mapped_column(Integer)
+    content: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    actor: Mapped[str] = mapped_column(String(300))
+    redacted: Mapped[bool] = mapped_column(Boolean, default=False)
+
+    __table_args__ = (
+        UniqueConstraint("record_id", "version", name="uq_versions_record_version"),
+        Index("ix_versions_store_seq", "store", "seq"),
+        {"sqlite_autoincrement": True},
+    )
+
+
+class IdempotencyRow(Base):
+    """A stored response for (scope, Idempotency-Key); kept 24 h."""
+
+    __tablename__ = "idempotency_keys"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    scope: Mapped[str] = mapped_column(String(100))
+    key: Mapped[str] = mapped_column(String(255))
+    method: Mapped[str] = mapped_column(String(10))
+    url_path: Mapped[str] = mapped_column(Text)
+    request_hash: Mapped[str] = mapped_column(String(64))
+    status: Mapped[int] = mapped_column(Integer)
+    response_body: Mapped[str] = mapped_column(Text)
+    response_headers: Mapped[str] = mapped_column(Text, default="{}")  # JSON object
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, index=True)
+
+    __table_args__ = (UniqueConstraint("scope", "key", name="uq_idempotency_scope_key"),)
+
+
+class EventRow(Base):
+    """A workspace event (attached / detached / store_changed); ``seq`` is the feed position."""
+
+    __tablename__ = "workspace_events"
+
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    workspace: Mapped[str] = mapped_column(String(63))
+    kind: Mapped[str] = mapped_column(String(16))
+    store: Mapped[str] = mapped_column(String(63))
+    access: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+    __table_args__ = (Index("ix_events_workspace_seq", "workspace", "seq"), {"sqlite_autoincrement": True})
+
+
+class Database:
+    """Engine plus session factories with the locking rules of this module.
+
+    ``url``: an SQLAlchemy URL (``sqlite:///PATH``, ``sqlite://``, ``postgresql+psycopg://...``).
+    Creates the tables if missing. Raises ``sqlalchemy.exc.ArgumentError`` for a bad URL.
+    """
+
+    def __init__(self, url: str) -> None:
+        self.url = make_url(url)
+        self.is_sqlite = self.url.get_backend_name() == "sqlite"
+        self.is_memory = self.is_sqlite and self.url.database in (None, "", ":memory:")
+        # In-memory: one shared connection, so every session holds this lock.
+        self._all_lock: threading.RLock | None = threading.RLock() if self.is_memory else None
+        # SQLite file: writers of this process queue here before BEGIN IMMEDIATE.
+        self._write_lock: threading.Lock | None = (
+            threading.Lock() if self.is_sqlite and not self.is_memory else None
+        )
+        self.engine = self._make_engine()
+        Base.metadata.create_all(self.engine)
+        log.info("database ready (%s)", self.url.render_as_string(hide_password=True))
+
+    def _make_engine(self) -> Engine:
+        if not self.is_sqlite:
+            return create_engine(self.url, pool_pre_ping=True, pool_size=10, max_overflow=30)
+        if self.is_memory:
+            engine = create_engine(
+                self.url, connect_args={"check_same_thread": False}, poolclass=StaticPool
+            )
+        else:
+            engine = create_engine(
+                self.url,
+                connect_args={"check_same_thread": False, "timeout": 5.0},
+                pool_size=10,
+                max_overflow=30,
+            )
+
+        memory = self.is_memory
+
+        @event.listens_for(engine, "connect")
+        def _on_connect(dbapi_conn, _record):  # pragma: no cover - trivial
+            # Let SQLAlchemy (not pysqlite) emit BEGIN, so writes can use BEGIN IMMEDIATE.
+            dbapi_conn.isolation_level = None
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.execute("PRAGMA busy_timeout=5000")
+            if not memory:
+                cur.execute("PRAGMA journal_mode=WAL")
+            cur.close()
+
+        @event.listens_for(engine, "begin")
+        def _on_begin(conn):
+            if conn.get_execution_options().get("memfuse_write"):
+                conn.exec_driver_sql("BEGIN IMMEDIATE")
+            else:
+                conn.exec_driver_sql("BEGIN")
+
+        return engine
+
+    @contextmanager
+    def read(self) -> Iterator[Session]:
+        """A session for reading; rolled back at the end. Hold it only briefly."""
+        if self._all_lock is not None:
+            self._all_lock.acquire()
+        try:
+            with Session(self.engine, expire_on_commit=False, autoflush=False) as s:
+                try:
+                    yield s
+                finally:
+                    s.rollback()
+        finally:
+            if self._all_lock is not None:
+                self._all_lock.release()
+
+    @contextmanager
+    def write(self) -> Iterator[Session]:
+        """A session in a write transaction, committed when the block ends without error and
+        rolled back otherwise. On SQLite it starts with ``BEGIN IMMEDIATE`` and may raise
+        ``sqlalchemy.exc.OperationalError`` ("database is locked") after 5 s of contention."""
+        lock = self._all_lock if self._all_lock is not None else self._write_lock
+        if lock is not None:
+            lock.acquire()
+        try:
+            bind = self.engine.execution_options(memfuse_write=True) if self.is_sqlite else self.engine
+            with Session(bind, expire_on_commit=False, autoflush=True) as s:
+                try:
+                    yield s
+                    s.commit()
+                except BaseException:
+                    s.rollback()
+                    raise
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def dispose(self) -> None:
+        """Close every pooled connection."""
+        self.engine.dispose()

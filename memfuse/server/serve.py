@@ -1,0 +1,46 @@
+"""Run the control-plane app with hypercorn under trio (``memfuse serve``)."""
+from __future__ import annotations
+
+import logging
+
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve as hypercorn_serve
+
+log = logging.getLogger(__name__)
+
+GRACEFUL_TIMEOUT = 5.0  # seconds in-flight requests get after shutdown begins
+
+
+async def serve(app, listen: str = "127.0.0.1:8080", *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Serve the ASGI ``app`` on ``listen`` (``HOST:PORT``; port 0 picks a free one) until
+    cancelled.
+
+    ``task_status.started(url)`` is called once the socket listens, with the base URL actually
+    bound (``"http://127.0.0.1:54321"``). On cancellation the server stops accepting, gives
+    requests in flight up to 5 s to finish (long-polls are cut), then returns (re-raising the
+    cancellation). Raises ``OSError`` when the address cannot be bound.
+    """
+    config = Config()
+    config.bind = [listen]
+    config.graceful_timeout = GRACEFUL_TIMEOUT
+    config.accesslog = None
+    config.errorlog = logging.getLogger("hypercorn.error")
+    shutdown = trio.Event()
+
+    async def run(task_status=trio.TASK_STATUS_IGNORED) -> None:
+        # Shielded: our cancellation becomes a graceful shutdown (the trigger below), not an
+        # abrupt cancel of hypercorn's tasks.
+        with trio.CancelScope(shield=True):
+            await hypercorn_serve(app, config, shutdown_trigger=shutdown.wait, task_status=task_status)
+
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(run)
+        url = binds[0] if binds else f"http://{listen}"
+        log.info("control plane listening on %s", url)
+        task_status.started(url)
+        try:
+            await trio.sleep_forever()
+        finally:
+            log.info("control plane shutting down")
+            shutdown.set()

@@ -1,0 +1,1244 @@
+"""Business logic of the reference control plane: every rule of docs/API.md, no HTTP.
+
+``Service`` methods take a ``Principal`` (who is calling) and plain arguments, open their own
+short database session (``Database.read()`` / ``.write()``), and return the wire models of
+``memfuse.models``. Write methods return a ``Reply`` (status, JSON body, headers) because the
+stored response of an ``Idempotency-Key`` is part of the contract: the key is checked and the
+response stored inside the same transaction as the change, so a retried request never applies
+twice, even across processes sharing one database.
+
+Refusals raise ``ServiceError`` (HTTP status, problem ``code``, detail, extra fields).
+
+``Notifier`` wakes long-polls (changes, events) in this process right after a commit; other
+processes sharing the database are seen by the long-poll's periodic re-query.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+import logging
+import secrets
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+import anyio
+import sniffio
+from pydantic import BaseModel
+from sqlalchemy import and_, delete, false, func, or_, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from memfuse import names
+from memfuse.models import (
+    Access,
+    Attachment,
+    AttachmentPut,
+    Change,
+    ChangePage,
+    EventPage,
+    MoveResult,
+    Operation,
+    PrefixMove,
+    Record,
+    RecordCreate,
+    RecordMove,
+    RecordPage,
+    RecordUpdate,
+    Restore,
+    Store,
+    StoreCreate,
+    StoreUpdate,
+    TokenCreate,
+    TokenCreated,
+    Version,
+    Workspace,
+    WorkspaceCreate,
+    WorkspaceEvent,
+    sha256_hex,
+)
+from memfuse.server import content as content_rules
+from memfuse.server.db import (
+    AttachmentRow,
+    Database,
+    EventRow,
+    IdempotencyRow,
+    RecordRow,
+    StoreRow,
+    TokenRow,
+    VersionRow,
+    WorkspaceRow,
+    utcnow,
+)
+
+log = logging.getLogger(__name__)
+
+IDEMPOTENCY_TTL = timedelta(hours=24)
+MAX_WAIT_SECONDS = 60.0
+CONTEXT_INDEX_MAX_LINES = 200
+CONTEXT_INDEX_MAX_BYTES = 25_000
+CONTEXT_TOTAL_MAX_BYTES = 100_000
+
+
+# ---------------------------------------------------------------- errors and principals
+
+
+class ServiceError(Exception):
+    """A refusal with its HTTP ``status`` and problem ``code`` (docs/API.md error table).
+
+    ``extra`` holds additional problem members (``record_id``, ``sha256``); ``headers`` extra
+    response headers (``WWW-Authenticate``, ``Retry-After``).
+    """
+
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        detail: str = "",
+        *,
+        headers: dict[str, str] | None = None,
+        **extra: object,
+    ) -> None:
+        super().__init__(f"{status} {code}: {detail}")
+        self.status = status
+        self.code = code
+        self.detail = detail
+        self.headers = headers or {}
+        self.extra = extra
+
+
+def _unauthorized(detail: str) -> ServiceError:
+    return ServiceError(401, "unauthorized", detail, headers={"WWW-Authenticate": "Bearer"})
+
+
+def _name_error(err: names.NameError_, what: str = "path") -> ServiceError:
+    if err.too_long:
+        return ServiceError(422, "path_too_long", f"{what}: {err.reason}")
+    return ServiceError(422, "invalid_path", f"{what}: {err.reason}")
+
+
+def _check_path(path: str, what: str = "path") -> str:
+    try:
+        return names.check_path(path)
+    except names.NameError_ as err:
+        raise _name_error(err, what) from None
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who calls: a workspace token (``workspace`` set) or an admin token (None).
+
+    ``name`` is the token's name (``"static"`` for tokens given to ``create_app``);
+    ``instance`` the sidecar id from ``X-Memfuse-Instance``.
+    """
+
+    workspace: str | None
+    name: str = "static"
+    instance: str | None = None
+
+    @property
+    def is_admin(self) -> bool:
+        return self.workspace is None
+
+    @property
+    def actor(self) -> str:
+        """``ws:<workspace>/<instance or "api">`` or ``admin:<token name or "static">``."""
+        if self.workspace is None:
+            return f"admin:{self.name or 'static'}"
+        return f"ws:{self.workspace}/{self.instance or 'api'}"
+
+    @property
+    def scope(self) -> str:
+        """Idempotency-key scope: the token's workspace, or ``admin``."""
+        return "admin" if self.workspace is None else f"ws:{self.workspace}"
+
+
+def _clean_instance(value: str | None) -> str | None:
+    if not value:
+        return None
+    value = "".join(ch for ch in value.strip() if ch.isprintable() and ch not in "/ ")[:100]
+    return value or None
+
+
+@dataclass(frozen=True)
+class IdempotencyRequest:
+    """The identity of a write sent with ``Idempotency-Key``: key, method, URL path and the
+    sha256 of the raw body."""
+
+    key: str
+    method: str
+    url_path: str
+    body_sha256: str
+
+
+@dataclass
+class Reply:
+    """The response to a write: ``status``, JSON ``body`` (empty for 204), ``headers``;
+    ``replayed`` when it is the stored response of an earlier request with the same key."""
+
+    status: int
+    body: bytes
+    headers: dict[str, str] = field(default_factory=dict)
+    replayed: bool = False
+
+
+# ---------------------------------------------------------------- in-process wake-ups
+
+
+class _Waiter:
+    """An event a long-poll waits on; can be set from any thread."""
+
+    def __init__(self) -> None:
+        self.event = anyio.Event()
+        if sniffio.current_async_library() == "trio":
+            import trio
+
+            token = trio.lowlevel.current_trio_token()
+            self._wake: Callable[[], None] = lambda: token.run_sync_soon(self.event.set)
+        else:
+            loop = asyncio.get_running_loop()
+            self._wake = lambda: loop.call_soon_threadsafe(self.event.set)
+
+    def wake(self) -> None:
+        try:
+            self._wake()
+        except RuntimeError:  # the loop has finished (trio.RunFinishedError is one)
+            pass
+
+
+class Notifier:
+    """Wakes every long-poll of this process after a commit.
+
+    ``subscribe()`` (in async code, before reading the database, so no commit is missed)
+    returns a waiter whose ``event`` is set by the next ``notify()``; ``notify()`` may be
+    called from any thread. Always ``unsubscribe()`` in a ``finally``.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiters: set[_Waiter] = set()
+
+    def subscribe(self) -> _Waiter:
+        w = _Waiter()
+        with self._lock:
+            self._waiters.add(w)
+        return w
+
+    def unsubscribe(self, w: _Waiter) -> None:
+        with self._lock:
+            self._waiters.discard(w)
+
+    def notify(self) -> None:
+        with self._lock:
+            waiters = list(self._waiters)
+        for w in waiters:
+            w.wake()
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def parse_if_match(header: str | None) -> list[str] | None:
+    """Parse an ``If-Match`` value (RFC 9110 §13.1.1).
+
+    Returns None when absent or empty (no precondition), ``["*"]`` for ``*``, else the list
+    of strong entity-tag values without quotes. Weak tags (``W/"..."``) are dropped because
+    ``If-Match`` uses strong comparison; an unquoted token is accepted as a tag (lenient).
+    """
+    if header is None or not header.strip():
+        return None
+    header = header.strip()
+    if header == "*":
+        return ["*"]
+    tags: list[str] = []
+    for part in header.split(","):
+        part = part.strip()
+        if not part or part.startswith("W/"):
+            continue
+        if len(part) >= 2 and part[0] == part[-1] == '"':
+            part = part[1:-1]
+        tags.append(part)
+    return tags
+
+
+def _check_if_match(header: str | None, current_sha: str) -> None:
+    tags = parse_if_match(header)
+    if tags is None or tags == ["*"] or current_sha in tags:
+        return
+    raise ServiceError(
+        412, "precondition_failed", "the record has changed since that version", sha256=current_sha
+    )
+
+
+def _check_content(text: str) -> bytes:
+    try:
+        return content_rules.check_content(text)
+    except ValueError as err:
+        raise ServiceError(422, "invalid_content", str(err)) from None
+
+
+def _resolve_type(path: str, text: str, explicit: str | None, default_type: str) -> str | None:
+    try:
+        return content_rules.resolve_type(path, text, explicit, default_type)
+    except ValueError as err:
+        raise ServiceError(422, "invalid_type", str(err)) from None
+
+
+def _check_record_size(store: StoreRow, size: int) -> None:
+    if size > store.max_record_bytes:
+        raise ServiceError(
+            413,
+            "record_too_large",
+            f"record is {size} bytes, the store allows {store.max_record_bytes}",
+        )
+
+
+def _encode_cursor(path: str, record_id: str) -> str:
+    raw = json.dumps([path, record_id], ensure_ascii=False).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def _decode_cursor(cursor: str) -> tuple[str, str]:
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+        path, rid = json.loads(raw)
+        if not isinstance(path, str) or not isinstance(rid, str):
+            raise ValueError
+        return path, rid
+    except Exception:
+        raise ServiceError(422, "validation_error", "cursor is not one this server gave out") from None
+
+
+def _record_model(rec: RecordRow, *, with_content: bool) -> Record:
+    return Record(
+        id=rec.id,
+        store=rec.store,
+        path=rec.path,
+        type=rec.type,
+        version=rec.version,
+        sha256=rec.sha256,
+        size=rec.size,
+        deleted=rec.deleted,
+        created_at=rec.created_at,
+        updated_at=rec.updated_at,
+        updated_by=rec.updated_by,
+        seq=rec.seq,
+        content=rec.content if with_content else None,
+    )
+
+
+def _version_model(v: VersionRow, *, with_content: bool) -> Version:
+    return Version(
+        record_id=v.record_id,
+        version=v.version,
+        operation=Operation(v.operation),
+        path=v.path,
+        type=v.type,
+        sha256=v.sha256,
+        size=v.size,
+        created_at=v.created_at,
+        actor=v.actor,
+        redacted=v.redacted,
+        seq=v.seq,
+        content=v.content if with_content and not v.redacted else None,
+    )
+
+
+def _store_model(st: StoreRow, usage_bytes: int = 0, record_count: int = 0) -> Store:
+    return Store(
+        slug=st.slug,
+        description=st.description,
+        default_type=st.default_type,
+        max_record_bytes=st.max_record_bytes,
+        max_store_bytes=st.max_store_bytes,
+        max_records=st.max_records,
+        created_at=st.created_at,
+        usage_bytes=usage_bytes,
+        record_count=record_count,
+    )
+
+
+def _usage(s: Session, slugs: Iterable[str] | None = None) -> dict[str, tuple[int, int]]:
+    """Live (record_count, bytes) per store slug."""
+    q = select(RecordRow.store, func.count(), func.coalesce(func.sum(RecordRow.size), 0)).where(
+        RecordRow.deleted == false()
+    )
+    if slugs is not None:
+        q = q.where(RecordRow.store.in_(list(slugs)))
+    return {slug: (int(n), int(b)) for slug, n, b in s.execute(q.group_by(RecordRow.store))}
+
+
+def _store_with_usage(s: Session, st: StoreRow) -> Store:
+    n, b = _usage(s, [st.slug]).get(st.slug, (0, 0))
+    return _store_model(st, b, n)
+
+
+# ---------------------------------------------------------------- the service
+
+
+class Service:
+    """The control plane's rules over a ``Database``.
+
+    ``static_tokens`` maps raw token → workspace (None = admin); the mapping is consulted on
+    every request, so a caller may add tokens later (the in-process fake does).
+    """
+
+    def __init__(self, db: Database, static_tokens: dict[str, str | None] | None = None) -> None:
+        self.db = db
+        self.static_tokens: dict[str, str | None] = static_tokens if static_tokens is not None else {}
+        self.notifier = Notifier()
+        self._last_idem_cleanup = 0.0
+
+    # ------------------------------------------------------------ auth
+
+    def authenticate(self, token: str | None, instance: str | None = None) -> Principal:
+        """Resolve a bearer token. Raises ``ServiceError`` 401 ``unauthorized`` when missing
+        or unknown."""
+        if not token:
+            raise _unauthorized("a bearer token is required")
+        inst = _clean_instance(instance)
+        if token in self.static_tokens:
+            return Principal(workspace=self.static_tokens[token], name="static", instance=inst)
+        digest = sha256_hex(token.encode("utf-8", "surrogatepass"))
+        with self.db.read() as s:
+            row = s.scalar(select(TokenRow).where(TokenRow.token_sha256 == digest))
+            if row is None:
+                raise _unauthorized("unknown token")
+            return Principal(workspace=row.workspace, name=row.name or row.id, instance=inst)
+
+    @staticmethod
+    def _require_admin(p: Principal) -> None:
+        if not p.is_admin:
+            raise ServiceError(403, "forbidden", "this needs an admin token")
+
+    @staticmethod
+    def _workspace(s: Session, p: Principal, ws: str) -> WorkspaceRow:
+        if not p.is_admin and p.workspace != ws:
+            raise ServiceError(403, "forbidden", "the token belongs to another workspace")
+        row = s.get(WorkspaceRow, ws)
+        if row is None:
+            raise ServiceError(404, "workspace_not_found", f"no workspace {ws!r}")
+        return row
+
+    @staticmethod
+    def _store(s: Session, p: Principal, slug: str, *, write: bool = False) -> StoreRow:
+        """The store, if the principal may see it (and write it, with ``write``). A write
+        locks the store row on PostgreSQL (serialises the store's versions)."""
+        if not p.is_admin:
+            att = s.get(AttachmentRow, (p.workspace, slug))
+            if att is None:
+                raise ServiceError(404, "store_not_attached", f"store {slug!r} is not attached to this workspace")
+            if write and att.access != Access.read_write.value:
+                raise ServiceError(403, "read_only", f"store {slug!r} is attached read-only")
+        q = select(StoreRow).where(StoreRow.slug == slug)
+        if write:
+            q = q.with_for_update()
+        st = s.scalar(q)
+        if st is None:
+            if p.is_admin:
+                raise ServiceError(404, "store_not_found", f"no store {slug!r}")
+            raise ServiceError(404, "store_not_attached", f"store {slug!r} is not attached to this workspace")
+        return st
+
+    @staticmethod
+    def _record(s: Session, st: StoreRow, record_id: str) -> RecordRow:
+        rec = s.get(RecordRow, record_id)
+        if rec is None or rec.store != st.slug:
+            raise ServiceError(404, "record_not_found", f"no record {record_id!r} in store {st.slug!r}")
+        return rec
+
+    @staticmethod
+    def _live(rec: RecordRow) -> RecordRow:
+        if rec.deleted:
+            raise ServiceError(404, "record_not_found", f"record {rec.id!r} is deleted")
+        return rec
+
+    @staticmethod
+    def _live_at(s: Session, store: str, path: str) -> RecordRow | None:
+        return s.scalar(
+            select(RecordRow).where(
+                RecordRow.store == store, RecordRow.path == path, RecordRow.deleted == false()
+            )
+        )
+
+    # ------------------------------------------------------------ write machinery
+
+    def _write(
+        self,
+        p: Principal,
+        idem: IdempotencyRequest | None,
+        status: int,
+        fn: Callable[[Session], BaseModel | None],
+        *,
+        etag: bool = False,
+    ) -> Reply:
+        """Run ``fn`` in a write transaction with the idempotency check and store; commit;
+        wake long-polls. Raises ``ServiceError`` from ``fn``, or 422
+        ``idempotency_key_reused``; ``sqlalchemy.exc.OperationalError`` when the database
+        stays locked."""
+        for attempt in range(3):
+            try:
+                with self.db.write() as s:
+                    if idem is not None:
+                        replay = self._idem_lookup(s, p, idem)
+                        if replay is not None:
+                            return replay
+                    result = fn(s)
+                    body = result.model_dump_json().encode() if result is not None else b""
+                    headers: dict[str, str] = {}
+                    if etag and result is not None and getattr(result, "sha256", None):
+                        headers["ETag"] = f'"{result.sha256}"'
+                    if idem is not None:
+                        s.add(
+                            IdempotencyRow(
+                                scope=p.scope,
+                                key=idem.key,
+                                method=idem.method,
+                                url_path=idem.url_path,
+                                request_hash=idem.body_sha256,
+                                status=status,
+                                response_body=body.decode(),
+                                response_headers=json.dumps(headers),
+                                created_at=utcnow(),
+                            )
+                        )
+                        s.flush()
+                break
+            except IntegrityError:
+                # A concurrent transaction (another process, PostgreSQL) took the same path or
+                # idempotency key first: run again, the checks now see it.
+                log.info("write conflicted with a concurrent one (attempt %d)", attempt + 1)
+                if attempt == 2:
+                    raise ServiceError(409, "exists", "conflicting concurrent write") from None
+        self.notifier.notify()
+        return Reply(status, body, headers)
+
+    def _idem_lookup(self, s: Session, p: Principal, idem: IdempotencyRequest) -> Reply | None:
+        now = utcnow()
+        if time.monotonic() - self._last_idem_cleanup > 60:
+            self._last_idem_cleanup = time.monotonic()
+            s.execute(delete(IdempotencyRow).where(IdempotencyRow.created_at < now - IDEMPOTENCY_TTL))
+        row = s.scalar(
+            select(IdempotencyRow).where(IdempotencyRow.scope == p.scope, IdempotencyRow.key == idem.key)
+        )
+        if row is None:
+            return None
+        if row.created_at < now - IDEMPOTENCY_TTL:
+            s.delete(row)
+            s.flush()
+            return None
+        if (row.method, row.url_path, row.request_hash) != (idem.method, idem.url_path, idem.body_sha256):
+            raise ServiceError(
+                422, "idempotency_key_reused", "this Idempotency-Key was used for a different request"
+            )
+        return Reply(row.status, row.response_body.encode(), json.loads(row.response_headers), replayed=True)
+
+    @staticmethod
+    def _add_version(
+        s: Session,
+        rec: RecordRow,
+        op: Operation,
+        actor: str,
+        now: datetime,
+        *,
+        old_path: str | None = None,
+    ) -> VersionRow:
+        """Append version ``rec.version`` (already bumped by the caller) from the record's
+        current state; sets ``rec.seq``, ``updated_at``, ``updated_by``."""
+        rec.updated_at = now
+        rec.updated_by = actor
+        if rec.seq is None:
+            rec.seq = 0
+        s.flush()  # the record row exists before its version references it
+        v = VersionRow(
+            record_id=rec.id,
+            store=rec.store,
+            version=rec.version,
+            operation=op.value,
+            path=rec.path,
+            old_path=old_path,
+            type=rec.type,
+            sha256=rec.sha256,
+            size=rec.size,
+            content=rec.content,
+            created_at=now,
+            actor=actor,
+            redacted=False,
+        )
+        s.add(v)
+        s.flush()
+        rec.seq = v.seq
+        return v
+
+    @staticmethod
+    def _check_usage(s: Session, st: StoreRow, *, grew_bytes: bool, grew_count: bool) -> None:
+        """507 ``store_full`` when the write grew usage and the store is now over a limit."""
+        if not (grew_bytes or grew_count):
+            return
+        s.flush()
+        n, b = _usage(s, [st.slug]).get(st.slug, (0, 0))
+        if grew_count and n > st.max_records:
+            raise ServiceError(507, "store_full", f"store {st.slug!r} holds its limit of {st.max_records} records")
+        if grew_bytes and b > st.max_store_bytes:
+            raise ServiceError(
+                507, "store_full", f"store {st.slug!r} would hold {b} bytes, limit {st.max_store_bytes}"
+            )
+
+    def _emit(self, s: Session, workspaces: Iterable[str], kind: str, store: str, access: str | None) -> None:
+        ws = sorted(set(workspaces))
+        if not ws:
+            return
+        # PostgreSQL: serialise event writers per workspace so event seqs commit in order.
+        s.execute(select(WorkspaceRow.name).where(WorkspaceRow.name.in_(ws)).with_for_update())
+        now = utcnow()
+        for w in ws:
+            s.add(EventRow(workspace=w, kind=kind, store=store, access=access, created_at=now))
+        s.flush()
+
+    # ------------------------------------------------------------ admin
+
+    def create_workspace(self, p: Principal, body: WorkspaceCreate, idem: IdempotencyRequest | None = None) -> Reply:
+        """201 [Workspace]; 409 ``exists``; 403 ``forbidden`` for workspace tokens."""
+        self._require_admin(p)
+
+        def fn(s: Session) -> Workspace:
+            if s.get(WorkspaceRow, body.name) is not None:
+                raise ServiceError(409, "exists", f"workspace {body.name!r} exists")
+            row = WorkspaceRow(name=body.name, created_at=utcnow())
+            s.add(row)
+            s.flush()
+            log.info("workspace %s created", body.name)
+            return Workspace(name=row.name, created_at=row.created_at)
+
+        return self._write(p, idem, 201, fn)
+
+    def list_workspaces(self, p: Principal) -> list[Workspace]:
+        """Every workspace, by name (admin)."""
+        self._require_admin(p)
+        with self.db.read() as s:
+            rows = s.scalars(select(WorkspaceRow).order_by(WorkspaceRow.name)).all()
+            return [Workspace(name=r.name, created_at=r.created_at) for r in rows]
+
+    def create_store(self, p: Principal, body: StoreCreate, idem: IdempotencyRequest | None = None) -> Reply:
+        """201 [Store]; 409 ``exists`` (admin)."""
+        self._require_admin(p)
+
+        def fn(s: Session) -> Store:
+            if s.get(StoreRow, body.slug) is not None:
+                raise ServiceError(409, "exists", f"store {body.slug!r} exists")
+            st = StoreRow(
+                slug=body.slug,
+                description=body.description,
+                default_type=body.default_type,
+                max_record_bytes=body.max_record_bytes,
+                max_store_bytes=body.max_store_bytes,
+                max_records=body.max_records,
+                created_at=utcnow(),
+            )
+            s.add(st)
+            s.flush()
+            log.info("store %s created", body.slug)
+            return _store_model(st)
+
+        return self._write(p, idem, 201, fn)
+
+    def list_stores(self, p: Principal) -> list[Store]:
+        """Every store with its usage, by slug (admin)."""
+        self._require_admin(p)
+        with self.db.read() as s:
+            usage = _usage(s)
+            rows = s.scalars(select(StoreRow).order_by(StoreRow.slug)).all()
+            return [_store_model(r, usage.get(r.slug, (0, 0))[1], usage.get(r.slug, (0, 0))[0]) for r in rows]
+
+    def get_store(self, p: Principal, slug: str) -> Store:
+        """[Store] for admin or a workspace it is attached to; 404 otherwise."""
+        with self.db.read() as s:
+            return _store_with_usage(s, self._store(s, p, slug))
+
+    def update_store(
+        self, p: Principal, slug: str, body: StoreUpdate, idem: IdempotencyRequest | None = None
+    ) -> Reply:
+        """200 [Store]; emits ``store_changed`` to every attached workspace (admin)."""
+        self._require_admin(p)
+
+        def fn(s: Session) -> Store:
+            st = self._store(s, p, slug, write=True)
+            for name, value in body.model_dump(exclude_unset=True).items():
+                if value is not None:
+                    setattr(st, name, value)
+            s.flush()
+            attached = s.scalars(select(AttachmentRow.workspace).where(AttachmentRow.store == slug)).all()
+            self._emit(s, attached, "store_changed", slug, None)
+            return _store_with_usage(s, st)
+
+        return self._write(p, idem, 200, fn)
+
+    def put_attachment(
+        self, p: Principal, ws: str, slug: str, body: AttachmentPut, idem: IdempotencyRequest | None = None
+    ) -> Reply:
+        """200 [Attachment]; 404 ``workspace_not_found`` / ``store_not_found``; emits
+        ``attached`` when the attachment is new or its access or instructions changed."""
+        self._require_admin(p)
+
+        def fn(s: Session) -> Attachment:
+            self._workspace(s, p, ws)
+            st = self._store(s, p, slug)
+            att = s.get(AttachmentRow, (ws, slug))
+            changed = True
+            if att is None:
+                att = AttachmentRow(
+                    workspace=ws, store=slug, access=body.access.value, instructions=body.instructions,
+                    created_at=utcnow(),
+                )
+                s.add(att)
+            elif att.access != body.access.value or att.instructions != body.instructions:
+                att.access = body.access.value
+                att.instructions = body.instructions
+            else:
+                changed = False
+            s.flush()
+            if changed:
+                self._emit(s, [ws], "attached", slug, att.access)
+                log.info("store %s attached to %s (%s)", slug, ws, att.access)
+            return Attachment(
+                workspace=ws, store=_store_with_usage(s, st), access=Access(att.access),
+                instructions=att.instructions, created_at=att.created_at,
+            )
+
+        return self._write(p, idem, 200, fn)
+
+    def delete_attachment(self, p: Principal, ws: str, slug: str, idem: IdempotencyRequest | None = None) -> Reply:
+        """204; 404 ``workspace_not_found`` or ``store_not_attached``; emits ``detached``."""
+        self._require_admin(p)
+
+        def fn(s: Session) -> None:
+            self._workspace(s, p, ws)
+            att = s.get(AttachmentRow, (ws, slug))
+            if att is None:
+                raise ServiceError(404, "store_not_attached", f"store {slug!r} is not attached to {ws!r}")
+            s.delete(att)
+            s.flush()
+            self._emit(s, [ws], "detached", slug, None)
+            log.info("store %s detached from %s", slug, ws)
+            return None
+
+        return self._write(p, idem, 204, fn)
+
+    def create_token(self, p: Principal, body: TokenCreate, idem: IdempotencyRequest | None = None) -> Reply:
+        """201 [TokenCreated] (the token is shown once; only its sha256 is kept);
+        404 ``workspace_not_found``."""
+        self._require_admin(p)
+
+        def fn(s: Session) -> TokenCreated:
+            if body.workspace is not None and s.get(WorkspaceRow, body.workspace) is None:
+                raise ServiceError(404, "workspace_not_found", f"no workspace {body.workspace!r}")
+            raw = "mf_" + secrets.token_urlsafe(32)
+            row = TokenRow(
+                id=str(uuid.uuid4()), token_sha256=sha256_hex(raw.encode()), workspace=body.workspace,
+                name=body.name, created_at=utcnow(),
+            )
+            s.add(row)
+            s.flush()
+            log.info("token %s created for %s", row.id, body.workspace or "admin")
+            return TokenCreated(id=row.id, workspace=row.workspace, name=row.name, token=raw)
+
+        return self._write(p, idem, 201, fn)
+
+    # ------------------------------------------------------------ workspace
+
+    def list_attachments(self, p: Principal, ws: str) -> list[Attachment]:
+        """The workspace's attachments, by store slug."""
+        with self.db.read() as s:
+            self._workspace(s, p, ws)
+            rows = s.execute(
+                select(AttachmentRow, StoreRow)
+                .join(StoreRow, StoreRow.slug == AttachmentRow.store)
+                .where(AttachmentRow.workspace == ws)
+                .order_by(AttachmentRow.store)
+            ).all()
+            usage = _usage(s, [st.slug for _, st in rows])
+            return [
+                Attachment(
+                    workspace=ws,
+                    store=_store_model(st, usage.get(st.slug, (0, 0))[1], usage.get(st.slug, (0, 0))[0]),
+                    access=Access(att.access),
+                    instructions=att.instructions,
+                    created_at=att.created_at,
+                )
+                for att, st in rows
+            ]
+
+    def events_page(self, p: Principal, ws: str, after: int, limit: int = 1000) -> EventPage:
+        """Events of ``ws`` with seq > ``after``, oldest first. When ``after`` is beyond every
+        event the server has (database replaced), ``seq`` is the server's latest, so the
+        caller resumes from there."""
+        with self.db.read() as s:
+            self._workspace(s, p, ws)
+            rows = s.scalars(
+                select(EventRow)
+                .where(EventRow.workspace == ws, EventRow.seq > after)
+                .order_by(EventRow.seq)
+                .limit(limit)
+            ).all()
+            if rows:
+                seq = rows[-1].seq
+            else:
+                top = s.scalar(select(func.max(EventRow.seq))) or 0
+                seq = min(after, top)
+            return EventPage(
+                events=[
+                    WorkspaceEvent(seq=r.seq, kind=r.kind, store=r.store, access=Access(r.access) if r.access else None)
+                    for r in rows
+                ],
+                seq=seq,
+            )
+
+    def context(self, p: Principal, ws: str, mount_root: str = "/mnt/memory") -> str:
+        """The prompt block (Markdown) for ``ws``: every attached store with its mount path,
+        access, description, instructions and ``MEMORY.md``, control characters stripped,
+        each index cut at 200 lines / 25 KB and the whole at 100 KB, with explicit markers."""
+        mount_root = mount_root.rstrip("/")
+        with self.db.read() as s:
+            self._workspace(s, p, ws)
+            rows = s.execute(
+                select(AttachmentRow.access, StoreRow.slug, StoreRow.description, AttachmentRow.instructions)
+                .join(StoreRow, StoreRow.slug == AttachmentRow.store)
+                .where(AttachmentRow.workspace == ws)
+                .order_by(AttachmentRow.store)
+            ).all()
+            indexes: dict[str, str] = {
+                slug: text or ""
+                for slug, text in s.execute(
+                    select(RecordRow.store, RecordRow.content).where(
+                        RecordRow.store.in_([r[1] for r in rows]),
+                        RecordRow.path == content_rules.INDEX_PATH,
+                        RecordRow.deleted == false(),
+                    )
+                )
+            }
+        clean = content_rules.strip_controls
+        out = [
+            "# Memory",
+            "",
+            f"Your long-term memory is a set of stores mounted as plain files under `{mount_root}/`. "
+            "Read and write them with ordinary file tools. Each store's `MEMORY.md` is its index: "
+            "keep it short and current.",
+        ]
+        if not rows:
+            out += ["", "(No memory store is attached to this workspace.)"]
+        total = len("\n".join(out).encode())
+        for i, (access_value, slug, description, instructions) in enumerate(rows):
+            base = f"{mount_root}/{slug}"
+            access = "read-write" if access_value == Access.read_write.value else "read-only"
+            sec = ["", f"## Store `{slug}` at `{base}/` ({access})"]
+            if description.strip():
+                sec += ["", clean(description).strip()]
+            if instructions.strip():
+                sec += ["", clean(instructions).strip()]
+            sec += ["", f"### {base}/MEMORY.md", ""]
+            if slug in indexes:
+                sec.append(self._cut_index(clean(indexes[slug]), f"{base}/MEMORY.md"))
+            else:
+                sec.append("(empty: there is no MEMORY.md yet)")
+            text = "\n".join(sec)
+            size = len(text.encode())
+            if total + size > CONTEXT_TOTAL_MAX_BYTES:
+                left = [f"`{mount_root}/{slug2}/`" for _, slug2, _, _ in rows[i:]]
+                out += [
+                    "",
+                    f"[memfuse: the memory block reached its {CONTEXT_TOTAL_MAX_BYTES}-byte bound; "
+                    f"{len(left)} more store(s) not shown: {', '.join(left)}. Read their MEMORY.md files directly.]",
+                ]
+                break
+            out.append(text)
+            total += size
+        return "\n".join(out) + "\n"
+
+    @staticmethod
+    def _cut_index(text: str, path: str) -> str:
+        lines = text.split("\n")
+        if lines and lines[-1] == "":
+            lines.pop()
+        kept: list[str] = []
+        size = 0
+        for line in lines:
+            n = len(line.encode()) + 1
+            if len(kept) >= CONTEXT_INDEX_MAX_LINES or size + n > CONTEXT_INDEX_MAX_BYTES:
+                break
+            kept.append(line)
+            size += n
+        if len(kept) == len(lines):
+            return "\n".join(kept)
+        rest = lines[len(kept):]
+        rest_bytes = sum(len(x.encode()) + 1 for x in rest)
+        return "\n".join(kept) + (
+            f"\n[memfuse: MEMORY.md cut here: {len(rest)} more line(s) ({rest_bytes} bytes) not shown "
+            f"(limit {CONTEXT_INDEX_MAX_LINES} lines / {CONTEXT_INDEX_MAX_BYTES} bytes); read {path} for the rest]"
+        )
+
+    # ------------------------------------------------------------ records: reads
+
+    def list_records(
+        self,
+        p: Principal,
+        slug: str,
+        *,
+        cursor: str | None = None,
+        limit: int = 500,
+        with_content: bool = False,
+        path: str | None = None,
+        include_deleted: bool = False,
+    ) -> RecordPage:
+        """One snapshot page ordered by (path, id); ``seq`` is the store's change-feed position
+        read before the page. Raises 422 ``validation_error`` for a foreign cursor."""
+        with self.db.read() as s:
+            st = self._store(s, p, slug)
+            seq = s.scalar(select(func.max(VersionRow.seq)).where(VersionRow.store == st.slug)) or 0
+            path_col = RecordRow.path
+            if self.db.engine.dialect.name == "postgresql":
+                path_col = RecordRow.path.collate("C")  # byte order, as SQLite compares
+            q = select(RecordRow).where(RecordRow.store == st.slug)
+            if not include_deleted:
+                q = q.where(RecordRow.deleted == false())
+            if path is not None:
+                q = q.where(RecordRow.path == path)
+            if cursor:
+                cp, cid = _decode_cursor(cursor)
+                q = q.where(or_(path_col > cp, and_(RecordRow.path == cp, RecordRow.id > cid)))
+            rows = s.scalars(q.order_by(path_col, RecordRow.id).limit(limit + 1)).all()
+            more = len(rows) > limit
+            rows = rows[:limit]
+            return RecordPage(
+                records=[_record_model(r, with_content=with_content) for r in rows],
+                next_cursor=_encode_cursor(rows[-1].path, rows[-1].id) if more else None,
+                seq=seq,
+            )
+
+    def get_record(self, p: Principal, slug: str, record_id: str, *, with_content: bool = True) -> Record:
+        """The record (deleted ones too, with ``deleted`` true); 404 ``record_not_found``."""
+        with self.db.read() as s:
+            st = self._store(s, p, slug)
+            return _record_model(self._record(s, st, record_id), with_content=with_content)
+
+    def list_versions(self, p: Principal, slug: str, record_id: str) -> list[Version]:
+        """Every version of the record without content, oldest first."""
+        with self.db.read() as s:
+            st = self._store(s, p, slug)
+            self._record(s, st, record_id)
+            rows = s.scalars(
+                select(VersionRow).where(VersionRow.record_id == record_id).order_by(VersionRow.version)
+            ).all()
+            return [_version_model(v, with_content=False) for v in rows]
+
+    def get_version(self, p: Principal, slug: str, record_id: str, n: int) -> Version:
+        """Version ``n`` with content (None when redacted); 404 ``version_not_found``."""
+        with self.db.read() as s:
+            st = self._store(s, p, slug)
+            self._record(s, st, record_id)
+            return _version_model(self._version(s, record_id, n), with_content=True)
+
+    @staticmethod
+    def _version(s: Session, record_id: str, n: int) -> VersionRow:
+        v = s.scalar(select(VersionRow).where(VersionRow.record_id == record_id, VersionRow.version == n))
+        if v is None:
+            raise ServiceError(404, "version_not_found", f"record {record_id!r} has no version {n}")
+        return v
+
+    def changes_page(
+        self, p: Principal, slug: str, after: int, *, limit: int = 1000, with_content: bool = True
+    ) -> ChangePage:
+        """Versions of the store with seq > ``after``, oldest first, each as the record's state
+        as of that version. Raises 410 ``cursor_expired`` when ``after`` is beyond anything the
+        server has written."""
+        with self.db.read() as s:
+            st = self._store(s, p, slug)
+            top = s.scalar(select(func.max(VersionRow.seq))) or 0
+            if after > top:
+                raise ServiceError(
+                    410, "cursor_expired", f"cursor {after} is beyond this server's feed ({top}); take a snapshot"
+                )
+            rows = s.execute(
+                select(VersionRow, RecordRow.created_at)
+                .join(RecordRow, RecordRow.id == VersionRow.record_id)
+                .where(VersionRow.store == st.slug, VersionRow.seq > after)
+                .order_by(VersionRow.seq)
+                .limit(limit)
+            ).all()
+            changes = []
+            for v, created_at in rows:
+                changes.append(
+                    Change(
+                        seq=v.seq,
+                        operation=Operation(v.operation),
+                        old_path=v.old_path,
+                        record=Record(
+                            id=v.record_id,
+                            store=v.store,
+                            path=v.path,
+                            type=v.type,
+                            version=v.version,
+                            sha256=v.sha256,
+                            size=v.size,
+                            deleted=v.operation == Operation.deleted.value,
+                            created_at=created_at,
+                            updated_at=v.created_at,
+                            updated_by=v.actor,
+                            seq=v.seq,
+                            content=v.content if with_content and not v.redacted else None,
+                        ),
+                    )
+                )
+            return ChangePage(changes=changes, seq=changes[-1].seq if changes else after)
+
+    # ------------------------------------------------------------ records: writes
+
+    def create_record(
+        self, p: Principal, slug: str, body: RecordCreate, idem: IdempotencyRequest | None = None
+    ) -> Reply:
+        """201 [Record] without content, with ``ETag``. Refusals: 422 ``invalid_path`` /
+        ``path_too_long`` / ``invalid_content`` / ``invalid_type``, 413, 507, 409
+        ``path_exists`` (with ``record_id``)."""
+        path = _check_path(body.path)
+        raw = _check_content(body.content)
+
+        def fn(s: Session) -> Record:
+            st = self._store(s, p, slug, write=True)
+            rtype = _resolve_type(path, body.content, body.type, st.default_type)
+            _check_record_size(st, len(raw))
+            other = self._live_at(s, st.slug, path)
+            if other is not None:
+                raise ServiceError(409, "path_exists", f"{path!r} exists", record_id=other.id)
+            now = utcnow()
+            rec = RecordRow(
+                id=str(uuid.uuid4()), store=st.slug, path=path, type=rtype, version=1,
+                sha256=sha256_hex(raw), size=len(raw), content=body.content, deleted=False,
+                created_at=now, updated_at=now, updated_by=p.actor, seq=0,
+            )
+            s.add(rec)
+            self._add_version(s, rec, Operation.created, p.actor, now)
+            self._check_usage(s, st, grew_bytes=True, grew_count=True)
+            return _record_model(rec, with_content=False)
+
+        return self._write(p, idem, 201, fn, etag=True)
+
+    def update_record(
+        self,
+        p: Principal,
+        slug: str,
+        record_id: str,
+        body: RecordUpdate,
+        if_match: str | None = None,
+        idem: IdempotencyRequest | None = None,
+    ) -> Reply:
+        """200 [Record] without content, with ``ETag``. Identical content and type → the
+        current record, no new version. 404 for a deleted record, 412 ``precondition_failed``
+        (with ``sha256``) when ``if_match`` does not match, plus the create refusals."""
+        raw = _check_content(body.content)
+
+        def fn(s: Session) -> Record:
+            st = self._store(s, p, slug, write=True)
+            rec = self._live(self._record(s, st, record_id))
+            _check_if_match(if_match, rec.sha256)
+            rtype = _resolve_type(rec.path, body.content, body.type, st.default_type)
+            _check_record_size(st, len(raw))
+            sha = sha256_hex(raw)
+            if sha == rec.sha256 and rtype == rec.type:
+                return _record_model(rec, with_content=False)
+            grew = len(raw) > rec.size
+            rec.content, rec.sha256, rec.size, rec.type = body.content, sha, len(raw), rtype
+            rec.version += 1
+            self._add_version(s, rec, Operation.modified, p.actor, utcnow())
+            self._check_usage(s, st, grew_bytes=grew, grew_count=False)
+            return _record_model(rec, with_content=False)
+
+        return self._write(p, idem, 200, fn, etag=True)
+
+    def move_record(
+        self,
+        p: Principal,
+        slug: str,
+        record_id: str,
+        body: RecordMove,
+        if_match: str | None = None,
+        idem: IdempotencyRequest | None = None,
+    ) -> Reply:
+        """200 [MoveResult] with the one resulting record. Same path → no-op. Target taken:
+        409 ``path_exists`` unless ``replace``, in which case the target keeps its id and gets
+        a ``modified`` version with this record's content and type (none when identical) and
+        this record gets a ``deleted`` version. Moving onto / off the root ``MEMORY.md``
+        drops / re-derives the type."""
+        new_path = _check_path(body.path)
+
+        def fn(s: Session) -> MoveResult:
+            st = self._store(s, p, slug, write=True)
+            rec = self._live(self._record(s, st, record_id))
+            _check_if_match(if_match, rec.sha256)
+            if new_path == rec.path:
+                return MoveResult(records=[_record_model(rec, with_content=False)])
+            new_type = self._type_after_move(rec, new_path, st)
+            now = utcnow()
+            target = self._live_at(s, st.slug, new_path)
+            if target is not None:
+                if not body.replace:
+                    raise ServiceError(409, "path_exists", f"{new_path!r} exists", record_id=target.id)
+                rec.deleted = True
+                rec.version += 1
+                self._add_version(s, rec, Operation.deleted, p.actor, now)
+                if (target.sha256, target.type) != (rec.sha256, new_type):
+                    target.content, target.sha256, target.size, target.type = (
+                        rec.content, rec.sha256, rec.size, new_type,
+                    )
+                    target.version += 1
+                    self._add_version(s, target, Operation.modified, p.actor, now)
+                return MoveResult(records=[_record_model(target, with_content=False)])
+            old_path = rec.path
+            rec.path, rec.type = new_path, new_type
+            rec.version += 1
+            self._add_version(s, rec, Operation.moved, p.actor, now, old_path=old_path)
+            return MoveResult(records=[_record_model(rec, with_content=False)])
+
+        return self._write(p, idem, 200, fn)
+
+    @staticmethod
+    def _type_after_move(rec: RecordRow, new_path: str, st: StoreRow) -> str | None:
+        if content_rules.is_index(new_path):
+            return None
+        if content_rules.is_index(rec.path) or rec.type is None:
+            return _resolve_type(new_path, rec.content or "", None, st.default_type)
+        return rec.type
+
+    def move_prefix(self, p: Principal, slug: str, body: PrefixMove, idem: IdempotencyRequest | None = None) -> Reply:
+        """200 [MoveResult] with every moved record (ordered by new path), in one transaction:
+        each live record under ``from_prefix/`` moves to ``to_prefix/`` with a ``moved``
+        version. 409 ``path_exists`` when a target is taken by a record that does not move
+        (nothing changes); 422 ``invalid_path`` / ``path_too_long`` for bad prefixes or
+        targets, or when ``to_prefix`` is inside ``from_prefix``."""
+        src = _check_path(body.from_prefix.rstrip("/"), "from_prefix")
+        dst = _check_path(body.to_prefix.rstrip("/"), "to_prefix")
+        if dst == src or dst.startswith(src + "/"):
+            raise ServiceError(422, "invalid_path", "to_prefix is inside from_prefix")
+
+        def fn(s: Session) -> MoveResult:
+            st = self._store(s, p, slug, write=True)
+            like = src.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "/%"
+            moving = s.scalars(
+                select(RecordRow).where(
+                    RecordRow.store == st.slug,
+                    RecordRow.deleted == false(),
+                    RecordRow.path.like(like, escape="\\"),
+                )
+            ).all()
+            moving = [r for r in moving if r.path.startswith(src + "/")]  # LIKE may fold case
+            plan = []  # (record, old path, new path)
+            for r in moving:
+                plan.append((r, r.path, _check_path(dst + r.path[len(src):], "target path")))
+            moving_ids = {r.id for r in moving}
+            for r, _, new_path in plan:
+                other = self._live_at(s, st.slug, new_path)
+                if other is not None and other.id not in moving_ids:
+                    raise ServiceError(409, "path_exists", f"{new_path!r} exists", record_id=other.id)
+            # Two steps so the live-path unique index never sees a transient duplicate
+            # (a target may be the old path of another moving record).
+            for r, _, _ in plan:
+                r.path = f"\x00moving/{r.id}"
+            s.flush()
+            now = utcnow()
+            plan.sort(key=lambda x: x[2])
+            for r, old_path, new_path in plan:
+                r.path = new_path
+                r.version += 1
+                self._add_version(s, r, Operation.moved, p.actor, now, old_path=old_path)
+            log.info("moved %d records in store %s", len(plan), st.slug)
+            return MoveResult(records=[_record_model(r, with_content=False) for r, _, _ in plan])
+
+        return self._write(p, idem, 200, fn)
+
+    def delete_record(
+        self,
+        p: Principal,
+        slug: str,
+        record_id: str,
+        if_match: str | None = None,
+        idem: IdempotencyRequest | None = None,
+    ) -> Reply:
+        """204; a ``deleted`` version is kept (with the content, so it can be restored).
+        404 when missing or already deleted; 412 when ``if_match`` does not match."""
+
+        def fn(s: Session) -> None:
+            st = self._store(s, p, slug, write=True)
+            rec = self._live(self._record(s, st, record_id))
+            _check_if_match(if_match, rec.sha256)
+            rec.deleted = True
+            rec.version += 1
+            self._add_version(s, rec, Operation.deleted, p.actor, utcnow())
+            return None
+
+        return self._write(p, idem, 204, fn)
+
+    def restore_record(
+        self, p: Principal, slug: str, record_id: str, body: Restore, idem: IdempotencyRequest | None = None
+    ) -> Reply:
+        """200 [Record] with ``ETag``: a ``restored`` version with version n's content, type
+        and path; undeletes a deleted record. No new version when the live record already is
+        that content, type and path. 404 ``version_not_found``; 409 ``redacted``; 409
+        ``path_exists`` when another live record holds the path; 413 / 507 against the
+        store's current limits."""
+
+        def fn(s: Session) -> Record:
+            st = self._store(s, p, slug, write=True)
+            rec = self._record(s, st, record_id)
+            v = self._version(s, record_id, body.version)
+            if v.redacted or v.content is None:
+                raise ServiceError(409, "redacted", f"version {body.version} was redacted")
+            if not rec.deleted and (rec.path, rec.sha256, rec.type) == (v.path, v.sha256, v.type):
+                return _record_model(rec, with_content=False)
+            other = self._live_at(s, st.slug, v.path)
+            if other is not None and other.id != rec.id:
+                raise ServiceError(409, "path_exists", f"{v.path!r} exists", record_id=other.id)
+            _check_record_size(st, v.size)
+            grew_count = rec.deleted
+            grew_bytes = rec.deleted or v.size > rec.size
+            old_path = rec.path if rec.path != v.path else None
+            rec.path, rec.content, rec.sha256, rec.size, rec.type = v.path, v.content, v.sha256, v.size, v.type
+            rec.deleted = False
+            rec.version += 1
+            self._add_version(s, rec, Operation.restored, p.actor, utcnow(), old_path=old_path)
+            self._check_usage(s, st, grew_bytes=grew_bytes, grew_count=grew_count)
+            return _record_model(rec, with_content=False)
+
+        return self._write(p, idem, 200, fn, etag=True)
+
+    def redact_version(
+        self, p: Principal, slug: str, record_id: str, n: int, idem: IdempotencyRequest | None = None
+    ) -> Reply:
+        """200 [Version]: version n's content removed, audit fields kept (admin). 409
+        ``current_version`` for a live record's current version; 404 ``version_not_found``."""
+        self._require_admin(p)
+
+        def fn(s: Session) -> Version:
+            st = self._store(s, p, slug, write=True)
+            rec = self._record(s, st, record_id)
+            v = self._version(s, record_id, n)
+            if not rec.deleted and rec.version == n:
+                raise ServiceError(
+                    409, "current_version", "the current version of a live record cannot be redacted; write over it first"
+                )
+            if not v.redacted:
+                v.redacted = True
+                v.content = None
+                if rec.deleted and rec.version == n:
+                    rec.content = None
+                log.info("redacted version %d of record %s", n, record_id)
+            return _version_model(v, with_content=True)
+
+        return self._write(p, idem, 200, fn)
+
+
+def body_sha256(body: bytes) -> str:
+    """sha256 hex of a raw request body (the idempotency request hash)."""
+    return hashlib.sha256(body).hexdigest()
