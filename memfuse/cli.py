@@ -343,9 +343,9 @@ def serve(db: str | None, listen: str, admin_token_file: Path | None, debug: boo
 
         async with trio.open_nursery() as nursery:
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                await nursery.start(serve_app, app, listen)
-                click.echo(f"memfuse serve: listening on http://{listen} (database {_safe_url(url)}); "
-                           "stop with Ctrl-C", err=True)
+                bound = await nursery.start(serve_app, app, listen)
+                click.echo(f"memfuse serve: listening on {bound or 'http://' + listen} "
+                           f"(database {_safe_url(url)}); stop with Ctrl-C", err=True)
                 async for _ in signals:
                     nursery.cancel_scope.cancel()
                     break
@@ -368,13 +368,14 @@ def _safe_url(url: str) -> str:
 @click.argument("mountpoint", default="memory", type=click.Path(file_okay=False, path_type=Path),
                 envvar="MEMFUSE_MOUNTPOINT")
 @opt("--admin-listen", metavar="HOST:PORT", help="Serve the sidecar admin HTTP API here (off by default).")
+@opt("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,
+     help="Log line format on stderr.")
 @opt("--debug", is_flag=True, help="Verbose logging (and FUSE debug).")
-def dev(mountpoint: Path, admin_listen: str | None, debug: bool) -> None:
+def dev(mountpoint: Path, admin_listen: str | None, log_format: str, debug: bool) -> None:
     """Embedded default: control plane in-process on the dev database, workspace `dev` with
     store `default` attached, mounted at MOUNTPOINT (default ./memory) in the foreground."""
     from .devenv import DEV_WORKSPACE, dev_app, dev_cache_dir, dev_db_path, ensure_dev_setup
 
-    _setup_logging(debug)
     mountpoint.mkdir(parents=True, exist_ok=True)
     mountpoint = mountpoint.resolve()
 
@@ -397,6 +398,7 @@ def dev(mountpoint: Path, admin_listen: str | None, debug: bool) -> None:
         cache_dir=dev_cache_dir(),
         admin_listen=admin_listen or None,
         debug=debug,
+        log_format=log_format,
     )
     click.echo(
         f"memfuse dev: mounting workspace '{DEV_WORKSPACE}' at {mountpoint} "
@@ -439,6 +441,8 @@ def _mount_cache_dir(control_plane: str, workspace: str) -> Path:
 @opt("--drain-timeout", type=float, default=20.0, show_default=True, metavar="S",
      help="Seconds to drain the outbox on SIGTERM/SIGINT.")
 @opt("--instance", metavar="ID", help="Sidecar id recorded on versions. Default: the host name.")
+@opt("--log-format", type=click.Choice(["json", "text"]), default="json", show_default=True,
+     help="Log line format on stderr.")
 @opt("--debug", is_flag=True, help="Verbose logging (and FUSE debug).")
 def mount(
     mountpoint: Path,
@@ -454,6 +458,7 @@ def mount(
     fsync_timeout: float,
     drain_timeout: float,
     instance: str | None,
+    log_format: str,
     debug: bool,
 ) -> None:
     """Run the sidecar: mount WORKSPACE's stores at MOUNTPOINT until SIGTERM/SIGINT."""
@@ -466,7 +471,6 @@ def mount(
     token = Target(control_plane, token_file).token()
     if token is None:
         raise click.UsageError("no token: pass --token-file F (or set MEMFUSE_TOKEN_FILE / MEMFUSE_TOKEN)")
-    _setup_logging(debug)
     mountpoint.mkdir(parents=True, exist_ok=True)
     mountpoint = mountpoint.resolve()
     inst = instance or socket.gethostname()
@@ -485,6 +489,7 @@ def mount(
         drain_timeout=drain_timeout,
         admin_listen=admin_listen or None,
         debug=debug,
+        log_format=log_format,
     )
     rc = run_mount(config, lambda: ApiClient(control_plane, token, instance=inst))
     sys.exit(rc)
@@ -795,10 +800,11 @@ def redact(target: Target, store_slug: str, path: str, version_n: int) -> None:
 
 @cli.command()
 @opt("--workspace", required=True, metavar="WS", help="Workspace to render the prompt block for.")
+@opt("--mount-root", metavar="DIR", help="Where the stores are mounted (server default /mnt/memory).")
 @api_options
-def context(target: Target, workspace: str) -> None:
+def context(target: Target, workspace: str, mount_root: str | None) -> None:
     """Print the prompt block of workspace WS: its stores and their MEMORY.md indexes."""
-    text = _api(target, lambda api: with_retries(lambda: api.context(workspace)))
+    text = _api(target, lambda api: with_retries(lambda: api.context(workspace, mount_root)))
     click.echo(text, nl=not text.endswith("\n"))
 
 

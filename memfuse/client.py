@@ -495,10 +495,16 @@ class ApiClient:
             wait=wait,
         )
 
-    async def context(self, ws: str) -> str:
-        """``GET /v1/workspaces/{ws}/context``: the Markdown prompt block (DESIGN §5) as text."""
+    async def context(self, ws: str, mount_root: str | None = None) -> str:
+        """``GET /v1/workspaces/{ws}/context``: the Markdown prompt block (DESIGN §5) as text.
+        ``mount_root`` is where the sidecar mounts the stores (server default
+        ``/mnt/memory``)."""
+        params = {"mount_root": mount_root} if mount_root is not None else None
         resp = await self._request(
-            "GET", f"/v1/workspaces/{_seg(ws)}/context", accept="text/markdown, text/plain, */*"
+            "GET",
+            f"/v1/workspaces/{_seg(ws)}/context",
+            params=params,
+            accept="text/markdown, text/plain, */*",
         )
         return resp.text
 
