@@ -247,7 +247,7 @@ def create_app(db_url: str, *, static_tokens: dict[str, str | None] | None = Non
         page = await _long_poll(
             svc, request, wait, lambda: svc.events_page(p, ws, after, limit), lambda pg: bool(pg.events)
         )
-        return _json(page)
+        return _json(page) if page is not None else Response(status_code=204)
 
     @app.get(
         "/v1/workspaces/{ws}/context",
@@ -340,7 +340,7 @@ def create_app(db_url: str, *, static_tokens: dict[str, str | None] | None = Non
             lambda: svc.changes_page(p, store, after, limit=limit, with_content=content),
             lambda pg: bool(pg.changes),
         )
-        return _json(page)
+        return _json(page) if page is not None else Response(status_code=204)
 
     return app
 
@@ -354,20 +354,49 @@ async def _long_poll(
 ) -> Any:
     """Run ``query`` (blocking, in a worker thread) until ``ready(result)`` or ``wait``
     seconds (capped at 60) pass; return the last result. Between queries it holds no
-    database session: it sleeps until a commit in this process or ``POLL_INTERVAL``. Stops
-    early when the client has gone away. ``ServiceError`` from ``query`` propagates."""
+    database session: it sleeps until a commit in this process or ``POLL_INTERVAL``.
+    When the client goes away (``http.disconnect``) it stops and returns None.
+    ``ServiceError`` from ``query`` propagates."""
     deadline = anyio.current_time() + min(max(wait, 0.0), MAX_WAIT_SECONDS)
-    while True:
-        waiter = svc.notifier.subscribe()  # before the query: a commit after it wakes us
+    result: Any = None
+    error: Exception | None = None
+
+    async def poll() -> None:
+        nonlocal result
+        while True:
+            waiter = svc.notifier.subscribe()  # before the query: a commit after it wakes us
+            try:
+                result = await anyio.to_thread.run_sync(query)
+                remaining = deadline - anyio.current_time()
+                if ready(result) or remaining <= 0:
+                    return
+                with anyio.move_on_after(min(POLL_INTERVAL, remaining)):
+                    await waiter.event.wait()
+            finally:
+                svc.notifier.unsubscribe(waiter)
+
+    async with anyio.create_task_group() as tg:
+
+        async def watch_disconnect() -> None:
+            # The request has no body to read (GET): the next messages are the end of the
+            # (empty) body and, when the client closes the connection, http.disconnect.
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            log.debug("client left a long-poll on %s", request.url.path)
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(watch_disconnect)
         try:
-            result = await anyio.to_thread.run_sync(query)
-            remaining = deadline - anyio.current_time()
-            if ready(result) or remaining <= 0 or await request.is_disconnected():
-                return result
-            with anyio.move_on_after(min(POLL_INTERVAL, remaining)):
-                await waiter.event.wait()
-        finally:
-            svc.notifier.unsubscribe(waiter)
+            if wait > 0:
+                await poll()
+            else:
+                result = await anyio.to_thread.run_sync(query)
+        except Exception as exc:  # re-raised below, not wrapped in an ExceptionGroup
+            error = exc
+        tg.cancel_scope.cancel()
+    if error is not None:
+        raise error
+    return result
 
 
 def _install_error_handlers(app: FastAPI) -> None:

@@ -1,0 +1,222 @@
+"""In-process fake control plane for tests: the reference app on an in-memory SQLite
+database, reached through ``httpx.ASGITransport``, with fault injection.
+
+    fake = FakeControlPlane(seed=0)
+    token = await fake.setup("ws", stores=("default",))
+    async with fake.client(token) as http:          # or httpx.AsyncClient(transport=fake.transport, ...)
+        fake.faults.error_rate = 0.2                # 20 % of requests answered 503, not applied
+        ...
+    assert fake.counters.errors_503 > 0
+
+The transport works under trio and asyncio (it only uses anyio). Faults apply to requests sent
+through ``fake.transport``; ``setup()`` and the injected concurrent edits bypass them.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import random
+import re
+import secrets
+from dataclasses import dataclass, fields
+
+import anyio
+import httpx
+
+from memfuse.models import Problem
+from memfuse.server.app import create_app
+
+log = logging.getLogger(__name__)
+
+BASE_URL = "http://memfuse.test"
+RACE_MARKER = "\n<!-- memfuse fake: concurrent edit -->\n"
+_RECORD_URL = re.compile(r"^/v1/stores/(?P<store>[^/]+)/records/(?P<id>[^/]+)$")
+
+
+@dataclass
+class Faults:
+    """What the fake transport injects; change the fields at any time.
+
+    - ``latency``: seconds added before every request;
+    - ``error_rate``: fraction of requests answered 503 without reaching the app;
+    - ``rate_429``: fraction answered 429 with ``Retry-After: 0`` without reaching the app;
+    - ``drop_rate``: fraction applied by the app whose response is then lost
+      (``httpx.ReadError``);
+    - ``outage``: every request raises ``httpx.ConnectError`` without reaching the app;
+    - ``precondition_race``: the next N PUT/DELETE requests on a record that carry
+      ``If-Match`` first see the record modified by another actor (a real new version whose
+      content ends with ``RACE_MARKER``), so they get 412.
+    """
+
+    latency: float = 0.0
+    error_rate: float = 0.0
+    rate_429: float = 0.0
+    drop_rate: float = 0.0
+    outage: bool = False
+    precondition_race: int = 0
+
+    def reset(self) -> None:
+        """Back to no faults."""
+        for f in fields(self):
+            setattr(self, f.name, f.default)
+
+
+@dataclass
+class FaultCounters:
+    """How many requests saw each fault (counted by the fake transport)."""
+
+    requests: int = 0  # every request sent through the transport
+    delayed: int = 0  # requests that got ``latency`` added
+    errors_503: int = 0
+    rate_limited_429: int = 0
+    dropped: int = 0  # applied, response lost
+    outage_refused: int = 0
+    races: int = 0  # concurrent edits injected before an If-Match request
+    forwarded: int = 0  # requests that reached the app
+
+
+class FaultTransport(httpx.AsyncBaseTransport):
+    """An ``httpx.AsyncBaseTransport`` that injects ``FakeControlPlane.faults`` in front of an
+    ``httpx.ASGITransport`` to the app. Raises ``httpx.ConnectError`` (outage) and
+    ``httpx.ReadError`` (dropped response)."""
+
+    def __init__(self, fake: FakeControlPlane) -> None:
+        self._fake = fake
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        fake = self._fake
+        faults, counters = fake.faults, fake.counters
+        counters.requests += 1
+        if faults.outage:
+            counters.outage_refused += 1
+            raise httpx.ConnectError("fake control plane: outage", request=request)
+        if faults.latency > 0:
+            counters.delayed += 1
+            await anyio.sleep(faults.latency)
+        r_error, r_drop = fake._rng.random(), fake._rng.random()
+        if r_error < faults.error_rate:
+            counters.errors_503 += 1
+            return _problem(503, "unavailable", "injected by the fake control plane", request)
+        if r_error < faults.error_rate + faults.rate_429:
+            counters.rate_limited_429 += 1
+            return _problem(429, "rate_limited", "injected by the fake control plane", request, {"Retry-After": "0"})
+        if faults.precondition_race > 0 and request.method in ("PUT", "DELETE") and "if-match" in request.headers:
+            m = _RECORD_URL.match(request.url.path)
+            if m and await fake._concurrent_edit(m["store"], m["id"]):
+                faults.precondition_race -= 1
+                counters.races += 1
+        counters.forwarded += 1
+        response = await fake._inner.handle_async_request(request)
+        if r_drop < faults.drop_rate:
+            await response.aread()
+            await response.aclose()
+            counters.dropped += 1
+            raise httpx.ReadError("fake control plane: connection dropped after the request was applied", request=request)
+        return response
+
+    async def aclose(self) -> None:
+        await self._fake._inner.aclose()
+
+
+def _problem(
+    status: int, code: str, detail: str, request: httpx.Request, headers: dict[str, str] | None = None
+) -> httpx.Response:
+    title = {503: "Service Unavailable", 429: "Too Many Requests"}[status]
+    body = Problem(title=title, status=status, detail=detail, code=code).model_dump_json().encode()
+    return httpx.Response(
+        status,
+        headers={"Content-Type": "application/problem+json", **(headers or {})},
+        content=body,
+        request=request,
+    )
+
+
+class FakeControlPlane:
+    """The reference control plane in process, on a fresh in-memory database.
+
+    Attributes: ``app`` (the FastAPI app), ``admin_token`` (a static admin token),
+    ``transport`` (``FaultTransport``), ``faults`` (``Faults``), ``counters``
+    (``FaultCounters``), ``base_url``. ``seed`` makes the random fault choices repeatable.
+    """
+
+    def __init__(self, seed: int = 0) -> None:
+        self._rng = random.Random(seed)
+        self.admin_token = "fake-admin-" + secrets.token_hex(12)
+        self._static_tokens: dict[str, str | None] = {self.admin_token: None}
+        self._ws_tokens: dict[str, str] = {}
+        self.app = create_app("sqlite://", static_tokens=self._static_tokens)
+        self.faults = Faults()
+        self.counters = FaultCounters()
+        self.base_url = BASE_URL
+        self._inner = httpx.ASGITransport(app=self.app)
+        self.transport = FaultTransport(self)
+
+    @property
+    def service(self):
+        """The app's ``memfuse.server.service.Service`` (for direct inspection in tests)."""
+        return self.app.state.service
+
+    def token_for(self, workspace: str) -> str:
+        """A static bearer token for ``workspace`` (the same one on every call). The workspace
+        itself is not created: see ``setup``."""
+        if workspace not in self._ws_tokens:
+            token = f"fake-ws-{workspace}-{secrets.token_hex(12)}"
+            self._static_tokens[token] = workspace
+            self._ws_tokens[workspace] = token
+        return self._ws_tokens[workspace]
+
+    def client(self, token: str | None = None, **kwargs) -> httpx.AsyncClient:
+        """An ``httpx.AsyncClient`` through the fault transport, with ``token`` (default: the
+        admin token) as bearer."""
+        headers = {"Authorization": f"Bearer {token or self.admin_token}", **kwargs.pop("headers", {})}
+        return httpx.AsyncClient(transport=self.transport, base_url=self.base_url, headers=headers, **kwargs)
+
+    async def setup(
+        self, workspace: str = "ws", stores: tuple[str, ...] | list[str] = ("default",), access: str = "read_write"
+    ) -> str:
+        """Create ``workspace`` and ``stores`` (when missing), attach each store with
+        ``access``, and return a workspace token. Bypasses the faults. Raises
+        ``httpx.HTTPStatusError`` on an unexpected refusal."""
+        async with self._admin() as http:
+            r = await http.post("/v1/workspaces", json={"name": workspace})
+            if r.status_code != 409:
+                r.raise_for_status()
+            for slug in stores:
+                r = await http.post("/v1/stores", json={"slug": slug})
+                if r.status_code != 409:
+                    r.raise_for_status()
+                r = await http.put(f"/v1/workspaces/{workspace}/attachments/{slug}", json={"access": access})
+                r.raise_for_status()
+        return self.token_for(workspace)
+
+    def _admin(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=self.app),
+            base_url=self.base_url,
+            headers={"Authorization": f"Bearer {self.admin_token}", "X-Memfuse-Instance": "fake-race"},
+        )
+
+    async def _concurrent_edit(self, store: str, record_id: str) -> bool:
+        """Write a new version of the record as another actor; False when it cannot (missing,
+        deleted)."""
+        async with self._admin() as http:
+            r = await http.get(f"/v1/stores/{store}/records/{record_id}")
+            if r.status_code != 200:
+                return False
+            rec = r.json()
+            if rec.get("deleted") or rec.get("content") is None:
+                return False
+            r = await http.put(
+                f"/v1/stores/{store}/records/{record_id}",
+                content=json.dumps({"content": rec["content"] + RACE_MARKER}),
+                headers={"Content-Type": "application/json"},
+            )
+            if r.status_code != 200:
+                log.warning("fake: injected concurrent edit refused (%s)", r.status_code)
+                return False
+            return True
+
+    async def aclose(self) -> None:
+        """Close the transport and the database."""
+        await self._inner.aclose()
+        self.service.db.dispose()
