@@ -247,6 +247,18 @@ def _setup_logging(debug: bool) -> None:
         logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
+def _write_exact(text: str) -> None:
+    """Write ``text`` to stdout as UTF-8 bytes, exactly (no newline added or translated)."""
+    sys.stdout.flush()
+    buf = getattr(sys.stdout, "buffer", None)
+    if buf is None:  # pragma: no cover — a text-only stdout
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return
+    buf.write(text.encode("utf-8"))
+    buf.flush()
+
+
 def _fmt_time(dt: Any) -> str:
     if dt.tzinfo is None:
         dt = dt.replace(tzinfo=timezone.utc)
@@ -257,6 +269,7 @@ def _fmt_time(dt: Any) -> str:
 
 
 @click.group(
+    name="memfuse",
     cls=MemfuseGroup,
     context_settings={
         "auto_envvar_prefix": "MEMFUSE",
@@ -272,6 +285,8 @@ def cli() -> None:
     with store `default` mounted at ./memory). Every option also reads MEMFUSE_<OPTION> from
     the environment.
     """
+    # with_retries() retries quietly; the last error, if any, is the one line the user sees.
+    logging.getLogger("stamina").setLevel(logging.ERROR)
 
 
 def main() -> None:
@@ -757,9 +772,7 @@ def show(target: Target, store_slug: str, path: str, version_n: int | None) -> N
         return full.content or ""
 
     content = _api(target, body)
-    out = click.get_binary_stream("stdout")
-    out.write(content.encode("utf-8"))
-    out.flush()
+    _write_exact(content)
 
 
 @cli.command()

@@ -1,0 +1,457 @@
+"""The memfuse command line: in-process with click's CliRunner and as a real subprocess
+(`memfuse` console script), in local mode (MEMFUSE_HOME in a tmp dir) and against
+`memfuse serve` on a loopback port."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import click
+import httpx
+import pytest
+import trio
+from click.testing import CliRunner
+
+from memfuse import cli as cli_mod
+from memfuse.cli import cli
+from memfuse.client import ApiClient
+from memfuse.devenv import dev_db_path, ensure_dev_setup, local_client
+
+MEMFUSE = Path(sys.executable).with_name("memfuse")
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> Path:
+    """MEMFUSE_HOME in a tmp dir and no other MEMFUSE_* variable in the environment."""
+    for k in list(os.environ):
+        if k.startswith("MEMFUSE_"):
+            monkeypatch.delenv(k)
+    h = tmp_path / "home"
+    monkeypatch.setenv("MEMFUSE_HOME", str(h))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
+    return h
+
+
+def run(args: list[str], *, env_extra: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    """Run the real `memfuse` executable with the current environment (+ env_extra)."""
+    assert MEMFUSE.exists(), f"console script missing: {MEMFUSE}"
+    env = dict(os.environ)
+    env.update(env_extra or {})
+    return subprocess.run([str(MEMFUSE), *args], env=env, capture_output=True, timeout=timeout)
+
+
+def invoke(args: list[str], env: dict[str, str] | None = None):
+    return CliRunner().invoke(cli, args, env=env, catch_exceptions=False)
+
+
+def assert_one_line_error(stderr: str | bytes) -> None:
+    text = stderr.decode() if isinstance(stderr, bytes) else stderr
+    lines = [ln for ln in text.splitlines() if ln.strip() and not ln.startswith("memfuse: no --control-plane")]
+    assert len(lines) == 1, text
+    assert lines[0].startswith("Error: "), text
+    assert "Traceback" not in text
+
+
+def all_command_paths(group: click.Group, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    out = [prefix]
+    for name, cmd in group.commands.items():
+        if isinstance(cmd, click.Group):
+            out.extend(all_command_paths(cmd, (*prefix, name)))
+        else:
+            out.append((*prefix, name))
+    return out
+
+
+# ---------------------------------------------------------------- help
+
+
+def test_help_for_every_command(home):
+    paths = all_command_paths(cli)
+    expected = {("serve",), ("dev",), ("mount",), ("status",), ("store", "create"), ("store", "list"),
+                ("store", "update"), ("workspace", "create"), ("attach",), ("detach",), ("token", "create"),
+                ("history",), ("show",), ("restore",), ("context",)}
+    assert expected <= set(paths)
+    for path in paths:
+        r = invoke([*path, "--help"])
+        assert r.exit_code == 0, (path, r.output)
+        assert r.stdout.startswith("Usage: "), (path, r.stdout)
+        assert " ".join(("memfuse", *path)) in r.stdout.splitlines()[0]
+    r = invoke(["store", "create", "--help"])
+    assert "MEMFUSE_DESCRIPTION" in r.stdout and "MEMFUSE_CONTROL_PLANE" in r.stdout
+    p = run(["--help"])
+    assert p.returncode == 0 and b"Usage: memfuse" in p.stdout
+    p = run(["mount", "--help"])
+    assert p.returncode == 0 and b"--control-plane" in p.stdout and b"MEMFUSE_COMMIT_WAIT" in p.stdout
+
+
+# ---------------------------------------------------------------- local mode
+
+
+def test_local_admin_commands(home):
+    r = invoke(["store", "create", "notes", "--description", "team notes", "--max-record-bytes", "512K",
+                "--default-type", "reference"])
+    assert r.exit_code == 0, r.output
+    assert dev_db_path() == home / "dev.db" and (home / "dev.db").exists()
+    r = invoke(["store", "list"])
+    assert r.exit_code == 0
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("notes "))
+    assert "reference" in line and "512 KiB" in line and "team notes" in line
+    r = invoke(["store", "update", "notes", "--max-records", "5", "--description", "renamed"])
+    assert r.exit_code == 0 and "0/5" in r.stdout and "renamed" in r.stdout
+    r = invoke(["store", "update", "notes"])
+    assert r.exit_code == 2  # nothing to update: usage error
+
+    assert invoke(["workspace", "create", "w1"]).exit_code == 0
+    r = invoke(["attach", "w1", "notes", "--read-only", "--instructions", "read first"])
+    assert r.exit_code == 0 and "read_only" in r.stdout
+    r = invoke(["workspace", "list"])
+    assert "notes (read_only)" in r.stdout
+    r = invoke(["context", "--workspace", "w1", "--mount-root", "/srv/mem"])
+    assert r.exit_code == 0 and "/srv/mem/notes" in r.stdout and "read first" in r.stdout
+
+    r = invoke(["token", "create", "--workspace", "w1", "--name", "bot"])
+    assert r.exit_code == 0
+    tok = r.stdout.strip()
+    assert tok and "\n" not in tok and "workspace w1" in r.stderr
+    r = invoke(["token", "create"])
+    assert r.exit_code == 0 and "admin" in r.stderr
+
+    r = invoke(["detach", "w1", "notes"])
+    assert r.exit_code == 0 and "detached" in r.stdout
+    r = invoke(["detach", "w1", "notes"])
+    assert r.exit_code == 1
+    assert_one_line_error(r.stderr)
+    assert "not attached" in r.stderr and "404" in r.stderr
+
+    r = invoke(["workspace", "create", "w1"])
+    assert r.exit_code == 1 and "exists" in r.stderr
+    r = invoke(["store", "create", "Bad Slug"])
+    assert r.exit_code == 2
+
+
+def test_env_vars_for_flags(home):
+    r = invoke(["store", "create", "envstore"], env={"MEMFUSE_DESCRIPTION": "from env",
+                                                     "MEMFUSE_DEFAULT_TYPE": "user"})
+    assert r.exit_code == 0, r.output
+    assert "from env" in r.stdout and "user" in r.stdout
+    assert invoke(["workspace", "create", "w2"]).exit_code == 0
+    r = invoke(["attach", "w2", "envstore"], env={"MEMFUSE_READ_ONLY": "1", "MEMFUSE_INSTRUCTIONS": "env instr"})
+    assert r.exit_code == 0 and "read_only" in r.stdout
+    # a flag's env var in a real subprocess
+    p = run(["context"], env_extra={"MEMFUSE_WORKSPACE": "w2"})
+    assert p.returncode == 0, p.stderr
+    assert b"envstore" in p.stdout and b"env instr" in p.stdout
+    # without it the required option is missing: usage error
+    p = run(["context"])
+    assert p.returncode == 2 and b"--workspace" in p.stderr
+
+
+async def _make_history(content_v2: str) -> str:
+    async with local_client() as api:
+        await ensure_dev_setup(api)
+        await api.create_record("default", "MEMORY.md", "- [a](notes/a.md): the note\n")
+        r = await api.create_record("default", "notes/a.md", "first\n")
+        await api.update_record("default", r.id, content_v2, if_match=r.sha256)
+        await api.delete_record("default", r.id)
+        return r.id
+
+
+def test_history_show_restore_subprocess(home):
+    v2 = "second — ünïcode\nno newline at end"
+    rid = trio.run(_make_history, v2)
+
+    p = run(["history", "default", "notes/a.md"])
+    assert p.returncode == 0, p.stderr
+    out = p.stdout.decode()
+    assert rid in out and "deleted" in out
+    rows = [ln.split() for ln in out.splitlines()[2:]]
+    assert [r[:2] for r in rows] == [["1", "created"], ["2", "modified"], ["3", "deleted"]]
+    assert all("ws:dev" in " ".join(r) or "admin:" in " ".join(r) for r in rows)
+
+    p = run(["show", "default", "notes/a.md", "--version", "2"])
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == v2.encode("utf-8")  # exactly, no added newline
+    p = run(["show", "default", "notes/a.md"])
+    assert p.returncode == 1 and b"deleted" in p.stderr
+    assert_one_line_error(p.stderr)
+
+    p = run(["restore", "default", "notes/a.md", "--version", "2"])
+    assert p.returncode == 0, p.stderr
+    assert b"now version 4" in p.stdout
+    p = run(["show", "default", "notes/a.md"])
+    assert p.returncode == 0 and p.stdout == v2.encode("utf-8")
+    p = run(["show", "default", "notes/a.md", "--version", "1"])
+    assert p.stdout == b"first\n"
+
+    p = run(["redact", "default", "notes/a.md", "--version", "1"])
+    assert p.returncode == 0, p.stderr
+    p = run(["show", "default", "notes/a.md", "--version", "1"])
+    assert p.returncode == 1 and b"redacted" in p.stderr
+
+    p = run(["context", "--workspace", "dev"])
+    assert p.returncode == 0 and b"the note" in p.stdout
+
+    p = run(["history", "default", "nope.md"])
+    assert p.returncode == 1 and b"no record at default/nope.md" in p.stderr
+    assert_one_line_error(p.stderr)
+    p = run(["history", "nostore", "x.md"])
+    assert p.returncode == 1
+    assert_one_line_error(p.stderr)
+    p = run(["restore", "default", "notes/a.md"])  # --version missing
+    assert p.returncode == 2
+
+
+def test_control_plane_errors_are_one_line(home, tmp_path):
+    p = run(["store", "list", "--control-plane", "http://127.0.0.1:9"])
+    assert p.returncode == 2 and b"no token" in p.stderr
+    tf = tmp_path / "tok"
+    tf.write_text("some-token\n")
+    p = run(["store", "list", "--control-plane", "http://127.0.0.1:9", "--token-file", str(tf)])
+    assert p.returncode == 1
+    assert_one_line_error(p.stderr)
+    assert b"unreachable" in p.stderr and b"some-token" not in p.stderr + p.stdout
+
+
+# ---------------------------------------------------------------- dev and mount (sidecar stubbed)
+
+
+def test_dev_sets_up_and_runs_sidecar_with_workspace_client(home, tmp_path, monkeypatch):
+    import memfuse.sidecar.mount as mount_mod
+
+    seen = {}
+
+    def fake_run_mount(config, client_factory):
+        seen["config"] = config
+
+        async def use():
+            async with client_factory() as api:
+                seen["attachments"] = [(a.store.slug, a.access.value) for a in await api.list_attachments("dev")]
+                if "actor" not in seen:
+                    r = await api.create_record("default", "from-sidecar.md", "hi")
+                    seen["actor"] = r.updated_by
+                with pytest.raises(Exception) as ei:
+                    await api.list_stores()  # workspace token, not admin
+                seen["list_stores_status"] = getattr(ei.value, "status", None)
+
+        trio.run(use)
+        return 0
+
+    monkeypatch.setattr(mount_mod, "run_mount", fake_run_mount)
+    mp = tmp_path / "mnt" / "memory"
+    r = invoke(["dev", str(mp)])
+    assert r.exit_code == 0, r.output
+    cfg = seen["config"]
+    assert mp.is_dir() and cfg.mountpoint == mp.resolve()
+    assert cfg.workspace == "dev" and cfg.cache_dir == home / "cache" / "dev"
+    assert seen["attachments"] == [("default", "read_write")]
+    assert seen["actor"] == "ws:dev/dev"
+    assert seen["list_stores_status"] == 403
+    assert str(mp.resolve()) in r.stderr and "Ctrl-C" in r.stderr
+
+    # idempotent: a second run works on the same database, and the record is there
+    assert invoke(["dev", str(mp)]).exit_code == 0
+    r = invoke(["show", "default", "from-sidecar.md"])
+    assert r.exit_code == 0 and r.stdout == "hi"
+    r = invoke(["store", "list"])
+    assert "default memory store" in r.stdout
+
+
+def test_mount_builds_config_and_client(home, tmp_path, monkeypatch):
+    import memfuse.sidecar.mount as mount_mod
+
+    seen = {}
+
+    def fake_run_mount(config, client_factory):
+        seen["config"] = config
+        seen["client"] = client_factory()
+        return 3
+
+    monkeypatch.setattr(mount_mod, "run_mount", fake_run_mount)
+    tf = tmp_path / "ws.token"
+    tf.write_text("ws-token-abc\n")
+    mp = tmp_path / "m"
+    r = invoke(["mount", str(mp), "--control-plane", "http://cp.example:8080/", "--workspace", "team",
+                "--token-file", str(tf), "--uid", "1000", "--gid", "1001", "--allow-other",
+                "--commit-wait", "2.5", "--admin-listen", "", "--instance", "pod-1"],
+               env={"MEMFUSE_DRAIN_TIMEOUT": "3", "MEMFUSE_FSYNC_TIMEOUT": "7"})
+    assert r.exit_code == 3, r.output  # run_mount's exit code is the command's
+    c = seen["config"]
+    assert (c.mountpoint, c.workspace, c.uid, c.gid, c.allow_other) == (mp.resolve(), "team", 1000, 1001, True)
+    assert (c.commit_wait, c.fsync_timeout, c.drain_timeout, c.admin_listen) == (2.5, 7.0, 3.0, None)
+    assert c.cache_dir.parent == home / "cache" and c.cache_dir.name.startswith("team-")
+    client = seen["client"]
+    assert isinstance(client, ApiClient)
+    assert client.base_url == "http://cp.example:8080" and client.instance == "pod-1"
+    assert client._http.headers["Authorization"] == "Bearer ws-token-abc"
+    trio.run(client.aclose)
+
+    r = invoke(["mount", str(mp), "--workspace", "team", "--token-file", str(tf)])
+    assert r.exit_code == 2 and "--control-plane" in r.output
+    r = invoke(["mount", str(mp), "--control-plane", "http://x", "--workspace", "team"])
+    assert r.exit_code == 2 and "no token" in r.output
+    r = invoke(["mount", str(mp), "--control-plane", "http://x", "--workspace", "Bad!", "--token-file", str(tf)])
+    assert r.exit_code == 2
+
+
+def test_status_reads_status_json(home, tmp_path):
+    mp = tmp_path / "mnt"
+    (mp / ".memfuse").mkdir(parents=True)
+    (mp / ".memfuse" / "status.json").write_text('{"ready": true, "outbox": {"depth": 0}}')
+    r = invoke(["status", str(mp)])
+    assert r.exit_code == 0 and '"ready": true' in r.stdout
+    r = invoke(["status", str(tmp_path / "nothing")])
+    assert r.exit_code == 1 and "no memfuse mount" in r.stderr
+
+
+# ---------------------------------------------------------------- memfuse serve
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, args: list[str], log: Path):
+        self.log = log
+        self._fh = open(log, "wb")
+        self.proc = subprocess.Popen([str(MEMFUSE), "serve", *args], stdout=self._fh, stderr=subprocess.STDOUT,
+                                     env=dict(os.environ))
+
+    def wait_ready(self, url: str, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log.read_text()
+            try:
+                if httpx.get(url + "/healthz", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError("memfuse serve did not start:\n" + self.log.read_text())
+
+    def stop(self) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self._fh.close()
+        return self.proc.returncode
+
+
+def test_serve_subprocess_and_remote_commands(home, tmp_path):
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    admin_file = tmp_path / "admin.token"
+    admin_file.write_text("admin-secret-token-1\n")
+    db = tmp_path / "serve.db"
+    server = Server(["--db", f"sqlite:///{db}", "--listen", f"127.0.0.1:{port}", "--admin-token-file", str(admin_file)],
+                    tmp_path / "serve.log")
+    try:
+        server.wait_ready(url)
+        cp = ["--control-plane", url, "--token-file", str(admin_file)]
+        p = run(["store", "create", "shared", "--description", "over http", *cp])
+        assert p.returncode == 0, p.stderr
+        p = run(["workspace", "create", "agents", *cp])
+        assert p.returncode == 0, p.stderr
+        p = run(["attach", "agents", "shared", *cp])
+        assert p.returncode == 0 and b"read_write" in p.stdout
+        p = run(["token", "create", "--workspace", "agents", "--name", "sidecar", *cp])
+        assert p.returncode == 0, p.stderr
+        ws_token = p.stdout.decode().strip()
+        ws_file = tmp_path / "ws.token"
+        ws_file.write_text(ws_token)
+
+        # env vars instead of flags; the raw token in MEMFUSE_TOKEN
+        p = run(["store", "list"], env_extra={"MEMFUSE_CONTROL_PLANE": url, "MEMFUSE_TOKEN": "admin-secret-token-1"})
+        assert p.returncode == 0 and b"over http" in p.stdout
+        # the local dev database is untouched
+        assert not (home / "dev.db").exists()
+
+        async def write():
+            async with ApiClient(url, ws_token, instance="remote-test") as api:
+                r = await api.create_record("shared", "MEMORY.md", "- remote index\n")
+                await api.update_record("shared", r.id, "- remote index v2\n", if_match=r.sha256)
+
+        trio.run(write)
+        wcp = ["--control-plane", url, "--token-file", str(ws_file)]
+        p = run(["history", "shared", "MEMORY.md", *wcp])
+        assert p.returncode == 0, p.stderr
+        assert b"ws:agents/remote-test" in p.stdout and b"modified" in p.stdout
+        p = run(["show", "shared", "MEMORY.md", "--version", "1", *wcp])
+        assert p.stdout == b"- remote index\n"
+        p = run(["restore", "shared", "MEMORY.md", "--version", "1", *wcp])
+        assert p.returncode == 0, p.stderr
+        p = run(["show", "shared", "MEMORY.md", *wcp])
+        assert p.stdout == b"- remote index\n"
+        p = run(["context", "--workspace", "agents", *wcp])
+        assert p.returncode == 0 and b"remote index" in p.stdout and b"over http" in p.stdout
+
+        # a workspace token may not do admin things: one-line 403
+        p = run(["store", "list", *wcp])
+        assert p.returncode == 1 and b"403" in p.stderr
+        assert_one_line_error(p.stderr)
+        assert ws_token.encode() not in p.stderr
+        bad = tmp_path / "bad.token"
+        bad.write_text("nope")
+        p = run(["store", "list", "--control-plane", url, "--token-file", str(bad)])
+        assert p.returncode == 1 and b"401" in p.stderr
+    finally:
+        rc = server.stop()
+    log = server.log.read_text()
+    assert rc == 0, log  # SIGTERM is a clean stop
+    assert "admin-secret-token-1" not in log
+    assert f"listening on http://127.0.0.1:{port}" in log
+
+
+def test_serve_generates_admin_token(home, tmp_path):
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = Server(["--listen", f"127.0.0.1:{port}"], tmp_path / "serve.log")
+    try:
+        server.wait_ready(url)
+        token_file = home / "admin.token"
+        assert token_file.exists()
+        assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+        assert str(token_file) in server.log.read_text()
+        p = run(["workspace", "create", "viaserve", "--control-plane", url, "--token-file", str(token_file)])
+        assert p.returncode == 0, p.stderr
+        # the default database is the dev database: local mode works on it while the server
+        # process has it open, and each side sees the other's writes
+        r = invoke(["workspace", "list"])
+        assert r.exit_code == 0 and "viaserve" in r.stdout
+        p = run(["store", "create", "vialocal"])
+        assert p.returncode == 0, p.stderr
+        p = run(["store", "list", "--control-plane", url, "--token-file", str(token_file)])
+        assert p.returncode == 0 and b"vialocal" in p.stdout
+    finally:
+        server.stop()
+    assert token_file.read_text().strip() not in server.log.read_text()
+
+
+def test_messages_for_exception_groups():
+    # trio may wrap a single failure in an ExceptionGroup: still one line, right message
+    from memfuse.client import NotFound
+
+    @cli.command("boom-test", hidden=True)
+    def boom():
+        raise BaseExceptionGroup("wrapped", [NotFound("x", status=404, code="store_not_found", detail="no store 'q'")])
+
+    try:
+        r = CliRunner().invoke(cli, ["boom-test"])
+        assert r.exit_code == 1 and r.stderr.strip() == "Error: no store 'q' (HTTP 404 store_not_found)"
+    finally:
+        cli.commands.pop("boom-test")
+    assert cli_mod.ByteSize().convert("1MiB", None, None) == 1 << 20
+    assert cli_mod.ByteSize().convert("2k", None, None) == 2048
+    assert cli_mod.ByteSize().convert("1MB", None, None) == 1_000_000
