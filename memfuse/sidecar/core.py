@@ -1,0 +1,829 @@
+"""The filesystem core: memfuse's namespace and file semantics, without FUSE (DESIGN.md §3–4).
+
+``Filesystem`` keeps the inode table of the one mount (root → one directory per attached store →
+directories implied by record paths → files), answers every lookup / getattr / readdir / read
+from memory and the local blob cache, applies writes locally at once, and turns flushed changes
+into outbox entries (``outbox.Committer``). The FUSE adapter (``fuse_ops``) is a thin layer that
+converts arguments and maps ``FsError`` to ``pyfuse3.FUSEError``.
+
+Concurrency: every method runs on the trio thread. Methods without ``await`` are atomic with
+respect to each other; the only awaits are in ``flush`` / ``fsync`` (waiting for the outbox),
+after all state changes are done, so no invariant is broken across an ``await``.
+
+Content: a clean file's bytes are in ``BlobCache`` (one file per sha256 under the cache
+directory); a file being written has a ``bytearray`` buffer on its node until flush, when the
+buffer is stored as a blob and an outbox ``put`` entry (which carries the bytes durably) is
+submitted.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import stat
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import trio
+
+from .. import names
+from ..models import Record, sha256_hex
+from .outbox import DELETE, MOVE, MOVE_PREFIX, PUT, Committer, Entry
+
+log = logging.getLogger("memfuse.fs")
+
+ROOT_INO = 1
+CONTROL_DIR = ".memfuse"
+CLEAN, PENDING, REJECTED = "clean", "pending", "rejected"
+
+
+class FsError(Exception):
+    """A refusal with an errno (``errno.E*``) and a reason for logs and ``errors.log``."""
+
+    def __init__(self, err: int, reason: str = "") -> None:
+        super().__init__(reason or os.strerror(err))
+        self.errno = err
+        self.reason = reason or os.strerror(err)
+
+
+class BlobCache:
+    """Content-addressed files ``<dir>/<sha[:2]>/<sha>``; writes are atomic (tmp + rename)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+
+    def path(self, sha: str) -> Path:
+        return self.root / sha[:2] / sha
+
+    def has(self, sha: str) -> bool:
+        return self.path(sha).exists()
+
+    def put(self, data: bytes, sha: str | None = None) -> str:
+        """Store ``data``; return its sha256. No fsync: durability is the outbox's job."""
+        sha = sha or sha256_hex(data)
+        p = self.path(sha)
+        if not p.exists():
+            p.parent.mkdir(exist_ok=True)
+            tmp = p.with_name(f".{sha}.{uuid.uuid4().hex[:8]}")
+            tmp.write_bytes(data)
+            os.replace(tmp, p)
+        return sha
+
+    def read(self, sha: str, off: int = 0, size: int = -1) -> bytes:
+        with open(self.path(sha), "rb") as f:
+            if off:
+                f.seek(off)
+            return f.read(size)
+
+
+@dataclass(eq=False)
+class Node:
+    """One inode. Directories have ``children``; files have content state.
+
+    ``key`` names the file in the outbox (``r:<record id>`` / ``n:<uuid>``); ``sha`` is the
+    blob of the current content when ``buf`` is None; ``base_sha`` the content the control
+    plane last acknowledged. ``local_only`` files never leave the sidecar.
+    """
+
+    ino: int
+    name: str
+    parent: "Node | None"
+    is_dir: bool
+    store: "StoreMount | None" = None
+    mode: int = 0
+    uid: int = 0
+    gid: int = 0
+    atime_ns: int = 0
+    mtime_ns: int = 0
+    ctime_ns: int = 0
+    children: dict[str, "Node"] | None = None
+    key: str = ""
+    record_id: str | None = None
+    version: int = 0
+    rtype: str | None = None
+    sha: str = ""
+    size: int = 0
+    buf: bytearray | None = None
+    dirty: bool = False
+    state: str = CLEAN
+    error: str = ""
+    local_only: bool = False
+    last_put: Entry | None = None
+    updated_at: str = ""
+    nlookup: int = 0
+    opened: int = 0
+    unlinked: bool = False
+    special: str = ""  # .memfuse control files: "status" / "errors"
+
+    def path(self) -> str:
+        """Store-relative path ``a/b.md`` ('' for a store root)."""
+        parts = []
+        n = self
+        while n.parent is not None and n.store is not None and n is not n.store.root:
+            parts.append(n.name)
+            n = n.parent
+        return "/".join(reversed(parts))
+
+    def cur_size(self) -> int:
+        return len(self.buf) if self.buf is not None else self.size
+
+
+@dataclass(eq=False)
+class StoreMount:
+    """One attached store as a directory at the mount root."""
+
+    slug: str
+    access: str
+    root: Node
+    max_record_bytes: int = 1 << 20
+    max_store_bytes: int = 64 << 20
+    max_records: int = 10_000
+
+    @property
+    def writable(self) -> bool:
+        return self.access == "read_write"
+
+
+@dataclass
+class Handle:
+    fh: int
+    node: Node
+    flags: int
+    is_dir: bool = False
+    entries: list[tuple[str, Node]] | None = None
+    modified: bool = False  # write(2) or ftruncate(2) through this handle since open
+
+
+@dataclass
+class Settings:
+    """Tunables of one mount (see ``MountConfig``). Times in seconds."""
+
+    uid: int = field(default_factory=os.getuid)
+    gid: int = field(default_factory=os.getgid)
+    commit_wait: float = 10.0
+    fsync_timeout: float = 60.0
+    local_only_patterns: tuple[str, ...] = names.DEFAULT_LOCAL_ONLY
+
+
+class Filesystem:
+    """The namespace and semantics of one memfuse mount (see module docstring)."""
+
+    def __init__(self, blobs: BlobCache, committer: Committer, settings: Settings | None = None,
+                 workspace: str = "", dirs_file: Path | None = None) -> None:
+        self.blobs = blobs
+        self.dirs_file = dirs_file
+        self.saved_dirs: dict[str, list[str]] = {}
+        if dirs_file is not None and dirs_file.exists():
+            try:
+                self.saved_dirs = json.loads(dirs_file.read_text())
+            except (OSError, ValueError):
+                log.warning("directory list in the cache is unreadable; empty directories "
+                            "made earlier are not restored", extra={"file": str(dirs_file)})
+        self.committer = committer
+        self.settings = settings or Settings()
+        self.workspace = workspace
+        self.inodes: dict[int, Node] = {}
+        self.by_key: dict[str, Node] = {}
+        self.handles: dict[int, Handle] = {}
+        self.stores: dict[str, StoreMount] = {}
+        self._next_ino = ROOT_INO
+        self._next_fh = 0
+        self.errors: deque[dict] = deque(maxlen=200)
+        self.started = time.time()
+        self.ready = False
+        now = time.time_ns()
+        self.root = self._new_node("", None, True, None, 0o555, now)
+        self.control = self._new_node(CONTROL_DIR, self.root, True, None, 0o555, now)
+        self._new_node("status.json", self.control, False, None, 0o444, now).special = "status"
+        self._new_node("errors.log", self.control, False, None, 0o444, now).special = "errors"
+        committer.on_result = self._on_commit
+
+    # ------------------------------------------------------------------ inode table
+    def _new_node(self, name: str, parent: Node | None, is_dir: bool, store: StoreMount | None,
+                  mode: int, now_ns: int, uid: int | None = None, gid: int | None = None) -> Node:
+        ino = self._next_ino
+        self._next_ino += 1
+        n = Node(ino=ino, name=name, parent=parent, is_dir=is_dir, store=store,
+                 mode=(stat.S_IFDIR if is_dir else stat.S_IFREG) | mode,
+                 uid=self.settings.uid if uid is None else uid,
+                 gid=self.settings.gid if gid is None else gid,
+                 atime_ns=now_ns, mtime_ns=now_ns, ctime_ns=now_ns,
+                 children={} if is_dir else None)
+        self.inodes[ino] = n
+        if parent is not None:
+            parent.children[name] = n
+        return n
+
+    def node(self, ino: int) -> Node:
+        """The node for ``ino``; raises ``FsError(ENOENT)`` for an unknown or forgotten one."""
+        try:
+            return self.inodes[ino]
+        except KeyError:
+            raise FsError(errno.ENOENT, f"unknown inode {ino}") from None
+
+    def _drop_if_unused(self, n: Node) -> None:
+        if n.unlinked and n.nlookup <= 0 and n.opened <= 0:
+            self.inodes.pop(n.ino, None)
+            if n.key and self.by_key.get(n.key) is n:
+                del self.by_key[n.key]
+
+    def forget(self, ino: int, nlookup: int) -> None:
+        n = self.inodes.get(ino)
+        if n is None or ino == ROOT_INO:
+            return
+        n.nlookup -= nlookup
+        self._drop_if_unused(n)
+
+    # ------------------------------------------------------------------ loading
+    def add_store(self, slug: str, access: str, records: list[Record], *,
+                  limits: dict | None = None, contents: dict[str, bytes] | None = None) -> StoreMount:
+        """Put one attached store under the root, built from a snapshot of its live records.
+
+        ``contents`` maps record id → bytes for records whose blob is not already cached.
+        """
+        now = time.time_ns()
+        root = self._new_node(slug, self.root, True, None, 0o755, now)
+        sm = StoreMount(slug=slug, access=access, root=root, **(limits or {}))
+        root.store = sm
+        self.stores[slug] = sm
+        for rec in records:
+            data = (contents or {}).get(rec.id)
+            if data is None and rec.content is not None:
+                data = rec.content.encode("utf-8")
+            if data is not None:
+                self.blobs.put(data, rec.sha256)
+            elif not self.blobs.has(rec.sha256):
+                log.error("record content missing from snapshot and cache; skipped",
+                          extra={"store": slug, "record": rec.id})
+                continue
+            self._insert_record(sm, rec)
+        for path in self.saved_dirs.get(slug, []):
+            self._ensure_dir(sm, path.split("/"), now)
+        return sm
+
+    def _ensure_dir(self, sm: StoreMount, parts: list[str], ts: int) -> Node | None:
+        d = sm.root
+        for comp in parts:
+            child = d.children.get(comp)
+            if child is None:
+                child = self._new_node(comp, d, True, sm, 0o755, ts)
+            elif not child.is_dir:
+                return None
+            d = child
+        return d
+
+    def save_dirs(self) -> None:
+        """Persist every directory path of every store (``dirs.json`` in the cache), so a
+        directory made by mkdir and still empty survives a restart of the sidecar. Atomic
+        (tmp + rename); directories holding records are implied by them anyway."""
+        if self.dirs_file is None:
+            return
+        out: dict[str, list[str]] = {}
+        for slug, sm in self.stores.items():
+            paths: list[str] = []
+            stack = [sm.root]
+            while stack:
+                d = stack.pop()
+                for c in d.children.values():
+                    if c.is_dir:
+                        paths.append(c.path())
+                        stack.append(c)
+            out[slug] = sorted(paths)
+        self.saved_dirs = out
+        tmp = self.dirs_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(out))
+        os.replace(tmp, self.dirs_file)
+
+    def _insert_record(self, sm: StoreMount, rec: Record) -> Node:
+        parts = rec.path.split("/")
+        d = sm.root
+        ts = int(rec.updated_at.timestamp() * 1e9)
+        for comp in parts[:-1]:
+            child = d.children.get(comp)
+            if child is None:
+                child = self._new_node(comp, d, True, sm, 0o755, ts)
+            elif not child.is_dir:
+                log.error("record path crosses a file; skipped", extra={"store": sm.slug, "record": rec.id})
+                return child
+            d = child
+        n = self._new_node(parts[-1], d, False, sm, 0o644, ts)
+        self._set_clean(n, rec)
+        n.key = "r:" + rec.id
+        self.by_key[n.key] = n
+        self.committer.keymap.setdefault(n.key, (rec.id, rec.sha256))
+        return n
+
+    def _set_clean(self, n: Node, rec: Record) -> None:
+        n.record_id, n.version, n.rtype = rec.id, rec.version, rec.type
+        n.sha, n.size, n.state, n.error = rec.sha256, rec.size, CLEAN, ""
+        n.updated_at = rec.updated_at.isoformat()
+
+    # ------------------------------------------------------------------ checks
+    def _store_of(self, n: Node) -> StoreMount:
+        if n.store is None:
+            raise FsError(errno.EACCES, "the mount root and .memfuse are read-only")
+        return n.store
+
+    def _writable_dir(self, d: Node) -> StoreMount:
+        if not d.is_dir:
+            raise FsError(errno.ENOTDIR)
+        sm = self._store_of(d)
+        if not sm.writable:
+            raise FsError(errno.EROFS, f"store {sm.slug} is attached read-only")
+        return sm
+
+    def _check_name(self, d: Node, name: bytes) -> str:
+        try:
+            s = names.check_component(name)
+        except names.NameError_ as e:
+            self.refuse(d, name.decode("utf-8", "replace"),
+                        errno.ENAMETOOLONG if e.too_long else errno.EINVAL, e.reason)
+        path = (d.path() + "/" + s) if d.path() else s
+        if not self.is_local_only(s):
+            try:
+                names.check_path(path)
+            except names.NameError_ as e:
+                self.refuse(d, s, errno.ENAMETOOLONG if e.too_long else errno.EINVAL, e.reason)
+        return s
+
+    def is_local_only(self, name: str) -> bool:
+        return names.is_local_only(name, self.settings.local_only_patterns)
+
+    def refuse(self, where: Node, name: str, err: int, reason: str) -> None:
+        """Record a refusal in ``errors.log`` and raise it as ``FsError``."""
+        self.note_error(where, name, err, reason)
+        raise FsError(err, reason)
+
+    def note_error(self, where: Node | None, name: str, err: int, reason: str) -> None:
+        store = where.store.slug if where is not None and where.store else ""
+        base = where.path() if where is not None and where.store else ""
+        path = f"{base}/{name}" if base and name else (name or base)
+        self.errors.append({"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                            "store": store, "path": path, "errno": errno.errorcode.get(err, str(err)),
+                            "reason": reason})
+        log.warning("refused", extra={"store": store, "path": path,
+                                      "errno": errno.errorcode.get(err, str(err)), "reason": reason})
+
+    # ------------------------------------------------------------------ lookups
+    def lookup(self, parent_ino: int, name: bytes) -> Node | None:
+        """The child named ``name`` or None; ``.``/``..`` resolve. Counts a lookup when found."""
+        d = self.node(parent_ino)
+        if not d.is_dir:
+            raise FsError(errno.ENOTDIR)
+        if name == b".":
+            n = d
+        elif name == b"..":
+            n = d.parent or d
+        else:
+            try:
+                n = d.children.get(name.decode("utf-8"))
+            except UnicodeDecodeError:
+                return None
+        if n is not None:
+            n.nlookup += 1
+        return n
+
+    def listdir(self, d: Node) -> list[tuple[str, Node]]:
+        if not d.is_dir:
+            raise FsError(errno.ENOTDIR)
+        return sorted(d.children.items())
+
+    def nlink(self, n: Node) -> int:
+        if not n.is_dir:
+            return 0 if n.unlinked else 1
+        return 2 + sum(1 for c in n.children.values() if c.is_dir)
+
+    # ------------------------------------------------------------------ content
+    def read(self, n: Node, off: int, size: int) -> bytes:
+        if n.special:
+            data = self.special_content(n)
+            return data[off:off + size]
+        if n.buf is not None:
+            return bytes(n.buf[off:off + size])
+        if off >= n.size or not n.sha:
+            return b""
+        return self.blobs.read(n.sha, off, size)
+
+    def _content(self, n: Node) -> bytes:
+        if n.buf is not None:
+            return bytes(n.buf)
+        return self.blobs.read(n.sha) if n.sha else b""
+
+    def _make_buf(self, n: Node) -> bytearray:
+        if n.buf is None:
+            n.buf = bytearray(self._content(n))
+        return n.buf
+
+    def _check_size(self, n: Node, size: int) -> None:
+        sm = n.store
+        if sm is not None and size > sm.max_record_bytes and not n.local_only:
+            self.note_error(n.parent, n.name, errno.EFBIG,
+                            f"record would be {size} bytes, limit {sm.max_record_bytes}")
+            raise FsError(errno.EFBIG, "record too large")
+
+    def write(self, h: Handle, off: int, data: bytes) -> int:
+        n = h.node
+        if not (h.flags & (os.O_WRONLY | os.O_RDWR)):
+            raise FsError(errno.EBADF)
+        buf = self._make_buf(n)
+        if h.flags & os.O_APPEND:
+            off = len(buf)
+        end = off + len(data)
+        self._check_size(n, end)
+        if off > len(buf):
+            buf.extend(b"\0" * (off - len(buf)))
+        buf[off:end] = data
+        self._touch_content(n)
+        h.modified = True
+        return len(data)
+
+    def truncate(self, n: Node, size: int) -> None:
+        if n.is_dir:
+            raise FsError(errno.EISDIR)
+        if n.special:
+            raise FsError(errno.EACCES)
+        self._check_writable_file(n)
+        self._check_size(n, size)
+        buf = self._make_buf(n)
+        if size < len(buf):
+            del buf[size:]
+        else:
+            buf.extend(b"\0" * (size - len(buf)))
+        self._touch_content(n)
+
+    def _touch_content(self, n: Node) -> None:
+        n.dirty = True
+        now = time.time_ns()
+        n.mtime_ns = n.ctime_ns = now
+
+    def _check_writable_file(self, n: Node) -> None:
+        sm = self._store_of(n)
+        if not sm.writable:
+            raise FsError(errno.EROFS, f"store {sm.slug} is attached read-only")
+
+    # ------------------------------------------------------------------ open / create
+    def open(self, ino: int, flags: int) -> Handle:
+        n = self.node(ino)
+        if n.is_dir:
+            raise FsError(errno.EISDIR)
+        writing = flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC)
+        if writing:
+            if n.special:
+                raise FsError(errno.EACCES, ".memfuse files are read-only")
+            self._check_writable_file(n)
+        if flags & os.O_TRUNC and n.cur_size() > 0:
+            n.buf = bytearray()
+            self._touch_content(n)
+        elif flags & os.O_TRUNC:
+            n.dirty = True  # opening with O_TRUNC is a write, even of nothing
+        return self._new_handle(n, flags)
+
+    def _new_handle(self, n: Node, flags: int) -> Handle:
+        self._next_fh += 1
+        h = Handle(self._next_fh, n, flags)
+        self.handles[h.fh] = h
+        n.opened += 1
+        return h
+
+    def handle(self, fh: int) -> Handle:
+        try:
+            return self.handles[fh]
+        except KeyError:
+            raise FsError(errno.EBADF) from None
+
+    def create(self, parent_ino: int, name: bytes, mode: int, flags: int, uid: int, gid: int) -> Handle:
+        d = self.node(parent_ino)
+        sm = self._writable_dir(d)
+        s = self._check_name(d, name)
+        if s in d.children:
+            raise FsError(errno.EEXIST)
+        local = self.is_local_only(s)
+        if not local and self._live_records(sm) >= sm.max_records:
+            self.refuse(d, s, errno.ENOSPC, f"store {sm.slug} holds {sm.max_records} records, its limit")
+        n = self._new_node(s, d, False, sm, stat.S_IMODE(mode), time.time_ns(), uid, gid)
+        n.local_only = local
+        n.key = "n:" + uuid.uuid4().hex
+        self.by_key[n.key] = n
+        n.buf = bytearray()
+        n.dirty = not local
+        n.nlookup += 1
+        self._touch_dir(d)
+        return self._new_handle(n, flags)
+
+    def _live_records(self, sm: StoreMount) -> int:
+        count = 0
+        stack = [sm.root]
+        while stack:
+            d = stack.pop()
+            for c in d.children.values():
+                if c.is_dir:
+                    stack.append(c)
+                elif not c.local_only:
+                    count += 1
+        return count
+
+    def _touch_dir(self, d: Node) -> None:
+        d.mtime_ns = d.ctime_ns = time.time_ns()
+
+    # ------------------------------------------------------------------ flush / fsync / release
+    def commit(self, n: Node) -> Entry | None:
+        """Turn a dirty file into an accepted change (outbox ``put``); None when nothing to do."""
+        if not n.dirty or n.is_dir or n.special:
+            return None
+        n.dirty = False
+        if n.local_only or n.unlinked:
+            return None
+        data = bytes(n.buf if n.buf is not None else b"")
+        n.sha = self.blobs.put(data)
+        n.size = len(data)
+        n.buf = None
+        e = self.committer.submit(n.store.slug, PUT, n.key, {"path": n.path(), "type": None}, data)
+        n.last_put = e
+        n.state, n.error = PENDING, ""
+        return e
+
+    async def flush(self, h: Handle) -> None:
+        """close(2): commit a dirty file; wait up to ``commit_wait`` s for the control plane.
+
+        Raises ``FsError`` with the refusal's errno when the control plane refused the content
+        for good (the content stays here, ``state=rejected``). A transient failure is not an
+        error: the write stays accepted and the outbox retries (DESIGN §4).
+        """
+        n = h.node
+        if not h.flags & (os.O_WRONLY | os.O_RDWR) and not n.dirty:
+            return  # a reader's close never waits for someone else's commit
+        if n.dirty and not h.modified:
+            # Nothing was written through this handle yet: the file is only created or
+            # truncated at open. A shell redirection (`echo x > f`) opens, dup2()s and closes
+            # the first descriptor before writing; committing here would make an empty
+            # version. The commit happens at the final flush after a write, or at release.
+            return
+        e = self.commit(n)
+        if e is None:
+            e = n.last_put if n.state == PENDING else None
+            if e is None:
+                return
+        await e.durable.wait()
+        with trio.move_on_after(self.settings.commit_wait):
+            await e.done.wait()
+        if e.done.is_set() and e.errno:
+            raise FsError(e.errno, e.reason)
+
+    async def fsync(self, h: Handle) -> None:
+        """fsync(2): commit and wait for the control plane's acknowledgement; ``EIO`` after
+        ``fsync_timeout`` s (the write stays accepted)."""
+        n = h.node
+        e = self.commit(n) or (n.last_put if n.state == PENDING else None)
+        if e is None:
+            return
+        await e.durable.wait()
+        with trio.move_on_after(self.settings.fsync_timeout):
+            await e.done.wait()
+        if not e.done.is_set():
+            raise FsError(errno.EIO, "control plane did not acknowledge within fsync timeout")
+        if e.errno:
+            raise FsError(e.errno, e.reason)
+
+    def release(self, fh: int) -> None:
+        h = self.handles.pop(fh, None)
+        if h is None:
+            return
+        n = h.node
+        n.opened -= 1
+        if n.dirty:  # flush was not called (or failed): never drop the write
+            self.commit(n)
+        self._drop_if_unused(n)
+
+    def _on_commit(self, e: Entry) -> None:
+        if e.op == MOVE_PREFIX or e.node_key is None:
+            return
+        n = self.by_key.get(e.node_key)
+        if e.op == PUT:
+            if e.errno:
+                self.note_error(n.parent if n else None, n.name if n else e.args.get("path", ""),
+                                e.errno, e.reason)
+            if n is None or n.last_put is not e:
+                return
+            if e.errno:
+                n.state, n.error = REJECTED, e.reason
+            elif e.record is not None:
+                n.record_id, n.version, n.rtype = e.record.id, e.record.version, e.record.type
+                n.updated_at = e.record.updated_at.isoformat()
+                n.state, n.error = CLEAN, ""
+        elif e.op == MOVE and n is not None and e.record is not None:
+            n.record_id, n.version = e.record.id, e.record.version
+        elif e.op == DELETE and e.errno:
+            self.note_error(None, e.args.get("path", ""), e.errno, e.reason)
+
+    # ------------------------------------------------------------------ attributes
+    def setattr(self, n: Node, *, size: int | None = None, mode: int | None = None,
+                uid: int | None = None, gid: int | None = None, atime_ns: int | None = None,
+                mtime_ns: int | None = None) -> None:
+        if n.special or n is self.root or n is self.control:
+            raise FsError(errno.EACCES, "read-only")
+        if size is not None:
+            self.truncate(n, size)
+        if n.store is not None and not n.store.writable and (mode or uid or gid or atime_ns or mtime_ns):
+            raise FsError(errno.EROFS)
+        if mode is not None:
+            n.mode = stat.S_IFMT(n.mode) | stat.S_IMODE(mode)
+        if uid is not None and uid != -1 & 0xFFFFFFFF:
+            n.uid = uid
+        if gid is not None and gid != -1 & 0xFFFFFFFF:
+            n.gid = gid
+        if atime_ns is not None:
+            n.atime_ns = atime_ns
+        if mtime_ns is not None:
+            n.mtime_ns = mtime_ns
+        n.ctime_ns = time.time_ns()
+
+    # ------------------------------------------------------------------ namespace changes
+    def mkdir(self, parent_ino: int, name: bytes, mode: int, uid: int, gid: int) -> Node:
+        d = self.node(parent_ino)
+        sm = self._writable_dir(d)
+        s = self._check_name(d, name)
+        if s in d.children:
+            raise FsError(errno.EEXIST)
+        n = self._new_node(s, d, True, sm, stat.S_IMODE(mode), time.time_ns(), uid, gid)
+        n.nlookup += 1
+        self._touch_dir(d)
+        self.save_dirs()
+        return n
+
+    def _child(self, d: Node, name: bytes) -> Node:
+        if not d.is_dir:
+            raise FsError(errno.ENOTDIR)
+        n = d.children.get(name.decode("utf-8", "surrogateescape"))
+        if n is None:
+            raise FsError(errno.ENOENT)
+        return n
+
+    def _detach(self, n: Node) -> None:
+        del n.parent.children[n.name]
+        self._touch_dir(n.parent)
+        n.unlinked = True
+        n.ctime_ns = time.time_ns()
+        self._drop_if_unused(n)
+
+    def unlink(self, parent_ino: int, name: bytes) -> None:
+        d = self.node(parent_ino)
+        sm = self._writable_dir(d)
+        n = self._child(d, name)
+        if n.is_dir:
+            raise FsError(errno.EISDIR)
+        if not n.local_only:
+            self.committer.submit(sm.slug, DELETE, n.key, {"path": n.path()})
+        n.dirty = False
+        self._detach(n)
+
+    def rmdir(self, parent_ino: int, name: bytes) -> None:
+        d = self.node(parent_ino)
+        self._writable_dir(d)
+        n = self._child(d, name)
+        if not n.is_dir:
+            raise FsError(errno.ENOTDIR)
+        if n.children:
+            raise FsError(errno.ENOTEMPTY)
+        self._detach(n)
+        self.save_dirs()
+
+    def _has_remote(self, d: Node) -> bool:
+        for c in d.children.values():
+            if (c.is_dir and self._has_remote(c)) or (not c.is_dir and not c.local_only):
+                return True
+        return False
+
+    def _walk_files(self, d: Node) -> Iterator[Node]:
+        for c in d.children.values():
+            if c.is_dir:
+                yield from self._walk_files(c)
+            else:
+                yield c
+
+    def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes,
+               flags: int) -> None:
+        """rename(2) / renameat2(2) with ``RENAME_NOREPLACE`` (1); ``RENAME_EXCHANGE`` (2) →
+        ``EINVAL``. Applied locally at once; the control plane learns it through the outbox."""
+        if flags & 2:
+            raise FsError(errno.EINVAL, "RENAME_EXCHANGE is not supported")
+        od, nd = self.node(old_parent), self.node(new_parent)
+        sm = self._writable_dir(od)
+        sm2 = self._writable_dir(nd)
+        src = self._child(od, old_name)
+        if sm is not sm2:
+            raise FsError(errno.EXDEV)
+        s = self._check_name(nd, new_name)
+        dst = nd.children.get(s)
+        if dst is src:
+            return
+        if dst is not None and flags & 1:
+            raise FsError(errno.EEXIST)
+        if src.is_dir:
+            a = nd
+            while a is not None:  # a directory cannot move into itself
+                if a is src:
+                    raise FsError(errno.EINVAL, "cannot move a directory into itself")
+                a = a.parent
+            if dst is not None:
+                if not dst.is_dir:
+                    raise FsError(errno.ENOTDIR)
+                if dst.children:
+                    raise FsError(errno.ENOTEMPTY)
+        elif dst is not None and dst.is_dir:
+            raise FsError(errno.EISDIR)
+
+        old_path = src.path()
+        new_path = (nd.path() + "/" + s) if nd.path() else s
+        commit_after = False
+        if src.is_dir:
+            if self._has_remote(src):
+                self.committer.submit(sm.slug, MOVE_PREFIX, None, {"from": old_path, "to": new_path})
+        else:
+            commit_after = self._rename_file_remote(sm, src, dst, s, old_path, new_path)
+        if dst is not None:
+            dst.dirty = False
+            self._detach(dst)
+        del od.children[src.name]
+        self._touch_dir(od)
+        src.name, src.parent = s, nd
+        nd.children[s] = src
+        self._touch_dir(nd)
+        src.ctime_ns = time.time_ns()
+        if src.is_dir:
+            self.save_dirs()
+        if commit_after and src.opened == 0:
+            self.commit(src)
+
+    def _rename_file_remote(self, sm: StoreMount, src: Node, dst: Node | None, s: str,
+                            old_path: str, new_path: str) -> bool:
+        """Queue the outbox entries of a file rename; True when the file must be committed
+        under its new name once the local rename is done."""
+        to_local = self.is_local_only(s)
+        if src.local_only and to_local:
+            return False
+        if src.local_only:
+            # a temporary becomes a real file: its content goes to the target's record
+            if dst is not None and not dst.local_only:
+                self.by_key.pop(src.key, None)
+                src.key = dst.key
+                self.by_key[src.key] = src
+                src.record_id = dst.record_id
+            src.local_only = False
+            src.dirty = True
+            return True
+        if to_local:
+            self.committer.submit(sm.slug, DELETE, src.key, {"path": old_path})
+            src.local_only = True
+            return False
+        if src.dirty and src.opened == 0:
+            self.commit(src)
+        args = {"path": old_path, "to": new_path, "replace": dst is not None and not dst.local_only}
+        if dst is not None and not dst.local_only:
+            args["target_key"] = dst.key
+        self.committer.submit(sm.slug, MOVE, src.key, args)
+        return False
+
+    # ------------------------------------------------------------------ xattrs
+    XATTRS = ("id", "version", "sha256", "state", "updated_at", "error", "type")
+
+    def getxattr(self, n: Node, name: str) -> bytes:
+        if not name.startswith("user.memfuse."):
+            raise FsError(errno.ENODATA)
+        key = name[len("user.memfuse."):]
+        if n.is_dir or n.special or key not in self.XATTRS:
+            raise FsError(errno.ENODATA)
+        value = {"id": n.record_id or "", "version": str(n.version) if n.record_id else "",
+                 "sha256": n.sha if n.buf is None else sha256_hex(bytes(n.buf)),
+                 "state": n.state, "updated_at": n.updated_at, "error": n.error,
+                 "type": n.rtype or ""}[key]
+        if not value and key not in ("error",):
+            raise FsError(errno.ENODATA)
+        return value.encode("utf-8")
+
+    # ------------------------------------------------------------------ status
+    def status(self) -> dict:
+        """The sidecar's status (``.memfuse/status.json``, admin ``/v1/status``)."""
+        return {
+            "workspace": self.workspace,
+            "ready": self.ready,
+            "uptime_s": round(time.time() - self.started, 1),
+            "stores": [{"slug": s.slug, "access": s.access, "records": self._live_records(s)}
+                       for s in self.stores.values()],
+            "outbox": {"depth": self.committer.depth(),
+                       "oldest_age_s": round(self.committer.oldest_age(), 3),
+                       "committed": self.committer.committed, "refused": self.committer.refused,
+                       "retries": self.committer.retries},
+            "open_handles": len(self.handles),
+            "inodes": len(self.inodes),
+        }
+
+    def special_content(self, n: Node) -> bytes:
+        if n.special == "status":
+            return (json.dumps(self.status(), indent=2) + "\n").encode()
+        return "".join(json.dumps(e) + "\n" for e in self.errors).encode()

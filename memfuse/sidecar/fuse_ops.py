@@ -1,0 +1,278 @@
+"""The FUSE adapter: ``pyfuse3.Operations`` over ``core.Filesystem``.
+
+Each handler converts arguments, calls the core, and builds replies. Every handler is wrapped
+(``_guard``): ``FsError`` becomes ``FUSEError(errno)``; any other exception is logged with a
+traceback and becomes ``FUSEError(EIO)``, because an uncaught exception would kill the whole
+mount (PYFUSE3-NOTES "Process and errors"). Metrics per operation are counted here too.
+
+Kernel settings (PYFUSE3-NOTES "Kernel settings"): entry and attribute timeouts are long
+(``CACHE_TIMEOUT``, the sidecar invalidates what changes remotely), absent names are cached as
+negative entries, file pages are kept across opens (``keep_cache``), the writeback cache is off.
+"""
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+import stat
+import time
+from collections import Counter
+
+import pyfuse3
+
+from .core import CONTROL_DIR, FsError, Filesystem, Node
+
+log = logging.getLogger("memfuse.fuse")
+
+CACHE_TIMEOUT = 300.0  # seconds; see module docstring
+BLOCK = 4096
+
+
+def _guard(fn):
+    name = fn.__name__
+
+    @functools.wraps(fn)
+    async def wrapper(self, *args, **kwargs):
+        self.op_counts[name] += 1
+        t0 = time.perf_counter()
+        try:
+            return await fn(self, *args, **kwargs)
+        except pyfuse3.FUSEError:
+            self.op_errors[name] += 1
+            raise
+        except FsError as e:
+            self.op_errors[name] += 1
+            raise pyfuse3.FUSEError(e.errno) from None
+        except Exception:
+            self.op_errors[name] += 1
+            log.exception("unexpected error in FUSE handler; answered EIO", extra={"op": name})
+            raise pyfuse3.FUSEError(errno.EIO) from None
+        finally:
+            self.op_seconds[name] += time.perf_counter() - t0
+
+    return wrapper
+
+
+class MemfuseOps(pyfuse3.Operations):
+    """pyfuse3 operations of one memfuse mount (see module docstring)."""
+
+    supports_dot_lookup = True
+    enable_writeback_cache = False
+    enable_acl = False
+
+    def __init__(self, fs: Filesystem) -> None:
+        super().__init__()
+        self.fs = fs
+        self.op_counts: Counter[str] = Counter()
+        self.op_errors: Counter[str] = Counter()
+        self.op_seconds: Counter[str] = Counter()
+
+    # ------------------------------------------------------------------ attributes
+    def attrs(self, n: Node) -> pyfuse3.EntryAttributes:
+        a = pyfuse3.EntryAttributes()
+        a.st_ino = n.ino
+        a.generation = 0
+        volatile = bool(n.special) or n is self.fs.control
+        a.entry_timeout = 0 if volatile else CACHE_TIMEOUT
+        a.attr_timeout = 0 if volatile else CACHE_TIMEOUT
+        a.st_mode = n.mode
+        a.st_nlink = self.fs.nlink(n)
+        a.st_uid = n.uid
+        a.st_gid = n.gid
+        a.st_rdev = 0
+        size = 0 if n.special else (BLOCK if n.is_dir else n.cur_size())
+        a.st_size = size
+        a.st_blksize = BLOCK
+        a.st_blocks = (size + 511) // 512
+        a.st_atime_ns = n.atime_ns
+        a.st_mtime_ns = n.mtime_ns
+        a.st_ctime_ns = n.ctime_ns
+        return a
+
+    def _negative(self) -> pyfuse3.EntryAttributes:
+        a = pyfuse3.EntryAttributes()
+        a.st_ino = 0
+        a.entry_timeout = CACHE_TIMEOUT
+        return a
+
+    @_guard
+    async def lookup(self, parent_inode, name, ctx):
+        n = self.fs.lookup(parent_inode, name)
+        if n is None:
+            parent = self.fs.node(parent_inode)
+            if parent is self.fs.root or parent is self.fs.control:
+                raise FsError(errno.ENOENT)  # store set can change: never cache absence here
+            return self._negative()
+        return self.attrs(n)
+
+    @_guard
+    async def getattr(self, inode, ctx):
+        return self.attrs(self.fs.node(inode))
+
+    @_guard
+    async def setattr(self, inode, attr, fields, fh, ctx):
+        n = self.fs.node(inode)
+        if fh is not None and fields.update_size:
+            self.fs.handle(fh).modified = True
+        self.fs.setattr(
+            n,
+            size=attr.st_size if fields.update_size else None,
+            mode=attr.st_mode if fields.update_mode else None,
+            uid=attr.st_uid if fields.update_uid else None,
+            gid=attr.st_gid if fields.update_gid else None,
+            atime_ns=attr.st_atime_ns if fields.update_atime else None,
+            mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
+        )
+        return self.attrs(n)
+
+    @_guard
+    async def forget(self, inode_list):
+        for ino, nlookup in inode_list:
+            self.fs.forget(ino, nlookup)
+
+    # ------------------------------------------------------------------ directories
+    @_guard
+    async def opendir(self, inode, ctx):
+        n = self.fs.node(inode)
+        if not n.is_dir:
+            raise FsError(errno.ENOTDIR)
+        h = self.fs._new_handle(n, os.O_RDONLY)
+        h.is_dir = True
+        return h.fh
+
+    @_guard
+    async def readdir(self, fh, start_id, token):
+        h = self.fs.handle(fh)
+        if start_id == 0 or h.entries is None:
+            h.entries = self.fs.listdir(h.node)
+        for i in range(start_id, len(h.entries)):
+            name, child = h.entries[i]
+            if child.unlinked:
+                continue
+            if not pyfuse3.readdir_reply(token, name.encode("utf-8"), self.attrs(child), i + 1):
+                break
+            child.nlookup += 1
+
+    @_guard
+    async def releasedir(self, fh):
+        self.fs.release(fh)
+
+    @_guard
+    async def fsyncdir(self, fh, datasync):
+        return None
+
+    @_guard
+    async def mkdir(self, parent_inode, name, mode, ctx):
+        return self.attrs(self.fs.mkdir(parent_inode, name, mode, ctx.uid, ctx.gid))
+
+    @_guard
+    async def rmdir(self, parent_inode, name, ctx):
+        self.fs.rmdir(parent_inode, name)
+
+    @_guard
+    async def unlink(self, parent_inode, name, ctx):
+        self.fs.unlink(parent_inode, name)
+
+    @_guard
+    async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
+        self.fs.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
+
+    @_guard
+    async def symlink(self, parent_inode, name, target, ctx):
+        raise FsError(errno.EPERM, "symlinks are not supported")
+
+    @_guard
+    async def link(self, inode, new_parent_inode, new_name, ctx):
+        raise FsError(errno.EPERM, "hard links are not supported")
+
+    @_guard
+    async def mknod(self, parent_inode, name, mode, rdev, ctx):
+        if stat.S_ISREG(mode):
+            fi, attrs = await self._create(parent_inode, name, mode, os.O_WRONLY, ctx)
+            self.fs.release(fi.fh)
+            return attrs
+        raise FsError(errno.EPERM, "special files are not supported")
+
+    # ------------------------------------------------------------------ files
+    @_guard
+    async def open(self, inode, flags, ctx):
+        h = self.fs.open(inode, flags)
+        if h.node.special:
+            return pyfuse3.FileInfo(fh=h.fh, direct_io=True, keep_cache=False)
+        return pyfuse3.FileInfo(fh=h.fh, keep_cache=True)
+
+    async def _create(self, parent_inode, name, mode, flags, ctx):
+        h = self.fs.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid)
+        return pyfuse3.FileInfo(fh=h.fh, keep_cache=True), self.attrs(h.node)
+
+    @_guard
+    async def create(self, parent_inode, name, mode, flags, ctx):
+        return await self._create(parent_inode, name, mode, flags, ctx)
+
+    @_guard
+    async def read(self, fh, off, size):
+        h = self.fs.handle(fh)
+        return self.fs.read(h.node, off, size)
+
+    @_guard
+    async def write(self, fh, off, buf):
+        return self.fs.write(self.fs.handle(fh), off, buf)
+
+    @_guard
+    async def flush(self, fh):
+        await self.fs.flush(self.fs.handle(fh))
+
+    @_guard
+    async def fsync(self, fh, datasync):
+        await self.fs.fsync(self.fs.handle(fh))
+
+    @_guard
+    async def release(self, fh):
+        self.fs.release(fh)
+
+    # ------------------------------------------------------------------ misc
+    @_guard
+    async def statfs(self, ctx):
+        s = pyfuse3.StatvfsData()
+        stores = list(self.fs.stores.values())
+        total = sum(sm.max_store_bytes for sm in stores) or (64 << 20)
+        used = sum(n.cur_size() for n in self.fs.inodes.values()
+                   if not n.is_dir and not n.special and not n.unlinked and not n.local_only)
+        files = sum(sm.max_records for sm in stores) or 10_000
+        nfiles = sum(self.fs._live_records(sm) for sm in stores)
+        s.f_bsize = BLOCK
+        s.f_frsize = BLOCK
+        s.f_blocks = total // BLOCK
+        s.f_bfree = max(0, total - used) // BLOCK
+        s.f_bavail = s.f_bfree
+        s.f_files = files
+        s.f_ffree = max(0, files - nfiles)
+        s.f_favail = s.f_ffree
+        s.f_namemax = 255
+        return s
+
+    @_guard
+    async def getxattr(self, inode, name, ctx):
+        return self.fs.getxattr(self.fs.node(inode), name.decode("utf-8", "replace"))
+
+    @_guard
+    async def listxattr(self, inode, ctx):
+        return []
+
+    @_guard
+    async def setxattr(self, inode, name, value, ctx):
+        n = self.fs.node(inode)
+        key = name.decode("utf-8", "replace")
+        if key == "user.memfuse.type":
+            raise FsError(errno.ENOTSUP, "setting the type is not available yet")
+        if key.startswith("user.memfuse."):
+            raise FsError(errno.EPERM, f"{key} is read-only")
+        raise FsError(errno.ENOTSUP)
+
+    @_guard
+    async def removexattr(self, inode, name, ctx):
+        raise FsError(errno.ENOTSUP)
+
+
+__all__ = ["MemfuseOps", "CACHE_TIMEOUT", "CONTROL_DIR"]

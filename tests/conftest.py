@@ -1,0 +1,42 @@
+"""Suite-wide rules.
+
+- In CI (``CI`` set), a skipped test that needs a real FUSE mount fails the run: a skipped
+  mount test proves nothing.
+- Any FUSE mount a test left behind under a pytest temporary directory is lazily unmounted at
+  the end of the session, so a failing test cannot leave the machine with a dead mount.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+_skipped_mount_tests: list[str] = []
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and "mount" in report.keywords:
+        _skipped_mount_tests.append(report.nodeid)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                fields = line.split()
+                if fields[2].startswith("fuse") and "pytest-of-" in fields[1]:
+                    subprocess.run(["fusermount3", "-uz", fields[1].replace("\\040", " ")],
+                                   capture_output=True, timeout=10)
+    except OSError:
+        pass
+    if os.environ.get("CI") and _skipped_mount_tests:
+        print("\nCI: mount tests were skipped, which counts as failure:")
+        for t in _skipped_mount_tests:
+            print("  " + t)
+        session.exitstatus = 1
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("CI") and not os.path.exists("/dev/fuse"):
+        raise pytest.UsageError("CI needs /dev/fuse for the mount tests")

@@ -1,0 +1,198 @@
+"""Helpers for tests that drive real FUSE mounts in separate processes.
+
+Every process we start is stopped in a ``finally``; every mount is unmounted there too, with a
+lazy ``fusermount3 -uz`` as the last resort. Every shell command against a mount has a timeout.
+The test process itself touches a mount only through syscalls while the mount is served by
+another process, so nothing here can deadlock the serving loop.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import trio
+
+from memfuse.client import ApiClient
+
+VENV_BIN = Path(sys.executable).parent
+MEMFUSE = str(VENV_BIN / "memfuse")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def sh(cmd: str, cwd: Path | str, timeout: float = 30, check: bool = True,
+       env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``cmd`` with bash in ``cwd``; raise on timeout, and on failure when ``check``."""
+    proc = subprocess.run(["bash", "-c", cmd], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL,
+                          env=dict(os.environ, LC_ALL="C.UTF-8", **(env or {})))
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{cmd!r} exited {proc.returncode}\nstdout: {proc.stdout}\n"
+                             f"stderr: {proc.stderr}")
+    return proc
+
+
+def is_mounted(path: Path) -> bool:
+    target = os.path.realpath(path)
+    with open("/proc/mounts") as f:
+        return any(line.split()[1] == target for line in f)
+
+
+def unmount(path: Path) -> None:
+    if is_mounted(path):
+        subprocess.run(["fusermount3", "-uz", str(path)], capture_output=True, timeout=10)
+
+
+def wait_for(pred, timeout: float, what: str, proc: subprocess.Popen | None = None,
+             log: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        if proc is not None and proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    detail = log.read_text()[-4000:] if log is not None and log.exists() else ""
+    raise AssertionError(f"timed out waiting for {what}\n{detail}")
+
+
+def stop(proc: subprocess.Popen, timeout: float = 30) -> int:
+    """SIGTERM, wait, SIGKILL as last resort; return the exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    return proc.returncode
+
+
+class ControlPlane:
+    """A real ``memfuse serve`` on loopback over a SQLite file, with an admin token."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.db = tmp / "cp.db"
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.admin_token = secrets.token_urlsafe(24)
+        self.token_file = tmp / "admin.token"
+        self.token_file.write_text(self.admin_token)
+        self.log = tmp / "serve.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "ControlPlane":
+        self.proc = subprocess.Popen(
+            [MEMFUSE, "serve", "--db", f"sqlite:///{self.db}", "--listen", f"127.0.0.1:{self.port}",
+             "--admin-token-file", str(self.token_file)],
+            stdout=self.log.open("ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=dict(os.environ, MEMFUSE_HOME=str(self.tmp / "home")))
+
+        def up() -> bool:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return True
+            except OSError:
+                return False
+        wait_for(up, 30, "memfuse serve to listen", self.proc, self.log)
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop(self.proc)
+
+    def call(self, method: str, *args, token: str | None = None, **kwargs):
+        """Run one ``ApiClient`` method synchronously (admin token by default)."""
+        async def go():
+            async with ApiClient(self.url, token or self.admin_token) as c:
+                return await getattr(c, method)(*args, **kwargs)
+        return trio.run(go)
+
+    def setup_workspace(self, ws: str, stores: tuple[str, ...] = ("default",),
+                        access: str = "read_write") -> Path:
+        """Create workspace, stores and attachments; return a token file for the workspace."""
+        async def go():
+            async with ApiClient(self.url, self.admin_token) as c:
+                await c.create_workspace(ws)
+                for s in stores:
+                    try:
+                        await c.create_store(s)
+                    except Exception:
+                        pass  # already there (shared between workspaces)
+                    await c.attach(ws, s, access=access)
+                tok = await c.create_token(workspace=ws, name=f"test-{ws}")
+                return tok.token
+        f = self.tmp / f"{ws}.token"
+        f.write_text(trio.run(go))
+        return f
+
+
+class Sidecar:
+    """A ``memfuse mount`` process for one workspace."""
+
+    def __init__(self, cp: ControlPlane, ws: str, token_file: Path, mountpoint: Path,
+                 cache_dir: Path, *extra: str) -> None:
+        self.cp, self.ws, self.token_file = cp, ws, token_file
+        self.mountpoint, self.cache_dir, self.extra = mountpoint, cache_dir, extra
+        self.log = cache_dir.parent / f"sidecar-{ws}-{mountpoint.name}.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, expect: str | None = "default") -> "Sidecar":
+        self.mountpoint.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            [MEMFUSE, "mount", str(self.mountpoint), "--control-plane", self.cp.url,
+             "--workspace", self.ws, "--token-file", str(self.token_file),
+             "--cache-dir", str(self.cache_dir), "--commit-wait", "10", *self.extra],
+            stdout=self.log.open("ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        wait_for(lambda: is_mounted(self.mountpoint) and
+                 (expect is None or os.path.isdir(self.mountpoint / expect)),
+                 60, f"mount at {self.mountpoint}", self.proc, self.log)
+        return self
+
+    def stop(self) -> int:
+        code = stop(self.proc) if self.proc is not None else 0
+        unmount(self.mountpoint)
+        return code
+
+    def kill9(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        unmount(self.mountpoint)
+
+
+@contextmanager
+def serve_and_mount(tmp: Path, ws: str = "ws", stores: tuple[str, ...] = ("default",),
+                    access: str = "read_write") -> Iterator[tuple[ControlPlane, Sidecar]]:
+    """A control plane and one sidecar mounted at ``tmp/mnt``; both stopped afterwards."""
+    cp = ControlPlane(tmp).start()
+    sc = None
+    try:
+        tok = cp.setup_workspace(ws, stores, access)
+        sc = Sidecar(cp, ws, tok, tmp / "mnt", tmp / "cache").start(expect=stores[0])
+        yield cp, sc
+    finally:
+        try:
+            if sc is not None:
+                sc.stop()
+        finally:
+            cp.stop()
+
+
+def live_records(cp: ControlPlane, store: str = "default") -> dict[str, object]:
+    """path → Record of every live record in ``store``, read from the control plane."""
+    records, _ = cp.call("snapshot", store, content=True)
+    return {r.path: r for r in records}
