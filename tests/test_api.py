@@ -202,7 +202,8 @@ async def test_move_onto_existing(env: Env):
     [res] = r.json()["records"]
     assert res["id"] == dst["id"] and res["path"] == "notes.md" and res["sha256"] == sha("new content")
     dvs = await env.versions(dst["id"])
-    assert [v["operation"] for v in dvs] == ["created", "modified"]  # exactly one new version
+    assert [(v["version"], v["operation"]) for v in dvs] == [(1, "created"), (2, "modified")]  # exactly one new version
+    assert res["version"] == 2
     svs = await env.versions(src["id"])
     assert [v["operation"] for v in svs] == ["created", "deleted"]
     assert (await env.get(src["id"]))["deleted"] is True
@@ -783,4 +784,100 @@ async def test_long_poll_client_disconnect_does_not_leak(tmp_path):
                 await trio.sleep(0.05)
             assert not notifier._waiters, "long-polls kept running after their clients left"
             nursery.cancel_scope.cancel()
+    app.state.service.db.dispose()
+
+
+_CHILD_WRITER = """
+import sys
+from memfuse.models import RecordCreate
+from memfuse.server.app import create_app
+from memfuse.server.service import Principal
+app = create_app(sys.argv[1])
+svc = app.state.service
+for i in range(int(sys.argv[2])):
+    r = svc.create_record(Principal(workspace=None, name="child"), "default", RecordCreate(path=f"child/{i}", content=str(i)))
+    assert r.status == 201, r
+print("ok")
+"""
+
+
+def test_two_processes_write_one_sqlite_file(tmp_path):
+    """A second process writing the same SQLite file at the same time: every write lands once,
+    the change feed has every version exactly once, in seq order."""
+    import subprocess
+    import sys
+
+    from memfuse.models import RecordCreate, StoreCreate
+    from memfuse.server.service import Principal
+
+    url = f"sqlite:///{tmp_path / 'mp.db'}"
+    app = create_app(url)
+    svc = app.state.service
+    admin = Principal(workspace=None, name="parent")
+    svc.create_store(admin, StoreCreate(slug="default"))
+    n = 60
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD_WRITER, url, str(n)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        failures = []
+
+        def work(k):
+            try:
+                for i in range(n // 3):
+                    r = svc.create_record(admin, "default", RecordCreate(path=f"parent/{k}/{i}", content=str(i)))
+                    assert r.status == 201
+            except Exception as e:  # pragma: no cover - reported below
+                failures.append(repr(e))
+
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        out, err = child.communicate(timeout=60)
+    finally:
+        child.kill()
+    assert failures == []
+    assert child.returncode == 0 and out.strip() == "ok", err[-2000:]
+    page = svc.changes_page(admin, "default", 0)
+    seqs = [c.seq for c in page.changes]
+    assert len(seqs) == 2 * n and seqs == sorted(set(seqs))
+    assert {c.record.updated_by for c in page.changes} == {"admin:parent", "admin:child"}
+    assert svc.get_store(admin, "default").record_count == 2 * n
+    svc.db.dispose()
+
+
+async def test_serve_shuts_down_gracefully_on_cancel(tmp_path):
+    """Cancelling serve() lets a request in flight finish (within the graceful timeout)."""
+    app = create_app(f"sqlite:///{tmp_path / 'cp.db'}", static_tokens={ADMIN: None})
+    result = {}
+    with trio.fail_after(60):
+        async with trio.open_nursery() as outer:
+            server_scope = trio.CancelScope()
+
+            async def run_server(task_status=trio.TASK_STATUS_IGNORED):
+                with server_scope:
+                    await serve(app, "127.0.0.1:0", task_status=task_status)
+                result["server_done"] = time.monotonic()
+
+            url = await outer.start(run_server)
+            async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {ADMIN}"}) as admin:
+                await _bootstrap(admin)
+
+                async def slow_request():
+                    r = await admin.get("/v1/stores/default/changes", params={"after": 0, "wait": 1.5}, timeout=20)
+                    result["status"], result["body"] = r.status_code, r.json()
+
+                async with trio.open_nursery() as n:
+                    n.start_soon(slow_request)
+                    await trio.sleep(0.3)
+                    server_scope.cancel()
+                # new connections are refused once it has stopped
+                await trio.sleep(0.1)
+                with pytest.raises(httpx.TransportError):
+                    async with httpx.AsyncClient(base_url=url) as fresh:
+                        await fresh.get("/openapi.json", timeout=2)
+    assert result["status"] == 200 and result["body"] == {"changes": [], "seq": 0}
+    assert "server_done" in result
     app.state.service.db.dispose()

@@ -119,7 +119,7 @@ class TokenRow(Base):
     workspace: Mapped[str | None] = mapped_column(
         ForeignKey("workspaces.name", ondelete="CASCADE"), nullable=True
     )
-    name: Mapped[str] = mapped_column(String(200), default="")
+    name: Mapped[str] = mapped_column(Text, default="")
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
@@ -140,7 +140,7 @@ class RecordRow(Base):
     deleted: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime)
-    updated_by: Mapped[str] = mapped_column(String(300))
+    updated_by: Mapped[str] = mapped_column(Text)
     seq: Mapped[int] = mapped_column(Integer)
 
     __table_args__ = (
@@ -153,6 +153,8 @@ class RecordRow(Base):
             postgresql_where=deleted == false(),
         ),
         Index("ix_records_store_path", "store", "path", "id"),
+        # covers the per-write usage check (count and sum of live sizes) without a table scan
+        Index("ix_records_usage", "store", "deleted", "size"),
     )
 
 
@@ -173,7 +175,7 @@ class VersionRow(Base):
     size: Mapped[int] = mapped_column(Integer)
     content: Mapped[str | None] = mapped_column(Text, nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
-    actor: Mapped[str] = mapped_column(String(300))
+    actor: Mapped[str] = mapped_column(Text)
     redacted: Mapped[bool] = mapped_column(Boolean, default=False)
 
     __table_args__ = (

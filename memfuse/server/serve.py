@@ -27,11 +27,12 @@ async def serve(app, listen: str = "127.0.0.1:8080", *, task_status=trio.TASK_ST
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")
     shutdown = trio.Event()
+    # Shielded: our cancellation becomes a graceful shutdown (the trigger below), not an
+    # abrupt cancel of hypercorn's tasks; its deadline, set at shutdown, bounds the wait.
+    inner = trio.CancelScope(shield=True)
 
     async def run(task_status=trio.TASK_STATUS_IGNORED) -> None:
-        # Shielded: our cancellation becomes a graceful shutdown (the trigger below), not an
-        # abrupt cancel of hypercorn's tasks.
-        with trio.CancelScope(shield=True):
+        with inner:
             await hypercorn_serve(app, config, shutdown_trigger=shutdown.wait, task_status=task_status)
 
     async with trio.open_nursery() as nursery:
@@ -44,3 +45,4 @@ async def serve(app, listen: str = "127.0.0.1:8080", *, task_status=trio.TASK_ST
         finally:
             log.info("control plane shutting down")
             shutdown.set()
+            inner.deadline = trio.current_time() + GRACEFUL_TIMEOUT + 2
