@@ -302,8 +302,12 @@ def _http_error(resp: httpx.Response, method: str, path: str) -> ApiError:
         pass
     title = str(problem.get("title") or resp.reason_phrase or "HTTP error")
     detail = problem.get("detail") or ""
-    if not isinstance(detail, str):  # FastAPI validation errors put a list here
-        detail = _one_line(repr(detail))[:500]
+    if not isinstance(detail, str):
+        # A plain FastAPI 422 puts a list of {loc, msg, type, input} here; ``input`` may hold
+        # record content, so keep only where and what.
+        detail = _validation_summary(detail)
+        problem = {k: v for k, v in problem.items() if k != "detail"}
+        problem["detail"] = detail
     code = str(problem.get("code") or "")
     if not problem:
         problem = {"type": "about:blank", "title": title, "status": status}
@@ -333,6 +337,17 @@ def _http_error(resp: httpx.Response, method: str, path: str) -> ApiError:
         method=method,
         path=path,
     )
+
+
+def _validation_summary(detail: Any) -> str:
+    """``loc: msg; ...`` from a list of validation errors, without their ``input`` values."""
+    parts = []
+    if isinstance(detail, list):
+        for item in detail[:10]:
+            if isinstance(item, dict):
+                loc = ".".join(str(x) for x in item.get("loc", ()) or ())
+                parts.append(f"{loc}: {item.get('msg', '')}".strip(": "))
+    return _one_line("; ".join(parts))[:500] or "invalid request"
 
 
 def _one_line(text: str) -> str:

@@ -408,8 +408,9 @@ async def test_classification_of_handmade_responses():
         "/v1/stores/c": httpx.Response(500, json={"title": "Internal Server Error", "status": 500}),
         "/v1/stores/d": httpx.Response(200, text="not json"),
         "/v1/stores/e": httpx.Response(418, text="teapot"),
-        "/v1/stores/f": httpx.Response(422, json={"title": "Unprocessable", "status": 422, "code": "validation_error",
-                                                  "detail": [{"loc": ["body"], "msg": "bad"}]}),
+        "/v1/stores/f": httpx.Response(422, json={"title": "Unprocessable", "status": 422,
+                                                  "detail": [{"loc": ["body", "content"], "msg": "bad",
+                                                              "input": SECRET_CONTENT}]}),
     }
 
     def handler(request: httpx.Request) -> httpx.Response:
@@ -438,6 +439,7 @@ async def test_classification_of_handmade_responses():
         assert type(e) is PermanentError and e.status == 418
         e = await err("f")
         assert type(e) is PermanentError and "\n" not in str(e)
+        assert e.detail == "body.content: bad" and SECRET_CONTENT not in f"{e} {e!r} {e.problem}"
         e = await err("t")
         assert type(e) is TransientError and e.code == "read_timeout" and e.status is None
         e = await err("p")
