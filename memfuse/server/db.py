@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 
 from sqlalchemy import (
+    BigInteger,
     Boolean,
     DateTime,
     ForeignKey,
@@ -74,6 +75,11 @@ class UTCDateTime(TypeDecorator):
         return value.astimezone(timezone.utc)
 
 
+# Feed positions: BIGSERIAL on PostgreSQL; on SQLite it must be exactly INTEGER PRIMARY KEY
+# (the rowid alias) for AUTOINCREMENT.
+_SEQ = BigInteger().with_variant(Integer(), "sqlite")
+
+
 class Base(DeclarativeBase):
     pass
 
@@ -91,9 +97,9 @@ class StoreRow(Base):
     slug: Mapped[str] = mapped_column(String(63), primary_key=True)
     description: Mapped[str] = mapped_column(Text, default="")
     default_type: Mapped[str] = mapped_column(String(16), default="project")
-    max_record_bytes: Mapped[int] = mapped_column(Integer)
-    max_store_bytes: Mapped[int] = mapped_column(Integer)
-    max_records: Mapped[int] = mapped_column(Integer)
+    max_record_bytes: Mapped[int] = mapped_column(BigInteger)
+    max_store_bytes: Mapped[int] = mapped_column(BigInteger)
+    max_records: Mapped[int] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
@@ -134,14 +140,14 @@ class RecordRow(Base):
     type: Mapped[str | None] = mapped_column(String(16), nullable=True)
     version: Mapped[int] = mapped_column(Integer)
     sha256: Mapped[str] = mapped_column(String(64))
-    size: Mapped[int] = mapped_column(Integer)
+    size: Mapped[int] = mapped_column(BigInteger)
     # None only when the record is deleted and its last version was redacted.
     content: Mapped[str | None] = mapped_column(Text, nullable=True)
     deleted: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime)
     updated_by: Mapped[str] = mapped_column(Text)
-    seq: Mapped[int] = mapped_column(Integer)
+    seq: Mapped[int] = mapped_column(BigInteger)
 
     __table_args__ = (
         Index(
@@ -163,7 +169,7 @@ class VersionRow(Base):
 
     __tablename__ = "versions"
 
-    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    seq: Mapped[int] = mapped_column(_SEQ, primary_key=True, autoincrement=True)
     record_id: Mapped[str] = mapped_column(ForeignKey("records.id", ondelete="CASCADE"))
     store: Mapped[str] = mapped_column(String(63))
     version: Mapped[int] = mapped_column(Integer)
@@ -172,7 +178,7 @@ class VersionRow(Base):
     old_path: Mapped[str | None] = mapped_column(Text, nullable=True)
     type: Mapped[str | None] = mapped_column(String(16), nullable=True)
     sha256: Mapped[str] = mapped_column(String(64))
-    size: Mapped[int] = mapped_column(Integer)
+    size: Mapped[int] = mapped_column(BigInteger)
     content: Mapped[str | None] = mapped_column(Text, nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
     actor: Mapped[str] = mapped_column(Text)
@@ -209,7 +215,7 @@ class EventRow(Base):
 
     __tablename__ = "workspace_events"
 
-    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    seq: Mapped[int] = mapped_column(_SEQ, primary_key=True, autoincrement=True)
     workspace: Mapped[str] = mapped_column(String(63))
     kind: Mapped[str] = mapped_column(String(16))
     store: Mapped[str] = mapped_column(String(63))
