@@ -81,10 +81,12 @@ _SEQ = BigInteger().with_variant(Integer(), "sqlite")
 
 
 class Base(DeclarativeBase):
-    pass
+    """Declarative base of every control-plane table."""
 
 
 class WorkspaceRow(Base):
+    """A workspace (one agent / sidecar identity); ``name`` is a slug."""
+
     __tablename__ = "workspaces"
 
     name: Mapped[str] = mapped_column(String(63), primary_key=True)
@@ -92,6 +94,8 @@ class WorkspaceRow(Base):
 
 
 class StoreRow(Base):
+    """A memory store and its limits (bytes, bytes, record count)."""
+
     __tablename__ = "stores"
 
     slug: Mapped[str] = mapped_column(String(63), primary_key=True)
@@ -104,6 +108,8 @@ class StoreRow(Base):
 
 
 class AttachmentRow(Base):
+    """A store attached to a workspace; ``access`` is ``read_write`` or ``read_only``."""
+
     __tablename__ = "attachments"
 
     workspace: Mapped[str] = mapped_column(
