@@ -513,16 +513,20 @@ def mount(
 @cli.command()
 @click.argument("mountpoint", default="memory", type=click.Path(file_okay=False, path_type=Path),
                 envvar="MEMFUSE_MOUNTPOINT")
-def status(mountpoint: Path) -> None:
-    """Print the sidecar status of the mount at MOUNTPOINT (its .memfuse/status.json)."""
-    path = mountpoint / ".memfuse" / "status.json"
+@opt("--admin", "admin_url", metavar="URL",
+     help="Ask the sidecar's admin API instead (GET URL/v1/status), e.g. http://127.0.0.1:9464.")
+@opt("--json", "as_json", is_flag=True, envvar="MEMFUSE_JSON", help="Print the raw status JSON.")
+def status(mountpoint: Path, admin_url: str | None, as_json: bool) -> None:
+    """Print the sidecar status of the mount at MOUNTPOINT (its .memfuse/status.json), or,
+    with --admin URL, of the sidecar serving that admin API: workspace, readiness, stores,
+    outbox. Exits 1 with one line when nothing answers."""
+    from .sidecar.admin import StatusUnavailable, fetch_status, format_status, read_status_file
+
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise click.ClickException(f"no memfuse mount at {mountpoint} ({path} not found)") from None
-    except (OSError, ValueError) as e:
-        raise click.ClickException(f"cannot read {path}: {e}") from None
-    click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
+        data = fetch_status(admin_url) if admin_url else read_status_file(mountpoint)
+    except StatusUnavailable as e:
+        raise click.ClickException(_one_line(str(e))) from None
+    click.echo(json.dumps(data, indent=2, sort_keys=True, default=str) if as_json else format_status(data))
 
 
 # ---------------------------------------------------------------- stores

@@ -1,0 +1,348 @@
+"""The sidecar admin HTTP API (memfuse/sidecar/admin.py) served for real by hypercorn under trio
+on a loopback port, hit with httpx; and `memfuse status` (CliRunner) against a status.json and
+against that admin API."""
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import socket
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+from click.testing import CliRunner
+
+from memfuse.cli import cli
+from memfuse.sidecar.admin import (
+    PROBLEM_JSON,
+    AdminTarget,
+    format_status,
+    is_loopback,
+    parse_listen,
+    serve_admin,
+)
+from memfuse.sidecar.metrics import Metrics
+
+SECRET = "s3cr3t-memory-content"
+
+
+class StubTarget:
+    """An AdminTarget with a real Metrics: stores `default` (mounted), `shared` (attached, not
+    mounted) and `locked` (attached, refused)."""
+
+    def __init__(self) -> None:
+        self.ready = False
+        self.metrics = Metrics()
+        self.depth = 3
+        self.metrics.bind(depth=lambda: self.depth, oldest=lambda: 1.5, records=lambda: 12,
+                          cache_bytes=lambda: 4096, stores=lambda: len(self.mounted),
+                          ready=lambda: float(self.ready))
+        self.metrics.fuse_ops.labels(op="read").inc(7)
+        self.attached = {"default": "read_write", "shared": "read_only", "locked": "read_write"}
+        self.mounted = {"default"}
+        self.calls: list[tuple[str, str]] = []
+        self.fail_status = False
+
+    def status(self) -> dict:
+        if self.fail_status:
+            raise RuntimeError(SECRET)
+        return {
+            "workspace": "team",
+            "ready": self.ready,
+            "uptime_s": 12.5,
+            "stores": [{"slug": s, "access": self.attached[s], "records": 4} for s in sorted(self.mounted)],
+            "outbox": {"depth": self.depth, "oldest_age_s": 1.5, "committed": 9, "refused": 1,
+                       "retries": 2},
+            "open_handles": 0,
+            "not_a_number": float("nan"),
+        }
+
+    async def mount_store(self, slug: str) -> dict:
+        self.calls.append(("mount", slug))
+        await trio.sleep(0)
+        if slug not in self.attached:
+            raise LookupError(slug)
+        if slug == "locked":
+            raise PermissionError(slug)
+        self.mounted.add(slug)
+        return {"store": slug, "mounted": True, "access": self.attached[slug]}
+
+    async def unmount_store(self, slug: str) -> dict:
+        self.calls.append(("unmount", slug))
+        await trio.sleep(0)
+        if slug not in self.mounted:
+            raise LookupError(slug)
+        self.mounted.discard(slug)
+        return {"store": slug, "mounted": False, "committed": 0}
+
+
+@pytest.fixture
+async def admin(nursery):
+    """(stub target, base URL) with serve_admin running on 127.0.0.1, port 0."""
+    target = StubTarget()
+    assert isinstance(target, AdminTarget)
+    bound = await nursery.start(serve_admin, target, "127.0.0.1:0")
+    host, port = parse_listen(bound)
+    assert host == "127.0.0.1" and port != 0
+    return target, f"http://{bound}"
+
+
+def assert_problem(r: httpx.Response, status: int, code: str) -> dict:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"] == PROBLEM_JSON
+    body = r.json()
+    assert body["status"] == status and body["code"] == code
+    assert body["title"] and body["type"] == "about:blank"
+    return body
+
+
+async def test_health_ready_status(admin):
+    target, url = admin
+    async with httpx.AsyncClient(base_url=url) as c:
+        r = await c.get("/healthz")
+        assert r.status_code == 200 and r.json() == {"ok": True}
+
+        r = await c.get("/readyz")
+        assert_problem(r, 503, "not_ready")
+        assert r.headers["retry-after"] == "1"
+        target.ready = True
+        r = await c.get("/readyz")
+        assert r.status_code == 200 and r.json() == {"ready": True}
+
+        r = await c.get("/v1/status")
+        assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+        body = r.json()
+        assert body["workspace"] == "team" and body["ready"] is True
+        assert body["outbox"]["depth"] == 3 and body["stores"][0]["slug"] == "default"
+        assert body["not_a_number"] is None  # NaN is not JSON
+
+
+async def test_metrics(admin):
+    target, url = admin
+    async with httpx.AsyncClient(base_url=url) as c:
+        r = await c.get("/metrics")
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
+        assert "memfuse_outbox_depth 3.0" in r.text
+        assert 'memfuse_fuse_ops_total{op="read"} 7.0' in r.text
+        target.depth = 5  # gauges are computed at scrape time
+        assert "memfuse_outbox_depth 5.0" in (await c.get("/metrics")).text
+
+        r = await c.get("/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+        assert r.headers["content-type"].startswith("application/openmetrics-text")
+        assert r.text.rstrip().endswith("# EOF") and "memfuse_outbox_depth 5.0" in r.text
+
+
+async def test_mount_and_unmount(admin):
+    target, url = admin
+    async with httpx.AsyncClient(base_url=url) as c:
+        r = await c.post("/v1/mounts/shared")
+        assert r.status_code == 200
+        assert r.json() == {"store": "shared", "mounted": True, "access": "read_only"}
+        assert "shared" in target.mounted
+
+        assert_problem(await c.post("/v1/mounts/nope"), 404, "store_not_attached")
+        assert_problem(await c.post("/v1/mounts/locked"), 403, "store_refused")
+
+        r = await c.delete("/v1/mounts/shared")
+        assert r.status_code == 200 and r.json()["mounted"] is False
+        assert "shared" not in target.mounted
+        body = assert_problem(await c.delete("/v1/mounts/shared"), 404, "store_not_mounted")
+        assert body["instance"] == "/v1/mounts/shared"
+
+        # an invalid slug never reaches the target
+        n = len(target.calls)
+        assert_problem(await c.post("/v1/mounts/Bad..Name!"), 400, "invalid_name")
+        assert_problem(await c.delete("/v1/mounts/%2E%2E"), 400, "invalid_name")
+        assert len(target.calls) == n
+
+
+async def test_unknown_routes_and_methods_are_problems(admin):
+    _, url = admin
+    async with httpx.AsyncClient(base_url=url) as c:
+        assert_problem(await c.get("/nope"), 404, "not_found")
+        r = await c.get("/v1/mounts/default")
+        assert_problem(r, 405, "method_not_allowed")
+        assert "POST" in r.headers["allow"] and "DELETE" in r.headers["allow"]
+        assert_problem(await c.post("/healthz"), 405, "method_not_allowed")
+
+
+async def test_failures_log_one_line_without_content(admin, caplog):
+    target, url = admin
+    caplog.set_level(logging.INFO, logger="memfuse.admin")
+    target.fail_status = True
+    async with httpx.AsyncClient(base_url=url) as c:
+        body = assert_problem(await c.get("/v1/status"), 500, "internal_error")
+        assert SECRET not in json.dumps(body)
+        assert (await c.get("/healthz")).status_code == 200  # still serving
+        assert_problem(await c.post("/v1/mounts/nope"), 404, "store_not_attached")
+    failed = [r for r in caplog.records if r.name == "memfuse.admin" and "failed" in r.getMessage()]
+    assert [r.getMessage() for r in failed] == [
+        "admin request failed: GET /v1/status -> 500 internal_error",
+        "admin request failed: POST /v1/mounts/nope -> 404 store_not_attached",
+    ]
+    assert failed[0].levelno == logging.ERROR
+    for r in caplog.records:
+        assert SECRET not in r.getMessage() and "\n" not in r.getMessage()
+
+
+async def test_ipv6_loopback_and_cancellation():
+    target = StubTarget()
+    async with trio.open_nursery() as nursery:
+        bound = await nursery.start(serve_admin, target, "[::1]:0")
+        assert bound.startswith("[::1]:") and not bound.endswith(":0")
+        async with httpx.AsyncClient() as c:
+            assert (await c.get(f"http://{bound}/healthz")).json() == {"ok": True}
+        with trio.fail_after(5):  # cancelling stops the server promptly
+            nursery.cancel_scope.cancel()
+    with pytest.raises(httpx.ConnectError):
+        async with httpx.AsyncClient() as c:
+            await c.get(f"http://{bound}/healthz")
+
+
+async def test_bind_errors():
+    target = StubTarget()
+    with trio.fail_after(5):
+        with pytest.raises(ValueError, match="expected HOST:PORT"):
+            await serve_admin(target, "9464")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            s.listen()
+            port = s.getsockname()[1]
+            with pytest.raises(OSError) as ei:  # bare, not in an exception group
+                await serve_admin(target, f"127.0.0.1:{port}")
+            assert ei.value.errno == errno.EADDRINUSE
+
+
+def test_parse_listen():
+    assert parse_listen("127.0.0.1:9464") == ("127.0.0.1", 9464)
+    assert parse_listen("[::1]:0") == ("::1", 0)
+    assert parse_listen("localhost:80") == ("localhost", 80)
+    for bad in ("", "9464", ":9464", "127.0.0.1:", "127.0.0.1:x", "127.0.0.1:65536", "::1:9464",
+                "[::1]", "[nope]:1", "[::1]9464"):
+        with pytest.raises(ValueError):
+            parse_listen(bad)
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3") and not is_loopback("example.com")
+
+
+# ---------------------------------------------------------------- memfuse status
+
+
+STATUS = {
+    "workspace": "team",
+    "ready": True,
+    "uptime_s": 3725.0,
+    "stores": [
+        {"slug": "default", "access": "read_write", "records": 12},
+        {"slug": "shared", "access": "read_only", "records": 3, "cursor": 88},
+    ],
+    "outbox": {"depth": 2, "oldest_age_s": 1.25, "committed": 40, "refused": 1, "retries": 5,
+               "parked": 7},
+    "open_handles": 4,
+    "sync": {"lag_s": 0.5, "feed": "connected"},
+    "future_key": "hello",
+}
+
+
+@pytest.fixture
+def runner(monkeypatch) -> CliRunner:
+    for k in list(os.environ):
+        if k.startswith("MEMFUSE_"):
+            monkeypatch.delenv(k)
+    return CliRunner()
+
+
+def fake_mount(tmp_path: Path, data: dict | str) -> Path:
+    mp = tmp_path / "mnt"
+    (mp / ".memfuse").mkdir(parents=True)
+    text = data if isinstance(data, str) else json.dumps(data)
+    (mp / ".memfuse" / "status.json").write_text(text)
+    return mp
+
+
+def test_status_human_output(runner, tmp_path):
+    mp = fake_mount(tmp_path, STATUS)
+    r = runner.invoke(cli, ["status", str(mp)])
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()
+    assert lines[0].split() == ["workspace:", "team"]
+    assert lines[1].split() == ["ready:", "yes"]
+    assert lines[2].split() == ["uptime:", "1h", "2m", "5s"]
+    assert "stores: 2" in lines
+    assert ["SLUG", "ACCESS", "RECORDS", "CURSOR"] == lines[lines.index("stores: 2") + 1].split()
+    assert ["default", "read_write", "12", "-"] in [ln.split() for ln in lines]
+    assert ["shared", "read_only", "3", "88"] in [ln.split() for ln in lines]
+    split = [ln.split() for ln in lines]
+    for row in (["depth:", "2"], ["oldest", "age:", "1.2", "s"], ["committed:", "40"],
+                ["refused:", "1"], ["retries:", "5"], ["parked:", "7"], ["open", "handles:", "4"],
+                ["lag:", "0.5", "s"], ["feed:", "connected"], ["future", "key:", "hello"]):
+        assert row in split, (row, r.stdout)
+    assert "{" not in r.stdout
+
+
+def test_status_json_and_odd_shapes(runner, tmp_path):
+    mp = fake_mount(tmp_path, STATUS)
+    r = runner.invoke(cli, ["status", str(mp), "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout) == STATUS
+    # shapes the formatter does not know still print, without a traceback
+    odd = {"ready": False, "stores": "n/a", "outbox": 3, "list": [1, "a"], "nested": {"x": {"y": [{"z": 1}]}}}
+    text = format_status(odd)
+    assert "ready: no" in text and "stores: n/a" in text and "outbox: 3" in text
+    assert "list: 1, a" in text and "Z" in text
+    assert format_status({}) == ""
+
+
+def test_status_errors(runner, tmp_path, monkeypatch):
+    r = runner.invoke(cli, ["status", str(tmp_path / "nothing")])
+    assert r.exit_code == 1 and "no memfuse mount at" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.output
+
+    mp = fake_mount(tmp_path, "{not json")
+    r = runner.invoke(cli, ["status", str(mp)])
+    assert r.exit_code == 1 and "not valid JSON" in r.stderr
+
+    def dead(self, *a, **kw):
+        raise OSError(errno.ENOTCONN, "Transport endpoint is not connected")
+
+    monkeypatch.setattr(Path, "read_text", dead)
+    r = runner.invoke(cli, ["status", str(mp)])
+    assert r.exit_code == 1 and "not answering" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_status_admin_not_reachable(runner):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = runner.invoke(cli, ["status", "--admin", f"http://127.0.0.1:{port}"])
+    assert r.exit_code == 1
+    assert r.stderr.startswith("Error: sidecar admin API not reachable at http://127.0.0.1:")
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.output
+
+
+async def test_status_via_admin(admin, runner):
+    target, url = admin
+    target.ready = True
+
+    def invoke(*args: str):
+        return runner.invoke(cli, ["status", *args])
+
+    # the CLI blocks: run it in a thread while this trio loop serves the admin API
+    r = await trio.to_thread.run_sync(invoke, "--admin", url)
+    assert r.exit_code == 0, r.output
+    assert "workspace: team" in r.stdout and ["default", "read_write", "4"] in [
+        ln.split() for ln in r.stdout.splitlines()]
+    assert ["depth:", "3"] in [ln.split() for ln in r.stdout.splitlines()]
+
+    bare = url.removeprefix("http://") + "/"
+    r = await trio.to_thread.run_sync(invoke, "--admin", bare, "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["outbox"]["depth"] == 3
+
+    target.fail_status = True
+    r = await trio.to_thread.run_sync(invoke, "--admin", url)
+    assert r.exit_code == 1 and "answered HTTP 500" in r.stderr and SECRET not in r.output
