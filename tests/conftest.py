@@ -2,8 +2,8 @@
 
 - In CI (``CI`` set), a skipped test that needs a real FUSE mount fails the run: a skipped
   mount test proves nothing.
-- Any FUSE mount a test left behind under a pytest temporary directory is lazily unmounted at
-  the end of the session, so a failing test cannot leave the machine with a dead mount.
+- Any FUSE mount a test left behind under this session's temporary directory is lazily
+  unmounted at the end of the session, so a failing test cannot leave the machine with a dead mount.
 """
 from __future__ import annotations
 
@@ -22,10 +22,15 @@ def pytest_runtest_logreport(report):
 
 def pytest_sessionfinish(session, exitstatus):
     try:
+        base = str(session.config._tmp_path_factory.getbasetemp())
+    except Exception:
+        base = None
+    try:
         with open("/proc/mounts") as f:
             for line in f:
                 fields = line.split()
-                if fields[2].startswith("fuse") and "pytest-of-" in fields[1]:
+                # only this session's mounts: other pytest sessions may be running beside us
+                if base and fields[2].startswith("fuse") and fields[1].startswith(base + "/"):
                     subprocess.run(["fusermount3", "-uz", fields[1].replace("\\040", " ")],
                                    capture_output=True, timeout=10)
     except OSError:

@@ -155,7 +155,8 @@ class Sidecar:
         self.proc = subprocess.Popen(
             [MEMFUSE, "mount", str(self.mountpoint), "--control-plane", self.cp.url,
              "--workspace", self.ws, "--token-file", str(self.token_file),
-             "--cache-dir", str(self.cache_dir), "--commit-wait", "10", *self.extra],
+             "--cache-dir", str(self.cache_dir), "--commit-wait", "10",
+             "--admin-listen", "127.0.0.1:0", *self.extra],
             stdout=self.log.open("ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         wait_for(lambda: is_mounted(self.mountpoint) and
                  (expect is None or os.path.isdir(self.mountpoint / expect)),

@@ -303,7 +303,7 @@ def test_status_reads_status_json(home, tmp_path):
     mp = tmp_path / "mnt"
     (mp / ".memfuse").mkdir(parents=True)
     (mp / ".memfuse" / "status.json").write_text('{"ready": true, "outbox": {"depth": 0}}')
-    r = invoke(["status", str(mp)])
+    r = invoke(["status", str(mp), "--json"])
     assert r.exit_code == 0 and '"ready": true' in r.stdout
     r = invoke(["status", str(tmp_path / "nothing")])
     assert r.exit_code == 1 and "no memfuse mount" in r.stderr

@@ -144,6 +144,7 @@ class StoreMount:
     max_record_bytes: int = 1 << 20
     max_store_bytes: int = 64 << 20
     max_records: int = 10_000
+    detached: bool = False  # removed from the mount: open handles get ESTALE
 
     @property
     def writable(self) -> bool:
@@ -190,11 +191,13 @@ class Filesystem:
         self.workspace = workspace
         self.inodes: dict[int, Node] = {}
         self.by_key: dict[str, Node] = {}
+        self.by_rid: dict[str, Node] = {}
         self.handles: dict[int, Handle] = {}
         self.stores: dict[str, StoreMount] = {}
         self._next_ino = ROOT_INO
         self._next_fh = 0
         self.errors: deque[dict] = deque(maxlen=200)
+        self.status_provider = None  # set by the sidecar for a fuller .memfuse/status.json
         self.started = time.time()
         self.ready = False
         now = time.time_ns()
@@ -232,6 +235,8 @@ class Filesystem:
             self.inodes.pop(n.ino, None)
             if n.key and self.by_key.get(n.key) is n:
                 del self.by_key[n.key]
+            if n.record_id and self.by_rid.get(n.record_id) is n:
+                del self.by_rid[n.record_id]
 
     def forget(self, ino: int, nlookup: int) -> None:
         n = self.inodes.get(ino)
@@ -267,12 +272,17 @@ class Filesystem:
             self._ensure_dir(sm, path.split("/"), now)
         return sm
 
-    def _ensure_dir(self, sm: StoreMount, parts: list[str], ts: int) -> Node | None:
+    def _ensure_dir(self, sm: StoreMount, parts: list[str], ts: int,
+                    inv: list[tuple] | None = None) -> Node | None:
+        """The directory at ``parts`` under the store root, made where missing (each new one
+        added to ``inv`` as an entry to invalidate); None when the path crosses a file."""
         d = sm.root
         for comp in parts:
             child = d.children.get(comp)
             if child is None:
                 child = self._new_node(comp, d, True, sm, 0o755, ts)
+                if inv is not None:
+                    inv.append(("entry", d.ino, comp))
             elif not child.is_dir:
                 return None
             d = child
@@ -320,9 +330,18 @@ class Filesystem:
         return n
 
     def _set_clean(self, n: Node, rec: Record) -> None:
-        n.record_id, n.version, n.rtype = rec.id, rec.version, rec.type
+        self._bind_rid(n, rec.id)
+        n.version, n.rtype = rec.version, rec.type
         n.sha, n.size, n.state, n.error = rec.sha256, rec.size, CLEAN, ""
         n.updated_at = rec.updated_at.isoformat()
+        n.mtime_ns = n.ctime_ns = int(rec.updated_at.timestamp() * 1e9)
+
+    def _bind_rid(self, n: Node, rid: str | None) -> None:
+        if n.record_id and self.by_rid.get(n.record_id) is n:
+            del self.by_rid[n.record_id]
+        n.record_id = rid
+        if rid:
+            self.by_rid[rid] = n
 
     # ------------------------------------------------------------------ checks
     def _store_of(self, n: Node) -> StoreMount:
@@ -491,11 +510,16 @@ class Filesystem:
         n.opened += 1
         return h
 
-    def handle(self, fh: int) -> Handle:
+    def handle(self, fh: int, *, allow_stale: bool = False) -> Handle:
+        """The open handle ``fh``. ``EBADF`` when unknown; ``ESTALE`` when its store was
+        unmounted, unless ``allow_stale`` (close must still succeed)."""
         try:
-            return self.handles[fh]
+            h = self.handles[fh]
         except KeyError:
             raise FsError(errno.EBADF) from None
+        if not allow_stale and h.node.store is not None and h.node.store.detached:
+            raise FsError(errno.ESTALE, f"store {h.node.store.slug} was unmounted")
+        return h
 
     def create(self, parent_ino: int, name: bytes, mode: int, flags: int, uid: int, gid: int) -> Handle:
         d = self.node(parent_ino)
@@ -556,6 +580,8 @@ class Filesystem:
         error: the write stays accepted and the outbox retries (DESIGN §4).
         """
         n = h.node
+        if n.store is not None and n.store.detached:
+            return  # its dirty content was committed (bounded) when the store was unmounted
         if not h.flags & (os.O_WRONLY | os.O_RDWR) and not n.dirty:
             return  # a reader's close never waits for someone else's commit
         if n.dirty and not h.modified:
@@ -613,11 +639,13 @@ class Filesystem:
             if e.errno:
                 n.state, n.error = REJECTED, e.reason
             elif e.record is not None:
-                n.record_id, n.version, n.rtype = e.record.id, e.record.version, e.record.type
+                self._bind_rid(n, e.record.id)
+                n.version, n.rtype = e.record.version, e.record.type
                 n.updated_at = e.record.updated_at.isoformat()
                 n.state, n.error = CLEAN, ""
         elif e.op == MOVE and n is not None and e.record is not None:
-            n.record_id, n.version = e.record.id, e.record.version
+            self._bind_rid(n, e.record.id)
+            n.version = e.record.version
         elif e.op == DELETE and e.errno:
             self.note_error(None, e.args.get("path", ""), e.errno, e.reason)
 
@@ -681,6 +709,7 @@ class Filesystem:
             self.committer.submit(sm.slug, DELETE, n.key, {"path": n.path()})
         n.dirty = False
         self._detach(n)
+        self._bind_rid(n, None)
 
     def rmdir(self, parent_ino: int, name: bytes) -> None:
         d = self.node(parent_ino)
@@ -789,6 +818,127 @@ class Filesystem:
         self.committer.submit(sm.slug, MOVE, src.key, args)
         return False
 
+    # ------------------------------------------------------------------ remote changes
+    def apply_remote(self, sm: StoreMount, rec: Record, *, force: bool = False) -> list[tuple]:
+        """Apply one record state from the change feed (or a snapshot when ``force``) to the
+        tree. Returns the kernel invalidations to make: ``("entry", parent_ino, name)`` and
+        ``("inode", ino)``.
+
+        Rules (DESIGN §6): call only while the store's outbox is empty, so every local change
+        is already committed; a file with unflushed local writes is never overwritten (its
+        commit lands on top); a state not newer than the local version is skipped (our own
+        writes come back through the feed), unless ``force`` (after a snapshot), where the
+        path and sha256 decide.
+        """
+        n = self.by_rid.get(rec.id)
+        if n is not None and (n.unlinked or n.store is not sm):
+            n = None
+        if n is not None:
+            if n.dirty:
+                return []
+            if force:
+                if n.sha == rec.sha256 and n.path() == rec.path and not rec.deleted:
+                    return []
+            elif n.version >= rec.version:
+                return []
+        if rec.deleted:
+            if n is None:
+                return []
+            inv = [("entry", n.parent.ino, n.name)]
+            self._detach(n)
+            self._bind_rid(n, None)
+            return inv
+        if rec.content is None and not self.blobs.has(rec.sha256):
+            log.error("remote change without content; skipped", extra={"store": sm.slug, "record": rec.id})
+            return []
+        if rec.content is not None:
+            self.blobs.put(rec.content.encode("utf-8"), rec.sha256)
+        inv: list[tuple] = []
+        if n is None:
+            parts = rec.path.split("/")
+            d = self._ensure_dir(sm, parts[:-1], time.time_ns(), inv)
+            if d is None:
+                log.warning("remote record path crosses a local file; skipped",
+                            extra={"store": sm.slug, "record": rec.id})
+                return []
+            cur = d.children.get(parts[-1])
+            if cur is not None:
+                if cur.is_dir or cur.dirty or cur.record_id is None:
+                    log.warning("remote record collides with a local entry; local kept",
+                                extra={"store": sm.slug, "record": rec.id})
+                    return []
+                inv.append(("entry", d.ino, cur.name))
+                self._detach(cur)
+                self._bind_rid(cur, None)
+            n = self._new_node(parts[-1], d, False, sm, 0o644, time.time_ns())
+            n.key = "r:" + rec.id
+            self.by_key[n.key] = n
+            self.committer.keymap[n.key] = (rec.id, rec.sha256)
+            inv.append(("entry", d.ino, n.name))
+            self._touch_dir(d)
+        else:
+            if n.path() != rec.path:
+                inv += self._move_remote(sm, n, rec.path)
+            if n.sha != rec.sha256:
+                inv.append(("inode", n.ino))
+            self.committer.keymap[n.key] = (rec.id, rec.sha256)
+        self._set_clean(n, rec)
+        return inv
+
+    def _move_remote(self, sm: StoreMount, n: Node, path: str) -> list[tuple]:
+        parts = path.split("/")
+        inv: list[tuple] = []
+        d = self._ensure_dir(sm, parts[:-1], time.time_ns(), inv)
+        if d is None:
+            return []
+        cur = d.children.get(parts[-1])
+        if cur is not None and cur is not n:
+            if cur.is_dir or cur.dirty:
+                return []
+            inv.append(("entry", d.ino, cur.name))
+            self._detach(cur)
+            self._bind_rid(cur, None)
+        inv.append(("entry", n.parent.ino, n.name))
+        del n.parent.children[n.name]
+        self._touch_dir(n.parent)
+        n.parent, n.name = d, parts[-1]
+        d.children[n.name] = n
+        self._touch_dir(d)
+        inv.append(("entry", d.ino, n.name))
+        return inv
+
+    def reconcile_store(self, sm: StoreMount, records: list[Record]) -> list[tuple]:
+        """Make the store's tree match a full snapshot (after ``410``): apply every record,
+        remove clean local files whose record is no longer live."""
+        inv: list[tuple] = []
+        live = set()
+        for rec in records:
+            live.add(rec.id)
+            inv += self.apply_remote(sm, rec, force=True)
+        for n in list(self._walk_files(sm.root)):
+            if n.record_id and n.record_id not in live and not n.dirty and not n.local_only:
+                inv.append(("entry", n.parent.ino, n.name))
+                self._detach(n)
+                self._bind_rid(n, None)
+        return inv
+
+    def remove_store(self, slug: str) -> list[tuple]:
+        """Take a store out of the mount; handles still open on it answer ``ESTALE``."""
+        sm = self.stores.pop(slug, None)
+        if sm is None:
+            return []
+        sm.detached = True
+        inv = [("entry", self.root.ino, slug)]
+        self._detach(sm.root)
+        for n in self._walk_files(sm.root):
+            if n.record_id and self.by_rid.get(n.record_id) is n:
+                del self.by_rid[n.record_id]
+        return inv
+
+    def dirty_nodes(self, sm: StoreMount | None = None) -> list[Node]:
+        return [n for n in self.inodes.values()
+                if n.dirty and not n.is_dir and (sm is None or n.store is sm)]
+
     # ------------------------------------------------------------------ xattrs
     XATTRS = ("id", "version", "sha256", "state", "updated_at", "error", "type")
 
@@ -825,5 +975,6 @@ class Filesystem:
 
     def special_content(self, n: Node) -> bytes:
         if n.special == "status":
-            return (json.dumps(self.status(), indent=2) + "\n").encode()
+            st = self.status_provider() if self.status_provider else self.status()
+            return (json.dumps(st, indent=2) + "\n").encode()
         return "".join(json.dumps(e) + "\n" for e in self.errors).encode()

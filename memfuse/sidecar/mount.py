@@ -24,10 +24,13 @@ from typing import Callable
 import pyfuse3
 import trio
 
-from ..client import ApiClient, TransientError
-from .core import BlobCache, Filesystem, Settings
+from ..client import ApiClient, ApiError, Gone, PermanentError, TransientError
+from ..models import Attachment
+from .core import ROOT_INO, BlobCache, Filesystem, Settings
 from .fuse_ops import MemfuseOps
+from .metrics import Metrics
 from .outbox import Committer, Journal
+from .sync import Invalidator, StoreState, catch_up, lag_seconds
 
 log = logging.getLogger("memfuse.mount")
 
@@ -111,94 +114,357 @@ class CacheLock:
         os.close(self.fd)
 
 
-async def load_workspace(fs: Filesystem, client: ApiClient, workspace: str) -> None:
-    """List the attachments and load every store's snapshot into ``fs``, retrying transient
-    failures (the control plane may still be starting) with capped backoff."""
-    delay = 0.2
-    while True:
-        try:
-            attachments = await client.list_attachments(workspace)
-            for att in attachments:
-                records, _seq = await client.snapshot(att.store.slug, content=True)
-                limits = {"max_record_bytes": att.store.max_record_bytes,
-                          "max_store_bytes": att.store.max_store_bytes,
-                          "max_records": att.store.max_records}
-                fs.add_store(att.store.slug, att.access.value, records, limits=limits)
-                log.info("store loaded", extra={"store": att.store.slug, "records": len(records),
-                                                "access": att.access.value})
+class Sidecar:
+    """One running sidecar: outbox, filesystem, sync tasks and mount (the admin API's target).
+
+    ``run()`` does the whole life cycle; ``mount_store`` / ``unmount_store`` / ``reconcile``
+    are the mount and umount signals (admin API, workspace events, SIGHUP).
+    """
+
+    def __init__(self, config: MountConfig, client: ApiClient) -> None:
+        self.config = config
+        self.client = client
+        self.metrics = Metrics()
+        config.cache_dir.mkdir(parents=True, exist_ok=True)
+        self.journal = Journal(config.cache_dir / "outbox.db")
+        self.leftovers, keymap = self.journal.load()
+        self.committer = Committer(client, self.journal, keymap, metrics=self.metrics)
+        settings = Settings(commit_wait=config.commit_wait, fsync_timeout=config.fsync_timeout)
+        if config.uid is not None:
+            settings.uid = config.uid
+        if config.gid is not None:
+            settings.gid = config.gid
+        self.fs = Filesystem(BlobCache(config.cache_dir / "blobs"), self.committer, settings,
+                             config.workspace, dirs_file=config.cache_dir / "dirs.json")
+        self.ops = MemfuseOps(self.fs, self.metrics)
+        self.fs.status_provider = self.status
+        self.invalidator = Invalidator()
+        self.states: dict[str, StoreState] = {}
+        self.feeds: dict[str, trio.CancelScope] = {}
+        self.admin_unmounted: set[str] = set()
+        self.admin_address: str | None = None
+        self._nursery: trio.Nursery | None = None
+        self._mount_lock = trio.Lock()
+        self.metrics.bind(
+            depth=lambda: self.committer.depth(), oldest=lambda: self.committer.oldest_age(),
+            records=lambda: sum(len(s.records) for s in self.states.values()),
+            cache_bytes=lambda: sum(r.size for s in self.states.values() for r in s.records.values()),
+            stores=lambda: len(self.fs.stores), ready=lambda: 1.0 if self.ready else 0.0)
+
+    @property
+    def ready(self) -> bool:
+        return self.fs.ready
+
+    # ------------------------------------------------------------------ status
+    def status(self) -> dict:
+        st = self.fs.status()
+        for s in st["stores"]:
+            state = self.states.get(s["slug"])
+            if state is not None:
+                s["cursor"] = state.cursor
+                s["last_remote_change_age_s"] = (round(time.time() - state.last_change_at, 3)
+                                                 if state.last_change_at else None)
+        st["mountpoint"] = str(self.config.mountpoint)
+        st["admin"] = self.admin_address
+        st["invalidations"] = {"done": self.invalidator.done, "failed": self.invalidator.failed}
+        st["errors_logged"] = len(self.fs.errors)
+        return st
+
+    # ------------------------------------------------------------------ loading
+    async def _retrying(self, what: str, fn):
+        delay = 0.2
+        while True:
+            try:
+                return await fn()
+            except TransientError as e:
+                log.warning(f"control plane unreachable while {what}; retrying",
+                            extra={"status": e.status, "code": e.code, "retry_in_s": delay})
+                await trio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    async def _load_state(self, slug: str) -> StoreState:
+        """The store's mirror, resumed from the saved cursor or from a full snapshot."""
+        state = StoreState(self.config.cache_dir / "stores" / f"{slug}.json", slug)
+        resumed = state.load() and await catch_up(self.client, state, self.fs.blobs)
+        if not resumed:
+            records, seq = await self.client.snapshot(slug, content=True)
+            for r in records:
+                self.fs.blobs.put(r.content.encode("utf-8"), r.sha256)
+            state.reset(records, seq)
+        for r in [r for r in state.records.values() if not self.fs.blobs.has(r.sha256)]:
+            full = await self.client.get_record(slug, r.id, content=True)
+            self.fs.blobs.put(full.content.encode("utf-8"), full.sha256)
+            state.records[r.id] = full.model_copy(update={"content": None})
+        log.info("store loaded", extra={"store": slug, "records": len(state.records),
+                                        "cursor": state.cursor, "resumed": bool(resumed)})
+        return state
+
+    async def _add_attachment(self, att: Attachment) -> None:
+        slug = att.store.slug
+        state = await self._retrying(f"loading {slug}", lambda: self._load_state(slug))
+        if slug in self.fs.stores:
             return
-        except TransientError as e:
-            log.warning("control plane unreachable while loading; retrying",
-                        extra={"status": e.status, "retry_in_s": delay})
-            await trio.sleep(delay)
-            delay = min(delay * 2, 5.0)
+        self.states[slug] = state
+        limits = {"max_record_bytes": att.store.max_record_bytes,
+                  "max_store_bytes": att.store.max_store_bytes,
+                  "max_records": att.store.max_records}
+        self.fs.add_store(slug, att.access.value, list(state.records.values()), limits=limits)
+        self.invalidator.submit([("entry", ROOT_INO, slug)])
+        if self._nursery is not None:
+            self._start_feed(slug)
+
+    def _start_feed(self, slug: str) -> None:
+        scope = trio.CancelScope()
+        self.feeds[slug] = scope
+        self._nursery.start_soon(self._feed, slug, scope)
+
+    # ------------------------------------------------------------------ change feed
+    async def _feed(self, slug: str, scope: trio.CancelScope) -> None:
+        """Long-poll the store's change feed and apply what others changed (DESIGN §6)."""
+        with scope:
+            delay = 0.2
+            while True:
+                state, sm = self.states.get(slug), self.fs.stores.get(slug)
+                if state is None or sm is None:
+                    return
+                try:
+                    page = await self.client.changes(slug, state.cursor, wait=25, content=True)
+                    delay = 0.2
+                except Gone:
+                    log.warning("change-feed cursor expired; taking a full snapshot", extra={"store": slug})
+                    records, seq = await self.client.snapshot(slug, content=True)
+                    await self.committer.wait_store_idle(slug)
+                    self.invalidator.submit(self.fs.reconcile_store(sm, records))
+                    state.reset(records, seq)
+                    continue
+                except TransientError as e:
+                    log.info("change feed unreachable; retrying",
+                             extra={"store": slug, "status": e.status, "retry_in_s": delay})
+                    await trio.sleep(delay)
+                    delay = min(delay * 2, 5.0)
+                    continue
+                except PermanentError as e:
+                    log.warning("change feed refused; reconciling attachments",
+                                extra={"store": slug, "status": e.status, "code": e.code})
+                    self._nursery.start_soon(self.reconcile)
+                    await trio.sleep(5)
+                    continue
+                if not page.changes:
+                    state.cursor = max(state.cursor, page.seq)
+                    continue
+                # every local change of this store must be committed before remote ones apply
+                await self.committer.wait_store_idle(slug)
+                inv: list[tuple] = []
+                for ch in page.changes:
+                    inv += self.fs.apply_remote(sm, ch.record)
+                    state.apply(ch)
+                    self.metrics.remote_changes.labels(slug).inc()
+                    self.metrics.sync_lag.observe(lag_seconds(ch.record))
+                state.cursor = max(state.cursor, page.seq)
+                state.last_change_at = time.time()
+                self.invalidator.submit(inv)
+
+    async def _events(self) -> None:
+        """Follow the workspace's attach / detach / store-changed events."""
+        cursor, delay = None, 0.2
+        while True:
+            try:
+                if cursor is None:
+                    cursor = (await self.client.workspace_events(self.config.workspace, 0, wait=0)).seq
+                    continue
+                page = await self.client.workspace_events(self.config.workspace, cursor, wait=25)
+                delay = 0.2
+            except ApiError as e:
+                log.info("workspace events unreachable; retrying",
+                         extra={"status": e.status, "code": e.code, "retry_in_s": delay})
+                await trio.sleep(delay)
+                delay = min(delay * 2, 10.0)
+                continue
+            cursor = max(cursor, page.seq)
+            if page.events:
+                log.info("workspace events", extra={"events": ",".join(
+                    f"{ev.kind}:{ev.store}" for ev in page.events)})
+                await self.reconcile()
+
+    async def _saver(self) -> None:
+        while True:
+            await trio.sleep(2)
+            self.save_states()
+
+    def save_states(self) -> None:
+        for st in self.states.values():
+            if st.dirty:
+                try:
+                    st.save()
+                except OSError:
+                    log.exception("could not save store state", extra={"store": st.slug})
+
+    # ------------------------------------------------------------------ mount / umount signals
+    async def reconcile(self) -> dict:
+        """Make the mounted stores match the workspace's attachments (SIGHUP, events)."""
+        async with self._mount_lock:
+            atts = await self.client.list_attachments(self.config.workspace)
+            want = {a.store.slug: a for a in atts}
+            added, removed = [], []
+            for slug, att in want.items():
+                sm = self.fs.stores.get(slug)
+                if sm is None:
+                    if slug not in self.admin_unmounted:
+                        await self._add_attachment(att)
+                        added.append(slug)
+                    continue
+                sm.access = att.access.value
+                sm.max_record_bytes = att.store.max_record_bytes
+                sm.max_store_bytes = att.store.max_store_bytes
+                sm.max_records = att.store.max_records
+            for slug in [s for s in self.fs.stores if s not in want]:
+                await self._remove(slug)
+                removed.append(slug)
+            if added or removed:
+                log.info("attachments reconciled", extra={"added": ",".join(added),
+                                                          "removed": ",".join(removed)})
+            return {"added": added, "removed": removed, "stores": sorted(self.fs.stores)}
+
+    async def mount_store(self, slug: str) -> dict:
+        """Admin ``POST /v1/mounts/{store}``. Raises LookupError when not attached."""
+        async with self._mount_lock:
+            self.admin_unmounted.discard(slug)
+            if slug in self.fs.stores:
+                return {"store": slug, "mounted": True, "changed": False}
+            atts = await self.client.list_attachments(self.config.workspace)
+            att = next((a for a in atts if a.store.slug == slug), None)
+            if att is None:
+                raise LookupError(f"store {slug} is not attached to workspace {self.config.workspace}")
+            await self._add_attachment(att)
+            return {"store": slug, "mounted": True, "changed": True}
+
+    async def unmount_store(self, slug: str) -> dict:
+        """Admin ``DELETE /v1/mounts/{store}``. Raises LookupError when not mounted."""
+        async with self._mount_lock:
+            if slug not in self.fs.stores:
+                raise LookupError(f"store {slug} is not mounted")
+            self.admin_unmounted.add(slug)
+            left = await self._remove(slug)
+            return {"store": slug, "mounted": False, "uncommitted": left}
+
+    async def _remove(self, slug: str) -> int:
+        """Commit the store's dirty files (bounded wait), then take it out of the mount."""
+        sm = self.fs.stores[slug]
+        for n in self.fs.dirty_nodes(sm):
+            self.fs.commit(n)
+        with trio.move_on_after(self.config.commit_wait):
+            await self.committer.wait_store_idle(slug)
+        left = self.committer.depth(slug)
+        scope = self.feeds.pop(slug, None)
+        if scope is not None:
+            scope.cancel()
+        self.invalidator.submit(self.fs.remove_store(slug))
+        state = self.states.pop(slug, None)
+        if state is not None:
+            state.save()
+        log.info("store unmounted", extra={"store": slug, "uncommitted": left})
+        return left
+
+    # ------------------------------------------------------------------ life cycle
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> int:
+        """Replay, load, mount, serve until SIGTERM / SIGINT or an external unmount."""
+        config = self.config
+        lock = CacheLock(config.cache_dir)
+        mounted = False
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self.journal.run)
+                await nursery.start(self.committer.run)
+                if config.admin_listen:  # first, so /healthz and /readyz answer while loading
+                    from .admin import serve_admin
+                    self.admin_address = await nursery.start(serve_admin, self, config.admin_listen)
+                if self.leftovers:
+                    log.info("replaying outbox", extra={"entries": len(self.leftovers)})
+                    self.committer.replay(self.leftovers)
+                    await self.committer.wait_idle()
+                    log.info("outbox replayed", extra={"entries": len(self.leftovers)})
+                atts = await self._retrying("listing attachments",
+                                            lambda: self.client.list_attachments(config.workspace))
+                for att in atts:
+                    await self._add_attachment(att)
+                self.save_states()
+                await trio.to_thread.run_sync(self._gc_blobs)
+
+                clean_stale_mount(config.mountpoint)
+                options = set(pyfuse3.default_options)
+                options |= {"fsname=memfuse", "subtype=memfuse"}
+                if config.allow_other:
+                    options.add("allow_other")
+                if os.path.exists("/usr/bin/fusermount3") or os.path.exists("/bin/fusermount3"):
+                    options.add("auto_unmount")
+                pyfuse3.init(self.ops, str(config.mountpoint), options)
+                mounted = True
+                self.invalidator.active = True
+                nursery.start_soon(self.invalidator.run)
+                for slug in self.fs.stores:
+                    self._start_feed(slug)
+                nursery.start_soon(self._events)
+                nursery.start_soon(self._saver)
+                self.fs.ready = True
+                log.info("mounted", extra={"mountpoint": str(config.mountpoint),
+                                           "stores": len(self.fs.stores), "workspace": config.workspace,
+                                           "admin": self.admin_address})
+                task_status.started(self)
+                nursery.start_soon(self._signals)
+                await pyfuse3.main()
+                log.info("FUSE session ended")
+                nursery.cancel_scope.cancel()
+        finally:
+            self.invalidator.active = False
+            if mounted:
+                pyfuse3.close(unmount=True)
+                log.info("unmounted", extra={"mountpoint": str(config.mountpoint)})
+            self.save_states()
+            left = self.committer.depth()
+            if left:
+                log.warning("entries left in the outbox for the next start", extra={"entries": left})
+            self.journal.close()
+            lock.release()
+        return 0
+
+    async def _signals(self) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
+            async for sig in sigs:
+                if sig == signal.SIGHUP:
+                    log.info("SIGHUP: reconciling attachments")
+                    try:
+                        await self.reconcile()
+                    except ApiError as e:
+                        log.warning("reconcile failed", extra={"status": e.status, "code": e.code})
+                    continue
+                log.info("stopping: draining the outbox",
+                         extra={"signal": signal.Signals(sig).name,
+                                "depth": self.committer.depth(), "timeout_s": self.config.drain_timeout})
+                await drain(self.fs, self.committer, self.config.drain_timeout)
+                pyfuse3.terminate()
+                return
+
+    def _gc_blobs(self) -> None:
+        """Delete cached blobs no store mirror or file refers to."""
+        keep = {r.sha256 for st in self.states.values() for r in st.records.values()}
+        keep |= {n.sha for n in self.fs.inodes.values() if n.sha}
+        removed = 0
+        for sub in self.fs.blobs.root.iterdir():
+            if not sub.is_dir():
+                continue
+            for f in sub.iterdir():
+                if f.name not in keep:
+                    f.unlink(missing_ok=True)
+                    removed += 1
+        if removed:
+            log.info("blob cache cleaned", extra={"removed": removed})
 
 
 async def serve_mount(config: MountConfig, client: ApiClient, *,
                       task_status=trio.TASK_STATUS_IGNORED) -> int:
-    """Run one mount until SIGTERM / SIGINT or an external unmount; return the exit code."""
-    config.cache_dir.mkdir(parents=True, exist_ok=True)
-    lock = CacheLock(config.cache_dir)
-    journal = Journal(config.cache_dir / "outbox.db")
-    leftovers, keymap = journal.load()
-    committer = Committer(client, journal, keymap)
-    settings = Settings(commit_wait=config.commit_wait, fsync_timeout=config.fsync_timeout)
-    if config.uid is not None:
-        settings.uid = config.uid
-    if config.gid is not None:
-        settings.gid = config.gid
-    fs = Filesystem(BlobCache(config.cache_dir / "blobs"), committer, settings, config.workspace,
-                    dirs_file=config.cache_dir / "dirs.json")
-    ops = MemfuseOps(fs)
-    mounted = False
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(journal.run)
-            await nursery.start(committer.run)
-            if leftovers:
-                log.info("replaying outbox", extra={"entries": len(leftovers)})
-                committer.replay(leftovers)
-                await committer.wait_idle()
-                log.info("outbox replayed", extra={"entries": len(leftovers)})
-            await load_workspace(fs, client, config.workspace)
-
-            clean_stale_mount(config.mountpoint)
-            options = set(pyfuse3.default_options)
-            options |= {"fsname=memfuse", "subtype=memfuse"}
-            if config.allow_other:
-                options.add("allow_other")
-            if os.path.exists("/usr/bin/fusermount3") or os.path.exists("/bin/fusermount3"):
-                options.add("auto_unmount")
-            pyfuse3.init(ops, str(config.mountpoint), options)
-            mounted = True
-            fs.ready = True
-            log.info("mounted", extra={"mountpoint": str(config.mountpoint),
-                                       "stores": len(fs.stores), "workspace": config.workspace})
-            task_status.started(fs)
-
-            async def signals() -> None:
-                with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
-                    async for sig in sigs:
-                        if sig == signal.SIGHUP:
-                            log.info("SIGHUP: attachment reconcile is not implemented yet")
-                            continue
-                        log.info("stopping: draining the outbox",
-                                 extra={"signal": signal.Signals(sig).name,
-                                        "depth": committer.depth(), "timeout_s": config.drain_timeout})
-                        await drain(fs, committer, config.drain_timeout)
-                        pyfuse3.terminate()
-                        return
-
-            nursery.start_soon(signals)
-            await pyfuse3.main()
-            nursery.cancel_scope.cancel()
-    finally:
-        if mounted:
-            pyfuse3.close(unmount=True)
-            log.info("unmounted", extra={"mountpoint": str(config.mountpoint)})
-        journal.close()
-        lock.release()
-    return 0
+    """Run one sidecar (``Sidecar.run``) until SIGTERM / SIGINT or an external unmount."""
+    return await Sidecar(config, client).run(task_status=task_status)
 
 
 async def drain(fs: Filesystem, committer: Committer, timeout: float) -> None:

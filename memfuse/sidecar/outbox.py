@@ -200,7 +200,8 @@ class Committer:
     def __init__(self, client: ApiClient, journal: Journal,
                  keymap: dict[str, tuple[str | None, str | None]],
                  on_result: Callable[[Entry], None] | None = None,
-                 backoff_max: float = 30.0) -> None:
+                 backoff_max: float = 30.0, metrics=None) -> None:
+        self.metrics = metrics
         self.client = client
         self.journal = journal
         self.keymap = keymap  # node_key -> (record_id, sha256)
@@ -213,8 +214,10 @@ class Committer:
         self.committed = 0
         self.refused = 0
         self.retries = 0
+        self.conflicts = 0
         self.idle = trio.Event()
         self.idle.set()
+        self._store_idle: dict[str, trio.Event] = {}
 
     # --- enqueueing (synchronous, on the trio thread: order is fixed here) -------------------
     def submit(self, store: str, op: str, node_key: str | None, args: dict[str, Any],
@@ -242,8 +245,17 @@ class Committer:
             self._seq = max(self._seq, e.id)
             self._enqueue(e)
 
-    def depth(self) -> int:
+    def depth(self, store: str | None = None) -> int:
+        """Entries not yet finished, in one store or in all."""
+        if store is not None:
+            return len(self.queues.get(store, ()))
         return sum(len(q) for q in self.queues.values())
+
+    async def wait_store_idle(self, store: str) -> None:
+        """Return once ``store`` has no unfinished entry (at once when it has none)."""
+        while self.queues.get(store):
+            ev = self._store_idle.setdefault(store, trio.Event())
+            await ev.wait()
 
     def oldest_age(self) -> float:
         ages = [time.time() - q[0].created for q in self.queues.values() if q]
@@ -267,6 +279,9 @@ class Committer:
         q = self.queues[store]
         while True:
             if not q:
+                ev = self._store_idle.pop(store, None)
+                if ev is not None:
+                    ev.set()
                 if not self.depth():
                     self.idle.set()
                 ev = self._wakeups[store] = trio.Event()
@@ -288,9 +303,13 @@ class Committer:
             try:
                 await self._apply(e)
                 self.committed += 1
+                if self.metrics is not None:
+                    self.metrics.commits.labels(e.op).inc()
                 return
             except TransientError as err:
                 self.retries += 1
+                if self.metrics is not None:
+                    self.metrics.retries.inc()
                 delay = min(self.backoff_max, 0.05 * 2 ** min(e.attempts, 12))
                 delay = random.uniform(0, delay)  # full jitter
                 if err.retry_after is not None and not math.isnan(err.retry_after):
@@ -302,12 +321,19 @@ class Committer:
                 await trio.sleep(delay)
             except ApiError as err:
                 self.refused += 1
+                if self.metrics is not None:
+                    self.metrics.refusals.labels(err.code or str(err.status)).inc()
                 e.errno = errno_for(err)
                 e.reason = err.detail or err.code or f"HTTP {err.status}"
                 log.warning("commit refused", extra={
                     "entry": e.id, "op": e.op, "store": e.store, "path": e.args.get("path"),
                     "status": err.status, "code": err.code, "errno": errno.errorcode.get(e.errno)})
                 return
+
+    def _conflict(self) -> None:
+        self.conflicts += 1
+        if self.metrics is not None:
+            self.metrics.conflicts.inc()
 
     def _rid(self, node_key: str | None) -> tuple[str | None, str | None]:
         if node_key is None:
@@ -347,6 +373,7 @@ class Committer:
                     if cur.sha256 == want and (typ is None or cur.type == typ):
                         rec = cur
                     else:
+                        self._conflict()
                         log.warning("conflict: record changed elsewhere; last writer wins, the "
                                     "other version stays in history",
                                     extra={"store": e.store, "path": a.get("path"), "record": rid})
@@ -365,6 +392,7 @@ class Committer:
                         other = found.id if found else None
                     if other is None:
                         raise
+                    self._conflict()
                     log.warning("conflict: path created elsewhere; last writer wins",
                                 extra={"store": e.store, "path": a["path"], "record": other})
                     rec = await c.update_record(e.store, other, text, type=typ,

@@ -1,0 +1,60 @@
+"""Prometheus metrics of one sidecar (prometheus-client), served on the admin ``/metrics``.
+
+One ``Metrics`` object per process, holding its own ``CollectorRegistry`` (so tests can create
+several). Gauges that mirror live state (outbox depth and age, cache size, sync lag) are
+computed at scrape time through callbacks set by ``bind``.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LAT_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class Metrics:
+    """The sidecar's metrics. Names are ``memfuse_*``; latencies in seconds."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.fuse_ops = Counter("memfuse_fuse_ops", "FUSE operations handled", ["op"], registry=r)
+        self.fuse_errors = Counter("memfuse_fuse_errors", "FUSE operations answered with an errno",
+                                   ["op", "errno"], registry=r)
+        self.fuse_latency = Histogram("memfuse_fuse_op_seconds", "FUSE handler latency", ["op"],
+                                      buckets=_LAT_BUCKETS, registry=r)
+        self.api_calls = Counter("memfuse_api_calls", "control-plane API calls",
+                                 ["endpoint", "status"], registry=r)
+        self.api_latency = Histogram("memfuse_api_call_seconds", "control-plane API call latency",
+                                     ["endpoint"], buckets=_LAT_BUCKETS, registry=r)
+        self.refusals = Counter("memfuse_refusals", "writes refused for good, by reason",
+                                ["reason"], registry=r)
+        self.commits = Counter("memfuse_outbox_committed", "outbox entries committed", ["op"], registry=r)
+        self.retries = Counter("memfuse_outbox_retries", "transient commit failures retried", registry=r)
+        self.conflicts = Counter("memfuse_conflicts", "writes that met a newer version (last writer wins)",
+                                 registry=r)
+        self.remote_changes = Counter("memfuse_sync_changes_applied",
+                                      "remote changes applied from the change feed", ["store"], registry=r)
+        self.sync_lag = Histogram("memfuse_sync_lag_seconds",
+                                  "time from a remote version's creation to its arrival here",
+                                  buckets=_LAT_BUCKETS, registry=r)
+        self.outbox_depth = Gauge("memfuse_outbox_depth", "entries accepted, not yet committed", registry=r)
+        self.outbox_oldest = Gauge("memfuse_outbox_oldest_age_seconds", "age of the oldest outbox entry",
+                                   registry=r)
+        self.cache_records = Gauge("memfuse_cache_records", "records in the local cache", registry=r)
+        self.cache_bytes = Gauge("memfuse_cache_bytes", "bytes of record content in the local cache",
+                                 registry=r)
+        self.stores = Gauge("memfuse_stores_mounted", "stores mounted", registry=r)
+        self.ready = Gauge("memfuse_ready", "1 once the first load and mount are done", registry=r)
+
+    def bind(self, *, depth: Callable[[], float], oldest: Callable[[], float],
+             records: Callable[[], float], cache_bytes: Callable[[], float],
+             stores: Callable[[], float], ready: Callable[[], float]) -> None:
+        """Compute the live gauges at scrape time from these callbacks."""
+        self.outbox_depth.set_function(depth)
+        self.outbox_oldest.set_function(oldest)
+        self.cache_records.set_function(records)
+        self.cache_bytes.set_function(cache_bytes)
+        self.stores.set_function(stores)
+        self.ready.set_function(ready)

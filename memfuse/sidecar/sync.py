@@ -1,0 +1,150 @@
+"""Sync with the control plane: store mirrors, the change feed, kernel invalidation.
+
+- ``StoreState`` — the control plane's view of one store as this sidecar last saw it: every
+  live record's metadata (no content; content lives in the blob cache) and the change-feed
+  cursor. Saved atomically to ``<cache>/stores/<slug>.json``, so a restart resumes from the
+  cursor instead of taking a full snapshot (DESIGN §6).
+- ``Invalidator`` — tells the kernel what changed remotely. Invalidation calls run in a worker
+  thread, never synchronously on the trio thread: ``invalidate_entry`` blocks while a request
+  on that directory is in flight, and that request may be waiting for the trio thread
+  (PYFUSE3-NOTES "Kernel cache invalidation").
+"""
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import pyfuse3
+import trio
+
+from ..client import ApiClient, Gone
+from ..models import Change, Record
+
+log = logging.getLogger("memfuse.sync")
+
+
+class StoreState:
+    """Mirror of one store's live records (id → ``Record`` without content) and the cursor."""
+
+    def __init__(self, path: Path, slug: str) -> None:
+        self.path = path
+        self.slug = slug
+        self.cursor = 0
+        self.records: dict[str, Record] = {}
+        self.dirty = False
+        self.last_change_at = 0.0
+
+    def load(self) -> bool:
+        """Read the saved state; False when there is none or it is unreadable."""
+        try:
+            raw = json.loads(self.path.read_text())
+            self.cursor = int(raw["cursor"])
+            self.records = {r["id"]: Record.model_validate(r) for r in raw["records"]}
+            return True
+        except FileNotFoundError:
+            return False
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.warning("saved store state unreadable; taking a full snapshot",
+                        extra={"store": self.slug, "error": type(e).__name__})
+            self.records, self.cursor = {}, 0
+            return False
+
+    def save(self) -> None:
+        """Write the state atomically (tmp + rename)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        data = {"cursor": self.cursor,
+                "records": [r.model_dump(mode="json", exclude={"content"}) for r in self.records.values()]}
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, self.path)
+        self.dirty = False
+
+    def reset(self, records: list[Record], seq: int) -> None:
+        self.records = {r.id: r.model_copy(update={"content": None}) for r in records}
+        self.cursor = seq
+        self.dirty = True
+
+    def apply(self, ch: Change) -> None:
+        rec = ch.record
+        if rec.deleted:
+            self.records.pop(rec.id, None)
+        else:
+            cur = self.records.get(rec.id)
+            if cur is None or cur.version <= rec.version:
+                self.records[rec.id] = rec.model_copy(update={"content": None})
+        self.cursor = max(self.cursor, ch.seq)
+        self.dirty = True
+
+
+async def catch_up(client: ApiClient, state: StoreState, blobs) -> bool:
+    """Bring a loaded ``state`` up to date through the change feed (no waiting), storing the
+    content of every change in ``blobs``. Returns False when the cursor is gone (410): the
+    caller takes a full snapshot."""
+    while True:
+        try:
+            page = await client.changes(state.slug, state.cursor, wait=0, content=True)
+        except Gone:
+            return False
+        for ch in page.changes:
+            if ch.record.content is not None:
+                blobs.put(ch.record.content.encode("utf-8"), ch.record.sha256)
+            state.apply(ch)
+        state.cursor = max(state.cursor, page.seq)
+        if not page.changes:
+            return True
+
+
+class Invalidator:
+    """Queues kernel cache invalidations and performs them from a worker thread.
+
+    Requests are ``("entry", parent_ino, name: str)`` and ``("inode", ino)``. ``active`` is
+    False until the mount is up (nothing is cached before that).
+    """
+
+    def __init__(self) -> None:
+        self.active = False
+        self._queue: list[tuple] = []
+        self._wakeup = trio.Event()
+        self.done = 0
+        self.failed = 0
+
+    def submit(self, items: list[tuple]) -> None:
+        if self.active and items:
+            self._queue.extend(items)
+            self._wakeup.set()
+
+    def _run_batch(self, batch: list[tuple]) -> None:
+        for item in batch:
+            try:
+                if item[0] == "entry":
+                    pyfuse3.invalidate_entry(item[1], item[2].encode("utf-8"))
+                else:
+                    pyfuse3.invalidate_inode(item[1], attr_only=False)
+                self.done += 1
+            except OSError as e:
+                if e.errno != errno.ENOENT:  # ENOENT: the kernel had nothing cached
+                    self.failed += 1
+                    log.warning("kernel invalidation failed",
+                                extra={"kind": item[0], "ino": item[1], "errno": errno.errorcode.get(e.errno)})
+
+    async def run(self) -> None:
+        """Perform queued invalidations until cancelled."""
+        while True:
+            await self._wakeup.wait()
+            self._wakeup = trio.Event()
+            batch, self._queue = self._queue, []
+            if batch and self.active:
+                await trio.to_thread.run_sync(self._run_batch, batch)
+
+    async def settle(self) -> None:
+        """Wait until everything queued so far has been sent to the kernel."""
+        while self._queue:
+            await trio.sleep(0.005)
+
+
+def lag_seconds(rec: Record) -> float:
+    return max(0.0, time.time() - rec.updated_at.timestamp())
