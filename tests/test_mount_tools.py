@@ -323,3 +323,38 @@ def test_restart_keeps_identical_tree(tmp_path):
             sc.stop()
     finally:
         cp.stop()
+
+
+def test_invalid_utf8_rejected_at_close_and_fixable(env, d):
+    cp, _ = env
+    p, pre = d
+    (p / "n.md").write_text("good\n")
+    fd = os.open(p / "n.md", os.O_WRONLY | os.O_TRUNC)
+    os.write(fd, b"bad \xff\xfe\n")
+    with pytest.raises(OSError) as e:
+        os.close(fd)
+    assert e.value.errno == errno.EILSEQ
+    assert (p / "n.md").read_bytes() == b"bad \xff\xfe\n"  # kept here to be fixed in place
+    assert os.getxattr(p / "n.md", "user.memfuse.state") == b"rejected"
+    assert b"UTF-8" in os.getxattr(p / "n.md", "user.memfuse.error")
+    assert cp.call("get_record", "default", rec(cp, f"{pre}/n.md").id).content == "good\n"
+    # a shell redirection ignores close(2)'s result; the refusal still shows in the state
+    sh("printf 'bad \\377\\n' > m.md", p)
+    assert os.getxattr(p / "m.md", "user.memfuse.state") == b"rejected"
+    assert rec(cp, f"{pre}/m.md") is None
+    (p / "n.md").write_text("fixed\n")
+    assert os.getxattr(p / "n.md", "user.memfuse.state") == b"clean"
+    assert cp.call("get_record", "default", rec(cp, f"{pre}/n.md").id).content == "fixed\n"
+
+
+def test_set_type_xattr_makes_a_version(env, d):
+    cp, _ = env
+    p, pre = d
+    (p / "t.md").write_text("likes tea\n")
+    os.setxattr(p / "t.md", "user.memfuse.type", b"user")
+    r = rec(cp, f"{pre}/t.md")
+    _wait(lambda: cp.call("get_record", "default", r.id, content=False).type == "user")
+    assert os.getxattr(p / "t.md", "user.memfuse.type") == b"user"
+    with pytest.raises(OSError) as e:
+        os.setxattr(p / "t.md", "user.memfuse.type", b"nonsense")
+    assert e.value.errno == errno.EINVAL

@@ -32,7 +32,12 @@ from typing import Iterator
 import trio
 
 from .. import names
-from ..models import Record, sha256_hex
+from ..models import RECORD_TYPES, Record, sha256_hex
+
+try:  # shared content rules (types, secrets) for the fast path; the server enforces them too
+    from .. import content as content_rules
+except ImportError:  # pragma: no cover
+    content_rules = None
 from .outbox import DELETE, MOVE, MOVE_PREFIX, PUT, Committer, Entry
 
 log = logging.getLogger("memfuse.fs")
@@ -120,6 +125,7 @@ class Node:
     opened: int = 0
     unlinked: bool = False
     special: str = ""  # .memfuse control files: "status" / "errors"
+    type_override: str | None = None  # set through user.memfuse.type, sent with the next put
 
     def path(self) -> str:
         """Store-relative path ``a/b.md`` ('' for a store root)."""
@@ -556,8 +562,14 @@ class Filesystem:
         d.mtime_ns = d.ctime_ns = time.time_ns()
 
     # ------------------------------------------------------------------ flush / fsync / release
-    def commit(self, n: Node) -> Entry | None:
-        """Turn a dirty file into an accepted change (outbox ``put``); None when nothing to do."""
+    def commit(self, n: Node) -> "Entry | FsError | None":
+        """Turn a dirty file into an accepted change (outbox ``put``).
+
+        Returns the outbox entry; None when there is nothing to send; an ``FsError`` when the
+        content is refused here already (the fast path of DESIGN §4's table: not UTF-8 →
+        ``EILSEQ``; more checks where ``memfuse.content`` provides them) — the file then keeps
+        the refused content with ``state=rejected`` and nothing is sent.
+        """
         if not n.dirty or n.is_dir or n.special:
             return None
         n.dirty = False
@@ -567,10 +579,40 @@ class Filesystem:
         n.sha = self.blobs.put(data)
         n.size = len(data)
         n.buf = None
-        e = self.committer.submit(n.store.slug, PUT, n.key, {"path": n.path(), "type": None}, data)
+        refusal = self._precheck(n, data)
+        if refusal is not None:
+            n.state, n.error, n.last_put = REJECTED, refusal.reason, None
+            self.note_error(n.parent, n.name, refusal.errno, refusal.reason)
+            return refusal
+        e = self.committer.submit(n.store.slug, PUT, n.key,
+                                  {"path": n.path(), "type": n.type_override}, data)
         n.last_put = e
         n.state, n.error = PENDING, ""
         return e
+
+    def _precheck(self, n: Node, data: bytes) -> FsError | None:
+        """Refusals the sidecar can decide alone, so they fail at close even offline."""
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            return FsError(errno.EILSEQ, f"content is not valid UTF-8 (byte {e.start})")
+        if content_rules is None:
+            return None
+        text = data.decode("utf-8")
+        try:
+            kind = content_rules.find_secret(text)
+            if kind:
+                return FsError(errno.EPERM, f"content looks like it holds a secret ({kind}); "
+                                            "memory must not store credentials")
+            try:
+                t = content_rules.record_type(n.path(), text, n.type_override, "project")
+                if t is not None:
+                    content_rules.check_type(t)
+            except ValueError as e:
+                return FsError(errno.EINVAL, str(e) or "invalid record type")
+        except Exception:  # the control plane still enforces every rule
+            log.exception("local content check failed; leaving the decision to the control plane")
+        return None
 
     async def flush(self, h: Handle) -> None:
         """close(2): commit a dirty file; wait up to ``commit_wait`` s for the control plane.
@@ -591,6 +633,8 @@ class Filesystem:
             # version. The commit happens at the final flush after a write, or at release.
             return
         e = self.commit(n)
+        if isinstance(e, FsError):
+            raise e
         if e is None:
             e = n.last_put if n.state == PENDING else None
             if e is None:
@@ -605,7 +649,10 @@ class Filesystem:
         """fsync(2): commit and wait for the control plane's acknowledgement; ``EIO`` after
         ``fsync_timeout`` s (the write stays accepted)."""
         n = h.node
-        e = self.commit(n) or (n.last_put if n.state == PENDING else None)
+        e = self.commit(n)
+        if isinstance(e, FsError):
+            raise e
+        e = e or (n.last_put if n.state == PENDING else None)
         if e is None:
             return
         await e.durable.wait()
@@ -641,6 +688,8 @@ class Filesystem:
             elif e.record is not None:
                 self._bind_rid(n, e.record.id)
                 n.version, n.rtype = e.record.version, e.record.type
+                if n.type_override == e.args.get("type"):
+                    n.type_override = None
                 n.updated_at = e.record.updated_at.isoformat()
                 n.state, n.error = CLEAN, ""
         elif e.op == MOVE and n is not None and e.record is not None:
@@ -955,6 +1004,22 @@ class Filesystem:
         if not value and key not in ("error",):
             raise FsError(errno.ENODATA)
         return value.encode("utf-8")
+
+    def set_type(self, n: Node, value: bytes) -> None:
+        """``setxattr user.memfuse.type``: a new version with that type (DESIGN §5)."""
+        if n.is_dir or n.special or n.store is None:
+            raise FsError(errno.ENOTSUP, "only records have a type")
+        self._check_writable_file(n)
+        t = value.decode("utf-8", "replace").strip()
+        if t not in RECORD_TYPES:
+            self.refuse(n.parent, n.name, errno.EINVAL,
+                        f"type {t!r} is not one of {', '.join(RECORD_TYPES)}")
+        if n.local_only:
+            raise FsError(errno.ENOTSUP, "local-only files have no type")
+        n.type_override = t
+        n.dirty = True
+        if n.opened == 0 or n.buf is None:
+            self.commit(n)
 
     # ------------------------------------------------------------------ status
     def status(self) -> dict:

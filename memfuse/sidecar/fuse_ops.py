@@ -264,7 +264,8 @@ class MemfuseOps(pyfuse3.Operations):
         n = self.fs.node(inode)
         key = name.decode("utf-8", "replace")
         if key == "user.memfuse.type":
-            raise FsError(errno.ENOTSUP, "setting the type is not available yet")
+            self.fs.set_type(n, value)
+            return
         if key.startswith("user.memfuse."):
             raise FsError(errno.EPERM, f"{key} is read-only")
         raise FsError(errno.ENOTSUP)
