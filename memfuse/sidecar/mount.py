@@ -145,6 +145,8 @@ class Sidecar:
         self.admin_address: str | None = None
         self._nursery: trio.Nursery | None = None
         self._mount_lock = trio.Lock()
+        self._mounted = False
+        self._drain_scope: trio.CancelScope | None = None
         self.metrics.bind(
             depth=lambda: self.committer.depth(), oldest=lambda: self.committer.oldest_age(),
             records=lambda: sum(len(s.records) for s in self.states.values()),
@@ -367,13 +369,23 @@ class Sidecar:
 
     # ------------------------------------------------------------------ life cycle
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> int:
-        """Replay, load, mount, serve until SIGTERM / SIGINT or an external unmount."""
+        """Replay, load, mount, serve until SIGTERM / SIGINT or an external unmount.
+
+        Signals are caught for the whole run, teardown included: a second SIGTERM (``timeout``
+        signals the whole process group, for one) must not kill the process half-way through
+        its unmount. A second SIGINT while draining stops the drain (what is left stays in
+        the outbox for the next start)."""
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
+            return await self._run(sigs, task_status)
+
+    async def _run(self, sigs, task_status) -> int:
         config = self.config
         lock = CacheLock(config.cache_dir)
         mounted = False
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
+                nursery.start_soon(self._signals, sigs)
                 nursery.start_soon(self.journal.run)
                 await nursery.start(self.committer.run)
                 if config.admin_listen:  # first, so /healthz and /readyz answer while loading
@@ -411,7 +423,7 @@ class Sidecar:
                                            "stores": len(self.fs.stores), "workspace": config.workspace,
                                            "admin": self.admin_address})
                 task_status.started(self)
-                nursery.start_soon(self._signals)
+                self._mounted = True
                 await pyfuse3.main()
                 log.info("FUSE session ended")
                 nursery.cancel_scope.cancel()
@@ -428,22 +440,44 @@ class Sidecar:
             lock.release()
         return 0
 
-    async def _signals(self) -> None:
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
-            async for sig in sigs:
-                if sig == signal.SIGHUP:
+    async def _signals(self, sigs) -> None:
+        stopping = False
+        async for sig in sigs:
+            name = signal.Signals(sig).name
+            if sig == signal.SIGHUP:
+                if self._mounted and not stopping:
                     log.info("SIGHUP: reconciling attachments")
-                    try:
-                        await self.reconcile()
-                    except ApiError as e:
-                        log.warning("reconcile failed", extra={"status": e.status, "code": e.code})
-                    continue
-                log.info("stopping: draining the outbox",
-                         extra={"signal": signal.Signals(sig).name,
-                                "depth": self.committer.depth(), "timeout_s": self.config.drain_timeout})
-                await drain(self.fs, self.committer, self.config.drain_timeout)
-                pyfuse3.terminate()
-                return
+                    self._nursery.start_soon(self._reconcile_logged)
+                continue
+            if stopping:
+                if sig == signal.SIGINT and self._drain_scope is not None:
+                    log.warning("second interrupt: stop draining; the rest stays in the outbox")
+                    self._drain_scope.cancel()
+                else:
+                    log.info("already stopping", extra={"signal": name})
+                continue
+            stopping = True
+            if not self._mounted:
+                log.info("stopping before the mount was up; accepted writes stay in the outbox",
+                         extra={"signal": name})
+                self._nursery.cancel_scope.cancel()
+                continue
+            log.info("stopping: draining the outbox",
+                     extra={"signal": name, "depth": self.committer.depth(),
+                            "timeout_s": self.config.drain_timeout})
+            self._nursery.start_soon(self._stop)
+
+    async def _stop(self) -> None:
+        with trio.CancelScope() as self._drain_scope:
+            await drain(self.fs, self.committer, self.config.drain_timeout)
+        self._drain_scope = None
+        pyfuse3.terminate()
+
+    async def _reconcile_logged(self) -> None:
+        try:
+            await self.reconcile()
+        except ApiError as e:
+            log.warning("reconcile failed", extra={"status": e.status, "code": e.code})
 
     def _gc_blobs(self) -> None:
         """Delete cached blobs no store mirror or file refers to."""

@@ -1,0 +1,120 @@
+"""`memfuse dev`, the README's run command, end to end: the issue's done-criteria flow, a restart,
+the CLI's history on the dev database, and the same as a normal (non-root) user."""
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from mountutil import MEMFUSE, is_mounted, sh, stop, unmount, wait_for
+
+pytestmark = pytest.mark.mount
+
+
+def start_dev(mnt: Path, env: dict, log: Path, user: str | None = None,
+              ready=None) -> subprocess.Popen:
+    cmd = [MEMFUSE, "dev", str(mnt)]
+    as_user = {}
+    if user:  # the process itself runs as the user, so signals reach it directly
+        pw = pwd.getpwnam(user)
+        as_user = {"user": pw.pw_uid, "group": pw.pw_gid, "extra_groups": [], "cwd": env["HOME"]}
+    proc = subprocess.Popen(cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, env=dict(os.environ, **env), **as_user)
+    wait_for(ready or (lambda: is_mounted(mnt) and (mnt / "default").is_dir()), 60,
+             "memfuse dev", proc, log)
+    return proc
+
+
+def interrupt(proc: subprocess.Popen, timeout: float = 30) -> int:
+    """Ctrl-C: SIGINT and wait for a clean exit."""
+    proc.send_signal(signal.SIGINT)
+    return proc.wait(timeout)
+
+
+def test_readme_flow_restart_and_history(tmp_path):
+    env = {"MEMFUSE_HOME": str(tmp_path / "home"), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    mnt, log = tmp_path / "memory", tmp_path / "dev.log"
+    proc = start_dev(mnt, env, log)
+    try:
+        sh('echo "prefers tea" > memory/default/prefs.md', tmp_path)
+        assert sh("grep -r tea memory/", tmp_path).stdout == "memory/default/prefs.md:prefers tea\n"
+        sh("sed -i s/tea/coffee/ memory/default/prefs.md", tmp_path)
+        assert interrupt(proc) == 0
+        assert not is_mounted(mnt)
+        proc = start_dev(mnt, env, log)
+        assert (mnt / "default" / "prefs.md").read_text() == "prefers coffee\n"
+        hist = sh(f"{MEMFUSE} history default prefs.md", tmp_path, env=env).stdout
+        lines = [ln for ln in hist.splitlines() if ln.strip()]
+        assert any("created" in ln for ln in lines) and any("modified" in ln for ln in lines), hist
+        assert sum(1 for ln in lines if "created" in ln or "modified" in ln) == 2, hist
+        assert sh(f"{MEMFUSE} show default prefs.md --version 1", tmp_path, env=env).stdout == "prefers tea\n"
+        # a restore through the CLI reaches the running mount through the change feed
+        sh(f"{MEMFUSE} restore default prefs.md --version 1", tmp_path, env=env)
+        wait_for(lambda: (mnt / "default" / "prefs.md").read_text() == "prefers tea\n", 5,
+                 "restored content on the mount")
+    finally:
+        stop(proc)
+        unmount(mnt)
+
+
+@contextmanager
+def _normal_user_allowed(user: str, paths: list[Path]):
+    """Let ``user`` open /dev/fuse and reach the venv's interpreter, as on a normal Debian
+    machine (this image has /dev/fuse 0600 and Python under /root); restore afterwards."""
+    changed: list[tuple[Path, int]] = []
+    try:
+        for p in [Path("/dev/fuse"), *paths]:
+            mode = stat.S_IMODE(p.stat().st_mode)
+            want = mode | (0o066 if p == Path("/dev/fuse") else 0o001)
+            if want != mode:
+                changed.append((p, mode))
+                os.chmod(p, want)
+        yield
+    finally:
+        for p, mode in reversed(changed):
+            os.chmod(p, mode)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create the test user")
+def test_dev_as_normal_user(tmp_path):
+    user = "memfuse-test"
+    try:
+        pwd.getpwnam(user)
+    except KeyError:
+        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/bin/bash", user],
+                       check=True, capture_output=True)
+    pw = pwd.getpwnam(user)
+    home = tmp_path / "u"
+    home.mkdir()
+    os.chown(home, pw.pw_uid, pw.pw_gid)
+    os.chmod(tmp_path, 0o755)
+    parents = {q for exe in (Path(sys.executable).resolve(), Path(MEMFUSE).resolve(),
+                             Path(__file__).resolve(), home.resolve())
+               for q in exe.parents}
+    with _normal_user_allowed(user, sorted(parents, key=lambda q: len(q.parts))):
+        env = {"HOME": str(home), "MEMFUSE_HOME": str(home / "data")}
+        mnt, log = home / "memory", tmp_path / "dev-user.log"
+        # without allow_other only the mounting user may enter the mount (root included),
+        # so every check runs as that user
+        mounted = lambda: is_mounted(mnt) and subprocess.run(
+            ["runuser", "-u", user, "--", "test", "-d", str(mnt / "default")]).returncode == 0
+        proc = start_dev(mnt, env, log, user=user, ready=mounted)
+        try:
+            as_user = f"runuser -u {user} -- "
+            out = sh(as_user + f"bash -c 'echo \"prefers tea\" > {mnt}/default/prefs.md && "
+                     f"sed -i s/tea/coffee/ {mnt}/default/prefs.md && grep -r coffee {mnt} && "
+                     f"stat -c %u {mnt}/default/prefs.md'", home).stdout
+            assert out == f"{mnt}/default/prefs.md:prefers coffee\n{pw.pw_uid}\n"
+            assert interrupt(proc) == 0, log.read_text()[-2000:]
+            assert not is_mounted(mnt)
+        finally:
+            stop(proc)
+            unmount(mnt)
