@@ -754,7 +754,7 @@ def history(target: Target, store_slug: str, path: str) -> None:
 @cli.command()
 @click.argument("store_slug", metavar="STORE")
 @click.argument("path")
-@opt("--version", "version_n", type=click.IntRange(min=1), metavar="N",
+@opt("--version", "version_n", envvar=None, type=click.IntRange(min=1), metavar="N",
      help="Show version N (default: the current content).")
 @api_options
 def show(target: Target, store_slug: str, path: str, version_n: int | None) -> None:
@@ -782,7 +782,7 @@ def show(target: Target, store_slug: str, path: str, version_n: int | None) -> N
 @cli.command()
 @click.argument("store_slug", metavar="STORE")
 @click.argument("path")
-@opt("--version", "version_n", type=click.IntRange(min=1), required=True, metavar="N",
+@opt("--version", "version_n", envvar=None, type=click.IntRange(min=1), required=True, metavar="N",
      help="The version whose content, type and path to restore.")
 @api_options
 def restore(target: Target, store_slug: str, path: str, version_n: int) -> None:
@@ -800,7 +800,7 @@ def restore(target: Target, store_slug: str, path: str, version_n: int) -> None:
 @cli.command()
 @click.argument("store_slug", metavar="STORE")
 @click.argument("path")
-@opt("--version", "version_n", type=click.IntRange(min=1), required=True, metavar="N",
+@opt("--version", "version_n", envvar=None, type=click.IntRange(min=1), required=True, metavar="N",
      help="The version whose content to remove (not the current one).")
 @api_options
 def redact(target: Target, store_slug: str, path: str, version_n: int) -> None:
