@@ -1,0 +1,363 @@
+"""The shared content rules of memfuse.content: types, UTF-8, secrets.
+
+Secret samples are built at run time from pieces (a prefix plus generated characters), so no
+literal credential-shaped string sits in the repository for a scanner to find.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import random
+import string
+import time
+
+import pytest
+
+from memfuse import content
+from memfuse.content import (
+    SECRET_KINDS,
+    ContentError,
+    InvalidContent,
+    InvalidType,
+    SecretDetected,
+    check_secrets,
+    check_type,
+    check_utf8,
+    find_secret,
+    frontmatter_type,
+    record_type,
+)
+
+ALNUM = string.ascii_letters + string.digits
+UPPER_DIGITS = string.ascii_uppercase + string.digits
+URLSAFE = ALNUM + "_-"
+
+
+def rnd(n: int, alphabet: str = ALNUM, seed: int = 0) -> str:
+    """``n`` characters that look random (deterministic per seed), with every class of the
+    alphabet present."""
+    r = random.Random(f"{seed}-{n}-{alphabet}")
+    while True:
+        s = "".join(r.choice(alphabet) for _ in range(n))
+        if not any(c.isalpha() for c in alphabet) or (
+            (not any(c.isupper() for c in alphabet) or any(c.isupper() for c in s))
+            and (not any(c.islower() for c in alphabet) or any(c.islower() for c in s))
+            and (not any(c.isdigit() for c in alphabet) or any(c.isdigit() for c in s))
+        ):
+            return s
+
+
+def b64(nbytes: int, seed: int = 0) -> str:
+    r = random.Random(seed)
+    return base64.b64encode(r.randbytes(nbytes)).decode()
+
+
+def b64url_json(obj: object) -> str:
+    return base64.urlsafe_b64encode(json.dumps(obj).encode()).decode().rstrip("=")
+
+
+def pem(label: str, lines: int = 8, seed: int = 1) -> str:
+    body = b64(48 * lines, seed)
+    return (
+        f"-----BEGIN {label}-----\n"
+        + "\n".join(body[i : i + 64] for i in range(0, len(body), 64))
+        + f"\n-----END {label}-----\n"
+    )
+
+
+def jwt() -> str:
+    return ".".join(
+        [b64url_json({"alg": "HS256", "typ": "JWT"}), b64url_json({"sub": "42", "iat": 1700000000}), rnd(43, URLSAFE)]
+    )
+
+
+# kind reported → sample text (each embedded in a little context)
+POSITIVE: list[tuple[str, str]] = [
+    ("private key", "my deploy key:\n" + pem("RSA " + "PRIVATE KEY")),
+    ("private key", pem("EC " + "PRIVATE KEY", 3)),
+    ("private key", pem("OPENSSH " + "PRIVATE KEY", 6)),
+    ("private key", pem("PRIVATE" + " KEY", 10)),
+    ("private key", pem("ENCRYPTED " + "PRIVATE KEY", 10)),
+    (
+        "private key",
+        "-----BEGIN PGP " + "PRIVATE KEY BLOCK-----\nVersion: GnuPG v2\nComment: test\n\n"
+        + b64(300, 4)[:64] + "\n" + b64(300, 5)[:64] + "\n-----END PGP PRIVATE KEY BLOCK-----\n",
+    ),
+    (
+        "private key",
+        "-----BEGIN RSA " + "PRIVATE KEY-----\nProc-Type: 4,ENCRYPTED\nDEK-Info: AES-128-CBC,00FF\n\n"
+        + b64(48, 6) + "\n-----END RSA PRIVATE KEY-----\n",
+    ),
+    (
+        "private key (PuTTY)",
+        "PuTTY-User-Key-File-" + "2: ssh-rsa\nEncryption: none\nComment: k\nPublic-Lines: 1\n" + b64(60, 7)
+        + "\nPrivate-Lines: 1\n" + b64(60, 8) + "\n",
+    ),
+    (
+        "GCP service-account private key",
+        json.dumps(
+            {"type": "service_account", "project_id": "p", "private_key_id": rnd(40, "0123456789abcdef"),
+             "private_key": pem("PRIVATE" + " KEY", 10), "client_email": "x@p.iam.gserviceaccount.com"},
+            indent=2,
+        ),
+    ),
+    ("GCP API key", "maps key: " + "AI" + "za" + rnd(35, URLSAFE)),
+    ("GCP OAuth client secret", "client_secret=" + "GOC" + "SPX-" + rnd(28, URLSAFE)),
+    ("AWS access key id", "aws_access_key_id = " + "AK" + "IA" + rnd(16, UPPER_DIGITS)),
+    ("AWS access key id", "temporary: " + "AS" + "IA" + rnd(16, UPPER_DIGITS) + "."),
+    ("AWS secret access key", "aws_secret_access_key = " + b64(30, 9)),
+    ("AWS secret access key", "export AWS_SECRET_ACCESS_KEY=" + b64(30, 10) + "\n"),
+    ("AWS secret access key", '{"SecretAccessKey": "' + b64(30, 11) + '"}'),
+    (
+        "Azure storage or service-bus key",
+        "DefaultEndpointsProtocol=https;AccountName=acct;Account" + "Key=" + b64(64, 12) + ";EndpointSuffix=core.windows.net",
+    ),
+    (
+        "Azure storage or service-bus key",
+        "Endpoint=sb://ns.servicebus.windows.net/;SharedAccessKeyName=root;SharedAccess" + "Key=" + b64(32, 13),
+    ),
+    ("GitHub token", "GITHUB_TOKEN=" + "gh" + "p_" + rnd(36)),
+    ("GitHub token", "oauth " + "gh" + "o_" + rnd(36)),
+    ("GitHub token", "gh" + "u_" + rnd(36)),
+    ("GitHub token", "installation token " + "gh" + "s_" + rnd(36)),
+    ("GitHub token", "gh" + "r_" + rnd(76)),
+    ("GitHub fine-grained token", "github" + "_pat_" + rnd(22) + "_" + rnd(59)),
+    ("GitLab token", "token: " + "gl" + "pat-" + rnd(20, URLSAFE)),
+    ("GitLab token", "runner " + "gl" + "rt-" + rnd(20, URLSAFE)),
+    ("GitLab runner registration token", "--registration-token " + "GR134" + "8941" + rnd(20, URLSAFE)),
+    ("Slack token", "bot: " + "xo" + "xb-" + rnd(12, string.digits) + "-" + rnd(13, string.digits) + "-" + rnd(24)),
+    ("Slack token", "xo" + "xp-" + "-".join(rnd(n, string.digits, i) for i, n in enumerate((12, 12, 13))) + "-" + rnd(32, "0123456789abcdef")),
+    ("Slack token", "xo" + "xa-2-" + rnd(12, string.digits) + "-" + rnd(30)),
+    ("Slack app token", "xa" + "pp-1-A" + rnd(10, UPPER_DIGITS) + "-" + rnd(13, string.digits) + "-" + rnd(64, "0123456789abcdef")),
+    (
+        "Slack webhook URL",
+        "post to https://hooks.slack.com/" + "services/T" + rnd(8, UPPER_DIGITS) + "/B" + rnd(10, UPPER_DIGITS) + "/" + rnd(24),
+    ),
+    ("OpenAI API key", "OPENAI_API_KEY=" + "s" + "k-" + rnd(48)),
+    ("OpenAI API key", "key = '" + "s" + "k-proj-" + rnd(156, URLSAFE) + "'"),
+    ("OpenAI API key", "s" + "k-svcacct-" + rnd(120, URLSAFE)),
+    ("Anthropic API key", "ANTHROPIC_API_KEY=" + "s" + "k-ant-api03-" + rnd(93, URLSAFE) + "AA"),
+    ("Anthropic API key", "s" + "k-ant-admin01-" + rnd(93, URLSAFE) + "AA"),
+    ("JSON Web Token", "Authorization: Bearer " + jwt()),
+    ("JSON Web Token", "the session cookie was " + jwt() + ". Then it expired."),
+]
+
+
+@pytest.mark.parametrize(("kind", "text"), POSITIVE, ids=[f"{k}-{i}" for i, (k, _) in enumerate(POSITIVE)])
+def test_secret_found(kind: str, text: str):
+    assert kind in SECRET_KINDS
+    reason = find_secret(text)
+    assert reason is not None and reason.startswith(kind + " on line "), reason
+    # embedded in a larger Markdown file it is still found, on the right line
+    doc = "# Notes\n\nSome text.\n\n" + text + "\n\nMore text.\n"
+    found = find_secret(doc)
+    assert found is not None and found.startswith(kind + " on line ")
+    assert int(found.rsplit(" ", 1)[1]) >= 5
+    # the reason never carries the secret's characters beyond the kind and line
+    assert len(reason) < 60
+    with pytest.raises(SecretDetected) as ei:
+        check_secrets(text)
+    assert kind in ei.value.reason and ei.value.code == "secret_detected"
+
+
+def test_every_kind_has_a_sample():
+    assert {k for k, _ in POSITIVE} == set(SECRET_KINDS)
+
+
+def test_reason_names_the_line():
+    text = "a\nb\n\nkey " + "gh" + "p_" + rnd(36) + "\n"
+    assert find_secret(text) == "GitHub token on line 4"
+
+
+NEGATIVE = [
+    # prose
+    "We decided to rotate the API token every 90 days. The password policy needs 12 characters.",
+    "Remember: never paste your private key, access key or token into chat.",
+    "The user prefers tabs. Their GitHub handle is @octo-cat; ask before force-pushing.",
+    "Discussed the secret santa list; Anna's key takeaway: ship on Friday.",
+    "The AWS docs use AKIAIOSFODNN7EXAMPLE as their sample access key id.",
+    "A PEM file starts with -----BEGIN RSA PRIVATE KEY----- and ends with -----END RSA PRIVATE KEY-----.",
+    # Markdown, with placeholders as documentation shows them
+    "# Setup\n\n1. Export `GITHUB_TOKEN=ghp_xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx`\n2. Run `make`.\n",
+    "| name | value |\n|---|---|\n| password | <placeholder> |\n| token | `<your token>` |\n",
+    "password: <your password here>\napi_key: ${OPENAI_API_KEY}\ntoken: REDACTED\n",
+    "OPENAI_API_KEY=sk-...\nANTHROPIC_API_KEY=sk-ant-...\nAWS_SECRET_ACCESS_KEY=<secret>\n",
+    "OPENAI_API_KEY=sk-xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx\n",
+    "aws_access_key_id = AKIAXXXXXXXXXXXXXXXX\n",
+    "-----BEGIN OPENSSH PRIVATE KEY-----\n<paste your key here>\n-----END OPENSSH PRIVATE KEY-----\n",
+    "-----BEGIN PRIVATE KEY-----\nMIIEvQIBADANBgkqhkiG9w0BAQEFAASC...\n-----END PRIVATE KEY-----\n",
+    "Webhook: https://hooks.slack.com/services/T00000000/B00000000/XXXXXXXXXXXXXXXXXXXXXXXX\n",
+    "See https://github.com/octo/repo/pull/123 and https://example.com/path?token=abc&sig=xyz.\n",
+    "- [user role](user_role.md): senior engineer, prefers short answers\n- [testing](feedback_testing.md)\n",
+    "---\nname: testing\ndescription: integration tests hit a real database\nmetadata:\n  type: feedback\n---\n\nBody.\n",
+    # code
+    "def get_token(user):\n    token = secrets.token_urlsafe(32)\n    password = getpass.getpass()\n    return token\n",
+    "const apiKey = process.env.OPENAI_API_KEY;\nconst secret = config.get('secret');\n",
+    "class TaskRunner:\n    task_queue_worker_pool_size_limit_default = 32  # sk-learn style names\n",
+    ".sk-spinner-double-bounce-container-wrapper-element { display: none; }\n",
+    'headers = {"Authorization": f"Bearer {token}"}\nAKIA = "prefix constant"\n',
+    "SELECT * FROM users WHERE api_key = :api_key AND secret_access_key IS NOT NULL;\n",
+    "jwt = encode({'alg': 'HS256'}, key)\n# a JWT looks like xxxxx.yyyyy.zzzzz\n",
+    # identifiers and hashes
+    "id 123e4567-e89b-12d3-a456-426614174000, trace 550e8400-e29b-41d4-a716-446655440000\n",
+    "sha256 9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08\n",
+    "git commit 34ce53721fa7c2a8e1f3d5b7a9c0e2f4a6b8d0c1, md5 d41d8cd98f00b204e9800998ecf8427e\n",
+    # base64 of non-secrets (text, JSON, random bytes)
+    base64.b64encode(("Lorem ipsum dolor sit amet, " * 40).encode()).decode(),
+    base64.b64encode(json.dumps({"hello": "world", "n": list(range(50))}).encode()).decode(),
+    "data:image/png;base64," + b64(3000, 99),
+    "\n".join(b64(48, s) for s in range(40)),
+    # JSONL journal
+    '{"ts": "2024-05-01T10:00:00Z", "event": "login", "user": "ana", "token_used": false}\n' * 20,
+    # non-ASCII
+    "Ünïcödé prose with emoji 🙂 and 日本語のテキスト, key: value\n",
+]
+
+
+@pytest.mark.parametrize("text", NEGATIVE, ids=[f"neg-{i}" for i in range(len(NEGATIVE))])
+def test_no_false_positive(text: str):
+    assert find_secret(text) is None
+
+
+def test_placeholders_with_vendor_prefixes_are_not_secrets():
+    for text in [
+        "gh" + "p_" + "x" * 36,
+        "AK" + "IA" + "X" * 16,
+        "s" + "k-" + "0" * 48,
+        "s" + "k-proj-" + "x" * 60,
+        "gl" + "pat-" + "x" * 20,
+        "xo" + "xb-0000-0000-" + "x" * 24,
+        "AI" + "za" + "X" * 35,
+    ]:
+        assert find_secret(text) is None, text
+
+
+def test_secret_inside_a_longer_word_is_not_a_vendor_prefix():
+    assert find_secret("mask" + "ghp_" + rnd(36)) is None
+    assert find_secret("TASK-" + rnd(48)) is None
+
+
+def test_secret_scan_is_fast_on_1_mib():
+    r = random.Random(3)
+    words = ["".join(r.choice(string.ascii_lowercase) for _ in range(r.randint(2, 9))) for _ in range(3000)]
+    prose = ""
+    while len(prose) < 1 << 20:
+        prose += " ".join(r.choices(words, k=12)) + ".\n"
+    adversarial = [
+        prose,
+        b64(786432, 5),
+        ("eyJ" + "a" * 20 + ".") * 40000,
+        ("xo" + "xb-" + "1-" * 50) * 8000,
+        ("-----BEGIN RSA " + "PRIVATE KEY-----\n") * 30000,
+        "aws_secret=" * 100000,
+        ("s" + "k-") * 300000,
+        "A" * (1 << 20),
+    ]
+    for text in adversarial:
+        t0 = time.perf_counter()
+        assert find_secret(text) is None
+        # generous: about 50-150 ms here; a regression to quadratic time would take minutes
+        assert time.perf_counter() - t0 < 3.0
+    big = prose + "\n" + "gh" + "p_" + rnd(36) + "\n"
+    assert find_secret(big) is not None and find_secret(big).startswith("GitHub token on line ")
+
+
+# ---------------------------------------------------------------- types
+
+
+def test_record_type_rules():
+    assert record_type("a.md", "---\ntype: user\n---\nbody", None, "project") == "user"
+    assert record_type("a.md", "---\nname: x\nmetadata:\n  type: feedback\n---\n", None, "project") == "feedback"
+    assert record_type("a.md", "---\ntype: user\nmetadata:\n  type: feedback\n---\n", None, "project") == "user"
+    assert record_type("a.md", "---\ntype: user\n---\n", "reference", "project") == "reference"
+    assert record_type("a.md", "no frontmatter", None, "project") == "project"
+    assert record_type("a.md", "no frontmatter", None, "user") == "user"  # e.g. the current type on update
+    assert record_type("a.md", "---\r\ntype: user\r\n---\r\nbody", None, "project") == "user"
+    assert record_type("a.md", "\ufeff---\ntype: reference\n---\n", None, "project") == "reference"
+    assert record_type("a.md", "---\ntype: user\n...\nbody", None, "project") == "user"
+    assert record_type("a.md", "text\n---\ntype: user\n---\n", None, "project") == "project"  # not at the start
+    assert record_type("a.md", "---\ntype: user\n", None, "project") == "project"  # never closed
+    assert record_type("a.md", "---\ntype: null\n---\n", None, "project") == "project"
+    assert record_type("MEMORY.md", "---\ntype: user\n---\n", "user", "project") is None
+    assert record_type("sub/MEMORY.md", "x", None, "project") == "project"
+    # not validated: check_type refuses
+    assert record_type("a.md", "---\ntype: diary\n---\n", None, "project") == "diary"
+
+
+@pytest.mark.parametrize(
+    "bad_yaml",
+    [
+        "---\ntype: [unclosed\n---\n",
+        "---\n: : :\n---\n",
+        "---\n- a list\n- not a mapping\n---\n",
+        "---\njust a string\n---\n",
+        "---\n\tbad: indent\n---\n",
+        "---\na: &a [*a]\n---\n",
+        "---\n!!python/object:os.system {}\n---\n",
+        "---\n" + "[" * 5000 + "\n---\n",
+        "---\n" + "x: y\n" * 20000 + "---\n",  # closing fence beyond 64 KiB: not frontmatter
+    ],
+)
+def test_bad_frontmatter_is_ignored(bad_yaml: str):
+    assert frontmatter_type(bad_yaml) is None
+    assert record_type("a.md", bad_yaml, None, "project") == "project"
+
+
+def test_non_string_type_is_described_not_expanded():
+    assert frontmatter_type("---\ntype: 5\n---\n") == "<int 5>"
+    assert frontmatter_type("---\ntype: [a, b]\n---\n") == "<list>"
+    bomb = "---\na: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n" for p, c in zip("abcdefgh", "bcdefghi")
+    ) + "type: *i\n---\n"
+    t0 = time.perf_counter()
+    t = frontmatter_type(bomb)
+    assert t == "<list>" and time.perf_counter() - t0 < 2
+    with pytest.raises(InvalidType):
+        check_type(t)
+
+
+def test_check_type():
+    for t in ("user", "feedback", "project", "reference", None):
+        check_type(t)
+    for bad in ("diary", "User", "", " user", "<int 5>", "x" * 1000):
+        with pytest.raises(InvalidType) as ei:
+            check_type(bad)
+        assert isinstance(ei.value, ValueError) and isinstance(ei.value, ContentError)
+        assert ei.value.code == "invalid_type"
+        assert "is not one of user, feedback, project, reference" in ei.value.reason
+        assert len(ei.value.reason) < 120
+
+
+# ---------------------------------------------------------------- UTF-8
+
+
+def test_check_utf8():
+    assert check_utf8("héllo — 日本\n".encode()) == "héllo — 日本\n"
+    assert check_utf8(b"") == ""
+    for data, where in [(b"ok\xff", 2), (b"\xc3", 0), (b"abc\xed\xa0\x80", 3), (b"\xc0\xaf", 0)]:
+        with pytest.raises(InvalidContent) as ei:
+            check_utf8(data)
+        assert ei.value.code == "invalid_content" and f"offset {where}" in ei.value.reason
+    with pytest.raises(InvalidContent) as ei:
+        check_utf8("é\x00".encode())
+    assert "NUL" in ei.value.reason and "offset 2" in ei.value.reason
+
+
+def test_check_text():
+    assert content.check_text("é") == "é".encode()
+    with pytest.raises(InvalidContent):
+        content.check_text("lone \ud800")
+    with pytest.raises(InvalidContent):
+        content.check_text("nul\x00")
+
+
+def test_module_has_no_server_imports():
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(content))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            assert not (node.module or "").startswith(("memfuse.server", "memfuse.sidecar")), node.module
+        if isinstance(node, ast.Import):
+            assert not any(a.name.startswith(("memfuse.server", "memfuse.sidecar", "fastapi", "sqlalchemy")) for a in node.names)
