@@ -14,6 +14,7 @@ thread, then sleep without holding a session until a commit in this process wake
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
@@ -52,6 +53,9 @@ from memfuse.models import (
 )
 from memfuse.server.db import Database
 from memfuse.server.service import (
+    CONTEXT_MAX_BYTES_ENV,
+    CONTEXT_MIN_BYTES,
+    CONTEXT_TOTAL_MAX_BYTES,
     MAX_WAIT_SECONDS,
     IdempotencyRequest,
     Principal,
@@ -167,16 +171,28 @@ StoreSlug = Annotated[str, Path(description="store slug")]
 Wait = Annotated[float, Query(ge=0, description="long-poll seconds (capped at 60)")]
 
 
-def create_app(db_url: str, *, static_tokens: dict[str, str | None] | None = None) -> FastAPI:
+def create_app(
+    db_url: str,
+    *,
+    static_tokens: dict[str, str | None] | None = None,
+    context_max_bytes: int | None = None,
+) -> FastAPI:
     """Build the control-plane app over the database at ``db_url`` (tables are created).
 
     ``db_url``: ``sqlite:///PATH``, ``sqlite://`` (in memory) or a PostgreSQL URL.
     ``static_tokens``: raw token → workspace name, or None for admin; the dict is consulted
     on every request (tokens may be added later). ``app.state.service`` is the ``Service``.
+    ``context_max_bytes``: default bound of the prompt block (``GET .../context``); when
+    None, ``$MEMFUSE_CONTEXT_MAX_BYTES`` or 100,000.
     Raises ``sqlalchemy.exc.ArgumentError`` for a bad URL, ``OperationalError`` when the
-    database cannot be opened.
+    database cannot be opened, ``ValueError`` for a bad ``$MEMFUSE_CONTEXT_MAX_BYTES``.
     """
-    svc = Service(Database(db_url), static_tokens)
+    if context_max_bytes is None:
+        env = os.environ.get(CONTEXT_MAX_BYTES_ENV, "").strip()
+        context_max_bytes = int(env) if env else CONTEXT_TOTAL_MAX_BYTES
+    if context_max_bytes < CONTEXT_MIN_BYTES:
+        raise ValueError(f"context_max_bytes must be at least {CONTEXT_MIN_BYTES}")
+    svc = Service(Database(db_url), static_tokens, context_max_bytes=context_max_bytes)
     app = FastAPI(
         title="memfuse control plane",
         version="1",
@@ -259,8 +275,13 @@ def create_app(db_url: str, *, static_tokens: dict[str, str | None] | None = Non
         ws: str,
         p: P,
         mount_root: Annotated[str, Query(description="where the sidecar mounts the stores")] = "/mnt/memory",
+        max_bytes: Annotated[
+            int | None,
+            Query(ge=CONTEXT_MIN_BYTES, le=10_000_000,
+                  description="bound of the whole block in bytes (default: the server's setting)"),
+        ] = None,
     ):
-        text = svc.context(p, ws, mount_root)
+        text = svc.context(p, ws, mount_root, max_bytes)
         return PlainTextResponse(text, media_type="text/markdown; charset=utf-8")
 
     # ------------------------------------------------------------ records
