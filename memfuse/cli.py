@@ -2,7 +2,7 @@
 
 Commands: ``serve``, ``dev``, ``mount``, ``status``, ``store create|list|show|update``,
 ``workspace create|list``, ``attach``, ``detach``, ``token create``, ``history``, ``show``,
-``restore``, ``redact``, ``context``.
+``restore``, ``redact``, ``context``, ``import``, ``export``.
 
 Every option also reads ``MEMFUSE_<OPTION>`` from the environment (``--control-plane`` →
 ``MEMFUSE_CONTROL_PLANE``, ``--token-file`` → ``MEMFUSE_TOKEN_FILE``, ...); a raw token may be
@@ -823,6 +823,241 @@ def context(target: Target, workspace: str, mount_root: str | None) -> None:
     """Print the prompt block of workspace WS: its stores and their MEMORY.md indexes."""
     text = _api(target, lambda api: with_retries(lambda: api.context(workspace, mount_root)))
     click.echo(text, nl=not text.endswith("\n"))
+
+
+# ---------------------------------------------------------------- import / export
+
+
+@dataclass
+class _ImportReport:
+    """What ``memfuse import`` did, file by file."""
+
+    done: list[tuple[str, str, str | None]]  # (action, path, type)
+    refused: list[tuple[str, str]]  # (path, reason)
+    skipped: list[str]
+
+
+def _shown(path: str) -> str:
+    """A path for the terminal: undecodable bytes of a file name shown as U+FFFD."""
+    return path.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
+def _import_walk(root: Path) -> tuple[list[tuple[str, Path]], list[str]]:
+    """The files under ``root`` to import, as (record path, file) in path order, and what is
+    skipped: hidden files and directories (``.git/``, ``.DS_Store``, ``.memfuse/``), editor
+    and tool temporaries (DESIGN §3's local-only names: ``*~``, ``.#*``, ``#*#``, ``*.swp``,
+    ``4913``, ...), symbolic links and anything that is not a regular file."""
+    from .names import is_local_only
+
+    files: list[tuple[str, Path]] = []
+    skipped: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel = Path(dirpath).relative_to(root).as_posix()
+        prefix = "" if rel == "." else rel + "/"
+        keep = []
+        for d in sorted(dirnames):
+            if d.startswith(".") or os.path.islink(os.path.join(dirpath, d)):
+                skipped.append(prefix + d + "/")
+            else:
+                keep.append(d)
+        dirnames[:] = keep
+        for f in sorted(filenames):
+            full = Path(dirpath, f)
+            if f.startswith(".") or is_local_only(f) or full.is_symlink() or not full.is_file():
+                skipped.append(prefix + f)
+            else:
+                files.append((prefix + f, full))
+    files.sort(key=lambda x: x[0].encode("utf-8", "surrogateescape"))
+    return files, skipped
+
+
+async def _import_files(
+    api: ApiClient, store_slug: str, files: list[tuple[str, Path]], dry_run: bool, echo: Callable[[str], None]
+) -> _ImportReport:
+    from .client import Conflict, PermanentError
+    from .content import ContentError, check_secrets, check_type, check_utf8, record_type
+    from .models import sha256_hex
+    from .names import NameError_, check_path
+
+    store_info = await with_retries(lambda: api.get_store(store_slug))
+    live: dict[str, Record] = {}
+    cursor: str | None = None
+    while True:
+        page = await with_retries(lambda: api.list_records(store_slug, cursor=cursor, limit=1000))
+        live.update({r.path: r for r in page.records})
+        if not page.next_cursor:
+            break
+        cursor = page.next_cursor
+
+    report = _ImportReport([], [], [])
+
+    def refuse(path: str, reason: str) -> None:
+        report.refused.append((path, _one_line(reason)))
+
+    for path, file in files:
+        try:
+            check_path(path)
+        except NameError_ as e:
+            refuse(path, f"{e.reason} [{'path_too_long' if e.too_long else 'invalid_path'}]")
+            continue
+        try:
+            data = file.read_bytes()
+        except OSError as e:
+            refuse(path, f"cannot read: {e.strerror}")
+            continue
+        try:
+            text = check_utf8(data)
+        except ContentError as e:
+            refuse(path, f"{e.reason} [{e.code}]")
+            continue
+        old = live.get(path)
+        if old is not None and old.sha256 == sha256_hex(data):
+            report.done.append(("unchanged", path, old.type))
+            echo(f"unchanged {_shown(path)} ({old.type or 'index'})")
+            continue
+        if dry_run:
+            # The server's rules, checked here; a real import lets the server decide.
+            fallback = (old.type if old is not None else None) or store_info.default_type
+            try:
+                if len(data) > store_info.max_record_bytes:
+                    raise ContentError(
+                        f"record is {len(data)} bytes, the store allows {store_info.max_record_bytes} [record_too_large]"
+                    )
+                rtype = record_type(path, text, None, fallback)
+                check_type(rtype)
+                check_secrets(text)
+            except ContentError as e:
+                code = f" [{e.code}]" if type(e) is not ContentError else ""
+                refuse(path, e.reason + code)
+                continue
+            action = "would update" if old is not None else "would create"
+            report.done.append((action, path, rtype))
+            echo(f"{action} {_shown(path)} ({rtype or 'index'})")
+            continue
+        key = _key()
+        try:
+            if old is None:
+                try:
+                    rec = await with_retries(
+                        lambda: api.create_record(store_slug, path, text, idempotency_key=key)
+                    )
+                    action = "created"
+                except Conflict as e:  # created meanwhile: update it instead
+                    if e.code != "path_exists" or not e.record_id:
+                        raise
+                    rid, key2 = e.record_id, _key()
+                    rec = await with_retries(
+                        lambda: api.update_record(store_slug, rid, text, idempotency_key=key2)
+                    )
+                    action = "updated"
+            else:
+                oid = old.id
+                rec = await with_retries(lambda: api.update_record(store_slug, oid, text, idempotency_key=key))
+                action = "updated"
+        except PermanentError as e:
+            what = e.detail or e.title or str(e)
+            refuse(path, f"{what} [{e.code or e.status}]")
+            continue
+        report.done.append((action, path, rec.type))
+        echo(f"{action} {_shown(path)} ({rec.type or 'index'})")
+    return report
+
+
+@cli.command("import")
+@click.argument("store_slug", metavar="STORE")
+@click.argument("directory", metavar="DIR",
+                type=click.Path(exists=True, file_okay=False, readable=True, path_type=Path))
+@opt("--dry-run", is_flag=True, help="Check every file against the store's rules; write nothing.")
+@api_options
+def import_(target: Target, store_slug: str, directory: Path, dry_run: bool) -> None:
+    """Load the memory files under DIR into STORE, keeping their paths.
+
+    Every regular file becomes the record at its path relative to DIR (a Claude Code memory
+    directory with MEMORY.md and frontmatter files, a FACT.md + JOURNAL.jsonl workspace, a
+    single user_profile.md, ...): created when the path is new, updated when its content
+    differs, left alone when identical. Types come from each file's frontmatter (`type:` or
+    `metadata.type:`), else the store's default type (or, on update, the record's current
+    type). Hidden files and directories, editor temporaries and symbolic links are skipped.
+
+    Files the store refuses (not UTF-8, unknown type, a secret, too large, bad name, store
+    full) are listed at the end; the others are imported. Exits 1 only when files were found
+    and none could be imported.
+    """
+    files, skipped = _import_walk(directory)
+    report = _api(target, lambda api: _import_files(api, store_slug, files, dry_run, click.echo))
+    report.skipped = skipped
+    counts: dict[str, int] = {}
+    for action, _, _ in report.done:
+        counts[action] = counts.get(action, 0) + 1
+    order = ["would create", "would update", "created", "updated", "unchanged"]
+    parts = [f"{counts[a]} {a}" for a in order if counts.get(a)]
+    verb = "checked" if dry_run else "imported"
+    click.echo(
+        f"{verb} {len(report.done)} of {len(files)} file(s) into {store_slug}"
+        + (f": {', '.join(parts)}" if parts else "")
+        + f"; {len(report.refused)} refused; {len(report.skipped)} skipped"
+        + (" (dry run: nothing written)" if dry_run else "")
+    )
+    if report.skipped:
+        click.echo("skipped: " + ", ".join(_shown(s) for s in report.skipped))
+    if report.refused:
+        click.echo("refused:")
+        for path, reason in report.refused:
+            click.echo(f"  {_shown(path)}: {reason}")
+    if files and not report.done:
+        raise click.ClickException(f"nothing imported: all {len(files)} file(s) were refused")
+
+
+@cli.command()
+@click.argument("store_slug", metavar="STORE")
+@click.argument("directory", metavar="DIR", type=click.Path(file_okay=False, path_type=Path))
+@api_options
+def export(target: Target, store_slug: str, directory: Path) -> None:
+    """Write every live record of STORE under DIR at its path, byte for byte.
+
+    Directories are created as needed; a file that exists at a record's path is replaced
+    (atomically); other files under DIR are left alone. Each file's modification time is the
+    record's last update. `memfuse import` of the result gives the same store back.
+    """
+    from .names import NameError_, check_path
+
+    records, _ = _api(target, lambda api: with_retries(lambda: api.snapshot(store_slug, content=True)))
+    directory.mkdir(parents=True, exist_ok=True)
+    root = directory.resolve()
+    failed: list[tuple[str, str]] = []
+    total = 0
+    for rec in records:
+        try:
+            check_path(rec.path)
+            dest = root.joinpath(*rec.path.split("/"))
+            parent = dest.parent.resolve()  # through any symbolic link already there
+            if parent != root and root not in parent.parents:
+                raise OSError(f"{dest.parent} leads outside {root}")
+            parent.mkdir(parents=True, exist_ok=True)
+            if dest.is_dir() and not dest.is_symlink():
+                raise OSError("a directory is in the way")
+            data = (rec.content or "").encode("utf-8")
+            tmp = parent / f".memfuse-export-{uuid.uuid4().hex}"
+            try:
+                with open(tmp, "xb") as fh:
+                    fh.write(data)
+                ts = rec.updated_at.timestamp()
+                os.utime(tmp, (ts, ts))
+                os.replace(tmp, parent / dest.name)
+            finally:
+                if tmp.exists():
+                    tmp.unlink()
+            total += len(data)
+        except NameError_ as e:
+            failed.append((rec.path, e.reason))
+        except OSError as e:
+            failed.append((rec.path, e.strerror or str(e)))
+    click.echo(f"exported {len(records) - len(failed)} record(s), {_human_bytes(total)}, from {store_slug} to {directory}")
+    if failed:
+        click.echo("failed:")
+        for path, reason in failed:
+            click.echo(f"  {_shown(path)}: {_one_line(reason)}")
+        raise click.ClickException(f"{len(failed)} record(s) could not be written")
 
 
 if __name__ == "__main__":  # pragma: no cover
