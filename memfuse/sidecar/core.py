@@ -126,6 +126,7 @@ class Node:
     unlinked: bool = False
     special: str = ""  # .memfuse control files: "status" / "errors"
     type_override: str | None = None  # set through user.memfuse.type, sent with the next put
+    refused: int = 0  # errno of a write refused in the current write session (held back)
 
     def path(self) -> str:
         """Store-relative path ``a/b.md`` ('' for a store root)."""
@@ -151,6 +152,7 @@ class StoreMount:
     max_store_bytes: int = 64 << 20
     max_records: int = 10_000
     detached: bool = False  # removed from the mount: open handles get ESTALE
+    used: int = 0  # bytes of the live records' current local content (quota fast path)
 
     @property
     def writable(self) -> bool:
@@ -330,6 +332,7 @@ class Filesystem:
             d = child
         n = self._new_node(parts[-1], d, False, sm, 0o644, ts)
         self._set_clean(n, rec)
+        self._account(n, n.size)
         n.key = "r:" + rec.id
         self.by_key[n.key] = n
         self.committer.keymap.setdefault(n.key, (rec.id, rec.sha256))
@@ -448,9 +451,32 @@ class Filesystem:
     def _check_size(self, n: Node, size: int) -> None:
         sm = n.store
         if sm is not None and size > sm.max_record_bytes and not n.local_only:
-            self.note_error(n.parent, n.name, errno.EFBIG,
-                            f"record would be {size} bytes, limit {sm.max_record_bytes}")
-            raise FsError(errno.EFBIG, "record too large")
+            reason = f"record would be {size} bytes, limit {sm.max_record_bytes}"
+            self.note_error(n.parent, n.name, errno.EFBIG, reason)
+            # What this write session left behind (often a truncation at open plus part of
+            # the content) must not replace the stored record: hold it back until the next
+            # open for writing (DESIGN §4: the stored record untouched).
+            if n.dirty:  # else nothing changed and the file stays as it was
+                n.refused, n.state, n.error = errno.EFBIG, REJECTED, reason
+            raise FsError(errno.EFBIG, reason)
+
+    def _account(self, n: Node, delta: int) -> None:
+        """Keep ``StoreMount.used`` equal to the sum of its live records' sizes."""
+        if delta and n.store is not None and not n.local_only and not n.unlinked and not n.is_dir:
+            n.store.used += delta
+
+    def _check_growth(self, n: Node, new_size: int) -> None:
+        """``ENOSPC`` when growing ``n`` to ``new_size`` passes the store's byte quota."""
+        sm = n.store
+        grow = new_size - n.cur_size()
+        if sm is None or n.local_only or grow <= 0 or sm.used + grow <= sm.max_store_bytes:
+            return
+        reason = (f"store {sm.slug} would hold {sm.used + grow} bytes, "
+                  f"limit {sm.max_store_bytes}")
+        self.note_error(n.parent, n.name, errno.ENOSPC, reason)
+        if n.dirty:
+            n.refused, n.state, n.error = errno.ENOSPC, REJECTED, reason
+        raise FsError(errno.ENOSPC, reason)
 
     def write(self, h: Handle, off: int, data: bytes) -> int:
         n = h.node
@@ -461,9 +487,12 @@ class Filesystem:
             off = len(buf)
         end = off + len(data)
         self._check_size(n, end)
+        old = len(buf)
+        self._check_growth(n, max(old, end))
         if off > len(buf):
             buf.extend(b"\0" * (off - len(buf)))
         buf[off:end] = data
+        self._account(n, len(buf) - old)
         self._touch_content(n)
         h.modified = True
         return len(data)
@@ -475,7 +504,9 @@ class Filesystem:
             raise FsError(errno.EACCES)
         self._check_writable_file(n)
         self._check_size(n, size)
+        self._check_growth(n, size)
         buf = self._make_buf(n)
+        self._account(n, size - len(buf))
         if size < len(buf):
             del buf[size:]
         else:
@@ -502,7 +533,9 @@ class Filesystem:
             if n.special:
                 raise FsError(errno.EACCES, ".memfuse files are read-only")
             self._check_writable_file(n)
+            n.refused = 0  # a new write session: its content is judged at commit
         if flags & os.O_TRUNC and n.cur_size() > 0:
+            self._account(n, -n.cur_size())
             n.buf = bytearray()
             self._touch_content(n)
         elif flags & os.O_TRUNC:
@@ -579,6 +612,8 @@ class Filesystem:
         n.sha = self.blobs.put(data)
         n.size = len(data)
         n.buf = None
+        if n.refused:
+            return FsError(n.refused, n.error)
         refusal = self._precheck(n, data)
         if refusal is not None:
             n.state, n.error, n.last_put = REJECTED, refusal.reason, None
@@ -742,6 +777,7 @@ class Filesystem:
         return n
 
     def _detach(self, n: Node) -> None:
+        self._account(n, -n.cur_size())
         del n.parent.children[n.name]
         self._touch_dir(n.parent)
         n.unlinked = True
@@ -820,6 +856,7 @@ class Filesystem:
         new_path = (nd.path() + "/" + s) if nd.path() else s
         commit_after = False
         if src.is_dir:
+            self._check_subtree_paths(nd, src, new_path)
             if self._has_remote(src):
                 self.committer.submit(sm.slug, MOVE_PREFIX, None, {"from": old_path, "to": new_path})
         else:
@@ -838,6 +875,23 @@ class Filesystem:
         if commit_after and src.opened == 0:
             self.commit(src)
 
+    def _check_subtree_paths(self, nd: Node, d: Node, new_path: str) -> None:
+        """Every record below a directory moved to ``new_path`` must still have a valid path
+        (DESIGN §2: ≤ 32 components, ≤ 1,024 bytes) → else ``ENAMETOOLONG``."""
+        stack = [(d, new_path)]
+        while stack:
+            cur, path = stack.pop()
+            for name, c in cur.children.items():
+                p = path + "/" + name
+                if c.is_dir:
+                    stack.append((c, p))
+                if not c.local_only:
+                    try:
+                        names.check_path(p)
+                    except names.NameError_ as e:
+                        self.refuse(nd, d.name, errno.ENAMETOOLONG if e.too_long else errno.EINVAL,
+                                    f"{e.reason} (for {name!r} below the moved directory)")
+
     def _rename_file_remote(self, sm: StoreMount, src: Node, dst: Node | None, s: str,
                             old_path: str, new_path: str) -> bool:
         """Queue the outbox entries of a file rename; True when the file must be committed
@@ -853,10 +907,12 @@ class Filesystem:
                 self.by_key[src.key] = src
                 src.record_id = dst.record_id
             src.local_only = False
+            self._account(src, src.cur_size())
             src.dirty = True
             return True
         if to_local:
             self.committer.submit(sm.slug, DELETE, src.key, {"path": old_path})
+            self._account(src, -src.cur_size())
             src.local_only = True
             return False
         if src.dirty and src.opened == 0:
@@ -931,7 +987,9 @@ class Filesystem:
             if n.sha != rec.sha256:
                 inv.append(("inode", n.ino))
             self.committer.keymap[n.key] = (rec.id, rec.sha256)
+        old = n.cur_size()
         self._set_clean(n, rec)
+        self._account(n, n.size - old)
         return inv
 
     def _move_remote(self, sm: StoreMount, n: Node, path: str) -> list[tuple]:

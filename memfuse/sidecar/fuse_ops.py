@@ -35,6 +35,7 @@ def _guard(fn):
     @functools.wraps(fn)
     async def wrapper(self, *args, **kwargs):
         m = self.metrics
+        ops_child, lat_child = self._op_metric(name)
         t0 = time.perf_counter()
         try:
             return await fn(self, *args, **kwargs)
@@ -49,8 +50,8 @@ def _guard(fn):
             log.exception("unexpected error in FUSE handler; answered EIO", extra={"op": name})
             raise pyfuse3.FUSEError(errno.EIO) from None
         finally:
-            m.fuse_ops.labels(name).inc()
-            m.fuse_latency.labels(name).observe(time.perf_counter() - t0)
+            ops_child.inc()
+            lat_child.observe(time.perf_counter() - t0)
 
     return wrapper
 
@@ -66,6 +67,15 @@ class MemfuseOps(pyfuse3.Operations):
         super().__init__()
         self.fs = fs
         self.metrics = metrics or Metrics()
+        self._op_metrics: dict[str, tuple] = {}
+
+    def _op_metric(self, name: str) -> tuple:
+        """The labelled counter and histogram of one op, looked up once (hot path)."""
+        pair = self._op_metrics.get(name)
+        if pair is None:
+            pair = self._op_metrics[name] = (self.metrics.fuse_ops.labels(name),
+                                             self.metrics.fuse_latency.labels(name))
+        return pair
 
     # ------------------------------------------------------------------ attributes
     def attrs(self, n: Node) -> pyfuse3.EntryAttributes:

@@ -232,6 +232,7 @@ class Sidecar:
                 try:
                     page = await self.client.changes(slug, state.cursor, wait=25, content=True)
                     delay = 0.2
+                    self.committer.poke()
                 except Gone:
                     log.warning("change-feed cursor expired; taking a full snapshot", extra={"store": slug})
                     records, seq = await self.client.snapshot(slug, content=True)

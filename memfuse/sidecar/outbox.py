@@ -218,6 +218,7 @@ class Committer:
         self.idle = trio.Event()
         self.idle.set()
         self._store_idle: dict[str, trio.Event] = {}
+        self._poke = trio.Event()
 
     # --- enqueueing (synchronous, on the trio thread: order is fixed here) -------------------
     def submit(self, store: str, op: str, node_key: str | None, args: dict[str, Any],
@@ -244,6 +245,13 @@ class Committer:
         for e in entries:
             self._seq = max(self._seq, e.id)
             self._enqueue(e)
+
+    def poke(self) -> None:
+        """The control plane answered someone (e.g. the change feed): retry waiting commits
+        now instead of at the end of their backoff."""
+        if self.depth():
+            self._poke.set()
+            self._poke = trio.Event()
 
     def depth(self, store: str | None = None) -> int:
         """Entries not yet finished, in one store or in all."""
@@ -318,7 +326,8 @@ class Committer:
                          extra={"entry": e.id, "op": e.op, "store": e.store,
                                 "attempt": e.attempts, "status": err.status, "code": err.code,
                                 "retry_in_s": round(delay, 3)})
-                await trio.sleep(delay)
+                with trio.move_on_after(delay):  # or sooner, once the control plane answers
+                    await self._poke.wait()
             except ApiError as err:
                 self.refused += 1
                 if self.metrics is not None:
