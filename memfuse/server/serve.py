@@ -44,5 +44,9 @@ async def serve(app, listen: str = "127.0.0.1:8080", *, task_status=trio.TASK_ST
             await trio.sleep_forever()
         finally:
             log.info("control plane shutting down")
+            svc = getattr(getattr(app, "state", None), "service", None)
+            if svc is not None:  # answer open long-polls now instead of holding the shutdown
+                svc.closing = True
+                svc.notifier.notify()
             shutdown.set()
             inner.deadline = trio.current_time() + GRACEFUL_TIMEOUT + 2
