@@ -405,6 +405,9 @@ class ApiClient:
             headers[INSTANCE_HEADER] = instance
         self.base_url = base_url.rstrip("/")
         self.instance = instance
+        #: called as ``observer(endpoint, status, seconds)`` after every request (metrics);
+        #: ``endpoint`` is a low-cardinality template such as ``PUT /v1/stores/{}/records/{}``
+        self.observer: Callable[[str, str, float], None] | None = None
         self.timeout = float(timeout)
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
@@ -414,6 +417,13 @@ class ApiClient:
             limits=httpx.Limits(max_connections=200, max_keepalive_connections=50),
             follow_redirects=False,
         )
+
+    def _observe(self, method: str, path: str, status: str, t0: float) -> None:
+        if self.observer is not None:
+            try:
+                self.observer(endpoint_label(method, path), status, time.perf_counter() - t0)
+            except Exception:  # metrics must never break a call
+                log.debug("API call observer failed", exc_info=True)
 
     def __repr__(self) -> str:  # never show the token
         return f"ApiClient({self.base_url!r}, instance={self.instance!r})"
@@ -459,12 +469,15 @@ class ApiClient:
         if body is not None:
             kwargs["content"] = body.model_dump_json(exclude_none=exclude_none).encode("utf-8")
             headers["Content-Type"] = "application/json"
+        t0 = time.perf_counter()
         try:
             resp = await self._http.request(method, path, **kwargs)
         except httpx.HTTPError as exc:
             err = _transport_error(exc, method, path)
             log.debug("%s %s failed: %s", method, path, err.code)
+            self._observe(method, path, err.code or "error", t0)
             raise err from None
+        self._observe(method, path, str(resp.status_code), t0)
         log.debug("%s %s -> %s", method, path, resp.status_code)
         if not resp.is_success:
             raise _http_error(resp, method, path)
@@ -872,6 +885,19 @@ class ApiClient:
             idempotency_key=idempotency_key,
         )
 
+
+
+_TEMPLATE_AFTER = {"stores", "records", "workspaces", "versions", "attachments", "mounts"}
+
+
+def endpoint_label(method: str, path: str) -> str:
+    """``PUT /v1/stores/default/records/3f…`` → ``PUT /v1/stores/{}/records/{}``: a label
+    for metrics with no store names, ids or paths in it."""
+    parts = path.split("?")[0].split("/")
+    out = []
+    for i, part in enumerate(parts):
+        out.append("{}" if i > 0 and parts[i - 1] in _TEMPLATE_AFTER and part else part)
+    return f"{method} {'/'.join(out)}"
 
 
 def _num(value: float) -> str:

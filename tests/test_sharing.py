@@ -170,3 +170,33 @@ def test_attach_detach_events_sighup_and_admin_api(tmp_path):
         if sc is not None:
             sc.stop()
         cp.stop()
+
+
+def test_cache_dir_lock_and_stale_mount_cleanup(tmp_path):
+    """Two sidecars cannot share a cache directory; a mount left by a kill -9 is cleaned."""
+    cp = ControlPlane(tmp_path).start()
+    a = b = None
+    try:
+        tok = cp.setup_workspace("w1", ("default",))
+        a = Sidecar(cp, "w1", tok, tmp_path / "m1", tmp_path / "c").start()
+        (a.mountpoint / "default" / "x.md").write_text("x\n")
+        b = Sidecar(cp, "w1", tok, tmp_path / "m2", tmp_path / "c")
+        with pytest.raises(AssertionError):
+            b.start()
+        assert b.proc.wait(10) != 0
+        assert "in use by another sidecar" in b.log.read_text()
+        # kill -9 without unmounting, then start again on the same mountpoint and cache
+        a.proc.kill()
+        a.proc.wait(10)
+        a.start()
+        assert (a.mountpoint / "default" / "x.md").read_text() == "x\n"
+        st = json.loads((a.mountpoint / ".memfuse" / "status.json").read_text())
+        assert st["ready"] is True
+        metrics = httpx.get(f"http://{st['admin']}/metrics", timeout=10).text
+        assert 'memfuse_api_calls_total{endpoint="GET /v1/stores/{}/changes"' in metrics
+        assert "memfuse_fuse_ops_total" in metrics
+    finally:
+        for sc in (a, b):
+            if sc is not None:
+                sc.stop()
+        cp.stop()

@@ -206,6 +206,7 @@ class Filesystem:
         self._next_fh = 0
         self.errors: deque[dict] = deque(maxlen=200)
         self.status_provider = None  # set by the sidecar for a fuller .memfuse/status.json
+        self.metrics = None  # memfuse.sidecar.metrics.Metrics, set by the sidecar
         self.started = time.time()
         self.ready = False
         now = time.time_ns()
@@ -397,6 +398,8 @@ class Filesystem:
                             "reason": reason})
         log.warning("refused", extra={"store": store, "path": path,
                                       "errno": errno.errorcode.get(err, str(err)), "reason": reason})
+        if self.metrics is not None:
+            self.metrics.refusals.labels(errno.errorcode.get(err, str(err))).inc()
 
     # ------------------------------------------------------------------ lookups
     def lookup(self, parent_ino: int, name: bytes) -> Node | None:
@@ -710,6 +713,8 @@ class Filesystem:
 
     def _on_commit(self, e: Entry) -> None:
         if e.op == MOVE_PREFIX or e.node_key is None:
+            if e.errno:
+                self.note_error(None, e.args.get("from", ""), e.errno, e.reason)
             return
         n = self.by_key.get(e.node_key)
         if e.op == PUT:
@@ -730,7 +735,7 @@ class Filesystem:
         elif e.op == MOVE and n is not None and e.record is not None:
             self._bind_rid(n, e.record.id)
             n.version = e.record.version
-        elif e.op == DELETE and e.errno:
+        elif e.op in (DELETE, MOVE) and e.errno:
             self.note_error(None, e.args.get("path", ""), e.errno, e.reason)
 
     # ------------------------------------------------------------------ attributes

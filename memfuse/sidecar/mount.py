@@ -138,6 +138,12 @@ class Sidecar:
                              config.workspace, dirs_file=config.cache_dir / "dirs.json")
         self.ops = MemfuseOps(self.fs, self.metrics)
         self.fs.status_provider = self.status
+        self.fs.metrics = self.metrics
+
+        def observe(endpoint: str, status: str, seconds: float) -> None:
+            self.metrics.api_calls.labels(endpoint, status).inc()
+            self.metrics.api_latency.labels(endpoint).observe(seconds)
+        client.observer = observe
         self.invalidator = Invalidator()
         self.states: dict[str, StoreState] = {}
         self.feeds: dict[str, trio.CancelScope] = {}

@@ -330,8 +330,6 @@ class Committer:
                     await self._poke.wait()
             except ApiError as err:
                 self.refused += 1
-                if self.metrics is not None:
-                    self.metrics.refusals.labels(err.code or str(err.status)).inc()
                 e.errno = errno_for(err)
                 e.reason = err.detail or err.code or f"HTTP {err.status}"
                 log.warning("commit refused", extra={
