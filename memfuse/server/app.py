@@ -389,7 +389,7 @@ async def _long_poll(
             try:
                 result = await anyio.to_thread.run_sync(query)
                 remaining = deadline - anyio.current_time()
-                if ready(result) or remaining <= 0:
+                if ready(result) or remaining <= 0 or svc.closing:
                     return
                 with anyio.move_on_after(min(POLL_INTERVAL, remaining)):
                     await waiter.event.wait()

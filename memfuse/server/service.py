@@ -482,6 +482,7 @@ class Service:
         self.context_max_bytes = context_max_bytes
         self.static_tokens: dict[str, str | None] = static_tokens if static_tokens is not None else {}
         self.notifier = Notifier()
+        self.closing = False  # set at server shutdown: long-polls answer at once
         self._last_idem_cleanup = 0.0
 
     # ------------------------------------------------------------ auth
