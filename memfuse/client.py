@@ -418,6 +418,11 @@ class ApiClient:
             follow_redirects=False,
         )
 
+    def set_instance(self, instance: str) -> None:
+        """Send ``X-Memfuse-Instance: instance`` from now on (the sidecar id on versions)."""
+        self.instance = instance
+        self._http.headers[INSTANCE_HEADER] = instance
+
     def _observe(self, method: str, path: str, status: str, t0: float) -> None:
         if self.observer is not None:
             try:

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -144,6 +145,12 @@ class Sidecar:
             self.metrics.api_calls.labels(endpoint, status).inc()
             self.metrics.api_latency.labels(endpoint).observe(seconds)
         client.observer = observe
+        # A per-process instance id: the change feed skips exactly the versions this process
+        # wrote (they are already applied here, or superseded by later local changes), and
+        # history tells sidecar restarts apart.
+        self.instance = f"{client.instance or 'sidecar'}.{os.getpid()}.{uuid.uuid4().hex[:6]}"
+        client.set_instance(self.instance)
+        self.actor = f"ws:{config.workspace}/{self.instance}"
         self.invalidator = Invalidator()
         self.states: dict[str, StoreState] = {}
         self.feeds: dict[str, trio.CancelScope] = {}
@@ -265,7 +272,8 @@ class Sidecar:
                 await self.committer.wait_store_idle(slug)
                 inv: list[tuple] = []
                 for ch in page.changes:
-                    inv += self.fs.apply_remote(sm, ch.record)
+                    if ch.record.updated_by != self.actor:  # our own writes are applied already
+                        inv += self.fs.apply_remote(sm, ch.record)
                     state.apply(ch)
                     self.metrics.remote_changes.labels(slug).inc()
                     self.metrics.sync_lag.observe(lag_seconds(ch.record))
