@@ -215,6 +215,7 @@ class Filesystem:
         self._new_node("status.json", self.control, False, None, 0o444, now).special = "status"
         self._new_node("errors.log", self.control, False, None, 0o444, now).special = "errors"
         committer.on_result = self._on_commit
+        committer.on_conflict = self._on_conflict
 
     # ------------------------------------------------------------------ inode table
     def _new_node(self, name: str, parent: Node | None, is_dir: bool, store: StoreMount | None,
@@ -710,6 +711,11 @@ class Filesystem:
         if n.dirty:  # flush was not called (or failed): never drop the write
             self.commit(n)
         self._drop_if_unused(n)
+
+    def _on_conflict(self, e: Entry, what: str) -> None:
+        self.errors.append({"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                            "store": e.store, "path": e.args.get("path", ""),
+                            "conflict": True, "reason": what})
 
     def _on_commit(self, e: Entry) -> None:
         if e.op == MOVE_PREFIX or e.node_key is None:

@@ -206,6 +206,8 @@ class Committer:
         self.journal = journal
         self.keymap = keymap  # node_key -> (record_id, sha256)
         self.on_result = on_result or (lambda e: None)
+        #: ``on_conflict(entry, description)``: a write met a newer version (last writer wins)
+        self.on_conflict: Callable[[Entry, str], None] = lambda e, what: None
         self.backoff_max = backoff_max
         self.queues: dict[str, deque[Entry]] = {}
         self._wakeups: dict[str, trio.Event] = {}
@@ -337,10 +339,14 @@ class Committer:
                     "status": err.status, "code": err.code, "errno": errno.errorcode.get(e.errno)})
                 return
 
-    def _conflict(self) -> None:
+    def _conflict(self, e: Entry, what: str) -> None:
         self.conflicts += 1
         if self.metrics is not None:
             self.metrics.conflicts.inc()
+        try:
+            self.on_conflict(e, what)
+        except Exception:
+            log.exception("conflict handler failed")
 
     def _rid(self, node_key: str | None) -> tuple[str | None, str | None]:
         if node_key is None:
@@ -380,7 +386,8 @@ class Committer:
                     if cur.sha256 == want and (typ is None or cur.type == typ):
                         rec = cur
                     else:
-                        self._conflict()
+                        self._conflict(e, "the record changed elsewhere; this write is now the "
+                                          "latest version, the other one stays in history")
                         log.warning("conflict: record changed elsewhere; last writer wins, the "
                                     "other version stays in history",
                                     extra={"store": e.store, "path": a.get("path"), "record": rid})
@@ -399,7 +406,8 @@ class Committer:
                         other = found.id if found else None
                     if other is None:
                         raise
-                    self._conflict()
+                    self._conflict(e, "the path was created elsewhere; this write is now the "
+                                      "latest version of that record, the other stays in history")
                     log.warning("conflict: path created elsewhere; last writer wins",
                                 extra={"store": e.store, "path": a["path"], "record": other})
                     rec = await c.update_record(e.store, other, text, type=typ,
