@@ -376,6 +376,7 @@ class Sidecar:
         if scope is not None:
             scope.cancel()
         self.invalidator.submit(self.fs.remove_store(slug))
+        await self.invalidator.settle()  # the directory is gone for the kernel too on return
         state = self.states.pop(slug, None)
         if state is not None:
             state.save()

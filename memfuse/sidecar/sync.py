@@ -111,10 +111,13 @@ class Invalidator:
         self._wakeup = trio.Event()
         self.done = 0
         self.failed = 0
+        self._outstanding = 0  # submitted, not yet sent to the kernel
+        self._settled = trio.Event()
 
     def submit(self, items: list[tuple]) -> None:
         if self.active and items:
             self._queue.extend(items)
+            self._outstanding += len(items)
             self._wakeup.set()
 
     def _run_batch(self, batch: list[tuple]) -> None:
@@ -137,13 +140,21 @@ class Invalidator:
             await self._wakeup.wait()
             self._wakeup = trio.Event()
             batch, self._queue = self._queue, []
-            if batch and self.active:
-                await trio.to_thread.run_sync(self._run_batch, batch)
+            try:
+                if batch and self.active:
+                    await trio.to_thread.run_sync(self._run_batch, batch)
+            finally:
+                self._outstanding -= len(batch)
+                if self._outstanding <= 0:
+                    self._outstanding = 0
+                    self._settled.set()
+                    self._settled = trio.Event()
 
-    async def settle(self) -> None:
-        """Wait until everything queued so far has been sent to the kernel."""
-        while self._queue:
-            await trio.sleep(0.005)
+    async def settle(self, timeout: float = 5.0) -> None:
+        """Wait (up to ``timeout`` s) until everything submitted so far reached the kernel."""
+        with trio.move_on_after(timeout):
+            while self._outstanding > 0 and self.active:
+                await self._settled.wait()
 
 
 def lag_seconds(rec: Record) -> float:
