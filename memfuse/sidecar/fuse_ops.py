@@ -222,6 +222,8 @@ class MemfuseOps(pyfuse3.Operations):
     @_guard
     async def read(self, fh, off, size):
         h = self.fs.handle(fh)
+        if h.snapshot is not None:
+            return h.snapshot[off:off + size]
         return self.fs.read(h.node, off, size)
 
     @_guard
@@ -246,10 +248,9 @@ class MemfuseOps(pyfuse3.Operations):
         s = pyfuse3.StatvfsData()
         stores = list(self.fs.stores.values())
         total = sum(sm.max_store_bytes for sm in stores) or (64 << 20)
-        used = sum(n.cur_size() for n in self.fs.inodes.values()
-                   if not n.is_dir and not n.special and not n.unlinked and not n.local_only)
+        used = sum(sm.used for sm in stores)
         files = sum(sm.max_records for sm in stores) or 10_000
-        nfiles = sum(self.fs._live_records(sm) for sm in stores)
+        nfiles = sum(sm.count for sm in stores)
         s.f_bsize = BLOCK
         s.f_frsize = BLOCK
         s.f_blocks = total // BLOCK

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import inspect
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -135,7 +137,10 @@ class Sidecar:
             settings.uid = config.uid
         if config.gid is not None:
             settings.gid = config.gid
-        self.fs = Filesystem(BlobCache(config.cache_dir / "blobs"), self.committer, settings,
+        legacy = config.cache_dir / "blobs"  # one-file-per-blob layout of earlier versions
+        if legacy.is_dir():
+            shutil.rmtree(legacy, ignore_errors=True)
+        self.fs = Filesystem(BlobCache(config.cache_dir / "blobs.db"), self.committer, settings,
                              config.workspace, dirs_file=config.cache_dir / "dirs.json")
         self.ops = MemfuseOps(self.fs, self.metrics)
         self.fs.status_provider = self.status
@@ -151,6 +156,10 @@ class Sidecar:
         self.instance = f"{client.instance or 'sidecar'}.{os.getpid()}.{uuid.uuid4().hex[:6]}"
         client.set_instance(self.instance)
         self.actor = f"ws:{config.workspace}/{self.instance}"
+        # a control plane that supports it leaves our own versions out of the feed
+        # (no wake-up per own commit); the check in _feed stays for any other
+        self._feed_kw = ({"skip_actor": self.actor}
+                         if "skip_actor" in inspect.signature(client.changes).parameters else {})
         self.invalidator = Invalidator()
         self.states: dict[str, StoreState] = {}
         self.feeds: dict[str, trio.CancelScope] = {}
@@ -203,13 +212,14 @@ class Sidecar:
         resumed = state.load() and await catch_up(self.client, state, self.fs.blobs)
         if not resumed:
             records, seq = await self.client.snapshot(slug, content=True)
-            for r in records:
-                self.fs.blobs.put(r.content.encode("utf-8"), r.sha256)
+            with self.fs.blobs.batch():
+                for r in records:
+                    self.fs.blobs.put(r.content.encode("utf-8"), r.sha256)
             state.reset(records, seq)
         for r in [r for r in state.records.values() if not self.fs.blobs.has(r.sha256)]:
             full = await self.client.get_record(slug, r.id, content=True)
             self.fs.blobs.put(full.content.encode("utf-8"), full.sha256)
-            state.records[r.id] = full.model_copy(update={"content": None})
+            state.put(full)
         log.info("store loaded", extra={"store": slug, "records": len(state.records),
                                         "cursor": state.cursor, "resumed": bool(resumed)})
         return state
@@ -237,14 +247,17 @@ class Sidecar:
     async def _feed(self, slug: str, scope: trio.CancelScope) -> None:
         """Long-poll the store's change feed and apply what others changed (DESIGN §6)."""
         with scope:
-            delay = 0.2
+            delay, probe = 0.2, False
             while True:
                 state, sm = self.states.get(slug), self.fs.stores.get(slug)
                 if state is None or sm is None:
                     return
                 try:
-                    page = await self.client.changes(slug, state.cursor, wait=25, content=True)
-                    delay = 0.2
+                    # after a failure, ask without waiting: the first answer tells the
+                    # committer at once that the control plane is back
+                    page = await self.client.changes(slug, state.cursor, wait=0 if probe else 25,
+                                                     content=True, **self._feed_kw)
+                    delay, probe = 0.2, False
                     self.committer.poke()
                 except Gone:
                     log.warning("change-feed cursor expired; taking a full snapshot", extra={"store": slug})
@@ -258,6 +271,7 @@ class Sidecar:
                              extra={"store": slug, "status": e.status, "retry_in_s": delay})
                     await trio.sleep(delay)
                     delay = min(delay * 2, 5.0)
+                    probe = True
                     continue
                 except PermanentError as e:
                     log.warning("change feed refused; reconciling attachments",
@@ -417,7 +431,7 @@ class Sidecar:
                 for att in atts:
                     await self._add_attachment(att)
                 self.save_states()
-                await trio.to_thread.run_sync(self._gc_blobs)
+                self._gc_blobs()
 
                 clean_stale_mount(config.mountpoint)
                 options = set(pyfuse3.default_options)
@@ -453,6 +467,7 @@ class Sidecar:
             if left:
                 log.warning("entries left in the outbox for the next start", extra={"entries": left})
             self.journal.close()
+            self.fs.blobs.close()
             lock.release()
         return 0
 
@@ -499,14 +514,7 @@ class Sidecar:
         """Delete cached blobs no store mirror or file refers to."""
         keep = {r.sha256 for st in self.states.values() for r in st.records.values()}
         keep |= {n.sha for n in self.fs.inodes.values() if n.sha}
-        removed = 0
-        for sub in self.fs.blobs.root.iterdir():
-            if not sub.is_dir():
-                continue
-            for f in sub.iterdir():
-                if f.name not in keep:
-                    f.unlink(missing_ok=True)
-                    removed += 1
+        removed = self.fs.blobs.gc(keep)
         if removed:
             log.info("blob cache cleaned", extra={"removed": removed})
 

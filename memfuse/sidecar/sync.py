@@ -16,6 +16,8 @@ import json
 import logging
 import os
 import time
+from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import pyfuse3
@@ -27,14 +29,42 @@ from ..models import Change, Record
 log = logging.getLogger("memfuse.sync")
 
 
+@dataclass(slots=True)
+class Meta:
+    """What the mirror keeps of one live record: the ``Record`` fields the tree needs, in a
+    fraction of a pydantic model's memory (10,000 records are held at once)."""
+
+    id: str
+    path: str
+    type: str | None
+    version: int
+    sha256: str
+    size: int
+    updated_at: datetime
+    content: None = None  # never held here; duck-types with Record for Filesystem.add_store
+
+    @classmethod
+    def of(cls, r: Record) -> "Meta":
+        return cls(r.id, r.path, r.type, r.version, r.sha256, r.size, r.updated_at)
+
+    def dump(self) -> list:
+        return [self.id, self.path, self.type, self.version, self.sha256, self.size,
+                self.updated_at.isoformat()]
+
+    @classmethod
+    def load(cls, row: list) -> "Meta":
+        return cls(row[0], row[1], row[2], int(row[3]), row[4], int(row[5]),
+                   datetime.fromisoformat(row[6]))
+
+
 class StoreState:
-    """Mirror of one store's live records (id → ``Record`` without content) and the cursor."""
+    """Mirror of one store's live records (id → ``Meta``) and the change-feed cursor."""
 
     def __init__(self, path: Path, slug: str) -> None:
         self.path = path
         self.slug = slug
         self.cursor = 0
-        self.records: dict[str, Record] = {}
+        self.records: dict[str, Meta] = {}
         self.dirty = False
         self.last_change_at = 0.0
 
@@ -42,12 +72,14 @@ class StoreState:
         """Read the saved state; False when there is none or it is unreadable."""
         try:
             raw = json.loads(self.path.read_text())
+            if raw.get("format") != 2:
+                return False
             self.cursor = int(raw["cursor"])
-            self.records = {r["id"]: Record.model_validate(r) for r in raw["records"]}
+            self.records = {row[0]: Meta.load(row) for row in raw["records"]}
             return True
         except FileNotFoundError:
             return False
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
             log.warning("saved store state unreadable; taking a full snapshot",
                         extra={"store": self.slug, "error": type(e).__name__})
             self.records, self.cursor = {}, 0
@@ -57,15 +89,19 @@ class StoreState:
         """Write the state atomically (tmp + rename)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
-        data = {"cursor": self.cursor,
-                "records": [r.model_dump(mode="json", exclude={"content"}) for r in self.records.values()]}
-        tmp.write_text(json.dumps(data))
+        data = {"format": 2, "cursor": self.cursor,
+                "records": [m.dump() for m in self.records.values()]}
+        tmp.write_text(json.dumps(data, separators=(",", ":")))
         os.replace(tmp, self.path)
         self.dirty = False
 
     def reset(self, records: list[Record], seq: int) -> None:
-        self.records = {r.id: r.model_copy(update={"content": None}) for r in records}
+        self.records = {r.id: Meta.of(r) for r in records}
         self.cursor = seq
+        self.dirty = True
+
+    def put(self, r: Record) -> None:
+        self.records[r.id] = Meta.of(r)
         self.dirty = True
 
     def apply(self, ch: Change) -> None:
@@ -75,7 +111,7 @@ class StoreState:
         else:
             cur = self.records.get(rec.id)
             if cur is None or cur.version <= rec.version:
-                self.records[rec.id] = rec.model_copy(update={"content": None})
+                self.records[rec.id] = Meta.of(rec)
         self.cursor = max(self.cursor, ch.seq)
         self.dirty = True
 
@@ -89,10 +125,11 @@ async def catch_up(client: ApiClient, state: StoreState, blobs) -> bool:
             page = await client.changes(state.slug, state.cursor, wait=0, content=True)
         except Gone:
             return False
-        for ch in page.changes:
-            if ch.record.content is not None:
-                blobs.put(ch.record.content.encode("utf-8"), ch.record.sha256)
-            state.apply(ch)
+        with blobs.batch():
+            for ch in page.changes:
+                if ch.record.content is not None:
+                    blobs.put(ch.record.content.encode("utf-8"), ch.record.sha256)
+                state.apply(ch)
         state.cursor = max(state.cursor, page.seq)
         if not page.changes:
             return True
