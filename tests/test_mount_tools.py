@@ -279,6 +279,7 @@ def test_control_dir_status(env):
     st = json.loads((sc.mountpoint / ".memfuse" / "status.json").read_text())
     assert st["ready"] is True
     assert {s["slug"] for s in st["stores"]} == {"default", "other"}
+    assert st["feed_tasks"] == 2  # exactly one change-feed task per store
     assert sorted(os.listdir(sc.mountpoint)) == [".memfuse", "default", "other"]
 
 

@@ -168,6 +168,7 @@ class Sidecar:
         self._nursery: trio.Nursery | None = None
         self._mount_lock = trio.Lock()
         self._mounted = False
+        self.feed_tasks = 0  # running change-feed tasks: one per mounted store
         self._drain_scope: trio.CancelScope | None = None
         self.metrics.bind(
             depth=lambda: self.committer.depth(), oldest=lambda: self.committer.oldest_age(),
@@ -192,6 +193,7 @@ class Sidecar:
         st["admin"] = self.admin_address
         st["invalidations"] = {"done": self.invalidator.done, "failed": self.invalidator.failed}
         st["errors_logged"] = len(self.fs.errors)
+        st["feed_tasks"] = self.feed_tasks
         return st
 
     # ------------------------------------------------------------------ loading
@@ -235,10 +237,15 @@ class Sidecar:
                   "max_records": att.store.max_records}
         self.fs.add_store(slug, att.access.value, list(state.records.values()), limits=limits)
         self.invalidator.submit([("entry", ROOT_INO, slug)])
-        if self._nursery is not None:
+        if self._mounted:  # before the mount, run() starts every store's feed once mounted
             self._start_feed(slug)
 
     def _start_feed(self, slug: str) -> None:
+        """Start the store's change-feed task; exactly one per store (two would apply
+        stale pages over each other's newer ones)."""
+        old = self.feeds.pop(slug, None)
+        if old is not None:
+            old.cancel()
         scope = trio.CancelScope()
         self.feeds[slug] = scope
         self._nursery.start_soon(self._feed, slug, scope)
@@ -246,6 +253,13 @@ class Sidecar:
     # ------------------------------------------------------------------ change feed
     async def _feed(self, slug: str, scope: trio.CancelScope) -> None:
         """Long-poll the store's change feed and apply what others changed (DESIGN §6)."""
+        self.feed_tasks += 1
+        try:
+            await self._feed_loop(slug, scope)
+        finally:
+            self.feed_tasks -= 1
+
+    async def _feed_loop(self, slug: str, scope: trio.CancelScope) -> None:
         with scope:
             delay, probe = 0.2, False
             while True:
@@ -444,6 +458,7 @@ class Sidecar:
                 mounted = True
                 self.invalidator.active = True
                 nursery.start_soon(self.invalidator.run)
+                self._mounted = True
                 for slug in self.fs.stores:
                     self._start_feed(slug)
                 nursery.start_soon(self._events)
@@ -453,7 +468,6 @@ class Sidecar:
                                            "stores": len(self.fs.stores), "workspace": config.workspace,
                                            "admin": self.admin_address})
                 task_status.started(self)
-                self._mounted = True
                 await pyfuse3.main()
                 log.info("FUSE session ended")
                 nursery.cancel_scope.cancel()
