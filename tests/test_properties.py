@@ -1,0 +1,543 @@
+"""Property-based tests of the real mount (Hypothesis), against a local directory and the API.
+
+- Valid names and contents round-trip byte-exact: through the mount, into the control plane
+  (path and content, read with the API), and back out of a new sidecar with a fresh cache.
+  Invalid names get the errno DESIGN §2 gives them (oracle: ``mountcheck.name_errnos``,
+  written independently of ``memfuse/names.py``).
+- ``MountVsLocal``: a ``RuleBasedStateMachine`` runs random create / write at offsets /
+  append / O_TRUNC / ftruncate / truncate(2) / rename (over files and directories) / unlink /
+  mkdir / rmdir on the mount and on a local temporary directory in lockstep, and compares the
+  outcome of every call (errno names), then every file's bytes and every listing. The one
+  modelled difference: the control plane takes only UTF-8 text without NUL, so closing a
+  written file whose content is not (a hole from a write past the end, a multi-byte
+  character split by a write at an offset) gives ``EILSEQ`` on the mount and leaves the file
+  ``rejected`` with its content. At the end of each run the invalid files are fixed in place,
+  the outbox drained (``.memfuse/status.json``), and the control plane must hold exactly the
+  local directory's files (local-only editor names excepted; empty directories are local).
+- Plain tests pin the minimal sequences of the bugs these properties found.
+
+One module-scoped mount, a unique directory per example. CI: derandomized, bounded (see
+``mountcheck.hyp_settings``); long runs: ``MEMFUSE_HYPOTHESIS_EXAMPLES`` /
+``MEMFUSE_HYPOTHESIS_STEPS``.
+"""
+from __future__ import annotations
+
+import errno
+import functools
+import json
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from hypothesis import given, note
+from hypothesis import strategies as st
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, rule,
+                                 run_state_machine_as_test)
+
+from memfuse.models import sha256_hex
+from mountcheck import (FORBIDDEN, MAX_COMPONENT, MAX_COMPONENTS, MAX_PATH, MountEnv,
+                        budget_seconds, hyp_settings, is_local_only, name_errnos, outcome,
+                        status, utf8_text_ok, wait_drained, wait_until, write_file,
+                        xattr)
+
+pytestmark = pytest.mark.mount
+
+OK = {"open": None, "write": None, "close": None}
+EXCL = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    e = MountEnv(tmp_path_factory.mktemp("props"), stores={"default": {}})
+    try:
+        e.start()
+        yield e
+    finally:
+        e.stop()
+
+
+def fresh_dir(env: MountEnv, group: str) -> tuple[Path, str]:
+    pre = f"{group}/{uuid.uuid4().hex[:8]}"
+    p = env.store() / pre
+    p.mkdir(parents=True)
+    return p, pre
+
+
+# ====================================================================== strategies
+def _strip_forbidden(s: str) -> str:
+    return "".join(c for c in s if ord(c) not in FORBIDDEN and c != "/")
+
+
+def _fit(s: str, limit: int = MAX_COMPONENT) -> str:
+    """``s`` cut at a character boundary to at most ``limit`` UTF-8 bytes."""
+    while len(s.encode()) > limit:
+        s = s[:-1]
+    return s
+
+
+_name_chars = st.characters(exclude_categories=("Cs",), exclude_characters="/\x00")
+valid_components = st.one_of(
+    st.text(_name_chars, min_size=1, max_size=24),
+    st.text(_name_chars, min_size=60, max_size=255),
+    st.sampled_from(["x" * 255, "é" * 127 + "x", "用" * 85, "Notes.md", "notes.md",
+                     "cafe\u0301.md", "caf\u00e9.md", "soft\u00adhyphen", " lead", "trail ",
+                     "-dash", "a:b", "a\\b", "*?[]", "...", ".hidden", "\U0001F9E0"]),
+).map(_strip_forbidden).map(_fit).filter(
+    lambda s: s not in ("", ".", "..") and not is_local_only(s))
+
+
+def _paths(prefix_bytes: int):
+    """Lists of valid components whose joined path, under a prefix of ``prefix_bytes``
+    bytes (and 2 prefix components), stays within DESIGN §2's limits."""
+    def fit(parts: list[str]) -> list[str]:
+        parts = parts[: MAX_COMPONENTS - 2]
+        while len("/".join(parts).encode()) + prefix_bytes + 1 > MAX_PATH:
+            parts = parts[1:]
+        return parts
+    return st.lists(valid_components, min_size=1, max_size=5).map(fit)
+
+
+def _content(text: str) -> str:
+    return "x" + text if text.startswith("---") else text  # no frontmatter: type rules aside
+
+
+contents = st.one_of(
+    st.text(st.characters(exclude_categories=("Cs",), exclude_characters="\x00"), max_size=400),
+    st.builds(lambda t, n: t * n, st.text(min_size=1, max_size=50), st.integers(100, 4000)),
+).map(_content).filter(lambda t: "\x00" not in t)
+
+_forbidden_chars = st.sampled_from(sorted(FORBIDDEN - {0, 0x2F})).map(chr)
+_bad_utf8 = st.sampled_from([b"\xff", b"\xfe", b"\xc3", b"\xc0\xaf", b"\xed\xa0\x80", b"\x80",
+                             b"\xe2\x82", b"\xf4\x90\x80\x80"])
+
+
+@st.composite
+def invalid_names(draw) -> bytes:
+    kind = draw(st.sampled_from(["forbidden char", "too long", "not UTF-8"]))
+    base = draw(st.text(_name_chars.filter(lambda c: ord(c) not in FORBIDDEN), min_size=0, max_size=20))
+    if kind == "forbidden char":
+        i = draw(st.integers(0, len(base)))
+        raw = (base[:i] + draw(_forbidden_chars) + base[i:]).encode()
+    elif kind == "too long":  # 256 … ~560 bytes of whole characters
+        unit = draw(st.sampled_from(["x", "é", "用", "\U0001F9E0", "ab"]))
+        n = draw(st.integers(MAX_COMPONENT + 1, MAX_COMPONENT + 300))
+        raw = (unit * (n // len(unit.encode()) + 1)).encode()
+    else:
+        b = base.encode()
+        i = draw(st.integers(0, len(b)))
+        raw = b[:i] + draw(_bad_utf8) + b[i:]
+    assert b"/" not in raw and b"\0" not in raw
+    return raw
+
+
+# ====================================================================== control files
+def test_control_file_reads_are_consistent(env):
+    """One open of ``.memfuse/status.json`` shows one content: reading to EOF in several
+    read calls while the sidecar's state changes must give one valid JSON document.
+
+    Found while polling the outbox depth: content regenerated on every read request made a
+    second read at offset N return bytes N… of a *newer*, longer document (``read_text``
+    then saw invalid JSON). Here the inode count gains a digit between the reads."""
+    d, _ = fresh_dir(env, "cf")
+    n = status(env.root)["inodes"]
+    grow = 10 ** len(str(n)) - n + 1
+    fd = os.open(env.root / ".memfuse" / "status.json", os.O_RDONLY)
+    try:
+        first = os.read(fd, 1 << 20)
+        json.loads(first)
+        for i in range(grow):
+            os.mkdir(d / f"d{i}")
+        rest = os.read(fd, 1 << 20)
+    finally:
+        os.close(fd)
+    assert status(env.root)["inodes"] >= n + grow
+    assert rest == b"", f"EOF expected after the whole document; got {rest!r}"
+
+
+# ====================================================================== round trip
+@pytest.mark.timeout(budget_seconds(240))
+def test_valid_names_and_contents_round_trip(env):
+    written: dict[str, bytes] = {}
+    group = "rt"
+    prefix_bytes = len(f"{group}/{uuid.uuid4().hex[:8]}".encode())
+
+    @hyp_settings(40)
+    @given(parts=_paths(prefix_bytes), text=contents)
+    def prop(parts: list[str], text: str) -> None:
+        d, pre = fresh_dir(env, group)
+        rel = "/".join(parts)
+        data = text.encode()
+        if len(parts) > 1:
+            os.makedirs(d / "/".join(parts[:-1]))
+        f = d / rel
+        assert write_file(f, data, EXCL) == OK
+        assert f.read_bytes() == data
+        assert parts[-1].encode() in os.listdir(bytes(f.parent))
+        if data:
+            assert xattr(f, "state") == "clean"  # close waited for the commit
+        else:  # nothing written through the descriptor: committed at release, without waiting
+            wait_until(lambda: xattr(f, "state") == "clean", 10, "the empty file to commit")
+        rec = env.find("default", f"{pre}/{rel}")
+        assert rec is not None, f"no record at {pre}/{rel!r}: {sorted(env.contents('default', pre))!r}"
+        full = env.cp.call("get_record", "default", rec.id)
+        assert (full.path, full.content, full.sha256, full.size) == (
+            f"{pre}/{rel}", text, sha256_hex(data), len(data))
+        assert xattr(f, "sha256") == full.sha256 and xattr(f, "id") == full.id
+        written[f"{pre}/{rel}"] = data
+
+    prop()
+    assert written
+    wait_drained(env.root)
+    env.remount()  # a new sidecar process, a fresh cache directory
+    store = env.store()
+    back = {p: (store / p).read_bytes() for p in written}
+    assert back == written
+    assert {p: c.encode() for p, c in env.contents("default").items() if p.startswith(group + "/")} == written
+
+
+@pytest.mark.timeout(budget_seconds(120))
+def test_invalid_names_get_the_design_errno(env):
+    d, pre = fresh_dir(env, "bad")
+    db = bytes(d)
+    assert write_file(d / "src.md", b"src\n") == OK
+    (d / "dir").mkdir()
+
+    @hyp_settings(60)
+    @given(raw=invalid_names())
+    def prop(raw: bytes) -> None:
+        assert 0 not in name_errnos(raw), f"the strategy made a valid name: {raw!r}"
+        allowed = {errno.errorcode[e] for e in name_errnos(raw)}
+        note(f"name {raw!r}, allowed {allowed}")
+        target = db + b"/" + raw
+        got = {"create": write_file(target, b"x\n", EXCL)["open"],
+               "mkdir": outcome(lambda: os.mkdir(target)),
+               "rename file": outcome(lambda: os.rename(db + b"/src.md", target)),
+               "rename dir": outcome(lambda: os.rename(db + b"/dir", target)),
+               "create in subdir": write_file(db + b"/dir/" + raw, b"x\n", EXCL)["open"]}
+        assert all(v in allowed for v in got.values()), got
+        assert sorted(os.listdir(db)) == [b"dir", b"src.md"]
+
+    prop()
+    assert os.listdir(d / "dir") == []
+    wait_drained(env.root)
+    assert env.contents("default", pre) == {"src.md": "src\n"}
+
+
+# ====================================================================== lockstep state machine
+NAMES = ["a", "b", "é", "n~"]  # "n~" is a local-only name (DESIGN §3)
+# few names, shallow: operations collide often (rename over files and directories, …)
+rel_paths = st.one_of(st.sampled_from(NAMES),
+                      st.lists(st.sampled_from(NAMES), min_size=2, max_size=3).map("/".join))
+datas = st.one_of(st.text(alphabet="xyz\né用", min_size=1, max_size=12).map(str.encode),
+                  st.text(alphabet="ab\n", min_size=1, max_size=6).map(str.encode),
+                  st.binary(min_size=1, max_size=6))  # mostly not UTF-8: refused at close
+small = st.integers(0, 24)
+
+
+def _tree(root: Path) -> dict[str, object]:
+    """relpath → "dir" | file bytes, for everything below ``root``."""
+    out: dict[str, object] = {}
+    for dp, dns, fns in os.walk(root):
+        for n in dns:
+            out[os.path.relpath(os.path.join(dp, n), root)] = "dir"
+        for n in fns:
+            p = os.path.join(dp, n)
+            with open(p, "rb") as f:
+                out[os.path.relpath(p, root)] = f.read()
+    return out
+
+
+def _fd_op(path: Path, flags: int, op) -> dict[str, str | None]:
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        return {"open": errno.errorcode[e.errno], "write": "skipped", "close": "skipped"}
+    try:
+        res = outcome(lambda: op(fd))
+    finally:
+        closed = outcome(lambda: os.close(fd))
+    return {"open": None, "write": res, "close": closed}
+
+
+def _tracked(fn):
+    """Mark the machine broken when a step raises, so teardown only cleans up."""
+    @functools.wraps(fn)
+    def wrapper(self, *a, **kw):
+        try:
+            return fn(self, *a, **kw)
+        except BaseException:
+            self.broken = True
+            raise
+    return wrapper
+
+
+def make_machine(env: MountEnv, local_base: Path, runs: list[str]):
+    class MountVsLocal(RuleBasedStateMachine):
+        """The mount and a local directory, driven in lockstep (see module docstring)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.broken = False
+            self.run_id = uuid.uuid4().hex[:8]
+            self.pre = f"sm/{self.run_id}"
+            self.m = env.store() / self.pre
+            self.l = local_base / self.run_id
+            self.m.mkdir(parents=True)
+            self.l.mkdir(parents=True)
+            runs.append(self.pre)
+
+        # --- helpers
+        def _content_op(self, rel: str, do, *, waits: bool = True) -> None:
+            """Run a content-changing op (``do(root)`` → outcome dict) on both sides.
+            ``waits``: the close commits and waits (something was written through the
+            descriptor), so ``user.memfuse.state`` is final when it returns."""
+            local = do(self.l)
+            mount = do(self.m)
+            expect = dict(local)
+            committed = (local["open"] is None and local["close"] is None
+                         and not is_local_only(rel.rsplit("/", 1)[-1]))
+            if committed and os.path.isfile(self.l / rel):
+                data = (self.l / rel).read_bytes()
+                if not utf8_text_ok(data):
+                    expect["close"] = "EILSEQ"
+            note(f"{rel}: local {local}, mount {mount}")
+            assert mount == expect, f"{rel}: mount {mount}, expected {expect} (local {local})"
+            if committed and waits and os.path.isfile(self.m / rel):
+                want = "rejected" if expect["close"] == "EILSEQ" else "clean"
+                assert xattr(self.m / rel, "state") == want, f"{rel}: state"
+
+        def _both(self, what: str, fn) -> None:
+            local, mount = outcome(lambda: fn(self.l)), outcome(lambda: fn(self.m))
+            note(f"{what}: local {local}, mount {mount}")
+            assert mount == local, f"{what}: mount {mount}, local {local}"
+
+        @initialize()
+        def start(self) -> None:
+            pass
+
+        def _pick(self, data, kind: str) -> str:
+            """A path for the next call: mostly an existing file / directory / entry of the
+            local tree (``kind``), or a new name in an existing directory ("new"); sometimes
+            any path at all (absent ones, through files, …)."""
+            tree = _tree(self.l)
+            files = sorted(p for p, v in tree.items() if v != "dir")
+            dirs = sorted(p for p, v in tree.items() if v == "dir")
+            if data.draw(st.integers(0, 3), label="any path") == 3:  # 0 (simplest): existing
+                return data.draw(rel_paths, label=kind)
+            if kind == "new":
+                parent = data.draw(st.sampled_from([""] + dirs), label="in")
+                name = data.draw(st.sampled_from(NAMES), label="name")
+                return f"{parent}/{name}" if parent else name
+            pool = {"file": files, "dir": dirs, "any": files + dirs}[kind]
+            return data.draw(st.sampled_from(pool) if pool else rel_paths, label=kind)
+
+        # --- rules
+        @rule(pick=st.data(), data=st.binary(max_size=0) | datas)
+        @_tracked
+        def create(self, pick, data):  # O_CREAT | O_EXCL: cp a new, mkstemp, sed -i
+            rel = self._pick(pick, "new")
+            self._content_op(rel, lambda r: write_file(r / rel, data, EXCL), waits=bool(data))
+
+        @rule(pick=st.data(), data=datas, new=st.booleans())
+        @_tracked
+        def overwrite(self, pick, data, new):  # O_CREAT | O_TRUNC: echo > f, cp a f, tee f
+            rel = self._pick(pick, "new" if new else "file")
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+            self._content_op(rel, lambda r: write_file(r / rel, data, flags))
+
+        @rule(pick=st.data(), off=small, data=datas)
+        @_tracked
+        def write_at(self, pick, off, data):
+            rel = self._pick(pick, "file")
+            self._content_op(rel, lambda r: _fd_op(r / rel, os.O_WRONLY, lambda fd: os.pwrite(fd, data, off)))
+
+        @rule(pick=st.data(), data=datas)
+        @_tracked
+        def append(self, pick, data):  # echo >> f
+            rel = self._pick(pick, "file")
+            self._content_op(rel, lambda r: write_file(r / rel, data, os.O_WRONLY | os.O_APPEND))
+
+        @rule(pick=st.data(), size=small)
+        @_tracked
+        def ftruncate(self, pick, size):
+            rel = self._pick(pick, "file")
+            self._content_op(rel, lambda r: _fd_op(r / rel, os.O_WRONLY, lambda fd: os.ftruncate(fd, size)))
+
+        @rule(pick=st.data(), size=small)
+        @_tracked
+        def truncate_path(self, pick, size):  # truncate(2): no open, no close
+            rel = self._pick(pick, "file")
+            self._both(f"truncate({rel}, {size})", lambda r: os.truncate(r / rel, size))
+
+        @rule(pick=st.data(), over=st.booleans())
+        @_tracked
+        def rename(self, pick, over):  # over an existing file or directory, or to a new name
+            src = self._pick(pick, "any")
+            dst = self._pick(pick, "any" if over else "new")
+            self._both(f"rename({src}, {dst})", lambda r: os.rename(r / src, r / dst))
+
+        @rule(pick=st.data())
+        @_tracked
+        def unlink(self, pick):
+            rel = self._pick(pick, "file")
+            self._both(f"unlink({rel})", lambda r: os.unlink(r / rel))
+
+        @rule(pick=st.data())
+        @_tracked
+        def mkdir(self, pick):
+            rel = self._pick(pick, "new")
+            self._both(f"mkdir({rel})", lambda r: os.mkdir(r / rel))
+
+        @rule(pick=st.data())
+        @_tracked
+        def rmdir(self, pick):
+            rel = self._pick(pick, "dir")
+            self._both(f"rmdir({rel})", lambda r: os.rmdir(r / rel))
+
+        @invariant()
+        @_tracked
+        def same_tree(self) -> None:
+            mine, theirs = _tree(self.m), _tree(self.l)
+            assert mine == theirs
+
+        # --- end of run: fix what was refused, then compare with the control plane
+        def teardown(self) -> None:
+            if self.broken:
+                return
+            local = _tree(self.l)
+            fixed = {}
+            for rel, v in sorted(local.items()):
+                if v == "dir" or is_local_only(rel.rsplit("/", 1)[-1]) or utf8_text_ok(v):
+                    continue
+                good = v.decode("utf-8", "replace").replace("\x00", "0").encode()
+                flags = os.O_WRONLY | os.O_TRUNC
+                assert write_file(self.l / rel, good, flags) == OK
+                fixed[rel] = write_file(self.m / rel, good, flags)
+            note(f"fixed in place: {sorted(fixed)}")
+            assert fixed == dict.fromkeys(fixed, OK)
+            assert _tree(self.m) == _tree(self.l)
+            wait_drained(env.root)
+            want = {rel: v.decode() for rel, v in _tree(self.l).items()
+                    if v != "dir" and not is_local_only(rel.rsplit("/", 1)[-1])}
+            got = env.contents("default", self.pre)
+            assert got == want, "control plane != local directory after the outbox drained"
+
+    return MountVsLocal
+
+
+@pytest.mark.timeout(budget_seconds(600))
+def test_mount_matches_local_directory(env, tmp_path):
+    runs: list[str] = []
+    machine = make_machine(env, tmp_path / "local", runs)
+    try:
+        run_state_machine_as_test(machine, settings=hyp_settings(50, ci_steps=30))
+    finally:
+        shutil.rmtree(tmp_path / "local", ignore_errors=True)
+    assert runs
+
+
+# ====================================================================== minimal sequences
+def test_truncate_by_path_reaches_the_control_plane(env):
+    """truncate(2) changes the file with no open and no close: the change must still be
+    committed (and ``state`` must not say ``clean`` while the control plane holds other
+    content)."""
+    d, pre = fresh_dir(env, "min")
+    assert write_file(d / "t.md", b"hello world\n") == OK
+    os.truncate(d / "t.md", 5)
+    assert os.stat(d / "t.md").st_size == 5  # no open/read here: a reader's close commits it
+    wait_drained(env.root)
+    try:
+        wait_until(lambda: env.contents("default", pre) == {"t.md": "hello"}, 5,
+                   "the truncate to reach the control plane")
+    except AssertionError:
+        raise AssertionError(f"control plane holds {env.contents('default', pre)!r}, the mount "
+                             f"5 bytes with state={xattr(d / 't.md', 'state')!r}") from None
+    assert (d / "t.md").read_bytes() == b"hello"
+
+
+def test_deleting_a_rejected_file_that_replaced_a_record(env):
+    """A refused file renamed over a stored record, then deleted: the stored record must not
+    survive (a remount would bring back a file the user replaced and deleted)."""
+    d, pre = fresh_dir(env, "min")
+    assert write_file(d / "x.md", b"x\n") == OK
+    assert write_file(d / "y.md", b"bad\x00") == {"open": None, "write": None, "close": "EILSEQ"}
+    os.rename(d / "y.md", d / "x.md")
+    os.unlink(d / "x.md")
+    assert os.listdir(d) == []
+    wait_drained(env.root)
+    assert env.contents("default", pre) == {}
+
+
+def test_renaming_a_rejected_file_that_replaced_a_record(env):
+    """Same start, then the file moves on: the old record must not stay at the old path."""
+    d, pre = fresh_dir(env, "min")
+    assert write_file(d / "x.md", b"x\n") == OK
+    assert write_file(d / "y.md", b"bad\x00") == {"open": None, "write": None, "close": "EILSEQ"}
+    os.rename(d / "y.md", d / "x.md")
+    os.rename(d / "x.md", d / "z.md")
+    assert write_file(d / "z.md", b"good\n") == OK  # fixed in place
+    assert sorted(os.listdir(d)) == ["z.md"]
+    wait_drained(env.root)
+    assert env.contents("default", pre) == {"z.md": "good\n"}
+
+
+def test_unlinked_file_does_not_come_back(env):
+    """A file written (committed) and then unlinked at once must stay gone.
+
+    Found by ``MountVsLocal``: the change feed fetched the page with the file's creation,
+    waited for the outbox to drain (the delete commits), then applied that *stale* page; the
+    unlink had forgotten the record id, so the creation was taken for a new remote record and
+    the file reappeared until the next page brought the delete (10–100 ms; a write in that
+    window would re-create the record for real). Timing-dependent: tried several times."""
+    seen = []
+    for i in range(15):
+        d, _ = fresh_dir(env, "unlink")
+        assert write_file(d / "x.md", b"x\n") == OK
+        os.unlink(d / "x.md")
+        deadline = time.monotonic() + 0.25
+        while time.monotonic() < deadline:
+            if os.listdir(d):
+                seen.append(i)
+                break
+            time.sleep(0.002)
+        if len(seen) >= 3:
+            break
+    assert seen == [], f"the unlinked file reappeared in attempts {seen}"
+
+
+def test_rename_to_a_local_only_name_and_back_keeps_the_content(env):
+    """``mv f f~ && mv f~ f`` (a backup name and back): the file keeps its bytes.
+
+    Found by ``MountVsLocal``. Renaming a local-only name onto a normal one commits the file
+    under the new name; for a file whose content sits in the blob cache (no write buffer) the
+    commit took ``b""`` as the content, so the file became empty on the mount and on the
+    control plane (a new empty version)."""
+    d, pre = fresh_dir(env, "min")
+    assert write_file(d / "a.md", b"important\n") == OK
+    os.rename(d / "a.md", d / "a.md~")
+    assert (d / "a.md~").read_bytes() == b"important\n"
+    os.rename(d / "a.md~", d / "a.md")
+    got = {"mount": (d / "a.md").read_bytes()}
+    wait_drained(env.root)
+    got["control plane"] = env.contents("default", pre)
+    assert got == {"mount": b"important\n", "control plane": {"a.md": "important\n"}}
+
+
+def test_close_of_a_local_only_file_reports_no_refusal(env):
+    """A local-only file never goes to the control plane, so closing it never reports a
+    refusal. Found by ``MountVsLocal``: a commit made under the file's previous (normal) name
+    and refused later (NUL bytes from a truncate) was reported at the close of a write to
+    the file under its local-only name. Timing-dependent (the refusal must still be in
+    flight): tried several times."""
+    got = []
+    for i in range(5):
+        d, _ = fresh_dir(env, "min")
+        assert write_file(d / "a.md", b"abc\n") == OK
+        os.truncate(d / "a.md", 10)  # NUL padding: the control plane will refuse it
+        os.rename(d / "a.md", d / "b.md")  # commits the truncated content (refused later)
+        os.rename(d / "b.md", d / "b.md~")  # a local-only name from now on
+        got.append(write_file(d / "b.md~", b"more\n", os.O_WRONLY | os.O_APPEND))
+    assert got == [OK] * 5
