@@ -660,7 +660,7 @@ class Filesystem:
         n.dirty = False
         if n.local_only or n.unlinked:
             return None
-        data = bytes(n.buf if n.buf is not None else b"")
+        data = self._content(n)  # the write buffer, or the clean content (e.g. renamed back)
         n.sha = self.blobs.put(data)
         n.size = len(data)
         n.buf = None
@@ -723,7 +723,7 @@ class Filesystem:
         if isinstance(e, FsError):
             raise e
         if e is None:
-            e = n.last_put if n.state == PENDING else None
+            e = n.last_put if n.state == PENDING and not (n.local_only or n.unlinked) else None
             if e is None:
                 return
         await e.durable.wait()
@@ -739,7 +739,7 @@ class Filesystem:
         e = self.commit(n)
         if isinstance(e, FsError):
             raise e
-        e = e or (n.last_put if n.state == PENDING else None)
+        e = e or (n.last_put if n.state == PENDING and not (n.local_only or n.unlinked) else None)
         if e is None:
             return
         await e.durable.wait()
@@ -934,6 +934,16 @@ class Filesystem:
         if commit_after and src.opened == 0:
             self.commit(src)
 
+    def _adopt_key(self, src: Node, dst: Node) -> None:
+        """``src`` replaces ``dst`` locally and takes over its record (key and id)."""
+        if self.by_key.get(src.key) is src:
+            del self.by_key[src.key]
+        src.key = dst.key
+        self.by_key[src.key] = src
+        rid, src.version = dst.record_id, dst.version
+        self._bind_rid(dst, None)
+        self._bind_rid(src, rid)
+
     def _check_subtree_paths(self, nd: Node, d: Node, new_path: str) -> None:
         """Every record below a directory moved to ``new_path`` must still have a valid path
         (DESIGN §2: ≤ 32 components, ≤ 1,024 bytes) → else ``ENAMETOOLONG``."""
@@ -961,10 +971,7 @@ class Filesystem:
         if src.local_only:
             # a temporary becomes a real file: its content goes to the target's record
             if dst is not None and not dst.local_only:
-                self.by_key.pop(src.key, None)
-                src.key = dst.key
-                self.by_key[src.key] = src
-                src.record_id = dst.record_id
+                self._adopt_key(src, dst)
             src.local_only = False
             self._live(src, +1)
             src.dirty = True
@@ -976,6 +983,13 @@ class Filesystem:
             return False
         if src.dirty and src.opened == 0:
             self.commit(src)
+        if (dst is not None and not dst.local_only and src.record_id is None
+                and src.state != PENDING):
+            # src never reached the control plane (refused, or not flushed yet): there is
+            # nothing to move; src takes over dst's record, so fixing or deleting src later
+            # acts on that record (as a local-only file renamed over it does)
+            self._adopt_key(src, dst)
+            return False
         args = {"path": old_path, "to": new_path, "replace": dst is not None and not dst.local_only}
         if dst is not None and not dst.local_only:
             args["target_key"] = dst.key

@@ -133,6 +133,8 @@ class MemfuseOps(pyfuse3.Operations):
             atime_ns=attr.st_atime_ns if fields.update_atime else None,
             mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
         )
+        if fields.update_size and fh is None and n.opened == 0:
+            self.fs.commit(n)  # truncate(2) by path: no close will follow to commit it
         return self.attrs(n)
 
     @_guard
