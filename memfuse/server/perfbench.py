@@ -126,6 +126,7 @@ def run(
     idempotency: bool = True,
     keep_server: bool = False,
     profile: str | None = None,
+    profile_gil: bool = False,
     quiet: bool = False,
 ) -> dict[str, dict[str, float]]:
     """Run the benchmark: ``n`` files, each created, updated, moved and deleted in turn.
@@ -136,7 +137,8 @@ def run(
     ``idempotency``: send ``Idempotency-Key`` on every write; ``keep_server``: print the
     server pid and wait for Enter before stopping (to attach a profiler); ``profile``: a file
     to write a py-spy profile of the server during the timed phases to (raw format,
-    ``py-spy`` next to the interpreter).
+    ``py-spy`` next to the interpreter); ``profile_gil``: sample only the thread holding the
+    GIL (Python CPU; leaves out time in SQLite and fsync).
     Returns ``{operation: {"wall_ms_p50", "wall_ms_mean", "server_cpu_ms"}}`` (also printed
     as JSON unless ``quiet``). Raises ``RuntimeError`` when the server does not start or a
     request does not get the expected status.
@@ -212,7 +214,7 @@ def run(
         if profile:
             spy = subprocess.Popen(
                 [str(exe.with_name("py-spy")), "record", "--pid", str(proc.pid), "--rate", "500",
-                 "--format", "raw", "-o", profile],
+                 "--format", "raw", "-o", profile, *(["--gil"] if profile_gil else [])],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             )
             time.sleep(1.0)
