@@ -9,7 +9,13 @@ exceptions (500 ``internal_error``, logged with the traceback).
 Plain ``def`` handlers run in anyio's worker threads (fine under trio and asyncio); the
 long-polls (``changes``, ``events``) are ``async``: they query the database in a worker
 thread, then sleep without holding a session until a commit in this process wakes them or
-100 ms pass (to see commits of other processes sharing the database).
+100 ms pass (to see commits of other processes sharing the database). Authentication is an
+``async`` dependency: static and recently seen tokens resolve on the event loop, only an
+unknown token costs a worker thread and a query.
+
+Responses are serialised once, by pydantic (``model_dump_json``), into plain ``Response``
+objects: FastAPI neither validates nor re-encodes them against the ``response_model``
+(which only documents the body in the OpenAPI schema).
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel
 from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -135,9 +142,14 @@ def _reply(r: Reply) -> Response:
     return Response(content=r.body, status_code=r.status, headers=headers, media_type="application/json")
 
 
-def _json(model: Any, *, etag: str | None = None) -> JSONResponse:
+def _json(model: BaseModel | list[BaseModel], *, etag: str | None = None) -> Response:
+    """A 200 JSON response of a wire model (or a list of them), serialised by pydantic."""
     headers = {"ETag": f'"{etag}"'} if etag else None
-    return JSONResponse(jsonable_encoder(model), headers=headers)
+    if isinstance(model, list):
+        body = b"[" + b",".join(m.model_dump_json().encode() for m in model) + b"]"
+    else:
+        body = model.model_dump_json().encode()
+    return Response(content=body, headers=headers, media_type="application/json")
 
 _bearer = HTTPBearer(auto_error=False, description="workspace or admin token")
 
@@ -146,12 +158,17 @@ def _service(request: Request) -> Service:
     return request.app.state.service
 
 
-def _principal(
+async def _principal(
     request: Request,
     cred: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)],
     x_memfuse_instance: Annotated[str | None, Header(description="sidecar id, recorded in actor")] = None,
 ) -> Principal:
-    return _service(request).authenticate(cred.credentials if cred else None, x_memfuse_instance)
+    svc = _service(request)
+    token = cred.credentials if cred else None
+    p = svc.authenticate_cached(token, x_memfuse_instance)  # no database, no thread
+    if p is None:
+        p = await anyio.to_thread.run_sync(svc.authenticate, token, x_memfuse_instance)
+    return p
 
 
 async def _idempotency(
@@ -359,7 +376,7 @@ def create_app(
         page = await _long_poll(
             svc, request, wait,
             lambda: svc.changes_page(p, store, after, limit=limit, with_content=content),
-            lambda pg: bool(pg.changes),
+            lambda pg: bool(pg.changes), store=store,
         )
         return _json(page) if page is not None else Response(status_code=204)
 
@@ -372,12 +389,18 @@ async def _long_poll(
     wait: float,
     query: Callable[[], Any],
     ready: Callable[[Any], bool],
+    *,
+    store: str | None = None,
 ) -> Any:
     """Run ``query`` (blocking, in a worker thread) until ``ready(result)`` or ``wait``
     seconds (capped at 60) pass; return the last result. Between queries it holds no
-    database session: it sleeps until a commit in this process or ``POLL_INTERVAL``.
+    database session: it sleeps until a commit in this process that concerns it (see
+    ``Notifier``: ``store`` for a change feed, None for workspace events) or
+    ``POLL_INTERVAL``.
     When the client goes away (``http.disconnect``) it stops and returns None.
     ``ServiceError`` from ``query`` propagates."""
+    if wait <= 0:  # one query: no waiter, no disconnect watcher
+        return await anyio.to_thread.run_sync(query)
     deadline = anyio.current_time() + min(max(wait, 0.0), MAX_WAIT_SECONDS)
     result: Any = None
     error: Exception | None = None
@@ -385,7 +408,8 @@ async def _long_poll(
     async def poll() -> None:
         nonlocal result
         while True:
-            waiter = svc.notifier.subscribe()  # before the query: a commit after it wakes us
+            # before the query: a commit after it wakes us
+            waiter = svc.notifier.subscribe(store)
             try:
                 result = await anyio.to_thread.run_sync(query)
                 remaining = deadline - anyio.current_time()
@@ -408,10 +432,7 @@ async def _long_poll(
 
         tg.start_soon(watch_disconnect)
         try:
-            if wait > 0:
-                await poll()
-            else:
-                result = await anyio.to_thread.run_sync(query)
+            await poll()
         except Exception as exc:  # re-raised below, not wrapped in an ExceptionGroup
             error = exc
         tg.cancel_scope.cancel()

@@ -15,6 +15,11 @@ Concurrency rules (see ``Database``):
   session, read or write, holds the process lock for its whole life;
 - on PostgreSQL a write to a store locks the store row (``SELECT ... FOR UPDATE``), so the
   versions of one store commit in ``seq`` order and the change feed never skips one.
+
+Each store row carries its live usage (``usage_bytes``, ``record_count``), kept by every
+record write in the same transaction as the change (the store row is read under the write
+lock, so the counters are exact across threads and processes). Databases made before these
+columns existed get them at start, filled from the records (``Database._migrate``).
 """
 from __future__ import annotations
 
@@ -38,8 +43,10 @@ from sqlalchemy import (
     create_engine,
     event,
     false,
+    inspect,
+    text,
 )
-from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 from sqlalchemy.pool import StaticPool
 
@@ -105,6 +112,9 @@ class StoreRow(Base):
     max_store_bytes: Mapped[int] = mapped_column(BigInteger)
     max_records: Mapped[int] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    # Live usage, kept by every record write in the same transaction (not re-counted).
+    usage_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    record_count: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
 
 class AttachmentRow(Base):
@@ -165,7 +175,7 @@ class RecordRow(Base):
             postgresql_where=deleted == false(),
         ),
         Index("ix_records_store_path", "store", "path", "id"),
-        # covers the per-write usage check (count and sum of live sizes) without a table scan
+        # count and sum of live sizes per store without a table scan (the usage backfill)
         Index("ix_records_usage", "store", "deleted", "size"),
     )
 
@@ -249,8 +259,35 @@ class Database:
             threading.Lock() if self.is_sqlite and not self.is_memory else None
         )
         self.engine = self._make_engine()
+        # Write sessions bind to this (BEGIN IMMEDIATE on SQLite); made once, not per session.
+        self._write_bind = self.engine.execution_options(memfuse_write=True) if self.is_sqlite else self.engine
         Base.metadata.create_all(self.engine)
+        self._migrate()
         log.info("database ready (%s)", self.url.render_as_string(hide_password=True))
+
+    def _migrate(self) -> None:
+        """Bring a database made by an older version up to this schema: add the usage
+        columns of ``stores`` and fill them from the live records, in one write transaction
+        (a second process starting at the same time finds them added and does nothing)."""
+        if {"usage_bytes", "record_count"} <= {c["name"] for c in inspect(self.engine).get_columns("stores")}:
+            return
+        with self._write_bind.begin() as conn:
+            if self.is_sqlite:
+                have = {row[1] for row in conn.exec_driver_sql("PRAGMA table_info(stores)")}
+            else:
+                conn.exec_driver_sql("LOCK TABLE stores IN ACCESS EXCLUSIVE MODE")
+                have = {c["name"] for c in inspect(conn).get_columns("stores")}
+            for col in ("usage_bytes", "record_count"):
+                if col not in have:
+                    conn.exec_driver_sql(f"ALTER TABLE stores ADD COLUMN {col} BIGINT NOT NULL DEFAULT 0")
+            conn.execute(text(
+                "UPDATE stores SET "
+                "usage_bytes = (SELECT COALESCE(SUM(size), 0) FROM records"
+                " WHERE records.store = stores.slug AND records.deleted = :f), "
+                "record_count = (SELECT COUNT(*) FROM records"
+                " WHERE records.store = stores.slug AND records.deleted = :f)"
+            ), {"f": False})
+        log.info("database schema updated: store usage columns added and filled")
 
     def _make_engine(self) -> Engine:
         if not self.is_sqlite:
@@ -313,14 +350,45 @@ class Database:
         if lock is not None:
             lock.acquire()
         try:
-            bind = self.engine.execution_options(memfuse_write=True) if self.is_sqlite else self.engine
-            with Session(bind, expire_on_commit=False, autoflush=True) as s:
+            with Session(self._write_bind, expire_on_commit=False, autoflush=True) as s:
                 try:
                     yield s
                     s.commit()
                 except BaseException:
                     s.rollback()
                     raise
+        finally:
+            if lock is not None:
+                lock.release()
+
+    @contextmanager
+    def read_conn(self) -> Iterator[Connection]:
+        """``read()`` without the ORM: a Core connection in a read transaction, rolled back
+        at the end (for the hot read paths). Same locking rules."""
+        if self._all_lock is not None:
+            self._all_lock.acquire()
+        try:
+            with self.engine.connect() as conn:
+                try:
+                    yield conn
+                finally:
+                    conn.rollback()
+        finally:
+            if self._all_lock is not None:
+                self._all_lock.release()
+
+    @contextmanager
+    def write_conn(self) -> Iterator[Connection]:
+        """``write()`` without the ORM: a Core connection in a write transaction (``BEGIN
+        IMMEDIATE`` on SQLite), committed when the block ends without error and rolled back
+        otherwise. Same locking rules and errors as ``write()``."""
+        lock = self._all_lock if self._all_lock is not None else self._write_lock
+        if lock is not None:
+            lock.acquire()
+        try:
+            with self._write_bind.connect() as conn:
+                with conn.begin():
+                    yield conn
         finally:
             if lock is not None:
                 lock.release()

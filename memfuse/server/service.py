@@ -10,7 +10,12 @@ twice, even across processes sharing one database.
 Refusals raise ``ServiceError`` (HTTP status, problem ``code``, detail, extra fields).
 
 ``Notifier`` wakes long-polls (changes, events) in this process right after a commit; other
-processes sharing the database are seen by the long-poll's periodic re-query.
+processes sharing the database are seen by the long-poll's periodic re-query. A record write
+wakes only the change-feed long-polls of its store.
+
+The record paths (create, update, move, delete, restore, redact, the change feed, snapshots)
+use SQLAlchemy Core on the session's connection; store usage is read from the store row's
+counters, which those writes keep in the same transaction.
 """
 from __future__ import annotations
 
@@ -26,12 +31,14 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 from datetime import datetime, timedelta
 
 import anyio
 import sniffio
 from pydantic import BaseModel
-from sqlalchemy import and_, delete, false, func, or_, select
+from sqlalchemy import and_, bindparam, delete, false, func, insert, null, or_, select, update
+from sqlalchemy.engine import Connection, Row
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -79,7 +86,17 @@ from memfuse.server.db import (
 
 log = logging.getLogger(__name__)
 
+# The tables, for SQLAlchemy Core statements (the record paths skip the ORM unit of work).
+_R = RecordRow.__table__
+_V = VersionRow.__table__
+_S = StoreRow.__table__
+_A = AttachmentRow.__table__
+_I = IdempotencyRow.__table__
+_T = TokenRow.__table__
+
 IDEMPOTENCY_TTL = timedelta(hours=24)
+TOKEN_CACHE_SECONDS = 30.0  # a database token is looked up again after this long
+TOKEN_CACHE_MAX = 4096  # entries; the cache is emptied when full
 MAX_WAIT_SECONDS = 60.0
 CONTEXT_INDEX_MAX_LINES = 200
 CONTEXT_INDEX_MAX_BYTES = 25_000
@@ -194,10 +211,15 @@ class Reply:
 
 
 class _Waiter:
-    """An event a long-poll waits on; can be set from any thread."""
+    """An event a long-poll waits on; can be set from any thread (once: later wake-ups are
+    no-ops, so a burst of commits costs the event loop one wake-up).
 
-    def __init__(self) -> None:
+    ``store``: the change feed the long-poll reads (see ``Notifier.notify``)."""
+
+    def __init__(self, store: str | None = None) -> None:
         self.event = anyio.Event()
+        self.store = store
+        self._woken = False
         if sniffio.current_async_library() == "trio":
             import trio
 
@@ -207,7 +229,16 @@ class _Waiter:
             loop = asyncio.get_running_loop()
             self._wake = lambda: loop.call_soon_threadsafe(self.event.set)
 
+    def wants(self, store: str | None) -> bool:
+        """Whether a commit of ``store``'s versions concerns this waiter (a commit with
+        ``store`` None concerns everyone)."""
+        return store is None or self.store == store
+
     def wake(self) -> None:
+        """Set the event (from any thread); only the first call does anything."""
+        if self._woken:
+            return
+        self._woken = True
         try:
             self._wake()
         except RuntimeError:  # the loop has finished (trio.RunFinishedError is one)
@@ -215,30 +246,38 @@ class _Waiter:
 
 
 class Notifier:
-    """Wakes every long-poll of this process after a commit.
+    """Wakes the long-polls of this process after a commit.
 
     ``subscribe()`` (in async code, before reading the database, so no commit is missed)
-    returns a waiter whose ``event`` is set by the next ``notify()``; ``notify()`` may be
-    called from any thread. Always ``unsubscribe()`` in a ``finally``.
+    returns a waiter whose ``event`` is set by the next ``notify()`` that concerns it;
+    ``notify()`` may be called from any thread. Always ``unsubscribe()`` in a ``finally``.
+
+    A change-feed long-poll subscribes with its ``store``; a workspace-events long-poll
+    without. Record writes notify with their store, so they wake only the feeds of that
+    store; every other write (admin changes, events) and the shutdown notify everyone.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._waiters: set[_Waiter] = set()
 
-    def subscribe(self) -> _Waiter:
-        w = _Waiter()
+    def subscribe(self, store: str | None = None) -> _Waiter:
+        """A new waiter for the next commit that concerns it (see the class docstring)."""
+        w = _Waiter(store)
         with self._lock:
             self._waiters.add(w)
         return w
 
     def unsubscribe(self, w: _Waiter) -> None:
+        """Forget ``w`` (idempotent)."""
         with self._lock:
             self._waiters.discard(w)
 
-    def notify(self) -> None:
+    def notify(self, store: str | None = None) -> None:
+        """Wake the waiters a commit concerns: with ``store``, a commit that wrote only
+        versions of that store; without, everyone."""
         with self._lock:
-            waiters = list(self._waiters)
+            waiters = [w for w in self._waiters if w.wants(store)]
         for w in waiters:
             w.wake()
 
@@ -302,7 +341,7 @@ def _secret_error(reason: str) -> ServiceError:
     )
 
 
-def _check_record_size(store: StoreRow, size: int) -> None:
+def _check_record_size(store: Row, size: int) -> None:
     if size > store.max_record_bytes:
         raise ServiceError(
             413,
@@ -327,7 +366,65 @@ def _decode_cursor(cursor: str) -> tuple[str, str]:
         raise ServiceError(422, "validation_error", "cursor is not one this server gave out") from None
 
 
-def _record_model(rec: RecordRow, *, with_content: bool) -> Record:
+_RECORD_COLUMNS = tuple(c.name for c in _R.c)
+
+
+class _Rec:
+    """One ``records`` row as a plain mutable object (no ORM session): every column is an
+    attribute. Made from a Core row with ``of``; written back by ``Service._add_version``."""
+
+    __slots__ = _RECORD_COLUMNS
+
+    def __init__(self, **values: object) -> None:
+        for k, v in values.items():
+            setattr(self, k, v)
+
+    @classmethod
+    def of(cls, row: Row) -> "_Rec":
+        """The record of a ``select(records)`` row."""
+        return cls(**row._mapping)
+
+    def values(self) -> dict[str, object]:
+        """Every column → value."""
+        return {k: getattr(self, k) for k in _RECORD_COLUMNS}
+
+
+# Statements of the hot paths, built once (parameters at execution).
+_INSERT_RECORD = insert(_R)
+_INSERT_VERSION = insert(_V)
+_UPDATE_RECORD = update(_R).where(_R.c.id == bindparam("rid"))
+_UPDATE_USAGE = (
+    update(_S)
+    .where(_S.c.slug == bindparam("slug_"))
+    .values(
+        usage_bytes=_S.c.usage_bytes + bindparam("d_bytes"),
+        record_count=_S.c.record_count + bindparam("d_count"),
+    )
+)
+_SELECT_STORE = select(_S).where(_S.c.slug == bindparam("slug"))
+_SELECT_STORE_FOR_UPDATE = _SELECT_STORE.with_for_update(of=_S)
+_SELECT_ATTACHED_STORE = (
+    select(_S, _A.c.access)
+    .join(_A, and_(_A.c.store == _S.c.slug, _A.c.workspace == bindparam("ws")))
+    .where(_S.c.slug == bindparam("slug"))
+)
+_SELECT_ATTACHED_STORE_FOR_UPDATE = _SELECT_ATTACHED_STORE.with_for_update(of=_S)
+_SELECT_RECORD = select(_R).where(_R.c.id == bindparam("rid"))
+_SELECT_LIVE_AT = select(_R).where(
+    _R.c.store == bindparam("store"), _R.c.path == bindparam("path"), _R.c.deleted == false()
+)
+_SELECT_LIVE_ID_AT = select(_R.c.id).where(
+    _R.c.store == bindparam("store"), _R.c.path == bindparam("path"), _R.c.deleted == false()
+)
+_SELECT_TOKEN = select(_T.c.id, _T.c.workspace, _T.c.name).where(_T.c.token_sha256 == bindparam("digest"))
+_INSERT_IDEM = insert(_I)
+_SELECT_IDEM = select(
+    _I.c.id, _I.c.method, _I.c.url_path, _I.c.request_hash, _I.c.status, _I.c.response_body,
+    _I.c.response_headers, _I.c.created_at,
+).where(_I.c.scope == bindparam("scope"), _I.c.key == bindparam("key"))
+
+
+def _record_model(rec: _Rec | Row, *, with_content: bool) -> Record:
     return Record(
         id=rec.id,
         store=rec.store,
@@ -345,7 +442,7 @@ def _record_model(rec: RecordRow, *, with_content: bool) -> Record:
     )
 
 
-def _version_model(v: VersionRow, *, with_content: bool) -> Version:
+def _version_model(v: Row, *, with_content: bool) -> Version:
     return Version(
         record_id=v.record_id,
         version=v.version,
@@ -362,7 +459,8 @@ def _version_model(v: VersionRow, *, with_content: bool) -> Version:
     )
 
 
-def _store_model(st: StoreRow, usage_bytes: int = 0, record_count: int = 0) -> Store:
+def _store_model(st: StoreRow | Row) -> Store:
+    """[Store] of a store row (ORM or Core), with its usage counters."""
     return Store(
         slug=st.slug,
         description=st.description,
@@ -371,24 +469,18 @@ def _store_model(st: StoreRow, usage_bytes: int = 0, record_count: int = 0) -> S
         max_store_bytes=st.max_store_bytes,
         max_records=st.max_records,
         created_at=st.created_at,
-        usage_bytes=usage_bytes,
-        record_count=record_count,
+        usage_bytes=st.usage_bytes or 0,
+        record_count=st.record_count or 0,
     )
 
 
-def _usage(s: Session, slugs: Iterable[str] | None = None) -> dict[str, tuple[int, int]]:
-    """Live (record_count, bytes) per store slug."""
-    q = select(RecordRow.store, func.count(), func.coalesce(func.sum(RecordRow.size), 0)).where(
-        RecordRow.deleted == false()
-    )
+def _usage(conn: Connection, slugs: Iterable[str] | None = None) -> dict[str, tuple[int, int]]:
+    """Live (record_count, bytes) per store slug, counted from the records (a full scan of
+    the stores' live records: for checks and tests, never on a request path)."""
+    q = select(_R.c.store, func.count(), func.coalesce(func.sum(_R.c.size), 0)).where(_R.c.deleted == false())
     if slugs is not None:
-        q = q.where(RecordRow.store.in_(list(slugs)))
-    return {slug: (int(n), int(b)) for slug, n, b in s.execute(q.group_by(RecordRow.store))}
-
-
-def _store_with_usage(s: Session, st: StoreRow) -> Store:
-    n, b = _usage(s, [st.slug]).get(st.slug, (0, 0))
-    return _store_model(st, b, n)
+        q = q.where(_R.c.store.in_(list(slugs)))
+    return {slug: (int(n), int(b)) for slug, n, b in conn.execute(q.group_by(_R.c.store))}
 
 
 def _nbytes(text: str) -> int:
@@ -484,23 +576,43 @@ class Service:
         self.notifier = Notifier()
         self.closing = False  # set at server shutdown: long-polls answer at once
         self._last_idem_cleanup = 0.0
+        # sha256 of a database token → (workspace, name, monotonic expiry)
+        self._token_cache: dict[str, tuple[str | None, str, float]] = {}
 
     # ------------------------------------------------------------ auth
 
     def authenticate(self, token: str | None, instance: str | None = None) -> Principal:
         """Resolve a bearer token. Raises ``ServiceError`` 401 ``unauthorized`` when missing
-        or unknown."""
+        or unknown. May read the database (see ``authenticate_cached``)."""
+        p = self.authenticate_cached(token, instance)
+        if p is not None:
+            return p
+        assert token  # authenticate_cached refused a missing one
+        digest = sha256_hex(token.encode("utf-8", "surrogatepass"))
+        with self.db.read_conn() as conn:
+            row = conn.execute(_SELECT_TOKEN, {"digest": digest}).first()
+        if row is None:
+            raise _unauthorized("unknown token")
+        name = row.name or row.id
+        if len(self._token_cache) >= TOKEN_CACHE_MAX:
+            self._token_cache.clear()
+        self._token_cache[digest] = (row.workspace, name, time.monotonic() + TOKEN_CACHE_SECONDS)
+        return Principal(workspace=row.workspace, name=name, instance=_clean_instance(instance))
+
+    def authenticate_cached(self, token: str | None, instance: str | None = None) -> Principal | None:
+        """Resolve a bearer token without touching the database: static tokens, and database
+        tokens found in the last ``TOKEN_CACHE_SECONDS`` (only known tokens are remembered,
+        never refusals). None when the database must be asked (``authenticate``). Raises
+        ``ServiceError`` 401 when the token is missing. A token removed from the database by
+        another process is refused within ``TOKEN_CACHE_SECONDS``."""
         if not token:
             raise _unauthorized("a bearer token is required")
-        inst = _clean_instance(instance)
         if token in self.static_tokens:
-            return Principal(workspace=self.static_tokens[token], name="static", instance=inst)
-        digest = sha256_hex(token.encode("utf-8", "surrogatepass"))
-        with self.db.read() as s:
-            row = s.scalar(select(TokenRow).where(TokenRow.token_sha256 == digest))
-            if row is None:
-                raise _unauthorized("unknown token")
-            return Principal(workspace=row.workspace, name=row.name or row.id, instance=inst)
+            return Principal(workspace=self.static_tokens[token], name="static", instance=_clean_instance(instance))
+        hit = self._token_cache.get(sha256_hex(token.encode("utf-8", "surrogatepass")))
+        if hit is None or hit[2] < time.monotonic():
+            return None
+        return Principal(workspace=hit[0], name=hit[1], instance=_clean_instance(instance))
 
     @staticmethod
     def _require_admin(p: Principal) -> None:
@@ -517,45 +629,47 @@ class Service:
         return row
 
     @staticmethod
-    def _store(s: Session, p: Principal, slug: str, *, write: bool = False) -> StoreRow:
-        """The store, if the principal may see it (and write it, with ``write``). A write
+    def _store(conn: Connection, p: Principal, slug: str, *, write: bool = False) -> Row:
+        """The store row (Core: its columns, usage counters included), if the principal may
+        see it (and write it, with ``write``), in one query with the attachment. A write
         locks the store row on PostgreSQL (serialises the store's versions)."""
-        if not p.is_admin:
-            att = s.get(AttachmentRow, (p.workspace, slug))
-            if att is None:
-                raise ServiceError(404, "store_not_attached", f"store {slug!r} is not attached to this workspace")
-            if write and att.access != Access.read_write.value:
-                raise ServiceError(403, "read_only", f"store {slug!r} is attached read-only")
-        q = select(StoreRow).where(StoreRow.slug == slug)
-        if write:
-            q = q.with_for_update()
-        st = s.scalar(q)
+        if p.is_admin:
+            st = conn.execute(_SELECT_STORE_FOR_UPDATE if write else _SELECT_STORE, {"slug": slug}).first()
+        else:
+            st = conn.execute(
+                _SELECT_ATTACHED_STORE_FOR_UPDATE if write else _SELECT_ATTACHED_STORE,
+                {"slug": slug, "ws": p.workspace},
+            ).first()
         if st is None:
             if p.is_admin:
                 raise ServiceError(404, "store_not_found", f"no store {slug!r}")
             raise ServiceError(404, "store_not_attached", f"store {slug!r} is not attached to this workspace")
+        if write and not p.is_admin and st.access != Access.read_write.value:
+            raise ServiceError(403, "read_only", f"store {slug!r} is attached read-only")
         return st
 
     @staticmethod
-    def _record(s: Session, st: StoreRow, record_id: str) -> RecordRow:
-        rec = s.get(RecordRow, record_id)
-        if rec is None or rec.store != st.slug:
+    def _record(conn: Connection, st: Row, record_id: str) -> _Rec:
+        row = conn.execute(_SELECT_RECORD, {"rid": record_id}).first()
+        if row is None or row.store != st.slug:
             raise ServiceError(404, "record_not_found", f"no record {record_id!r} in store {st.slug!r}")
-        return rec
+        return _Rec.of(row)
 
     @staticmethod
-    def _live(rec: RecordRow) -> RecordRow:
+    def _live(rec: _Rec) -> _Rec:
         if rec.deleted:
             raise ServiceError(404, "record_not_found", f"record {rec.id!r} is deleted")
         return rec
 
     @staticmethod
-    def _live_at(s: Session, store: str, path: str) -> RecordRow | None:
-        return s.scalar(
-            select(RecordRow).where(
-                RecordRow.store == store, RecordRow.path == path, RecordRow.deleted == false()
-            )
-        )
+    def _live_at(conn: Connection, store: str, path: str) -> _Rec | None:
+        row = conn.execute(_SELECT_LIVE_AT, {"store": store, "path": path}).first()
+        return _Rec.of(row) if row is not None else None
+
+    @staticmethod
+    def _live_at_id(conn: Connection, store: str, path: str) -> str | None:
+        """The id of the live record at ``path``, if any."""
+        return conn.scalar(_SELECT_LIVE_ID_AT, {"store": store, "path": path})
 
     # ------------------------------------------------------------ write machinery
 
@@ -564,19 +678,23 @@ class Service:
         p: Principal,
         idem: IdempotencyRequest | None,
         status: int,
-        fn: Callable[[Session], BaseModel | None],
+        fn: Callable[[Any], BaseModel | None],
         *,
         etag: bool = False,
+        feed: str | None = None,
     ) -> Reply:
         """Run ``fn`` in a write transaction with the idempotency check and store; commit;
-        wake long-polls. Raises ``ServiceError`` from ``fn``, or 422
+        wake long-polls. ``fn`` gets an ORM ``Session`` or, with ``feed`` (the slug of the
+        only store whose records ``fn`` writes), a Core ``Connection``; then only that
+        store's change feeds are woken. Raises ``ServiceError`` from ``fn``, or 422
         ``idempotency_key_reused``; ``sqlalchemy.exc.OperationalError`` when the database
         stays locked."""
         for attempt in range(3):
             try:
-                with self.db.write() as s:
+                with (self.db.write_conn() if feed is not None else self.db.write()) as s:
+                    conn = s if feed is not None else s.connection()
                     if idem is not None:
-                        replay = self._idem_lookup(s, p, idem)
+                        replay = self._idem_lookup(conn, p, idem)
                         if replay is not None:
                             return replay
                     result = fn(s)
@@ -585,20 +703,20 @@ class Service:
                     if etag and result is not None and getattr(result, "sha256", None):
                         headers["ETag"] = f'"{result.sha256}"'
                     if idem is not None:
-                        s.add(
-                            IdempotencyRow(
-                                scope=p.scope,
-                                key=idem.key,
-                                method=idem.method,
-                                url_path=idem.url_path,
-                                request_hash=idem.body_sha256,
-                                status=status,
-                                response_body=body.decode(),
-                                response_headers=json.dumps(headers),
-                                created_at=utcnow(),
-                            )
+                        conn.execute(
+                            _INSERT_IDEM,
+                            {
+                                "scope": p.scope,
+                                "key": idem.key,
+                                "method": idem.method,
+                                "url_path": idem.url_path,
+                                "request_hash": idem.body_sha256,
+                                "status": status,
+                                "response_body": body.decode(),
+                                "response_headers": json.dumps(headers),
+                                "created_at": utcnow(),
+                            },
                         )
-                        s.flush()
                 break
             except IntegrityError:
                 # A concurrent transaction (another process, PostgreSQL) took the same path or
@@ -606,22 +724,22 @@ class Service:
                 log.info("write conflicted with a concurrent one (attempt %d)", attempt + 1)
                 if attempt == 2:
                     raise ServiceError(409, "exists", "conflicting concurrent write") from None
-        self.notifier.notify()
+        if feed is not None:
+            self.notifier.notify(feed)
+        else:
+            self.notifier.notify()
         return Reply(status, body, headers)
 
-    def _idem_lookup(self, s: Session, p: Principal, idem: IdempotencyRequest) -> Reply | None:
+    def _idem_lookup(self, conn: Connection, p: Principal, idem: IdempotencyRequest) -> Reply | None:
         now = utcnow()
         if time.monotonic() - self._last_idem_cleanup > 60:
             self._last_idem_cleanup = time.monotonic()
-            s.execute(delete(IdempotencyRow).where(IdempotencyRow.created_at < now - IDEMPOTENCY_TTL))
-        row = s.scalar(
-            select(IdempotencyRow).where(IdempotencyRow.scope == p.scope, IdempotencyRow.key == idem.key)
-        )
+            conn.execute(delete(_I).where(_I.c.created_at < now - IDEMPOTENCY_TTL))
+        row = conn.execute(_SELECT_IDEM, {"scope": p.scope, "key": idem.key}).first()
         if row is None:
             return None
         if row.created_at < now - IDEMPOTENCY_TTL:
-            s.delete(row)
-            s.flush()
+            conn.execute(delete(_I).where(_I.c.id == row.id))
             return None
         if (row.method, row.url_path, row.request_hash) != (idem.method, idem.url_path, idem.body_sha256):
             raise ServiceError(
@@ -631,54 +749,69 @@ class Service:
 
     @staticmethod
     def _add_version(
-        s: Session,
-        rec: RecordRow,
+        conn: Connection,
+        rec: _Rec,
         op: Operation,
         actor: str,
         now: datetime,
         *,
         old_path: str | None = None,
-    ) -> VersionRow:
+        new: bool = False,
+    ) -> int:
         """Append version ``rec.version`` (already bumped by the caller) from the record's
-        current state; sets ``rec.seq``, ``updated_at``, ``updated_by``."""
+        current state and write the record row (inserted when ``new``); sets ``rec.seq``,
+        ``updated_at``, ``updated_by``. Returns the version's seq."""
         rec.updated_at = now
         rec.updated_by = actor
-        if rec.seq is None:
+        if new:
             rec.seq = 0
-        s.flush()  # the record row exists before its version references it
-        v = VersionRow(
-            record_id=rec.id,
-            store=rec.store,
-            version=rec.version,
-            operation=op.value,
-            path=rec.path,
-            old_path=old_path,
-            type=rec.type,
-            sha256=rec.sha256,
-            size=rec.size,
-            content=rec.content,
-            created_at=now,
-            actor=actor,
-            redacted=False,
-        )
-        s.add(v)
-        s.flush()
-        rec.seq = v.seq
-        return v
+            conn.execute(_INSERT_RECORD, rec.values())  # before the version that references it
+        seq = conn.execute(
+            _INSERT_VERSION,
+            {
+                "record_id": rec.id,
+                "store": rec.store,
+                "version": rec.version,
+                "operation": op.value,
+                "path": rec.path,
+                "old_path": old_path,
+                "type": rec.type,
+                "sha256": rec.sha256,
+                "size": rec.size,
+                "content": rec.content,
+                "created_at": now,
+                "actor": actor,
+                "redacted": False,
+            },
+        ).inserted_primary_key[0]
+        rec.seq = seq
+        if new:
+            conn.execute(_UPDATE_RECORD, {"rid": rec.id, "seq": seq})
+        else:
+            values = rec.values()
+            for k in ("id", "store", "created_at"):
+                del values[k]
+            values["rid"] = rec.id
+            conn.execute(_UPDATE_RECORD, values)
+        return seq
 
     @staticmethod
-    def _check_usage(s: Session, st: StoreRow, *, grew_bytes: bool, grew_count: bool) -> None:
-        """507 ``store_full`` when the write grew usage and the store is now over a limit."""
-        if not (grew_bytes or grew_count):
-            return
-        s.flush()
-        n, b = _usage(s, [st.slug]).get(st.slug, (0, 0))
+    def _use(
+        conn: Connection, st: Row, d_bytes: int, d_count: int, *, grew_bytes: bool, grew_count: bool
+    ) -> None:
+        """Add ``d_bytes`` / ``d_count`` to the store's usage counters (``st`` was read in
+        this transaction, under the write lock). 507 ``store_full`` when the write grew usage
+        (``grew_*``) and the store is now over a limit; the caller's transaction then rolls
+        back, counters included."""
+        n, b = st.record_count + d_count, st.usage_bytes + d_bytes
         if grew_count and n > st.max_records:
             raise ServiceError(507, "store_full", f"store {st.slug!r} holds its limit of {st.max_records} records")
         if grew_bytes and b > st.max_store_bytes:
             raise ServiceError(
                 507, "store_full", f"store {st.slug!r} would hold {b} bytes, limit {st.max_store_bytes}"
             )
+        if d_bytes or d_count:
+            conn.execute(_UPDATE_USAGE, {"slug_": st.slug, "d_bytes": d_bytes, "d_count": d_count})
 
     def _emit(self, s: Session, workspaces: Iterable[str], kind: str, store: str, access: str | None) -> None:
         ws = sorted(set(workspaces))
@@ -742,14 +875,13 @@ class Service:
         """Every store with its usage, by slug (admin)."""
         self._require_admin(p)
         with self.db.read() as s:
-            usage = _usage(s)
-            rows = s.scalars(select(StoreRow).order_by(StoreRow.slug)).all()
-            return [_store_model(r, usage.get(r.slug, (0, 0))[1], usage.get(r.slug, (0, 0))[0]) for r in rows]
+            rows = s.connection().execute(select(_S).order_by(_S.c.slug)).all()
+            return [_store_model(r) for r in rows]
 
     def get_store(self, p: Principal, slug: str) -> Store:
         """[Store] for admin or a workspace it is attached to; 404 otherwise."""
         with self.db.read() as s:
-            return _store_with_usage(s, self._store(s, p, slug))
+            return _store_model(self._store(s.connection(), p, slug))
 
     def update_store(
         self, p: Principal, slug: str, body: StoreUpdate, idem: IdempotencyRequest | None = None
@@ -758,14 +890,13 @@ class Service:
         self._require_admin(p)
 
         def fn(s: Session) -> Store:
-            st = self._store(s, p, slug, write=True)
-            for name, value in body.model_dump(exclude_unset=True).items():
-                if value is not None:
-                    setattr(st, name, value)
-            s.flush()
+            self._store(s.connection(), p, slug, write=True)
+            values = {k: v for k, v in body.model_dump(exclude_unset=True).items() if v is not None}
+            if values:
+                s.connection().execute(update(_S).where(_S.c.slug == slug).values(**values))
             attached = s.scalars(select(AttachmentRow.workspace).where(AttachmentRow.store == slug)).all()
             self._emit(s, attached, "store_changed", slug, None)
-            return _store_with_usage(s, st)
+            return _store_model(self._store(s.connection(), p, slug))
 
         return self._write(p, idem, 200, fn)
 
@@ -778,7 +909,7 @@ class Service:
 
         def fn(s: Session) -> Attachment:
             self._workspace(s, p, ws)
-            st = self._store(s, p, slug)
+            st = self._store(s.connection(), p, slug)
             att = s.get(AttachmentRow, (ws, slug))
             changed = True
             if att is None:
@@ -797,7 +928,7 @@ class Service:
                 self._emit(s, [ws], "attached", slug, att.access)
                 log.info("store %s attached to %s (%s)", slug, ws, att.access)
             return Attachment(
-                workspace=ws, store=_store_with_usage(s, st), access=Access(att.access),
+                workspace=ws, store=_store_model(st), access=Access(att.access),
                 instructions=att.instructions, created_at=att.created_at,
             )
 
@@ -852,11 +983,10 @@ class Service:
                 .where(AttachmentRow.workspace == ws)
                 .order_by(AttachmentRow.store)
             ).all()
-            usage = _usage(s, [st.slug for _, st in rows])
             return [
                 Attachment(
                     workspace=ws,
-                    store=_store_model(st, usage.get(st.slug, (0, 0))[1], usage.get(st.slug, (0, 0))[0]),
+                    store=_store_model(st),
                     access=Access(att.access),
                     instructions=att.instructions,
                     created_at=att.created_at,
@@ -989,21 +1119,21 @@ class Service:
     ) -> RecordPage:
         """One snapshot page ordered by (path, id); ``seq`` is the store's change-feed position
         read before the page. Raises 422 ``validation_error`` for a foreign cursor."""
-        with self.db.read() as s:
-            st = self._store(s, p, slug)
-            seq = s.scalar(select(func.max(VersionRow.seq)).where(VersionRow.store == st.slug)) or 0
-            path_col = RecordRow.path
+        with self.db.read_conn() as conn:
+            st = self._store(conn, p, slug)
+            seq = conn.scalar(select(func.max(_V.c.seq)).where(_V.c.store == st.slug)) or 0
+            path_col = _R.c.path
             if self.db.engine.dialect.name == "postgresql":
-                path_col = RecordRow.path.collate("C")  # byte order, as SQLite compares
-            q = select(RecordRow).where(RecordRow.store == st.slug)
+                path_col = _R.c.path.collate("C")  # byte order, as SQLite compares
+            q = select(_R).where(_R.c.store == st.slug)
             if not include_deleted:
-                q = q.where(RecordRow.deleted == false())
+                q = q.where(_R.c.deleted == false())
             if path is not None:
-                q = q.where(RecordRow.path == path)
+                q = q.where(_R.c.path == path)
             if cursor:
                 cp, cid = _decode_cursor(cursor)
-                q = q.where(or_(path_col > cp, and_(RecordRow.path == cp, RecordRow.id > cid)))
-            rows = s.scalars(q.order_by(path_col, RecordRow.id).limit(limit + 1)).all()
+                q = q.where(or_(path_col > cp, and_(_R.c.path == cp, _R.c.id > cid)))
+            rows = conn.execute(q.order_by(path_col, _R.c.id).limit(limit + 1)).all()
             more = len(rows) > limit
             rows = rows[:limit]
             return RecordPage(
@@ -1014,79 +1144,90 @@ class Service:
 
     def get_record(self, p: Principal, slug: str, record_id: str, *, with_content: bool = True) -> Record:
         """The record (deleted ones too, with ``deleted`` true); 404 ``record_not_found``."""
-        with self.db.read() as s:
-            st = self._store(s, p, slug)
-            return _record_model(self._record(s, st, record_id), with_content=with_content)
+        with self.db.read_conn() as conn:
+            st = self._store(conn, p, slug)
+            return _record_model(self._record(conn, st, record_id), with_content=with_content)
 
     def list_versions(self, p: Principal, slug: str, record_id: str) -> list[Version]:
         """Every version of the record without content, oldest first."""
-        with self.db.read() as s:
-            st = self._store(s, p, slug)
-            self._record(s, st, record_id)
-            rows = s.scalars(
-                select(VersionRow).where(VersionRow.record_id == record_id).order_by(VersionRow.version)
+        with self.db.read_conn() as conn:
+            st = self._store(conn, p, slug)
+            self._record(conn, st, record_id)
+            rows = conn.execute(
+                select(_V).where(_V.c.record_id == record_id).order_by(_V.c.version)
             ).all()
             return [_version_model(v, with_content=False) for v in rows]
 
     def get_version(self, p: Principal, slug: str, record_id: str, n: int) -> Version:
         """Version ``n`` with content (None when redacted); 404 ``version_not_found``."""
-        with self.db.read() as s:
-            st = self._store(s, p, slug)
-            self._record(s, st, record_id)
-            return _version_model(self._version(s, record_id, n), with_content=True)
+        with self.db.read_conn() as conn:
+            st = self._store(conn, p, slug)
+            self._record(conn, st, record_id)
+            return _version_model(self._version(conn, record_id, n), with_content=True)
 
     @staticmethod
-    def _version(s: Session, record_id: str, n: int) -> VersionRow:
-        v = s.scalar(select(VersionRow).where(VersionRow.record_id == record_id, VersionRow.version == n))
+    def _version(conn: Connection, record_id: str, n: int) -> Row:
+        v = conn.execute(select(_V).where(_V.c.record_id == record_id, _V.c.version == n)).first()
         if v is None:
             raise ServiceError(404, "version_not_found", f"record {record_id!r} has no version {n}")
         return v
 
     def changes_page(
-        self, p: Principal, slug: str, after: int, *, limit: int = 1000, with_content: bool = True
+        self,
+        p: Principal,
+        slug: str,
+        after: int,
+        *,
+        limit: int = 1000,
+        with_content: bool = True,
     ) -> ChangePage:
         """Versions of the store with seq > ``after``, oldest first, each as the record's state
         as of that version. Raises 410 ``cursor_expired`` when ``after`` is beyond anything the
         server has written."""
-        with self.db.read() as s:
-            st = self._store(s, p, slug)
-            top = s.scalar(select(func.max(VersionRow.seq))) or 0
+        with self.db.read_conn() as conn:
+            st = self._store(conn, p, slug)
+            top = conn.scalar(select(func.max(_V.c.seq))) or 0
             if after > top:
                 raise ServiceError(
                     410, "cursor_expired", f"cursor {after} is beyond this server's feed ({top}); take a snapshot"
                 )
-            rows = s.execute(
-                select(VersionRow, RecordRow.created_at)
-                .join(RecordRow, RecordRow.id == VersionRow.record_id)
-                .where(VersionRow.store == st.slug, VersionRow.seq > after)
-                .order_by(VersionRow.seq)
-                .limit(limit)
-            ).all()
-            changes = []
-            for v, created_at in rows:
-                changes.append(
-                    Change(
-                        seq=v.seq,
-                        operation=Operation(v.operation),
-                        old_path=v.old_path,
-                        record=Record(
-                            id=v.record_id,
-                            store=v.store,
-                            path=v.path,
-                            type=v.type,
-                            version=v.version,
-                            sha256=v.sha256,
-                            size=v.size,
-                            deleted=v.operation == Operation.deleted.value,
-                            created_at=created_at,
-                            updated_at=v.created_at,
-                            updated_by=v.actor,
-                            seq=v.seq,
-                            content=v.content if with_content and not v.redacted else None,
-                        ),
-                    )
+            q = (
+                select(
+                    _V.c.seq, _V.c.operation, _V.c.old_path, _V.c.record_id, _V.c.store, _V.c.path,
+                    _V.c.type, _V.c.version, _V.c.sha256, _V.c.size, _V.c.created_at, _V.c.actor,
+                    _V.c.content if with_content else null().label("content"), _V.c.redacted,
+                    _R.c.created_at.label("record_created_at"),
                 )
-            return ChangePage(changes=changes, seq=changes[-1].seq if changes else after)
+                .join(_R, _R.c.id == _V.c.record_id)
+                .where(_V.c.store == st.slug, _V.c.seq > after)
+                .order_by(_V.c.seq)
+                .limit(limit)
+            )
+            rows = conn.execute(q).all()
+        changes = [
+            Change(
+                seq=v.seq,
+                operation=Operation(v.operation),
+                old_path=v.old_path,
+                record=Record(
+                    id=v.record_id,
+                    store=v.store,
+                    path=v.path,
+                    type=v.type,
+                    version=v.version,
+                    sha256=v.sha256,
+                    size=v.size,
+                    deleted=v.operation == Operation.deleted.value,
+                    created_at=v.record_created_at,
+                    updated_at=v.created_at,
+                    updated_by=v.actor,
+                    seq=v.seq,
+                    content=v.content if with_content and not v.redacted else None,
+                ),
+            )
+            for v in rows
+        ]
+        return ChangePage(changes=changes, seq=changes[-1].seq if changes else after)
 
     # ------------------------------------------------------------ records: writes
 
@@ -1101,28 +1242,28 @@ class Service:
         path = _check_path(body.path)
         raw = _check_content(body.content)
         secret = content_rules.find_secret(body.content)  # outside the write lock
+        sha = sha256_hex(raw)
 
-        def fn(s: Session) -> Record:
-            st = self._store(s, p, slug, write=True)
+        def fn(conn: Connection) -> Record:
+            st = self._store(conn, p, slug, write=True)
             _check_record_size(st, len(raw))
             rtype = _resolve_type(path, body.content, body.type, st.default_type)
             if secret is not None:
                 raise _secret_error(secret)
-            other = self._live_at(s, st.slug, path)
+            other = self._live_at_id(conn, st.slug, path)
             if other is not None:
-                raise ServiceError(409, "path_exists", f"{path!r} exists", record_id=other.id)
+                raise ServiceError(409, "path_exists", f"{path!r} exists", record_id=other)
             now = utcnow()
-            rec = RecordRow(
+            rec = _Rec(
                 id=str(uuid.uuid4()), store=st.slug, path=path, type=rtype, version=1,
-                sha256=sha256_hex(raw), size=len(raw), content=body.content, deleted=False,
+                sha256=sha, size=len(raw), content=body.content, deleted=False,
                 created_at=now, updated_at=now, updated_by=p.actor, seq=0,
             )
-            s.add(rec)
-            self._add_version(s, rec, Operation.created, p.actor, now)
-            self._check_usage(s, st, grew_bytes=True, grew_count=True)
+            self._add_version(conn, rec, Operation.created, p.actor, now, new=True)
+            self._use(conn, st, len(raw), 1, grew_bytes=True, grew_count=True)
             return _record_model(rec, with_content=False)
 
-        return self._write(p, idem, 201, fn, etag=True)
+        return self._write(p, idem, 201, fn, etag=True, feed=slug)
 
     def update_record(
         self,
@@ -1142,27 +1283,27 @@ class Service:
         survives later edits of a file without frontmatter)."""
         raw = _check_content(body.content)
         secret = content_rules.find_secret(body.content)  # outside the write lock
+        sha = sha256_hex(raw)
 
-        def fn(s: Session) -> Record:
-            st = self._store(s, p, slug, write=True)
-            rec = self._live(self._record(s, st, record_id))
+        def fn(conn: Connection) -> Record:
+            st = self._store(conn, p, slug, write=True)
+            rec = self._live(self._record(conn, st, record_id))
             _check_if_match(if_match, rec.sha256)
             _check_record_size(st, len(raw))
             current = rec.type if rec.type is not None else st.default_type
             rtype = _resolve_type(rec.path, body.content, body.type, current)
             if secret is not None:
                 raise _secret_error(secret)
-            sha = sha256_hex(raw)
             if sha == rec.sha256 and rtype == rec.type:
                 return _record_model(rec, with_content=False)
-            grew = len(raw) > rec.size
+            old_size = rec.size
             rec.content, rec.sha256, rec.size, rec.type = body.content, sha, len(raw), rtype
             rec.version += 1
-            self._add_version(s, rec, Operation.modified, p.actor, utcnow())
-            self._check_usage(s, st, grew_bytes=grew, grew_count=False)
+            self._add_version(conn, rec, Operation.modified, p.actor, utcnow())
+            self._use(conn, st, len(raw) - old_size, 0, grew_bytes=len(raw) > old_size, grew_count=False)
             return _record_model(rec, with_content=False)
 
-        return self._write(p, idem, 200, fn, etag=True)
+        return self._write(p, idem, 200, fn, etag=True, feed=slug)
 
     def move_record(
         self,
@@ -1180,38 +1321,41 @@ class Service:
         drops / re-derives the type."""
         new_path = _check_path(body.path)
 
-        def fn(s: Session) -> MoveResult:
-            st = self._store(s, p, slug, write=True)
-            rec = self._live(self._record(s, st, record_id))
+        def fn(conn: Connection) -> MoveResult:
+            st = self._store(conn, p, slug, write=True)
+            rec = self._live(self._record(conn, st, record_id))
             _check_if_match(if_match, rec.sha256)
             if new_path == rec.path:
                 return MoveResult(records=[_record_model(rec, with_content=False)])
             new_type = self._type_after_move(rec, new_path, st)
             now = utcnow()
-            target = self._live_at(s, st.slug, new_path)
+            target = self._live_at(conn, st.slug, new_path)
             if target is not None:
                 if not body.replace:
                     raise ServiceError(409, "path_exists", f"{new_path!r} exists", record_id=target.id)
                 rec.deleted = True
                 rec.version += 1
-                self._add_version(s, rec, Operation.deleted, p.actor, now)
+                self._add_version(conn, rec, Operation.deleted, p.actor, now)
+                d_bytes = -rec.size
                 if (target.sha256, target.type) != (rec.sha256, new_type):
+                    d_bytes += rec.size - target.size
                     target.content, target.sha256, target.size, target.type = (
                         rec.content, rec.sha256, rec.size, new_type,
                     )
                     target.version += 1
-                    self._add_version(s, target, Operation.modified, p.actor, now)
+                    self._add_version(conn, target, Operation.modified, p.actor, now)
+                self._use(conn, st, d_bytes, -1, grew_bytes=False, grew_count=False)  # shrinks
                 return MoveResult(records=[_record_model(target, with_content=False)])
             old_path = rec.path
             rec.path, rec.type = new_path, new_type
             rec.version += 1
-            self._add_version(s, rec, Operation.moved, p.actor, now, old_path=old_path)
+            self._add_version(conn, rec, Operation.moved, p.actor, now, old_path=old_path)
             return MoveResult(records=[_record_model(rec, with_content=False)])
 
-        return self._write(p, idem, 200, fn)
+        return self._write(p, idem, 200, fn, feed=slug)
 
     @staticmethod
-    def _type_after_move(rec: RecordRow, new_path: str, st: StoreRow) -> str | None:
+    def _type_after_move(rec: _Rec, new_path: str, st: Row) -> str | None:
         if content_rules.is_index(new_path):
             return None
         if content_rules.is_index(rec.path) or rec.type is None:
@@ -1229,40 +1373,39 @@ class Service:
         if dst == src or dst.startswith(src + "/"):
             raise ServiceError(422, "invalid_path", "to_prefix is inside from_prefix")
 
-        def fn(s: Session) -> MoveResult:
-            st = self._store(s, p, slug, write=True)
+        def fn(conn: Connection) -> MoveResult:
+            st = self._store(conn, p, slug, write=True)
             like = src.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "/%"
-            moving = s.scalars(
-                select(RecordRow).where(
-                    RecordRow.store == st.slug,
-                    RecordRow.deleted == false(),
-                    RecordRow.path.like(like, escape="\\"),
+            rows = conn.execute(
+                select(_R).where(
+                    _R.c.store == st.slug,
+                    _R.c.deleted == false(),
+                    _R.c.path.like(like, escape="\\"),
                 )
             ).all()
-            moving = [r for r in moving if r.path.startswith(src + "/")]  # LIKE may fold case
+            moving = [_Rec.of(r) for r in rows if r.path.startswith(src + "/")]  # LIKE may fold case
             plan = []  # (record, old path, new path)
             for r in moving:
                 plan.append((r, r.path, _check_path(dst + r.path[len(src):], "target path")))
             moving_ids = {r.id for r in moving}
             for r, _, new_path in plan:
-                other = self._live_at(s, st.slug, new_path)
-                if other is not None and other.id not in moving_ids:
-                    raise ServiceError(409, "path_exists", f"{new_path!r} exists", record_id=other.id)
+                other = self._live_at_id(conn, st.slug, new_path)
+                if other is not None and other not in moving_ids:
+                    raise ServiceError(409, "path_exists", f"{new_path!r} exists", record_id=other)
             # Two steps so the live-path unique index never sees a transient duplicate
             # (a target may be the old path of another moving record).
             for r, _, _ in plan:
-                r.path = f"\x00moving/{r.id}"
-            s.flush()
+                conn.execute(_UPDATE_RECORD, {"rid": r.id, "path": f"\x00moving/{r.id}"})
             now = utcnow()
             plan.sort(key=lambda x: x[2])
             for r, old_path, new_path in plan:
                 r.path = new_path
                 r.version += 1
-                self._add_version(s, r, Operation.moved, p.actor, now, old_path=old_path)
+                self._add_version(conn, r, Operation.moved, p.actor, now, old_path=old_path)
             log.info("moved %d records in store %s", len(plan), st.slug)
             return MoveResult(records=[_record_model(r, with_content=False) for r, _, _ in plan])
 
-        return self._write(p, idem, 200, fn)
+        return self._write(p, idem, 200, fn, feed=slug)
 
     def delete_record(
         self,
@@ -1275,16 +1418,17 @@ class Service:
         """204; a ``deleted`` version is kept (with the content, so it can be restored).
         404 when missing or already deleted; 412 when ``if_match`` does not match."""
 
-        def fn(s: Session) -> None:
-            st = self._store(s, p, slug, write=True)
-            rec = self._live(self._record(s, st, record_id))
+        def fn(conn: Connection) -> None:
+            st = self._store(conn, p, slug, write=True)
+            rec = self._live(self._record(conn, st, record_id))
             _check_if_match(if_match, rec.sha256)
             rec.deleted = True
             rec.version += 1
-            self._add_version(s, rec, Operation.deleted, p.actor, utcnow())
+            self._add_version(conn, rec, Operation.deleted, p.actor, utcnow())
+            self._use(conn, st, -rec.size, -1, grew_bytes=False, grew_count=False)
             return None
 
-        return self._write(p, idem, 204, fn)
+        return self._write(p, idem, 204, fn, feed=slug)
 
     def restore_record(
         self, p: Principal, slug: str, record_id: str, body: Restore, idem: IdempotencyRequest | None = None
@@ -1296,32 +1440,33 @@ class Service:
         store's current limits; 422 ``secret_detected`` when that version holds a secret
         (written before the rule, or under another detector)."""
 
-        def fn(s: Session) -> Record:
-            st = self._store(s, p, slug, write=True)
-            rec = self._record(s, st, record_id)
-            v = self._version(s, record_id, body.version)
+        def fn(conn: Connection) -> Record:
+            st = self._store(conn, p, slug, write=True)
+            rec = self._record(conn, st, record_id)
+            v = self._version(conn, record_id, body.version)
             if v.redacted or v.content is None:
                 raise ServiceError(409, "redacted", f"version {body.version} was redacted")
             if not rec.deleted and (rec.path, rec.sha256, rec.type) == (v.path, v.sha256, v.type):
                 return _record_model(rec, with_content=False)
-            other = self._live_at(s, st.slug, v.path)
-            if other is not None and other.id != rec.id:
-                raise ServiceError(409, "path_exists", f"{v.path!r} exists", record_id=other.id)
+            other = self._live_at_id(conn, st.slug, v.path)
+            if other is not None and other != rec.id:
+                raise ServiceError(409, "path_exists", f"{v.path!r} exists", record_id=other)
             _check_record_size(st, v.size)
             secret = content_rules.find_secret(v.content)
             if secret is not None:
                 raise _secret_error(secret)
             grew_count = rec.deleted
             grew_bytes = rec.deleted or v.size > rec.size
+            d_bytes = v.size if rec.deleted else v.size - rec.size
             old_path = rec.path if rec.path != v.path else None
             rec.path, rec.content, rec.sha256, rec.size, rec.type = v.path, v.content, v.sha256, v.size, v.type
             rec.deleted = False
             rec.version += 1
-            self._add_version(s, rec, Operation.restored, p.actor, utcnow(), old_path=old_path)
-            self._check_usage(s, st, grew_bytes=grew_bytes, grew_count=grew_count)
+            self._add_version(conn, rec, Operation.restored, p.actor, utcnow(), old_path=old_path)
+            self._use(conn, st, d_bytes, 1 if grew_count else 0, grew_bytes=grew_bytes, grew_count=grew_count)
             return _record_model(rec, with_content=False)
 
-        return self._write(p, idem, 200, fn, etag=True)
+        return self._write(p, idem, 200, fn, etag=True, feed=slug)
 
     def redact_version(
         self, p: Principal, slug: str, record_id: str, n: int, idem: IdempotencyRequest | None = None
@@ -1330,23 +1475,23 @@ class Service:
         ``current_version`` for a live record's current version; 404 ``version_not_found``."""
         self._require_admin(p)
 
-        def fn(s: Session) -> Version:
-            st = self._store(s, p, slug, write=True)
-            rec = self._record(s, st, record_id)
-            v = self._version(s, record_id, n)
+        def fn(conn: Connection) -> Version:
+            st = self._store(conn, p, slug, write=True)
+            rec = self._record(conn, st, record_id)
+            v = self._version(conn, record_id, n)
             if not rec.deleted and rec.version == n:
                 raise ServiceError(
                     409, "current_version", "the current version of a live record cannot be redacted; write over it first"
                 )
             if not v.redacted:
-                v.redacted = True
-                v.content = None
+                conn.execute(update(_V).where(_V.c.seq == v.seq).values(redacted=True, content=None))
                 if rec.deleted and rec.version == n:
-                    rec.content = None
+                    conn.execute(_UPDATE_RECORD, {"rid": rec.id, "content": None})
+                v = self._version(conn, record_id, n)
                 log.info("redacted version %d of record %s", n, record_id)
             return _version_model(v, with_content=True)
 
-        return self._write(p, idem, 200, fn)
+        return self._write(p, idem, 200, fn, feed=slug)
 
 
 def body_sha256(body: bytes) -> str:
