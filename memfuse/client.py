@@ -633,15 +633,23 @@ class ApiClient:
         wait: float = 0,
         content: bool = True,
         limit: int = 1000,
+        skip_actor: str | None = None,
     ) -> ChangePage:
         """``GET /v1/stores/{store}/changes``: versions with seq > ``after``, oldest first;
         long-polls up to ``wait`` s (0–60) while empty. Resume with ``after=page.seq``.
+        ``skip_actor``: leave out versions whose actor is exactly this (a sidecar's own
+        writes, ``ws:<workspace>/<instance>``); ``page.seq`` still moves past them, so a page
+        may be empty with a new ``seq``, and the long-poll keeps waiting while only such
+        versions arrive.
         Raises Gone (410 ``cursor_expired``) when ``after`` is unknown → take a snapshot."""
+        params: dict[str, Any] = {"after": after, "wait": _num(wait), "content": _bool(content), "limit": limit}
+        if skip_actor:
+            params["skip_actor"] = skip_actor
         return await self._call(
             ChangePage,
             "GET",
             f"/v1/stores/{_seg(store)}/changes",
-            params={"after": after, "wait": _num(wait), "content": _bool(content), "limit": limit},
+            params=params,
             wait=wait,
         )
 

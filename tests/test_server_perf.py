@@ -1,6 +1,7 @@
 """Functional tests of the control plane's cheap write path (no timings here; the benchmark
-is ``memfuse/server/perfbench.py``): the store usage counters kept by every write, their
-backfill in an older database, the token cache, and which long-polls a record write wakes."""
+is ``memfuse/server/perfbench.py``): the change feed's ``skip_actor``, the store usage
+counters kept by every write, their backfill in an older database, the token cache, and
+which long-polls a record write wakes."""
 from __future__ import annotations
 
 import sqlite3
@@ -9,6 +10,7 @@ import httpx
 import pytest
 import trio
 
+from memfuse.client import ApiClient
 from memfuse.models import RecordCreate, StoreCreate, StoreUpdate
 from memfuse.server.app import create_app
 from memfuse.server.service import Principal, _usage
@@ -16,6 +18,7 @@ from memfuse.server.service import Principal, _usage
 ADMIN = "perf-admin-token"
 WS_TOKEN = "perf-ws-token"
 BASE = "http://test"
+ME = "ws:ws/me"  # the actor of the ws client below (X-Memfuse-Instance: me)
 
 
 def _client(app, token: str, **headers) -> httpx.AsyncClient:
@@ -42,6 +45,122 @@ async def _create(client, path, content="x\n", store="default"):
     r = await client.post(f"/v1/stores/{store}/records", json={"path": path, "content": content})
     assert r.status_code == 201, r.text
     return r.json()
+
+
+# ---------------------------------------------------------------- skip_actor
+
+
+async def test_skip_actor_leaves_out_own_versions_and_advances_seq(env):
+    app, admin, me, peer = env
+    mine = await _create(me, "mine.md")
+    theirs = await _create(peer, "theirs.md")
+    mine2 = await _create(me, "mine2.md")
+
+    full = (await me.get("/v1/stores/default/changes", params={"after": 0})).json()
+    assert [c["record"]["path"] for c in full["changes"]] == ["mine.md", "theirs.md", "mine2.md"]
+
+    r = await me.get("/v1/stores/default/changes", params={"after": 0, "skip_actor": ME})
+    page = r.json()
+    assert [c["record"]["path"] for c in page["changes"]] == ["theirs.md"]
+    assert page["changes"][0]["record"]["updated_by"] == "ws:ws/peer"
+    assert page["seq"] == mine2["seq"] == full["seq"]  # moved past the skipped tail
+
+    # only own versions after the cursor: empty page, seq still advances
+    r = await me.get("/v1/stores/default/changes", params={"after": theirs["seq"], "skip_actor": ME})
+    assert r.json() == {"changes": [], "seq": mine2["seq"]}
+    # nothing after: seq stays
+    r = await me.get("/v1/stores/default/changes", params={"after": mine2["seq"], "skip_actor": ME})
+    assert r.json() == {"changes": [], "seq": mine2["seq"]}
+    # an actor nobody has, or an empty value: nothing skipped
+    for skip in ("ws:ws/nobody", ""):
+        r = await me.get("/v1/stores/default/changes", params={"after": 0, "skip_actor": skip})
+        assert r.json() == full
+    assert mine["seq"] < theirs["seq"]
+
+
+async def test_skip_actor_with_limit_pages_through_everything(env):
+    """A full page ends at its last change (more may follow); the pages together hold every
+    foreign version once, in order, and end at the store's latest seq."""
+    app, admin, me, peer = env
+    expected = []
+    for i in range(12):
+        if i % 3 == 0:
+            expected.append((await _create(peer, f"p{i}.md"))["seq"])
+        else:
+            await _create(me, f"m{i}.md")
+    await _create(admin, "other-store.md", store="other")  # another store's seq in between
+    last = (await _create(me, "last.md"))["seq"]
+    got, after = [], 0
+    for _ in range(10):
+        page = (await me.get("/v1/stores/default/changes",
+                             params={"after": after, "limit": 2, "skip_actor": ME})).json()
+        got += [c["seq"] for c in page["changes"]]
+        assert page["seq"] >= after
+        if page["changes"]:
+            assert len(page["changes"]) < 2 or page["seq"] == page["changes"][-1]["seq"]
+        if page["seq"] == after:
+            break
+        after = page["seq"]
+    assert got == expected
+    assert after == last
+
+
+async def test_skip_actor_long_poll_waits_through_own_writes(env):
+    """While only the skipped actor writes, the long-poll does not answer; the first foreign
+    version ends it, and that version alone is in the page."""
+    app, admin, me, peer = env
+    start = (await _create(peer, "start.md"))["seq"]
+    result = {}
+
+    async def poll():
+        r = await me.get("/v1/stores/default/changes",
+                         params={"after": start, "wait": 20, "skip_actor": ME}, timeout=30)
+        result["page"], result["t"] = r.json(), trio.current_time()
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as n:
+            n.start_soon(poll)
+            await trio.sleep(0.2)
+            for i in range(3):
+                await _create(me, f"own{i}.md")
+                await trio.sleep(0.25)  # beyond the 100 ms re-query: it must keep waiting
+            assert "page" not in result
+            t0 = trio.current_time()
+            foreign = await _create(peer, "foreign.md")
+    assert [c["record"]["path"] for c in result["page"]["changes"]] == ["foreign.md"]
+    assert result["page"]["seq"] == foreign["seq"]
+    assert result["t"] - t0 < 1.0
+
+
+async def test_skip_actor_long_poll_times_out_with_advanced_seq(env):
+    app, admin, me, peer = env
+    start = (await _create(peer, "start.md"))["seq"]
+    result = {}
+
+    async def poll():
+        r = await me.get("/v1/stores/default/changes",
+                         params={"after": start, "wait": 1, "skip_actor": ME}, timeout=30)
+        result["status"], result["page"] = r.status_code, r.json()
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as n:
+            n.start_soon(poll)
+            await trio.sleep(0.2)
+            own = await _create(me, "own.md")
+    assert result["status"] == 200
+    assert result["page"] == {"changes": [], "seq": own["seq"]}
+
+
+async def test_client_changes_skip_actor(env):
+    app, admin, me, peer = env
+    await _create(me, "mine.md")
+    theirs = await _create(peer, "theirs.md")
+    async with ApiClient(BASE, WS_TOKEN, instance="me",
+                         transport=httpx.ASGITransport(app=app)) as c:
+        page = await c.changes("default", 0, skip_actor=ME)
+        assert [ch.record.path for ch in page.changes] == ["theirs.md"] and page.seq == theirs["seq"]
+        page = await c.changes("default", 0)
+        assert [ch.record.path for ch in page.changes] == ["mine.md", "theirs.md"]
 
 
 # ---------------------------------------------------------------- usage counters
@@ -187,16 +306,19 @@ async def test_record_writes_wake_only_their_stores_feeds(env):
     app, admin, me, peer = env
     notifier = app.state.service.notifier
     feed = notifier.subscribe("default")
+    feed_skip = notifier.subscribe("default", skip_actor=ME)
     other_feed = notifier.subscribe("other")
     events = notifier.subscribe()
     try:
         await _create(me, "a.md")
         assert feed.event.is_set()
-        assert not other_feed.event.is_set() and not events.event.is_set()
+        assert not feed_skip.event.is_set() and not other_feed.event.is_set() and not events.event.is_set()
+        await _create(peer, "b.md")
+        assert feed_skip.event.is_set() and not other_feed.event.is_set() and not events.event.is_set()
         r = await admin.put("/v1/workspaces/ws/attachments/other", json={"access": "read_only"})
         assert r.status_code == 200
         await trio.sleep(0)
         assert other_feed.event.is_set() and events.event.is_set()  # admin writes wake everyone
     finally:
-        for w in (feed, other_feed, events):
+        for w in (feed, feed_skip, other_feed, events):
             notifier.unsubscribe(w)

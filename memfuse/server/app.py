@@ -372,11 +372,25 @@ def create_app(
         wait: Wait = 0,
         content: bool = True,
         limit: Annotated[int, Query(ge=1, le=1000)] = 1000,
+        skip_actor: Annotated[
+            str | None,
+            Query(description="leave out versions whose actor is exactly this "
+                  "(a sidecar's own writes); seq still moves past them and a long-poll keeps waiting"),
+        ] = None,
     ):
+        skip = skip_actor or None
+        cursor = after
+
+        def query() -> ChangePage:
+            # Resume each re-query where the last one ended: with skip_actor a page can be
+            # empty and still move past the skipped versions.
+            nonlocal cursor
+            pg = svc.changes_page(p, store, cursor, limit=limit, with_content=content, skip_actor=skip)
+            cursor = pg.seq
+            return pg
+
         page = await _long_poll(
-            svc, request, wait,
-            lambda: svc.changes_page(p, store, after, limit=limit, with_content=content),
-            lambda pg: bool(pg.changes), store=store,
+            svc, request, wait, query, lambda pg: bool(pg.changes), store=store, skip_actor=skip,
         )
         return _json(page) if page is not None else Response(status_code=204)
 
@@ -391,12 +405,13 @@ async def _long_poll(
     ready: Callable[[Any], bool],
     *,
     store: str | None = None,
+    skip_actor: str | None = None,
 ) -> Any:
     """Run ``query`` (blocking, in a worker thread) until ``ready(result)`` or ``wait``
     seconds (capped at 60) pass; return the last result. Between queries it holds no
     database session: it sleeps until a commit in this process that concerns it (see
-    ``Notifier``: ``store`` for a change feed, None for workspace events) or
-    ``POLL_INTERVAL``.
+    ``Notifier``: ``store`` for a change feed, ``skip_actor`` for the actor it leaves out;
+    neither for workspace events) or ``POLL_INTERVAL``.
     When the client goes away (``http.disconnect``) it stops and returns None.
     ``ServiceError`` from ``query`` propagates."""
     if wait <= 0:  # one query: no waiter, no disconnect watcher
@@ -409,7 +424,7 @@ async def _long_poll(
         nonlocal result
         while True:
             # before the query: a commit after it wakes us
-            waiter = svc.notifier.subscribe(store)
+            waiter = svc.notifier.subscribe(store, skip_actor)
             try:
                 result = await anyio.to_thread.run_sync(query)
                 remaining = deadline - anyio.current_time()

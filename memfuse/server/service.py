@@ -11,7 +11,7 @@ Refusals raise ``ServiceError`` (HTTP status, problem ``code``, detail, extra fi
 
 ``Notifier`` wakes long-polls (changes, events) in this process right after a commit; other
 processes sharing the database are seen by the long-poll's periodic re-query. A record write
-wakes only the change-feed long-polls of its store.
+wakes only the change-feed long-polls of its store, and not those that skip its actor.
 
 The record paths (create, update, move, delete, restore, redact, the change feed, snapshots)
 use SQLAlchemy Core on the session's connection; store usage is read from the store row's
@@ -214,11 +214,12 @@ class _Waiter:
     """An event a long-poll waits on; can be set from any thread (once: later wake-ups are
     no-ops, so a burst of commits costs the event loop one wake-up).
 
-    ``store``: the change feed the long-poll reads (see ``Notifier.notify``)."""
+    ``store`` / ``skip_actor``: what the long-poll reads (see ``Notifier.notify``)."""
 
-    def __init__(self, store: str | None = None) -> None:
+    def __init__(self, store: str | None = None, skip_actor: str | None = None) -> None:
         self.event = anyio.Event()
         self.store = store
+        self.skip_actor = skip_actor
         self._woken = False
         if sniffio.current_async_library() == "trio":
             import trio
@@ -229,10 +230,12 @@ class _Waiter:
             loop = asyncio.get_running_loop()
             self._wake = lambda: loop.call_soon_threadsafe(self.event.set)
 
-    def wants(self, store: str | None) -> bool:
-        """Whether a commit of ``store``'s versions concerns this waiter (a commit with
-        ``store`` None concerns everyone)."""
-        return store is None or self.store == store
+    def wants(self, store: str | None, actor: str | None) -> bool:
+        """Whether a commit of ``store``'s versions by ``actor`` concerns this waiter (a
+        commit with ``store`` None concerns everyone)."""
+        if store is None:
+            return True
+        return self.store == store and (self.skip_actor is None or self.skip_actor != actor)
 
     def wake(self) -> None:
         """Set the event (from any thread); only the first call does anything."""
@@ -252,18 +255,19 @@ class Notifier:
     returns a waiter whose ``event`` is set by the next ``notify()`` that concerns it;
     ``notify()`` may be called from any thread. Always ``unsubscribe()`` in a ``finally``.
 
-    A change-feed long-poll subscribes with its ``store``; a workspace-events long-poll
-    without. Record writes notify with their store, so they wake only the feeds of that
-    store; every other write (admin changes, events) and the shutdown notify everyone.
+    A change-feed long-poll subscribes with its ``store`` (and ``skip_actor`` when it leaves
+    a writer's versions out); a workspace-events long-poll without. Record writes notify with
+    their store and actor, so they wake only the feeds of that store that do not skip that
+    actor; every other write (admin changes, events) and the shutdown notify everyone.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._waiters: set[_Waiter] = set()
 
-    def subscribe(self, store: str | None = None) -> _Waiter:
+    def subscribe(self, store: str | None = None, skip_actor: str | None = None) -> _Waiter:
         """A new waiter for the next commit that concerns it (see the class docstring)."""
-        w = _Waiter(store)
+        w = _Waiter(store, skip_actor)
         with self._lock:
             self._waiters.add(w)
         return w
@@ -273,11 +277,11 @@ class Notifier:
         with self._lock:
             self._waiters.discard(w)
 
-    def notify(self, store: str | None = None) -> None:
+    def notify(self, store: str | None = None, actor: str | None = None) -> None:
         """Wake the waiters a commit concerns: with ``store``, a commit that wrote only
-        versions of that store; without, everyone."""
+        versions of that store, all by ``actor``; without, everyone."""
         with self._lock:
-            waiters = [w for w in self._waiters if w.wants(store)]
+            waiters = [w for w in self._waiters if w.wants(store, actor)]
         for w in waiters:
             w.wake()
 
@@ -725,7 +729,7 @@ class Service:
                 if attempt == 2:
                     raise ServiceError(409, "exists", "conflicting concurrent write") from None
         if feed is not None:
-            self.notifier.notify(feed)
+            self.notifier.notify(feed, p.actor)
         else:
             self.notifier.notify()
         return Reply(status, body, headers)
@@ -1180,10 +1184,15 @@ class Service:
         *,
         limit: int = 1000,
         with_content: bool = True,
+        skip_actor: str | None = None,
     ) -> ChangePage:
         """Versions of the store with seq > ``after``, oldest first, each as the record's state
         as of that version. Raises 410 ``cursor_expired`` when ``after`` is beyond anything the
-        server has written."""
+        server has written.
+
+        ``skip_actor``: versions whose actor is exactly this are left out; the page's ``seq``
+        still moves past them (to the store's latest version when the page is not full), so
+        a page may be empty with ``seq`` > ``after``."""
         with self.db.read_conn() as conn:
             st = self._store(conn, p, slug)
             top = conn.scalar(select(func.max(_V.c.seq))) or 0
@@ -1203,6 +1212,13 @@ class Service:
                 .order_by(_V.c.seq)
                 .limit(limit)
             )
+            skip = skip_actor or None
+            store_top = 0
+            if skip is not None:
+                # Read the store's latest seq first: every version of the store up to it has
+                # committed (a store's versions commit in seq order), so the page may claim it.
+                store_top = conn.scalar(select(func.max(_V.c.seq)).where(_V.c.store == st.slug)) or 0
+                q = q.where(_V.c.seq <= store_top, _V.c.actor != skip)
             rows = conn.execute(q).all()
         changes = [
             Change(
@@ -1227,7 +1243,11 @@ class Service:
             )
             for v in rows
         ]
-        return ChangePage(changes=changes, seq=changes[-1].seq if changes else after)
+        if skip is not None and len(rows) < limit:
+            seq = max(after, store_top)
+        else:
+            seq = changes[-1].seq if changes else after
+        return ChangePage(changes=changes, seq=seq)
 
     # ------------------------------------------------------------ records: writes
 
