@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import inspect
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -153,13 +153,13 @@ class Sidecar:
         # A per-process instance id: the change feed skips exactly the versions this process
         # wrote (they are already applied here, or superseded by later local changes), and
         # history tells sidecar restarts apart.
-        self.instance = f"{client.instance or 'sidecar'}.{os.getpid()}.{uuid.uuid4().hex[:6]}"
+        base = re.sub(r"[^A-Za-z0-9._-]", "-", client.instance or "sidecar")[:64]
+        self.instance = f"{base}.{os.getpid()}.{uuid.uuid4().hex[:6]}"
         client.set_instance(self.instance)
         self.actor = f"ws:{config.workspace}/{self.instance}"
-        # a control plane that supports it leaves our own versions out of the feed
-        # (no wake-up per own commit); the check in _feed stays for any other
-        self._feed_kw = ({"skip_actor": self.actor}
-                         if "skip_actor" in inspect.signature(client.changes).parameters else {})
+        # the control plane leaves our own versions out of the feed (no wake-up per own
+        # commit); _feed still checks the actor, for control planes that ignore skip_actor
+        self._feed_kw = {"skip_actor": self.actor}
         self.invalidator = Invalidator()
         self.states: dict[str, StoreState] = {}
         self.feeds: dict[str, trio.CancelScope] = {}
