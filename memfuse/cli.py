@@ -818,10 +818,14 @@ def redact(target: Target, store_slug: str, path: str, version_n: int) -> None:
 @cli.command()
 @opt("--workspace", required=True, metavar="WS", help="Workspace to render the prompt block for.")
 @opt("--mount-root", metavar="DIR", help="Where the stores are mounted (server default /mnt/memory).")
+@opt("--max-bytes", type=click.IntRange(min=1024), metavar="N",
+     help="Bound of the whole block in bytes (server default 100,000); what does not fit is "
+          "replaced by a marker that says what was left out.")
 @api_options
-def context(target: Target, workspace: str, mount_root: str | None) -> None:
+def context(target: Target, workspace: str, mount_root: str | None, max_bytes: int | None) -> None:
     """Print the prompt block of workspace WS: its stores and their MEMORY.md indexes."""
-    text = _api(target, lambda api: with_retries(lambda: api.context(workspace, mount_root)))
+    text = _api(target, lambda api: with_retries(
+        lambda: api.context(workspace, mount_root, max_bytes=max_bytes)))
     click.echo(text, nl=not text.endswith("\n"))
 
 

@@ -528,15 +528,20 @@ class ApiClient:
             wait=wait,
         )
 
-    async def context(self, ws: str, mount_root: str | None = None) -> str:
+    async def context(self, ws: str, mount_root: str | None = None,
+                      max_bytes: int | None = None) -> str:
         """``GET /v1/workspaces/{ws}/context``: the Markdown prompt block (DESIGN §5) as text.
         ``mount_root`` is where the sidecar mounts the stores (server default
         ``/mnt/memory``)."""
-        params = {"mount_root": mount_root} if mount_root is not None else None
+        params: dict[str, Any] = {}
+        if mount_root is not None:
+            params["mount_root"] = mount_root
+        if max_bytes is not None:
+            params["max_bytes"] = max_bytes
         resp = await self._request(
             "GET",
             f"/v1/workspaces/{_seg(ws)}/context",
-            params=params,
+            params=params or None,
             accept="text/markdown, text/plain, */*",
         )
         return resp.text

@@ -455,3 +455,35 @@ def test_messages_for_exception_groups():
     assert cli_mod.ByteSize().convert("1MiB", None, None) == 1 << 20
     assert cli_mod.ByteSize().convert("2k", None, None) == 2048
     assert cli_mod.ByteSize().convert("1MB", None, None) == 1_000_000
+
+
+def test_context_max_bytes_bound(tmp_path):
+    """`memfuse context --max-bytes N` bounds the whole block and says what was left out."""
+    import trio
+    from memfuse.devenv import dev_app, ensure_dev_setup
+
+    env = {"MEMFUSE_HOME": str(tmp_path / "home")}
+
+    async def setup():
+        app = dev_app()
+        async with app.admin_client() as c:
+            await ensure_dev_setup(c)
+            await c.create_record("default", "MEMORY.md",
+                                  "".join(f"- memory {i}: {'x' * 60}\n" for i in range(150)))
+    old = os.environ.get("MEMFUSE_HOME")
+    os.environ["MEMFUSE_HOME"] = env["MEMFUSE_HOME"]
+    try:
+        trio.run(setup)
+    finally:
+        if old is None:
+            os.environ.pop("MEMFUSE_HOME")
+        else:
+            os.environ["MEMFUSE_HOME"] = old
+    full = subprocess.run([MEMFUSE, "context", "--workspace", "dev"], capture_output=True,
+                          text=True, env=dict(os.environ, **env), timeout=60)
+    small = subprocess.run([MEMFUSE, "context", "--workspace", "dev", "--max-bytes", "2000"],
+                           capture_output=True, text=True, env=dict(os.environ, **env), timeout=60)
+    assert full.returncode == 0 and small.returncode == 0, small.stderr
+    assert "memory 149" in full.stdout
+    assert len(small.stdout.encode()) <= 2000
+    assert "memory 149" not in small.stdout and "memfuse:" in small.stdout
