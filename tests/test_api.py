@@ -13,6 +13,7 @@ import trio
 from memfuse.server.app import create_app
 from memfuse.server.serve import serve
 from memfuse.server.service import parse_if_match
+from pgutil import fresh_db_url
 
 ADMIN = "test-admin-token"
 WS_TOKEN = "test-ws-token"
@@ -75,13 +76,13 @@ async def _bootstrap(admin: httpx.AsyncClient) -> None:
 
 @pytest.fixture
 async def env():
-    app = create_app("sqlite://", static_tokens={ADMIN: None, WS_TOKEN: "ws", OTHER_TOKEN: "other"})
-    async with _client(app, ADMIN) as admin, _client(app, WS_TOKEN, **{"X-Memfuse-Instance": "sc1"}) as ws, _client(
-        app, OTHER_TOKEN
-    ) as other:
-        await _bootstrap(admin)
-        yield Env(app, admin, ws, other)
-    app.state.service.db.dispose()
+    with fresh_db_url() as url:
+        app = create_app(url, static_tokens={ADMIN: None, WS_TOKEN: "ws", OTHER_TOKEN: "other"})
+        async with _client(app, ADMIN) as admin, _client(app, WS_TOKEN, **{"X-Memfuse-Instance": "sc1"}) as ws, \
+                _client(app, OTHER_TOKEN) as other:
+            await _bootstrap(admin)
+            yield Env(app, admin, ws, other)
+        app.state.service.db.dispose()
 
 
 def assert_problem(r: httpx.Response, status: int, code: str) -> dict:

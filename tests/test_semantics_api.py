@@ -12,6 +12,7 @@ import pytest
 
 from memfuse.server import service as service_mod
 from memfuse.server.app import create_app
+from pgutil import fresh_db_url
 
 ADMIN = "sem-admin"
 WS = "sem-ws"
@@ -58,11 +59,12 @@ async def _bootstrap(admin: httpx.AsyncClient) -> None:
 
 @pytest.fixture
 async def env():
-    app = create_app("sqlite://", static_tokens={ADMIN: None, WS: "ws"})
-    async with _client(app, ADMIN) as admin, _client(app, WS, **{"X-Memfuse-Instance": "sc1"}) as ws:
-        await _bootstrap(admin)
-        yield Env(app, admin, ws)
-    app.state.service.db.dispose()
+    with fresh_db_url() as url:
+        app = create_app(url, static_tokens={ADMIN: None, WS: "ws"})
+        async with _client(app, ADMIN) as admin, _client(app, WS, **{"X-Memfuse-Instance": "sc1"}) as ws:
+            await _bootstrap(admin)
+            yield Env(app, admin, ws)
+        app.state.service.db.dispose()
 
 
 def assert_problem(r: httpx.Response, status: int, code: str) -> dict:

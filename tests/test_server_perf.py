@@ -14,6 +14,7 @@ from memfuse.client import ApiClient
 from memfuse.models import RecordCreate, StoreCreate, StoreUpdate
 from memfuse.server.app import create_app
 from memfuse.server.service import Principal, _usage
+from pgutil import fresh_db_url
 
 ADMIN = "perf-admin-token"
 WS_TOKEN = "perf-ws-token"
@@ -28,17 +29,18 @@ def _client(app, token: str, **headers) -> httpx.AsyncClient:
 
 @pytest.fixture
 async def env():
-    app = create_app("sqlite://", static_tokens={ADMIN: None, WS_TOKEN: "ws"})
-    async with _client(app, ADMIN) as admin, _client(app, WS_TOKEN, **{"X-Memfuse-Instance": "me"}) as me, \
-            _client(app, WS_TOKEN, **{"X-Memfuse-Instance": "peer"}) as peer:
-        assert (await admin.post("/v1/workspaces", json={"name": "ws"})).status_code == 201
-        assert (await admin.post("/v1/stores", json={"slug": "default"})).status_code == 201
-        assert (await admin.post("/v1/stores", json={"slug": "other"})).status_code == 201
-        for slug in ("default", "other"):
-            r = await admin.put(f"/v1/workspaces/ws/attachments/{slug}", json={"access": "read_write"})
-            assert r.status_code == 200, r.text
-        yield app, admin, me, peer
-    app.state.service.db.dispose()
+    with fresh_db_url() as url:
+        app = create_app(url, static_tokens={ADMIN: None, WS_TOKEN: "ws"})
+        async with _client(app, ADMIN) as admin, _client(app, WS_TOKEN, **{"X-Memfuse-Instance": "me"}) as me, \
+                _client(app, WS_TOKEN, **{"X-Memfuse-Instance": "peer"}) as peer:
+            assert (await admin.post("/v1/workspaces", json={"name": "ws"})).status_code == 201
+            assert (await admin.post("/v1/stores", json={"slug": "default"})).status_code == 201
+            assert (await admin.post("/v1/stores", json={"slug": "other"})).status_code == 201
+            for slug in ("default", "other"):
+                r = await admin.put(f"/v1/workspaces/ws/attachments/{slug}", json={"access": "read_write"})
+                assert r.status_code == 200, r.text
+            yield app, admin, me, peer
+        app.state.service.db.dispose()
 
 
 async def _create(client, path, content="x\n", store="default"):

@@ -1,8 +1,11 @@
 """Database schema and engine setup of the reference control plane (SQLAlchemy 2.x, sync).
 
 SQLite is the default (``sqlite:///PATH``, or ``sqlite://`` for an in-memory database);
-PostgreSQL works by URL (``postgresql+psycopg://...``). The SQL is kept portable: partial
-unique indexes carry both ``sqlite_where`` and ``postgresql_where``.
+PostgreSQL works by URL. The driver is psycopg 3 (``pip install 'memfuse[postgres]'``): a
+plain ``postgresql://`` or ``postgres://`` URL is read as ``postgresql+psycopg://``
+(``normalize_db_url``); an explicit driver (``postgresql+psycopg2://``) is kept as given.
+The SQL is kept portable: partial unique indexes carry both ``sqlite_where`` and
+``postgresql_where``.
 
 Concurrency rules (see ``Database``):
 
@@ -241,15 +244,28 @@ class EventRow(Base):
     __table_args__ = (Index("ix_events_workspace_seq", "workspace", "seq"), {"sqlite_autoincrement": True})
 
 
+def normalize_db_url(url: str):
+    """The SQLAlchemy ``URL`` for ``url``, with ``postgresql://`` / ``postgres://`` (no
+    driver named) mapped to psycopg 3 (``postgresql+psycopg://``); any other URL unchanged.
+    Raises ``sqlalchemy.exc.ArgumentError`` for a bad URL."""
+    if url.startswith("postgres://"):
+        url = "postgresql://" + url[len("postgres://"):]
+    u = make_url(url)
+    if u.drivername == "postgresql":
+        u = u.set(drivername="postgresql+psycopg")
+    return u
+
+
 class Database:
     """Engine plus session factories with the locking rules of this module.
 
-    ``url``: an SQLAlchemy URL (``sqlite:///PATH``, ``sqlite://``, ``postgresql+psycopg://...``).
-    Creates the tables if missing. Raises ``sqlalchemy.exc.ArgumentError`` for a bad URL.
+    ``url``: an SQLAlchemy URL (``sqlite:///PATH``, ``sqlite://``, ``postgresql://...``, see
+    ``normalize_db_url``). Creates the tables if missing. Raises
+    ``sqlalchemy.exc.ArgumentError`` for a bad URL.
     """
 
     def __init__(self, url: str) -> None:
-        self.url = make_url(url)
+        self.url = normalize_db_url(url)
         self.is_sqlite = self.url.get_backend_name() == "sqlite"
         self.is_memory = self.is_sqlite and self.url.database in (None, "", ":memory:")
         # In-memory: one shared connection, so every session holds this lock.
