@@ -1413,9 +1413,11 @@ class Service:
                 if other is not None and other not in moving_ids:
                     raise ServiceError(409, "path_exists", f"{new_path!r} exists", record_id=other)
             # Two steps so the live-path unique index never sees a transient duplicate
-            # (a target may be the old path of another moving record).
+            # (a target may be the old path of another moving record). The parking path has
+            # a leading slash, so no valid record path equals it (and no NUL: PostgreSQL text
+            # cannot hold one).
             for r, _, _ in plan:
-                conn.execute(_UPDATE_RECORD, {"rid": r.id, "path": f"\x00moving/{r.id}"})
+                conn.execute(_UPDATE_RECORD, {"rid": r.id, "path": f"/moving/{r.id}"})
             now = utcnow()
             plan.sort(key=lambda x: x[2])
             for r, old_path, new_path in plan:
