@@ -694,7 +694,11 @@ async def test_real_server_on_sqlite_file(tmp_path):
 async def test_two_apps_share_one_sqlite_file(tmp_path):
     """Two apps with their own engines on one file (as two processes would be): concurrent
     writes all land, seqs are unique, and a long-poll on one sees the other's write."""
-    db_url = f"sqlite:///{tmp_path / 'shared.db'}"
+    with fresh_db_url(f"sqlite:///{tmp_path / 'shared.db'}") as db_url:
+        await _two_apps_share_one_database(db_url)
+
+
+async def _two_apps_share_one_database(db_url):
     tokens = {ADMIN: None}
     app_a = create_app(db_url, static_tokens=tokens)
     app_b = create_app(db_url, static_tokens=tokens)
@@ -739,10 +743,15 @@ async def test_two_apps_share_one_sqlite_file(tmp_path):
 
 def test_concurrent_threads_on_one_app(tmp_path):
     """Many threads writing through one service (the worker-thread model of the app)."""
+    with fresh_db_url(f"sqlite:///{tmp_path / 't.db'}") as db_url:
+        _concurrent_threads_on_one_app(db_url)
+
+
+def _concurrent_threads_on_one_app(db_url):
     from memfuse.models import RecordCreate
     from memfuse.server.service import Principal
 
-    app = create_app(f"sqlite:///{tmp_path / 't.db'}", static_tokens={ADMIN: None})
+    app = create_app(db_url, static_tokens={ADMIN: None})
     svc = app.state.service
     admin = Principal(workspace=None)
     from memfuse.models import StoreCreate
@@ -770,7 +779,12 @@ def test_concurrent_threads_on_one_app(tmp_path):
 
 async def test_long_poll_client_disconnect_does_not_leak(tmp_path):
     """A client that gives up on a long-poll leaves no waiter behind on the server."""
-    app = create_app(f"sqlite:///{tmp_path / 'cp.db'}", static_tokens={ADMIN: None})
+    with fresh_db_url(f"sqlite:///{tmp_path / 'cp.db'}") as db_url:
+        await _long_poll_client_disconnect(db_url)
+
+
+async def _long_poll_client_disconnect(db_url):
+    app = create_app(db_url, static_tokens={ADMIN: None})
     notifier = app.state.service.notifier
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
@@ -805,13 +819,17 @@ print("ok")
 def test_two_processes_write_one_sqlite_file(tmp_path):
     """A second process writing the same SQLite file at the same time: every write lands once,
     the change feed has every version exactly once, in seq order."""
+    with fresh_db_url(f"sqlite:///{tmp_path / 'mp.db'}") as url:
+        _two_processes_write_one_database(url)
+
+
+def _two_processes_write_one_database(url):
     import subprocess
     import sys
 
     from memfuse.models import RecordCreate, StoreCreate
     from memfuse.server.service import Principal
 
-    url = f"sqlite:///{tmp_path / 'mp.db'}"
     app = create_app(url)
     svc = app.state.service
     admin = Principal(workspace=None, name="parent")
@@ -851,7 +869,12 @@ def test_two_processes_write_one_sqlite_file(tmp_path):
 
 async def test_serve_shuts_down_gracefully_on_cancel(tmp_path):
     """Cancelling serve() lets a request in flight finish (within the graceful timeout)."""
-    app = create_app(f"sqlite:///{tmp_path / 'cp.db'}", static_tokens={ADMIN: None})
+    with fresh_db_url(f"sqlite:///{tmp_path / 'cp.db'}") as db_url:
+        await _serve_shuts_down_gracefully(db_url)
+
+
+async def _serve_shuts_down_gracefully(db_url):
+    app = create_app(db_url, static_tokens={ADMIN: None})
     result = {}
     with trio.fail_after(60):
         async with trio.open_nursery() as outer:
