@@ -4,15 +4,15 @@ counters kept by every write, their backfill in an older database, the token cac
 which long-polls a record write wakes."""
 from __future__ import annotations
 
-import sqlite3
-
 import httpx
 import pytest
 import trio
+from sqlalchemy import create_engine
 
 from memfuse.client import ApiClient
 from memfuse.models import RecordCreate, StoreCreate, StoreUpdate
 from memfuse.server.app import create_app
+from memfuse.server.db import normalize_db_url
 from memfuse.server.service import Principal, _usage
 from pgutil import fresh_db_url
 
@@ -248,8 +248,12 @@ async def test_refused_write_leaves_counters_unchanged(env):
 def test_older_database_gets_usage_columns_filled(tmp_path):
     """A database without the usage columns (made before them) gets them at start, filled
     from the live records."""
-    db = tmp_path / "old.db"
-    app = create_app(f"sqlite:///{db}")
+    with fresh_db_url(f"sqlite:///{tmp_path / 'old.db'}") as url:
+        _older_database_gets_usage_columns_filled(url)
+
+
+def _older_database_gets_usage_columns_filled(url):
+    app = create_app(url)
     svc = app.state.service
     admin = Principal(workspace=None)
     svc.create_store(admin, StoreCreate(slug="s"))
@@ -259,13 +263,13 @@ def test_older_database_gets_usage_columns_filled(tmp_path):
     rid = svc.list_records(admin, "s").records[0].id
     svc.delete_record(admin, "s", rid)
     svc.db.dispose()
-    con = sqlite3.connect(db)
-    con.execute("ALTER TABLE stores DROP COLUMN usage_bytes")
-    con.execute("ALTER TABLE stores DROP COLUMN record_count")
-    con.commit()
-    con.close()
+    old = create_engine(normalize_db_url(url))
+    with old.begin() as con:
+        con.exec_driver_sql("ALTER TABLE stores DROP COLUMN usage_bytes")
+        con.exec_driver_sql("ALTER TABLE stores DROP COLUMN record_count")
+    old.dispose()
 
-    app2 = create_app(f"sqlite:///{db}")
+    app2 = create_app(url)
     svc2 = app2.state.service
     st = svc2.get_store(admin, "s")
     assert (st.record_count, st.usage_bytes) == (4, 2 + 3 + 4 + 5)
@@ -273,7 +277,7 @@ def test_older_database_gets_usage_columns_filled(tmp_path):
     svc2.create_record(admin, "s", RecordCreate(path="new.md", content="yy"))
     assert svc2.get_store(admin, "s").usage_bytes == 16
     svc2.db.dispose()
-    create_app(f"sqlite:///{db}").state.service.db.dispose()  # already migrated: a no-op
+    create_app(url).state.service.db.dispose()  # already migrated: a no-op
 
 
 # ---------------------------------------------------------------- auth cache
