@@ -307,7 +307,11 @@ class Database:
 
     def _make_engine(self) -> Engine:
         if not self.is_sqlite:
-            return create_engine(self.url, pool_pre_ping=True, pool_size=10, max_overflow=30)
+            try:
+                return create_engine(self.url, pool_pre_ping=True, pool_size=10, max_overflow=30)
+            except ModuleNotFoundError as err:
+                hint = " (pip install 'memfuse[postgres]')" if self.url.drivername == "postgresql+psycopg" else ""
+                raise ModuleNotFoundError(f"no driver for {self.url.drivername}: {err}{hint}", name=err.name) from err
         if self.is_memory:
             engine = create_engine(
                 self.url, connect_args={"check_same_thread": False}, poolclass=StaticPool
