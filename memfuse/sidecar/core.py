@@ -631,18 +631,6 @@ class Filesystem:
         self._touch_dir(d)
         return self._new_handle(n, flags)
 
-    def _live_records(self, sm: StoreMount) -> int:
-        count = 0
-        stack = [sm.root]
-        while stack:
-            d = stack.pop()
-            for c in d.children.values():
-                if c.is_dir:
-                    stack.append(c)
-                elif not c.local_only:
-                    count += 1
-        return count
-
     def _touch_dir(self, d: Node) -> None:
         d.mtime_ns = d.ctime_ns = time.time_ns()
 
