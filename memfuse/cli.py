@@ -455,6 +455,9 @@ def _mount_cache_dir(control_plane: str, workspace: str) -> Path:
      help="Seconds fsync() waits for the commit before EIO.")
 @opt("--drain-timeout", type=float, default=20.0, show_default=True, metavar="S",
      help="Seconds to drain the outbox on SIGTERM/SIGINT.")
+@opt("--offline-after", type=float, default=10.0, show_default=True, metavar="S",
+     help="Seconds without an answer from the control plane at start before the stores saved "
+          "in the cache are mounted as they were (only when the outbox is empty).")
 @opt("--instance", metavar="ID", help="Sidecar id recorded on versions. Default: the host name.")
 @opt("--log-format", type=click.Choice(["json", "text"]), default="json", show_default=True,
      help="Log line format on stderr.")
@@ -472,6 +475,7 @@ def mount(
     commit_wait: float,
     fsync_timeout: float,
     drain_timeout: float,
+    offline_after: float,
     instance: str | None,
     log_format: str,
     debug: bool,
@@ -502,6 +506,7 @@ def mount(
         commit_wait=commit_wait,
         fsync_timeout=fsync_timeout,
         drain_timeout=drain_timeout,
+        offline_after=offline_after,
         admin_listen=admin_listen or None,
         debug=debug,
         log_format=log_format,

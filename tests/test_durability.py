@@ -670,3 +670,48 @@ def test_fsync_with_control_plane_down_gives_eio_then_commits(tmp_path):
         finally:
             cp.stop()
             show_logs(tmp_path / "serve.log", tmp_path / "sidecar-ws-mnt.log")
+
+
+def test_start_while_control_plane_down_mounts_from_cache(tmp_path):
+    """With an empty outbox and a saved cache, a sidecar started during a control-plane
+    outage mounts the stores as last seen (reads work, writes are accepted as pending), and
+    everything commits once the control plane is back."""
+    import json as _json
+    from mountutil import ControlPlane, Sidecar, wait_for
+
+    cp = ControlPlane(tmp_path).start()
+    sc = None
+    try:
+        tok = cp.setup_workspace("ws")
+        sc = Sidecar(cp, "ws", tok, tmp_path / "mnt", tmp_path / "cache",
+                     "--offline-after", "1", "--commit-wait", "0.5").start()
+        (sc.mountpoint / "default" / "known.md").write_text("known\n")
+        # another actor's write after ours moves the change-feed cursor past our own
+        # version (which the feed leaves out): the saved state must still hold known.md
+        cp.call("create_record", "default", "other.md", "from elsewhere\n")
+        wait_for(lambda: (sc.mountpoint / "default" / "other.md").exists(), 10,
+                 "the other actor's record")
+        time.sleep(2.5)  # one periodic save of the store state
+        assert sc.stop() == 0
+        cp.stop()  # the outage begins
+        sc = Sidecar(cp, "ws", tok, tmp_path / "mnt", tmp_path / "cache",
+                     "--offline-after", "1", "--commit-wait", "0.5").start()
+        store = sc.mountpoint / "default"
+        assert (store / "known.md").read_text() == "known\n"
+        assert (store / "other.md").read_text() == "from elsewhere\n"
+        st = _json.loads((sc.mountpoint / ".memfuse" / "status.json").read_text())
+        assert st["offline_start"] is True and st["ready"] is True
+        (store / "offline.md").write_text("written offline\n")  # close returns 0: accepted
+        assert os.getxattr(store / "offline.md", "user.memfuse.state") == b"pending"
+        cp.start()  # same port and database
+        wait_for(lambda: os.getxattr(store / "offline.md", "user.memfuse.state") == b"clean",
+                 30, "the offline write to commit")
+        rec = cp.call("find_record", "default", "offline.md")
+        assert cp.call("get_record", "default", rec.id).content == "written offline\n"
+        wait_for(lambda: not _json.loads((sc.mountpoint / ".memfuse" / "status.json")
+                                         .read_text())["offline_start"], 30,
+                 "attachments reconciled after the outage")
+    finally:
+        if sc is not None:
+            sc.stop()
+        cp.stop()

@@ -12,6 +12,7 @@ import errno
 import fcntl
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -53,6 +54,7 @@ class MountConfig:
     drain_timeout: float = 20.0
     admin_listen: str | None = None
     debug: bool = False
+    offline_after: float = 10.0  # s without an answer before mounting saved stores from the cache
     log_format: str = "json"
 
 
@@ -144,6 +146,14 @@ class Sidecar:
                              config.workspace, dirs_file=config.cache_dir / "dirs.json")
         self.ops = MemfuseOps(self.fs, self.metrics)
         self.fs.status_provider = self.status
+        on_result = self.committer.on_result
+
+        def committed(e) -> None:  # the tree first, then the store's mirror
+            on_result(e)
+            state = self.states.get(e.store)
+            if state is not None:
+                state.committed(e)
+        self.committer.on_result = committed
         self.fs.metrics = self.metrics
 
         def observe(endpoint: str, status: str, seconds: float) -> None:
@@ -168,6 +178,7 @@ class Sidecar:
         self._nursery: trio.Nursery | None = None
         self._mount_lock = trio.Lock()
         self._mounted = False
+        self.offline_start = False
         self.feed_tasks = 0  # running change-feed tasks: one per mounted store
         self._drain_scope: trio.CancelScope | None = None
         self.metrics.bind(
@@ -194,6 +205,7 @@ class Sidecar:
         st["invalidations"] = {"done": self.invalidator.done, "failed": self.invalidator.failed}
         st["errors_logged"] = len(self.fs.errors)
         st["feed_tasks"] = self.feed_tasks
+        st["offline_start"] = self.offline_start
         return st
 
     # ------------------------------------------------------------------ loading
@@ -208,10 +220,17 @@ class Sidecar:
                 await trio.sleep(delay)
                 delay = min(delay * 2, 5.0)
 
-    async def _load_state(self, slug: str) -> StoreState:
-        """The store's mirror, resumed from the saved cursor or from a full snapshot."""
+    async def _load_state(self, slug: str, expect_records: int | None = None) -> StoreState:
+        """The store's mirror, resumed from the saved cursor or from a full snapshot.
+        ``expect_records`` (the control plane's live record count) guards the resume: a
+        mirror that does not add up is replaced by a snapshot."""
         state = StoreState(self.config.cache_dir / "stores" / f"{slug}.json", slug)
         resumed = state.load() and await catch_up(self.client, state, self.fs.blobs)
+        if resumed and expect_records is not None and len(state.records) != expect_records:
+            log.warning("saved store state does not match the control plane; taking a snapshot",
+                        extra={"store": slug, "saved": len(state.records),
+                               "live": expect_records})
+            resumed = False
         if not resumed:
             records, seq = await self.client.snapshot(slug, content=True)
             with self.fs.blobs.batch():
@@ -228,17 +247,39 @@ class Sidecar:
 
     async def _add_attachment(self, att: Attachment) -> None:
         slug = att.store.slug
-        state = await self._retrying(f"loading {slug}", lambda: self._load_state(slug))
+        state = await self._retrying(
+            f"loading {slug}", lambda: self._load_state(slug, att.store.record_count))
         if slug in self.fs.stores:
             return
         self.states[slug] = state
         limits = {"max_record_bytes": att.store.max_record_bytes,
                   "max_store_bytes": att.store.max_store_bytes,
                   "max_records": att.store.max_records}
+        state.access, state.limits, state.dirty = att.access.value, limits, True
         self.fs.add_store(slug, att.access.value, list(state.records.values()), limits=limits)
         self.invalidator.submit([("entry", ROOT_INO, slug)])
         if self._mounted:  # before the mount, run() starts every store's feed once mounted
             self._start_feed(slug)
+
+    def _saved_slugs(self) -> list[str]:
+        d = self.config.cache_dir / "stores"
+        return sorted(p.stem for p in d.glob("*.json")) if d.is_dir() else []
+
+    def _load_offline(self) -> None:
+        """The control plane is unreachable and the outbox is empty: mount every store saved
+        in the cache as it was last seen. The change feeds catch up, and the attachments are
+        reconciled, once the control plane answers again."""
+        for slug in self._saved_slugs():
+            state = StoreState(self.config.cache_dir / "stores" / f"{slug}.json", slug)
+            if not state.load():
+                continue
+            records = [m for m in state.records.values() if self.fs.blobs.has(m.sha256)]
+            self.states[slug] = state
+            self.fs.add_store(slug, state.access, records, limits=state.limits or None)
+        self.offline_start = True
+        log.warning("control plane unreachable: mounted from the local cache; writes are "
+                    "accepted and commit once it answers",
+                    extra={"stores": ",".join(self.states), "timeout_s": self.config.offline_after})
 
     def _start_feed(self, slug: str) -> None:
         """Start the store's change-feed task; exactly one per store (two would apply
@@ -316,6 +357,9 @@ class Sidecar:
             try:
                 if cursor is None:
                     cursor = (await self.client.workspace_events(self.config.workspace, 0, wait=0)).seq
+                    if self.offline_start:  # attachments may have changed while unreachable
+                        self.offline_start = False
+                        await self._reconcile_logged()
                     continue
                 page = await self.client.workspace_events(self.config.workspace, cursor, wait=25)
                 delay = 0.2
@@ -440,10 +484,15 @@ class Sidecar:
                     self.committer.replay(self.leftovers)
                     await self.committer.wait_idle()
                     log.info("outbox replayed", extra={"entries": len(self.leftovers)})
-                atts = await self._retrying("listing attachments",
-                                            lambda: self.client.list_attachments(config.workspace))
-                for att in atts:
-                    await self._add_attachment(att)
+                atts = None
+                with trio.move_on_after(config.offline_after if self._saved_slugs() else math.inf):
+                    atts = await self._retrying(
+                        "listing attachments", lambda: self.client.list_attachments(config.workspace))
+                if atts is None:
+                    self._load_offline()
+                else:
+                    for att in atts:
+                        await self._add_attachment(att)
                 self.save_states()
                 self._gc_blobs()
 

@@ -95,6 +95,8 @@ class Entry:
     reason: str = ""
     attempts: int = 0
     record: Record | None = None  # the record after the commit, when the op returns one
+    record_id: str | None = None  # delete / move: the record the op acted on
+    moved: list[Record] = field(default_factory=list)  # move_prefix: the records moved
 
 
 class Journal:
@@ -416,6 +418,7 @@ class Committer:
             self._learn(e.node_key, rec)
         elif e.op == DELETE:
             rid, _ = self._rid(e.node_key)
+            e.record_id = rid
             if rid is not None:
                 try:
                     await c.delete_record(e.store, rid, idempotency_key=e.key)
@@ -424,6 +427,7 @@ class Committer:
             self._learn(e.node_key, None)
         elif e.op == MOVE:
             rid, sha = self._rid(e.node_key)
+            e.record_id = rid
             if rid is None:
                 return  # never reached the server (refused earlier): nothing to move
             replace = bool(a.get("replace"))
@@ -444,7 +448,7 @@ class Committer:
                 self.journal.set_key(tk, None, None)
         elif e.op == MOVE_PREFIX:
             res = await c.move_prefix(e.store, a["from"], a["to"], idempotency_key=e.key)
-            e.args["moved"] = len(res.records)
+            e.moved = res.records
         else:  # pragma: no cover - journal corruption
             raise _local_refusal("validation_error", f"unknown outbox op {e.op!r}")
 

@@ -67,6 +67,8 @@ class StoreState:
         self.records: dict[str, Meta] = {}
         self.dirty = False
         self.last_change_at = 0.0
+        self.access = "read_write"  # the attachment as last seen, for an offline start
+        self.limits: dict[str, int] = {}
 
     def load(self) -> bool:
         """Read the saved state; False when there is none or it is unreadable."""
@@ -76,6 +78,8 @@ class StoreState:
                 return False
             self.cursor = int(raw["cursor"])
             self.records = {row[0]: Meta.load(row) for row in raw["records"]}
+            self.access = raw.get("access", "read_write")
+            self.limits = {k: int(v) for k, v in raw.get("limits", {}).items()}
             return True
         except FileNotFoundError:
             return False
@@ -89,8 +93,8 @@ class StoreState:
         """Write the state atomically (tmp + rename)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
-        data = {"format": 2, "cursor": self.cursor,
-                "records": [m.dump() for m in self.records.values()]}
+        data = {"format": 2, "cursor": self.cursor, "access": self.access,
+                "limits": self.limits, "records": [m.dump() for m in self.records.values()]}
         tmp.write_text(json.dumps(data, separators=(",", ":")))
         os.replace(tmp, self.path)
         self.dirty = False
@@ -103,6 +107,28 @@ class StoreState:
     def put(self, r: Record) -> None:
         self.records[r.id] = Meta.of(r)
         self.dirty = True
+
+    def remove(self, record_id: str | None) -> None:
+        if record_id is not None and self.records.pop(record_id, None) is not None:
+            self.dirty = True
+
+    def committed(self, e) -> None:
+        """Mirror what this sidecar's own committed outbox entry did on the control plane.
+        The change feed leaves our own versions out (``skip_actor``), so this is how they
+        reach the mirror; a restart or an offline start then shows them."""
+        if e.errno:
+            return
+        if e.op == "put" and e.record is not None:
+            self.put(e.record)
+        elif e.op == "delete":
+            self.remove(e.record_id)
+        elif e.op == "move" and e.record is not None:
+            if e.record_id != e.record.id:  # moved over another record: the source is gone
+                self.remove(e.record_id)
+            self.put(e.record)
+        elif e.op == "move_prefix":
+            for r in e.moved:
+                self.put(r)
 
     def apply(self, ch: Change) -> None:
         rec = ch.record
