@@ -469,10 +469,12 @@ class Filesystem:
         return 2 + sum(1 for c in n.children.values() if c.is_dir)
 
     # ------------------------------------------------------------------ content
-    def read(self, n: Node, off: int, size: int) -> bytes:
-        if n.special:
-            data = self.special_content(n)
-            return data[off:off + size]
+    def read(self, h: Handle, off: int, size: int) -> bytes:
+        """Bytes ``[off, off+size)`` of the file open as ``h``: the snapshot taken at open
+        for ``.memfuse`` files, else the write buffer or the cached blob."""
+        if h.snapshot is not None:
+            return h.snapshot[off:off + size]
+        n = h.node
         if n.buf is not None:
             return bytes(n.buf[off:off + size])
         if off >= n.size or not n.sha:

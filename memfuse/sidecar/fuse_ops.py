@@ -225,10 +225,7 @@ class MemfuseOps(pyfuse3.Operations):
 
     @_guard
     async def read(self, fh, off, size):
-        h = self.fs.handle(fh)
-        if h.snapshot is not None:
-            return h.snapshot[off:off + size]
-        return self.fs.read(h.node, off, size)
+        return self.fs.read(self.fs.handle(fh), off, size)
 
     @_guard
     async def write(self, fh, off, buf):

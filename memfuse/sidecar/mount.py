@@ -590,9 +590,8 @@ async def serve_mount(config: MountConfig, client: ApiClient, *,
 
 async def drain(fs: Filesystem, committer: Committer, timeout: float) -> None:
     """Commit dirty files and wait up to ``timeout`` s for the outbox to empty."""
-    for n in list(fs.inodes.values()):
-        if n.dirty:
-            fs.commit(n)
+    for n in fs.dirty_nodes():
+        fs.commit(n)
     with trio.move_on_after(timeout):
         await committer.wait_idle()
     left = committer.depth()
