@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from memfuse.client import ApiClient  # noqa: E402
 from memfuse.fake import FakeControlPlane  # noqa: E402
 from memfuse.sidecar.mount import MountConfig, serve_mount, setup_logging  # noqa: E402
+from mountutil import dump_records  # noqa: E402  (this script's own folder is on sys.path)
 
 WORKSPACE = "ws"
 STORE = "default"
@@ -62,22 +63,7 @@ async def dump_state(fake: FakeControlPlane, path: Path, outbox: dict) -> None:
     an un-faulted transport, plus the fault counters; written atomically to ``path``."""
     api = ApiClient(fake.base_url, fake.admin_token, transport=httpx.ASGITransport(app=fake.app))
     async with api:
-        records = []
-        cursor = None
-        while True:
-            page = await api.list_records(STORE, cursor=cursor, limit=1000, content=True,
-                                          include_deleted=True)
-            records.extend(page.records)
-            if not page.next_cursor:
-                break
-            cursor = page.next_cursor
-        out = []
-        for r in records:
-            vs = await api.versions(STORE, r.id)
-            out.append({"id": r.id, "path": r.path, "deleted": r.deleted, "version": r.version,
-                        "sha256": r.sha256, "content": r.content,
-                        "versions": [{"version": v.version, "operation": v.operation.value,
-                                      "sha256": v.sha256, "path": v.path} for v in vs]})
+        out = await dump_records(api, STORE)
     state = {"records": out, "counters": dataclasses.asdict(fake.counters), "outbox": outbox}
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(state, indent=1))

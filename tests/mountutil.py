@@ -197,3 +197,24 @@ def live_records(cp: ControlPlane, store: str = "default") -> dict[str, object]:
     """path → Record of every live record in ``store``, read from the control plane."""
     records, _ = cp.call("snapshot", store, content=True)
     return {r.path: r for r in records}
+
+
+async def dump_records(api: ApiClient, store: str) -> list[dict]:
+    """Every record of ``store``, deleted ones too, with content and its version list, as
+    plain dicts (for comparing what the control plane holds with what a writer wrote)."""
+    records, cursor = [], None
+    while True:
+        page = await api.list_records(store, cursor=cursor, limit=1000, content=True,
+                                      include_deleted=True)
+        records.extend(page.records)
+        if not page.next_cursor:
+            break
+        cursor = page.next_cursor
+    out = []
+    for r in records:
+        vs = await api.versions(store, r.id)
+        out.append({"id": r.id, "path": r.path, "deleted": r.deleted, "version": r.version,
+                    "sha256": r.sha256, "content": r.content,
+                    "versions": [{"version": v.version, "operation": v.operation.value,
+                                  "sha256": v.sha256, "path": v.path} for v in vs]})
+    return out

@@ -38,7 +38,7 @@ import trio
 
 from memfuse.client import ApiClient
 from memfuse.models import sha256_hex
-from mountutil import ControlPlane, Sidecar, is_mounted, stop, unmount, wait_for
+from mountutil import ControlPlane, Sidecar, dump_records, is_mounted, stop, unmount, wait_for
 
 pytestmark = pytest.mark.mount
 
@@ -127,23 +127,7 @@ def cp_state(cp: ControlPlane, store: str = "default") -> list[dict]:
     the control plane through the API with the admin token (one client session)."""
     async def go() -> list[dict]:
         async with ApiClient(cp.url, cp.admin_token) as api:
-            recs = []
-            cursor = None
-            while True:
-                page = await api.list_records(store, cursor=cursor, limit=1000, content=True,
-                                              include_deleted=True)
-                recs.extend(page.records)
-                if not page.next_cursor:
-                    break
-                cursor = page.next_cursor
-            out = []
-            for r in recs:
-                vs = await api.versions(store, r.id)
-                out.append({"id": r.id, "path": r.path, "deleted": r.deleted,
-                            "content": r.content,
-                            "versions": [{"version": v.version, "operation": v.operation.value,
-                                          "sha256": v.sha256} for v in vs]})
-            return out
+            return await dump_records(api, store)
     return trio.run(go)
 
 
