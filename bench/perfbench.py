@@ -15,8 +15,8 @@ phase, so the long-poller's work on behalf of that phase is included).
 
 Run it from the repository root::
 
-    .venv/bin/python -c "from memfuse.server.perfbench import run; run()"
-    .venv/bin/python -c "from memfuse.server.perfbench import run; run(n=500, poller=False)"
+    .venv/bin/python bench/perfbench.py
+    .venv/bin/python bench/perfbench.py --n 500 --no-poller
 
 For a profile, start it with ``keep_server=True`` and attach ``py-spy record --pid PID``.
 """
@@ -248,3 +248,14 @@ def run(
             proc.wait()
         log.close()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description="micro-benchmark of the control plane's write path")
+    ap.add_argument("--n", type=int, default=300, help="files, each created, updated, moved, deleted")
+    ap.add_argument("--no-poller", action="store_true", help="no change-feed long-poll during the run")
+    ap.add_argument("--prefill", type=int, default=0, help="records created in the store first")
+    args = ap.parse_args()
+    run(args.n, poller=not args.no_poller, prefill=args.prefill)

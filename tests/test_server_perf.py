@@ -1,5 +1,5 @@
 """Functional tests of the control plane's cheap write path (no timings here; the benchmark
-is ``memfuse/server/perfbench.py``): the change feed's ``skip_actor``, the store usage
+is ``bench/perfbench.py``): the change feed's ``skip_actor``, the store usage
 counters kept by every write, their backfill in an older database, the token cache, and
 which long-polls a record write wakes."""
 from __future__ import annotations
