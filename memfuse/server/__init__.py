@@ -1,8 +1,10 @@
 """The reference control plane: the HTTP API of docs/API.md over SQLAlchemy.
 
 - ``db``: schema, engine, session rules;
-- ``content``: frontmatter type detection and content checks;
-- ``service``: the rules (no HTTP);
+- ``service``: the rules (no HTTP), ``Service`` composed from one room per resource:
+  ``base`` (refusals, callers, the write transaction), ``tokens``, ``stores`` (workspaces,
+  stores, attachments), ``records``, ``changes`` (feeds and the long-poll ``Notifier``),
+  ``context`` (the prompt block); content rules come from ``memfuse.content``;
 - ``app``: the FastAPI app (``create_app``);
 - ``serve``: hypercorn under trio (``serve``).
 

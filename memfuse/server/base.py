@@ -1,0 +1,327 @@
+"""What every resource of the control plane shares: refusals, callers, the write transaction.
+
+This room holds ``ServiceError`` (a refusal with its HTTP status and problem code),
+``Principal`` (who calls), ``IdempotencyRequest`` / ``Reply`` (the identity of a write and
+its stored response), the ``If-Match`` parser, and ``ServiceBase``: the state every resource
+reads (set by ``Service.__init__``), the access checks (admin, workspace, store) and
+``_write``, the one write transaction (idempotency check and store, retry on a concurrent
+conflict, wake-ups after the commit).
+
+It holds no resource's rules: those are in ``tokens``, ``stores``, ``records``, ``changes``
+and ``context``, composed into ``Service`` by ``memfuse.server.service``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel
+from sqlalchemy import and_, bindparam, delete, insert, select
+from sqlalchemy.engine import Connection, Row
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from memfuse import names
+from memfuse.models import Access
+from memfuse.server.db import (
+    AttachmentRow,
+    Database,
+    IdempotencyRow,
+    RecordRow,
+    StoreRow,
+    TokenRow,
+    VersionRow,
+    WorkspaceRow,
+    utcnow,
+)
+
+if TYPE_CHECKING:
+    from memfuse.server.changes import Notifier
+
+log = logging.getLogger("memfuse.server.service")  # every room of the Service logs under one name
+
+# The tables, for SQLAlchemy Core statements (the record paths skip the ORM unit of work).
+_R = RecordRow.__table__
+_V = VersionRow.__table__
+_S = StoreRow.__table__
+_A = AttachmentRow.__table__
+_I = IdempotencyRow.__table__
+_T = TokenRow.__table__
+
+IDEMPOTENCY_TTL = timedelta(hours=24)
+
+
+# ---------------------------------------------------------------- errors and principals
+
+
+class ServiceError(Exception):
+    """A refusal with its HTTP ``status`` and problem ``code`` (docs/API.md error table).
+
+    ``extra`` holds additional problem members (``record_id``, ``sha256``); ``headers`` extra
+    response headers (``WWW-Authenticate``, ``Retry-After``).
+    """
+
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        detail: str = "",
+        *,
+        headers: dict[str, str] | None = None,
+        **extra: object,
+    ) -> None:
+        super().__init__(f"{status} {code}: {detail}")
+        self.status = status
+        self.code = code
+        self.detail = detail
+        self.headers = headers or {}
+        self.extra = extra
+
+
+def _unauthorized(detail: str) -> ServiceError:
+    return ServiceError(401, "unauthorized", detail, headers={"WWW-Authenticate": "Bearer"})
+
+
+def _name_error(err: names.NameError_, what: str = "path") -> ServiceError:
+    if err.too_long:
+        return ServiceError(422, "path_too_long", f"{what}: {err.reason}")
+    return ServiceError(422, "invalid_path", f"{what}: {err.reason}")
+
+
+def _check_path(path: str, what: str = "path") -> str:
+    try:
+        return names.check_path(path)
+    except names.NameError_ as err:
+        raise _name_error(err, what) from None
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who calls: a workspace token (``workspace`` set) or an admin token (None).
+
+    ``name`` is the token's name (``"static"`` for tokens given to ``create_app``);
+    ``instance`` the sidecar id from ``X-Memfuse-Instance``.
+    """
+
+    workspace: str | None
+    name: str = "static"
+    instance: str | None = None
+
+    @property
+    def is_admin(self) -> bool:
+        return self.workspace is None
+
+    @property
+    def actor(self) -> str:
+        """``ws:<workspace>/<instance or "api">`` or ``admin:<token name or "static">``."""
+        if self.workspace is None:
+            return f"admin:{self.name or 'static'}"
+        return f"ws:{self.workspace}/{self.instance or 'api'}"
+
+    @property
+    def scope(self) -> str:
+        """Idempotency-key scope: the token's workspace, or ``admin``."""
+        return "admin" if self.workspace is None else f"ws:{self.workspace}"
+
+
+@dataclass(frozen=True)
+class IdempotencyRequest:
+    """The identity of a write sent with ``Idempotency-Key``: key, method, URL path and the
+    sha256 of the raw body."""
+
+    key: str
+    method: str
+    url_path: str
+    body_sha256: str
+
+
+@dataclass
+class Reply:
+    """The response to a write: ``status``, JSON ``body`` (empty for 204), ``headers``;
+    ``replayed`` when it is the stored response of an earlier request with the same key."""
+
+    status: int
+    body: bytes
+    headers: dict[str, str] = field(default_factory=dict)
+    replayed: bool = False
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def parse_if_match(header: str | None) -> list[str] | None:
+    """Parse an ``If-Match`` value (RFC 9110 §13.1.1).
+
+    Returns None when absent or empty (no precondition), ``["*"]`` for ``*``, else the list
+    of strong entity-tag values without quotes. Weak tags (``W/"..."``) are dropped because
+    ``If-Match`` uses strong comparison; an unquoted token is accepted as a tag (lenient).
+    """
+    if header is None or not header.strip():
+        return None
+    header = header.strip()
+    if header == "*":
+        return ["*"]
+    tags: list[str] = []
+    for part in header.split(","):
+        part = part.strip()
+        if not part or part.startswith("W/"):
+            continue
+        if len(part) >= 2 and part[0] == part[-1] == '"':
+            part = part[1:-1]
+        tags.append(part)
+    return tags
+
+
+def body_sha256(body: bytes) -> str:
+    """sha256 hex of a raw request body (the idempotency request hash)."""
+    return hashlib.sha256(body).hexdigest()
+
+
+# Statements of the hot paths, built once (parameters at execution).
+_SELECT_STORE = select(_S).where(_S.c.slug == bindparam("slug"))
+_SELECT_STORE_FOR_UPDATE = _SELECT_STORE.with_for_update(of=_S)
+_SELECT_ATTACHED_STORE = (
+    select(_S, _A.c.access)
+    .join(_A, and_(_A.c.store == _S.c.slug, _A.c.workspace == bindparam("ws")))
+    .where(_S.c.slug == bindparam("slug"))
+)
+_SELECT_ATTACHED_STORE_FOR_UPDATE = _SELECT_ATTACHED_STORE.with_for_update(of=_S)
+_INSERT_IDEM = insert(_I)
+_SELECT_IDEM = select(
+    _I.c.id, _I.c.method, _I.c.url_path, _I.c.request_hash, _I.c.status, _I.c.response_body,
+    _I.c.response_headers, _I.c.created_at,
+).where(_I.c.scope == bindparam("scope"), _I.c.key == bindparam("key"))
+
+
+# ---------------------------------------------------------------- the shared machinery
+
+
+class ServiceBase:
+    """The state every resource reads and the machinery they share; ``Service`` composes
+    the resources over it (``memfuse.server.service``) and sets the state in ``__init__``."""
+
+    db: Database
+    context_max_bytes: int
+    static_tokens: dict[str, str | None]
+    notifier: Notifier
+    closing: bool  # set at server shutdown: long-polls answer at once
+    _last_idem_cleanup: float
+    # sha256 of a database token → (workspace, name, monotonic expiry)
+    _token_cache: dict[str, tuple[str | None, str, float]]
+
+    @staticmethod
+    def _require_admin(p: Principal) -> None:
+        if not p.is_admin:
+            raise ServiceError(403, "forbidden", "this needs an admin token")
+
+    @staticmethod
+    def _workspace(s: Session, p: Principal, ws: str) -> WorkspaceRow:
+        if not p.is_admin and p.workspace != ws:
+            raise ServiceError(403, "forbidden", "the token belongs to another workspace")
+        row = s.get(WorkspaceRow, ws)
+        if row is None:
+            raise ServiceError(404, "workspace_not_found", f"no workspace {ws!r}")
+        return row
+
+    @staticmethod
+    def _store(conn: Connection, p: Principal, slug: str, *, write: bool = False) -> Row:
+        """The store row (Core: its columns, usage counters included), if the principal may
+        see it (and write it, with ``write``), in one query with the attachment. A write
+        locks the store row on PostgreSQL (serialises the store's versions)."""
+        if p.is_admin:
+            st = conn.execute(_SELECT_STORE_FOR_UPDATE if write else _SELECT_STORE, {"slug": slug}).first()
+        else:
+            st = conn.execute(
+                _SELECT_ATTACHED_STORE_FOR_UPDATE if write else _SELECT_ATTACHED_STORE,
+                {"slug": slug, "ws": p.workspace},
+            ).first()
+        if st is None:
+            if p.is_admin:
+                raise ServiceError(404, "store_not_found", f"no store {slug!r}")
+            raise ServiceError(404, "store_not_attached", f"store {slug!r} is not attached to this workspace")
+        if write and not p.is_admin and st.access != Access.read_write.value:
+            raise ServiceError(403, "read_only", f"store {slug!r} is attached read-only")
+        return st
+
+    # ------------------------------------------------------------ write machinery
+
+    def _write(
+        self,
+        p: Principal,
+        idem: IdempotencyRequest | None,
+        status: int,
+        fn: Callable[[Any], BaseModel | None],
+        *,
+        etag: bool = False,
+        feed: str | None = None,
+    ) -> Reply:
+        """Run ``fn`` in a write transaction with the idempotency check and store; commit;
+        wake long-polls. ``fn`` gets an ORM ``Session`` or, with ``feed`` (the slug of the
+        only store whose records ``fn`` writes), a Core ``Connection``; then only that
+        store's change feeds are woken. Raises ``ServiceError`` from ``fn``, or 422
+        ``idempotency_key_reused``; ``sqlalchemy.exc.OperationalError`` when the database
+        stays locked."""
+        for attempt in range(3):
+            try:
+                with (self.db.write_conn() if feed is not None else self.db.write()) as s:
+                    conn = s if feed is not None else s.connection()
+                    if idem is not None:
+                        replay = self._idem_lookup(conn, p, idem)
+                        if replay is not None:
+                            return replay
+                    result = fn(s)
+                    body = result.model_dump_json().encode() if result is not None else b""
+                    headers: dict[str, str] = {}
+                    if etag and result is not None and getattr(result, "sha256", None):
+                        headers["ETag"] = f'"{result.sha256}"'
+                    if idem is not None:
+                        conn.execute(
+                            _INSERT_IDEM,
+                            {
+                                "scope": p.scope,
+                                "key": idem.key,
+                                "method": idem.method,
+                                "url_path": idem.url_path,
+                                "request_hash": idem.body_sha256,
+                                "status": status,
+                                "response_body": body.decode(),
+                                "response_headers": json.dumps(headers),
+                                "created_at": utcnow(),
+                            },
+                        )
+                break
+            except IntegrityError:
+                # A concurrent transaction (another process, PostgreSQL) took the same path or
+                # idempotency key first: run again, the checks now see it.
+                log.info("write conflicted with a concurrent one (attempt %d)", attempt + 1)
+                if attempt == 2:
+                    raise ServiceError(409, "exists", "conflicting concurrent write") from None
+        if feed is not None:
+            self.notifier.notify(feed, p.actor)
+        else:
+            self.notifier.notify()
+        return Reply(status, body, headers)
+
+    def _idem_lookup(self, conn: Connection, p: Principal, idem: IdempotencyRequest) -> Reply | None:
+        now = utcnow()
+        if time.monotonic() - self._last_idem_cleanup > 60:
+            self._last_idem_cleanup = time.monotonic()
+            conn.execute(delete(_I).where(_I.c.created_at < now - IDEMPOTENCY_TTL))
+        row = conn.execute(_SELECT_IDEM, {"scope": p.scope, "key": idem.key}).first()
+        if row is None:
+            return None
+        if row.created_at < now - IDEMPOTENCY_TTL:
+            conn.execute(delete(_I).where(_I.c.id == row.id))
+            return None
+        if (row.method, row.url_path, row.request_hash) != (idem.method, idem.url_path, idem.body_sha256):
+            raise ServiceError(
+                422, "idempotency_key_reused", "this Idempotency-Key was used for a different request"
+            )
+        return Reply(row.status, row.response_body.encode(), json.loads(row.response_headers), replayed=True)
+

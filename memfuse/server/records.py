@@ -1,0 +1,628 @@
+"""Records and their versions: reads (snapshot pages, records, versions) and every write.
+
+A write appends a version and updates the record row and the store's usage counters in one
+transaction (``ServiceBase._write`` with ``feed`` = the store), through SQLAlchemy Core on the
+session's connection. Content rules (UTF-8, type, secrets) come from :mod:`memfuse.content`,
+mapped here to problem codes. The change feed that reads these versions is in ``changes``.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import uuid
+from collections.abc import Iterable
+from datetime import datetime
+
+from sqlalchemy import and_, bindparam, false, func, insert, or_, select, update
+from sqlalchemy.engine import Connection, Row
+
+from memfuse import content as content_rules
+from memfuse.models import (
+    MoveResult,
+    Operation,
+    PrefixMove,
+    Record,
+    RecordCreate,
+    RecordMove,
+    RecordPage,
+    RecordUpdate,
+    Restore,
+    Version,
+    sha256_hex,
+)
+from memfuse.server.base import (
+    _R,
+    _S,
+    _V,
+    IdempotencyRequest,
+    Principal,
+    Reply,
+    ServiceBase,
+    ServiceError,
+    _check_path,
+    parse_if_match,
+)
+from memfuse.server.db import utcnow
+
+log = logging.getLogger("memfuse.server.service")  # every room of the Service logs under one name
+
+
+def _check_if_match(header: str | None, current_sha: str) -> None:
+    tags = parse_if_match(header)
+    if tags is None or tags == ["*"] or current_sha in tags:
+        return
+    raise ServiceError(
+        412, "precondition_failed", "the record has changed since that version", sha256=current_sha
+    )
+
+
+def _check_content(text: str) -> bytes:
+    """``text`` as UTF-8; 422 ``invalid_content`` when it holds NUL or cannot be encoded
+    (lone surrogates from JSON ``\\ud800``)."""
+    try:
+        return content_rules.check_text(text)
+    except ValueError as err:
+        raise ServiceError(422, "invalid_content", str(err)) from None
+
+
+def _resolve_type(path: str, text: str, explicit: str | None, fallback: str | None) -> str | None:
+    """The validated type (explicit > frontmatter > ``fallback``; None for the root
+    ``MEMORY.md``); 422 ``invalid_type``."""
+    try:
+        t = content_rules.record_type(path, text, explicit, fallback)
+        if t is None and not content_rules.is_index(path):
+            raise content_rules.InvalidType("the record has no type and no default applies")
+        content_rules.check_type(t)
+        return t
+    except ValueError as err:
+        raise ServiceError(422, "invalid_type", str(err)) from None
+
+
+def _secret_error(reason: str) -> ServiceError:
+    """422 ``secret_detected``; ``reason`` names the kind and line, never the secret."""
+    return ServiceError(
+        422,
+        "secret_detected",
+        f"content holds a secret ({reason}); memory must not store credentials: remove it and write again",
+    )
+
+
+def _check_record_size(store: Row, size: int) -> None:
+    if size > store.max_record_bytes:
+        raise ServiceError(
+            413,
+            "record_too_large",
+            f"record is {size} bytes, the store allows {store.max_record_bytes}",
+        )
+
+
+def _encode_cursor(path: str, record_id: str) -> str:
+    raw = json.dumps([path, record_id], ensure_ascii=False).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def _decode_cursor(cursor: str) -> tuple[str, str]:
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+        path, rid = json.loads(raw)
+        if not isinstance(path, str) or not isinstance(rid, str):
+            raise ValueError
+        return path, rid
+    except Exception:
+        raise ServiceError(422, "validation_error", "cursor is not one this server gave out") from None
+
+
+_RECORD_COLUMNS = tuple(c.name for c in _R.c)
+
+
+class _Rec:
+    """One ``records`` row as a plain mutable object (no ORM session): every column is an
+    attribute. Made from a Core row with ``of``; written back by ``Service._add_version``."""
+
+    __slots__ = _RECORD_COLUMNS
+
+    def __init__(self, **values: object) -> None:
+        for k, v in values.items():
+            setattr(self, k, v)
+
+    @classmethod
+    def of(cls, row: Row) -> "_Rec":
+        """The record of a ``select(records)`` row."""
+        return cls(**row._mapping)
+
+    def values(self) -> dict[str, object]:
+        """Every column → value."""
+        return {k: getattr(self, k) for k in _RECORD_COLUMNS}
+
+
+# Statements of the hot paths, built once (parameters at execution).
+_INSERT_RECORD = insert(_R)
+_INSERT_VERSION = insert(_V)
+_UPDATE_RECORD = update(_R).where(_R.c.id == bindparam("rid"))
+_UPDATE_USAGE = (
+    update(_S)
+    .where(_S.c.slug == bindparam("slug_"))
+    .values(
+        usage_bytes=_S.c.usage_bytes + bindparam("d_bytes"),
+        record_count=_S.c.record_count + bindparam("d_count"),
+    )
+)
+_SELECT_RECORD = select(_R).where(_R.c.id == bindparam("rid"))
+_SELECT_LIVE_AT = select(_R).where(
+    _R.c.store == bindparam("store"), _R.c.path == bindparam("path"), _R.c.deleted == false()
+)
+_SELECT_LIVE_ID_AT = select(_R.c.id).where(
+    _R.c.store == bindparam("store"), _R.c.path == bindparam("path"), _R.c.deleted == false()
+)
+
+
+def _record_model(rec: _Rec | Row, *, with_content: bool) -> Record:
+    return Record(
+        id=rec.id,
+        store=rec.store,
+        path=rec.path,
+        type=rec.type,
+        version=rec.version,
+        sha256=rec.sha256,
+        size=rec.size,
+        deleted=rec.deleted,
+        created_at=rec.created_at,
+        updated_at=rec.updated_at,
+        updated_by=rec.updated_by,
+        seq=rec.seq,
+        content=rec.content if with_content else None,
+    )
+
+
+def _version_model(v: Row, *, with_content: bool) -> Version:
+    return Version(
+        record_id=v.record_id,
+        version=v.version,
+        operation=Operation(v.operation),
+        path=v.path,
+        type=v.type,
+        sha256=v.sha256,
+        size=v.size,
+        created_at=v.created_at,
+        actor=v.actor,
+        redacted=v.redacted,
+        seq=v.seq,
+        content=v.content if with_content and not v.redacted else None,
+    )
+
+
+def _usage(conn: Connection, slugs: Iterable[str] | None = None) -> dict[str, tuple[int, int]]:
+    """Live (record_count, bytes) per store slug, counted from the records (a full scan of
+    the stores' live records: for checks and tests, never on a request path)."""
+    q = select(_R.c.store, func.count(), func.coalesce(func.sum(_R.c.size), 0)).where(_R.c.deleted == false())
+    if slugs is not None:
+        q = q.where(_R.c.store.in_(list(slugs)))
+    return {slug: (int(n), int(b)) for slug, n, b in conn.execute(q.group_by(_R.c.store))}
+
+
+class RecordsMixin(ServiceBase):
+    """``Service`` methods: record reads (``list_records``, ``get_record``, ``list_versions``,
+    ``get_version``) and writes (``create_record``, ``update_record``, ``move_record``,
+    ``move_prefix``, ``delete_record``, ``restore_record``, ``redact_version``)."""
+
+    @staticmethod
+    def _record(conn: Connection, st: Row, record_id: str) -> _Rec:
+        row = conn.execute(_SELECT_RECORD, {"rid": record_id}).first()
+        if row is None or row.store != st.slug:
+            raise ServiceError(404, "record_not_found", f"no record {record_id!r} in store {st.slug!r}")
+        return _Rec.of(row)
+
+    @staticmethod
+    def _live(rec: _Rec) -> _Rec:
+        if rec.deleted:
+            raise ServiceError(404, "record_not_found", f"record {rec.id!r} is deleted")
+        return rec
+
+    @staticmethod
+    def _live_at(conn: Connection, store: str, path: str) -> _Rec | None:
+        row = conn.execute(_SELECT_LIVE_AT, {"store": store, "path": path}).first()
+        return _Rec.of(row) if row is not None else None
+
+    @staticmethod
+    def _live_at_id(conn: Connection, store: str, path: str) -> str | None:
+        """The id of the live record at ``path``, if any."""
+        return conn.scalar(_SELECT_LIVE_ID_AT, {"store": store, "path": path})
+    @staticmethod
+    def _add_version(
+        conn: Connection,
+        rec: _Rec,
+        op: Operation,
+        actor: str,
+        now: datetime,
+        *,
+        old_path: str | None = None,
+        new: bool = False,
+    ) -> int:
+        """Append version ``rec.version`` (already bumped by the caller) from the record's
+        current state and write the record row (inserted when ``new``); sets ``rec.seq``,
+        ``updated_at``, ``updated_by``. Returns the version's seq."""
+        rec.updated_at = now
+        rec.updated_by = actor
+        if new:
+            rec.seq = 0
+            conn.execute(_INSERT_RECORD, rec.values())  # before the version that references it
+        seq = conn.execute(
+            _INSERT_VERSION,
+            {
+                "record_id": rec.id,
+                "store": rec.store,
+                "version": rec.version,
+                "operation": op.value,
+                "path": rec.path,
+                "old_path": old_path,
+                "type": rec.type,
+                "sha256": rec.sha256,
+                "size": rec.size,
+                "content": rec.content,
+                "created_at": now,
+                "actor": actor,
+                "redacted": False,
+            },
+        ).inserted_primary_key[0]
+        rec.seq = seq
+        if new:
+            conn.execute(_UPDATE_RECORD, {"rid": rec.id, "seq": seq})
+        else:
+            values = rec.values()
+            for k in ("id", "store", "created_at"):
+                del values[k]
+            values["rid"] = rec.id
+            conn.execute(_UPDATE_RECORD, values)
+        return seq
+
+    @staticmethod
+    def _use(
+        conn: Connection, st: Row, d_bytes: int, d_count: int, *, grew_bytes: bool, grew_count: bool
+    ) -> None:
+        """Add ``d_bytes`` / ``d_count`` to the store's usage counters (``st`` was read in
+        this transaction, under the write lock). 507 ``store_full`` when the write grew usage
+        (``grew_*``) and the store is now over a limit; the caller's transaction then rolls
+        back, counters included."""
+        n, b = st.record_count + d_count, st.usage_bytes + d_bytes
+        if grew_count and n > st.max_records:
+            raise ServiceError(507, "store_full", f"store {st.slug!r} holds its limit of {st.max_records} records")
+        if grew_bytes and b > st.max_store_bytes:
+            raise ServiceError(
+                507, "store_full", f"store {st.slug!r} would hold {b} bytes, limit {st.max_store_bytes}"
+            )
+        if d_bytes or d_count:
+            conn.execute(_UPDATE_USAGE, {"slug_": st.slug, "d_bytes": d_bytes, "d_count": d_count})
+
+    # ------------------------------------------------------------ records: reads
+
+    def list_records(
+        self,
+        p: Principal,
+        slug: str,
+        *,
+        cursor: str | None = None,
+        limit: int = 500,
+        with_content: bool = False,
+        path: str | None = None,
+        include_deleted: bool = False,
+    ) -> RecordPage:
+        """One snapshot page ordered by (path, id); ``seq`` is the store's change-feed position
+        read before the page. Raises 422 ``validation_error`` for a foreign cursor."""
+        with self.db.read_conn() as conn:
+            st = self._store(conn, p, slug)
+            seq = conn.scalar(select(func.max(_V.c.seq)).where(_V.c.store == st.slug)) or 0
+            path_col = _R.c.path
+            if self.db.engine.dialect.name == "postgresql":
+                path_col = _R.c.path.collate("C")  # byte order, as SQLite compares
+            q = select(_R).where(_R.c.store == st.slug)
+            if not include_deleted:
+                q = q.where(_R.c.deleted == false())
+            if path is not None:
+                q = q.where(_R.c.path == path)
+            if cursor:
+                cp, cid = _decode_cursor(cursor)
+                q = q.where(or_(path_col > cp, and_(_R.c.path == cp, _R.c.id > cid)))
+            rows = conn.execute(q.order_by(path_col, _R.c.id).limit(limit + 1)).all()
+            more = len(rows) > limit
+            rows = rows[:limit]
+            return RecordPage(
+                records=[_record_model(r, with_content=with_content) for r in rows],
+                next_cursor=_encode_cursor(rows[-1].path, rows[-1].id) if more else None,
+                seq=seq,
+            )
+
+    def get_record(self, p: Principal, slug: str, record_id: str, *, with_content: bool = True) -> Record:
+        """The record (deleted ones too, with ``deleted`` true); 404 ``record_not_found``."""
+        with self.db.read_conn() as conn:
+            st = self._store(conn, p, slug)
+            return _record_model(self._record(conn, st, record_id), with_content=with_content)
+
+    def list_versions(self, p: Principal, slug: str, record_id: str) -> list[Version]:
+        """Every version of the record without content, oldest first."""
+        with self.db.read_conn() as conn:
+            st = self._store(conn, p, slug)
+            self._record(conn, st, record_id)
+            rows = conn.execute(
+                select(_V).where(_V.c.record_id == record_id).order_by(_V.c.version)
+            ).all()
+            return [_version_model(v, with_content=False) for v in rows]
+
+    def get_version(self, p: Principal, slug: str, record_id: str, n: int) -> Version:
+        """Version ``n`` with content (None when redacted); 404 ``version_not_found``."""
+        with self.db.read_conn() as conn:
+            st = self._store(conn, p, slug)
+            self._record(conn, st, record_id)
+            return _version_model(self._version(conn, record_id, n), with_content=True)
+
+    @staticmethod
+    def _version(conn: Connection, record_id: str, n: int) -> Row:
+        v = conn.execute(select(_V).where(_V.c.record_id == record_id, _V.c.version == n)).first()
+        if v is None:
+            raise ServiceError(404, "version_not_found", f"record {record_id!r} has no version {n}")
+        return v
+    # ------------------------------------------------------------ records: writes
+
+    def create_record(
+        self, p: Principal, slug: str, body: RecordCreate, idem: IdempotencyRequest | None = None
+    ) -> Reply:
+        """201 [Record] without content, with ``ETag``. Refusals, in this order: 422
+        ``invalid_path`` / ``path_too_long`` / ``invalid_content``, 413 ``record_too_large``,
+        422 ``invalid_type``, 422 ``secret_detected``, 409 ``path_exists`` (with
+        ``record_id``), 507 ``store_full``. Type: the request's ``type``, else the
+        frontmatter, else the store's ``default_type`` (None for the root ``MEMORY.md``)."""
+        path = _check_path(body.path)
+        raw = _check_content(body.content)
+        secret = content_rules.find_secret(body.content)  # outside the write lock
+        sha = sha256_hex(raw)
+
+        def fn(conn: Connection) -> Record:
+            st = self._store(conn, p, slug, write=True)
+            _check_record_size(st, len(raw))
+            rtype = _resolve_type(path, body.content, body.type, st.default_type)
+            if secret is not None:
+                raise _secret_error(secret)
+            other = self._live_at_id(conn, st.slug, path)
+            if other is not None:
+                raise ServiceError(409, "path_exists", f"{path!r} exists", record_id=other)
+            now = utcnow()
+            rec = _Rec(
+                id=str(uuid.uuid4()), store=st.slug, path=path, type=rtype, version=1,
+                sha256=sha, size=len(raw), content=body.content, deleted=False,
+                created_at=now, updated_at=now, updated_by=p.actor, seq=0,
+            )
+            self._add_version(conn, rec, Operation.created, p.actor, now, new=True)
+            self._use(conn, st, len(raw), 1, grew_bytes=True, grew_count=True)
+            return _record_model(rec, with_content=False)
+
+        return self._write(p, idem, 201, fn, etag=True, feed=slug)
+
+    def update_record(
+        self,
+        p: Principal,
+        slug: str,
+        record_id: str,
+        body: RecordUpdate,
+        if_match: str | None = None,
+        idem: IdempotencyRequest | None = None,
+    ) -> Reply:
+        """200 [Record] without content, with ``ETag``. Identical content and type → the
+        current record, no new version. 404 for a deleted record, 412 ``precondition_failed``
+        (with ``sha256``) when ``if_match`` does not match, plus the create refusals.
+
+        Type: the request's ``type``, else the new content's frontmatter, else the record's
+        current type (so a type set explicitly, e.g. through the ``user.memfuse.type`` xattr,
+        survives later edits of a file without frontmatter)."""
+        raw = _check_content(body.content)
+        secret = content_rules.find_secret(body.content)  # outside the write lock
+        sha = sha256_hex(raw)
+
+        def fn(conn: Connection) -> Record:
+            st = self._store(conn, p, slug, write=True)
+            rec = self._live(self._record(conn, st, record_id))
+            _check_if_match(if_match, rec.sha256)
+            _check_record_size(st, len(raw))
+            current = rec.type if rec.type is not None else st.default_type
+            rtype = _resolve_type(rec.path, body.content, body.type, current)
+            if secret is not None:
+                raise _secret_error(secret)
+            if sha == rec.sha256 and rtype == rec.type:
+                return _record_model(rec, with_content=False)
+            old_size = rec.size
+            rec.content, rec.sha256, rec.size, rec.type = body.content, sha, len(raw), rtype
+            rec.version += 1
+            self._add_version(conn, rec, Operation.modified, p.actor, utcnow())
+            self._use(conn, st, len(raw) - old_size, 0, grew_bytes=len(raw) > old_size, grew_count=False)
+            return _record_model(rec, with_content=False)
+
+        return self._write(p, idem, 200, fn, etag=True, feed=slug)
+
+    def move_record(
+        self,
+        p: Principal,
+        slug: str,
+        record_id: str,
+        body: RecordMove,
+        if_match: str | None = None,
+        idem: IdempotencyRequest | None = None,
+    ) -> Reply:
+        """200 [MoveResult] with the one resulting record. Same path → no-op. Target taken:
+        409 ``path_exists`` unless ``replace``, in which case the target keeps its id and gets
+        a ``modified`` version with this record's content and type (none when identical) and
+        this record gets a ``deleted`` version. Moving onto / off the root ``MEMORY.md``
+        drops / re-derives the type."""
+        new_path = _check_path(body.path)
+
+        def fn(conn: Connection) -> MoveResult:
+            st = self._store(conn, p, slug, write=True)
+            rec = self._live(self._record(conn, st, record_id))
+            _check_if_match(if_match, rec.sha256)
+            if new_path == rec.path:
+                return MoveResult(records=[_record_model(rec, with_content=False)])
+            new_type = self._type_after_move(rec, new_path, st)
+            now = utcnow()
+            target = self._live_at(conn, st.slug, new_path)
+            if target is not None:
+                if not body.replace:
+                    raise ServiceError(409, "path_exists", f"{new_path!r} exists", record_id=target.id)
+                rec.deleted = True
+                rec.version += 1
+                self._add_version(conn, rec, Operation.deleted, p.actor, now)
+                d_bytes = -rec.size
+                if (target.sha256, target.type) != (rec.sha256, new_type):
+                    d_bytes += rec.size - target.size
+                    target.content, target.sha256, target.size, target.type = (
+                        rec.content, rec.sha256, rec.size, new_type,
+                    )
+                    target.version += 1
+                    self._add_version(conn, target, Operation.modified, p.actor, now)
+                self._use(conn, st, d_bytes, -1, grew_bytes=False, grew_count=False)  # shrinks
+                return MoveResult(records=[_record_model(target, with_content=False)])
+            old_path = rec.path
+            rec.path, rec.type = new_path, new_type
+            rec.version += 1
+            self._add_version(conn, rec, Operation.moved, p.actor, now, old_path=old_path)
+            return MoveResult(records=[_record_model(rec, with_content=False)])
+
+        return self._write(p, idem, 200, fn, feed=slug)
+
+    @staticmethod
+    def _type_after_move(rec: _Rec, new_path: str, st: Row) -> str | None:
+        if content_rules.is_index(new_path):
+            return None
+        if content_rules.is_index(rec.path) or rec.type is None:
+            return _resolve_type(new_path, rec.content or "", None, st.default_type)
+        return rec.type
+
+    def move_prefix(self, p: Principal, slug: str, body: PrefixMove, idem: IdempotencyRequest | None = None) -> Reply:
+        """200 [MoveResult] with every moved record (ordered by new path), in one transaction:
+        each live record under ``from_prefix/`` moves to ``to_prefix/`` with a ``moved``
+        version. 409 ``path_exists`` when a target is taken by a record that does not move
+        (nothing changes); 422 ``invalid_path`` / ``path_too_long`` for bad prefixes or
+        targets, or when ``to_prefix`` is inside ``from_prefix``."""
+        src = _check_path(body.from_prefix.rstrip("/"), "from_prefix")
+        dst = _check_path(body.to_prefix.rstrip("/"), "to_prefix")
+        if dst == src or dst.startswith(src + "/"):
+            raise ServiceError(422, "invalid_path", "to_prefix is inside from_prefix")
+
+        def fn(conn: Connection) -> MoveResult:
+            st = self._store(conn, p, slug, write=True)
+            like = src.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "/%"
+            rows = conn.execute(
+                select(_R).where(
+                    _R.c.store == st.slug,
+                    _R.c.deleted == false(),
+                    _R.c.path.like(like, escape="\\"),
+                )
+            ).all()
+            moving = [_Rec.of(r) for r in rows if r.path.startswith(src + "/")]  # LIKE may fold case
+            plan = []  # (record, old path, new path)
+            for r in moving:
+                plan.append((r, r.path, _check_path(dst + r.path[len(src):], "target path")))
+            moving_ids = {r.id for r in moving}
+            for r, _, new_path in plan:
+                other = self._live_at_id(conn, st.slug, new_path)
+                if other is not None and other not in moving_ids:
+                    raise ServiceError(409, "path_exists", f"{new_path!r} exists", record_id=other)
+            # Two steps so the live-path unique index never sees a transient duplicate
+            # (a target may be the old path of another moving record). The parking path has
+            # a leading slash, so no valid record path equals it (and no NUL: PostgreSQL text
+            # cannot hold one).
+            for r, _, _ in plan:
+                conn.execute(_UPDATE_RECORD, {"rid": r.id, "path": f"/moving/{r.id}"})
+            now = utcnow()
+            plan.sort(key=lambda x: x[2])
+            for r, old_path, new_path in plan:
+                r.path = new_path
+                r.version += 1
+                self._add_version(conn, r, Operation.moved, p.actor, now, old_path=old_path)
+            log.info("moved %d records in store %s", len(plan), st.slug)
+            return MoveResult(records=[_record_model(r, with_content=False) for r, _, _ in plan])
+
+        return self._write(p, idem, 200, fn, feed=slug)
+
+    def delete_record(
+        self,
+        p: Principal,
+        slug: str,
+        record_id: str,
+        if_match: str | None = None,
+        idem: IdempotencyRequest | None = None,
+    ) -> Reply:
+        """204; a ``deleted`` version is kept (with the content, so it can be restored).
+        404 when missing or already deleted; 412 when ``if_match`` does not match."""
+
+        def fn(conn: Connection) -> None:
+            st = self._store(conn, p, slug, write=True)
+            rec = self._live(self._record(conn, st, record_id))
+            _check_if_match(if_match, rec.sha256)
+            rec.deleted = True
+            rec.version += 1
+            self._add_version(conn, rec, Operation.deleted, p.actor, utcnow())
+            self._use(conn, st, -rec.size, -1, grew_bytes=False, grew_count=False)
+            return None
+
+        return self._write(p, idem, 204, fn, feed=slug)
+
+    def restore_record(
+        self, p: Principal, slug: str, record_id: str, body: Restore, idem: IdempotencyRequest | None = None
+    ) -> Reply:
+        """200 [Record] with ``ETag``: a ``restored`` version with version n's content, type
+        and path; undeletes a deleted record. No new version when the live record already is
+        that content, type and path. 404 ``version_not_found``; 409 ``redacted``; 409
+        ``path_exists`` when another live record holds the path; 413 / 507 against the
+        store's current limits; 422 ``secret_detected`` when that version holds a secret
+        (written before the rule, or under another detector)."""
+
+        def fn(conn: Connection) -> Record:
+            st = self._store(conn, p, slug, write=True)
+            rec = self._record(conn, st, record_id)
+            v = self._version(conn, record_id, body.version)
+            if v.redacted or v.content is None:
+                raise ServiceError(409, "redacted", f"version {body.version} was redacted")
+            if not rec.deleted and (rec.path, rec.sha256, rec.type) == (v.path, v.sha256, v.type):
+                return _record_model(rec, with_content=False)
+            other = self._live_at_id(conn, st.slug, v.path)
+            if other is not None and other != rec.id:
+                raise ServiceError(409, "path_exists", f"{v.path!r} exists", record_id=other)
+            _check_record_size(st, v.size)
+            secret = content_rules.find_secret(v.content)
+            if secret is not None:
+                raise _secret_error(secret)
+            grew_count = rec.deleted
+            grew_bytes = rec.deleted or v.size > rec.size
+            d_bytes = v.size if rec.deleted else v.size - rec.size
+            old_path = rec.path if rec.path != v.path else None
+            rec.path, rec.content, rec.sha256, rec.size, rec.type = v.path, v.content, v.sha256, v.size, v.type
+            rec.deleted = False
+            rec.version += 1
+            self._add_version(conn, rec, Operation.restored, p.actor, utcnow(), old_path=old_path)
+            self._use(conn, st, d_bytes, 1 if grew_count else 0, grew_bytes=grew_bytes, grew_count=grew_count)
+            return _record_model(rec, with_content=False)
+
+        return self._write(p, idem, 200, fn, etag=True, feed=slug)
+
+    def redact_version(
+        self, p: Principal, slug: str, record_id: str, n: int, idem: IdempotencyRequest | None = None
+    ) -> Reply:
+        """200 [Version]: version n's content removed, audit fields kept (admin). 409
+        ``current_version`` for a live record's current version; 404 ``version_not_found``."""
+        self._require_admin(p)
+
+        def fn(conn: Connection) -> Version:
+            st = self._store(conn, p, slug, write=True)
+            rec = self._record(conn, st, record_id)
+            v = self._version(conn, record_id, n)
+            if not rec.deleted and rec.version == n:
+                raise ServiceError(
+                    409, "current_version", "the current version of a live record cannot be redacted; write over it first"
+                )
+            if not v.redacted:
+                conn.execute(update(_V).where(_V.c.seq == v.seq).values(redacted=True, content=None))
+                if rec.deleted and rec.version == n:
+                    conn.execute(_UPDATE_RECORD, {"rid": rec.id, "content": None})
+                v = self._version(conn, record_id, n)
+                log.info("redacted version %d of record %s", n, record_id)
+            return _version_model(v, with_content=True)
+
+        return self._write(p, idem, 200, fn, feed=slug)

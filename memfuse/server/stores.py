@@ -1,0 +1,208 @@
+"""Workspaces, stores and attachments: the admin's resources, and the workspace events they emit.
+
+Every change here that a sidecar must see (a store attached, detached or changed) appends a
+workspace event in the same transaction (``_emit``); the events are read by
+``changes.ChangesMixin.events_page``. Records live in ``records``; the store row's access
+check (``_store``) is shared with them in ``base``.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from sqlalchemy import select, update
+from sqlalchemy.engine import Row
+from sqlalchemy.orm import Session
+
+from memfuse.models import (
+    Access,
+    Attachment,
+    AttachmentPut,
+    Store,
+    StoreCreate,
+    StoreUpdate,
+    Workspace,
+    WorkspaceCreate,
+)
+from memfuse.server.base import _S, IdempotencyRequest, Principal, Reply, ServiceBase, ServiceError
+from memfuse.server.db import AttachmentRow, EventRow, StoreRow, WorkspaceRow, utcnow
+
+log = logging.getLogger("memfuse.server.service")  # every room of the Service logs under one name
+
+
+def _store_model(st: StoreRow | Row) -> Store:
+    """[Store] of a store row (ORM or Core), with its usage counters."""
+    return Store(
+        slug=st.slug,
+        description=st.description,
+        default_type=st.default_type,
+        max_record_bytes=st.max_record_bytes,
+        max_store_bytes=st.max_store_bytes,
+        max_records=st.max_records,
+        created_at=st.created_at,
+        usage_bytes=st.usage_bytes or 0,
+        record_count=st.record_count or 0,
+    )
+
+
+class StoresMixin(ServiceBase):
+    """``Service`` methods: workspaces, stores, attachments (``create_*``, ``list_*``,
+    ``get_store``, ``update_store``, ``put_attachment``, ``delete_attachment``)."""
+
+    def _emit(self, s: Session, workspaces: Iterable[str], kind: str, store: str, access: str | None) -> None:
+        ws = sorted(set(workspaces))
+        if not ws:
+            return
+        # PostgreSQL: serialise event writers per workspace so event seqs commit in order.
+        s.execute(select(WorkspaceRow.name).where(WorkspaceRow.name.in_(ws)).with_for_update())
+        now = utcnow()
+        for w in ws:
+            s.add(EventRow(workspace=w, kind=kind, store=store, access=access, created_at=now))
+        s.flush()
+
+    # ------------------------------------------------------------ admin
+
+    def create_workspace(self, p: Principal, body: WorkspaceCreate, idem: IdempotencyRequest | None = None) -> Reply:
+        """201 [Workspace]; 409 ``exists``; 403 ``forbidden`` for workspace tokens."""
+        self._require_admin(p)
+
+        def fn(s: Session) -> Workspace:
+            if s.get(WorkspaceRow, body.name) is not None:
+                raise ServiceError(409, "exists", f"workspace {body.name!r} exists")
+            row = WorkspaceRow(name=body.name, created_at=utcnow())
+            s.add(row)
+            s.flush()
+            log.info("workspace %s created", body.name)
+            return Workspace(name=row.name, created_at=row.created_at)
+
+        return self._write(p, idem, 201, fn)
+
+    def list_workspaces(self, p: Principal) -> list[Workspace]:
+        """Every workspace, by name (admin)."""
+        self._require_admin(p)
+        with self.db.read() as s:
+            rows = s.scalars(select(WorkspaceRow).order_by(WorkspaceRow.name)).all()
+            return [Workspace(name=r.name, created_at=r.created_at) for r in rows]
+
+    def create_store(self, p: Principal, body: StoreCreate, idem: IdempotencyRequest | None = None) -> Reply:
+        """201 [Store]; 409 ``exists`` (admin)."""
+        self._require_admin(p)
+
+        def fn(s: Session) -> Store:
+            if s.get(StoreRow, body.slug) is not None:
+                raise ServiceError(409, "exists", f"store {body.slug!r} exists")
+            st = StoreRow(
+                slug=body.slug,
+                description=body.description,
+                default_type=body.default_type,
+                max_record_bytes=body.max_record_bytes,
+                max_store_bytes=body.max_store_bytes,
+                max_records=body.max_records,
+                created_at=utcnow(),
+            )
+            s.add(st)
+            s.flush()
+            log.info("store %s created", body.slug)
+            return _store_model(st)
+
+        return self._write(p, idem, 201, fn)
+
+    def list_stores(self, p: Principal) -> list[Store]:
+        """Every store with its usage, by slug (admin)."""
+        self._require_admin(p)
+        with self.db.read() as s:
+            rows = s.connection().execute(select(_S).order_by(_S.c.slug)).all()
+            return [_store_model(r) for r in rows]
+
+    def get_store(self, p: Principal, slug: str) -> Store:
+        """[Store] for admin or a workspace it is attached to; 404 otherwise."""
+        with self.db.read() as s:
+            return _store_model(self._store(s.connection(), p, slug))
+
+    def update_store(
+        self, p: Principal, slug: str, body: StoreUpdate, idem: IdempotencyRequest | None = None
+    ) -> Reply:
+        """200 [Store]; emits ``store_changed`` to every attached workspace (admin)."""
+        self._require_admin(p)
+
+        def fn(s: Session) -> Store:
+            self._store(s.connection(), p, slug, write=True)
+            values = {k: v for k, v in body.model_dump(exclude_unset=True).items() if v is not None}
+            if values:
+                s.connection().execute(update(_S).where(_S.c.slug == slug).values(**values))
+            attached = s.scalars(select(AttachmentRow.workspace).where(AttachmentRow.store == slug)).all()
+            self._emit(s, attached, "store_changed", slug, None)
+            return _store_model(self._store(s.connection(), p, slug))
+
+        return self._write(p, idem, 200, fn)
+
+    def put_attachment(
+        self, p: Principal, ws: str, slug: str, body: AttachmentPut, idem: IdempotencyRequest | None = None
+    ) -> Reply:
+        """200 [Attachment]; 404 ``workspace_not_found`` / ``store_not_found``; emits
+        ``attached`` when the attachment is new or its access or instructions changed."""
+        self._require_admin(p)
+
+        def fn(s: Session) -> Attachment:
+            self._workspace(s, p, ws)
+            st = self._store(s.connection(), p, slug)
+            att = s.get(AttachmentRow, (ws, slug))
+            changed = True
+            if att is None:
+                att = AttachmentRow(
+                    workspace=ws, store=slug, access=body.access.value, instructions=body.instructions,
+                    created_at=utcnow(),
+                )
+                s.add(att)
+            elif att.access != body.access.value or att.instructions != body.instructions:
+                att.access = body.access.value
+                att.instructions = body.instructions
+            else:
+                changed = False
+            s.flush()
+            if changed:
+                self._emit(s, [ws], "attached", slug, att.access)
+                log.info("store %s attached to %s (%s)", slug, ws, att.access)
+            return Attachment(
+                workspace=ws, store=_store_model(st), access=Access(att.access),
+                instructions=att.instructions, created_at=att.created_at,
+            )
+
+        return self._write(p, idem, 200, fn)
+
+    def delete_attachment(self, p: Principal, ws: str, slug: str, idem: IdempotencyRequest | None = None) -> Reply:
+        """204; 404 ``workspace_not_found`` or ``store_not_attached``; emits ``detached``."""
+        self._require_admin(p)
+
+        def fn(s: Session) -> None:
+            self._workspace(s, p, ws)
+            att = s.get(AttachmentRow, (ws, slug))
+            if att is None:
+                raise ServiceError(404, "store_not_attached", f"store {slug!r} is not attached to {ws!r}")
+            s.delete(att)
+            s.flush()
+            self._emit(s, [ws], "detached", slug, None)
+            log.info("store %s detached from %s", slug, ws)
+            return None
+
+        return self._write(p, idem, 204, fn)
+    def list_attachments(self, p: Principal, ws: str) -> list[Attachment]:
+        """The workspace's attachments, by store slug."""
+        with self.db.read() as s:
+            self._workspace(s, p, ws)
+            rows = s.execute(
+                select(AttachmentRow, StoreRow)
+                .join(StoreRow, StoreRow.slug == AttachmentRow.store)
+                .where(AttachmentRow.workspace == ws)
+                .order_by(AttachmentRow.store)
+            ).all()
+            return [
+                Attachment(
+                    workspace=ws,
+                    store=_store_model(st),
+                    access=Access(att.access),
+                    instructions=att.instructions,
+                    created_at=att.created_at,
+                )
+                for att, st in rows
+            ]
