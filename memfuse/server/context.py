@@ -118,7 +118,7 @@ class ContextMixin(ServiceBase):
     def context(
         self, p: Principal, ws: str, mount_root: str = "/mnt/memory", max_bytes: int | None = None
     ) -> str:
-        """The prompt block (Markdown) for ``ws`` (DESIGN §5): every attached store with its
+        """The prompt block (Markdown) for ``ws``: every attached store with its
         mount path (``<mount_root>/<slug>/``), access, description, attachment instructions
         and ``MEMORY.md``, framed as background context to verify, not as instructions.
 

@@ -1,0 +1,36 @@
+"""The ``memfuse`` command line: the entry point ``main`` and the root group ``cli``.
+
+Commands: ``serve``, ``dev``, ``mount``, ``status``, ``store create|list|show|update``,
+``workspace create|list``, ``attach``, ``detach``, ``token create``, ``history``, ``show``,
+``restore``, ``redact``, ``context``, ``import``, ``export``.
+
+Every option also reads ``MEMFUSE_<OPTION>`` from the environment (``--control-plane`` →
+``MEMFUSE_CONTROL_PLANE``, ``--token-file`` → ``MEMFUSE_TOKEN_FILE``, ...); a raw token may be
+given as ``MEMFUSE_TOKEN``. API commands without ``--control-plane`` run the reference control
+plane in-process on the dev database (local mode, see :mod:`memfuse.devenv`), which works while
+``memfuse dev`` runs on the same file.
+
+Errors print one line to stderr and exit 1 (2 for usage errors); never a traceback, unless
+``MEMFUSE_TRACEBACK=1`` is set.
+
+One module per command group, each registering its commands on ``cli`` when imported:
+``common`` (the root group and the plumbing every command shares), ``run`` (``serve``,
+``dev``, ``mount``, ``status``), ``admin`` (stores, workspaces, attachments, tokens),
+``records`` (``history``, ``show``, ``restore``, ``redact``, ``context``) and ``transfer``
+(``import``, ``export``, over :mod:`memfuse.transfer`).
+"""
+from __future__ import annotations
+
+from memfuse.cli import admin, records, run, transfer  # noqa: F401  (register the commands)
+from memfuse.cli.common import ByteSize, cli
+
+__all__ = ["ByteSize", "cli", "main"]
+
+
+def main() -> None:
+    """Console-script entry point (``memfuse``)."""
+    cli.main(prog_name="memfuse")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

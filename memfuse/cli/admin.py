@@ -1,0 +1,207 @@
+"""The admin commands: ``store create|list|show|update``, ``workspace create|list``, ``attach``,
+``detach``, ``token create``.
+
+Each is one API call (or a few reads) through ``_api`` with an idempotency key per write; the
+record commands are in ``records``.
+"""
+from __future__ import annotations
+
+import json
+
+import click
+
+from memfuse.cli.common import (
+    BYTES,
+    Target,
+    _api,
+    _fmt_time,
+    _human_bytes,
+    _key,
+    _one_line,
+    _table,
+    api_options,
+    cli,
+    opt,
+)
+from memfuse.client import ApiClient, with_retries
+from memfuse.models import RECORD_TYPES, Store
+
+
+@cli.group()
+def store() -> None:
+    """Create, list, show and update stores (admin)."""
+
+
+def _store_rows(stores: list[Store]) -> str:
+    rows = [
+        [
+            s.slug,
+            s.default_type,
+            f"{s.record_count}/{s.max_records}",
+            f"{_human_bytes(s.usage_bytes)}/{_human_bytes(s.max_store_bytes)}",
+            _human_bytes(s.max_record_bytes),
+            _one_line(s.description),
+        ]
+        for s in stores
+    ]
+    return _table(rows, ["SLUG", "DEFAULT TYPE", "RECORDS", "USAGE", "MAX RECORD", "DESCRIPTION"])
+
+
+_type_choice = click.Choice(list(RECORD_TYPES))
+
+
+@store.command("create")
+@click.argument("slug")
+@opt("--description", default="", help="What the store is for (shown to agents).")
+@opt("--default-type", type=_type_choice, default="project", show_default=True,
+     help="Type of records without frontmatter type.")
+@opt("--max-record-bytes", type=BYTES, help="Largest record (default 1 MiB). Accepts 512K, 1MiB, ...")
+@opt("--max-store-bytes", type=BYTES, help="Total size limit (default 64 MiB).")
+@opt("--max-records", type=click.IntRange(min=1), help="Record count limit (default 10000).")
+@api_options
+def store_create(target: Target, slug: str, description: str, default_type: str,
+                 max_record_bytes: int | None, max_store_bytes: int | None,
+                 max_records: int | None) -> None:
+    """Create store SLUG."""
+    from memfuse.names import NameError_, check_slug
+
+    try:
+        check_slug(slug)
+    except NameError_ as e:
+        raise click.BadParameter(e.reason, param_hint="SLUG") from None
+    key = _key()
+    s = _api(target, lambda api: with_retries(lambda: api.create_store(
+        slug, description=description, default_type=default_type,
+        max_record_bytes=max_record_bytes, max_store_bytes=max_store_bytes,
+        max_records=max_records, idempotency_key=key)))
+    click.echo(_store_rows([s]))
+
+
+@store.command("list")
+@opt("--json", "as_json", is_flag=True, envvar="MEMFUSE_JSON", help="Print JSON.")
+@api_options
+def store_list(target: Target, as_json: bool) -> None:
+    """List every store with usage and limits."""
+    stores = _api(target, lambda api: with_retries(api.list_stores))
+    if as_json:
+        click.echo(json.dumps([s.model_dump(mode="json") for s in stores], indent=2))
+    else:
+        click.echo(_store_rows(stores))
+
+
+@store.command("show")
+@click.argument("slug")
+@api_options
+def store_show(target: Target, slug: str) -> None:
+    """Show store SLUG as JSON."""
+    s = _api(target, lambda api: with_retries(lambda: api.get_store(slug)))
+    click.echo(json.dumps(s.model_dump(mode="json"), indent=2))
+
+
+@store.command("update")
+@click.argument("slug")
+@opt("--description", default=None, help="New description.")
+@opt("--default-type", type=_type_choice, default=None, help="New default type.")
+@opt("--max-record-bytes", type=BYTES, help="New record size limit.")
+@opt("--max-store-bytes", type=BYTES, help="New total size limit.")
+@opt("--max-records", type=click.IntRange(min=1), help="New record count limit.")
+@api_options
+def store_update(target: Target, slug: str, description: str | None, default_type: str | None,
+                 max_record_bytes: int | None, max_store_bytes: int | None,
+                 max_records: int | None) -> None:
+    """Change the description, default type or limits of store SLUG (only what is given)."""
+    fields = dict(description=description, default_type=default_type,
+                  max_record_bytes=max_record_bytes, max_store_bytes=max_store_bytes,
+                  max_records=max_records)
+    if all(v is None for v in fields.values()):
+        raise click.UsageError("nothing to update: give at least one option")
+    key = _key()
+    s = _api(target, lambda api: with_retries(
+        lambda: api.update_store(slug, idempotency_key=key, **fields)))
+    click.echo(_store_rows([s]))
+
+
+# ---------------------------------------------------------------- workspaces, attachments, tokens
+
+
+@cli.group()
+def workspace() -> None:
+    """Create and list workspaces (admin)."""
+
+
+@workspace.command("create")
+@click.argument("name")
+@api_options
+def workspace_create(target: Target, name: str) -> None:
+    """Create workspace NAME."""
+    from memfuse.names import NameError_, check_slug
+
+    try:
+        check_slug(name)
+    except NameError_ as e:
+        raise click.BadParameter(e.reason, param_hint="NAME") from None
+    key = _key()
+    w = _api(target, lambda api: with_retries(lambda: api.create_workspace(name, idempotency_key=key)))
+    click.echo(f"created workspace {w.name}")
+
+
+@workspace.command("list")
+@api_options
+def workspace_list(target: Target) -> None:
+    """List workspaces with their attached stores."""
+
+    async def body(api: ApiClient) -> list[list[str]]:
+        rows = []
+        for w in await with_retries(api.list_workspaces):
+            atts = await with_retries(lambda: api.list_attachments(w.name))
+            rows.append([w.name, _fmt_time(w.created_at),
+                         ", ".join(f"{a.store.slug} ({a.access.value})" for a in atts)])
+        return rows
+
+    click.echo(_table(_api(target, body), ["WORKSPACE", "CREATED", "STORES"]))
+
+
+@cli.command()
+@click.argument("ws")
+@click.argument("store_slug", metavar="STORE")
+@opt("--read-only", is_flag=True, help="Attach read-only (default read-write).")
+@opt("--instructions", default="", help="Instructions shown to the agent with this store.")
+@api_options
+def attach(target: Target, ws: str, store_slug: str, read_only: bool, instructions: str) -> None:
+    """Attach STORE to workspace WS (or change its access / instructions)."""
+    access = "read_only" if read_only else "read_write"
+    key = _key()
+    a = _api(target, lambda api: with_retries(
+        lambda: api.attach(ws, store_slug, access, instructions, idempotency_key=key)))
+    click.echo(f"attached {a.store.slug} to {a.workspace} ({a.access.value})")
+
+
+@cli.command()
+@click.argument("ws")
+@click.argument("store_slug", metavar="STORE")
+@api_options
+def detach(target: Target, ws: str, store_slug: str) -> None:
+    """Detach STORE from workspace WS."""
+    key = _key()
+    _api(target, lambda api: with_retries(lambda: api.detach(ws, store_slug, idempotency_key=key)))
+    click.echo(f"detached {store_slug} from {ws}")
+
+
+@cli.group()
+def token() -> None:
+    """Create API tokens (admin)."""
+
+
+@token.command("create")
+@opt("--workspace", metavar="WS", help="Scope the token to WS. Without it: an admin token.")
+@opt("--name", default="", help="A label for the token.")
+@api_options
+def token_create(target: Target, workspace: str | None, name: str) -> None:
+    """Create a token and print it on stdout (shown once; the server keeps only its hash)."""
+    key = _key()
+    t = _api(target, lambda api: with_retries(
+        lambda: api.create_token(workspace or None, name, idempotency_key=key)))
+    scope = f"workspace {t.workspace}" if t.workspace else "admin"
+    click.echo(f"created {scope} token {t.id}" + (f" ({t.name})" if t.name else ""), err=True)
+    click.echo(t.token)
+

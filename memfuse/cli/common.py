@@ -1,0 +1,272 @@
+"""What every ``memfuse`` command shares: the root group, option and error plumbing, output helpers.
+
+``opt`` (an option that also reads ``MEMFUSE_<OPTION>``), ``MemfuseGroup`` (every failure as
+one line on stderr and exit status 1), ``Target`` / ``api_options`` / ``_api`` (where API
+commands go: a control plane with a token, or local mode), ``ByteSize``, and the tables, byte
+counts and times commands print. The commands themselves are in the sibling modules; this
+room defines none except the root group ``cli``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import timezone
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from memfuse.client import ApiClient, ApiError
+from memfuse.transfer import new_key as _key  # noqa: F401  (the CLI's idempotency keys)
+from memfuse.transfer import one_line as _one_line
+
+T = TypeVar("T")
+
+TOKEN_ENV = "MEMFUSE_TOKEN"
+DEFAULT_LISTEN = "127.0.0.1:8080"
+DEFAULT_ADMIN_LISTEN = "127.0.0.1:9464"
+
+
+# ---------------------------------------------------------------- plumbing
+
+
+def opt(*decls: str, **kw: Any) -> Callable[[Any], Any]:
+    """``click.option`` that also reads ``MEMFUSE_<LONG_NAME>`` from the environment."""
+    if "envvar" not in kw:
+        longs = [d for d in decls if d.startswith("--")]
+        name = longs[0][2:].split("/")[0] if longs else decls[-1]
+        kw["envvar"] = "MEMFUSE_" + name.upper().replace("-", "_")
+    kw.setdefault("show_envvar", True)
+    return click.option(*decls, **kw)
+
+
+
+def _api_error_message(e: ApiError) -> str:
+    if e.status is None:
+        return _one_line(str(e))
+    what = e.detail or e.title or "request failed"
+    extra = f"HTTP {e.status}" + (f" {e.code}" if e.code else "")
+    return _one_line(f"{what} ({extra})")
+
+
+class MemfuseGroup(click.Group):
+    """Top-level group: turns every failure into a one-line message and exit status 1."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.ClickException, click.exceptions.Abort, click.exceptions.Exit):
+            raise
+        except ApiError as e:
+            if os.environ.get("MEMFUSE_TRACEBACK"):
+                raise
+            raise click.ClickException(_api_error_message(e)) from None
+        except KeyboardInterrupt:
+            raise click.exceptions.Abort() from None
+        except Exception as e:  # noqa: BLE001 — the CLI never shows a traceback
+            if os.environ.get("MEMFUSE_TRACEBACK"):
+                raise
+            if isinstance(e, BaseExceptionGroup):  # trio may wrap errors
+                leaves = _leaves(e)
+                if len(leaves) == 1:
+                    inner = leaves[0]
+                    if isinstance(inner, ApiError):
+                        raise click.ClickException(_api_error_message(inner)) from None
+                    if isinstance(inner, click.ClickException):
+                        raise inner from None
+                    e = inner  # type: ignore[assignment]
+            raise click.ClickException(_one_line(f"{type(e).__name__}: {e}")) from None
+
+
+def _leaves(group: BaseException) -> list[BaseException]:
+    if isinstance(group, BaseExceptionGroup):
+        out: list[BaseException] = []
+        for sub in group.exceptions:
+            out.extend(_leaves(sub))
+        return out
+    return [group]
+
+
+def _run(fn: Callable[[], Awaitable[T]]) -> T:
+    import trio
+
+    return trio.run(fn)
+
+
+@dataclass
+class Target:
+    """Where API commands go: a control plane URL with a token, or local mode."""
+
+    control_plane: str | None
+    token_file: Path | None
+
+    def token(self) -> str | None:
+        """The token from ``--token-file`` (whitespace stripped), else ``$MEMFUSE_TOKEN``."""
+        if self.token_file is not None:
+            try:
+                tok = self.token_file.read_text(encoding="utf-8").strip()
+            except OSError as e:
+                raise click.UsageError(f"cannot read token file {self.token_file}: {e.strerror}") from None
+            if not tok:
+                raise click.UsageError(f"token file {self.token_file} is empty")
+            return tok
+        tok = os.environ.get(TOKEN_ENV, "").strip()
+        return tok or None
+
+    def client(self) -> ApiClient:
+        """A new ApiClient for this target (close it when done)."""
+        if self.control_plane:
+            tok = self.token()
+            if tok is None:
+                raise click.UsageError(
+                    "no token: pass --token-file F (or set MEMFUSE_TOKEN_FILE / MEMFUSE_TOKEN)"
+                )
+            return ApiClient(self.control_plane, tok)
+        if self.token_file is not None or os.environ.get(TOKEN_ENV):
+            click.echo(
+                "memfuse: no --control-plane given; using the local dev database (token ignored)",
+                err=True,
+            )
+        from memfuse.devenv import local_client
+
+        return local_client()
+
+
+def api_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """Add ``--control-plane`` and ``--token-file``; pass a :class:`Target` as ``target``."""
+
+    f = opt(
+        "--token-file",
+        type=click.Path(dir_okay=False, path_type=Path),
+        help="File holding the API token (else $MEMFUSE_TOKEN). Ignored in local mode.",
+    )(f)
+    f = opt(
+        "--control-plane",
+        metavar="URL",
+        help="Control-plane URL, e.g. http://127.0.0.1:8080. "
+        "Default: local mode on the dev database in-process.",
+    )(f)
+
+    def wrapper(*args: Any, control_plane: str | None, token_file: Path | None, **kw: Any) -> Any:
+        return f(*args, target=Target(control_plane or None, token_file), **kw)
+
+    import functools
+
+    return functools.update_wrapper(wrapper, f)
+
+
+
+def _api(target: Target, body: Callable[[ApiClient], Awaitable[T]]) -> T:
+    """Open a client for ``target``, run ``body(client)`` under trio, close the client."""
+
+    async def main() -> T:
+        async with target.client() as api:
+            return await body(api)
+
+    return _run(main)
+
+
+def _table(rows: list[list[str]], headers: list[str]) -> str:
+    cols = list(zip(headers, *rows)) if rows else [(h,) for h in headers]
+    widths = [max(len(str(c)) for c in col) for col in cols]
+    lines = []
+    for row in [headers, *rows]:
+        cells = [str(c).ljust(w) for c, w in zip(row, widths)]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def _human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}".replace(".0 ", " ")
+        n /= 1024  # type: ignore[assignment]
+    return str(n)  # pragma: no cover
+
+
+class ByteSize(click.ParamType):
+    """A byte count: ``1048576``, ``512K``, ``1M``, ``1MiB``, ``2G`` (binary), ``1MB`` (decimal)."""
+
+    name = "BYTES"
+    _UNITS = {
+        "": 1, "b": 1,
+        "k": 1 << 10, "kib": 1 << 10, "kb": 1000,
+        "m": 1 << 20, "mib": 1 << 20, "mb": 1000**2,
+        "g": 1 << 30, "gib": 1 << 30, "gb": 1000**3,
+    }
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int:
+        if isinstance(value, int):
+            return value
+        text = str(value).strip().replace(" ", "")
+        num = text.rstrip("kKmMgGiIbB")
+        unit = text[len(num):].lower()
+        try:
+            n = float(num)
+        except ValueError:
+            self.fail(f"{value!r} is not a byte size (e.g. 1048576, 512K, 1MiB)", param, ctx)
+        if unit not in self._UNITS:
+            self.fail(f"unknown unit in {value!r} (use K, M, G, KiB, MiB, GiB, kB, MB, GB)", param, ctx)
+        result = int(n * self._UNITS[unit])
+        if result <= 0:
+            self.fail(f"{value!r} must be positive", param, ctx)
+        return result
+
+
+BYTES = ByteSize()
+
+
+def _setup_logging(debug: bool) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if debug else logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if not debug:
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+def _write_exact(text: str) -> None:
+    """Write ``text`` to stdout as UTF-8 bytes, exactly (no newline added or translated)."""
+    sys.stdout.flush()
+    buf = getattr(sys.stdout, "buffer", None)
+    if buf is None:  # pragma: no cover — a text-only stdout
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return
+    buf.write(text.encode("utf-8"))
+    buf.flush()
+
+
+def _fmt_time(dt: Any) -> str:
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=timezone.utc)
+    return dt.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+# ---------------------------------------------------------------- group
+
+
+@click.group(
+    name="memfuse",
+    cls=MemfuseGroup,
+    context_settings={
+        "auto_envvar_prefix": "MEMFUSE",
+        "help_option_names": ["-h", "--help"],
+        "max_content_width": 100,
+    },
+)
+@click.version_option(package_name="memfuse", prog_name="memfuse")
+def cli() -> None:
+    """memfuse: long-term memory for AI agents, served as plain files over FUSE.
+
+    Start with `memfuse dev` (embedded control plane on a local SQLite file, workspace `dev`
+    with store `default` mounted at ./memory). Every option also reads MEMFUSE_<OPTION> from
+    the environment.
+    """
+    # with_retries() retries quietly; the last error, if any, is the one line the user sees.
+    logging.getLogger("stamina").setLevel(logging.ERROR)
+

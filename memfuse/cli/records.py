@@ -1,0 +1,140 @@
+"""The record commands, by path: ``history``, ``show``, ``restore``, ``redact``; and ``context``.
+
+A record is found by its path (``_find``: the live record, else the latest deleted one), then
+read or written by id. Import and export of whole directories are in ``transfer``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from memfuse.cli.common import (
+    Target,
+    _api,
+    _fmt_time,
+    _key,
+    _table,
+    _write_exact,
+    api_options,
+    cli,
+    opt,
+)
+from memfuse.client import ApiClient, with_retries
+from memfuse.models import Record
+
+
+async def _find(api: ApiClient, store_slug: str, path: str) -> Record:
+    rec = await with_retries(lambda: api.find_record(store_slug, path, include_deleted=True))
+    if rec is None:
+        raise click.ClickException(f"no record at {store_slug}/{path}")
+    return rec
+
+
+@cli.command()
+@click.argument("store_slug", metavar="STORE")
+@click.argument("path")
+@api_options
+def history(target: Target, store_slug: str, path: str) -> None:
+    """Show every version of the record at PATH in STORE (deleted records too)."""
+
+    async def body(api: ApiClient) -> tuple[Record, list[Any]]:
+        rec = await _find(api, store_slug, path)
+        return rec, await with_retries(lambda: api.versions(store_slug, rec.id))
+
+    rec, versions = _api(target, body)
+    rows = [
+        [
+            str(v.version),
+            v.operation.value + (" (redacted)" if v.redacted else ""),
+            _fmt_time(v.created_at),
+            v.actor,
+            v.type or "-",
+            str(v.size),
+            v.sha256[:12],
+            v.path if v.path != path else "",
+        ]
+        for v in versions
+    ]
+    state = "deleted" if rec.deleted else "live"
+    click.echo(f"record {rec.id} ({state}, version {rec.version})")
+    click.echo(_table(rows, ["VERSION", "OPERATION", "TIME", "ACTOR", "TYPE", "SIZE", "SHA256", "PATH"]))
+
+
+@cli.command()
+@click.argument("store_slug", metavar="STORE")
+@click.argument("path")
+@opt("--version", "version_n", envvar=None, type=click.IntRange(min=1), metavar="N",
+     help="Show version N (default: the current content).")
+@api_options
+def show(target: Target, store_slug: str, path: str, version_n: int | None) -> None:
+    """Print the content of the record at PATH in STORE, exactly (no added newline)."""
+
+    async def body(api: ApiClient) -> str:
+        rec = await _find(api, store_slug, path)
+        if version_n is not None:
+            v = await with_retries(lambda: api.version(store_slug, rec.id, version_n))
+            if v.redacted or v.content is None:
+                raise click.ClickException(f"version {version_n} of {store_slug}/{path} is redacted")
+            return v.content
+        if rec.deleted:
+            raise click.ClickException(
+                f"{store_slug}/{path} is deleted (last version {rec.version}); "
+                "see `memfuse history` and use --version N"
+            )
+        full = await with_retries(lambda: api.get_record(store_slug, rec.id, content=True))
+        return full.content or ""
+
+    content = _api(target, body)
+    _write_exact(content)
+
+
+@cli.command()
+@click.argument("store_slug", metavar="STORE")
+@click.argument("path")
+@opt("--version", "version_n", envvar=None, type=click.IntRange(min=1), required=True, metavar="N",
+     help="The version whose content, type and path to restore.")
+@api_options
+def restore(target: Target, store_slug: str, path: str, version_n: int) -> None:
+    """Restore the record at PATH in STORE to version N (undeletes a deleted record)."""
+    key = _key()
+
+    async def body(api: ApiClient) -> Record:
+        rec = await _find(api, store_slug, path)
+        return await with_retries(lambda: api.restore(store_slug, rec.id, version_n, idempotency_key=key))
+
+    rec = _api(target, body)
+    click.echo(f"restored {store_slug}/{rec.path} to version {version_n} (now version {rec.version})")
+
+
+@cli.command()
+@click.argument("store_slug", metavar="STORE")
+@click.argument("path")
+@opt("--version", "version_n", envvar=None, type=click.IntRange(min=1), required=True, metavar="N",
+     help="The version whose content to remove (not the current one).")
+@api_options
+def redact(target: Target, store_slug: str, path: str, version_n: int) -> None:
+    """Remove the content of version N of the record at PATH in STORE (admin; audit kept)."""
+    key = _key()
+
+    async def body(api: ApiClient) -> Any:
+        rec = await _find(api, store_slug, path)
+        return await with_retries(lambda: api.redact(store_slug, rec.id, version_n, idempotency_key=key))
+
+    _api(target, body)
+    click.echo(f"redacted version {version_n} of {store_slug}/{path}")
+
+
+@cli.command()
+@opt("--workspace", required=True, metavar="WS", help="Workspace to render the prompt block for.")
+@opt("--mount-root", metavar="DIR", help="Where the stores are mounted (server default /mnt/memory).")
+@opt("--max-bytes", type=click.IntRange(min=1024), metavar="N",
+     help="Bound of the whole block in bytes (server default 100,000); what does not fit is "
+          "replaced by a marker that says what was left out.")
+@api_options
+def context(target: Target, workspace: str, mount_root: str | None, max_bytes: int | None) -> None:
+    """Print the prompt block of workspace WS: its stores and their MEMORY.md indexes."""
+    text = _api(target, lambda api: with_retries(
+        lambda: api.context(workspace, mount_root, max_bytes=max_bytes)))
+    click.echo(text, nl=not text.endswith("\n"))
+

@@ -1,0 +1,268 @@
+"""The commands that run a process, or look at a running one: ``serve``, ``dev``, ``mount``, ``status``.
+
+``serve`` runs the reference control plane, ``dev`` the embedded default (control plane
+in-process and a mount in the foreground), ``mount`` the sidecar against a remote control
+plane; ``status`` reads a running sidecar's status. The admin and record commands are in
+``admin`` and ``records``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import socket
+import sys
+from pathlib import Path
+
+import click
+
+from memfuse.cli.common import (
+    DEFAULT_ADMIN_LISTEN,
+    DEFAULT_LISTEN,
+    Target,
+    _one_line,
+    _run,
+    _setup_logging,
+    cli,
+    opt,
+)
+from memfuse.client import ApiClient
+
+
+def _admin_token(admin_token_file: Path | None) -> tuple[str, Path, bool]:
+    """Return (token, file, generated). Reads ``admin_token_file``; without one, reuses or
+    creates ``<data dir>/admin.token`` (mode 0600)."""
+    from memfuse.devenv import data_dir
+
+    if admin_token_file is not None:
+        try:
+            tok = admin_token_file.read_text(encoding="utf-8").strip()
+        except OSError as e:
+            raise click.UsageError(f"cannot read admin token file {admin_token_file}: {e.strerror}") from None
+        if not tok:
+            raise click.UsageError(f"admin token file {admin_token_file} is empty")
+        return tok, admin_token_file, False
+    path = data_dir() / "admin.token"
+    try:
+        tok = path.read_text(encoding="utf-8").strip()
+        if tok:
+            os.chmod(path, 0o600)
+            return tok, path, False
+    except FileNotFoundError:
+        pass
+    tok = "mfa_" + secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.write(tok + "\n")
+    os.chmod(path, 0o600)
+    return tok, path, True
+
+
+@cli.command()
+@opt("--db", metavar="URL", help="Database URL: sqlite:///path or postgresql://... "
+     "Default: the dev database (sqlite:///<data dir>/dev.db).")
+@opt("--listen", default=DEFAULT_LISTEN, show_default=True, metavar="HOST:PORT",
+     help="Address to serve HTTP on.")
+@opt("--admin-token-file", type=click.Path(dir_okay=False, path_type=Path),
+     help="File holding the bootstrap admin token. Default: <data dir>/admin.token, "
+     "created (mode 0600) with a random token if missing.")
+@opt("--debug", is_flag=True, help="Verbose logging.")
+def serve(db: str | None, listen: str, admin_token_file: Path | None, debug: bool) -> None:
+    """Run the reference control plane (HTTP API v1) on a database."""
+    from memfuse.devenv import dev_db_url
+
+    _setup_logging(debug)
+    url = db or dev_db_url()
+    token, token_path, generated = _admin_token(admin_token_file)
+    from memfuse.server.app import create_app
+    from memfuse.server.serve import serve as serve_app
+
+    app = create_app(url, static_tokens={token: None})
+    click.echo(
+        f"memfuse serve: admin token {'written to' if generated else 'read from'} {token_path}",
+        err=True,
+    )
+
+    async def run() -> None:
+        import signal
+
+        import trio
+
+        async with trio.open_nursery() as nursery:
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                bound = await nursery.start(serve_app, app, listen)
+                click.echo(f"memfuse serve: listening on {bound or 'http://' + listen} "
+                           f"(database {_safe_url(url)}); stop with Ctrl-C", err=True)
+                async for _ in signals:
+                    nursery.cancel_scope.cancel()
+                    break
+
+    _run(run)
+    click.echo("memfuse serve: stopped", err=True)
+
+
+def _safe_url(url: str) -> str:
+    """A database URL without its password."""
+    try:
+        from sqlalchemy.engine import make_url
+
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001
+        return url.split("@")[-1] if "@" in url else url
+
+
+@cli.command()
+@click.argument("mountpoint", default="memory", type=click.Path(file_okay=False, path_type=Path),
+                envvar="MEMFUSE_MOUNTPOINT")
+@opt("--admin-listen", metavar="HOST:PORT", help="Serve the sidecar admin HTTP API here (off by default).")
+@opt("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,
+     help="Log line format on stderr.")
+@opt("--debug", is_flag=True, help="Verbose logging (and FUSE debug).")
+def dev(mountpoint: Path, admin_listen: str | None, log_format: str, debug: bool) -> None:
+    """Embedded default: control plane in-process on the dev database, workspace `dev` with
+    store `default` attached, mounted at MOUNTPOINT (default ./memory) in the foreground."""
+    from memfuse.devenv import DEV_WORKSPACE, dev_app, dev_cache_dir, dev_db_path, ensure_dev_setup
+
+    mountpoint.mkdir(parents=True, exist_ok=True)
+    mountpoint = mountpoint.resolve()
+
+    setup = dev_app()
+
+    async def prepare() -> None:
+        async with setup.admin_client() as api:
+            await ensure_dev_setup(api)
+
+    _run(prepare)
+    del setup
+    # A fresh app for the mount: it runs under its own trio.run.
+    env = dev_app()
+
+    from memfuse.sidecar.mount import MountConfig, run_mount
+
+    config = MountConfig(
+        mountpoint=mountpoint,
+        workspace=DEV_WORKSPACE,
+        cache_dir=dev_cache_dir(),
+        admin_listen=admin_listen or None,
+        debug=debug,
+        log_format=log_format,
+    )
+    click.echo(
+        f"memfuse dev: mounting workspace '{DEV_WORKSPACE}' at {mountpoint} "
+        f"(database {dev_db_path()}); stop with Ctrl-C",
+        err=True,
+    )
+    rc = run_mount(config, lambda: env.workspace_client(instance="dev"))
+    click.echo(f"memfuse dev: unmounted {mountpoint}", err=True)
+    sys.exit(rc)
+
+
+def _mount_cache_dir(control_plane: str, workspace: str) -> Path:
+    """Default sidecar cache: ``<user cache dir>/<workspace>-<sha256(url)[:8]>`` (or under
+    ``$MEMFUSE_HOME/cache`` when set)."""
+    import platformdirs
+
+    home = os.environ.get("MEMFUSE_HOME")
+    root = Path(home).expanduser() / "cache" if home else Path(platformdirs.user_cache_dir("memfuse"))
+    digest = hashlib.sha256(control_plane.rstrip("/").encode()).hexdigest()[:8]
+    return root / f"{workspace}-{digest}"
+
+
+@cli.command()
+@click.argument("mountpoint", type=click.Path(file_okay=False, path_type=Path), envvar="MEMFUSE_MOUNTPOINT")
+@opt("--control-plane", required=True, metavar="URL", help="Control-plane URL.")
+@opt("--workspace", required=True, metavar="WS", help="Workspace whose attached stores to mount.")
+@opt("--token-file", type=click.Path(dir_okay=False, path_type=Path),
+     help="File holding the workspace token (else $MEMFUSE_TOKEN).")
+@opt("--cache-dir", type=click.Path(file_okay=False, path_type=Path),
+     help="Local cache and outbox. Default: <user cache dir>/memfuse/<workspace>-<url hash>.")
+@opt("--uid", type=int, help="Owner uid shown for files (default: this process's).")
+@opt("--gid", type=int, help="Owner gid shown for files (default: this process's).")
+@opt("--allow-other", is_flag=True, help="Let other users (e.g. the agent container) use the mount.")
+@opt("--admin-listen", default=DEFAULT_ADMIN_LISTEN, show_default=True, metavar="HOST:PORT",
+     help="Sidecar admin HTTP (/healthz, /readyz, /metrics, /v1/status); '' to disable.")
+@opt("--commit-wait", type=float, default=10.0, show_default=True, metavar="S",
+     help="Seconds close() waits for the commit.")
+@opt("--fsync-timeout", type=float, default=60.0, show_default=True, metavar="S",
+     help="Seconds fsync() waits for the commit before EIO.")
+@opt("--drain-timeout", type=float, default=20.0, show_default=True, metavar="S",
+     help="Seconds to drain the outbox on SIGTERM/SIGINT.")
+@opt("--offline-after", type=float, default=10.0, show_default=True, metavar="S",
+     help="Seconds without an answer from the control plane at start before the stores saved "
+          "in the cache are mounted as they were (only when the outbox is empty).")
+@opt("--instance", metavar="ID", help="Sidecar id recorded on versions. Default: the host name.")
+@opt("--log-format", type=click.Choice(["json", "text"]), default="json", show_default=True,
+     help="Log line format on stderr.")
+@opt("--debug", is_flag=True, help="Verbose logging (and FUSE debug).")
+def mount(
+    mountpoint: Path,
+    control_plane: str,
+    workspace: str,
+    token_file: Path | None,
+    cache_dir: Path | None,
+    uid: int | None,
+    gid: int | None,
+    allow_other: bool,
+    admin_listen: str,
+    commit_wait: float,
+    fsync_timeout: float,
+    drain_timeout: float,
+    offline_after: float,
+    instance: str | None,
+    log_format: str,
+    debug: bool,
+) -> None:
+    """Run the sidecar: mount WORKSPACE's stores at MOUNTPOINT until SIGTERM/SIGINT."""
+    from memfuse.names import NameError_, check_slug
+
+    try:
+        check_slug(workspace)
+    except NameError_ as e:
+        raise click.BadParameter(e.reason, param_hint="--workspace") from None
+    token = Target(control_plane, token_file).token()
+    if token is None:
+        raise click.UsageError("no token: pass --token-file F (or set MEMFUSE_TOKEN_FILE / MEMFUSE_TOKEN)")
+    mountpoint.mkdir(parents=True, exist_ok=True)
+    mountpoint = mountpoint.resolve()
+    inst = instance or socket.gethostname()
+
+    from memfuse.sidecar.mount import MountConfig, run_mount
+
+    config = MountConfig(
+        mountpoint=mountpoint,
+        workspace=workspace,
+        cache_dir=cache_dir or _mount_cache_dir(control_plane, workspace),
+        uid=uid,
+        gid=gid,
+        allow_other=allow_other,
+        commit_wait=commit_wait,
+        fsync_timeout=fsync_timeout,
+        drain_timeout=drain_timeout,
+        offline_after=offline_after,
+        admin_listen=admin_listen or None,
+        debug=debug,
+        log_format=log_format,
+    )
+    rc = run_mount(config, lambda: ApiClient(control_plane, token, instance=inst))
+    sys.exit(rc)
+
+
+@cli.command()
+@click.argument("mountpoint", default="memory", type=click.Path(file_okay=False, path_type=Path),
+                envvar="MEMFUSE_MOUNTPOINT")
+@opt("--admin", "admin_url", metavar="URL",
+     help="Ask the sidecar's admin API instead (GET URL/v1/status), e.g. http://127.0.0.1:9464.")
+@opt("--json", "as_json", is_flag=True, envvar="MEMFUSE_JSON", help="Print the raw status JSON.")
+def status(mountpoint: Path, admin_url: str | None, as_json: bool) -> None:
+    """Print the sidecar status of the mount at MOUNTPOINT (its .memfuse/status.json), or,
+    with --admin URL, of the sidecar serving that admin API: workspace, readiness, stores,
+    outbox. Exits 1 with one line when nothing answers."""
+    from memfuse.sidecar.admin import StatusUnavailable, fetch_status, format_status, read_status_file
+
+    try:
+        data = fetch_status(admin_url) if admin_url else read_status_file(mountpoint)
+    except StatusUnavailable as e:
+        raise click.ClickException(_one_line(str(e))) from None
+    click.echo(json.dumps(data, indent=2, sort_keys=True, default=str) if as_json else format_status(data))
+

@@ -1,0 +1,252 @@
+"""Import and export of memory files: a directory of files ↔ a store's records, without click.
+
+``import_walk`` lists the files of a directory to import (and what it skips);
+``import_files`` writes them into a store through an :class:`~memfuse.client.ApiClient`
+(created, updated, left alone when identical; refusals collected, never raised) and returns
+an :class:`ImportReport`; ``export_records`` writes records under a directory at their paths,
+byte for byte, and returns an :class:`ExportReport`.
+
+This room does not parse options, print summaries or choose exit codes: the ``memfuse
+import`` / ``memfuse export`` commands (:mod:`memfuse.cli.transfer`) do, from these reports.
+"""
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from memfuse.client import ApiClient, Conflict, PermanentError, with_retries
+from memfuse.content import ContentError, check_secrets, check_type, check_utf8, record_type
+from memfuse.models import Record, sha256_hex
+from memfuse.names import NameError_, check_path, is_local_only
+
+#: Every action of :class:`ImportReport` ``done``, in the order a summary lists them.
+IMPORT_ACTIONS = ("would create", "would update", "created", "updated", "unchanged")
+
+
+def one_line(text: str) -> str:
+    """``text`` with every run of whitespace (newlines included) as one space, stripped."""
+    return " ".join(str(text).split())
+
+
+def shown(path: str) -> str:
+    """A path for the terminal: undecodable bytes of a file name shown as U+FFFD."""
+    return path.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
+def new_key() -> str:
+    """A fresh idempotency key (``cli-`` + 32 hex digits), reused across the retries of one
+    write."""
+    return "cli-" + uuid.uuid4().hex
+
+
+# ---------------------------------------------------------------- import
+
+
+@dataclass
+class ImportReport:
+    """What an import did, file by file: ``done`` as (action, record path, type or None for
+    the index), action one of :data:`IMPORT_ACTIONS`; ``refused`` as (record path, one-line
+    reason ending in ``[code]``); ``skipped`` as paths relative to the directory (a
+    directory with a trailing ``/``)."""
+
+    done: list[tuple[str, str, str | None]] = field(default_factory=list)
+    refused: list[tuple[str, str]] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+    def counts(self) -> dict[str, int]:
+        """Action → number of files, for the actions that occurred."""
+        out: dict[str, int] = {}
+        for action, _, _ in self.done:
+            out[action] = out.get(action, 0) + 1
+        return out
+
+
+def import_walk(root: Path) -> tuple[list[tuple[str, Path]], list[str]]:
+    """The files under ``root`` to import, as (record path, file) in path order (UTF-8 byte
+    order, undecodable name bytes as surrogate escapes), and what is skipped: hidden files
+    and directories (``.git/``, ``.DS_Store``, ``.memfuse/``), editor and tool temporaries
+    (the local-only names of :func:`memfuse.names.is_local_only`: ``*~``, ``.#*``, ``#*#``,
+    ``.*.swp``, ``4913``, ...), symbolic links and anything that is not a regular file.
+    Raises ``OSError`` only when ``root`` cannot be listed at all."""
+    files: list[tuple[str, Path]] = []
+    skipped: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel = Path(dirpath).relative_to(root).as_posix()
+        prefix = "" if rel == "." else rel + "/"
+        keep = []
+        for d in sorted(dirnames):
+            if d.startswith(".") or os.path.islink(os.path.join(dirpath, d)):
+                skipped.append(prefix + d + "/")
+            else:
+                keep.append(d)
+        dirnames[:] = keep
+        for f in sorted(filenames):
+            full = Path(dirpath, f)
+            if f.startswith(".") or is_local_only(f) or full.is_symlink() or not full.is_file():
+                skipped.append(prefix + f)
+            else:
+                files.append((prefix + f, full))
+    files.sort(key=lambda x: x[0].encode("utf-8", "surrogateescape"))
+    return files, skipped
+
+
+async def import_files(
+    api: ApiClient,
+    store_slug: str,
+    files: list[tuple[str, Path]],
+    dry_run: bool,
+    echo: Callable[[str], None],
+) -> ImportReport:
+    """Write ``files`` (record path, file) into ``store_slug``: a new path is created, a
+    changed one updated, an identical one (same sha256) left alone; ``echo`` gets one line
+    per file done (``"created notes/a.md (project)"``).
+
+    With ``dry_run`` nothing is written: each file is checked against the store's rules here
+    (size, type, secrets) and reported as ``would create`` / ``would update``. Without it the
+    server decides; a path created meanwhile by someone else is updated instead.
+
+    A file that cannot be read, is not UTF-8, has a bad name or is refused by the server
+    (``PermanentError``) lands in ``report.refused``; the others are still imported.
+    ``report.skipped`` is left empty (the caller fills it from :func:`import_walk`). Raises
+    :class:`~memfuse.client.ApiError` when the store cannot be read or a write keeps failing
+    transiently (after ``with_retries``)."""
+    store_info = await with_retries(lambda: api.get_store(store_slug))
+    live: dict[str, Record] = {}
+    cursor: str | None = None
+    while True:
+        page = await with_retries(lambda: api.list_records(store_slug, cursor=cursor, limit=1000))
+        live.update({r.path: r for r in page.records})
+        if not page.next_cursor:
+            break
+        cursor = page.next_cursor
+
+    report = ImportReport()
+
+    def refuse(path: str, reason: str) -> None:
+        report.refused.append((path, one_line(reason)))
+
+    for path, file in files:
+        try:
+            check_path(path)
+        except NameError_ as e:
+            refuse(path, f"{e.reason} [{'path_too_long' if e.too_long else 'invalid_path'}]")
+            continue
+        try:
+            data = file.read_bytes()
+        except OSError as e:
+            refuse(path, f"cannot read: {e.strerror}")
+            continue
+        try:
+            text = check_utf8(data)
+        except ContentError as e:
+            refuse(path, f"{e.reason} [{e.code}]")
+            continue
+        old = live.get(path)
+        if old is not None and old.sha256 == sha256_hex(data):
+            report.done.append(("unchanged", path, old.type))
+            echo(f"unchanged {shown(path)} ({old.type or 'index'})")
+            continue
+        if dry_run:
+            # The server's rules, checked here; a real import lets the server decide.
+            fallback = (old.type if old is not None else None) or store_info.default_type
+            try:
+                if len(data) > store_info.max_record_bytes:
+                    raise ContentError(
+                        f"record is {len(data)} bytes, the store allows {store_info.max_record_bytes} [record_too_large]"
+                    )
+                rtype = record_type(path, text, None, fallback)
+                check_type(rtype)
+                check_secrets(text)
+            except ContentError as e:
+                code = f" [{e.code}]" if type(e) is not ContentError else ""
+                refuse(path, e.reason + code)
+                continue
+            action = "would update" if old is not None else "would create"
+            report.done.append((action, path, rtype))
+            echo(f"{action} {shown(path)} ({rtype or 'index'})")
+            continue
+        key = new_key()
+        try:
+            if old is None:
+                try:
+                    rec = await with_retries(
+                        lambda: api.create_record(store_slug, path, text, idempotency_key=key)
+                    )
+                    action = "created"
+                except Conflict as e:  # created meanwhile: update it instead
+                    if e.code != "path_exists" or not e.record_id:
+                        raise
+                    rid, key2 = e.record_id, new_key()
+                    rec = await with_retries(
+                        lambda: api.update_record(store_slug, rid, text, idempotency_key=key2)
+                    )
+                    action = "updated"
+            else:
+                oid = old.id
+                rec = await with_retries(lambda: api.update_record(store_slug, oid, text, idempotency_key=key))
+                action = "updated"
+        except PermanentError as e:
+            what = e.detail or e.title or str(e)
+            refuse(path, f"{what} [{e.code or e.status}]")
+            continue
+        report.done.append((action, path, rec.type))
+        echo(f"{action} {shown(path)} ({rec.type or 'index'})")
+    return report
+
+
+# ---------------------------------------------------------------- export
+
+
+@dataclass
+class ExportReport:
+    """What an export wrote: ``written`` records, ``bytes`` in total (UTF-8 content), and
+    ``failed`` as (record path, reason)."""
+
+    written: int = 0
+    bytes: int = 0
+    failed: list[tuple[str, str]] = field(default_factory=list)
+
+
+def export_records(records: Iterable[Record], directory: Path) -> ExportReport:
+    """Write each record's content (UTF-8, byte for byte) under ``directory`` at its path;
+    ``directory`` and the parents are created as needed. A file at a record's path is
+    replaced atomically (a temporary file, then ``rename(2)``); other files are left alone.
+    Each file's modification time is the record's ``updated_at``.
+
+    A record whose path is not a valid record path, leads outside ``directory`` (through a
+    symbolic link already there) or is blocked by a directory lands in ``failed``; the others
+    are still written. Raises ``OSError`` only when ``directory`` cannot be created."""
+    directory.mkdir(parents=True, exist_ok=True)
+    root = directory.resolve()
+    report = ExportReport()
+    for rec in records:
+        try:
+            check_path(rec.path)
+            dest = root.joinpath(*rec.path.split("/"))
+            parent = dest.parent.resolve()  # through any symbolic link already there
+            if parent != root and root not in parent.parents:
+                raise OSError(f"{dest.parent} leads outside {root}")
+            parent.mkdir(parents=True, exist_ok=True)
+            if dest.is_dir() and not dest.is_symlink():
+                raise OSError("a directory is in the way")
+            data = (rec.content or "").encode("utf-8")
+            tmp = parent / f".memfuse-export-{uuid.uuid4().hex}"
+            try:
+                with open(tmp, "xb") as fh:
+                    fh.write(data)
+                ts = rec.updated_at.timestamp()
+                os.utime(tmp, (ts, ts))
+                os.replace(tmp, parent / dest.name)
+            finally:
+                if tmp.exists():
+                    tmp.unlink()
+            report.written += 1
+            report.bytes += len(data)
+        except NameError_ as e:
+            report.failed.append((rec.path, e.reason))
+        except OSError as e:
+            report.failed.append((rec.path, e.strerror or str(e)))
+    return report
