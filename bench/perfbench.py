@@ -152,7 +152,7 @@ def run(
     log = (tmp / "serve.log").open("ab")
     proc = subprocess.Popen(
         [str(exe), "serve", "--db", f"sqlite:///{tmp / 'cp.db'}", "--listen", f"127.0.0.1:{port}",
-         "--admin-token-file", str(tmp / "admin.token")],
+         "--admin-token-file", str(tmp / "admin.token"), "--migrate"],
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         env=dict(os.environ, MEMFUSE_HOME=str(tmp / "home")),
     )

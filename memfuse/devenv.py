@@ -124,7 +124,8 @@ def dev_app(db_url: str | None = None) -> DevApp:
     url = db_url or dev_db_url()
     admin = "mfa_" + secrets.token_urlsafe(32)
     ws = "mfw_" + secrets.token_urlsafe(32)
-    app = create_app(url, static_tokens={admin: None, ws: DEV_WORKSPACE})
+    # The dev database upgrades itself to the newest schema revision (memfuse serve refuses).
+    app = create_app(url, static_tokens={admin: None, ws: DEV_WORKSPACE}, schema="migrate")
     return DevApp(app=app, admin_token=admin, workspace_token=ws, db_url=url)
 
 

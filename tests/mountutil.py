@@ -97,7 +97,7 @@ class ControlPlane:
     def start(self) -> "ControlPlane":
         self.proc = subprocess.Popen(
             [MEMFUSE, "serve", "--db", f"sqlite:///{self.db}", "--listen", f"127.0.0.1:{self.port}",
-             "--admin-token-file", str(self.token_file)],
+             "--admin-token-file", str(self.token_file), "--migrate"],
             stdout=self.log.open("ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env=dict(os.environ, MEMFUSE_HOME=str(self.tmp / "home")))
 

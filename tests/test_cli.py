@@ -75,7 +75,7 @@ def test_help_for_every_command(home):
     paths = all_command_paths(cli)
     expected = {("serve",), ("dev",), ("mount",), ("status",), ("store", "create"), ("store", "list"),
                 ("store", "update"), ("workspace", "create"), ("attach",), ("detach",), ("token", "create"),
-                ("history",), ("show",), ("restore",), ("context",)}
+                ("history",), ("show",), ("restore",), ("context",), ("db", "upgrade"), ("db", "current")}
     assert expected <= set(paths)
     for path in paths:
         r = invoke([*path, "--help"])
@@ -355,7 +355,8 @@ def test_serve_subprocess_and_remote_commands(home, tmp_path):
     admin_file = tmp_path / "admin.token"
     admin_file.write_text("admin-secret-token-1\n")
     db = tmp_path / "serve.db"
-    server = Server(["--db", f"sqlite:///{db}", "--listen", f"127.0.0.1:{port}", "--admin-token-file", str(admin_file)],
+    server = Server(["--db", f"sqlite:///{db}", "--listen", f"127.0.0.1:{port}", "--admin-token-file", str(admin_file),
+                     "--migrate"],
                     tmp_path / "serve.log")
     try:
         server.wait_ready(url)

@@ -21,7 +21,8 @@ import pytest
 from mountutil import free_port
 
 HERE = Path(__file__).resolve().parent
-API_TESTS = ["tests/test_api.py", "tests/test_semantics_api.py", "tests/test_server_perf.py"]
+API_TESTS = ["tests/test_api.py", "tests/test_semantics_api.py", "tests/test_server_perf.py",
+             "tests/test_migrations.py"]
 
 
 def _pg_bindir() -> Path | None:

@@ -247,7 +247,7 @@ async def test_refused_write_leaves_counters_unchanged(env):
 
 def test_older_database_gets_usage_columns_filled(tmp_path):
     """A database without the usage columns (made before them) gets them at start, filled
-    from the live records."""
+    from the live records (the 0002_store_usage revision; see also tests/test_migrations.py)."""
     with fresh_db_url(f"sqlite:///{tmp_path / 'old.db'}") as url:
         _older_database_gets_usage_columns_filled(url)
 
@@ -264,9 +264,10 @@ def _older_database_gets_usage_columns_filled(url):
     svc.delete_record(admin, "s", rid)
     svc.db.dispose()
     old = create_engine(normalize_db_url(url))
-    with old.begin() as con:
+    with old.begin() as con:  # as memfuse 0.1.0 left it before these columns: no migration history
         con.exec_driver_sql("ALTER TABLE stores DROP COLUMN usage_bytes")
         con.exec_driver_sql("ALTER TABLE stores DROP COLUMN record_count")
+        con.exec_driver_sql("DROP TABLE alembic_version")
     old.dispose()
 
     app2 = create_app(url)

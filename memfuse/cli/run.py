@@ -67,9 +67,13 @@ def _admin_token(admin_token_file: Path | None) -> tuple[str, Path, bool]:
 @opt("--admin-token-file", type=click.Path(dir_okay=False, path_type=Path),
      help="File holding the bootstrap admin token. Default: <data dir>/admin.token, "
      "created (mode 0600) with a random token if missing.")
+@opt("--migrate", is_flag=True,
+     help="Upgrade the database schema before serving (default: refuse a database behind the "
+     "newest revision and name `memfuse db upgrade`; the dev database is always upgraded).")
 @opt("--debug", is_flag=True, help="Verbose logging.")
-def serve(db: str | None, listen: str, admin_token_file: Path | None, debug: bool) -> None:
+def serve(db: str | None, listen: str, admin_token_file: Path | None, migrate: bool, debug: bool) -> None:
     """Run the reference control plane (HTTP API v1) on a database."""
+    from memfuse.cli.db import database_errors
     from memfuse.devenv import dev_db_url
 
     _setup_logging(debug)
@@ -78,7 +82,8 @@ def serve(db: str | None, listen: str, admin_token_file: Path | None, debug: boo
     from memfuse.server.app import create_app
     from memfuse.server.serve import serve as serve_app
 
-    app = create_app(url, static_tokens={token: None})
+    with database_errors(url):
+        app = create_app(url, static_tokens={token: None}, schema="migrate" if migrate or not db else "check")
     click.echo(
         f"memfuse serve: admin token {'written to' if generated else 'read from'} {token_path}",
         err=True,

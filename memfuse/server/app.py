@@ -193,23 +193,27 @@ def create_app(
     *,
     static_tokens: dict[str, str | None] | None = None,
     context_max_bytes: int | None = None,
+    schema: str = "migrate",
 ) -> FastAPI:
-    """Build the control-plane app over the database at ``db_url`` (tables are created).
+    """Build the control-plane app over the database at ``db_url``.
 
     ``db_url``: ``sqlite:///PATH``, ``sqlite://`` (in memory) or a PostgreSQL URL.
     ``static_tokens``: raw token → workspace name, or None for admin; the dict is consulted
     on every request (tokens may be added later). ``app.state.service`` is the ``Service``.
     ``context_max_bytes``: default bound of the prompt block (``GET .../context``); when
     None, ``$MEMFUSE_CONTEXT_MAX_BYTES`` or 100,000.
+    ``schema``: ``"migrate"`` (upgrade the database to the newest revision first) or
+    ``"check"`` (refuse a database behind it), see ``memfuse.server.db.Database``.
     Raises ``sqlalchemy.exc.ArgumentError`` for a bad URL, ``OperationalError`` when the
-    database cannot be opened, ``ValueError`` for a bad ``$MEMFUSE_CONTEXT_MAX_BYTES``.
+    database cannot be opened, ``ValueError`` for a bad ``$MEMFUSE_CONTEXT_MAX_BYTES``,
+    ``memfuse.server.schema.SchemaBehind`` when ``schema="check"`` finds it behind.
     """
     if context_max_bytes is None:
         env = os.environ.get(CONTEXT_MAX_BYTES_ENV, "").strip()
         context_max_bytes = int(env) if env else CONTEXT_TOTAL_MAX_BYTES
     if context_max_bytes < CONTEXT_MIN_BYTES:
         raise ValueError(f"context_max_bytes must be at least {CONTEXT_MIN_BYTES}")
-    svc = Service(Database(db_url), static_tokens, context_max_bytes=context_max_bytes)
+    svc = Service(Database(db_url, schema=schema), static_tokens, context_max_bytes=context_max_bytes)
     app = FastAPI(
         title="memfuse control plane",
         version="1",

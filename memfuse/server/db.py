@@ -21,8 +21,11 @@ Concurrency rules (see ``Database``):
 
 Each store row carries its live usage (``usage_bytes``, ``record_count``), kept by every
 record write in the same transaction as the change (the store row is read under the write
-lock, so the counters are exact across threads and processes). Databases made before these
-columns existed get them at start, filled from the records (``Database._migrate``).
+lock, so the counters are exact across threads and processes).
+
+The schema is versioned by Alembic revisions (``memfuse.server.schema``,
+``memfuse/server/migrations/versions/``): a change to the models below needs a revision,
+and ``tests/test_migrations.py`` fails while ``create_all`` and the revisions disagree.
 """
 from __future__ import annotations
 
@@ -46,8 +49,6 @@ from sqlalchemy import (
     create_engine,
     event,
     false,
-    inspect,
-    text,
 )
 from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
@@ -260,11 +261,20 @@ class Database:
     """Engine plus session factories with the locking rules of this module.
 
     ``url``: an SQLAlchemy URL (``sqlite:///PATH``, ``sqlite://``, ``postgresql://...``, see
-    ``normalize_db_url``). Creates the tables if missing. Raises
-    ``sqlalchemy.exc.ArgumentError`` for a bad URL.
+    ``normalize_db_url``). ``schema`` says what to do about the schema at start:
+
+    - ``"migrate"`` (default): upgrade to the newest revision (``schema.upgrade``);
+    - ``"check"``: raise ``schema.SchemaBehind`` unless it is there already (``memfuse serve``);
+    - ``"none"``: leave it alone (``memfuse db current``).
+
+    An in-memory database is always created with ``create_all`` (nothing else can see it).
+    Raises ``sqlalchemy.exc.ArgumentError`` for a bad URL, ``OperationalError`` when the
+    database cannot be reached, ``schema.SchemaError`` as above.
     """
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, schema: str = "migrate") -> None:
+        if schema not in ("migrate", "check", "none"):
+            raise ValueError(f"schema must be 'migrate', 'check' or 'none', not {schema!r}")
         self.url = normalize_db_url(url)
         self.is_sqlite = self.url.get_backend_name() == "sqlite"
         self.is_memory = self.is_sqlite and self.url.database in (None, "", ":memory:")
@@ -277,33 +287,20 @@ class Database:
         self.engine = self._make_engine()
         # Write sessions bind to this (BEGIN IMMEDIATE on SQLite); made once, not per session.
         self._write_bind = self.engine.execution_options(memfuse_write=True) if self.is_sqlite else self.engine
-        Base.metadata.create_all(self.engine)
-        self._migrate()
-        log.info("database ready (%s)", self.url.render_as_string(hide_password=True))
+        from memfuse.server import schema as _schema
 
-    def _migrate(self) -> None:
-        """Bring a database made by an older version up to this schema: add the usage
-        columns of ``stores`` and fill them from the live records, in one write transaction
-        (a second process starting at the same time finds them added and does nothing)."""
-        if {"usage_bytes", "record_count"} <= {c["name"] for c in inspect(self.engine).get_columns("stores")}:
-            return
-        with self._write_bind.begin() as conn:
-            if self.is_sqlite:
-                have = {row[1] for row in conn.exec_driver_sql("PRAGMA table_info(stores)")}
-            else:
-                conn.exec_driver_sql("LOCK TABLE stores IN ACCESS EXCLUSIVE MODE")
-                have = {c["name"] for c in inspect(conn).get_columns("stores")}
-            for col in ("usage_bytes", "record_count"):
-                if col not in have:
-                    conn.exec_driver_sql(f"ALTER TABLE stores ADD COLUMN {col} BIGINT NOT NULL DEFAULT 0")
-            conn.execute(text(
-                "UPDATE stores SET "
-                "usage_bytes = (SELECT COALESCE(SUM(size), 0) FROM records"
-                " WHERE records.store = stores.slug AND records.deleted = :f), "
-                "record_count = (SELECT COUNT(*) FROM records"
-                " WHERE records.store = stores.slug AND records.deleted = :f)"
-            ), {"f": False})
-        log.info("database schema updated: store usage columns added and filled")
+        shown = self.url.render_as_string(hide_password=True)
+        try:
+            if self.is_memory:
+                Base.metadata.create_all(self.engine)
+            elif schema == "migrate":
+                _schema.upgrade(self)
+            elif schema == "check":
+                _schema.check(self, shown)
+        except BaseException:
+            self.engine.dispose()
+            raise
+        log.info("database ready (%s)", shown)
 
     def _make_engine(self) -> Engine:
         if not self.is_sqlite:
