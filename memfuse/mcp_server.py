@@ -37,6 +37,11 @@ SERVER_NAME = "memfuse"
 RESOURCE_PREFIX = "memfuse:///memories/"
 INDEX = "MEMORY.md"
 RESOURCE_NOT_FOUND = -32002  # MCP's code for an unknown resource
+TOOL_INSTRUCTIONS = (
+    "Memory tools: memory_view, memory_create, memory_str_replace, memory_insert, memory_delete, "
+    "memory_rename, memory_search, memory_history and memory_remember act on the stores below, at "
+    "/memories/<store>/. Start with memory_view /memories.\n\n"
+)
 
 
 class ToolBackend(Protocol):
@@ -262,3 +267,106 @@ def build_server(
         on_read_resource=read_resource,
         **handlers,
     )
+
+
+# ---------------------------------------------------------------- stdio (memfuse mcp)
+
+
+class HttpBackend:
+    """``ToolBackend`` over the control plane's HTTP API with a workspace token
+    (``memfuse.client.ApiClient``): what ``memfuse mcp`` on stdio uses. A control plane that
+    cannot be reached gives a tool result with ``isError`` (the model may retry), not a
+    protocol error."""
+
+    def __init__(self, api: Any, workspace: str) -> None:
+        self.api = api
+        self.workspace = workspace
+
+    async def call(self, command: dict[str, Any]) -> tuple[str, bool]:
+        from memfuse.client import ApiError
+
+        try:
+            r = await self.api.memory_tool(self.workspace, command)
+        except ApiError as e:
+            log.warning("memory-tool call failed: %s", e)
+            return f"memfuse: the memory service did not answer ({e.code or e.status}); try again", True
+        return r.content, r.is_error
+
+    async def instructions(self) -> str:
+        return TOOL_INSTRUCTIONS + await self.api.context(self.workspace, mount_root="/memories")
+
+    async def stores(self) -> list[str]:
+        return [a.store.slug for a in await self.api.list_attachments(self.workspace)]
+
+    async def read_index(self, store: str) -> str | None:
+        from memfuse.client import NotFound
+
+        try:
+            page = await self.api.list_records(store, path=INDEX, content=True, limit=1)
+        except NotFound:
+            raise LookupError(store) from None
+        return page.records[0].content if page.records else None
+
+
+class IndexWatcher:
+    """Pushes ``notifications/resources/updated`` for subscribed ``MEMORY.md`` resources:
+    one task per subscribed store long-polls the store's change feed (``wait`` 25 s) and
+    notifies when a change touches the index. Tasks run in ``nursery`` (anyio task group);
+    an error is logged and the watch retried after a pause."""
+
+    POLL_WAIT = 25.0
+    RETRY_PAUSE = 2.0
+
+    def __init__(self, api: Any, task_group: Any) -> None:
+        self.api = api
+        self.tg = task_group
+        self.scopes: dict[str, Any] = {}
+
+    async def subscribe(self, ctx: ServerRequestContext[Any], store: str) -> None:
+        import anyio
+
+        if store in self.scopes:
+            return
+        page = await self.api.list_records(store, limit=1)
+        session = ctx.session
+        scope = anyio.CancelScope()
+        self.scopes[store] = scope
+
+        async def watch(after: int) -> None:
+            with scope:
+                while True:
+                    try:
+                        ch = await self.api.changes(store, after, wait=self.POLL_WAIT, content=False)
+                    except Exception as e:  # noqa: BLE001 - supervised: logged, retried
+                        log.warning("watching %s/%s failed (%s); retrying", store, INDEX, type(e).__name__)
+                        await anyio.sleep(self.RETRY_PAUSE)
+                        continue
+                    after = ch.seq
+                    if any(INDEX in (c.record.path, c.old_path) for c in ch.changes):
+                        await session.send_resource_updated(index_uri(store))
+
+        self.tg.start_soon(watch, page.seq)
+
+    async def unsubscribe(self, ctx: ServerRequestContext[Any], store: str) -> None:
+        scope = self.scopes.pop(store, None)
+        if scope is not None:
+            scope.cancel()
+
+
+async def serve_stdio(api: Any, workspace: str) -> None:
+    """Serve MCP on this process's stdin/stdout for ``workspace`` through ``api`` (an
+    ``ApiClient`` with the workspace token) until stdin closes. Nothing but protocol goes to
+    stdout; logs go to stderr. Raises ``memfuse.client.ApiError`` when the control plane
+    refuses the token or cannot be reached at start (the instructions are read then)."""
+    import anyio
+    from mcp.server.stdio import stdio_server
+
+    backend = HttpBackend(api, workspace)
+    instructions = await backend.instructions()
+    async with anyio.create_task_group() as tg:
+        watcher = IndexWatcher(api, tg)
+        server = build_server(lambda: backend, instructions=instructions,
+                              on_subscribe=watcher.subscribe, on_unsubscribe=watcher.unsubscribe)
+        async with stdio_server() as (read, write):
+            await server.run(read, write, server.create_initialization_options())
+        tg.cancel_scope.cancel()

@@ -33,7 +33,7 @@ from mcp.server.transport_security import TransportSecuritySettings
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from memfuse.mcp_server import INDEX, build_server
+from memfuse.mcp_server import INDEX, TOOL_INSTRUCTIONS, build_server
 from memfuse.models import MemoryToolResult
 from memfuse.server.memtool import ROOT, MemoryTool, ToolResult, clean_client
 from memfuse.server.service import Principal, Service, ServiceError
@@ -42,11 +42,6 @@ log = logging.getLogger(__name__)
 
 MCP_PATH = "/mcp"
 METADATA_PATH = "/.well-known/oauth-protected-resource" + MCP_PATH
-TOOL_INSTRUCTIONS = (
-    "Memory tools: memory_view, memory_create, memory_str_replace, memory_insert, memory_delete, "
-    "memory_rename, memory_search, memory_history and memory_remember act on the stores below, at "
-    f"{ROOT}/<store>/. Start with memory_view {ROOT}.\n\n"
-)
 
 
 class InProcessBackend:
