@@ -2,7 +2,7 @@
 
 Commands: ``serve``, ``dev``, ``mount``, ``status``, ``store create|list|show|update``,
 ``workspace create|list``, ``attach``, ``detach``, ``token create``, ``history``, ``show``,
-``restore``, ``redact``, ``context``, ``import``, ``export``.
+``restore``, ``redact``, ``context``, ``import``, ``export``, ``mcp``.
 
 Every option also reads ``MEMFUSE_<OPTION>`` from the environment (``--control-plane`` →
 ``MEMFUSE_CONTROL_PLANE``, ``--token-file`` → ``MEMFUSE_TOKEN_FILE``, ...); a raw token may be
@@ -17,11 +17,11 @@ One module per command group, each registering its commands on ``cli`` when impo
 ``common`` (the root group and the plumbing every command shares), ``run`` (``serve``,
 ``dev``, ``mount``, ``status``), ``admin`` (stores, workspaces, attachments, tokens),
 ``records`` (``history``, ``show``, ``restore``, ``redact``, ``context``) and ``transfer``
-(``import``, ``export``, over :mod:`memfuse.transfer`).
+(``import``, ``export``, over :mod:`memfuse.transfer`), ``agent`` (``mcp``).
 """
 from __future__ import annotations
 
-from memfuse.cli import admin, records, run, transfer  # noqa: F401  (register the commands)
+from memfuse.cli import admin, agent, records, run, transfer  # noqa: F401  (register the commands)
 from memfuse.cli.common import ByteSize, cli
 
 __all__ = ["ByteSize", "cli", "main"]

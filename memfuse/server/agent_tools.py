@@ -185,7 +185,8 @@ def install(app: FastAPI, svc: Service, principal: Callable[..., Any]) -> None:
             "resource_name": "memfuse memory (MCP)",
         })
 
-    app.router.routes.append(Route(MCP_PATH, endpoint=mcp_app, methods=["GET", "POST", "DELETE"]))
+    # an object, not a function: Starlette then calls it as an ASGI app
+    app.router.routes.append(Route(MCP_PATH, endpoint=_Asgi(mcp_app), methods=["GET", "POST", "DELETE"]))
     app.router.routes.append(Route(METADATA_PATH, endpoint=metadata, methods=["GET"]))
 
     previous = app.router.lifespan_context
@@ -197,6 +198,16 @@ def install(app: FastAPI, svc: Service, principal: Callable[..., Any]) -> None:
 
     app.router.lifespan_context = lifespan
     app.state.mcp_manager = manager
+
+
+class _Asgi:
+    """Wraps an ASGI callable so Starlette's ``Route`` treats it as an app."""
+
+    def __init__(self, fn: Callable[[Scope, Receive, Send], Any]) -> None:
+        self.fn = fn
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.fn(scope, receive, send)
 
 
 def _wants_instructions(body: bytes) -> bool:
