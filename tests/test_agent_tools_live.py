@@ -135,3 +135,26 @@ def test_memfuse_mcp_on_stdio(live, tmp_path):
     trio.run(go)
     wait_until(lambda: read(sc.mountpoint / "default" / "stdio.md") == "over stdio\n", 3.0, "stdio write")
     assert cp.call("list_records", "default", path="stdio.md").records[0].updated_by == "tool:desktop"
+
+
+def test_anthropic_sdk_adapter(live):
+    """The SDK adapter runs the runner's commands in memfuse; refusals are the SDK's ToolError."""
+    pytest.importorskip("anthropic")
+    from anthropic.lib.tools import ToolError
+
+    from memfuse.anthropic_tool import MemfuseMemoryTool
+
+    cp, sc, tok = live
+    memory = MemfuseMemoryTool(cp.url, workspace="ws", token=tok.read_text().strip(), client_name="sdk-test")
+    try:
+        assert memory.to_dict() == {"type": "memory_20250818", "name": "memory"}
+        assert memory.call({"command": "create", "path": "/memories/default/sdk.md", "file_text": "from the SDK\n"}) == (
+            "File created successfully at: /memories/default/sdk.md")
+        assert memory.call({"command": "view", "path": "/memories/default/sdk.md", "view_range": [1, 1]}) == (
+            "Here's the content of /memories/default/sdk.md with line numbers:\n     1\tfrom the SDK")
+        with pytest.raises(ToolError, match="^File /memories/default/sdk.md already exists$"):
+            memory.call({"command": "create", "path": "/memories/default/sdk.md", "file_text": "x"})
+    finally:
+        memory.close()
+    wait_until(lambda: read(sc.mountpoint / "default" / "sdk.md") == "from the SDK\n", 3.0, "SDK write in the mount")
+    assert cp.call("list_records", "default", path="sdk.md").records[0].updated_by == "tool:sdk-test"
