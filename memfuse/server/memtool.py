@@ -47,7 +47,8 @@ from typing import Any
 
 from memfuse import names
 from memfuse.models import Access, Attachment, PrefixMove, Record, RecordCreate, RecordMove, RecordUpdate
-from memfuse.server.service import Principal, Service, ServiceError, _encode_cursor
+from memfuse.server.records import _encode_cursor
+from memfuse.server.service import Principal, Service, ServiceError
 
 log = logging.getLogger(__name__)
 
