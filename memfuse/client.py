@@ -38,6 +38,8 @@ from .models import (
     AttachmentPut,
     ChangePage,
     EventPage,
+    MemoryToolCommand,
+    MemoryToolResult,
     MoveResult,
     PrefixMove,
     Record,
@@ -545,6 +547,15 @@ class ApiClient:
             accept="text/markdown, text/plain, */*",
         )
         return resp.text
+
+    async def memory_tool(self, ws: str, command: dict[str, Any]) -> MemoryToolResult:
+        """``POST /v1/workspaces/{ws}/memory-tool``: run one memory-tool command (the model's
+        ``tool_use.input`` as is) on the workspace's stores. A refused command is a result
+        with ``is_error`` true, not an exception; raises for auth and transport problems."""
+        return await self._call(
+            MemoryToolResult, "POST", f"/v1/workspaces/{_seg(ws)}/memory-tool",
+            body=MemoryToolCommand.model_validate(command),
+        )
 
     # ------------------------------------------------------------ records: reading
 

@@ -156,3 +156,18 @@ async def ensure_dev_setup(client: ApiClient) -> None:
     attached = {a.store.slug for a in await client.list_attachments(DEV_WORKSPACE)}
     if DEV_STORE not in attached:
         await client.attach(DEV_WORKSPACE, DEV_STORE, Access.read_write)
+
+
+def agent_tools_hint(memfuse_exe: str, listen: str = "127.0.0.1:8080") -> str:
+    """What ``memfuse dev`` prints for agents without a mount (desktop apps, SDK tool
+    runners): the stdio command line of ``memfuse mcp`` on the dev database, and the ``/mcp``
+    URL ``memfuse serve`` (same database by default) answers on ``listen``."""
+    import json
+
+    stdio = {"command": memfuse_exe, "args": ["mcp", "--workspace", DEV_WORKSPACE]}
+    return (
+        "memfuse dev: agents without a mount can use the same memory (docs/AGENT-TOOLS.md):\n"
+        f"  MCP on stdio (desktop app config): {json.dumps({'mcpServers': {'memfuse': stdio}})}\n"
+        f"  MCP over HTTP: run `{memfuse_exe} serve --listen {listen}`, then use http://{listen}/mcp with "
+        f"a bearer token from `{memfuse_exe} token create --workspace {DEV_WORKSPACE}`"
+    )

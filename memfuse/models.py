@@ -229,6 +229,24 @@ class EventPage(BaseModel):
     seq: int
 
 
+class MemoryToolCommand(BaseModel):
+    """A memory-tool command: the model's ``tool_use.input`` as is (``command`` plus that
+    command's parameters: ``path``, ``file_text``, ``view_range``, ``old_str``, ``new_str``,
+    ``insert_line``, ``insert_text``, ``old_path``, ``new_path``; memfuse's ``search``,
+    ``history`` and ``remember`` take ``query``, ``version``, ``fact``, ``store``)."""
+
+    model_config = {"extra": "allow"}
+
+    command: str
+
+
+class MemoryToolResult(BaseModel):
+    """The tool result to hand back to the model: ``content`` text and ``is_error``."""
+
+    content: str
+    is_error: bool = False
+
+
 class Problem(BaseModel):
     """RFC 9457 problem details. ``code`` is memfuse's machine-readable reason."""
 

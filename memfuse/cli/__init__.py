@@ -2,7 +2,7 @@
 
 Commands: ``serve``, ``dev``, ``mount``, ``status``, ``store create|list|show|update``,
 ``workspace create|list``, ``attach``, ``detach``, ``token create``, ``history``, ``show``,
-``restore``, ``redact``, ``context``, ``import``, ``export``, ``db upgrade|current``.
+``restore``, ``redact``, ``context``, ``import``, ``export``, ``db upgrade|current``, ``mcp``.
 
 Every option also reads ``MEMFUSE_<OPTION>`` from the environment (``--control-plane`` →
 ``MEMFUSE_CONTROL_PLANE``, ``--token-file`` → ``MEMFUSE_TOKEN_FILE``, ...); a raw token may be
@@ -17,12 +17,12 @@ One module per command group, each registering its commands on ``cli`` when impo
 ``common`` (the root group and the plumbing every command shares), ``run`` (``serve``,
 ``dev``, ``mount``, ``status``), ``admin`` (stores, workspaces, attachments, tokens),
 ``records`` (``history``, ``show``, ``restore``, ``redact``, ``context``), ``transfer``
-(``import``, ``export``, over :mod:`memfuse.transfer`) and ``db`` (schema migrations of the
-control-plane database).
+(``import``, ``export``, over :mod:`memfuse.transfer`), ``db`` (schema migrations of the
+control-plane database) and ``agent`` (``mcp``, the MCP server for agents without a mount).
 """
 from __future__ import annotations
 
-from memfuse.cli import admin, db, records, run, transfer  # noqa: F401  (register the commands)
+from memfuse.cli import admin, agent, db, records, run, transfer  # noqa: F401  (register the commands)
 from memfuse.cli.common import ByteSize, cli
 
 __all__ = ["ByteSize", "cli", "main"]

@@ -12,6 +12,7 @@ import json
 import os
 import secrets
 import socket
+import shutil
 import sys
 from pathlib import Path
 
@@ -158,6 +159,9 @@ def dev(mountpoint: Path, admin_listen: str | None, log_format: str, debug: bool
         f"(database {dev_db_path()}); stop with Ctrl-C",
         err=True,
     )
+    from memfuse.devenv import agent_tools_hint
+
+    click.echo(agent_tools_hint(shutil.which("memfuse") or sys.argv[0], DEFAULT_LISTEN), err=True)
     rc = run_mount(config, lambda: env.workspace_client(instance="dev"))
     click.echo(f"memfuse dev: unmounted {mountpoint}", err=True)
     sys.exit(rc)

@@ -58,6 +58,7 @@ from memfuse.models import (
     Workspace,
     WorkspaceCreate,
 )
+from memfuse.server import agent_tools
 from memfuse.server.db import Database
 from memfuse.server.service import (
     CONTEXT_MAX_BYTES_ENV,
@@ -398,6 +399,7 @@ def create_app(
         )
         return _json(page) if page is not None else Response(status_code=204)
 
+    agent_tools.install(app, svc, _principal)
     return app
 
 

@@ -1,0 +1,231 @@
+"""The control plane's faces for agents without a mount: the memory-tool endpoint and MCP.
+
+- ``POST /v1/workspaces/{ws}/memory-tool``: the body is the model's ``tool_use.input`` as is
+  (``{"command": "view", "path": "/memories"}``); the answer is ``{"content", "is_error"}``
+  (200 also for a refused command: the model reads the refusal). Workspace token auth as
+  everywhere; header ``X-Memfuse-Instance`` names the client (actor ``tool:<client>``).
+- ``/mcp``: the MCP server of ``memfuse.mcp_server`` over streamable HTTP, stateless (every
+  POST stands alone, so any replica answers), authenticated with a workspace bearer token:
+  a missing or unknown token gets ``401`` with ``WWW-Authenticate: Bearer
+  resource_metadata="…/.well-known/oauth-protected-resource/mcp"`` (RFC 9728 §5.1), and that
+  document names the resource and the header bearer method. Tokens are issued by the
+  operator (``memfuse token create``), so it lists no authorization server. Versions are
+  recorded as ``tool:mcp-<client name>`` (the client's ``clientInfo.name`` is not sent on
+  stateless requests after ``initialize``, so the header ``X-Memfuse-Instance`` names it;
+  default ``mcp``).
+
+Both run commands through ``memfuse.server.memtool.MemoryTool`` in a worker thread.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import anyio
+from fastapi import Body, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
+from mcp.server.transport_security import TransportSecuritySettings
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from memfuse.mcp_server import INDEX, TOOL_INSTRUCTIONS, build_server
+from memfuse.models import MemoryToolResult
+from memfuse.server.memtool import ROOT, MemoryTool, ToolResult, clean_client
+from memfuse.server.service import Principal, Service, ServiceError
+
+log = logging.getLogger(__name__)
+
+MCP_PATH = "/mcp"
+METADATA_PATH = "/.well-known/oauth-protected-resource" + MCP_PATH
+
+
+class InProcessBackend:
+    """``ToolBackend`` of the MCP server inside the control plane: one workspace, one
+    principal; every call runs in a worker thread."""
+
+    def __init__(self, svc: Service, principal: Principal, workspace: str, client: str) -> None:
+        self.svc = svc
+        self.workspace = workspace
+        self.tool = MemoryTool(svc, principal, workspace, client)
+
+    async def call(self, command: dict[str, Any]) -> tuple[str, bool]:
+        r: ToolResult = await anyio.to_thread.run_sync(self.tool.run, command)
+        return r.content, r.is_error
+
+    async def instructions(self) -> str:
+        text = await anyio.to_thread.run_sync(self.svc.context, self.tool.p, self.workspace, ROOT)
+        return TOOL_INSTRUCTIONS + text
+
+    async def stores(self) -> list[str]:
+        atts = await anyio.to_thread.run_sync(self.svc.list_attachments, self.tool.p, self.workspace)
+        return [a.store.slug for a in atts]
+
+    async def read_index(self, store: str) -> str | None:
+        def read() -> str | None:
+            try:
+                page = self.svc.list_records(self.tool.p, store, path=INDEX, limit=1, with_content=True)
+            except ServiceError as e:
+                if e.status == 404:
+                    raise LookupError(store) from None
+                raise
+            return page.records[0].content if page.records else None
+
+        return await anyio.to_thread.run_sync(read)
+
+
+def _check_workspace(p: Principal, ws: str) -> None:
+    if not p.is_admin and p.workspace != ws:
+        raise ServiceError(403, "forbidden", "the token belongs to another workspace")
+
+
+def install(app: FastAPI, svc: Service, principal: Callable[..., Any]) -> None:
+    """Add the memory-tool endpoint, ``/mcp`` and its protected-resource metadata to ``app``.
+    ``principal`` is the app's authentication dependency. The MCP session manager runs in
+    the app's lifespan (``memfuse serve`` runs it; an ``httpx.ASGITransport`` client must
+    enter ``app.router.lifespan_context(app)`` itself to use ``/mcp``)."""
+
+    @app.post("/v1/workspaces/{ws}/memory-tool", response_model=MemoryToolResult, tags=["agent tools"])
+    def memory_tool(
+        ws: str,
+        p: Principal = Depends(principal),
+        command: dict[str, Any] = Body(
+            description="the model's tool_use.input as is: {command, path, ...} (docs/AGENT-TOOLS.md)",
+            examples=[{"command": "view", "path": "/memories"}]),
+    ) -> Response:
+        _check_workspace(p, ws)
+        r = MemoryTool(svc, p, ws, p.instance).run(command)
+        body = MemoryToolResult(content=r.content, is_error=r.is_error).model_dump_json()
+        return Response(body, media_type="application/json")
+
+    # the backend of the request being served, set around each /mcp request
+    backend_var: contextvars.ContextVar[InProcessBackend] = contextvars.ContextVar("memfuse_mcp_backend")
+    server = build_server(lambda: backend_var.get())
+    instructions_var = type(server).current_instructions  # type: ignore[attr-defined]
+    manager = StreamableHTTPSessionManager(
+        app=server,
+        stateless=True,
+        json_response=True,
+        # Bearer tokens, not cookies, authenticate: a page in a browser cannot use them, so
+        # the DNS-rebinding guard (Host / Origin allow-lists) is not needed and would refuse
+        # deployments behind a proxy.
+        security_settings=TransportSecuritySettings(enable_dns_rebinding_protection=False),
+    )
+
+    def metadata_url(request_scope: Scope) -> str:
+        return _base_url(request_scope) + METADATA_PATH
+
+    async def mcp_app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        auth = headers.get("authorization", "")
+        token = auth[7:].strip() if auth[:7].lower() == "bearer " else None
+        try:
+            p = svc.authenticate_cached(token, headers.get("x-memfuse-instance"))
+            if p is None:
+                p = await anyio.to_thread.run_sync(svc.authenticate, token, headers.get("x-memfuse-instance"))
+        except ServiceError as e:
+            resp = JSONResponse(
+                {"error": "invalid_token", "error_description": e.detail}, status_code=401,
+                headers={"WWW-Authenticate": f'Bearer error="invalid_token", '
+                                             f'resource_metadata="{metadata_url(scope)}"'})
+            await resp(scope, receive, send)
+            return
+        if p.is_admin:
+            resp = JSONResponse({"error": "insufficient_scope",
+                                 "error_description": "/mcp needs a workspace token"}, status_code=403,
+                                headers={"WWW-Authenticate": 'Bearer error="insufficient_scope"'})
+            await resp(scope, receive, send)
+            return
+        assert p.workspace is not None
+        backend = InProcessBackend(svc, p, p.workspace, "mcp-" + clean_client(p.instance) if p.instance else "mcp")
+        # Read the body (bounded by the transport's own limit later) to see whether it is an
+        # initialize or discover: only those carry the instructions (the prompt block).
+        body = b""
+        more = True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > 4 * 1024 * 1024:
+                await JSONResponse({"error": "request too large"}, status_code=413)(scope, receive, send)
+                return
+        instructions = None
+        if _wants_instructions(body):
+            instructions = await backend.instructions()
+        sent = False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        t1 = backend_var.set(backend)
+        t2 = instructions_var.set(instructions)
+        try:
+            await manager.handle_request(scope, replay, send)
+        finally:
+            backend_var.reset(t1)
+            instructions_var.reset(t2)
+
+    async def metadata(request: Request) -> Response:
+        base = _base_url(request.scope)
+        return JSONResponse({
+            "resource": base + MCP_PATH,
+            "bearer_methods_supported": ["header"],
+            "resource_name": "memfuse memory (MCP)",
+        })
+
+    # an object, not a function: Starlette then calls it as an ASGI app
+    app.router.routes.append(Route(MCP_PATH, endpoint=_Asgi(mcp_app), methods=["GET", "POST", "DELETE"]))
+    app.router.routes.append(Route(METADATA_PATH, endpoint=metadata, methods=["GET"]))
+
+    previous = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(a: Any) -> AsyncIterator[Any]:
+        async with previous(a) as state, manager.run():
+            yield state
+
+    app.router.lifespan_context = lifespan
+    app.state.mcp_manager = manager
+
+
+class _Asgi:
+    """Wraps an ASGI callable so Starlette's ``Route`` treats it as an app."""
+
+    def __init__(self, fn: Callable[[Scope, Receive, Send], Any]) -> None:
+        self.fn = fn
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.fn(scope, receive, send)
+
+
+def _wants_instructions(body: bytes) -> bool:
+    try:
+        msg = json.loads(body)
+    except ValueError:
+        return False
+    msgs = msg if isinstance(msg, list) else [msg]
+    return any(isinstance(m, dict) and m.get("method") in ("initialize", "server/discover") for m in msgs)
+
+
+def _base_url(scope: Scope) -> str:
+    """The URL the client used to reach this server (scheme and Host header; behind a
+    proxy, the proxy's ``X-Forwarded-Proto`` / ``X-Forwarded-Host`` when present)."""
+    headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+    scheme = headers.get("x-forwarded-proto", scope.get("scheme", "http")).split(",")[0].strip()
+    host = headers.get("x-forwarded-host") or headers.get("host")
+    if not host:
+        server = scope.get("server") or ("localhost", 80)
+        host = f"{server[0]}:{server[1]}"
+    return f"{scheme}://{host.split(',')[0].strip()}{scope.get('root_path', '')}"
