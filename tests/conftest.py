@@ -2,6 +2,9 @@
 
 - In CI (``CI`` set), a skipped test that needs a real FUSE mount fails the run: a skipped
   mount test proves nothing.
+- A test whose sidecar (``mountutil.Sidecar``, or any log passed to ``mountutil.watch_log``)
+  logged an ERROR or a traceback fails, unless it is marked ``expect_sidecar_errors`` (with the
+  reason as the marker's argument).
 - Any FUSE mount a test left behind under this session's temporary directory is lazily
   unmounted at the end of the session, so a failing test cannot leave the machine with a dead mount.
 """
@@ -13,6 +16,31 @@ import subprocess
 import pytest
 
 _skipped_mount_tests: list[str] = []
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "expect_sidecar_errors(reason): the test's sidecar may "
+                                       "log an ERROR or a traceback on purpose")
+
+
+@pytest.fixture(autouse=True)
+def sidecar_logs_clean(request):
+    """Fail the test when a watched sidecar log got an unexpected ERROR or traceback."""
+    try:
+        import mountutil
+    except ImportError:  # pragma: no cover
+        yield
+        return
+    mountutil.WATCHED_LOGS.clear()
+    yield
+    watched, mountutil.WATCHED_LOGS[:] = list(mountutil.WATCHED_LOGS), []
+    if request.node.get_closest_marker("expect_sidecar_errors"):
+        return
+    bad = [f"{path.name}: {line[:600]}" for path, off in watched
+           for line in mountutil.unexpected_log_lines(path, off)]
+    if bad:
+        pytest.fail("the sidecar logged unexpected errors:\n" + "\n".join(bad[:10]),
+                    pytrace=False)
 
 
 def pytest_runtest_logreport(report):

@@ -140,8 +140,36 @@ class ControlPlane:
         return f
 
 
+# Sidecar logs written during the current test: (path, offset at registration). The conftest
+# fixture ``sidecar_logs_clean`` fails a test whose sidecar logged an ERROR or a traceback
+# there, unless the test is marked ``expect_sidecar_errors``.
+WATCHED_LOGS: list[tuple[Path, int]] = []
+
+
+def watch_log(path: Path) -> None:
+    """Check the JSON log lines ``path`` gets from now on at the end of the current test."""
+    WATCHED_LOGS.append((path, path.stat().st_size if path.exists() else 0))
+
+
+def unexpected_log_lines(path: Path, offset: int = 0) -> list[str]:
+    """Lines after ``offset`` that are an ERROR (or worse) or carry a traceback."""
+    if not path.exists():
+        return []
+    with path.open("rb") as f:
+        f.seek(offset)
+        text = f.read().decode("utf-8", "replace")
+    bad = []
+    for line in text.splitlines():
+        if line.startswith("{"):
+            if '"level": "error"' in line or '"level": "critical"' in line or '"exc": ' in line:
+                bad.append(line)
+        elif line.startswith("Traceback (most recent call last)"):
+            bad.append(line)
+    return bad
+
+
 class Sidecar:
-    """A ``memfuse mount`` process for one workspace."""
+    """A ``memfuse mount`` process for one workspace (its log is watched, see ``watch_log``)."""
 
     def __init__(self, cp: ControlPlane, ws: str, token_file: Path, mountpoint: Path,
                  cache_dir: Path, *extra: str) -> None:
@@ -149,6 +177,7 @@ class Sidecar:
         self.mountpoint, self.cache_dir, self.extra = mountpoint, cache_dir, extra
         self.log = cache_dir.parent / f"sidecar-{ws}-{mountpoint.name}.log"
         self.proc: subprocess.Popen | None = None
+        watch_log(self.log)
 
     def start(self, expect: str | None = "default") -> "Sidecar":
         self.mountpoint.mkdir(parents=True, exist_ok=True)

@@ -40,7 +40,8 @@ try:  # shared content rules (types, secrets) for the fast path; the server enfo
     from .. import content as content_rules
 except ImportError:  # pragma: no cover
     content_rules = None
-from .outbox import DELETE, MOVE, MOVE_PREFIX, PUT, Committer, Entry
+from .outbox import (DELETE, MOVE, MOVE_PREFIX, PUT, CacheError, Committer, Entry,
+                     cache_error)
 
 log = logging.getLogger("memfuse.fs")
 
@@ -65,27 +66,50 @@ class BlobCache:
     instead of 10,000 create-write-rename cycles, and a read is one indexed ``substr``. WAL with
     ``synchronous=NORMAL``: a crash never corrupts it; durability is the outbox's job, and
     anything missing is fetched again from the control plane. Used from the trio thread only.
+
+    Every failure of the file (a full disk, an I/O error) is raised as ``CacheError``
+    (``ENOSPC`` / ``EIO``), never as a raw ``sqlite3`` exception. Unreferenced blobs are
+    deleted by ``gc``; the write-ahead log is kept under 1 MiB and truncated by ``checkpoint``.
     """
 
     def __init__(self, path: Path) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA auto_vacuum=INCREMENTAL")  # new files only
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("PRAGMA wal_autocheckpoint=256")
+        self._db.execute("PRAGMA journal_size_limit=1048576")
         self._db.execute("CREATE TABLE IF NOT EXISTS blobs (sha TEXT PRIMARY KEY, data BLOB NOT NULL)")
         self._in_batch = False
+        self.metrics = None  # set by the sidecar: counts failed writes
+
+    def _failed(self, exc: BaseException, what: str) -> CacheError:
+        err = cache_error(exc, what)
+        if self.metrics is not None:
+            self.metrics.cache_write_errors.labels(
+                "blobs", errno.errorcode.get(err.errno, str(err.errno))).inc()
+        return err
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
-        """Group many ``put`` calls into one transaction."""
-        self._db.execute("BEGIN")
+        """Group many ``put`` calls into one transaction. Raises ``CacheError`` when the
+        transaction cannot be written (nothing of it is kept then)."""
+        try:
+            self._db.execute("BEGIN")
+        except sqlite3.Error as exc:
+            raise self._failed(exc, "writing the blob cache") from exc
         self._in_batch = True
         try:
             yield
             self._db.execute("COMMIT")
-        except BaseException:
-            self._db.execute("ROLLBACK")
+        except BaseException as exc:
+            if self._db.in_transaction:
+                with contextlib.suppress(sqlite3.Error):
+                    self._db.execute("ROLLBACK")
+            if isinstance(exc, sqlite3.Error):
+                raise self._failed(exc, "writing the blob cache") from exc
             raise
         finally:
             self._in_batch = False
@@ -96,27 +120,55 @@ class BlobCache:
     def put(self, data: bytes, sha: str | None = None) -> str:
         """Store ``data``; return its sha256 (computed when not given)."""
         sha = sha or sha256_hex(data)
-        self._db.execute("INSERT OR IGNORE INTO blobs VALUES (?, ?)", (sha, data))
+        try:
+            self._db.execute("INSERT OR IGNORE INTO blobs VALUES (?, ?)", (sha, data))
+        except sqlite3.Error as exc:
+            if self._in_batch:
+                raise  # batch() rolls the whole transaction back and raises CacheError
+            raise self._failed(exc, "writing the blob cache") from exc
         return sha
 
     def read(self, sha: str, off: int = 0, size: int = -1) -> bytes:
         """Bytes ``[off, off+size)`` of a blob (all from ``off`` when ``size`` < 0); ``b""``
-        when absent."""
-        if size < 0:
-            row = self._db.execute("SELECT substr(data, ?) FROM blobs WHERE sha=?",
-                                   (off + 1, sha)).fetchone()
-        else:
-            row = self._db.execute("SELECT substr(data, ?, ?) FROM blobs WHERE sha=?",
-                                   (off + 1, size, sha)).fetchone()
+        when absent. Raises ``CacheError(EIO)`` when the file cannot be read."""
+        try:
+            if size < 0:
+                row = self._db.execute("SELECT substr(data, ?) FROM blobs WHERE sha=?",
+                                       (off + 1, sha)).fetchone()
+            else:
+                row = self._db.execute("SELECT substr(data, ?, ?) FROM blobs WHERE sha=?",
+                                       (off + 1, size, sha)).fetchone()
+        except sqlite3.Error as exc:
+            raise CacheError(errno.EIO, f"the sidecar's blob cache cannot be read "
+                                        f"({type(exc).__name__})") from exc
         return bytes(row[0]) if row is not None and row[0] is not None else b""
 
     def gc(self, keep: set[str]) -> int:
-        """Delete every blob whose sha256 is not in ``keep``; return how many."""
-        self._db.execute("CREATE TEMP TABLE IF NOT EXISTS keep (sha TEXT PRIMARY KEY)")
-        self._db.execute("DELETE FROM keep")
-        self._db.executemany("INSERT OR IGNORE INTO keep VALUES (?)", ((k,) for k in keep))
-        cur = self._db.execute("DELETE FROM blobs WHERE sha NOT IN (SELECT sha FROM keep)")
+        """Delete every blob whose sha256 is not in ``keep``, then ``checkpoint``; return
+        how many were deleted. Raises ``CacheError`` when the file cannot be written."""
+        try:
+            self._db.execute("CREATE TEMP TABLE IF NOT EXISTS keep (sha TEXT PRIMARY KEY)")
+            self._db.execute("DELETE FROM keep")
+            self._db.executemany("INSERT OR IGNORE INTO keep VALUES (?)", ((k,) for k in keep))
+            cur = self._db.execute("DELETE FROM blobs WHERE sha NOT IN (SELECT sha FROM keep)")
+            self._db.execute("DELETE FROM keep")
+        except sqlite3.Error as exc:
+            raise self._failed(exc, "cleaning the blob cache") from exc
+        self.checkpoint()
         return cur.rowcount
+
+    def checkpoint(self) -> None:
+        """Copy the write-ahead log into the file and truncate it; give free pages back
+        (files created with incremental auto-vacuum). Failures are ignored (tried again next
+        time): the log then stays, bounded by ``journal_size_limit``."""
+        with contextlib.suppress(sqlite3.Error):
+            self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            self._db.execute("PRAGMA incremental_vacuum")
+
+    def count(self) -> tuple[int, int]:
+        """(blobs, bytes of content) held."""
+        row = self._db.execute("SELECT COUNT(*), COALESCE(SUM(LENGTH(data)), 0) FROM blobs").fetchone()
+        return int(row[0]), int(row[1])
 
     def close(self) -> None:
         self._db.close()
@@ -352,10 +404,19 @@ class Filesystem:
                         paths.append(c.path())
                         stack.append(c)
             out[slug] = sorted(paths)
-        self.saved_dirs = out
         tmp = self.dirs_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(out))
-        os.replace(tmp, self.dirs_file)
+        try:
+            tmp.write_text(json.dumps(out))
+            os.replace(tmp, self.dirs_file)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            err = cache_error(exc, "saving the directory list")
+            if self.metrics is not None:
+                self.metrics.cache_write_errors.labels(
+                    "dirs", errno.errorcode.get(err.errno, str(err.errno))).inc()
+            raise err from exc
+        self.saved_dirs = out
 
     def _insert_record(self, sm: StoreMount, rec: Record) -> Node:
         parts = rec.path.split("/")
@@ -651,9 +712,18 @@ class Filesystem:
         if n.local_only or n.unlinked:
             return None
         data = self._content(n)  # the write buffer, or the clean content (e.g. renamed back)
-        n.sha = self.blobs.put(data)
+        n.sha = sha256_hex(data)
         n.size = len(data)
-        n.buf = None
+        try:
+            self.blobs.put(data, n.sha)
+            n.buf = None
+        except CacheError as err:
+            # the cache disk is full or failing: the content stays in memory (reads are
+            # served from it) and the outbox entry below carries it durably, when the
+            # journal can write; the next commit of this file tries the blob cache again
+            n.buf = bytearray(data)
+            log.warning("blob cache write failed; the file's content stays in memory",
+                        extra={"store": n.store.slug, "path": n.path(), "reason": err.reason})
         if n.refused:
             return FsError(n.refused, n.error)
         refusal = self._precheck(n, data)
@@ -668,11 +738,17 @@ class Filesystem:
         return e
 
     def _precheck(self, n: Node, data: bytes) -> FsError | None:
-        """Refusals the sidecar can decide alone, so they fail at close even offline."""
+        """Refusals the sidecar can decide alone, so they fail at close even offline:
+        not UTF-8 or a NUL character (``EILSEQ``), a secret (``EPERM``), a bad frontmatter
+        type (``EINVAL``). Sizes and names are checked at write / create already."""
         try:
             data.decode("utf-8")
         except UnicodeDecodeError as e:
             return FsError(errno.EILSEQ, f"content is not valid UTF-8 (byte {e.start})")
+        nul = data.find(b"\0")
+        if nul >= 0:
+            return FsError(errno.EILSEQ, f"content contains a NUL character (at offset {nul}); "
+                                         "records are text")
         if content_rules is None:
             return None
         text = data.decode("utf-8")
@@ -716,8 +792,9 @@ class Filesystem:
             e = n.last_put if n.state == PENDING and not (n.local_only or n.unlinked) else None
             if e is None:
                 return
-        await e.durable.wait()
-        with trio.move_on_after(self.settings.commit_wait):
+        deadline = trio.current_time() + self.settings.commit_wait
+        await self._wait_accepted(n, e, self.settings.commit_wait)
+        with trio.move_on_at(deadline):
             await e.done.wait()
         if e.done.is_set() and e.errno:
             raise FsError(e.errno, e.reason)
@@ -732,13 +809,29 @@ class Filesystem:
         e = e or (n.last_put if n.state == PENDING and not (n.local_only or n.unlinked) else None)
         if e is None:
             return
-        await e.durable.wait()
-        with trio.move_on_after(self.settings.fsync_timeout):
+        deadline = trio.current_time() + self.settings.fsync_timeout
+        await self._wait_accepted(n, e, self.settings.fsync_timeout)
+        with trio.move_on_at(deadline):
             await e.done.wait()
         if not e.done.is_set():
             raise FsError(errno.EIO, "control plane did not acknowledge within fsync timeout")
         if e.errno:
             raise FsError(e.errno, e.reason)
+
+    async def _wait_accepted(self, n: Node, e: Entry, timeout: float) -> None:
+        """Wait (at most ``timeout`` s) until ``e`` is accepted (on disk in the outbox) or
+        finished. When the sidecar's own disk refuses it, raise ``FsError`` with the journal's
+        errno (``ENOSPC`` for a full disk) and its reason in ``user.memfuse.error`` and
+        ``errors.log``; the entry stays queued (the journal retries it and the committer may
+        still commit it), so the file keeps ``state=pending``."""
+        try:
+            await e.wait_accepted(timeout)
+        except CacheError as err:
+            if n.last_put is e:
+                n.error = err.reason
+            self.note_error(n.parent if n.store is not None else None, n.name, err.errno,
+                            err.reason + "; the write is kept in memory and retried")
+            raise FsError(err.errno, err.reason) from None
 
     def release(self, fh: int) -> None:
         h = self.handles.pop(fh, None)
@@ -812,9 +905,14 @@ class Filesystem:
         if s in d.children:
             raise FsError(errno.EEXIST)
         n = self._new_node(s, d, True, sm, stat.S_IMODE(mode), time.time_ns(), uid, gid)
+        try:
+            self.save_dirs()
+        except CacheError as err:
+            del d.children[s]  # a directory that would not survive a restart is refused
+            self.inodes.pop(n.ino, None)
+            self.refuse(d, s, err.errno, err.reason)
         n.nlookup += 1
         self._touch_dir(d)
-        self.save_dirs()
         return n
 
     def _child(self, d: Node, name: bytes) -> Node:
@@ -854,7 +952,16 @@ class Filesystem:
         if n.children:
             raise FsError(errno.ENOTEMPTY)
         self._detach(n)
-        self.save_dirs()
+        self._save_dirs_logged()
+
+    def _save_dirs_logged(self) -> None:
+        """``save_dirs`` after a change that already happened (rmdir, rename): a failure is
+        logged and counted; an empty directory may then reappear, or be missing, after a
+        restart (the list is written again at the next change)."""
+        try:
+            self.save_dirs()
+        except CacheError as err:
+            log.warning("directory list not saved", extra={"reason": err.reason})
 
     def _has_remote(self, d: Node) -> bool:
         for c in d.children.values():
@@ -920,7 +1027,7 @@ class Filesystem:
         self._touch_dir(nd)
         src.ctime_ns = time.time_ns()
         if src.is_dir:
-            self.save_dirs()
+            self._save_dirs_logged()
         if commit_after and src.opened == 0:
             self.commit(src)
 
@@ -1007,6 +1114,8 @@ class Filesystem:
             if force:
                 if n.sha == rec.sha256 and n.path() == rec.path and not rec.deleted:
                     return []
+                if n.version > rec.version or (n.version == rec.version and n.state != CLEAN):
+                    return []  # a local version the snapshot does not know yet
             elif n.version >= rec.version:
                 return []
         if rec.deleted:
@@ -1078,16 +1187,36 @@ class Filesystem:
         inv.append(("entry", d.ino, n.name))
         return inv
 
-    def reconcile_store(self, sm: StoreMount, records: list[Record]) -> list[tuple]:
+    def reconcile_store(self, sm: StoreMount, records: list[Record],
+                        queued: list[Entry] = ()) -> list[tuple]:
         """Make the store's tree match a full snapshot (after ``410``): apply every record,
-        remove clean local files whose record is no longer live."""
+        remove clean local files whose record is no longer live.
+
+        Call with no commit of the store in flight between the snapshot and this call
+        (``Committer.hold``): every local change that committed is then in ``records``.
+        ``queued`` are the store's outbox entries not committed yet: local changes the
+        snapshot cannot show. Records and files they touch are left as they are here (their
+        commits land on top), so a reconcile never reverts or hides a local write."""
+        busy_keys = {e.node_key for e in queued if e.node_key}
+        busy_rids = {self.committer.keymap.get(k, (None, None))[0] for k in busy_keys}
+        busy_rids |= {k[2:] for k in busy_keys if k.startswith("r:")}
+        prefixes = [p for e in queued if e.op == MOVE_PREFIX
+                    for p in (e.args.get("from", ""), e.args.get("to", ""))]
+
+        def touched(path: str) -> bool:
+            return any(path == p or path.startswith(p + "/") for p in prefixes)
+
         inv: list[tuple] = []
         live = set()
         for rec in records:
             live.add(rec.id)
+            n = self.by_rid.get(rec.id)
+            if rec.id in busy_rids or touched(rec.path) or (n is not None and n.key in busy_keys):
+                continue
             inv += self.apply_remote(sm, rec, force=True)
         for n in list(self._walk_files(sm.root)):
-            if n.record_id and n.record_id not in live and not n.dirty and not n.local_only:
+            if (n.record_id and n.record_id not in live and not n.dirty and not n.local_only
+                    and n.key not in busy_keys and n.state == CLEAN and not touched(n.path())):
                 inv.append(("entry", n.parent.ino, n.name))
                 self._detach(n)
                 self._bind_rid(n, None)

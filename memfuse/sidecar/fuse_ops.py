@@ -1,7 +1,8 @@
 """The FUSE adapter: ``pyfuse3.Operations`` over ``core.Filesystem``.
 
 Each handler converts arguments, calls the core, and builds replies. Every handler is wrapped
-(``_guard``): ``FsError`` becomes ``FUSEError(errno)``; any other exception is logged with a
+(``_guard``): ``FsError`` becomes ``FUSEError(errno)``, a ``CacheError`` (the sidecar's own
+disk full or failing) its errno with a logged reason; any other exception is logged with a
 traceback and becomes ``FUSEError(EIO)``, because an uncaught exception would kill the whole
 mount (PYFUSE3-NOTES "Process and errors"). Metrics per operation are counted here too.
 
@@ -22,6 +23,7 @@ import pyfuse3
 
 from .core import CONTROL_DIR, FsError, Filesystem, Node
 from .metrics import Metrics
+from .outbox import CacheError
 
 log = logging.getLogger("memfuse.fuse")
 
@@ -46,6 +48,11 @@ def _guard(fn):
             raise
         except FsError as e:
             m.fuse_errors.labels(name, errno.errorcode.get(e.errno, str(e.errno))).inc()
+            raise pyfuse3.FUSEError(e.errno) from None
+        except CacheError as e:  # the sidecar's own disk: full (ENOSPC) or failing (EIO)
+            m.fuse_errors.labels(name, errno.errorcode.get(e.errno, str(e.errno))).inc()
+            log.warning("cache disk error; answered with its errno",
+                        extra={"op": name, "errno": errno.errorcode.get(e.errno), "reason": e.reason})
             raise pyfuse3.FUSEError(e.errno) from None
         except Exception:
             m.fuse_errors.labels(name, "EIO").inc()

@@ -39,6 +39,14 @@ class Metrics:
         self.sync_lag = Histogram("memfuse_sync_lag_seconds",
                                   "time from a remote version's creation to its arrival here",
                                   buckets=_LAT_BUCKETS, registry=r)
+        self.cache_write_errors = Counter(
+            "memfuse_cache_write_errors",
+            "writes to the sidecar's own cache directory that failed (what: outbox, blobs, "
+            "state, dirs), by errno", ["what", "errno"], registry=r)
+        self.task_failures = Counter(
+            "memfuse_task_failures",
+            "unexpected exceptions in long-lived tasks (each logged and the task restarted "
+            "with backoff), by task", ["task"], registry=r)
         self.outbox_depth = Gauge("memfuse_outbox_depth", "entries accepted, not yet committed", registry=r)
         self.outbox_oldest = Gauge("memfuse_outbox_oldest_age_seconds", "age of the oldest outbox entry",
                                    registry=r)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import json
 import logging
 import math
@@ -33,7 +34,7 @@ from ..models import Attachment
 from .core import ROOT_INO, BlobCache, Filesystem, Settings
 from .fuse_ops import MemfuseOps
 from .metrics import Metrics
-from .outbox import Committer, Journal
+from .outbox import CacheError, Committer, Journal
 from .sync import Invalidator, StoreState, catch_up, lag_seconds
 
 log = logging.getLogger("memfuse.mount")
@@ -131,7 +132,7 @@ class Sidecar:
         self.client = client
         self.metrics = Metrics()
         config.cache_dir.mkdir(parents=True, exist_ok=True)
-        self.journal = Journal(config.cache_dir / "outbox.db")
+        self.journal = Journal(config.cache_dir / "outbox.db", metrics=self.metrics)
         self.leftovers, keymap = self.journal.load()
         self.committer = Committer(client, self.journal, keymap, metrics=self.metrics)
         settings = Settings(commit_wait=config.commit_wait, fsync_timeout=config.fsync_timeout)
@@ -155,6 +156,9 @@ class Sidecar:
                 state.committed(e)
         self.committer.on_result = committed
         self.fs.metrics = self.metrics
+        self.fs.blobs.metrics = self.metrics
+        self.task_failures: dict[str, int] = {}  # task name -> unexpected exceptions
+        self.state_save_failing = False
 
         def observe(endpoint: str, status: str, seconds: float) -> None:
             self.metrics.api_calls.labels(endpoint, status).inc()
@@ -205,6 +209,10 @@ class Sidecar:
         st["invalidations"] = {"done": self.invalidator.done, "failed": self.invalidator.failed}
         st["errors_logged"] = len(self.fs.errors)
         st["feed_tasks"] = self.feed_tasks
+        st["task_failures"] = dict(self.task_failures)
+        st["cache"] = {"dir": str(self.config.cache_dir), "journal_queued": self.journal.depth(),
+                       "journal_error": self.journal.error.reason if self.journal.error else None,
+                       "state_save_failing": self.state_save_failing}
         st["offline_start"] = self.offline_start
         return st
 
@@ -217,6 +225,12 @@ class Sidecar:
             except TransientError as e:
                 log.warning(f"control plane unreachable while {what}; retrying",
                             extra={"status": e.status, "code": e.code, "retry_in_s": delay})
+                await trio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+            except CacheError as e:
+                log.warning(f"cache disk refused a write while {what}; retrying",
+                            extra={"errno": errno.errorcode.get(e.errno), "reason": e.reason,
+                                   "retry_in_s": delay})
                 await trio.sleep(delay)
                 delay = min(delay * 2, 5.0)
 
@@ -291,64 +305,127 @@ class Sidecar:
         self.feeds[slug] = scope
         self._nursery.start_soon(self._feed, slug, scope)
 
+    # ------------------------------------------------------------------ supervision
+    async def supervise(self, name: str, fn, *args, context: dict | None = None) -> None:
+        """Run ``fn(*args)`` until it returns; an unexpected exception is logged (with
+        ``context``), counted (``memfuse_task_failures{task=name}``, ``status.task_failures``)
+        and the task restarted after a backoff of 0.2 s doubling to 30 s (reset after a minute
+        of running). Cancellation passes through: only a deliberate stop ends a task."""
+        delay = 0.2
+        while True:
+            t0 = trio.current_time()
+            try:
+                await fn(*args)
+                return
+            except Exception:
+                if trio.current_time() - t0 > 60:
+                    delay = 0.2
+                self.task_failures[name] = self.task_failures.get(name, 0) + 1
+                self.metrics.task_failures.labels(name).inc()
+                log.exception("background task failed; restarting it",
+                              extra={"task": name, "restart_in_s": delay, **(context or {})})
+                await trio.sleep(delay)
+                delay = min(delay * 2, 30.0)
+
+    def _spawn(self, name: str, fn, *args, context: dict | None = None) -> None:
+        """Start a supervised long-lived task in the sidecar's nursery."""
+        self._nursery.start_soon(functools.partial(self.supervise, name, fn, *args,
+                                                   context=context), name=name)
+
     # ------------------------------------------------------------------ change feed
     async def _feed(self, slug: str, scope: trio.CancelScope) -> None:
         """Long-poll the store's change feed and apply what others changed (DESIGN §6)."""
         self.feed_tasks += 1
         try:
-            await self._feed_loop(slug, scope)
+            with scope:
+                await self.supervise("feed", self._feed_loop, slug, context={"store": slug})
         finally:
             self.feed_tasks -= 1
 
-    async def _feed_loop(self, slug: str, scope: trio.CancelScope) -> None:
-        with scope:
-            delay, probe = 0.2, False
-            while True:
-                state, sm = self.states.get(slug), self.fs.stores.get(slug)
-                if state is None or sm is None:
-                    return
+    async def _resync(self, slug: str) -> None:
+        """After ``410``: replace the store's mirror and tree with a full snapshot, without
+        reverting or hiding a local write. No commit of the store runs from the request of
+        the snapshot until it is applied (``Committer.hold``), so every local change is
+        either in the snapshot or still queued, and queued ones are left alone
+        (``Filesystem.reconcile_store``)."""
+        async with self.committer.hold(slug):
+            records, seq = await self.client.snapshot(slug, content=True)
+            state, sm = self.states.get(slug), self.fs.stores.get(slug)
+            if state is None or sm is None:
+                return
+            with self.fs.blobs.batch():
+                for r in records:
+                    if r.content is not None:
+                        self.fs.blobs.put(r.content.encode("utf-8"), r.sha256)
+            self.invalidator.submit(self.fs.reconcile_store(sm, records,
+                                                            self.committer.queued(slug)))
+            state.reset(records, seq)
+        log.info("store resynchronised from a snapshot", extra={"store": slug,
+                                                                "records": len(records)})
+
+    async def _feed_loop(self, slug: str) -> None:
+        """The feed of one store (run under ``supervise``; ``_feed`` owns the scope)."""
+        delay, probe = 0.2, False
+        while True:
+            state, sm = self.states.get(slug), self.fs.stores.get(slug)
+            if state is None or sm is None:
+                return
+            try:
+                # after a failure, ask without waiting: the first answer tells the
+                # committer at once that the control plane is back
+                page = await self.client.changes(slug, state.cursor, wait=0 if probe else 25,
+                                                 content=True, **self._feed_kw)
+                delay, probe = 0.2, False
+                self.committer.poke()
+            except Gone:
+                log.warning("change-feed cursor expired; taking a full snapshot", extra={"store": slug})
                 try:
-                    # after a failure, ask without waiting: the first answer tells the
-                    # committer at once that the control plane is back
-                    page = await self.client.changes(slug, state.cursor, wait=0 if probe else 25,
-                                                     content=True, **self._feed_kw)
-                    delay, probe = 0.2, False
-                    self.committer.poke()
-                except Gone:
-                    log.warning("change-feed cursor expired; taking a full snapshot", extra={"store": slug})
-                    records, seq = await self.client.snapshot(slug, content=True)
-                    await self.committer.wait_store_idle(slug)
-                    self.invalidator.submit(self.fs.reconcile_store(sm, records))
-                    state.reset(records, seq)
-                    continue
+                    await self._resync(slug)
                 except TransientError as e:
-                    log.info("change feed unreachable; retrying",
+                    log.info("snapshot after 410 failed; retrying",
                              extra={"store": slug, "status": e.status, "retry_in_s": delay})
                     await trio.sleep(delay)
                     delay = min(delay * 2, 5.0)
-                    probe = True
-                    continue
-                except PermanentError as e:
-                    log.warning("change feed refused; reconciling attachments",
-                                extra={"store": slug, "status": e.status, "code": e.code})
-                    self._nursery.start_soon(self.reconcile)
-                    await trio.sleep(5)
-                    continue
-                if not page.changes:
-                    state.cursor = max(state.cursor, page.seq)
-                    continue
-                # every local change of this store must be committed before remote ones apply
-                await self.committer.wait_store_idle(slug)
-                inv: list[tuple] = []
+                except CacheError as e:
+                    log.warning("snapshot after 410 not stored: cache disk error; retrying",
+                                extra={"store": slug, "reason": e.reason, "retry_in_s": 5.0})
+                    await trio.sleep(5.0)
+                continue
+            except TransientError as e:
+                log.info("change feed unreachable; retrying",
+                         extra={"store": slug, "status": e.status, "retry_in_s": delay})
+                await trio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+                probe = True
+                continue
+            except PermanentError as e:
+                log.warning("change feed refused; reconciling attachments",
+                            extra={"store": slug, "status": e.status, "code": e.code})
+                self._nursery.start_soon(self._reconcile_logged)
+                await trio.sleep(5)
+                continue
+            if not page.changes:
+                state.cursor = max(state.cursor, page.seq)
+                continue
+            # every local change of this store must be committed before remote ones apply
+            await self.committer.wait_store_idle(slug)
+            inv: list[tuple] = []
+            try:
                 for ch in page.changes:
                     if ch.record.updated_by != self.actor:  # our own writes are applied already
                         inv += self.fs.apply_remote(sm, ch.record)
                     state.apply(ch)
                     self.metrics.remote_changes.labels(slug).inc()
                     self.metrics.sync_lag.observe(lag_seconds(ch.record))
-                state.cursor = max(state.cursor, page.seq)
-                state.last_change_at = time.time()
+            except CacheError as e:  # the changes from the failed one on are asked again
                 self.invalidator.submit(inv)
+                log.warning("remote change not stored: cache disk error; retrying",
+                            extra={"store": slug, "reason": e.reason, "retry_in_s": 5.0})
+                await trio.sleep(5.0)
+                continue
+            state.cursor = max(state.cursor, page.seq)
+            state.last_change_at = time.time()
+            self.invalidator.submit(inv)
 
     async def _events(self) -> None:
         """Follow the workspace's attach / detach / store-changed events."""
@@ -373,20 +450,40 @@ class Sidecar:
             if page.events:
                 log.info("workspace events", extra={"events": ",".join(
                     f"{ev.kind}:{ev.store}" for ev in page.events)})
-                await self.reconcile()
+                await self._reconcile_logged()
+
+    GC_EVERY = 60.0  # s between collections of unreferenced blobs
 
     async def _saver(self) -> None:
+        """Save dirty store mirrors every 2 s; collect unreferenced blobs every ``GC_EVERY``
+        s (overwritten and deleted records leave their old content behind)."""
+        last_gc = trio.current_time()
         while True:
             await trio.sleep(2)
             self.save_states()
+            if trio.current_time() - last_gc >= self.GC_EVERY:
+                last_gc = trio.current_time()
+                self._gc_blobs()
 
     def save_states(self) -> None:
-        for st in self.states.values():
+        """Save every dirty store mirror. A failure (full or failing cache disk) is logged
+        once per streak (no traceback), counted, and retried at the next call: the mirror
+        is a cache, the previous file stays valid."""
+        failed = None
+        for st in list(self.states.values()):
             if st.dirty:
                 try:
                     st.save()
-                except OSError:
-                    log.exception("could not save store state", extra={"store": st.slug})
+                except CacheError as e:
+                    failed = e
+                    self.metrics.cache_write_errors.labels(
+                        "state", errno.errorcode.get(e.errno, str(e.errno))).inc()
+                    if not self.state_save_failing:
+                        log.warning("store state not saved; retrying every 2 s",
+                                    extra={"store": st.slug, "reason": e.reason})
+        if failed is None and self.state_save_failing:
+            log.info("store states saved again")
+        self.state_save_failing = failed is not None
 
     # ------------------------------------------------------------------ mount / umount signals
     async def reconcile(self) -> dict:
@@ -451,7 +548,11 @@ class Sidecar:
         await self.invalidator.settle()  # the directory is gone for the kernel too on return
         state = self.states.pop(slug, None)
         if state is not None:
-            state.save()
+            try:
+                state.save()
+            except CacheError as e:  # a cache: the next mount resumes from the older file
+                log.warning("store state not saved at unmount", extra={"store": slug,
+                                                                       "reason": e.reason})
         log.info("store unmounted", extra={"store": slug, "uncommitted": left})
         return left
 
@@ -474,7 +575,7 @@ class Sidecar:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 nursery.start_soon(self._signals, sigs)
-                nursery.start_soon(self.journal.run)
+                self._spawn("journal", self.journal.run)
                 await nursery.start(self.committer.run)
                 if config.admin_listen:  # first, so /healthz and /readyz answer while loading
                     from .admin import serve_admin
@@ -506,12 +607,12 @@ class Sidecar:
                 pyfuse3.init(self.ops, str(config.mountpoint), options)
                 mounted = True
                 self.invalidator.active = True
-                nursery.start_soon(self.invalidator.run)
+                self._spawn("invalidator", self.invalidator.run)
                 self._mounted = True
                 for slug in self.fs.stores:
                     self._start_feed(slug)
-                nursery.start_soon(self._events)
-                nursery.start_soon(self._saver)
+                self._spawn("events", self._events)
+                self._spawn("saver", self._saver)
                 self.fs.ready = True
                 log.info("mounted", extra={"mountpoint": str(config.mountpoint),
                                            "stores": len(self.fs.stores), "workspace": config.workspace,
@@ -562,22 +663,40 @@ class Sidecar:
             self._nursery.start_soon(self._stop)
 
     async def _stop(self) -> None:
-        with trio.CancelScope() as self._drain_scope:
-            await drain(self.fs, self.committer, self.config.drain_timeout)
-        self._drain_scope = None
-        pyfuse3.terminate()
+        try:
+            with trio.CancelScope() as self._drain_scope:
+                await drain(self.fs, self.committer, self.config.drain_timeout)
+        except Exception:  # never skip the unmount; what did not drain stays in the outbox
+            log.exception("drain failed; unmounting anyway")
+        finally:
+            self._drain_scope = None
+            pyfuse3.terminate()
 
     async def _reconcile_logged(self) -> None:
+        """``reconcile`` for background callers (events, SIGHUP, a refused feed): a failure
+        is logged and counted, never raised (it would end the mount); the next event, SIGHUP
+        or feed refusal tries again."""
         try:
             await self.reconcile()
-        except ApiError as e:
-            log.warning("reconcile failed", extra={"status": e.status, "code": e.code})
+        except (ApiError, CacheError) as e:
+            log.warning("reconcile failed", extra={"status": getattr(e, "status", None),
+                                                   "code": getattr(e, "code", None),
+                                                   "reason": getattr(e, "reason", None)})
+        except Exception:
+            self.task_failures["reconcile"] = self.task_failures.get("reconcile", 0) + 1
+            self.metrics.task_failures.labels("reconcile").inc()
+            log.exception("reconcile failed unexpectedly")
 
     def _gc_blobs(self) -> None:
-        """Delete cached blobs no store mirror or file refers to."""
+        """Delete cached blobs no store mirror or file refers to (a failure is logged and
+        tried again at the next collection)."""
         keep = {r.sha256 for st in self.states.values() for r in st.records.values()}
         keep |= {n.sha for n in self.fs.inodes.values() if n.sha}
-        removed = self.fs.blobs.gc(keep)
+        try:
+            removed = self.fs.blobs.gc(keep)
+        except CacheError as e:
+            log.warning("blob cache not cleaned", extra={"reason": e.reason})
+            return
         if removed:
             log.info("blob cache cleaned", extra={"removed": removed})
 

@@ -26,6 +26,7 @@ the server replays the stored response for a known idempotency key.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -97,16 +98,103 @@ class Entry:
     record: Record | None = None  # the record after the commit, when the op returns one
     record_id: str | None = None  # delete / move: the record the op acted on
     moved: list[Record] = field(default_factory=list)  # move_prefix: the records moved
+    #: why the journal could not write this entry yet: ``(errno, reason)``, None once durable
+    journal_error: tuple[int, str] | None = None
+    #: set (and replaced) whenever the entry's state changes: a journal attempt or its end
+    changed: trio.Event = field(default_factory=trio.Event)
+
+    def notify(self) -> None:
+        """Wake whoever waits on ``changed`` (``wait_accepted``)."""
+        ev, self.changed = self.changed, trio.Event()
+        ev.set()
+
+    def finish(self) -> None:
+        """The entry is committed or refused for good (``done``)."""
+        self.done.set()
+        self.notify()
+
+    async def wait_accepted(self, timeout: float) -> None:
+        """Wait until the entry is accepted (its journal row is on disk) or already finished
+        (committed or refused: the control plane holds the outcome), at most ``timeout`` s.
+
+        Raises ``CacheError`` with the journal's errno (``ENOSPC`` when the cache disk is full,
+        ``EIO`` for other write failures) when the journal tried to write the entry and failed,
+        or ``EIO`` when it did not get to it within ``timeout``. The entry stays queued either
+        way: the journal keeps retrying it and the committer may still commit it.
+        """
+        with trio.move_on_after(timeout):
+            while not (self.durable.is_set() or self.done.is_set()):
+                if self.journal_error is not None:
+                    raise CacheError(*self.journal_error)
+                await self.changed.wait()
+            return
+        raise CacheError(errno.EIO, f"the outbox journal did not write within {timeout:g} s")
+
+
+class CacheError(OSError):
+    """A write to the sidecar's own cache directory failed: ``errno`` (``ENOSPC`` for a full
+    disk, else ``EIO`` or the OS's errno) and a one-line ``reason`` for logs and errors.log."""
+
+    def __init__(self, err: int, reason: str) -> None:
+        super().__init__(err, reason)
+        self.reason = reason
+
+
+def cache_errno(exc: BaseException) -> int:
+    """The errno a failed write to the cache directory stands for: ``ENOSPC`` for a full
+    disk (``SQLITE_FULL``, ``OSError(ENOSPC)`` or ``EDQUOT``), the OS errno of another
+    ``OSError``, else ``EIO``."""
+    if isinstance(exc, OSError) and exc.errno:
+        return errno.ENOSPC if exc.errno == errno.EDQUOT else exc.errno
+    if isinstance(exc, sqlite3.Error):
+        code = getattr(exc, "sqlite_errorcode", None)
+        if code is not None and code & 0xFF == sqlite3.SQLITE_FULL:
+            return errno.ENOSPC
+        if "full" in str(exc):
+            return errno.ENOSPC
+    return errno.EIO
+
+
+def cache_error(exc: BaseException, what: str) -> CacheError:
+    """``exc`` (a failed write to the cache directory) as a ``CacheError`` whose reason says
+    ``what`` was being written."""
+    err = cache_errno(exc)
+    if err == errno.ENOSPC:
+        reason = f"the sidecar's cache disk is full ({what})"
+    else:
+        reason = f"the sidecar's cache disk failed ({what}: {errno.errorcode.get(err, err)})"
+    return CacheError(err, reason)
 
 
 class Journal:
-    """Durable, ordered storage of entries and of the node-key map (SQLite, fsynced)."""
+    """Durable, ordered storage of entries and of the node-key map (SQLite, fsynced).
 
-    def __init__(self, path: Path) -> None:
+    Writes are queued (``add`` / ``remove`` / ``set_key``, synchronous, on the trio thread) and
+    applied in order by ``run`` in one transaction per batch (group commit) from a worker
+    thread. A batch that fails to write (full disk, I/O error) stays queued, in order and with
+    its waiters, in front of anything queued since; ``run`` retries it with backoff, so the
+    journal resumes by itself once space returns. Every waiter of a failed batch is told why
+    (``Entry.journal_error``), so ``close(2)`` can answer ``ENOSPC`` instead of waiting.
+
+    Size: committed rows are deleted, an insert still queued when its entry finishes is never
+    written at all, and the write-ahead log is checkpointed and truncated whenever the queue
+    runs empty (at most every ``CHECKPOINT_EVERY`` s) and after a failed write, so the file
+    holds about the bytes of the entries not yet committed (docs/SEMANTICS.md, cache size).
+    """
+
+    CHECKPOINT_EVERY = 2.0  # s between idle checkpoints
+    RETRY_MIN, RETRY_MAX = 0.1, 2.0  # s: backoff of a failed batch
+
+    def __init__(self, path: Path, metrics=None) -> None:
         self.path = path
+        self.metrics = metrics
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        # a new file gives freed pages back on `incremental_vacuum` (no effect on an old one)
+        self._db.execute("PRAGMA auto_vacuum=INCREMENTAL")
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute("PRAGMA wal_autocheckpoint=256")  # pages (1 MiB), not the default 4 MiB
+        self._db.execute("PRAGMA journal_size_limit=1048576")
         self._db.execute(
             "CREATE TABLE IF NOT EXISTS entries (id INTEGER PRIMARY KEY, key TEXT NOT NULL,"
             " store TEXT NOT NULL, op TEXT NOT NULL, node_key TEXT, args TEXT NOT NULL,"
@@ -114,10 +202,15 @@ class Journal:
         self._db.execute(
             "CREATE TABLE IF NOT EXISTS keymap (node_key TEXT PRIMARY KEY, record_id TEXT,"
             " sha256 TEXT)")
-        self._pending: list[tuple[str, tuple]] = []
-        self._waiters: list[trio.Event] = []
+        # queued writes: [sql, params, entry id of an insert (else None)]
+        self._pending: list[list] = []
+        self._waiters: list[Entry] = []
+        self._unwritten: dict[int, list] = {}  # entry id -> its queued insert
         self._wakeup = trio.Event()
         self._lock = trio.Lock()
+        self.error: CacheError | None = None  # the last write failure, None once one succeeds
+        self.failures = 0  # failed batch writes since start
+        self._last_checkpoint = 0.0
 
     def load(self) -> tuple[list[Entry], dict[str, tuple[str | None, str | None]]]:
         """Read what a previous process left: entries in order and the key map."""
@@ -136,59 +229,131 @@ class Journal:
         row = self._db.execute("SELECT COALESCE(MAX(id), 0) FROM entries").fetchone()
         return int(row[0])
 
+    def depth(self) -> int:
+        """Queued writes not yet on disk."""
+        return len(self._pending)
+
     # --- queued writes, applied in order by run() -------------------------------------------
     def add(self, e: Entry) -> None:
-        self._pending.append(("INSERT INTO entries VALUES (?,?,?,?,?,?,?,?)",
-                              (e.id, e.key, e.store, e.op, e.node_key, json.dumps(e.args),
-                               e.content, e.created)))
-        self._waiters.append(e.durable)
+        op = ["INSERT INTO entries VALUES (?,?,?,?,?,?,?,?)",
+              (e.id, e.key, e.store, e.op, e.node_key, json.dumps(e.args), e.content, e.created),
+              e.id]
+        self._pending.append(op)
+        self._unwritten[e.id] = op
+        self._waiters.append(e)
         self._wakeup.set()
 
     def remove(self, e: Entry) -> None:
-        self._pending.append(("DELETE FROM entries WHERE id=?", (e.id,)))
+        """The entry finished: delete its row (or never write it, when still queued)."""
+        op = self._unwritten.pop(e.id, None)
+        if op is not None:
+            self._pending.remove(op)
+            if e in self._waiters:
+                self._waiters.remove(e)
+            return
+        self._pending.append(["DELETE FROM entries WHERE id=?", (e.id,), None])
         self._wakeup.set()
 
     def set_key(self, node_key: str, record_id: str | None, sha: str | None) -> None:
-        self._pending.append(("INSERT OR REPLACE INTO keymap VALUES (?,?,?)",
-                              (node_key, record_id, sha)))
+        self._pending.append(["INSERT OR REPLACE INTO keymap VALUES (?,?,?)",
+                              (node_key, record_id, sha), None])
         self._wakeup.set()
 
-    def _apply(self, batch: list[tuple[str, tuple]]) -> None:
+    def _apply(self, batch: list[list]) -> None:
         self._db.execute("BEGIN IMMEDIATE")
         try:
-            for sql, params in batch:
+            for sql, params, _ in batch:
                 self._db.execute(sql, params)
             self._db.execute("COMMIT")
         except BaseException:
-            self._db.execute("ROLLBACK")
+            if self._db.in_transaction:
+                self._db.execute("ROLLBACK")
             raise
 
+    def _checkpoint(self) -> None:
+        """Copy the write-ahead log into the database, truncate it, give free pages back."""
+        self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        self._db.execute("PRAGMA incremental_vacuum")
+
     async def flush_pending(self) -> None:
-        """Write everything queued so far in one transaction (from a worker thread)."""
+        """Write everything queued so far in one transaction (from a worker thread).
+
+        Raises ``CacheError`` when the write fails; the batch then stays queued in front of
+        later writes, and each of its entries carries the error in ``journal_error``."""
         async with self._lock:
             batch, self._pending = self._pending, []
             waiters, self._waiters = self._waiters, []
+            self._unwritten = {}
             if batch:
-                await trio.to_thread.run_sync(self._apply, batch)
+                try:
+                    await trio.to_thread.run_sync(self._apply, batch)
+                except BaseException as exc:
+                    self._pending[:0] = batch
+                    self._waiters[:0] = waiters
+                    self._unwritten = {op[2]: op for op in self._pending if op[2] is not None}
+                    if not isinstance(exc, Exception):
+                        raise
+                    err = cache_error(exc, "writing the outbox journal")
+                    self.error = err
+                    self.failures += 1
+                    for w in waiters:
+                        w.journal_error = (err.errno, err.reason)
+                        w.notify()
+                    raise err from exc
+            self.error = None
             for w in waiters:
-                w.set()
+                w.journal_error = None
+                w.durable.set()
+                w.notify()
 
     async def run(self) -> None:
-        """Group-commit loop: wait for queued writes, apply them, repeat. Never returns."""
+        """Group-commit loop: wait for queued writes, apply them, repeat. Never returns; a
+        failed write is retried with backoff (``RETRY_MIN`` .. ``RETRY_MAX`` s)."""
+        delay = self.RETRY_MIN
         while True:
             await self._wakeup.wait()
             self._wakeup = trio.Event()
             try:
                 await self.flush_pending()
-            except Exception:
-                log.exception("outbox journal write failed; retrying in 1 s")
-                await trio.sleep(1)
+            except CacheError as err:
+                if self.metrics is not None:
+                    self.metrics.cache_write_errors.labels(
+                        "outbox", errno.errorcode.get(err.errno, str(err.errno))).inc()
+                if delay == self.RETRY_MIN:  # once per streak of failures, no traceback
+                    log.warning("outbox journal write failed; the batch stays queued and is "
+                                "retried", extra={"errno": errno.errorcode.get(err.errno),
+                                                  "reason": err.reason, "queued": len(self._pending),
+                                                  "retry_in_s": delay})
+                with contextlib.suppress(sqlite3.Error):  # may free the log's space
+                    await trio.to_thread.run_sync(self._checkpoint)
+                await trio.sleep(delay)
+                delay = min(delay * 2, self.RETRY_MAX)
                 self._wakeup.set()
+                continue
+            if delay != self.RETRY_MIN:
+                log.info("outbox journal writes again", extra={"failures": self.failures})
+                delay = self.RETRY_MIN
+            now = time.monotonic()
+            if not self._pending and now - self._last_checkpoint >= self.CHECKPOINT_EVERY:
+                self._last_checkpoint = now
+                try:
+                    await trio.to_thread.run_sync(self._checkpoint)
+                except sqlite3.Error as exc:
+                    log.info("outbox checkpoint failed; retried later",
+                             extra={"errno": errno.errorcode.get(cache_errno(exc))})
 
     def close(self) -> None:
-        if self._pending:
-            self._apply(self._pending)
-            self._pending = []
+        """Write what is still queued (best effort: on failure it is logged, and the entries
+        concerned are replayed from the outbox or re-sent by their nodes next time), close."""
+        try:
+            if self._pending:
+                self._apply(self._pending)
+                self._pending = []
+            self._checkpoint()
+        except (sqlite3.Error, OSError) as exc:
+            log.warning("outbox journal: could not write the last queued changes at exit",
+                        extra={"queued": len(self._pending),
+                               "errno": errno.errorcode.get(cache_errno(exc))})
         self._db.close()
 
 
@@ -223,6 +388,12 @@ class Committer:
         self.idle.set()
         self._store_idle: dict[str, trio.Event] = {}
         self._poke = trio.Event()
+        #: entries finished (committed or refused) per store since start; a reconcile after
+        #: ``410`` compares it across its snapshot to see whether a local commit landed
+        self.finished: dict[str, int] = {}
+        self._held: dict[str, trio.Event] = {}  # stores whose next commit waits (``hold``)
+        self._inflight: dict[str, trio.Event] = {}  # set when the store's current commit ends
+        self.unexpected = 0  # commit attempts that failed with an unexpected exception
 
     # --- enqueueing (synchronous, on the trio thread: order is fixed here) -------------------
     def submit(self, store: str, op: str, node_key: str | None, args: dict[str, Any],
@@ -278,6 +449,27 @@ class Committer:
         while self.depth():
             await self.idle.wait()
 
+    def queued(self, store: str) -> list[Entry]:
+        """The store's unfinished entries, in order (the first may be in flight)."""
+        return list(self.queues.get(store, ()))
+
+    @contextlib.asynccontextmanager
+    async def hold(self, store: str):
+        """Inside: no commit of ``store`` is in flight and none starts (entries still queue).
+
+        Waits for the commit in flight to end (it is retried until it commits or is refused,
+        so this waits as long as the control plane is unreachable). Used by the reconcile
+        after ``410``, so that its snapshot and the local tree describe the same moment."""
+        ev = trio.Event()
+        self._held[store] = ev
+        try:
+            while store in self._inflight:
+                await self._inflight[store].wait()
+            yield
+        finally:
+            del self._held[store]
+            ev.set()
+
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
@@ -288,8 +480,28 @@ class Committer:
 
     # --- the per-store worker ----------------------------------------------------------------
     async def _worker(self, store: str) -> None:
+        """Commit the store's entries in order, forever. Supervised: an unexpected exception
+        outside a commit attempt is logged, counted and the loop restarts after a backoff
+        (the entry it was on stays first in the queue)."""
+        delay = 0.1
+        while True:
+            try:
+                await self._worker_loop(store)
+            except Exception:
+                if self.metrics is not None:
+                    self.metrics.task_failures.labels("committer").inc()
+                log.exception("outbox worker failed; restarting", extra={"store": store,
+                                                                          "restart_in_s": delay})
+                await trio.sleep(delay)
+                delay = min(delay * 2, self.backoff_max)
+
+    async def _worker_loop(self, store: str) -> None:
         q = self.queues[store]
         while True:
+            held = self._held.get(store)
+            if held is not None:
+                await held.wait()
+                continue
             if not q:
                 ev = self._store_idle.pop(store, None)
                 if ev is not None:
@@ -300,10 +512,15 @@ class Committer:
                 await ev.wait()
                 continue
             e = q[0]
-            await self._commit_with_retry(e)
+            self._inflight[store] = trio.Event()
+            try:
+                await self._commit_with_retry(e)
+            finally:
+                self._inflight.pop(store).set()
             q.popleft()
+            self.finished[store] = self.finished.get(store, 0) + 1
             self.journal.remove(e)
-            e.done.set()
+            e.finish()
             try:
                 self.on_result(e)
             except Exception:
@@ -333,6 +550,8 @@ class Committer:
                 with trio.move_on_after(delay):  # or sooner, once the control plane answers
                     await self._poke.wait()
             except ApiError as err:
+                if isinstance(err, TransientError):  # pragma: no cover - caught above
+                    raise
                 self.refused += 1
                 e.errno = errno_for(err)
                 e.reason = err.detail or err.code or f"HTTP {err.status}"
@@ -340,6 +559,18 @@ class Committer:
                     "entry": e.id, "op": e.op, "store": e.store, "path": e.args.get("path"),
                     "status": err.status, "code": err.code, "errno": errno.errorcode.get(e.errno)})
                 return
+            except Exception:
+                # a bug or an answer we cannot read: never end the mount, never drop the
+                # entry; log it with context, count it and retry like a transient failure
+                self.unexpected += 1
+                self.retries += 1
+                if self.metrics is not None:
+                    self.metrics.task_failures.labels("committer").inc()
+                delay = random.uniform(0, min(self.backoff_max, 0.05 * 2 ** min(e.attempts, 12)))
+                log.exception("commit failed unexpectedly; will retry",
+                              extra={"entry": e.id, "op": e.op, "store": e.store,
+                                     "attempt": e.attempts, "retry_in_s": round(delay, 3)})
+                await trio.sleep(max(delay, 0.05))
 
     def _conflict(self, e: Entry, what: str) -> None:
         self.conflicts += 1

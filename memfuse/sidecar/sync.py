@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -25,6 +26,7 @@ import trio
 
 from ..client import ApiClient, Gone
 from ..models import Change, Record
+from .outbox import cache_error
 
 log = logging.getLogger("memfuse.sync")
 
@@ -90,13 +92,19 @@ class StoreState:
             return False
 
     def save(self) -> None:
-        """Write the state atomically (tmp + rename)."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        """Write the state atomically (tmp + rename). Raises ``CacheError`` when it cannot
+        (the saved file is then the previous one, and ``dirty`` stays set)."""
         tmp = self.path.with_suffix(".tmp")
         data = {"format": 2, "cursor": self.cursor, "access": self.access,
                 "limits": self.limits, "records": [m.dump() for m in self.records.values()]}
-        tmp.write_text(json.dumps(data, separators=(",", ":")))
-        os.replace(tmp, self.path)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(data, separators=(",", ":")))
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink()  # a partial file would only take space
+            raise cache_error(exc, f"saving the state of store {self.slug}") from exc
         self.dirty = False
 
     def reset(self, records: list[Record], seq: int) -> None:

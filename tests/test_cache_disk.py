@@ -1,0 +1,135 @@
+"""A full or failing disk under the sidecar's ``--cache-dir`` (docs/SEMANTICS.md, "The
+sidecar's own disk"): ENOSPC at close with the reason in ``user.memfuse.error`` and
+``errors.log``, a metric, never a hang and never EIO from a traceback; nothing accepted is lost,
+and writes succeed again once space returns, without a restart.
+
+The cache directory is a 3 MiB tmpfs (mounting one needs root: CI runs as root; elsewhere the
+test is skipped with the reason). A ballast file fills most of it, so the disk fills after a
+few 96 KB writes, and removing the ballast gives the space back.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from mountcheck import errors_log, status, wait_until, xattr
+from mountutil import ControlPlane, Sidecar, live_records, unexpected_log_lines
+
+pytestmark = pytest.mark.mount
+
+FILE_BYTES = 96 * 1024
+WRITER = r'''
+import errno, json, os, sys, time
+d, first, count, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+out = []
+for i in range(first, first + count):
+    p = os.path.join(d, f"f{i:03d}.md")
+    data = (f"# file {i}\n".encode() + bytes([97 + i % 26]) * size)[:size]
+    t0 = time.monotonic()
+    res = {"i": i}
+    try:
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, data)
+        finally:
+            res["seconds"] = None
+            os.close(fd)
+        res["close"] = None
+    except OSError as e:
+        res["close"] = errno.errorcode[e.errno]
+    res["seconds"] = round(time.monotonic() - t0, 3)
+    out.append(res)
+print(json.dumps(out))
+'''
+
+
+def content(i: int) -> str:
+    return (f"# file {i}\n".encode() + bytes([97 + i % 26]) * FILE_BYTES)[:FILE_BYTES].decode()
+
+
+def write_files(d: Path, first: int, count: int) -> list[dict]:
+    """Write files ``f<first>..`` (96 KB each) in a subprocess; per file the close outcome
+    (errno name or None) and the seconds it took. A hang fails the test by the timeout."""
+    proc = subprocess.run([sys.executable, "-c", WRITER, str(d), str(first), str(count),
+                           str(FILE_BYTES)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def metric(admin: str, name: str) -> float:
+    text = urllib.request.urlopen(f"http://{admin}/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and not line.startswith("#"))
+
+
+@pytest.fixture
+def small_cache(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs for the cache directory needs root (CI runs as root)")
+    d = tmp_path / "cache"
+    d.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(d)], check=True,
+                   timeout=30)
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", "-l", str(d)], timeout=30)
+
+
+@pytest.mark.timeout(300)
+def test_full_cache_disk_gives_enospc_at_close_never_hangs_and_recovers(tmp_path, small_cache):
+    cp = ControlPlane(tmp_path).start()
+    sc = None
+    try:
+        tok = cp.setup_workspace("ws")
+        sc = Sidecar(cp, "ws", tok, tmp_path / "mnt", small_cache).start()
+        root = tmp_path / "mnt"
+        admin = status(root)["admin"]
+        # leave ~700 KB free: a few 96 KB files fit, then the disk is full
+        st = os.statvfs(small_cache)
+        ballast = small_cache / "ballast"
+        ballast.write_bytes(b"\0" * max(0, st.f_bavail * st.f_frsize - 700 * 1024))
+
+        first = write_files(root / "default", 0, 20)
+        outcomes = {r["close"] for r in first}
+        assert outcomes <= {None, "ENOSPC"}, first  # never EIO, never anything else
+        assert "ENOSPC" in outcomes, first  # the disk did fill up
+        # bounded: a close waits at most --commit-wait (10 s) for anything
+        assert max(r["seconds"] for r in first) < 15, first
+        refused = [r["i"] for r in first if r["close"] == "ENOSPC"]
+        # the reason shows on the file until its content commits (it was kept and retried)
+        f = root / "default" / f"f{refused[-1]:03d}.md"
+        reason, state = xattr(f, "error") or "", xattr(f, "state")
+        assert "cache disk is full" in reason or (state == "clean" and not reason), (reason, state)
+        assert any(e["errno"] == "ENOSPC" and "cache disk is full" in e["reason"]
+                   for e in errors_log(root))
+        assert metric(admin, "memfuse_cache_write_errors_total") > 0
+
+        ballast.unlink()  # space returns: writes succeed again, no restart
+        again = write_files(root / "default", 100, 5)
+        assert [r["close"] for r in again] == [None] * 5, again
+
+        # nothing accepted is lost; the refused ones were kept and committed as well
+        def all_there() -> bool:
+            recs = live_records(cp)
+            return all(f"f{r['i']:03d}.md" in recs for r in first + again)
+        wait_until(all_there, 60, "every file on the control plane")
+        recs = live_records(cp)
+        for r in first + again:
+            assert recs[f"f{r['i']:03d}.md"].content == content(r["i"]), r
+        assert sc.proc.poll() is None
+    finally:
+        try:
+            if sc is not None:
+                assert sc.stop() == 0
+        finally:
+            cp.stop()
+    # the log says what failed, without a traceback or an ERROR line
+    assert unexpected_log_lines(sc.log) == []
