@@ -18,7 +18,7 @@ import logging
 import random
 import re
 import secrets
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import anyio
 import httpx
@@ -46,6 +46,11 @@ class Faults:
     - ``precondition_race``: the next N PUT/DELETE requests on a record that carry
       ``If-Match`` first see the record modified by another actor (a real new version whose
       content ends with ``RACE_MARKER``), so they get 412.
+    - ``inject``: scripted answers, each ``(method, path regex, status)`` used once by the
+      next request whose method and URL path match (``re.search``), answered with that
+      status without reaching the app: ``410`` as ``cursor_expired`` (a change feed whose
+      cursor the server dropped), ``5xx`` / ``429`` as transient failures, others as
+      ``injected`` refusals. E.g. ``[("GET", r"/changes$", 410), ("GET", r"/records$", 503)]``.
     """
 
     latency: float = 0.0
@@ -54,11 +59,12 @@ class Faults:
     drop_rate: float = 0.0
     outage: bool = False
     precondition_race: int = 0
+    inject: list = field(default_factory=list)
 
     def reset(self) -> None:
         """Back to no faults."""
         for f in fields(self):
-            setattr(self, f.name, f.default)
+            setattr(self, f.name, [] if f.name == "inject" else f.default)
 
 
 @dataclass
@@ -72,6 +78,7 @@ class FaultCounters:
     dropped: int = 0  # applied, response lost
     outage_refused: int = 0
     races: int = 0  # concurrent edits injected before an If-Match request
+    injected: int = 0  # scripted answers (``Faults.inject``) given
     forwarded: int = 0  # requests that reached the app
 
 
@@ -93,6 +100,14 @@ class FaultTransport(httpx.AsyncBaseTransport):
         if faults.latency > 0:
             counters.delayed += 1
             await anyio.sleep(faults.latency)
+        for i, (method, pattern, status) in enumerate(faults.inject):
+            if request.method == method and re.search(pattern, request.url.path):
+                del faults.inject[i]
+                counters.injected += 1
+                code = {410: "cursor_expired", 429: "rate_limited"}.get(
+                    status, "unavailable" if status >= 500 else "injected")
+                headers = {"Retry-After": "0"} if status == 429 else None
+                return _problem(status, code, "injected by the fake control plane", request, headers)
         r_error, r_drop = fake._rng.random(), fake._rng.random()
         if r_error < faults.error_rate:
             counters.errors_503 += 1
@@ -121,7 +136,8 @@ class FaultTransport(httpx.AsyncBaseTransport):
 def _problem(
     status: int, code: str, detail: str, request: httpx.Request, headers: dict[str, str] | None = None
 ) -> httpx.Response:
-    title = {503: "Service Unavailable", 429: "Too Many Requests"}[status]
+    title = {503: "Service Unavailable", 429: "Too Many Requests", 410: "Gone",
+             500: "Internal Server Error"}.get(status, "Injected")
     body = Problem(title=title, status=status, detail=detail, code=code).model_dump_json().encode()
     return httpx.Response(
         status,

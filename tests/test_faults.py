@@ -1,0 +1,318 @@
+"""Fault paths of the sidecar without FUSE: the outbox journal, the committer, the change feed
+and the supervision of long-lived tasks, driven by the in-process fake's fault injection
+(``memfuse.fake.Faults``) and by injected exceptions.
+
+The sidecar runs here as a ``Sidecar`` object inside the test's trio loop, without a mount:
+its ``Filesystem`` is called directly, its tasks are started as ``run`` would start them.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import sqlite3
+from pathlib import Path
+
+import pytest
+import trio
+
+from memfuse.client import ApiClient
+from memfuse.fake import FakeControlPlane
+from memfuse.sidecar.core import FsError
+from memfuse.sidecar.mount import MountConfig, Sidecar
+from memfuse.sidecar.outbox import PUT, CacheError, Committer, Journal
+
+FULL = sqlite3.OperationalError("database or disk is full")
+
+
+class FlakyJournal(Journal):
+    """A journal whose next ``fail`` batch writes raise ``exc`` (as a full disk would)."""
+
+    def __init__(self, path: Path, fail: int = 0, exc: Exception = FULL) -> None:
+        super().__init__(path)
+        self.fail, self.exc, self.batches = fail, exc, []
+        self.RETRY_MIN = self.RETRY_MAX = 0.01
+
+    def _apply(self, batch):
+        self.batches.append([op[2] for op in batch])
+        if self.fail > 0:
+            self.fail -= 1
+            raise self.exc
+        super()._apply(batch)
+
+
+class Offline:
+    """A client stand-in for tests of the journal alone: every call fails as unreachable."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"no control plane in this test ({name})")
+
+
+async def test_failed_journal_write_keeps_batch_and_waiters_in_order_and_retries(tmp_path):
+    j = FlakyJournal(tmp_path / "outbox.db", fail=3)
+    c = Committer(Offline(), j, {})  # never run: only submit() is used
+    async with trio.open_nursery() as nursery:
+        entries = [c.submit("s", PUT, f"n:{i}", {"path": f"f{i}"}, b"x") for i in range(3)]
+        nursery.start_soon(j.run)
+        # the first attempt fails: the waiter learns why at once (ENOSPC), nothing is lost
+        with pytest.raises(CacheError) as ei:
+            await entries[0].wait_accepted(5)
+        assert ei.value.errno == errno.ENOSPC and "full" in ei.value.reason
+        more = c.submit("s", PUT, "n:3", {"path": "f3"}, b"y")
+        with trio.fail_after(10):
+            await more.durable.wait()
+        for e in entries:
+            assert e.durable.is_set() and e.journal_error is None
+            await e.wait_accepted(1)  # accepted now: returns at once
+        nursery.cancel_scope.cancel()
+    # every attempt wrote the same batch first, in order; nothing was dropped
+    assert all(b[:3] == [1, 2, 3] for b in j.batches), j.batches
+    assert j.batches[-1][-1] == 4
+    rows = [r[0] for r in j._db.execute("SELECT id FROM entries ORDER BY id")]
+    assert rows == [1, 2, 3, 4]
+    assert j.error is None and j.failures == 3
+    j.close()
+
+
+async def test_journal_io_error_is_eio_and_a_stalled_journal_is_bounded(tmp_path):
+    j = FlakyJournal(tmp_path / "outbox.db", fail=1, exc=sqlite3.OperationalError("disk I/O error"))
+    c = Committer(Offline(), j, {})
+    e = c.submit("s", PUT, "n:1", {"path": "f"}, b"x")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(j.run)
+        with pytest.raises(CacheError) as ei:
+            await e.wait_accepted(5)
+        assert ei.value.errno == errno.EIO
+        nursery.cancel_scope.cancel()
+    # a journal that never gets to the entry (no run task): the wait ends after its bound
+    e2 = c.submit("s", PUT, "n:2", {"path": "g"}, b"x")
+    with trio.fail_after(5):
+        with pytest.raises(CacheError) as ei:
+            await e2.wait_accepted(0.2)
+    assert ei.value.errno == errno.EIO and "did not write within" in ei.value.reason
+    j.close()
+
+
+async def test_entry_finished_before_it_was_written_is_never_written(tmp_path):
+    j = Journal(tmp_path / "outbox.db")
+    c = Committer(Offline(), j, {})
+    e = c.submit("s", PUT, "n:1", {"path": "f"}, b"x" * 1000)
+    j.remove(e)  # committed before the journal got to it
+    e.finish()
+    await e.wait_accepted(1)  # finished counts: close does not wait for the disk
+    await j.flush_pending()
+    assert j._db.execute("SELECT COUNT(*) FROM entries").fetchone()[0] == 0
+    j.close()
+
+
+# ------------------------------------------------------------------ sidecar without a mount
+async def make_sidecar(tmp_path: Path, fake: FakeControlPlane, token: str, **kw) -> Sidecar:
+    client = ApiClient(fake.base_url, token, transport=fake.transport, instance="fault-test")
+    cfg = MountConfig(mountpoint=tmp_path / "mnt", workspace="ws", cache_dir=tmp_path / "cache",
+                      commit_wait=kw.pop("commit_wait", 5), **kw)
+    return Sidecar(cfg, client)
+
+
+async def start(sc: Sidecar, nursery: trio.Nursery) -> None:
+    """What ``Sidecar.run`` does before and after the mount, minus FUSE."""
+    sc._nursery = nursery
+    sc._spawn("journal", sc.journal.run)
+    await nursery.start(sc.committer.run)
+    for att in await sc.client.list_attachments("ws"):
+        await sc._add_attachment(att)
+    sc._mounted = True
+    for slug in sc.fs.stores:
+        sc._start_feed(slug)
+    sc._spawn("events", sc._events)
+    sc.fs.ready = True
+
+
+async def write(sc: Sidecar, path: str, data: bytes) -> None:
+    """create-or-truncate, write, close through the core (as the FUSE adapter would)."""
+    import os
+    sm = sc.fs.stores["default"]
+    n = sc.fs.lookup(sm.root.ino, path.encode())
+    if n is None:
+        h = sc.fs.create(sm.root.ino, path.encode(), 0o644, os.O_WRONLY, 0, 0)
+    else:
+        h = sc.fs.open(n.ino, os.O_WRONLY | os.O_TRUNC)
+    try:
+        sc.fs.write(h, 0, data)
+        await sc.fs.flush(h)
+    finally:
+        sc.fs.release(h.fh)
+
+
+def local(sc: Sidecar) -> dict[str, bytes]:
+    sm = sc.fs.stores["default"]
+    return {n.path(): sc.fs._content(n) for n in sc.fs._walk_files(sm.root)}
+
+
+async def remote(fake: FakeControlPlane) -> dict[str, bytes]:
+    import httpx
+    async with ApiClient(fake.base_url, fake.admin_token,
+                         transport=httpx.ASGITransport(app=fake.app)) as api:
+        recs, _ = await api.snapshot("default", content=True)
+    return {r.path: r.content.encode() for r in recs}
+
+
+async def wait_until(pred, timeout: float = 20) -> None:
+    with trio.fail_after(timeout):
+        while not pred():
+            await trio.sleep(0.01)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+async def test_410_while_writes_commit_never_reverts_or_hides_a_write(tmp_path, seed):
+    """A 410 arrives again and again while this sidecar's writes commit (and the snapshot is
+    slow, so commits land around it): after each close that returned 0, the tree shows the
+    written content, and at the end the tree equals the control plane."""
+    fake = FakeControlPlane(seed=seed)
+    token = await fake.setup("ws")
+    sc = await make_sidecar(tmp_path, fake, token)
+    sc._feed_kw = {"skip_actor": sc.actor}
+    async with trio.open_nursery() as nursery:
+        await start(sc, nursery)
+        fake.faults.latency = 0.002
+        written: dict[str, bytes] = {}
+
+        async def expire_cursor():  # another actor writes (waking the feed), then 410
+            async with fake.client() as http:
+                for k in range(10_000):
+                    fake.faults.inject.append(("GET", r"/changes$", 410))
+                    r = await http.post("/v1/stores/default/records",
+                                        json={"path": f"remote/r{k}.md", "content": f"{k}\n"})
+                    assert r.status_code == 201, r.text
+                    await trio.sleep(0.03)
+        nursery.start_soon(expire_cursor)
+        for i in range(60):
+            path = f"f{i % 12}.md"
+            data = f"version {i} of {path}\n".encode()
+            await write(sc, path, data)
+            written[path] = data
+            if i % 3 == 0:
+                await trio.sleep(0.02)  # let a resync run between writes
+            got = local(sc)
+            assert {p: got.get(p) for p in written} == written, f"after write {i}"
+        assert fake.counters.injected >= 3  # the cursor did expire meanwhile
+        nursery.cancel_scope.cancel()
+    fake.faults.inject.clear()
+    async with trio.open_nursery() as nursery:  # the feed alone, until it caught up
+        sc._nursery = nursery
+        sc._spawn("journal", sc.journal.run)
+        await nursery.start(sc.committer.run)
+        sc._start_feed("default")
+        await wait_until(lambda: sc.committer.depth() == 0)
+        want = await remote(fake)
+        await wait_until(lambda: local(sc) == want)
+        assert {p: want.get(p) for p in written} == written
+        nursery.cancel_scope.cancel()
+    sc.journal.close()
+    await sc.client.aclose()
+
+
+async def test_transient_error_during_the_410_snapshot_is_retried(tmp_path, caplog):
+    fake = FakeControlPlane(seed=4)
+    token = await fake.setup("ws")
+    sc = await make_sidecar(tmp_path, fake, token)
+    async with trio.open_nursery() as nursery:
+        await start(sc, nursery)
+        await write(sc, "a.md", b"one\n")
+        fake.faults.inject += [("GET", r"/changes$", 410), ("GET", r"/records$", 503),
+                               ("GET", r"/changes$", 410), ("GET", r"/records$", 500)]
+        # someone else writes while this happens: the feed must still deliver it
+        async with fake.client() as http:
+            r = await http.post("/v1/stores/default/records", json={"path": "b.md", "content": "two\n"})
+            assert r.status_code == 201, r.text
+        await wait_until(lambda: local(sc).get("b.md") == b"two\n")
+        await wait_until(lambda: not fake.faults.inject)  # every injected failure was met
+        async with fake.client() as http:
+            r = await http.post("/v1/stores/default/records", json={"path": "c.md", "content": "3\n"})
+            assert r.status_code == 201, r.text
+        await wait_until(lambda: local(sc).get("c.md") == b"3\n")
+        assert local(sc)["a.md"] == b"one\n"
+        assert sc.feed_tasks == 1 and sc.task_failures == {}
+        nursery.cancel_scope.cancel()
+    sc.journal.close()
+    await sc.client.aclose()
+
+
+async def test_unexpected_exceptions_in_tasks_are_logged_counted_and_restarted(tmp_path, caplog):
+    """An exception at each long-lived task's failure point: the task is restarted with
+    backoff, the failure is logged with its context and counted; nothing ends."""
+    fake = FakeControlPlane(seed=5)
+    token = await fake.setup("ws")
+    sc = await make_sidecar(tmp_path, fake, token)
+    boom = {"apply_remote": 1, "list_attachments": 1, "update_record": 1}
+    real_apply, real_list = sc.fs.apply_remote, sc.client.list_attachments
+    real_update = sc.client.update_record
+
+    def apply_remote(*a, **k):
+        if boom["apply_remote"]:
+            boom["apply_remote"] -= 1
+            raise RuntimeError("injected: feed")
+        return real_apply(*a, **k)
+
+    async def list_attachments(*a, **k):
+        if boom["list_attachments"] and sc.fs.ready:
+            boom["list_attachments"] -= 1
+            raise RuntimeError("injected: reconcile")
+        return await real_list(*a, **k)
+
+    async def update_record(*a, **k):
+        if boom["update_record"]:
+            boom["update_record"] -= 1
+            raise RuntimeError("injected: committer")
+        return await real_update(*a, **k)
+
+    sc.fs.apply_remote = apply_remote
+    sc.client.list_attachments = list_attachments
+    sc.client.update_record = update_record
+    caplog.set_level(logging.INFO)
+    async with trio.open_nursery() as nursery:
+        await start(sc, nursery)
+        await write(sc, "a.md", b"one\n")
+        # a remote change (feed: apply_remote raises once) and an attach event (events:
+        # reconcile raises once); a local update (committer: update_record raises once)
+        async with fake.client() as http:
+            r = await http.post("/v1/stores/default/records", json={"path": "r.md", "content": "x\n"})
+            assert r.status_code == 201
+            r = await http.post("/v1/stores", json={"slug": "other"})
+            assert r.status_code == 201
+            r = await http.put("/v1/workspaces/ws/attachments/other", json={"access": "read_write"})
+            assert r.status_code in (200, 201)
+        await write(sc, "a.md", b"two\n")
+        await wait_until(lambda: local(sc).get("r.md") == b"x\n")
+        await wait_until(lambda: boom["list_attachments"] == 0)
+        sc.fs.ready = False  # the next reconcile succeeds
+        async with fake.client() as http:
+            await http.delete("/v1/workspaces/ws/attachments/other")
+            await http.put("/v1/workspaces/ws/attachments/other", json={"access": "read_write"})
+        await wait_until(lambda: "other" in sc.fs.stores)
+        await wait_until(lambda: sc.committer.depth() == 0)
+        assert (await remote(fake))["a.md"] == b"two\n"
+        assert sc.task_failures.get("feed") == 1 and sc.task_failures.get("reconcile") == 1
+        assert sc.committer.unexpected == 1
+        nursery.cancel_scope.cancel()
+    msgs = {r.getMessage() for r in caplog.records if r.exc_info}
+    assert "background task failed; restarting it" in msgs
+    assert "reconcile failed unexpectedly" in msgs
+    assert "commit failed unexpectedly; will retry" in msgs
+    feed_rec = next(r for r in caplog.records if r.getMessage().startswith("background task failed"))
+    assert feed_rec.task == "feed" and feed_rec.store == "default"
+    sc.journal.close()
+    await sc.client.aclose()
+
+
+async def test_nul_is_refused_at_close_without_the_control_plane(tmp_path):
+    fake = FakeControlPlane(seed=6)
+    token = await fake.setup("ws")
+    sc = await make_sidecar(tmp_path, fake, token)
+    async with trio.open_nursery() as nursery:
+        await start(sc, nursery)
+        fake.faults.outage = True
+        with pytest.raises(FsError) as ei:
+            await write(sc, "n.md", b"text\0more\n")
+        assert ei.value.errno == errno.EILSEQ and "NUL" in ei.value.reason
+        nursery.cancel_scope.cancel()
+    sc.journal.close()
+    await sc.client.aclose()
