@@ -488,3 +488,19 @@ def test_context_max_bytes_bound(tmp_path):
     assert "memory 149" in full.stdout
     assert len(small.stdout.encode()) <= 2000
     assert "memory 149" not in small.stdout and "memfuse:" in small.stdout
+
+
+async def _make_moved() -> None:
+    async with local_client() as api:
+        await ensure_dev_setup(api)
+        r = await api.create_record("default", "old/name.md", "text\n")
+        await api.move_record("default", r.id, "new/name.md")
+
+
+def test_history_shows_where_a_record_moved(home):
+    trio.run(_make_moved)
+    p = run(["history", "default", "new/name.md"])
+    assert p.returncode == 0, p.stderr
+    rows = [ln.split() for ln in p.stdout.decode().splitlines()[2:]]
+    assert rows[0][1] == "created" and rows[0][-1] == "old/name.md"
+    assert rows[1][1] == "moved" and rows[1][-1] == "new/name.md"

@@ -52,7 +52,8 @@ def history(target: Target, store_slug: str, path: str) -> None:
             v.type or "-",
             str(v.size),
             v.sha256[:12],
-            v.path if v.path != path else "",
+            # a move shows where it went (its version holds the new path)
+            v.path if v.path != path or v.operation.value == "moved" else "",
         ]
         for v in versions
     ]
