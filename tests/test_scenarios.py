@@ -1,5 +1,9 @@
-"""The shared agent-style scenarios (../shared/scenarios) against a store mounted by
-``memfuse dev``: every case must behave as on a local disk, and the tree must survive a restart."""
+"""Agent-style scenarios against a store mounted by ``memfuse dev``: every case must behave as
+on a local disk, and the tree must survive a restart.
+
+Two sets run: the project's own (``tests/scenarios``: runner and cases written for memfuse,
+always there) and, where it exists, an external set (``../shared/scenarios`` beside the
+checkout, as in CI, or ``MEMFUSE_SCENARIOS=/path/to/run.py``); a plain clone runs the first."""
 from __future__ import annotations
 
 import os
@@ -13,8 +17,12 @@ from mountutil import MEMFUSE, is_mounted, stop, unmount, wait_for
 
 pytestmark = pytest.mark.mount
 
-RUNNER = Path(os.environ.get(
+OWN_RUNNER = Path(__file__).resolve().parent / "scenarios" / "run.py"
+SHARED_RUNNER = Path(os.environ.get(
     "MEMFUSE_SCENARIOS", Path(__file__).resolve().parents[2] / "shared" / "scenarios" / "run.py"))
+RUNNERS = [pytest.param(OWN_RUNNER, id="own")]
+if SHARED_RUNNER.exists() or "MEMFUSE_SCENARIOS" in os.environ:
+    RUNNERS.append(pytest.param(SHARED_RUNNER, id="shared"))
 
 
 def _start_dev(tmp: Path, mnt: Path, log: Path) -> subprocess.Popen:
@@ -27,12 +35,13 @@ def _start_dev(tmp: Path, mnt: Path, log: Path) -> subprocess.Popen:
 
 
 @pytest.mark.timeout(600)
-def test_shared_scenarios_pass_on_memfuse_dev(tmp_path):
-    assert RUNNER.exists(), f"scenario runner not found at {RUNNER} (set MEMFUSE_SCENARIOS)"
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_scenarios_pass_on_memfuse_dev(tmp_path, runner):
+    assert runner.exists(), f"scenario runner not found at {runner}"
     mnt, log = tmp_path / "memory", tmp_path / "dev.log"
     proc = _start_dev(tmp_path, mnt, log)
     try:
-        out = subprocess.run([sys.executable, str(RUNNER), "--target", str(mnt / "default"),
+        out = subprocess.run([sys.executable, str(runner), "--target", str(mnt / "default"),
                               "--save-tree", str(tmp_path / "tree.json")],
                              capture_output=True, text=True, timeout=500)
         print(out.stdout[-6000:], out.stderr[-2000:])
@@ -40,7 +49,7 @@ def test_shared_scenarios_pass_on_memfuse_dev(tmp_path):
         assert stop(proc) == 0
         assert not is_mounted(mnt)
         proc = _start_dev(tmp_path, mnt, log)
-        check = subprocess.run([sys.executable, str(RUNNER), "--target", str(mnt / "default"),
+        check = subprocess.run([sys.executable, str(runner), "--target", str(mnt / "default"),
                                 "--check-tree", str(tmp_path / "tree.json")],
                                capture_output=True, text=True, timeout=120)
         assert check.returncode == 0, check.stdout
