@@ -162,8 +162,9 @@ class BlobCache:
         (files created with incremental auto-vacuum). Failures are ignored (tried again next
         time): the log then stays, bounded by ``journal_size_limit``."""
         with contextlib.suppress(sqlite3.Error):
-            self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-            self._db.execute("PRAGMA incremental_vacuum")
+            self._db.execute("PRAGMA incremental_vacuum").fetchall()  # one page per step
+        with contextlib.suppress(sqlite3.Error):
+            self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
 
     def count(self) -> tuple[int, int]:
         """(blobs, bytes of content) held."""

@@ -272,8 +272,8 @@ class Journal:
 
     def _checkpoint(self) -> None:
         """Copy the write-ahead log into the database, truncate it, give free pages back."""
-        self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-        self._db.execute("PRAGMA incremental_vacuum")
+        self._db.execute("PRAGMA incremental_vacuum").fetchall()  # one page per step
+        self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
 
     async def flush_pending(self) -> None:
         """Write everything queued so far in one transaction (from a worker thread).
