@@ -3,9 +3,12 @@ sidecar's own disk"): ENOSPC at close with the reason in ``user.memfuse.error`` 
 ``errors.log``, a metric, never a hang and never EIO from a traceback; nothing accepted is lost,
 and writes succeed again once space returns, without a restart.
 
-The cache directory is a 3 MiB tmpfs (mounting one needs root: CI runs as root; elsewhere the
-test is skipped with the reason). A ballast file fills most of it, so the disk fills after a
-few 96 KB writes, and removing the ballast gives the space back.
+The cache directory is an 8 MiB tmpfs (mounting one needs root: CI runs as root; elsewhere the
+test is skipped with the reason). A ballast file fills all but ~700 KB of it, so the disk fills
+after a few 96 KB writes, and removing the ballast gives the space back: enough for the content
+held while the disk was full (20 files, in the journal and the blob cache) plus the new writes.
+With 3 MiB, the space given back was itself filled by that held content, so the first write
+after recovery could still meet a full disk (a correct ENOSPC, but not the recovery asserted).
 """
 from __future__ import annotations
 
@@ -75,7 +78,7 @@ def small_cache(tmp_path):
         pytest.skip("mounting a tmpfs for the cache directory needs root (CI runs as root)")
     d = tmp_path / "cache"
     d.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(d)], check=True,
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(d)], check=True,
                    timeout=30)
     try:
         yield d
