@@ -502,37 +502,38 @@ class ApiClient:
         return await self._call(RecordPage, "GET", f"/v1/stores/{_seg(store)}/records", params=params)
 
     async def iter_pages(
-        self, store: str, *, content: bool = True, limit: int = 500
+        self, store: str, *, content: bool = True, limit: int = 500, include_deleted: bool = False
     ) -> AsyncIterator[RecordPage]:
-        """Async generator over every snapshot page of ``store``, following ``next_cursor``.
+        """Async generator over every snapshot page of ``store`` (``list_records`` pages of
+        ``limit`` records, deleted ones too with ``include_deleted``), following
+        ``next_cursor``: the one paging loop of the client and its callers.
 
         The first page's ``seq`` is where to resume the change feed (``changes(after=seq)``);
-        applying a change the snapshot already contains is harmless.
+        applying a change the snapshot already contains is harmless. Raises what
+        ``list_records`` raises (:class:`~memfuse.errors.ApiError`); no retries.
         """
         cursor: str | None = None
         while True:
-            page = await self.list_records(store, cursor=cursor, limit=limit, content=content)
+            page = await self.list_records(
+                store, cursor=cursor, limit=limit, content=content, include_deleted=include_deleted
+            )
             yield page
             if not page.next_cursor:
                 return
             cursor = page.next_cursor
 
     async def snapshot(
-        self, store: str, *, content: bool = True, limit: int = 500
+        self, store: str, *, content: bool = True, limit: int = 500, include_deleted: bool = False
     ) -> tuple[list[Record], int]:
-        """Every live record of ``store`` (all pages) and the change-feed seq to resume from
-        (the first page's ``seq``). Returns ``(records ordered by path, seq)``."""
+        """Every live record of ``store`` (all pages of ``iter_pages``; deleted ones too with
+        ``include_deleted``) and the change-feed seq to resume from (the first page's
+        ``seq``). Returns ``(records ordered by (path, id), seq)``."""
         records: list[Record] = []
         seq: int | None = None
-        cursor: str | None = None
-        while True:
-            page = await self.list_records(store, cursor=cursor, limit=limit, content=content)
+        async for page in self.iter_pages(store, content=content, limit=limit, include_deleted=include_deleted):
             if seq is None:
                 seq = page.seq
             records.extend(page.records)
-            if not page.next_cursor:
-                break
-            cursor = page.next_cursor
         assert seq is not None
         return records, seq
 

@@ -115,14 +115,8 @@ async def import_files(
     :class:`~memfuse.errors.ApiError` when the store cannot be read or a write keeps failing
     transiently (after ``with_retries``)."""
     store_info = await with_retries(lambda: api.get_store(store_slug))
-    live: dict[str, Record] = {}
-    cursor: str | None = None
-    while True:
-        page = await with_retries(lambda: api.list_records(store_slug, cursor=cursor, limit=1000))
-        live.update({r.path: r for r in page.records})
-        if not page.next_cursor:
-            break
-        cursor = page.next_cursor
+    records, _ = await with_retries(lambda: api.snapshot(store_slug, content=False, limit=1000))
+    live: dict[str, Record] = {r.path: r for r in records}
 
     report = ImportReport()
 

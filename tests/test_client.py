@@ -554,3 +554,16 @@ def test_error_classes_stay_importable_from_client():
     assert outbox_mod.ERRNO_BY_CODE is errors_mod.ERRNO_BY_CODE
     assert errors_mod.ERRNO_BY_CODE["store_full"] == errno.ENOSPC
     assert issubclass(StoreFull, PermanentError) and issubclass(TransientError, ApiError)
+
+
+async def test_snapshot_and_iter_pages_with_deleted_records(ws):
+    ids = [(await ws.create_record("default", f"r{i}.md", f"{i}\n")).id for i in range(5)]
+    for rid in ids[1:3]:
+        await ws.delete_record("default", rid)
+    live, seq = await ws.snapshot("default", limit=2)
+    assert [r.path for r in live] == ["r0.md", "r3.md", "r4.md"] and seq >= 7
+    every, seq2 = await ws.snapshot("default", limit=2, include_deleted=True, content=False)
+    assert [(r.path, r.deleted) for r in every] == [(f"r{i}.md", i in (1, 2)) for i in range(5)]
+    assert seq2 == seq and all(r.content is None for r in every)
+    pages = [p async for p in ws.iter_pages("default", limit=2, include_deleted=True)]
+    assert [len(p.records) for p in pages] == [2, 2, 1] and pages[-1].next_cursor is None
