@@ -4,7 +4,8 @@ One :class:`ApiClient` wraps one ``httpx.AsyncClient``; every endpoint of the AP
 returns the pydantic models of :mod:`memfuse.models`. Methods never retry: the sidecar's outbox
 owns retries (with idempotency keys), and the CLI wraps its calls in :func:`with_retries`.
 
-Errors are classified once, here, so callers only look at the exception class:
+Errors are classified once, here, so callers only look at the exception class (the classes
+are in :mod:`memfuse.errors`):
 
 - :class:`TransientError` — the request may succeed later: connection refused, timeouts, a
   response lost on the way back (``ReadError`` / ``RemoteProtocolError``), 5xx (except 507),
@@ -18,6 +19,11 @@ Errors are classified once, here, so callers only look at the exception class:
 Secrets: neither the token nor any record content ever goes into an exception message, an
 exception attribute or a log line; messages carry the method, the URL path, the status, the
 problem ``code``, ``title`` and ``detail``.
+
+Why one module of ~900 lines: most of it is :class:`ApiClient`, one short method per endpoint
+of docs/API.md in the same order (records, feeds, admin), all sharing ``_request`` /
+``_call``; split by resource, a reader would lose the one-to-one reading against the API
+document while no piece would be simpler.
 """
 from __future__ import annotations
 
@@ -32,6 +38,21 @@ from urllib.parse import quote
 import httpx
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
+# The error classes live in memfuse.errors; importing them from here stays supported for
+# callers outside this package (code inside memfuse imports them from memfuse.errors).
+from .errors import (  # noqa: F401  (ERRNO_BY_CODE: re-exported only)
+    ERRNO_BY_CODE,
+    ApiError,
+    Conflict,
+    Forbidden,
+    Gone,
+    NotFound,
+    PermanentError,
+    PreconditionFailed,
+    StoreFull,
+    TransientError,
+    Unauthorized,
+)
 from .models import (
     Access,
     Attachment,
@@ -97,108 +118,7 @@ INSTANCE_HEADER = "X-Memfuse-Instance"
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 
 
-# ---------------------------------------------------------------- errors
-
-
-class ApiError(Exception):
-    """A call to the control plane failed.
-
-    Attributes:
-        status: HTTP status, or ``None`` when no response arrived (connect error, timeout,
-            lost response).
-        code: memfuse's machine reason from the problem body (``path_exists``,
-            ``precondition_failed``, ...), or a client-side reason for transport failures
-            (``connect_error``, ``timeout``, ``read_error``, ``bad_response``, ...).
-        detail: the problem's human-readable detail (may be empty).
-        title: the problem's title (or the HTTP reason phrase).
-        problem: the whole RFC 9457 problem body as a dict (extra fields such as ``record_id``
-            on 409 ``path_exists`` or ``sha256`` on 412 included); ``{}`` when none.
-        retry_after: seconds the server asked to wait (``Retry-After``), else ``None``.
-        method, path: the request's method and URL path (no host, no query, no token).
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        status: int | None = None,
-        code: str = "",
-        detail: str = "",
-        title: str = "",
-        problem: dict[str, Any] | None = None,
-        retry_after: float | None = None,
-        method: str | None = None,
-        path: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.code = code
-        self.detail = detail
-        self.title = title
-        self.problem: dict[str, Any] = problem or {}
-        self.retry_after = retry_after
-        self.method = method
-        self.path = path
-
-    def __str__(self) -> str:
-        return self.message
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(status={self.status!r}, code={self.code!r}, message={self.message!r})"
-
-
-class TransientError(ApiError):
-    """The request may succeed if repeated: connect error, timeout, lost or garbled response,
-    5xx or 429. Writes carrying an ``Idempotency-Key`` are safe to repeat."""
-
-
-class PermanentError(ApiError):
-    """The control plane refused the request for good (a 4xx other than 429); repeating the
-    same request gives the same answer."""
-
-
-class Unauthorized(PermanentError):
-    """401: missing, unknown or revoked token."""
-
-
-class Forbidden(PermanentError):
-    """403: the token may not do this (``forbidden``; ``read_only`` attachment)."""
-
-
-class NotFound(PermanentError):
-    """404: store, workspace, record, version or token not found, or store not attached."""
-
-
-class Conflict(PermanentError):
-    """409: ``path_exists`` (see :attr:`record_id`), ``exists``, ``redacted``,
-    ``current_version``."""
-
-    @property
-    def record_id(self) -> str | None:
-        """The id of the live record holding the path, for ``path_exists``."""
-        rid = self.problem.get("record_id")
-        return rid if isinstance(rid, str) else None
-
-
-class StoreFull(PermanentError):
-    """507 ``store_full``: the store is over ``max_store_bytes`` or ``max_records``. A 5xx, but
-    a refusal (ENOSPC in DESIGN §4), not an outage: repeating it only helps once space is
-    freed, so it is permanent."""
-
-
-class Gone(PermanentError):
-    """410: ``cursor_expired`` — the change-feed cursor is unknown; take a full snapshot."""
-
-
-class PreconditionFailed(PermanentError):
-    """412: ``If-Match`` did not match; :attr:`current_sha256` is the record's current sha256."""
-
-    @property
-    def current_sha256(self) -> str | None:
-        """The record's current content sha256 as reported by the server, if any."""
-        sha = self.problem.get("sha256")
-        return sha if isinstance(sha, str) else None
+# ---------------------------------------------------------------- error classification
 
 
 _STATUS_CLASSES: dict[int, type[PermanentError]] = {
@@ -582,37 +502,38 @@ class ApiClient:
         return await self._call(RecordPage, "GET", f"/v1/stores/{_seg(store)}/records", params=params)
 
     async def iter_pages(
-        self, store: str, *, content: bool = True, limit: int = 500
+        self, store: str, *, content: bool = True, limit: int = 500, include_deleted: bool = False
     ) -> AsyncIterator[RecordPage]:
-        """Async generator over every snapshot page of ``store``, following ``next_cursor``.
+        """Async generator over every snapshot page of ``store`` (``list_records`` pages of
+        ``limit`` records, deleted ones too with ``include_deleted``), following
+        ``next_cursor``: the one paging loop of the client and its callers.
 
         The first page's ``seq`` is where to resume the change feed (``changes(after=seq)``);
-        applying a change the snapshot already contains is harmless.
+        applying a change the snapshot already contains is harmless. Raises what
+        ``list_records`` raises (:class:`~memfuse.errors.ApiError`); no retries.
         """
         cursor: str | None = None
         while True:
-            page = await self.list_records(store, cursor=cursor, limit=limit, content=content)
+            page = await self.list_records(
+                store, cursor=cursor, limit=limit, content=content, include_deleted=include_deleted
+            )
             yield page
             if not page.next_cursor:
                 return
             cursor = page.next_cursor
 
     async def snapshot(
-        self, store: str, *, content: bool = True, limit: int = 500
+        self, store: str, *, content: bool = True, limit: int = 500, include_deleted: bool = False
     ) -> tuple[list[Record], int]:
-        """Every live record of ``store`` (all pages) and the change-feed seq to resume from
-        (the first page's ``seq``). Returns ``(records ordered by path, seq)``."""
+        """Every live record of ``store`` (all pages of ``iter_pages``; deleted ones too with
+        ``include_deleted``) and the change-feed seq to resume from (the first page's
+        ``seq``). Returns ``(records ordered by (path, id), seq)``."""
         records: list[Record] = []
         seq: int | None = None
-        cursor: str | None = None
-        while True:
-            page = await self.list_records(store, cursor=cursor, limit=limit, content=content)
+        async for page in self.iter_pages(store, content=content, limit=limit, include_deleted=include_deleted):
             if seq is None:
                 seq = page.seq
             records.extend(page.records)
-            if not page.next_cursor:
-                break
-            cursor = page.next_cursor
         assert seq is not None
         return records, seq
 

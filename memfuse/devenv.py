@@ -17,7 +17,8 @@ from typing import Any
 
 import platformdirs
 
-from .client import ApiClient, Conflict
+from .client import ApiClient
+from .errors import Conflict
 from .models import Access
 
 __all__ = [

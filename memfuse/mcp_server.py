@@ -283,7 +283,7 @@ class HttpBackend:
         self.workspace = workspace
 
     async def call(self, command: dict[str, Any]) -> tuple[str, bool]:
-        from memfuse.client import ApiError
+        from memfuse.errors import ApiError
 
         try:
             r = await self.api.memory_tool(self.workspace, command)
@@ -299,7 +299,7 @@ class HttpBackend:
         return [a.store.slug for a in await self.api.list_attachments(self.workspace)]
 
     async def read_index(self, store: str) -> str | None:
-        from memfuse.client import NotFound
+        from memfuse.errors import NotFound
 
         try:
             page = await self.api.list_records(store, path=INDEX, content=True, limit=1)

@@ -17,8 +17,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from memfuse.client import ApiClient, Conflict, PermanentError, with_retries
+from memfuse.client import ApiClient, with_retries
 from memfuse.content import ContentError, check_secrets, check_type, check_utf8, record_type
+from memfuse.errors import Conflict, PermanentError
 from memfuse.models import Record, sha256_hex
 from memfuse.names import NameError_, check_path, is_local_only
 
@@ -111,17 +112,11 @@ async def import_files(
     A file that cannot be read, is not UTF-8, has a bad name or is refused by the server
     (``PermanentError``) lands in ``report.refused``; the others are still imported.
     ``report.skipped`` is left empty (the caller fills it from :func:`import_walk`). Raises
-    :class:`~memfuse.client.ApiError` when the store cannot be read or a write keeps failing
+    :class:`~memfuse.errors.ApiError` when the store cannot be read or a write keeps failing
     transiently (after ``with_retries``)."""
     store_info = await with_retries(lambda: api.get_store(store_slug))
-    live: dict[str, Record] = {}
-    cursor: str | None = None
-    while True:
-        page = await with_retries(lambda: api.list_records(store_slug, cursor=cursor, limit=1000))
-        live.update({r.path: r for r in page.records})
-        if not page.next_cursor:
-            break
-        cursor = page.next_cursor
+    records, _ = await with_retries(lambda: api.snapshot(store_slug, content=False, limit=1000))
+    live: dict[str, Record] = {r.path: r for r in records}
 
     report = ImportReport()
 

@@ -231,14 +231,7 @@ def live_records(cp: ControlPlane, store: str = "default") -> dict[str, object]:
 async def dump_records(api: ApiClient, store: str) -> list[dict]:
     """Every record of ``store``, deleted ones too, with content and its version list, as
     plain dicts (for comparing what the control plane holds with what a writer wrote)."""
-    records, cursor = [], None
-    while True:
-        page = await api.list_records(store, cursor=cursor, limit=1000, content=True,
-                                      include_deleted=True)
-        records.extend(page.records)
-        if not page.next_cursor:
-            break
-        cursor = page.next_cursor
+    records, _ = await api.snapshot(store, content=True, limit=1000, include_deleted=True)
     out = []
     for r in records:
         vs = await api.versions(store, r.id)

@@ -442,7 +442,7 @@ def test_serve_generates_admin_token(home, tmp_path):
 
 def test_messages_for_exception_groups():
     # trio may wrap a single failure in an ExceptionGroup: still one line, right message
-    from memfuse.client import NotFound
+    from memfuse.errors import NotFound
 
     @cli.command("boom-test", hidden=True)
     def boom():

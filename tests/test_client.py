@@ -13,6 +13,12 @@ import trio
 
 from memfuse.client import (
     ApiClient,
+    parse_retry_after,
+    quote_etag,
+    unquote_etag,
+    with_retries,
+)
+from memfuse.errors import (
     ApiError,
     Conflict,
     Forbidden,
@@ -23,10 +29,6 @@ from memfuse.client import (
     StoreFull,
     TransientError,
     Unauthorized,
-    parse_retry_after,
-    quote_etag,
-    unquote_etag,
-    with_retries,
 )
 from memfuse.fake import FakeControlPlane
 from memfuse.models import Access, Operation, Record, sha256_hex
@@ -536,3 +538,32 @@ async def test_with_retries_helper(fake, ws):
         assert fake.counters.outage_refused == 3
     finally:
         stamina.set_testing(False)
+
+
+def test_error_classes_stay_importable_from_client():
+    """memfuse.errors holds them; memfuse.client re-exports the same objects for callers
+    outside the package."""
+    import errno
+
+    import memfuse.client as client_mod
+    import memfuse.errors as errors_mod
+    import memfuse.sidecar.outbox as outbox_mod
+
+    for name in errors_mod.__all__:
+        assert getattr(client_mod, name) is getattr(errors_mod, name), name
+    assert outbox_mod.ERRNO_BY_CODE is errors_mod.ERRNO_BY_CODE
+    assert errors_mod.ERRNO_BY_CODE["store_full"] == errno.ENOSPC
+    assert issubclass(StoreFull, PermanentError) and issubclass(TransientError, ApiError)
+
+
+async def test_snapshot_and_iter_pages_with_deleted_records(ws):
+    ids = [(await ws.create_record("default", f"r{i}.md", f"{i}\n")).id for i in range(5)]
+    for rid in ids[1:3]:
+        await ws.delete_record("default", rid)
+    live, seq = await ws.snapshot("default", limit=2)
+    assert [r.path for r in live] == ["r0.md", "r3.md", "r4.md"] and seq >= 7
+    every, seq2 = await ws.snapshot("default", limit=2, include_deleted=True, content=False)
+    assert [(r.path, r.deleted) for r in every] == [(f"r{i}.md", i in (1, 2)) for i in range(5)]
+    assert seq2 == seq and all(r.content is None for r in every)
+    pages = [p async for p in ws.iter_pages("default", limit=2, include_deleted=True)]
+    assert [len(p.records) for p in pages] == [2, 2, 1] and pages[-1].next_cursor is None

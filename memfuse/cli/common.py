@@ -19,7 +19,8 @@ from typing import Any, TypeVar
 
 import click
 
-from memfuse.client import ApiClient, ApiError
+from memfuse.client import ApiClient
+from memfuse.errors import ApiError
 from memfuse.transfer import new_key as _key  # noqa: F401  (the CLI's idempotency keys)
 from memfuse.transfer import one_line as _one_line
 

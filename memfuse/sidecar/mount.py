@@ -29,7 +29,8 @@ from typing import Callable
 import pyfuse3
 import trio
 
-from ..client import ApiClient, ApiError, Gone, PermanentError, TransientError
+from ..client import ApiClient
+from ..errors import ApiError, Gone, PermanentError, TransientError
 from ..models import Attachment
 from .core import ROOT_INO, BlobCache, Filesystem, Settings
 from .fuse_ops import MemfuseOps

@@ -42,31 +42,13 @@ from typing import Any, Callable
 
 import trio
 
-from ..client import ApiClient, ApiError, Conflict, NotFound, PreconditionFailed, TransientError
+from ..client import ApiClient
+from ..errors import ERRNO_BY_CODE, ApiError, Conflict, NotFound, PreconditionFailed, TransientError
 from ..models import Record, sha256_hex
 
 log = logging.getLogger("memfuse.outbox")
 
 PUT, DELETE, MOVE, MOVE_PREFIX = "put", "delete", "move", "move_prefix"
-
-# problem `code` → errno for permanent refusals (docs/API.md table)
-ERRNO_BY_CODE = {
-    "invalid_path": errno.EINVAL,
-    "path_too_long": errno.ENAMETOOLONG,
-    "invalid_type": errno.EINVAL,
-    "validation_error": errno.EINVAL,
-    "invalid_content": errno.EILSEQ,
-    "secret_detected": errno.EPERM,
-    "record_too_large": errno.EFBIG,
-    "store_full": errno.ENOSPC,
-    "unauthorized": errno.EACCES,
-    "forbidden": errno.EACCES,
-    "read_only": errno.EROFS,
-    "store_not_found": errno.ENOENT,
-    "store_not_attached": errno.ENOENT,
-    "path_exists": errno.EEXIST,
-    "idempotency_key_reused": errno.EINVAL,
-}
 
 
 def errno_for(err: ApiError) -> int:
@@ -685,5 +667,5 @@ class Committer:
 
 
 def _local_refusal(code: str, detail: str) -> ApiError:
-    from ..client import PermanentError
+    from ..errors import PermanentError
     return PermanentError(detail, status=422, code=code, detail=detail, problem={"code": code})

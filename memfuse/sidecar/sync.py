@@ -24,7 +24,8 @@ from pathlib import Path
 import pyfuse3
 import trio
 
-from ..client import ApiClient, Gone
+from ..client import ApiClient
+from ..errors import Gone
 from ..models import Change, Record
 from .outbox import cache_error
 

@@ -1,0 +1,153 @@
+"""The control-plane API's errors as the client raises them, and their errno at the FUSE border.
+
+:class:`ApiError` and its classes: :class:`TransientError` (the request may succeed later)
+and :class:`PermanentError` (refused for good) with one subclass per refusal a caller tells
+apart (:class:`Unauthorized` 401, :class:`Forbidden` 403, :class:`NotFound` 404,
+:class:`Conflict` 409, :class:`Gone` 410, :class:`PreconditionFailed` 412,
+:class:`StoreFull` 507). ``ERRNO_BY_CODE`` maps a refusal's problem ``code`` to the errno a
+system call returns (the table in docs/API.md).
+
+This room holds no HTTP: turning a response or an httpx exception into one of these is
+:mod:`memfuse.client`'s job (``_http_error``, ``_transport_error``); the sidecar's outbox
+applies ``ERRNO_BY_CODE`` (``errno_for``). Secrets: no exception here carries a token or
+record content.
+"""
+from __future__ import annotations
+
+import errno
+from typing import Any
+
+__all__ = [
+    "ERRNO_BY_CODE",
+    "ApiError",
+    "TransientError",
+    "PermanentError",
+    "Unauthorized",
+    "Forbidden",
+    "NotFound",
+    "Conflict",
+    "Gone",
+    "PreconditionFailed",
+    "StoreFull",
+]
+
+
+class ApiError(Exception):
+    """A call to the control plane failed.
+
+    Attributes:
+        status: HTTP status, or ``None`` when no response arrived (connect error, timeout,
+            lost response).
+        code: memfuse's machine reason from the problem body (``path_exists``,
+            ``precondition_failed``, ...), or a client-side reason for transport failures
+            (``connect_error``, ``timeout``, ``read_error``, ``bad_response``, ...).
+        detail: the problem's human-readable detail (may be empty).
+        title: the problem's title (or the HTTP reason phrase).
+        problem: the whole RFC 9457 problem body as a dict (extra fields such as ``record_id``
+            on 409 ``path_exists`` or ``sha256`` on 412 included); ``{}`` when none.
+        retry_after: seconds the server asked to wait (``Retry-After``), else ``None``.
+        method, path: the request's method and URL path (no host, no query, no token).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int | None = None,
+        code: str = "",
+        detail: str = "",
+        title: str = "",
+        problem: dict[str, Any] | None = None,
+        retry_after: float | None = None,
+        method: str | None = None,
+        path: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.code = code
+        self.detail = detail
+        self.title = title
+        self.problem: dict[str, Any] = problem or {}
+        self.retry_after = retry_after
+        self.method = method
+        self.path = path
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(status={self.status!r}, code={self.code!r}, message={self.message!r})"
+
+
+class TransientError(ApiError):
+    """The request may succeed if repeated: connect error, timeout, lost or garbled response,
+    5xx or 429. Writes carrying an ``Idempotency-Key`` are safe to repeat."""
+
+
+class PermanentError(ApiError):
+    """The control plane refused the request for good (a 4xx other than 429); repeating the
+    same request gives the same answer."""
+
+
+class Unauthorized(PermanentError):
+    """401: missing, unknown or revoked token."""
+
+
+class Forbidden(PermanentError):
+    """403: the token may not do this (``forbidden``; ``read_only`` attachment)."""
+
+
+class NotFound(PermanentError):
+    """404: store, workspace, record, version or token not found, or store not attached."""
+
+
+class Conflict(PermanentError):
+    """409: ``path_exists`` (see :attr:`record_id`), ``exists``, ``redacted``,
+    ``current_version``."""
+
+    @property
+    def record_id(self) -> str | None:
+        """The id of the live record holding the path, for ``path_exists``."""
+        rid = self.problem.get("record_id")
+        return rid if isinstance(rid, str) else None
+
+
+class StoreFull(PermanentError):
+    """507 ``store_full``: the store is over ``max_store_bytes`` or ``max_records``. A 5xx, but
+    a refusal (ENOSPC in DESIGN §4), not an outage: repeating it only helps once space is
+    freed, so it is permanent."""
+
+
+class Gone(PermanentError):
+    """410: ``cursor_expired`` — the change-feed cursor is unknown; take a full snapshot."""
+
+
+class PreconditionFailed(PermanentError):
+    """412: ``If-Match`` did not match; :attr:`current_sha256` is the record's current sha256."""
+
+    @property
+    def current_sha256(self) -> str | None:
+        """The record's current content sha256 as reported by the server, if any."""
+        sha = self.problem.get("sha256")
+        return sha if isinstance(sha, str) else None
+
+
+# problem `code` → errno for permanent refusals (docs/API.md table)
+ERRNO_BY_CODE = {
+    "invalid_path": errno.EINVAL,
+    "path_too_long": errno.ENAMETOOLONG,
+    "invalid_type": errno.EINVAL,
+    "validation_error": errno.EINVAL,
+    "invalid_content": errno.EILSEQ,
+    "secret_detected": errno.EPERM,
+    "record_too_large": errno.EFBIG,
+    "store_full": errno.ENOSPC,
+    "unauthorized": errno.EACCES,
+    "forbidden": errno.EACCES,
+    "read_only": errno.EROFS,
+    "store_not_found": errno.ENOENT,
+    "store_not_attached": errno.ENOENT,
+    "path_exists": errno.EEXIST,
+    "idempotency_key_reused": errno.EINVAL,
+}
