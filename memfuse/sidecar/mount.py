@@ -28,7 +28,7 @@ from typing import Callable
 import pyfuse3
 import trio
 
-from ..client import ApiClient, ApiError, Gone, PermanentError, TransientError
+from ..client import ApiClient, ApiError, Gone, PermanentError, TransientError, Unauthorized
 from ..models import Attachment
 from .core import ROOT_INO, BlobCache, Filesystem, Settings
 from .fuse_ops import MemfuseOps
@@ -56,6 +56,7 @@ class MountConfig:
     debug: bool = False
     offline_after: float = 10.0  # s without an answer before mounting saved stores from the cache
     log_format: str = "json"
+    token_check_interval: float = 5.0  # s between looks at --token-file for a rotated token
 
 
 class JsonFormatter(logging.Formatter):
@@ -160,6 +161,18 @@ class Sidecar:
             self.metrics.api_calls.labels(endpoint, status).inc()
             self.metrics.api_latency.labels(endpoint).observe(seconds)
         client.observer = observe
+        self._token_changed = trio.Event()  # set (and replaced) when a new token is in use
+        self._token_generation = client.token_file.generation if client.token_file else 0
+
+        def auth(ok: bool) -> None:
+            self.metrics.auth_ok.set(1 if ok else 0)
+            if ok:  # the token works again: retry what waits now
+                self.committer.poke()
+                self._token_changed.set()
+                self._token_changed = trio.Event()
+            else:
+                self.metrics.auth_failures.inc()
+        client.auth_listener = auth
         # A per-process instance id: the change feed skips exactly the versions this process
         # wrote (they are already applied here, or superseded by later local changes), and
         # history tells sidecar restarts apart.
@@ -189,7 +202,20 @@ class Sidecar:
 
     @property
     def ready(self) -> bool:
-        return self.fs.ready
+        """Mounted, and the control plane accepts the token (``/readyz``)."""
+        return self.fs.ready and self.client.auth_failure is None
+
+    @property
+    def not_ready_reason(self) -> str | None:
+        """Why ``/readyz`` fails, or ``None`` when ready."""
+        if not self.fs.ready:
+            return "the first load and mount are not done yet"
+        if self.client.auth_failure is not None:
+            where = (f" in {self.client.token_file.path}" if self.client.token_file is not None
+                     else "")
+            return (f"authentication outage: {self.client.auth_failure}; writes are kept in the "
+                    f"outbox and commit once a valid token is{where or ' given'}")
+        return None
 
     # ------------------------------------------------------------------ status
     def status(self) -> dict:
@@ -206,6 +232,13 @@ class Sidecar:
         st["errors_logged"] = len(self.fs.errors)
         st["feed_tasks"] = self.feed_tasks
         st["offline_start"] = self.offline_start
+        st["ready"] = self.ready
+        tf = self.client.token_file
+        st["auth"] = {"ok": self.client.auth_failure is None, "error": self.client.auth_failure,
+                      "failures": self.client.auth_failures,
+                      "commits_deferred": self.committer.auth_waits,
+                      "token_file": str(tf.path) if tf is not None else None,
+                      "token_reloads": tf.reloads if tf is not None else 0}
         return st
 
     # ------------------------------------------------------------------ loading
@@ -218,6 +251,11 @@ class Sidecar:
                 log.warning(f"control plane unreachable while {what}; retrying",
                             extra={"status": e.status, "code": e.code, "retry_in_s": delay})
                 await trio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+            except Unauthorized as e:  # an authentication outage: wait for a valid token
+                log.warning(f"the control plane refused the token while {what}; retrying",
+                            extra={"status": e.status, "code": e.code, "retry_in_s": delay})
+                await self._wait_token(delay)
                 delay = min(delay * 2, 5.0)
 
     async def _load_state(self, slug: str, expect_records: int | None = None) -> StoreState:
@@ -328,6 +366,12 @@ class Sidecar:
                     delay = min(delay * 2, 5.0)
                     probe = True
                     continue
+                except Unauthorized:
+                    # an authentication outage, not a detach: keep the store, wait for a token
+                    await self._wait_token(delay)
+                    delay = min(delay * 2, 5.0)
+                    probe = True
+                    continue
                 except PermanentError as e:
                     log.warning("change feed refused; reconciling attachments",
                                 extra={"store": slug, "status": e.status, "code": e.code})
@@ -374,6 +418,35 @@ class Sidecar:
                 log.info("workspace events", extra={"events": ",".join(
                     f"{ev.kind}:{ev.store}" for ev in page.events)})
                 await self.reconcile()
+
+    async def _wait_token(self, timeout: float) -> None:
+        """Sleep up to ``timeout`` s, less if a new token is taken up meanwhile."""
+        with trio.move_on_after(timeout):
+            await self._token_changed.wait()
+
+    def _check_token(self) -> None:
+        """Take up a rotated token file (also counts reloads the client did on a 401)."""
+        tf = self.client.token_file
+        if tf is None:
+            return
+        tf.refresh()
+        if tf.generation != self._token_generation:
+            self.metrics.token_reloads.inc(tf.generation - self._token_generation)
+            self._token_generation = tf.generation
+            self._token_changed.set()
+            self._token_changed = trio.Event()
+            self.committer.poke()
+
+    async def _token_watch(self) -> None:
+        """Look at ``--token-file`` every ``token_check_interval`` s (a ``stat``; re-read when
+        it changed, e.g. the kubelet swapped the Secret volume's symlink). Supervised: an
+        unexpected error is logged and the loop goes on."""
+        while True:
+            await trio.sleep(self.config.token_check_interval)
+            try:
+                self._check_token()
+            except Exception:
+                log.exception("token file check failed; trying again")
 
     async def _saver(self) -> None:
         while True:
@@ -476,6 +549,8 @@ class Sidecar:
                 nursery.start_soon(self._signals, sigs)
                 nursery.start_soon(self.journal.run)
                 await nursery.start(self.committer.run)
+                if self.client.token_file is not None:
+                    nursery.start_soon(self._token_watch)
                 if config.admin_listen:  # first, so /healthz and /readyz answer while loading
                     from .admin import serve_admin
                     self.admin_address = await nursery.start(serve_admin, self, config.admin_listen)
