@@ -53,6 +53,7 @@ from .models import (
     StoreUpdate,
     TokenCreate,
     TokenCreated,
+    TokenInfo,
     Version,
     Workspace,
     WorkspaceCreate,
@@ -371,6 +372,7 @@ _STORES = TypeAdapter(list[Store])
 _WORKSPACES = TypeAdapter(list[Workspace])
 _ATTACHMENTS = TypeAdapter(list[Attachment])
 _VERSIONS = TypeAdapter(list[Version])
+_TOKENS = TypeAdapter(list[TokenInfo])
 
 
 # ---------------------------------------------------------------- client
@@ -967,17 +969,40 @@ class ApiClient:
         )
 
     async def create_token(
-        self, workspace: str | None = None, name: str = "", idempotency_key: str | None = None
+        self, workspace: str | None = None, name: str = "", idempotency_key: str | None = None,
+        ttl_seconds: int | None = None,
     ) -> TokenCreated:
         """``POST /v1/tokens`` (admin): a token for ``workspace``, or an admin token when
-        ``None``. The raw token is in ``.token`` and is shown only once."""
+        ``None``; with ``ttl_seconds`` it expires that long after creation (``.expires_at``).
+        The raw token is in ``.token`` and is shown only once. Raises NotFound
+        (``workspace_not_found``), Forbidden for a workspace token."""
         return await self._call(
             TokenCreated,
             "POST",
             "/v1/tokens",
-            body=TokenCreate(workspace=workspace, name=name),
+            body=TokenCreate(workspace=workspace, name=name, ttl_seconds=ttl_seconds),
             idempotency_key=idempotency_key,
+            exclude_none=ttl_seconds is None,
         )
+
+    async def list_tokens(self, workspace: str | None = None,
+                          include_revoked: bool = False) -> list[TokenInfo]:
+        """``GET /v1/tokens`` (admin): every token, oldest first, never its secret;
+        ``workspace`` keeps one workspace's (``""``: admin tokens only); revoked ones only
+        with ``include_revoked``. Raises Forbidden for a workspace token."""
+        params: dict[str, Any] = {}
+        if workspace is not None:
+            params["workspace"] = workspace
+        if include_revoked:
+            params["include_revoked"] = "true"
+        return await self._call(_TOKENS, "GET", "/v1/tokens", params=params or None)
+
+    async def revoke_token(self, token_id: str, idempotency_key: str | None = None) -> None:
+        """``DELETE /v1/tokens/{id}`` (admin): the token stops working at once (on every
+        replica within about a second). Revoking a revoked token succeeds. Raises NotFound
+        (``token_not_found``), Forbidden for a workspace token."""
+        await self._request("DELETE", f"/v1/tokens/{_seg(token_id)}",
+                            idempotency_key=idempotency_key)
 
 
 

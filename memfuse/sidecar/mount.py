@@ -208,14 +208,15 @@ class Sidecar:
     @property
     def not_ready_reason(self) -> str | None:
         """Why ``/readyz`` fails, or ``None`` when ready."""
+        reasons = []
         if not self.fs.ready:
-            return "the first load and mount are not done yet"
+            reasons.append("the first load and mount are not done yet")
         if self.client.auth_failure is not None:
-            where = (f" in {self.client.token_file.path}" if self.client.token_file is not None
-                     else "")
-            return (f"authentication outage: {self.client.auth_failure}; writes are kept in the "
-                    f"outbox and commit once a valid token is{where or ' given'}")
-        return None
+            tf = self.client.token_file
+            reasons.append(f"authentication outage: {self.client.auth_failure}; writes are kept "
+                           "in the outbox and commit once a valid token is "
+                           + (f"in {tf.path}" if tf is not None else "given"))
+        return "; ".join(reasons) or None
 
     # ------------------------------------------------------------------ status
     def status(self) -> dict:
