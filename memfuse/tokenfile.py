@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger("memfuse.token")
@@ -39,6 +40,8 @@ class TokenFile:
         generation: grows by one each time a different token is taken up; a caller that
             remembers it can tell whether the token changed since it last looked.
         reloads: how many times a different token was taken up (same as ``generation``).
+        on_change: called with no arguments after a different token was taken up (by
+            whoever called :meth:`refresh`); its exceptions are logged, not raised.
 
     Raises ``TokenFileError`` at construction when the file cannot be read or is empty.
     Not thread-safe; the sidecar uses it from its one trio thread.
@@ -49,6 +52,7 @@ class TokenFile:
         self.generation = 0
         self._sig: tuple[int, int, int, int] | None = None
         self._bad_state: object = None
+        self.on_change: Callable[[], None] | None = None
         try:
             st = os.stat(self.path)
             tok = self.path.read_text(encoding="utf-8").strip()
@@ -95,6 +99,11 @@ class TokenFile:
         self.generation += 1
         log.info("token file changed; using the new token",
                  extra={"path": str(self.path), "generation": self.generation})
+        if self.on_change is not None:
+            try:
+                self.on_change()
+            except Exception:
+                log.exception("token change handler failed")
         return True
 
     def _bad(self, state: object, why: str) -> None:

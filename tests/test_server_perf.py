@@ -298,7 +298,8 @@ async def test_database_token_is_cached_and_expires(env):
             conn.exec_driver_sql("DELETE FROM tokens")
         assert (await c.get("/v1/stores/default/records")).status_code == 200
         # its time is up (TOKEN_CACHE_SECONDS later): asked again, refused
-        svc._token_cache.update({k: (ws, name, 0.0) for k, (ws, name, _) in svc._token_cache.items()})
+        for entry in svc._token_cache.entries.values():
+            entry.until = 0.0
         r = await c.get("/v1/stores/default/records")
         assert r.status_code == 401 and r.json()["code"] == "unauthorized"
     async with _client(app, "mf_unknown") as c:

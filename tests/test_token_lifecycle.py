@@ -58,7 +58,8 @@ def start(tmp: Path, cp: ControlPlane, token: str) -> tuple[Sidecar, Path]:
     secret = tmp / "secret"
     secret.mkdir()
     link = kubelet_secret(secret, token, 1)
-    sc = Sidecar(cp, WS, link, tmp / "mnt", tmp / "cache", "--commit-wait", "2")
+    sc = Sidecar(cp, WS, link, tmp / "mnt", tmp / "cache", "--commit-wait", "2",
+                 "--token-check-interval", "0.5")
     return sc.start(), secret
 
 
@@ -79,10 +80,10 @@ def test_rotation_under_load_loses_nothing(tmp_path):
 
         def writer(w: int) -> None:
             r, after = 0, 0
-            while after < 4:  # until 4 rounds were written after the rotation
+            while after < 3:  # until 3 rounds were written after the rotations
                 if rotated.is_set():
                     after += 1
-                for i in range(8):
+                for i in range(4):
                     path = f"w{w}/f{i}.md"
                     data = f"writer {w} file {i} round {r}\n"
                     timed(write, mnt / path, data, r % 2 == 1, timeout=60)
@@ -97,10 +98,22 @@ def test_rotation_under_load_loses_nothing(tmp_path):
         threads = [threading.Thread(target=writer, args=(w,), daemon=True) for w in range(4)]
         for t in threads:
             t.start()
-        poll(lambda: min(progress) >= 3, 120, "writers under way", sc.log)
+        poll(lambda: min(progress) >= 2, 120, "writers under way", sc.log)
+        # 1. the usual order: the kubelet updates the Secret volume, then the old token is
+        #    revoked (writes in flight may meet a 401 and are sent again with the new token)
         new = cp.call("create_token", workspace=WS, name="new")
-        kubelet_secret(secret, new.token, 2)  # the kubelet updates the Secret volume
-        cp.call("revoke_token", token_id(cp, "old"))  # at once: writes in flight meet 401s
+        kubelet_secret(secret, new.token, 2)
+        cp.call("revoke_token", token_id(cp, "old"))
+        mark = min(progress)
+        poll(lambda: min(progress) >= mark + 2, 120, "writers after the first rotation", sc.log)
+        # 2. the other order: revoked first, the new token arrives a moment later (writes
+        #    in flight meet an authentication outage and wait in the outbox)
+        failures = metric(admin_url(sc.mountpoint), "memfuse_auth_failures_total")
+        cp.call("revoke_token", token_id(cp, "new"))
+        poll(lambda: metric(admin_url(sc.mountpoint), "memfuse_auth_failures_total") > failures,
+             60, "a 401 seen by the sidecar", sc.log)
+        newer = cp.call("create_token", workspace=WS, name="newer")
+        kubelet_secret(secret, newer.token, 3)
         rotated.set()
         for t in threads:
             t.join(180)
@@ -111,14 +124,15 @@ def test_rotation_under_load_loses_nothing(tmp_path):
              and all(timed(state, f) == "clean" for f in files), 60, "everything committed", sc.log)
         check_store(cp_state(cp), expected)  # nothing lost, nothing applied twice
         st = status(sc.mountpoint)
-        assert st["auth"]["ok"] and st["auth"]["token_reloads"] == 1 and st["ready"]
+        assert st["auth"]["ok"] and st["auth"]["token_reloads"] == 2 and st["ready"]
         assert st["outbox"]["refused"] == 0
         admin = admin_url(sc.mountpoint)
-        assert metric(admin, "memfuse_token_reloads_total") == 1.0
+        assert metric(admin, "memfuse_token_reloads_total") == 2.0
         assert httpx.get(f"{admin}/readyz", timeout=10).status_code == 200
         assert "commit refused" not in sc.log.read_text()
         used = {t.name: t for t in cp.call("list_tokens", workspace=WS, include_revoked=True)}
-        assert used["old"].state == "revoked" and used["new"].last_used_at is not None
+        assert used["old"].state == used["new"].state == "revoked"
+        assert used["newer"].state == "active" and used["newer"].last_used_at is not None
     finally:
         show_logs(*([sc.log] if sc else []), cp.log)
         if sc is not None:
@@ -166,7 +180,7 @@ def test_revoked_then_expired_token_keeps_writes_pending_until_a_token_is_back(t
         assert set(live_records(cp)) == {"x.md", "gone.md"}  # nothing of it reached the server
 
         # --- a token is back (this one expires soon): everything commits, in order
-        second = cp.call("create_token", workspace=WS, name="second", ttl_seconds=15)
+        second = cp.call("create_token", workspace=WS, name="second", ttl_seconds=6)
         kubelet_secret(secret, second.token, 2)
         poll(lambda: status(sc.mountpoint)["outbox"]["depth"] == 0, 60, "outbox drained", sc.log)
         assert timed(state, mnt / "y.md") == "clean"

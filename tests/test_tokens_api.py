@@ -39,8 +39,9 @@ def assert_problem(r: httpx.Response, status: int, code: str) -> dict:
 
 
 @pytest.fixture
-async def env():
-    with fresh_db_url() as url:
+async def env(tmp_path):
+    # a file: a second app (another replica) may open the same database
+    with fresh_db_url(f"sqlite:///{tmp_path}/cp.db") as url:
         app = create_app(url, static_tokens={ADMIN: None, WS_TOKEN: "ws"})
         async with _client(app, ADMIN) as admin:
             for ws in ("ws", "other"):

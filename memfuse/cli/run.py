@@ -185,7 +185,10 @@ def _mount_cache_dir(control_plane: str, workspace: str) -> Path:
 @opt("--workspace", required=True, metavar="WS", help="Workspace whose attached stores to mount.")
 @opt("--token-file", type=click.Path(dir_okay=False, path_type=Path),
      help="File holding the workspace token (else $MEMFUSE_TOKEN). Re-read when it changes "
-          "(checked every 5 s and on every 401), so a rotated Secret needs no restart.")
+          "(checked every --token-check-interval and on every 401), so a rotated Secret needs "
+          "no restart.")
+@opt("--token-check-interval", type=click.FloatRange(min=0.1), default=5.0, show_default=True,
+     metavar="S", help="Seconds between checks of --token-file for a new token (a stat).")
 @opt("--cache-dir", type=click.Path(file_okay=False, path_type=Path),
      help="Local cache and outbox. Default: <user cache dir>/memfuse/<workspace>-<url hash>.")
 @opt("--uid", type=int, help="Owner uid shown for files (default: this process's).")
@@ -211,6 +214,7 @@ def mount(
     control_plane: str,
     workspace: str,
     token_file: Path | None,
+    token_check_interval: float,
     cache_dir: Path | None,
     uid: int | None,
     gid: int | None,
@@ -258,6 +262,7 @@ def mount(
         fsync_timeout=fsync_timeout,
         drain_timeout=drain_timeout,
         offline_after=offline_after,
+        token_check_interval=token_check_interval,
         admin_listen=admin_listen or None,
         debug=debug,
         log_format=log_format,

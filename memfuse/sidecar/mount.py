@@ -162,7 +162,8 @@ class Sidecar:
             self.metrics.api_latency.labels(endpoint).observe(seconds)
         client.observer = observe
         self._token_changed = trio.Event()  # set (and replaced) when a new token is in use
-        self._token_generation = client.token_file.generation if client.token_file else 0
+        if client.token_file is not None:
+            client.token_file.on_change = self._token_taken_up
 
         def auth(ok: bool) -> None:
             self.metrics.auth_ok.set(1 if ok else 0)
@@ -425,18 +426,13 @@ class Sidecar:
         with trio.move_on_after(timeout):
             await self._token_changed.wait()
 
-    def _check_token(self) -> None:
-        """Take up a rotated token file (also counts reloads the client did on a 401)."""
-        tf = self.client.token_file
-        if tf is None:
-            return
-        tf.refresh()
-        if tf.generation != self._token_generation:
-            self.metrics.token_reloads.inc(tf.generation - self._token_generation)
-            self._token_generation = tf.generation
-            self._token_changed.set()
-            self._token_changed = trio.Event()
-            self.committer.poke()
+    def _token_taken_up(self) -> None:
+        """A new token is in use (found by the watcher, or by the client on a 401): count it
+        and retry what waits for one now."""
+        self.metrics.token_reloads.inc()
+        self._token_changed.set()
+        self._token_changed = trio.Event()
+        self.committer.poke()
 
     async def _token_watch(self) -> None:
         """Look at ``--token-file`` every ``token_check_interval`` s (a ``stat``; re-read when
@@ -445,7 +441,7 @@ class Sidecar:
         while True:
             await trio.sleep(self.config.token_check_interval)
             try:
-                self._check_token()
+                self.client.refresh_token()
             except Exception:
                 log.exception("token file check failed; trying again")
 
