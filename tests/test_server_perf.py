@@ -267,6 +267,9 @@ def _older_database_gets_usage_columns_filled(url):
     with old.begin() as con:  # as memfuse 0.1.0 left it before these columns: no migration history
         con.exec_driver_sql("ALTER TABLE stores DROP COLUMN usage_bytes")
         con.exec_driver_sql("ALTER TABLE stores DROP COLUMN record_count")
+        con.exec_driver_sql("DROP INDEX ix_tokens_revoked_at")  # nor the token lifecycle ones
+        for col in ("expires_at", "revoked_at", "last_used_at"):
+            con.exec_driver_sql(f"ALTER TABLE tokens DROP COLUMN {col}")
         con.exec_driver_sql("DROP TABLE alembic_version")
     old.dispose()
 
