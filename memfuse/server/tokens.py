@@ -78,6 +78,11 @@ def _clean_instance(value: str | None) -> str | None:
     return value or None
 
 
+def _label(name: str | None) -> str:
+    """A token name for a log line: printable characters only (names are user input)."""
+    return "".join(ch if ch.isprintable() else "?" for ch in (name or ""))[:200] or "-"
+
+
 def _digest(token: str) -> str:
     return sha256_hex(token.encode("utf-8", "surrogatepass"))
 
@@ -239,6 +244,7 @@ class TokensMixin(ServiceBase):
         ``ttl_seconds`` it expires that long after now. 404 ``workspace_not_found``; 403
         ``forbidden`` for a workspace token. Logged with the actor (audit)."""
         self._require_admin(p)
+        made: list[TokenRow] = []  # the row, once the transaction ran (not on a replay)
 
         def fn(s: Session) -> TokenCreated:
             if body.workspace is not None and s.get(WorkspaceRow, body.workspace) is None:
@@ -252,15 +258,18 @@ class TokensMixin(ServiceBase):
             )
             s.add(row)
             s.flush()
-            log.info("audit: token %s (%s) created for %s by %s%s", row.id, row.name or "-",
-                     body.workspace or "admin", p.actor,
-                     f", expires {expires.isoformat()}" if expires else "",
-                     extra={"audit": "token_created", "token_id": row.id,
-                            "workspace": body.workspace, "actor": p.actor})
+            made[:] = [row]
             return TokenCreated(id=row.id, workspace=row.workspace, name=row.name, token=raw,
                                 expires_at=expires)
 
-        return self._write(p, idem, 201, fn)
+        reply = self._write(p, idem, 201, fn)
+        for row in made:  # committed (audit: after the commit, never for a replay)
+            log.info("audit: token %s (%s) created for %s by %s%s", row.id, _label(row.name),
+                     row.workspace or "admin", _label(p.actor),
+                     f", expires {row.expires_at.isoformat()}" if row.expires_at else "",
+                     extra={"audit": "token_created", "token_id": row.id,
+                            "workspace": row.workspace, "actor": p.actor})
+        return reply
 
     def list_tokens(self, p: Principal, workspace: str | None = None,
                     include_revoked: bool = False) -> list[TokenInfo]:
@@ -284,20 +293,24 @@ class TokensMixin(ServiceBase):
         docstring). Revoking a revoked token is a no-op (204). 404 ``token_not_found``; 403
         ``forbidden`` for a workspace token. Logged with the actor (audit)."""
         self._require_admin(p)
+        revoked: list[tuple[str, str | None]] = []  # (name, workspace) once it ran
 
         def fn(s: Session) -> None:
+            revoked.clear()
             row = s.get(TokenRow, token_id)
             if row is None:
                 raise ServiceError(404, "token_not_found", f"no token {token_id!r}")
             if row.revoked_at is None:
                 row.revoked_at = utcnow()
                 s.flush()
-                log.info("audit: token %s (%s) of %s revoked by %s", row.id, row.name or "-",
-                         row.workspace or "admin", p.actor,
-                         extra={"audit": "token_revoked", "token_id": row.id,
-                                "workspace": row.workspace, "actor": p.actor})
+                revoked.append((row.name, row.workspace))
             return None
 
         reply = self._write(p, idem, 204, fn)
         self.tokens_revoked({token_id})
+        for name, workspace in revoked:  # committed (audit: after the commit)
+            log.info("audit: token %s (%s) of %s revoked by %s", token_id, _label(name),
+                     workspace or "admin", _label(p.actor),
+                     extra={"audit": "token_revoked", "token_id": token_id,
+                            "workspace": workspace, "actor": p.actor})
         return reply
