@@ -74,10 +74,12 @@ from .models import (
     StoreUpdate,
     TokenCreate,
     TokenCreated,
+    TokenInfo,
     Version,
     Workspace,
     WorkspaceCreate,
 )
+from .tokenfile import TokenFile
 
 __all__ = [
     "ApiClient",
@@ -290,6 +292,7 @@ _STORES = TypeAdapter(list[Store])
 _WORKSPACES = TypeAdapter(list[Workspace])
 _ATTACHMENTS = TypeAdapter(list[Attachment])
 _VERSIONS = TypeAdapter(list[Version])
+_TOKENS = TypeAdapter(list[TokenInfo])
 
 
 # ---------------------------------------------------------------- client
@@ -301,6 +304,10 @@ class ApiClient:
     Args:
         base_url: the control plane's root URL, e.g. ``http://127.0.0.1:8080`` (no ``/v1``).
         token: bearer token (workspace-scoped or admin); ``None`` sends no ``Authorization``.
+            A :class:`~memfuse.tokenfile.TokenFile` is read on every request, and refreshed
+            (``stat``, re-read if changed) on every 401: when that yields a different token,
+            the request is sent once more with it (nothing was applied: a 401 is answered
+            before anything is done, and writes carry their idempotency key anyway).
         transport: an httpx transport (``httpx.ASGITransport`` for in-process use, the fake's
             fault-injecting transport in tests); default: real network.
         instance: sidecar id sent as ``X-Memfuse-Instance`` (recorded in version actors).
@@ -308,21 +315,31 @@ class ApiClient:
             calls (``wait > 0``) get a read timeout of ``wait + timeout``.
 
     Use as ``async with ApiClient(...) as api:`` or call :meth:`aclose`. Every method raises
-    :class:`TransientError` or :class:`PermanentError` (see the module docstring); none retries.
+    :class:`TransientError` or :class:`PermanentError` (see the module docstring); none retries
+    (except the one resend with a refreshed token file above).
+
+    Authentication state: :attr:`auth_failure` is ``None`` while the token works, else the
+    problem detail of the last 401 answered to the token in use, until any other answer
+    arrives; :attr:`auth_failures` counts 401 answers; ``auth_listener(ok)`` (if set) is called
+    with ``False`` on each such 401 and with ``True`` when an answer ends a failure.
     """
 
     def __init__(
         self,
         base_url: str,
-        token: str | None,
+        token: str | TokenFile | None,
         *,
         transport: httpx.AsyncBaseTransport | None = None,
         instance: str | None = None,
         timeout: float = 30.0,
     ) -> None:
         headers = {"User-Agent": f"memfuse/{_version}", "Accept": "application/json"}
-        if token:
+        self.token_file: TokenFile | None = token if isinstance(token, TokenFile) else None
+        if token and self.token_file is None:
             headers["Authorization"] = f"Bearer {token}"
+        self.auth_failure: str | None = None
+        self.auth_failures = 0
+        self.auth_listener: Callable[[bool], None] | None = None
         if instance:
             headers[INSTANCE_HEADER] = instance
         self.base_url = base_url.rstrip("/")
@@ -396,19 +413,69 @@ class ApiClient:
         if body is not None:
             kwargs["content"] = body.model_dump_json(exclude_none=exclude_none).encode("utf-8")
             headers["Content-Type"] = "application/json"
-        t0 = time.perf_counter()
-        try:
-            resp = await self._http.request(method, path, **kwargs)
-        except httpx.HTTPError as exc:
-            err = _transport_error(exc, method, path)
-            log.debug("%s %s failed: %s", method, path, err.code)
-            self._observe(method, path, err.code or "error", t0)
-            raise err from None
-        self._observe(method, path, str(resp.status_code), t0)
-        log.debug("%s %s -> %s", method, path, resp.status_code)
+        tf = self.token_file
+        for attempt in (1, 2):
+            generation = None
+            if tf is not None:
+                generation = tf.generation
+                headers["Authorization"] = f"Bearer {tf.token}"
+            t0 = time.perf_counter()
+            try:
+                resp = await self._http.request(method, path, **kwargs)
+            except httpx.HTTPError as exc:
+                err = _transport_error(exc, method, path)
+                log.debug("%s %s failed: %s", method, path, err.code)
+                self._observe(method, path, err.code or "error", t0)
+                raise err from None
+            self._observe(method, path, str(resp.status_code), t0)
+            log.debug("%s %s -> %s", method, path, resp.status_code)
+            if resp.status_code != 401:
+                self._auth_ok()
+                break
+            if tf is not None and attempt == 1 and (tf.generation != generation or tf.refresh()):
+                log.info("%s %s: token refused; sending again with the token file's new token",
+                         method, path)
+                await resp.aclose()
+                continue
+            if tf is None or tf.generation == generation:  # refused: the token in use
+                self._auth_failed(resp)
+            break
         if not resp.is_success:
             raise _http_error(resp, method, path)
         return resp
+
+    def _auth_ok(self) -> None:
+        if self.auth_failure is not None:
+            self.auth_failure = None
+            log.info("the control plane accepts the token again")
+            self._tell_auth(True)
+
+    def _auth_failed(self, resp: httpx.Response) -> None:
+        self.auth_failures += 1
+        detail = "token refused (401)"
+        try:
+            body = resp.json()
+            if isinstance(body, dict) and isinstance(body.get("detail"), str) and body["detail"]:
+                detail = f"token refused (401): {body['detail'][:200]}"
+        except ValueError:
+            pass
+        if self.auth_failure is None:
+            log.warning("the control plane refused the token",
+                        extra={"detail": detail,
+                               "token_file": str(self.token_file.path) if self.token_file else None})
+        self.auth_failure = detail
+        self._tell_auth(False)
+
+    def _tell_auth(self, ok: bool) -> None:
+        if self.auth_listener is not None:
+            try:
+                self.auth_listener(ok)
+            except Exception:  # a listener must never break a call
+                log.exception("auth listener failed")
+
+    def refresh_token(self) -> bool:
+        """Refresh the token file (if any); True when a different token is in use now."""
+        return self.token_file.refresh() if self.token_file is not None else False
 
     @staticmethod
     def _parse(model: type[M] | TypeAdapter[Any], resp: httpx.Response, method: str, path: str) -> Any:
@@ -823,17 +890,40 @@ class ApiClient:
         )
 
     async def create_token(
-        self, workspace: str | None = None, name: str = "", idempotency_key: str | None = None
+        self, workspace: str | None = None, name: str = "", idempotency_key: str | None = None,
+        ttl_seconds: int | None = None,
     ) -> TokenCreated:
         """``POST /v1/tokens`` (admin): a token for ``workspace``, or an admin token when
-        ``None``. The raw token is in ``.token`` and is shown only once."""
+        ``None``; with ``ttl_seconds`` it expires that long after creation (``.expires_at``).
+        The raw token is in ``.token`` and is shown only once. Raises NotFound
+        (``workspace_not_found``), Forbidden for a workspace token."""
         return await self._call(
             TokenCreated,
             "POST",
             "/v1/tokens",
-            body=TokenCreate(workspace=workspace, name=name),
+            body=TokenCreate(workspace=workspace, name=name, ttl_seconds=ttl_seconds),
             idempotency_key=idempotency_key,
+            exclude_none=ttl_seconds is None,
         )
+
+    async def list_tokens(self, workspace: str | None = None,
+                          include_revoked: bool = False) -> list[TokenInfo]:
+        """``GET /v1/tokens`` (admin): every token, oldest first, never its secret;
+        ``workspace`` keeps one workspace's (``""``: admin tokens only); revoked ones only
+        with ``include_revoked``. Raises Forbidden for a workspace token."""
+        params: dict[str, Any] = {}
+        if workspace is not None:
+            params["workspace"] = workspace
+        if include_revoked:
+            params["include_revoked"] = "true"
+        return await self._call(_TOKENS, "GET", "/v1/tokens", params=params or None)
+
+    async def revoke_token(self, token_id: str, idempotency_key: str | None = None) -> None:
+        """``DELETE /v1/tokens/{id}`` (admin): the token stops working at once (on every
+        replica within about a second). Revoking a revoked token succeeds. Raises NotFound
+        (``token_not_found``), Forbidden for a workspace token."""
+        await self._request("DELETE", f"/v1/tokens/{_seg(token_id)}",
+                            idempotency_key=idempotency_key)
 
 
 

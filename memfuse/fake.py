@@ -181,6 +181,20 @@ class FakeControlPlane:
             self._ws_tokens[workspace] = token
         return self._ws_tokens[workspace]
 
+    def new_token(self, workspace: str | None) -> str:
+        """A further static bearer token for ``workspace`` (``None``: admin), valid at once
+        (a rotation hands out a new one before revoking the old)."""
+        token = f"fake-ws-{workspace or 'admin'}-{secrets.token_hex(12)}"
+        self._static_tokens[token] = workspace
+        return token
+
+    def revoke(self, token: str) -> None:
+        """Make ``token`` unknown: every later request with it is answered 401."""
+        self._static_tokens.pop(token, None)
+        for ws, tok in list(self._ws_tokens.items()):
+            if tok == token:
+                del self._ws_tokens[ws]
+
     def client(self, token: str | None = None, **kwargs) -> httpx.AsyncClient:
         """An ``httpx.AsyncClient`` through the fault transport, with ``token`` (default: the
         admin token) as bearer."""

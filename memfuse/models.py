@@ -109,11 +109,16 @@ class Attachment(BaseModel):
     created_at: datetime
 
 
+MAX_TOKEN_TTL_SECONDS = 10 * 366 * 86400  # ten years
+
+
 class TokenCreate(BaseModel):
-    """A token for one workspace, or an admin token when ``workspace`` is None."""
+    """A token for one workspace, or an admin token when ``workspace`` is None.
+    ``ttl_seconds``: the token expires that long after creation (never when None)."""
 
     workspace: str | None = None
-    name: str = ""
+    name: str = Field(default="", max_length=200)
+    ttl_seconds: int | None = Field(default=None, ge=1, le=MAX_TOKEN_TTL_SECONDS)
 
 
 class TokenCreated(BaseModel):
@@ -121,6 +126,22 @@ class TokenCreated(BaseModel):
     workspace: str | None
     name: str
     token: str  # shown once; the server keeps only its sha256
+    expires_at: datetime | None = None
+
+
+class TokenInfo(BaseModel):
+    """A token as listed (``GET /v1/tokens``): never its secret. ``state`` is ``active``,
+    ``expired`` (``expires_at`` passed) or ``revoked`` (``revoked_at`` set); ``last_used_at``
+    is updated at most once a minute per token, so it may lag the last use by that much."""
+
+    id: str
+    workspace: str | None
+    name: str
+    created_at: datetime
+    last_used_at: datetime | None = None
+    expires_at: datetime | None = None
+    revoked_at: datetime | None = None
+    state: Literal["active", "expired", "revoked"] = "active"
 
 
 # ---------------------------------------------------------------- records

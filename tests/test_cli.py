@@ -3,6 +3,7 @@
 `memfuse serve` on a loopback port."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -75,6 +76,7 @@ def test_help_for_every_command(home):
     paths = all_command_paths(cli)
     expected = {("serve",), ("dev",), ("mount",), ("status",), ("store", "create"), ("store", "list"),
                 ("store", "update"), ("workspace", "create"), ("attach",), ("detach",), ("token", "create"),
+                ("token", "list"), ("token", "revoke"),
                 ("history",), ("show",), ("restore",), ("context",), ("db", "upgrade"), ("db", "current")}
     assert expected <= set(paths)
     for path in paths:
@@ -121,6 +123,27 @@ def test_local_admin_commands(home):
     assert tok and "\n" not in tok and "workspace w1" in r.stderr
     r = invoke(["token", "create"])
     assert r.exit_code == 0 and "admin" in r.stderr
+    r = invoke(["token", "create", "--workspace", "w1", "--name", "temp", "--ttl", "12h"])
+    assert r.exit_code == 0 and "expires 20" in r.stderr, r.output
+    temp = r.stdout.strip()
+    r = invoke(["token", "list", "--workspace", "w1"])
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()
+    assert lines[0].split() == ["ID", "NAME", "WORKSPACE", "CREATED", "LAST", "USED", "EXPIRES", "STATE"]
+    bot = next(ln for ln in lines if " bot " in ln)
+    assert bot.split()[-2:] == ["never", "active"] and tok not in r.stdout and temp not in r.stdout
+    temp_id = next(ln for ln in lines if " temp " in ln).split()[0]
+    r = invoke(["token", "revoke", temp_id])
+    assert r.exit_code == 0 and f"revoked token {temp_id}" in r.stdout
+    r = invoke(["token", "list", "--json", "--all"])
+    states = {t["name"]: t["state"] for t in json.loads(r.stdout)}
+    assert states["temp"] == "revoked" and states["bot"] == "active"
+    assert "temp" not in invoke(["token", "list"]).stdout
+    r = invoke(["token", "revoke", "no-such-id"])
+    assert r.exit_code == 1 and "404" in r.stderr
+    assert_one_line_error(r.stderr)
+    assert invoke(["token", "create", "--ttl", "0"]).exit_code == 2
+    assert invoke(["token", "create", "--ttl", "3 parsecs"]).exit_code == 2
 
     r = invoke(["detach", "w1", "notes"])
     assert r.exit_code == 0 and "detached" in r.stdout
@@ -288,7 +311,9 @@ def test_mount_builds_config_and_client(home, tmp_path, monkeypatch):
     client = seen["client"]
     assert isinstance(client, ApiClient)
     assert client.base_url == "http://cp.example:8080" and client.instance == "pod-1"
-    assert client._http.headers["Authorization"] == "Bearer ws-token-abc"
+    # the token file is re-read when it changes (a rotated Secret), every 5 s by default
+    assert client.token_file.path == tf and client.token_file.token == "ws-token-abc"
+    assert c.token_check_interval == 5.0
     trio.run(client.aclose)
 
     r = invoke(["mount", str(mp), "--workspace", "team", "--token-file", str(tf)])
@@ -403,6 +428,9 @@ def test_serve_subprocess_and_remote_commands(home, tmp_path):
         assert p.returncode == 1 and b"403" in p.stderr
         assert_one_line_error(p.stderr)
         assert ws_token.encode() not in p.stderr
+        for args in (["token", "list"], ["token", "revoke", "any-id"]):  # nor see tokens
+            p = run([*args, *wcp])
+            assert p.returncode == 1 and b"403" in p.stderr, p.stderr
         bad = tmp_path / "bad.token"
         bad.write_text("nope")
         p = run(["store", "list", "--control-plane", url, "--token-file", str(bad)])

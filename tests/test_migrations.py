@@ -225,6 +225,10 @@ def test_fixture_from_memfuse_0_1_0_upgrades_with_rows_intact(tmp_path):
     assert schema.status(svc.db).at_head
     p = svc.authenticate(token)
     assert p.workspace == "agent-1"
+    # 0003_token_lifecycle: old tokens are active, never expire, and have been used now
+    listed = [t for t in svc.list_tokens(ADMIN) if t.workspace == "agent-1"]
+    assert listed and all(t.state == "active" and t.expires_at is None for t in listed)
+    assert any(t.last_used_at is not None for t in listed)
     notes = svc.get_store(ADMIN, "notes")
     assert (notes.record_count, notes.usage_bytes, notes.description) == (3, 34, "team notes")
     paths = sorted(r.path for r in svc.list_records(ADMIN, "notes").records)

@@ -267,6 +267,9 @@ def _older_database_gets_usage_columns_filled(url):
     with old.begin() as con:  # as memfuse 0.1.0 left it before these columns: no migration history
         con.exec_driver_sql("ALTER TABLE stores DROP COLUMN usage_bytes")
         con.exec_driver_sql("ALTER TABLE stores DROP COLUMN record_count")
+        con.exec_driver_sql("DROP INDEX ix_tokens_revoked_at")  # nor the token lifecycle ones
+        for col in ("expires_at", "revoked_at", "last_used_at"):
+            con.exec_driver_sql(f"ALTER TABLE tokens DROP COLUMN {col}")
         con.exec_driver_sql("DROP TABLE alembic_version")
     old.dispose()
 
@@ -298,7 +301,8 @@ async def test_database_token_is_cached_and_expires(env):
             conn.exec_driver_sql("DELETE FROM tokens")
         assert (await c.get("/v1/stores/default/records")).status_code == 200
         # its time is up (TOKEN_CACHE_SECONDS later): asked again, refused
-        svc._token_cache.update({k: (ws, name, 0.0) for k, (ws, name, _) in svc._token_cache.items()})
+        for entry in svc._token_cache.entries.values():
+            entry.until = 0.0
         r = await c.get("/v1/stores/default/records")
         assert r.status_code == 401 and r.json()["code"] == "unauthorized"
     async with _client(app, "mf_unknown") as c:

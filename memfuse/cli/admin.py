@@ -1,5 +1,5 @@
 """The admin commands: ``store create|list|show|update``, ``workspace create|list``, ``attach``,
-``detach``, ``token create``.
+``detach``, ``token create|list|revoke``.
 
 Each is one API call (or a few reads) through ``_api`` with an idempotency key per write; the
 record commands are in ``records``.
@@ -7,6 +7,7 @@ record commands are in ``records``.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import click
 
@@ -24,7 +25,7 @@ from memfuse.cli.common import (
     opt,
 )
 from memfuse.client import ApiClient, with_retries
-from memfuse.models import RECORD_TYPES, Store
+from memfuse.models import MAX_TOKEN_TTL_SECONDS, RECORD_TYPES, Store
 
 
 @cli.group()
@@ -187,21 +188,83 @@ def detach(target: Target, ws: str, store_slug: str) -> None:
     click.echo(f"detached {store_slug} from {ws}")
 
 
+class Duration(click.ParamType):
+    """A duration in whole seconds: ``3600``, ``45s``, ``30m``, ``12h``, ``90d``, ``2w``."""
+
+    name = "DURATION"
+    _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int:
+        if isinstance(value, int):
+            return value
+        text = str(value).strip().lower()
+        num = text.rstrip("smhdw")
+        unit = text[len(num):]
+        try:
+            n = float(num)
+        except ValueError:
+            self.fail(f"{value!r} is not a duration (e.g. 3600, 30m, 12h, 90d)", param, ctx)
+        if unit not in self._UNITS:
+            self.fail(f"unknown unit in {value!r} (use s, m, h, d or w)", param, ctx)
+        seconds = int(n * self._UNITS[unit])
+        if seconds < 1 or seconds > MAX_TOKEN_TTL_SECONDS:
+            self.fail(f"{value!r} must be between 1 second and 10 years", param, ctx)
+        return seconds
+
+
 @cli.group()
 def token() -> None:
-    """Create API tokens (admin)."""
+    """Create, list and revoke API tokens (admin)."""
 
 
 @token.command("create")
 @opt("--workspace", metavar="WS", help="Scope the token to WS. Without it: an admin token.")
-@opt("--name", default="", help="A label for the token.")
+@opt("--name", default="", help="A label for the token (shown by 'token list').")
+@opt("--ttl", type=Duration(), metavar="DURATION",
+     help="Expire the token after DURATION (3600, 45s, 30m, 12h, 90d, 2w). Default: never.")
 @api_options
-def token_create(target: Target, workspace: str | None, name: str) -> None:
+def token_create(target: Target, workspace: str | None, name: str, ttl: int | None) -> None:
     """Create a token and print it on stdout (shown once; the server keeps only its hash)."""
     key = _key()
     t = _api(target, lambda api: with_retries(
-        lambda: api.create_token(workspace or None, name, idempotency_key=key)))
+        lambda: api.create_token(workspace or None, name, idempotency_key=key, ttl_seconds=ttl)))
     scope = f"workspace {t.workspace}" if t.workspace else "admin"
-    click.echo(f"created {scope} token {t.id}" + (f" ({t.name})" if t.name else ""), err=True)
+    click.echo(f"created {scope} token {t.id}" + (f" ({t.name})" if t.name else "")
+               + (f", expires {_fmt_time(t.expires_at)}" if t.expires_at else ""), err=True)
     click.echo(t.token)
+
+
+@token.command("list")
+@opt("--workspace", metavar="WS", help="Only WS's tokens.")
+@opt("--all", "include_revoked", is_flag=True, help="Include revoked tokens.")
+@opt("--json", "as_json", is_flag=True, envvar="MEMFUSE_JSON", help="Print JSON.")
+@api_options
+def token_list(target: Target, workspace: str | None, include_revoked: bool, as_json: bool) -> None:
+    """List tokens (never their secrets): id, name, workspace, created, last used, expiry,
+    state. LAST USED is updated at most once a minute."""
+    tokens = _api(target, lambda api: with_retries(
+        lambda: api.list_tokens(workspace, include_revoked=include_revoked)))
+    if as_json:
+        click.echo(json.dumps([t.model_dump(mode="json") for t in tokens], indent=2))
+        return
+    rows = [[t.id, _one_line(t.name) or "-", t.workspace or "(admin)", _fmt_time(t.created_at),
+             _fmt_time(t.last_used_at) if t.last_used_at else "never",
+             _fmt_time(t.expires_at) if t.expires_at else "never", t.state]
+            for t in tokens]
+    click.echo(_table(rows, ["ID", "NAME", "WORKSPACE", "CREATED", "LAST USED", "EXPIRES", "STATE"]))
+
+
+@token.command("revoke")
+@click.argument("token_ids", metavar="ID...", nargs=-1, required=True)
+@api_options
+def token_revoke(target: Target, token_ids: tuple[str, ...]) -> None:
+    """Revoke the tokens with these ids (see 'token list'): they stop working at once."""
+
+    async def body(api: ApiClient) -> None:
+        for tid in token_ids:
+            key = _key()
+            await with_retries(lambda: api.revoke_token(tid, idempotency_key=key))
+            click.echo(f"revoked token {tid}")
+
+    _api(target, body)
 

@@ -29,6 +29,7 @@ from memfuse.cli.common import (
     opt,
 )
 from memfuse.client import ApiClient
+from memfuse.tokenfile import TokenFile, TokenFileError
 
 
 def _admin_token(admin_token_file: Path | None) -> tuple[str, Path, bool]:
@@ -183,7 +184,11 @@ def _mount_cache_dir(control_plane: str, workspace: str) -> Path:
 @opt("--control-plane", required=True, metavar="URL", help="Control-plane URL.")
 @opt("--workspace", required=True, metavar="WS", help="Workspace whose attached stores to mount.")
 @opt("--token-file", type=click.Path(dir_okay=False, path_type=Path),
-     help="File holding the workspace token (else $MEMFUSE_TOKEN).")
+     help="File holding the workspace token (else $MEMFUSE_TOKEN). Re-read when it changes "
+          "(checked every --token-check-interval and on every 401), so a rotated Secret needs "
+          "no restart.")
+@opt("--token-check-interval", type=click.FloatRange(min=0.1), default=5.0, show_default=True,
+     metavar="S", help="Seconds between checks of --token-file for a new token (a stat).")
 @opt("--cache-dir", type=click.Path(file_okay=False, path_type=Path),
      help="Local cache and outbox. Default: <user cache dir>/memfuse/<workspace>-<url hash>.")
 @opt("--uid", type=int, help="Owner uid shown for files (default: this process's).")
@@ -209,6 +214,7 @@ def mount(
     control_plane: str,
     workspace: str,
     token_file: Path | None,
+    token_check_interval: float,
     cache_dir: Path | None,
     uid: int | None,
     gid: int | None,
@@ -229,7 +235,14 @@ def mount(
         check_slug(workspace)
     except NameError_ as e:
         raise click.BadParameter(e.reason, param_hint="--workspace") from None
-    token = Target(control_plane, token_file).token()
+    token: str | TokenFile | None
+    if token_file is not None:  # re-read when it changes (a rotated Kubernetes Secret)
+        try:
+            token = TokenFile(token_file)
+        except TokenFileError as e:
+            raise click.UsageError(str(e)) from None
+    else:
+        token = Target(control_plane, None).token()
     if token is None:
         raise click.UsageError("no token: pass --token-file F (or set MEMFUSE_TOKEN_FILE / MEMFUSE_TOKEN)")
     mountpoint.mkdir(parents=True, exist_ok=True)
@@ -249,6 +262,7 @@ def mount(
         fsync_timeout=fsync_timeout,
         drain_timeout=drain_timeout,
         offline_after=offline_after,
+        token_check_interval=token_check_interval,
         admin_listen=admin_listen or None,
         debug=debug,
         log_format=log_format,

@@ -54,6 +54,7 @@ from memfuse.models import (
     StoreUpdate,
     TokenCreate,
     TokenCreated,
+    TokenInfo,
     Version,
     Workspace,
     WorkspaceCreate,
@@ -266,6 +267,14 @@ def create_app(
     @app.post("/v1/tokens", status_code=201, response_model=TokenCreated, tags=["admin"])
     def create_token(body: TokenCreate, p: P, idem: Idem):
         return _reply(svc.create_token(p, body, idem))
+
+    @app.get("/v1/tokens", response_model=list[TokenInfo], tags=["admin"])
+    def list_tokens(p: P, workspace: str | None = None, include_revoked: bool = False):
+        return _json(svc.list_tokens(p, workspace, include_revoked))
+
+    @app.delete("/v1/tokens/{token_id}", status_code=204, tags=["admin"])
+    def revoke_token(token_id: str, p: P, idem: Idem):
+        return _reply(svc.revoke_token(p, token_id, idem))
 
     # ------------------------------------------------------------ workspace
 

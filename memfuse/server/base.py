@@ -43,6 +43,7 @@ from memfuse.server.db import (
 
 if TYPE_CHECKING:
     from memfuse.server.changes import Notifier
+    from memfuse.server.tokens import TokenCache
 
 log = logging.getLogger("memfuse.server.service")  # every room of the Service logs under one name
 
@@ -212,8 +213,7 @@ class ServiceBase:
     notifier: Notifier
     closing: bool  # set at server shutdown: long-polls answer at once
     _last_idem_cleanup: float
-    # sha256 of a database token → (workspace, name, monotonic expiry)
-    _token_cache: dict[str, tuple[str | None, str, float]]
+    _token_cache: TokenCache  # database tokens seen lately (memfuse.server.tokens)
 
     @staticmethod
     def _require_admin(p: Principal) -> None:

@@ -147,6 +147,11 @@ class TokenRow(Base):
     )
     name: Mapped[str] = mapped_column(Text, default="")
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    # indexed: every process reads the recent revocations about once a second
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True, index=True)
+    # updated at most once a minute per token (never one write per request)
+    last_used_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
 
 
 class RecordRow(Base):

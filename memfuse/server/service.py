@@ -48,7 +48,7 @@ from memfuse.server.context import (
 from memfuse.server.db import Database
 from memfuse.server.records import RecordsMixin, _usage  # noqa: F401  (_usage: for tests)
 from memfuse.server.stores import StoresMixin
-from memfuse.server.tokens import TOKEN_CACHE_MAX, TOKEN_CACHE_SECONDS, TokensMixin
+from memfuse.server.tokens import TOKEN_CACHE_MAX, TOKEN_CACHE_SECONDS, TokenCache, TokensMixin
 
 # Re-exported: callers (the app, tests, other branches) import these from here.
 __all__ = [
@@ -94,5 +94,4 @@ class Service(TokensMixin, StoresMixin, RecordsMixin, ChangesMixin, ContextMixin
         self.notifier = Notifier()
         self.closing = False  # set at server shutdown: long-polls answer at once
         self._last_idem_cleanup = 0.0
-        # sha256 of a database token → (workspace, name, monotonic expiry)
-        self._token_cache: dict[str, tuple[str | None, str, float]] = {}
+        self._token_cache = TokenCache()  # database tokens seen lately

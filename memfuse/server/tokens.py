@@ -1,20 +1,46 @@
-"""Tokens and authentication: bearer token → ``Principal``, and the admin's token creation.
+"""Tokens and authentication: bearer token → ``Principal``; the admin's token create, list
+and revoke.
 
-Static tokens (given to ``create_app``) are consulted on every request; database tokens are
-stored as their sha256 only and remembered for ``TOKEN_CACHE_SECONDS`` after a lookup. This
-room does not decide what a principal may do: the access checks are in ``base.ServiceBase``.
+Tokens are stored as their sha256 only. A request's token is hashed and looked up by that
+hash (an index lookup on a digest reveals nothing about the token); the match is then
+compared with ``hmac.compare_digest``; static tokens (given to ``create_app``) are compared
+in constant time too.
+
+The positive cache (``TokenCache``): a database token is remembered for
+``TOKEN_CACHE_SECONDS`` after a lookup, so most requests resolve on the event loop without
+a query (``authenticate_cached``). What bounds it:
+
+- expiry: the cached entry carries ``expires_at``, checked on every request;
+- revocation: ``DELETE /v1/tokens/{id}`` sets the row's ``revoked_at`` and drops the token
+  from this process's cache at once. Every process reads the ids of the tokens revoked in the
+  last ``REVOCATION_LOOKBACK_SECONDS`` (an index range read on ``revoked_at``, usually empty)
+  at most every ``REVOCATION_CHECK_SECONDS``, and only while requests arrive, and drops them;
+  a cached token is never used once that read is overdue. So another replica refuses a
+  revoked token within about a second. The look-back spans the cache lifetime plus a margin
+  for clock skew between replicas, so the order in which concurrent revocations commit does
+  not matter. ``Service.tokens_revoked`` is the hook for a cross-replica notification
+  (PostgreSQL ``LISTEN/NOTIFY``) to make it immediate.
+- a row deleted from the database by hand: refused within ``TOKEN_CACHE_SECONDS``.
+
+``last_used_at`` is written at most once per ``LAST_USED_SECONDS`` per token and process
+(a conditional ``UPDATE``), never once per request.
 """
 from __future__ import annotations
 
+import hmac
 import logging
 import secrets
+import threading
 import time
 import uuid
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 
-from sqlalchemy import bindparam, select
+from sqlalchemy import bindparam, or_, select, update
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from memfuse.models import TokenCreate, TokenCreated, sha256_hex
+from memfuse.models import TokenCreate, TokenCreated, TokenInfo, sha256_hex
 from memfuse.server.base import (
     _T,
     IdempotencyRequest,
@@ -30,8 +56,19 @@ log = logging.getLogger("memfuse.server.service")  # every room of the Service l
 
 TOKEN_CACHE_SECONDS = 30.0  # a database token is looked up again after this long
 TOKEN_CACHE_MAX = 4096  # entries; the cache is emptied when full
+REVOCATION_CHECK_SECONDS = 1.0  # a cached token is used only if revocations were read this recently
+REVOCATION_LOOKBACK_SECONDS = TOKEN_CACHE_SECONDS + 30.0  # cache lifetime + clock-skew margin
+LAST_USED_SECONDS = 60.0  # last_used_at is written at most this often per token
 
-_SELECT_TOKEN = select(_T.c.id, _T.c.workspace, _T.c.name).where(_T.c.token_sha256 == bindparam("digest"))
+_SELECT_TOKEN = select(
+    _T.c.id, _T.c.token_sha256, _T.c.workspace, _T.c.name, _T.c.expires_at, _T.c.revoked_at,
+    _T.c.last_used_at,
+).where(_T.c.token_sha256 == bindparam("digest"))
+_SELECT_REVOKED = select(_T.c.id).where(_T.c.revoked_at > bindparam("since"))
+_TOUCH = update(_T).where(
+    _T.c.id == bindparam("tid"),
+    or_(_T.c.last_used_at.is_(None), _T.c.last_used_at < bindparam("before")),
+).values(last_used_at=bindparam("now"))
 
 
 def _clean_instance(value: str | None) -> str | None:
@@ -41,58 +78,239 @@ def _clean_instance(value: str | None) -> str | None:
     return value or None
 
 
+def _label(name: str | None) -> str:
+    """A token name for a log line: printable characters only (names are user input)."""
+    return "".join(ch if ch.isprintable() else "?" for ch in (name or ""))[:200] or "-"
+
+
+def _digest(token: str) -> str:
+    return sha256_hex(token.encode("utf-8", "surrogatepass"))
+
+
+@dataclass
+class _Entry:
+    token_id: str
+    workspace: str | None
+    name: str
+    expires_at: float | None  # wall-clock epoch seconds
+    until: float  # monotonic: looked up again after this
+    touched: float  # monotonic: last_used_at written (or found fresh) at this time
+
+
+class TokenCache:
+    """This process's positive cache of database tokens (digest → entry), and when it last
+    read the recent revocations. Shared by the event loop (reads) and worker threads."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, _Entry] = {}
+        self.checked_at = -1e18  # monotonic time of the last read of token_revocations
+        self.lock = threading.Lock()
+
+    def forget(self, token_ids: set[str]) -> None:
+        """Drop these tokens (revoked)."""
+        for digest, e in list(self.entries.items()):
+            if e.token_id in token_ids:
+                self.entries.pop(digest, None)
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+
+def _state(row, now: datetime) -> str:
+    if row.revoked_at is not None:
+        return "revoked"
+    if row.expires_at is not None and row.expires_at <= now:
+        return "expired"
+    return "active"
+
+
+def _info(row, now: datetime) -> TokenInfo:
+    return TokenInfo(id=row.id, workspace=row.workspace, name=row.name or "",
+                     created_at=row.created_at, last_used_at=row.last_used_at,
+                     expires_at=row.expires_at, revoked_at=row.revoked_at, state=_state(row, now))
+
+
 class TokensMixin(ServiceBase):
-    """``Service`` methods: ``authenticate``, ``authenticate_cached``, ``create_token``."""
+    """``Service`` methods: ``authenticate``, ``authenticate_cached``, ``create_token``,
+    ``list_tokens``, ``revoke_token``, ``tokens_revoked``."""
+
+    # ------------------------------------------------------------ authentication
 
     def authenticate(self, token: str | None, instance: str | None = None) -> Principal:
-        """Resolve a bearer token. Raises ``ServiceError`` 401 ``unauthorized`` when missing
-        or unknown. May read the database (see ``authenticate_cached``)."""
+        """Resolve a bearer token (in a worker thread: may read and, once a minute per
+        token, write the database). Raises ``ServiceError`` 401 ``unauthorized`` when the
+        token is missing, unknown, revoked or expired (the detail says which)."""
         p = self.authenticate_cached(token, instance)
         if p is not None:
             return p
         assert token  # authenticate_cached refused a missing one
-        digest = sha256_hex(token.encode("utf-8", "surrogatepass"))
+        cache: TokenCache = self._token_cache
+        self._read_revocations()
+        digest = _digest(token)
+        mono, wall = time.monotonic(), time.time()
+        hit = cache.entries.get(digest)
+        if hit is not None and hit.until > mono and (hit.expires_at is None or hit.expires_at > wall):
+            self._touch(hit, mono)
+            return Principal(workspace=hit.workspace, name=hit.name, instance=_clean_instance(instance))
         with self.db.read_conn() as conn:
             row = conn.execute(_SELECT_TOKEN, {"digest": digest}).first()
-        if row is None:
+        if row is None or not hmac.compare_digest(row.token_sha256, digest):
+            cache.entries.pop(digest, None)
             raise _unauthorized("unknown token")
+        if row.revoked_at is not None:
+            cache.entries.pop(digest, None)
+            raise _unauthorized("token revoked")
+        if row.expires_at is not None and row.expires_at.timestamp() <= wall:
+            cache.entries.pop(digest, None)
+            raise _unauthorized("token expired")
         name = row.name or row.id
-        if len(self._token_cache) >= TOKEN_CACHE_MAX:
-            self._token_cache.clear()
-        self._token_cache[digest] = (row.workspace, name, time.monotonic() + TOKEN_CACHE_SECONDS)
+        fresh = row.last_used_at is not None and row.last_used_at.timestamp() > wall - LAST_USED_SECONDS
+        entry = _Entry(token_id=row.id, workspace=row.workspace, name=name,
+                       expires_at=row.expires_at.timestamp() if row.expires_at is not None else None,
+                       until=mono + TOKEN_CACHE_SECONDS, touched=mono if fresh else -1e18)
+        if len(cache.entries) >= TOKEN_CACHE_MAX:
+            cache.clear()
+        cache.entries[digest] = entry
+        self._touch(entry, mono)
         return Principal(workspace=row.workspace, name=name, instance=_clean_instance(instance))
 
     def authenticate_cached(self, token: str | None, instance: str | None = None) -> Principal | None:
-        """Resolve a bearer token without touching the database: static tokens, and database
-        tokens found in the last ``TOKEN_CACHE_SECONDS`` (only known tokens are remembered,
-        never refusals). None when the database must be asked (``authenticate``). Raises
-        ``ServiceError`` 401 when the token is missing. A token removed from the database by
-        another process is refused within ``TOKEN_CACHE_SECONDS``."""
+        """Resolve a bearer token without touching the database (on the event loop): static
+        tokens, and database tokens in the positive cache while it may be trusted (entry
+        younger than ``TOKEN_CACHE_SECONDS``, not expired, revocations read within
+        ``REVOCATION_CHECK_SECONDS``, ``last_used_at`` not due). None when the database must
+        be asked (``authenticate``). Raises ``ServiceError`` 401 when the token is missing."""
         if not token:
             raise _unauthorized("a bearer token is required")
-        if token in self.static_tokens:
-            return Principal(workspace=self.static_tokens[token], name="static", instance=_clean_instance(instance))
-        hit = self._token_cache.get(sha256_hex(token.encode("utf-8", "surrogatepass")))
-        if hit is None or hit[2] < time.monotonic():
+        raw = token.encode("utf-8", "surrogatepass")
+        for known, workspace in list(self.static_tokens.items()):
+            if hmac.compare_digest(known.encode("utf-8", "surrogatepass"), raw):
+                return Principal(workspace=workspace, name="static", instance=_clean_instance(instance))
+        cache: TokenCache = self._token_cache
+        hit = cache.entries.get(sha256_hex(raw))
+        mono = time.monotonic()
+        if (hit is None or hit.until < mono or mono - cache.checked_at > REVOCATION_CHECK_SECONDS
+                or mono - hit.touched > LAST_USED_SECONDS
+                or (hit.expires_at is not None and hit.expires_at <= time.time())):
             return None
-        return Principal(workspace=hit[0], name=hit[1], instance=_clean_instance(instance))
+        return Principal(workspace=hit.workspace, name=hit.name, instance=_clean_instance(instance))
+
+    def _read_revocations(self) -> None:
+        """Read the ids of tokens revoked in the last ``REVOCATION_LOOKBACK_SECONDS`` (at most
+        every ``REVOCATION_CHECK_SECONDS``) and drop them from the cache."""
+        cache: TokenCache = self._token_cache
+        with cache.lock:
+            if time.monotonic() - cache.checked_at <= REVOCATION_CHECK_SECONDS:
+                return
+            started = time.monotonic()
+            since = utcnow() - timedelta(seconds=REVOCATION_LOOKBACK_SECONDS)
+            with self.db.read_conn() as conn:
+                revoked = {r.id for r in conn.execute(_SELECT_REVOKED, {"since": since})}
+            if revoked:
+                cache.forget(revoked)
+            cache.checked_at = started
+
+    def _touch(self, entry: _Entry, mono: float) -> None:
+        """Write ``last_used_at`` if this process has not in the last ``LAST_USED_SECONDS``
+        (a conditional UPDATE: another replica's recent write makes it a no-op). A failure
+        (database busy) is logged and does not fail the request."""
+        if mono - entry.touched <= LAST_USED_SECONDS:
+            return
+        entry.touched = mono
+        now = utcnow()
+        try:
+            with self.db.write_conn() as conn:
+                conn.execute(_TOUCH, {"tid": entry.token_id, "now": now,
+                                      "before": now - timedelta(seconds=LAST_USED_SECONDS)})
+        except SQLAlchemyError as err:
+            log.warning("could not record a token's last use (%s); will try again later",
+                        type(err).__name__)
+            entry.touched = mono - LAST_USED_SECONDS + 5.0  # retry in about 5 s
+
+    def tokens_revoked(self, token_ids: set[str] | None = None) -> None:
+        """Forget revoked tokens now: ``token_ids``, or every cached token when None. The hook
+        for a cross-replica notification of a revocation; without one, each process reads
+        the revocations within ``REVOCATION_CHECK_SECONDS``."""
+        cache: TokenCache = self._token_cache
+        if token_ids is None:
+            cache.clear()
+        else:
+            cache.forget(token_ids)
+
+    # ------------------------------------------------------------ admin: create, list, revoke
 
     def create_token(self, p: Principal, body: TokenCreate, idem: IdempotencyRequest | None = None) -> Reply:
-        """201 [TokenCreated] (the token is shown once; only its sha256 is kept);
-        404 ``workspace_not_found``."""
+        """201 [TokenCreated] (the token is shown once; only its sha256 is kept); with
+        ``ttl_seconds`` it expires that long after now. 404 ``workspace_not_found``; 403
+        ``forbidden`` for a workspace token. Logged with the actor (audit)."""
         self._require_admin(p)
+        made: list[TokenRow] = []  # the row, once the transaction ran (not on a replay)
 
         def fn(s: Session) -> TokenCreated:
             if body.workspace is not None and s.get(WorkspaceRow, body.workspace) is None:
                 raise ServiceError(404, "workspace_not_found", f"no workspace {body.workspace!r}")
             raw = "mf_" + secrets.token_urlsafe(32)
+            now = utcnow()
+            expires = now + timedelta(seconds=body.ttl_seconds) if body.ttl_seconds else None
             row = TokenRow(
                 id=str(uuid.uuid4()), token_sha256=sha256_hex(raw.encode()), workspace=body.workspace,
-                name=body.name, created_at=utcnow(),
+                name=body.name, created_at=now, expires_at=expires,
             )
             s.add(row)
             s.flush()
-            log.info("token %s created for %s", row.id, body.workspace or "admin")
-            return TokenCreated(id=row.id, workspace=row.workspace, name=row.name, token=raw)
+            made[:] = [row]
+            return TokenCreated(id=row.id, workspace=row.workspace, name=row.name, token=raw,
+                                expires_at=expires)
 
-        return self._write(p, idem, 201, fn)
+        reply = self._write(p, idem, 201, fn)
+        for row in made:  # committed (audit: after the commit, never for a replay)
+            log.info("audit: token %s (%s) created for %s by %s%s", row.id, _label(row.name),
+                     row.workspace or "admin", _label(p.actor),
+                     f", expires {row.expires_at.isoformat()}" if row.expires_at else "",
+                     extra={"audit": "token_created", "token_id": row.id,
+                            "workspace": row.workspace, "actor": p.actor})
+        return reply
+
+    def list_tokens(self, p: Principal, workspace: str | None = None,
+                    include_revoked: bool = False) -> list[TokenInfo]:
+        """[TokenInfo] of every token (admin only; 403 ``forbidden`` otherwise), oldest first;
+        ``workspace`` keeps one workspace's tokens (``""``: admin tokens only); revoked tokens
+        only with ``include_revoked``. Never the secret nor its hash."""
+        self._require_admin(p)
+        q = select(_T.c.id, _T.c.workspace, _T.c.name, _T.c.created_at, _T.c.last_used_at,
+                   _T.c.expires_at, _T.c.revoked_at).order_by(_T.c.created_at, _T.c.id)
+        if workspace is not None:
+            q = q.where(_T.c.workspace.is_(None) if workspace == "" else _T.c.workspace == workspace)
+        if not include_revoked:
+            q = q.where(_T.c.revoked_at.is_(None))
+        now = utcnow()
+        with self.db.read_conn() as conn:
+            return [_info(r, now) for r in conn.execute(q)]
+
+    def revoke_token(self, p: Principal, token_id: str, idem: IdempotencyRequest | None = None) -> Reply:
+        """204: the token stops working at once on this process and within
+        ``REVOCATION_CHECK_SECONDS`` on every other one sharing the database (see the module
+        docstring). Revoking a revoked token is a no-op (204). 404 ``token_not_found``; 403
+        ``forbidden`` for a workspace token. Logged with the actor (audit)."""
+        self._require_admin(p)
+        revoked: list[tuple[str, str | None]] = []  # (name, workspace) once it ran
+
+        def fn(s: Session) -> None:
+            revoked.clear()
+            row = s.get(TokenRow, token_id)
+            if row is None:
+                raise ServiceError(404, "token_not_found", f"no token {token_id!r}")
+            if row.revoked_at is None:
+                row.revoked_at = utcnow()
+                s.flush()
+                revoked.append((row.name, row.workspace))
+            return None
+
+        reply = self._write(p, idem, 204, fn)
+        self.tokens_revoked({token_id})
+        for name, workspace in revoked:  # committed (audit: after the commit)
+            log.info("audit: token %s (%s) of %s revoked by %s", token_id, _label(name),
+                     workspace or "admin", _label(p.actor),
+                     extra={"audit": "token_revoked", "token_id": token_id,
+                            "workspace": workspace, "actor": p.actor})
+        return reply

@@ -8,7 +8,9 @@ authentication, so keep it on loopback (a warning is logged for any other addres
 Endpoints:
 
 - ``GET /healthz`` → 200 ``{"ok": true}`` while the process serves.
-- ``GET /readyz`` → 200 ``{"ready": true}`` once the first load and mount are done, else 503.
+- ``GET /readyz`` → 200 ``{"ready": true}`` once the first load and mount are done and while
+  the control plane accepts the token, else 503 with the reason in ``detail`` (the target's
+  optional ``not_ready_reason``).
 - ``GET /metrics`` → Prometheus exposition of ``target.metrics.registry`` (text format 0.0.4 by
   default; OpenMetrics or text 1.0.0 when the ``Accept`` header asks for it).
 - ``GET /v1/status`` → 200 JSON of ``target.status()``.
@@ -211,7 +213,8 @@ def create_admin_app(target: AdminTarget) -> Starlette:
         if target.ready:
             return json_response({"ready": True})
         # Probes poll this while starting: a failure, but an expected one.
-        return problem(request, 503, "not_ready", "the first load and mount are not done yet",
+        reason = getattr(target, "not_ready_reason", None) or "the first load and mount are not done yet"
+        return problem(request, 503, "not_ready", reason,
                        headers={"Retry-After": "1"}, level=logging.INFO)
 
     @guarded

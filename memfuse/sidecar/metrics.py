@@ -54,7 +54,16 @@ class Metrics:
         self.cache_bytes = Gauge("memfuse_cache_bytes", "bytes of record content in the local cache",
                                  registry=r)
         self.stores = Gauge("memfuse_stores_mounted", "stores mounted", registry=r)
-        self.ready = Gauge("memfuse_ready", "1 once the first load and mount are done", registry=r)
+        self.ready = Gauge("memfuse_ready", "1 once the first load and mount are done, while the token is accepted", registry=r)
+        self.auth_failures = Counter("memfuse_auth_failures",
+                                     "control-plane answers 401 to the token in use (revoked, "
+                                     "expired or unknown token)", registry=r)
+        self.auth_ok = Gauge("memfuse_auth_ok",
+                             "0 while the control plane refuses the token in use, else 1",
+                             registry=r)
+        self.auth_ok.set(1)
+        self.token_reloads = Counter("memfuse_token_reloads",
+                                     "times a changed --token-file was taken up", registry=r)
 
     def bind(self, *, depth: Callable[[], float], oldest: Callable[[], float],
              records: Callable[[], float], cache_bytes: Callable[[], float],

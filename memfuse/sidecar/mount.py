@@ -30,7 +30,7 @@ import pyfuse3
 import trio
 
 from ..client import ApiClient
-from ..errors import ApiError, Gone, PermanentError, TransientError
+from ..errors import ApiError, Gone, PermanentError, TransientError, Unauthorized
 from ..models import Attachment
 from .core import ROOT_INO, BlobCache, Filesystem, Settings
 from .fuse_ops import MemfuseOps
@@ -58,6 +58,7 @@ class MountConfig:
     debug: bool = False
     offline_after: float = 10.0  # s without an answer before mounting saved stores from the cache
     log_format: str = "json"
+    token_check_interval: float = 5.0  # s between looks at --token-file for a rotated token
 
 
 class JsonFormatter(logging.Formatter):
@@ -165,6 +166,19 @@ class Sidecar:
             self.metrics.api_calls.labels(endpoint, status).inc()
             self.metrics.api_latency.labels(endpoint).observe(seconds)
         client.observer = observe
+        self._token_changed = trio.Event()  # set (and replaced) when a new token is in use
+        if client.token_file is not None:
+            client.token_file.on_change = self._token_taken_up
+
+        def auth(ok: bool) -> None:
+            self.metrics.auth_ok.set(1 if ok else 0)
+            if ok:  # the token works again: retry what waits now
+                self.committer.poke()
+                self._token_changed.set()
+                self._token_changed = trio.Event()
+            else:
+                self.metrics.auth_failures.inc()
+        client.auth_listener = auth
         # A per-process instance id: the change feed skips exactly the versions this process
         # wrote (they are already applied here, or superseded by later local changes), and
         # history tells sidecar restarts apart.
@@ -194,7 +208,21 @@ class Sidecar:
 
     @property
     def ready(self) -> bool:
-        return self.fs.ready
+        """Mounted, and the control plane accepts the token (``/readyz``)."""
+        return self.fs.ready and self.client.auth_failure is None
+
+    @property
+    def not_ready_reason(self) -> str | None:
+        """Why ``/readyz`` fails, or ``None`` when ready."""
+        reasons = []
+        if not self.fs.ready:
+            reasons.append("the first load and mount are not done yet")
+        if self.client.auth_failure is not None:
+            tf = self.client.token_file
+            reasons.append(f"authentication outage: {self.client.auth_failure}; writes are kept "
+                           "in the outbox and commit once a valid token is "
+                           + (f"in {tf.path}" if tf is not None else "given"))
+        return "; ".join(reasons) or None
 
     # ------------------------------------------------------------------ status
     def status(self) -> dict:
@@ -215,6 +243,13 @@ class Sidecar:
                        "journal_error": self.journal.error.reason if self.journal.error else None,
                        "state_save_failing": self.state_save_failing}
         st["offline_start"] = self.offline_start
+        st["ready"] = self.ready
+        tf = self.client.token_file
+        st["auth"] = {"ok": self.client.auth_failure is None, "error": self.client.auth_failure,
+                      "failures": self.client.auth_failures,
+                      "commits_deferred": self.committer.auth_waits,
+                      "token_file": str(tf.path) if tf is not None else None,
+                      "token_reloads": tf.reloads if tf is not None else 0}
         return st
 
     # ------------------------------------------------------------------ loading
@@ -233,6 +268,11 @@ class Sidecar:
                             extra={"errno": errno.errorcode.get(e.errno), "reason": e.reason,
                                    "retry_in_s": delay})
                 await trio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+            except Unauthorized as e:  # an authentication outage: wait for a valid token
+                log.warning(f"the control plane refused the token while {what}; retrying",
+                            extra={"status": e.status, "code": e.code, "retry_in_s": delay})
+                await self._wait_token(delay)
                 delay = min(delay * 2, 5.0)
 
     async def _load_state(self, slug: str, expect_records: int | None = None) -> StoreState:
@@ -387,6 +427,9 @@ class Sidecar:
                              extra={"store": slug, "status": e.status, "retry_in_s": delay})
                     await trio.sleep(delay)
                     delay = min(delay * 2, 5.0)
+                except Unauthorized:  # an authentication outage: wait for a valid token
+                    await self._wait_token(delay)
+                    delay = min(delay * 2, 5.0)
                 except CacheError as e:
                     log.warning("snapshot after 410 not stored: cache disk error; retrying",
                                 extra={"store": slug, "reason": e.reason, "retry_in_s": 5.0})
@@ -396,6 +439,12 @@ class Sidecar:
                 log.info("change feed unreachable; retrying",
                          extra={"store": slug, "status": e.status, "retry_in_s": delay})
                 await trio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+                probe = True
+                continue
+            except Unauthorized:
+                # an authentication outage, not a detach: keep the store, wait for a token
+                await self._wait_token(delay)
                 delay = min(delay * 2, 5.0)
                 probe = True
                 continue
@@ -454,6 +503,30 @@ class Sidecar:
                 await self._reconcile_logged()
 
     GC_EVERY = 60.0  # s between collections of unreferenced blobs
+
+    async def _wait_token(self, timeout: float) -> None:
+        """Sleep up to ``timeout`` s, less if a new token is taken up meanwhile."""
+        with trio.move_on_after(timeout):
+            await self._token_changed.wait()
+
+    def _token_taken_up(self) -> None:
+        """A new token is in use (found by the watcher, or by the client on a 401): count it
+        and retry what waits for one now."""
+        self.metrics.token_reloads.inc()
+        self._token_changed.set()
+        self._token_changed = trio.Event()
+        self.committer.poke()
+
+    async def _token_watch(self) -> None:
+        """Look at ``--token-file`` every ``token_check_interval`` s (a ``stat``; re-read when
+        it changed, e.g. the kubelet swapped the Secret volume's symlink). Supervised: an
+        unexpected error is logged and the loop goes on."""
+        while True:
+            await trio.sleep(self.config.token_check_interval)
+            try:
+                self.client.refresh_token()
+            except Exception:
+                log.exception("token file check failed; trying again")
 
     async def _saver(self) -> None:
         """Save dirty store mirrors every 2 s; collect unreferenced blobs every ``GC_EVERY``
@@ -578,6 +651,8 @@ class Sidecar:
                 nursery.start_soon(self._signals, sigs)
                 self._spawn("journal", self.journal.run)
                 await nursery.start(self.committer.run)
+                if self.client.token_file is not None:
+                    self._spawn("token-watch", self._token_watch)
                 if config.admin_listen:  # first, so /healthz and /readyz answer while loading
                     from .admin import serve_admin
                     self.admin_address = await nursery.start(serve_admin, self, config.admin_listen)

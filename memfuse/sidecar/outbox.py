@@ -17,7 +17,9 @@ Shape:
   disk: that is "accepted".
 - ``Committer`` — one worker per store taking entries in order; transient failures (connection
   errors, timeouts, 5xx, 429) are retried with exponential backoff and full jitter (honouring
-  ``Retry-After``) until they commit; permanent refusals finish the entry with an errno.
+  ``Retry-After``) until they commit; so is a 401 (the token was revoked, expired or rotated:
+  an authentication outage, not a verdict on the write); permanent refusals (403 included)
+  finish the entry with an errno.
   ``Entry.done`` is set when the entry is committed or refused: that is "committed".
 
 Invariants: an entry leaves the journal only after it committed or was refused for good; a
@@ -43,7 +45,8 @@ from typing import Any, Callable
 import trio
 
 from ..client import ApiClient
-from ..errors import ERRNO_BY_CODE, ApiError, Conflict, NotFound, PreconditionFailed, TransientError
+from ..errors import (ERRNO_BY_CODE, ApiError, Conflict, NotFound, PreconditionFailed,
+                      TransientError, Unauthorized)
 from ..models import Record, sha256_hex
 
 log = logging.getLogger("memfuse.outbox")
@@ -366,6 +369,7 @@ class Committer:
         self.refused = 0
         self.retries = 0
         self.conflicts = 0
+        self.auth_waits = 0  # commit attempts deferred because the token was refused (401)
         self.idle = trio.Event()
         self.idle.set()
         self._store_idle: dict[str, trio.Event] = {}
@@ -530,6 +534,17 @@ class Committer:
                                 "attempt": e.attempts, "status": err.status, "code": err.code,
                                 "retry_in_s": round(delay, 3)})
                 with trio.move_on_after(delay):  # or sooner, once the control plane answers
+                    await self._poke.wait()
+            except Unauthorized as err:
+                # an authentication outage (token revoked, expired, or rotated and not yet
+                # re-read), not a refusal of this write: it stays first in the queue
+                self.auth_waits += 1
+                delay = random.uniform(0, min(self.backoff_max, 0.05 * 2 ** min(e.attempts, 12)))
+                log.info("commit deferred: the control plane refused the token; will retry",
+                         extra={"entry": e.id, "op": e.op, "store": e.store,
+                                "attempt": e.attempts, "status": err.status, "code": err.code,
+                                "retry_in_s": round(delay, 3)})
+                with trio.move_on_after(delay):  # or sooner: a new token, an answer
                     await self._poke.wait()
             except ApiError as err:
                 if isinstance(err, TransientError):  # pragma: no cover - caught above
