@@ -64,6 +64,7 @@ from .models import (
     MoveResult,
     PrefixMove,
     Record,
+    RecordAttributes,
     RecordCreate,
     RecordMove,
     RecordPage,
@@ -278,6 +279,26 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
+class _Unset:
+    """The type of ``UNSET``: an argument not passed (``None`` means "reset")."""
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET = _Unset()
+
+
+def _attrs(mode: int | None, mtime_ns: int | None) -> dict[str, int]:
+    """The attribute members of a create / update body: only those given."""
+    out = {}
+    if mode is not None:
+        out["mode"] = mode
+    if mtime_ns is not None:
+        out["mtime_ns"] = mtime_ns
+    return out
+
+
 def _seg(value: str | int) -> str:
     """Percent-encode one URL path segment."""
     return quote(str(value), safe="")
@@ -396,6 +417,7 @@ class ApiClient:
         wait: float = 0.0,
         accept: str | None = None,
         exclude_none: bool = False,
+        exclude_unset: bool = False,
     ) -> httpx.Response:
         headers: dict[str, str] = {}
         if if_match is not None:
@@ -411,7 +433,8 @@ class ApiClient:
         if timeout is not None:
             kwargs["timeout"] = timeout
         if body is not None:
-            kwargs["content"] = body.model_dump_json(exclude_none=exclude_none).encode("utf-8")
+            kwargs["content"] = body.model_dump_json(
+                exclude_none=exclude_none, exclude_unset=exclude_unset).encode("utf-8")
             headers["Content-Type"] = "application/json"
         tf = self.token_file
         for attempt in (1, 2):
@@ -679,17 +702,23 @@ class ApiClient:
         content: str,
         type: str | None = None,
         idempotency_key: str | None = None,
+        *,
+        mode: int | None = None,
+        mtime_ns: int | None = None,
     ) -> Record:
         """``POST /v1/stores/{store}/records``: create a record; returns it without content
-        (its ``sha256`` is the ETag). Raises Conflict (``path_exists``, see ``.record_id``),
-        PermanentError 413 (``record_too_large``) / 422 (``invalid_path``, ``invalid_type``,
+        (its ``sha256`` is the ETag). ``mode``: permission bits (None: 0o644); ``mtime_ns``:
+        an explicit modification time in ns since the epoch (None: ``updated_at``). Raises
+        Conflict (``path_exists``, see ``.record_id``), PermanentError 413
+        (``record_too_large``) / 422 (``invalid_path``, ``invalid_type``,
         ``secret_detected``, ...), StoreFull (507)."""
         return await self._call(
             Record,
             "POST",
             f"/v1/stores/{_seg(store)}/records",
-            body=RecordCreate(path=path, content=content, type=type),
+            body=RecordCreate(path=path, content=content, type=type, **_attrs(mode, mtime_ns)),
             idempotency_key=idempotency_key,
+            exclude_unset=True,  # without attributes, the body of earlier releases (same idempotency hash)
         )
 
     async def update_record(
@@ -700,17 +729,57 @@ class ApiClient:
         type: str | None = None,
         if_match: str | None = None,
         idempotency_key: str | None = None,
+        *,
+        mode: int | None = None,
+        mtime_ns: int | None = None,
     ) -> Record:
-        """``PUT /v1/stores/{store}/records/{id}``: new content (and type). ``if_match`` is the
-        base sha256 (quoted for you). Identical content and type makes no new version.
-        Raises PreconditionFailed (see ``.current_sha256``), NotFound for a deleted record."""
+        """``PUT /v1/stores/{store}/records/{id}``: new content (and type, attributes).
+        ``if_match`` is the base sha256 (quoted for you). ``mode`` None keeps the permission
+        bits; ``mtime_ns`` None keeps an explicit mtime when the content is the same and
+        clears it when it changes. Identical content, type and attributes make no new
+        version. Raises PreconditionFailed (see ``.current_sha256``), NotFound for a deleted
+        record."""
         return await self._call(
             Record,
             "PUT",
             f"/v1/stores/{_seg(store)}/records/{_seg(id)}",
-            body=RecordUpdate(content=content, type=type),
+            body=RecordUpdate(content=content, type=type, **_attrs(mode, mtime_ns)),
             if_match=if_match,
             idempotency_key=idempotency_key,
+            exclude_unset=True,
+        )
+
+    async def set_attributes(
+        self,
+        store: str,
+        id: str,
+        *,
+        mode: int | None | _Unset = UNSET,
+        mtime_ns: int | None | _Unset = UNSET,
+        if_match: str | None = None,
+        idempotency_key: str | None = None,
+    ) -> Record:
+        """``PATCH /v1/stores/{store}/records/{id}``: change only the record's attributes
+        (no content is sent). ``mode``: permission bits (``& 0o7777``), ``None`` resets to
+        0o644; ``mtime_ns``: modification time in ns since the epoch, ``None`` clears it (the
+        record then shows ``updated_at``); a member not passed is kept. A change makes a
+        ``modified`` version with the same sha256; no change makes none. Raises NotFound for
+        a missing or deleted record, PreconditionFailed when ``if_match`` is not the current
+        sha256; ``ValueError`` (pydantic's ``ValidationError``) for a mode or time out of range,
+        before anything is sent."""
+        given: dict[str, int | None] = {}
+        if not isinstance(mode, _Unset):
+            given["mode"] = mode
+        if not isinstance(mtime_ns, _Unset):
+            given["mtime_ns"] = mtime_ns
+        return await self._call(
+            Record,
+            "PATCH",
+            f"/v1/stores/{_seg(store)}/records/{_seg(id)}",
+            body=RecordAttributes(**given),
+            if_match=if_match,
+            idempotency_key=idempotency_key,
+            exclude_unset=True,
         )
 
     async def move_record(

@@ -8,19 +8,27 @@ Conventions:
 - ``sha256`` is the lowercase hex digest of the UTF-8 content bytes and doubles as the ETag
   (``"<sha256>"`` in ``ETag`` / ``If-Match`` headers, RFC 9110 §8.8.3);
 - ``content`` is text (UTF-8); records hold Markdown, JSONL or plain text;
-- ``seq`` is the change-feed position: a number that grows with every version written.
+- ``seq`` is the change-feed position: a number that grows with every version written;
+- file attributes: ``mode`` is the POSIX permission bits (``0o7777`` mask: rwx for user,
+  group, other plus setuid, setgid, sticky), 0o644 when never set; ``mtime_ns`` is the
+  modification time in integer nanoseconds since the Unix epoch (as ``st_mtime_ns``), None
+  when never set explicitly (a file then shows ``updated_at``).
 """
 from __future__ import annotations
 
 import hashlib
-from datetime import datetime
+from datetime import datetime, timezone
 from enum import Enum
 from typing import Literal
 
 from pydantic import BaseModel, Field
 
 RECORD_TYPES = ("user", "feedback", "project", "reference")
+DEFAULT_MODE = 0o644  # permission bits of a record whose mode was never set
+MODE_MASK = 0o7777  # the bits a record keeps (chmod(2)); the file type is not one of them
+MTIME_NS_MIN, MTIME_NS_MAX = -(1 << 63), (1 << 63) - 1  # a signed 64-bit ns count
 SLUG_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 
 def sha256_hex(data: bytes) -> str:
@@ -147,15 +155,41 @@ class TokenInfo(BaseModel):
 # ---------------------------------------------------------------- records
 
 
+Mode = Field(default=None, ge=0, le=MODE_MASK, strict=True,
+             description="permission bits (0..0o7777); absent: 0o644 on create, unchanged on update")
+MtimeNs = Field(default=None, ge=MTIME_NS_MIN, le=MTIME_NS_MAX, strict=True,
+                description="modification time, integer ns since the Unix epoch")
+
+
 class RecordCreate(BaseModel):
+    """A new record. ``mode``: permission bits (absent or null: 0o644); ``mtime_ns``: an
+    explicit modification time (absent or null: the file shows ``updated_at``)."""
+
     path: str
     content: str
     type: str | None = None
+    mode: int | None = Mode
+    mtime_ns: int | None = MtimeNs
 
 
 class RecordUpdate(BaseModel):
+    """New content (and type, attributes) of a record. ``mode`` absent or null: kept.
+    ``mtime_ns`` absent or null: an explicit mtime is kept when the content stays the same
+    and cleared when it changes (a write sets the mtime, as on a local disk)."""
+
     content: str
     type: str | None = None
+    mode: int | None = Mode
+    mtime_ns: int | None = MtimeNs
+
+
+class RecordAttributes(BaseModel):
+    """``PATCH`` body: change only a record's attributes, never its content. A member left
+    out is kept; ``mode: null`` resets the permission bits to 0o644; ``mtime_ns: null``
+    clears the explicit mtime (the file then shows ``updated_at``)."""
+
+    mode: int | None = Mode
+    mtime_ns: int | None = MtimeNs
 
 
 class RecordMove(BaseModel):
@@ -193,6 +227,20 @@ class Record(BaseModel):
     updated_by: str
     seq: int
     content: str | None = None
+    mode: int = DEFAULT_MODE  # permission bits; 0o644 when never set
+    mtime_ns: int | None = None  # explicit mtime (ns since the epoch); None: ``updated_at``
+
+    def mtime_effective_ns(self) -> int:
+        """The mtime a file shows: ``mtime_ns``, else ``updated_at``, in ns since the epoch."""
+        if self.mtime_ns is not None:
+            return self.mtime_ns
+        return datetime_ns(self.updated_at)
+
+
+def datetime_ns(t: datetime) -> int:
+    """An aware ``datetime`` as integer nanoseconds since the epoch (µs precision, exact)."""
+    delta = t - _EPOCH
+    return (delta.days * 86_400 + delta.seconds) * 1_000_000_000 + delta.microseconds * 1_000
 
 
 class Version(BaseModel):
@@ -208,6 +256,8 @@ class Version(BaseModel):
     redacted: bool = False
     seq: int
     content: str | None = None
+    mode: int = DEFAULT_MODE  # the record's attributes as of this version
+    mtime_ns: int | None = None
 
 
 class RecordPage(BaseModel):

@@ -905,3 +905,115 @@ async def _serve_shuts_down_gracefully(db_url):
     assert result["status"] == 200 and result["body"] == {"changes": [], "seq": 0}
     assert "server_done" in result
     app.state.service.db.dispose()
+
+
+# ---------------------------------------------------------------- attributes (mode, mtime_ns)
+
+T2020 = 1577923200_123456789  # 2020-01-02T00:00:00.123456789Z in ns
+
+
+async def test_attributes_on_create_and_defaults(env: Env):
+    plain = await env.create("plain.md", "x")
+    assert plain["mode"] == 0o644 and plain["mtime_ns"] is None
+    rec = await env.create("s.sh", "#!/bin/sh\n", mode=0o755, mtime_ns=T2020)
+    assert rec["mode"] == 0o755 and rec["mtime_ns"] == T2020
+    got = await env.get(rec["id"])
+    assert (got["mode"], got["mtime_ns"]) == (0o755, T2020)  # ns kept exactly
+    [v] = await env.versions(rec["id"])
+    assert (v["operation"], v["mode"], v["mtime_ns"]) == ("created", 0o755, T2020)
+    page = (await env.admin.get("/v1/stores/default/records")).json()
+    assert {r["path"]: r["mode"] for r in page["records"]} == {"plain.md": 0o644, "s.sh": 0o755}
+    for bad in ({"mode": 0o10000}, {"mode": -1}, {"mtime_ns": 1 << 63}, {"mode": "755"}):
+        r = await env.ws.post("/v1/stores/default/records", json={"path": "b.md", "content": "x", **bad})
+        assert_problem(r, 422, "validation_error")
+
+
+async def test_patch_attributes_makes_one_version_without_content(env: Env):
+    rec = await env.create("s.sh", "#!/bin/sh\necho ran\n")
+    url = f"/v1/stores/default/records/{rec['id']}"
+    r = await env.ws.patch(url, json={"mode": 0o755}, headers={"If-Match": etag("#!/bin/sh\necho ran\n")})
+    assert r.status_code == 200, r.text
+    up = r.json()
+    assert up["mode"] == 0o755 and up["version"] == 2 and up["sha256"] == rec["sha256"]
+    assert up["mtime_ns"] is None and up["content"] is None
+    assert r.headers["etag"] == etag("#!/bin/sh\necho ran\n")
+    # the same mode again: no new version (a chmod to the same mode)
+    r = await env.ws.patch(url, json={"mode": 0o755})
+    assert r.json()["version"] == 2 and r.json()["seq"] == up["seq"]
+    r = await env.ws.patch(url, json={})
+    assert r.json()["version"] == 2
+    # mtime alone keeps the mode
+    r = await env.ws.patch(url, json={"mtime_ns": T2020})
+    assert (r.json()["mode"], r.json()["mtime_ns"], r.json()["version"]) == (0o755, T2020, 3)
+    vs = await env.versions(rec["id"])
+    assert [(v["operation"], v["sha256"], v["mode"], v["mtime_ns"]) for v in vs] == [
+        ("created", rec["sha256"], 0o644, None),
+        ("modified", rec["sha256"], 0o755, None),
+        ("modified", rec["sha256"], 0o755, T2020),
+    ]
+    v3 = (await env.admin.get(f"{url}/versions/3")).json()
+    assert v3["content"] == "#!/bin/sh\necho ran\n"
+    # the change feed carries them to other sidecars
+    page = (await env.ws.get("/v1/stores/default/changes", params={"after": rec["seq"]})).json()
+    assert [(c["operation"], c["record"]["mode"], c["record"]["mtime_ns"]) for c in page["changes"]] == [
+        ("modified", 0o755, None), ("modified", 0o755, T2020)]
+    # null resets: mode 0o644, mtime back to updated_at
+    r = await env.ws.patch(url, json={"mode": None, "mtime_ns": None})
+    assert (r.json()["mode"], r.json()["mtime_ns"], r.json()["version"]) == (0o644, None, 4)
+    # refusals
+    assert_problem(await env.ws.patch(url, json={"mode": 0o755}, headers={"If-Match": etag("other")}),
+                   412, "precondition_failed")
+    assert_problem(await env.ws.patch(url, json={"mode": 0o20000}), 422, "validation_error")
+    assert_problem(await env.ws.patch("/v1/stores/default/records/nope", json={"mode": 0o600}),
+                   404, "record_not_found")
+    assert (await env.ws.delete(url)).status_code == 204
+    assert_problem(await env.ws.patch(url, json={"mode": 0o600}), 404, "record_not_found")
+    ro = await env.create("r.md", "x", client=env.admin, store="ro")
+    assert_problem(await env.ws.patch(f"/v1/stores/ro/records/{ro['id']}", json={"mode": 0o600}),
+                   403, "read_only")
+
+
+async def test_patch_attributes_is_idempotent(env: Env):
+    rec = await env.create("a.md", "x")
+    url = f"/v1/stores/default/records/{rec['id']}"
+    h = {"Idempotency-Key": "attr-1"}
+    r1 = await env.ws.patch(url, json={"mode": 0o600}, headers=h)
+    await env.ws.patch(url, json={"mode": 0o640})
+    r2 = await env.ws.patch(url, json={"mode": 0o600}, headers=h)  # a retry after a lost response
+    assert r2.headers["idempotent-replayed"] == "true" and r1.content == r2.content
+    assert (await env.get(rec["id"]))["mode"] == 0o640 and len(await env.versions(rec["id"])) == 3
+    assert_problem(await env.ws.patch(url, json={"mode": 0o700}, headers=h), 422, "idempotency_key_reused")
+
+
+async def test_attributes_across_writes_moves_and_restore(env: Env):
+    rec = await env.create("s.sh", "v1", mode=0o750, mtime_ns=T2020)
+    url = f"/v1/stores/default/records/{rec['id']}"
+    # same content, no attributes: nothing changes
+    r = await env.ws.put(url, json={"content": "v1"})
+    assert (r.json()["version"], r.json()["mtime_ns"]) == (1, T2020)
+    # new content: the mode stays (chmod sticks), an explicit mtime is cleared (a write sets it)
+    r = await env.ws.put(url, json={"content": "v2"})
+    assert (r.json()["mode"], r.json()["mtime_ns"], r.json()["version"]) == (0o750, None, 2)
+    # new content with attributes (cp -p over a file): both kept as sent
+    r = await env.ws.put(url, json={"content": "v3", "mode": 0o440, "mtime_ns": T2020 + 1})
+    assert (r.json()["mode"], r.json()["mtime_ns"]) == (0o440, T2020 + 1)
+    # same content, other mode only: a version
+    r = await env.ws.put(url, json={"content": "v3", "mode": 0o444})
+    assert (r.json()["version"], r.json()["mode"], r.json()["mtime_ns"]) == (4, 0o444, T2020 + 1)
+    # a move keeps them
+    r = await env.ws.post(f"{url}/move", json={"path": "bin/s.sh"})
+    assert (r.json()["records"][0]["mode"], r.json()["records"][0]["mtime_ns"]) == (0o444, T2020 + 1)
+    # rename over another record (sed -i): the target takes the source's content, mode and mtime
+    tmp = await env.create("bin/sedAbc", "v3", mode=0o444)
+    r = await env.ws.post(f"/v1/stores/default/records/{tmp['id']}/move", json={"path": "bin/s.sh", "replace": True})
+    target = r.json()["records"][0]
+    assert target["id"] == rec["id"] and (target["mode"], target["mtime_ns"]) == (0o444, None)
+    assert target["version"] == 6  # same content, mtime differs: one version
+    tmp = await env.create("bin/sedDef", "v3", mode=0o444)
+    r = await env.ws.post(f"/v1/stores/default/records/{tmp['id']}/move", json={"path": "bin/s.sh", "replace": True})
+    assert r.json()["records"][0]["version"] == 6  # identical in all: no version
+    # restore brings back version 1's attributes with its content
+    r = await env.ws.post(f"{url}/restore", json={"version": 1})
+    assert (r.json()["mode"], r.json()["mtime_ns"], r.json()["sha256"]) == (0o750, T2020, sha("v1"))
+    r = await env.ws.post(f"{url}/restore", json={"version": 1})
+    assert r.json()["version"] == 7  # already that state: no version

@@ -567,3 +567,41 @@ async def test_snapshot_and_iter_pages_with_deleted_records(ws):
     assert seq2 == seq and all(r.content is None for r in every)
     pages = [p async for p in ws.iter_pages("default", limit=2, include_deleted=True)]
     assert [len(p.records) for p in pages] == [2, 2, 1] and pages[-1].next_cursor is None
+
+
+async def test_record_attributes(fake, ws):
+    """mode / mtime_ns on create and update, set_attributes (PATCH) with kept, set and reset
+    members; bodies without attributes are byte-for-byte those of earlier releases."""
+    rec = await ws.create_record("default", "s.sh", "#!/bin/sh\n", mode=0o755, mtime_ns=7)
+    assert (rec.mode, rec.mtime_ns) == (0o755, 7)
+    plain = await ws.create_record("default", "p.md", "x")
+    assert (plain.mode, plain.mtime_ns) == (0o644, None)
+    r = await ws.set_attributes("default", rec.id, mtime_ns=9, if_match=rec.sha256, idempotency_key="a1")
+    assert (r.mode, r.mtime_ns, r.version, r.sha256) == (0o755, 9, 2, rec.sha256)
+    r = await ws.set_attributes("default", rec.id, mode=None)  # reset to 0o644, mtime kept
+    assert (r.mode, r.mtime_ns, r.version) == (0o644, 9, 3)
+    r = await ws.set_attributes("default", rec.id, mode=0o644)  # unchanged: no version
+    assert r.version == 3
+    with pytest.raises(PreconditionFailed):
+        await ws.set_attributes("default", rec.id, mode=0o700, if_match="0" * 64)
+    with pytest.raises(ValueError):  # checked before anything is sent
+        await ws.set_attributes("default", rec.id, mode=0o17777)
+    r = await ws.update_record("default", rec.id, "#!/bin/sh\necho\n", mode=0o750, mtime_ns=11)
+    assert (r.mode, r.mtime_ns) == (0o750, 11)
+    versions = await ws.versions("default", rec.id)
+    assert [(v.operation, v.mode, v.mtime_ns) for v in versions] == [
+        (Operation.created, 0o755, 7), (Operation.modified, 0o755, 9), (Operation.modified, 0o644, 9),
+        (Operation.modified, 0o750, 11)]
+
+    captured: list[bytes] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        captured.append(request.content)
+        return httpx.Response(201, json=rec.model_dump(mode="json"))
+
+    async with ApiClient("http://x", "t", transport=httpx.MockTransport(handler)) as c:
+        await c.create_record("default", "a.md", "x")
+        await c.update_record("default", "id", "x", type="user")
+        await c.set_attributes("default", "id", mtime_ns=None)
+    assert captured == [b'{"path":"a.md","content":"x","type":null}', b'{"content":"x","type":"user"}',
+                        b'{"mtime_ns":null}']

@@ -24,7 +24,7 @@ from click.testing import CliRunner
 from sqlalchemy import create_engine, inspect, text
 
 from memfuse.cli import cli
-from memfuse.models import RecordCreate, StoreCreate
+from memfuse.models import RecordAttributes, RecordCreate, StoreCreate
 from memfuse.server import schema
 from memfuse.server.app import create_app
 from memfuse.server.db import Base, Database, normalize_db_url
@@ -237,6 +237,12 @@ def test_fixture_from_memfuse_0_1_0_upgrades_with_rows_intact(tmp_path):
     rid = next(r.id for r in svc.list_records(ADMIN, "notes").records if r.path == "a.md")
     versions = svc.list_versions(ADMIN, "notes", rid)
     assert [(v.version, v.redacted) for v in versions] == [(1, True), (2, False)]
+    # 0003: records and versions from before the attributes show the defaults, and take them
+    assert all((r.mode, r.mtime_ns) == (0o644, None) for r in svc.list_records(ADMIN, "notes").records)
+    assert all((v.mode, v.mtime_ns) == (0o644, None) for v in versions)
+    svc.set_attributes(p, "notes", rid, RecordAttributes(mode=0o600, mtime_ns=1))
+    rec = svc.get_record(ADMIN, "notes", rid)
+    assert (rec.mode, rec.mtime_ns, rec.version) == (0o600, 1, 3)
     created = svc.create_record(p, "notes", RecordCreate(path="after-upgrade.md", content="new\n"))
     assert created.status == 201
     assert svc.get_store(ADMIN, "notes").record_count == 4

@@ -44,6 +44,7 @@ from memfuse.models import (
     PrefixMove,
     Problem,
     Record,
+    RecordAttributes,
     RecordCreate,
     RecordMove,
     RecordPage,
@@ -346,6 +347,12 @@ def create_app(
     @app.put("/v1/stores/{store}/records/{record_id}", response_model=Record, tags=["records"])
     def update_record(store: StoreSlug, record_id: str, body: RecordUpdate, p: P, idem: Idem, if_match: IfMatch = None):
         return _reply(svc.update_record(p, store, record_id, body, if_match, idem))
+
+    @app.patch("/v1/stores/{store}/records/{record_id}", response_model=Record, tags=["records"])
+    def set_record_attributes(
+        store: StoreSlug, record_id: str, body: RecordAttributes, p: P, idem: Idem, if_match: IfMatch = None
+    ):
+        return _reply(svc.set_attributes(p, store, record_id, body, if_match, idem))
 
     @app.post("/v1/stores/{store}/records/{record_id}/move", response_model=MoveResult, tags=["records"])
     def move_record(store: StoreSlug, record_id: str, body: RecordMove, p: P, idem: Idem, if_match: IfMatch = None):

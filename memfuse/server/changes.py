@@ -18,7 +18,7 @@ import anyio
 import sniffio
 from sqlalchemy import func, null, select
 
-from memfuse.models import Access, Change, ChangePage, EventPage, Operation, Record, WorkspaceEvent
+from memfuse.models import DEFAULT_MODE, Access, Change, ChangePage, EventPage, Operation, Record, WorkspaceEvent
 from memfuse.server.base import _R, _V, Principal, ServiceBase, ServiceError
 from memfuse.server.db import EventRow
 
@@ -164,6 +164,7 @@ class ChangesMixin(ServiceBase):
                     _V.c.seq, _V.c.operation, _V.c.old_path, _V.c.record_id, _V.c.store, _V.c.path,
                     _V.c.type, _V.c.version, _V.c.sha256, _V.c.size, _V.c.created_at, _V.c.actor,
                     _V.c.content if with_content else null().label("content"), _V.c.redacted,
+                    _V.c.mode, _V.c.mtime_ns,
                     _R.c.created_at.label("record_created_at"),
                 )
                 .join(_R, _R.c.id == _V.c.record_id)
@@ -198,6 +199,8 @@ class ChangesMixin(ServiceBase):
                     updated_by=v.actor,
                     seq=v.seq,
                     content=v.content if with_content and not v.redacted else None,
+                    mode=DEFAULT_MODE if v.mode is None else v.mode,
+                    mtime_ns=v.mtime_ns,
                 ),
             )
             for v in rows

@@ -173,6 +173,10 @@ class RecordRow(Base):
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime)
     updated_by: Mapped[str] = mapped_column(Text)
     seq: Mapped[int] = mapped_column(BigInteger)
+    # File attributes (POSIX): permission bits (``& 0o7777``; None = 0o644) and the
+    # modification time in nanoseconds since the epoch (None = ``updated_at``).
+    mode: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    mtime_ns: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
     __table_args__ = (
         Index(
@@ -208,6 +212,9 @@ class VersionRow(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
     actor: Mapped[str] = mapped_column(Text)
     redacted: Mapped[bool] = mapped_column(Boolean, default=False)
+    # The record's attributes as of this version (see ``RecordRow``).
+    mode: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    mtime_ns: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
     __table_args__ = (
         UniqueConstraint("record_id", "version", name="uq_versions_record_version"),

@@ -19,10 +19,12 @@ from sqlalchemy.engine import Connection, Row
 
 from memfuse import content as content_rules
 from memfuse.models import (
+    DEFAULT_MODE,
     MoveResult,
     Operation,
     PrefixMove,
     Record,
+    RecordAttributes,
     RecordCreate,
     RecordMove,
     RecordPage,
@@ -157,6 +159,16 @@ _SELECT_LIVE_ID_AT = select(_R.c.id).where(
 )
 
 
+def _mode(value: int | None) -> int:
+    """The permission bits a file shows for a stored ``mode`` (NULL: 0o644)."""
+    return DEFAULT_MODE if value is None else value
+
+
+def _attrs(rec: _Rec) -> tuple[int, int | None]:
+    """What decides whether an attribute change makes a version: (effective mode, mtime)."""
+    return _mode(rec.mode), rec.mtime_ns
+
+
 def _record_model(rec: _Rec | Row, *, with_content: bool) -> Record:
     return Record(
         id=rec.id,
@@ -172,6 +184,8 @@ def _record_model(rec: _Rec | Row, *, with_content: bool) -> Record:
         updated_by=rec.updated_by,
         seq=rec.seq,
         content=rec.content if with_content else None,
+        mode=_mode(rec.mode),
+        mtime_ns=rec.mtime_ns,
     )
 
 
@@ -189,6 +203,8 @@ def _version_model(v: Row, *, with_content: bool) -> Version:
         redacted=v.redacted,
         seq=v.seq,
         content=v.content if with_content and not v.redacted else None,
+        mode=_mode(v.mode),
+        mtime_ns=v.mtime_ns,
     )
 
 
@@ -203,7 +219,7 @@ def _usage(conn: Connection, slugs: Iterable[str] | None = None) -> dict[str, tu
 
 class RecordsMixin(ServiceBase):
     """``Service`` methods: record reads (``list_records``, ``get_record``, ``list_versions``,
-    ``get_version``) and writes (``create_record``, ``update_record``, ``move_record``,
+    ``get_version``) and writes (``create_record``, ``update_record``, ``set_attributes``, ``move_record``,
     ``move_prefix``, ``delete_record``, ``restore_record``, ``redact_version``)."""
 
     @staticmethod
@@ -263,6 +279,8 @@ class RecordsMixin(ServiceBase):
                 "created_at": now,
                 "actor": actor,
                 "redacted": False,
+                "mode": rec.mode,
+                "mtime_ns": rec.mtime_ns,
             },
         ).inserted_primary_key[0]
         rec.seq = seq
@@ -390,6 +408,7 @@ class RecordsMixin(ServiceBase):
                 id=str(uuid.uuid4()), store=st.slug, path=path, type=rtype, version=1,
                 sha256=sha, size=len(raw), content=body.content, deleted=False,
                 created_at=now, updated_at=now, updated_by=p.actor, seq=0,
+                mode=body.mode, mtime_ns=body.mtime_ns,
             )
             self._add_version(conn, rec, Operation.created, p.actor, now, new=True)
             self._use(conn, st, len(raw), 1, grew_bytes=True, grew_count=True)
@@ -426,13 +445,52 @@ class RecordsMixin(ServiceBase):
             rtype = _resolve_type(rec.path, body.content, body.type, current)
             if secret is not None:
                 raise _secret_error(secret)
-            if sha == rec.sha256 and rtype == rec.type:
+            mode = body.mode if body.mode is not None else rec.mode
+            if body.mtime_ns is not None:
+                mtime = body.mtime_ns
+            else:  # a write sets the mtime; the same content keeps an explicit one
+                mtime = rec.mtime_ns if sha == rec.sha256 else None
+            if sha == rec.sha256 and rtype == rec.type and (_mode(mode), mtime) == _attrs(rec):
                 return _record_model(rec, with_content=False)
             old_size = rec.size
             rec.content, rec.sha256, rec.size, rec.type = body.content, sha, len(raw), rtype
+            rec.mode, rec.mtime_ns = mode, mtime
             rec.version += 1
             self._add_version(conn, rec, Operation.modified, p.actor, utcnow())
             self._use(conn, st, len(raw) - old_size, 0, grew_bytes=len(raw) > old_size, grew_count=False)
+            return _record_model(rec, with_content=False)
+
+        return self._write(p, idem, 200, fn, etag=True, feed=slug)
+
+    def set_attributes(
+        self,
+        p: Principal,
+        slug: str,
+        record_id: str,
+        body: RecordAttributes,
+        if_match: str | None = None,
+        idem: IdempotencyRequest | None = None,
+    ) -> Reply:
+        """200 [Record] without content, with ``ETag``: change only the record's attributes
+        (``chmod`` / ``utimensat`` of a file whose content is already stored). Members of
+        ``body`` left out are kept; ``null`` resets them (mode 0o644, mtime ``updated_at``).
+        A change makes a ``modified`` version with the same sha256, content, type and path;
+        no change (e.g. a chmod to the current mode) makes none. 404 ``record_not_found`` for
+        a missing or deleted record, 412 ``precondition_failed`` (with ``sha256``) when
+        ``if_match`` does not match the current content."""
+        given = body.model_fields_set
+
+        def fn(conn: Connection) -> Record:
+            st = self._store(conn, p, slug, write=True)
+            rec = self._live(self._record(conn, st, record_id))
+            _check_if_match(if_match, rec.sha256)
+            mode = body.mode if "mode" in given else rec.mode
+            mtime = body.mtime_ns if "mtime_ns" in given else rec.mtime_ns
+            if (_mode(mode), mtime) == _attrs(rec):
+                return _record_model(rec, with_content=False)
+            rec.mode, rec.mtime_ns = mode, mtime
+            rec.version += 1
+            self._add_version(conn, rec, Operation.modified, p.actor, utcnow())
             return _record_model(rec, with_content=False)
 
         return self._write(p, idem, 200, fn, etag=True, feed=slug)
@@ -469,11 +527,13 @@ class RecordsMixin(ServiceBase):
                 rec.version += 1
                 self._add_version(conn, rec, Operation.deleted, p.actor, now)
                 d_bytes = -rec.size
-                if (target.sha256, target.type) != (rec.sha256, new_type):
+                if (target.sha256, target.type, *_attrs(target)) != (rec.sha256, new_type, *_attrs(rec)):
                     d_bytes += rec.size - target.size
                     target.content, target.sha256, target.size, target.type = (
                         rec.content, rec.sha256, rec.size, new_type,
                     )
+                    # the renamed file replaces the target's inode: its mode and mtime too
+                    target.mode, target.mtime_ns = rec.mode, rec.mtime_ns
                     target.version += 1
                     self._add_version(conn, target, Operation.modified, p.actor, now)
                 self._use(conn, st, d_bytes, -1, grew_bytes=False, grew_count=False)  # shrinks
@@ -580,7 +640,9 @@ class RecordsMixin(ServiceBase):
             v = self._version(conn, record_id, body.version)
             if v.redacted or v.content is None:
                 raise ServiceError(409, "redacted", f"version {body.version} was redacted")
-            if not rec.deleted and (rec.path, rec.sha256, rec.type) == (v.path, v.sha256, v.type):
+            if not rec.deleted and (rec.path, rec.sha256, rec.type, *_attrs(rec)) == (
+                v.path, v.sha256, v.type, _mode(v.mode), v.mtime_ns
+            ):
                 return _record_model(rec, with_content=False)
             other = self._live_at_id(conn, st.slug, v.path)
             if other is not None and other != rec.id:
@@ -594,6 +656,7 @@ class RecordsMixin(ServiceBase):
             d_bytes = v.size if rec.deleted else v.size - rec.size
             old_path = rec.path if rec.path != v.path else None
             rec.path, rec.content, rec.sha256, rec.size, rec.type = v.path, v.content, v.sha256, v.size, v.type
+            rec.mode, rec.mtime_ns = v.mode, v.mtime_ns
             rec.deleted = False
             rec.version += 1
             self._add_version(conn, rec, Operation.restored, p.actor, utcnow(), old_path=old_path)
