@@ -34,13 +34,13 @@ from typing import Iterator
 import trio
 
 from .. import names
-from ..models import RECORD_TYPES, Record, sha256_hex
+from ..models import DEFAULT_MODE, RECORD_TYPES, Record, datetime_ns, sha256_hex
 
 try:  # shared content rules (types, secrets) for the fast path; the server enforces them too
     from .. import content as content_rules
 except ImportError:  # pragma: no cover
     content_rules = None
-from .outbox import (DELETE, MOVE, MOVE_PREFIX, PUT, CacheError, Committer, Entry,
+from .outbox import (ATTRS, DELETE, MOVE, MOVE_PREFIX, PUT, CacheError, Committer, Entry,
                      cache_error)
 
 log = logging.getLogger("memfuse.fs")
@@ -48,6 +48,15 @@ log = logging.getLogger("memfuse.fs")
 ROOT_INO = 1
 CONTROL_DIR = ".memfuse"
 CLEAN, PENDING, REJECTED = "clean", "pending", "rejected"
+DIR_MODE = 0o755  # permission bits of a directory nobody chmod-ed
+DIR_MODES_KEY = "_modes"  # dirs.json: {slug: {dir path ("" = store root): mode}}; never a slug
+
+
+def record_mtime_ns(rec) -> int:
+    """The mtime a record's file shows (ns): its explicit ``mtime_ns``, else ``updated_at``.
+    ``rec`` is a ``Record`` or a mirror entry with the same fields."""
+    m = getattr(rec, "mtime_ns", None)
+    return m if m is not None else datetime_ns(rec.updated_at)
 
 
 class FsError(Exception):
@@ -215,6 +224,12 @@ class Node:
     special: str = ""  # .memfuse control files: "status" / "errors"
     type_override: str | None = None  # set through user.memfuse.type, sent with the next put
     refused: int = 0  # errno of a write refused in the current write session (held back)
+    # File attributes (records): ``mode`` holds the permission bits shown and sent; ``xmtime``
+    # is the explicit mtime (utimensat) the record keeps, None when it follows the last write
+    # (``updated_at``); ``attrs_version``: the version our last attribute change made, when
+    # it was made on content not seen here yet (older remote states keep our attributes).
+    xmtime: int | None = None
+    attrs_version: int = 0
 
     def path(self) -> str:
         """Store-relative path ``a/b.md`` ('' for a store root)."""
@@ -277,7 +292,7 @@ class Filesystem:
                  workspace: str = "", dirs_file: Path | None = None) -> None:
         self.blobs = blobs
         self.dirs_file = dirs_file
-        self.saved_dirs: dict[str, list[str]] = {}
+        self.saved_dirs: dict = {}  # slug -> directory paths; DIR_MODES_KEY -> modes
         if dirs_file is not None and dirs_file.exists():
             try:
                 self.saved_dirs = json.loads(dirs_file.read_text())
@@ -370,7 +385,19 @@ class Filesystem:
             self._insert_record(sm, rec)
         for path in self.saved_dirs.get(slug, []):
             self._ensure_dir(sm, path.split("/"), now)
+        self._restore_dir_modes(sm)
         return sm
+
+    def _restore_dir_modes(self, sm: StoreMount) -> None:
+        """Give the store's directories the modes saved in ``dirs.json`` (directory modes
+        are local to this sidecar: docs/SEMANTICS.md)."""
+        saved = self.saved_dirs.get(DIR_MODES_KEY, {})
+        for path, mode in (saved.get(sm.slug, {}) if isinstance(saved, dict) else {}).items():
+            d = sm.root
+            for comp in path.split("/") if path else []:
+                d = d.children.get(comp) if d is not None and d.is_dir else None
+            if d is not None and d.is_dir and isinstance(mode, int):
+                d.mode = stat.S_IFDIR | stat.S_IMODE(mode)
 
     def _ensure_dir(self, sm: StoreMount, parts: list[str], ts: int,
                     inv: list[tuple] | None = None) -> Node | None:
@@ -394,9 +421,11 @@ class Filesystem:
         (tmp + rename); directories holding records are implied by them anyway."""
         if self.dirs_file is None:
             return
-        out: dict[str, list[str]] = {}
+        out: dict = {}
+        modes: dict[str, dict[str, int]] = {}
         for slug, sm in self.stores.items():
             paths: list[str] = []
+            chmodded = {"": stat.S_IMODE(sm.root.mode)} if stat.S_IMODE(sm.root.mode) != DIR_MODE else {}
             stack = [sm.root]
             while stack:
                 d = stack.pop()
@@ -404,7 +433,12 @@ class Filesystem:
                     if c.is_dir:
                         paths.append(c.path())
                         stack.append(c)
+                        if stat.S_IMODE(c.mode) != DIR_MODE:
+                            chmodded[c.path()] = stat.S_IMODE(c.mode)
             out[slug] = sorted(paths)
+            if chmodded:
+                modes[slug] = chmodded
+        out[DIR_MODES_KEY] = modes
         tmp = self.dirs_file.with_suffix(".tmp")
         try:
             tmp.write_text(json.dumps(out))
@@ -422,7 +456,7 @@ class Filesystem:
     def _insert_record(self, sm: StoreMount, rec: Record) -> Node:
         parts = rec.path.split("/")
         d = sm.root
-        ts = int(rec.updated_at.timestamp() * 1e9)
+        ts = datetime_ns(rec.updated_at)
         for comp in parts[:-1]:
             child = d.children.get(comp)
             if child is None:
@@ -444,7 +478,12 @@ class Filesystem:
         n.version, n.rtype = rec.version, rec.type
         n.sha, n.size, n.state, n.error = rec.sha256, rec.size, CLEAN, ""
         n.updated_at = rec.updated_at.isoformat()
-        n.mtime_ns = n.ctime_ns = int(rec.updated_at.timestamp() * 1e9)
+        n.ctime_ns = datetime_ns(rec.updated_at)
+        if rec.version >= n.attrs_version:  # else our newer attribute change stays shown
+            n.mode = stat.S_IFREG | stat.S_IMODE(getattr(rec, "mode", DEFAULT_MODE))
+            n.xmtime = getattr(rec, "mtime_ns", None)
+            n.attrs_version = 0
+        n.mtime_ns = n.xmtime if n.xmtime is not None else n.ctime_ns
 
     def _bind_rid(self, n: Node, rid: str | None) -> None:
         if n.record_id and self.by_rid.get(n.record_id) is n:
@@ -628,6 +667,7 @@ class Filesystem:
         n.dirty = True
         now = time.time_ns()
         n.mtime_ns = n.ctime_ns = now
+        n.xmtime = None  # a write sets the mtime (an explicit one is gone)
 
     def _check_writable_file(self, n: Node) -> None:
         sm = self._store_of(n)
@@ -732,8 +772,10 @@ class Filesystem:
             n.state, n.error, n.last_put = REJECTED, refusal.reason, None
             self.note_error(n.parent, n.name, refusal.errno, refusal.reason)
             return refusal
+        # the attributes ride with the content (cp -p, install -m, sed -i's fchmod)
         e = self.committer.submit(n.store.slug, PUT, n.key,
-                                  {"path": n.path(), "type": n.type_override}, data)
+                                  {"path": n.path(), "type": n.type_override,
+                                   "mode": stat.S_IMODE(n.mode), "mtime_ns": n.xmtime}, data)
         n.last_put = e
         n.state, n.error = PENDING, ""
         return e
@@ -870,6 +912,16 @@ class Filesystem:
                     n.type_override = None
                 n.updated_at = e.record.updated_at.isoformat()
                 n.state, n.error = CLEAN, ""
+        elif e.op == ATTRS:
+            if e.errno:
+                self.note_error(n.parent if n else None, n.name if n else e.args.get("path", ""),
+                                e.errno, e.reason)
+            elif n is not None and e.record is not None and n.record_id == e.record.id:
+                if e.record.sha256 == n.sha and n.buf is None:
+                    n.version = max(n.version, e.record.version)
+                    n.updated_at = e.record.updated_at.isoformat()
+                else:  # content changed elsewhere meanwhile: the feed brings it, ours stay
+                    n.attrs_version = max(n.attrs_version, e.record.version)
         elif e.op == MOVE and n is not None and e.record is not None:
             self._bind_rid(n, e.record.id)
             n.version = e.record.version
@@ -880,14 +932,24 @@ class Filesystem:
     def setattr(self, n: Node, *, size: int | None = None, mode: int | None = None,
                 uid: int | None = None, gid: int | None = None, atime_ns: int | None = None,
                 mtime_ns: int | None = None) -> None:
+        """setattr (truncate, chmod, chown, utimensat). Permission bits and mtime of a record
+        are kept by the control plane: on a file with unsent writes (or a refused one) they
+        ride with its next content commit; on a clean file a change queues an ``attrs``
+        outbox entry (a metadata-only version, no content upload); a change to the current
+        value queues nothing. Directory modes stay in this sidecar (``dirs.json``); uid/gid
+        and atime are local (per mount)."""
         if n.special or n is self.root or n is self.control:
             raise FsError(errno.EACCES, "read-only")
         if size is not None:
             self.truncate(n, size)
         if n.store is not None and not n.store.writable and (mode or uid or gid or atime_ns or mtime_ns):
             raise FsError(errno.EROFS)
+        changed: dict[str, int] = {}
         if mode is not None:
-            n.mode = stat.S_IFMT(n.mode) | stat.S_IMODE(mode)
+            new = stat.S_IFMT(n.mode) | stat.S_IMODE(mode)
+            if new != n.mode:
+                n.mode = new
+                changed["mode"] = stat.S_IMODE(mode)
         if uid is not None and uid != -1 & 0xFFFFFFFF:
             n.uid = uid
         if gid is not None and gid != -1 & 0xFFFFFFFF:
@@ -895,8 +957,21 @@ class Filesystem:
         if atime_ns is not None:
             n.atime_ns = atime_ns
         if mtime_ns is not None:
+            if size is None and not n.is_dir and (n.dirty or mtime_ns != n.mtime_ns):
+                # an explicit time (touch -d, cp -p); with a size it is the truncation's own
+                n.xmtime = mtime_ns
+                changed["mtime_ns"] = mtime_ns
             n.mtime_ns = mtime_ns
         n.ctime_ns = time.time_ns()
+        if not changed:
+            return
+        if n.is_dir:
+            if "mode" in changed and n.store is not None:
+                self._save_dirs_logged()  # the mode applies now; a failure is logged
+            return
+        if n.local_only or n.unlinked or n.store is None or n.dirty or n.state == REJECTED:
+            return  # local only, or rides with the next content commit (commit() sends both)
+        self.committer.submit(n.store.slug, ATTRS, n.key, {"path": n.path(), **changed})
 
     # ------------------------------------------------------------------ namespace changes
     def mkdir(self, parent_ino: int, name: bytes, mode: int, uid: int, gid: int) -> Node:
@@ -956,7 +1031,8 @@ class Filesystem:
         self._save_dirs_logged()
 
     def _save_dirs_logged(self) -> None:
-        """``save_dirs`` after a change that already happened (rmdir, rename): a failure is
+        """``save_dirs`` after a change that already happened (rmdir, rename, a directory's
+        chmod): a failure is
         logged and counted; an empty directory may then reappear, or be missing, after a
         restart (the list is written again at the next change)."""
         try:
@@ -1098,7 +1174,7 @@ class Filesystem:
     def apply_remote(self, sm: StoreMount, rec: Record, *, force: bool = False) -> list[tuple]:
         """Apply one record state from the change feed (or a snapshot when ``force``) to the
         tree. Returns the kernel invalidations to make: ``("entry", parent_ino, name)`` and
-        ``("inode", ino)``.
+        ``("inode", ino)`` (content changed), ``("attr", ino)`` (only mode / mtime changed).
 
         Rules (DESIGN §6): call only while the store's outbox is empty, so every local change
         is already committed; a file with unflushed local writes is never overwritten (its
@@ -1162,8 +1238,11 @@ class Filesystem:
                 inv.append(("inode", n.ino))
             self.committer.keymap[n.key] = (rec.id, rec.sha256)
         old = n.cur_size()
+        before = (n.mode, n.mtime_ns)
         self._set_clean(n, rec)
         self._account(n, n.size - old)
+        if (n.mode, n.mtime_ns) != before and not any(i[0] == "inode" and i[1] == n.ino for i in inv):
+            inv.append(("attr", n.ino))
         return inv
 
     def _move_remote(self, sm: StoreMount, n: Node, path: str) -> list[tuple]:

@@ -3,8 +3,9 @@ the control plane in order (DESIGN.md §4).
 
 Shape:
 
-- ``Entry`` — one accepted change: ``put`` (content of a file), ``delete``, ``move`` (one record)
-  or ``move_prefix`` (a directory). It carries an idempotency key (sent as ``Idempotency-Key``)
+- ``Entry`` — one accepted change: ``put`` (content of a file, with its mode and explicit
+  mtime), ``attrs`` (mode and/or mtime of a clean file: ``PATCH``, no content), ``delete``,
+  ``move`` (one record) or ``move_prefix`` (a directory). It carries an idempotency key (sent as ``Idempotency-Key``)
   and the paths *as they were when the change happened*. Because entries of a store commit
   strictly in order, replaying them reproduces the local sequence on the server.
 - Files are named by a stable *node key*: ``r:<record id>`` for records loaded from the control
@@ -51,7 +52,7 @@ from ..models import Record, sha256_hex
 
 log = logging.getLogger("memfuse.outbox")
 
-PUT, DELETE, MOVE, MOVE_PREFIX = "put", "delete", "move", "move_prefix"
+PUT, DELETE, MOVE, MOVE_PREFIX, ATTRS = "put", "delete", "move", "move_prefix", "attrs"
 
 
 def errno_for(err: ApiError) -> int:
@@ -604,16 +605,20 @@ class Committer:
             rid, sha = self._rid(e.node_key)
             want = sha256_hex(e.content or b"")
             typ = a.get("type")
+            # absent in entries journaled by earlier releases: then the server keeps / defaults
+            attrs = {"mode": a.get("mode"), "mtime_ns": a.get("mtime_ns")}
             create_key = e.key
             if rid is not None:
                 create_key = e.key + "-create"
 
                 try:
                     rec = await c.update_record(e.store, rid, text, type=typ, if_match=sha,
-                                                idempotency_key=e.key)
+                                                idempotency_key=e.key, **attrs)
                 except PreconditionFailed:
                     cur = await c.get_record(e.store, rid, content=False)
-                    if cur.sha256 == want and (typ is None or cur.type == typ):
+                    if (cur.sha256 == want and (typ is None or cur.type == typ)
+                            and attrs["mode"] in (None, cur.mode)
+                            and attrs["mtime_ns"] in (None, cur.mtime_ns)):
                         rec = cur
                     else:
                         self._conflict(e, "the record changed elsewhere; this write is now the "
@@ -622,13 +627,13 @@ class Committer:
                                     "other version stays in history",
                                     extra={"store": e.store, "path": a.get("path"), "record": rid})
                         rec = await c.update_record(e.store, rid, text, type=typ,
-                                                    idempotency_key=e.key + "-lww")
+                                                    idempotency_key=e.key + "-lww", **attrs)
                 except NotFound:
                     rid = None  # deleted elsewhere: re-create it below
             if rid is None:
                 try:
                     rec = await c.create_record(e.store, a["path"], text, type=typ,
-                                                idempotency_key=create_key)
+                                                idempotency_key=create_key, **attrs)
                 except Conflict as err:
                     other = (err.problem or {}).get("record_id")
                     if not other:
@@ -641,9 +646,22 @@ class Committer:
                     log.warning("conflict: path created elsewhere; last writer wins",
                                 extra={"store": e.store, "path": a["path"], "record": other})
                     rec = await c.update_record(e.store, other, text, type=typ,
-                                                idempotency_key=e.key + "-lww")
+                                                idempotency_key=e.key + "-lww", **attrs)
             e.record = rec
             self._learn(e.node_key, rec)
+        elif e.op == ATTRS:
+            # mode / mtime of a file whose content the control plane has: no upload, no
+            # If-Match (attributes merge with whatever content is current: last writer wins
+            # per attribute); only the members that changed are sent
+            rid, _ = self._rid(e.node_key)
+            e.record_id = rid
+            if rid is None:
+                return  # never reached the server (refused): the next put carries them
+            given = {k: a[k] for k in ("mode", "mtime_ns") if k in a}
+            try:
+                e.record = await c.set_attributes(e.store, rid, idempotency_key=e.key, **given)
+            except NotFound:
+                pass  # deleted elsewhere: nothing to set
         elif e.op == DELETE:
             rid, _ = self._rid(e.node_key)
             e.record_id = rid

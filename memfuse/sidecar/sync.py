@@ -26,7 +26,7 @@ import trio
 
 from ..client import ApiClient
 from ..errors import Gone
-from ..models import Change, Record
+from ..models import DEFAULT_MODE, Change, Record
 from .outbox import cache_error
 
 log = logging.getLogger("memfuse.sync")
@@ -44,20 +44,25 @@ class Meta:
     sha256: str
     size: int
     updated_at: datetime
+    mode: int = DEFAULT_MODE  # permission bits
+    mtime_ns: int | None = None  # explicit mtime (ns), None: updated_at
     content: None = None  # never held here; duck-types with Record for Filesystem.add_store
 
     @classmethod
     def of(cls, r: Record) -> "Meta":
-        return cls(r.id, r.path, r.type, r.version, r.sha256, r.size, r.updated_at)
+        return cls(r.id, r.path, r.type, r.version, r.sha256, r.size, r.updated_at, r.mode, r.mtime_ns)
 
     def dump(self) -> list:
         return [self.id, self.path, self.type, self.version, self.sha256, self.size,
-                self.updated_at.isoformat()]
+                self.updated_at.isoformat(), self.mode, self.mtime_ns]
 
     @classmethod
     def load(cls, row: list) -> "Meta":
+        """A saved row; rows of earlier releases (7 members, before the attributes) load
+        with the defaults, as their records had no attributes then."""
+        mode, mtime = (int(row[7]), None if row[8] is None else int(row[8])) if len(row) >= 9 else (DEFAULT_MODE, None)
         return cls(row[0], row[1], row[2], int(row[3]), row[4], int(row[5]),
-                   datetime.fromisoformat(row[6]))
+                   datetime.fromisoformat(row[6]), mode, mtime)
 
 
 class StoreState:
@@ -127,7 +132,7 @@ class StoreState:
         reach the mirror; a restart or an offline start then shows them."""
         if e.errno:
             return
-        if e.op == "put" and e.record is not None:
+        if e.op in ("put", "attrs") and e.record is not None:
             self.put(e.record)
         elif e.op == "delete":
             self.remove(e.record_id)
@@ -173,7 +178,8 @@ async def catch_up(client: ApiClient, state: StoreState, blobs) -> bool:
 class Invalidator:
     """Queues kernel cache invalidations and performs them from a worker thread.
 
-    Requests are ``("entry", parent_ino, name: str)`` and ``("inode", ino)``. ``active`` is
+    Requests are ``("entry", parent_ino, name: str)``, ``("inode", ino)`` (attributes and
+    pages) and ``("attr", ino)`` (attributes only). ``active`` is
     False until the mount is up (nothing is cached before that).
     """
 
@@ -197,6 +203,8 @@ class Invalidator:
             try:
                 if item[0] == "entry":
                     pyfuse3.invalidate_entry(item[1], item[2].encode("utf-8"))
+                elif item[0] == "attr":  # mode / mtime changed: the pages stay valid
+                    pyfuse3.invalidate_inode(item[1], attr_only=True)
                 else:
                     pyfuse3.invalidate_inode(item[1], attr_only=False)
                 self.done += 1
