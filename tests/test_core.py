@@ -56,7 +56,7 @@ async def test_random_ops_keep_counters_and_reach_the_control_plane(tmp_path: Pa
             d = rng.choice(dirs)
             name = rng.choice(names).encode()
             op = rng.choice(["create", "write", "append", "truncate", "rename", "unlink",
-                             "mkdir", "rmdir", "otrunc"])
+                             "mkdir", "rmdir", "otrunc", "chmod", "utime"])
             try:
                 child = d.children.get(name.decode())
                 if op == "create" and child is None:
@@ -84,6 +84,10 @@ async def test_random_ops_keep_counters_and_reach_the_control_plane(tmp_path: Pa
                     fs.mkdir(d.ino, name, 0o755, 0, 0)
                 elif op == "rmdir" and child is not None and child.is_dir:
                     fs.rmdir(d.ino, name)
+                elif op == "chmod" and child is not None:
+                    fs.setattr(child, mode=rng.choice([0o644, 0o600, 0o755, 0o440]))
+                elif op == "utime" and child is not None:
+                    fs.setattr(child, mtime_ns=rng.choice([1, 10**18, 1577923200_123456789]))
             except FsError:
                 pass
             assert (sm.count, sm.used) == recount(fs, "default"), (step, op)
@@ -96,8 +100,73 @@ async def test_random_ops_keep_counters_and_reach_the_control_plane(tmp_path: Pa
         diff = {k: (remote.get(k), local.get(k)) for k in remote.keys() | local.keys()
                 if remote.get(k) != local.get(k)}
         assert not diff, (diff, list(fs.errors)[-5:])
+        # the attributes too: mode always, mtime where one was set explicitly
+        remote_attrs = {r.path: (r.mode, r.mtime_ns) for r in records}
+        local_attrs = {n.path(): (n.mode & 0o7777, n.xmtime) for n in fs._walk_files(sm.root)
+                       if not n.local_only}
+        assert remote_attrs == local_attrs
         if faults:
             assert fake.counters.errors_503 > 0 and fake.counters.dropped > 0
+        nursery.cancel_scope.cancel()
+    journal.close()
+    fs.blobs.close()
+    await client.aclose()
+    await fake.aclose()
+
+
+async def test_setattr_sends_only_changes_and_never_content(tmp_path: Path):
+    """chmod / utimens of a clean file: one ``attrs`` entry with just the changed member;
+    the same value again: none; on a file with unsent writes: carried by its ``put``."""
+    fake = FakeControlPlane(seed=0)
+    token = await fake.setup("ws", stores=("default",))
+    client = ApiClient(fake.base_url, token, transport=fake.transport, instance="core-test")
+    journal = Journal(tmp_path / "outbox.db")
+    committer = Committer(client, journal, {})
+    fs = Filesystem(BlobCache(tmp_path / "blobs.db"), committer, Settings(commit_wait=5), "ws")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(journal.run)
+        await nursery.start(committer.run)
+        sm = fs.add_store("default", "read_write", [])
+        h = fs.create(sm.root.ino, b"s.sh", 0o600, os.O_WRONLY, 0, 0)  # sed -i's temp file
+        fs.write(h, 0, b"#!/bin/sh\n")
+        fs.setattr(h.node, mode=0o755)  # fchmod before close: rides with the put
+        fs.setattr(h.node, mtime_ns=7)  # futimens after the write (cp -p)
+        assert committer.depth() == 0
+        await fs.flush(h)
+        fs.release(h.fh)
+        n = h.node
+        put = n.last_put
+        assert (put.op, put.args["mode"], put.args["mtime_ns"]) == ("put", 0o755, 7)
+        await committer.wait_idle()
+        rec = await client.get_record("default", n.record_id)
+        assert (rec.mode, rec.mtime_ns, rec.version) == (0o755, 7, 1)
+        seen = []
+        committer.on_result = lambda e, prev=committer.on_result: (seen.append(e), prev(e))
+        fs.setattr(n, mode=0o755)  # unchanged
+        fs.setattr(n, mtime_ns=7)
+        fs.setattr(n, uid=5, gid=5, atime_ns=9)  # local only
+        assert committer.depth() == 0
+        fs.setattr(n, mode=0o700)
+        fs.setattr(n, mtime_ns=8)
+        assert [(e.op, {k: v for k, v in e.args.items() if k != "path"})
+                for e in committer.queues["default"]] == [("attrs", {"mode": 0o700}), ("attrs", {"mtime_ns": 8})]
+        await committer.wait_idle()
+        assert [e.content for e in seen] == [None, None]
+        rec = await client.get_record("default", n.record_id)
+        assert (rec.mode, rec.mtime_ns, rec.version) == (0o700, 8, 3)
+        assert n.version == 3 and n.state == "clean"
+        # a write clears the explicit mtime, the mode stays
+        h = fs.open(n.ino, os.O_WRONLY | os.O_APPEND)
+        fs.write(h, 0, b"echo\n")
+        await fs.flush(h)
+        fs.release(h.fh)
+        await committer.wait_idle()
+        rec = await client.get_record("default", n.record_id)
+        assert (rec.mode, rec.mtime_ns, rec.version) == (0o700, None, 4)
+        # a read-only store refuses
+        ro = fs.add_store("ro", "read_only", [])
+        with pytest.raises(FsError):
+            fs.setattr(ro.root, mode=0o700)
         nursery.cancel_scope.cancel()
     journal.close()
     fs.blobs.close()
