@@ -270,6 +270,9 @@ def _older_database_gets_usage_columns_filled(url):
         con.exec_driver_sql("DROP INDEX ix_tokens_revoked_at")  # nor the token lifecycle ones
         for col in ("expires_at", "revoked_at", "last_used_at"):
             con.exec_driver_sql(f"ALTER TABLE tokens DROP COLUMN {col}")
+        for table in ("records", "versions"):  # nor the attribute columns (0004)
+            con.exec_driver_sql(f"ALTER TABLE {table} DROP COLUMN mode")
+            con.exec_driver_sql(f"ALTER TABLE {table} DROP COLUMN mtime_ns")
         con.exec_driver_sql("DROP TABLE alembic_version")
     old.dispose()
 
