@@ -209,7 +209,8 @@ def export_records(records: Iterable[Record], directory: Path) -> ExportReport:
     """Write each record's content (UTF-8, byte for byte) under ``directory`` at its path;
     ``directory`` and the parents are created as needed. A file at a record's path is
     replaced atomically (a temporary file, then ``rename(2)``); other files are left alone.
-    Each file's modification time is the record's ``updated_at``.
+    Each file gets the record's attributes: its permission bits (``mode``) and modification
+    time (``mtime_ns``, else ``updated_at``).
 
     A record whose path is not a valid record path, leads outside ``directory`` (through a
     symbolic link already there) or is blocked by a directory lands in ``failed``; the others
@@ -232,8 +233,9 @@ def export_records(records: Iterable[Record], directory: Path) -> ExportReport:
             try:
                 with open(tmp, "xb") as fh:
                     fh.write(data)
-                ts = rec.updated_at.timestamp()
-                os.utime(tmp, (ts, ts))
+                ts = rec.mtime_effective_ns()
+                os.utime(tmp, ns=(ts, ts))
+                os.chmod(tmp, rec.mode)
                 os.replace(tmp, parent / dest.name)
             finally:
                 if tmp.exists():
