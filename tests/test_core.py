@@ -163,6 +163,14 @@ async def test_setattr_sends_only_changes_and_never_content(tmp_path: Path):
         await committer.wait_idle()
         rec = await client.get_record("default", n.record_id)
         assert (rec.mode, rec.mtime_ns, rec.version) == (0o700, None, 4)
+        # a change made elsewhere and seen only through a snapshot (after 410): applied,
+        # the kernel's attributes invalidated
+        async with ApiClient(fake.base_url, token, transport=fake.transport, instance="other") as other:
+            await other.set_attributes("default", n.record_id, mode=0o444, mtime_ns=5)
+        records, _ = await client.snapshot("default", content=True)
+        inv = fs.reconcile_store(sm, records)
+        assert (n.mode & 0o7777, n.xmtime, n.mtime_ns) == (0o444, 5, 5) and ("attr", n.ino) in inv
+        assert fs.reconcile_store(sm, records) == []
         # a read-only store refuses
         ro = fs.add_store("ro", "read_only", [])
         with pytest.raises(FsError):

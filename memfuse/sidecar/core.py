@@ -52,13 +52,6 @@ DIR_MODE = 0o755  # permission bits of a directory nobody chmod-ed
 DIR_MODES_KEY = "_modes"  # dirs.json: {slug: {dir path ("" = store root): mode}}; never a slug
 
 
-def record_mtime_ns(rec) -> int:
-    """The mtime a record's file shows (ns): its explicit ``mtime_ns``, else ``updated_at``.
-    ``rec`` is a ``Record`` or a mirror entry with the same fields."""
-    m = getattr(rec, "mtime_ns", None)
-    return m if m is not None else datetime_ns(rec.updated_at)
-
-
 class FsError(Exception):
     """A refusal with an errno (``errno.E*``) and a reason for logs and ``errors.log``."""
 
@@ -942,7 +935,8 @@ class Filesystem:
             raise FsError(errno.EACCES, "read-only")
         if size is not None:
             self.truncate(n, size)
-        if n.store is not None and not n.store.writable and (mode or uid or gid or atime_ns or mtime_ns):
+        if (n.store is not None and not n.store.writable
+                and any(v is not None for v in (mode, uid, gid, atime_ns, mtime_ns))):
             raise FsError(errno.EROFS)
         changed: dict[str, int] = {}
         if mode is not None:
@@ -1032,9 +1026,9 @@ class Filesystem:
 
     def _save_dirs_logged(self) -> None:
         """``save_dirs`` after a change that already happened (rmdir, rename, a directory's
-        chmod): a failure is
-        logged and counted; an empty directory may then reappear, or be missing, after a
-        restart (the list is written again at the next change)."""
+        chmod): a failure is logged and counted; an empty directory may then reappear, or be
+        missing, or lose its mode, after a restart (the list is written again at the next
+        change)."""
         try:
             self.save_dirs()
         except CacheError as err:
@@ -1180,7 +1174,7 @@ class Filesystem:
         is already committed; a file with unflushed local writes is never overwritten (its
         commit lands on top); a state not newer than the local version is skipped (our own
         writes come back through the feed), unless ``force`` (after a snapshot), where the
-        path and sha256 decide.
+        path, sha256 and attributes decide.
         """
         n = self.by_rid.get(rec.id)
         if n is not None and (n.unlinked or n.store is not sm):
@@ -1189,7 +1183,8 @@ class Filesystem:
             if n.dirty:
                 return []
             if force:
-                if n.sha == rec.sha256 and n.path() == rec.path and not rec.deleted:
+                if (n.sha == rec.sha256 and n.path() == rec.path and not rec.deleted
+                        and stat.S_IMODE(n.mode) == rec.mode and n.xmtime == rec.mtime_ns):
                     return []
                 if n.version > rec.version or (n.version == rec.version and n.state != CLEAN):
                     return []  # a local version the snapshot does not know yet
