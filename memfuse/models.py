@@ -58,6 +58,9 @@ class Operation(str, Enum):
 
 class WorkspaceCreate(BaseModel):
     name: str = Field(pattern=SLUG_PATTERN)
+    # Also a store named like the workspace, attached read-write (an existing store of that
+    # name is attached, not recreated). False: the workspace starts with no store.
+    default_store: bool = True
 
 
 class Workspace(BaseModel):

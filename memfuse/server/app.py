@@ -61,6 +61,7 @@ from memfuse.models import (
     WorkspaceCreate,
 )
 from memfuse.server import agent_tools
+from memfuse.server.console import install_console
 from memfuse.server.db import Database
 from memfuse.server.service import (
     CONTEXT_MAX_BYTES_ENV,
@@ -226,6 +227,8 @@ def create_app(
     app.state.service = svc
     _install_error_handlers(app)
     app.add_middleware(_CatchAll)
+
+    install_console(app)  # the web console at /ui/ (memfuse/server/console/)
 
     @app.get("/healthz", include_in_schema=False)
     def healthz() -> dict[str, bool]:

@@ -99,6 +99,12 @@ def _check_record_size(store: Row, size: int) -> None:
         )
 
 
+def _like_escape(text: str) -> str:
+    """``text`` for a ``LIKE`` pattern with escape character ``\\``: ``\\``, ``%`` and ``_``
+    match literally."""
+    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+
+
 def _encode_cursor(path: str, record_id: str) -> str:
     raw = json.dumps([path, record_id], ensure_ascii=False).encode()
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
@@ -350,6 +356,60 @@ class RecordsMixin(ServiceBase):
                 seq=seq,
             )
 
+    def search_records(
+        self,
+        p: Principal,
+        slug: str,
+        *,
+        type: str | None = None,
+        path_contains: str | None = None,
+        text: str | None = None,
+        cursor: str | None = None,
+        limit: int = 100,
+    ) -> RecordPage:
+        """Live records of the store that match every filter given, without content, ordered
+        by (path, id) like ``list_records`` (same cursors; ``seq`` is the store's change-feed
+        position read before the page). Filters, all evaluated by the database:
+
+        - ``type``: one of ``user``, ``feedback``, ``project``, ``reference`` (422
+          ``invalid_type`` otherwise); the root ``MEMORY.md`` has no type and never matches;
+        - ``path_contains``: a substring of the path, case-insensitive (ASCII on SQLite);
+        - ``text``: a substring of the content, case-insensitive (ASCII on SQLite).
+
+        Substrings are matched with SQL ``LIKE`` / ``ILIKE`` with ``%``, ``_`` and ``\\``
+        escaped, so they match literally; a content search reads every live record of the
+        store (no index). ``limit`` is clamped to 1–1000. Raises 404 like ``list_records``,
+        422 ``validation_error`` for a foreign cursor."""
+        if type is not None and type not in content_rules.RECORD_TYPES:
+            raise ServiceError(422, "invalid_type", f"type {type!r} is not one of {', '.join(content_rules.RECORD_TYPES)}")
+        limit = min(max(int(limit), 1), 1000)
+        with self.db.read_conn() as conn:
+            st = self._store(conn, p, slug)
+            seq = conn.scalar(select(func.max(_V.c.seq)).where(_V.c.store == st.slug)) or 0
+            path_col = _R.c.path
+            if self.db.engine.dialect.name == "postgresql":
+                path_col = _R.c.path.collate("C")  # byte order, as SQLite compares
+            q = select(*(c for c in _R.c if c.name != "content")).where(
+                _R.c.store == st.slug, _R.c.deleted == false()
+            )
+            if type is not None:
+                q = q.where(_R.c.type == type)
+            if path_contains:
+                q = q.where(_R.c.path.ilike(f"%{_like_escape(path_contains)}%", escape="\\"))
+            if text:
+                q = q.where(_R.c.content.ilike(f"%{_like_escape(text)}%", escape="\\"))
+            if cursor:
+                cp, cid = _decode_cursor(cursor)
+                q = q.where(or_(path_col > cp, and_(_R.c.path == cp, _R.c.id > cid)))
+            rows = conn.execute(q.order_by(path_col, _R.c.id).limit(limit + 1)).all()
+            more = len(rows) > limit
+            rows = rows[:limit]
+            return RecordPage(
+                records=[_record_model(r, with_content=False) for r in rows],
+                next_cursor=_encode_cursor(rows[-1].path, rows[-1].id) if more else None,
+                seq=seq,
+            )
+
     def get_record(self, p: Principal, slug: str, record_id: str, *, with_content: bool = True) -> Record:
         """The record (deleted ones too, with ``deleted`` true); 404 ``record_not_found``."""
         with self.db.read_conn() as conn:
@@ -567,7 +627,7 @@ class RecordsMixin(ServiceBase):
 
         def fn(conn: Connection) -> MoveResult:
             st = self._store(conn, p, slug, write=True)
-            like = src.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "/%"
+            like = _like_escape(src) + "/%"
             rows = conn.execute(
                 select(_R).where(
                     _R.c.store == st.slug,

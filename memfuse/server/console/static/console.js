@@ -1,0 +1,26 @@
+// memfuse console: the only script. A page that shows a store carries data-live (the URL of
+// the store's server-sent events); when the store changes, the page reloads, or, on an edit
+// page (data-live-mode="notice"), a notice appears instead so typed text is never lost.
+// Without JavaScript every page has a plain Refresh link.
+(function () {
+  "use strict";
+  var body = document.body;
+  var url = body.getAttribute("data-live");
+  if (!url || !window.EventSource) { return; }
+  var mode = body.getAttribute("data-live-mode") || "reload";
+  var source = new EventSource(url);
+  source.addEventListener("change", function () {
+    if (mode === "notice") {
+      var notice = document.querySelector(".live-notice");
+      if (notice) {
+        notice.textContent = "This record changed since you opened the editor. Saving will tell you what changed and keep your text.";
+        notice.hidden = false;
+      }
+      source.close();
+      return;
+    }
+    source.close();
+    window.location.reload();
+  });
+  source.addEventListener("gone", function () { source.close(); });
+})();
