@@ -856,13 +856,17 @@ class ApiClient:
 
     # ------------------------------------------------------------ admin
 
-    async def create_workspace(self, name: str, idempotency_key: str | None = None) -> Workspace:
-        """``POST /v1/workspaces`` (admin). Raises Conflict (``exists``)."""
+    async def create_workspace(
+        self, name: str, idempotency_key: str | None = None, *, default_store: bool = True
+    ) -> Workspace:
+        """``POST /v1/workspaces`` (admin); with ``default_store`` the server also creates a
+        store named ``name`` (or takes the existing one) and attaches it read-write. Raises
+        Conflict (``exists``)."""
         return await self._call(
             Workspace,
             "POST",
             "/v1/workspaces",
-            body=WorkspaceCreate(name=name),
+            body=WorkspaceCreate(name=name, default_store=default_store),
             idempotency_key=idempotency_key,
         )
 

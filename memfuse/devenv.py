@@ -147,7 +147,8 @@ async def ensure_dev_setup(client: ApiClient) -> None:
     attach it ``read_write``. An existing attachment is left as it is (an access the user
     changed on purpose is kept). ``client`` must be an admin client. Raises ApiError."""
     try:
-        await client.create_workspace(DEV_WORKSPACE)
+        # no same-named store: dev's store is `default` (DESIGN of `memfuse dev`)
+        await client.create_workspace(DEV_WORKSPACE, default_store=False)
     except Conflict:
         pass
     try:

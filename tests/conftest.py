@@ -1,7 +1,7 @@
 """Suite-wide rules.
 
-- In CI (``CI`` set), a skipped test that needs a real FUSE mount fails the run: a skipped
-  mount test proves nothing.
+- In CI (``CI`` set), a skipped test that needs a real FUSE mount or a real browser (markers
+  ``mount`` and ``browser``) fails the run: a skipped mount or browser test proves nothing.
 - A test whose sidecar (``mountutil.Sidecar``, or any log passed to ``mountutil.watch_log``)
   logged an ERROR or a traceback fails, unless it is marked ``expect_sidecar_errors`` (with the
   reason as the marker's argument).
@@ -44,7 +44,7 @@ def sidecar_logs_clean(request):
 
 
 def pytest_runtest_logreport(report):
-    if report.skipped and "mount" in report.keywords:
+    if report.skipped and ("mount" in report.keywords or "browser" in report.keywords):
         _skipped_mount_tests.append(report.nodeid)
 
 
@@ -64,7 +64,7 @@ def pytest_sessionfinish(session, exitstatus):
     except OSError:
         pass
     if os.environ.get("CI") and _skipped_mount_tests:
-        print("\nCI: mount tests were skipped, which counts as failure:")
+        print("\nCI: mount or browser tests were skipped, which counts as failure:")
         for t in _skipped_mount_tests:
             print("  " + t)
         session.exitstatus = 1

@@ -123,10 +123,11 @@ class ControlPlane:
 
     def setup_workspace(self, ws: str, stores: tuple[str, ...] = ("default",),
                         access: str = "read_write") -> Path:
-        """Create workspace, stores and attachments; return a token file for the workspace."""
+        """Create workspace (without its same-named default store), stores and attachments;
+        return a token file for the workspace."""
         async def go():
             async with ApiClient(self.url, self.admin_token) as c:
-                await c.create_workspace(ws)
+                await c.create_workspace(ws, default_store=False)
                 for s in stores:
                     try:
                         await c.create_store(s)

@@ -127,13 +127,16 @@ def unified_diff(a: str, b: str, a_label: str, b_label: str, context: int = 3) -
 
 
 def human_bytes(n: int | None) -> str:
-    """``1536`` → ``"1.5 KiB"`` (binary units, as ``ls -h`` and ``df -h``)."""
+    """``1536`` → ``"1.5 KiB"``, ``1048576`` → ``"1 MiB"`` (binary units, as ``ls -h``)."""
     if n is None:
         return ""
     value = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if value < 1024 or unit == "TiB":
-            return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+            if unit == "B":
+                return f"{int(value)} B"
+            text = f"{value:.1f}"
+            return f"{text[:-2] if text.endswith('.0') else text} {unit}"
         value /= 1024
     return f"{n} B"  # pragma: no cover
 

@@ -406,6 +406,11 @@ def store_page(ctx: Ctx) -> Response:
 # ---------------------------------------------------------------- records
 
 
+def _store_seq(ctx: Ctx, slug: str) -> int:
+    """The store's change-feed position now (where a page's live updates start)."""
+    return ctx.svc.list_records(ctx.principal, slug, limit=1).seq
+
+
 def _record_and_versions(ctx: Ctx, slug: str, rid: str):
     rec = ctx.svc.get_record(ctx.principal, slug, rid, with_content=True)
     versions = ctx.svc.list_versions(ctx.principal, slug, rid)
@@ -416,6 +421,7 @@ def record_page(ctx: Ctx) -> Response:
     """GET ``/stores/{store}/records/{id}[?version=N]``: content (Markdown rendered safely),
     type, path, history with restore / redact, a diff form, edit and delete."""
     slug, rid = ctx.path("store"), ctx.path("rid")
+    seq = _store_seq(ctx, slug)  # before the reads: a change after them reaches the page
     rec, versions = _record_and_versions(ctx, slug, rid)
     shown = None
     if ctx.q("version"):
@@ -434,7 +440,7 @@ def record_page(ctx: Ctx) -> Response:
         ctx, "record.html", current_store=slug, rec=rec, versions=list(reversed(versions)), shown=shown,
         rendered=rendered, can_write=_can_write(ctx, slug), is_index=is_index(rec.path),
         diff_a=prev, diff_b=versions[-1].version,
-        live_url=ctx.url("stores", slug, "live", after=rec.seq if not versions else max(v.seq for v in versions)),
+        live_url=ctx.url("stores", slug, "live", after=seq),
     )
 
 
@@ -476,12 +482,13 @@ _FIELD_OF = {  # problem code → the form field its reason is shown next to
 def _edit_form(ctx: Ctx, slug: str, *, rec=None, status: int = 200, content: str | None = None,
                errors: dict[str, str] | None = None, stale: dict[str, Any] | None = None,
                settings: bool = False, values: dict[str, str] | None = None) -> Response:
+    # The notice watches for a change of the record after the version the form is based on.
     return _page(
         ctx, "edit.html", status=status, current_store=slug, rec=rec, settings=settings,
         content=content if content is not None else (rec.content if rec is not None else ""),
         errors=errors or {}, stale=stale, values=values or {},
         is_index=rec is not None and is_index(rec.path), live_mode="notice",
-        live_url=ctx.url("stores", slug, "live", after=rec.seq) if rec is not None else None,
+        live_url=ctx.url("stores", slug, "live", after=rec.seq, record=rec.id) if rec is not None else None,
     )
 
 
@@ -735,8 +742,9 @@ def context_page(ctx: Ctx) -> Response:
 
 
 def live(svc: Service) -> Callable[[Request], Awaitable[Response]]:
-    """GET ``/stores/{store}/live?after=SEQ``: server-sent events, one ``change`` event (data:
-    ``{"seq": N}``) when the store has versions after SEQ, a comment every 15 s to keep the
+    """GET ``/stores/{store}/live?after=SEQ[&record=ID]``: server-sent events, a ``change``
+    event (data: ``{"seq": N}``) when the store has versions after SEQ (of record ID only,
+    when given), a comment every 15 s to keep the
     connection, and the end after 5 minutes (EventSource reconnects). Fed by the store's
     change feed (``Service.changes_page``): woken by commits in this process, re-queried
     every second for other processes sharing the database. A store no longer visible →
@@ -748,6 +756,7 @@ def live(svc: Service) -> Callable[[Request], Awaitable[Response]]:
         except (_LoginNeeded, ServiceError):
             return Response("log in first\n", status_code=401, media_type="text/plain")
         slug = request.path_params["store"]
+        record = request.query_params.get("record") or None
         try:
             after = int(request.query_params.get("after", "0"))
         except ValueError:
@@ -763,14 +772,15 @@ def live(svc: Service) -> Callable[[Request], Awaitable[Response]]:
                 try:
                     try:
                         page = await anyio.to_thread.run_sync(
-                            functools.partial(svc.changes_page, p, slug, after, limit=1, with_content=False))
+                            functools.partial(svc.changes_page, p, slug, after, limit=100, with_content=False))
                     except ServiceError as err:
                         yield f"event: gone\ndata: {json.dumps({'status': err.status})}\n\n"
                         return
                     if page.changes:
                         after = page.seq
-                        yield f"event: change\ndata: {json.dumps({'seq': page.seq})}\n\n"
-                        last_sent = anyio.current_time()
+                        if record is None or any(ch.record.id == record for ch in page.changes):
+                            yield f"event: change\ndata: {json.dumps({'seq': page.seq})}\n\n"
+                            last_sent = anyio.current_time()
                         continue
                     with anyio.move_on_after(LIVE_POLL_SECONDS):
                         await waiter.event.wait()

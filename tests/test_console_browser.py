@@ -1,0 +1,441 @@
+"""The memory console in a real browser: headless Chromium (Debian's ``chromium`` and
+``chromium-driver``, installed by ``./scripts/setup --test``) driven by Selenium against a real
+``memfuse serve``, with a real sidecar mount of the same workspace so what a person does in
+the console is checked where agents see it.
+
+One control plane, one mount and one browser for the whole module (the tests run in order and
+build on each other's records). Screenshots of the main pages go to the module's tmp dir
+(``console-*.png``). In CI a skipped browser test fails the run (see conftest.py).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from mountutil import ControlPlane, Sidecar, sh, wait_for
+
+pytestmark = [pytest.mark.browser, pytest.mark.mount]
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+WAIT = 15  # seconds: upper bound of every wait for the page or the mount (event-driven)
+
+
+def _chrome(profile: Path):
+    try:
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service as ChromeService
+    except ImportError:
+        pytest.skip("selenium missing: ./scripts/setup --test installs the test extras")
+    if not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)):
+        pytest.skip("chromium / chromium-driver missing: ./scripts/setup --test installs them")
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                "--disable-dev-shm-usage", "--window-size=1280,900", f"--user-data-dir={profile}"):
+        opts.add_argument(arg)
+    return webdriver.Chrome(service=ChromeService(executable_path=CHROMEDRIVER), options=opts)
+
+
+class Console:
+    """The browser, the control plane, the mount and a few helpers."""
+
+    def __init__(self, driver, cp: ControlPlane, sidecar: Sidecar, shots: Path, ro_token: str) -> None:
+        self.d, self.cp, self.sc, self.shots, self.ro_token = driver, cp, sidecar, shots, ro_token
+        self.mnt = sidecar.mountpoint
+
+    def open(self, path: str) -> None:
+        self.d.get(self.cp.url + path)
+
+    def css(self, selector: str):
+        from selenium.webdriver.common.by import By
+
+        return self.d.find_elements(By.CSS_SELECTOR, selector)
+
+    def one(self, selector: str):
+        found = self.css(selector)
+        assert found, f"no {selector!r} on {self.d.current_url}:\n{self.d.page_source[:3000]}"
+        return found[0]
+
+    def link(self, text: str):
+        from selenium.webdriver.common.by import By
+
+        return self.d.find_element(By.LINK_TEXT, text)
+
+    def button(self, text: str, scope=None):
+        from selenium.webdriver.common.by import By
+
+        for b in (scope or self.d).find_elements(By.CSS_SELECTOR, "button"):
+            if b.text.strip() == text:
+                return b
+        raise AssertionError(f"no button {text!r} on {self.d.current_url}")
+
+    def settle(self) -> None:
+        """Wait until the sidecar's outbox is empty: every write made on the mount has reached
+        the control plane (so a page opened now will not reload for one of them)."""
+        def empty() -> bool:
+            status = json.loads((self.mnt / ".memfuse" / "status.json").read_text())
+            return status["outbox"]["depth"] == 0
+        wait_for(empty, WAIT, "the sidecar's outbox to drain")
+
+    def until(self, pred, what: str) -> None:
+        from selenium.common.exceptions import StaleElementReferenceException
+        from selenium.webdriver.support.ui import WebDriverWait
+
+        try:
+            # a live page may reload while we look at it: look again
+            WebDriverWait(self.d, WAIT, poll_frequency=0.05,
+                          ignored_exceptions=(StaleElementReferenceException,)).until(lambda d: pred(), message=what)
+        except Exception:
+            print(f"--- waiting for {what} at {self.d.current_url}:\n{self.d.page_source[:4000]}")
+            raise
+
+    def text(self) -> str:
+        return self.one("main").text
+
+    def shot(self, name: str) -> Path:
+        path = self.shots / f"console-{name}.png"
+        self.d.save_screenshot(str(path))
+        return path
+
+    def api(self, token: str | None = None) -> httpx.Client:
+        return httpx.Client(base_url=self.cp.url, timeout=30,
+                            headers={"Authorization": f"Bearer {token or self.cp.admin_token}"})
+
+    def record_id(self, path: str, store: str = "default") -> str:
+        with self.api() as c:
+            r = c.get(f"/v1/stores/{store}/records", params={"path": path})
+            r.raise_for_status()
+            return r.json()["records"][0]["id"]
+
+    def login(self, token: str) -> None:
+        self.open("/ui/")
+        if "/ui/login" not in self.d.current_url:
+            self.button("Log out").click()
+            self.until(lambda: "/ui/login" in self.d.current_url, "logged out")
+        self.one("#token").send_keys(token)
+        self.button("Log in").click()
+        self.until(lambda: "/ui/login" not in self.d.current_url, "logged in")
+
+
+@pytest.fixture(scope="module")
+def console(tmp_path_factory):
+    if not os.path.exists("/dev/fuse"):
+        pytest.skip("needs /dev/fuse")
+    tmp = tmp_path_factory.mktemp("console")
+    cp = ControlPlane(tmp).start()
+    sc = driver = None
+    try:
+        tok = cp.setup_workspace("ws", ("default",))
+        cp.call("create_workspace", "viewer", default_store=False)
+        cp.call("attach", "viewer", "default", access="read_only")
+        ro_token = cp.call("create_token", workspace="viewer", name="viewer").token
+        sc = Sidecar(cp, "ws", tok, tmp / "mnt", tmp / "cache").start(expect="default")
+        driver = _chrome(tmp / "chrome-profile")
+        yield Console(driver, cp, sc, tmp, ro_token)
+    finally:
+        try:
+            if driver is not None:
+                driver.quit()
+        finally:
+            try:
+                if sc is not None:
+                    sc.stop()
+            finally:
+                cp.stop()
+
+
+def test_login_and_stores(console):
+    c = console
+    c.open("/ui/")
+    assert "/ui/login" in c.d.current_url  # no page without a session
+    c.one("#token").send_keys("not-a-token")
+    c.button("Log in").click()
+    assert "not valid" in c.text()
+    c.one("#token").send_keys(c.cp.admin_token)
+    c.button("Log in").click()
+    c.until(lambda: c.d.current_url.endswith("/ui/"), "the stores page")
+    cookie = c.d.get_cookie("memfuse_session")
+    assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and cookie["path"] == "/ui"
+    assert c.d.execute_script("return document.cookie") == ""  # no script can read it
+    side = c.one(".sidebar").text
+    assert "default" in side and "records" in side and "MiB" in side
+
+
+def test_store_record_history_diff_restore_reaches_mount(console):
+    c = console
+    store = c.mnt / "default"
+    sh("printf '# Index\\n- [prefs](prefs.md): drink preferences\\n' > MEMORY.md", store)
+    sh("echo 'prefers tea' > prefs.md", store)
+    sh("sed -i s/tea/coffee/ prefs.md", store)
+    sh("sync prefs.md", store, timeout=60)  # committed (fsync waits for the control plane)
+    c.settle()
+    c.open("/ui/stores/default")
+    index = c.one("section.index").text
+    assert "Index" in index and "drink preferences" in index  # MEMORY.md first, rendered
+    c.until(lambda: "prefs.md" in c.one("table.records").text, "prefs.md in the list")
+    row = [r for r in c.css("table.records tbody tr") if "prefs.md" in r.text][0]
+    assert "project" in row.text and "ws:ws/" in row.text  # type, last change actor
+    c.shot("store")
+    c.link("prefs.md").click()
+    c.until(lambda: "History" in c.text(), "the record page")
+    assert "prefers coffee" in c.one("section.content").text
+    history = c.one("table.history").text
+    assert "created" in history and "modified" in history
+    c.shot("record")
+    c.button("Diff").click()  # the defaults: previous → current
+    c.until(lambda: c.css("pre.diff"), "the diff")
+    assert [e.text for e in c.css("pre.diff .d-del")] == ["-prefers tea"]
+    assert [e.text for e in c.css("pre.diff .d-add")] == ["+prefers coffee"]
+    c.shot("diff")
+    c.d.back()
+    row = [r for r in c.css("table.history tbody tr") if r.text.split()[0] == "1"][0]
+    c.button("Restore", row).click()
+    c.until(lambda: "Restored" in c.text(), "the restore message")
+    assert "restored" in c.one("table.history").text
+    # the sidecar sees it through the change feed
+    wait_for(lambda: (store / "prefs.md").read_text() == "prefers tea\n", WAIT, "the restore on the mount")
+
+
+def test_edit_with_a_type_reaches_mount(console):
+    c = console
+    from selenium.webdriver.support.ui import Select
+
+    rid = c.record_id("prefs.md")
+    c.open(f"/ui/stores/default/records/{rid}/edit")
+    options = [o.get_attribute("value") for o in Select(c.one("#type")).options]
+    assert options == ["user", "feedback", "project", "reference"]  # the four types, nothing else
+    Select(c.one("#type")).select_by_value("user")
+    area = c.one("#content")
+    area.clear()
+    area.send_keys("prefers green tea\nno sugar\n")
+    c.shot("edit")
+    c.button("Save").click()
+    c.until(lambda: "Saved" in c.text(), "the save message")
+    assert "user" in c.one("dl.meta").text
+    wait_for(lambda: (c.mnt / "default" / "prefs.md").read_text() == "prefers green tea\nno sugar\n",
+             WAIT, "the edit on the mount (LF line endings, not the browser's CRLF)")
+    with c.api() as api:
+        assert api.get(f"/v1/stores/default/records/{rid}").json()["type"] == "user"
+
+
+def test_create_needs_a_type(console):
+    c = console
+    from selenium.webdriver.support.ui import Select
+
+    c.open("/ui/stores/default/new")
+    c.one("#path").send_keys("team/feedback.md")
+    c.one("#content").send_keys("keep answers short\n")
+    # the browser refuses the form without a type (required); the server refuses it too
+    c.d.execute_script("document.getElementById('type').removeAttribute('required')")
+    c.button("Create").click()
+    c.until(lambda: c.css(".field-error"), "the type error")
+    assert "Choose a type" in c.one(".field-error").text
+    assert c.one("#content").get_attribute("value") == "keep answers short\n"  # nothing typed is lost
+    Select(c.one("#type")).select_by_value("feedback")
+    c.button("Create").click()
+    c.until(lambda: "Created" in c.text(), "the create message")
+    assert "feedback" in c.one("dl.meta").text
+    wait_for(lambda: (c.mnt / "default" / "team" / "feedback.md").exists(), WAIT, "the new file on the mount")
+    c.settle()
+
+
+def test_search_and_filter(console):
+    c = console
+    c.open("/ui/stores/default?text=ANSWERS")  # content, case-insensitive
+    assert [e.text for e in c.css("table.records td.path")] == ["team/feedback.md"]
+    c.open("/ui/stores/default?type=user")
+    assert [e.text for e in c.css("table.records td.path")] == ["prefs.md"]
+    c.open("/ui/stores/default?path=50%25")  # a literal %, not a wildcard
+    assert "No record matches" in c.text()
+
+
+def test_xss_record_renders_inert(console):
+    c = console
+    evil = (
+        "# Notes\n\n<script>window.__xss = 1</script>\n\n"
+        "<img src=x onerror=\"window.__xss = 2\">\n\n"
+        "[click me](javascript:window.__xss=3)\n\n"
+        "<a href=\"javascript:window.__xss=4\">raw link</a>\n\n"
+        "[ok](https://example.invalid/page)\n"
+    )
+    with c.api() as api:
+        r = api.post("/v1/stores/default/records", json={"path": "evil.md", "content": evil, "type": "reference"})
+        assert r.status_code == 201, r.text
+        rid = r.json()["id"]
+        r = api.post("/v1/stores/default/records", json={"path": "evil.txt", "content": evil, "type": "reference"})
+        assert r.status_code == 201, r.text
+        rid_txt = r.json()["id"]
+    for record in (rid, rid_txt):
+        c.open(f"/ui/stores/default/records/{record}")
+        c.until(lambda: "History" in c.text(), "the record page")
+        assert c.d.execute_script("return window.__xss === undefined")
+        assert c.d.execute_script("return document.querySelectorAll('main script, main [onerror]').length") == 0
+        hrefs = c.d.execute_script(
+            "return Array.from(document.querySelectorAll('main a')).map(a => a.getAttribute('href') || '')")
+        assert not [h for h in hrefs if h.strip().lower().startswith("javascript:")], hrefs
+        assert "<script>window.__xss = 1</script>" in c.text()  # shown as text
+        for link in c.css("main a"):  # nothing a person can click runs code
+            assert "__xss" not in (link.get_attribute("href") or "")
+    c.open(f"/ui/stores/default/records/{rid}")
+    assert c.one(".markdown a[href='https://example.invalid/page']").get_attribute("rel") == \
+        "noopener noreferrer nofollow"
+    c.shot("xss")
+
+
+def test_stale_edit_is_not_overwritten(console):
+    c = console
+    rid = c.record_id("prefs.md")
+    c.open(f"/ui/stores/default/records/{rid}/edit")
+    # someone changes the file on the mount meanwhile
+    sh("echo 'and oat milk' >> prefs.md && sync prefs.md", c.mnt / "default", timeout=60)
+    c.settle()
+    area = c.one("#content")
+    area.clear()
+    area.send_keys("prefers water\n")
+    c.button("Save").click()
+    c.until(lambda: "changed while you were editing" in c.text(), "the stale-edit notice")
+    assert "+and oat milk" in [e.text for e in c.css("pre.diff .d-add")]
+    assert c.one("#content").get_attribute("value") == "prefers water\n"  # the typed text is kept
+    c.shot("stale")
+    with c.api() as api:
+        assert api.get(f"/v1/stores/default/records/{rid}").json()["content"].endswith("and oat milk\n")
+    c.button("Save anyway").click()  # now knowingly
+    c.until(lambda: "Saved" in c.text(), "the save message")
+    wait_for(lambda: (c.mnt / "default" / "prefs.md").read_text() == "prefers water\n", WAIT, "the save on the mount")
+
+
+def test_refusals_shown_next_to_the_field(console):
+    c = console
+    rid = c.record_id("prefs.md")
+    c.open(f"/ui/stores/default/records/{rid}/edit")
+    area = c.one("#content")
+    area.clear()
+    token = "ghp_" + "".join(secrets.choice("ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz23456789")
+                             for _ in range(36))
+    area.send_keys(f"my token is {token}\n")
+    c.button("Save").click()
+    c.until(lambda: c.css("#content-error"), "the refusal")
+    assert "GitHub token on line 1" in c.one("#content-error").text  # the mount's EPERM reason
+    assert token not in c.one("#content-error").text
+    # oversize against the store's per-record limit
+    with c.api() as api:
+        assert api.patch("/v1/stores/default", json={"max_record_bytes": 2048}).status_code == 200
+    try:
+        area = c.one("#content")
+        area.clear()
+        c.d.execute_script("arguments[0].value = 'x'.repeat(3000)", area)
+        c.button("Save").click()
+        c.until(lambda: c.css("#content-error"), "the refusal")
+        assert "3000 bytes, the store allows 2048" in c.one("#content-error").text
+    finally:
+        with c.api() as api:
+            assert api.patch("/v1/stores/default", json={"max_record_bytes": 1 << 20}).status_code == 200
+    assert (c.mnt / "default" / "prefs.md").read_text() == "prefers water\n"  # nothing stored
+
+
+def test_store_page_updates_live(console):
+    c = console
+    c.open("/ui/stores/default")
+    c.until(lambda: c.d.execute_script("return document.readyState") == "complete", "page load")
+    time.sleep(0.3)  # let the EventSource connect (it would also catch up from the page's seq)
+    sh("echo 'fresh' > live-note.md", c.mnt / "default")
+    c.until(lambda: any("live-note.md" in e.text for e in c.css("table.records td.path")),
+            "the new record to appear without a click")
+    c.settle()
+
+
+def test_prompt_preview_shows_the_omission_marker(console):
+    c = console
+    long_index = "# Index\n" + "".join(f"- [note {i}](n{i}.md): something worth remembering\n" for i in range(260))
+    (c.mnt / "default" / "MEMORY.md").write_text(long_index)
+    sh("sync MEMORY.md", c.mnt / "default", timeout=60)
+    c.settle()
+    c.open("/ui/workspaces/ws/context")
+    marks = c.css("pre.context mark.omission")
+    assert marks and "MEMORY.md is cut here" in marks[0].text
+    with c.api() as api:
+        block = api.get("/v1/workspaces/ws/context").text
+    assert c.one("pre.context").get_attribute("textContent") == block  # exactly what the agents get
+    c.shot("context")
+
+
+def test_workspace_attachments(console):
+    c = console
+    c.open("/ui/workspaces/viewer")
+    row = [r for r in c.css("table.list tbody tr") if "default" in r.text][0]
+    assert "read-only" in row.text
+    c.button("Make read-write", row).click()
+    c.until(lambda: "Attachment saved" in c.text(), "saved")
+    row = [r for r in c.css("table.list tbody tr") if "default" in r.text][0]
+    assert "read-write" in row.text
+    c.shot("workspace")
+    c.button("Make read-only", row).click()
+    c.until(lambda: "Attachment saved" in c.text(), "saved")
+    with c.api() as api:
+        atts = api.get("/v1/workspaces/viewer/attachments").json()
+    assert [(a["store"]["slug"], a["access"]) for a in atts] == [("default", "read_only")]
+
+
+def test_read_only_workspace_cannot_edit(console):
+    c = console
+    rid = c.record_id("prefs.md")
+    c.login(c.ro_token)
+    assert "workspace viewer" in c.one(".who").text
+    c.open("/ui/stores/default")
+    assert "read-only" in c.text()
+    assert not [b for b in c.css("main a.button, main button") if b.text in ("New record", "Edit", "Delete")]
+    c.open(f"/ui/stores/default/records/{rid}")
+    assert not [b for b in c.css("main a, main button") if b.text.strip() in ("Edit", "Delete", "Restore", "Redact")]
+    c.open(f"/ui/stores/default/records/{rid}/edit")
+    assert "read-only" in c.text()
+    with httpx.Client(base_url=c.cp.url, headers={"Authorization": f"Bearer {c.ro_token}"}) as api:
+        r = api.post(f"/ui/stores/default/records/{rid}/edit", data={"content": "hacked\n"})
+        assert r.status_code == 403 and "read-only" in r.text
+        r = api.post(f"/ui/stores/default/records/{rid}/restore", data={"version": "1"})
+        assert r.status_code == 403
+    assert (c.mnt / "default" / "prefs.md").read_text() == "prefers water\n"
+    c.login(c.cp.admin_token)
+
+
+def test_phone_layout(console):
+    c = console
+    c.d.set_window_size(390, 844)
+    try:
+        c.open("/ui/stores/default")
+        wide = c.d.execute_script(
+            "return Array.from(document.querySelectorAll('body *')).filter(e => e.getBoundingClientRect().right"
+            " > window.innerWidth + 1).map(e => e.tagName + '.' + e.className + ' ' + e.getBoundingClientRect().right)"
+            ".slice(0, 8)")
+        assert c.d.execute_script("return document.documentElement.scrollWidth <= window.innerWidth + 1"), wide
+        side = c.one(".sidebar").rect
+        main = c.one("main").rect
+        assert side["y"] < main["y"]  # stores above the records on a narrow screen
+        c.shot("phone-store")
+        rid = c.record_id("prefs.md")
+        c.open(f"/ui/stores/default/records/{rid}")
+        wide = c.d.execute_script(
+            "return Array.from(document.querySelectorAll('body *')).filter(e => e.getBoundingClientRect().right"
+            " > window.innerWidth + 1).map(e => e.tagName + '.' + e.className + ' ' + e.getBoundingClientRect().right)"
+            ".slice(0, 8)")
+        assert c.d.execute_script("return document.documentElement.scrollWidth <= window.innerWidth + 1"), wide
+        c.shot("phone-record")
+    finally:
+        c.d.set_window_size(1280, 900)
+    for p in c.shots.glob("console-*.png"):
+        assert p.stat().st_size > 5000
+    keep = os.environ.get("MEMFUSE_CONSOLE_SHOTS")
+    if keep:  # copy the screenshots out (docs/ uses two of them)
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        for p in c.shots.glob("console-*.png"):
+            shutil.copy(p, keep)
+    assert re.search(r"console-store\.png", " ".join(p.name for p in c.shots.glob("*.png")))
