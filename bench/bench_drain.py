@@ -38,7 +38,7 @@ def run(s: Session) -> list[Row]:
     try:
         async def setup() -> str:
             async with ApiClient(cp.url, cp.admin_token) as c:
-                await c.create_workspace(WS)
+                await c.create_workspace(WS, default_store=False)
                 await c.create_store(STORE, max_records=50_000)
                 await c.attach(WS, STORE)
                 return (await c.create_token(workspace=WS, name="bench")).token

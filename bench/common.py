@@ -530,7 +530,7 @@ class Session:
 
         async def go() -> str:
             async with ApiClient(cp.url, cp.admin_token) as c:
-                await c.create_workspace(ws)
+                await c.create_workspace(ws, default_store=False)
                 have = {s.slug for s in await c.list_stores()}
                 for s in stores:
                     if s not in have:

@@ -208,7 +208,7 @@ class FakeControlPlane:
         ``access``, and return a workspace token. Bypasses the faults. Raises
         ``httpx.HTTPStatusError`` on an unexpected refusal."""
         async with self._admin() as http:
-            r = await http.post("/v1/workspaces", json={"name": workspace})
+            r = await http.post("/v1/workspaces", json={"name": workspace, "default_store": False})
             if r.status_code != 409:
                 r.raise_for_status()
             for slug in stores:

@@ -65,7 +65,7 @@ def _client(app, token: str | None, **headers) -> httpx.AsyncClient:
 
 async def _bootstrap(admin: httpx.AsyncClient) -> None:
     for ws in ("ws", "other"):
-        assert (await admin.post("/v1/workspaces", json={"name": ws})).status_code == 201
+        assert (await admin.post("/v1/workspaces", json={"name": ws, "default_store": False})).status_code == 201
     for slug in ("default", "ro", "secret"):
         assert (await admin.post("/v1/stores", json={"slug": slug})).status_code == 201
     r = await admin.put("/v1/workspaces/ws/attachments/default", json={"access": "read_write"})

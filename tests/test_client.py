@@ -63,7 +63,7 @@ async def ws(fake):
 
 
 async def test_admin_workspaces_stores_attachments_tokens(fake, admin):
-    w = await admin.create_workspace("team")
+    w = await admin.create_workspace("team", default_store=False)
     assert w.name == "team"
     assert "team" in [x.name for x in await admin.list_workspaces()]
     with pytest.raises(Conflict) as ei:

@@ -51,7 +51,7 @@ class Env:
 
 
 async def _bootstrap(admin: httpx.AsyncClient) -> None:
-    assert (await admin.post("/v1/workspaces", json={"name": "ws"})).status_code == 201
+    assert (await admin.post("/v1/workspaces", json={"name": "ws", "default_store": False})).status_code == 201
     assert (await admin.post("/v1/stores", json={"slug": "default", "description": "team notes"})).status_code == 201
     r = await admin.put("/v1/workspaces/ws/attachments/default", json={"access": "read_write", "instructions": "Be brief."})
     assert r.status_code == 200, r.text

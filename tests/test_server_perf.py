@@ -33,7 +33,7 @@ async def env():
         app = create_app(url, static_tokens={ADMIN: None, WS_TOKEN: "ws"})
         async with _client(app, ADMIN) as admin, _client(app, WS_TOKEN, **{"X-Memfuse-Instance": "me"}) as me, \
                 _client(app, WS_TOKEN, **{"X-Memfuse-Instance": "peer"}) as peer:
-            assert (await admin.post("/v1/workspaces", json={"name": "ws"})).status_code == 201
+            assert (await admin.post("/v1/workspaces", json={"name": "ws", "default_store": False})).status_code == 201
             assert (await admin.post("/v1/stores", json={"slug": "default"})).status_code == 201
             assert (await admin.post("/v1/stores", json={"slug": "other"})).status_code == 201
             for slug in ("default", "other"):

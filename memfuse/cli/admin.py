@@ -132,9 +132,13 @@ def workspace() -> None:
 
 @workspace.command("create")
 @click.argument("name")
+@opt("--default-store/--no-default-store", default=True, show_default=True,
+     help="Also give the workspace a store named NAME attached read-write (an existing "
+          "store of that name is attached, not recreated).")
 @api_options
-def workspace_create(target: Target, name: str) -> None:
-    """Create workspace NAME."""
+def workspace_create(target: Target, name: str, default_store: bool) -> None:
+    """Create workspace NAME (with a same-named store attached read-write, unless
+    --no-default-store)."""
     from memfuse.names import NameError_, check_slug
 
     try:
@@ -142,8 +146,12 @@ def workspace_create(target: Target, name: str) -> None:
     except NameError_ as e:
         raise click.BadParameter(e.reason, param_hint="NAME") from None
     key = _key()
-    w = _api(target, lambda api: with_retries(lambda: api.create_workspace(name, idempotency_key=key)))
-    click.echo(f"created workspace {w.name}")
+    w = _api(target, lambda api: with_retries(
+        lambda: api.create_workspace(name, idempotency_key=key, default_store=default_store)))
+    if default_store:
+        click.echo(f"created workspace {w.name} with store {w.name} attached read-write")
+    else:
+        click.echo(f"created workspace {w.name}")
 
 
 @workspace.command("list")

@@ -63,16 +63,37 @@ class StoresMixin(ServiceBase):
     # ------------------------------------------------------------ admin
 
     def create_workspace(self, p: Principal, body: WorkspaceCreate, idem: IdempotencyRequest | None = None) -> Reply:
-        """201 [Workspace]; 409 ``exists``; 403 ``forbidden`` for workspace tokens."""
+        """201 [Workspace]; 409 ``exists``; 403 ``forbidden`` for workspace tokens.
+
+        With ``body.default_store`` (the default), the same transaction also gives the
+        workspace a store of its own name attached ``read_write`` (event ``attached``): a new
+        store with the default limits and type, or the existing store of that name, which is
+        attached as it is (its records and limits untouched, never recreated)."""
         self._require_admin(p)
 
         def fn(s: Session) -> Workspace:
             if s.get(WorkspaceRow, body.name) is not None:
                 raise ServiceError(409, "exists", f"workspace {body.name!r} exists")
-            row = WorkspaceRow(name=body.name, created_at=utcnow())
+            now = utcnow()
+            row = WorkspaceRow(name=body.name, created_at=now)
             s.add(row)
             s.flush()
-            log.info("workspace %s created", body.name)
+            if body.default_store:
+                if s.get(StoreRow, body.name) is None:
+                    limits = StoreCreate(slug=body.name)
+                    s.add(StoreRow(
+                        slug=body.name, description=limits.description, default_type=limits.default_type,
+                        max_record_bytes=limits.max_record_bytes, max_store_bytes=limits.max_store_bytes,
+                        max_records=limits.max_records, created_at=now,
+                    ))
+                    s.flush()  # the store row before the attachment that references it
+                    log.info("store %s created for workspace %s", body.name, body.name)
+                s.add(AttachmentRow(workspace=body.name, store=body.name, access=Access.read_write.value,
+                                    instructions="", created_at=now))
+                s.flush()
+                self._emit(s, [body.name], "attached", body.name, Access.read_write.value)
+            log.info("workspace %s created%s", body.name,
+                     f" with store {body.name} attached read-write" if body.default_store else "")
             return Workspace(name=row.name, created_at=row.created_at)
 
         return self._write(p, idem, 201, fn)

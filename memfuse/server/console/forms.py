@@ -32,6 +32,8 @@ async def read_form(request: Request) -> dict[str, str]:
     lone surrogates (``surrogateescape``); see :func:`field_text`. Raises :class:`FormError`."""
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype != "application/x-www-form-urlencoded":
+        if not ctype and request.headers.get("content-length", "0") == "0":
+            return {}  # a form without fields (a script's POST with no body)
         raise FormError(415, "the console takes application/x-www-form-urlencoded forms")
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > MAX_FORM_BYTES:

@@ -1,0 +1,428 @@
+"""The console over HTTP without a browser, and the service features it brought: a workspace's
+default store, ``Service.search_records``. Runs on PostgreSQL too (tests/test_postgres.py).
+
+Pages are fetched with ``Authorization: Bearer`` (as scripts do) or with the session cookie and
+CSRF token a browser would send; what a browser does with the pages is in
+tests/test_console_browser.py.
+"""
+from __future__ import annotations
+
+import re
+
+import httpx
+import pytest
+
+from memfuse.models import RecordCreate, RecordUpdate, WorkspaceCreate
+from memfuse.server.app import create_app
+from memfuse.server.console import login_url
+from memfuse.server.console.render import render_markdown, unified_diff
+from memfuse.server.console.session import csrf_token
+from memfuse.server.service import Principal, ServiceError
+from pgutil import fresh_db_url
+
+ADMIN = "console-admin-token"
+WS = "console-ws-token"
+RO = "console-ro-token"
+BASE = "http://test"
+ADMIN_P = Principal(None)
+
+
+def client(app, token: str | None = None, **kw) -> httpx.AsyncClient:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url=BASE, headers=headers, **kw)
+
+
+@pytest.fixture
+async def app():
+    with fresh_db_url() as url:
+        app = create_app(url, static_tokens={ADMIN: None, WS: "ws", RO: "viewer"})
+        svc = app.state.service
+        svc.create_workspace(ADMIN_P, WorkspaceCreate(name="ws"))  # store "ws", attached read-write
+        svc.create_workspace(ADMIN_P, WorkspaceCreate(name="viewer", default_store=False))
+        from memfuse.models import AttachmentPut, Access
+        svc.put_attachment(ADMIN_P, "viewer", "ws", AttachmentPut(access=Access.read_only))
+        yield app
+        svc.db.engine.dispose()
+
+
+def create(app, path: str, content: str, type: str | None = "project", store: str = "ws") -> str:
+    r = app.state.service.create_record(ADMIN_P, store, RecordCreate(path=path, content=content, type=type))
+    import json
+
+    return json.loads(r.body)["id"]
+
+
+# ---------------------------------------------------------------- workspace default store
+
+
+async def test_workspace_gets_a_same_named_store_read_write(app):
+    async with client(app, ADMIN) as c:
+        r = await c.post("/v1/workspaces", json={"name": "agent-1"})
+        assert r.status_code == 201, r.text
+        atts = (await c.get("/v1/workspaces/agent-1/attachments")).json()
+        assert [(a["store"]["slug"], a["access"]) for a in atts] == [("agent-1", "read_write")]
+        store = atts[0]["store"]
+        assert (store["max_record_bytes"], store["max_store_bytes"], store["max_records"], store["default_type"]) == (
+            1 << 20, 64 << 20, 10_000, "project")
+        events = (await c.get("/v1/workspaces/agent-1/events")).json()["events"]
+        assert [(e["kind"], e["store"], e["access"]) for e in events] == [("attached", "agent-1", "read_write")]
+
+
+async def test_existing_store_is_attached_not_recreated(app):
+    svc = app.state.service
+    async with client(app, ADMIN) as c:
+        assert (await c.post("/v1/stores", json={"slug": "shared", "max_records": 7})).status_code == 201
+        create(app, "kept.md", "old memory\n", store="shared")
+        r = await c.post("/v1/workspaces", json={"name": "shared"})
+        assert r.status_code == 201, r.text
+        atts = (await c.get("/v1/workspaces/shared/attachments")).json()
+        assert [(a["store"]["slug"], a["access"], a["store"]["max_records"], a["store"]["record_count"])
+                for a in atts] == [("shared", "read_write", 7, 1)]
+    assert [r.path for r in svc.list_records(ADMIN_P, "shared").records] == ["kept.md"]
+
+
+async def test_no_default_store_when_asked(app):
+    async with client(app, ADMIN) as c:
+        r = await c.post("/v1/workspaces", json={"name": "bare", "default_store": False})
+        assert r.status_code == 201
+        assert (await c.get("/v1/workspaces/bare/attachments")).json() == []
+        assert (await c.get("/v1/stores/bare")).status_code == 404
+        # a refused workspace creates no store either
+        r = await c.post("/v1/workspaces", json={"name": "bare"})
+        assert r.status_code == 409
+        assert (await c.get("/v1/stores/bare")).status_code == 404
+
+
+async def test_default_store_replays_with_the_idempotency_key(app):
+    async with client(app, ADMIN) as c:
+        h = {"Idempotency-Key": "k-1"}
+        r1 = await c.post("/v1/workspaces", json={"name": "once"}, headers=h)
+        r2 = await c.post("/v1/workspaces", json={"name": "once"}, headers=h)
+        assert r1.status_code == r2.status_code == 201 and r2.headers["Idempotent-Replayed"] == "true"
+        assert len((await c.get("/v1/workspaces/once/attachments")).json()) == 1
+
+
+# ---------------------------------------------------------------- search_records
+
+
+async def test_search_records_filters(app):
+    svc = app.state.service
+    create(app, "MEMORY.md", "# index\n", type=None)
+    create(app, "prefs.md", "Prefers TEA\n", type="user")
+    create(app, "notes/100%_done.md", "half_way there\n", type="project")
+    create(app, "notes/100x_done.md", "percent sign elsewhere: 50%\n", type="feedback")
+    gone = create(app, "old.md", "tea leaves\n", type="user")
+    svc.delete_record(ADMIN_P, "ws", gone)
+
+    def paths(**kw):
+        return [r.path for r in svc.search_records(ADMIN_P, "ws", **kw).records]
+
+    assert paths() == ["MEMORY.md", "notes/100%_done.md", "notes/100x_done.md", "prefs.md"]
+    assert paths(type="user") == ["prefs.md"]  # the deleted one is not listed
+    assert paths(text="tea") == ["prefs.md"]  # case-insensitive
+    assert paths(path_contains="100%_") == ["notes/100%_done.md"]  # % and _ are literal
+    assert paths(text="50%") == ["notes/100x_done.md"]
+    assert paths(text="half_way", type="project") == ["notes/100%_done.md"]
+    assert paths(text="half_way", type="user") == []
+    assert paths(path_contains="\\") == []
+    page = svc.search_records(ADMIN_P, "ws", text="tea")
+    assert page.records[0].content is None and page.seq > 0
+    with pytest.raises(ServiceError) as err:
+        svc.search_records(ADMIN_P, "ws", type="secret")
+    assert (err.value.status, err.value.code) == (422, "invalid_type")
+
+
+async def test_search_records_pages_and_scope(app):
+    svc = app.state.service
+    for i in range(7):
+        create(app, f"n{i}.md", f"note {i} about tea\n")
+    seen, cursor = [], None
+    while True:
+        page = svc.search_records(ADMIN_P, "ws", text="TEA", limit=3, cursor=cursor)
+        seen += [r.path for r in page.records]
+        if not page.next_cursor:
+            break
+        cursor = page.next_cursor
+    assert seen == [f"n{i}.md" for i in range(7)]
+    with pytest.raises(ServiceError) as err:
+        svc.search_records(Principal("other"), "ws")
+    assert err.value.status == 404
+    assert [r.path for r in svc.search_records(Principal("viewer"), "ws", text="note 3").records] == ["n3.md"]
+
+
+# ---------------------------------------------------------------- console over HTTP
+
+
+async def test_pages_need_a_session(app):
+    async with client(app) as c:
+        for path in ("/ui/", "/ui/stores/ws", "/ui/workspaces", "/ui/workspaces/ws/context", "/ui/nope"):
+            r = await c.get(path)
+            assert r.status_code == 303 and r.headers["location"].startswith("/ui/login?next="), path
+        r = await c.get("/ui/stores/ws/live")
+        assert r.status_code == 401
+        r = await c.post("/ui/stores/ws/new", data={"path": "x.md", "content": "x", "type": "user"})
+        assert r.status_code == 401
+        r = await c.get("/ui/", headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401
+        r = await c.get("/ui")
+        assert r.status_code == 308 and r.headers["location"] == "/ui/"
+        r = await c.get("/ui/login")
+        assert r.status_code == 200
+        csp = r.headers["content-security-policy"]
+        assert "script-src 'self'" in csp and "unsafe-inline" not in csp and "default-src 'none'" in csp
+        assert r.headers["x-frame-options"] == "DENY" and r.headers["cache-control"] == "no-store"
+        assert re.findall(r"<script[^>]*>", r.text) == ['<script src="/ui/static/console.js" defer>']
+
+
+async def test_login_cookie_and_csrf(app):
+    async with client(app) as c:
+        r = await c.get("/ui/login")
+        nonce = c.cookies["memfuse_login"]
+        # a login without the form's double-submit value is refused
+        r = await c.post("/ui/login", data={"token": ADMIN, "csrf": "forged"})
+        assert r.status_code == 403 and "memfuse_session" not in c.cookies
+        r = await c.post("/ui/login", data={"token": ADMIN, "csrf": nonce, "next": "https://evil.example/"})
+        assert r.status_code == 303 and r.headers["location"] == "/ui/"  # never off-site
+        cookie = r.headers["set-cookie"]
+        assert "memfuse_session=" in cookie and "HttpOnly" in cookie and "SameSite=strict" in cookie.replace(
+            "Strict", "strict") and "Path=/ui" in cookie
+        r = await c.get("/ui/stores/ws")
+        assert r.status_code == 200
+        # a POST with the cookie but without the CSRF token is refused, and nothing is written
+        r = await c.post("/ui/stores/ws/new", data={"path": "x.md", "content": "x\n", "type": "user"})
+        assert r.status_code == 403
+        r = await c.post("/ui/stores/ws/new", data={"path": "x.md", "content": "x\n", "type": "user",
+                                                    "csrf": "0" * 64})
+        assert r.status_code == 403
+        assert app.state.service.list_records(ADMIN_P, "ws", path="x.md").records == []
+        r = await c.post("/ui/stores/ws/new", data={"path": "x.md", "content": "x\r\ny\r\n", "type": "user",
+                                                    "csrf": csrf_token(ADMIN)})
+        assert r.status_code == 303
+        rec = app.state.service.list_records(ADMIN_P, "ws", path="x.md", with_content=True).records[0]
+        assert rec.content == "x\ny\n" and rec.type == "user"  # CRLF from the textarea → LF
+        r = await c.post("/ui/logout", data={"csrf": csrf_token(ADMIN)})
+        assert r.status_code == 303
+        assert (await c.get("/ui/stores/ws")).status_code == 303
+
+
+async def test_one_time_login_link(app):
+    url = login_url(app, ADMIN, BASE)
+    assert url.startswith(BASE + "/ui/login/")
+    path = url[len(BASE):]
+    async with client(app) as c:
+        r = await c.get(path)
+        assert r.status_code == 303 and r.headers["location"] == "/ui/"
+        assert (await c.get("/ui/")).status_code == 200
+    async with client(app) as c:  # a second use does not log in
+        r = await c.get(path)
+        assert r.status_code == 303 and "notice=expired" in r.headers["location"]
+        assert (await c.get("/ui/")).status_code == 303
+
+
+async def test_unknown_store_record_version_are_404_pages(app):
+    rid = create(app, "a.md", "a\n")
+    async with client(app, ADMIN) as c:
+        for path in ("/ui/stores/nope", f"/ui/stores/ws/records/{'0' * 8}", f"/ui/stores/nope/records/{rid}",
+                     f"/ui/stores/ws/records/{rid}?version=9", f"/ui/stores/ws/records/{rid}/diff?a=1&b=9",
+                     "/ui/workspaces/nope", "/ui/no/such/page"):
+            r = await c.get(path)
+            assert r.status_code == 404, path
+            assert r.headers["content-type"].startswith("text/html") and "Traceback" not in r.text
+            assert "<h1>Not found</h1>" in r.text
+
+
+async def test_workspace_token_sees_only_its_attachments(app):
+    create(app, "a.md", "a\n")
+    async with client(app, ADMIN) as c:
+        assert (await c.post("/v1/stores", json={"slug": "private"})).status_code == 201
+    async with client(app, RO) as c:
+        r = await c.get("/ui/")
+        assert r.status_code == 200 and ">ws<" in r.text and "private" not in r.text
+        assert (await c.get("/ui/stores/private")).status_code == 404
+        assert (await c.get("/ui/workspaces/ws")).status_code == 403  # another workspace
+        r = await c.get("/ui/workspaces")
+        assert r.status_code == 303 and r.headers["location"] == "/ui/workspaces/viewer"
+        r = await c.post("/ui/workspaces/viewer/attachments", data={"store": "private", "access": "read_write"})
+        assert r.status_code == 403
+
+
+async def test_read_only_attachment_has_no_edit_and_refuses_posts(app):
+    rid = create(app, "a.md", "a\n")
+    async with client(app, RO) as c:
+        page = (await c.get(f"/ui/stores/ws/records/{rid}")).text
+        assert "/edit" not in page and "/delete" not in page and "/restore" not in page
+        store = (await c.get("/ui/stores/ws")).text
+        assert "/ui/stores/ws/new" not in store
+        for path, data in ((f"/ui/stores/ws/records/{rid}/edit", {"content": "b\n"}),
+                           (f"/ui/stores/ws/records/{rid}/delete", {}),
+                           (f"/ui/stores/ws/records/{rid}/restore", {"version": "1"}),
+                           ("/ui/stores/ws/new", {"path": "b.md", "content": "b\n", "type": "user"})):
+            r = await c.post(path, data=data)
+            assert r.status_code == 403, path
+        assert (await c.get(f"/ui/stores/ws/records/{rid}/edit")).status_code == 403
+    assert app.state.service.get_record(ADMIN_P, "ws", rid).version == 1
+
+
+async def test_edit_refusals_and_stale(app):
+    svc = app.state.service
+    rid = create(app, "a.md", "one\n")
+    base = svc.get_record(ADMIN_P, "ws", rid)
+    async with client(app, WS) as c:
+        form = {"base_sha256": base.sha256, "base_version": "1", "type": "project", "original_type": "project"}
+        # not UTF-8 (a script can send any bytes): the mount's EILSEQ reason, next to the field
+        body = "&".join(f"{k}={v}" for k, v in form.items()) + "&content=caf%E9"
+        r = await c.post(f"/ui/stores/ws/records/{rid}/edit", content=body,
+                         headers={"Content-Type": "application/x-www-form-urlencoded"})
+        assert r.status_code == 422 and "not valid UTF-8 (bad byte at offset 3)" in r.text
+        r = await c.post(f"/ui/stores/ws/records/{rid}/edit", data=dict(form, content="a\x00b"))
+        assert r.status_code == 422 and "NUL" in r.text
+        r = await c.post(f"/ui/stores/ws/records/{rid}/edit",
+                         data=dict(form, content="aws_secret_access_key = wJalrXUtnFEMI/K7MDENG/bPxRfiCYzz1ZQ3abcd\n"))
+        assert r.status_code == 422 and "secret" in r.text and "wJalrXUtnFEMI" not in r.text.split("textarea")[0]
+        # someone else writes meanwhile
+        svc.update_record(Principal("ws", instance="agent"), "ws", rid, RecordUpdate(content="one\ntwo\n"))
+        r = await c.post(f"/ui/stores/ws/records/{rid}/edit", data=dict(form, content="mine\n"))
+        assert r.status_code == 409
+        assert "changed while you were editing" in r.text and "+two" in r.text and "mine" in r.text
+        assert svc.get_record(ADMIN_P, "ws", rid, with_content=True).content == "one\ntwo\n"
+        new_sha = svc.get_record(ADMIN_P, "ws", rid).sha256
+        assert f'value="{new_sha}"' in r.text  # saving again is a knowing overwrite
+    assert svc.get_record(ADMIN_P, "ws", rid).version == 2  # nothing else was written
+
+
+async def test_memory_settings_replace_and_clear(app):
+    svc = app.state.service
+    async with client(app, WS) as c:
+        r = await c.get("/ui/stores/ws/memory")
+        assert r.status_code == 303 and r.headers["location"] == "/ui/stores/ws/new?path=MEMORY.md"
+        r = await c.post("/ui/stores/ws/new", data={"path": "MEMORY.md", "content": "# Index\n- a\n"})
+        assert r.status_code == 303  # the index needs no type
+        rec = svc.list_records(ADMIN_P, "ws", path="MEMORY.md").records[0]
+        assert rec.type is None
+        r = await c.get("/ui/stores/ws/memory")
+        assert r.status_code == 200 and "Clear MEMORY.md" in r.text
+        form = {"base_sha256": rec.sha256, "base_version": str(rec.version)}
+        r = await c.post("/ui/stores/ws/records/" + rec.id + "/edit?view=settings",
+                         data=dict(form, action="clear", content="ignored"))
+        assert r.status_code == 303 and r.headers["location"] == "/ui/stores/ws/memory?msg=cleared"
+        rec2 = svc.get_record(ADMIN_P, "ws", rec.id, with_content=True)
+        assert rec2.content == "" and rec2.version == 2 and not rec2.deleted
+
+
+async def test_restore_delete_redact_and_diff(app):
+    svc = app.state.service
+    rid = create(app, "a.md", "one\n")
+    svc.update_record(ADMIN_P, "ws", rid, RecordUpdate(content="two\n"))
+    async with client(app, ADMIN) as c:
+        r = await c.get(f"/ui/stores/ws/records/{rid}/diff?a=1&b=2")
+        assert '<span class="d-del">-one' in r.text and '<span class="d-add">+two' in r.text
+        r = await c.post(f"/ui/stores/ws/records/{rid}/restore", data={"version": "1"})
+        assert r.status_code == 303
+        rec = svc.get_record(ADMIN_P, "ws", rid, with_content=True)
+        assert (rec.content, rec.version) == ("one\n", 3)
+        assert svc.list_versions(ADMIN_P, "ws", rid)[-1].operation.value == "restored"
+        r = await c.post(f"/ui/stores/ws/records/{rid}/delete", data={"sha256": "0" * 64})
+        assert r.status_code == 412 and "nothing was deleted" in r.text
+        r = await c.post(f"/ui/stores/ws/records/{rid}/delete", data={"sha256": rec.sha256})
+        assert r.status_code == 303 and svc.get_record(ADMIN_P, "ws", rid).deleted
+        r = await c.post(f"/ui/stores/ws/records/{rid}/versions/2/redact", data={})
+        assert r.status_code == 303
+        r = await c.get(f"/ui/stores/ws/records/{rid}/diff?a=1&b=2")
+        assert "was redacted" in r.text
+    async with client(app, WS) as c:  # redact is for admins
+        r = await c.post(f"/ui/stores/ws/records/{rid}/versions/1/redact", data={})
+        assert r.status_code == 403
+
+
+async def test_attach_detach_switch(app):
+    svc = app.state.service
+    async with client(app, ADMIN) as c:
+        assert (await c.post("/v1/stores", json={"slug": "team"})).status_code == 201
+        r = await c.post("/ui/workspaces/viewer/attachments", data={"store": "team", "access": "read_only",
+                                                                      "instructions": "shared notes"})
+        assert r.status_code == 303
+        assert [(a.store.slug, a.access.value, a.instructions) for a in svc.list_attachments(ADMIN_P, "viewer")] == [
+            ("team", "read_only", "shared notes"), ("ws", "read_only", "")]
+        r = await c.post("/ui/workspaces/viewer/attachments", data={"store": "team", "access": "read_write",
+                                                                      "instructions": "shared notes"})
+        assert [a.access.value for a in svc.list_attachments(ADMIN_P, "viewer")] == ["read_write", "read_only"]
+        r = await c.post("/ui/workspaces/viewer/attachments/team/detach", data={})
+        assert r.status_code == 303
+        assert [a.store.slug for a in svc.list_attachments(ADMIN_P, "viewer")] == ["ws"]
+        r = await c.post("/ui/workspaces", data={"name": "new-ws", "default_store": "on"})
+        assert r.status_code == 303
+        assert [a.store.slug for a in svc.list_attachments(ADMIN_P, "new-ws")] == ["new-ws"]
+        r = await c.post("/ui/workspaces", data={"name": "Bad Name"})
+        assert r.status_code == 422
+
+
+async def test_store_page_search_is_server_side(app):
+    create(app, "MEMORY.md", "# The index\n", type=None)
+    create(app, "tea.md", "green tea\n", type="user")
+    create(app, "coffee.md", "espresso\n", type="project")
+    async with client(app, WS) as c:
+        r = await c.get("/ui/stores/ws", params={"text": "TEA"})
+        listing = r.text.split("<h2>Records</h2>")[1]
+        assert "tea.md" in listing and "coffee.md" not in listing
+        assert "green tea" not in listing  # no content goes to the browser for the listing
+        assert r.text.index("The index") < r.text.index("<h2>Records</h2>")  # MEMORY.md first
+        r = await c.get("/ui/stores/ws", params={"type": "project"})
+        listing = r.text.split("<h2>Records</h2>")[1]
+        assert "coffee.md" in listing and "tea.md" not in listing
+
+
+async def test_prompt_preview_is_the_context_block(app):
+    create(app, "MEMORY.md", "".join(f"line {i}\n" for i in range(300)), type=None)
+    async with client(app, WS) as c:
+        block = (await c.get("/v1/workspaces/ws/context")).text
+        page = (await c.get("/ui/workspaces/ws/context")).text
+    import html
+
+    pre = re.search(r'<pre class="context">(.*?)</pre>', page, re.S).group(1)
+    text = html.unescape(re.sub(r"</?mark[^>]*>", "", pre))
+    assert text == block
+    assert '<mark class="omission">[memfuse: MEMORY.md is cut here: 100 more line(s)' in page
+
+
+async def test_live_events(app, monkeypatch):
+    """The store's event stream: a ``change`` event for versions after ``after`` (only the
+    record's own with ``record=``), then the end of the stream (shortened here; the browser
+    test reads it live from a real server)."""
+    from memfuse.server.console import web
+
+    monkeypatch.setattr(web, "LIVE_STREAM_SECONDS", 1.0)
+    svc = app.state.service
+    seq = svc.list_records(ADMIN_P, "ws", limit=1).seq
+    mine = create(app, "mine.md", "x\n")
+    async with client(app, WS) as c:
+        r = await c.get(f"/ui/stores/ws/live?after={seq}")
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        assert r.text.count("event: change") == 1
+        seq2 = svc.list_records(ADMIN_P, "ws", limit=1).seq
+        create(app, "other.md", "y\n")
+        r = await c.get(f"/ui/stores/ws/live?after={seq2}&record={mine}")
+        assert "event: change" not in r.text  # another record changed, not this one
+        r = await c.get(f"/ui/stores/ws/live?after={seq2}")
+        assert "event: change" in r.text
+        r = await c.get(f"/ui/stores/nope/live?after=0")
+        assert "event: gone" in r.text
+
+
+def test_markdown_is_inert():
+    html = str(render_markdown(
+        "<script>alert(1)</script>\n\n<img src=x onerror=alert(1)>\n\n[a](javascript:alert(1))\n\n"
+        "[b](JaVaScRiPt:alert(1))\n\n[c](vbscript:x)\n\n![d](data:text/html;base64,PHNjcmlwdD4=)\n\n"
+        "<a href=\"javascript:alert(1)\">e</a>\n\n<iframe src=x></iframe>\n\n[ok](https://example.com \"t\")\n"))
+    assert "<script" not in html and "<img src=x" not in html and "<iframe" not in html
+    assert html.count("<a ") == 1 and "<a href=\"javascript" not in html.lower()  # the others stay text
+    assert "<img" not in html and "<a href=\"vbscript" not in html
+    assert '<a href="https://example.com" title="t" rel="noopener noreferrer nofollow">ok</a>' in html
+
+
+def test_unified_diff():
+    lines = unified_diff("a\nb\n", "a\nc\n", "v1", "v2")
+    assert [(ln.kind, ln.text) for ln in lines] == [
+        ("head", "--- v1"), ("head", "+++ v2"), ("hunk", "@@ -1,2 +1,2 @@"), ("ctx", " a"), ("del", "-b"),
+        ("add", "+c")]
+    assert unified_diff("x", "x", "a", "b") == []
+    assert unified_diff("x", "x\n", "a", "b")[0].kind == "hunk"
