@@ -109,11 +109,15 @@ def test_local_admin_commands(home):
     r = invoke(["store", "update", "notes"])
     assert r.exit_code == 2  # nothing to update: usage error
 
-    assert invoke(["workspace", "create", "w1"]).exit_code == 0
+    r = invoke(["workspace", "create", "w1"])
+    assert r.exit_code == 0 and "with store w1 attached read-write" in r.stdout
     r = invoke(["attach", "w1", "notes", "--read-only", "--instructions", "read first"])
     assert r.exit_code == 0 and "read_only" in r.stdout
     r = invoke(["workspace", "list"])
-    assert "notes (read_only)" in r.stdout
+    assert "notes (read_only), w1 (read_write)" in r.stdout
+    r = invoke(["workspace", "create", "w0", "--no-default-store"])
+    assert r.exit_code == 0 and r.stdout.strip() == "created workspace w0"
+    assert "w0" not in invoke(["store", "list"]).stdout
     r = invoke(["context", "--workspace", "w1", "--mount-root", "/srv/mem"])
     assert r.exit_code == 0 and "/srv/mem/notes" in r.stdout and "read first" in r.stdout
 
