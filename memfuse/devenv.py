@@ -35,6 +35,8 @@ __all__ = [
     "local_client",
     "dev_workspace_client",
     "ensure_dev_setup",
+    "ConsoleServer",
+    "DEV_CONSOLE_LISTEN",
 ]
 
 DEV_WORKSPACE = "dev"
@@ -173,3 +175,96 @@ def agent_tools_hint(memfuse_exe: str, listen: str = "127.0.0.1:8080") -> str:
         f"  MCP over HTTP: run `{memfuse_exe} serve --listen {listen}`, then use http://{listen}/mcp with "
         f"a bearer token from `{memfuse_exe} token create --workspace {DEV_WORKSPACE}`"
     )
+
+
+DEV_CONSOLE_LISTEN = "127.0.0.1:8765"
+CONSOLE_START_TIMEOUT = 15.0  # seconds to bind and start serving
+CONSOLE_STOP_TIMEOUT = 15.0  # seconds to finish in-flight requests and stop
+
+
+class ConsoleServer:
+    """The control-plane app (API and the console under ``/ui/``) served over HTTP by
+    hypercorn in a thread of its own (own trio loop), beside ``memfuse dev``'s mount.
+
+    ``start()`` binds ``listen`` (``HOST:PORT``); when the port is taken and ``fallback``,
+    a free port on the same host instead. Returns the base URL. Raises ``OSError`` when
+    nothing could be bound, ``TimeoutError`` when the server did not start in
+    ``CONSOLE_START_TIMEOUT`` s. ``stop()`` shuts it down gracefully (bounded) and joins the
+    thread; idempotent."""
+
+    def __init__(self, app: Any, listen: str = DEV_CONSOLE_LISTEN, *, fallback: bool = True) -> None:
+        self.app, self.listen, self.fallback = app, listen, fallback
+        self.url: str | None = None
+        self._thread: Any = None
+        self._token: Any = None
+        self._cancel: Any = None
+
+    def start(self) -> str:
+        import threading
+
+        import trio
+
+        from .server.serve import serve
+
+        ready = threading.Event()
+        outcome: dict[str, Any] = {}
+
+        listen = self._address()
+
+        async def main() -> None:
+            self._token = trio.lowlevel.current_trio_token()
+            with trio.CancelScope() as scope:
+                self._cancel = scope
+                try:
+                    async with trio.open_nursery() as nursery:
+                        outcome["url"] = await nursery.start(serve, self.app, listen)
+                        ready.set()
+                except Exception as exc:  # reported to start(), which raises it
+                    outcome.setdefault("error", exc)
+                    ready.set()
+
+        def run() -> None:
+            try:
+                trio.run(main)
+            except BaseException as exc:  # noqa: BLE001 - reported through outcome
+                outcome.setdefault("error", exc)
+                ready.set()
+
+        self._thread = threading.Thread(target=run, name="memfuse-console", daemon=True)
+        self._thread.start()
+        if not ready.wait(CONSOLE_START_TIMEOUT):
+            raise TimeoutError(f"the console did not start within {CONSOLE_START_TIMEOUT} s")
+        if "url" not in outcome:
+            error = outcome.get("error")
+            while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+                error = error.exceptions[0]
+            raise error if isinstance(error, Exception) else OSError(f"cannot serve on {listen}")
+        self.url = str(outcome["url"]).replace("http://0.0.0.0", "http://127.0.0.1")
+        return self.url
+
+    def _address(self) -> str:
+        """``listen``, or ``HOST:0`` (a free port) when its port is taken and ``fallback``."""
+        import socket
+
+        host, _, port = self.listen.rpartition(":")
+        try:
+            with socket.socket(socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind((host.strip("[]"), int(port)))
+        except OSError:
+            if not self.fallback:
+                raise
+            return f"{host}:0"
+        return self.listen
+
+    def stop(self) -> None:
+        """Shut the server down (requests in flight get a few seconds) and join the thread."""
+        if self._thread is None:
+            return
+        if self._token is not None and self._cancel is not None:
+            try:
+                self._token.run_sync_soon(self._cancel.cancel)
+            except Exception:  # noqa: BLE001 - the loop already ended (trio.RunFinishedError)
+                pass
+        self._thread.join(CONSOLE_STOP_TIMEOUT)
+        self._thread = None

@@ -39,11 +39,30 @@ def interrupt(proc: subprocess.Popen, timeout: float = 30) -> int:
     return proc.wait(timeout)
 
 
+def _console_login(log: Path) -> None:
+    """The one-time console link `memfuse dev` printed logs a browser in, once."""
+    import re
+
+    import httpx
+
+    links = re.findall(r"http://127\.0\.0\.1:\d+/ui/login/[A-Za-z0-9_-]+", log.read_text())
+    assert links, log.read_text()
+    with httpx.Client(timeout=30) as browser:
+        r = browser.get(links[-1], follow_redirects=True)
+        assert r.status_code == 200 and "/ui/stores/default" in r.text  # logged in: the stores page
+        assert "memfuse_session" in browser.cookies
+    with httpx.Client(timeout=30) as other:
+        r = other.get(links[-1], follow_redirects=True)
+        assert "already used" in r.text and "memfuse_session" not in other.cookies
+
+
 def test_readme_flow_restart_and_history(tmp_path):
-    env = {"MEMFUSE_HOME": str(tmp_path / "home"), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    env = {"MEMFUSE_HOME": str(tmp_path / "home"), "XDG_CACHE_HOME": str(tmp_path / "cache"),
+           "MEMFUSE_CONSOLE_LISTEN": "127.0.0.1:0"}
     mnt, log = tmp_path / "memory", tmp_path / "dev.log"
     proc = start_dev(mnt, env, log)
     try:
+        _console_login(log)
         sh('echo "prefers tea" > memory/default/prefs.md', tmp_path)
         assert sh("grep -r tea memory/", tmp_path).stdout == "memory/default/prefs.md:prefers tea\n"
         sh("sed -i s/tea/coffee/ memory/default/prefs.md", tmp_path)

@@ -126,10 +126,21 @@ def _safe_url(url: str) -> str:
 @opt("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,
      help="Log line format on stderr.")
 @opt("--debug", is_flag=True, help="Verbose logging (and FUSE debug).")
-def dev(mountpoint: Path, admin_listen: str | None, log_format: str, debug: bool) -> None:
+@opt("--console-listen", metavar="HOST:PORT", default="127.0.0.1:8765", show_default=True,
+     help="Serve the web console (and the API) here; a free port when this one is taken. "
+          "'off': no console.")
+def dev(mountpoint: Path, admin_listen: str | None, log_format: str, debug: bool, console_listen: str) -> None:
     """Embedded default: control plane in-process on the dev database, workspace `dev` with
-    store `default` attached, mounted at MOUNTPOINT (default ./memory) in the foreground."""
-    from memfuse.devenv import DEV_WORKSPACE, dev_app, dev_cache_dir, dev_db_path, ensure_dev_setup
+    store `default` attached, mounted at MOUNTPOINT (default ./memory) in the foreground.
+    The web console is served on 127.0.0.1 and a one-time login link is printed at start."""
+    from memfuse.devenv import (
+        DEV_WORKSPACE,
+        ConsoleServer,
+        dev_app,
+        dev_cache_dir,
+        dev_db_path,
+        ensure_dev_setup,
+    )
 
     mountpoint.mkdir(parents=True, exist_ok=True)
     mountpoint = mountpoint.resolve()
@@ -155,6 +166,20 @@ def dev(mountpoint: Path, admin_listen: str | None, log_format: str, debug: bool
         debug=debug,
         log_format=log_format,
     )
+    console = None
+    if console_listen.strip().lower() not in ("off", "none", ""):
+        from memfuse.server.console import login_url
+
+        console = ConsoleServer(env.app, console_listen.strip())
+        try:
+            base = console.start()
+        except (OSError, TimeoutError) as err:
+            raise click.ClickException(f"cannot serve the console on {console_listen}: {err}") from None
+        click.echo(
+            f"memfuse dev: console at {base}/ui/ ; log in with this one-time link:\n"
+            f"    {login_url(env.app, env.admin_token, base)}",
+            err=True,
+        )
     click.echo(
         f"memfuse dev: mounting workspace '{DEV_WORKSPACE}' at {mountpoint} "
         f"(database {dev_db_path()}); stop with Ctrl-C",
@@ -163,7 +188,11 @@ def dev(mountpoint: Path, admin_listen: str | None, log_format: str, debug: bool
     from memfuse.devenv import agent_tools_hint
 
     click.echo(agent_tools_hint(shutil.which("memfuse") or sys.argv[0], DEFAULT_LISTEN), err=True)
-    rc = run_mount(config, lambda: env.workspace_client(instance="dev"))
+    try:
+        rc = run_mount(config, lambda: env.workspace_client(instance="dev"))
+    finally:
+        if console is not None:
+            console.stop()
     click.echo(f"memfuse dev: unmounted {mountpoint}", err=True)
     sys.exit(rc)
 
