@@ -288,6 +288,13 @@ async def test_edit_refusals_and_stale(app):
         new_sha = svc.get_record(ADMIN_P, "ws", rid).sha256
         assert f'value="{new_sha}"' in r.text  # saving again is a knowing overwrite
     assert svc.get_record(ADMIN_P, "ws", rid).version == 2  # nothing else was written
+    # deleted meanwhile: the text stays on the page, nothing is written
+    svc.delete_record(ADMIN_P, "ws", rid)
+    async with client(app, WS) as c:
+        r = await c.post(f"/ui/stores/ws/records/{rid}/edit", data=dict(form, base_sha256=new_sha, base_version="2",
+                                                                        content="still mine\n"))
+        assert r.status_code == 409 and "deleted while you were editing" in r.text and "still mine" in r.text
+    assert svc.get_record(ADMIN_P, "ws", rid).version == 3
 
 
 async def test_memory_settings_replace_and_clear(app):

@@ -509,7 +509,7 @@ def edit_page(ctx: Ctx) -> Response:
     settings = ctx.q("view") == "settings"
     svc, p = ctx.svc, ctx.principal
     rec = svc.get_record(p, slug, rid, with_content=True)
-    if rec.deleted:
+    if rec.deleted and ctx.request.method == "GET":
         raise ServiceError(404, "record_not_found", "the record is deleted; restore a version from its history first")
     if ctx.request.method == "GET":
         if not _can_write(ctx, slug):
@@ -532,12 +532,20 @@ def edit_page(ctx: Ctx) -> Response:
     if rtype is not None and rtype == values["original_type"]:
         rtype = None  # unchanged select: let frontmatter / the current type decide (docs/API.md)
     base = values["base_sha256"]
+    deleted_meanwhile = lambda: _edit_form(  # noqa: E731
+        ctx, slug, rec=rec, status=409, content=content, settings=settings, values=values,
+        errors={"content": "The record was deleted while you were editing; nothing was saved. Copy your text, "
+                           "restore the record from its history, then save again."})
+    if rec.deleted:
+        return deleted_meanwhile()
     try:
         reply = svc.update_record(p, slug, rid, RecordUpdate(content=content, type=rtype),
                                   if_match=f'"{base}"' if base else None)
     except ServiceError as err:
         if err.status == 412:
             return _stale(ctx, slug, rec, content, values, settings)
+        if err.code == "record_not_found":  # deleted meanwhile: keep the text, say so
+            return deleted_meanwhile()
         where = _write_error(err)
         if where is None:
             raise
@@ -555,6 +563,7 @@ def _stale(ctx: Ctx, slug: str, rec, content: str, values: dict[str, str], setti
     person's text kept, the base moved to the current version (saving again overwrites,
     knowingly)."""
     svc, p = ctx.svc, ctx.principal
+    rec = svc.get_record(p, slug, rec.id, with_content=True)  # the version that beat us, as of now
     try:
         base_version = int(values.get("base_version") or 0)
         base = svc.get_version(p, slug, rec.id, base_version)
