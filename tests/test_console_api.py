@@ -433,3 +433,23 @@ def test_unified_diff():
         ("add", "+c")]
     assert unified_diff("x", "x", "a", "b") == []
     assert unified_diff("x", "x\n", "a", "b")[0].kind == "hunk"
+
+
+async def test_untrusted_names_and_text_are_escaped(app):
+    evil = '<img src=x onerror=alert(1)>.md'
+    rid = create(app, evil, "# hi\n<b onclick=alert(1)>x</b>\n", type="user")
+    svc = app.state.service
+    from memfuse.models import AttachmentPut, StoreUpdate
+
+    svc.update_store(ADMIN_P, "ws", StoreUpdate(description='<script>alert("d")</script>'))
+    svc.put_attachment(ADMIN_P, "viewer", "ws", AttachmentPut(access="read_only", instructions="<svg onload=x>"))
+    async with client(app, ADMIN) as c:
+        pages = [(await c.get(p)).text for p in (
+            "/ui/", "/ui/stores/ws", f"/ui/stores/ws/records/{rid}", f"/ui/stores/ws/records/{rid}/edit",
+            "/ui/workspaces", "/ui/workspaces/viewer", "/ui/workspaces/viewer/context",
+            f"/ui/stores/ws/records/{rid}/diff?a=1&b=1")]
+    for page in pages:
+        assert "<img src=x" not in page and "onclick=alert" not in page.replace("&lt;b onclick=alert", "")
+        assert '<script>alert("d")' not in page and "<svg" not in page
+        assert re.findall(r"<script[^>]*>", page) == ['<script src="/ui/static/console.js" defer>']
+    assert "&lt;img src=x onerror=alert(1)&gt;.md" in pages[1]

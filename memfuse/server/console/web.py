@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -285,7 +286,6 @@ def _cookie_args(request: Request) -> dict[str, Any]:
 
 def login_page(svc: Service) -> Callable[[Request], Awaitable[Response]]:
     """GET/POST ``/login``: the token form (double-submit CSRF before any session)."""
-    import secrets
 
     async def endpoint(request: Request) -> Response:
         base = request.scope.get("root_path", "")
@@ -364,6 +364,10 @@ def create_store(ctx: Ctx) -> Response:
     try:
         body = StoreCreate(slug=form["slug"].strip(), description=field_text(ctx.form, "description"),
                            default_type=form["default_type"] or "project")
+    except ContentError as err:
+        workspaces = ctx.svc.list_workspaces(ctx.principal)
+        return _page(ctx, "home.html", status=422, workspaces=workspaces, errors={"description": str(err)},
+                     form=form)
     except ValidationError as err:
         errors = {".".join(str(x) for x in e["loc"]): e["msg"] for e in err.errors()}
         workspaces = ctx.svc.list_workspaces(ctx.principal)
