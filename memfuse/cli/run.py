@@ -101,6 +101,8 @@ def serve(db: str | None, listen: str, admin_token_file: Path | None, migrate: b
                 bound = await nursery.start(serve_app, app, listen)
                 click.echo(f"memfuse serve: listening on {bound or 'http://' + listen} "
                            f"(database {_safe_url(url)}); stop with Ctrl-C", err=True)
+                click.echo(f"memfuse serve: web console at {bound or 'http://' + listen}/ui/ "
+                           "(log in with a token)", err=True)
                 async for _ in signals:
                     nursery.cancel_scope.cancel()
                     break
