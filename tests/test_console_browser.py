@@ -88,13 +88,14 @@ class Console:
         wait_for(empty, WAIT, "the sidecar's outbox to drain")
 
     def until(self, pred, what: str) -> None:
-        from selenium.common.exceptions import StaleElementReferenceException
+        from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
         from selenium.webdriver.support.ui import WebDriverWait
 
         try:
-            # a live page may reload while we look at it: look again
+            # a live page may reload (the store changed) while we look at it: look again
             WebDriverWait(self.d, WAIT, poll_frequency=0.05,
-                          ignored_exceptions=(StaleElementReferenceException,)).until(lambda d: pred(), message=what)
+                          ignored_exceptions=(StaleElementReferenceException, NoSuchElementException,
+                                              AssertionError)).until(lambda d: pred(), message=what)
         except Exception:
             print(f"--- waiting for {what} at {self.d.current_url}:\n{self.d.page_source[:4000]}")
             raise
