@@ -199,6 +199,8 @@ def test_history_show_restore_subprocess(home):
     assert rid in out and "deleted" in out
     rows = [ln.split() for ln in out.splitlines()[2:]]
     assert [r[:2] for r in rows] == [["1", "created"], ["2", "modified"], ["3", "deleted"]]
+    assert out.splitlines()[1].split()[6:8] == ["MODE", "MTIME"]
+    assert all("0644" in r and "-" in r for r in rows)  # default mode, no explicit mtime
     assert all("ws:dev" in " ".join(r) or "admin:" in " ".join(r) for r in rows)
 
     p = run(["show", "default", "notes/a.md", "--version", "2"])

@@ -5,6 +5,7 @@ read or written by id. Import and export of whole directories are in ``transfer`
 """
 from __future__ import annotations
 
+from datetime import datetime, timezone
 from typing import Any
 
 import click
@@ -22,6 +23,17 @@ from memfuse.cli.common import (
 )
 from memfuse.client import ApiClient, with_retries
 from memfuse.models import Record
+
+
+def _fmt_mtime(mtime_ns: int | None) -> str:
+    """An explicit mtime (``touch -d``, ``cp -p``) as UTC to the second; ``-`` when the
+    version has none (its file shows the version's time); the raw ns when out of range."""
+    if mtime_ns is None:
+        return "-"
+    try:
+        return _fmt_time(datetime.fromtimestamp(mtime_ns // 10**9, timezone.utc))
+    except (OverflowError, OSError, ValueError):
+        return f"{mtime_ns}ns"
 
 
 async def _find(api: ApiClient, store_slug: str, path: str) -> Record:
@@ -51,6 +63,8 @@ def history(target: Target, store_slug: str, path: str) -> None:
             v.actor,
             v.type or "-",
             str(v.size),
+            f"{v.mode:04o}",
+            _fmt_mtime(v.mtime_ns),
             v.sha256[:12],
             # a move shows where it went (its version holds the new path)
             v.path if v.path != path or v.operation.value == "moved" else "",
@@ -59,7 +73,8 @@ def history(target: Target, store_slug: str, path: str) -> None:
     ]
     state = "deleted" if rec.deleted else "live"
     click.echo(f"record {rec.id} ({state}, version {rec.version})")
-    click.echo(_table(rows, ["VERSION", "OPERATION", "TIME", "ACTOR", "TYPE", "SIZE", "SHA256", "PATH"]))
+    click.echo(_table(rows, ["VERSION", "OPERATION", "TIME", "ACTOR", "TYPE", "SIZE", "MODE", "MTIME",
+                            "SHA256", "PATH"]))
 
 
 @cli.command()
