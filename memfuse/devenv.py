@@ -118,24 +118,26 @@ class DevApp:
         )
 
 
-def dev_app(db_url: str | None = None) -> DevApp:
+def dev_app(db_url: str | None = None, *, faces: bool = True) -> DevApp:
     """Create the reference app on ``db_url`` (default: the dev database) with fresh random
     static tokens: one admin, one for workspace ``dev``. Each call makes a new app (own
-    engine); make one per event loop (``trio.run``)."""
+    engine); make one per event loop (``trio.run``). ``faces=False`` leaves out the console
+    and the agent-tool faces (``create_app``), as the CLI's local mode does."""
     from .server.app import create_app
 
     url = db_url or dev_db_url()
     admin = "mfa_" + secrets.token_urlsafe(32)
     ws = "mfw_" + secrets.token_urlsafe(32)
     # The dev database upgrades itself to the newest schema revision (memfuse serve refuses).
-    app = create_app(url, static_tokens={admin: None, ws: DEV_WORKSPACE}, schema="migrate")
+    app = create_app(url, static_tokens={admin: None, ws: DEV_WORKSPACE}, schema="migrate",
+                     faces=faces)
     return DevApp(app=app, admin_token=admin, workspace_token=ws, db_url=url)
 
 
 def local_client(db_url: str | None = None, *, timeout: float = 30.0) -> ApiClient:
     """An admin :class:`ApiClient` over ``httpx.ASGITransport`` to a new :func:`dev_app` on the
     dev database (base URL ``http://memfuse.local``): the CLI's local mode."""
-    return dev_app(db_url).admin_client(timeout=timeout)
+    return dev_app(db_url, faces=False).admin_client(timeout=timeout)
 
 
 def dev_workspace_client(db_url: str | None = None, *, instance: str | None = "dev") -> ApiClient:

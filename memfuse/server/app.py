@@ -60,8 +60,6 @@ from memfuse.models import (
     Workspace,
     WorkspaceCreate,
 )
-from memfuse.server import agent_tools
-from memfuse.server.console import install_console
 from memfuse.server.db import Database
 from memfuse.server.service import (
     CONTEXT_MAX_BYTES_ENV,
@@ -198,6 +196,7 @@ def create_app(
     static_tokens: dict[str, str | None] | None = None,
     context_max_bytes: int | None = None,
     schema: str = "migrate",
+    faces: bool = True,
 ) -> FastAPI:
     """Build the control-plane app over the database at ``db_url``.
 
@@ -211,6 +210,10 @@ def create_app(
     Raises ``sqlalchemy.exc.ArgumentError`` for a bad URL, ``OperationalError`` when the
     database cannot be opened, ``ValueError`` for a bad ``$MEMFUSE_CONTEXT_MAX_BYTES``,
     ``memfuse.server.schema.SchemaBehind`` when ``schema="check"`` finds it behind.
+    ``faces``: also serve the web console (``/ui/``) and the agent-tool faces (the
+    memory-tool endpoint, ``/mcp``). The CLI's local mode leaves them out: it calls only the
+    v1 API in-process, and importing the MCP SDK and the templates would add seconds to the
+    start of every command on a loaded machine.
     """
     if context_max_bytes is None:
         env = os.environ.get(CONTEXT_MAX_BYTES_ENV, "").strip()
@@ -228,7 +231,10 @@ def create_app(
     _install_error_handlers(app)
     app.add_middleware(_CatchAll)
 
-    install_console(app)  # the web console at /ui/ (memfuse/server/console/)
+    if faces:
+        from memfuse.server.console import install_console
+
+        install_console(app)  # the web console at /ui/ (memfuse/server/console/)
 
     @app.get("/healthz", include_in_schema=False)
     def healthz() -> dict[str, bool]:
@@ -418,7 +424,10 @@ def create_app(
         )
         return _json(page) if page is not None else Response(status_code=204)
 
-    agent_tools.install(app, svc, _principal)
+    if faces:
+        from memfuse.server import agent_tools
+
+        agent_tools.install(app, svc, _principal)
     return app
 
 
