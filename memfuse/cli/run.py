@@ -208,6 +208,19 @@ def _mount_cache_dir(control_plane: str, workspace: str) -> Path:
 @opt("--instance", metavar="ID", help="Sidecar id recorded on versions. Default: the host name.")
 @opt("--log-format", type=click.Choice(["json", "text"]), default="json", show_default=True,
      help="Log line format on stderr.")
+@opt("--admin-token-file", type=click.Path(dir_okay=False, path_type=Path),
+     help="File holding the bearer token that mount changes (POST/DELETE /v1/mounts/...) need on "
+     "the TCP admin API, loopback included. Without it they are refused on TCP and served only on "
+     "the Unix socket <cache dir>/admin.sock (mode 0600).")
+@opt("--admin-socket/--no-admin-socket", default=True, show_default=True,
+     help="Serve the admin API on <cache dir>/admin.sock (used by `memfuse mounts`).")
+@opt("--fuse-fd", type=click.IntRange(min=0), metavar="N",
+     help="Serve an already mounted FUSE connection: N is an open /dev/fuse descriptor that a "
+     "privileged helper opened and mounted at MOUNTPOINT (libfuse >= 3.3 takes /dev/fd/N), so this "
+     "process needs no mount privilege; the helper unmounts.")
+@opt("--start-timeout", type=click.FloatRange(min=0), default=60.0, show_default=True, metavar="S",
+     help="Seconds to wait for the control plane at start when nothing is cached to mount, "
+     "then exit 1 with the reason (0: wait forever).")
 @opt("--debug", is_flag=True, help="Verbose logging (and FUSE debug).")
 def mount(
     mountpoint: Path,
@@ -226,11 +239,20 @@ def mount(
     offline_after: float,
     instance: str | None,
     log_format: str,
+    admin_token_file: Path | None,
+    admin_socket: bool,
+    fuse_fd: int | None,
+    start_timeout: float,
     debug: bool,
 ) -> None:
     """Run the sidecar: mount WORKSPACE's stores at MOUNTPOINT until SIGTERM/SIGINT."""
     from memfuse.names import NameError_, check_slug
+    from memfuse.sidecar.admin import read_admin_token
 
+    if not workspace.strip():
+        raise click.UsageError(
+            "--workspace is empty: give the workspace to mount (in Kubernetes, the MEMFUSE_WORKSPACE "
+            "value or the pod label it is read from is missing)")
     try:
         check_slug(workspace)
     except NameError_ as e:
@@ -245,7 +267,16 @@ def mount(
         token = Target(control_plane, None).token()
     if token is None:
         raise click.UsageError("no token: pass --token-file F (or set MEMFUSE_TOKEN_FILE / MEMFUSE_TOKEN)")
-    mountpoint.mkdir(parents=True, exist_ok=True)
+    admin_token = None
+    if admin_token_file is not None:
+        try:
+            admin_token = read_admin_token(admin_token_file)
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
+    if fuse_fd is not None:
+        _check_fuse_fd(fuse_fd)
+    else:
+        mountpoint.mkdir(parents=True, exist_ok=True)
     mountpoint = mountpoint.resolve()
     inst = instance or socket.gethostname()
 
@@ -266,9 +297,26 @@ def mount(
         admin_listen=admin_listen or None,
         debug=debug,
         log_format=log_format,
+        admin_token=admin_token,
+        admin_socket=admin_socket,
+        fuse_fd=fuse_fd,
+        start_timeout=start_timeout,
     )
     rc = run_mount(config, lambda: ApiClient(control_plane, token, instance=inst))
     sys.exit(rc)
+
+
+def _check_fuse_fd(fd: int) -> None:
+    """Refuse (one line, exit 2) a ``--fuse-fd`` that is not an open /dev/fuse descriptor."""
+    import stat
+
+    try:
+        st = os.fstat(fd)
+    except OSError as e:
+        raise click.BadParameter(f"descriptor {fd} is not open ({e.strerror})", param_hint="--fuse-fd") from None
+    if not stat.S_ISCHR(st.st_mode) or (os.major(st.st_rdev), os.minor(st.st_rdev)) != (10, 229):
+        raise click.BadParameter(f"descriptor {fd} is not /dev/fuse (character device 10:229)",
+                                 param_hint="--fuse-fd")
 
 
 @cli.command()
