@@ -179,8 +179,21 @@ def _mount_cache_dir(control_plane: str, workspace: str) -> Path:
     return root / f"{workspace}-{digest}"
 
 
+class _UnstattedPath(click.ParamType):
+    """A path that click does not ``stat``: with ``--fuse-fd`` MOUNTPOINT is a FUSE mount
+    already, served by this very process, so a ``stat`` before it serves would never return."""
+
+    name = "directory"
+
+    def convert(self, value, param, ctx) -> Path:  # noqa: D102
+        return value if isinstance(value, Path) else Path(value)
+
+
+_UNSTATTED_PATH = _UnstattedPath()
+
+
 @cli.command()
-@click.argument("mountpoint", type=click.Path(file_okay=False, path_type=Path), envvar="MEMFUSE_MOUNTPOINT")
+@click.argument("mountpoint", type=_UNSTATTED_PATH, envvar="MEMFUSE_MOUNTPOINT")
 @opt("--control-plane", required=True, metavar="URL", help="Control-plane URL.")
 @opt("--workspace", required=True, metavar="WS", help="Workspace whose attached stores to mount.")
 @opt("--token-file", type=click.Path(dir_okay=False, path_type=Path),
@@ -275,9 +288,11 @@ def mount(
             raise click.UsageError(str(e)) from None
     if fuse_fd is not None:
         _check_fuse_fd(fuse_fd)
+        # never stat the mountpoint: it is mounted already and would wait for this very process
+        mountpoint = Path(os.path.abspath(mountpoint))
     else:
-        mountpoint.mkdir(parents=True, exist_ok=True)
-    mountpoint = mountpoint.resolve()
+        _prepare_mountpoint(mountpoint)
+        mountpoint = Path(os.path.realpath(mountpoint))
     inst = instance or socket.gethostname()
 
     from memfuse.sidecar.mount import MountConfig, run_mount
@@ -304,6 +319,25 @@ def mount(
     )
     rc = run_mount(config, lambda: ApiClient(control_plane, token, instance=inst))
     sys.exit(rc)
+
+
+def _prepare_mountpoint(mountpoint: Path) -> None:
+    """Create MOUNTPOINT if missing; refuse one that is not a directory. A stale FUSE mount
+    there (its daemon killed: ENOTCONN) is left for the sidecar to clean up."""
+    import errno
+    import stat
+
+    try:
+        st = os.stat(mountpoint)
+    except FileNotFoundError:
+        mountpoint.mkdir(parents=True, exist_ok=True)
+        return
+    except OSError as e:
+        if e.errno in (errno.ENOTCONN, errno.ECONNABORTED):
+            return
+        raise click.BadParameter(f"{mountpoint}: {e.strerror}", param_hint="MOUNTPOINT") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise click.BadParameter(f"{mountpoint} is not a directory", param_hint="MOUNTPOINT")
 
 
 def _check_fuse_fd(fd: int) -> None:
