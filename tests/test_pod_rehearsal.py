@@ -101,6 +101,7 @@ def test_pod_mount_topology_with_unshare(tmp_path):
     cp = ControlPlane(tmp_path).start()
     vol = tmp_path / "memory"  # the pod's emptyDir, at the same path in every namespace
     vol.mkdir()
+    os.chmod(vol, 0o777)  # as an emptyDir is
     cache = tmp_path / "cache"
     token = cp.setup_workspace("agent-1", ("notes", "team"))
     node = agent = None
@@ -176,6 +177,8 @@ def test_pod_mount_topology_with_unshare(tmp_path):
         r = _in(agent_pid, f"ls -A {vol}", timeout=10)
         assert r.returncode == 0 and r.stdout == "", (r.stdout, r.stderr)
         assert "fuse" not in _in(node_pid, f"findmnt -rno FSTYPE -M {vol} --all").stdout
+        # the bare directory was made 0755: other users' writes while unmounted fail (EACCES)
+        assert (os.stat(vol).st_mode & 0o777) == 0o755
     finally:
         for p in sidecars:
             if p.poll() is None:

@@ -322,8 +322,9 @@ def mount(
 
 
 def _prepare_mountpoint(mountpoint: Path) -> None:
-    """Create MOUNTPOINT if missing; refuse one that is not a directory. A stale FUSE mount
-    there (its daemon killed: ENOTCONN) is left for the sidecar to clean up."""
+    """Create MOUNTPOINT if missing; refuse one that is not a directory; as root, make a
+    root-owned group- or world-writable one 0755 (see below). A stale FUSE mount there (its
+    daemon killed: ENOTCONN) is left for the sidecar to clean up."""
     import errno
     import stat
 
@@ -338,6 +339,11 @@ def _prepare_mountpoint(mountpoint: Path) -> None:
         raise click.BadParameter(f"{mountpoint}: {e.strerror}", param_hint="MOUNTPOINT") from None
     if not stat.S_ISDIR(st.st_mode):
         raise click.BadParameter(f"{mountpoint} is not a directory", param_hint="MOUNTPOINT")
+    if os.geteuid() == 0 and st.st_uid == 0 and st.st_mode & 0o022:
+        # a Kubernetes emptyDir is 0777: while the mount is down (a sidecar restart), other
+        # users' writes would land in the bare directory, on the node's disk, and vanish from
+        # view at the next mount; 0755 makes them fail (EACCES) instead
+        os.chmod(mountpoint, 0o755)
 
 
 def _check_fuse_fd(fd: int) -> None:
