@@ -1,4 +1,5 @@
-"""The sidecar's admin HTTP API (DESIGN §6), and the client side used by ``memfuse status``.
+"""The sidecar's admin HTTP API (docs/DEPLOY.md, "The sidecar's admin API"), and the client side
+used by ``memfuse status`` and ``memfuse mounts``.
 
 Served with hypercorn under trio, in the sidecar's own trio run (the handlers call the target
 directly, in the trio thread: no locking against the FUSE handlers is needed), on two
