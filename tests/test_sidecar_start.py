@@ -139,3 +139,52 @@ def test_unprivileged_sidecar_serves_a_fuse_fd_mounted_by_a_helper(tmp_path):
         if _listed(mnt):
             subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=10)
         cp.stop()
+
+
+@pytest.mark.mount
+def test_real_sidecar_admin_api_needs_the_token_for_mount_changes(tmp_path):
+    """A real sidecar with --admin-token-file: DELETE /v1/mounts/<store> over TCP without the
+    token is refused and the store stays mounted; with it, the store goes; /readyz answers
+    either way. `memfuse mounts add` over the 0600 Unix socket brings it back, no token."""
+    import httpx
+
+    from memfuse.sidecar.admin import read_status_file
+    from mountutil import Sidecar, unmount
+
+    cp = ControlPlane(tmp_path).start()
+    sc = None
+    try:
+        token = cp.setup_workspace("ws", ("notes", "team"))
+        admin_token = tmp_path / "admin.token"
+        admin_token.write_text("sidecar-admin-secret\n")
+        sc = Sidecar(cp, "ws", token, tmp_path / "mnt", tmp_path / "cache",
+                     "--admin-token-file", str(admin_token)).start(expect="notes")
+        mnt = tmp_path / "mnt"
+        url = "http://" + read_status_file(mnt)["admin"]
+
+        def stores() -> list[str]:
+            return sorted(n for n in os.listdir(mnt) if not n.startswith("."))
+
+        sock = tmp_path / "cache" / "admin.sock"
+        assert (os.stat(sock).st_mode & 0o777) == 0o600
+        with httpx.Client(base_url=url, timeout=30) as c:
+            for headers in ({}, {"Authorization": "Bearer wrong"}):
+                r = c.delete("/v1/mounts/notes", headers=headers)
+                assert r.status_code == 401 and r.json()["code"] == "unauthorized"
+                assert c.get("/readyz").status_code == 200
+            assert stores() == ["notes", "team"]
+            r = c.delete("/v1/mounts/notes", headers={"Authorization": "Bearer sidecar-admin-secret"})
+            assert r.status_code == 200 and r.json()["mounted"] is False
+            assert c.get("/readyz").status_code == 200
+        wait_for(lambda: stores() == ["team"], 10, "notes gone from the mount")
+        p = subprocess.run([MEMFUSE, "mounts", "add", "notes", "--cache-dir", str(tmp_path / "cache")],
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0 and p.stdout == "notes: mounted\n", p.stderr
+        wait_for(lambda: stores() == ["notes", "team"], 10, "notes back")
+        assert sc.stop() == 0
+        assert not sock.exists()
+    finally:
+        if sc is not None:
+            sc.stop()
+        unmount(tmp_path / "mnt")
+        cp.stop()
