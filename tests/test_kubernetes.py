@@ -229,6 +229,9 @@ def test_sidecar_pod_settings(tree):
     stores = [(64 * 2**20, 10_000)] * 2
     need = sum(2.2 * b + 1.5 * 2**10 * n for b, n in stores) + 64 * 2**20
     assert _quantity(cache["emptyDir"]["sizeLimit"]) >= need
+    # the kubelet measures the memory volume through the FUSE mount on it: the stores' bytes
+    memory = next(v for v in pod["volumes"] if v["name"] == "memory")
+    assert _quantity(memory["emptyDir"]["sizeLimit"]) >= sum(b for b, _ in stores)
     # memory: 64 MiB + 4 MiB per 1,000 records + twice the largest store (a snapshot at load)
     need = 64 * 2**20 + 4 * 2**20 * sum(n for _, n in stores) / 1000 + 2 * max(b for b, _ in stores)
     assert _quantity(sidecar["resources"]["limits"]["memory"]) >= need
