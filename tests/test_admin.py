@@ -1,9 +1,11 @@
 """The sidecar admin HTTP API (memfuse/sidecar/admin.py) served for real by hypercorn under trio
-on a loopback port, hit with httpx; and `memfuse status` (CliRunner) against a status.json and
-against that admin API."""
+on a loopback port and on its Unix socket, hit with httpx; mutations need the admin token on
+TCP (loopback included) and none on the 0600 socket; `memfuse status` and `memfuse mounts`
+(CliRunner) against a status.json and against that admin API."""
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import logging
 import os
@@ -19,14 +21,20 @@ from memfuse.cli import cli
 from memfuse.sidecar.admin import (
     PROBLEM_JSON,
     AdminTarget,
+    admin_socket_path,
     format_status,
     is_loopback,
     parse_listen,
+    read_admin_token,
     serve_admin,
+    serve_admin_unix,
+    token_matches,
 )
 from memfuse.sidecar.metrics import Metrics
 
 SECRET = "s3cr3t-memory-content"
+TOKEN = "admin-t0ken-for-tests"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 class StubTarget:
@@ -84,7 +92,7 @@ async def admin(nursery):
     """(stub target, base URL) with serve_admin running on 127.0.0.1, port 0."""
     target = StubTarget()
     assert isinstance(target, AdminTarget)
-    bound = await nursery.start(serve_admin, target, "127.0.0.1:0")
+    bound = await nursery.start(functools.partial(serve_admin, target, "127.0.0.1:0", token=TOKEN))
     host, port = parse_listen(bound)
     assert host == "127.0.0.1" and port != 0
     return target, f"http://{bound}"
@@ -138,7 +146,7 @@ async def test_metrics(admin):
 
 async def test_mount_and_unmount(admin):
     target, url = admin
-    async with httpx.AsyncClient(base_url=url) as c:
+    async with httpx.AsyncClient(base_url=url, headers=AUTH) as c:
         r = await c.post("/v1/mounts/shared")
         assert r.status_code == 200
         assert r.json() == {"store": "shared", "mounted": True, "access": "read_only"}
@@ -170,11 +178,152 @@ async def test_unknown_routes_and_methods_are_problems(admin):
         assert_problem(await c.post("/healthz"), 405, "method_not_allowed")
 
 
+# ---------------------------------------------------------------- who may change mounts
+
+
+async def test_tcp_mutations_need_the_token_loopback_included(admin, caplog):
+    target, url = admin
+    target.ready = True
+    caplog.set_level(logging.INFO, logger="memfuse.admin")
+    async with httpx.AsyncClient(base_url=url) as c:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN},
+                        {"Authorization": f"Basic {TOKEN}"}, {"Authorization": f"Bearer {TOKEN}x"}):
+            r = await c.delete("/v1/mounts/default", headers=headers)
+            assert_problem(r, 401, "unauthorized")
+            assert r.headers["www-authenticate"].startswith("Bearer")
+            assert_problem(await c.post("/v1/mounts/shared", headers=headers), 401, "unauthorized")
+        assert target.calls == [] and target.mounted == {"default"}  # never reached the target
+        # the read-only endpoints stay open, for the kubelet and Prometheus
+        assert (await c.get("/readyz")).status_code == 200
+        assert (await c.get("/healthz")).status_code == 200
+        assert (await c.get("/metrics")).status_code == 200
+        assert (await c.get("/v1/status")).status_code == 200
+        r = await c.delete("/v1/mounts/default", headers={"Authorization": f"bearer {TOKEN}"})
+        assert r.status_code == 200 and target.mounted == set()
+    assert TOKEN not in caplog.text and "wrong" not in caplog.text
+
+
+async def test_tcp_without_a_token_refuses_every_mutation(nursery):
+    target = StubTarget()
+    bound = await nursery.start(serve_admin, target, "127.0.0.1:0")
+    async with httpx.AsyncClient(base_url=f"http://{bound}") as c:
+        body = assert_problem(await c.delete("/v1/mounts/default", headers=AUTH), 403, "mutations_disabled")
+        assert "admin.sock" in body["detail"] or "Unix socket" in body["detail"]
+        assert_problem(await c.post("/v1/mounts/shared"), 403, "mutations_disabled")
+        assert (await c.get("/healthz")).status_code == 200
+    assert target.calls == [] and target.mounted == {"default"}
+
+
+def test_token_matching_and_token_files(tmp_path):
+    assert token_matches(f"Bearer {TOKEN}", TOKEN) and token_matches(f"  bearer   {TOKEN} ", TOKEN)
+    for bad in (None, "", "Bearer", f"Bearer {TOKEN[:-1]}", f"Token {TOKEN}", TOKEN, "Bearer \u00e9"):
+        assert not token_matches(bad, TOKEN)
+    f = tmp_path / "t"
+    f.write_text(f"  {TOKEN}\n")
+    assert read_admin_token(f) == TOKEN
+    f.write_text("\n")
+    with pytest.raises(ValueError, match="is empty"):
+        read_admin_token(f)
+    with pytest.raises(ValueError, match="cannot read admin token file"):
+        read_admin_token(tmp_path / "missing")
+
+
+def _uds(path: Path) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=str(path)), base_url="http://sidecar")
+
+
+async def test_unix_socket_serves_mutations_without_a_token(tmp_path):
+    target = StubTarget()
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o777)
+    os.chmod(cache, 0o777)  # as a Kubernetes emptyDir is
+    sock = admin_socket_path(cache)
+    async with trio.open_nursery() as nursery:
+        shown = await nursery.start(serve_admin_unix, target, sock)
+        assert shown == str(sock)
+        st = os.stat(sock)
+        assert (st.st_mode & 0o777) == 0o600 and st.st_uid == os.getuid()
+        assert sorted(p.name for p in cache.iterdir()) == ["admin.sock"]  # no leftover private dir
+        async with _uds(sock) as c:
+            assert (await c.get("/healthz")).json() == {"ok": True}
+            r = await c.delete("/v1/mounts/default")
+            assert r.status_code == 200 and target.mounted == set()
+            r = await c.post("/v1/mounts/default")
+            assert r.status_code == 200 and target.mounted == {"default"}
+        nursery.cancel_scope.cancel()
+    assert not sock.exists()  # removed on the way out
+
+
+async def test_unix_socket_replaces_a_stale_one_never_a_file(tmp_path):
+    target = StubTarget()
+    sock = tmp_path / "admin.sock"
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(sock))
+    stale.close()  # a killed sidecar's leftover
+    async with trio.open_nursery() as nursery:
+        await nursery.start(serve_admin_unix, target, sock)
+        async with _uds(sock) as c:
+            assert (await c.get("/healthz")).status_code == 200
+        nursery.cancel_scope.cancel()
+    sock.write_text("not a socket")
+    with pytest.raises(OSError, match="not a socket"):
+        await serve_admin_unix(target, sock)
+    assert sock.read_text() == "not a socket"
+
+
+async def test_unix_socket_in_a_deep_directory(tmp_path):
+    """sun_path holds 107 bytes; the cache directory may be deeper than that."""
+    deep = tmp_path.joinpath(*["d" * 40] * 4)
+    deep.mkdir(parents=True)
+    sock = admin_socket_path(deep)
+    assert len(str(sock)) > 108
+    target = StubTarget()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(serve_admin_unix, target, sock)
+        r = await trio.to_thread.run_sync(functools.partial(
+            CliRunner().invoke, cli, ["mounts", "remove", "default", "--cache-dir", str(deep)]))
+        assert r.exit_code == 0, r.output
+        assert r.stdout == "default: unmounted\n" and target.mounted == set()
+        nursery.cancel_scope.cancel()
+
+
+async def test_mounts_command_over_socket_and_tcp(tmp_path, nursery):
+    target = StubTarget()
+    lock = trio.Lock()
+    sock = tmp_path / "admin.sock"
+    await nursery.start(functools.partial(serve_admin_unix, target, sock, lock=lock))
+    bound = await nursery.start(functools.partial(serve_admin, target, "127.0.0.1:0", token=TOKEN, lock=lock))
+    runner = CliRunner()
+
+    def invoke(*args: str):
+        return runner.invoke(cli, ["mounts", *args])
+
+    r = await trio.to_thread.run_sync(invoke, "add", "shared", "--admin-socket", str(sock))
+    assert r.exit_code == 0 and r.stdout == "shared: mounted\n" and "shared" in target.mounted
+    r = await trio.to_thread.run_sync(invoke, "add", "nope", "--cache-dir", str(tmp_path))
+    assert r.exit_code == 1 and r.stderr.startswith("Error: sidecar answered HTTP 404: store 'nope' is not attached")
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    r = await trio.to_thread.run_sync(invoke, "remove", "shared", "--admin", f"http://{bound}",
+                                      "--admin-token-file", str(token_file))
+    assert r.exit_code == 0 and r.stdout == "shared: unmounted\n" and "shared" not in target.mounted
+    token_file.write_text("wrong\n")
+    r = await trio.to_thread.run_sync(invoke, "remove", "default", "--admin", f"http://{bound}",
+                                      "--admin-token-file", str(token_file))
+    assert r.exit_code == 1 and "HTTP 401" in r.stderr and "default" in target.mounted
+    r = await trio.to_thread.run_sync(invoke, "remove", "default", "--admin", f"http://{bound}")
+    assert r.exit_code == 2 and "needs --admin-token-file" in r.stderr
+    r = await trio.to_thread.run_sync(invoke, "remove", "default")
+    assert r.exit_code == 2 and "--cache-dir" in r.stderr
+    r = await trio.to_thread.run_sync(invoke, "remove", "default", "--cache-dir", str(tmp_path / "none"))
+    assert r.exit_code == 1 and len(r.stderr.strip().splitlines()) == 1
+
+
 async def test_failures_log_one_line_without_content(admin, caplog):
     target, url = admin
     caplog.set_level(logging.INFO, logger="memfuse.admin")
     target.fail_status = True
-    async with httpx.AsyncClient(base_url=url) as c:
+    async with httpx.AsyncClient(base_url=url, headers=AUTH) as c:
         body = assert_problem(await c.get("/v1/status"), 500, "internal_error")
         assert SECRET not in json.dumps(body)
         assert (await c.get("/healthz")).status_code == 200  # still serving

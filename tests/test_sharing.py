@@ -147,16 +147,21 @@ def test_attach_detach_events_sighup_and_admin_api(tmp_path):
         with pytest.raises(OSError) as e:
             (m / "extra" / "keep.md").write_text("x")
         assert e.value.errno == errno.EROFS
-        # admin API: unmount and mount a store by hand
+        # admin API: unmount and mount a store by hand, on the sidecar's Unix socket (TCP
+        # refuses mount changes without an admin token)
         st = json.loads((m / ".memfuse" / "status.json").read_text())
         admin = "http://" + st["admin"] if not st["admin"].startswith("http") else st["admin"]
-        r = httpx.delete(f"{admin}/v1/mounts/extra", timeout=10)
+        assert httpx.delete(f"{admin}/v1/mounts/extra", timeout=10).status_code == 403
+        sock = httpx.Client(transport=httpx.HTTPTransport(uds=st["admin_socket"]),
+                            base_url="http://sidecar", timeout=30)
+        r = sock.delete("/v1/mounts/extra")
         assert r.status_code == 200, r.text
         assert not (m / "extra").exists()
-        assert httpx.delete(f"{admin}/v1/mounts/extra", timeout=10).status_code == 404
-        assert httpx.post(f"{admin}/v1/mounts/nope", timeout=10).status_code == 404
-        r = httpx.post(f"{admin}/v1/mounts/extra", timeout=10)
+        assert sock.delete("/v1/mounts/extra").status_code == 404
+        assert sock.post("/v1/mounts/nope").status_code == 404
+        r = sock.post("/v1/mounts/extra")
         assert r.status_code == 200, r.text
+        sock.close()
         assert (m / "extra" / "keep.md").read_text() == "kept\n"
         assert httpx.get(f"{admin}/readyz", timeout=10).status_code == 200
         assert "memfuse_outbox_depth" in httpx.get(f"{admin}/metrics", timeout=10).text

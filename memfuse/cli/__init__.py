@@ -2,7 +2,8 @@
 
 Commands: ``serve``, ``dev``, ``mount``, ``status``, ``store create|list|show|update``,
 ``workspace create|list``, ``attach``, ``detach``, ``token create``, ``history``, ``show``,
-``restore``, ``redact``, ``context``, ``import``, ``export``, ``db upgrade|current``, ``mcp``.
+``restore``, ``redact``, ``context``, ``import``, ``export``, ``db upgrade|current``, ``mcp``,
+``mounts add|remove``.
 
 Every option also reads ``MEMFUSE_<OPTION>`` from the environment (``--control-plane`` →
 ``MEMFUSE_CONTROL_PLANE``, ``--token-file`` → ``MEMFUSE_TOKEN_FILE``, ...); a raw token may be
@@ -18,11 +19,12 @@ One module per command group, each registering its commands on ``cli`` when impo
 ``dev``, ``mount``, ``status``), ``admin`` (stores, workspaces, attachments, tokens),
 ``records`` (``history``, ``show``, ``restore``, ``redact``, ``context``), ``transfer``
 (``import``, ``export``, over :mod:`memfuse.transfer`), ``db`` (schema migrations of the
-control-plane database) and ``agent`` (``mcp``, the MCP server for agents without a mount).
+control-plane database), ``agent`` (``mcp``, the MCP server for agents without a mount) and
+``sidecar`` (``mounts``: a running sidecar's admin API).
 """
 from __future__ import annotations
 
-from memfuse.cli import admin, agent, db, records, run, transfer  # noqa: F401  (register the commands)
+from memfuse.cli import admin, agent, db, records, run, sidecar, transfer  # noqa: F401  (register the commands)
 from memfuse.cli.common import ByteSize, cli
 
 __all__ = ["ByteSize", "cli", "main"]

@@ -210,8 +210,21 @@ def _mount_cache_dir(control_plane: str, workspace: str) -> Path:
     return root / f"{workspace}-{digest}"
 
 
+class _UnstattedPath(click.ParamType):
+    """A path that click does not ``stat``: with ``--fuse-fd`` MOUNTPOINT is a FUSE mount
+    already, served by this very process, so a ``stat`` before it serves would never return."""
+
+    name = "directory"
+
+    def convert(self, value, param, ctx) -> Path:  # noqa: D102
+        return value if isinstance(value, Path) else Path(value)
+
+
+_UNSTATTED_PATH = _UnstattedPath()
+
+
 @cli.command()
-@click.argument("mountpoint", type=click.Path(file_okay=False, path_type=Path), envvar="MEMFUSE_MOUNTPOINT")
+@click.argument("mountpoint", type=_UNSTATTED_PATH, envvar="MEMFUSE_MOUNTPOINT")
 @opt("--control-plane", required=True, metavar="URL", help="Control-plane URL.")
 @opt("--workspace", required=True, metavar="WS", help="Workspace whose attached stores to mount.")
 @opt("--token-file", type=click.Path(dir_okay=False, path_type=Path),
@@ -239,6 +252,19 @@ def _mount_cache_dir(control_plane: str, workspace: str) -> Path:
 @opt("--instance", metavar="ID", help="Sidecar id recorded on versions. Default: the host name.")
 @opt("--log-format", type=click.Choice(["json", "text"]), default="json", show_default=True,
      help="Log line format on stderr.")
+@opt("--admin-token-file", type=click.Path(dir_okay=False, path_type=Path),
+     help="File holding the bearer token that mount changes (POST/DELETE /v1/mounts/...) need on "
+     "the TCP admin API, loopback included. Without it they are refused on TCP and served only on "
+     "the Unix socket <cache dir>/admin.sock (mode 0600).")
+@opt("--admin-socket/--no-admin-socket", default=True, show_default=True,
+     help="Serve the admin API on <cache dir>/admin.sock (used by `memfuse mounts`).")
+@opt("--fuse-fd", type=click.IntRange(min=0), metavar="N",
+     help="Serve an already mounted FUSE connection: N is an open /dev/fuse descriptor that a "
+     "privileged helper opened and mounted at MOUNTPOINT (libfuse >= 3.3 takes /dev/fd/N), so this "
+     "process needs no mount privilege; the helper unmounts.")
+@opt("--start-timeout", type=click.FloatRange(min=0), default=60.0, show_default=True, metavar="S",
+     help="Seconds to wait for the control plane at start when nothing is cached to mount, "
+     "then exit 1 with the reason (0: wait forever).")
 @opt("--debug", is_flag=True, help="Verbose logging (and FUSE debug).")
 def mount(
     mountpoint: Path,
@@ -257,11 +283,20 @@ def mount(
     offline_after: float,
     instance: str | None,
     log_format: str,
+    admin_token_file: Path | None,
+    admin_socket: bool,
+    fuse_fd: int | None,
+    start_timeout: float,
     debug: bool,
 ) -> None:
     """Run the sidecar: mount WORKSPACE's stores at MOUNTPOINT until SIGTERM/SIGINT."""
     from memfuse.names import NameError_, check_slug
+    from memfuse.sidecar.admin import read_admin_token
 
+    if not workspace.strip():
+        raise click.UsageError(
+            "--workspace is empty: give the workspace to mount (in Kubernetes, the MEMFUSE_WORKSPACE "
+            "value or the pod label it is read from is missing)")
     try:
         check_slug(workspace)
     except NameError_ as e:
@@ -276,8 +311,19 @@ def mount(
         token = Target(control_plane, None).token()
     if token is None:
         raise click.UsageError("no token: pass --token-file F (or set MEMFUSE_TOKEN_FILE / MEMFUSE_TOKEN)")
-    mountpoint.mkdir(parents=True, exist_ok=True)
-    mountpoint = mountpoint.resolve()
+    admin_token = None
+    if admin_token_file is not None:
+        try:
+            admin_token = read_admin_token(admin_token_file)
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
+    if fuse_fd is not None:
+        _check_fuse_fd(fuse_fd)
+        # never stat the mountpoint: it is mounted already and would wait for this very process
+        mountpoint = Path(os.path.abspath(mountpoint))
+    else:
+        _prepare_mountpoint(mountpoint)
+        mountpoint = Path(os.path.realpath(mountpoint))
     inst = instance or socket.gethostname()
 
     from memfuse.sidecar.mount import MountConfig, run_mount
@@ -297,9 +343,51 @@ def mount(
         admin_listen=admin_listen or None,
         debug=debug,
         log_format=log_format,
+        admin_token=admin_token,
+        admin_socket=admin_socket,
+        fuse_fd=fuse_fd,
+        start_timeout=start_timeout,
     )
     rc = run_mount(config, lambda: ApiClient(control_plane, token, instance=inst))
     sys.exit(rc)
+
+
+def _prepare_mountpoint(mountpoint: Path) -> None:
+    """Create MOUNTPOINT if missing; refuse one that is not a directory; as root, make a
+    root-owned group- or world-writable one 0755 (see below). A stale FUSE mount there (its
+    daemon killed: ENOTCONN) is left for the sidecar to clean up."""
+    import errno
+    import stat
+
+    try:
+        st = os.stat(mountpoint)
+    except FileNotFoundError:
+        mountpoint.mkdir(parents=True, exist_ok=True)
+        return
+    except OSError as e:
+        if e.errno in (errno.ENOTCONN, errno.ECONNABORTED):
+            return
+        raise click.BadParameter(f"{mountpoint}: {e.strerror}", param_hint="MOUNTPOINT") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise click.BadParameter(f"{mountpoint} is not a directory", param_hint="MOUNTPOINT")
+    if os.geteuid() == 0 and st.st_uid == 0 and st.st_mode & 0o022:
+        # a Kubernetes emptyDir is 0777: while the mount is down (a sidecar restart), other
+        # users' writes would land in the bare directory, on the node's disk, and vanish from
+        # view at the next mount; 0755 makes them fail (EACCES) instead
+        os.chmod(mountpoint, 0o755)
+
+
+def _check_fuse_fd(fd: int) -> None:
+    """Refuse (one line, exit 2) a ``--fuse-fd`` that is not an open /dev/fuse descriptor."""
+    import stat
+
+    try:
+        st = os.fstat(fd)
+    except OSError as e:
+        raise click.BadParameter(f"descriptor {fd} is not open ({e.strerror})", param_hint="--fuse-fd") from None
+    if not stat.S_ISCHR(st.st_mode) or (os.major(st.st_rdev), os.minor(st.st_rdev)) != (10, 229):
+        raise click.BadParameter(f"descriptor {fd} is not /dev/fuse (character device 10:229)",
+                                 param_hint="--fuse-fd")
 
 
 @cli.command()

@@ -317,7 +317,11 @@ class Database:
     def _make_engine(self) -> Engine:
         if not self.is_sqlite:
             try:
-                return create_engine(self.url, pool_pre_ping=True, pool_size=10, max_overflow=30)
+                # a database that does not answer fails a connect in 10 s (readiness, start),
+                # unless the URL says otherwise (?connect_timeout=N)
+                args = {} if "connect_timeout" in self.url.query else {"connect_timeout": 10}
+                return create_engine(self.url, pool_pre_ping=True, pool_size=10, max_overflow=30,
+                                     connect_args=args)
             except ModuleNotFoundError as err:
                 hint = " (pip install 'memfuse[postgres]')" if self.url.drivername == "postgresql+psycopg" else ""
                 raise ModuleNotFoundError(f"no driver for {self.url.drivername}: {err}{hint}", name=err.name) from err

@@ -1,9 +1,19 @@
-"""The sidecar's admin HTTP API (DESIGN §6), and the client side used by ``memfuse status``.
+"""The sidecar's admin HTTP API (docs/DEPLOY.md, "The sidecar's admin API"), and the client side
+used by ``memfuse status`` and ``memfuse mounts``.
 
-Served by :func:`serve_admin` with hypercorn under trio, in the sidecar's own trio run (the
-handlers call the target directly, in the trio thread: no locking against the FUSE handlers
-is needed). Listens on ``--admin-listen``, default ``127.0.0.1:9464``; there is no
-authentication, so keep it on loopback (a warning is logged for any other address).
+Served with hypercorn under trio, in the sidecar's own trio run (the handlers call the target
+directly, in the trio thread: no locking against the FUSE handlers is needed), on two
+listeners:
+
+- TCP (:func:`serve_admin`, ``--admin-listen``, default ``127.0.0.1:9464``; in Kubernetes the
+  pod IP, so the kubelet's probes and Prometheus reach it). The read-only endpoints are open;
+  the mutating ones (``POST`` / ``DELETE /v1/mounts/{store}``) need
+  ``Authorization: Bearer <admin token>`` (``--admin-token-file``, compared in constant time),
+  on loopback too: any process in the pod's network namespace, or any pod that can reach the
+  pod IP, can reach this port. Without a token file, mutations on TCP are refused (403).
+- a Unix socket (:func:`serve_admin_unix`) at ``<cache dir>/admin.sock``, mode 0600, owned by
+  the sidecar's user: every endpoint, mutations without a token (file permissions are the
+  authentication). ``memfuse mounts add|remove`` uses it.
 
 Endpoints:
 
@@ -21,7 +31,9 @@ Endpoints:
 
 Every error is ``application/problem+json`` (RFC 9457) with memfuse's ``code`` member:
 ``not_found``, ``method_not_allowed``, ``invalid_name``, ``store_not_attached``,
-``store_refused``, ``store_not_mounted``, ``not_ready``, ``internal_error``. Each failed request
+``store_refused``, ``store_not_mounted``, ``not_ready``, ``internal_error``,
+``unauthorized`` (401 with ``WWW-Authenticate: Bearer``, RFC 6750: a mutation on TCP without
+the right token), ``mutations_disabled`` (403: a mutation on TCP when no admin token is set). Each failed request
 logs one line on the ``memfuse.admin`` logger: method, path, status and code (never a token,
 never memory content, never the exception's message).
 """
@@ -29,10 +41,15 @@ from __future__ import annotations
 
 import errno
 import functools
+import hmac
 import ipaddress
 import json
 import logging
 import math
+import os
+import socket
+import stat
+import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -47,11 +64,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("memfuse.admin")
 
 DEFAULT_ADMIN_LISTEN = "127.0.0.1:9464"
+ADMIN_SOCKET_NAME = "admin.sock"  # in the cache directory
 PROBLEM_JSON = "application/problem+json"
 GRACEFUL_TIMEOUT = 2.0  # seconds requests in flight get once serve_admin is cancelled
 STATUS_TIMEOUT = 5.0  # seconds `memfuse status --admin URL` waits for an answer
 
-_REASONS = {400: "Bad Request", 403: "Forbidden", 404: "Not Found", 405: "Method Not Allowed",
+_REASONS = {400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found", 405: "Method Not Allowed",
             500: "Internal Server Error", 503: "Service Unavailable"}
 
 
@@ -141,6 +159,42 @@ def _hostport(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+# ---------------------------------------------------------------- admin token
+
+
+def read_admin_token(path: Path) -> str:
+    """The admin token in ``path`` (surrounding whitespace stripped).
+
+    Raises ``ValueError`` with a one-line message when the file cannot be read or is empty.
+    """
+    try:
+        token = Path(path).read_text(encoding="utf-8").strip()
+    except OSError as e:
+        raise ValueError(f"cannot read admin token file {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"admin token file {path} is not UTF-8 text") from None
+    if not token:
+        raise ValueError(f"admin token file {path} is empty")
+    return token
+
+
+def token_matches(header: str | None, token: str) -> bool:
+    """True when ``header`` is ``Bearer <token>`` (RFC 6750 §2.1; the scheme is
+    case-insensitive). The comparison takes the same time wherever the tokens differ
+    (``hmac.compare_digest``)."""
+    if not header:
+        return False
+    scheme, _, given = header.strip().partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    return hmac.compare_digest(given.strip().encode("utf-8"), token.encode("utf-8"))
+
+
+def admin_socket_path(cache_dir: Path) -> Path:
+    """Where the sidecar with cache directory ``cache_dir`` serves its admin Unix socket."""
+    return Path(cache_dir) / ADMIN_SOCKET_NAME
+
+
 # ---------------------------------------------------------------- the app
 
 
@@ -159,11 +213,14 @@ def _json_bytes(value: Any) -> bytes:
     return json.dumps(_json_safe(value), ensure_ascii=False, allow_nan=False, default=str).encode()
 
 
-def create_admin_app(target: AdminTarget) -> Starlette:
+def create_admin_app(target: AdminTarget, *, token: str | None = None, local: bool = False,
+                     lock: trio.Lock | None = None) -> Starlette:
     """The admin ASGI app (Starlette) serving ``target``; see the module docstring.
 
-    Mount and unmount requests run one at a time. (Starlette and the server are imported
-    lazily, so ``memfuse status`` stays quick to start.)
+    ``local``: the app serves the Unix socket, so mutations need no token. Otherwise (TCP)
+    mutations need ``Authorization: Bearer <token>``, and are refused when ``token`` is None.
+    Mount and unmount requests run one at a time (``lock``, shared by the apps of one sidecar).
+    (Starlette and the server are imported lazily, so ``memfuse status`` stays quick to start.)
     """
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
@@ -173,7 +230,7 @@ def create_admin_app(target: AdminTarget) -> Starlette:
 
     from ..names import NameError_, check_slug
 
-    mutations = trio.Lock()
+    mutations = lock if lock is not None else trio.Lock()
 
     def json_response(body: Any, status: int = 200) -> Response:
         return Response(_json_bytes(body), status_code=status, media_type="application/json")
@@ -264,6 +321,15 @@ def create_admin_app(target: AdminTarget) -> Starlette:
         return json_response(result)
 
     async def mounts(request: Request) -> Response:
+        if not local:
+            if token is None:
+                return problem(request, 403, "mutations_disabled",
+                               "changing mounts over TCP needs the sidecar's --admin-token-file; "
+                               "without one, use the admin Unix socket in the cache directory "
+                               "(memfuse mounts add|remove)")
+            if not token_matches(request.headers.get("authorization"), token):
+                return problem(request, 401, "unauthorized", "a valid admin bearer token is required",
+                               headers={"WWW-Authenticate": 'Bearer realm="memfuse-admin"'})
         return await (mount if request.method == "POST" else unmount)(request)
 
     async def http_error(request: Request, exc: Exception) -> Response:
@@ -284,9 +350,11 @@ def create_admin_app(target: AdminTarget) -> Starlette:
 
 
 async def serve_admin(target: AdminTarget, listen: str = DEFAULT_ADMIN_LISTEN, *,
+                      token: str | None = None, lock: trio.Lock | None = None,
                       task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve the admin API for ``target`` on ``listen`` (``HOST:PORT`` or ``[IPV6]:PORT``;
-    port 0 picks a free port) until cancelled.
+    port 0 picks a free port) until cancelled. Mutations need ``token`` (see
+    ``create_admin_app``); ``lock`` serialises them with the Unix-socket listener.
 
     Calls ``task_status.started(address)`` once the socket listens, with the address actually
     bound in the same ``HOST:PORT`` form (``"127.0.0.1:54321"``, ``"[::1]:54321"``). On
@@ -294,19 +362,92 @@ async def serve_admin(target: AdminTarget, listen: str = DEFAULT_ADMIN_LISTEN, *
     (re-raising the cancellation). Raises ``ValueError`` for a malformed ``listen`` and
     ``OSError`` when the address cannot be bound (both before ``started``).
     """
+    host, port = parse_listen(listen)
+    if token is None:
+        log.info("admin API on TCP %s: read-only (no admin token; mutations only on the Unix socket)",
+                 _hostport(host, port))
+    app = create_admin_app(target, token=token, lock=lock)
+    await _serve(app, [_hostport(host, port)], "admin API", task_status)
+
+
+async def serve_admin_unix(target: AdminTarget, path: Path, *, lock: trio.Lock | None = None,
+                           task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Serve the admin API for ``target`` on a Unix socket at ``path`` (mode 0600: only the
+    sidecar's user may connect; every endpoint, mutations without a token) until cancelled;
+    the socket file is removed on the way out.
+
+    The socket is bound in a fresh 0700 directory next to ``path``, made 0600, then renamed
+    into place, so there is no moment when another user could connect (the cache directory
+    may be world-writable, as a Kubernetes ``emptyDir`` is). A stale socket at ``path`` (from
+    a killed sidecar) is replaced; only one sidecar runs per cache directory (its lock).
+    ``task_status.started(str(path))`` once it listens. Raises ``OSError`` when it cannot be
+    created (e.g. a path longer than ``sun_path``'s 107 bytes).
+    """
+    path = Path(path)
+    sock = _bind_private_unix(path)
+    app = create_admin_app(target, local=True, lock=lock)
+    try:
+        # hypercorn takes the bound socket over (fd://); it listens and closes it
+        await _serve(app, [f"fd://{sock.detach()}"], "admin socket", task_status, shown=str(path))
+    finally:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def _short(dir_fd: int, name: str) -> str:
+    """A path to ``name`` in the directory open as ``dir_fd`` that fits ``sun_path`` however
+    deep the directory is (``/proc/self/fd/N/name``; the full path where /proc is missing)."""
+    proc = f"/proc/self/fd/{dir_fd}"
+    return f"{proc}/{name}" if os.path.isdir(proc) else os.path.join(os.readlink(proc), name)
+
+
+def _bind_private_unix(path: Path) -> socket.socket:
+    """A Unix stream socket bound at ``path``, mode 0600, with no window where anyone else
+    could connect (see ``serve_admin_unix``). Raises ``OSError``."""
+    parent_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    private = tempfile.mkdtemp(prefix=".admin-", dir=path.parent)  # mode 0700
+    private_fd = os.open(private, os.O_RDONLY | os.O_DIRECTORY)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(_short(private_fd, "s"))
+        os.chmod("s", 0o600, dir_fd=private_fd)
+        try:
+            st = os.lstat(path.name, dir_fd=parent_fd)
+        except FileNotFoundError:
+            pass
+        else:
+            if not stat.S_ISSOCK(st.st_mode):
+                raise OSError(errno.EEXIST, f"{path} exists and is not a socket; not replacing it")
+        os.replace("s", path.name, src_dir_fd=private_fd, dst_dir_fd=parent_fd)
+    except BaseException:
+        sock.close()
+        raise
+    finally:
+        try:
+            os.unlink("s", dir_fd=private_fd)
+        except OSError:
+            pass
+        os.close(private_fd)
+        os.close(parent_fd)
+        try:
+            os.rmdir(private)
+        except OSError:
+            pass
+    return sock
+
+
+async def _serve(app: Any, binds: list[str], what: str, task_status, shown: str | None = None) -> None:
+    """Run hypercorn for ``app`` on ``binds`` until cancelled (see ``serve_admin``)."""
     from hypercorn.config import Config
     from hypercorn.trio import serve as hypercorn_serve
 
-    host, port = parse_listen(listen)
-    if not is_loopback(host):
-        log.warning("admin API listening on non-loopback address %s: it has no authentication",
-                    _hostport(host, port))
     config = Config()
-    config.bind = [_hostport(host, port)]
+    config.bind = binds
     config.graceful_timeout = GRACEFUL_TIMEOUT
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")
-    app = create_admin_app(target)
     shutdown = trio.Event()
     # Shielded: our cancellation becomes hypercorn's graceful shutdown (the trigger below)
     # rather than an abrupt cancel of its tasks; the deadline set at shutdown bounds the wait.
@@ -319,9 +460,9 @@ async def serve_admin(target: AdminTarget, listen: str = DEFAULT_ADMIN_LISTEN, *
     started = False
     try:
         async with trio.open_nursery() as nursery:
-            binds = await nursery.start(run)
-            bound = binds[0].split("://", 1)[-1] if binds else _hostport(host, port)
-            log.info("admin API listening on %s", bound)
+            bound_to = await nursery.start(run)
+            bound = shown or (bound_to[0].split("://", 1)[-1] if bound_to else binds[0])
+            log.info("%s listening on %s", what, bound)
             task_status.started(bound)
             started = True
             try:
@@ -367,6 +508,69 @@ def read_status_file(mountpoint: Path) -> dict:
                                     "(sidecar stopped?); unmount it with fusermount3 -u") from None
         raise StatusUnavailable(f"cannot read {path}: {e.strerror or e}") from None
     return _status_object(text, str(path))
+
+
+class AdminRequestFailed(Exception):
+    """An admin call did not succeed; the message is one line for people. ``status`` is the
+    HTTP status (None when nothing answered), ``code`` the problem's ``code`` member."""
+
+    def __init__(self, message: str, status: int | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+def admin_call(method: str, path: str, *, socket_path: Path | None = None, url: str | None = None,
+               token: str | None = None, timeout: float = 60.0) -> dict:
+    """One admin API call, over the Unix socket at ``socket_path`` or to ``url`` (TCP, with
+    ``token`` as a bearer token for mutations). Returns the JSON object answered; waits at most
+    ``timeout`` s (an unmount commits dirty files first, up to the sidecar's --commit-wait).
+
+    Raises ``AdminRequestFailed`` when nothing answers or the answer is an error.
+    """
+    import httpx
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    dir_fd = None
+    try:
+        if socket_path is not None:
+            socket_path = Path(socket_path)
+            try:
+                dir_fd = os.open(socket_path.parent, os.O_RDONLY | os.O_DIRECTORY)
+            except OSError as e:
+                raise AdminRequestFailed(f"no sidecar admin socket at {socket_path} ({e.strerror})") from None
+            transport = httpx.HTTPTransport(uds=_short(dir_fd, socket_path.name))
+            base, where = "http://sidecar", str(socket_path)
+        elif url:
+            transport, base = None, url.strip().rstrip("/")
+            if "://" not in base:
+                base = "http://" + base
+            where = base
+        else:
+            raise AdminRequestFailed("no admin socket or URL given")
+        try:
+            with httpx.Client(transport=transport, timeout=timeout) as client:
+                r = client.request(method, base + path, headers=headers)
+        except httpx.TimeoutException:
+            raise AdminRequestFailed(f"sidecar admin API at {where} did not answer within {timeout:g} s") from None
+        except httpx.HTTPError as e:
+            reason = " ".join(str(e).split()) or type(e).__name__
+            raise AdminRequestFailed(f"sidecar admin API not reachable at {where} ({reason})") from None
+    finally:
+        if dir_fd is not None:
+            os.close(dir_fd)
+    try:
+        body = r.json()
+    except ValueError:
+        body = None
+    if r.status_code >= 400:
+        detail = code = None
+        if isinstance(body, dict):
+            detail, code = body.get("detail") or body.get("title"), body.get("code")
+        msg = f"sidecar answered HTTP {r.status_code}" + (f": {' '.join(str(detail).split())}" if detail else "")
+        raise AdminRequestFailed(msg, r.status_code, code)
+    if not isinstance(body, dict):
+        raise AdminRequestFailed(f"sidecar admin API at {where} did not answer a JSON object", r.status_code)
+    return body
 
 
 def fetch_status(admin_url: str, timeout: float = STATUS_TIMEOUT) -> dict:

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -59,6 +59,19 @@ class MountConfig:
     offline_after: float = 10.0  # s without an answer before mounting saved stores from the cache
     log_format: str = "json"
     token_check_interval: float = 5.0  # s between looks at --token-file for a rotated token
+    # Mutations on the TCP admin API need this bearer token (None: refused on TCP).
+    admin_token: str | None = field(default=None, repr=False)
+    admin_socket: bool = True  # serve the admin API on <cache_dir>/admin.sock (mode 0600)
+    # An open /dev/fuse fd already mounted by a privileged helper (libfuse >= 3.3 takes
+    # /dev/fd/N as the mountpoint); None: mount MOUNTPOINT ourselves (mount(2) or fusermount3).
+    fuse_fd: int | None = None
+    # s without an answer from the control plane at start, with nothing cached to mount,
+    # before giving up with exit status 1 (0: wait forever)
+    start_timeout: float = 60.0
+
+
+class StartError(Exception):
+    """The sidecar cannot start; the message is one line for ``kubectl logs``."""
 
 
 class JsonFormatter(logging.Formatter):
@@ -200,6 +213,8 @@ class Sidecar:
         self.offline_start = False
         self.feed_tasks = 0  # running change-feed tasks: one per mounted store
         self._drain_scope: trio.CancelScope | None = None
+        self.admin_socket: str | None = None
+        self.last_start_error: str | None = None
         self.metrics.bind(
             depth=lambda: self.committer.depth(), oldest=lambda: self.committer.oldest_age(),
             records=lambda: sum(len(s.records) for s in self.states.values()),
@@ -235,6 +250,7 @@ class Sidecar:
                                                  if state.last_change_at else None)
         st["mountpoint"] = str(self.config.mountpoint)
         st["admin"] = self.admin_address
+        st["admin_socket"] = self.admin_socket
         st["invalidations"] = {"done": self.invalidator.done, "failed": self.invalidator.failed}
         st["errors_logged"] = len(self.fs.errors)
         st["feed_tasks"] = self.feed_tasks
@@ -259,6 +275,7 @@ class Sidecar:
             try:
                 return await fn()
             except TransientError as e:
+                self.last_start_error = e.code or (f"HTTP {e.status}" if e.status else type(e).__name__)
                 log.warning(f"control plane unreachable while {what}; retrying",
                             extra={"status": e.status, "code": e.code, "retry_in_s": delay})
                 await trio.sleep(delay)
@@ -270,6 +287,7 @@ class Sidecar:
                 await trio.sleep(delay)
                 delay = min(delay * 2, 5.0)
             except Unauthorized as e:  # an authentication outage: wait for a valid token
+                self.last_start_error = f"HTTP {e.status}: the token was refused"
                 log.warning(f"the control plane refused the token while {what}; retrying",
                             extra={"status": e.status, "code": e.code, "retry_in_s": delay})
                 await self._wait_token(delay)
@@ -653,18 +671,36 @@ class Sidecar:
                 await nursery.start(self.committer.run)
                 if self.client.token_file is not None:
                     self._spawn("token-watch", self._token_watch)
-                if config.admin_listen:  # first, so /healthz and /readyz answer while loading
+                # the admin API first, so /healthz and /readyz answer while loading
+                admin_lock = trio.Lock()  # one mount change at a time, whichever listener
+                if config.admin_listen:
                     from .admin import serve_admin
-                    self.admin_address = await nursery.start(serve_admin, self, config.admin_listen)
+                    self.admin_address = await nursery.start(functools.partial(
+                        serve_admin, self, config.admin_listen, token=config.admin_token, lock=admin_lock))
+                if config.admin_socket:
+                    from .admin import admin_socket_path, serve_admin_unix
+                    try:
+                        self.admin_socket = await nursery.start(functools.partial(
+                            serve_admin_unix, self, admin_socket_path(config.cache_dir), lock=admin_lock))
+                    except OSError as e:  # the mount works without it; say what is missing
+                        log.warning("admin Unix socket not available; mount changes only over TCP "
+                                    "with the admin token", extra={"error": e.strerror or str(e)})
                 if self.leftovers:
                     log.info("replaying outbox", extra={"entries": len(self.leftovers)})
                     self.committer.replay(self.leftovers)
                     await self.committer.wait_idle()
                     log.info("outbox replayed", extra={"entries": len(self.leftovers)})
                 atts = None
-                with trio.move_on_after(config.offline_after if self._saved_slugs() else math.inf):
+                saved = bool(self._saved_slugs())
+                wait = config.offline_after if saved else (config.start_timeout or math.inf)
+                with trio.move_on_after(wait):
                     atts = await self._retrying(
                         "listing attachments", lambda: self.client.list_attachments(config.workspace))
+                if atts is None and not saved:
+                    raise StartError(
+                        f"no answer from the control plane {self.client.base_url} within "
+                        f"{config.start_timeout:g} s at start (last error: {self.last_start_error}) "
+                        "and nothing is cached to mount; exiting")
                 if atts is None:
                     self._load_offline()
                 else:
@@ -673,14 +709,20 @@ class Sidecar:
                 self.save_states()
                 self._gc_blobs()
 
-                clean_stale_mount(config.mountpoint)
                 options = set(pyfuse3.default_options)
                 options |= {"fsname=memfuse", "subtype=memfuse"}
-                if config.allow_other:
-                    options.add("allow_other")
-                if os.path.exists("/usr/bin/fusermount3") or os.path.exists("/bin/fusermount3"):
-                    options.add("auto_unmount")
-                pyfuse3.init(self.ops, str(config.mountpoint), options)
+                if config.fuse_fd is not None:
+                    # mounted already by a privileged helper, which also unmounts it: libfuse
+                    # serves the fd and never calls mount(2) / umount(2) for /dev/fd/N
+                    target = f"/dev/fd/{config.fuse_fd}"
+                else:
+                    clean_stale_mount(config.mountpoint)
+                    target = str(config.mountpoint)
+                    if config.allow_other:
+                        options.add("allow_other")
+                    if os.path.exists("/usr/bin/fusermount3") or os.path.exists("/bin/fusermount3"):
+                        options.add("auto_unmount")
+                pyfuse3.init(self.ops, target, options)
                 mounted = True
                 self.invalidator.active = True
                 self._spawn("invalidator", self.invalidator.run)
@@ -798,11 +840,29 @@ async def drain(fs: Filesystem, committer: Committer, timeout: float) -> None:
 
 
 def run_mount(config: MountConfig, client_factory: Callable[[], ApiClient]) -> int:
-    """Blocking entry point: set up logging, run ``serve_mount`` under trio, return exit code."""
+    """Blocking entry point: set up logging, run ``serve_mount`` under trio, return the exit
+    code: 0 after a stop, 1 when the sidecar could not start (``StartError``, logged as one
+    line)."""
     setup_logging(config.debug, config.log_format)
 
     async def main() -> int:
         async with client_factory() as client:
             return await serve_mount(config, client)
 
-    return trio.run(main)
+    try:
+        return trio.run(main)
+    except BaseExceptionGroup as group:
+        start = group.subgroup(StartError)
+        if start is None:
+            raise
+        log.error("%s", _first_leaf(start))
+        return 1
+    except StartError as e:
+        log.error("%s", e)
+        return 1
+
+
+def _first_leaf(error: BaseException) -> BaseException:
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    return error

@@ -1,0 +1,191 @@
+"""How the sidecar starts in a pod: bad input at start is one clear line and a non-zero exit
+(what ``kubectl logs`` and the container's last state show), never a crash loop without a
+reason; and ``--fuse-fd``: a privileged helper (``tests/fuse_fd_helper.py``, as a CSI node
+plugin would) opens ``/dev/fuse`` and mounts, and a sidecar without any capability serves
+the descriptor it was handed over a Unix socket."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mountutil import MEMFUSE, ControlPlane, free_port, is_mounted, sh, stop, wait_for
+
+HERE = Path(__file__).resolve().parent
+
+
+def _mount(args: list[str], tmp: Path, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([MEMFUSE, "mount", str(tmp / "mnt"), "--cache-dir", str(tmp / "cache"),
+                           "--admin-listen", "127.0.0.1:0", *args],
+                          capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+                          env={k: v for k, v in os.environ.items() if not k.startswith("MEMFUSE_")})
+
+
+def _one_error_line(p: subprocess.CompletedProcess) -> str:
+    lines = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith("Error:")]
+    assert len(errors) == 1 and "Traceback" not in p.stderr, p.stderr
+    return errors[0]
+
+
+def test_bad_input_at_start_is_one_line_and_a_nonzero_exit(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("mfw_not-checked-before-the-control-plane\n")
+    cp = ["--control-plane", "http://127.0.0.1:9"]
+
+    # what an unset fieldRef / env value gives: an empty --workspace
+    p = _mount([*cp, "--workspace=", "--token-file", str(token)], tmp_path)
+    assert p.returncode == 2
+    assert "--workspace is empty" in _one_error_line(p) and "MEMFUSE_WORKSPACE" in p.stderr
+
+    p = _mount([*cp, "--workspace", "ws", "--token-file", str(tmp_path / "missing")], tmp_path)
+    assert p.returncode == 2 and "cannot read token file" in _one_error_line(p)
+
+    p = _mount([*cp, "--workspace", "ws", "--token-file", str(token),
+                "--admin-token-file", str(tmp_path / "missing-admin")], tmp_path)
+    assert p.returncode == 2 and "cannot read admin token file" in _one_error_line(p)
+
+    p = _mount([*cp, "--workspace", "ws", "--token-file", str(token), "--fuse-fd", "987"], tmp_path)
+    assert p.returncode == 2 and "descriptor 987 is not open" in _one_error_line(p)
+
+    # nothing answers at the control plane's address, nothing is cached: give up with the reason
+    t0 = time.monotonic()
+    p = _mount(["--control-plane", f"http://127.0.0.1:{free_port()}", "--workspace", "ws",
+                "--token-file", str(token), "--start-timeout", "1.5"], tmp_path)
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert time.monotonic() - t0 < 30
+    errors = [json.loads(ln) for ln in p.stderr.splitlines() if ln.startswith("{") and '"error"' in ln]
+    assert len(errors) == 1, p.stderr[-2000:]
+    msg = errors[0]["msg"]
+    assert "no answer from the control plane" in msg and "within 1.5 s at start" in msg
+    assert "connect_error" in msg
+    assert "Traceback" not in p.stderr
+    assert not is_mounted(tmp_path / "mnt")
+
+
+def _listed(path: Path) -> bool:
+    """``path`` is a mount point in /proc/mounts, found without touching it (a FUSE mount
+    whose daemon has not started yet would block a stat)."""
+    with open("/proc/mounts") as f:
+        return any(line.split()[1] == os.path.abspath(path) for line in f)
+
+
+def _capabilities(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("CapEff:"):
+            return int(line.split()[1], 16)
+    raise AssertionError("no CapEff line")
+
+
+RECEIVER = """
+import os, socket, sys
+s = socket.socket(socket.AF_UNIX)
+s.connect(sys.argv[1])
+_, fds, _, _ = socket.recv_fds(s, 16, 1)
+s.close()
+os.set_inheritable(fds[0], True)
+os.execv(sys.argv[2], [sys.argv[2], "mount", *sys.argv[3:], "--fuse-fd", str(fds[0])])
+"""
+
+
+@pytest.mark.mount
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
+                    reason="the helper needs CAP_SYS_ADMIN (root) and setpriv")
+def test_unprivileged_sidecar_serves_a_fuse_fd_mounted_by_a_helper(tmp_path):
+    cp = ControlPlane(tmp_path).start()
+    helper = sidecar = None
+    mnt, sock = tmp_path / "mnt", tmp_path / "fuse.sock"
+    mnt.mkdir()
+    try:
+        token = cp.setup_workspace("agent", ("notes",))
+        helper = subprocess.Popen([sys.executable, str(HERE / "fuse_fd_helper.py"), str(mnt), str(sock)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert helper.stdout.readline().strip() == "listening", helper.stderr.read()
+        assert _listed(mnt)
+        log = tmp_path / "sidecar.log"
+        # no capability at all, and none to gain from a setuid fusermount3: mount(2) is impossible
+        sidecar = subprocess.Popen(
+            ["setpriv", "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs",
+             sys.executable, "-c", RECEIVER, str(sock), MEMFUSE, str(mnt),
+             "--control-plane", cp.url, "--workspace", "agent", "--token-file", str(token),
+             "--cache-dir", str(tmp_path / "cache"), "--admin-listen", "127.0.0.1:0", "--log-format", "text"],
+            stdout=log.open("ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        assert helper.stdout.readline().strip() == "mounted"
+        wait_for(lambda: (tmp_path / "cache" / "admin.sock").exists(), 60, "sidecar admin socket", sidecar, log)
+        wait_for(lambda: sh(f"timeout 5 test -d {mnt}/notes", tmp_path, check=False).returncode == 0,
+                 60, "the store in the fd-served mount", sidecar, log)
+        assert _capabilities(sidecar.pid) == 0
+        sh(f"timeout 10 bash -c 'echo from-fd > {mnt}/notes/a.md && cat {mnt}/notes/a.md'", tmp_path)
+        assert stop(sidecar) == 0  # drains, closes the fd; it does not (cannot) unmount
+        records, _ = cp.call("snapshot", "notes", content=True)
+        assert [(r.path, r.content) for r in records] == [("a.md", "from-fd\n")]
+        assert "mounted" in log.read_text()
+        helper.stdin.write("unmount\n")
+        helper.stdin.flush()
+        assert helper.stdout.readline().strip() == "unmounted"
+        assert helper.wait(10) == 0
+        assert not _listed(mnt)
+    finally:
+        if sidecar is not None:
+            stop(sidecar)
+        if helper is not None and helper.poll() is None:
+            helper.kill()
+            helper.wait(10)
+        if _listed(mnt):
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=10)
+        cp.stop()
+
+
+@pytest.mark.mount
+def test_real_sidecar_admin_api_needs_the_token_for_mount_changes(tmp_path):
+    """A real sidecar with --admin-token-file: DELETE /v1/mounts/<store> over TCP without the
+    token is refused and the store stays mounted; with it, the store goes; /readyz answers
+    either way. `memfuse mounts add` over the 0600 Unix socket brings it back, no token."""
+    import httpx
+
+    from memfuse.sidecar.admin import read_status_file
+    from mountutil import Sidecar, unmount
+
+    cp = ControlPlane(tmp_path).start()
+    sc = None
+    try:
+        token = cp.setup_workspace("ws", ("notes", "team"))
+        admin_token = tmp_path / "admin.token"
+        admin_token.write_text("sidecar-admin-secret\n")
+        sc = Sidecar(cp, "ws", token, tmp_path / "mnt", tmp_path / "cache",
+                     "--admin-token-file", str(admin_token)).start(expect="notes")
+        mnt = tmp_path / "mnt"
+        url = "http://" + read_status_file(mnt)["admin"]
+
+        def stores() -> list[str]:
+            return sorted(n for n in os.listdir(mnt) if not n.startswith("."))
+
+        sock = tmp_path / "cache" / "admin.sock"
+        assert (os.stat(sock).st_mode & 0o777) == 0o600
+        with httpx.Client(base_url=url, timeout=30) as c:
+            for headers in ({}, {"Authorization": "Bearer wrong"}):
+                r = c.delete("/v1/mounts/notes", headers=headers)
+                assert r.status_code == 401 and r.json()["code"] == "unauthorized"
+                assert c.get("/readyz").status_code == 200
+            assert stores() == ["notes", "team"]
+            r = c.delete("/v1/mounts/notes", headers={"Authorization": "Bearer sidecar-admin-secret"})
+            assert r.status_code == 200 and r.json()["mounted"] is False
+            assert c.get("/readyz").status_code == 200
+        wait_for(lambda: stores() == ["team"], 10, "notes gone from the mount")
+        p = subprocess.run([MEMFUSE, "mounts", "add", "notes", "--cache-dir", str(tmp_path / "cache")],
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0 and p.stdout == "notes: mounted\n", p.stderr
+        wait_for(lambda: stores() == ["notes", "team"], 10, "notes back")
+        assert sc.stop() == 0
+        assert not sock.exists()
+    finally:
+        if sc is not None:
+            sc.stop()
+        unmount(tmp_path / "mnt")
+        cp.stop()
