@@ -18,8 +18,11 @@ a query (``authenticate_cached``). What bounds it:
   a cached token is never used once that read is overdue. So another replica refuses a
   revoked token within about a second. The look-back spans the cache lifetime plus a margin
   for clock skew between replicas, so the order in which concurrent revocations commit does
-  not matter. ``Service.tokens_revoked`` is the hook for a cross-replica notification
-  (PostgreSQL ``LISTEN/NOTIFY``) to make it immediate.
+  not matter. On PostgreSQL the revocation also travels on the commit bus
+  (``memfuse.server.wakeups``, topic ``TOKEN_REVOKED``) and every replica drops the token when
+  it commits; while the bus is connected (``Bus.revocations_live``) the periodic read is not
+  needed, and on every (re)connect of the bus the cache is emptied (revocations may have been
+  missed while it was down).
 - a row deleted from the database by hand: refused within ``TOKEN_CACHE_SECONDS``.
 
 ``last_used_at`` is written at most once per ``LAST_USED_SECONDS`` per token and process
@@ -50,6 +53,7 @@ from memfuse.server.base import (
     ServiceError,
     _unauthorized,
 )
+from memfuse.server import wakeups
 from memfuse.server.db import TokenRow, WorkspaceRow, utcnow
 
 log = logging.getLogger("memfuse.server.service")  # every room of the Service logs under one name
@@ -189,7 +193,8 @@ class TokensMixin(ServiceBase):
         cache: TokenCache = self._token_cache
         hit = cache.entries.get(sha256_hex(raw))
         mono = time.monotonic()
-        if (hit is None or hit.until < mono or mono - cache.checked_at > REVOCATION_CHECK_SECONDS
+        revocations_fresh = self.bus.revocations_live or mono - cache.checked_at <= REVOCATION_CHECK_SECONDS
+        if (hit is None or hit.until < mono or not revocations_fresh
                 or mono - hit.touched > LAST_USED_SECONDS
                 or (hit.expires_at is not None and hit.expires_at <= time.time())):
             return None
@@ -304,6 +309,7 @@ class TokensMixin(ServiceBase):
                 row.revoked_at = utcnow()
                 s.flush()
                 revoked.append((row.name, row.workspace))
+                wakeups.note_topic(wakeups.TOKEN_REVOKED, token_id)  # every replica, at commit
             return None
 
         reply = self._write(p, idem, 204, fn)
