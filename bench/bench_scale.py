@@ -246,7 +246,7 @@ def parse_metrics(text: str) -> dict[str, float]:
 async def scrape(r: Replica, token: str) -> dict[str, float]:
     c = Conn(r.port, token)
     try:
-        status, _, body, _ = await c.request("GET", "/metrics", timeout=30)
+        status, _, body, _ = await c.request("GET", "/metrics", timeout=90)
         if status != 200:
             raise HttpError(f"/metrics answered {status}")
         return parse_metrics(body.decode())
@@ -611,7 +611,7 @@ async def phase_abuse(replicas: list[Replica], ws: str, token: str, polls: int, 
         for _ in range(silent):
             s = await trio.open_tcp_stream(HOST, r.port)
             req = b"GET /openapi.json HTTP/1.1\r\nhost: x\r\n\r\n"
-            await s.send_all(req * 200)  # pipelined, the answers (~100 KB each) never read
+            await s.send_all(req * 20)  # pipelined, the answers (~100 KB each) never read
             silent_socks.append(s)
         await trio.sleep(3)
         n.cancel_scope.cancel()
@@ -711,7 +711,7 @@ async def run_config(args, db: str, n_replicas: int, pg_url: str | None, work: P
                     res: dict = {}
 
                     async def abuse():
-                        res.update(await phase_abuse(replicas, tokens[0][0], tokens[0][1], args.abuse_polls, 20))
+                        res.update(await phase_abuse(replicas, tokens[0][0], tokens[0][1], args.abuse_polls, 5))
 
                     an.start_soon(abuse)
                     await trio.sleep(1.0)
