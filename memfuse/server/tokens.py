@@ -8,7 +8,9 @@ in constant time too.
 
 The positive cache (``TokenCache``): a database token is remembered for
 ``TOKEN_CACHE_SECONDS`` after a lookup, so most requests resolve on the event loop without
-a query (``authenticate_cached``). What bounds it:
+a query (``authenticate_cached``). A lookup also confirms, at most once a second, every
+cached token in the second half of its life (one ``IN`` query), so thousands of idle
+sidecars cost about one token query per ``TOKEN_CACHE_SECONDS / 2``. What bounds it:
 
 - expiry: the cached entry carries ``expires_at``, checked on every request;
 - revocation: ``DELETE /v1/tokens/{id}`` sets the row's ``revoked_at`` and drops the token
@@ -63,11 +65,12 @@ TOKEN_CACHE_MAX = 4096  # entries; the cache is emptied when full
 REVOCATION_CHECK_SECONDS = 1.0  # a cached token is used only if revocations were read this recently
 REVOCATION_LOOKBACK_SECONDS = TOKEN_CACHE_SECONDS + 30.0  # cache lifetime + clock-skew margin
 LAST_USED_SECONDS = 60.0  # last_used_at is written at most this often per token
+TOKEN_CONFIRM_BATCH = 1000  # tokens confirmed by one query
 
-_SELECT_TOKEN = select(
+_SELECT_TOKENS = select(
     _T.c.id, _T.c.token_sha256, _T.c.workspace, _T.c.name, _T.c.expires_at, _T.c.revoked_at,
     _T.c.last_used_at,
-).where(_T.c.token_sha256 == bindparam("digest"))
+).where(_T.c.token_sha256.in_(bindparam("digests", expanding=True)))
 _SELECT_REVOKED = select(_T.c.id).where(_T.c.revoked_at > bindparam("since"))
 _TOUCH = update(_T).where(
     _T.c.id == bindparam("tid"),
@@ -108,6 +111,7 @@ class TokenCache:
     def __init__(self) -> None:
         self.entries: dict[str, _Entry] = {}
         self.checked_at = -1e18  # monotonic time of the last read of token_revocations
+        self.batch_at = -1e18  # monotonic time of the last batched confirmation
         self.lock = threading.Lock()
 
     def forget(self, token_ids: set[str]) -> None:
@@ -156,8 +160,28 @@ class TokensMixin(ServiceBase):
         if hit is not None and hit.until > mono and (hit.expires_at is None or hit.expires_at > wall):
             self._touch(hit, mono)
             return Principal(workspace=hit.workspace, name=hit.name, instance=_clean_instance(instance))
+        # One query for this token and, at most once a second, every cached token whose entry
+        # is in the second half of its life: idle sidecars then cost about one token query
+        # per TOKEN_CACHE_SECONDS / 2 in all, not one per token.
+        due: list[str] = []
+        with cache.lock:
+            if mono - cache.batch_at >= 1.0:
+                cache.batch_at = mono
+                due = [d for d, e in cache.entries.items()
+                       if d != digest and e.until - mono < TOKEN_CACHE_SECONDS / 2][:TOKEN_CONFIRM_BATCH - 1]
         with self.db.read_conn() as conn:
-            row = conn.execute(_SELECT_TOKEN, {"digest": digest}).first()
+            rows = {r.token_sha256: r for r in conn.execute(_SELECT_TOKENS, {"digests": [digest, *due]})}
+        for d in due:
+            other = rows.get(d)
+            e = cache.entries.get(d)
+            if e is None:
+                continue
+            if other is None or other.revoked_at is not None or (
+                    other.expires_at is not None and other.expires_at.timestamp() <= wall):
+                cache.entries.pop(d, None)
+            else:
+                e.until = mono + TOKEN_CACHE_SECONDS
+        row = rows.get(digest)
         if row is None or not hmac.compare_digest(row.token_sha256, digest):
             cache.entries.pop(digest, None)
             raise _unauthorized("unknown token")
