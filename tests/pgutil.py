@@ -49,3 +49,66 @@ def _null_pool():
     from sqlalchemy.pool import NullPool
 
     return NullPool
+
+
+def pg_bindir():
+    """The directory of the newest installed PostgreSQL server binaries (``initdb``,
+    ``pg_ctl``, ``psql``), or None when none is installed or psycopg is missing."""
+    import glob
+    from pathlib import Path
+
+    try:
+        import psycopg  # noqa: F401
+    except ImportError:
+        return None
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
+    return Path(found[-1]).parent if found else None
+
+
+@contextmanager
+def pg_cluster(max_connections: int = 300, settings: tuple[str, ...] = ()) -> Iterator[str]:
+    """A throwaway PostgreSQL cluster on loopback for the duration of the block; yields the
+    URL of an empty database ``memfuse_test`` owned by role ``memfuse`` (password
+    ``memfuse``). ``fsync=off`` (a test cluster); ``settings`` are extra ``-c`` options.
+    Runs the server as user ``postgres`` when started as root (initdb refuses root). Stops
+    the cluster and removes its directory at the end. Raises ``RuntimeError`` when PostgreSQL
+    or psycopg is not installed (``./scripts/setup --test`` installs both),
+    ``subprocess.CalledProcessError`` / ``TimeoutExpired`` when it does not start."""
+    import pwd
+    import shutil
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from mountutil import free_port
+
+    bindir = pg_bindir()
+    if bindir is None:
+        raise RuntimeError("PostgreSQL or psycopg not installed (./scripts/setup --test installs them)")
+    work = Path(tempfile.mkdtemp(prefix="memfuse-pg-"))
+    as_pg: list[str] = []
+    if os.geteuid() == 0:
+        pw = pwd.getpwnam("postgres")
+        os.chown(work, pw.pw_uid, pw.pw_gid)
+        as_pg = ["runuser", "-u", "postgres", "--"]
+    data, port = work / "data", free_port()
+    pg_ctl = [*as_pg, str(bindir / "pg_ctl"), "-D", str(data)]
+    extra = "".join(f" -c {s}" for s in settings)
+    started = False
+    try:
+        subprocess.run([*as_pg, str(bindir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres"],
+                       check=True, capture_output=True, timeout=120)
+        subprocess.run([*pg_ctl, "-l", str(work / "log"), "-w", "-o",
+                        f"-c listen_addresses=127.0.0.1 -p {port} -k {work} -c fsync=off "
+                        f"-c max_connections={max_connections}{extra}", "start"],
+                       check=True, capture_output=True, timeout=120)
+        started = True
+        subprocess.run([*as_pg, str(bindir / "psql"), "-h", "127.0.0.1", "-p", str(port), "-U", "postgres",
+                        "-qc", "CREATE ROLE memfuse LOGIN PASSWORD 'memfuse'",
+                        "-c", "CREATE DATABASE memfuse_test OWNER memfuse"],
+                       check=True, capture_output=True, timeout=60)
+        yield f"postgresql://memfuse:memfuse@127.0.0.1:{port}/memfuse_test"
+    finally:
+        if started:
+            subprocess.run([*pg_ctl, "-m", "fast", "-w", "stop"], capture_output=True, timeout=60)
+        shutil.rmtree(work, ignore_errors=True)

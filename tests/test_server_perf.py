@@ -317,12 +317,20 @@ async def test_database_token_is_cached_and_expires(env):
 
 
 async def test_record_writes_wake_only_their_stores_feeds(env):
+    from memfuse.server.wakeups import EVENTS, FEED
+
     app, admin, me, peer = env
-    notifier = app.state.service.notifier
-    feed = notifier.subscribe("default")
-    feed_skip = notifier.subscribe("default", skip_actor=ME)
-    other_feed = notifier.subscribe("other")
-    events = notifier.subscribe()
+    svc = app.state.service
+    notifier = svc.notifier
+    svc.bus.start()  # PostgreSQL: its connect wakes every waiter once; let that pass first
+    with trio.fail_after(10):
+        while not svc.bus.connected:
+            await trio.sleep(0.02)
+    feed = notifier.subscribe(FEED, "default")
+    feed_skip = notifier.subscribe(FEED, "default", skip_actor=ME)
+    other_feed = notifier.subscribe(FEED, "other")
+    events = notifier.subscribe(EVENTS, "ws")
+    other_events = notifier.subscribe(EVENTS, "elsewhere")
     try:
         await _create(me, "a.md")
         assert feed.event.is_set()
@@ -332,7 +340,190 @@ async def test_record_writes_wake_only_their_stores_feeds(env):
         r = await admin.put("/v1/workspaces/ws/attachments/other", json={"access": "read_only"})
         assert r.status_code == 200
         await trio.sleep(0)
-        assert other_feed.event.is_set() and events.event.is_set()  # admin writes wake everyone
+        # an attachment change wakes that workspace's events, nobody's feed
+        assert events.event.is_set()
+        assert not other_feed.event.is_set() and not other_events.event.is_set()
     finally:
-        for w in (feed, feed_skip, other_feed, events):
+        for w in (feed, feed_skip, other_feed, events, other_events):
             notifier.unsubscribe(w)
+
+
+async def _bus_connected(svc):
+    svc.bus.start()
+    with trio.fail_after(10):
+        while not svc.bus.connected:
+            await trio.sleep(0.02)
+
+
+async def test_idle_long_polls_make_no_database_queries(env):
+    """A long-poll whose cursor is the store's head (or past the workspace's events) waits
+    without a query: the server knows the heads from its commits. The first look learns
+    them; every later long-poll, answer at the end of wait included, costs no statement."""
+    app, admin, me, peer = env
+    svc = app.state.service
+    await _bus_connected(svc)
+    seq = (await _create(peer, "x.md"))["seq"]
+    ev = (await me.get("/v1/workspaces/ws/events", params={"after": 0})).json()["seq"]
+    counter = app.state.metrics.db_statements
+
+    async def both():
+        async with trio.open_nursery() as n:
+            async def feed():
+                r = await me.get("/v1/stores/default/changes", params={"after": seq, "wait": 0.3, "skip_actor": ME})
+                assert r.json() == {"changes": [], "seq": seq}
+
+            async def events():
+                r = await me.get("/v1/workspaces/ws/events", params={"after": ev, "wait": 0.3})
+                assert r.json() == {"events": [], "seq": ev}
+            n.start_soon(feed)
+            n.start_soon(events)
+
+    await both()  # may read once
+    before = counter._value.get()
+    for _ in range(3):
+        await both()
+    assert counter._value.get() == before
+    # and a write still wakes them
+    result = {}
+
+    async def poll():
+        r = await me.get("/v1/stores/default/changes", params={"after": seq, "wait": 20, "skip_actor": ME})
+        result["page"] = r.json()
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as n:
+            n.start_soon(poll)
+            while svc.notifier.waiting < 1:
+                await trio.sleep(0.01)
+            await _create(peer, "y.md")
+    assert [c["record"]["path"] for c in result["page"]["changes"]] == ["y.md"]
+
+
+async def test_woken_feeds_share_one_read(env):
+    """Fifty long-polls at one cursor woken by one write: one database read serves them all
+    (and those skipping the writer stay asleep)."""
+    app, admin, me, peer = env
+    svc, reads = app.state.service, app.state.feed_reads
+    await _bus_connected(svc)
+    seq = (await _create(peer, "x.md"))["seq"]
+    await me.get("/v1/stores/default/changes", params={"after": seq, "wait": 0.1})  # learn the head
+    got = []
+
+    async def poll(i):
+        r = await me.get("/v1/stores/default/changes", params={"after": seq, "wait": 20,
+                                                               "skip_actor": f"ws:ws/s{i}"})
+        got.append(r.json())
+
+    with trio.fail_after(20):
+        async with trio.open_nursery() as n:
+            for i in range(50):
+                n.start_soon(poll, i)
+            while svc.notifier.waiting < 50:
+                await trio.sleep(0.01)
+            before = reads.reads
+            await _create(peer, "y.md")
+    assert len(got) == 50 and all([c["record"]["path"] for c in g["changes"]] == ["y.md"] for g in got)
+    assert reads.reads - before == 1
+
+
+async def test_backpressure_answers_503_and_429_with_retry_after():
+    """Over the in-flight limit: 503 ``overloaded`` with ``Retry-After`` at once; over the
+    per-token long-poll limit: 429 ``too_many_long_polls``; other tokens are not affected."""
+    with fresh_db_url() as url:
+        app = create_app(url, static_tokens={ADMIN: None, WS_TOKEN: "ws"}, max_long_polls_per_token=2)
+        try:
+            async with _client(app, ADMIN) as admin, _client(app, WS_TOKEN) as ws:
+                assert (await admin.post("/v1/workspaces", json={"name": "ws"})).status_code == 201
+                assert (await admin.post("/v1/stores", json={"slug": "default"})).status_code == 201
+                await admin.put("/v1/workspaces/ws/attachments/default", json={"access": "read_write"})
+                statuses = []
+
+                async def hold():
+                    r = await ws.get("/v1/stores/default/changes", params={"after": 0, "wait": 2})
+                    statuses.append(r.status_code)
+
+                with trio.fail_after(20):
+                    async with trio.open_nursery() as n:
+                        n.start_soon(hold)
+                        n.start_soon(hold)
+                        while app.state.service.notifier.waiting < 2:
+                            await trio.sleep(0.01)
+                        r = await ws.get("/v1/stores/default/changes", params={"after": 0, "wait": 2})
+                        assert r.status_code == 429 and r.headers["Retry-After"] == "5"
+                        assert r.json()["code"] == "too_many_long_polls"
+                        assert r.headers["content-type"] == "application/problem+json"
+                        # another token may still long-poll; ordinary calls still pass
+                        r = await admin.get("/v1/stores/default/changes", params={"after": 0, "wait": 0.1})
+                        assert r.status_code == 200
+                        assert (await ws.get("/v1/stores/default/records")).status_code == 200
+                assert statuses == [200, 200]
+                metrics = (await admin.get("/metrics")).text
+                assert 'memfuse_server_refused_total{reason="too_many_long_polls"} 1.0' in metrics
+        finally:
+            app.state.service.db.dispose()
+        app = create_app(url, static_tokens={ADMIN: None}, max_inflight=0)
+        try:
+            async with _client(app, ADMIN) as admin:
+                r = await admin.get("/v1/stores")
+                assert r.status_code == 503 and r.headers["Retry-After"] == "1"
+                assert r.json()["code"] == "overloaded"
+        finally:
+            app.state.service.db.dispose()
+
+
+async def test_revocation_topic_reaches_the_token_cache(env):
+    """A revocation note on the commit bus (as another replica's revoke sends it) drops the
+    token from this process's cache."""
+    from memfuse.server import wakeups
+
+    app, admin, me, peer = env
+    svc = app.state.service
+    tok = (await admin.post("/v1/tokens", json={"workspace": "ws", "name": "t"})).json()
+    svc.authenticate(tok["token"])
+    assert any(e.token_id == tok["id"] for e in svc._token_cache.entries.values())
+    wakeups.begin_notes()
+    wakeups.note_topic(wakeups.TOKEN_REVOKED, tok["id"])
+    notes, _, _ = wakeups.take_notes()
+    svc.notifier.committed(notes, local=False)
+    assert not any(e.token_id == tok["id"] for e in svc._token_cache.entries.values())
+
+
+async def test_token_confirmations_are_batched(env):
+    """One query looks up a token whose cache entry ran out and confirms every other cached
+    token in the second half of its life (dropping those gone from the database), so idle
+    sidecars cost about one token query per 15 s in all instead of one per token."""
+    import time
+
+    from sqlalchemy import event
+
+    from memfuse.models import sha256_hex
+
+    app, admin, me, peer = env
+    svc = app.state.service
+    toks = [(await admin.post("/v1/tokens", json={"workspace": "ws", "name": f"t{i}"})).json()["token"]
+            for i in range(3)]
+    for t in toks:
+        svc.authenticate(t)
+    digests = [sha256_hex(t.encode()) for t in toks]
+    cache = svc._token_cache
+    with svc.db.write_conn() as conn:
+        conn.exec_driver_sql(f"DELETE FROM tokens WHERE token_sha256 = '{digests[2]}'")
+    mono = time.monotonic()
+    cache.entries[digests[0]].until = mono - 1  # ran out
+    cache.entries[digests[1]].until = mono + 5  # due for confirmation
+    cache.entries[digests[2]].until = mono + 5  # due, and gone from the database
+    cache.batch_at = -1e18
+    seen = []
+
+    def log_statement(conn, cursor, statement, *args):
+        if "FROM tokens" in statement and "revoked_at >" not in statement:
+            seen.append(statement)
+
+    event.listen(svc.db.engine, "before_cursor_execute", log_statement)
+    try:
+        assert svc.authenticate(toks[0]).workspace == "ws"
+    finally:
+        event.remove(svc.db.engine, "before_cursor_execute", log_statement)
+    assert len(seen) == 1
+    assert cache.entries[digests[1]].until > mono + 20  # confirmed by that query
+    assert digests[2] not in cache.entries

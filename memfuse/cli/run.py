@@ -82,10 +82,16 @@ def serve(db: str | None, listen: str, admin_token_file: Path | None, migrate: b
     url = db or dev_db_url()
     token, token_path, generated = _admin_token(admin_token_file)
     from memfuse.server.app import create_app
+    from memfuse.server.serve import AlreadyServing, claim_database
     from memfuse.server.serve import serve as serve_app
 
     with database_errors(url):
         app = create_app(url, static_tokens={token: None}, schema="migrate" if migrate or not db else "check")
+    try:
+        claim_database(app)  # SQLite: one replica per file
+    except AlreadyServing as e:
+        app.state.service.db.dispose()
+        raise click.ClickException(str(e)) from None
     click.echo(
         f"memfuse serve: admin token {'written to' if generated else 'read from'} {token_path}",
         err=True,

@@ -7,11 +7,16 @@ a database that stays locked (503 ``unavailable``, ``Retry-After: 1``) and unexp
 exceptions (500 ``internal_error``, logged with the traceback).
 
 Plain ``def`` handlers run in anyio's worker threads (fine under trio and asyncio); the
-long-polls (``changes``, ``events``) are ``async``: they query the database in a worker
-thread, then sleep without holding a session until a commit in this process wakes them or
-100 ms pass (to see commits of other processes sharing the database). Authentication is an
-``async`` dependency: static and recently seen tokens resolve on the event loop, only an
-unknown token costs a worker thread and a query.
+long-polls (``changes``, ``events`` with ``wait``) are ``async`` (``memfuse.server.longpoll``):
+they read the database only when there may be something to read, in a worker thread, and
+sleep without a session until a commit concerns them (this process's, or another replica's
+through the commit bus of ``memfuse.server.wakeups``). Authentication is an ``async``
+dependency: static and recently seen tokens resolve on the event loop, only an unknown token
+costs a worker thread and a query.
+
+In front of the app, ``memfuse.server.limits.Backpressure`` bounds the requests in flight
+(503 + ``Retry-After`` beyond), the long-polls per token (429), the time a response may take
+to be read, and serves ``GET /metrics``.
 
 Responses are serialised once, by pydantic (``model_dump_json``), into plain ``Response``
 objects: FastAPI neither validates nor re-encodes them against the ``response_model``
@@ -60,6 +65,7 @@ from memfuse.models import (
     Workspace,
     WorkspaceCreate,
 )
+from memfuse.server import limits, longpoll
 from memfuse.server.db import Database
 from memfuse.server.service import (
     CONTEXT_MAX_BYTES_ENV,
@@ -77,7 +83,6 @@ from memfuse.server.service import (
 log = logging.getLogger(__name__)
 
 PROBLEM_JSON = "application/problem+json"
-POLL_INTERVAL = 0.1  # seconds between database checks of a long-poll
 _REASONS = {
     400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found",
     405: "Method Not Allowed", 409: "Conflict", 410: "Gone", 412: "Precondition Failed",
@@ -197,6 +202,9 @@ def create_app(
     context_max_bytes: int | None = None,
     schema: str = "migrate",
     faces: bool = True,
+    max_inflight: int = limits.MAX_INFLIGHT,
+    max_long_polls: int = limits.MAX_LONG_POLLS,
+    max_long_polls_per_token: int = limits.MAX_LONG_POLLS_PER_TOKEN,
 ) -> FastAPI:
     """Build the control-plane app over the database at ``db_url``.
 
@@ -207,6 +215,8 @@ def create_app(
     None, ``$MEMFUSE_CONTEXT_MAX_BYTES`` or 100,000.
     ``schema``: ``"migrate"`` (upgrade the database to the newest revision first) or
     ``"check"`` (refuse a database behind it), see ``memfuse.server.db.Database``.
+    ``max_inflight``, ``max_long_polls``, ``max_long_polls_per_token``: the backpressure limits
+    (``memfuse.server.limits``). ``app.state.metrics`` is the ``ServerMetrics``.
     Raises ``sqlalchemy.exc.ArgumentError`` for a bad URL, ``OperationalError`` when the
     database cannot be opened, ``ValueError`` for a bad ``$MEMFUSE_CONTEXT_MAX_BYTES``,
     ``memfuse.server.schema.SchemaBehind`` when ``schema="check"`` finds it behind.
@@ -220,16 +230,28 @@ def create_app(
         context_max_bytes = int(env) if env else CONTEXT_TOTAL_MAX_BYTES
     if context_max_bytes < CONTEXT_MIN_BYTES:
         raise ValueError(f"context_max_bytes must be at least {CONTEXT_MIN_BYTES}")
-    svc = Service(Database(db_url, schema=schema), static_tokens, context_max_bytes=context_max_bytes)
-    app = FastAPI(
+    metrics = limits.ServerMetrics()
+    db = Database(db_url, schema=schema)
+    metrics.count_statements(db.engine)
+    svc = Service(db, static_tokens, context_max_bytes=context_max_bytes)
+    metrics.add_collector(limits.notifier_collector(svc.notifier, svc.bus))
+    reads = longpoll.FeedReads(svc)
+    app = _App(
         title="memfuse control plane",
         version="1",
         description="Long-term memory for AI agents, served as files (see docs/API.md).",
         responses=_PROBLEM_RESPONSES,
     )
     app.state.service = svc
+    app.state.metrics = metrics
+    app.state.feed_reads = reads
     _install_error_handlers(app)
     app.add_middleware(_CatchAll)
+    app.front = limits.Backpressure(
+        app.serve_fastapi, metrics, max_inflight=max_inflight, max_long_polls=max_long_polls,
+        max_long_polls_per_token=max_long_polls_per_token,
+        fast=longpoll.FastPath(svc, reads, _exception_response),
+    )
 
     if faces:
         from memfuse.server.console import install_console
@@ -320,10 +342,9 @@ def create_app(
         wait: Wait = 0,
         limit: Annotated[int, Query(ge=1, le=1000)] = 1000,
     ):
-        page = await _long_poll(
-            svc, request, wait, lambda: svc.events_page(p, ws, after, limit), lambda pg: bool(pg.events)
-        )
-        return _json(page) if page is not None else Response(status_code=204)
+        if wait <= 0:
+            return _json(await anyio.to_thread.run_sync(lambda: svc.events_page(p, ws, after, limit)))
+        return await longpoll.events(svc, request, p, ws, after, wait, limit=limit)
 
     @app.get(
         "/v1/workspaces/{ws}/context",
@@ -428,20 +449,11 @@ def create_app(
         ] = None,
     ):
         skip = skip_actor or None
-        cursor = after
-
-        def query() -> ChangePage:
-            # Resume each re-query where the last one ended: with skip_actor a page can be
-            # empty and still move past the skipped versions.
-            nonlocal cursor
-            pg = svc.changes_page(p, store, cursor, limit=limit, with_content=content, skip_actor=skip)
-            cursor = pg.seq
-            return pg
-
-        page = await _long_poll(
-            svc, request, wait, query, lambda pg: bool(pg.changes), store=store, skip_actor=skip,
-        )
-        return _json(page) if page is not None else Response(status_code=204)
+        if wait <= 0:
+            return _json(await anyio.to_thread.run_sync(
+                lambda: svc.changes_page(p, store, after, limit=limit, with_content=content, skip_actor=skip)))
+        return await longpoll.changes(svc, reads, request, p, store, after, wait, limit=limit, content=content,
+                                      skip_actor=skip)
 
     if faces:
         from memfuse.server import agent_tools
@@ -450,63 +462,35 @@ def create_app(
     return app
 
 
-async def _long_poll(
-    svc: Service,
-    request: Request,
-    wait: float,
-    query: Callable[[], Any],
-    ready: Callable[[Any], bool],
-    *,
-    store: str | None = None,
-    skip_actor: str | None = None,
-) -> Any:
-    """Run ``query`` (blocking, in a worker thread) until ``ready(result)`` or ``wait``
-    seconds (capped at 60) pass; return the last result. Between queries it holds no
-    database session: it sleeps until a commit in this process that concerns it (see
-    ``Notifier``: ``store`` for a change feed, ``skip_actor`` for the actor it leaves out;
-    neither for workspace events) or ``POLL_INTERVAL``.
-    When the client goes away (``http.disconnect``) it stops and returns None.
-    ``ServiceError`` from ``query`` propagates."""
-    if wait <= 0:  # one query: no waiter, no disconnect watcher
-        return await anyio.to_thread.run_sync(query)
-    deadline = anyio.current_time() + min(max(wait, 0.0), MAX_WAIT_SECONDS)
-    result: Any = None
-    error: Exception | None = None
+class _App(FastAPI):
+    """FastAPI behind the control plane's front door (``front``: backpressure, ``/metrics``,
+    and the long-polls served without FastAPI's per-request machinery, see
+    ``memfuse.server.longpoll.FastPath``); everything else is FastAPI as usual."""
 
-    async def poll() -> None:
-        nonlocal result
-        while True:
-            # before the query: a commit after it wakes us
-            waiter = svc.notifier.subscribe(store, skip_actor)
-            try:
-                result = await anyio.to_thread.run_sync(query)
-                remaining = deadline - anyio.current_time()
-                if ready(result) or remaining <= 0 or svc.closing:
-                    return
-                with anyio.move_on_after(min(POLL_INTERVAL, remaining)):
-                    await waiter.event.wait()
-            finally:
-                svc.notifier.unsubscribe(waiter)
+    front: Any = None
 
-    async with anyio.create_task_group() as tg:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.front is not None and scope["type"] == "http":
+            await self.front(scope, receive, send)
+        else:
+            await super().__call__(scope, receive, send)
 
-        async def watch_disconnect() -> None:
-            # The request has no body to read (GET): the next messages are the end of the
-            # (empty) body and, when the client closes the connection, http.disconnect.
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            log.debug("client left a long-poll on %s", request.url.path)
-            tg.cancel_scope.cancel()
+    async def serve_fastapi(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The request as plain FastAPI serves it."""
+        await super().__call__(scope, receive, send)
 
-        tg.start_soon(watch_disconnect)
-        try:
-            await poll()
-        except Exception as exc:  # re-raised below, not wrapped in an ExceptionGroup
-            error = exc
-        tg.cancel_scope.cancel()
-    if error is not None:
-        raise error
-    return result
+
+def _exception_response(exc: Exception, scope: Scope) -> Response:
+    """What the app's exception handlers answer for ``exc`` (for the long-poll fast path)."""
+    if isinstance(exc, ServiceError):
+        if exc.status >= 500:
+            log.warning("%s %s: %s %s", scope.get("method"), scope.get("path"), exc.status, exc.code)
+        return problem_response(exc.status, exc.code, exc.detail, headers=exc.headers, **exc.extra)
+    if isinstance(exc, OperationalError):
+        log.error("database error on %s %s", scope.get("method"), scope.get("path"), exc_info=exc)
+        return problem_response(503, "unavailable", "database error; retry", headers={"Retry-After": "1"})
+    log.error("unhandled error in %s %s", scope.get("method"), scope.get("path"), exc_info=exc)
+    return problem_response(500, "internal_error", "unexpected server error")
 
 
 def _install_error_handlers(app: FastAPI) -> None:

@@ -5,7 +5,8 @@ This room holds ``ServiceError`` (a refusal with its HTTP status and problem cod
 its stored response), the ``If-Match`` parser, and ``ServiceBase``: the state every resource
 reads (set by ``Service.__init__``), the access checks (admin, workspace, store) and
 ``_write``, the one write transaction (idempotency check and store, retry on a concurrent
-conflict, wake-ups after the commit).
+conflict, commit notes: sent to other replicas inside the transaction, and waking this
+process's long-polls after the commit; see ``memfuse.server.wakeups``).
 
 It holds no resource's rules: those are in ``tokens``, ``stores``, ``records``, ``changes``
 and ``context``, composed into ``Service`` by ``memfuse.server.service``.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +31,7 @@ from sqlalchemy.orm import Session
 
 from memfuse import names
 from memfuse.models import Access
+from memfuse.server import wakeups
 from memfuse.server.db import (
     AttachmentRow,
     Database,
@@ -42,8 +45,8 @@ from memfuse.server.db import (
 )
 
 if TYPE_CHECKING:
-    from memfuse.server.changes import Notifier
     from memfuse.server.tokens import TokenCache
+    from memfuse.server.wakeups import Bus, Notifier
 
 log = logging.getLogger("memfuse.server.service")  # every room of the Service logs under one name
 
@@ -211,6 +214,7 @@ class ServiceBase:
     context_max_bytes: int
     static_tokens: dict[str, str | None]
     notifier: Notifier
+    bus: Bus
     closing: bool  # set at server shutdown: long-polls answer at once
     _last_idem_cleanup: float
     _token_cache: TokenCache  # database tokens seen lately (memfuse.server.tokens)
@@ -263,19 +267,26 @@ class ServiceBase:
     ) -> Reply:
         """Run ``fn`` in a write transaction with the idempotency check and store; commit;
         wake long-polls. ``fn`` gets an ORM ``Session`` or, with ``feed`` (the slug of the
-        only store whose records ``fn`` writes), a Core ``Connection``; then only that
-        store's change feeds are woken. Raises ``ServiceError`` from ``fn``, or 422
+        only store whose records ``fn`` writes), a Core ``Connection``. What ``fn`` wrote is
+        noted (``wakeups.note_*``: versions by ``_add_version``, events by ``_emit``; every
+        write without ``feed`` may change access) and published to the other replicas in
+        the transaction (``Bus.publish``); after the commit the notes wake exactly the
+        long-polls they concern in this process. Raises ``ServiceError`` from ``fn``, or 422
         ``idempotency_key_reused``; ``sqlalchemy.exc.OperationalError`` when the database
         stays locked."""
         for attempt in range(3):
             try:
                 with (self.db.write_conn() if feed is not None else self.db.write()) as s:
                     conn = s if feed is not None else s.connection()
+                    wakeups.begin_notes()
                     if idem is not None:
                         replay = self._idem_lookup(conn, p, idem)
                         if replay is not None:
+                            wakeups.take_notes()
                             return replay
                     result = fn(s)
+                    if feed is None:
+                        wakeups.note_acl()  # admin writes: access answers may have changed
                     body = result.model_dump_json().encode() if result is not None else b""
                     headers: dict[str, str] = {}
                     if etag and result is not None and getattr(result, "sha256", None):
@@ -295,6 +306,8 @@ class ServiceBase:
                                 "created_at": utcnow(),
                             },
                         )
+                    notes, vseqs, eseqs = wakeups.take_notes()
+                    self.bus.publish(conn, notes)  # PostgreSQL: delivered at commit, if it commits
                 break
             except IntegrityError:
                 # A concurrent transaction (another process, PostgreSQL) took the same path or
@@ -302,10 +315,7 @@ class ServiceBase:
                 log.info("write conflicted with a concurrent one (attempt %d)", attempt + 1)
                 if attempt == 2:
                     raise ServiceError(409, "exists", "conflicting concurrent write") from None
-        if feed is not None:
-            self.notifier.notify(feed, p.actor)
-        else:
-            self.notifier.notify()
+        self.notifier.committed(notes, own=(vseqs, eseqs))
         return Reply(status, body, headers)
 
     def _idem_lookup(self, conn: Connection, p: Principal, idem: IdempotencyRequest) -> Reply | None:

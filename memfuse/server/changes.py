@@ -1,120 +1,111 @@
-"""The feeds long-polls read, and the in-process ``Notifier`` that wakes them.
+"""The feeds long-polls read: a store's change feed and a workspace's events.
 
 The store change feed (``changes_page``: versions after a seq, each as the record's state as
 of that version) and the workspace events (``events_page``: attached, detached,
-store_changed). ``Notifier`` wakes long-polls (changes, events) in this process right after
-a commit; other processes sharing the database are seen by the long-poll's periodic
-re-query (in ``memfuse.server.app``). A record write wakes only the change-feed long-polls
-of its store, and not those that skip its actor. The writes themselves are in ``records``
-and ``stores``.
+store_changed). For long-polls (``memfuse.server.longpoll``) there are also the access checks
+they remember (``check_feed_access``, ``check_events_access``) and ``feed_read``, one read of
+a store's feed that every waiter at the same cursor shares and filters (``FeedRead.page``).
+Reads teach the ``Notifier`` (``memfuse.server.wakeups``) the heads they saw, so later
+long-polls at the head need no read. The writes themselves are in ``records`` and ``stores``.
 """
 from __future__ import annotations
 
-import asyncio
-import threading
-from collections.abc import Callable
+from dataclasses import dataclass
 
-import anyio
-import sniffio
 from sqlalchemy import func, null, select
+from sqlalchemy.engine import Row
 
 from memfuse.models import DEFAULT_MODE, Access, Change, ChangePage, EventPage, Operation, Record, WorkspaceEvent
+from memfuse.server import wakeups
 from memfuse.server.base import _R, _V, Principal, ServiceBase, ServiceError
 from memfuse.server.db import EventRow
 
 MAX_WAIT_SECONDS = 60.0  # the longest a long-poll may ask to wait
 
 
-# ---------------------------------------------------------------- in-process wake-ups
+# ---------------------------------------------------------------- change feed rows
 
 
-class _Waiter:
-    """An event a long-poll waits on; can be set from any thread (once: later wake-ups are
-    no-ops, so a burst of commits costs the event loop one wake-up).
-
-    ``store`` / ``skip_actor``: what the long-poll reads (see ``Notifier.notify``)."""
-
-    def __init__(self, store: str | None = None, skip_actor: str | None = None) -> None:
-        self.event = anyio.Event()
-        self.store = store
-        self.skip_actor = skip_actor
-        self._woken = False
-        if sniffio.current_async_library() == "trio":
-            import trio
-
-            token = trio.lowlevel.current_trio_token()
-            self._wake: Callable[[], None] = lambda: token.run_sync_soon(self.event.set)
-        else:
-            loop = asyncio.get_running_loop()
-            self._wake = lambda: loop.call_soon_threadsafe(self.event.set)
-
-    def wants(self, store: str | None, actor: str | None) -> bool:
-        """Whether a commit of ``store``'s versions by ``actor`` concerns this waiter (a
-        commit with ``store`` None concerns everyone)."""
-        if store is None:
-            return True
-        return self.store == store and (self.skip_actor is None or self.skip_actor != actor)
-
-    def wake(self) -> None:
-        """Set the event (from any thread); only the first call does anything."""
-        if self._woken:
-            return
-        self._woken = True
-        try:
-            self._wake()
-        except RuntimeError:  # the loop has finished (trio.RunFinishedError is one)
-            pass
+def _feed_select(with_content: bool):
+    """SELECT of change-feed rows (a version with its record's creation time)."""
+    return select(
+        _V.c.seq, _V.c.operation, _V.c.old_path, _V.c.record_id, _V.c.store, _V.c.path,
+        _V.c.type, _V.c.version, _V.c.sha256, _V.c.size, _V.c.created_at, _V.c.actor,
+        _V.c.content if with_content else null().label("content"), _V.c.redacted,
+        _V.c.mode, _V.c.mtime_ns,
+        _R.c.created_at.label("record_created_at"),
+    ).join(_R, _R.c.id == _V.c.record_id)
 
 
-class Notifier:
-    """Wakes the long-polls of this process after a commit.
+def _change(v: Row, with_content: bool) -> Change:
+    """[Change] of a ``_feed_select`` row: the record as of that version."""
+    return Change(
+        seq=v.seq,
+        operation=Operation(v.operation),
+        old_path=v.old_path,
+        record=Record(
+            id=v.record_id,
+            store=v.store,
+            path=v.path,
+            type=v.type,
+            version=v.version,
+            sha256=v.sha256,
+            size=v.size,
+            deleted=v.operation == Operation.deleted.value,
+            created_at=v.record_created_at,
+            updated_at=v.created_at,
+            updated_by=v.actor,
+            seq=v.seq,
+            content=v.content if with_content and not v.redacted else None,
+            mode=DEFAULT_MODE if v.mode is None else v.mode,
+            mtime_ns=v.mtime_ns,
+        ),
+    )
 
-    ``subscribe()`` (in async code, before reading the database, so no commit is missed)
-    returns a waiter whose ``event`` is set by the next ``notify()`` that concerns it;
-    ``notify()`` may be called from any thread. Always ``unsubscribe()`` in a ``finally``.
 
-    A change-feed long-poll subscribes with its ``store`` (and ``skip_actor`` when it leaves
-    a writer's versions out); a workspace-events long-poll without. Record writes notify with
-    their store and actor, so they wake only the feeds of that store that do not skip that
-    actor; every other write (admin changes, events) and the shutdown notify everyone.
-    """
+@dataclass
+class FeedRead:
+    """One shared read of a store's change feed (``feed_read``): ``changes`` after ``after``
+    up to ``store_top`` (the store's latest seq when read), ``top`` the latest seq of all
+    stores (a cursor beyond it is expired), ``full`` when ``limit`` cut the read."""
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._waiters: set[_Waiter] = set()
+    store: str
+    after: int
+    changes: list[Change]
+    store_top: int
+    top: int
+    full: bool
+    _encoded: bytes | None = None
 
-    def subscribe(self, store: str | None = None, skip_actor: str | None = None) -> _Waiter:
-        """A new waiter for the next commit that concerns it (see the class docstring)."""
-        w = _Waiter(store, skip_actor)
-        with self._lock:
-            self._waiters.add(w)
-        return w
-
-    def unsubscribe(self, w: _Waiter) -> None:
-        """Forget ``w`` (idempotent)."""
-        with self._lock:
-            self._waiters.discard(w)
-
-    def notify(self, store: str | None = None, actor: str | None = None) -> None:
-        """Wake the waiters a commit concerns: with ``store``, a commit that wrote only
-        versions of that store, all by ``actor``; without, everyone."""
-        with self._lock:
-            waiters = [w for w in self._waiters if w.wants(store, actor)]
-        for w in waiters:
-            w.wake()
+    def page(self, skip_actor: str | None) -> tuple[ChangePage, bytes | None]:
+        """The page a long-poll answers (``changes_page`` rules for ``skip_actor``: versions of
+        that actor left out, ``seq`` past them), and its JSON when it is the shared
+        unfiltered page (encoded once for every waiter), else None."""
+        seq = self.changes[-1].seq if self.full else max(self.after, self.store_top)
+        kept = self.changes
+        if skip_actor is not None:
+            kept = [c for c in self.changes if c.record.updated_by != skip_actor]
+        page = ChangePage(changes=kept, seq=seq)
+        if len(kept) != len(self.changes):
+            return page, None
+        if self._encoded is None:
+            self._encoded = page.model_dump_json().encode()
+        return page, self._encoded
 
 
 # ---------------------------------------------------------------- the feeds
 
 
 class ChangesMixin(ServiceBase):
-    """``Service`` methods: ``changes_page`` (a store's change feed) and ``events_page`` (a
-    workspace's events)."""
+    """``Service`` methods: ``changes_page`` (a store's change feed), ``events_page`` (a
+    workspace's events), and for long-polls ``check_feed_access``, ``check_events_access``,
+    ``feed_read``."""
 
     def events_page(self, p: Principal, ws: str, after: int, limit: int = 1000) -> EventPage:
         """Events of ``ws`` with seq > ``after``, oldest first. When ``after`` is beyond every
         event the server has (database replaced), ``seq`` is the server's latest, so the
-        caller resumes from there."""
+        caller resumes from there. Teaches the ``Notifier`` the workspace's event bounds."""
+        stamp = self.notifier.stamp()
         with self.db.read() as s:
             self._workspace(s, p, ws)
             rows = s.scalars(
@@ -125,9 +116,13 @@ class ChangesMixin(ServiceBase):
             ).all()
             if rows:
                 seq = rows[-1].seq
+                if len(rows) < limit:
+                    self.notifier.learn_events(ws, seq, seq, stamp)
             else:
                 top = s.scalar(select(func.max(EventRow.seq))) or 0
                 seq = min(after, top)
+                self.notifier.learn_events(ws, after, top, stamp)
+            self.notifier.learn_readable(p.scope, wakeups.EVENTS, ws, stamp)
             return EventPage(
                 events=[
                     WorkspaceEvent(seq=r.seq, kind=r.kind, store=r.store, access=Access(r.access) if r.access else None)
@@ -135,6 +130,45 @@ class ChangesMixin(ServiceBase):
                 ],
                 seq=seq,
             )
+
+    def check_feed_access(self, p: Principal, slug: str) -> None:
+        """Raise what ``changes_page`` would for a store ``p`` may not read (404); remembered
+        in the ``Notifier`` until access changes, so a long-poll asks at most once."""
+        if self.notifier.readable(p.scope, wakeups.FEED, slug):
+            return
+        stamp = self.notifier.stamp()
+        with self.db.read_conn() as conn:
+            self._store(conn, p, slug)
+        self.notifier.learn_readable(p.scope, wakeups.FEED, slug, stamp)
+
+    def check_events_access(self, p: Principal, ws: str) -> None:
+        """Raise what ``events_page`` would for a workspace ``p`` may not read (403 / 404);
+        remembered like ``check_feed_access``."""
+        if self.notifier.readable(p.scope, wakeups.EVENTS, ws):
+            return
+        stamp = self.notifier.stamp()
+        with self.db.read() as s:
+            self._workspace(s, p, ws)
+        self.notifier.learn_readable(p.scope, wakeups.EVENTS, ws, stamp)
+
+    def feed_read(self, slug: str, after: int, *, limit: int = 1000, with_content: bool = True) -> FeedRead:
+        """The store's versions with seq > ``after`` (at most ``limit``, oldest first, nobody
+        left out) for long-polls, which share one read among all their waiters at the same
+        cursor and filter it each (``FeedRead.page``). No access check: callers run
+        ``check_feed_access`` first. Reads the store's latest seq first and no version beyond
+        it (a store's versions commit in seq order, so the read has no gaps) and teaches the
+        ``Notifier`` that head."""
+        stamp = self.notifier.stamp()
+        with self.db.read_conn() as conn:
+            top = conn.scalar(select(func.max(_V.c.seq))) or 0
+            store_top = conn.scalar(select(func.max(_V.c.seq)).where(_V.c.store == slug)) or 0
+            rows = conn.execute(
+                _feed_select(with_content).where(_V.c.store == slug, _V.c.seq > after, _V.c.seq <= store_top)
+                .order_by(_V.c.seq).limit(limit)
+            ).all()
+        self.notifier.learn_head(slug, store_top, stamp)
+        return FeedRead(slug, after, [_change(v, with_content) for v in rows], store_top, top, len(rows) >= limit)
+
     def changes_page(
         self,
         p: Principal,
@@ -159,19 +193,7 @@ class ChangesMixin(ServiceBase):
                 raise ServiceError(
                     410, "cursor_expired", f"cursor {after} is beyond this server's feed ({top}); take a snapshot"
                 )
-            q = (
-                select(
-                    _V.c.seq, _V.c.operation, _V.c.old_path, _V.c.record_id, _V.c.store, _V.c.path,
-                    _V.c.type, _V.c.version, _V.c.sha256, _V.c.size, _V.c.created_at, _V.c.actor,
-                    _V.c.content if with_content else null().label("content"), _V.c.redacted,
-                    _V.c.mode, _V.c.mtime_ns,
-                    _R.c.created_at.label("record_created_at"),
-                )
-                .join(_R, _R.c.id == _V.c.record_id)
-                .where(_V.c.store == st.slug, _V.c.seq > after)
-                .order_by(_V.c.seq)
-                .limit(limit)
-            )
+            q = _feed_select(with_content).where(_V.c.store == st.slug, _V.c.seq > after).order_by(_V.c.seq).limit(limit)
             skip = skip_actor or None
             store_top = 0
             if skip is not None:
@@ -180,31 +202,7 @@ class ChangesMixin(ServiceBase):
                 store_top = conn.scalar(select(func.max(_V.c.seq)).where(_V.c.store == st.slug)) or 0
                 q = q.where(_V.c.seq <= store_top, _V.c.actor != skip)
             rows = conn.execute(q).all()
-        changes = [
-            Change(
-                seq=v.seq,
-                operation=Operation(v.operation),
-                old_path=v.old_path,
-                record=Record(
-                    id=v.record_id,
-                    store=v.store,
-                    path=v.path,
-                    type=v.type,
-                    version=v.version,
-                    sha256=v.sha256,
-                    size=v.size,
-                    deleted=v.operation == Operation.deleted.value,
-                    created_at=v.record_created_at,
-                    updated_at=v.created_at,
-                    updated_by=v.actor,
-                    seq=v.seq,
-                    content=v.content if with_content and not v.redacted else None,
-                    mode=DEFAULT_MODE if v.mode is None else v.mode,
-                    mtime_ns=v.mtime_ns,
-                ),
-            )
-            for v in rows
-        ]
+        changes = [_change(v, with_content) for v in rows]
         if skip is not None and len(rows) < limit:
             seq = max(after, store_top)
         else:

@@ -297,6 +297,7 @@ class Database:
             threading.Lock() if self.is_sqlite and not self.is_memory else None
         )
         self.engine = self._make_engine()
+        self._on_dispose: list = []
         # Write sessions bind to this (BEGIN IMMEDIATE on SQLite); made once, not per session.
         self._write_bind = self.engine.execution_options(memfuse_write=True) if self.is_sqlite else self.engine
         from memfuse.server import schema as _schema
@@ -426,6 +427,16 @@ class Database:
             if lock is not None:
                 lock.release()
 
+    def on_dispose(self, fn) -> None:
+        """Call ``fn()`` at ``dispose()`` (before the pool closes): stops what listens on the
+        database."""
+        self._on_dispose.append(fn)
+
     def dispose(self) -> None:
-        """Close every pooled connection."""
+        """Stop what was registered with ``on_dispose``, then close every pooled connection."""
+        for fn in self._on_dispose:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - closing the pool matters more
+                log.exception("closing a database listener failed")
         self.engine.dispose()

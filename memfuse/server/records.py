@@ -45,6 +45,7 @@ from memfuse.server.base import (
     _check_path,
     parse_if_match,
 )
+from memfuse.server import wakeups
 from memfuse.server.db import utcnow
 
 log = logging.getLogger("memfuse.server.service")  # every room of the Service logs under one name
@@ -290,6 +291,7 @@ class RecordsMixin(ServiceBase):
             },
         ).inserted_primary_key[0]
         rec.seq = seq
+        wakeups.note_feed(rec.store, seq, actor)
         if new:
             conn.execute(_UPDATE_RECORD, {"rid": rec.id, "seq": seq})
         else:

@@ -19,11 +19,15 @@ import from here:
 - ``stores``: workspaces, stores, attachments and the workspace events they emit;
 - ``records``: record and version reads and writes (SQLAlchemy Core; store usage counters
   kept in the same transaction);
-- ``changes``: the change feed, the workspace events feed, and ``Notifier`` (wakes this
-  process's long-polls after a commit);
+- ``changes``: the change feed, the workspace events feed, and the shared feed reads of
+  long-polls (``feed_read``); ``memfuse.server.wakeups`` has the ``Notifier`` (wakes this
+  process's long-polls after a commit, knows the heads) and the ``Bus`` (commit notes between
+  replicas);
 - ``context``: the prompt block (``cut_index``, ``strip_controls``).
 """
 from __future__ import annotations
+
+import threading
 
 from memfuse import content as content_rules  # noqa: F401  (tests switch the secret detector off through this name)
 from memfuse.server.base import (
@@ -35,7 +39,8 @@ from memfuse.server.base import (
     body_sha256,
     parse_if_match,
 )
-from memfuse.server.changes import MAX_WAIT_SECONDS, ChangesMixin, Notifier
+from memfuse.server import wakeups
+from memfuse.server.changes import MAX_WAIT_SECONDS, ChangesMixin, FeedRead
 from memfuse.server.context import (
     CONTEXT_INDEX_MAX_BYTES,
     CONTEXT_INDEX_MAX_LINES,
@@ -49,6 +54,7 @@ from memfuse.server.db import Database
 from memfuse.server.records import RecordsMixin, _usage  # noqa: F401  (_usage: for tests)
 from memfuse.server.stores import StoresMixin
 from memfuse.server.tokens import TOKEN_CACHE_MAX, TOKEN_CACHE_SECONDS, TokenCache, TokensMixin
+from memfuse.server.wakeups import Bus, Notifier
 
 # Re-exported: callers (the app, tests, other branches) import these from here.
 __all__ = [
@@ -61,6 +67,7 @@ __all__ = [
     "MAX_WAIT_SECONDS",
     "TOKEN_CACHE_MAX",
     "TOKEN_CACHE_SECONDS",
+    "FeedRead",
     "IdempotencyRequest",
     "Notifier",
     "Principal",
@@ -92,6 +99,12 @@ class Service(TokensMixin, StoresMixin, RecordsMixin, ChangesMixin, ContextMixin
         self.context_max_bytes = context_max_bytes
         self.static_tokens: dict[str, str | None] = static_tokens if static_tokens is not None else {}
         self.notifier = Notifier()
+        self.bus = Bus(db, self.notifier)
+        db.on_dispose(self.bus.close)
         self.closing = False  # set at server shutdown: long-polls answer at once
         self._last_idem_cleanup = 0.0
         self._token_cache = TokenCache()  # database tokens seen lately
+        # a revocation committed on any replica reaches this one on the commit bus; after the
+        # bus (re)connects nothing cached is trusted (revocations may have been missed)
+        self.notifier.on_topic(wakeups.TOKEN_REVOKED, lambda token_id: self.tokens_revoked({token_id}))
+        self.notifier.on_reset.append(lambda: self.tokens_revoked(None))

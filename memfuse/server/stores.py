@@ -25,6 +25,7 @@ from memfuse.models import (
     WorkspaceCreate,
 )
 from memfuse.server.base import _S, IdempotencyRequest, Principal, Reply, ServiceBase, ServiceError
+from memfuse.server import wakeups
 from memfuse.server.db import AttachmentRow, EventRow, StoreRow, WorkspaceRow, utcnow
 
 log = logging.getLogger("memfuse.server.service")  # every room of the Service logs under one name
@@ -56,9 +57,11 @@ class StoresMixin(ServiceBase):
         # PostgreSQL: serialise event writers per workspace so event seqs commit in order.
         s.execute(select(WorkspaceRow.name).where(WorkspaceRow.name.in_(ws)).with_for_update())
         now = utcnow()
-        for w in ws:
-            s.add(EventRow(workspace=w, kind=kind, store=store, access=access, created_at=now))
+        rows = [EventRow(workspace=w, kind=kind, store=store, access=access, created_at=now) for w in ws]
+        s.add_all(rows)
         s.flush()
+        for r in rows:
+            wakeups.note_events(r.workspace, r.seq)
 
     # ------------------------------------------------------------ admin
 

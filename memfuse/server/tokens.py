@@ -8,7 +8,9 @@ in constant time too.
 
 The positive cache (``TokenCache``): a database token is remembered for
 ``TOKEN_CACHE_SECONDS`` after a lookup, so most requests resolve on the event loop without
-a query (``authenticate_cached``). What bounds it:
+a query (``authenticate_cached``). A lookup also confirms, at most once a second, every
+cached token in the second half of its life (one ``IN`` query), so thousands of idle
+sidecars cost about one token query per ``TOKEN_CACHE_SECONDS / 2``. What bounds it:
 
 - expiry: the cached entry carries ``expires_at``, checked on every request;
 - revocation: ``DELETE /v1/tokens/{id}`` sets the row's ``revoked_at`` and drops the token
@@ -18,8 +20,11 @@ a query (``authenticate_cached``). What bounds it:
   a cached token is never used once that read is overdue. So another replica refuses a
   revoked token within about a second. The look-back spans the cache lifetime plus a margin
   for clock skew between replicas, so the order in which concurrent revocations commit does
-  not matter. ``Service.tokens_revoked`` is the hook for a cross-replica notification
-  (PostgreSQL ``LISTEN/NOTIFY``) to make it immediate.
+  not matter. On PostgreSQL the revocation also travels on the commit bus
+  (``memfuse.server.wakeups``, topic ``TOKEN_REVOKED``) and every replica drops the token when
+  it commits; while the bus is connected (``Bus.revocations_live``) the periodic read is not
+  needed, and on every (re)connect of the bus the cache is emptied (revocations may have been
+  missed while it was down).
 - a row deleted from the database by hand: refused within ``TOKEN_CACHE_SECONDS``.
 
 ``last_used_at`` is written at most once per ``LAST_USED_SECONDS`` per token and process
@@ -50,6 +55,7 @@ from memfuse.server.base import (
     ServiceError,
     _unauthorized,
 )
+from memfuse.server import wakeups
 from memfuse.server.db import TokenRow, WorkspaceRow, utcnow
 
 log = logging.getLogger("memfuse.server.service")  # every room of the Service logs under one name
@@ -59,11 +65,12 @@ TOKEN_CACHE_MAX = 4096  # entries; the cache is emptied when full
 REVOCATION_CHECK_SECONDS = 1.0  # a cached token is used only if revocations were read this recently
 REVOCATION_LOOKBACK_SECONDS = TOKEN_CACHE_SECONDS + 30.0  # cache lifetime + clock-skew margin
 LAST_USED_SECONDS = 60.0  # last_used_at is written at most this often per token
+TOKEN_CONFIRM_BATCH = 1000  # tokens confirmed by one query
 
-_SELECT_TOKEN = select(
+_SELECT_TOKENS = select(
     _T.c.id, _T.c.token_sha256, _T.c.workspace, _T.c.name, _T.c.expires_at, _T.c.revoked_at,
     _T.c.last_used_at,
-).where(_T.c.token_sha256 == bindparam("digest"))
+).where(_T.c.token_sha256.in_(bindparam("digests", expanding=True)))
 _SELECT_REVOKED = select(_T.c.id).where(_T.c.revoked_at > bindparam("since"))
 _TOUCH = update(_T).where(
     _T.c.id == bindparam("tid"),
@@ -104,6 +111,7 @@ class TokenCache:
     def __init__(self) -> None:
         self.entries: dict[str, _Entry] = {}
         self.checked_at = -1e18  # monotonic time of the last read of token_revocations
+        self.batch_at = -1e18  # monotonic time of the last batched confirmation
         self.lock = threading.Lock()
 
     def forget(self, token_ids: set[str]) -> None:
@@ -152,8 +160,28 @@ class TokensMixin(ServiceBase):
         if hit is not None and hit.until > mono and (hit.expires_at is None or hit.expires_at > wall):
             self._touch(hit, mono)
             return Principal(workspace=hit.workspace, name=hit.name, instance=_clean_instance(instance))
+        # One query for this token and, at most once a second, every cached token whose entry
+        # is in the second half of its life: idle sidecars then cost about one token query
+        # per TOKEN_CACHE_SECONDS / 2 in all, not one per token.
+        due: list[str] = []
+        with cache.lock:
+            if mono - cache.batch_at >= 1.0:
+                cache.batch_at = mono
+                due = [d for d, e in cache.entries.items()
+                       if d != digest and e.until - mono < TOKEN_CACHE_SECONDS / 2][:TOKEN_CONFIRM_BATCH - 1]
         with self.db.read_conn() as conn:
-            row = conn.execute(_SELECT_TOKEN, {"digest": digest}).first()
+            rows = {r.token_sha256: r for r in conn.execute(_SELECT_TOKENS, {"digests": [digest, *due]})}
+        for d in due:
+            other = rows.get(d)
+            e = cache.entries.get(d)
+            if e is None:
+                continue
+            if other is None or other.revoked_at is not None or (
+                    other.expires_at is not None and other.expires_at.timestamp() <= wall):
+                cache.entries.pop(d, None)
+            else:
+                e.until = mono + TOKEN_CACHE_SECONDS
+        row = rows.get(digest)
         if row is None or not hmac.compare_digest(row.token_sha256, digest):
             cache.entries.pop(digest, None)
             raise _unauthorized("unknown token")
@@ -189,7 +217,8 @@ class TokensMixin(ServiceBase):
         cache: TokenCache = self._token_cache
         hit = cache.entries.get(sha256_hex(raw))
         mono = time.monotonic()
-        if (hit is None or hit.until < mono or mono - cache.checked_at > REVOCATION_CHECK_SECONDS
+        revocations_fresh = self.bus.revocations_live or mono - cache.checked_at <= REVOCATION_CHECK_SECONDS
+        if (hit is None or hit.until < mono or not revocations_fresh
                 or mono - hit.touched > LAST_USED_SECONDS
                 or (hit.expires_at is not None and hit.expires_at <= time.time())):
             return None
@@ -304,6 +333,7 @@ class TokensMixin(ServiceBase):
                 row.revoked_at = utcnow()
                 s.flush()
                 revoked.append((row.name, row.workspace))
+                wakeups.note_topic(wakeups.TOKEN_REVOKED, token_id)  # every replica, at commit
             return None
 
         reply = self._write(p, idem, 204, fn)

@@ -36,7 +36,7 @@ from .core import ROOT_INO, BlobCache, Filesystem, Settings
 from .fuse_ops import MemfuseOps
 from .metrics import Metrics
 from .outbox import CacheError, Committer, Journal
-from .sync import Invalidator, StoreState, catch_up, lag_seconds
+from .sync import Invalidator, Meta, StoreState, catch_up, lag_seconds
 
 log = logging.getLogger("memfuse.mount")
 
@@ -305,11 +305,18 @@ class Sidecar:
                                "live": expect_records})
             resumed = False
         if not resumed:
-            records, seq = await self.client.snapshot(slug, content=True)
-            with self.fs.blobs.batch():
-                for r in records:
-                    self.fs.blobs.put(r.content.encode("utf-8"), r.sha256)
-            state.reset(records, seq)
+            # Page by page: each page's content goes to the blob cache and only the slotted
+            # metadata stays, so a big store is never held in memory with its content.
+            metas: list[Meta] = []
+            seq: int | None = None
+            async for page in self.client.iter_pages(slug, content=True, limit=1000):
+                if seq is None:
+                    seq = page.seq
+                with self.fs.blobs.batch():
+                    for r in page.records:
+                        self.fs.blobs.put(r.content.encode("utf-8"), r.sha256)
+                        metas.append(Meta.of(r))
+            state.reset(metas, seq or 0)
         for r in [r for r in state.records.values() if not self.fs.blobs.has(r.sha256)]:
             full = await self.client.get_record(slug, r.id, content=True)
             self.fs.blobs.put(full.content.encode("utf-8"), full.sha256)

@@ -113,8 +113,9 @@ class StoreState:
             raise cache_error(exc, f"saving the state of store {self.slug}") from exc
         self.dirty = False
 
-    def reset(self, records: list[Record], seq: int) -> None:
-        self.records = {r.id: Meta.of(r) for r in records}
+    def reset(self, records: "list[Record] | list[Meta]", seq: int) -> None:
+        """Replace the mirror with ``records`` (``Record`` or ``Meta``) at cursor ``seq``."""
+        self.records = {r.id: r if isinstance(r, Meta) else Meta.of(r) for r in records}
         self.cursor = seq
         self.dirty = True
 

@@ -1,0 +1,298 @@
+"""The control plane's long-polls (``GET .../changes`` and ``GET .../events`` with ``wait``).
+
+``FastPath`` serves well-formed long-polls straight from ASGI (FastAPI serves the rest).
+
+A long-poll subscribes to the ``Notifier`` *before* it looks at anything, so no commit between
+its look and its wait is missed, then:
+
+- looks without the database when it can: the ``Notifier`` knows each store's latest seq and
+  each workspace's event bounds (kept by commit notes of this process and of the other
+  replicas), and which tokens may read what. A cursor at the head has nothing to read: no
+  query. An idle control plane therefore makes no database queries;
+- otherwise reads, sharing one read among every waiter of the store at the same cursor (a
+  write to a store watched by 2,000 sidecars costs one query, and one JSON encoding for those
+  whose page is the same), and answers when there is something for this caller;
+- sleeps until a commit concerns it (or ``wait`` ends, or the client leaves, or the server
+  shuts down); never on a timer.
+
+At the end of ``wait`` it answers the empty page, reading once more only when the head moved
+past its cursor while it slept (versions of the actor it skips), so that ``seq`` moves past them.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+from fastapi import Request
+from fastapi.responses import Response
+
+from memfuse.models import ChangePage, EventPage
+from memfuse.server import wakeups
+from memfuse.server.service import MAX_WAIT_SECONDS, FeedRead, Principal, Service, ServiceError
+
+log = logging.getLogger(__name__)
+
+_SHARED_READS_MAX = 4096
+
+
+class _Flight:
+    __slots__ = ("done", "result", "error")
+
+    def __init__(self) -> None:
+        self.done = anyio.Event()
+        self.result: FeedRead | None = None
+        self.error: BaseException | None = None
+
+
+class FeedReads:
+    """Single-flight change-feed reads: one ``Service.feed_read`` per (store, cursor, limit,
+    content) at a time; a finished read is reused while the store's head is still the one it
+    read up to (so every waiter woken by one commit shares it). Event-loop only."""
+
+    def __init__(self, svc: Service) -> None:
+        self.svc = svc
+        self._flights: dict[tuple, _Flight] = {}
+        self._done: dict[tuple, FeedRead] = {}
+        self.reads = 0  # database reads made (for tests and metrics)
+
+    async def read(self, slug: str, after: int, limit: int, content: bool) -> FeedRead:
+        key = (slug, after, limit, content)
+        hit = self._done.get(key)
+        if hit is not None:
+            if self.svc.notifier.head(slug) == hit.store_top:
+                return hit
+            del self._done[key]
+        flight = self._flights.get(key)
+        if flight is None:
+            flight = self._flights[key] = _Flight()
+            try:
+                self.reads += 1
+                flight.result = await anyio.to_thread.run_sync(
+                    lambda: self.svc.feed_read(slug, after, limit=limit, with_content=content))
+                if len(self._done) >= _SHARED_READS_MAX:
+                    self._done.clear()
+                self._done[key] = flight.result
+            except BaseException as e:
+                flight.error = e
+                raise
+            finally:
+                del self._flights[key]
+                flight.done.set()
+        else:
+            await flight.done.wait()
+        if flight.error is not None:
+            if isinstance(flight.error, Exception):
+                raise flight.error
+            raise ServiceError(503, "unavailable", "the shared read was cancelled; retry",
+                               headers={"Retry-After": "1"})
+        assert flight.result is not None
+        return flight.result
+
+
+async def _until_disconnect(request: Request, body: Callable[[], Awaitable[Any]]) -> Any:
+    """Run ``body()``; when the client closes the connection first, cancel it and return None."""
+    result: Any = None
+    error: Exception | None = None
+    async with anyio.create_task_group() as tg:
+
+        async def watch_disconnect() -> None:
+            # A GET has no body to read: the next messages are the end of the (empty) body and,
+            # when the client closes the connection, http.disconnect.
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            log.debug("client left a long-poll on %s", request.url.path)
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(watch_disconnect)
+        try:
+            result = await body()
+        except Exception as exc:  # re-raised below, not wrapped in an ExceptionGroup
+            error = exc
+        tg.cancel_scope.cancel()
+    if error is not None:
+        raise error
+    return result
+
+
+def _expired(after: int, top: int) -> ServiceError:
+    return ServiceError(410, "cursor_expired", f"cursor {after} is beyond this server's feed ({top}); take a snapshot")
+
+
+async def changes(svc: Service, reads: FeedReads, request: Request, p: Principal, slug: str, after: int,
+                  wait: float, *, limit: int, content: bool, skip_actor: str | None) -> Response:
+    """Answer ``GET /v1/stores/{slug}/changes`` with ``wait`` > 0 (docs/API.md): the page as
+    JSON, or 204 when the client left. Raises ``ServiceError`` (404 not readable, 410)."""
+    notifier = svc.notifier
+    if not notifier.readable(p.scope, wakeups.FEED, slug):
+        await anyio.to_thread.run_sync(svc.check_feed_access, p, slug)
+    deadline = anyio.current_time() + min(wait, MAX_WAIT_SECONDS)
+    cursor = after
+
+    async def answer(final: bool) -> tuple[ChangePage, bytes | None] | None:
+        nonlocal cursor
+        while True:
+            if notifier.head(slug) == cursor:
+                return None  # nothing after the cursor: no read
+            fr = await reads.read(slug, cursor, limit, content)
+            if cursor > fr.top:
+                raise _expired(cursor, fr.top)
+            page, raw = fr.page(skip_actor)
+            if page.changes or final:
+                return page, raw
+            cursor = page.seq
+            if not fr.full:
+                return None
+
+    async def body() -> Response:
+        while True:
+            waiter = notifier.subscribe(wakeups.FEED, slug, skip_actor)
+            try:
+                got = await answer(False)
+                if got is not None:
+                    return _page_response(*got)
+                remaining = deadline - anyio.current_time()
+                if remaining <= 0 or svc.closing:
+                    break
+                with anyio.move_on_after(remaining):
+                    await waiter.event.wait()
+            finally:
+                notifier.unsubscribe(waiter)
+        got = await answer(True)
+        if got is not None:
+            return _page_response(*got)
+        return _page_response(ChangePage(changes=[], seq=cursor), None)
+
+    result = await _until_disconnect(request, body)
+    return result if result is not None else Response(status_code=204)
+
+
+async def events(svc: Service, request: Request, p: Principal, ws: str, after: int, wait: float,
+                 *, limit: int) -> Response:
+    """Answer ``GET /v1/workspaces/{ws}/events`` with ``wait`` > 0: the page, or 204 when the
+    client left. Raises ``ServiceError`` (403, 404)."""
+    notifier = svc.notifier
+    if not notifier.readable(p.scope, wakeups.EVENTS, ws):
+        await anyio.to_thread.run_sync(svc.check_events_access, p, ws)
+    deadline = anyio.current_time() + min(wait, MAX_WAIT_SECONDS)
+    last: list[EventPage] = []
+
+    def quiet() -> bool:
+        bounds = notifier.event_bounds(ws)
+        return bounds is not None and bounds[0] <= after <= bounds[1]
+
+    async def body() -> Response:
+        while True:
+            waiter = notifier.subscribe(wakeups.EVENTS, ws)
+            try:
+                if not quiet():
+                    page = await anyio.to_thread.run_sync(lambda: svc.events_page(p, ws, after, limit))
+                    if page.events:
+                        return _page_response(page, None)
+                    last[:] = [page]
+                remaining = deadline - anyio.current_time()
+                if remaining <= 0 or svc.closing:
+                    break
+                with anyio.move_on_after(remaining):
+                    await waiter.event.wait()
+            finally:
+                notifier.unsubscribe(waiter)
+        if quiet():
+            return _page_response(EventPage(events=[], seq=after), None)
+        return _page_response(await anyio.to_thread.run_sync(lambda: svc.events_page(p, ws, after, limit)), None)
+
+    result = await _until_disconnect(request, body)
+    return result if result is not None else Response(status_code=204)
+
+
+def _page_response(page, raw: bytes | None) -> Response:
+    body = raw if raw is not None else page.model_dump_json().encode()
+    return Response(content=body, media_type="application/json")
+
+
+# ---------------------------------------------------------------- the front door
+
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+class FastPath:
+    """Serves well-formed long-polls straight from ASGI, without FastAPI's routing, dependency
+    injection and middleware layers (about half the CPU of a woken long-poll, which matters
+    when one write answers thousands of them). ``await fast(scope, receive, send)`` returns
+    False, having sent nothing, for anything it does not serve plainly: another route, a
+    parameter FastAPI must validate, a token not in the cache (the database must be asked);
+    FastAPI then serves the request with the same handlers. Responses and refusals are the
+    same either way (``problem`` renders a ``ServiceError`` as the app's handler does)."""
+
+    def __init__(self, svc: Service, reads: FeedReads, problem: Callable[[Exception, Any], Any]) -> None:
+        self.svc = svc
+        self.reads = reads
+        self.problem = problem
+
+    @staticmethod
+    def _params(scope) -> dict[str, str] | None:
+        from urllib.parse import parse_qsl
+
+        try:
+            return dict(parse_qsl(scope.get("query_string", b"").decode("ascii"), strict_parsing=False))
+        except (UnicodeDecodeError, ValueError):
+            return None
+
+    def _principal(self, scope) -> Principal | None:
+        token = instance = None
+        for k, v in scope.get("headers", ()):
+            if k == b"authorization":
+                scheme, _, cred = v.decode("latin-1").partition(" ")
+                if scheme.lower() != "bearer" or not cred.strip():
+                    return None
+                token = cred.strip()
+            elif k == b"x-memfuse-instance":
+                instance = v.decode("latin-1")
+        if token is None:
+            return None
+        try:
+            return self.svc.authenticate_cached(token, instance)
+        except ServiceError:
+            return None
+
+    async def __call__(self, scope, receive, send) -> bool:
+        if scope["method"] != "GET":
+            return False
+        parts = scope["path"].split("/")
+        # ["", "v1", "stores", slug, "changes"] / ["", "v1", "workspaces", ws, "events"]
+        if len(parts) != 5 or parts[1] != "v1" or not parts[3]:
+            return False
+        kind = (parts[2], parts[4])
+        if kind not in (("stores", "changes"), ("workspaces", "events")):
+            return False
+        q = self._params(scope)
+        if q is None:
+            return False
+        try:
+            after = int(q.get("after", "0"))
+            wait = float(q.get("wait", "0"))
+            limit = int(q.get("limit", "1000"))
+        except ValueError:
+            return False
+        if after < 0 or not (0 < wait < float("inf")) or not (1 <= limit <= 1000):
+            return False
+        content = q.get("content", "true").lower()
+        if content not in _TRUE and content not in _FALSE:
+            return False
+        p = self._principal(scope)
+        if p is None:
+            return False
+        request = Request(scope, receive)
+        try:
+            if kind[1] == "changes":
+                response = await changes(self.svc, self.reads, request, p, parts[3], after, wait, limit=limit,
+                                         content=content in _TRUE, skip_actor=q.get("skip_actor") or None)
+            else:
+                response = await events(self.svc, request, p, parts[3], after, wait, limit=limit)
+        except Exception as e:  # rendered as the app's exception handlers would
+            response = self.problem(e, scope)
+        await response(scope, receive, send)
+        return True

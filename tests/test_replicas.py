@@ -1,0 +1,268 @@
+"""Several control-plane replicas on one PostgreSQL; one replica per SQLite file.
+
+The PostgreSQL tests use ``$MEMFUSE_TEST_DB_URL`` when set (a fresh schema per test), else a
+throwaway cluster on loopback started once for this module (``tests/pgutil.py``); without
+PostgreSQL they are skipped (and fail in CI, like ``tests/test_postgres.py``).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+from mountutil import MEMFUSE, free_port, stop
+from pgutil import fresh_db_url, pg_bindir, pg_cluster, pg_url
+
+ADMIN = "admin-token-replicas"
+
+
+@pytest.fixture(scope="module")
+def pg_base():
+    if pg_url() is not None:
+        yield None  # fresh_db_url gives each test a schema on $MEMFUSE_TEST_DB_URL
+        return
+    if pg_bindir() is None:
+        if os.environ.get("CI"):
+            pytest.fail("PostgreSQL or psycopg missing: ./scripts/setup --test installs them")
+        pytest.skip("PostgreSQL or psycopg not installed (./scripts/setup --test installs them)")
+    with pg_cluster(max_connections=100) as url:
+        yield url
+
+
+@pytest.fixture
+def pg(pg_base, monkeypatch):
+    """A PostgreSQL URL pointing at an empty schema of its own."""
+    if pg_base is not None:
+        monkeypatch.setenv("MEMFUSE_TEST_DB_URL", pg_base)
+    with fresh_db_url() as url:
+        yield url
+
+
+def _serve(tmp: Path, db_url: str, name: str) -> tuple[subprocess.Popen, str, Path]:
+    port = free_port()
+    token_file = tmp / "admin.token"
+    token_file.write_text(ADMIN)
+    log = tmp / f"{name}.log"
+    proc = subprocess.Popen(
+        [MEMFUSE, "serve", "--db", db_url, "--listen", f"127.0.0.1:{port}", "--admin-token-file", str(token_file),
+         "--migrate"],
+        stdout=log.open("ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        env=dict(os.environ, MEMFUSE_HOME=str(tmp / "home")))
+    return proc, f"http://127.0.0.1:{port}", log
+
+
+async def _until(fn, what: str, timeout: float = 30.0):
+    with trio.fail_after(timeout):
+        while True:
+            try:
+                got = await fn()
+                if got:
+                    return got
+            except httpx.TransportError:
+                pass
+            await trio.sleep(0.05)
+
+
+def _metric(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + " ") or line.startswith(name + "{"))
+
+
+async def test_write_on_replica_a_wakes_waiter_on_replica_b(pg, tmp_path):
+    """Two ``memfuse serve`` on one PostgreSQL: long-polls held on B cost B no database
+    statement while nothing is written, and a write on A answers B's change feed and an
+    attachment on A answers B's events long-poll (LISTEN/NOTIFY: without it they would wait
+    their full 20 s)."""
+    procs = []
+    try:
+        a, url_a, log_a = _serve(tmp_path, pg, "a")
+        procs.append(a)
+        async with httpx.AsyncClient(base_url=url_a, headers={"Authorization": f"Bearer {ADMIN}"}) as ca:
+            await _until(lambda: ca.get("/healthz"), "replica A")
+            b, url_b, log_b = _serve(tmp_path, pg, "b")
+            procs.append(b)
+            async with httpx.AsyncClient(base_url=url_b, headers={"Authorization": f"Bearer {ADMIN}"},
+                                         timeout=60) as cb:
+                await _until(lambda: cb.get("/healthz"), "replica B")
+                assert (await ca.post("/v1/stores", json={"slug": "default"})).status_code == 201
+                assert (await ca.post("/v1/stores", json={"slug": "second"})).status_code == 201
+                assert (await ca.post("/v1/workspaces", json={"name": "ws"})).status_code == 201
+                r = await ca.put("/v1/workspaces/ws/attachments/default", json={"access": "read_write"})
+                assert r.status_code == 200
+                tok = (await ca.post("/v1/tokens", json={"workspace": "ws", "name": "w"})).json()["token"]
+                first = (await ca.post("/v1/stores/default/records",
+                                       json={"path": "first.md", "content": "one"})).json()["seq"]
+                ev_seq = (await cb.get("/v1/workspaces/ws/events", params={"after": 0})).json()["seq"]
+
+                async def connected():
+                    return _metric((await cb.get("/metrics")).text, "memfuse_server_bus_connected") == 1
+                await _until(connected, "B's commit listener")
+
+                ws_headers = {"Authorization": f"Bearer {tok}", "X-Memfuse-Instance": "b"}
+                result = {}
+                async with httpx.AsyncClient(base_url=url_b, headers=ws_headers, timeout=60) as sidecar:
+
+                    async def feed():
+                        r = await sidecar.get("/v1/stores/default/changes",
+                                              params={"after": first, "wait": 20, "skip_actor": "ws:ws/b"})
+                        result["feed"], result["feed_t"] = r.json(), time.monotonic()
+
+                    async def events():
+                        r = await sidecar.get("/v1/workspaces/ws/events", params={"after": ev_seq, "wait": 20})
+                        result["events"], result["events_t"] = r.json(), time.monotonic()
+
+                    async with trio.open_nursery() as n:
+                        n.start_soon(feed)
+                        n.start_soon(events)
+
+                        async def held():
+                            return _metric((await cb.get("/metrics")).text, "memfuse_server_long_polls") == 2
+                        await _until(held, "both long-polls held on B")
+                        await trio.sleep(0.3)  # the first look of each (a read at most) is over
+                        s0 = _metric((await cb.get("/metrics")).text, "memfuse_server_db_statements_total")
+                        await trio.sleep(1.5)
+                        s1 = _metric((await cb.get("/metrics")).text, "memfuse_server_db_statements_total")
+                        assert s1 == s0, f"B queried the database {s1 - s0} times while idle"
+                        assert "feed" not in result and "events" not in result
+                        t0 = time.monotonic()
+                        r = await ca.post("/v1/stores/default/records", json={"path": "late.md", "content": "from a"})
+                        assert r.status_code == 201
+                        with trio.fail_after(10):
+                            while "feed" not in result:
+                                await trio.sleep(0.01)
+                        assert "events" not in result
+                        t1 = time.monotonic()
+                        r = await ca.put("/v1/workspaces/ws/attachments/second", json={"access": "read_only"})
+                        assert r.status_code == 200
+                assert [c["record"]["path"] for c in result["feed"]["changes"]] == ["late.md"]
+                assert result["feed_t"] - t0 < 5.0
+                assert [(e["kind"], e["store"]) for e in result["events"]["events"]] == [("attached", "second")]
+                assert result["events_t"] - t1 < 5.0
+    finally:
+        for p in procs:
+            stop(p)
+
+
+async def test_listener_outage_loses_no_wake_up(pg):
+    """The commit listener of replica B is cut (its backend terminated) and A writes while it
+    is down: NOTIFY is lost, but B re-reads on reconnect, so its waiter still gets the write;
+    the listener reconnects."""
+    import psycopg
+
+    from memfuse.server.app import create_app
+
+    app_a = create_app(pg, static_tokens={ADMIN: None})
+    app_b = create_app(pg, static_tokens={ADMIN: None})
+    svc_b = app_b.state.service
+    try:
+        hdr = {"Authorization": f"Bearer {ADMIN}"}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app_a), base_url="http://a", headers=hdr) as a, \
+                httpx.AsyncClient(transport=httpx.ASGITransport(app=app_b), base_url="http://b", headers=hdr,
+                                  timeout=60) as b:
+            assert (await a.post("/v1/stores", json={"slug": "default"})).status_code == 201
+            seq = (await b.get("/v1/stores/default/changes", params={"after": 0})).json()["seq"]
+            svc_b.bus.start()
+            await _until(lambda: _async(svc_b.bus.connected), "B's listener")
+            pid = svc_b.bus._pg_conn.info.backend_pid
+            result = {}
+
+            async def poll():
+                r = await b.get("/v1/stores/default/changes", params={"after": seq, "wait": 30})
+                result["page"] = r.json()
+
+            async with trio.open_nursery() as n:
+                n.start_soon(poll)
+                await _until(lambda: _async(svc_b.notifier.waiting == 1), "B's waiter")
+                killer = svc_b.db.url.set(drivername="postgresql").render_as_string(hide_password=False)
+                with psycopg.connect(killer, autocommit=True) as conn:
+                    conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
+                await _until(lambda: _async(not svc_b.bus.connected), "the listener to notice", 10)
+                r = await a.post("/v1/stores/default/records", json={"path": "during.md", "content": "x"})
+                assert r.status_code == 201
+                with trio.fail_after(20):
+                    while "page" not in result:
+                        await trio.sleep(0.02)
+            assert [c["record"]["path"] for c in result["page"]["changes"]] == ["during.md"]
+            await _until(lambda: _async(svc_b.bus.connected and svc_b.bus.reconnects >= 2), "reconnect", 20)
+    finally:
+        app_a.state.service.db.dispose()
+        svc_b.db.dispose()
+
+
+async def test_revocation_on_replica_a_reaches_replica_b_at_commit(pg):
+    """A token revoked through replica A is dropped from replica B's cache by the commit note
+    (no periodic revocation read needed while B's listener is connected)."""
+    from memfuse.server.app import create_app
+
+    app_a = create_app(pg, static_tokens={ADMIN: None})
+    app_b = create_app(pg, static_tokens={ADMIN: None})
+    svc_b = app_b.state.service
+    try:
+        hdr = {"Authorization": f"Bearer {ADMIN}"}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app_a), base_url="http://a", headers=hdr) as a:
+            assert (await a.post("/v1/workspaces", json={"name": "ws"})).status_code == 201
+            tok = (await a.post("/v1/tokens", json={"workspace": "ws", "name": "t"})).json()
+            svc_b.bus.start()
+            await _until(lambda: _async(svc_b.bus.connected), "B's listener")
+            assert svc_b.authenticate(tok["token"]).workspace == "ws"
+            assert svc_b.authenticate_cached(tok["token"]) is not None  # cached, no read due
+            assert (await a.delete(f"/v1/tokens/{tok['id']}")).status_code == 204
+            await _until(lambda: _async(svc_b.authenticate_cached(tok["token"]) is None), "B to forget it", 10)
+    finally:
+        app_a.state.service.db.dispose()
+        svc_b.db.dispose()
+
+
+async def _async(value):
+    return value
+
+
+def test_second_serve_on_one_sqlite_file_is_refused(tmp_path):
+    """SQLite is one replica: a second ``memfuse serve`` on the same file exits 1 and says why;
+    once the first stops, the file can be served again."""
+    db = f"sqlite:///{tmp_path / 'cp.db'}"
+    first, url, log = _serve(tmp_path, db, "first")
+    try:
+        deadline = time.monotonic() + 30
+        while b"listening on" not in log.read_bytes():
+            assert first.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        second = subprocess.run(
+            [MEMFUSE, "serve", "--db", db, "--listen", f"127.0.0.1:{free_port()}",
+             "--admin-token-file", str(tmp_path / "admin.token"), "--migrate"],
+            capture_output=True, text=True, timeout=60, env=dict(os.environ, MEMFUSE_HOME=str(tmp_path / "home")))
+        assert second.returncode == 1
+        assert f"another memfuse serve (pid {first.pid}) is serving" in second.stderr
+        assert "SQLite supports one control-plane replica" in second.stderr
+    finally:
+        stop(first)
+    third, _, log3 = _serve(tmp_path, db, "third")
+    try:
+        deadline = time.monotonic() + 30
+        while b"listening on" not in log3.read_bytes():
+            assert third.poll() is None and time.monotonic() < deadline, log3.read_text()
+            time.sleep(0.05)
+    finally:
+        stop(third)
+
+
+def test_sidecar_does_not_import_the_server_stack():
+    """``memfuse mount`` (the CLI and every sidecar module) loads neither FastAPI, Starlette,
+    SQLAlchemy nor hypercorn: they cost the sidecar's baseline memory and it never serves."""
+    code = (
+        "import sys, pkgutil, importlib, memfuse.cli, memfuse.sidecar\n"
+        "for m in pkgutil.walk_packages(memfuse.sidecar.__path__, 'memfuse.sidecar.'):\n"
+        "    importlib.import_module(m.name)\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('fastapi', 'starlette', 'sqlalchemy', 'hypercorn', 'psycopg') or m.startswith('memfuse.server'))\n"
+        "print(','.join(bad))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == ""
