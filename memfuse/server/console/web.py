@@ -59,6 +59,7 @@ from memfuse.server.console.session import (
     same,
 )
 from memfuse.server.service import Principal, Service, ServiceError
+from memfuse.server import wakeups
 
 log = logging.getLogger(__name__)
 
@@ -781,7 +782,7 @@ def live(svc: Service) -> Callable[[Request], Awaitable[Response]]:
             last_sent = anyio.current_time()
             yield "retry: 2000\n\n"
             while anyio.current_time() < deadline and not svc.closing:
-                waiter = svc.notifier.subscribe(slug)
+                waiter = svc.notifier.subscribe(wakeups.FEED, slug)
                 try:
                     try:
                         page = await anyio.to_thread.run_sync(
