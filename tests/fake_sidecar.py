@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from memfuse.client import ApiClient  # noqa: E402
 from memfuse.fake import FakeControlPlane  # noqa: E402
-from memfuse.sidecar.mount import MountConfig, serve_mount, setup_logging  # noqa: E402
+from memfuse.sidecar.logs import setup_logging  # noqa: E402
+from memfuse.sidecar.mount import MountConfig, serve_mount  # noqa: E402
 from mountutil import dump_records  # noqa: E402  (this script's own folder is on sys.path)
 
 WORKSPACE = "ws"

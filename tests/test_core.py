@@ -16,7 +16,8 @@ import trio
 
 from memfuse.client import ApiClient
 from memfuse.fake import FakeControlPlane
-from memfuse.sidecar.core import BlobCache, Filesystem, FsError, Settings
+from memfuse.sidecar.blobcache import BlobCache
+from memfuse.sidecar.core import Filesystem, FsError, Settings
 from memfuse.sidecar.outbox import Committer, Journal
 
 

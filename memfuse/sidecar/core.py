@@ -22,11 +22,9 @@ import errno
 import json
 import logging
 import os
-import sqlite3
 import stat
 import time
 import uuid
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -40,13 +38,22 @@ try:  # shared content rules (types, secrets) for the fast path; the server enfo
     from .. import content as content_rules
 except ImportError:  # pragma: no cover
     content_rules = None
+from .blobcache import BlobCache
+from .control import CONTROL_DIR, FILES, ControlFiles
 from .outbox import (ATTRS, DELETE, MOVE, MOVE_PREFIX, PUT, CacheError, Committer, Entry,
                      cache_error)
 
 log = logging.getLogger("memfuse.fs")
 
 ROOT_INO = 1
-CONTROL_DIR = ".memfuse"
+# renameat2(2) flags (linux/fs.h); pyfuse3 passes them through as the kernel sent them
+RENAME_NOREPLACE = 1
+RENAME_EXCHANGE = 2
+# a store's limits when the control plane gives none (StoreMount's defaults, statfs of an
+# empty mount)
+DEFAULT_MAX_RECORD_BYTES = 1 << 20
+DEFAULT_MAX_STORE_BYTES = 64 << 20
+DEFAULT_MAX_RECORDS = 10_000
 CLEAN, PENDING, REJECTED = "clean", "pending", "rejected"
 DIR_MODE = 0o755  # permission bits of a directory nobody chmod-ed
 DIR_MODES_KEY = "_modes"  # dirs.json: {slug: {dir path ("" = store root): mode}}; never a slug
@@ -59,122 +66,6 @@ class FsError(Exception):
         super().__init__(reason or os.strerror(err))
         self.errno = err
         self.reason = reason or os.strerror(err)
-
-
-class BlobCache:
-    """Content-addressed cache of clean record content: one SQLite file, rows ``(sha256, data)``.
-
-    One file instead of one file per record: loading a 10,000-record store is one transaction
-    instead of 10,000 create-write-rename cycles, and a read is one indexed ``substr``. WAL with
-    ``synchronous=NORMAL``: a crash never corrupts it; durability is the outbox's job, and
-    anything missing is fetched again from the control plane. Used from the trio thread only.
-
-    Every failure of the file (a full disk, an I/O error) is raised as ``CacheError``
-    (``ENOSPC`` / ``EIO``), never as a raw ``sqlite3`` exception. Unreferenced blobs are
-    deleted by ``gc``; the write-ahead log is kept under 1 MiB and truncated by ``checkpoint``.
-    """
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
-        self._db.execute("PRAGMA auto_vacuum=INCREMENTAL")  # new files only
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("PRAGMA wal_autocheckpoint=256")
-        self._db.execute("PRAGMA journal_size_limit=1048576")
-        self._db.execute("CREATE TABLE IF NOT EXISTS blobs (sha TEXT PRIMARY KEY, data BLOB NOT NULL)")
-        self._in_batch = False
-        self.metrics = None  # set by the sidecar: counts failed writes
-
-    def _failed(self, exc: BaseException, what: str) -> CacheError:
-        err = cache_error(exc, what)
-        if self.metrics is not None:
-            self.metrics.cache_write_errors.labels(
-                "blobs", errno.errorcode.get(err.errno, str(err.errno))).inc()
-        return err
-
-    @contextlib.contextmanager
-    def batch(self) -> Iterator[None]:
-        """Group many ``put`` calls into one transaction. Raises ``CacheError`` when the
-        transaction cannot be written (nothing of it is kept then)."""
-        try:
-            self._db.execute("BEGIN")
-        except sqlite3.Error as exc:
-            raise self._failed(exc, "writing the blob cache") from exc
-        self._in_batch = True
-        try:
-            yield
-            self._db.execute("COMMIT")
-        except BaseException as exc:
-            if self._db.in_transaction:
-                with contextlib.suppress(sqlite3.Error):
-                    self._db.execute("ROLLBACK")
-            if isinstance(exc, sqlite3.Error):
-                raise self._failed(exc, "writing the blob cache") from exc
-            raise
-        finally:
-            self._in_batch = False
-
-    def has(self, sha: str) -> bool:
-        return self._db.execute("SELECT 1 FROM blobs WHERE sha=?", (sha,)).fetchone() is not None
-
-    def put(self, data: bytes, sha: str | None = None) -> str:
-        """Store ``data``; return its sha256 (computed when not given)."""
-        sha = sha or sha256_hex(data)
-        try:
-            self._db.execute("INSERT OR IGNORE INTO blobs VALUES (?, ?)", (sha, data))
-        except sqlite3.Error as exc:
-            if self._in_batch:
-                raise  # batch() rolls the whole transaction back and raises CacheError
-            raise self._failed(exc, "writing the blob cache") from exc
-        return sha
-
-    def read(self, sha: str, off: int = 0, size: int = -1) -> bytes:
-        """Bytes ``[off, off+size)`` of a blob (all from ``off`` when ``size`` < 0); ``b""``
-        when absent. Raises ``CacheError(EIO)`` when the file cannot be read."""
-        try:
-            if size < 0:
-                row = self._db.execute("SELECT substr(data, ?) FROM blobs WHERE sha=?",
-                                       (off + 1, sha)).fetchone()
-            else:
-                row = self._db.execute("SELECT substr(data, ?, ?) FROM blobs WHERE sha=?",
-                                       (off + 1, size, sha)).fetchone()
-        except sqlite3.Error as exc:
-            raise CacheError(errno.EIO, f"the sidecar's blob cache cannot be read "
-                                        f"({type(exc).__name__})") from exc
-        return bytes(row[0]) if row is not None and row[0] is not None else b""
-
-    def gc(self, keep: set[str]) -> int:
-        """Delete every blob whose sha256 is not in ``keep``, then ``checkpoint``; return
-        how many were deleted. Raises ``CacheError`` when the file cannot be written."""
-        try:
-            self._db.execute("CREATE TEMP TABLE IF NOT EXISTS keep (sha TEXT PRIMARY KEY)")
-            self._db.execute("DELETE FROM keep")
-            self._db.executemany("INSERT OR IGNORE INTO keep VALUES (?)", ((k,) for k in keep))
-            cur = self._db.execute("DELETE FROM blobs WHERE sha NOT IN (SELECT sha FROM keep)")
-            self._db.execute("DELETE FROM keep")
-        except sqlite3.Error as exc:
-            raise self._failed(exc, "cleaning the blob cache") from exc
-        self.checkpoint()
-        return cur.rowcount
-
-    def checkpoint(self) -> None:
-        """Copy the write-ahead log into the file and truncate it; give free pages back
-        (files created with incremental auto-vacuum). Failures are ignored (tried again next
-        time): the log then stays, bounded by ``journal_size_limit``."""
-        with contextlib.suppress(sqlite3.Error):
-            self._db.execute("PRAGMA incremental_vacuum").fetchall()  # one page per step
-        with contextlib.suppress(sqlite3.Error):
-            self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
-
-    def count(self) -> tuple[int, int]:
-        """(blobs, bytes of content) held."""
-        row = self._db.execute("SELECT COUNT(*), COALESCE(SUM(LENGTH(data)), 0) FROM blobs").fetchone()
-        return int(row[0]), int(row[1])
-
-    def close(self) -> None:
-        self._db.close()
 
 
 @dataclass(eq=False, slots=True)
@@ -244,9 +135,9 @@ class StoreMount:
     slug: str
     access: str
     root: Node
-    max_record_bytes: int = 1 << 20
-    max_store_bytes: int = 64 << 20
-    max_records: int = 10_000
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+    max_store_bytes: int = DEFAULT_MAX_STORE_BYTES
+    max_records: int = DEFAULT_MAX_RECORDS
     detached: bool = False  # removed from the mount: open handles get ESTALE
     used: int = 0  # bytes of the live records' current local content (quota fast path)
     count: int = 0  # live records (files that are not local-only)
@@ -302,16 +193,16 @@ class Filesystem:
         self.stores: dict[str, StoreMount] = {}
         self._next_ino = ROOT_INO
         self._next_fh = 0
-        self.errors: deque[dict] = deque(maxlen=200)
-        self.status_provider = None  # set by the sidecar for a fuller .memfuse/status.json
+        self.controls = ControlFiles(self)
+        self.errors = self.controls.errors  # errors.log entries, newest last
         self.metrics = None  # memfuse.sidecar.metrics.Metrics, set by the sidecar
         self.started = time.time()
         self.ready = False
         now = time.time_ns()
         self.root = self._new_node("", None, True, None, 0o555, now)
         self.control = self._new_node(CONTROL_DIR, self.root, True, None, 0o555, now)
-        self._new_node("status.json", self.control, False, None, 0o444, now).special = "status"
-        self._new_node("errors.log", self.control, False, None, 0o444, now).special = "errors"
+        for fname, kind in FILES.items():
+            self._new_node(fname, self.control, False, None, 0o444, now).special = kind
         committer.on_result = self._on_commit
         committer.on_conflict = self._on_conflict
 
@@ -525,13 +416,7 @@ class Filesystem:
         store = where.store.slug if where is not None and where.store else ""
         base = where.path() if where is not None and where.store else ""
         path = f"{base}/{name}" if base and name else (name or base)
-        self.errors.append({"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                            "store": store, "path": path, "errno": errno.errorcode.get(err, str(err)),
-                            "reason": reason})
-        log.warning("refused", extra={"store": store, "path": path,
-                                      "errno": errno.errorcode.get(err, str(err)), "reason": reason})
-        if self.metrics is not None:
-            self.metrics.refusals.labels(errno.errorcode.get(err, str(err))).inc()
+        self.controls.note_error(store, path, err, reason)
 
     # ------------------------------------------------------------------ lookups
     def lookup(self, parent_ino: int, name: bytes) -> Node | None:
@@ -551,6 +436,42 @@ class Filesystem:
         if n is not None:
             n.nlookup += 1
         return n
+
+    def looked_up(self, n: Node) -> None:
+        """The kernel now holds one more reference to ``n`` (an entry of a readdirplus
+        reply it accepted); ``forget`` gives it back."""
+        n.nlookup += 1
+
+    def opendir(self, ino: int) -> Handle:
+        """A directory handle on ``ino`` (``ENOTDIR`` for a file); closed by ``release``."""
+        n = self.node(ino)
+        if not n.is_dir:
+            raise FsError(errno.ENOTDIR)
+        h = self._new_handle(n, os.O_RDONLY)
+        h.is_dir = True
+        return h
+
+    def readdir(self, h: Handle, start: int) -> Iterator[tuple[int, str, Node]]:
+        """Entries of the directory open as ``h`` from offset ``start``: ``(offset of the
+        next entry, name, node)``, sorted by name, from a listing taken when ``start`` is 0
+        (so offsets stay stable while the caller pages); entries removed since are left
+        out."""
+        if start == 0 or h.entries is None:
+            h.entries = self.listdir(h.node)
+        for i in range(start, len(h.entries)):
+            name, child = h.entries[i]
+            if not child.unlinked:
+                yield i + 1, name, child
+
+    def statfs(self) -> dict[str, int]:
+        """statvfs(2) totals over the mounted stores: ``bytes`` / ``used`` (bytes, from the
+        stores' quotas and live records) and ``files`` / ``nfiles`` (record limits and
+        counts); the defaults of one store when none is mounted."""
+        stores = list(self.stores.values())
+        return {"bytes": sum(sm.max_store_bytes for sm in stores) or DEFAULT_MAX_STORE_BYTES,
+                "used": sum(sm.used for sm in stores),
+                "files": sum(sm.max_records for sm in stores) or DEFAULT_MAX_RECORDS,
+                "nfiles": sum(sm.count for sm in stores)}
 
     def listdir(self, d: Node) -> list[tuple[str, Node]]:
         if not d.is_dir:
@@ -680,7 +601,7 @@ class Filesystem:
             n.refused = 0  # a new write session: its content is judged at commit
         if n.special:  # one consistent snapshot per open: json.load may read twice
             h = self._new_handle(n, flags)
-            h.snapshot = self.special_content(n)
+            h.snapshot = self.controls.content(n.special)
             return h
         if flags & os.O_TRUNC and n.cur_size() > 0:
             self._account(n, -n.cur_size())
@@ -880,9 +801,7 @@ class Filesystem:
         self._drop_if_unused(n)
 
     def _on_conflict(self, e: Entry, what: str) -> None:
-        self.errors.append({"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                            "store": e.store, "path": e.args.get("path", ""),
-                            "conflict": True, "reason": what})
+        self.controls.note_conflict(e.store, e.args.get("path", ""), what)
 
     def _on_commit(self, e: Entry) -> None:
         if e.op == MOVE_PREFIX or e.node_key is None:
@@ -1049,9 +968,10 @@ class Filesystem:
 
     def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes,
                flags: int) -> None:
-        """rename(2) / renameat2(2) with ``RENAME_NOREPLACE`` (1); ``RENAME_EXCHANGE`` (2) →
-        ``EINVAL``. Applied locally at once; the control plane learns it through the outbox."""
-        if flags & 2:
+        """rename(2) / renameat2(2): ``flags`` may hold ``RENAME_NOREPLACE`` (an existing
+        target → ``EEXIST``); ``RENAME_EXCHANGE`` → ``EINVAL``. Across stores → ``EXDEV``.
+        Applied locally at once; the control plane learns it through the outbox."""
+        if flags & RENAME_EXCHANGE:
             raise FsError(errno.EINVAL, "RENAME_EXCHANGE is not supported")
         od, nd = self.node(old_parent), self.node(new_parent)
         sm = self._writable_dir(od)
@@ -1063,7 +983,7 @@ class Filesystem:
         dst = nd.children.get(s)
         if dst is src:
             return
-        if dst is not None and flags & 1:
+        if dst is not None and flags & RENAME_NOREPLACE:
             raise FsError(errno.EEXIST)
         if src.is_dir:
             a = nd
@@ -1331,6 +1251,16 @@ class Filesystem:
             raise FsError(errno.ENODATA)
         return value.encode("utf-8")
 
+    def setxattr(self, n: Node, name: str, value: bytes) -> None:
+        """setxattr(2): only ``user.memfuse.type`` is writable (``set_type``); other
+        ``user.memfuse.*`` names → ``EPERM``; any other name → ``ENOTSUP``."""
+        if name == "user.memfuse.type":
+            self.set_type(n, value)
+            return
+        if name.startswith("user.memfuse."):
+            raise FsError(errno.EPERM, f"{name} is read-only")
+        raise FsError(errno.ENOTSUP)
+
     def set_type(self, n: Node, value: bytes) -> None:
         """``setxattr user.memfuse.type``: a new version with that type (DESIGN §5)."""
         if n.is_dir or n.special or n.store is None:
@@ -1349,24 +1279,5 @@ class Filesystem:
 
     # ------------------------------------------------------------------ status
     def status(self) -> dict:
-        """The sidecar's status (``.memfuse/status.json``, admin ``/v1/status``)."""
-        return {
-            "workspace": self.workspace,
-            "ready": self.ready,
-            "uptime_s": round(time.time() - self.started, 1),
-            "stores": [{"slug": s.slug, "access": s.access, "records": s.count, "bytes": s.used,
-                        "max_records": s.max_records, "max_store_bytes": s.max_store_bytes}
-                       for s in self.stores.values()],
-            "outbox": {"depth": self.committer.depth(),
-                       "oldest_age_s": round(self.committer.oldest_age(), 3),
-                       "committed": self.committer.committed, "refused": self.committer.refused,
-                       "retries": self.committer.retries},
-            "open_handles": len(self.handles),
-            "inodes": len(self.inodes),
-        }
-
-    def special_content(self, n: Node) -> bytes:
-        if n.special == "status":
-            st = self.status_provider() if self.status_provider else self.status()
-            return (json.dumps(st, indent=2) + "\n").encode()
-        return "".join(json.dumps(e) + "\n" for e in self.errors).encode()
+        """The filesystem's status document (``ControlFiles.status``)."""
+        return self.controls.status()

@@ -154,25 +154,14 @@ class MemfuseOps(pyfuse3.Operations):
     # ------------------------------------------------------------------ directories
     @_guard
     async def opendir(self, inode, ctx):
-        n = self.fs.node(inode)
-        if not n.is_dir:
-            raise FsError(errno.ENOTDIR)
-        h = self.fs._new_handle(n, os.O_RDONLY)
-        h.is_dir = True
-        return h.fh
+        return self.fs.opendir(inode).fh
 
     @_guard
     async def readdir(self, fh, start_id, token):
-        h = self.fs.handle(fh)
-        if start_id == 0 or h.entries is None:
-            h.entries = self.fs.listdir(h.node)
-        for i in range(start_id, len(h.entries)):
-            name, child = h.entries[i]
-            if child.unlinked:
-                continue
-            if not pyfuse3.readdir_reply(token, name.encode("utf-8"), self.attrs(child), i + 1):
+        for nxt, name, child in self.fs.readdir(self.fs.handle(fh), start_id):
+            if not pyfuse3.readdir_reply(token, name.encode("utf-8"), self.attrs(child), nxt):
                 break
-            child.nlookup += 1
+            self.fs.looked_up(child)  # readdirplus: an accepted entry is a lookup
 
     @_guard
     async def releasedir(self, fh):
@@ -254,11 +243,8 @@ class MemfuseOps(pyfuse3.Operations):
     @_guard
     async def statfs(self, ctx):
         s = pyfuse3.StatvfsData()
-        stores = list(self.fs.stores.values())
-        total = sum(sm.max_store_bytes for sm in stores) or (64 << 20)
-        used = sum(sm.used for sm in stores)
-        files = sum(sm.max_records for sm in stores) or 10_000
-        nfiles = sum(sm.count for sm in stores)
+        t = self.fs.statfs()
+        total, used, files, nfiles = t["bytes"], t["used"], t["files"], t["nfiles"]
         s.f_bsize = BLOCK
         s.f_frsize = BLOCK
         s.f_blocks = total // BLOCK
@@ -280,14 +266,7 @@ class MemfuseOps(pyfuse3.Operations):
 
     @_guard
     async def setxattr(self, inode, name, value, ctx):
-        n = self.fs.node(inode)
-        key = name.decode("utf-8", "replace")
-        if key == "user.memfuse.type":
-            self.fs.set_type(n, value)
-            return
-        if key.startswith("user.memfuse."):
-            raise FsError(errno.EPERM, f"{key} is read-only")
-        raise FsError(errno.ENOTSUP)
+        self.fs.setxattr(self.fs.node(inode), name.decode("utf-8", "replace"), value)
 
     @_guard
     async def removexattr(self, inode, name, ctx):

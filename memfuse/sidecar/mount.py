@@ -11,7 +11,6 @@ from __future__ import annotations
 import errno
 import fcntl
 import functools
-import json
 import logging
 import math
 import os
@@ -19,7 +18,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -32,8 +30,10 @@ import trio
 from ..client import ApiClient
 from ..errors import ApiError, Gone, PermanentError, TransientError, Unauthorized
 from ..models import Attachment
-from .core import ROOT_INO, BlobCache, Filesystem, Settings
+from .blobcache import BlobCache
+from .core import ROOT_INO, Filesystem, Settings
 from .fuse_ops import MemfuseOps
+from .logs import setup_logging
 from .metrics import Metrics
 from .outbox import CacheError, Committer, Journal
 from .sync import Invalidator, Meta, StoreState, catch_up, lag_seconds
@@ -72,35 +72,6 @@ class MountConfig:
 
 class StartError(Exception):
     """The sidecar cannot start; the message is one line for ``kubectl logs``."""
-
-
-class JsonFormatter(logging.Formatter):
-    """One JSON object a line: time, level, logger, message and the record's ``extra`` fields."""
-
-    _std = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
-
-    def format(self, record: logging.LogRecord) -> str:
-        out = {"time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-                       + f".{int(record.msecs):03d}Z",
-               "level": record.levelname.lower(), "logger": record.name,
-               "msg": record.getMessage()}
-        for k, v in record.__dict__.items():
-            if k not in self._std and not k.startswith("_"):
-                out[k] = v if isinstance(v, (int, float, str, bool, type(None))) else str(v)
-        if record.exc_info:
-            out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out, ensure_ascii=False)
-
-
-def setup_logging(debug: bool = False, fmt: str = "json") -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(
-        "%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(logging.DEBUG if debug else logging.INFO)
-    for noisy in ("httpx", "httpcore", "hypercorn", "pyfuse3"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 def clean_stale_mount(mountpoint: Path) -> None:
@@ -161,7 +132,7 @@ class Sidecar:
         self.fs = Filesystem(BlobCache(config.cache_dir / "blobs.db"), self.committer, settings,
                              config.workspace, dirs_file=config.cache_dir / "dirs.json")
         self.ops = MemfuseOps(self.fs, self.metrics)
-        self.fs.status_provider = self.status
+        self.fs.controls.status_provider = self.status
         on_result = self.committer.on_result
 
         def committed(e) -> None:  # the tree first, then the store's mirror

@@ -1,0 +1,133 @@
+"""The sidecar's content cache: clean record content by sha256, in one SQLite file.
+
+``BlobCache`` is what ``Filesystem.read`` answers from for a clean file, what the store
+loader and the change feed fill, and what ``Sidecar._gc_blobs`` cleans. See its docstring for
+durability (none needed: a cache) and errors (``CacheError`` only).
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import sqlite3
+from pathlib import Path
+from typing import Iterator
+
+from ..models import sha256_hex
+from .outbox import CacheError, cache_error
+
+
+class BlobCache:
+    """Content-addressed cache of clean record content: one SQLite file, rows ``(sha256, data)``.
+
+    One file instead of one file per record: loading a 10,000-record store is one transaction
+    instead of 10,000 create-write-rename cycles, and a read is one indexed ``substr``. WAL with
+    ``synchronous=NORMAL``: a crash never corrupts it; durability is the outbox's job, and
+    anything missing is fetched again from the control plane. Used from the trio thread only.
+
+    Every failure of the file (a full disk, an I/O error) is raised as ``CacheError``
+    (``ENOSPC`` / ``EIO``), never as a raw ``sqlite3`` exception. Unreferenced blobs are
+    deleted by ``gc``; the write-ahead log is kept under 1 MiB and truncated by ``checkpoint``.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA auto_vacuum=INCREMENTAL")  # new files only
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("PRAGMA wal_autocheckpoint=256")
+        self._db.execute("PRAGMA journal_size_limit=1048576")
+        self._db.execute("CREATE TABLE IF NOT EXISTS blobs (sha TEXT PRIMARY KEY, data BLOB NOT NULL)")
+        self._in_batch = False
+        self.metrics = None  # set by the sidecar: counts failed writes
+
+    def _failed(self, exc: BaseException, what: str) -> CacheError:
+        err = cache_error(exc, what)
+        if self.metrics is not None:
+            self.metrics.cache_write_errors.labels(
+                "blobs", errno.errorcode.get(err.errno, str(err.errno))).inc()
+        return err
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Group many ``put`` calls into one transaction. Raises ``CacheError`` when the
+        transaction cannot be written (nothing of it is kept then)."""
+        try:
+            self._db.execute("BEGIN")
+        except sqlite3.Error as exc:
+            raise self._failed(exc, "writing the blob cache") from exc
+        self._in_batch = True
+        try:
+            yield
+            self._db.execute("COMMIT")
+        except BaseException as exc:
+            if self._db.in_transaction:
+                with contextlib.suppress(sqlite3.Error):
+                    self._db.execute("ROLLBACK")
+            if isinstance(exc, sqlite3.Error):
+                raise self._failed(exc, "writing the blob cache") from exc
+            raise
+        finally:
+            self._in_batch = False
+
+    def has(self, sha: str) -> bool:
+        """Whether the blob with this sha256 (64 hex digits) is held."""
+        return self._db.execute("SELECT 1 FROM blobs WHERE sha=?", (sha,)).fetchone() is not None
+
+    def put(self, data: bytes, sha: str | None = None) -> str:
+        """Store ``data``; return its sha256 (computed when not given)."""
+        sha = sha or sha256_hex(data)
+        try:
+            self._db.execute("INSERT OR IGNORE INTO blobs VALUES (?, ?)", (sha, data))
+        except sqlite3.Error as exc:
+            if self._in_batch:
+                raise  # batch() rolls the whole transaction back and raises CacheError
+            raise self._failed(exc, "writing the blob cache") from exc
+        return sha
+
+    def read(self, sha: str, off: int = 0, size: int = -1) -> bytes:
+        """Bytes ``[off, off+size)`` of a blob (all from ``off`` when ``size`` < 0); ``b""``
+        when absent. Raises ``CacheError(EIO)`` when the file cannot be read."""
+        try:
+            if size < 0:
+                row = self._db.execute("SELECT substr(data, ?) FROM blobs WHERE sha=?",
+                                       (off + 1, sha)).fetchone()
+            else:
+                row = self._db.execute("SELECT substr(data, ?, ?) FROM blobs WHERE sha=?",
+                                       (off + 1, size, sha)).fetchone()
+        except sqlite3.Error as exc:
+            raise CacheError(errno.EIO, f"the sidecar's blob cache cannot be read "
+                                        f"({type(exc).__name__})") from exc
+        return bytes(row[0]) if row is not None and row[0] is not None else b""
+
+    def gc(self, keep: set[str]) -> int:
+        """Delete every blob whose sha256 is not in ``keep``, then ``checkpoint``; return
+        how many were deleted. Raises ``CacheError`` when the file cannot be written."""
+        try:
+            self._db.execute("CREATE TEMP TABLE IF NOT EXISTS keep (sha TEXT PRIMARY KEY)")
+            self._db.execute("DELETE FROM keep")
+            self._db.executemany("INSERT OR IGNORE INTO keep VALUES (?)", ((k,) for k in keep))
+            cur = self._db.execute("DELETE FROM blobs WHERE sha NOT IN (SELECT sha FROM keep)")
+            self._db.execute("DELETE FROM keep")
+        except sqlite3.Error as exc:
+            raise self._failed(exc, "cleaning the blob cache") from exc
+        self.checkpoint()
+        return cur.rowcount
+
+    def checkpoint(self) -> None:
+        """Copy the write-ahead log into the file and truncate it; give free pages back
+        (files created with incremental auto-vacuum). Failures are ignored (tried again next
+        time): the log then stays, bounded by ``journal_size_limit``."""
+        with contextlib.suppress(sqlite3.Error):
+            self._db.execute("PRAGMA incremental_vacuum").fetchall()  # one page per step
+        with contextlib.suppress(sqlite3.Error):
+            self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+
+    def count(self) -> tuple[int, int]:
+        """(blobs, bytes of content) held."""
+        row = self._db.execute("SELECT COUNT(*), COALESCE(SUM(LENGTH(data)), 0) FROM blobs").fetchone()
+        return int(row[0]), int(row[1])
+
+    def close(self) -> None:
+        self._db.close()
