@@ -1,7 +1,7 @@
 """Assembly of the sidecar: replay the outbox, load the attached stores, mount, serve, drain.
 
 ``run_mount(config, client_factory)`` is the blocking entry point used by ``memfuse mount``
-and ``memfuse dev``. The order follows DESIGN.md §6: replay the outbox first, then list the
+and ``memfuse dev``. The order (docs/ARCHITECTURE.md): replay the outbox first, then list the
 workspace's attachments and load each store, then mount and report ready. SIGTERM / SIGINT
 drain the outbox for up to ``drain_timeout`` seconds, unmount and exit 0; what did not drain
 stays in the outbox for the next start.
@@ -28,15 +28,14 @@ import pyfuse3
 import trio
 
 from ..client import ApiClient
-from ..errors import ApiError, Gone, PermanentError, TransientError, Unauthorized
-from ..models import Attachment
 from .blobcache import BlobCache
-from .core import ROOT_INO, Filesystem, Settings
+from .core import Filesystem, Settings
 from .fuse_ops import MemfuseOps
 from .logs import setup_logging
 from .metrics import Metrics
-from .outbox import CacheError, Committer, Journal
-from .sync import Invalidator, Meta, StoreState, catch_up, lag_seconds
+from .outbox import Committer, Journal
+from .stores import StoreSync
+from .sync import Invalidator, StoreState
 
 log = logging.getLogger("memfuse.mount")
 
@@ -106,7 +105,7 @@ class CacheLock:
         os.close(self.fd)
 
 
-class Sidecar:
+class Sidecar(StoreSync):
     """One running sidecar: outbox, filesystem, sync tasks and mount (the admin API's target).
 
     ``run()`` does the whole life cycle; ``mount_store`` / ``unmount_store`` / ``reconcile``
@@ -239,109 +238,6 @@ class Sidecar:
                       "token_reloads": tf.reloads if tf is not None else 0}
         return st
 
-    # ------------------------------------------------------------------ loading
-    async def _retrying(self, what: str, fn):
-        delay = 0.2
-        while True:
-            try:
-                return await fn()
-            except TransientError as e:
-                self.last_start_error = e.code or (f"HTTP {e.status}" if e.status else type(e).__name__)
-                log.warning(f"control plane unreachable while {what}; retrying",
-                            extra={"status": e.status, "code": e.code, "retry_in_s": delay})
-                await trio.sleep(delay)
-                delay = min(delay * 2, 5.0)
-            except CacheError as e:
-                log.warning(f"cache disk refused a write while {what}; retrying",
-                            extra={"errno": errno.errorcode.get(e.errno), "reason": e.reason,
-                                   "retry_in_s": delay})
-                await trio.sleep(delay)
-                delay = min(delay * 2, 5.0)
-            except Unauthorized as e:  # an authentication outage: wait for a valid token
-                self.last_start_error = f"HTTP {e.status}: the token was refused"
-                log.warning(f"the control plane refused the token while {what}; retrying",
-                            extra={"status": e.status, "code": e.code, "retry_in_s": delay})
-                await self._wait_token(delay)
-                delay = min(delay * 2, 5.0)
-
-    async def _load_state(self, slug: str, expect_records: int | None = None) -> StoreState:
-        """The store's mirror, resumed from the saved cursor or from a full snapshot.
-        ``expect_records`` (the control plane's live record count) guards the resume: a
-        mirror that does not add up is replaced by a snapshot."""
-        state = StoreState(self.config.cache_dir / "stores" / f"{slug}.json", slug)
-        resumed = state.load() and await catch_up(self.client, state, self.fs.blobs)
-        if resumed and expect_records is not None and len(state.records) != expect_records:
-            log.warning("saved store state does not match the control plane; taking a snapshot",
-                        extra={"store": slug, "saved": len(state.records),
-                               "live": expect_records})
-            resumed = False
-        if not resumed:
-            # Page by page: each page's content goes to the blob cache and only the slotted
-            # metadata stays, so a big store is never held in memory with its content.
-            metas: list[Meta] = []
-            seq: int | None = None
-            async for page in self.client.iter_pages(slug, content=True, limit=1000):
-                if seq is None:
-                    seq = page.seq
-                with self.fs.blobs.batch():
-                    for r in page.records:
-                        self.fs.blobs.put(r.content.encode("utf-8"), r.sha256)
-                        metas.append(Meta.of(r))
-            state.reset(metas, seq or 0)
-        for r in [r for r in state.records.values() if not self.fs.blobs.has(r.sha256)]:
-            full = await self.client.get_record(slug, r.id, content=True)
-            self.fs.blobs.put(full.content.encode("utf-8"), full.sha256)
-            state.put(full)
-        log.info("store loaded", extra={"store": slug, "records": len(state.records),
-                                        "cursor": state.cursor, "resumed": bool(resumed)})
-        return state
-
-    async def _add_attachment(self, att: Attachment) -> None:
-        slug = att.store.slug
-        state = await self._retrying(
-            f"loading {slug}", lambda: self._load_state(slug, att.store.record_count))
-        if slug in self.fs.stores:
-            return
-        self.states[slug] = state
-        limits = {"max_record_bytes": att.store.max_record_bytes,
-                  "max_store_bytes": att.store.max_store_bytes,
-                  "max_records": att.store.max_records}
-        state.access, state.limits, state.dirty = att.access.value, limits, True
-        self.fs.add_store(slug, att.access.value, list(state.records.values()), limits=limits)
-        self.invalidator.submit([("entry", ROOT_INO, slug)])
-        if self._mounted:  # before the mount, run() starts every store's feed once mounted
-            self._start_feed(slug)
-
-    def _saved_slugs(self) -> list[str]:
-        d = self.config.cache_dir / "stores"
-        return sorted(p.stem for p in d.glob("*.json")) if d.is_dir() else []
-
-    def _load_offline(self) -> None:
-        """The control plane is unreachable and the outbox is empty: mount every store saved
-        in the cache as it was last seen. The change feeds catch up, and the attachments are
-        reconciled, once the control plane answers again."""
-        for slug in self._saved_slugs():
-            state = StoreState(self.config.cache_dir / "stores" / f"{slug}.json", slug)
-            if not state.load():
-                continue
-            records = [m for m in state.records.values() if self.fs.blobs.has(m.sha256)]
-            self.states[slug] = state
-            self.fs.add_store(slug, state.access, records, limits=state.limits or None)
-        self.offline_start = True
-        log.warning("control plane unreachable: mounted from the local cache; writes are "
-                    "accepted and commit once it answers",
-                    extra={"stores": ",".join(self.states), "timeout_s": self.config.offline_after})
-
-    def _start_feed(self, slug: str) -> None:
-        """Start the store's change-feed task; exactly one per store (two would apply
-        stale pages over each other's newer ones)."""
-        old = self.feeds.pop(slug, None)
-        if old is not None:
-            old.cancel()
-        scope = trio.CancelScope()
-        self.feeds[slug] = scope
-        self._nursery.start_soon(self._feed, slug, scope)
-
     # ------------------------------------------------------------------ supervision
     async def supervise(self, name: str, fn, *args, context: dict | None = None) -> None:
         """Run ``fn(*args)`` until it returns; an unexpected exception is logged (with
@@ -369,135 +265,6 @@ class Sidecar:
         self._nursery.start_soon(functools.partial(self.supervise, name, fn, *args,
                                                    context=context), name=name)
 
-    # ------------------------------------------------------------------ change feed
-    async def _feed(self, slug: str, scope: trio.CancelScope) -> None:
-        """Long-poll the store's change feed and apply what others changed (DESIGN §6)."""
-        self.feed_tasks += 1
-        try:
-            with scope:
-                await self.supervise("feed", self._feed_loop, slug, context={"store": slug})
-        finally:
-            self.feed_tasks -= 1
-
-    async def _resync(self, slug: str) -> None:
-        """After ``410``: replace the store's mirror and tree with a full snapshot, without
-        reverting or hiding a local write. No commit of the store runs from the request of
-        the snapshot until it is applied (``Committer.hold``), so every local change is
-        either in the snapshot or still queued, and queued ones are left alone
-        (``Filesystem.reconcile_store``)."""
-        async with self.committer.hold(slug):
-            records, seq = await self.client.snapshot(slug, content=True)
-            state, sm = self.states.get(slug), self.fs.stores.get(slug)
-            if state is None or sm is None:
-                return
-            with self.fs.blobs.batch():
-                for r in records:
-                    if r.content is not None:
-                        self.fs.blobs.put(r.content.encode("utf-8"), r.sha256)
-            self.invalidator.submit(self.fs.reconcile_store(sm, records,
-                                                            self.committer.queued(slug)))
-            state.reset(records, seq)
-        log.info("store resynchronised from a snapshot", extra={"store": slug,
-                                                                "records": len(records)})
-
-    async def _feed_loop(self, slug: str) -> None:
-        """The feed of one store (run under ``supervise``; ``_feed`` owns the scope)."""
-        delay, probe = 0.2, False
-        while True:
-            state, sm = self.states.get(slug), self.fs.stores.get(slug)
-            if state is None or sm is None:
-                return
-            try:
-                # after a failure, ask without waiting: the first answer tells the
-                # committer at once that the control plane is back
-                page = await self.client.changes(slug, state.cursor, wait=0 if probe else 25,
-                                                 content=True, **self._feed_kw)
-                delay, probe = 0.2, False
-                self.committer.poke()
-            except Gone:
-                log.warning("change-feed cursor expired; taking a full snapshot", extra={"store": slug})
-                try:
-                    await self._resync(slug)
-                except TransientError as e:
-                    log.info("snapshot after 410 failed; retrying",
-                             extra={"store": slug, "status": e.status, "retry_in_s": delay})
-                    await trio.sleep(delay)
-                    delay = min(delay * 2, 5.0)
-                except Unauthorized:  # an authentication outage: wait for a valid token
-                    await self._wait_token(delay)
-                    delay = min(delay * 2, 5.0)
-                except CacheError as e:
-                    log.warning("snapshot after 410 not stored: cache disk error; retrying",
-                                extra={"store": slug, "reason": e.reason, "retry_in_s": 5.0})
-                    await trio.sleep(5.0)
-                continue
-            except TransientError as e:
-                log.info("change feed unreachable; retrying",
-                         extra={"store": slug, "status": e.status, "retry_in_s": delay})
-                await trio.sleep(delay)
-                delay = min(delay * 2, 5.0)
-                probe = True
-                continue
-            except Unauthorized:
-                # an authentication outage, not a detach: keep the store, wait for a token
-                await self._wait_token(delay)
-                delay = min(delay * 2, 5.0)
-                probe = True
-                continue
-            except PermanentError as e:
-                log.warning("change feed refused; reconciling attachments",
-                            extra={"store": slug, "status": e.status, "code": e.code})
-                self._nursery.start_soon(self._reconcile_logged)
-                await trio.sleep(5)
-                continue
-            if not page.changes:
-                state.cursor = max(state.cursor, page.seq)
-                continue
-            # every local change of this store must be committed before remote ones apply
-            await self.committer.wait_store_idle(slug)
-            inv: list[tuple] = []
-            try:
-                for ch in page.changes:
-                    if ch.record.updated_by != self.actor:  # our own writes are applied already
-                        inv += self.fs.apply_remote(sm, ch.record)
-                    state.apply(ch)
-                    self.metrics.remote_changes.labels(slug).inc()
-                    self.metrics.sync_lag.observe(lag_seconds(ch.record))
-            except CacheError as e:  # the changes from the failed one on are asked again
-                self.invalidator.submit(inv)
-                log.warning("remote change not stored: cache disk error; retrying",
-                            extra={"store": slug, "reason": e.reason, "retry_in_s": 5.0})
-                await trio.sleep(5.0)
-                continue
-            state.cursor = max(state.cursor, page.seq)
-            state.last_change_at = time.time()
-            self.invalidator.submit(inv)
-
-    async def _events(self) -> None:
-        """Follow the workspace's attach / detach / store-changed events."""
-        cursor, delay = None, 0.2
-        while True:
-            try:
-                if cursor is None:
-                    cursor = (await self.client.workspace_events(self.config.workspace, 0, wait=0)).seq
-                    if self.offline_start:  # attachments may have changed while unreachable
-                        self.offline_start = False
-                        await self._reconcile_logged()
-                    continue
-                page = await self.client.workspace_events(self.config.workspace, cursor, wait=25)
-                delay = 0.2
-            except ApiError as e:
-                log.info("workspace events unreachable; retrying",
-                         extra={"status": e.status, "code": e.code, "retry_in_s": delay})
-                await trio.sleep(delay)
-                delay = min(delay * 2, 10.0)
-                continue
-            cursor = max(cursor, page.seq)
-            if page.events:
-                log.info("workspace events", extra={"events": ",".join(
-                    f"{ev.kind}:{ev.store}" for ev in page.events)})
-                await self._reconcile_logged()
-
     GC_EVERY = 60.0  # s between collections of unreferenced blobs
 
     async def _wait_token(self, timeout: float) -> None:
@@ -523,108 +290,6 @@ class Sidecar:
                 self.client.refresh_token()
             except Exception:
                 log.exception("token file check failed; trying again")
-
-    async def _saver(self) -> None:
-        """Save dirty store mirrors every 2 s; collect unreferenced blobs every ``GC_EVERY``
-        s (overwritten and deleted records leave their old content behind)."""
-        last_gc = trio.current_time()
-        while True:
-            await trio.sleep(2)
-            self.save_states()
-            if trio.current_time() - last_gc >= self.GC_EVERY:
-                last_gc = trio.current_time()
-                self._gc_blobs()
-
-    def save_states(self) -> None:
-        """Save every dirty store mirror. A failure (full or failing cache disk) is logged
-        once per streak (no traceback), counted, and retried at the next call: the mirror
-        is a cache, the previous file stays valid."""
-        failed = None
-        for st in list(self.states.values()):
-            if st.dirty:
-                try:
-                    st.save()
-                except CacheError as e:
-                    failed = e
-                    self.metrics.cache_write_errors.labels(
-                        "state", errno.errorcode.get(e.errno, str(e.errno))).inc()
-                    if not self.state_save_failing:
-                        log.warning("store state not saved; retrying every 2 s",
-                                    extra={"store": st.slug, "reason": e.reason})
-        if failed is None and self.state_save_failing:
-            log.info("store states saved again")
-        self.state_save_failing = failed is not None
-
-    # ------------------------------------------------------------------ mount / umount signals
-    async def reconcile(self) -> dict:
-        """Make the mounted stores match the workspace's attachments (SIGHUP, events)."""
-        async with self._mount_lock:
-            atts = await self.client.list_attachments(self.config.workspace)
-            want = {a.store.slug: a for a in atts}
-            added, removed = [], []
-            for slug, att in want.items():
-                sm = self.fs.stores.get(slug)
-                if sm is None:
-                    if slug not in self.admin_unmounted:
-                        await self._add_attachment(att)
-                        added.append(slug)
-                    continue
-                sm.access = att.access.value
-                sm.max_record_bytes = att.store.max_record_bytes
-                sm.max_store_bytes = att.store.max_store_bytes
-                sm.max_records = att.store.max_records
-            for slug in [s for s in self.fs.stores if s not in want]:
-                await self._remove(slug)
-                removed.append(slug)
-            if added or removed:
-                log.info("attachments reconciled", extra={"added": ",".join(added),
-                                                          "removed": ",".join(removed)})
-            return {"added": added, "removed": removed, "stores": sorted(self.fs.stores)}
-
-    async def mount_store(self, slug: str) -> dict:
-        """Admin ``POST /v1/mounts/{store}``. Raises LookupError when not attached."""
-        async with self._mount_lock:
-            self.admin_unmounted.discard(slug)
-            if slug in self.fs.stores:
-                return {"store": slug, "mounted": True, "changed": False}
-            atts = await self.client.list_attachments(self.config.workspace)
-            att = next((a for a in atts if a.store.slug == slug), None)
-            if att is None:
-                raise LookupError(f"store {slug} is not attached to workspace {self.config.workspace}")
-            await self._add_attachment(att)
-            return {"store": slug, "mounted": True, "changed": True}
-
-    async def unmount_store(self, slug: str) -> dict:
-        """Admin ``DELETE /v1/mounts/{store}``. Raises LookupError when not mounted."""
-        async with self._mount_lock:
-            if slug not in self.fs.stores:
-                raise LookupError(f"store {slug} is not mounted")
-            self.admin_unmounted.add(slug)
-            left = await self._remove(slug)
-            return {"store": slug, "mounted": False, "uncommitted": left}
-
-    async def _remove(self, slug: str) -> int:
-        """Commit the store's dirty files (bounded wait), then take it out of the mount."""
-        sm = self.fs.stores[slug]
-        for n in self.fs.dirty_nodes(sm):
-            self.fs.commit(n)
-        with trio.move_on_after(self.config.commit_wait):
-            await self.committer.wait_store_idle(slug)
-        left = self.committer.depth(slug)
-        scope = self.feeds.pop(slug, None)
-        if scope is not None:
-            scope.cancel()
-        self.invalidator.submit(self.fs.remove_store(slug))
-        await self.invalidator.settle()  # the directory is gone for the kernel too on return
-        state = self.states.pop(slug, None)
-        if state is not None:
-            try:
-                state.save()
-            except CacheError as e:  # a cache: the next mount resumes from the older file
-                log.warning("store state not saved at unmount", extra={"store": slug,
-                                                                       "reason": e.reason})
-        log.info("store unmounted", extra={"store": slug, "uncommitted": left})
-        return left
 
     # ------------------------------------------------------------------ life cycle
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> int:
@@ -767,35 +432,6 @@ class Sidecar:
         finally:
             self._drain_scope = None
             pyfuse3.terminate()
-
-    async def _reconcile_logged(self) -> None:
-        """``reconcile`` for background callers (events, SIGHUP, a refused feed): a failure
-        is logged and counted, never raised (it would end the mount); the next event, SIGHUP
-        or feed refusal tries again."""
-        try:
-            await self.reconcile()
-        except (ApiError, CacheError) as e:
-            log.warning("reconcile failed", extra={"status": getattr(e, "status", None),
-                                                   "code": getattr(e, "code", None),
-                                                   "reason": getattr(e, "reason", None)})
-        except Exception:
-            self.task_failures["reconcile"] = self.task_failures.get("reconcile", 0) + 1
-            self.metrics.task_failures.labels("reconcile").inc()
-            log.exception("reconcile failed unexpectedly")
-
-    def _gc_blobs(self) -> None:
-        """Delete cached blobs no store mirror or file refers to (a failure is logged and
-        tried again at the next collection)."""
-        keep = {r.sha256 for st in self.states.values() for r in st.records.values()}
-        keep |= {n.sha for n in self.fs.inodes.values() if n.sha}
-        try:
-            removed = self.fs.blobs.gc(keep)
-        except CacheError as e:
-            log.warning("blob cache not cleaned", extra={"reason": e.reason})
-            return
-        if removed:
-            log.info("blob cache cleaned", extra={"removed": removed})
-
 
 async def serve_mount(config: MountConfig, client: ApiClient, *,
                       task_status=trio.TASK_STATUS_IGNORED) -> int:
