@@ -3,7 +3,7 @@
 - ``StoreState`` — the control plane's view of one store as this sidecar last saw it: every
   live record's metadata (no content; content lives in the blob cache) and the change-feed
   cursor. Saved atomically to ``<cache>/stores/<slug>.json``, so a restart resumes from the
-  cursor instead of taking a full snapshot (DESIGN §6).
+  cursor instead of taking a full snapshot (docs/ARCHITECTURE.md).
 - ``Invalidator`` — tells the kernel what changed remotely. Invalidation calls run in a worker
   thread, never synchronously on the trio thread: ``invalidate_entry`` blocks while a request
   on that directory is in flight, and that request may be waiting for the trio thread
@@ -15,6 +15,7 @@ import contextlib
 import errno
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -186,8 +187,9 @@ class Invalidator:
 
     def __init__(self) -> None:
         self.active = False
-        self._queue: list[tuple] = []
-        self._wakeup = trio.Event()
+        # unbounded: submit() is called from synchronous code on the trio thread and must
+        # not block; the worker takes everything queued at once as one batch
+        self._send, self._recv = trio.open_memory_channel(math.inf)
         self.done = 0
         self.failed = 0
         self._outstanding = 0  # submitted, not yet sent to the kernel
@@ -195,9 +197,8 @@ class Invalidator:
 
     def submit(self, items: list[tuple]) -> None:
         if self.active and items:
-            self._queue.extend(items)
             self._outstanding += len(items)
-            self._wakeup.set()
+            self._send.send_nowait(list(items))
 
     def _run_batch(self, batch: list[tuple]) -> None:
         for item in batch:
@@ -217,10 +218,13 @@ class Invalidator:
 
     async def run(self) -> None:
         """Perform queued invalidations until cancelled."""
-        while True:
-            await self._wakeup.wait()
-            self._wakeup = trio.Event()
-            batch, self._queue = self._queue, []
+        # no `async with self._recv`: a run() restarted by its supervisor reads the same channel
+        async for batch in self._recv:
+            while True:
+                try:
+                    batch += self._recv.receive_nowait()
+                except trio.WouldBlock:
+                    break
             try:
                 if batch and self.active:
                     await trio.to_thread.run_sync(self._run_batch, batch)
