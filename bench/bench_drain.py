@@ -9,7 +9,7 @@ the outbox); ``MOUNT/.memfuse/status.json`` must then show ``outbox.depth == 100
 plane is started again on the same port and the status file is polled every 20 ms until
 ``outbox.depth == 0``.
 
-Figures (no target in DESIGN §10): seconds from the control plane listening again until the
+Figures (no target in bench/README.md): seconds from the control plane listening again until the
 outbox is empty; the detail splits that into the wait before the first commit (the committer's
 retry backoff still sleeping) and the drain itself, with its rate in entries/s.
 """

@@ -542,7 +542,7 @@ class ApiClient:
 
     async def context(self, ws: str, mount_root: str | None = None,
                       max_bytes: int | None = None) -> str:
-        """``GET /v1/workspaces/{ws}/context``: the Markdown prompt block (DESIGN §5) as text.
+        """``GET /v1/workspaces/{ws}/context``: the Markdown prompt block (docs/API.md, "Prompt block") as text.
         ``mount_root`` is where the sidecar mounts the stores (server default
         ``/mnt/memory``)."""
         params: dict[str, Any] = {}

@@ -1,5 +1,5 @@
 """Content rules shared by the control plane (which enforces them) and the sidecar (which
-checks early, so a refusal fails fast at close with the right errno). DESIGN §4, §5.
+checks early, so a refusal fails fast at close with the right errno). The rules: docs/API.md ("Record rules") and docs/SEMANTICS.md.
 
 No server imports: only the standard library, PyYAML and :mod:`memfuse.models`.
 

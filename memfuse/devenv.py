@@ -1,4 +1,4 @@
-"""The embedded dev setup shared by ``memfuse dev`` and the CLI's local mode (DESIGN §1, §8).
+"""The embedded dev setup shared by ``memfuse dev`` and the CLI's local mode (README.md, docs/ARCHITECTURE.md).
 
 Everything lives in one data directory, ``platformdirs.user_data_dir("memfuse")`` or
 ``$MEMFUSE_HOME`` when set: the dev database ``dev.db`` (SQLite) and ``admin.token`` written by

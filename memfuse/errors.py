@@ -115,7 +115,7 @@ class Conflict(PermanentError):
 
 class StoreFull(PermanentError):
     """507 ``store_full``: the store is over ``max_store_bytes`` or ``max_records``. A 5xx, but
-    a refusal (ENOSPC in DESIGN §4), not an outage: repeating it only helps once space is
+    a refusal (ENOSPC in the errno table of docs/API.md), not an outage: repeating it only helps once space is
     freed, so it is permanent."""
 
 

@@ -1,4 +1,4 @@
-"""Wire models of the control-plane API v1 (DESIGN.md §7), shared by server, client and CLI.
+"""Wire models of the control-plane API v1 (docs/API.md), shared by server, client and CLI.
 
 Every body the API sends or takes is one of these pydantic models, so the OpenAPI document the
 reference server publishes (``/openapi.json``) and the client agree by construction.
@@ -44,7 +44,7 @@ class Access(str, Enum):
 
 
 class Operation(str, Enum):
-    """What one version did to its record (DESIGN §5)."""
+    """What one version did to its record (docs/API.md)."""
 
     created = "created"
     modified = "modified"

@@ -1,4 +1,5 @@
-"""Record path and store slug rules (DESIGN.md §2), and local-only temporary names (§3).
+"""Record path and store slug rules (docs/SEMANTICS.md, "Names"), and local-only temporary names
+(docs/SEMANTICS.md, "Writes and close").
 
 One implementation for the server (which enforces) and the sidecar (which checks early so a bad
 name fails at the syscall with ``EINVAL`` / ``ENAMETOOLONG``).
@@ -23,7 +24,7 @@ DEFAULT_LOCAL_ONLY = (".*.sw?", ".*.swp", ".*.swpx", "4913", "*~", ".#*", "#*#",
 
 
 class NameError_(ValueError):
-    """A name breaks DESIGN §2. ``too_long`` tells ENAMETOOLONG from EINVAL."""
+    """A name breaks the rules of docs/SEMANTICS.md, "Names". ``too_long`` tells ENAMETOOLONG from EINVAL."""
 
     def __init__(self, reason: str, *, too_long: bool = False) -> None:
         super().__init__(reason)
@@ -90,5 +91,5 @@ def check_slug(slug: str) -> str:
 
 def is_local_only(name: str, patterns: tuple[str, ...] = DEFAULT_LOCAL_ONLY) -> bool:
     """True when ``name`` (one component) is an editor or tool temporary that stays in the
-    sidecar: never sent to the control plane, invisible to other workspaces (DESIGN §3)."""
+    sidecar: never sent to the control plane, invisible to other workspaces (docs/SEMANTICS.md)."""
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)

@@ -6,7 +6,7 @@
   comes from the control plane.
 - ``outcome()``: run a syscall and return the errno's name (``"EFBIG"``) or ``None``; tests
   compare dicts of outcomes so one failure message shows every step.
-- ``name_errnos()`` / ``path_errnos()``: DESIGN §2 written out again here, independently of
+- ``name_errnos()`` / ``path_errnos()``: the name rules of docs/SEMANTICS.md written out again here, independently of
   ``memfuse/names.py``, as the oracle the mount is checked against.
 - Hypothesis budget: CI runs are derandomized and bounded. For long runs set
   ``MEMFUSE_HYPOTHESIS_EXAMPLES=N`` (examples per property, random exploration, example
@@ -146,7 +146,7 @@ def wait_until(pred: Callable[[], bool], timeout: float, what: str) -> None:
         time.sleep(0.02)
 
 
-# ------------------------------------------------------------------ DESIGN §2 oracle
+# ------------------------------------------------------------------ name-rule oracle
 MAX_COMPONENT = 255
 MAX_PATH = 1024
 MAX_COMPONENTS = 32
@@ -155,7 +155,7 @@ FORBIDDEN = (set(range(0x00, 0x20)) | set(range(0x7F, 0xA0)) | set(range(0x200B,
 
 
 def name_errnos(raw: bytes) -> set[int]:
-    """The errnos DESIGN §2 allows for creating one component named ``raw``; ``{0}`` when
+    """The errnos docs/SEMANTICS.md ("Names") allows for creating one component named ``raw``; ``{0}`` when
     the name is valid. A name both too long and malformed may get either errno."""
     bad: set[int] = set()
     if len(raw) > MAX_COMPONENT:
@@ -182,7 +182,7 @@ def path_errnos(path: str) -> set[int]:
 
 
 def is_local_only(name: str) -> bool:
-    """Editor temporaries the sidecar keeps to itself (DESIGN §3; default configuration)."""
+    """Editor temporaries the sidecar keeps to itself (docs/SEMANTICS.md; default configuration)."""
     return names.is_local_only(name)
 
 

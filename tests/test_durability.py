@@ -1,4 +1,4 @@
-"""Durability and faults of the sidecar, on real FUSE mounts (DESIGN.md §4, §6).
+"""Durability and faults of the sidecar, on real FUSE mounts (docs/SEMANTICS.md, docs/ARCHITECTURE.md).
 
 The bar: an agent's acknowledged write — ``close()`` returned 0 — survives anything short of
 losing the disk, and is committed exactly once. Each test checks the control plane's final

@@ -241,7 +241,7 @@ def _errno_of(fn) -> int:
 
 
 def test_errno_table(env, d):
-    """DESIGN §3 / §2 refusals, each checked from Python at the syscall."""
+    """docs/SEMANTICS.md name refusals, each checked from Python at the syscall."""
     cp, sc = env
     p, pre = d
     root = sc.mountpoint

@@ -1,4 +1,4 @@
-"""The control plane on PostgreSQL ("PostgreSQL by URL for more than one machine", DESIGN §1).
+"""The control plane on PostgreSQL ("PostgreSQL by URL for more than one machine", README.md).
 
 Starts a throwaway PostgreSQL cluster on loopback (``./scripts/setup --test`` installs the
 server and the ``postgres`` extra), then runs the API test files against it in a child pytest

@@ -2,7 +2,7 @@
 
 - Valid names and contents round-trip byte-exact: through the mount, into the control plane
   (path and content, read with the API), and back out of a new sidecar with a fresh cache.
-  Invalid names get the errno DESIGN §2 gives them (oracle: ``mountcheck.name_errnos``,
+  Invalid names get the errno docs/SEMANTICS.md ("Names") gives them (oracle: ``mountcheck.name_errnos``,
   written independently of ``memfuse/names.py``).
 - ``MountVsLocal``: a ``RuleBasedStateMachine`` runs random create / write at offsets /
   append / O_TRUNC / ftruncate / truncate(2) / rename (over files and directories) / unlink /
@@ -91,7 +91,7 @@ valid_components = st.one_of(
 
 def _paths(prefix_bytes: int):
     """Lists of valid components whose joined path, under a prefix of ``prefix_bytes``
-    bytes (and 2 prefix components), stays within DESIGN §2's limits."""
+    bytes (and 2 prefix components), stays within the path limits of docs/SEMANTICS.md."""
     def fit(parts: list[str]) -> list[str]:
         parts = parts[: MAX_COMPONENTS - 2]
         while len("/".join(parts).encode()) + prefix_bytes + 1 > MAX_PATH:
@@ -227,7 +227,7 @@ def test_invalid_names_get_the_design_errno(env):
 
 
 # ====================================================================== lockstep state machine
-NAMES = ["a", "b", "é", "n~"]  # "n~" is a local-only name (DESIGN §3)
+NAMES = ["a", "b", "é", "n~"]  # "n~" is a local-only name (docs/SEMANTICS.md)
 # few names, shallow: operations collide often (rename over files and directories, …)
 rel_paths = st.one_of(st.sampled_from(NAMES),
                       st.lists(st.sampled_from(NAMES), min_size=2, max_size=3).map("/".join))

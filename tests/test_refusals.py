@@ -1,4 +1,4 @@
-"""DESIGN §4 refusal table and §2 name rules, row by row, through a real mount.
+"""The refusal errnos of docs/API.md and the name rules of docs/SEMANTICS.md, row by row, through a real mount.
 
 Each test drives ``memfuse mount`` (served by another process, ``memfuse serve`` on SQLite
 behind it) with syscalls from Python — errno checked at the exact call that must fail:
@@ -194,7 +194,7 @@ def test_enospc_at_the_write_that_passes_max_store_bytes(env):
     assert not any(c and c[0] in "bcd" for c in stored.values()), stored
     assert shell == ""
     assert any(e["errno"] == "ENOSPC" for e in errors_log(env.root) if e["store"] == "fewbytes")
-    # DESIGN §4: "store over max_store_bytes → ENOSPC at write/create"
+    # docs/SEMANTICS.md: "store over max_store_bytes → ENOSPC at write/create"
     assert got == {"new file, 600 more bytes": refused, "append 500 bytes": refused}
 
 
@@ -385,7 +385,7 @@ def test_bad_name_refused_for_create_mkdir_rename(env, label):
 
 
 def test_names_at_the_limits_are_accepted(env):
-    """The edges of DESIGN §2 that are valid: 255-byte names, format characters outside the
+    """The edges of the name rules (docs/SEMANTICS.md) that are valid: 255-byte names, format characters outside the
     forbidden ranges, decomposed and case-distinct names kept byte-exact."""
     d, pre = fresh_dir(env)
     good = ["x" * 255, "é" * 127 + "x", "soft\u00adhyphen.md", "cafe\u0301.md", "caf\u00e9.md",

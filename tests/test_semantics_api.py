@@ -1,4 +1,4 @@
-"""Memory semantics of the reference control plane (issue 4, DESIGN §4–§5): secrets refused,
+"""Memory semantics of the reference control plane (issue 4, docs/API.md): secrets refused,
 the type rules for create and update, types in history, restore and redact, and the prompt
 block of ``GET /v1/workspaces/{ws}/context``."""
 from __future__ import annotations

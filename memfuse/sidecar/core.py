@@ -1,4 +1,4 @@
-"""The filesystem core: memfuse's namespace and file semantics, without FUSE (DESIGN.md §3–4).
+"""The filesystem core: memfuse's namespace and file semantics, without FUSE (docs/SEMANTICS.md).
 
 ``Filesystem`` keeps the inode table of the one mount (root → one directory per attached store →
 directories implied by record paths → files), answers every lookup / getattr / readdir / read
@@ -513,7 +513,7 @@ class Filesystem:
             self.note_error(n.parent, n.name, errno.EFBIG, reason)
             # What this write session left behind (often a truncation at open plus part of
             # the content) must not replace the stored record: hold it back until the next
-            # open for writing (DESIGN §4: the stored record untouched).
+            # open for writing (docs/SEMANTICS.md: the stored record untouched).
             if n.dirty:  # else nothing changed and the file stays as it was
                 n.refused, n.state, n.error = errno.EFBIG, REJECTED, reason
             raise FsError(errno.EFBIG, reason)
@@ -657,7 +657,7 @@ class Filesystem:
         """Turn a dirty file into an accepted change (outbox ``put``).
 
         Returns the outbox entry; None when there is nothing to send; an ``FsError`` when the
-        content is refused here already (the fast path of DESIGN §4's table: not UTF-8 →
+        content is refused here already (the fast path of the errno table in docs/API.md: not UTF-8 →
         ``EILSEQ``; more checks where ``memfuse.content`` provides them) — the file then keeps
         the refused content with ``state=rejected`` and nothing is sent.
         """
@@ -729,7 +729,7 @@ class Filesystem:
 
         Raises ``FsError`` with the refusal's errno when the control plane refused the content
         for good (the content stays here, ``state=rejected``). A transient failure is not an
-        error: the write stays accepted and the outbox retries (DESIGN §4).
+        error: the write stays accepted and the outbox retries (docs/SEMANTICS.md, "Writes and close").
         """
         n = h.node
         if n.store is not None and n.store.detached:
@@ -1034,7 +1034,7 @@ class Filesystem:
 
     def _check_subtree_paths(self, nd: Node, d: Node, new_path: str) -> None:
         """Every record below a directory moved to ``new_path`` must still have a valid path
-        (DESIGN §2: ≤ 32 components, ≤ 1,024 bytes) → else ``ENAMETOOLONG``."""
+        (docs/SEMANTICS.md "Names": ≤ 32 components, ≤ 1,024 bytes) → else ``ENAMETOOLONG``."""
         stack = [(d, new_path)]
         while stack:
             cur, path = stack.pop()
@@ -1090,7 +1090,7 @@ class Filesystem:
         tree. Returns the kernel invalidations to make: ``("entry", parent_ino, name)`` and
         ``("inode", ino)`` (content changed), ``("attr", ino)`` (only mode / mtime changed).
 
-        Rules (DESIGN §6): call only while the store's outbox is empty, so every local change
+        Rules (docs/ARCHITECTURE.md, "Threads and ordering"): call only while the store's outbox is empty, so every local change
         is already committed; a file with unflushed local writes is never overwritten (its
         commit lands on top); a state not newer than the local version is skipped (our own
         writes come back through the feed), unless ``force`` (after a snapshot), where the
@@ -1262,7 +1262,7 @@ class Filesystem:
         raise FsError(errno.ENOTSUP)
 
     def set_type(self, n: Node, value: bytes) -> None:
-        """``setxattr user.memfuse.type``: a new version with that type (DESIGN §5)."""
+        """``setxattr user.memfuse.type``: a new version with that type (docs/SEMANTICS.md, "Extended attributes")."""
         if n.is_dir or n.special or n.store is None:
             raise FsError(errno.ENOTSUP, "only records have a type")
         self._check_writable_file(n)

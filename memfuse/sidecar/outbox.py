@@ -1,5 +1,5 @@
 """The outbox: every change the sidecar accepted, made durable on local disk, then committed to
-the control plane in order (DESIGN.md §4).
+the control plane in order (docs/ARCHITECTURE.md, "The path of a write").
 
 Shape:
 
@@ -56,7 +56,7 @@ PUT, DELETE, MOVE, MOVE_PREFIX, ATTRS = "put", "delete", "move", "move_prefix", 
 
 
 def errno_for(err: ApiError) -> int:
-    """Map a permanent API refusal to the errno the syscall returns (DESIGN §4 table)."""
+    """Map a permanent API refusal to the errno the syscall returns (the errno table of docs/API.md)."""
     if err.code in ERRNO_BY_CODE:
         return ERRNO_BY_CODE[err.code]
     return {401: errno.EACCES, 403: errno.EACCES, 404: errno.ENOENT, 409: errno.EEXIST,
@@ -347,7 +347,10 @@ class Committer:
     """Commits entries to the control plane, one ordered queue per store.
 
     ``on_result(entry)`` is called on the trio thread after each entry finishes (committed or
-    refused) so the filesystem can update the node's state; ``on_refusal(entry)`` logs it.
+    refused: ``entry.errno`` / ``entry.reason``) so the filesystem can update the node's state
+    and the store's mirror; ``on_conflict(entry, what)`` when a write met a concurrent change
+    and was resolved last-writer-wins (``what``: one sentence for ``errors.log``). Both are
+    set by the filesystem and the sidecar; an exception in either is logged, never raised.
     """
 
     def __init__(self, client: ApiClient, journal: Journal,
