@@ -4,18 +4,32 @@
   ``mount`` and ``browser``) fails the run: a skipped mount or browser test proves nothing.
 - A test whose sidecar (``mountutil.Sidecar``, or any log passed to ``mountutil.watch_log``)
   logged an ERROR or a traceback fails, unless it is marked ``expect_sidecar_errors`` (with the
-  reason as the marker's argument).
+  reason as the marker's argument). The same holds for the in-process layer tests
+  (``IN_PROCESS``: the sidecar runs in the test's own process), whose ``memfuse.*`` log
+  records at ERROR or above are caught by a handler.
 - Any FUSE mount a test left behind under this session's temporary directory is lazily
   unmounted at the end of the session, so a failing test cannot leave the machine with a dead mount.
 """
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 
 import pytest
 
 _skipped_mount_tests: list[str] = []
+# modules whose sidecar layers run in the test process (their memfuse.* ERROR records count)
+IN_PROCESS = {"test_core", "test_faults", "test_layers"}
+
+
+class _ErrorRecords(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
 
 
 def pytest_configure(config):
@@ -32,12 +46,22 @@ def sidecar_logs_clean(request):
         yield
         return
     mountutil.WATCHED_LOGS.clear()
-    yield
+    errors = None
+    if request.module.__name__ in IN_PROCESS:
+        errors = _ErrorRecords()
+        logging.getLogger("memfuse").addHandler(errors)
+    try:
+        yield
+    finally:
+        if errors is not None:
+            logging.getLogger("memfuse").removeHandler(errors)
     watched, mountutil.WATCHED_LOGS[:] = list(mountutil.WATCHED_LOGS), []
     if request.node.get_closest_marker("expect_sidecar_errors"):
         return
     bad = [f"{path.name}: {line[:600]}" for path, off in watched
            for line in mountutil.unexpected_log_lines(path, off)]
+    bad += [f"{r.name}: {r.getMessage()[:600]}" + (" (with traceback)" if r.exc_info else "")
+            for r in (errors.records if errors is not None else [])]
     if bad:
         pytest.fail("the sidecar logged unexpected errors:\n" + "\n".join(bad[:10]),
                     pytrace=False)

@@ -236,6 +236,7 @@ async def test_transient_error_during_the_410_snapshot_is_retried(tmp_path, capl
     await sc.client.aclose()
 
 
+@pytest.mark.expect_sidecar_errors("exceptions injected into every long-lived task on purpose")
 async def test_unexpected_exceptions_in_tasks_are_logged_counted_and_restarted(tmp_path, caplog):
     """An exception at each long-lived task's failure point: the task is restarted with
     backoff, the failure is logged with its context and counted; nothing ends."""

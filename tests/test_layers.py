@@ -1,0 +1,188 @@
+"""The sidecar's layers one at a time, without FUSE (the S3QL manner): what
+tests/test_faults.py (journal, 410, supervision) and tests/test_core.py (random operations
+through the core) leave out.
+
+- remote-apply: ``Filesystem.apply_remote`` rule by rule (newer versions only, a dirty file is
+  never overwritten, a local file at the path is kept, moves and deletes with the kernel
+  invalidations they return, the store's counters);
+- feed / store state: ``StoreState`` (feed changes, own commits, save and load) and
+  ``catch_up`` against the fake, with a ``410`` injected;
+- committer: lost responses (the request applied, the answer dropped) and concurrent edits
+  (``If-Match`` races) from the fake's fault injection: one version per write, conflicts
+  resolved last-writer-wins and reported to ``on_conflict``.
+"""
+from __future__ import annotations
+
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+
+import trio
+
+from memfuse.client import ApiClient
+from memfuse.fake import FakeControlPlane
+from memfuse.models import Change, Operation, Record, sha256_hex
+from memfuse.sidecar.blobcache import BlobCache
+from memfuse.sidecar.core import CLEAN, Filesystem
+from memfuse.sidecar.outbox import PUT, Committer, Journal
+from memfuse.sidecar.sync import StoreState, catch_up
+
+
+class Offline:
+    """A client stand-in: these tests never reach a control plane through it."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"no control plane in this test ({name})")
+
+
+T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+
+
+def rec(rid: str, path: str, content: str, version: int = 1, deleted: bool = False) -> Record:
+    data = content.encode()
+    return Record(id=rid, store="default", path=path, type="project", version=version,
+                  sha256=sha256_hex(data), size=len(data), deleted=deleted,
+                  created_at=T0, updated_at=T0, updated_by="ws:other", seq=0, content=content)
+
+
+def make_fs(tmp_path: Path, records: list[Record] = ()) -> Filesystem:
+    j = Journal(tmp_path / "outbox.db")
+    fs = Filesystem(BlobCache(tmp_path / "blobs.db"), Committer(Offline(), j, {}))
+    fs.add_store("default", "read_write", list(records))
+    return fs
+
+
+def tree(fs: Filesystem) -> dict[str, bytes]:
+    sm = fs.stores["default"]
+    return {n.path(): fs._content(n) for n in fs._walk_files(sm.root)}
+
+
+def counters_ok(fs: Filesystem) -> bool:
+    sm = fs.stores["default"]
+    files = [n for n in fs._walk_files(sm.root) if not n.local_only]
+    return sm.count == len(files) and sm.used == sum(n.cur_size() for n in files)
+
+
+# ------------------------------------------------------------------ remote-apply
+def test_apply_remote_newer_versions_only_with_invalidations(tmp_path):
+    fs = make_fs(tmp_path, [rec("r1", "a.md", "one\n")])
+    sm = fs.stores["default"]
+    n = fs.by_rid["r1"]
+    assert fs.apply_remote(sm, rec("r1", "a.md", "stale\n", version=1)) == []  # not newer
+    inv = fs.apply_remote(sm, rec("r1", "a.md", "two, longer\n", version=2))
+    assert inv == [("inode", n.ino)]
+    assert tree(fs) == {"a.md": b"two, longer\n"} and n.version == 2 and n.state == CLEAN
+    assert counters_ok(fs)
+    # a new record in a new directory: the directory and the file appear
+    inv = fs.apply_remote(sm, rec("r2", "d/b.md", "bee\n"))
+    d = sm.root.children["d"]
+    assert ("entry", sm.root.ino, "d") in inv and ("entry", d.ino, "b.md") in inv
+    assert tree(fs)["d/b.md"] == b"bee\n" and counters_ok(fs)
+
+
+def test_apply_remote_never_overwrites_a_dirty_file_or_a_local_one(tmp_path):
+    fs = make_fs(tmp_path, [rec("r1", "a.md", "one\n")])
+    sm = fs.stores["default"]
+    h = fs.open(fs.by_rid["r1"].ino, os.O_WRONLY | os.O_TRUNC)
+    fs.write(h, 0, b"mine\n")  # not flushed: dirty
+    assert fs.apply_remote(sm, rec("r1", "a.md", "theirs\n", version=5)) == []
+    assert tree(fs)["a.md"] == b"mine\n"
+    fs.release(h.fh)  # commits it locally (the outbox holds the put)
+    # a file created here and not committed yet holds the path: the remote record waits
+    h = fs.create(sm.root.ino, b"new.md", 0o644, os.O_WRONLY, 0, 0)
+    fs.write(h, 0, b"local\n")
+    assert fs.apply_remote(sm, rec("r9", "new.md", "remote\n")) == []
+    assert tree(fs)["new.md"] == b"local\n"
+    fs.release(h.fh)
+    assert counters_ok(fs)
+
+
+def test_apply_remote_moves_and_deletes(tmp_path):
+    fs = make_fs(tmp_path, [rec("r1", "a.md", "one\n"), rec("r2", "b.md", "two\n")])
+    sm = fs.stores["default"]
+    n = fs.by_rid["r1"]
+    inv = fs.apply_remote(sm, rec("r1", "x/y/a.md", "one\n", version=2))
+    assert ("entry", sm.root.ino, "a.md") in inv  # the old name is invalidated
+    assert n.path() == "x/y/a.md" and fs.by_rid["r1"] is n  # the same inode moved
+    inv = fs.apply_remote(sm, rec("r2", "b.md", "two\n", version=2, deleted=True))
+    assert inv == [("entry", sm.root.ino, "b.md")]
+    assert tree(fs) == {"x/y/a.md": b"one\n"} and "r2" not in fs.by_rid
+    assert counters_ok(fs)
+    # a snapshot (force) at the same version does not undo a local version it cannot know
+    n.state = "pending"
+    assert fs.apply_remote(sm, rec("r1", "a.md", "one\n", version=2), force=True) == []
+    assert n.path() == "x/y/a.md"
+
+
+# ------------------------------------------------------------------ feed / store state
+def test_store_state_feed_own_commits_and_save_load(tmp_path):
+    st = StoreState(tmp_path / "default.json", "default")
+    st.reset([rec("r1", "a.md", "one\n")], 3)
+    st.apply(Change(seq=4, operation=Operation.created, record=rec("r2", "b.md", "two\n")))
+    st.apply(Change(seq=5, operation=Operation.modified, record=rec("r1", "a.md", "old\n", version=1)))  # same version: kept
+    st.apply(Change(seq=6, operation=Operation.deleted, record=rec("r2", "b.md", "", version=2, deleted=True)))
+    assert set(st.records) == {"r1"} and st.cursor == 6
+
+    class Committed:  # an outbox entry that committed: put / delete
+        errno = 0
+        op, record, record_id, moved = PUT, rec("r3", "c.md", "three\n"), None, []
+    st.committed(Committed())
+    assert set(st.records) == {"r1", "r3"}
+    st.save()
+    again = StoreState(tmp_path / "default.json", "default")
+    assert again.load() and again.cursor == 6 and set(again.records) == {"r1", "r3"}
+    assert again.records["r3"].sha256 == rec("r3", "c.md", "three\n").sha256
+
+
+async def test_catch_up_from_the_fake_and_410(tmp_path):
+    fake = FakeControlPlane(seed=7)
+    token = await fake.setup("ws")
+    blobs = BlobCache(tmp_path / "blobs.db")
+    async with ApiClient(fake.base_url, token,
+                         transport=fake.transport) as api:
+        for i in range(3):
+            await api.create_record("default", f"f{i}.md", f"{i}\n")
+        st = StoreState(tmp_path / "s.json", "default")
+        st.reset([], 0)
+        assert await catch_up(api, st, blobs)
+        assert len(st.records) == 3 and all(blobs.has(m.sha256) for m in st.records.values())
+        fake.faults.inject.append(("GET", r"/changes$", 410))
+        assert not await catch_up(api, st, blobs)  # the caller takes a snapshot
+    blobs.close()
+
+
+# ------------------------------------------------------------------ committer
+async def test_committer_lost_responses_and_races_give_one_version_per_write(tmp_path):
+    fake = FakeControlPlane(seed=11)
+    token = await fake.setup("ws")
+    conflicts: list[str] = []
+    results = []
+    async with ApiClient(fake.base_url, token,
+                         transport=fake.transport) as api:
+        j = Journal(tmp_path / "outbox.db")
+        c = Committer(api, j, {})
+        c.on_result = results.append
+        c.on_conflict = lambda e, what: conflicts.append(what)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(j.run)
+            await nursery.start(c.run)
+            fake.faults.drop_rate = 0.5  # half the answers are lost after the write applied
+            for i in range(6):
+                c.submit("default", PUT, "n:a", {"path": "a.md"}, f"v{i}\n".encode())
+            with trio.fail_after(30):
+                await c.wait_idle()
+            fake.faults.drop_rate = 0.0
+            fake.faults.precondition_race = 1  # someone else edits before the next If-Match
+            c.submit("default", PUT, "n:a", {"path": "a.md"}, b"last\n")
+            with trio.fail_after(30):
+                await c.wait_idle()
+            nursery.cancel_scope.cancel()
+        recs, _ = await api.snapshot("default", content=True)
+        assert [(r.path, r.content) for r in recs] == [("a.md", "last\n")]
+        versions = await api.versions("default", recs[0].id)
+    assert fake.counters.dropped >= 1 and fake.counters.races == 1
+    assert all(e.errno == 0 for e in results) and len(results) == 7
+    # one version per write (a lost answer never made a second one), plus the racing edit
+    assert len(versions) == 7 + 1
+    assert len(conflicts) == 1 and "changed elsewhere" in conflicts[0]
+    j.close()
