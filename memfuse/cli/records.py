@@ -143,14 +143,30 @@ def redact(target: Target, store_slug: str, path: str, version_n: int) -> None:
 
 @cli.command()
 @opt("--workspace", required=True, metavar="WS", help="Workspace to render the prompt block for.")
-@opt("--mount-root", metavar="DIR", help="Where the stores are mounted (server default /mnt/memory).")
+@opt("--mount-root", metavar="DIR",
+     help="Where the stores are mounted. Default: in local mode, the mountpoint of a running "
+          "`memfuse dev` of that workspace; else the server's default, /mnt/memory.")
 @opt("--max-bytes", type=click.IntRange(min=1024), metavar="N",
      help="Bound of the whole block in bytes (server default 100,000); what does not fit is "
           "replaced by a marker that says what was left out.")
 @api_options
 def context(target: Target, workspace: str, mount_root: str | None, max_bytes: int | None) -> None:
     """Print the prompt block of workspace WS: its stores and their MEMORY.md indexes."""
+    if mount_root is None and not target.control_plane:
+        mount_root = running_dev_mountpoint(workspace)
     text = _api(target, lambda api: with_retries(
         lambda: api.context(workspace, mount_root, max_bytes=max_bytes)))
     click.echo(text, nl=not text.endswith("\n"))
 
+
+def running_dev_mountpoint(workspace: str) -> str | None:
+    """The mountpoint of the ``memfuse dev`` sidecar running for ``workspace`` on this
+    machine's dev cache (``<cache dir>/mount.json`` while its cache lock is held), or None."""
+    from memfuse.devenv import dev_cache_dir
+    from memfuse.sidecar.control import running_mount
+
+    info = running_mount(dev_cache_dir())
+    if info is None or info.get("workspace") != workspace:
+        return None
+    mp = info.get("mountpoint")
+    return mp if isinstance(mp, str) and mp else None

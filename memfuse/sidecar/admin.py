@@ -28,12 +28,17 @@ Endpoints:
   not attached to the workspace, 403 when it is refused, 400 for an invalid slug.
 - ``DELETE /v1/mounts/{store}`` → 200 JSON of ``target.unmount_store(store)``; 404 when the
   store is not mounted, 400 for an invalid slug.
+- ``GET /v1/context`` → 200 ``text/markdown``: the prompt block for this mount (the same as
+  ``MOUNT/.memfuse/context.md``), refreshed from the control plane within a bound
+  (``target.prompt_block()``); the last one fetched when the control plane does not answer;
+  503 ``context_unavailable`` when none was ever fetched; 404 for a target without one.
 
 Every error is ``application/problem+json`` (RFC 9457) with memfuse's ``code`` member:
 ``not_found``, ``method_not_allowed``, ``invalid_name``, ``store_not_attached``,
-``store_refused``, ``store_not_mounted``, ``not_ready``, ``internal_error``,
-``unauthorized`` (401 with ``WWW-Authenticate: Bearer``, RFC 6750: a mutation on TCP without
-the right token), ``mutations_disabled`` (403: a mutation on TCP when no admin token is set). Each failed request
+``store_refused``, ``store_not_mounted``, ``not_ready``, ``context_unavailable``,
+``internal_error``, ``unauthorized`` (401 with ``WWW-Authenticate: Bearer``, RFC 6750: a
+mutation on TCP without the right token), ``mutations_disabled`` (403: a mutation on TCP when
+no admin token is set). Each failed request
 logs one line on the ``memfuse.admin`` logger: method, path, status and code (never a token,
 never memory content, never the exception's message).
 """
@@ -320,6 +325,18 @@ def create_admin_app(target: AdminTarget, *, token: str | None = None, local: bo
         log.info("admin: unmounted store %s", slug)
         return json_response(result)
 
+    @guarded
+    async def context(request: Request) -> Response:
+        fn = getattr(target, "prompt_block", None)
+        if fn is None:
+            return problem(request, 404, "not_found", "this sidecar serves no prompt block")
+        text = await fn()
+        if text is None:
+            return problem(request, 503, "context_unavailable",
+                           "the prompt block has not been fetched from the control plane yet",
+                           headers={"Retry-After": "5"}, level=logging.INFO)
+        return Response(text.encode("utf-8"), media_type="text/markdown; charset=utf-8")
+
     async def mounts(request: Request) -> Response:
         if not local:
             if token is None:
@@ -344,6 +361,7 @@ def create_admin_app(target: AdminTarget, *, token: str | None = None, local: bo
             Route("/metrics", metrics, methods=["GET"]),
             Route("/v1/status", status, methods=["GET"]),
             Route("/v1/mounts/{store}", mounts, methods=["POST", "DELETE"]),
+            Route("/v1/context", context, methods=["GET"]),
         ],
         exception_handlers={HTTPException: http_error},
     )

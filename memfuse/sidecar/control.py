@@ -1,4 +1,4 @@
-"""The ``.memfuse/`` control directory: ``status.json`` and ``errors.log``.
+"""The ``.memfuse/`` control directory: ``status.json``, ``errors.log`` and ``context.md``.
 
 ``ControlFiles`` owns what those files show: the last 200 refusals and conflicts
 (``errors``, a ``deque`` of JSON-able dicts, newest last) and the status document. A file
@@ -6,14 +6,24 @@ under ``.memfuse/`` is a read-only node whose ``special`` names its kind; ``cont
 renders it once per open (``Filesystem.open`` keeps the bytes on the handle, so a reader that
 reads twice sees one consistent snapshot). Everything here runs on the trio thread and never
 awaits: a read of a control file answers from memory.
+
+``context.md`` is the prompt block of docs/API.md ("Prompt block") for this mount: the
+control plane renders it with this mount's path as ``mount_root``; the sidecar fetches it
+(``Sidecar._context_loop``, bounded, off the FUSE path) when the mount comes up, on attach /
+detach / store changes and when a store's ``MEMORY.md`` changes here or remotely, and stores
+it with ``set_context``. Until a first fetch succeeds the file holds a short placeholder that
+names the mountpoint; after a failed refresh it keeps the last block.
 """
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import logging
+import os
 import time
 from collections import deque
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
@@ -24,7 +34,7 @@ log = logging.getLogger("memfuse.fs")
 CONTROL_DIR = ".memfuse"
 ERRORS_KEPT = 200  # entries of errors.log (oldest dropped first)
 # name under .memfuse/ -> Node.special
-FILES = {"status.json": "status", "errors.log": "errors"}
+FILES = {"status.json": "status", "errors.log": "errors", "context.md": "context"}
 
 
 def _now() -> str:
@@ -42,6 +52,29 @@ class ControlFiles:
         self.fs = fs
         self.errors: deque[dict] = deque(maxlen=ERRORS_KEPT)
         self.status_provider: Callable[[], dict] | None = None
+        self.mount_root = ""  # the mountpoint (absolute path), set by the sidecar
+        self.context_text: str | None = None  # the last prompt block fetched
+        self.context_at = 0.0  # time.time() of that fetch; 0 before the first
+        self.context_error: str | None = None  # why the last refresh failed, else None
+
+    def set_context(self, text: str | None, error: str | None = None) -> None:
+        """Keep a freshly fetched prompt block (``text``), or note that a refresh failed
+        (``text`` None, ``error`` one line) while keeping the previous block."""
+        if text is not None:
+            self.context_text, self.context_at = text, time.time()
+        self.context_error = error
+
+    def context(self) -> str:
+        """``context.md``: the last prompt block fetched, else a placeholder that names the
+        mountpoint and says why the block is missing."""
+        if self.context_text is not None:
+            return self.context_text
+        why = self.context_error or "it is being fetched from the control plane"
+        root = self.mount_root or "this mount"
+        return ("# Memory\n\nLong-term memory stores are mounted as plain files under "
+                f"`{root}/`, one directory per store; each store's `MEMORY.md` is its index.\n\n"
+                f"[memfuse: the full prompt block is not available yet ({why}); read this "
+                "file again shortly.]\n")
 
     def note_error(self, store: str, path: str, err: int, reason: str) -> None:
         """Add a refusal to ``errors.log`` (``time``, ``store``, ``path``, ``errno`` as its
@@ -82,8 +115,44 @@ class ControlFiles:
 
     def content(self, kind: str) -> bytes:
         """The bytes of the control file of this kind (``Node.special``): the status
-        document as indented JSON, or ``errors.log`` as one JSON object a line."""
+        document as indented JSON, ``errors.log`` as one JSON object a line, or the prompt
+        block (``context``, UTF-8 Markdown)."""
         if kind == "status":
             st = self.status_provider() if self.status_provider else self.status()
             return (json.dumps(st, indent=2) + "\n").encode()
+        if kind == "context":
+            return self.context().encode("utf-8")
         return "".join(json.dumps(e) + "\n" for e in self.errors).encode()
+
+
+MOUNT_INFO = "mount.json"  # in the cache directory while the sidecar is mounted
+
+
+def write_mount_info(cache_dir: Path, info: dict) -> None:
+    """Write ``<cache_dir>/mount.json`` (``mountpoint``, ``workspace``, ``pid``, ``admin``)
+    so that other processes (``memfuse context`` beside ``memfuse dev``) find the running
+    mount. Atomic (tmp + rename); a failure is logged, never raised (it is a convenience)."""
+    tmp = cache_dir / (MOUNT_INFO + ".tmp")
+    try:
+        tmp.write_text(json.dumps(info))
+        os.replace(tmp, cache_dir / MOUNT_INFO)
+    except OSError as e:
+        log.warning("mount info not written", extra={"errno": errno.errorcode.get(e.errno)})
+
+
+def running_mount(cache_dir: Path) -> dict | None:
+    """What ``write_mount_info`` wrote for the sidecar running on ``cache_dir``, or None when
+    no sidecar holds that cache (its ``lock`` is free: it stopped, even by ``kill -9``) or
+    nothing readable is there."""
+    try:
+        info = json.loads((cache_dir / MOUNT_INFO).read_text())
+        fd = os.open(cache_dir / "lock", os.O_RDONLY)
+    except (OSError, ValueError):
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return info if isinstance(info, dict) else None  # held: the sidecar runs
+    finally:
+        os.close(fd)
+    return None

@@ -8,6 +8,7 @@ stays in the outbox for the next start.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import functools
@@ -28,7 +29,9 @@ import pyfuse3
 import trio
 
 from ..client import ApiClient
+from ..content import INDEX_PATH
 from .blobcache import BlobCache
+from .control import MOUNT_INFO, write_mount_info
 from .core import Filesystem, Settings
 from .fuse_ops import MemfuseOps
 from .logs import setup_logging
@@ -139,6 +142,9 @@ class Sidecar(StoreSync):
             state = self.states.get(e.store)
             if state is not None:
                 state.committed(e)
+            if not e.errno and INDEX_PATH in (e.args.get("path"), e.args.get("to"),
+                                              e.args.get("from")):
+                self.want_context()  # a store's MEMORY.md changed: the prompt block too
         self.committer.on_result = committed
         self.fs.metrics = self.metrics
         self.fs.blobs.metrics = self.metrics
@@ -185,6 +191,9 @@ class Sidecar(StoreSync):
         self._drain_scope: trio.CancelScope | None = None
         self.admin_socket: str | None = None
         self.last_start_error: str | None = None
+        self.fs.controls.mount_root = str(config.mountpoint)
+        # requests for a new prompt block (.memfuse/context.md); one pending is enough
+        self._context_send, self._context_recv = trio.open_memory_channel(1)
         self.metrics.bind(
             depth=lambda: self.committer.depth(), oldest=lambda: self.committer.oldest_age(),
             records=lambda: sum(len(s.records) for s in self.states.values()),
@@ -229,6 +238,9 @@ class Sidecar(StoreSync):
                        "journal_error": self.journal.error.reason if self.journal.error else None,
                        "state_save_failing": self.state_save_failing}
         st["offline_start"] = self.offline_start
+        ctl = self.fs.controls
+        st["context"] = {"fetched_age_s": round(time.time() - ctl.context_at, 3)
+                         if ctl.context_at else None, "error": ctl.context_error}
         st["ready"] = self.ready
         tf = self.client.token_file
         st["auth"] = {"ok": self.client.auth_failure is None, "error": self.client.auth_failure,
@@ -328,6 +340,8 @@ class Sidecar(StoreSync):
                     except OSError as e:  # the mount works without it; say what is missing
                         log.warning("admin Unix socket not available; mount changes only over TCP "
                                     "with the admin token", extra={"error": e.strerror or str(e)})
+                self._spawn("context", self._context_loop)
+                self.want_context()
                 if self.leftovers:
                     log.info("replaying outbox", extra={"entries": len(self.leftovers)})
                     self.committer.replay(self.leftovers)
@@ -375,6 +389,9 @@ class Sidecar(StoreSync):
                 self._spawn("events", self._events)
                 self._spawn("saver", self._saver)
                 self.fs.ready = True
+                write_mount_info(config.cache_dir, {
+                    "mountpoint": str(config.mountpoint), "workspace": config.workspace,
+                    "pid": os.getpid(), "admin": self.admin_address})
                 log.info("mounted", extra={"mountpoint": str(config.mountpoint),
                                            "stores": len(self.fs.stores), "workspace": config.workspace,
                                            "admin": self.admin_address})
@@ -387,6 +404,8 @@ class Sidecar(StoreSync):
             if mounted:
                 pyfuse3.close(unmount=True)
                 log.info("unmounted", extra={"mountpoint": str(config.mountpoint)})
+                with contextlib.suppress(OSError):
+                    (config.cache_dir / MOUNT_INFO).unlink()
             self.save_states()
             left = self.committer.depth()
             if left:

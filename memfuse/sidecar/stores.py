@@ -12,12 +12,14 @@ workspace's attachments and each store's tree equal to the control plane's recor
 - attachments: ``reconcile`` (SIGHUP, workspace events, a refused feed), ``mount_store`` /
   ``unmount_store`` (admin API), ``_events`` (the workspace's event feed);
 - upkeep: ``_saver`` saves dirty mirrors every 2 s and collects unreferenced blobs
-  (``_gc_blobs``) every ``GC_EVERY`` s.
+  (``_gc_blobs``) every ``GC_EVERY`` s;
+- the prompt block of ``.memfuse/context.md``: ``want_context`` (attach, detach, store
+  changes, ``MEMORY.md`` changed) wakes ``_context_loop``, which fetches it with a bound.
 
 It is a mixin: the attributes it uses (``config``, ``client``, ``fs``, ``committer``,
 ``metrics``, ``invalidator``, ``states``, ``feeds``, ``admin_unmounted``, ``actor``,
 ``_feed_kw``, ``_nursery``, ``_mount_lock``, ``_mounted``, ``offline_start``, ``feed_tasks``,
-``task_failures``, ``state_save_failing``) and the methods (``supervise``, ``_spawn``,
+``task_failures``, ``state_save_failing``, ``_context_send`` / ``_context_recv``) and the methods (``supervise``, ``_spawn``,
 ``_wait_token``) are ``Sidecar``'s, set up in its ``__init__``. Everything runs on the trio
 thread; see INVARIANTS.md for what may change across an ``await``.
 """
@@ -29,6 +31,7 @@ import time
 
 import trio
 
+from ..content import INDEX_PATH
 from ..errors import ApiError, Forbidden, Gone, PermanentError, TransientError, Unauthorized
 from ..models import Attachment
 from .core import ROOT_INO
@@ -38,8 +41,68 @@ from .sync import Meta, StoreState, catch_up, lag_seconds
 log = logging.getLogger("memfuse.mount")
 
 
+CONTEXT_TIMEOUT = 10.0  # s one fetch of the prompt block may take
+CONTEXT_RETRY_MAX = 60.0  # s between retries of a failed fetch (from 1 s, doubling)
+
+
 class StoreSync:
     """Attachments, store loading, change feeds and workspace events (module docstring)."""
+
+    # ------------------------------------------------------------------ .memfuse/context.md
+    def want_context(self) -> None:
+        """Ask for a new prompt block (``.memfuse/context.md``); never blocks: requests made
+        while one is pending fold into it."""
+        try:
+            self._context_send.send_nowait(None)
+        except trio.WouldBlock:
+            pass
+
+    def touches_index(self, sm, rec) -> bool:
+        """Whether the remote state ``rec`` of a record in store ``sm`` changes the store's
+        ``MEMORY.md``: it is at that path now, or the file it replaces here was."""
+        if rec.path == INDEX_PATH:
+            return True
+        n = self.fs.by_rid.get(rec.id)
+        return n is not None and n.store is sm and not n.unlinked and n.path() == INDEX_PATH
+
+    async def refresh_context(self) -> bool:
+        """Fetch this mount's prompt block (``GET /v1/workspaces/{ws}/context`` with
+        ``mount_root`` = the mountpoint) within ``CONTEXT_TIMEOUT`` s and keep it in
+        ``fs.controls``. Returns False (the previous block stays, the reason is noted) when
+        the control plane fails or does not answer in time."""
+        err = None
+        with trio.move_on_after(CONTEXT_TIMEOUT):
+            try:
+                text = await self.client.context(self.config.workspace,
+                                                 str(self.config.mountpoint))
+            except ApiError as e:
+                err = f"the control plane answered {e.status or e.code}"
+            else:
+                self.fs.controls.set_context(text)
+                return True
+        err = err or f"the control plane did not answer within {CONTEXT_TIMEOUT:g} s"
+        self.fs.controls.set_context(None, err)
+        log.info("prompt block not refreshed; keeping the last one", extra={"reason": err})
+        return False
+
+    async def prompt_block(self) -> str | None:
+        """Admin ``GET /v1/context``: refresh the prompt block (bounded by
+        ``CONTEXT_TIMEOUT`` s) and return it, or the last one fetched when the refresh fails;
+        None when none was ever fetched."""
+        await self.refresh_context()
+        return self.fs.controls.context_text
+
+    async def _context_loop(self) -> None:
+        """Refresh the prompt block on every ``want_context``; a failed fetch is retried
+        after 1 s doubling to ``CONTEXT_RETRY_MAX`` s, or at once on the next request."""
+        delay = 1.0
+        while True:
+            await self._context_recv.receive()
+            while not await self.refresh_context():
+                with trio.move_on_after(delay):
+                    await self._context_recv.receive()
+                delay = min(delay * 2, CONTEXT_RETRY_MAX)
+            delay = 1.0
 
     # ------------------------------------------------------------------ loading
     async def _retrying(self, what: str, fn):
@@ -111,6 +174,7 @@ class StoreSync:
         state.access, state.limits, state.dirty = att.access.value, limits, True
         self.fs.add_store(slug, att.access.value, list(state.records.values()), limits=limits)
         self.invalidator.submit([("entry", ROOT_INO, slug)])
+        self.want_context()
         if self._mounted:  # before the mount, run() starts every store's feed once mounted
             self._start_feed(slug)
 
@@ -172,6 +236,7 @@ class StoreSync:
             self.invalidator.submit(self.fs.reconcile_store(sm, records,
                                                             self.committer.queued(slug)))
             state.reset(records, seq)
+        self.want_context()
         log.info("store resynchronised from a snapshot", extra={"store": slug,
                                                                 "records": len(records)})
 
@@ -234,6 +299,8 @@ class StoreSync:
             try:
                 for ch in page.changes:
                     if ch.record.updated_by != self.actor:  # our own writes are applied already
+                        if self.touches_index(sm, ch.record):
+                            self.want_context()
                         inv += self.fs.apply_remote(sm, ch.record)
                     state.apply(ch)
                     self.metrics.remote_changes.labels(slug).inc()
@@ -272,6 +339,7 @@ class StoreSync:
                 log.info("workspace events", extra={"events": ",".join(
                     f"{ev.kind}:{ev.store}" for ev in page.events)})
                 await self._reconcile_logged()
+                self.want_context()  # descriptions and instructions are in the block too
 
     async def _saver(self) -> None:
         """Save dirty store mirrors every 2 s; collect unreferenced blobs every ``GC_EVERY``
@@ -375,6 +443,7 @@ class StoreSync:
             scope.cancel()
         self.invalidator.submit(self.fs.remove_store(slug))
         await self.invalidator.settle()  # the directory is gone for the kernel too on return
+        self.want_context()
         state = self.states.pop(slug, None)
         if state is not None:
             try:
