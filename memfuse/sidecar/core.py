@@ -6,6 +6,12 @@ from memory and the local blob cache, applies writes locally at once, and turns 
 into outbox entries (``outbox.Committer``). The FUSE adapter (``fuse_ops``) is a thin layer that
 converts arguments and maps ``FsError`` to ``pyfuse3.FUSEError``.
 
+The class is assembled from one module per concern: ``inodes.InodeTable`` (the tables,
+lookups, handles), ``remote.RemoteApply`` (store loading, feed changes, snapshots) and
+``namespace.NamespaceOps`` (mkdir, unlink, rmdir, rename); this module keeps the write
+sessions (open / write / truncate / flush / fsync / release and ``commit``), attributes,
+xattrs and the directory list. The control files are ``control.ControlFiles``.
+
 Concurrency: every method runs on the trio thread. Methods without ``await`` are atomic with
 respect to each other; the only awaits are in ``flush`` / ``fsync`` (waiting for the outbox),
 after all state changes are done, so no invariant is broken across an ``await``.
@@ -25,14 +31,12 @@ import os
 import stat
 import time
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import trio
 
 from .. import names
-from ..models import DEFAULT_MODE, RECORD_TYPES, Record, datetime_ns, sha256_hex
+from ..models import RECORD_TYPES, sha256_hex
 
 try:  # shared content rules (types, secrets) for the fast path; the server enforces them too
     from .. import content as content_rules
@@ -40,136 +44,21 @@ except ImportError:  # pragma: no cover
     content_rules = None
 from .blobcache import BlobCache
 from .control import CONTROL_DIR, FILES, ControlFiles
+from .inodes import (CLEAN, DIR_MODE, DIR_MODES_KEY, PENDING, REJECTED, ROOT_INO, FsError,
+                     Handle, InodeTable, Node, Settings, StoreMount)
+from .namespace import NamespaceOps
 from .outbox import (ATTRS, DELETE, MOVE, MOVE_PREFIX, PUT, CacheError, Committer, Entry,
                      cache_error)
+from .remote import RemoteApply
 
 log = logging.getLogger("memfuse.fs")
 
-ROOT_INO = 1
-# renameat2(2) flags (linux/fs.h); pyfuse3 passes them through as the kernel sent them
-RENAME_NOREPLACE = 1
-RENAME_EXCHANGE = 2
-# a store's limits when the control plane gives none (StoreMount's defaults, statfs of an
-# empty mount)
-DEFAULT_MAX_RECORD_BYTES = 1 << 20
-DEFAULT_MAX_STORE_BYTES = 64 << 20
-DEFAULT_MAX_RECORDS = 10_000
-CLEAN, PENDING, REJECTED = "clean", "pending", "rejected"
-DIR_MODE = 0o755  # permission bits of a directory nobody chmod-ed
-DIR_MODES_KEY = "_modes"  # dirs.json: {slug: {dir path ("" = store root): mode}}; never a slug
+# what callers use from here (the node types live in inodes.py, re-exported for them)
+__all__ = ["Filesystem", "FsError", "Settings", "Node", "Handle", "StoreMount", "ROOT_INO",
+           "CONTROL_DIR", "CLEAN", "PENDING", "REJECTED"]
 
 
-class FsError(Exception):
-    """A refusal with an errno (``errno.E*``) and a reason for logs and ``errors.log``."""
-
-    def __init__(self, err: int, reason: str = "") -> None:
-        super().__init__(reason or os.strerror(err))
-        self.errno = err
-        self.reason = reason or os.strerror(err)
-
-
-@dataclass(eq=False, slots=True)
-class Node:
-    """One inode. Directories have ``children``; files have content state.
-
-    ``key`` names the file in the outbox (``r:<record id>`` / ``n:<uuid>``); ``sha`` is the
-    blob of the current content when ``buf`` is None; ``base_sha`` the content the control
-    plane last acknowledged. ``local_only`` files never leave the sidecar.
-    """
-
-    ino: int
-    name: str
-    parent: "Node | None"
-    is_dir: bool
-    store: "StoreMount | None" = None
-    mode: int = 0
-    uid: int = 0
-    gid: int = 0
-    atime_ns: int = 0
-    mtime_ns: int = 0
-    ctime_ns: int = 0
-    children: dict[str, "Node"] | None = None
-    key: str = ""
-    record_id: str | None = None
-    version: int = 0
-    rtype: str | None = None
-    sha: str = ""
-    size: int = 0
-    buf: bytearray | None = None
-    dirty: bool = False
-    state: str = CLEAN
-    error: str = ""
-    local_only: bool = False
-    last_put: Entry | None = None
-    updated_at: str = ""
-    nlookup: int = 0
-    opened: int = 0
-    unlinked: bool = False
-    special: str = ""  # .memfuse control files: "status" / "errors"
-    type_override: str | None = None  # set through user.memfuse.type, sent with the next put
-    refused: int = 0  # errno of a write refused in the current write session (held back)
-    # File attributes (records): ``mode`` holds the permission bits shown and sent; ``xmtime``
-    # is the explicit mtime (utimensat) the record keeps, None when it follows the last write
-    # (``updated_at``); ``attrs_version``: the version our last attribute change made, when
-    # it was made on content not seen here yet (older remote states keep our attributes).
-    xmtime: int | None = None
-    attrs_version: int = 0
-
-    def path(self) -> str:
-        """Store-relative path ``a/b.md`` ('' for a store root)."""
-        parts = []
-        n = self
-        while n.parent is not None and n.store is not None and n is not n.store.root:
-            parts.append(n.name)
-            n = n.parent
-        return "/".join(reversed(parts))
-
-    def cur_size(self) -> int:
-        return len(self.buf) if self.buf is not None else self.size
-
-
-@dataclass(eq=False)
-class StoreMount:
-    """One attached store as a directory at the mount root."""
-
-    slug: str
-    access: str
-    root: Node
-    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
-    max_store_bytes: int = DEFAULT_MAX_STORE_BYTES
-    max_records: int = DEFAULT_MAX_RECORDS
-    detached: bool = False  # removed from the mount: open handles get ESTALE
-    used: int = 0  # bytes of the live records' current local content (quota fast path)
-    count: int = 0  # live records (files that are not local-only)
-
-    @property
-    def writable(self) -> bool:
-        return self.access == "read_write"
-
-
-@dataclass
-class Handle:
-    fh: int
-    node: Node
-    flags: int
-    is_dir: bool = False
-    entries: list[tuple[str, Node]] | None = None
-    modified: bool = False  # write(2) or ftruncate(2) through this handle since open
-    snapshot: bytes | None = None  # .memfuse files: content generated once at open
-
-
-@dataclass
-class Settings:
-    """Tunables of one mount (see ``MountConfig``). Times in seconds."""
-
-    uid: int = field(default_factory=os.getuid)
-    gid: int = field(default_factory=os.getgid)
-    commit_wait: float = 10.0
-    fsync_timeout: float = 60.0
-    local_only_patterns: tuple[str, ...] = names.DEFAULT_LOCAL_ONLY
-
-
-class Filesystem:
+class Filesystem(InodeTable, RemoteApply, NamespaceOps):
     """The namespace and semantics of one memfuse mount (see module docstring)."""
 
     def __init__(self, blobs: BlobCache, committer: Committer, settings: Settings | None = None,
@@ -206,83 +95,7 @@ class Filesystem:
         committer.on_result = self._on_commit
         committer.on_conflict = self._on_conflict
 
-    # ------------------------------------------------------------------ inode table
-    def _new_node(self, name: str, parent: Node | None, is_dir: bool, store: StoreMount | None,
-                  mode: int, now_ns: int, uid: int | None = None, gid: int | None = None) -> Node:
-        ino = self._next_ino
-        self._next_ino += 1
-        n = Node(ino=ino, name=name, parent=parent, is_dir=is_dir, store=store,
-                 mode=(stat.S_IFDIR if is_dir else stat.S_IFREG) | mode,
-                 uid=self.settings.uid if uid is None else uid,
-                 gid=self.settings.gid if gid is None else gid,
-                 atime_ns=now_ns, mtime_ns=now_ns, ctime_ns=now_ns,
-                 children={} if is_dir else None)
-        self.inodes[ino] = n
-        if parent is not None:
-            parent.children[name] = n
-        return n
-
-    def node(self, ino: int) -> Node:
-        """The node for ``ino``; raises ``FsError(ENOENT)`` for an unknown or forgotten one."""
-        try:
-            return self.inodes[ino]
-        except KeyError:
-            raise FsError(errno.ENOENT, f"unknown inode {ino}") from None
-
-    def _drop_if_unused(self, n: Node) -> None:
-        if n.unlinked and n.nlookup <= 0 and n.opened <= 0:
-            self.inodes.pop(n.ino, None)
-            if n.key and self.by_key.get(n.key) is n:
-                del self.by_key[n.key]
-            if n.record_id and self.by_rid.get(n.record_id) is n:
-                del self.by_rid[n.record_id]
-
-    def forget(self, ino: int, nlookup: int) -> None:
-        n = self.inodes.get(ino)
-        if n is None or ino == ROOT_INO:
-            return
-        n.nlookup -= nlookup
-        self._drop_if_unused(n)
-
-    # ------------------------------------------------------------------ loading
-    def add_store(self, slug: str, access: str, records: list[Record], *,
-                  limits: dict | None = None, contents: dict[str, bytes] | None = None) -> StoreMount:
-        """Put one attached store under the root, built from a snapshot of its live records.
-
-        ``contents`` maps record id → bytes for records whose blob is not already cached.
-        """
-        now = time.time_ns()
-        root = self._new_node(slug, self.root, True, None, 0o755, now)
-        sm = StoreMount(slug=slug, access=access, root=root, **(limits or {}))
-        root.store = sm
-        self.stores[slug] = sm
-        for rec in records:
-            data = (contents or {}).get(rec.id)
-            if data is None and rec.content is not None:
-                data = rec.content.encode("utf-8")
-            if data is not None:
-                self.blobs.put(data, rec.sha256)
-            elif not self.blobs.has(rec.sha256):
-                log.error("record content missing from snapshot and cache; skipped",
-                          extra={"store": slug, "record": rec.id})
-                continue
-            self._insert_record(sm, rec)
-        for path in self.saved_dirs.get(slug, []):
-            self._ensure_dir(sm, path.split("/"), now)
-        self._restore_dir_modes(sm)
-        return sm
-
-    def _restore_dir_modes(self, sm: StoreMount) -> None:
-        """Give the store's directories the modes saved in ``dirs.json`` (directory modes
-        are local to this sidecar: docs/SEMANTICS.md)."""
-        saved = self.saved_dirs.get(DIR_MODES_KEY, {})
-        for path, mode in (saved.get(sm.slug, {}) if isinstance(saved, dict) else {}).items():
-            d = sm.root
-            for comp in path.split("/") if path else []:
-                d = d.children.get(comp) if d is not None and d.is_dir else None
-            if d is not None and d.is_dir and isinstance(mode, int):
-                d.mode = stat.S_IFDIR | stat.S_IMODE(mode)
-
+    # ------------------------------------------------------------------ directories (dirs.json)
     def _ensure_dir(self, sm: StoreMount, parts: list[str], ts: int,
                     inv: list[tuple] | None = None) -> Node | None:
         """The directory at ``parts`` under the store root, made where missing (each new one
@@ -337,45 +150,6 @@ class Filesystem:
             raise err from exc
         self.saved_dirs = out
 
-    def _insert_record(self, sm: StoreMount, rec: Record) -> Node:
-        parts = rec.path.split("/")
-        d = sm.root
-        ts = datetime_ns(rec.updated_at)
-        for comp in parts[:-1]:
-            child = d.children.get(comp)
-            if child is None:
-                child = self._new_node(comp, d, True, sm, 0o755, ts)
-            elif not child.is_dir:
-                log.error("record path crosses a file; skipped", extra={"store": sm.slug, "record": rec.id})
-                return child
-            d = child
-        n = self._new_node(parts[-1], d, False, sm, 0o644, ts)
-        self._set_clean(n, rec)
-        self._live(n, +1)
-        n.key = "r:" + rec.id
-        self.by_key[n.key] = n
-        self.committer.keymap.setdefault(n.key, (rec.id, rec.sha256))
-        return n
-
-    def _set_clean(self, n: Node, rec: Record) -> None:
-        self._bind_rid(n, rec.id)
-        n.version, n.rtype = rec.version, rec.type
-        n.sha, n.size, n.state, n.error = rec.sha256, rec.size, CLEAN, ""
-        n.updated_at = rec.updated_at.isoformat()
-        n.ctime_ns = datetime_ns(rec.updated_at)
-        if rec.version >= n.attrs_version:  # else our newer attribute change stays shown
-            n.mode = stat.S_IFREG | stat.S_IMODE(getattr(rec, "mode", DEFAULT_MODE))
-            n.xmtime = getattr(rec, "mtime_ns", None)
-            n.attrs_version = 0
-        n.mtime_ns = n.xmtime if n.xmtime is not None else n.ctime_ns
-
-    def _bind_rid(self, n: Node, rid: str | None) -> None:
-        if n.record_id and self.by_rid.get(n.record_id) is n:
-            del self.by_rid[n.record_id]
-        n.record_id = rid
-        if rid:
-            self.by_rid[rid] = n
-
     # ------------------------------------------------------------------ checks
     def _store_of(self, n: Node) -> StoreMount:
         if n.store is None:
@@ -418,71 +192,6 @@ class Filesystem:
         path = f"{base}/{name}" if base and name else (name or base)
         self.controls.note_error(store, path, err, reason)
 
-    # ------------------------------------------------------------------ lookups
-    def lookup(self, parent_ino: int, name: bytes) -> Node | None:
-        """The child named ``name`` or None; ``.``/``..`` resolve. Counts a lookup when found."""
-        d = self.node(parent_ino)
-        if not d.is_dir:
-            raise FsError(errno.ENOTDIR)
-        if name == b".":
-            n = d
-        elif name == b"..":
-            n = d.parent or d
-        else:
-            try:
-                n = d.children.get(name.decode("utf-8"))
-            except UnicodeDecodeError:
-                return None
-        if n is not None:
-            n.nlookup += 1
-        return n
-
-    def looked_up(self, n: Node) -> None:
-        """The kernel now holds one more reference to ``n`` (an entry of a readdirplus
-        reply it accepted); ``forget`` gives it back."""
-        n.nlookup += 1
-
-    def opendir(self, ino: int) -> Handle:
-        """A directory handle on ``ino`` (``ENOTDIR`` for a file); closed by ``release``."""
-        n = self.node(ino)
-        if not n.is_dir:
-            raise FsError(errno.ENOTDIR)
-        h = self._new_handle(n, os.O_RDONLY)
-        h.is_dir = True
-        return h
-
-    def readdir(self, h: Handle, start: int) -> Iterator[tuple[int, str, Node]]:
-        """Entries of the directory open as ``h`` from offset ``start``: ``(offset of the
-        next entry, name, node)``, sorted by name, from a listing taken when ``start`` is 0
-        (so offsets stay stable while the caller pages); entries removed since are left
-        out."""
-        if start == 0 or h.entries is None:
-            h.entries = self.listdir(h.node)
-        for i in range(start, len(h.entries)):
-            name, child = h.entries[i]
-            if not child.unlinked:
-                yield i + 1, name, child
-
-    def statfs(self) -> dict[str, int]:
-        """statvfs(2) totals over the mounted stores: ``bytes`` / ``used`` (bytes, from the
-        stores' quotas and live records) and ``files`` / ``nfiles`` (record limits and
-        counts); the defaults of one store when none is mounted."""
-        stores = list(self.stores.values())
-        return {"bytes": sum(sm.max_store_bytes for sm in stores) or DEFAULT_MAX_STORE_BYTES,
-                "used": sum(sm.used for sm in stores),
-                "files": sum(sm.max_records for sm in stores) or DEFAULT_MAX_RECORDS,
-                "nfiles": sum(sm.count for sm in stores)}
-
-    def listdir(self, d: Node) -> list[tuple[str, Node]]:
-        if not d.is_dir:
-            raise FsError(errno.ENOTDIR)
-        return sorted(d.children.items())
-
-    def nlink(self, n: Node) -> int:
-        if not n.is_dir:
-            return 0 if n.unlinked else 1
-        return 2 + sum(1 for c in n.children.values() if c.is_dir)
-
     # ------------------------------------------------------------------ content
     def read(self, h: Handle, off: int, size: int) -> bytes:
         """Bytes ``[off, off+size)`` of the file open as ``h``: the snapshot taken at open
@@ -517,17 +226,6 @@ class Filesystem:
             if n.dirty:  # else nothing changed and the file stays as it was
                 n.refused, n.state, n.error = errno.EFBIG, REJECTED, reason
             raise FsError(errno.EFBIG, reason)
-
-    def _account(self, n: Node, delta: int) -> None:
-        """Keep ``StoreMount.used`` equal to the sum of its live records' sizes."""
-        if delta and n.store is not None and not n.local_only and not n.unlinked and not n.is_dir:
-            n.store.used += delta
-
-    def _live(self, n: Node, sign: int) -> None:
-        """A record file appears in (+1) or leaves (-1) its store: count and bytes."""
-        if n.store is not None and not n.local_only and not n.unlinked and not n.is_dir:
-            n.store.count += sign
-            n.store.used += sign * n.cur_size()
 
     def _check_growth(self, n: Node, new_size: int) -> None:
         """``ENOSPC`` when growing ``n`` to ``new_size`` passes the store's byte quota."""
@@ -610,24 +308,6 @@ class Filesystem:
         elif flags & os.O_TRUNC:
             n.dirty = True  # opening with O_TRUNC is a write, even of nothing
         return self._new_handle(n, flags)
-
-    def _new_handle(self, n: Node, flags: int) -> Handle:
-        self._next_fh += 1
-        h = Handle(self._next_fh, n, flags)
-        self.handles[h.fh] = h
-        n.opened += 1
-        return h
-
-    def handle(self, fh: int, *, allow_stale: bool = False) -> Handle:
-        """The open handle ``fh``. ``EBADF`` when unknown; ``ESTALE`` when its store was
-        unmounted, unless ``allow_stale`` (close must still succeed)."""
-        try:
-            h = self.handles[fh]
-        except KeyError:
-            raise FsError(errno.EBADF) from None
-        if not allow_stale and h.node.store is not None and h.node.store.detached:
-            raise FsError(errno.ESTALE, f"store {h.node.store.slug} was unmounted")
-        return h
 
     def create(self, parent_ino: int, name: bytes, mode: int, flags: int, uid: int, gid: int) -> Handle:
         d = self.node(parent_ino)
@@ -886,63 +566,7 @@ class Filesystem:
             return  # local only, or rides with the next content commit (commit() sends both)
         self.committer.submit(n.store.slug, ATTRS, n.key, {"path": n.path(), **changed})
 
-    # ------------------------------------------------------------------ namespace changes
-    def mkdir(self, parent_ino: int, name: bytes, mode: int, uid: int, gid: int) -> Node:
-        d = self.node(parent_ino)
-        sm = self._writable_dir(d)
-        s = self._check_name(d, name)
-        if s in d.children:
-            raise FsError(errno.EEXIST)
-        n = self._new_node(s, d, True, sm, stat.S_IMODE(mode), time.time_ns(), uid, gid)
-        try:
-            self.save_dirs()
-        except CacheError as err:
-            del d.children[s]  # a directory that would not survive a restart is refused
-            self.inodes.pop(n.ino, None)
-            self.refuse(d, s, err.errno, err.reason)
-        n.nlookup += 1
-        self._touch_dir(d)
-        return n
-
-    def _child(self, d: Node, name: bytes) -> Node:
-        if not d.is_dir:
-            raise FsError(errno.ENOTDIR)
-        n = d.children.get(name.decode("utf-8", "surrogateescape"))
-        if n is None:
-            raise FsError(errno.ENOENT)
-        return n
-
-    def _detach(self, n: Node) -> None:
-        self._live(n, -1)
-        del n.parent.children[n.name]
-        self._touch_dir(n.parent)
-        n.unlinked = True
-        n.ctime_ns = time.time_ns()
-        self._drop_if_unused(n)
-
-    def unlink(self, parent_ino: int, name: bytes) -> None:
-        d = self.node(parent_ino)
-        sm = self._writable_dir(d)
-        n = self._child(d, name)
-        if n.is_dir:
-            raise FsError(errno.EISDIR)
-        if not n.local_only:
-            self.committer.submit(sm.slug, DELETE, n.key, {"path": n.path()})
-        n.dirty = False
-        self._detach(n)
-        self._bind_rid(n, None)
-
-    def rmdir(self, parent_ino: int, name: bytes) -> None:
-        d = self.node(parent_ino)
-        self._writable_dir(d)
-        n = self._child(d, name)
-        if not n.is_dir:
-            raise FsError(errno.ENOTDIR)
-        if n.children:
-            raise FsError(errno.ENOTEMPTY)
-        self._detach(n)
-        self._save_dirs_logged()
-
+    # ------------------------------------------------------------------ directory list
     def _save_dirs_logged(self) -> None:
         """``save_dirs`` after a change that already happened (rmdir, rename, a directory's
         chmod): a failure is logged and counted; an empty directory may then reappear, or be
@@ -952,287 +576,6 @@ class Filesystem:
             self.save_dirs()
         except CacheError as err:
             log.warning("directory list not saved", extra={"reason": err.reason})
-
-    def _has_remote(self, d: Node) -> bool:
-        for c in d.children.values():
-            if (c.is_dir and self._has_remote(c)) or (not c.is_dir and not c.local_only):
-                return True
-        return False
-
-    def _walk_files(self, d: Node) -> Iterator[Node]:
-        for c in d.children.values():
-            if c.is_dir:
-                yield from self._walk_files(c)
-            else:
-                yield c
-
-    def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes,
-               flags: int) -> None:
-        """rename(2) / renameat2(2): ``flags`` may hold ``RENAME_NOREPLACE`` (an existing
-        target → ``EEXIST``); ``RENAME_EXCHANGE`` → ``EINVAL``. Across stores → ``EXDEV``.
-        Applied locally at once; the control plane learns it through the outbox."""
-        if flags & RENAME_EXCHANGE:
-            raise FsError(errno.EINVAL, "RENAME_EXCHANGE is not supported")
-        od, nd = self.node(old_parent), self.node(new_parent)
-        sm = self._writable_dir(od)
-        sm2 = self._writable_dir(nd)
-        src = self._child(od, old_name)
-        if sm is not sm2:
-            raise FsError(errno.EXDEV)
-        s = self._check_name(nd, new_name)
-        dst = nd.children.get(s)
-        if dst is src:
-            return
-        if dst is not None and flags & RENAME_NOREPLACE:
-            raise FsError(errno.EEXIST)
-        if src.is_dir:
-            a = nd
-            while a is not None:  # a directory cannot move into itself
-                if a is src:
-                    raise FsError(errno.EINVAL, "cannot move a directory into itself")
-                a = a.parent
-            if dst is not None:
-                if not dst.is_dir:
-                    raise FsError(errno.ENOTDIR)
-                if dst.children:
-                    raise FsError(errno.ENOTEMPTY)
-        elif dst is not None and dst.is_dir:
-            raise FsError(errno.EISDIR)
-
-        old_path = src.path()
-        new_path = (nd.path() + "/" + s) if nd.path() else s
-        commit_after = False
-        if src.is_dir:
-            self._check_subtree_paths(nd, src, new_path)
-            if self._has_remote(src):
-                self.committer.submit(sm.slug, MOVE_PREFIX, None, {"from": old_path, "to": new_path})
-        else:
-            commit_after = self._rename_file_remote(sm, src, dst, s, old_path, new_path)
-        if dst is not None:
-            dst.dirty = False
-            self._detach(dst)
-        del od.children[src.name]
-        self._touch_dir(od)
-        src.name, src.parent = s, nd
-        nd.children[s] = src
-        self._touch_dir(nd)
-        src.ctime_ns = time.time_ns()
-        if src.is_dir:
-            self._save_dirs_logged()
-        if commit_after and src.opened == 0:
-            self.commit(src)
-
-    def _adopt_key(self, src: Node, dst: Node) -> None:
-        """``src`` replaces ``dst`` locally and takes over its record (key and id)."""
-        if self.by_key.get(src.key) is src:
-            del self.by_key[src.key]
-        src.key = dst.key
-        self.by_key[src.key] = src
-        rid, src.version = dst.record_id, dst.version
-        self._bind_rid(dst, None)
-        self._bind_rid(src, rid)
-
-    def _check_subtree_paths(self, nd: Node, d: Node, new_path: str) -> None:
-        """Every record below a directory moved to ``new_path`` must still have a valid path
-        (docs/SEMANTICS.md "Names": ≤ 32 components, ≤ 1,024 bytes) → else ``ENAMETOOLONG``."""
-        stack = [(d, new_path)]
-        while stack:
-            cur, path = stack.pop()
-            for name, c in cur.children.items():
-                p = path + "/" + name
-                if c.is_dir:
-                    stack.append((c, p))
-                if not c.local_only:
-                    try:
-                        names.check_path(p)
-                    except names.NameError_ as e:
-                        self.refuse(nd, d.name, errno.ENAMETOOLONG if e.too_long else errno.EINVAL,
-                                    f"{e.reason} (for {name!r} below the moved directory)")
-
-    def _rename_file_remote(self, sm: StoreMount, src: Node, dst: Node | None, s: str,
-                            old_path: str, new_path: str) -> bool:
-        """Queue the outbox entries of a file rename; True when the file must be committed
-        under its new name once the local rename is done."""
-        to_local = self.is_local_only(s)
-        if src.local_only and to_local:
-            return False
-        if src.local_only:
-            # a temporary becomes a real file: its content goes to the target's record
-            if dst is not None and not dst.local_only:
-                self._adopt_key(src, dst)
-            src.local_only = False
-            self._live(src, +1)
-            src.dirty = True
-            return True
-        if to_local:
-            self.committer.submit(sm.slug, DELETE, src.key, {"path": old_path})
-            self._live(src, -1)
-            src.local_only = True
-            return False
-        if src.dirty and src.opened == 0:
-            self.commit(src)
-        if (dst is not None and not dst.local_only and src.record_id is None
-                and src.state != PENDING):
-            # src never reached the control plane (refused, or not flushed yet): there is
-            # nothing to move; src takes over dst's record, so fixing or deleting src later
-            # acts on that record (as a local-only file renamed over it does)
-            self._adopt_key(src, dst)
-            return False
-        args = {"path": old_path, "to": new_path, "replace": dst is not None and not dst.local_only}
-        if dst is not None and not dst.local_only:
-            args["target_key"] = dst.key
-        self.committer.submit(sm.slug, MOVE, src.key, args)
-        return False
-
-    # ------------------------------------------------------------------ remote changes
-    def apply_remote(self, sm: StoreMount, rec: Record, *, force: bool = False) -> list[tuple]:
-        """Apply one record state from the change feed (or a snapshot when ``force``) to the
-        tree. Returns the kernel invalidations to make: ``("entry", parent_ino, name)`` and
-        ``("inode", ino)`` (content changed), ``("attr", ino)`` (only mode / mtime changed).
-
-        Rules (docs/ARCHITECTURE.md, "Threads and ordering"): call only while the store's outbox is empty, so every local change
-        is already committed; a file with unflushed local writes is never overwritten (its
-        commit lands on top); a state not newer than the local version is skipped (our own
-        writes come back through the feed), unless ``force`` (after a snapshot), where the
-        path, sha256 and attributes decide.
-        """
-        n = self.by_rid.get(rec.id)
-        if n is not None and (n.unlinked or n.store is not sm):
-            n = None
-        if n is not None:
-            if n.dirty:
-                return []
-            if force:
-                if (n.sha == rec.sha256 and n.path() == rec.path and not rec.deleted
-                        and stat.S_IMODE(n.mode) == rec.mode and n.xmtime == rec.mtime_ns):
-                    return []
-                if n.version > rec.version or (n.version == rec.version and n.state != CLEAN):
-                    return []  # a local version the snapshot does not know yet
-            elif n.version >= rec.version:
-                return []
-        if rec.deleted:
-            if n is None:
-                return []
-            inv = [("entry", n.parent.ino, n.name)]
-            self._detach(n)
-            self._bind_rid(n, None)
-            return inv
-        if rec.content is None and not self.blobs.has(rec.sha256):
-            log.error("remote change without content; skipped", extra={"store": sm.slug, "record": rec.id})
-            return []
-        if rec.content is not None:
-            self.blobs.put(rec.content.encode("utf-8"), rec.sha256)
-        inv: list[tuple] = []
-        if n is None:
-            parts = rec.path.split("/")
-            d = self._ensure_dir(sm, parts[:-1], time.time_ns(), inv)
-            if d is None:
-                log.warning("remote record path crosses a local file; skipped",
-                            extra={"store": sm.slug, "record": rec.id})
-                return []
-            cur = d.children.get(parts[-1])
-            if cur is not None:
-                if cur.is_dir or cur.dirty or cur.record_id is None:
-                    log.warning("remote record collides with a local entry; local kept",
-                                extra={"store": sm.slug, "record": rec.id})
-                    return []
-                inv.append(("entry", d.ino, cur.name))
-                self._detach(cur)
-                self._bind_rid(cur, None)
-            n = self._new_node(parts[-1], d, False, sm, 0o644, time.time_ns())
-            n.key = "r:" + rec.id
-            self.by_key[n.key] = n
-            self.committer.keymap[n.key] = (rec.id, rec.sha256)
-            self._live(n, +1)  # size 0 now; its size is accounted below
-            inv.append(("entry", d.ino, n.name))
-            self._touch_dir(d)
-        else:
-            if n.path() != rec.path:
-                inv += self._move_remote(sm, n, rec.path)
-            if n.sha != rec.sha256:
-                inv.append(("inode", n.ino))
-            self.committer.keymap[n.key] = (rec.id, rec.sha256)
-        old = n.cur_size()
-        before = (n.mode, n.mtime_ns)
-        self._set_clean(n, rec)
-        self._account(n, n.size - old)
-        if (n.mode, n.mtime_ns) != before and not any(i[0] == "inode" and i[1] == n.ino for i in inv):
-            inv.append(("attr", n.ino))
-        return inv
-
-    def _move_remote(self, sm: StoreMount, n: Node, path: str) -> list[tuple]:
-        parts = path.split("/")
-        inv: list[tuple] = []
-        d = self._ensure_dir(sm, parts[:-1], time.time_ns(), inv)
-        if d is None:
-            return []
-        cur = d.children.get(parts[-1])
-        if cur is not None and cur is not n:
-            if cur.is_dir or cur.dirty:
-                return []
-            inv.append(("entry", d.ino, cur.name))
-            self._detach(cur)
-            self._bind_rid(cur, None)
-        inv.append(("entry", n.parent.ino, n.name))
-        del n.parent.children[n.name]
-        self._touch_dir(n.parent)
-        n.parent, n.name = d, parts[-1]
-        d.children[n.name] = n
-        self._touch_dir(d)
-        inv.append(("entry", d.ino, n.name))
-        return inv
-
-    def reconcile_store(self, sm: StoreMount, records: list[Record],
-                        queued: list[Entry] = ()) -> list[tuple]:
-        """Make the store's tree match a full snapshot (after ``410``): apply every record,
-        remove clean local files whose record is no longer live.
-
-        Call with no commit of the store in flight between the snapshot and this call
-        (``Committer.hold``): every local change that committed is then in ``records``.
-        ``queued`` are the store's outbox entries not committed yet: local changes the
-        snapshot cannot show. Records and files they touch are left as they are here (their
-        commits land on top), so a reconcile never reverts or hides a local write."""
-        busy_keys = {e.node_key for e in queued if e.node_key}
-        busy_rids = {self.committer.keymap.get(k, (None, None))[0] for k in busy_keys}
-        busy_rids |= {k[2:] for k in busy_keys if k.startswith("r:")}
-        prefixes = [p for e in queued if e.op == MOVE_PREFIX
-                    for p in (e.args.get("from", ""), e.args.get("to", ""))]
-
-        def touched(path: str) -> bool:
-            return any(path == p or path.startswith(p + "/") for p in prefixes)
-
-        inv: list[tuple] = []
-        live = set()
-        for rec in records:
-            live.add(rec.id)
-            n = self.by_rid.get(rec.id)
-            if rec.id in busy_rids or touched(rec.path) or (n is not None and n.key in busy_keys):
-                continue
-            inv += self.apply_remote(sm, rec, force=True)
-        for n in list(self._walk_files(sm.root)):
-            if (n.record_id and n.record_id not in live and not n.dirty and not n.local_only
-                    and n.key not in busy_keys and n.state == CLEAN and not touched(n.path())):
-                inv.append(("entry", n.parent.ino, n.name))
-                self._detach(n)
-                self._bind_rid(n, None)
-        return inv
-
-    def remove_store(self, slug: str) -> list[tuple]:
-        """Take a store out of the mount; handles still open on it answer ``ESTALE``."""
-        sm = self.stores.pop(slug, None)
-        if sm is None:
-            return []
-        sm.detached = True
-        inv = [("entry", self.root.ino, slug)]
-        self._detach(sm.root)
-        for n in self._walk_files(sm.root):
-            if n.record_id and self.by_rid.get(n.record_id) is n:
-                del self.by_rid[n.record_id]
-        return inv
-
-    def dirty_nodes(self, sm: StoreMount | None = None) -> list[Node]:
-        return [n for n in self.inodes.values()
-                if n.dirty and not n.is_dir and (sm is None or n.store is sm)]
 
     # ------------------------------------------------------------------ xattrs
     XATTRS = ("id", "version", "sha256", "state", "updated_at", "error", "type")

@@ -21,7 +21,9 @@ import time
 
 import pyfuse3
 
-from .core import CONTROL_DIR, FsError, Filesystem, Node
+from .control import CONTROL_DIR
+from .core import Filesystem
+from .inodes import FsError, Node
 from .metrics import Metrics
 from .outbox import CacheError
 

@@ -1,0 +1,312 @@
+"""The inode table of a memfuse mount: nodes, handles, stores, lookups.
+
+``Node`` (one inode: a directory, a record file, a local-only file or a ``.memfuse`` control
+file), ``StoreMount`` (an attached store as a directory at the mount root, with its limits and
+live counters), ``Handle`` (an open file or directory), ``Settings`` (a mount's tunables),
+``FsError`` (a refusal with an errno), and ``InodeTable``: the part of ``core.Filesystem``
+that keeps the tables (``inodes``, ``by_key``, ``by_rid``, ``handles``) and answers lookups,
+readdir, statfs and handle look-ups. Nothing here awaits; everything runs on the trio thread.
+
+Kernel references: ``lookup`` and every readdirplus entry the kernel accepts (``looked_up``)
+count one reference (``Node.nlookup``); ``forget`` gives them back. A node removed from the
+tree (``unlinked``) leaves the tables once neither the kernel nor an open handle holds it.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterator
+
+from .. import names
+
+if TYPE_CHECKING:
+    from .outbox import Entry
+
+ROOT_INO = 1
+# renameat2(2) flags (linux/fs.h); pyfuse3 passes them through as the kernel sent them
+RENAME_NOREPLACE = 1
+RENAME_EXCHANGE = 2
+# a store's limits when the control plane gives none (StoreMount's defaults, statfs of an
+# empty mount)
+DEFAULT_MAX_RECORD_BYTES = 1 << 20
+DEFAULT_MAX_STORE_BYTES = 64 << 20
+DEFAULT_MAX_RECORDS = 10_000
+CLEAN, PENDING, REJECTED = "clean", "pending", "rejected"  # Node.state
+DIR_MODE = 0o755  # permission bits of a directory nobody chmod-ed
+DIR_MODES_KEY = "_modes"  # dirs.json: {slug: {dir path ("" = store root): mode}}; never a slug
+
+
+class FsError(Exception):
+    """A refusal with an errno (``errno.E*``) and a reason for logs and ``errors.log``."""
+
+    def __init__(self, err: int, reason: str = "") -> None:
+        super().__init__(reason or os.strerror(err))
+        self.errno = err
+        self.reason = reason or os.strerror(err)
+
+@dataclass(eq=False, slots=True)
+class Node:
+    """One inode. Directories have ``children``; files have content state.
+
+    ``key`` names the file in the outbox (``r:<record id>`` / ``n:<uuid>``); ``sha`` is the
+    blob of the current content when ``buf`` is None; ``base_sha`` the content the control
+    plane last acknowledged. ``local_only`` files never leave the sidecar.
+    """
+
+    ino: int
+    name: str
+    parent: "Node | None"
+    is_dir: bool
+    store: "StoreMount | None" = None
+    mode: int = 0
+    uid: int = 0
+    gid: int = 0
+    atime_ns: int = 0
+    mtime_ns: int = 0
+    ctime_ns: int = 0
+    children: dict[str, "Node"] | None = None
+    key: str = ""
+    record_id: str | None = None
+    version: int = 0
+    rtype: str | None = None
+    sha: str = ""
+    size: int = 0
+    buf: bytearray | None = None
+    dirty: bool = False
+    state: str = CLEAN
+    error: str = ""
+    local_only: bool = False
+    last_put: Entry | None = None
+    updated_at: str = ""
+    nlookup: int = 0
+    opened: int = 0
+    unlinked: bool = False
+    special: str = ""  # .memfuse control files: "status" / "errors"
+    type_override: str | None = None  # set through user.memfuse.type, sent with the next put
+    refused: int = 0  # errno of a write refused in the current write session (held back)
+    # File attributes (records): ``mode`` holds the permission bits shown and sent; ``xmtime``
+    # is the explicit mtime (utimensat) the record keeps, None when it follows the last write
+    # (``updated_at``); ``attrs_version``: the version our last attribute change made, when
+    # it was made on content not seen here yet (older remote states keep our attributes).
+    xmtime: int | None = None
+    attrs_version: int = 0
+
+    def path(self) -> str:
+        """Store-relative path ``a/b.md`` ('' for a store root)."""
+        parts = []
+        n = self
+        while n.parent is not None and n.store is not None and n is not n.store.root:
+            parts.append(n.name)
+            n = n.parent
+        return "/".join(reversed(parts))
+
+    def cur_size(self) -> int:
+        return len(self.buf) if self.buf is not None else self.size
+
+@dataclass(eq=False)
+class StoreMount:
+    """One attached store as a directory at the mount root."""
+
+    slug: str
+    access: str
+    root: Node
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+    max_store_bytes: int = DEFAULT_MAX_STORE_BYTES
+    max_records: int = DEFAULT_MAX_RECORDS
+    detached: bool = False  # removed from the mount: open handles get ESTALE
+    used: int = 0  # bytes of the live records' current local content (quota fast path)
+    count: int = 0  # live records (files that are not local-only)
+
+    @property
+    def writable(self) -> bool:
+        return self.access == "read_write"
+
+@dataclass
+class Handle:
+    fh: int
+    node: Node
+    flags: int
+    is_dir: bool = False
+    entries: list[tuple[str, Node]] | None = None
+    modified: bool = False  # write(2) or ftruncate(2) through this handle since open
+    snapshot: bytes | None = None  # .memfuse files: content generated once at open
+
+@dataclass
+class Settings:
+    """Tunables of one mount (see ``MountConfig``). Times in seconds."""
+
+    uid: int = field(default_factory=os.getuid)
+    gid: int = field(default_factory=os.getgid)
+    commit_wait: float = 10.0
+    fsync_timeout: float = 60.0
+    local_only_patterns: tuple[str, ...] = names.DEFAULT_LOCAL_ONLY
+
+
+class InodeTable:
+    """The inode and handle tables of ``core.Filesystem`` (module docstring). Mixed into
+    ``Filesystem``, whose ``__init__`` creates ``inodes``, ``by_key``, ``by_rid``, ``handles``,
+    ``stores``, ``settings`` and the root."""
+
+    def _new_node(self, name: str, parent: Node | None, is_dir: bool, store: StoreMount | None,
+                  mode: int, now_ns: int, uid: int | None = None, gid: int | None = None) -> Node:
+        ino = self._next_ino
+        self._next_ino += 1
+        n = Node(ino=ino, name=name, parent=parent, is_dir=is_dir, store=store,
+                 mode=(stat.S_IFDIR if is_dir else stat.S_IFREG) | mode,
+                 uid=self.settings.uid if uid is None else uid,
+                 gid=self.settings.gid if gid is None else gid,
+                 atime_ns=now_ns, mtime_ns=now_ns, ctime_ns=now_ns,
+                 children={} if is_dir else None)
+        self.inodes[ino] = n
+        if parent is not None:
+            parent.children[name] = n
+        return n
+
+    def node(self, ino: int) -> Node:
+        """The node for ``ino``; raises ``FsError(ENOENT)`` for an unknown or forgotten one."""
+        try:
+            return self.inodes[ino]
+        except KeyError:
+            raise FsError(errno.ENOENT, f"unknown inode {ino}") from None
+
+    def _drop_if_unused(self, n: Node) -> None:
+        if n.unlinked and n.nlookup <= 0 and n.opened <= 0:
+            self.inodes.pop(n.ino, None)
+            if n.key and self.by_key.get(n.key) is n:
+                del self.by_key[n.key]
+            if n.record_id and self.by_rid.get(n.record_id) is n:
+                del self.by_rid[n.record_id]
+
+    def forget(self, ino: int, nlookup: int) -> None:
+        n = self.inodes.get(ino)
+        if n is None or ino == ROOT_INO:
+            return
+        n.nlookup -= nlookup
+        self._drop_if_unused(n)
+
+    def _bind_rid(self, n: Node, rid: str | None) -> None:
+        if n.record_id and self.by_rid.get(n.record_id) is n:
+            del self.by_rid[n.record_id]
+        n.record_id = rid
+        if rid:
+            self.by_rid[rid] = n
+
+    def lookup(self, parent_ino: int, name: bytes) -> Node | None:
+        """The child named ``name`` or None; ``.``/``..`` resolve. Counts a lookup when found."""
+        d = self.node(parent_ino)
+        if not d.is_dir:
+            raise FsError(errno.ENOTDIR)
+        if name == b".":
+            n = d
+        elif name == b"..":
+            n = d.parent or d
+        else:
+            try:
+                n = d.children.get(name.decode("utf-8"))
+            except UnicodeDecodeError:
+                return None
+        if n is not None:
+            n.nlookup += 1
+        return n
+
+    def looked_up(self, n: Node) -> None:
+        """The kernel now holds one more reference to ``n`` (an entry of a readdirplus
+        reply it accepted); ``forget`` gives it back."""
+        n.nlookup += 1
+
+    def opendir(self, ino: int) -> Handle:
+        """A directory handle on ``ino`` (``ENOTDIR`` for a file); closed by ``release``."""
+        n = self.node(ino)
+        if not n.is_dir:
+            raise FsError(errno.ENOTDIR)
+        h = self._new_handle(n, os.O_RDONLY)
+        h.is_dir = True
+        return h
+
+    def readdir(self, h: Handle, start: int) -> Iterator[tuple[int, str, Node]]:
+        """Entries of the directory open as ``h`` from offset ``start``: ``(offset of the
+        next entry, name, node)``, sorted by name, from a listing taken when ``start`` is 0
+        (so offsets stay stable while the caller pages); entries removed since are left
+        out."""
+        if start == 0 or h.entries is None:
+            h.entries = self.listdir(h.node)
+        for i in range(start, len(h.entries)):
+            name, child = h.entries[i]
+            if not child.unlinked:
+                yield i + 1, name, child
+
+    def statfs(self) -> dict[str, int]:
+        """statvfs(2) totals over the mounted stores: ``bytes`` / ``used`` (bytes, from the
+        stores' quotas and live records) and ``files`` / ``nfiles`` (record limits and
+        counts); the defaults of one store when none is mounted."""
+        stores = list(self.stores.values())
+        return {"bytes": sum(sm.max_store_bytes for sm in stores) or DEFAULT_MAX_STORE_BYTES,
+                "used": sum(sm.used for sm in stores),
+                "files": sum(sm.max_records for sm in stores) or DEFAULT_MAX_RECORDS,
+                "nfiles": sum(sm.count for sm in stores)}
+
+    def listdir(self, d: Node) -> list[tuple[str, Node]]:
+        if not d.is_dir:
+            raise FsError(errno.ENOTDIR)
+        return sorted(d.children.items())
+
+    def nlink(self, n: Node) -> int:
+        if not n.is_dir:
+            return 0 if n.unlinked else 1
+        return 2 + sum(1 for c in n.children.values() if c.is_dir)
+
+    def _account(self, n: Node, delta: int) -> None:
+        """Keep ``StoreMount.used`` equal to the sum of its live records' sizes."""
+        if delta and n.store is not None and not n.local_only and not n.unlinked and not n.is_dir:
+            n.store.used += delta
+
+    def _live(self, n: Node, sign: int) -> None:
+        """A record file appears in (+1) or leaves (-1) its store: count and bytes."""
+        if n.store is not None and not n.local_only and not n.unlinked and not n.is_dir:
+            n.store.count += sign
+            n.store.used += sign * n.cur_size()
+
+    def _new_handle(self, n: Node, flags: int) -> Handle:
+        self._next_fh += 1
+        h = Handle(self._next_fh, n, flags)
+        self.handles[h.fh] = h
+        n.opened += 1
+        return h
+
+    def handle(self, fh: int, *, allow_stale: bool = False) -> Handle:
+        """The open handle ``fh``. ``EBADF`` when unknown; ``ESTALE`` when its store was
+        unmounted, unless ``allow_stale`` (close must still succeed)."""
+        try:
+            h = self.handles[fh]
+        except KeyError:
+            raise FsError(errno.EBADF) from None
+        if not allow_stale and h.node.store is not None and h.node.store.detached:
+            raise FsError(errno.ESTALE, f"store {h.node.store.slug} was unmounted")
+        return h
+
+    def _child(self, d: Node, name: bytes) -> Node:
+        if not d.is_dir:
+            raise FsError(errno.ENOTDIR)
+        n = d.children.get(name.decode("utf-8", "surrogateescape"))
+        if n is None:
+            raise FsError(errno.ENOENT)
+        return n
+
+    def _has_remote(self, d: Node) -> bool:
+        for c in d.children.values():
+            if (c.is_dir and self._has_remote(c)) or (not c.is_dir and not c.local_only):
+                return True
+        return False
+
+    def _walk_files(self, d: Node) -> Iterator[Node]:
+        for c in d.children.values():
+            if c.is_dir:
+                yield from self._walk_files(c)
+            else:
+                yield c
+
+    def dirty_nodes(self, sm: StoreMount | None = None) -> list[Node]:
+        return [n for n in self.inodes.values()
+                if n.dirty and not n.is_dir and (sm is None or n.store is sm)]

@@ -1,0 +1,189 @@
+"""Namespace changes of a memfuse mount: mkdir, unlink, rmdir, rename.
+
+``NamespaceOps`` is the part of ``core.Filesystem`` that changes the tree on behalf of a
+syscall. Each change applies locally at once and queues its outbox entries
+(``DELETE``, ``MOVE``, ``MOVE_PREFIX``) with the paths of that moment, so the control plane
+sees the local sequence. Renames follow rename(2) / renameat2(2) (``RENAME_NOREPLACE``;
+``RENAME_EXCHANGE`` → ``EINVAL``; across stores → ``EXDEV``); a file renamed over another takes
+over the target's record (docs/SEMANTICS.md, "Namespace changes"). Nothing here awaits.
+"""
+from __future__ import annotations
+
+import errno
+import stat
+import time
+
+from .. import names
+from .inodes import PENDING, RENAME_EXCHANGE, RENAME_NOREPLACE, FsError, Node, StoreMount
+from .outbox import DELETE, MOVE, MOVE_PREFIX, CacheError
+
+
+class NamespaceOps:
+    """mkdir, unlink, rmdir and rename of ``core.Filesystem`` (module docstring); mixed into
+    it."""
+
+    def mkdir(self, parent_ino: int, name: bytes, mode: int, uid: int, gid: int) -> Node:
+        d = self.node(parent_ino)
+        sm = self._writable_dir(d)
+        s = self._check_name(d, name)
+        if s in d.children:
+            raise FsError(errno.EEXIST)
+        n = self._new_node(s, d, True, sm, stat.S_IMODE(mode), time.time_ns(), uid, gid)
+        try:
+            self.save_dirs()
+        except CacheError as err:
+            del d.children[s]  # a directory that would not survive a restart is refused
+            self.inodes.pop(n.ino, None)
+            self.refuse(d, s, err.errno, err.reason)
+        n.nlookup += 1
+        self._touch_dir(d)
+        return n
+
+    def _detach(self, n: Node) -> None:
+        self._live(n, -1)
+        del n.parent.children[n.name]
+        self._touch_dir(n.parent)
+        n.unlinked = True
+        n.ctime_ns = time.time_ns()
+        self._drop_if_unused(n)
+
+    def unlink(self, parent_ino: int, name: bytes) -> None:
+        d = self.node(parent_ino)
+        sm = self._writable_dir(d)
+        n = self._child(d, name)
+        if n.is_dir:
+            raise FsError(errno.EISDIR)
+        if not n.local_only:
+            self.committer.submit(sm.slug, DELETE, n.key, {"path": n.path()})
+        n.dirty = False
+        self._detach(n)
+        self._bind_rid(n, None)
+
+    def rmdir(self, parent_ino: int, name: bytes) -> None:
+        d = self.node(parent_ino)
+        self._writable_dir(d)
+        n = self._child(d, name)
+        if not n.is_dir:
+            raise FsError(errno.ENOTDIR)
+        if n.children:
+            raise FsError(errno.ENOTEMPTY)
+        self._detach(n)
+        self._save_dirs_logged()
+
+    def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes,
+               flags: int) -> None:
+        """rename(2) / renameat2(2): ``flags`` may hold ``RENAME_NOREPLACE`` (an existing
+        target → ``EEXIST``); ``RENAME_EXCHANGE`` → ``EINVAL``. Across stores → ``EXDEV``.
+        Applied locally at once; the control plane learns it through the outbox."""
+        if flags & RENAME_EXCHANGE:
+            raise FsError(errno.EINVAL, "RENAME_EXCHANGE is not supported")
+        od, nd = self.node(old_parent), self.node(new_parent)
+        sm = self._writable_dir(od)
+        sm2 = self._writable_dir(nd)
+        src = self._child(od, old_name)
+        if sm is not sm2:
+            raise FsError(errno.EXDEV)
+        s = self._check_name(nd, new_name)
+        dst = nd.children.get(s)
+        if dst is src:
+            return
+        if dst is not None and flags & RENAME_NOREPLACE:
+            raise FsError(errno.EEXIST)
+        if src.is_dir:
+            a = nd
+            while a is not None:  # a directory cannot move into itself
+                if a is src:
+                    raise FsError(errno.EINVAL, "cannot move a directory into itself")
+                a = a.parent
+            if dst is not None:
+                if not dst.is_dir:
+                    raise FsError(errno.ENOTDIR)
+                if dst.children:
+                    raise FsError(errno.ENOTEMPTY)
+        elif dst is not None and dst.is_dir:
+            raise FsError(errno.EISDIR)
+
+        old_path = src.path()
+        new_path = (nd.path() + "/" + s) if nd.path() else s
+        commit_after = False
+        if src.is_dir:
+            self._check_subtree_paths(nd, src, new_path)
+            if self._has_remote(src):
+                self.committer.submit(sm.slug, MOVE_PREFIX, None, {"from": old_path, "to": new_path})
+        else:
+            commit_after = self._rename_file_remote(sm, src, dst, s, old_path, new_path)
+        if dst is not None:
+            dst.dirty = False
+            self._detach(dst)
+        del od.children[src.name]
+        self._touch_dir(od)
+        src.name, src.parent = s, nd
+        nd.children[s] = src
+        self._touch_dir(nd)
+        src.ctime_ns = time.time_ns()
+        if src.is_dir:
+            self._save_dirs_logged()
+        if commit_after and src.opened == 0:
+            self.commit(src)
+
+    def _adopt_key(self, src: Node, dst: Node) -> None:
+        """``src`` replaces ``dst`` locally and takes over its record (key and id)."""
+        if self.by_key.get(src.key) is src:
+            del self.by_key[src.key]
+        src.key = dst.key
+        self.by_key[src.key] = src
+        rid, src.version = dst.record_id, dst.version
+        self._bind_rid(dst, None)
+        self._bind_rid(src, rid)
+
+    def _check_subtree_paths(self, nd: Node, d: Node, new_path: str) -> None:
+        """Every record below a directory moved to ``new_path`` must still have a valid path
+        (docs/SEMANTICS.md "Names": ≤ 32 components, ≤ 1,024 bytes) → else ``ENAMETOOLONG``."""
+        stack = [(d, new_path)]
+        while stack:
+            cur, path = stack.pop()
+            for name, c in cur.children.items():
+                p = path + "/" + name
+                if c.is_dir:
+                    stack.append((c, p))
+                if not c.local_only:
+                    try:
+                        names.check_path(p)
+                    except names.NameError_ as e:
+                        self.refuse(nd, d.name, errno.ENAMETOOLONG if e.too_long else errno.EINVAL,
+                                    f"{e.reason} (for {name!r} below the moved directory)")
+
+    def _rename_file_remote(self, sm: StoreMount, src: Node, dst: Node | None, s: str,
+                            old_path: str, new_path: str) -> bool:
+        """Queue the outbox entries of a file rename; True when the file must be committed
+        under its new name once the local rename is done."""
+        to_local = self.is_local_only(s)
+        if src.local_only and to_local:
+            return False
+        if src.local_only:
+            # a temporary becomes a real file: its content goes to the target's record
+            if dst is not None and not dst.local_only:
+                self._adopt_key(src, dst)
+            src.local_only = False
+            self._live(src, +1)
+            src.dirty = True
+            return True
+        if to_local:
+            self.committer.submit(sm.slug, DELETE, src.key, {"path": old_path})
+            self._live(src, -1)
+            src.local_only = True
+            return False
+        if src.dirty and src.opened == 0:
+            self.commit(src)
+        if (dst is not None and not dst.local_only and src.record_id is None
+                and src.state != PENDING):
+            # src never reached the control plane (refused, or not flushed yet): there is
+            # nothing to move; src takes over dst's record, so fixing or deleting src later
+            # acts on that record (as a local-only file renamed over it does)
+            self._adopt_key(src, dst)
+            return False
+        args = {"path": old_path, "to": new_path, "replace": dst is not None and not dst.local_only}
+        if dst is not None and not dst.local_only:
+            args["target_key"] = dst.key
+        self.committer.submit(sm.slug, MOVE, src.key, args)
+        return False

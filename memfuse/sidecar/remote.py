@@ -1,0 +1,243 @@
+"""Applying the control plane's state to the tree: store loading, feed changes, snapshots.
+
+``RemoteApply`` is the part of ``core.Filesystem`` that builds a store's tree from a snapshot
+(``add_store``), applies one record state from the change feed (``apply_remote``), makes a
+store match a full snapshot after ``410`` (``reconcile_store``) and takes a store out of the
+mount (``remove_store``). Each returns the kernel invalidations to make
+(``("entry", parent_ino, name)``, ``("inode", ino)``); the caller hands them to
+``sync.Invalidator``, which performs them off the trio thread.
+
+Ordering (docs/ARCHITECTURE.md, "Threads and ordering"): remote changes are applied only while
+the store's outbox is empty (``Committer.wait_store_idle``), so every local change is
+committed first; a file with unflushed writes is never overwritten. Nothing here awaits.
+"""
+from __future__ import annotations
+
+import logging
+import stat
+import time
+
+from ..models import DEFAULT_MODE, Record, datetime_ns
+from .inodes import CLEAN, DIR_MODES_KEY, Node, StoreMount
+from .outbox import MOVE_PREFIX, Entry
+
+log = logging.getLogger("memfuse.fs")
+
+
+class RemoteApply:
+    """Loading and remote changes of ``core.Filesystem`` (module docstring); mixed into it."""
+
+    def add_store(self, slug: str, access: str, records: list[Record], *,
+                  limits: dict | None = None, contents: dict[str, bytes] | None = None) -> StoreMount:
+        """Put one attached store under the root, built from a snapshot of its live records.
+
+        ``contents`` maps record id → bytes for records whose blob is not already cached.
+        """
+        now = time.time_ns()
+        root = self._new_node(slug, self.root, True, None, 0o755, now)
+        sm = StoreMount(slug=slug, access=access, root=root, **(limits or {}))
+        root.store = sm
+        self.stores[slug] = sm
+        for rec in records:
+            data = (contents or {}).get(rec.id)
+            if data is None and rec.content is not None:
+                data = rec.content.encode("utf-8")
+            if data is not None:
+                self.blobs.put(data, rec.sha256)
+            elif not self.blobs.has(rec.sha256):
+                log.error("record content missing from snapshot and cache; skipped",
+                          extra={"store": slug, "record": rec.id})
+                continue
+            self._insert_record(sm, rec)
+        for path in self.saved_dirs.get(slug, []):
+            self._ensure_dir(sm, path.split("/"), now)
+        self._restore_dir_modes(sm)
+        return sm
+
+    def _restore_dir_modes(self, sm: StoreMount) -> None:
+        """Give the store's directories the modes saved in ``dirs.json`` (directory modes
+        are local to this sidecar: docs/SEMANTICS.md)."""
+        saved = self.saved_dirs.get(DIR_MODES_KEY, {})
+        for path, mode in (saved.get(sm.slug, {}) if isinstance(saved, dict) else {}).items():
+            d = sm.root
+            for comp in path.split("/") if path else []:
+                d = d.children.get(comp) if d is not None and d.is_dir else None
+            if d is not None and d.is_dir and isinstance(mode, int):
+                d.mode = stat.S_IFDIR | stat.S_IMODE(mode)
+
+    def _insert_record(self, sm: StoreMount, rec: Record) -> Node:
+        parts = rec.path.split("/")
+        d = sm.root
+        ts = datetime_ns(rec.updated_at)
+        for comp in parts[:-1]:
+            child = d.children.get(comp)
+            if child is None:
+                child = self._new_node(comp, d, True, sm, 0o755, ts)
+            elif not child.is_dir:
+                log.error("record path crosses a file; skipped", extra={"store": sm.slug, "record": rec.id})
+                return child
+            d = child
+        n = self._new_node(parts[-1], d, False, sm, 0o644, ts)
+        self._set_clean(n, rec)
+        self._live(n, +1)
+        n.key = "r:" + rec.id
+        self.by_key[n.key] = n
+        self.committer.keymap.setdefault(n.key, (rec.id, rec.sha256))
+        return n
+
+    def _set_clean(self, n: Node, rec: Record) -> None:
+        self._bind_rid(n, rec.id)
+        n.version, n.rtype = rec.version, rec.type
+        n.sha, n.size, n.state, n.error = rec.sha256, rec.size, CLEAN, ""
+        n.updated_at = rec.updated_at.isoformat()
+        n.ctime_ns = datetime_ns(rec.updated_at)
+        if rec.version >= n.attrs_version:  # else our newer attribute change stays shown
+            n.mode = stat.S_IFREG | stat.S_IMODE(getattr(rec, "mode", DEFAULT_MODE))
+            n.xmtime = getattr(rec, "mtime_ns", None)
+            n.attrs_version = 0
+        n.mtime_ns = n.xmtime if n.xmtime is not None else n.ctime_ns
+
+    def apply_remote(self, sm: StoreMount, rec: Record, *, force: bool = False) -> list[tuple]:
+        """Apply one record state from the change feed (or a snapshot when ``force``) to the
+        tree. Returns the kernel invalidations to make: ``("entry", parent_ino, name)`` and
+        ``("inode", ino)`` (content changed), ``("attr", ino)`` (only mode / mtime changed).
+
+        Rules (docs/ARCHITECTURE.md, "Threads and ordering"): call only while the store's outbox is empty, so every local change
+        is already committed; a file with unflushed local writes is never overwritten (its
+        commit lands on top); a state not newer than the local version is skipped (our own
+        writes come back through the feed), unless ``force`` (after a snapshot), where the
+        path, sha256 and attributes decide.
+        """
+        n = self.by_rid.get(rec.id)
+        if n is not None and (n.unlinked or n.store is not sm):
+            n = None
+        if n is not None:
+            if n.dirty:
+                return []
+            if force:
+                if (n.sha == rec.sha256 and n.path() == rec.path and not rec.deleted
+                        and stat.S_IMODE(n.mode) == rec.mode and n.xmtime == rec.mtime_ns):
+                    return []
+                if n.version > rec.version or (n.version == rec.version and n.state != CLEAN):
+                    return []  # a local version the snapshot does not know yet
+            elif n.version >= rec.version:
+                return []
+        if rec.deleted:
+            if n is None:
+                return []
+            inv = [("entry", n.parent.ino, n.name)]
+            self._detach(n)
+            self._bind_rid(n, None)
+            return inv
+        if rec.content is None and not self.blobs.has(rec.sha256):
+            log.error("remote change without content; skipped", extra={"store": sm.slug, "record": rec.id})
+            return []
+        if rec.content is not None:
+            self.blobs.put(rec.content.encode("utf-8"), rec.sha256)
+        inv: list[tuple] = []
+        if n is None:
+            parts = rec.path.split("/")
+            d = self._ensure_dir(sm, parts[:-1], time.time_ns(), inv)
+            if d is None:
+                log.warning("remote record path crosses a local file; skipped",
+                            extra={"store": sm.slug, "record": rec.id})
+                return []
+            cur = d.children.get(parts[-1])
+            if cur is not None:
+                if cur.is_dir or cur.dirty or cur.record_id is None:
+                    log.warning("remote record collides with a local entry; local kept",
+                                extra={"store": sm.slug, "record": rec.id})
+                    return []
+                inv.append(("entry", d.ino, cur.name))
+                self._detach(cur)
+                self._bind_rid(cur, None)
+            n = self._new_node(parts[-1], d, False, sm, 0o644, time.time_ns())
+            n.key = "r:" + rec.id
+            self.by_key[n.key] = n
+            self.committer.keymap[n.key] = (rec.id, rec.sha256)
+            self._live(n, +1)  # size 0 now; its size is accounted below
+            inv.append(("entry", d.ino, n.name))
+            self._touch_dir(d)
+        else:
+            if n.path() != rec.path:
+                inv += self._move_remote(sm, n, rec.path)
+            if n.sha != rec.sha256:
+                inv.append(("inode", n.ino))
+            self.committer.keymap[n.key] = (rec.id, rec.sha256)
+        old = n.cur_size()
+        before = (n.mode, n.mtime_ns)
+        self._set_clean(n, rec)
+        self._account(n, n.size - old)
+        if (n.mode, n.mtime_ns) != before and not any(i[0] == "inode" and i[1] == n.ino for i in inv):
+            inv.append(("attr", n.ino))
+        return inv
+
+    def _move_remote(self, sm: StoreMount, n: Node, path: str) -> list[tuple]:
+        parts = path.split("/")
+        inv: list[tuple] = []
+        d = self._ensure_dir(sm, parts[:-1], time.time_ns(), inv)
+        if d is None:
+            return []
+        cur = d.children.get(parts[-1])
+        if cur is not None and cur is not n:
+            if cur.is_dir or cur.dirty:
+                return []
+            inv.append(("entry", d.ino, cur.name))
+            self._detach(cur)
+            self._bind_rid(cur, None)
+        inv.append(("entry", n.parent.ino, n.name))
+        del n.parent.children[n.name]
+        self._touch_dir(n.parent)
+        n.parent, n.name = d, parts[-1]
+        d.children[n.name] = n
+        self._touch_dir(d)
+        inv.append(("entry", d.ino, n.name))
+        return inv
+
+    def reconcile_store(self, sm: StoreMount, records: list[Record],
+                        queued: list[Entry] = ()) -> list[tuple]:
+        """Make the store's tree match a full snapshot (after ``410``): apply every record,
+        remove clean local files whose record is no longer live.
+
+        Call with no commit of the store in flight between the snapshot and this call
+        (``Committer.hold``): every local change that committed is then in ``records``.
+        ``queued`` are the store's outbox entries not committed yet: local changes the
+        snapshot cannot show. Records and files they touch are left as they are here (their
+        commits land on top), so a reconcile never reverts or hides a local write."""
+        busy_keys = {e.node_key for e in queued if e.node_key}
+        busy_rids = {self.committer.keymap.get(k, (None, None))[0] for k in busy_keys}
+        busy_rids |= {k[2:] for k in busy_keys if k.startswith("r:")}
+        prefixes = [p for e in queued if e.op == MOVE_PREFIX
+                    for p in (e.args.get("from", ""), e.args.get("to", ""))]
+
+        def touched(path: str) -> bool:
+            return any(path == p or path.startswith(p + "/") for p in prefixes)
+
+        inv: list[tuple] = []
+        live = set()
+        for rec in records:
+            live.add(rec.id)
+            n = self.by_rid.get(rec.id)
+            if rec.id in busy_rids or touched(rec.path) or (n is not None and n.key in busy_keys):
+                continue
+            inv += self.apply_remote(sm, rec, force=True)
+        for n in list(self._walk_files(sm.root)):
+            if (n.record_id and n.record_id not in live and not n.dirty and not n.local_only
+                    and n.key not in busy_keys and n.state == CLEAN and not touched(n.path())):
+                inv.append(("entry", n.parent.ino, n.name))
+                self._detach(n)
+                self._bind_rid(n, None)
+        return inv
+
+    def remove_store(self, slug: str) -> list[tuple]:
+        """Take a store out of the mount; handles still open on it answer ``ESTALE``."""
+        sm = self.stores.pop(slug, None)
+        if sm is None:
+            return []
+        sm.detached = True
+        inv = [("entry", self.root.ino, slug)]
+        self._detach(sm.root)
+        for n in self._walk_files(sm.root):
+            if n.record_id and self.by_rid.get(n.record_id) is n:
+                del self.by_rid[n.record_id]
+        return inv
