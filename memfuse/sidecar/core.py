@@ -35,13 +35,10 @@ from pathlib import Path
 
 import trio
 
+from .. import content as content_rules  # the server enforces the same rules
 from .. import names
 from ..models import RECORD_TYPES, sha256_hex
 
-try:  # shared content rules (types, secrets) for the fast path; the server enforces them too
-    from .. import content as content_rules
-except ImportError:  # pragma: no cover
-    content_rules = None
 from .blobcache import BlobCache
 from .control import CONTROL_DIR, FILES, ControlFiles
 from .inodes import (CLEAN, DIR_MODE, DIR_MODES_KEY, PENDING, REJECTED, ROOT_INO, FsError,
@@ -333,13 +330,16 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps):
         d.mtime_ns = d.ctime_ns = time.time_ns()
 
     # ------------------------------------------------------------------ flush / fsync / release
-    def commit(self, n: Node) -> "Entry | FsError | None":
+    def commit(self, n: Node) -> Entry | None:
         """Turn a dirty file into an accepted change (outbox ``put``).
 
-        Returns the outbox entry; None when there is nothing to send; an ``FsError`` when the
-        content is refused here already (the fast path of the errno table in docs/API.md: not UTF-8 →
-        ``EILSEQ``; more checks where ``memfuse.content`` provides them) — the file then keeps
-        the refused content with ``state=rejected`` and nothing is sent.
+        Returns the outbox entry, or None when there is nothing to send (not dirty, a
+        directory or control file, local-only, unlinked). Raises ``FsError`` when the content
+        is refused here already — held back by a refused write of this session (``EFBIG`` /
+        ``ENOSPC``), or by ``_precheck`` (the fast path of the errno table in docs/API.md:
+        ``EILSEQ``, ``EPERM``, ``EINVAL``); the file then keeps the refused content with
+        ``state=rejected``, the reason is in ``errors.log`` and nothing is sent. Callers
+        without a syscall to fail use ``commit_quietly``.
         """
         if not n.dirty or n.is_dir or n.special:
             return None
@@ -360,12 +360,12 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps):
             log.warning("blob cache write failed; the file's content stays in memory",
                         extra={"store": n.store.slug, "path": n.path(), "reason": err.reason})
         if n.refused:
-            return FsError(n.refused, n.error)
+            raise FsError(n.refused, n.error)
         refusal = self._precheck(n, data)
         if refusal is not None:
             n.state, n.error, n.last_put = REJECTED, refusal.reason, None
             self.note_error(n.parent, n.name, refusal.errno, refusal.reason)
-            return refusal
+            raise refusal
         # the attributes ride with the content (cp -p, install -m, sed -i's fchmod)
         e = self.committer.submit(n.store.slug, PUT, n.key,
                                   {"path": n.path(), "type": n.type_override,
@@ -373,6 +373,16 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps):
         n.last_put = e
         n.state, n.error = PENDING, ""
         return e
+
+    def commit_quietly(self, n: Node) -> None:
+        """``commit`` for callers with no syscall to fail (release, rename, a type change,
+        truncate by path, unmount, drain): a refusal stays on the node (``state=rejected``,
+        ``user.memfuse.error``, ``errors.log``) and the next ``close`` of a writer reports
+        it."""
+        try:
+            self.commit(n)
+        except FsError:
+            pass
 
     def _precheck(self, n: Node, data: bytes) -> FsError | None:
         """Refusals the sidecar can decide alone, so they fail at close even offline:
@@ -386,22 +396,17 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps):
         if nul >= 0:
             return FsError(errno.EILSEQ, f"content contains a NUL character (at offset {nul}); "
                                          "records are text")
-        if content_rules is None:
-            return None
         text = data.decode("utf-8")
+        kind = content_rules.find_secret(text)
+        if kind:
+            return FsError(errno.EPERM, f"content looks like it holds a secret ({kind}); "
+                                        "memory must not store credentials")
         try:
-            kind = content_rules.find_secret(text)
-            if kind:
-                return FsError(errno.EPERM, f"content looks like it holds a secret ({kind}); "
-                                            "memory must not store credentials")
-            try:
-                t = content_rules.record_type(n.path(), text, n.type_override, "project")
-                if t is not None:
-                    content_rules.check_type(t)
-            except ValueError as e:
-                return FsError(errno.EINVAL, str(e) or "invalid record type")
-        except Exception:  # the control plane still enforces every rule
-            log.exception("local content check failed; leaving the decision to the control plane")
+            t = content_rules.record_type(n.path(), text, n.type_override, "project")
+            if t is not None:
+                content_rules.check_type(t)
+        except ValueError as e:
+            return FsError(errno.EINVAL, str(e) or "invalid record type")
         return None
 
     async def flush(self, h: Handle) -> None:
@@ -423,8 +428,6 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps):
             # version. The commit happens at the final flush after a write, or at release.
             return
         e = self.commit(n)
-        if isinstance(e, FsError):
-            raise e
         if e is None:
             e = n.last_put if n.state == PENDING and not (n.local_only or n.unlinked) else None
             if e is None:
@@ -441,8 +444,6 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps):
         ``fsync_timeout`` s (the write stays accepted)."""
         n = h.node
         e = self.commit(n)
-        if isinstance(e, FsError):
-            raise e
         e = e or (n.last_put if n.state == PENDING and not (n.local_only or n.unlinked) else None)
         if e is None:
             return
@@ -477,7 +478,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps):
         n = h.node
         n.opened -= 1
         if n.dirty:  # flush was not called (or failed): never drop the write
-            self.commit(n)
+            self.commit_quietly(n)
         self._drop_if_unused(n)
 
     def _on_conflict(self, e: Entry, what: str) -> None:
@@ -521,12 +522,30 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps):
             self.note_error(None, e.args.get("path", ""), e.errno, e.reason)
 
     # ------------------------------------------------------------------ attributes
-    def setattr(self, n: Node, *, size: int | None = None, mode: int | None = None,
-                uid: int | None = None, gid: int | None = None, atime_ns: int | None = None,
-                mtime_ns: int | None = None) -> None:
-        """setattr (truncate, chmod, chown, utimensat). Permission bits and mtime of a record
-        are kept by the control plane: on a file with unsent writes (or a refused one) they
-        ride with its next content commit; on a clean file a change queues an ``attrs``
+    def setattr(self, n: Node, *, fh: int | None = None, size: int | None = None,
+                mode: int | None = None, uid: int | None = None, gid: int | None = None,
+                atime_ns: int | None = None, mtime_ns: int | None = None) -> None:
+        """setattr: truncate to ``size`` bytes (through the open handle ``fh`` — ftruncate(2),
+        which counts as a write of that handle's session — or by path, which commits at once
+        since no close follows), chmod (``mode``: permission bits), chown (``uid`` / ``gid``;
+        -1 leaves one as is), utimensat (``atime_ns`` / ``mtime_ns``, ns since the epoch); see
+        ``_set_attributes`` for what reaches the control plane. Raises ``FsError``:
+        ``EACCES`` on the root or ``.memfuse``, ``EROFS`` on a read-only store, ``EBADF`` /
+        ``ESTALE`` for a bad handle, and the size refusals of ``truncate`` (``EFBIG``,
+        ``ENOSPC``, ``EISDIR``)."""
+        if fh is not None and size is not None:
+            self.handle(fh).modified = True
+        self._set_attributes(n, size=size, mode=mode, uid=uid, gid=gid, atime_ns=atime_ns,
+                             mtime_ns=mtime_ns)
+        if size is not None and fh is None and n.opened == 0:
+            self.commit_quietly(n)  # truncate(2) by path: no close will follow to commit it
+
+    def _set_attributes(self, n: Node, *, size: int | None, mode: int | None,
+                        uid: int | None, gid: int | None, atime_ns: int | None,
+                        mtime_ns: int | None) -> None:
+        """What ``setattr`` changes (truncate, chmod, chown, utimensat). Permission bits and
+        mtime of a record are kept by the control plane: on a file with unsent writes (or a
+        refused one) they ride with its next content commit; on a clean file a change queues an ``attrs``
         outbox entry (a metadata-only version, no content upload); a change to the current
         value queues nothing. Directory modes stay in this sidecar (``dirs.json``); uid/gid
         and atime are local (per mount)."""
@@ -618,7 +637,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps):
         n.type_override = t
         n.dirty = True
         if n.opened == 0 or n.buf is None:
-            self.commit(n)
+            self.commit_quietly(n)
 
     # ------------------------------------------------------------------ status
     def status(self) -> dict:

@@ -133,10 +133,8 @@ class MemfuseOps(pyfuse3.Operations):
     @_guard
     async def setattr(self, inode, attr, fields, fh, ctx):
         n = self.fs.node(inode)
-        if fh is not None and fields.update_size:
-            self.fs.handle(fh).modified = True
         self.fs.setattr(
-            n,
+            n, fh=fh,
             size=attr.st_size if fields.update_size else None,
             mode=attr.st_mode if fields.update_mode else None,
             uid=attr.st_uid if fields.update_uid else None,
@@ -144,8 +142,6 @@ class MemfuseOps(pyfuse3.Operations):
             atime_ns=attr.st_atime_ns if fields.update_atime else None,
             mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
         )
-        if fields.update_size and fh is None and n.opened == 0:
-            self.fs.commit(n)  # truncate(2) by path: no close will follow to commit it
         return self.attrs(n)
 
     @_guard

@@ -461,7 +461,7 @@ async def serve_mount(config: MountConfig, client: ApiClient, *,
 async def drain(fs: Filesystem, committer: Committer, timeout: float) -> None:
     """Commit dirty files and wait up to ``timeout`` s for the outbox to empty."""
     for n in fs.dirty_nodes():
-        fs.commit(n)
+        fs.commit_quietly(n)
     with trio.move_on_after(timeout):
         await committer.wait_idle()
     left = committer.depth()

@@ -124,7 +124,7 @@ class NamespaceOps:
         if src.is_dir:
             self._save_dirs_logged()
         if commit_after and src.opened == 0:
-            self.commit(src)
+            self.commit_quietly(src)
 
     def _adopt_key(self, src: Node, dst: Node) -> None:
         """``src`` replaces ``dst`` locally and takes over its record (key and id)."""
@@ -174,7 +174,7 @@ class NamespaceOps:
             src.local_only = True
             return False
         if src.dirty and src.opened == 0:
-            self.commit(src)
+            self.commit_quietly(src)
         if (dst is not None and not dst.local_only and src.record_id is None
                 and src.state != PENDING):
             # src never reached the control plane (refused, or not flushed yet): there is

@@ -434,7 +434,7 @@ class StoreSync:
         """Commit the store's dirty files (bounded wait), then take it out of the mount."""
         sm = self.fs.stores[slug]
         for n in self.fs.dirty_nodes(sm):
-            self.fs.commit(n)
+            self.fs.commit_quietly(n)
         with trio.move_on_after(self.config.commit_wait):
             await self.committer.wait_store_idle(slug)
         left = self.committer.depth(slug)
