@@ -597,110 +597,126 @@ class Committer:
         self.journal.set_key(node_key, *val)
 
     async def _apply(self, e: Entry) -> None:
-        c = self.client
-        a = e.args
-        if e.op == PUT:
-            text = (e.content or b"").decode("utf-8", errors="surrogateescape")
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError:
-                raise _local_refusal("invalid_content", "content is not valid UTF-8") from None
-            rid, sha = self._rid(e.node_key)
-            want = sha256_hex(e.content or b"")
-            typ = a.get("type")
-            # absent in entries journaled by earlier releases: then the server keeps / defaults
-            attrs = {"mode": a.get("mode"), "mtime_ns": a.get("mtime_ns")}
-            create_key = e.key
-            if rid is not None:
-                create_key = e.key + "-create"
-
-                try:
-                    rec = await c.update_record(e.store, rid, text, type=typ, if_match=sha,
-                                                idempotency_key=e.key, **attrs)
-                except PreconditionFailed:
-                    cur = await c.get_record(e.store, rid, content=False)
-                    if (cur.sha256 == want and (typ is None or cur.type == typ)
-                            and attrs["mode"] in (None, cur.mode)
-                            and attrs["mtime_ns"] in (None, cur.mtime_ns)):
-                        rec = cur
-                    else:
-                        self._conflict(e, "the record changed elsewhere; this write is now the "
-                                          "latest version, the other one stays in history")
-                        log.warning("conflict: record changed elsewhere; last writer wins, the "
-                                    "other version stays in history",
-                                    extra={"store": e.store, "path": a.get("path"), "record": rid})
-                        rec = await c.update_record(e.store, rid, text, type=typ,
-                                                    idempotency_key=e.key + "-lww", **attrs)
-                except NotFound:
-                    rid = None  # deleted elsewhere: re-create it below
-            if rid is None:
-                try:
-                    rec = await c.create_record(e.store, a["path"], text, type=typ,
-                                                idempotency_key=create_key, **attrs)
-                except Conflict as err:
-                    other = (err.problem or {}).get("record_id")
-                    if not other:
-                        found = await c.find_record(e.store, a["path"])
-                        other = found.id if found else None
-                    if other is None:
-                        raise
-                    self._conflict(e, "the path was created elsewhere; this write is now the "
-                                      "latest version of that record, the other stays in history")
-                    log.warning("conflict: path created elsewhere; last writer wins",
-                                extra={"store": e.store, "path": a["path"], "record": other})
-                    rec = await c.update_record(e.store, other, text, type=typ,
-                                                idempotency_key=e.key + "-lww", **attrs)
-            e.record = rec
-            self._learn(e.node_key, rec)
-        elif e.op == ATTRS:
-            # mode / mtime of a file whose content the control plane has: no upload, no
-            # If-Match (attributes merge with whatever content is current: last writer wins
-            # per attribute); only the members that changed are sent
-            rid, _ = self._rid(e.node_key)
-            e.record_id = rid
-            if rid is None:
-                return  # never reached the server (refused): the next put carries them
-            given = {k: a[k] for k in ("mode", "mtime_ns") if k in a}
-            try:
-                e.record = await c.set_attributes(e.store, rid, idempotency_key=e.key, **given)
-            except NotFound:
-                pass  # deleted elsewhere: nothing to set
-        elif e.op == DELETE:
-            rid, _ = self._rid(e.node_key)
-            e.record_id = rid
-            if rid is not None:
-                try:
-                    await c.delete_record(e.store, rid, idempotency_key=e.key)
-                except NotFound:
-                    pass
-            self._learn(e.node_key, None)
-        elif e.op == MOVE:
-            rid, sha = self._rid(e.node_key)
-            e.record_id = rid
-            if rid is None:
-                return  # never reached the server (refused earlier): nothing to move
-            replace = bool(a.get("replace"))
-            try:
-                res = await c.move_record(e.store, rid, a["to"], replace=replace,
-                                          idempotency_key=e.key)
-            except Conflict:
-                log.warning("conflict: move target created elsewhere; replacing it",
-                            extra={"store": e.store, "path": a["to"]})
-                res = await c.move_record(e.store, rid, a["to"], replace=True,
-                                          idempotency_key=e.key + "-lww")
-            rec = res.records[0] if res.records else None
-            e.record = rec
-            self._learn(e.node_key, rec)
-            tk = a.get("target_key")
-            if tk and tk != e.node_key:
-                self.keymap.pop(tk, None)
-                self.journal.set_key(tk, None, None)
-        elif e.op == MOVE_PREFIX:
-            res = await c.move_prefix(e.store, a["from"], a["to"], idempotency_key=e.key)
-            e.moved = res.records
-        else:  # pragma: no cover - journal corruption
+        """Send one entry to the control plane with the method for its ``op``. Raises the
+        client's ``ApiError`` (``_commit_with_retry`` tells transient from permanent); an
+        unknown ``op`` (a corrupt journal) is a permanent refusal."""
+        apply = {PUT: self._put, ATTRS: self._set_attrs, DELETE: self._delete, MOVE: self._move,
+                 MOVE_PREFIX: self._move_prefix}.get(e.op)
+        if apply is None:  # pragma: no cover - journal corruption
             raise _local_refusal("validation_error", f"unknown outbox op {e.op!r}")
+        await apply(e, self.client, e.args)
 
+    async def _put(self, e: Entry, c: ApiClient, a: dict[str, Any]) -> None:
+        """Create or update the record with the entry's content and attributes (``If-Match``
+        the last known sha256); a concurrent change is resolved last-writer-wins
+        (``_conflict``), a record deleted elsewhere is created again."""
+        text = (e.content or b"").decode("utf-8", errors="surrogateescape")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise _local_refusal("invalid_content", "content is not valid UTF-8") from None
+        rid, sha = self._rid(e.node_key)
+        want = sha256_hex(e.content or b"")
+        typ = a.get("type")
+        # absent in entries journaled by earlier releases: then the server keeps / defaults
+        attrs = {"mode": a.get("mode"), "mtime_ns": a.get("mtime_ns")}
+        create_key = e.key
+        if rid is not None:
+            create_key = e.key + "-create"
+
+            try:
+                rec = await c.update_record(e.store, rid, text, type=typ, if_match=sha,
+                                            idempotency_key=e.key, **attrs)
+            except PreconditionFailed:
+                cur = await c.get_record(e.store, rid, content=False)
+                if (cur.sha256 == want and (typ is None or cur.type == typ)
+                        and attrs["mode"] in (None, cur.mode)
+                        and attrs["mtime_ns"] in (None, cur.mtime_ns)):
+                    rec = cur
+                else:
+                    self._conflict(e, "the record changed elsewhere; this write is now the "
+                                      "latest version, the other one stays in history")
+                    log.warning("conflict: record changed elsewhere; last writer wins, the "
+                                "other version stays in history",
+                                extra={"store": e.store, "path": a.get("path"), "record": rid})
+                    rec = await c.update_record(e.store, rid, text, type=typ,
+                                                idempotency_key=e.key + "-lww", **attrs)
+            except NotFound:
+                rid = None  # deleted elsewhere: re-create it below
+        if rid is None:
+            try:
+                rec = await c.create_record(e.store, a["path"], text, type=typ,
+                                            idempotency_key=create_key, **attrs)
+            except Conflict as err:
+                other = (err.problem or {}).get("record_id")
+                if not other:
+                    found = await c.find_record(e.store, a["path"])
+                    other = found.id if found else None
+                if other is None:
+                    raise
+                self._conflict(e, "the path was created elsewhere; this write is now the "
+                                  "latest version of that record, the other stays in history")
+                log.warning("conflict: path created elsewhere; last writer wins",
+                            extra={"store": e.store, "path": a["path"], "record": other})
+                rec = await c.update_record(e.store, other, text, type=typ,
+                                            idempotency_key=e.key + "-lww", **attrs)
+        e.record = rec
+        self._learn(e.node_key, rec)
+
+    async def _set_attrs(self, e: Entry, c: ApiClient, a: dict[str, Any]) -> None:
+        """Set the mode and / or mtime of a record whose content the control plane has."""
+        # mode / mtime of a file whose content the control plane has: no upload, no
+        # If-Match (attributes merge with whatever content is current: last writer wins
+        # per attribute); only the members that changed are sent
+        rid, _ = self._rid(e.node_key)
+        e.record_id = rid
+        if rid is None:
+            return  # never reached the server (refused): the next put carries them
+        given = {k: a[k] for k in ("mode", "mtime_ns") if k in a}
+        try:
+            e.record = await c.set_attributes(e.store, rid, idempotency_key=e.key, **given)
+        except NotFound:
+            pass  # deleted elsewhere: nothing to set
+
+    async def _delete(self, e: Entry, c: ApiClient, a: dict[str, Any]) -> None:
+        """Delete the record (already gone: nothing to do) and forget its key."""
+        rid, _ = self._rid(e.node_key)
+        e.record_id = rid
+        if rid is not None:
+            try:
+                await c.delete_record(e.store, rid, idempotency_key=e.key)
+            except NotFound:
+                pass
+        self._learn(e.node_key, None)
+
+    async def _move(self, e: Entry, c: ApiClient, a: dict[str, Any]) -> None:
+        """Move one record to ``args["to"]`` (``replace`` an existing target); a target
+        created elsewhere meanwhile is replaced (last writer wins)."""
+        rid, sha = self._rid(e.node_key)
+        e.record_id = rid
+        if rid is None:
+            return  # never reached the server (refused earlier): nothing to move
+        replace = bool(a.get("replace"))
+        try:
+            res = await c.move_record(e.store, rid, a["to"], replace=replace,
+                                      idempotency_key=e.key)
+        except Conflict:
+            log.warning("conflict: move target created elsewhere; replacing it",
+                        extra={"store": e.store, "path": a["to"]})
+            res = await c.move_record(e.store, rid, a["to"], replace=True,
+                                      idempotency_key=e.key + "-lww")
+        rec = res.records[0] if res.records else None
+        e.record = rec
+        self._learn(e.node_key, rec)
+        tk = a.get("target_key")
+        if tk and tk != e.node_key:
+            self.keymap.pop(tk, None)
+            self.journal.set_key(tk, None, None)
+
+    async def _move_prefix(self, e: Entry, c: ApiClient, a: dict[str, Any]) -> None:
+        """Move every record under ``args["from"]`` to ``args["to"]`` (a directory)."""
+        res = await c.move_prefix(e.store, a["from"], a["to"], idempotency_key=e.key)
+        e.moved = res.records
 
 def _local_refusal(code: str, detail: str) -> ApiError:
     from ..errors import PermanentError
