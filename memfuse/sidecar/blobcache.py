@@ -130,4 +130,5 @@ class BlobCache:
         return int(row[0]), int(row[1])
 
     def close(self) -> None:
+        """Close the database file."""
         self._db.close()

@@ -176,6 +176,8 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps):
         return s
 
     def is_local_only(self, name: str) -> bool:
+        """Whether ``name`` (one path component) matches a local-only pattern (editor and
+        tool temporaries kept in this sidecar, never sent: ``Settings.local_only_patterns``)."""
         return names.is_local_only(name, self.settings.local_only_patterns)
 
     def refuse(self, where: Node, name: str, err: int, reason: str) -> None:
@@ -184,6 +186,8 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps):
         raise FsError(err, reason)
 
     def note_error(self, where: Node | None, name: str, err: int, reason: str) -> None:
+        """Record a refusal at ``where`` / ``name`` (``where`` None: ``name`` is the path) in
+        ``errors.log`` with its errno and reason (``ControlFiles.note_error``); raises nothing."""
         store = where.store.slug if where is not None and where.store else ""
         base = where.path() if where is not None and where.store else ""
         path = f"{base}/{name}" if base and name else (name or base)
@@ -238,6 +242,10 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps):
         raise FsError(errno.ENOSPC, reason)
 
     def write(self, h: Handle, off: int, data: bytes) -> int:
+        """write(2) of ``data`` at byte offset ``off`` (the end for ``O_APPEND``) through
+        ``h``; returns the number of bytes written. Raises ``FsError``: ``EBADF`` (not open for
+        writing), ``EFBIG`` (the record would pass ``max_record_bytes``), ``ENOSPC`` (the store
+        would pass ``max_store_bytes``); a refused write holds the session back (``Node.refused``)."""
         n = h.node
         if not (h.flags & (os.O_WRONLY | os.O_RDWR)):
             raise FsError(errno.EBADF)
@@ -257,6 +265,9 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps):
         return len(data)
 
     def truncate(self, n: Node, size: int) -> None:
+        """Set the file's size to ``size`` bytes (cut, or zero-filled). Raises ``FsError``:
+        ``EISDIR``, ``EACCES`` (control file / mount root), ``EROFS`` (read-only store),
+        ``EFBIG`` / ``ENOSPC`` (limits, as ``write``)."""
         if n.is_dir:
             raise FsError(errno.EISDIR)
         if n.special:
@@ -285,6 +296,10 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps):
 
     # ------------------------------------------------------------------ open / create
     def open(self, ino: int, flags: int) -> Handle:
+        """open(2) of the file ``ino`` with ``flags`` (``os.O_*``; ``O_TRUNC`` arrives here,
+        libfuse's atomic truncation); returns a new ``Handle``. Raises ``FsError``: ``ENOENT``,
+        ``EISDIR``, ``EACCES`` (writing a ``.memfuse`` file), ``EROFS`` (writing on a read-only
+        store). A ``.memfuse`` file's content is rendered once, into the handle."""
         n = self.node(ino)
         if n.is_dir:
             raise FsError(errno.EISDIR)
@@ -307,6 +322,10 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps):
         return self._new_handle(n, flags)
 
     def create(self, parent_ino: int, name: bytes, mode: int, flags: int, uid: int, gid: int) -> Handle:
+        """create(2) of ``name`` in directory ``parent_ino`` with permission bits ``mode`` and
+        owner ``uid`` / ``gid``; returns the open ``Handle`` (the new file counts one kernel
+        lookup). Raises ``FsError``: ``EEXIST``, ``ENOTDIR``, ``EACCES`` (mount root), ``EROFS``,
+        ``EINVAL`` / ``ENAMETOOLONG`` (name rules), ``ENOSPC`` (the store's record limit)."""
         d = self.node(parent_ino)
         sm = self._writable_dir(d)
         s = self._check_name(d, name)
@@ -472,6 +491,8 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps):
             raise FsError(err.errno, err.reason) from None
 
     def release(self, fh: int) -> None:
+        """The last close of handle ``fh`` (unknown handles are ignored): a file still dirty
+        (flush not called, or failed) is committed (``commit_quietly``), never dropped."""
         h = self.handles.pop(fh, None)
         if h is None:
             return
@@ -600,6 +621,9 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps):
     XATTRS = ("id", "version", "sha256", "state", "updated_at", "error", "type")
 
     def getxattr(self, n: Node, name: str) -> bytes:
+        """The value of ``user.memfuse.<key>`` for a record file (``id``, ``version``, ``sha256``,
+        ``state``, ``updated_at``, ``error``, ``type``) as UTF-8 bytes. Raises
+        ``FsError(ENODATA)`` for other names, directories, control files and empty values."""
         if not name.startswith("user.memfuse."):
             raise FsError(errno.ENODATA)
         key = name[len("user.memfuse."):]

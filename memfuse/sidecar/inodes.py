@@ -103,6 +103,7 @@ class Node:
         return "/".join(reversed(parts))
 
     def cur_size(self) -> int:
+        """The size shown, in bytes: the write buffer's while the file is being written."""
         return len(self.buf) if self.buf is not None else self.size
 
 @dataclass(eq=False)
@@ -121,10 +122,15 @@ class StoreMount:
 
     @property
     def writable(self) -> bool:
+        """Whether the store is attached read-write."""
         return self.access == "read_write"
 
 @dataclass
 class Handle:
+    """One open file or directory: ``fh`` (the number the kernel passes back), its node,
+    the ``os.O_*`` open flags; a directory handle keeps the listing it pages through
+    (``entries``), a ``.memfuse`` file the content rendered at open (``snapshot``)."""
+
     fh: int
     node: Node
     flags: int
@@ -180,6 +186,8 @@ class InodeTable:
                 del self.by_rid[n.record_id]
 
     def forget(self, ino: int, nlookup: int) -> None:
+        """The kernel dropped ``nlookup`` references to ``ino`` (unknown inodes and the root are
+        ignored); an unlinked node unused by the kernel and by handles leaves the tables."""
         n = self.inodes.get(ino)
         if n is None or ino == ROOT_INO:
             return
@@ -248,11 +256,15 @@ class InodeTable:
                 "nfiles": sum(sm.count for sm in stores)}
 
     def listdir(self, d: Node) -> list[tuple[str, Node]]:
+        """The children of directory ``d`` as ``(name, node)`` sorted by name; ``ENOTDIR`` for a
+        file."""
         if not d.is_dir:
             raise FsError(errno.ENOTDIR)
         return sorted(d.children.items())
 
     def nlink(self, n: Node) -> int:
+        """The link count shown: 2 + subdirectories for a directory, 1 for a file (0 once
+        unlinked)."""
         if not n.is_dir:
             return 0 if n.unlinked else 1
         return 2 + sum(1 for c in n.children.values() if c.is_dir)
@@ -308,5 +320,6 @@ class InodeTable:
                 yield c
 
     def dirty_nodes(self, sm: StoreMount | None = None) -> list[Node]:
+        """Files with unflushed writes, of one store or (``sm`` None) of all."""
         return [n for n in self.inodes.values()
                 if n.dirty and not n.is_dir and (sm is None or n.store is sm)]

@@ -19,6 +19,7 @@ class JsonFormatter(logging.Formatter):
     _std = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
 
     def format(self, record: logging.LogRecord) -> str:
+        """One JSON object (one line) for ``record``."""
         out = {"time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
                        + f".{int(record.msecs):03d}Z",
                "level": record.levelname.lower(), "logger": record.name,

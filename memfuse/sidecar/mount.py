@@ -105,6 +105,7 @@ class CacheLock:
         os.write(self.fd, str(os.getpid()).encode())
 
     def release(self) -> None:
+        """Give the lock back (closing its file descriptor)."""
         os.close(self.fd)
 
 
@@ -220,6 +221,9 @@ class Sidecar(StoreSync):
 
     # ------------------------------------------------------------------ status
     def status(self) -> dict:
+        """The status document (``.memfuse/status.json``, admin ``/v1/status``): the
+        filesystem's part plus per-store cursors and feed ages (s), the mountpoint, admin
+        address, invalidations, task failures, the cache, authentication and the prompt block."""
         st = self.fs.status()
         for s in st["stores"]:
             state = self.states.get(s["slug"])

@@ -23,6 +23,11 @@ class NamespaceOps:
     it."""
 
     def mkdir(self, parent_ino: int, name: bytes, mode: int, uid: int, gid: int) -> Node:
+        """mkdir(2) of ``name`` in ``parent_ino`` (permission bits ``mode``, owner ``uid`` /
+        ``gid``); returns the new directory (one kernel lookup). It lives in this sidecar
+        (``dirs.json``) until files are written in it. Raises ``FsError``: ``EEXIST``,
+        ``ENOTDIR``, ``EACCES``, ``EROFS``, ``EINVAL`` / ``ENAMETOOLONG``, and the cache disk's
+        errno (``ENOSPC`` / ``EIO``) when the directory list cannot be saved."""
         d = self.node(parent_ino)
         sm = self._writable_dir(d)
         s = self._check_name(d, name)
@@ -48,6 +53,9 @@ class NamespaceOps:
         self._drop_if_unused(n)
 
     def unlink(self, parent_ino: int, name: bytes) -> None:
+        """unlink(2) of file ``name`` in ``parent_ino``: removed locally at once, a ``DELETE``
+        queued (not for local-only files). Raises ``FsError``: ``ENOENT``, ``EISDIR``,
+        ``ENOTDIR``, ``EACCES``, ``EROFS``."""
         d = self.node(parent_ino)
         sm = self._writable_dir(d)
         n = self._child(d, name)
@@ -60,6 +68,8 @@ class NamespaceOps:
         self._bind_rid(n, None)
 
     def rmdir(self, parent_ino: int, name: bytes) -> None:
+        """rmdir(2) of directory ``name`` in ``parent_ino``. Raises ``FsError``: ``ENOENT``,
+        ``ENOTDIR``, ``ENOTEMPTY``, ``EACCES``, ``EROFS``."""
         d = self.node(parent_ino)
         self._writable_dir(d)
         n = self._child(d, name)

@@ -212,6 +212,7 @@ class Journal:
         return entries, keymap
 
     def next_id(self) -> int:
+        """The highest entry id on disk (0 for an empty journal): entry ids continue from it."""
         row = self._db.execute("SELECT COALESCE(MAX(id), 0) FROM entries").fetchone()
         return int(row[0])
 
@@ -221,6 +222,8 @@ class Journal:
 
     # --- queued writes, applied in order by run() -------------------------------------------
     def add(self, e: Entry) -> None:
+        """Queue the insert of entry ``e`` (written by ``run`` in the next batch; ``e.durable``
+        is set once it is on disk). Never blocks, never raises."""
         op = ["INSERT INTO entries VALUES (?,?,?,?,?,?,?,?)",
               (e.id, e.key, e.store, e.op, e.node_key, json.dumps(e.args), e.content, e.created),
               e.id]
@@ -241,6 +244,7 @@ class Journal:
         self._wakeup.set()
 
     def set_key(self, node_key: str, record_id: str | None, sha: str | None) -> None:
+        """Queue the key map row ``node_key`` → (record id, sha256) (None, None: forgotten)."""
         self._pending.append(["INSERT OR REPLACE INTO keymap VALUES (?,?,?)",
                               (node_key, record_id, sha), None])
         self._wakeup.set()
@@ -431,6 +435,7 @@ class Committer:
             await ev.wait()
 
     def oldest_age(self) -> float:
+        """Seconds the oldest queued entry has waited (0.0 when none is queued)."""
         ages = [time.time() - q[0].created for q in self.queues.values() if q]
         return max(ages, default=0.0)
 
@@ -461,6 +466,8 @@ class Committer:
             ev.set()
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Run one worker per store (more start as stores appear) until cancelled; reports
+        ready through ``task_status.started()`` at once."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             for store in list(self._wakeups):

@@ -51,9 +51,11 @@ class Meta:
 
     @classmethod
     def of(cls, r: Record) -> "Meta":
+        """The mirror entry of record ``r`` (no content)."""
         return cls(r.id, r.path, r.type, r.version, r.sha256, r.size, r.updated_at, r.mode, r.mtime_ns)
 
     def dump(self) -> list:
+        """The entry as a JSON list (the order ``load`` reads)."""
         return [self.id, self.path, self.type, self.version, self.sha256, self.size,
                 self.updated_at.isoformat(), self.mode, self.mtime_ns]
 
@@ -121,10 +123,12 @@ class StoreState:
         self.dirty = True
 
     def put(self, r: Record) -> None:
+        """Record ``r``'s state (a committed write of this sidecar, or a fetched record)."""
         self.records[r.id] = Meta.of(r)
         self.dirty = True
 
     def remove(self, record_id: str | None) -> None:
+        """Forget record ``record_id`` (None and unknown ids are ignored)."""
         if record_id is not None and self.records.pop(record_id, None) is not None:
             self.dirty = True
 
@@ -147,6 +151,8 @@ class StoreState:
                 self.put(r)
 
     def apply(self, ch: Change) -> None:
+        """Apply one feed change: a delete removes the record, an update replaces an older or
+        equal version; the cursor moves to ``ch.seq``."""
         rec = ch.record
         if rec.deleted:
             self.records.pop(rec.id, None)
@@ -196,6 +202,8 @@ class Invalidator:
         self._settled = trio.Event()
 
     def submit(self, items: list[tuple]) -> None:
+        """Queue kernel invalidations (``("entry", parent_ino, name)``, ``("inode", ino)``,
+        ``("attr", ino)``); dropped while the mount is not up. Never blocks."""
         if self.active and items:
             self._outstanding += len(items)
             self._send.send_nowait(list(items))
@@ -243,4 +251,5 @@ class Invalidator:
 
 
 def lag_seconds(rec: Record) -> float:
+    """Seconds from ``rec.updated_at`` to now (never negative): the feed's delay."""
     return max(0.0, time.time() - rec.updated_at.timestamp())
