@@ -13,6 +13,10 @@ Handlers are ``async`` only to read the request; the work (database, Markdown, d
 templates) runs in a worker thread. Errors become HTML pages: a refusal of the service keeps
 its status (404 for an unknown store or record, 403 read-only, ...), an unexpected exception
 is logged and shown as a 500 page without details.
+
+The module is over 800 lines on purpose: one handler per page or action, each short, read side
+by side with the templates in ``templates/`` and with docs/CONSOLE.md; the rendering helpers
+(``render``), forms (``forms``) and sessions (``session``) already live apart.
 """
 from __future__ import annotations
 
