@@ -161,7 +161,7 @@ def test_login_and_stores(console):
     assert "/ui/login" in c.d.current_url  # no page without a session
     c.one("#token").send_keys("not-a-token")
     c.button("Log in").click()
-    assert "not valid" in c.text()
+    c.until(lambda: "not valid" in c.text(), "the refusal of a bad token")  # page load may lag
     c.one("#token").send_keys(c.cp.admin_token)
     c.button("Log in").click()
     c.until(lambda: c.d.current_url.endswith("/ui/"), "the stores page")
