@@ -30,7 +30,9 @@ and ``tests/test_migrations.py`` fails while ``create_all`` and the revisions di
 from __future__ import annotations
 
 import logging
+import sqlite3
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
@@ -348,7 +350,7 @@ class Database:
             cur.execute("PRAGMA foreign_keys=ON")
             cur.execute("PRAGMA busy_timeout=5000")
             if not memory:
-                cur.execute("PRAGMA journal_mode=WAL")
+                _set_wal(cur)
             cur.close()
 
         @event.listens_for(engine, "begin")
@@ -440,3 +442,26 @@ class Database:
             except Exception:  # noqa: BLE001 - closing the pool matters more
                 log.exception("closing a database listener failed")
         self.engine.dispose()
+
+
+WAL_SWITCH_SECONDS = 5.0  # how long a new connection may wait to switch a new file to WAL
+
+
+def _set_wal(cur: sqlite3.Cursor) -> None:
+    """Put the SQLite file in WAL mode (persistent in the file, so usually already set).
+
+    Switching a brand-new file needs a lock that SQLite does not wait for through
+    ``busy_timeout``: while another connection holds a write transaction on it (two processes
+    creating or migrating the same new database at once), ``PRAGMA journal_mode=WAL`` fails
+    at once with "database is locked". So look first, and retry the switch for up to
+    ``WAL_SWITCH_SECONDS``; then raise ``sqlite3.OperationalError``."""
+    deadline = time.monotonic() + WAL_SWITCH_SECONDS
+    while True:
+        try:
+            if str(cur.execute("PRAGMA journal_mode").fetchone()[0]).lower() != "wal":
+                cur.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.02)
