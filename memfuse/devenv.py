@@ -164,19 +164,25 @@ async def ensure_dev_setup(client: ApiClient) -> None:
         await client.attach(DEV_WORKSPACE, DEV_STORE, Access.read_write)
 
 
-def agent_tools_hint(memfuse_exe: str, listen: str = "127.0.0.1:8080") -> str:
+def agent_tools_hint(memfuse_exe: str, console_base: str | None) -> str:
     """What ``memfuse dev`` prints for agents without a mount (desktop apps, SDK tool
-    runners): the stdio command line of ``memfuse mcp`` on the dev database, and the ``/mcp``
-    URL ``memfuse serve`` (same database by default) answers on ``listen``."""
+    runners): the stdio command line of ``memfuse mcp`` on the dev database (``memfuse_exe``
+    made absolute, since a desktop app starts it from another directory), and the ``/mcp`` URL
+    that ``memfuse dev``'s own HTTP server answers at ``console_base`` (``http://HOST:PORT``;
+    None when the console is off)."""
     import json
+    import os
 
-    stdio = {"command": memfuse_exe, "args": ["mcp", "--workspace", DEV_WORKSPACE]}
-    return (
-        "memfuse dev: agents without a mount can use the same memory (docs/AGENT-TOOLS.md):\n"
-        f"  MCP on stdio (desktop app config): {json.dumps({'mcpServers': {'memfuse': stdio}})}\n"
-        f"  MCP over HTTP: run `{memfuse_exe} serve --listen {listen}`, then use http://{listen}/mcp with "
-        f"a bearer token from `{memfuse_exe} token create --workspace {DEV_WORKSPACE}`"
-    )
+    exe = os.path.abspath(memfuse_exe)
+    stdio = {"command": exe, "args": ["mcp", "--workspace", DEV_WORKSPACE]}
+    lines = [
+        "memfuse dev: agents without a mount can use the same memory (docs/AGENT-TOOLS.md):",
+        f"  MCP on stdio (desktop app config): {json.dumps({'mcpServers': {'memfuse': stdio}})}",
+    ]
+    if console_base:
+        lines.append(f"  MCP over HTTP while this runs: {console_base}/mcp with a bearer token from "
+                     f"`{exe} token create --workspace {DEV_WORKSPACE}`")
+    return "\n".join(lines)
 
 
 DEV_CONSOLE_LISTEN = "127.0.0.1:8765"

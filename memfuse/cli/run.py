@@ -174,7 +174,7 @@ def dev(mountpoint: Path, admin_listen: str | None, log_format: str, debug: bool
         debug=debug,
         log_format=log_format,
     )
-    console = None
+    console, base = None, None
     if console_listen.strip().lower() not in ("off", "none", ""):
         from memfuse.server.console import login_url
 
@@ -195,7 +195,7 @@ def dev(mountpoint: Path, admin_listen: str | None, log_format: str, debug: bool
     )
     from memfuse.devenv import agent_tools_hint
 
-    click.echo(agent_tools_hint(shutil.which("memfuse") or sys.argv[0], DEFAULT_LISTEN), err=True)
+    click.echo(agent_tools_hint(shutil.which("memfuse") or sys.argv[0], base), err=True)
     try:
         rc = run_mount(config, lambda: env.workspace_client(instance="dev"))
     finally:
