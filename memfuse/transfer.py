@@ -12,6 +12,7 @@ import`` / ``memfuse export`` commands (:mod:`memfuse.cli.transfer`) do, from th
 from __future__ import annotations
 
 import os
+import stat
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -102,7 +103,10 @@ async def import_files(
     echo: Callable[[str], None],
 ) -> ImportReport:
     """Write ``files`` (record path, file) into ``store_slug``: a new path is created, a
-    changed one updated, an identical one (same sha256) left alone; ``echo`` gets one line
+    changed one updated, an identical one (same sha256, permission bits and mtime) left alone;
+    each record gets its file's permission bits (``st_mode & 0o7777``) and modification time
+    (``st_mtime_ns``), as ``cp -p`` keeps them, so an export imported again is unchanged
+    (a file differing only in those gets them by ``PATCH``, no content sent); ``echo`` gets one line
     per file done (``"created notes/a.md (project)"``).
 
     With ``dry_run`` nothing is written: each file is checked against the store's rules here
@@ -131,16 +135,19 @@ async def import_files(
             continue
         try:
             data = file.read_bytes()
+            st = file.stat()
         except OSError as e:
             refuse(path, f"cannot read: {e.strerror}")
             continue
+        mode, mtime_ns = stat.S_IMODE(st.st_mode), st.st_mtime_ns
         try:
             text = check_utf8(data)
         except ContentError as e:
             refuse(path, f"{e.reason} [{e.code}]")
             continue
         old = live.get(path)
-        if old is not None and old.sha256 == sha256_hex(data):
+        same_content = old is not None and old.sha256 == sha256_hex(data)
+        if same_content and old.mode == mode and old.mtime_effective_ns() == mtime_ns:
             report.done.append(("unchanged", path, old.type))
             echo(f"unchanged {shown(path)} ({old.type or 'index'})")
             continue
@@ -165,10 +172,16 @@ async def import_files(
             continue
         key = new_key()
         try:
-            if old is None:
+            if same_content:  # only the attributes differ: no content is sent
+                oid = old.id
+                rec = await with_retries(lambda: api.set_attributes(
+                    store_slug, oid, mode=mode, mtime_ns=mtime_ns, idempotency_key=key))
+                action = "updated"
+            elif old is None:
                 try:
                     rec = await with_retries(
-                        lambda: api.create_record(store_slug, path, text, idempotency_key=key)
+                        lambda: api.create_record(store_slug, path, text, idempotency_key=key,
+                                              mode=mode, mtime_ns=mtime_ns)
                     )
                     action = "created"
                 except Conflict as e:  # created meanwhile: update it instead
@@ -176,12 +189,14 @@ async def import_files(
                         raise
                     rid, key2 = e.record_id, new_key()
                     rec = await with_retries(
-                        lambda: api.update_record(store_slug, rid, text, idempotency_key=key2)
+                        lambda: api.update_record(store_slug, rid, text, idempotency_key=key2,
+                                              mode=mode, mtime_ns=mtime_ns)
                     )
                     action = "updated"
             else:
                 oid = old.id
-                rec = await with_retries(lambda: api.update_record(store_slug, oid, text, idempotency_key=key))
+                rec = await with_retries(lambda: api.update_record(store_slug, oid, text, idempotency_key=key,
+                                                                  mode=mode, mtime_ns=mtime_ns))
                 action = "updated"
         except PermanentError as e:
             what = e.detail or e.title or str(e)

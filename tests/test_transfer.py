@@ -263,5 +263,25 @@ async def test_export_then_import_gives_the_same_store(api, tmp_path):
     assert [a for a, _, _ in report.done] == ["created"] * 3
     copied = await live(api, "copy")
     assert {p: (r.type, r.content) for p, r in copied.items()} == {p: (r.type, r.content) for p, r in (await live(api)).items()}
+    assert {p: (r.mode, r.mtime_effective_ns()) for p, r in copied.items()} == {
+        p: (r.mode, r.mtime_effective_ns()) for p, r in (await live(api)).items()}
     again = await import_files(api, "default", files, False, lambda _: None)
     assert [a for a, _, _ in again.done] == ["unchanged"] * 3
+
+
+async def test_import_keeps_file_modes_and_times_and_sends_only_changed_attributes(api, tmp_path):
+    write_tree(tmp_path, {"a.md": "a\n", "b.md": "b\n"})
+    os.chmod(tmp_path / "a.md", 0o600)
+    os.utime(tmp_path / "a.md", ns=(1_600_000_000_123_456_789, 1_600_000_000_123_456_789))
+    files, _ = import_walk(tmp_path)
+    await import_files(api, "default", files, False, lambda _: None)
+    got = await live(api)
+    assert (got["a.md"].mode, got["a.md"].mtime_ns) == (0o600, 1_600_000_000_123_456_789)
+    assert got["b.md"].mtime_ns == (tmp_path / "b.md").stat().st_mtime_ns
+    # only b's mode changes: its content is not sent again, a' is left alone
+    os.chmod(tmp_path / "b.md", 0o640)
+    again = await import_files(api, "default", files, False, lambda _: None)
+    assert sorted((a, p) for a, p, _ in again.done) == [("unchanged", "a.md"), ("updated", "b.md")]
+    after = await live(api)
+    assert after["b.md"].mode == 0o640 and after["b.md"].sha256 == got["b.md"].sha256
+    assert after["b.md"].version == got["b.md"].version + 1 and after["b.md"].content == "b\n"

@@ -27,7 +27,9 @@ def import_(target: Target, store_slug: str, directory: Path, dry_run: bool) -> 
     Every regular file becomes the record at its path relative to DIR (a Claude Code memory
     directory with MEMORY.md and frontmatter files, a FACT.md + JOURNAL.jsonl workspace, a
     single user_profile.md, ...): created when the path is new, updated when its content
-    differs, left alone when identical. Types come from each file's frontmatter (`type:` or
+    differs, left alone when identical. Each record gets its file's permission bits and
+    modification time (as `cp -p` keeps them); a file differing only in those updates them
+    without sending its content. Types come from each file's frontmatter (`type:` or
     `metadata.type:`), else the store's default type (or, on update, the record's current
     type). Hidden files and directories, editor temporaries and symbolic links are skipped.
 
