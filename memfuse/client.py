@@ -28,8 +28,10 @@ document while no piece would be simpler.
 from __future__ import annotations
 
 import email.utils
+import functools
 import logging
 import math
+import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -316,6 +318,27 @@ _VERSIONS = TypeAdapter(list[Version])
 _TOKENS = TypeAdapter(list[TokenInfo])
 
 
+@functools.cache
+def _verifying_context() -> ssl.SSLContext:
+    return httpx.create_ssl_context()
+
+
+def tls_context(base_url: str) -> ssl.SSLContext:
+    """The TLS context for a control plane at ``base_url``.
+
+    ``https://``: httpx's default, built once per process and shared: verifies the server's
+    certificate and host name against ``SSL_CERT_FILE`` / ``SSL_CERT_DIR`` when set, else
+    certifi's CA bundle. Any other scheme (plain ``http://`` on a pod network or loopback):
+    a context that loads no CA bundle at all (loading one costs ~2 MiB of the sidecar's
+    baseline memory) and still requires a verified certificate, so it can never complete a
+    TLS handshake: nothing is sent unverified (redirects are not followed either).
+    """
+    if base_url.lower().startswith("https:"):
+        return _verifying_context()
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # CERT_REQUIRED, check_hostname, no CAs
+    return ctx
+
+
 # ---------------------------------------------------------------- client
 
 
@@ -373,6 +396,7 @@ class ApiClient:
             base_url=self.base_url,
             headers=headers,
             transport=transport,
+            verify=tls_context(self.base_url),
             timeout=httpx.Timeout(self.timeout),
             limits=httpx.Limits(max_connections=200, max_keepalive_connections=50),
             follow_redirects=False,

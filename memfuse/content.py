@@ -32,8 +32,6 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import yaml
-
 from memfuse.models import RECORD_TYPES
 
 __all__ = [
@@ -115,6 +113,8 @@ def frontmatter(content: str) -> dict | None:
         return None
     block = content[start : m.start()]
     try:
+        import yaml  # here: most processes (the sidecar) never parse front matter
+
         data = yaml.safe_load(block)
     except Exception:  # yaml.YAMLError, and RecursionError / MemoryError-ish on hostile input
         return None

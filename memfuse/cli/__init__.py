@@ -14,7 +14,8 @@ plane in-process on the dev database (local mode, see :mod:`memfuse.devenv`), wh
 Errors print one line to stderr and exit 1 (2 for usage errors); never a traceback, unless
 ``MEMFUSE_TRACEBACK=1`` is set.
 
-One module per command group, each registering its commands on ``cli`` when imported:
+One module per command group, each registering its commands on ``cli`` when imported (only
+the invoked command's module is imported: ``cli.lazy_commands``):
 ``common`` (the root group and the plumbing every command shares), ``run`` (``serve``,
 ``dev``, ``mount``, ``status``), ``admin`` (stores, workspaces, attachments, tokens),
 ``records`` (``history``, ``show``, ``restore``, ``redact``, ``context``), ``transfer``
@@ -24,8 +25,29 @@ control-plane database), ``agent`` (``mcp``, the MCP server for agents without a
 """
 from __future__ import annotations
 
-from memfuse.cli import admin, agent, db, records, run, sidecar, transfer  # noqa: F401  (register the commands)
-from memfuse.cli.common import ByteSize, cli
+import sys
+
+# httpx's own command line (``httpx._main``, imported by ``import httpx`` whenever click is
+# installed) loads pygments and rich when they are present: ~1 MiB of every memfuse process's
+# memory (the sidecar's baseline) for a tool memfuse never runs. Marking it absent makes httpx
+# skip it (its ``main`` then says its dependencies are missing).
+if "httpx" not in sys.modules:
+    sys.modules.setdefault("httpx._main", None)  # type: ignore[assignment]
+
+from memfuse.cli.common import ByteSize, cli  # noqa: E402
+
+#: command -> the module registering it, imported when the command is looked up
+#: (``MemfuseGroup.lazy_commands``; tests/test_cli.py checks this against the modules)
+cli.lazy_commands = {
+    "serve": "run", "dev": "run", "mount": "run", "status": "run",
+    "store": "admin", "workspace": "admin", "attach": "admin", "detach": "admin", "token": "admin",
+    "history": "records", "show": "records", "restore": "records", "redact": "records",
+    "context": "records",
+    "import": "transfer", "export": "transfer",
+    "db": "db",
+    "mcp": "agent",
+    "mounts": "sidecar",
+}
 
 __all__ = ["ByteSize", "cli", "main"]
 

@@ -54,7 +54,27 @@ def _api_error_message(e: ApiError) -> str:
 
 
 class MemfuseGroup(click.Group):
-    """Top-level group: turns every failure into a one-line message and exit status 1."""
+    """Top-level group: turns every failure into a one-line message and exit status 1.
+
+    ``lazy_commands`` maps a command name to the module under ``memfuse.cli`` that registers
+    it when imported (click's documented lazy loading of subcommands): a run loads only the
+    module of the command it invokes, so ``memfuse mount`` (the sidecar, for its whole life)
+    carries none of the admin, record, transfer or database commands and what they import;
+    ``memfuse --help`` loads them all to list them.
+    """
+
+    lazy_commands: dict[str, str] = {}
+
+    def list_commands(self, ctx: click.Context) -> list[str]:  # noqa: D102
+        return sorted(set(super().list_commands(ctx)) | set(self.lazy_commands))
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:  # noqa: D102
+        module = self.lazy_commands.get(cmd_name)
+        if module is not None and cmd_name not in self.commands:
+            import importlib
+
+            importlib.import_module(f"memfuse.cli.{module}")
+        return super().get_command(ctx, cmd_name)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:

@@ -331,6 +331,7 @@ def mount(
         _prepare_mountpoint(mountpoint)
         mountpoint = Path(os.path.realpath(mountpoint))
     inst = instance or socket.gethostname()
+    sidecar_process_setup()
 
     from memfuse.sidecar.mount import MountConfig, run_mount
 
@@ -356,6 +357,19 @@ def mount(
     )
     rc = run_mount(config, lambda: ApiClient(control_plane, token, instance=inst))
     sys.exit(rc)
+
+
+def sidecar_process_setup() -> None:
+    """Process setup of ``memfuse mount`` (the sidecar), before its HTTP client is built.
+
+    httpcore imports ``h2`` (HTTP/2) whenever it is installed, as it is in the image for the
+    control plane's server: ~1 MiB of the sidecar's baseline memory for a protocol the
+    sidecar never speaks (its client is HTTP/1.1; the admin API is served by h11). Marking
+    ``h2`` absent for this process makes httpcore skip it. No-op once httpcore is loaded.
+    ``memfuse dev`` runs a server in-process and keeps it.
+    """
+    if "httpcore" not in sys.modules:
+        sys.modules.setdefault("h2", None)  # type: ignore[assignment]
 
 
 def _prepare_mountpoint(mountpoint: Path) -> None:

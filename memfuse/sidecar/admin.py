@@ -1,9 +1,10 @@
 """The sidecar's admin HTTP API (docs/DEPLOY.md, "The sidecar's admin API"), and the client side
 used by ``memfuse status`` and ``memfuse mounts``.
 
-Served with hypercorn under trio, in the sidecar's own trio run (the handlers call the target
-directly, in the trio thread: no locking against the FUSE handlers is needed), on two
-listeners:
+Served in the sidecar's own trio run by a small HTTP/1.1 server framed by h11 (the handlers
+call the target directly, in the trio thread: no locking against the FUSE handlers is needed;
+no web framework or ASGI server is loaded: they would cost the sidecar's baseline memory ~4 MiB
+for six endpoints), on two listeners:
 
 - TCP (:func:`serve_admin`, ``--admin-listen``, default ``127.0.0.1:9464``; in Kubernetes the
   pod IP, so the kubelet's probes and Prometheus reach it). The read-only endpoints are open;
@@ -44,8 +45,8 @@ never memory content, never the exception's message).
 """
 from __future__ import annotations
 
+import contextlib
 import errno
-import functools
 import hmac
 import ipaddress
 import json
@@ -56,15 +57,14 @@ import socket
 import stat
 import tempfile
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
+from urllib.parse import unquote
 
 import trio
 
 from .metrics import Metrics
-
-if TYPE_CHECKING:
-    from starlette.applications import Starlette
 
 log = logging.getLogger("memfuse.admin")
 
@@ -218,21 +218,72 @@ def _json_bytes(value: Any) -> bytes:
     return json.dumps(_json_safe(value), ensure_ascii=False, allow_nan=False, default=str).encode()
 
 
+@dataclass
+class Request:
+    """One admin request: ``method`` (upper case), ``path`` (percent-decoded, no query),
+    ``headers`` (lower-case names), ``path_params`` (the route's ``{store}``)."""
+
+    method: str
+    path: str
+    headers: dict[str, str]
+    path_params: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Response:
+    """One admin response: ``body`` bytes, ``status_code``, extra ``headers`` and the
+    ``Content-Type`` (``media_type``)."""
+
+    body: bytes
+    status_code: int = 200
+    headers: dict[str, str] | None = None
+    media_type: str | None = None
+
+
+App = Callable[[Request], Awaitable[Response]]
+
+# (path template, allowed methods); "{store}" is one path segment
+_ROUTES: tuple[tuple[tuple[str, ...], frozenset[str]], ...] = (
+    (("healthz",), frozenset({"GET", "HEAD"})),
+    (("readyz",), frozenset({"GET", "HEAD"})),
+    (("metrics",), frozenset({"GET", "HEAD"})),
+    (("v1", "status"), frozenset({"GET", "HEAD"})),
+    (("v1", "mounts", "{store}"), frozenset({"POST", "DELETE"})),
+    (("v1", "context"), frozenset({"GET", "HEAD"})),
+)
+
+
+def _route(raw_path: str) -> tuple[tuple[str, ...], frozenset[str], dict[str, str]] | None:
+    """The route matching ``raw_path`` (still percent-encoded), with its path parameters
+    (decoded), or None."""
+    segments = raw_path.split("/")[1:]
+    for template, methods in _ROUTES:
+        if len(template) != len(segments):
+            continue
+        params: dict[str, str] = {}
+        for want, got in zip(template, segments):
+            if want == "{store}":
+                if not got:
+                    break
+                params["store"] = unquote(got)
+            elif want != got:
+                break
+        else:
+            return template, methods, params
+    return None
+
+
 def create_admin_app(target: AdminTarget, *, token: str | None = None, local: bool = False,
-                     lock: trio.Lock | None = None) -> Starlette:
-    """The admin ASGI app (Starlette) serving ``target``; see the module docstring.
+                     lock: trio.Lock | None = None) -> App:
+    """The admin API serving ``target`` as ``async app(request, raw_path) -> Response``
+    (``raw_path``: the request target's path, still percent-encoded, routed segment by
+    segment); see the module docstring for the endpoints. Never raises: an unexpected error is
+    a logged 500 problem, an unknown path 404, a wrong method 405 with ``Allow``.
 
     ``local``: the app serves the Unix socket, so mutations need no token. Otherwise (TCP)
     mutations need ``Authorization: Bearer <token>``, and are refused when ``token`` is None.
     Mount and unmount requests run one at a time (``lock``, shared by the apps of one sidecar).
-    (Starlette and the server are imported lazily, so ``memfuse status`` stays quick to start.)
     """
-    from starlette.applications import Starlette
-    from starlette.exceptions import HTTPException
-    from starlette.requests import Request
-    from starlette.responses import Response
-    from starlette.routing import Route
-
     from ..names import NameError_, check_slug
 
     mutations = lock if lock is not None else trio.Lock()
@@ -243,34 +294,14 @@ def create_admin_app(target: AdminTarget, *, token: str | None = None, local: bo
     def problem(request: Request, status: int, code: str, detail: str = "", *,
                 headers: dict[str, str] | None = None, level: int = logging.WARNING) -> Response:
         log.log(level, "admin request failed: %s %s -> %d %s",
-                request.method, request.url.path, status, code)
+                request.method, request.path, status, code)
         body = {"type": "about:blank", "title": _REASONS.get(status, "Error"), "status": status,
-                "detail": detail, "code": code, "instance": request.url.path}
+                "detail": detail, "code": code, "instance": request.path}
         return Response(_json_bytes(body), status_code=status, headers=headers, media_type=PROBLEM_JSON)
 
-    Handler = Callable[[Request], Awaitable[Response]]
-
-    def guarded(fn: Handler) -> Handler:
-        """Turn an unexpected exception into a logged 500 problem; the server keeps serving."""
-
-        @functools.wraps(fn)
-        async def wrapper(request: Request) -> Response:
-            try:
-                return await fn(request)
-            except Exception as e:  # noqa: BLE001
-                log.debug("admin handler error in %s %s", request.method, request.url.path,
-                          exc_info=True)
-                return problem(request, 500, "internal_error",
-                               f"unexpected error ({type(e).__name__}); see the sidecar log",
-                               level=logging.ERROR)
-
-        return wrapper
-
-    @guarded
     async def healthz(request: Request) -> Response:
         return json_response({"ok": True})
 
-    @guarded
     async def readyz(request: Request) -> Response:
         if target.ready:
             return json_response({"ready": True})
@@ -279,14 +310,12 @@ def create_admin_app(target: AdminTarget, *, token: str | None = None, local: bo
         return problem(request, 503, "not_ready", reason,
                        headers={"Retry-After": "1"}, level=logging.INFO)
 
-    @guarded
     async def metrics(request: Request) -> Response:
         from prometheus_client.exposition import choose_encoder
 
         encoder, content_type = choose_encoder(request.headers.get("accept", ""))
-        return Response(encoder(target.metrics.registry), headers={"Content-Type": content_type})
+        return Response(encoder(target.metrics.registry), media_type=content_type)
 
-    @guarded
     async def status(request: Request) -> Response:
         return json_response(target.status())
 
@@ -296,7 +325,6 @@ def create_admin_app(target: AdminTarget, *, token: str | None = None, local: bo
         except NameError_:
             return None
 
-    @guarded
     async def mount(request: Request) -> Response:
         slug = slug_of(request)
         if slug is None:
@@ -312,7 +340,6 @@ def create_admin_app(target: AdminTarget, *, token: str | None = None, local: bo
         log.info("admin: mounted store %s", slug)
         return json_response(result)
 
-    @guarded
     async def unmount(request: Request) -> Response:
         slug = slug_of(request)
         if slug is None:
@@ -325,7 +352,6 @@ def create_admin_app(target: AdminTarget, *, token: str | None = None, local: bo
         log.info("admin: unmounted store %s", slug)
         return json_response(result)
 
-    @guarded
     async def context(request: Request) -> Response:
         fn = getattr(target, "prompt_block", None)
         if fn is None:
@@ -349,22 +375,29 @@ def create_admin_app(target: AdminTarget, *, token: str | None = None, local: bo
                                headers={"WWW-Authenticate": 'Bearer realm="memfuse-admin"'})
         return await (mount if request.method == "POST" else unmount)(request)
 
-    async def http_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, HTTPException)
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return problem(request, exc.status_code, code, "", headers=dict(exc.headers or {}))
+    handlers: dict[tuple[str, ...], Callable[[Request], Awaitable[Response]]] = {
+        ("healthz",): healthz, ("readyz",): readyz, ("metrics",): metrics, ("v1", "status"): status,
+        ("v1", "mounts", "{store}"): mounts, ("v1", "context"): context,
+    }
 
-    return Starlette(
-        routes=[
-            Route("/healthz", healthz, methods=["GET"]),
-            Route("/readyz", readyz, methods=["GET"]),
-            Route("/metrics", metrics, methods=["GET"]),
-            Route("/v1/status", status, methods=["GET"]),
-            Route("/v1/mounts/{store}", mounts, methods=["POST", "DELETE"]),
-            Route("/v1/context", context, methods=["GET"]),
-        ],
-        exception_handlers={HTTPException: http_error},
-    )
+    async def app(request: Request, raw_path: str) -> Response:
+        found = _route(raw_path)
+        if found is None:
+            return problem(request, 404, "not_found")
+        template, methods, params = found
+        if request.method not in methods:
+            return problem(request, 405, "method_not_allowed",
+                           headers={"Allow": ", ".join(sorted(methods))})
+        request.path_params = params
+        try:
+            return await handlers[template](request)
+        except Exception as e:  # noqa: BLE001 — the server keeps serving
+            log.debug("admin handler error in %s %s", request.method, request.path, exc_info=True)
+            return problem(request, 500, "internal_error",
+                           f"unexpected error ({type(e).__name__}); see the sidecar log",
+                           level=logging.ERROR)
+
+    return app  # type: ignore[return-value]
 
 
 async def serve_admin(target: AdminTarget, listen: str = DEFAULT_ADMIN_LISTEN, *,
@@ -385,7 +418,17 @@ async def serve_admin(target: AdminTarget, listen: str = DEFAULT_ADMIN_LISTEN, *
         log.info("admin API on TCP %s: read-only (no admin token; mutations only on the Unix socket)",
                  _hostport(host, port))
     app = create_admin_app(target, token=token, lock=lock)
-    await _serve(app, [_hostport(host, port)], "admin API", task_status)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = trio.socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        await sock.bind((host, port))
+        sock.listen(128)
+    except BaseException:
+        sock.close()
+        raise
+    bound_host, bound_port = sock.getsockname()[:2]
+    await _serve(app, trio.SocketListener(sock), "admin API", _hostport(bound_host, bound_port), task_status)
 
 
 async def serve_admin_unix(target: AdminTarget, path: Path, *, lock: trio.Lock | None = None,
@@ -405,8 +448,13 @@ async def serve_admin_unix(target: AdminTarget, path: Path, *, lock: trio.Lock |
     sock = _bind_private_unix(path)
     app = create_admin_app(target, local=True, lock=lock)
     try:
-        # hypercorn takes the bound socket over (fd://); it listens and closes it
-        await _serve(app, [f"fd://{sock.detach()}"], "admin socket", task_status, shown=str(path))
+        sock.listen(128)
+        listener = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        await _serve(app, listener, "admin socket", str(path), task_status)
     finally:
         try:
             os.unlink(path)
@@ -456,50 +504,163 @@ def _bind_private_unix(path: Path) -> socket.socket:
     return sock
 
 
-async def _serve(app: Any, binds: list[str], what: str, task_status, shown: str | None = None) -> None:
-    """Run hypercorn for ``app`` on ``binds`` until cancelled (see ``serve_admin``)."""
-    from hypercorn.config import Config
-    from hypercorn.trio import serve as hypercorn_serve
+# ---------------------------------------------------------------- the HTTP/1.1 server
 
-    config = Config()
-    config.bind = binds
-    config.graceful_timeout = GRACEFUL_TIMEOUT
-    config.accesslog = None
-    config.errorlog = logging.getLogger("hypercorn.error")
-    shutdown = trio.Event()
-    # Shielded: our cancellation becomes hypercorn's graceful shutdown (the trigger below)
-    # rather than an abrupt cancel of its tasks; the deadline set at shutdown bounds the wait.
-    inner = trio.CancelScope(shield=True)
-
-    async def run(task_status=trio.TASK_STATUS_IGNORED) -> None:
-        with inner:
-            await hypercorn_serve(app, config, shutdown_trigger=shutdown.wait, task_status=task_status)
-
-    started = False
-    try:
-        async with trio.open_nursery() as nursery:
-            bound_to = await nursery.start(run)
-            bound = shown or (bound_to[0].split("://", 1)[-1] if bound_to else binds[0])
-            log.info("%s listening on %s", what, bound)
-            task_status.started(bound)
-            started = True
-            try:
-                await trio.sleep_forever()
-            finally:
-                shutdown.set()
-                inner.deadline = trio.current_time() + GRACEFUL_TIMEOUT + 1
-    except BaseExceptionGroup as group:
-        # A failure to start (the bind) is one error under several nurseries: raise it bare.
-        leaves = _leaves(group)
-        if not started and len(leaves) == 1 and isinstance(leaves[0], Exception):
-            raise leaves[0] from None
-        raise
+MAX_HEAD_BYTES = 16 * 1024  # request line + headers; larger: 431 / close
+MAX_BODY_BYTES = 64 * 1024  # no endpoint takes a body; larger: 413 / close
+KEEP_ALIVE_S = 75.0  # an idle connection (no request begun) is closed after this
+REQUEST_S = 30.0  # a request must arrive in full (head and body) within this
 
 
-def _leaves(error: BaseException) -> list[BaseException]:
-    if isinstance(error, BaseExceptionGroup):
-        return [leaf for sub in error.exceptions for leaf in _leaves(sub)]
-    return [error]
+class _Server:
+    """HTTP/1.1 over trio streams, framed by h11 (the protocol state machine hypercorn and
+    httpcore use): keep-alive, bounded heads, bodies and waits, ``Connection: close`` on
+    errors. A request is answered by ``app``; malformed input gets a 400 problem (431 / 413
+    for an oversized head / body) and the connection is closed."""
+
+    def __init__(self, app: Any, what: str) -> None:
+        self.app, self.what = app, what
+        self.closing = False
+        self.idle: set[trio.CancelScope] = set()  # connections waiting for their next request
+
+    def close(self) -> None:
+        """Stop taking requests: idle connections close now, busy ones after their answer."""
+        self.closing = True
+        for scope in list(self.idle):
+            scope.cancel()
+
+    async def connection(self, stream: trio.abc.Stream) -> None:
+        import h11
+
+        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
+        try:
+            while not self.closing:
+                with trio.CancelScope(deadline=trio.current_time() + KEEP_ALIVE_S) as waiting:
+                    self.idle.add(waiting)
+                    try:
+                        event = await _next_event(stream, conn)
+                    finally:
+                        self.idle.discard(waiting)
+                if waiting.cancelled_caught or not isinstance(event, h11.Request):
+                    return
+                request, raw_path, too_large = None, "", False
+                with trio.move_on_after(REQUEST_S):
+                    size = 0
+                    while True:
+                        ev = await _next_event(stream, conn)
+                        if isinstance(ev, h11.Data):
+                            size += len(ev.data)
+                            too_large = too_large or size > MAX_BODY_BYTES
+                            if too_large:
+                                break
+                        elif isinstance(ev, h11.EndOfMessage):
+                            break
+                        else:  # the client went away mid-request
+                            return
+                    target = event.target.decode("ascii", "replace")
+                    raw_path = target.split("?", 1)[0]
+                    request = Request(
+                        method=event.method.decode("ascii", "replace").upper(),
+                        path=unquote(raw_path),
+                        headers={k.decode("latin-1"): v.decode("latin-1") for k, v in event.headers},
+                    )
+                if request is None:  # too slow
+                    return
+                if too_large:
+                    await self._send(stream, conn, 413, _problem_bytes(413, "body_too_large", request.path),
+                                     PROBLEM_JSON, None, close=True)
+                    return
+                response = await self.app(request, raw_path)
+                await self._send(stream, conn, response.status_code, response.body,
+                                 response.media_type, response.headers, close=self.closing,
+                                 head=request.method == "HEAD")
+                if conn.our_state is h11.MUST_CLOSE:
+                    return
+                conn.start_next_cycle()
+        except h11.RemoteProtocolError as e:
+            if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+                status = e.error_status_hint or 400
+                code = "headers_too_large" if status == 431 else "bad_request"
+                log.info("admin request refused: malformed HTTP (%s)", code)
+                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError,
+                                         h11.LocalProtocolError):
+                    await self._send(stream, conn, status, _problem_bytes(status, code, ""),
+                                     PROBLEM_JSON, None, close=True)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        finally:
+            await stream.aclose()
+
+    @staticmethod
+    async def _send(stream: trio.abc.Stream, conn: Any, status: int, body: bytes, media_type: str | None,
+                    headers: dict[str, str] | None, *, close: bool, head: bool = False) -> None:
+        import h11
+
+        out: list[tuple[str, str]] = []
+        if media_type:
+            out.append(("Content-Type", media_type))
+        out.extend((headers or {}).items())
+        out.append(("Content-Length", str(len(body))))
+        if close:
+            out.append(("Connection", "close"))
+        data = conn.send(h11.Response(status_code=status, headers=out, reason=_REASONS.get(status, "").encode()))
+        if not head and body:
+            data += conn.send(h11.Data(data=body))
+        data += conn.send(h11.EndOfMessage())
+        await stream.send_all(data)
+
+
+async def _next_event(stream: trio.abc.Stream, conn: Any) -> Any:
+    """The next h11 event of ``conn``, reading ``stream`` as needed (EOF included)."""
+    import h11
+
+    while True:
+        event = conn.next_event()
+        if event is not h11.NEED_DATA:
+            return event
+        conn.receive_data(await stream.receive_some(65536))
+
+
+def _problem_bytes(status: int, code: str, instance: str) -> bytes:
+    return _json_bytes({"type": "about:blank", "title": _REASONS.get(status, "Error"), "status": status,
+                        "detail": "", "code": code, "instance": instance})
+
+
+async def _serve(app: Any, listener: trio.SocketListener, what: str, bound: str, task_status) -> None:
+    """Serve ``app`` on ``listener`` until cancelled (see ``serve_admin``): then stop accepting,
+    close idle connections and give requests in flight up to ``GRACEFUL_TIMEOUT`` s."""
+    server = _Server(app, what)
+    # Shielded: our cancellation becomes a graceful shutdown of the connections rather than
+    # an abrupt cancel; the deadline set at shutdown bounds the wait.
+    grace = trio.CancelScope(shield=True)
+    stop = trio.Event()
+
+    async def connections(task_status=trio.TASK_STATUS_IGNORED) -> None:
+        with grace:
+            async with trio.open_nursery() as conns:
+                task_status.started(conns)
+                await stop.wait()
+
+    async with trio.open_nursery() as nursery:
+        conns = await nursery.start(connections)
+        try:
+            async with listener:
+                log.info("%s listening on %s", what, bound)
+                task_status.started(bound)
+                while True:
+                    try:
+                        stream = await listener.accept()
+                    except OSError as e:  # out of descriptors or buffers: keep serving the others
+                        if e.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                            raise
+                        log.warning("%s: cannot accept a connection (%s)", what, errno.errorcode[e.errno])
+                        await trio.sleep(0.1)
+                        continue
+                    conns.start_soon(server.connection, stream)
+        finally:
+            grace.deadline = trio.current_time() + GRACEFUL_TIMEOUT
+            server.close()
+            stop.set()
 
 
 # ---------------------------------------------------------------- client side (memfuse status)
