@@ -538,3 +538,33 @@ def test_history_shows_where_a_record_moved(home):
     rows = [ln.split() for ln in p.stdout.decode().splitlines()[2:]]
     assert rows[0][1] == "created" and rows[0][-1] == "old/name.md"
     assert rows[1][1] == "moved" and rows[1][-1] == "new/name.md"
+
+
+def test_lazy_commands_name_the_module_that_registers_each_command():
+    """``memfuse`` imports a command's module only when that command runs
+    (``cli.lazy_commands``): every command is in the map, under the module that defines it,
+    and ``--help`` of each one works from a fresh process."""
+    import importlib
+
+    from memfuse.cli import cli
+
+    for module in set(cli.lazy_commands.values()):
+        importlib.import_module(f"memfuse.cli.{module}")
+    registered = {name for name in cli.commands if name != "boom-test"}
+    assert registered == set(cli.lazy_commands)
+    for name, command in cli.commands.items():
+        if name in cli.lazy_commands:
+            assert command.callback.__module__ == f"memfuse.cli.{cli.lazy_commands[name]}", name
+    script = (
+        "import sys\n"
+        "from click.testing import CliRunner\n"
+        "from memfuse.cli import cli\n"
+        "for args in [['--help']] + [[name, '--help'] for name in sorted(cli.lazy_commands)]:\n"
+        "    r = CliRunner().invoke(cli, args, prog_name='memfuse')\n"
+        "    assert r.exit_code == 0 and 'Usage: memfuse' in r.output, (args, r.output)\n"
+        "    if args == ['--help']:\n"
+        "        assert all(f'  {n} ' in r.output for n in cli.lazy_commands), r.output\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

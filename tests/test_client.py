@@ -605,3 +605,84 @@ async def test_record_attributes(fake, ws):
         await c.set_attributes("default", "id", mtime_ns=None)
     assert captured == [b'{"path":"a.md","content":"x","type":null}', b'{"content":"x","type":"user"}',
                         b'{"mtime_ns":null}']
+
+
+# ---------------------------------------------------------------- TLS to the control plane
+
+_TLS_CALL = r"""
+import ssl, sys, trio
+from memfuse.client import ApiClient
+from memfuse.errors import TransientError
+
+cert, key = sys.argv[1:3]
+
+async def answer(stream):
+    try:
+        await stream.receive_some(65536)
+        await stream.send_all(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n[]")
+    except trio.BrokenResourceError:  # the client refused the handshake
+        pass
+    finally:
+        await stream.aclose()
+
+async def main():
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server.load_cert_chain(cert, key)
+    async with trio.open_nursery() as nursery:
+        listeners = await trio.open_ssl_over_tcp_listeners(0, server, host="127.0.0.1")
+        port = listeners[0].transport_listener.socket.getsockname()[1]
+        nursery.start_soon(trio.serve_listeners, answer, listeners)
+        async with ApiClient(f"https://127.0.0.1:{port}", "t", timeout=10) as api:
+            try:
+                print("answered", await api.list_stores())
+            except TransientError as e:
+                chain, cause = [], e
+                while cause is not None and len(chain) < 20:
+                    chain.append(cause)
+                    cause = cause.__cause__ or cause.__context__
+                print("refused", any(isinstance(c, ssl.SSLCertVerificationError) for c in chain))
+        nursery.cancel_scope.cancel()
+
+trio.run(main)
+"""
+
+
+def test_https_control_plane_certificates_are_verified(tmp_path):
+    """An ``https://`` control plane gets a verifying TLS context: a self-signed certificate
+    is refused (certificate verify failed), and trusted once ``SSL_CERT_FILE`` names it (the
+    documented way to trust a private CA, docs/DEPLOY.md). One process per case: the context
+    is built once per process."""
+    import os
+    import subprocess
+    import sys
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
+                    "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True, timeout=60)
+    env = {k: v for k, v in os.environ.items() if k not in ("SSL_CERT_FILE", "SSL_CERT_DIR")}
+
+    def call(extra: dict[str, str]) -> str:
+        out = subprocess.run([sys.executable, "-c", _TLS_CALL, str(cert), str(key)], capture_output=True,
+                             text=True, timeout=60, env={**env, **extra})
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    assert call({}) == "refused True"
+    assert call({"SSL_CERT_FILE": str(cert)}) == "answered []"
+
+
+def test_plain_http_control_plane_loads_no_ca_bundle():
+    """``http://``: no CA bundle is loaded (it would cost the sidecar ~2 MiB), and the
+    context still requires a verified certificate, so it can never complete a handshake."""
+    import ssl
+
+    from memfuse.client import tls_context
+
+    plain = tls_context("http://control-plane:8080")
+    assert plain.cert_store_stats()["x509_ca"] == 0
+    assert plain.verify_mode == ssl.CERT_REQUIRED and plain.check_hostname
+    verifying = tls_context("https://control-plane")
+    assert verifying is tls_context("HTTPS://other")  # one per process, shared
+    assert verifying.verify_mode == ssl.CERT_REQUIRED and verifying.check_hostname
+    assert verifying.cert_store_stats()["x509_ca"] > 0

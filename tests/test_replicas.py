@@ -252,17 +252,73 @@ def test_second_serve_on_one_sqlite_file_is_refused(tmp_path):
         stop(third)
 
 
+# What `memfuse mount` must never load: each costs the sidecar's baseline memory (bench/README.md,
+# "Sidecar memory and big stores") and none serves it. The server stack; h2 (httpcore loads it
+# whenever installed: the sidecar speaks HTTP/1.1); httpx's own CLI and what it pulls in
+# (pygments, rich); PyYAML until a front matter is parsed; the CLI's other commands.
+SIDECAR_NEVER_LOADS = ("fastapi", "starlette", "sqlalchemy", "hypercorn", "psycopg", "alembic", "h2", "hpack",
+                       "hyperframe", "wsproto", "pygments", "rich", "yaml", "httpx._main", "memfuse.server",
+                       "memfuse.cli.admin", "memfuse.cli.records", "memfuse.cli.transfer", "memfuse.cli.db",
+                       "memfuse.cli.agent", "memfuse.cli.sidecar", "memfuse.devenv", "memfuse.mcp_server")
+
+_SIDECAR_IMPORTS = r"""
+import importlib, pkgutil, sys
+import memfuse.cli
+from memfuse.cli import cli
+cli.get_command(None, "mount")  # what `memfuse mount` looks up: its command's module
+from memfuse.cli.run import sidecar_process_setup
+sidecar_process_setup()
+import memfuse.sidecar
+for m in pkgutil.walk_packages(memfuse.sidecar.__path__, "memfuse.sidecar."):
+    importlib.import_module(m.name)
+import trio
+from memfuse.client import ApiClient
+from memfuse.sidecar.admin import serve_admin
+from memfuse.sidecar.metrics import Metrics
+
+class Target:
+    ready = True
+    metrics = Metrics()
+    def status(self):
+        return {"ready": True}
+    async def mount_store(self, slug):
+        raise LookupError(slug)
+    async def unmount_store(self, slug):
+        raise LookupError(slug)
+
+async def main():
+    async with trio.open_nursery() as nursery:  # the admin API served, and the sidecar's client
+        bound = await nursery.start(serve_admin, Target(), "127.0.0.1:0")
+        async with ApiClient(f"http://{bound}", "t") as api:
+            r = await api._http.get("/metrics")
+            assert r.status_code == 200 and "memfuse_fuse_ops_total" in r.text, r.text
+            r = await api._http.get("/v1/status")
+            assert r.json() == {"ready": True}
+        nursery.cancel_scope.cancel()
+
+trio.run(main)
+never = tuple(sys.argv[1].split(","))
+print(",".join(sorted(m for m in sys.modules if sys.modules[m] is not None and (
+    m.split(".")[0] in never or any(m == n or m.startswith(n + ".") for n in never)))))
+"""
+
+
 def test_sidecar_does_not_import_the_server_stack():
-    """``memfuse mount`` (the CLI and every sidecar module) loads neither FastAPI, Starlette,
-    SQLAlchemy nor hypercorn: they cost the sidecar's baseline memory and it never serves."""
-    code = (
-        "import sys, pkgutil, importlib, memfuse.cli, memfuse.sidecar\n"
-        "for m in pkgutil.walk_packages(memfuse.sidecar.__path__, 'memfuse.sidecar.'):\n"
-        "    importlib.import_module(m.name)\n"
-        "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
-        "('fastapi', 'starlette', 'sqlalchemy', 'hypercorn', 'psycopg') or m.startswith('memfuse.server'))\n"
-        "print(','.join(bad))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    """``memfuse mount`` (its command, every sidecar module, the admin API serving /metrics
+    and /v1/status, the control-plane client making requests) loads none of
+    ``SIDECAR_NEVER_LOADS``: the server stack, HTTP/2, httpx's CLI, PyYAML, the CLI's other
+    commands. They cost the sidecar's baseline memory and it never uses them."""
+    out = subprocess.run([sys.executable, "-c", _SIDECAR_IMPORTS, ",".join(SIDECAR_NEVER_LOADS)],
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == ""
+
+
+def test_the_import_check_sees_what_it_forbids():
+    """The check above would notice: the same script reports a forbidden module the process
+    did load (here ``trio``, ``memfuse.client``)."""
+    out = subprocess.run([sys.executable, "-c", _SIDECAR_IMPORTS, "trio,memfuse.client,h2"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    found = out.stdout.strip().split(",")
+    assert "trio" in found and "memfuse.client" in found and "h2" not in found
