@@ -32,6 +32,7 @@ from common import MEMFUSE, Bare, Mount, Session, grep, median, rss_kib  # noqa:
 from mountutil import ControlPlane
 
 BENCH = Path(__file__).resolve().parent
+BASELINE_TARGET_MIB = 45.0  # a sidecar of an empty store (issue 9); `baseline_ok` in the results
 
 
 def populate(db_path: Path, slug: str, n: int, seed: int) -> list[tuple[str, str]]:
@@ -160,6 +161,10 @@ def main() -> int:
             out[f"rss_slope_{label}_bytes_per_record"] = 1024 * 1024 * slope(
                 [0, *ns], [out["sizes"][n][f"rss_{label}_mib"] for n in [0, *ns]])
         out["baseline_rss_mib"] = out["sizes"][0]["rss_fresh_mib"]
+        out["baseline_target_mib"] = BASELINE_TARGET_MIB
+        out["baseline_ok"] = out["baseline_rss_mib"] <= BASELINE_TARGET_MIB
+        s.say(f"baseline {out['baseline_rss_mib']:.1f} MiB: "
+              f"{'meets' if out['baseline_ok'] else 'misses'} the target of {BASELINE_TARGET_MIB:g} MiB")
     out["meta"]["loadavg_end"] = os.getloadavg()[0]
     args.out.write_text(json.dumps(out, indent=1))
     print(json.dumps(out, indent=1))

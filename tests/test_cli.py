@@ -61,7 +61,9 @@ def assert_one_line_error(stderr: str | bytes) -> None:
 
 def all_command_paths(group: click.Group, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
     out = [prefix]
-    for name, cmd in group.commands.items():
+    ctx = click.Context(group)
+    for name in group.list_commands(ctx):  # click's API: commands of a lazy group too
+        cmd = group.get_command(ctx, name)
         if isinstance(cmd, click.Group):
             out.extend(all_command_paths(cmd, (*prefix, name)))
         else:
