@@ -1,4 +1,4 @@
-"""The sidecar admin HTTP API (memfuse/sidecar/admin.py) served for real by hypercorn under trio
+"""The sidecar admin HTTP API (memfuse/sidecar/admin.py) served for real (h11 under trio)
 on a loopback port and on its Unix socket, hit with httpx; mutations need the admin token on
 TCP (loopback included) and none on the 0600 socket; `memfuse status` and `memfuse mounts`
 (CliRunner) against a status.json and against that admin API."""
@@ -176,6 +176,41 @@ async def test_unknown_routes_and_methods_are_problems(admin):
         assert_problem(r, 405, "method_not_allowed")
         assert "POST" in r.headers["allow"] and "DELETE" in r.headers["allow"]
         assert_problem(await c.post("/healthz"), 405, "method_not_allowed")
+
+
+async def _raw(bound: str, data: bytes) -> bytes:
+    """Send ``data`` on one TCP connection, return everything answered until the server closes."""
+    host, port = parse_listen(bound)
+    out = b""
+    with trio.fail_after(20):
+        stream = await trio.open_tcp_stream(host, port)
+        async with stream:
+            await stream.send_all(data)
+            while chunk := await stream.receive_some(65536):
+                out += chunk
+    return out
+
+
+async def test_http_framing_keep_alive_head_and_bad_requests(admin):
+    """The admin server's HTTP/1.1 (h11): keep-alive, HEAD without a body, and a malformed
+    request, an oversized head (431) or body (413) answered as problems on a closed
+    connection, while the server keeps serving."""
+    _, url = admin
+    bound = url.removeprefix("http://")
+    two = await _raw(bound, b"GET /healthz HTTP/1.1\r\nHost: a\r\n\r\n"
+                            b"GET /v1/status HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
+    assert two.count(b"HTTP/1.1 200 ") == 2 and b'{"ok": true}' in two and b'"workspace": "team"' in two
+    bad = await _raw(bound, b"NOT HTTP AT ALL\r\n\r\n")
+    assert bad.startswith(b"HTTP/1.1 400 ") and PROBLEM_JSON.encode() in bad
+    big_head = await _raw(bound, b"GET /healthz HTTP/1.1\r\nHost: a\r\nX-Big: " + b"a" * 20_000 + b"\r\n\r\n")
+    assert big_head.startswith(b"HTTP/1.1 431 ")
+    big_body = await _raw(bound, b"POST /v1/mounts/shared HTTP/1.1\r\nHost: a\r\nContent-Length: 100000\r\n\r\n"
+                                 + b"a" * 65_600)
+    assert big_body.startswith(b"HTTP/1.1 413 ") and b"body_too_large" in big_body
+    async with httpx.AsyncClient(base_url=url) as c:
+        r = await c.head("/healthz")
+        assert r.status_code == 200 and r.content == b"" and r.headers["content-length"] == str(len(b'{"ok": true}'))
+        assert (await c.get("/healthz")).json() == {"ok": True}
 
 
 # ---------------------------------------------------------------- who may change mounts

@@ -39,7 +39,9 @@ Every error is ``application/problem+json`` (RFC 9457) with memfuse's ``code`` m
 ``store_refused``, ``store_not_mounted``, ``not_ready``, ``context_unavailable``,
 ``internal_error``, ``unauthorized`` (401 with ``WWW-Authenticate: Bearer``, RFC 6750: a
 mutation on TCP without the right token), ``mutations_disabled`` (403: a mutation on TCP when
-no admin token is set). Each failed request
+no admin token is set), ``bad_request`` (400: malformed HTTP), ``headers_too_large`` (431: a
+request head over 16 KiB), ``body_too_large`` (413: a body over 64 KiB; no endpoint takes one).
+Each failed request
 logs one line on the ``memfuse.admin`` logger: method, path, status and code (never a token,
 never memory content, never the exception's message).
 """
@@ -75,7 +77,8 @@ GRACEFUL_TIMEOUT = 2.0  # seconds requests in flight get once serve_admin is can
 STATUS_TIMEOUT = 5.0  # seconds `memfuse status --admin URL` waits for an answer
 
 _REASONS = {400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found", 405: "Method Not Allowed",
-            500: "Internal Server Error", 503: "Service Unavailable"}
+            413: "Content Too Large", 431: "Request Header Fields Too Large", 500: "Internal Server Error",
+            503: "Service Unavailable"}
 
 
 @runtime_checkable
@@ -542,6 +545,12 @@ class _Server:
                     finally:
                         self.idle.discard(waiting)
                 if waiting.cancelled_caught or not isinstance(event, h11.Request):
+                    return
+                if len(event.target) + sum(len(k) + len(v) + 4 for k, v in event.headers) > MAX_HEAD_BYTES:
+                    # h11 bounds only a head still incomplete; one that arrived whole is checked here
+                    log.info("admin request refused: request head over %d bytes", MAX_HEAD_BYTES)
+                    await self._send(stream, conn, 431, _problem_bytes(431, "headers_too_large", ""),
+                                     PROBLEM_JSON, None, close=True)
                     return
                 request, raw_path, too_large = None, "", False
                 with trio.move_on_after(REQUEST_S):
