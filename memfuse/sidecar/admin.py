@@ -597,6 +597,9 @@ class _Server:
                                      PROBLEM_JSON, None, close=True)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
+        except Exception as e:  # noqa: BLE001 — one connection never stops the server (or the sidecar)
+            log.warning("%s: connection failed (%s)", self.what, type(e).__name__)
+            log.debug("%s: connection failed", self.what, exc_info=True)
         finally:
             await stream.aclose()
 
