@@ -111,3 +111,35 @@ def test_renamed_rejected_file_is_kept_at_its_new_path(tmp_path):
     assert tree(fs) == {"sub/moved.md": BAD}
     assert fs.stores["default"].root.children["sub"].children["moved.md"].state == REJECTED
     stop(fs, j)
+
+
+def test_path_taken_meanwhile_drops_it_with_a_trace(tmp_path):
+    fs, j = start(tmp_path, [])
+    with pytest.raises(FsError):
+        write(fs, "k.md", BAD, create=True)
+    trio.run(j.flush_pending)
+    stop(fs, j)
+    # meanwhile another sidecar made a record at that path
+    fs, j = start(tmp_path, [rec("r9", "k.md", "other\n")])
+    assert tree(fs) == {"k.md": b"other\n"}
+    (line,) = [e for e in fs.errors if e["path"] == "k.md"]
+    assert line["errno"] == "EILSEQ" and "dropped" in line["reason"]
+    fs.sync_rejected()
+    trio.run(j.flush_pending)
+    assert j.load_rejected() == []  # not dropped again at every start
+    stop(fs, j)
+
+
+def test_store_mounted_again_gets_its_rejected_files_back(tmp_path):
+    fs, j = start(tmp_path, [])
+    with pytest.raises(FsError):
+        write(fs, "k.md", BAD, create=True)
+    fs.remove_store("default")
+    fs.sync_rejected()
+    fs.add_store("default", "read_write", [])
+    fs.sync_rejected()
+    assert tree(fs) == {"k.md": BAD}
+    assert fs.stores["default"].root.children["k.md"].state == REJECTED
+    trio.run(j.flush_pending)
+    assert [r["path"] for r in j.load_rejected()] == ["k.md"]
+    stop(fs, j)

@@ -105,8 +105,17 @@ class RejectedFiles:
         """Put back the rejected files a previous process kept for store ``sm`` (just
         loaded): at their path, with their content, ``state=rejected`` and the reason. A
         file whose path now holds another record, or crosses a file, is not restored: the
-        loss is written to ``errors.log`` and the log (with the path, never the content)."""
-        for row in self._rejected_restore.pop(sm.slug, []):
+        loss is written to ``errors.log`` and the log (with the path, never the content).
+
+        A store mounted again in the same process (detached, then attached) gets back the
+        rejected files it had when it was taken out of the mount."""
+        rows = self._rejected_restore.pop(sm.slug, None)
+        if rows is None:
+            rows = [r for r in self._rejected_rows.values() if r["store"] == sm.slug]
+            for n in [n for n in self._rejected if n.store is not None
+                      and n.store.slug == sm.slug and n.store is not sm]:
+                del self._rejected[n]  # the nodes of the earlier mount of this store
+        for row in rows:
             try:
                 self._restore_one(sm, row)
             except Exception:  # a bad row must not stop the mount
@@ -130,6 +139,9 @@ class RejectedFiles:
                 self.note_error(None, path, row["errno"],
                                 f"a rejected file kept from before the restart was dropped: {why} "
                                 f"(it was refused: {row['reason']})", row["code"], sm.slug)
+                # the row goes at the next sync_rejected (a signature nothing matches)
+                self._rejected_saved[row["node_key"]] = (sm.slug, "dropped")
+                self._rejected_rows.pop(row["node_key"], None)
                 return
             n = cur
         if n is None:
