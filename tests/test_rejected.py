@@ -143,3 +143,34 @@ def test_store_mounted_again_gets_its_rejected_files_back(tmp_path):
     trio.run(j.flush_pending)
     assert [r["path"] for r in j.load_rejected()] == ["k.md"]
     stop(fs, j)
+
+
+def test_refusal_log_line_names_store_path_errno_and_code_in_text_format(tmp_path):
+    """``memfuse dev`` logs as text: the refusal's line carries the same fields as the JSON
+    line (store, path, errno name, reason code, reason), never the content."""
+    import io
+    import logging
+
+    from memfuse.sidecar.logs import JsonFormatter, TextFormatter
+
+    fs, j = start(tmp_path, [])
+    out = {"text": io.StringIO(), "json": io.StringIO()}
+    handlers = []
+    for kind, fmt in (("text", TextFormatter()), ("json", JsonFormatter())):
+        h = logging.StreamHandler(out[kind])
+        h.setFormatter(fmt)
+        handlers.append(h)
+        logging.getLogger("memfuse.fs").addHandler(h)
+    try:
+        with pytest.raises(FsError):
+            write(fs, "notes dir.md", b"key: " + BAD, create=True)
+    finally:
+        for h in handlers:
+            logging.getLogger("memfuse.fs").removeHandler(h)
+    stop(fs, j)
+    (text,) = [ln for ln in out["text"].getvalue().splitlines() if ": refused" in ln]
+    assert " WARNING memfuse.fs: refused store=default " in text
+    assert 'path="notes dir.md" errno=EILSEQ code=invalid_content reason="content is not' in text
+    (js,) = [ln for ln in out["json"].getvalue().splitlines() if '"refused"' in ln]
+    assert '"path": "notes dir.md", "errno": "EILSEQ", "code": "invalid_content"' in js
+    assert "caf" not in text + js
