@@ -33,14 +33,16 @@ FROM ${BASE}
 ARG VERSION=0.1.0
 ARG REVISION=unknown
 ARG CREATED=unknown
+# Where the source of this image is published (a repository URL); empty unless given, e.g.
+# SOURCE_URL=https://... scripts/build-image
+ARG SOURCE_URL=
 LABEL org.opencontainers.image.title="memfuse" \
       org.opencontainers.image.description="Long-term memory for AI agents, served as plain files over FUSE: sidecar and control plane" \
       org.opencontainers.image.version="${VERSION}" \
       org.opencontainers.image.revision="${REVISION}" \
       org.opencontainers.image.created="${CREATED}" \
       org.opencontainers.image.licenses="Apache-2.0" \
-      org.opencontainers.image.source="https://github.com/memfuse/memfuse" \
-      org.opencontainers.image.documentation="https://github.com/memfuse/memfuse/blob/main/docs/DEPLOY.md" \
+      org.opencontainers.image.source="${SOURCE_URL}" \
       org.opencontainers.image.base.name="${BASE}"
 # python3 from Debian (no pip, no setuptools); fuse3 for fusermount3 (auto_unmount) and
 # libfuse3 for pyfuse3

@@ -27,7 +27,7 @@ from typing import Callable
 from hypothesis import HealthCheck, settings
 
 from memfuse import names
-from mountutil import ControlPlane, Sidecar, live_records
+from mountutil import ControlPlane, Sidecar, live_records, wait_until
 
 # ------------------------------------------------------------------ hypothesis budget
 LONG_EXAMPLES = int(os.environ.get("MEMFUSE_HYPOTHESIS_EXAMPLES", "0") or 0)
@@ -135,14 +135,6 @@ def wait_drained(root: Path, timeout: float = 30.0) -> None:
             return
         if time.monotonic() > deadline:
             raise AssertionError(f"outbox did not drain within {timeout} s: {st['outbox']}")
-        time.sleep(0.02)
-
-
-def wait_until(pred: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.02)
 
 

@@ -68,6 +68,29 @@ def wait_for(pred, timeout: float, what: str, proc: subprocess.Popen | None = No
     raise AssertionError(f"timed out waiting for {what}\n{detail}")
 
 
+def wait_until(pred, timeout: float = 3.0, what: str = "condition", poll: float = 0.01) -> float:
+    """Poll ``pred()`` every ``poll`` s until it is true; return ``time.monotonic()`` at that
+    moment. An ``OSError`` from ``pred`` (a file not there yet, a mount busy) counts as false.
+    Raises ``AssertionError`` naming ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if pred():
+                return time.monotonic()
+        except OSError:
+            pass
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def read(p: Path) -> str | None:
+    """The text of file ``p``, or None when it does not exist."""
+    try:
+        return p.read_text()
+    except FileNotFoundError:
+        return None
+
+
 def stop(proc: subprocess.Popen, timeout: float = 30) -> int:
     """SIGTERM, wait, SIGKILL as last resort; return the exit code."""
     if proc.poll() is None:

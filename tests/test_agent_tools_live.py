@@ -15,28 +15,9 @@ from mcp import Client, StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 
 from memfuse.client import ApiClient
-from mountutil import MEMFUSE, serve_and_mount
+from mountutil import MEMFUSE, read, serve_and_mount, wait_until
 
 pytestmark = pytest.mark.mount
-
-
-def wait_until(pred, timeout: float, what: str) -> float:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if pred():
-                return time.monotonic()
-        except OSError:
-            pass
-        time.sleep(0.01)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
-def read(p):
-    try:
-        return p.read_text()
-    except FileNotFoundError:
-        return None
 
 
 @pytest.fixture(scope="module")

@@ -18,23 +18,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mountutil import ControlPlane, Sidecar, live_records, sh
+from mountutil import ControlPlane, Sidecar, live_records, sh, wait_until
 
 pytestmark = pytest.mark.mount
 
 T2020 = "2020-01-02"
-
-
-def wait_until(pred, timeout=10.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if pred():
-                return
-        except OSError:
-            pass
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def versions(cp: ControlPlane, path: str, store: str = "default"):
@@ -77,7 +65,7 @@ def test_script_mode_and_mtime_survive_restarts(tmp_path):
         assert stat.S_IMODE(before.st_mode) == 0o755
         want_mtime = int(sh(f"date -d {T2020} +%s", d).stdout) * 10**9
         assert before.st_mtime_ns == want_mtime
-        wait_until(lambda: outbox_empty(sc), what="outbox drained")
+        wait_until(lambda: outbox_empty(sc), timeout=10.0, what="outbox drained")
         rec = live_records(cp)["s.sh"]
         assert (rec.mode, rec.mtime_ns) == (0o755, want_mtime)
         vs = versions(cp, "s.sh")
@@ -95,7 +83,7 @@ def test_script_mode_and_mtime_survive_restarts(tmp_path):
             assert sh("./s.sh", d).stdout == "ran\n"
         # a write sets the mtime again (an explicit one is gone), the mode stays
         sh("echo 'echo again' >> s.sh", d)
-        wait_until(lambda: outbox_empty(sc), what="outbox drained")
+        wait_until(lambda: outbox_empty(sc), timeout=10.0, what="outbox drained")
         rec = live_records(cp)["s.sh"]
         assert (rec.mode, rec.mtime_ns) == (0o755, None)
         assert os.stat(d / "s.sh").st_mtime_ns > want_mtime
@@ -119,14 +107,14 @@ def test_chmod_of_a_clean_file_is_one_version_without_upload(tmp_path):
         b = Sidecar(cp, "wb", tb, tmp_path / "mb", tmp_path / "cb").start()
         da, db_ = a.mountpoint / "default", b.mountpoint / "default"
         sh("echo 'alpha beta' > notes.md", da)
-        wait_until(lambda: outbox_empty(a), what="outbox drained")
+        wait_until(lambda: outbox_empty(a), timeout=10.0, what="outbox drained")
         n0 = len(versions(cp, "notes.md"))
         calls0 = api_calls(a)
         sh("chmod 640 notes.md", da)
-        wait_until(lambda: outbox_empty(a) and len(versions(cp, "notes.md")) == n0 + 1, what="one version")
+        wait_until(lambda: outbox_empty(a) and len(versions(cp, "notes.md")) == n0 + 1, timeout=10.0, what="one version")
         sh("chmod 640 notes.md && chmod g+r notes.md", da)  # the same mode again: nothing
         sh(f"touch -m -d '{T2020} 10:11:12.123456789' notes.md", da)
-        wait_until(lambda: outbox_empty(a) and len(versions(cp, "notes.md")) == n0 + 2, what="mtime version")
+        wait_until(lambda: outbox_empty(a) and len(versions(cp, "notes.md")) == n0 + 2, timeout=10.0, what="mtime version")
         time.sleep(0.3)
         vs = versions(cp, "notes.md")
         assert len(vs) == n0 + 2
@@ -140,23 +128,23 @@ def test_chmod_of_a_clean_file_is_one_version_without_upload(tmp_path):
         # the other sidecar sees both through the change feed
         wait_until(lambda: (stat.S_IMODE(os.stat(db_ / "notes.md").st_mode),
                             os.stat(db_ / "notes.md").st_mtime_ns) == (0o640, mtime),
-                   what="mode and mtime in the other sidecar")
+                   timeout=10.0, what="mode and mtime in the other sidecar")
         # ... and a chmod made there comes back
         sh("chmod 600 notes.md", db_)
         wait_until(lambda: stat.S_IMODE(os.stat(da / "notes.md").st_mode) == 0o600,
-                   what="remote chmod applied")
+                   timeout=10.0, what="remote chmod applied")
 
         # sed -i (fchmod on its temp file) and Python's replace: one version each, mode kept
         sh("chmod 755 notes.md", da)
-        wait_until(lambda: outbox_empty(a) and live_records(cp)["notes.md"].mode == 0o755, what="chmod")
+        wait_until(lambda: outbox_empty(a) and live_records(cp)["notes.md"].mode == 0o755, timeout=10.0, what="chmod")
         n1 = len(versions(cp, "notes.md"))
         sh("sed -i s/alpha/gamma/ notes.md", da)
-        wait_until(lambda: outbox_empty(a), what="outbox drained")
+        wait_until(lambda: outbox_empty(a), timeout=10.0, what="outbox drained")
         recs = live_records(cp)
         assert sorted(recs) == ["notes.md"] and recs["notes.md"].mode == 0o755
         assert len(versions(cp, "notes.md")) == n1 + 1
         assert stat.S_IMODE(os.stat(da / "notes.md").st_mode) == 0o755
-        wait_until(lambda: (db_ / "notes.md").read_text() == "gamma beta\n", what="sed result remote")
+        wait_until(lambda: (db_ / "notes.md").read_text() == "gamma beta\n", timeout=10.0, what="sed result remote")
         assert stat.S_IMODE(os.stat(db_ / "notes.md").st_mode) == 0o755
     finally:
         for sc in (a, b):
@@ -216,7 +204,7 @@ def test_copy_tools_keep_modes_and_times_as_a_normal_user(tmp_path):
             assert r.returncode != 0 and "Permission denied" in r.stderr
 
         check(d)
-        wait_until(lambda: outbox_empty(sc), what="outbox drained")
+        wait_until(lambda: outbox_empty(sc), timeout=10.0, what="outbox drained")
         recs = live_records(cp)
         assert {p: (r.mode, r.mtime_ns) for p, r in recs.items() if p != "inst.sh"} == {
             "cp.md": (0o440, t_a), "c2.md": (0o440, t_a), "tree/a.md": (0o440, t_a),
@@ -236,7 +224,7 @@ def test_copy_tools_keep_modes_and_times_as_a_normal_user(tmp_path):
         sh(as_user + f"{py} copytree {out}/tree {d}/tree2", base)
         assert stat.S_IMODE(os.stat(d / "tree2").st_mode) == 0o555
         assert (d / "tree2" / "a.md").read_text() == "read only\n"
-        wait_until(lambda: outbox_empty(sc), what="outbox drained")
+        wait_until(lambda: outbox_empty(sc), timeout=10.0, what="outbox drained")
         assert live_records(cp)["tree2/a.md"].mode == 0o440
     finally:
         try:

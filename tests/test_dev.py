@@ -66,6 +66,11 @@ def test_readme_flow_restart_and_history(tmp_path):
         sh('echo "prefers tea" > memory/default/prefs.md', tmp_path)
         assert sh("grep -r tea memory/", tmp_path).stdout == "memory/default/prefs.md:prefers tea\n"
         sh("sed -i s/tea/coffee/ memory/default/prefs.md", tmp_path)
+        # a refusal's console line names store, path, errno and reason code (not content)
+        sh(r"printf 'caf\xe9\n' > memory/default/bad.md", tmp_path)
+        wait_for(lambda: "refused store=default path=bad.md errno=EILSEQ code=invalid_content"
+                 in log.read_text(), 10, "the refusal's log line")
+        sh("rm memory/default/bad.md", tmp_path)
         assert interrupt(proc) == 0
         assert not is_mounted(mnt)
         proc = start_dev(mnt, env, log)

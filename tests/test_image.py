@@ -113,6 +113,10 @@ def test_oci_labels_and_healthcheck():
     for key in ("title", "description", "version", "revision", "created", "licenses", "source"):
         assert f"org.opencontainers.image.{key}=" in labels, key
     assert 'org.opencontainers.image.licenses="Apache-2.0"' in labels
+    # no made-up address: the source label is the SOURCE_URL build argument, empty by default
+    assert 'org.opencontainers.image.source="${SOURCE_URL}"' in labels
+    assert "SOURCE_URL=" in [rest for word, rest in final if word == "ARG"]
+    assert "github.com" not in labels
     (health,) = [rest for word, rest in final if word == "HEALTHCHECK"]
     assert "--timeout=" in health and " CMD " in f" {health}" and "/healthz" in health
     assert [rest for word, rest in final if word == "ENTRYPOINT"] == ['["memfuse"]']
@@ -124,6 +128,7 @@ def test_build_script_and_manifest_tag_agree_with_the_version():
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     text = script.read_text()
     assert "docker build" in text and "buildah bud" in text
+    assert '--build-arg "SOURCE_URL=${SOURCE_URL:-}"' in text
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     kust = (ROOT / "deploy" / "kubernetes" / "base" / "kustomization.yaml").read_text()
     assert re.search(rf"newTag: {re.escape(version)}\b", kust)
@@ -133,7 +138,8 @@ def test_pyproject_metadata_is_complete():
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert meta["license"] == "Apache-2.0" and meta["license-files"] == ["LICENSE"]
     assert "Apache License" in (ROOT / "LICENSE").read_text()[:200]
-    assert {"Homepage", "Source", "Documentation", "Issues"} <= set(meta["urls"])
+    # no invented project URLs: there is no published home to point at
+    assert "urls" not in meta
     assert any(c.startswith("Topic :: System :: Filesystems") for c in meta["classifiers"])
     assert any(c.startswith("Programming Language :: Python :: 3.11") for c in meta["classifiers"])
 

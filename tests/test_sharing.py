@@ -12,28 +12,9 @@ import uuid
 import httpx
 import pytest
 
-from mountutil import ControlPlane, Sidecar, sh
+from mountutil import ControlPlane, Sidecar, read, sh, wait_until
 
 pytestmark = pytest.mark.mount
-
-
-def wait_until(pred, timeout=3.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if pred():
-                return time.monotonic()
-        except OSError:
-            pass
-        time.sleep(0.01)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
-def read(p):
-    try:
-        return p.read_text()
-    except FileNotFoundError:
-        return None
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ objects: FastAPI neither validates nor re-encodes them against the ``response_mo
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Awaitable, Callable
@@ -468,6 +469,7 @@ class _App(FastAPI):
     ``memfuse.server.longpoll.FastPath``); everything else is FastAPI as usual."""
 
     front: Any = None
+    _openapi_bytes: bytes | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.front is not None and scope["type"] == "http":
@@ -475,8 +477,27 @@ class _App(FastAPI):
         else:
             await super().__call__(scope, receive, send)
 
+    def openapi_bytes(self) -> bytes:
+        """The OpenAPI document (``/openapi.json``) as JSON bytes, built once: the routes do
+        not change after ``create_app``, and encoding the ~100 KB document per request let
+        a client pipelining requests for it keep the event loop busy."""
+        if self._openapi_bytes is None:
+            self._openapi_bytes = json.dumps(self.openapi(), ensure_ascii=False,
+                                             separators=(",", ":")).encode("utf-8")
+        return self._openapi_bytes
+
     async def serve_fastapi(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """The request as plain FastAPI serves it."""
+        """The request as plain FastAPI serves it (``/openapi.json`` from cached bytes)."""
+        if (scope["type"] == "http" and scope["path"] == self.openapi_url
+                and scope["method"] in ("GET", "HEAD")):
+            body = self.openapi_bytes()
+            await send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"cache-control", b"no-cache")]})
+            await send({"type": "http.response.body",
+                        "body": body if scope["method"] == "GET" else b""})
+            return
         await super().__call__(scope, receive, send)
 
 

@@ -10,9 +10,15 @@
   bearer token (429 ``too_many_long_polls``, ``Retry-After: 5``; RFC 6585 §4) and
   ``max_long_polls`` in all (503 ``overloaded``): a client that opens thousands cannot take
   every socket. A sidecar holds one per attached store plus one for its workspace's events.
-- **Slow readers**: sending any part of a response may take at most ``send_timeout`` s; a
-  client that does not read its response is cut off (the connection is closed) and its slot
-  freed.
+- **Slow readers and pipelining**: sending any part of a response may take at most
+  ``send_timeout`` s; a client that does not read its responses is cut off (the connection
+  is closed) and its slot freed. hypercorn shields its socket writes from cancellation, so
+  the cut is made by the kernel: ``memfuse.server.serve.listen_socket`` gives every
+  connection ``TCP_USER_TIMEOUT`` = ``send_timeout`` and a bounded send buffer
+  (``SEND_BUFFER``), so a client that pipelines requests on one connection without reading
+  gets a few answers computed (what fits in the socket buffers), then none, and its
+  connection is closed about ``send_timeout`` s later. A client that reads (a long stream
+  included) is never cut; an idle connection (a long-poll waiting) neither.
 - **Metrics** (``GET /metrics``, Prometheus text): requests by status class, requests in
   flight, long-polls waiting, refusals by reason, database statements (``ServerMetrics``).
 """
@@ -211,9 +217,11 @@ class Backpressure:
             if not (long_poll and self.fast is not None and await self.fast(scope, receive, send_bounded)):
                 await self.app(scope, receive, send_bounded)
         except TimeoutError:
+            # the connection is gone (the kernel's TCP_USER_TIMEOUT aborted it, see
+            # memfuse.server.serve.listen_socket, or this bound cut the send): nothing is
+            # left to answer, and it is the client's doing, not a server error
             log.info("client did not read its response; connection dropped",
                      extra={"path": scope["path"], "timeout_s": self.send_timeout})
-            raise
         finally:
             if long_poll:
                 n = self._per_token.get(key, 1) - 1

@@ -11,16 +11,27 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import socket
 from pathlib import Path
 
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
+from .limits import SEND_TIMEOUT
+
 log = logging.getLogger(__name__)
 
 GRACEFUL_TIMEOUT = 5.0  # seconds in-flight requests get after shutdown begins
 BACKLOG = 2048  # pending connections the kernel queues (thousands of sidecars reconnect at once)
+# Bytes of answers the kernel may hold for one connection whose client does not read
+# (SO_SNDBUF of the listening socket, inherited by every accepted one; Linux doubles it for
+# its bookkeeping). Without it Linux grows the buffer up to net.ipv4.tcp_wmem's maximum (4 MiB)
+# and a client pipelining requests without reading makes the server compute that much per
+# connection before a send blocks; with it, the next send blocks after ~256 KiB and the send
+# timeout (memfuse.server.limits) closes the connection. Fast enough for a data-centre
+# network (256 KiB per round trip: 250 MB/s at 1 ms).
+SEND_BUFFER = 128 * 1024
 
 
 class AlreadyServing(RuntimeError):
@@ -80,9 +91,51 @@ async def serve(app, listen: str = "127.0.0.1:8080", *, task_status=trio.TASK_ST
             release_database(app)
 
 
+def listen_socket(listen: str, send_buffer: int = SEND_BUFFER,
+                  send_timeout: float = SEND_TIMEOUT) -> socket.socket:
+    """A TCP socket bound to ``listen`` (``HOST:PORT``, ``[IPv6]:PORT``; port 0 picks a free
+    one), not yet listening, as hypercorn would make it (``SO_REUSEADDR``, ``TCP_NODELAY``)
+    plus two bounds every accepted connection inherits:
+
+    - ``SO_SNDBUF`` = ``send_buffer`` bytes (see ``SEND_BUFFER``);
+    - ``TCP_USER_TIMEOUT`` = ``send_timeout`` s (tcp(7)): answer bytes the client neither
+      acknowledges nor makes room for (a zero receive window: it does not read) for that
+      long abort the connection in the kernel, so the server's blocked send fails and the
+      connection is closed. hypercorn shields its socket writes from cancellation, so the
+      application cannot time them out itself. An idle connection (a long-poll waiting,
+      nothing unacknowledged) is not affected, nor is a client that reads.
+
+    Raises ``OSError`` when the address cannot be bound, ``ValueError`` for a malformed
+    ``listen``."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"listen address must be HOST:PORT, got {listen!r}")
+    host = host.strip("[]") or "0.0.0.0"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT,
+                        max(1, int(send_timeout * 1000)))
+        sock.bind((host, int(port)))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 async def _serve(app, listen: str, task_status) -> None:
     config = Config()
-    config.bind = [listen]
+    # our own socket (hypercorn takes a bound one over as fd://N: it listens and closes it)
+    # for its bounded send buffer; other forms (unix:, fd://) go to hypercorn as they are
+    if listen.startswith(("unix:", "fd://")):
+        config.bind = [listen]
+    else:
+        front = getattr(app, "front", None)  # memfuse.server.limits.Backpressure
+        send_timeout = getattr(front, "send_timeout", SEND_TIMEOUT)
+        config.bind = [f"fd://{listen_socket(listen, send_timeout=send_timeout).detach()}"]
     config.backlog = BACKLOG
     config.graceful_timeout = GRACEFUL_TIMEOUT
     config.accesslog = None

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Iterator
 
 from ..models import sha256_hex
+from .cachedir import private_file
 from .outbox import CacheError, cache_error
 
 
@@ -31,7 +32,8 @@ class BlobCache:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        private_file(path)  # 0600 (memory content); SQLite's -wal / -shm files get its mode
         self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA auto_vacuum=INCREMENTAL")  # new files only
         self._db.execute("PRAGMA journal_mode=WAL")

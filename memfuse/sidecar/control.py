@@ -26,6 +26,8 @@ from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from .cachedir import write_private
+
 if TYPE_CHECKING:
     from .core import Filesystem
 
@@ -35,6 +37,13 @@ CONTROL_DIR = ".memfuse"
 ERRORS_KEPT = 200  # entries of errors.log (oldest dropped first)
 # name under .memfuse/ -> Node.special
 FILES = {"status.json": "status", "errors.log": "errors", "context.md": "context"}
+
+
+# the usual reason code of a refusal's errno, when the refusing code does not give one
+CODE_BY_ERRNO = {errno.EFBIG: "record_too_large", errno.ENOSPC: "store_full",
+                 errno.EILSEQ: "invalid_content", errno.EPERM: "secret_detected",
+                 errno.EINVAL: "invalid_request", errno.ENAMETOOLONG: "path_too_long",
+                 errno.EACCES: "forbidden", errno.ENOENT: "not_found", errno.EIO: "io_error"}
 
 
 def _now() -> str:
@@ -52,6 +61,9 @@ class ControlFiles:
         self.fs = fs
         self.errors: deque[dict] = deque(maxlen=ERRORS_KEPT)
         self.status_provider: Callable[[], dict] | None = None
+        #: ``committed_size(slug, record_id)``: bytes of the record as the control plane holds
+        #: it (the store's mirror), None when unknown; set by the sidecar
+        self.committed_size: Callable[[str, str], int | None] = lambda slug, rid: None
         self.mount_root = ""  # the mountpoint (absolute path), set by the sidecar
         self.context_text: str | None = None  # the last prompt block fetched
         self.context_at = 0.0  # time.time() of that fetch; 0 before the first
@@ -76,15 +88,18 @@ class ControlFiles:
                 f"[memfuse: the full prompt block is not available yet ({why}); read this "
                 "file again shortly.]\n")
 
-    def note_error(self, store: str, path: str, err: int, reason: str) -> None:
+    def note_error(self, store: str, path: str, err: int, reason: str, code: str = "") -> None:
         """Add a refusal to ``errors.log`` (``time``, ``store``, ``path``, ``errno`` as its
-        name e.g. ``"EFBIG"``, ``reason``), log it at WARNING and count it
-        (``memfuse_refusals_total{errno}``)."""
+        name e.g. ``"EFBIG"``, ``code``: the machine reason e.g. ``"record_too_large"``,
+        ``reason``: one sentence, never content), log it at WARNING with the same fields and
+        count it (``memfuse_refusals_total{errno}``). ``code`` defaults to the usual cause
+        of ``err`` (``CODE_BY_ERRNO``)."""
         name = errno.errorcode.get(err, str(err))
+        code = code or CODE_BY_ERRNO.get(err, name.lower())
         self.errors.append({"time": _now(), "store": store, "path": path, "errno": name,
-                            "reason": reason})
-        log.warning("refused", extra={"store": store, "path": path, "errno": name,
-                                      "reason": reason})
+                            "code": code, "reason": reason})
+        log.warning("refused", extra={"store": store, "path": path, "errno": name, "code": code,
+                           "reason": reason})
         if self.fs.metrics is not None:
             self.fs.metrics.refusals.labels(name).inc()
 
@@ -94,9 +109,29 @@ class ControlFiles:
         self.errors.append({"time": _now(), "store": store, "path": path, "conflict": True,
                             "reason": what})
 
+    def _store_status(self, s) -> dict:
+        """One store's entry: ``records`` / ``bytes`` are what the control plane holds plus
+        what is pending (a file rejected over a stored record counts with the stored
+        size); ``rejected`` / ``rejected_bytes`` are the files refused for good, kept here
+        (their local content), never counted in ``records`` / ``bytes``."""
+        records, used, rejected, rejected_bytes = s.count, s.used, 0, 0
+        for n in self.fs.rejected_files(s):
+            size = n.cur_size()
+            rejected += 1
+            rejected_bytes += size
+            used -= size
+            if n.record_id:  # the control plane holds the record (its earlier content)
+                used += self.committed_size(s.slug, n.record_id) or 0
+            else:
+                records -= 1
+        return {"slug": s.slug, "access": s.access, "records": records, "bytes": used,
+                "rejected": rejected, "rejected_bytes": rejected_bytes,
+                "max_records": s.max_records, "max_store_bytes": s.max_store_bytes}
+
     def status(self) -> dict:
         """The filesystem's part of the status document: workspace, readiness, uptime (s),
-        per store its records, bytes and limits, the outbox (depth, oldest age in s,
+        per store its records, bytes (held by the control plane + pending), rejected files
+        and their bytes (``_store_status``) and limits, the outbox (depth, oldest age in s,
         committed / refused / retried counts), open handles and inodes."""
         fs = self.fs
         c = fs.committer
@@ -104,9 +139,7 @@ class ControlFiles:
             "workspace": fs.workspace,
             "ready": fs.ready,
             "uptime_s": round(time.time() - fs.started, 1),
-            "stores": [{"slug": s.slug, "access": s.access, "records": s.count, "bytes": s.used,
-                        "max_records": s.max_records, "max_store_bytes": s.max_store_bytes}
-                       for s in fs.stores.values()],
+            "stores": [self._store_status(s) for s in fs.stores.values()],
             "outbox": {"depth": c.depth(), "oldest_age_s": round(c.oldest_age(), 3),
                        "committed": c.committed, "refused": c.refused, "retries": c.retries},
             "open_handles": len(fs.handles),
@@ -134,7 +167,7 @@ def write_mount_info(cache_dir: Path, info: dict) -> None:
     mount. Atomic (tmp + rename); a failure is logged, never raised (it is a convenience)."""
     tmp = cache_dir / (MOUNT_INFO + ".tmp")
     try:
-        tmp.write_text(json.dumps(info))
+        write_private(tmp, json.dumps(info))
         os.replace(tmp, cache_dir / MOUNT_INFO)
     except OSError as e:
         log.warning("mount info not written", extra={"errno": errno.errorcode.get(e.errno)})

@@ -40,12 +40,14 @@ from .. import names
 from ..models import RECORD_TYPES, sha256_hex
 
 from .blobcache import BlobCache
+from .cachedir import write_private
 from .control import CONTROL_DIR, FILES, ControlFiles
 from .inodes import (CLEAN, DIR_MODE, DIR_MODES_KEY, PENDING, REJECTED, ROOT_INO, FsError,
                      Handle, InodeTable, Node, Settings, StoreMount)
 from .namespace import NamespaceOps
 from .outbox import (ATTRS, DELETE, MOVE, MOVE_PREFIX, PUT, CacheError, Committer, Entry,
                      cache_error)
+from .rejected import RejectedFiles
 from .remote import RemoteApply
 
 log = logging.getLogger("memfuse.fs")
@@ -55,11 +57,14 @@ __all__ = ["Filesystem", "FsError", "Settings", "Node", "Handle", "StoreMount", 
            "CONTROL_DIR", "CLEAN", "PENDING", "REJECTED"]
 
 
-class Filesystem(InodeTable, RemoteApply, NamespaceOps):
+class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles):
     """The namespace and semantics of one memfuse mount (see module docstring)."""
 
     def __init__(self, blobs: BlobCache, committer: Committer, settings: Settings | None = None,
-                 workspace: str = "", dirs_file: Path | None = None) -> None:
+                 workspace: str = "", dirs_file: Path | None = None,
+                 rejected: list[dict] | None = None) -> None:
+        """``rejected``: the rejected files a previous process kept
+        (``Journal.load_rejected``), put back as each store is added (``add_store``)."""
         self.blobs = blobs
         self.dirs_file = dirs_file
         self.saved_dirs: dict = {}  # slug -> directory paths; DIR_MODES_KEY -> modes
@@ -91,6 +96,14 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps):
             self._new_node(fname, self.control, False, None, 0o444, now).special = kind
         committer.on_result = self._on_commit
         committer.on_conflict = self._on_conflict
+        self._init_rejected(rejected)
+
+    def add_store(self, slug: str, access: str, records: list, **kw) -> StoreMount:
+        """``RemoteApply.add_store``, then the store's rejected files kept from before a
+        restart are put back (``RejectedFiles``)."""
+        sm = super().add_store(slug, access, records, **kw)
+        self._restore_rejected(sm)
+        return sm
 
     # ------------------------------------------------------------------ directories (dirs.json)
     def _ensure_dir(self, sm: StoreMount, parts: list[str], ts: int,
@@ -135,7 +148,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps):
         out[DIR_MODES_KEY] = modes
         tmp = self.dirs_file.with_suffix(".tmp")
         try:
-            tmp.write_text(json.dumps(out))
+            write_private(tmp, json.dumps(out))
             os.replace(tmp, self.dirs_file)
         except OSError as exc:
             with contextlib.suppress(OSError):
@@ -166,13 +179,15 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps):
             s = names.check_component(name)
         except names.NameError_ as e:
             self.refuse(d, name.decode("utf-8", "replace"),
-                        errno.ENAMETOOLONG if e.too_long else errno.EINVAL, e.reason)
+                        errno.ENAMETOOLONG if e.too_long else errno.EINVAL, e.reason,
+                        "path_too_long" if e.too_long else "invalid_path")
         path = (d.path() + "/" + s) if d.path() else s
         if not self.is_local_only(s):
             try:
                 names.check_path(path)
             except names.NameError_ as e:
-                self.refuse(d, s, errno.ENAMETOOLONG if e.too_long else errno.EINVAL, e.reason)
+                self.refuse(d, s, errno.ENAMETOOLONG if e.too_long else errno.EINVAL, e.reason,
+                            "path_too_long" if e.too_long else "invalid_path")
         return s
 
     def is_local_only(self, name: str) -> bool:
@@ -180,18 +195,20 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps):
         tool temporaries kept in this sidecar, never sent: ``Settings.local_only_patterns``)."""
         return names.is_local_only(name, self.settings.local_only_patterns)
 
-    def refuse(self, where: Node, name: str, err: int, reason: str) -> None:
+    def refuse(self, where: Node, name: str, err: int, reason: str, code: str = "") -> None:
         """Record a refusal in ``errors.log`` and raise it as ``FsError``."""
-        self.note_error(where, name, err, reason)
-        raise FsError(err, reason)
+        self.note_error(where, name, err, reason, code)
+        raise FsError(err, reason, code)
 
-    def note_error(self, where: Node | None, name: str, err: int, reason: str) -> None:
-        """Record a refusal at ``where`` / ``name`` (``where`` None: ``name`` is the path) in
-        ``errors.log`` with its errno and reason (``ControlFiles.note_error``); raises nothing."""
-        store = where.store.slug if where is not None and where.store else ""
+    def note_error(self, where: Node | None, name: str, err: int, reason: str,
+                   code: str = "", store: str = "") -> None:
+        """Record a refusal at ``where`` / ``name`` (``where`` None: ``name`` is the path in
+        ``store``) in ``errors.log`` and the log with its errno, reason code and reason
+        (``ControlFiles.note_error``); raises nothing."""
+        store = where.store.slug if where is not None and where.store else store
         base = where.path() if where is not None and where.store else ""
         path = f"{base}/{name}" if base and name else (name or base)
-        self.controls.note_error(store, path, err, reason)
+        self.controls.note_error(store, path, err, reason, code)
 
     # ------------------------------------------------------------------ content
     def read(self, h: Handle, off: int, size: int) -> bytes:
@@ -220,13 +237,13 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps):
         sm = n.store
         if sm is not None and size > sm.max_record_bytes and not n.local_only:
             reason = f"record would be {size} bytes, limit {sm.max_record_bytes}"
-            self.note_error(n.parent, n.name, errno.EFBIG, reason)
+            self.note_error(n.parent, n.name, errno.EFBIG, reason, "record_too_large")
             # What this write session left behind (often a truncation at open plus part of
             # the content) must not replace the stored record: hold it back until the next
             # open for writing (docs/SEMANTICS.md: the stored record untouched).
             if n.dirty:  # else nothing changed and the file stays as it was
                 n.refused, n.state, n.error = errno.EFBIG, REJECTED, reason
-            raise FsError(errno.EFBIG, reason)
+            raise FsError(errno.EFBIG, reason, "record_too_large")
 
     def _check_growth(self, n: Node, new_size: int) -> None:
         """``ENOSPC`` when growing ``n`` to ``new_size`` passes the store's byte quota."""
@@ -236,10 +253,10 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps):
             return
         reason = (f"store {sm.slug} would hold {sm.used + grow} bytes, "
                   f"limit {sm.max_store_bytes}")
-        self.note_error(n.parent, n.name, errno.ENOSPC, reason)
+        self.note_error(n.parent, n.name, errno.ENOSPC, reason, "store_full")
         if n.dirty:
             n.refused, n.state, n.error = errno.ENOSPC, REJECTED, reason
-        raise FsError(errno.ENOSPC, reason)
+        raise FsError(errno.ENOSPC, reason, "store_full")
 
     def write(self, h: Handle, off: int, data: bytes) -> int:
         """write(2) of ``data`` at byte offset ``off`` (the end for ``O_APPEND``) through
@@ -333,7 +350,8 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps):
             raise FsError(errno.EEXIST)
         local = self.is_local_only(s)
         if not local and sm.count >= sm.max_records:
-            self.refuse(d, s, errno.ENOSPC, f"store {sm.slug} holds {sm.max_records} records, its limit")
+            self.refuse(d, s, errno.ENOSPC, f"store {sm.slug} holds {sm.max_records} records, its limit",
+                        "store_full")
         n = self._new_node(s, d, False, sm, stat.S_IMODE(mode), time.time_ns(), uid, gid)
         n.local_only = local
         n.key = "n:" + uuid.uuid4().hex
@@ -379,11 +397,15 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps):
             log.warning("blob cache write failed; the file's content stays in memory",
                         extra={"store": n.store.slug, "path": n.path(), "reason": err.reason})
         if n.refused:
+            self._mark_rejected(n, n.refused, "")
+            self.sync_rejected()
             raise FsError(n.refused, n.error)
         refusal = self._precheck(n, data)
         if refusal is not None:
             n.state, n.error, n.last_put = REJECTED, refusal.reason, None
-            self.note_error(n.parent, n.name, refusal.errno, refusal.reason)
+            self.note_error(n.parent, n.name, refusal.errno, refusal.reason, refusal.code)
+            self._mark_rejected(n, refusal.errno, refusal.code)
+            self.sync_rejected()
             raise refusal
         # the attributes ride with the content (cp -p, install -m, sed -i's fchmod)
         e = self.committer.submit(n.store.slug, PUT, n.key,
@@ -391,6 +413,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps):
                                    "mode": stat.S_IMODE(n.mode), "mtime_ns": n.xmtime}, data)
         n.last_put = e
         n.state, n.error = PENDING, ""
+        self.sync_rejected()  # a fixed file is no longer kept as rejected (same batch as e)
         return e
 
     def commit_quietly(self, n: Node) -> None:
@@ -410,22 +433,23 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps):
         try:
             data.decode("utf-8")
         except UnicodeDecodeError as e:
-            return FsError(errno.EILSEQ, f"content is not valid UTF-8 (byte {e.start})")
+            return FsError(errno.EILSEQ, f"content is not valid UTF-8 (byte {e.start})",
+                           "invalid_content")
         nul = data.find(b"\0")
         if nul >= 0:
             return FsError(errno.EILSEQ, f"content contains a NUL character (at offset {nul}); "
-                                         "records are text")
+                                         "records are text", "invalid_content")
         text = data.decode("utf-8")
         kind = content_rules.find_secret(text)
         if kind:
             return FsError(errno.EPERM, f"content looks like it holds a secret ({kind}); "
-                                        "memory must not store credentials")
+                                        "memory must not store credentials", "secret_detected")
         try:
             t = content_rules.record_type(n.path(), text, n.type_override, "project")
             if t is not None:
                 content_rules.check_type(t)
         except ValueError as e:
-            return FsError(errno.EINVAL, str(e) or "invalid record type")
+            return FsError(errno.EINVAL, str(e) or "invalid record type", "invalid_type")
         return None
 
     async def flush(self, h: Handle) -> None:
@@ -487,7 +511,8 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps):
             if n.last_put is e:
                 n.error = err.reason
             self.note_error(n.parent if n.store is not None else None, n.name, err.errno,
-                            err.reason + "; the write is kept in memory and retried")
+                            err.reason + "; the write is kept in memory and retried",
+                            "cache_disk_full" if err.errno == errno.ENOSPC else "cache_disk_error")
             raise FsError(err.errno, err.reason) from None
 
     def release(self, fh: int) -> None:
@@ -508,17 +533,19 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps):
     def _on_commit(self, e: Entry) -> None:
         if e.op == MOVE_PREFIX or e.node_key is None:
             if e.errno:
-                self.note_error(None, e.args.get("from", ""), e.errno, e.reason)
+                self.note_error(None, e.args.get("from", ""), e.errno, e.reason, e.code, e.store)
             return
         n = self.by_key.get(e.node_key)
         if e.op == PUT:
             if e.errno:
                 self.note_error(n.parent if n else None, n.name if n else e.args.get("path", ""),
-                                e.errno, e.reason)
+                                e.errno, e.reason, e.code, e.store)
             if n is None or n.last_put is not e:
                 return
             if e.errno:
                 n.state, n.error = REJECTED, e.reason
+                self._mark_rejected(n, e.errno, e.code)
+                self.sync_rejected()
             elif e.record is not None:
                 self._bind_rid(n, e.record.id)
                 n.version, n.rtype = e.record.version, e.record.type
@@ -529,7 +556,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps):
         elif e.op == ATTRS:
             if e.errno:
                 self.note_error(n.parent if n else None, n.name if n else e.args.get("path", ""),
-                                e.errno, e.reason)
+                                e.errno, e.reason, e.code, e.store)
             elif n is not None and e.record is not None and n.record_id == e.record.id:
                 if e.record.sha256 == n.sha and n.buf is None:
                     n.version = max(n.version, e.record.version)
@@ -540,7 +567,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps):
             self._bind_rid(n, e.record.id)
             n.version = e.record.version
         elif e.op in (DELETE, MOVE) and e.errno:
-            self.note_error(None, e.args.get("path", ""), e.errno, e.reason)
+            self.note_error(None, e.args.get("path", ""), e.errno, e.reason, e.code, e.store)
 
     # ------------------------------------------------------------------ attributes
     def setattr(self, n: Node, *, fh: int | None = None, size: int | None = None,
@@ -655,7 +682,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps):
         t = value.decode("utf-8", "replace").strip()
         if t not in RECORD_TYPES:
             self.refuse(n.parent, n.name, errno.EINVAL,
-                        f"type {t!r} is not one of {', '.join(RECORD_TYPES)}")
+                        f"type {t!r} is not one of {', '.join(RECORD_TYPES)}", "invalid_type")
         if n.local_only:
             raise FsError(errno.ENOTSUP, "local-only files have no type")
         n.type_override = t

@@ -39,12 +39,15 @@ DIR_MODES_KEY = "_modes"  # dirs.json: {slug: {dir path ("" = store root): mode}
 
 
 class FsError(Exception):
-    """A refusal with an errno (``errno.E*``) and a reason for logs and ``errors.log``."""
+    """A refusal with an errno (``errno.E*``), a reason for logs and ``errors.log`` and, for
+    refusals of content or names, a machine ``code`` (the control plane's problem codes:
+    ``secret_detected``, ``invalid_content``, ``record_too_large``...; "" when none)."""
 
-    def __init__(self, err: int, reason: str = "") -> None:
+    def __init__(self, err: int, reason: str = "", code: str = "") -> None:
         super().__init__(reason or os.strerror(err))
         self.errno = err
         self.reason = reason or os.strerror(err)
+        self.code = code
 
 @dataclass(eq=False, slots=True)
 class Node:

@@ -31,6 +31,7 @@ import trio
 from ..client import ApiClient
 from ..content import INDEX_PATH
 from .blobcache import BlobCache
+from .cachedir import secure_cache_dir
 from .control import MOUNT_INFO, write_mount_info
 from .core import Filesystem, Settings
 from .fuse_ops import MemfuseOps
@@ -93,7 +94,7 @@ class CacheLock:
     """An exclusive ``flock`` on ``<cache_dir>/lock``: two sidecars never share one cache."""
 
     def __init__(self, cache_dir: Path) -> None:
-        cache_dir.mkdir(parents=True, exist_ok=True)
+        cache_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.fd = os.open(cache_dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -120,7 +121,7 @@ class Sidecar(StoreSync):
         self.config = config
         self.client = client
         self.metrics = Metrics()
-        config.cache_dir.mkdir(parents=True, exist_ok=True)
+        secure_cache_dir(config.cache_dir)  # owner-only: it holds memory content
         self.journal = Journal(config.cache_dir / "outbox.db", metrics=self.metrics)
         self.leftovers, keymap = self.journal.load()
         self.committer = Committer(client, self.journal, keymap, metrics=self.metrics)
@@ -133,9 +134,16 @@ class Sidecar(StoreSync):
         if legacy.is_dir():
             shutil.rmtree(legacy, ignore_errors=True)
         self.fs = Filesystem(BlobCache(config.cache_dir / "blobs.db"), self.committer, settings,
-                             config.workspace, dirs_file=config.cache_dir / "dirs.json")
+                             config.workspace, dirs_file=config.cache_dir / "dirs.json",
+                             rejected=self.journal.load_rejected())
         self.ops = MemfuseOps(self.fs, self.metrics)
         self.fs.controls.status_provider = self.status
+
+        def committed_size(slug: str, rid: str) -> int | None:
+            state = self.states.get(slug)
+            rec = state.records.get(rid) if state is not None else None
+            return rec.size if rec is not None else None
+        self.fs.controls.committed_size = committed_size
         on_result = self.committer.on_result
 
         def committed(e) -> None:  # the tree first, then the store's mirror
@@ -411,6 +419,7 @@ class Sidecar(StoreSync):
                 with contextlib.suppress(OSError):
                     (config.cache_dir / MOUNT_INFO).unlink()
             self.save_states()
+            self.fs.sync_rejected()  # written by journal.close() below
             left = self.committer.depth()
             if left:
                 log.warning("entries left in the outbox for the next start", extra={"entries": left})

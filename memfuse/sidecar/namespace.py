@@ -66,6 +66,7 @@ class NamespaceOps:
         n.dirty = False
         self._detach(n)
         self._bind_rid(n, None)
+        self.sync_rejected()  # an unlinked rejected file is not kept
 
     def rmdir(self, parent_ino: int, name: bytes) -> None:
         """rmdir(2) of directory ``name`` in ``parent_ino``. Raises ``FsError``: ``ENOENT``,
@@ -135,6 +136,7 @@ class NamespaceOps:
             self._save_dirs_logged()
         if commit_after and src.opened == 0:
             self.commit_quietly(src)
+        self.sync_rejected()  # rejected files moved (or replaced) keep their new paths
 
     def _adopt_key(self, src: Node, dst: Node) -> None:
         """``src`` replaces ``dst`` locally and takes over its record (key and id)."""

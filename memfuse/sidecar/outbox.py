@@ -49,6 +49,7 @@ from ..client import ApiClient
 from ..errors import (ERRNO_BY_CODE, ApiError, Conflict, NotFound, PreconditionFailed,
                       TransientError, Unauthorized)
 from ..models import Record, sha256_hex
+from .cachedir import private_file
 
 log = logging.getLogger("memfuse.outbox")
 
@@ -80,6 +81,7 @@ class Entry:
     done: trio.Event = field(default_factory=trio.Event)
     errno: int = 0
     reason: str = ""
+    code: str = ""  # the refusal's problem code (``secret_detected``...), "" when committed
     attempts: int = 0
     record: Record | None = None  # the record after the commit, when the op returns one
     record_id: str | None = None  # delete / move: the record the op acted on
@@ -174,6 +176,7 @@ class Journal:
     def __init__(self, path: Path, metrics=None) -> None:
         self.path = path
         self.metrics = metrics
+        private_file(path)  # 0600; SQLite gives its -wal / -shm files the same mode
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         # a new file gives freed pages back on `incremental_vacuum` (no effect on an old one)
         self._db.execute("PRAGMA auto_vacuum=INCREMENTAL")
@@ -188,6 +191,13 @@ class Journal:
         self._db.execute(
             "CREATE TABLE IF NOT EXISTS keymap (node_key TEXT PRIMARY KEY, record_id TEXT,"
             " sha256 TEXT)")
+        # files whose content was refused for good: kept here (not in the blob cache, a
+        # cache) so they survive a restart, still rejected (``rejected.RejectedFiles``)
+        self._db.execute(
+            "CREATE TABLE IF NOT EXISTS rejected (node_key TEXT PRIMARY KEY, store TEXT NOT NULL,"
+            " path TEXT NOT NULL, errno INTEGER NOT NULL, code TEXT NOT NULL, reason TEXT NOT NULL,"
+            " content BLOB NOT NULL, record_id TEXT, type TEXT, mode INTEGER, mtime_ns INTEGER,"
+            " created REAL NOT NULL)")
         # queued writes: [sql, params, entry id of an insert (else None)]
         self._pending: list[list] = []
         self._waiters: list[Entry] = []
@@ -210,6 +220,29 @@ class Journal:
         keymap = {r[0]: (r[1], r[2]) for r in self._db.execute(
             "SELECT node_key, record_id, sha256 FROM keymap")}
         return entries, keymap
+
+    REJECTED_COLUMNS = ("node_key", "store", "path", "errno", "code", "reason", "content",
+                        "record_id", "type", "mode", "mtime_ns", "created")
+
+    def load_rejected(self) -> list[dict[str, Any]]:
+        """The rejected files a previous process kept (``replace_rejected``), one dict a row
+        with the keys of ``REJECTED_COLUMNS`` (``content`` as bytes), oldest first."""
+        cols = ", ".join(self.REJECTED_COLUMNS)
+        return [dict(zip(self.REJECTED_COLUMNS, row)) for row in self._db.execute(
+            f"SELECT {cols} FROM rejected ORDER BY created")]
+
+    def replace_rejected(self, stores: list[str], rows: list[dict[str, Any]]) -> None:
+        """Queue the replacement of the rejected files of ``stores`` (slugs) by ``rows``
+        (dicts with the keys of ``REJECTED_COLUMNS``), written in order with the entries, in
+        one transaction with whatever else the batch holds (so a fix's ``put`` and the end of
+        its rejection land together). Rows of other stores are kept. Never blocks."""
+        for slug in stores:
+            self._pending.append(["DELETE FROM rejected WHERE store=?", (slug,), None])
+        marks = ",".join("?" * len(self.REJECTED_COLUMNS))
+        for r in rows:
+            self._pending.append([f"INSERT OR REPLACE INTO rejected VALUES ({marks})",
+                                  tuple(r[c] for c in self.REJECTED_COLUMNS), None])
+        self._wakeup.set()
 
     def next_id(self) -> int:
         """The highest entry id on disk (0 for an empty journal): entry ids continue from it."""
@@ -563,9 +596,11 @@ class Committer:
                 self.refused += 1
                 e.errno = errno_for(err)
                 e.reason = err.detail or err.code or f"HTTP {err.status}"
+                e.code = err.code or f"http_{err.status}"
                 log.warning("commit refused", extra={
-                    "entry": e.id, "op": e.op, "store": e.store, "path": e.args.get("path"),
-                    "status": err.status, "code": err.code, "errno": errno.errorcode.get(e.errno)})
+                    "entry": e.id, "op": e.op, "store": e.store,
+                    "path": e.args.get("path") or e.args.get("from"),
+                    "status": err.status, "code": e.code, "errno": errno.errorcode.get(e.errno)})
                 return
             except Exception:
                 # a bug or an answer we cannot read: never end the mount, never drop the

@@ -348,6 +348,7 @@ class StoreSync:
         while True:
             await trio.sleep(2)
             self.save_states()
+            self.fs.sync_rejected()  # e.g. a remote change replaced a rejected file
             if trio.current_time() - last_gc >= self.GC_EVERY:
                 last_gc = trio.current_time()
                 self._gc_blobs()

@@ -28,6 +28,7 @@ import trio
 from ..client import ApiClient
 from ..errors import Gone
 from ..models import DEFAULT_MODE, Change, Record
+from .cachedir import write_private
 from .outbox import cache_error
 
 log = logging.getLogger("memfuse.sync")
@@ -107,8 +108,8 @@ class StoreState:
         data = {"format": 2, "cursor": self.cursor, "access": self.access,
                 "limits": self.limits, "records": [m.dump() for m in self.records.values()]}
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(data, separators=(",", ":")))
+            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            write_private(tmp, json.dumps(data, separators=(",", ":")))
             os.replace(tmp, self.path)
         except OSError as exc:
             with contextlib.suppress(OSError):

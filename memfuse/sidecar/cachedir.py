@@ -1,0 +1,92 @@
+"""Owner-only permissions for the sidecar's cache directory.
+
+The cache directory holds memory content (``blobs.db``), the outbox journal (``outbox.db``:
+accepted writes, and refused content kept for the agent to fix, e.g. a key refused as a
+secret), the store mirrors, ``dirs.json``, ``mount.json``, the lock and the admin socket. None
+of it is for other users: directories are ``0700`` and files ``0600`` (the admin socket
+included), whatever the umask.
+
+- ``secure_cache_dir(path)`` runs at start: creates the directory ``0700`` or, when it exists,
+  tightens it and everything below it (group / other bits cleared; owner bits kept) and logs
+  what it changed.
+- ``private_file(path)`` creates an empty file ``0600`` (before SQLite opens it: SQLite gives
+  its ``-wal`` / ``-shm`` / ``-journal`` files the database file's mode) or tightens an
+  existing one.
+- ``write_private(path, text)`` writes a file created ``0600`` (the tmp file of an atomic
+  tmp + rename).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from pathlib import Path
+
+log = logging.getLogger("memfuse.mount")
+
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+_OTHERS = stat.S_IRWXG | stat.S_IRWXO
+
+
+def _tighten(path: Path, st: os.stat_result) -> bool:
+    """Clear the group / other bits of ``path`` (not following symlinks); True when it
+    changed."""
+    mode = stat.S_IMODE(st.st_mode)
+    if not mode & _OTHERS or stat.S_ISLNK(st.st_mode):
+        return False
+    os.chmod(path, mode & ~_OTHERS)
+    return True
+
+
+def secure_cache_dir(path: Path) -> int:
+    """Make ``path`` (created with parents when missing) and everything in it owner-only:
+    directories ``0700``, files ``0600`` at most (permission bits above the owner's are
+    cleared, owner bits kept). Returns how many entries were tightened; when any were, one
+    INFO line says so. Raises ``OSError`` when the directory cannot be created; an entry that
+    cannot be changed (owned by someone else) is logged and skipped."""
+    path.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
+    changed, failed = 0, 0
+    entries = [path]
+    for root, dirs, files in os.walk(path):
+        entries += [Path(root) / d for d in dirs] + [Path(root) / f for f in files]
+    for p in entries:
+        try:
+            if _tighten(p, p.lstat()):
+                changed += 1
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            failed += 1
+            log.warning("cache entry left with its permissions", extra={
+                "path": str(p), "error": e.strerror or str(e)})
+    if changed:
+        log.info("cache directory permissions tightened to owner-only", extra={
+            "cache_dir": str(path), "entries": changed, "failed": failed})
+    return changed
+
+
+def private_file(path: Path) -> None:
+    """Create ``path`` empty with mode ``0600`` when missing; clear group / other bits of an
+    existing one. Raises ``OSError``."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
+    try:
+        st = os.fstat(fd)
+        if stat.S_IMODE(st.st_mode) & _OTHERS:
+            os.fchmod(fd, stat.S_IMODE(st.st_mode) & ~_OTHERS)
+    finally:
+        os.close(fd)
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path``, created or truncated, mode ``0600``. Raises
+    ``OSError``."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
+    try:
+        os.fchmod(fd, FILE_MODE)
+        data = text.encode("utf-8")
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)

@@ -1,0 +1,169 @@
+"""Rejected files kept across restarts: the part of ``core.Filesystem`` that remembers them.
+
+A file whose content the control plane (or the sidecar's own checks) refused for good keeps
+that content locally with ``state=rejected`` (docs/SEMANTICS.md, "Writes and close"), so the
+agent can fix it in place. A local disk would not lose such a file on a reboot, so neither
+does memfuse: every rejected file of a mounted store is kept in the outbox journal's
+``rejected`` table (``outbox.Journal.replace_rejected``: the same SQLite file, fsynced, written
+in order with the outbox entries) with its store, path, node key, errno, reason code, reason,
+content, record id, type override, mode and explicit mtime. At the next start each store is
+restored from that table right after it is loaded (``add_store``): the file is back at its
+path, still ``rejected`` with its reason, and nothing is sent until it changes (a new write
+commits as usual; unlink drops it).
+
+Shape: ``Filesystem._rejected`` maps each rejected node to ``(errno, code)``;
+``sync_rejected()`` compares what would be written with what was written last
+(``_rejected_saved``: node key → signature) and queues a replacement of the store's rows only
+when something changed (a rejection, a fix, an unlink, a rename, a chmod). It is called after
+commits and namespace changes, and every 2 s by the sidecar's saver (remote changes that
+replace a rejected file). Nothing here awaits; everything runs on the trio thread.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import stat
+import time
+from typing import Any
+
+from ..models import sha256_hex
+from .control import CODE_BY_ERRNO
+from .inodes import REJECTED, Node, StoreMount
+
+log = logging.getLogger("memfuse.fs")
+
+
+class RejectedFiles:
+    """Persistence of rejected files (module docstring); mixed into ``core.Filesystem``,
+    whose ``__init__`` calls ``_init_rejected``."""
+
+    def _init_rejected(self, saved: list[dict[str, Any]] | None) -> None:
+        self._rejected: dict[Node, tuple[int, str]] = {}  # node -> (errno, code)
+        self._rejected_saved: dict[str, tuple] = {}  # node key -> signature written
+        self._rejected_rows: dict[str, dict[str, Any]] = {}  # node key -> row written
+        # rows a previous process kept, by store, until the store is loaded
+        self._rejected_restore: dict[str, list[dict[str, Any]]] = {}
+        for row in saved or ():
+            self._rejected_restore.setdefault(row["store"], []).append(row)
+
+    def _mark_rejected(self, n: Node, err: int, code: str) -> None:
+        """``n`` was refused for good with ``err`` / ``code``: keep it (``sync_rejected``)."""
+        self._rejected[n] = (err, code or CODE_BY_ERRNO.get(err, ""))
+
+    def rejected_files(self, sm: StoreMount | None = None) -> list[Node]:
+        """The live rejected files, of one store or (``sm`` None) of all."""
+        return [n for n in self._rejected if n.state == REJECTED and not n.unlinked
+                and not n.local_only and n.store is not None and not n.store.detached
+                and (sm is None or n.store is sm)]
+
+    def _rejected_row(self, n: Node, err: int, code: str) -> tuple[tuple, dict[str, Any]] | None:
+        prev = self._rejected_rows.get(n.key)
+        if n.dirty:  # being rewritten: the content refused last stays kept until judged
+            return (self._rejected_saved[n.key], prev) if prev is not None else None
+        data = self._content(n)
+        sig = (n.store.slug, n.path(), err, code, n.error, sha256_hex(data), n.record_id,
+               n.type_override, stat.S_IMODE(n.mode), n.xmtime)
+        if prev is not None and self._rejected_saved.get(n.key) == sig:
+            return sig, prev
+        row = {"node_key": n.key, "store": n.store.slug, "path": n.path(), "errno": err,
+               "code": code, "reason": n.error, "content": data, "record_id": n.record_id,
+               "type": n.type_override, "mode": stat.S_IMODE(n.mode), "mtime_ns": n.xmtime,
+               "created": prev["created"] if prev else time.time()}
+        return sig, row
+
+    def sync_rejected(self) -> None:
+        """Write the rejected files of the mounted stores to the journal when they changed
+        since the last call (a rejection, a fix, an unlink, a rename, a chmod). Queued in
+        order with the outbox entries; never blocks, never raises for the disk (the journal
+        retries a failed write)."""
+        if not self._rejected and not self._rejected_saved:
+            return
+        sigs: dict[str, tuple] = {}
+        rows: dict[str, dict[str, Any]] = {}
+        for n in list(self._rejected):
+            if n.state != REJECTED or n.unlinked or n.local_only or n.store is None:
+                del self._rejected[n]
+                continue
+            if n.store.detached:  # its rows stay as they are until it is mounted again
+                continue
+            got = self._rejected_row(n, *self._rejected[n])
+            if got is not None:
+                sigs[n.key], rows[n.key] = got
+        mounted = set(self.stores)
+        kept = {k: s for k, s in self._rejected_saved.items() if s[0] not in mounted}
+        if {**kept, **sigs} == self._rejected_saved:
+            return
+        changed = {s[0] for s in sigs.values()} | {
+            s[0] for k, s in self._rejected_saved.items() if s[0] in mounted and sigs.get(k) != s}
+        self.committer.journal.replace_rejected(
+            sorted(changed), [r for r in rows.values() if r["store"] in changed])
+        self._rejected_saved = {**kept, **sigs}
+        self._rejected_rows = {k: r for k, r in {**self._rejected_rows, **rows}.items()
+                               if k in self._rejected_saved}
+
+    def _restore_rejected(self, sm: StoreMount) -> None:
+        """Put back the rejected files a previous process kept for store ``sm`` (just
+        loaded): at their path, with their content, ``state=rejected`` and the reason. A
+        file whose path now holds another record, or crosses a file, is not restored: the
+        loss is written to ``errors.log`` and the log (with the path, never the content).
+
+        A store mounted again in the same process (detached, then attached) gets back the
+        rejected files it had when it was taken out of the mount."""
+        rows = self._rejected_restore.pop(sm.slug, None)
+        if rows is None:
+            rows = [r for r in self._rejected_rows.values() if r["store"] == sm.slug]
+            for n in [n for n in self._rejected if n.store is not None
+                      and n.store.slug == sm.slug and n.store is not sm]:
+                del self._rejected[n]  # the nodes of the earlier mount of this store
+        for row in rows:
+            try:
+                self._restore_one(sm, row)
+            except Exception:  # a bad row must not stop the mount
+                log.exception("rejected file not restored", extra={"store": sm.slug,
+                                                                   "path": row.get("path")})
+
+    def _restore_one(self, sm: StoreMount, row: dict[str, Any]) -> None:
+        data: bytes = row["content"]
+        path: str = row["path"]
+        parts = path.split("/")
+        n = self.by_rid.get(row["record_id"]) if row["record_id"] else None
+        if n is not None and (n.unlinked or n.store is not sm or n.is_dir):
+            n = None
+        if n is None:
+            d = self._ensure_dir(sm, parts[:-1], time.time_ns())
+            cur = d.children.get(parts[-1]) if d is not None else None
+            if d is None or (cur is not None and (cur.is_dir or cur.record_id != row["record_id"]
+                                                  or cur.record_id is None)):
+                why = ("a directory or file is in its way" if d is None or cur.is_dir
+                       else "another record now has its path")
+                self.note_error(None, path, row["errno"],
+                                f"a rejected file kept from before the restart was dropped: {why} "
+                                f"(it was refused: {row['reason']})", row["code"], sm.slug)
+                # the row goes at the next sync_rejected (a signature nothing matches)
+                self._rejected_saved[row["node_key"]] = (sm.slug, "dropped")
+                self._rejected_rows.pop(row["node_key"], None)
+                return
+            n = cur
+        if n is None:
+            n = self._new_node(parts[-1], d, False, sm, row["mode"] or 0o644, time.time_ns())
+            n.key = row["node_key"]
+            self.by_key[n.key] = n
+            self._live(n, +1)
+        old = n.cur_size()
+        sha = sha256_hex(data)
+        self.blobs.put(data, sha)
+        n.sha, n.size, n.buf = sha, len(data), None
+        self._account(n, len(data) - old)
+        if row["mode"] is not None:
+            n.mode = stat.S_IFREG | stat.S_IMODE(row["mode"])
+        n.xmtime = row["mtime_ns"]
+        n.type_override = row["type"]
+        n.state, n.error, n.dirty, n.last_put = REJECTED, row["reason"], False, None
+        n.mtime_ns = n.ctime_ns = int(row["created"] * 1e9) if n.xmtime is None else n.xmtime
+        self._rejected[n] = (row["errno"], row["code"])
+        self._rejected_saved[n.key] = self._rejected_row(n, row["errno"], row["code"])[0]
+        self._rejected_rows[n.key] = row
+        log.info("rejected file kept from before the restart",
+                 extra={"store": sm.slug, "path": path,
+                        "errno": errno.errorcode.get(row["errno"], row["errno"]),
+                        "code": row["code"]})

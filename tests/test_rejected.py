@@ -1,0 +1,176 @@
+"""Rejected files survive a restart (layer test, no FUSE): a file refused for good is kept in
+the outbox journal's ``rejected`` table and put back, still rejected, when its store is loaded
+by the next process; it is not sent again until it changes; a fix commits it and drops it from
+the table, an unlink drops it too; ``status`` counts it apart from records and bytes. The same
+through a real mount and a real restart: tests/test_rejected_mount.py."""
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+import trio
+
+from memfuse.sidecar.blobcache import BlobCache
+from memfuse.sidecar.core import PENDING, REJECTED, Filesystem, FsError
+from memfuse.sidecar.outbox import PUT, Committer, Journal
+
+from test_layers import Offline, rec, tree
+
+BAD = b"notes: caf\xe9\n"  # not UTF-8: EILSEQ at close
+
+
+def start(tmp_path: Path, records) -> tuple[Filesystem, Journal]:
+    j = Journal(tmp_path / "outbox.db")
+    fs = Filesystem(BlobCache(tmp_path / "blobs.db"), Committer(Offline(), j, {}),
+                    rejected=j.load_rejected())
+    fs.controls.committed_size = lambda slug, rid: {"r1": 4, "r2": 4}.get(rid)
+    fs.add_store("default", "read_write", list(records))
+    return fs, j
+
+
+def stop(fs: Filesystem, j: Journal) -> None:
+    fs.sync_rejected()
+    j.close()
+    fs.blobs.close()
+
+
+def write(fs: Filesystem, name: str, data: bytes, *, create: bool) -> object:
+    sm = fs.stores["default"]
+    if create:
+        h = fs.create(sm.root.ino, name.encode(), 0o644, os.O_WRONLY | os.O_CREAT, 0, 0)
+    else:
+        h = fs.open(sm.root.children[name].ino, os.O_WRONLY | os.O_TRUNC)
+    fs.write(h, 0, data)
+    try:
+        return fs.commit(h.node)
+    finally:
+        fs.release(h.fh)
+
+
+def store_status(fs: Filesystem) -> dict:
+    (st,) = fs.status()["stores"]
+    return {k: st[k] for k in ("records", "bytes", "rejected", "rejected_bytes")}
+
+
+def test_rejected_files_survive_a_restart_until_fixed_or_unlinked(tmp_path):
+    records = [rec("r1", "a.md", "one\n"), rec("r2", "b.md", "two\n")]
+    fs, j = start(tmp_path, records)
+    with pytest.raises(FsError) as new:
+        write(fs, "k.md", BAD, create=True)
+    with pytest.raises(FsError) as over:
+        write(fs, "a.md", BAD, create=False)
+    assert new.value.errno == over.value.errno == errno.EILSEQ
+    assert new.value.code == "invalid_content"
+    # status: the control plane holds a.md (4 bytes) and b.md; k.md never reached it
+    assert store_status(fs) == {"records": 2, "bytes": 8, "rejected": 2,
+                                "rejected_bytes": 2 * len(BAD)}
+    trio.run(j.flush_pending)
+    stop(fs, j)
+
+    fs, j = start(tmp_path, records)  # the next process: same cache, same records
+    sm = fs.stores["default"]
+    assert tree(fs) == {"a.md": BAD, "b.md": b"two\n", "k.md": BAD}
+    k, a = sm.root.children["k.md"], sm.root.children["a.md"]
+    assert (k.state, a.state) == (REJECTED, REJECTED)
+    assert "UTF-8" in k.error and "UTF-8" in a.error
+    assert a.record_id == "r1" and k.record_id is None
+    assert fs.committer.depth() == 0  # nothing is sent again until it changes
+    assert store_status(fs) == {"records": 2, "bytes": 8, "rejected": 2,
+                                "rejected_bytes": 2 * len(BAD)}
+    assert fs.getxattr(k, "user.memfuse.state") == b"rejected"
+
+    # fix k.md in place: it is sent (a put in the outbox) and no longer kept as rejected
+    e = write(fs, "k.md", b"notes: fixed\n", create=False)
+    assert e is not None and e.op == PUT and k.state == PENDING
+    # unlink a.md: its rejected content goes with it (and the record is deleted)
+    fs.unlink(sm.root.ino, b"a.md")
+    trio.run(j.flush_pending)
+    assert {r["path"] for r in j.load_rejected()} == set()
+    stop(fs, j)
+
+    j = Journal(tmp_path / "outbox.db")
+    assert j.load_rejected() == []
+    assert [(e.op, e.args["path"]) for e in j.load()[0]] == [("put", "k.md"), ("delete", "a.md")]
+    j.close()
+
+
+def test_renamed_rejected_file_is_kept_at_its_new_path(tmp_path):
+    fs, j = start(tmp_path, [])
+    sm = fs.stores["default"]
+    with pytest.raises(FsError):
+        write(fs, "k.md", BAD, create=True)
+    d = fs.mkdir(sm.root.ino, b"sub", 0o755, 0, 0)
+    fs.rename(sm.root.ino, b"k.md", d.ino, b"moved.md", 0)
+    trio.run(j.flush_pending)
+    assert [(r["path"], r["errno"], r["code"]) for r in j.load_rejected()] == [
+        ("sub/moved.md", errno.EILSEQ, "invalid_content")]
+    stop(fs, j)
+    fs, j = start(tmp_path, [])
+    assert tree(fs) == {"sub/moved.md": BAD}
+    assert fs.stores["default"].root.children["sub"].children["moved.md"].state == REJECTED
+    stop(fs, j)
+
+
+def test_path_taken_meanwhile_drops_it_with_a_trace(tmp_path):
+    fs, j = start(tmp_path, [])
+    with pytest.raises(FsError):
+        write(fs, "k.md", BAD, create=True)
+    trio.run(j.flush_pending)
+    stop(fs, j)
+    # meanwhile another sidecar made a record at that path
+    fs, j = start(tmp_path, [rec("r9", "k.md", "other\n")])
+    assert tree(fs) == {"k.md": b"other\n"}
+    (line,) = [e for e in fs.errors if e["path"] == "k.md"]
+    assert line["errno"] == "EILSEQ" and "dropped" in line["reason"]
+    fs.sync_rejected()
+    trio.run(j.flush_pending)
+    assert j.load_rejected() == []  # not dropped again at every start
+    stop(fs, j)
+
+
+def test_store_mounted_again_gets_its_rejected_files_back(tmp_path):
+    fs, j = start(tmp_path, [])
+    with pytest.raises(FsError):
+        write(fs, "k.md", BAD, create=True)
+    fs.remove_store("default")
+    fs.sync_rejected()
+    fs.add_store("default", "read_write", [])
+    fs.sync_rejected()
+    assert tree(fs) == {"k.md": BAD}
+    assert fs.stores["default"].root.children["k.md"].state == REJECTED
+    trio.run(j.flush_pending)
+    assert [r["path"] for r in j.load_rejected()] == ["k.md"]
+    stop(fs, j)
+
+
+def test_refusal_log_line_names_store_path_errno_and_code_in_text_format(tmp_path):
+    """``memfuse dev`` logs as text: the refusal's line carries the same fields as the JSON
+    line (store, path, errno name, reason code, reason), never the content."""
+    import io
+    import logging
+
+    from memfuse.sidecar.logs import JsonFormatter, TextFormatter
+
+    fs, j = start(tmp_path, [])
+    out = {"text": io.StringIO(), "json": io.StringIO()}
+    handlers = []
+    for kind, fmt in (("text", TextFormatter()), ("json", JsonFormatter())):
+        h = logging.StreamHandler(out[kind])
+        h.setFormatter(fmt)
+        handlers.append(h)
+        logging.getLogger("memfuse.fs").addHandler(h)
+    try:
+        with pytest.raises(FsError):
+            write(fs, "notes dir.md", b"key: " + BAD, create=True)
+    finally:
+        for h in handlers:
+            logging.getLogger("memfuse.fs").removeHandler(h)
+    stop(fs, j)
+    (text,) = [ln for ln in out["text"].getvalue().splitlines() if ": refused" in ln]
+    assert " WARNING memfuse.fs: refused store=default " in text
+    assert 'path="notes dir.md" errno=EILSEQ code=invalid_content reason="content is not' in text
+    (js,) = [ln for ln in out["json"].getvalue().splitlines() if '"refused"' in ln]
+    assert '"path": "notes dir.md", "errno": "EILSEQ", "code": "invalid_content"' in js
+    assert "caf" not in text + js
