@@ -276,6 +276,51 @@ class MoveResult(BaseModel):
     records: list[Record]
 
 
+BATCH_MAX_OPERATIONS = 100  # operations in one POST /v1/stores/{store}/batch
+BATCH_MAX_BYTES = 16 * 1024 * 1024  # bytes of one batch request body
+
+
+class BatchOperation(BaseModel):
+    """One write of a batch, as its single endpoint takes it. ``op``: ``create`` (``POST
+    .../records``), ``update`` (``PUT .../records/{record_id}``), ``attrs`` (``PATCH
+    .../records/{record_id}``), ``move`` (``POST .../records/{record_id}/move``) or
+    ``delete`` (``DELETE .../records/{record_id}``). ``body``: that endpoint's JSON body
+    ([RecordCreate], [RecordUpdate], [RecordAttributes], [RecordMove]; none for ``delete``).
+    ``if_match``: what that endpoint takes as ``If-Match``; ``idempotency_key``: what it takes
+    as ``Idempotency-Key`` (the same operation sent alone or in a batch is the same request)."""
+
+    op: Literal["create", "update", "attrs", "move", "delete"]
+    record_id: str | None = None
+    if_match: str | None = None
+    idempotency_key: str | None = Field(default=None, min_length=1, max_length=255)
+    body: dict | None = None
+
+
+class BatchRequest(BaseModel):
+    """``POST /v1/stores/{store}/batch``: up to ``BATCH_MAX_OPERATIONS`` operations on one
+    store, applied in order in one transaction."""
+
+    operations: list[BatchOperation]
+
+
+class BatchResult(BaseModel):
+    """The answer one operation of a batch would have had alone: ``status`` (201, 200, 204 or
+    the refusal's), ``body`` (the [Record] / [MoveResult], a [Problem] for a refusal, None for
+    204), ``etag`` (the ``ETag`` header it would have had), ``replayed`` (the stored answer of
+    its ``idempotency_key``)."""
+
+    status: int
+    body: dict | None = None
+    etag: str | None = None
+    replayed: bool = False
+
+
+class BatchResponse(BaseModel):
+    """One ``BatchResult`` per operation, in the request's order."""
+
+    results: list[BatchResult]
+
+
 class Change(BaseModel):
     """One entry of a store's change feed: the record's state after version ``seq``.
     ``old_path`` is set for moves; ``record.deleted`` is True for deletes."""

@@ -36,12 +36,15 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from memfuse.models import (
+    BATCH_MAX_BYTES,
+    BatchRequest,
+    BatchResponse,
     Attachment,
     AttachmentPut,
     ChangePage,
@@ -67,6 +70,8 @@ from memfuse.models import (
     WorkspaceCreate,
 )
 from memfuse.server import limits, longpoll
+from memfuse.server.base import REASONS
+from memfuse.server.batch import batch_body
 from memfuse.server.db import Database
 from memfuse.server.service import (
     CONTEXT_MAX_BYTES_ENV,
@@ -78,19 +83,13 @@ from memfuse.server.service import (
     Reply,
     Service,
     ServiceError,
-    body_sha256,
+    idempotency_request,
 )
 
 log = logging.getLogger(__name__)
 
 PROBLEM_JSON = "application/problem+json"
-_REASONS = {
-    400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found",
-    405: "Method Not Allowed", 409: "Conflict", 410: "Gone", 412: "Precondition Failed",
-    413: "Content Too Large", 415: "Unsupported Media Type", 422: "Unprocessable Content",
-    429: "Too Many Requests", 500: "Internal Server Error", 503: "Service Unavailable",
-    507: "Insufficient Storage",
-}
+_REASONS = REASONS
 _PROBLEM_RESPONSES: dict[int | str, dict[str, Any]] = {
     "4XX": {"model": Problem, "description": "Refusal (RFC 9457 problem details)",
             "content": {PROBLEM_JSON: {}}},
@@ -186,7 +185,7 @@ async def _idempotency(
     if not idempotency_key:
         return None
     body = await request.body()
-    return IdempotencyRequest(idempotency_key, request.method, request.url.path, body_sha256(body))
+    return idempotency_request(idempotency_key, request.method, request.url.path, body)
 
 
 P = Annotated[Principal, Depends(_principal)]
@@ -416,6 +415,29 @@ def create_app(
     def delete_record(store: StoreSlug, record_id: str, p: P, idem: Idem, if_match: IfMatch = None):
         return _reply(svc.delete_record(p, store, record_id, if_match, idem))
 
+    @app.post(
+        "/v1/stores/{store}/batch", response_model=BatchResponse, tags=["records"],
+        openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+            "schema": {"$ref": "#/components/schemas/BatchRequest"}}}}},
+    )
+    async def batch(request: Request, store: StoreSlug, p: P):
+        """Up to 100 record writes to one store in one transaction, each answered as alone
+        (docs/API.md, "Batch")."""
+        if request.headers.get("idempotency-key"):
+            raise ServiceError(422, "validation_error",
+                               "a batch takes no Idempotency-Key: give each operation its own idempotency_key")
+        raw = bytearray()
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > BATCH_MAX_BYTES:
+                raise ServiceError(413, "batch_too_large", f"a batch body holds at most {BATCH_MAX_BYTES} bytes")
+        try:
+            req = BatchRequest.model_validate_json(bytes(raw))
+        except ValidationError as err:
+            raise RequestValidationError(err.errors(include_input=False)) from None
+        replies = await anyio.to_thread.run_sync(svc.batch, p, store, req.operations)
+        return Response(content=batch_body(replies), media_type="application/json")
+
     @app.get("/v1/stores/{store}/records/{record_id}/versions", response_model=list[Version], tags=["records"])
     def list_versions(store: StoreSlug, record_id: str, p: P):
         return _json(svc.list_versions(p, store, record_id))
@@ -455,6 +477,20 @@ def create_app(
                 lambda: svc.changes_page(p, store, after, limit=limit, with_content=content, skip_actor=skip)))
         return await longpoll.changes(svc, reads, request, p, store, after, wait, limit=limit, content=content,
                                       skip_actor=skip)
+
+    def openapi() -> dict[str, Any]:
+        """FastAPI's document plus the schemas of the batch body (read by the handler itself,
+        so FastAPI does not know them)."""
+        if app.openapi_schema is None:
+            schema = FastAPI.openapi(app)
+            defs = BatchRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+            comps = schema.setdefault("components", {}).setdefault("schemas", {})
+            for name, d in defs.pop("$defs", {}).items():
+                comps.setdefault(name, d)
+            comps["BatchRequest"] = defs
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
     if faces:
         from memfuse.server import agent_tools

@@ -60,6 +60,15 @@ _T = TokenRow.__table__
 
 IDEMPOTENCY_TTL = timedelta(hours=24)
 
+# Reason phrases of problem titles (RFC 9110 §15).
+REASONS = {
+    400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found",
+    405: "Method Not Allowed", 409: "Conflict", 410: "Gone", 412: "Precondition Failed",
+    413: "Content Too Large", 415: "Unsupported Media Type", 422: "Unprocessable Content",
+    429: "Too Many Requests", 500: "Internal Server Error", 503: "Service Unavailable",
+    507: "Insufficient Storage",
+}
+
 
 # ---------------------------------------------------------------- errors and principals
 
@@ -137,12 +146,15 @@ class Principal:
 @dataclass(frozen=True)
 class IdempotencyRequest:
     """The identity of a write sent with ``Idempotency-Key``: key, method, URL path and the
-    sha256 of the raw body."""
+    sha256 of the body (``request_sha256``: of its canonical JSON, so the same operation
+    sent alone or inside a batch is the same request). ``alt_sha256``: the sha256 of the raw
+    bytes, which releases before the batch endpoint stored; a stored row with either matches."""
 
     key: str
     method: str
     url_path: str
     body_sha256: str
+    alt_sha256: str | None = None
 
 
 @dataclass
@@ -183,8 +195,27 @@ def parse_if_match(header: str | None) -> list[str] | None:
 
 
 def body_sha256(body: bytes) -> str:
-    """sha256 hex of a raw request body (the idempotency request hash)."""
+    """sha256 hex of a raw request body."""
     return hashlib.sha256(body).hexdigest()
+
+
+def canonical_sha256(value: object) -> str:
+    """sha256 hex of ``value`` (a parsed JSON body) as canonical JSON: keys sorted, no
+    whitespace, UTF-8 (lone surrogates kept). The idempotency request hash of a write: equal
+    for the same body however it was spaced or ordered, alone or inside a batch."""
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def idempotency_request(key: str, method: str, url_path: str, raw: bytes) -> IdempotencyRequest:
+    """The ``IdempotencyRequest`` of a single write whose raw body is ``raw`` (empty for a
+    body-less DELETE): canonical hash of the parsed body, raw hash as the alternative."""
+    raw_hash = body_sha256(raw)
+    try:
+        canon = canonical_sha256(json.loads(raw)) if raw.strip() else canonical_sha256(None)
+    except ValueError:
+        canon = raw_hash  # not JSON: the request is refused anyway; keep the raw identity
+    return IdempotencyRequest(key, method, url_path, canon, raw_hash)
 
 
 # Statements of the hot paths, built once (parameters at execution).
@@ -318,18 +349,30 @@ class ServiceBase:
         self.notifier.committed(notes, own=(vseqs, eseqs))
         return Reply(status, body, headers)
 
-    def _idem_lookup(self, conn: Connection, p: Principal, idem: IdempotencyRequest) -> Reply | None:
-        now = utcnow()
+    def _idem_cleanup(self, conn: Connection) -> None:
+        """Delete idempotency rows older than ``IDEMPOTENCY_TTL`` (at most once a minute per
+        process, inside a write transaction that uses keys)."""
         if time.monotonic() - self._last_idem_cleanup > 60:
             self._last_idem_cleanup = time.monotonic()
-            conn.execute(delete(_I).where(_I.c.created_at < now - IDEMPOTENCY_TTL))
+            conn.execute(delete(_I).where(_I.c.created_at < utcnow() - IDEMPOTENCY_TTL))
+
+    def _idem_lookup(self, conn: Connection, p: Principal, idem: IdempotencyRequest) -> Reply | None:
+        now = utcnow()
+        self._idem_cleanup(conn)
         row = conn.execute(_SELECT_IDEM, {"scope": p.scope, "key": idem.key}).first()
         if row is None:
             return None
         if row.created_at < now - IDEMPOTENCY_TTL:
             conn.execute(delete(_I).where(_I.c.id == row.id))
             return None
-        if (row.method, row.url_path, row.request_hash) != (idem.method, idem.url_path, idem.body_sha256):
+        return self._idem_replay(row, idem)
+
+    @staticmethod
+    def _idem_replay(row: Row, idem: IdempotencyRequest) -> Reply:
+        """The stored response ``row`` for ``idem``; 422 ``idempotency_key_reused`` when the
+        row is of another request."""
+        if (row.method, row.url_path) != (idem.method, idem.url_path) or row.request_hash not in (
+                idem.body_sha256, idem.alt_sha256):
             raise ServiceError(
                 422, "idempotency_key_reused", "this Idempotency-Key was used for a different request"
             )

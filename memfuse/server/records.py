@@ -11,8 +11,9 @@ import base64
 import json
 import logging
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import and_, bindparam, false, func, insert, or_, select, update
 from sqlalchemy.engine import Connection, Row
@@ -149,7 +150,7 @@ class _Rec:
 _INSERT_RECORD = insert(_R)
 _INSERT_VERSION = insert(_V)
 _UPDATE_RECORD = update(_R).where(_R.c.id == bindparam("rid"))
-_UPDATE_USAGE = (
+_UPDATE_USAGE = (  # also the batch's one usage statement
     update(_S)
     .where(_S.c.slug == bindparam("slug_"))
     .values(
@@ -164,6 +165,17 @@ _SELECT_LIVE_AT = select(_R).where(
 _SELECT_LIVE_ID_AT = select(_R.c.id).where(
     _R.c.store == bindparam("store"), _R.c.path == bindparam("path"), _R.c.deleted == false()
 )
+
+
+class BatchStore:
+    """The store row of a batch as a mutable object: its columns as attributes, with the
+    usage counters (``record_count``, ``usage_bytes``) kept here as the batch's operations
+    change them; ``read_*`` are the counters as read under the lock (the batch adds the
+    difference in one statement at its end)."""
+
+    def __init__(self, row: Row) -> None:
+        self.__dict__.update(row._mapping)
+        self.read_count, self.read_bytes = self.record_count, self.usage_bytes
 
 
 def _mode(value: int | None) -> int:
@@ -264,7 +276,10 @@ class RecordsMixin(ServiceBase):
     ) -> int:
         """Append version ``rec.version`` (already bumped by the caller) from the record's
         current state and write the record row (inserted when ``new``); sets ``rec.seq``,
-        ``updated_at``, ``updated_by``. Returns the version's seq."""
+        ``updated_at``, ``updated_by``. Returns the version's seq. Counts the write in
+        ``conn.info["memfuse_writes"]`` (a batch tells from it whether a refusal came after
+        a write)."""
+        conn.info["memfuse_writes"] = conn.info.get("memfuse_writes", 0) + 1
         rec.updated_at = now
         rec.updated_by = actor
         if new:
@@ -303,13 +318,10 @@ class RecordsMixin(ServiceBase):
         return seq
 
     @staticmethod
-    def _use(
-        conn: Connection, st: Row, d_bytes: int, d_count: int, *, grew_bytes: bool, grew_count: bool
-    ) -> None:
-        """Add ``d_bytes`` / ``d_count`` to the store's usage counters (``st`` was read in
-        this transaction, under the write lock). 507 ``store_full`` when the write grew usage
-        (``grew_*``) and the store is now over a limit; the caller's transaction then rolls
-        back, counters included."""
+    def _room(st: Row, d_bytes: int, d_count: int, *, grew_bytes: bool, grew_count: bool) -> tuple[int, int]:
+        """The store's (record_count, usage_bytes) after adding ``d_count`` / ``d_bytes``; 507
+        ``store_full`` when the write grew usage (``grew_*``) past a limit. Reads only ``st``:
+        writes call it before their first statement, so a refusal leaves nothing to undo."""
         n, b = st.record_count + d_count, st.usage_bytes + d_bytes
         if grew_count and n > st.max_records:
             raise ServiceError(507, "store_full", f"store {st.slug!r} holds its limit of {st.max_records} records")
@@ -317,7 +329,20 @@ class RecordsMixin(ServiceBase):
             raise ServiceError(
                 507, "store_full", f"store {st.slug!r} would hold {b} bytes, limit {st.max_store_bytes}"
             )
-        if d_bytes or d_count:
+        return n, b
+
+    @staticmethod
+    def _use(
+        conn: Connection, st: Row, d_bytes: int, d_count: int, *, grew_bytes: bool, grew_count: bool
+    ) -> None:
+        """Add ``d_bytes`` / ``d_count`` to the store's usage counters (``st`` was read in
+        this transaction, under the write lock). 507 ``store_full`` when the write grew usage
+        (``grew_*``) and the store is now over a limit; the caller's transaction then rolls
+        back, counters included."""
+        n, b = RecordsMixin._room(st, d_bytes, d_count, grew_bytes=grew_bytes, grew_count=grew_count)
+        if isinstance(st, BatchStore):  # a batch writes the counters once, at its end
+            st.record_count, st.usage_bytes = n, b
+        elif d_bytes or d_count:
             conn.execute(_UPDATE_USAGE, {"slug_": st.slug, "d_bytes": d_bytes, "d_count": d_count})
 
     # ------------------------------------------------------------ records: reads
@@ -451,13 +476,20 @@ class RecordsMixin(ServiceBase):
         422 ``invalid_type``, 422 ``secret_detected``, 409 ``path_exists`` (with
         ``record_id``), 507 ``store_full``. Type: the request's ``type``, else the
         frontmatter, else the store's ``default_type`` (None for the root ``MEMORY.md``)."""
+        op = self._create_op(p, body)
+        return self._write(p, idem, 201, lambda conn: op(conn, self._store(conn, p, slug, write=True)),
+                           etag=True, feed=slug)
+
+    def _create_op(self, p: Principal, body: RecordCreate) -> Callable[[Connection, Any], Record]:
+        """``create_record``'s checks that need no database (path, content, secrets: raised
+        here), and the write itself as ``fn(conn, st)`` under the store's lock (``st``: the
+        store row read for writing)."""
         path = _check_path(body.path)
         raw = _check_content(body.content)
         secret = content_rules.find_secret(body.content)  # outside the write lock
         sha = sha256_hex(raw)
 
-        def fn(conn: Connection) -> Record:
-            st = self._store(conn, p, slug, write=True)
+        def fn(conn: Connection, st: Any) -> Record:
             _check_record_size(st, len(raw))
             rtype = _resolve_type(path, body.content, body.type, st.default_type)
             if secret is not None:
@@ -472,11 +504,12 @@ class RecordsMixin(ServiceBase):
                 created_at=now, updated_at=now, updated_by=p.actor, seq=0,
                 mode=body.mode, mtime_ns=body.mtime_ns,
             )
+            self._room(st, len(raw), 1, grew_bytes=True, grew_count=True)  # refused before any write
             self._add_version(conn, rec, Operation.created, p.actor, now, new=True)
             self._use(conn, st, len(raw), 1, grew_bytes=True, grew_count=True)
             return _record_model(rec, with_content=False)
 
-        return self._write(p, idem, 201, fn, etag=True, feed=slug)
+        return fn
 
     def update_record(
         self,
@@ -494,12 +527,19 @@ class RecordsMixin(ServiceBase):
         Type: the request's ``type``, else the new content's frontmatter, else the record's
         current type (so a type set explicitly, e.g. through the ``user.memfuse.type`` xattr,
         survives later edits of a file without frontmatter)."""
+        op = self._update_op(p, record_id, body, if_match)
+        return self._write(p, idem, 200, lambda conn: op(conn, self._store(conn, p, slug, write=True)),
+                           etag=True, feed=slug)
+
+    def _update_op(
+        self, p: Principal, record_id: str, body: RecordUpdate, if_match: str | None
+    ) -> Callable[[Connection, Any], Record]:
+        """``update_record`` as ``_create_op`` splits ``create_record``."""
         raw = _check_content(body.content)
         secret = content_rules.find_secret(body.content)  # outside the write lock
         sha = sha256_hex(raw)
 
-        def fn(conn: Connection) -> Record:
-            st = self._store(conn, p, slug, write=True)
+        def fn(conn: Connection, st: Any) -> Record:
             rec = self._live(self._record(conn, st, record_id))
             _check_if_match(if_match, rec.sha256)
             _check_record_size(st, len(raw))
@@ -518,11 +558,12 @@ class RecordsMixin(ServiceBase):
             rec.content, rec.sha256, rec.size, rec.type = body.content, sha, len(raw), rtype
             rec.mode, rec.mtime_ns = mode, mtime
             rec.version += 1
+            self._room(st, len(raw) - old_size, 0, grew_bytes=len(raw) > old_size, grew_count=False)
             self._add_version(conn, rec, Operation.modified, p.actor, utcnow())
             self._use(conn, st, len(raw) - old_size, 0, grew_bytes=len(raw) > old_size, grew_count=False)
             return _record_model(rec, with_content=False)
 
-        return self._write(p, idem, 200, fn, etag=True, feed=slug)
+        return fn
 
     def set_attributes(
         self,
@@ -540,10 +581,17 @@ class RecordsMixin(ServiceBase):
         no change (e.g. a chmod to the current mode) makes none. 404 ``record_not_found`` for
         a missing or deleted record, 412 ``precondition_failed`` (with ``sha256``) when
         ``if_match`` does not match the current content."""
+        op = self._attrs_op(p, record_id, body, if_match)
+        return self._write(p, idem, 200, lambda conn: op(conn, self._store(conn, p, slug, write=True)),
+                           etag=True, feed=slug)
+
+    def _attrs_op(
+        self, p: Principal, record_id: str, body: RecordAttributes, if_match: str | None
+    ) -> Callable[[Connection, Any], Record]:
+        """``set_attributes`` as ``_create_op`` splits ``create_record``."""
         given = body.model_fields_set
 
-        def fn(conn: Connection) -> Record:
-            st = self._store(conn, p, slug, write=True)
+        def fn(conn: Connection, st: Any) -> Record:
             rec = self._live(self._record(conn, st, record_id))
             _check_if_match(if_match, rec.sha256)
             mode = body.mode if "mode" in given else rec.mode
@@ -555,7 +603,7 @@ class RecordsMixin(ServiceBase):
             self._add_version(conn, rec, Operation.modified, p.actor, utcnow())
             return _record_model(rec, with_content=False)
 
-        return self._write(p, idem, 200, fn, etag=True, feed=slug)
+        return fn
 
     def move_record(
         self,
@@ -571,10 +619,17 @@ class RecordsMixin(ServiceBase):
         a ``modified`` version with this record's content and type (none when identical) and
         this record gets a ``deleted`` version. Moving onto / off the root ``MEMORY.md``
         drops / re-derives the type."""
+        op = self._move_op(p, record_id, body, if_match)
+        return self._write(p, idem, 200, lambda conn: op(conn, self._store(conn, p, slug, write=True)),
+                           feed=slug)
+
+    def _move_op(
+        self, p: Principal, record_id: str, body: RecordMove, if_match: str | None
+    ) -> Callable[[Connection, Any], MoveResult]:
+        """``move_record`` as ``_create_op`` splits ``create_record``."""
         new_path = _check_path(body.path)
 
-        def fn(conn: Connection) -> MoveResult:
-            st = self._store(conn, p, slug, write=True)
+        def fn(conn: Connection, st: Any) -> MoveResult:
             rec = self._live(self._record(conn, st, record_id))
             _check_if_match(if_match, rec.sha256)
             if new_path == rec.path:
@@ -606,7 +661,7 @@ class RecordsMixin(ServiceBase):
             self._add_version(conn, rec, Operation.moved, p.actor, now, old_path=old_path)
             return MoveResult(records=[_record_model(rec, with_content=False)])
 
-        return self._write(p, idem, 200, fn, feed=slug)
+        return fn
 
     @staticmethod
     def _type_after_move(rec: _Rec, new_path: str, st: Row) -> str | None:
@@ -673,9 +728,14 @@ class RecordsMixin(ServiceBase):
     ) -> Reply:
         """204; a ``deleted`` version is kept (with the content, so it can be restored).
         404 when missing or already deleted; 412 when ``if_match`` does not match."""
+        op = self._delete_op(p, record_id, if_match)
+        return self._write(p, idem, 204, lambda conn: op(conn, self._store(conn, p, slug, write=True)),
+                           feed=slug)
 
-        def fn(conn: Connection) -> None:
-            st = self._store(conn, p, slug, write=True)
+    def _delete_op(self, p: Principal, record_id: str, if_match: str | None) -> Callable[[Connection, Any], None]:
+        """``delete_record`` as ``_create_op`` splits ``create_record``."""
+
+        def fn(conn: Connection, st: Any) -> None:
             rec = self._live(self._record(conn, st, record_id))
             _check_if_match(if_match, rec.sha256)
             rec.deleted = True
@@ -684,7 +744,7 @@ class RecordsMixin(ServiceBase):
             self._use(conn, st, -rec.size, -1, grew_bytes=False, grew_count=False)
             return None
 
-        return self._write(p, idem, 204, fn, feed=slug)
+        return fn
 
     def restore_record(
         self, p: Principal, slug: str, record_id: str, body: Restore, idem: IdempotencyRequest | None = None

@@ -19,6 +19,7 @@ import from here:
 - ``stores``: workspaces, stores, attachments and the workspace events they emit;
 - ``records``: record and version reads and writes (SQLAlchemy Core; store usage counters
   kept in the same transaction);
+- ``batch``: many record writes to one store in one transaction (``batch``);
 - ``changes``: the change feed, the workspace events feed, and the shared feed reads of
   long-polls (``feed_read``); ``memfuse.server.wakeups`` has the ``Notifier`` (wakes this
   process's long-polls after a commit, knows the heads) and the ``Bus`` (commit notes between
@@ -37,9 +38,12 @@ from memfuse.server.base import (
     Reply,
     ServiceError,
     body_sha256,
+    canonical_sha256,
+    idempotency_request,
     parse_if_match,
 )
 from memfuse.server import wakeups
+from memfuse.server.batch import BatchMixin
 from memfuse.server.changes import MAX_WAIT_SECONDS, ChangesMixin, FeedRead
 from memfuse.server.context import (
     CONTEXT_INDEX_MAX_BYTES,
@@ -75,12 +79,14 @@ __all__ = [
     "Service",
     "ServiceError",
     "body_sha256",
+    "canonical_sha256",
+    "idempotency_request",
     "cut_index",
     "parse_if_match",
 ]
 
 
-class Service(TokensMixin, StoresMixin, RecordsMixin, ChangesMixin, ContextMixin):
+class Service(TokensMixin, StoresMixin, BatchMixin, RecordsMixin, ChangesMixin, ContextMixin):
     """The control plane's rules over a ``Database``.
 
     ``static_tokens`` maps raw token → workspace (None = admin); the mapping is consulted on

@@ -87,6 +87,20 @@ def _add(note: Note) -> None:
         notes.append(note)
 
 
+def notes_mark() -> int:
+    """How many notes the running transaction has collected (for ``notes_rollback``)."""
+    notes = getattr(_tx, "notes", None)
+    return len(notes) if notes is not None else 0
+
+
+def notes_rollback(mark: int) -> None:
+    """Forget the notes collected after ``notes_mark()`` returned ``mark`` (a savepoint of
+    the transaction was rolled back: what it wrote never commits)."""
+    notes = getattr(_tx, "notes", None)
+    if notes is not None:
+        del notes[mark:]
+
+
 def note_feed(store: str, seq: int, actor: str) -> None:
     """The transaction wrote a version of ``store`` with ``seq`` by ``actor``."""
     _add(Note("f", store, seq, actor))
