@@ -59,6 +59,9 @@ from .models import (
     Access,
     Attachment,
     AttachmentPut,
+    BatchOperation,
+    BatchRequest,
+    BatchResponse,
     ChangePage,
     EventPage,
     MemoryToolCommand,
@@ -219,7 +222,6 @@ def _transport_error(exc: httpx.HTTPError, method: str, path: str) -> ApiError:
 
 def _http_error(resp: httpx.Response, method: str, path: str) -> ApiError:
     """Build the exception for a non-2xx response from its problem body."""
-    status = resp.status_code
     problem: dict[str, Any] = {}
     try:
         body = resp.json()
@@ -227,7 +229,15 @@ def _http_error(resp: httpx.Response, method: str, path: str) -> ApiError:
             problem = body
     except ValueError:
         pass
-    title = str(problem.get("title") or resp.reason_phrase or "HTTP error")
+    return _error_from(resp.status_code, problem, resp.reason_phrase, resp.headers.get("Retry-After"),
+                       method, path)
+
+
+def _error_from(status: int, problem: dict[str, Any], reason: str | None, retry_header: str | None,
+                method: str, path: str) -> ApiError:
+    """The exception for a refusal with HTTP ``status`` and ``problem`` body (a response's, or
+    one operation's answer inside a batch)."""
+    title = str(problem.get("title") or reason or "HTTP error")
     detail = problem.get("detail") or ""
     if not isinstance(detail, str):
         # A plain FastAPI 422 puts a list of {loc, msg, type, input} here; ``input`` may hold
@@ -243,7 +253,7 @@ def _http_error(resp: httpx.Response, method: str, path: str) -> ApiError:
         cls: type[ApiError] = _STATUS_CLASSES[status]
     elif status >= 500 or status == 429:
         cls = TransientError
-        retry_after = parse_retry_after(resp.headers.get("Retry-After"))
+        retry_after = parse_retry_after(retry_header)
     elif 400 <= status < 500:
         cls = _STATUS_CLASSES.get(status, PermanentError)
     else:  # 1xx/3xx that httpx did not handle: nothing sensible to do again
@@ -310,6 +320,13 @@ def _bool(value: bool) -> str:
     return "true" if value else "false"
 
 
+_BATCH_ENDPOINTS = {  # op of a batch → (method, path) of its single endpoint (for errors)
+    "create": ("POST", "/v1/stores/{store}/records"),
+    "update": ("PUT", "/v1/stores/{store}/records/{id}"),
+    "attrs": ("PATCH", "/v1/stores/{store}/records/{id}"),
+    "move": ("POST", "/v1/stores/{store}/records/{id}/move"),
+    "delete": ("DELETE", "/v1/stores/{store}/records/{id}"),
+}
 _RECORDS = TypeAdapter(list[Record])
 _STORES = TypeAdapter(list[Store])
 _WORKSPACES = TypeAdapter(list[Workspace])
@@ -852,6 +869,94 @@ class ApiClient:
             if_match=if_match,
             idempotency_key=idempotency_key,
         )
+
+    # ------------------------------------------------------------ records: batches
+    # Each builder gives the operation exactly as the single method above sends it (same
+    # body, same If-Match, same key), so a key first sent alone and then inside a batch (or
+    # the other way round) is the same request to the server.
+
+    @staticmethod
+    def batch_create(path: str, content: str, type: str | None = None, idempotency_key: str | None = None,
+                     *, mode: int | None = None, mtime_ns: int | None = None) -> BatchOperation:
+        """The ``create_record`` operation of a batch."""
+        body = RecordCreate(path=path, content=content, type=type, **_attrs(mode, mtime_ns))
+        return BatchOperation(op="create", idempotency_key=idempotency_key,
+                              body=body.model_dump(mode="json", exclude_unset=True))
+
+    @staticmethod
+    def batch_update(id: str, content: str, type: str | None = None, if_match: str | None = None,
+                     idempotency_key: str | None = None, *, mode: int | None = None,
+                     mtime_ns: int | None = None) -> BatchOperation:
+        """The ``update_record`` operation of a batch."""
+        body = RecordUpdate(content=content, type=type, **_attrs(mode, mtime_ns))
+        return BatchOperation(op="update", record_id=id, idempotency_key=idempotency_key,
+                              if_match=quote_etag(if_match) if if_match is not None else None,
+                              body=body.model_dump(mode="json", exclude_unset=True))
+
+    @staticmethod
+    def batch_attrs(id: str, *, mode: int | None | _Unset = UNSET, mtime_ns: int | None | _Unset = UNSET,
+                    if_match: str | None = None, idempotency_key: str | None = None) -> BatchOperation:
+        """The ``set_attributes`` operation of a batch."""
+        given: dict[str, int | None] = {}
+        if not isinstance(mode, _Unset):
+            given["mode"] = mode
+        if not isinstance(mtime_ns, _Unset):
+            given["mtime_ns"] = mtime_ns
+        body = RecordAttributes(**given)
+        return BatchOperation(op="attrs", record_id=id, idempotency_key=idempotency_key,
+                              if_match=quote_etag(if_match) if if_match is not None else None,
+                              body=body.model_dump(mode="json", exclude_unset=True))
+
+    @staticmethod
+    def batch_move(id: str, path: str, replace: bool = False, if_match: str | None = None,
+                   idempotency_key: str | None = None) -> BatchOperation:
+        """The ``move_record`` operation of a batch."""
+        return BatchOperation(op="move", record_id=id, idempotency_key=idempotency_key,
+                              if_match=quote_etag(if_match) if if_match is not None else None,
+                              body=RecordMove(path=path, replace=replace).model_dump(mode="json"))
+
+    @staticmethod
+    def batch_delete(id: str, if_match: str | None = None, idempotency_key: str | None = None) -> BatchOperation:
+        """The ``delete_record`` operation of a batch."""
+        return BatchOperation(op="delete", record_id=id, idempotency_key=idempotency_key,
+                              if_match=quote_etag(if_match) if if_match is not None else None)
+
+    async def batch(self, store: str, operations: list[BatchOperation]) -> list[Any]:
+        """``POST /v1/stores/{store}/batch``: apply ``operations`` (at most
+        ``BATCH_MAX_OPERATIONS``, built with the ``batch_*`` builders) in order in one
+        transaction. Returns one outcome per operation, in order: what its single method would
+        have returned (``Record`` for create / update / attrs, ``MoveResult`` for move, None
+        for delete), or the ``ApiError`` it would have raised (not raised here: a refused
+        operation leaves nothing, the others are applied).
+
+        Raises for the batch as a whole (nothing applied): ``TransientError`` (retry the same
+        operations: their keys replay what was applied), ``Unauthorized``, ``Forbidden``,
+        ``NotFound`` (the store, or a server without the endpoint: ``code`` ``not_found``;
+        also ``PermanentError`` 405), ``PermanentError`` 413 ``batch_too_large``."""
+        path = f"/v1/stores/{_seg(store)}/batch"
+        page = await self._call(BatchResponse, "POST", path, body=BatchRequest(operations=operations),
+                                exclude_none=True)
+        if len(page.results) != len(operations):
+            raise TransientError(f"POST {path}: {len(page.results)} answers for {len(operations)} operations",
+                                 code="bad_response", method="POST", path=path)
+        out: list[Any] = []
+        for op, res in zip(operations, page.results):
+            method, one = _BATCH_ENDPOINTS[op.op]
+            one_path = one.format(store=_seg(store), id=_seg(op.record_id or ""))
+            if res.status >= 300:
+                out.append(_error_from(res.status, res.body or {}, None, None, method, one_path))
+                continue
+            try:
+                if op.op == "move":
+                    out.append(MoveResult.model_validate(res.body))
+                elif op.op == "delete":
+                    out.append(None)
+                else:
+                    out.append(Record.model_validate(res.body))
+            except ValidationError:
+                raise TransientError(f"POST {path}: an answer does not match the API contract",
+                                     code="bad_response", method="POST", path=path) from None
+        return out
 
     async def restore(
         self, store: str, id: str, version: int, idempotency_key: str | None = None

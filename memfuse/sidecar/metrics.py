@@ -32,6 +32,9 @@ class Metrics:
                                 ["reason"], registry=r)
         self.commits = Counter("memfuse_outbox_committed", "outbox entries committed", ["op"], registry=r)
         self.retries = Counter("memfuse_outbox_retries", "transient commit failures retried", registry=r)
+        self.batches = Counter("memfuse_outbox_batches",
+                               "batches of outbox entries the control plane answered (POST .../batch)",
+                               registry=r)
         self.conflicts = Counter("memfuse_conflicts", "writes that met a newer version (last writer wins)",
                                  registry=r)
         self.remote_changes = Counter("memfuse_sync_changes_applied",

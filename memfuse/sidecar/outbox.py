@@ -48,12 +48,14 @@ import trio
 from ..client import ApiClient
 from ..errors import (ERRNO_BY_CODE, ApiError, Conflict, NotFound, PreconditionFailed,
                       TransientError, Unauthorized)
-from ..models import Record, sha256_hex
+from ..models import BatchOperation, Record, sha256_hex
 from .cachedir import private_file
 
 log = logging.getLogger("memfuse.outbox")
 
 PUT, DELETE, MOVE, MOVE_PREFIX, ATTRS = "put", "delete", "move", "move_prefix", "attrs"
+BATCH_MAX_ENTRIES = 100  # entries in one batch (the server's BATCH_MAX_OPERATIONS)
+BATCH_MAX_CONTENT = 4 * 1024 * 1024  # bytes of content in one batch (the server takes 16 MiB)
 
 
 def errno_for(err: ApiError) -> int:
@@ -421,6 +423,10 @@ class Committer:
         self._held: dict[str, trio.Event] = {}  # stores whose next commit waits (``hold``)
         self._inflight: dict[str, trio.Event] = {}  # set when the store's current commit ends
         self.unexpected = 0  # commit attempts that failed with an unexpected exception
+        #: commit a backlog of one store in batches (``POST .../batch``); turned off when the
+        #: control plane answers that it has no such endpoint
+        self.batching = True
+        self.batches = 0  # batches the control plane answered
 
     # --- enqueueing (synchronous, on the trio thread: order is fixed here) -------------------
     def submit(self, store: str, op: str, node_key: str | None, args: dict[str, Any],
@@ -541,26 +547,157 @@ class Committer:
                 ev = self._wakeups[store] = trio.Event()
                 await ev.wait()
                 continue
+            batch = self._batch_of(q) if self.batching and len(q) > 1 else []
+            if sum(op is not None for _, op in batch) >= 2:
+                await self._commit_batch(store, q, batch)
+                continue
             e = q[0]
             self._inflight[store] = trio.Event()
             try:
                 await self._commit_with_retry(e)
             finally:
                 self._inflight.pop(store).set()
-            q.popleft()
-            self.finished[store] = self.finished.get(store, 0) + 1
-            self.journal.remove(e)
-            e.finish()
-            try:
-                self.on_result(e)
-            except Exception:
-                log.exception("outbox result handler failed", extra={"entry": e.id})
+            self._finished(store, q, e)
 
-    async def _commit_with_retry(self, e: Entry) -> None:
+    def _finished(self, store: str, q: deque[Entry], e: Entry) -> None:
+        """``e`` (first in ``q``) committed or was refused for good: out of the queue and the
+        journal, then ``on_result``."""
+        q.popleft()
+        self.finished[store] = self.finished.get(store, 0) + 1
+        self.journal.remove(e)
+        e.finish()
+        try:
+            self.on_result(e)
+        except Exception:
+            log.exception("outbox result handler failed", extra={"entry": e.id})
+
+    # --- batches: a backlog of one store in one request ---------------------------------------
+    def _batch_of(self, q: deque[Entry]) -> list[tuple[Entry, BatchOperation | None]]:
+        """The longest prefix of ``q`` that may go in one batch, each entry with the operation
+        its first request would be (None: it sends nothing, e.g. a delete of a file that never
+        reached the server, or a local refusal). A batch holds at most ``BATCH_MAX_ENTRIES``
+        entries and ``BATCH_MAX_CONTENT`` bytes of content, no ``move_prefix``, and touches
+        each file (node key, move target) once: an entry's request may depend on what an
+        earlier entry of the same file learnt (its record id, its sha256)."""
+        out: list[tuple[Entry, BatchOperation | None]] = []
+        seen: set[str] = set()
+        size = 0
+        for e in q:
+            if e.op not in (PUT, ATTRS, DELETE, MOVE) or e.node_key is None or len(out) >= BATCH_MAX_ENTRIES:
+                break
+            touched = {e.node_key}
+            if e.op == MOVE and e.args.get("target_key"):
+                touched.add(e.args["target_key"])
+            n = len(e.content or b"")
+            if touched & seen or (out and size + n > BATCH_MAX_CONTENT):
+                break
+            seen |= touched
+            size += n
+            out.append((e, self._first_op(e)))
+        return out
+
+    def _first_op(self, e: Entry) -> BatchOperation | None:
+        """The batch operation of the first request ``_apply(e)`` would send (same body, key
+        and If-Match, so an answer replays across single requests and batches), or None when
+        it would send none."""
+        a, c = e.args, self.client
+        rid, sha = self._rid(e.node_key)
+        if e.op == PUT:
+            text = (e.content or b"").decode("utf-8", errors="surrogateescape")
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                return None  # refused locally by _put
+            kw = {"mode": a.get("mode"), "mtime_ns": a.get("mtime_ns")}
+            if rid is not None:
+                return c.batch_update(rid, text, type=a.get("type"), if_match=sha, idempotency_key=e.key, **kw)
+            return c.batch_create(a["path"], text, type=a.get("type"), idempotency_key=e.key, **kw)
+        if rid is None:
+            return None
+        if e.op == ATTRS:
+            given = {k: a[k] for k in ("mode", "mtime_ns") if k in a}
+            return c.batch_attrs(rid, idempotency_key=e.key, **given)
+        if e.op == DELETE:
+            return c.batch_delete(rid, idempotency_key=e.key)
+        return c.batch_move(rid, a["to"], replace=bool(a.get("replace")), idempotency_key=e.key)
+
+    async def _commit_batch(self, store: str, q: deque[Entry],
+                            batch: list[tuple[Entry, BatchOperation | None]]) -> None:
+        """Send the first requests of ``batch``'s entries as one batch, then finish each entry
+        in order exactly as alone: its batch answer stands for its first request (a 412, 404
+        or 409 then gets the same follow-up requests, one by one), refusals get their errno.
+        A transient failure of the batch retries it (same keys: what was applied replays); a
+        server without the endpoint (404 ``not_found`` / 405) turns batching off; any other
+        refusal of the whole batch commits the entries one by one."""
+        self._inflight[store] = trio.Event()
+        try:
+            ops = [op for _, op in batch if op is not None]
+            outcomes = await self._send_batch(store, ops)
+            answers = iter(outcomes) if outcomes is not None else None
+            for e, op in batch:
+                first = None
+                if answers is not None and op is not None:
+                    first = _Answered(self.client, op.op, next(answers))
+                await self._commit_with_retry(e, first)
+                self._finished(store, q, e)
+        finally:
+            self._inflight.pop(store).set()
+
+    async def _send_batch(self, store: str, ops: list[BatchOperation]) -> list[Any] | None:
+        """The outcomes of ``ops`` (``ApiClient.batch``), retrying transient failures and 401
+        with the committer's backoff; None when the entries must go one by one."""
+        attempts = 0
+        while True:
+            attempts += 1
+            try:
+                outcomes = await self.client.batch(store, ops)
+                self.batches += 1
+                if self.metrics is not None:
+                    self.metrics.batches.inc()
+                return outcomes
+            except (TransientError, Unauthorized) as err:
+                self.retries += 1
+                if self.metrics is not None:
+                    self.metrics.retries.inc()
+                delay = self._backoff(attempts, err)
+                log.info("batch deferred: will retry", extra={
+                    "store": store, "operations": len(ops), "attempt": attempts,
+                    "status": err.status, "code": err.code, "retry_in_s": round(delay, 3)})
+                with trio.move_on_after(delay):
+                    await self._poke.wait()
+            except ApiError as err:
+                if err.status == 405 or (err.status == 404 and err.code in ("not_found", "")):
+                    self.batching = False
+                    log.info("the control plane has no batch endpoint; committing one by one",
+                             extra={"store": store, "status": err.status})
+                else:
+                    log.info("batch refused as a whole; committing its entries one by one",
+                             extra={"store": store, "status": err.status, "code": err.code})
+                return None
+            except Exception:
+                self.unexpected += 1
+                log.exception("batch failed unexpectedly; committing its entries one by one",
+                              extra={"store": store, "operations": len(ops)})
+                return None
+
+    def _backoff(self, attempts: int, err: ApiError) -> float:
+        """Seconds before attempt ``attempts + 1``: exponential with full jitter, at least the
+        server's ``Retry-After`` (capped at ``backoff_max``)."""
+        delay = random.uniform(0, min(self.backoff_max, 0.05 * 2 ** min(attempts, 12)))
+        ra = getattr(err, "retry_after", None)
+        if ra is not None and not math.isnan(ra):
+            delay = max(delay, min(ra, self.backoff_max))
+        return delay
+
+    async def _commit_with_retry(self, e: Entry, answered: "_Answered | None" = None) -> None:
+        """Commit ``e``, retrying transient failures until it commits or is refused for good.
+        ``answered``: the client whose first request of ``e`` was answered inside a batch (used
+        for the first attempt only)."""
         while True:
             e.attempts += 1
+            client, answered = answered, None
             try:
-                await self._apply(e)
+                await self._apply(e, client)
                 self.committed += 1
                 if self.metrics is not None:
                     self.metrics.commits.labels(e.op).inc()
@@ -638,15 +775,16 @@ class Committer:
         self.keymap[node_key] = val
         self.journal.set_key(node_key, *val)
 
-    async def _apply(self, e: Entry) -> None:
-        """Send one entry to the control plane with the method for its ``op``. Raises the
-        client's ``ApiError`` (``_commit_with_retry`` tells transient from permanent); an
-        unknown ``op`` (a corrupt journal) is a permanent refusal."""
+    async def _apply(self, e: Entry, client: Any = None) -> None:
+        """Send one entry to the control plane with the method for its ``op`` (through
+        ``client``, default the committer's). Raises the client's ``ApiError``
+        (``_commit_with_retry`` tells transient from permanent); an unknown ``op`` (a corrupt
+        journal) is a permanent refusal."""
         apply = {PUT: self._put, ATTRS: self._set_attrs, DELETE: self._delete, MOVE: self._move,
                  MOVE_PREFIX: self._move_prefix}.get(e.op)
         if apply is None:  # pragma: no cover - journal corruption
             raise _local_refusal("validation_error", f"unknown outbox op {e.op!r}")
-        await apply(e, self.client, e.args)
+        await apply(e, client if client is not None else self.client, e.args)
 
     async def _put(self, e: Entry, c: ApiClient, a: dict[str, Any]) -> None:
         """Create or update the record with the entry's content and attributes (``If-Match``
@@ -759,6 +897,36 @@ class Committer:
         """Move every record under ``args["from"]`` to ``args["to"]`` (a directory)."""
         res = await c.move_prefix(e.store, a["from"], a["to"], idempotency_key=e.key)
         e.moved = res.records
+
+class _Answered:
+    """The client for an entry whose first request was answered inside a batch: that one
+    call (``op``'s method) returns, or raises, the batch's answer, once; every other call
+    goes to the real client."""
+
+    _METHODS = {"create": "create_record", "update": "update_record", "attrs": "set_attributes",
+                "move": "move_record", "delete": "delete_record"}
+
+    def __init__(self, client: ApiClient, op: str, outcome: Any) -> None:
+        self._client = client
+        self._method = self._METHODS[op]
+        self._outcome: Any = outcome
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._client, name)
+        if name != self._method or self._outcome is _USED:
+            return attr
+
+        async def answered(*args: Any, **kwargs: Any) -> Any:
+            outcome, self._outcome = self._outcome, _USED
+            if isinstance(outcome, BaseException):
+                raise outcome
+            return outcome
+
+        return answered
+
+
+_USED = object()
+
 
 def _local_refusal(code: str, detail: str) -> ApiError:
     from ..errors import PermanentError
