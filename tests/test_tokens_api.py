@@ -190,13 +190,14 @@ async def test_workspace_token_cannot_see_or_revoke_tokens(env):
     assert {x["id"] for x in r.json()} == {mine["id"], theirs["id"]}  # nothing revoked
 
 
-async def test_last_used_is_written_at_most_once_a_minute(env, monkeypatch):
+async def test_last_used_is_written_for_every_token_in_one_statement_a_minute(env, monkeypatch):
+    """Requests only mark their token used; once a minute (per process) one UPDATE writes
+    last_used_at of every token used since; list_tokens writes what is pending first."""
     _, app, admin = env
     clock = _Clock()
     monkeypatch.setattr(tokens_mod, "time", clock)
-    t = await _create(admin, workspace="ws")
-    r = await admin.get("/v1/tokens")
-    assert r.json()[0]["last_used_at"] is None
+    toks = [await _create(admin, workspace="ws", name=f"t{i}") for i in range(3)]
+    assert all(t["last_used_at"] is None for t in (await admin.get("/v1/tokens")).json())
     updates: list[str] = []
     engine = app.state.service.db.engine
 
@@ -205,23 +206,34 @@ async def test_last_used_is_written_at_most_once_a_minute(env, monkeypatch):
             updates.append(statement)
     event.listen(engine, "before_cursor_execute", count)
     try:
-        for _ in range(20):
-            assert await _works(app, t["token"]) == 200
+        for _ in range(10):
+            for t in toks:
+                assert await _works(app, t["token"]) == 200
+        assert updates == []  # not one write per request, nor per token
+        clock.shift = 61  # the process's minute is over: the next request writes them all
+        assert await _works(app, toks[0]["token"]) == 200
         assert len(updates) == 1
-        first = (await admin.get("/v1/tokens")).json()[0]["last_used_at"]
-        assert first is not None
-        # a fresh process (cache empty) sees a recent last_used_at and does not write again
-        app.state.service.tokens_revoked(None)
-        assert await _works(app, t["token"]) == 200
-        assert len(updates) == 1
-        # a minute later: one more write
-        clock.shift = 61
-        monkeypatch.setattr(tokens_mod, "utcnow",
-                            lambda: datetime.now(timezone.utc) + timedelta(seconds=61))
+        listed = {t["name"]: t["last_used_at"] for t in (await admin.get("/v1/tokens")).json()}
+        assert len(updates) == 1  # nothing pending: list_tokens wrote nothing more
+        assert all(listed[f"t{i}"] is not None for i in range(3))
+        first = listed["t0"]
         for _ in range(5):
-            assert await _works(app, t["token"]) == 200
+            assert await _works(app, toks[1]["token"]) == 200
+        assert len(updates) == 1  # within the next minute: pending only
+        # a fresh process (cache empty) sees a recent last_used_at: nothing to write
+        app.state.service.tokens_revoked(None)
+        assert await _works(app, toks[2]["token"]) == 200
+        r = await admin.get("/v1/tokens")  # writes the pending use of t1 (one statement)
         assert len(updates) == 2
-        later = (await admin.get("/v1/tokens")).json()[0]["last_used_at"]
-        assert datetime.fromisoformat(later) - datetime.fromisoformat(first) >= timedelta(seconds=60)
+        # a minute and more later: one more statement for the tokens used meanwhile
+        clock.shift = 61 + 67
+        monkeypatch.setattr(tokens_mod, "utcnow",
+                            lambda: datetime.now(timezone.utc) + timedelta(seconds=128))
+        for t in toks:
+            assert await _works(app, t["token"]) == 200
+        assert len(updates) == 3
+        later = {t["name"]: t["last_used_at"] for t in (await admin.get("/v1/tokens")).json()}
+        assert datetime.fromisoformat(later["t0"]) - datetime.fromisoformat(first) >= timedelta(seconds=60)
+        assert r.status_code == 200
     finally:
         event.remove(engine, "before_cursor_execute", count)

@@ -107,6 +107,7 @@ class Service(TokensMixin, StoresMixin, BatchMixin, RecordsMixin, ChangesMixin, 
         self.notifier = Notifier()
         self.bus = Bus(db, self.notifier)
         db.on_dispose(self.bus.close)
+        db.on_dispose(lambda: self.flush_token_use(force=True))  # pending last_used_at
         self.closing = False  # set at server shutdown: long-polls answer at once
         self._last_idem_cleanup = 0.0
         self._token_cache = TokenCache()  # database tokens seen lately

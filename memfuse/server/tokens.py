@@ -27,13 +27,21 @@ sidecars cost about one token query per ``TOKEN_CACHE_SECONDS / 2``. What bounds
   missed while it was down).
 - a row deleted from the database by hand: refused within ``TOKEN_CACHE_SECONDS``.
 
-``last_used_at`` is written at most once per ``LAST_USED_SECONDS`` per token and process
-(a conditional ``UPDATE``), never once per request.
+``last_used_at``: a request only marks its token's cache entry as used; once per
+``LAST_USED_SECONDS`` (± 10 %, the first time at a random point of the first minute, so
+replicas started together do not write together) each process writes ``last_used_at`` of
+every token used since its last write in one ``UPDATE ... WHERE id IN (...)``
+(``flush_token_use``; conditional: a row another replica wrote in the last half minute is
+left alone). An idle control plane with N sidecars therefore costs one statement a minute
+per process, whatever N. ``list_tokens`` writes what is pending first (its answer is
+current for this process; other replicas' uses show within about a minute), and so does
+closing the database.
 """
 from __future__ import annotations
 
 import hmac
 import logging
+import random
 import secrets
 import threading
 import time
@@ -72,10 +80,11 @@ _SELECT_TOKENS = select(
     _T.c.last_used_at,
 ).where(_T.c.token_sha256.in_(bindparam("digests", expanding=True)))
 _SELECT_REVOKED = select(_T.c.id).where(_T.c.revoked_at > bindparam("since"))
-_TOUCH = update(_T).where(
-    _T.c.id == bindparam("tid"),
+_TOUCH_MANY = update(_T).where(
+    _T.c.id.in_(bindparam("ids", expanding=True)),
     or_(_T.c.last_used_at.is_(None), _T.c.last_used_at < bindparam("before")),
 ).values(last_used_at=bindparam("now"))
+TOUCH_BATCH = 1000  # token ids per UPDATE
 
 
 def _clean_instance(value: str | None) -> str | None:
@@ -101,7 +110,7 @@ class _Entry:
     name: str
     expires_at: float | None  # wall-clock epoch seconds
     until: float  # monotonic: looked up again after this
-    touched: float  # monotonic: last_used_at written (or found fresh) at this time
+    used: bool = False  # used since last_used_at was last written (or found fresh)
 
 
 class TokenCache:
@@ -112,6 +121,9 @@ class TokenCache:
         self.entries: dict[str, _Entry] = {}
         self.checked_at = -1e18  # monotonic time of the last read of token_revocations
         self.batch_at = -1e18  # monotonic time of the last batched confirmation
+        # monotonic time of the next write of last_used_at (see the module docstring)
+        self.flush_at = time.monotonic() + LAST_USED_SECONDS * random.uniform(0.25, 1.0)
+        self.pending: set[str] = set()  # ids used, not written, whose entries were dropped
         self.lock = threading.Lock()
 
     def forget(self, token_ids: set[str]) -> None:
@@ -121,6 +133,9 @@ class TokenCache:
                 self.entries.pop(digest, None)
 
     def clear(self) -> None:
+        """Drop every entry; the ids of those used since their last write stay pending (the
+        next ``flush_token_use`` writes them)."""
+        self.pending.update(e.token_id for e in self.entries.values() if e.used)
         self.entries.clear()
 
 
@@ -158,7 +173,7 @@ class TokensMixin(ServiceBase):
         mono, wall = time.monotonic(), time.time()
         hit = cache.entries.get(digest)
         if hit is not None and hit.until > mono and (hit.expires_at is None or hit.expires_at > wall):
-            self._touch(hit, mono)
+            hit.used = True
             return Principal(workspace=hit.workspace, name=hit.name, instance=_clean_instance(instance))
         # One query for this token and, at most once a second, every cached token whose entry
         # is in the second half of its life: idle sidecars then cost about one token query
@@ -193,20 +208,21 @@ class TokensMixin(ServiceBase):
             raise _unauthorized("token expired")
         name = row.name or row.id
         fresh = row.last_used_at is not None and row.last_used_at.timestamp() > wall - LAST_USED_SECONDS
+        old = cache.entries.get(digest)
         entry = _Entry(token_id=row.id, workspace=row.workspace, name=name,
                        expires_at=row.expires_at.timestamp() if row.expires_at is not None else None,
-                       until=mono + TOKEN_CACHE_SECONDS, touched=mono if fresh else -1e18)
+                       until=mono + TOKEN_CACHE_SECONDS,
+                       used=not fresh or (old is not None and old.used))
         if len(cache.entries) >= TOKEN_CACHE_MAX:
             cache.clear()
         cache.entries[digest] = entry
-        self._touch(entry, mono)
         return Principal(workspace=row.workspace, name=name, instance=_clean_instance(instance))
 
     def authenticate_cached(self, token: str | None, instance: str | None = None) -> Principal | None:
         """Resolve a bearer token without touching the database (on the event loop): static
         tokens, and database tokens in the positive cache while it may be trusted (entry
         younger than ``TOKEN_CACHE_SECONDS``, not expired, revocations read within
-        ``REVOCATION_CHECK_SECONDS``, ``last_used_at`` not due). None when the database must
+        ``REVOCATION_CHECK_SECONDS``). None when the database must
         be asked (``authenticate``). Raises ``ServiceError`` 401 when the token is missing."""
         if not token:
             raise _unauthorized("a bearer token is required")
@@ -219,9 +235,9 @@ class TokensMixin(ServiceBase):
         mono = time.monotonic()
         revocations_fresh = self.bus.revocations_live or mono - cache.checked_at <= REVOCATION_CHECK_SECONDS
         if (hit is None or hit.until < mono or not revocations_fresh
-                or mono - hit.touched > LAST_USED_SECONDS
                 or (hit.expires_at is not None and hit.expires_at <= time.time())):
             return None
+        hit.used = True
         return Principal(workspace=hit.workspace, name=hit.name, instance=_clean_instance(instance))
 
     def _read_revocations(self) -> None:
@@ -239,22 +255,46 @@ class TokensMixin(ServiceBase):
                 cache.forget(revoked)
             cache.checked_at = started
 
-    def _touch(self, entry: _Entry, mono: float) -> None:
-        """Write ``last_used_at`` if this process has not in the last ``LAST_USED_SECONDS``
-        (a conditional UPDATE: another replica's recent write makes it a no-op). A failure
-        (database busy) is logged and does not fail the request."""
-        if mono - entry.touched <= LAST_USED_SECONDS:
-            return
-        entry.touched = mono
+    def token_flush_due(self) -> bool:
+        """True when ``flush_token_use`` has work to look at (cheap: one clock read; for the
+        event loop, which then runs the flush in a worker thread)."""
+        return time.monotonic() >= self._token_cache.flush_at
+
+    def flush_token_use(self, *, force: bool = False) -> int:
+        """Write ``last_used_at`` = now for every cached token used since its last write, in
+        one ``UPDATE ... WHERE id IN (...)`` per ``TOUCH_BATCH`` tokens (rows written in the
+        last ``LAST_USED_SECONDS / 2`` s, e.g. by another replica, are left alone); when due
+        (``token_flush_due``) or with ``force``. Returns how many tokens it wrote. A failure
+        (database busy) is logged; those tokens are written at the next try, in ~5 s. Runs in
+        a worker thread."""
+        cache: TokenCache = self._token_cache
+        with cache.lock:
+            mono = time.monotonic()
+            if not force and mono < cache.flush_at:
+                return 0
+            cache.flush_at = mono + LAST_USED_SECONDS * random.uniform(0.9, 1.1)
+            due = [e for e in cache.entries.values() if e.used]
+            for e in due:
+                e.used = False
+            pending, cache.pending = cache.pending, set()
+        ids = sorted({e.token_id for e in due} | pending)
+        if not ids:
+            return 0
         now = utcnow()
         try:
             with self.db.write_conn() as conn:
-                conn.execute(_TOUCH, {"tid": entry.token_id, "now": now,
-                                      "before": now - timedelta(seconds=LAST_USED_SECONDS)})
+                for i in range(0, len(ids), TOUCH_BATCH):
+                    conn.execute(_TOUCH_MANY, {"ids": ids[i:i + TOUCH_BATCH], "now": now,
+                                               "before": now - timedelta(seconds=LAST_USED_SECONDS / 2)})
         except SQLAlchemyError as err:
-            log.warning("could not record a token's last use (%s); will try again later",
-                        type(err).__name__)
-            entry.touched = mono - LAST_USED_SECONDS + 5.0  # retry in about 5 s
+            log.warning("could not record the last use of %d tokens (%s); will try again in ~5 s",
+                        len(ids), type(err).__name__)
+            for e in due:
+                e.used = True
+            cache.pending |= pending
+            cache.flush_at = time.monotonic() + 5.0
+            return 0
+        return len(ids)
 
     def tokens_revoked(self, token_ids: set[str] | None = None) -> None:
         """Forget revoked tokens now: ``token_ids``, or every cached token when None. The hook
@@ -306,6 +346,7 @@ class TokensMixin(ServiceBase):
         ``workspace`` keeps one workspace's tokens (``""``: admin tokens only); revoked tokens
         only with ``include_revoked``. Never the secret nor its hash."""
         self._require_admin(p)
+        self.flush_token_use(force=True)  # this process's pending uses, so the answer is current
         q = select(_T.c.id, _T.c.workspace, _T.c.name, _T.c.created_at, _T.c.last_used_at,
                    _T.c.expires_at, _T.c.revoked_at).order_by(_T.c.created_at, _T.c.id)
         if workspace is not None:
