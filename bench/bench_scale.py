@@ -19,8 +19,11 @@ Phases, per configuration (database × replicas):
    replica they go to; for each write, the time from sending it until each sidecar's feed
    has it; p50 / p99 over every (write, sidecar) pair, and the slowest feed per write.
 3. **throughput**: 1, 8 and 32 writers creating records (550 B) in a store nobody watches
-   for ``--duration`` s each, spread over the replicas; committed records/s.
-4. **overload** (``--overload``): requests offered open-loop at 2× the 32-writer rate, each
+   (or 32 stores) for ``--duration`` s each, spread over the replicas, one record per
+   request or (``--writers ...bN``) in batches of N (``POST .../batch``, what the sidecar's
+   committer sends for a backlog); committed records/s, server CPU ms and database
+   statements per committed record.
+4. **overload** (``--overload``): requests offered open-loop at 2× the best single-record rate, each
    with an ``Idempotency-Key``, retried after the server's ``Retry-After`` on 429 / 503;
    counts of 503s and the check that every record is stored exactly once.
 5. **abuse** (``--abuse``): one token opens ``--abuse-polls`` long-polls and another client
@@ -488,8 +491,23 @@ async def phase_fanout(replicas: list[Replica], admin: str, stats: Stats, writes
             "slowest_feed_per_write_median_s": statistics.median(worst) if worst else None}
 
 
+async def write_batch(conn: Conn, store: str, paths: list[str], size: int = 550) -> tuple[int, dict[str, str], int]:
+    """One ``POST .../batch`` creating ``paths`` (each with its own idempotency key, as the
+    sidecar's committer sends a backlog). Returns (status, headers, operations answered 201)."""
+    body = json.dumps({"operations": [
+        {"op": "create", "idempotency_key": uuid.uuid4().hex,
+         "body": {"path": p, "content": ("x" * (size - 1)) + "\n"}} for p in paths]}).encode()
+    st, hdrs, raw, _ = await conn.request("POST", f"/v1/stores/{store}/batch", body, timeout=120)
+    ok = sum(1 for r in json.loads(raw)["results"] if r["status"] == 201) if st == 200 else 0
+    return st, hdrs, ok
+
+
 async def phase_throughput(replicas: list[Replica], admin: str, writers: int, seconds: float,
-                           stats: Stats, stores: int = 1) -> dict:
+                           stats: Stats, stores: int = 1, batch: int = 0) -> dict:
+    """``writers`` writers creating 550 B records for ``seconds`` s in ``stores`` stores
+    (writer i in store i % stores), each on its own connection, spread over the replicas:
+    one ``POST .../records`` per record, or (``batch`` > 0) ``POST .../batch`` of ``batch``
+    creates. Committed records/s, server CPU ms per record, database statements per record."""
     done = 0
     errors: dict[str, int] = {}
     lat: list[float] = []
@@ -498,36 +516,50 @@ async def phase_throughput(replicas: list[Replica], admin: str, writers: int, se
     async def writer(i: int) -> None:
         nonlocal done
         conn = Conn(replicas[i % len(replicas)].port, admin)
+        store = BULK if stores == 1 else f"{BULK}-{i % stores}"
         k = 0
         try:
             while time.monotonic() < deadline:
                 t0 = time.perf_counter()
+                tag = f"w{writers}b{batch}/{i}/{k}-{uuid.uuid4().hex[:6]}"
                 try:
-                    st, hdrs = await write_once(conn, BULK if stores == 1 else f"{BULK}-{i % stores}",
-                                                f"w{writers}/{i}/{k}-{uuid.uuid4().hex[:6]}.md")
+                    if batch:
+                        st, hdrs, ok = await write_batch(conn, store, [f"{tag}-{j}.md" for j in range(batch)])
+                    else:
+                        st, hdrs = await write_once(conn, store, f"{tag}.md")
+                        ok = 1 if st == 201 else 0
                 except (HttpError, trio.TooSlowError) as e:
                     errors[type(e).__name__] = errors.get(type(e).__name__, 0) + 1
                     continue
                 k += 1
-                if st == 201:
-                    done += 1
+                if ok:
+                    done += ok
                     lat.append(time.perf_counter() - t0)
-                else:
+                if st not in (200, 201) or (batch and ok != batch):
                     errors[str(st)] = errors.get(str(st), 0) + 1
                     if st in (429, 503):
                         await trio.sleep(retry_after(hdrs))
         finally:
             await conn.close()
 
+    before = [await scrape(r, admin) for r in replicas]
     cpu0 = [cpu_seconds(r.pid) for r in replicas]
     t0 = time.monotonic()
     async with trio.open_nursery() as n:
         for i in range(writers):
             n.start_soon(writer, i)
     dt = time.monotonic() - t0
-    cpu = [100 * (cpu_seconds(r.pid) - c) / dt for r, c in zip(replicas, cpu0)]
-    return {"writers": writers, "stores": stores, "records_per_s": done / dt, "committed": done, "errors": errors,
-            "p50_ms": 1000 * pct(lat, 50), "p99_ms": 1000 * pct(lat, 99), "cpu_pct": cpu}
+    cpu_s = [cpu_seconds(r.pid) - c for r, c in zip(replicas, cpu0)]
+    after = [await scrape(r, admin) for r in replicas]
+    stmts = sum(metric(a, "memfuse_server_db_statements_total") - metric(b, "memfuse_server_db_statements_total")
+                for a, b in zip(after, before))
+    return {"writers": writers, "stores": stores, "batch": batch, "records_per_s": done / dt,
+            "committed": done, "errors": errors,
+            "p50_ms": 1000 * pct(lat, 50), "p99_ms": 1000 * pct(lat, 99),  # per request
+            "cpu_pct": [100 * c / dt for c in cpu_s],
+            "server_cpu_ms_per_record": 1000 * sum(cpu_s) / max(1, done),
+            "db_statements_per_record": stmts / max(1, done),
+            "loadavg": os.getloadavg()[0]}
 
 
 async def phase_overload(replicas: list[Replica], admin: str, rate: float, seconds: float) -> dict:
@@ -697,13 +729,17 @@ async def run_config(args, db: str, n_replicas: int, pg_url: str | None, work: P
             out["fanout"] = await phase_fanout(replicas, admin, stats, args.writes)
             say(f"  fan-out: {out['fanout']}")
             out["throughput"] = []
-            for w, n_stores in args.writers:
-                r = await phase_throughput(replicas, admin, w, args.duration, stats, n_stores)
+            for w, n_stores, b in args.writers:
+                r = await phase_throughput(replicas, admin, w, args.duration, stats, n_stores, b)
                 out["throughput"].append(r)
-                say(f"  throughput {w} writers on {n_stores} store(s): {r['records_per_s']:.0f}/s "
-                    f"(server CPU {[round(c) for c in r['cpu_pct']]} %) errors {r['errors']}")
+                say(f"  throughput {w} writers on {n_stores} store(s){f', batches of {b}' if b else ''}: "
+                    f"{r['records_per_s']:.0f}/s (server CPU {[round(c) for c in r['cpu_pct']]} %, "
+                    f"{r['server_cpu_ms_per_record']:.2f} ms and {r['db_statements_per_record']:.1f} "
+                    f"statements per record) errors {r['errors']}")
             if args.overload:
-                rate = 2 * max(t["records_per_s"] for t in out["throughput"])
+                # 2× the best rate of single-record writers (the overload offers single records)
+                rate = 2 * max((t["records_per_s"] for t in out["throughput"] if not t.get("batch")),
+                               default=100.0)
                 out["overload"] = await phase_overload(replicas, admin, rate, args.duration)
                 say(f"  overload: {out['overload']}")
             if args.abuse:
@@ -735,6 +771,13 @@ def say(msg: str) -> None:
     print(time.strftime("%H:%M:%S"), msg, flush=True)
 
 
+def parse_writers(spec: str) -> tuple[int, int, int]:
+    """``"32x1"`` → (32 writers, 1 store, no batches); ``"32x32b100"`` → batches of 100."""
+    spec, _, batch = spec.partition("b")
+    w, s = spec.split("x")
+    return int(w), int(s), int(batch or 0)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sidecars", type=int, default=2000)
@@ -743,8 +786,9 @@ def main() -> int:
     ap.add_argument("--idle", type=float, default=30.0,
                     help="seconds of the idle window (≥ 25: every long-poll times out and is re-issued once)")
     ap.add_argument("--writes", type=int, default=20, help="fan-out writes")
-    ap.add_argument("--writers", default="1x1,8x1,32x1,32x32",
-                    help="throughput runs as WRITERSxSTORES, comma-separated ('' for none)")
+    ap.add_argument("--writers", default="1x1,8x1,32x1,32x32,1x1b100,8x1b100,32x1b100,32x32b100",
+                    help="throughput runs as WRITERSxSTORES (one record per request) or "
+                         "WRITERSxSTORESbN (batches of N creates), comma-separated ('' for none)")
     ap.add_argument("--duration", type=float, default=10.0, help="seconds per throughput run")
     ap.add_argument("--overload", action="store_true")
     ap.add_argument("--abuse", action="store_true")
@@ -757,7 +801,7 @@ def main() -> int:
     if args.report:
         print(table(json.loads(args.report.read_text())))
         return 0
-    args.writers = [tuple(int(v) for v in x.split("x")) for x in args.writers.split(",") if x]
+    args.writers = [parse_writers(x) for x in args.writers.split(",") if x]
     dbs = [x for x in args.db.split(",") if x]
     reps = [int(x) for x in args.replicas.split(",") if x]
     fds = raise_fd_limit(4 * args.sidecars + args.abuse_polls + 1000)
@@ -807,10 +851,14 @@ def table(results: dict) -> str:
     def per_k(r, v):
         return v * 1000 / r["sidecars"]
 
-    def tp(r, w, s):
+    def tp(r, w, s, b=0):
         for t in r.get("throughput", []):
-            if t["writers"] == w and t.get("stores", 1) == s:
-                return f"{t['records_per_s']:.0f}"
+            if t["writers"] == w and t.get("stores", 1) == s and t.get("batch", 0) == b:
+                extra = ""
+                if "server_cpu_ms_per_record" in t:
+                    extra = (f" ({t['server_cpu_ms_per_record']:.2f} ms, "
+                             f"{t['db_statements_per_record']:.1f} st.)")
+                return f"{t['records_per_s']:.0f}{extra}"
         return "—"
 
     def refused(r):
@@ -844,10 +892,16 @@ def table(results: dict) -> str:
          [f"{r['fanout']['server_cpu_ms_per_feed_answer']:.2f}" for r in runs]),
         ("database statements per fan-out write (write + shared reads)", "",
          [f"{r['fanout']['db_statements_per_write']:.0f}" for r in runs]),
-        ("committed records/s, 1 writer", "", [tp(r, 1, 1) for r in runs]),
+        ("committed records/s, 1 writer (server CPU ms, database statements per record)", "",
+         [tp(r, 1, 1) for r in runs]),
         ("committed records/s, 8 writers, one store", "", [tp(r, 8, 1) for r in runs]),
-        ("committed records/s, 32 writers, one store", "≥ 1,000 (PostgreSQL)", [tp(r, 32, 1) for r in runs]),
+        ("committed records/s, 32 writers, one store", "", [tp(r, 32, 1) for r in runs]),
         ("committed records/s, 32 writers, 32 stores", "", [tp(r, 32, 32) for r in runs]),
+        ("batches of 100 (the committer's backlog): records/s, 1 writer", "", [tp(r, 1, 1, 100) for r in runs]),
+        ("batches of 100: records/s, 8 writers, one store", "", [tp(r, 8, 1, 100) for r in runs]),
+        ("batches of 100: records/s, 32 writers, one store", "≥ 1,000 (PostgreSQL)",
+         [tp(r, 32, 1, 100) for r in runs]),
+        ("batches of 100: records/s, 32 writers, 32 stores", "", [tp(r, 32, 32, 100) for r in runs]),
     ]
     ov = [r.get("overload") for r in runs]
     rows += [

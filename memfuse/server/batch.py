@@ -116,6 +116,7 @@ class _Planned:
     idem: IdempotencyRequest | None = None
     status: int = 200
     etag: bool = False
+    create_path: str | None = None  # a create's (checked) path
 
 
 class BatchMixin(RecordsMixin):
@@ -147,7 +148,8 @@ class BatchMixin(RecordsMixin):
                 fn = self._delete_op(p, op.record_id, op.if_match)  # type: ignore[arg-type]
         except ServiceError as err:
             return _Planned(err, idem=idem)
-        return _Planned(None, fn, idem, status, etag)
+        path = body.path if op.op == "create" else None  # type: ignore[union-attr]
+        return _Planned(None, fn, idem, status, etag, path)
 
     def batch(self, p: Principal, slug: str, ops: list[BatchOperation]) -> list[Reply]:
         """Apply ``ops`` (at most ``BATCH_MAX_OPERATIONS``) to store ``slug`` in order, in one
@@ -194,12 +196,23 @@ class BatchMixin(RecordsMixin):
             if keys:
                 self._idem_cleanup(conn)
                 stored = {r.key: r for r in conn.execute(_SELECT_IDEM_MANY, {"scope": p.scope, "keys": keys})}
+            lead = []  # the creates at the head of the batch: deferred (BatchStore)
+            for pl in plans:
+                if pl.fn is not None and pl.create_path is None:
+                    break
+                if pl.create_path is not None:
+                    lead.append(pl.create_path)
+            if len(lead) > 1 and not savepoints:
+                st.defer(conn, lead, len(lead))
             now = utcnow()
             replies: list[Reply] = []
             new_keys: dict[str, tuple[IdempotencyRequest, Reply]] = {}
             inserts: list[dict[str, Any]] = []
             for pl in plans:
+                if pl.fn is not None and pl.create_path is None:
+                    st.flush(conn)  # another kind of write reads records: the creates first
                 replies.append(self._batch_one(conn, p.scope, st, pl, stored, new_keys, inserts, now, savepoints))
+            st.flush(conn)
             d_count, d_bytes = st.record_count - st.read_count, st.usage_bytes - st.read_bytes
             if d_count or d_bytes:
                 conn.execute(_UPDATE_USAGE, {"slug_": st.slug, "d_bytes": d_bytes, "d_count": d_count})

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import and_, bindparam, false, func, insert, or_, select, update
+from sqlalchemy import and_, bindparam, false, func, insert, or_, select, text, update
 from sqlalchemy.engine import Connection, Row
 
 from memfuse import content as content_rules
@@ -171,11 +171,72 @@ class BatchStore:
     """The store row of a batch as a mutable object: its columns as attributes, with the
     usage counters (``record_count``, ``usage_bytes``) kept here as the batch's operations
     change them; ``read_*`` are the counters as read under the lock (the batch adds the
-    difference in one statement at its end)."""
+    difference in one statement at its end).
+
+    Creates at the head of a batch are *deferred*: the batch reads the live records at
+    their paths in one query (``paths``: path → record id) and reserves their change-feed
+    seqs in one (``seqs``), so a create checks and builds its record without a statement;
+    ``flush`` inserts every deferred record, then every version, in one statement each.
+    The first operation of another kind flushes and ends deferral (it reads records, and
+    its version must come after every earlier create's)."""
 
     def __init__(self, row: Row) -> None:
         self.__dict__.update(row._mapping)
         self.read_count, self.read_bytes = self.record_count, self.usage_bytes
+        self.deferring = False
+        self.paths: dict[str, str] = {}
+        self.seqs: list[int] = []
+        self._records: list[dict[str, object]] = []
+        self._versions: list[dict[str, object]] = []
+
+    def defer(self, conn: Connection, paths: list[str], n: int) -> None:
+        """Start deferring up to ``n`` creates at ``paths``: one read of the live records
+        there, one reservation of ``n`` seqs (PostgreSQL: ``nextval`` of the versions'
+        sequence; SQLite: past ``sqlite_sequence``, under the database's write lock)."""
+        if n <= 0:
+            return
+        rows = conn.execute(select(_R.c.path, _R.c.id).where(
+            _R.c.store == self.slug, _R.c.deleted == false(), _R.c.path.in_(paths)))
+        self.paths = {r.path: r.id for r in rows}
+        if conn.dialect.name == "postgresql":
+            self.seqs = list(conn.execute(text(
+                "SELECT nextval(pg_get_serial_sequence('versions', 'seq')) FROM generate_series(1, :n)"),
+                {"n": n}).scalars())
+        else:
+            top = conn.execute(text("SELECT seq FROM sqlite_sequence WHERE name = 'versions'")).scalar()
+            if top is None:
+                top = conn.execute(select(func.max(_V.c.seq))).scalar()
+            self.seqs = list(range((top or 0) + 1, (top or 0) + 1 + n))
+        self.seqs.reverse()  # pop() takes the smallest
+        self.deferring = True
+
+    def defer_create(self, rec: "_Rec", actor: str, now: datetime) -> None:
+        """Queue the insert of ``rec`` (a new record, version 1) and its ``created`` version
+        with the next reserved seq; sets ``rec.seq``; notes the feed."""
+        seq = self.seqs.pop()
+        rec.seq = seq
+        rec.updated_at, rec.updated_by = now, actor
+        self._records.append(rec.values())
+        self._versions.append({
+            "seq": seq, "record_id": rec.id, "store": rec.store, "version": rec.version,
+            "operation": Operation.created.value, "path": rec.path, "old_path": None,
+            "type": rec.type, "sha256": rec.sha256, "size": rec.size, "content": rec.content,
+            "created_at": now, "actor": actor, "redacted": False, "mode": rec.mode,
+            "mtime_ns": rec.mtime_ns,
+        })
+        self.paths[rec.path] = rec.id
+        wakeups.note_feed(rec.store, seq, actor)
+        if not self.seqs:
+            self.deferring = False
+
+    def flush(self, conn: Connection) -> None:
+        """Insert the deferred records and versions (one statement each) and stop deferring."""
+        self.deferring = False
+        if self._records:
+            conn.execute(_INSERT_RECORD, self._records)
+            conn.execute(_INSERT_VERSION, self._versions)
+            conn.info["memfuse_writes"] = conn.info.get("memfuse_writes", 0) + len(self._records)
+            self._records, self._versions = [], []
 
 
 def _mode(value: int | None) -> int:
@@ -494,7 +555,8 @@ class RecordsMixin(ServiceBase):
             rtype = _resolve_type(path, body.content, body.type, st.default_type)
             if secret is not None:
                 raise _secret_error(secret)
-            other = self._live_at_id(conn, st.slug, path)
+            deferred = isinstance(st, BatchStore) and st.deferring
+            other = st.paths.get(path) if deferred else self._live_at_id(conn, st.slug, path)
             if other is not None:
                 raise ServiceError(409, "path_exists", f"{path!r} exists", record_id=other)
             now = utcnow()
@@ -505,7 +567,10 @@ class RecordsMixin(ServiceBase):
                 mode=body.mode, mtime_ns=body.mtime_ns,
             )
             self._room(st, len(raw), 1, grew_bytes=True, grew_count=True)  # refused before any write
-            self._add_version(conn, rec, Operation.created, p.actor, now, new=True)
+            if deferred:
+                st.defer_create(rec, p.actor, now)  # written with the batch's other creates
+            else:
+                self._add_version(conn, rec, Operation.created, p.actor, now, new=True)
             self._use(conn, st, len(raw), 1, grew_bytes=True, grew_count=True)
             return _record_model(rec, with_content=False)
 
