@@ -149,6 +149,57 @@ async def test_write_on_replica_a_wakes_waiter_on_replica_b(pg, tmp_path):
             stop(p)
 
 
+async def test_batch_on_replica_a_wakes_waiter_on_replica_b_with_every_version_in_order(pg, tmp_path):
+    """A batch committed on A (one transaction, one NOTIFY) answers a change-feed long-poll
+    held on B at once, with the batch's versions in the batch's order."""
+    procs = []
+    try:
+        a, url_a, _ = _serve(tmp_path, pg, "a")
+        procs.append(a)
+        async with httpx.AsyncClient(base_url=url_a, headers={"Authorization": f"Bearer {ADMIN}"},
+                                     timeout=60) as ca:
+            await _until(lambda: ca.get("/healthz"), "replica A")
+            b, url_b, _ = _serve(tmp_path, pg, "b")
+            procs.append(b)
+            async with httpx.AsyncClient(base_url=url_b, headers={"Authorization": f"Bearer {ADMIN}"},
+                                         timeout=60) as cb:
+                await _until(lambda: cb.get("/healthz"), "replica B")
+                assert (await ca.post("/v1/stores", json={"slug": "default"})).status_code == 201
+                first = (await ca.post("/v1/stores/default/records",
+                                       json={"path": "first.md", "content": "one"})).json()
+                await _until(lambda: _metric_of(cb, "memfuse_server_bus_connected"), "B's listener")
+                result = {}
+
+                async def feed():
+                    r = await cb.get("/v1/stores/default/changes", params={"after": first["seq"], "wait": 20})
+                    result["feed"], result["t"] = r.json(), time.monotonic()
+
+                async with trio.open_nursery() as n:
+                    n.start_soon(feed)
+
+                    async def held():
+                        return _metric((await cb.get("/metrics")).text, "memfuse_server_long_polls") == 1
+                    await _until(held, "the long-poll held on B")
+                    await trio.sleep(0.3)
+                    t0 = time.monotonic()
+                    ops = [{"op": "create", "body": {"path": f"b{i:02d}.md", "content": f"batch {i}"}}
+                           for i in range(30)]
+                    ops.append({"op": "update", "record_id": first["id"], "body": {"content": "one, later"}})
+                    r = await ca.post("/v1/stores/default/batch", json={"operations": ops})
+                    assert r.status_code == 200 and all(x["status"] < 300 for x in r.json()["results"])
+                changes = result["feed"]["changes"]
+                assert [c["record"]["path"] for c in changes] == [f"b{i:02d}.md" for i in range(30)] + ["first.md"]
+                assert [c["seq"] for c in changes] == sorted(c["seq"] for c in changes)
+                assert result["t"] - t0 < 5.0
+    finally:
+        for p in procs:
+            stop(p)
+
+
+async def _metric_of(c: httpx.AsyncClient, name: str) -> bool:
+    return _metric((await c.get("/metrics")).text, name) == 1
+
+
 async def test_listener_outage_loses_no_wake_up(pg):
     """The commit listener of replica B is cut (its backend terminated) and A writes while it
     is down: NOTIFY is lost, but B re-reads on reconnect, so its waiter still gets the write;
