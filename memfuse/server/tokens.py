@@ -270,9 +270,10 @@ class TokensMixin(ServiceBase):
         cache: TokenCache = self._token_cache
         with cache.lock:
             mono = time.monotonic()
-            if not force and mono < cache.flush_at:
-                return 0
-            cache.flush_at = mono + LAST_USED_SECONDS * random.uniform(0.9, 1.1)
+            if not force:
+                if mono < cache.flush_at:
+                    return 0
+                cache.flush_at = mono + LAST_USED_SECONDS * random.uniform(0.9, 1.1)
             due = [e for e in cache.entries.values() if e.used]
             for e in due:
                 e.used = False
