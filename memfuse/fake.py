@@ -49,7 +49,8 @@ class Faults:
     - ``inject``: scripted answers, each ``(method, path regex, status)`` used once by the
       next request whose method and URL path match (``re.search``), answered with that
       status without reaching the app: ``410`` as ``cursor_expired`` (a change feed whose
-      cursor the server dropped), ``5xx`` / ``429`` as transient failures, others as
+      cursor the server dropped), ``404`` / ``405`` as an unknown route / method (an older
+      server: ``not_found``, ``method_not_allowed``), ``5xx`` / ``429`` as transient failures, others as
       ``injected`` refusals. E.g. ``[("GET", r"/changes$", 410), ("GET", r"/records$", 503)]``.
     """
 
@@ -104,8 +105,8 @@ class FaultTransport(httpx.AsyncBaseTransport):
             if request.method == method and re.search(pattern, request.url.path):
                 del faults.inject[i]
                 counters.injected += 1
-                code = {410: "cursor_expired", 429: "rate_limited"}.get(
-                    status, "unavailable" if status >= 500 else "injected")
+                code = {410: "cursor_expired", 429: "rate_limited", 404: "not_found",
+                        405: "method_not_allowed"}.get(status, "unavailable" if status >= 500 else "injected")
                 headers = {"Retry-After": "0"} if status == 429 else None
                 return _problem(status, code, "injected by the fake control plane", request, headers)
         r_error, r_drop = fake._rng.random(), fake._rng.random()
