@@ -236,3 +236,35 @@ async def test_one_commit_note_per_batch(env, monkeypatch):
     assert len(published) == 1
     feeds = [n for n in published[0] if n.kind == "f"]
     assert len(feeds) == 1 and feeds[0].key == "s" and feeds[0].seq == results[-1]["body"]["seq"]
+
+
+async def test_operation_refused_after_it_wrote_reruns_the_batch_with_savepoints(env, monkeypatch, caplog):
+    """No rule refuses a write after its first statement today; if one did, the batch runs
+    again with a SAVEPOINT per operation and the refusal still leaves nothing."""
+    from memfuse.server import records
+    from memfuse.server.base import ServiceError
+    app, admin, ws = env
+    real = records._record_model
+
+    def late(rec, *, with_content):
+        if rec.path in ("late.md", "late2.md"):
+            raise ServiceError(422, "invalid_type", "refused late (test)")
+        return real(rec, with_content=with_content)
+    monkeypatch.setattr(records, "_record_model", late)
+    r = await ws.post("/v1/stores/s/records", json={"path": "a.md", "content": "a"})
+    a = r.json()
+    results = await _batch(ws, [
+        _op("create", body={"path": "x.md", "content": "x"}),
+        _op("create", body={"path": "late.md", "content": "late"}),  # deferred create, refused after
+        _op("update", record_id=a["id"], body={"content": "a2"}),
+        _op("move", record_id=a["id"], body={"path": "late2.md"}),  # a real write, refused after
+        _op("create", body={"path": "y.md", "content": "y"}),
+    ])
+    assert [x["status"] for x in results] == [201, 422, 200, 422, 201]
+    live, counted, counters = _state(app)
+    assert live == {"a.md": "a2", "x.md": "x", "y.md": "y"}
+    assert counted == counters == (3, 4)
+    ch = (await ws.get("/v1/stores/s/changes", params={"after": a["seq"]})).json()["changes"]
+    assert [(c["operation"], c["record"]["path"]) for c in ch] == [
+        ("created", "x.md"), ("modified", "a.md"), ("created", "y.md")]
+    assert "running the batch with savepoints" in caplog.text

@@ -2,10 +2,13 @@
 
 A batch is a list of record writes (create, update, attrs, move, delete) exactly as their
 single endpoints take them, each with its own ``Idempotency-Key`` and ``If-Match``. The whole
-batch is one transaction holding the store's row lock once; each operation runs in its own
-SAVEPOINT, so a refusal (412, 409, 413, 422, 507, ...) rolls back only that operation and
-becomes its own answer while the others commit. One commit, one ``NOTIFY``, one wake-up of the
-store's long-polls; the versions get seqs in the batch's order.
+batch is one transaction holding the store's row lock once. A refusal (412, 409, 413, 422,
+507, ...) is that operation's own answer and leaves nothing while the others commit: every
+write checks all its rules before its first statement (``RecordsMixin._room`` included), so a
+refused operation has nothing to undo; should one be refused after it wrote (no rule does
+today: ``_LateRefusal``), the whole batch runs again with a SAVEPOINT around each operation
+(two more round trips per operation, which is why it is not the default). One commit, one
+``NOTIFY``, one wake-up of the store's long-polls; the versions get seqs in the batch's order.
 
 What the batch saves against as many single requests: one HTTP request, one authentication,
 one worker-thread hop, one store lock, one idempotency read for every key (``IN``), one write

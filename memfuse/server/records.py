@@ -235,7 +235,6 @@ class BatchStore:
         if self._records:
             conn.execute(_INSERT_RECORD, self._records)
             conn.execute(_INSERT_VERSION, self._versions)
-            conn.info["memfuse_writes"] = conn.info.get("memfuse_writes", 0) + len(self._records)
             self._records, self._versions = [], []
 
 
@@ -569,6 +568,7 @@ class RecordsMixin(ServiceBase):
             self._room(st, len(raw), 1, grew_bytes=True, grew_count=True)  # refused before any write
             if deferred:
                 st.defer_create(rec, p.actor, now)  # written with the batch's other creates
+                conn.info["memfuse_writes"] = conn.info.get("memfuse_writes", 0) + 1  # as if written
             else:
                 self._add_version(conn, rec, Operation.created, p.actor, now, new=True)
             self._use(conn, st, len(raw), 1, grew_bytes=True, grew_count=True)
