@@ -175,8 +175,8 @@ async def _principal(
     p = svc.authenticate_cached(token, x_memfuse_instance)  # no database, no thread
     if p is None:
         p = await anyio.to_thread.run_sync(svc.authenticate, token, x_memfuse_instance)
-    if svc.token_flush_due():  # last_used_at of every token used lately: one statement a minute
-        await anyio.to_thread.run_sync(svc.flush_token_use)
+    if svc.token_upkeep_due():  # token bookkeeping: a few statements a minute (tokens.py)
+        await anyio.to_thread.run_sync(svc.token_upkeep)
     return p
 
 

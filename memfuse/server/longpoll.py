@@ -285,8 +285,8 @@ class FastPath:
         p = self._principal(scope)
         if p is None:
             return False
-        if self.svc.token_flush_due():  # last_used_at of the tokens used lately (tokens.py)
-            await anyio.to_thread.run_sync(self.svc.flush_token_use)
+        if self.svc.token_upkeep_due():  # token bookkeeping: a few statements a minute (tokens.py)
+            await anyio.to_thread.run_sync(self.svc.token_upkeep)
         request = Request(scope, receive)
         try:
             if kind[1] == "changes":

@@ -8,9 +8,11 @@ in constant time too.
 
 The positive cache (``TokenCache``): a database token is remembered for
 ``TOKEN_CACHE_SECONDS`` after a lookup, so most requests resolve on the event loop without
-a query (``authenticate_cached``). A lookup also confirms, at most once a second, every
-cached token in the second half of its life (one ``IN`` query), so thousands of idle
-sidecars cost about one token query per ``TOKEN_CACHE_SECONDS / 2``. What bounds it:
+a query (``authenticate_cached``). Every ~``TOKEN_CACHE_SECONDS / 2`` (``token_upkeep``, run
+from a request when due) one ``IN`` query confirms every cached token seen lately whose entry
+is in the second half of its life, so tokens in use never fall out of the cache and
+thousands of idle sidecars cost one token query per ~15 s per process; a lookup of an
+unknown token also confirms the due ones (at most once a second). What bounds it:
 
 - expiry: the cached entry carries ``expires_at``, checked on every request;
 - revocation: ``DELETE /v1/tokens/{id}`` sets the row's ``revoked_at`` and drops the token
@@ -111,6 +113,7 @@ class _Entry:
     expires_at: float | None  # wall-clock epoch seconds
     until: float  # monotonic: looked up again after this
     used: bool = False  # used since last_used_at was last written (or found fresh)
+    seen: float = 0.0  # monotonic: last request with this token
 
 
 class TokenCache:
@@ -124,6 +127,8 @@ class TokenCache:
         # monotonic time of the next write of last_used_at (see the module docstring)
         self.flush_at = time.monotonic() + LAST_USED_SECONDS * random.uniform(0.25, 1.0)
         self.pending: set[str] = set()  # ids used, not written, whose entries were dropped
+        # monotonic time of the next confirmation of the cached tokens (token_upkeep)
+        self.confirm_at = time.monotonic() + TOKEN_CACHE_SECONDS / 2 * random.uniform(0.5, 1.0)
         self.lock = threading.Lock()
 
     def forget(self, token_ids: set[str]) -> None:
@@ -173,7 +178,7 @@ class TokensMixin(ServiceBase):
         mono, wall = time.monotonic(), time.time()
         hit = cache.entries.get(digest)
         if hit is not None and hit.until > mono and (hit.expires_at is None or hit.expires_at > wall):
-            hit.used = True
+            hit.used, hit.seen = True, mono
             return Principal(workspace=hit.workspace, name=hit.name, instance=_clean_instance(instance))
         # One query for this token and, at most once a second, every cached token whose entry
         # is in the second half of its life: idle sidecars then cost about one token query
@@ -187,15 +192,7 @@ class TokensMixin(ServiceBase):
         with self.db.read_conn() as conn:
             rows = {r.token_sha256: r for r in conn.execute(_SELECT_TOKENS, {"digests": [digest, *due]})}
         for d in due:
-            other = rows.get(d)
-            e = cache.entries.get(d)
-            if e is None:
-                continue
-            if other is None or other.revoked_at is not None or (
-                    other.expires_at is not None and other.expires_at.timestamp() <= wall):
-                cache.entries.pop(d, None)
-            else:
-                e.until = mono + TOKEN_CACHE_SECONDS
+            self._confirmed(d, rows.get(d), mono, wall)
         row = rows.get(digest)
         if row is None or not hmac.compare_digest(row.token_sha256, digest):
             cache.entries.pop(digest, None)
@@ -212,7 +209,7 @@ class TokensMixin(ServiceBase):
         entry = _Entry(token_id=row.id, workspace=row.workspace, name=name,
                        expires_at=row.expires_at.timestamp() if row.expires_at is not None else None,
                        until=mono + TOKEN_CACHE_SECONDS,
-                       used=not fresh or (old is not None and old.used))
+                       used=not fresh or (old is not None and old.used), seen=mono)
         if len(cache.entries) >= TOKEN_CACHE_MAX:
             cache.clear()
         cache.entries[digest] = entry
@@ -237,7 +234,7 @@ class TokensMixin(ServiceBase):
         if (hit is None or hit.until < mono or not revocations_fresh
                 or (hit.expires_at is not None and hit.expires_at <= time.time())):
             return None
-        hit.used = True
+        hit.used, hit.seen = True, mono
         return Principal(workspace=hit.workspace, name=hit.name, instance=_clean_instance(instance))
 
     def _read_revocations(self) -> None:
@@ -255,10 +252,62 @@ class TokensMixin(ServiceBase):
                 cache.forget(revoked)
             cache.checked_at = started
 
-    def token_flush_due(self) -> bool:
-        """True when ``flush_token_use`` has work to look at (cheap: one clock read; for the
-        event loop, which then runs the flush in a worker thread)."""
-        return time.monotonic() >= self._token_cache.flush_at
+    def token_upkeep_due(self) -> bool:
+        """True when ``token_upkeep`` has work to look at (cheap: a clock read; for the event
+        loop, which then runs it in a worker thread)."""
+        cache: TokenCache = self._token_cache
+        mono = time.monotonic()
+        return mono >= cache.flush_at or mono >= cache.confirm_at
+
+    def token_upkeep(self) -> None:
+        """The token bookkeeping of this process, each part when due: confirm the cached
+        tokens (``confirm_cached_tokens``, every ~``TOKEN_CACHE_SECONDS / 2``) and write
+        ``last_used_at`` (``flush_token_use``, every ~``LAST_USED_SECONDS``). Runs in a worker
+        thread; never raises for a database failure (logged)."""
+        if time.monotonic() >= self._token_cache.confirm_at:
+            self.confirm_cached_tokens()
+        self.flush_token_use()
+
+    def confirm_cached_tokens(self) -> int:
+        """Look up again, in one ``SELECT … WHERE token_sha256 IN (…)`` per
+        ``TOKEN_CONFIRM_BATCH``, every cached token seen in the last ``2 × TOKEN_CACHE_SECONDS``
+        whose entry is in the second half of its life: a confirmed entry lives
+        ``TOKEN_CACHE_SECONDS`` more, a revoked, expired or deleted one is dropped. Tokens in
+        use then never fall out of the cache, and N idle sidecars cost one query per
+        ~``TOKEN_CACHE_SECONDS / 2`` per process. Returns how many were looked up."""
+        cache: TokenCache = self._token_cache
+        with cache.lock:
+            mono = time.monotonic()
+            cache.confirm_at = mono + TOKEN_CACHE_SECONDS / 2 * random.uniform(0.8, 1.0)
+            due = [d for d, e in cache.entries.items()
+                   if e.until - mono < TOKEN_CACHE_SECONDS / 2 and e.seen > mono - 2 * TOKEN_CACHE_SECONDS]
+        if not due:
+            return 0
+        wall = time.time()
+        try:
+            with self.db.read_conn() as conn:
+                for i in range(0, len(due), TOKEN_CONFIRM_BATCH):
+                    chunk = due[i:i + TOKEN_CONFIRM_BATCH]
+                    rows = {r.token_sha256: r for r in conn.execute(_SELECT_TOKENS, {"digests": chunk})}
+                    for d in chunk:
+                        self._confirmed(d, rows.get(d), mono, wall)
+        except SQLAlchemyError as err:
+            log.warning("could not confirm %d cached tokens (%s); they are looked up one by one "
+                        "when their cache entries end", len(due), type(err).__name__)
+            return 0
+        return len(due)
+
+    def _confirmed(self, digest: str, row, mono: float, wall: float) -> None:
+        """Apply a fresh lookup (``row``, None when gone) to the cache entry of ``digest``."""
+        cache: TokenCache = self._token_cache
+        e = cache.entries.get(digest)
+        if e is None:
+            return
+        if row is None or row.revoked_at is not None or (
+                row.expires_at is not None and row.expires_at.timestamp() <= wall):
+            cache.entries.pop(digest, None)
+        else:
+            e.until = mono + TOKEN_CACHE_SECONDS
 
     def flush_token_use(self, *, force: bool = False) -> int:
         """Write ``last_used_at`` = now for every cached token used since its last write, in
