@@ -155,7 +155,8 @@ def test_cp_r_of_200_files_commits_in_batches(tmp_path):
     mnt = tmp_path / "mnt"
     try:
         tok = cp.setup_workspace("ws")
-        sc = MountedSidecar(cp, "ws", tok, mnt, tmp_path / "cache").start()
+        sc = MountedSidecar(cp, "ws", tok, mnt, tmp_path / "cache")
+        sc.start()
         store = mnt / "default"
         copiers = [subprocess.Popen(["cp", "-r", str(src / f"d{d}"), str(store)]) for d in range(8)]
         assert [c.wait(120) for c in copiers] == [0] * 8
@@ -192,7 +193,8 @@ def test_kill9_with_a_batch_in_flight_loses_nothing(tmp_path):
     mnt, cache = tmp_path / "mnt", tmp_path / "cache"
     try:
         tok = cp.setup_workspace("ws")
-        sc = MountedSidecar(cp, "ws", tok, mnt, cache, "--commit-wait", "0.2", *NO_ADMIN).start()
+        sc = MountedSidecar(cp, "ws", tok, mnt, cache, "--commit-wait", "0.2", *NO_ADMIN)
+        sc.start()  # assigned first: a start that fails is still stopped in finally
         store = mnt / "default"
         os.kill(cp.proc.pid, signal.SIGSTOP)
         stopped = True
@@ -213,7 +215,8 @@ def test_kill9_with_a_batch_in_flight_loses_nothing(tmp_path):
         unmount(mnt)
         os.kill(cp.proc.pid, signal.SIGCONT)
         stopped = False
-        sc = MountedSidecar(cp, "ws", tok, mnt, cache, "--commit-wait", "0.2", *NO_ADMIN).start()
+        sc = MountedSidecar(cp, "ws", tok, mnt, cache, "--commit-wait", "0.2", *NO_ADMIN)
+        sc.start()  # assigned first: a start that fails is still stopped in finally
         poll(lambda: outbox_depth(mnt) == 0, 60, "the outbox to drain", sc.log)
         recs = {r.path: r for r in cp.call("snapshot", "default", content=True)[0]}
         assert sorted(recs) == [f"k{i:02d}.md" for i in range(30)]
