@@ -1090,15 +1090,22 @@ class PageStream(Generic[P]):
         self._api, self._model, self._path, self._params = api, model, path, params
         self._read_timeout = read_timeout
         self._resp: httpx.Response | None = None
-        self._closed = False
+        self._gen: AsyncIterator[P] | None = None
         self.streaming: bool | None = None
 
     def __aiter__(self) -> AsyncIterator[P]:
-        return self._pages()
+        if self._gen is None:
+            self._gen = self._pages()
+        return self._gen
 
     async def aclose(self) -> None:
         """Close the response (idempotent)."""
-        self._closed = True
+        gen, self._gen = self._gen, None
+        if gen is not None:
+            await gen.aclose()  # type: ignore[attr-defined]
+        await self._close_response()
+
+    async def _close_response(self) -> None:
         if self._resp is not None:
             resp, self._resp = self._resp, None
             await resp.aclose()
@@ -1139,7 +1146,7 @@ class PageStream(Generic[P]):
             except httpx.HTTPError as exc:
                 raise _transport_error(exc, "GET", path) from None
         finally:
-            await self.aclose()
+            await self._close_response()
 
 
 def _line_error(line: str, path: str) -> ApiError:

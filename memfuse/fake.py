@@ -53,8 +53,8 @@ class Faults:
       cursor the server dropped), ``5xx`` / ``429`` as transient failures, others as
       ``injected`` refusals. E.g. ``[("GET", r"/changes$", 410), ("GET", r"/records$", 503)]``.
       An open stream whose request matches gets it as its error line instead of its next line.
-    - ``cut_streams``: the next N streams (``stream=true``) break (``httpx.ReadError``, as a
-      connection reset) right after their first line that carries changes or events.
+    - ``cut_streams``: the next N stream lines (``stream=true``) that carry changes or events
+      break their stream right after the line (``httpx.ReadError``, as a connection reset).
     """
 
     latency: float = 0.0
@@ -212,9 +212,6 @@ async def _stream_request(fake: FakeControlPlane, request: httpx.Request) -> htt
         left.set()
         raise httpx.ReadError("fake control plane: no response", request=request)
     ctype = dict(head.get("headers", ())).get(b"content-type", b"")
-    cut = ctype.startswith(b"application/x-ndjson") and fake.faults.cut_streams > 0
-    if cut:
-        fake.faults.cut_streams -= 1
     if ctype.startswith(b"application/x-ndjson"):
         fake.counters.streams += 1
 
@@ -228,7 +225,8 @@ async def _stream_request(fake: FakeControlPlane, request: httpx.Request) -> htt
                         return
                     if chunk:
                         yield chunk
-                    if cut and (b'"changes":[{' in chunk or b'"events":[{' in chunk):
+                    if fake.faults.cut_streams > 0 and (b'"changes":[{' in chunk or b'"events":[{' in chunk):
+                        fake.faults.cut_streams -= 1
                         fake.counters.streams_cut += 1
                         raise httpx.ReadError("fake control plane: stream cut", request=request)
                     if not more:

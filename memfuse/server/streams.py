@@ -13,7 +13,8 @@ cursor expired, database error) is a last line ``{"error": <problem object>}``, 
 A refusal known before the first byte is the usual ``application/problem+json`` response.
 
 What a stream costs while idle: a task waiting on one event (no timer, no thread, no
-database); the ticker is one thread that wakes every open stream once per heartbeat. A
+database); the ticker is one thread that wakes every open stream once per heartbeat, a
+twentieth of them at a time. A
 stream shares the long-poll machinery: it subscribes to the ``Notifier`` before it looks,
 reads the feed through ``FeedReads`` (one read and one encoding for every stream at the same
 cursor), and counts as a long-poll for the per-token limit (``memfuse.server.limits``).
@@ -34,7 +35,6 @@ from typing import Any
 import anyio
 from fastapi import Request
 
-from memfuse.models import ChangePage, EventPage
 from memfuse.server import wakeups
 from memfuse.server.base import _unauthorized
 from memfuse.server.service import Principal, Service, ServiceError
@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 HEARTBEAT_SECONDS = 20.0  # a line at least this often on an open stream
 LIFETIME_SECONDS = 600.0  # a stream ends after this long (± LIFETIME_JITTER)
 LIFETIME_JITTER = 0.1  # fraction of LIFETIME_SECONDS
+TICK_SLOTS = 20  # streams are spread over this many slots, one woken per HEARTBEAT / TICK_SLOTS
 NDJSON = b"application/x-ndjson"
 
 _Lines = Callable[[], Awaitable[list[bytes]]]
@@ -52,9 +53,10 @@ _Lines = Callable[[], Awaitable[list[bytes]]]
 class _Open:
     """One open stream: who it serves and what ended it."""
 
-    __slots__ = ("p", "token", "token_id", "revoked", "recheck", "ends_at")
+    __slots__ = ("p", "token", "token_id", "revoked", "recheck", "ends_at", "slot")
 
     def __init__(self, p: Principal, token: str, token_id: str | None, ends_at: float) -> None:
+        self.slot = random.randrange(TICK_SLOTS)
         self.p = p
         self.token = token  # never logged
         self.token_id = token_id
@@ -67,10 +69,14 @@ class Streams:
     """The open streams of one process: the shared heartbeat ticker and the token index.
 
     ``heartbeat``: seconds between ticks (every open stream sends a heartbeat line on each
-    tick); ``lifetime``: seconds a stream lives (± ``LIFETIME_JITTER``). ``enabled`` False
+    tick); ``lifetime``: seconds a stream lives (± ``LIFETIME_JITTER``). Each stream sits in one
+    of ``TICK_SLOTS`` slots and the ticker wakes one slot every ``heartbeat / TICK_SLOTS`` s, so
+    thousands of heartbeats are spread over the period instead of sent in one burst (which
+    would delay a write's fan-out behind them). ``enabled`` False
     makes the app answer ``stream=true`` as if it did not know the parameter (a long-poll
     when ``wait`` is given, else the plain page): the operator's switch, and the tests' way
-    of checking the clients' fallback. ``gen`` counts ticks; ``open`` the streams open now.
+    of checking the clients' fallback. ``gens[slot]`` counts the ticks of each slot; ``open``
+    the streams open now.
     Thread-safe where it says so; the rest runs on the event loop.
     """
 
@@ -80,11 +86,12 @@ class Streams:
         self.heartbeat = float(heartbeat)
         self.lifetime = float(lifetime)
         self.enabled = enabled
-        self.gen = 0
+        self.gens = [0] * TICK_SLOTS
+        self._next_slot = 0
         self.open = 0
         self.lines_sent = 0  # for /metrics
         self._lock = threading.Lock()
-        self._waiters: set[wakeups._Waiter] = set()
+        self._waiters: list[set[wakeups._Waiter]] = [set() for _ in range(TICK_SLOTS)]
         self._by_token: dict[str, set[_Open]] = {}
         self._all: set[_Open] = set()
         self._thread: threading.Thread | None = None
@@ -104,14 +111,22 @@ class Streams:
                 self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.heartbeat):
+        while not self._stop.wait(self.heartbeat / TICK_SLOTS):
             self.tick()
 
     def tick(self) -> None:
-        """One heartbeat: wake every open stream (from any thread)."""
+        """Wake the streams of the next slot for their heartbeat (from any thread)."""
         with self._lock:
-            self.gen += 1
-            waiters = list(self._waiters)
+            slot = self._next_slot
+            self._next_slot = (slot + 1) % TICK_SLOTS
+            self.gens[slot] += 1
+            waiters = list(self._waiters[slot])
+        for w in waiters:
+            w.wake()
+
+    def _wake_all(self) -> None:
+        with self._lock:
+            waiters = [w for group in self._waiters for w in group]
         for w in waiters:
             w.wake()
 
@@ -119,13 +134,13 @@ class Streams:
         """Stop the ticker thread (idempotent)."""
         self._stop.set()
 
-    def _watch(self, w: wakeups._Waiter) -> None:
+    def _watch(self, slot: int, w: wakeups._Waiter) -> None:
         with self._lock:
-            self._waiters.add(w)
+            self._waiters[slot].add(w)
 
-    def _unwatch(self, w: wakeups._Waiter) -> None:
+    def _unwatch(self, slot: int, w: wakeups._Waiter) -> None:
         with self._lock:
-            self._waiters.discard(w)
+            self._waiters[slot].discard(w)
 
     # ------------------------------------------------------------ tokens
 
@@ -141,7 +156,7 @@ class Streams:
             for o in hit:
                 o.revoked = True
         if hit:
-            self.tick()
+            self._wake_all()
 
     def _add(self, o: _Open) -> None:
         with self._lock:
@@ -191,8 +206,8 @@ class Streams:
                     break
             return out
 
-        def heartbeat() -> bytes:
-            return ChangePage(changes=[], seq=cursor).model_dump_json().encode() + b"\n"
+        def heartbeat() -> bytes:  # ChangePage(changes=[], seq=cursor) as pydantic encodes it
+            return b'{"changes":[],"seq":%d}\n' % cursor
 
         await check()
         first = await lines()  # a 410 known now is a plain problem response
@@ -227,8 +242,8 @@ class Streams:
                     break
             return out
 
-        def heartbeat() -> bytes:
-            return EventPage(events=[], seq=cursor).model_dump_json().encode() + b"\n"
+        def heartbeat() -> bytes:  # EventPage(events=[], seq=cursor) as pydantic encodes it
+            return b'{"events":[],"seq":%d}\n' % cursor
 
         await check()
         first = await lines()
@@ -246,12 +261,12 @@ class Streams:
             o = _Open(p, token, token_id, ends_at)
             self._add(o)
             self._start()
-            sent_gen = self.gen
+            sent_gen = self.gens[o.slot]
             ended = "lifetime"
 
             async def line(data: bytes) -> None:
                 nonlocal sent_gen
-                sent_gen = self.gen
+                sent_gen = self.gens[o.slot]
                 self.lines_sent += 1
                 await send({"type": "http.response.body", "body": data, "more_body": True})
 
@@ -261,10 +276,11 @@ class Streams:
                 # to send): the client knows the stream is up before the first tick
                 for data in first or [heartbeat()]:
                     await line(data)
-                while True:
-                    waiter = subscribe()
-                    self._watch(waiter)
-                    try:
+                waiter = subscribe()
+                self._watch(o.slot, waiter)
+                try:
+                    while True:
+                        svc.notifier.rearm(waiter)  # before looking: no commit is missed
                         if o.revoked:
                             raise _unauthorized("token revoked")
                         if o.recheck:
@@ -278,12 +294,12 @@ class Streams:
                             return
                         if anyio.current_time() >= o.ends_at:
                             return
-                        if self.gen != sent_gen:
+                        if self.gens[o.slot] != sent_gen:
                             await line(heartbeat())
                         await waiter.event.wait()
-                    finally:
-                        svc.notifier.unsubscribe(waiter)
-                        self._unwatch(waiter)
+                finally:
+                    svc.notifier.unsubscribe(waiter)
+                    self._unwatch(o.slot, waiter)
 
             try:
                 await send({"type": "http.response.start", "status": 200, "headers": [
