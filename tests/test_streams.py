@@ -2,16 +2,11 @@
 HTTP server (hypercorn in the test's trio loop; ``httpx.ASGITransport`` cannot stream), over
 SQLite or, run by ``tests/test_postgres.py``, PostgreSQL: pages in order, heartbeats, the
 lifetime, mid-stream errors, the per-token limit, a client that leaves, shutdown, and the
-fallback of the client to long-polls when the server does not stream.
-
-Then the sidecar on streams: over the in-process fake with streams cut mid-way (it reopens
-from its cursor: nothing lost, nothing applied twice), and real mounts: a write in one sidecar
-reaches another through the stream, and a control plane with ``--no-streams`` still syncs
-through long-polls.
+fallback of the client to long-polls when the server does not stream. The sidecar on streams
+is in ``tests/test_streams_sidecar.py``.
 """
 from __future__ import annotations
 
-import os
 import tempfile
 import time
 from contextlib import asynccontextmanager
@@ -250,76 +245,3 @@ async def test_client_falls_back_when_the_server_does_not_stream():
         with trio.fail_after(30):
             page = await ws.changes("default", pages[0].seq, wait=0.2)
         assert page.changes == [] and page.seq == pages[0].seq
-
-
-# ---------------------------------------------------------------- the sidecar on streams
-
-
-async def test_sidecar_reopens_a_cut_stream_from_its_cursor(tmp_path):
-    """Streams cut mid-way (connection reset after a page) are reopened from the cursor of
-    the last page applied: every remote change arrives, none is applied twice."""
-    from memfuse.fake import FakeControlPlane
-    from test_faults import local, make_sidecar, start
-
-    fake = FakeControlPlane(seed=5)
-    token = await fake.setup("ws")
-    sc = await make_sidecar(tmp_path, fake, token)
-    try:
-        async with trio.open_nursery() as nursery:
-            await start(sc, nursery)
-            await until(lambda: fake.counters.streams >= 2, what="the feed and event streams")
-            fake.faults.cut_streams = 4
-            async with fake.client() as http:
-                for k in range(12):
-                    r = await http.post("/v1/stores/default/records", json={"path": f"r{k}.md", "content": f"{k}\n"})
-                    assert r.status_code == 201, r.text
-                    await trio.sleep(0.05)
-            await until(lambda: len(local(sc)) == 12, what="every remote change")
-            assert fake.counters.streams_cut == 4
-            assert local(sc) == {f"r{k}.md": f"{k}\n".encode() for k in range(12)}
-            applied = sc.metrics.remote_changes.labels("default")._value.get()
-            assert applied == 12, f"{applied} changes applied for 12 versions"
-            nursery.cancel_scope.cancel()
-    finally:
-        await sc.client.aclose()
-        await fake.aclose()
-
-
-@pytest.mark.mount
-@pytest.mark.parametrize("streams", [True, False], ids=["streams", "no-streams"])
-def test_write_in_one_sidecar_reaches_another(tmp_path, streams):
-    """Two real mounts: a write in A is read in B through B's change feed, a stream when the
-    control plane streams, long-polls when it runs with ``--no-streams``."""
-    from mountutil import ControlPlane, Sidecar, wait_for
-
-    if not os.path.exists("/dev/fuse"):
-        pytest.skip("no /dev/fuse")
-    cp = ControlPlane(tmp_path, () if streams else ("--no-streams",)).start()
-    a = b = None
-    try:
-        ta = cp.setup_workspace("wa", ("shared",))
-        tb = cp.setup_workspace("wb", ("shared",))
-        a = Sidecar(cp, "wa", ta, tmp_path / "ma", tmp_path / "ca").start(expect="shared")
-        b = Sidecar(cp, "wb", tb, tmp_path / "mb", tmp_path / "cb").start(expect="shared")
-        for i in range(5):
-            data = f"note {i}\n"
-            t0 = time.monotonic()
-            (tmp_path / "ma" / "shared" / "n.md").write_text(data)
-
-            def seen() -> bool:
-                try:
-                    return (tmp_path / "mb" / "shared" / "n.md").read_text() == data
-                except OSError:
-                    return False
-            wait_for(seen, 30, f"write {i} in B", b.proc, b.log)
-            assert time.monotonic() - t0 < 30
-        metrics = cp.call("_request", "GET", "/metrics").text
-        open_streams = [ln for ln in metrics.splitlines() if ln.startswith("memfuse_server_streams ")]
-        n = float(open_streams[0].split()[1])
-        # each sidecar holds its store's feed and its events: 4 streams, or none
-        assert n == (4 if streams else 0), metrics
-    finally:
-        for s in (a, b):
-            if s is not None:
-                s.stop()
-        cp.stop()

@@ -198,13 +198,20 @@ class Backpressure:
             await send({"type": "http.response.body", "body": body})
             return
         status_seen = 0
+        # One cancel scope around the whole request, armed only while a send is under way:
+        # a stream sends thousands of lines, and a scope per send (anyio.fail_after) was a
+        # third of a heartbeat's CPU.
+        bound = anyio.CancelScope()
 
         async def send_bounded(message: Message) -> None:
             nonlocal status_seen
             if message["type"] == "http.response.start":
                 status_seen = message["status"]
-            with anyio.fail_after(self.send_timeout):
+            bound.deadline = anyio.current_time() + self.send_timeout
+            try:
                 await send(message)
+            finally:
+                bound.deadline = float("inf")
 
         long_poll = self._is_long_poll(scope)
         key = ""
@@ -226,8 +233,11 @@ class Backpressure:
             self.inflight += 1
             self.metrics.inflight.inc()
         try:
-            if not (long_poll and self.fast is not None and await self.fast(scope, receive, send_bounded)):
-                await self.app(scope, receive, send_bounded)
+            with bound:
+                if not (long_poll and self.fast is not None and await self.fast(scope, receive, send_bounded)):
+                    await self.app(scope, receive, send_bounded)
+            if bound.cancelled_caught:  # a send did not finish in time
+                raise TimeoutError
         except TimeoutError:
             # the connection is gone (the kernel's TCP_USER_TIMEOUT aborted it, see
             # memfuse.server.serve.listen_socket, or this bound cut the send): nothing is
