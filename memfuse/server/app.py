@@ -206,6 +206,7 @@ def create_app(
     max_inflight: int = limits.MAX_INFLIGHT,
     max_long_polls: int = limits.MAX_LONG_POLLS,
     max_long_polls_per_token: int = limits.MAX_LONG_POLLS_PER_TOKEN,
+    send_timeout: float = limits.SEND_TIMEOUT,
     streams: bool = True,
     stream_heartbeat: float = streaming.HEARTBEAT_SECONDS,
     stream_lifetime: float = streaming.LIFETIME_SECONDS,
@@ -219,8 +220,8 @@ def create_app(
     None, ``$MEMFUSE_CONTEXT_MAX_BYTES`` or 100,000.
     ``schema``: ``"migrate"`` (upgrade the database to the newest revision first) or
     ``"check"`` (refuse a database behind it), see ``memfuse.server.db.Database``.
-    ``max_inflight``, ``max_long_polls``, ``max_long_polls_per_token``: the backpressure limits
-    (``memfuse.server.limits``). ``app.state.metrics`` is the ``ServerMetrics``.
+    ``max_inflight``, ``max_long_polls``, ``max_long_polls_per_token``, ``send_timeout`` (s a
+    send to a client may take): the backpressure limits (``memfuse.server.limits``). ``app.state.metrics`` is the ``ServerMetrics``.
     ``streams``: serve ``stream=true`` on the change feed and the workspace events
     (``memfuse.server.streams``); False answers it as a server without streams would (a
     long-poll, or the plain page), which clients handle by long-polling.
@@ -261,7 +262,7 @@ def create_app(
     app.add_middleware(_CatchAll)
     app.front = limits.Backpressure(
         app.serve_fastapi, metrics, max_inflight=max_inflight, max_long_polls=max_long_polls,
-        max_long_polls_per_token=max_long_polls_per_token,
+        max_long_polls_per_token=max_long_polls_per_token, send_timeout=send_timeout,
         fast=longpoll.FastPath(svc, reads, _exception_response, open_streams),
     )
 
