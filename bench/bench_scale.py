@@ -1,11 +1,13 @@
 """Control-plane scale: N simulated sidecars against 1 or 2 ``memfuse serve`` replicas.
 
 A simulated sidecar is what a ``memfuse mount`` does on the wire while it is idle: it holds
-the change-feed long-poll of its store (``GET /v1/stores/shared/changes?after=&wait=25
-&content=true&skip_actor=...``) and the workspace-events long-poll (``GET
-/v1/workspaces/{ws}/events?after=&wait=25``), each on its own keep-alive connection, with its
-own workspace token, re-issuing each long-poll as soon as it answers and honouring
-``Retry-After`` on 429 / 503. The clients speak HTTP/1.1 on raw trio sockets (the harness
+the change-feed stream of its store (``GET /v1/stores/shared/changes?after=&stream=true
+&content=true&skip_actor=...``) and the workspace-events stream (``GET
+/v1/workspaces/{ws}/events?after=&stream=true``), each on its own connection, with its own
+workspace token, reading NDJSON lines as they come, reopening a stream from its cursor when
+the server ends it, treating 45 s without a line as a dead connection, and honouring
+``Retry-After`` on 429 / 503. ``--feed longpoll`` makes it long-poll instead (``wait=25``,
+re-issued as soon as it answers): what a sidecar does against a server without streams. The clients speak HTTP/1.1 on raw trio sockets (the harness
 must not be the bottleneck on a 2-CPU machine: 4,000 httpx connections would cost more
 CPU than the server).
 
@@ -927,7 +929,8 @@ def table(results: dict) -> str:
         return [x.get(key, float("nan")) for x in r["idle"]["replicas"]]
 
     rows: list[tuple[str, str, list[str]]] = [
-        ("sidecars (2 long-polls each)", "", [str(r["sidecars"]) for r in runs]),
+        ("sidecars (2 feeds each: streams, or long-polls with --feed longpoll)", "",
+         [f"{r['sidecars']} ({r.get('feed', 'longpoll')})" for r in runs]),
         ("idle: control-plane CPU, % of one core per replica", "< 5 % at 2,000",
          [" / ".join(f"{c:.1f}" for c in idle(r, "cpu_pct")) for r in runs]),
         ("idle: CPU per 1,000 sidecars, % of one core (all replicas)", "",
@@ -937,7 +940,7 @@ def table(results: dict) -> str:
           for r in runs]),
         ("idle: PostgreSQL transactions/s (pg_stat_database)", "0",
          [f"{r['idle']['pg_xacts_per_s']:.2f}" if "pg_xacts_per_s" in r["idle"] else "—" for r in runs]),
-        ("idle: HTTP requests/s (long-polls ending at 25 s and re-issued)", "",
+        ("idle: HTTP requests/s (long-polls re-issued at 25 s; streams reopened at ~10 min)", "",
          [f"{sum(idle(r, 'requests_per_s')):.0f}" for r in runs]),
         ("idle: server RSS, MiB per replica", "",
          [" / ".join(f"{m:.0f}" for m in idle(r, "rss_mib")) for r in runs]),

@@ -11,7 +11,7 @@
   bearer token (429 ``too_many_long_polls``, ``Retry-After: 5``; RFC 6585 §4) and
   ``max_long_polls`` in all (503 ``overloaded``): a client that opens thousands cannot take
   every socket. A sidecar holds one per attached store plus one for its workspace's events.
-- **Slow readers and pipelining**: sending any part of a response may take at most
+- **Slow readers and pipelining**: sending any part of a response (a stream's line too) may take at most
   ``send_timeout`` s; a client that does not read its responses is cut off (the connection
   is closed) and its slot freed. hypercorn shields its socket writes from cancellation, so
   the cut is made by the kernel: ``memfuse.server.serve.listen_socket`` gives every
