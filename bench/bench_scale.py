@@ -13,7 +13,8 @@ CPU than the server).
 
 Phases, per configuration (database × replicas):
 
-1. **idle**: every sidecar holds both long-polls; nothing is written for ``--idle`` seconds;
+1. **idle**: every sidecar holds both feeds (streams, or long-polls); nothing is written for
+   ``--idle`` seconds;
    the control plane's CPU (``/proc/PID/stat``) and database statements (the server's
    ``memfuse_server_db_statements_total``; on PostgreSQL also ``pg_stat_database``
    transactions) over that window, per replica and per 1,000 sidecars.
@@ -850,7 +851,8 @@ def main() -> int:
     ap.add_argument("--db", default="sqlite,postgres")
     ap.add_argument("--replicas", default="1,2")
     ap.add_argument("--idle", type=float, default=30.0,
-                    help="seconds of the idle window (≥ 25: every long-poll times out and is re-issued once)")
+                    help="seconds of the idle window (≥ 25: every long-poll times out and is re-issued once, "
+                         "every stream sends at least one heartbeat)")
     ap.add_argument("--writes", type=int, default=20, help="fan-out writes")
     ap.add_argument("--writers", default="1x1,8x1,32x1,32x32",
                     help="throughput runs as WRITERSxSTORES, comma-separated ('' for none)")

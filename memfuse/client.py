@@ -20,10 +20,14 @@ Secrets: neither the token nor any record content ever goes into an exception me
 exception attribute or a log line; messages carry the method, the URL path, the status, the
 problem ``code``, ``title`` and ``detail``.
 
-Why one module of ~900 lines: most of it is :class:`ApiClient`, one short method per endpoint
-of docs/API.md in the same order (records, feeds, admin), all sharing ``_request`` /
-``_call``; split by resource, a reader would lose the one-to-one reading against the API
-document while no piece would be simpler.
+Streams (``stream=true``, docs/API.md "Streams"): :meth:`ApiClient.changes_stream` and
+:meth:`ApiClient.events_stream` return a :class:`PageStream`, an async iterator of the pages
+as the server sends them, with the fallback to long-polls told by ``PageStream.streaming``.
+
+Why one module of ~1,200 lines: most of it is :class:`ApiClient`, one short method per
+endpoint of docs/API.md in the same order (records, feeds, admin), all sharing ``_request`` /
+``_call`` (``PageStream`` too); split by resource, a reader would lose the one-to-one reading
+against the API document while no piece would be simpler.
 """
 from __future__ import annotations
 
