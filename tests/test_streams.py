@@ -101,6 +101,22 @@ def test_heartbeat_lines_are_the_pages_pydantic_would_encode():
     assert EventPage(events=[], seq=7).model_dump_json() == '{"events":[],"seq":7}'
 
 
+async def test_a_catch_up_comes_page_by_page_in_order():
+    async with server() as (app, base, admin, ws):
+        made = [await create(admin, f"p{i}.md") for i in range(5)]
+        stream = ws.changes_stream("default", 0, limit=2)
+        pages = []
+        with trio.fail_after(30):
+            async for p in stream:
+                pages.append(p)
+                if p.seq == made[-1].seq:
+                    break
+        await stream.aclose()
+        assert [[c.record.path for c in p.changes] for p in pages] == [
+            ["p0.md", "p1.md"], ["p2.md", "p3.md"], ["p4.md"]]
+        assert [p.seq for p in pages] == [made[1].seq, made[3].seq, made[4].seq]
+
+
 async def test_event_stream_sends_attach_and_detach():
     async with server() as (app, base, admin, ws):
         start = (await ws.workspace_events("ws", 0)).seq

@@ -47,7 +47,7 @@ LIFETIME_JITTER = 0.1  # fraction of LIFETIME_SECONDS
 TICK_SLOTS = 20  # streams are spread over this many slots, one woken per HEARTBEAT / TICK_SLOTS
 NDJSON = b"application/x-ndjson"
 
-_Lines = Callable[[], Awaitable[list[bytes]]]
+_Lines = Callable[[], Awaitable[tuple[list[bytes], bool]]]  # (lines to send, more to read)
 
 
 class _Open:
@@ -189,22 +189,21 @@ class Streams:
             if not notifier.readable(p.scope, wakeups.FEED, slug):
                 await anyio.to_thread.run_sync(svc.check_feed_access, p, slug)
 
-        async def lines() -> list[bytes]:
+        async def lines() -> tuple[list[bytes], bool]:
+            # one read (one page of at most ``limit``) per call: a long catch-up is sent page
+            # by page, never gathered in memory
             nonlocal cursor
-            out: list[bytes] = []
-            while notifier.head(slug) != cursor:
-                fr = await reads.read(slug, cursor, limit, content)
-                if cursor > fr.top:
-                    raise ServiceError(410, "cursor_expired",
-                                       f"cursor {cursor} is beyond this server's feed ({fr.top}); take a snapshot")
-                page, raw = fr.page(skip_actor)
-                if page.changes:
-                    out.append((raw if raw is not None else page.model_dump_json().encode()) + b"\n")
-                moved = page.seq != cursor
-                cursor = page.seq
-                if not fr.full or not moved:
-                    break
-            return out
+            if notifier.head(slug) == cursor:
+                return [], False
+            fr = await reads.read(slug, cursor, limit, content)
+            if cursor > fr.top:
+                raise ServiceError(410, "cursor_expired",
+                                   f"cursor {cursor} is beyond this server's feed ({fr.top}); take a snapshot")
+            page, raw = fr.page(skip_actor)
+            out = [(raw if raw is not None else page.model_dump_json().encode()) + b"\n"] if page.changes else []
+            moved = page.seq != cursor
+            cursor = page.seq
+            return out, fr.full and moved
 
         def heartbeat() -> bytes:  # ChangePage(changes=[], seq=cursor) as pydantic encodes it
             return b'{"changes":[],"seq":%d}\n' % cursor
@@ -229,18 +228,15 @@ class Streams:
             bounds = notifier.event_bounds(ws)
             return bounds is not None and bounds[0] <= cursor <= bounds[1]
 
-        async def lines() -> list[bytes]:
+        async def lines() -> tuple[list[bytes], bool]:
             nonlocal cursor
-            out: list[bytes] = []
-            while not quiet():
-                at = cursor
-                page = await anyio.to_thread.run_sync(lambda: svc.events_page(p, ws, at, limit))
-                if page.events:
-                    out.append(page.model_dump_json().encode() + b"\n")
-                cursor = page.seq
-                if len(page.events) < limit or page.seq == at:
-                    break
-            return out
+            if quiet():
+                return [], False
+            at = cursor
+            page = await anyio.to_thread.run_sync(lambda: svc.events_page(p, ws, at, limit))
+            cursor = page.seq
+            out = [page.model_dump_json().encode() + b"\n"] if page.events else []
+            return out, len(page.events) >= limit and page.seq != at
 
         def heartbeat() -> bytes:  # EventPage(events=[], seq=cursor) as pydantic encodes it
             return b'{"events":[],"seq":%d}\n' % cursor
@@ -252,7 +248,7 @@ class Streams:
 
     def _runner(self, p: Principal, token: str, subscribe: Callable[[], wakeups._Waiter],
                 check: Callable[[], Awaitable[None]], lines: _Lines, heartbeat: Callable[[], bytes],
-                first: list[bytes], where: dict[str, str]) -> Callable[[Any, Any, Any], Awaitable[None]]:
+                first: tuple[list[bytes], bool], where: dict[str, str]) -> Callable[[Any, Any, Any], Awaitable[None]]:
         svc = self.svc
         token_id = svc.token_id_of(token)
         ends_at = anyio.current_time() + self.lifetime * (1 + random.uniform(-LIFETIME_JITTER, LIFETIME_JITTER))
@@ -274,7 +270,7 @@ class Streams:
                 nonlocal ended
                 # the first line goes out at once (the current seq when there is nothing
                 # to send): the client knows the stream is up before the first tick
-                for data in first or [heartbeat()]:
+                for data in first[0] or [heartbeat()]:
                     await line(data)
                 waiter = subscribe()
                 self._watch(o.slot, waiter)
@@ -287,13 +283,16 @@ class Streams:
                             o.recheck = False
                             await anyio.to_thread.run_sync(svc.authenticate, o.token, p.instance)
                         await check()
-                        for data in await lines():
+                        out, more = await lines()
+                        for data in out:
                             await line(data)
                         if svc.closing:
                             ended = "shutdown"
                             return
                         if anyio.current_time() >= o.ends_at:
                             return
+                        if more:
+                            continue  # the next page of a catch-up, without waiting
                         if self.gens[o.slot] != sent_gen:
                             await line(heartbeat())
                         await waiter.event.wait()
