@@ -1,6 +1,7 @@
 """The control plane's long-polls (``GET .../changes`` and ``GET .../events`` with ``wait``).
 
-``FastPath`` serves well-formed long-polls straight from ASGI (FastAPI serves the rest).
+``FastPath`` serves well-formed long-polls, and streams (``stream=true``, served by
+``memfuse.server.streams``), straight from ASGI (FastAPI serves the rest).
 
 A long-poll subscribes to the ``Notifier`` *before* it looks at anything, so no commit between
 its look and its wait is missed, then:

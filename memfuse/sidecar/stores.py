@@ -45,6 +45,7 @@ log = logging.getLogger("memfuse.mount")
 CONTEXT_TIMEOUT = 10.0  # s one fetch of the prompt block may take
 CONTEXT_RETRY_MAX = 60.0  # s between retries of a failed fetch (from 1 s, doubling)
 STREAM_RETRY_SECONDS = 600.0  # s of long-polls before asking a non-streaming server again
+STREAM_SHORT_SECONDS = 1.0  # a stream that ended sooner is reopened after a backoff
 
 
 class StoreSync:
@@ -265,9 +266,11 @@ class StoreSync:
             try:
                 if self._streams_ok() and not probe:
                     stream = self.client.changes_stream(slug, state.cursor, content=True, **self._feed_kw)
+                    opened = trio.current_time()
                     try:
                         async for page in stream:
-                            delay = 0.2
+                            if trio.current_time() - opened >= STREAM_SHORT_SECONDS:
+                                delay = 0.2  # a stream that lasts: the control plane is fine
                             self.committer.poke()
                             if not await self._apply_page(slug, page):
                                 break  # reopened from the cursor of the last page applied
@@ -275,6 +278,9 @@ class StoreSync:
                         await stream.aclose()
                     if stream.streaming is False:
                         self._streams_refused(f"changes:{slug}")
+                    elif trio.current_time() - opened < STREAM_SHORT_SECONDS:
+                        await trio.sleep(delay)  # streams that end at once: reopen with backoff
+                        delay = min(delay * 2, 5.0)
                     continue
                 # after a failure, ask without waiting: the first answer tells the
                 # committer at once that the control plane is back
@@ -369,15 +375,20 @@ class StoreSync:
                     continue
                 if self._streams_ok():
                     stream = self.client.events_stream(self.config.workspace, cursor)
+                    opened = trio.current_time()
                     try:
                         async for page in stream:
-                            delay = 0.2
+                            if trio.current_time() - opened >= STREAM_SHORT_SECONDS:
+                                delay = 0.2  # a stream that lasts: the control plane is fine
                             cursor = max(cursor, page.seq)
                             await self._on_events(page)
                     finally:
                         await stream.aclose()
                     if stream.streaming is False:
                         self._streams_refused("events")
+                    elif trio.current_time() - opened < STREAM_SHORT_SECONDS:
+                        await trio.sleep(delay)  # streams that end at once: reopen with backoff
+                        delay = min(delay * 2, 10.0)
                     continue
                 page = await self.client.workspace_events(self.config.workspace, cursor, wait=25)
                 delay = 0.2
