@@ -261,3 +261,26 @@ async def test_client_falls_back_when_the_server_does_not_stream():
         with trio.fail_after(30):
             page = await ws.changes("default", pages[0].seq, wait=0.2)
         assert page.changes == [] and page.seq == pages[0].seq
+
+
+async def test_a_client_that_never_reads_is_cut_off_and_frees_its_slot():
+    """A stream whose client stops reading: once the connection's send buffers are full, the
+    kernel closes it after the send timeout (``TCP_USER_TIMEOUT``), and its slot is freed."""
+    async with server(send_timeout=1.0) as (app, base, admin, ws):
+        host, port = base.removeprefix("http://").split(":")
+        sock = await trio.open_tcp_stream(host, int(port))
+        try:
+            await sock.send_all(b"GET /v1/stores/default/changes?after=0&stream=true&content=true HTTP/1.1\r\n"
+                                b"host: x\r\nauthorization: Bearer " + WS_TOKEN.encode() + b"\r\n\r\n")
+            await until(lambda: app.state.streams.open == 1, what="the stream to open")
+            big = "x" * 500_000 + "\n"
+            with trio.fail_after(120):
+                for i in range(40):  # 20 MB of pages, never read
+                    await admin.create_record("default", f"big{i}.md", big)
+                    if app.state.streams.open == 0:
+                        break
+                await until(lambda: app.state.streams.open == 0, timeout=60, what="the stream to be cut")
+            assert app.state.service.notifier.waiting == 0
+        finally:
+            await sock.aclose()
+
