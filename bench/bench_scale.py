@@ -1,17 +1,20 @@
 """Control-plane scale: N simulated sidecars against 1 or 2 ``memfuse serve`` replicas.
 
 A simulated sidecar is what a ``memfuse mount`` does on the wire while it is idle: it holds
-the change-feed long-poll of its store (``GET /v1/stores/shared/changes?after=&wait=25
-&content=true&skip_actor=...``) and the workspace-events long-poll (``GET
-/v1/workspaces/{ws}/events?after=&wait=25``), each on its own keep-alive connection, with its
-own workspace token, re-issuing each long-poll as soon as it answers and honouring
-``Retry-After`` on 429 / 503. The clients speak HTTP/1.1 on raw trio sockets (the harness
+the change-feed stream of its store (``GET /v1/stores/shared/changes?after=&stream=true
+&content=true&skip_actor=...``) and the workspace-events stream (``GET
+/v1/workspaces/{ws}/events?after=&stream=true``), each on its own connection, with its own
+workspace token, reading NDJSON lines as they come, reopening a stream from its cursor when
+the server ends it, treating 45 s without a line as a dead connection, and honouring
+``Retry-After`` on 429 / 503. ``--feed longpoll`` makes it long-poll instead (``wait=25``,
+re-issued as soon as it answers): what a sidecar does against a server without streams. The clients speak HTTP/1.1 on raw trio sockets (the harness
 must not be the bottleneck on a 2-CPU machine: 4,000 httpx connections would cost more
 CPU than the server).
 
 Phases, per configuration (database × replicas):
 
-1. **idle**: every sidecar holds both long-polls; nothing is written for ``--idle`` seconds;
+1. **idle**: every sidecar holds both feeds (streams, or long-polls); nothing is written for
+   ``--idle`` seconds;
    the control plane's CPU (``/proc/PID/stat``) and database statements (the server's
    ``memfuse_server_db_statements_total``; on PostgreSQL also ``pg_stat_database``
    transactions) over that window, per replica and per 1,000 sidecars.
@@ -64,7 +67,8 @@ import trio  # noqa: E402
 from mountutil import MEMFUSE, free_port  # noqa: E402
 
 HOST = "127.0.0.1"
-FEED_WAIT = 25  # what memfuse mount asks for
+FEED_WAIT = 25  # what memfuse mount asks for (long-polls)
+STREAM_READ_TIMEOUT = 45.0  # what memfuse mount allows between two lines of a stream
 STORE = "shared"
 BULK = "bulk"
 
@@ -159,6 +163,63 @@ class Conn:
         if hdrs.get("connection", "").lower() == "close":
             await self.close()
         return status, hdrs, body, t
+
+
+    async def open_stream(self, target: str, on_line, read_timeout: float = STREAM_READ_TIMEOUT,
+                     ) -> tuple[int, dict[str, str], bytes]:
+        """Open a stream (``stream=true``): call ``on_line(line, perf_counter)`` for each NDJSON
+        line of a chunked 200 answer until the server ends it. Returns (status, headers, body
+        of a non-stream answer). Raises ``HttpError`` (connection lost) or
+        ``trio.TooSlowError`` (nothing for ``read_timeout`` s: a dead connection)."""
+        try:
+            if self.stream is None:
+                with trio.fail_after(30):
+                    self.stream = await trio.open_tcp_stream(HOST, self.port)
+                self.buf.clear()
+            head = (f"GET {target} HTTP/1.1\r\nhost: {HOST}:{self.port}\r\n"
+                    f"authorization: {self.auth.decode()}\r\naccept: application/x-ndjson\r\n\r\n")
+            await self.stream.send_all(head.encode())
+            with trio.fail_after(read_timeout):
+                while (end := self.buf.find(b"\r\n\r\n")) < 0:
+                    await self._fill()
+            lines = bytes(self.buf[:end]).decode("latin-1").split("\r\n")
+            del self.buf[:end + 4]
+            status = int(lines[0].split()[1])
+            hdrs = {}
+            for line in lines[1:]:
+                k, _, v = line.partition(":")
+                hdrs[k.strip().lower()] = v.strip()
+            if hdrs.get("transfer-encoding", "").lower() != "chunked":
+                n = int(hdrs.get("content-length", "0"))
+                while len(self.buf) < n:
+                    await self._fill()
+                body = bytes(self.buf[:n])
+                del self.buf[:n]
+                return status, hdrs, body
+            pending = b""
+            while True:
+                with trio.fail_after(read_timeout):
+                    while (eol := self.buf.find(b"\r\n")) < 0:
+                        await self._fill()
+                    size = int(bytes(self.buf[:eol]).split(b";")[0], 16)
+                    while len(self.buf) < eol + 2 + size + 2:
+                        await self._fill()
+                chunk = bytes(self.buf[eol + 2:eol + 2 + size])
+                del self.buf[:eol + 2 + size + 2]
+                if size == 0:
+                    return status, hdrs, b""
+                pending += chunk
+                t = time.perf_counter()
+                *done, pending = pending.split(b"\n")
+                for line in done:
+                    if line:
+                        on_line(line, t)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, HttpError) as e:
+            await self.close()
+            raise HttpError(str(e) or type(e).__name__) from None
+        except BaseException:
+            await self.close()
+            raise
 
 
 def retry_after(hdrs: dict[str, str], default: float = 1.0) -> float:
@@ -269,14 +330,16 @@ class Stats:
     expected: dict[str, trio.Event] = field(default_factory=dict)
     n_feeds: int = 0
     throttled: int = 0
+    reopened: int = 0  # streams ended by the server and opened again
 
     def error(self, kind: str) -> None:
         self.errors[kind] = self.errors.get(kind, 0) + 1
 
 
 class Sidecar:
-    def __init__(self, ws: str, token: str, replica: Replica, stats: Stats) -> None:
+    def __init__(self, ws: str, token: str, replica: Replica, stats: Stats, feed: str = "stream") -> None:
         self.ws, self.token, self.replica, self.stats = ws, token, replica, stats
+        self.feed = feed
         self.actor = f"ws:{ws}/sim"
         self.feed_cursor = 0
         self.event_cursor = 0
@@ -294,6 +357,39 @@ class Sidecar:
             if status == 200:
                 delay = 0.5
                 on_page(json.loads(body), t)
+            elif status in (429, 503):
+                self.stats.throttled += 1
+                await trio.sleep(retry_after(hdrs))
+            else:
+                self.stats.error(f"http:{status}")
+                await trio.sleep(delay)
+                delay = min(delay * 2, 10)
+
+    async def _stream(self, conn: Conn, target_of, on_page) -> None:
+        """What the sidecar does with a stream: read lines as they come, reopen from the
+        cursor when the server ends it, back off on failures, honour Retry-After."""
+        delay = 0.5
+
+        def on_line(line: bytes, t: float) -> None:
+            page = json.loads(line)
+            if "error" in page:
+                self.stats.error(f"stream:{page['error'].get('code')}")
+                return
+            on_page(page, t)
+
+        while True:
+            try:
+                status, hdrs, body = await conn.open_stream(target_of(), on_line)
+            except (HttpError, trio.TooSlowError) as e:
+                self.stats.error(f"transport:{type(e).__name__}")
+                await trio.sleep(delay)
+                delay = min(delay * 2, 10)
+                continue
+            if status == 200:
+                delay = 0.5
+                self.stats.reopened += 1
+                if body:  # the server does not stream: a page
+                    on_page(json.loads(body), time.perf_counter())
             elif status in (429, 503):
                 self.stats.throttled += 1
                 await trio.sleep(retry_after(hdrs))
@@ -339,6 +435,16 @@ class Sidecar:
                 starting.release()
             if ready is not None:
                 ready.release()
+            if self.feed == "stream":
+                async with trio.open_nursery() as n:
+                    n.start_soon(self._stream, feed,
+                                 lambda: (f"/v1/stores/{STORE}/changes?after={self.feed_cursor}&stream=true"
+                                          f"&content=true&limit=1000&skip_actor={self.actor}"),
+                                 self._on_feed)
+                    n.start_soon(self._stream, events,
+                                 lambda: f"/v1/workspaces/{self.ws}/events?after={self.event_cursor}&stream=true",
+                                 self._on_events)
+                return
             async with trio.open_nursery() as n:
                 n.start_soon(self._poll, feed,
                              lambda: (f"/v1/stores/{STORE}/changes?after={self.feed_cursor}&wait={FEED_WAIT}"
@@ -682,7 +788,7 @@ async def run_config(args, db: str, n_replicas: int, pg_url: str | None, work: P
             c.execute("CREATE SCHEMA public")
     extra = list(args.serve_args)
     replicas = []
-    out: dict = {"db": db, "replicas": n_replicas, "sidecars": args.sidecars}
+    out: dict = {"db": db, "replicas": n_replicas, "sidecars": args.sidecars, "feed": args.feed}
     try:
         for i in range(n_replicas):
             replicas.append(start_replica(work, db_url, token_file, f"serve-{db}-{n_replicas}-{i}", extra))
@@ -708,7 +814,8 @@ async def run_config(args, db: str, n_replicas: int, pg_url: str | None, work: P
             starting = trio.Semaphore(32)  # sidecars starting at once (a rolling deployment)
             t_start = time.monotonic()
             for i, (ws, tok) in enumerate(tokens):
-                nursery.start_soon(Sidecar(ws, tok, replicas[i % n_replicas], stats).run, ready, starting)
+                nursery.start_soon(Sidecar(ws, tok, replicas[i % n_replicas], stats, args.feed).run,
+                                   ready, starting)
             for _ in tokens:
                 await ready.acquire()
             out["sidecars_started_s"] = time.monotonic() - t_start
@@ -761,6 +868,7 @@ async def run_config(args, db: str, n_replicas: int, pg_url: str | None, work: P
             nursery.cancel_scope.cancel()
         out["errors"] = stats.errors
         out["sidecar_throttled"] = stats.throttled
+        out["streams_reopened"] = stats.reopened
     finally:
         for r in replicas:
             stop_proc(r.proc)
@@ -781,10 +889,13 @@ def parse_writers(spec: str) -> tuple[int, int, int]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sidecars", type=int, default=2000)
+    ap.add_argument("--feed", choices=("stream", "longpoll"), default="stream",
+                    help="how the simulated sidecars follow their feeds (memfuse mount streams)")
     ap.add_argument("--db", default="sqlite,postgres")
     ap.add_argument("--replicas", default="1,2")
     ap.add_argument("--idle", type=float, default=30.0,
-                    help="seconds of the idle window (≥ 25: every long-poll times out and is re-issued once)")
+                    help="seconds of the idle window (≥ 25: every long-poll times out and is re-issued once, "
+                         "every stream sends at least one heartbeat)")
     ap.add_argument("--writes", type=int, default=20, help="fan-out writes")
     ap.add_argument("--writers", default="1x1,8x1,32x1,32x32,1x1b100,8x1b100,32x1b100,32x32b100",
                     help="throughput runs as WRITERSxSTORES (one record per request) or "
@@ -868,7 +979,8 @@ def table(results: dict) -> str:
         return [x.get(key, float("nan")) for x in r["idle"]["replicas"]]
 
     rows: list[tuple[str, str, list[str]]] = [
-        ("sidecars (2 long-polls each)", "", [str(r["sidecars"]) for r in runs]),
+        ("sidecars (2 feeds each: streams, or long-polls with --feed longpoll)", "",
+         [f"{r['sidecars']} ({r.get('feed', 'longpoll')})" for r in runs]),
         ("idle: control-plane CPU, % of one core per replica", "< 5 % at 2,000",
          [" / ".join(f"{c:.1f}" for c in idle(r, "cpu_pct")) for r in runs]),
         ("idle: CPU per 1,000 sidecars, % of one core (all replicas)", "",
@@ -878,7 +990,7 @@ def table(results: dict) -> str:
           for r in runs]),
         ("idle: PostgreSQL transactions/s (pg_stat_database)", "0",
          [f"{r['idle']['pg_xacts_per_s']:.2f}" if "pg_xacts_per_s" in r["idle"] else "—" for r in runs]),
-        ("idle: HTTP requests/s (long-polls ending at 25 s and re-issued)", "",
+        ("idle: HTTP requests/s (long-polls re-issued at 25 s; streams reopened at ~10 min)", "",
          [f"{sum(idle(r, 'requests_per_s')):.0f}" for r in runs]),
         ("idle: server RSS, MiB per replica", "",
          [" / ".join(f"{m:.0f}" for m in idle(r, "rss_mib")) for r in runs]),

@@ -20,21 +20,26 @@ Secrets: neither the token nor any record content ever goes into an exception me
 exception attribute or a log line; messages carry the method, the URL path, the status, the
 problem ``code``, ``title`` and ``detail``.
 
-Why one module of ~900 lines: most of it is :class:`ApiClient`, one short method per endpoint
-of docs/API.md in the same order (records, feeds, admin), all sharing ``_request`` /
-``_call``; split by resource, a reader would lose the one-to-one reading against the API
-document while no piece would be simpler.
+Streams (``stream=true``, docs/API.md "Streams"): :meth:`ApiClient.changes_stream` and
+:meth:`ApiClient.events_stream` return a :class:`PageStream`, an async iterator of the pages
+as the server sends them, with the fallback to long-polls told by ``PageStream.streaming``.
+
+Why one module of ~1,200 lines: most of it is :class:`ApiClient`, one short method per
+endpoint of docs/API.md in the same order (records, feeds, admin), all sharing ``_request`` /
+``_call`` (``PageStream`` too); split by resource, a reader would lose the one-to-one reading
+against the API document while no piece would be simpler.
 """
 from __future__ import annotations
 
 import email.utils
 import functools
+import json
 import logging
 import math
 import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 from urllib.parse import quote
 
 import httpx
@@ -99,6 +104,8 @@ __all__ = [
     "Gone",
     "PreconditionFailed",
     "StoreFull",
+    "PageStream",
+    "STREAM_READ_TIMEOUT",
     "quote_etag",
     "unquote_etag",
     "parse_retry_after",
@@ -121,8 +128,11 @@ _version = _package_version()
 
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
+P = TypeVar("P", ChangePage, EventPage)
 
 INSTANCE_HEADER = "X-Memfuse-Instance"
+#: s without a line before a stream counts as dead: two heartbeats (20 s each) and a margin
+STREAM_READ_TIMEOUT = 45.0
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 
 
@@ -459,6 +469,8 @@ class ApiClient:
         accept: str | None = None,
         exclude_none: bool = False,
         exclude_unset: bool = False,
+        stream: bool = False,
+        read_timeout: float | None = None,
     ) -> httpx.Response:
         headers: dict[str, str] = {}
         if if_match is not None:
@@ -470,6 +482,8 @@ class ApiClient:
         timeout = None
         if wait > 0:
             timeout = httpx.Timeout(self.timeout, read=wait + self.timeout)
+        if read_timeout is not None:
+            timeout = httpx.Timeout(self.timeout, read=read_timeout)
         kwargs: dict[str, Any] = {"params": params, "headers": headers}
         if timeout is not None:
             kwargs["timeout"] = timeout
@@ -485,7 +499,9 @@ class ApiClient:
                 headers["Authorization"] = f"Bearer {tf.token}"
             t0 = time.perf_counter()
             try:
-                resp = await self._http.request(method, path, **kwargs)
+                resp = await self._http.send(self._http.build_request(method, path, **kwargs), stream=stream)
+                if stream and not resp.is_success:
+                    await resp.aread()
             except httpx.HTTPError as exc:
                 err = _transport_error(exc, method, path)
                 log.debug("%s %s failed: %s", method, path, err.code)
@@ -505,6 +521,8 @@ class ApiClient:
                 self._auth_failed(resp)
             break
         if not resp.is_success:
+            if stream:
+                await resp.aclose()
             raise _http_error(resp, method, path)
         return resp
 
@@ -543,16 +561,20 @@ class ApiClient:
 
     @staticmethod
     def _parse(model: type[M] | TypeAdapter[Any], resp: httpx.Response, method: str, path: str) -> Any:
+        return ApiClient._parse_bytes(model, resp.content, resp.status_code, method, path)
+
+    @staticmethod
+    def _parse_bytes(model: type[M] | TypeAdapter[Any], data: bytes, status: int, method: str, path: str) -> Any:
         try:
             if isinstance(model, TypeAdapter):
-                return model.validate_json(resp.content)
-            return model.model_validate_json(resp.content)
+                return model.validate_json(data)
+            return model.model_validate_json(data)
         except (ValidationError, ValueError) as exc:
             # A 2xx whose body is not what the contract says: treat like a garbled response.
             raise TransientError(
-                f"{method} {path}: {resp.status_code} response does not match the API contract"
+                f"{method} {path}: {status} response does not match the API contract"
                 f" ({type(exc).__name__})",
-                status=resp.status_code,
+                status=status,
                 code="bad_response",
                 method=method,
                 path=path,
@@ -580,6 +602,13 @@ class ApiClient:
             params={"after": after, "wait": _num(wait)},
             wait=wait,
         )
+
+    def events_stream(self, ws: str, after: int,
+                      read_timeout: float = STREAM_READ_TIMEOUT) -> PageStream[EventPage]:
+        """``GET /v1/workspaces/{ws}/events?stream=true``: the event pages as they come, and
+        heartbeats; everything else as ``changes_stream`` (403 / 404 instead of 410)."""
+        return PageStream(self, EventPage, f"/v1/workspaces/{_seg(ws)}/events",
+                          {"after": after, "stream": "true"}, read_timeout)
 
     async def context(self, ws: str, mount_root: str | None = None,
                       max_bytes: int | None = None) -> str:
@@ -720,6 +749,33 @@ class ApiClient:
             params=params,
             wait=wait,
         )
+
+    def changes_stream(
+        self,
+        store: str,
+        after: int,
+        content: bool = True,
+        limit: int = 1000,
+        skip_actor: str | None = None,
+        read_timeout: float = STREAM_READ_TIMEOUT,
+    ) -> PageStream[ChangePage]:
+        """``GET /v1/stores/{store}/changes?stream=true`` (docs/API.md, "Streams"): an async
+        iterator of the pages ``changes`` would answer, each as soon as the server has it, and
+        heartbeat pages (no changes, the current ``seq``) while nothing happens. Resume with
+        ``after=page.seq`` of the last page seen. Iteration ends when the server ends the
+        stream (its lifetime, its shutdown): open a new one from the cursor.
+
+        A server that does not stream answers one ordinary page: it is yielded, iteration
+        ends and ``streaming`` is False (so is a 400, or a 404 / 405 naming no resource, for
+        the parameter, with nothing yielded): long-poll instead. Raises what ``changes``
+        raises (Gone → snapshot), also mid-stream (the server's error line), and
+        ``TransientError`` ``read_timeout`` when no line arrived for ``read_timeout`` s (a
+        dead connection; the server sends one at least every 20 s). Use as ``async with
+        aclosing(stream)`` or call ``aclose``."""
+        params: dict[str, Any] = {"after": after, "stream": "true", "content": _bool(content), "limit": limit}
+        if skip_actor:
+            params["skip_actor"] = skip_actor
+        return PageStream(self, ChangePage, f"/v1/stores/{_seg(store)}/changes", params, read_timeout)
 
     async def versions(self, store: str, id: str) -> list[Version]:
         """``GET .../records/{id}/versions``: every version without content, oldest first."""
@@ -1130,6 +1186,88 @@ class ApiClient:
 
 
 _TEMPLATE_AFTER = {"stores", "records", "workspaces", "versions", "attachments", "mounts"}
+
+
+class PageStream(Generic[P]):
+    """One stream of pages (``ApiClient.changes_stream`` / ``events_stream``): iterate with
+    ``async for``; ``streaming`` is None before the response, then True (an NDJSON stream)
+    or False (the server answered without streaming). ``aclose()`` closes the connection
+    (idempotent; also done when iteration ends or raises)."""
+
+    def __init__(self, api: ApiClient, model: type[P], path: str, params: dict[str, Any],
+                 read_timeout: float) -> None:
+        self._api, self._model, self._path, self._params = api, model, path, params
+        self._read_timeout = read_timeout
+        self._resp: httpx.Response | None = None
+        self._gen: AsyncIterator[P] | None = None
+        self.streaming: bool | None = None
+
+    def __aiter__(self) -> AsyncIterator[P]:
+        if self._gen is None:
+            self._gen = self._pages()
+        return self._gen
+
+    async def aclose(self) -> None:
+        """Close the response (idempotent)."""
+        gen, self._gen = self._gen, None
+        if gen is not None:
+            await gen.aclose()  # type: ignore[attr-defined]
+        await self._close_response()
+
+    async def _close_response(self) -> None:
+        if self._resp is not None:
+            resp, self._resp = self._resp, None
+            await resp.aclose()
+
+    async def _pages(self) -> AsyncIterator[P]:
+        path = self._path
+        try:
+            try:
+                resp = await self._api._request("GET", path, params=self._params, stream=True,
+                                                accept="application/x-ndjson, application/json",
+                                                read_timeout=self._read_timeout)
+            except PermanentError as e:
+                if e.status == 400 or (e.status in (404, 405) and e.code in ("", "not_found", "method_not_allowed")):
+                    log.info("the control plane does not stream; long-polling",
+                             extra={"path": path, "status": e.status, "code": e.code})
+                    self.streaming = False
+                    return
+                raise
+            self._resp = resp
+            ctype = resp.headers.get("content-type", "").split(";")[0].strip().lower()
+            if ctype != "application/x-ndjson":
+                self.streaming = False
+                try:
+                    await resp.aread()
+                except httpx.HTTPError as exc:
+                    raise _transport_error(exc, "GET", path) from None
+                log.info("the control plane does not stream; long-polling", extra={"path": path})
+                yield ApiClient._parse(self._model, resp, "GET", path)
+                return
+            self.streaming = True
+            try:
+                async for line in resp.aiter_lines():
+                    if not line.strip():
+                        continue
+                    if line.startswith('{"error"'):
+                        raise _line_error(line, path)
+                    yield ApiClient._parse_bytes(self._model, line.encode(), resp.status_code, "GET", path)
+            except httpx.HTTPError as exc:
+                raise _transport_error(exc, "GET", path) from None
+        finally:
+            await self._close_response()
+
+
+def _line_error(line: str, path: str) -> ApiError:
+    """The exception of a stream's last line ``{"error": <problem>}`` (classified like an
+    HTTP answer with that problem)."""
+    try:
+        problem = json.loads(line)["error"]
+        status = int(problem["status"])
+    except (ValueError, KeyError, TypeError):
+        return TransientError(f"GET {path}: unreadable error line on a stream", code="bad_response",
+                              method="GET", path=path)
+    return _http_error(httpx.Response(status, json=problem), "GET", path)
 
 
 def endpoint_label(method: str, path: str) -> str:

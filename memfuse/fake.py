@@ -1,5 +1,6 @@
 """In-process fake control plane for tests: the reference app on an in-memory SQLite
-database, reached through ``httpx.ASGITransport``, with fault injection.
+database, reached through ``httpx.ASGITransport`` (streams, ``stream=true``, through a small streaming
+ASGI bridge of its own, which ``httpx.ASGITransport`` is not), with fault injection.
 
     fake = FakeControlPlane(seed=0)
     token = await fake.setup("ws", stores=("default",))
@@ -52,6 +53,9 @@ class Faults:
       cursor the server dropped), ``404`` / ``405`` as an unknown route / method (an older
       server: ``not_found``, ``method_not_allowed``), ``5xx`` / ``429`` as transient failures, others as
       ``injected`` refusals. E.g. ``[("GET", r"/changes$", 410), ("GET", r"/records$", 503)]``.
+      An open stream whose request matches gets it as its error line instead of its next line.
+    - ``cut_streams``: the next N stream lines (``stream=true``) that carry changes or events
+      break their stream right after the line (``httpx.ReadError``, as a connection reset).
     """
 
     latency: float = 0.0
@@ -61,6 +65,7 @@ class Faults:
     outage: bool = False
     precondition_race: int = 0
     inject: list = field(default_factory=list)
+    cut_streams: int = 0
 
     def reset(self) -> None:
         """Back to no faults."""
@@ -79,6 +84,8 @@ class FaultCounters:
     dropped: int = 0  # applied, response lost
     outage_refused: int = 0
     races: int = 0  # concurrent edits injected before an If-Match request
+    streams: int = 0  # streams opened (``stream=true`` answered as NDJSON)
+    streams_cut: int = 0  # streams broken by ``cut_streams``
     injected: int = 0  # scripted answers (``Faults.inject``) given
     forwarded: int = 0  # requests that reached the app
 
@@ -101,14 +108,9 @@ class FaultTransport(httpx.AsyncBaseTransport):
         if faults.latency > 0:
             counters.delayed += 1
             await anyio.sleep(faults.latency)
-        for i, (method, pattern, status) in enumerate(faults.inject):
-            if request.method == method and re.search(pattern, request.url.path):
-                del faults.inject[i]
-                counters.injected += 1
-                code = {410: "cursor_expired", 429: "rate_limited", 404: "not_found",
-                        405: "method_not_allowed"}.get(status, "unavailable" if status >= 500 else "injected")
-                headers = {"Retry-After": "0"} if status == 429 else None
-                return _problem(status, code, "injected by the fake control plane", request, headers)
+        injected = _take_inject(fake, request)
+        if injected is not None:
+            return injected
         r_error, r_drop = fake._rng.random(), fake._rng.random()
         if r_error < faults.error_rate:
             counters.errors_503 += 1
@@ -122,6 +124,8 @@ class FaultTransport(httpx.AsyncBaseTransport):
                 faults.precondition_race -= 1
                 counters.races += 1
         counters.forwarded += 1
+        if request.url.params.get("stream") == "true":
+            return await _stream_request(fake, request)
         response = await fake._inner.handle_async_request(request)
         if r_drop < faults.drop_rate:
             await response.aread()
@@ -132,6 +136,110 @@ class FaultTransport(httpx.AsyncBaseTransport):
 
     async def aclose(self) -> None:
         await self._fake._inner.aclose()
+
+
+def _take_inject(fake: FakeControlPlane, request: httpx.Request) -> httpx.Response | None:
+    """The scripted answer of ``Faults.inject`` for this request (used once), or None."""
+    for i, (method, pattern, status) in enumerate(fake.faults.inject):
+        if request.method == method and re.search(pattern, request.url.path):
+            del fake.faults.inject[i]
+            fake.counters.injected += 1
+            code = {410: "cursor_expired", 429: "rate_limited", 404: "not_found",
+                    405: "method_not_allowed"}.get(status, "unavailable" if status >= 500 else "injected")
+            headers = {"Retry-After": "0"} if status == 429 else None
+            return _problem(status, code, "injected by the fake control plane", request, headers)
+    return None
+
+
+async def _stream_request(fake: FakeControlPlane, request: httpx.Request) -> httpx.Response:
+    """Serve a request whose answer may be a stream: ``httpx.ASGITransport`` returns only
+    after the app has finished its response, which a stream does after minutes. The app runs
+    in a task of its own (trio system task / asyncio task) and the response body is fed
+    from it line by line; closing the response tells the app the client left."""
+    import sniffio
+
+    body = await request.aread()
+    sent_body = False
+    left = anyio.Event()
+    started = anyio.Event()
+    send_ch, recv_ch = anyio.create_memory_object_stream(1000)
+    head: dict = {}
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": request.method,
+        "scheme": "http", "path": request.url.path, "raw_path": request.url.raw_path.split(b"?")[0],
+        "query_string": request.url.query, "root_path": "", "server": ("memfuse.test", 80),
+        "client": ("127.0.0.1", 1), "headers": [(k.lower(), v) for k, v in request.headers.raw],
+    }
+
+    async def receive() -> dict:
+        nonlocal sent_body
+        if not sent_body:
+            sent_body = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await left.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            head.update(message)
+            started.set()
+        elif message["type"] == "http.response.body":
+            try:
+                await send_ch.send((message.get("body", b""), message.get("more_body", False)))
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                pass  # the client left: dropped, as an HTTP server drops it
+
+    async def run_app() -> None:
+        try:
+            await fake.app(scope, receive, send)
+        except Exception:
+            log.exception("fake: streaming request failed")
+        finally:
+            started.set()
+            send_ch.close()
+
+    if sniffio.current_async_library() == "trio":
+        import trio
+
+        trio.lowlevel.spawn_system_task(run_app)
+    else:
+        import asyncio
+
+        task = asyncio.get_running_loop().create_task(run_app())
+        fake._tasks.add(task)
+        task.add_done_callback(fake._tasks.discard)
+    await started.wait()
+    if not head:
+        left.set()
+        raise httpx.ReadError("fake control plane: no response", request=request)
+    ctype = dict(head.get("headers", ())).get(b"content-type", b"")
+    if ctype.startswith(b"application/x-ndjson"):
+        fake.counters.streams += 1
+
+    class _Body(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            try:
+                async for chunk, more in recv_ch:
+                    injected = _take_inject(fake, request)
+                    if injected is not None:  # an open stream gets it as its error line
+                        yield b'{"error":' + injected.content + b"}\n"
+                        return
+                    if chunk:
+                        yield chunk
+                    if fake.faults.cut_streams > 0 and (b'"changes":[{' in chunk or b'"events":[{' in chunk):
+                        fake.faults.cut_streams -= 1
+                        fake.counters.streams_cut += 1
+                        raise httpx.ReadError("fake control plane: stream cut", request=request)
+                    if not more:
+                        return
+            finally:
+                left.set()
+
+        async def aclose(self) -> None:
+            left.set()
+            recv_ch.close()
+
+    return httpx.Response(head["status"], headers=head.get("headers", []), stream=_Body(), request=request)
 
 
 def _problem(
@@ -167,6 +275,7 @@ class FakeControlPlane:
         self.base_url = BASE_URL
         self._inner = httpx.ASGITransport(app=self.app)
         self.transport = FaultTransport(self)
+        self._tasks: set = set()  # streaming requests' app tasks under asyncio
 
     @property
     def service(self):
@@ -248,6 +357,8 @@ class FakeControlPlane:
             return True
 
     async def aclose(self) -> None:
-        """Close the transport and the database."""
+        """End open streams, close the transport and the database."""
+        self.service.closing = True
+        self.service.notifier.wake_all()
         await self._inner.aclose()
         self.service.db.dispose()

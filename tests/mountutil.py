@@ -106,8 +106,9 @@ def stop(proc: subprocess.Popen, timeout: float = 30) -> int:
 class ControlPlane:
     """A real ``memfuse serve`` on loopback over a SQLite file, with an admin token."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, extra_args: tuple[str, ...] = ()) -> None:
         self.tmp = tmp
+        self.extra_args = list(extra_args)  # more `memfuse serve` options, e.g. --no-streams
         self.db = tmp / "cp.db"
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -120,7 +121,7 @@ class ControlPlane:
     def start(self) -> "ControlPlane":
         self.proc = subprocess.Popen(
             [MEMFUSE, "serve", "--db", f"sqlite:///{self.db}", "--listen", f"127.0.0.1:{self.port}",
-             "--admin-token-file", str(self.token_file), "--migrate"],
+             "--admin-token-file", str(self.token_file), "--migrate", *self.extra_args],
             stdout=self.log.open("ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env=dict(os.environ, MEMFUSE_HOME=str(self.tmp / "home")))
 

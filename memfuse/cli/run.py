@@ -72,8 +72,12 @@ def _admin_token(admin_token_file: Path | None) -> tuple[str, Path, bool]:
 @opt("--migrate", is_flag=True,
      help="Upgrade the database schema before serving (default: refuse a database behind the "
      "newest revision and name `memfuse db upgrade`; the dev database is always upgraded).")
+@opt("--no-streams", is_flag=True,
+     help="Do not stream change feeds and events (stream=true is answered as a long-poll, as "
+     "by a server without streams; sidecars then long-poll). For a proxy that buffers responses.")
 @opt("--debug", is_flag=True, help="Verbose logging.")
-def serve(db: str | None, listen: str, admin_token_file: Path | None, migrate: bool, debug: bool) -> None:
+def serve(db: str | None, listen: str, admin_token_file: Path | None, migrate: bool, no_streams: bool,
+          debug: bool) -> None:
     """Run the reference control plane (HTTP API v1) on a database."""
     from memfuse.cli.db import database_errors
     from memfuse.devenv import dev_db_url
@@ -86,7 +90,8 @@ def serve(db: str | None, listen: str, admin_token_file: Path | None, migrate: b
     from memfuse.server.serve import serve as serve_app
 
     with database_errors(url):
-        app = create_app(url, static_tokens={token: None}, schema="migrate" if migrate or not db else "check")
+        app = create_app(url, static_tokens={token: None}, schema="migrate" if migrate or not db else "check",
+                         streams=not no_streams)
     try:
         claim_database(app)  # SQLite: one replica per file
     except AlreadyServing as e:

@@ -69,7 +69,7 @@ from memfuse.models import (
     Workspace,
     WorkspaceCreate,
 )
-from memfuse.server import limits, longpoll
+from memfuse.server import limits, longpoll, streams as streaming
 from memfuse.server.base import REASONS
 from memfuse.server.batch import batch_body
 from memfuse.server.db import Database
@@ -207,6 +207,10 @@ def create_app(
     max_inflight: int = limits.MAX_INFLIGHT,
     max_long_polls: int = limits.MAX_LONG_POLLS,
     max_long_polls_per_token: int = limits.MAX_LONG_POLLS_PER_TOKEN,
+    send_timeout: float = limits.SEND_TIMEOUT,
+    streams: bool = True,
+    stream_heartbeat: float = streaming.HEARTBEAT_SECONDS,
+    stream_lifetime: float = streaming.LIFETIME_SECONDS,
 ) -> FastAPI:
     """Build the control-plane app over the database at ``db_url``.
 
@@ -217,8 +221,13 @@ def create_app(
     None, ``$MEMFUSE_CONTEXT_MAX_BYTES`` or 100,000.
     ``schema``: ``"migrate"`` (upgrade the database to the newest revision first) or
     ``"check"`` (refuse a database behind it), see ``memfuse.server.db.Database``.
-    ``max_inflight``, ``max_long_polls``, ``max_long_polls_per_token``: the backpressure limits
-    (``memfuse.server.limits``). ``app.state.metrics`` is the ``ServerMetrics``.
+    ``max_inflight``, ``max_long_polls``, ``max_long_polls_per_token``, ``send_timeout`` (s a
+    send to a client may take): the backpressure limits (``memfuse.server.limits``). ``app.state.metrics`` is the ``ServerMetrics``.
+    ``streams``: serve ``stream=true`` on the change feed and the workspace events
+    (``memfuse.server.streams``); False answers it as a server without streams would (a
+    long-poll, or the plain page), which clients handle by long-polling.
+    ``stream_heartbeat`` (s between heartbeat lines) and ``stream_lifetime`` (s a stream
+    lives, ± 10 %): see ``memfuse.server.streams``; ``app.state.streams`` is the ``Streams``.
     Raises ``sqlalchemy.exc.ArgumentError`` for a bad URL, ``OperationalError`` when the
     database cannot be opened, ``ValueError`` for a bad ``$MEMFUSE_CONTEXT_MAX_BYTES``,
     ``memfuse.server.schema.SchemaBehind`` when ``schema="check"`` finds it behind.
@@ -236,8 +245,10 @@ def create_app(
     db = Database(db_url, schema=schema)
     metrics.count_statements(db.engine)
     svc = Service(db, static_tokens, context_max_bytes=context_max_bytes)
-    metrics.add_collector(limits.notifier_collector(svc.notifier, svc.bus))
     reads = longpoll.FeedReads(svc)
+    open_streams = streaming.Streams(svc, heartbeat=stream_heartbeat, lifetime=stream_lifetime,
+                                     enabled=streams)
+    metrics.add_collector(limits.notifier_collector(svc.notifier, svc.bus, open_streams))
     app = _App(
         title="memfuse control plane",
         version="1",
@@ -247,12 +258,13 @@ def create_app(
     app.state.service = svc
     app.state.metrics = metrics
     app.state.feed_reads = reads
+    app.state.streams = open_streams
     _install_error_handlers(app)
     app.add_middleware(_CatchAll)
     app.front = limits.Backpressure(
         app.serve_fastapi, metrics, max_inflight=max_inflight, max_long_polls=max_long_polls,
-        max_long_polls_per_token=max_long_polls_per_token,
-        fast=longpoll.FastPath(svc, reads, _exception_response),
+        max_long_polls_per_token=max_long_polls_per_token, send_timeout=send_timeout,
+        fast=longpoll.FastPath(svc, reads, _exception_response, open_streams),
     )
 
     if faces:
@@ -343,7 +355,10 @@ def create_app(
         after: Annotated[int, Query(ge=0)] = 0,
         wait: Wait = 0,
         limit: Annotated[int, Query(ge=1, le=1000)] = 1000,
+        stream: Annotated[bool, Query(description="answer an NDJSON stream of pages (docs/API.md)")] = False,
     ):
+        if stream and open_streams.enabled:
+            return _StreamResponse(await open_streams.events(p, _bearer_token(request), ws, after, limit=limit))
         if wait <= 0:
             return _json(await anyio.to_thread.run_sync(lambda: svc.events_page(p, ws, after, limit)))
         return await longpoll.events(svc, request, p, ws, after, wait, limit=limit)
@@ -475,8 +490,12 @@ def create_app(
             Query(description="leave out versions whose actor is exactly this "
                   "(a sidecar's own writes); seq still moves past them and a long-poll keeps waiting"),
         ] = None,
+        stream: Annotated[bool, Query(description="answer an NDJSON stream of pages (docs/API.md)")] = False,
     ):
         skip = skip_actor or None
+        if stream and open_streams.enabled:
+            return _StreamResponse(await open_streams.changes(
+                reads, p, _bearer_token(request), store, after, limit=limit, content=content, skip_actor=skip))
         if wait <= 0:
             return _json(await anyio.to_thread.run_sync(
                 lambda: svc.changes_page(p, store, after, limit=limit, with_content=content, skip_actor=skip)))
@@ -502,6 +521,22 @@ def create_app(
 
         agent_tools.install(app, svc, _principal)
     return app
+
+
+def _bearer_token(request: Request) -> str:
+    scheme, _, cred = request.headers.get("authorization", "").partition(" ")
+    return cred.strip()
+
+
+class _StreamResponse(Response):
+    """A response that runs an opened stream (``memfuse.server.streams``)."""
+
+    def __init__(self, run: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
+        super().__init__(media_type=streaming.NDJSON.decode())
+        self._run = run
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._run(scope, receive, send)
 
 
 class _App(FastAPI):

@@ -76,21 +76,20 @@ class FeedRead:
     top: int
     full: bool
     _encoded: bytes | None = None
+    _page: ChangePage | None = None
 
     def page(self, skip_actor: str | None) -> tuple[ChangePage, bytes | None]:
         """The page a long-poll answers (``changes_page`` rules for ``skip_actor``: versions of
         that actor left out, ``seq`` past them), and its JSON when it is the shared
         unfiltered page (encoded once for every waiter), else None."""
         seq = self.changes[-1].seq if self.full else max(self.after, self.store_top)
-        kept = self.changes
-        if skip_actor is not None:
+        if skip_actor is not None and any(c.record.updated_by == skip_actor for c in self.changes):
             kept = [c for c in self.changes if c.record.updated_by != skip_actor]
-        page = ChangePage(changes=kept, seq=seq)
-        if len(kept) != len(self.changes):
-            return page, None
-        if self._encoded is None:
-            self._encoded = page.model_dump_json().encode()
-        return page, self._encoded
+            return ChangePage(changes=kept, seq=seq), None
+        if self._page is None:  # the same page for every waiter: built and encoded once
+            self._page = ChangePage(changes=self.changes, seq=seq)
+            self._encoded = self._page.model_dump_json().encode()
+        return self._page, self._encoded
 
 
 # ---------------------------------------------------------------- the feeds

@@ -5,12 +5,13 @@
   ``overloaded`` and ``Retry-After: 1`` (RFC 9110 §15.6.4, §10.2.3) instead of queueing until
   the client times out. Behind the queue, requests run in anyio's worker threads (40) on a
   database pool of the same size, so neither grows without bound.
-- **Long-polls**: a long-poll (``GET .../changes`` or ``.../events`` with ``wait`` > 0) holds a
+- **Long-polls**: a long-poll (``GET .../changes`` or ``.../events`` with ``wait`` > 0, or a
+  stream: ``stream=true``) holds a
   connection and a small task, not a thread. At most ``max_long_polls_per_token`` at once per
   bearer token (429 ``too_many_long_polls``, ``Retry-After: 5``; RFC 6585 §4) and
   ``max_long_polls`` in all (503 ``overloaded``): a client that opens thousands cannot take
   every socket. A sidecar holds one per attached store plus one for its workspace's events.
-- **Slow readers and pipelining**: sending any part of a response may take at most
+- **Slow readers and pipelining**: sending any part of a response (a stream's line too) may take at most
   ``send_timeout`` s; a client that does not read its responses is cut off (the connection
   is closed) and its slot freed. hypercorn shields its socket writes from cancellation, so
   the cut is made by the kernel: ``memfuse.server.serve.listen_socket`` gives every
@@ -90,8 +91,9 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
-def notifier_collector(notifier, bus) -> Callable[[], list]:
-    """Metric families of the long-poll waiters and the commit bus."""
+def notifier_collector(notifier, bus, streams=None) -> Callable[[], list]:
+    """Metric families of the long-poll waiters, the streams (``memfuse.server.streams``)
+    and the commit bus."""
 
     def collect() -> list:
         g = GaugeMetricFamily("memfuse_server_long_polls", "Long-polls waiting now")
@@ -103,7 +105,15 @@ def notifier_collector(notifier, bus) -> Callable[[], list]:
         c.add_metric([], 1 if bus.connected else 0)
         s = CounterMetricFamily("memfuse_server_bus_scans", "Shared scans for commits of other processes")
         s.add_metric([], bus.scans)
-        return [g, w, c, s]
+        out = [g, w, c, s]
+        if streams is not None:
+            o = GaugeMetricFamily("memfuse_server_streams", "Change-feed and event streams open now")
+            o.add_metric([], streams.open)
+            n = CounterMetricFamily("memfuse_server_stream_lines", "Lines sent on streams (pages, "
+                                    "heartbeats, errors)")
+            n.add_metric([], streams.lines_sent)
+            out += [o, n]
+        return out
 
     return collect
 
@@ -146,6 +156,8 @@ class Backpressure:
         if not (path.endswith("/changes") or path.endswith("/events")):
             return False
         qs = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        if qs.get("stream", ["false"])[-1].lower() in ("true", "1", "yes", "on"):
+            return True  # a stream (memfuse.server.streams) counts as a long-poll
         try:
             return float(qs.get("wait", ["0"])[-1]) > 0
         except ValueError:
@@ -186,13 +198,20 @@ class Backpressure:
             await send({"type": "http.response.body", "body": body})
             return
         status_seen = 0
+        # One cancel scope around the whole request, armed only while a send is under way:
+        # a stream sends thousands of lines, and a scope per send (anyio.fail_after) was a
+        # third of a heartbeat's CPU.
+        bound = anyio.CancelScope()
 
         async def send_bounded(message: Message) -> None:
             nonlocal status_seen
             if message["type"] == "http.response.start":
                 status_seen = message["status"]
-            with anyio.fail_after(self.send_timeout):
+            bound.deadline = anyio.current_time() + self.send_timeout
+            try:
                 await send(message)
+            finally:
+                bound.deadline = float("inf")
 
         long_poll = self._is_long_poll(scope)
         key = ""
@@ -214,8 +233,11 @@ class Backpressure:
             self.inflight += 1
             self.metrics.inflight.inc()
         try:
-            if not (long_poll and self.fast is not None and await self.fast(scope, receive, send_bounded)):
-                await self.app(scope, receive, send_bounded)
+            with bound:
+                if not (long_poll and self.fast is not None and await self.fast(scope, receive, send_bounded)):
+                    await self.app(scope, receive, send_bounded)
+            if bound.cancelled_caught:  # a send did not finish in time
+                raise TimeoutError
         except TimeoutError:
             # the connection is gone (the kernel's TCP_USER_TIMEOUT aborted it, see
             # memfuse.server.serve.listen_socket, or this bound cut the send): nothing is

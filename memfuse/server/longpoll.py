@@ -1,6 +1,7 @@
 """The control plane's long-polls (``GET .../changes`` and ``GET .../events`` with ``wait``).
 
-``FastPath`` serves well-formed long-polls straight from ASGI (FastAPI serves the rest).
+``FastPath`` serves well-formed long-polls, and streams (``stream=true``, served by
+``memfuse.server.streams``), straight from ASGI (FastAPI serves the rest).
 
 A long-poll subscribes to the ``Notifier`` *before* it looks at anything, so no commit between
 its look and its wait is missed, then:
@@ -227,10 +228,12 @@ class FastPath:
     FastAPI then serves the request with the same handlers. Responses and refusals are the
     same either way (``problem`` renders a ``ServiceError`` as the app's handler does)."""
 
-    def __init__(self, svc: Service, reads: FeedReads, problem: Callable[[Exception, Any], Any]) -> None:
+    def __init__(self, svc: Service, reads: FeedReads, problem: Callable[[Exception, Any], Any],
+                 streams: Any = None) -> None:
         self.svc = svc
         self.reads = reads
         self.problem = problem
+        self.streams = streams  # memfuse.server.streams.Streams, or None
 
     @staticmethod
     def _params(scope) -> dict[str, str] | None:
@@ -241,7 +244,7 @@ class FastPath:
         except (UnicodeDecodeError, ValueError):
             return None
 
-    def _principal(self, scope) -> Principal | None:
+    def _principal(self, scope) -> tuple[Principal, str] | None:
         token = instance = None
         for k, v in scope.get("headers", ()):
             if k == b"authorization":
@@ -254,9 +257,10 @@ class FastPath:
         if token is None:
             return None
         try:
-            return self.svc.authenticate_cached(token, instance)
+            p = self.svc.authenticate_cached(token, instance)
         except ServiceError:
             return None
+        return None if p is None else (p, token)
 
     async def __call__(self, scope, receive, send) -> bool:
         if scope["method"] != "GET":
@@ -277,17 +281,35 @@ class FastPath:
             limit = int(q.get("limit", "1000"))
         except ValueError:
             return False
-        if after < 0 or not (0 < wait < float("inf")) or not (1 <= limit <= 1000):
+        stream = q.get("stream", "false").lower()
+        if stream not in _TRUE and stream not in _FALSE:
+            return False
+        stream_on = stream in _TRUE and self.streams is not None and self.streams.enabled
+        if after < 0 or not (stream_on or 0 < wait < float("inf")) or not (1 <= limit <= 1000):
             return False
         content = q.get("content", "true").lower()
         if content not in _TRUE and content not in _FALSE:
             return False
-        p = self._principal(scope)
-        if p is None:
+        auth = self._principal(scope)
+        if auth is None:
             return False
         if self.svc.token_upkeep_due():  # token bookkeeping: a few statements a minute (tokens.py)
             await anyio.to_thread.run_sync(self.svc.token_upkeep)
+        p, token = auth
         request = Request(scope, receive)
+        if stream_on:
+            try:
+                if kind[1] == "changes":
+                    run = await self.streams.changes(
+                        self.reads, p, token, parts[3], after, limit=limit, content=content in _TRUE,
+                        skip_actor=q.get("skip_actor") or None)
+                else:
+                    run = await self.streams.events(p, token, parts[3], after, limit=limit)
+            except Exception as e:  # refused before the first byte: the usual problem response
+                await self.problem(e, scope)(scope, receive, send)
+                return True
+            await run(scope, receive, send)
+            return True
         try:
             if kind[1] == "changes":
                 response = await changes(self.svc, self.reads, request, p, parts[3], after, wait, limit=limit,

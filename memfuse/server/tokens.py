@@ -237,6 +237,12 @@ class TokensMixin(ServiceBase):
         hit.used, hit.seen = True, mono
         return Principal(workspace=hit.workspace, name=hit.name, instance=_clean_instance(instance))
 
+    def token_id_of(self, token: str) -> str | None:
+        """The id of a database token this process authenticated lately (in the positive
+        cache), else None (static tokens have none). No database."""
+        e = self._token_cache.entries.get(_digest(token))
+        return e.token_id if e is not None else None
+
     def _read_revocations(self) -> None:
         """Read the ids of tokens revoked in the last ``REVOCATION_LOOKBACK_SECONDS`` (at most
         every ``REVOCATION_CHECK_SECONDS``) and drop them from the cache."""

@@ -248,6 +248,13 @@ class Notifier:
             self._by_key.setdefault((kind, key), set()).add(w)
         return w
 
+    def rearm(self, w: _Waiter) -> None:
+        """Make a subscribed waiter wait for the next commit again (a stream's one waiter for
+        its whole life, instead of a new one per wake-up). Call it before looking at what
+        changed, on the event loop; a commit after it sets the new event."""
+        w.event = anyio.Event()
+        w._woken = False
+
     def unsubscribe(self, w: _Waiter) -> None:
         """Forget ``w`` (idempotent)."""
         with self._lock:
@@ -505,8 +512,8 @@ class Bus:
 
     def start(self) -> None:
         """Start listening (idempotent; cheap when already started)."""
-        if self._thread is not None or self._stop.is_set():
-            return
+        if self._thread is not None or self._stop.is_set() or not (self.is_pg or self.watch_file):
+            return  # in-memory SQLite: one process, nothing to listen to
         with self._start_lock:
             if self._thread is not None:
                 return

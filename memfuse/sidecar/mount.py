@@ -197,6 +197,7 @@ class Sidecar(StoreSync):
         self._mounted = False
         self.offline_start = False
         self.feed_tasks = 0  # running change-feed tasks: one per mounted store
+        self._no_stream_until = float("-inf")  # trio time: long-poll until then (stores.py)
         self._drain_scope: trio.CancelScope | None = None
         self.admin_socket: str | None = None
         self.last_start_error: str | None = None

@@ -7,7 +7,8 @@ workspace's attachments and each store's tree equal to the control plane's recor
   a full snapshot) → ``Filesystem.add_store``; ``_load_offline`` mounts the saved mirrors when
   the control plane does not answer at start;
 - change feeds: one task per mounted store (``_start_feed`` → ``_feed`` → ``_feed_loop``),
-  applying remote changes only when the store's outbox is empty
+  each a stream of pages (``ApiClient.changes_stream``; long-polls when the control plane
+  does not stream), applying remote changes only when the store's outbox is empty
   (``Committer.wait_store_idle``); ``410`` → ``_resync`` under ``Committer.hold``;
 - attachments: ``reconcile`` (SIGHUP, workspace events, a refused feed), ``mount_store`` /
   ``unmount_store`` (admin API), ``_events`` (the workspace's event feed);
@@ -43,6 +44,8 @@ log = logging.getLogger("memfuse.mount")
 
 CONTEXT_TIMEOUT = 10.0  # s one fetch of the prompt block may take
 CONTEXT_RETRY_MAX = 60.0  # s between retries of a failed fetch (from 1 s, doubling)
+STREAM_RETRY_SECONDS = 600.0  # s of long-polls before asking a non-streaming server again
+STREAM_SHORT_SECONDS = 1.0  # a stream that ended sooner is reopened after a backoff
 
 
 class StoreSync:
@@ -240,20 +243,52 @@ class StoreSync:
         log.info("store resynchronised from a snapshot", extra={"store": slug,
                                                                 "records": len(records)})
 
+    def _streams_ok(self) -> bool:
+        """Whether to open streams now: yes unless the control plane answered a stream
+        request without streaming in the last ``STREAM_RETRY_SECONDS``."""
+        return trio.current_time() >= self._no_stream_until
+
+    def _streams_refused(self, what: str) -> None:
+        if self._streams_ok():
+            log.info("the control plane does not stream; long-polling",
+                     extra={"feed": what, "retry_stream_in_s": STREAM_RETRY_SECONDS})
+        self._no_stream_until = trio.current_time() + STREAM_RETRY_SECONDS
+
     async def _feed_loop(self, slug: str) -> None:
-        """The feed of one store (run under ``supervise``; ``_feed`` owns the scope)."""
+        """The feed of one store (run under ``supervise``; ``_feed`` owns the scope): a
+        stream of pages (``ApiClient.changes_stream``), reopened from the cursor when it
+        ends, or long-polls when the control plane does not stream."""
         delay, probe = 0.2, False
         while True:
             state, sm = self.states.get(slug), self.fs.stores.get(slug)
             if state is None or sm is None:
                 return
             try:
+                if self._streams_ok() and not probe:
+                    stream = self.client.changes_stream(slug, state.cursor, content=True, **self._feed_kw)
+                    opened = trio.current_time()
+                    try:
+                        async for page in stream:
+                            if trio.current_time() - opened >= STREAM_SHORT_SECONDS:
+                                delay = 0.2  # a stream that lasts: the control plane is fine
+                            self.committer.poke()
+                            if not await self._apply_page(slug, page):
+                                break  # reopened from the cursor of the last page applied
+                    finally:
+                        await stream.aclose()
+                    if stream.streaming is False:
+                        self._streams_refused(f"changes:{slug}")
+                    elif trio.current_time() - opened < STREAM_SHORT_SECONDS:
+                        await trio.sleep(delay)  # streams that end at once: reopen with backoff
+                        delay = min(delay * 2, 5.0)
+                    continue
                 # after a failure, ask without waiting: the first answer tells the
                 # committer at once that the control plane is back
                 page = await self.client.changes(slug, state.cursor, wait=0 if probe else 25,
                                                  content=True, **self._feed_kw)
                 delay, probe = 0.2, False
                 self.committer.poke()
+                await self._apply_page(slug, page)
             except Gone:
                 log.warning("change-feed cursor expired; taking a full snapshot", extra={"store": slug})
                 try:
@@ -273,16 +308,16 @@ class StoreSync:
                 continue
             except TransientError as e:
                 log.info("change feed unreachable; retrying",
-                         extra={"store": slug, "status": e.status, "retry_in_s": delay})
+                         extra={"store": slug, "status": e.status, "code": e.code, "retry_in_s": delay})
                 await trio.sleep(delay)
                 delay = min(delay * 2, 5.0)
-                probe = True
+                probe = not self._streams_ok()  # a stream's first line is a probe already
                 continue
             except Unauthorized:
                 # an authentication outage, not a detach: keep the store, wait for a token
                 await self._wait_token(delay)
                 delay = min(delay * 2, 5.0)
-                probe = True
+                probe = not self._streams_ok()
                 continue
             except PermanentError as e:
                 log.warning("change feed refused; reconciling attachments",
@@ -290,33 +325,45 @@ class StoreSync:
                 self._nursery.start_soon(self._reconcile_logged)
                 await trio.sleep(5)
                 continue
-            if not page.changes:
-                state.cursor = max(state.cursor, page.seq)
-                continue
-            # every local change of this store must be committed before remote ones apply
-            await self.committer.wait_store_idle(slug)
-            inv: list[tuple] = []
-            try:
-                for ch in page.changes:
-                    if ch.record.updated_by != self.actor:  # our own writes are applied already
-                        if self.touches_index(sm, ch.record):
-                            self.want_context()
-                        inv += self.fs.apply_remote(sm, ch.record)
-                    state.apply(ch)
-                    self.metrics.remote_changes.labels(slug).inc()
-                    self.metrics.sync_lag.observe(lag_seconds(ch.record))
-            except CacheError as e:  # the changes from the failed one on are asked again
-                self.invalidator.submit(inv)
-                log.warning("remote change not stored: cache disk error; retrying",
-                            extra={"store": slug, "reason": e.reason, "retry_in_s": 5.0})
-                await trio.sleep(5.0)
-                continue
+
+    async def _apply_page(self, slug: str, page) -> bool:
+        """Apply one change-feed page (a long-poll's answer or a stream's line) to the store
+        and move its cursor. Returns False when the cache disk refused a change (after 5 s:
+        the page is asked again from the unmoved cursor) or the store is gone."""
+        state, sm = self.states.get(slug), self.fs.stores.get(slug)
+        if state is None or sm is None:
+            return False
+        if not page.changes:
             state.cursor = max(state.cursor, page.seq)
-            state.last_change_at = time.time()
+            return True
+        # every local change of this store must be committed before remote ones apply
+        await self.committer.wait_store_idle(slug)
+        inv: list[tuple] = []
+        try:
+            for ch in page.changes:
+                if ch.seq <= state.cursor:
+                    continue  # already applied (a page asked again after a reconnect)
+                if ch.record.updated_by != self.actor:  # our own writes are applied already
+                    if self.touches_index(sm, ch.record):
+                        self.want_context()
+                    inv += self.fs.apply_remote(sm, ch.record)
+                state.apply(ch)
+                self.metrics.remote_changes.labels(slug).inc()
+                self.metrics.sync_lag.observe(lag_seconds(ch.record))
+        except CacheError as e:  # the changes from the failed one on are asked again
             self.invalidator.submit(inv)
+            log.warning("remote change not stored: cache disk error; retrying",
+                        extra={"store": slug, "reason": e.reason, "retry_in_s": 5.0})
+            await trio.sleep(5.0)
+            return False
+        state.cursor = max(state.cursor, page.seq)
+        state.last_change_at = time.time()
+        self.invalidator.submit(inv)
+        return True
 
     async def _events(self) -> None:
-        """Follow the workspace's attach / detach / store-changed events."""
+        """Follow the workspace's attach / detach / store-changed events: a stream
+        (``ApiClient.events_stream``), or long-polls when the control plane does not stream."""
         cursor, delay = None, 0.2
         while True:
             try:
@@ -325,6 +372,23 @@ class StoreSync:
                     if self.offline_start:  # attachments may have changed while unreachable
                         self.offline_start = False
                         await self._reconcile_logged()
+                    continue
+                if self._streams_ok():
+                    stream = self.client.events_stream(self.config.workspace, cursor)
+                    opened = trio.current_time()
+                    try:
+                        async for page in stream:
+                            if trio.current_time() - opened >= STREAM_SHORT_SECONDS:
+                                delay = 0.2  # a stream that lasts: the control plane is fine
+                            cursor = max(cursor, page.seq)
+                            await self._on_events(page)
+                    finally:
+                        await stream.aclose()
+                    if stream.streaming is False:
+                        self._streams_refused("events")
+                    elif trio.current_time() - opened < STREAM_SHORT_SECONDS:
+                        await trio.sleep(delay)  # streams that end at once: reopen with backoff
+                        delay = min(delay * 2, 10.0)
                     continue
                 page = await self.client.workspace_events(self.config.workspace, cursor, wait=25)
                 delay = 0.2
@@ -335,11 +399,14 @@ class StoreSync:
                 delay = min(delay * 2, 10.0)
                 continue
             cursor = max(cursor, page.seq)
-            if page.events:
-                log.info("workspace events", extra={"events": ",".join(
-                    f"{ev.kind}:{ev.store}" for ev in page.events)})
-                await self._reconcile_logged()
-                self.want_context()  # descriptions and instructions are in the block too
+            await self._on_events(page)
+
+    async def _on_events(self, page) -> None:
+        if page.events:
+            log.info("workspace events", extra={"events": ",".join(
+                f"{ev.kind}:{ev.store}" for ev in page.events)})
+            await self._reconcile_logged()
+            self.want_context()  # descriptions and instructions are in the block too
 
     async def _saver(self) -> None:
         """Save dirty store mirrors every 2 s; collect unreferenced blobs every ``GC_EVERY``
