@@ -42,6 +42,7 @@ log = logging.getLogger("memfuse.mount")
 
 
 CONTEXT_TIMEOUT = 10.0  # s one fetch of the prompt block may take
+SNAPSHOT_PAGE = 1000  # records per snapshot page (the API's largest)
 CONTEXT_RETRY_MAX = 60.0  # s between retries of a failed fetch (from 1 s, doubling)
 
 
@@ -141,25 +142,57 @@ class StoreSync:
                                "live": expect_records})
             resumed = False
         if not resumed:
-            # Page by page: each page's content goes to the blob cache and only the slotted
-            # metadata stays, so a big store is never held in memory with its content.
-            metas: list[Meta] = []
-            seq: int | None = None
-            async for page in self.client.iter_pages(slug, content=True, limit=1000):
-                if seq is None:
-                    seq = page.seq
-                with self.fs.blobs.batch():
-                    for r in page.records:
-                        self.fs.blobs.put(r.content.encode("utf-8"), r.sha256)
-                        metas.append(Meta.of(r))
-            state.reset(metas, seq or 0)
-        for r in [r for r in state.records.values() if not self.fs.blobs.has(r.sha256)]:
+            await self._snapshot_into(slug, state)
+        missing = self.fs.blobs.missing(m.sha256 for m in state.records.values())
+        for r in [r for r in state.records.values() if r.sha256 in missing]:
             full = await self.client.get_record(slug, r.id, content=True)
             self.fs.blobs.put(full.content.encode("utf-8"), full.sha256)
             state.put(full)
         log.info("store loaded", extra={"store": slug, "records": len(state.records),
                                         "cursor": state.cursor, "resumed": bool(resumed)})
         return state
+
+    async def _snapshot_metas(self, slug: str, limit: int = SNAPSHOT_PAGE) -> tuple[list[Meta], int]:
+        """The store's full snapshot as ``([Meta], seq)`` (``seq``: the change-feed position
+        of its first page), every record's content stored in the blob cache, one
+        transaction per page of ``limit`` records. The next page is requested while one is
+        being stored (one request ahead, never more: ``fetch`` waits on a channel of one),
+        so the control plane's work and ours overlap; a page's content is dropped once
+        stored, so a big store is never held in memory with its content. No blob gc runs
+        meanwhile (the blobs of stored pages are referenced by nothing yet). Raises what
+        ``ApiClient.list_records`` raises and ``CacheError``."""
+        send, recv = trio.open_memory_channel(1)
+        metas: list[Meta] = []
+        seq: int | None = None
+
+        async def fetch() -> None:
+            async with send:
+                async for page in self.client.iter_pages(slug, content=True, limit=limit):
+                    await send.send(page)
+
+        self._snapshots_running = getattr(self, "_snapshots_running", 0) + 1
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(fetch)
+                async with recv:
+                    async for page in recv:
+                        if seq is None:
+                            seq = page.seq
+                        with self.fs.blobs.batch():
+                            put = self.fs.blobs.put
+                            for r in page.records:
+                                if r.content is not None:
+                                    put(r.content.encode("utf-8"), r.sha256)
+                                metas.append(Meta.of(r))
+                        del page
+        finally:
+            self._snapshots_running -= 1
+        return metas, seq or 0
+
+    async def _snapshot_into(self, slug: str, state: StoreState) -> None:
+        """Replace ``state`` with a full snapshot (``_snapshot_metas``)."""
+        metas, seq = await self._snapshot_metas(slug)
+        state.reset(metas, seq)
 
     async def _add_attachment(self, att: Attachment) -> None:
         slug = att.store.slug
@@ -225,14 +258,10 @@ class StoreSync:
         either in the snapshot or still queued, and queued ones are left alone
         (``Filesystem.reconcile_store``)."""
         async with self.committer.hold(slug):
-            records, seq = await self.client.snapshot(slug, content=True)
+            records, seq = await self._snapshot_metas(slug)  # metadata; content is cached
             state, sm = self.states.get(slug), self.fs.stores.get(slug)
             if state is None or sm is None:
                 return
-            with self.fs.blobs.batch():
-                for r in records:
-                    if r.content is not None:
-                        self.fs.blobs.put(r.content.encode("utf-8"), r.sha256)
             self.invalidator.submit(self.fs.reconcile_store(sm, records,
                                                             self.committer.queued(slug)))
             state.reset(records, seq)
@@ -472,7 +501,10 @@ class StoreSync:
 
     def _gc_blobs(self) -> None:
         """Delete cached blobs no store mirror or file refers to (a failure is logged and
-        tried again at the next collection)."""
+        tried again at the next collection). Skipped while a snapshot is being taken: its
+        pages' blobs are referenced only once it is complete."""
+        if getattr(self, "_snapshots_running", 0):
+            return
         keep = {r.sha256 for st in self.states.values() for r in st.records.values()}
         keep |= {n.sha for n in self.fs.inodes.values() if n.sha}
         try:
