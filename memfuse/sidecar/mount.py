@@ -380,8 +380,8 @@ class Sidecar(StoreSync):
                 else:
                     for att in atts:
                         await self._add_attachment(att)
-                self.save_states()
-                self._gc_blobs()
+                # the mirrors are saved and unreferenced blobs collected by the saver, right
+                # after the mount (each is a pass over every record: not on the way to ready)
 
                 options = set(pyfuse3.default_options)
                 options |= {"fsname=memfuse", "subtype=memfuse"}

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import time
 
 import trio
@@ -204,7 +205,8 @@ class StoreSync:
         limits = {"max_record_bytes": att.store.max_record_bytes,
                   "max_store_bytes": att.store.max_store_bytes,
                   "max_records": att.store.max_records}
-        state.access, state.limits, state.dirty = att.access.value, limits, True
+        if (state.access, state.limits) != (att.access.value, limits):
+            state.access, state.limits, state.dirty = att.access.value, limits, True
         self.fs.add_store(slug, att.access.value, list(state.records.values()), limits=limits)
         self.invalidator.submit([("entry", ROOT_INO, slug)])
         self.want_context()
@@ -371,16 +373,21 @@ class StoreSync:
                 self.want_context()  # descriptions and instructions are in the block too
 
     async def _saver(self) -> None:
-        """Save dirty store mirrors every 2 s; collect unreferenced blobs every ``GC_EVERY``
-        s (overwritten and deleted records leave their old content behind)."""
-        last_gc = trio.current_time()
+        """Save dirty store mirrors at once and then every 2 s; collect unreferenced blobs at
+        once and then every ``GC_EVERY`` s (overwritten and deleted records leave their old
+        content behind)."""
+        last_gc = -math.inf  # the first collection right after the mount
+        first = True
         while True:
-            await trio.sleep(2)
+            if not first:
+                await trio.sleep(2)
+            first = False
             self.save_states()
             self.fs.sync_rejected()  # e.g. a remote change replaced a rejected file
             if trio.current_time() - last_gc >= self.GC_EVERY:
                 last_gc = trio.current_time()
                 self._gc_blobs()
+            await trio.sleep(0)
 
     def save_states(self) -> None:
         """Save every dirty store mirror. A failure (full or failing cache disk) is logged
