@@ -97,7 +97,7 @@ def test_tree_shares_the_mirror_and_keeps_a_records_key_when_its_id_changes(tmp_
     # content given for records whose sha differs is stored under the record's sha256
     n = fs.by_rid["id-0003"]
     m = st.records["id-0003"]
-    assert n.record_id is m.id and n.sha is m.sha256 and n.updated_ns is m.updated_ns
+    assert n.record_id is m.id and n._sha is m.sha and n.sha == m.sha256 and n.updated_ns is m.updated_ns
     assert n.key == "r:id-0003" and fs.node_by_key("r:id-0003") is n and "r:id-0003" not in fs.by_key
     assert fs.committer.keymap == {}  # nothing per record until a record is written
     assert (stat.S_IMODE(fs.by_rid["id-0005"].mode), fs.by_rid["id-0004"].mtime_ns) == (0o600, 10**18 + 4)

@@ -84,8 +84,8 @@ class Node:
     """One inode. Directories have ``children``; files have content state.
 
     ``key`` names the file in the outbox (``r:<record id>`` / ``n:<uuid>``); ``sha`` is the
-    blob of the current content when ``buf`` is None (64 hex digits, the same ``str`` object
-    as the store mirror's entry). ``local_only`` files never leave the sidecar.
+    blob of the current content when ``buf`` is None (64 hex digits; held as 32 bytes, the
+    same ``bytes`` object as the store mirror's entry). ``local_only`` files never leave the sidecar.
 
     Memory (a big store holds 100,000 of these): ``__slots__`` only; the key of a record
     loaded from the control plane is not stored (``_key`` None means ``"r:" + record_id``;
@@ -97,7 +97,7 @@ class Node:
     """
 
     __slots__ = ("ino", "name", "parent", "store", "mode", "uid", "gid", "atime_ns", "mtime_ns",
-                 "ctime_ns", "children", "_key", "record_id", "version", "rtype", "sha", "size",
+                 "ctime_ns", "children", "_key", "record_id", "version", "rtype", "_sha", "size",
                  "dirty", "state", "nlookup", "updated_ns", "_x")
 
     def __init__(self, ino: int, name: str, parent: "Node | None", is_dir: bool,
@@ -118,7 +118,7 @@ class Node:
         self.record_id: str | None = None
         self.version = 0
         self.rtype: str | None = None
-        self.sha = ""
+        self._sha = b""  # the sha256 as 32 bytes (shared with the mirror's entry), b"": none
         self.size = 0
         self.dirty = False
         self.state = CLEAN
@@ -140,6 +140,15 @@ class Node:
     @key.setter
     def key(self, value: str) -> None:
         self._key = value
+
+    @property
+    def sha(self) -> str:
+        """The sha256 of the content in the blob cache (64 hex digits; '' when none)."""
+        return self._sha.hex()
+
+    @sha.setter
+    def sha(self, value: str) -> None:
+        self._sha = bytes.fromhex(value) if value else b""
 
     @property
     def updated_at(self) -> str:

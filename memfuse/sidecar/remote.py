@@ -117,7 +117,12 @@ class RemoteApply:
         when the caller has it) as ``n``'s clean state."""
         self._bind_rid(n, rec.id)
         n.version, n.rtype = rec.version, _intern_type(rec.type)
-        n.sha, n.size, n.state = rec.sha256, rec.size, CLEAN
+        sha = getattr(rec, "sha", None)  # a mirror entry's bytes: shared, not copied
+        if type(sha) is bytes:
+            n._sha = sha
+        else:
+            n.sha = rec.sha256
+        n.size, n.state = rec.size, CLEAN
         if n._x is not None:
             n.error = ""
         n.updated_ns = n.ctime_ns = updated_ns(rec) if ts is None else ts

@@ -166,10 +166,15 @@ class StoreSync:
         metas: list[Meta] = []
         seq: int | None = None
 
-        async def fetch() -> None:
+        failed: list[BaseException] = []
+
+        async def fetch() -> None:  # its failure is raised as is below, not in a group
             async with send:
-                async for page in self.client.iter_pages(slug, content=True, limit=limit):
-                    await send.send(page)
+                try:
+                    async for page in self.client.iter_pages(slug, content=True, limit=limit):
+                        await send.send(page)
+                except Exception as exc:
+                    failed.append(exc)
 
         self._snapshots_running = getattr(self, "_snapshots_running", 0) + 1
         try:
@@ -188,6 +193,8 @@ class StoreSync:
                         del page
         finally:
             self._snapshots_running -= 1
+        if failed:
+            raise failed[0]
         return metas, seq or 0
 
     async def _snapshot_into(self, slug: str, state: StoreState) -> None:

@@ -19,10 +19,8 @@ import math
 import os
 import time
 import sys
-from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import ClassVar
 
 import pyfuse3
 import trio
@@ -43,33 +41,63 @@ COLUMNS = ("id", "path", "type", "version", "sha256", "size", "updated_ns", "mod
 FORMAT = 3  # of <cache>/stores/<slug>.json; format 2 (rows, ISO times) is still read
 
 
-@dataclass(slots=True)
+_MODES: dict[int, int] = {}
+
+
+def _shared(mode: int) -> int:
+    """One ``int`` object per permission-bits value (above CPython's small-int cache)."""
+    return _MODES.setdefault(mode, mode) if len(_MODES) < 4096 else mode
+
+
 class Meta:
     """What the mirror keeps of one live record: the ``Record`` fields the tree needs, in a
     fraction of a pydantic model's memory (100,000 records are held at once). The tree's
-    ``Node`` shares its strings and ints (id, sha256, size, update time): they are held once.
+    ``Node`` shares its objects (id, sha256 bytes, size, update time): they are held once.
 
-    ``updated_ns``: the update time in ns since the epoch (``Record.updated_at``); ``mode``:
-    permission bits; ``mtime_ns``: the explicit mtime (ns), None when it is the update time.
+    ``sha256``: 64 hex digits, kept as 32 bytes (``sha``); ``updated_ns``: the update time in
+    ns since the epoch (``Record.updated_at``); ``mode``: permission bits; ``mtime_ns``: the
+    explicit mtime (ns), None when it is the update time.
     """
 
-    id: str
-    path: str
-    type: str | None
-    version: int
-    sha256: str
-    size: int
-    updated_ns: int
-    mode: int = DEFAULT_MODE
-    mtime_ns: int | None = None
+    __slots__ = ("id", "path", "type", "version", "sha", "size", "updated_ns", "mode", "mtime_ns")
     # duck-typing with ``Record`` for ``Filesystem.add_store`` / ``reconcile_store``
-    content: ClassVar[None] = None
-    deleted: ClassVar[bool] = False
+    content = None
+    deleted = False
+
+    def __init__(self, id: str, path: str, type: str | None, version: int, sha256: str,
+                 size: int, updated_ns: int, mode: int = DEFAULT_MODE,
+                 mtime_ns: int | None = None) -> None:
+        self.id = id
+        self.path = path
+        self.type = _TYPES.get(type, type)
+        self.version = version
+        self.sha = bytes.fromhex(sha256)  # ValueError for anything but hex digits
+        self.size = size
+        self.updated_ns = updated_ns
+        self.mode = _shared(mode)
+        self.mtime_ns = mtime_ns
+
+    @property
+    def sha256(self) -> str:
+        """The content's sha256 as 64 hex digits."""
+        return self.sha.hex()
+
+    def _key(self) -> tuple:
+        return (self.id, self.path, self.type, self.version, self.sha, self.size,
+                self.updated_ns, self.mode, self.mtime_ns)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Meta) and self._key() == other._key()
+
+    __hash__ = None  # mutable
+
+    def __repr__(self) -> str:
+        return f"Meta(id={self.id!r}, path={self.path!r}, version={self.version}, sha256={self.sha256[:12]}…)"
 
     @classmethod
     def of(cls, r: Record) -> "Meta":
         """The mirror entry of record ``r`` (no content)."""
-        return cls(r.id, r.path, _TYPES.get(r.type, r.type), r.version, r.sha256, r.size,
+        return cls(r.id, r.path, r.type, r.version, r.sha256, r.size,
                    datetime_ns(r.updated_at), r.mode, r.mtime_ns)
 
     @property
@@ -83,7 +111,7 @@ class Meta:
         ISO 8601, mode, mtime_ns]``); rows of earlier releases (7 members, before the
         attributes) load with the defaults, as their records had no attributes then."""
         mode, mtime = (int(row[7]), None if row[8] is None else int(row[8])) if len(row) >= 9 else (DEFAULT_MODE, None)
-        return cls(row[0], row[1], _TYPES.get(row[2], row[2]), int(row[3]), row[4], int(row[5]),
+        return cls(row[0], row[1], row[2], int(row[3]), row[4], int(row[5]),
                    datetime_ns(datetime.fromisoformat(row[6])), mode, mtime)
 
 
@@ -120,11 +148,10 @@ class StoreState:
                 n = len(ids)
                 if any(len(cols[c]) != n for c in COLUMNS):
                     raise ValueError("columns of different lengths")
-                types = [_TYPES.get(t, t) for t in cols["type"]]
                 for c in ("version", "size", "updated_ns", "mode"):
                     if not all(type(v) is int for v in cols[c]):
                         raise ValueError(f"column {c} holds a non-integer")
-                self.records = dict(zip(ids, map(Meta, ids, cols["path"], types, cols["version"],
+                self.records = dict(zip(ids, map(Meta, ids, cols["path"], cols["type"], cols["version"],
                                                  cols["sha256"], cols["size"], cols["updated_ns"],
                                                  cols["mode"], cols["mtime_ns"])))
             elif fmt == 2:
