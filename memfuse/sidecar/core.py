@@ -37,7 +37,7 @@ import trio
 
 from .. import content as content_rules  # the server enforces the same rules
 from .. import names
-from ..models import RECORD_TYPES, sha256_hex
+from ..models import RECORD_TYPES, datetime_ns, sha256_hex
 
 from .blobcache import BlobCache
 from .cachedir import write_private
@@ -384,6 +384,10 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles):
         if n.local_only or n.unlinked:
             return None
         data = self._content(n)  # the write buffer, or the clean content (e.g. renamed back)
+        if n._key is None and n.sha:
+            # the first commit of a record loaded from the control plane: its clean sha256
+            # is the base the update is conditional on (If-Match)
+            self.committer.keymap.setdefault(n.key, (n.record_id, n.sha))
         n.sha = sha256_hex(data)
         n.size = len(data)
         try:
@@ -535,7 +539,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles):
             if e.errno:
                 self.note_error(None, e.args.get("from", ""), e.errno, e.reason, e.code, e.store)
             return
-        n = self.by_key.get(e.node_key)
+        n = self.node_by_key(e.node_key)
         if e.op == PUT:
             if e.errno:
                 self.note_error(n.parent if n else None, n.name if n else e.args.get("path", ""),
@@ -551,7 +555,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles):
                 n.version, n.rtype = e.record.version, e.record.type
                 if n.type_override == e.args.get("type"):
                     n.type_override = None
-                n.updated_at = e.record.updated_at.isoformat()
+                n.updated_ns = datetime_ns(e.record.updated_at)
                 n.state, n.error = CLEAN, ""
         elif e.op == ATTRS:
             if e.errno:
@@ -560,7 +564,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles):
             elif n is not None and e.record is not None and n.record_id == e.record.id:
                 if e.record.sha256 == n.sha and n.buf is None:
                     n.version = max(n.version, e.record.version)
-                    n.updated_at = e.record.updated_at.isoformat()
+                    n.updated_ns = datetime_ns(e.record.updated_at)
                 else:  # content changed elsewhere meanwhile: the feed brings it, ours stay
                     n.attrs_version = max(n.attrs_version, e.record.version)
         elif e.op == MOVE and n is not None and e.record is not None:

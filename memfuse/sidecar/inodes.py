@@ -17,6 +17,7 @@ import errno
 import os
 import stat
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Iterator
 
 from .. import names
@@ -38,6 +39,15 @@ DIR_MODE = 0o755  # permission bits of a directory nobody chmod-ed
 DIR_MODES_KEY = "_modes"  # dirs.json: {slug: {dir path ("" = store root): mode}}; never a slug
 
 
+_MODES: dict[int, int] = {}
+
+
+def shared_mode(mode: int) -> int:
+    """``mode`` as one shared ``int`` object per value (st_mode values are above CPython's
+    small-int cache: 100,000 files of mode 0o100644 would hold 100,000 equal ints)."""
+    return _MODES.setdefault(mode, mode) if len(_MODES) < 4096 else mode
+
+
 class FsError(Exception):
     """A refusal with an errno (``errno.E*``), a reason for logs and ``errors.log`` and, for
     refusals of content or names, a machine ``code`` (the control plane's problem codes:
@@ -49,52 +59,123 @@ class FsError(Exception):
         self.reason = reason or os.strerror(err)
         self.code = code
 
-@dataclass(eq=False, slots=True)
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+
+
+def _rare(name: str, default):
+    """A ``Node`` attribute kept in the node's side table (``Node._x``, a dict created on the
+    first non-default value): fields most nodes never set cost nothing per node."""
+    def get(self):
+        x = self._x
+        return default if x is None else x.get(name, default)
+
+    def set_(self, value):
+        x = self._x
+        if x is None:
+            if value == default and type(value) is type(default):
+                return
+            x = self._x = {}
+        x[name] = value
+
+    return property(get, set_, doc=f"(side table) default {default!r}")
+
+
 class Node:
     """One inode. Directories have ``children``; files have content state.
 
     ``key`` names the file in the outbox (``r:<record id>`` / ``n:<uuid>``); ``sha`` is the
-    blob of the current content when ``buf`` is None; ``base_sha`` the content the control
-    plane last acknowledged. ``local_only`` files never leave the sidecar.
+    blob of the current content when ``buf`` is None (64 hex digits; held as 32 bytes, the
+    same ``bytes`` object as the store mirror's entry). ``local_only`` files never leave the sidecar.
+
+    Memory (a big store holds 100,000 of these): ``__slots__`` only; the key of a record
+    loaded from the control plane is not stored (``_key`` None means ``"r:" + record_id``;
+    ``InodeTable._bind_rid`` writes it out before the id changes); times are int ns, the
+    update time is ``updated_ns`` (``updated_at`` is rendered from it); fields few nodes set
+    (``buf``, ``last_put``, ``error``, ``type_override``, ``special``, ``refused``,
+    ``xmtime``, ``attrs_version``, ``local_only``, ``unlinked``, ``opened``) live in a dict
+    per node (``_x``) that exists only once one of them is set.
     """
 
-    ino: int
-    name: str
-    parent: "Node | None"
-    is_dir: bool
-    store: "StoreMount | None" = None
-    mode: int = 0
-    uid: int = 0
-    gid: int = 0
-    atime_ns: int = 0
-    mtime_ns: int = 0
-    ctime_ns: int = 0
-    children: dict[str, "Node"] | None = None
-    key: str = ""
-    record_id: str | None = None
-    version: int = 0
-    rtype: str | None = None
-    sha: str = ""
-    size: int = 0
-    buf: bytearray | None = None
-    dirty: bool = False
-    state: str = CLEAN
-    error: str = ""
-    local_only: bool = False
-    last_put: Entry | None = None
-    updated_at: str = ""
-    nlookup: int = 0
-    opened: int = 0
-    unlinked: bool = False
-    special: str = ""  # .memfuse control files: "status" / "errors"
-    type_override: str | None = None  # set through user.memfuse.type, sent with the next put
-    refused: int = 0  # errno of a write refused in the current write session (held back)
+    __slots__ = ("ino", "name", "parent", "store", "mode", "uid", "gid", "atime_ns", "mtime_ns",
+                 "ctime_ns", "children", "_key", "record_id", "version", "rtype", "_sha", "size",
+                 "dirty", "state", "nlookup", "updated_ns", "_x")
+
+    def __init__(self, ino: int, name: str, parent: "Node | None", is_dir: bool,
+                 store: "StoreMount | None" = None, mode: int = 0, uid: int = 0, gid: int = 0,
+                 atime_ns: int = 0, mtime_ns: int = 0, ctime_ns: int = 0) -> None:
+        self.ino = ino
+        self.name = name
+        self.parent = parent
+        self.store = store
+        self.mode = mode
+        self.uid = uid
+        self.gid = gid
+        self.atime_ns = atime_ns
+        self.mtime_ns = mtime_ns
+        self.ctime_ns = ctime_ns
+        self.children: dict[str, Node] | None = {} if is_dir else None
+        self._key: str | None = ""  # "" no key yet; None: "r:" + record_id
+        self.record_id: str | None = None
+        self.version = 0
+        self.rtype: str | None = None
+        self._sha = b""  # the sha256 as 32 bytes (shared with the mirror's entry), b"": none
+        self.size = 0
+        self.dirty = False
+        self.state = CLEAN
+        self.nlookup = 0
+        self.updated_ns = 0  # ns since the epoch of the record's last version; 0: none
+        self._x: dict | None = None
+
+    @property
+    def is_dir(self) -> bool:
+        """Whether the node is a directory (it has ``children``)."""
+        return self.children is not None
+
+    @property
+    def key(self) -> str:
+        """The outbox key: ``r:<record id>``, ``n:<uuid>``, or '' (directories, control files)."""
+        k = self._key
+        return ("r:" + self.record_id) if k is None else k
+
+    @key.setter
+    def key(self, value: str) -> None:
+        self._key = value
+
+    @property
+    def sha(self) -> str:
+        """The sha256 of the content in the blob cache (64 hex digits; '' when none)."""
+        return self._sha.hex()
+
+    @sha.setter
+    def sha(self, value: str) -> None:
+        self._sha = bytes.fromhex(value) if value else b""
+
+    @property
+    def updated_at(self) -> str:
+        """The record's update time, ISO 8601 as the control plane gives it ('' when none)."""
+        ns = self.updated_ns
+        if not ns:
+            return ""
+        return (_EPOCH + timedelta(microseconds=ns // 1000)).isoformat()
+
+    buf = _rare("buf", None)  # bytearray being written, None: content is the blob ``sha``
+    last_put = _rare("last_put", None)  # the outbox Entry of the last content commit
+    error = _rare("error", "")  # why the last commit was refused ('' when not)
+    local_only = _rare("local_only", False)
+    unlinked = _rare("unlinked", False)
+    opened = _rare("opened", 0)  # open handles
+    special = _rare("special", "")  # .memfuse control files: "status" / "errors"
+    type_override = _rare("type_override", None)  # set through user.memfuse.type, sent with the next put
+    refused = _rare("refused", 0)  # errno of a write refused in the current write session (held back)
     # File attributes (records): ``mode`` holds the permission bits shown and sent; ``xmtime``
     # is the explicit mtime (utimensat) the record keeps, None when it follows the last write
-    # (``updated_at``); ``attrs_version``: the version our last attribute change made, when
+    # (``updated_ns``); ``attrs_version``: the version our last attribute change made, when
     # it was made on content not seen here yet (older remote states keep our attributes).
-    xmtime: int | None = None
-    attrs_version: int = 0
+    xmtime = _rare("xmtime", None)
+    attrs_version = _rare("attrs_version", 0)
+
+    def __repr__(self) -> str:
+        return f"Node(ino={self.ino}, name={self.name!r}, key={self.key!r}, state={self.state})"
 
     def path(self) -> str:
         """Store-relative path ``a/b.md`` ('' for a store root)."""
@@ -107,7 +188,8 @@ class Node:
 
     def cur_size(self) -> int:
         """The size shown, in bytes: the write buffer's while the file is being written."""
-        return len(self.buf) if self.buf is not None else self.size
+        buf = self.buf
+        return len(buf) if buf is not None else self.size
 
 @dataclass(eq=False)
 class StoreMount:
@@ -163,11 +245,10 @@ class InodeTable:
         ino = self._next_ino
         self._next_ino += 1
         n = Node(ino=ino, name=name, parent=parent, is_dir=is_dir, store=store,
-                 mode=(stat.S_IFDIR if is_dir else stat.S_IFREG) | mode,
+                 mode=shared_mode((stat.S_IFDIR if is_dir else stat.S_IFREG) | mode),
                  uid=self.settings.uid if uid is None else uid,
                  gid=self.settings.gid if gid is None else gid,
-                 atime_ns=now_ns, mtime_ns=now_ns, ctime_ns=now_ns,
-                 children={} if is_dir else None)
+                 atime_ns=now_ns, mtime_ns=now_ns, ctime_ns=now_ns)
         self.inodes[ino] = n
         if parent is not None:
             parent.children[name] = n
@@ -183,8 +264,8 @@ class InodeTable:
     def _drop_if_unused(self, n: Node) -> None:
         if n.unlinked and n.nlookup <= 0 and n.opened <= 0:
             self.inodes.pop(n.ino, None)
-            if n.key and self.by_key.get(n.key) is n:
-                del self.by_key[n.key]
+            if n._key and self.by_key.get(n._key) is n:
+                del self.by_key[n._key]
             if n.record_id and self.by_rid.get(n.record_id) is n:
                 del self.by_rid[n.record_id]
 
@@ -197,7 +278,36 @@ class InodeTable:
         n.nlookup -= nlookup
         self._drop_if_unused(n)
 
+    def node_by_key(self, key: str | None) -> Node | None:
+        """The node whose outbox key is ``key`` (``r:<id>`` / ``n:<uuid>``), or None. Keys
+        of nodes that keep theirs implicitly (``Node._key`` None: ``r:`` + record id) are
+        found through ``by_rid``; ``by_key`` holds the others and wins."""
+        if not key:
+            return None
+        n = self.by_key.get(key)
+        if n is None and key.startswith("r:"):
+            n = self.by_rid.get(key[2:])
+            if n is not None and n._key is not None:
+                n = None
+        return n
+
+    def _set_record_key(self, n: Node, rid: str) -> None:
+        """Give ``n`` (bound to record ``rid``) the key ``r:<rid>`` without storing it."""
+        if n._key:
+            if self.by_key.get(n._key) is n:
+                del self.by_key[n._key]
+        self._bind_rid(n, rid)
+        n._key = None
+        stale = self.by_key.get("r:" + rid)
+        if stale is not None and stale is not n:
+            del self.by_key["r:" + rid]  # the key belongs to this node now
+
     def _bind_rid(self, n: Node, rid: str | None) -> None:
+        if n._key is None and n.record_id != rid:
+            # the key stays "r:<old id>": write it out before the id changes
+            n._key = "r:" + n.record_id
+            if self.node_by_key(n._key) is None:
+                self.by_key[n._key] = n
         if n.record_id and self.by_rid.get(n.record_id) is n:
             del self.by_rid[n.record_id]
         n.record_id = rid

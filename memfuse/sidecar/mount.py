@@ -155,6 +155,11 @@ class Sidecar(StoreSync):
                                               e.args.get("from")):
                 self.want_context()  # a store's MEMORY.md changed: the prompt block too
         self.committer.on_result = committed
+
+        def base_sha(store: str, record_id: str) -> str | None:
+            state = self.states.get(store)
+            return state.sha_of(record_id) if state is not None else None
+        self.committer.base_sha = base_sha  # records loaded from a snapshot: not in keymap
         self.fs.metrics = self.metrics
         self.fs.blobs.metrics = self.metrics
         self.task_failures: dict[str, int] = {}  # task name -> unexpected exceptions
@@ -376,8 +381,8 @@ class Sidecar(StoreSync):
                 else:
                     for att in atts:
                         await self._add_attachment(att)
-                self.save_states()
-                self._gc_blobs()
+                # the mirrors are saved and unreferenced blobs collected by the saver, right
+                # after the mount (each is a pass over every record: not on the way to ready)
 
                 options = set(pyfuse3.default_options)
                 options |= {"fsname=memfuse", "subtype=memfuse"}

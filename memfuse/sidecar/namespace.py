@@ -140,9 +140,9 @@ class NamespaceOps:
 
     def _adopt_key(self, src: Node, dst: Node) -> None:
         """``src`` replaces ``dst`` locally and takes over its record (key and id)."""
-        if self.by_key.get(src.key) is src:
-            del self.by_key[src.key]
-        src.key = dst.key
+        if src._key and self.by_key.get(src._key) is src:
+            del self.by_key[src._key]
+        src.key = dst.key  # written out: the key stays the target's whatever its id becomes
         self.by_key[src.key] = src
         rid, src.version = dst.record_id, dst.version
         self._bind_rid(dst, None)

@@ -400,6 +400,9 @@ class Committer:
         self.client = client
         self.journal = journal
         self.keymap = keymap  # node_key -> (record_id, sha256)
+        # (store, record id) -> the sha256 the store's mirror holds, or None; set by the
+        # sidecar: records loaded from a snapshot are not in ``keymap`` (memory per record)
+        self.base_sha: Callable[[str, str], str | None] | None = None
         self.on_result = on_result or (lambda e: None)
         #: ``on_conflict(entry, description)``: a write met a newer version (last writer wins)
         self.on_conflict: Callable[[Entry, str], None] = lambda e, what: None
@@ -761,13 +764,18 @@ class Committer:
         except Exception:
             log.exception("conflict handler failed")
 
-    def _rid(self, node_key: str | None) -> tuple[str | None, str | None]:
+    def _rid(self, node_key: str | None, store: str = "") -> tuple[str | None, str | None]:
+        """(record id, last known sha256) of a node key: from ``keymap`` (keys learned from
+        commits, remote changes and first local writes), else for ``r:<id>`` the id and the
+        sha256 the store's mirror holds (``base_sha``; None when unknown: the update is then
+        unconditional)."""
         if node_key is None:
             return None, None
         if node_key in self.keymap:
             return self.keymap[node_key]
         if node_key.startswith("r:"):
-            return node_key[2:], None
+            rid = node_key[2:]
+            return rid, (self.base_sha(store, rid) if self.base_sha is not None else None)
         return None, None
 
     def _learn(self, node_key: str, rec: Record | None) -> None:
@@ -795,7 +803,7 @@ class Committer:
             text.encode("utf-8")
         except UnicodeEncodeError:
             raise _local_refusal("invalid_content", "content is not valid UTF-8") from None
-        rid, sha = self._rid(e.node_key)
+        rid, sha = self._rid(e.node_key, e.store)
         want = sha256_hex(e.content or b"")
         typ = a.get("type")
         # absent in entries journaled by earlier releases: then the server keeps / defaults
@@ -848,7 +856,7 @@ class Committer:
         # mode / mtime of a file whose content the control plane has: no upload, no
         # If-Match (attributes merge with whatever content is current: last writer wins
         # per attribute); only the members that changed are sent
-        rid, _ = self._rid(e.node_key)
+        rid, _ = self._rid(e.node_key, e.store)
         e.record_id = rid
         if rid is None:
             return  # never reached the server (refused): the next put carries them
@@ -860,7 +868,7 @@ class Committer:
 
     async def _delete(self, e: Entry, c: ApiClient, a: dict[str, Any]) -> None:
         """Delete the record (already gone: nothing to do) and forget its key."""
-        rid, _ = self._rid(e.node_key)
+        rid, _ = self._rid(e.node_key, e.store)
         e.record_id = rid
         if rid is not None:
             try:
@@ -872,7 +880,7 @@ class Committer:
     async def _move(self, e: Entry, c: ApiClient, a: dict[str, Any]) -> None:
         """Move one record to ``args["to"]`` (``replace`` an existing target); a target
         created elsewhere meanwhile is replaced (last writer wins)."""
-        rid, sha = self._rid(e.node_key)
+        rid, sha = self._rid(e.node_key, e.store)
         e.record_id = rid
         if rid is None:
             return  # never reached the server (refused earlier): nothing to move

@@ -17,38 +17,63 @@ import logging
 import stat
 import time
 
-from ..models import DEFAULT_MODE, Record, datetime_ns
-from .inodes import CLEAN, DIR_MODES_KEY, Node, StoreMount
+import sys
+
+from ..models import DEFAULT_MODE, RECORD_TYPES, Record, datetime_ns
+from .inodes import CLEAN, DIR_MODES_KEY, Node, StoreMount, shared_mode
 from .outbox import MOVE_PREFIX, Entry
 
 log = logging.getLogger("memfuse.fs")
 
 
+_TYPES = {t: sys.intern(t) for t in RECORD_TYPES}
+
+
+def _intern_type(t: str | None) -> str | None:
+    """One shared ``str`` per record type (a snapshot decodes a new one per record)."""
+    return _TYPES.get(t, t) if t is not None else None
+
+
+def updated_ns(rec) -> int:
+    """The update time of a ``Record`` (``updated_at``) or a mirror ``Meta``
+    (``updated_ns``), in ns since the epoch."""
+    ns = getattr(rec, "updated_ns", None)
+    return ns if ns is not None else datetime_ns(rec.updated_at)
+
+
 class RemoteApply:
     """Loading and remote changes of ``core.Filesystem`` (module docstring); mixed into it."""
 
-    def add_store(self, slug: str, access: str, records: list[Record], *,
+    def add_store(self, slug: str, access: str, records, *,
                   limits: dict | None = None, contents: dict[str, bytes] | None = None) -> StoreMount:
-        """Put one attached store under the root, built from a snapshot of its live records.
+        """Put one attached store under the root, built from a snapshot of its live records
+        (``Record`` or mirror ``Meta`` objects; the nodes share their strings).
 
-        ``contents`` maps record id → bytes for records whose blob is not already cached.
+        ``contents`` maps record id → bytes for records whose blob is not already cached;
+        a record whose content is neither given nor cached is left out (logged). Which blobs
+        are cached is asked in one query (``BlobCache.missing``). Raises ``CacheError``.
         """
         now = time.time_ns()
         root = self._new_node(slug, self.root, True, None, 0o755, now)
         sm = StoreMount(slug=slug, access=access, root=root, **(limits or {}))
         root.store = sm
         self.stores[slug] = sm
+        contents = contents or {}
+        given = [r for r in records if r.content is not None or r.id in contents]
+        if given:
+            with self.blobs.batch():
+                for rec in given:
+                    data = contents.get(rec.id)
+                    self.blobs.put(rec.content.encode("utf-8") if data is None else data, rec.sha256)
+        missing = self.blobs.missing(r.sha256 for r in records
+                                     if r.content is None and r.id not in contents)
+        insert = self._insert_record
         for rec in records:
-            data = (contents or {}).get(rec.id)
-            if data is None and rec.content is not None:
-                data = rec.content.encode("utf-8")
-            if data is not None:
-                self.blobs.put(data, rec.sha256)
-            elif not self.blobs.has(rec.sha256):
+            if missing and rec.sha256 in missing:
                 log.error("record content missing from snapshot and cache; skipped",
                           extra={"store": slug, "record": rec.id})
                 continue
-            self._insert_record(sm, rec)
+            insert(sm, rec)
         for path in self.saved_dirs.get(slug, []):
             self._ensure_dir(sm, path.split("/"), now)
         self._restore_dir_modes(sm)
@@ -65,37 +90,48 @@ class RemoteApply:
             if d is not None and d.is_dir and isinstance(mode, int):
                 d.mode = stat.S_IFDIR | stat.S_IMODE(mode)
 
-    def _insert_record(self, sm: StoreMount, rec: Record) -> Node:
+    def _insert_record(self, sm: StoreMount, rec) -> Node:
+        """Add one record (a ``Record`` or a mirror ``Meta``) as a clean file; the node shares
+        the record's strings and ints (id, sha256, size, update time)."""
         parts = rec.path.split("/")
         d = sm.root
-        ts = datetime_ns(rec.updated_at)
+        ts = updated_ns(rec)
+        children = d.children
         for comp in parts[:-1]:
-            child = d.children.get(comp)
+            child = children.get(comp)
             if child is None:
                 child = self._new_node(comp, d, True, sm, 0o755, ts)
             elif not child.is_dir:
                 log.error("record path crosses a file; skipped", extra={"store": sm.slug, "record": rec.id})
                 return child
             d = child
+            children = d.children
         n = self._new_node(parts[-1], d, False, sm, 0o644, ts)
-        self._set_clean(n, rec)
+        self._set_record_key(n, rec.id)
+        self._set_clean(n, rec, ts)
         self._live(n, +1)
-        n.key = "r:" + rec.id
-        self.by_key[n.key] = n
-        self.committer.keymap.setdefault(n.key, (rec.id, rec.sha256))
         return n
 
-    def _set_clean(self, n: Node, rec: Record) -> None:
+    def _set_clean(self, n: Node, rec, ts: int | None = None) -> None:
+        """Show ``rec`` (a ``Record`` or a mirror ``Meta``; ``ts``: its update time in ns
+        when the caller has it) as ``n``'s clean state."""
         self._bind_rid(n, rec.id)
-        n.version, n.rtype = rec.version, rec.type
-        n.sha, n.size, n.state, n.error = rec.sha256, rec.size, CLEAN, ""
-        n.updated_at = rec.updated_at.isoformat()
-        n.ctime_ns = datetime_ns(rec.updated_at)
-        if rec.version >= n.attrs_version:  # else our newer attribute change stays shown
-            n.mode = stat.S_IFREG | stat.S_IMODE(getattr(rec, "mode", DEFAULT_MODE))
+        n.version, n.rtype = rec.version, _intern_type(rec.type)
+        sha = getattr(rec, "sha", None)  # a mirror entry's bytes: shared, not copied
+        if type(sha) is bytes:
+            n._sha = sha
+        else:
+            n.sha = rec.sha256
+        n.size, n.state = rec.size, CLEAN
+        if n._x is not None:
+            n.error = ""
+        n.updated_ns = n.ctime_ns = updated_ns(rec) if ts is None else ts
+        if n._x is None or rec.version >= n.attrs_version:  # else our newer attribute change stays shown
+            n.mode = shared_mode(stat.S_IFREG | stat.S_IMODE(getattr(rec, "mode", DEFAULT_MODE)))
             n.xmtime = getattr(rec, "mtime_ns", None)
             n.attrs_version = 0
-        n.mtime_ns = n.xmtime if n.xmtime is not None else n.ctime_ns
+        xm = n.xmtime
+        n.mtime_ns = xm if xm is not None else n.ctime_ns
 
     def apply_remote(self, sm: StoreMount, rec: Record, *, force: bool = False) -> list[tuple]:
         """Apply one record state from the change feed (or a snapshot when ``force``) to the
@@ -152,8 +188,7 @@ class RemoteApply:
                 self._detach(cur)
                 self._bind_rid(cur, None)
             n = self._new_node(parts[-1], d, False, sm, 0o644, time.time_ns())
-            n.key = "r:" + rec.id
-            self.by_key[n.key] = n
+            self._set_record_key(n, rec.id)
             self.committer.keymap[n.key] = (rec.id, rec.sha256)
             self._live(n, +1)  # size 0 now; its size is accounted below
             inv.append(("entry", d.ino, n.name))

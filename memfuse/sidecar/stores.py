@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import time
 
 import trio
@@ -43,6 +44,7 @@ log = logging.getLogger("memfuse.mount")
 
 
 CONTEXT_TIMEOUT = 10.0  # s one fetch of the prompt block may take
+SNAPSHOT_PAGE = 1000  # records per snapshot page (the API's largest)
 CONTEXT_RETRY_MAX = 60.0  # s between retries of a failed fetch (from 1 s, doubling)
 STREAM_RETRY_SECONDS = 600.0  # s of long-polls before asking a non-streaming server again
 STREAM_SHORT_SECONDS = 1.0  # a stream that ended sooner is reopened after a backoff
@@ -144,25 +146,64 @@ class StoreSync:
                                "live": expect_records})
             resumed = False
         if not resumed:
-            # Page by page: each page's content goes to the blob cache and only the slotted
-            # metadata stays, so a big store is never held in memory with its content.
-            metas: list[Meta] = []
-            seq: int | None = None
-            async for page in self.client.iter_pages(slug, content=True, limit=1000):
-                if seq is None:
-                    seq = page.seq
-                with self.fs.blobs.batch():
-                    for r in page.records:
-                        self.fs.blobs.put(r.content.encode("utf-8"), r.sha256)
-                        metas.append(Meta.of(r))
-            state.reset(metas, seq or 0)
-        for r in [r for r in state.records.values() if not self.fs.blobs.has(r.sha256)]:
+            await self._snapshot_into(slug, state)
+        missing = self.fs.blobs.missing(m.sha256 for m in state.records.values())
+        for r in [r for r in state.records.values() if r.sha256 in missing]:
             full = await self.client.get_record(slug, r.id, content=True)
             self.fs.blobs.put(full.content.encode("utf-8"), full.sha256)
             state.put(full)
         log.info("store loaded", extra={"store": slug, "records": len(state.records),
                                         "cursor": state.cursor, "resumed": bool(resumed)})
         return state
+
+    async def _snapshot_metas(self, slug: str, limit: int = SNAPSHOT_PAGE) -> tuple[list[Meta], int]:
+        """The store's full snapshot as ``([Meta], seq)`` (``seq``: the change-feed position
+        of its first page), every record's content stored in the blob cache, one
+        transaction per page of ``limit`` records. The next page is requested while one is
+        being stored (one request ahead, never more: ``fetch`` waits on a channel of one),
+        so the control plane's work and ours overlap; a page's content is dropped once
+        stored, so a big store is never held in memory with its content. No blob gc runs
+        meanwhile (the blobs of stored pages are referenced by nothing yet). Raises what
+        ``ApiClient.list_records`` raises and ``CacheError``."""
+        send, recv = trio.open_memory_channel(1)
+        metas: list[Meta] = []
+        seq: int | None = None
+
+        failed: list[BaseException] = []
+
+        async def fetch() -> None:  # its failure is raised as is below, not in a group
+            async with send:
+                try:
+                    async for page in self.client.iter_pages(slug, content=True, limit=limit):
+                        await send.send(page)
+                except Exception as exc:
+                    failed.append(exc)
+
+        self._snapshots_running = getattr(self, "_snapshots_running", 0) + 1
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(fetch)
+                async with recv:
+                    async for page in recv:
+                        if seq is None:
+                            seq = page.seq
+                        with self.fs.blobs.batch():
+                            put = self.fs.blobs.put
+                            for r in page.records:
+                                if r.content is not None:
+                                    put(r.content.encode("utf-8"), r.sha256)
+                                metas.append(Meta.of(r))
+                        del page
+        finally:
+            self._snapshots_running -= 1
+        if failed:
+            raise failed[0]
+        return metas, seq or 0
+
+    async def _snapshot_into(self, slug: str, state: StoreState) -> None:
+        """Replace ``state`` with a full snapshot (``_snapshot_metas``)."""
+        metas, seq = await self._snapshot_metas(slug)
+        state.reset(metas, seq)
 
     async def _add_attachment(self, att: Attachment) -> None:
         slug = att.store.slug
@@ -174,7 +215,8 @@ class StoreSync:
         limits = {"max_record_bytes": att.store.max_record_bytes,
                   "max_store_bytes": att.store.max_store_bytes,
                   "max_records": att.store.max_records}
-        state.access, state.limits, state.dirty = att.access.value, limits, True
+        if (state.access, state.limits) != (att.access.value, limits):
+            state.access, state.limits, state.dirty = att.access.value, limits, True
         self.fs.add_store(slug, att.access.value, list(state.records.values()), limits=limits)
         self.invalidator.submit([("entry", ROOT_INO, slug)])
         self.want_context()
@@ -228,14 +270,10 @@ class StoreSync:
         either in the snapshot or still queued, and queued ones are left alone
         (``Filesystem.reconcile_store``)."""
         async with self.committer.hold(slug):
-            records, seq = await self.client.snapshot(slug, content=True)
+            records, seq = await self._snapshot_metas(slug)  # metadata; content is cached
             state, sm = self.states.get(slug), self.fs.stores.get(slug)
             if state is None or sm is None:
                 return
-            with self.fs.blobs.batch():
-                for r in records:
-                    if r.content is not None:
-                        self.fs.blobs.put(r.content.encode("utf-8"), r.sha256)
             self.invalidator.submit(self.fs.reconcile_store(sm, records,
                                                             self.committer.queued(slug)))
             state.reset(records, seq)
@@ -409,16 +447,21 @@ class StoreSync:
             self.want_context()  # descriptions and instructions are in the block too
 
     async def _saver(self) -> None:
-        """Save dirty store mirrors every 2 s; collect unreferenced blobs every ``GC_EVERY``
-        s (overwritten and deleted records leave their old content behind)."""
-        last_gc = trio.current_time()
+        """Save dirty store mirrors at once and then every 2 s; collect unreferenced blobs at
+        once and then every ``GC_EVERY`` s (overwritten and deleted records leave their old
+        content behind)."""
+        last_gc = -math.inf  # the first collection right after the mount
+        first = True
         while True:
-            await trio.sleep(2)
+            if not first:
+                await trio.sleep(2)
+            first = False
             self.save_states()
             self.fs.sync_rejected()  # e.g. a remote change replaced a rejected file
             if trio.current_time() - last_gc >= self.GC_EVERY:
                 last_gc = trio.current_time()
                 self._gc_blobs()
+            await trio.sleep(0)
 
     def save_states(self) -> None:
         """Save every dirty store mirror. A failure (full or failing cache disk) is logged
@@ -539,7 +582,10 @@ class StoreSync:
 
     def _gc_blobs(self) -> None:
         """Delete cached blobs no store mirror or file refers to (a failure is logged and
-        tried again at the next collection)."""
+        tried again at the next collection). Skipped while a snapshot is being taken: its
+        pages' blobs are referenced only once it is complete."""
+        if getattr(self, "_snapshots_running", 0):
+            return
         keep = {r.sha256 for st in self.states.values() for r in st.records.values()}
         keep |= {n.sha for n in self.fs.inodes.values() if n.sha}
         try:

@@ -1,0 +1,264 @@
+"""Big stores: the sidecar's saved mirror (format 3, and format 2 of earlier releases), a
+warm restart with many records, remote changes around it, and the lean tree's identities.
+
+- unit: a format-2 mirror loads (same records, times to the µs) and is rewritten as format 3;
+  a broken format-3 file is refused (a snapshot follows); the tree shares the mirror's
+  strings and keeps a record's outbox key when its id changes;
+- real mount: 400 records with versions, modes and explicit mtimes, mounted fresh, then warm
+  (from the saved mirror), then warm from a format-2 mirror: every file shows its record's
+  size, mode, mtime, id, version and sha256; changes made while the sidecar was down arrive
+  by catch-up, a change after the warm mount by the feed, and a local write to a record
+  loaded from the mirror commits conditionally on the mirror's sha256 (no conflict).
+"""
+from __future__ import annotations
+
+import json
+import os
+import stat
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import trio
+
+from memfuse.client import ApiClient
+from memfuse.models import Record, datetime_ns, sha256_hex
+from memfuse.sidecar.blobcache import BlobCache
+from memfuse.sidecar.core import Filesystem
+from memfuse.sidecar.outbox import Committer, Journal
+from memfuse.sidecar.sync import Meta, StoreState
+from mountutil import ControlPlane, Sidecar, live_records, sh
+
+EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+T0 = datetime(2026, 11, 30, 12, 0, 0, 123456, tzinfo=timezone.utc)
+
+
+def rec(i: int, **kw) -> Record:
+    content = kw.pop("content", f"note {i}\n")
+    base = dict(id=f"id-{i:04d}", store="s", path=f"d{i % 7}/n{i}.md", type="project", version=1 + i % 3,
+                sha256=sha256_hex(content.encode()), size=len(content.encode()), created_at=T0,
+                updated_at=T0, updated_by="t", seq=i, mode=0o600 if i % 5 == 0 else 0o644,
+                mtime_ns=10**18 + i if i % 4 == 0 else None)
+    base.update(kw)
+    return Record(**base)
+
+
+# ------------------------------------------------------------------ unit: the saved mirror
+def test_format_2_mirror_is_read_and_rewritten_as_format_3(tmp_path):
+    records = [rec(i) for i in range(50)] + [rec(50, type=None, path="MEMORY.md")]
+    rows = [[r.id, r.path, r.type, r.version, r.sha256, r.size, r.updated_at.isoformat(), r.mode, r.mtime_ns]
+            for r in records]
+    rows.append(["old-7", "old.md", "user", 2, "ab" * 32, 3, T0.isoformat()])  # 7 members: before attributes
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps({"format": 2, "cursor": 42, "access": "read_only",
+                             "limits": {"max_records": 9}, "records": rows}))
+    st = StoreState(f, "s")
+    assert st.load() and st.dirty  # an old format is written anew at the next save
+    assert (st.cursor, st.access, st.limits) == (42, "read_only", {"max_records": 9})
+    for r in records:
+        m = st.records[r.id]
+        assert (m.path, m.type, m.version, m.sha256, m.size, m.mode, m.mtime_ns) == (
+            r.path, r.type, r.version, r.sha256, r.size, r.mode, r.mtime_ns)
+        assert m.updated_ns == datetime_ns(T0) and m.updated_at == T0
+    assert (st.records["old-7"].mode, st.records["old-7"].mtime_ns) == (0o644, None)
+    st.save()
+    raw = json.loads(f.read_text())
+    assert raw["format"] == 3 and "records" not in raw and len(raw["columns"]["id"]) == 52
+    again = StoreState(f, "s")
+    assert again.load() and not again.dirty
+    assert again.records == st.records and again.cursor == 42
+
+
+def test_broken_format_3_mirror_is_refused(tmp_path):
+    st = StoreState(tmp_path / "s.json", "s")
+    st.reset([rec(i) for i in range(5)], 7)
+    st.save()
+    raw = json.loads(st.path.read_text())
+    for breakage in ("short", "type"):
+        bad = json.loads(json.dumps(raw))
+        if breakage == "short":
+            bad["columns"]["sha256"].pop()
+        else:
+            bad["columns"]["size"][0] = "12"
+        st.path.write_text(json.dumps(bad))
+        again = StoreState(st.path, "s")
+        assert not again.load() and again.records == {} and again.cursor == 0, breakage
+
+
+def test_tree_shares_the_mirror_and_keeps_a_records_key_when_its_id_changes(tmp_path):
+    journal = Journal(tmp_path / "outbox.db")
+    _, keymap = journal.load()
+    fs = Filesystem(BlobCache(tmp_path / "blobs.db"), Committer(None, journal, keymap))
+    st = StoreState(tmp_path / "s.json", "s")
+    records = [rec(i) for i in range(20)]
+    st.reset(records, 1)
+    sm = fs.add_store("s", "read_write", list(st.records.values()),
+                      contents={r.id: f"note {r.id}".encode() for r in records})
+    # content given for records whose sha differs is stored under the record's sha256
+    n = fs.by_rid["id-0003"]
+    m = st.records["id-0003"]
+    assert n.record_id is m.id and n._sha is m.sha and n.sha == m.sha256 and n.updated_ns is m.updated_ns
+    assert n.key == "r:id-0003" and fs.node_by_key("r:id-0003") is n and "r:id-0003" not in fs.by_key
+    assert fs.committer.keymap == {}  # nothing per record until a record is written
+    assert (stat.S_IMODE(fs.by_rid["id-0005"].mode), fs.by_rid["id-0004"].mtime_ns) == (0o600, 10**18 + 4)
+    assert fs.getxattr(n, "user.memfuse.updated_at") == T0.isoformat().encode()
+    assert fs.getxattr(n, "user.memfuse.version") == str(m.version).encode()
+    # the record is re-created elsewhere under a new id: the file's outbox key stays
+    fs._bind_rid(n, "id-new")
+    assert n.key == "r:id-0003" and fs.node_by_key("r:id-0003") is n and fs.by_rid["id-new"] is n
+    assert fs.node_by_key("r:id-new") is None
+    assert sm.count == 20
+    # the first write of a loaded record: its clean sha256 is the base of the update
+    w = fs.by_rid["id-0007"]
+    base = w.sha
+    h = fs.open(w.ino, os.O_WRONLY | os.O_TRUNC)
+    fs.write(h, 0, b"new content\n")
+    e = fs.commit(w)
+    assert e is not None and fs.committer.keymap["r:id-0007"] == ("id-0007", base)
+    assert fs.committer._rid("r:id-0007", "s") == ("id-0007", base)
+    # a record the keymap does not know: the sidecar's mirror gives the base
+    fs.committer.base_sha = lambda store, rid: st.sha_of(rid) if store == "s" else None
+    assert fs.committer._rid("r:id-0008", "s") == ("id-0008", st.records["id-0008"].sha256)
+    assert fs.committer._rid("r:unknown", "s") == ("unknown", None)
+    # a node of a record that is gone is no key's node
+    other = fs.by_rid["id-0004"]
+    fs._detach(other)
+    fs._bind_rid(other, None)
+    assert fs.node_by_key("r:id-0004") is other  # until the kernel forgets it
+    other.nlookup = 0
+    fs._drop_if_unused(other)
+    assert fs.node_by_key("r:id-0004") is None
+
+
+# ------------------------------------------------------------------ real mount
+N = 400
+
+
+async def _populate(cp: ControlPlane) -> None:
+    async with ApiClient(cp.url, cp.admin_token) as c:
+        sem = trio.Semaphore(16)
+
+        async def one(i: int) -> None:
+            async with sem:
+                r = await c.create_record("default", f"d{i % 9}/e{i % 3}/note-{i:04d}.md",
+                                          f"# note {i}\n" + "word " * (i % 50) + "\n")
+                if i % 7 == 0:
+                    r = await c.update_record("default", r.id, f"# note {i} v2\n", if_match=r.sha256)
+                if i % 11 == 0:
+                    await c.set_attributes("default", r.id, mode=0o600)
+                if i % 13 == 0:
+                    await c.set_attributes("default", r.id, mtime_ns=1_600_000_000_123_456_789 + i)
+        async with trio.open_nursery() as nursery:
+            for i in range(N):
+                nursery.start_soon(one, i)
+
+
+def _check_every_record(cp: ControlPlane, root: Path) -> dict:
+    """Every live record shows in the mount with its size, mode, mtime, id, version and
+    sha256; returns path → Record."""
+    live = live_records(cp)
+    shown = {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
+    assert shown == set(live), (sorted(shown ^ set(live))[:5])
+    for path, r in live.items():
+        p = root / path
+        st = os.stat(p)
+        want_mtime = r.mtime_ns if r.mtime_ns is not None else datetime_ns(r.updated_at)
+        assert (st.st_size, stat.S_IMODE(st.st_mode), st.st_mtime_ns) == (r.size, r.mode, want_mtime), path
+        assert os.getxattr(p, "user.memfuse.id").decode() == r.id
+        assert os.getxattr(p, "user.memfuse.version").decode() == str(r.version)
+        assert os.getxattr(p, "user.memfuse.sha256").decode() == r.sha256
+        assert os.getxattr(p, "user.memfuse.updated_at").decode() == r.updated_at.isoformat()
+    for path in sorted(live)[::40]:
+        assert (root / path).read_text() == live[path].content
+    return live
+
+
+def _loaded(sc: Sidecar) -> list[dict]:
+    out = []
+    for line in sc.log.read_text().splitlines():
+        if line.startswith("{") and '"store loaded"' in line:
+            out.append(json.loads(line))
+    return out
+
+
+def _wait(pred, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_warm_restart_of_many_records_shows_every_record_and_follows_changes(tmp_path):
+    cp = ControlPlane(tmp_path).start()
+    sc = None
+    try:
+        tok = cp.setup_workspace("ws")
+        trio.run(_populate, cp)
+        sc = Sidecar(cp, "ws", tok, tmp_path / "mnt", tmp_path / "cache").start()
+        root = sc.mountpoint / "default"
+        live = _check_every_record(cp, root)
+        assert _loaded(sc)[-1]["resumed"] is False and _loaded(sc)[-1]["records"] == N
+        sc.stop()
+        mirror = sc.cache_dir / "stores" / "default.json"
+        raw = json.loads(mirror.read_text())
+        assert raw["format"] == 3 and len(raw["columns"]["id"]) == N
+
+        # changes while the sidecar is down: an update, a delete, a create, a chmod
+        paths = sorted(live)
+        cp.call("update_record", "default", live[paths[0]].id, "changed while down\n")
+        cp.call("delete_record", "default", live[paths[1]].id)
+        cp.call("create_record", "default", "new/while-down.md", "made while down\n")
+        cp.call("set_attributes", "default", live[paths[2]].id, mode=0o640)
+        sc.start()
+        assert _loaded(sc)[-1]["resumed"] is True  # from the saved mirror, not a snapshot
+        live = _check_every_record(cp, root)
+        assert (root / paths[0]).read_text() == "changed while down\n"
+        assert not (root / paths[1]).exists()
+
+        # a remote change after the warm mount arrives through the feed
+        cp.call("update_record", "default", live[paths[3]].id, "changed after the mount\n")
+        _wait(lambda: (root / paths[3]).read_text() == "changed after the mount\n", "the feed")
+
+        # a local write to a record loaded from the mirror: conditional on its sha256, no conflict
+        target = paths[4]
+        before = live[target]
+        sh(f"printf 'written here\\n' > '{target}'", root)
+        _wait(lambda: live_records(cp)[target].content == "written here\n", "the commit")
+        after = live_records(cp)[target]
+        assert after.id == before.id and after.version == before.version + 1
+        errors = (sc.mountpoint / ".memfuse" / "errors.log").read_text()
+        assert "conflict" not in errors, errors
+
+        # the mirror of an earlier release (format 2): resumed from, and rewritten as 3
+        sc.stop()
+        raw = json.loads(mirror.read_text())
+        cols = raw.pop("columns")
+        raw["format"] = 2
+        raw["records"] = [
+            [i, p, t, v, s, z, (EPOCH + timedelta(microseconds=u // 1000)).isoformat(), m, x]
+            for i, p, t, v, s, z, u, m, x in zip(*(cols[c] for c in (
+                "id", "path", "type", "version", "sha256", "size", "updated_ns", "mode", "mtime_ns")))]
+        mirror.write_text(json.dumps(raw))
+        sc.start()
+        assert _loaded(sc)[-1]["resumed"] is True
+        _check_every_record(cp, root)
+        _wait(lambda: json.loads(mirror.read_text()).get("format") == 3, "the mirror saved as format 3", 15)
+    finally:
+        if sc is not None:
+            sc.stop()
+        cp.stop()
+
+
+def test_blob_cache_missing_and_gc_by_ordered_scan(tmp_path):
+    b = BlobCache(tmp_path / "blobs.db")
+    held = [b.put(f"blob {i}".encode()) for i in range(300)]
+    absent = [sha256_hex(f"absent {i}".encode()) for i in range(100)]
+    assert b.missing([]) == set() and b.missing(held) == set()
+    assert b.missing(held[::3] + absent[::2] + absent[:1]) == set(absent[::2])
+    assert b.missing(absent) == set(absent)
+    keep = set(held[::4]) | set(absent[:10])  # keeping what is not held deletes nothing more
+    assert b.gc(keep) == 300 - len(held[::4])
+    assert b.count()[0] == len(held[::4])
+    assert b.missing(held) == set(held) - set(held[::4])
+    assert b.gc(set()) == len(held[::4]) and b.count() == (0, 0)
+    assert b.gc(set(absent)) == 0
