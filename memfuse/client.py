@@ -1,7 +1,8 @@
 """Async HTTP client of the control-plane API v1 (docs/API.md), shared by the sidecar and the CLI.
 
 One :class:`ApiClient` wraps one ``httpx.AsyncClient``; every endpoint of the API is a method that
-returns the pydantic models of :mod:`memfuse.models`. Methods never retry: the sidecar's outbox
+returns the msgspec Structs of :mod:`memfuse.wire` (the client's side of the server's pydantic
+models in :mod:`memfuse.models`: the client never imports pydantic). Methods never retry: the sidecar's outbox
 owns retries (with idempotency keys), and the CLI wraps its calls in :func:`with_retries`.
 
 Errors are classified once, here, so callers only look at the exception class (the classes
@@ -43,7 +44,7 @@ from typing import Any, Generic, TypeVar
 from urllib.parse import quote
 
 import httpx
-from pydantic import BaseModel, TypeAdapter, ValidationError
+import msgspec
 
 # The error classes live in memfuse.errors; importing them from here stays supported for
 # callers outside this package (code inside memfuse imports them from memfuse.errors).
@@ -60,7 +61,8 @@ from .errors import (  # noqa: F401  (ERRNO_BY_CODE: re-exported only)
     TransientError,
     Unauthorized,
 )
-from .models import (
+from .tokenfile import TokenFile
+from .wire import (
     Access,
     Attachment,
     AttachmentPut,
@@ -69,7 +71,6 @@ from .models import (
     BatchResponse,
     ChangePage,
     EventPage,
-    MemoryToolCommand,
     MemoryToolResult,
     MoveResult,
     PrefixMove,
@@ -89,8 +90,12 @@ from .models import (
     Version,
     Workspace,
     WorkspaceCreate,
+    build,
+    convert,
+    decode,
+    encode,
+    to_jsonable,
 )
-from .tokenfile import TokenFile
 
 __all__ = [
     "ApiClient",
@@ -127,7 +132,6 @@ def _package_version() -> str:
 _version = _package_version()
 
 T = TypeVar("T")
-M = TypeVar("M", bound=BaseModel)
 P = TypeVar("P", ChangePage, EventPage)
 
 INSTANCE_HEADER = "X-Memfuse-Instance"
@@ -321,6 +325,15 @@ def _attrs(mode: int | None, mtime_ns: int | None) -> dict[str, int]:
     return out
 
 
+def _memory_tool_command(command: dict[str, Any]) -> dict[str, Any]:
+    """The memory-tool body: ``command`` first, then the command's other members as given.
+    Raises ``ValueError`` (``msgspec.ValidationError``) when ``command`` is not a JSON object
+    with a string ``command``."""
+    if not isinstance(command, dict) or not isinstance(command.get("command"), str):
+        raise msgspec.ValidationError("a memory-tool command is an object with a string `command`")
+    return {"command": command["command"], **{k: v for k, v in command.items() if k != "command"}}
+
+
 def _seg(value: str | int) -> str:
     """Percent-encode one URL path segment."""
     return quote(str(value), safe="")
@@ -337,12 +350,12 @@ _BATCH_ENDPOINTS = {  # op of a batch → (method, path) of its single endpoint 
     "move": ("POST", "/v1/stores/{store}/records/{id}/move"),
     "delete": ("DELETE", "/v1/stores/{store}/records/{id}"),
 }
-_RECORDS = TypeAdapter(list[Record])
-_STORES = TypeAdapter(list[Store])
-_WORKSPACES = TypeAdapter(list[Workspace])
-_ATTACHMENTS = TypeAdapter(list[Attachment])
-_VERSIONS = TypeAdapter(list[Version])
-_TOKENS = TypeAdapter(list[TokenInfo])
+_RECORDS = list[Record]
+_STORES = list[Store]
+_WORKSPACES = list[Workspace]
+_ATTACHMENTS = list[Attachment]
+_VERSIONS = list[Version]
+_TOKENS = list[TokenInfo]
 
 
 @functools.cache
@@ -462,13 +475,12 @@ class ApiClient:
         path: str,
         *,
         params: dict[str, Any] | None = None,
-        body: BaseModel | None = None,
+        body: msgspec.Struct | dict[str, Any] | None = None,
         if_match: str | None = None,
         idempotency_key: str | None = None,
         wait: float = 0.0,
         accept: str | None = None,
         exclude_none: bool = False,
-        exclude_unset: bool = False,
         stream: bool = False,
         read_timeout: float | None = None,
     ) -> httpx.Response:
@@ -488,8 +500,9 @@ class ApiClient:
         if timeout is not None:
             kwargs["timeout"] = timeout
         if body is not None:
-            kwargs["content"] = body.model_dump_json(
-                exclude_none=exclude_none, exclude_unset=exclude_unset).encode("utf-8")
+            # UNSET members are left out (pydantic's exclude_unset of earlier releases: the
+            # same bodies, so the same idempotency hashes)
+            kwargs["content"] = encode(body, exclude_none=exclude_none)
             headers["Content-Type"] = "application/json"
         tf = self.token_file
         for attempt in (1, 2):
@@ -560,16 +573,16 @@ class ApiClient:
         return self.token_file.refresh() if self.token_file is not None else False
 
     @staticmethod
-    def _parse(model: type[M] | TypeAdapter[Any], resp: httpx.Response, method: str, path: str) -> Any:
+    def _parse(model: Any, resp: httpx.Response, method: str, path: str) -> Any:
+        """``resp``'s body decoded as ``model`` (a Struct or ``list[Struct]``); a body that is
+        not JSON of that shape raises ``TransientError`` ``bad_response``."""
         return ApiClient._parse_bytes(model, resp.content, resp.status_code, method, path)
 
     @staticmethod
-    def _parse_bytes(model: type[M] | TypeAdapter[Any], data: bytes, status: int, method: str, path: str) -> Any:
+    def _parse_bytes(model: Any, data: bytes, status: int, method: str, path: str) -> Any:
         try:
-            if isinstance(model, TypeAdapter):
-                return model.validate_json(data)
-            return model.model_validate_json(data)
-        except (ValidationError, ValueError) as exc:
+            return decode(data, model)
+        except ValueError as exc:  # msgspec.DecodeError / ValidationError
             # A 2xx whose body is not what the contract says: treat like a garbled response.
             raise TransientError(
                 f"{method} {path}: {status} response does not match the API contract"
@@ -634,7 +647,7 @@ class ApiClient:
         with ``is_error`` true, not an exception; raises for auth and transport problems."""
         return await self._call(
             MemoryToolResult, "POST", f"/v1/workspaces/{_seg(ws)}/memory-tool",
-            body=MemoryToolCommand.model_validate(command),
+            body=_memory_tool_command(command),
         )
 
     # ------------------------------------------------------------ records: reading
@@ -813,9 +826,8 @@ class ApiClient:
             Record,
             "POST",
             f"/v1/stores/{_seg(store)}/records",
-            body=RecordCreate(path=path, content=content, type=type, **_attrs(mode, mtime_ns)),
+            body=build(RecordCreate, path=path, content=content, type=type, **_attrs(mode, mtime_ns)),
             idempotency_key=idempotency_key,
-            exclude_unset=True,  # without attributes, the body of earlier releases (same idempotency hash)
         )
 
     async def update_record(
@@ -840,10 +852,9 @@ class ApiClient:
             Record,
             "PUT",
             f"/v1/stores/{_seg(store)}/records/{_seg(id)}",
-            body=RecordUpdate(content=content, type=type, **_attrs(mode, mtime_ns)),
+            body=build(RecordUpdate, content=content, type=type, **_attrs(mode, mtime_ns)),
             if_match=if_match,
             idempotency_key=idempotency_key,
-            exclude_unset=True,
         )
 
     async def set_attributes(
@@ -862,7 +873,7 @@ class ApiClient:
         record then shows ``updated_at``); a member not passed is kept. A change makes a
         ``modified`` version with the same sha256; no change makes none. Raises NotFound for
         a missing or deleted record, PreconditionFailed when ``if_match`` is not the current
-        sha256; ``ValueError`` (pydantic's ``ValidationError``) for a mode or time out of range,
+        sha256; ``ValueError`` (``msgspec.ValidationError``) for a mode or time out of range,
         before anything is sent."""
         given: dict[str, int | None] = {}
         if not isinstance(mode, _Unset):
@@ -873,10 +884,9 @@ class ApiClient:
             Record,
             "PATCH",
             f"/v1/stores/{_seg(store)}/records/{_seg(id)}",
-            body=RecordAttributes(**given),
+            body=build(RecordAttributes, **given),
             if_match=if_match,
             idempotency_key=idempotency_key,
-            exclude_unset=True,
         )
 
     async def move_record(
@@ -895,7 +905,7 @@ class ApiClient:
             MoveResult,
             "POST",
             f"/v1/stores/{_seg(store)}/records/{_seg(id)}/move",
-            body=RecordMove(path=path, replace=replace),
+            body=build(RecordMove, path=path, replace=replace),
             if_match=if_match,
             idempotency_key=idempotency_key,
         )
@@ -910,7 +920,7 @@ class ApiClient:
             MoveResult,
             "POST",
             f"/v1/stores/{_seg(store)}/move",
-            body=PrefixMove(from_prefix=from_prefix, to_prefix=to_prefix),
+            body=build(PrefixMove, from_prefix=from_prefix, to_prefix=to_prefix),
             idempotency_key=idempotency_key,
         )
 
@@ -935,19 +945,18 @@ class ApiClient:
     def batch_create(path: str, content: str, type: str | None = None, idempotency_key: str | None = None,
                      *, mode: int | None = None, mtime_ns: int | None = None) -> BatchOperation:
         """The ``create_record`` operation of a batch."""
-        body = RecordCreate(path=path, content=content, type=type, **_attrs(mode, mtime_ns))
-        return BatchOperation(op="create", idempotency_key=idempotency_key,
-                              body=body.model_dump(mode="json", exclude_unset=True))
+        body = build(RecordCreate, path=path, content=content, type=type, **_attrs(mode, mtime_ns))
+        return build(BatchOperation, op="create", idempotency_key=idempotency_key, body=to_jsonable(body))
 
     @staticmethod
     def batch_update(id: str, content: str, type: str | None = None, if_match: str | None = None,
                      idempotency_key: str | None = None, *, mode: int | None = None,
                      mtime_ns: int | None = None) -> BatchOperation:
         """The ``update_record`` operation of a batch."""
-        body = RecordUpdate(content=content, type=type, **_attrs(mode, mtime_ns))
-        return BatchOperation(op="update", record_id=id, idempotency_key=idempotency_key,
-                              if_match=quote_etag(if_match) if if_match is not None else None,
-                              body=body.model_dump(mode="json", exclude_unset=True))
+        body = build(RecordUpdate, content=content, type=type, **_attrs(mode, mtime_ns))
+        return build(BatchOperation, op="update", record_id=id, idempotency_key=idempotency_key,
+                     if_match=quote_etag(if_match) if if_match is not None else None,
+                     body=to_jsonable(body))
 
     @staticmethod
     def batch_attrs(id: str, *, mode: int | None | _Unset = UNSET, mtime_ns: int | None | _Unset = UNSET,
@@ -958,24 +967,24 @@ class ApiClient:
             given["mode"] = mode
         if not isinstance(mtime_ns, _Unset):
             given["mtime_ns"] = mtime_ns
-        body = RecordAttributes(**given)
-        return BatchOperation(op="attrs", record_id=id, idempotency_key=idempotency_key,
-                              if_match=quote_etag(if_match) if if_match is not None else None,
-                              body=body.model_dump(mode="json", exclude_unset=True))
+        body = build(RecordAttributes, **given)
+        return build(BatchOperation, op="attrs", record_id=id, idempotency_key=idempotency_key,
+                     if_match=quote_etag(if_match) if if_match is not None else None,
+                     body=to_jsonable(body))
 
     @staticmethod
     def batch_move(id: str, path: str, replace: bool = False, if_match: str | None = None,
                    idempotency_key: str | None = None) -> BatchOperation:
         """The ``move_record`` operation of a batch."""
-        return BatchOperation(op="move", record_id=id, idempotency_key=idempotency_key,
-                              if_match=quote_etag(if_match) if if_match is not None else None,
-                              body=RecordMove(path=path, replace=replace).model_dump(mode="json"))
+        return build(BatchOperation, op="move", record_id=id, idempotency_key=idempotency_key,
+                     if_match=quote_etag(if_match) if if_match is not None else None,
+                     body=to_jsonable(build(RecordMove, path=path, replace=replace)))
 
     @staticmethod
     def batch_delete(id: str, if_match: str | None = None, idempotency_key: str | None = None) -> BatchOperation:
         """The ``delete_record`` operation of a batch."""
-        return BatchOperation(op="delete", record_id=id, idempotency_key=idempotency_key,
-                              if_match=quote_etag(if_match) if if_match is not None else None)
+        return build(BatchOperation, op="delete", record_id=id, idempotency_key=idempotency_key,
+                     if_match=quote_etag(if_match) if if_match is not None else None)
 
     async def batch(self, store: str, operations: list[BatchOperation]) -> list[Any]:
         """``POST /v1/stores/{store}/batch``: apply ``operations`` (at most
@@ -990,8 +999,8 @@ class ApiClient:
         ``NotFound`` (the store, or a server without the endpoint: ``code`` ``not_found``;
         also ``PermanentError`` 405), ``PermanentError`` 413 ``batch_too_large``."""
         path = f"/v1/stores/{_seg(store)}/batch"
-        page = await self._call(BatchResponse, "POST", path, body=BatchRequest(operations=operations),
-                                exclude_none=True)
+        # BatchOperation leaves out its None members (pydantic's exclude_none of earlier releases)
+        page = await self._call(BatchResponse, "POST", path, body=BatchRequest(operations=operations))
         if len(page.results) != len(operations):
             raise TransientError(f"POST {path}: {len(page.results)} answers for {len(operations)} operations",
                                  code="bad_response", method="POST", path=path)
@@ -1004,12 +1013,12 @@ class ApiClient:
                 continue
             try:
                 if op.op == "move":
-                    out.append(MoveResult.model_validate(res.body))
+                    out.append(convert(res.body, MoveResult))
                 elif op.op == "delete":
                     out.append(None)
                 else:
-                    out.append(Record.model_validate(res.body))
-            except ValidationError:
+                    out.append(convert(res.body, Record))
+            except ValueError:  # msgspec.ValidationError
                 raise TransientError(f"POST {path}: an answer does not match the API contract",
                                      code="bad_response", method="POST", path=path) from None
         return out
@@ -1023,7 +1032,7 @@ class ApiClient:
             Record,
             "POST",
             f"/v1/stores/{_seg(store)}/records/{_seg(id)}/restore",
-            body=Restore(version=version),
+            body=build(Restore, version=version),
             idempotency_key=idempotency_key,
         )
 
@@ -1051,7 +1060,7 @@ class ApiClient:
             Workspace,
             "POST",
             "/v1/workspaces",
-            body=WorkspaceCreate(name=name, default_store=default_store),
+            body=build(WorkspaceCreate, name=name, default_store=default_store),
             idempotency_key=idempotency_key,
         )
 
@@ -1070,8 +1079,8 @@ class ApiClient:
         idempotency_key: str | None = None,
     ) -> Store:
         """``POST /v1/stores`` (admin). Limits left ``None`` take the server defaults (1 MiB,
-        64 MiB, 10,000). Raises Conflict (``exists``); pydantic ValidationError (before any
-        request) for a bad slug or type."""
+        64 MiB, 10,000). Raises Conflict (``exists``); ``ValueError``
+        (``msgspec.ValidationError``, before any request) for a bad slug, type or limit."""
         fields: dict[str, Any] = {"slug": slug, "description": description, "default_type": default_type}
         for k, v in (
             ("max_record_bytes", max_record_bytes),
@@ -1081,7 +1090,7 @@ class ApiClient:
             if v is not None:
                 fields[k] = v
         return await self._call(
-            Store, "POST", "/v1/stores", body=StoreCreate(**fields), idempotency_key=idempotency_key
+            Store, "POST", "/v1/stores", body=build(StoreCreate, **fields), idempotency_key=idempotency_key
         )
 
     async def list_stores(self) -> list[Store]:
@@ -1103,10 +1112,13 @@ class ApiClient:
         max_records: int | None = None,
         idempotency_key: str | None = None,
     ) -> Store:
-        """``PATCH /v1/stores/{slug}`` (admin): change only the fields given (not ``None``)."""
-        update = StoreUpdate(
+        """``PATCH /v1/stores/{slug}`` (admin): change only the fields given (not ``None``).
+        Raises ``ValueError`` (``msgspec.ValidationError``, before any request) for a bad type
+        or limit."""
+        update = build(
+            StoreUpdate,
             description=description,
-            default_type=default_type,  # type: ignore[arg-type]
+            default_type=default_type,
             max_record_bytes=max_record_bytes,
             max_store_bytes=max_store_bytes,
             max_records=max_records,
@@ -1134,7 +1146,7 @@ class ApiClient:
             Attachment,
             "PUT",
             f"/v1/workspaces/{_seg(ws)}/attachments/{_seg(store)}",
-            body=AttachmentPut(access=Access(access), instructions=instructions),
+            body=build(AttachmentPut, access=Access(access), instructions=instructions),
             idempotency_key=idempotency_key,
         )
 
@@ -1159,7 +1171,7 @@ class ApiClient:
             TokenCreated,
             "POST",
             "/v1/tokens",
-            body=TokenCreate(workspace=workspace, name=name, ttl_seconds=ttl_seconds),
+            body=build(TokenCreate, workspace=workspace, name=name, ttl_seconds=ttl_seconds),
             idempotency_key=idempotency_key,
             exclude_none=ttl_seconds is None,
         )

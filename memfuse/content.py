@@ -1,7 +1,7 @@
 """Content rules shared by the control plane (which enforces them) and the sidecar (which
 checks early, so a refusal fails fast at close with the right errno). The rules: docs/API.md ("Record rules") and docs/SEMANTICS.md.
 
-No server imports: only the standard library, PyYAML and :mod:`memfuse.models`.
+No server imports: only the standard library, PyYAML and :mod:`memfuse.defs`.
 
 - **Types** — :func:`record_type` picks a record's type: an explicit type (request field,
   ``user.memfuse.type`` xattr) wins, then the YAML frontmatter (``type:`` at top level, else
@@ -32,7 +32,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from memfuse.models import RECORD_TYPES
+from memfuse.defs import RECORD_TYPES
 
 __all__ = [
     "RECORD_TYPES",

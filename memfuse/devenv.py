@@ -19,7 +19,7 @@ import platformdirs
 
 from .client import ApiClient
 from .errors import Conflict
-from .models import Access
+from .defs import Access
 
 __all__ = [
     "DEV_WORKSPACE",

@@ -16,41 +16,27 @@ Conventions:
 """
 from __future__ import annotations
 
-import hashlib
-from datetime import datetime, timezone
-from enum import Enum
+from datetime import datetime
 from typing import Literal
 
 from pydantic import BaseModel, Field
 
-RECORD_TYPES = ("user", "feedback", "project", "reference")
-DEFAULT_MODE = 0o644  # permission bits of a record whose mode was never set
-MODE_MASK = 0o7777  # the bits a record keeps (chmod(2)); the file type is not one of them
-MTIME_NS_MIN, MTIME_NS_MAX = -(1 << 63), (1 << 63) - 1  # a signed 64-bit ns count
-SLUG_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
-_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
-
-
-def sha256_hex(data: bytes) -> str:
-    """Return the lowercase hex sha256 of ``data`` (the record ETag)."""
-    return hashlib.sha256(data).hexdigest()
-
-
-class Access(str, Enum):
-    """How a workspace may use an attached store."""
-
-    read_write = "read_write"
-    read_only = "read_only"
-
-
-class Operation(str, Enum):
-    """What one version did to its record (docs/API.md)."""
-
-    created = "created"
-    modified = "modified"
-    moved = "moved"
-    deleted = "deleted"
-    restored = "restored"
+# Constants, enums and helpers live in memfuse.defs (no pydantic there: the sidecar uses them);
+# importing them from here stays supported.
+from .defs import (  # noqa: F401  (re-exported)
+    DEFAULT_MODE,
+    MAX_TOKEN_TTL_SECONDS,
+    MODE_MASK,
+    MTIME_NS_MAX,
+    MTIME_NS_MIN,
+    RECORD_TYPES,
+    SLUG_PATTERN,
+    Access,
+    Operation,
+    datetime_ns,
+    mtime_effective_ns,
+    sha256_hex,
+)
 
 
 # ---------------------------------------------------------------- admin resources
@@ -118,9 +104,6 @@ class Attachment(BaseModel):
     access: Access
     instructions: str
     created_at: datetime
-
-
-MAX_TOKEN_TTL_SECONDS = 10 * 366 * 86400  # ten years
 
 
 class TokenCreate(BaseModel):
@@ -235,15 +218,7 @@ class Record(BaseModel):
 
     def mtime_effective_ns(self) -> int:
         """The mtime a file shows: ``mtime_ns``, else ``updated_at``, in ns since the epoch."""
-        if self.mtime_ns is not None:
-            return self.mtime_ns
-        return datetime_ns(self.updated_at)
-
-
-def datetime_ns(t: datetime) -> int:
-    """An aware ``datetime`` as integer nanoseconds since the epoch (µs precision, exact)."""
-    delta = t - _EPOCH
-    return (delta.days * 86_400 + delta.seconds) * 1_000_000_000 + delta.microseconds * 1_000
+        return mtime_effective_ns(self.mtime_ns, self.updated_at)
 
 
 class Version(BaseModel):

@@ -21,7 +21,7 @@ from pathlib import Path
 from memfuse.client import ApiClient, with_retries
 from memfuse.content import ContentError, check_secrets, check_type, check_utf8, record_type
 from memfuse.errors import Conflict, PermanentError
-from memfuse.models import Record, sha256_hex
+from memfuse.wire import Record, sha256_hex
 from memfuse.names import NameError_, check_path, is_local_only
 
 #: Every action of :class:`ImportReport` ``done``, in the order a summary lists them.

@@ -31,7 +31,7 @@ from memfuse.errors import (
     Unauthorized,
 )
 from memfuse.fake import FakeControlPlane
-from memfuse.models import Access, Operation, Record, sha256_hex
+from memfuse.wire import Access, Operation, Record, sha256_hex, to_jsonable
 
 SECRET_CONTENT = "the-content-must-never-leak-7f3a"
 
@@ -597,7 +597,7 @@ async def test_record_attributes(fake, ws):
 
     def handler(request: httpx.Request) -> httpx.Response:
         captured.append(request.content)
-        return httpx.Response(201, json=rec.model_dump(mode="json"))
+        return httpx.Response(201, json=to_jsonable(rec))
 
     async with ApiClient("http://x", "t", transport=httpx.MockTransport(handler)) as c:
         await c.create_record("default", "a.md", "x")

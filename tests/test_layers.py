@@ -21,7 +21,7 @@ import trio
 
 from memfuse.client import ApiClient
 from memfuse.fake import FakeControlPlane
-from memfuse.models import Change, Operation, Record, sha256_hex
+from memfuse.wire import Change, Operation, Record, sha256_hex
 from memfuse.sidecar.blobcache import BlobCache
 from memfuse.sidecar.core import CLEAN, Filesystem
 from memfuse.sidecar.outbox import PUT, Committer, Journal

@@ -310,7 +310,8 @@ def test_second_serve_on_one_sqlite_file_is_refused(tmp_path):
 SIDECAR_NEVER_LOADS = ("fastapi", "starlette", "sqlalchemy", "hypercorn", "psycopg", "alembic", "h2", "hpack",
                        "hyperframe", "wsproto", "pygments", "rich", "yaml", "httpx._main", "memfuse.server",
                        "memfuse.cli.admin", "memfuse.cli.records", "memfuse.cli.transfer", "memfuse.cli.db",
-                       "memfuse.cli.agent", "memfuse.cli.sidecar", "memfuse.devenv", "memfuse.mcp_server")
+                       "memfuse.cli.agent", "memfuse.cli.sidecar", "memfuse.devenv", "memfuse.mcp_server",
+                       "pydantic", "pydantic_core", "memfuse.models")
 
 _SIDECAR_IMPORTS = r"""
 import importlib, pkgutil, sys

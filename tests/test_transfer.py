@@ -10,11 +10,12 @@ import string
 from datetime import datetime, timezone
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from memfuse.client import ApiClient
 from memfuse.fake import FakeControlPlane
-from memfuse.models import Record, RecordPage, sha256_hex
+from memfuse.wire import Record, RecordPage, sha256_hex
 from memfuse.transfer import (
     ExportReport,
     ImportReport,
@@ -228,7 +229,7 @@ def test_export_writes_bytes_and_times_and_leaves_other_files(tmp_path):
     assert (out / "keep.txt").read_text() == "mine"
     assert os.stat(out / "a.md").st_mtime == when.timestamp()
     assert not [p for p in out.rglob(".memfuse-export-*")]
-    script = _rec("s.sh", "#!/bin/sh\n", when).model_copy(update={"mode": 0o750, "mtime_ns": 1577923200_123456789})
+    script = msgspec.structs.replace(_rec("s.sh", "#!/bin/sh\n", when), mode=0o750, mtime_ns=1577923200_123456789)
     assert export_records([script], out).written == 1
     st = os.stat(out / "s.sh")
     assert (st.st_mode & 0o7777, st.st_mtime_ns) == (0o750, 1577923200_123456789)

@@ -25,7 +25,7 @@ from memfuse.cli.common import (
     opt,
 )
 from memfuse.client import ApiClient, with_retries
-from memfuse.models import MAX_TOKEN_TTL_SECONDS, RECORD_TYPES, Store
+from memfuse.wire import MAX_TOKEN_TTL_SECONDS, RECORD_TYPES, Store, to_jsonable
 
 
 @cli.group()
@@ -85,7 +85,7 @@ def store_list(target: Target, as_json: bool) -> None:
     """List every store with usage and limits."""
     stores = _api(target, lambda api: with_retries(api.list_stores))
     if as_json:
-        click.echo(json.dumps([s.model_dump(mode="json") for s in stores], indent=2))
+        click.echo(json.dumps([to_jsonable(s) for s in stores], indent=2))
     else:
         click.echo(_store_rows(stores))
 
@@ -96,7 +96,7 @@ def store_list(target: Target, as_json: bool) -> None:
 def store_show(target: Target, slug: str) -> None:
     """Show store SLUG as JSON."""
     s = _api(target, lambda api: with_retries(lambda: api.get_store(slug)))
-    click.echo(json.dumps(s.model_dump(mode="json"), indent=2))
+    click.echo(json.dumps(to_jsonable(s), indent=2))
 
 
 @store.command("update")
@@ -253,7 +253,7 @@ def token_list(target: Target, workspace: str | None, include_revoked: bool, as_
     tokens = _api(target, lambda api: with_retries(
         lambda: api.list_tokens(workspace, include_revoked=include_revoked)))
     if as_json:
-        click.echo(json.dumps([t.model_dump(mode="json") for t in tokens], indent=2))
+        click.echo(json.dumps([to_jsonable(t) for t in tokens], indent=2))
         return
     rows = [[t.id, _one_line(t.name) or "-", t.workspace or "(admin)", _fmt_time(t.created_at),
              _fmt_time(t.last_used_at) if t.last_used_at else "never",

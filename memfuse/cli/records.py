@@ -22,7 +22,7 @@ from memfuse.cli.common import (
     opt,
 )
 from memfuse.client import ApiClient, with_retries
-from memfuse.models import Record
+from memfuse.wire import Record
 
 
 def _fmt_mtime(mtime_ns: int | None) -> str:

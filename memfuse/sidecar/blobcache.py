@@ -12,7 +12,7 @@ import sqlite3
 from pathlib import Path
 from typing import Iterator
 
-from ..models import sha256_hex
+from ..wire import sha256_hex
 from .cachedir import private_file
 from .outbox import CacheError, cache_error
 

@@ -37,7 +37,7 @@ import trio
 
 from .. import content as content_rules  # the server enforces the same rules
 from .. import names
-from ..models import RECORD_TYPES, datetime_ns, sha256_hex
+from ..wire import RECORD_TYPES, datetime_ns, sha256_hex
 
 from .blobcache import BlobCache
 from .cachedir import write_private

@@ -48,7 +48,7 @@ import trio
 from ..client import ApiClient
 from ..errors import (ERRNO_BY_CODE, ApiError, Conflict, NotFound, PreconditionFailed,
                       TransientError, Unauthorized)
-from ..models import BatchOperation, Record, sha256_hex
+from ..wire import BatchOperation, Record, sha256_hex
 from .cachedir import private_file
 
 log = logging.getLogger("memfuse.outbox")

@@ -26,7 +26,7 @@ import stat
 import time
 from typing import Any
 
-from ..models import sha256_hex
+from ..wire import sha256_hex
 from .control import CODE_BY_ERRNO
 from .inodes import REJECTED, Node, StoreMount
 

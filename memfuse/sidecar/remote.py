@@ -19,7 +19,7 @@ import time
 
 import sys
 
-from ..models import DEFAULT_MODE, RECORD_TYPES, Record, datetime_ns
+from ..wire import DEFAULT_MODE, RECORD_TYPES, Record, datetime_ns
 from .inodes import CLEAN, DIR_MODES_KEY, Node, StoreMount, shared_mode
 from .outbox import MOVE_PREFIX, Entry
 

@@ -35,7 +35,7 @@ import trio
 
 from ..content import INDEX_PATH
 from ..errors import ApiError, Forbidden, Gone, PermanentError, TransientError, Unauthorized
-from ..models import Attachment
+from ..wire import Attachment
 from .inodes import ROOT_INO
 from .outbox import CacheError
 from .sync import Meta, StoreState, catch_up, lag_seconds

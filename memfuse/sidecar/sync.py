@@ -27,7 +27,7 @@ import trio
 
 from ..client import ApiClient
 from ..errors import Gone
-from ..models import DEFAULT_MODE, RECORD_TYPES, Change, Record, datetime_ns
+from ..wire import DEFAULT_MODE, RECORD_TYPES, Change, Record, datetime_ns
 from .cachedir import write_private
 from .outbox import cache_error
 

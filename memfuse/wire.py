@@ -1,0 +1,373 @@
+"""The client's side of the API v1 wire format (docs/API.md): msgspec Structs.
+
+The server builds its bodies and its OpenAPI document from the pydantic models of
+:mod:`memfuse.models`; the HTTP client (:mod:`memfuse.client`) and everything that only talks
+to a server (the sidecar, the CLI, ``memfuse.transfer``, the MCP server) decodes and encodes
+with these Structs instead: same class and field names, same types, optionality and defaults
+(``tests/test_wire.py`` checks each pair against the server's JSON), but no pydantic import and
+no schema building (about 9 MiB of a sidecar's baseline memory), and decoding a snapshot
+page is several times faster.
+
+Shapes: a Struct is a plain class with attribute access, ``==`` by fields, mutable, not
+hashable. Times decode as timezone-aware ``datetime`` (UTC); ``Access`` / ``Operation`` as
+the enums of :mod:`memfuse.defs`. Unknown members of a body are ignored (a newer server may
+send more). msgspec equivalents of pydantic calls: ``msgspec.structs.replace(r, mode=...)``
+for ``model_copy(update=...)``, :func:`to_jsonable` for ``model_dump(mode="json")``,
+:func:`encode` for ``model_dump_json``, :func:`decode` for ``model_validate_json``.
+
+Request bodies: members of the ``UNSET`` kind are left out of the JSON when not given
+(pydantic's ``exclude_unset``); :func:`build` checks a body's constraints (patterns, ranges)
+as the server will, raising ``msgspec.ValidationError`` (a ``ValueError``) before anything is
+sent.
+"""
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal, TypeVar
+
+import msgspec
+from msgspec import UNSET, Meta, Struct, UnsetType
+
+from .defs import (  # noqa: F401  (re-exported: the client side imports them from here)
+    DEFAULT_MODE,
+    MAX_TOKEN_TTL_SECONDS,
+    MODE_MASK,
+    MTIME_NS_MAX,
+    MTIME_NS_MIN,
+    RECORD_TYPES,
+    SLUG_PATTERN,
+    Access,
+    Operation,
+    datetime_ns,
+    mtime_effective_ns,
+    sha256_hex,
+)
+
+__all__ = [
+    "UNSET",
+    "Workspace", "WorkspaceCreate", "Store", "StoreCreate", "StoreUpdate", "Attachment",
+    "AttachmentPut", "TokenCreate", "TokenCreated", "TokenInfo", "RecordCreate", "RecordUpdate",
+    "RecordAttributes", "RecordMove", "PrefixMove", "Restore", "Record", "Version",
+    "RecordPage", "MoveResult", "BatchOperation", "BatchRequest", "BatchResult", "BatchResponse",
+    "BATCH_MAX_OPERATIONS", "BATCH_MAX_BYTES", "Change", "ChangePage", "WorkspaceEvent", "EventPage",
+    "MemoryToolResult", "Problem", "decode", "encode", "build", "convert", "to_jsonable",
+]
+
+S = TypeVar("S")
+
+Slug = Annotated[str, Meta(pattern=SLUG_PATTERN)]
+Positive = Annotated[int, Meta(gt=0)]
+Mode = Annotated[int, Meta(ge=0, le=MODE_MASK)]
+MtimeNs = Annotated[int, Meta(ge=MTIME_NS_MIN, le=MTIME_NS_MAX)]
+RecordType = Literal["user", "feedback", "project", "reference"]
+
+
+# ---------------------------------------------------------------- admin resources
+
+
+class WorkspaceCreate(Struct, kw_only=True):
+    name: Slug
+    default_store: bool = True
+
+
+class Workspace(Struct, kw_only=True):
+    name: str
+    created_at: datetime
+
+
+class StoreCreate(Struct, kw_only=True):
+    slug: Slug
+    description: str = ""
+    default_type: RecordType = "project"
+    max_record_bytes: Positive = 1 << 20
+    max_store_bytes: Positive = 64 << 20
+    max_records: Positive = 10_000
+
+
+class StoreUpdate(Struct, kw_only=True, omit_defaults=True):
+    """Only the members given (not None) are sent: the server leaves the others as they are."""
+
+    description: str | None = None
+    default_type: RecordType | None = None
+    max_record_bytes: Positive | None = None
+    max_store_bytes: Positive | None = None
+    max_records: Positive | None = None
+
+
+class Store(Struct, kw_only=True):
+    slug: str
+    description: str
+    default_type: str
+    max_record_bytes: int
+    max_store_bytes: int
+    max_records: int
+    created_at: datetime
+    usage_bytes: int = 0
+    record_count: int = 0
+
+
+class AttachmentPut(Struct, kw_only=True):
+    access: Access = Access.read_write
+    instructions: str = ""
+
+
+class Attachment(Struct, kw_only=True):
+    """One store attached to one workspace, with the store's description and limits."""
+
+    workspace: str
+    store: Store
+    access: Access
+    instructions: str
+    created_at: datetime
+
+
+class TokenCreate(Struct, kw_only=True):
+    """A token for one workspace, or an admin token when ``workspace`` is None;
+    ``ttl_seconds``: it expires that long after creation (never when None)."""
+
+    workspace: str | None = None
+    name: Annotated[str, Meta(max_length=200)] = ""
+    ttl_seconds: Annotated[int, Meta(ge=1, le=MAX_TOKEN_TTL_SECONDS)] | None = None
+
+
+class TokenCreated(Struct, kw_only=True):
+    id: str
+    workspace: str | None
+    name: str
+    token: str  # shown once; the server keeps only its sha256
+    expires_at: datetime | None = None
+
+
+class TokenInfo(Struct, kw_only=True):
+    """A token as listed: never its secret; ``state`` ``active``, ``expired`` or ``revoked``."""
+
+    id: str
+    workspace: str | None
+    name: str
+    created_at: datetime
+    last_used_at: datetime | None = None
+    expires_at: datetime | None = None
+    revoked_at: datetime | None = None
+    state: Literal["active", "expired", "revoked"] = "active"
+
+
+# ---------------------------------------------------------------- records
+
+
+class RecordCreate(Struct, kw_only=True):
+    """A new record; ``mode`` / ``mtime_ns`` are sent only when given."""
+
+    path: str
+    content: str
+    type: str | None = None
+    mode: Mode | None | UnsetType = UNSET
+    mtime_ns: MtimeNs | None | UnsetType = UNSET
+
+
+class RecordUpdate(Struct, kw_only=True):
+    """New content (and type, attributes) of a record; ``mode`` / ``mtime_ns`` sent only when
+    given."""
+
+    content: str
+    type: str | None = None
+    mode: Mode | None | UnsetType = UNSET
+    mtime_ns: MtimeNs | None | UnsetType = UNSET
+
+
+class RecordAttributes(Struct, kw_only=True):
+    """``PATCH`` body: a member left UNSET is kept; ``None`` resets it (docs/API.md)."""
+
+    mode: Mode | None | UnsetType = UNSET
+    mtime_ns: MtimeNs | None | UnsetType = UNSET
+
+
+class RecordMove(Struct, kw_only=True):
+    path: str
+    replace: bool = False
+
+
+class PrefixMove(Struct, kw_only=True):
+    from_prefix: str
+    to_prefix: str
+
+
+class Restore(Struct, kw_only=True):
+    version: int
+
+
+class Record(Struct, kw_only=True, gc=False):
+    """The current state of a record. ``content`` is None where the call did not ask for it.
+    (``gc=False``: holds no containers, so never in a reference cycle; 16 bytes less each.)"""
+
+    id: str
+    store: str
+    path: str
+    type: str | None  # None only for the store's root MEMORY.md (the index)
+    version: int
+    sha256: str
+    size: int
+    deleted: bool = False
+    created_at: datetime
+    updated_at: datetime
+    updated_by: str
+    seq: int
+    content: str | None = None
+    mode: int = DEFAULT_MODE  # permission bits; 0o644 when never set
+    mtime_ns: int | None = None  # explicit mtime (ns since the epoch); None: ``updated_at``
+
+    def mtime_effective_ns(self) -> int:
+        """The mtime a file shows: ``mtime_ns``, else ``updated_at``, in ns since the epoch."""
+        return mtime_effective_ns(self.mtime_ns, self.updated_at)
+
+
+class Version(Struct, kw_only=True, gc=False):
+    record_id: str
+    version: int
+    operation: Operation
+    path: str
+    type: str | None
+    sha256: str
+    size: int
+    created_at: datetime
+    actor: str
+    redacted: bool = False
+    seq: int
+    content: str | None = None
+    mode: int = DEFAULT_MODE  # the record's attributes as of this version
+    mtime_ns: int | None = None
+
+
+class RecordPage(Struct, kw_only=True):
+    """One page of a store snapshot; ``next_cursor`` None on the last page; ``seq``: the
+    change-feed position the snapshot is consistent with."""
+
+    records: list[Record]
+    next_cursor: str | None = None
+    seq: int
+
+
+class MoveResult(Struct, kw_only=True):
+    records: list[Record]
+
+
+BATCH_MAX_OPERATIONS = 100  # operations in one POST /v1/stores/{store}/batch
+BATCH_MAX_BYTES = 16 * 1024 * 1024  # bytes of one batch request body
+
+
+class BatchOperation(Struct, kw_only=True, omit_defaults=True):
+    """One write of a batch, as its single endpoint takes it (docs/API.md, batch): ``op``
+    ``create`` / ``update`` / ``attrs`` / ``move`` / ``delete``; ``body`` that endpoint's
+    JSON body (none for ``delete``); ``if_match`` / ``idempotency_key`` what it takes as
+    ``If-Match`` / ``Idempotency-Key``. Members left None are not sent."""
+
+    op: Literal["create", "update", "attrs", "move", "delete"]
+    record_id: str | None = None
+    if_match: str | None = None
+    idempotency_key: Annotated[str, Meta(min_length=1, max_length=255)] | None = None
+    body: dict | None = None
+
+
+class BatchRequest(Struct, kw_only=True):
+    operations: list[BatchOperation]
+
+
+class BatchResult(Struct, kw_only=True):
+    """The answer one operation of a batch would have had alone: ``status``, ``body`` (a
+    Record / MoveResult as a dict, a Problem for a refusal, None for 204), ``etag``,
+    ``replayed``."""
+
+    status: int
+    body: dict | None = None
+    etag: str | None = None
+    replayed: bool = False
+
+
+class BatchResponse(Struct, kw_only=True):
+    results: list[BatchResult]
+
+
+class Change(Struct, kw_only=True, gc=False):
+    """One entry of a store's change feed: the record's state after version ``seq``."""
+
+    seq: int
+    operation: Operation
+    old_path: str | None = None
+    record: Record
+
+
+class ChangePage(Struct, kw_only=True):
+    changes: list[Change]
+    seq: int  # resume with after=seq
+
+
+class WorkspaceEvent(Struct, kw_only=True, gc=False):
+    seq: int
+    kind: Literal["attached", "detached", "store_changed"]
+    store: str
+    access: Access | None = None
+
+
+class EventPage(Struct, kw_only=True):
+    events: list[WorkspaceEvent]
+    seq: int
+
+
+class MemoryToolResult(Struct, kw_only=True):
+    """The tool result to hand back to the model: ``content`` text and ``is_error``."""
+
+    content: str
+    is_error: bool = False
+
+
+class Problem(Struct, kw_only=True):
+    """RFC 9457 problem details. ``code`` is memfuse's machine-readable reason."""
+
+    type: str = "about:blank"
+    title: str
+    status: int
+    detail: str = ""
+    code: str = ""
+
+
+# ---------------------------------------------------------------- encoding and decoding
+
+_encoder = msgspec.json.Encoder()
+_decoders: dict[Any, msgspec.json.Decoder[Any]] = {}
+
+
+def decode(data: bytes | str, cls: type[S] | Any) -> S:
+    """Decode JSON ``data`` as ``cls`` (a Struct, or e.g. ``list[Record]``). Raises
+    ``msgspec.DecodeError`` (a ``ValueError``; ``msgspec.ValidationError`` when the JSON
+    does not have the shape of ``cls``)."""
+    dec = _decoders.get(cls)
+    if dec is None:
+        dec = _decoders[cls] = msgspec.json.Decoder(cls)
+    return dec.decode(data)
+
+
+def encode(obj: Any, *, exclude_none: bool = False) -> bytes:
+    """Compact JSON (UTF-8) of a Struct (or builtins), members in declaration order, UNSET
+    ones left out; with ``exclude_none`` members that are None are left out too (at the top
+    level, as pydantic's ``exclude_none`` for these flat bodies)."""
+    if exclude_none:
+        obj = {k: v for k, v in msgspec.structs.asdict(obj).items() if v is not None and v is not UNSET}
+    return _encoder.encode(obj)
+
+
+def to_jsonable(obj: Any) -> Any:
+    """``obj`` (Structs, lists of them) as JSON-able builtins: dicts, lists, str, int, ...
+    (times as RFC 3339 strings, enums as values), like pydantic's ``model_dump(mode="json")``."""
+    return msgspec.to_builtins(obj)
+
+
+def convert(obj: Any, cls: type[S] | Any) -> S:
+    """Builtins already parsed from JSON (a dict, say one answer's ``body`` of a batch) as
+    ``cls``; times from RFC 3339 strings. Raises ``msgspec.ValidationError`` (a ``ValueError``)."""
+    return msgspec.convert(obj, cls)
+
+
+def build(cls: type[S], /, **fields: Any) -> S:
+    """A request body of ``type`` from ``fields``, checked against its constraints (slug
+    pattern, positive limits, mode and mtime ranges, strict types: ``True`` is no mode).
+    Raises ``msgspec.ValidationError`` (a ``ValueError``) naming the member."""
+    return msgspec.convert(fields, cls)
