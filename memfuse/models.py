@@ -1,7 +1,10 @@
-"""Wire models of the control-plane API v1 (docs/API.md), shared by server, client and CLI.
+"""Wire models of the control-plane API v1 (docs/API.md): the server's side.
 
 Every body the API sends or takes is one of these pydantic models, so the OpenAPI document the
-reference server publishes (``/openapi.json``) and the client agree by construction.
+reference server publishes (``/openapi.json``) and the server agree by construction. The client
+side (``memfuse.client`` and all that uses it: sidecar, CLI) uses the msgspec Structs of
+:mod:`memfuse.wire` instead, one per model here with the same fields, types and defaults
+(``tests/test_wire.py`` holds them equal): a body added here needs its Struct there.
 
 Conventions:
 - times are timezone-aware UTC ``datetime``;
