@@ -18,6 +18,8 @@ __all__ = [
     "MTIME_NS_MAX",
     "SLUG_PATTERN",
     "MAX_TOKEN_TTL_SECONDS",
+    "BATCH_MAX_OPERATIONS",
+    "BATCH_MAX_BYTES",
     "Access",
     "Operation",
     "sha256_hex",
@@ -31,6 +33,8 @@ MODE_MASK = 0o7777  # the bits a record keeps (chmod(2)); the file type is not o
 MTIME_NS_MIN, MTIME_NS_MAX = -(1 << 63), (1 << 63) - 1  # a signed 64-bit ns count
 SLUG_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
 MAX_TOKEN_TTL_SECONDS = 10 * 366 * 86400  # ten years
+BATCH_MAX_OPERATIONS = 100  # operations in one POST /v1/stores/{store}/batch
+BATCH_MAX_BYTES = 16 * 1024 * 1024  # bytes of one batch request body
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 

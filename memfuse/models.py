@@ -27,6 +27,8 @@ from pydantic import BaseModel, Field
 # Constants, enums and helpers live in memfuse.defs (no pydantic there: the sidecar uses them);
 # importing them from here stays supported.
 from .defs import (  # noqa: F401  (re-exported)
+    BATCH_MAX_BYTES,
+    BATCH_MAX_OPERATIONS,
     DEFAULT_MODE,
     MAX_TOKEN_TTL_SECONDS,
     MODE_MASK,
@@ -252,10 +254,6 @@ class RecordPage(BaseModel):
 
 class MoveResult(BaseModel):
     records: list[Record]
-
-
-BATCH_MAX_OPERATIONS = 100  # operations in one POST /v1/stores/{store}/batch
-BATCH_MAX_BYTES = 16 * 1024 * 1024  # bytes of one batch request body
 
 
 class BatchOperation(BaseModel):

@@ -29,6 +29,8 @@ import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
 from .defs import (  # noqa: F401  (re-exported: the client side imports them from here)
+    BATCH_MAX_BYTES,
+    BATCH_MAX_OPERATIONS,
     DEFAULT_MODE,
     MAX_TOKEN_TTL_SECONDS,
     MODE_MASK,
@@ -248,10 +250,6 @@ class RecordPage(Struct, kw_only=True):
 
 class MoveResult(Struct, kw_only=True):
     records: list[Record]
-
-
-BATCH_MAX_OPERATIONS = 100  # operations in one POST /v1/stores/{store}/batch
-BATCH_MAX_BYTES = 16 * 1024 * 1024  # bytes of one batch request body
 
 
 class BatchOperation(Struct, kw_only=True, omit_defaults=True):

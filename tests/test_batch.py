@@ -17,7 +17,7 @@ import pytest
 from memfuse.client import ApiClient
 from memfuse.errors import Conflict, PreconditionFailed, StoreFull, TransientError
 from memfuse.fake import FakeControlPlane
-from memfuse.models import BATCH_MAX_OPERATIONS, Record
+from memfuse.wire import BATCH_MAX_OPERATIONS, Record
 from memfuse.server import app as app_mod
 from memfuse.server.app import create_app
 from memfuse.server.records import _usage
