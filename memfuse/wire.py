@@ -5,7 +5,7 @@ The server builds its bodies and its OpenAPI document from the pydantic models o
 to a server (the sidecar, the CLI, ``memfuse.transfer``, the MCP server) decodes and encodes
 with these Structs instead: same class and field names, same types, optionality and defaults
 (``tests/test_wire.py`` checks each pair against the server's JSON), but no pydantic import and
-no schema building (about 9 MiB of a sidecar's baseline memory), and decoding a snapshot
+no schema building (a sidecar's baseline memory is ~9 MiB smaller), and decoding a snapshot
 page is several times faster.
 
 Shapes: a Struct is a plain class with attribute access, ``==`` by fields, mutable, not
