@@ -22,11 +22,11 @@ from pathlib import Path
 import trio
 
 from memfuse.client import ApiClient
-from memfuse.models import Record, datetime_ns, sha256_hex
 from memfuse.sidecar.blobcache import BlobCache
 from memfuse.sidecar.core import Filesystem
 from memfuse.sidecar.outbox import Committer, Journal
 from memfuse.sidecar.sync import Meta, StoreState
+from memfuse.wire import Record, datetime_ns, sha256_hex
 from mountutil import ControlPlane, Sidecar, live_records, sh
 
 EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)

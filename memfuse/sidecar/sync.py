@@ -51,7 +51,7 @@ def _shared(mode: int) -> int:
 
 class Meta:
     """What the mirror keeps of one live record: the ``Record`` fields the tree needs, in a
-    fraction of a pydantic model's memory (100,000 records are held at once). The tree's
+    fraction of a ``Record``'s memory (100,000 records are held at once). The tree's
     ``Node`` shares its objects (id, sha256 bytes, size, update time): they are held once.
 
     ``sha256``: 64 hex digits, kept as 32 bytes (``sha``); ``updated_ns``: the update time in
