@@ -129,15 +129,19 @@ def dev_app(db_url: str | None = None, *, faces: bool = True) -> DevApp:
     admin = "mfa_" + secrets.token_urlsafe(32)
     ws = "mfw_" + secrets.token_urlsafe(32)
     # The dev database upgrades itself to the newest schema revision (memfuse serve refuses).
+    # No streamed change feed: the sidecar reaches this app in process through
+    # httpx.ASGITransport, which hands a response over only once the app has finished it (a
+    # stream would deliver its lines when it ends, ~10 min later); the sidecar long-polls.
     app = create_app(url, static_tokens={admin: None, ws: DEV_WORKSPACE}, schema="migrate",
-                     faces=faces)
+                     faces=faces, streams=False)
     return DevApp(app=app, admin_token=admin, workspace_token=ws, db_url=url)
 
 
-def local_client(db_url: str | None = None, *, timeout: float = 30.0) -> ApiClient:
+def local_client(db_url: str | None = None, *, timeout: float = 30.0, faces: bool = False) -> ApiClient:
     """An admin :class:`ApiClient` over ``httpx.ASGITransport`` to a new :func:`dev_app` on the
-    dev database (base URL ``http://memfuse.local``): the CLI's local mode."""
-    return dev_app(db_url, faces=False).admin_client(timeout=timeout)
+    dev database (base URL ``http://memfuse.local``): the CLI's local mode. ``faces=True``
+    also installs the agent-tool routes (``memfuse mcp`` calls the memory-tool endpoint)."""
+    return dev_app(db_url, faces=faces).admin_client(timeout=timeout)
 
 
 def dev_workspace_client(db_url: str | None = None, *, instance: str | None = "dev") -> ApiClient:

@@ -118,6 +118,36 @@ def test_memfuse_mcp_on_stdio(live, tmp_path):
     assert cp.call("list_records", "default", path="stdio.md").records[0].updated_by == "tool:desktop"
 
 
+def test_memfuse_mcp_on_stdio_in_local_mode(tmp_path):
+    """``memfuse mcp --workspace dev`` without --control-plane (the line ``memfuse dev``
+    prints for desktop apps) serves the tools on the local dev database in process."""
+    errlog = tmp_path / "mcp-local-stderr.log"
+    env = dict(os.environ, MEMFUSE_HOME=str(tmp_path / "home"))
+    env.pop("MEMFUSE_CONTROL_PLANE", None)
+
+    async def setup():  # what `memfuse dev` made on its first start
+        from memfuse.devenv import dev_app, ensure_dev_setup
+
+        async with dev_app(f"sqlite:///{tmp_path / 'home' / 'dev.db'}").admin_client() as api:
+            await ensure_dev_setup(api)
+    (tmp_path / "home").mkdir()
+    trio.run(setup)
+
+    async def go():
+        params = StdioServerParameters(command=MEMFUSE, args=["mcp", "--workspace", "dev"], env=env)
+        with errlog.open("w") as err, trio.fail_after(90):
+            from mcp.client.stdio import stdio_client
+
+            async with Client(stdio_client(params, errlog=err), mode="legacy") as client:
+                r = await client.call_tool("memory_create", {"path": "/memories/default/local.md",
+                                                             "file_text": "in process\n"})
+                assert (r.is_error, r.content[0].text) == (False, "File created successfully at: "
+                                                                   "/memories/default/local.md")
+                r = await client.call_tool("memory_view", {"path": "/memories/default/local.md"})
+                assert not r.is_error and "in process" in r.content[0].text
+    trio.run(go)
+
+
 def test_anthropic_sdk_adapter(live):
     """The SDK adapter runs the runner's commands in memfuse; refusals are the SDK's ToolError."""
     pytest.importorskip("anthropic")

@@ -25,7 +25,7 @@ def mcp(target: Target, workspace: str, client_name: str, debug: bool) -> None:
     from memfuse.mcp_server import serve_stdio
 
     async def main() -> None:
-        async with target.client() as api:
+        async with target.client(faces=True) as api:
             api.set_instance(client_name)
             await serve_stdio(api, workspace)
 

@@ -137,8 +137,10 @@ class Target:
         tok = os.environ.get(TOKEN_ENV, "").strip()
         return tok or None
 
-    def client(self) -> ApiClient:
-        """A new ApiClient for this target (close it when done)."""
+    def client(self, *, faces: bool = False) -> ApiClient:
+        """A new ApiClient for this target (close it when done). In local mode ``faces=True``
+        also serves the agent-tool routes in process (``memfuse mcp`` needs the memory-tool
+        endpoint); the other commands leave them out."""
         if self.control_plane:
             tok = self.token()
             if tok is None:
@@ -153,7 +155,7 @@ class Target:
             )
         from memfuse.devenv import local_client
 
-        return local_client()
+        return local_client(faces=faces)
 
 
 def api_options(f: Callable[..., Any]) -> Callable[..., Any]:
