@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from mountutil import ControlPlane, Sidecar, live_records, serve_and_mount, sh
+from mountutil import ControlPlane, Sidecar, live_records, serve_and_mount, sh, wait_until
 
 pytestmark = pytest.mark.mount
 
@@ -116,9 +116,12 @@ def test_mv_keeps_id_and_over_existing(env, d):
     sh("echo one > a.md && echo two > b.md", p)
     a0, b0 = rec(cp, f"{pre}/a.md"), rec(cp, f"{pre}/b.md")
     sh("mv a.md c.md", p)
+    # a rename never waits on the network (it commits in the background): wait for it
+    wait_until(lambda: rec(cp, f"{pre}/a.md") is None, 10.0, "the move committed")
     c = rec(cp, f"{pre}/c.md")
-    assert c.id == a0.id and rec(cp, f"{pre}/a.md") is None
+    assert c.id == a0.id
     sh("mv c.md b.md", p)
+    wait_until(lambda: rec(cp, f"{pre}/c.md") is None, 10.0, "the move over b.md committed")
     b1 = rec(cp, f"{pre}/b.md")
     assert b1.id == b0.id  # the target keeps its id and history
     assert cp.call("get_record", "default", b1.id).content == "one\n"
