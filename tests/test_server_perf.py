@@ -527,3 +527,18 @@ async def test_token_confirmations_are_batched(env):
     assert len(seen) == 1
     assert cache.entries[digests[1]].until > mono + 20  # confirmed by that query
     assert digests[2] not in cache.entries
+
+
+def test_tune_gc_sets_the_collector_thresholds():
+    """``memfuse serve`` raises the collector's first threshold (memfuse.server.serve.tune_gc)."""
+    import gc
+
+    from memfuse.server.serve import GC_THRESHOLDS, tune_gc
+
+    before = gc.get_threshold()
+    try:
+        tune_gc()
+        assert gc.get_threshold() == GC_THRESHOLDS
+        assert GC_THRESHOLDS[0] > 700  # above CPython's default
+    finally:
+        gc.set_threshold(*before)

@@ -86,8 +86,10 @@ def serve(db: str | None, listen: str, admin_token_file: Path | None, migrate: b
     url = db or dev_db_url()
     token, token_path, generated = _admin_token(admin_token_file)
     from memfuse.server.app import create_app
-    from memfuse.server.serve import AlreadyServing, claim_database
+    from memfuse.server.serve import AlreadyServing, claim_database, tune_gc
     from memfuse.server.serve import serve as serve_app
+
+    tune_gc()  # thousands of streams: see memfuse.server.serve.tune_gc
 
     with database_errors(url):
         app = create_app(url, static_tokens={token: None}, schema="migrate" if migrate or not db else "check",

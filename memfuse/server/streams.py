@@ -121,14 +121,12 @@ class Streams:
             self._next_slot = (slot + 1) % TICK_SLOTS
             self.gens[slot] += 1
             waiters = list(self._waiters[slot])
-        for w in waiters:
-            w.wake()
+        wakeups.wake_many(waiters)  # one hand-off to the event loop for the whole slot
 
     def _wake_all(self) -> None:
         with self._lock:
             waiters = [w for group in self._waiters for w in group]
-        for w in waiters:
-            w.wake()
+        wakeups.wake_many(waiters)
 
     def close(self) -> None:
         """Stop the ticker thread (idempotent)."""
