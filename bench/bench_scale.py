@@ -140,16 +140,20 @@ class Conn:
             raise HttpError("connection closed by the server")
         self.buf += chunk
 
-    async def _read(self) -> tuple[int, dict[str, str], bytes, float]:
+    async def _read_head(self) -> tuple[int, dict[str, str]]:
+        """Read one response head: (status, headers with lower-case names)."""
         while (end := self.buf.find(b"\r\n\r\n")) < 0:
             await self._fill()
         lines = bytes(self.buf[:end]).decode("latin-1").split("\r\n")
         del self.buf[:end + 4]
-        status = int(lines[0].split()[1])
         hdrs = {}
         for line in lines[1:]:
             k, _, v = line.partition(":")
             hdrs[k.strip().lower()] = v.strip()
+        return int(lines[0].split()[1]), hdrs
+
+    async def _read(self) -> tuple[int, dict[str, str], bytes, float]:
+        status, hdrs = await self._read_head()
         if "content-length" not in hdrs:
             if status in (204, 304):
                 return status, hdrs, b"", time.perf_counter()
@@ -180,15 +184,7 @@ class Conn:
                     f"authorization: {self.auth.decode()}\r\naccept: application/x-ndjson\r\n\r\n")
             await self.stream.send_all(head.encode())
             with trio.fail_after(read_timeout):
-                while (end := self.buf.find(b"\r\n\r\n")) < 0:
-                    await self._fill()
-            lines = bytes(self.buf[:end]).decode("latin-1").split("\r\n")
-            del self.buf[:end + 4]
-            status = int(lines[0].split()[1])
-            hdrs = {}
-            for line in lines[1:]:
-                k, _, v = line.partition(":")
-                hdrs[k.strip().lower()] = v.strip()
+                status, hdrs = await self._read_head()
             if hdrs.get("transfer-encoding", "").lower() != "chunked":
                 n = int(hdrs.get("content-length", "0"))
                 while len(self.buf) < n:
