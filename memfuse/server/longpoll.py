@@ -177,7 +177,6 @@ async def events(svc: Service, request: Request, p: Principal, ws: str, after: i
     if not notifier.readable(p.scope, wakeups.EVENTS, ws):
         await anyio.to_thread.run_sync(svc.check_events_access, p, ws)
     deadline = anyio.current_time() + min(wait, MAX_WAIT_SECONDS)
-    last: list[EventPage] = []
 
     def quiet() -> bool:
         bounds = notifier.event_bounds(ws)
@@ -191,7 +190,6 @@ async def events(svc: Service, request: Request, p: Principal, ws: str, after: i
                     page = await anyio.to_thread.run_sync(lambda: svc.events_page(p, ws, after, limit))
                     if page.events:
                         return _page_response(page, None)
-                    last[:] = [page]
                 remaining = deadline - anyio.current_time()
                 if remaining <= 0 or svc.closing:
                     break
