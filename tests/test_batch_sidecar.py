@@ -31,22 +31,6 @@ from test_token_lifecycle import admin_url, metric
 MARKER = "SERVER-ONLY-SECRET"
 
 
-async def put(sc, path: str, data: bytes) -> None:
-    """create-or-truncate, write, commit and release through the core without waiting for
-    the control plane (a writer that closes and goes on: the backlog builds up)."""
-    sm = sc.fs.stores["default"]
-    n = sc.fs.lookup(sm.root.ino, path.encode())
-    if n is None:
-        h = sc.fs.create(sm.root.ino, path.encode(), 0o644, os.O_WRONLY, 0, 0)
-    else:
-        h = sc.fs.open(n.ino, os.O_WRONLY | os.O_TRUNC)
-    try:
-        sc.fs.write(h, 0, data)
-        assert sc.fs.commit(h.node) is not None
-    finally:
-        sc.fs.release(h.fh)
-
-
 def _server_only_secret(monkeypatch) -> None:
     """The control plane's secret rules know a pattern the sidecar's do not (a newer
     detector): its refusal arrives inside a batch."""
@@ -75,11 +59,11 @@ async def test_backlog_commits_in_batches_each_entry_as_alone(tmp_path, monkeypa
         await wait_until(lambda: sc.committer.depth() == 0)
         fake.faults.outage = True  # the backlog builds up
         for i in range(40):
-            await put(sc, f"new{i:02d}.md", f"new {i}\n".encode())
+            await write(sc, f"new{i:02d}.md", f"new {i}\n".encode(), wait=False)
             if i == 20:
-                await put(sc, "refused.md", f"{MARKER}\n".encode())
+                await write(sc, "refused.md", f"{MARKER}\n".encode(), wait=False)
         for i in range(4):
-            await put(sc, f"old{i}.md", f"old {i}, edited here\n".encode())
+            await write(sc, f"old{i}.md", f"old {i}, edited here\n".encode(), wait=False)
         await wait_until(lambda: sc.committer.depth() == 45)
         # meanwhile someone else edits old1.md: its update in the batch gets 412
         async with ApiClient(fake.base_url, fake.admin_token, transport=fake._inner) as adm:
@@ -128,7 +112,7 @@ async def test_without_the_endpoint_entries_go_one_by_one(tmp_path):
         await start(sc, nursery)
         fake.faults.outage = True
         for i in range(10):
-            await put(sc, f"f{i}.md", f"{i}\n".encode())
+            await write(sc, f"f{i}.md", f"{i}\n".encode(), wait=False)
         fake.faults.outage = False
         fake.faults.inject.append(("POST", r"/batch$", 404))  # an older control plane
         sc.committer.poke()

@@ -126,8 +126,10 @@ async def start(sc: Sidecar, nursery: trio.Nursery) -> None:
     sc.fs.ready = True
 
 
-async def write(sc: Sidecar, path: str, data: bytes) -> None:
-    """create-or-truncate, write, close through the core (as the FUSE adapter would)."""
+async def write(sc: Sidecar, path: str, data: bytes, *, wait: bool = True) -> None:
+    """create-or-truncate, write, close through the core (as the FUSE adapter would).
+    ``wait=False``: commit and release without waiting for the control plane (a writer that
+    closes and goes on: a backlog builds up)."""
     import os
     sm = sc.fs.stores["default"]
     n = sc.fs.lookup(sm.root.ino, path.encode())
@@ -137,7 +139,10 @@ async def write(sc: Sidecar, path: str, data: bytes) -> None:
         h = sc.fs.open(n.ino, os.O_WRONLY | os.O_TRUNC)
     try:
         sc.fs.write(h, 0, data)
-        await sc.fs.flush(h)
+        if wait:
+            await sc.fs.flush(h)
+        else:
+            assert sc.fs.commit(h.node) is not None
     finally:
         sc.fs.release(h.fh)
 
