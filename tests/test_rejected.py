@@ -122,11 +122,49 @@ def test_path_taken_meanwhile_drops_it_with_a_trace(tmp_path):
     # meanwhile another sidecar made a record at that path
     fs, j = start(tmp_path, [rec("r9", "k.md", "other\n")])
     assert tree(fs) == {"k.md": b"other\n"}
-    (line,) = [e for e in fs.errors if e["path"] == "k.md"]
-    assert line["errno"] == "EILSEQ" and "dropped" in line["reason"]
+    (line,) = [e for e in fs.errors if e["path"] == "k.md" and "dropped" in e["reason"]]
+    assert line["errno"] == "EILSEQ"
     fs.sync_rejected()
     trio.run(j.flush_pending)
     assert j.load_rejected() == []  # not dropped again at every start
+    stop(fs, j)
+
+
+def test_errors_log_says_why_after_a_restart(tmp_path):
+    """errors.log's lines are kept in the journal: after a restart the refusal of a file that
+    is back (rejected) is still there, once, with its original time; a line about a file that
+    is gone stays too (it is a log). A rejected file whose line is no longer kept (fell out of
+    the last 200) gets it back, at the time it was refused, marked ``restored``."""
+    fs, j = start(tmp_path, [])
+    with pytest.raises(FsError):
+        write(fs, "k.md", BAD, create=True)
+    fs.note_error(None, "gone.md", errno.EPERM, "content looks like a secret", "", "default")
+    before = list(fs.errors)
+    assert [(e["path"], e["errno"], e["code"]) for e in before] == [
+        ("k.md", "EILSEQ", "invalid_content"), ("gone.md", "EPERM", "secret_detected")]
+    stop(fs, j)
+    fs, j = start(tmp_path, [])
+    assert fs.stores["default"].root.children["k.md"].state == REJECTED
+    assert list(fs.errors) == before  # the same lines, not a second one for k.md
+    assert fs.controls.content("errors").decode().splitlines()[0].startswith('{"time"')
+    stop(fs, j)
+
+    # more than the kept 200 lines since: k.md's refusal fell out of the log
+    fs, j = start(tmp_path, [])
+    for i in range(210):
+        fs.note_error(None, f"n{i}.md", errno.EACCES, "read-only", "", "default")
+    assert len(fs.errors) == 200 and all(e["path"] != "k.md" for e in fs.errors)
+    stop(fs, j)
+    fs, j = start(tmp_path, [])
+    errs = list(fs.errors)
+    assert len(errs) == 200
+    (line,) = [e for e in errs if e["path"] == "k.md"]
+    assert line == {**before[0], "restored": True}
+    assert errs[0] == line  # the oldest refusal, placed in time order
+    assert [e["path"] for e in errs[1:]] == [f"n{i}.md" for i in range(11, 210)]
+    stop(fs, j)
+    fs, j = start(tmp_path, [])
+    assert [e for e in fs.errors if e["path"] == "k.md"] == [line]  # not added twice
     stop(fs, j)
 
 

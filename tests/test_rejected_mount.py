@@ -4,6 +4,7 @@ cache directory (docs/SEMANTICS.md, "Writes and close" and "Cache directory"):
 - a file refused for good (a key refused as a secret, not UTF-8, a bad type, too large) is
   still there after the restart with its content, ``state=rejected`` and its reason; nothing
   is sent again; a fix in place commits it, an unlink drops it, a rename keeps it;
+  ``.memfuse/errors.log`` still holds the lines saying why;
 - ``status.json`` counts rejected files apart from ``records`` / ``bytes``;
 - the sidecar's log line for a refusal names store, path, errno and reason code (never content);
 - the cache directory is owner-only (directories 0700, files 0600), also when it existed with
@@ -108,6 +109,7 @@ def test_rejected_files_survive_restart_and_cache_is_private(tmp_path):
         assert "cache directory permissions tightened" in sc.log.read_text()
 
         # restart on the same cache
+        log_before = errors_log(mnt)
         assert sc.stop() == 0
         sc = Sidecar(cp, "ws", tok, mnt, cache).start()
         for path, data in rejected.items():
@@ -119,7 +121,16 @@ def test_rejected_files_survive_restart_and_cache_is_private(tmp_path):
         st = status(mnt)["outbox"]
         assert (st["committed"], st["refused"]) == (0, 0)  # nothing was sent again
         assert {p: r.content for p, r in live_records(cp).items()} == {"old.md": "v1\n"}
-        assert errors_log(mnt) == []
+        # errors.log still says why each file is rejected: the same lines as before the restart
+        assert errors_log(mnt) == log_before
+        assert {(e["store"], e["path"], e["errno"], e["code"]) for e in log_before} >= {
+            ("default", "sub/key.md", "EPERM", "secret_detected"),
+            ("default", "old.md", "EILSEQ", "invalid_content"),
+            ("default", "typ.md", "EINVAL", "invalid_type"),
+            ("small", "big.md", "EFBIG", "record_too_large")}
+        for path in rejected:
+            (why,) = {e["reason"] for e in log_before if e["path"] == path}
+            assert why == xattr(d / path, "error"), path
         assert all(v & 0o077 == 0 for v in modes(cache).values())
 
         # fixed in place, unlinked, renamed

@@ -1,7 +1,11 @@
 """The ``.memfuse/`` control directory: ``status.json``, ``errors.log`` and ``context.md``.
 
 ``ControlFiles`` owns what those files show: the last 200 refusals and conflicts
-(``errors``, a ``deque`` of JSON-able dicts, newest last) and the status document. A file
+(``errors``, a ``deque`` of JSON-able dicts, newest last) and the status document. The
+``errors.log`` lines are kept in the outbox journal (``Journal.add_error``, bounded to the same
+200) and read back at start, so after a restart the log still says why each file is refused;
+a rejected file put back from the journal whose refusal line is no longer among them gets its
+line again (``note_restored``: the time it was first refused, ``restored: true``). A file
 under ``.memfuse/`` is a read-only node whose ``special`` names its kind; ``content(kind)``
 renders it once per open (``Filesystem.open`` keeps the bytes on the handle, so a reader that
 reads twice sees one consistent snapshot). Everything here runs on the trio thread and never
@@ -60,6 +64,12 @@ class ControlFiles:
     def __init__(self, fs: "Filesystem") -> None:
         self.fs = fs
         self.errors: deque[dict] = deque(maxlen=ERRORS_KEPT)
+        #: where the lines are kept across restarts (``outbox.Journal``), None: memory only
+        self.journal = getattr(fs.committer, "journal", None)
+        if self.journal is not None:
+            # oldest first by time (a line put back by ``note_restored`` is added late)
+            kept = self.journal.load_errors(ERRORS_KEPT)
+            self.errors.extend(sorted(kept, key=lambda e: str(e.get("time", ""))))
         self.status_provider: Callable[[], dict] | None = None
         #: ``committed_size(slug, record_id)``: bytes of the record as the control plane holds
         #: it (the store's mirror), None when unknown; set by the sidecar
@@ -96,8 +106,8 @@ class ControlFiles:
         of ``err`` (``CODE_BY_ERRNO``)."""
         name = errno.errorcode.get(err, str(err))
         code = code or CODE_BY_ERRNO.get(err, name.lower())
-        self.errors.append({"time": _now(), "store": store, "path": path, "errno": name,
-                            "code": code, "reason": reason})
+        self._add({"time": _now(), "store": store, "path": path, "errno": name,
+                   "code": code, "reason": reason})
         log.warning("refused", extra={"store": store, "path": path, "errno": name, "code": code,
                            "reason": reason})
         if self.fs.metrics is not None:
@@ -106,8 +116,42 @@ class ControlFiles:
     def note_conflict(self, store: str, path: str, what: str) -> None:
         """Add a conflict the committer resolved (``conflict: true``, ``reason``) to
         ``errors.log``."""
-        self.errors.append({"time": _now(), "store": store, "path": path, "conflict": True,
-                            "reason": what})
+        self._add({"time": _now(), "store": store, "path": path, "conflict": True,
+                   "reason": what})
+
+    def note_restored(self, store: str, path: str, err: int, code: str, reason: str,
+                      since: float) -> None:
+        """A rejected file kept from before a restart is back at ``path``: unless a line of
+        ``errors.log`` already gives its refusal (same store, path, errno and reason), add one
+        with the time it was refused (``since``, Unix seconds; placed in time order, before
+        lines of the same second) and
+        ``restored: true``. Not logged or counted again: it is no new refusal."""
+        name = errno.errorcode.get(err, str(err))
+        if any(e.get("store") == store and e.get("path") == path and e.get("errno") == name
+               and e.get("reason") == reason for e in self.errors):
+            return
+        entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(since)),
+                 "store": store, "path": path, "errno": name,
+                 "code": code or CODE_BY_ERRNO.get(err, name.lower()), "reason": reason,
+                 "restored": True}
+        lines = list(self.errors)
+        # before the first line of the same second or later (it was refused first), and kept
+        # even when the log is full (the oldest other line goes)
+        at = next((i for i, e in enumerate(lines) if str(e.get("time", "")) >= entry["time"]),
+                  len(lines))
+        lines.insert(at, entry)
+        if len(lines) > ERRORS_KEPT:
+            del lines[1 if at == 0 else 0]
+        self.errors.clear()
+        self.errors.extend(lines)
+        if self.journal is not None:
+            self.journal.add_error(entry, ERRORS_KEPT)
+
+    def _add(self, entry: dict) -> None:
+        """Append one line to ``errors.log`` and keep it in the journal (bounded)."""
+        self.errors.append(entry)
+        if self.journal is not None:
+            self.journal.add_error(entry, ERRORS_KEPT)
 
     def _store_status(self, s) -> dict:
         """One store's entry: ``records`` / ``bytes`` are what the control plane holds plus

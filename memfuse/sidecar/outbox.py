@@ -200,6 +200,11 @@ class Journal:
             " path TEXT NOT NULL, errno INTEGER NOT NULL, code TEXT NOT NULL, reason TEXT NOT NULL,"
             " content BLOB NOT NULL, record_id TEXT, type TEXT, mode INTEGER, mtime_ns INTEGER,"
             " created REAL NOT NULL)")
+        # the recent lines of ``.memfuse/errors.log`` (one JSON object each, oldest first by
+        # id), so the log of refusals survives a restart as a log file on a local disk would
+        # (``control.ControlFiles``); bounded by ``add_error``'s ``keep``
+        self._db.execute(
+            "CREATE TABLE IF NOT EXISTS errors_log (id INTEGER PRIMARY KEY, line TEXT NOT NULL)")
         # queued writes: [sql, params, entry id of an insert (else None)]
         self._pending: list[list] = []
         self._waiters: list[Entry] = []
@@ -244,6 +249,32 @@ class Journal:
         for r in rows:
             self._pending.append([f"INSERT OR REPLACE INTO rejected VALUES ({marks})",
                                   tuple(r[c] for c in self.REJECTED_COLUMNS), None])
+        self._wakeup.set()
+
+    def load_errors(self, keep: int) -> list[dict[str, Any]]:
+        """The last ``keep`` lines of ``errors.log`` a previous process kept (``add_error``),
+        oldest first, each the dict that was added; unreadable lines are skipped."""
+        out = []
+        for (line,) in self._db.execute(
+                "SELECT line FROM (SELECT id, line FROM errors_log ORDER BY id DESC LIMIT ?)"
+                " ORDER BY id", (keep,)):
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(entry, dict):
+                out.append(entry)
+        return out
+
+    def add_error(self, entry: dict[str, Any], keep: int) -> None:
+        """Queue ``entry`` (one ``errors.log`` line: a JSON-able dict without content) as the
+        newest kept line and the deletion of all but the newest ``keep`` lines; written in
+        order with the entries. Never blocks, never raises (a failed write is retried with
+        the batch)."""
+        self._pending.append(["INSERT INTO errors_log (line) VALUES (?)",
+                              (json.dumps(entry),), None])
+        self._pending.append(["DELETE FROM errors_log WHERE id <= "
+                              "(SELECT MAX(id) FROM errors_log) - ?", (keep,), None])
         self._wakeup.set()
 
     def next_id(self) -> int:

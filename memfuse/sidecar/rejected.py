@@ -8,8 +8,9 @@ does memfuse: every rejected file of a mounted store is kept in the outbox journ
 in order with the outbox entries) with its store, path, node key, errno, reason code, reason,
 content, record id, type override, mode and explicit mtime. At the next start each store is
 restored from that table right after it is loaded (``add_store``): the file is back at its
-path, still ``rejected`` with its reason, and nothing is sent until it changes (a new write
-commits as usual; unlink drops it).
+path, still ``rejected`` with its reason (in ``user.memfuse.error`` and in ``errors.log``,
+whose lines the journal keeps too: ``control.ControlFiles.note_restored``), and nothing is sent
+until it changes (a new write commits as usual; unlink drops it).
 
 Shape: ``Filesystem._rejected`` maps each rejected node to ``(errno, code)``;
 ``sync_rejected()`` compares what would be written with what was written last
@@ -163,6 +164,9 @@ class RejectedFiles:
         self._rejected[n] = (row["errno"], row["code"])
         self._rejected_saved[n.key] = self._rejected_row(n, row["errno"], row["code"])[0]
         self._rejected_rows[n.key] = row
+        # errors.log still says why (its line kept in the journal, else written again)
+        self.controls.note_restored(sm.slug, path, row["errno"], row["code"], row["reason"],
+                                    row["created"])
         log.info("rejected file kept from before the restart",
                  extra={"store": sm.slug, "path": path,
                         "errno": errno.errorcode.get(row["errno"], row["errno"]),
