@@ -256,6 +256,36 @@ class MoveResult(BaseModel):
     records: list[Record]
 
 
+class SearchLine(BaseModel):
+    """A line of a record's content that matches a search: ``line`` its number (1-based),
+    ``text`` the line, cut at 300 characters (then `` …``). Content: untrusted text."""
+
+    line: int
+    text: str
+
+
+class SearchHit(BaseModel):
+    """A live record that matches a search (``GET /v1/stores/{store}/search``): the record
+    without content; ``path_match`` whether its path holds the query; ``lines`` its first
+    matching lines (at most the request's ``max_lines``); ``line_matches`` how many of its
+    lines match in all."""
+
+    record: Record
+    path_match: bool = False
+    lines: list[SearchLine] = []
+    line_matches: int = 0
+
+
+class SearchPage(BaseModel):
+    """One page of search hits ordered by path; ``next_cursor`` None on the last page (a page
+    may hold fewer hits than ``limit`` and still have a next one); ``seq``: the store's
+    change-feed position read before the page."""
+
+    hits: list[SearchHit]
+    next_cursor: str | None = None
+    seq: int
+
+
 class BatchOperation(BaseModel):
     """One write of a batch, as its single endpoint takes it. ``op``: ``create`` (``POST
     .../records``), ``update`` (``PUT .../records/{record_id}``), ``attrs`` (``PATCH

@@ -50,7 +50,7 @@ __all__ = [
     "Workspace", "WorkspaceCreate", "Store", "StoreCreate", "StoreUpdate", "Attachment",
     "AttachmentPut", "TokenCreate", "TokenCreated", "TokenInfo", "RecordCreate", "RecordUpdate",
     "RecordAttributes", "RecordMove", "PrefixMove", "Restore", "Record", "Version",
-    "RecordPage", "MoveResult", "BatchOperation", "BatchRequest", "BatchResult", "BatchResponse",
+    "RecordPage", "MoveResult", "SearchLine", "SearchHit", "SearchPage", "BatchOperation", "BatchRequest", "BatchResult", "BatchResponse",
     "BATCH_MAX_OPERATIONS", "BATCH_MAX_BYTES", "Change", "ChangePage", "WorkspaceEvent", "EventPage",
     "MemoryToolResult", "Problem", "decode", "encode", "build", "convert", "to_jsonable",
 ]
@@ -250,6 +250,33 @@ class RecordPage(Struct, kw_only=True):
 
 class MoveResult(Struct, kw_only=True):
     records: list[Record]
+
+
+class SearchLine(Struct, kw_only=True):
+    """A matching line: ``line`` its number (1-based), ``text`` the line (cut at 300
+    characters, then `` …``). Untrusted content."""
+
+    line: int
+    text: str
+
+
+class SearchHit(Struct, kw_only=True):
+    """A record matching a search (without content), whether its path matched, its first
+    matching lines and how many lines match in all."""
+
+    record: Record
+    path_match: bool = False
+    lines: list[SearchLine] = msgspec.field(default_factory=list)
+    line_matches: int = 0
+
+
+class SearchPage(Struct, kw_only=True):
+    """One page of search hits by path; ``next_cursor`` None on the last page; ``seq``: the
+    store's change-feed position read before the page."""
+
+    hits: list[SearchHit]
+    next_cursor: str | None = None
+    seq: int
 
 
 class BatchOperation(Struct, kw_only=True, omit_defaults=True):

@@ -23,7 +23,7 @@ from mountutil import free_port
 HERE = Path(__file__).resolve().parent
 API_TESTS = ["tests/test_api.py", "tests/test_batch.py", "tests/test_semantics_api.py", "tests/test_server_perf.py",
              "tests/test_migrations.py", "tests/test_tokens_api.py", "tests/test_console_api.py",
-             "tests/test_health.py", "tests/test_streams.py"]
+             "tests/test_health.py", "tests/test_streams.py", "tests/test_search_api.py"]
 
 
 def _pg_bindir() -> Path | None:

@@ -28,7 +28,7 @@ import json
 import logging
 import os
 from collections.abc import Awaitable, Callable
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import anyio
 from fastapi import Depends, FastAPI, Header, Path, Query, Request, Security
@@ -54,6 +54,7 @@ from memfuse.models import (
     Problem,
     Record,
     RecordAttributes,
+    SearchPage,
     RecordCreate,
     RecordMove,
     RecordPage,
@@ -400,6 +401,27 @@ def create_app(
                 include_deleted=include_deleted,
             )
         )
+
+    @app.get("/v1/stores/{store}/search", response_model=SearchPage, tags=["records"])
+    def search_records(
+        store: StoreSlug,
+        p: P,
+        q: Annotated[str, Query(min_length=1, max_length=256,
+                                description="literal text (one line) to find")],
+        match: Annotated[Literal["any", "path", "content"], Query(
+            description="where to look: the path, the content, or either")] = "any",
+        prefix: Annotated[str, Query(max_length=1024, description=(
+            "only the record at this path or under this directory"))] = "",
+        type: Annotated[str | None, Query(description="only records of this type")] = None,
+        case_sensitive: bool = False,
+        cursor: str | None = None,
+        limit: Annotated[int, Query(ge=1, le=100, description="records read for this page")] = 20,
+        max_lines: Annotated[int, Query(ge=0, le=100, description="matching lines shown per record")] = 5,
+    ):
+        """Live records whose path and / or content hold ``q`` (docs/API.md, "Search")."""
+        return _json(svc.search(p, store, q, match=match, prefix=prefix, type=type,
+                                case_sensitive=case_sensitive, cursor=cursor, limit=limit,
+                                max_lines=max_lines))
 
     @app.post("/v1/stores/{store}/records", status_code=201, response_model=Record, tags=["records"])
     def create_record(store: StoreSlug, body: RecordCreate, p: P, idem: Idem):

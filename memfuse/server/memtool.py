@@ -48,6 +48,7 @@ from typing import Any
 from memfuse import names
 from memfuse.models import Access, Attachment, PrefixMove, Record, RecordCreate, RecordMove, RecordUpdate
 from memfuse.server.records import _encode_cursor
+from memfuse.server.search import LINE_MAX_CHARS, TreeListing, check_query
 from memfuse.server.service import Principal, Service, ServiceError
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,8 @@ LIST_MAX_ENTRIES = 1000  # entries one directory listing shows at most
 DIR_SIZE = 4096  # directories show this size, as on the mount (st_size of a directory)
 RETRY_SECONDS = 15.0  # a command retries a concurrent change for this long
 SEARCH_MAX_RESULTS = 100  # matching lines one search returns at most
-SEARCH_MAX_LINE_CHARS = 300  # a matching line is shown up to this many characters
+SEARCH_MAX_LINE_CHARS = LINE_MAX_CHARS  # a matching line is shown up to this many characters
+SEARCH_PAGE = 100  # files one search request reads at most
 NOTES_FILE = "notes.md"  # remember appends here, at the store root
 SCAN_PAGE = 1000  # records per snapshot page while listing
 
@@ -328,39 +330,51 @@ class MemoryTool:
     def view(self, c: Mapping[str, Any]) -> str:
         t = parse_path(c.get("path"))
         if t.is_root:
-            return self._listing(t, self._tree_of_root())
+            root, cut = self._tree_of_root()
+            return self._listing(t, root, cut=cut)
         self._attachment(t)
         rec = self._record(t.store, t.path) if t.path else None
         if rec is not None:
             return self._view_file(t, rec.content or "", c.get("view_range"))
-        records = self._under(t.store, t.path)
-        if not records and t.path:
+        # the database lists two levels, skipping deeper subtrees (Service.tree): bounded
+        listing = self.svc.tree(self.p, t.store, t.path, depth=2, max_entries=LIST_MAX_ENTRIES)
+        if not listing.dirs and not listing.files and t.path and not self._is_dir(t.store, t.path):
             raise ToolError(f"The path {t.raw} does not exist. Please provide a valid path.")
-        return self._listing(t, self._tree(records, t.path))
+        return self._listing(t, self._tree(listing), cut=not listing.complete)
 
-    def _tree(self, records: list[Record], prefix: str) -> _Node:
+    @staticmethod
+    def _tree(listing: TreeListing) -> _Node:
         root = _Node()
-        cut = len(prefix) + 1 if prefix else 0
-        for r in records:
-            parts = r.path[cut:].split("/")
+        for d in listing.dirs:
             node = root
-            for d in parts[:-1][:2]:
-                node = node.dirs.setdefault(d, _Node())
-            if len(parts) <= 2:
-                node.files[parts[-1]] = r.size
+            for comp in d.split("/"):
+                node = node.dirs.setdefault(comp, _Node())
+        for path, size in listing.files.items():
+            parts = path.split("/")
+            node = root
+            for comp in parts[:-1]:
+                node = node.dirs.setdefault(comp, _Node())
+            node.files[parts[-1]] = size
         return root
 
-    def _tree_of_root(self) -> _Node:
+    def _tree_of_root(self) -> tuple[_Node, bool]:
+        """The root listing: each attached store and its top level (depth 2 from
+        ``/memories``); ``cut`` True when a store had more entries than a listing shows."""
         root = _Node()
+        cut = False
         for slug in sorted(self._attachments()):
+            listing = self.svc.tree(self.p, slug, "", depth=1, max_entries=LIST_MAX_ENTRIES)
+            cut = cut or not listing.complete
             node = root.dirs.setdefault(slug, _Node())
-            # only the store's top level is listed (depth 2): its first records tell it
-            top = self._tree(self._under(slug, ""), "")
+            top = self._tree(listing)
             node.dirs = {k: _Node() for k in top.dirs}
             node.files = dict(top.files)
-        return root
+        return root, cut
 
-    def _listing(self, t: Target, root: _Node) -> str:
+    def _listing(self, t: Target, root: _Node, cut: bool = False) -> str:
+        """The reference's listing of ``root`` (two levels, hidden names left out), at most
+        ``LIST_MAX_ENTRIES`` entries; ``cut``: the tree itself was cut at that bound (more
+        entries exist than were read)."""
         entries: list[str] = []
 
         def walk(node: _Node, rel: str, depth: int) -> None:
@@ -380,8 +394,8 @@ class MemoryTool:
         header = f"Here're the files and directories up to 2 levels deep in {t.raw}, excluding hidden items:"
         shown = entries[:LIST_MAX_ENTRIES]
         text = f"{header}\n" + "\n".join([f"{format_size(DIR_SIZE)}\t{t.raw}"] + shown)
-        if len(entries) > len(shown):
-            text += (f"\n[memfuse: listing cut after {len(shown)} entries: {len(entries) - len(shown)} more not "
+        if len(entries) > len(shown) or cut:
+            text += (f"\n[memfuse: listing cut after {len(shown)} entries: more not "
                      "shown; view a subdirectory to see them]")
         return text
 
@@ -643,54 +657,55 @@ class MemoryTool:
         """``query`` (literal text, case-insensitive unless ``case_sensitive``) in the files
         under ``path`` (default ``/memories``): ``<path>:<line>: <text>`` per matching line,
         at most ``SEARCH_MAX_RESULTS`` (``max_results`` asks for fewer), each line cut at
-        ``SEARCH_MAX_LINE_CHARS`` characters."""
+        ``SEARCH_MAX_LINE_CHARS`` characters. The database finds the files
+        (``Service.search``, one bounded page at a time): the search stops reading once
+        the lines to show are found, so what is left out is counted over the files read
+        (``N more``), or given as a floor (``N+ more``) when more files may match."""
         query = c.get("query")
         if not isinstance(query, str) or not query:
             raise ToolError("Parameter `query` is required and must be a non-empty string")
+        try:
+            check_query(query)
+        except ServiceError as e:
+            raise ToolError(f"Parameter `query`: {e.detail}") from None
         t = parse_path(c.get("path") or ROOT)
         limit = c.get("max_results", SEARCH_MAX_RESULTS)
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
             raise ToolError("Parameter `max_results` must be a positive integer")
         limit = min(limit, SEARCH_MAX_RESULTS)
-        fold = not bool(c.get("case_sensitive", False))
-        needle = query.casefold() if fold else query
+        case_sensitive = bool(c.get("case_sensitive", False))
         stores = sorted(self._attachments()) if t.is_root else [self._attachment(t).store.slug]
         hits: list[str] = []
         more = 0
+        unsure = False  # files not read may match too
         for slug in stores:
-            for r in self._files_with_content(slug, t.path if not t.is_root else ""):
-                for i, line in enumerate((r.content or "").split("\n"), 1):
-                    if needle in (line.casefold() if fold else line):
-                        if len(hits) >= limit:
-                            more += 1
-                            continue
-                        shown = line if len(line) <= SEARCH_MAX_LINE_CHARS else line[:SEARCH_MAX_LINE_CHARS] + " …"
-                        hits.append(f"{ROOT}/{slug}/{r.path}:{i}: {shown}")
+            if unsure:
+                break
+            cursor = None
+            while True:
+                want = limit - len(hits)
+                page = self.svc.search(self.p, slug, query, match="content", prefix=t.path,
+                                       case_sensitive=case_sensitive, cursor=cursor,
+                                       limit=min(max(want, 20), SEARCH_PAGE), max_lines=max(want, 0))
+                for h in page.hits:
+                    for ln in h.lines[:max(limit - len(hits), 0)]:
+                        hits.append(f"{ROOT}/{slug}/{h.record.path}:{ln.line}: {ln.text}")
+                        more -= 1
+                    more += h.line_matches
+                cursor = page.next_cursor
+                if cursor is None:
+                    break
+                if len(hits) >= limit:
+                    unsure = True
+                    break
         if not hits:
             return f"No matches for {query!r} in {t.raw}"
         text = "\n".join(hits)
-        if more:
-            text += (f"\n[memfuse: {more} more matching line(s) not shown; narrow the search with `path` "
+        if more or unsure:
+            count = f"{more}+" if unsure else str(more)
+            text += (f"\n[memfuse: {count} more matching line(s) not shown; narrow the search with `path` "
                      "or a longer query]")
         return text
-
-    def _files_with_content(self, store: str, prefix: str) -> list[Record]:
-        if prefix:
-            rec = self._record(store, prefix)
-            if rec is not None:
-                return [rec]
-        out: list[Record] = []
-        lead = prefix + "/" if prefix else ""
-        cursor = _encode_cursor(lead, "") if lead else None
-        while True:
-            page = self.svc.list_records(self.p, store, cursor=cursor, limit=200, with_content=True)
-            for r in page.records:
-                if not r.path.startswith(lead):
-                    return out
-                out.append(r)
-            if page.next_cursor is None:
-                return out
-            cursor = page.next_cursor
 
     def history(self, c: Mapping[str, Any]) -> str:
         """The versions of the file at ``path`` (also a deleted one), newest first; with

@@ -24,6 +24,8 @@ import from here:
   long-polls (``feed_read``); ``memfuse.server.wakeups`` has the ``Notifier`` (wakes this
   process's long-polls after a commit, knows the heads) and the ``Bus`` (commit notes between
   replicas);
+- ``search``: search (path / content, bounded pages) and the bounded directory tree of the
+  memory tool's ``view``;
 - ``context``: the prompt block (``cut_index``, ``strip_controls``).
 """
 from __future__ import annotations
@@ -56,6 +58,7 @@ from memfuse.server.context import (
 )
 from memfuse.server.db import Database
 from memfuse.server.records import RecordsMixin, _usage  # noqa: F401  (_usage: for tests)
+from memfuse.server.search import SearchMixin
 from memfuse.server.stores import StoresMixin
 from memfuse.server.tokens import TOKEN_CACHE_MAX, TOKEN_CACHE_SECONDS, TokenCache, TokensMixin
 from memfuse.server.wakeups import Bus, Notifier
@@ -86,7 +89,7 @@ __all__ = [
 ]
 
 
-class Service(TokensMixin, StoresMixin, BatchMixin, RecordsMixin, ChangesMixin, ContextMixin):
+class Service(TokensMixin, StoresMixin, BatchMixin, RecordsMixin, SearchMixin, ChangesMixin, ContextMixin):
     """The control plane's rules over a ``Database``.
 
     ``static_tokens`` maps raw token → workspace (None = admin); the mapping is consulted on

@@ -1,0 +1,235 @@
+"""Searching and listing a store's live records by the database, bounded.
+
+``search`` backs ``GET /v1/stores/{store}/search`` and the memory tool's / MCP ``search``:
+a literal query matched in the path and / or the content of the live records, evaluated by
+the database (``instr`` / ``strpos``: no pattern characters), one page of at most ``limit``
+records at a time in path order, each with its first matching lines. ``tree`` backs the
+memory tool's directory ``view``: the entries up to two levels under a directory, read with
+indexed range queries on ``(store, path, id)`` that skip whole subtrees below the depth shown,
+so a listing reads about as many rows as it shows, never the whole store.
+
+Case-insensitive matching compares ``str.lower()`` of both sides (Unicode): on SQLite through
+``memfuse_lower`` (the same Python function, registered on every connection by
+``memfuse.server.db``); on PostgreSQL the database narrows the rows with ``ILIKE`` (see
+``_contains``: right whatever the database's ``LC_CTYPE``). Each candidate row is checked
+again here, line by line, so a hit always holds the query as this module defines it.
+
+Paths compare byte-wise on both databases (PostgreSQL: ``COLLATE "C"``), the order of the
+snapshot pages; a cursor is the snapshot cursor of the last row read.
+"""
+from __future__ import annotations
+
+import unicodedata
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from sqlalchemy import and_, false, func, or_, select
+from sqlalchemy.engine import Connection
+
+from memfuse import content as content_rules
+from memfuse.models import SearchHit, SearchLine, SearchPage
+from memfuse.server.base import _R, _V, Principal, ServiceBase, ServiceError, _check_path
+from memfuse.server.records import _decode_cursor, _encode_cursor, _like_escape, _record_model
+
+QUERY_MAX_CHARS = 256  # a search query is 1..256 characters
+SEARCH_MAX_LIMIT = 100  # records one search page returns at most
+SEARCH_MAX_LINES = 100  # matching lines shown per record at most
+LINE_MAX_CHARS = 300  # a matching line is shown up to this many characters
+MATCH_FIELDS = ("any", "path", "content")
+TREE_PAGE = 200  # rows one step of ``tree`` reads
+
+
+def check_query(q: str) -> None:
+    """422 ``invalid_query`` unless ``q`` is 1–256 characters without control or format
+    characters (a query is one line of literal text)."""
+    if not q or len(q) > QUERY_MAX_CHARS:
+        raise ServiceError(422, "invalid_query", f"the query must be 1 to {QUERY_MAX_CHARS} characters")
+    if any(unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp") for ch in q):
+        raise ServiceError(422, "invalid_query",
+                           "the query must be one line of text (no control or format characters)")
+
+
+def cut_line(line: str) -> str:
+    """A line as a hit shows it: at most ``LINE_MAX_CHARS`` characters, then `` …``."""
+    return line if len(line) <= LINE_MAX_CHARS else line[:LINE_MAX_CHARS] + " …"
+
+
+def _prefix_clause(path_col, prefix: str):
+    """Records at ``prefix`` (a file) or under it (a directory), as an index range (in byte
+    order, ``path_col``: every path under ``prefix/`` sorts before ``prefix0``)."""
+    return or_(_R.c.path == prefix, and_(path_col >= prefix + "/", path_col < prefix + "0"))
+
+
+@dataclass
+class TreeListing:
+    """What ``tree`` found under a directory: ``dirs`` (paths relative to it, each
+    directory once) and ``files`` (relative path → size in bytes), at most the entries asked
+    for; ``complete`` False when more entries exist than were returned."""
+
+    dirs: list[str] = field(default_factory=list)
+    files: dict[str, int] = field(default_factory=dict)
+    complete: bool = True
+
+
+class SearchMixin(ServiceBase):
+    """``Service.search`` and ``Service.tree`` (module docstring)."""
+
+    def _path_col(self):
+        if self.db.engine.dialect.name == "postgresql":
+            return _R.c.path.collate("C")  # byte order, as SQLite compares
+        return _R.c.path
+
+    def _contains(self, col, q: str, case_sensitive: bool):
+        """SQL: ``col`` holds ``q`` literally (lowercased both sides unless case-sensitive).
+
+        Case-insensitive on PostgreSQL is a superset filter that does not depend on the
+        database's ``LC_CTYPE``: ``ILIKE`` with the query's ASCII and caseless characters
+        (escaped) and ``%`` for each other character; ``search`` checks every candidate line by line."""
+        pg = self.db.engine.dialect.name == "postgresql"
+        if case_sensitive:
+            return (func.strpos(col, q) if pg else func.instr(col, q)) > 0
+        if pg:
+            # a character with case outside ASCII may fold differently there: any run
+            pattern = "".join(_like_escape(ch) if ch.isascii() or ch.lower() == ch.upper() == ch
+                              else "%" for ch in q)
+            return col.ilike(f"%{pattern}%", escape="\\")
+        return func.instr(func.memfuse_lower(col), q.lower()) > 0
+
+    def search(
+        self,
+        p: Principal,
+        slug: str,
+        q: str,
+        *,
+        match: str = "any",
+        prefix: str = "",
+        type: str | None = None,
+        case_sensitive: bool = False,
+        cursor: str | None = None,
+        limit: int = 20,
+        max_lines: int = 5,
+    ) -> SearchPage:
+        """One page of the live records of ``slug`` holding ``q`` (literal text) in their
+        path (``match="path"``), content (``"content"``) or either (``"any"``), in path order.
+
+        ``prefix``: only the record at that path or under that directory (``""``: the whole
+        store). ``type``: only records of that type. ``limit`` (1–100) bounds the records
+        read for the page, ``max_lines`` (0–100) the lines shown per hit. Raises 404 like
+        ``list_records``; 422 ``invalid_query`` (empty, longer than 256 characters, control
+        characters), ``invalid_path`` (prefix), ``invalid_type``, ``validation_error`` (a
+        cursor this server did not give, a ``match`` or bound out of range)."""
+        check_query(q)
+        if match not in MATCH_FIELDS:
+            raise ServiceError(422, "validation_error", f"match must be one of {', '.join(MATCH_FIELDS)}")
+        if not 1 <= limit <= SEARCH_MAX_LIMIT or not 0 <= max_lines <= SEARCH_MAX_LINES:
+            raise ServiceError(422, "validation_error",
+                               f"limit must be 1..{SEARCH_MAX_LIMIT} and max_lines 0..{SEARCH_MAX_LINES}")
+        if type is not None and type not in content_rules.RECORD_TYPES:
+            raise ServiceError(422, "invalid_type",
+                               f"type {type!r} is not one of {', '.join(content_rules.RECORD_TYPES)}")
+        prefix = prefix.strip("/")
+        if prefix:
+            _check_path(prefix)
+        needle = q if case_sensitive else q.lower()
+        with self.db.read_conn() as conn:
+            st = self._store(conn, p, slug)
+            seq = conn.scalar(select(func.max(_V.c.seq)).where(_V.c.store == st.slug)) or 0
+            path_col = self._path_col()
+            conds = [_R.c.store == st.slug, _R.c.deleted == false()]
+            if prefix:
+                conds.append(_prefix_clause(path_col, prefix))
+            if type is not None:
+                conds.append(_R.c.type == type)
+            fields = {"path": [_R.c.path], "content": [_R.c.content],
+                      "any": [_R.c.path, _R.c.content]}[match]
+            conds.append(or_(*(self._contains(c, q, case_sensitive) for c in fields)))
+            if cursor:
+                cp, cid = _decode_cursor(cursor)
+                conds.append(or_(path_col > cp, and_(_R.c.path == cp, _R.c.id > cid)))
+            rows = conn.execute(select(_R).where(*conds).order_by(path_col, _R.c.id)
+                                .limit(limit + 1)).all()
+        more = len(rows) > limit
+        rows = rows[:limit]
+        hits: list[SearchHit] = []
+        for r in rows:
+            path_match = match != "content" and needle in (r.path if case_sensitive else r.path.lower())
+            lines: list[SearchLine] = []
+            count = 0
+            if match != "path":
+                for i, line in enumerate((r.content or "").split("\n"), 1):
+                    if needle in (line if case_sensitive else line.lower()):
+                        count += 1
+                        if len(lines) < max_lines:
+                            lines.append(SearchLine(line=i, text=cut_line(line)))
+            if path_match or count:  # else the database's lower() differs from Python's
+                hits.append(SearchHit(record=_record_model(r, with_content=False),
+                                      path_match=path_match, lines=lines, line_matches=count))
+        return SearchPage(hits=hits, seq=seq,
+                          next_cursor=_encode_cursor(rows[-1].path, rows[-1].id) if more else None)
+
+    def tree(self, p: Principal, slug: str, prefix: str = "", *, depth: int = 2,
+             max_entries: int = 1000, hidden: bool = False) -> TreeListing:
+        """The entries up to ``depth`` levels under directory ``prefix`` (``""``: the store
+        root) of the live records of ``slug``: files at those levels with their sizes and
+        the directories implied by paths, at most ``max_entries`` of them (``complete``
+        False when there are more). Names starting with ``.`` (and what is under such a
+        directory) are left out unless ``hidden``. Reads with range queries in path order,
+        jumping over every subtree deeper than ``depth`` (module docstring). Raises 404
+        like ``list_records``."""
+        out = TreeListing()
+        lead = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        seen_dirs: set[str] = set()
+        with self.db.read_conn() as conn:
+            st = self._store(conn, p, slug)
+            for path, size in self._tree_rows(conn, st.slug, lead, depth, hidden):
+                rel = path[len(lead):]
+                parts = rel.split("/")
+                for i in range(1, min(len(parts), depth + 1)):
+                    d = "/".join(parts[:i])
+                    if d not in seen_dirs:
+                        if len(seen_dirs) + len(out.files) >= max_entries:
+                            out.complete = False
+                            return out
+                        seen_dirs.add(d)
+                        out.dirs.append(d)
+                if len(parts) <= depth:
+                    if len(seen_dirs) + len(out.files) >= max_entries:
+                        out.complete = False
+                        return out
+                    out.files[rel] = size
+        return out
+
+    def _tree_rows(self, conn: Connection, store: str, lead: str, depth: int,
+                   hidden: bool) -> Iterator[tuple[str, int]]:
+        """(path, size) of the live records under ``lead`` in path order, except those
+        deeper than ``depth`` below a directory already yielded at that depth (each such
+        subtree is skipped with one new range query) and hidden ones unless ``hidden``."""
+        path_col = self._path_col()
+        lo, inclusive = lead, True
+        hi = lead[:-1] + "0" if lead else None  # every path under lead/ is below it
+        while True:
+            conds = [_R.c.store == store, _R.c.deleted == false(),
+                     path_col >= lo if inclusive else path_col > lo]
+            if hi is not None:
+                conds.append(path_col < hi)
+            rows = conn.execute(select(_R.c.path, _R.c.size).where(*conds)
+                                .order_by(path_col, _R.c.id).limit(TREE_PAGE)).all()
+            if not rows:
+                return
+            for path, size in rows:
+                parts = path[len(lead):].split("/")
+                skip = next((i for i, c in enumerate(parts[:depth]) if c.startswith(".")), None)
+                if not hidden and skip is not None:  # a hidden name: jump past it
+                    if skip + 1 == len(parts):  # a hidden file: the next row
+                        lo, inclusive = path, False
+                    else:  # a hidden directory: past everything under it
+                        lo, inclusive = lead + "/".join(parts[:skip + 1]) + "0", True
+                    break
+                yield path, size
+                if len(parts) > depth:  # deeper: jump past the rest of that subtree
+                    lo, inclusive = lead + "/".join(parts[:depth]) + "0", True
+                    break
+            else:
+                if len(rows) < TREE_PAGE:
+                    return
+                lo, inclusive = rows[-1][0], False
