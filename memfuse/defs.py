@@ -73,3 +73,54 @@ class Operation(str, Enum):
     moved = "moved"
     deleted = "deleted"
     restored = "restored"
+
+
+# byte units a size field takes: binary K / M / G (also KiB ...), decimal kB / MB / GB
+_BYTE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1 << 10, "kib": 1 << 10, "kb": 1000,
+    "m": 1 << 20, "mib": 1 << 20, "mb": 1000**2,
+    "g": 1 << 30, "gib": 1 << 30, "gb": 1000**3,
+}
+MAX_COUNT = (1 << 63) - 1  # the database keeps limits as 64-bit integers
+
+
+def parse_byte_size(text: str) -> int:
+    """A byte count as people write it: ``1048576``, ``512K``, ``1M``, ``1MiB``, ``2G``
+    (binary), ``1MB`` (decimal), spaces allowed (``1 MiB``). Raises ``ValueError`` with a
+    sentence for the user when it is not a positive size below 2**63 bytes. The CLI's
+    ``--max-*-bytes`` options take the same forms."""
+    raw = text.strip().replace(" ", "")
+    num = raw.rstrip("kKmMgGiIbB")
+    unit = raw[len(num):].lower()
+    if not num:
+        raise ValueError(f"{text.strip()!r} is not a byte size (e.g. 1048576, 512K, 1MiB)")
+    try:
+        n = float(num)
+    except ValueError:
+        raise ValueError(f"{text.strip()!r} is not a byte size (e.g. 1048576, 512K, 1MiB)") from None
+    if unit not in _BYTE_UNITS:
+        raise ValueError(f"unknown unit in {text.strip()!r} (use K, M, G, KiB, MiB, GiB, kB, MB, GB)")
+    if not n == n or n in (float("inf"), float("-inf")):  # nan, inf
+        raise ValueError(f"{text.strip()!r} is not a byte size (e.g. 1048576, 512K, 1MiB)")
+    result = int(n * _BYTE_UNITS[unit])
+    if result <= 0:
+        raise ValueError(f"{text.strip()!r} must be at least 1 byte")
+    if result > MAX_COUNT:
+        raise ValueError(f"{text.strip()!r} is too large (at most {MAX_COUNT} bytes)")
+    return result
+
+
+def parse_count(text: str) -> int:
+    """A positive whole number (``10000``, ``10_000`` or ``10,000``); ``ValueError`` with a
+    sentence for the user otherwise."""
+    raw = text.strip().replace(",", "").replace("_", "")
+    digits = raw[1:] if raw[:1] in "+-" else raw
+    if not digits.isascii() or not digits.isdigit():
+        raise ValueError(f"{text.strip()!r} is not a whole number")
+    n = int(raw)
+    if n <= 0:
+        raise ValueError("must be at least 1")
+    if n > MAX_COUNT:
+        raise ValueError(f"is too large (at most {MAX_COUNT})")
+    return n

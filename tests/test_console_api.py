@@ -453,3 +453,50 @@ async def test_untrusted_names_and_text_are_escaped(app):
         assert '<script>alert("d")' not in page and "<svg" not in page
         assert re.findall(r"<script[^>]*>", page) == ['<script src="/ui/static/console.js" defer>']
     assert "&lt;img src=x onerror=alert(1)&gt;.md" in pages[1]
+
+
+async def test_store_settings_form(app):
+    """(admin) the store page's settings form: description, default type and limits, sizes as
+    people write them; bad values are shown by their field and change nothing; CSRF and the
+    admin's right are checked like every other form."""
+    svc = app.state.service
+    before = svc.get_store(ADMIN_P, "ws")
+    form = {"description": "team notes", "default_type": "user", "max_record_bytes": "512K",
+            "max_store_bytes": "2 MiB", "max_records": "1,500"}
+    async with client(app) as c:
+        await c.get("/ui/login")
+        r = await c.post("/ui/login", data={"token": ADMIN, "csrf": c.cookies["memfuse_login"]})
+        assert r.status_code == 303
+        page = (await c.get("/ui/stores/ws")).text
+        assert 'action="/ui/stores/ws/settings"' in page and 'value="1048576"' in page
+        # without the CSRF token: refused, nothing changed
+        assert (await c.post("/ui/stores/ws/settings", data=form)).status_code == 403
+        bad = {**form, "max_record_bytes": "12 parsecs", "max_records": "0", "default_type": "diary",
+               "max_store_bytes": "<b>9</b>", "csrf": csrf_token(ADMIN)}
+        r = await c.post("/ui/stores/ws/settings", data=bad)
+        assert r.status_code == 422
+        assert "Nothing was changed" in r.text
+        assert "&#39;12 parsecs&#39; is not a byte size" in r.text
+        assert "must be at least 1" in r.text and "choose one of user, feedback, project, reference" in r.text
+        assert "<b>9</b>" not in r.text and "&lt;b&gt;9&lt;/b&gt;" in r.text  # typed values kept, escaped
+        assert 'value="12 parsecs"' in r.text and "<details class=\"settings\" id=\"settings\" open>" in r.text
+        assert svc.get_store(ADMIN_P, "ws") == before
+        r = await c.post("/ui/stores/ws/settings", data={**form, "max_record_bytes": "4M",
+                                                          "max_store_bytes": "1M", "csrf": csrf_token(ADMIN)})
+        assert r.status_code == 422 and "cannot be larger than the whole store" in r.text
+        assert svc.get_store(ADMIN_P, "ws") == before
+        # good values: saved, one store_changed event for the attached workspaces
+        r = await c.post("/ui/stores/ws/settings", data={**form, "csrf": csrf_token(ADMIN)})
+        assert r.status_code == 303 and r.headers["location"].endswith("msg=settings_saved")
+        after = svc.get_store(ADMIN_P, "ws")
+        assert (after.description, after.default_type, after.max_record_bytes, after.max_store_bytes,
+                after.max_records) == ("team notes", "user", 512 << 10, 2 << 20, 1500)
+        assert "Store settings saved." in (await c.get(r.headers["location"])).text
+        r = await c.post("/ui/stores/ws/settings", data={**form, "max_records": "1500", "csrf": csrf_token(ADMIN)})
+        assert r.headers["location"].endswith("msg=settings_unchanged")
+    # a workspace token (even read-write) sees no form and may not post one
+    async with client(app, WS) as c:
+        assert 'action="/ui/stores/ws/settings"' not in (await c.get("/ui/stores/ws")).text
+        r = await c.post("/ui/stores/ws/settings", data={**form, "max_records": "9"})
+        assert r.status_code == 403
+    assert svc.get_store(ADMIN_P, "ws").max_records == 1500

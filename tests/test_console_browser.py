@@ -387,6 +387,60 @@ def test_workspace_attachments(console):
     assert [(a["store"]["slug"], a["access"]) for a in atts] == [("default", "read_only")]
 
 
+def test_store_settings_edit(console):
+    """(admin) the store page's settings form: bad values are refused by their field with
+    nothing changed; good ones are saved and reach the sidecar (its status shows the limit)."""
+    c = console
+    with c.api() as api:
+        before = api.get("/v1/stores/default").json()
+
+    def field(name: str):
+        return c.one(f"#s-{name}")
+
+    def fill(**values: str) -> None:
+        for name, value in values.items():
+            el = field(name)
+            el.clear()
+            el.send_keys(value)
+
+    try:
+        c.open("/ui/stores/default")
+        assert not field("max_records").is_displayed()  # folded until asked for
+        c.one("details.settings summary").click()
+        assert field("max_record_bytes").get_attribute("value") == str(before["max_record_bytes"])
+        fill(max_record_bytes="lots", max_records="-5")
+        c.button("Save settings").click()
+        c.until(lambda: "Nothing was changed" in c.text(), "the refusal")
+        errors = [e.text for e in c.css("details.settings .field-error")]
+        assert "'lots' is not a byte size (e.g. 1048576, 512K, 1MiB)" in errors
+        assert "must be at least 1" in errors
+        assert field("max_record_bytes").get_attribute("value") == "lots"  # what was typed stays
+        with c.api() as api:
+            assert api.get("/v1/stores/default").json() == before
+        fill(max_record_bytes="256K", max_records="777", description="shared team memory")
+        from selenium.webdriver.support.ui import Select
+        Select(field("default_type")).select_by_visible_text("reference")
+        c.button("Save settings").click()
+        c.until(lambda: "Store settings saved." in c.text(), "saved")
+        assert "777 records" in c.one(".usage-line").text and "256 KiB per record" in c.one(".usage-line").text
+        assert "shared team memory" in c.text()
+        with c.api() as api:
+            got = api.get("/v1/stores/default").json()
+        assert (got["max_record_bytes"], got["max_records"], got["default_type"], got["description"]) == (
+            256 << 10, 777, "reference", "shared team memory")
+        assert got["max_store_bytes"] == before["max_store_bytes"]
+
+        def sidecar_limit() -> bool:
+            st = json.loads((c.mnt / ".memfuse" / "status.json").read_text())
+            return [s["max_records"] for s in st["stores"] if s["slug"] == "default"] == [777]
+        wait_for(sidecar_limit, WAIT, "the sidecar to get the new limit")
+    finally:
+        with c.api() as api:
+            r = api.patch("/v1/stores/default", json={k: before[k] for k in (
+                "description", "default_type", "max_record_bytes", "max_store_bytes", "max_records")})
+            assert r.status_code == 200
+
+
 def test_read_only_workspace_cannot_edit(console):
     c = console
     rid = c.record_id("prefs.md")
@@ -394,6 +448,7 @@ def test_read_only_workspace_cannot_edit(console):
     assert "workspace viewer" in c.one(".who").text
     c.open("/ui/stores/default")
     assert "read-only" in c.text()
+    assert not c.css("details.settings")  # the store's settings are the admin's
     assert not [b for b in c.css("main a.button, main button") if b.text in ("New record", "Edit", "Delete")]
     c.open(f"/ui/stores/default/records/{rid}")
     assert not [b for b in c.css("main a, main button") if b.text.strip() in ("Edit", "Delete", "Restore", "Redact")]

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import click
 
 from memfuse.client import ApiClient
+from memfuse.defs import parse_byte_size
 from memfuse.errors import ApiError
 from memfuse.transfer import new_key as _key  # noqa: F401  (the CLI's idempotency keys)
 from memfuse.transfer import one_line as _one_line
@@ -214,29 +215,14 @@ class ByteSize(click.ParamType):
     """A byte count: ``1048576``, ``512K``, ``1M``, ``1MiB``, ``2G`` (binary), ``1MB`` (decimal)."""
 
     name = "BYTES"
-    _UNITS = {
-        "": 1, "b": 1,
-        "k": 1 << 10, "kib": 1 << 10, "kb": 1000,
-        "m": 1 << 20, "mib": 1 << 20, "mb": 1000**2,
-        "g": 1 << 30, "gib": 1 << 30, "gb": 1000**3,
-    }
 
     def convert(self, value: Any, param: Any, ctx: Any) -> int:
         if isinstance(value, int):
             return value
-        text = str(value).strip().replace(" ", "")
-        num = text.rstrip("kKmMgGiIbB")
-        unit = text[len(num):].lower()
-        try:
-            n = float(num)
-        except ValueError:
-            self.fail(f"{value!r} is not a byte size (e.g. 1048576, 512K, 1MiB)", param, ctx)
-        if unit not in self._UNITS:
-            self.fail(f"unknown unit in {value!r} (use K, M, G, KiB, MiB, GiB, kB, MB, GB)", param, ctx)
-        result = int(n * self._UNITS[unit])
-        if result <= 0:
-            self.fail(f"{value!r} must be positive", param, ctx)
-        return result
+        try:  # the same forms as the console's size fields
+            return parse_byte_size(str(value))
+        except ValueError as err:
+            self.fail(str(err), param, ctx)
 
 
 BYTES = ByteSize()

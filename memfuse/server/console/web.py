@@ -47,10 +47,11 @@ from memfuse.models import (
     RecordUpdate,
     Restore,
     StoreCreate,
+    StoreUpdate,
     WorkspaceCreate,
 )
 from memfuse.server.console import render
-from memfuse.server.console.forms import FormError, field_text, read_form
+from memfuse.server.console.forms import FormError, field_text, parse_byte_size, parse_count, read_form
 from memfuse.server.console.session import (
     CSRF_FIELD,
     LOGIN_COOKIE,
@@ -83,6 +84,8 @@ _MESSAGES = {  # ?msg= codes → fixed text (no user-supplied text is ever echoe
     "attached": "Attachment saved.",
     "detached": "Detached.",
     "store_created": "Store created.",
+    "settings_saved": "Store settings saved.",
+    "settings_unchanged": "Nothing to save: the settings are as they were.",
     "workspace_created": "Workspace created.",
     "cleared": "Cleared: MEMORY.md is now empty (the old text is kept in its history).",
     "logged_out": "Logged out.",
@@ -389,8 +392,66 @@ def create_store(ctx: Ctx) -> Response:
 
 def store_page(ctx: Ctx) -> Response:
     """GET ``/stores/{store}``: ``MEMORY.md`` first, then the records (path, type, size, last
-    change), filtered by type, path and content on the server."""
+    change), filtered by type, path and content on the server; (admin) the store's settings
+    form."""
+    return _store_view(ctx, ctx.path("store"))
+
+
+# the settings form's fields: name → how to read it (a ValueError is the field's message)
+_SETTINGS_FIELDS: dict[str, Callable[[str], Any]] = {
+    "max_record_bytes": parse_byte_size,
+    "max_store_bytes": parse_byte_size,
+    "max_records": parse_count,
+}
+
+
+def _settings_values(store) -> dict[str, str]:
+    return {"description": store.description, "default_type": store.default_type,
+            **{k: str(getattr(store, k)) for k in _SETTINGS_FIELDS}}
+
+
+def store_settings(ctx: Ctx) -> Response:
+    """POST ``/stores/{store}/settings`` (admin): update the description, default type and
+    limits (``Service.update_store``, like ``memfuse store update``). Sizes take ``1048576``,
+    ``512K``, ``1MiB``...; every field is checked first and a bad one re-shows the page (422)
+    with the reason by the field and nothing changed; a store whose settings are unchanged
+    is not written."""
     slug = ctx.path("store")
+    store = ctx.svc.get_store(ctx.principal, slug)
+    if not ctx.principal.is_admin:
+        raise ServiceError(403, "forbidden", "only an admin token may change a store's settings")
+    values = {k: ctx.form.get(k, "") for k in ("description", "default_type", *_SETTINGS_FIELDS)}
+    errors: dict[str, str] = {}
+    update: dict[str, Any] = {}
+    try:
+        update["description"] = field_text(ctx.form, "description").strip()
+    except ContentError as err:
+        errors["description"] = str(err)
+    if values["default_type"] not in RECORD_TYPES:
+        errors["default_type"] = f"choose one of {', '.join(RECORD_TYPES)}"
+    else:
+        update["default_type"] = values["default_type"]
+    for name, parse in _SETTINGS_FIELDS.items():
+        try:
+            update[name] = parse(values[name])
+        except ValueError as err:
+            errors[name] = str(err)
+    if (not errors and update["max_record_bytes"] > update["max_store_bytes"]
+            and (update["max_record_bytes"], update["max_store_bytes"])
+            != (store.max_record_bytes, store.max_store_bytes)):
+        errors["max_record_bytes"] = "a record cannot be larger than the whole store may hold"
+    if errors:
+        return _store_view(ctx, slug, status=422, settings_errors=errors, settings_values=values)
+    changed = {k: v for k, v in update.items() if getattr(store, k) != v}
+    if not changed:
+        return _redirect(ctx.url("stores", slug, msg="settings_unchanged"))
+    ctx.svc.update_store(ctx.principal, slug, StoreUpdate(**changed))
+    log.info("console: store %s settings changed (%s)", slug, ", ".join(sorted(changed)))
+    return _redirect(ctx.url("stores", slug, msg="settings_saved"))
+
+
+def _store_view(ctx: Ctx, slug: str, *, status: int = 200, settings_errors: dict[str, str] | None = None,
+                settings_values: dict[str, str] | None = None) -> Response:
     svc, p = ctx.svc, ctx.principal
     store = svc.get_store(p, slug)
     rtype = ctx.q("type") or None
@@ -409,6 +470,8 @@ def store_page(ctx: Ctx) -> Response:
         index_rendered=rendered, filters={"type": rtype or "", "path": path_q or "", "text": text_q or ""},
         filtered=bool(rtype or path_q or text_q), next_url=next_url, first_page=cursor is None,
         can_write=_can_write(ctx, slug), live_url=ctx.url("stores", slug, "live", after=page.seq),
+        status=status, settings_errors=settings_errors or {},
+        settings_values=settings_values or _settings_values(store), settings_open=bool(settings_errors),
     )
 
 
@@ -833,6 +896,7 @@ def create_console(svc: Service, codes: LoginCodes | None = None) -> Starlette:
         Route("/stores", v(create_store), methods=["POST"]),
         Route("/stores/{store}", v(store_page)),
         Route("/stores/{store}/live", live(svc)),
+        Route("/stores/{store}/settings", v(store_settings), methods=["POST"]),
         Route("/stores/{store}/new", v(new_record_page), methods=["GET", "POST"]),
         Route("/stores/{store}/memory", v(memory_settings)),
         Route("/stores/{store}/records/{rid}", v(record_page)),
