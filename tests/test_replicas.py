@@ -6,10 +6,12 @@ PostgreSQL they are skipped (and fail in CI, like ``tests/test_postgres.py``).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -57,6 +59,30 @@ def _serve(tmp: Path, db_url: str, name: str) -> tuple[subprocess.Popen, str, Pa
     return proc, f"http://127.0.0.1:{port}", log
 
 
+@contextlib.asynccontextmanager
+async def _two_replicas(tmp: Path, db_url: str, *, a_timeout: float = 5.0
+                        ) -> AsyncIterator[tuple[httpx.AsyncClient, httpx.AsyncClient, str]]:
+    """Start ``memfuse serve`` replica A on ``db_url``, wait until it answers, then replica B;
+    yield ``(ca, cb, url_b)``: admin clients of A (timeout ``a_timeout`` s; 5 s is httpx's
+    default) and of B (60 s), and B's URL. Both processes are stopped on the way out."""
+    procs = []
+    try:
+        a, url_a, _ = _serve(tmp, db_url, "a")
+        procs.append(a)
+        async with httpx.AsyncClient(base_url=url_a, headers={"Authorization": f"Bearer {ADMIN}"},
+                                     timeout=a_timeout) as ca:
+            await _until(lambda: ca.get("/healthz"), "replica A")
+            b, url_b, _ = _serve(tmp, db_url, "b")
+            procs.append(b)
+            async with httpx.AsyncClient(base_url=url_b, headers={"Authorization": f"Bearer {ADMIN}"},
+                                         timeout=60) as cb:
+                await _until(lambda: cb.get("/healthz"), "replica B")
+                yield ca, cb, url_b
+    finally:
+        for p in procs:
+            stop(p)
+
+
 async def _until(fn, what: str, timeout: float = 30.0):
     with trio.fail_after(timeout):
         while True:
@@ -79,121 +105,94 @@ async def test_write_on_replica_a_wakes_waiter_on_replica_b(pg, tmp_path):
     statement while nothing is written, and a write on A answers B's change feed and an
     attachment on A answers B's events long-poll (LISTEN/NOTIFY: without it they would wait
     their full 20 s)."""
-    procs = []
-    try:
-        a, url_a, log_a = _serve(tmp_path, pg, "a")
-        procs.append(a)
-        async with httpx.AsyncClient(base_url=url_a, headers={"Authorization": f"Bearer {ADMIN}"}) as ca:
-            await _until(lambda: ca.get("/healthz"), "replica A")
-            b, url_b, log_b = _serve(tmp_path, pg, "b")
-            procs.append(b)
-            async with httpx.AsyncClient(base_url=url_b, headers={"Authorization": f"Bearer {ADMIN}"},
-                                         timeout=60) as cb:
-                await _until(lambda: cb.get("/healthz"), "replica B")
-                assert (await ca.post("/v1/stores", json={"slug": "default"})).status_code == 201
-                assert (await ca.post("/v1/stores", json={"slug": "second"})).status_code == 201
-                assert (await ca.post("/v1/workspaces", json={"name": "ws"})).status_code == 201
-                r = await ca.put("/v1/workspaces/ws/attachments/default", json={"access": "read_write"})
+    async with _two_replicas(tmp_path, pg) as (ca, cb, url_b):
+        assert (await ca.post("/v1/stores", json={"slug": "default"})).status_code == 201
+        assert (await ca.post("/v1/stores", json={"slug": "second"})).status_code == 201
+        assert (await ca.post("/v1/workspaces", json={"name": "ws"})).status_code == 201
+        r = await ca.put("/v1/workspaces/ws/attachments/default", json={"access": "read_write"})
+        assert r.status_code == 200
+        tok = (await ca.post("/v1/tokens", json={"workspace": "ws", "name": "w"})).json()["token"]
+        first = (await ca.post("/v1/stores/default/records",
+                               json={"path": "first.md", "content": "one"})).json()["seq"]
+        ev_seq = (await cb.get("/v1/workspaces/ws/events", params={"after": 0})).json()["seq"]
+
+        async def connected():
+            return _metric((await cb.get("/metrics")).text, "memfuse_server_bus_connected") == 1
+        await _until(connected, "B's commit listener")
+
+        ws_headers = {"Authorization": f"Bearer {tok}", "X-Memfuse-Instance": "b"}
+        result = {}
+        async with httpx.AsyncClient(base_url=url_b, headers=ws_headers, timeout=60) as sidecar:
+
+            async def feed():
+                r = await sidecar.get("/v1/stores/default/changes",
+                                      params={"after": first, "wait": 20, "skip_actor": "ws:ws/b"})
+                result["feed"], result["feed_t"] = r.json(), time.monotonic()
+
+            async def events():
+                r = await sidecar.get("/v1/workspaces/ws/events", params={"after": ev_seq, "wait": 20})
+                result["events"], result["events_t"] = r.json(), time.monotonic()
+
+            async with trio.open_nursery() as n:
+                n.start_soon(feed)
+                n.start_soon(events)
+
+                async def held():
+                    return _metric((await cb.get("/metrics")).text, "memfuse_server_long_polls") == 2
+                await _until(held, "both long-polls held on B")
+                await trio.sleep(0.3)  # the first look of each (a read at most) is over
+                s0 = _metric((await cb.get("/metrics")).text, "memfuse_server_db_statements_total")
+                await trio.sleep(1.5)
+                s1 = _metric((await cb.get("/metrics")).text, "memfuse_server_db_statements_total")
+                assert s1 == s0, f"B queried the database {s1 - s0} times while idle"
+                assert "feed" not in result and "events" not in result
+                t0 = time.monotonic()
+                r = await ca.post("/v1/stores/default/records", json={"path": "late.md", "content": "from a"})
+                assert r.status_code == 201
+                with trio.fail_after(10):
+                    while "feed" not in result:
+                        await trio.sleep(0.01)
+                assert "events" not in result
+                t1 = time.monotonic()
+                r = await ca.put("/v1/workspaces/ws/attachments/second", json={"access": "read_only"})
                 assert r.status_code == 200
-                tok = (await ca.post("/v1/tokens", json={"workspace": "ws", "name": "w"})).json()["token"]
-                first = (await ca.post("/v1/stores/default/records",
-                                       json={"path": "first.md", "content": "one"})).json()["seq"]
-                ev_seq = (await cb.get("/v1/workspaces/ws/events", params={"after": 0})).json()["seq"]
-
-                async def connected():
-                    return _metric((await cb.get("/metrics")).text, "memfuse_server_bus_connected") == 1
-                await _until(connected, "B's commit listener")
-
-                ws_headers = {"Authorization": f"Bearer {tok}", "X-Memfuse-Instance": "b"}
-                result = {}
-                async with httpx.AsyncClient(base_url=url_b, headers=ws_headers, timeout=60) as sidecar:
-
-                    async def feed():
-                        r = await sidecar.get("/v1/stores/default/changes",
-                                              params={"after": first, "wait": 20, "skip_actor": "ws:ws/b"})
-                        result["feed"], result["feed_t"] = r.json(), time.monotonic()
-
-                    async def events():
-                        r = await sidecar.get("/v1/workspaces/ws/events", params={"after": ev_seq, "wait": 20})
-                        result["events"], result["events_t"] = r.json(), time.monotonic()
-
-                    async with trio.open_nursery() as n:
-                        n.start_soon(feed)
-                        n.start_soon(events)
-
-                        async def held():
-                            return _metric((await cb.get("/metrics")).text, "memfuse_server_long_polls") == 2
-                        await _until(held, "both long-polls held on B")
-                        await trio.sleep(0.3)  # the first look of each (a read at most) is over
-                        s0 = _metric((await cb.get("/metrics")).text, "memfuse_server_db_statements_total")
-                        await trio.sleep(1.5)
-                        s1 = _metric((await cb.get("/metrics")).text, "memfuse_server_db_statements_total")
-                        assert s1 == s0, f"B queried the database {s1 - s0} times while idle"
-                        assert "feed" not in result and "events" not in result
-                        t0 = time.monotonic()
-                        r = await ca.post("/v1/stores/default/records", json={"path": "late.md", "content": "from a"})
-                        assert r.status_code == 201
-                        with trio.fail_after(10):
-                            while "feed" not in result:
-                                await trio.sleep(0.01)
-                        assert "events" not in result
-                        t1 = time.monotonic()
-                        r = await ca.put("/v1/workspaces/ws/attachments/second", json={"access": "read_only"})
-                        assert r.status_code == 200
-                assert [c["record"]["path"] for c in result["feed"]["changes"]] == ["late.md"]
-                assert result["feed_t"] - t0 < 5.0
-                assert [(e["kind"], e["store"]) for e in result["events"]["events"]] == [("attached", "second")]
-                assert result["events_t"] - t1 < 5.0
-    finally:
-        for p in procs:
-            stop(p)
+        assert [c["record"]["path"] for c in result["feed"]["changes"]] == ["late.md"]
+        assert result["feed_t"] - t0 < 5.0
+        assert [(e["kind"], e["store"]) for e in result["events"]["events"]] == [("attached", "second")]
+        assert result["events_t"] - t1 < 5.0
 
 
 async def test_batch_on_replica_a_wakes_waiter_on_replica_b_with_every_version_in_order(pg, tmp_path):
     """A batch committed on A (one transaction, one NOTIFY) answers a change-feed long-poll
     held on B at once, with the batch's versions in the batch's order."""
-    procs = []
-    try:
-        a, url_a, _ = _serve(tmp_path, pg, "a")
-        procs.append(a)
-        async with httpx.AsyncClient(base_url=url_a, headers={"Authorization": f"Bearer {ADMIN}"},
-                                     timeout=60) as ca:
-            await _until(lambda: ca.get("/healthz"), "replica A")
-            b, url_b, _ = _serve(tmp_path, pg, "b")
-            procs.append(b)
-            async with httpx.AsyncClient(base_url=url_b, headers={"Authorization": f"Bearer {ADMIN}"},
-                                         timeout=60) as cb:
-                await _until(lambda: cb.get("/healthz"), "replica B")
-                assert (await ca.post("/v1/stores", json={"slug": "default"})).status_code == 201
-                first = (await ca.post("/v1/stores/default/records",
-                                       json={"path": "first.md", "content": "one"})).json()
-                await _until(lambda: _metric_of(cb, "memfuse_server_bus_connected"), "B's listener")
-                result = {}
+    async with _two_replicas(tmp_path, pg, a_timeout=60) as (ca, cb, _):
+        assert (await ca.post("/v1/stores", json={"slug": "default"})).status_code == 201
+        first = (await ca.post("/v1/stores/default/records",
+                               json={"path": "first.md", "content": "one"})).json()
+        await _until(lambda: _metric_of(cb, "memfuse_server_bus_connected"), "B's listener")
+        result = {}
 
-                async def feed():
-                    r = await cb.get("/v1/stores/default/changes", params={"after": first["seq"], "wait": 20})
-                    result["feed"], result["t"] = r.json(), time.monotonic()
+        async def feed():
+            r = await cb.get("/v1/stores/default/changes", params={"after": first["seq"], "wait": 20})
+            result["feed"], result["t"] = r.json(), time.monotonic()
 
-                async with trio.open_nursery() as n:
-                    n.start_soon(feed)
+        async with trio.open_nursery() as n:
+            n.start_soon(feed)
 
-                    async def held():
-                        return _metric((await cb.get("/metrics")).text, "memfuse_server_long_polls") == 1
-                    await _until(held, "the long-poll held on B")
-                    await trio.sleep(0.3)
-                    t0 = time.monotonic()
-                    ops = [{"op": "create", "body": {"path": f"b{i:02d}.md", "content": f"batch {i}"}}
-                           for i in range(30)]
-                    ops.append({"op": "update", "record_id": first["id"], "body": {"content": "one, later"}})
-                    r = await ca.post("/v1/stores/default/batch", json={"operations": ops})
-                    assert r.status_code == 200 and all(x["status"] < 300 for x in r.json()["results"])
-                changes = result["feed"]["changes"]
-                assert [c["record"]["path"] for c in changes] == [f"b{i:02d}.md" for i in range(30)] + ["first.md"]
-                assert [c["seq"] for c in changes] == sorted(c["seq"] for c in changes)
-                assert result["t"] - t0 < 5.0
-    finally:
-        for p in procs:
-            stop(p)
+            async def held():
+                return _metric((await cb.get("/metrics")).text, "memfuse_server_long_polls") == 1
+            await _until(held, "the long-poll held on B")
+            await trio.sleep(0.3)
+            t0 = time.monotonic()
+            ops = [{"op": "create", "body": {"path": f"b{i:02d}.md", "content": f"batch {i}"}}
+                   for i in range(30)]
+            ops.append({"op": "update", "record_id": first["id"], "body": {"content": "one, later"}})
+            r = await ca.post("/v1/stores/default/batch", json={"operations": ops})
+            assert r.status_code == 200 and all(x["status"] < 300 for x in r.json()["results"])
+        changes = result["feed"]["changes"]
+        assert [c["record"]["path"] for c in changes] == [f"b{i:02d}.md" for i in range(30)] + ["first.md"]
+        assert [c["seq"] for c in changes] == sorted(c["seq"] for c in changes)
+        assert result["t"] - t0 < 5.0
 
 
 async def _metric_of(c: httpx.AsyncClient, name: str) -> bool:
