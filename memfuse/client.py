@@ -75,6 +75,7 @@ from .wire import (
     MoveResult,
     PrefixMove,
     Record,
+    SearchPage,
     RecordAttributes,
     RecordCreate,
     RecordMove,
@@ -649,6 +650,35 @@ class ApiClient:
             MemoryToolResult, "POST", f"/v1/workspaces/{_seg(ws)}/memory-tool",
             body=_memory_tool_command(command),
         )
+
+    async def search(
+        self,
+        store: str,
+        q: str,
+        *,
+        match: str = "any",
+        prefix: str = "",
+        type: str | None = None,
+        case_sensitive: bool = False,
+        cursor: str | None = None,
+        limit: int = 20,
+        max_lines: int = 5,
+    ) -> SearchPage:
+        """``GET /v1/stores/{store}/search``: one page of the live records whose path
+        (``match="path"``), content (``"content"``) or either (``"any"``) hold ``q``
+        (literal, one line, 1–256 characters), in path order, each with its first
+        ``max_lines`` matching lines (docs/API.md, "Search"). ``prefix`` limits it to a file
+        or directory; ``limit`` 1–100 records a page; follow ``next_cursor``. Raises
+        :class:`~memfuse.errors.ApiError` (422 ``invalid_query`` and friends for bad input)."""
+        params: dict[str, Any] = {"q": q, "match": match, "limit": limit, "max_lines": max_lines,
+                                  "case_sensitive": _bool(case_sensitive)}
+        if prefix:
+            params["prefix"] = prefix
+        if type is not None:
+            params["type"] = type
+        if cursor is not None:
+            params["cursor"] = cursor
+        return await self._call(SearchPage, "GET", f"/v1/stores/{_seg(store)}/search", params=params)
 
     # ------------------------------------------------------------ records: reading
 

@@ -201,3 +201,24 @@ async def test_search_returns_content_as_data(env: Env, q: str):
     await env.create("x.md", f"{q}\n")
     page = await find(env, q="<script>")
     assert page["hits"][0]["lines"] == [{"line": 1, "text": q}]  # JSON text, for the caller to escape
+
+
+async def test_client_search_decodes_pages(env: Env):
+    """``ApiClient.search`` (the msgspec side) follows the pages of the same endpoint and
+    raises the problem's code for bad input."""
+    from memfuse.client import ApiClient
+    from memfuse.errors import ApiError
+
+    await batch_create(env, {f"d/{i}.md": f"needle {i}\nhay\n" for i in range(5)})
+    async with ApiClient("http://test", "test-ws-token", transport=httpx.ASGITransport(app=env.app)) as api:
+        got, cursor = [], None
+        while True:
+            page = await api.search("default", "NEEDLE", match="content", prefix="d", limit=2, cursor=cursor)
+            got += [(h.record.path, [(ln.line, ln.text) for ln in h.lines], h.line_matches) for h in page.hits]
+            cursor = page.next_cursor
+            if cursor is None:
+                break
+        assert got == [(f"d/{i}.md", [(1, f"needle {i}")], 1) for i in range(5)]
+        with pytest.raises(ApiError) as bad:
+            await api.search("default", "two\nlines")
+        assert bad.value.code == "invalid_query"
