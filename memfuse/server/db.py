@@ -271,11 +271,6 @@ def normalize_db_url(url: str):
     return u
 
 
-def _sql_lower(value: object) -> object:
-    """SQLite function ``memfuse_lower(x)``: ``str.lower`` of text (Unicode), else ``x``."""
-    return value.lower() if isinstance(value, str) else value
-
-
 class Database:
     """Engine plus session factories with the locking rules of this module.
 
@@ -354,8 +349,6 @@ class Database:
             cur = dbapi_conn.cursor()
             cur.execute("PRAGMA foreign_keys=ON")
             cur.execute("PRAGMA busy_timeout=5000")
-            # Unicode lowercase for case-insensitive search (SQLite's lower() is ASCII only)
-            dbapi_conn.create_function("memfuse_lower", 1, _sql_lower, deterministic=True)
             if not memory:
                 _set_wal(cur)
             cur.close()

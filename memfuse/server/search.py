@@ -8,11 +8,10 @@ memory tool's directory ``view``: the entries up to two levels under a directory
 indexed range queries on ``(store, path, id)`` that skip whole subtrees below the depth shown,
 so a listing reads about as many rows as it shows, never the whole store.
 
-Case-insensitive matching compares ``str.lower()`` of both sides (Unicode): on SQLite through
-``memfuse_lower`` (the same Python function, registered on every connection by
-``memfuse.server.db``); on PostgreSQL the database narrows the rows with ``ILIKE`` (see
-``_contains``: right whatever the database's ``LC_CTYPE``). Each candidate row is checked
-again here, line by line, so a hit always holds the query as this module defines it.
+Case-insensitive matching compares ``str.lower()`` of both sides (Unicode): the database
+narrows the rows with ``LIKE`` / ``ILIKE`` (see ``_contains``: the same on SQLite and
+PostgreSQL, whatever the database's ``LC_CTYPE``) and each candidate row is checked again
+here, line by line, so a hit always holds the query as this module defines it.
 
 Paths compare byte-wise on both databases (PostgreSQL: ``COLLATE "C"``), the order of the
 snapshot pages; a cursor is the snapshot cursor of the last row read.
@@ -80,20 +79,19 @@ class SearchMixin(ServiceBase):
         return _R.c.path
 
     def _contains(self, col, q: str, case_sensitive: bool):
-        """SQL: ``col`` holds ``q`` literally (lowercased both sides unless case-sensitive).
-
-        Case-insensitive on PostgreSQL is a superset filter that does not depend on the
-        database's ``LC_CTYPE``: ``ILIKE`` with the query's ASCII and caseless characters
-        (escaped) and ``%`` for each other character; ``search`` checks every candidate line by line."""
+        """SQL: ``col`` may hold ``q``. Case-sensitive: exactly (``instr`` / ``strpos``).
+        Case-insensitive: a superset filter the database runs in C on both dialects,
+        whatever PostgreSQL's ``LC_CTYPE``: ``LIKE`` (SQLite, ASCII case-insensitive) /
+        ``ILIKE`` with the query's ASCII and caseless characters escaped and ``%`` for each
+        character with case outside ASCII; ``search`` checks every candidate line by line.
+        (A character outside ASCII whose lowercase is ASCII, such as U+212A KELVIN SIGN, is
+        not found by the ASCII letter it folds to.)"""
         pg = self.db.engine.dialect.name == "postgresql"
         if case_sensitive:
             return (func.strpos(col, q) if pg else func.instr(col, q)) > 0
-        if pg:
-            # a character with case outside ASCII may fold differently there: any run
-            pattern = "".join(_like_escape(ch) if ch.isascii() or ch.lower() == ch.upper() == ch
-                              else "%" for ch in q)
-            return col.ilike(f"%{pattern}%", escape="\\")
-        return func.instr(func.memfuse_lower(col), q.lower()) > 0
+        pattern = "%" + "".join(_like_escape(ch) if ch.isascii() or ch.lower() == ch.upper() == ch
+                                else "%" for ch in q) + "%"
+        return col.ilike(pattern, escape="\\") if pg else col.like(pattern, escape="\\")
 
     def search(
         self,
