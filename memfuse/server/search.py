@@ -199,12 +199,15 @@ class SearchMixin(ServiceBase):
 
     def _tree_rows(self, conn: Connection, store: str, lead: str, depth: int,
                    hidden: bool) -> Iterator[tuple[str, int]]:
-        """(path, size) of the live records under ``lead`` in path order, except those
-        deeper than ``depth`` below a directory already yielded at that depth (each such
-        subtree is skipped with one new range query) and hidden ones unless ``hidden``."""
+        """(path, size) of the live records under ``lead`` in path order, with one row per
+        subtree deeper than ``depth`` (its first) and, unless ``hidden``, none under a hidden
+        name. Pages of ``TREE_PAGE`` rows; a page that ends inside such a subtree is followed
+        by a range query that starts past the subtree, so a large subtree costs one query
+        and a few rows, never all of its rows."""
         path_col = self._path_col()
         lo, inclusive = lead, True
         hi = lead[:-1] + "0" if lead else None  # every path under lead/ is below it
+        skipping: str | None = None  # the subtree (path prefix + "/") being passed over
         while True:
             conds = [_R.c.store == store, _R.c.deleted == false(),
                      path_col >= lo if inclusive else path_col > lo]
@@ -212,22 +215,21 @@ class SearchMixin(ServiceBase):
                 conds.append(path_col < hi)
             rows = conn.execute(select(_R.c.path, _R.c.size).where(*conds)
                                 .order_by(path_col, _R.c.id).limit(TREE_PAGE)).all()
-            if not rows:
-                return
             for path, size in rows:
+                if skipping is not None and path.startswith(skipping):
+                    continue
+                skipping = None
                 parts = path[len(lead):].split("/")
-                skip = next((i for i, c in enumerate(parts[:depth]) if c.startswith(".")), None)
-                if not hidden and skip is not None:  # a hidden name: jump past it
-                    if skip + 1 == len(parts):  # a hidden file: the next row
-                        lo, inclusive = path, False
-                    else:  # a hidden directory: past everything under it
-                        lo, inclusive = lead + "/".join(parts[:skip + 1]) + "0", True
-                    break
-                yield path, size
-                if len(parts) > depth:  # deeper: jump past the rest of that subtree
-                    lo, inclusive = lead + "/".join(parts[:depth]) + "0", True
-                    break
+                cut = next((i for i, c in enumerate(parts[:depth]) if c.startswith(".")), None)
+                if hidden or cut is None:
+                    yield path, size
+                    cut = depth - 1 if len(parts) > depth else None
+                if cut is not None and cut + 1 < len(parts):  # a directory: pass over it
+                    skipping = lead + "/".join(parts[:cut + 1]) + "/"
+            if len(rows) < TREE_PAGE:
+                return
+            if skipping is not None:  # the page ended inside a subtree: start past it
+                lo, inclusive = skipping[:-1] + "0", True
+                skipping = None
             else:
-                if len(rows) < TREE_PAGE:
-                    return
                 lo, inclusive = rows[-1][0], False
