@@ -25,6 +25,10 @@ differences, each a refusal the local tool cannot make or a bound it does not ke
 - ``view`` of a file shows at most ``VIEW_MAX_LINES`` lines / ``VIEW_MAX_BYTES`` bytes and a
   directory listing at most ``LIST_MAX_ENTRIES`` entries, then a ``[memfuse: ...]`` marker
   saying what was left out and how to page on (``view_range``);
+- ``view`` of a directory reads the two levels it shows through ``Service.tree`` (range
+  queries that pass over deeper subtrees) and ``search`` goes through ``Service.search``
+  (the database finds the files, a bounded page at a time, and the search stops once it has
+  the lines to show), so neither loads a whole store;
 - refusals of the store's rules read ``Cannot write <path>: <reason> (<errno>)`` with the
   reason and errno the mount gives for the same write (``EFBIG``, ``ENOSPC``, ``EPERM``,
   ``EILSEQ``, ``EINVAL``, ``EROFS``).
