@@ -12,7 +12,6 @@ from urllib.parse import parse_qsl
 from starlette.requests import Request
 
 from memfuse.content import ContentError, check_utf8
-from memfuse.defs import parse_byte_size, parse_count  # noqa: F401  (the console's number fields)
 
 MAX_FORM_BYTES = 16 << 20  # percent-encoding can triple a 1 MiB record, plus the other fields
 MAX_FIELDS = 64
@@ -70,4 +69,3 @@ def field_text(form: dict[str, str], name: str, default: str = "") -> str:
         check_utf8(value.encode("utf-8", "surrogateescape"))  # raises with the byte offset
         raise ContentError("content is not valid UTF-8") from None  # pragma: no cover
     return value.replace("\r\n", "\n")
-

@@ -40,6 +40,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from memfuse.content import INDEX_PATH, RECORD_TYPES, ContentError, is_index
+from memfuse.defs import parse_byte_size, parse_count
 from memfuse.models import (
     Access,
     AttachmentPut,
@@ -51,7 +52,7 @@ from memfuse.models import (
     WorkspaceCreate,
 )
 from memfuse.server.console import render
-from memfuse.server.console.forms import FormError, field_text, parse_byte_size, parse_count, read_form
+from memfuse.server.console.forms import FormError, field_text, read_form
 from memfuse.server.console.session import (
     CSRF_FIELD,
     LOGIN_COOKIE,
