@@ -222,3 +222,52 @@ async def test_client_search_decodes_pages(env: Env):
         with pytest.raises(ApiError) as bad:
             await api.search("default", "two\nlines")
         assert bad.value.code == "invalid_query"
+
+
+def brute_tree(paths: dict[str, int], prefix: str, depth: int) -> tuple[set[str], dict[str, int]]:
+    """What ``Service.tree`` must give, from every live path: directories and files up to
+    ``depth`` levels under ``prefix``, nothing under a name starting with ``.``."""
+    lead = prefix + "/" if prefix else ""
+    dirs, files = set(), {}
+    for path, size in paths.items():
+        if not path.startswith(lead):
+            continue
+        parts = path[len(lead):].split("/")
+        if any(c.startswith(".") for c in parts[:depth]):
+            continue
+        for i in range(1, min(len(parts), depth + 1)):
+            dirs.add("/".join(parts[:i]))
+        if len(parts) <= depth:
+            files[path[len(lead):]] = size
+    return dirs, files
+
+
+async def test_tree_matches_a_full_scan_whatever_the_page_sizes(env: Env, monkeypatch):
+    """``Service.tree`` against a brute-force listing of every record, on a store with
+    subtrees of every size, hidden names at each level and files of varied sizes, for page
+    sizes from 1 row up (every jump and page boundary lands somewhere else)."""
+    import random
+    rnd = random.Random(7)
+    names = ["a", "b", "b0", "b.md", ".h", "c-d", "z", "é", "日本"]
+    files: dict[str, str] = {}
+    while len(files) < 250:
+        depth = rnd.choice([1, 2, 2, 3, 3, 4])
+        parts = [rnd.choice(names) for _ in range(depth - 1)] + [f"f{rnd.randrange(40)}.md"]
+        path = "/".join(parts)
+        if any(p.startswith(path + "/") or path.startswith(p + "/") for p in files):
+            continue  # a file cannot also be a directory
+        files[path] = "x" * rnd.randrange(1, 300)
+    await batch_create(env, files)
+    sizes = {p: len(c.encode()) for p, c in files.items()}
+    svc = env.app.state.service
+    p = Principal(workspace="ws")
+    prefixes = ["", "a", "b", "b/a", "é", "nope"]
+    for page, first in [(1, 1), (2, 1), (3, 2), (7, 16), (20, 16), (200, 16)]:
+        monkeypatch.setattr(search, "TREE_PAGE", page)
+        monkeypatch.setattr(search, "TREE_MIN_PAGE", first)
+        for prefix in prefixes:
+            for depth in (1, 2, 3):
+                t = svc.tree(p, "default", prefix, depth=depth, max_entries=10_000)
+                want_dirs, want_files = brute_tree(sizes, prefix, depth)
+                assert (set(t.dirs), t.files, t.complete) == (want_dirs, want_files, True), (page, prefix, depth)
+                assert len(t.dirs) == len(set(t.dirs))

@@ -35,7 +35,8 @@ SEARCH_MAX_LIMIT = 100  # records one search page returns at most
 SEARCH_MAX_LINES = 100  # matching lines shown per record at most
 LINE_MAX_CHARS = 300  # a matching line is shown up to this many characters
 MATCH_FIELDS = ("any", "path", "content")
-TREE_PAGE = 200  # rows one step of ``tree`` reads
+TREE_PAGE = 200  # rows one step of ``tree`` reads at most
+TREE_MIN_PAGE = 16  # rows the step right after a jump reads
 
 
 def check_query(q: str) -> None:
@@ -201,20 +202,23 @@ class SearchMixin(ServiceBase):
                    hidden: bool) -> Iterator[tuple[str, int]]:
         """(path, size) of the live records under ``lead`` in path order, with one row per
         subtree deeper than ``depth`` (its first) and, unless ``hidden``, none under a hidden
-        name. Pages of ``TREE_PAGE`` rows; a page that ends inside such a subtree is followed
-        by a range query that starts past the subtree, so a large subtree costs one query
-        and a few rows, never all of its rows."""
+        name. Pages of up to ``TREE_PAGE`` rows; a page that ends inside such a subtree is
+        followed by a range query that starts past the subtree (reading ``TREE_MIN_PAGE``
+        rows, growing fourfold per page while pages end on entries shown), so a large
+        subtree costs one query and a few rows, never all of its rows."""
         path_col = self._path_col()
         lo, inclusive = lead, True
         hi = lead[:-1] + "0" if lead else None  # every path under lead/ is below it
         skipping: str | None = None  # the subtree (path prefix + "/") being passed over
+        page = TREE_PAGE  # rows per query: small right after a jump (the next subtree's
+        # first rows are all it needs), growing again while pages end on shown entries
         while True:
             conds = [_R.c.store == store, _R.c.deleted == false(),
                      path_col >= lo if inclusive else path_col > lo]
             if hi is not None:
                 conds.append(path_col < hi)
             rows = conn.execute(select(_R.c.path, _R.c.size).where(*conds)
-                                .order_by(path_col, _R.c.id).limit(TREE_PAGE)).all()
+                                .order_by(path_col, _R.c.id).limit(page)).all()
             for path, size in rows:
                 if skipping is not None and path.startswith(skipping):
                     continue
@@ -226,10 +230,12 @@ class SearchMixin(ServiceBase):
                     cut = depth - 1 if len(parts) > depth else None
                 if cut is not None and cut + 1 < len(parts):  # a directory: pass over it
                     skipping = lead + "/".join(parts[:cut + 1]) + "/"
-            if len(rows) < TREE_PAGE:
+            if len(rows) < page:
                 return
             if skipping is not None:  # the page ended inside a subtree: start past it
                 lo, inclusive = skipping[:-1] + "0", True
                 skipping = None
+                page = TREE_MIN_PAGE
             else:
                 lo, inclusive = rows[-1][0], False
+                page = min(page * 4, TREE_PAGE)
