@@ -271,3 +271,46 @@ async def test_tree_matches_a_full_scan_whatever_the_page_sizes(env: Env, monkey
                 want_dirs, want_files = brute_tree(sizes, prefix, depth)
                 assert (set(t.dirs), t.files, t.complete) == (want_dirs, want_files, True), (page, prefix, depth)
                 assert len(t.dirs) == len(set(t.dirs))
+
+
+async def test_search_matches_a_full_scan(env: Env):
+    """Paged search against a brute-force scan of every record (``str.lower`` on both sides
+    unless case-sensitive), for queries with ASCII, accented, caseless and LIKE characters,
+    on path, content or either, with page sizes that cut between every hit."""
+    import random
+    rnd = random.Random(11)
+    words = ["Tea", "tEA", "été", "ÉTÉ", "日本", "100%", "a_b", "x\\y", "Straße", "plain"]
+    files = {}
+    for i in range(60):
+        lines = [" ".join(rnd.choice(words) for _ in range(rnd.randrange(1, 4))) for _ in range(rnd.randrange(1, 5))]
+        files[f"{rnd.choice(['d', 'D', 'tea', 'été'])}/{i:02d}-{rnd.choice(words).replace('%', 'p')}.md"] = (
+            "\n".join(lines) + "\n")
+    await batch_create(env, files)
+
+    def want(q: str, match: str, case_sensitive: bool) -> list[tuple[str, bool, list[int]]]:
+        fold = (lambda s: s) if case_sensitive else str.lower
+        out = []
+        for path in sorted(files, key=lambda s: s.encode()):
+            pm = match != "content" and fold(q) in fold(path)
+            lines = [i for i, ln in enumerate(files[path].split("\n"), 1)
+                     if match != "path" and fold(q) in fold(ln)]
+            if pm or lines:
+                out.append((path, pm, lines))
+        return out
+
+    for q in ["tea", "TEA", "été", "ÉTÉ", "日本", "%", "a_b", "x\\y", "straße", "STRASSE", "ß", "-t"]:
+        for match in ("any", "path", "content"):
+            for cs in (False, True):
+                got, cursor = [], None
+                while True:
+                    params = {"q": q, "match": match, "case_sensitive": str(cs).lower(), "limit": 3,
+                              "max_lines": 100}
+                    if cursor:
+                        params["cursor"] = cursor
+                    page = await find(env, **params)
+                    got += [(h["record"]["path"], h["path_match"], [ln["line"] for ln in h["lines"]])
+                            for h in page["hits"]]
+                    cursor = page["next_cursor"]
+                    if cursor is None:
+                        break
+                assert got == want(q, match, cs), (q, match, cs)
