@@ -314,3 +314,16 @@ async def test_search_matches_a_full_scan(env: Env):
                     if cursor is None:
                         break
                 assert got == want(q, match, cs), (q, match, cs)
+
+
+async def test_memory_tool_search_marker_when_the_bound_is_met_exactly(env: Env):
+    """The lines shown fill ``max_results`` exactly at a page's end while later files were
+    not read: the marker says more may match, without a count of 0."""
+    await batch_create(env, {f"m/{i:03}.md": "needle\n" for i in range(30)})
+    tool = memtool.MemoryTool(env.app.state.service, Principal(workspace="ws"), "ws")
+    out = tool.run({"command": "search", "query": "needle", "max_results": 20}).content.split("\n")
+    assert len(out) == 21 and out[19] == "/memories/default/m/019.md:1: needle"
+    assert out[20] == ("[memfuse: the search stopped after 20 lines; other files may match too; narrow "
+                       "the search with `path` or a longer query]")
+    exact = tool.run({"command": "search", "query": "needle", "max_results": 30}).content.split("\n")
+    assert len(exact) == 30  # all of them, no marker

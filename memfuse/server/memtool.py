@@ -706,9 +706,11 @@ class MemoryTool:
             return f"No matches for {query!r} in {t.raw}"
         text = "\n".join(hits)
         if more or unsure:
-            count = f"{more}+" if unsure else str(more)
-            text += (f"\n[memfuse: {count} more matching line(s) not shown; narrow the search with `path` "
-                     "or a longer query]")
+            if more:
+                what = f"{more}{'+' if unsure else ''} more matching line(s) not shown"
+            else:  # the lines shown filled the bound exactly; files not read may match too
+                what = f"the search stopped after {len(hits)} lines; other files may match too"
+            text += f"\n[memfuse: {what}; narrow the search with `path` or a longer query]"
         return text
 
     def history(self, c: Mapping[str, Any]) -> str:
