@@ -44,7 +44,7 @@ def rec(i: int, **kw) -> Record:
 
 
 # ------------------------------------------------------------------ unit: the saved mirror
-def test_format_2_mirror_is_read_and_rewritten_as_format_3(tmp_path):
+def test_format_2_mirror_is_read_and_rewritten_as_format_4(tmp_path):
     records = [rec(i) for i in range(50)] + [rec(50, type=None, path="MEMORY.md")]
     rows = [[r.id, r.path, r.type, r.version, r.sha256, r.size, r.updated_at.isoformat(), r.mode, r.mtime_ns]
             for r in records]
@@ -63,19 +63,69 @@ def test_format_2_mirror_is_read_and_rewritten_as_format_3(tmp_path):
     assert (st.records["old-7"].mode, st.records["old-7"].mtime_ns) == (0o644, None)
     st.save()
     raw = json.loads(f.read_text())
-    assert raw["format"] == 3 and "records" not in raw and len(raw["columns"]["id"]) == 52
+    assert raw["format"] == 4 and "records" not in raw and len(raw["columns"]["id"]) == 52
     again = StoreState(f, "s")
     assert again.load() and not again.dirty
     assert again.records == st.records and again.cursor == 42
+    assert (again.access, again.limits) == ("read_only", {"max_records": 9})
 
 
-def test_broken_format_3_mirror_is_refused(tmp_path):
+def test_format_3_mirror_is_read_and_rewritten_as_format_4(tmp_path):
+    records = [rec(i) for i in range(30)] + [rec(30, type=None, path="MEMORY.md")]
+    cols = {"id": [r.id for r in records], "path": [r.path for r in records],
+            "type": [r.type for r in records], "version": [r.version for r in records],
+            "sha256": [r.sha256 for r in records], "size": [r.size for r in records],
+            "updated_ns": [datetime_ns(r.updated_at) for r in records],
+            "mode": [r.mode for r in records], "mtime_ns": [r.mtime_ns for r in records]}
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps({"format": 3, "cursor": 7, "access": "read_write", "limits": {},
+                             "columns": cols}))
+    st = StoreState(f, "s")
+    assert st.load() and st.dirty and st.cursor == 7
+    assert st.records == {r.id: Meta.of(r) for r in records}
+    st.save()
+    raw = json.loads(f.read_text())
+    assert raw["format"] == 4 and raw["columns"]["path"] == cols["path"]
+    assert raw["columns"]["sha256"] == "".join(cols["sha256"])
+    assert sorted(raw["types"], key=str) == sorted({"project", None}, key=str)
+    assert sorted(raw["modes"]) == [0o600, 0o644]
+    assert [raw["types"][i] for i in raw["columns"]["type"]] == cols["type"]
+    assert [raw["modes"][i] for i in raw["columns"]["mode"]] == cols["mode"]
+    again = StoreState(f, "s")
+    assert again.load() and not again.dirty and again.records == st.records
+    # the loaded mirror holds one object per type and per mode, whatever the record count
+    assert len({id(m.type) for m in again.records.values()}) == 2
+    assert len({id(m.mode) for m in again.records.values()}) == 2
+
+
+def test_broken_mirror_is_refused(tmp_path):
     st = StoreState(tmp_path / "s.json", "s")
     st.reset([rec(i) for i in range(5)], 7)
     st.save()
     raw = json.loads(st.path.read_text())
-    for breakage in ("short", "type"):
+    assert raw["format"] == 4
+    breakages = {
+        "short": lambda b: b["columns"]["path"].pop(),
+        "short digests": lambda b: b["columns"].update(sha256=b["columns"]["sha256"][:-2]),
+        "not hex": lambda b: b["columns"].update(sha256="zz" + b["columns"]["sha256"][2:]),
+        "type": lambda b: b["columns"]["size"].__setitem__(0, "12"),
+        "type index": lambda b: b["columns"]["type"].__setitem__(0, len(b["types"])),
+        "negative index": lambda b: b["columns"]["mode"].__setitem__(0, -1),
+        "no table": lambda b: b.pop("modes"),
+        "not an object": lambda b: b.clear(),
+    }
+    for breakage, spoil in breakages.items():
         bad = json.loads(json.dumps(raw))
+        spoil(bad)
+        st.path.write_text(json.dumps(bad if bad else []))
+        again = StoreState(st.path, "s")
+        assert not again.load() and again.records == {} and again.cursor == 0, breakage
+    # format 3 (earlier releases) is checked as strictly
+    cols3 = {"id": [m.id for m in st.records.values()], "path": [m.path for m in st.records.values()],
+             "type": ["project"] * 5, "version": [1] * 5, "sha256": [m.sha256 for m in st.records.values()],
+             "size": [1] * 5, "updated_ns": [1] * 5, "mode": [0o644] * 5, "mtime_ns": [None] * 5}
+    for breakage in ("short", "type"):
+        bad = {"format": 3, "cursor": 7, "columns": json.loads(json.dumps(cols3))}
         if breakage == "short":
             bad["columns"]["sha256"].pop()
         else:
@@ -188,6 +238,26 @@ def _wait(pred, what: str, timeout: float = 30.0) -> None:
         time.sleep(0.05)
 
 
+def _earlier_format(mirror: Path, fmt: int) -> dict:
+    """The saved mirror ``mirror`` as an earlier release wrote it: format 3 (plain columns:
+    hex digests, type strings, modes) or 2 (one array per record, ISO 8601 times)."""
+    st = StoreState(mirror, "default")
+    assert st.load()
+    recs = list(st.records.values())
+    raw = {"format": fmt, "cursor": st.cursor, "access": st.access, "limits": st.limits}
+    if fmt == 3:
+        raw["columns"] = {"id": [m.id for m in recs], "path": [m.path for m in recs],
+                          "type": [m.type for m in recs], "version": [m.version for m in recs],
+                          "sha256": [m.sha256 for m in recs], "size": [m.size for m in recs],
+                          "updated_ns": [m.updated_ns for m in recs], "mode": [m.mode for m in recs],
+                          "mtime_ns": [m.mtime_ns for m in recs]}
+    else:
+        raw["records"] = [[m.id, m.path, m.type, m.version, m.sha256, m.size,
+                           (EPOCH + timedelta(microseconds=m.updated_ns // 1000)).isoformat(),
+                           m.mode, m.mtime_ns] for m in recs]
+    return raw
+
+
 def test_warm_restart_of_many_records_shows_every_record_and_follows_changes(tmp_path):
     cp = ControlPlane(tmp_path).start()
     sc = None
@@ -201,7 +271,8 @@ def test_warm_restart_of_many_records_shows_every_record_and_follows_changes(tmp
         sc.stop()
         mirror = sc.cache_dir / "stores" / "default.json"
         raw = json.loads(mirror.read_text())
-        assert raw["format"] == 3 and len(raw["columns"]["id"]) == N
+        assert raw["format"] == 4 and len(raw["columns"]["id"]) == N
+        assert len(raw["columns"]["sha256"]) == 64 * N
 
         # changes while the sidecar is down: an update, a delete, a create, a chmod
         paths = sorted(live)
@@ -229,20 +300,14 @@ def test_warm_restart_of_many_records_shows_every_record_and_follows_changes(tmp
         errors = (sc.mountpoint / ".memfuse" / "errors.log").read_text()
         assert "conflict" not in errors, errors
 
-        # the mirror of an earlier release (format 2): resumed from, and rewritten as 3
-        sc.stop()
-        raw = json.loads(mirror.read_text())
-        cols = raw.pop("columns")
-        raw["format"] = 2
-        raw["records"] = [
-            [i, p, t, v, s, z, (EPOCH + timedelta(microseconds=u // 1000)).isoformat(), m, x]
-            for i, p, t, v, s, z, u, m, x in zip(*(cols[c] for c in (
-                "id", "path", "type", "version", "sha256", "size", "updated_ns", "mode", "mtime_ns")))]
-        mirror.write_text(json.dumps(raw))
-        sc.start()
-        assert _loaded(sc)[-1]["resumed"] is True
-        _check_every_record(cp, root)
-        _wait(lambda: json.loads(mirror.read_text()).get("format") == 3, "the mirror saved as format 3", 15)
+        # the mirrors of earlier releases (formats 3 and 2): resumed from, rewritten as 4
+        for fmt in (3, 2):
+            sc.stop()
+            mirror.write_text(json.dumps(_earlier_format(mirror, fmt)))
+            sc.start()
+            assert _loaded(sc)[-1]["resumed"] is True
+            _check_every_record(cp, root)
+            _wait(lambda: json.loads(mirror.read_text()).get("format") == 4, "the mirror saved as format 4", 15)
     finally:
         if sc is not None:
             sc.stop()
@@ -262,3 +327,18 @@ def test_blob_cache_missing_and_gc_by_ordered_scan(tmp_path):
     assert b.missing(held) == set(held) - set(held[::4])
     assert b.gc(set()) == len(held[::4]) and b.count() == (0, 0)
     assert b.gc(set(absent)) == 0
+
+
+def test_blob_cache_missing_and_gc_by_digest(tmp_path):
+    b = BlobCache(tmp_path / "blobs.db")
+    held = [bytes.fromhex(b.put(f"blob {i}".encode())) for i in range(300)]
+    absent = [bytes.fromhex(sha256_hex(f"absent {i}".encode())) for i in range(100)]
+    assert b.missing_digests([]) == set() and b.missing_digests(held) == set()
+    assert b.missing_digests(held[::3] + absent[::2] + absent[:1]) == set(absent[::2])
+    assert b.missing_digests(absent) == set(absent)
+    keep = set(held[::4]) | set(absent[:10])  # keeping what is not held deletes nothing more
+    assert b.gc_digests(keep) == 300 - len(held[::4])
+    assert b.missing_digests(held) == set(held) - set(held[::4])
+    assert b.missing(h.hex() for h in held) == {h.hex() for h in held} - {h.hex() for h in held[::4]}
+    assert b.gc_digests(set()) == len(held[::4]) and b.count() == (0, 0)
+    assert b.gc_digests(set(absent)) == 0

@@ -147,8 +147,8 @@ class StoreSync:
             resumed = False
         if not resumed:
             await self._snapshot_into(slug, state)
-        missing = self.fs.blobs.missing(m.sha256 for m in state.records.values())
-        for r in [r for r in state.records.values() if r.sha256 in missing]:
+        missing = self.fs.blobs.missing_digests(m.sha for m in state.records.values())
+        for r in [r for r in state.records.values() if r.sha in missing]:
             full = await self.client.get_record(slug, r.id, content=True)
             self.fs.blobs.put(full.content.encode("utf-8"), full.sha256)
             state.put(full)
@@ -217,7 +217,9 @@ class StoreSync:
                   "max_records": att.store.max_records}
         if (state.access, state.limits) != (att.access.value, limits):
             state.access, state.limits, state.dirty = att.access.value, limits, True
-        self.fs.add_store(slug, att.access.value, list(state.records.values()), limits=limits)
+        # every blob is cached (_load_state checked, nothing awaited since)
+        self.fs.add_store(slug, att.access.value, list(state.records.values()), limits=limits,
+                          cached=True)
         self.invalidator.submit([("entry", ROOT_INO, slug)])
         self.want_context()
         if self._mounted:  # before the mount, run() starts every store's feed once mounted
@@ -235,9 +237,11 @@ class StoreSync:
             state = StoreState(self.config.cache_dir / "stores" / f"{slug}.json", slug)
             if not state.load():
                 continue
-            records = [m for m in state.records.values() if self.fs.blobs.has(m.sha256)]
+            missing = self.fs.blobs.missing_digests(m.sha for m in state.records.values())
+            records = [m for m in state.records.values() if m.sha not in missing]
             self.states[slug] = state
-            self.fs.add_store(slug, state.access, records, limits=state.limits or None)
+            self.fs.add_store(slug, state.access, records, limits=state.limits or None,
+                              cached=True)
         self.offline_start = True
         log.warning("control plane unreachable: mounted from the local cache; writes are "
                     "accepted and commit once it answers",
@@ -586,10 +590,11 @@ class StoreSync:
         pages' blobs are referenced only once it is complete."""
         if getattr(self, "_snapshots_running", 0):
             return
-        keep = {r.sha256 for st in self.states.values() for r in st.records.values()}
-        keep |= {n.sha for n in self.fs.inodes.values() if n.sha}
+        # the digests as the mirrors and nodes hold them (32 bytes): no object per blob
+        keep = {r.sha for st in self.states.values() for r in st.records.values()}
+        keep.update(n._sha for n in self.fs.inodes.values() if n._sha)
         try:
-            removed = self.fs.blobs.gc(keep)
+            removed = self.fs.blobs.gc_digests(keep)
         except CacheError as e:
             log.warning("blob cache not cleaned", extra={"reason": e.reason})
             return

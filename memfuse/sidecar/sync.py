@@ -21,7 +21,9 @@ import time
 import sys
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from typing import Annotated
 
+import msgspec
 import pyfuse3
 import trio
 
@@ -36,9 +38,44 @@ _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 
 _TYPES = {t: sys.intern(t) for t in RECORD_TYPES}
-# the saved mirror's columns (format 3), in ``Meta``'s field order
+# the saved mirror's columns (formats 3 and 4), in ``Meta``'s field order
 COLUMNS = ("id", "path", "type", "version", "sha256", "size", "updated_ns", "mode", "mtime_ns")
-FORMAT = 3  # of <cache>/stores/<slug>.json; format 2 (rows, ISO times) is still read
+FORMAT = 4  # of <cache>/stores/<slug>.json; formats 3 and 2 of earlier releases are still read
+_Index = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class _Columns(msgspec.Struct, frozen=True):
+    """The columns of a format-4 mirror (``StoreState``): one array per field, except
+    ``sha256`` (every digest's 64 hex digits, concatenated) and ``type`` / ``mode`` (indices
+    into the mirror's ``types`` / ``modes``)."""
+
+    id: list[str]
+    path: list[str]
+    type: list[_Index]
+    version: list[int]
+    sha256: str
+    size: list[int]
+    updated_ns: list[int]
+    mode: list[_Index]
+    mtime_ns: list[int | None]
+
+
+class _Mirror(msgspec.Struct, frozen=True):
+    """A format-4 mirror file (``StoreState``)."""
+
+    format: int
+    cursor: int
+    columns: _Columns
+    types: list[str | None]
+    modes: list[int]
+    access: str = "read_write"
+    limits: dict[str, int] = {}
+
+
+class _Format(msgspec.Struct):
+    """Only the format number of a mirror file (the rest is skipped, not decoded)."""
+
+    format: int | None = None
 
 
 _MODES: dict[int, int] = {}
@@ -95,6 +132,16 @@ class Meta:
         return f"Meta(id={self.id!r}, path={self.path!r}, version={self.version}, sha256={self.sha256[:12]}…)"
 
     @classmethod
+    def _raw(cls, id: str, path: str, type: str | None, version: int, sha: bytes, size: int,
+             updated_ns: int, mode: int, mtime_ns: int | None) -> "Meta":
+        """A ``Meta`` from values already in their kept form (``sha`` 32 bytes, ``type``
+        and ``mode`` the shared objects): the loader's fast path."""
+        m = _new_meta(cls)
+        m.id, m.path, m.type, m.version, m.sha = id, path, type, version, sha
+        m.size, m.updated_ns, m.mode, m.mtime_ns = size, updated_ns, mode, mtime_ns
+        return m
+
+    @classmethod
     def of(cls, r: Record) -> "Meta":
         """The mirror entry of record ``r`` (no content)."""
         return cls(r.id, r.path, r.type, r.version, r.sha256, r.size,
@@ -115,15 +162,23 @@ class Meta:
                    datetime_ns(datetime.fromisoformat(row[6])), mode, mtime)
 
 
+_new_meta = object.__new__
+
+
 class StoreState:
     """Mirror of one store's live records (id → ``Meta``) and the change-feed cursor.
 
-    Saved as ``<cache>/stores/<slug>.json``, format 3: ``{"format": 3, "cursor": int,
-    "access": str, "limits": {name: int}, "columns": {column: [value per record]}}`` with
-    the columns of ``COLUMNS`` (one JSON array per field: a 100,000-record mirror loads in
-    one ``json.loads`` and one pass, without an object per row). Format 2 (``"records"``:
-    one array per record, ISO 8601 times) is read too and written as format 3 at the next
-    save.
+    Saved as ``<cache>/stores/<slug>.json``, format 4: ``{"format": 4, "cursor": int,
+    "access": str, "limits": {name: int}, "types": [str | null], "modes": [int],
+    "columns": {column: ...}}`` with the columns of ``COLUMNS``: one JSON array per field,
+    except ``sha256`` (one string: every record's 64 hex digits, concatenated) and ``type`` /
+    ``mode`` (indices into ``types`` / ``modes``). Written and read with msgspec: a save
+    makes no object per record (the strings and ints are the mirror's own; the digests are
+    joined once), and a load makes only what the mirror keeps (no hex string, type or
+    mode per record to throw away), so neither leaves holes in the heap of a long-running
+    sidecar (docs/SCALING.md). Format 3 (the same columns as plain arrays: hex digests,
+    type strings, modes) and format 2 (``"records"``: one array per record, ISO 8601
+    times) of earlier releases are read too and written as format 4 at the next save.
     """
 
     def __init__(self, path: Path, slug: str) -> None:
@@ -137,11 +192,16 @@ class StoreState:
         self.limits: dict[str, int] = {}
 
     def load(self) -> bool:
-        """Read the saved state (format 3, or 2 of earlier releases); False when there is
-        none or it is unreadable (then the caller takes a full snapshot)."""
+        """Read the saved state (format 4, or 3 and 2 of earlier releases); False when there
+        is none or it is unreadable (then the caller takes a full snapshot)."""
         try:
-            raw = json.loads(self.path.read_bytes())
-            fmt = raw.get("format")
+            data = self.path.read_bytes()
+            fmt = msgspec.json.decode(data, type=_Format).format
+            if fmt == 4:
+                self._load_v4(msgspec.json.decode(data, type=_Mirror))
+                return True
+            raw = json.loads(data)
+            del data
             if fmt == 3:
                 cols = raw["columns"]
                 ids = cols["id"]
@@ -156,32 +216,71 @@ class StoreState:
                                                  cols["mode"], cols["mtime_ns"])))
             elif fmt == 2:
                 self.records = {row[0]: Meta.load_v2(row) for row in raw["records"]}
-                self.dirty = True  # written as format 3 at the next save
             else:
                 return False
+            self.dirty = True  # written as format 4 at the next save
             self.cursor = int(raw["cursor"])
             self.access = raw.get("access", "read_write")
             self.limits = {k: int(v) for k, v in raw.get("limits", {}).items()}
             return True
         except FileNotFoundError:
             return False
-        except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError,
+                msgspec.DecodeError) as e:
             log.warning("saved store state unreadable; taking a full snapshot",
                         extra={"store": self.slug, "error": type(e).__name__})
             self.records, self.cursor = {}, 0
             return False
 
+    def _load_v4(self, m: _Mirror) -> None:
+        """Take a decoded format-4 mirror (``load``). Raises ``ValueError`` / ``IndexError``
+        for columns that do not add up (different lengths, a digest column of the wrong
+        size, an index out of its table)."""
+        c = m.columns
+        n = len(c.id)
+        if any(len(col) != n for col in (c.path, c.type, c.version, c.size, c.updated_ns,
+                                         c.mode, c.mtime_ns)) or len(c.sha256) != 64 * n:
+            raise ValueError("columns of different lengths")
+        digests = bytes.fromhex(c.sha256)  # ValueError for anything but hex digits
+        types = [_TYPES.get(t, t) for t in m.types]
+        modes = [_shared(x) for x in m.modes]
+        if (c.type and max(c.type) >= len(types)) or (c.mode and max(c.mode) >= len(modes)):
+            raise IndexError("type or mode index out of its table")
+        make = Meta._raw
+        self.records = dict(zip(c.id, map(
+            make, c.id, c.path, map(types.__getitem__, c.type), c.version,
+            [digests[i:i + 32] for i in range(0, 32 * n, 32)], c.size, c.updated_ns,
+            map(modes.__getitem__, c.mode), c.mtime_ns)))
+        self.cursor = m.cursor
+        self.access = m.access
+        self.limits = dict(m.limits)
+
+    def encode(self) -> bytes:
+        """The state as a format-4 file (``StoreState``): no object per record is made (the
+        columns hold the mirror's own strings and ints; types and modes are small indices)."""
+        recs = list(self.records.values())
+        types: dict[str | None, int] = {}
+        modes: dict[int, int] = {}
+        cols = {"id": [m.id for m in recs], "path": [m.path for m in recs],
+                "type": [types.setdefault(m.type, len(types)) for m in recs],
+                "version": [m.version for m in recs],
+                "sha256": b"".join([m.sha for m in recs]).hex(),
+                "size": [m.size for m in recs], "updated_ns": [m.updated_ns for m in recs],
+                "mode": [modes.setdefault(m.mode, len(modes)) for m in recs],
+                "mtime_ns": [m.mtime_ns for m in recs]}
+        return msgspec.json.encode({"format": FORMAT, "cursor": self.cursor,
+                                    "access": self.access, "limits": self.limits,
+                                    "types": list(types), "modes": list(modes),
+                                    "columns": cols})
+
     def save(self) -> None:
-        """Write the state atomically (tmp + rename) in format 3. Raises ``CacheError`` when
+        """Write the state atomically (tmp + rename) in format 4. Raises ``CacheError`` when
         it cannot (the saved file is then the previous one, and ``dirty`` stays set)."""
         tmp = self.path.with_suffix(".tmp")
-        recs = list(self.records.values())
-        cols = {c: [getattr(m, c) for m in recs] for c in COLUMNS}
-        data = {"format": FORMAT, "cursor": self.cursor, "access": self.access,
-                "limits": self.limits, "columns": cols}
+        data = self.encode()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            write_private(tmp, json.dumps(data, separators=(",", ":")))
+            write_private(tmp, data)
             os.replace(tmp, self.path)
         except OSError as exc:
             with contextlib.suppress(OSError):
