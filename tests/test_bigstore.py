@@ -85,7 +85,9 @@ def test_format_3_mirror_is_read_and_rewritten_as_format_4(tmp_path):
     assert st.records == {r.id: Meta.of(r) for r in records}
     st.save()
     raw = json.loads(f.read_text())
-    assert raw["format"] == 4 and raw["columns"]["path"] == cols["path"]
+    assert raw["format"] == 4 and [
+        f"{raw['dirs'][d]}/{n}" if raw["dirs"][d] else n
+        for d, n in zip(raw["columns"]["dir"], raw["columns"]["name"])] == cols["path"]
     assert raw["columns"]["sha256"] == "".join(cols["sha256"])
     assert sorted(raw["types"], key=str) == sorted({"project", None}, key=str)
     assert sorted(raw["modes"]) == [0o600, 0o644]
@@ -105,7 +107,8 @@ def test_broken_mirror_is_refused(tmp_path):
     raw = json.loads(st.path.read_text())
     assert raw["format"] == 4
     breakages = {
-        "short": lambda b: b["columns"]["path"].pop(),
+        "short": lambda b: b["columns"]["name"].pop(),
+        "dir index": lambda b: b["columns"]["dir"].__setitem__(0, len(b["dirs"])),
         "short digests": lambda b: b["columns"].update(sha256=b["columns"]["sha256"][:-2]),
         "not hex": lambda b: b["columns"].update(sha256="zz" + b["columns"]["sha256"][2:]),
         "type": lambda b: b["columns"]["size"].__setitem__(0, "12"),
@@ -148,6 +151,9 @@ def test_tree_shares_the_mirror_and_keeps_a_records_key_when_its_id_changes(tmp_
     n = fs.by_rid["id-0003"]
     m = st.records["id-0003"]
     assert n.record_id is m.id and n._sha is m.sha and n.sha == m.sha256 and n.updated_ns is m.updated_ns
+    assert n.name is m.name and n.path() == m.path == "d3/n3.md"
+    # one directory string per directory, whatever the number of its records
+    assert len({id(x.dir) for x in st.records.values()}) == len({x.dir for x in st.records.values()}) == 7
     assert n.key == "r:id-0003" and fs.node_by_key("r:id-0003") is n and "r:id-0003" not in fs.by_key
     assert fs.committer.keymap == {}  # nothing per record until a record is written
     assert (stat.S_IMODE(fs.by_rid["id-0005"].mode), fs.by_rid["id-0004"].mtime_ns) == (0o600, 10**18 + 4)

@@ -96,8 +96,8 @@ class RemoteApply:
         the mount's critical path): each record a clean file (as ``_set_clean`` shows it),
         its key ``r:<id>`` implicit (as ``InodeTable._set_record_key`` gives it), counted in
         the store's ``count`` / ``used`` (as ``_live`` does); missing directories are made.
-        Nodes share the records' objects (id, sha256 bytes, size, update time); a record
-        whose path crosses a file is skipped (logged)."""
+        Nodes share the records' objects (id, a mirror entry's file name, sha256 bytes, size,
+        update time); a record whose path crosses a file is skipped (logged)."""
         uid, gid = self.settings.uid, self.settings.gid
         inodes, by_rid, by_key = self.inodes, self.by_rid, self.by_key
         root = sm.root
@@ -106,7 +106,11 @@ class RemoteApply:
         count = used = 0
         try:
             for rec in records:
-                head, _, name = rec.path.rpartition("/")
+                name = getattr(rec, "name", None)  # a mirror entry: its name, shared directory
+                if name is None:
+                    head, _, name = rec.path.rpartition("/")
+                else:
+                    head = rec.dir
                 ts = updated_ns(rec)
                 if head != last_dir:
                     d = root
