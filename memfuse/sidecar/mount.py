@@ -405,8 +405,9 @@ class Sidecar(StoreSync):
                 else:
                     for att in atts:
                         await self._add_attachment(att)
-                # the mirrors are saved and unreferenced blobs collected by the saver, right
-                # after the mount (each is a pass over every record: not on the way to ready)
+                # the mirrors are saved by the saver right after the mount, unreferenced blobs
+                # collected GC_EVERY s later (each a pass over every record: not on the way
+                # to ready)
 
                 options = set(pyfuse3.default_options)
                 options |= {"fsname=memfuse", "subtype=memfuse"}
