@@ -22,6 +22,7 @@ import sys
 from ..wire import DEFAULT_MODE, RECORD_TYPES, Record, datetime_ns
 from .inodes import CLEAN, DIR_MODES_KEY, Node, StoreMount, shared_mode
 from .outbox import MOVE_PREFIX, Entry
+from .sync import Meta
 
 log = logging.getLogger("memfuse.fs")
 
@@ -100,18 +101,17 @@ class RemoteApply:
         update time); a record whose path crosses a file is skipped (logged)."""
         uid, gid = self.settings.uid, self.settings.gid
         inodes, by_rid, by_key = self.inodes, self.by_rid, self.by_key
+        types_get = _TYPES.get
+        fmodes: dict[int, int] = {}  # permission bits -> the shared st_mode of a file
         root = sm.root
         last_dir, last_d = None, root
         ino = self._next_ino
         count = used = 0
         try:
             for rec in records:
-                name = getattr(rec, "name", None)  # a mirror entry: its name, shared directory
-                if name is None:
-                    head, _, name = rec.path.rpartition("/")
-                else:
-                    head = rec.dir
-                ts = updated_ns(rec)
+                if type(rec) is not Meta:
+                    rec = Meta.of(rec)  # a Record: the fields as the mirror keeps them
+                head, name, ts = rec.dir, rec.name, rec.updated_ns
                 if head != last_dir:
                     d = root
                     for comp in head.split("/") if head else ():
@@ -131,10 +131,11 @@ class RemoteApply:
                         continue
                     last_dir, last_d = head, d
                 d = last_d
-                xm = getattr(rec, "mtime_ns", None)
-                n = Node(ino, name, d, False, sm,
-                         shared_mode(stat.S_IFREG | stat.S_IMODE(getattr(rec, "mode", DEFAULT_MODE))),
-                         uid, gid, ts, ts if xm is None else xm, ts)
+                xm = rec.mtime_ns
+                fmode = fmodes.get(rec.mode)
+                if fmode is None:
+                    fmode = fmodes[rec.mode] = shared_mode(stat.S_IFREG | stat.S_IMODE(rec.mode))
+                n = Node(ino, name, d, False, sm, fmode, uid, gid, ts, ts if xm is None else xm, ts)
                 inodes[ino] = n
                 ino += 1
                 prev = d.children.get(name)
@@ -148,12 +149,8 @@ class RemoteApply:
                     if stale is not None and stale is not n:
                         del by_key["r:" + rid]
                 by_rid[rid] = n
-                n.version, n.rtype = rec.version, _intern_type(rec.type)
-                sha = getattr(rec, "sha", None)  # a mirror entry's bytes: shared, not copied
-                if type(sha) is bytes:
-                    n._sha = sha
-                else:
-                    n.sha = rec.sha256
+                t = rec.type
+                n.version, n.rtype, n._sha = rec.version, types_get(t, t), rec.sha
                 n.size, n.updated_ns = rec.size, ts
                 if xm is not None:
                     n.xmtime = xm
