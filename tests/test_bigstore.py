@@ -19,6 +19,7 @@ import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+import pytest
 import trio
 
 from memfuse.client import ApiClient
@@ -348,3 +349,36 @@ def test_blob_cache_missing_and_gc_by_digest(tmp_path):
     assert b.missing(h.hex() for h in held) == {h.hex() for h in held} - {h.hex() for h in held[::4]}
     assert b.gc_digests(set()) == len(held[::4]) and b.count() == (0, 0)
     assert b.gc_digests(set(absent)) == 0
+
+
+def test_store_build_skips_paths_through_files_and_counts_what_it_shows(tmp_path):
+    journal = Journal(tmp_path / "outbox.db")
+    _, keymap = journal.load()
+    fs = Filesystem(BlobCache(tmp_path / "blobs.db"), Committer(None, journal, keymap))
+    paths = ["a/b.md", "a/c/d.md", "a/c/e.md", "x.md", "x.md/y.md", "a/c", "a/c/f.md", "top.md"]
+    records = [rec(i, path=p, content=f"content {i}\n") for i, p in enumerate(paths)]
+    sm = fs.add_store("s", "read_write", records,
+                      contents={r.id: f"content {i}\n".encode() for i, r in enumerate(records)})
+    # "x.md/y.md" crosses the file x.md; "a/c" (a file) replaces the directory a/c, so
+    # "a/c/f.md" after it crosses a file too, as a walk from the root finds
+    shown = {n.path(): n for n in fs._walk_files(sm.root)}
+    assert set(shown) == {"a/b.md", "a/c", "x.md", "top.md"}
+    assert "a/c/f.md" not in {r.path for r in records if r.id in fs.by_rid}
+    assert sm.count == len(fs.by_rid) and sm.used == sum(n.size for n in fs.by_rid.values())
+    for r in records:
+        if r.path in shown:
+            n = shown[r.path]
+            assert (n.record_id, n.version, n.size, n.sha) == (r.id, r.version, r.size, r.sha256)
+            assert fs.inodes[n.ino] is n and fs.by_rid[r.id] is n and n.key == "r:" + r.id
+            assert stat.S_IMODE(n.mode) == r.mode and stat.S_ISREG(n.mode)
+            want_mtime = r.mtime_ns if r.mtime_ns is not None else datetime_ns(r.updated_at)
+            assert (n.mtime_ns, n.xmtime, n.updated_ns) == (want_mtime, r.mtime_ns, datetime_ns(r.updated_at))
+
+
+def test_mmap_threshold_is_fixed_with_glibc():
+    import platform
+
+    from memfuse.sidecar.mount import fix_mmap_threshold
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("not glibc: no mallopt")
+    assert fix_mmap_threshold() is True
