@@ -382,3 +382,64 @@ def test_mmap_threshold_is_fixed_with_glibc():
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("not glibc: no mallopt")
     assert fix_mmap_threshold() is True
+
+
+def _mirror_view(cache: Path) -> dict[str, tuple]:
+    """path → (id, sha256, mode, mtime_ns) of the saved mirror of store ``default``."""
+    st = StoreState(cache / "stores" / "default.json", "default")
+    assert st.load()
+    return {m.path: (m.id, m.sha256, m.mode, m.mtime_ns) for m in st.records.values()}
+
+
+def _cp_view(cp: ControlPlane) -> dict[str, tuple]:
+    return {p: (r.id, r.sha256, r.mode, r.mtime_ns) for p, r in live_records(cp).items()}
+
+
+def test_restart_with_pending_changes_keeps_the_control_planes_state_in_the_mirror(tmp_path):
+    """A write, a rename, an unlink, a chmod and a utime made while the control plane is down
+    stay pending through a restart: the mirror saved at the stop holds the control plane's
+    state (not the local one: it is the base of the conditional writes and what an offline
+    start shows), and the next start commits each change once, after which the mirror
+    equals the control plane again."""
+    cp = ControlPlane(tmp_path).start()
+    sc = None
+    mnt, cache = tmp_path / "mnt", tmp_path / "cache"
+    args = ("--commit-wait", "0.3", "--drain-timeout", "1")
+    try:
+        tok = cp.setup_workspace("ws")
+        for name in ("w", "r", "u", "c", "t"):
+            cp.call("create_record", "default", f"dir/{name}.md", f"{name} as created\n")
+        sc = Sidecar(cp, "ws", tok, mnt, cache, *args).start()
+        store = mnt / "default" / "dir"
+        _wait(lambda: len(os.listdir(store)) == 5, "the records to show")
+        before = _cp_view(cp)
+        cp.stop()  # the outage begins
+        (store / "w.md").write_text("written while down\n")
+        os.rename(store / "r.md", store / "renamed.md")
+        os.unlink(store / "u.md")
+        os.chmod(store / "c.md", 0o600)
+        os.utime(store / "t.md", ns=(1_700_000_000_000_000_000, 1_700_000_000_000_000_000))
+        assert os.getxattr(store / "w.md", "user.memfuse.state") == b"pending"
+        assert sc.stop() == 0
+        sc = None
+        assert _mirror_view(cache) == before  # the control plane's state, not the local one
+
+        cp.start()  # same port and database
+        sc = Sidecar(cp, "ws", tok, mnt, cache, *args).start()
+        want = {"dir/w.md": "written while down\n", "dir/renamed.md": "r as created\n",
+                "dir/c.md": "c as created\n", "dir/t.md": "t as created\n"}
+        _wait(lambda: {p: r.content for p, r in live_records(cp).items()} == want, "the replay", 30)
+        after = live_records(cp)
+        assert after["dir/renamed.md"].id == before["dir/r.md"][0]  # moved: same record
+        assert after["dir/w.md"].id == before["dir/w.md"][0] and after["dir/w.md"].version == 2
+        assert after["dir/c.md"].mode == 0o600
+        assert after["dir/t.md"].mtime_ns == 1_700_000_000_000_000_000
+        errors = (mnt / ".memfuse" / "errors.log").read_text()
+        assert "conflict" not in errors, errors
+        assert sc.stop() == 0
+        sc = None
+        assert _mirror_view(cache) == _cp_view(cp)
+    finally:
+        if sc is not None:
+            sc.stop()
+        cp.stop()
