@@ -138,19 +138,25 @@ class StoreSync:
         ``expect_records`` (the control plane's live record count) guards the resume: a
         mirror that does not add up is replaced by a snapshot."""
         state = StoreState(self.config.cache_dir / "stores" / f"{slug}.json", slug)
-        resumed = state.load() and await catch_up(self.client, state, self.fs.blobs)
-        if resumed and expect_records is not None and len(state.records) != expect_records:
-            log.warning("saved store state does not match the control plane; taking a snapshot",
-                        extra={"store": slug, "saved": len(state.records),
-                               "live": expect_records})
-            resumed = False
-        if not resumed:
-            await self._snapshot_into(slug, state)
-        missing = self.fs.blobs.missing_digests(m.sha for m in state.records.values())
-        for r in [r for r in state.records.values() if r.sha in missing]:
-            full = await self.client.get_record(slug, r.id, content=True)
-            self.fs.blobs.put(full.content.encode("utf-8"), full.sha256)
-            state.put(full)
+        # no blob collection until the store is in the tree: its blobs are referenced by
+        # nothing else meanwhile (_gc_blobs), and add_store trusts the check below
+        self._snapshots_running = getattr(self, "_snapshots_running", 0) + 1
+        try:
+            resumed = state.load() and await catch_up(self.client, state, self.fs.blobs)
+            if resumed and expect_records is not None and len(state.records) != expect_records:
+                log.warning("saved store state does not match the control plane; taking a snapshot",
+                            extra={"store": slug, "saved": len(state.records),
+                                   "live": expect_records})
+                resumed = False
+            if not resumed:
+                await self._snapshot_into(slug, state)
+            missing = self.fs.blobs.missing_digests(m.sha for m in state.records.values())
+            for r in [r for r in state.records.values() if r.sha in missing]:
+                full = await self.client.get_record(slug, r.id, content=True)
+                self.fs.blobs.put(full.content.encode("utf-8"), full.sha256)
+                state.put(full)
+        finally:
+            self._snapshots_running -= 1
         log.info("store loaded", extra={"store": slug, "records": len(state.records),
                                         "cursor": state.cursor, "resumed": bool(resumed)})
         return state
@@ -587,8 +593,9 @@ class StoreSync:
 
     def _gc_blobs(self) -> None:
         """Delete cached blobs no store mirror or file refers to (a failure is logged and
-        tried again at the next collection). Skipped while a snapshot is being taken: its
-        pages' blobs are referenced only once it is complete."""
+        tried again at the next collection). Skipped while a store is being loaded (a
+        snapshot, or a resume and its missing blobs): its blobs are referenced only once it
+        is in the tree."""
         if getattr(self, "_snapshots_running", 0):
             return
         # the digests as the mirrors and nodes hold them (32 bytes): no object per blob
