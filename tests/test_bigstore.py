@@ -112,6 +112,7 @@ def test_broken_mirror_is_refused(tmp_path):
         "dir index": lambda b: b["columns"]["dir"].__setitem__(0, len(b["dirs"])),
         "short digests": lambda b: b["columns"].update(sha256=b["columns"]["sha256"][:-2]),
         "not hex": lambda b: b["columns"].update(sha256="zz" + b["columns"]["sha256"][2:]),
+        "spaces": lambda b: b["columns"].update(sha256="  " + b["columns"]["sha256"][2:]),
         "type": lambda b: b["columns"]["size"].__setitem__(0, "12"),
         "type index": lambda b: b["columns"]["type"].__setitem__(0, len(b["types"])),
         "negative index": lambda b: b["columns"]["mode"].__setitem__(0, -1),

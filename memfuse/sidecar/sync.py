@@ -240,7 +240,9 @@ class StoreState:
         if any(len(col) != n for col in (c.dir, c.name, c.type, c.version, c.size,
                                          c.updated_ns, c.mode, c.mtime_ns)) or len(c.sha256) != 64 * n:
             raise ValueError("columns of different lengths")
-        digests = bytes.fromhex(c.sha256)  # ValueError for anything but hex digits
+        digests = bytes.fromhex(c.sha256)  # ValueError for anything but hex digits...
+        if len(digests) != 32 * n:  # ...and whitespace, which fromhex skips
+            raise ValueError("digest column is not 64 hex digits per record")
         dirs = [sys.intern(d) for d in m.dirs]
         types = [_TYPES.get(t, t) for t in m.types]
         modes = [_shared(x) for x in m.modes]
