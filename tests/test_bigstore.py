@@ -19,6 +19,7 @@ import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+import pytest
 import trio
 
 from memfuse.client import ApiClient
@@ -44,7 +45,7 @@ def rec(i: int, **kw) -> Record:
 
 
 # ------------------------------------------------------------------ unit: the saved mirror
-def test_format_2_mirror_is_read_and_rewritten_as_format_3(tmp_path):
+def test_format_2_mirror_is_read_and_rewritten_as_format_4(tmp_path):
     records = [rec(i) for i in range(50)] + [rec(50, type=None, path="MEMORY.md")]
     rows = [[r.id, r.path, r.type, r.version, r.sha256, r.size, r.updated_at.isoformat(), r.mode, r.mtime_ns]
             for r in records]
@@ -63,19 +64,73 @@ def test_format_2_mirror_is_read_and_rewritten_as_format_3(tmp_path):
     assert (st.records["old-7"].mode, st.records["old-7"].mtime_ns) == (0o644, None)
     st.save()
     raw = json.loads(f.read_text())
-    assert raw["format"] == 3 and "records" not in raw and len(raw["columns"]["id"]) == 52
+    assert raw["format"] == 4 and "records" not in raw and len(raw["columns"]["id"]) == 52
     again = StoreState(f, "s")
     assert again.load() and not again.dirty
     assert again.records == st.records and again.cursor == 42
+    assert (again.access, again.limits) == ("read_only", {"max_records": 9})
 
 
-def test_broken_format_3_mirror_is_refused(tmp_path):
+def test_format_3_mirror_is_read_and_rewritten_as_format_4(tmp_path):
+    records = [rec(i) for i in range(30)] + [rec(30, type=None, path="MEMORY.md")]
+    cols = {"id": [r.id for r in records], "path": [r.path for r in records],
+            "type": [r.type for r in records], "version": [r.version for r in records],
+            "sha256": [r.sha256 for r in records], "size": [r.size for r in records],
+            "updated_ns": [datetime_ns(r.updated_at) for r in records],
+            "mode": [r.mode for r in records], "mtime_ns": [r.mtime_ns for r in records]}
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps({"format": 3, "cursor": 7, "access": "read_write", "limits": {},
+                             "columns": cols}))
+    st = StoreState(f, "s")
+    assert st.load() and st.dirty and st.cursor == 7
+    assert st.records == {r.id: Meta.of(r) for r in records}
+    st.save()
+    raw = json.loads(f.read_text())
+    assert raw["format"] == 4 and [
+        f"{raw['dirs'][d]}/{n}" if raw["dirs"][d] else n
+        for d, n in zip(raw["columns"]["dir"], raw["columns"]["name"])] == cols["path"]
+    assert raw["columns"]["sha256"] == "".join(cols["sha256"])
+    assert sorted(raw["types"], key=str) == sorted({"project", None}, key=str)
+    assert sorted(raw["modes"]) == [0o600, 0o644]
+    assert [raw["types"][i] for i in raw["columns"]["type"]] == cols["type"]
+    assert [raw["modes"][i] for i in raw["columns"]["mode"]] == cols["mode"]
+    again = StoreState(f, "s")
+    assert again.load() and not again.dirty and again.records == st.records
+    # the loaded mirror holds one object per type and per mode, whatever the record count
+    assert len({id(m.type) for m in again.records.values()}) == 2
+    assert len({id(m.mode) for m in again.records.values()}) == 2
+
+
+def test_broken_mirror_is_refused(tmp_path):
     st = StoreState(tmp_path / "s.json", "s")
     st.reset([rec(i) for i in range(5)], 7)
     st.save()
     raw = json.loads(st.path.read_text())
-    for breakage in ("short", "type"):
+    assert raw["format"] == 4
+    breakages = {
+        "short": lambda b: b["columns"]["name"].pop(),
+        "dir index": lambda b: b["columns"]["dir"].__setitem__(0, len(b["dirs"])),
+        "short digests": lambda b: b["columns"].update(sha256=b["columns"]["sha256"][:-2]),
+        "not hex": lambda b: b["columns"].update(sha256="zz" + b["columns"]["sha256"][2:]),
+        "spaces": lambda b: b["columns"].update(sha256="  " + b["columns"]["sha256"][2:]),
+        "type": lambda b: b["columns"]["size"].__setitem__(0, "12"),
+        "type index": lambda b: b["columns"]["type"].__setitem__(0, len(b["types"])),
+        "negative index": lambda b: b["columns"]["mode"].__setitem__(0, -1),
+        "no table": lambda b: b.pop("modes"),
+        "not an object": lambda b: b.clear(),
+    }
+    for breakage, spoil in breakages.items():
         bad = json.loads(json.dumps(raw))
+        spoil(bad)
+        st.path.write_text(json.dumps(bad if bad else []))
+        again = StoreState(st.path, "s")
+        assert not again.load() and again.records == {} and again.cursor == 0, breakage
+    # format 3 (earlier releases) is checked as strictly
+    cols3 = {"id": [m.id for m in st.records.values()], "path": [m.path for m in st.records.values()],
+             "type": ["project"] * 5, "version": [1] * 5, "sha256": [m.sha256 for m in st.records.values()],
+             "size": [1] * 5, "updated_ns": [1] * 5, "mode": [0o644] * 5, "mtime_ns": [None] * 5}
+    for breakage in ("short", "type"):
+        bad = {"format": 3, "cursor": 7, "columns": json.loads(json.dumps(cols3))}
         if breakage == "short":
             bad["columns"]["sha256"].pop()
         else:
@@ -98,6 +153,9 @@ def test_tree_shares_the_mirror_and_keeps_a_records_key_when_its_id_changes(tmp_
     n = fs.by_rid["id-0003"]
     m = st.records["id-0003"]
     assert n.record_id is m.id and n._sha is m.sha and n.sha == m.sha256 and n.updated_ns is m.updated_ns
+    assert n.name is m.name and n.path() == m.path == "d3/n3.md"
+    # one directory string per directory, whatever the number of its records
+    assert len({id(x.dir) for x in st.records.values()}) == len({x.dir for x in st.records.values()}) == 7
     assert n.key == "r:id-0003" and fs.node_by_key("r:id-0003") is n and "r:id-0003" not in fs.by_key
     assert fs.committer.keymap == {}  # nothing per record until a record is written
     assert (stat.S_IMODE(fs.by_rid["id-0005"].mode), fs.by_rid["id-0004"].mtime_ns) == (0o600, 10**18 + 4)
@@ -188,6 +246,26 @@ def _wait(pred, what: str, timeout: float = 30.0) -> None:
         time.sleep(0.05)
 
 
+def _earlier_format(mirror: Path, fmt: int) -> dict:
+    """The saved mirror ``mirror`` as an earlier release wrote it: format 3 (plain columns:
+    hex digests, type strings, modes) or 2 (one array per record, ISO 8601 times)."""
+    st = StoreState(mirror, "default")
+    assert st.load()
+    recs = list(st.records.values())
+    raw = {"format": fmt, "cursor": st.cursor, "access": st.access, "limits": st.limits}
+    if fmt == 3:
+        raw["columns"] = {"id": [m.id for m in recs], "path": [m.path for m in recs],
+                          "type": [m.type for m in recs], "version": [m.version for m in recs],
+                          "sha256": [m.sha256 for m in recs], "size": [m.size for m in recs],
+                          "updated_ns": [m.updated_ns for m in recs], "mode": [m.mode for m in recs],
+                          "mtime_ns": [m.mtime_ns for m in recs]}
+    else:
+        raw["records"] = [[m.id, m.path, m.type, m.version, m.sha256, m.size,
+                           (EPOCH + timedelta(microseconds=m.updated_ns // 1000)).isoformat(),
+                           m.mode, m.mtime_ns] for m in recs]
+    return raw
+
+
 def test_warm_restart_of_many_records_shows_every_record_and_follows_changes(tmp_path):
     cp = ControlPlane(tmp_path).start()
     sc = None
@@ -201,7 +279,8 @@ def test_warm_restart_of_many_records_shows_every_record_and_follows_changes(tmp
         sc.stop()
         mirror = sc.cache_dir / "stores" / "default.json"
         raw = json.loads(mirror.read_text())
-        assert raw["format"] == 3 and len(raw["columns"]["id"]) == N
+        assert raw["format"] == 4 and len(raw["columns"]["id"]) == N
+        assert len(raw["columns"]["sha256"]) == 64 * N
 
         # changes while the sidecar is down: an update, a delete, a create, a chmod
         paths = sorted(live)
@@ -229,20 +308,14 @@ def test_warm_restart_of_many_records_shows_every_record_and_follows_changes(tmp
         errors = (sc.mountpoint / ".memfuse" / "errors.log").read_text()
         assert "conflict" not in errors, errors
 
-        # the mirror of an earlier release (format 2): resumed from, and rewritten as 3
-        sc.stop()
-        raw = json.loads(mirror.read_text())
-        cols = raw.pop("columns")
-        raw["format"] = 2
-        raw["records"] = [
-            [i, p, t, v, s, z, (EPOCH + timedelta(microseconds=u // 1000)).isoformat(), m, x]
-            for i, p, t, v, s, z, u, m, x in zip(*(cols[c] for c in (
-                "id", "path", "type", "version", "sha256", "size", "updated_ns", "mode", "mtime_ns")))]
-        mirror.write_text(json.dumps(raw))
-        sc.start()
-        assert _loaded(sc)[-1]["resumed"] is True
-        _check_every_record(cp, root)
-        _wait(lambda: json.loads(mirror.read_text()).get("format") == 3, "the mirror saved as format 3", 15)
+        # the mirrors of earlier releases (formats 3 and 2): resumed from, rewritten as 4
+        for fmt in (3, 2):
+            sc.stop()
+            mirror.write_text(json.dumps(_earlier_format(mirror, fmt)))
+            sc.start()
+            assert _loaded(sc)[-1]["resumed"] is True
+            _check_every_record(cp, root)
+            _wait(lambda: json.loads(mirror.read_text()).get("format") == 4, "the mirror saved as format 4", 15)
     finally:
         if sc is not None:
             sc.stop()
@@ -262,3 +335,112 @@ def test_blob_cache_missing_and_gc_by_ordered_scan(tmp_path):
     assert b.missing(held) == set(held) - set(held[::4])
     assert b.gc(set()) == len(held[::4]) and b.count() == (0, 0)
     assert b.gc(set(absent)) == 0
+
+
+def test_blob_cache_missing_and_gc_by_digest(tmp_path):
+    b = BlobCache(tmp_path / "blobs.db")
+    held = [bytes.fromhex(b.put(f"blob {i}".encode())) for i in range(300)]
+    absent = [bytes.fromhex(sha256_hex(f"absent {i}".encode())) for i in range(100)]
+    assert b.missing_digests([]) == set() and b.missing_digests(held) == set()
+    assert b.missing_digests(held[::3] + absent[::2] + absent[:1]) == set(absent[::2])
+    assert b.missing_digests(absent) == set(absent)
+    keep = set(held[::4]) | set(absent[:10])  # keeping what is not held deletes nothing more
+    assert b.gc_digests(keep) == 300 - len(held[::4])
+    assert b.missing_digests(held) == set(held) - set(held[::4])
+    assert b.missing(h.hex() for h in held) == {h.hex() for h in held} - {h.hex() for h in held[::4]}
+    assert b.gc_digests(set()) == len(held[::4]) and b.count() == (0, 0)
+    assert b.gc_digests(set(absent)) == 0
+
+
+def test_store_build_skips_paths_through_files_and_counts_what_it_shows(tmp_path):
+    journal = Journal(tmp_path / "outbox.db")
+    _, keymap = journal.load()
+    fs = Filesystem(BlobCache(tmp_path / "blobs.db"), Committer(None, journal, keymap))
+    paths = ["a/b.md", "a/c/d.md", "a/c/e.md", "x.md", "x.md/y.md", "a/c", "a/c/f.md", "top.md"]
+    records = [rec(i, path=p, content=f"content {i}\n") for i, p in enumerate(paths)]
+    sm = fs.add_store("s", "read_write", records,
+                      contents={r.id: f"content {i}\n".encode() for i, r in enumerate(records)})
+    # "x.md/y.md" crosses the file x.md; "a/c" (a file) replaces the directory a/c, so
+    # "a/c/f.md" after it crosses a file too, as a walk from the root finds
+    shown = {n.path(): n for n in fs._walk_files(sm.root)}
+    assert set(shown) == {"a/b.md", "a/c", "x.md", "top.md"}
+    assert "a/c/f.md" not in {r.path for r in records if r.id in fs.by_rid}
+    assert sm.count == len(fs.by_rid) and sm.used == sum(n.size for n in fs.by_rid.values())
+    for r in records:
+        if r.path in shown:
+            n = shown[r.path]
+            assert (n.record_id, n.version, n.size, n.sha) == (r.id, r.version, r.size, r.sha256)
+            assert fs.inodes[n.ino] is n and fs.by_rid[r.id] is n and n.key == "r:" + r.id
+            assert stat.S_IMODE(n.mode) == r.mode and stat.S_ISREG(n.mode)
+            want_mtime = r.mtime_ns if r.mtime_ns is not None else datetime_ns(r.updated_at)
+            assert (n.mtime_ns, n.xmtime, n.updated_ns) == (want_mtime, r.mtime_ns, datetime_ns(r.updated_at))
+
+
+def test_mmap_threshold_is_fixed_with_glibc():
+    import platform
+
+    from memfuse.sidecar.mount import fix_mmap_threshold
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("not glibc: no mallopt")
+    assert fix_mmap_threshold() is True
+
+
+def _mirror_view(cache: Path) -> dict[str, tuple]:
+    """path → (id, sha256, mode, mtime_ns) of the saved mirror of store ``default``."""
+    st = StoreState(cache / "stores" / "default.json", "default")
+    assert st.load()
+    return {m.path: (m.id, m.sha256, m.mode, m.mtime_ns) for m in st.records.values()}
+
+
+def _cp_view(cp: ControlPlane) -> dict[str, tuple]:
+    return {p: (r.id, r.sha256, r.mode, r.mtime_ns) for p, r in live_records(cp).items()}
+
+
+def test_restart_with_pending_changes_keeps_the_control_planes_state_in_the_mirror(tmp_path):
+    """A write, a rename, an unlink, a chmod and a utime made while the control plane is down
+    stay pending through a restart: the mirror saved at the stop holds the control plane's
+    state (not the local one: it is the base of the conditional writes and what an offline
+    start shows), and the next start commits each change once, after which the mirror
+    equals the control plane again."""
+    cp = ControlPlane(tmp_path).start()
+    sc = None
+    mnt, cache = tmp_path / "mnt", tmp_path / "cache"
+    args = ("--commit-wait", "0.3", "--drain-timeout", "1")
+    try:
+        tok = cp.setup_workspace("ws")
+        for name in ("w", "r", "u", "c", "t"):
+            cp.call("create_record", "default", f"dir/{name}.md", f"{name} as created\n")
+        sc = Sidecar(cp, "ws", tok, mnt, cache, *args).start()
+        store = mnt / "default" / "dir"
+        _wait(lambda: len(os.listdir(store)) == 5, "the records to show")
+        before = _cp_view(cp)
+        cp.stop()  # the outage begins
+        (store / "w.md").write_text("written while down\n")
+        os.rename(store / "r.md", store / "renamed.md")
+        os.unlink(store / "u.md")
+        os.chmod(store / "c.md", 0o600)
+        os.utime(store / "t.md", ns=(1_700_000_000_000_000_000, 1_700_000_000_000_000_000))
+        assert os.getxattr(store / "w.md", "user.memfuse.state") == b"pending"
+        assert sc.stop() == 0
+        sc = None
+        assert _mirror_view(cache) == before  # the control plane's state, not the local one
+
+        cp.start()  # same port and database
+        sc = Sidecar(cp, "ws", tok, mnt, cache, *args).start()
+        want = {"dir/w.md": "written while down\n", "dir/renamed.md": "r as created\n",
+                "dir/c.md": "c as created\n", "dir/t.md": "t as created\n"}
+        _wait(lambda: {p: r.content for p, r in live_records(cp).items()} == want, "the replay", 30)
+        after = live_records(cp)
+        assert after["dir/renamed.md"].id == before["dir/r.md"][0]  # moved: same record
+        assert after["dir/w.md"].id == before["dir/w.md"][0] and after["dir/w.md"].version == 2
+        assert after["dir/c.md"].mode == 0o600
+        assert after["dir/t.md"].mtime_ns == 1_700_000_000_000_000_000
+        errors = (mnt / ".memfuse" / "errors.log").read_text()
+        assert "conflict" not in errors, errors
+        assert sc.stop() == 0
+        sc = None
+        assert _mirror_view(cache) == _cp_view(cp)
+    finally:
+        if sc is not None:
+            sc.stop()
+        cp.stop()

@@ -108,6 +108,69 @@ class BlobCache:
         out.update(want[i:])
         return out
 
+    def missing_digests(self, digests) -> set[bytes]:
+        """The digests of ``digests`` (an iterable of sha256s as 32 ``bytes``) not held: the
+        same as ``missing`` without a hex string per digest (a 100,000-record store asks
+        for 100,000). One scan of the primary key (4,096 rows at a time), each key compared
+        as bytes; ~0.3 µs per blob. Raises ``CacheError(EIO)`` when the file cannot be
+        read."""
+        out = set(digests)
+        if not out:
+            return out
+        discard, fromhex = out.discard, bytes.fromhex
+        try:
+            cur = self._db.execute("SELECT sha FROM blobs")
+            while out:
+                rows = cur.fetchmany(4096)
+                if not rows:
+                    break
+                for (have,) in rows:
+                    try:
+                        discard(fromhex(have))
+                    except (ValueError, TypeError):  # not a digest: nobody asks for it
+                        pass
+            cur.close()
+        except sqlite3.Error as exc:
+            raise CacheError(errno.EIO, f"the sidecar's blob cache cannot be read "
+                                        f"({type(exc).__name__})") from exc
+        return out
+
+    def gc_digests(self, keep: set[bytes]) -> int:
+        """``gc`` with ``keep`` as a set of sha256s as 32 ``bytes`` (the store mirrors' and
+        the tree's own objects: nothing per blob is made to build it): delete every blob not
+        in ``keep``, then ``checkpoint``; return how many were deleted. Raises
+        ``CacheError`` when the file cannot be written."""
+        drop: list[tuple[str]] = []
+        fromhex = bytes.fromhex
+        try:
+            cur = self._db.execute("SELECT sha FROM blobs")
+            while True:
+                rows = cur.fetchmany(4096)
+                if not rows:
+                    break
+                for row in rows:
+                    try:
+                        held = fromhex(row[0]) in keep
+                    except (ValueError, TypeError):  # not a digest: referenced by nothing
+                        held = False
+                    if not held:
+                        drop.append(row)
+            cur.close()
+            if drop:
+                self._db.execute("BEGIN")
+                try:
+                    self._db.executemany("DELETE FROM blobs WHERE sha=?", drop)
+                    self._db.execute("COMMIT")
+                except BaseException:
+                    if self._db.in_transaction:
+                        with contextlib.suppress(sqlite3.Error):
+                            self._db.execute("ROLLBACK")
+                    raise
+        except sqlite3.Error as exc:
+            raise self._failed(exc, "cleaning the blob cache") from exc
+        self.checkpoint()
+        return len(drop)
+
     def put(self, data: bytes, sha: str | None = None) -> str:
         """Store ``data``; return its sha256 (computed when not given)."""
         sha = sha or sha256_hex(data)

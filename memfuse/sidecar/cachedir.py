@@ -78,13 +78,13 @@ def private_file(path: Path) -> None:
         os.close(fd)
 
 
-def write_private(path: Path, text: str) -> None:
-    """Write ``text`` (UTF-8) to ``path``, created or truncated, mode ``0600``. Raises
-    ``OSError``."""
+def write_private(path: Path, text: str | bytes) -> None:
+    """Write ``text`` (a ``str``, written as UTF-8, or ``bytes`` as they are) to ``path``,
+    created or truncated, mode ``0600``. Raises ``OSError``."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
     try:
         os.fchmod(fd, FILE_MODE)
-        data = text.encode("utf-8")
+        data = text.encode("utf-8") if isinstance(text, str) else text
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view):]

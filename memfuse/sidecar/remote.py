@@ -22,6 +22,7 @@ import sys
 from ..wire import DEFAULT_MODE, RECORD_TYPES, Record, datetime_ns
 from .inodes import CLEAN, DIR_MODES_KEY, Node, StoreMount, shared_mode
 from .outbox import MOVE_PREFIX, Entry
+from .sync import Meta
 
 log = logging.getLogger("memfuse.fs")
 
@@ -32,6 +33,12 @@ _TYPES = {t: sys.intern(t) for t in RECORD_TYPES}
 def _intern_type(t: str | None) -> str | None:
     """One shared ``str`` per record type (a snapshot decodes a new one per record)."""
     return _TYPES.get(t, t) if t is not None else None
+
+
+def _digest(rec) -> bytes:
+    """The sha256 of a ``Record`` or a mirror ``Meta`` as 32 bytes (a ``Meta``'s own)."""
+    sha = getattr(rec, "sha", None)
+    return sha if type(sha) is bytes else bytes.fromhex(rec.sha256)
 
 
 def updated_ns(rec) -> int:
@@ -45,13 +52,15 @@ class RemoteApply:
     """Loading and remote changes of ``core.Filesystem`` (module docstring); mixed into it."""
 
     def add_store(self, slug: str, access: str, records, *,
-                  limits: dict | None = None, contents: dict[str, bytes] | None = None) -> StoreMount:
+                  limits: dict | None = None, contents: dict[str, bytes] | None = None,
+                  cached: bool = False) -> StoreMount:
         """Put one attached store under the root, built from a snapshot of its live records
         (``Record`` or mirror ``Meta`` objects; the nodes share their strings).
 
         ``contents`` maps record id → bytes for records whose blob is not already cached;
         a record whose content is neither given nor cached is left out (logged). Which blobs
-        are cached is asked in one query (``BlobCache.missing``). Raises ``CacheError``.
+        are cached is asked in one scan (``BlobCache.missing_digests``), unless ``cached``:
+        the caller checked that every record's blob is. Raises ``CacheError``.
         """
         now = time.time_ns()
         root = self._new_node(slug, self.root, True, None, 0o755, now)
@@ -65,19 +74,92 @@ class RemoteApply:
                 for rec in given:
                     data = contents.get(rec.id)
                     self.blobs.put(rec.content.encode("utf-8") if data is None else data, rec.sha256)
-        missing = self.blobs.missing(r.sha256 for r in records
-                                     if r.content is None and r.id not in contents)
-        insert = self._insert_record
-        for rec in records:
-            if missing and rec.sha256 in missing:
-                log.error("record content missing from snapshot and cache; skipped",
-                          extra={"store": slug, "record": rec.id})
-                continue
-            insert(sm, rec)
+        missing = set() if cached else self.blobs.missing_digests(
+            _digest(r) for r in records if r.content is None and r.id not in contents)
+        if missing:
+            kept = []
+            for rec in records:
+                if _digest(rec) in missing:
+                    log.error("record content missing from snapshot and cache; skipped",
+                              extra={"store": slug, "record": rec.id})
+                else:
+                    kept.append(rec)
+            records = kept
+        self._insert_records(sm, records)
         for path in self.saved_dirs.get(slug, []):
             self._ensure_dir(sm, path.split("/"), now)
         self._restore_dir_modes(sm)
         return sm
+
+    def _insert_records(self, sm: StoreMount, records) -> None:
+        """Add clean files for ``records`` (``Record`` or mirror ``Meta``) to a store being
+        built (``add_store``), in one loop (a store of 100,000 records is built at start, on
+        the mount's critical path): each record a clean file (as ``_set_clean`` shows it),
+        its key ``r:<id>`` implicit (as ``InodeTable._set_record_key`` gives it), counted in
+        the store's ``count`` / ``used`` (as ``_live`` does); missing directories are made.
+        Nodes share the records' objects (id, a mirror entry's file name, sha256 bytes, size,
+        update time); a record whose path crosses a file is skipped (logged)."""
+        uid, gid = self.settings.uid, self.settings.gid
+        inodes, by_rid, by_key = self.inodes, self.by_rid, self.by_key
+        types_get = _TYPES.get
+        fmodes: dict[int, int] = {}  # permission bits -> the shared st_mode of a file
+        root = sm.root
+        last_dir, last_d = None, root
+        ino = self._next_ino
+        count = used = 0
+        try:
+            for rec in records:
+                if type(rec) is not Meta:
+                    rec = Meta.of(rec)  # a Record: the fields as the mirror keeps them
+                head, name, ts = rec.dir, rec.name, rec.updated_ns
+                if head != last_dir:
+                    d = root
+                    for comp in head.split("/") if head else ():
+                        child = d.children.get(comp)
+                        if child is None:
+                            self._next_ino = ino
+                            child = self._new_node(comp, d, True, sm, 0o755, ts)
+                            ino = self._next_ino
+                        elif child.children is None:
+                            d = None
+                            break
+                        d = child
+                    if d is None:
+                        log.error("record path crosses a file; skipped",
+                                  extra={"store": sm.slug, "record": rec.id})
+                        last_dir = None
+                        continue
+                    last_dir, last_d = head, d
+                d = last_d
+                xm = rec.mtime_ns
+                fmode = fmodes.get(rec.mode)
+                if fmode is None:
+                    fmode = fmodes[rec.mode] = shared_mode(stat.S_IFREG | stat.S_IMODE(rec.mode))
+                n = Node(ino, name, d, False, sm, fmode, uid, gid, ts, ts if xm is None else xm, ts)
+                inodes[ino] = n
+                ino += 1
+                prev = d.children.get(name)
+                if prev is not None and prev.children is not None:
+                    last_dir = None  # a directory replaced by a file: walk again next time
+                d.children[name] = n
+                rid = rec.id
+                n._key, n.record_id = None, rid  # the key is "r:" + rid (InodeTable._set_record_key)
+                if by_key:
+                    stale = by_key.get("r:" + rid)
+                    if stale is not None and stale is not n:
+                        del by_key["r:" + rid]
+                by_rid[rid] = n
+                t = rec.type
+                n.version, n.rtype, n._sha = rec.version, types_get(t, t), rec.sha
+                n.size, n.updated_ns = rec.size, ts
+                if xm is not None:
+                    n.xmtime = xm
+                count += 1
+                used += rec.size
+        finally:
+            self._next_ino = ino
+            sm.count += count
+            sm.used += used
 
     def _restore_dir_modes(self, sm: StoreMount) -> None:
         """Give the store's directories the modes saved in ``dirs.json`` (directory modes
@@ -89,28 +171,6 @@ class RemoteApply:
                 d = d.children.get(comp) if d is not None and d.is_dir else None
             if d is not None and d.is_dir and isinstance(mode, int):
                 d.mode = stat.S_IFDIR | stat.S_IMODE(mode)
-
-    def _insert_record(self, sm: StoreMount, rec) -> Node:
-        """Add one record (a ``Record`` or a mirror ``Meta``) as a clean file; the node shares
-        the record's strings and ints (id, sha256, size, update time)."""
-        parts = rec.path.split("/")
-        d = sm.root
-        ts = updated_ns(rec)
-        children = d.children
-        for comp in parts[:-1]:
-            child = children.get(comp)
-            if child is None:
-                child = self._new_node(comp, d, True, sm, 0o755, ts)
-            elif not child.is_dir:
-                log.error("record path crosses a file; skipped", extra={"store": sm.slug, "record": rec.id})
-                return child
-            d = child
-            children = d.children
-        n = self._new_node(parts[-1], d, False, sm, 0o644, ts)
-        self._set_record_key(n, rec.id)
-        self._set_clean(n, rec, ts)
-        self._live(n, +1)
-        return n
 
     def _set_clean(self, n: Node, rec, ts: int | None = None) -> None:
         """Show ``rec`` (a ``Record`` or a mirror ``Meta``; ``ts``: its update time in ns

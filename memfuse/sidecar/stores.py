@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import math
 import time
 
 import trio
@@ -139,19 +138,25 @@ class StoreSync:
         ``expect_records`` (the control plane's live record count) guards the resume: a
         mirror that does not add up is replaced by a snapshot."""
         state = StoreState(self.config.cache_dir / "stores" / f"{slug}.json", slug)
-        resumed = state.load() and await catch_up(self.client, state, self.fs.blobs)
-        if resumed and expect_records is not None and len(state.records) != expect_records:
-            log.warning("saved store state does not match the control plane; taking a snapshot",
-                        extra={"store": slug, "saved": len(state.records),
-                               "live": expect_records})
-            resumed = False
-        if not resumed:
-            await self._snapshot_into(slug, state)
-        missing = self.fs.blobs.missing(m.sha256 for m in state.records.values())
-        for r in [r for r in state.records.values() if r.sha256 in missing]:
-            full = await self.client.get_record(slug, r.id, content=True)
-            self.fs.blobs.put(full.content.encode("utf-8"), full.sha256)
-            state.put(full)
+        # no blob collection until the store is in the tree: its blobs are referenced by
+        # nothing else meanwhile (_gc_blobs), and add_store trusts the check below
+        self._snapshots_running = getattr(self, "_snapshots_running", 0) + 1
+        try:
+            resumed = state.load() and await catch_up(self.client, state, self.fs.blobs)
+            if resumed and expect_records is not None and len(state.records) != expect_records:
+                log.warning("saved store state does not match the control plane; taking a snapshot",
+                            extra={"store": slug, "saved": len(state.records),
+                                   "live": expect_records})
+                resumed = False
+            if not resumed:
+                await self._snapshot_into(slug, state)
+            missing = self.fs.blobs.missing_digests(m.sha for m in state.records.values())
+            for r in [r for r in state.records.values() if r.sha in missing]:
+                full = await self.client.get_record(slug, r.id, content=True)
+                self.fs.blobs.put(full.content.encode("utf-8"), full.sha256)
+                state.put(full)
+        finally:
+            self._snapshots_running -= 1
         log.info("store loaded", extra={"store": slug, "records": len(state.records),
                                         "cursor": state.cursor, "resumed": bool(resumed)})
         return state
@@ -217,7 +222,9 @@ class StoreSync:
                   "max_records": att.store.max_records}
         if (state.access, state.limits) != (att.access.value, limits):
             state.access, state.limits, state.dirty = att.access.value, limits, True
-        self.fs.add_store(slug, att.access.value, list(state.records.values()), limits=limits)
+        # every blob is cached (_load_state checked, nothing awaited since)
+        self.fs.add_store(slug, att.access.value, list(state.records.values()), limits=limits,
+                          cached=True)
         self.invalidator.submit([("entry", ROOT_INO, slug)])
         self.want_context()
         if self._mounted:  # before the mount, run() starts every store's feed once mounted
@@ -235,9 +242,11 @@ class StoreSync:
             state = StoreState(self.config.cache_dir / "stores" / f"{slug}.json", slug)
             if not state.load():
                 continue
-            records = [m for m in state.records.values() if self.fs.blobs.has(m.sha256)]
+            missing = self.fs.blobs.missing_digests(m.sha for m in state.records.values())
+            records = [m for m in state.records.values() if m.sha not in missing]
             self.states[slug] = state
-            self.fs.add_store(slug, state.access, records, limits=state.limits or None)
+            self.fs.add_store(slug, state.access, records, limits=state.limits or None,
+                              cached=True)
         self.offline_start = True
         log.warning("control plane unreachable: mounted from the local cache; writes are "
                     "accepted and commit once it answers",
@@ -447,10 +456,12 @@ class StoreSync:
             self.want_context()  # descriptions and instructions are in the block too
 
     async def _saver(self) -> None:
-        """Save dirty store mirrors at once and then every 2 s; collect unreferenced blobs at
-        once and then every ``GC_EVERY`` s (overwritten and deleted records leave their old
-        content behind)."""
-        last_gc = -math.inf  # the first collection right after the mount
+        """Save dirty store mirrors at once and then every 2 s; collect unreferenced blobs
+        every ``GC_EVERY`` s (overwritten and deleted records leave their old content
+        behind). The first collection waits ``GC_EVERY`` s too: it is a pass over every
+        blob on the trio thread (~0.2 s at 100,000), which would hold up the first requests
+        of a fresh mount, and nothing needs it sooner."""
+        last_gc = trio.current_time()
         first = True
         while True:
             if not first:
@@ -582,14 +593,16 @@ class StoreSync:
 
     def _gc_blobs(self) -> None:
         """Delete cached blobs no store mirror or file refers to (a failure is logged and
-        tried again at the next collection). Skipped while a snapshot is being taken: its
-        pages' blobs are referenced only once it is complete."""
+        tried again at the next collection). Skipped while a store is being loaded (a
+        snapshot, or a resume and its missing blobs): its blobs are referenced only once it
+        is in the tree."""
         if getattr(self, "_snapshots_running", 0):
             return
-        keep = {r.sha256 for st in self.states.values() for r in st.records.values()}
-        keep |= {n.sha for n in self.fs.inodes.values() if n.sha}
+        # the digests as the mirrors and nodes hold them (32 bytes): no object per blob
+        keep = {r.sha for st in self.states.values() for r in st.records.values()}
+        keep.update(n._sha for n in self.fs.inodes.values() if n._sha)
         try:
-            removed = self.fs.blobs.gc(keep)
+            removed = self.fs.blobs.gc_digests(keep)
         except CacheError as e:
             log.warning("blob cache not cleaned", extra={"reason": e.reason})
             return

@@ -21,7 +21,9 @@ import time
 import sys
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from typing import Annotated, ClassVar
 
+import msgspec
 import pyfuse3
 import trio
 
@@ -36,9 +38,46 @@ _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 
 _TYPES = {t: sys.intern(t) for t in RECORD_TYPES}
-# the saved mirror's columns (format 3), in ``Meta``'s field order
+# the columns of a format-3 mirror (earlier releases)
 COLUMNS = ("id", "path", "type", "version", "sha256", "size", "updated_ns", "mode", "mtime_ns")
-FORMAT = 3  # of <cache>/stores/<slug>.json; format 2 (rows, ISO times) is still read
+FORMAT = 4  # of <cache>/stores/<slug>.json; formats 3 and 2 of earlier releases are still read
+_Index = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class _Columns(msgspec.Struct, frozen=True):
+    """The columns of a format-4 mirror (``StoreState``): one array per field, except
+    ``sha256`` (every digest's 64 hex digits, concatenated) and ``dir`` / ``type`` / ``mode``
+    (indices into the mirror's ``dirs`` / ``types`` / ``modes``)."""
+
+    id: list[str]
+    dir: list[_Index]
+    name: list[str]
+    type: list[_Index]
+    version: list[int]
+    sha256: str
+    size: list[int]
+    updated_ns: list[int]
+    mode: list[_Index]
+    mtime_ns: list[int | None]
+
+
+class _Mirror(msgspec.Struct, frozen=True):
+    """A format-4 mirror file (``StoreState``)."""
+
+    format: int
+    cursor: int
+    columns: _Columns
+    dirs: list[str]
+    types: list[str | None]
+    modes: list[int]
+    access: str = "read_write"
+    limits: dict[str, int] = {}
+
+
+class _Format(msgspec.Struct):
+    """Only the format number of a mirror file (the rest is skipped, not decoded)."""
+
+    format: int | None = None
 
 
 _MODES: dict[int, int] = {}
@@ -49,56 +88,63 @@ def _shared(mode: int) -> int:
     return _MODES.setdefault(mode, mode) if len(_MODES) < 4096 else mode
 
 
-class Meta:
+class Meta(msgspec.Struct, gc=False):
     """What the mirror keeps of one live record: the ``Record`` fields the tree needs, in a
     fraction of a ``Record``'s memory (100,000 records are held at once). The tree's
-    ``Node`` shares its objects (id, sha256 bytes, size, update time): they are held once.
+    ``Node`` shares its objects (id, file name, sha256 bytes, size, update time): they are
+    held once.
 
-    ``sha256``: 64 hex digits, kept as 32 bytes (``sha``); ``updated_ns``: the update time in
-    ns since the epoch (``Record.updated_at``); ``mode``: permission bits; ``mtime_ns``: the
-    explicit mtime (ns), None when it is the update time.
+    ``dir`` / ``name``: the record's path split at its last ``/`` (``dir`` '' at the store
+    root; one ``str`` object per directory, shared by its records: ``sys.intern``; ``name``
+    is the file node's name too); ``sha``: the sha256 as 32 bytes (``sha256`` gives the 64
+    hex digits); ``updated_ns``: the update time in ns since the epoch
+    (``Record.updated_at``); ``mode``: permission bits; ``mtime_ns``: the explicit mtime
+    (ns), None when it is the update time. Build one with ``new`` (from a path and hex
+    digits) or ``of`` (from a ``Record``); the constructor takes the fields as kept.
+    A msgspec Struct without GC tracking (it holds no containers): 96 bytes for 10 fields.
     """
 
-    __slots__ = ("id", "path", "type", "version", "sha", "size", "updated_ns", "mode", "mtime_ns")
+    id: str
+    dir: str
+    name: str
+    type: str | None
+    version: int
+    sha: bytes
+    size: int
+    updated_ns: int
+    mode: int = DEFAULT_MODE
+    mtime_ns: int | None = None
     # duck-typing with ``Record`` for ``Filesystem.add_store`` / ``reconcile_store``
-    content = None
-    deleted = False
+    content: ClassVar[None] = None
+    deleted: ClassVar[bool] = False
 
-    def __init__(self, id: str, path: str, type: str | None, version: int, sha256: str,
-                 size: int, updated_ns: int, mode: int = DEFAULT_MODE,
-                 mtime_ns: int | None = None) -> None:
-        self.id = id
-        self.path = path
-        self.type = _TYPES.get(type, type)
-        self.version = version
-        self.sha = bytes.fromhex(sha256)  # ValueError for anything but hex digits
-        self.size = size
-        self.updated_ns = updated_ns
-        self.mode = _shared(mode)
-        self.mtime_ns = mtime_ns
+    @property
+    def path(self) -> str:
+        """The store-relative path (``dir/name``)."""
+        return f"{self.dir}/{self.name}" if self.dir else self.name
 
     @property
     def sha256(self) -> str:
         """The content's sha256 as 64 hex digits."""
         return self.sha.hex()
 
-    def _key(self) -> tuple:
-        return (self.id, self.path, self.type, self.version, self.sha, self.size,
-                self.updated_ns, self.mode, self.mtime_ns)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Meta) and self._key() == other._key()
-
-    __hash__ = None  # mutable
-
     def __repr__(self) -> str:
         return f"Meta(id={self.id!r}, path={self.path!r}, version={self.version}, sha256={self.sha256[:12]}…)"
 
     @classmethod
+    def new(cls, id: str, path: str, type: str | None, version: int, sha256: str, size: int,
+            updated_ns: int, mode: int = DEFAULT_MODE, mtime_ns: int | None = None) -> "Meta":
+        """The entry of a record at ``path`` whose content has sha256 ``sha256`` (64 hex
+        digits; ``ValueError`` for anything else); type and mode as the shared objects."""
+        d, _, name = path.rpartition("/")
+        return cls(id, sys.intern(d), name, _TYPES.get(type, type), version,
+                   bytes.fromhex(sha256), size, updated_ns, _shared(mode), mtime_ns)
+
+    @classmethod
     def of(cls, r: Record) -> "Meta":
         """The mirror entry of record ``r`` (no content)."""
-        return cls(r.id, r.path, r.type, r.version, r.sha256, r.size,
-                   datetime_ns(r.updated_at), r.mode, r.mtime_ns)
+        return cls.new(r.id, r.path, r.type, r.version, r.sha256, r.size,
+                       datetime_ns(r.updated_at), r.mode, r.mtime_ns)
 
     @property
     def updated_at(self) -> datetime:
@@ -111,19 +157,27 @@ class Meta:
         ISO 8601, mode, mtime_ns]``); rows of earlier releases (7 members, before the
         attributes) load with the defaults, as their records had no attributes then."""
         mode, mtime = (int(row[7]), None if row[8] is None else int(row[8])) if len(row) >= 9 else (DEFAULT_MODE, None)
-        return cls(row[0], row[1], row[2], int(row[3]), row[4], int(row[5]),
-                   datetime_ns(datetime.fromisoformat(row[6])), mode, mtime)
+        return cls.new(row[0], row[1], row[2], int(row[3]), row[4], int(row[5]),
+                       datetime_ns(datetime.fromisoformat(row[6])), mode, mtime)
 
 
 class StoreState:
     """Mirror of one store's live records (id → ``Meta``) and the change-feed cursor.
 
-    Saved as ``<cache>/stores/<slug>.json``, format 3: ``{"format": 3, "cursor": int,
-    "access": str, "limits": {name: int}, "columns": {column: [value per record]}}`` with
-    the columns of ``COLUMNS`` (one JSON array per field: a 100,000-record mirror loads in
-    one ``json.loads`` and one pass, without an object per row). Format 2 (``"records"``:
-    one array per record, ISO 8601 times) is read too and written as format 3 at the next
-    save.
+    Saved as ``<cache>/stores/<slug>.json``, format 4: ``{"format": 4, "cursor": int,
+    "access": str, "limits": {name: int}, "dirs": [str], "types": [str | null],
+    "modes": [int], "columns": {column: ...}}`` with the columns ``id``, ``dir``, ``name``,
+    ``type``, ``version``, ``sha256``, ``size``, ``updated_ns``, ``mode``, ``mtime_ns``: one
+    JSON array per field (a record's path is ``dirs[dir] + "/" + name``, ``name`` alone when
+    that directory is ''), except ``sha256`` (one string: every record's 64 hex digits,
+    concatenated) and ``dir`` / ``type`` / ``mode`` (indices into ``dirs`` / ``types`` /
+    ``modes``). Written and read with msgspec: a save makes no object per record (the
+    strings and ints are the mirror's own; the digests are joined once), and a load makes
+    only what the mirror keeps (no hex string, path, type or mode per record to throw
+    away), so neither leaves holes in the heap of a long-running sidecar
+    (docs/SCALING.md). Format 3 (columns of ``COLUMNS`` as plain arrays: paths, hex
+    digests, type strings, modes) and format 2 (``"records"``: one array per record, ISO
+    8601 times) of earlier releases are read too and written as format 4 at the next save.
     """
 
     def __init__(self, path: Path, slug: str) -> None:
@@ -137,11 +191,16 @@ class StoreState:
         self.limits: dict[str, int] = {}
 
     def load(self) -> bool:
-        """Read the saved state (format 3, or 2 of earlier releases); False when there is
-        none or it is unreadable (then the caller takes a full snapshot)."""
+        """Read the saved state (format 4, or 3 and 2 of earlier releases); False when there
+        is none or it is unreadable (then the caller takes a full snapshot)."""
         try:
-            raw = json.loads(self.path.read_bytes())
-            fmt = raw.get("format")
+            data = self.path.read_bytes()
+            fmt = msgspec.json.decode(data, type=_Format).format
+            if fmt == 4:
+                self._load_v4(msgspec.json.decode(data, type=_Mirror))
+                return True
+            raw = json.loads(data)
+            del data
             if fmt == 3:
                 cols = raw["columns"]
                 ids = cols["id"]
@@ -151,37 +210,83 @@ class StoreState:
                 for c in ("version", "size", "updated_ns", "mode"):
                     if not all(type(v) is int for v in cols[c]):
                         raise ValueError(f"column {c} holds a non-integer")
-                self.records = dict(zip(ids, map(Meta, ids, cols["path"], cols["type"], cols["version"],
-                                                 cols["sha256"], cols["size"], cols["updated_ns"],
-                                                 cols["mode"], cols["mtime_ns"])))
+                self.records = dict(zip(ids, map(Meta.new, ids, cols["path"], cols["type"],
+                                                 cols["version"], cols["sha256"], cols["size"],
+                                                 cols["updated_ns"], cols["mode"], cols["mtime_ns"])))
             elif fmt == 2:
                 self.records = {row[0]: Meta.load_v2(row) for row in raw["records"]}
-                self.dirty = True  # written as format 3 at the next save
             else:
                 return False
+            self.dirty = True  # written as format 4 at the next save
             self.cursor = int(raw["cursor"])
             self.access = raw.get("access", "read_write")
             self.limits = {k: int(v) for k, v in raw.get("limits", {}).items()}
             return True
         except FileNotFoundError:
             return False
-        except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError,
+                msgspec.DecodeError) as e:
             log.warning("saved store state unreadable; taking a full snapshot",
                         extra={"store": self.slug, "error": type(e).__name__})
             self.records, self.cursor = {}, 0
             return False
 
+    def _load_v4(self, m: _Mirror) -> None:
+        """Take a decoded format-4 mirror (``load``). Raises ``ValueError`` / ``IndexError``
+        for columns that do not add up (different lengths, a digest column of the wrong
+        size, an index out of its table)."""
+        c = m.columns
+        n = len(c.id)
+        if any(len(col) != n for col in (c.dir, c.name, c.type, c.version, c.size,
+                                         c.updated_ns, c.mode, c.mtime_ns)) or len(c.sha256) != 64 * n:
+            raise ValueError("columns of different lengths")
+        digests = bytes.fromhex(c.sha256)  # ValueError for anything but hex digits...
+        if len(digests) != 32 * n:  # ...and whitespace, which fromhex skips
+            raise ValueError("digest column is not 64 hex digits per record")
+        dirs = [sys.intern(d) for d in m.dirs]
+        types = [_TYPES.get(t, t) for t in m.types]
+        modes = [_shared(x) for x in m.modes]
+        for col, table in ((c.dir, dirs), (c.type, types), (c.mode, modes)):
+            if col and max(col) >= len(table):
+                raise IndexError("an index out of its table")
+        self.records = dict(zip(c.id, map(
+            Meta, c.id, map(dirs.__getitem__, c.dir), c.name, map(types.__getitem__, c.type),
+            c.version, [digests[i:i + 32] for i in range(0, 32 * n, 32)], c.size, c.updated_ns,
+            map(modes.__getitem__, c.mode), c.mtime_ns)))
+        self.cursor = m.cursor
+        self.access = m.access
+        self.limits = dict(m.limits)
+
+    def encode(self) -> bytes:
+        """The state as a format-4 file (``StoreState``): no object per record is made (the
+        columns hold the mirror's own strings and ints; directories, types and modes are
+        indices made once per distinct value)."""
+        recs = list(self.records.values())
+        dirs: dict[str, int] = {}
+        types: dict[str | None, int] = {}
+        modes: dict[int, int] = {}
+        cols = {"id": [m.id for m in recs],
+                "dir": [dirs.setdefault(m.dir, len(dirs)) for m in recs],
+                "name": [m.name for m in recs],
+                "type": [types.setdefault(m.type, len(types)) for m in recs],
+                "version": [m.version for m in recs],
+                "sha256": b"".join([m.sha for m in recs]).hex(),
+                "size": [m.size for m in recs], "updated_ns": [m.updated_ns for m in recs],
+                "mode": [modes.setdefault(m.mode, len(modes)) for m in recs],
+                "mtime_ns": [m.mtime_ns for m in recs]}
+        return msgspec.json.encode({"format": FORMAT, "cursor": self.cursor,
+                                    "access": self.access, "limits": self.limits,
+                                    "dirs": list(dirs), "types": list(types),
+                                    "modes": list(modes), "columns": cols})
+
     def save(self) -> None:
-        """Write the state atomically (tmp + rename) in format 3. Raises ``CacheError`` when
+        """Write the state atomically (tmp + rename) in format 4. Raises ``CacheError`` when
         it cannot (the saved file is then the previous one, and ``dirty`` stays set)."""
         tmp = self.path.with_suffix(".tmp")
-        recs = list(self.records.values())
-        cols = {c: [getattr(m, c) for m in recs] for c in COLUMNS}
-        data = {"format": FORMAT, "cursor": self.cursor, "access": self.access,
-                "limits": self.limits, "columns": cols}
+        data = self.encode()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            write_private(tmp, json.dumps(data, separators=(",", ":")))
+            write_private(tmp, data)
             os.replace(tmp, self.path)
         except OSError as exc:
             with contextlib.suppress(OSError):
