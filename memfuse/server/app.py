@@ -395,12 +395,11 @@ def create_app(
         path: str | None = None,
         include_deleted: bool = False,
     ):
-        return _json(
-            svc.list_records(
-                p, store, cursor=cursor, limit=limit, with_content=content, path=path,
-                include_deleted=include_deleted,
-            )
+        body = svc.list_records_json(  # the RecordPage's JSON, without pydantic per record
+            p, store, cursor=cursor, limit=limit, with_content=content, path=path,
+            include_deleted=include_deleted,
         )
+        return Response(content=body, media_type="application/json")
 
     @app.get("/v1/stores/{store}/search", response_model=SearchPage, tags=["records"])
     def search_records(
