@@ -322,6 +322,32 @@ def test_warm_restart_of_many_records_shows_every_record_and_follows_changes(tmp
         cp.stop()
 
 
+def test_lost_blob_cache_is_refilled_by_a_snapshot_not_one_request_per_record(tmp_path):
+    """A saved mirror whose blobs are gone (the blob cache deleted, or started anew after a
+    system crash in a bulk fill) is not resumed record by record: one snapshot refills it."""
+    cp = ControlPlane(tmp_path).start()
+    sc = None
+    try:
+        tok = cp.setup_workspace("ws")
+        trio.run(_populate, cp)
+        sc = Sidecar(cp, "ws", tok, tmp_path / "mnt", tmp_path / "cache").start()
+        assert _loaded(sc)[-1]["resumed"] is False
+        sc.stop()
+        for f in sc.cache_dir.glob("blobs.db*"):
+            f.unlink()
+        sc.start()
+        assert _loaded(sc)[-1]["resumed"] is False and _loaded(sc)[-1]["records"] == N
+        assert "blob cache lacks much of a saved store; taking a snapshot" in sc.log.read_text()
+        _check_every_record(cp, sc.mountpoint / "default")
+        root = sc.mountpoint / "default"
+        some = sorted(live_records(cp).items())[:20]
+        assert all((root / path).read_text() == r.content for path, r in some)
+    finally:
+        if sc is not None:
+            sc.stop()
+        cp.stop()
+
+
 def test_blob_cache_missing_and_gc_by_ordered_scan(tmp_path):
     b = BlobCache(tmp_path / "blobs.db")
     held = [b.put(f"blob {i}".encode()) for i in range(300)]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
+import os
 import sqlite3
 from pathlib import Path
 from typing import Iterator
@@ -15,6 +17,18 @@ from typing import Iterator
 from ..wire import sha256_hex
 from .cachedir import private_file
 from .outbox import CacheError, cache_error
+
+log = logging.getLogger("memfuse.mount")
+
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")  # Linux: changes at every boot
+
+
+def boot_id() -> str:
+    """This boot of the kernel (Linux ``boot_id``), or ``""`` when it cannot be read."""
+    try:
+        return BOOT_ID.read_text().strip()
+    except OSError:
+        return ""
 
 
 class BlobCache:
@@ -25,6 +39,21 @@ class BlobCache:
     ``synchronous=NORMAL``: a crash never corrupts it; durability is the outbox's job, and
     anything missing is fetched again from the control plane. Used from the trio thread only.
 
+    A snapshot fills it in *bulk mode* (``bulk``): rollback journal instead of WAL, so the
+    content is written once into the file rather than into the log and then again into the
+    file, and ``synchronous=OFF``, so no page's commit waits for the disk; at its end one
+    ``fsync`` makes everything durable, then the mode returns to WAL. A process crash
+    (``kill -9``) meanwhile leaves a consistent file (every write is in the kernel's page
+    cache; SQLite rolls the hot journal back at the next open); an operating-system crash or
+    power loss may leave torn pages, which could make the cache answer wrong bytes for a
+    sha256 it claims to hold. So a bulk fill first commits, durably, a marker with the
+    kernel's boot id, and removes it only after the final ``fsync``: a file opened with a
+    marker of *this* boot is consistent (the marker is removed), one with a marker of
+    another boot (or a file SQLite finds corrupt) is deleted and created anew, empty
+    (``rebuilt`` is True then; a saved store mirror then finds its blobs missing, and the
+    loader takes a snapshot). The store mirror of a snapshot is saved only after ``bulk`` has
+    returned, so a saved mirror never refers to blobs that are not durable.
+
     Every failure of the file (a full disk, an I/O error) is raised as ``CacheError``
     (``ENOSPC`` / ``EIO``), never as a raw ``sqlite3`` exception. Unreferenced blobs are
     deleted by ``gc``; the write-ahead log is kept under 1 MiB and truncated by ``checkpoint``.
@@ -33,16 +62,50 @@ class BlobCache:
     def __init__(self, path: Path) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.rebuilt = False  # the file was found torn by a crash of the system and made anew
+        self._bulk = 0  # depth of nested ``bulk`` blocks (stores may load at the same time)
+        self._in_batch = False
+        self.metrics = None  # set by the sidecar: counts failed writes
         private_file(path)  # 0600 (memory content); SQLite's -wal / -shm files get its mode
         self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+        if not self._trusted():
+            log.warning("blob cache torn by a system crash during a bulk fill, or unreadable; "
+                        "starting it anew (content is fetched again)", extra={"path": str(path)})
+            self._db.close()
+            for suffix in ("", "-wal", "-shm", "-journal"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(f"{path}{suffix}")
+            private_file(path)
+            self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+            self.rebuilt = True
         self._db.execute("PRAGMA auto_vacuum=INCREMENTAL")  # new files only
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("PRAGMA wal_autocheckpoint=256")
         self._db.execute("PRAGMA journal_size_limit=1048576")
         self._db.execute("CREATE TABLE IF NOT EXISTS blobs (sha TEXT PRIMARY KEY, data BLOB NOT NULL)")
-        self._in_batch = False
-        self.metrics = None  # set by the sidecar: counts failed writes
+        self._db.execute("CREATE TABLE IF NOT EXISTS fill (boot TEXT NOT NULL)")  # bulk's marker
+
+    def _trusted(self) -> bool:
+        """Whether the file can be used as it is: no bulk fill was cut short by a crash of the
+        system (a marker of another boot), and SQLite can read it. A marker of this boot
+        (the process crashed, the kernel kept every write) is removed."""
+        try:
+            self._db.execute("PRAGMA schema_version").fetchall()  # reads the header
+            if not self._db.execute("SELECT 1 FROM sqlite_master WHERE name = 'fill'").fetchall():
+                return True  # never filled in bulk (or a new file)
+            marks = [r[0] for r in self._db.execute("SELECT boot FROM fill")]
+            if not marks:
+                return True
+            if any(m != boot_id() or not m for m in marks):
+                return False
+            with contextlib.suppress(sqlite3.OperationalError):  # e.g. a full disk: the
+                self._db.execute("DELETE FROM fill")  # marker stays, removed at a later open
+            return True
+        except sqlite3.OperationalError:
+            raise  # locked, I/O error, full disk: not a sign of a torn file
+        except sqlite3.DatabaseError:  # "file is not a database", "disk image is malformed"
+            return False
 
     def _failed(self, exc: BaseException, what: str) -> CacheError:
         err = cache_error(exc, what)
@@ -72,6 +135,51 @@ class BlobCache:
             raise
         finally:
             self._in_batch = False
+
+    @contextlib.contextmanager
+    def bulk(self) -> Iterator[None]:
+        """Bulk mode for a snapshot's fill (class docstring): inside, ``batch`` / ``put`` /
+        ``put_many`` write the content once and never wait for the disk; on leaving, one
+        ``fsync`` makes it all durable before the crash marker is removed, then WAL and
+        ``synchronous=NORMAL`` are back. Nested blocks (stores loading at the same time)
+        share the outermost one. Reads work as usual meanwhile. Raises ``CacheError`` when
+        the marker cannot be written (nothing changed then). A failure while leaving keeps
+        the marker (the next open after a system crash starts the file anew) and
+        ``synchronous=NORMAL``; the journal mode returns to WAL at the next ``bulk``."""
+        if self._bulk == 0:
+            try:
+                self._db.execute("PRAGMA journal_mode=TRUNCATE").fetchall()
+                self._db.execute("PRAGMA synchronous=FULL")
+                self._db.execute("INSERT INTO fill VALUES (?)", (boot_id(),))  # durable now
+            except sqlite3.Error as exc:
+                self._db.execute("PRAGMA synchronous=NORMAL")
+                with contextlib.suppress(sqlite3.Error):
+                    self._db.execute("PRAGMA journal_mode=WAL").fetchall()
+                raise self._failed(exc, "writing the blob cache") from exc
+            self._db.execute("PRAGMA synchronous=OFF")
+        self._bulk += 1
+        try:
+            yield
+        finally:
+            self._bulk -= 1
+            if self._bulk == 0:
+                self._end_bulk()
+
+    def _end_bulk(self) -> None:
+        self._db.execute("PRAGMA synchronous=FULL")
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+            try:
+                os.fsync(fd)  # every page of the fill on disk before the marker goes
+            finally:
+                os.close(fd)
+            self._db.execute("DELETE FROM fill")  # a durable commit (synchronous=FULL)
+            self._db.execute("PRAGMA journal_mode=WAL").fetchall()
+        except (OSError, sqlite3.Error) as exc:
+            log.warning("blob cache bulk fill not closed; the file stays marked until the "
+                        "next bulk fill", extra={"error": type(exc).__name__})
+        finally:
+            self._db.execute("PRAGMA synchronous=NORMAL")
 
     def has(self, sha: str) -> bool:
         """Whether the blob with this sha256 (64 hex digits) is held."""
@@ -181,6 +289,16 @@ class BlobCache:
                 raise  # batch() rolls the whole transaction back and raises CacheError
             raise self._failed(exc, "writing the blob cache") from exc
         return sha
+
+    def put_many(self, rows: list[tuple[str, bytes]]) -> None:
+        """Store many blobs, ``[(sha256 hex, data)]`` (sha256s not checked), in one
+        ``executemany``; inside ``batch`` as ``put`` is (its failure rolls the batch back),
+        else in its own transaction. Raises ``CacheError`` when the file cannot be written."""
+        if not self._in_batch:
+            with self.batch():
+                self.put_many(rows)
+            return
+        self._db.executemany("INSERT OR IGNORE INTO blobs VALUES (?, ?)", rows)
 
     def read(self, sha: str, off: int = 0, size: int = -1) -> bytes:
         """Bytes ``[off, off+size)`` of a blob (all from ``off`` when ``size`` < 0); ``b""``

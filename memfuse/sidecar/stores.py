@@ -136,7 +136,9 @@ class StoreSync:
     async def _load_state(self, slug: str, expect_records: int | None = None) -> StoreState:
         """The store's mirror, resumed from the saved cursor or from a full snapshot.
         ``expect_records`` (the control plane's live record count) guards the resume: a
-        mirror that does not add up is replaced by a snapshot."""
+        mirror that does not add up is replaced by a snapshot, and so is one whose blobs
+        are mostly missing (the blob cache was deleted or started anew after a system
+        crash: ``BlobCache.rebuilt``); a few missing blobs are fetched one by one."""
         state = StoreState(self.config.cache_dir / "stores" / f"{slug}.json", slug)
         # no blob collection until the store is in the tree: its blobs are referenced by
         # nothing else meanwhile (_gc_blobs), and add_store trusts the check below
@@ -148,9 +150,16 @@ class StoreSync:
                             extra={"store": slug, "saved": len(state.records),
                                    "live": expect_records})
                 resumed = False
+            missing = (self.fs.blobs.missing_digests(m.sha for m in state.records.values())
+                       if resumed else set())
+            if len(missing) > max(100, len(state.records) // 50):  # the blob cache was lost:
+                # a snapshot (1,000 records a request) costs less than one request per blob
+                log.warning("blob cache lacks much of a saved store; taking a snapshot",
+                            extra={"store": slug, "missing": len(missing)})
+                resumed = False
             if not resumed:
                 await self._snapshot_into(slug, state)
-            missing = self.fs.blobs.missing_digests(m.sha for m in state.records.values())
+                missing = self.fs.blobs.missing_digests(m.sha for m in state.records.values())
             for r in [r for r in state.records.values() if r.sha in missing]:
                 full = await self.client.get_record(slug, r.id, content=True)
                 self.fs.blobs.put(full.content.encode("utf-8"), full.sha256)
@@ -167,7 +176,10 @@ class StoreSync:
         transaction per page of ``limit`` records. The next page is requested while one is
         being stored (one request ahead, never more: ``fetch`` waits on a channel of one),
         so the control plane's work and ours overlap; a page's content is dropped once
-        stored, so a big store is never held in memory with its content. No blob gc runs
+        stored, so a big store is never held in memory with its content. The blob cache
+        fills in bulk mode (``BlobCache.bulk``: content written once, no wait for the disk
+        per page, one ``fsync`` at the end), so every blob is durable before this returns
+        and the caller saves a mirror referring to them. No blob gc runs
         meanwhile (the blobs of stored pages are referenced by nothing yet). Raises what
         ``ApiClient.list_records`` raises and ``CacheError``."""
         send, recv = trio.open_memory_channel(1)
@@ -185,20 +197,22 @@ class StoreSync:
                     failed.append(exc)
 
         self._snapshots_running = getattr(self, "_snapshots_running", 0) + 1
+        blobs = self.fs.blobs
         try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(fetch)
-                async with recv:
-                    async for page in recv:
-                        if seq is None:
-                            seq = page.seq
-                        with self.fs.blobs.batch():
-                            put = self.fs.blobs.put
-                            for r in page.records:
-                                if r.content is not None:
-                                    put(r.content.encode("utf-8"), r.sha256)
-                                metas.append(Meta.of(r))
-                        del page
+            with blobs.bulk():  # durable when it returns: the mirror is saved only after
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(fetch)
+                    async with recv:
+                        async for page in recv:
+                            if seq is None:
+                                seq = page.seq
+                            recs = page.records
+                            del page
+                            with blobs.batch():
+                                blobs.put_many([(r.sha256, r.content.encode("utf-8"))
+                                                for r in recs if r.content is not None])
+                            metas.extend([Meta.of(r) for r in recs])
+                            del recs
         finally:
             self._snapshots_running -= 1
         if failed:

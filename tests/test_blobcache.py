@@ -1,0 +1,145 @@
+"""The sidecar's blob cache in bulk mode (a snapshot's fill) and after crashes.
+
+- a bulk fill writes the content once (rollback journal: no write-ahead log grows), reads
+  work meanwhile, and WAL with ``synchronous=NORMAL`` is back after it, with no marker left;
+- ``kill -9`` in the middle of a bulk fill (one page committed, the next half written): the
+  next open on the same boot keeps the committed page, drops the half-written one, and is
+  trusted (no rebuild);
+- the same cut short by a crash of the system (the marker names another boot): the file is
+  made anew, empty, and ``rebuilt`` says so; a file SQLite cannot read is made anew too;
+- a full disk during a bulk fill raises ``CacheError(ENOSPC)``, keeps what was committed,
+  and the cache writes again once there is room, back in WAL.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from memfuse.sidecar import blobcache
+from memfuse.sidecar.blobcache import BlobCache
+from memfuse.sidecar.outbox import CacheError
+from memfuse.wire import sha256_hex
+
+
+def blobs(tag: str, n: int, size: int = 3000) -> list[tuple[str, bytes]]:
+    out = []
+    for i in range(n):
+        data = (f"{tag} {i} ".encode() * (size // 8 + 1))[:size]
+        out.append((sha256_hex(data), data))
+    return out
+
+
+def mode_of(b: BlobCache) -> tuple[str, int, list]:
+    return (b._db.execute("PRAGMA journal_mode").fetchone()[0], b._db.execute("PRAGMA synchronous").fetchone()[0],
+            b._db.execute("SELECT boot FROM fill").fetchall())
+
+
+def test_bulk_fill_writes_once_reads_meanwhile_and_returns_to_wal(tmp_path):
+    b = BlobCache(tmp_path / "blobs.db")
+    before = b.put(b"held before")
+    assert mode_of(b) == ("wal", 1, [])
+    wal = Path(f"{b.path}-wal")
+    page1, page2 = blobs("one", 400), blobs("two", 400)
+    with b.bulk():
+        with b.bulk():  # nested (two stores loading): one fill
+            with b.batch():
+                b.put_many(page1)
+            assert not wal.exists() or wal.stat().st_size == 0  # content went to the file only
+            assert b.read(page1[7][0]) == page1[7][1] and b.read(before) == b"held before"
+            assert mode_of(b)[0] == "truncate" and mode_of(b)[2] == [(blobcache.boot_id(),)]
+        assert mode_of(b)[0] == "truncate"  # the outer fill goes on
+        b.put_many(page2)  # outside a batch: its own transaction
+    assert mode_of(b) == ("wal", 1, [])
+    assert b.missing([s for s, _ in page1 + page2] + [before]) == set()
+    assert b.read(page2[-1][0], 5, 10) == page2[-1][1][5:15]
+    b.close()
+    again = BlobCache(tmp_path / "blobs.db")
+    assert not again.rebuilt and again.count()[0] == 801
+
+
+CRASH = r"""
+import os, sys
+from pathlib import Path
+from memfuse.sidecar.blobcache import BlobCache
+from memfuse.wire import sha256_hex
+b = BlobCache(Path(sys.argv[1]))
+b.put(b"held before")
+def page(tag):
+    return [(sha256_hex(d), d) for d in ((f"{tag} {i} ".encode() * 400)[:3000] for i in range(300))]
+with b.bulk():
+    with b.batch():
+        b.put_many(page("one"))
+    with b.batch():
+        b.put_many(page("two"))
+        print("half", flush=True)
+        os.kill(os.getpid(), 9)  # mid-transaction, the marker still set
+"""
+
+
+def crash_in_bulk(path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-c", CRASH, str(path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -9 and "half" in proc.stdout, proc.stderr
+    assert Path(f"{path}-journal").exists()  # a hot journal: the half-written page
+
+
+def test_process_crash_in_bulk_fill_keeps_committed_pages_and_is_trusted(tmp_path):
+    path = tmp_path / "blobs.db"
+    crash_in_bulk(path)
+    b = BlobCache(path)
+    assert not b.rebuilt
+    assert mode_of(b) == ("wal", 1, [])
+    one = [(sha256_hex(d), d) for d in ((f"one {i} ".encode() * 400)[:3000] for i in range(300))]
+    two = [(sha256_hex(d), d) for d in ((f"two {i} ".encode() * 400)[:3000] for i in range(300))]
+    assert b.missing([s for s, _ in one]) == set()
+    assert b.missing([s for s, _ in two]) == {s for s, _ in two}  # rolled back
+    assert all(b.read(s) == d for s, d in one)
+    assert b.read(sha256_hex(b"held before")) == b"held before"
+    assert b._db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+
+def test_bulk_fill_cut_short_by_a_system_crash_starts_the_file_anew(tmp_path, monkeypatch):
+    path = tmp_path / "blobs.db"
+    crash_in_bulk(path)
+    other = tmp_path / "boot_id"
+    other.write_text("00000000-0000-4000-8000-000000000000\n")  # the machine rebooted since
+    monkeypatch.setattr(blobcache, "BOOT_ID", other)
+    b = BlobCache(path)
+    assert b.rebuilt and b.count() == (0, 0) and mode_of(b) == ("wal", 1, [])
+    assert not Path(f"{path}-journal").exists()
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+    sha = b.put(b"works again")
+    assert b.read(sha) == b"works again"
+
+
+def test_unreadable_file_starts_anew(tmp_path):
+    path = tmp_path / "blobs.db"
+    path.write_bytes(b"not a database at all " * 500)
+    b = BlobCache(path)
+    assert b.rebuilt and b.count() == (0, 0)
+    assert b.read(b.put(b"x")) == b"x"
+
+
+def test_full_disk_in_bulk_fill_raises_enospc_keeps_what_committed_and_recovers(tmp_path):
+    b = BlobCache(tmp_path / "blobs.db")
+    first, big = blobs("first", 50), blobs("big", 2000)
+    b._db.execute("PRAGMA max_page_count=400")  # ~1.6 MB: the second page does not fit
+    with pytest.raises(CacheError) as err:
+        with b.bulk():
+            with b.batch():
+                b.put_many(first)
+            with b.batch():
+                b.put_many(big)
+    assert err.value.errno == errno.ENOSPC
+    assert mode_of(b) == ("wal", 1, [])  # the fill was closed: marker gone, WAL back
+    assert b.missing([s for s, _ in first]) == set()
+    assert b.missing([s for s, _ in big]) == {s for s, _ in big}
+    b._db.execute("PRAGMA max_page_count=1073741823")  # room again
+    with b.bulk():
+        b.put_many(big)
+    assert b.missing([s for s, _ in big]) == set() and mode_of(b) == ("wal", 1, [])
+    assert os.path.exists(b.path)
