@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import os
 import sqlite3
+import threading
 from pathlib import Path
 from typing import Iterator
 
@@ -31,13 +33,29 @@ def boot_id() -> str:
         return ""
 
 
+def _locked(fn):
+    """Run the method under the cache's lock (``BlobCache``: one thread at a time)."""
+    @functools.wraps(fn)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return fn(self, *args, **kwargs)
+    return locked
+
+
 class BlobCache:
     """Content-addressed cache of clean record content: one SQLite file, rows ``(sha256, data)``.
 
     One file instead of one file per record: loading a 10,000-record store is one transaction
     instead of 10,000 create-write-rename cycles, and a read is one indexed ``substr``. WAL with
     ``synchronous=NORMAL``: a crash never corrupts it; durability is the outbox's job, and
-    anything missing is fetched again from the control plane. Used from the trio thread only.
+    anything missing is fetched again from the control plane.
+
+Threads: used from the trio thread, except ``put_many`` of a snapshot's fill, which the
+    loader runs in a worker thread (SQLite releases the GIL while it writes, so the trio
+    thread reads and decodes the next page meanwhile). Every method holds one lock
+    (re-entrant; ``batch`` for its whole block, which never awaits), so the one connection
+    is used by one thread at a time; a read on the trio thread then waits for at most one
+    page being written (~20–30 ms for 1,000 records, only while a snapshot is taken).
 
     A snapshot fills it in *bulk mode* (``bulk``): rollback journal instead of WAL, so the
     content is written once into the file rather than into the log and then again into the
@@ -65,6 +83,7 @@ class BlobCache:
         self.rebuilt = False  # the file was found torn by a crash of the system and made anew
         self._bulk = 0  # depth of nested ``bulk`` blocks (stores may load at the same time)
         self._in_batch = False
+        self._lock = threading.RLock()
         self.metrics = None  # set by the sidecar: counts failed writes
         private_file(path)  # 0600 (memory content); SQLite's -wal / -shm files get its mode
         self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
@@ -118,6 +137,12 @@ class BlobCache:
     def batch(self) -> Iterator[None]:
         """Group many ``put`` calls into one transaction. Raises ``CacheError`` when the
         transaction cannot be written (nothing of it is kept then)."""
+        with self._lock:
+            with self._batch():
+                yield
+
+    @contextlib.contextmanager
+    def _batch(self) -> Iterator[None]:
         try:
             self._db.execute("BEGIN")
         except sqlite3.Error as exc:
@@ -146,6 +171,17 @@ class BlobCache:
         the marker cannot be written (nothing changed then). A failure while leaving keeps
         the marker (the next open after a system crash starts the file anew) and
         ``synchronous=NORMAL``; the journal mode returns to WAL at the next ``bulk``."""
+        with self._lock:
+            self._start_bulk()
+        self._bulk += 1
+        try:
+            yield
+        finally:
+            self._bulk -= 1
+            if self._bulk == 0:
+                self._end_bulk()
+
+    def _start_bulk(self) -> None:
         if self._bulk == 0:
             try:
                 self._db.execute("PRAGMA journal_mode=TRUNCATE").fetchall()
@@ -157,14 +193,8 @@ class BlobCache:
                     self._db.execute("PRAGMA journal_mode=WAL").fetchall()
                 raise self._failed(exc, "writing the blob cache") from exc
             self._db.execute("PRAGMA synchronous=OFF")
-        self._bulk += 1
-        try:
-            yield
-        finally:
-            self._bulk -= 1
-            if self._bulk == 0:
-                self._end_bulk()
 
+    @_locked
     def _end_bulk(self) -> None:
         self._db.execute("PRAGMA synchronous=FULL")
         try:
@@ -181,10 +211,12 @@ class BlobCache:
         finally:
             self._db.execute("PRAGMA synchronous=NORMAL")
 
+    @_locked
     def has(self, sha: str) -> bool:
         """Whether the blob with this sha256 (64 hex digits) is held."""
         return self._db.execute("SELECT 1 FROM blobs WHERE sha=?", (sha,)).fetchone() is not None
 
+    @_locked
     def missing(self, shas) -> set[str]:
         """The sha256s of ``shas`` (an iterable of 64-hex-digit strings) not held. One
         ordered scan of the primary key merged with the sorted ``shas`` (read 4,096 rows at a
@@ -216,6 +248,7 @@ class BlobCache:
         out.update(want[i:])
         return out
 
+    @_locked
     def missing_digests(self, digests) -> set[bytes]:
         """The digests of ``digests`` (an iterable of sha256s as 32 ``bytes``) not held: the
         same as ``missing`` without a hex string per digest (a 100,000-record store asks
@@ -243,6 +276,7 @@ class BlobCache:
                                         f"({type(exc).__name__})") from exc
         return out
 
+    @_locked
     def gc_digests(self, keep: set[bytes]) -> int:
         """``gc`` with ``keep`` as a set of sha256s as 32 ``bytes`` (the store mirrors' and
         the tree's own objects: nothing per blob is made to build it): delete every blob not
@@ -279,6 +313,7 @@ class BlobCache:
         self.checkpoint()
         return len(drop)
 
+    @_locked
     def put(self, data: bytes, sha: str | None = None) -> str:
         """Store ``data``; return its sha256 (computed when not given)."""
         sha = sha or sha256_hex(data)
@@ -290,6 +325,7 @@ class BlobCache:
             raise self._failed(exc, "writing the blob cache") from exc
         return sha
 
+    @_locked
     def put_many(self, rows: list[tuple[str, bytes]]) -> None:
         """Store many blobs, ``[(sha256 hex, data)]`` (sha256s not checked), in one
         ``executemany``; inside ``batch`` as ``put`` is (its failure rolls the batch back),
@@ -300,6 +336,7 @@ class BlobCache:
             return
         self._db.executemany("INSERT OR IGNORE INTO blobs VALUES (?, ?)", rows)
 
+    @_locked
     def read(self, sha: str, off: int = 0, size: int = -1) -> bytes:
         """Bytes ``[off, off+size)`` of a blob (all from ``off`` when ``size`` < 0); ``b""``
         when absent. Raises ``CacheError(EIO)`` when the file cannot be read."""
@@ -315,6 +352,7 @@ class BlobCache:
                                         f"({type(exc).__name__})") from exc
         return bytes(row[0]) if row is not None and row[0] is not None else b""
 
+    @_locked
     def gc(self, keep: set[str]) -> int:
         """Delete every blob whose sha256 is not in ``keep``, then ``checkpoint``; return
         how many were deleted. One ordered scan of the primary key merged with the sorted
@@ -352,6 +390,7 @@ class BlobCache:
         self.checkpoint()
         return len(drop)
 
+    @_locked
     def checkpoint(self) -> None:
         """Copy the write-ahead log into the file and truncate it; give free pages back
         (files created with incremental auto-vacuum). Failures are ignored (tried again next
@@ -361,11 +400,13 @@ class BlobCache:
         with contextlib.suppress(sqlite3.Error):
             self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
 
+    @_locked
     def count(self) -> tuple[int, int]:
         """(blobs, bytes of content) held."""
         row = self._db.execute("SELECT COUNT(*), COALESCE(SUM(LENGTH(data)), 0) FROM blobs").fetchone()
         return int(row[0]), int(row[1])
 
+    @_locked
     def close(self) -> None:
         """Close the database file."""
         self._db.close()

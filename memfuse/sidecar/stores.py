@@ -159,7 +159,7 @@ class StoreSync:
                 resumed = False
             if not resumed:
                 await self._snapshot_into(slug, state)
-                missing = self.fs.blobs.missing_digests(m.sha for m in state.records.values())
+                missing = set()  # a snapshot carries every live record's content, now stored
             for r in [r for r in state.records.values() if r.sha in missing]:
                 full = await self.client.get_record(slug, r.id, content=True)
                 self.fs.blobs.put(full.content.encode("utf-8"), full.sha256)
@@ -179,7 +179,8 @@ class StoreSync:
         stored, so a big store is never held in memory with its content. The blob cache
         fills in bulk mode (``BlobCache.bulk``: content written once, no wait for the disk
         per page, one ``fsync`` at the end), so every blob is durable before this returns
-        and the caller saves a mirror referring to them. No blob gc runs
+        and the caller saves a mirror referring to them; each page's blobs are written by a
+        worker thread while this thread takes the next page off the wire. No blob gc runs
         meanwhile (the blobs of stored pages are referenced by nothing yet). Raises what
         ``ApiClient.list_records`` raises and ``CacheError``."""
         send, recv = trio.open_memory_channel(1)
@@ -208,11 +209,14 @@ class StoreSync:
                                 seq = page.seq
                             recs = page.records
                             del page
-                            with blobs.batch():
-                                blobs.put_many([(r.sha256, r.content.encode("utf-8"))
-                                                for r in recs if r.content is not None])
+                            rows = [(r.sha256, r.content.encode("utf-8"))
+                                    for r in recs if r.content is not None]
                             metas.extend([Meta.of(r) for r in recs])
                             del recs
+                            # written by a worker thread (one transaction): the trio thread
+                            # reads and decodes the next page meanwhile
+                            await trio.to_thread.run_sync(blobs.put_many, rows)
+                            del rows
         finally:
             self._snapshots_running -= 1
         if failed:
