@@ -1,12 +1,11 @@
 """The sidecar's blob cache in bulk mode (a snapshot's fill) and after crashes.
 
-- a bulk fill writes the content once (rollback journal: no write-ahead log grows), reads
-  work meanwhile, and WAL with ``synchronous=NORMAL`` is back after it, with no marker left;
+- a bulk fill writes the content once (journal in memory: no write-ahead log, no journal
+  file grows), reads work meanwhile, and WAL with ``synchronous=NORMAL`` is back after it,
+  with no marker left;
 - ``kill -9`` in the middle of a bulk fill (one page committed, the next half written): the
-  next open on the same boot keeps the committed page, drops the half-written one, and is
-  trusted (no rebuild);
-- the same cut short by a crash of the system (the marker names another boot): the file is
-  made anew, empty, and ``rebuilt`` says so; a file SQLite cannot read is made anew too;
+  next open finds the marker, makes the file anew, empty, and ``rebuilt`` says so (a torn
+  file is never trusted); a file SQLite cannot read is made anew too;
 - a full disk during a bulk fill raises ``CacheError(ENOSPC)``, keeps what was committed,
   and the cache writes again once there is room, back in WAL.
 """
@@ -20,7 +19,6 @@ from pathlib import Path
 
 import pytest
 
-from memfuse.sidecar import blobcache
 from memfuse.sidecar.blobcache import BlobCache
 from memfuse.sidecar.outbox import CacheError
 from memfuse.wire import sha256_hex
@@ -36,7 +34,7 @@ def blobs(tag: str, n: int, size: int = 3000) -> list[tuple[str, bytes]]:
 
 def mode_of(b: BlobCache) -> tuple[str, int, list]:
     return (b._db.execute("PRAGMA journal_mode").fetchone()[0], b._db.execute("PRAGMA synchronous").fetchone()[0],
-            b._db.execute("SELECT boot FROM fill").fetchall())
+            b._db.execute("SELECT what FROM fill").fetchall())
 
 
 def test_bulk_fill_writes_once_reads_meanwhile_and_returns_to_wal(tmp_path):
@@ -49,10 +47,11 @@ def test_bulk_fill_writes_once_reads_meanwhile_and_returns_to_wal(tmp_path):
         with b.bulk():  # nested (two stores loading): one fill
             with b.batch():
                 b.put_many(page1)
-            assert not wal.exists() or wal.stat().st_size == 0  # content went to the file only
+            for f in (wal, Path(f"{b.path}-journal")):  # content went to the file only
+                assert not f.exists() or f.stat().st_size == 0
             assert b.read(page1[7][0]) == page1[7][1] and b.read(before) == b"held before"
-            assert mode_of(b)[0] == "truncate" and mode_of(b)[2] == [(blobcache.boot_id(),)]
-        assert mode_of(b)[0] == "truncate"  # the outer fill goes on
+            assert mode_of(b) == ("memory", 0, [("filling",)])
+        assert mode_of(b)[0] == "memory"  # the outer fill goes on
         b.put_many(page2)  # outside a batch: its own transaction
     assert mode_of(b) == ("wal", 1, [])
     assert b.missing([s for s, _ in page1 + page2] + [before]) == set()
@@ -84,36 +83,20 @@ with b.bulk():
 def crash_in_bulk(path: Path) -> None:
     proc = subprocess.run([sys.executable, "-c", CRASH, str(path)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == -9 and "half" in proc.stdout, proc.stderr
-    assert Path(f"{path}-journal").exists()  # a hot journal: the half-written page
 
 
-def test_process_crash_in_bulk_fill_keeps_committed_pages_and_is_trusted(tmp_path):
+def test_crash_in_bulk_fill_starts_the_file_anew(tmp_path):
     path = tmp_path / "blobs.db"
     crash_in_bulk(path)
-    b = BlobCache(path)
-    assert not b.rebuilt
-    assert mode_of(b) == ("wal", 1, [])
-    one = [(sha256_hex(d), d) for d in ((f"one {i} ".encode() * 400)[:3000] for i in range(300))]
-    two = [(sha256_hex(d), d) for d in ((f"two {i} ".encode() * 400)[:3000] for i in range(300))]
-    assert b.missing([s for s, _ in one]) == set()
-    assert b.missing([s for s, _ in two]) == {s for s, _ in two}  # rolled back
-    assert all(b.read(s) == d for s, d in one)
-    assert b.read(sha256_hex(b"held before")) == b"held before"
-    assert b._db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-
-
-def test_bulk_fill_cut_short_by_a_system_crash_starts_the_file_anew(tmp_path, monkeypatch):
-    path = tmp_path / "blobs.db"
-    crash_in_bulk(path)
-    other = tmp_path / "boot_id"
-    other.write_text("00000000-0000-4000-8000-000000000000\n")  # the machine rebooted since
-    monkeypatch.setattr(blobcache, "BOOT_ID", other)
     b = BlobCache(path)
     assert b.rebuilt and b.count() == (0, 0) and mode_of(b) == ("wal", 1, [])
     assert not Path(f"{path}-journal").exists()
     assert oct(path.stat().st_mode & 0o777) == "0o600"
     sha = b.put(b"works again")
     assert b.read(sha) == b"works again"
+    b.close()
+    again = BlobCache(path)  # a clean file is trusted as it is
+    assert not again.rebuilt and again.read(sha) == b"works again"
 
 
 def test_unreadable_file_starts_anew(tmp_path):

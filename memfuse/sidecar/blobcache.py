@@ -22,17 +22,6 @@ from .outbox import CacheError, cache_error
 
 log = logging.getLogger("memfuse.mount")
 
-BOOT_ID = Path("/proc/sys/kernel/random/boot_id")  # Linux: changes at every boot
-
-
-def boot_id() -> str:
-    """This boot of the kernel (Linux ``boot_id``), or ``""`` when it cannot be read."""
-    try:
-        return BOOT_ID.read_text().strip()
-    except OSError:
-        return ""
-
-
 def _locked(fn):
     """Run the method under the cache's lock (``BlobCache``: one thread at a time)."""
     @functools.wraps(fn)
@@ -50,27 +39,25 @@ class BlobCache:
     ``synchronous=NORMAL``: a crash never corrupts it; durability is the outbox's job, and
     anything missing is fetched again from the control plane.
 
-Threads: used from the trio thread, except ``put_many`` of a snapshot's fill, which the
+    Threads: used from the trio thread, except ``put_many`` of a snapshot's fill, which the
     loader runs in a worker thread (SQLite releases the GIL while it writes, so the trio
     thread reads and decodes the next page meanwhile). Every method holds one lock
     (re-entrant; ``batch`` for its whole block, which never awaits), so the one connection
     is used by one thread at a time; a read on the trio thread then waits for at most one
     page being written (~20–30 ms for 1,000 records, only while a snapshot is taken).
 
-    A snapshot fills it in *bulk mode* (``bulk``): rollback journal instead of WAL, so the
-    content is written once into the file rather than into the log and then again into the
-    file, and ``synchronous=OFF``, so no page's commit waits for the disk; at its end one
-    ``fsync`` makes everything durable, then the mode returns to WAL. A process crash
-    (``kill -9``) meanwhile leaves a consistent file (every write is in the kernel's page
-    cache; SQLite rolls the hot journal back at the next open); an operating-system crash or
-    power loss may leave torn pages, which could make the cache answer wrong bytes for a
-    sha256 it claims to hold. So a bulk fill first commits, durably, a marker with the
-    kernel's boot id, and removes it only after the final ``fsync``: a file opened with a
-    marker of *this* boot is consistent (the marker is removed), one with a marker of
-    another boot (or a file SQLite finds corrupt) is deleted and created anew, empty
-    (``rebuilt`` is True then; a saved store mirror then finds its blobs missing, and the
-    loader takes a snapshot). The store mirror of a snapshot is saved only after ``bulk`` has
-    returned, so a saved mirror never refers to blobs that are not durable.
+    A snapshot fills it in *bulk mode* (``bulk``): the rollback journal kept in memory
+    instead of WAL, so the content is written once into the file rather than into the log
+    and then again into the file (nor are the index pages a page of inserts touches copied
+    to a journal file), and ``synchronous=OFF``, so no commit waits for the disk; at its
+    end one ``fsync`` makes everything durable, then the mode returns to WAL. A crash in
+    the middle (of the process or of the system) may leave the file torn, and a torn file
+    could answer wrong bytes for a sha256 it claims to hold. So a bulk fill first commits,
+    durably and journaled, a marker row, and removes it only after the final ``fsync``: a
+    file opened with the marker (or one SQLite cannot read) is deleted and created anew,
+    empty (``rebuilt`` is True then; a saved store mirror then finds its blobs missing,
+    and the loader takes a snapshot). The store mirror of a snapshot is saved only after
+    ``bulk`` has returned, so a saved mirror never refers to blobs that are not durable.
 
     Every failure of the file (a full disk, an I/O error) is raised as ``CacheError``
     (``ENOSPC`` / ``EIO``), never as a raw ``sqlite3`` exception. Unreferenced blobs are
@@ -80,7 +67,7 @@ Threads: used from the trio thread, except ``put_many`` of a snapshot's fill, wh
     def __init__(self, path: Path) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self.rebuilt = False  # the file was found torn by a crash of the system and made anew
+        self.rebuilt = False  # the file was left by a crash during a bulk fill: made anew
         self._bulk = 0  # depth of nested ``bulk`` blocks (stores may load at the same time)
         self._in_batch = False
         self._lock = threading.RLock()
@@ -88,7 +75,7 @@ Threads: used from the trio thread, except ``put_many`` of a snapshot's fill, wh
         private_file(path)  # 0600 (memory content); SQLite's -wal / -shm files get its mode
         self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
         if not self._trusted():
-            log.warning("blob cache torn by a system crash during a bulk fill, or unreadable; "
+            log.warning("blob cache left by a crash during a bulk fill, or unreadable; "
                         "starting it anew (content is fetched again)", extra={"path": str(path)})
             self._db.close()
             for suffix in ("", "-wal", "-shm", "-journal"):
@@ -103,24 +90,16 @@ Threads: used from the trio thread, except ``put_many`` of a snapshot's fill, wh
         self._db.execute("PRAGMA wal_autocheckpoint=256")
         self._db.execute("PRAGMA journal_size_limit=1048576")
         self._db.execute("CREATE TABLE IF NOT EXISTS blobs (sha TEXT PRIMARY KEY, data BLOB NOT NULL)")
-        self._db.execute("CREATE TABLE IF NOT EXISTS fill (boot TEXT NOT NULL)")  # bulk's marker
+        self._db.execute("CREATE TABLE IF NOT EXISTS fill (what TEXT NOT NULL)")  # bulk's marker
 
     def _trusted(self) -> bool:
-        """Whether the file can be used as it is: no bulk fill was cut short by a crash of the
-        system (a marker of another boot), and SQLite can read it. A marker of this boot
-        (the process crashed, the kernel kept every write) is removed."""
+        """Whether the file can be used as it is: SQLite reads it and no bulk fill was cut
+        short (the marker of ``bulk`` is absent)."""
         try:
             self._db.execute("PRAGMA schema_version").fetchall()  # reads the header
             if not self._db.execute("SELECT 1 FROM sqlite_master WHERE name = 'fill'").fetchall():
                 return True  # never filled in bulk (or a new file)
-            marks = [r[0] for r in self._db.execute("SELECT boot FROM fill")]
-            if not marks:
-                return True
-            if any(m != boot_id() or not m for m in marks):
-                return False
-            with contextlib.suppress(sqlite3.OperationalError):  # e.g. a full disk: the
-                self._db.execute("DELETE FROM fill")  # marker stays, removed at a later open
-            return True
+            return not self._db.execute("SELECT 1 FROM fill LIMIT 1").fetchall()
         except sqlite3.OperationalError:
             raise  # locked, I/O error, full disk: not a sign of a torn file
         except sqlite3.DatabaseError:  # "file is not a database", "disk image is malformed"
@@ -167,10 +146,10 @@ Threads: used from the trio thread, except ``put_many`` of a snapshot's fill, wh
         ``put_many`` write the content once and never wait for the disk; on leaving, one
         ``fsync`` makes it all durable before the crash marker is removed, then WAL and
         ``synchronous=NORMAL`` are back. Nested blocks (stores loading at the same time)
-        share the outermost one. Reads work as usual meanwhile. Raises ``CacheError`` when
-        the marker cannot be written (nothing changed then). A failure while leaving keeps
-        the marker (the next open after a system crash starts the file anew) and
-        ``synchronous=NORMAL``; the journal mode returns to WAL at the next ``bulk``."""
+        share the outermost one. Reads work as usual meanwhile; a failed ``batch`` rolls
+        back as usual (the journal in memory). Raises ``CacheError`` when the marker cannot
+        be written (nothing changed then). A failure while leaving (the ``fsync``) keeps the
+        marker, so the next open starts the file anew, and ``synchronous=NORMAL``."""
         with self._lock:
             self._start_bulk()
         self._bulk += 1
@@ -186,7 +165,8 @@ Threads: used from the trio thread, except ``put_many`` of a snapshot's fill, wh
             try:
                 self._db.execute("PRAGMA journal_mode=TRUNCATE").fetchall()
                 self._db.execute("PRAGMA synchronous=FULL")
-                self._db.execute("INSERT INTO fill VALUES (?)", (boot_id(),))  # durable now
+                self._db.execute("INSERT INTO fill VALUES ('filling')")  # durable now
+                self._db.execute("PRAGMA journal_mode=MEMORY").fetchall()
             except sqlite3.Error as exc:
                 self._db.execute("PRAGMA synchronous=NORMAL")
                 with contextlib.suppress(sqlite3.Error):
@@ -203,11 +183,12 @@ Threads: used from the trio thread, except ``put_many`` of a snapshot's fill, wh
                 os.fsync(fd)  # every page of the fill on disk before the marker goes
             finally:
                 os.close(fd)
-            self._db.execute("DELETE FROM fill")  # a durable commit (synchronous=FULL)
+            self._db.execute("PRAGMA journal_mode=TRUNCATE").fetchall()
+            self._db.execute("DELETE FROM fill")  # a durable, journaled commit
             self._db.execute("PRAGMA journal_mode=WAL").fetchall()
         except (OSError, sqlite3.Error) as exc:
-            log.warning("blob cache bulk fill not closed; the file stays marked until the "
-                        "next bulk fill", extra={"error": type(exc).__name__})
+            log.warning("blob cache bulk fill could not be made durable; the cache starts "
+                        "anew at the next start", extra={"error": type(exc).__name__})
         finally:
             self._db.execute("PRAGMA synchronous=NORMAL")
 
