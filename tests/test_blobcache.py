@@ -126,3 +126,21 @@ def test_full_disk_in_bulk_fill_raises_enospc_keeps_what_committed_and_recovers(
         b.put_many(big)
     assert b.missing([s for s, _ in big]) == set() and mode_of(b) == ("wal", 1, [])
     assert os.path.exists(b.path)
+
+
+def test_a_file_of_an_earlier_release_keeps_its_page_size_and_blobs(tmp_path):
+    import sqlite3
+
+    path = tmp_path / "blobs.db"
+    old = sqlite3.connect(str(path), isolation_level=None)
+    old.execute("PRAGMA journal_mode=WAL")
+    old.execute("CREATE TABLE blobs (sha TEXT PRIMARY KEY, data BLOB NOT NULL)")
+    old.execute("INSERT INTO blobs VALUES (?, ?)", (sha256_hex(b"kept"), b"kept"))
+    old.close()
+    b = BlobCache(path)
+    assert not b.rebuilt and b._db.execute("PRAGMA page_size").fetchone()[0] == 4096
+    assert b.read(sha256_hex(b"kept")) == b"kept"
+    page = blobs("p", 500)
+    with b.bulk():
+        b.put_many(page)
+    assert b.missing([s for s, _ in page]) == set() and mode_of(b) == ("wal", 1, [])
