@@ -9,7 +9,8 @@
 - For each size, a fresh sidecar (empty cache) mounts it, then a second one with that cache
   (resume from the saved cursor): seconds from starting ``memfuse mount`` until the store
   lists, the CPU seconds the sidecar used until then (user + system: robust to load from
-  elsewhere), and ``VmRSS`` after each. A sidecar of an empty store gives the baseline; the slope
+  elsewhere) and those the control plane (``memfuse serve``) used meanwhile, and ``VmRSS``
+  after each. A sidecar of an empty store gives the baseline; the slope
   of RSS over records (least squares over the sizes) is the per-record cost.
 - ``ls`` (``os.scandir`` + ``stat`` of every entry, warm, median of 5) of ``flat/`` at 1,000
   and 10,000 entries, memfuse and the bare pyfuse3 floor (``barefs.py`` over the same tree,
@@ -143,9 +144,12 @@ def main() -> int:
             for label in ("fresh", "warm"):
                 m = Mount(s, cp, f"w{n}", tok, f"m{n}-{label}", cache_dir=cache)
                 expect = f"s{n}/flat" if n else f"s{n}"
+                server0 = cpu_s(cp.proc.pid)
                 row[f"mount_{label}_s"] = m.start(expect, nonempty=bool(n), timeout=600)
                 # CPU the sidecar used until ready (user + system): robust to load elsewhere
                 row[f"mount_{label}_cpu_s"] = cpu_s(m.pid)
+                # and the control plane's CPU meanwhile (serving the snapshot pages)
+                row[f"mount_{label}_server_cpu_s"] = cpu_s(cp.proc.pid) - server0
                 time.sleep(1.0)
                 row[f"rss_{label}_mib"] = rss_kib(m.pid)["VmRSS"] / 1024
                 if label == "warm" and n:

@@ -254,6 +254,44 @@ async def test_prefix_move_conflict_changes_nothing(env: Env):
     assert_problem(r, 422, "invalid_path")
 
 
+async def test_snapshot_pages_walk_equal_paths_by_id_and_are_the_bytes_pydantic_gives(env: Env):
+    """Keyset paging on (path, id): records sharing a path (deleted ones, with
+    include_deleted) are each seen once, in (path, id) order, whatever the page size; every
+    page body is byte for byte what the pydantic RecordPage serialises (the server builds
+    it with msgspec)."""
+    from memfuse.models import RecordPage
+
+    ids = {}
+    for i in range(3):  # three records at "same.md": two deleted, one live
+        rec = await env.create("same.md", f"take {i} é \u2028 \x1f \"q\"\n")
+        ids.setdefault("same.md", []).append(rec["id"])
+        if i < 2:
+            assert (await env.ws.delete(f"/v1/stores/default/records/{rec['id']}")).status_code == 204
+    for p in ("a.md", "z/ü.md", "Z.md"):
+        ids[p] = [(await env.create(p, f"{p}\n"))["id"]]
+    want = sorted((p, i) for p, rids in ids.items() for i in rids)
+    want = sorted(want, key=lambda t: (t[0].encode(), t[1]))  # byte order
+    for limit in (1, 2, 4, 1000):
+        seen, cursor = [], None
+        while True:
+            params = {"limit": limit, "content": "true", "include_deleted": "true"}
+            if cursor:
+                params["cursor"] = cursor
+            r = await env.admin.get("/v1/stores/default/records", params=params)
+            assert r.status_code == 200, r.text
+            assert r.content == RecordPage.model_validate_json(r.content).model_dump_json().encode()
+            page = r.json()
+            seen += [(x["path"], x["id"]) for x in page["records"]]
+            cursor = page["next_cursor"]
+            if cursor is None:
+                break
+        assert seen == want, limit
+    r = await env.ws.get("/v1/stores/default/records", params={"content": "false"})
+    assert r.content == RecordPage.model_validate_json(r.content).model_dump_json().encode()
+    assert [x["path"] for x in r.json()["records"]] == ["Z.md", "a.md", "same.md", "z/ü.md"]
+    assert all(x["content"] is None for x in r.json()["records"])
+
+
 async def test_delete_and_recreate(env: Env):
     rec = await env.create("a.md", "x")
     url = f"/v1/stores/default/records/{rec['id']}"
