@@ -297,3 +297,28 @@ async def test_live_server_answers_decode_as_the_server_models_them():
                     assert model.model_validate_json(wire.encode(d)) == s
     finally:
         await fake.aclose()
+
+
+def test_snapshot_times_read_from_sqlite_text_equal_sqlalchemys():
+    """The snapshot endpoint parses SQLite's stored times itself (memfuse.server.records.
+    _sqlite_time): the same aware datetimes as the column type's own reading, microseconds
+    and whole seconds alike, and other text still goes through SQLAlchemy."""
+    import random
+
+    from sqlalchemy.dialects import sqlite
+
+    from memfuse.server.db import UTCDateTime
+    from memfuse.server.records import _sqlite_time
+
+    dialect = sqlite.dialect()
+    impl = UTCDateTime().dialect_impl(dialect)
+    store, read = impl.bind_processor(dialect), impl.result_processor(dialect, None)
+    rng = random.Random(7)
+    for _ in range(20_000):
+        t = datetime(1970, 1, 1, tzinfo=timezone.utc) + timedelta(
+            seconds=rng.randint(0, 86400 * 365 * 3000), microseconds=rng.choice([0, rng.randint(0, 999_999)]))
+        text = store(UTCDateTime().process_bind_param(t, dialect))
+        mine = _sqlite_time(text)
+        assert mine == read(text) == t and mine.utcoffset() == timedelta(0) and mine.isoformat() == t.isoformat()
+    assert _sqlite_time("2026-12-01 06:08:36") == datetime(2026, 12, 1, 6, 8, 36, tzinfo=timezone.utc)
+    assert _sqlite_time("2026-12-01 06:08:36.5") == datetime(2026, 12, 1, 6, 8, 36, 500000, tzinfo=timezone.utc)

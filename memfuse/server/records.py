@@ -12,11 +12,11 @@ import json
 import logging
 import uuid
 from collections.abc import Callable, Iterable
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any
 
 import msgspec
-from sqlalchemy import bindparam, false, func, insert, select, text, tuple_, update
+from sqlalchemy import String, bindparam, false, func, insert, select, text, tuple_, type_coerce, update
 from sqlalchemy.engine import Connection, Row
 
 from memfuse import content as content_rules
@@ -49,7 +49,7 @@ from memfuse.server.base import (
     parse_if_match,
 )
 from memfuse.server import wakeups
-from memfuse.server.db import utcnow
+from memfuse.server.db import UTCDateTime, utcnow
 
 log = logging.getLogger("memfuse.server.service")  # every room of the Service logs under one name
 
@@ -165,6 +165,36 @@ _PAGE_COLUMNS_NO_CONTENT = (_R.c.id, _R.c.store, _R.c.path, _R.c.type, _R.c.vers
                             _R.c.deleted, _R.c.created_at, _R.c.updated_at, _R.c.updated_by, _R.c.seq,
                             _R.c.mode, _R.c.mtime_ns)
 _PAGE_COLUMNS = (*_PAGE_COLUMNS_NO_CONTENT, _R.c.content)
+
+
+def _raw_times(cols: tuple) -> tuple:
+    """``cols`` with the two times read as SQLite stores them (text), not parsed by
+    SQLAlchemy: ``_sqlite_time`` parses them in a fraction of the time."""
+    return tuple(type_coerce(c, String).label(c.name) if c.name in ("created_at", "updated_at") else c
+                 for c in cols)
+
+
+_PAGE_COLUMNS_SQLITE = _raw_times(_PAGE_COLUMNS)
+_PAGE_COLUMNS_NO_CONTENT_SQLITE = _raw_times(_PAGE_COLUMNS_NO_CONTENT)
+
+
+def _same(value: datetime) -> datetime:
+    return value
+
+
+def _sqlite_time(value: str) -> datetime:
+    """A time as the SQLite backend stores it (naive UTC text, ``YYYY-MM-DD HH:MM:SS[.ffffff]``)
+    as the aware ``datetime`` ``UTCDateTime`` reads; anything else through SQLAlchemy's own
+    parser. ~0.3 µs instead of ~1.8."""
+    try:
+        if len(value) in (19, 26) and value[10] == " ":
+            return datetime.fromisoformat(value).replace(tzinfo=timezone.utc)
+    except ValueError:
+        pass
+    from sqlalchemy.dialects import sqlite
+
+    dialect = sqlite.dialect()
+    return UTCDateTime().dialect_impl(dialect).result_processor(dialect, None)(value)
 _PAGE_ENCODER = msgspec.json.Encoder()
 _SELECT_RECORD = select(_R).where(_R.c.id == bindparam("rid"))
 _SELECT_LIVE_AT = select(_R).where(
@@ -417,20 +447,26 @@ class RecordsMixin(ServiceBase):
 
     def _snapshot_rows(
         self, p: Principal, slug: str, cursor: str | None, limit: int, with_content: bool,
-        path: str | None, include_deleted: bool,
-    ) -> tuple[list[Row], bool, int]:
+        path: str | None, include_deleted: bool, raw_times: bool = False,
+    ) -> tuple[list[Row], bool, int, bool]:
         """The rows of one snapshot page (``limit`` at most, ordered by (path, id)), whether
         more follow, and the store's change-feed seq read before them. The keyset condition
         is one row-value comparison, ``(path, id) > (cursor)``: SQLite and PostgreSQL seek the
         ``(store, path[, id])`` index to the cursor with it (written as ``path > p OR (path
-        = p AND id > i)`` SQLite scanned the store's index from its start on every page)."""
+        = p AND id > i)`` SQLite scanned the store's index from its start on every page).
+        With ``raw_times`` on SQLite the two times come as stored text (``_sqlite_time``);
+        the last member says whether they do."""
         with self.db.read_conn() as conn:
             st = self._store(conn, p, slug)
             seq = conn.scalar(select(func.max(_V.c.seq)).where(_V.c.store == st.slug)) or 0
             path_col = _R.c.path
             if self.db.engine.dialect.name == "postgresql":
                 path_col = _R.c.path.collate("C")  # byte order, as SQLite compares
-            cols = _PAGE_COLUMNS if with_content else _PAGE_COLUMNS_NO_CONTENT
+            if raw_times and self.db.is_sqlite:
+                cols = _PAGE_COLUMNS_SQLITE if with_content else _PAGE_COLUMNS_NO_CONTENT_SQLITE
+            else:
+                cols = _PAGE_COLUMNS if with_content else _PAGE_COLUMNS_NO_CONTENT
+                raw_times = False
             q = select(*cols).where(_R.c.store == st.slug)
             if not include_deleted:
                 q = q.where(_R.c.deleted == false())
@@ -441,7 +477,7 @@ class RecordsMixin(ServiceBase):
                 q = q.where(tuple_(path_col, _R.c.id) > tuple_(cp, cid))
             rows = conn.execute(q.order_by(path_col, _R.c.id).limit(limit + 1)).all()
         more = len(rows) > limit
-        return rows[:limit], more, seq
+        return rows[:limit], more, seq, raw_times
 
     def list_records(
         self,
@@ -456,7 +492,7 @@ class RecordsMixin(ServiceBase):
     ) -> RecordPage:
         """One snapshot page ordered by (path, id); ``seq`` is the store's change-feed position
         read before the page. Raises 422 ``validation_error`` for a foreign cursor."""
-        rows, more, seq = self._snapshot_rows(p, slug, cursor, limit, with_content, path, include_deleted)
+        rows, more, seq, _ = self._snapshot_rows(p, slug, cursor, limit, with_content, path, include_deleted)
         return RecordPage(
             records=[_record_model(r, with_content=with_content) for r in rows],
             next_cursor=_encode_cursor(rows[-1].path, rows[-1].id) if more else None,
@@ -480,10 +516,12 @@ class RecordsMixin(ServiceBase):
         client's msgspec ``Record`` (same members, same order, same JSON) and the page is
         encoded by msgspec, ~5× less CPU for a page of 1,000 records with content. Raises
         what ``list_records`` raises."""
-        rows, more, seq = self._snapshot_rows(p, slug, cursor, limit, with_content, path, include_deleted)
+        rows, more, seq, raw = self._snapshot_rows(p, slug, cursor, limit, with_content, path, include_deleted,
+                                                   raw_times=True)
         W = wire.Record
+        t = _sqlite_time if raw else _same
         recs = [W(id=r[0], store=r[1], path=r[2], type=r[3], version=r[4], sha256=r[5], size=r[6],
-                  deleted=r[7], created_at=r[8], updated_at=r[9], updated_by=r[10], seq=r[11],
+                  deleted=r[7], created_at=t(r[8]), updated_at=t(r[9]), updated_by=r[10], seq=r[11],
                   mode=DEFAULT_MODE if r[12] is None else r[12], mtime_ns=r[13],
                   content=r[14] if with_content else None)
                 for r in rows]
