@@ -144,3 +144,46 @@ def test_a_file_of_an_earlier_release_keeps_its_page_size_and_blobs(tmp_path):
     with b.bulk():
         b.put_many(page)
     assert b.missing([s for s, _ in page]) == set() and mode_of(b) == ("wal", 1, [])
+
+
+def test_snapshot_into_a_full_cache_raises_cache_error_not_a_group_and_fills_when_room(tmp_path):
+    """``StoreSync._snapshot_metas`` with a blob cache that fills up: ``CacheError(ENOSPC)``
+    as is (the loader's retry catches it; inside an exception group it would not), the fill
+    closed (WAL back, no marker); once there is room the same snapshot stores every page."""
+    import types
+    from datetime import datetime, timezone
+
+    import trio
+
+    from memfuse.sidecar.stores import StoreSync
+    from memfuse.wire import Record, RecordPage
+
+    t = datetime(2026, 12, 1, tzinfo=timezone.utc)
+
+    def page(k: int, last: bool) -> RecordPage:
+        recs = []
+        for i in range(100):
+            text = (f"page {k} record {i} " * 200)[:3000]
+            recs.append(Record(id=f"r{k:02d}{i:03d}", store="s", path=f"p{k:02d}/{i:03d}.md", type="project",
+                               version=1, sha256=sha256_hex(text.encode()), size=3000, created_at=t,
+                               updated_at=t, updated_by="t", seq=1, content=text))
+        return RecordPage(records=recs, next_cursor=None if last else f"c{k}", seq=42)
+
+    class Client:
+        async def iter_pages(self, slug, content, limit):
+            for k in range(6):
+                yield page(k, k == 5)
+
+    b = BlobCache(tmp_path / "blobs.db")
+    s = StoreSync()
+    s.client, s.fs = Client(), types.SimpleNamespace(blobs=b)
+    b._db.execute("PRAGMA max_page_count=40")  # 640 KiB: the first page of 300 KB fits, not all
+    with pytest.raises(CacheError) as err:
+        trio.run(s._snapshot_metas, "s", 100)
+    assert err.value.errno == errno.ENOSPC
+    assert mode_of(b) == ("wal", 1, [])
+    b._db.execute("PRAGMA max_page_count=1073741823")
+    metas, seq = trio.run(s._snapshot_metas, "s", 100)
+    assert seq == 42 and len(metas) == 600
+    assert b.missing([m.sha256 for m in metas]) == set()
+    assert b.read(page(3, False).records[7].sha256) == page(3, False).records[7].content.encode()

@@ -197,26 +197,35 @@ class StoreSync:
                 except Exception as exc:
                     failed.append(exc)
 
-        self._snapshots_running = getattr(self, "_snapshots_running", 0) + 1
         blobs = self.fs.blobs
+
+        async def store_pages() -> None:
+            nonlocal seq
+            async with recv:
+                async for page in recv:
+                    if seq is None:
+                        seq = page.seq
+                    recs = page.records
+                    del page
+                    rows = [(r.sha256, r.content.encode("utf-8"))
+                            for r in recs if r.content is not None]
+                    metas.extend([Meta.of(r) for r in recs])
+                    del recs
+                    # written by a worker thread (one transaction): the trio thread
+                    # reads and decodes the next page meanwhile
+                    await trio.to_thread.run_sync(blobs.put_many, rows)
+                    del rows
+
+        self._snapshots_running = getattr(self, "_snapshots_running", 0) + 1
         try:
             with blobs.bulk():  # durable when it returns: the mirror is saved only after
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(fetch)
-                    async with recv:
-                        async for page in recv:
-                            if seq is None:
-                                seq = page.seq
-                            recs = page.records
-                            del page
-                            rows = [(r.sha256, r.content.encode("utf-8"))
-                                    for r in recs if r.content is not None]
-                            metas.extend([Meta.of(r) for r in recs])
-                            del recs
-                            # written by a worker thread (one transaction): the trio thread
-                            # reads and decodes the next page meanwhile
-                            await trio.to_thread.run_sync(blobs.put_many, rows)
-                            del rows
+                    try:
+                        await store_pages()
+                    except Exception as exc:  # raised as is below, not in a group
+                        failed.insert(0, exc)
+                        nursery.cancel_scope.cancel()
         finally:
             self._snapshots_running -= 1
         if failed:
