@@ -128,7 +128,7 @@ def test_full_disk_in_bulk_fill_raises_enospc_keeps_what_committed_and_recovers(
     assert os.path.exists(b.path)
 
 
-def test_a_file_of_an_earlier_release_keeps_its_page_size_and_blobs(tmp_path):
+def test_a_file_of_an_earlier_release_is_used_and_filled_in_bulk(tmp_path):
     import sqlite3
 
     path = tmp_path / "blobs.db"
