@@ -195,6 +195,8 @@ def _sqlite_time(value: str) -> datetime:
 
     dialect = sqlite.dialect()
     return UTCDateTime().dialect_impl(dialect).result_processor(dialect, None)(value)
+
+
 _PAGE_ENCODER = msgspec.json.Encoder()
 _SELECT_RECORD = select(_R).where(_R.c.id == bindparam("rid"))
 _SELECT_LIVE_AT = select(_R).where(

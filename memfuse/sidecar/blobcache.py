@@ -115,8 +115,7 @@ class BlobCache:
         self._db.execute("PRAGMA auto_vacuum=INCREMENTAL")  # new files only
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
-        page = self._db.execute("PRAGMA page_size").fetchone()[0]
-        self._db.execute(f"PRAGMA wal_autocheckpoint={max(1, (1 << 20) // page)}")  # ~1 MiB
+        self._db.execute("PRAGMA wal_autocheckpoint=256")
         self._db.execute("PRAGMA journal_size_limit=1048576")
         self._db.execute("CREATE TABLE IF NOT EXISTS blobs (sha TEXT PRIMARY KEY, data BLOB NOT NULL)")
         self._db.execute("CREATE TABLE IF NOT EXISTS fill (what TEXT NOT NULL)")  # bulk's marker
@@ -198,6 +197,8 @@ class BlobCache:
                 self._db.execute("PRAGMA journal_mode=MEMORY").fetchall()
             except sqlite3.Error as exc:
                 self._db.execute("PRAGMA synchronous=NORMAL")
+                with contextlib.suppress(sqlite3.Error):
+                    self._db.execute("DELETE FROM fill")  # nothing was filled
                 with contextlib.suppress(sqlite3.Error):
                     self._db.execute("PRAGMA journal_mode=WAL").fetchall()
                 raise self._failed(exc, "writing the blob cache") from exc
