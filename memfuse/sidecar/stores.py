@@ -494,7 +494,7 @@ class StoreSync:
             if not first:
                 await trio.sleep(2)
             first = False
-            self.save_states()
+            await self.save_states_async()
             self.fs.sync_rejected()  # e.g. a remote change replaced a rejected file
             if trio.current_time() - last_gc >= self.GC_EVERY:
                 last_gc = trio.current_time()
@@ -502,9 +502,10 @@ class StoreSync:
             await trio.sleep(0)
 
     def save_states(self) -> None:
-        """Save every dirty store mirror. A failure (full or failing cache disk) is logged
-        once per streak (no traceback), counted, and retried at the next call: the mirror
-        is a cache, the previous file stays valid."""
+        """Save every dirty store mirror on the calling thread (at the stop: an append to
+        its log, or a rewrite of its base when it has none; ``StoreState.save``). A failure
+        (full or failing cache disk) is logged once per streak (no traceback), counted, and
+        retried at the next call: the mirror is a cache, what is on disk stays valid."""
         failed = None
         for st in list(self.states.values()):
             if st.dirty:
@@ -512,11 +513,32 @@ class StoreSync:
                     st.save()
                 except CacheError as e:
                     failed = e
-                    self.metrics.cache_write_errors.labels(
-                        "state", errno.errorcode.get(e.errno, str(e.errno))).inc()
-                    if not self.state_save_failing:
-                        log.warning("store state not saved; retrying every 2 s",
-                                    extra={"store": st.slug, "reason": e.reason})
+                    self._state_not_saved(st, e)
+        self._states_saved(failed)
+
+    async def save_states_async(self) -> None:
+        """``save_states`` for the periodic saver: a mirror whose log is due for compaction
+        (or that has no base: a new snapshot) has its base encoded and written in a worker
+        thread (``StoreState.save_async``), so a save holds the trio thread in proportion
+        to what changed, not to the store's size."""
+        failed = None
+        for st in list(self.states.values()):
+            if st.dirty:
+                try:
+                    await st.save_async()
+                except CacheError as e:
+                    failed = e
+                    self._state_not_saved(st, e)
+        self._states_saved(failed)
+
+    def _state_not_saved(self, st: StoreState, e: CacheError) -> None:
+        self.metrics.cache_write_errors.labels(
+            "state", errno.errorcode.get(e.errno, str(e.errno))).inc()
+        if not self.state_save_failing:
+            log.warning("store state not saved; retrying every 2 s",
+                        extra={"store": st.slug, "reason": e.reason})
+
+    def _states_saved(self, failed: CacheError | None) -> None:
         if failed is None and self.state_save_failing:
             log.info("store states saved again")
         self.state_save_failing = failed is not None
@@ -596,7 +618,7 @@ class StoreSync:
         state = self.states.pop(slug, None)
         if state is not None:
             try:
-                state.save()
+                await state.save_async()
             except CacheError as e:  # a cache: the next mount resumes from the older file
                 log.warning("store state not saved at unmount", extra={"store": slug,
                                                                        "reason": e.reason})

@@ -17,8 +17,10 @@ import json
 import logging
 import math
 import os
-import time
+import struct
 import sys
+import time
+import zlib
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Annotated, ClassVar
@@ -72,6 +74,7 @@ class _Mirror(msgspec.Struct, frozen=True):
     modes: list[int]
     access: str = "read_write"
     limits: dict[str, int] = {}
+    base: str = ""  # the id its log names; '' in files of earlier releases (no log)
 
 
 class _Format(msgspec.Struct):
@@ -161,27 +164,113 @@ class Meta(msgspec.Struct, gc=False):
                        datetime_ns(datetime.fromisoformat(row[6])), mode, mtime)
 
 
+# The mirror's log (<cache>/stores/<slug>.log): frames appended to the base file
+LOG_FRACTION = 0.25  # a log past this fraction of its base (and LOG_MIN) is compacted
+LOG_MIN = 64 * 1024  # bytes: a small store's log is never compacted below this
+LOG_FORMAT = 1
+_FRAME = struct.Struct("<2sII")  # magic, payload length, CRC-32 of the payload
+_MAGIC = b"MJ"
+# a record as a log row: Meta's fields in order
+_Row = tuple[str, str, str, str | None, int, bytes, int, int, int, int | None]
+
+
+class _LogHead(msgspec.Struct, array_like=True, frozen=True):
+    """The first frame of a mirror log: the log format and the id of the base it extends."""
+
+    log: int
+    base: str
+
+
+class _LogEntry(msgspec.Struct, array_like=True, frozen=True):
+    """One save appended to a mirror log: the records changed since the previous frame
+    (``put``: their state now, as ``_Row``; ``removed``: their ids) and the cursor, access
+    and limits at the same moment."""
+
+    cursor: int
+    access: str
+    limits: dict[str, int]
+    put: list[_Row]
+    removed: list[str]
+
+
+_LOG_ENC = msgspec.msgpack.Encoder()
+_HEAD_DEC = msgspec.msgpack.Decoder(_LogHead)
+_ENTRY_DEC = msgspec.msgpack.Decoder(_LogEntry)
+
+
+def _frame(payload: bytes) -> bytes:
+    return _FRAME.pack(_MAGIC, len(payload), zlib.crc32(payload)) + payload
+
+
+def _frames(data: bytes):
+    """The payloads of the whole frames at the start of ``data``, as ``(payload, end
+    offset)``; stops at the first frame that is cut short, has no magic, is empty or fails
+    its CRC (a torn or garbage tail: nothing after it is trusted)."""
+    off, n = 0, len(data)
+    while off + _FRAME.size <= n:
+        magic, length, crc = _FRAME.unpack_from(data, off)
+        start = off + _FRAME.size
+        if magic != _MAGIC or length == 0 or start + length > n:
+            return
+        payload = data[start:start + length]
+        if zlib.crc32(payload) != crc:
+            return
+        off = start + length
+        yield payload, off
+
+
+class _Snapshot(msgspec.Struct, frozen=True):
+    """What a base file is written from: the mirror at one moment (``compact``)."""
+
+    recs: list
+    cursor: int
+    access: str
+    limits: dict[str, int]
+    base: str
+
+
 class StoreState:
     """Mirror of one store's live records (id → ``Meta``) and the change-feed cursor.
 
-    Saved as ``<cache>/stores/<slug>.json``, format 4: ``{"format": 4, "cursor": int,
-    "access": str, "limits": {name: int}, "dirs": [str], "types": [str | null],
-    "modes": [int], "columns": {column: ...}}`` with the columns ``id``, ``dir``, ``name``,
-    ``type``, ``version``, ``sha256``, ``size``, ``updated_ns``, ``mode``, ``mtime_ns``: one
-    JSON array per field (a record's path is ``dirs[dir] + "/" + name``, ``name`` alone when
-    that directory is ''), except ``sha256`` (one string: every record's 64 hex digits,
+    Saved in two files: a **base**, ``<cache>/stores/<slug>.json``, the whole mirror, and a
+    **log**, ``<cache>/stores/<slug>.log``, what changed since that base, appended on each
+    save. A load reads the base and replays the log; a save appends one frame (cost in
+    proportion to the records changed since the previous save); the base is rewritten
+    (compaction) when the log grows past ``LOG_FRACTION`` of it (and ``LOG_MIN``), after a
+    full snapshot (``reset``) and after a base of an earlier release was read.
+
+    The base, format 4: ``{"format": 4, "base": id, "cursor": int, "access": str,
+    "limits": {name: int}, "dirs": [str], "types": [str | null], "modes": [int],
+    "columns": {column: ...}}`` with the columns ``id``, ``dir``, ``name``, ``type``,
+    ``version``, ``sha256``, ``size``, ``updated_ns``, ``mode``, ``mtime_ns``: one JSON
+    array per field (a record's path is ``dirs[dir] + "/" + name``, ``name`` alone when that
+    directory is ''), except ``sha256`` (one string: every record's 64 hex digits,
     concatenated) and ``dir`` / ``type`` / ``mode`` (indices into ``dirs`` / ``types`` /
-    ``modes``). Written and read with msgspec: a save makes no object per record (the
-    strings and ints are the mirror's own; the digests are joined once), and a load makes
-    only what the mirror keeps (no hex string, path, type or mode per record to throw
-    away), so neither leaves holes in the heap of a long-running sidecar
+    ``modes``). ``base`` (16 hex digits, new at each rewrite) names the log that extends
+    it; a base without one (earlier releases) has no log. Written and read with msgspec:
+    a save makes no object per record, and a load makes only what the mirror keeps
     (docs/SCALING.md). Format 3 (columns of ``COLUMNS`` as plain arrays: paths, hex
     digests, type strings, modes) and format 2 (``"records"``: one array per record, ISO
     8601 times) of earlier releases are read too and written as format 4 at the next save.
+
+    The log: frames of ``magic "MJ", payload length (u32 LE), CRC-32 of the payload (u32
+    LE), payload (msgpack)``. The first frame is ``_LogHead`` (``[1, base id]``); a log
+    whose head names another base (one left over from before a rewrite) is ignored. Each
+    later frame is one ``_LogEntry``, written with one ``write`` call: the records touched
+    since the previous frame (their state now, or their removal) with the cursor, access
+    and limits of the same moment, so the cursor saved is never ahead of the records
+    saved. Replay stops at the first frame cut short or failing its check (a torn or
+    garbage tail is never trusted); the next append truncates the log there first.
+
+    No fsync: the mirror is a cache (the outbox carries the durability of writes). A
+    ``kill -9`` loses nothing written (the page cache keeps it); a power loss may lose the
+    tail of the log or leave a base unreadable, which loads an older, consistent state
+    (caught up from its cursor) or takes a snapshot.
     """
 
     def __init__(self, path: Path, slug: str) -> None:
         self.path = path
+        self.log_path = path.with_suffix(".log")
         self.slug = slug
         self.cursor = 0
         self.records: dict[str, Meta] = {}
@@ -189,15 +278,35 @@ class StoreState:
         self.last_change_at = 0.0
         self.access = "read_write"  # the attachment as last seen, for an offline start
         self.limits: dict[str, int] = {}
+        # what is on disk: the id of the base our log extends (None: the next save rewrites
+        # the base), its size, and the bytes of the log's whole frames (None: no log of
+        # that base yet; the next append starts one)
+        self._base_id: str | None = None
+        self._base_bytes = 0
+        self._log_size: int | None = None
+        self._changed: set[str] = set()  # ids touched since the last frame written
+        self._since: set[str] | None = None  # ids touched since a compaction's snapshot
+        self._compacting = False
+        self._reset_since = False  # a reset came while a compaction ran
 
     def load(self) -> bool:
-        """Read the saved state (format 4, or 3 and 2 of earlier releases); False when there
-        is none or it is unreadable (then the caller takes a full snapshot)."""
+        """Read the saved state (format 4 and its log, or 3 and 2 of earlier releases);
+        False when there is none or it is unreadable (then the caller takes a full
+        snapshot)."""
+        self._base_id, self._log_size, self._changed = None, None, set()
         try:
             data = self.path.read_bytes()
             fmt = msgspec.json.decode(data, type=_Format).format
             if fmt == 4:
-                self._load_v4(msgspec.json.decode(data, type=_Mirror))
+                m = msgspec.json.decode(data, type=_Mirror)
+                self._base_bytes = len(data)
+                del data
+                self._load_v4(m)
+                if m.base:
+                    self._base_id = m.base
+                    self._replay()
+                else:
+                    self.dirty = True  # an earlier release's base: rewritten with an id
                 return True
             raw = json.loads(data)
             del data
@@ -228,8 +337,55 @@ class StoreState:
                 msgspec.DecodeError) as e:
             log.warning("saved store state unreadable; taking a full snapshot",
                         extra={"store": self.slug, "error": type(e).__name__})
-            self.records, self.cursor = {}, 0
+            self.records, self.cursor, self._base_id = {}, 0, None
             return False
+
+    def _replay(self) -> None:
+        """Apply the log of the loaded base (``load``): every whole frame in order, up to the
+        first that is cut short, fails its check or does not decode. A missing log, or one
+        of another base, leaves the base as it is (the next append starts a new log)."""
+        try:
+            data = self.log_path.read_bytes()
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            log.warning("store state log unreadable; resuming from its base",
+                        extra={"store": self.slug, "errno": errno.errorcode.get(e.errno)})
+            return
+        frames = _frames(data)
+        first = next(frames, None)
+        try:
+            head = _HEAD_DEC.decode(first[0]) if first is not None else None
+        except (msgspec.DecodeError, ValueError):
+            head = None
+        if head is None or head.log != LOG_FORMAT or head.base != self._base_id:
+            if data:
+                log.info("store state log of another base ignored", extra={"store": self.slug})
+            return
+        good, applied = first[1], 0
+        recs = self.records
+        for payload, end in frames:
+            try:
+                e = _ENTRY_DEC.decode(payload)
+                metas = [Meta(i, sys.intern(d), name, _TYPES.get(t, t), v, sha, size, upd,
+                              _shared(mode), mt)
+                         for i, d, name, t, v, sha, size, upd, mode, mt in e.put]
+                if any(len(m.sha) != 32 for m in metas):
+                    raise ValueError("a digest is not 32 bytes")
+            except (msgspec.DecodeError, ValueError) as exc:
+                log.warning("store state log entry unreadable; the rest is ignored",
+                            extra={"store": self.slug, "error": type(exc).__name__})
+                break
+            for m in metas:
+                recs[m.id] = m
+            for i in e.removed:
+                recs.pop(i, None)
+            self.cursor, self.access, self.limits = e.cursor, e.access, dict(e.limits)
+            good, applied = end, applied + 1
+        if good != len(data):
+            log.info("store state log tail ignored (torn or unreadable)",
+                     extra={"store": self.slug, "ignored_bytes": len(data) - good})
+        self._log_size = good
 
     def _load_v4(self, m: _Mirror) -> None:
         """Take a decoded format-4 mirror (``load``). Raises ``ValueError`` / ``IndexError``
@@ -257,33 +413,46 @@ class StoreState:
         self.access = m.access
         self.limits = dict(m.limits)
 
-    def encode(self) -> bytes:
-        """The state as a format-4 file (``StoreState``): no object per record is made (the
-        columns hold the mirror's own strings and ints; directories, types and modes are
-        indices made once per distinct value)."""
-        recs = list(self.records.values())
+    def _snapshot(self) -> _Snapshot:
+        """The mirror now, for a base (a list of the ``Meta`` objects, which are never
+        changed in place: a change replaces them)."""
+        return _Snapshot(list(self.records.values()), self.cursor, self.access,
+                         dict(self.limits), os.urandom(8).hex())
+
+    def encode(self, snap: _Snapshot | None = None) -> bytes:
+        """The state (or ``snap``) as a format-4 base file (``StoreState``): no object per
+        record is made (the columns hold the mirror's own strings and ints; directories,
+        types and modes are indices made once per distinct value). Each column is encoded
+        by its own call, so that from a worker thread no single call holds the GIL for long."""
+        if snap is None:
+            snap = self._snapshot()
+        recs = snap.recs
         dirs: dict[str, int] = {}
         types: dict[str | None, int] = {}
         modes: dict[int, int] = {}
-        cols = {"id": [m.id for m in recs],
-                "dir": [dirs.setdefault(m.dir, len(dirs)) for m in recs],
-                "name": [m.name for m in recs],
-                "type": [types.setdefault(m.type, len(types)) for m in recs],
-                "version": [m.version for m in recs],
-                "sha256": b"".join([m.sha for m in recs]).hex(),
-                "size": [m.size for m in recs], "updated_ns": [m.updated_ns for m in recs],
-                "mode": [modes.setdefault(m.mode, len(modes)) for m in recs],
-                "mtime_ns": [m.mtime_ns for m in recs]}
-        return msgspec.json.encode({"format": FORMAT, "cursor": self.cursor,
-                                    "access": self.access, "limits": self.limits,
-                                    "dirs": list(dirs), "types": list(types),
-                                    "modes": list(modes), "columns": cols})
+        enc = msgspec.json.encode
+        cols = [("id", enc([m.id for m in recs])),
+                ("dir", enc([dirs.setdefault(m.dir, len(dirs)) for m in recs])),
+                ("name", enc([m.name for m in recs])),
+                ("type", enc([types.setdefault(m.type, len(types)) for m in recs])),
+                ("version", enc([m.version for m in recs])),
+                ("sha256", enc(b"".join([m.sha for m in recs]).hex())),
+                ("size", enc([m.size for m in recs])),
+                ("updated_ns", enc([m.updated_ns for m in recs])),
+                ("mode", enc([modes.setdefault(m.mode, len(modes)) for m in recs])),
+                ("mtime_ns", enc([m.mtime_ns for m in recs]))]
+        head = enc({"format": FORMAT, "base": snap.base, "cursor": snap.cursor,
+                    "access": snap.access, "limits": snap.limits, "dirs": list(dirs),
+                    "types": list(types), "modes": list(modes)})
+        return b"".join([head[:-1], b',"columns":{',
+                         b",".join([b'"%s":%s' % (k.encode(), v) for k, v in cols]), b"}}"])
 
-    def save(self) -> None:
-        """Write the state atomically (tmp + rename) in format 4. Raises ``CacheError`` when
-        it cannot (the saved file is then the previous one, and ``dirty`` stays set)."""
+    def _write_base(self, snap: _Snapshot) -> int:
+        """Write ``snap`` as the base file (tmp + rename); returns its size in bytes. Runs
+        on the trio thread or a worker thread (it touches only ``snap`` and the files).
+        Raises ``CacheError``."""
         tmp = self.path.with_suffix(".tmp")
-        data = self.encode()
+        data = self.encode(snap)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             write_private(tmp, data)
@@ -292,7 +461,123 @@ class StoreState:
             with contextlib.suppress(OSError):
                 tmp.unlink()  # a partial file would only take space
             raise cache_error(exc, f"saving the state of store {self.slug}") from exc
+        return len(data)
+
+    def _based(self, snap: _Snapshot, size: int) -> None:
+        """The base ``snap`` is on disk: its log starts now with the changes made since the
+        snapshot (``_since``), written at once. Raises ``CacheError`` (the log then starts
+        at the next save; until it does, the base alone is the saved state)."""
+        since, self._since = self._since or set(), None
+        if self._reset_since:  # the mirror was replaced after the snapshot: rewrite again
+            self._reset_since = False
+            self.dirty = True
+            return
+        self._base_id, self._base_bytes, self._log_size = snap.base, size, None
+        self._changed |= since
+        self._append()
         self.dirty = False
+
+    def compaction_due(self) -> bool:
+        """Whether the next save rewrites the base: there is none for this mirror (a new
+        snapshot, an earlier release's file) or the log passed ``LOG_FRACTION`` of it."""
+        return self._base_id is None or (
+            self._log_size or 0) > max(LOG_MIN, self._base_bytes * LOG_FRACTION)
+
+    def save(self) -> None:
+        """Save on the calling thread: append the changes since the last save to the log
+        (one ``write``), or rewrite the base when there is none for this mirror. Raises
+        ``CacheError`` when it cannot (what is on disk is then an older, consistent state,
+        and ``dirty`` stays set). While ``compact`` runs, only appends are made."""
+        if self._base_id is None:
+            if self._compacting:
+                return  # the running compaction is stale; the saver rewrites again after it
+            snap = self._snapshot()
+            self._since, self._reset_since = set(), False
+            try:
+                size = self._write_base(snap)
+            except BaseException:
+                self._since = None
+                raise
+            self._based(snap, size)
+            return
+        self._append()
+        self.dirty = False
+
+    async def save_async(self) -> None:
+        """The periodic save (``StoreSync._saver``): an append, or, when due, a compaction
+        whose encode and write run in a worker thread (``compact``). Raises ``CacheError``."""
+        if self.compaction_due() and not self._compacting:
+            await self.compact()
+        else:
+            self.save()
+
+    async def compact(self) -> None:
+        """Rewrite the base from the mirror as it is now, encoded and written in a worker
+        thread (the trio thread only copies the list of entries); changes made meanwhile
+        are appended to the old log (still valid until the rename) and start the new one.
+        Raises ``CacheError`` (the old base and log stay in force)."""
+        if self._compacting:
+            return
+        self._compacting, self._reset_since = True, False
+        snap = self._snapshot()
+        self._since = set()
+        try:
+            size = await trio.to_thread.run_sync(self._write_base, snap)
+        except BaseException:
+            self._since = None
+            raise
+        finally:
+            self._compacting = False
+        self._based(snap, size)
+
+    def _append(self) -> None:
+        """Write one frame of what changed since the last one (``_changed``) to the log, in
+        one ``write``; a new log (head + frame, the file truncated) when there is none for
+        this base. Raises ``CacheError``; the log's whole frames stay as they were (a
+        partial write is cut off by the next append)."""
+        recs = self.records
+        put, removed = [], []
+        for i in self._changed:
+            m = recs.get(i)
+            if m is None:
+                removed.append(i)
+            else:
+                put.append((m.id, m.dir, m.name, m.type, m.version, m.sha, m.size,
+                            m.updated_ns, m.mode, m.mtime_ns))
+        frame = _frame(_LOG_ENC.encode(_LogEntry(self.cursor, self.access, self.limits,
+                                                 put, removed)))
+        fresh = self._log_size is None
+        try:
+            if fresh:
+                data = _frame(_LOG_ENC.encode(_LogHead(LOG_FORMAT, self._base_id))) + frame
+                fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
+                             0o600)
+            else:
+                data = frame
+                fd = os.open(self.log_path, os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                if not fresh:
+                    if os.fstat(fd).st_size != self._log_size:
+                        os.ftruncate(fd, self._log_size)  # a torn tail or a failed append
+                    os.lseek(fd, self._log_size, os.SEEK_SET)
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
+        except FileNotFoundError as exc:  # the log went away: the base alone is saved
+            self._base_id = None
+            raise cache_error(exc, f"saving the state of store {self.slug}") from exc
+        except OSError as exc:
+            raise cache_error(exc, f"saving the state of store {self.slug}") from exc
+        self._log_size = len(data) if fresh else self._log_size + len(data)
+        self._changed.clear()
+
+    def _touch(self, record_id: str) -> None:
+        self._changed.add(record_id)
+        if self._since is not None:
+            self._since.add(record_id)
+        self.dirty = True
 
     def sha_of(self, record_id: str) -> str | None:
         """The sha256 of record ``record_id`` as last seen on the control plane, or None."""
@@ -300,20 +585,25 @@ class StoreState:
         return m.sha256 if m is not None else None
 
     def reset(self, records: "list[Record] | list[Meta]", seq: int) -> None:
-        """Replace the mirror with ``records`` (``Record`` or ``Meta``) at cursor ``seq``."""
+        """Replace the mirror with ``records`` (``Record`` or ``Meta``) at cursor ``seq``
+        (the next save rewrites the base)."""
         self.records = {r.id: r if isinstance(r, Meta) else Meta.of(r) for r in records}
         self.cursor = seq
         self.dirty = True
+        self._base_id = None
+        self._changed.clear()
+        if self._compacting:
+            self._reset_since = True
 
     def put(self, r: Record) -> None:
         """Record ``r``'s state (a committed write of this sidecar, or a fetched record)."""
         self.records[r.id] = Meta.of(r)
-        self.dirty = True
+        self._touch(r.id)
 
     def remove(self, record_id: str | None) -> None:
         """Forget record ``record_id`` (None and unknown ids are ignored)."""
         if record_id is not None and self.records.pop(record_id, None) is not None:
-            self.dirty = True
+            self._touch(record_id)
 
     def committed(self, e) -> None:
         """Mirror what this sidecar's own committed outbox entry did on the control plane.
@@ -338,11 +628,13 @@ class StoreState:
         equal version; the cursor moves to ``ch.seq``."""
         rec = ch.record
         if rec.deleted:
-            self.records.pop(rec.id, None)
+            if self.records.pop(rec.id, None) is not None:
+                self._touch(rec.id)
         else:
             cur = self.records.get(rec.id)
             if cur is None or cur.version <= rec.version:
                 self.records[rec.id] = Meta.of(rec)
+                self._touch(rec.id)
         self.cursor = max(self.cursor, ch.seq)
         self.dirty = True
 
