@@ -32,7 +32,7 @@ import trio
 from ..client import ApiClient
 from ..errors import Gone
 from ..wire import DEFAULT_MODE, RECORD_TYPES, Change, Record, datetime_ns
-from .cachedir import write_private
+from .cachedir import FILE_MODE
 from .outbox import cache_error
 
 log = logging.getLogger("memfuse.sync")
@@ -420,48 +420,63 @@ class StoreState:
                          dict(self.limits), os.urandom(8).hex())
 
     def encode(self, snap: _Snapshot | None = None) -> bytes:
-        """The state (or ``snap``) as a format-4 base file (``StoreState``): no object per
-        record is made (the columns hold the mirror's own strings and ints; directories,
-        types and modes are indices made once per distinct value). Each column is encoded
-        by its own call, so that from a worker thread no single call holds the GIL for long."""
-        if snap is None:
-            snap = self._snapshot()
+        """The state (or ``snap``) as a format-4 base file (``StoreState``)."""
+        return b"".join(self._encode_parts(snap if snap is not None else self._snapshot()))
+
+    @staticmethod
+    def _encode_parts(snap: _Snapshot) -> list[bytes]:
+        """``snap`` as a format-4 base file in pieces (their concatenation is the file): no
+        object per record is made (the columns hold the mirror's own strings and ints;
+        directories, types and modes are indices made once per distinct value). Each column
+        is encoded by its own call and the pieces are never joined, so that in a worker
+        thread no single call holds the GIL for long (the trio thread waits for it)."""
         recs = snap.recs
         dirs: dict[str, int] = {}
         types: dict[str | None, int] = {}
         modes: dict[int, int] = {}
         enc = msgspec.json.encode
-        cols = [("id", enc([m.id for m in recs])),
-                ("dir", enc([dirs.setdefault(m.dir, len(dirs)) for m in recs])),
-                ("name", enc([m.name for m in recs])),
-                ("type", enc([types.setdefault(m.type, len(types)) for m in recs])),
-                ("version", enc([m.version for m in recs])),
-                ("sha256", enc(b"".join([m.sha for m in recs]).hex())),
-                ("size", enc([m.size for m in recs])),
-                ("updated_ns", enc([m.updated_ns for m in recs])),
-                ("mode", enc([modes.setdefault(m.mode, len(modes)) for m in recs])),
-                ("mtime_ns", enc([m.mtime_ns for m in recs]))]
+        cols = [(b'"id":', [m.id for m in recs]),
+                (b',"dir":', [dirs.setdefault(m.dir, len(dirs)) for m in recs]),
+                (b',"name":', [m.name for m in recs]),
+                (b',"type":', [types.setdefault(m.type, len(types)) for m in recs]),
+                (b',"version":', [m.version for m in recs]),
+                (b',"sha256":', b"".join([m.sha for m in recs]).hex()),
+                (b',"size":', [m.size for m in recs]),
+                (b',"updated_ns":', [m.updated_ns for m in recs]),
+                (b',"mode":', [modes.setdefault(m.mode, len(modes)) for m in recs]),
+                (b',"mtime_ns":', [m.mtime_ns for m in recs])]
         head = enc({"format": FORMAT, "base": snap.base, "cursor": snap.cursor,
                     "access": snap.access, "limits": snap.limits, "dirs": list(dirs),
                     "types": list(types), "modes": list(modes)})
-        return b"".join([head[:-1], b',"columns":{',
-                         b",".join([b'"%s":%s' % (k.encode(), v) for k, v in cols]), b"}}"])
+        parts = [head[:-1], b',"columns":{']
+        for key, col in cols:
+            parts += (key, enc(col))
+        parts.append(b"}}")
+        return parts
 
     def _write_base(self, snap: _Snapshot) -> int:
         """Write ``snap`` as the base file (tmp + rename); returns its size in bytes. Runs
         on the trio thread or a worker thread (it touches only ``snap`` and the files).
         Raises ``CacheError``."""
         tmp = self.path.with_suffix(".tmp")
-        data = self.encode(snap)
+        parts = self._encode_parts(snap)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            write_private(tmp, data)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
+            try:
+                os.fchmod(fd, FILE_MODE)
+                for part in parts:
+                    view = memoryview(part)
+                    while view:
+                        view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
             os.replace(tmp, self.path)
         except OSError as exc:
             with contextlib.suppress(OSError):
                 tmp.unlink()  # a partial file would only take space
             raise cache_error(exc, f"saving the state of store {self.slug}") from exc
-        return len(data)
+        return sum(map(len, parts))
 
     def _based(self, snap: _Snapshot, size: int) -> None:
         """The base ``snap`` is on disk: its log starts now with the changes made since the
@@ -551,7 +566,7 @@ class StoreState:
             if fresh:
                 data = _frame(_LOG_ENC.encode(_LogHead(LOG_FORMAT, self._base_id))) + frame
                 fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
-                             0o600)
+                             FILE_MODE)
             else:
                 data = frame
                 fd = os.open(self.log_path, os.O_WRONLY | os.O_CLOEXEC)
