@@ -12,7 +12,7 @@ workspace's attachments and each store's tree equal to the control plane's recor
   (``Committer.wait_store_idle``); ``410`` → ``_resync`` under ``Committer.hold``;
 - attachments: ``reconcile`` (SIGHUP, workspace events, a refused feed), ``mount_store`` /
   ``unmount_store`` (admin API), ``_events`` (the workspace's event feed);
-- upkeep: ``_saver`` saves dirty mirrors every 2 s and collects unreferenced blobs
+- upkeep: ``_saver`` saves dirty mirrors every 2 s (appends to their logs) and collects unreferenced blobs
   (``_gc_blobs``) every ``GC_EVERY`` s;
 - the prompt block of ``.memfuse/context.md``: ``want_context`` (attach, detach, store
   changes, ``MEMORY.md`` changed) wakes ``_context_loop``, which fetches it with a bound.
@@ -483,7 +483,8 @@ class StoreSync:
             self.want_context()  # descriptions and instructions are in the block too
 
     async def _saver(self) -> None:
-        """Save dirty store mirrors at once and then every 2 s; collect unreferenced blobs
+        """Save dirty store mirrors at once and then every 2 s (``save_states_async``: an
+        append to each one's log, or a compaction in a worker thread); collect unreferenced blobs
         every ``GC_EVERY`` s (overwritten and deleted records leave their old content
         behind). The first collection waits ``GC_EVERY`` s too: it is a pass over every
         blob on the trio thread (~0.2 s at 100,000), which would hold up the first requests

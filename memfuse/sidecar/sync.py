@@ -2,8 +2,10 @@
 
 - ``StoreState`` — the control plane's view of one store as this sidecar last saw it: every
   live record's metadata (no content; content lives in the blob cache) and the change-feed
-  cursor. Saved atomically to ``<cache>/stores/<slug>.json``, so a restart resumes from the
-  cursor instead of taking a full snapshot (docs/ARCHITECTURE.md).
+  cursor. Saved as a base ``<cache>/stores/<slug>.json`` (written whole: tmp + rename) and an
+  append-only log ``<slug>.log`` of the changes since it, so a save costs in proportion to
+  what changed and a restart resumes from the cursor instead of taking a full snapshot
+  (docs/SCALING.md "Saving the mirror").
 - ``Invalidator`` — tells the kernel what changed remotely. Invalidation calls run in a worker
   thread, never synchronously on the trio thread: ``invalidate_entry`` blocks while a request
   on that directory is in flight, and that request may be waiting for the trio thread
