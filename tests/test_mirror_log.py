@@ -193,6 +193,27 @@ def test_compaction_rewrites_the_base_off_the_trio_thread(tmp_path, monkeypatch)
     assert not st.dirty
     again = _same(st)
     assert len(again.records) == 10 and again.cursor == 50
+    # a save_async (an unmount) while the saver's compaction runs waits for it to finish
+    entered.clear(), go.clear()
+    done = []
+
+    async def unmount_during():
+        async with trio.open_nursery() as n:
+            st._base_id, st.dirty = None, True
+            n.start_soon(st.save_async)
+            await trio.to_thread.run_sync(entered.wait, 10)
+
+            async def unmount():
+                await st.save_async()
+                done.append(st._compacting)
+            n.start_soon(unmount)
+            await trio.sleep(0.1)
+            assert done == []  # still waiting for the compaction
+            _change(st, 200)
+            go.set()
+    trio.run(unmount_during)
+    assert done == [False] and not st.dirty
+    _same(st)
 
 
 # ------------------------------------------------------------------ real mount

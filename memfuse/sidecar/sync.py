@@ -289,6 +289,8 @@ class StoreState:
         self._changed: set[str] = set()  # ids touched since the last frame written
         self._since: set[str] | None = None  # ids touched since a compaction's snapshot
         self._compacting = False
+        self._compacted = trio.Event()  # set when the last compaction finished
+        self._compacted.set()
         self._reset_since = False  # a reset came while a compaction ran
 
     def load(self) -> bool:
@@ -504,7 +506,10 @@ class StoreState:
         """Save on the calling thread: append the changes since the last save to the log
         (one ``write``), or rewrite the base when there is none for this mirror. Raises
         ``CacheError`` when it cannot (what is on disk is then an older, consistent state,
-        and ``dirty`` stays set). While ``compact`` runs, only appends are made."""
+        and ``dirty`` stays set). While ``compact`` runs, only appends are made. Nothing is
+        written when nothing changed since the last save."""
+        if not self.dirty and self._base_id is not None:
+            return
         if self._base_id is None:
             if self._compacting:
                 return  # the running compaction is stale; the saver rewrites again after it
@@ -522,8 +527,13 @@ class StoreState:
 
     async def save_async(self) -> None:
         """The periodic save (``StoreSync._saver``): an append, or, when due, a compaction
-        whose encode and write run in a worker thread (``compact``). Raises ``CacheError``."""
-        if self.compaction_due() and not self._compacting:
+        whose encode and write run in a worker thread (``compact``). A compaction already
+        running (the periodic saver's, when an unmount saves) is waited for first (it is
+        bounded by the write of the base), so that once this returns no thread writes the
+        store's files. Raises ``CacheError``."""
+        if self._compacting:
+            await self._compacted.wait()
+        if self.compaction_due():
             await self.compact()
         else:
             self.save()
@@ -536,16 +546,20 @@ class StoreState:
         if self._compacting:
             return
         self._compacting, self._reset_since = True, False
-        snap = self._snapshot()
-        self._since = set()
+        self._compacted = done = trio.Event()
         try:
-            size = await trio.to_thread.run_sync(self._write_base, snap)
-        except BaseException:
-            self._since = None
-            raise
+            snap = self._snapshot()
+            self._since = set()
+            try:
+                size = await trio.to_thread.run_sync(self._write_base, snap)
+            except BaseException:
+                self._since = None
+                raise
+            finally:
+                self._compacting = False
+            self._based(snap, size)
         finally:
-            self._compacting = False
-        self._based(snap, size)
+            done.set()
 
     def _append(self) -> None:
         """Write one frame of what changed since the last one (``_changed``) to the log, in
