@@ -274,3 +274,17 @@ def _saved(cache) -> dict:
 
 def _cp(cp) -> dict:
     return {p: (r.id, r.sha256) for p, r in live_records(cp).items()}
+
+
+def test_a_base_encoded_in_chunks_is_the_same_json(tmp_path, monkeypatch):
+    st = StoreState(tmp_path / "s.json", "s")
+    st.reset([rec(i) for i in range(50)], 5)
+    whole = json.loads(st.encode())
+    monkeypatch.setattr(sync, "_CHUNK", 7)  # 50 records: 8 pieces per column
+    snap = st._snapshot()
+    chunked = json.loads(st.encode(snap))
+    assert chunked["base"] == snap.base and chunked["columns"] == whole["columns"]
+    assert chunked["columns"]["sha256"] == "".join(m.sha256 for m in st.records.values())
+    assert chunked["columns"]["id"] == list(st.records)
+    st.save()
+    _same(st)

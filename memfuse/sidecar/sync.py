@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import binascii
 import contextlib
 import errno
 import json
@@ -219,6 +220,24 @@ def _frames(data: bytes):
             return
         off = start + length
         yield payload, off
+
+
+_CHUNK = 8192  # items per encoding call of a base's column
+
+
+def _json_array(col: list) -> list:
+    """``col`` as a JSON array in pieces (bytes or memoryviews; their concatenation is the
+    array), each encoded by its own call of at most ``_CHUNK`` items: from a worker thread
+    no single call then holds the GIL for more than about a millisecond."""
+    if len(col) <= _CHUNK:
+        return [msgspec.json.encode(col)]
+    parts: list = [b"["]
+    for i in range(0, len(col), _CHUNK):
+        if i:
+            parts.append(b",")
+        parts.append(memoryview(msgspec.json.encode(col[i:i + _CHUNK]))[1:-1])
+    parts.append(b"]")
+    return parts
 
 
 class _Snapshot(msgspec.Struct, frozen=True):
@@ -438,23 +457,31 @@ class StoreState:
         dirs: dict[str, int] = {}
         types: dict[str | None, int] = {}
         modes: dict[int, int] = {}
-        enc = msgspec.json.encode
         cols = [(b'"id":', [m.id for m in recs]),
                 (b',"dir":', [dirs.setdefault(m.dir, len(dirs)) for m in recs]),
                 (b',"name":', [m.name for m in recs]),
                 (b',"type":', [types.setdefault(m.type, len(types)) for m in recs]),
                 (b',"version":', [m.version for m in recs]),
-                (b',"sha256":', b"".join([m.sha for m in recs]).hex()),
+                (b',"sha256":', None),
                 (b',"size":', [m.size for m in recs]),
                 (b',"updated_ns":', [m.updated_ns for m in recs]),
                 (b',"mode":', [modes.setdefault(m.mode, len(modes)) for m in recs]),
                 (b',"mtime_ns":', [m.mtime_ns for m in recs])]
-        head = enc({"format": FORMAT, "base": snap.base, "cursor": snap.cursor,
-                    "access": snap.access, "limits": snap.limits, "dirs": list(dirs),
-                    "types": list(types), "modes": list(modes)})
-        parts = [head[:-1], b',"columns":{']
+        head = msgspec.json.encode({"format": FORMAT, "base": snap.base, "cursor": snap.cursor,
+                                    "access": snap.access, "limits": snap.limits,
+                                    "dirs": list(dirs), "types": list(types),
+                                    "modes": list(modes)})
+        parts: list = [head[:-1], b',"columns":{']
         for key, col in cols:
-            parts += (key, enc(col))
+            parts.append(key)
+            if col is None:  # the digests: one string of hex digits (no escaping needed)
+                shas = [m.sha for m in recs]
+                parts.append(b'"')
+                parts += [binascii.hexlify(b"".join(shas[i:i + _CHUNK]))
+                          for i in range(0, len(shas), _CHUNK)]
+                parts.append(b'"')
+            else:
+                parts += _json_array(col)
         parts.append(b"}}")
         return parts
 
