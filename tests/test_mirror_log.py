@@ -140,11 +140,20 @@ def test_compaction_rewrites_the_base_off_the_trio_thread(tmp_path, monkeypatch)
     trio.run(st.save_async)
     first = json.loads(st.path.read_text())["base"]
     step = 0
-    while not st.compaction_due():
+    while True:
         _change(st, step)
-        trio.run(st.save_async)
+        if st.compaction_due():
+            break
+        trio.run(st.save_async)  # an append
         step += 1
+        assert step < 100
     assert json.loads(st.path.read_text())["base"] == first and step > 2
+    while st._log_size <= max(sync.LOG_MIN, st._base_bytes * sync.LOG_FRACTION):
+        st.save()  # a save on the calling thread (an unmount, the stop) appends even then
+        _change(st, step)
+        step += 1
+    st.save()
+    assert json.loads(st.path.read_text())["base"] == first and st.compaction_due()
     _same(st)
     # the rewrite runs in a worker thread; changes made meanwhile go to the old log (still
     # valid) and then start the new one
@@ -287,4 +296,23 @@ def test_a_base_encoded_in_chunks_is_the_same_json(tmp_path, monkeypatch):
     assert chunked["columns"]["sha256"] == "".join(m.sha256 for m in st.records.values())
     assert chunked["columns"]["id"] == list(st.records)
     st.save()
+    _same(st)
+
+
+def test_a_big_batch_of_changes_goes_into_a_compaction(tmp_path):
+    st = StoreState(tmp_path / "s.json", "s")
+    st.reset([rec(i, path=f"d/{'x' * 200}{i}.md") for i in range(2000)], 5)  # a base > 256 KiB
+    trio.run(st.save_async)
+    assert st._base_bytes * sync.LOG_FRACTION > sync.LOG_MIN
+    first = json.loads(st.path.read_text())["base"]
+    _change(st, 1)
+    assert not st.compaction_due()  # a few records: an append
+    trio.run(st.save_async)
+    assert json.loads(st.path.read_text())["base"] == first
+    for i in range(600):  # ~30 % of the records: more than a quarter of the base as a frame
+        st.put(rec(i, path=f"d/{'x' * 200}{i}.md", version=50, content=f"batch {i}\n"))
+    assert st.compaction_due()
+    trio.run(st.save_async)
+    assert json.loads(st.path.read_text())["base"] != first
+    assert st.log_path.stat().st_size < 100
     _same(st)

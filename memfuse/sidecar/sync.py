@@ -519,15 +519,21 @@ class StoreState:
             self.dirty = True
             return
         self._base_id, self._base_bytes, self._log_size = snap.base, size, None
-        self._changed |= since
+        self._changed = since  # what changed before the snapshot is in the base
         self._append()
         self.dirty = False
 
     def compaction_due(self) -> bool:
         """Whether the next save rewrites the base: there is none for this mirror (a new
-        snapshot, an earlier release's file) or the log passed ``LOG_FRACTION`` of it."""
-        return self._base_id is None or (
-            self._log_size or 0) > max(LOG_MIN, self._base_bytes * LOG_FRACTION)
+        snapshot, an earlier release's file), or the log with the frame of the records
+        changed since the last save (estimated at the base's bytes per record) would pass
+        ``LOG_FRACTION`` of it (and ``LOG_MIN``): a big batch of changes (a long catch-up)
+        then goes into a base written by a worker thread, not a frame encoded on the trio
+        thread."""
+        if self._base_id is None:
+            return True
+        frame = len(self._changed) * self._base_bytes / max(1, len(self.records))
+        return (self._log_size or 0) + frame > max(LOG_MIN, self._base_bytes * LOG_FRACTION)
 
     def save(self) -> None:
         """Save on the calling thread: append the changes since the last save to the log
