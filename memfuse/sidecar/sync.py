@@ -257,8 +257,9 @@ class StoreState:
     **log**, ``<cache>/stores/<slug>.log``, what changed since that base, appended on each
     save. A load reads the base and replays the log; a save appends one frame (cost in
     proportion to the records changed since the previous save); the base is rewritten
-    (compaction) when the log grows past ``LOG_FRACTION`` of it (and ``LOG_MIN``), after a
-    full snapshot (``reset``) and after a base of an earlier release was read.
+    (compaction, ``compaction_due``) when the log would grow past ``LOG_FRACTION`` of it
+    (and ``LOG_MIN``), after a full snapshot (``reset``) and after a base of an earlier
+    release was read.
 
     The base, format 4: ``{"format": 4, "base": id, "cursor": int, "access": str,
     "limits": {name: int}, "dirs": [str], "types": [str | null], "modes": [int],
