@@ -74,3 +74,117 @@ def test_api_suite_on_postgresql():
         if started:
             subprocess.run([*pg_ctl, "-m", "fast", "-w", "stop"], capture_output=True, timeout=60)
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _need_pg() -> None:
+    """Skip (fail in CI) unless PostgreSQL server binaries and psycopg are installed."""
+    from pgutil import pg_bindir
+
+    if pg_bindir() is None:
+        if os.environ.get("CI"):
+            pytest.fail("PostgreSQL or psycopg missing: ./scripts/setup --test installs them")
+        pytest.skip("PostgreSQL or psycopg not installed (./scripts/setup --test installs them)")
+
+
+def _plan_nodes(plan: dict) -> list[dict]:
+    out = [plan]
+    for child in plan.get("Plans", []):
+        out += _plan_nodes(child)
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_byte_order_pages_seek_an_index_on_a_non_c_database():
+    """On a database whose default collation is not ``C`` (``C.UTF-8`` of libc here, as
+    production databases use ``en_US.UTF-8``), the snapshot page, the search page and the tree
+    step the service really sends (``path COLLATE "C"``) are index scans on
+    ``ix_records_live_path_bytes`` with no Sort, reading about the rows they return; at the
+    revision before it (``0004_record_attributes``) the same statements sort the store's
+    records, and upgrading back restores the index. Pages stay in byte order."""
+    _need_pg()
+    from alembic import command
+    from sqlalchemy import event, insert
+    from sqlalchemy.engine import make_url
+
+    from memfuse.server import schema
+    from memfuse.server.db import Database, RecordRow, StoreRow, utcnow
+    from memfuse.server.records import _encode_cursor
+    from memfuse.server.service import Principal, Service
+    from pgutil import pg_cluster
+
+    with pg_cluster() as base:
+        u = make_url(base)
+        admin = Database(u.set(username="postgres", password=None, database="postgres")
+                         .render_as_string(hide_password=False), schema="none")
+        with admin.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as c:
+            c.exec_driver_sql("CREATE DATABASE bytes OWNER memfuse TEMPLATE template0 "
+                              "LC_COLLATE 'C.UTF-8' LC_CTYPE 'C.UTF-8'")
+        admin.dispose()
+        db = Database(u.set(database="bytes").render_as_string(hide_password=False))  # migrates to head
+        try:
+            with db.read_conn() as c:
+                assert c.exec_driver_sql("SHOW lc_collate").scalar() == "C.UTF-8"
+            now = utcnow()
+            n = 20_000
+            paths = [f"d{i // 500:03d}/note-{i:05d}.md" for i in range(n)] + ["A.md", "a.md", "Z-x.md", "é.md"]
+            with db.write_conn() as c:
+                for slug in ("big", "small"):
+                    c.execute(insert(StoreRow.__table__).values(
+                        slug=slug, description="", default_type="project", max_record_bytes=1 << 20,
+                        max_store_bytes=1 << 40, max_records=1 << 30, created_at=now))
+                rows = [dict(id=f"r{i:06d}", store="big" if i < len(paths) else "small",
+                             path=paths[i % len(paths)], type="project", version=1, sha256="0" * 64, size=3,
+                             content="x\n" if i % 50 else "needle\n", deleted=i % 97 == 0, created_at=now,
+                             updated_at=now, updated_by="admin:test", seq=i + 1)
+                        for i in range(len(paths) + 2_000)]
+                c.execute(insert(RecordRow.__table__), rows)
+                c.exec_driver_sql("ANALYZE records")
+            svc, p = Service(db), Principal(workspace=None, name="test")
+            live = sorted((r["path"].encode(), r["id"]) for r in rows if r["store"] == "big" and not r["deleted"])
+            mid = _encode_cursor(live[len(live) // 2][0].decode(), live[len(live) // 2][1])
+            seen: list[tuple[str, dict]] = []
+
+            @event.listens_for(db.engine, "before_cursor_execute")
+            def grab(conn, cursor, statement, parameters, context, executemany):  # noqa: ARG001
+                if "FROM records" in statement and "max(versions.seq)" not in statement:
+                    seen.append((statement, dict(parameters or {})))
+
+            page = svc.list_records(p, "big", cursor=mid, limit=1000, with_content=True)
+            got = [r.path.encode() for r in page.records]
+            assert got == [k for k, _ in live[len(live) // 2 + 1:len(live) // 2 + 1001]]  # byte order
+            first = svc.list_records(p, "big", limit=5)
+            assert [r.path for r in first.records] == ["A.md", "Z-x.md", "a.md", "d000/note-00001.md",
+                                                       "d000/note-00002.md"]
+            svc.search(p, "big", "needle", cursor=mid, limit=20)
+            svc.tree(p, "big", "", depth=1)
+            statements = list(seen)
+            assert len(statements) >= 3
+            event.remove(db.engine, "before_cursor_execute", grab)
+
+            def plans() -> list[list[dict]]:
+                with db.read_conn() as c:
+                    return [_plan_nodes(c.exec_driver_sql("EXPLAIN (ANALYZE, FORMAT JSON) " + s, prm)
+                                        .scalar()[0]["Plan"]) for s, prm in statements]
+
+            for nodes in plans():
+                kinds = [nd["Node Type"] for nd in nodes]
+                assert "Sort" not in kinds and "Incremental Sort" not in kinds, kinds
+                scans = [nd for nd in nodes if "Scan" in nd["Node Type"]]
+                assert [(nd["Node Type"], nd.get("Index Name")) for nd in scans] in (
+                    [("Index Scan", "ix_records_live_path_bytes")],
+                    [("Index Only Scan", "ix_records_live_path_bytes")]), kinds
+            snapshot = plans()[0]
+            read = sum(nd["Actual Rows"] + nd.get("Rows Removed by Filter", 0) for nd in snapshot
+                       if "Scan" in nd["Node Type"])
+            assert read <= 1001, read  # the page (+1 to know more follow), not the store
+
+            with db.write_conn() as c:  # without the index the same statements sort the store
+                command.downgrade(schema.alembic_config(connection=c), "0004_record_attributes")
+            for nodes in plans()[:1]:
+                assert "Sort" in [nd["Node Type"] for nd in nodes]
+            schema.upgrade(db)
+            with db.read_conn() as c:
+                assert c.exec_driver_sql("SELECT count(*) FROM pg_indexes WHERE indexname = "
+                                         "'ix_records_live_path_bytes'").scalar() == 1
+        finally:
+            db.dispose()

@@ -195,6 +195,18 @@ class RecordRow(Base):
     )
 
 
+# Byte order of live paths on PostgreSQL (revision 0005_records_path_bytes): the snapshot,
+# search and tree queries order and compare by ``path COLLATE "C"``, which no index in the
+# column's own collation serves. SQLite compares bytes already (``ix_records_store_path``).
+Index(
+    "ix_records_live_path_bytes",
+    RecordRow.__table__.c.store,
+    RecordRow.__table__.c.path.collate("C"),
+    RecordRow.__table__.c.id,
+    postgresql_where=RecordRow.__table__.c.deleted == false(),
+).ddl_if(dialect="postgresql")
+
+
 class VersionRow(Base):
     """One immutable version of a record; ``seq`` is the change-feed position."""
 

@@ -22,7 +22,7 @@ import unicodedata
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from sqlalchemy import and_, false, func, or_, select
+from sqlalchemy import and_, false, func, or_, select, tuple_
 from sqlalchemy.engine import Connection
 
 from memfuse import content as content_rules
@@ -56,8 +56,10 @@ def cut_line(line: str) -> str:
 
 def _prefix_clause(path_col, prefix: str):
     """Records at ``prefix`` (a file) or under it (a directory), as an index range (in byte
-    order, ``path_col``: every path under ``prefix/`` sorts before ``prefix0``)."""
-    return or_(_R.c.path == prefix, and_(path_col >= prefix + "/", path_col < prefix + "0"))
+    order, ``path_col``: ``prefix`` and every path under ``prefix/`` sort in [``prefix``,
+    ``prefix0``)); the ``OR`` inside the range leaves out its other paths (``prefix-x``)."""
+    return and_(path_col >= prefix, path_col < prefix + "0",
+                or_(_R.c.path == prefix, path_col >= prefix + "/"))
 
 
 @dataclass
@@ -144,7 +146,7 @@ class SearchMixin(ServiceBase):
             conds.append(or_(*(self._contains(c, q, case_sensitive) for c in fields)))
             if cursor:
                 cp, cid = _decode_cursor(cursor)
-                conds.append(or_(path_col > cp, and_(_R.c.path == cp, _R.c.id > cid)))
+                conds.append(tuple_(path_col, _R.c.id) > tuple_(cp, cid))  # an index seek, as in records
             rows = conn.execute(select(_R).where(*conds).order_by(path_col, _R.c.id)
                                 .limit(limit + 1)).all()
         more = len(rows) > limit
