@@ -453,9 +453,11 @@ class RecordsMixin(ServiceBase):
     ) -> tuple[list[Row], bool, int, bool]:
         """The rows of one snapshot page (``limit`` at most, ordered by (path, id)), whether
         more follow, and the store's change-feed seq read before them. The keyset condition
-        is one row-value comparison, ``(path, id) > (cursor)``: SQLite and PostgreSQL seek the
-        ``(store, path[, id])`` index to the cursor with it (written as ``path > p OR (path
-        = p AND id > i)`` SQLite scanned the store's index from its start on every page).
+        is one row-value comparison, ``(path, id) > (cursor)``: SQLite seeks the ``(store,
+        path, id)`` index to the cursor with it (written as ``path > p OR (path = p AND id >
+        i)`` SQLite scanned the store's index from its start on every page), PostgreSQL the
+        live records' ``(store, path COLLATE "C", id)`` index (revision
+        ``0005_records_path_bytes``; with ``include_deleted`` it sorts the store's records).
         With ``raw_times`` on SQLite the two times come as stored text (``_sqlite_time``);
         the last member says whether they do."""
         with self.db.read_conn() as conn:
