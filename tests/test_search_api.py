@@ -196,6 +196,25 @@ async def test_memory_tool_search_reads_bounded_pages(env: Env, monkeypatch):
     assert none.content == "No matches for 'coffee' in /memories"
 
 
+async def test_search_prefix_leaves_out_siblings_that_sort_inside_its_range(env: Env):
+    """``prefix`` is read as the byte range [prefix, prefix + "0"); names that sort inside it
+    without being the file or under the directory (``d-x``, ``d.md``: ``-`` and ``.`` sort
+    before ``/``) are not hits."""
+    await batch_create(env, {p: "needle\n" for p in ("c.md", "d/x.md", "d/y/z.md", "d-x/y.md", "d.md", "d0.md",
+                                                     "e.md")})
+    assert paths(await find(env, q="needle", prefix="d")) == ["d/x.md", "d/y/z.md"]
+    assert paths(await find(env, q="needle", prefix="d.md")) == ["d.md"]
+    assert paths(await find(env, q="needle", prefix="d-x")) == ["d-x/y.md"]
+    assert paths(await find(env, q="needle", prefix="d/y")) == ["d/y/z.md"]
+    got, cursor = [], None
+    while True:  # the cursor pages through the range in byte order
+        page = await find(env, q="needle", limit=1, **({"cursor": cursor} if cursor else {}))
+        got += paths(page)
+        if not (cursor := page["next_cursor"]):
+            break
+    assert got == ["c.md", "d-x/y.md", "d.md", "d/x.md", "d/y/z.md", "d0.md", "e.md"]
+
+
 @pytest.mark.parametrize("q", ["<script>alert(1)</script>"])
 async def test_search_returns_content_as_data(env: Env, q: str):
     await env.create("x.md", f"{q}\n")
