@@ -570,3 +570,43 @@ def test_lazy_commands_name_the_module_that_registers_each_command():
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_serve_sigint_leaves_no_wal(home, tmp_path):
+    """A clean stop (Ctrl-C) closes every database connection: SQLite checkpoints its WAL into
+    the file and removes -wal and -shm, so a copy of the .db alone holds every write."""
+    import shutil
+    import sqlite3
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    admin_file = tmp_path / "admin.token"
+    admin_file.write_text("admin-secret-token-wal\n")
+    db = tmp_path / "cp.db"
+    server = Server(["--db", f"sqlite:///{db}", "--listen", f"127.0.0.1:{port}",
+                     "--admin-token-file", str(admin_file), "--migrate"], tmp_path / "serve.log")
+    try:
+        server.wait_ready(url)
+
+        async def write():
+            async with ApiClient(url, "admin-secret-token-wal") as api:
+                await api.create_workspace("walws")
+                await api.create_record("walws", "MEMORY.md", "- kept\n")
+
+        trio.run(write)
+        assert Path(f"{db}-wal").exists()  # the writes are in the WAL while it serves
+        server.proc.send_signal(signal.SIGINT)
+        rc = server.proc.wait(timeout=30)
+    finally:
+        server.stop()
+    log = server.log.read_text()
+    assert rc == 0, log
+    assert "memfuse serve: stopped" in log
+    assert not Path(f"{db}-wal").exists(), log
+    assert not Path(f"{db}-shm").exists(), log
+    copy = tmp_path / "copy" / "cp.db"
+    copy.parent.mkdir()
+    shutil.copyfile(db, copy)  # the .db alone
+    with sqlite3.connect(copy) as conn:
+        assert conn.execute("select name from workspaces").fetchall() == [("walws",)]
+        assert conn.execute("select content from records where path='MEMORY.md'").fetchall() == [("- kept\n",)]

@@ -73,6 +73,9 @@ def test_readme_flow_restart_and_history(tmp_path):
         sh("rm memory/default/bad.md", tmp_path)
         assert interrupt(proc) == 0
         assert not is_mounted(mnt)
+        # a clean stop closes the database: its WAL is checkpointed into dev.db and removed
+        assert not (tmp_path / "home" / "dev.db-wal").exists()
+        assert not (tmp_path / "home" / "dev.db-shm").exists()
         proc = start_dev(mnt, env, log)
         assert (mnt / "default" / "prefs.md").read_text() == "prefers coffee\n"
         hist = sh(f"{MEMFUSE} history default prefs.md", tmp_path, env=env).stdout

@@ -86,7 +86,7 @@ def serve(db: str | None, listen: str, admin_token_file: Path | None, migrate: b
     url = db or dev_db_url()
     token, token_path, generated = _admin_token(admin_token_file)
     from memfuse.server.app import create_app
-    from memfuse.server.serve import AlreadyServing, claim_database, tune_gc
+    from memfuse.server.serve import AlreadyServing, claim_database, release_database, tune_gc
     from memfuse.server.serve import serve as serve_app
 
     tune_gc()  # thousands of streams: see memfuse.server.serve.tune_gc
@@ -99,6 +99,18 @@ def serve(db: str | None, listen: str, admin_token_file: Path | None, migrate: b
     except AlreadyServing as e:
         app.state.service.db.dispose()
         raise click.ClickException(str(e)) from None
+    try:
+        _serve_until_signal(app, url, listen, token_path, generated, serve_app)
+    finally:
+        # every pooled connection closed: SQLite checkpoints its WAL into the file and removes
+        # the -wal and -shm files, so the .db alone holds everything (copy it, back it up)
+        app.state.service.db.dispose()
+        release_database(app)
+    click.echo("memfuse serve: stopped", err=True)
+
+
+def _serve_until_signal(app, url: str, listen: str, token_path: Path, generated: bool, serve_app) -> None:
+    """``memfuse serve``'s loop: serve ``app`` on ``listen`` until SIGINT or SIGTERM."""
     click.echo(
         f"memfuse serve: admin token {'written to' if generated else 'read from'} {token_path}",
         err=True,
@@ -121,7 +133,6 @@ def serve(db: str | None, listen: str, admin_token_file: Path | None, migrate: b
                     break
 
     _run(run)
-    click.echo("memfuse serve: stopped", err=True)
 
 
 def _safe_url(url: str) -> str:
@@ -166,7 +177,10 @@ def dev(mountpoint: Path, admin_listen: str | None, log_format: str, debug: bool
         async with setup.admin_client() as api:
             await ensure_dev_setup(api)
 
-    _run(prepare)
+    try:
+        _run(prepare)
+    finally:
+        setup.app.state.service.db.dispose()
     del setup
     # A fresh app for the mount: it runs under its own trio.run.
     env = dev_app()
@@ -208,6 +222,9 @@ def dev(mountpoint: Path, admin_listen: str | None, log_format: str, debug: bool
     finally:
         if console is not None:
             console.stop()
+        # every pooled connection closed: SQLite checkpoints its WAL into dev.db and removes
+        # the -wal and -shm files
+        env.app.state.service.db.dispose()
     click.echo(f"memfuse dev: unmounted {mountpoint}", err=True)
     sys.exit(rc)
 
