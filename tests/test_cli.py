@@ -610,3 +610,45 @@ def test_serve_sigint_leaves_no_wal(home, tmp_path):
     with sqlite3.connect(copy) as conn:
         assert conn.execute("select name from workspaces").fetchall() == [("walws",)]
         assert conn.execute("select content from records where path='MEMORY.md'").fetchall() == [("- kept\n",)]
+
+
+def test_sqlite_database_private_and_directory_created(home, tmp_path):
+    """A new SQLite database is 0600 in a directory created 0700 (it holds memory content and
+    token hashes), whatever the umask; SQLite's -wal and -shm take the database's mode."""
+    from memfuse.server.db import Database, WorkspaceRow
+
+    old = os.umask(0o022)
+    try:
+        db = tmp_path / "var" / "lib" / "memfuse" / "cp.db"
+        r = invoke(["db", "upgrade", "--db", f"sqlite:///{db}"])
+        assert r.exit_code == 0, r.output
+        assert stat.S_IMODE(db.stat().st_mode) == 0o600
+        assert stat.S_IMODE(db.parent.stat().st_mode) == 0o700
+        database = Database(f"sqlite:///{db}", schema="check")
+        try:
+            with database.write() as s:
+                s.add(WorkspaceRow(name="private"))
+            for suffix in ("-wal", "-shm"):
+                assert stat.S_IMODE(Path(f"{db}{suffix}").stat().st_mode) == 0o600, suffix
+        finally:
+            database.dispose()
+        # an existing file keeps the mode its owner gave it
+        os.chmod(db, 0o640)
+        assert invoke(["db", "upgrade", "--db", f"sqlite:///{db}"]).exit_code == 0
+        assert stat.S_IMODE(db.stat().st_mode) == 0o640
+    finally:
+        os.umask(old)
+
+
+def test_sqlite_directory_that_cannot_be_made_fails_fast(home, tmp_path):
+    (tmp_path / "afile").write_text("in the way\n")
+    url = f"sqlite:///{tmp_path}/afile/memfuse/cp.db"
+    for args in (["db", "upgrade", "--db", url], ["serve", "--db", url, "--listen", "127.0.0.1:0"]):
+        start = time.monotonic()
+        p = run(args, timeout=30)
+        took = time.monotonic() - start
+        assert p.returncode == 1, p.stderr
+        assert_one_line_error(p.stderr)
+        assert f"cannot create the directory {tmp_path}/afile/memfuse" in p.stderr.decode(), p.stderr
+        assert took < 10, took  # no retries (a start of the CLI takes a few seconds under load)
+

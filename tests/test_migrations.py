@@ -323,9 +323,15 @@ def test_db_commands_and_serve_refusal(tmp_path):
 
 
 def test_db_upgrade_of_an_unreachable_database_is_one_line(tmp_path):
-    r = _cli(["db", "upgrade", "--db", f"sqlite:///{tmp_path}/no/such/dir/x.db"])
+    (tmp_path / "adir").mkdir()  # a directory where the file should be: SQLite cannot open it
+    r = _cli(["db", "upgrade", "--db", f"sqlite:///{tmp_path}/adir"])
     assert r.exit_code == 1
     assert len(r.output.strip().splitlines()) == 1 and "unreachable or failing" in r.output
+    (tmp_path / "afile").write_text("")  # a missing directory that cannot be made
+    r = _cli(["db", "upgrade", "--db", f"sqlite:///{tmp_path}/afile/dir/x.db"])
+    assert r.exit_code == 1
+    assert r.output.strip() == f"Error: cannot create the directory {tmp_path}/afile/dir for the SQLite " \
+        "database x.db: Not a directory", r.output
     r = _cli(["db", "current", "--db", "nosuchdialect://x"])
     assert r.exit_code == 1 and "bad database URL" in r.output
 

@@ -17,7 +17,8 @@ from memfuse.cli.common import cli
 __all__ = ["db", "database_errors", "open_database", "safe_url"]
 
 _DB_HELP = ("Database URL: sqlite:///path or postgresql://user@host/db (a password is better "
-            "given in the URL from a Secret env var). Default: the dev database.")
+            "given in the URL from a Secret env var). Default: the dev database. A new SQLite "
+            "file is created mode 0600, its missing directory mode 0700.")
 
 
 def safe_url(url: str) -> str:
@@ -38,9 +39,11 @@ def _one_line(err: BaseException) -> str:
 @contextmanager
 def database_errors(url: str) -> Iterator[None]:
     """Turn what opening the database at ``url`` may raise into a one-line
-    ``click.ClickException``: bad URL, missing driver, unreachable database, schema behind."""
+    ``click.ClickException``: bad URL, missing driver, unreachable database, schema behind,
+    an SQLite file or directory that cannot be created."""
     from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
+    from memfuse.privfile import PrivateFileError
     from memfuse.server.schema import SchemaError
 
     shown = safe_url(url)
@@ -51,6 +54,8 @@ def database_errors(url: str) -> Iterator[None]:
     except ArgumentError as e:
         raise click.ClickException(f"bad database URL {shown}: {_one_line(e)}") from None
     except ModuleNotFoundError as e:
+        raise click.ClickException(_one_line(e)) from None
+    except PrivateFileError as e:  # the SQLite file or its directory cannot be created
         raise click.ClickException(_one_line(e)) from None
     except SQLAlchemyError as e:
         raise click.ClickException(f"database {shown} unreachable or failing: {_one_line(e)}") from None

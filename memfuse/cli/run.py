@@ -63,7 +63,8 @@ def _admin_token(admin_token_file: Path | None) -> tuple[str, Path, bool]:
 
 @cli.command()
 @opt("--db", metavar="URL", help="Database URL: sqlite:///path or postgresql://... "
-     "Default: the dev database (sqlite:///<data dir>/dev.db).")
+     "Default: the dev database (sqlite:///<data dir>/dev.db). A new SQLite file is created "
+     "mode 0600, its missing directory mode 0700.")
 @opt("--listen", default=DEFAULT_LISTEN, show_default=True, metavar="HOST:PORT",
      help="Address to serve HTTP on.")
 @opt("--admin-token-file", type=click.Path(dir_okay=False, path_type=Path),

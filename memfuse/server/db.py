@@ -36,6 +36,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
+from pathlib import Path
 
 from sqlalchemy import (
     BigInteger,
@@ -294,6 +295,9 @@ class Database:
     - ``"none"``: leave it alone (``memfuse db current``).
 
     An in-memory database is always created with ``create_all`` (nothing else can see it).
+    A new SQLite file is created with mode 0600 in its directory, created 0700 when missing
+    (``memfuse.privfile.prepare_sqlite_file``, which raises ``PrivateFileError``, an
+    ``OSError``, when they cannot be made).
     Raises ``sqlalchemy.exc.ArgumentError`` for a bad URL, ``OperationalError`` when the
     database cannot be reached, ``schema.SchemaError`` as above.
     """
@@ -310,6 +314,12 @@ class Database:
         self._write_lock: threading.Lock | None = (
             threading.Lock() if self.is_sqlite and not self.is_memory else None
         )
+        if self.is_sqlite and not self.is_memory and not self.url.query.get("uri"):
+            # a missing directory made 0700, a new file 0600 (it holds memory content and
+            # token hashes); fails at once, with a clear message, when they cannot be made
+            from memfuse.privfile import prepare_sqlite_file
+
+            prepare_sqlite_file(Path(self.url.database))  # the path SQLite opens
         self.engine = self._make_engine()
         self._on_dispose: list = []
         # Write sessions bind to this (BEGIN IMMEDIATE on SQLite); made once, not per session.
