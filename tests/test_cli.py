@@ -652,3 +652,56 @@ def test_sqlite_directory_that_cannot_be_made_fails_fast(home, tmp_path):
         assert f"cannot create the directory {tmp_path}/afile/memfuse" in p.stderr.decode(), p.stderr
         assert took < 10, took  # no retries (a start of the CLI takes a few seconds under load)
 
+
+def test_readme_deployment_block_on_a_fresh_machine(home, tmp_path):
+    """The README's deployment block as written: the database directory does not exist, nor
+    does admin.token; `token create --out` writes the workspace token 0600."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    db = f"sqlite:///{tmp_path}/var/lib/memfuse/cp.db"
+    work = tmp_path / "work"
+    work.mkdir()
+    p = subprocess.run([str(MEMFUSE), "db", "upgrade", "--db", db], cwd=work, capture_output=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    log = tmp_path / "serve.log"
+    fh = open(log, "wb")
+    proc = subprocess.Popen([str(MEMFUSE), "serve", "--db", db, "--listen", f"127.0.0.1:{port}",
+                             "--admin-token-file", "admin.token"], cwd=work, stdout=fh, stderr=subprocess.STDOUT)
+    server = Server.__new__(Server)
+    server.log, server._fh, server.proc = log, fh, proc
+    try:
+        server.wait_ready(url)
+        admin = work / "admin.token"
+        assert stat.S_IMODE(admin.stat().st_mode) == 0o600
+        assert "admin token written to admin.token" in log.read_text()
+        cp = ["--control-plane", url, "--token-file", "admin.token"]
+
+        def cli_run(*args: str) -> subprocess.CompletedProcess:
+            return subprocess.run([str(MEMFUSE), *args], cwd=work, capture_output=True, timeout=60)
+
+        for args in (["workspace", "create", "agent-1"], ["store", "create", "team"],
+                     ["attach", "agent-1", "team", "--read-only"]):
+            p = cli_run(*args, *cp)
+            assert p.returncode == 0, p.stderr
+        p = cli_run("token", "create", "--workspace", "agent-1", "--out", "ws.token", *cp)
+        assert p.returncode == 0, p.stderr
+        assert p.stdout == b"" and b"written to ws.token" in p.stderr
+        ws = work / "ws.token"
+        assert stat.S_IMODE(ws.stat().st_mode) == 0o600
+        p = cli_run("context", "--workspace", "agent-1", "--control-plane", url, "--token-file", "ws.token")
+        assert p.returncode == 0 and b"team" in p.stdout, p.stderr
+    finally:
+        rc = server.stop()
+    assert rc == 0, log.read_text()
+    # restarted with the same file: the token is read, not replaced
+    token = (work / "admin.token").read_text()
+    server._fh = open(log, "wb")
+    server.proc = subprocess.Popen([str(MEMFUSE), "serve", "--db", db, "--listen", f"127.0.0.1:{port}",
+                                    "--admin-token-file", "admin.token"], cwd=work, stdout=server._fh,
+                                   stderr=subprocess.STDOUT)
+    try:
+        server.wait_ready(url)
+        assert "admin token read from admin.token" in log.read_text()
+    finally:
+        server.stop()
+    assert (work / "admin.token").read_text() == token

@@ -7,6 +7,7 @@ record commands are in ``records``.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import click
@@ -230,16 +231,30 @@ def token() -> None:
 @opt("--name", default="", help="A label for the token (shown by 'token list').")
 @opt("--ttl", type=Duration(), metavar="DURATION",
      help="Expire the token after DURATION (3600, 45s, 30m, 12h, 90d, 2w). Default: never.")
+@opt("--out", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
+     help="Write the token to FILE (mode 0600, replaced atomically) instead of stdout.")
 @api_options
-def token_create(target: Target, workspace: str | None, name: str, ttl: int | None) -> None:
-    """Create a token and print it on stdout (shown once; the server keeps only its hash)."""
+def token_create(target: Target, workspace: str | None, name: str, ttl: int | None, out: Path | None) -> None:
+    """Create a token and print it on stdout, or write it to --out FILE (mode 0600); it is
+    shown once: the server keeps only its hash."""
+    from memfuse.privfile import write_private
+
     key = _key()
     t = _api(target, lambda api: with_retries(
         lambda: api.create_token(workspace or None, name, idempotency_key=key, ttl_seconds=ttl)))
     scope = f"workspace {t.workspace}" if t.workspace else "admin"
+    where = ""
+    if out is not None:
+        try:
+            write_private(out, t.token + "\n")
+        except OSError as e:
+            raise click.ClickException(f"created {scope} token {t.id} but cannot write it to {out}: "
+                                       f"{e.strerror}; revoke it (memfuse token revoke {t.id})") from None
+        where = f", written to {out}"
     click.echo(f"created {scope} token {t.id}" + (f" ({t.name})" if t.name else "")
-               + (f", expires {_fmt_time(t.expires_at)}" if t.expires_at else ""), err=True)
-    click.echo(t.token)
+               + (f", expires {_fmt_time(t.expires_at)}" if t.expires_at else "") + where, err=True)
+    if out is None:
+        click.echo(t.token)
 
 
 @token.command("list")

@@ -33,31 +33,31 @@ from memfuse.tokenfile import TokenFile, TokenFileError
 
 
 def _admin_token(admin_token_file: Path | None) -> tuple[str, Path, bool]:
-    """Return (token, file, generated). Reads ``admin_token_file``; without one, reuses or
-    creates ``<data dir>/admin.token`` (mode 0600)."""
+    """Return (token, file, generated). Reads ``admin_token_file`` (default
+    ``<data dir>/admin.token``); when that file does not exist, creates it (mode 0600) with a
+    new random token. A named file that exists but is empty or unreadable is a usage error
+    (never overwritten: it may be a mounted Secret that is not there yet)."""
     from memfuse.devenv import data_dir
+    from memfuse.privfile import write_private
 
-    if admin_token_file is not None:
-        try:
-            tok = admin_token_file.read_text(encoding="utf-8").strip()
-        except OSError as e:
-            raise click.UsageError(f"cannot read admin token file {admin_token_file}: {e.strerror}") from None
-        if not tok:
-            raise click.UsageError(f"admin token file {admin_token_file} is empty")
-        return tok, admin_token_file, False
-    path = data_dir() / "admin.token"
+    path = admin_token_file if admin_token_file is not None else data_dir() / "admin.token"
     try:
         tok = path.read_text(encoding="utf-8").strip()
-        if tok:
-            os.chmod(path, 0o600)
-            return tok, path, False
     except FileNotFoundError:
-        pass
+        tok = None
+    except OSError as e:
+        raise click.UsageError(f"cannot read admin token file {path}: {e.strerror}") from None
+    if tok:
+        if admin_token_file is None:
+            os.chmod(path, 0o600)
+        return tok, path, False
+    if tok is not None and admin_token_file is not None:
+        raise click.UsageError(f"admin token file {path} is empty")
     tok = "mfa_" + secrets.token_urlsafe(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        fh.write(tok + "\n")
-    os.chmod(path, 0o600)
+    try:
+        write_private(path, tok + "\n")
+    except OSError as e:
+        raise click.UsageError(f"cannot create admin token file {path}: {e.strerror}") from None
     return tok, path, True
 
 
@@ -68,8 +68,8 @@ def _admin_token(admin_token_file: Path | None) -> tuple[str, Path, bool]:
 @opt("--listen", default=DEFAULT_LISTEN, show_default=True, metavar="HOST:PORT",
      help="Address to serve HTTP on.")
 @opt("--admin-token-file", type=click.Path(dir_okay=False, path_type=Path),
-     help="File holding the bootstrap admin token. Default: <data dir>/admin.token, "
-     "created (mode 0600) with a random token if missing.")
+     help="File holding the bootstrap admin token (default: <data dir>/admin.token). Created "
+     "(mode 0600) with a new random token when it does not exist; an existing file is read.")
 @opt("--migrate", is_flag=True,
      help="Upgrade the database schema before serving (default: refuse a database behind the "
      "newest revision and name `memfuse db upgrade`; the dev database is always upgraded).")
