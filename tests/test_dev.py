@@ -9,6 +9,7 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -78,6 +79,16 @@ def test_readme_flow_restart_and_history(tmp_path):
         assert not (tmp_path / "home" / "dev.db-shm").exists()
         proc = start_dev(mnt, env, log)
         assert (mnt / "default" / "prefs.md").read_text() == "prefers coffee\n"
+        # a second memfuse dev on the same database is refused at once, in plain words
+        started = time.monotonic()
+        second = subprocess.run([MEMFUSE, "dev", str(tmp_path / "memory2")], env=dict(os.environ, **env),
+                                capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+        took = time.monotonic() - started
+        dev_db = (tmp_path / "home" / "dev.db").resolve()
+        assert second.returncode == 1, second.stderr
+        assert second.stderr.strip() == (f"Error: another memfuse dev (pid {proc.pid}) is using {dev_db}; "
+                                         "stop it first"), second.stderr
+        assert took < 8, took  # the CLI's own start is ~2 s; nothing is built before the check
         hist = sh(f"{MEMFUSE} history default prefs.md", tmp_path, env=env).stdout
         lines = [ln for ln in hist.splitlines() if ln.strip()]
         assert any("created" in ln for ln in lines) and any("modified" in ln for ln in lines), hist

@@ -160,6 +160,25 @@ def dev(mountpoint: Path, admin_listen: str | None, log_format: str, debug: bool
     """Embedded default: control plane in-process on the dev database, workspace `dev` with
     store `default` attached, mounted at MOUNTPOINT (default ./memory) in the foreground.
     The web console is served on 127.0.0.1 and a one-time login link is printed at start."""
+    from memfuse.devenv import dev_db_path
+    from memfuse.server.serve import AlreadyServing, claim_sqlite_file
+
+    # one memfuse dev (or serve) per dev database: refused at once, before anything is built
+    try:
+        claim = claim_sqlite_file(dev_db_path(), "dev")
+    except AlreadyServing as e:
+        raise click.ClickException(str(e)) from None
+    except OSError as e:
+        raise click.ClickException(f"cannot lock {dev_db_path()}: {e.strerror}") from None
+    try:
+        _dev(mountpoint, admin_listen, log_format, debug, console_listen, claim)
+    finally:
+        os.close(claim)
+
+
+def _dev(mountpoint: Path, admin_listen: str | None, log_format: str, debug: bool, console_listen: str,
+         claim: int) -> None:
+    """``memfuse dev`` once the dev database's lock (the descriptor ``claim``) is held."""
     from memfuse.devenv import (
         DEV_WORKSPACE,
         ConsoleServer,
@@ -185,6 +204,7 @@ def dev(mountpoint: Path, admin_listen: str | None, log_format: str, debug: bool
     del setup
     # A fresh app for the mount: it runs under its own trio.run.
     env = dev_app()
+    env.app.state.db_claim = claim  # held by this process: the console's server takes it as its own
 
     from memfuse.sidecar.mount import MountConfig, run_mount
 

@@ -60,33 +60,52 @@ def tune_gc(thresholds: tuple[int, int, int] = GC_THRESHOLDS) -> None:
 
 
 class AlreadyServing(RuntimeError):
-    """Another ``memfuse serve`` holds this SQLite file."""
+    """Another ``memfuse serve`` or ``memfuse dev`` holds this SQLite file; the message names it
+    and its pid, for the user."""
 
 
-def claim_database(app) -> None:
-    """Take the one-replica lock of an SQLite file database (no-op for PostgreSQL, in-memory
-    SQLite, or when ``app`` already holds it). Raises ``AlreadyServing`` naming the other pid
-    when another process holds it; ``OSError`` when the lock file cannot be created."""
-    db = app.state.service.db
-    if not db.is_sqlite or db.is_memory or getattr(app.state, "db_claim", None) is not None:
-        return
-    path = Path(db.url.database).resolve()
+def claim_sqlite_file(path: Path, kind: str = "serve") -> int:
+    """Take the one-replica lock of the SQLite file ``path`` for this process: an exclusive
+    ``flock`` on ``<path>.serve.lock`` (mode 0600), which holds ``"<pid> <kind>"``; ``kind``
+    is the command holding it (``"serve"`` or ``"dev"``). Returns the lock's descriptor (the
+    lock lasts until it is closed, or the process ends). Raises ``AlreadyServing`` at once,
+    naming the other process's command and pid, when another holds it; ``OSError`` when the
+    lock file cannot be created."""
+    path = Path(path).resolve()
     lock = path.with_name(path.name + ".serve.lock")
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         try:
-            other = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            words = os.pread(fd, 64, 0).decode(errors="replace").split()
         finally:
             os.close(fd)
+        other = words[0] if words else "?"
+        other_kind = words[1] if len(words) > 1 and words[1] in ("serve", "dev") else "serve"
+        if kind == "dev":
+            raise AlreadyServing(f"another memfuse {other_kind} (pid {other}) is using {path}; stop it first") from None
         raise AlreadyServing(
-            f"another memfuse serve (pid {other}) is serving {path}; SQLite supports one control-plane "
+            f"another memfuse {other_kind} (pid {other}) is serving {path}; SQLite supports one control-plane "
             "replica: stop it, or run several replicas on PostgreSQL (--db postgresql://...)"
         ) from None
+    except BaseException:
+        os.close(fd)
+        raise
     os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    app.state.db_claim = fd
+    os.pwrite(fd, f"{os.getpid()} {kind}\n".encode(), 0)
+    return fd
+
+
+def claim_database(app) -> None:
+    """Take the one-replica lock of an SQLite file database (``claim_sqlite_file``; no-op for
+    PostgreSQL, in-memory SQLite, or when ``app`` already holds it: ``app.state.db_claim``).
+    Raises ``AlreadyServing`` naming the other pid when another process holds it; ``OSError``
+    when the lock file cannot be created."""
+    db = app.state.service.db
+    if not db.is_sqlite or db.is_memory or getattr(app.state, "db_claim", None) is not None:
+        return
+    app.state.db_claim = claim_sqlite_file(Path(db.url.database))
 
 
 def release_database(app) -> None:
