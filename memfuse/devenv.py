@@ -173,12 +173,17 @@ def agent_tools_hint(memfuse_exe: str, console_base: str | None) -> str:
     runners): the stdio command line of ``memfuse mcp`` on the dev database (``memfuse_exe``
     made absolute, since a desktop app starts it from another directory), and the ``/mcp`` URL
     that ``memfuse dev``'s own HTTP server answers at ``console_base`` (``http://HOST:PORT``;
-    None when the console is off)."""
+    None when the console is off). With ``$MEMFUSE_HOME`` set, the stdio config carries it
+    (``"env": {"MEMFUSE_HOME": <absolute path>}``): the desktop app starts ``memfuse mcp``
+    without this shell's environment, which would open another dev database."""
     import json
     import os
 
     exe = os.path.abspath(memfuse_exe)
-    stdio = {"command": exe, "args": ["mcp", "--workspace", DEV_WORKSPACE]}
+    stdio: dict[str, Any] = {"command": exe, "args": ["mcp", "--workspace", DEV_WORKSPACE]}
+    home = os.environ.get(HOME_ENV)
+    if home:
+        stdio["env"] = {HOME_ENV: os.path.abspath(os.path.expanduser(home))}
     lines = [
         "memfuse dev: agents without a mount can use the same memory (docs/AGENT-TOOLS.md):",
         f"  MCP on stdio (desktop app config): {json.dumps({'mcpServers': {'memfuse': stdio}})}",

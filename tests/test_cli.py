@@ -705,3 +705,24 @@ def test_readme_deployment_block_on_a_fresh_machine(home, tmp_path):
     finally:
         server.stop()
     assert (work / "admin.token").read_text() == token
+
+
+def test_dev_mcp_config_carries_memfuse_home(home, monkeypatch, tmp_path):
+    """The stdio MCP config `memfuse dev` prints opens the same database as `memfuse dev`: with
+    MEMFUSE_HOME set it carries it (absolute), since a desktop app starts it elsewhere."""
+    import re
+
+    from memfuse.devenv import agent_tools_hint
+
+    def stdio() -> dict:
+        line = agent_tools_hint("/opt/bin/memfuse", None)
+        found = re.search(r"MCP on stdio \(desktop app config\): (\{.*\})", line)
+        assert found, line
+        return json.loads(found.group(1))["mcpServers"]["memfuse"]
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MEMFUSE_HOME", "rel-home")
+    assert stdio() == {"command": "/opt/bin/memfuse", "args": ["mcp", "--workspace", "dev"],
+                       "env": {"MEMFUSE_HOME": str(tmp_path / "rel-home")}}
+    monkeypatch.delenv("MEMFUSE_HOME")
+    assert "env" not in stdio()
