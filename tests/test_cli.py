@@ -145,7 +145,9 @@ def test_local_admin_commands(home):
     states = {t["name"]: t["state"] for t in json.loads(r.stdout)}
     assert states["temp"] == "revoked" and states["bot"] == "active"
     assert "temp" not in invoke(["token", "list"]).stdout
-    r = invoke(["token", "revoke", "no-such-id"])
+    r = invoke(["token", "revoke", "no-such-id"])  # shorter than an id: a prefix of none
+    assert r.exit_code == 1 and "no token id starts with no-such-id" in r.stderr
+    r = invoke(["token", "revoke", "00000000-0000-4000-8000-000000000000"])  # a full id: the API's 404
     assert r.exit_code == 1 and "404" in r.stderr
     assert_one_line_error(r.stderr)
     assert invoke(["token", "create", "--ttl", "0"]).exit_code == 2
@@ -726,3 +728,33 @@ def test_dev_mcp_config_carries_memfuse_home(home, monkeypatch, tmp_path):
                        "env": {"MEMFUSE_HOME": str(tmp_path / "rel-home")}}
     monkeypatch.delenv("MEMFUSE_HOME")
     assert "env" not in stdio()
+
+
+def test_token_revoke_by_unique_prefix(home):
+    from memfuse.server.db import Database, TokenRow
+
+    r = invoke(["token", "create", "--name", "one"])
+    assert r.exit_code == 0, r.output
+    r = invoke(["token", "list", "--json"])
+    (one,) = [t["id"] for t in json.loads(r.stdout) if t["name"] == "one"]
+    database = Database(f"sqlite:///{dev_db_path()}")
+    try:
+        with database.write() as s:  # two ids sharing a prefix
+            for i, tid in enumerate(("abcd0000-0000-4000-8000-000000000001", "abcd1111-0000-4000-8000-000000000002")):
+                s.add(TokenRow(id=tid, token_sha256=f"{i:064x}", workspace=None, name=f"twin{i}"))
+    finally:
+        database.dispose()
+    prefix = one[:8] if not one.startswith("abcd") else one[:9]
+    r = CliRunner().invoke(cli, ["token", "revoke", prefix])
+    assert r.exit_code == 0 and f"revoked token {one}" in r.stdout, r.output
+    r = CliRunner().invoke(cli, ["token", "revoke", "abcd"])  # ambiguous: nothing revoked
+    assert r.exit_code == 1 and "ambiguous" in r.stderr and "abcd0000" in r.stderr, r.output
+    r = CliRunner().invoke(cli, ["token", "revoke", "ffffeeee"])
+    assert r.exit_code == 1 and "no token id starts with ffffeeee" in r.stderr, r.output
+    r = CliRunner().invoke(cli, ["token", "revoke", "abc"])
+    assert r.exit_code != 0 and "too short" in r.stderr, r.output
+    r = CliRunner().invoke(cli, ["token", "revoke", "abcd1"])
+    assert r.exit_code == 0 and "revoked token abcd1111-0000-4000-8000-000000000002" in r.stdout, r.output
+    states = {t["id"]: t["state"] for t in json.loads(invoke(["token", "list", "--all", "--json"]).stdout)}
+    assert states[one] == "revoked" and states["abcd1111-0000-4000-8000-000000000002"] == "revoked"
+    assert states["abcd0000-0000-4000-8000-000000000001"] == "active"

@@ -277,14 +277,37 @@ def token_list(target: Target, workspace: str | None, include_revoked: bool, as_
     click.echo(_table(rows, ["ID", "NAME", "WORKSPACE", "CREATED", "LAST USED", "EXPIRES", "STATE"]))
 
 
+MIN_TOKEN_PREFIX = 4  # characters of a token id `token revoke` accepts as a prefix
+
+
 @token.command("revoke")
 @click.argument("token_ids", metavar="ID...", nargs=-1, required=True)
 @api_options
 def token_revoke(target: Target, token_ids: tuple[str, ...]) -> None:
-    """Revoke the tokens with these ids (see 'token list'): they stop working at once."""
+    """Revoke the tokens with these ids (see 'token list'): they stop working at once. An id
+    may be shortened to a unique prefix of at least 4 characters (revoked tokens count); a
+    prefix no token id starts with, or several do, is an error and revokes nothing."""
 
     async def body(api: ApiClient) -> None:
+        known: list[str] | None = None
+        resolved = []
         for tid in token_ids:
+            if len(tid) >= 36:
+                resolved.append(tid)
+                continue
+            if len(tid) < MIN_TOKEN_PREFIX:
+                raise click.BadParameter(f"{tid!r} is too short: give the id or at least "
+                                         f"{MIN_TOKEN_PREFIX} of its first characters", param_hint="ID")
+            if known is None:
+                known = [t.id for t in await api.list_tokens(include_revoked=True)]
+            matches = [k for k in known if k.lower().startswith(tid.lower())]
+            if not matches:
+                raise click.ClickException(f"no token id starts with {tid} (see memfuse token list --all)")
+            if len(matches) > 1:
+                raise click.ClickException(f"{tid} is ambiguous: {len(matches)} token ids start with it "
+                                           f"({', '.join(matches[:5])}); give more characters")
+            resolved.append(matches[0])
+        for tid in resolved:
             key = _key()
             await with_retries(lambda: api.revoke_token(tid, idempotency_key=key))
             click.echo(f"revoked token {tid}")
