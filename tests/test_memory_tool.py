@@ -356,3 +356,30 @@ async def test_http_face_auth(fake, api):
         r = await http.post("/v1/workspaces/ws/memory-tool", json={"command": "view", "path": "/memories"})
         assert r.status_code == 401
     assert (await run(api, command="frobnicate"))[1] is True
+
+
+async def test_refusal_log_line_names_path_and_reason_code_never_content(api, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="memfuse.server.memtool")
+    assert (await run(api, command="create", path="/memories/default/a.md", file_text="secret-ish body\n"))[1] is False
+    text, is_error = await run(api, command="create", path="/memories/default/a.md", file_text="other body\n")
+    assert is_error and "already exists" in text
+    _, is_error = await run(api, command="str_replace", path="/memories/default/a.md",
+                            old_str="not there at all", new_str="x")
+    assert is_error
+    _, is_error = await run(api, command="rename", old_path="/memories/default/nope.md",
+                            new_path="/memories/default/b.md")
+    assert is_error
+    _, is_error = await run(api, command="create", path="/memories/default/bad\n.md", file_text="y")
+    assert is_error
+    lines = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert lines[:3] == [
+        "memory tool create refused in workspace ws path='/memories/default/a.md' code=already_exists",
+        "memory tool str_replace refused in workspace ws path='/memories/default/a.md' code=no_match",
+        "memory tool rename refused in workspace ws path='/memories/default/nope.md' -> "
+        "'/memories/default/b.md' code=not_found",
+    ], lines
+    assert len(lines) == 4 and "\n" not in lines[3] and "code=" in lines[3], lines
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert "secret-ish" not in logged and "other body" not in logged and "not there at all" not in logged

@@ -87,12 +87,41 @@ _ERRNO = {  # problem code → the errno the mount gives for the same refusal
 _PCT_TRICK = re.compile(r"%(2e|2f|5c)", re.IGNORECASE)
 
 
-class ToolError(Exception):
-    """A command refused: ``message`` is the tool result text (``is_error`` true)."""
+# A refusal's reason code for the log line, from its message when the raise gives none (the
+# messages are fixed: the Anthropic reference tool's wording, kept for the differential test).
+_CODES = (
+    ("Parameter `", "invalid_parameter"),
+    ("Invalid `", "invalid_parameter"),
+    ("does not exist", "not_found"),
+    ("no longer exists", "not_found"),
+    ("has no version", "not_found"),
+    ("already exists", "already_exists"),
+    ("(EROFS)", "read_only"),
+    ("is not attached", "not_attached"),
+    ("is not a file", "not_a_file"),
+    ("(ENOTDIR)", "not_a_directory"),
+    ("(EXDEV)", "cross_store"),
+    ("(EACCES)", "forbidden"),
+    ("(EINVAL)", "invalid_move"),
+    ("No replacement was performed", "no_match"),
+    ("maximum line limit", "too_large"),
+    ("kept changing concurrently", "conflict"),
+    ("Path ", "invalid_path"),
+    ("Invalid path", "invalid_path"),
+    ("Cannot delete the /memories", "forbidden"),
+    ("Cannot rename the /memories", "forbidden"),
+)
 
-    def __init__(self, message: str) -> None:
+
+class ToolError(Exception):
+    """A command refused: ``message`` is the tool result text (``is_error`` true); ``code`` a
+    short reason code for logs (``not_found``, ``read_only``, a service problem code...; by
+    default derived from the message, ``invalid_input`` when nothing matches)."""
+
+    def __init__(self, message: str, code: str | None = None) -> None:
         super().__init__(message)
         self.message = message
+        self.code = code or next((c for frag, c in _CODES if frag in message), "invalid_input")
 
 
 @dataclass(frozen=True)
@@ -243,7 +272,12 @@ class MemoryTool:
         try:
             return ToolResult(fn(command))
         except ToolError as e:
-            log.info("memory tool %s refused in workspace %s", name, self.workspace)
+            # path and reason code, never content (file_text, old_str...) nor tokens; the path
+            # is the model's input, so shortened and quoted (%r: no line breaks in the log)
+            paths = [command.get(k) for k in ("path", "old_path", "new_path")]
+            shown = " -> ".join(repr(p[:200]) for p in paths if isinstance(p, str)) or "-"
+            log.info("memory tool %s refused in workspace %s path=%s code=%s", name, self.workspace,
+                     shown, e.code)
             return ToolResult(e.message, True)
 
     # ------------------------------------------------------------ lookups
@@ -308,7 +342,7 @@ class MemoryTool:
         reason = e.detail or e.code
         if e.code == "read_only":
             reason = f"store {t.store} is attached read-only"
-        return ToolError(f"Cannot write {t.raw}: {reason} ({code})")
+        return ToolError(f"Cannot write {t.raw}: {reason} ({code})", e.code)
 
     def _retrying(self, t: Target, attempt: Callable[[], str | None]) -> str:
         """Run ``attempt`` until it returns a result (not None = done); None means a
