@@ -625,11 +625,14 @@ class ApiClient:
                           {"after": after, "stream": "true"}, read_timeout)
 
     async def context(self, ws: str, mount_root: str | None = None,
-                      max_bytes: int | None = None) -> str:
+                      max_bytes: int | None = None, mounted: bool = True) -> str:
         """``GET /v1/workspaces/{ws}/context``: the Markdown prompt block (docs/API.md, "Prompt block") as text.
         ``mount_root`` is where the sidecar mounts the stores (server default
-        ``/mnt/memory``)."""
+        ``/mnt/memory``); ``mounted=False`` for an agent without a mount (no line on the
+        mount's ``.memfuse/errors.log``)."""
         params: dict[str, Any] = {}
+        if not mounted:
+            params["mounted"] = "false"
         if mount_root is not None:
             params["mount_root"] = mount_root
         if max_bytes is not None:

@@ -432,3 +432,17 @@ def check_secrets(content: str) -> None:
     reason = find_secret(content)
     if reason is not None:
         raise SecretDetected(f"content holds a secret ({reason}); remove it and write again")
+
+
+def refusals_line(mount_root: str) -> str:
+    """The one line of the prompt block (and of the sidecar's placeholder ``context.md``)
+    that tells an agent where refused writes are reported: a refusal decided at ``close()``
+    is invisible to a shell redirection (``echo … >> f`` ignores close's errno), so the agent
+    must know to look. Our text only, never memory content; ``mount_root`` without a
+    trailing slash."""
+    return (
+        "Refused writes (a secret, invalid UTF-8, a bad `type`, over a size limit) are listed "
+        f"with their reason in `{mount_root}/.memfuse/errors.log`, even when the writing tool "
+        "reported success; such a file keeps its content here (`getfattr -n user.memfuse.state` "
+        "says `rejected`) and is not saved until you fix it."
+    )

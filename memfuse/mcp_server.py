@@ -293,7 +293,8 @@ class HttpBackend:
         return r.content, r.is_error
 
     async def instructions(self) -> str:
-        return TOOL_INSTRUCTIONS + await self.api.context(self.workspace, mount_root="/memories")
+        return TOOL_INSTRUCTIONS + await self.api.context(self.workspace, mount_root="/memories",
+                                                           mounted=False)
 
     async def stores(self) -> list[str]:
         return [a.store.slug for a in await self.api.list_attachments(self.workspace)]

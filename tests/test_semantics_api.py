@@ -266,6 +266,22 @@ async def test_context_framing_instructions_and_mount_root(env: Env):
     assert "`/home/me/memory/default/`" in text and "/mnt/memory" not in text
 
 
+async def test_context_says_where_refused_writes_are_listed(env: Env):
+    """A refusal at close is invisible to ``echo … >> f`` (the shell ignores close's errno):
+    the block for a mount says where it is reported, before the memory content; an agent
+    without a mount (memory tool, MCP: ``mounted=false``) gets no such line."""
+    await env.create("MEMORY.md", "- [prefs](prefs.md): tabs\n")
+    text = await env.context(mount_root="/home/me/memory")
+    line = ("Refused writes (a secret, invalid UTF-8, a bad `type`, over a size limit) are listed "
+            "with their reason in `/home/me/memory/.memfuse/errors.log`, even when the writing "
+            "tool reported success; such a file keeps its content here (`getfattr -n "
+            "user.memfuse.state` says `rejected`) and is not saved until you fix it.")
+    assert f"\n\n{line}\n\n" in text
+    assert text.index(line) < text.index("background context") < text.index("## Store")
+    plain = await env.context(mount_root="/memories", mounted="false")
+    assert "errors.log" not in plain and "## Store `default` at `/memories/default/`" in plain
+
+
 async def test_context_strips_control_and_format_characters(env: Env):
     nasty = (
         "- esc \x1b[31mred\x1b[0m bell\x07 cr\r here\n"

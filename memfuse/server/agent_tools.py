@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -58,7 +59,8 @@ class InProcessBackend:
         return r.content, r.is_error
 
     async def instructions(self) -> str:
-        text = await anyio.to_thread.run_sync(self.svc.context, self.tool.p, self.workspace, ROOT)
+        text = await anyio.to_thread.run_sync(
+            functools.partial(self.svc.context, self.tool.p, self.workspace, ROOT, mounted=False))
         return TOOL_INSTRUCTIONS + text
 
     async def stores(self) -> list[str]:

@@ -379,8 +379,13 @@ def create_app(
             Query(ge=CONTEXT_MIN_BYTES, le=10_000_000,
                   description="bound of the whole block in bytes (default: the server's setting)"),
         ] = None,
+        mounted: Annotated[
+            bool,
+            Query(description="false: for an agent without a mount (memory tool, MCP): leave out "
+                              "the line on the mount's .memfuse/errors.log"),
+        ] = True,
     ):
-        text = svc.context(p, ws, mount_root, max_bytes)
+        text = svc.context(p, ws, mount_root, max_bytes, mounted=mounted)
         return PlainTextResponse(text, media_type="text/markdown; charset=utf-8")
 
     # ------------------------------------------------------------ records

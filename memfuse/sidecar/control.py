@@ -30,6 +30,8 @@ from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from memfuse.content import refusals_line
+
 from .cachedir import write_private
 
 if TYPE_CHECKING:
@@ -95,6 +97,7 @@ class ControlFiles:
         root = self.mount_root or "this mount"
         return ("# Memory\n\nLong-term memory stores are mounted as plain files under "
                 f"`{root}/`, one directory per store; each store's `MEMORY.md` is its index.\n\n"
+                f"{refusals_line(root)}\n\n"
                 f"[memfuse: the full prompt block is not available yet ({why}); read this "
                 "file again shortly.]\n")
 
