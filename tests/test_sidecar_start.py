@@ -69,6 +69,33 @@ def test_bad_input_at_start_is_one_line_and_a_nonzero_exit(tmp_path):
     assert not is_mounted(tmp_path / "mnt")
 
 
+def test_admin_address_in_use_is_one_clear_line(tmp_path):
+    """A second ``memfuse mount`` on a host whose admin address is taken (the first one's
+    default 127.0.0.1:9464) fails at once with the address and the flag to change, exit 1,
+    nothing mounted."""
+    import socket
+
+    token = tmp_path / "token"
+    token.write_text("mfw_not-checked-before-the-control-plane\n")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        addr = "127.0.0.1:%d" % taken.getsockname()[1]
+        t0 = time.monotonic()
+        p = _mount(["--control-plane", f"http://127.0.0.1:{free_port()}", "--workspace", "ws",
+                    "--token-file", str(token), "--admin-listen", addr, "--start-timeout", "20"],
+                   tmp_path)
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert time.monotonic() - t0 < 15  # before waiting for the control plane
+    errors = [json.loads(ln) for ln in p.stderr.splitlines() if ln.startswith("{") and '"error"' in ln]
+    assert len(errors) == 1, p.stderr[-2000:]
+    msg = errors[0]["msg"]
+    assert f"cannot serve the admin API on {addr} (Address already in use)" in msg, msg
+    assert "--admin-listen HOST:PORT" in msg and "--admin-listen ''" in msg
+    assert "Traceback" not in p.stderr
+    assert not is_mounted(tmp_path / "mnt")
+
+
 def _listed(path: Path) -> bool:
     """``path`` is a mount point in /proc/mounts, found without touching it (a FUSE mount
     whose daemon has not started yet would block a stat)."""

@@ -372,8 +372,19 @@ class Sidecar(StoreSync):
                 admin_lock = trio.Lock()  # one mount change at a time, whichever listener
                 if config.admin_listen:
                     from .admin import serve_admin
-                    self.admin_address = await nursery.start(functools.partial(
-                        serve_admin, self, config.admin_listen, token=config.admin_token, lock=admin_lock))
+                    try:
+                        self.admin_address = await nursery.start(functools.partial(
+                            serve_admin, self, config.admin_listen, token=config.admin_token,
+                            lock=admin_lock))
+                    except OSError as e:
+                        # a second sidecar on the host with the default 127.0.0.1:9464: fail
+                        # clearly (a probe is configured against that port), never fall back
+                        raise StartError(
+                            f"cannot serve the admin API on {config.admin_listen} "
+                            f"({e.strerror or e}); another sidecar may be using it: pass "
+                            "--admin-listen HOST:PORT (port 0 picks a free one), or "
+                            "--admin-listen '' to serve the admin API on the Unix socket only"
+                        ) from None
                 if config.admin_socket:
                     from .admin import admin_socket_path, serve_admin_unix
                     try:
