@@ -103,6 +103,36 @@ def test_readme_flow_restart_and_history(tmp_path):
         unmount(mnt)
 
 
+def test_dev_refuses_a_nonempty_mountpoint_unless_asked(tmp_path):
+    """An existing ``memory/existing.txt`` would be hidden while dev runs: refused with the
+    reason and the flag (nothing mounted, the file untouched); ``--nonempty`` mounts over it
+    with a warning, and the file is there again after Ctrl-C."""
+    env = {"MEMFUSE_HOME": str(tmp_path / "home"), "XDG_CACHE_HOME": str(tmp_path / "cache"),
+           "MEMFUSE_CONSOLE_LISTEN": "off"}
+    mnt, log = tmp_path / "memory", tmp_path / "dev.log"
+    mnt.mkdir()
+    (mnt / "existing.txt").write_text("mine\n")
+    p = subprocess.run([MEMFUSE, "dev", str(mnt)], capture_output=True, text=True, timeout=60,
+                       stdin=subprocess.DEVNULL, env=dict(os.environ, **env))
+    assert p.returncode == 1, p.stderr
+    assert f"Error: {mnt} is not empty (1 entries: existing.txt)" in p.stderr
+    assert "--nonempty" in p.stderr and "Traceback" not in p.stderr
+    assert not is_mounted(mnt) and (mnt / "existing.txt").read_text() == "mine\n"
+    proc = subprocess.Popen([MEMFUSE, "dev", str(mnt), "--nonempty"], stdout=log.open("ab"),
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env=dict(os.environ, **env))
+    try:
+        wait_for(lambda: is_mounted(mnt) and (mnt / "default").is_dir(), 60, "memfuse dev",
+                 proc, log)
+        assert "warning: " + f"{mnt} is not empty (1 entries: existing.txt)" in log.read_text()
+        assert not (mnt / "existing.txt").exists()  # hidden by the mount
+        assert interrupt(proc) == 0
+    finally:
+        stop(proc)
+        unmount(mnt)
+    assert (mnt / "existing.txt").read_text() == "mine\n"
+
+
 @contextmanager
 def _normal_user_allowed(user: str, paths: list[Path]):
     """Let ``user`` open /dev/fuse and reach the venv's interpreter, as on a normal Debian

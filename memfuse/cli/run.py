@@ -156,10 +156,15 @@ def _safe_url(url: str) -> str:
 @opt("--console-listen", metavar="HOST:PORT", default="127.0.0.1:8765", show_default=True,
      help="Serve the web console (and the API) here; a free port when this one is taken. "
           "'off': no console.")
-def dev(mountpoint: Path, admin_listen: str | None, log_format: str, debug: bool, console_listen: str) -> None:
+@opt("--nonempty", is_flag=True,
+     help="Mount even when MOUNTPOINT holds files; they are hidden (not changed) while dev runs.")
+def dev(mountpoint: Path, admin_listen: str | None, log_format: str, debug: bool, console_listen: str,
+        nonempty: bool) -> None:
     """Embedded default: control plane in-process on the dev database, workspace `dev` with
     store `default` attached, mounted at MOUNTPOINT (default ./memory) in the foreground.
-    The web console is served on 127.0.0.1 and a one-time login link is printed at start."""
+    The web console is served on 127.0.0.1 and a one-time login link is printed at start.
+    A MOUNTPOINT that holds files is refused unless --nonempty (libfuse 2's `nonempty`
+    rule): the mount would hide them."""
     from memfuse.devenv import dev_db_path
     from memfuse.server.serve import AlreadyServing, claim_sqlite_file
 
@@ -171,13 +176,13 @@ def dev(mountpoint: Path, admin_listen: str | None, log_format: str, debug: bool
     except OSError as e:
         raise click.ClickException(f"cannot lock {dev_db_path()}: {e.strerror}") from None
     try:
-        _dev(mountpoint, admin_listen, log_format, debug, console_listen, claim)
+        _dev(mountpoint, admin_listen, log_format, debug, console_listen, claim, nonempty)
     finally:
         os.close(claim)
 
 
 def _dev(mountpoint: Path, admin_listen: str | None, log_format: str, debug: bool, console_listen: str,
-         claim: int) -> None:
+         claim: int, nonempty: bool = False) -> None:
     """``memfuse dev`` once the dev database's lock (the descriptor ``claim``) is held."""
     from memfuse.devenv import (
         DEV_WORKSPACE,
@@ -190,6 +195,7 @@ def _dev(mountpoint: Path, admin_listen: str | None, log_format: str, debug: boo
 
     mountpoint.mkdir(parents=True, exist_ok=True)
     mountpoint = mountpoint.resolve()
+    _check_nonempty(mountpoint, nonempty)
 
     setup = dev_app()
 
@@ -248,6 +254,31 @@ def _dev(mountpoint: Path, admin_listen: str | None, log_format: str, debug: boo
         env.app.state.service.db.dispose()
     click.echo(f"memfuse dev: unmounted {mountpoint}", err=True)
     sys.exit(rc)
+
+
+def _check_nonempty(mountpoint: Path, allow: bool) -> None:
+    """Refuse (``ClickException``, exit 1) to mount over a directory that holds entries,
+    which the mount would hide while it runs, unless ``allow`` (``--nonempty``): then warn,
+    naming how many. The rule of libfuse 2's ``nonempty`` option (libfuse 3 dropped the
+    check; a user of ``memfuse dev`` still expects not to lose sight of files). A mount
+    already there (a running or stale sidecar) is left to the sidecar's own checks."""
+    if os.path.ismount(mountpoint):
+        return
+    try:
+        with os.scandir(mountpoint) as it:
+            names = sorted(e.name for e in it)
+    except OSError:
+        return  # a stale FUSE mount (ENOTCONN): the sidecar cleans it up
+    if not names:
+        return
+    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    what = f"{mountpoint} is not empty ({len(names)} entries: {shown})"
+    if not allow:
+        raise click.ClickException(
+            f"{what}: mounting there would hide them while dev runs. Move them away, name "
+            "another MOUNTPOINT, or pass --nonempty to mount over them anyway")
+    click.echo(f"memfuse dev: warning: {what}; they are hidden while dev runs (--nonempty)",
+               err=True)
 
 
 def _mount_cache_dir(control_plane: str, workspace: str) -> Path:
