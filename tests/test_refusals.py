@@ -136,6 +136,27 @@ def test_efbig_at_the_write_or_truncate_that_crosses_the_limit(env):
     assert (env.store("small") / pre / "exact.md").read_bytes() == exact
 
 
+def test_one_oversized_write_is_one_refusal_line(env):
+    """A 2 MiB write(2) over the 1 MiB limit: the kernel splits it, the first chunks are
+    taken and the writer (dd, Python) retries the rest, which is refused for the same
+    reason: one refusal, one ``errors.log`` line and one ``refused`` log line per file."""
+    d, pre = fresh_dir(env)
+    before = env.sc.log.read_text().count('"msg": "refused"')
+    r = sh("dd if=/dev/zero of=dd.md bs=2M count=1", d, timeout=30, check=False)
+    assert r.returncode != 0 and os.strerror(errno.EFBIG) in r.stderr, r.stderr
+    got = write_file(d / "py.md", b"x" * (2 << 20))
+    assert got == {"open": None, "write": "EFBIG", "close": "EFBIG"}  # close: held back
+    reason = f"record would be {2 << 20} bytes, limit {1 << 20}"
+    for name in ("dd.md", "py.md"):
+        lines = logged(env, "default", f"{pre}/{name}", errno.EFBIG)
+        assert [e["reason"] for e in lines] == [reason], (name, lines)
+        assert xattr(d / name, "state") == "rejected"
+    assert env.sc.log.read_text().count('"msg": "refused"') - before == 2
+    # a new write session is a new refusal, logged again
+    assert write_file(d / "py.md", b"x" * (2 << 20))["write"] == "EFBIG"
+    assert len(logged(env, "default", f"{pre}/py.md", errno.EFBIG)) == 2
+
+
 def test_efbig_truncating_redirect_keeps_the_stored_record(env):
     """``echo big > f`` over a stored record: the write is refused with EFBIG, and the record
     the control plane holds is untouched (no empty version from the O_TRUNC at open)."""

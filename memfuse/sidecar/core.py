@@ -237,13 +237,23 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles):
         sm = n.store
         if sm is not None and size > sm.max_record_bytes and not n.local_only:
             reason = f"record would be {size} bytes, limit {sm.max_record_bytes}"
-            self.note_error(n.parent, n.name, errno.EFBIG, reason, "record_too_large")
+            self._note_size_refusal(n, errno.EFBIG, reason, "record_too_large")
             # What this write session left behind (often a truncation at open plus part of
             # the content) must not replace the stored record: hold it back until the next
             # open for writing (docs/SEMANTICS.md: the stored record untouched).
             if n.dirty:  # else nothing changed and the file stays as it was
                 n.refused, n.state, n.error = errno.EFBIG, REJECTED, reason
             raise FsError(errno.EFBIG, reason, "record_too_large")
+
+    def _note_size_refusal(self, n: Node, err: int, reason: str, code: str) -> None:
+        """``note_error`` for a write / truncate refused for size, once per refusal: a
+        write(2) the kernel split in chunks returns the bytes written before the refused
+        chunk, and the writer (``dd``, Python's ``write``, coreutils) retries the rest, which
+        is refused again for the same reason; this session is already held back with it, so
+        it is one refusal and one ``errors.log`` line."""
+        if n.refused == err and n.error == reason:
+            return
+        self.note_error(n.parent, n.name, err, reason, code)
 
     def _check_growth(self, n: Node, new_size: int) -> None:
         """``ENOSPC`` when growing ``n`` to ``new_size`` passes the store's byte quota."""
@@ -253,7 +263,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles):
             return
         reason = (f"store {sm.slug} would hold {sm.used + grow} bytes, "
                   f"limit {sm.max_store_bytes}")
-        self.note_error(n.parent, n.name, errno.ENOSPC, reason, "store_full")
+        self._note_size_refusal(n, errno.ENOSPC, reason, "store_full")
         if n.dirty:
             n.refused, n.state, n.error = errno.ENOSPC, REJECTED, reason
         raise FsError(errno.ENOSPC, reason, "store_full")
