@@ -300,6 +300,26 @@ def test_refused_at_close_keeps_content_rejected_then_fix_in_place(env, kind, tm
     assert (old.id, old.version, old.type) == (old0.id, 2, fixed_type)
 
 
+def test_appends_to_a_rejected_journal_are_each_refused_and_listed(env):
+    """The journal case: a line holding a secret is appended with ``>>`` (exit 0: the shell
+    ignores close's errno); every later clean append is refused again at close, each with its
+    own ``errors.log`` line, never a silent success; the agent's fix (remove the line) saves
+    it."""
+    d, pre = fresh_dir(env)
+    secret_line = b'{"text":"' + _aws_access_key().replace(b"\n", b" ") + b'"}\n'
+    assert write_file(d / "J.jsonl", b'{"text":"first"}\n') == OK
+    ap = os.O_WRONLY | os.O_APPEND
+    assert write_file(d / "J.jsonl", secret_line, ap)["close"] == "EPERM"
+    assert sh('echo \'{"text":"clean"}\' >> J.jsonl; echo $?', d, timeout=30).stdout == "0\n"
+    assert write_file(d / "J.jsonl", b'{"text":"clean 2"}\n', ap)["close"] == "EPERM"
+    assert xattr(d / "J.jsonl", "state") == "rejected"
+    assert len(logged(env, "default", f"{pre}/J.jsonl", errno.EPERM)) == 3
+    fixed = b'{"text":"first"}\n{"text":"clean"}\n{"text":"clean 2"}\n'
+    assert write_file(d / "J.jsonl", fixed) == OK
+    wait_drained(env.root)
+    assert env.contents("default", pre) == {"J.jsonl": fixed.decode()}
+
+
 # ====================================================================== detached / not attached
 def test_detached_store(env):
     root = env.root
