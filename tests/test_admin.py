@@ -427,6 +427,8 @@ STATUS = {
     "outbox": {"depth": 2, "oldest_age_s": 1.25, "committed": 40, "refused": 1, "retries": 5,
                "parked": 7},
     "open_handles": 4,
+    "refusals_since_start": 6,
+    "errors_logged": 9,
     "sync": {"lag_s": 0.5, "feed": "connected"},
     "future_key": "hello",
 }
@@ -462,7 +464,9 @@ def test_status_human_output(runner, tmp_path):
     assert ["shared", "read_only", "3", "88"] in [ln.split() for ln in lines]
     split = [ln.split() for ln in lines]
     for row in (["depth:", "2"], ["oldest", "age:", "1.2", "s"], ["committed:", "40"],
-                ["refused:", "1"], ["retries:", "5"], ["parked:", "7"], ["open", "handles:", "4"],
+                ["refused", "by", "control", "plane:", "1"], ["retries:", "5"],
+                ["refusals", "since", "start", "(sidecar", "+", "control", "plane):", "6"],
+                ["errors.log", "lines:", "9"], ["parked:", "7"], ["open", "handles:", "4"],
                 ["lag:", "0.5", "s"], ["feed:", "connected"], ["future", "key:", "hello"]):
         assert row in split, (row, r.stdout)
     assert "{" not in r.stdout

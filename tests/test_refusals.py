@@ -29,9 +29,9 @@ from pathlib import Path
 
 import pytest
 
-from mountcheck import (MountEnv, errors_log, errors_log_text, outcome, wait_drained, wait_until,
+from mountcheck import (MountEnv, errors_log, errors_log_text, outcome, status, wait_drained, wait_until,
                         write_file, xattr)
-from mountutil import sh
+from mountutil import MEMFUSE, sh
 
 pytestmark = pytest.mark.mount
 
@@ -308,12 +308,22 @@ def test_appends_to_a_rejected_journal_are_each_refused_and_listed(env):
     d, pre = fresh_dir(env)
     secret_line = b'{"text":"' + _aws_access_key().replace(b"\n", b" ") + b'"}\n'
     assert write_file(d / "J.jsonl", b'{"text":"first"}\n') == OK
+    st0 = status(env.root)
     ap = os.O_WRONLY | os.O_APPEND
     assert write_file(d / "J.jsonl", secret_line, ap)["close"] == "EPERM"
     assert sh('echo \'{"text":"clean"}\' >> J.jsonl; echo $?', d, timeout=30).stdout == "0\n"
     assert write_file(d / "J.jsonl", b'{"text":"clean 2"}\n', ap)["close"] == "EPERM"
     assert xattr(d / "J.jsonl", "state") == "rejected"
     assert len(logged(env, "default", f"{pre}/J.jsonl", errno.EPERM)) == 3
+    # status counts them where they were decided: here, before the outbox (not in the
+    # outbox's refused, which counts what the control plane refused when sent)
+    st = status(env.root)
+    assert st["refusals_since_start"] - st0["refusals_since_start"] == 3
+    assert st["outbox"]["refused"] == st0["outbox"]["refused"]
+    human = sh(f"{MEMFUSE} status {env.root}", env.tmp, timeout=30).stdout
+    assert f"refused by control plane: {st['outbox']['refused']}" in " ".join(human.split())
+    assert "refusals since start (sidecar + control plane):" in human
+    assert "errors.log lines:" in human
     fixed = b'{"text":"first"}\n{"text":"clean"}\n{"text":"clean 2"}\n'
     assert write_file(d / "J.jsonl", fixed) == OK
     wait_drained(env.root)

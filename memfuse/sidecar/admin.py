@@ -853,10 +853,12 @@ def _dict_table(items: list[dict], first: list[str], indent: str = "  ") -> list
     return _table(rows, [_label(c).upper() for c in cols], indent)
 
 
-def _fields(d: dict, first: list[str], indent: str, durations: tuple[str, ...] = ()) -> list[str]:
-    """``key: value`` lines (known keys first, then the rest), nesting dicts and lists."""
+def _fields(d: dict, first: list[str], indent: str, durations: tuple[str, ...] = (),
+            names: dict[str, str] | None = None) -> list[str]:
+    """``key: value`` lines (known keys first, then the rest), nesting dicts and lists;
+    ``names`` gives a key a label other than its own words."""
     keys = [k for k in first if k in d] + [k for k in d if k not in first]
-    labels = {k: _label(k[:-2] if k in durations else k) for k in keys}
+    labels = {k: (names or {}).get(k) or _label(k[:-2] if k in durations else k) for k in keys}
     width = max((len(x) for x in labels.values()), default=0)
     out: list[str] = []
     for k in keys:
@@ -879,11 +881,21 @@ def _label(key: Any) -> str:
     return " ".join(str(key).replace("_", " ").split())
 
 
+# labels that say what a count counts, where the key alone is ambiguous: the outbox's
+# ``refused`` counts only changes the control plane refused when they were sent (a refusal
+# the sidecar decides before the outbox is in ``refusals_since_start``), ``errors_logged`` is
+# the lines in errors.log (refusals and conflicts, kept across restarts, the last 200)
+OUTBOX_LABELS = {"refused": "refused by control plane"}
+STATUS_LABELS = {"errors_logged": "errors.log lines",
+                 "refusals_since_start": "refusals since start (sidecar + control plane)"}
+
+
 def format_status(data: dict) -> str:
     """The status document for people: workspace, ready, uptime, one row per store (slug,
     access, records, then any other store keys), the outbox (depth, oldest age, committed,
-    refused, retries, then any other keys), then every other key, nested ones indented.
-    Keys ending in ``_s`` are durations in seconds and print as such."""
+    refused by the control plane, retries, then any other keys), then every other key,
+    nested ones indented (labels: ``OUTBOX_LABELS``, ``STATUS_LABELS``, else the key's
+    words). Keys ending in ``_s`` are durations in seconds and print as such."""
     out: list[str] = []
     head = {k: data[k] for k in ("workspace", "ready", "uptime_s") if k in data}
     out += _fields(head, ["workspace", "ready", "uptime_s"], "", ("uptime_s",))
@@ -898,9 +910,9 @@ def format_status(data: dict) -> str:
     if isinstance(outbox, dict):
         out.append("outbox:")
         out += _fields(outbox, ["depth", "oldest_age_s", "committed", "refused", "retries"], "  ",
-                       tuple(k for k in outbox if k.endswith("_s")))
+                       tuple(k for k in outbox if k.endswith("_s")), OUTBOX_LABELS)
     elif "outbox" in data:
         out += _fields({"outbox": outbox}, [], "")
     rest = {k: v for k, v in data.items() if k not in ("workspace", "ready", "uptime_s", "stores", "outbox")}
-    out += _fields(rest, [], "", tuple(k for k in rest if k.endswith("_s")))
+    out += _fields(rest, [], "", tuple(k for k in rest if k.endswith("_s")), STATUS_LABELS)
     return "\n".join(out)

@@ -72,6 +72,9 @@ class ControlFiles:
             # oldest first by time (a line put back by ``note_restored`` is added late)
             kept = self.journal.load_errors(ERRORS_KEPT)
             self.errors.extend(sorted(kept, key=lambda e: str(e.get("time", ""))))
+        #: refusals noted by this process (``note_error``: decided here or by the control
+        #: plane; not the lines put back at start): ``refusals_since_start`` in the status
+        self.refusals = 0
         self.status_provider: Callable[[], dict] | None = None
         #: ``committed_size(slug, record_id)``: bytes of the record as the control plane holds
         #: it (the store's mirror), None when unknown; set by the sidecar
@@ -109,6 +112,7 @@ class ControlFiles:
         of ``err`` (``CODE_BY_ERRNO``)."""
         name = errno.errorcode.get(err, str(err))
         code = code or CODE_BY_ERRNO.get(err, name.lower())
+        self.refusals += 1
         self._add({"time": _now(), "store": store, "path": path, "errno": name,
                    "code": code, "reason": reason})
         log.warning("refused", extra={"store": store, "path": path, "errno": name, "code": code,
@@ -179,7 +183,9 @@ class ControlFiles:
         """The filesystem's part of the status document: workspace, readiness, uptime (s),
         per store its records, bytes (held by the control plane + pending), rejected files
         and their bytes (``_store_status``) and limits, the outbox (depth, oldest age in s,
-        committed / refused / retried counts), open handles and inodes."""
+        committed / retried counts and ``refused``: changes the control plane refused when
+        sent), ``refusals_since_start`` (every refusal noted since this start, decided here or
+        by the control plane), open handles and inodes."""
         fs = self.fs
         c = fs.committer
         return {
@@ -189,6 +195,7 @@ class ControlFiles:
             "stores": [self._store_status(s) for s in fs.stores.values()],
             "outbox": {"depth": c.depth(), "oldest_age_s": round(c.oldest_age(), 3),
                        "committed": c.committed, "refused": c.refused, "retries": c.retries},
+            "refusals_since_start": self.refusals,
             "open_handles": len(fs.handles),
             "inodes": len(fs.inodes),
         }
