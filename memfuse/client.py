@@ -1273,7 +1273,7 @@ class PageStream(Generic[P]):
                                                 read_timeout=self._read_timeout)
             except PermanentError as e:
                 if e.status == 400 or (e.status in (404, 405) and e.code in ("", "not_found", "method_not_allowed")):
-                    log.info("the control plane does not stream; long-polling",
+                    log.debug("the control plane does not stream; long-polling",
                              extra={"path": path, "status": e.status, "code": e.code})
                     self.streaming = False
                     return
@@ -1286,7 +1286,7 @@ class PageStream(Generic[P]):
                     await resp.aread()
                 except httpx.HTTPError as exc:
                     raise _transport_error(exc, "GET", path) from None
-                log.info("the control plane does not stream; long-polling", extra={"path": path})
+                log.debug("the control plane does not stream; long-polling", extra={"path": path})
                 yield ApiClient._parse(self._model, resp, "GET", path)
                 return
             self.streaming = True

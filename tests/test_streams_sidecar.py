@@ -85,6 +85,10 @@ def test_write_in_one_sidecar_reaches_another(tmp_path, streams):
         n = float(open_streams[0].split()[1])
         # each sidecar holds its store's feed and its events: 4 streams, or none
         assert n == (4 if streams else 0), metrics
+        # the fallback is said once per sidecar (not once per feed and again by the client)
+        said = [ln for ln in a.log.read_text().splitlines() if "does not stream" in ln]
+        assert len(said) == (0 if streams else 1), said
+        assert all('"level": "info"' in ln for ln in said), said
     finally:
         for s in (a, b):
             if s is not None:

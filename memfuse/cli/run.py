@@ -221,6 +221,7 @@ def _dev(mountpoint: Path, admin_listen: str | None, log_format: str, debug: boo
         admin_listen=admin_listen or None,
         debug=debug,
         log_format=log_format,
+        streams_expected=False,  # the in-process app does not stream (see dev_app)
     )
     console, base = None, None
     if console_listen.strip().lower() not in ("off", "none", ""):

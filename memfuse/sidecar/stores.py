@@ -323,9 +323,13 @@ class StoreSync:
         return trio.current_time() >= self._no_stream_until
 
     def _streams_refused(self, what: str) -> None:
+        """A stream request was answered without streaming: long-poll every feed for
+        ``STREAM_RETRY_SECONDS``. Said once per window (at INFO; at DEBUG when the control
+        plane is known not to stream, ``MountConfig.streams_expected``)."""
         if self._streams_ok():
-            log.info("the control plane does not stream; long-polling",
-                     extra={"feed": what, "retry_stream_in_s": STREAM_RETRY_SECONDS})
+            level = logging.INFO if self.config.streams_expected else logging.DEBUG
+            log.log(level, "the control plane does not stream; long-polling",
+                    extra={"feed": what, "retry_stream_in_s": STREAM_RETRY_SECONDS})
         self._no_stream_until = trio.current_time() + STREAM_RETRY_SECONDS
 
     async def _feed_loop(self, slug: str) -> None:
