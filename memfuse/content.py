@@ -441,8 +441,7 @@ def refusals_line(mount_root: str) -> str:
     must know to look. Our text only, never memory content; ``mount_root`` without a
     trailing slash."""
     return (
-        "Refused writes (a secret, invalid UTF-8, a bad `type`, over a size limit) are listed "
-        f"with their reason in `{mount_root}/.memfuse/errors.log`, even when the writing tool "
-        "reported success; such a file keeps its content here (`getfattr -n user.memfuse.state` "
-        "says `rejected`) and is not saved until you fix it."
+        "Refused writes (a secret, bad UTF-8 or `type`, over a size limit) are listed with the "
+        f"reason in `{mount_root}/.memfuse/errors.log`, even when the tool reported success; "
+        "such a file stays here (`user.memfuse.state` is `rejected`), not saved, until you fix it."
     )

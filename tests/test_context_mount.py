@@ -54,7 +54,7 @@ def test_context_placeholder_names_the_mountpoint():
     c.mount_root = "/srv/agent/memory"
     text = c.content("context").decode()
     assert "`/srv/agent/memory/`" in text and "not available yet" in text
-    assert "listed with their reason in `/srv/agent/memory/.memfuse/errors.log`" in text
+    assert "listed with the reason in `/srv/agent/memory/.memfuse/errors.log`" in text
     c.set_context("# Memory\nblock\n")
     assert c.content("context") == b"# Memory\nblock\n"
     c.set_context(None, "the control plane answered 503")  # a failed refresh keeps the block
@@ -72,7 +72,7 @@ def test_context_md_follows_the_mount(tmp_path):
                  "context.md naming the mountpoint")
         assert "/mnt/memory" not in _context(mnt)
         assert f"`{mnt}/default/MEMORY.md` does not exist yet" in _context(mnt)
-        assert f"listed with their reason in `{mnt}/.memfuse/errors.log`" in _context(mnt)
+        assert f"listed with the reason in `{mnt}/.memfuse/errors.log`" in _context(mnt)
 
         # MEMORY.md written here: the block follows once it is committed
         sh('echo "- prefs.md: prefers tea" > default/MEMORY.md', mnt)

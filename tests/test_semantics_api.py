@@ -272,10 +272,10 @@ async def test_context_says_where_refused_writes_are_listed(env: Env):
     without a mount (memory tool, MCP: ``mounted=false``) gets no such line."""
     await env.create("MEMORY.md", "- [prefs](prefs.md): tabs\n")
     text = await env.context(mount_root="/home/me/memory")
-    line = ("Refused writes (a secret, invalid UTF-8, a bad `type`, over a size limit) are listed "
-            "with their reason in `/home/me/memory/.memfuse/errors.log`, even when the writing "
-            "tool reported success; such a file keeps its content here (`getfattr -n "
-            "user.memfuse.state` says `rejected`) and is not saved until you fix it.")
+    line = ("Refused writes (a secret, bad UTF-8 or `type`, over a size limit) are listed with "
+            "the reason in `/home/me/memory/.memfuse/errors.log`, even when the tool reported "
+            "success; such a file stays here (`user.memfuse.state` is `rejected`), not saved, "
+            "until you fix it.")
     assert f"\n\n{line}\n\n" in text
     assert text.index(line) < text.index("background context") < text.index("## Store")
     plain = await env.context(mount_root="/memories", mounted="false")
@@ -321,6 +321,11 @@ async def test_context_total_bound(env: Env, monkeypatch):
     # the smallest bound still names every store that is left out
     text = await env.context(max_bytes=1024)
     assert "more store(s) are not shown" in text
+    # ... and holds with a longer mount root (named twice in the opening lines)
+    text = await env.context(max_bytes=1024, mount_root="/home/someone/projects/agent-7/memory")
+    assert len(text.encode()) <= 1024 and "more store(s) are not shown" in text, len(text.encode())
+    assert ".memfuse/errors.log" not in text  # our own hint gave way to the bound
+    assert ".memfuse/errors.log" in await env.context(max_bytes=1024)
     r = await env.ws.get("/v1/workspaces/ws/context", params={"max_bytes": 10})
     assert_problem(r, 422, "validation_error")
     # the server's own default
