@@ -322,7 +322,9 @@ _UNSTATTED_PATH = _UnstattedPath()
 @opt("--gid", type=int, help="Owner gid shown for files (default: this process's).")
 @opt("--allow-other", is_flag=True, help="Let other users (e.g. the agent container) use the mount.")
 @opt("--admin-listen", default=DEFAULT_ADMIN_LISTEN, show_default=True, metavar="HOST:PORT",
-     help="Sidecar admin HTTP (/healthz, /readyz, /metrics, /v1/status); '' to disable.")
+     help="Sidecar admin HTTP (/healthz, /readyz, /metrics, /v1/status); '' for the Unix "
+          "socket only. A taken address is an error (no other port is tried): give each "
+          "sidecar on a host its own, or port 0 for a free one.")
 @opt("--commit-wait", type=float, default=10.0, show_default=True, metavar="S",
      help="Seconds close() waits for the commit.")
 @opt("--fsync-timeout", type=float, default=60.0, show_default=True, metavar="S",
