@@ -80,6 +80,7 @@ def test_mcp_over_http_with_bearer_auth(live):
         async with httpx2.AsyncClient(headers=headers, timeout=30) as http:
             async with Client(streamable_http_client(url, http_client=http), mode="legacy") as client:
                 assert "## Store `default` at `/memories/default/` (read-write)" in client.instructions
+                assert ".memfuse/errors.log" not in client.instructions  # no mount here
                 names = [t.name for t in (await client.list_tools()).tools]
                 assert "memory_remember" in names
                 r = await client.call_tool("memory_remember", {"fact": "served over HTTP"})

@@ -87,6 +87,7 @@ async def test_instructions_carry_the_context_block(session):
     assert "memory_view /memories" in text
     assert "## Store `default` at `/memories/default/` (read-write)" in text
     assert "## Store `ro` at `/memories/ro/` (read-only)" in text
+    assert ".memfuse/errors.log" not in text  # no mount: refusals come back as tool results
 
 
 async def test_every_tool_and_its_errors(session):
