@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from mountutil import MEMFUSE, ControlPlane, free_port, is_mounted, sh, stop, wait_for
+from mountutil import MEMFUSE, ControlPlane, free_port, is_mounted, serve_and_mount, sh, stop, wait_for
 
 HERE = Path(__file__).resolve().parent
 
@@ -94,6 +94,36 @@ def test_admin_address_in_use_is_one_clear_line(tmp_path):
     assert "--admin-listen HOST:PORT" in msg and "--admin-listen ''" in msg
     assert "Traceback" not in p.stderr
     assert not is_mounted(tmp_path / "mnt")
+
+
+def test_a_second_sidecar_never_stacks_on_a_live_mount(tmp_path):
+    """A second ``memfuse mount`` at the mountpoint of a running one (its own cache and
+    admin address) exits 1 at once with one line saying the mountpoint is mounted already,
+    before loading anything; the first mount goes on serving its files. Stacked, the second
+    would hide the first's files and show the agent an empty tree."""
+    from memfuse.sidecar.mount import fuse_mount_at
+
+    with serve_and_mount(tmp_path) as (cp, sc):
+        sh(f"printf 'still here\\n' > {sc.mountpoint}/default/kept.md", tmp_path)
+        assert fuse_mount_at(sc.mountpoint) == "fuse.memfuse"
+        assert fuse_mount_at(tmp_path) is None  # a plain directory
+        second = tmp_path / "second"
+        second.mkdir()
+        t0 = time.monotonic()
+        p = subprocess.run([MEMFUSE, "mount", str(sc.mountpoint), "--control-plane", cp.url,
+                            "--workspace", "ws", "--token-file", str(sc.token_file),
+                            "--cache-dir", str(second / "cache"), "--admin-listen", "127.0.0.1:0"],
+                           capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+                           env={k: v for k, v in os.environ.items() if not k.startswith("MEMFUSE_")})
+        assert p.returncode == 1, p.stderr[-2000:]
+        assert time.monotonic() - t0 < 20
+        errors = [json.loads(ln) for ln in p.stderr.splitlines() if ln.startswith("{") and '"error"' in ln]
+        assert len(errors) == 1, p.stderr[-2000:]
+        assert f"{sc.mountpoint} is already mounted (fuse.memfuse)" in errors[0]["msg"], errors[0]
+        assert "Traceback" not in p.stderr
+        with open("/proc/self/mountinfo") as f:  # one memfuse mount there, not two
+            assert sum(1 for ln in f if ln.split()[4] == str(sc.mountpoint)) == 1
+        assert sh(f"cat {sc.mountpoint}/default/kept.md", tmp_path).stdout == "still here\n"
 
 
 def _listed(path: Path) -> bool:

@@ -116,6 +116,48 @@ def clean_stale_mount(mountpoint: Path) -> None:
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def fuse_mount_at(mountpoint: Path) -> str | None:
+    """The type (``fuse.memfuse``, ``fuse.sshfs``...) of the FUSE filesystem mounted on top
+    of ``mountpoint``, or None when the top mount there is not FUSE (a plain directory, or a
+    Kubernetes ``emptyDir`` bind mount, which a sidecar mounts over on purpose). Read from
+    ``/proc/self/mountinfo`` (proc(5): field 5 is the mount point with octal escapes, the
+    type follows the `` - `` separator; a later line is mounted over an earlier one)."""
+    try:
+        text = Path("/proc/self/mountinfo").read_text()
+    except OSError:
+        return None
+    target = os.path.realpath(mountpoint)
+    top = None
+    for line in text.splitlines():
+        left, sep, right = line.partition(" - ")
+        fields = left.split()
+        if not sep or len(fields) < 5:
+            continue
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+        if point == target:
+            top = right.split()[0] if right.split() else None
+    return top if top is not None and top.split(".")[0] in ("fuse", "fuseblk") else None
+
+
+def check_mountpoint_free(mountpoint: Path) -> None:
+    """Raise ``StartError`` when a live FUSE filesystem is mounted at ``mountpoint``: a second
+    sidecar (or ``memfuse dev``) stacked on a running one would hide its files and serve an
+    empty tree to the agent. A stale mount (its daemon gone: ``ENOTCONN``) is not refused; it
+    is cleaned up before mounting (``clean_stale_mount``)."""
+    fstype = fuse_mount_at(mountpoint)
+    if fstype is None:
+        return
+    try:
+        os.stat(mountpoint)
+    except OSError as e:
+        if e.errno in (errno.ENOTCONN, errno.ECONNABORTED):
+            return
+        raise
+    raise StartError(f"{mountpoint} is already mounted ({fstype}): another sidecar or "
+                     "memfuse dev is serving it; stop it (or unmount it) first, or choose "
+                     "another mountpoint")
+
+
 class CacheLock:
     """An exclusive ``flock`` on ``<cache_dir>/lock``: two sidecars never share one cache."""
 
@@ -361,6 +403,8 @@ class Sidecar(StoreSync):
     async def _run(self, sigs, task_status) -> int:
         config = self.config
         fix_mmap_threshold()  # before the first big buffer (docs/SCALING.md)
+        if config.fuse_fd is None:
+            check_mountpoint_free(config.mountpoint)  # before anything is loaded
         lock = CacheLock(config.cache_dir)
         mounted = False
         try:
