@@ -250,6 +250,15 @@ class ServiceBase:
     _last_idem_cleanup: float
     _token_cache: TokenCache  # database tokens seen lately (memfuse.server.tokens)
 
+    def _path_col(self):
+        """``records.path`` compared in byte order on both databases: SQLite compares bytes;
+        on PostgreSQL ``COLLATE "C"``, which the live records' ``(store, path COLLATE "C",
+        id)`` index serves (revision ``0005_records_path_bytes``). Snapshot pages, search and
+        ``tree`` page by it."""
+        if self.db.engine.dialect.name == "postgresql":
+            return _R.c.path.collate("C")
+        return _R.c.path
+
     @staticmethod
     def _require_admin(p: Principal) -> None:
         if not p.is_admin:

@@ -463,9 +463,7 @@ class RecordsMixin(ServiceBase):
         with self.db.read_conn() as conn:
             st = self._store(conn, p, slug)
             seq = conn.scalar(select(func.max(_V.c.seq)).where(_V.c.store == st.slug)) or 0
-            path_col = _R.c.path
-            if self.db.engine.dialect.name == "postgresql":
-                path_col = _R.c.path.collate("C")  # byte order, as SQLite compares
+            path_col = self._path_col()
             if raw_times and self.db.is_sqlite:
                 cols = _PAGE_COLUMNS_SQLITE if with_content else _PAGE_COLUMNS_NO_CONTENT_SQLITE
             else:
@@ -563,9 +561,7 @@ class RecordsMixin(ServiceBase):
         with self.db.read_conn() as conn:
             st = self._store(conn, p, slug)
             seq = conn.scalar(select(func.max(_V.c.seq)).where(_V.c.store == st.slug)) or 0
-            path_col = _R.c.path
-            if self.db.engine.dialect.name == "postgresql":
-                path_col = _R.c.path.collate("C")  # byte order, as SQLite compares
+            path_col = self._path_col()
             q = select(*(c for c in _R.c if c.name != "content")).where(
                 _R.c.store == st.slug, _R.c.deleted == false()
             )

@@ -76,11 +76,6 @@ class TreeListing:
 class SearchMixin(ServiceBase):
     """``Service.search`` and ``Service.tree`` (module docstring)."""
 
-    def _path_col(self):
-        if self.db.engine.dialect.name == "postgresql":
-            return _R.c.path.collate("C")  # byte order, as SQLite compares
-        return _R.c.path
-
     def _contains(self, col, q: str, case_sensitive: bool):
         """SQL: ``col`` may hold ``q``. Case-sensitive: exactly (``instr`` / ``strpos``).
         Case-insensitive: a superset filter the database runs in C on both dialects,
