@@ -230,37 +230,18 @@ class BlobCache:
         """Whether the blob with this sha256 (64 hex digits) is held."""
         return self._db.execute("SELECT 1 FROM blobs WHERE sha=?", (sha,)).fetchone() is not None
 
-    @_locked
     def missing(self, shas) -> set[str]:
-        """The sha256s of ``shas`` (an iterable of 64-hex-digit strings) not held. One
-        ordered scan of the primary key merged with the sorted ``shas`` (read 4,096 rows at a
-        time: nothing the size of the cache is held), instead of one query per blob; ~1 µs
-        per blob. Raises ``CacheError(EIO)`` when the file cannot be read."""
-        want = sorted(set(shas))
-        if not want:
-            return set()
+        """The sha256s of ``shas`` (an iterable of 64-hex-digit strings) not held:
+        ``missing_digests`` for callers holding hex digits (a string that is not hex is
+        never held). Raises ``CacheError(EIO)`` when the file cannot be read."""
+        want: dict[bytes, str] = {}
         out: set[str] = set()
-        i = 0
-        try:
-            cur = self._db.execute("SELECT sha FROM blobs WHERE sha >= ? ORDER BY sha", (want[0],))
-            while i < len(want):
-                rows = cur.fetchmany(4096)
-                if not rows:
-                    break
-                for (have,) in rows:
-                    while i < len(want) and want[i] < have:
-                        out.add(want[i])
-                        i += 1
-                    if i < len(want) and want[i] == have:
-                        i += 1
-                    if i >= len(want):
-                        break
-            cur.close()
-        except sqlite3.Error as exc:
-            raise CacheError(errno.EIO, f"the sidecar's blob cache cannot be read "
-                                        f"({type(exc).__name__})") from exc
-        out.update(want[i:])
-        return out
+        for sha in shas:
+            try:
+                want[bytes.fromhex(sha)] = sha
+            except (ValueError, TypeError):
+                out.add(sha)
+        return out | {want[d] for d in self.missing_digests(want)}
 
     @_locked
     def missing_digests(self, digests) -> set[bytes]:
@@ -292,10 +273,11 @@ class BlobCache:
 
     @_locked
     def gc_digests(self, keep: set[bytes]) -> int:
-        """``gc`` with ``keep`` as a set of sha256s as 32 ``bytes`` (the store mirrors' and
-        the tree's own objects: nothing per blob is made to build it): delete every blob not
-        in ``keep``, then ``checkpoint``; return how many were deleted. Raises
-        ``CacheError`` when the file cannot be written."""
+        """Delete every blob whose sha256 is not in ``keep`` (sha256s as 32 ``bytes``: the
+        store mirrors' and the tree's own objects, nothing per blob is made to build it),
+        then ``checkpoint``; return how many were deleted. One scan of the primary key
+        (4,096 rows at a time), then one ``DELETE`` per unreferenced blob in one
+        transaction. Raises ``CacheError`` when the file cannot be written."""
         drop: list[tuple[str]] = []
         fromhex = bytes.fromhex
         try:
@@ -374,43 +356,15 @@ class BlobCache:
                                         f"({type(exc).__name__})") from exc
         return bytes(row[0]) if row is not None and row[0] is not None else b""
 
-    @_locked
     def gc(self, keep: set[str]) -> int:
-        """Delete every blob whose sha256 is not in ``keep``, then ``checkpoint``; return
-        how many were deleted. One ordered scan of the primary key merged with the sorted
-        ``keep`` (~1 µs per blob; nothing the size of the cache is copied into SQLite), then
-        one ``DELETE`` per unreferenced blob in one transaction. Raises ``CacheError`` when
-        the file cannot be written."""
-        want = sorted(keep)
-        drop: list[tuple[str]] = []
-        i, n = 0, len(want)
-        try:
-            cur = self._db.execute("SELECT sha FROM blobs ORDER BY sha")
-            while True:
-                rows = cur.fetchmany(4096)
-                if not rows:
-                    break
-                for row in rows:
-                    have = row[0]
-                    while i < n and want[i] < have:
-                        i += 1
-                    if i >= n or want[i] != have:
-                        drop.append(row)
-            cur.close()
-            if drop:
-                self._db.execute("BEGIN")
-                try:
-                    self._db.executemany("DELETE FROM blobs WHERE sha=?", drop)
-                    self._db.execute("COMMIT")
-                except BaseException:
-                    if self._db.in_transaction:
-                        with contextlib.suppress(sqlite3.Error):
-                            self._db.execute("ROLLBACK")
-                    raise
-        except sqlite3.Error as exc:
-            raise self._failed(exc, "cleaning the blob cache") from exc
-        self.checkpoint()
-        return len(drop)
+        """Delete every blob whose sha256 (64 hex digits) is not in ``keep``, then
+        ``checkpoint``; return how many were deleted: ``gc_digests`` for callers holding hex
+        digits. Raises ``CacheError`` when the file cannot be written."""
+        digests = set()
+        for sha in keep:
+            with contextlib.suppress(ValueError, TypeError):  # not hex: names no blob
+                digests.add(bytes.fromhex(sha))
+        return self.gc_digests(digests)
 
     @_locked
     def checkpoint(self) -> None:
