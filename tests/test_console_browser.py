@@ -88,14 +88,19 @@ class Console:
         wait_for(empty, WAIT, "the sidecar's outbox to drain")
 
     def until(self, pred, what: str) -> None:
-        from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+        from selenium.common.exceptions import WebDriverException
         from selenium.webdriver.support.ui import WebDriverWait
 
         try:
-            # a live page may reload (the store changed) while we look at it: look again
+            # A live page may reload (the store changed), or a form submission may replace it,
+            # while we look at it: look again. WebDriverException, not only its subclass
+            # StaleElementReferenceException, because chromedriver reports an element of the
+            # page being replaced as "unknown error: unhandled inspector error: Node with given id
+            # does not belong to the document" (seen in CI, Chromium 156); NoSuchElementException
+            # is a subclass too. The wait stays bounded by WAIT either way.
             WebDriverWait(self.d, WAIT, poll_frequency=0.05,
-                          ignored_exceptions=(StaleElementReferenceException, NoSuchElementException,
-                                              AssertionError)).until(lambda d: pred(), message=what)
+                          ignored_exceptions=(WebDriverException, AssertionError)).until(
+                              lambda d: pred(), message=what)
         except Exception:
             print(f"--- waiting for {what} at {self.d.current_url}:\n{self.d.page_source[:4000]}")
             raise
