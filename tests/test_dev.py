@@ -89,6 +89,16 @@ def test_readme_flow_restart_and_history(tmp_path):
         assert second.stderr.strip() == (f"Error: another memfuse dev (pid {proc.pid}) is using {dev_db}; "
                                          "stop it first"), second.stderr
         assert took < 8, took  # the CLI's own start is ~2 s; nothing is built before the check
+        # another memfuse dev (its own MEMFUSE_HOME) on this live mountpoint: one line, before
+        # it builds, prints or mounts anything (no console link, no "unmounted" it never did)
+        other = {**os.environ, **env, "MEMFUSE_HOME": str(tmp_path / "home2")}
+        third = subprocess.run([MEMFUSE, "dev", str(mnt)], env=other, capture_output=True, text=True,
+                               timeout=60, stdin=subprocess.DEVNULL)
+        assert third.returncode == 1, third.stderr
+        assert third.stderr.strip() == (f"Error: {mnt} is already mounted (fuse.memfuse): another "
+                                        "sidecar or memfuse dev is serving it; stop it (or unmount "
+                                        "it) first, or choose another mountpoint"), third.stderr
+        assert (mnt / "default" / "prefs.md").read_text() == "prefers coffee\n"  # still served
         hist = sh(f"{MEMFUSE} history default prefs.md", tmp_path, env=env).stdout
         lines = [ln for ln in hist.splitlines() if ln.strip()]
         assert any("created" in ln for ln in lines) and any("modified" in ln for ln in lines), hist

@@ -126,6 +126,53 @@ def test_a_second_sidecar_never_stacks_on_a_live_mount(tmp_path):
         assert sh(f"cat {sc.mountpoint}/default/kept.md", tmp_path).stdout == "still here\n"
 
 
+def _auto_unmount_helpers(mountpoint: Path) -> list[int]:
+    """pids of the ``fusermount3`` processes libfuse's ``auto_unmount`` left watching
+    ``mountpoint`` (each unmounts it when its daemon's /dev/fuse descriptor closes)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv and argv[0].endswith(b"fusermount3") and str(mountpoint).encode() in argv:
+            pids.append(int(d.name))
+    return pids
+
+
+def test_a_mount_left_by_a_killed_sidecar_is_cleaned_not_refused(tmp_path):
+    """``kill -9`` of the sidecar together with its ``auto_unmount`` helper (a container killed
+    at once, an OOM kill of the group) leaves a dead mount whose root the kernel still stats
+    from its attribute cache. The next start must see that the daemon is gone (``statvfs``
+    answers ENOTCONN), unmount it and serve, not refuse it as "already mounted"; the file
+    whose close returned 0 before the kill is there."""
+    from memfuse.sidecar.mount import fuse_mount_at, probe_mount
+
+    with serve_and_mount(tmp_path) as (cp, sc):
+        sh(f"printf 'before the kill\\n' > {sc.mountpoint}/default/kept.md", tmp_path)
+        os.stat(sc.mountpoint)  # the root's attributes are in the kernel's cache now
+        helpers = _auto_unmount_helpers(sc.mountpoint)
+        assert helpers, "libfuse's auto_unmount helper (fusermount3) is not running"
+        for pid in helpers:
+            os.kill(pid, 9)
+        sc.proc.kill()
+        sc.proc.wait(10)
+        try:
+            assert fuse_mount_at(sc.mountpoint) == "fuse.memfuse"  # left behind, dead
+            os.stat(sc.mountpoint)  # still answered from the cache: the case that misled us
+            assert probe_mount(sc.mountpoint) == "stale"
+            sc.start()
+            assert sh(f"cat {sc.mountpoint}/default/kept.md", tmp_path).stdout == "before the kill\n"
+            with open("/proc/self/mountinfo") as f:  # the dead mount is gone, one live one left
+                assert sum(1 for ln in f if ln.split()[4] == str(sc.mountpoint)) == 1
+            assert probe_mount(sc.mountpoint) == "live"
+        finally:
+            if sc.proc.poll() is not None:  # the restart failed: do not leave the dead mount
+                subprocess.run(["fusermount3", "-uz", str(sc.mountpoint)], check=False)
+
+
 def _listed(path: Path) -> bool:
     """``path`` is a mount point in /proc/mounts, found without touching it (a FUSE mount
     whose daemon has not started yet would block a stat)."""

@@ -193,6 +193,17 @@ def _dev(mountpoint: Path, admin_listen: str | None, log_format: str, debug: boo
         ensure_dev_setup,
     )
 
+    from memfuse.sidecar.mount import StartError, check_mountpoint_free, clean_stale_mount
+
+    # a mountpoint served by another sidecar (or another dev, with another MEMFUSE_HOME) is
+    # refused before anything is built or printed; a stale one left by a killed dev is cleaned
+    try:
+        check_mountpoint_free(mountpoint.absolute())
+    except StartError as e:
+        raise click.ClickException(str(e)) from None
+    if clean_stale_mount(mountpoint.absolute()):
+        click.echo(f"memfuse dev: unmounted a stale mount at {mountpoint} (left by a killed run)",
+                   err=True)
     mountpoint.mkdir(parents=True, exist_ok=True)
     mountpoint = mountpoint.resolve()
     _check_nonempty(mountpoint, nonempty)
@@ -253,7 +264,10 @@ def _dev(mountpoint: Path, admin_listen: str | None, log_format: str, debug: boo
         # every pooled connection closed: SQLite checkpoints its WAL into dev.db and removes
         # the -wal and -shm files
         env.app.state.service.db.dispose()
-    click.echo(f"memfuse dev: unmounted {mountpoint}", err=True)
+    if rc == 0:
+        click.echo(f"memfuse dev: unmounted {mountpoint}", err=True)
+    else:
+        click.echo(f"memfuse dev: stopped (exit status {rc}); the reason is logged above", err=True)
     sys.exit(rc)
 
 

@@ -103,17 +103,56 @@ class StartError(Exception):
     """The sidecar cannot start; the message is one line for ``kubectl logs``."""
 
 
-def clean_stale_mount(mountpoint: Path) -> None:
-    """Lazily unmount a mount left by a killed daemon ("Transport endpoint is not connected")."""
-    try:
-        os.stat(mountpoint)
-        return
-    except OSError as e:
-        if e.errno not in (errno.ENOTCONN, errno.ECONNABORTED):
-            raise
-    log.warning("stale FUSE mount found; unmounting it", extra={"mountpoint": str(mountpoint)})
+#: seconds ``probe_mount`` waits for a FUSE daemon's ``statfs`` answer before calling it hung
+PROBE_TIMEOUT = 5.0
+
+
+def probe_mount(mountpoint: Path, timeout: float = PROBE_TIMEOUT) -> str:
+    """Whether the daemon behind the FUSE mount at ``mountpoint`` answers: ``"live"``,
+    ``"stale"`` (its daemon is gone: ``ENOTCONN`` / ``ECONNABORTED``, "Transport endpoint is
+    not connected") or ``"hung"`` (no answer within ``timeout`` seconds).
+
+    Asks with ``statvfs(2)``, not ``stat(2)``: the kernel answers a ``stat`` of a FUSE root
+    from its attribute cache (memfuse's attribute timeout is minutes), so a mount whose
+    daemon was killed with ``-9`` still stats fine, while ``FUSE_STATFS`` always goes to the
+    daemon (linux ``fs/fuse/inode.c``, ``fuse_statfs``). The call runs in a daemon thread so
+    a hung daemon cannot hang the caller (the thread's request is killable and dies with the
+    process). Any other error is raised (``OSError``)."""
+    import threading
+
+    box: dict[str, object] = {}
+
+    def ask() -> None:
+        try:
+            os.statvfs(mountpoint)
+            box["state"] = "live"
+        except OSError as e:
+            box["error"] = e
+
+    t = threading.Thread(target=ask, name="memfuse-probe-mount", daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        return "hung"
+    err = box.get("error")
+    if isinstance(err, OSError):
+        if err.errno in (errno.ENOTCONN, errno.ECONNABORTED):
+            return "stale"
+        raise err
+    return "live"
+
+
+def clean_stale_mount(mountpoint: Path) -> bool:
+    """Lazily unmount (``fusermount3 -uz``) a FUSE mount at ``mountpoint`` left by a killed
+    daemon ("Transport endpoint is not connected"); True when there was one. A non-FUSE
+    mountpoint (a plain directory, a Kubernetes ``emptyDir`` bind mount) is left alone."""
+    if fuse_mount_at(mountpoint) is None or probe_mount(mountpoint) != "stale":
+        return False
+    log.warning("stale FUSE mount found (its daemon is gone); unmounting it",
+                extra={"mountpoint": str(mountpoint)})
     subprocess.run(["fusermount3", "-uz", str(mountpoint)], check=False,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return True
 
 
 def fuse_mount_at(mountpoint: Path) -> str | None:
@@ -143,16 +182,19 @@ def check_mountpoint_free(mountpoint: Path) -> None:
     """Raise ``StartError`` when a live FUSE filesystem is mounted at ``mountpoint``: a second
     sidecar (or ``memfuse dev``) stacked on a running one would hide its files and serve an
     empty tree to the agent. A stale mount (its daemon gone: ``ENOTCONN``) is not refused; it
-    is cleaned up before mounting (``clean_stale_mount``)."""
+    is cleaned up before mounting (``clean_stale_mount``). Liveness comes from
+    ``probe_mount`` (``statvfs``, bounded), never from a ``stat`` the kernel may answer from
+    its cache for a daemon long gone. A daemon that does not answer is refused too."""
     fstype = fuse_mount_at(mountpoint)
     if fstype is None:
         return
-    try:
-        os.stat(mountpoint)
-    except OSError as e:
-        if e.errno in (errno.ENOTCONN, errno.ECONNABORTED):
-            return
-        raise
+    state = probe_mount(mountpoint)
+    if state == "stale":
+        return
+    if state == "hung":
+        raise StartError(f"{mountpoint} is mounted ({fstype}) by a daemon that does not answer "
+                         f"within {PROBE_TIMEOUT:g} s; unmount it first (fusermount3 -uz "
+                         f"{mountpoint}), or choose another mountpoint")
     raise StartError(f"{mountpoint} is already mounted ({fstype}): another sidecar or "
                      "memfuse dev is serving it; stop it (or unmount it) first, or choose "
                      "another mountpoint")
@@ -468,7 +510,10 @@ class Sidecar(StoreSync):
                 # to ready)
 
                 options = set(pyfuse3.default_options)
-                options |= {"fsname=memfuse", "subtype=memfuse"}
+                # fsname "memfuse:<workspace>" (as sshfs names "user@host:path"): a bare
+                # "memfuse" is resolved by libmount against the current directory, so `mount`
+                # run where a ./memfuse exists showed that path as the source
+                options |= {f"fsname=memfuse:{config.workspace}", "subtype=memfuse"}
                 if config.fuse_fd is not None:
                     # mounted already by a privileged helper, which also unmounts it: libfuse
                     # serves the fd and never calls mount(2) / umount(2) for /dev/fd/N
