@@ -362,3 +362,30 @@ def test_set_type_xattr_makes_a_version(env, d):
     with pytest.raises(OSError) as e:
         os.setxattr(p / "t.md", "user.memfuse.type", b"nonsense")
     assert e.value.errno == errno.EINVAL
+
+
+def test_listing_has_dot_and_dotdot_like_a_local_directory(env, d, tmp_path):
+    """``ls -a`` lists ``.`` and ``..`` first, with the inode numbers of the directory and its
+    parent, as on a local disk; they do not disturb paging of a long listing (offsets stay
+    stable: every name once) or the inode lookup counts (a full listing and unmount later
+    stay clean)."""
+    p, _ = d
+    local = tmp_path / "local"
+    local.mkdir()
+    script = "mkdir -p sub && for i in $(seq 1 1500); do : > f$i.md; done && echo x > sub/y.md"
+    sh(script, p)
+    sh(script, local)
+    for where in (p, local):
+        out = sh("ls -a", where).stdout.split()
+        assert out[:2] == [".", ".."], out[:5]
+        assert sorted(out) == sorted(sh("ls -a", local).stdout.split())
+        assert len(out) == len(set(out)) == 1500 + 1 + 2  # f1..f1500, sub, . and ..
+        inos = dict(ln.split() for ln in sh("ls -ai sub | awk '{print $2, $1}'", where).stdout.splitlines())
+        assert inos["."] == str(os.stat(where / "sub").st_ino)
+        assert inos[".."] == str(os.stat(where).st_ino)
+    # the tools that walk trees skip them, as on a local disk
+    assert sh("find . -name '*.md' | wc -l", p).stdout.strip() == "1501"
+    assert sh("ls -A sub", p).stdout.split() == ["y.md"]
+    assert sorted(os.listdir(p / "sub")) == ["y.md"]
+    sh("rm -r sub && rm f*.md", p)
+    assert sh("ls -a", p).stdout.split() == [".", ".."]

@@ -156,8 +156,18 @@ class MemfuseOps(pyfuse3.Operations):
 
     @_guard
     async def readdir(self, fh, start_id, token):
-        for nxt, name, child in self.fs.readdir(self.fs.handle(fh), start_id):
-            if not pyfuse3.readdir_reply(token, name.encode("utf-8"), self.attrs(child), nxt):
+        # "." and ".." first (offsets 1 and 2), as a local directory lists them (`ls -a`).
+        # They are not lookups: the kernel links no dentry for them and never forgets them
+        # (linux fs/fuse/readdir.c, fuse_direntplus_link; libfuse fuse_lowlevel.h: the lookup
+        # count of every readdirplus entry "except . and .." is incremented).
+        h = self.fs.handle(fh)
+        dots = ((1, b".", h.node), (2, b"..", h.node.parent or h.node))
+        for nxt, name, node in dots[start_id:]:
+            if not pyfuse3.readdir_reply(token, name, self.attrs(node), nxt):
+                return
+        for nxt, name, child in self.fs.readdir(h, max(start_id - len(dots), 0)):
+            if not pyfuse3.readdir_reply(token, name.encode("utf-8"), self.attrs(child),
+                                         nxt + len(dots)):
                 break
             self.fs.looked_up(child)  # readdirplus: an accepted entry is a lookup
 
