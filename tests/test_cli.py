@@ -206,6 +206,7 @@ def test_history_show_restore_subprocess(home):
     assert out.splitlines()[1].split()[6:8] == ["MODE", "MTIME"]
     assert all("0644" in r and "-" in r for r in rows)  # default mode, no explicit mtime
     assert all("ws:dev" in " ".join(r) or "admin:" in " ".join(r) for r in rows)
+    assert [r[-1] for r in rows] == ["notes/a.md"] * 3  # every row names the path it had then
 
     p = run(["show", "default", "notes/a.md", "--version", "2"])
     assert p.returncode == 0, p.stderr
@@ -542,6 +543,7 @@ def test_history_shows_where_a_record_moved(home):
     rows = [ln.split() for ln in p.stdout.decode().splitlines()[2:]]
     assert rows[0][1] == "created" and rows[0][-1] == "old/name.md"
     assert rows[1][1] == "moved" and rows[1][-1] == "new/name.md"
+    assert len(rows) == 2 and all(len(r) == len(rows[0]) for r in rows)
 
 
 def test_lazy_commands_name_the_module_that_registers_each_command():

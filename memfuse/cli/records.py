@@ -66,8 +66,7 @@ def history(target: Target, store_slug: str, path: str) -> None:
             f"{v.mode:04o}",
             _fmt_mtime(v.mtime_ns),
             v.sha256[:12],
-            # a move shows where it went (its version holds the new path)
-            v.path if v.path != path or v.operation.value == "moved" else "",
+            v.path,  # the path the record had at that version (a move's: where it went)
         ]
         for v in versions
     ]
