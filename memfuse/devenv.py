@@ -48,11 +48,19 @@ HOME_ENV = "MEMFUSE_HOME"
 
 def data_dir(create: bool = True) -> Path:
     """The memfuse data directory: ``$MEMFUSE_HOME`` if set, else
-    ``platformdirs.user_data_dir("memfuse")``. Created (mode 0700) when ``create``."""
+    ``platformdirs.user_data_dir("memfuse")``. Created (mode 0700) when ``create``; then the
+    default directory, when it exists with group or other permission bits (made by an older
+    release) and this user owns it, is made owner-only (``privfile.tighten``, logged). A
+    ``$MEMFUSE_HOME`` directory keeps its mode (it is the user's choice, and may be shared);
+    the database files in it are made owner-only when opened (``prepare_sqlite_file``)."""
     home = os.environ.get(HOME_ENV)
     path = Path(home).expanduser() if home else Path(platformdirs.user_data_dir("memfuse"))
     if create:
         path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if not home:
+            from .privfile import tighten_logged
+
+            tighten_logged([path], "memfuse data directory")
     return path
 
 

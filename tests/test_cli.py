@@ -644,10 +644,72 @@ def test_sqlite_database_private_and_directory_created(home, tmp_path):
                 assert stat.S_IMODE(Path(f"{db}{suffix}").stat().st_mode) == 0o600, suffix
         finally:
             database.dispose()
-        # an existing file keeps the mode its owner gave it
+        # an existing file is made owner-only (group / other bits cleared), its directory kept
         os.chmod(db, 0o640)
+        os.chmod(db.parent, 0o755)
         assert invoke(["db", "upgrade", "--db", f"sqlite:///{db}"]).exit_code == 0
-        assert stat.S_IMODE(db.stat().st_mode) == 0o640
+        assert stat.S_IMODE(db.stat().st_mode) == 0o600
+        assert stat.S_IMODE(db.parent.stat().st_mode) == 0o755
+    finally:
+        os.umask(old)
+
+
+def test_existing_wide_database_and_data_dir_are_tightened(tmp_path, monkeypatch, caplog):
+    """A dev.db (and its -wal / -shm) left 0644 by an older release, in a data directory left
+    0755, are made 0600 / 0700 when the dev environment opens them, with one log line naming
+    the paths (no content); files of another user and symlinks are left alone."""
+    import logging
+    import sqlite3
+
+    from memfuse.devenv import data_dir, dev_db_path
+    from memfuse.server.db import Database
+
+    for k in list(os.environ):
+        if k.startswith("MEMFUSE_"):
+            monkeypatch.delenv(k)
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))  # platformdirs' default data dir
+    old = os.umask(0o022)
+    try:
+        home = tmp_path / "xdg" / "memfuse"
+        home.mkdir(parents=True, mode=0o755)
+        db = home / "dev.db"
+        with sqlite3.connect(db) as conn:  # as an older release made it
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("CREATE TABLE t (x)")
+            keep = sqlite3.connect(db)  # keeps -wal and -shm in place
+            keep.execute("SELECT * FROM t").fetchall()
+        for p in (db, Path(f"{db}-wal"), Path(f"{db}-shm")):
+            os.chmod(p, 0o644)
+        other = tmp_path / "xdg" / "other.db"
+        other.write_bytes(b"")
+        os.chmod(other, 0o644)
+        link = tmp_path / "xdg" / "linked.db"
+        link.symlink_to(other)
+        caplog.set_level(logging.INFO, logger="memfuse.privfile")
+
+        assert data_dir() == home and dev_db_path() == db
+        assert stat.S_IMODE(home.stat().st_mode) == 0o700
+        Database(f"sqlite:///{db}", schema="none").dispose()
+        for p in (db, Path(f"{db}-wal"), Path(f"{db}-shm")):
+            assert stat.S_IMODE(p.stat().st_mode) == 0o600, p
+        lines = [r for r in caplog.records if r.name == "memfuse.privfile"]
+        assert [r.levelname for r in lines] == ["INFO", "INFO"], [r.getMessage() for r in lines]
+        assert lines[0].paths == [str(home)] and lines[0].old_modes == ["0755"]
+        assert sorted(lines[1].paths) == sorted(str(p) for p in (db, f"{db}-wal", f"{db}-shm"))
+        caplog.clear()
+        data_dir()
+        Database(f"sqlite:///{db}", schema="none").dispose()
+        assert [r for r in caplog.records if r.name == "memfuse.privfile"] == []  # once: nothing left to do
+
+        # a symlink is not followed; a file of another user is not touched
+        from memfuse.privfile import tighten
+
+        assert tighten(link) is None and stat.S_IMODE(other.stat().st_mode) == 0o644
+        if os.geteuid() == 0:
+            os.chown(other, 65534, 65534)
+            assert tighten(other) is None and stat.S_IMODE(other.stat().st_mode) == 0o644
+        assert tighten(tmp_path / "missing") is None
+        keep.close()
     finally:
         os.umask(old)
 
