@@ -49,6 +49,10 @@ READS = [
     "/v1/stores/default/search?q=%C3%84PFEL",
     "/v1/stores/default/search?q=pfel&match=content&prefix=notes&case_sensitive=true&limit=1&max_lines=1",
     "/v1/stores/default/search?q=notes&match=path&type=user",
+    "/v1/stores",
+    "/v1/stores/default",
+    "/v1/workspaces",
+    "/v1/workspaces/dev/attachments",
 ]
 
 FALLBACK = [  # not served plainly: the app answers (refusals, validation, other routes)
@@ -60,8 +64,10 @@ FALLBACK = [  # not served plainly: the app answers (refusals, validation, other
     "/v1/stores/default/search?q=",
     "/v1/stores/default/search?q=a&match=everything",
     "/v1/stores/default/search?q=a&cursor=bogus",
-    "/v1/stores",
-    "/v1/stores/default",
+    "/v1/stores/nostore",
+    "/v1/workspaces/nows/attachments",
+    "/v1/workspaces/dev/context",
+    "/v1/stores?x=1",
 ]
 
 
@@ -101,7 +107,8 @@ def test_served_reads_are_the_apps_bytes(db_url):
 
 
 def test_read_commands_do_not_import_fastapi(tmp_path):
-    """``memfuse history`` / ``show`` / ``search`` in local mode never build the web app."""
+    """``memfuse history`` / ``show`` / ``search`` / ``store list`` in local mode never build
+    the web app."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMFUSE_")}
     env["MEMFUSE_HOME"] = str(tmp_path / "home")
 
@@ -127,7 +134,8 @@ def test_read_commands_do_not_import_fastapi(tmp_path):
     )
     for args, shown in ((["history", "default", "MEMORY.md"], b"created"),
                         (["show", "default", "MEMORY.md"], b"- index\n"),
-                        (["search", "default", "index"], b"MEMORY.md:1:- index\n")):
+                        (["search", "default", "index"], b"MEMORY.md:1:- index\n"),
+                        (["store", "list"], b"default memory store")):
         p = subprocess.run([sys.executable, "-c", probe, *args], env=env, capture_output=True,
                            timeout=120, cwd=Path(__file__).parent.parent)
         assert p.returncode == 0, p.stderr

@@ -5,7 +5,8 @@ the control plane in process, on the dev database, through an ``httpx`` transpor
 FastAPI and building the app (its routes, pydantic schemas and OpenAPI models) took about
 1.2 s of every such command; ``LocalTransport`` answers the plain reads the record commands
 make (``history``, ``show``, ``search``: the records of a path, a record, its versions, one
-version, a search page) straight from ``Service``, with the bytes the app would send, and
+version, a search page) and the admin listings (stores, a store, workspaces, a workspace's
+attachments) straight from ``Service``, with the bytes the app would send, and
 hands everything else to the full app, built on first use. It falls back in the same way
 for anything it does not serve plainly: another route or method, a query parameter FastAPI
 would validate or coerce, a token not among the static ones, and every refusal
@@ -52,7 +53,8 @@ class LocalTransport(httpx.AsyncBaseTransport):
     worker thread each (as the app's handlers run), with the app's bodies and headers:
     ``GET /v1/stores/{s}/records`` (``cursor``, ``limit``, ``content``, ``path``,
     ``include_deleted``), ``GET .../records/{id}`` (``content``), ``GET .../records/{id}/versions``,
-    ``GET .../versions/{n}``, ``GET /v1/stores/{s}/search``. The database is opened (and
+    ``GET .../versions/{n}``, ``GET /v1/stores/{s}/search``; ``GET /v1/stores``,
+    ``/v1/stores/{s}``, ``/v1/workspaces``, ``/v1/workspaces/{ws}/attachments``. The database is opened (and
     upgraded to the newest schema revision, as the app does) on the first request.
     """
 
@@ -112,7 +114,8 @@ class LocalTransport(httpx.AsyncBaseTransport):
             return None
         raw = request.url.raw_path.split(b"?", 1)[0].decode("ascii", "replace")
         parts = [unquote(s) for s in raw.split("/")]
-        if len(parts) < 5 or parts[:3] != ["", "v1", "stores"] or any("/" in s or not s for s in parts[3:]):
+        if (len(parts) < 3 or parts[:2] != ["", "v1"] or parts[2] not in ("stores", "workspaces")
+                or any("/" in s or not s for s in parts[2:])):
             return None
         params: dict[str, str] = {}
         for k, v in request.url.params.multi_items():
@@ -127,8 +130,10 @@ class LocalTransport(httpx.AsyncBaseTransport):
         instance = request.headers.get("x-memfuse-instance")
         if token is None or token not in self.static_tokens:
             return None
-        slug, rest = parts[3], parts[4:]
         try:
+            if len(parts) <= 4 or parts[2] == "workspaces":
+                return self._admin_read(token, instance, parts[2:], params)
+            slug, rest = parts[3], parts[4:]
             if rest == ["records"]:
                 return self._list_records(token, instance, slug, params)
             if rest == ["search"]:
@@ -172,6 +177,31 @@ class LocalTransport(httpx.AsyncBaseTransport):
         if v is None:
             raise _Plain()
         return v
+
+    def _admin_read(self, token: str, instance: str | None, parts: list[str], q: dict[str, str]):
+        """``GET /v1/stores``, ``/v1/stores/{s}``, ``/v1/workspaces``,
+        ``/v1/workspaces/{ws}/attachments`` (``store list``, ``attach``'s checks, ...)."""
+        if q:
+            return None
+        svc = self.service
+        if parts == ["stores"]:
+            fn = lambda p: svc.list_stores(p)  # noqa: E731
+        elif parts == ["workspaces"]:
+            fn = lambda p: svc.list_workspaces(p)  # noqa: E731
+        elif len(parts) == 2 and parts[0] == "stores":
+            fn = lambda p: svc.get_store(p, parts[1])  # noqa: E731
+        elif len(parts) == 3 and parts[0] == "workspaces" and parts[2] == "attachments":
+            fn = lambda p: svc.list_attachments(p, parts[1])  # noqa: E731
+        else:
+            return None
+
+        def call() -> tuple[bytes, dict[str, str]]:
+            out = fn(self._principal(token, instance))
+            if isinstance(out, list):
+                return b"[" + b",".join(m.model_dump_json().encode() for m in out) + b"]", {}
+            return out.model_dump_json().encode(), {}
+
+        return call
 
     def _list_records(self, token: str, instance: str | None, slug: str, q: dict[str, str]):
         self._take(q, {"cursor", "limit", "content", "path", "include_deleted"})
