@@ -48,11 +48,19 @@ HOME_ENV = "MEMFUSE_HOME"
 
 def data_dir(create: bool = True) -> Path:
     """The memfuse data directory: ``$MEMFUSE_HOME`` if set, else
-    ``platformdirs.user_data_dir("memfuse")``. Created (mode 0700) when ``create``."""
+    ``platformdirs.user_data_dir("memfuse")``. Created (mode 0700) when ``create``; then the
+    default directory, when it exists with group or other permission bits (made by an older
+    release) and this user owns it, is made owner-only (``privfile.tighten``, logged). A
+    ``$MEMFUSE_HOME`` directory keeps its mode (it is the user's choice, and may be shared);
+    the database files in it are made owner-only when opened (``prepare_sqlite_file``)."""
     home = os.environ.get(HOME_ENV)
     path = Path(home).expanduser() if home else Path(platformdirs.user_data_dir("memfuse"))
     if create:
         path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if not home:
+            from .privfile import tighten_logged
+
+            tighten_logged([path], "memfuse data directory")
     return path
 
 
@@ -118,15 +126,16 @@ class DevApp:
         )
 
 
-def dev_app(db_url: str | None = None, *, faces: bool = True) -> DevApp:
+def dev_app(db_url: str | None = None, *, faces: bool = True, admin_token: str | None = None) -> DevApp:
     """Create the reference app on ``db_url`` (default: the dev database) with fresh random
     static tokens: one admin, one for workspace ``dev``. Each call makes a new app (own
     engine); make one per event loop (``trio.run``). ``faces=False`` leaves out the console
-    and the agent-tool faces (``create_app``), as the CLI's local mode does."""
+    and the agent-tool faces (``create_app``), as the CLI's local mode does. ``admin_token``:
+    that admin token instead of a random one (``local_client``'s)."""
     from .server.app import create_app
 
     url = db_url or dev_db_url()
-    admin = "mfa_" + secrets.token_urlsafe(32)
+    admin = admin_token or "mfa_" + secrets.token_urlsafe(32)
     ws = "mfw_" + secrets.token_urlsafe(32)
     # The dev database upgrades itself to the newest schema revision (memfuse serve refuses).
     # No streamed change feed: the sidecar reaches this app in process through
@@ -138,10 +147,20 @@ def dev_app(db_url: str | None = None, *, faces: bool = True) -> DevApp:
 
 
 def local_client(db_url: str | None = None, *, timeout: float = 30.0, faces: bool = False) -> ApiClient:
-    """An admin :class:`ApiClient` over ``httpx.ASGITransport`` to a new :func:`dev_app` on the
-    dev database (base URL ``http://memfuse.local``): the CLI's local mode. ``faces=True``
-    also installs the agent-tool routes (``memfuse mcp`` calls the memory-tool endpoint)."""
-    return dev_app(db_url, faces=faces).admin_client(timeout=timeout)
+    """An admin :class:`ApiClient` to the reference control plane in this process on the dev
+    database (base URL ``http://memfuse.local``, a random static admin token): the CLI's
+    local mode. Its transport (``memfuse.server.local.LocalTransport``) answers the plain
+    record reads from the service layer and builds the full app (a :func:`dev_app` with the
+    same token) only for a request it does not serve, so ``memfuse history`` and friends do
+    not import FastAPI. ``faces=True`` gives that app the agent-tool routes (``memfuse mcp``
+    calls the memory-tool endpoint)."""
+    from .server.local import LocalTransport
+
+    url = db_url or dev_db_url()
+    admin = "mfa_" + secrets.token_urlsafe(32)
+    tokens: dict[str, str | None] = {admin: None}
+    transport = LocalTransport(url, tokens, lambda: dev_app(url, faces=faces, admin_token=admin).app)
+    return ApiClient(LOCAL_BASE_URL, admin, transport=transport, timeout=timeout)
 
 
 def dev_workspace_client(db_url: str | None = None, *, instance: str | None = "dev") -> ApiClient:

@@ -79,7 +79,8 @@ def test_help_for_every_command(home):
     expected = {("serve",), ("dev",), ("mount",), ("status",), ("store", "create"), ("store", "list"),
                 ("store", "update"), ("workspace", "create"), ("attach",), ("detach",), ("token", "create"),
                 ("token", "list"), ("token", "revoke"),
-                ("history",), ("show",), ("restore",), ("context",), ("db", "upgrade"), ("db", "current")}
+                ("history",), ("show",), ("restore",), ("search",), ("context",), ("db", "upgrade"),
+                ("db", "current")}
     assert expected <= set(paths)
     for path in paths:
         r = invoke([*path, "--help"])
@@ -206,6 +207,7 @@ def test_history_show_restore_subprocess(home):
     assert out.splitlines()[1].split()[6:8] == ["MODE", "MTIME"]
     assert all("0644" in r and "-" in r for r in rows)  # default mode, no explicit mtime
     assert all("ws:dev" in " ".join(r) or "admin:" in " ".join(r) for r in rows)
+    assert [r[-1] for r in rows] == ["notes/a.md"] * 3  # every row names the path it had then
 
     p = run(["show", "default", "notes/a.md", "--version", "2"])
     assert p.returncode == 0, p.stderr
@@ -432,6 +434,13 @@ def test_serve_subprocess_and_remote_commands(home, tmp_path):
         assert p.stdout == b"- remote index\n"
         p = run(["context", "--workspace", "agents", *wcp])
         assert p.returncode == 0 and b"remote index" in p.stdout and b"over http" in p.stdout
+        p = run(["search", "shared", "REMOTE", *wcp])  # the workspace's token: read access
+        assert (p.returncode, p.stdout) == (0, b"MEMORY.md:1:- remote index\n"), p.stderr
+        p = run(["search", "shared", "nowhere", *wcp])
+        assert (p.returncode, p.stdout) == (1, b"")
+        p = run(["search", "nostore", "x", *wcp])
+        assert p.returncode == 2 and b"404" in p.stderr
+        assert_one_line_error(p.stderr)
 
         # a workspace token may not do admin things: one-line 403
         p = run(["store", "list", *wcp])
@@ -542,6 +551,7 @@ def test_history_shows_where_a_record_moved(home):
     rows = [ln.split() for ln in p.stdout.decode().splitlines()[2:]]
     assert rows[0][1] == "created" and rows[0][-1] == "old/name.md"
     assert rows[1][1] == "moved" and rows[1][-1] == "new/name.md"
+    assert len(rows) == 2 and all(len(r) == len(rows[0]) for r in rows)
 
 
 def test_lazy_commands_name_the_module_that_registers_each_command():
@@ -634,10 +644,72 @@ def test_sqlite_database_private_and_directory_created(home, tmp_path):
                 assert stat.S_IMODE(Path(f"{db}{suffix}").stat().st_mode) == 0o600, suffix
         finally:
             database.dispose()
-        # an existing file keeps the mode its owner gave it
+        # an existing file is made owner-only (group / other bits cleared), its directory kept
         os.chmod(db, 0o640)
+        os.chmod(db.parent, 0o755)
         assert invoke(["db", "upgrade", "--db", f"sqlite:///{db}"]).exit_code == 0
-        assert stat.S_IMODE(db.stat().st_mode) == 0o640
+        assert stat.S_IMODE(db.stat().st_mode) == 0o600
+        assert stat.S_IMODE(db.parent.stat().st_mode) == 0o755
+    finally:
+        os.umask(old)
+
+
+def test_existing_wide_database_and_data_dir_are_tightened(tmp_path, monkeypatch, caplog):
+    """A dev.db (and its -wal / -shm) left 0644 by an older release, in a data directory left
+    0755, are made 0600 / 0700 when the dev environment opens them, with one log line naming
+    the paths (no content); files of another user and symlinks are left alone."""
+    import logging
+    import sqlite3
+
+    from memfuse.devenv import data_dir, dev_db_path
+    from memfuse.server.db import Database
+
+    for k in list(os.environ):
+        if k.startswith("MEMFUSE_"):
+            monkeypatch.delenv(k)
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))  # platformdirs' default data dir
+    old = os.umask(0o022)
+    try:
+        home = tmp_path / "xdg" / "memfuse"
+        home.mkdir(parents=True, mode=0o755)
+        db = home / "dev.db"
+        with sqlite3.connect(db) as conn:  # as an older release made it
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("CREATE TABLE t (x)")
+            keep = sqlite3.connect(db)  # keeps -wal and -shm in place
+            keep.execute("SELECT * FROM t").fetchall()
+        for p in (db, Path(f"{db}-wal"), Path(f"{db}-shm")):
+            os.chmod(p, 0o644)
+        other = tmp_path / "xdg" / "other.db"
+        other.write_bytes(b"")
+        os.chmod(other, 0o644)
+        link = tmp_path / "xdg" / "linked.db"
+        link.symlink_to(other)
+        caplog.set_level(logging.INFO, logger="memfuse.privfile")
+
+        assert data_dir() == home and dev_db_path() == db
+        assert stat.S_IMODE(home.stat().st_mode) == 0o700
+        Database(f"sqlite:///{db}", schema="none").dispose()
+        for p in (db, Path(f"{db}-wal"), Path(f"{db}-shm")):
+            assert stat.S_IMODE(p.stat().st_mode) == 0o600, p
+        lines = [r for r in caplog.records if r.name == "memfuse.privfile"]
+        assert [r.levelname for r in lines] == ["INFO", "INFO"], [r.getMessage() for r in lines]
+        assert lines[0].paths == [str(home)] and lines[0].old_modes == ["0755"]
+        assert sorted(lines[1].paths) == sorted(str(p) for p in (db, f"{db}-wal", f"{db}-shm"))
+        caplog.clear()
+        data_dir()
+        Database(f"sqlite:///{db}", schema="none").dispose()
+        assert [r for r in caplog.records if r.name == "memfuse.privfile"] == []  # once: nothing left to do
+
+        # a symlink is not followed; a file of another user is not touched
+        from memfuse.privfile import tighten
+
+        assert tighten(link) is None and stat.S_IMODE(other.stat().st_mode) == 0o644
+        if os.geteuid() == 0:
+            os.chown(other, 65534, 65534)
+            assert tighten(other) is None and stat.S_IMODE(other.stat().st_mode) == 0o644
+        assert tighten(tmp_path / "missing") is None
+        keep.close()
     finally:
         os.umask(old)
 
@@ -758,3 +830,94 @@ def test_token_revoke_by_unique_prefix(home):
     states = {t["id"]: t["state"] for t in json.loads(invoke(["token", "list", "--all", "--json"]).stdout)}
     assert states[one] == "revoked" and states["abcd1111-0000-4000-8000-000000000002"] == "revoked"
     assert states["abcd0000-0000-4000-8000-000000000001"] == "active"
+
+
+# ---------------------------------------------------------------- search
+
+SEARCH_TEXT = "Ich mag Äpfel\nund BIRNEN\n\x1b]0;pwned\x07\x1b[31mrot\x1b[0m äpfel \u202egnirts\r\nlast line\n"
+
+
+async def _make_search() -> None:
+    async with local_client() as api:
+        await ensure_dev_setup(api)
+        await api.create_record("default", "notes/fruit.md", SEARCH_TEXT, type="user")
+        await api.create_record("default", "notes/äpfel-liste.md", "nothing here\n")
+        await api.create_record("default", "other/pfel.md", "- apfel ÄPFEL\n" * 3)
+        await api.create_record("default", "many.md", "".join(f"äpfel {i}\n" for i in range(150)))
+
+
+def test_search_like_grep(home):
+    """``memfuse search`` prints PATH:LINE:TEXT in path order, case-insensitively in Unicode,
+    exit 0 / 1 / 2 like grep; piped output is the stored text, exactly."""
+    trio.run(_make_search)
+    p = run(["search", "default", "ÄPFEL", "--path-prefix", "notes"])
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.decode() == (
+        "notes/fruit.md:1:Ich mag Äpfel\n"
+        "notes/fruit.md:3:\x1b]0;pwned\x07\x1b[31mrot\x1b[0m äpfel \u202egnirts\r\n")  # piped: as stored
+    p = run(["search", "default", "äpfel", "--match", "any", "--path-prefix", "notes"])
+    assert p.stdout.decode().splitlines()[-1] == "notes/äpfel-liste.md"  # a path-only hit: bare path
+    p = run(["search", "default", "äpfel", "-l"])
+    assert p.stdout.decode().splitlines() == ["many.md", "notes/fruit.md", "other/pfel.md"]
+    p = run(["search", "default", "äpfel", "-l", "--limit", "2"])
+    assert p.stdout.decode().splitlines() == ["many.md", "notes/fruit.md"]
+    p = run(["search", "default", "Äpfel", "--case-sensitive"])
+    assert p.stdout.decode() == "notes/fruit.md:1:Ich mag Äpfel\n"
+    p = run(["search", "default", "birnen", "--type", "user"])
+    assert p.stdout.decode() == "notes/fruit.md:2:und BIRNEN\n"
+    p = run(["search", "default", "birnen", "--type", "project"])
+    assert (p.returncode, p.stdout) == (1, b"")
+    # every matching line up to the API's 100 per record, the rest said on stderr
+    p = run(["search", "default", "äpfel", "--path-prefix", "many.md"])
+    lines = p.stdout.decode().splitlines()
+    assert len(lines) == 100 and lines[0] == "many.md:1:äpfel 0" and lines[-1] == "many.md:100:äpfel 99"
+    assert b"many.md: 50 more matching lines not shown" in p.stderr
+
+    p = run(["search", "default", "no such text"])
+    assert (p.returncode, p.stdout, p.stderr) == (1, b"", b"")
+    p = run(["search", "nostore", "x"])
+    assert p.returncode == 2 and b"no store" in p.stderr
+    assert_one_line_error(p.stderr)
+    p = run(["search", "default", "a\tb"])  # a control character in the query: 422, exit 2
+    assert p.returncode == 2 and b"invalid_query" in p.stderr
+    p = run(["search", "default"])  # usage
+    assert p.returncode == 2 and b"QUERY" in p.stderr
+
+
+def test_search_on_a_terminal_escapes_control_characters(home):
+    """On a terminal no escape sequence or bidi control of memory content reaches it raw:
+    ESC, BEL, C1 and U+202E show as \\xNN / \\uNNNN; a CRLF line end is dropped."""
+    import pty
+
+    trio.run(_make_search)
+    pid, fd = pty.fork()
+    if pid == 0:  # child: stdout is the pty
+        try:
+            os.execv(str(MEMFUSE), [str(MEMFUSE), "search", "default", "rot"])
+        finally:
+            os._exit(127)
+    out = b""
+    deadline = time.monotonic() + 60
+    try:
+        while time.monotonic() < deadline:
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:  # EIO: the child closed the pty
+                break
+            if not chunk:
+                break
+            out += chunk
+    finally:
+        _, status = os.waitpid(pid, 0)
+        os.close(fd)
+    assert os.waitstatus_to_exitcode(status) == 0, out
+    text = out.decode().replace("\r\n", "\n")  # the pty's own line discipline
+    assert text == "notes/fruit.md:3:\\x1b]0;pwned\\x07\\x1b[31mrot\\x1b[0m äpfel \\u202egnirts\n", text
+    assert b"\x1b" not in out and "\u202e".encode() not in out
+
+
+def test_terminal_safe():
+    from memfuse.cli.common import terminal_safe
+
+    assert terminal_safe("tab\tok é ü 東京 \\x41") == "tab\tok é ü 東京 \\x41"
+    assert terminal_safe("\x00\x1b\x7f\x85\x9b\u061c\u200f\u2066") == "\\x00\\x1b\\x7f\\x85\\x9b\\u061c\\u200f\\u2066"

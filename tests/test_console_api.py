@@ -150,6 +150,37 @@ async def test_search_records_pages_and_scope(app):
     assert [r.path for r in svc.search_records(Principal("viewer"), "ws", text="note 3").records] == ["n3.md"]
 
 
+async def test_search_records_is_case_insensitive_beyond_ascii(app):
+    """``ÄPFEL`` finds ``äpfel`` (and the other way round) in content and path, on SQLite and
+    PostgreSQL alike (their ``LIKE`` / ``ILIKE`` fold ASCII only, or by the locale); pages
+    are full although the database's filter lets rows through that do not match."""
+    svc = app.state.service
+    for i in range(5):  # candidates of the database's filter for "Ä" (any one character)
+        create(app, f"a{i}.md", f"plain {i}\n")
+    create(app, "b.md", "Ich mag ÄPFEL\n")
+    create(app, "c.md", "grüne äpfel\n")
+    create(app, "notes/Äpfel.md", "nothing\n")
+    create(app, "d.md", "KELVIN \u212a, İstanbul\n")
+
+    def paths(**kw):
+        return [r.path for r in svc.search_records(ADMIN_P, "ws", **kw).records]
+
+    assert paths(text="äpfel") == ["b.md", "c.md"]
+    assert paths(text="ÄPFEL") == ["b.md", "c.md"]
+    assert paths(text="GRÜNE") == ["c.md"]
+    assert paths(path_contains="äpfel") == ["notes/Äpfel.md"]
+    assert paths(path_contains="ÄPFEL", text="NOTHING") == ["notes/Äpfel.md"]
+    assert paths(text="kelvin k") == ["d.md"]  # U+212A KELVIN SIGN lowercases to k
+    assert paths(text="i̇stanbul") == ["d.md"]  # U+0130 lowercases to i + U+0307 ...
+    assert paths(text="istanbul") == []  # ... (so this is not in it: Unicode lowercase, no folding)
+    assert paths(text="ä", limit=1) == ["b.md"]
+    page = svc.search_records(ADMIN_P, "ws", text="Ä", limit=1)
+    assert page.next_cursor is not None  # full page, more to come
+    page = svc.search_records(ADMIN_P, "ws", text="Ä", limit=1, cursor=page.next_cursor)
+    assert [r.path for r in page.records] == ["c.md"] and page.next_cursor is None
+    assert page.records[0].content is None
+
+
 # ---------------------------------------------------------------- console over HTTP
 
 

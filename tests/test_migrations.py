@@ -110,6 +110,27 @@ def test_create_all_and_upgrade_head_give_the_same_schema(tmp_path):
                                                           "WHERE (deleted = false)")
 
 
+def test_schema_head_constant_is_the_newest_revision(tmp_path, monkeypatch):
+    """``db.SCHEMA_HEAD`` (how a database at the newest revision opens without Alembic) is
+    the newest revision; a database at it opens without running ``schema`` at all, one
+    behind it is upgraded as before."""
+    from memfuse.server import db as db_mod
+
+    assert db_mod.SCHEMA_HEAD == schema.head()
+    with fresh_db_url(_sqlite(tmp_path, "head.db")) as url:
+        Database(url).dispose()  # made by the revisions
+        calls: list[str] = []
+        monkeypatch.setattr(schema, "upgrade", lambda db, *a: calls.append("upgrade"))
+        monkeypatch.setattr(schema, "check", lambda db, shown: calls.append("check"))
+        Database(url).dispose()
+        Database(url, schema="check").dispose()
+        assert calls == []
+        monkeypatch.setattr(db_mod, "SCHEMA_HEAD", "9999_not_yet")
+        Database(url).dispose()
+        Database(url, schema="check").dispose()
+        assert calls == ["upgrade", "check"]
+
+
 def test_upgrade_is_idempotent_and_status_reports_head(tmp_path):
     with fresh_db_url(_sqlite(tmp_path, "x.db")) as url:
         db = Database(url)  # migrate mode: upgraded at open

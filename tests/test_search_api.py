@@ -346,3 +346,48 @@ async def test_memory_tool_search_marker_when_the_bound_is_met_exactly(env: Env)
                        "the search with `path` or a longer query]")
     exact = tool.run({"command": "search", "query": "needle", "max_results": 30}).content.split("\n")
     assert len(exact) == 30  # all of them, no marker
+
+
+def test_like_superset_never_loses_a_match():
+    """For every code point ``x`` (and ``x`` between other text), the pattern of each piece of
+    ``fold(x)`` matches ``x`` under SQLite's ``LIKE`` (ASCII-only case folding): the
+    database's filter is a superset of what ``holds`` accepts (``ServiceBase._contains``)."""
+    import sqlite3
+    import sys
+
+    from memfuse.server.base import fold, holds, like_superset
+
+    cases: list[tuple[str, str]] = []
+    for c in range(sys.maxunicode + 1):
+        if 0xD800 <= c <= 0xDFFF:
+            continue
+        x = chr(c)
+        low = fold(x)
+        if low == x and x.upper() == x:
+            continue  # caseless: the pattern is the character itself
+        text = f"a{x}Z"
+        for needle in {low, *low, fold(text)}:
+            assert holds(text, needle)
+            cases.append((text, "%" + like_superset(needle) + "%"))
+    assert len(cases) > 2500
+    con = sqlite3.connect(":memory:")
+    con.execute("CREATE TABLE t (txt TEXT, pat TEXT)")
+    con.executemany("INSERT INTO t VALUES (?, ?)", cases)
+    missed = con.execute("SELECT txt, pat FROM t WHERE NOT (txt LIKE pat ESCAPE '\\')").fetchall()
+    assert missed == []
+    # and literal characters stay literal
+    assert like_superset("100%_x\\y") == "100\\%\\_x\\\\y"
+    assert like_superset("tee") == "tee" and like_superset("kind") == "__nd"
+    assert like_superset("日本ä") == "日本_"
+
+
+async def test_search_unicode_case_beyond_ascii(env: Env):
+    """``ÄPFEL`` finds ``äpfel``, ``k`` finds U+212A KELVIN SIGN, ``i̇`` finds U+0130: the same
+    hits on SQLite and PostgreSQL (tests/test_postgres.py)."""
+    await batch_create(env, {"a.md": "Ich mag Äpfel\n", "b.md": "grüne äpfel\nKELVIN \u212a\n",
+                             "c.md": "İstanbul\n", "d.md": "plain\n"})
+    assert paths(await find(env, q="ÄPFEL")) == ["a.md", "b.md"]
+    page = await find(env, q="kelvin k")
+    assert paths(page) == ["b.md"] and page["hits"][0]["lines"] == [{"line": 2, "text": "KELVIN \u212a"}]
+    assert paths(await find(env, q="i̇stanbul")) == ["c.md"]
+    assert paths(await find(env, q="ÄPFEL", case_sensitive="true")) == []

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -82,25 +83,27 @@ class MemfuseGroup(click.Group):
             return super().invoke(ctx)
         except (click.exceptions.ClickException, click.exceptions.Abort, click.exceptions.Exit):
             raise
-        except ApiError as e:
-            if os.environ.get("MEMFUSE_TRACEBACK"):
-                raise
-            raise click.ClickException(_api_error_message(e)) from None
         except KeyboardInterrupt:
             raise click.exceptions.Abort() from None
         except Exception as e:  # noqa: BLE001 — the CLI never shows a traceback
             if os.environ.get("MEMFUSE_TRACEBACK"):
                 raise
-            if isinstance(e, BaseExceptionGroup):  # trio may wrap errors
-                leaves = _leaves(e)
-                if len(leaves) == 1:
-                    inner = leaves[0]
-                    if isinstance(inner, ApiError):
-                        raise click.ClickException(_api_error_message(inner)) from None
-                    if isinstance(inner, click.ClickException):
-                        raise inner from None
-                    e = inner  # type: ignore[assignment]
-            raise click.ClickException(_one_line(f"{type(e).__name__}: {e}")) from None
+            raise click_error(e) from None
+
+
+def click_error(e: Exception) -> click.ClickException:
+    """The one-line ``click.ClickException`` the CLI shows for ``e``: an ``ApiError``'s detail
+    with its HTTP status and code, a lone error inside a (trio) exception group as itself,
+    anything else as ``Type: message``."""
+    if isinstance(e, BaseExceptionGroup):  # trio may wrap errors
+        leaves = _leaves(e)
+        if len(leaves) == 1 and isinstance(leaves[0], Exception):
+            e = leaves[0]
+    if isinstance(e, click.ClickException):
+        return e
+    if isinstance(e, ApiError):
+        return click.ClickException(_api_error_message(e))
+    return click.ClickException(_one_line(f"{type(e).__name__}: {e}"))
 
 
 def _leaves(group: BaseException) -> list[BaseException]:
@@ -248,6 +251,34 @@ def _write_exact(text: str) -> None:
         return
     buf.write(text.encode("utf-8"))
     buf.flush()
+
+
+#: characters a terminal may act on or that reorder what it shows: the C0 controls but tab,
+#: DEL, the C1 controls (ESC starts escape sequences; U+009B is a one-character CSI) and the
+#: Unicode bidirectional controls (a line that reads differently than it is, "Trojan Source",
+#: CVE-2021-42574)
+_TERMINAL_UNSAFE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def _escape_one(m: re.Match[str]) -> str:
+    c = ord(m.group())
+    return f"\\x{c:02x}" if c <= 0xFF else f"\\u{c:04x}"
+
+
+def terminal_safe(text: str) -> str:
+    """``text`` with every character a terminal would act on shown as an escape instead:
+    C0 controls (tab kept), DEL and C1 controls as ``\\xNN``, bidirectional controls as
+    ``\\uNNNN`` (``_TERMINAL_UNSAFE``). For untrusted text (memory content) printed to a
+    terminal; a backslash already in the text is left as it is."""
+    return _TERMINAL_UNSAFE.sub(_escape_one, text)
+
+
+def stdout_is_terminal() -> bool:
+    """Whether stdout is a terminal (then untrusted text goes through ``terminal_safe``)."""
+    try:
+        return sys.stdout.isatty()
+    except (AttributeError, ValueError):  # a closed or replaced stdout
+        return False
 
 
 def _fmt_time(dt: Any) -> str:

@@ -1,10 +1,13 @@
-"""The record commands, by path: ``history``, ``show``, ``restore``, ``redact``; and ``context``.
+"""The record commands, by path: ``history``, ``show``, ``restore``, ``redact``; ``search``
+(grep over a store, through the search API); and ``context``.
 
 A record is found by its path (``_find``: the live record, else the latest deleted one), then
 read or written by id. Import and export of whole directories are in ``transfer``.
 """
 from __future__ import annotations
 
+import os
+import sys
 from datetime import datetime, timezone
 from typing import Any
 
@@ -19,7 +22,10 @@ from memfuse.cli.common import (
     _write_exact,
     api_options,
     cli,
+    click_error,
     opt,
+    stdout_is_terminal,
+    terminal_safe,
 )
 from memfuse.client import ApiClient, with_retries
 from memfuse.wire import Record
@@ -66,8 +72,7 @@ def history(target: Target, store_slug: str, path: str) -> None:
             f"{v.mode:04o}",
             _fmt_mtime(v.mtime_ns),
             v.sha256[:12],
-            # a move shows where it went (its version holds the new path)
-            v.path if v.path != path or v.operation.value == "moved" else "",
+            v.path,  # the path the record had at that version (a move's: where it went)
         ]
         for v in versions
     ]
@@ -170,3 +175,99 @@ def running_dev_mountpoint(workspace: str) -> str | None:
         return None
     mp = info.get("mountpoint")
     return mp if isinstance(mp, str) and mp else None
+
+
+SEARCH_PAGE = 100  # records asked for per search page (the API's most)
+SEARCH_LINES = 100  # matching lines asked for per record (the API's most)
+
+
+class SearchError(click.ClickException):
+    """A failed ``memfuse search``: exit status 2, as grep's for trouble (1 is "no match")."""
+
+    exit_code = 2
+
+
+@cli.command()
+@click.argument("store_slug", metavar="STORE")
+@click.argument("query")
+@opt("--path-prefix", "prefix", envvar=None, default="", metavar="PATH",
+     help="Only the record at PATH or the records under directory PATH.")
+@opt("--type", "rtype", envvar=None, type=click.Choice(["user", "feedback", "project", "reference"]),
+     help="Only records of this type.")
+@opt("--match", envvar=None, type=click.Choice(["content", "path", "any"]), default="content",
+     show_default=True,
+     help="Where QUERY must be: in the content (grep), in the path, or either (the memory "
+          "tool's search). A record found by its path alone prints as its bare path.")
+@opt("--case-sensitive", envvar=None, is_flag=True,
+     help="Match case exactly. Default: both sides compared in Unicode lowercase (ÄPFEL finds äpfel).")
+@opt("-l", "--files-with-matches", "files_only", envvar=None, is_flag=True,
+     help="Print only the path of each matching record (as grep -l).")
+@opt("--limit", envvar=None, type=click.IntRange(min=1), metavar="N",
+     help="Stop after N matching records. Default: all of them.")
+@api_options
+def search(target: Target, store_slug: str, query: str, prefix: str, rtype: str | None, match: str,
+           case_sensitive: bool, files_only: bool, limit: int | None) -> None:
+    """Find QUERY (literal text, one line) in the live records of STORE, like `grep -rn`.
+
+    Prints PATH:LINE:TEXT for each matching line, in path order (PATH relative to the store
+    root, LINE counted from 1, a line longer than 300 characters cut and ended with " …").
+    On a terminal, control characters and bidirectional controls in TEXT are shown escaped
+    (\\x1b, \\u202e); piped, TEXT is printed as stored. Exit status: 0 when something
+    matched, 1 when nothing did, 2 on an error (as grep).
+    """
+    tty = stdout_is_terminal()
+    out = getattr(sys.stdout, "buffer", None) or sys.stdout  # bytes: UTF-8 whatever the locale
+
+    def emit(line: str) -> None:
+        data = (line + "\n").encode("utf-8", "replace")
+        out.write(data if out is not sys.stdout else data.decode("utf-8"))
+
+    async def body(api: ApiClient) -> int:
+        found = 0
+        cursor: str | None = None
+        while True:
+            page = await with_retries(lambda: api.search(
+                store_slug, query, match=match, prefix=prefix, type=rtype,
+                case_sensitive=case_sensitive, cursor=cursor, limit=SEARCH_PAGE,
+                max_lines=0 if files_only else SEARCH_LINES))
+            for hit in page.hits:
+                path = hit.record.path
+                if files_only or not hit.lines:
+                    emit(path)
+                else:
+                    for ln in hit.lines:
+                        text = ln.text
+                        if tty:
+                            text = terminal_safe(text[:-1] if text.endswith("\r") else text)
+                        emit(f"{path}:{ln.line}:{text}")
+                    if hit.line_matches > len(hit.lines):
+                        out.flush()
+                        click.echo(f"memfuse: {path}: {hit.line_matches - len(hit.lines)} more matching "
+                                   f"lines not shown (`memfuse show {store_slug} {path}`)", err=True)
+                found += 1
+                if limit is not None and found >= limit:
+                    return found
+            out.flush()
+            cursor = page.next_cursor
+            if cursor is None:
+                return found
+
+    sys.stdout.flush()
+    try:
+        found = _api(target, body)
+    except (click.exceptions.Abort, click.exceptions.Exit):
+        raise
+    except BrokenPipeError:  # the reader left (`| head`): quiet, as grep killed by SIGPIPE
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        sys.exit(128 + 13)
+    except KeyboardInterrupt:
+        raise click.exceptions.Abort() from None
+    except Exception as e:  # noqa: BLE001 — one line, exit 2
+        if os.environ.get("MEMFUSE_TRACEBACK"):
+            raise
+        err = click_error(e)
+        raise SearchError(err.message) from None
+    if not found:
+        sys.exit(1)

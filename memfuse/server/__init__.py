@@ -13,6 +13,17 @@ through ``memfuse.fake``).
 """
 from __future__ import annotations
 
-from memfuse.server.app import create_app
+from typing import Any
 
 __all__ = ["create_app"]
+
+
+def __getattr__(name: str) -> Any:
+    # ``create_app`` on first use (PEP 562): importing a submodule (``memfuse.server.service``
+    # for the CLI's local mode, ``memfuse.server.db`` for migrations) must not import FastAPI
+    # and build its models, half a second of every such process.
+    if name == "create_app":
+        from memfuse.server.app import create_app
+
+        return create_app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -24,7 +24,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
-from sqlalchemy import and_, bindparam, delete, insert, select
+from sqlalchemy import and_, bindparam, delete, func, insert, select
 from sqlalchemy.engine import Connection, Row
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -112,6 +112,48 @@ def _check_path(path: str, what: str = "path") -> str:
         return names.check_path(path)
     except names.NameError_ as err:
         raise _name_error(err, what) from None
+
+
+def fold(text: str) -> str:
+    """``text`` as case-insensitive matching compares it: Unicode lowercase (``str.lower``:
+    ``ÄPFEL`` → ``äpfel``, ``ÉTÉ`` → ``été``; no case folding, so ``ß`` and ``ss`` differ).
+    The one rule of the search API and the console's filters, on every database."""
+    return text.lower()
+
+
+def holds(text: str, q: str, case_sensitive: bool = False) -> bool:
+    """Whether ``text`` holds ``q`` literally; case-insensitively by ``fold`` of both sides."""
+    return q in text if case_sensitive else fold(q) in fold(text)
+
+
+def like_superset(needle: str) -> str:
+    """A ``LIKE`` / ``ILIKE`` pattern body (escape ``\\``, no leading or trailing ``%``)
+    matching every text whose ``fold`` holds ``needle`` (itself folded), on SQLite (``LIKE``
+    folds ASCII only) and on PostgreSQL in any locale. Per character of ``needle``:
+
+    - ASCII other than ``i`` / ``k``: itself (``LIKE`` / ``ILIKE`` match its ASCII case);
+    - ``i``, ``k``: ``_`` (any one character): U+0130 (İ, lowercase ``i`` + U+0307) and
+      U+212A (KELVIN SIGN) fold to them;
+    - U+0307 (the combining dot of İ's lowercase): ``%``, since İ gave the ``i`` before it;
+    - any other character with an uppercase (``ä``): ``_``, its uppercase and itself each
+      being one character;
+    - the rest (caseless: ``東``): itself, the only character folding to it.
+
+    So the database narrows the rows without ever losing one; ``tests/test_search_api.py``
+    checks this over every code point."""
+    out = []
+    for ch in needle:
+        if ch in "ik":
+            out.append("_")
+        elif ch.isascii():
+            out.append(ch.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_"))
+        elif ch == "\u0307":
+            out.append("%")
+        elif ch.upper() != ch:
+            out.append("_")
+        else:
+            out.append(ch)
+    return "".join(out)
 
 
 @dataclass(frozen=True)
@@ -249,6 +291,19 @@ class ServiceBase:
     closing: bool  # set at server shutdown: long-polls answer at once
     _last_idem_cleanup: float
     _token_cache: TokenCache  # database tokens seen lately (memfuse.server.tokens)
+
+    def _contains(self, col, q: str, case_sensitive: bool = False):
+        """SQL: ``col`` may hold ``q`` (``memfuse.server.base.holds`` decides). Case-sensitive:
+        exactly (``instr`` / ``strpos``). Case-insensitive: a superset filter the database
+        runs in C, the same on both dialects whatever PostgreSQL's ``LC_CTYPE`` (SQLite's
+        ``LIKE`` and ``lower()`` fold ASCII only, and PostgreSQL's ``ILIKE`` folds by the
+        database's locale: ASCII only under ``C``): ``LIKE`` (SQLite) / ``ILIKE`` with the
+        pattern of ``like_superset``; the caller checks every row it reads with ``holds``."""
+        pg = self.db.engine.dialect.name == "postgresql"
+        if case_sensitive:
+            return (func.strpos(col, q) if pg else func.instr(col, q)) > 0
+        pattern = "%" + like_superset(fold(q)) + "%"
+        return col.ilike(pattern, escape="\\") if pg else col.like(pattern, escape="\\")
 
     def _path_col(self):
         """``records.path`` compared in byte order on both databases: SQLite compares bytes;

@@ -46,6 +46,7 @@ from memfuse.server.base import (
     ServiceBase,
     ServiceError,
     _check_path,
+    holds,
     parse_if_match,
 )
 from memfuse.server import wakeups
@@ -548,33 +549,43 @@ class RecordsMixin(ServiceBase):
 
         - ``type``: one of ``user``, ``feedback``, ``project``, ``reference`` (422
           ``invalid_type`` otherwise); the root ``MEMORY.md`` has no type and never matches;
-        - ``path_contains``: a substring of the path, case-insensitive (ASCII on SQLite);
-        - ``text``: a substring of the content, case-insensitive (ASCII on SQLite).
+        - ``path_contains``: a substring of the path, case-insensitive;
+        - ``text``: a substring of the content, case-insensitive.
 
-        Substrings are matched with SQL ``LIKE`` / ``ILIKE`` with ``%``, ``_`` and ``\\``
-        escaped, so they match literally; a content search reads every live record of the
-        store (no index). ``limit`` is clamped to 1–1000. Raises 404 like ``list_records``,
-        422 ``validation_error`` for a foreign cursor."""
+        Substrings match literally (``%``, ``_``, ``\\`` are plain characters) and
+        case-insensitively by ``base.fold`` (Unicode lowercase: ``ÄPFEL`` finds ``äpfel``), the
+        search API's rule, on both databases: the database narrows the rows with the superset
+        filter of ``ServiceBase._contains`` and each row read is checked here (``holds``);
+        rows are read in batches of ``limit`` + 1 until the page is full, so a page holds
+        ``limit`` records unless it is the last. A content filter reads every live record
+        of the store it passes (no index). ``limit`` is clamped to 1–1000. Raises 404 like
+        ``list_records``, 422 ``validation_error`` for a foreign cursor."""
         if type is not None and type not in content_rules.RECORD_TYPES:
             raise ServiceError(422, "invalid_type", f"type {type!r} is not one of {', '.join(content_rules.RECORD_TYPES)}")
         limit = min(max(int(limit), 1), 1000)
         with self.db.read_conn() as conn:
             st = self._store(conn, p, slug)
+            after = _decode_cursor(cursor) if cursor else None
             seq = conn.scalar(select(func.max(_V.c.seq)).where(_V.c.store == st.slug)) or 0
             path_col = self._path_col()
-            q = select(*(c for c in _R.c if c.name != "content")).where(
+            q = select(*(c for c in _R.c if c.name != "content" or text)).where(
                 _R.c.store == st.slug, _R.c.deleted == false()
             )
             if type is not None:
                 q = q.where(_R.c.type == type)
             if path_contains:
-                q = q.where(_R.c.path.ilike(f"%{_like_escape(path_contains)}%", escape="\\"))
+                q = q.where(self._contains(_R.c.path, path_contains))
             if text:
-                q = q.where(_R.c.content.ilike(f"%{_like_escape(text)}%", escape="\\"))
-            if cursor:
-                cp, cid = _decode_cursor(cursor)
-                q = q.where(tuple_(path_col, _R.c.id) > tuple_(cp, cid))  # see _snapshot_rows
-            rows = conn.execute(q.order_by(path_col, _R.c.id).limit(limit + 1)).all()
+                q = q.where(self._contains(_R.c.content, text))
+            q = q.order_by(path_col, _R.c.id).limit(limit + 1)
+            rows: list[Row] = []
+            while len(rows) <= limit:
+                batch = conn.execute(q.where(tuple_(path_col, _R.c.id) > tuple_(*after)) if after else q).all()
+                rows.extend(r for r in batch if (not path_contains or holds(r.path, path_contains))
+                            and (not text or holds(r.content or "", text)))
+                if len(batch) <= limit:
+                    break
+                after = (batch[-1].path, batch[-1].id)  # an index seek, see _snapshot_rows
             more = len(rows) > limit
             rows = rows[:limit]
             return RecordPage(

@@ -8,10 +8,11 @@ memory tool's directory ``view``: the entries up to two levels under a directory
 indexed range queries on ``(store, path, id)`` that skip whole subtrees below the depth shown,
 so a listing reads about as many rows as it shows, never the whole store.
 
-Case-insensitive matching compares ``str.lower()`` of both sides (Unicode): the database
-narrows the rows with ``LIKE`` / ``ILIKE`` (see ``_contains``: the same on SQLite and
-PostgreSQL, whatever the database's ``LC_CTYPE``) and each candidate row is checked again
-here, line by line, so a hit always holds the query as this module defines it.
+Case-insensitive matching compares ``base.fold`` (Unicode lowercase) of both sides: the
+database narrows the rows with ``LIKE`` / ``ILIKE`` (``ServiceBase._contains``: a superset,
+the same on SQLite and PostgreSQL, whatever the database's ``LC_CTYPE``) and each candidate
+row is checked again here, line by line, so a hit always holds the query as this module
+defines it. The console's filters (``RecordsMixin.search_records``) use the same rule.
 
 Paths compare byte-wise on both databases (PostgreSQL: ``COLLATE "C"``), the order of the
 snapshot pages; a cursor is the snapshot cursor of the last row read.
@@ -27,8 +28,8 @@ from sqlalchemy.engine import Connection
 
 from memfuse import content as content_rules
 from memfuse.models import SearchHit, SearchLine, SearchPage
-from memfuse.server.base import _R, _V, Principal, ServiceBase, ServiceError, _check_path
-from memfuse.server.records import _decode_cursor, _encode_cursor, _like_escape, _record_model
+from memfuse.server.base import _R, _V, Principal, ServiceBase, ServiceError, _check_path, fold
+from memfuse.server.records import _decode_cursor, _encode_cursor, _record_model
 
 QUERY_MAX_CHARS = 256  # a search query is 1..256 characters
 SEARCH_MAX_LIMIT = 100  # records one search page returns at most
@@ -76,21 +77,6 @@ class TreeListing:
 class SearchMixin(ServiceBase):
     """``Service.search`` and ``Service.tree`` (module docstring)."""
 
-    def _contains(self, col, q: str, case_sensitive: bool):
-        """SQL: ``col`` may hold ``q``. Case-sensitive: exactly (``instr`` / ``strpos``).
-        Case-insensitive: a superset filter the database runs in C on both dialects,
-        whatever PostgreSQL's ``LC_CTYPE``: ``LIKE`` (SQLite, ASCII case-insensitive) /
-        ``ILIKE`` with the query's ASCII and caseless characters escaped and ``%`` for each
-        character with case outside ASCII; ``search`` checks every candidate line by line.
-        (A character outside ASCII whose lowercase is ASCII, such as U+212A KELVIN SIGN, is
-        not found by the ASCII letter it folds to.)"""
-        pg = self.db.engine.dialect.name == "postgresql"
-        if case_sensitive:
-            return (func.strpos(col, q) if pg else func.instr(col, q)) > 0
-        pattern = "%" + "".join(_like_escape(ch) if ch.isascii() or ch.lower() == ch.upper() == ch
-                                else "%" for ch in q) + "%"
-        return col.ilike(pattern, escape="\\") if pg else col.like(pattern, escape="\\")
-
     def search(
         self,
         p: Principal,
@@ -126,7 +112,7 @@ class SearchMixin(ServiceBase):
         prefix = prefix.strip("/")
         if prefix:
             _check_path(prefix)
-        needle = q if case_sensitive else q.lower()
+        needle = q if case_sensitive else fold(q)
         with self.db.read_conn() as conn:
             st = self._store(conn, p, slug)
             seq = conn.scalar(select(func.max(_V.c.seq)).where(_V.c.store == st.slug)) or 0
@@ -148,16 +134,16 @@ class SearchMixin(ServiceBase):
         rows = rows[:limit]
         hits: list[SearchHit] = []
         for r in rows:
-            path_match = match != "content" and needle in (r.path if case_sensitive else r.path.lower())
+            path_match = match != "content" and needle in (r.path if case_sensitive else fold(r.path))
             lines: list[SearchLine] = []
             count = 0
             if match != "path":
                 for i, line in enumerate((r.content or "").split("\n"), 1):
-                    if needle in (line if case_sensitive else line.lower()):
+                    if needle in (line if case_sensitive else fold(line)):
                         count += 1
                         if len(lines) < max_lines:
                             lines.append(SearchLine(line=i, text=cut_line(line)))
-            if path_match or count:  # else the database's lower() differs from Python's
+            if path_match or count:  # else a candidate of the superset filter only
                 hits.append(SearchHit(record=_record_model(r, with_content=False),
                                       path_match=path_match, lines=lines, line_matches=count))
         return SearchPage(hits=hits, seq=seq,
