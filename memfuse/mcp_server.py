@@ -439,7 +439,10 @@ async def serve_stdio(api: Any, workspace: str, *, drain_timeout: float | None =
                     async with read:
                         async for item in read:
                             flight.read(item)
-                            await in_send.send(item)
+                            try:
+                                await in_send.send(item)
+                            except anyio.BrokenResourceError:  # the server stopped reading
+                                return
                     if flight.ids:
                         log.info("end of input: finishing %d request(s) in flight (up to %.0f s)",
                                  len(flight.ids), bound)
@@ -452,10 +455,15 @@ async def serve_stdio(api: Any, workspace: str, *, drain_timeout: float | None =
                                         len(flight.ids), bound)
 
             async def pump_out() -> None:
-                async with write:
-                    async with out_recv:
-                        async for item in out_recv:
-                            await write.send(item)
+                async with out_recv:
+                    try:
+                        async with write:
+                            async for item in out_recv:
+                                await write.send(item)
+                                flight.written(item)
+                    except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                        log.info("stdout is closed: answers from now on are dropped")
+                        async for item in out_recv:  # the server must not block on them
                             flight.written(item)
 
             async with anyio.create_task_group() as io:
