@@ -2,8 +2,10 @@
 
 Everything lives in one data directory, ``platformdirs.user_data_dir("memfuse")`` or
 ``$MEMFUSE_HOME`` when set: the dev database ``dev.db`` (SQLite) and ``admin.token`` written by
-``memfuse serve``. The reference control plane runs in-process on that file, reached through
-``httpx.ASGITransport``; each process gets its own random static tokens (an admin token and a
+``memfuse serve``. The reference control plane runs in-process on that file: the CLI's local
+mode reaches it through ``httpx.ASGITransport``; ``memfuse dev`` serves it on loopback with
+hypercorn (``ConsoleServer``) and its sidecar is an HTTP client of it, as in production (so the
+change feed streams). Each process gets its own random static tokens (an admin token and a
 token for workspace ``dev``), which never leave the process. Several processes (``memfuse dev``
 and CLI commands) may use the same database at once; SQLite arbitrates.
 """
@@ -126,23 +128,27 @@ class DevApp:
         )
 
 
-def dev_app(db_url: str | None = None, *, faces: bool = True, admin_token: str | None = None) -> DevApp:
+def dev_app(db_url: str | None = None, *, faces: bool = True, admin_token: str | None = None,
+            streams: bool = False) -> DevApp:
     """Create the reference app on ``db_url`` (default: the dev database) with fresh random
     static tokens: one admin, one for workspace ``dev``. Each call makes a new app (own
     engine); make one per event loop (``trio.run``). ``faces=False`` leaves out the console
     and the agent-tool faces (``create_app``), as the CLI's local mode does. ``admin_token``:
-    that admin token instead of a random one (``local_client``'s)."""
+    that admin token instead of a random one (``local_client``'s).
+
+    ``streams``: serve the streamed change feed and events (``create_app``). Only for an app
+    served over HTTP (``memfuse dev`` serves it on loopback with ``ConsoleServer``); a client
+    through ``httpx.ASGITransport`` (``transport()``, the CLI's local mode) gets a response only
+    once the app has finished it, so a stream would deliver its lines when it ends (~10 min
+    later): there the default, False, answers as a server without streams (clients long-poll)."""
     from .server.app import create_app
 
     url = db_url or dev_db_url()
     admin = admin_token or "mfa_" + secrets.token_urlsafe(32)
     ws = "mfw_" + secrets.token_urlsafe(32)
     # The dev database upgrades itself to the newest schema revision (memfuse serve refuses).
-    # No streamed change feed: the sidecar reaches this app in process through
-    # httpx.ASGITransport, which hands a response over only once the app has finished it (a
-    # stream would deliver its lines when it ends, ~10 min later); the sidecar long-polls.
     app = create_app(url, static_tokens={admin: None, ws: DEV_WORKSPACE}, schema="migrate",
-                     faces=faces, streams=False)
+                     faces=faces, streams=streams)
     return DevApp(app=app, admin_token=admin, workspace_token=ws, db_url=url)
 
 
@@ -220,7 +226,8 @@ CONSOLE_STOP_TIMEOUT = 15.0  # seconds to finish in-flight requests and stop
 
 class ConsoleServer:
     """The control-plane app (API and the console under ``/ui/``) served over HTTP by
-    hypercorn in a thread of its own (own trio loop), beside ``memfuse dev``'s mount.
+    hypercorn in a thread of its own (own trio loop), beside ``memfuse dev``'s mount, whose
+    sidecar reaches the API through it.
 
     ``start()`` binds ``listen`` (``HOST:PORT``); when the port is taken and ``fallback``,
     a free port on the same host instead. Returns the base URL. Raises ``OSError`` when

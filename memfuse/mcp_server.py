@@ -354,14 +354,72 @@ class IndexWatcher:
             scope.cancel()
 
 
-async def serve_stdio(api: Any, workspace: str) -> None:
+class InFlight:
+    """The requests read from the client and not answered yet (JSON-RPC ids), for the drain
+    at end of input (``serve_stdio``). ``read`` sees every message read, ``written`` every
+    message written; ``idle`` is set while nothing is in flight."""
+
+    def __init__(self) -> None:
+        import anyio
+
+        self.ids: set[Any] = set()
+        self.idle = anyio.Event()
+        self.idle.set()
+
+    @staticmethod
+    def _key(request_id: Any) -> Any:
+        # JSON-RPC ids are strings or numbers; 1 and "1" are different requests
+        return (type(request_id).__name__, request_id)
+
+    def read(self, item: Any) -> None:
+        """A message from the client: a request goes in flight; ``notifications/cancelled``
+        takes its request out (the server does not answer a request the client cancelled)."""
+        import anyio
+
+        msg = getattr(item, "message", None)
+        if isinstance(msg, types.JSONRPCRequest):
+            self.ids.add(self._key(msg.id))
+            if self.idle.is_set():
+                self.idle = anyio.Event()
+        elif isinstance(msg, types.JSONRPCNotification) and msg.method == "notifications/cancelled":
+            rid = (msg.params or {}).get("requestId")
+            if rid is not None:
+                self._done(rid)
+
+    def written(self, item: Any) -> None:
+        """A message to the client: a response or an error answers its request."""
+        msg = getattr(item, "message", None)
+        if isinstance(msg, (types.JSONRPCResponse, types.JSONRPCError)) and msg.id is not None:
+            self._done(msg.id)
+
+    def _done(self, request_id: Any) -> None:
+        self.ids.discard(self._key(request_id))
+        if not self.ids:
+            self.idle.set()
+
+
+async def serve_stdio(api: Any, workspace: str, *, drain_timeout: float | None = None) -> None:
     """Serve MCP on this process's stdin/stdout for ``workspace`` through ``api`` (an
     ``ApiClient`` with the workspace token) until stdin closes. Nothing but protocol goes to
     stdout; logs go to stderr. Raises ``memfuse.client.ApiError`` when the control plane
-    refuses the token or cannot be reached at start (the instructions are read then)."""
+    refuses the token or cannot be reached at start (the instructions are read then).
+
+    End of input is the client's shutdown: the MCP specification (2025-06-18, "Lifecycle",
+    "Shutdown", stdio: https://modelcontextprotocol.io/specification/2025-06-18/basic/lifecycle#shutdown)
+    has the client close the server's input stream first, then wait for the server to exit
+    (SIGTERM, then SIGKILL, only if it does not exit "within a reasonable time"); it defines
+    no shutdown message. So at EOF the requests already read are finished and answered —
+    a client that writes its requests and closes its end (``printf ... | memfuse mcp``) gets
+    every answer, and a tool call whose write reached the store is never reported as lost —
+    for up to ``drain_timeout`` seconds (default: the API client's request timeout, as one
+    call to the control plane is bounded by it); requests still running then are cancelled
+    and answered with the SDK's "Connection closed" error. Then stdout is closed and the
+    function returns (``memfuse mcp`` exits 0). Subscriptions end at EOF; no new request is
+    read after it."""
     import anyio
     from mcp.server.stdio import stdio_server
 
+    bound = float(drain_timeout if drain_timeout is not None else getattr(api, "timeout", 30.0))
     backend = HttpBackend(api, workspace)
     instructions = await backend.instructions()
     async with anyio.create_task_group() as tg:
@@ -369,5 +427,47 @@ async def serve_stdio(api: Any, workspace: str) -> None:
         server = build_server(lambda: backend, instructions=instructions,
                               on_subscribe=watcher.subscribe, on_unsubscribe=watcher.unsubscribe)
         async with stdio_server() as (read, write):
-            await server.run(read, write, server.create_initialization_options())
+            flight = InFlight()
+            # the server reads from and writes to these relays, so that EOF reaches it only
+            # once what was read before it is answered (the SDK cancels in-flight handlers at
+            # EOF)
+            in_send, in_recv = anyio.create_memory_object_stream[Any](0)
+            out_send, out_recv = anyio.create_memory_object_stream[Any](0)
+
+            async def pump_in() -> None:
+                async with in_send:
+                    async with read:
+                        async for item in read:
+                            flight.read(item)
+                            try:
+                                await in_send.send(item)
+                            except anyio.BrokenResourceError:  # the server stopped reading
+                                return
+                    if flight.ids:
+                        log.info("end of input: finishing %d request(s) in flight (up to %.0f s)",
+                                 len(flight.ids), bound)
+                        with anyio.move_on_after(bound):
+                            while flight.ids:
+                                await flight.idle.wait()
+                        if flight.ids:
+                            log.warning("end of input: %d request(s) still running after %.0f s; "
+                                        "cancelled, answered 'Connection closed'",
+                                        len(flight.ids), bound)
+
+            async def pump_out() -> None:
+                async with out_recv:
+                    try:
+                        async with write:
+                            async for item in out_recv:
+                                await write.send(item)
+                                flight.written(item)
+                    except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                        log.info("stdout is closed: answers from now on are dropped")
+                        async for item in out_recv:  # the server must not block on them
+                            flight.written(item)
+
+            async with anyio.create_task_group() as io:
+                io.start_soon(pump_in)
+                io.start_soon(pump_out)
+                await server.run(in_recv, out_send, server.create_initialization_options())
         tg.cancel_scope.cancel()

@@ -57,6 +57,21 @@ def _console_login(log: Path) -> None:
         assert "already used" in r.text and "memfuse_session" not in other.cookies
 
 
+def _streams_open(log: Path) -> float:
+    """``memfuse_server_streams`` (streams open now) from the /metrics of the control plane
+    `memfuse dev` serves at the console address it printed last."""
+    import re
+
+    import httpx
+
+    base = re.findall(r"console at (http://127\.0\.0\.1:\d+)/ui/", log.read_text())[-1]
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    values = [float(ln.split()[-1]) for ln in text.splitlines()
+              if ln.startswith("memfuse_server_streams ")]
+    assert values, text
+    return values[0]
+
+
 def test_readme_flow_restart_and_history(tmp_path):
     env = {"MEMFUSE_HOME": str(tmp_path / "home"), "XDG_CACHE_HOME": str(tmp_path / "cache"),
            "MEMFUSE_CONSOLE_LISTEN": "127.0.0.1:0"}
@@ -108,7 +123,9 @@ def test_readme_flow_restart_and_history(tmp_path):
         sh(f"{MEMFUSE} restore default prefs.md --version 1", tmp_path, env=env)
         wait_for(lambda: (mnt / "default" / "prefs.md").read_text() == "prefers tea\n", 5,
                  "restored content on the mount")
-        # dev's in-process app does not stream by design: the long-poll fallback is not news
+        # dev serves its app on loopback like `memfuse serve`: the sidecar's feeds stream (the
+        # workspace events and the store's changes), no long-poll fallback
+        assert _streams_open(log) >= 2
         assert "does not stream" not in log.read_text()
     finally:
         stop(proc)
@@ -138,6 +155,11 @@ def test_dev_refuses_a_nonempty_mountpoint_unless_asked(tmp_path):
                  proc, log)
         assert "warning: " + f"{mnt} is not empty (1 entries: existing.txt)" in log.read_text()
         assert not (mnt / "existing.txt").exists()  # hidden by the mount
+        # with the console off the app still listens on loopback, for the sidecar only: a
+        # write commits through it
+        (mnt / "default" / "n.md").write_text("noted\n")
+        assert os.getxattr(mnt / "default" / "n.md", "user.memfuse.state") == b"clean"
+        assert "console at" not in log.read_text()
         assert interrupt(proc) == 0
     finally:
         stop(proc)

@@ -79,6 +79,9 @@ def test_sed_in_place_keeps_id_one_new_version(env, d):
     before = rec(cp, f"{pre}/prefs.md")
     sh("sed -i s/tea/coffee/ prefs.md", p)
     assert (p / "prefs.md").read_text() == "prefers coffee\n"
+    # the rename of sed's temporary file over prefs.md commits in the background (a rename
+    # never waits on the network): wait for it before reading the server
+    wait_until(lambda: len(versions(cp, before)) == 2, 10.0, "the rename over prefs.md committed")
     after = rec(cp, f"{pre}/prefs.md")
     assert after.id == before.id
     vs = versions(cp, after)

@@ -11,12 +11,17 @@ from memfuse.cli.common import Target, _run, _setup_logging, api_options, cli, o
 @opt("--workspace", required=True, metavar="WS", help="Workspace whose stores the tools act on.")
 @opt("--client-name", default="mcp", show_default=True, metavar="NAME",
      help="Recorded on every version written through the tools as actor tool:NAME.")
+@opt("--drain-timeout", type=click.FloatRange(min=0), default=None, metavar="S",
+     help="When stdin closes (the client's shutdown), finish the requests already read for "
+          "up to S seconds before exiting. Default: the request timeout (30 s).")
 @opt("--debug", is_flag=True, help="Verbose logging (stderr).")
 @api_options
-def mcp(target: Target, workspace: str, client_name: str, debug: bool) -> None:
+def mcp(target: Target, workspace: str, client_name: str, drain_timeout: float | None,
+        debug: bool) -> None:
     """Serve the memory tools to an MCP client (Claude Desktop, Cursor, Cherry Studio...) on
     stdin/stdout: memory_view, memory_create, memory_str_replace, memory_insert, memory_delete,
     memory_rename, memory_search, memory_history, memory_remember on /memories/<store>/.
+    When stdin closes, the requests already read are answered, then it exits 0.
 
     With --control-plane the commands go to that control plane over HTTP with the workspace
     token; without it, to the local dev database in-process (`memfuse dev`'s). stdout carries
@@ -27,6 +32,6 @@ def mcp(target: Target, workspace: str, client_name: str, debug: bool) -> None:
     async def main() -> None:
         async with target.client(faces=True) as api:
             api.set_instance(client_name)
-            await serve_stdio(api, workspace)
+            await serve_stdio(api, workspace, drain_timeout=drain_timeout)
 
     _run(main)

@@ -219,9 +219,14 @@ def _dev(mountpoint: Path, admin_listen: str | None, log_format: str, debug: boo
     finally:
         setup.app.state.service.db.dispose()
     del setup
-    # A fresh app for the mount: it runs under its own trio.run.
-    env = dev_app()
-    env.app.state.db_claim = claim  # held by this process: the console's server takes it as its own
+    console_on = console_listen.strip().lower() not in ("off", "none", "")
+    # A fresh app for the mount, served over HTTP on loopback by hypercorn in a thread of its
+    # own (ConsoleServer), as `memfuse serve` serves it: the sidecar is its HTTP client, as in
+    # production, so its change feed streams (through httpx.ASGITransport a stream would only
+    # arrive when it ends). With the console off the app has no console or agent-tool faces
+    # and listens on a free loopback port, for the sidecar only.
+    env = dev_app(faces=console_on, streams=True)
+    env.app.state.db_claim = claim  # held by this process: the server takes it as its own
 
     from memfuse.sidecar.mount import MountConfig, run_mount
 
@@ -232,35 +237,36 @@ def _dev(mountpoint: Path, admin_listen: str | None, log_format: str, debug: boo
         admin_listen=admin_listen or None,
         debug=debug,
         log_format=log_format,
-        streams_expected=False,  # the in-process app does not stream (see dev_app)
     )
-    console, base = None, None
-    if console_listen.strip().lower() not in ("off", "none", ""):
-        from memfuse.server.console import login_url
+    listen = console_listen.strip() if console_on else "127.0.0.1:0"
+    server = ConsoleServer(env.app, listen)
+    try:
+        api_url = server.start()
+    except (OSError, TimeoutError) as err:
+        what = "the console" if console_on else "the control plane"
+        raise click.ClickException(f"cannot serve {what} on {listen}: {err}") from None
+    try:
+        base = None
+        if console_on:
+            from memfuse.server.console import login_url
 
-        console = ConsoleServer(env.app, console_listen.strip())
-        try:
-            base = console.start()
-        except (OSError, TimeoutError) as err:
-            raise click.ClickException(f"cannot serve the console on {console_listen}: {err}") from None
+            base = api_url
+            click.echo(
+                f"memfuse dev: console at {base}/ui/ ; log in with this one-time link:\n"
+                f"    {login_url(env.app, env.admin_token, base)}",
+                err=True,
+            )
         click.echo(
-            f"memfuse dev: console at {base}/ui/ ; log in with this one-time link:\n"
-            f"    {login_url(env.app, env.admin_token, base)}",
+            f"memfuse dev: mounting workspace '{DEV_WORKSPACE}' at {mountpoint} "
+            f"(database {dev_db_path()}); stop with Ctrl-C",
             err=True,
         )
-    click.echo(
-        f"memfuse dev: mounting workspace '{DEV_WORKSPACE}' at {mountpoint} "
-        f"(database {dev_db_path()}); stop with Ctrl-C",
-        err=True,
-    )
-    from memfuse.devenv import agent_tools_hint
+        from memfuse.devenv import agent_tools_hint
 
-    click.echo(agent_tools_hint(shutil.which("memfuse") or sys.argv[0], base), err=True)
-    try:
-        rc = run_mount(config, lambda: env.workspace_client(instance="dev"))
+        click.echo(agent_tools_hint(shutil.which("memfuse") or sys.argv[0], base), err=True)
+        rc = run_mount(config, lambda: ApiClient(api_url, env.workspace_token, instance="dev"))
     finally:
-        if console is not None:
-            console.stop()
+        server.stop()  # after the mount's drain, which commits through it
         # every pooled connection closed: SQLite checkpoints its WAL into dev.db and removes
         # the -wal and -shm files
         env.app.state.service.db.dispose()

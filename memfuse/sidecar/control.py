@@ -7,9 +7,27 @@
 a rejected file put back from the journal whose refusal line is no longer among them gets its
 line again (``note_restored``: the time it was first refused, ``restored: true``). A file
 under ``.memfuse/`` is a read-only node whose ``special`` names its kind; ``content(kind)``
-renders it once per open (``Filesystem.open`` keeps the bytes on the handle, so a reader that
-reads twice sees one consistent snapshot). Everything here runs on the trio thread and never
-awaits: a read of a control file answers from memory.
+renders it.
+
+Sizes and snapshots. A control file's ``st_size`` is the length of the content an open would
+read, as on a local disk (``tail -c``, ``wc -c``, ``sendfile`` / ``shutil.copyfile`` and
+rsync trust it), so a lookup or getattr renders the content too (``size``). ``render`` keeps
+the last rendering of each file and gives it again while it is current: ``errors.log`` and
+``context.md`` until their content changes (a refusal, a fetched prompt block), so their
+``stat`` size always equals what a later ``cat`` reads; ``status.json`` until anything it
+counts changes (``changed``: a FUSE request that modifies, a commit, a refusal) and for at
+most ``STATUS_REUSE_S`` (its ages and the background sync move on their own). That reuse is
+what bounds the cost of a stat storm (``ls -l`` renders each file up to three times: the
+readdirplus entry, the lookup and the getattr) and makes the size of the lookup that precedes
+an open match the bytes that open reads. ``opened`` takes the current rendering as the
+handle's snapshot (``Filesystem.open`` keeps it on the handle: one open reads one consistent
+document, however many read calls it takes); while a handle is open, ``size`` reports the
+newest open's snapshot, so the ``fstat`` a reader makes after its open (``cat``, ``cp``,
+Python's ``read()``, ``tail -c``'s ``SEEK_END``) sees the length of its own snapshot — pyfuse3
+does not pass the handle to getattr. The FUSE adapter opens them with ``direct_io`` (reads
+are answered from the handle's snapshot, never from pages another open left in the kernel's
+cache) and attribute / entry timeouts of 0 (every ``stat`` asks the sidecar). Everything here
+runs on the trio thread and never awaits: a read of a control file answers from memory.
 
 ``context.md`` is the prompt block of docs/API.md ("Prompt block") for this mount: the
 control plane renders it with this mount's path as ``mount_root``; the sidecar fetches it
@@ -41,6 +59,8 @@ log = logging.getLogger("memfuse.fs")
 
 CONTROL_DIR = ".memfuse"
 ERRORS_KEPT = 200  # entries of errors.log (oldest dropped first)
+#: seconds a rendering of status.json stays current when nothing ``changed`` (module docstring)
+STATUS_REUSE_S = 0.25
 # name under .memfuse/ -> Node.special
 FILES = {"status.json": "status", "errors.log": "errors", "context.md": "context"}
 
@@ -83,6 +103,13 @@ class ControlFiles:
         self.context_text: str | None = None  # the last prompt block fetched
         self.context_at = 0.0  # time.time() of that fetch; 0 before the first
         self.context_error: str | None = None  # why the last refresh failed, else None
+        #: bumped by ``changed``: the status document may differ from its last rendering
+        self.changes = 0
+        self._errors_gen = 0  # bumped whenever ``errors`` changes
+        #: kind -> (content, what it was rendered from, time.monotonic() of the rendering)
+        self._rendered: dict[str, tuple[bytes, tuple, float]] = {}
+        #: kind -> [the newest open handle's snapshot, handles open on that file]
+        self._held: dict[str, list] = {}
 
     def set_context(self, text: str | None, error: str | None = None) -> None:
         """Keep a freshly fetched prompt block (``text``), or note that a refresh failed
@@ -90,6 +117,7 @@ class ControlFiles:
         if text is not None:
             self.context_text, self.context_at = text, time.time()
         self.context_error = error
+        self.changed()  # status.json shows the fetch's age and error
 
     def context(self) -> str:
         """``context.md``: the last prompt block fetched, else a placeholder that names the
@@ -151,12 +179,16 @@ class ControlFiles:
             del lines[1 if at == 0 else 0]
         self.errors.clear()
         self.errors.extend(lines)
+        self._errors_gen += 1
+        self.changed()
         if self.journal is not None:
             self.journal.add_error(entry, ERRORS_KEPT)
 
     def _add(self, entry: dict) -> None:
         """Append one line to ``errors.log`` and keep it in the journal (bounded)."""
         self.errors.append(entry)
+        self._errors_gen += 1
+        self.changed()
         if self.journal is not None:
             self.journal.add_error(entry, ERRORS_KEPT)
 
@@ -210,6 +242,64 @@ class ControlFiles:
         if kind == "context":
             return self.context().encode("utf-8")
         return "".join(json.dumps(e) + "\n" for e in self.errors).encode()
+
+    # ------------------------------------------------------------------ sizes and snapshots
+    def changed(self) -> None:
+        """Note that what ``status.json`` shows may have changed (called for every FUSE
+        request that modifies something, each finished commit, refusal or conflict and each
+        prompt-block fetch): its next lookup, getattr or open renders it afresh."""
+        self.changes += 1
+
+    def _source(self, kind: str) -> tuple:
+        """What the content of ``kind`` is rendered from: equal tuples, equal content
+        (``status`` also ages: ``STATUS_REUSE_S``)."""
+        if kind == "errors":
+            return ("errors", self._errors_gen)
+        if kind == "context":
+            return ("context", self.context_text, self.context_error, self.mount_root)
+        return ("status", self.changes)
+
+    def render(self, kind: str) -> bytes:
+        """The content of the control file ``kind`` (``Node.special``) as an open now reads
+        it: the last rendering while it is current (module docstring), else a new one."""
+        now = time.monotonic()
+        source = self._source(kind)
+        last = self._rendered.get(kind)
+        if (last is not None and last[1] == source
+                and (kind != "status" or now - last[2] < STATUS_REUSE_S)):
+            return last[0]
+        data = self.content(kind)
+        self._rendered[kind] = (data, source, now)
+        return data
+
+    def size(self, kind: str) -> int:
+        """``st_size`` of the control file ``kind`` in bytes: while a handle is open on it, the
+        length of the newest open's snapshot (the ``fstat`` of that reader), else the length of
+        ``render(kind)``."""
+        held = self._held.get(kind)
+        if held is not None:
+            return len(held[0])
+        return len(self.render(kind))
+
+    def opened(self, kind: str) -> bytes:
+        """An open of the control file ``kind``: its snapshot (``render``), which ``size``
+        reports until the handle is ``closed`` or a newer open takes its place."""
+        data = self.render(kind)
+        held = self._held.get(kind)
+        if held is None:
+            self._held[kind] = [data, 1]
+        else:
+            held[0] = data
+            held[1] += 1
+        return data
+
+    def closed(self, kind: str) -> None:
+        """The release of a handle ``opened`` on the control file ``kind``."""
+        held = self._held.get(kind)
+        if held is not None:
+            held[1] -= 1
+            if held[1] <= 0:
+                del self._held[kind]
 
 
 MOUNT_INFO = "mount.json"  # in the cache directory while the sidecar is mounted

@@ -338,7 +338,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles):
             n.refused = 0  # a new write session: its content is judged at commit
         if n.special:  # one consistent snapshot per open: json.load may read twice
             h = self._new_handle(n, flags)
-            h.snapshot = self.controls.content(n.special)
+            h.snapshot = self.controls.opened(n.special)
             return h
         if flags & os.O_TRUNC and n.cur_size() > 0:
             self._account(n, -n.cur_size())
@@ -537,6 +537,8 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles):
             return
         n = h.node
         n.opened -= 1
+        if n.special:
+            self.controls.closed(n.special)
         if n.dirty:  # flush was not called (or failed): never drop the write
             self.commit_quietly(n)
         self._drop_if_unused(n)
@@ -545,6 +547,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles):
         self.controls.note_conflict(e.store, e.args.get("path", ""), what)
 
     def _on_commit(self, e: Entry) -> None:
+        self.controls.changed()  # the outbox and the store's counts in status.json
         if e.op == MOVE_PREFIX or e.node_key is None:
             if e.errno:
                 self.note_error(None, e.args.get("from", ""), e.errno, e.reason, e.code, e.store)

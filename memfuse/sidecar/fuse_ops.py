@@ -9,6 +9,8 @@ mount (PYFUSE3-NOTES "Process and errors"). Metrics per operation are counted he
 Kernel settings (PYFUSE3-NOTES "Kernel settings"): entry and attribute timeouts are long
 (``CACHE_TIMEOUT``, the sidecar invalidates what changes remotely), absent names are cached as
 negative entries, file pages are kept across opens (``keep_cache``), the writeback cache is off.
+The ``.memfuse`` files are the exception: entry and attribute timeouts of 0 and ``direct_io``,
+their size the length of the content an open reads (``control.ControlFiles.size``).
 """
 from __future__ import annotations
 
@@ -35,8 +37,16 @@ CACHE_TIMEOUT = float(os.environ.get("MEMFUSE_KERNEL_CACHE_TIMEOUT", "300"))
 BLOCK = 4096
 
 
+# requests that may change what .memfuse/status.json shows (ControlFiles.changed); plain
+# reads, opens and closes do not count (its inode and handle counts may lag by up to
+# STATUS_REUSE_S), so an ``ls -l`` beside a busy reader does not render it on every stat
+MODIFYING = frozenset({"setattr", "mkdir", "rmdir", "unlink", "rename", "mknod", "create",
+                       "write", "flush", "fsync", "setxattr"})
+
+
 def _guard(fn):
     name = fn.__name__
+    modifying = name in MODIFYING
 
     @functools.wraps(fn)
     async def wrapper(self, *args, **kwargs):
@@ -61,6 +71,8 @@ def _guard(fn):
             log.exception("unexpected error in FUSE handler; answered EIO", extra={"op": name})
             raise pyfuse3.FUSEError(errno.EIO) from None
         finally:
+            if modifying:
+                self.fs.controls.changed()
             ops_child.inc()
             lat_child.observe(time.perf_counter() - t0)
 
@@ -101,7 +113,10 @@ class MemfuseOps(pyfuse3.Operations):
         a.st_uid = n.uid
         a.st_gid = n.gid
         a.st_rdev = 0
-        size = 0 if n.special else (BLOCK if n.is_dir else n.cur_size())
+        if n.special:  # the length of the content an open reads (control.py docstring)
+            size = self.fs.controls.size(n.special)
+        else:
+            size = BLOCK if n.is_dir else n.cur_size()
         a.st_size = size
         a.st_blksize = BLOCK
         a.st_blocks = (size + 511) // 512
@@ -215,7 +230,7 @@ class MemfuseOps(pyfuse3.Operations):
     @_guard
     async def open(self, inode, flags, ctx):
         h = self.fs.open(inode, flags)
-        if h.node.special:
+        if h.node.special:  # reads from this open's snapshot, never from another's pages
             return pyfuse3.FileInfo(fh=h.fh, direct_io=True, keep_cache=False)
         return pyfuse3.FileInfo(fh=h.fh, keep_cache=True)
 

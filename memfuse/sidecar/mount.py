@@ -94,8 +94,9 @@ class MountConfig:
     # s without an answer from the control plane at start, with nothing cached to mount,
     # before giving up with exit status 1 (0: wait forever)
     start_timeout: float = 60.0
-    # False: the control plane does not stream by design (memfuse dev's in-process app), so
-    # falling back to long-polling is said at DEBUG, not INFO
+    # False: the control plane does not stream by design (an app reached in process through
+    # httpx.ASGITransport, which buffers whole responses), so falling back to long-polling is
+    # said at DEBUG, not INFO. memfuse dev serves its app over loopback HTTP: True there too
     streams_expected: bool = True
 
 
