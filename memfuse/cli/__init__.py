@@ -53,8 +53,20 @@ __all__ = ["ByteSize", "cli", "main"]
 
 
 def main() -> None:
-    """Console-script entry point (``memfuse``)."""
-    cli.main(prog_name="memfuse")
+    """Console-script entry point (``memfuse``). Exits with the command's status; a closed
+    stdout pipe (``| head -1``) ends it quietly with status 141 (``EXIT_BROKEN_PIPE``)."""
+    import click
+
+    from memfuse.cli.common import flush_stdout
+
+    try:
+        cli.main(prog_name="memfuse")
+    except SystemExit:
+        try:
+            flush_stdout()  # output still buffered meets the closed pipe here, not at exit
+        except click.exceptions.Exit as e:
+            sys.exit(e.exit_code)
+        raise
 
 
 if __name__ == "__main__":  # pragma: no cover
