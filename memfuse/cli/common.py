@@ -1,7 +1,7 @@
 """What every ``memfuse`` command shares: the root group, option and error plumbing, output helpers.
 
 ``opt`` (an option that also reads ``MEMFUSE_<OPTION>``), ``MemfuseGroup`` (every failure as
-one line on stderr and exit status 1), ``Target`` / ``api_options`` / ``_api`` (where API
+one line on stderr and exit status 1; a closed stdout pipe as a quiet status 141), ``Target`` / ``api_options`` / ``_api`` (where API
 commands go: a control plane with a token, or local mode), ``ByteSize``, and the tables, byte
 counts and times commands print. The commands themselves are in the sibling modules; this
 room defines none except the root group ``cli``.
@@ -100,7 +100,8 @@ def _api_error_message(e: ApiError) -> str:
 
 
 class MemfuseGroup(click.Group):
-    """Top-level group: turns every failure into a one-line message and exit status 1.
+    """Top-level group: turns every failure into a one-line message and exit status 1, and
+    output into a closed pipe into a quiet exit with :data:`EXIT_BROKEN_PIPE`.
 
     ``lazy_commands`` maps a command name to the module under ``memfuse.cli`` that registers
     it when imported (click's documented lazy loading of subcommands): a run loads only the
@@ -338,7 +339,7 @@ def cli() -> None:
 
     Start with `memfuse dev` (embedded control plane on a local SQLite file, workspace `dev`
     with store `default` mounted at ./memory). Every option also reads MEMFUSE_<OPTION> from
-    the environment.
+    the environment (exceptions: --version, --help). Rules shared by every command: docs/CLI.md.
     """
     # with_retries() retries quietly; the last error, if any, is the one line the user sees.
     logging.getLogger("stamina").setLevel(logging.ERROR)
