@@ -221,6 +221,7 @@ def test_serve_that_cannot_start_leaves_no_files(home, tmp_path):
         s.listen()
         port = s.getsockname()[1]
         p = _serve(["--listen", f"127.0.0.1:{port}"], work)
-    assert p.returncode == 1 and "Address already in use" in p.stderr, p.stderr
+    assert p.returncode == 1 and f"Error: cannot listen on 127.0.0.1:{port}: Address already in use" in p.stderr, \
+        p.stderr
     assert "admin token written" not in p.stderr
     assert not home.exists() and _tree(work) == {"empty.db"}

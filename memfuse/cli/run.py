@@ -185,7 +185,12 @@ def _serve_until_signal(app, url: str, listen: str, token_path: Path, generated:
 
         async with trio.open_nursery() as nursery:
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                bound = await nursery.start(serve_app, app, listen)
+                try:
+                    bound = await nursery.start(serve_app, app, listen)
+                except* OSError as group:  # the address: in use, not ours, bad host
+                    e = group.exceptions[0]
+                    raise click.ClickException(
+                        f"cannot listen on {listen}: {getattr(e, 'strerror', None) or e}") from None
                 made.keep()
                 click.echo(f"memfuse serve: admin token {'written to' if generated else 'read from'} "
                            f"{token_path}", err=True)
