@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import string
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from click.testing import CliRunner
 
 from memfuse.cli import cli
 from memfuse.devenv import ensure_dev_setup, local_client
+from memfuse.transfer import MANIFEST_PATH
 
 MEMFUSE = Path(sys.executable).with_name("memfuse")
 
@@ -51,11 +53,14 @@ def write_tree(root: Path, files: dict[str, bytes | str]) -> None:
 
 
 def read_tree(root: Path) -> dict[str, bytes]:
+    """path → bytes of every file under ``root`` but an export's manifest."""
     out = {}
     for dirpath, _, filenames in os.walk(root):
         for f in filenames:
             full = Path(dirpath, f)
-            out[full.relative_to(root).as_posix()] = full.read_bytes()
+            rel = full.relative_to(root).as_posix()
+            if rel != MANIFEST_PATH:
+                out[rel] = full.read_bytes()
     return out
 
 
@@ -301,3 +306,105 @@ def test_export_refuses_to_write_outside_and_reports(home, tmp_path):
     assert "d/e.md:" in r.stdout and "leads outside" in r.stdout
     assert "Error: 2 record(s) could not be written" in r.stderr
     assert list(outside.iterdir()) == []
+
+
+# ---------------------------------------------------------------- export → import, every field
+
+#: path → (content, explicit type or None, mode, explicit mtime_ns or None); the store's
+#: default type is `user`, the importing store's `project`
+FAITHFUL = {
+    "MEMORY.md": ("- [prefs](prefs.md)\n", None, 0o644, None),
+    ".hidden.md": ("h\n", None, 0o644, None),  # a dot-file record
+    ".notes/deep/x.md": ("in a hidden directory\n", "reference", 0o600, None),
+    "prefs.md": ("likes tabs\n", "feedback", 0o644, None),  # typed by xattr / console, no frontmatter
+    "fm.md": ("---\ntype: user\n---\nfrontmatter typed\n", None, 0o644, 1_600_000_000_123_456_789),
+    "override.md": ("---\ntype: user\n---\nthe xattr wins\n", "reference", 0o640, None),
+    "default-typed.md": ("the source store's default type\n", None, 0o644, None),
+    "bin/run.sh": ("#!/bin/sh\necho hi\n", None, 0o750, 1_500_000_000_000_000_001),
+    "locked.md": ("nobody may read this\n", "project", 0o000, None),
+    "ro/only.md": ("read only\n", None, 0o444, None),
+    "a/b/c/d/e.md": ("deeply nested", "user", 0o644, None),  # no newline at end
+    "日本語/メモ.md": ("メモ: 金曜日休み\n", None, 0o644, None),
+    "notes/café — ü 🍮.md": ("crème brûlée\r\nCRLF\r\n", "feedback", 0o644, 1_700_000_000_000_000_000),
+    "empty.md": ("", None, 0o644, None),
+}
+FIELDS = ("path", "type", "content", "sha256", "size", "mode", "deleted")
+
+
+async def _make_faithful_store() -> None:
+    async with local_client() as api:
+        await api.create_store("src", default_type="user")
+        for path, (content, rtype, mode, mtime_ns) in FAITHFUL.items():
+            await api.create_record("src", path, content, rtype, mode=mode, mtime_ns=mtime_ns)
+
+
+def _fields(slug: str) -> dict[str, tuple]:
+    """path → every field a user can set, through the API (mtime as the file shows it)."""
+
+    async def main():
+        async with local_client() as api:
+            recs, _ = await api.snapshot(slug, content=True)
+            return {r.path: tuple(getattr(r, f) for f in FIELDS) + (r.mtime_effective_ns(),) for r in recs}
+
+    return trio.run(main)
+
+
+def test_export_then_import_gives_the_same_records_field_by_field(home, tmp_path):
+    trio.run(_make_faithful_store)
+    src = _fields("src")
+    assert set(src) == set(FAITHFUL)
+    assert src["default-typed.md"][1] == "user" and src["prefs.md"][1] == "feedback"
+    assert src["override.md"][1] == "reference" and src["locked.md"][5] == 0
+
+    out = tmp_path / "export"
+    r = ok("export", "src", str(out))
+    assert f"exported {len(FAITHFUL)} record(s)" in r.stdout
+    assert read_tree(out) == {p: c.encode() for p, (c, _, _, _) in FAITHFUL.items()}
+    manifest = json.loads((out / MANIFEST_PATH).read_text(encoding="utf-8"))
+    assert (manifest["format"], manifest["version"], manifest["store"]) == ("memfuse-export", 1, "src")
+    assert [e["path"] for e in manifest["records"]] == sorted(FAITHFUL, key=lambda p: p.encode())
+    assert {e["path"]: (e["type"], e["mode"], e["mtime_ns"], e["sha256"], e["size"]) for e in manifest["records"]} == {
+        p: (v[1], v[5], v[7], v[3], v[4]) for p, v in src.items()}
+
+    ok("store", "create", "rt")  # default type project
+    r = ok("import", "rt", str(out))
+    assert f"imported {len(FAITHFUL)} of {len(FAITHFUL)} file(s) into rt: {len(FAITHFUL)} created; 0 refused; 0 skipped" in r.stdout
+    assert "skipped:" not in r.stdout
+    assert _fields("rt") == src
+
+    # imported again: nothing to do; into the source store: nothing either
+    r = ok("import", "rt", str(out))
+    assert f"{len(FAITHFUL)} unchanged" in r.stdout and "updated" not in r.stdout
+    r = ok("import", "src", str(out))
+    assert f"{len(FAITHFUL)} unchanged" in r.stdout
+
+    # copied without modes and times (cp -r): the manifest still gives them back
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy, copy_function=shutil.copyfile)
+    ok("store", "create", "rt2")
+    r = ok("import", "rt2", str(copy))
+    assert "0 refused; 0 skipped" in r.stdout
+    assert _fields("rt2") == src
+
+    # a file edited after the export is imported as a plain file: frontmatter / default type,
+    # the file's own mode and time; the others keep the exported attributes
+    (copy / "prefs.md").write_text("---\ntype: user\n---\nnow spaces\n")
+    os.chmod(copy / "prefs.md", 0o600)
+    (copy / "empty.md").unlink()
+    ok("store", "create", "rt3")
+    r = ok("import", "rt3", str(copy))
+    assert "empty.md: listed in .memfuse/export.json but not a regular file in DIR [missing]" in r.stdout
+    got = _fields("rt3")
+    assert got["prefs.md"][1:3] == ("user", "---\ntype: user\n---\nnow spaces\n") and got["prefs.md"][5] == 0o600
+    assert {p: v for p, v in got.items() if p != "prefs.md"} == {p: v for p, v in src.items() if p not in ("prefs.md", "empty.md")}
+
+
+def test_import_of_a_directory_with_a_bad_manifest_fails_clearly(home, tmp_path):
+    ok("store", "create", "s")
+    write_tree(tmp_path / "d", {"a.md": "a\n", MANIFEST_PATH: "{not json"})
+    r = invoke("import", "s", str(tmp_path / "d"))
+    assert r.exit_code == 1 and "export.json is not JSON" in r.stderr
+    write_tree(tmp_path / "d", {MANIFEST_PATH: json.dumps({"format": "memfuse-export", "version": 2, "records": []})})
+    r = invoke("import", "s", str(tmp_path / "d"))
+    assert r.exit_code == 1 and "has version 2; this memfuse reads version 1" in r.stderr
+    assert store_records("s") == {}

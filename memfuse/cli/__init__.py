@@ -6,13 +6,14 @@ Commands: ``serve``, ``dev``, ``mount``, ``status``, ``store create|list|show|up
 ``mounts add|remove``.
 
 Every option also reads ``MEMFUSE_<OPTION>`` from the environment (``--control-plane`` →
-``MEMFUSE_CONTROL_PLANE``, ``--token-file`` → ``MEMFUSE_TOKEN_FILE``, ...); a raw token may be
-given as ``MEMFUSE_TOKEN``. API commands without ``--control-plane`` run the reference control
+``MEMFUSE_CONTROL_PLANE``, ``--token-file`` → ``MEMFUSE_TOKEN_FILE``, ...; the exceptions, which
+read none, are listed in docs/CLI.md); a raw token may be given as ``MEMFUSE_TOKEN``. API commands without ``--control-plane`` run the reference control
 plane in-process on the dev database (local mode, see :mod:`memfuse.devenv`), which works while
 ``memfuse dev`` runs on the same file.
 
 Errors print one line to stderr and exit 1 (2 for usage errors); never a traceback, unless
-``MEMFUSE_TRACEBACK=1`` is set.
+``MEMFUSE_TRACEBACK=1`` is set. Output into a pipe whose reader has gone (``| head -1``) ends
+the command quietly with status 141, as a shell reports for git or grep there.
 
 One module per command group, each registering its commands on ``cli`` when imported (only
 the invoked command's module is imported: ``cli.lazy_commands``):
@@ -53,8 +54,20 @@ __all__ = ["ByteSize", "cli", "main"]
 
 
 def main() -> None:
-    """Console-script entry point (``memfuse``)."""
-    cli.main(prog_name="memfuse")
+    """Console-script entry point (``memfuse``). Exits with the command's status; a closed
+    stdout pipe (``| head -1``) ends it quietly with status 141 (``EXIT_BROKEN_PIPE``)."""
+    import click
+
+    from memfuse.cli.common import flush_stdout
+
+    try:
+        cli.main(prog_name="memfuse")
+    except SystemExit:
+        try:
+            flush_stdout()  # output still buffered meets the closed pipe here, not at exit
+        except click.exceptions.Exit as e:
+            sys.exit(e.exit_code)
+        raise
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -174,16 +174,49 @@ def workspace_list(target: Target) -> None:
 @cli.command()
 @click.argument("ws")
 @click.argument("store_slug", metavar="STORE")
-@opt("--read-only", is_flag=True, help="Attach read-only (default read-write).")
-@opt("--instructions", default="", help="Instructions shown to the agent with this store.")
+@opt("--read-only", is_flag=True, help="Attach read-only: the workspace's agents cannot write.")
+@opt("--read-write", is_flag=True,
+     help="Attach read-write (the default; names it explicitly, e.g. to undo --read-only).")
+@opt("--instructions", default=None,
+     help="Instructions shown to the agent with this store (default: none for a new "
+          "attachment, the current ones kept when it exists).")
 @api_options
-def attach(target: Target, ws: str, store_slug: str, read_only: bool, instructions: str) -> None:
-    """Attach STORE to workspace WS (or change its access / instructions)."""
+def attach(target: Target, ws: str, store_slug: str, read_only: bool, read_write: bool,
+           instructions: str | None) -> None:
+    """Attach STORE to workspace WS, or change the access / instructions of an attachment.
+
+    The access is read-write unless --read-only is given; --read-write says so explicitly
+    (turning a read-only attachment back into a read-write one). The two exclude each other;
+    a flag on the command line wins over the other's environment variable. Prints the
+    resulting access and, for an existing attachment, what it was.
+    """
+    ctx = click.get_current_context()
+    if read_only and read_write:
+        src = ctx.get_parameter_source
+        from_cli = [n for n in ("read_only", "read_write")
+                    if src(n) == click.core.ParameterSource.COMMANDLINE]
+        if len(from_cli) == 1:  # the command line wins over the other flag's env var
+            read_only = from_cli[0] == "read_only"
+        else:
+            raise click.UsageError("--read-only and --read-write exclude each other (give one)")
     access = "read_only" if read_only else "read_write"
     key = _key()
-    a = _api(target, lambda api: with_retries(
-        lambda: api.attach(ws, store_slug, access, instructions, idempotency_key=key)))
-    click.echo(f"attached {a.store.slug} to {a.workspace} ({a.access.value})")
+
+    async def body(api: ApiClient) -> tuple[Any, Any]:
+        before = next((a for a in await with_retries(lambda: api.list_attachments(ws))
+                       if a.store.slug == store_slug), None)
+        text = instructions if instructions is not None else (before.instructions if before else "")
+        after = await with_retries(lambda: api.attach(ws, store_slug, access, text, idempotency_key=key))
+        return before, after
+
+    before, a = _api(target, body)
+    if before is None:
+        was = ""
+    elif before.access == a.access:
+        was = ", unchanged"
+    else:
+        was = f", was {before.access.value}"
+    click.echo(f"attached {a.store.slug} to {a.workspace} ({a.access.value}{was})")
 
 
 @cli.command()

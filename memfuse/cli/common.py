@@ -1,7 +1,7 @@
 """What every ``memfuse`` command shares: the root group, option and error plumbing, output helpers.
 
 ``opt`` (an option that also reads ``MEMFUSE_<OPTION>``), ``MemfuseGroup`` (every failure as
-one line on stderr and exit status 1), ``Target`` / ``api_options`` / ``_api`` (where API
+one line on stderr and exit status 1; a closed stdout pipe as a quiet status 141), ``Target`` / ``api_options`` / ``_api`` (where API
 commands go: a control plane with a token, or local mode), ``ByteSize``, and the tables, byte
 counts and times commands print. The commands themselves are in the sibling modules; this
 room defines none except the root group ``cli``.
@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import timezone
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import click
 
@@ -36,14 +36,59 @@ DEFAULT_ADMIN_LISTEN = "127.0.0.1:9464"
 # ---------------------------------------------------------------- plumbing
 
 
+def envvar_for(*decls: str) -> str:
+    """The environment variable of an option declared by ``decls``: ``MEMFUSE_`` + its first
+    long name upper-cased with ``-`` as ``_`` (``--token-file`` → ``MEMFUSE_TOKEN_FILE``,
+    ``--admin-socket/--no-admin-socket`` → ``MEMFUSE_ADMIN_SOCKET``)."""
+    longs = [d for d in decls if d.startswith("--")]
+    name = longs[0][2:].split("/")[0] if longs else decls[-1]
+    return "MEMFUSE_" + name.upper().replace("-", "_")
+
+
 def opt(*decls: str, **kw: Any) -> Callable[[Any], Any]:
-    """``click.option`` that also reads ``MEMFUSE_<LONG_NAME>`` from the environment."""
+    """``click.option`` that also reads ``MEMFUSE_<LONG_NAME>`` (:func:`envvar_for`) from the
+    environment. ``envvar=None`` makes an option that reads no environment variable at all
+    (a documented exception, docs/CLI.md)."""
     if "envvar" not in kw:
-        longs = [d for d in decls if d.startswith("--")]
-        name = longs[0][2:].split("/")[0] if longs else decls[-1]
-        kw["envvar"] = "MEMFUSE_" + name.upper().replace("-", "_")
-    kw.setdefault("show_envvar", True)
+        kw["envvar"] = envvar_for(*decls)
+    elif kw["envvar"] is None:
+        kw["allow_from_autoenv"] = False
+    kw.setdefault("show_envvar", kw["envvar"] is not None)
     return click.option(*decls, **kw)
+
+
+#: Exit status after stdout turned out to be a closed pipe (``memfuse history ... | head -1``):
+#: 128 + SIGPIPE, the status a shell reports for git, grep and coreutils, which die of the
+#: signal when they write to a pipe whose reader has gone (POSIX ``write(2)``: EPIPE, SIGPIPE).
+EXIT_BROKEN_PIPE = 128 + 13
+
+
+def _broken_pipe_exit() -> NoReturn:
+    """Leave quietly after a write to a closed stdout pipe: nothing on stderr, exit status
+    :data:`EXIT_BROKEN_PIPE`. Python ignores SIGPIPE (the write raises ``BrokenPipeError``
+    instead), and the process holds sockets, so SIGPIPE is not restored to its default (see
+    the Python docs, "Note on SIGPIPE"): stdout is pointed at ``/dev/null`` instead so the
+    flush at interpreter exit does not fail again. Raises ``click.exceptions.Exit``."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a real file (click's test runner)
+        fd = None
+    if fd is not None:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, fd)
+        finally:
+            os.close(devnull)
+    raise click.exceptions.Exit(EXIT_BROKEN_PIPE)
+
+
+def flush_stdout() -> None:
+    """Flush stdout now, so a closed pipe shows here (a quiet :func:`_broken_pipe_exit`), not
+    as ``Exception ignored ... BrokenPipeError`` and status 120 at interpreter exit."""
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _broken_pipe_exit()
 
 
 
@@ -56,7 +101,8 @@ def _api_error_message(e: ApiError) -> str:
 
 
 class MemfuseGroup(click.Group):
-    """Top-level group: turns every failure into a one-line message and exit status 1.
+    """Top-level group: turns every failure into a one-line message and exit status 1, and
+    output into a closed pipe into a quiet exit with :data:`EXIT_BROKEN_PIPE`.
 
     ``lazy_commands`` maps a command name to the module under ``memfuse.cli`` that registers
     it when imported (click's documented lazy loading of subcommands): a run loads only the
@@ -78,16 +124,28 @@ class MemfuseGroup(click.Group):
             importlib.import_module(f"memfuse.cli.{module}")
         return super().get_command(ctx, cmd_name)
 
+    def make_context(self, *args: Any, **kw: Any) -> click.Context:  # noqa: D102
+        try:  # eager options print here: `memfuse --help | head -1`
+            return super().make_context(*args, **kw)
+        except BrokenPipeError:
+            _broken_pipe_exit()
+
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except (click.exceptions.ClickException, click.exceptions.Abort, click.exceptions.Exit):
             raise
+        except BrokenPipeError:  # stdout's reader has gone: quiet, like coreutils
+            _broken_pipe_exit()
         except KeyboardInterrupt:
             raise click.exceptions.Abort() from None
         except Exception as e:  # noqa: BLE001 — the CLI never shows a traceback
             if os.environ.get("MEMFUSE_TRACEBACK"):
                 raise
+            if isinstance(e, BaseExceptionGroup):  # trio may wrap errors
+                leaves = _leaves(e)
+                if len(leaves) == 1 and isinstance(leaves[0], BrokenPipeError):
+                    _broken_pipe_exit()
             raise click_error(e) from None
 
 
@@ -242,14 +300,20 @@ def _setup_logging(debug: bool) -> None:
 
 
 def _write_exact(text: str) -> None:
-    """Write ``text`` to stdout as UTF-8 bytes, exactly (no newline added or translated)."""
+    """Write ``text`` to stdout as UTF-8 bytes, exactly (no newline added or translated), all
+    of it: a write cut short (``write(2)`` returns what fit when a signal arrives, or when the
+    pipe's reader leaves; ``BufferedWriter.write`` then returns that count) is continued, so a
+    closed pipe raises ``BrokenPipeError`` instead of the rest being dropped silently."""
     sys.stdout.flush()
     buf = getattr(sys.stdout, "buffer", None)
     if buf is None:  # pragma: no cover — a text-only stdout
         sys.stdout.write(text)
         sys.stdout.flush()
         return
-    buf.write(text.encode("utf-8"))
+    view = memoryview(text.encode("utf-8"))
+    while view:
+        n = buf.write(view)
+        view = view[n if n is not None else len(view):]
     buf.flush()
 
 
@@ -293,19 +357,22 @@ def _fmt_time(dt: Any) -> str:
 @click.group(
     name="memfuse",
     cls=MemfuseGroup,
+    # no auto_envvar_prefix: click's automatic names (MEMFUSE_<COMMAND>_<PARAMETER>) follow
+    # no documented rule; every option names its variable through ``opt`` instead
     context_settings={
-        "auto_envvar_prefix": "MEMFUSE",
         "help_option_names": ["-h", "--help"],
         "max_content_width": 100,
     },
 )
-@click.version_option(package_name="memfuse", prog_name="memfuse")
+# the release, never from the environment: MEMFUSE_VERSION is a common name for the release
+# to install (Dockerfiles, CI), and reading it made every command print the version instead
+@click.version_option(package_name="memfuse", prog_name="memfuse", allow_from_autoenv=False)
 def cli() -> None:
     """memfuse: long-term memory for AI agents, served as plain files over FUSE.
 
     Start with `memfuse dev` (embedded control plane on a local SQLite file, workspace `dev`
     with store `default` mounted at ./memory). Every option also reads MEMFUSE_<OPTION> from
-    the environment.
+    the environment (exceptions: --version, --help). Rules shared by every command: docs/CLI.md.
     """
     # with_retries() retries quietly; the last error, if any, is the one line the user sees.
     logging.getLogger("stamina").setLevel(logging.ERROR)

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import click
 
-from memfuse.cli.common import cli
+from memfuse.cli.common import cli, opt
 
 __all__ = ["db", "database_errors", "open_database", "safe_url"]
 
@@ -90,11 +90,10 @@ def db() -> None:
 
 @db.command("upgrade")
 @_db_option
-@click.option("--revision", default="head", show_default=True, metavar="REV",
-              help="Revision to upgrade to.")
-@click.option("--sql", "as_sql", is_flag=True,
-              help="Print the SQL for an empty database of this URL's dialect instead of running it "
-              "(for a DBA to review); nothing is connected to.")
+@opt("--revision", default="head", show_default=True, metavar="REV", help="Revision to upgrade to.")
+@opt("--sql", "as_sql", is_flag=True,
+     help="Print the SQL for an empty database of this URL's dialect instead of running it "
+     "(for a DBA to review); nothing is connected to.")
 def upgrade(url: str | None, revision: str, as_sql: bool) -> None:
     """Upgrade the database to the newest schema revision (safe to run again, and from two
     places at once: a lock serialises them). A database made before migrations existed is
@@ -132,7 +131,7 @@ def upgrade(url: str | None, revision: str, as_sql: bool) -> None:
 
 @db.command("current")
 @_db_option
-@click.option("--check", is_flag=True, help="Exit 1 unless the database is at the newest revision.")
+@opt("--check", is_flag=True, help="Exit 1 unless the database is at the newest revision.")
 def current(url: str | None, check: bool) -> None:
     """Print the database's schema revision and the newest one this memfuse knows."""
     from memfuse.devenv import dev_db_url

@@ -40,7 +40,7 @@ def _admin_token(admin_token_file: Path | None) -> tuple[str, Path, bool]:
     from memfuse.devenv import data_dir
     from memfuse.privfile import write_private
 
-    path = admin_token_file if admin_token_file is not None else data_dir() / "admin.token"
+    path = admin_token_file if admin_token_file is not None else data_dir(create=False) / "admin.token"
     try:
         tok = path.read_text(encoding="utf-8").strip()
     except FileNotFoundError:
@@ -55,6 +55,8 @@ def _admin_token(admin_token_file: Path | None) -> tuple[str, Path, bool]:
         raise click.UsageError(f"admin token file {path} is empty")
     tok = "mfa_" + secrets.token_urlsafe(32)
     try:
+        if admin_token_file is None:
+            data_dir()  # <data dir> itself, made 0700 when missing
         write_private(path, tok + "\n")
     except OSError as e:
         raise click.UsageError(f"cannot create admin token file {path}: {e.strerror}") from None
@@ -81,42 +83,101 @@ def serve(db: str | None, listen: str, admin_token_file: Path | None, migrate: b
           debug: bool) -> None:
     """Run the reference control plane (HTTP API v1) on a database."""
     from memfuse.cli.db import database_errors
-    from memfuse.devenv import dev_db_url
+    from memfuse.devenv import data_dir, dev_db_url
 
     _setup_logging(debug)
-    url = db or dev_db_url()
-    token, token_path, generated = _admin_token(admin_token_file)
-    from memfuse.server.app import create_app
-    from memfuse.server.serve import AlreadyServing, claim_database, release_database, tune_gc
-    from memfuse.server.serve import serve as serve_app
-
-    tune_gc()  # thousands of streams: see memfuse.server.serve.tune_gc
-
-    with database_errors(url):
-        app = create_app(url, static_tokens={token: None}, schema="migrate" if migrate or not db else "check",
-                         streams=not no_streams)
+    # What a start that fails (a database without the schema, a port in use, ...) made is
+    # removed again: the data dir, the admin token file, the SQLite file and its directory.
+    made = _MadeFiles()
     try:
-        claim_database(app)  # SQLite: one replica per file
-    except AlreadyServing as e:
-        app.state.service.db.dispose()
-        raise click.ClickException(str(e)) from None
-    try:
-        _serve_until_signal(app, url, listen, token_path, generated, serve_app)
-    finally:
-        # every pooled connection closed: SQLite checkpoints its WAL into the file and removes
-        # the -wal and -shm files, so the .db alone holds everything (copy it, back it up)
-        app.state.service.db.dispose()
-        release_database(app)
+        made.watch(data_dir(create=False))
+        url = db or dev_db_url()
+        made.watch_sqlite(url)
+        made.watch(admin_token_file if admin_token_file is not None else data_dir(create=False) / "admin.token")
+        token, token_path, generated = _admin_token(admin_token_file)
+        from memfuse.server.app import create_app
+        from memfuse.server.serve import AlreadyServing, claim_database, release_database, tune_gc
+        from memfuse.server.serve import serve as serve_app
+
+        tune_gc()  # thousands of streams: see memfuse.server.serve.tune_gc
+
+        with database_errors(url):
+            app = create_app(url, static_tokens={token: None}, schema="migrate" if migrate or not db else "check",
+                             streams=not no_streams)
+        try:
+            claim_database(app)  # SQLite: one replica per file
+        except AlreadyServing as e:
+            app.state.service.db.dispose()
+            raise click.ClickException(str(e)) from None
+        try:
+            _serve_until_signal(app, url, listen, token_path, generated, serve_app, made)
+        finally:
+            # every pooled connection closed: SQLite checkpoints its WAL into the file and
+            # removes the -wal and -shm files, so the .db alone holds everything (copy it, back
+            # it up)
+            app.state.service.db.dispose()
+            release_database(app)
+    except BaseException:
+        made.remove()  # nothing once serving started (made.keep())
+        raise
     click.echo("memfuse serve: stopped", err=True)
 
 
-def _serve_until_signal(app, url: str, listen: str, token_path: Path, generated: bool, serve_app) -> None:
-    """``memfuse serve``'s loop: serve ``app`` on ``listen`` until SIGINT or SIGTERM."""
-    click.echo(
-        f"memfuse serve: admin token {'written to' if generated else 'read from'} {token_path}",
-        err=True,
-    )
+class _MadeFiles:
+    """The files and directories ``memfuse serve`` may create before it serves, each noted
+    only when it did not exist yet, so a failed start removes exactly what it made (files,
+    then the directories when empty) and nothing the user had. ``keep()`` once serving."""
 
+    def __init__(self) -> None:
+        self._paths: list[Path] = []
+        self._kept = False
+
+    def watch(self, path: Path) -> None:
+        """Note ``path`` and its missing ancestors (they would be created for it)."""
+        path = Path(os.path.abspath(path))
+        for p in (path, *path.parents):
+            if os.path.lexists(p):
+                break
+            self._paths.append(p)
+
+    def watch_sqlite(self, url: str) -> None:
+        """Note the file of an SQLite ``url``, its ``-wal``, ``-shm`` and ``-journal`` and the
+        one-replica lock ``<file>.serve.lock`` (:func:`memfuse.server.serve.claim_sqlite_file`)."""
+        try:
+            from memfuse.server.db import normalize_db_url
+
+            u = normalize_db_url(url)
+        except Exception:  # noqa: BLE001 — a bad URL fails later, with its message
+            return
+        if u.get_backend_name() != "sqlite" or u.database in (None, "", ":memory:") or u.query.get("uri"):
+            return
+        self.watch(Path(u.database))
+        for suffix in ("-wal", "-shm", "-journal"):
+            self.watch(Path(u.database + suffix))
+        self.watch(Path(os.path.realpath(u.database) + ".serve.lock"))
+
+    def keep(self) -> None:
+        """Serving: what was made stays."""
+        self._kept = True
+
+    def remove(self) -> None:
+        """Remove what was made (deepest first; a directory only when empty), unless kept."""
+        if self._kept:
+            return
+        for p in sorted(set(self._paths), key=lambda p: len(p.parts), reverse=True):
+            try:
+                if p.is_dir() and not p.is_symlink():
+                    p.rmdir()
+                else:
+                    p.unlink()
+            except OSError:  # not made after all, or not empty: left as it is
+                pass
+
+
+def _serve_until_signal(app, url: str, listen: str, token_path: Path, generated: bool, serve_app,
+                        made: _MadeFiles) -> None:
+    """``memfuse serve``'s loop: serve ``app`` on ``listen`` until SIGINT or SIGTERM;
+    ``made.keep()`` once it listens."""
     async def run() -> None:
         import signal
 
@@ -124,7 +185,15 @@ def _serve_until_signal(app, url: str, listen: str, token_path: Path, generated:
 
         async with trio.open_nursery() as nursery:
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                bound = await nursery.start(serve_app, app, listen)
+                try:
+                    bound = await nursery.start(serve_app, app, listen)
+                except* OSError as group:  # the address: in use, not ours, bad host
+                    e = group.exceptions[0]
+                    raise click.ClickException(
+                        f"cannot listen on {listen}: {getattr(e, 'strerror', None) or e}") from None
+                made.keep()
+                click.echo(f"memfuse serve: admin token {'written to' if generated else 'read from'} "
+                           f"{token_path}", err=True)
                 click.echo(f"memfuse serve: listening on {bound or 'http://' + listen} "
                            f"(database {_safe_url(url)}); stop with Ctrl-C", err=True)
                 click.echo(f"memfuse serve: web console at {bound or 'http://' + listen}/ui/ "

@@ -12,7 +12,16 @@ import click
 
 from memfuse.cli.common import Target, _api, _human_bytes, _one_line, api_options, cli, opt
 from memfuse.client import with_retries
-from memfuse.transfer import IMPORT_ACTIONS, export_records, import_files, import_walk, shown
+from memfuse.transfer import (
+    IMPORT_ACTIONS,
+    MANIFEST_PATH,
+    ManifestError,
+    export_records,
+    import_files,
+    import_walk,
+    read_manifest,
+    shown,
+)
 
 
 @cli.command("import")
@@ -33,13 +42,25 @@ def import_(target: Target, store_slug: str, directory: Path, dry_run: bool) -> 
     `metadata.type:`), else the store's default type (or, on update, the record's current
     type). Hidden files and directories, editor temporaries and symbolic links are skipped.
 
+    A directory written by `memfuse export` has a manifest (.memfuse/export.json): the files
+    it lists are imported whatever their names (dot-files too), and each one still as
+    exported gets the exported type, permission bits and modification time back.
+
     Files the store refuses (not UTF-8, unknown type, a secret, too large, bad name, store
     full) are listed at the end; the others are imported. Exits 1 only when files were found
     and none could be imported.
     """
-    files, skipped = import_walk(directory)
-    report = _api(target, lambda api: import_files(api, store_slug, files, dry_run, click.echo))
+    try:
+        manifest = read_manifest(directory)
+    except ManifestError as e:
+        raise click.ClickException(_one_line(e)) from None
+    files, skipped = import_walk(directory, manifest or ())
+    report = _api(target, lambda api: import_files(api, store_slug, files, dry_run, click.echo, manifest))
     report.skipped = skipped
+    found = {p for p, _ in files}
+    for path in sorted(manifest or (), key=lambda p: p.encode("utf-8")):
+        if path not in found:
+            report.refused.append((path, f"listed in {MANIFEST_PATH} but not a regular file in DIR [missing]"))
     counts = report.counts()
     parts = [f"{counts[a]} {a}" for a in IMPORT_ACTIONS if counts.get(a)]
     verb = "checked" if dry_run else "imported"
@@ -67,11 +88,15 @@ def export(target: Target, store_slug: str, directory: Path) -> None:
     """Write every live record of STORE under DIR at its path, byte for byte.
 
     Directories are created as needed; a file that exists at a record's path is replaced
-    (atomically); other files under DIR are left alone. Each file's modification time is the
-    record's last update. `memfuse import` of the result gives the same store back.
+    (atomically); other files under DIR are left alone. Each file gets the record's
+    permission bits (plus the owner's read bit) and modification time. The manifest
+    DIR/.memfuse/export.json lists every record written with its type, permission bits,
+    modification time and sha256 (format: docs/CLI.md), so that `memfuse import` of DIR gives
+    the same records back: paths (dot-files included), content, types (set by frontmatter,
+    xattr or the console), modes and times.
     """
     records, _ = _api(target, lambda api: with_retries(lambda: api.snapshot(store_slug, content=True)))
-    report = export_records(records, directory)
+    report = export_records(records, directory, store_slug)
     click.echo(f"exported {report.written} record(s), {_human_bytes(report.bytes)}, from {store_slug} to {directory}")
     if report.failed:
         click.echo("failed:")
