@@ -190,19 +190,19 @@ class SearchError(click.ClickException):
 @cli.command()
 @click.argument("store_slug", metavar="STORE")
 @click.argument("query")
-@opt("--path-prefix", "prefix", envvar=None, default="", metavar="PATH",
+@opt("--path-prefix", "prefix", default="", metavar="PATH",
      help="Only the record at PATH or the records under directory PATH.")
-@opt("--type", "rtype", envvar=None, type=click.Choice(["user", "feedback", "project", "reference"]),
+@opt("--type", "rtype", type=click.Choice(["user", "feedback", "project", "reference"]),
      help="Only records of this type.")
-@opt("--match", envvar=None, type=click.Choice(["content", "path", "any"]), default="content",
+@opt("--match", type=click.Choice(["content", "path", "any"]), default="content",
      show_default=True,
      help="Where QUERY must be: in the content (grep), in the path, or either (the memory "
           "tool's search). A record found by its path alone prints as its bare path.")
-@opt("--case-sensitive", envvar=None, is_flag=True,
+@opt("--case-sensitive", is_flag=True,
      help="Match case exactly. Default: both sides compared in Unicode lowercase (ÄPFEL finds äpfel).")
-@opt("-l", "--files-with-matches", "files_only", envvar=None, is_flag=True,
+@opt("-l", "--files-with-matches", "files_only", is_flag=True,
      help="Print only the path of each matching record (as grep -l).")
-@opt("--limit", envvar=None, type=click.IntRange(min=1), metavar="N",
+@opt("--limit", type=click.IntRange(min=1), metavar="N",
      help="Stop after N matching records. Default: all of them.")
 @api_options
 def search(target: Target, store_slug: str, query: str, prefix: str, rtype: str | None, match: str,
