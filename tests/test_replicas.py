@@ -60,17 +60,18 @@ def _serve(tmp: Path, db_url: str, name: str) -> tuple[subprocess.Popen, str, Pa
 
 
 @contextlib.asynccontextmanager
-async def _two_replicas(tmp: Path, db_url: str, *, a_timeout: float = 5.0
+async def _two_replicas(tmp: Path, db_url: str
                         ) -> AsyncIterator[tuple[httpx.AsyncClient, httpx.AsyncClient, str]]:
     """Start ``memfuse serve`` replica A on ``db_url``, wait until it answers, then replica B;
-    yield ``(ca, cb, url_b)``: admin clients of A (timeout ``a_timeout`` s; 5 s is httpx's
-    default) and of B (60 s), and B's URL. Both processes are stopped on the way out."""
+    yield ``(ca, cb, url_b)``: admin clients of A and of B (timeout 60 s each: httpx's
+    default of 5 s is short on a busy machine), and B's URL. Both processes are stopped on
+    the way out."""
     procs = []
     try:
         a, url_a, _ = _serve(tmp, db_url, "a")
         procs.append(a)
         async with httpx.AsyncClient(base_url=url_a, headers={"Authorization": f"Bearer {ADMIN}"},
-                                     timeout=a_timeout) as ca:
+                                     timeout=60) as ca:
             await _until(lambda: ca.get("/healthz"), "replica A")
             b, url_b, _ = _serve(tmp, db_url, "b")
             procs.append(b)
@@ -98,6 +99,19 @@ async def _until(fn, what: str, timeout: float = 30.0):
 def _metric(text: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(name + " ") or line.startswith(name + "{"))
+
+
+async def _settled(c: httpx.AsyncClient, name: str, quiet: float = 0.3, timeout: float = 30.0) -> float:
+    """The value of counter ``name`` on ``c``'s /metrics once it stayed the same for
+    ``quiet`` s (work already under way is over); fails after ``timeout`` s."""
+    with trio.fail_after(timeout):
+        last = _metric((await c.get("/metrics")).text, name)
+        while True:
+            await trio.sleep(quiet)
+            now = _metric((await c.get("/metrics")).text, name)
+            if now == last:
+                return now
+            last = now
 
 
 async def test_write_on_replica_a_wakes_waiter_on_replica_b(pg, tmp_path):
@@ -140,8 +154,10 @@ async def test_write_on_replica_a_wakes_waiter_on_replica_b(pg, tmp_path):
                 async def held():
                     return _metric((await cb.get("/metrics")).text, "memfuse_server_long_polls") == 2
                 await _until(held, "both long-polls held on B")
-                await trio.sleep(0.3)  # the first look of each (a read at most) is over
-                s0 = _metric((await cb.get("/metrics")).text, "memfuse_server_db_statements_total")
+                # a long-poll subscribes before its first look (a read at most), so the count
+                # settles once both looks are over: wait for that (a busy machine may take
+                # longer than any fixed sleep), then B must stay idle for 1.5 s
+                s0 = await _settled(cb, "memfuse_server_db_statements_total")
                 await trio.sleep(1.5)
                 s1 = _metric((await cb.get("/metrics")).text, "memfuse_server_db_statements_total")
                 assert s1 == s0, f"B queried the database {s1 - s0} times while idle"
@@ -165,7 +181,7 @@ async def test_write_on_replica_a_wakes_waiter_on_replica_b(pg, tmp_path):
 async def test_batch_on_replica_a_wakes_waiter_on_replica_b_with_every_version_in_order(pg, tmp_path):
     """A batch committed on A (one transaction, one NOTIFY) answers a change-feed long-poll
     held on B at once, with the batch's versions in the batch's order."""
-    async with _two_replicas(tmp_path, pg, a_timeout=60) as (ca, cb, _):
+    async with _two_replicas(tmp_path, pg) as (ca, cb, _):
         assert (await ca.post("/v1/stores", json={"slug": "default"})).status_code == 201
         first = (await ca.post("/v1/stores/default/records",
                                json={"path": "first.md", "content": "one"})).json()
