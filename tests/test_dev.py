@@ -70,7 +70,7 @@ def test_readme_flow_restart_and_history(tmp_path):
         # a refusal's console line names store, path, errno and reason code (not content)
         sh(r"printf 'caf\xe9\n' > memory/default/bad.md", tmp_path)
         wait_for(lambda: "refused store=default path=bad.md errno=EILSEQ code=invalid_content"
-                 in log.read_text(), 10, "the refusal's log line")
+                 in log.read_text(), 30, "the refusal's log line")
         sh("rm memory/default/bad.md", tmp_path)
         assert interrupt(proc) == 0
         assert not is_mounted(mnt)
@@ -106,7 +106,7 @@ def test_readme_flow_restart_and_history(tmp_path):
         assert sh(f"{MEMFUSE} show default prefs.md --version 1", tmp_path, env=env).stdout == "prefers tea\n"
         # a restore through the CLI reaches the running mount through the change feed
         sh(f"{MEMFUSE} restore default prefs.md --version 1", tmp_path, env=env)
-        wait_for(lambda: (mnt / "default" / "prefs.md").read_text() == "prefers tea\n", 5,
+        wait_for(lambda: (mnt / "default" / "prefs.md").read_text() == "prefers tea\n", 30,
                  "restored content on the mount")
         # dev's in-process app does not stream by design: the long-poll fallback is not news
         assert "does not stream" not in log.read_text()
