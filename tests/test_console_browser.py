@@ -382,6 +382,53 @@ def test_store_page_updates_live(console):
     c.settle()
 
 
+def test_a_page_being_left_does_not_reload_itself(console):
+    """A store page someone is leaving (a link followed, the next page still on its way)
+    does not reload itself when the store changes meanwhile: the reload would cancel the
+    navigation and keep them on the old page."""
+    import http.server
+    import threading
+
+    c = console
+    changed = []
+
+    class Slow(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            # the navigation away has started: the store changes now, and the answer comes
+            # after the page being left had the time to hear of it (its event comes at once)
+            with c.api() as api:
+                r = api.post("/v1/stores/default/records", json={"path": "meanwhile.md", "content": "x\n"})
+                changed.append(r.status_code)
+            time.sleep(1.0)
+            body = b"<!doctype html><title>elsewhere</title><p>elsewhere</p>"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    try:
+        c.open("/ui/stores/default")
+        away = f"http://127.0.0.1:{srv.server_address[1]}/elsewhere"
+        c.d.execute_script("location.href = arguments[0]", away)  # what following a link does
+        c.until(lambda: c.d.current_url == away and "elsewhere" in c.d.find_element("tag name", "body").text,
+                "the page that was asked for")
+        assert changed == [201]
+    finally:
+        srv.shutdown()
+        srv.server_close()
+        thread.join(WAIT)
+    with c.api() as api:
+        assert api.delete(f"/v1/stores/default/records/{c.record_id('meanwhile.md')}").status_code == 204
+    wait_for(lambda: not (c.mnt / "default" / "meanwhile.md").exists(), WAIT, "the deletion on the mount")
+
+
 def test_prompt_preview_shows_the_omission_marker(console):
     c = console
     long_index = "# Index\n" + "".join(f"- [note {i}](n{i}.md): something worth remembering\n" for i in range(260))
