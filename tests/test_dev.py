@@ -57,6 +57,7 @@ def _console_login(log: Path) -> None:
         assert "already used" in r.text and "memfuse_session" not in other.cookies
 
 
+@pytest.mark.timeout(300)  # two starts and a dozen CLI runs: 125 s were seen on a busy 2-CPU machine
 def test_readme_flow_restart_and_history(tmp_path):
     env = {"MEMFUSE_HOME": str(tmp_path / "home"), "XDG_CACHE_HOME": str(tmp_path / "cache"),
            "MEMFUSE_CONSOLE_LISTEN": "127.0.0.1:0"}
