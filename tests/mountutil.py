@@ -8,6 +8,7 @@ another process, so nothing here can deadlock the serving loop.
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import signal
 import socket
@@ -27,9 +28,21 @@ MEMFUSE = str(VENV_BIN / "memfuse")
 
 
 def free_port() -> int:
+    """A loopback port free now. Another process may take it before the caller binds it: a
+    server should listen on port 0 instead (``ControlPlane``, ``serve_listening``); where
+    nothing may answer, use ``refused_port``."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextmanager
+def refused_port() -> Iterator[int]:
+    """A loopback port where every connection is refused while the block runs: bound here
+    and never listening, so no other process can listen there meanwhile."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield s.getsockname()[1]
 
 
 def sh(cmd: str, cwd: Path | str, timeout: float = 30, check: bool = True,
@@ -68,10 +81,12 @@ def wait_for(pred, timeout: float, what: str, proc: subprocess.Popen | None = No
     raise AssertionError(f"timed out waiting for {what}\n{detail}")
 
 
-def wait_until(pred, timeout: float = 3.0, what: str = "condition", poll: float = 0.01) -> float:
+def wait_until(pred, timeout: float = 30.0, what: str = "condition", poll: float = 0.01) -> float:
     """Poll ``pred()`` every ``poll`` s until it is true; return ``time.monotonic()`` at that
     moment. An ``OSError`` from ``pred`` (a file not there yet, a mount busy) counts as false.
-    Raises ``AssertionError`` naming ``what`` after ``timeout`` s."""
+    Raises ``AssertionError`` naming ``what`` after ``timeout`` s. The default bound is
+    generous on purpose (a busy 2-CPU CI machine): the wait ends as soon as ``pred`` holds; a
+    test that asserts a latency passes its own bound."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -81,6 +96,23 @@ def wait_until(pred, timeout: float = 3.0, what: str = "condition", poll: float 
             pass
         time.sleep(poll)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def serve_listening(proc: subprocess.Popen, log: Path, offset: int = 0, timeout: float = 60) -> str:
+    """The URL a ``memfuse serve`` started with its output to ``log`` (which held ``offset``
+    bytes before) listens on, from its line ``memfuse serve: listening on URL``; waits for
+    it up to ``timeout`` s and fails (with the log) if the process exits first."""
+    found: list[str] = []
+
+    def listening() -> bool:
+        with log.open("rb") as f:
+            f.seek(offset)
+            m = re.search(rb"memfuse serve: listening on (http://\S+)", f.read())
+        if m:
+            found.append(m.group(1).decode())
+        return bool(m)
+    wait_for(listening, timeout, "memfuse serve to listen", proc, log)
+    return found[0]
 
 
 def read(p: Path) -> str | None:
@@ -110,28 +142,31 @@ class ControlPlane:
         self.tmp = tmp
         self.extra_args = list(extra_args)  # more `memfuse serve` options, e.g. --no-streams
         self.db = tmp / "cp.db"
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.port = 0  # chosen by the kernel at the first start (see start), then kept
         self.admin_token = secrets.token_urlsafe(24)
         self.token_file = tmp / "admin.token"
         self.token_file.write_text(self.admin_token)
         self.log = tmp / "serve.log"
         self.proc: subprocess.Popen | None = None
 
+    @property
+    def url(self) -> str:
+        assert self.port, "the control plane has not been started yet"
+        return f"http://127.0.0.1:{self.port}"
+
     def start(self) -> "ControlPlane":
+        """Start ``memfuse serve`` and wait until it listens. The first start listens on
+        port 0 and takes the port the server reports (a port picked here and bound later
+        by the server could be taken meanwhile by another process on a shared machine); a
+        restart listens on the same port again, so sidecars keep their URL."""
+        offset = self.log.stat().st_size if self.log.exists() else 0
         self.proc = subprocess.Popen(
             [MEMFUSE, "serve", "--db", f"sqlite:///{self.db}", "--listen", f"127.0.0.1:{self.port}",
              "--admin-token-file", str(self.token_file), "--migrate", *self.extra_args],
             stdout=self.log.open("ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env=dict(os.environ, MEMFUSE_HOME=str(self.tmp / "home")))
-
-        def up() -> bool:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return True
-            except OSError:
-                return False
-        wait_for(up, 30, "memfuse serve to listen", self.proc, self.log)
+        url = serve_listening(self.proc, self.log, offset)
+        self.port = int(url.rsplit(":", 1)[1])
         return self
 
     def stop(self) -> None:

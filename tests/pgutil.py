@@ -91,17 +91,28 @@ def pg_cluster(max_connections: int = 300, settings: tuple[str, ...] = ()) -> It
         pw = pwd.getpwnam("postgres")
         os.chown(work, pw.pw_uid, pw.pw_gid)
         as_pg = ["runuser", "-u", "postgres", "--"]
-    data, port = work / "data", free_port()
+    data = work / "data"
     pg_ctl = [*as_pg, str(bindir / "pg_ctl"), "-D", str(data)]
     extra = "".join(f" -c {s}" for s in settings)
     started = False
     try:
         subprocess.run([*as_pg, str(bindir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres"],
                        check=True, capture_output=True, timeout=120)
-        subprocess.run([*pg_ctl, "-l", str(work / "log"), "-w", "-o",
-                        f"-c listen_addresses=127.0.0.1 -p {port} -k {work} -c fsync=off "
-                        f"-c max_connections={max_connections}{extra}", "start"],
-                       check=True, capture_output=True, timeout=120)
+        # PostgreSQL cannot listen on port 0: a free port is picked here, and another process
+        # on a shared machine may take it before the server binds it; then pick another
+        for attempt in range(5):
+            port = free_port()
+            log = work / f"log{attempt}"
+            try:
+                subprocess.run([*pg_ctl, "-l", str(log), "-w", "-o",
+                                f"-c listen_addresses=127.0.0.1 -p {port} -k {work} -c fsync=off "
+                                f"-c max_connections={max_connections}{extra}", "start"],
+                               check=True, capture_output=True, timeout=120)
+                break
+            except subprocess.CalledProcessError:
+                if attempt == 4 or not log.exists() or \
+                        "Address already in use" not in log.read_text(errors="replace"):
+                    raise
         started = True
         subprocess.run([*as_pg, str(bindir / "psql"), "-h", "127.0.0.1", "-p", str(port), "-U", "postgres",
                         "-qc", "CREATE ROLE memfuse LOGIN PASSWORD 'memfuse'",

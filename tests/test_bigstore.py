@@ -315,7 +315,7 @@ def test_warm_restart_of_many_records_shows_every_record_and_follows_changes(tmp
             sc.start()
             assert _loaded(sc)[-1]["resumed"] is True
             _check_every_record(cp, root)
-            _wait(lambda: json.loads(mirror.read_text()).get("format") == 4, "the mirror saved as format 4", 15)
+            _wait(lambda: json.loads(mirror.read_text()).get("format") == 4, "the mirror saved as format 4")
     finally:
         if sc is not None:
             sc.stop()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from memfuse import cli as cli_mod
 from memfuse.cli import cli
 from memfuse.client import ApiClient
 from memfuse.devenv import dev_db_path, ensure_dev_setup, local_client
+from mountutil import serve_listening
 
 MEMFUSE = Path(sys.executable).with_name("memfuse")
 
@@ -349,30 +349,22 @@ def test_status_reads_status_json(home, tmp_path):
 # ---------------------------------------------------------------- memfuse serve
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
+    """A ``memfuse serve`` subprocess; give it ``--listen 127.0.0.1:0`` (a port picked here and
+    bound later by the server could be taken meanwhile on a shared machine) and take its URL
+    from ``wait_ready``."""
+
     def __init__(self, args: list[str], log: Path):
         self.log = log
         self._fh = open(log, "wb")
         self.proc = subprocess.Popen([str(MEMFUSE), "serve", *args], stdout=self._fh, stderr=subprocess.STDOUT,
                                      env=dict(os.environ))
 
-    def wait_ready(self, url: str, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log.read_text()
-            try:
-                if httpx.get(url + "/healthz", timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError("memfuse serve did not start:\n" + self.log.read_text())
+    def wait_ready(self, timeout: float = 60.0) -> str:
+        """The URL the server listens on, once it answers ``/healthz``."""
+        url = serve_listening(self.proc, self.log, timeout=timeout)
+        assert httpx.get(url + "/healthz", timeout=30).status_code == 200, self.log.read_text()
+        return url
 
     def stop(self) -> int | None:
         if self.proc.poll() is None:
@@ -387,16 +379,15 @@ class Server:
 
 
 def test_serve_subprocess_and_remote_commands(home, tmp_path):
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
     admin_file = tmp_path / "admin.token"
     admin_file.write_text("admin-secret-token-1\n")
     db = tmp_path / "serve.db"
-    server = Server(["--db", f"sqlite:///{db}", "--listen", f"127.0.0.1:{port}", "--admin-token-file", str(admin_file),
+    server = Server(["--db", f"sqlite:///{db}", "--listen", "127.0.0.1:0", "--admin-token-file", str(admin_file),
                      "--migrate"],
                     tmp_path / "serve.log")
+    url = None
     try:
-        server.wait_ready(url)
+        url = server.wait_ready()
         cp = ["--control-plane", url, "--token-file", str(admin_file)]
         p = run(["store", "create", "shared", "--description", "over http", *cp])
         assert p.returncode == 0, p.stderr
@@ -459,15 +450,13 @@ def test_serve_subprocess_and_remote_commands(home, tmp_path):
     log = server.log.read_text()
     assert rc == 0, log  # SIGTERM is a clean stop
     assert "admin-secret-token-1" not in log
-    assert f"listening on http://127.0.0.1:{port}" in log
+    assert f"listening on {url}" in log
 
 
 def test_serve_generates_admin_token(home, tmp_path):
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = Server(["--listen", f"127.0.0.1:{port}"], tmp_path / "serve.log")
+    server = Server(["--listen", "127.0.0.1:0"], tmp_path / "serve.log")
     try:
-        server.wait_ready(url)
+        url = server.wait_ready()
         token_file = home / "admin.token"
         assert token_file.exists()
         assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
@@ -590,15 +579,13 @@ def test_serve_sigint_leaves_no_wal(home, tmp_path):
     import shutil
     import sqlite3
 
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
     admin_file = tmp_path / "admin.token"
     admin_file.write_text("admin-secret-token-wal\n")
     db = tmp_path / "cp.db"
-    server = Server(["--db", f"sqlite:///{db}", "--listen", f"127.0.0.1:{port}",
+    server = Server(["--db", f"sqlite:///{db}", "--listen", "127.0.0.1:0",
                      "--admin-token-file", str(admin_file), "--migrate"], tmp_path / "serve.log")
     try:
-        server.wait_ready(url)
+        url = server.wait_ready()
 
         async def write():
             async with ApiClient(url, "admin-secret-token-wal") as api:
@@ -730,8 +717,6 @@ def test_sqlite_directory_that_cannot_be_made_fails_fast(home, tmp_path):
 def test_readme_deployment_block_on_a_fresh_machine(home, tmp_path):
     """The README's deployment block as written: the database directory does not exist, nor
     does admin.token; `token create --out` writes the workspace token 0600."""
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
     db = f"sqlite:///{tmp_path}/var/lib/memfuse/cp.db"
     work = tmp_path / "work"
     work.mkdir()
@@ -739,12 +724,12 @@ def test_readme_deployment_block_on_a_fresh_machine(home, tmp_path):
     assert p.returncode == 0, p.stderr
     log = tmp_path / "serve.log"
     fh = open(log, "wb")
-    proc = subprocess.Popen([str(MEMFUSE), "serve", "--db", db, "--listen", f"127.0.0.1:{port}",
+    proc = subprocess.Popen([str(MEMFUSE), "serve", "--db", db, "--listen", "127.0.0.1:0",
                              "--admin-token-file", "admin.token"], cwd=work, stdout=fh, stderr=subprocess.STDOUT)
     server = Server.__new__(Server)
     server.log, server._fh, server.proc = log, fh, proc
     try:
-        server.wait_ready(url)
+        url = server.wait_ready()
         admin = work / "admin.token"
         assert stat.S_IMODE(admin.stat().st_mode) == 0o600
         assert "admin token written to admin.token" in log.read_text()
@@ -770,11 +755,11 @@ def test_readme_deployment_block_on_a_fresh_machine(home, tmp_path):
     # restarted with the same file: the token is read, not replaced
     token = (work / "admin.token").read_text()
     server._fh = open(log, "wb")
-    server.proc = subprocess.Popen([str(MEMFUSE), "serve", "--db", db, "--listen", f"127.0.0.1:{port}",
+    server.proc = subprocess.Popen([str(MEMFUSE), "serve", "--db", db, "--listen", "127.0.0.1:0",
                                     "--admin-token-file", "admin.token"], cwd=work, stdout=server._fh,
                                    stderr=subprocess.STDOUT)
     try:
-        server.wait_ready(url)
+        server.wait_ready()
         assert "admin token read from admin.token" in log.read_text()
     finally:
         server.stop()

@@ -105,6 +105,17 @@ class Console:
             print(f"--- waiting for {what} at {self.d.current_url}:\n{self.d.page_source[:4000]}")
             raise
 
+    def go(self, element) -> None:
+        """Click ``element`` (a form's button or a link) and wait until the page it leads to
+        replaced this one. A click returns before the browser has the answer, and the page
+        being left may already show what the next check looks for (the same message, the
+        same field error): checks made right after a click must see the new page."""
+        self.d.execute_script("window.__memfuseLeft = true")  # a new document has no such mark
+        element.click()
+        self.until(lambda: self.d.execute_script(
+            "return window.__memfuseLeft === undefined && document.readyState === 'complete'"),
+            "the page the click leads to")
+
     def text(self) -> str:
         return self.one("main").text
 
@@ -126,15 +137,15 @@ class Console:
     def login(self, token: str) -> None:
         self.open("/ui/")
         if "/ui/login" not in self.d.current_url:
-            self.button("Log out").click()
+            self.go(self.button("Log out"))
             self.until(lambda: "/ui/login" in self.d.current_url, "logged out")
         self.one("#token").send_keys(token)
-        self.button("Log in").click()
+        self.go(self.button("Log in"))
         self.until(lambda: "/ui/login" not in self.d.current_url, "logged in")
 
 
 @pytest.fixture(scope="module")
-def console(tmp_path_factory):
+def console_session(tmp_path_factory):
     if not os.path.exists("/dev/fuse"):
         pytest.skip("needs /dev/fuse")
     tmp = tmp_path_factory.mktemp("console")
@@ -160,15 +171,26 @@ def console(tmp_path_factory):
                 cp.stop()
 
 
+@pytest.fixture
+def console(console_session):
+    """The module's console, on a blank page at the start of each test. A store or record
+    page left open by the previous test reloads itself when the store changes (its live
+    updates); a test that changes the store and then opens a page would race that reload,
+    which can land after the page the test opened (seen under load: the record page replaced
+    by the previous test's store page). A test that wants a live page opens it itself."""
+    console_session.d.get("about:blank")
+    return console_session
+
+
 def test_login_and_stores(console):
     c = console
     c.open("/ui/")
     assert "/ui/login" in c.d.current_url  # no page without a session
     c.one("#token").send_keys("not-a-token")
-    c.button("Log in").click()
+    c.go(c.button("Log in"))
     c.until(lambda: "not valid" in c.text(), "the refusal of a bad token")  # page load may lag
     c.one("#token").send_keys(c.cp.admin_token)
-    c.button("Log in").click()
+    c.go(c.button("Log in"))
     c.until(lambda: c.d.current_url.endswith("/ui/"), "the stores page")
     cookie = c.d.get_cookie("memfuse_session")
     assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and cookie["path"] == "/ui"
@@ -192,20 +214,20 @@ def test_store_record_history_diff_restore_reaches_mount(console):
     row = [r for r in c.css("table.records tbody tr") if "prefs.md" in r.text][0]
     assert "project" in row.text and "ws:ws/" in row.text  # type, last change actor
     c.shot("store")
-    c.link("prefs.md").click()
+    c.go(c.link("prefs.md"))
     c.until(lambda: "History" in c.text(), "the record page")
     assert "prefers coffee" in c.one("section.content").text
     history = c.one("table.history").text
     assert "created" in history and "modified" in history
     c.shot("record")
-    c.button("Diff").click()  # the defaults: previous → current
+    c.go(c.button("Diff"))  # the defaults: previous → current
     c.until(lambda: c.css("pre.diff"), "the diff")
     assert [e.text for e in c.css("pre.diff .d-del")] == ["-prefers tea"]
     assert [e.text for e in c.css("pre.diff .d-add")] == ["+prefers coffee"]
     c.shot("diff")
     c.d.back()
     row = [r for r in c.css("table.history tbody tr") if r.text.split()[0] == "1"][0]
-    c.button("Restore", row).click()
+    c.go(c.button("Restore", row))
     c.until(lambda: "Restored" in c.text(), "the restore message")
     assert "restored" in c.one("table.history").text
     # the sidecar sees it through the change feed
@@ -225,7 +247,7 @@ def test_edit_with_a_type_reaches_mount(console):
     area.clear()
     area.send_keys("prefers green tea\nno sugar\n")
     c.shot("edit")
-    c.button("Save").click()
+    c.go(c.button("Save"))
     c.until(lambda: "Saved" in c.text(), "the save message")
     assert "user" in c.one("dl.meta").text
     wait_for(lambda: (c.mnt / "default" / "prefs.md").read_text() == "prefers green tea\nno sugar\n",
@@ -243,12 +265,12 @@ def test_create_needs_a_type(console):
     c.one("#content").send_keys("keep answers short\n")
     # the browser refuses the form without a type (required); the server refuses it too
     c.d.execute_script("document.getElementById('type').removeAttribute('required')")
-    c.button("Create").click()
+    c.go(c.button("Create"))
     c.until(lambda: c.css(".field-error"), "the type error")
     assert "Choose a type" in c.one(".field-error").text
     assert c.one("#content").get_attribute("value") == "keep answers short\n"  # nothing typed is lost
     Select(c.one("#type")).select_by_value("feedback")
-    c.button("Create").click()
+    c.go(c.button("Create"))
     c.until(lambda: "Created" in c.text(), "the create message")
     assert "feedback" in c.one("dl.meta").text
     wait_for(lambda: (c.mnt / "default" / "team" / "feedback.md").exists(), WAIT, "the new file on the mount")
@@ -308,14 +330,14 @@ def test_stale_edit_is_not_overwritten(console):
     area = c.one("#content")
     area.clear()
     area.send_keys("prefers water\n")
-    c.button("Save").click()
+    c.go(c.button("Save"))
     c.until(lambda: "changed while you were editing" in c.text(), "the stale-edit notice")
     assert "+and oat milk" in [e.text for e in c.css("pre.diff .d-add")]
     assert c.one("#content").get_attribute("value") == "prefers water\n"  # the typed text is kept
     c.shot("stale")
     with c.api() as api:
         assert api.get(f"/v1/stores/default/records/{rid}").json()["content"].endswith("and oat milk\n")
-    c.button("Save anyway").click()  # now knowingly
+    c.go(c.button("Save anyway"))  # now knowingly
     c.until(lambda: "Saved" in c.text(), "the save message")
     wait_for(lambda: (c.mnt / "default" / "prefs.md").read_text() == "prefers water\n", WAIT, "the save on the mount")
 
@@ -329,7 +351,7 @@ def test_refusals_shown_next_to_the_field(console):
     token = "ghp_" + "".join(secrets.choice("ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz23456789")
                              for _ in range(36))
     area.send_keys(f"my token is {token}\n")
-    c.button("Save").click()
+    c.go(c.button("Save"))
     c.until(lambda: c.css("#content-error"), "the refusal")
     assert "GitHub token on line 1" in c.one("#content-error").text  # the mount's EPERM reason
     assert token not in c.one("#content-error").text
@@ -340,7 +362,7 @@ def test_refusals_shown_next_to_the_field(console):
         area = c.one("#content")
         area.clear()
         c.d.execute_script("arguments[0].value = 'x'.repeat(3000)", area)
-        c.button("Save").click()
+        c.go(c.button("Save"))
         c.until(lambda: c.css("#content-error"), "the refusal")
         assert "3000 bytes, the store allows 2048" in c.one("#content-error").text
     finally:
@@ -358,6 +380,53 @@ def test_store_page_updates_live(console):
     c.until(lambda: any("live-note.md" in e.text for e in c.css("table.records td.path")),
             "the new record to appear without a click")
     c.settle()
+
+
+def test_a_page_being_left_does_not_reload_itself(console):
+    """A store page someone is leaving (a link followed, the next page still on its way)
+    does not reload itself when the store changes meanwhile: the reload would cancel the
+    navigation and keep them on the old page."""
+    import http.server
+    import threading
+
+    c = console
+    changed = []
+
+    class Slow(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            # the navigation away has started: the store changes now, and the answer comes
+            # after the page being left had the time to hear of it (its event comes at once)
+            with c.api() as api:
+                r = api.post("/v1/stores/default/records", json={"path": "meanwhile.md", "content": "x\n"})
+                changed.append(r.status_code)
+            time.sleep(1.0)
+            body = b"<!doctype html><title>elsewhere</title><p>elsewhere</p>"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    try:
+        c.open("/ui/stores/default")
+        away = f"http://127.0.0.1:{srv.server_address[1]}/elsewhere"
+        c.d.execute_script("location.href = arguments[0]", away)  # what following a link does
+        c.until(lambda: c.d.current_url == away and "elsewhere" in c.d.find_element("tag name", "body").text,
+                "the page that was asked for")
+        assert changed == [201]
+    finally:
+        srv.shutdown()
+        srv.server_close()
+        thread.join(WAIT)
+    with c.api() as api:
+        assert api.delete(f"/v1/stores/default/records/{c.record_id('meanwhile.md')}").status_code == 204
+    wait_for(lambda: not (c.mnt / "default" / "meanwhile.md").exists(), WAIT, "the deletion on the mount")
 
 
 def test_prompt_preview_shows_the_omission_marker(console):
@@ -380,12 +449,12 @@ def test_workspace_attachments(console):
     c.open("/ui/workspaces/viewer")
     row = [r for r in c.css("table.list tbody tr") if "default" in r.text][0]
     assert "read-only" in row.text
-    c.button("Make read-write", row).click()
+    c.go(c.button("Make read-write", row))
     c.until(lambda: "Attachment saved" in c.text(), "saved")
     row = [r for r in c.css("table.list tbody tr") if "default" in r.text][0]
     assert "read-write" in row.text
     c.shot("workspace")
-    c.button("Make read-only", row).click()
+    c.go(c.button("Make read-only", row))
     c.until(lambda: "Attachment saved" in c.text(), "saved")
     with c.api() as api:
         atts = api.get("/v1/workspaces/viewer/attachments").json()
@@ -414,7 +483,7 @@ def test_store_settings_edit(console):
         c.one("details.settings summary").click()
         assert field("max_record_bytes").get_attribute("value") == str(before["max_record_bytes"])
         fill(max_record_bytes="lots", max_records="-5")
-        c.button("Save settings").click()
+        c.go(c.button("Save settings"))
         c.until(lambda: "Nothing was changed" in c.text(), "the refusal")
         errors = [e.text for e in c.css("details.settings .field-error")]
         assert "'lots' is not a byte size (e.g. 1048576, 512K, 1MiB)" in errors
@@ -425,7 +494,7 @@ def test_store_settings_edit(console):
         fill(max_record_bytes="256K", max_records="777", description="shared team memory")
         from selenium.webdriver.support.ui import Select
         Select(field("default_type")).select_by_visible_text("reference")
-        c.button("Save settings").click()
+        c.go(c.button("Save settings"))
         c.until(lambda: "Store settings saved." in c.text(), "saved")
         assert "777 records" in c.one(".usage-line").text and "256 KiB per record" in c.one(".usage-line").text
         assert "shared team memory" in c.text()

@@ -212,7 +212,7 @@ async def test_index_resources_read_and_subscribe(server):
         with pytest.warns(Warning, match="resources/subscribe"):
             await session.subscribe_resource(uri)
         await call(session, "memory_create", path=f"{M}/MEMORY.md", file_text="- [notes](notes.md)\n")
-        with trio.fail_after(10):
+        with trio.fail_after(30):
             while not any(isinstance(n, types.ResourceUpdatedNotification) and str(n.params.uri) == uri
                           for n in notes):
                 await trio.sleep(0.02)

@@ -450,7 +450,7 @@ def test_truncate_by_path_reaches_the_control_plane(env):
     assert os.stat(d / "t.md").st_size == 5  # no open/read here: a reader's close commits it
     wait_drained(env.root)
     try:
-        wait_until(lambda: env.contents("default", pre) == {"t.md": "hello"}, 5,
+        wait_until(lambda: env.contents("default", pre) == {"t.md": "hello"}, 30,
                    "the truncate to reach the control plane")
     except AssertionError:
         raise AssertionError(f"control plane holds {env.contents('default', pre)!r}, the mount "

@@ -18,7 +18,7 @@ import httpx
 import pytest
 import trio
 
-from mountutil import MEMFUSE, free_port, stop
+from mountutil import MEMFUSE, serve_listening, stop
 from pgutil import fresh_db_url, pg_bindir, pg_cluster, pg_url
 
 ADMIN = "admin-token-replicas"
@@ -47,30 +47,35 @@ def pg(pg_base, monkeypatch):
 
 
 def _serve(tmp: Path, db_url: str, name: str) -> tuple[subprocess.Popen, str, Path]:
-    port = free_port()
+    """Start ``memfuse serve`` on port 0 and wait until it listens; (process, URL, log)."""
     token_file = tmp / "admin.token"
     token_file.write_text(ADMIN)
     log = tmp / f"{name}.log"
     proc = subprocess.Popen(
-        [MEMFUSE, "serve", "--db", db_url, "--listen", f"127.0.0.1:{port}", "--admin-token-file", str(token_file),
+        [MEMFUSE, "serve", "--db", db_url, "--listen", "127.0.0.1:0", "--admin-token-file", str(token_file),
          "--migrate"],
         stdout=log.open("ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         env=dict(os.environ, MEMFUSE_HOME=str(tmp / "home")))
-    return proc, f"http://127.0.0.1:{port}", log
+    try:
+        return proc, serve_listening(proc, log), log
+    except BaseException:
+        stop(proc)
+        raise
 
 
 @contextlib.asynccontextmanager
-async def _two_replicas(tmp: Path, db_url: str, *, a_timeout: float = 5.0
+async def _two_replicas(tmp: Path, db_url: str
                         ) -> AsyncIterator[tuple[httpx.AsyncClient, httpx.AsyncClient, str]]:
     """Start ``memfuse serve`` replica A on ``db_url``, wait until it answers, then replica B;
-    yield ``(ca, cb, url_b)``: admin clients of A (timeout ``a_timeout`` s; 5 s is httpx's
-    default) and of B (60 s), and B's URL. Both processes are stopped on the way out."""
+    yield ``(ca, cb, url_b)``: admin clients of A and of B (timeout 60 s each: httpx's
+    default of 5 s is short on a busy machine), and B's URL. Both processes are stopped on
+    the way out."""
     procs = []
     try:
         a, url_a, _ = _serve(tmp, db_url, "a")
         procs.append(a)
         async with httpx.AsyncClient(base_url=url_a, headers={"Authorization": f"Bearer {ADMIN}"},
-                                     timeout=a_timeout) as ca:
+                                     timeout=60) as ca:
             await _until(lambda: ca.get("/healthz"), "replica A")
             b, url_b, _ = _serve(tmp, db_url, "b")
             procs.append(b)
@@ -98,6 +103,19 @@ async def _until(fn, what: str, timeout: float = 30.0):
 def _metric(text: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(name + " ") or line.startswith(name + "{"))
+
+
+async def _settled(c: httpx.AsyncClient, name: str, quiet: float = 0.3, timeout: float = 30.0) -> float:
+    """The value of counter ``name`` on ``c``'s /metrics once it stayed the same for
+    ``quiet`` s (work already under way is over); fails after ``timeout`` s."""
+    with trio.fail_after(timeout):
+        last = _metric((await c.get("/metrics")).text, name)
+        while True:
+            await trio.sleep(quiet)
+            now = _metric((await c.get("/metrics")).text, name)
+            if now == last:
+                return now
+            last = now
 
 
 async def test_write_on_replica_a_wakes_waiter_on_replica_b(pg, tmp_path):
@@ -140,8 +158,10 @@ async def test_write_on_replica_a_wakes_waiter_on_replica_b(pg, tmp_path):
                 async def held():
                     return _metric((await cb.get("/metrics")).text, "memfuse_server_long_polls") == 2
                 await _until(held, "both long-polls held on B")
-                await trio.sleep(0.3)  # the first look of each (a read at most) is over
-                s0 = _metric((await cb.get("/metrics")).text, "memfuse_server_db_statements_total")
+                # a long-poll subscribes before its first look (a read at most), so the count
+                # settles once both looks are over: wait for that (a busy machine may take
+                # longer than any fixed sleep), then B must stay idle for 1.5 s
+                s0 = await _settled(cb, "memfuse_server_db_statements_total")
                 await trio.sleep(1.5)
                 s1 = _metric((await cb.get("/metrics")).text, "memfuse_server_db_statements_total")
                 assert s1 == s0, f"B queried the database {s1 - s0} times while idle"
@@ -165,7 +185,7 @@ async def test_write_on_replica_a_wakes_waiter_on_replica_b(pg, tmp_path):
 async def test_batch_on_replica_a_wakes_waiter_on_replica_b_with_every_version_in_order(pg, tmp_path):
     """A batch committed on A (one transaction, one NOTIFY) answers a change-feed long-poll
     held on B at once, with the batch's versions in the batch's order."""
-    async with _two_replicas(tmp_path, pg, a_timeout=60) as (ca, cb, _):
+    async with _two_replicas(tmp_path, pg) as (ca, cb, _):
         assert (await ca.post("/v1/stores", json={"slug": "default"})).status_code == 201
         first = (await ca.post("/v1/stores/default/records",
                                json={"path": "first.md", "content": "one"})).json()
@@ -277,14 +297,10 @@ def test_second_serve_on_one_sqlite_file_is_refused(tmp_path):
     """SQLite is one replica: a second ``memfuse serve`` on the same file exits 1 and says why;
     once the first stops, the file can be served again."""
     db = f"sqlite:///{tmp_path / 'cp.db'}"
-    first, url, log = _serve(tmp_path, db, "first")
+    first, url, log = _serve(tmp_path, db, "first")  # listening
     try:
-        deadline = time.monotonic() + 30
-        while b"listening on" not in log.read_bytes():
-            assert first.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.05)
         second = subprocess.run(
-            [MEMFUSE, "serve", "--db", db, "--listen", f"127.0.0.1:{free_port()}",
+            [MEMFUSE, "serve", "--db", db, "--listen", "127.0.0.1:0",
              "--admin-token-file", str(tmp_path / "admin.token"), "--migrate"],
             capture_output=True, text=True, timeout=60, env=dict(os.environ, MEMFUSE_HOME=str(tmp_path / "home")))
         assert second.returncode == 1
@@ -292,14 +308,8 @@ def test_second_serve_on_one_sqlite_file_is_refused(tmp_path):
         assert "SQLite supports one control-plane replica" in second.stderr
     finally:
         stop(first)
-    third, _, log3 = _serve(tmp_path, db, "third")
-    try:
-        deadline = time.monotonic() + 30
-        while b"listening on" not in log3.read_bytes():
-            assert third.poll() is None and time.monotonic() < deadline, log3.read_text()
-            time.sleep(0.05)
-    finally:
-        stop(third)
+    third, _, _ = _serve(tmp_path, db, "third")  # fails unless it listens
+    stop(third)
 
 
 # What `memfuse mount` must never load: each costs the sidecar's baseline memory (bench/README.md,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from mountutil import MEMFUSE, ControlPlane, free_port, is_mounted, serve_and_mount, sh, stop, wait_for
+from mountutil import MEMFUSE, ControlPlane, is_mounted, refused_port, serve_and_mount, sh, stop, wait_for
 
 HERE = Path(__file__).resolve().parent
 
@@ -55,9 +55,10 @@ def test_bad_input_at_start_is_one_line_and_a_nonzero_exit(tmp_path):
     assert p.returncode == 2 and "descriptor 987 is not open" in _one_error_line(p)
 
     # nothing answers at the control plane's address, nothing is cached: give up with the reason
-    t0 = time.monotonic()
-    p = _mount(["--control-plane", f"http://127.0.0.1:{free_port()}", "--workspace", "ws",
-                "--token-file", str(token), "--start-timeout", "1.5"], tmp_path)
+    with refused_port() as port:
+        t0 = time.monotonic()
+        p = _mount(["--control-plane", f"http://127.0.0.1:{port}", "--workspace", "ws",
+                    "--token-file", str(token), "--start-timeout", "1.5"], tmp_path)
     assert p.returncode == 1, p.stderr[-2000:]
     assert time.monotonic() - t0 < 30
     errors = [json.loads(ln) for ln in p.stderr.splitlines() if ln.startswith("{") and '"error"' in ln]
@@ -77,12 +78,12 @@ def test_admin_address_in_use_is_one_clear_line(tmp_path):
 
     token = tmp_path / "token"
     token.write_text("mfw_not-checked-before-the-control-plane\n")
-    with socket.socket() as taken:
+    with socket.socket() as taken, refused_port() as port:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         addr = "127.0.0.1:%d" % taken.getsockname()[1]
         t0 = time.monotonic()
-        p = _mount(["--control-plane", f"http://127.0.0.1:{free_port()}", "--workspace", "ws",
+        p = _mount(["--control-plane", f"http://127.0.0.1:{port}", "--workspace", "ws",
                     "--token-file", str(token), "--admin-listen", addr, "--start-timeout", "20"],
                    tmp_path)
     assert p.returncode == 1, p.stderr[-2000:]

@@ -1,7 +1,9 @@
 // memfuse console: the only script. A page that shows a store carries data-live (the URL of
 // the store's server-sent events); when the store changes, the page reloads, or, on an edit
 // page (data-live-mode="notice"), a notice appears instead so typed text is never lost.
-// Once a form is being submitted the page no longer reloads (the submission wins).
+// Once a form is being submitted, or the page is being left (a link followed, an address
+// typed: beforeunload), the page no longer reloads: a reload then would cancel that
+// navigation and keep the person on this page.
 // Without JavaScript every page has a plain Refresh link.
 (function () {
   "use strict";
@@ -13,6 +15,7 @@
   var leaving = false;
   function stop() { leaving = true; source.close(); }
   document.addEventListener("submit", stop, true);
+  window.addEventListener("beforeunload", stop);
   window.addEventListener("pagehide", stop);
   source.addEventListener("change", function () {
     if (leaving) { return; }
