@@ -45,8 +45,9 @@ from .control import CONTROL_DIR, FILES, ControlFiles
 from .inodes import (CLEAN, DIR_MODE, DIR_MODES_KEY, PENDING, REJECTED, ROOT_INO, FsError,
                      Handle, InodeTable, Node, Settings, StoreMount)
 from .namespace import NamespaceOps
-from .outbox import (ATTRS, DELETE, MOVE, MOVE_PREFIX, PUT, CacheError, Committer, Entry,
-                     cache_error)
+from .outbox import (ATTRS, DELETE, MOVE, MOVE_PREFIX, PUT, Barrier, CacheError, Committer,
+                     Entry, cache_error)
+from .localfiles import LocalFiles
 from .rejected import RejectedFiles
 from .remote import RemoteApply
 
@@ -57,14 +58,16 @@ __all__ = ["Filesystem", "FsError", "Settings", "Node", "Handle", "StoreMount", 
            "CONTROL_DIR", "CLEAN", "PENDING", "REJECTED"]
 
 
-class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles):
+class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles, LocalFiles):
     """The namespace and semantics of one memfuse mount (see module docstring)."""
 
     def __init__(self, blobs: BlobCache, committer: Committer, settings: Settings | None = None,
                  workspace: str = "", dirs_file: Path | None = None,
-                 rejected: list[dict] | None = None) -> None:
+                 rejected: list[dict] | None = None,
+                 local: list[dict] | None = None) -> None:
         """``rejected``: the rejected files a previous process kept
-        (``Journal.load_rejected``), put back as each store is added (``add_store``)."""
+        (``Journal.load_rejected``), ``local``: its local-only files
+        (``Journal.load_local``); both put back as each store is added (``add_store``)."""
         self.blobs = blobs
         self.dirs_file = dirs_file
         self.saved_dirs: dict = {}  # slug -> directory paths; DIR_MODES_KEY -> modes
@@ -97,13 +100,23 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles):
         committer.on_result = self._on_commit
         committer.on_conflict = self._on_conflict
         self._init_rejected(rejected)
+        self._init_local(local)
 
     def add_store(self, slug: str, access: str, records: list, **kw) -> StoreMount:
-        """``RemoteApply.add_store``, then the store's rejected files kept from before a
-        restart are put back (``RejectedFiles``)."""
+        """``RemoteApply.add_store``, then the store's rejected files and local-only files
+        kept from before a restart are put back (``RejectedFiles``, ``LocalFiles``)."""
         sm = super().add_store(slug, access, records, **kw)
         self._restore_rejected(sm)
+        self._restore_local(sm)
         return sm
+
+    def remove_store(self, slug: str) -> list[tuple]:
+        """``RemoteApply.remove_store``; the store's local-only files are kept for a later
+        mount of it (``LocalFiles.take_local``)."""
+        sm = self.stores.get(slug)
+        if sm is not None:
+            self.take_local(sm)
+        return super().remove_store(slug)
 
     # ------------------------------------------------------------------ directories (dirs.json)
     def _ensure_dir(self, sm: StoreMount, parts: list[str], ts: int,
@@ -259,12 +272,14 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles):
         """``ENOSPC`` when growing ``n`` to ``new_size`` passes the store's byte quota."""
         sm = n.store
         grow = new_size - n.cur_size()
-        if sm is None or n.local_only or grow <= 0 or sm.used + grow <= sm.max_store_bytes:
+        if sm is None or grow <= 0 or sm.used + sm.local_used + grow <= sm.max_store_bytes:
             return
-        reason = (f"store {sm.slug} would hold {sm.used + grow} bytes, "
+        reason = (f"store {sm.slug} would hold {sm.used + sm.local_used + grow} bytes, "
                   f"limit {sm.max_store_bytes}")
+        if sm.local_used:
+            reason += f" ({sm.local_used} of them in local-only files)"
         self._note_size_refusal(n, errno.ENOSPC, reason, "store_full")
-        if n.dirty:
+        if n.dirty and not n.local_only:
             n.refused, n.state, n.error = errno.ENOSPC, REJECTED, reason
         raise FsError(errno.ENOSPC, reason, "store_full")
 
@@ -291,10 +306,16 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles):
         h.modified = True
         return len(data)
 
-    def truncate(self, n: Node, size: int) -> None:
+    def truncate(self, n: Node, size: int, *, judge: bool = False) -> None:
         """Set the file's size to ``size`` bytes (cut, or zero-filled). Raises ``FsError``:
         ``EISDIR``, ``EACCES`` (control file / mount root), ``EROFS`` (read-only store),
-        ``EFBIG`` / ``ENOSPC`` (limits, as ``write``)."""
+        ``EFBIG`` / ``ENOSPC`` (limits, as ``write``).
+
+        ``judge`` (truncate(2) by path: no close follows, the result is final): the content
+        it would leave must also pass the checks of a close (``_precheck``: ``EILSEQ`` for
+        NUL bytes or a cut UTF-8 sequence, ``EPERM`` for a secret, ``EINVAL`` for a bad
+        type); else the truncate is refused with that errno and a line in ``errors.log``,
+        and the file is left as it was (as for ``EFBIG``)."""
         if n.is_dir:
             raise FsError(errno.EISDIR)
         if n.special:
@@ -302,6 +323,13 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles):
         self._check_writable_file(n)
         self._check_size(n, size)
         self._check_growth(n, size)
+        if judge and not n.local_only and n.cur_size() != size:
+            cur = self._content(n)
+            after = cur[:size] + b"\0" * (size - len(cur))
+            refusal = self._precheck(n, after)
+            if refusal is not None:
+                self.refuse(n.parent, n.name, refusal.errno,
+                            refusal.reason + "; the truncate was not applied", refusal.code)
         buf = self._make_buf(n)
         self._account(n, size - len(buf))
         if size < len(buf):
@@ -359,16 +387,20 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles):
         if s in d.children:
             raise FsError(errno.EEXIST)
         local = self.is_local_only(s)
-        if not local and sm.count >= sm.max_records:
-            self.refuse(d, s, errno.ENOSPC, f"store {sm.slug} holds {sm.max_records} records, its limit",
+        if sm.count + sm.local_count >= sm.max_records:
+            held = f" ({sm.local_count} of them local-only files)" if sm.local_count else ""
+            self.refuse(d, s, errno.ENOSPC,
+                        f"store {sm.slug} holds {sm.max_records} files{held}, its limit",
                         "store_full")
         n = self._new_node(s, d, False, sm, stat.S_IMODE(mode), time.time_ns(), uid, gid)
         n.local_only = local
         n.key = "n:" + uuid.uuid4().hex
         self.by_key[n.key] = n
         n.buf = bytearray()
-        n.dirty = not local
+        n.dirty = True  # a local-only file is kept once closed (LocalFiles), even empty
         self._live(n, +1)
+        if local:
+            self._local.add(n)
         n.nlookup += 1
         self._touch_dir(d)
         return self._new_handle(n, flags)
@@ -377,11 +409,12 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles):
         d.mtime_ns = d.ctime_ns = time.time_ns()
 
     # ------------------------------------------------------------------ flush / fsync / release
-    def commit(self, n: Node) -> Entry | None:
+    def commit(self, n: Node) -> Entry | Barrier | None:
         """Turn a dirty file into an accepted change (outbox ``put``).
 
         Returns the outbox entry, or None when there is nothing to send (not dirty, a
-        directory or control file, local-only, unlinked). Raises ``FsError`` when the content
+        directory or control file, unlinked); for a local-only file, which is never sent, a
+        ``Barrier`` set once its kept copy is on disk (``LocalFiles.save_local``). Raises ``FsError`` when the content
         is refused here already — held back by a refused write of this session (``EFBIG`` /
         ``ENOSPC``), or by ``_precheck`` (the fast path of the errno table in docs/API.md:
         ``EILSEQ``, ``EPERM``, ``EINVAL``); the file then keeps the refused content with
@@ -391,8 +424,11 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles):
         if not n.dirty or n.is_dir or n.special:
             return None
         n.dirty = False
-        if n.local_only or n.unlinked:
+        if n.unlinked:
             return None
+        if n.local_only:  # never sent: kept in the journal (LocalFiles), on disk at the barrier
+            self.save_local(n)
+            return self.committer.journal.barrier()
         data = self._content(n)  # the write buffer, or the clean content (e.g. renamed back)
         if n._key is None and n.sha:
             # the first commit of a record loaded from the control plane: its clean sha256
@@ -557,7 +593,17 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles):
             if e.errno:
                 self.note_error(n.parent if n else None, n.name if n else e.args.get("path", ""),
                                 e.errno, e.reason, e.code, e.store)
-            if n is None or n.last_put is not e:
+            if n is None:
+                return
+            if n.last_put is not e:
+                # an earlier put of a file rewritten meanwhile (``: > f`` then a refused
+                # ``truncate -s 10 f`` before the create committed): the record exists now,
+                # so the node learns its id, which a rejected file kept across a restart
+                # needs to find its record again; its state is the later write's
+                if not e.errno and e.record is not None and n.record_id is None:
+                    self._bind_rid(n, e.record.id)
+                    n.version = e.record.version
+                    self.sync_rejected()
                 return
             if e.errno:
                 n.state, n.error = REJECTED, e.reason
@@ -600,14 +646,15 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles):
         ``ENOSPC``, ``EISDIR``)."""
         if fh is not None and size is not None:
             self.handle(fh).modified = True
+        by_path = size is not None and fh is None and n.opened == 0
         self._set_attributes(n, size=size, mode=mode, uid=uid, gid=gid, atime_ns=atime_ns,
-                             mtime_ns=mtime_ns)
-        if size is not None and fh is None and n.opened == 0:
+                             mtime_ns=mtime_ns, judge=by_path)
+        if by_path:
             self.commit_quietly(n)  # truncate(2) by path: no close will follow to commit it
 
     def _set_attributes(self, n: Node, *, size: int | None, mode: int | None,
                         uid: int | None, gid: int | None, atime_ns: int | None,
-                        mtime_ns: int | None) -> None:
+                        mtime_ns: int | None, judge: bool = False) -> None:
         """What ``setattr`` changes (truncate, chmod, chown, utimensat). Permission bits and
         mtime of a record are kept by the control plane: on a file with unsent writes (or a
         refused one) they ride with its next content commit; on a clean file a change queues an ``attrs``
@@ -617,7 +664,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles):
         if n.special or n is self.root or n is self.control:
             raise FsError(errno.EACCES, "read-only")
         if size is not None:
-            self.truncate(n, size)
+            self.truncate(n, size, judge=judge)
         if (n.store is not None and not n.store.writable
                 and any(v is not None for v in (mode, uid, gid, atime_ns, mtime_ns))):
             raise FsError(errno.EROFS)
@@ -646,8 +693,11 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles):
             if "mode" in changed and n.store is not None:
                 self._save_dirs_logged()  # the mode applies now; a failure is logged
             return
-        if n.local_only or n.unlinked or n.store is None or n.dirty or n.state == REJECTED:
-            return  # local only, or rides with the next content commit (commit() sends both)
+        if n.local_only and not n.unlinked:
+            self.sync_local()  # the kept copy gets the new mode / mtime
+            return
+        if n.unlinked or n.store is None or n.dirty or n.state == REJECTED:
+            return  # rides with the next content commit (commit() sends both)
         self.committer.submit(n.store.slug, ATTRS, n.key, {"path": n.path(), **changed})
 
     # ------------------------------------------------------------------ directory list
@@ -675,7 +725,8 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles):
             raise FsError(errno.ENODATA)
         value = {"id": n.record_id or "", "version": str(n.version) if n.record_id else "",
                  "sha256": n.sha if n.buf is None else sha256_hex(bytes(n.buf)),
-                 "state": n.state, "updated_at": n.updated_at, "error": n.error,
+                 "state": "local" if n.local_only else n.state, "updated_at": n.updated_at,
+                 "error": n.error,
                  "type": n.rtype or ""}[key]
         if not value and key not in ("error",):
             raise FsError(errno.ENODATA)

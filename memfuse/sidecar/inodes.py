@@ -204,6 +204,8 @@ class StoreMount:
     detached: bool = False  # removed from the mount: open handles get ESTALE
     used: int = 0  # bytes of the live records' current local content (quota fast path)
     count: int = 0  # live records (files that are not local-only)
+    local_count: int = 0  # live local-only files (never sent; they share the limits here)
+    local_used: int = 0  # bytes of the live local-only files
 
     @property
     def writable(self) -> bool:
@@ -360,13 +362,13 @@ class InodeTable:
 
     def statfs(self) -> dict[str, int]:
         """statvfs(2) totals over the mounted stores: ``bytes`` / ``used`` (bytes, from the
-        stores' quotas and live records) and ``files`` / ``nfiles`` (record limits and
-        counts); the defaults of one store when none is mounted."""
+        stores' quotas and live records and local-only files) and ``files`` / ``nfiles``
+        (record limits and counts, local-only files included); the defaults of one store when none is mounted."""
         stores = list(self.stores.values())
         return {"bytes": sum(sm.max_store_bytes for sm in stores) or DEFAULT_MAX_STORE_BYTES,
-                "used": sum(sm.used for sm in stores),
+                "used": sum(sm.used + sm.local_used for sm in stores),
                 "files": sum(sm.max_records for sm in stores) or DEFAULT_MAX_RECORDS,
-                "nfiles": sum(sm.count for sm in stores)}
+                "nfiles": sum(sm.count + sm.local_count for sm in stores)}
 
     def listdir(self, d: Node) -> list[tuple[str, Node]]:
         """The children of directory ``d`` as ``(name, node)`` sorted by name; ``ENOTDIR`` for a
@@ -383,15 +385,25 @@ class InodeTable:
         return 2 + sum(1 for c in n.children.values() if c.is_dir)
 
     def _account(self, n: Node, delta: int) -> None:
-        """Keep ``StoreMount.used`` equal to the sum of its live records' sizes."""
-        if delta and n.store is not None and not n.local_only and not n.unlinked and not n.is_dir:
-            n.store.used += delta
+        """Keep ``StoreMount.used`` equal to the sum of its live records' sizes (and
+        ``local_used`` to its local-only files')."""
+        if delta and n.store is not None and not n.unlinked and not n.is_dir:
+            if n.local_only:
+                n.store.local_used += delta
+            else:
+                n.store.used += delta
 
     def _live(self, n: Node, sign: int) -> None:
-        """A record file appears in (+1) or leaves (-1) its store: count and bytes."""
-        if n.store is not None and not n.local_only and not n.unlinked and not n.is_dir:
-            n.store.count += sign
-            n.store.used += sign * n.cur_size()
+        """A record file appears in (+1) or leaves (-1) its store: count and bytes (a
+        local-only file: ``local_count`` / ``local_used``). Flip ``local_only`` only
+        between a -1 and a +1."""
+        if n.store is not None and not n.unlinked and not n.is_dir:
+            if n.local_only:
+                n.store.local_count += sign
+                n.store.local_used += sign * n.cur_size()
+            else:
+                n.store.count += sign
+                n.store.used += sign * n.cur_size()
 
     def _new_handle(self, n: Node, flags: int) -> Handle:
         self._next_fh += 1

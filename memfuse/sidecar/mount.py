@@ -246,7 +246,8 @@ class Sidecar(StoreSync):
             shutil.rmtree(legacy, ignore_errors=True)
         self.fs = Filesystem(BlobCache(config.cache_dir / "blobs.db"), self.committer, settings,
                              config.workspace, dirs_file=config.cache_dir / "dirs.json",
-                             rejected=self.journal.load_rejected())
+                             rejected=self.journal.load_rejected(),
+                             local=self.journal.load_local())
         self.ops = MemfuseOps(self.fs, self.metrics)
         self.fs.controls.status_provider = self.status
 
@@ -555,6 +556,7 @@ class Sidecar(StoreSync):
                     (config.cache_dir / MOUNT_INFO).unlink()
             self.save_states()
             self.fs.sync_rejected()  # written by journal.close() below
+            self.fs.sync_local()
             left = self.committer.depth()
             if left:
                 log.warning("entries left in the outbox for the next start", extra={"entries": left})

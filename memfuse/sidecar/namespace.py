@@ -67,6 +67,7 @@ class NamespaceOps:
         self._detach(n)
         self._bind_rid(n, None)
         self.sync_rejected()  # an unlinked rejected file is not kept
+        self.sync_local()  # nor a local-only one
 
     def rmdir(self, parent_ino: int, name: bytes) -> None:
         """rmdir(2) of directory ``name`` in ``parent_ino``. Raises ``FsError``: ``ENOENT``,
@@ -137,6 +138,7 @@ class NamespaceOps:
         if commit_after and src.opened == 0:
             self.commit_quietly(src)
         self.sync_rejected()  # rejected files moved (or replaced) keep their new paths
+        self.sync_local()  # so do local-only files; one renamed onto a normal name is a record
 
     def _adopt_key(self, src: Node, dst: Node) -> None:
         """``src`` replaces ``dst`` locally and takes over its record (key and id)."""
@@ -176,6 +178,7 @@ class NamespaceOps:
             # a temporary becomes a real file: its content goes to the target's record
             if dst is not None and not dst.local_only:
                 self._adopt_key(src, dst)
+            self._live(src, -1)
             src.local_only = False
             self._live(src, +1)
             src.dirty = True
@@ -184,6 +187,8 @@ class NamespaceOps:
             self.committer.submit(sm.slug, DELETE, src.key, {"path": old_path})
             self._live(src, -1)
             src.local_only = True
+            self._live(src, +1)
+            self._local.add(src)  # kept from now on (LocalFiles), under its new name
             return False
         if src.dirty and src.opened == 0:
             self.commit_quietly(src)

@@ -121,6 +121,27 @@ class Entry:
         raise CacheError(errno.EIO, f"the outbox journal did not write within {timeout:g} s")
 
 
+class Barrier:
+    """A point in the journal's queue: ``durable`` (also ``done``) is set once everything
+    queued before it is on disk. Waited on like an ``Entry`` (``wait_accepted``): a failed
+    write sets ``journal_error``. Used by writes that are not outbox entries (local-only
+    files: ``localfiles.LocalFiles``) so that their ``close(2)`` returns once they are on
+    disk."""
+
+    id = -1
+    errno = 0
+    reason = ""
+
+    def __init__(self) -> None:
+        self.durable = trio.Event()
+        self.done = self.durable  # nothing to commit beyond the disk
+        self.changed = trio.Event()
+        self.journal_error: tuple[int, str] | None = None
+
+    notify = Entry.notify
+    wait_accepted = Entry.wait_accepted
+
+
 class CacheError(OSError):
     """A write to the sidecar's own cache directory failed: ``errno`` (``ENOSPC`` for a full
     disk, else ``EIO`` or the OS's errno) and a one-line ``reason`` for logs and errors.log."""
@@ -200,6 +221,12 @@ class Journal:
             " path TEXT NOT NULL, errno INTEGER NOT NULL, code TEXT NOT NULL, reason TEXT NOT NULL,"
             " content BLOB NOT NULL, record_id TEXT, type TEXT, mode INTEGER, mtime_ns INTEGER,"
             " created REAL NOT NULL)")
+        # files with local-only names (editor temporaries, ``*~``, ``4913``...): never sent,
+        # kept here so they survive a restart as on a local disk (``localfiles.LocalFiles``)
+        self._db.execute(
+            "CREATE TABLE IF NOT EXISTS local_files (node_key TEXT PRIMARY KEY,"
+            " store TEXT NOT NULL, path TEXT NOT NULL, content BLOB NOT NULL,"
+            " mode INTEGER NOT NULL, mtime_ns INTEGER NOT NULL, created REAL NOT NULL)")
         # the recent lines of ``.memfuse/errors.log`` (one JSON object each, oldest first by
         # id), so the log of refusals survives a restart as a log file on a local disk would
         # (``control.ControlFiles``); bounded by ``add_error``'s ``keep``
@@ -250,6 +277,42 @@ class Journal:
             self._pending.append([f"INSERT OR REPLACE INTO rejected VALUES ({marks})",
                                   tuple(r[c] for c in self.REJECTED_COLUMNS), None])
         self._wakeup.set()
+
+    LOCAL_COLUMNS = ("node_key", "store", "path", "content", "mode", "mtime_ns", "created")
+
+    def load_local(self) -> list[dict[str, Any]]:
+        """The local-only files a previous process kept (``put_local``), one dict a row with
+        the keys of ``LOCAL_COLUMNS`` (``content`` as bytes), oldest first."""
+        cols = ", ".join(self.LOCAL_COLUMNS)
+        return [dict(zip(self.LOCAL_COLUMNS, row)) for row in self._db.execute(
+            f"SELECT {cols} FROM local_files ORDER BY created")]
+
+    def put_local(self, row: dict[str, Any]) -> None:
+        """Queue the write of one local-only file (a dict with the keys of
+        ``LOCAL_COLUMNS``), replacing its earlier row. Never blocks."""
+        marks = ",".join("?" * len(self.LOCAL_COLUMNS))
+        self._pending.append([f"INSERT OR REPLACE INTO local_files VALUES ({marks})",
+                              tuple(row[c] for c in self.LOCAL_COLUMNS), None])
+        self._wakeup.set()
+
+    def move_local(self, node_key: str, path: str, mode: int, mtime_ns: int) -> None:
+        """Queue a new path / mode / mtime for a kept local-only file (content unchanged)."""
+        self._pending.append(["UPDATE local_files SET path=?, mode=?, mtime_ns=? WHERE node_key=?",
+                              (path, mode, mtime_ns, node_key), None])
+        self._wakeup.set()
+
+    def delete_local(self, node_key: str) -> None:
+        """Queue the deletion of a kept local-only file (unlinked, or renamed onto a normal
+        name and now a record)."""
+        self._pending.append(["DELETE FROM local_files WHERE node_key=?", (node_key,), None])
+        self._wakeup.set()
+
+    def barrier(self) -> Barrier:
+        """A ``Barrier`` after everything queued so far (set once it is all on disk)."""
+        b = Barrier()
+        self._waiters.append(b)
+        self._wakeup.set()
+        return b
 
     def load_errors(self, keep: int) -> list[dict[str, Any]]:
         """The last ``keep`` lines of ``errors.log`` a previous process kept (``add_error``),

@@ -501,6 +501,7 @@ class StoreSync:
             first = False
             await self.save_states_async()
             self.fs.sync_rejected()  # e.g. a remote change replaced a rejected file
+            self.fs.sync_local()  # e.g. a remote record moved over a local-only file
             if trio.current_time() - last_gc >= self.GC_EVERY:
                 last_gc = trio.current_time()
                 self._gc_blobs()

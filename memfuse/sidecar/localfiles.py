@@ -1,0 +1,172 @@
+"""Local-only files kept across restarts: the part of ``core.Filesystem`` that persists them.
+
+Files with a local-only name (editor and tool temporaries: ``*~``, ``.*.swp``, ``4913``,
+``.#*``, ``#*#``, ``.goutputstream-*``, ``.~lock.*#``; ``Settings.local_only_patterns``) are
+never sent to the control plane (docs/SEMANTICS.md, "Local-only files"). A local disk would
+not lose them on a reboot, so neither does memfuse: each one is kept in the outbox journal's
+``local_files`` table (``outbox.Journal.put_local``: the same SQLite file as the outbox,
+``synchronous=FULL``, written in order with the outbox entries) with its store, path, node
+key, content, mode and mtime. ``close(2)`` / ``fsync(2)`` of a written local-only file return
+once its row is on disk (``outbox.Barrier``), as a record's close returns once its change is
+accepted; a full cache disk is ``ENOSPC`` at close. At the next start each store gets its
+local-only files back right after it is loaded (``add_store``), with ``state=local``.
+
+Shape: ``_local`` is the set of local-only nodes; ``sync_local()`` compares each one's
+signature (store, path, sha256, mode, mtime) with what was written last (``_local_saved``:
+node key → signature) and queues per-file writes: the whole row when the content changed, an
+``UPDATE`` of path / mode / mtime when only they did (a rename, a chmod), a ``DELETE`` for a
+file gone (unlinked, renamed onto a normal name and now a record, replaced). It is called after
+each local-only commit and namespace change, and every 2 s by the sidecar's saver (a remote
+record moved over one). A file being written (``dirty``) keeps its last row until its close.
+Rows of a store taken out of the mount stay as they are; a store mounted again in the same
+process gets its files back from the rows taken when it was removed (``take_local``).
+
+Limits: local-only files share the store's limits with its records in this sidecar (as
+temporaries share a disk with the files they belong to): ``StoreMount.local_count`` and
+``local_used`` count them, and a create or write that would take records plus local-only
+files past ``max_records`` / ``max_store_bytes`` is refused with ``ENOSPC``
+(``core.Filesystem._check_growth``); there is no per-file ``EFBIG`` (a vim swap file of a
+record near ``max_record_bytes`` is a little larger than the record). Nothing here awaits;
+everything runs on the trio thread.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import stat
+import time
+from typing import Any
+
+from ..wire import sha256_hex
+from .inodes import Node, StoreMount
+from .outbox import CacheError
+
+log = logging.getLogger("memfuse.fs")
+
+
+class LocalFiles:
+    """Persistence of local-only files (module docstring); mixed into ``core.Filesystem``,
+    whose ``__init__`` calls ``_init_local``."""
+
+    def _init_local(self, saved: list[dict[str, Any]] | None) -> None:
+        self._local: set[Node] = set()
+        self._local_saved: dict[str, tuple] = {}  # node key -> signature written
+        # rows a previous process kept (or a store removed from the mount had), by store,
+        # until the store is loaded
+        self._local_restore: dict[str, list[dict[str, Any]]] = {}
+        for row in saved or ():
+            self._local_restore.setdefault(row["store"], []).append(row)
+            self._local_saved[row["node_key"]] = (row["store"], "kept")
+
+    def _local_sig(self, n: Node) -> tuple:
+        return (n.store.slug, n.path(), n.sha, stat.S_IMODE(n.mode), n.mtime_ns)
+
+    def _local_row(self, n: Node) -> dict[str, Any]:
+        return {"node_key": n.key, "store": n.store.slug, "path": n.path(),
+                "content": self._content(n), "mode": stat.S_IMODE(n.mode),
+                "mtime_ns": n.mtime_ns, "created": time.time()}
+
+    def save_local(self, n: Node) -> None:
+        """Store the content of local-only file ``n`` (closed, or fsynced) in the blob
+        cache (reads are served from there; on a cache-disk failure it stays in memory)
+        and queue its row (``sync_local``)."""
+        data = bytes(n.buf) if n.buf is not None else None
+        if data is not None:
+            sha = sha256_hex(data)
+            try:
+                self.blobs.put(data, sha)
+                n.sha, n.size, n.buf = sha, len(data), None
+            except CacheError as err:
+                log.warning("blob cache write failed; the local-only file stays in memory",
+                            extra={"store": n.store.slug, "path": n.path(), "reason": err.reason})
+        self._local.add(n)
+        self.sync_local()
+
+    def sync_local(self) -> None:
+        """Queue the journal writes that make the ``local_files`` table match the live
+        local-only files of the mounted stores (module docstring). Never blocks, never raises
+        for the disk (the journal retries a failed write)."""
+        if not self._local and not self._local_saved:
+            return
+        journal = self.committer.journal
+        current: dict[str, tuple] = {}
+        for n in list(self._local):
+            if n.unlinked or not n.local_only or n.store is None or n.store.detached:
+                self._local.discard(n)
+                continue
+            prev = self._local_saved.get(n.key)
+            if n.dirty:
+                if prev is not None:
+                    current[n.key] = prev  # being written: its last row stays until close
+                continue
+            sig = self._local_sig(n)
+            current[n.key] = sig
+            if prev == sig:
+                continue
+            if prev is not None and prev[0] == sig[0] and prev[2] == sig[2] and len(prev) == 5:
+                journal.move_local(n.key, sig[1], sig[3], sig[4])
+            else:
+                journal.put_local(self._local_row(n))
+        mounted = self.stores
+        for key, sig in list(self._local_saved.items()):
+            if key not in current and sig[0] in mounted and not mounted[sig[0]].detached:
+                journal.delete_local(key)
+                del self._local_saved[key]
+        self._local_saved.update(current)
+
+    def take_local(self, sm: StoreMount) -> None:
+        """Store ``sm`` is leaving the mount: keep its local-only files' rows in memory, so
+        the store mounted again in this process gets them back (``_restore_local``)."""
+        rows = []
+        for n in list(self._local):
+            if n.store is sm and not n.unlinked and n.local_only:
+                try:
+                    rows.append(self._local_row(n))
+                except CacheError:
+                    log.warning("local-only file not kept: its content is unreadable",
+                                extra={"store": sm.slug, "path": n.path()})
+                self._local.discard(n)
+        self._local_restore[sm.slug] = rows
+
+    def _restore_local(self, sm: StoreMount) -> None:
+        """Put back the local-only files kept for store ``sm`` (just loaded): at their path,
+        with their content, mode and mtime. One whose path now holds a record or crosses
+        one is not restored: the loss is written to ``errors.log`` and the log (with the
+        path, never the content), and its row is deleted."""
+        for row in self._local_restore.pop(sm.slug, []):
+            try:
+                self._restore_local_one(sm, row)
+            except Exception:  # a bad row must not stop the mount
+                log.exception("local-only file not restored",
+                              extra={"store": sm.slug, "path": row.get("path")})
+
+    def _restore_local_one(self, sm: StoreMount, row: dict[str, Any]) -> None:
+        path: str = row["path"]
+        parts = path.split("/")
+        now = time.time_ns()
+        d = self._ensure_dir(sm, parts[:-1], now)
+        cur = d.children.get(parts[-1]) if d is not None else None
+        if d is None or cur is not None:
+            why = ("a file is in its way" if d is None
+                   else "a directory now has its path" if cur.is_dir
+                   else "a record now has its path")
+            self.note_error(None, path, errno.EEXIST,
+                            f"a local-only file kept from before the restart was dropped: {why}",
+                            "local_file_dropped", sm.slug)
+            self._local_saved[row["node_key"]] = (sm.slug, "dropped")  # deleted at next sync
+            return
+        data: bytes = row["content"]
+        n = self._new_node(parts[-1], d, False, sm, row["mode"] & 0o7777, now)
+        n.local_only = True
+        n.key = row["node_key"]
+        self.by_key[n.key] = n
+        sha = sha256_hex(data)
+        try:
+            self.blobs.put(data, sha)
+            n.sha, n.size = sha, len(data)
+        except CacheError:
+            n.buf = bytearray(data)  # served from memory; written to the blob cache at the next close
+        n.mtime_ns = n.ctime_ns = row["mtime_ns"]
+        self._live(n, +1)
+        self._local.add(n)
+        self._local_saved[n.key] = self._local_sig(n)
