@@ -196,7 +196,8 @@ class ControlFiles:
         """One store's entry: ``records`` / ``bytes`` are what the control plane holds plus
         what is pending (a file rejected over a stored record counts with the stored
         size); ``rejected`` / ``rejected_bytes`` are the files refused for good, kept here
-        (their local content), never counted in ``records`` / ``bytes``."""
+        (their local content), never counted in ``records`` / ``bytes``; ``local`` /
+        ``local_bytes`` the local-only files kept here (never sent)."""
         records, used, rejected, rejected_bytes = s.count, s.used, 0, 0
         for n in self.fs.rejected_files(s):
             size = n.cur_size()
@@ -209,6 +210,7 @@ class ControlFiles:
                 records -= 1
         return {"slug": s.slug, "access": s.access, "records": records, "bytes": used,
                 "rejected": rejected, "rejected_bytes": rejected_bytes,
+                "local": s.local_count, "local_bytes": s.local_used,
                 "max_records": s.max_records, "max_store_bytes": s.max_store_bytes}
 
     def status(self) -> dict:
