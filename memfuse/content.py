@@ -50,6 +50,8 @@ __all__ = [
     "check_text",
     "find_secret",
     "check_secrets",
+    "find_secret_in_path",
+    "NameSecret",
     "SECRET_KINDS",
 ]
 
@@ -411,6 +413,27 @@ _RULES: tuple[_Rule, ...] = (
 SECRET_KINDS: tuple[str, ...] = tuple(r.kind for r in _RULES)
 
 
+def _first_secret(content: str, in_name: bool = False) -> tuple[_Rule, re.Match[str]] | None:
+    for rule in _RULES:
+        for m in rule.pattern.finditer(content):
+            if rule.check(m, content) and (not in_name or _name_check(rule, m)):
+                return rule, m
+    return None
+
+
+_AWS_ID_IN_NAME = re.compile(r"[A-Z2-7]*[2-7][A-Z2-7]*")
+
+
+def _name_check(rule: _Rule, m: re.Match[str]) -> bool:
+    """The one rule tightened for names: an AWS access key id's 16 characters are base32
+    (``A-Z``, ``2-7``, as AWS issues them) with at least one digit, so an upper-case name
+    such as ``ASIAPACIFICOVERVIEW.md`` or ``ASIAPACIFICSALES2025.md`` is not a key (about
+    4 % of real key ids have no digit and pass in a name; content is checked as before)."""
+    if rule.kind == "AWS access key id":
+        return _AWS_ID_IN_NAME.fullmatch(m.group(1)) is not None
+    return True
+
+
 def find_secret(content: str) -> str | None:
     """Return a short reason naming the first kind of secret found in ``content`` and its
     line (``"GitHub token on line 3"``), or None. The reason never holds the secret.
@@ -419,12 +442,63 @@ def find_secret(content: str) -> str | None:
     literal prefix): about 50 ms per MiB of ordinary text, under 150 ms per MiB for the
     adversarial inputs in the tests.
     """
-    for rule in _RULES:
-        for m in rule.pattern.finditer(content):
-            if rule.check(m, content):
-                line = content.count("\n", 0, m.start()) + 1
-                return f"{rule.kind} on line {line}"
+    found = _first_secret(content)
+    if found is None:
+        return None
+    rule, m = found
+    return f"{rule.kind} on line {content.count(chr(10), 0, m.start()) + 1}"
+
+
+#: what stands for the secret part of a name in a redacted name
+REDACTED = "[REDACTED]"
+
+
+@dataclass(frozen=True)
+class NameSecret:
+    """A secret found in a record path or name (:func:`find_secret_in_path`): ``kind`` (one
+    of :data:`SECRET_KINDS`), ``component`` (1-based index of the path component holding
+    it) and ``redacted``: the whole path with the secret replaced by its first four
+    characters (the vendor prefix, such as ``AKIA`` or ``ghp_``) and ``[REDACTED]``, safe to
+    show in logs, problem details and ``errors.log``."""
+
+    kind: str
+    component: int
+    redacted: str
+
+    @property
+    def reason(self) -> str:
+        """One sentence for a refusal (never the secret)."""
+        return (f"the name holds a secret ({self.kind} in path component {self.component}: "
+                f"{self.redacted!r}); names show in listings, history and logs: choose another name")
+
+
+def find_secret_in_path(path: str) -> NameSecret | None:
+    """The first secret in a record path (``a/b.md``) or one name, found with the same rules
+    as content (:func:`find_secret`), each component scanned on its own, as written and with
+    ``_`` read as a separator (``key_AKIA…`` is a key too); or None.
+
+    Names are short, so this costs microseconds. The rules anchor on vendor prefixes and
+    random-looking secret parts, so ordinary names (dates, ticket numbers, UUIDs, hashes,
+    ``ASIA-pacific.md``, ``sk-learn.md``) do not match: tests/test_content.py runs them
+    over realistic names."""
+    parts = path.split("/")
+    for i, comp in enumerate(parts):
+        for text in (comp, comp.replace("_", " ")) if "_" in comp else (comp,):
+            found = _first_secret(text, in_name=True)
+            if found is None:
+                continue
+            rule, m = found
+            red = comp[: m.start()] + comp[m.start() : m.start() + 4] + REDACTED + comp[m.end() :]
+            shown = "/".join(parts[:i] + [red] + [_redact_rest(c) for c in parts[i + 1 :]])
+            return NameSecret(rule.kind, i + 1, shown)
     return None
+
+
+def _redact_rest(comp: str) -> str:
+    """A later component of a path whose earlier one held a secret, redacted too if it holds
+    one (a path may hold two)."""
+    found = find_secret_in_path(comp)
+    return comp if found is None else found.redacted
 
 
 def check_secrets(content: str) -> None:

@@ -361,3 +361,59 @@ def test_module_has_no_server_imports():
             assert not (node.module or "").startswith(("memfuse.server", "memfuse.sidecar")), node.module
         if isinstance(node, ast.Import):
             assert not any(a.name.startswith(("memfuse.server", "memfuse.sidecar", "fastapi", "sqlalchemy")) for a in node.names)
+
+
+# ---------------------------------------------------------------- secrets in names
+
+AWS_ID_CHARS = string.ascii_uppercase + "234567"  # base32, as AWS issues key ids
+
+# name or path holding a secret → (kind, component, redacted form)
+NAME_SECRETS: list[tuple[str, tuple[str, int, str]]] = [
+    ("AK" + "IA" + rnd(16, AWS_ID_CHARS, 3) + ".md", ("AWS access key id", 1, "AKIA[REDACTED].md")),
+    ("creds/key_" + "AS" + "IA" + rnd(16, AWS_ID_CHARS, 4) + ".txt",
+     ("AWS access key id", 2, "creds/key_ASIA[REDACTED].txt")),
+    ("gh" + "p_" + rnd(36), ("GitHub token", 1, "ghp_[REDACTED]")),
+    ("notes/" + "gh" + "o_" + rnd(36, seed=2) + "/todo.md", ("GitHub token", 2, "notes/gho_[REDACTED]/todo.md")),
+    ("x" + "oxb-" + "730294618253-" + rnd(24, seed=5) + ".md", ("Slack token", 1, "xoxb[REDACTED].md")),
+    ("sk-" + "proj-" + rnd(48, URLSAFE, 6), ("OpenAI API key", 1, "sk-p[REDACTED]")),
+    ("AI" + "za" + rnd(35, URLSAFE, 7) + ".json", ("GCP API key", 1, "AIza[REDACTED].json")),
+    ("gl" + "pat-" + rnd(20, seed=8), ("GitLab token", 1, "glpa[REDACTED]")),
+    (jwt() + ".txt", ("JSON Web Token", 1, "eyJh[REDACTED].txt")),
+]
+
+# names people and tools give memory files: none holds a secret
+ORDINARY_NAMES = [
+    "MEMORY.md", "prefs.md", "draft.md.bak~", "4913", ".notes.md.swp", "#autosave#",
+    ".goutputstream-ABC123", ".~lock.report.odt#", "tickets/4913", "2024-06-01-standup.md",
+    "project-notes_2024.md", "JIRA-12345.md", "PROJ_4711_design.md", "v1.2.3-release-notes.md",
+    "550e8400-e29b-41d4-a716-446655440000.json",  # a UUID
+    "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855.blob",  # a sha256
+    "9fceb02d0ae598e95dc970b74767f19372d61af8.patch",  # a git commit id
+    "ASIA-pacific.md", "ASIAPACIFICOVERVIEW.md", "ASIAPACIFICSALES2025.md", "AKIA.md",
+    "sk-learn-notes.md", "sk-" + "x" * 40 + ".md", "ghp_" + "x" * 36, "gho_token_rotation.md",
+    "xoxb-bot-setup.md", "eyJhbGciOiJIUzI1NiJ9.md", "aws_secret_access_key.md",
+    "how-to-rotate-aws-keys.md", "AWS_ACCESS_KEY_ID_rotation.md", "github_pat_docs.md",
+    "glpat-howto.md", "dGhpcyBpcyBiYXNlNjQgdGV4dCB0aGF0IGlzIGxvbmcgZW5vdWdo.txt",
+    "IMG_20240601_123456789.jpg", "Screenshot 2024-06-01 at 12.34.56.png",
+    "feedback/user-prefers-tabs.md", "reference/API_KEYS_README.md", "données/café.md",
+    "日本語のメモ.md", "a" * 255,
+]
+
+
+@pytest.mark.parametrize("path,expect", NAME_SECRETS, ids=[e[0] for _, e in NAME_SECRETS])
+def test_secret_in_a_name_is_found_and_redacted(path: str, expect: tuple[str, int, str]):
+    found = content.find_secret_in_path(path)
+    assert found is not None and (found.kind, found.component, found.redacted) == expect
+    secret_part = path.split("/")[expect[1] - 1]
+    assert secret_part not in found.reason and expect[2] in found.reason
+
+
+@pytest.mark.parametrize("path", ORDINARY_NAMES)
+def test_ordinary_names_hold_no_secret(path: str):
+    assert content.find_secret_in_path(path) is None
+
+
+def test_two_secrets_in_one_path_are_both_redacted():
+    a, b = "AK" + "IA" + rnd(16, AWS_ID_CHARS, 9), "gh" + "p_" + rnd(36, seed=9)
+    found = content.find_secret_in_path(f"{a}/{b}.md")
+    assert found is not None and found.redacted == "AKIA[REDACTED]/ghp_[REDACTED].md"

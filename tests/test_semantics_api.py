@@ -99,6 +99,53 @@ async def test_secret_refused_on_create_and_update(env: Env):
     await env.update(rec["id"], "export GITHUB_TOKEN=ghp_" + "x" * 36 + "\n")
 
 
+def fake_aws_key_id() -> str:
+    """An AWS-access-key-id-shaped string built at run time (base32, as AWS issues them)."""
+    rnd = random.Random(7)
+    return "AK" + "IA" + "".join(rnd.choice(string.ascii_uppercase + "234567") for _ in range(15)) + "7"
+
+
+async def test_secret_in_a_path_is_refused_on_create_move_and_batch(env: Env, caplog):
+    """A record path holding a credential would show in listings, history, the console and
+    logs: create, move, prefix move and a batch create to such a path → 422
+    ``secret_detected`` (as for content), the detail naming the kind and a redacted form."""
+    key, tok = fake_aws_key_id(), fake_token()
+    caplog.set_level("DEBUG")
+    seen: list[str] = []  # every answer: none may hold the secret
+    r = await env.ws.post("/v1/stores/default/records", json={"path": f"{key}.md", "content": "hi\n"})
+    body = assert_problem(r, 422, "secret_detected")
+    seen.append(r.text)
+    assert "AWS access key id" in body["detail"] and "AKIA[REDACTED].md" in body["detail"]
+    r = await env.ws.post("/v1/stores/default/records", json={"path": f"notes/{tok}/a.md", "content": "hi\n"})
+    body = assert_problem(r, 422, "secret_detected")
+    seen.append(r.text)
+    assert "GitHub token in path component 2" in body["detail"] and "notes/ghp_[REDACTED]/a.md" in body["detail"]
+    rec = await env.create("notes/a.md", "hi\n")
+    r = await env.ws.post(f"/v1/stores/default/records/{rec['id']}/move", json={"path": f"notes/{key}"})
+    assert_problem(r, 422, "secret_detected")
+    seen.append(r.text)
+    r = await env.ws.post("/v1/stores/default/move", json={"from_prefix": "notes", "to_prefix": tok})
+    assert_problem(r, 422, "secret_detected")
+    seen.append(r.text)
+    r = await env.ws.post("/v1/stores/default/batch", json={"operations": [
+        {"op": "create", "body": {"path": "ok.md", "content": "fine\n"}},
+        {"op": "create", "body": {"path": f"{key}", "content": "hi\n"}},
+        {"op": "move", "record_id": rec["id"], "body": {"path": f"x-{tok}.md"}}]})
+    assert r.status_code == 200, r.text
+    seen.append(r.text)
+    results = r.json()["results"]
+    assert [x["status"] for x in results] == [201, 422, 422]
+    assert [(x["body"] or {}).get("code") for x in results[1:]] == ["secret_detected"] * 2
+    # ordinary paths that merely mention keys are fine
+    await env.create("how-to-rotate-aws-keys/AKIA-prefix.md", "notes\n")
+    r = await env.ws.get("/v1/stores/default/records")
+    assert sorted(x["path"] for x in r.json()["records"]) == [
+        "how-to-rotate-aws-keys/AKIA-prefix.md", "notes/a.md", "ok.md"]
+    everything = caplog.text + "".join(seen)
+    assert len(seen) == 5
+    assert key not in everything and tok not in everything and key[4:] not in everything
+
+
 async def test_refusal_order_size_then_type_then_secret(env: Env):
     await env.admin.patch("/v1/stores/default", json={"max_record_bytes": 100})
     tok = fake_token()

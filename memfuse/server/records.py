@@ -45,6 +45,7 @@ from memfuse.server.base import (
     Reply,
     ServiceBase,
     ServiceError,
+    _check_new_path,
     _check_path,
     holds,
     parse_if_match,
@@ -641,7 +642,7 @@ class RecordsMixin(ServiceBase):
         """``create_record``'s checks that need no database (path, content, secrets: raised
         here), and the write itself as ``fn(conn, st)`` under the store's lock (``st``: the
         store row read for writing)."""
-        path = _check_path(body.path)
+        path = _check_new_path(body.path)
         raw = _check_content(body.content)
         secret = content_rules.find_secret(body.content)  # outside the write lock
         sha = sha256_hex(raw)
@@ -789,7 +790,7 @@ class RecordsMixin(ServiceBase):
         self, p: Principal, record_id: str, body: RecordMove, if_match: str | None
     ) -> Callable[[Connection, Any], MoveResult]:
         """``move_record`` as ``_create_op`` splits ``create_record``."""
-        new_path = _check_path(body.path)
+        new_path = _check_new_path(body.path)
 
         def fn(conn: Connection, st: Any) -> MoveResult:
             rec = self._live(self._record(conn, st, record_id))
@@ -840,7 +841,7 @@ class RecordsMixin(ServiceBase):
         (nothing changes); 422 ``invalid_path`` / ``path_too_long`` for bad prefixes or
         targets, or when ``to_prefix`` is inside ``from_prefix``."""
         src = _check_path(body.from_prefix.rstrip("/"), "from_prefix")
-        dst = _check_path(body.to_prefix.rstrip("/"), "to_prefix")
+        dst = _check_new_path(body.to_prefix.rstrip("/"), "to_prefix")
         if dst == src or dst.startswith(src + "/"):
             raise ServiceError(422, "invalid_path", "to_prefix is inside from_prefix")
 

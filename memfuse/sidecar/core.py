@@ -188,12 +188,22 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles, LocalFile
         return sm
 
     def _check_name(self, d: Node, name: bytes) -> str:
+        """``name``, a new entry of directory ``d`` (create, mkdir, rename target), as
+        ``str``; refused (``errors.log`` line, ``FsError``) with ``EINVAL`` /
+        ``ENAMETOOLONG`` for the name rules (docs/SEMANTICS.md, "Names") and ``EPERM``
+        (``secret_detected``) for a name holding a secret (``content.find_secret_in_path``;
+        the line shows the name redacted)."""
         try:
             s = names.check_component(name)
         except names.NameError_ as e:
             self.refuse(d, name.decode("utf-8", "replace"),
                         errno.ENAMETOOLONG if e.too_long else errno.EINVAL, e.reason,
                         "path_too_long" if e.too_long else "invalid_path")
+        found = content_rules.find_secret_in_path(s)
+        if found is not None:
+            # a credential in a name would show in listings, history and logs: refused at
+            # once (as the control plane would), logged by its kind and a redacted form
+            self.refuse(d, found.redacted, errno.EPERM, found.reason, "secret_detected")
         path = (d.path() + "/" + s) if d.path() else s
         if not self.is_local_only(s):
             try:
