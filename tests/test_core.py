@@ -92,6 +92,8 @@ async def test_random_ops_keep_counters_and_reach_the_control_plane(tmp_path: Pa
             except FsError:
                 pass
             assert (sm.count, sm.used) == recount(fs, "default"), (step, op)
+            local = [n for n in fs._walk_files(sm.root) if n.local_only]
+            assert (sm.local_count, sm.local_used) == (len(local), sum(n.cur_size() for n in local))
         with trio.fail_after(30):
             await committer.wait_idle()
         fake.faults.error_rate = fake.faults.drop_rate = 0  # read the result without faults
@@ -108,6 +110,12 @@ async def test_random_ops_keep_counters_and_reach_the_control_plane(tmp_path: Pa
         assert remote_attrs == local_attrs
         if faults:
             assert fake.counters.errors_503 > 0 and fake.counters.dropped > 0
+        # the local-only files kept in the journal are exactly the tree's (LocalFiles)
+        fs.sync_local()
+        await journal.flush_pending()
+        kept = {r["path"]: (r["content"], r["mode"]) for r in journal.load_local()}
+        assert kept == {n.path(): (fs._content(n), n.mode & 0o7777)
+                        for n in fs._walk_files(sm.root) if n.local_only}
         nursery.cancel_scope.cancel()
     journal.close()
     fs.blobs.close()
