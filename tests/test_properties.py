@@ -370,6 +370,18 @@ def make_machine(env: MountEnv, local_base: Path, runs: list[str]):
         @_tracked
         def truncate_path(self, pick, size):  # truncate(2): no open, no close
             rel = self._pick(pick, "file")
+            # no close follows, so truncate itself refuses content a close would
+            # (docs/SEMANTICS.md): EILSEQ, and the file is left as it was
+            p = self.l / rel
+            if (os.path.isfile(p) and not os.path.islink(p)
+                    and not is_local_only(rel.rsplit("/", 1)[-1])):
+                cur = p.read_bytes()
+                after = cur[:size] + b"\0" * (size - len(cur))
+                if len(cur) != size and not utf8_text_ok(after):
+                    mount = outcome(lambda: os.truncate(self.m / rel, size))
+                    note(f"truncate({rel}, {size}): mount {mount}, expected EILSEQ (unchanged)")
+                    assert mount == "EILSEQ", f"truncate({rel}, {size}): mount {mount}"
+                    return
             self._both(f"truncate({rel}, {size})", lambda r: os.truncate(r / rel, size))
 
         @rule(pick=st.data(), over=st.booleans())
@@ -536,8 +548,11 @@ def test_close_of_a_local_only_file_reports_no_refusal(env):
     for i in range(5):
         d, _ = fresh_dir(env, "min")
         assert write_file(d / "a.md", b"abc\n") == OK
-        os.truncate(d / "a.md", 10)  # NUL padding: the control plane will refuse it
-        os.rename(d / "a.md", d / "b.md")  # commits the truncated content (refused later)
+        # NUL padding through a descriptor: refused at its close (a truncate(2) by path is
+        # refused at once and leaves the file as it was)
+        got_close = _fd_op(d / "a.md", os.O_WRONLY, lambda fd: os.ftruncate(fd, 10))
+        assert got_close == {"open": None, "write": None, "close": "EILSEQ"}
+        os.rename(d / "a.md", d / "b.md")  # the rejected content moves with the file
         os.rename(d / "b.md", d / "b.md~")  # a local-only name from now on
         got.append(write_file(d / "b.md~", b"more\n", os.O_WRONLY | os.O_APPEND))
     assert got == [OK] * 5

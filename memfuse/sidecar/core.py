@@ -548,6 +548,8 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles, LocalFile
         n = h.node
         e = self.commit(n)
         e = e or (n.last_put if n.state == PENDING and not (n.local_only or n.unlinked) else None)
+        if e is None and n.local_only and not n.unlinked:
+            e = self.committer.journal.barrier()  # its kept copy may still be queued
         if e is None:
             return
         deadline = trio.current_time() + self.settings.fsync_timeout
