@@ -88,6 +88,9 @@ def test_readme_flow_restart_and_history(tmp_path):
         wait_for(lambda: "refused store=default path=bad.md errno=EILSEQ code=invalid_content"
                  in log.read_text(), 30, "the refusal's log line")
         sh("rm memory/default/bad.md", tmp_path)
+        # files with local-only names (a backup, a ticket named like vim's probe) are kept
+        sh("echo backup > memory/default/draft.md.bak~ && mkdir -p memory/default/tickets && "
+           "echo body > memory/default/tickets/4913", tmp_path)
         assert interrupt(proc) == 0
         assert not is_mounted(mnt)
         # a clean stop closes the database: its WAL is checkpointed into dev.db and removed
@@ -95,6 +98,9 @@ def test_readme_flow_restart_and_history(tmp_path):
         assert not (tmp_path / "home" / "dev.db-shm").exists()
         proc = start_dev(mnt, env, log)
         assert (mnt / "default" / "prefs.md").read_text() == "prefers coffee\n"
+        assert (mnt / "default" / "draft.md.bak~").read_text() == "backup\n"
+        assert (mnt / "default" / "tickets" / "4913").read_text() == "body\n"
+        assert os.getxattr(mnt / "default" / "tickets" / "4913", "user.memfuse.state") == b"local"
         # a second memfuse dev on the same database is refused at once, in plain words. The
         # lock is taken without waiting (LOCK_NB), so what "at once" can lose is work done
         # before the check: measured as the process's CPU time, which a busy machine does
