@@ -87,6 +87,17 @@ def small_cache(tmp_path):
 
 
 @pytest.mark.timeout(300)
+def write_local(path: Path) -> str | None:
+    """Write ``FILE_BYTES`` to a local-only file in a subprocess bounded by a timeout; the
+    errno name of its close, or None."""
+    code = ("import os, sys\nfd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)\n"
+            f"os.write(fd, b'~' * {FILE_BYTES})\n"
+            "try:\n    os.close(fd)\nexcept OSError as e:\n    print(e.errno)\n")
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True,
+                         text=True, timeout=60, check=True).stdout.strip()
+    return errno.errorcode[int(out)] if out else None
+
+
 def test_full_cache_disk_gives_enospc_at_close_never_hangs_and_recovers(tmp_path, small_cache):
     cp = ControlPlane(tmp_path).start()
     sc = None
@@ -114,10 +125,14 @@ def test_full_cache_disk_gives_enospc_at_close_never_hangs_and_recovers(tmp_path
         assert any(e["errno"] == "ENOSPC" and "cache disk is full" in e["reason"]
                    for e in errors_log(root))
         assert metric(admin, "memfuse_cache_write_errors_total") > 0
+        # a local-only file is kept in the same journal: its close says ENOSPC too
+        assert write_local(root / "default" / "big.md~") == "ENOSPC"
 
         ballast.unlink()  # space returns: writes succeed again, no restart
         again = write_files(root / "default", 100, 5)
         assert [r["close"] for r in again] == [None] * 5, again
+        assert write_local(root / "default" / "other.md~") is None
+        assert (root / "default" / "big.md~").read_bytes() == b"~" * FILE_BYTES  # kept, retried
 
         # nothing accepted is lost; the refused ones were kept and committed as well
         def all_there() -> bool:

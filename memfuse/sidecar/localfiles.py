@@ -59,7 +59,9 @@ class LocalFiles:
             self._local_saved[row["node_key"]] = (row["store"], "kept")
 
     def _local_sig(self, n: Node) -> tuple:
-        return (n.store.slug, n.path(), n.sha, stat.S_IMODE(n.mode), n.mtime_ns)
+        # the content is the blob ``sha``, or the buffer when the blob cache could not take it
+        sha = sha256_hex(bytes(n.buf)) if n.buf is not None else n.sha
+        return (n.store.slug, n.path(), sha, stat.S_IMODE(n.mode), n.mtime_ns)
 
     def _local_row(self, n: Node) -> dict[str, Any]:
         return {"node_key": n.key, "store": n.store.slug, "path": n.path(),
