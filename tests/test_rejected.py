@@ -212,3 +212,30 @@ def test_refusal_log_line_names_store_path_errno_and_code_in_text_format(tmp_pat
     (js,) = [ln for ln in out["json"].getvalue().splitlines() if '"refused"' in ln]
     assert '"path": "notes dir.md", "errno": "EILSEQ", "code": "invalid_content"' in js
     assert "caf" not in text + js
+
+
+def test_rejection_before_the_create_committed_keeps_the_record_id(tmp_path):
+    """``: > e4.md; truncate -s 10 e4.md``: the empty file's create is still in flight when
+    the NUL content is refused at the next close; the create lands afterwards. The node must
+    learn the record's id anyway, so the kept rejected file finds its record at the next
+    start (before, it had none and was dropped as "another record now has its path", and the
+    empty stored version came back as ``clean``)."""
+    fs, j = start(tmp_path, [])
+    created = write(fs, "e4.md", b"", create=True)  # the create's put, not committed yet
+    with pytest.raises(FsError) as refused:
+        write(fs, "e4.md", b"\0" * 10, create=False)
+    assert refused.value.errno == errno.EILSEQ
+    n = fs.stores["default"].root.children["e4.md"]
+    assert n.last_put is None and n.state == REJECTED
+    created.record = rec("r9", "e4.md", "")  # the create's answer arrives now
+    fs._on_commit(created)
+    assert (n.record_id, n.state) == ("r9", REJECTED)
+    trio.run(j.flush_pending)
+    assert [r["record_id"] for r in j.load_rejected()] == ["r9"]
+    stop(fs, j)
+
+    fs, j = start(tmp_path, [rec("r9", "e4.md", "")])  # the control plane holds the empty version
+    n = fs.stores["default"].root.children["e4.md"]
+    assert (tree(fs), n.state, n.record_id) == ({"e4.md": b"\0" * 10}, REJECTED, "r9")
+    assert not any("dropped" in e["reason"] for e in fs.errors)
+    stop(fs, j)
