@@ -33,7 +33,7 @@ def test_local_only_files_survive_restarts_and_never_leave(tmp_path):
     sc = None
     try:
         tok = cp.setup_workspace("ws", ("default", "small"))
-        cp.call("update_store", "small", max_store_bytes=100)
+        cp.call("update_store", "small", max_store_bytes=100, max_records=1)
         cache, mnt = tmp_path / "cache", tmp_path / "mnt"
         sc = Sidecar(cp, "ws", tok, mnt, cache).start()
         d = mnt / "default"
@@ -90,17 +90,22 @@ def test_local_only_files_survive_restarts_and_never_leave(tmp_path):
         assert xattr(d / "notes.md~", "state") == "local"
         assert sorted(os.listdir(d / "tickets")) == ["#autosave#", "4913"]
 
-        # local-only files share the store's byte quota here (100 bytes in "small")
+        # local-only files share the store's byte quota here (100 bytes in "small"), and
+        # have a count of their own (a store at its record limit, 1, still takes them)
         s = mnt / "small"
         assert write_file(s / "a.md", b"x" * 60) == OK
         got = write_file(s / "a.md~", b"y" * 60)
         assert got["write"] == "ENOSPC", got
-        assert any(e["path"] == "a.md~" and e["errno"] == "ENOSPC" and "local-only" not in
-                   e["reason"] for e in errors_log(mnt))
-        assert write_file(s / "b.md~", b"y" * 30) == OK
-        assert write_file(s / "c.md", b"z" * 30)["write"] == "ENOSPC"
+        os.unlink(s / "a.md~")  # made, but empty
+        assert write_file(s / "b.md~", b"y" * 30) == OK  # the store is at max_records
+        assert write_file(s / "c.md", b"z")["open"] == "ENOSPC"  # a record: no
+        assert write_file(s / "a.md", b"x" * 80)["write"] == "ENOSPC"  # 80 + 30 > 100
+        why = [e["reason"] for e in errors_log(mnt) if e["errno"] == "ENOSPC"]
+        assert "local-only" not in why[0] and "(30 of them in local-only files)" in why[-1], why
         (st,) = [x for x in status(mnt)["stores"] if x["slug"] == "small"]
-        assert (st["local"], st["local_bytes"]) == (2, 30)  # a.md~ (empty: refused) and b.md~
+        assert (st["local"], st["local_bytes"]) == (1, 30)
+        assert write_file(s / "d.md~", b"") == {"open": "ENOSPC", "write": "skipped",
+                                                 "close": "skipped"}  # a second local file
 
         # unlinked: gone for good, also after a restart
         os.unlink(d / "tickets" / "4913")
@@ -110,7 +115,7 @@ def test_local_only_files_survive_restarts_and_never_leave(tmp_path):
         assert sorted(os.listdir(d / "tickets")) == ["#autosave#"]
         assert not (d / ".notes.md.swp").exists()
         assert set(live_records(cp)) == {"draft.md"}
-        assert set(live_records(cp, "small")) == {"a.md"}
+        assert {p: r.content for p, r in live_records(cp, "small").items()} == {"a.md": "x" * 60}
     finally:
         try:
             if sc is not None:

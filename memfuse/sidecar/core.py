@@ -397,10 +397,14 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles, LocalFile
         if s in d.children:
             raise FsError(errno.EEXIST)
         local = self.is_local_only(s)
-        if sm.count + sm.local_count >= sm.max_records:
-            held = f" ({sm.local_count} of them local-only files)" if sm.local_count else ""
+        if not local and sm.count >= sm.max_records:
+            self.refuse(d, s, errno.ENOSPC, f"store {sm.slug} holds {sm.max_records} records, its limit",
+                        "store_full")
+        if local and sm.local_count >= sm.max_records:
+            # a count of their own (a store full of records still lets vim make its swap
+            # and backup files), bounded by the same number
             self.refuse(d, s, errno.ENOSPC,
-                        f"store {sm.slug} holds {sm.max_records} files{held}, its limit",
+                        f"store {sm.slug} holds {sm.max_records} local-only files, its limit",
                         "store_full")
         n = self._new_node(s, d, False, sm, stat.S_IMODE(mode), time.time_ns(), uid, gid)
         n.local_only = local

@@ -204,7 +204,7 @@ class StoreMount:
     detached: bool = False  # removed from the mount: open handles get ESTALE
     used: int = 0  # bytes of the live records' current local content (quota fast path)
     count: int = 0  # live records (files that are not local-only)
-    local_count: int = 0  # live local-only files (never sent; they share the limits here)
+    local_count: int = 0  # live local-only files (never sent; bounded by max_records apart)
     local_used: int = 0  # bytes of the live local-only files
 
     @property
@@ -362,13 +362,14 @@ class InodeTable:
 
     def statfs(self) -> dict[str, int]:
         """statvfs(2) totals over the mounted stores: ``bytes`` / ``used`` (bytes, from the
-        stores' quotas and live records and local-only files) and ``files`` / ``nfiles``
-        (record limits and counts, local-only files included); the defaults of one store when none is mounted."""
+        stores' quotas, live records and local-only files, which share the byte quota) and
+        ``files`` / ``nfiles`` (record limits and counts; local-only files have a count of
+        their own); the defaults of one store when none is mounted."""
         stores = list(self.stores.values())
         return {"bytes": sum(sm.max_store_bytes for sm in stores) or DEFAULT_MAX_STORE_BYTES,
                 "used": sum(sm.used + sm.local_used for sm in stores),
                 "files": sum(sm.max_records for sm in stores) or DEFAULT_MAX_RECORDS,
-                "nfiles": sum(sm.count + sm.local_count for sm in stores)}
+                "nfiles": sum(sm.count for sm in stores)}
 
     def listdir(self, d: Node) -> list[tuple[str, Node]]:
         """The children of directory ``d`` as ``(name, node)`` sorted by name; ``ENOTDIR`` for a

@@ -21,12 +21,14 @@ record moved over one). A file being written (``dirty``) keeps its last row unti
 Rows of a store taken out of the mount stay as they are; a store mounted again in the same
 process gets its files back from the rows taken when it was removed (``take_local``).
 
-Limits: local-only files share the store's limits with its records in this sidecar (as
-temporaries share a disk with the files they belong to): ``StoreMount.local_count`` and
-``local_used`` count them, and a create or write that would take records plus local-only
-files past ``max_records`` / ``max_store_bytes`` is refused with ``ENOSPC``
-(``core.Filesystem._check_growth``); there is no per-file ``EFBIG`` (a vim swap file of a
-record near ``max_record_bytes`` is a little larger than the record). Nothing here awaits;
+Limits: local-only files share the store's byte quota with its records in this sidecar (as
+temporaries share a disk with the files they belong to): ``StoreMount.local_used`` counts
+their bytes, and a write that would take records plus local-only files past
+``max_store_bytes`` is refused with ``ENOSPC`` (``core.Filesystem._check_growth``). Their
+number (``local_count``) is bounded by ``max_records`` on its own, so a store full of records
+still lets an editor make its swap and backup files (in-place edits keep working at the
+record limit). There is no per-file ``EFBIG`` (a vim swap file of a record near
+``max_record_bytes`` is a little larger than the record). Nothing here awaits;
 everything runs on the trio thread.
 """
 from __future__ import annotations
