@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 
 import pytest
@@ -32,8 +33,9 @@ def test_local_only_files_survive_restarts_and_never_leave(tmp_path):
     cp = ControlPlane(tmp_path).start()
     sc = None
     try:
-        tok = cp.setup_workspace("ws", ("default", "small"))
+        tok = cp.setup_workspace("ws", ("default", "small", "full"))
         cp.call("update_store", "small", max_store_bytes=100, max_records=1)
+        cp.call("update_store", "full", max_records=1)
         cache, mnt = tmp_path / "cache", tmp_path / "mnt"
         sc = Sidecar(cp, "ws", tok, mnt, cache).start()
         d = mnt / "default"
@@ -106,6 +108,14 @@ def test_local_only_files_survive_restarts_and_never_leave(tmp_path):
         assert (st["local"], st["local_bytes"]) == (1, 30)
         assert write_file(s / "d.md~", b"") == {"open": "ENOSPC", "write": "skipped",
                                                  "close": "skipped"}  # a second local file
+
+        # a store at its record limit: vim's swap file is not a record, so vim still edits
+        f = mnt / "full"
+        assert write_file(f / "a.md", b"blue\n") == OK
+        if shutil.which("vim"):
+            r = sh("vim -N -es -u NONE -c '%s/blue/green/' -c wq a.md", f, timeout=30, check=False)
+            assert r.returncode == 0, (r.stdout, r.stderr)
+            assert (f / "a.md").read_bytes() == b"green\n" and os.listdir(f) == ["a.md"]
 
         # unlinked: gone for good, also after a restart
         os.unlink(d / "tickets" / "4913")
