@@ -522,6 +522,8 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles, LocalFile
         Raises ``FsError`` with the refusal's errno when the control plane refused the content
         for good (the content stays here, ``state=rejected``). A transient failure is not an
         error: the write stays accepted and the outbox retries (docs/SEMANTICS.md, "Writes and close").
+        A written local-only file is never sent: the close returns once its kept copy is on
+        disk (``LocalFiles``), ``ENOSPC`` / ``EIO`` when the cache disk refuses it.
         """
         n = h.node
         if n.store is not None and n.store.detached:
