@@ -233,15 +233,25 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles):
             n.buf = bytearray(self._content(n))
         return n.buf
 
-    def _check_size(self, n: Node, size: int) -> None:
+    def _check_size(self, n: Node, size: int, truncating: bool = False) -> None:
+        """``EFBIG`` when a write ending at byte ``size`` (or, ``truncating``, a truncation
+        to ``size`` bytes) passes the store's ``max_record_bytes``. The reason says what is
+        known at that moment: where the refused write reached (the kernel hands a large
+        write over in chunks, so the file the writer meant may be larger still), never a
+        guess of the file's final size."""
         sm = n.store
         if sm is not None and size > sm.max_record_bytes and not n.local_only:
-            reason = f"record would be {size} bytes, limit {sm.max_record_bytes}"
+            if truncating:
+                reason = (f"truncating to {size} bytes exceeds the store's max_record_bytes "
+                          f"{sm.max_record_bytes}")
+            else:
+                reason = (f"a write reaching byte {size} exceeds the store's max_record_bytes "
+                          f"{sm.max_record_bytes}")
             self._note_size_refusal(n, errno.EFBIG, reason, "record_too_large")
             # What this write session left behind (often a truncation at open plus part of
             # the content) must not replace the stored record: hold it back until the next
             # open for writing (docs/SEMANTICS.md: the stored record untouched).
-            if n.dirty:  # else nothing changed and the file stays as it was
+            if n.dirty and n.refused != errno.EFBIG:  # else nothing changed, or held already
                 n.refused, n.state, n.error = errno.EFBIG, REJECTED, reason
             raise FsError(errno.EFBIG, reason, "record_too_large")
 
@@ -251,8 +261,9 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles):
         chunk, and the writer (``dd``, Python's ``write``, coreutils) retries the rest, which
         is refused again for the same reason; this session is already held back with it, so
         it is one refusal and one ``errors.log`` line."""
-        if n.refused == err and n.error == reason:
-            return
+        if n.refused == err:
+            return  # this session is held back for that already (the reason may name
+            # another byte: a writer retrying the rest may be refused at another chunk)
         self.note_error(n.parent, n.name, err, reason, code)
 
     def _check_growth(self, n: Node, new_size: int) -> None:
@@ -300,7 +311,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles):
         if n.special:
             raise FsError(errno.EACCES)
         self._check_writable_file(n)
-        self._check_size(n, size)
+        self._check_size(n, size, truncating=True)
         self._check_growth(n, size)
         buf = self._make_buf(n)
         self._account(n, size - len(buf))
