@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import sqlite3
 from pathlib import Path
 
@@ -319,6 +320,65 @@ async def test_nul_is_refused_at_close_without_the_control_plane(tmp_path):
         with pytest.raises(FsError) as ei:
             await write(sc, "n.md", b"text\0more\n")
         assert ei.value.errno == errno.EILSEQ and "NUL" in ei.value.reason
+        nursery.cancel_scope.cancel()
+    sc.journal.close()
+    await sc.client.aclose()
+
+
+async def test_closes_during_an_outage_return_once_accepted_and_commit_after(tmp_path):
+    """While the outbox knows the control plane is unreachable (its last attempt failed with
+    a connection error and none was answered since), a close returns as soon as its write is
+    accepted, not after ``--commit-wait``: N closes take far less than N × commit-wait. fsync
+    keeps its contract (EIO after ``--fsync-timeout``). A healthy but slow control plane is
+    still waited for. ``status.json`` shows the reachability; the writes commit afterwards."""
+    wait = 10.0
+    fake = FakeControlPlane(seed=8)
+    token = await fake.setup("ws")
+    sc = await make_sidecar(tmp_path, fake, token, commit_wait=wait, fsync_timeout=1.0)
+    async with trio.open_nursery() as nursery:
+        await start(sc, nursery)
+        fake.faults.latency = 0.3  # healthy, slow: close waits for the commit as before
+        await write(sc, "slow.md", b"slow\n")
+        sm = sc.fs.stores["default"]
+        assert sc.fs.lookup(sm.root.ino, b"slow.md").state == "clean"
+        assert sc.status()["control_plane"] == {"reachable": True}
+        fake.faults.latency = 0.0
+
+        fake.faults.outage = True
+        n = 12
+        t0 = trio.current_time()
+        for i in range(n):
+            await write(sc, f"f{i:02d}.md", f"during the outage {i}\n".encode())
+        took = trio.current_time() - t0
+        # before: every close waited the full commit-wait (n × 10 s); now all of them
+        # together take less than one commit-wait
+        assert took < wait, took
+        assert all(sc.fs.lookup(sm.root.ino, f"f{i:02d}.md".encode()).state == "pending"
+                   for i in range(n))
+        cp = sc.status()["control_plane"]
+        assert cp["reachable"] is False and cp["error"] == "connect_error", cp
+        assert "since" in cp and cp["down_s"] >= 0
+        # fsync still waits for the commit, bounded by --fsync-timeout
+        h = sc.fs.open(sc.fs.lookup(sm.root.ino, b"f00.md").ino, os.O_WRONLY | os.O_APPEND)
+        try:
+            sc.fs.write(h, 0, b"synced\n")
+            t1 = trio.current_time()
+            with pytest.raises(FsError) as ei:
+                await sc.fs.fsync(h)
+            assert ei.value.errno == errno.EIO and trio.current_time() - t1 >= 0.9
+            await sc.fs.flush(h)  # returns at once: accepted, pending
+        finally:
+            sc.fs.release(h.fh)
+
+        fake.faults.outage = False
+        sc.committer.poke()
+        await wait_until(lambda: sc.committer.depth() == 0, timeout=60)
+        assert sc.status()["control_plane"] == {"reachable": True}
+        want = {f"f{i:02d}.md": f"during the outage {i}\n".encode() for i in range(n)}
+        want["f00.md"] += b"synced\n"
+        want["slow.md"] = b"slow\n"
+        assert await remote(fake) == want
+        assert all(sc.fs.lookup(sm.root.ino, p.encode()).state == "clean" for p in want)
         nursery.cancel_scope.cancel()
     sc.journal.close()
     await sc.client.aclose()

@@ -478,7 +478,11 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles):
         return None
 
     async def flush(self, h: Handle) -> None:
-        """close(2): commit a dirty file; wait up to ``commit_wait`` s for the control plane.
+        """close(2): commit a dirty file; wait up to ``commit_wait`` s for the control plane,
+        unless the outbox knows it is unreachable (``Committer.failing``: its last attempt
+        failed with a connection error, timeout, 5xx or 429 and none was answered since):
+        then return as soon as the write is accepted, or as soon as the outbox learns it
+        while this close waits.
 
         Raises ``FsError`` with the refusal's errno when the control plane refused the content
         for good (the content stays here, ``state=rejected``). A transient failure is not an
@@ -502,8 +506,12 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles):
                 return
         deadline = trio.current_time() + self.settings.commit_wait
         await self._wait_accepted(n, e, self.settings.commit_wait)
+        c = self.committer
         with trio.move_on_at(deadline):
-            await e.done.wait()
+            # e.changed is set when e finishes and, for every queued entry, when the outbox
+            # starts failing (Committer._attempt_failed)
+            while not e.done.is_set() and not c.failing:
+                await e.changed.wait()
         if e.done.is_set() and e.errno:
             raise FsError(e.errno, e.reason)
 

@@ -446,6 +446,7 @@ class Committer:
         self.refused = 0
         self.retries = 0
         self.conflicts = 0
+        self.merges = 0  # appends rebased onto a concurrent change instead of overwriting it
         self.auth_waits = 0  # commit attempts deferred because the token was refused (401)
         self.idle = trio.Event()
         self.idle.set()
@@ -461,6 +462,44 @@ class Committer:
         #: control plane answers that it has no such endpoint
         self.batching = True
         self.batches = 0  # batches the control plane answered
+        #: the outbox's own view of the control plane: None while its last commit attempt
+        #: was answered (or none was made yet), else since when (``time.time()``) and why
+        #: its attempts fail transiently (``unreachable``: ``{"since", "error"}``)
+        self.unreachable: dict[str, Any] | None = None
+
+    # --- the control plane's reachability, as the outbox sees it ------------------------------
+    @property
+    def failing(self) -> bool:
+        """Whether the outbox is in backoff: its last commit attempt failed transiently
+        (connection error, timeout, 5xx, 429) and none was answered since. A ``close`` then
+        returns once its write is accepted, without waiting for a commit that cannot come
+        (``Filesystem.flush``). A 401 does not count: a rotated token is re-read within
+        seconds, so a commit may well come within ``--commit-wait``."""
+        return self.unreachable is not None
+
+    def _attempt_failed(self, err: ApiError) -> None:
+        """A commit attempt (single or batch) failed transiently: note since when, and on
+        the transition wake every queued entry's waiters (a ``close`` waiting for its
+        commit returns then)."""
+        why = err.code or (f"http_{err.status}" if err.status else "unreachable")
+        if self.unreachable is not None:
+            self.unreachable["error"] = why
+            return
+        self.unreachable = {"since": time.time(), "error": why}
+        log.warning("control plane unreachable for commits; closes return once their write "
+                    "is accepted", extra={"status": err.status, "code": why,
+                                          "depth": self.depth()})
+        for q in self.queues.values():
+            for e in q:
+                e.notify()
+
+    def _attempt_answered(self) -> None:
+        """The control plane answered a commit attempt (a commit or a refusal)."""
+        if self.unreachable is not None:
+            log.info("control plane reachable again for commits",
+                     extra={"down_s": round(time.time() - self.unreachable["since"], 3),
+                            "depth": self.depth()})
+            self.unreachable = None
 
     # --- enqueueing (synchronous, on the trio thread: order is fixed here) -------------------
     def submit(self, store: str, op: str, node_key: str | None, args: dict[str, Any],
@@ -685,12 +724,15 @@ class Committer:
             attempts += 1
             try:
                 outcomes = await self.client.batch(store, ops)
+                self._attempt_answered()
                 self.batches += 1
                 if self.metrics is not None:
                     self.metrics.batches.inc()
                 return outcomes
             except (TransientError, Unauthorized) as err:
                 self.retries += 1
+                if isinstance(err, TransientError):
+                    self._attempt_failed(err)
                 if self.metrics is not None:
                     self.metrics.retries.inc()
                 delay = self._backoff(attempts, err)
@@ -700,6 +742,7 @@ class Committer:
                 with trio.move_on_after(delay):
                     await self._poke.wait()
             except ApiError as err:
+                self._attempt_answered()
                 if err.status == 405 or (err.status == 404 and err.code in ("not_found", "")):
                     self.batching = False
                     log.info("the control plane has no batch endpoint; committing one by one",
@@ -732,12 +775,14 @@ class Committer:
             client, answered = answered, None
             try:
                 await self._apply(e, client)
+                self._attempt_answered()
                 self.committed += 1
                 if self.metrics is not None:
                     self.metrics.commits.labels(e.op).inc()
                 return
             except TransientError as err:
                 self.retries += 1
+                self._attempt_failed(err)
                 if self.metrics is not None:
                     self.metrics.retries.inc()
                 delay = min(self.backoff_max, 0.05 * 2 ** min(e.attempts, 12))
@@ -764,6 +809,7 @@ class Committer:
             except ApiError as err:
                 if isinstance(err, TransientError):  # pragma: no cover - caught above
                     raise
+                self._attempt_answered()
                 self.refused += 1
                 e.errno = errno_for(err)
                 e.reason = err.detail or err.code or f"HTTP {err.status}"
