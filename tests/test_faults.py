@@ -21,6 +21,7 @@ from memfuse.fake import FakeControlPlane
 from memfuse.sidecar.core import FsError
 from memfuse.sidecar.mount import MountConfig, Sidecar
 from memfuse.sidecar.outbox import PUT, CacheError, Committer, Journal
+from memfuse.wire import sha256_hex
 
 FULL = sqlite3.OperationalError("database or disk is full")
 
@@ -379,6 +380,159 @@ async def test_closes_during_an_outage_return_once_accepted_and_commit_after(tmp
         want["slow.md"] = b"slow\n"
         assert await remote(fake) == want
         assert all(sc.fs.lookup(sm.root.ino, p.encode()).state == "clean" for p in want)
+        nursery.cancel_scope.cancel()
+    sc.journal.close()
+    await sc.client.aclose()
+
+
+# ------------------------------------------------------------------ appends meeting a concurrent change
+async def append(sc: Sidecar, path: str, data: bytes, *, wait: bool = True):
+    """``echo data >> path`` through the core: open O_APPEND, write, close (``wait=False``:
+    commit and release without waiting); returns the node."""
+    sm = sc.fs.stores["default"]
+    n = sc.fs.lookup(sm.root.ino, path.encode())
+    h = sc.fs.open(n.ino, os.O_WRONLY | os.O_APPEND)
+    try:
+        sc.fs.write(h, 0, data)
+        if wait:
+            await sc.fs.flush(h)
+        else:
+            assert sc.fs.commit(h.node) is not None
+    finally:
+        sc.fs.release(h.fh)
+    return n
+
+
+def conflict_lines(sc: Sidecar) -> list[dict]:
+    return [e for e in sc.fs.errors if e.get("conflict")]
+
+
+@pytest.mark.parametrize("races", [1, 3])
+async def test_an_append_meeting_a_concurrent_change_is_rebased_not_overwritten(tmp_path, races, caplog):
+    """A write that is its base plus a suffix (``echo >> f``) gets 412 because another writer
+    changed the record: the sidecar writes the current content plus the suffix (If-Match the
+    current version, again when it races again), the local file shows the merged content,
+    no conflict line; one structured log line per merge, without content."""
+    from memfuse.fake import RACE_MARKER
+    caplog.set_level(logging.INFO, logger="memfuse.outbox")
+    fake = FakeControlPlane(seed=9)
+    token = await fake.setup("ws")
+    sc = await make_sidecar(tmp_path, fake, token)
+    async with trio.open_nursery() as nursery:
+        await start(sc, nursery)
+        await write(sc, "j.md", b"a\n")
+        fake.faults.precondition_race = races  # the append, then each rebase, meet an edit
+        n = await append(sc, "j.md", b"b\n")
+        want = b"a\n" + RACE_MARKER.encode() * races + b"b\n"
+        assert fake.counters.races == races
+        assert (await remote(fake))["j.md"] == want
+        assert sc.fs._content(n) == want and n.state == "clean" and n.buf is None
+        assert n.sha == sha256_hex(want) and n.size == len(want)
+        assert sc.committer.merges == 1 and sc.committer.conflicts == 0
+        assert conflict_lines(sc) == []
+        merged = [r for r in caplog.records if r.getMessage() == "append merged onto a concurrent change"]
+        assert len(merged) == 1 and merged[0].attempt == races and merged[0].appended_bytes == 2
+        assert "b\n" not in repr(merged[0].__dict__) and sc.status()["outbox"]["merged"] == 1
+        # the next append is based on the merged content: no 412, no merge
+        await append(sc, "j.md", b"c\n")
+        assert (await remote(fake))["j.md"] == want + b"c\n" and sc.committer.merges == 1
+        nursery.cancel_scope.cancel()
+    sc.journal.close()
+    await sc.client.aclose()
+
+
+async def test_writes_made_while_a_merge_is_in_flight_are_rebased_onto_it(tmp_path):
+    """The file is appended to again (dirty, then a queued put) while its previous append is
+    being merged: the local dirty file is not overwritten by the merge, and its put — written
+    on the content before the merge — is rebased onto the merge in turn: every line once."""
+    from memfuse.fake import RACE_MARKER
+    fake = FakeControlPlane(seed=10)
+    token = await fake.setup("ws")
+    sc = await make_sidecar(tmp_path, fake, token)
+    async with trio.open_nursery() as nursery:
+        await start(sc, nursery)
+        await write(sc, "j.md", b"a\n")
+        fake.faults.precondition_race = 1
+        fake.faults.latency = 0.2  # the merge takes a while
+        n = await append(sc, "j.md", b"b\n", wait=False)
+        e1 = n.last_put
+        sm = sc.fs.stores["default"]
+        h = sc.fs.open(n.ino, os.O_WRONLY | os.O_APPEND)
+        sc.fs.write(h, 0, b"c\n")  # dirty while the merge is in flight
+        with trio.fail_after(20):
+            await e1.done.wait()
+        assert e1.merged is not None and e1.errno == 0
+        assert sc.fs._content(n) == b"a\nb\nc\n" and n.dirty  # never overwritten
+        await append(sc, "j.md", b"d\n", wait=False)  # another put, queued behind
+        await sc.fs.flush(h)
+        sc.fs.release(h.fh)
+        fake.faults.latency = 0.0
+        await wait_until(lambda: sc.committer.depth() == 0)
+        want = b"a\n" + RACE_MARKER.encode() + b"b\nc\nd\n"
+        assert (await remote(fake))["j.md"] == want
+        assert sc.fs._content(sc.fs.lookup(sm.root.ino, b"j.md")) == want
+        assert sc.committer.conflicts == 0 and conflict_lines(sc) == []
+        assert sc.committer._merged == {}
+        nursery.cancel_scope.cancel()
+    sc.journal.close()
+    await sc.client.aclose()
+
+
+async def test_a_rebase_whose_answer_was_lost_is_not_applied_twice(tmp_path):
+    """The rebased write is applied but its answer lost: the retry meets the record with the
+    suffix already on it; the rebase's idempotency key, reused with another body, tells the
+    sidecar it was applied (422 idempotency_key_reused): the suffix is there once."""
+    from memfuse.errors import TransientError
+    from memfuse.fake import RACE_MARKER
+    fake = FakeControlPlane(seed=11)
+    token = await fake.setup("ws")
+    sc = await make_sidecar(tmp_path, fake, token)
+    real = sc.client.update_record
+    lost = []
+
+    async def losing(*args, **kw):
+        rec = await real(*args, **kw)
+        if kw.get("idempotency_key", "").endswith("-rebase") and not lost:
+            lost.append(rec)
+            raise TransientError("answer lost", code="read_error")
+        return rec
+
+    sc.client.update_record = losing
+    async with trio.open_nursery() as nursery:
+        await start(sc, nursery)
+        await write(sc, "j.md", b"a\n")
+        fake.faults.precondition_race = 1
+        n = await append(sc, "j.md", b"b\n")
+        await wait_until(lambda: sc.committer.depth() == 0)
+        want = b"a\n" + RACE_MARKER.encode() + b"b\n"
+        assert lost and (await remote(fake))["j.md"] == want
+        assert sc.fs._content(n) == want and sc.committer.conflicts == 0
+        nursery.cancel_scope.cancel()
+    sc.journal.close()
+    await sc.client.aclose()
+
+
+async def test_no_append_or_no_base_is_last_writer_wins_with_a_conflict_line(tmp_path):
+    """A rewrite (not base + suffix) meeting a concurrent change, and an append whose base
+    content is no longer cached: last writer wins, the other version stays in history, and
+    a conflict line goes to errors.log."""
+    fake = FakeControlPlane(seed=12)
+    token = await fake.setup("ws")
+    sc = await make_sidecar(tmp_path, fake, token)
+    async with trio.open_nursery() as nursery:
+        await start(sc, nursery)
+        await write(sc, "r.md", b"one\n")
+        fake.faults.precondition_race = 1
+        await write(sc, "r.md", b"rewritten\n")
+        assert (await remote(fake))["r.md"] == b"rewritten\n"
+        assert len(conflict_lines(sc)) == 1 and sc.committer.merges == 0
+
+        await write(sc, "j.md", b"a\n")
+        sc.committer.base_content = lambda sha: None  # the base's content is not cached
+        fake.faults.precondition_race = 1
+        await append(sc, "j.md", b"b\n")
+        assert (await remote(fake))["j.md"] == b"a\nb\n"
+        assert len(conflict_lines(sc)) == 2 and sc.committer.merges == 0
         nursery.cancel_scope.cancel()
     sc.journal.close()
     await sc.client.aclose()

@@ -28,6 +28,7 @@ import errno
 import json
 import logging
 import os
+import sqlite3
 import stat
 import time
 import uuid
@@ -96,6 +97,10 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles):
             self._new_node(fname, self.control, False, None, 0o444, now).special = kind
         committer.on_result = self._on_commit
         committer.on_conflict = self._on_conflict
+        committer.base_content = self._cached_blob
+        #: ``on_invalidate(items)``: hand kernel invalidations (``("inode", ino)``...) to
+        #: the sidecar's invalidator; None without a mount
+        self.on_invalidate = None
         self._init_rejected(rejected)
 
     def add_store(self, slug: str, access: str, records: list, **kw) -> StoreMount:
@@ -222,6 +227,15 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles):
         if off >= n.size or not n.sha:
             return b""
         return self.blobs.read(n.sha, off, size)
+
+    def _cached_blob(self, sha: str) -> bytes | None:
+        """The cached content whose sha256 is ``sha`` (checked), None when the blob cache
+        does not hold it or cannot be read."""
+        try:
+            data = self.blobs.read(sha) if self.blobs.has(sha) else None
+        except (CacheError, sqlite3.Error):
+            return None
+        return data if data is not None and sha256_hex(data) == sha else None
 
     def _content(self, n: Node) -> bytes:
         if n.buf is not None:
@@ -589,6 +603,8 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles):
                     n.type_override = None
                 n.updated_ns = datetime_ns(e.record.updated_at)
                 n.state, n.error = CLEAN, ""
+                if e.merged is not None:
+                    self._show_merged(n, e)
         elif e.op == ATTRS:
             if e.errno:
                 self.note_error(n.parent if n else None, n.name if n else e.args.get("path", ""),
@@ -604,6 +620,31 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles):
             n.version = e.record.version
         elif e.op in (DELETE, MOVE) and e.errno:
             self.note_error(None, e.args.get("path", ""), e.errno, e.reason, e.code, e.store)
+
+    def _show_merged(self, n: Node, e: Entry) -> None:
+        """``e`` (``n``'s last put) was rebased onto a concurrent change (an append merged,
+        ``Committer._rebase``): show the merged content, so the file reads what the control
+        plane holds (read-your-writes: it holds this sidecar's writes too). Not when ``n``
+        was written since (``dirty``): a local write is never overwritten; its put derives
+        from the content before the merge and is rebased onto the merge in turn
+        (``Committer._put_base``)."""
+        if n.dirty or e.merged is None or e.record is None:
+            return
+        data = e.merged
+        old = n.cur_size()
+        try:
+            self.blobs.put(data, e.record.sha256)
+            n.buf = None
+        except CacheError as err:
+            n.buf = bytearray(data)  # reads are served from memory; the control plane has it
+            log.warning("blob cache write failed; the merged content stays in memory",
+                        extra={"store": e.store, "path": n.path(), "reason": err.reason})
+        n.sha, n.size = e.record.sha256, len(data)
+        self._account(n, n.cur_size() - old)
+        n.mtime_ns = n.ctime_ns = n.updated_ns
+        self.committer.forget_merge(n.key)
+        if self.on_invalidate is not None:
+            self.on_invalidate([("inode", n.ino)])
 
     # ------------------------------------------------------------------ attributes
     def setattr(self, n: Node, *, fh: int | None = None, size: int | None = None,

@@ -304,6 +304,7 @@ class Sidecar(StoreSync):
         # commit); _feed still checks the actor, for control planes that ignore skip_actor
         self._feed_kw = {"skip_actor": self.actor}
         self.invalidator = Invalidator()
+        self.fs.on_invalidate = self.invalidator.submit
         self.states: dict[str, StoreState] = {}
         self.feeds: dict[str, trio.CancelScope] = {}
         self.admin_unmounted: set[str] = set()

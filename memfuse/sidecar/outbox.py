@@ -54,6 +54,7 @@ from .cachedir import private_file
 log = logging.getLogger("memfuse.outbox")
 
 PUT, DELETE, MOVE, MOVE_PREFIX, ATTRS = "put", "delete", "move", "move_prefix", "attrs"
+MERGE_ROUNDS = 8  # rebase attempts of one append racing other writers, then back off
 BATCH_MAX_ENTRIES = 100  # entries in one batch (the server's BATCH_MAX_OPERATIONS)
 BATCH_MAX_CONTENT = 4 * 1024 * 1024  # bytes of content in one batch (the server takes 16 MiB)
 
@@ -86,6 +87,9 @@ class Entry:
     code: str = ""  # the refusal's problem code (``secret_detected``...), "" when committed
     attempts: int = 0
     record: Record | None = None  # the record after the commit, when the op returns one
+    #: a ``put`` rebased onto a concurrent change (an append merged): the content the
+    #: control plane now holds (``record.sha256``'s), else None
+    merged: bytes | None = None
     record_id: str | None = None  # delete / move: the record the op acted on
     moved: list[Record] = field(default_factory=list)  # move_prefix: the records moved
     #: why the journal could not write this entry yet: ``(errno, reason)``, None once durable
@@ -447,6 +451,15 @@ class Committer:
         self.retries = 0
         self.conflicts = 0
         self.merges = 0  # appends rebased onto a concurrent change instead of overwriting it
+        #: ``base_content(sha256)``: the bytes of a version this sidecar had (the blob
+        #: cache), None when gone; the base of an append rebased after a 412
+        self.base_content: Callable[[str], bytes | None] = lambda sha: None
+        #: node key -> (sha256 and bytes of the local content a merged put carried, sha256
+        #: the control plane holds after the merge): a later put of that file, written
+        #: before the merge came back, derives from the local content, not the merge, and is
+        #: rebased onto it too (``_put_base``); dropped once the file shows the merge
+        #: (``forget_merge``) or the next put was sent
+        self._merged: dict[str, tuple[str, bytes, str]] = {}
         self.auth_waits = 0  # commit attempts deferred because the token was refused (401)
         self.idle = trio.Event()
         self.idle.set()
@@ -500,6 +513,24 @@ class Committer:
                      extra={"down_s": round(time.time() - self.unreachable["since"], 3),
                             "depth": self.depth()})
             self.unreachable = None
+
+    def forget_merge(self, node_key: str) -> None:
+        """The file ``node_key`` now shows the merged content of its last put (nothing was
+        written on top meanwhile): later puts derive from it, so nothing to rebase."""
+        self._merged.pop(node_key, None)
+
+    def base_shas(self) -> set[str]:
+        """The sha256 of the bases of queued ``put`` entries (the versions their
+        ``If-Match`` names): the blob collection keeps those blobs, so an append that
+        meets a concurrent change can be rebased (``_rebase``)."""
+        out = set()
+        for store, q in self.queues.items():
+            for e in q:
+                if e.op == PUT and e.node_key is not None:
+                    sha = self._rid(e.node_key, store)[1]
+                    if sha:
+                        out.add(sha)
+        return out
 
     # --- enqueueing (synchronous, on the trio thread: order is fixed here) -------------------
     def submit(self, store: str, op: str, node_key: str | None, args: dict[str, Any],
@@ -674,8 +705,9 @@ class Committer:
         and If-Match, so an answer replays across single requests and batches), or None when
         it would send none."""
         a, c = e.args, self.client
-        rid, sha = self._rid(e.node_key)
+        rid, sha = self._rid(e.node_key, e.store)
         if e.op == PUT:
+            rid, sha, _ = self._put_base(e)
             text = (e.content or b"").decode("utf-8", errors="surrogateescape")
             try:
                 text.encode("utf-8")
@@ -782,7 +814,10 @@ class Committer:
                 return
             except TransientError as err:
                 self.retries += 1
-                self._attempt_failed(err)
+                if err.code != "merge_contended":  # that one was answered: busy, not down
+                    self._attempt_failed(err)
+                else:
+                    self._attempt_answered()
                 if self.metrics is not None:
                     self.metrics.retries.inc()
                 delay = min(self.backoff_max, 0.05 * 2 ** min(e.attempts, 12))
@@ -871,16 +906,32 @@ class Committer:
             raise _local_refusal("validation_error", f"unknown outbox op {e.op!r}")
         await apply(e, client if client is not None else self.client, e.args)
 
+    def _put_base(self, e: Entry) -> tuple[str | None, str | None, bytes | None]:
+        """(record id, the sha256 the put's ``If-Match`` names, that version's bytes when
+        known here already) of a ``put``: the last known sha256 of its record, unless the
+        previous put of the same file was merged (``_merged``) and the control plane still
+        holds that merge: this put was written on the local content before the merge came
+        back, so its base is that local content (the ``If-Match`` then fails and the put is
+        rebased onto the merge, ``_rebase``)."""
+        rid, sha = self._rid(e.node_key, e.store)
+        m = self._merged.get(e.node_key) if e.node_key else None
+        if rid is not None and m is not None and sha == m[2]:
+            return rid, m[0], m[1]
+        return rid, sha, None
+
     async def _put(self, e: Entry, c: ApiClient, a: dict[str, Any]) -> None:
         """Create or update the record with the entry's content and attributes (``If-Match``
-        the last known sha256); a concurrent change is resolved last-writer-wins
-        (``_conflict``), a record deleted elsewhere is created again."""
+        the sha256 of the version it was written on, ``_put_base``). On ``412`` an append
+        (the content is that version's plus a suffix) is rebased onto the current version
+        (``_rebase``); any other concurrent change is resolved last-writer-wins
+        (``_conflict``); a record deleted elsewhere is created again."""
         text = (e.content or b"").decode("utf-8", errors="surrogateescape")
         try:
             text.encode("utf-8")
         except UnicodeEncodeError:
             raise _local_refusal("invalid_content", "content is not valid UTF-8") from None
-        rid, sha = self._rid(e.node_key, e.store)
+        rid, sha, base = self._put_base(e)
+        e.merged = None
         want = sha256_hex(e.content or b"")
         typ = a.get("type")
         # absent in entries journaled by earlier releases: then the server keeps / defaults
@@ -893,11 +944,14 @@ class Committer:
                 rec = await c.update_record(e.store, rid, text, type=typ, if_match=sha,
                                             idempotency_key=e.key, **attrs)
             except PreconditionFailed:
-                cur = await c.get_record(e.store, rid, content=False)
+                cur = await c.get_record(e.store, rid, content=True)
+                merged = None
                 if (cur.sha256 == want and (typ is None or cur.type == typ)
                         and attrs["mode"] in (None, cur.mode)
                         and attrs["mtime_ns"] in (None, cur.mtime_ns)):
                     rec = cur
+                elif (merged := await self._rebase(e, c, rid, sha, base, cur)) is not None:
+                    rec = merged
                 else:
                     self._conflict(e, "the record changed elsewhere; this write is now the "
                                       "latest version, the other one stays in history")
@@ -927,6 +981,64 @@ class Committer:
                                             idempotency_key=e.key + "-lww", **attrs)
         e.record = rec
         self._learn(e.node_key, rec)
+        if e.node_key is not None:
+            self._merged.pop(e.node_key, None)  # this put was sent: its base is used
+            if e.merged is not None and rec is not None and rec.sha256 != want:
+                self._merged[e.node_key] = (want, e.content or b"", rec.sha256)
+
+    async def _rebase(self, e: Entry, c: ApiClient, rid: str, base_sha: str | None,
+                      base: bytes | None, cur: Record) -> Record | None:
+        """Rebase an append onto a concurrent change: when the put's content is its base
+        version's content plus a suffix, write the current version's content plus that
+        suffix, ``If-Match`` the current version, again (at most ``MERGE_ROUNDS``) if it
+        changes meanwhile. ``cur``: the current record, with content. Returns the record
+        written (``e.merged`` set to its content), or None when this is no append (or the
+        base's content is not known here): last writer wins then.
+
+        The rebase is sent with one idempotency key (``<key>-rebase``): the control plane
+        stores only answered writes, so a rebase whose answer was lost (even across a
+        restart) is met again as ``422 idempotency_key_reused`` on the retry's new body,
+        which means it was applied: the current record is then the result. Raises
+        ``TransientError`` when other writers won ``MERGE_ROUNDS`` times in a row (the
+        entry backs off and tries again); API errors as the client raises them."""
+        local = e.content or b""
+        if base is None and base_sha:
+            base = self.base_content(base_sha)
+        if base is None or not local.startswith(base) or cur.deleted or cur.content is None:
+            return None
+        suffix = local[len(base):]
+        typ = e.args.get("type")
+        attrs = {"mode": e.args.get("mode"), "mtime_ns": e.args.get("mtime_ns")}
+        for attempt in range(1, MERGE_ROUNDS + 1):
+            theirs = cur.content.encode("utf-8")
+            new = theirs + suffix
+            try:
+                rec = await c.update_record(e.store, rid, new.decode("utf-8"), type=typ,
+                                            if_match=cur.sha256,
+                                            idempotency_key=e.key + "-rebase", **attrs)
+            except PreconditionFailed:
+                cur = await c.get_record(e.store, rid, content=True)
+                if cur.deleted or cur.content is None:
+                    return None
+                continue
+            except ApiError as err:
+                if err.code != "idempotency_key_reused":
+                    raise
+                # applied before, its answer lost: what it wrote is in the current record
+                rec = await c.get_record(e.store, rid, content=True)
+                new = (rec.content or "").encode("utf-8")
+            self.merges += 1
+            if self.metrics is not None:
+                self.metrics.merges.inc()
+            e.merged = new
+            log.info("append merged onto a concurrent change", extra={
+                "store": e.store, "path": e.args.get("path"), "record": rid,
+                "base_sha256": base_sha, "theirs_sha256": cur.sha256,
+                "merged_sha256": rec.sha256, "appended_bytes": len(suffix),
+                "attempt": attempt, "entry": e.id})
+            return rec
+        raise TransientError(f"append rebase lost {MERGE_ROUNDS} races in a row; will retry",
+                             code="merge_contended")
 
     async def _set_attrs(self, e: Entry, c: ApiClient, a: dict[str, Any]) -> None:
         """Set the mode and / or mtime of a record whose content the control plane has."""
