@@ -430,8 +430,8 @@ async def test_an_append_meeting_a_concurrent_change_is_rebased_not_overwritten(
         assert n.sha == sha256_hex(want) and n.size == len(want)
         assert sc.committer.merges == 1 and sc.committer.conflicts == 0
         assert conflict_lines(sc) == []
-        merged = [r for r in caplog.records if r.getMessage() == "append merged onto a concurrent change"]
-        assert len(merged) == 1 and merged[0].attempt == races and merged[0].appended_bytes == 2
+        merged = [r for r in caplog.records if r.getMessage() == "write merged onto a concurrent change"]
+        assert len(merged) == 1 and merged[0].attempt == races and merged[0].kind == "append"
         assert "b\n" not in repr(merged[0].__dict__) and sc.status()["outbox"]["merged"] == 1
         # the next append is based on the merged content: no 412, no merge
         await append(sc, "j.md", b"c\n")
@@ -533,6 +533,46 @@ async def test_no_append_or_no_base_is_last_writer_wins_with_a_conflict_line(tmp
         await append(sc, "j.md", b"b\n")
         assert (await remote(fake))["j.md"] == b"a\nb\n"
         assert len(conflict_lines(sc)) == 2 and sc.committer.merges == 0
+        nursery.cancel_scope.cancel()
+    sc.journal.close()
+    await sc.client.aclose()
+
+
+async def test_edits_of_disjoint_lines_are_merged_three_way(tmp_path, caplog):
+    """Not an append: the local edit (line 1) and the concurrent one (line 5) touch
+    disjoint lines: a clean three-way merge, no conflict line; edits of the same line are
+    last-writer-wins with a conflict line."""
+    caplog.set_level(logging.INFO, logger="memfuse.outbox")
+    fake = FakeControlPlane(seed=13)
+    token = await fake.setup("ws")
+    sc = await make_sidecar(tmp_path, fake, token)
+    async with trio.open_nursery() as nursery:
+        await start(sc, nursery)
+        await write(sc, "m.md", b"a\nb\nc\nd\ne\n")
+        sm = sc.fs.stores["default"]
+        n = sc.fs.lookup(sm.root.ino, b"m.md")
+
+        async def edit_elsewhere(content: str) -> None:
+            async with ApiClient(fake.base_url, fake.admin_token, transport=fake._inner) as adm:
+                await adm.update_record("default", n.record_id, content)
+
+        h = sc.fs.open(n.ino, os.O_WRONLY)
+        sc.fs.write(h, 0, b"A")  # dirty: the feed does not touch it
+        await edit_elsewhere("a\nb\nc\nd\nE\n")
+        await sc.fs.flush(h)
+        sc.fs.release(h.fh)
+        want = b"A\nb\nc\nd\nE\n"
+        assert (await remote(fake))["m.md"] == want and sc.fs._content(n) == want
+        assert sc.committer.merges == 1 and conflict_lines(sc) == []
+        assert [r.kind for r in caplog.records if r.getMessage().startswith("write merged")] == ["three_way"]
+
+        h = sc.fs.open(n.ino, os.O_WRONLY)
+        sc.fs.write(h, 4, b"X")  # line 3, changed elsewhere too
+        await edit_elsewhere("A\nb\nY\nd\nE\n")
+        await sc.fs.flush(h)
+        sc.fs.release(h.fh)
+        assert (await remote(fake))["m.md"] == b"A\nb\nX\nd\nE\n"
+        assert sc.committer.merges == 1 and len(conflict_lines(sc)) == 1
         nursery.cancel_scope.cancel()
     sc.journal.close()
     await sc.client.aclose()

@@ -988,30 +988,40 @@ class Committer:
 
     async def _rebase(self, e: Entry, c: ApiClient, rid: str, base_sha: str | None,
                       base: bytes | None, cur: Record) -> Record | None:
-        """Rebase an append onto a concurrent change: when the put's content is its base
-        version's content plus a suffix, write the current version's content plus that
-        suffix, ``If-Match`` the current version, again (at most ``MERGE_ROUNDS``) if it
-        changes meanwhile. ``cur``: the current record, with content. Returns the record
-        written (``e.merged`` set to its content), or None when this is no append (or the
-        base's content is not known here): last writer wins then.
+        """Merge a write that met a concurrent change (412) instead of overwriting it, when
+        that is clean: an **append** (the put's content is its base version's content plus
+        a suffix: ``echo >> f``) becomes the current content plus that suffix; any other
+        change becomes a **three-way line merge** of base, current and local content
+        (``merge3``, the Breezy project's merge) when the two changes touch disjoint
+        regions. The result is written ``If-Match`` the current version, again (at most
+        ``MERGE_ROUNDS``) if that changes meanwhile. ``cur``: the current record, with
+        content. Returns the record written (``e.merged`` set to its content), or None when
+        the changes overlap, or the base's content is not known here (``base_content``):
+        last writer wins then.
 
-        The rebase is sent with one idempotency key (``<key>-rebase``): the control plane
-        stores only answered writes, so a rebase whose answer was lost (even across a
+        The merge is sent with one idempotency key (``<key>-rebase``): the control plane
+        stores only answered writes, so a merge whose answer was lost (even across a
         restart) is met again as ``422 idempotency_key_reused`` on the retry's new body,
         which means it was applied: the current record is then the result. Raises
-        ``TransientError`` when other writers won ``MERGE_ROUNDS`` times in a row (the
-        entry backs off and tries again); API errors as the client raises them."""
+        ``TransientError`` (``merge_contended``) when other writers won ``MERGE_ROUNDS``
+        times in a row (the entry backs off and tries again); API errors as the client
+        raises them."""
         local = e.content or b""
         if base is None and base_sha:
             base = self.base_content(base_sha)
-        if base is None or not local.startswith(base) or cur.deleted or cur.content is None:
+        if base is None or cur.deleted or cur.content is None:
             return None
-        suffix = local[len(base):]
+        kind = "append" if local.startswith(base) else "three_way"
         typ = e.args.get("type")
         attrs = {"mode": e.args.get("mode"), "mtime_ns": e.args.get("mtime_ns")}
         for attempt in range(1, MERGE_ROUNDS + 1):
             theirs = cur.content.encode("utf-8")
-            new = theirs + suffix
+            if kind == "append":
+                new = theirs + local[len(base):]
+            else:
+                new = await trio.to_thread.run_sync(merge_lines, base, theirs, local)
+                if new is None:
+                    return None  # the changes overlap: last writer wins
             try:
                 rec = await c.update_record(e.store, rid, new.decode("utf-8"), type=typ,
                                             if_match=cur.sha256,
@@ -1031,13 +1041,13 @@ class Committer:
             if self.metrics is not None:
                 self.metrics.merges.inc()
             e.merged = new
-            log.info("append merged onto a concurrent change", extra={
-                "store": e.store, "path": e.args.get("path"), "record": rid,
+            log.info("write merged onto a concurrent change", extra={
+                "store": e.store, "path": e.args.get("path"), "record": rid, "kind": kind,
                 "base_sha256": base_sha, "theirs_sha256": cur.sha256,
-                "merged_sha256": rec.sha256, "appended_bytes": len(suffix),
-                "attempt": attempt, "entry": e.id})
+                "merged_sha256": rec.sha256, "local_bytes": len(local),
+                "merged_bytes": len(new), "attempt": attempt, "entry": e.id})
             return rec
-        raise TransientError(f"append rebase lost {MERGE_ROUNDS} races in a row; will retry",
+        raise TransientError(f"merge lost {MERGE_ROUNDS} races in a row; will retry",
                              code="merge_contended")
 
     async def _set_attrs(self, e: Entry, c: ApiClient, a: dict[str, Any]) -> None:
@@ -1123,6 +1133,24 @@ class _Answered:
 
 
 _USED = object()
+
+
+def merge_lines(base: bytes, theirs: bytes, ours: bytes) -> bytes | None:
+    """The three-way merge of two changes of ``base`` line by line (``merge3.Merge3``,
+    as ``bzr merge`` / ``diff3``): the merged content when the changes touch disjoint
+    regions (or make the same change), None when they conflict (both change the same
+    lines, or both insert at the same place). Pure; ``Committer._rebase`` runs it in a
+    worker thread (the line diff of two large files takes a while)."""
+    import merge3
+
+    m = merge3.Merge3(base.splitlines(keepends=True), theirs.splitlines(keepends=True),
+                      ours.splitlines(keepends=True))
+    out: list[bytes] = []
+    for group in m.merge_groups():
+        if group[0] == "conflict":
+            return None
+        out.extend(group[1])
+    return b"".join(out)
 
 
 def _local_refusal(code: str, detail: str) -> ApiError:
