@@ -1075,6 +1075,8 @@ class Committer:
             except NotFound:
                 pass
         self._learn(e.node_key, None)
+        if e.node_key is not None:
+            self._merged.pop(e.node_key, None)
 
     async def _move(self, e: Entry, c: ApiClient, a: dict[str, Any]) -> None:
         """Move one record to ``args["to"]`` (``replace`` an existing target); a target
