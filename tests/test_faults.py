@@ -576,3 +576,51 @@ async def test_edits_of_disjoint_lines_are_merged_three_way(tmp_path, caplog):
         nursery.cancel_scope.cancel()
     sc.journal.close()
     await sc.client.aclose()
+
+
+async def test_the_merge_state_survives_a_crash_before_the_next_write_commits(tmp_path):
+    """A file appended to again while its previous append was being merged, and the
+    sidecar stops before that second write commits: the restarted sidecar replays it onto
+    the merge (the merge state is in the outbox journal), not over it."""
+    from memfuse.fake import RACE_MARKER
+    fake = FakeControlPlane(seed=14)
+    token = await fake.setup("ws")
+    sc = await make_sidecar(tmp_path, fake, token)
+    async with trio.open_nursery() as nursery:
+        await start(sc, nursery)
+        await write(sc, "j.md", b"a\n")
+        fake.faults.precondition_race = 1
+        fake.faults.latency = 0.2
+        n = await append(sc, "j.md", b"b\n", wait=False)
+        e1 = n.last_put
+        h = sc.fs.open(n.ino, os.O_WRONLY | os.O_APPEND)
+        sc.fs.write(h, 0, b"c\n")  # written while the merge is in flight
+        with trio.fail_after(20):
+            await e1.done.wait()
+        assert e1.merged is not None
+        fake.faults.outage = True  # the second write is accepted, never committed here
+        await sc.fs.flush(h)
+        sc.fs.release(h.fh)
+        assert sc.committer.depth() == 1 and n.state == "pending"
+        nursery.cancel_scope.cancel()
+    sc.journal.close()  # what was queued is written, as at a crash after the journal batch
+    await sc.client.aclose()
+    fake.faults.reset()
+
+    sc2 = await make_sidecar(tmp_path, fake, token)
+    assert len(sc2.leftovers) == 1 and len(sc2.committer._merged) == 1
+    async with trio.open_nursery() as nursery:
+        sc2._nursery = nursery
+        sc2._spawn("journal", sc2.journal.run)
+        await nursery.start(sc2.committer.run)
+        sc2.committer.replay(sc2.leftovers)
+        with trio.fail_after(30):
+            await sc2.committer.wait_idle()
+        sc2.committer.replayed()  # as Sidecar.run does before loading the stores
+        assert (await remote(fake))["j.md"] == b"a\n" + RACE_MARKER.encode() + b"b\nc\n"
+        assert sc2.committer.conflicts == 0 and sc2.committer._merged == {}
+        await sc2.journal.flush_pending()
+        assert sc2.journal.load_merges() == {}
+        nursery.cancel_scope.cancel()
+    sc2.journal.close()
+    await sc2.client.aclose()

@@ -491,6 +491,7 @@ class Sidecar(StoreSync):
                     self.committer.replay(self.leftovers)
                     await self.committer.wait_idle()
                     log.info("outbox replayed", extra={"entries": len(self.leftovers)})
+                self.committer.replayed()
                 atts = None
                 saved = bool(self._saved_slugs())
                 wait = config.offline_after if saved else (config.start_timeout or math.inf)

@@ -209,6 +209,11 @@ class Journal:
         # (``control.ControlFiles``); bounded by ``add_error``'s ``keep``
         self._db.execute(
             "CREATE TABLE IF NOT EXISTS errors_log (id INTEGER PRIMARY KEY, line TEXT NOT NULL)")
+        # files whose last put was merged while they were written again: the local content
+        # that put carried, base of the next put (``Committer._merged``), kept across a crash
+        self._db.execute(
+            "CREATE TABLE IF NOT EXISTS merges (node_key TEXT PRIMARY KEY, local_sha TEXT NOT NULL,"
+            " local BLOB NOT NULL, merged_sha TEXT NOT NULL)")
         # queued writes: [sql, params, entry id of an insert (else None)]
         self._pending: list[list] = []
         self._waiters: list[Entry] = []
@@ -231,6 +236,21 @@ class Journal:
         keymap = {r[0]: (r[1], r[2]) for r in self._db.execute(
             "SELECT node_key, record_id, sha256 FROM keymap")}
         return entries, keymap
+
+    def load_merges(self) -> dict[str, tuple[str, bytes, str]]:
+        """What ``set_merge`` kept: node key -> (local sha256, local bytes, merged sha256)."""
+        return {r[0]: (r[1], bytes(r[2]), r[3]) for r in self._db.execute(
+            "SELECT node_key, local_sha, local, merged_sha FROM merges")}
+
+    def set_merge(self, node_key: str, value: tuple[str, bytes, str] | None) -> None:
+        """Queue the merge state of ``node_key`` (None: forgotten), written in order with the
+        entries (in the batch of the entry whose put made it). Never blocks."""
+        if value is None:
+            self._pending.append(["DELETE FROM merges WHERE node_key=?", (node_key,), None])
+        else:
+            self._pending.append(["INSERT OR REPLACE INTO merges VALUES (?,?,?,?)",
+                                  (node_key, *value), None])
+        self._wakeup.set()
 
     REJECTED_COLUMNS = ("node_key", "store", "path", "errno", "code", "reason", "content",
                         "record_id", "type", "mode", "mtime_ns", "created")
@@ -459,7 +479,7 @@ class Committer:
         #: before the merge came back, derives from the local content, not the merge, and is
         #: rebased onto it too (``_put_base``); dropped once the file shows the merge
         #: (``forget_merge``) or the next put was sent
-        self._merged: dict[str, tuple[str, bytes, str]] = {}
+        self._merged: dict[str, tuple[str, bytes, str]] = journal.load_merges()
         self.auth_waits = 0  # commit attempts deferred because the token was refused (401)
         self.idle = trio.Event()
         self.idle.set()
@@ -517,7 +537,24 @@ class Committer:
     def forget_merge(self, node_key: str) -> None:
         """The file ``node_key`` now shows the merged content of its last put (nothing was
         written on top meanwhile): later puts derive from it, so nothing to rebase."""
-        self._merged.pop(node_key, None)
+        self._set_merged(node_key, None)
+
+    def replayed(self) -> None:
+        """The outbox a previous process left is committed (``replay`` + ``wait_idle``),
+        before any store is loaded: no put written on content from before the restart is
+        left, and every file will show the control plane's content, so the merge states
+        kept for such puts are obsolete: dropped."""
+        for key in list(self._merged):
+            self._set_merged(key, None)
+
+    def _set_merged(self, node_key: str, value: tuple[str, bytes, str] | None) -> None:
+        """Change ``_merged[node_key]`` (None: drop it) and queue the same in the journal."""
+        if value is None:
+            if self._merged.pop(node_key, None) is not None:
+                self.journal.set_merge(node_key, None)
+        elif self._merged.get(node_key) != value:
+            self._merged[node_key] = value
+            self.journal.set_merge(node_key, value)
 
     def base_shas(self) -> set[str]:
         """The sha256 of the bases of queued ``put`` entries (the versions their
@@ -982,9 +1019,12 @@ class Committer:
         e.record = rec
         self._learn(e.node_key, rec)
         if e.node_key is not None:
-            self._merged.pop(e.node_key, None)  # this put was sent: its base is used
+            # this put was sent: its base is used; a merge of it is the next one's base
+            # until the file shows it (forget_merge)
             if e.merged is not None and rec is not None and rec.sha256 != want:
-                self._merged[e.node_key] = (want, e.content or b"", rec.sha256)
+                self._set_merged(e.node_key, (want, e.content or b"", rec.sha256))
+            else:
+                self._set_merged(e.node_key, None)
 
     async def _rebase(self, e: Entry, c: ApiClient, rid: str, base_sha: str | None,
                       base: bytes | None, cur: Record) -> Record | None:
@@ -1076,7 +1116,7 @@ class Committer:
                 pass
         self._learn(e.node_key, None)
         if e.node_key is not None:
-            self._merged.pop(e.node_key, None)
+            self._set_merged(e.node_key, None)
 
     async def _move(self, e: Entry, c: ApiClient, a: dict[str, Any]) -> None:
         """Move one record to ``args["to"]`` (``replace`` an existing target); a target
