@@ -228,8 +228,8 @@ def all_clean(paths: list[Path]) -> bool:
 @pytest.mark.timeout(150)
 def test_control_plane_killed_during_200_writes(tmp_path):
     """100 files written (create) and appended to: 200 closes. The control plane is SIGKILLed
-    after 60; the other 140 closes still return 0 (after ``--commit-wait``) with
-    ``state=pending``. Started again on the same port and database, the outbox commits them
+    after 60; the other 140 closes still return 0 (the first after ``--commit-wait`` at
+    most, the rest once accepted: the outbox is in backoff) with ``state=pending``. Started again on the same port and database, the outbox commits them
     all: every record has its content and exactly two versions."""
     cp = ControlPlane(tmp_path).start()
     sc = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import sqlite3
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from memfuse.fake import FakeControlPlane
 from memfuse.sidecar.core import FsError
 from memfuse.sidecar.mount import MountConfig, Sidecar
 from memfuse.sidecar.outbox import PUT, CacheError, Committer, Journal
+from memfuse.wire import sha256_hex
 
 FULL = sqlite3.OperationalError("database or disk is full")
 
@@ -322,3 +324,303 @@ async def test_nul_is_refused_at_close_without_the_control_plane(tmp_path):
         nursery.cancel_scope.cancel()
     sc.journal.close()
     await sc.client.aclose()
+
+
+async def test_closes_during_an_outage_return_once_accepted_and_commit_after(tmp_path):
+    """While the outbox knows the control plane is unreachable (its last attempt failed with
+    a connection error and none was answered since), a close returns as soon as its write is
+    accepted, not after ``--commit-wait``: N closes take far less than N × commit-wait. fsync
+    keeps its contract (EIO after ``--fsync-timeout``). A healthy but slow control plane is
+    still waited for. ``status.json`` shows the reachability; the writes commit afterwards."""
+    wait = 10.0
+    fake = FakeControlPlane(seed=8)
+    token = await fake.setup("ws")
+    sc = await make_sidecar(tmp_path, fake, token, commit_wait=wait, fsync_timeout=1.0)
+    async with trio.open_nursery() as nursery:
+        await start(sc, nursery)
+        fake.faults.latency = 0.3  # healthy, slow: close waits for the commit as before
+        await write(sc, "slow.md", b"slow\n")
+        sm = sc.fs.stores["default"]
+        assert sc.fs.lookup(sm.root.ino, b"slow.md").state == "clean"
+        assert sc.status()["control_plane"] == {"reachable": True}
+        fake.faults.latency = 0.0
+
+        fake.faults.outage = True
+        n = 12
+        t0 = trio.current_time()
+        for i in range(n):
+            await write(sc, f"f{i:02d}.md", f"during the outage {i}\n".encode())
+        took = trio.current_time() - t0
+        # before: every close waited the full commit-wait (n × 10 s); now all of them
+        # together take less than one commit-wait
+        assert took < wait, took
+        assert all(sc.fs.lookup(sm.root.ino, f"f{i:02d}.md".encode()).state == "pending"
+                   for i in range(n))
+        cp = sc.status()["control_plane"]
+        assert cp["reachable"] is False and cp["error"] == "connect_error", cp
+        assert "since" in cp and cp["down_s"] >= 0
+        # fsync still waits for the commit, bounded by --fsync-timeout
+        h = sc.fs.open(sc.fs.lookup(sm.root.ino, b"f00.md").ino, os.O_WRONLY | os.O_APPEND)
+        try:
+            sc.fs.write(h, 0, b"synced\n")
+            t1 = trio.current_time()
+            with pytest.raises(FsError) as ei:
+                await sc.fs.fsync(h)
+            assert ei.value.errno == errno.EIO and trio.current_time() - t1 >= 0.9
+            await sc.fs.flush(h)  # returns at once: accepted, pending
+        finally:
+            sc.fs.release(h.fh)
+
+        fake.faults.outage = False
+        sc.committer.poke()
+        await wait_until(lambda: sc.committer.depth() == 0, timeout=60)
+        assert sc.status()["control_plane"] == {"reachable": True}
+        want = {f"f{i:02d}.md": f"during the outage {i}\n".encode() for i in range(n)}
+        want["f00.md"] += b"synced\n"
+        want["slow.md"] = b"slow\n"
+        assert await remote(fake) == want
+        assert all(sc.fs.lookup(sm.root.ino, p.encode()).state == "clean" for p in want)
+        nursery.cancel_scope.cancel()
+    sc.journal.close()
+    await sc.client.aclose()
+
+
+# ------------------------------------------------------------------ appends meeting a concurrent change
+async def append(sc: Sidecar, path: str, data: bytes, *, wait: bool = True):
+    """``echo data >> path`` through the core: open O_APPEND, write, close (``wait=False``:
+    commit and release without waiting); returns the node."""
+    sm = sc.fs.stores["default"]
+    n = sc.fs.lookup(sm.root.ino, path.encode())
+    h = sc.fs.open(n.ino, os.O_WRONLY | os.O_APPEND)
+    try:
+        sc.fs.write(h, 0, data)
+        if wait:
+            await sc.fs.flush(h)
+        else:
+            assert sc.fs.commit(h.node) is not None
+    finally:
+        sc.fs.release(h.fh)
+    return n
+
+
+def conflict_lines(sc: Sidecar) -> list[dict]:
+    return [e for e in sc.fs.errors if e.get("conflict")]
+
+
+@pytest.mark.parametrize("races", [1, 3])
+async def test_an_append_meeting_a_concurrent_change_is_rebased_not_overwritten(tmp_path, races, caplog):
+    """A write that is its base plus a suffix (``echo >> f``) gets 412 because another writer
+    changed the record: the sidecar writes the current content plus the suffix (If-Match the
+    current version, again when it races again), the local file shows the merged content,
+    no conflict line; one structured log line per merge, without content."""
+    from memfuse.fake import RACE_MARKER
+    caplog.set_level(logging.INFO, logger="memfuse.outbox")
+    fake = FakeControlPlane(seed=9)
+    token = await fake.setup("ws")
+    sc = await make_sidecar(tmp_path, fake, token)
+    async with trio.open_nursery() as nursery:
+        await start(sc, nursery)
+        await write(sc, "j.md", b"a\n")
+        fake.faults.precondition_race = races  # the append, then each rebase, meet an edit
+        n = await append(sc, "j.md", b"b\n")
+        want = b"a\n" + RACE_MARKER.encode() * races + b"b\n"
+        assert fake.counters.races == races
+        assert (await remote(fake))["j.md"] == want
+        assert sc.fs._content(n) == want and n.state == "clean" and n.buf is None
+        assert n.sha == sha256_hex(want) and n.size == len(want)
+        assert sc.committer.merges == 1 and sc.committer.conflicts == 0
+        assert conflict_lines(sc) == []
+        merged = [r for r in caplog.records if r.getMessage() == "write merged onto a concurrent change"]
+        assert len(merged) == 1 and merged[0].attempt == races and merged[0].kind == "append"
+        assert "b\n" not in repr(merged[0].__dict__) and sc.status()["outbox"]["merged"] == 1
+        # the next append is based on the merged content: no 412, no merge
+        await append(sc, "j.md", b"c\n")
+        assert (await remote(fake))["j.md"] == want + b"c\n" and sc.committer.merges == 1
+        nursery.cancel_scope.cancel()
+    sc.journal.close()
+    await sc.client.aclose()
+
+
+async def test_writes_made_while_a_merge_is_in_flight_are_rebased_onto_it(tmp_path):
+    """The file is appended to again (dirty, then a queued put) while its previous append is
+    being merged: the local dirty file is not overwritten by the merge, and its put — written
+    on the content before the merge — is rebased onto the merge in turn: every line once."""
+    from memfuse.fake import RACE_MARKER
+    fake = FakeControlPlane(seed=10)
+    token = await fake.setup("ws")
+    sc = await make_sidecar(tmp_path, fake, token)
+    async with trio.open_nursery() as nursery:
+        await start(sc, nursery)
+        await write(sc, "j.md", b"a\n")
+        fake.faults.precondition_race = 1
+        fake.faults.latency = 0.2  # the merge takes a while
+        n = await append(sc, "j.md", b"b\n", wait=False)
+        e1 = n.last_put
+        sm = sc.fs.stores["default"]
+        h = sc.fs.open(n.ino, os.O_WRONLY | os.O_APPEND)
+        sc.fs.write(h, 0, b"c\n")  # dirty while the merge is in flight
+        with trio.fail_after(20):
+            await e1.done.wait()
+        assert e1.merged is not None and e1.errno == 0
+        assert sc.fs._content(n) == b"a\nb\nc\n" and n.dirty  # never overwritten
+        await append(sc, "j.md", b"d\n", wait=False)  # another put, queued behind
+        await sc.fs.flush(h)
+        sc.fs.release(h.fh)
+        fake.faults.latency = 0.0
+        await wait_until(lambda: sc.committer.depth() == 0)
+        want = b"a\n" + RACE_MARKER.encode() + b"b\nc\nd\n"
+        assert (await remote(fake))["j.md"] == want
+        assert sc.fs._content(sc.fs.lookup(sm.root.ino, b"j.md")) == want
+        assert sc.committer.conflicts == 0 and conflict_lines(sc) == []
+        assert sc.committer._merged == {}
+        nursery.cancel_scope.cancel()
+    sc.journal.close()
+    await sc.client.aclose()
+
+
+async def test_a_rebase_whose_answer_was_lost_is_not_applied_twice(tmp_path):
+    """The rebased write is applied but its answer lost: the retry meets the record with the
+    suffix already on it; the rebase's idempotency key, reused with another body, tells the
+    sidecar it was applied (422 idempotency_key_reused): the suffix is there once."""
+    from memfuse.errors import TransientError
+    from memfuse.fake import RACE_MARKER
+    fake = FakeControlPlane(seed=11)
+    token = await fake.setup("ws")
+    sc = await make_sidecar(tmp_path, fake, token)
+    real = sc.client.update_record
+    lost = []
+
+    async def losing(*args, **kw):
+        rec = await real(*args, **kw)
+        if kw.get("idempotency_key", "").endswith("-rebase") and not lost:
+            lost.append(rec)
+            raise TransientError("answer lost", code="read_error")
+        return rec
+
+    sc.client.update_record = losing
+    async with trio.open_nursery() as nursery:
+        await start(sc, nursery)
+        await write(sc, "j.md", b"a\n")
+        fake.faults.precondition_race = 1
+        n = await append(sc, "j.md", b"b\n")
+        await wait_until(lambda: sc.committer.depth() == 0)
+        want = b"a\n" + RACE_MARKER.encode() + b"b\n"
+        assert lost and (await remote(fake))["j.md"] == want
+        assert sc.fs._content(n) == want and sc.committer.conflicts == 0
+        nursery.cancel_scope.cancel()
+    sc.journal.close()
+    await sc.client.aclose()
+
+
+async def test_no_append_or_no_base_is_last_writer_wins_with_a_conflict_line(tmp_path):
+    """A rewrite (not base + suffix) meeting a concurrent change, and an append whose base
+    content is no longer cached: last writer wins, the other version stays in history, and
+    a conflict line goes to errors.log."""
+    fake = FakeControlPlane(seed=12)
+    token = await fake.setup("ws")
+    sc = await make_sidecar(tmp_path, fake, token)
+    async with trio.open_nursery() as nursery:
+        await start(sc, nursery)
+        await write(sc, "r.md", b"one\n")
+        fake.faults.precondition_race = 1
+        await write(sc, "r.md", b"rewritten\n")
+        assert (await remote(fake))["r.md"] == b"rewritten\n"
+        assert len(conflict_lines(sc)) == 1 and sc.committer.merges == 0
+
+        await write(sc, "j.md", b"a\n")
+        sc.committer.base_content = lambda sha: None  # the base's content is not cached
+        fake.faults.precondition_race = 1
+        await append(sc, "j.md", b"b\n")
+        assert (await remote(fake))["j.md"] == b"a\nb\n"
+        assert len(conflict_lines(sc)) == 2 and sc.committer.merges == 0
+        nursery.cancel_scope.cancel()
+    sc.journal.close()
+    await sc.client.aclose()
+
+
+async def test_edits_of_disjoint_lines_are_merged_three_way(tmp_path, caplog):
+    """Not an append: the local edit (line 1) and the concurrent one (line 5) touch
+    disjoint lines: a clean three-way merge, no conflict line; edits of the same line are
+    last-writer-wins with a conflict line."""
+    caplog.set_level(logging.INFO, logger="memfuse.outbox")
+    fake = FakeControlPlane(seed=13)
+    token = await fake.setup("ws")
+    sc = await make_sidecar(tmp_path, fake, token)
+    async with trio.open_nursery() as nursery:
+        await start(sc, nursery)
+        await write(sc, "m.md", b"a\nb\nc\nd\ne\n")
+        sm = sc.fs.stores["default"]
+        n = sc.fs.lookup(sm.root.ino, b"m.md")
+
+        async def edit_elsewhere(content: str) -> None:
+            async with ApiClient(fake.base_url, fake.admin_token, transport=fake._inner) as adm:
+                await adm.update_record("default", n.record_id, content)
+
+        h = sc.fs.open(n.ino, os.O_WRONLY)
+        sc.fs.write(h, 0, b"A")  # dirty: the feed does not touch it
+        await edit_elsewhere("a\nb\nc\nd\nE\n")
+        await sc.fs.flush(h)
+        sc.fs.release(h.fh)
+        want = b"A\nb\nc\nd\nE\n"
+        assert (await remote(fake))["m.md"] == want and sc.fs._content(n) == want
+        assert sc.committer.merges == 1 and conflict_lines(sc) == []
+        assert [r.kind for r in caplog.records if r.getMessage().startswith("write merged")] == ["three_way"]
+
+        h = sc.fs.open(n.ino, os.O_WRONLY)
+        sc.fs.write(h, 4, b"X")  # line 3, changed elsewhere too
+        await edit_elsewhere("A\nb\nY\nd\nE\n")
+        await sc.fs.flush(h)
+        sc.fs.release(h.fh)
+        assert (await remote(fake))["m.md"] == b"A\nb\nX\nd\nE\n"
+        assert sc.committer.merges == 1 and len(conflict_lines(sc)) == 1
+        nursery.cancel_scope.cancel()
+    sc.journal.close()
+    await sc.client.aclose()
+
+
+async def test_the_merge_state_survives_a_crash_before_the_next_write_commits(tmp_path):
+    """A file appended to again while its previous append was being merged, and the
+    sidecar stops before that second write commits: the restarted sidecar replays it onto
+    the merge (the merge state is in the outbox journal), not over it."""
+    from memfuse.fake import RACE_MARKER
+    fake = FakeControlPlane(seed=14)
+    token = await fake.setup("ws")
+    sc = await make_sidecar(tmp_path, fake, token)
+    async with trio.open_nursery() as nursery:
+        await start(sc, nursery)
+        await write(sc, "j.md", b"a\n")
+        fake.faults.precondition_race = 1
+        fake.faults.latency = 0.2
+        n = await append(sc, "j.md", b"b\n", wait=False)
+        e1 = n.last_put
+        h = sc.fs.open(n.ino, os.O_WRONLY | os.O_APPEND)
+        sc.fs.write(h, 0, b"c\n")  # written while the merge is in flight
+        with trio.fail_after(20):
+            await e1.done.wait()
+        assert e1.merged is not None
+        fake.faults.outage = True  # the second write is accepted, never committed here
+        await sc.fs.flush(h)
+        sc.fs.release(h.fh)
+        assert sc.committer.depth() == 1 and n.state == "pending"
+        nursery.cancel_scope.cancel()
+    sc.journal.close()  # what was queued is written, as at a crash after the journal batch
+    await sc.client.aclose()
+    fake.faults.reset()
+
+    sc2 = await make_sidecar(tmp_path, fake, token)
+    assert len(sc2.leftovers) == 1 and len(sc2.committer._merged) == 1
+    async with trio.open_nursery() as nursery:
+        sc2._nursery = nursery
+        sc2._spawn("journal", sc2.journal.run)
+        await nursery.start(sc2.committer.run)
+        sc2.committer.replay(sc2.leftovers)
+        with trio.fail_after(30):
+            await sc2.committer.wait_idle()
+        sc2.committer.replayed()  # as Sidecar.run does before loading the stores
+        assert (await remote(fake))["j.md"] == b"a\n" + RACE_MARKER.encode() + b"b\nc\n"
+        assert sc2.committer.conflicts == 0 and sc2.committer._merged == {}
+        await sc2.journal.flush_pending()
+        assert sc2.journal.load_merges() == {}
+        nursery.cancel_scope.cancel()
+    sc2.journal.close()
+    await sc2.client.aclose()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import errno
 import os
+import re
 import secrets
 import string
 import uuid
@@ -146,12 +147,22 @@ def test_one_oversized_write_is_one_refusal_line(env):
     assert r.returncode != 0 and os.strerror(errno.EFBIG) in r.stderr, r.stderr
     got = write_file(d / "py.md", b"x" * (2 << 20))
     assert got == {"open": None, "write": "EFBIG", "close": "EFBIG"}  # close: held back
-    reason = f"record would be {2 << 20} bytes, limit {1 << 20}"
-    for name in ("dd.md", "py.md"):
+    # cp of a 2.7 MB file: small writes; the one refused reaches just past the limit, and
+    # the reason says so (not "record would be <that> bytes": the file is larger)
+    src = env.tmp / f"{pre}-big.txt"
+    src.write_bytes(b"y" * 2_700_000)
+    r = sh(f"cp {src} cp.md", d, timeout=30, check=False)
+    assert r.returncode != 0 and os.strerror(errno.EFBIG) in r.stderr, r.stderr
+    limit = 1 << 20
+    for name in ("dd.md", "py.md", "cp.md"):
         lines = logged(env, "default", f"{pre}/{name}", errno.EFBIG)
-        assert [e["reason"] for e in lines] == [reason], (name, lines)
+        assert len(lines) == 1, (name, lines)
+        m = re.fullmatch(r"a write reaching byte (\d+) exceeds the store's max_record_bytes (\d+)",
+                         lines[0]["reason"])
+        assert m and int(m[2]) == limit and limit < int(m[1]) <= (2 << 20), (name, lines)
         assert xattr(d / name, "state") == "rejected"
-    assert env.sc.log.read_text().count('"msg": "refused"') - before == 2
+        assert xattr(d / name, "error") == lines[0]["reason"]
+    assert env.sc.log.read_text().count('"msg": "refused"') - before == 3
     # a new write session is a new refusal, logged again
     assert write_file(d / "py.md", b"x" * (2 << 20))["write"] == "EFBIG"
     assert len(logged(env, "default", f"{pre}/py.md", errno.EFBIG)) == 2

@@ -228,11 +228,25 @@ class ControlFiles:
             "uptime_s": round(time.time() - fs.started, 1),
             "stores": [self._store_status(s) for s in fs.stores.values()],
             "outbox": {"depth": c.depth(), "oldest_age_s": round(c.oldest_age(), 3),
-                       "committed": c.committed, "refused": c.refused, "retries": c.retries},
+                       "committed": c.committed, "refused": c.refused, "retries": c.retries,
+                       "merged": c.merges},
+            "control_plane": self._reachability(),
             "refusals_since_start": self.refusals,
             "open_handles": len(fs.handles),
             "inodes": len(fs.inodes),
         }
+
+    def _reachability(self) -> dict:
+        """``control_plane`` of the status document, as the outbox sees it: ``reachable``
+        (false while commits fail with connection errors, timeouts, 5xx or 429 and none was
+        answered since: closes then return once their write is accepted), and when not,
+        ``since`` (ISO 8601 UTC), ``down_s`` and ``error`` (the last failure's code)."""
+        down = self.fs.committer.unreachable
+        if down is None:
+            return {"reachable": True}
+        return {"reachable": False,
+                "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(down["since"])),
+                "down_s": round(time.time() - down["since"], 1), "error": down["error"]}
 
     def content(self, kind: str) -> bytes:
         """The bytes of the control file of this kind (``Node.special``): the status

@@ -28,6 +28,7 @@ import errno
 import json
 import logging
 import os
+import sqlite3
 import stat
 import time
 import uuid
@@ -99,6 +100,10 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles, LocalFile
             self._new_node(fname, self.control, False, None, 0o444, now).special = kind
         committer.on_result = self._on_commit
         committer.on_conflict = self._on_conflict
+        committer.base_content = self._cached_blob
+        #: ``on_invalidate(items)``: hand kernel invalidations (``("inode", ino)``...) to
+        #: the sidecar's invalidator; None without a mount
+        self.on_invalidate = None
         self._init_rejected(rejected)
         self._init_local(local)
 
@@ -246,6 +251,15 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles, LocalFile
             return b""
         return self.blobs.read(n.sha, off, size)
 
+    def _cached_blob(self, sha: str) -> bytes | None:
+        """The cached content whose sha256 is ``sha`` (checked), None when the blob cache
+        does not hold it or cannot be read."""
+        try:
+            data = self.blobs.read(sha) if self.blobs.has(sha) else None
+        except (CacheError, sqlite3.Error):
+            return None
+        return data if data is not None and sha256_hex(data) == sha else None
+
     def _content(self, n: Node) -> bytes:
         if n.buf is not None:
             return bytes(n.buf)
@@ -256,15 +270,25 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles, LocalFile
             n.buf = bytearray(self._content(n))
         return n.buf
 
-    def _check_size(self, n: Node, size: int) -> None:
+    def _check_size(self, n: Node, size: int, truncating: bool = False) -> None:
+        """``EFBIG`` when a write ending at byte ``size`` (or, ``truncating``, a truncation
+        to ``size`` bytes) passes the store's ``max_record_bytes``. The reason says what is
+        known at that moment: where the refused write reached (the kernel hands a large
+        write over in chunks, so the file the writer meant may be larger still), never a
+        guess of the file's final size."""
         sm = n.store
         if sm is not None and size > sm.max_record_bytes and not n.local_only:
-            reason = f"record would be {size} bytes, limit {sm.max_record_bytes}"
+            if truncating:
+                reason = (f"truncating to {size} bytes exceeds the store's max_record_bytes "
+                          f"{sm.max_record_bytes}")
+            else:
+                reason = (f"a write reaching byte {size} exceeds the store's max_record_bytes "
+                          f"{sm.max_record_bytes}")
             self._note_size_refusal(n, errno.EFBIG, reason, "record_too_large")
             # What this write session left behind (often a truncation at open plus part of
             # the content) must not replace the stored record: hold it back until the next
             # open for writing (docs/SEMANTICS.md: the stored record untouched).
-            if n.dirty:  # else nothing changed and the file stays as it was
+            if n.dirty and n.refused != errno.EFBIG:  # else nothing changed, or held already
                 n.refused, n.state, n.error = errno.EFBIG, REJECTED, reason
             raise FsError(errno.EFBIG, reason, "record_too_large")
 
@@ -274,8 +298,9 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles, LocalFile
         chunk, and the writer (``dd``, Python's ``write``, coreutils) retries the rest, which
         is refused again for the same reason; this session is already held back with it, so
         it is one refusal and one ``errors.log`` line."""
-        if n.refused == err and n.error == reason:
-            return
+        if n.refused == err:
+            return  # this session is held back for that already (the reason may name
+            # another byte: a writer retrying the rest may be refused at another chunk)
         self.note_error(n.parent, n.name, err, reason, code)
 
     def _check_growth(self, n: Node, new_size: int) -> None:
@@ -331,7 +356,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles, LocalFile
         if n.special:
             raise FsError(errno.EACCES)
         self._check_writable_file(n)
-        self._check_size(n, size)
+        self._check_size(n, size, truncating=True)
         self._check_growth(n, size)
         if judge and not n.local_only and n.cur_size() != size:
             cur = self._content(n)
@@ -517,7 +542,11 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles, LocalFile
         return None
 
     async def flush(self, h: Handle) -> None:
-        """close(2): commit a dirty file; wait up to ``commit_wait`` s for the control plane.
+        """close(2): commit a dirty file; wait up to ``commit_wait`` s for the control plane,
+        unless the outbox knows it is unreachable (``Committer.failing``: its last attempt
+        failed with a connection error, timeout, 5xx or 429 and none was answered since):
+        then return as soon as the write is accepted, or as soon as the outbox learns it
+        while this close waits.
 
         Raises ``FsError`` with the refusal's errno when the control plane refused the content
         for good (the content stays here, ``state=rejected``). A transient failure is not an
@@ -543,8 +572,12 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles, LocalFile
                 return
         deadline = trio.current_time() + self.settings.commit_wait
         await self._wait_accepted(n, e, self.settings.commit_wait)
+        c = self.committer
         with trio.move_on_at(deadline):
-            await e.done.wait()
+            # e.changed is set when e finishes and, for every queued entry, when the outbox
+            # starts failing (Committer._attempt_failed)
+            while not e.done.is_set() and not c.failing:
+                await e.changed.wait()
         if e.done.is_set() and e.errno:
             raise FsError(e.errno, e.reason)
 
@@ -634,6 +667,8 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles, LocalFile
                     n.type_override = None
                 n.updated_ns = datetime_ns(e.record.updated_at)
                 n.state, n.error = CLEAN, ""
+                if e.merged is not None:
+                    self._show_merged(n, e)
         elif e.op == ATTRS:
             if e.errno:
                 self.note_error(n.parent if n else None, n.name if n else e.args.get("path", ""),
@@ -649,6 +684,31 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles, LocalFile
             n.version = e.record.version
         elif e.op in (DELETE, MOVE) and e.errno:
             self.note_error(None, e.args.get("path", ""), e.errno, e.reason, e.code, e.store)
+
+    def _show_merged(self, n: Node, e: Entry) -> None:
+        """``e`` (``n``'s last put) was rebased onto a concurrent change (an append merged,
+        ``Committer._rebase``): show the merged content, so the file reads what the control
+        plane holds (read-your-writes: it holds this sidecar's writes too). Not when ``n``
+        was written since (``dirty``): a local write is never overwritten; its put derives
+        from the content before the merge and is rebased onto the merge in turn
+        (``Committer._put_base``)."""
+        if n.dirty or e.merged is None or e.record is None:
+            return
+        data = e.merged
+        old = n.cur_size()
+        try:
+            self.blobs.put(data, e.record.sha256)
+            n.buf = None
+        except CacheError as err:
+            n.buf = bytearray(data)  # reads are served from memory; the control plane has it
+            log.warning("blob cache write failed; the merged content stays in memory",
+                        extra={"store": e.store, "path": n.path(), "reason": err.reason})
+        n.sha, n.size = e.record.sha256, len(data)
+        self._account(n, n.cur_size() - old)
+        n.mtime_ns = n.ctime_ns = n.updated_ns
+        self.committer.forget_merge(n.key)
+        if self.on_invalidate is not None:
+            self.on_invalidate([("inode", n.ino)])
 
     # ------------------------------------------------------------------ attributes
     def setattr(self, n: Node, *, fh: int | None = None, size: int | None = None,

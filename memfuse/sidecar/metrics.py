@@ -37,6 +37,8 @@ class Metrics:
                                registry=r)
         self.conflicts = Counter("memfuse_conflicts", "writes that met a newer version (last writer wins)",
                                  registry=r)
+        self.merges = Counter("memfuse_merges", "appends that met a newer version and were rebased onto it",
+                              registry=r)
         self.remote_changes = Counter("memfuse_sync_changes_applied",
                                       "remote changes applied from the change feed", ["store"], registry=r)
         self.sync_lag = Histogram("memfuse_sync_lag_seconds",

@@ -305,6 +305,7 @@ class Sidecar(StoreSync):
         # commit); _feed still checks the actor, for control planes that ignore skip_actor
         self._feed_kw = {"skip_actor": self.actor}
         self.invalidator = Invalidator()
+        self.fs.on_invalidate = self.invalidator.submit
         self.states: dict[str, StoreState] = {}
         self.feeds: dict[str, trio.CancelScope] = {}
         self.admin_unmounted: set[str] = set()
@@ -491,6 +492,7 @@ class Sidecar(StoreSync):
                     self.committer.replay(self.leftovers)
                     await self.committer.wait_idle()
                     log.info("outbox replayed", extra={"entries": len(self.leftovers)})
+                self.committer.replayed()
                 atts = None
                 saved = bool(self._saved_slugs())
                 wait = config.offline_after if saved else (config.start_timeout or math.inf)

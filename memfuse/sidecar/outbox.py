@@ -54,6 +54,7 @@ from .cachedir import private_file
 log = logging.getLogger("memfuse.outbox")
 
 PUT, DELETE, MOVE, MOVE_PREFIX, ATTRS = "put", "delete", "move", "move_prefix", "attrs"
+MERGE_ROUNDS = 8  # rebase attempts of one append racing other writers, then back off
 BATCH_MAX_ENTRIES = 100  # entries in one batch (the server's BATCH_MAX_OPERATIONS)
 BATCH_MAX_CONTENT = 4 * 1024 * 1024  # bytes of content in one batch (the server takes 16 MiB)
 
@@ -86,6 +87,9 @@ class Entry:
     code: str = ""  # the refusal's problem code (``secret_detected``...), "" when committed
     attempts: int = 0
     record: Record | None = None  # the record after the commit, when the op returns one
+    #: a ``put`` rebased onto a concurrent change (an append merged): the content the
+    #: control plane now holds (``record.sha256``'s), else None
+    merged: bytes | None = None
     record_id: str | None = None  # delete / move: the record the op acted on
     moved: list[Record] = field(default_factory=list)  # move_prefix: the records moved
     #: why the journal could not write this entry yet: ``(errno, reason)``, None once durable
@@ -232,6 +236,11 @@ class Journal:
         # (``control.ControlFiles``); bounded by ``add_error``'s ``keep``
         self._db.execute(
             "CREATE TABLE IF NOT EXISTS errors_log (id INTEGER PRIMARY KEY, line TEXT NOT NULL)")
+        # files whose last put was merged while they were written again: the local content
+        # that put carried, base of the next put (``Committer._merged``), kept across a crash
+        self._db.execute(
+            "CREATE TABLE IF NOT EXISTS merges (node_key TEXT PRIMARY KEY, local_sha TEXT NOT NULL,"
+            " local BLOB NOT NULL, merged_sha TEXT NOT NULL)")
         # queued writes: [sql, params, entry id of an insert (else None)]
         self._pending: list[list] = []
         self._waiters: list[Entry] = []
@@ -254,6 +263,21 @@ class Journal:
         keymap = {r[0]: (r[1], r[2]) for r in self._db.execute(
             "SELECT node_key, record_id, sha256 FROM keymap")}
         return entries, keymap
+
+    def load_merges(self) -> dict[str, tuple[str, bytes, str]]:
+        """What ``set_merge`` kept: node key -> (local sha256, local bytes, merged sha256)."""
+        return {r[0]: (r[1], bytes(r[2]), r[3]) for r in self._db.execute(
+            "SELECT node_key, local_sha, local, merged_sha FROM merges")}
+
+    def set_merge(self, node_key: str, value: tuple[str, bytes, str] | None) -> None:
+        """Queue the merge state of ``node_key`` (None: forgotten), written in order with the
+        entries (in the batch of the entry whose put made it). Never blocks."""
+        if value is None:
+            self._pending.append(["DELETE FROM merges WHERE node_key=?", (node_key,), None])
+        else:
+            self._pending.append(["INSERT OR REPLACE INTO merges VALUES (?,?,?,?)",
+                                  (node_key, *value), None])
+        self._wakeup.set()
 
     REJECTED_COLUMNS = ("node_key", "store", "path", "errno", "code", "reason", "content",
                         "record_id", "type", "mode", "mtime_ns", "created")
@@ -509,6 +533,16 @@ class Committer:
         self.refused = 0
         self.retries = 0
         self.conflicts = 0
+        self.merges = 0  # appends rebased onto a concurrent change instead of overwriting it
+        #: ``base_content(sha256)``: the bytes of a version this sidecar had (the blob
+        #: cache), None when gone; the base of an append rebased after a 412
+        self.base_content: Callable[[str], bytes | None] = lambda sha: None
+        #: node key -> (sha256 and bytes of the local content a merged put carried, sha256
+        #: the control plane holds after the merge): a later put of that file, written
+        #: before the merge came back, derives from the local content, not the merge, and is
+        #: rebased onto it too (``_put_base``); dropped once the file shows the merge
+        #: (``forget_merge``) or the next put was sent
+        self._merged: dict[str, tuple[str, bytes, str]] = journal.load_merges()
         self.auth_waits = 0  # commit attempts deferred because the token was refused (401)
         self.idle = trio.Event()
         self.idle.set()
@@ -524,6 +558,79 @@ class Committer:
         #: control plane answers that it has no such endpoint
         self.batching = True
         self.batches = 0  # batches the control plane answered
+        #: the outbox's own view of the control plane: None while its last commit attempt
+        #: was answered (or none was made yet), else since when (``time.time()``) and why
+        #: its attempts fail transiently (``unreachable``: ``{"since", "error"}``)
+        self.unreachable: dict[str, Any] | None = None
+
+    # --- the control plane's reachability, as the outbox sees it ------------------------------
+    @property
+    def failing(self) -> bool:
+        """Whether the outbox is in backoff: its last commit attempt failed transiently
+        (connection error, timeout, 5xx, 429) and none was answered since. A ``close`` then
+        returns once its write is accepted, without waiting for a commit that cannot come
+        (``Filesystem.flush``). A 401 does not count: a rotated token is re-read within
+        seconds, so a commit may well come within ``--commit-wait``."""
+        return self.unreachable is not None
+
+    def _attempt_failed(self, err: ApiError) -> None:
+        """A commit attempt (single or batch) failed transiently: note since when, and on
+        the transition wake every queued entry's waiters (a ``close`` waiting for its
+        commit returns then)."""
+        why = err.code or (f"http_{err.status}" if err.status else "unreachable")
+        if self.unreachable is not None:
+            self.unreachable["error"] = why
+            return
+        self.unreachable = {"since": time.time(), "error": why}
+        log.warning("control plane unreachable for commits; closes return once their write "
+                    "is accepted", extra={"status": err.status, "code": why,
+                                          "depth": self.depth()})
+        for q in self.queues.values():
+            for e in q:
+                e.notify()
+
+    def _attempt_answered(self) -> None:
+        """The control plane answered a commit attempt (a commit or a refusal)."""
+        if self.unreachable is not None:
+            log.info("control plane reachable again for commits",
+                     extra={"down_s": round(time.time() - self.unreachable["since"], 3),
+                            "depth": self.depth()})
+            self.unreachable = None
+
+    def forget_merge(self, node_key: str) -> None:
+        """The file ``node_key`` now shows the merged content of its last put (nothing was
+        written on top meanwhile): later puts derive from it, so nothing to rebase."""
+        self._set_merged(node_key, None)
+
+    def replayed(self) -> None:
+        """The outbox a previous process left is committed (``replay`` + ``wait_idle``),
+        before any store is loaded: no put written on content from before the restart is
+        left, and every file will show the control plane's content, so the merge states
+        kept for such puts are obsolete: dropped."""
+        for key in list(self._merged):
+            self._set_merged(key, None)
+
+    def _set_merged(self, node_key: str, value: tuple[str, bytes, str] | None) -> None:
+        """Change ``_merged[node_key]`` (None: drop it) and queue the same in the journal."""
+        if value is None:
+            if self._merged.pop(node_key, None) is not None:
+                self.journal.set_merge(node_key, None)
+        elif self._merged.get(node_key) != value:
+            self._merged[node_key] = value
+            self.journal.set_merge(node_key, value)
+
+    def base_shas(self) -> set[str]:
+        """The sha256 of the bases of queued ``put`` entries (the versions their
+        ``If-Match`` names): the blob collection keeps those blobs, so an append that
+        meets a concurrent change can be rebased (``_rebase``)."""
+        out = set()
+        for store, q in self.queues.items():
+            for e in q:
+                if e.op == PUT and e.node_key is not None:
+                    sha = self._rid(e.node_key, store)[1]
+                    if sha:
+                        out.add(sha)
+        return out
 
     # --- enqueueing (synchronous, on the trio thread: order is fixed here) -------------------
     def submit(self, store: str, op: str, node_key: str | None, args: dict[str, Any],
@@ -698,8 +805,9 @@ class Committer:
         and If-Match, so an answer replays across single requests and batches), or None when
         it would send none."""
         a, c = e.args, self.client
-        rid, sha = self._rid(e.node_key)
+        rid, sha = self._rid(e.node_key, e.store)
         if e.op == PUT:
+            rid, sha, _ = self._put_base(e)
             text = (e.content or b"").decode("utf-8", errors="surrogateescape")
             try:
                 text.encode("utf-8")
@@ -748,12 +856,15 @@ class Committer:
             attempts += 1
             try:
                 outcomes = await self.client.batch(store, ops)
+                self._attempt_answered()
                 self.batches += 1
                 if self.metrics is not None:
                     self.metrics.batches.inc()
                 return outcomes
             except (TransientError, Unauthorized) as err:
                 self.retries += 1
+                if isinstance(err, TransientError):
+                    self._attempt_failed(err)
                 if self.metrics is not None:
                     self.metrics.retries.inc()
                 delay = self._backoff(attempts, err)
@@ -763,6 +874,7 @@ class Committer:
                 with trio.move_on_after(delay):
                     await self._poke.wait()
             except ApiError as err:
+                self._attempt_answered()
                 if err.status == 405 or (err.status == 404 and err.code in ("not_found", "")):
                     self.batching = False
                     log.info("the control plane has no batch endpoint; committing one by one",
@@ -795,12 +907,17 @@ class Committer:
             client, answered = answered, None
             try:
                 await self._apply(e, client)
+                self._attempt_answered()
                 self.committed += 1
                 if self.metrics is not None:
                     self.metrics.commits.labels(e.op).inc()
                 return
             except TransientError as err:
                 self.retries += 1
+                if err.code != "merge_contended":  # that one was answered: busy, not down
+                    self._attempt_failed(err)
+                else:
+                    self._attempt_answered()
                 if self.metrics is not None:
                     self.metrics.retries.inc()
                 delay = min(self.backoff_max, 0.05 * 2 ** min(e.attempts, 12))
@@ -827,6 +944,7 @@ class Committer:
             except ApiError as err:
                 if isinstance(err, TransientError):  # pragma: no cover - caught above
                     raise
+                self._attempt_answered()
                 self.refused += 1
                 e.errno = errno_for(err)
                 e.reason = err.detail or err.code or f"HTTP {err.status}"
@@ -888,16 +1006,32 @@ class Committer:
             raise _local_refusal("validation_error", f"unknown outbox op {e.op!r}")
         await apply(e, client if client is not None else self.client, e.args)
 
+    def _put_base(self, e: Entry) -> tuple[str | None, str | None, bytes | None]:
+        """(record id, the sha256 the put's ``If-Match`` names, that version's bytes when
+        known here already) of a ``put``: the last known sha256 of its record, unless the
+        previous put of the same file was merged (``_merged``) and the control plane still
+        holds that merge: this put was written on the local content before the merge came
+        back, so its base is that local content (the ``If-Match`` then fails and the put is
+        rebased onto the merge, ``_rebase``)."""
+        rid, sha = self._rid(e.node_key, e.store)
+        m = self._merged.get(e.node_key) if e.node_key else None
+        if rid is not None and m is not None and sha == m[2]:
+            return rid, m[0], m[1]
+        return rid, sha, None
+
     async def _put(self, e: Entry, c: ApiClient, a: dict[str, Any]) -> None:
         """Create or update the record with the entry's content and attributes (``If-Match``
-        the last known sha256); a concurrent change is resolved last-writer-wins
-        (``_conflict``), a record deleted elsewhere is created again."""
+        the sha256 of the version it was written on, ``_put_base``). On ``412`` an append
+        (the content is that version's plus a suffix) is rebased onto the current version
+        (``_rebase``); any other concurrent change is resolved last-writer-wins
+        (``_conflict``); a record deleted elsewhere is created again."""
         text = (e.content or b"").decode("utf-8", errors="surrogateescape")
         try:
             text.encode("utf-8")
         except UnicodeEncodeError:
             raise _local_refusal("invalid_content", "content is not valid UTF-8") from None
-        rid, sha = self._rid(e.node_key, e.store)
+        rid, sha, base = self._put_base(e)
+        e.merged = None
         want = sha256_hex(e.content or b"")
         typ = a.get("type")
         # absent in entries journaled by earlier releases: then the server keeps / defaults
@@ -910,11 +1044,14 @@ class Committer:
                 rec = await c.update_record(e.store, rid, text, type=typ, if_match=sha,
                                             idempotency_key=e.key, **attrs)
             except PreconditionFailed:
-                cur = await c.get_record(e.store, rid, content=False)
+                cur = await c.get_record(e.store, rid, content=True)
+                merged = None
                 if (cur.sha256 == want and (typ is None or cur.type == typ)
                         and attrs["mode"] in (None, cur.mode)
                         and attrs["mtime_ns"] in (None, cur.mtime_ns)):
                     rec = cur
+                elif (merged := await self._rebase(e, c, rid, sha, base, cur)) is not None:
+                    rec = merged
                 else:
                     self._conflict(e, "the record changed elsewhere; this write is now the "
                                       "latest version, the other one stays in history")
@@ -944,6 +1081,77 @@ class Committer:
                                             idempotency_key=e.key + "-lww", **attrs)
         e.record = rec
         self._learn(e.node_key, rec)
+        if e.node_key is not None:
+            # this put was sent: its base is used; a merge of it is the next one's base
+            # until the file shows it (forget_merge)
+            if e.merged is not None and rec is not None and rec.sha256 != want:
+                self._set_merged(e.node_key, (want, e.content or b"", rec.sha256))
+            else:
+                self._set_merged(e.node_key, None)
+
+    async def _rebase(self, e: Entry, c: ApiClient, rid: str, base_sha: str | None,
+                      base: bytes | None, cur: Record) -> Record | None:
+        """Merge a write that met a concurrent change (412) instead of overwriting it, when
+        that is clean: an **append** (the put's content is its base version's content plus
+        a suffix: ``echo >> f``) becomes the current content plus that suffix; any other
+        change becomes a **three-way line merge** of base, current and local content
+        (``merge3``, the Breezy project's merge) when the two changes touch disjoint
+        regions. The result is written ``If-Match`` the current version, again (at most
+        ``MERGE_ROUNDS``) if that changes meanwhile. ``cur``: the current record, with
+        content. Returns the record written (``e.merged`` set to its content), or None when
+        the changes overlap, or the base's content is not known here (``base_content``):
+        last writer wins then.
+
+        The merge is sent with one idempotency key (``<key>-rebase``): the control plane
+        stores only answered writes, so a merge whose answer was lost (even across a
+        restart) is met again as ``422 idempotency_key_reused`` on the retry's new body,
+        which means it was applied: the current record is then the result. Raises
+        ``TransientError`` (``merge_contended``) when other writers won ``MERGE_ROUNDS``
+        times in a row (the entry backs off and tries again); API errors as the client
+        raises them."""
+        local = e.content or b""
+        if base is None and base_sha:
+            base = self.base_content(base_sha)
+        if base is None or cur.deleted or cur.content is None:
+            return None
+        kind = "append" if local.startswith(base) else "three_way"
+        typ = e.args.get("type")
+        attrs = {"mode": e.args.get("mode"), "mtime_ns": e.args.get("mtime_ns")}
+        for attempt in range(1, MERGE_ROUNDS + 1):
+            theirs = cur.content.encode("utf-8")
+            if kind == "append":
+                new = theirs + local[len(base):]
+            else:
+                new = await trio.to_thread.run_sync(merge_lines, base, theirs, local)
+                if new is None:
+                    return None  # the changes overlap: last writer wins
+            try:
+                rec = await c.update_record(e.store, rid, new.decode("utf-8"), type=typ,
+                                            if_match=cur.sha256,
+                                            idempotency_key=e.key + "-rebase", **attrs)
+            except PreconditionFailed:
+                cur = await c.get_record(e.store, rid, content=True)
+                if cur.deleted or cur.content is None:
+                    return None
+                continue
+            except ApiError as err:
+                if err.code != "idempotency_key_reused":
+                    raise
+                # applied before, its answer lost: what it wrote is in the current record
+                rec = await c.get_record(e.store, rid, content=True)
+                new = (rec.content or "").encode("utf-8")
+            self.merges += 1
+            if self.metrics is not None:
+                self.metrics.merges.inc()
+            e.merged = new
+            log.info("write merged onto a concurrent change", extra={
+                "store": e.store, "path": e.args.get("path"), "record": rid, "kind": kind,
+                "base_sha256": base_sha, "theirs_sha256": cur.sha256,
+                "merged_sha256": rec.sha256, "local_bytes": len(local),
+                "merged_bytes": len(new), "attempt": attempt, "entry": e.id})
+            return rec
+        raise TransientError(f"merge lost {MERGE_ROUNDS} races in a row; will retry",
+                             code="merge_contended")
 
     async def _set_attrs(self, e: Entry, c: ApiClient, a: dict[str, Any]) -> None:
         """Set the mode and / or mtime of a record whose content the control plane has."""
@@ -970,6 +1178,8 @@ class Committer:
             except NotFound:
                 pass
         self._learn(e.node_key, None)
+        if e.node_key is not None:
+            self._set_merged(e.node_key, None)
 
     async def _move(self, e: Entry, c: ApiClient, a: dict[str, Any]) -> None:
         """Move one record to ``args["to"]`` (``replace`` an existing target); a target
@@ -1028,6 +1238,24 @@ class _Answered:
 
 
 _USED = object()
+
+
+def merge_lines(base: bytes, theirs: bytes, ours: bytes) -> bytes | None:
+    """The three-way merge of two changes of ``base`` line by line (``merge3.Merge3``,
+    as ``bzr merge`` / ``diff3``): the merged content when the changes touch disjoint
+    regions (or make the same change), None when they conflict (both change the same
+    lines, or both insert at the same place). Pure; ``Committer._rebase`` runs it in a
+    worker thread (the line diff of two large files takes a while)."""
+    import merge3
+
+    m = merge3.Merge3(base.splitlines(keepends=True), theirs.splitlines(keepends=True),
+                      ours.splitlines(keepends=True))
+    out: list[bytes] = []
+    for group in m.merge_groups():
+        if group[0] == "conflict":
+            return None
+        out.extend(group[1])
+    return b"".join(out)
 
 
 def _local_refusal(code: str, detail: str) -> ApiError:

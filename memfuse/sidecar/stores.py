@@ -656,6 +656,8 @@ class StoreSync:
         # the digests as the mirrors and nodes hold them (32 bytes): no object per blob
         keep = {r.sha for st in self.states.values() for r in st.records.values()}
         keep.update(n._sha for n in self.fs.inodes.values() if n._sha)
+        # the bases of queued puts: an append meeting a concurrent change is rebased on it
+        keep.update(bytes.fromhex(sha) for sha in self.committer.base_shas())
         try:
             removed = self.fs.blobs.gc_digests(keep)
         except CacheError as e:
