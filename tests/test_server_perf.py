@@ -141,7 +141,9 @@ async def test_skip_actor_long_poll_times_out_with_advanced_seq(env):
 
     async def poll():
         r = await me.get("/v1/stores/default/changes",
-                         params={"after": start, "wait": 1, "skip_actor": ME}, timeout=30)
+                         # 3 s: the own write below must land inside the wait even when a
+                         # busy machine makes it slow (1 s was a race under load)
+                         params={"after": start, "wait": 3, "skip_actor": ME}, timeout=30)
         result["status"], result["page"] = r.status_code, r.json()
 
     with trio.fail_after(30):
