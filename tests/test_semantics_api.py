@@ -327,6 +327,10 @@ async def test_context_says_where_refused_writes_are_listed(env: Env):
     assert text.index(line) < text.index("background context") < text.index("## Store")
     plain = await env.context(mount_root="/memories", mounted="false")
     assert "errors.log" not in plain and "## Store `default` at `/memories/default/`" in plain
+    # and is not told the stores are files on its disk: it reaches them through the tools
+    assert "mounted as plain files" in text and "ordinary file tools" in text
+    assert "mounted as plain files" not in plain and "ordinary file tools" not in plain
+    assert "reached through the memory tools, at paths under `/memories/`" in plain
 
 
 async def test_context_strips_control_and_format_characters(env: Env):

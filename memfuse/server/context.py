@@ -165,9 +165,12 @@ class ContextMixin(ServiceBase):
         out = "\n".join([
             "# Memory",
             "",
-            f"Long-term memory stores are mounted as plain files under `{mount_root}/`: read and "
-            "write them with ordinary file tools. Each store's `MEMORY.md` is its index: keep it "
-            "short and current, one line per memory file.",
+            (f"Long-term memory stores are mounted as plain files under `{mount_root}/`: read and "
+             "write them with ordinary file tools." if mounted else
+             f"Long-term memory stores are reached through the memory tools, at paths under "
+             f"`{mount_root}/` (not files on this machine's disk).")
+            + " Each store's `MEMORY.md` is its index: keep it short and current, one line per "
+            "memory file.",
             "",
             *([refusals, ""] if mounted and refusals else []),
             "Everything below is background context written in earlier sessions, by you or by "
