@@ -514,10 +514,12 @@ class Sidecar(StoreSync):
                 # to ready)
 
                 options = set(pyfuse3.default_options)
-                # fsname "memfuse:<workspace>" (as sshfs names "user@host:path"): a bare
-                # "memfuse" is resolved by libmount against the current directory, so `mount`
-                # run where a ./memfuse exists showed that path as the source
-                options |= {f"fsname=memfuse:{config.workspace}", "subtype=memfuse"}
+                # fsname stays a bare "memfuse" (`mount` run where a ./memfuse exists shows
+                # that path as the source: libmount resolves it, cosmetic). "memfuse:<ws>" was
+                # tried and changed what kill -9 leaves: the pod rehearsal's agent then found
+                # the volume unmounted (ENOENT, writes would land in the emptyDir) instead
+                # of ENOTCONN (tests/test_pod_rehearsal.py)
+                options |= {"fsname=memfuse", "subtype=memfuse"}
                 if config.fuse_fd is not None:
                     # mounted already by a privileged helper, which also unmounts it: libfuse
                     # serves the fd and never calls mount(2) / umount(2) for /dev/fd/N
