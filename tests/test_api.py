@@ -973,7 +973,13 @@ async def test_patch_attributes_makes_one_version_without_content(env: Env):
     assert r.status_code == 200, r.text
     up = r.json()
     assert up["mode"] == 0o755 and up["version"] == 2 and up["sha256"] == rec["sha256"]
-    assert up["mtime_ns"] is None and up["content"] is None
+    # chmod(2) leaves st_mtime alone: the mode change pins the mtime the file showed
+    from datetime import datetime
+
+    from memfuse.defs import datetime_ns
+
+    shown = datetime_ns(datetime.fromisoformat(rec["updated_at"].replace("Z", "+00:00")))
+    assert up["mtime_ns"] == shown and up["content"] is None
     assert r.headers["etag"] == etag("#!/bin/sh\necho ran\n")
     # the same mode again: no new version (a chmod to the same mode)
     r = await env.ws.patch(url, json={"mode": 0o755})
@@ -986,7 +992,7 @@ async def test_patch_attributes_makes_one_version_without_content(env: Env):
     vs = await env.versions(rec["id"])
     assert [(v["operation"], v["sha256"], v["mode"], v["mtime_ns"]) for v in vs] == [
         ("created", rec["sha256"], 0o644, None),
-        ("modified", rec["sha256"], 0o755, None),
+        ("modified", rec["sha256"], 0o755, shown),
         ("modified", rec["sha256"], 0o755, T2020),
     ]
     v3 = (await env.admin.get(f"{url}/versions/3")).json()
@@ -994,7 +1000,7 @@ async def test_patch_attributes_makes_one_version_without_content(env: Env):
     # the change feed carries them to other sidecars
     page = (await env.ws.get("/v1/stores/default/changes", params={"after": rec["seq"]})).json()
     assert [(c["operation"], c["record"]["mode"], c["record"]["mtime_ns"]) for c in page["changes"]] == [
-        ("modified", 0o755, None), ("modified", 0o755, T2020)]
+        ("modified", 0o755, shown), ("modified", 0o755, T2020)]
     # null resets: mode 0o644, mtime back to updated_at
     r = await env.ws.patch(url, json={"mode": None, "mtime_ns": None})
     assert (r.json()["mode"], r.json()["mtime_ns"], r.json()["version"]) == (0o644, None, 4)

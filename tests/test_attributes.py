@@ -69,8 +69,11 @@ def test_script_mode_and_mtime_survive_restarts(tmp_path):
         rec = live_records(cp)["s.sh"]
         assert (rec.mode, rec.mtime_ns) == (0o755, want_mtime)
         vs = versions(cp, "s.sh")
+        # the chmod's version pins the mtime the file showed then (chmod(2) leaves st_mtime)
+        pinned = vs[1].mtime_ns
+        assert pinned is not None and pinned != want_mtime
         assert [(v.operation.value, v.mode, v.mtime_ns) for v in vs] == [
-            ("created", 0o644, None), ("modified", 0o755, None), ("modified", 0o755, want_mtime)]
+            ("created", 0o644, None), ("modified", 0o755, pinned), ("modified", 0o755, want_mtime)]
         assert len({v.sha256 for v in vs}) == 1  # attribute versions carry no new content
 
         for fresh in (False, True):
@@ -110,8 +113,16 @@ def test_chmod_of_a_clean_file_is_one_version_without_upload(tmp_path):
         wait_until(lambda: outbox_empty(a), timeout=10.0, what="outbox drained")
         n0 = len(versions(cp, "notes.md"))
         calls0 = api_calls(a)
+        shown = os.stat(da / "notes.md").st_mtime_ns
+        time.sleep(0.05)  # the chmod's version gets a later updated_at
         sh("chmod 640 notes.md", da)
         wait_until(lambda: outbox_empty(a) and len(versions(cp, "notes.md")) == n0 + 1, timeout=10.0, what="one version")
+        # chmod(2) changes the ctime, not the mtime: here, in the other sidecar, on the record
+        assert os.stat(da / "notes.md").st_mtime_ns == shown
+        assert live_records(cp)["notes.md"].mtime_effective_ns() == shown
+        wait_until(lambda: stat.S_IMODE(os.stat(db_ / "notes.md").st_mode) == 0o640, timeout=10.0,
+                   what="the chmod in the other sidecar")
+        assert os.stat(db_ / "notes.md").st_mtime_ns == shown
         sh("chmod 640 notes.md && chmod g+r notes.md", da)  # the same mode again: nothing
         sh(f"touch -m -d '{T2020} 10:11:12.123456789' notes.md", da)
         wait_until(lambda: outbox_empty(a) and len(versions(cp, "notes.md")) == n0 + 2, timeout=10.0, what="mtime version")

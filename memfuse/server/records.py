@@ -21,6 +21,7 @@ from sqlalchemy.engine import Connection, Row
 
 from memfuse import content as content_rules
 from memfuse import wire
+from memfuse.defs import mtime_effective_ns
 from memfuse.models import (
     DEFAULT_MODE,
     MoveResult,
@@ -739,7 +740,8 @@ class RecordsMixin(ServiceBase):
     ) -> Reply:
         """200 [Record] without content, with ``ETag``: change only the record's attributes
         (``chmod`` / ``utimensat`` of a file whose content is already stored). Members of
-        ``body`` left out are kept; ``null`` resets them (mode 0o644, mtime ``updated_at``).
+        ``body`` left out are kept (a mode change alone pins the mtime the file showed, as
+        chmod(2) leaves st_mtime alone); ``null`` resets them (mode 0o644, mtime ``updated_at``).
         A change makes a ``modified`` version with the same sha256, content, type and path;
         no change (e.g. a chmod to the current mode) makes none. 404 ``record_not_found`` for
         a missing or deleted record, 412 ``precondition_failed`` (with ``sha256``) when
@@ -761,6 +763,10 @@ class RecordsMixin(ServiceBase):
             mtime = body.mtime_ns if "mtime_ns" in given else rec.mtime_ns
             if (_mode(mode), mtime) == _attrs(rec):
                 return _record_model(rec, with_content=False)
+            if "mtime_ns" not in given and rec.mtime_ns is None:
+                # a chmod changes the ctime, not the mtime (POSIX chmod(2)): the file keeps
+                # the mtime it shows (``updated_at`` until now), not this version's time
+                mtime = mtime_effective_ns(None, rec.updated_at)
             rec.mode, rec.mtime_ns = mode, mtime
             rec.version += 1
             self._add_version(conn, rec, Operation.modified, p.actor, utcnow())

@@ -776,6 +776,10 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles, LocalFile
             return
         if n.unlinked or n.store is None or n.dirty or n.state == REJECTED:
             return  # rides with the next content commit (commit() sends both)
+        if "mtime_ns" not in changed and n.xmtime is None:
+            # chmod(2) changes the ctime, not the mtime: pin the mtime this file shows, or the
+            # record would show the chmod's version time (here after a restart, elsewhere)
+            n.xmtime = changed["mtime_ns"] = n.mtime_ns
         self.committer.submit(n.store.slug, ATTRS, n.key, {"path": n.path(), **changed})
 
     # ------------------------------------------------------------------ directory list
