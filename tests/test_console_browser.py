@@ -394,6 +394,9 @@ def test_a_page_being_left_does_not_reload_itself(console):
 
     class Slow(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
+            if self.path != "/elsewhere":  # the browser's own asks (/favicon.ico): not ours
+                self.send_error(404)
+                return
             # the navigation away has started: the store changes now, and the answer comes
             # after the page being left had the time to hear of it (its event comes at once)
             with c.api() as api:
