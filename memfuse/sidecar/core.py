@@ -260,6 +260,22 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles, LocalFile
             return None
         return data if data is not None and sha256_hex(data) == sha else None
 
+    def _hold_content(self, n: Node, data: bytes, sha: str, what: str) -> None:
+        """Make ``data`` (whose sha256 is ``sha``) the content of file ``n``: ``n.sha`` and
+        ``n.size`` set, the bytes in the blob cache (reads are served from there, ``n.buf``
+        None), or, when the cache disk refuses them (full or failing), kept in memory
+        (``n.buf``, reads served from it) with a warning naming ``what`` was kept (never the
+        content). Accounting (``_account``) is the caller's."""
+        n.sha, n.size = sha, len(data)
+        try:
+            self.blobs.put(data, sha)
+            n.buf = None
+        except CacheError as err:
+            n.buf = bytearray(data)
+            log.warning(f"blob cache write failed; {what} stays in memory",
+                        extra={"store": n.store.slug if n.store else None, "path": n.path(),
+                               "reason": err.reason})
+
     def _content(self, n: Node) -> bytes:
         if n.buf is not None:
             return bytes(n.buf)
@@ -473,18 +489,10 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles, LocalFile
             # the first commit of a record loaded from the control plane: its clean sha256
             # is the base the update is conditional on (If-Match)
             self.committer.keymap.setdefault(n.key, (n.record_id, n.sha))
-        n.sha = sha256_hex(data)
-        n.size = len(data)
-        try:
-            self.blobs.put(data, n.sha)
-            n.buf = None
-        except CacheError as err:
-            # the cache disk is full or failing: the content stays in memory (reads are
-            # served from it) and the outbox entry below carries it durably, when the
-            # journal can write; the next commit of this file tries the blob cache again
-            n.buf = bytearray(data)
-            log.warning("blob cache write failed; the file's content stays in memory",
-                        extra={"store": n.store.slug, "path": n.path(), "reason": err.reason})
+        # on a full or failing cache disk the content stays in memory and the outbox entry
+        # below carries it durably, when the journal can write; the next commit of this file
+        # tries the blob cache again
+        self._hold_content(n, data, sha256_hex(data), "the file's content")
         if n.refused:
             self._mark_rejected(n, n.refused, "")
             self.sync_rejected()
@@ -694,16 +702,8 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles, LocalFile
         (``Committer._put_base``)."""
         if n.dirty or e.merged is None or e.record is None:
             return
-        data = e.merged
         old = n.cur_size()
-        try:
-            self.blobs.put(data, e.record.sha256)
-            n.buf = None
-        except CacheError as err:
-            n.buf = bytearray(data)  # reads are served from memory; the control plane has it
-            log.warning("blob cache write failed; the merged content stays in memory",
-                        extra={"store": e.store, "path": n.path(), "reason": err.reason})
-        n.sha, n.size = e.record.sha256, len(data)
+        self._hold_content(n, e.merged, e.record.sha256, "the merged content")  # the control plane has it
         self._account(n, n.cur_size() - old)
         n.mtime_ns = n.ctime_ns = n.updated_ns
         self.committer.forget_merge(n.key)

@@ -74,15 +74,9 @@ class LocalFiles:
         """Store the content of local-only file ``n`` (closed, or fsynced) in the blob
         cache (reads are served from there; on a cache-disk failure it stays in memory)
         and queue its row (``sync_local``)."""
-        data = bytes(n.buf) if n.buf is not None else None
-        if data is not None:
-            sha = sha256_hex(data)
-            try:
-                self.blobs.put(data, sha)
-                n.sha, n.size, n.buf = sha, len(data), None
-            except CacheError as err:
-                log.warning("blob cache write failed; the local-only file stays in memory",
-                            extra={"store": n.store.slug, "path": n.path(), "reason": err.reason})
+        if n.buf is not None:
+            data = bytes(n.buf)
+            self._hold_content(n, data, sha256_hex(data), "the local-only file")
         self._local.add(n)
         self.sync_local()
 
@@ -164,12 +158,8 @@ class LocalFiles:
         n.local_only = True
         n.key = row["node_key"]
         self.by_key[n.key] = n
-        sha = sha256_hex(data)
-        try:
-            self.blobs.put(data, sha)
-            n.sha, n.size = sha, len(data)
-        except CacheError:
-            n.buf = bytearray(data)  # served from memory; written to the blob cache at the next close
+        # in memory when the cache disk refuses it; written to the blob cache at the next close
+        self._hold_content(n, data, sha256_hex(data), "a local-only file kept from before the restart")
         n.mtime_ns = n.ctime_ns = row["mtime_ns"]
         self._live(n, +1)
         self._local.add(n)
