@@ -7,6 +7,8 @@
   reason as the marker's argument). The same holds for the in-process layer tests
   (``IN_PROCESS``: the sidecar runs in the test's own process), whose ``memfuse.*`` log
   records at ERROR or above are caught by a handler.
+- ``home``: a fresh ``MEMFUSE_HOME`` (and ``XDG_CACHE_HOME``) under the test's tmp dir, every
+  other ``MEMFUSE_*`` variable removed, for tests of the CLI's local mode.
 - Any FUSE mount a test left behind under this session's temporary directory is lazily
   unmounted at the end of the session, so a failing test cannot leave the machine with a dead mount.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -30,6 +33,18 @@ class _ErrorRecords(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.records.append(record)
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> Path:
+    """MEMFUSE_HOME in a tmp dir and no other MEMFUSE_* variable in the environment."""
+    for k in list(os.environ):
+        if k.startswith("MEMFUSE_"):
+            monkeypatch.delenv(k)
+    h = tmp_path / "home"
+    monkeypatch.setenv("MEMFUSE_HOME", str(h))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
+    return h
 
 
 def pytest_configure(config):

@@ -27,18 +27,6 @@ from mountutil import serve_listening
 MEMFUSE = Path(sys.executable).with_name("memfuse")
 
 
-@pytest.fixture
-def home(tmp_path, monkeypatch) -> Path:
-    """MEMFUSE_HOME in a tmp dir and no other MEMFUSE_* variable in the environment."""
-    for k in list(os.environ):
-        if k.startswith("MEMFUSE_"):
-            monkeypatch.delenv(k)
-    h = tmp_path / "home"
-    monkeypatch.setenv("MEMFUSE_HOME", str(h))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
-    return h
-
-
 def run(args: list[str], *, env_extra: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
     """Run the real `memfuse` executable with the current environment (+ env_extra)."""
     assert MEMFUSE.exists(), f"console script missing: {MEMFUSE}"

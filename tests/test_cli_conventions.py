@@ -31,18 +31,6 @@ NO_ENVVAR = {
 }
 
 
-@pytest.fixture
-def home(tmp_path, monkeypatch) -> Path:
-    """MEMFUSE_HOME in a tmp dir and no other MEMFUSE_* variable in the environment."""
-    for k in list(os.environ):
-        if k.startswith("MEMFUSE_"):
-            monkeypatch.delenv(k)
-    h = tmp_path / "home"
-    monkeypatch.setenv("MEMFUSE_HOME", str(h))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
-    return h
-
-
 def invoke(args: list[str], env: dict[str, str] | None = None):
     return CliRunner().invoke(cli, args, env=env, catch_exceptions=False)
 

@@ -128,17 +128,19 @@ async def start(sc: Sidecar, nursery: trio.Nursery) -> None:
     sc.fs.ready = True
 
 
-async def write(sc: Sidecar, path: str, data: bytes, *, wait: bool = True) -> None:
-    """create-or-truncate, write, close through the core (as the FUSE adapter would).
-    ``wait=False``: commit and release without waiting for the control plane (a writer that
-    closes and goes on: a backlog builds up)."""
+async def write(sc: Sidecar, path: str, data: bytes, *, wait: bool = True,
+                append: bool = False):
+    """create-or-truncate (``append``: open ``O_APPEND``, as ``echo data >> path``), write,
+    close through the core (as the FUSE adapter would); returns the node. ``wait=False``:
+    commit and release without waiting for the control plane (a writer that closes and goes
+    on: a backlog builds up)."""
     import os
     sm = sc.fs.stores["default"]
     n = sc.fs.lookup(sm.root.ino, path.encode())
     if n is None:
         h = sc.fs.create(sm.root.ino, path.encode(), 0o644, os.O_WRONLY, 0, 0)
     else:
-        h = sc.fs.open(n.ino, os.O_WRONLY | os.O_TRUNC)
+        h = sc.fs.open(n.ino, os.O_WRONLY | (os.O_APPEND if append else os.O_TRUNC))
     try:
         sc.fs.write(h, 0, data)
         if wait:
@@ -147,6 +149,7 @@ async def write(sc: Sidecar, path: str, data: bytes, *, wait: bool = True) -> No
             assert sc.fs.commit(h.node) is not None
     finally:
         sc.fs.release(h.fh)
+    return h.node
 
 
 def local(sc: Sidecar) -> dict[str, bytes]:
@@ -387,20 +390,8 @@ async def test_closes_during_an_outage_return_once_accepted_and_commit_after(tmp
 
 # ------------------------------------------------------------------ appends meeting a concurrent change
 async def append(sc: Sidecar, path: str, data: bytes, *, wait: bool = True):
-    """``echo data >> path`` through the core: open O_APPEND, write, close (``wait=False``:
-    commit and release without waiting); returns the node."""
-    sm = sc.fs.stores["default"]
-    n = sc.fs.lookup(sm.root.ino, path.encode())
-    h = sc.fs.open(n.ino, os.O_WRONLY | os.O_APPEND)
-    try:
-        sc.fs.write(h, 0, data)
-        if wait:
-            await sc.fs.flush(h)
-        else:
-            assert sc.fs.commit(h.node) is not None
-    finally:
-        sc.fs.release(h.fh)
-    return n
+    """``echo data >> path`` through the core (``write`` with ``append``); returns the node."""
+    return await write(sc, path, data, wait=wait, append=True)
 
 
 def conflict_lines(sc: Sidecar) -> list[dict]:
