@@ -525,6 +525,9 @@ class Sidecar(StoreSync):
                     # serves the fd and never calls mount(2) / umount(2) for /dev/fd/N
                     target = f"/dev/fd/{config.fuse_fd}"
                 else:
+                    # a stale mount goes only now, just before ours (check_mountpoint_free let
+                    # it be): while this sidecar loads, the agent's opens keep failing with
+                    # ENOTCONN instead of finding the empty volume underneath and writing there
                     clean_stale_mount(config.mountpoint)
                     target = str(config.mountpoint)
                     if config.allow_other:
