@@ -20,6 +20,14 @@ __all__ = [
     "MAX_TOKEN_TTL_SECONDS",
     "BATCH_MAX_OPERATIONS",
     "BATCH_MAX_BYTES",
+    "RECORDS_PAGE_DEFAULT",
+    "RECORDS_PAGE_MAX",
+    "SEARCH_QUERY_MAX",
+    "SEARCH_PREFIX_MAX",
+    "SEARCH_PAGE_DEFAULT",
+    "SEARCH_PAGE_MAX",
+    "SEARCH_LINES_DEFAULT",
+    "SEARCH_LINES_MAX",
     "Access",
     "Operation",
     "sha256_hex",
@@ -35,6 +43,13 @@ SLUG_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
 MAX_TOKEN_TTL_SECONDS = 10 * 366 * 86400  # ten years
 BATCH_MAX_OPERATIONS = 100  # operations in one POST /v1/stores/{store}/batch
 BATCH_MAX_BYTES = 16 * 1024 * 1024  # bytes of one batch request body
+# query bounds of GET /v1/stores/{store}/records and .../search: the app's Query(...) and the
+# CLI's local fast path (memfuse.server.local) must agree on them
+RECORDS_PAGE_DEFAULT, RECORDS_PAGE_MAX = 500, 1000  # records per snapshot page (``limit``)
+SEARCH_QUERY_MAX = 256  # characters of ``q``
+SEARCH_PREFIX_MAX = 1024  # characters of ``prefix`` (a record path's bound)
+SEARCH_PAGE_DEFAULT, SEARCH_PAGE_MAX = 20, 100  # records read per search page (``limit``)
+SEARCH_LINES_DEFAULT, SEARCH_LINES_MAX = 5, 100  # matching lines shown per record
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 

@@ -70,6 +70,7 @@ from memfuse.models import (
     Workspace,
     WorkspaceCreate,
 )
+from memfuse import defs
 from memfuse.server import limits, longpoll, streams as streaming
 from memfuse.server.base import REASONS
 from memfuse.server.batch import batch_body
@@ -395,7 +396,7 @@ def create_app(
         store: StoreSlug,
         p: P,
         cursor: str | None = None,
-        limit: Annotated[int, Query(ge=1, le=1000)] = 500,
+        limit: Annotated[int, Query(ge=1, le=defs.RECORDS_PAGE_MAX)] = defs.RECORDS_PAGE_DEFAULT,
         content: bool = False,
         path: str | None = None,
         include_deleted: bool = False,
@@ -410,17 +411,19 @@ def create_app(
     def search_records(
         store: StoreSlug,
         p: P,
-        q: Annotated[str, Query(min_length=1, max_length=256,
+        q: Annotated[str, Query(min_length=1, max_length=defs.SEARCH_QUERY_MAX,
                                 description="literal text (one line) to find")],
         match: Annotated[Literal["any", "path", "content"], Query(
             description="where to look: the path, the content, or either")] = "any",
-        prefix: Annotated[str, Query(max_length=1024, description=(
+        prefix: Annotated[str, Query(max_length=defs.SEARCH_PREFIX_MAX, description=(
             "only the record at this path or under this directory"))] = "",
         type: Annotated[str | None, Query(description="only records of this type")] = None,
         case_sensitive: bool = False,
         cursor: str | None = None,
-        limit: Annotated[int, Query(ge=1, le=100, description="records read for this page")] = 20,
-        max_lines: Annotated[int, Query(ge=0, le=100, description="matching lines shown per record")] = 5,
+        limit: Annotated[int, Query(ge=1, le=defs.SEARCH_PAGE_MAX,
+                                    description="records read for this page")] = defs.SEARCH_PAGE_DEFAULT,
+        max_lines: Annotated[int, Query(ge=0, le=defs.SEARCH_LINES_MAX,
+                                        description="matching lines shown per record")] = defs.SEARCH_LINES_DEFAULT,
     ):
         """Live records whose path and / or content hold ``q`` (docs/API.md, "Search")."""
         return _json(svc.search(p, store, q, match=match, prefix=prefix, type=type,

@@ -22,6 +22,8 @@ from urllib.parse import unquote
 
 import httpx
 
+from memfuse import defs
+
 __all__ = ["LocalTransport"]
 
 _JSON = "application/json"
@@ -205,7 +207,8 @@ class LocalTransport(httpx.AsyncBaseTransport):
 
     def _list_records(self, token: str, instance: str | None, slug: str, q: dict[str, str]):
         self._take(q, {"cursor", "limit", "content", "path", "include_deleted"})
-        kw = dict(cursor=q.get("cursor"), limit=self._bounded(q, "limit", 500, 1, 1000),
+        kw = dict(cursor=q.get("cursor"),
+                  limit=self._bounded(q, "limit", defs.RECORDS_PAGE_DEFAULT, 1, defs.RECORDS_PAGE_MAX),
                   with_content=self._bool(q, "content", False), path=q.get("path"),
                   include_deleted=self._bool(q, "include_deleted", False))
         return lambda: (self.service.list_records_json(self._principal(token, instance), slug, **kw), {})
@@ -233,11 +236,13 @@ class LocalTransport(httpx.AsyncBaseTransport):
     def _search(self, token: str, instance: str | None, slug: str, q: dict[str, str]):
         self._take(q, {"q", "match", "prefix", "type", "case_sensitive", "cursor", "limit", "max_lines"})
         text, match, prefix = q.get("q", ""), q.get("match", "any"), q.get("prefix", "")
-        if not 1 <= len(text) <= 256 or match not in ("any", "path", "content") or len(prefix) > 1024:
+        if (not 1 <= len(text) <= defs.SEARCH_QUERY_MAX or match not in ("any", "path", "content")
+                or len(prefix) > defs.SEARCH_PREFIX_MAX):
             raise _Plain()
         kw = dict(match=match, prefix=prefix, type=q.get("type"),
                   case_sensitive=self._bool(q, "case_sensitive", False), cursor=q.get("cursor"),
-                  limit=self._bounded(q, "limit", 20, 1, 100),
-                  max_lines=self._bounded(q, "max_lines", 5, 0, 100))
+                  limit=self._bounded(q, "limit", defs.SEARCH_PAGE_DEFAULT, 1, defs.SEARCH_PAGE_MAX),
+                  max_lines=self._bounded(q, "max_lines", defs.SEARCH_LINES_DEFAULT, 0,
+                                          defs.SEARCH_LINES_MAX))
         return lambda: (self.service.search(self._principal(token, instance), slug, text, **kw)
                         .model_dump_json().encode(), {})
