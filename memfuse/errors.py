@@ -5,11 +5,12 @@ and :class:`PermanentError` (refused for good) with one subclass per refusal a c
 apart (:class:`Unauthorized` 401, :class:`Forbidden` 403, :class:`NotFound` 404,
 :class:`Conflict` 409, :class:`Gone` 410, :class:`PreconditionFailed` 412,
 :class:`StoreFull` 507). ``ERRNO_BY_CODE`` maps a refusal's problem ``code`` to the errno a
-system call returns (the table in docs/API.md).
+system call returns (the table in docs/API.md); every other view of that table is derived
+from it here (``errno_for``, ``errno_of``, ``ERRNO_NAME_BY_CODE``, ``CODE_BY_ERRNO``).
 
 This room holds no HTTP: turning a response or an httpx exception into one of these is
-:mod:`memfuse.client`'s job (``_http_error``, ``_transport_error``); the sidecar's outbox
-applies ``ERRNO_BY_CODE`` (``errno_for``). Secrets: no exception here carries a token or
+:mod:`memfuse.client`'s job (``_http_error``, ``_transport_error``); the sidecar's committer
+applies ``errno_for``. Secrets: no exception here carries a token or
 record content.
 """
 from __future__ import annotations
@@ -19,6 +20,12 @@ from typing import Any
 
 __all__ = [
     "ERRNO_BY_CODE",
+    "ERRNO_BY_STATUS",
+    "ERRNO_NAME_BY_CODE",
+    "CODE_BY_ERRNO",
+    "REQUEST_CODES",
+    "errno_for",
+    "errno_of",
     "ApiError",
     "TransientError",
     "PermanentError",
@@ -133,8 +140,13 @@ class PreconditionFailed(PermanentError):
         return sha if isinstance(sha, str) else None
 
 
-# problem `code` → errno for permanent refusals (docs/API.md table)
-ERRNO_BY_CODE = {
+# The one refusal → errno table (the errno table of docs/API.md): a refusal's problem ``code``
+# → the errno a system call on the mount returns for it. Every other view is derived from it:
+# ``errno_for`` (an ``ApiError``'s errno: the sidecar's committer), ``errno_of`` (the errno of
+# a refusal the sidecar finds itself, by code: ``inodes.FsError.of``), ``ERRNO_NAME_BY_CODE``
+# (the names the memory tool shows) and ``CODE_BY_ERRNO`` (the usual code of an errno:
+# errors.log). For an errno with several codes, the first listed is its usual one.
+ERRNO_BY_CODE: dict[str, int] = {
     "invalid_path": errno.EINVAL,
     "path_too_long": errno.ENAMETOOLONG,
     "invalid_type": errno.EINVAL,
@@ -143,11 +155,52 @@ ERRNO_BY_CODE = {
     "secret_detected": errno.EPERM,
     "record_too_large": errno.EFBIG,
     "store_full": errno.ENOSPC,
-    "unauthorized": errno.EACCES,
     "forbidden": errno.EACCES,
+    "unauthorized": errno.EACCES,
     "read_only": errno.EROFS,
     "store_not_found": errno.ENOENT,
     "store_not_attached": errno.ENOENT,
     "path_exists": errno.EEXIST,
     "idempotency_key_reused": errno.EINVAL,
 }
+
+#: codes of the table that refuse the *request* (its form, its credentials, a name taken, a
+#: replayed key) rather than the write under the store's rules; the memory tool lets these
+#: pass to its caller instead of answering ``Cannot write ...``
+REQUEST_CODES = frozenset({"validation_error", "unauthorized", "path_exists", "idempotency_key_reused"})
+
+#: problem code → errno name (``"EFBIG"``) of the refusals of the store's rules: what the
+#: memory tool shows (``Cannot write <path>: <reason> (EFBIG)``)
+ERRNO_NAME_BY_CODE: dict[str, str] = {
+    code: errno.errorcode[err] for code, err in ERRNO_BY_CODE.items() if code not in REQUEST_CODES}
+
+#: reason codes of refusals only the sidecar finds (no problem code of the control plane)
+LOCAL_CODE_BY_ERRNO: dict[int, str] = {
+    errno.EINVAL: "invalid_request", errno.ENOENT: "not_found", errno.EIO: "io_error"}
+
+#: errno → the usual reason code of a refusal with that errno (errors.log, when the refusing
+#: code does not give one): the first code of ``ERRNO_BY_CODE`` of the store's rules, else
+#: ``LOCAL_CODE_BY_ERRNO``
+CODE_BY_ERRNO: dict[int, str] = {
+    **{err: code for code, err in reversed(ERRNO_BY_CODE.items())
+       if code not in REQUEST_CODES and err not in LOCAL_CODE_BY_ERRNO},
+    **LOCAL_CODE_BY_ERRNO,
+}
+
+#: HTTP status → errno of a refusal whose code the table does not know
+ERRNO_BY_STATUS: dict[int, int] = {401: errno.EACCES, 403: errno.EACCES, 404: errno.ENOENT,
+                                   409: errno.EEXIST, 413: errno.EFBIG, 507: errno.ENOSPC}
+
+
+def errno_of(code: str) -> int:
+    """The errno of a refusal with problem ``code`` (``ERRNO_BY_CODE``). Raises ``KeyError``
+    for a code the table does not hold."""
+    return ERRNO_BY_CODE[code]
+
+
+def errno_for(err: ApiError) -> int:
+    """The errno a system call returns for the permanent API refusal ``err``: by its code
+    (``ERRNO_BY_CODE``), else by its HTTP status (``ERRNO_BY_STATUS``), else ``EIO``."""
+    if err.code in ERRNO_BY_CODE:
+        return ERRNO_BY_CODE[err.code]
+    return ERRNO_BY_STATUS.get(err.status or 0, errno.EIO)

@@ -25,7 +25,8 @@ import trio
 from memfuse.client import ApiClient
 from memfuse.sidecar.blobcache import BlobCache
 from memfuse.sidecar.core import Filesystem
-from memfuse.sidecar.outbox import Committer, Journal
+from memfuse.sidecar.committer import Committer
+from memfuse.sidecar.journal import Journal
 from memfuse.sidecar.sync import Meta, StoreState
 from memfuse.wire import Record, datetime_ns, sha256_hex
 from mountutil import ControlPlane, Sidecar, live_records, sh
@@ -173,11 +174,11 @@ def test_tree_shares_the_mirror_and_keeps_a_records_key_when_its_id_changes(tmp_
     fs.write(h, 0, b"new content\n")
     e = fs.commit(w)
     assert e is not None and fs.committer.keymap["r:id-0007"] == ("id-0007", base)
-    assert fs.committer._rid("r:id-0007", "s") == ("id-0007", base)
+    assert fs.committer.ids.get("r:id-0007", "s") == ("id-0007", base)
     # a record the keymap does not know: the sidecar's mirror gives the base
     fs.committer.base_sha = lambda store, rid: st.sha_of(rid) if store == "s" else None
-    assert fs.committer._rid("r:id-0008", "s") == ("id-0008", st.records["id-0008"].sha256)
-    assert fs.committer._rid("r:unknown", "s") == ("unknown", None)
+    assert fs.committer.ids.get("r:id-0008", "s") == ("id-0008", st.records["id-0008"].sha256)
+    assert fs.committer.ids.get("r:unknown", "s") == ("unknown", None)
     # a node of a record that is gone is no key's node
     other = fs.by_rid["id-0004"]
     fs._detach(other)

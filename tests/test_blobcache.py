@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from memfuse.sidecar.blobcache import BlobCache
-from memfuse.sidecar.outbox import CacheError
+from memfuse.sidecar.cachedir import CacheError
 from memfuse.wire import sha256_hex
 
 

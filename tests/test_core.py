@@ -18,7 +18,8 @@ from memfuse.client import ApiClient
 from memfuse.fake import FakeControlPlane
 from memfuse.sidecar.blobcache import BlobCache
 from memfuse.sidecar.core import Filesystem, FsError, Settings
-from memfuse.sidecar.outbox import Committer, Journal
+from memfuse.sidecar.committer import Committer
+from memfuse.sidecar.journal import Journal
 
 
 def recount(fs: Filesystem, slug: str) -> tuple[int, int]:

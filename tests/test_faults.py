@@ -20,7 +20,9 @@ from memfuse.client import ApiClient
 from memfuse.fake import FakeControlPlane
 from memfuse.sidecar.core import FsError
 from memfuse.sidecar.mount import MountConfig, Sidecar
-from memfuse.sidecar.outbox import PUT, CacheError, Committer, Journal
+from memfuse.sidecar.cachedir import CacheError
+from memfuse.sidecar.committer import Committer
+from memfuse.sidecar.journal import PUT, Journal
 from memfuse.wire import sha256_hex
 
 FULL = sqlite3.OperationalError("database or disk is full")
@@ -463,7 +465,7 @@ async def test_writes_made_while_a_merge_is_in_flight_are_rebased_onto_it(tmp_pa
         assert (await remote(fake))["j.md"] == want
         assert sc.fs._content(sc.fs.lookup(sm.root.ino, b"j.md")) == want
         assert sc.committer.conflicts == 0 and conflict_lines(sc) == []
-        assert sc.committer._merged == {}
+        assert sc.committer.resolver.merged == {}
         nursery.cancel_scope.cancel()
     sc.journal.close()
     await sc.client.aclose()
@@ -599,7 +601,7 @@ async def test_the_merge_state_survives_a_crash_before_the_next_write_commits(tm
     fake.faults.reset()
 
     sc2 = await make_sidecar(tmp_path, fake, token)
-    assert len(sc2.leftovers) == 1 and len(sc2.committer._merged) == 1
+    assert len(sc2.leftovers) == 1 and len(sc2.committer.resolver.merged) == 1
     async with trio.open_nursery() as nursery:
         sc2._nursery = nursery
         sc2._spawn("journal", sc2.journal.run)
@@ -609,7 +611,7 @@ async def test_the_merge_state_survives_a_crash_before_the_next_write_commits(tm
             await sc2.committer.wait_idle()
         sc2.committer.replayed()  # as Sidecar.run does before loading the stores
         assert (await remote(fake))["j.md"] == b"a\n" + RACE_MARKER.encode() + b"b\nc\n"
-        assert sc2.committer.conflicts == 0 and sc2.committer._merged == {}
+        assert sc2.committer.conflicts == 0 and sc2.committer.resolver.merged == {}
         await sc2.journal.flush_pending()
         assert sc2.journal.load_merges() == {}
         nursery.cancel_scope.cancel()

@@ -24,7 +24,8 @@ from memfuse.fake import FakeControlPlane
 from memfuse.wire import Change, Operation, Record, sha256_hex
 from memfuse.sidecar.blobcache import BlobCache
 from memfuse.sidecar.core import CLEAN, Filesystem
-from memfuse.sidecar.outbox import PUT, Committer, Journal
+from memfuse.sidecar.committer import Committer
+from memfuse.sidecar.journal import PUT, Journal
 from memfuse.sidecar.sync import StoreState, catch_up
 
 

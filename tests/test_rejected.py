@@ -14,7 +14,8 @@ import trio
 
 from memfuse.sidecar.blobcache import BlobCache
 from memfuse.sidecar.core import PENDING, REJECTED, Filesystem, FsError
-from memfuse.sidecar.outbox import PUT, Committer, Journal
+from memfuse.sidecar.committer import Committer
+from memfuse.sidecar.journal import PUT, Journal
 
 from test_layers import Offline, rec, tree
 

@@ -17,7 +17,8 @@ import trio
 from memfuse.client import ApiClient, Forbidden, Unauthorized
 from memfuse.fake import FakeControlPlane
 from memfuse.models import sha256_hex
-from memfuse.sidecar.outbox import PUT, Committer, Journal
+from memfuse.sidecar.committer import Committer
+from memfuse.sidecar.journal import PUT, Journal
 from memfuse.tokenfile import TokenFile, TokenFileError
 
 

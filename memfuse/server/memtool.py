@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memfuse import names
+from memfuse.errors import ERRNO_NAME_BY_CODE
 from memfuse.models import Access, Attachment, PrefixMove, Record, RecordCreate, RecordMove, RecordUpdate
 from memfuse.server.records import _encode_cursor
 from memfuse.server.search import LINE_MAX_CHARS, TreeListing, check_query
@@ -71,19 +72,6 @@ SEARCH_PAGE = 100  # files one search request reads at most
 NOTES_FILE = "notes.md"  # remember appends here, at the store root
 SCAN_PAGE = 1000  # records per snapshot page while listing
 
-_ERRNO = {  # problem code → the errno the mount gives for the same refusal
-    "record_too_large": "EFBIG",
-    "store_full": "ENOSPC",
-    "secret_detected": "EPERM",
-    "invalid_content": "EILSEQ",
-    "invalid_type": "EINVAL",
-    "invalid_path": "EINVAL",
-    "path_too_long": "ENAMETOOLONG",
-    "read_only": "EROFS",
-    "store_not_attached": "ENOENT",
-    "store_not_found": "ENOENT",
-    "forbidden": "EACCES",
-}
 _PCT_TRICK = re.compile(r"%(2e|2f|5c)", re.IGNORECASE)
 
 
@@ -336,7 +324,7 @@ class MemoryTool:
 
     @staticmethod
     def _refusal(t: Target, e: ServiceError) -> ToolError:
-        code = _ERRNO.get(e.code)
+        code = ERRNO_NAME_BY_CODE.get(e.code)
         if code is None:
             raise e
         reason = e.detail or e.code

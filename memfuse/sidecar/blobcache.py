@@ -18,7 +18,7 @@ from typing import Iterator
 
 from ..wire import sha256_hex
 from .cachedir import private_file
-from .outbox import CacheError, cache_error
+from .cachedir import CacheError, cache_error
 
 log = logging.getLogger("memfuse.mount")
 

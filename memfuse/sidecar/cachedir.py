@@ -14,11 +14,16 @@ included), whatever the umask.
   existing one.
 - ``write_private(path, text)`` writes a file created ``0600`` (the tmp file of an atomic
   tmp + rename).
+- ``CacheError`` is what every failed write to the cache directory raises (``cache_error``
+  turns a ``sqlite3`` / ``OSError`` into one; ``cache_errno`` gives its errno): the FUSE
+  adapter maps it to its errno without a traceback.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import sqlite3
 import stat
 from pathlib import Path
 
@@ -90,3 +95,38 @@ def write_private(path: Path, text: str | bytes) -> None:
             view = view[os.write(fd, view):]
     finally:
         os.close(fd)
+
+
+class CacheError(OSError):
+    """A write to the sidecar's own cache directory failed: ``errno`` (``ENOSPC`` for a full
+    disk, else ``EIO`` or the OS's errno) and a one-line ``reason`` for logs and errors.log."""
+
+    def __init__(self, err: int, reason: str) -> None:
+        super().__init__(err, reason)
+        self.reason = reason
+
+
+def cache_errno(exc: BaseException) -> int:
+    """The errno a failed write to the cache directory stands for: ``ENOSPC`` for a full
+    disk (``SQLITE_FULL``, ``OSError(ENOSPC)`` or ``EDQUOT``), the OS errno of another
+    ``OSError``, else ``EIO``."""
+    if isinstance(exc, OSError) and exc.errno:
+        return errno.ENOSPC if exc.errno == errno.EDQUOT else exc.errno
+    if isinstance(exc, sqlite3.Error):
+        code = getattr(exc, "sqlite_errorcode", None)
+        if code is not None and code & 0xFF == sqlite3.SQLITE_FULL:
+            return errno.ENOSPC
+        if "full" in str(exc):
+            return errno.ENOSPC
+    return errno.EIO
+
+
+def cache_error(exc: BaseException, what: str) -> CacheError:
+    """``exc`` (a failed write to the cache directory) as a ``CacheError`` whose reason says
+    ``what`` was being written."""
+    err = cache_errno(exc)
+    if err == errno.ENOSPC:
+        reason = f"the sidecar's cache disk is full ({what})"
+    else:
+        reason = f"the sidecar's cache disk failed ({what}: {errno.errorcode.get(err, err)})"
+    return CacheError(err, reason)

@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from memfuse.content import refusals_line
+from memfuse.errors import CODE_BY_ERRNO
 
 from .cachedir import write_private
 
@@ -65,11 +66,6 @@ STATUS_REUSE_S = 0.25
 FILES = {"status.json": "status", "errors.log": "errors", "context.md": "context"}
 
 
-# the usual reason code of a refusal's errno, when the refusing code does not give one
-CODE_BY_ERRNO = {errno.EFBIG: "record_too_large", errno.ENOSPC: "store_full",
-                 errno.EILSEQ: "invalid_content", errno.EPERM: "secret_detected",
-                 errno.EINVAL: "invalid_request", errno.ENAMETOOLONG: "path_too_long",
-                 errno.EACCES: "forbidden", errno.ENOENT: "not_found", errno.EIO: "io_error"}
 
 
 def _now() -> str:
@@ -86,7 +82,7 @@ class ControlFiles:
     def __init__(self, fs: "Filesystem") -> None:
         self.fs = fs
         self.errors: deque[dict] = deque(maxlen=ERRORS_KEPT)
-        #: where the lines are kept across restarts (``outbox.Journal``), None: memory only
+        #: where the lines are kept across restarts (``journal.Journal``), None: memory only
         self.journal = getattr(fs.committer, "journal", None)
         if self.journal is not None:
             # oldest first by time (a line put back by ``note_restored`` is added late)

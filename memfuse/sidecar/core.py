@@ -3,7 +3,7 @@
 ``Filesystem`` keeps the inode table of the one mount (root → one directory per attached store →
 directories implied by record paths → files), answers every lookup / getattr / readdir / read
 from memory and the local blob cache, applies writes locally at once, and turns flushed changes
-into outbox entries (``outbox.Committer``). The FUSE adapter (``fuse_ops``) is a thin layer that
+into outbox entries (``committer.Committer``). The FUSE adapter (``fuse_ops``) is a thin layer that
 converts arguments and maps ``FsError`` to ``pyfuse3.FUSEError``.
 
 The class is assembled from one module per concern: ``inodes.InodeTable`` (the tables,
@@ -38,16 +38,17 @@ import trio
 
 from .. import content as content_rules  # the server enforces the same rules
 from .. import names
+from ..errors import errno_of
 from ..wire import RECORD_TYPES, datetime_ns, sha256_hex
 
 from .blobcache import BlobCache
-from .cachedir import write_private
+from .cachedir import CacheError, cache_error, write_private
 from .control import CONTROL_DIR, FILES, ControlFiles
 from .inodes import (CLEAN, DIR_MODE, DIR_MODES_KEY, PENDING, REJECTED, ROOT_INO, FsError,
                      Handle, InodeTable, Node, Settings, StoreMount)
 from .namespace import NamespaceOps
-from .outbox import (ATTRS, DELETE, MOVE, MOVE_PREFIX, PUT, Barrier, CacheError, Committer,
-                     Entry, cache_error)
+from .committer import Committer
+from .journal import ATTRS, DELETE, MOVE, MOVE_PREFIX, PUT, Barrier, Entry
 from .localfiles import LocalFiles
 from .rejected import RejectedFiles
 from .remote import RemoteApply
@@ -201,21 +202,21 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles, LocalFile
         try:
             s = names.check_component(name)
         except names.NameError_ as e:
-            self.refuse(d, name.decode("utf-8", "replace"),
-                        errno.ENAMETOOLONG if e.too_long else errno.EINVAL, e.reason,
-                        "path_too_long" if e.too_long else "invalid_path")
+            code = "path_too_long" if e.too_long else "invalid_path"
+            self.refuse(d, name.decode("utf-8", "replace"), errno_of(code), e.reason, code)
         found = content_rules.find_secret_in_path(s)
         if found is not None:
             # a credential in a name would show in listings, history and logs: refused at
             # once (as the control plane would), logged by its kind and a redacted form
-            self.refuse(d, found.redacted, errno.EPERM, found.reason, "secret_detected")
+            self.refuse(d, found.redacted, errno_of("secret_detected"), found.reason,
+                        "secret_detected")
         path = (d.path() + "/" + s) if d.path() else s
         if not self.is_local_only(s):
             try:
                 names.check_path(path)
             except names.NameError_ as e:
-                self.refuse(d, s, errno.ENAMETOOLONG if e.too_long else errno.EINVAL, e.reason,
-                            "path_too_long" if e.too_long else "invalid_path")
+                code = "path_too_long" if e.too_long else "invalid_path"
+                self.refuse(d, s, errno_of(code), e.reason, code)
         return s
 
     def is_local_only(self, name: str) -> bool:
@@ -300,13 +301,13 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles, LocalFile
             else:
                 reason = (f"a write reaching byte {size} exceeds the store's max_record_bytes "
                           f"{sm.max_record_bytes}")
-            self._note_size_refusal(n, errno.EFBIG, reason, "record_too_large")
+            self._note_size_refusal(n, errno_of("record_too_large"), reason, "record_too_large")
             # What this write session left behind (often a truncation at open plus part of
             # the content) must not replace the stored record: hold it back until the next
             # open for writing (docs/SEMANTICS.md: the stored record untouched).
             if n.dirty and n.refused != errno.EFBIG:  # else nothing changed, or held already
                 n.refused, n.state, n.error = errno.EFBIG, REJECTED, reason
-            raise FsError(errno.EFBIG, reason, "record_too_large")
+            raise FsError.of("record_too_large", reason)
 
     def _note_size_refusal(self, n: Node, err: int, reason: str, code: str) -> None:
         """``note_error`` for a write / truncate refused for size, once per refusal: a
@@ -329,10 +330,10 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles, LocalFile
                   f"limit {sm.max_store_bytes}")
         if sm.local_used:
             reason += f" ({sm.local_used} of them in local-only files)"
-        self._note_size_refusal(n, errno.ENOSPC, reason, "store_full")
+        self._note_size_refusal(n, errno_of("store_full"), reason, "store_full")
         if n.dirty and not n.local_only:
             n.refused, n.state, n.error = errno.ENOSPC, REJECTED, reason
-        raise FsError(errno.ENOSPC, reason, "store_full")
+        raise FsError.of("store_full", reason)
 
     def write(self, h: Handle, off: int, data: bytes) -> int:
         """write(2) of ``data`` at byte offset ``off`` (the end for ``O_APPEND``) through
@@ -439,12 +440,12 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles, LocalFile
             raise FsError(errno.EEXIST)
         local = self.is_local_only(s)
         if not local and sm.count >= sm.max_records:
-            self.refuse(d, s, errno.ENOSPC, f"store {sm.slug} holds {sm.max_records} records, its limit",
-                        "store_full")
+            self.refuse(d, s, errno_of("store_full"),
+                        f"store {sm.slug} holds {sm.max_records} records, its limit", "store_full")
         if local and sm.local_count >= sm.max_records:
             # a count of their own (a store full of records still lets vim make its swap
             # and backup files), bounded by the same number
-            self.refuse(d, s, errno.ENOSPC,
+            self.refuse(d, s, errno_of("store_full"),
                         f"store {sm.slug} holds {sm.max_records} local-only files, its limit",
                         "store_full")
         n = self._new_node(s, d, False, sm, stat.S_IMODE(mode), time.time_ns(), uid, gid)
@@ -530,23 +531,22 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles, LocalFile
         try:
             data.decode("utf-8")
         except UnicodeDecodeError as e:
-            return FsError(errno.EILSEQ, f"content is not valid UTF-8 (byte {e.start})",
-                           "invalid_content")
+            return FsError.of("invalid_content", f"content is not valid UTF-8 (byte {e.start})")
         nul = data.find(b"\0")
         if nul >= 0:
-            return FsError(errno.EILSEQ, f"content contains a NUL character (at offset {nul}); "
-                                         "records are text", "invalid_content")
+            return FsError.of("invalid_content", f"content contains a NUL character (at offset "
+                                                 f"{nul}); records are text")
         text = data.decode("utf-8")
         kind = content_rules.find_secret(text)
         if kind:
-            return FsError(errno.EPERM, f"content looks like it holds a secret ({kind}); "
-                                        "memory must not store credentials", "secret_detected")
+            return FsError.of("secret_detected", f"content looks like it holds a secret ({kind}); "
+                                                 "memory must not store credentials")
         try:
             t = content_rules.record_type(n.path(), text, n.type_override, "project")
             if t is not None:
                 content_rules.check_type(t)
         except ValueError as e:
-            return FsError(errno.EINVAL, str(e) or "invalid record type", "invalid_type")
+            return FsError.of("invalid_type", str(e) or "invalid record type")
         return None
 
     async def flush(self, h: Handle) -> None:
@@ -695,11 +695,11 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles, LocalFile
 
     def _show_merged(self, n: Node, e: Entry) -> None:
         """``e`` (``n``'s last put) was rebased onto a concurrent change (an append merged,
-        ``Committer._rebase``): show the merged content, so the file reads what the control
+        ``ConflictResolver.rebase``): show the merged content, so the file reads what the control
         plane holds (read-your-writes: it holds this sidecar's writes too). Not when ``n``
         was written since (``dirty``): a local write is never overwritten; its put derives
         from the content before the merge and is rebased onto the merge in turn
-        (``Committer._put_base``)."""
+        (``ConflictResolver.put_base``)."""
         if n.dirty or e.merged is None or e.record is None:
             return
         old = n.cur_size()
@@ -831,7 +831,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles, LocalFile
         self._check_writable_file(n)
         t = value.decode("utf-8", "replace").strip()
         if t not in RECORD_TYPES:
-            self.refuse(n.parent, n.name, errno.EINVAL,
+            self.refuse(n.parent, n.name, errno_of("invalid_type"),
                         f"type {t!r} is not one of {', '.join(RECORD_TYPES)}", "invalid_type")
         if n.local_only:
             raise FsError(errno.ENOTSUP, "local-only files have no type")

@@ -27,7 +27,7 @@ from .control import CONTROL_DIR
 from .core import Filesystem
 from .inodes import FsError, Node
 from .metrics import Metrics
-from .outbox import CacheError
+from .cachedir import CacheError
 
 log = logging.getLogger("memfuse.fuse")
 

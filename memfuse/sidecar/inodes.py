@@ -21,9 +21,10 @@ from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Iterator
 
 from .. import names
+from ..errors import errno_of
 
 if TYPE_CHECKING:
-    from .outbox import Entry
+    from .journal import Entry
 
 ROOT_INO = 1
 # renameat2(2) flags (linux/fs.h); pyfuse3 passes them through as the kernel sent them
@@ -58,6 +59,12 @@ class FsError(Exception):
         self.errno = err
         self.reason = reason or os.strerror(err)
         self.code = code
+
+    @classmethod
+    def of(cls, code: str, reason: str) -> FsError:
+        """The refusal with problem ``code`` and its errno from the one table
+        (``errors.ERRNO_BY_CODE``). Raises ``KeyError`` for a code the table does not hold."""
+        return cls(errno_of(code), reason, code)
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 

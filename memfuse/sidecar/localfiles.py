@@ -4,10 +4,10 @@ Files with a local-only name (editor and tool temporaries: ``*~``, ``.*.swp``, `
 ``.#*``, ``#*#``, ``.goutputstream-*``, ``.~lock.*#``; ``Settings.local_only_patterns``) are
 never sent to the control plane (docs/SEMANTICS.md, "Local-only files"). A local disk would
 not lose them on a reboot, so neither does memfuse: each one is kept in the outbox journal's
-``local_files`` table (``outbox.Journal.put_local``: the same SQLite file as the outbox,
+``local_files`` table (``journal.Journal.put_local``: the same SQLite file as the outbox,
 ``synchronous=FULL``, written in order with the outbox entries) with its store, path, node
 key, content, mode and mtime. ``close(2)`` / ``fsync(2)`` of a written local-only file return
-once its row is on disk (``outbox.Barrier``), as a record's close returns once its change is
+once its row is on disk (``journal.Barrier``), as a record's close returns once its change is
 accepted; a full cache disk is ``ENOSPC`` at close. At the next start each store gets its
 local-only files back right after it is loaded (``add_store``), with ``state=local``.
 
@@ -41,7 +41,7 @@ from typing import Any
 
 from ..wire import sha256_hex
 from .inodes import Node, StoreMount
-from .outbox import CacheError
+from .cachedir import CacheError
 
 log = logging.getLogger("memfuse.fs")
 

@@ -37,9 +37,11 @@ from .core import Filesystem, Settings
 from .fuse_ops import MemfuseOps
 from .logs import setup_logging
 from .metrics import Metrics
-from .outbox import Committer, Journal
+from .committer import Committer
+from .journal import Journal
 from .stores import StoreSync
-from .sync import Invalidator, StoreState
+from .invalidator import Invalidator
+from .sync import StoreState
 
 log = logging.getLogger("memfuse.mount")
 

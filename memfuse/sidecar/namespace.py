@@ -15,7 +15,8 @@ import time
 
 from .. import names
 from .inodes import PENDING, RENAME_EXCHANGE, RENAME_NOREPLACE, FsError, Node, StoreMount
-from .outbox import DELETE, MOVE, MOVE_PREFIX, CacheError
+from .cachedir import CacheError
+from .journal import DELETE, MOVE, MOVE_PREFIX
 
 
 class NamespaceOps:

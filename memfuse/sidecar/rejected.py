@@ -4,7 +4,7 @@ A file whose content the control plane (or the sidecar's own checks) refused for
 that content locally with ``state=rejected`` (docs/SEMANTICS.md, "Writes and close"), so the
 agent can fix it in place. A local disk would not lose such a file on a reboot, so neither
 does memfuse: every rejected file of a mounted store is kept in the outbox journal's
-``rejected`` table (``outbox.Journal.replace_rejected``: the same SQLite file, fsynced, written
+``rejected`` table (``journal.Journal.replace_rejected``: the same SQLite file, fsynced, written
 in order with the outbox entries) with its store, path, node key, errno, reason code, reason,
 content, record id, type override, mode and explicit mtime. At the next start each store is
 restored from that table right after it is loaded (``add_store``): the file is back at its
@@ -27,8 +27,8 @@ import stat
 import time
 from typing import Any
 
+from ..errors import CODE_BY_ERRNO
 from ..wire import sha256_hex
-from .control import CODE_BY_ERRNO
 from .inodes import REJECTED, Node, StoreMount
 
 log = logging.getLogger("memfuse.fs")

@@ -5,7 +5,7 @@
 store match a full snapshot after ``410`` (``reconcile_store``) and takes a store out of the
 mount (``remove_store``). Each returns the kernel invalidations to make
 (``("entry", parent_ino, name)``, ``("inode", ino)``); the caller hands them to
-``sync.Invalidator``, which performs them off the trio thread.
+``invalidator.Invalidator``, which performs them off the trio thread.
 
 Ordering (docs/ARCHITECTURE.md, "Threads and ordering"): remote changes are applied only while
 the store's outbox is empty (``Committer.wait_store_idle``), so every local change is
@@ -21,7 +21,7 @@ import sys
 
 from ..wire import DEFAULT_MODE, RECORD_TYPES, Record, datetime_ns
 from .inodes import CLEAN, DIR_MODES_KEY, Node, StoreMount, shared_mode
-from .outbox import MOVE_PREFIX, Entry
+from .journal import MOVE_PREFIX, Entry
 from .sync import Meta
 
 log = logging.getLogger("memfuse.fs")

@@ -36,7 +36,7 @@ from ..content import INDEX_PATH
 from ..errors import ApiError, Forbidden, Gone, PermanentError, TransientError, Unauthorized
 from ..wire import Attachment
 from .inodes import ROOT_INO
-from .outbox import CacheError
+from .cachedir import CacheError
 from .sync import Meta, StoreState, catch_up, lag_seconds
 
 log = logging.getLogger("memfuse.mount")

@@ -1,4 +1,4 @@
-"""Sync with the control plane: store mirrors, the change feed, kernel invalidation.
+"""Sync with the control plane: store mirrors and the change feed's catch-up.
 
 - ``StoreState`` — the control plane's view of one store as this sidecar last saw it: every
   live record's metadata (no content; content lives in the blob cache) and the change-feed
@@ -6,10 +6,9 @@
   append-only log ``<slug>.log`` of the changes since it, so a save costs in proportion to
   what changed and a restart resumes from the cursor instead of taking a full snapshot
   (docs/SCALING.md "Saving the mirror").
-- ``Invalidator`` — tells the kernel what changed remotely. Invalidation calls run in a worker
-  thread, never synchronously on the trio thread: ``invalidate_entry`` blocks while a request
-  on that directory is in flight, and that request may be waiting for the trio thread
-  (PYFUSE3-NOTES "Kernel cache invalidation").
+
+The kernel cache invalidations that follow a remote change are ``invalidator.Invalidator``'s
+(this module never imports pyfuse3).
 """
 from __future__ import annotations
 
@@ -18,7 +17,6 @@ import contextlib
 import errno
 import json
 import logging
-import math
 import os
 import struct
 import sys
@@ -29,14 +27,12 @@ from pathlib import Path
 from typing import Annotated, ClassVar
 
 import msgspec
-import pyfuse3
 import trio
 
 from ..client import ApiClient
 from ..errors import Gone
 from ..wire import DEFAULT_MODE, RECORD_TYPES, Change, Record, datetime_ns
-from .cachedir import FILE_MODE
-from .outbox import cache_error
+from .cachedir import FILE_MODE, cache_error
 
 log = logging.getLogger("memfuse.sync")
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
@@ -721,73 +717,6 @@ async def catch_up(client: ApiClient, state: StoreState, blobs) -> bool:
         state.cursor = max(state.cursor, page.seq)
         if not page.changes:
             return True
-
-
-class Invalidator:
-    """Queues kernel cache invalidations and performs them from a worker thread.
-
-    Requests are ``("entry", parent_ino, name: str)``, ``("inode", ino)`` (attributes and
-    pages) and ``("attr", ino)`` (attributes only). ``active`` is
-    False until the mount is up (nothing is cached before that).
-    """
-
-    def __init__(self) -> None:
-        self.active = False
-        # unbounded: submit() is called from synchronous code on the trio thread and must
-        # not block; the worker takes everything queued at once as one batch
-        self._send, self._recv = trio.open_memory_channel(math.inf)
-        self.done = 0
-        self.failed = 0
-        self._outstanding = 0  # submitted, not yet sent to the kernel
-        self._settled = trio.Event()
-
-    def submit(self, items: list[tuple]) -> None:
-        """Queue kernel invalidations (``("entry", parent_ino, name)``, ``("inode", ino)``,
-        ``("attr", ino)``); dropped while the mount is not up. Never blocks."""
-        if self.active and items:
-            self._outstanding += len(items)
-            self._send.send_nowait(list(items))
-
-    def _run_batch(self, batch: list[tuple]) -> None:
-        for item in batch:
-            try:
-                if item[0] == "entry":
-                    pyfuse3.invalidate_entry(item[1], item[2].encode("utf-8"))
-                elif item[0] == "attr":  # mode / mtime changed: the pages stay valid
-                    pyfuse3.invalidate_inode(item[1], attr_only=True)
-                else:
-                    pyfuse3.invalidate_inode(item[1], attr_only=False)
-                self.done += 1
-            except OSError as e:
-                if e.errno != errno.ENOENT:  # ENOENT: the kernel had nothing cached
-                    self.failed += 1
-                    log.warning("kernel invalidation failed",
-                                extra={"kind": item[0], "ino": item[1], "errno": errno.errorcode.get(e.errno)})
-
-    async def run(self) -> None:
-        """Perform queued invalidations until cancelled."""
-        # no `async with self._recv`: a run() restarted by its supervisor reads the same channel
-        async for batch in self._recv:
-            while True:
-                try:
-                    batch += self._recv.receive_nowait()
-                except trio.WouldBlock:
-                    break
-            try:
-                if batch and self.active:
-                    await trio.to_thread.run_sync(self._run_batch, batch)
-            finally:
-                self._outstanding -= len(batch)
-                if self._outstanding <= 0:
-                    self._outstanding = 0
-                    self._settled.set()
-                    self._settled = trio.Event()
-
-    async def settle(self, timeout: float = 5.0) -> None:
-        """Wait (up to ``timeout`` s) until everything submitted so far reached the kernel."""
-        with trio.move_on_after(timeout):
-            while self._outstanding > 0 and self.active:
-                await self._settled.wait()
 
 
 def lag_seconds(rec: Record) -> float:

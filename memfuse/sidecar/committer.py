@@ -1,0 +1,605 @@
+"""The committer: sends the outbox journal's entries to the control plane, in order, one
+worker per store (docs/ARCHITECTURE.md, "The path of a write").
+
+- ``Committer`` — one ordered queue per store; each store's worker takes entries in order
+  (a backlog in batches: ``POST .../batch``) and finishes each: committed (``Entry.done``,
+  ``errno`` 0) or refused for good (``errno`` from ``errors.errno_for``). Transient failures
+  (connection errors, timeouts, 5xx, 429) are retried until they commit; so is a 401 (the
+  token was revoked, expired or rotated: an authentication outage, not a verdict on the
+  write); permanent refusals (403 included) finish the entry with an errno. A ``put`` that
+  meets a concurrent change is resolved by the conflict protocol (``conflict.ConflictResolver``);
+  the node keys of entries are resolved through the record identity (``identity.RecordIds``).
+- ``Backoff`` — the one retry policy of every retry path here: exponential with full
+  jitter, at least the server's ``Retry-After``, capped.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import math
+import random
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import trio
+
+from ..client import ApiClient
+from ..errors import ApiError, Conflict, NotFound, TransientError, Unauthorized, errno_for
+from ..wire import BatchOperation
+from .conflict import AnsweredClient, ConflictResolver, local_refusal
+from .identity import RecordIds
+from .journal import ATTRS, DELETE, MOVE, MOVE_PREFIX, PUT, Entry, Journal
+
+log = logging.getLogger("memfuse.outbox")
+
+__all__ = ["BATCH_MAX_CONTENT", "BATCH_MAX_ENTRIES", "Backoff", "Committer"]
+
+BATCH_MAX_ENTRIES = 100  # entries in one batch (the server's BATCH_MAX_OPERATIONS)
+BATCH_MAX_CONTENT = 4 * 1024 * 1024  # bytes of content in one batch (the server takes 16 MiB)
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Exponential backoff with full jitter (AWS Architecture Blog, "Exponential Backoff
+    and Jitter"): before attempt ``n + 1``, a uniform random delay in
+    ``[0, min(cap, base * 2**min(n, 12))]`` seconds, at least ``floor`` and at least the
+    server's ``Retry-After`` (itself capped at ``cap``)."""
+
+    cap: float = 30.0  # s
+    base: float = 0.05  # s
+
+    def delay(self, attempts: int, retry_after: float | None = None, floor: float = 0.0) -> float:
+        """Seconds to wait after ``attempts`` failed attempts (``attempts`` >= 1)."""
+        delay = random.uniform(0, min(self.cap, self.base * 2 ** min(attempts, 12)))
+        if retry_after is not None and not math.isnan(retry_after):
+            delay = max(delay, min(retry_after, self.cap))
+        return max(delay, floor)
+
+
+class Committer:
+    """Commits entries to the control plane, one ordered queue per store.
+
+    ``on_result(entry)`` is called on the trio thread after each entry finishes (committed or
+    refused: ``entry.errno`` / ``entry.reason``) so the filesystem can update the node's state
+    and the store's mirror; ``on_conflict(entry, what)`` when a write met a concurrent change
+    and was resolved last-writer-wins (``what``: one sentence for ``errors.log``). Both are
+    set by the filesystem and the sidecar; an exception in either is logged, never raised.
+    """
+
+    def __init__(self, client: ApiClient, journal: Journal,
+                 keymap: dict[str, tuple[str | None, str | None]],
+                 on_result: Callable[[Entry], None] | None = None,
+                 backoff_max: float = 30.0, metrics=None) -> None:
+        self.metrics = metrics
+        self.client = client
+        self.journal = journal
+        #: node key -> (record id, sha256), persisted in the journal's ``keymap`` table
+        self.ids = RecordIds(journal, keymap)
+        #: puts sent with ``If-Match`` and the concurrent changes they meet
+        self.resolver = ConflictResolver(self.ids, journal, metrics)
+        self.on_result = on_result or (lambda e: None)
+        #: the one backoff policy of every retry of a commit, a batch and the worker itself
+        self.backoff = Backoff(cap=backoff_max)
+        self.queues: dict[str, deque[Entry]] = {}
+        self._wakeups: dict[str, trio.Event] = {}
+        self._nursery: trio.Nursery | None = None
+        self._seq = journal.next_id()
+        self.committed = 0
+        self.refused = 0
+        self.retries = 0
+        self.auth_waits = 0  # commit attempts deferred because the token was refused (401)
+        self.idle = trio.Event()
+        self.idle.set()
+        self._store_idle: dict[str, trio.Event] = {}
+        self._poke = trio.Event()
+        #: entries finished (committed or refused) per store since start; a reconcile after
+        #: ``410`` compares it across its snapshot to see whether a local commit landed
+        self.finished: dict[str, int] = {}
+        self._held: dict[str, trio.Event] = {}  # stores whose next commit waits (``hold``)
+        self._inflight: dict[str, trio.Event] = {}  # set when the store's current commit ends
+        self.unexpected = 0  # commit attempts that failed with an unexpected exception
+        #: commit a backlog of one store in batches (``POST .../batch``); turned off when the
+        #: control plane answers that it has no such endpoint
+        self.batching = True
+        self.batches = 0  # batches the control plane answered
+        #: the outbox's own view of the control plane: None while its last commit attempt
+        #: was answered (or none was made yet), else since when (``time.time()``) and why
+        #: its attempts fail transiently (``unreachable``: ``{"since", "error"}``)
+        self.unreachable: dict[str, Any] | None = None
+
+    # --- the control plane's reachability, as the outbox sees it ------------------------------
+    @property
+    def failing(self) -> bool:
+        """Whether the outbox is in backoff: its last commit attempt failed transiently
+        (connection error, timeout, 5xx, 429) and none was answered since. A ``close`` then
+        returns once its write is accepted, without waiting for a commit that cannot come
+        (``Filesystem.flush``). A 401 does not count: a rotated token is re-read within
+        seconds, so a commit may well come within ``--commit-wait``."""
+        return self.unreachable is not None
+
+    def _attempt_failed(self, err: ApiError) -> None:
+        """A commit attempt (single or batch) failed transiently: note since when, and on
+        the transition wake every queued entry's waiters (a ``close`` waiting for its
+        commit returns then)."""
+        why = err.code or (f"http_{err.status}" if err.status else "unreachable")
+        if self.unreachable is not None:
+            self.unreachable["error"] = why
+            return
+        self.unreachable = {"since": time.time(), "error": why}
+        log.warning("control plane unreachable for commits; closes return once their write "
+                    "is accepted", extra={"status": err.status, "code": why,
+                                          "depth": self.depth()})
+        for q in self.queues.values():
+            for e in q:
+                e.notify()
+
+    def _attempt_answered(self) -> None:
+        """The control plane answered a commit attempt (a commit or a refusal)."""
+        if self.unreachable is not None:
+            log.info("control plane reachable again for commits",
+                     extra={"down_s": round(time.time() - self.unreachable["since"], 3),
+                            "depth": self.depth()})
+            self.unreachable = None
+
+    # --- views of the parts (the filesystem and the sidecar set the callbacks) ---------------
+    @property
+    def keymap(self) -> dict[str, tuple[str | None, str | None]]:
+        """node key -> (record id, last known sha256): ``ids.map``."""
+        return self.ids.map
+
+    @property
+    def base_sha(self) -> Callable[[str, str], str | None] | None:
+        """``base_sha(store, record id)``: the sha256 the store's mirror holds, or None (set
+        by the sidecar: records loaded from a snapshot are not in ``keymap``)."""
+        return self.ids.base_sha
+
+    @base_sha.setter
+    def base_sha(self, fn: Callable[[str, str], str | None] | None) -> None:
+        self.ids.base_sha = fn
+
+    @property
+    def on_conflict(self) -> Callable[[Entry, str], None]:
+        """``on_conflict(entry, description)``: a write met a newer version and was resolved
+        last-writer-wins (``ConflictResolver.on_conflict``)."""
+        return self.resolver.on_conflict
+
+    @on_conflict.setter
+    def on_conflict(self, fn: Callable[[Entry, str], None]) -> None:
+        self.resolver.on_conflict = fn
+
+    @property
+    def base_content(self) -> Callable[[str], bytes | None]:
+        """``base_content(sha256)``: the bytes of a version this sidecar had (the blob
+        cache), None when gone; the base of a rebase (``ConflictResolver.base_content``)."""
+        return self.resolver.base_content
+
+    @base_content.setter
+    def base_content(self, fn: Callable[[str], bytes | None]) -> None:
+        self.resolver.base_content = fn
+
+    @property
+    def conflicts(self) -> int:
+        """Writes resolved last-writer-wins since start."""
+        return self.resolver.conflicts
+
+    @property
+    def merges(self) -> int:
+        """Writes merged onto a concurrent change since start."""
+        return self.resolver.merges
+
+    def forget_merge(self, node_key: str) -> None:
+        """The file ``node_key`` shows the merged content of its last put
+        (``ConflictResolver.forget_merge``)."""
+        self.resolver.forget_merge(node_key)
+
+    def replayed(self) -> None:
+        """The outbox a previous process left is committed: merge states kept for its puts
+        are obsolete (``ConflictResolver.replayed``)."""
+        self.resolver.replayed()
+
+    def base_shas(self) -> set[str]:
+        """The sha256 of the bases of queued ``put`` entries (the versions their
+        ``If-Match`` names): the blob collection keeps those blobs, so an append that
+        meets a concurrent change can be rebased (``_rebase``)."""
+        out = set()
+        for store, q in self.queues.items():
+            for e in q:
+                if e.op == PUT and e.node_key is not None:
+                    sha = self.ids.get(e.node_key, store)[1]
+                    if sha:
+                        out.add(sha)
+        return out
+
+    # --- enqueueing (synchronous, on the trio thread: order is fixed here) -------------------
+    def submit(self, store: str, op: str, node_key: str | None, args: dict[str, Any],
+               content: bytes | None = None) -> Entry:
+        """Accept one change: queue it for the journal and for its store's worker."""
+        self._seq += 1
+        e = Entry(id=self._seq, store=store, op=op, node_key=node_key, args=args, content=content)
+        self.journal.add(e)
+        self._enqueue(e)
+        return e
+
+    def _enqueue(self, e: Entry) -> None:
+        q = self.queues.setdefault(e.store, deque())
+        q.append(e)
+        self.idle = trio.Event() if self.idle.is_set() else self.idle
+        if e.store not in self._wakeups:
+            self._wakeups[e.store] = trio.Event()
+            if self._nursery is not None:
+                self._nursery.start_soon(self._worker, e.store)
+        self._wakeups[e.store].set()
+
+    def replay(self, entries: list[Entry]) -> None:
+        """Queue entries a previous process accepted but did not finish (call before mount)."""
+        for e in entries:
+            self._seq = max(self._seq, e.id)
+            self._enqueue(e)
+
+    def poke(self) -> None:
+        """The control plane answered someone (e.g. the change feed): retry waiting commits
+        now instead of at the end of their backoff."""
+        if self.depth():
+            self._poke.set()
+            self._poke = trio.Event()
+
+    def depth(self, store: str | None = None) -> int:
+        """Entries not yet finished, in one store or in all."""
+        if store is not None:
+            return len(self.queues.get(store, ()))
+        return sum(len(q) for q in self.queues.values())
+
+    async def wait_store_idle(self, store: str) -> None:
+        """Return once ``store`` has no unfinished entry (at once when it has none)."""
+        while self.queues.get(store):
+            ev = self._store_idle.setdefault(store, trio.Event())
+            await ev.wait()
+
+    def oldest_age(self) -> float:
+        """Seconds the oldest queued entry has waited (0.0 when none is queued)."""
+        ages = [time.time() - q[0].created for q in self.queues.values() if q]
+        return max(ages, default=0.0)
+
+    async def wait_idle(self) -> None:
+        """Return once every queued entry is finished."""
+        while self.depth():
+            await self.idle.wait()
+
+    def queued(self, store: str) -> list[Entry]:
+        """The store's unfinished entries, in order (the first may be in flight)."""
+        return list(self.queues.get(store, ()))
+
+    @contextlib.asynccontextmanager
+    async def hold(self, store: str):
+        """Inside: no commit of ``store`` is in flight and none starts (entries still queue).
+
+        Waits for the commit in flight to end (it is retried until it commits or is refused,
+        so this waits as long as the control plane is unreachable). Used by the reconcile
+        after ``410``, so that its snapshot and the local tree describe the same moment."""
+        ev = trio.Event()
+        self._held[store] = ev
+        try:
+            while store in self._inflight:
+                await self._inflight[store].wait()
+            yield
+        finally:
+            del self._held[store]
+            ev.set()
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Run one worker per store (more start as stores appear) until cancelled; reports
+        ready through ``task_status.started()`` at once."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            for store in list(self._wakeups):
+                nursery.start_soon(self._worker, store)
+            task_status.started()
+            await trio.sleep_forever()
+
+    # --- the per-store worker ----------------------------------------------------------------
+    async def _worker(self, store: str) -> None:
+        """Commit the store's entries in order, forever. Supervised: an unexpected exception
+        outside a commit attempt is logged, counted and the loop restarts after a backoff
+        (the entry it was on stays first in the queue)."""
+        restarts = 0
+        while True:
+            try:
+                await self._worker_loop(store)
+            except Exception:
+                restarts += 1
+                delay = self.backoff.delay(restarts, floor=0.1)
+                if self.metrics is not None:
+                    self.metrics.task_failures.labels("committer").inc()
+                log.exception("outbox worker failed; restarting", extra={"store": store,
+                                                                          "restart_in_s": delay})
+                await trio.sleep(delay)
+
+    async def _worker_loop(self, store: str) -> None:
+        q = self.queues[store]
+        while True:
+            held = self._held.get(store)
+            if held is not None:
+                await held.wait()
+                continue
+            if not q:
+                ev = self._store_idle.pop(store, None)
+                if ev is not None:
+                    ev.set()
+                if not self.depth():
+                    self.idle.set()
+                ev = self._wakeups[store] = trio.Event()
+                await ev.wait()
+                continue
+            batch = self._batch_of(q) if self.batching and len(q) > 1 else []
+            if sum(op is not None for _, op in batch) >= 2:
+                await self._commit_batch(store, q, batch)
+                continue
+            e = q[0]
+            self._inflight[store] = trio.Event()
+            try:
+                await self._commit_with_retry(e)
+            finally:
+                self._inflight.pop(store).set()
+            self._finished(store, q, e)
+
+    def _finished(self, store: str, q: deque[Entry], e: Entry) -> None:
+        """``e`` (first in ``q``) committed or was refused for good: out of the queue and the
+        journal, then ``on_result``."""
+        q.popleft()
+        self.finished[store] = self.finished.get(store, 0) + 1
+        self.journal.remove(e)
+        e.finish()
+        try:
+            self.on_result(e)
+        except Exception:
+            log.exception("outbox result handler failed", extra={"entry": e.id})
+
+    # --- batches: a backlog of one store in one request ---------------------------------------
+    def _batch_of(self, q: deque[Entry]) -> list[tuple[Entry, BatchOperation | None]]:
+        """The longest prefix of ``q`` that may go in one batch, each entry with the operation
+        its first request would be (None: it sends nothing, e.g. a delete of a file that never
+        reached the server, or a local refusal). A batch holds at most ``BATCH_MAX_ENTRIES``
+        entries and ``BATCH_MAX_CONTENT`` bytes of content, no ``move_prefix``, and touches
+        each file (node key, move target) once: an entry's request may depend on what an
+        earlier entry of the same file learnt (its record id, its sha256)."""
+        out: list[tuple[Entry, BatchOperation | None]] = []
+        seen: set[str] = set()
+        size = 0
+        for e in q:
+            if e.op not in (PUT, ATTRS, DELETE, MOVE) or e.node_key is None or len(out) >= BATCH_MAX_ENTRIES:
+                break
+            touched = {e.node_key}
+            if e.op == MOVE and e.args.get("target_key"):
+                touched.add(e.args["target_key"])
+            n = len(e.content or b"")
+            if touched & seen or (out and size + n > BATCH_MAX_CONTENT):
+                break
+            seen |= touched
+            size += n
+            out.append((e, self._first_op(e)))
+        return out
+
+    def _first_op(self, e: Entry) -> BatchOperation | None:
+        """The batch operation of the first request ``_apply(e)`` would send (same body, key
+        and If-Match, so an answer replays across single requests and batches), or None when
+        it would send none."""
+        a, c = e.args, self.client
+        rid, sha = self.ids.get(e.node_key, e.store)
+        if e.op == PUT:
+            rid, sha, _ = self.resolver.put_base(e)
+            text = (e.content or b"").decode("utf-8", errors="surrogateescape")
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                return None  # refused locally by _put
+            kw = {"mode": a.get("mode"), "mtime_ns": a.get("mtime_ns")}
+            if rid is not None:
+                return c.batch_update(rid, text, type=a.get("type"), if_match=sha, idempotency_key=e.key, **kw)
+            return c.batch_create(a["path"], text, type=a.get("type"), idempotency_key=e.key, **kw)
+        if rid is None:
+            return None
+        if e.op == ATTRS:
+            given = {k: a[k] for k in ("mode", "mtime_ns") if k in a}
+            return c.batch_attrs(rid, idempotency_key=e.key, **given)
+        if e.op == DELETE:
+            return c.batch_delete(rid, idempotency_key=e.key)
+        return c.batch_move(rid, a["to"], replace=bool(a.get("replace")), idempotency_key=e.key)
+
+    async def _commit_batch(self, store: str, q: deque[Entry],
+                            batch: list[tuple[Entry, BatchOperation | None]]) -> None:
+        """Send the first requests of ``batch``'s entries as one batch, then finish each entry
+        in order exactly as alone: its batch answer stands for its first request (a 412, 404
+        or 409 then gets the same follow-up requests, one by one), refusals get their errno.
+        A transient failure of the batch retries it (same keys: what was applied replays); a
+        server without the endpoint (404 ``not_found`` / 405) turns batching off; any other
+        refusal of the whole batch commits the entries one by one."""
+        self._inflight[store] = trio.Event()
+        try:
+            ops = [op for _, op in batch if op is not None]
+            outcomes = await self._send_batch(store, ops)
+            answers = iter(outcomes) if outcomes is not None else None
+            for e, op in batch:
+                first = None
+                if answers is not None and op is not None:
+                    first = AnsweredClient(self.client, op.op, next(answers))
+                await self._commit_with_retry(e, first)
+                self._finished(store, q, e)
+        finally:
+            self._inflight.pop(store).set()
+
+    async def _send_batch(self, store: str, ops: list[BatchOperation]) -> list[Any] | None:
+        """The outcomes of ``ops`` (``ApiClient.batch``), retrying transient failures and 401
+        with the committer's backoff; None when the entries must go one by one."""
+        attempts = 0
+        while True:
+            attempts += 1
+            try:
+                outcomes = await self.client.batch(store, ops)
+                self._attempt_answered()
+                self.batches += 1
+                if self.metrics is not None:
+                    self.metrics.batches.inc()
+                return outcomes
+            except (TransientError, Unauthorized) as err:
+                self.retries += 1
+                if isinstance(err, TransientError):
+                    self._attempt_failed(err)
+                if self.metrics is not None:
+                    self.metrics.retries.inc()
+                delay = self.backoff.delay(attempts, err.retry_after)
+                log.info("batch deferred: will retry", extra={
+                    "store": store, "operations": len(ops), "attempt": attempts,
+                    "status": err.status, "code": err.code, "retry_in_s": round(delay, 3)})
+                with trio.move_on_after(delay):
+                    await self._poke.wait()
+            except ApiError as err:
+                self._attempt_answered()
+                if err.status == 405 or (err.status == 404 and err.code in ("not_found", "")):
+                    self.batching = False
+                    log.info("the control plane has no batch endpoint; committing one by one",
+                             extra={"store": store, "status": err.status})
+                else:
+                    log.info("batch refused as a whole; committing its entries one by one",
+                             extra={"store": store, "status": err.status, "code": err.code})
+                return None
+            except Exception:
+                self.unexpected += 1
+                log.exception("batch failed unexpectedly; committing its entries one by one",
+                              extra={"store": store, "operations": len(ops)})
+                return None
+
+    async def _commit_with_retry(self, e: Entry, answered: "AnsweredClient | None" = None) -> None:
+        """Commit ``e``, retrying transient failures until it commits or is refused for good.
+        ``answered``: the client whose first request of ``e`` was answered inside a batch (used
+        for the first attempt only)."""
+        while True:
+            e.attempts += 1
+            client, answered = answered, None
+            try:
+                await self._apply(e, client)
+                self._attempt_answered()
+                self.committed += 1
+                if self.metrics is not None:
+                    self.metrics.commits.labels(e.op).inc()
+                return
+            except TransientError as err:
+                self.retries += 1
+                if err.code != "merge_contended":  # that one was answered: busy, not down
+                    self._attempt_failed(err)
+                else:
+                    self._attempt_answered()
+                if self.metrics is not None:
+                    self.metrics.retries.inc()
+                delay = self.backoff.delay(e.attempts, err.retry_after)
+                log.info("commit deferred: transient failure, will retry",
+                         extra={"entry": e.id, "op": e.op, "store": e.store,
+                                "attempt": e.attempts, "status": err.status, "code": err.code,
+                                "retry_in_s": round(delay, 3)})
+                with trio.move_on_after(delay):  # or sooner, once the control plane answers
+                    await self._poke.wait()
+            except Unauthorized as err:
+                # an authentication outage (token revoked, expired, or rotated and not yet
+                # re-read), not a refusal of this write: it stays first in the queue
+                self.auth_waits += 1
+                delay = self.backoff.delay(e.attempts)
+                log.info("commit deferred: the control plane refused the token; will retry",
+                         extra={"entry": e.id, "op": e.op, "store": e.store,
+                                "attempt": e.attempts, "status": err.status, "code": err.code,
+                                "retry_in_s": round(delay, 3)})
+                with trio.move_on_after(delay):  # or sooner: a new token, an answer
+                    await self._poke.wait()
+            except ApiError as err:
+                if isinstance(err, TransientError):  # pragma: no cover - caught above
+                    raise
+                self._attempt_answered()
+                self.refused += 1
+                e.errno = errno_for(err)
+                e.reason = err.detail or err.code or f"HTTP {err.status}"
+                e.code = err.code or f"http_{err.status}"
+                log.warning("commit refused", extra={
+                    "entry": e.id, "op": e.op, "store": e.store,
+                    "path": e.args.get("path") or e.args.get("from"),
+                    "status": err.status, "code": e.code, "errno": errno.errorcode.get(e.errno)})
+                return
+            except Exception:
+                # a bug or an answer we cannot read: never end the mount, never drop the
+                # entry; log it with context, count it and retry like a transient failure
+                self.unexpected += 1
+                self.retries += 1
+                if self.metrics is not None:
+                    self.metrics.task_failures.labels("committer").inc()
+                delay = self.backoff.delay(e.attempts, floor=0.05)
+                log.exception("commit failed unexpectedly; will retry",
+                              extra={"entry": e.id, "op": e.op, "store": e.store,
+                                     "attempt": e.attempts, "retry_in_s": round(delay, 3)})
+                await trio.sleep(delay)
+
+    async def _apply(self, e: Entry, client: Any = None) -> None:
+        """Send one entry to the control plane with the method for its ``op`` (through
+        ``client``, default the committer's). Raises the client's ``ApiError``
+        (``_commit_with_retry`` tells transient from permanent); an unknown ``op`` (a corrupt
+        journal) is a permanent refusal."""
+        apply = {PUT: self.resolver.put, ATTRS: self._set_attrs, DELETE: self._delete, MOVE: self._move,
+                 MOVE_PREFIX: self._move_prefix}.get(e.op)
+        if apply is None:  # pragma: no cover - journal corruption
+            raise local_refusal("validation_error", f"unknown outbox op {e.op!r}")
+        await apply(e, client if client is not None else self.client, e.args)
+
+    async def _set_attrs(self, e: Entry, c: ApiClient, a: dict[str, Any]) -> None:
+        """Set the mode and / or mtime of a record whose content the control plane has."""
+        # mode / mtime of a file whose content the control plane has: no upload, no
+        # If-Match (attributes merge with whatever content is current: last writer wins
+        # per attribute); only the members that changed are sent
+        rid, _ = self.ids.get(e.node_key, e.store)
+        e.record_id = rid
+        if rid is None:
+            return  # never reached the server (refused): the next put carries them
+        given = {k: a[k] for k in ("mode", "mtime_ns") if k in a}
+        try:
+            e.record = await c.set_attributes(e.store, rid, idempotency_key=e.key, **given)
+        except NotFound:
+            pass  # deleted elsewhere: nothing to set
+
+    async def _delete(self, e: Entry, c: ApiClient, a: dict[str, Any]) -> None:
+        """Delete the record (already gone: nothing to do) and forget its key."""
+        rid, _ = self.ids.get(e.node_key, e.store)
+        e.record_id = rid
+        if rid is not None:
+            try:
+                await c.delete_record(e.store, rid, idempotency_key=e.key)
+            except NotFound:
+                pass
+        self.ids.learn(e.node_key, None)
+        if e.node_key is not None:
+            self.resolver.set_merged(e.node_key, None)
+
+    async def _move(self, e: Entry, c: ApiClient, a: dict[str, Any]) -> None:
+        """Move one record to ``args["to"]`` (``replace`` an existing target); a target
+        created elsewhere meanwhile is replaced (last writer wins)."""
+        rid, sha = self.ids.get(e.node_key, e.store)
+        e.record_id = rid
+        if rid is None:
+            return  # never reached the server (refused earlier): nothing to move
+        replace = bool(a.get("replace"))
+        try:
+            res = await c.move_record(e.store, rid, a["to"], replace=replace,
+                                      idempotency_key=e.key)
+        except Conflict:
+            log.warning("conflict: move target created elsewhere; replacing it",
+                        extra={"store": e.store, "path": a["to"]})
+            res = await c.move_record(e.store, rid, a["to"], replace=True,
+                                      idempotency_key=e.key + "-lww")
+        rec = res.records[0] if res.records else None
+        e.record = rec
+        self.ids.learn(e.node_key, rec)
+        tk = a.get("target_key")
+        if tk and tk != e.node_key:
+            self.ids.forget(tk)
+
+    async def _move_prefix(self, e: Entry, c: ApiClient, a: dict[str, Any]) -> None:
+        """Move every record under ``args["from"]`` to ``args["to"]`` (a directory)."""
+        res = await c.move_prefix(e.store, a["from"], a["to"], idempotency_key=e.key)
+        e.moved = res.records

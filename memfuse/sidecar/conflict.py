@@ -1,0 +1,301 @@
+"""The conflict protocol: how a write that met a concurrent change is resolved.
+
+A ``put`` carries ``If-Match`` the sha256 of the version it was written on (``put_base``). When
+the control plane answers ``412`` (the record changed elsewhere meanwhile):
+
+- the record already holds what the put carries: nothing to do;
+- an **append** (the put's content is its base's content plus a suffix: ``echo >> f``) is
+  rebased: the current content plus that suffix;
+- any other change becomes a **three-way line merge** of base, current and local content
+  (``merge_lines``) when the two changes touch disjoint lines;
+- else last writer wins: the put is sent unconditionally, the other version stays in the
+  record's history, and the conflict is reported (``on_conflict``: a line in ``errors.log``).
+
+A record deleted elsewhere is created again; a path created elsewhere is taken over (last
+writer wins). A merged put whose file was written again before the merge came back leaves a
+*merge state* (``ConflictResolver.merged``, kept in the journal's ``merges`` table): the next
+put of that file is based on the local content the merged put carried, so it is merged onto
+the merge in turn (memfuse/sidecar/INVARIANTS.md, "Merges").
+
+``AnsweredClient`` stands in for the API client for an entry whose first request was
+answered inside a batch (``committer.Committer``).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import trio
+
+from ..client import ApiClient
+from ..errors import ApiError, Conflict, NotFound, PermanentError, PreconditionFailed, TransientError
+from ..wire import Record, sha256_hex
+from .identity import RecordIds
+from .journal import Entry, Journal
+
+log = logging.getLogger("memfuse.outbox")
+
+__all__ = ["MERGE_ROUNDS", "AnsweredClient", "ConflictResolver", "local_refusal", "merge_lines"]
+
+MERGE_ROUNDS = 8  # rebase attempts of one append racing other writers, then back off
+
+#: a merge state: (sha256 and bytes of the local content a merged put carried, sha256 the
+#: control plane holds after the merge)
+MergeState = tuple[str, bytes, str]
+
+
+class ConflictResolver:
+    """Sends ``put`` entries and resolves the ones that meet a concurrent change (see the
+    module's docstring).
+
+    ``ids``: the record identity shared with the filesystem; ``journal``: where merge states
+    are kept. ``base_content(sha256)``: the bytes of a version this sidecar had (the blob
+    cache), None when gone: the base of a rebase. ``on_conflict(entry, what)``: a write was
+    resolved last-writer-wins (``what``: one sentence for ``errors.log``); an exception in it
+    is logged, never raised. Counters: ``conflicts`` (last writer won), ``merges`` (rebased).
+    """
+
+    def __init__(self, ids: RecordIds, journal: Journal, metrics: Any = None) -> None:
+        self.ids = ids
+        self.journal = journal
+        self.metrics = metrics
+        self.base_content: Callable[[str], bytes | None] = lambda sha: None
+        self.on_conflict: Callable[[Entry, str], None] = lambda e, what: None
+        self.conflicts = 0
+        self.merges = 0  # puts rebased onto a concurrent change instead of overwriting it
+        #: node key -> merge state: a later put of that file, written before the merge came
+        #: back, derives from the local content, not the merge, and is rebased onto it too
+        #: (``put_base``); dropped once the file shows the merge (``forget_merge``) or the
+        #: next put was sent
+        self.merged: dict[str, MergeState] = journal.load_merges()
+
+    def replayed(self) -> None:
+        """The outbox a previous process left is committed (``replay`` + ``wait_idle``),
+        before any store is loaded: no put written on content from before the restart is
+        left, and every file will show the control plane's content, so the merge states
+        kept for such puts are obsolete: dropped."""
+        for key in list(self.merged):
+            self.set_merged(key, None)
+
+    def forget_merge(self, node_key: str) -> None:
+        """The file ``node_key`` now shows the merged content of its last put (nothing was
+        written on top meanwhile): later puts derive from it, so nothing to rebase."""
+        self.set_merged(node_key, None)
+
+    def set_merged(self, node_key: str, value: MergeState | None) -> None:
+        """Change ``merged[node_key]`` (None: drop it) and queue the same in the journal."""
+        if value is None:
+            if self.merged.pop(node_key, None) is not None:
+                self.journal.set_merge(node_key, None)
+        elif self.merged.get(node_key) != value:
+            self.merged[node_key] = value
+            self.journal.set_merge(node_key, value)
+
+    def conflict(self, e: Entry, what: str) -> None:
+        """``e`` was resolved last-writer-wins: count it and tell ``on_conflict``."""
+        self.conflicts += 1
+        if self.metrics is not None:
+            self.metrics.conflicts.inc()
+        try:
+            self.on_conflict(e, what)
+        except Exception:
+            log.exception("conflict handler failed")
+
+    def put_base(self, e: Entry) -> tuple[str | None, str | None, bytes | None]:
+        """(record id, the sha256 the put's ``If-Match`` names, that version's bytes when
+        known here already) of a ``put``: the last known sha256 of its record, unless the
+        previous put of the same file was merged (``merged``) and the control plane still
+        holds that merge: this put was written on the local content before the merge came
+        back, so its base is that local content (the ``If-Match`` then fails and the put is
+        rebased onto the merge, ``rebase``)."""
+        rid, sha = self.ids.get(e.node_key, e.store)
+        m = self.merged.get(e.node_key) if e.node_key else None
+        if rid is not None and m is not None and sha == m[2]:
+            return rid, m[0], m[1]
+        return rid, sha, None
+
+    async def put(self, e: Entry, c: ApiClient, a: dict[str, Any]) -> None:
+        """Create or update the record with the entry's content and attributes (``If-Match``
+        the sha256 of the version it was written on, ``put_base``). On ``412`` an append
+        (the content is that version's plus a suffix) is rebased onto the current version
+        (``rebase``); any other concurrent change is resolved last-writer-wins
+        (``conflict``); a record deleted elsewhere is created again."""
+        text = (e.content or b"").decode("utf-8", errors="surrogateescape")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise local_refusal("invalid_content", "content is not valid UTF-8") from None
+        rid, sha, base = self.put_base(e)
+        e.merged = None
+        want = sha256_hex(e.content or b"")
+        typ = a.get("type")
+        # absent in entries journaled by earlier releases: then the server keeps / defaults
+        attrs = {"mode": a.get("mode"), "mtime_ns": a.get("mtime_ns")}
+        create_key = e.key
+        if rid is not None:
+            create_key = e.key + "-create"
+
+            try:
+                rec = await c.update_record(e.store, rid, text, type=typ, if_match=sha,
+                                            idempotency_key=e.key, **attrs)
+            except PreconditionFailed:
+                cur = await c.get_record(e.store, rid, content=True)
+                merged = None
+                if (cur.sha256 == want and (typ is None or cur.type == typ)
+                        and attrs["mode"] in (None, cur.mode)
+                        and attrs["mtime_ns"] in (None, cur.mtime_ns)):
+                    rec = cur
+                elif (merged := await self.rebase(e, c, rid, sha, base, cur)) is not None:
+                    rec = merged
+                else:
+                    self.conflict(e, "the record changed elsewhere; this write is now the "
+                                      "latest version, the other one stays in history")
+                    log.warning("conflict: record changed elsewhere; last writer wins, the "
+                                "other version stays in history",
+                                extra={"store": e.store, "path": a.get("path"), "record": rid})
+                    rec = await c.update_record(e.store, rid, text, type=typ,
+                                                idempotency_key=e.key + "-lww", **attrs)
+            except NotFound:
+                rid = None  # deleted elsewhere: re-create it below
+        if rid is None:
+            try:
+                rec = await c.create_record(e.store, a["path"], text, type=typ,
+                                            idempotency_key=create_key, **attrs)
+            except Conflict as err:
+                other = (err.problem or {}).get("record_id")
+                if not other:
+                    found = await c.find_record(e.store, a["path"])
+                    other = found.id if found else None
+                if other is None:
+                    raise
+                self.conflict(e, "the path was created elsewhere; this write is now the "
+                                  "latest version of that record, the other stays in history")
+                log.warning("conflict: path created elsewhere; last writer wins",
+                            extra={"store": e.store, "path": a["path"], "record": other})
+                rec = await c.update_record(e.store, other, text, type=typ,
+                                            idempotency_key=e.key + "-lww", **attrs)
+        e.record = rec
+        self.ids.learn(e.node_key, rec)
+        if e.node_key is not None:
+            # this put was sent: its base is used; a merge of it is the next one's base
+            # until the file shows it (forget_merge)
+            if e.merged is not None and rec is not None and rec.sha256 != want:
+                self.set_merged(e.node_key, (want, e.content or b"", rec.sha256))
+            else:
+                self.set_merged(e.node_key, None)
+
+    async def rebase(self, e: Entry, c: ApiClient, rid: str, base_sha: str | None,
+                      base: bytes | None, cur: Record) -> Record | None:
+        """Merge a write that met a concurrent change (412) instead of overwriting it, when
+        that is clean: an **append** (the put's content is its base version's content plus
+        a suffix: ``echo >> f``) becomes the current content plus that suffix; any other
+        change becomes a **three-way line merge** of base, current and local content
+        (``merge3``, the Breezy project's merge) when the two changes touch disjoint
+        regions. The result is written ``If-Match`` the current version, again (at most
+        ``MERGE_ROUNDS``) if that changes meanwhile. ``cur``: the current record, with
+        content. Returns the record written (``e.merged`` set to its content), or None when
+        the changes overlap, or the base's content is not known here (``base_content``):
+        last writer wins then.
+
+        The merge is sent with one idempotency key (``<key>-rebase``): the control plane
+        stores only answered writes, so a merge whose answer was lost (even across a
+        restart) is met again as ``422 idempotency_key_reused`` on the retry's new body,
+        which means it was applied: the current record is then the result. Raises
+        ``TransientError`` (``merge_contended``) when other writers won ``MERGE_ROUNDS``
+        times in a row (the entry backs off and tries again); API errors as the client
+        raises them."""
+        local = e.content or b""
+        if base is None and base_sha:
+            base = self.base_content(base_sha)
+        if base is None or cur.deleted or cur.content is None:
+            return None
+        kind = "append" if local.startswith(base) else "three_way"
+        typ = e.args.get("type")
+        attrs = {"mode": e.args.get("mode"), "mtime_ns": e.args.get("mtime_ns")}
+        for attempt in range(1, MERGE_ROUNDS + 1):
+            theirs = cur.content.encode("utf-8")
+            if kind == "append":
+                new = theirs + local[len(base):]
+            else:
+                new = await trio.to_thread.run_sync(merge_lines, base, theirs, local)
+                if new is None:
+                    return None  # the changes overlap: last writer wins
+            try:
+                rec = await c.update_record(e.store, rid, new.decode("utf-8"), type=typ,
+                                            if_match=cur.sha256,
+                                            idempotency_key=e.key + "-rebase", **attrs)
+            except PreconditionFailed:
+                cur = await c.get_record(e.store, rid, content=True)
+                if cur.deleted or cur.content is None:
+                    return None
+                continue
+            except ApiError as err:
+                if err.code != "idempotency_key_reused":
+                    raise
+                # applied before, its answer lost: what it wrote is in the current record
+                rec = await c.get_record(e.store, rid, content=True)
+                new = (rec.content or "").encode("utf-8")
+            self.merges += 1
+            if self.metrics is not None:
+                self.metrics.merges.inc()
+            e.merged = new
+            log.info("write merged onto a concurrent change", extra={
+                "store": e.store, "path": e.args.get("path"), "record": rid, "kind": kind,
+                "base_sha256": base_sha, "theirs_sha256": cur.sha256,
+                "merged_sha256": rec.sha256, "local_bytes": len(local),
+                "merged_bytes": len(new), "attempt": attempt, "entry": e.id})
+            return rec
+        raise TransientError(f"merge lost {MERGE_ROUNDS} races in a row; will retry",
+                             code="merge_contended")
+
+class AnsweredClient:
+    """The client for an entry whose first request was answered inside a batch: that one
+    call (``op``'s method) returns, or raises, the batch's answer, once; every other call
+    goes to the real client."""
+
+    _METHODS = {"create": "create_record", "update": "update_record", "attrs": "set_attributes",
+                "move": "move_record", "delete": "delete_record"}
+
+    def __init__(self, client: ApiClient, op: str, outcome: Any) -> None:
+        self._client = client
+        self._method = self._METHODS[op]
+        self._outcome: Any = outcome
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._client, name)
+        if name != self._method or self._outcome is _USED:
+            return attr
+
+        async def answered(*args: Any, **kwargs: Any) -> Any:
+            outcome, self._outcome = self._outcome, _USED
+            if isinstance(outcome, BaseException):
+                raise outcome
+            return outcome
+
+        return answered
+
+
+_USED = object()
+
+
+def merge_lines(base: bytes, theirs: bytes, ours: bytes) -> bytes | None:
+    """The three-way merge of two changes of ``base`` line by line (``merge3.Merge3``,
+    as ``bzr merge`` / ``diff3``): the merged content when the changes touch disjoint
+    regions (or make the same change), None when they conflict (both change the same
+    lines, or both insert at the same place). Pure; ``ConflictResolver.rebase`` runs it in a
+    worker thread (the line diff of two large files takes a while)."""
+    import merge3
+
+    m = merge3.Merge3(base.splitlines(keepends=True), theirs.splitlines(keepends=True),
+                      ours.splitlines(keepends=True))
+    out: list[bytes] = []
+    for group in m.merge_groups():
+        if group[0] == "conflict":
+            return None
+        out.extend(group[1])
+    return b"".join(out)
+
+
+def local_refusal(code: str, detail: str) -> ApiError:
+    """A refusal found before sending (as the control plane would answer it: 422 ``code``)."""
+    return PermanentError(detail, status=422, code=code, detail=detail, problem={"code": code})

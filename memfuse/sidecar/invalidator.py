@@ -1,0 +1,86 @@
+"""Kernel cache invalidation: tells the kernel what changed remotely.
+
+``Invalidator`` queues invalidations (synchronously, on the trio thread, never blocking) and
+performs them from a worker thread, never on the trio thread: ``pyfuse3.invalidate_entry``
+blocks while a request on that directory is in flight, and that request may be waiting for
+the trio thread (docs/ARCHITECTURE.md, "Threads and ordering"). The filesystem core returns
+the invalidations a change needs (``remote.RemoteApply``); the sidecar submits them here.
+This is the only sidecar module besides the FUSE adapter and the mount that imports pyfuse3.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import math
+
+import pyfuse3
+import trio
+
+log = logging.getLogger("memfuse.sync")
+
+
+class Invalidator:
+    """Queues kernel cache invalidations and performs them from a worker thread.
+
+    Requests are ``("entry", parent_ino, name: str)``, ``("inode", ino)`` (attributes and
+    pages) and ``("attr", ino)`` (attributes only). ``active`` is
+    False until the mount is up (nothing is cached before that).
+    """
+
+    def __init__(self) -> None:
+        self.active = False
+        # unbounded: submit() is called from synchronous code on the trio thread and must
+        # not block; the worker takes everything queued at once as one batch
+        self._send, self._recv = trio.open_memory_channel(math.inf)
+        self.done = 0
+        self.failed = 0
+        self._outstanding = 0  # submitted, not yet sent to the kernel
+        self._settled = trio.Event()
+
+    def submit(self, items: list[tuple]) -> None:
+        """Queue kernel invalidations (``("entry", parent_ino, name)``, ``("inode", ino)``,
+        ``("attr", ino)``); dropped while the mount is not up. Never blocks."""
+        if self.active and items:
+            self._outstanding += len(items)
+            self._send.send_nowait(list(items))
+
+    def _run_batch(self, batch: list[tuple]) -> None:
+        for item in batch:
+            try:
+                if item[0] == "entry":
+                    pyfuse3.invalidate_entry(item[1], item[2].encode("utf-8"))
+                elif item[0] == "attr":  # mode / mtime changed: the pages stay valid
+                    pyfuse3.invalidate_inode(item[1], attr_only=True)
+                else:
+                    pyfuse3.invalidate_inode(item[1], attr_only=False)
+                self.done += 1
+            except OSError as e:
+                if e.errno != errno.ENOENT:  # ENOENT: the kernel had nothing cached
+                    self.failed += 1
+                    log.warning("kernel invalidation failed",
+                                extra={"kind": item[0], "ino": item[1], "errno": errno.errorcode.get(e.errno)})
+
+    async def run(self) -> None:
+        """Perform queued invalidations until cancelled."""
+        # no `async with self._recv`: a run() restarted by its supervisor reads the same channel
+        async for batch in self._recv:
+            while True:
+                try:
+                    batch += self._recv.receive_nowait()
+                except trio.WouldBlock:
+                    break
+            try:
+                if batch and self.active:
+                    await trio.to_thread.run_sync(self._run_batch, batch)
+            finally:
+                self._outstanding -= len(batch)
+                if self._outstanding <= 0:
+                    self._outstanding = 0
+                    self._settled.set()
+                    self._settled = trio.Event()
+
+    async def settle(self, timeout: float = 5.0) -> None:
+        """Wait (up to ``timeout`` s) until everything submitted so far reached the kernel."""
+        with trio.move_on_after(timeout):
+            while self._outstanding > 0 and self.active:
+                await self._settled.wait()

@@ -1,0 +1,445 @@
+"""The outbox journal: every change the sidecar accepted, made durable on local disk before
+the committer (``committer.Committer``) sends it (docs/ARCHITECTURE.md, "The path of a write").
+
+Shape:
+
+- ``Entry`` — one accepted change: ``put`` (content of a file, with its mode and explicit
+  mtime), ``attrs`` (mode and/or mtime of a clean file: ``PATCH``, no content), ``delete``,
+  ``move`` (one record) or ``move_prefix`` (a directory). It carries an idempotency key (sent
+  as ``Idempotency-Key``) and the paths *as they were when the change happened*. Because
+  entries of a store commit strictly in order, replaying them reproduces the local sequence
+  on the server. ``Entry.durable`` is set once its row is on disk: that is "accepted";
+  ``Entry.done`` once it is committed or refused: that is "committed".
+- ``Barrier`` — a point in the journal's queue, for writes that are not entries (local-only
+  files) whose ``close(2)`` waits until they are on disk.
+- ``Journal`` — the durable part: a SQLite file (``outbox.db`` in the cache directory,
+  ``synchronous=FULL``) written by one task in batches (group commit) from a worker thread,
+  so no handler waits on an fsync on the trio thread. Besides the entries it keeps the
+  node-key map (``keymap``), the merge states of merged puts (``merges``), the rejected
+  files, the local-only files and the last lines of ``errors.log``, all written in the same
+  ordered batches.
+
+Invariants: an entry leaves the journal only after it committed or was refused for good; a
+committed entry may still be in the journal after a crash, and replaying it is harmless
+because the server replays the stored response for a known idempotency key.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import sqlite3
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from ..wire import Record
+from .cachedir import CacheError, cache_errno, cache_error, private_file
+
+log = logging.getLogger("memfuse.outbox")
+
+#: the ops of an ``Entry``
+PUT, DELETE, MOVE, MOVE_PREFIX, ATTRS = "put", "delete", "move", "move_prefix", "attrs"
+
+
+@dataclass(eq=False)
+class Entry:
+    """One accepted change. ``args`` holds the op's paths (store-relative) and flags; ``content``
+    the bytes of a ``put``. ``errno`` is 0 once committed, the refusal's errno otherwise."""
+
+    id: int
+    store: str
+    op: str
+    node_key: str | None
+    args: dict[str, Any]
+    content: bytes | None = None
+    key: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: float = field(default_factory=time.time)
+    durable: trio.Event = field(default_factory=trio.Event)
+    done: trio.Event = field(default_factory=trio.Event)
+    errno: int = 0
+    reason: str = ""
+    code: str = ""  # the refusal's problem code (``secret_detected``...), "" when committed
+    attempts: int = 0
+    record: Record | None = None  # the record after the commit, when the op returns one
+    #: a ``put`` rebased onto a concurrent change (an append merged): the content the
+    #: control plane now holds (``record.sha256``'s), else None
+    merged: bytes | None = None
+    record_id: str | None = None  # delete / move: the record the op acted on
+    moved: list[Record] = field(default_factory=list)  # move_prefix: the records moved
+    #: why the journal could not write this entry yet: ``(errno, reason)``, None once durable
+    journal_error: tuple[int, str] | None = None
+    #: set (and replaced) whenever the entry's state changes: a journal attempt or its end
+    changed: trio.Event = field(default_factory=trio.Event)
+
+    def notify(self) -> None:
+        """Wake whoever waits on ``changed`` (``wait_accepted``)."""
+        ev, self.changed = self.changed, trio.Event()
+        ev.set()
+
+    def finish(self) -> None:
+        """The entry is committed or refused for good (``done``)."""
+        self.done.set()
+        self.notify()
+
+    async def wait_accepted(self, timeout: float) -> None:
+        """Wait until the entry is accepted (its journal row is on disk) or already finished
+        (committed or refused: the control plane holds the outcome), at most ``timeout`` s.
+
+        Raises ``CacheError`` with the journal's errno (``ENOSPC`` when the cache disk is full,
+        ``EIO`` for other write failures) when the journal tried to write the entry and failed,
+        or ``EIO`` when it did not get to it within ``timeout``. The entry stays queued either
+        way: the journal keeps retrying it and the committer may still commit it.
+        """
+        with trio.move_on_after(timeout):
+            while not (self.durable.is_set() or self.done.is_set()):
+                if self.journal_error is not None:
+                    raise CacheError(*self.journal_error)
+                await self.changed.wait()
+            return
+        raise CacheError(errno.EIO, f"the outbox journal did not write within {timeout:g} s")
+
+
+class Barrier:
+    """A point in the journal's queue: ``durable`` (also ``done``) is set once everything
+    queued before it is on disk. Waited on like an ``Entry`` (``wait_accepted``): a failed
+    write sets ``journal_error``. Used by writes that are not outbox entries (local-only
+    files: ``localfiles.LocalFiles``) so that their ``close(2)`` returns once they are on
+    disk."""
+
+    id = -1
+    errno = 0
+    reason = ""
+
+    def __init__(self) -> None:
+        self.durable = trio.Event()
+        self.done = self.durable  # nothing to commit beyond the disk
+        self.changed = trio.Event()
+        self.journal_error: tuple[int, str] | None = None
+
+    notify = Entry.notify
+    wait_accepted = Entry.wait_accepted
+
+
+class Journal:
+    """Durable, ordered storage of entries and of the node-key map (SQLite, fsynced).
+
+    Writes are queued (``add`` / ``remove`` / ``set_key``, synchronous, on the trio thread) and
+    applied in order by ``run`` in one transaction per batch (group commit) from a worker
+    thread. A batch that fails to write (full disk, I/O error) stays queued, in order and with
+    its waiters, in front of anything queued since; ``run`` retries it with backoff, so the
+    journal resumes by itself once space returns. Every waiter of a failed batch is told why
+    (``Entry.journal_error``), so ``close(2)`` can answer ``ENOSPC`` instead of waiting.
+
+    Size: committed rows are deleted, an insert still queued when its entry finishes is never
+    written at all, and the write-ahead log is checkpointed and truncated whenever the queue
+    runs empty (at most every ``CHECKPOINT_EVERY`` s) and after a failed write, so the file
+    holds about the bytes of the entries not yet committed (docs/SEMANTICS.md, cache size).
+    """
+
+    CHECKPOINT_EVERY = 2.0  # s between idle checkpoints
+    RETRY_MIN, RETRY_MAX = 0.1, 2.0  # s: backoff of a failed batch
+
+    def __init__(self, path: Path, metrics=None) -> None:
+        self.path = path
+        self.metrics = metrics
+        private_file(path)  # 0600; SQLite gives its -wal / -shm files the same mode
+        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        # a new file gives freed pages back on `incremental_vacuum` (no effect on an old one)
+        self._db.execute("PRAGMA auto_vacuum=INCREMENTAL")
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute("PRAGMA wal_autocheckpoint=256")  # pages (1 MiB), not the default 4 MiB
+        self._db.execute("PRAGMA journal_size_limit=1048576")
+        self._db.execute(
+            "CREATE TABLE IF NOT EXISTS entries (id INTEGER PRIMARY KEY, key TEXT NOT NULL,"
+            " store TEXT NOT NULL, op TEXT NOT NULL, node_key TEXT, args TEXT NOT NULL,"
+            " content BLOB, created REAL NOT NULL)")
+        self._db.execute(
+            "CREATE TABLE IF NOT EXISTS keymap (node_key TEXT PRIMARY KEY, record_id TEXT,"
+            " sha256 TEXT)")
+        # files whose content was refused for good: kept here (not in the blob cache, a
+        # cache) so they survive a restart, still rejected (``rejected.RejectedFiles``)
+        self._db.execute(
+            "CREATE TABLE IF NOT EXISTS rejected (node_key TEXT PRIMARY KEY, store TEXT NOT NULL,"
+            " path TEXT NOT NULL, errno INTEGER NOT NULL, code TEXT NOT NULL, reason TEXT NOT NULL,"
+            " content BLOB NOT NULL, record_id TEXT, type TEXT, mode INTEGER, mtime_ns INTEGER,"
+            " created REAL NOT NULL)")
+        # files with local-only names (editor temporaries, ``*~``, ``4913``...): never sent,
+        # kept here so they survive a restart as on a local disk (``localfiles.LocalFiles``)
+        self._db.execute(
+            "CREATE TABLE IF NOT EXISTS local_files (node_key TEXT PRIMARY KEY,"
+            " store TEXT NOT NULL, path TEXT NOT NULL, content BLOB NOT NULL,"
+            " mode INTEGER NOT NULL, mtime_ns INTEGER NOT NULL, created REAL NOT NULL)")
+        # the recent lines of ``.memfuse/errors.log`` (one JSON object each, oldest first by
+        # id), so the log of refusals survives a restart as a log file on a local disk would
+        # (``control.ControlFiles``); bounded by ``add_error``'s ``keep``
+        self._db.execute(
+            "CREATE TABLE IF NOT EXISTS errors_log (id INTEGER PRIMARY KEY, line TEXT NOT NULL)")
+        # files whose last put was merged while they were written again: the local content
+        # that put carried, base of the next put (``conflict.ConflictResolver.merged``), kept across a crash
+        self._db.execute(
+            "CREATE TABLE IF NOT EXISTS merges (node_key TEXT PRIMARY KEY, local_sha TEXT NOT NULL,"
+            " local BLOB NOT NULL, merged_sha TEXT NOT NULL)")
+        # queued writes: [sql, params, entry id of an insert (else None)]
+        self._pending: list[list] = []
+        self._waiters: list[Entry] = []
+        self._unwritten: dict[int, list] = {}  # entry id -> its queued insert
+        self._wakeup = trio.Event()
+        self._lock = trio.Lock()
+        self.error: CacheError | None = None  # the last write failure, None once one succeeds
+        self.failures = 0  # failed batch writes since start
+        self._last_checkpoint = 0.0
+
+    def load(self) -> tuple[list[Entry], dict[str, tuple[str | None, str | None]]]:
+        """Read what a previous process left: entries in order and the key map."""
+        entries = []
+        for row in self._db.execute(
+                "SELECT id, key, store, op, node_key, args, content, created FROM entries ORDER BY id"):
+            e = Entry(id=row[0], key=row[1], store=row[2], op=row[3], node_key=row[4],
+                      args=json.loads(row[5]), content=row[6], created=row[7])
+            e.durable.set()
+            entries.append(e)
+        keymap = {r[0]: (r[1], r[2]) for r in self._db.execute(
+            "SELECT node_key, record_id, sha256 FROM keymap")}
+        return entries, keymap
+
+    def load_merges(self) -> dict[str, tuple[str, bytes, str]]:
+        """What ``set_merge`` kept: node key -> (local sha256, local bytes, merged sha256)."""
+        return {r[0]: (r[1], bytes(r[2]), r[3]) for r in self._db.execute(
+            "SELECT node_key, local_sha, local, merged_sha FROM merges")}
+
+    def set_merge(self, node_key: str, value: tuple[str, bytes, str] | None) -> None:
+        """Queue the merge state of ``node_key`` (None: forgotten), written in order with the
+        entries (in the batch of the entry whose put made it). Never blocks."""
+        if value is None:
+            self._pending.append(["DELETE FROM merges WHERE node_key=?", (node_key,), None])
+        else:
+            self._pending.append(["INSERT OR REPLACE INTO merges VALUES (?,?,?,?)",
+                                  (node_key, *value), None])
+        self._wakeup.set()
+
+    REJECTED_COLUMNS = ("node_key", "store", "path", "errno", "code", "reason", "content",
+                        "record_id", "type", "mode", "mtime_ns", "created")
+
+    def load_rejected(self) -> list[dict[str, Any]]:
+        """The rejected files a previous process kept (``replace_rejected``), one dict a row
+        with the keys of ``REJECTED_COLUMNS`` (``content`` as bytes), oldest first."""
+        cols = ", ".join(self.REJECTED_COLUMNS)
+        return [dict(zip(self.REJECTED_COLUMNS, row)) for row in self._db.execute(
+            f"SELECT {cols} FROM rejected ORDER BY created")]
+
+    def replace_rejected(self, stores: list[str], rows: list[dict[str, Any]]) -> None:
+        """Queue the replacement of the rejected files of ``stores`` (slugs) by ``rows``
+        (dicts with the keys of ``REJECTED_COLUMNS``), written in order with the entries, in
+        one transaction with whatever else the batch holds (so a fix's ``put`` and the end of
+        its rejection land together). Rows of other stores are kept. Never blocks."""
+        for slug in stores:
+            self._pending.append(["DELETE FROM rejected WHERE store=?", (slug,), None])
+        marks = ",".join("?" * len(self.REJECTED_COLUMNS))
+        for r in rows:
+            self._pending.append([f"INSERT OR REPLACE INTO rejected VALUES ({marks})",
+                                  tuple(r[c] for c in self.REJECTED_COLUMNS), None])
+        self._wakeup.set()
+
+    LOCAL_COLUMNS = ("node_key", "store", "path", "content", "mode", "mtime_ns", "created")
+
+    def load_local(self) -> list[dict[str, Any]]:
+        """The local-only files a previous process kept (``put_local``), one dict a row with
+        the keys of ``LOCAL_COLUMNS`` (``content`` as bytes), oldest first."""
+        cols = ", ".join(self.LOCAL_COLUMNS)
+        return [dict(zip(self.LOCAL_COLUMNS, row)) for row in self._db.execute(
+            f"SELECT {cols} FROM local_files ORDER BY created")]
+
+    def put_local(self, row: dict[str, Any]) -> None:
+        """Queue the write of one local-only file (a dict with the keys of
+        ``LOCAL_COLUMNS``), replacing its earlier row. Never blocks."""
+        marks = ",".join("?" * len(self.LOCAL_COLUMNS))
+        self._pending.append([f"INSERT OR REPLACE INTO local_files VALUES ({marks})",
+                              tuple(row[c] for c in self.LOCAL_COLUMNS), None])
+        self._wakeup.set()
+
+    def move_local(self, node_key: str, path: str, mode: int, mtime_ns: int) -> None:
+        """Queue a new path / mode / mtime for a kept local-only file (content unchanged)."""
+        self._pending.append(["UPDATE local_files SET path=?, mode=?, mtime_ns=? WHERE node_key=?",
+                              (path, mode, mtime_ns, node_key), None])
+        self._wakeup.set()
+
+    def delete_local(self, node_key: str) -> None:
+        """Queue the deletion of a kept local-only file (unlinked, or renamed onto a normal
+        name and now a record)."""
+        self._pending.append(["DELETE FROM local_files WHERE node_key=?", (node_key,), None])
+        self._wakeup.set()
+
+    def barrier(self) -> Barrier:
+        """A ``Barrier`` after everything queued so far (set once it is all on disk)."""
+        b = Barrier()
+        self._waiters.append(b)
+        self._wakeup.set()
+        return b
+
+    def load_errors(self, keep: int) -> list[dict[str, Any]]:
+        """The last ``keep`` lines of ``errors.log`` a previous process kept (``add_error``),
+        oldest first, each the dict that was added; unreadable lines are skipped."""
+        out = []
+        for (line,) in self._db.execute(
+                "SELECT line FROM (SELECT id, line FROM errors_log ORDER BY id DESC LIMIT ?)"
+                " ORDER BY id", (keep,)):
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(entry, dict):
+                out.append(entry)
+        return out
+
+    def add_error(self, entry: dict[str, Any], keep: int) -> None:
+        """Queue ``entry`` (one ``errors.log`` line: a JSON-able dict without content) as the
+        newest kept line and the deletion of all but the newest ``keep`` lines; written in
+        order with the entries. Never blocks, never raises (a failed write is retried with
+        the batch)."""
+        self._pending.append(["INSERT INTO errors_log (line) VALUES (?)",
+                              (json.dumps(entry),), None])
+        self._pending.append(["DELETE FROM errors_log WHERE id <= "
+                              "(SELECT MAX(id) FROM errors_log) - ?", (keep,), None])
+        self._wakeup.set()
+
+    def next_id(self) -> int:
+        """The highest entry id on disk (0 for an empty journal): entry ids continue from it."""
+        row = self._db.execute("SELECT COALESCE(MAX(id), 0) FROM entries").fetchone()
+        return int(row[0])
+
+    def depth(self) -> int:
+        """Queued writes not yet on disk."""
+        return len(self._pending)
+
+    # --- queued writes, applied in order by run() -------------------------------------------
+    def add(self, e: Entry) -> None:
+        """Queue the insert of entry ``e`` (written by ``run`` in the next batch; ``e.durable``
+        is set once it is on disk). Never blocks, never raises."""
+        op = ["INSERT INTO entries VALUES (?,?,?,?,?,?,?,?)",
+              (e.id, e.key, e.store, e.op, e.node_key, json.dumps(e.args), e.content, e.created),
+              e.id]
+        self._pending.append(op)
+        self._unwritten[e.id] = op
+        self._waiters.append(e)
+        self._wakeup.set()
+
+    def remove(self, e: Entry) -> None:
+        """The entry finished: delete its row (or never write it, when still queued)."""
+        op = self._unwritten.pop(e.id, None)
+        if op is not None:
+            self._pending.remove(op)
+            if e in self._waiters:
+                self._waiters.remove(e)
+            return
+        self._pending.append(["DELETE FROM entries WHERE id=?", (e.id,), None])
+        self._wakeup.set()
+
+    def set_key(self, node_key: str, record_id: str | None, sha: str | None) -> None:
+        """Queue the key map row ``node_key`` → (record id, sha256) (None, None: forgotten)."""
+        self._pending.append(["INSERT OR REPLACE INTO keymap VALUES (?,?,?)",
+                              (node_key, record_id, sha), None])
+        self._wakeup.set()
+
+    def _apply(self, batch: list[list]) -> None:
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            for sql, params, _ in batch:
+                self._db.execute(sql, params)
+            self._db.execute("COMMIT")
+        except BaseException:
+            if self._db.in_transaction:
+                self._db.execute("ROLLBACK")
+            raise
+
+    def _checkpoint(self) -> None:
+        """Copy the write-ahead log into the database, truncate it, give free pages back."""
+        self._db.execute("PRAGMA incremental_vacuum").fetchall()  # one page per step
+        self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+
+    async def flush_pending(self) -> None:
+        """Write everything queued so far in one transaction (from a worker thread).
+
+        Raises ``CacheError`` when the write fails; the batch then stays queued in front of
+        later writes, and each of its entries carries the error in ``journal_error``."""
+        async with self._lock:
+            batch, self._pending = self._pending, []
+            waiters, self._waiters = self._waiters, []
+            self._unwritten = {}
+            if batch:
+                try:
+                    await trio.to_thread.run_sync(self._apply, batch)
+                except BaseException as exc:
+                    self._pending[:0] = batch
+                    self._waiters[:0] = waiters
+                    self._unwritten = {op[2]: op for op in self._pending if op[2] is not None}
+                    if not isinstance(exc, Exception):
+                        raise
+                    err = cache_error(exc, "writing the outbox journal")
+                    self.error = err
+                    self.failures += 1
+                    for w in waiters:
+                        w.journal_error = (err.errno, err.reason)
+                        w.notify()
+                    raise err from exc
+            self.error = None
+            for w in waiters:
+                w.journal_error = None
+                w.durable.set()
+                w.notify()
+
+    async def run(self) -> None:
+        """Group-commit loop: wait for queued writes, apply them, repeat. Never returns; a
+        failed write is retried with backoff (``RETRY_MIN`` .. ``RETRY_MAX`` s)."""
+        delay = self.RETRY_MIN
+        while True:
+            await self._wakeup.wait()
+            self._wakeup = trio.Event()
+            try:
+                await self.flush_pending()
+            except CacheError as err:
+                if self.metrics is not None:
+                    self.metrics.cache_write_errors.labels(
+                        "outbox", errno.errorcode.get(err.errno, str(err.errno))).inc()
+                if delay == self.RETRY_MIN:  # once per streak of failures, no traceback
+                    log.warning("outbox journal write failed; the batch stays queued and is "
+                                "retried", extra={"errno": errno.errorcode.get(err.errno),
+                                                  "reason": err.reason, "queued": len(self._pending),
+                                                  "retry_in_s": delay})
+                with contextlib.suppress(sqlite3.Error):  # may free the log's space
+                    await trio.to_thread.run_sync(self._checkpoint)
+                await trio.sleep(delay)
+                delay = min(delay * 2, self.RETRY_MAX)
+                self._wakeup.set()
+                continue
+            if delay != self.RETRY_MIN:
+                log.info("outbox journal writes again", extra={"failures": self.failures})
+                delay = self.RETRY_MIN
+            now = time.monotonic()
+            if not self._pending and now - self._last_checkpoint >= self.CHECKPOINT_EVERY:
+                self._last_checkpoint = now
+                try:
+                    await trio.to_thread.run_sync(self._checkpoint)
+                except sqlite3.Error as exc:
+                    log.info("outbox checkpoint failed; retried later",
+                             extra={"errno": errno.errorcode.get(cache_errno(exc))})
+
+    def close(self) -> None:
+        """Write what is still queued (best effort: on failure it is logged, and the entries
+        concerned are replayed from the outbox or re-sent by their nodes next time), close."""
+        try:
+            if self._pending:
+                self._apply(self._pending)
+                self._pending = []
+            self._checkpoint()
+        except (sqlite3.Error, OSError) as exc:
+            log.warning("outbox journal: could not write the last queued changes at exit",
+                        extra={"queued": len(self._pending),
+                               "errno": errno.errorcode.get(cache_errno(exc))})
+        self._db.close()
