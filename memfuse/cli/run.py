@@ -19,6 +19,7 @@ from pathlib import Path
 import click
 
 from memfuse.cli.common import (
+    BYTES,
     DEFAULT_ADMIN_LISTEN,
     DEFAULT_LISTEN,
     Target,
@@ -78,9 +79,32 @@ def _admin_token(admin_token_file: Path | None) -> tuple[str, Path, bool]:
 @opt("--no-streams", is_flag=True,
      help="Do not stream change feeds and events (stream=true is answered as a long-poll, as "
      "by a server without streams; sidecars then long-poll). For a proxy that buffers responses.")
+@opt("--max-requests", type=click.IntRange(min=1), default=128, show_default=True,
+     help="Ordinary requests in the app at once (a request counts once its body is read); "
+     "one more is answered 503 overloaded with Retry-After.")
+@opt("--max-streams", type=click.IntRange(min=1), default=20_000, show_default=True,
+     help="Long-lived responses at once (long-polls, streams, console live pages); one more "
+     "is answered 429 too_many_streams with Retry-After.")
+@opt("--max-streams-per-token", type=click.IntRange(min=1), default=64, show_default=True,
+     help="Long-lived responses at once per token (429 too_many_long_polls beyond).")
+@opt("--max-body", type=BYTES, default="16MiB", show_default=True, metavar="SIZE",
+     help="Largest body of a record write, batch, memory-tool call or console form (413 "
+     "beyond; /mcp takes 4 MiB, other endpoints 1 MiB).")
+@opt("--header-timeout", type=click.FloatRange(min=0.1), default=5.0, show_default=True, metavar="SECONDS",
+     help="Time for a request's headers to arrive (also how long an idle keep-alive connection "
+     "stays open).")
+@opt("--body-timeout", type=click.FloatRange(min=0.1), default=60.0, show_default=True, metavar="SECONDS",
+     help="Time for a whole request body to arrive (408 beyond).")
+@opt("--body-read-timeout", type=click.FloatRange(min=0.1), default=10.0, show_default=True, metavar="SECONDS",
+     help="Longest wait for the next piece of a request body (408 beyond).")
+@opt("--max-unauthenticated-per-address", type=click.IntRange(min=0), default=64, show_default=True,
+     help="Connections per client address that have not shown a valid token yet (more are "
+     "closed at once); 0: no cap. Behind a proxy every client has the proxy's address: raise it.")
 @opt("--debug", is_flag=True, help="Verbose logging.")
 def serve(db: str | None, listen: str, admin_token_file: Path | None, migrate: bool, no_streams: bool,
-          debug: bool) -> None:
+          max_requests: int, max_streams: int, max_streams_per_token: int, max_body: int,
+          header_timeout: float, body_timeout: float, body_read_timeout: float,
+          max_unauthenticated_per_address: int, debug: bool) -> None:
     """Run the reference control plane (HTTP API v1) on a database."""
     from memfuse.cli.db import database_errors
     from memfuse.devenv import data_dir, dev_db_url
@@ -103,7 +127,11 @@ def serve(db: str | None, listen: str, admin_token_file: Path | None, migrate: b
 
         with database_errors(url):
             app = create_app(url, static_tokens={token: None}, schema="migrate" if migrate or not db else "check",
-                             streams=not no_streams)
+                             streams=not no_streams, max_inflight=max_requests, max_long_polls=max_streams,
+                             max_long_polls_per_token=max_streams_per_token, max_body=max_body,
+                             header_timeout=header_timeout, body_timeout=body_timeout,
+                             receive_timeout=body_read_timeout,
+                             max_unauthenticated_per_address=max_unauthenticated_per_address)
         try:
             claim_database(app)  # SQLite: one replica per file
         except AlreadyServing as e:

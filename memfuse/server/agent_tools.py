@@ -8,7 +8,8 @@
   POST stands alone, so any replica answers), authenticated with a workspace bearer token:
   a missing or unknown token gets ``401`` with ``WWW-Authenticate: Bearer
   resource_metadata="…/.well-known/oauth-protected-resource/mcp"`` (RFC 9728 §5.1), and that
-  document names the resource and the header bearer method. Tokens are issued by the
+  document names the resource and the header bearer method. ``GET /mcp`` is 405: a stateless
+  server sends nothing unasked, so it holds no event stream open (the transport allows it). Tokens are issued by the
   operator (``memfuse token create``), so it lists no authorization server. Versions are
   recorded as ``tool:mcp-<client name>`` (the client's ``clientInfo.name`` is not sent on
   stateless requests after ``initialize``, so the header ``X-Memfuse-Instance`` names it;
@@ -121,23 +122,37 @@ def install(app: FastAPI, svc: Service, principal: Callable[..., Any]) -> None:
     def metadata_url(request_scope: Scope) -> str:
         return _base_url(request_scope) + METADATA_PATH
 
+    def unauthorized(e: ServiceError, scope: Scope) -> Response:
+        """The 401 of /mcp (RFC 9728 §5.1); also what the front door answers for it."""
+        return JSONResponse(
+            {"error": "invalid_token", "error_description": e.detail}, status_code=401,
+            headers={"WWW-Authenticate": f'Bearer error="invalid_token", '
+                                         f'resource_metadata="{metadata_url(scope)}"'})
+
+    front = getattr(app, "front", None)  # memfuse.server.gate.Gate: authenticates /mcp first
+    if front is not None:
+        front.auth_refusals[MCP_PATH] = unauthorized
+
     async def mcp_app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        auth = headers.get("authorization", "")
-        token = auth[7:].strip() if auth[:7].lower() == "bearer " else None
-        try:
-            p = svc.authenticate_cached(token, headers.get("x-memfuse-instance"))
-            if p is None:
-                p = await anyio.to_thread.run_sync(svc.authenticate, token, headers.get("x-memfuse-instance"))
-        except ServiceError as e:
-            resp = JSONResponse(
-                {"error": "invalid_token", "error_description": e.detail}, status_code=401,
-                headers={"WWW-Authenticate": f'Bearer error="invalid_token", '
-                                             f'resource_metadata="{metadata_url(scope)}"'})
-            await resp(scope, receive, send)
+        if scope["method"] == "GET":
+            # stateless: no server-initiated messages, so no SSE stream to hold open (the
+            # streamable HTTP transport lets a server answer 405 here)
+            await Response(status_code=405, headers={"Allow": "POST, DELETE"})(scope, receive, send)
             return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        p = scope.get("memfuse.principal")
+        if p is None:
+            auth = headers.get("authorization", "")
+            token = auth[7:].strip() if auth[:7].lower() == "bearer " else None
+            try:
+                p = svc.authenticate_cached(token, headers.get("x-memfuse-instance"))
+                if p is None:
+                    p = await anyio.to_thread.run_sync(svc.authenticate, token, headers.get("x-memfuse-instance"))
+            except ServiceError as e:
+                await unauthorized(e, scope)(scope, receive, send)
+                return
         if p.is_admin:
             resp = JSONResponse({"error": "insufficient_scope",
                                  "error_description": "/mcp needs a workspace token"}, status_code=403,

@@ -14,9 +14,11 @@ through the commit bus of ``memfuse.server.wakeups``). Authentication is an ``as
 dependency: static and recently seen tokens resolve on the event loop, only an unknown token
 costs a worker thread and a query.
 
-In front of the app, ``memfuse.server.limits.Backpressure`` bounds the requests in flight
-(503 + ``Retry-After`` beyond), the long-polls per token (429), the time a response may take
-to be read, and serves ``GET /metrics``.
+In front of the app, ``memfuse.server.gate.Gate`` answers the probes and ``GET /metrics``,
+authenticates and checks the size from the headers before any body byte is read, bounds the
+time a body may take and the requests in flight (503 + ``Retry-After`` beyond), runs
+long-lived responses under the caps of ``memfuse.server.streamclass`` (429), and bounds the
+time a response may take to be read.
 
 Responses are serialised once, by pydantic (``model_dump_json``), into plain ``Response``
 objects: FastAPI neither validates nor re-encodes them against the ``response_model``
@@ -71,7 +73,7 @@ from memfuse.models import (
     WorkspaceCreate,
 )
 from memfuse import defs
-from memfuse.server import limits, longpoll, streams as streaming
+from memfuse.server import gate, limits, longpoll, streamclass, streams as streaming
 from memfuse.server.base import REASONS
 from memfuse.server.batch import batch_body
 from memfuse.server.db import Database
@@ -173,10 +175,12 @@ async def _principal(
     x_memfuse_instance: Annotated[str | None, Header(description="sidecar id, recorded in actor")] = None,
 ) -> Principal:
     svc = _service(request)
-    token = cred.credentials if cred else None
-    p = svc.authenticate_cached(token, x_memfuse_instance)  # no database, no thread
+    p = request.scope.get("memfuse.principal")  # the front door's (memfuse.server.gate)
     if p is None:
-        p = await anyio.to_thread.run_sync(svc.authenticate, token, x_memfuse_instance)
+        token = cred.credentials if cred else None
+        p = svc.authenticate_cached(token, x_memfuse_instance)  # no database, no thread
+        if p is None:
+            p = await anyio.to_thread.run_sync(svc.authenticate, token, x_memfuse_instance)
     if svc.token_upkeep_due():  # token bookkeeping: a few statements a minute (tokens.py)
         await anyio.to_thread.run_sync(svc.token_upkeep)
     return p
@@ -206,10 +210,15 @@ def create_app(
     context_max_bytes: int | None = None,
     schema: str = "migrate",
     faces: bool = True,
-    max_inflight: int = limits.MAX_INFLIGHT,
-    max_long_polls: int = limits.MAX_LONG_POLLS,
-    max_long_polls_per_token: int = limits.MAX_LONG_POLLS_PER_TOKEN,
-    send_timeout: float = limits.SEND_TIMEOUT,
+    max_inflight: int = gate.MAX_INFLIGHT,
+    max_long_polls: int = streamclass.MAX_STREAMS,
+    max_long_polls_per_token: int = streamclass.MAX_STREAMS_PER_TOKEN,
+    send_timeout: float = gate.SEND_TIMEOUT,
+    max_body: int = gate.MAX_BODY,
+    body_timeout: float = gate.BODY_TIMEOUT,
+    receive_timeout: float = gate.RECEIVE_TIMEOUT,
+    header_timeout: float = gate.HEADER_TIMEOUT,
+    max_unauthenticated_per_address: int = gate.MAX_UNAUTHENTICATED_PER_ADDRESS,
     streams: bool = True,
     stream_heartbeat: float = streaming.HEARTBEAT_SECONDS,
     stream_lifetime: float = streaming.LIFETIME_SECONDS,
@@ -223,8 +232,16 @@ def create_app(
     None, ``$MEMFUSE_CONTEXT_MAX_BYTES`` or 100,000.
     ``schema``: ``"migrate"`` (upgrade the database to the newest revision first) or
     ``"check"`` (refuse a database behind it), see ``memfuse.server.db.Database``.
-    ``max_inflight``, ``max_long_polls``, ``max_long_polls_per_token``, ``send_timeout`` (s a
-    send to a client may take): the backpressure limits (``memfuse.server.limits``). ``app.state.metrics`` is the ``ServerMetrics``.
+    ``max_inflight`` (ordinary requests in the app at once), ``max_long_polls`` and
+    ``max_long_polls_per_token`` (long-lived responses: long-polls, streams, console live
+    pages, per replica and per token), ``send_timeout`` (s a send to a client may take),
+    ``max_body`` (bytes of a record write's, batch's, memory-tool call's or console form's
+    body), ``body_timeout`` / ``receive_timeout`` (s for a whole body / between two pieces of
+    it), ``header_timeout`` (s for a request's headers; ``memfuse.server.serve`` applies it),
+    ``max_unauthenticated_per_address`` (connections without a valid token yet, per client
+    address; 0: no cap; applied by ``memfuse.server.serve``): the limits of the front door
+    (``memfuse.server.gate``; ``app.front``) and of ``memfuse.server.streamclass``
+    (``app.state.stream_class``). ``app.state.metrics`` is the ``ServerMetrics``.
     ``streams``: serve ``stream=true`` on the change feed and the workspace events
     (``memfuse.server.streams``); False answers it as a server without streams would (a
     long-poll, or the plain page), which clients handle by long-polling.
@@ -250,6 +267,7 @@ def create_app(
     reads = longpoll.FeedReads(svc)
     open_streams = streaming.Streams(svc, heartbeat=stream_heartbeat, lifetime=stream_lifetime,
                                      enabled=streams)
+    stream_class = streamclass.StreamClass(svc, per_replica=max_long_polls, per_token=max_long_polls_per_token)
     metrics.add_collector(limits.notifier_collector(svc.notifier, svc.bus, open_streams))
     app = _App(
         title="memfuse control plane",
@@ -261,13 +279,17 @@ def create_app(
     app.state.metrics = metrics
     app.state.feed_reads = reads
     app.state.streams = open_streams
+    app.state.stream_class = stream_class
     _install_error_handlers(app)
     app.add_middleware(_CatchAll)
-    app.front = limits.Backpressure(
-        app.serve_fastapi, metrics, max_inflight=max_inflight, max_long_polls=max_long_polls,
-        max_long_polls_per_token=max_long_polls_per_token, send_timeout=send_timeout,
+    app.front = gate.Gate(
+        app.serve_fastapi, svc, metrics, stream_class, max_inflight=max_inflight,
+        send_timeout=send_timeout, max_body=max_body, body_timeout=body_timeout,
+        receive_timeout=receive_timeout, header_timeout=header_timeout,
+        max_unauthenticated_per_address=max_unauthenticated_per_address,
         fast=longpoll.FastPath(svc, reads, _exception_response, open_streams),
     )
+    metrics.add_collector(limits.front_collector(app.front, stream_class))
 
     if faces:
         from memfuse.server.console import install_console
@@ -360,7 +382,7 @@ def create_app(
         stream: Annotated[bool, Query(description="answer an NDJSON stream of pages (docs/API.md)")] = False,
     ):
         if stream and open_streams.enabled:
-            return _StreamResponse(await open_streams.events(p, _bearer_token(request), ws, after, limit=limit))
+            return _StreamResponse(await open_streams.events(p, ws, after, limit=limit))
         if wait <= 0:
             return _json(await anyio.to_thread.run_sync(lambda: svc.events_page(p, ws, after, limit)))
         return await longpoll.events(svc, request, p, ws, after, wait, limit=limit)
@@ -524,7 +546,7 @@ def create_app(
         skip = skip_actor or None
         if stream and open_streams.enabled:
             return _StreamResponse(await open_streams.changes(
-                reads, p, _bearer_token(request), store, after, limit=limit, content=content, skip_actor=skip))
+                reads, p, store, after, limit=limit, content=content, skip_actor=skip))
         if wait <= 0:
             return _json(await anyio.to_thread.run_sync(
                 lambda: svc.changes_page(p, store, after, limit=limit, with_content=content, skip_actor=skip)))
@@ -550,11 +572,6 @@ def create_app(
 
         agent_tools.install(app, svc, _principal)
     return app
-
-
-def _bearer_token(request: Request) -> str:
-    scheme, _, cred = request.headers.get("authorization", "").partition(" ")
-    return cred.strip()
 
 
 class _StreamResponse(Response):

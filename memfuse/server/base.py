@@ -175,12 +175,17 @@ class Principal:
     """Who calls: a workspace token (``workspace`` set) or an admin token (None).
 
     ``name`` is the token's name (``"static"`` for tokens given to ``create_app``);
-    ``instance`` the sidecar id from ``X-Memfuse-Instance``.
+    ``instance`` the sidecar id from ``X-Memfuse-Instance``; ``token_id`` the database
+    token's id (None for a static token) and ``expires_at`` its expiry (wall-clock epoch
+    seconds, None when it does not expire): what ends the caller's long-lived responses
+    (``memfuse.server.streamclass``). Neither takes part in equality.
     """
 
     workspace: str | None
     name: str = "static"
     instance: str | None = None
+    token_id: str | None = field(default=None, compare=False)
+    expires_at: float | None = field(default=None, compare=False)
 
     @property
     def is_admin(self) -> bool:

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import trio
 from hypercorn.config import Config
-from hypercorn.trio import serve as hypercorn_serve
 
 from .limits import SEND_TIMEOUT
 
@@ -172,18 +171,23 @@ def listen_socket(listen: str, send_buffer: int = SEND_BUFFER,
 
 async def _serve(app, listen: str, task_status) -> None:
     config = Config()
+    front = getattr(app, "front", None)  # memfuse.server.gate.Gate
     # our own socket (hypercorn takes a bound one over as fd://N: it listens and closes it)
     # for its bounded send buffer; other forms (unix:, fd://) go to hypercorn as they are
     if listen.startswith(("unix:", "fd://")):
         config.bind = [listen]
     else:
-        front = getattr(app, "front", None)  # memfuse.server.limits.Backpressure
         send_timeout = getattr(front, "send_timeout", SEND_TIMEOUT)
         config.bind = [f"fd://{listen_socket(listen, send_timeout=send_timeout).detach()}"]
     config.backlog = BACKLOG
     config.graceful_timeout = GRACEFUL_TIMEOUT
+    # hypercorn's idle timer runs from a connection's start (or its previous answer) until
+    # a request's headers are complete: the header deadline, and how long an idle keep-alive
+    # connection stays open
+    config.keep_alive_timeout = getattr(front, "header_timeout", config.keep_alive_timeout)
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")
+    connections = getattr(front, "connections", None)
     shutdown = trio.Event()
     # Shielded: our cancellation becomes a graceful shutdown (the trigger below), not an
     # abrupt cancel of hypercorn's tasks; its deadline, set at shutdown, bounds the wait.
@@ -191,7 +195,7 @@ async def _serve(app, listen: str, task_status) -> None:
 
     async def run(task_status=trio.TASK_STATUS_IGNORED) -> None:
         with inner:
-            await hypercorn_serve(app, config, shutdown_trigger=shutdown.wait, task_status=task_status)
+            await _worker_serve(app, config, connections, shutdown.wait, task_status)
 
     svc = getattr(getattr(app, "state", None), "service", None)
     if svc is not None:
@@ -211,3 +215,69 @@ async def _serve(app, listen: str, task_status) -> None:
                 svc.notifier.wake_all()
             shutdown.set()
             inner.deadline = trio.current_time() + GRACEFUL_TIMEOUT + 2
+
+
+async def _worker_serve(app, config: Config, connections, shutdown_trigger, task_status) -> None:
+    """hypercorn's ``worker_serve`` (hypercorn 0.18, ``hypercorn/trio/run.py``, plain TCP
+    and Unix sockets only) with one change: each accepted connection is first offered to
+    ``connections`` (``memfuse.server.gate.Connections``: the cap on connections without a
+    valid token per client address), closed at once when over it, and reported when it
+    ends. hypercorn has no hook for this; the rest is its own code, called as it calls it."""
+    from functools import partial
+
+    from hypercorn.trio.lifespan import Lifespan
+    from hypercorn.trio.tcp_server import TCPServer
+    from hypercorn.trio.worker_context import WorkerContext
+    from hypercorn.typing import ConnectionState
+    from hypercorn.utils import ShutdownError, raise_shutdown, repr_socket_addr, wrap_app
+
+    asgi = wrap_app(app, config.wsgi_max_body_size, None)
+    lifespan_state: dict = {}
+    lifespan = Lifespan(asgi, config, lifespan_state)
+    context = WorkerContext(None)
+
+    async def handle(stream: trio.SocketStream) -> None:
+        peer = None
+        if connections is not None:
+            try:
+                name = stream.socket.getpeername()
+                peer = (name[0], name[1]) if isinstance(name, tuple) else None
+            except OSError:
+                peer = None
+            if peer is not None and not connections.opened(peer):
+                await stream.aclose()
+                return
+        try:
+            await TCPServer(asgi, config, context, ConnectionState(lifespan_state.copy()), stream)
+        finally:
+            if peer is not None:
+                connections.closed(peer)
+
+    async with trio.open_nursery() as lifespan_nursery:
+        await lifespan_nursery.start(lifespan.handle_lifespan)
+        await lifespan.wait_for_startup()
+        async with trio.open_nursery() as server_nursery:
+            sockets = config.create_sockets()
+            listeners = []
+            binds = []
+            for sock in sockets.insecure_sockets:
+                sock.listen(config.backlog)
+                listeners.append(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
+                binds.append(f"http://{repr_socket_addr(sock.family, sock.getsockname())}")
+            task_status.started(binds)
+            try:
+                async with trio.open_nursery(strict_exception_groups=True) as nursery:
+                    nursery.start_soon(raise_shutdown, shutdown_trigger)
+                    nursery.start_soon(raise_shutdown, context.terminate.wait)
+                    nursery.start_soon(partial(trio.serve_listeners, handle, listeners,
+                                               handler_nursery=server_nursery))
+                    await trio.sleep_forever()
+            except BaseExceptionGroup as error:
+                _, other = error.split((ShutdownError, KeyboardInterrupt))
+                if other is not None:
+                    raise other
+            finally:
+                await context.terminated.set()
+                server_nursery.cancel_scope.deadline = trio.current_time() + config.graceful_timeout
+        await lifespan.wait_for_shutdown()
+        lifespan_nursery.cancel_scope.cancel()

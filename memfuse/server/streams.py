@@ -8,7 +8,7 @@ heartbeat line (the empty page with the current ``seq``) on every tick of one sh
 (``HEARTBEAT_SECONDS``, below the 60 s idle timeout of common proxies); the end after
 ``LIFETIME_SECONDS`` ± ``LIFETIME_JITTER`` (so a rolling restart or a load balancer spreads the
 reconnects) or at server shutdown. The first line goes out at once (a heartbeat when there is
-nothing after the cursor). An error found mid-stream (access revoked, token revoked,
+nothing after the cursor). An error found mid-stream (access revoked,
 cursor expired, database error) is a last line ``{"error": <problem object>}``, then the end.
 A refusal known before the first byte is the usual ``application/problem+json`` response.
 
@@ -17,12 +17,12 @@ database); the ticker is one thread that wakes every open stream once per heartb
 twentieth of them at a time. A
 stream shares the long-poll machinery: it subscribes to the ``Notifier`` before it looks,
 reads the feed through ``FeedReads`` (one read and one encoding for every stream at the same
-cursor), and counts as a long-poll for the per-token limit (``memfuse.server.limits``).
+cursor), and counts as a long-lived response (``memfuse.server.streamclass``).
 
-Tokens: a stream authenticates once, when it opens. A token revoked later ends its streams
-at once (``Streams.revoke``, fed by the ``TOKEN_REVOKED`` topic of every replica); after the
-commit bus reconnects (revocations may have been missed) every stream authenticates once more
-on its next wake.
+Tokens: a stream authenticates once, when it opens. It is one of the long-lived responses of
+``memfuse.server.streamclass``: the front door (``memfuse.server.gate``) runs it under a lease
+that caps the streams per token and per replica and cuts it, with the last line
+``{"error": <401 problem>}``, when its token is revoked (on any replica) or expires.
 """
 from __future__ import annotations
 
@@ -36,7 +36,6 @@ import anyio
 from fastapi import Request
 
 from memfuse.server import wakeups
-from memfuse.server.base import _unauthorized
 from memfuse.server.service import Principal, Service, ServiceError
 
 log = logging.getLogger(__name__)
@@ -51,22 +50,17 @@ _Lines = Callable[[], Awaitable[tuple[list[bytes], bool]]]  # (lines to send, mo
 
 
 class _Open:
-    """One open stream: who it serves and what ended it."""
+    """One open stream: its heartbeat slot and when it ends."""
 
-    __slots__ = ("p", "token", "token_id", "revoked", "recheck", "ends_at", "slot")
+    __slots__ = ("ends_at", "slot")
 
-    def __init__(self, p: Principal, token: str, token_id: str | None, ends_at: float) -> None:
+    def __init__(self, ends_at: float) -> None:
         self.slot = random.randrange(TICK_SLOTS)
-        self.p = p
-        self.token = token  # never logged
-        self.token_id = token_id
-        self.revoked = False
-        self.recheck = False
         self.ends_at = ends_at
 
 
 class Streams:
-    """The open streams of one process: the shared heartbeat ticker and the token index.
+    """The open streams of one process and their shared heartbeat ticker.
 
     ``heartbeat``: seconds between ticks (every open stream sends a heartbeat line on each
     tick); ``lifetime``: seconds a stream lives (± ``LIFETIME_JITTER``). Each stream sits in one
@@ -92,12 +86,8 @@ class Streams:
         self.lines_sent = 0  # for /metrics
         self._lock = threading.Lock()
         self._waiters: list[set[wakeups._Waiter]] = [set() for _ in range(TICK_SLOTS)]
-        self._by_token: dict[str, set[_Open]] = {}
-        self._all: set[_Open] = set()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        svc.notifier.on_topic(wakeups.TOKEN_REVOKED, lambda token_id: self.revoke({token_id}))
-        svc.notifier.on_reset.append(lambda: self.revoke(None))
         svc.db.on_dispose(self.close)
 
     # ------------------------------------------------------------ the ticker
@@ -140,42 +130,15 @@ class Streams:
         with self._lock:
             self._waiters[slot].discard(w)
 
-    # ------------------------------------------------------------ tokens
-
-    def revoke(self, token_ids: set[str] | None) -> None:
-        """End the streams of these tokens (revoked) at their next wake, woken now; with
-        None, make every stream authenticate again on its next wake. Any thread."""
-        with self._lock:
-            if token_ids is None:
-                for o in self._all:
-                    o.recheck = True
-                return
-            hit = [o for t in token_ids for o in self._by_token.get(t, ())]
-            for o in hit:
-                o.revoked = True
-        if hit:
-            self._wake_all()
-
     def _add(self, o: _Open) -> None:
-        with self._lock:
-            self._all.add(o)
-            if o.token_id is not None:
-                self._by_token.setdefault(o.token_id, set()).add(o)
         self.open += 1
 
     def _remove(self, o: _Open) -> None:
-        with self._lock:
-            self._all.discard(o)
-            group = self._by_token.get(o.token_id or "")
-            if group is not None:
-                group.discard(o)
-                if not group:
-                    del self._by_token[o.token_id or ""]
         self.open -= 1
 
     # ------------------------------------------------------------ serving
 
-    async def changes(self, reads, p: Principal, token: str, slug: str, after: int, *, limit: int,
+    async def changes(self, reads, p: Principal, slug: str, after: int, *, limit: int,
                       content: bool, skip_actor: str | None) -> Callable[[Any, Any, Any], Awaitable[None]]:
         """Open a change-feed stream: checks access and the cursor first (raises
         ``ServiceError`` 404 / 410 / 401 before anything is sent), then returns the ASGI
@@ -208,10 +171,10 @@ class Streams:
 
         await check()
         first = await lines()  # a 410 known now is a plain problem response
-        return self._runner(p, token, lambda: notifier.subscribe(wakeups.FEED, slug, skip_actor),
+        return self._runner(lambda: notifier.subscribe(wakeups.FEED, slug, skip_actor),
                             check, lines, heartbeat, first, {"store": slug})
 
-    async def events(self, p: Principal, token: str, ws: str, after: int, *,
+    async def events(self, p: Principal, ws: str, after: int, *,
                      limit: int) -> Callable[[Any, Any, Any], Awaitable[None]]:
         """Open a workspace-event stream (like ``changes``; raises ``ServiceError`` 403 / 404
         / 401 before anything is sent)."""
@@ -241,18 +204,17 @@ class Streams:
 
         await check()
         first = await lines()
-        return self._runner(p, token, lambda: notifier.subscribe(wakeups.EVENTS, ws),
+        return self._runner(lambda: notifier.subscribe(wakeups.EVENTS, ws),
                             check, lines, heartbeat, first, {"workspace": ws})
 
-    def _runner(self, p: Principal, token: str, subscribe: Callable[[], wakeups._Waiter],
+    def _runner(self, subscribe: Callable[[], wakeups._Waiter],
                 check: Callable[[], Awaitable[None]], lines: _Lines, heartbeat: Callable[[], bytes],
                 first: tuple[list[bytes], bool], where: dict[str, str]) -> Callable[[Any, Any, Any], Awaitable[None]]:
         svc = self.svc
-        token_id = svc.token_id_of(token)
         ends_at = anyio.current_time() + self.lifetime * (1 + random.uniform(-LIFETIME_JITTER, LIFETIME_JITTER))
 
         async def run(scope, receive, send) -> None:
-            o = _Open(p, token, token_id, ends_at)
+            o = _Open(ends_at)
             self._add(o)
             self._start()
             sent_gen = self.gens[o.slot]
@@ -275,11 +237,6 @@ class Streams:
                 try:
                     while True:
                         svc.notifier.rearm(waiter)  # before looking: no commit is missed
-                        if o.revoked:
-                            raise _unauthorized("token revoked")
-                        if o.recheck:
-                            o.recheck = False
-                            await anyio.to_thread.run_sync(svc.authenticate, o.token, p.instance)
                         await check()
                         out, more = await lines()
                         for data in out:
@@ -306,7 +263,7 @@ class Streams:
                 try:
                     await _until_disconnect(Request(scope, receive), body)
                 except TimeoutError:
-                    raise  # the client does not read: nothing more can be sent (limits.Backpressure)
+                    raise  # the client does not read: nothing more can be sent (memfuse.server.gate)
                 except Exception as e:  # noqa: BLE001 - every failure ends the stream with a line
                     ended = getattr(e, "code", None) or type(e).__name__
                     level = logging.WARNING if not isinstance(e, ServiceError) or e.status >= 500 else logging.INFO

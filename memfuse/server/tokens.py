@@ -50,6 +50,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 from sqlalchemy import bindparam, or_, select, update
 from sqlalchemy.exc import SQLAlchemyError
@@ -99,6 +100,11 @@ def _clean_instance(value: str | None) -> str | None:
 def _label(name: str | None) -> str:
     """A token name for a log line: printable characters only (names are user input)."""
     return "".join(ch if ch.isprintable() else "?" for ch in (name or ""))[:200] or "-"
+
+
+def _principal_of(e: _Entry, instance: str | None) -> Principal:
+    return Principal(workspace=e.workspace, name=e.name, instance=_clean_instance(instance),
+                     token_id=e.token_id, expires_at=e.expires_at)
 
 
 def _digest(token: str) -> str:
@@ -179,7 +185,7 @@ class TokensMixin(ServiceBase):
         hit = cache.entries.get(digest)
         if hit is not None and hit.until > mono and (hit.expires_at is None or hit.expires_at > wall):
             hit.used, hit.seen = True, mono
-            return Principal(workspace=hit.workspace, name=hit.name, instance=_clean_instance(instance))
+            return _principal_of(hit, instance)
         # One query for this token and, at most once a second, every cached token whose entry
         # is in the second half of its life: idle sidecars then cost about one token query
         # per TOKEN_CACHE_SECONDS / 2 in all, not one per token.
@@ -213,7 +219,7 @@ class TokensMixin(ServiceBase):
         if len(cache.entries) >= TOKEN_CACHE_MAX:
             cache.clear()
         cache.entries[digest] = entry
-        return Principal(workspace=row.workspace, name=name, instance=_clean_instance(instance))
+        return _principal_of(entry, instance)
 
     def authenticate_cached(self, token: str | None, instance: str | None = None) -> Principal | None:
         """Resolve a bearer token without touching the database (on the event loop): static
@@ -235,7 +241,26 @@ class TokensMixin(ServiceBase):
                 or (hit.expires_at is not None and hit.expires_at <= time.time())):
             return None
         hit.used, hit.seen = True, mono
-        return Principal(workspace=hit.workspace, name=hit.name, instance=_clean_instance(instance))
+        return _principal_of(hit, instance)
+
+    def tokens_gone(self, token_ids: set[str]) -> set[str]:
+        """Which of these database token ids are revoked, expired or deleted now (one query
+        per ``TOKEN_CONFIRM_BATCH`` ids; in a worker thread). Raises ``SQLAlchemyError`` when
+        the database fails."""
+        ids = sorted(token_ids)
+        found: dict[str, Any] = {}
+        q = select(_T.c.id, _T.c.expires_at, _T.c.revoked_at).where(
+            _T.c.id.in_(bindparam("ids", expanding=True)))
+        with self.db.read_conn() as conn:
+            for i in range(0, len(ids), TOKEN_CONFIRM_BATCH):
+                for r in conn.execute(q, {"ids": ids[i:i + TOKEN_CONFIRM_BATCH]}):
+                    found[r.id] = r
+        wall = time.time()
+        gone = {t for t in ids if t not in found or found[t].revoked_at is not None
+                or (found[t].expires_at is not None and found[t].expires_at.timestamp() <= wall)}
+        if gone:
+            self.tokens_revoked(gone)
+        return gone
 
     def token_id_of(self, token: str) -> str | None:
         """The id of a database token this process authenticated lately (in the positive

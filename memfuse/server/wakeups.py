@@ -230,6 +230,17 @@ class _AsyncioLoop:
         return known
 
 
+def loop_poster() -> Callable[..., None]:
+    """``post(fn, *args)`` that runs ``fn(*args)`` soon on the calling event loop (trio or
+    asyncio), from any thread. Call it on the event loop; ``post`` raises ``RuntimeError``
+    once that loop has finished."""
+    if sniffio.current_async_library() == "trio":
+        import trio
+
+        return _TrioLoop.of(trio.lowlevel.current_trio_token()).post
+    return _AsyncioLoop.of(asyncio.get_running_loop()).post
+
+
 def _set_all(events: list) -> None:
     for e in events:
         e.set()
@@ -549,6 +560,9 @@ class Bus:
         self._start_lock = threading.Lock()
         self._tops: tuple[int, int] | None = None  # (versions, events) seen by the last scan
         self._pg_conn = None
+        # called (in the bus thread) after every scan for commits of other processes:
+        # what those commits did to tokens is only known by reading them (memfuse.server.streamclass)
+        self.on_scan: list[Callable[[], None]] = []
         if self.is_pg:
             notifier.trusted = False  # until the listener is connected
             with db.engine.connect() as conn:
@@ -673,6 +687,11 @@ class Bus:
             self.scan()
         except Exception as e:
             log.warning("commit scan failed", extra={"error": type(e).__name__, "detail": str(e)[:200]})
+        for fn in self.on_scan:
+            try:
+                fn()
+            except Exception:
+                log.exception("scan callback failed")
 
     def scan(self) -> None:
         """One shared read of what committed since the last scan: the stores and workspaces

@@ -827,7 +827,9 @@ def live(svc: Service) -> Callable[[Request], Awaitable[Response]]:
     """GET ``/stores/{store}/live?after=SEQ[&record=ID]``: server-sent events, a ``change``
     event (data: ``{"seq": N}``) when the store has versions after SEQ (of record ID only,
     when given), a comment every 15 s to keep the
-    connection, and the end after 5 minutes (EventSource reconnects). Fed by the store's
+    connection, and the end after 5 minutes (EventSource reconnects); a ``gone`` event and the
+    end at once when the session's token is revoked or expires (a long-lived response of
+    ``memfuse.server.streamclass``, capped per token and per replica). Fed by the store's
     change feed (``Service.changes_page``): woken by commits in this process, re-queried
     every second for other processes sharing the database. A store no longer visible →
     ``gone`` event and the end."""
@@ -837,6 +839,13 @@ def live(svc: Service) -> Callable[[Request], Awaitable[Response]]:
             p, _ = await _authenticate(svc, request)
         except (_LoginNeeded, ServiceError):
             return Response("log in first\n", status_code=401, media_type="text/plain")
+        lease = request.scope.get("memfuse.lease")  # the front door's (memfuse.server.streamclass)
+        if lease is not None:
+            try:  # per-token cap; revocation and expiry end the page's stream
+                lease.bind(p)
+            except ServiceError as err:
+                return Response(f"{err.detail}\n", status_code=err.status, media_type="text/plain",
+                                headers=err.headers)
         slug = request.path_params["store"]
         record = request.query_params.get("record") or None
         try:

@@ -1,0 +1,541 @@
+"""The control plane's front door: a pure ASGI layer in front of the app that decides what a
+request may cost before the app sees it (docs/API.md, "Operations: limits").
+
+In order, for every HTTP request:
+
+1. **Probes and metrics** (``/healthz``, ``/readyz``, ``GET /metrics``) are answered here, at
+   once, outside every limit below: they never queue behind API traffic. ``/readyz`` runs
+   its ``SELECT 1`` on a thread of its own (one at a time; concurrent probes share the
+   answer, a success is reused for ``READY_REUSE_SECONDS``).
+2. **Authentication from the headers**, before any body byte is read: ``/v1/...`` and
+   ``/mcp`` need ``Authorization: Bearer``. A missing token, a static token and a token in
+   the positive cache are decided on the event loop; an unknown token costs one indexed
+   lookup on a small thread pool of its own (``AUTH_THREADS``) and its refusal is remembered
+   (``BAD_TOKEN_SECONDS``), so anonymous traffic cannot take the API's threads or repeat a
+   query. 401 problem (``/mcp``: its own 401 with ``WWW-Authenticate``).
+3. **Size**: a declared ``Content-Length`` above the endpoint's limit is 413 at once; a
+   chunked body is counted as it is read and cut with 413 past the limit. Limits:
+   ``max_body`` for record writes, batches, the memory tool and console forms,
+   ``MCP_MAX_BODY`` for ``/mcp``, ``SMALL_BODY`` elsewhere. The bodies being read at once
+   share ``body_budget`` bytes (503 ``overloaded`` past it).
+4. **Deadlines**: the body must arrive within ``body_timeout`` s in all, with at most
+   ``receive_timeout`` s between two pieces (408 ``request_timeout``). Headers are bounded by
+   the HTTP server (``memfuse.server.serve``: hypercorn's ``keep_alive_timeout`` runs from
+   the connection's start, or the previous answer, until the request's headers are in).
+5. **Slots**: an ordinary request takes one of ``max_inflight`` slots only once its body is
+   read, for as long as the app works on it (503 ``overloaded``, ``Retry-After: 1`` when
+   none is free); a long-lived response (long-poll, stream, console live page) takes a lease
+   of the ``StreamClass`` instead (``memfuse.server.streamclass``: per-token and per-replica
+   caps, 429 with ``Retry-After``), and ends within a moment of its token's revocation or
+   expiry.
+
+A refusal made while the body is unread is sent with ``Connection: close`` while what is
+already queued is discarded (hypercorn cannot finish a response whose request body was left
+unread otherwise: the app's last send waits on its full receive queue), and the connection
+closes: the rest of the body is never read. Memory per request: at most its limit (the body,
+once read) plus hypercorn's receive queue (``max_app_queue_size`` × 64 KiB).
+
+Sending: any part of a response may take at most ``send_timeout`` s (see
+``memfuse.server.serve.listen_socket`` for the kernel's half of this). ``Connections`` caps
+the connections per client address that have not yet shown a valid token (or asked a probe);
+``memfuse.server.serve`` applies it when it accepts them.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+from urllib.parse import parse_qs
+
+import anyio
+from sqlalchemy.exc import SQLAlchemyError
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from memfuse.models import sha256_hex
+from memfuse.server.limits import PROBLEM_JSON, ServerMetrics
+from memfuse.server.service import Principal, Service, ServiceError
+from memfuse.server.streamclass import Lease, StreamClass
+
+log = logging.getLogger(__name__)
+
+MAX_INFLIGHT = 128
+MAX_BODY = 16 * 1024 * 1024  # record writes, batches, the memory tool, console forms
+SMALL_BODY = 1024 * 1024  # every other endpoint
+MCP_MAX_BODY = 4 * 1024 * 1024
+BODY_BUDGET = 256 * 1024 * 1024  # bytes of request bodies held at once, all requests
+BODY_TIMEOUT = 60.0  # s for a whole body
+RECEIVE_TIMEOUT = 10.0  # s between two pieces of a body
+HEADER_TIMEOUT = 5.0  # s for a request's headers (and an idle keep-alive connection)
+MAX_UNAUTHENTICATED_PER_ADDRESS = 64
+SEND_TIMEOUT = 30.0
+AUTH_THREADS = 4  # worker threads for lookups of unknown tokens
+BAD_TOKEN_SECONDS = 60.0  # a refused token is refused again without a query this long
+BAD_TOKEN_MAX = 10_000
+READY_REUSE_SECONDS = 0.25
+DRAIN_SECONDS = 5.0
+PROBES = ("/healthz", "/readyz")
+_TRUE = ("true", "1", "yes", "on")
+
+
+class Connections:
+    """Open connections per client address that have not shown a valid token yet (or asked a
+    probe); at most ``cap`` per address (0: no cap). ``memfuse.server.serve`` calls ``opened``
+    when it accepts a connection (False: close it at once) and ``closed`` when it ends; the
+    ``Gate`` calls ``cleared`` once a request on it authenticated. Event-loop only."""
+
+    def __init__(self, cap: int = MAX_UNAUTHENTICATED_PER_ADDRESS) -> None:
+        self.cap = cap
+        self.refused = 0
+        self._pending: set[tuple[str, int]] = set()  # (host, port) not cleared yet
+        self._per_host: dict[str, int] = {}
+
+    def opened(self, peer: tuple[str, int]) -> bool:
+        host = peer[0]
+        if self.cap and self._per_host.get(host, 0) >= self.cap:
+            self.refused += 1
+            return False
+        self._pending.add(peer)
+        self._per_host[host] = self._per_host.get(host, 0) + 1
+        return True
+
+    def cleared(self, peer: Any) -> None:
+        if isinstance(peer, (tuple, list)) and len(peer) >= 2:
+            peer = (peer[0], peer[1])
+            if peer in self._pending:
+                self._pending.discard(peer)
+                self._drop(peer[0])
+
+    def closed(self, peer: tuple[str, int]) -> None:
+        self.cleared(peer)
+
+    def _drop(self, host: str) -> None:
+        n = self._per_host.get(host, 1) - 1
+        if n:
+            self._per_host[host] = n
+        else:
+            self._per_host.pop(host, None)
+
+    @property
+    def unauthenticated(self) -> int:
+        return len(self._pending)
+
+
+class _Refusal(Exception):
+    def __init__(self, status: int, code: str, detail: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(detail)
+        self.status, self.code, self.detail, self.headers = status, code, detail, headers or {}
+
+
+_TITLES = {401: "Unauthorized", 408: "Request Timeout", 413: "Content Too Large",
+           429: "Too Many Requests", 503: "Service Unavailable"}
+
+
+class Gate:
+    """ASGI wrapper of the app: the steps of the module docstring.
+
+    ``fast(scope, receive, send)``, when given, is tried first for long-polls and streams
+    (``memfuse.server.longpoll.FastPath``): True when it answered. ``auth_refusals`` maps a
+    path prefix to a function ``(ServiceError, scope) -> ASGI response`` for prefixes whose
+    401 has its own form (``/mcp``). ``connections``: the per-address cap, when the server
+    applies it (``memfuse.server.serve``)."""
+
+    def __init__(self, app: ASGIApp, svc: Service, metrics: ServerMetrics, streams: StreamClass, *,
+                 max_inflight: int = MAX_INFLIGHT, send_timeout: float = SEND_TIMEOUT,
+                 max_body: int = MAX_BODY, body_timeout: float = BODY_TIMEOUT,
+                 receive_timeout: float = RECEIVE_TIMEOUT, body_budget: int = BODY_BUDGET,
+                 header_timeout: float = HEADER_TIMEOUT,
+                 max_unauthenticated_per_address: int = MAX_UNAUTHENTICATED_PER_ADDRESS,
+                 fast: Callable[[Scope, Receive, Send], Awaitable[bool]] | None = None,
+                 ready: Callable[[], Any] | None = None) -> None:
+        self.app = app
+        self.svc = svc
+        self.metrics = metrics
+        self.streams = streams
+        self.fast = fast
+        self.ready = ready
+        self.max_inflight = max_inflight
+        self.send_timeout = send_timeout
+        self.max_body = max_body
+        self.body_timeout = body_timeout
+        self.receive_timeout = receive_timeout
+        self.body_budget = body_budget
+        self.header_timeout = header_timeout
+        self.connections = Connections(max_unauthenticated_per_address)
+        self.auth_refusals: dict[str, Callable[[ServiceError, Scope], Any]] = {}
+        self.inflight = 0
+        self.body_bytes = 0  # bytes of bodies held now
+        self._auth_limiter: anyio.CapacityLimiter | None = None
+        self._probe_limiter: anyio.CapacityLimiter | None = None
+        self._ready_lock: anyio.Lock | None = None
+        self._ready_at = -1e18
+        self._bad_tokens: dict[str, tuple[float, str]] = {}  # digest → (until, detail)
+        self._last_refusal_log = 0.0
+
+    # ------------------------------------------------------------ what a request is
+
+    def body_limit(self, method: str, path: str) -> int:
+        """The largest body ``method path`` may carry, in bytes."""
+        if path == "/mcp" or path.startswith("/mcp/"):
+            return MCP_MAX_BODY
+        if method in ("POST", "PUT", "PATCH"):
+            if path.startswith("/ui/"):
+                return self.max_body
+            if path.startswith("/v1/") and ("/records" in path or path.endswith(("/batch", "/memory-tool"))):
+                return self.max_body
+        return SMALL_BODY
+
+    @staticmethod
+    def long_lived(method: str, path: str, query: bytes) -> bool:
+        """Whether ``method path?query`` is a long-lived response: a long-poll or stream of
+        the change feed or the workspace events, or a console live page."""
+        if method != "GET":
+            return False
+        if path.startswith("/ui/"):
+            return path.endswith("/live") and path.startswith("/ui/stores/")
+        if not path.startswith("/v1/") or not path.endswith(("/changes", "/events")):
+            return False
+        qs = parse_qs(query.decode("latin-1"))
+        if qs.get("stream", ["false"])[-1].lower() in _TRUE:
+            return True
+        try:
+            return float(qs.get("wait", ["0"])[-1]) > 0
+        except ValueError:
+            return False
+
+    # ------------------------------------------------------------ serving
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path, method = scope["path"], scope["method"]
+        if path in PROBES or (path == "/metrics" and method == "GET"):
+            self.connections.cleared(scope.get("client"))
+            await self._probe(path, receive, send)
+            return
+        length, chunked, token, instance = _headers(scope)
+        limit = self.body_limit(method, path)
+        pending = chunked or bool(length)  # a body not read yet
+        if length is not None and length > limit:
+            await self._refuse(receive, send, 413, "too_large",
+                               f"the body is larger than this endpoint takes ({limit} bytes)", close=pending)
+            return
+        principal: Principal | None = None
+        if path.startswith("/v1/") or path == "/mcp" or path.startswith("/mcp/"):
+            try:
+                principal = await self._authenticate(token, instance)
+            except ServiceError as e:
+                render = next((fn for prefix, fn in self.auth_refusals.items() if path.startswith(prefix)), None)
+                if render is not None:
+                    self._count(401, e.code)
+                    await self._drained(receive, render(e, scope), scope, send, close=pending)
+                else:
+                    await self._refuse(receive, send, e.status, e.code, e.detail, headers=e.headers, close=pending)
+                return
+            except SQLAlchemyError as e:
+                log.warning("authentication: database unavailable: %s", type(e).__name__)
+                await self._refuse(receive, send, 503, "unavailable", "database error; retry",
+                                   headers={"Retry-After": "1"}, close=pending)
+                return
+            self.connections.cleared(scope.get("client"))
+            scope["memfuse.principal"] = principal
+        lease: Lease | None = None
+        if self.long_lived(method, path, scope.get("query_string", b"")):
+            try:
+                lease = self.streams.enter()
+                if principal is not None:
+                    lease.bind(principal)
+            except ServiceError as e:
+                if lease is not None:
+                    lease.close()
+                await self._refuse(receive, send, e.status, e.code, e.detail, headers=e.headers, close=pending)
+                return
+            scope["memfuse.lease"] = lease
+        held = 0
+        try:
+            try:
+                body, held = await self._read_body(receive, limit)
+            except _Refusal as r:
+                await self._refuse(receive, send, r.status, r.code, r.detail, headers=r.headers, close=True)
+                return
+            if body is None:
+                return  # the client left
+            if lease is None:
+                if self.inflight >= self.max_inflight:
+                    await self._refuse(receive, send, 503, "overloaded",
+                                       "the server is at its request limit; retry", headers={"Retry-After": "1"})
+                    return
+                self.inflight += 1
+                self.metrics.inflight.inc()
+                try:
+                    await self._run(scope, _replay(body, receive), send, None)
+                finally:
+                    self.inflight -= 1
+                    self.metrics.inflight.dec()
+            else:
+                await self._run(scope, _replay(body, receive), send, lease)
+        finally:
+            self.body_bytes -= held
+            if lease is not None:
+                lease.close()
+
+    async def _run(self, scope: Scope, receive: Receive, send: Send, lease: Lease | None) -> None:
+        """Run the app with bounded sends; a lease's response runs in its scope and, when the
+        lease is cut, is ended here."""
+        state = {"status": 0, "type": b"", "done": False}
+        # One cancel scope around the whole request, armed only while a send is under way:
+        # a stream sends thousands of lines, and a scope per send was a third of a
+        # heartbeat's CPU.
+        bound = anyio.CancelScope()
+
+        async def send_bounded(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                state["status"] = message["status"]
+                state["type"] = next((v for k, v in message.get("headers", ()) if k.lower() == b"content-type"), b"")
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                state["done"] = True
+            bound.deadline = anyio.current_time() + self.send_timeout
+            try:
+                await send(message)
+            finally:
+                bound.deadline = float("inf")
+
+        try:
+            with bound:
+                if lease is None:
+                    await self.app(scope, receive, send_bounded)
+                else:
+                    with lease.scope:
+                        if not (self.fast is not None and await self.fast(scope, receive, send_bounded)):
+                            await self.app(scope, receive, send_bounded)
+                    why = lease.ended
+                    if why is not None and not state["done"] and not scope.get("memfuse.disconnected"):
+                        await self._end_cut(why, state, send_bounded)
+            if bound.cancelled_caught:  # a send did not finish in time
+                raise TimeoutError
+        except TimeoutError:
+            # the connection is gone (the kernel's TCP_USER_TIMEOUT aborted it, see
+            # memfuse.server.serve.listen_socket, or this bound cut the send): nothing is
+            # left to answer, and it is the client's doing, not a server error
+            log.info("client did not read its response; connection dropped",
+                     extra={"path": scope["path"], "timeout_s": self.send_timeout})
+        finally:
+            if state["status"]:
+                self.metrics.requests.labels(f"{state['status'] // 100}xx").inc()
+
+    async def _end_cut(self, why: str, state: dict, send: Send) -> None:
+        """End a long-lived response whose token was revoked or expired: a 401 problem when
+        nothing was sent, else the stream's last line (NDJSON: ``{"error": problem}``; SSE:
+        a ``gone`` event), then the end."""
+        problem = {"type": "about:blank", "title": "Unauthorized", "status": 401, "detail": why,
+                   "code": "unauthorized"}
+        log.info("long-lived response ended: %s", why)
+        try:
+            if not state["status"]:
+                body = json.dumps(problem).encode()
+                await send({"type": "http.response.start", "status": 401, "headers": [
+                    (b"content-type", PROBLEM_JSON), (b"content-length", str(len(body)).encode()),
+                    (b"www-authenticate", b"Bearer")]})
+                await send({"type": "http.response.body", "body": body})
+                return
+            ctype = state["type"]
+            if ctype.startswith(b"application/x-ndjson"):
+                last = b'{"error":' + json.dumps(problem).encode() + b"}\n"
+            elif ctype.startswith(b"text/event-stream"):
+                last = b'event: gone\ndata: {"status": 401}\n\n'
+            else:
+                last = b""
+            await send({"type": "http.response.body", "body": last, "more_body": False})
+        except Exception:  # noqa: BLE001 - the client may be gone; nothing more to do
+            log.debug("could not end a cut response", exc_info=True)
+
+    # ------------------------------------------------------------ the steps
+
+    async def _authenticate(self, token: str | None, instance: str | None) -> Principal:
+        """The principal of ``token``, deciding without the database when it can (see the
+        module docstring). Raises ``ServiceError`` 401, ``SQLAlchemyError``."""
+        svc = self.svc
+        p = svc.authenticate_cached(token, instance)  # raises 401 for a missing token
+        if p is not None:
+            return p
+        assert token is not None
+        digest = sha256_hex(token.encode("utf-8", "surrogatepass"))
+        bad = self._bad_tokens.get(digest)
+        now = time.monotonic()
+        if bad is not None:
+            if bad[0] > now:
+                raise ServiceError(401, "unauthorized", bad[1], headers={"WWW-Authenticate": "Bearer"})
+            del self._bad_tokens[digest]
+        if self._auth_limiter is None:
+            self._auth_limiter = anyio.CapacityLimiter(AUTH_THREADS)
+        try:
+            return await anyio.to_thread.run_sync(svc.authenticate, token, instance, limiter=self._auth_limiter)
+        except ServiceError as e:
+            if e.status == 401:
+                if len(self._bad_tokens) >= BAD_TOKEN_MAX:
+                    self._bad_tokens.clear()
+                self._bad_tokens[digest] = (now + BAD_TOKEN_SECONDS, e.detail)
+            raise
+
+    async def _read_body(self, receive: Receive, limit: int) -> tuple[bytes | None, int]:
+        """The whole body (None when the client left) and the bytes of ``body_budget`` it
+        holds now (the caller gives them back). Raises ``_Refusal`` 413 / 408 / 503."""
+        chunks: list[bytes] = []
+        size = 0
+        deadline = anyio.current_time() + self.body_timeout
+        try:
+            while True:
+                message = None
+                with anyio.move_on_after(max(0.0, min(self.receive_timeout, deadline - anyio.current_time()))):
+                    message = await receive()
+                if message is None:
+                    raise _Refusal(408, "request_timeout", "the request body did not arrive in time")
+                if message["type"] == "http.disconnect":
+                    self.body_bytes -= size
+                    return None, 0
+                piece = message.get("body", b"")
+                if piece:
+                    if size + len(piece) > limit:
+                        raise _Refusal(413, "too_large",
+                                       f"the body is larger than this endpoint takes ({limit} bytes)")
+                    if self.body_bytes + len(piece) > self.body_budget:
+                        raise _Refusal(503, "overloaded", "the server holds too many request bodies; retry",
+                                       {"Retry-After": "1"})
+                    size += len(piece)
+                    self.body_bytes += len(piece)
+                    chunks.append(piece)
+                if not message.get("more_body", False):
+                    break
+        except BaseException:
+            self.body_bytes -= size
+            raise
+        return (chunks[0] if len(chunks) == 1 else b"".join(chunks)), size
+
+    async def _probe(self, path: str, receive: Receive, send: Send) -> None:
+        if path == "/healthz":
+            status, body, ctype, headers = 200, b'{"ok":true}', b"application/json", []
+        elif path == "/readyz":
+            status, body, ctype, headers = await self._readiness()
+        else:
+            status, body = 200, self.metrics.render()
+            ctype, headers = b"text/plain; version=0.0.4; charset=utf-8", []
+        await send({"type": "http.response.start", "status": status, "headers": [
+            (b"content-type", ctype), (b"content-length", str(len(body)).encode()), *headers]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def _readiness(self) -> tuple[int, bytes, bytes, list]:
+        """``/readyz``: 200 when ``SELECT 1`` answers (on the probe's own thread; concurrent
+        probes share one check; a success is reused for ``READY_REUSE_SECONDS``); 503 problem
+        ``database_unavailable`` (reason logged) or ``shutting_down``."""
+        retry = [(b"retry-after", b"1")]
+        if self.svc.closing:
+            return 503, _problem(503, "shutting_down", "the server is shutting down"), PROBLEM_JSON, retry
+        if self._ready_lock is None:
+            self._ready_lock = anyio.Lock()
+            self._probe_limiter = anyio.CapacityLimiter(1)
+        async with self._ready_lock:
+            if anyio.current_time() - self._ready_at > READY_REUSE_SECONDS:
+                try:
+                    await anyio.to_thread.run_sync(self._select_1, limiter=self._probe_limiter)
+                except SQLAlchemyError as e:
+                    log.warning("readiness: database unavailable: %s", type(e).__name__)
+                    return (503, _problem(503, "database_unavailable", "the database does not answer"),
+                            PROBLEM_JSON, retry)
+                self._ready_at = anyio.current_time()
+        return 200, b'{"ready":true}', b"application/json", []
+
+    def _select_1(self) -> None:
+        with self.svc.db.read_conn() as conn:
+            conn.exec_driver_sql("SELECT 1")
+
+    # ------------------------------------------------------------ refusals
+
+    def _count(self, status: int, code: str) -> None:
+        self.metrics.refused.labels(code).inc()
+        self.metrics.requests.labels(f"{status // 100}xx").inc()
+        now = time.monotonic()
+        if status != 401 and now - self._last_refusal_log > 5:  # one line per 5 s, not one per refusal
+            self._last_refusal_log = now
+            log.warning("refusing requests: %s", code, extra={
+                "status": status, "inflight": self.inflight, "streams": self.streams.open})
+
+    async def _refuse(self, receive: Receive, send: Send, status: int, code: str, detail: str, *,
+                      headers: dict[str, str] | None = None, close: bool = False) -> None:
+        """Answer a problem (RFC 9457) now; with ``close``, the request's body is left unread
+        and the connection is closed after the answer."""
+        self._count(status, code)
+        body = _problem(status, code, detail)
+        hdrs = [(b"content-type", PROBLEM_JSON), (b"content-length", str(len(body)).encode())]
+        hdrs += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]
+        messages = [{"type": "http.response.start", "status": status, "headers": hdrs},
+                    {"type": "http.response.body", "body": body}]
+
+        async def respond(scope, receive_, send_):
+            for m in messages:
+                await send_(m)
+
+        await self._drained(receive, respond, {}, send, close=close)
+
+    async def _drained(self, receive: Receive, response: Any, scope: Scope, send: Send, *, close: bool) -> None:
+        """Send ``response`` (an ASGI app) while discarding what the server queued of the
+        request's body, so that the response can finish (see the module docstring)."""
+        async def send_closing(message: Message) -> None:
+            if close and message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+            await send(message)
+
+        async with anyio.create_task_group() as tg:
+            async def drain() -> None:
+                with anyio.move_on_after(DRAIN_SECONDS):
+                    while (await receive())["type"] != "http.disconnect":
+                        pass
+
+            tg.start_soon(drain)
+            await response(scope, _nothing, send_closing)
+
+
+async def _nothing() -> Message:
+    return {"type": "http.request", "body": b"", "more_body": False}
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A ``receive`` that gives the body read already, then the connection's own messages."""
+    given = False
+
+    async def replay() -> Message:
+        nonlocal given
+        if not given:
+            given = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+def _headers(scope: Scope) -> tuple[int | None, bool, str | None, str | None]:
+    """(Content-Length or None, chunked, bearer token or None, X-Memfuse-Instance or None)."""
+    length: int | None = None
+    chunked = False
+    token = instance = None
+    for k, v in scope.get("headers", ()):
+        if k == b"content-length":
+            try:
+                length = int(v)
+            except ValueError:
+                length = None
+        elif k == b"transfer-encoding":
+            chunked = b"chunked" in v.lower()
+        elif k == b"authorization":
+            scheme, _, cred = v.decode("latin-1").partition(" ")
+            if scheme.lower() == "bearer" and cred.strip():
+                token = cred.strip()
+        elif k == b"x-memfuse-instance":
+            instance = v.decode("latin-1")
+    return length, chunked, token, instance
+
+
+def _problem(status: int, code: str, detail: str) -> bytes:
+    return json.dumps({"type": "about:blank", "title": _TITLES.get(status, "Error"), "status": status,
+                       "detail": detail, "code": code}).encode()
