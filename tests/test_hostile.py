@@ -1,0 +1,505 @@
+"""Hostile clients against a real ``memfuse serve`` on loopback (docs/API.md, "Operations:
+limits"): each attack runs, bounded in count and time, while probes and a well-behaved
+authenticated client are watched; every one of their answers must be 200, in time.
+
+- a 300 MB body, anonymous or over the limit, declared or chunked: refused from the headers
+  (or at the limit), the connection closed, the server's RSS grows by less than 16 MiB;
+- slow bodies (authenticated: 408 at the body deadline, no request slot held meanwhile;
+  anonymous: 401 at once), slow headers from one address (the per-address cap closes the
+  extra connections at once, the header deadline the rest);
+- idle long-lived responses: per-token and per-replica caps (429 + ``Retry-After``) over
+  change streams, long-polls and console live pages; ``GET /mcp`` is 405;
+- revocation and expiry of a token end its stream, long-poll and live page within a second.
+
+Attackers that have no token connect from 127.0.0.2 (Linux routes all of 127/8 to the
+loopback), so that the per-address cap they meet is not the good client's (127.0.0.1).
+
+Runs on SQLite; with ``MEMFUSE_TEST_DB_URL`` (tests/pgutil.py) the server runs on PostgreSQL.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+from mountutil import serve_listening, stop
+from pgutil import fresh_db_url
+
+MEMFUSE = Path(sys.executable).with_name("memfuse")
+ADMIN = "hostile-admin-token"
+MIB = 1024 * 1024
+BIG = 300 * 1000 * 1000  # the 300 MB body
+GOOD_BOUND = 2.0  # s: the longest any watched answer may take on a loaded shared machine
+LIMITS = dict(max_requests=16, max_streams=12, max_streams_per_token=4, header_timeout=2,
+              body_timeout=6, body_read_timeout=2, max_unauthenticated_per_address=8)
+
+pytestmark = pytest.mark.timeout(180)
+
+
+class Server:
+    """The ``memfuse serve`` process, its URL and port, the workspace token of the good
+    client (``good``) and one record it reads (``rid``)."""
+
+    proc: subprocess.Popen
+    url: str
+    port: int
+    good: str
+    rid: str
+
+    def rss(self) -> int:
+        """The server's resident set, bytes (``VmRSS`` of /proc/PID/status)."""
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        raise AssertionError("no VmRSS")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("hostile")
+    (tmp / "admin.token").write_text(ADMIN)
+    log = tmp / "serve.log"
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in LIMITS.items()]
+    with fresh_db_url(f"sqlite:///{tmp / 'cp.db'}") as db:
+        proc = subprocess.Popen(
+            [MEMFUSE, "serve", "--db", db, "--listen", "127.0.0.1:0", "--admin-token-file",
+             str(tmp / "admin.token"), "--migrate", *flags],
+            stdout=log.open("ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=dict(os.environ, MEMFUSE_HOME=str(tmp / "home")))
+        try:
+            s = Server()
+            s.proc, s.url = proc, serve_listening(proc, log)
+            s.port = int(s.url.rsplit(":", 1)[1])
+            s.good, s.rid = trio.run(_setup, s.url)
+            yield s
+        finally:
+            stop(proc)
+
+
+async def _setup(url: str) -> tuple[str, str]:
+    async with admin_client(url) as a:
+        assert (await a.post("/v1/workspaces", json={"name": "ws", "default_store": False})).status_code == 201
+        assert (await a.post("/v1/stores", json={"slug": "default"})).status_code == 201
+        assert (await a.put("/v1/workspaces/ws/attachments/default", json={"access": "read_write"})).status_code == 200
+        good = (await a.post("/v1/tokens", json={"workspace": "ws", "name": "good"})).json()["token"]
+    async with httpx.AsyncClient(base_url=url, headers=_auth(good), timeout=30) as c:
+        r = await c.post("/v1/stores/default/records", json={"path": "a.md", "content": "hello\n"})
+        assert r.status_code == 201, r.text
+        return good, r.json()["id"]
+
+
+def _auth(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def admin_client(url: str) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=url, headers=_auth(ADMIN), timeout=30)
+
+
+async def new_token(url: str, name: str, ttl: int | None = None) -> dict:
+    async with admin_client(url) as a:
+        body = {"workspace": "ws", "name": name, **({"ttl_seconds": ttl} if ttl else {})}
+        r = await a.post("/v1/tokens", json=body)
+        assert r.status_code == 201, r.text
+        return r.json()
+
+
+# ---------------------------------------------------------------- the watch
+
+
+@asynccontextmanager
+async def watched(s: Server, what: str):
+    """Run the block while probes and the good client are asked in a loop; on the way out,
+    every answer must have been 200 within ``GOOD_BOUND`` s (and there must be some)."""
+    seen: list[tuple[str, int, float]] = []
+    stop_ = trio.Event()
+
+    async def loop(client: httpx.AsyncClient, name: str, path: str) -> None:
+        while not stop_.is_set():
+            t0 = time.monotonic()
+            try:
+                r = await client.get(path)
+                status = r.status_code
+            except httpx.HTTPError as e:
+                status = -1
+                print(what, name, "failed:", type(e).__name__, e)
+            seen.append((name, status, time.monotonic() - t0))
+            await trio.sleep(0.05)
+
+    async with httpx.AsyncClient(base_url=s.url, timeout=GOOD_BOUND + 3) as probe, \
+            httpx.AsyncClient(base_url=s.url, headers=_auth(s.good), timeout=GOOD_BOUND + 3) as good:
+        async with trio.open_nursery() as n:
+            n.start_soon(loop, probe, "healthz", "/healthz")
+            n.start_soon(loop, probe, "readyz", "/readyz")
+            n.start_soon(loop, good, "read", f"/v1/stores/default/records/{s.rid}")
+            try:
+                yield seen
+            finally:
+                stop_.set()
+    bad = [x for x in seen if x[1] != 200 or x[2] > GOOD_BOUND]
+    assert not bad, f"{what}: {len(bad)} of {len(seen)} watched answers failed or were slow: {bad[:5]}"
+    for name in ("healthz", "readyz", "read"):
+        assert sum(1 for x in seen if x[0] == name) >= 2, (what, name, len(seen))
+
+
+# ---------------------------------------------------------------- raw connections
+
+
+async def connect(s: Server, source: str = "127.0.0.1") -> trio.SocketStream:
+    sock = trio.socket.socket()
+    await sock.bind((source, 0))
+    await sock.connect(("127.0.0.1", s.port))
+    return trio.SocketStream(sock)
+
+
+async def read_all(stream: trio.SocketStream, limit: float) -> bytes:
+    """Everything the server sends until it closes (or ``limit`` s pass: then what came)."""
+    got = b""
+    with trio.move_on_after(limit):
+        while True:
+            try:
+                data = await stream.receive_some(65536)
+            except trio.BrokenResourceError:
+                break
+            if not data:
+                break
+            got += data
+    return got
+
+
+def status_of(raw: bytes) -> int:
+    return int(raw.split(b" ", 2)[1]) if raw.startswith(b"HTTP/1.1 ") else 0
+
+
+async def big_post(s: Server, token: str | None, chunked: bool, source: str) -> tuple[bytes, int, bool]:
+    """POST a 300 MB record body as fast as the server takes it; (answer, bytes the server
+    took, whether it closed the connection)."""
+    stream = await connect(s, source)
+    head = (f"POST /v1/stores/default/records HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + (f"Authorization: Bearer {token}\r\n" if token else "")
+            + ("Transfer-Encoding: chunked\r\n" if chunked else f"Content-Length: {BIG}\r\n") + "\r\n").encode()
+    piece = b"x" * 65536
+    if chunked:
+        piece = b"%x\r\n" % len(piece) + piece + b"\r\n"
+    sent = 0
+    answer = b""
+    closed = False
+    async with trio.open_nursery() as n:
+        async def send() -> None:
+            nonlocal sent
+            try:
+                await stream.send_all(head)
+                while sent < BIG:
+                    await stream.send_all(piece)
+                    sent += len(piece)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+
+        async def receive() -> None:
+            nonlocal answer, closed
+            answer = await read_all(stream, 30)
+            closed = True
+            n.cancel_scope.cancel()
+
+        n.start_soon(send)
+        n.start_soon(receive)
+    await stream.aclose()
+    return answer, sent, closed
+
+
+# ---------------------------------------------------------------- 1. bodies
+
+
+async def test_huge_bodies_are_refused_from_the_headers_and_memory_stays_flat(server):
+    s = server
+    async with httpx.AsyncClient(base_url=s.url, headers=_auth(s.good), timeout=30) as c:
+        for _ in range(20):  # warm up: the paths a body takes, allocated once
+            await c.post("/v1/stores/default/records", json={"path": f"w{_}.md", "content": "x" * 4096})
+    peak = s.rss()
+    done = trio.Event()
+
+    async def sample() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, s.rss())
+            await trio.sleep(0.01)
+
+    growth: dict[str, int] = {}
+    with trio.fail_after(120):
+        async with watched(s, "300 MB bodies"), trio.open_nursery() as n:
+            n.start_soon(sample)
+            # anonymous first (what the limit of 16 MiB is about), then a token's bodies past
+            # the 16 MiB limit: a chunked one is read up to the limit before it is refused.
+            # A declared length past the limit is refused first (no token lookup needed).
+            cases = [("anonymous, declared", None, False, "127.0.0.2", 413),
+                     ("anonymous, chunked", None, True, "127.0.0.2", 401),
+                     ("token, declared", s.good, False, "127.0.0.1", 413),
+                     ("token, chunked", s.good, True, "127.0.0.1", 413)]
+            for what, token, chunked, source, want in cases:
+                base = peak = s.rss()
+                answer, sent, closed = await big_post(s, token, chunked, source)
+                await trio.sleep(0.05)
+                growth[what] = peak - base
+                assert status_of(answer) == want, (what, answer[:200])
+                assert closed, "the connection must be closed after the refusal"
+                body = json.loads(answer.split(b"\r\n\r\n", 1)[1])
+                assert body["status"] == want
+                # declared: refused before the body; chunked: at the 16 MiB limit
+                assert sent < (40 * MIB if chunked and token else 24 * MIB), (what, sent)
+            done.set()
+    print("RSS growth under a 300 MB body:", {k: f"{v / MIB:.1f} MiB" for k, v in growth.items()})
+    for what, grew in growth.items():
+        bound = 16 * MIB if what.startswith("anonymous") or what == "token, declared" else 16 * MIB + 16 * MIB
+        assert grew < bound, f"the server grew by {grew / MIB:.1f} MiB under a 300 MB body ({what})"
+
+
+# ---------------------------------------------------------------- 2. slow clients
+
+
+async def test_slow_bodies_hold_no_slot_and_meet_the_body_deadline(server):
+    s = server
+    n_slow = LIMITS["max_requests"] + 8  # more than every request slot
+    results: list[tuple[str, int, float]] = []
+
+    async def slow(token: str | None, source: str) -> None:
+        stream = await connect(s, source)
+        t0 = time.monotonic()
+        await stream.send_all(
+            (f"POST /v1/stores/default/records HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n"
+             + (f"Authorization: Bearer {token}\r\n" if token else "") + "\r\n").encode())
+        got = b""
+        with trio.move_on_after(20):
+            async with trio.open_nursery() as n:
+                async def drip() -> None:
+                    try:
+                        for _ in range(100):
+                            await stream.send_all(b"{")
+                            await trio.sleep(0.5)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        pass
+
+                async def answer() -> None:
+                    nonlocal got
+                    got = await read_all(stream, 20)
+                    n.cancel_scope.cancel()
+                n.start_soon(drip)
+                n.start_soon(answer)
+        results.append(("auth" if token else "anon", status_of(got), time.monotonic() - t0))
+        await stream.aclose()
+
+    with trio.fail_after(60):
+        async with watched(s, "slow bodies") as seen, trio.open_nursery() as n:
+            for _ in range(n_slow):  # from an address of their own, a few at a time (below the
+                # per-address cap of connections not authenticated yet: each is, once its headers are in)
+                n.start_soon(slow, s.good, "127.0.0.3")
+                await trio.sleep(0.02)
+            for _ in range(4):
+                n.start_soon(slow, None, "127.0.0.2")
+            # the good client also writes while every slow body is being read
+            await trio.sleep(1.0)
+            async with httpx.AsyncClient(base_url=s.url, headers=_auth(s.good), timeout=GOOD_BOUND + 3) as c:
+                t0 = time.monotonic()
+                r = await c.post("/v1/stores/default/records", json={"path": "during-slow.md", "content": "ok\n"})
+                seen.append(("write", r.status_code if r.status_code != 201 else 200, time.monotonic() - t0))
+    auth = [r for r in results if r[0] == "auth"]
+    anon = [r for r in results if r[0] == "anon"]
+    assert len(auth) == n_slow and all(st == 408 for _, st, _ in auth), auth
+    assert all(LIMITS["body_timeout"] - 0.5 <= t <= LIMITS["body_timeout"] + 5 for _, _, t in auth), auth
+    assert len(anon) == 4 and all(st == 401 and t < 3 for _, st, t in anon), anon
+
+
+async def test_slow_headers_are_capped_per_address_and_cut_at_the_header_deadline(server):
+    s = server
+    n_conn = LIMITS["max_unauthenticated_per_address"] * 3
+    ends: list[float] = []
+
+    async def slowloris() -> None:
+        stream = await connect(s, "127.0.0.2")
+        t0 = time.monotonic()
+        try:
+            await stream.send_all(b"GET /v1/stores HTTP/1.1\r\nHost: x\r\n")
+            with trio.move_on_after(15):
+                async with trio.open_nursery() as n:
+                    async def drip() -> None:
+                        try:
+                            for _ in range(100):
+                                await stream.send_all(b"X")
+                                await trio.sleep(0.3)
+                        except (trio.BrokenResourceError, trio.ClosedResourceError):
+                            pass
+
+                    async def closed() -> None:
+                        await read_all(stream, 15)
+                        n.cancel_scope.cancel()
+                    n.start_soon(drip)
+                    n.start_soon(closed)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+        ends.append(time.monotonic() - t0)
+        await stream.aclose()
+
+    with trio.fail_after(40):
+        async with watched(s, "slow headers"), trio.open_nursery() as n:
+            for _ in range(n_conn):
+                n.start_soon(slowloris)
+                await trio.sleep(0.01)
+    # the cap's worth were held until the header deadline; the rest were closed at once
+    held = [t for t in ends if t > 1.0]
+    assert len(ends) == n_conn
+    assert len(held) <= LIMITS["max_unauthenticated_per_address"], sorted(ends)
+    assert len(held) >= 1 and all(t < LIMITS["header_timeout"] + 4 for t in held), sorted(ends)
+
+
+# ---------------------------------------------------------------- 3. idle long-lived responses
+
+
+async def _open_stream(client: httpx.AsyncClient, kind: str, stack) -> httpx.Response:
+    """Open a long-lived response of ``kind`` (``stream``, ``live``, ``poll``: a long-poll at
+    the store's head) and wait for its headers; the response is closed with ``stack``."""
+    if kind == "stream":
+        req = client.build_request("GET", "/v1/stores/default/changes", params={"after": 0, "stream": "true"})
+    elif kind == "live":
+        req = client.build_request("GET", "/ui/stores/default/live", params={"after": 0})
+    else:
+        head = (await client.get("/v1/stores/default/records", params={"limit": 1})).json()["seq"]
+        req = client.build_request("GET", "/v1/stores/default/changes", params={"after": head, "wait": 50})
+    r = await client.send(req, stream=True)
+    stack.push_async_callback(r.aclose)
+    return r
+
+
+async def test_long_lived_responses_are_capped_per_token_and_per_replica_and_hold_no_slot(server):
+    from contextlib import AsyncExitStack
+
+    s = server
+    per_token, per_replica = LIMITS["max_streams_per_token"], LIMITS["max_streams"]
+    tokens = [(await new_token(s.url, f"idle{i}"))["token"] for i in range(per_replica // per_token + 1)]
+    with trio.fail_after(60):
+        async with watched(s, "idle streams"), AsyncExitStack() as stack:
+            clients = []
+            for t in tokens:
+                c = httpx.AsyncClient(base_url=s.url, headers=_auth(t), timeout=30,
+                                      limits=httpx.Limits(max_connections=50))
+                clients.append(await stack.enter_async_context(c))
+            # GET /mcp: no event stream on the stateless endpoint
+            r = await clients[0].get("/mcp", headers={"Accept": "text/event-stream"})
+            assert r.status_code == 405 and "POST" in r.headers["allow"]
+            # one token: streams, live pages and a long-poll share its cap; the next is 429
+            for kind in ("stream", "live", "stream", "live"):
+                r = await _open_stream(clients[0], kind, stack)
+                assert r.status_code == 200, (kind, r.status_code)
+            for kind in ("stream", "live", "poll"):
+                r = await _open_stream(clients[0], kind, stack)
+                assert r.status_code == 429 and r.headers["retry-after"] == "5", (kind, r.status_code)
+                if kind != "live":
+                    await r.aread()
+                    assert r.json()["code"] == "too_many_long_polls"
+            # the replica: per_replica in all, then 429 too_many_streams for any token
+            opened = per_token
+            for c in clients[1:]:
+                for _ in range(per_token):
+                    if opened == per_replica:
+                        break
+                    r = await _open_stream(c, "stream", stack)
+                    assert r.status_code == 200
+                    opened += 1
+            r = await _open_stream(clients[-1], "stream", stack)
+            await r.aread()
+            assert r.status_code == 429 and r.json()["code"] == "too_many_streams", r.status_code
+            assert r.headers["retry-after"] == "5"
+            # every long-lived slot taken: ordinary requests still pass (the watch checks it)
+            await trio.sleep(1.5)
+
+
+# ---------------------------------------------------------------- 4. tokens end their streams
+
+
+async def _cut_all(s: Server, token: str, cut) -> list[tuple[str, float, str]]:
+    """Open a change stream, a long-poll and a live page with ``token``, run ``cut()`` (which
+    returns the time the token stopped being valid), and return for each how long after that
+    it ended and how (its last line / status)."""
+    out: list[tuple[str, float, str]] = []
+
+    async def one(kind: str, client: httpx.AsyncClient) -> None:
+        from contextlib import AsyncExitStack
+
+        async with AsyncExitStack() as stack:
+            r = await _open_stream(client, kind, stack)  # a long-poll: once it answered
+            if kind == "poll":
+                await r.aread()
+                out.append((kind, time.time(), f"{r.status_code} {r.json().get('code')}"))
+                return
+            assert r.status_code == 200
+            last = ""
+            async for line in r.aiter_lines():
+                if line.strip():
+                    last = line
+            out.append((kind, time.time(), last))
+
+    async with httpx.AsyncClient(base_url=s.url, headers=_auth(token), timeout=120) as c:
+        with trio.fail_after(60):
+            async with trio.open_nursery() as n:
+                before = await long_lived(s)
+                for kind in ("stream", "poll", "live"):
+                    n.start_soon(one, kind, c)
+                while await long_lived(s) < before + 3:  # all three held by the server
+                    await trio.sleep(0.05)
+                await trio.sleep(0.3)  # the long-poll is past its first look
+                at = await cut()
+    return [(k, t - at, how) for k, t, how in out]
+
+
+async def long_lived(s: Server) -> int:
+    """The server's ``memfuse_server_long_lived`` gauge."""
+    async with httpx.AsyncClient(base_url=s.url, timeout=30) as c:
+        text = (await c.get("/metrics")).text
+    return int(float(next(line.split()[1] for line in text.splitlines()
+                          if line.startswith("memfuse_server_long_lived "))))
+
+
+async def test_revocation_and_expiry_end_every_long_lived_response_within_a_second(server):
+    s = server
+    tok = await new_token(s.url, "revoked")
+
+    async def revoke() -> float:
+        async with admin_client(s.url) as a:
+            t = time.time()
+            assert (await a.delete(f"/v1/tokens/{tok['id']}")).status_code == 204
+            return t
+
+    async with watched(s, "revocation"):
+        got = await _cut_all(s, tok["token"], revoke)
+    _check_cut(got, "token revoked")
+
+    from datetime import datetime
+
+    tok = await new_token(s.url, "expiring", ttl=4)
+    expires = datetime.fromisoformat(tok["expires_at"].replace("Z", "+00:00")).timestamp()
+
+    async def expire() -> float:
+        await trio.sleep(max(0.0, expires - time.time()))
+        return expires
+
+    async with watched(s, "expiry"):
+        got = await _cut_all(s, tok["token"], expire)
+    _check_cut(got, "token expired")
+
+
+def _check_cut(got: list[tuple[str, float, str]], why: str) -> None:
+    print(why, [(k, round(t, 3), how[:60]) for k, t, how in got])
+    kinds = {k: (t, how) for k, t, how in got}
+    assert set(kinds) == {"stream", "poll", "live"}, got
+    assert kinds["poll"][1] == "401 unauthorized", got
+    assert json.loads(kinds["stream"][1])["error"]["detail"] == why, got
+    assert kinds["live"][1].startswith("data:") and '"status": 401' in kinds["live"][1], got
+    # within a second (plus a margin for a loaded shared machine: the bench measures it)
+    assert all(-0.05 <= t <= 1.5 for t, _ in kinds.values()), got
