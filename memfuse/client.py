@@ -266,7 +266,7 @@ def _error_from(status: int, problem: dict[str, Any], reason: str | None, retry_
     retry_after = None
     if status in _STATUS_CLASSES:
         cls: type[ApiError] = _STATUS_CLASSES[status]
-    elif status >= 500 or status == 429:
+    elif status >= 500 or status in (408, 429):  # 408: the body was too slow; send it again
         cls = TransientError
         retry_after = parse_retry_after(retry_header)
     elif 400 <= status < 500:

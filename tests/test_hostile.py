@@ -63,26 +63,36 @@ class Server:
         raise AssertionError("no VmRSS")
 
 
+def start(tmp: Path, db: str, name: str, flags: dict = LIMITS) -> Server:
+    """Start ``memfuse serve`` on ``db`` with ``flags`` and wait until it listens (the caller
+    stops ``.proc``)."""
+    (tmp / "admin.token").write_text(ADMIN)
+    log = tmp / f"{name}.log"
+    proc = subprocess.Popen(
+        [MEMFUSE, "serve", "--db", db, "--listen", "127.0.0.1:0", "--admin-token-file",
+         str(tmp / "admin.token"), "--migrate", *(f"--{k.replace('_', '-')}={v}" for k, v in flags.items())],
+        stdout=log.open("ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        env=dict(os.environ, MEMFUSE_HOME=str(tmp / "home")))
+    try:
+        s = Server()
+        s.proc, s.url = proc, serve_listening(proc, log)
+        s.port = int(s.url.rsplit(":", 1)[1])
+        return s
+    except BaseException:
+        stop(proc)
+        raise
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hostile")
-    (tmp / "admin.token").write_text(ADMIN)
-    log = tmp / "serve.log"
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in LIMITS.items()]
     with fresh_db_url(f"sqlite:///{tmp / 'cp.db'}") as db:
-        proc = subprocess.Popen(
-            [MEMFUSE, "serve", "--db", db, "--listen", "127.0.0.1:0", "--admin-token-file",
-             str(tmp / "admin.token"), "--migrate", *flags],
-            stdout=log.open("ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=dict(os.environ, MEMFUSE_HOME=str(tmp / "home")))
+        s = start(tmp, db, "serve")
         try:
-            s = Server()
-            s.proc, s.url = proc, serve_listening(proc, log)
-            s.port = int(s.url.rsplit(":", 1)[1])
             s.good, s.rid = trio.run(_setup, s.url)
             yield s
         finally:
-            stop(proc)
+            stop(s.proc)
 
 
 async def _setup(url: str) -> tuple[str, str]:
@@ -503,3 +513,61 @@ def _check_cut(got: list[tuple[str, float, str]], why: str) -> None:
     assert kinds["live"][1].startswith("data:") and '"status": 401' in kinds["live"][1], got
     # within a second (plus a margin for a loaded shared machine: the bench measures it)
     assert all(-0.05 <= t <= 1.5 for t, _ in kinds.values()), got
+
+
+# ---------------------------------------------------------------- PostgreSQL: two replicas
+
+
+@pytest.fixture(scope="module")
+def pg_base():
+    from pgutil import pg_bindir, pg_cluster, pg_url
+
+    if pg_url() is not None:
+        yield None  # fresh_db_url gives a schema on $MEMFUSE_TEST_DB_URL
+        return
+    if pg_bindir() is None:
+        if os.environ.get("CI"):
+            pytest.fail("PostgreSQL or psycopg missing: ./scripts/setup --test installs them")
+        pytest.skip("PostgreSQL or psycopg not installed (./scripts/setup --test installs them)")
+    with pg_cluster(max_connections=100) as url:
+        yield url
+
+
+async def test_on_postgresql_caps_hold_and_a_revocation_on_one_replica_cuts_on_the_other(
+        pg_base, tmp_path, monkeypatch):
+    """Two replicas on one PostgreSQL database: B's per-token cap holds; a token revoked
+    through A ends its stream, long-poll and live page on B within a second (the commit bus)."""
+    if pg_base is not None:
+        monkeypatch.setenv("MEMFUSE_TEST_DB_URL", pg_base)
+    from contextlib import AsyncExitStack
+
+    with fresh_db_url() as db:
+        a = start(tmp_path, db, "a")
+        try:
+            b = start(tmp_path, db, "b")
+            try:
+                b.good, b.rid = await _setup(a.url)
+                a.good, a.rid = b.good, b.rid
+                tok = await new_token(a.url, "pg-idle")
+                async with watched(b, "pg caps"), AsyncExitStack() as stack:
+                    c = await stack.enter_async_context(
+                        httpx.AsyncClient(base_url=b.url, headers=_auth(tok["token"]), timeout=30))
+                    for kind in ("stream", "live") * (LIMITS["max_streams_per_token"] // 2):
+                        assert (await _open_stream(c, kind, stack)).status_code == 200
+                    r = await _open_stream(c, "stream", stack)
+                    assert r.status_code == 429 and r.headers["retry-after"] == "5"
+                tok = await new_token(a.url, "pg-revoked")
+
+                async def revoke() -> float:
+                    async with admin_client(a.url) as ac:
+                        t = time.time()
+                        assert (await ac.delete(f"/v1/tokens/{tok['id']}")).status_code == 204
+                        return t
+
+                async with watched(b, "pg revocation"):
+                    got = await _cut_all(b, tok["token"], revoke)
+                _check_cut(got, "token revoked")
+            finally:
+                stop(b.proc)
+        finally:
+            stop(a.proc)
