@@ -14,7 +14,8 @@ authenticated client are watched; every one of their answers must be 200, in tim
 Attackers that have no token connect from 127.0.0.2 (Linux routes all of 127/8 to the
 loopback), so that the per-address cap they meet is not the good client's (127.0.0.1).
 
-Runs on SQLite; with ``MEMFUSE_TEST_DB_URL`` (tests/pgutil.py) the server runs on PostgreSQL.
+Runs on SQLite; the last test runs two replicas on PostgreSQL, from ``tests/test_postgres.py``
+(``MEMFUSE_TEST_DB_URL``, tests/pgutil.py).
 """
 from __future__ import annotations
 
@@ -518,27 +519,20 @@ def _check_cut(got: list[tuple[str, float, str]], why: str) -> None:
 # ---------------------------------------------------------------- PostgreSQL: two replicas
 
 
-@pytest.fixture(scope="module")
-def pg_base():
-    from pgutil import pg_bindir, pg_cluster, pg_url
+def _need_pg() -> None:
+    """Skip unless ``$MEMFUSE_TEST_DB_URL`` names PostgreSQL: ``tests/test_postgres.py`` runs
+    this test so, on the cluster it starts for the API suite (starting one here would double
+    this module's time)."""
+    from pgutil import pg_url
 
-    if pg_url() is not None:
-        yield None  # fresh_db_url gives a schema on $MEMFUSE_TEST_DB_URL
-        return
-    if pg_bindir() is None:
-        if os.environ.get("CI"):
-            pytest.fail("PostgreSQL or psycopg missing: ./scripts/setup --test installs them")
-        pytest.skip("PostgreSQL or psycopg not installed (./scripts/setup --test installs them)")
-    with pg_cluster(max_connections=100) as url:
-        yield url
+    if pg_url() is None:
+        pytest.skip("PostgreSQL: run by tests/test_postgres.py (MEMFUSE_TEST_DB_URL)")
 
 
-async def test_on_postgresql_caps_hold_and_a_revocation_on_one_replica_cuts_on_the_other(
-        pg_base, tmp_path, monkeypatch):
+async def test_on_postgresql_caps_hold_and_a_revocation_on_one_replica_cuts_on_the_other(tmp_path):
     """Two replicas on one PostgreSQL database: B's per-token cap holds; a token revoked
     through A ends its stream, long-poll and live page on B within a second (the commit bus)."""
-    if pg_base is not None:
-        monkeypatch.setenv("MEMFUSE_TEST_DB_URL", pg_base)
+    _need_pg()
     from contextlib import AsyncExitStack
 
     with fresh_db_url() as db:

@@ -80,8 +80,9 @@ _TRUE = ("true", "1", "yes", "on")
 
 
 class Connections:
-    """Open connections per client address that have not shown a valid token yet (or asked a
-    probe); at most ``cap`` per address (0: no cap). ``memfuse.server.serve`` calls ``opened``
+    """Open connections per client address that have not shown a valid token yet (nor asked a
+    probe, nor had an answer below 400: a console page, whose session the console checks);
+    at most ``cap`` per address (0: no cap). ``memfuse.server.serve`` calls ``opened``
     when it accepts a connection (False: close it at once) and ``closed`` when it ends; the
     ``Gate`` calls ``cleared`` once a request on it authenticated. Event-loop only."""
 
@@ -293,6 +294,8 @@ class Gate:
         async def send_bounded(message: Message) -> None:
             if message["type"] == "http.response.start":
                 state["status"] = message["status"]
+                if message["status"] < 400:  # served: e.g. a console page, whose session the app checked
+                    self.connections.cleared(scope.get("client"))
                 state["type"] = next((v for k, v in message.get("headers", ()) if k.lower() == b"content-type"), b"")
             elif message["type"] == "http.response.body" and not message.get("more_body", False):
                 state["done"] = True
