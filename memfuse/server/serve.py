@@ -32,6 +32,7 @@ BACKLOG = 2048  # pending connections the kernel queues (thousands of sidecars r
 # timeout (memfuse.server.limits) closes the connection. Fast enough for a data-centre
 # network (256 KiB per round trip: 250 MB/s at 1 ms).
 SEND_BUFFER = 128 * 1024
+MAX_HEAD = 16 * 1024  # bytes of a request line and headers (hypercorn's default, said here)
 
 
 # The cyclic garbage collector's thresholds for a serving process (``tune_gc``): CPython's
@@ -185,6 +186,7 @@ async def _serve(app, listen: str, task_status) -> None:
     # a request's headers are complete: the header deadline, and how long an idle keep-alive
     # connection stays open
     config.keep_alive_timeout = getattr(front, "header_timeout", config.keep_alive_timeout)
+    config.h11_max_incomplete_size = MAX_HEAD  # a longer request head is refused (431) and closed
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")
     connections = getattr(front, "connections", None)
