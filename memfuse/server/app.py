@@ -39,7 +39,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ValidationError
-from sqlalchemy.exc import OperationalError, SQLAlchemyError
+from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -296,28 +296,8 @@ def create_app(
 
         install_console(app)  # the web console at /ui/ (memfuse/server/console/)
 
-    @app.get("/healthz", include_in_schema=False)
-    def healthz() -> dict[str, bool]:
-        """Liveness: the process serves HTTP. Never touches the database (a database outage
-        must not get every replica restarted; readiness takes them out of the Service)."""
-        return {"ok": True}
-
-    @app.get("/readyz", include_in_schema=False)
-    def readyz() -> Response:
-        """Readiness: 200 when a ``SELECT 1`` on the database answers; 503 problem
-        (``database_unavailable``, reason logged) when it fails, and (``shutting_down``) once
-        shutdown has begun, so the Service stops sending new requests here."""
-        if svc.closing:
-            return problem_response(503, "shutting_down", "the server is shutting down",
-                                    headers={"Retry-After": "1"})
-        try:
-            with svc.db.read_conn() as conn:
-                conn.exec_driver_sql("SELECT 1")
-        except SQLAlchemyError as e:
-            log.warning("readiness: database unavailable: %s", type(e).__name__)
-            return problem_response(503, "database_unavailable", "the database does not answer",
-                                    headers={"Retry-After": "1"})
-        return JSONResponse({"ready": True})
+    # /healthz, /readyz and /metrics are answered by the front door (memfuse.server.gate),
+    # before any limit: they never queue behind API traffic
 
     # ------------------------------------------------------------ admin
 
