@@ -9,7 +9,8 @@ authenticated client are watched; every one of their answers must be 200, in tim
   extra connections at once, the header deadline the rest);
 - idle long-lived responses: per-token and per-replica caps (429 + ``Retry-After``) over
   change streams, long-polls and console live pages; ``GET /mcp`` is 405;
-- revocation and expiry of a token end its stream, long-poll and live page within a second.
+- revocation (through the API, or by another process writing the SQLite file) and expiry of a
+  token end its stream, long-poll and live page within a second.
 
 Attackers that have no token connect from 127.0.0.2 (Linux routes all of 127/8 to the
 loopback), so that the per-address cap they meet is not the good client's (127.0.0.1).
@@ -51,6 +52,7 @@ class Server:
 
     proc: subprocess.Popen
     url: str
+    db: str
     port: int
     good: str
     rid: str
@@ -76,6 +78,7 @@ def start(tmp: Path, db: str, name: str, flags: dict = LIMITS) -> Server:
         env=dict(os.environ, MEMFUSE_HOME=str(tmp / "home")))
     try:
         s = Server()
+        s.db = db
         s.proc, s.url = proc, serve_listening(proc, log)
         s.port = int(s.url.rsplit(":", 1)[1])
         return s
@@ -503,6 +506,34 @@ async def test_revocation_and_expiry_end_every_long_lived_response_within_a_seco
     async with watched(s, "expiry"):
         got = await _cut_all(s, tok["token"], expire)
     _check_cut(got, "token expired")
+
+
+async def test_a_revocation_by_another_process_on_the_sqlite_file_cuts_too(server):
+    """A token revoked by another process writing the served SQLite file (the CLI in local
+    mode does so) ends the token's long-lived responses: the server's watcher sees the
+    foreign commit and looks the open streams' tokens up again."""
+    s = server
+    if not s.db.startswith("sqlite:"):
+        pytest.skip("an SQLite file only")
+    from memfuse.server.db import Database
+    from memfuse.server.service import Principal, Service
+
+    tok = await new_token(s.url, "revoked-elsewhere")
+
+    def revoke_in_this_process() -> None:
+        db = Database(s.db, schema="check")
+        try:
+            Service(db, {}).revoke_token(Principal(workspace=None, name="cli"), tok["id"])
+        finally:
+            db.dispose()
+
+    async def revoke() -> float:
+        await trio.to_thread.run_sync(revoke_in_this_process)
+        return time.time()  # committed
+
+    async with watched(s, "revocation by another process"):
+        got = await _cut_all(s, tok["token"], revoke)
+    _check_cut(got, "token revoked")
 
 
 def _check_cut(got: list[tuple[str, float, str]], why: str) -> None:
