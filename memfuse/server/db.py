@@ -241,13 +241,13 @@ class VersionRow(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
     actor: Mapped[str] = mapped_column(Text)
     redacted: Mapped[bool] = mapped_column(Boolean, default=False)
+    # The record's attributes as of this version (see ``RecordRow``).
+    mode: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    mtime_ns: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     # When and by whom (an actor string) the version was redacted; None for redactions made
     # before revision 0006_anthropic_memory_stores.
     redacted_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     redacted_by: Mapped[str | None] = mapped_column(Text, nullable=True)
-    # The record's attributes as of this version (see ``RecordRow``).
-    mode: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    mtime_ns: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
     __table_args__ = (
         UniqueConstraint("record_id", "version", name="uq_versions_record_version"),
