@@ -472,5 +472,14 @@ def test_session_sync_through_mount(server, tmp_path):
         assert vs[0].created_by.type == "session_actor"
         sid = vs[0].created_by.session_id
         assert [v.id for v in sdk.beta.memory_stores.memory_versions.list(store, session_id=sid)] == [vs[0].id]
+
+        # archived through the API, the store refuses the mount's writes too (EACCES at close)
+        # and keeps serving reads
+        client(server, server.admin_token).beta.memory_stores.archive(store)
+        out = sh("python3 -c \"f = open('shared/late.md', 'w'); f.write('late'); f.close()\"",
+                 cwd=mnt, timeout=30, check=False)
+        assert out.returncode != 0 and "Permission denied" in out.stderr, (out.returncode, out.stderr)
+        assert (mnt / "shared" / "prefs.md").read_text() == "coffee\n"
+        assert [m.path for m in mem.list(store) if m.path == "/late.md"] == []
     finally:
         sc.stop()

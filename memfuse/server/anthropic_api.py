@@ -358,6 +358,8 @@ async def principal(
     p = svc.authenticate_cached(token, None)
     if p is None:
         p = await anyio.to_thread.run_sync(svc.authenticate, token, None)
+    if svc.token_upkeep_due():  # tokens' last_used_at, as memfuse's own API keeps it
+        await anyio.to_thread.run_sync(svc.token_upkeep)
     return p
 
 
