@@ -158,6 +158,9 @@ def test_store_lifecycle(server, admin, agent, ws_token):
         agent.beta.memory_stores.retrieve(b.id)
     with pytest.raises(anthropic.PermissionDeniedError):
         agent.beta.memory_stores.list(workspace_id="other")
+    with pytest.raises(anthropic.PermissionDeniedError):
+        agent.beta.memory_stores.memories.list(a.id, workspace_id="other")
+    assert agent.beta.memory_stores.retrieve(a.id, workspace_id="wrkspc_ws").id == a.id
     # created_at filters
     assert b.id in {s.id for s in ms.list(created_at_gte=b.created_at)}
     assert b.id not in {s.id for s in ms.list(created_at_lte=a.created_at)}

@@ -398,7 +398,10 @@ ViewQ = Annotated[str | None, Query(description="basic (no content) or full")]
 def install(app: FastAPI, svc: Service) -> None:
     """Add the memory-store API's routes to ``app`` (``memfuse.server.app.create_app``)."""
 
-    r = APIRouter(prefix=PREFIX, route_class=_AnthropicRoute, tags=["anthropic memory stores"])
+    # every route checks anthropic-workspace-id against the token (FastAPI runs a dependency
+    # once per request, so the routes that read it get the same answer)
+    r = APIRouter(prefix=PREFIX, route_class=_AnthropicRoute, tags=["anthropic memory stores"],
+                  dependencies=[Depends(workspace)])
 
     # ------------------------------------------------------------ memory stores
 
