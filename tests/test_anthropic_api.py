@@ -484,5 +484,9 @@ def test_session_sync_through_mount(server, tmp_path):
         assert out.returncode != 0 and "Permission denied" in out.stderr, (out.returncode, out.stderr)
         assert (mnt / "shared" / "prefs.md").read_text() == "coffee\n"
         assert [m.path for m in mem.list(store) if m.path == "/late.md"] == []
+
+        # deleted through the API, the store leaves the mount (its workspace gets `detached`)
+        client(server, server.admin_token).beta.memory_stores.delete(store)
+        wait_until(lambda: not (mnt / "shared").exists(), 30, "the deleted store leaves the mount")
     finally:
         sc.stop()
