@@ -179,7 +179,10 @@ def test_store_lifecycle(server, admin, agent, ws_token):
     with pytest.raises(anthropic.BadRequestError):
         agent.beta.memory_stores.memories.update(m.id, memory_store_id=a.id, content="coffee\n")
     assert agent.beta.memory_stores.memories.retrieve(m.id, memory_store_id=a.id).content == "tea\n"
-    # memfuse's own API and faces meet the archive too: no record writes, no new attachment
+    # memfuse's own API and faces meet the archive too: the prompt block says it, no record
+    # writes, no new attachment
+    assert "## Store `user-preferences` at `/mnt/memory/user-preferences/` (read-only, archived)" in \
+        server.call("context", "ws", token=ws_token)
     with pytest.raises(Exception, match="store_archived"):
         server.call("create_record", "user-preferences", "x.md", "x", token=ws_token)
     server.call("create_workspace", "ws2", default_store=False)
