@@ -47,7 +47,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from memfuse.models import Record
 from memfuse.server import anthropic_models as am
-from memfuse.server.memstores import VERSION_OPERATIONS, ListedItem, store_id, store_out, store_slug
+from memfuse.server.memstores import VERSION_OPERATIONS, store_id, store_out, store_slug
 from memfuse.server.service import IdempotencyRequest, Principal, Reply, Service, ServiceError, idempotency_request
 
 log = logging.getLogger(__name__)
@@ -590,5 +590,5 @@ def install(app: FastAPI, svc: Service) -> None:
     app.include_router(r)
 
 
-__all__ = ["AnthropicError", "ListedItem", "PREFIX", "from_service_error", "install", "memfuse_path",
+__all__ = ["AnthropicError", "PREFIX", "from_service_error", "install", "memfuse_path",
            "memory_id", "record_id_of", "version_id", "version_seq"]

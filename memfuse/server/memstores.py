@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -30,8 +30,10 @@ from sqlalchemy.engine import Connection, Row
 from sqlalchemy.orm import Session
 
 from memfuse.models import Access, MoveResult, Record, RecordCreate, RecordMove, RecordUpdate, StoreCreate
+from memfuse.server.anthropic_models import DeletedMemoryStore, MemoryStoreOut
 from memfuse.server.base import _A, _R, _S, _V, IdempotencyRequest, Principal, Reply, ServiceBase, ServiceError
 from memfuse.server.db import AttachmentRow, StoreRow, WorkspaceRow, utcnow
+from memfuse.server.records import _record_model
 
 log = logging.getLogger("memfuse.server.service")  # every room of the Service logs under one name
 
@@ -83,7 +85,7 @@ class MemoryStoresMixin(ServiceBase):
     # ------------------------------------------------------------ memory stores
 
     @staticmethod
-    def _ms_visible(conn: Connection, p: Principal, workspace: str | None) -> Any:
+    def _ms_visible(p: Principal, workspace: str | None) -> Any:
         """The statement of the stores ``p`` sees: all for an admin token (those attached to
         ``workspace`` when given), the attached ones for a workspace token."""
         ws = p.workspace or workspace
@@ -98,7 +100,7 @@ class MemoryStoresMixin(ServiceBase):
         """The store rows ``p`` sees, newest first (then by slug), archived ones only with
         ``include_archived``, created within the bounds given (inclusive)."""
         with self.db.read_conn() as conn:
-            q = self._ms_visible(conn, p, workspace)
+            q = self._ms_visible(p, workspace)
             if not include_archived:
                 q = q.where(_S.c.archived_at.is_(None))
             if created_gte is not None:
@@ -117,14 +119,11 @@ class MemoryStoresMixin(ServiceBase):
         self, p: Principal, *, name: str, description: str, metadata: dict[str, str],
         workspace: str | None, idem: IdempotencyRequest | None = None,
     ) -> Reply:
-        """201 store row as JSON (``Reply.body`` is the slug's store row dumped by the
-        caller's model, see ``anthropic_api``); admin. The slug is ``slug_for_name(name)``,
-        made unique with ``-2``, ``-3``...; the store gets memfuse's default limits. With
-        ``workspace`` the store is attached to it ``read_write`` (event ``attached``).
-        404 ``workspace_not_found``."""
+        """200 [MemoryStoreOut] (Anthropic's API answers a create 200); admin. The slug is
+        ``slug_for_name(name)``, made unique with ``-2``, ``-3``...; the store gets memfuse's
+        default limits. With ``workspace`` the store is attached to it ``read_write`` (event
+        ``attached``). 404 ``workspace_not_found``."""
         self._require_admin(p)
-        from memfuse.server.anthropic_models import MemoryStoreOut
-
         def fn(s: Session) -> MemoryStoreOut:
             if workspace is not None and s.get(WorkspaceRow, workspace) is None:
                 raise ServiceError(404, "workspace_not_found", f"no workspace {workspace!r}")
@@ -153,11 +152,12 @@ class MemoryStoresMixin(ServiceBase):
                      f", attached to {workspace} read-write" if workspace else "")
             return store_out(st)
 
-        return self._write(p, idem, 201, fn)
+        return self._write(p, idem, 200, fn)
 
     def ms_update_store(
         self, p: Principal, slug: str, *, name: str | None, description: str | None,
-        metadata_patch: dict[str, str | None] | None, check_metadata, idem: IdempotencyRequest | None = None,
+        metadata_patch: dict[str, str | None] | None, check_metadata: Callable[[dict[str, str]], None],
+        idem: IdempotencyRequest | None = None,
     ) -> Reply:
         """200 the store; admin. 403 ``store_archived`` for an archived store. ``name`` and
         ``description`` replace; ``metadata_patch`` sets (or, with None, removes) keys and
@@ -166,7 +166,7 @@ class MemoryStoresMixin(ServiceBase):
         block shows it). Nothing changed: no write, ``updated_at`` kept."""
         self._require_admin(p)
 
-        def fn(s: Session) -> Any:
+        def fn(s: Session) -> MemoryStoreOut:
             conn = s.connection()
             st = self._store(conn, p, slug, write=True)
             if st.archived_at is not None:
@@ -202,7 +202,7 @@ class MemoryStoresMixin(ServiceBase):
         ``store_changed`` to the attached workspaces."""
         self._require_admin(p)
 
-        def fn(s: Session) -> Any:
+        def fn(s: Session) -> MemoryStoreOut:
             conn = s.connection()
             st = self._store(conn, p, slug, write=True)
             if st.archived_at is None:
@@ -221,8 +221,6 @@ class MemoryStoresMixin(ServiceBase):
         was attached to gets a ``detached`` event (its sidecars unmount it). 404 when
         missing."""
         self._require_admin(p)
-        from memfuse.server.anthropic_models import DeletedMemoryStore
-
         def fn(s: Session) -> DeletedMemoryStore:
             conn = s.connection()
             self._store(conn, p, slug, write=True)
@@ -313,8 +311,6 @@ class MemoryStoresMixin(ServiceBase):
         return self._write(p, idem, 200, fn, etag=True, feed=slug)
 
     def _ms_record(self, conn: Connection, st: Row, record_id: str) -> Record:
-        from memfuse.server.records import _record_model
-
         return _record_model(self._live(self._record(conn, st, record_id)), with_content=False)  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------ versions
@@ -398,11 +394,9 @@ def store_metadata(st: Row | StoreRow) -> dict[str, str]:
     return json.loads(raw) if raw else {}
 
 
-def store_out(st: Row | StoreRow):
+def store_out(st: Row | StoreRow) -> MemoryStoreOut:
     """``MemoryStoreOut`` of a store row: ``name`` the slug when never set, ``updated_at``
     the creation time when never changed."""
-    from memfuse.server.anthropic_models import MemoryStoreOut
-
     return MemoryStoreOut(
         id=store_id(st.slug), name=st.name or st.slug, description=st.description or "",
         metadata=store_metadata(st), created_at=st.created_at,
