@@ -190,6 +190,8 @@ def test_store_lifecycle(server, admin, agent, ws_token):
         server.call("attach", "ws2", "user-preferences")
     server.call("attach", "ws2", "user-preferences-2")  # a store not archived: fine
     assert agent.beta.memory_stores.memories.delete(m.id, memory_store_id=a.id).type == "memory_deleted"
+    first = ms.memory_versions.list(a.id, memory_id=m.id, operation="created").data[0]
+    assert ms.memory_versions.redact(first.id, memory_store_id=a.id).redacted_at is not None
 
     # delete: the store, its records and versions go
     gone = ms.delete(a.id)
