@@ -314,6 +314,13 @@ def test_listing(agent, admin):
     full = list(mem.list(store, view="full", path_prefix="/zeta/"))
     assert [(i.path, i.content, i.content_sha256) for i in full] == [("/zeta/q.md", "/zeta/q.md", sha("/zeta/q.md"))]
     assert all(i.content is None for i in mem.list(store))
+    # a listed memory is the retrieved one, member for member (the listing builds its JSON
+    # without the models)
+    for item in mem.list(store, path_prefix="/notes/"):
+        assert item == mem.retrieve(item.id, memory_store_id=store, view="basic")
+        assert item.to_dict() == mem.retrieve(item.id, memory_store_id=store, view="basic").to_dict()
+    for item in mem.list(store, path_prefix="/notes/", view="full"):
+        assert item == mem.retrieve(item.id, memory_store_id=store)
     assert len(mem.list(store, view="full", limit=100).data) == len(paths)  # capped at 20 per page
     with pytest.raises(anthropic.BadRequestError):
         mem.list(store, path_prefix="/notes")
