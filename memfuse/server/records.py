@@ -350,7 +350,9 @@ def _usage(conn: Connection, slugs: Iterable[str] | None = None) -> dict[str, tu
 class RecordsMixin(ServiceBase):
     """``Service`` methods: record reads (``list_records``, ``get_record``, ``list_versions``,
     ``get_version``) and writes (``create_record``, ``update_record``, ``set_attributes``, ``move_record``,
-    ``move_prefix``, ``delete_record``, ``restore_record``, ``redact_version``)."""
+    ``move_prefix``, ``delete_record``, ``restore_record``, ``redact_version``). In an archived
+    store every write but ``delete_record`` and ``redact_version`` refuses 403
+    ``store_archived`` (``_check_writable``)."""
 
     @staticmethod
     def _record(conn: Connection, st: Row, record_id: str) -> _Rec:
