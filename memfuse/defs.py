@@ -18,6 +18,7 @@ __all__ = [
     "MTIME_NS_MAX",
     "SLUG_PATTERN",
     "MAX_TOKEN_TTL_SECONDS",
+    "INSTRUCTIONS_MAX_CHARS",
     "BATCH_MAX_OPERATIONS",
     "BATCH_MAX_BYTES",
     "RECORDS_PAGE_DEFAULT",
@@ -41,6 +42,9 @@ MODE_MASK = 0o7777  # the bits a record keeps (chmod(2)); the file type is not o
 MTIME_NS_MIN, MTIME_NS_MAX = -(1 << 63), (1 << 63) - 1  # a signed 64-bit ns count
 SLUG_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
 MAX_TOKEN_TTL_SECONDS = 10 * 366 * 86400  # ten years
+# characters of an attachment's instructions (the prompt block shows them): the bound of
+# Anthropic's memory-store resources (docs/ANTHROPIC-API.md)
+INSTRUCTIONS_MAX_CHARS = 4096
 BATCH_MAX_OPERATIONS = 100  # operations in one POST /v1/stores/{store}/batch
 BATCH_MAX_BYTES = 16 * 1024 * 1024  # bytes of one batch request body
 # query bounds of GET /v1/stores/{store}/records and .../search: the app's Query(...) and the

@@ -158,6 +158,7 @@ ERRNO_BY_CODE: dict[str, int] = {
     "forbidden": errno.EACCES,
     "unauthorized": errno.EACCES,
     "read_only": errno.EROFS,
+    "store_archived": errno.EACCES,  # archived through the memory-store API (docs/ANTHROPIC-API.md)
     "store_not_found": errno.ENOENT,
     "store_not_attached": errno.ENOENT,
     "path_exists": errno.EEXIST,

@@ -30,6 +30,7 @@ from .defs import (  # noqa: F401  (re-exported)
     BATCH_MAX_BYTES,
     BATCH_MAX_OPERATIONS,
     DEFAULT_MODE,
+    INSTRUCTIONS_MAX_CHARS,
     MAX_TOKEN_TTL_SECONDS,
     MODE_MASK,
     MTIME_NS_MAX,
@@ -98,7 +99,7 @@ class Store(BaseModel):
 
 class AttachmentPut(BaseModel):
     access: Access = Access.read_write
-    instructions: str = ""
+    instructions: str = Field(default="", max_length=INSTRUCTIONS_MAX_CHARS)
 
 
 class Attachment(BaseModel):

@@ -32,6 +32,7 @@ from .defs import (  # noqa: F401  (re-exported: the client side imports them fr
     BATCH_MAX_BYTES,
     BATCH_MAX_OPERATIONS,
     DEFAULT_MODE,
+    INSTRUCTIONS_MAX_CHARS,
     MAX_TOKEN_TTL_SECONDS,
     MODE_MASK,
     MTIME_NS_MAX,
@@ -110,7 +111,7 @@ class Store(Struct, kw_only=True):
 
 class AttachmentPut(Struct, kw_only=True):
     access: Access = Access.read_write
-    instructions: str = ""
+    instructions: Annotated[str, Meta(max_length=INSTRUCTIONS_MAX_CHARS)] = ""
 
 
 class Attachment(Struct, kw_only=True):

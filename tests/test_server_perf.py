@@ -275,6 +275,10 @@ def _older_database_gets_usage_columns_filled(url):
         for table in ("records", "versions"):  # nor the attribute columns (0004)
             con.exec_driver_sql(f"ALTER TABLE {table} DROP COLUMN mode")
             con.exec_driver_sql(f"ALTER TABLE {table} DROP COLUMN mtime_ns")
+        for col in ("name", "metadata_json", "archived_at", "updated_at"):  # nor 0006's
+            con.exec_driver_sql(f"ALTER TABLE stores DROP COLUMN {col}")
+        for col in ("redacted_at", "redacted_by"):
+            con.exec_driver_sql(f"ALTER TABLE versions DROP COLUMN {col}")
         con.exec_driver_sql("DROP TABLE alembic_version")
     old.dispose()
 

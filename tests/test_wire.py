@@ -213,6 +213,7 @@ BAD_REQUESTS = [
     ("StoreUpdate", dict(max_store_bytes=-1)),
     ("StoreUpdate", dict(default_type="nope")),
     ("AttachmentPut", dict(access="write")),
+    ("AttachmentPut", dict(instructions="x" * (models.INSTRUCTIONS_MAX_CHARS + 1))),
     ("TokenCreate", dict(name="x" * 201)),
     ("TokenCreate", dict(ttl_seconds=0)),
     ("TokenCreate", dict(ttl_seconds=models.MAX_TOKEN_TTL_SECONDS + 1)),

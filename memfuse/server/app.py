@@ -547,6 +547,10 @@ def create_app(
 
     app.openapi = openapi  # type: ignore[method-assign]
 
+    from memfuse.server import anthropic_api
+
+    anthropic_api.install(app, svc)  # Anthropic's memory-store API, /v1/memory_stores (docs/ANTHROPIC-API.md)
+
     if faces:
         from memfuse.server import agent_tools
 

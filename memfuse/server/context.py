@@ -143,7 +143,8 @@ class ContextMixin(ServiceBase):
         with self.db.read() as s:
             self._workspace(s, p, ws)
             rows = s.execute(
-                select(AttachmentRow.access, StoreRow.slug, StoreRow.description, AttachmentRow.instructions)
+                select(AttachmentRow.access, StoreRow.slug, StoreRow.description, AttachmentRow.instructions,
+                       StoreRow.archived_at)
                 .join(StoreRow, StoreRow.slug == AttachmentRow.store)
                 .where(AttachmentRow.workspace == ws)
                 .order_by(AttachmentRow.store)
@@ -181,9 +182,11 @@ class ContextMixin(ServiceBase):
         if not rows:
             return out + "\n\n(No memory store is attached to this workspace.)\n"
         used = _nbytes(out)
-        for i, (access_value, slug, description, instructions) in enumerate(rows):
+        for i, (access_value, slug, description, instructions, archived_at) in enumerate(rows):
             base = f"{mount_root}/{slug}"
             access = "read-write" if access_value == Access.read_write.value else "read-only"
+            if archived_at is not None:  # archived (the memory-store API): no writes at all
+                access = "read-only, archived"
             head = ["", "", f"## Store `{slug}` at `{base}/` ({access})"]
             if description.strip():
                 head += ["", f"Description: {clean(description).strip()}"]

@@ -63,7 +63,7 @@ log = logging.getLogger(__name__)
 #: the newest Alembic revision (``memfuse/server/migrations/versions/``): a database at it
 #: opens without Alembic (``Database._at_schema_head``). A new revision updates it;
 #: tests/test_migrations.py fails while it is not ``schema.head()``.
-SCHEMA_HEAD = "0005_records_path_bytes"
+SCHEMA_HEAD = "0006_anthropic_memory_stores"
 
 
 def utcnow() -> datetime:
@@ -128,6 +128,14 @@ class StoreRow(Base):
     # Live usage, kept by every record write in the same transaction (not re-counted).
     usage_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     record_count: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    # The Anthropic memory-store API's fields (memfuse/server/memstores.py; revision
+    # 0006_anthropic_memory_stores): a free-text name (None: the slug), metadata as a JSON
+    # object (None: {}), when archived (None: never; archived stores take no new records,
+    # writes or attachments), when the store itself last changed (None: ``created_at``).
+    name: Mapped[str | None] = mapped_column(Text, nullable=True)
+    metadata_json: Mapped[str | None] = mapped_column(Text, nullable=True)
+    archived_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    updated_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
 
 
 class AttachmentRow(Base):
@@ -236,6 +244,10 @@ class VersionRow(Base):
     # The record's attributes as of this version (see ``RecordRow``).
     mode: Mapped[int | None] = mapped_column(Integer, nullable=True)
     mtime_ns: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    # When and by whom (an actor string) the version was redacted; None for redactions made
+    # before revision 0006_anthropic_memory_stores.
+    redacted_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    redacted_by: Mapped[str | None] = mapped_column(Text, nullable=True)
 
     __table_args__ = (
         UniqueConstraint("record_id", "version", name="uq_versions_record_version"),

@@ -106,6 +106,14 @@ def _check_record_size(store: Row, size: int) -> None:
         )
 
 
+def _check_writable(st: Row) -> None:
+    """403 ``store_archived`` when the store was archived (``stores.archived_at``, the
+    Anthropic memory-store API's archive): its records may still be read, deleted and
+    redacted, never created, changed, moved or restored."""
+    if getattr(st, "archived_at", None) is not None:
+        raise ServiceError(403, "store_archived", f"store {st.slug!r} is archived: its records cannot be written")
+
+
 def _like_escape(text: str) -> str:
     """``text`` for a ``LIKE`` pattern with escape character ``\\``: ``\\``, ``%`` and ``_``
     match literally."""
@@ -342,7 +350,9 @@ def _usage(conn: Connection, slugs: Iterable[str] | None = None) -> dict[str, tu
 class RecordsMixin(ServiceBase):
     """``Service`` methods: record reads (``list_records``, ``get_record``, ``list_versions``,
     ``get_version``) and writes (``create_record``, ``update_record``, ``set_attributes``, ``move_record``,
-    ``move_prefix``, ``delete_record``, ``restore_record``, ``redact_version``)."""
+    ``move_prefix``, ``delete_record``, ``restore_record``, ``redact_version``). In an archived
+    store every write but ``delete_record`` and ``redact_version`` refuses 403
+    ``store_archived`` (``_check_writable``)."""
 
     @staticmethod
     def _record(conn: Connection, st: Row, record_id: str) -> _Rec:
@@ -649,6 +659,7 @@ class RecordsMixin(ServiceBase):
         sha = sha256_hex(raw)
 
         def fn(conn: Connection, st: Any) -> Record:
+            _check_writable(st)
             _check_record_size(st, len(raw))
             rtype = _resolve_type(path, body.content, body.type, st.default_type)
             if secret is not None:
@@ -704,6 +715,7 @@ class RecordsMixin(ServiceBase):
         sha = sha256_hex(raw)
 
         def fn(conn: Connection, st: Any) -> Record:
+            _check_writable(st)
             rec = self._live(self._record(conn, st, record_id))
             _check_if_match(if_match, rec.sha256)
             _check_record_size(st, len(raw))
@@ -757,6 +769,7 @@ class RecordsMixin(ServiceBase):
         given = body.model_fields_set
 
         def fn(conn: Connection, st: Any) -> Record:
+            _check_writable(st)
             rec = self._live(self._record(conn, st, record_id))
             _check_if_match(if_match, rec.sha256)
             mode = body.mode if "mode" in given else rec.mode
@@ -799,6 +812,7 @@ class RecordsMixin(ServiceBase):
         new_path = _check_new_path(body.path)
 
         def fn(conn: Connection, st: Any) -> MoveResult:
+            _check_writable(st)
             rec = self._live(self._record(conn, st, record_id))
             _check_if_match(if_match, rec.sha256)
             if new_path == rec.path:
@@ -853,6 +867,7 @@ class RecordsMixin(ServiceBase):
 
         def fn(conn: Connection) -> MoveResult:
             st = self._store(conn, p, slug, write=True)
+            _check_writable(st)
             like = _like_escape(src) + "/%"
             rows = conn.execute(
                 select(_R).where(
@@ -927,6 +942,7 @@ class RecordsMixin(ServiceBase):
 
         def fn(conn: Connection) -> Record:
             st = self._store(conn, p, slug, write=True)
+            _check_writable(st)
             rec = self._record(conn, st, record_id)
             v = self._version(conn, record_id, body.version)
             if v.redacted or v.content is None:
@@ -972,7 +988,8 @@ class RecordsMixin(ServiceBase):
                     409, "current_version", "the current version of a live record cannot be redacted; write over it first"
                 )
             if not v.redacted:
-                conn.execute(update(_V).where(_V.c.seq == v.seq).values(redacted=True, content=None))
+                conn.execute(update(_V).where(_V.c.seq == v.seq).values(
+                    redacted=True, content=None, redacted_at=utcnow(), redacted_by=p.actor))
                 if rec.deleted and rec.version == n:
                     conn.execute(_UPDATE_RECORD, {"rid": rec.id, "content": None})
                 v = self._version(conn, record_id, n)

@@ -26,7 +26,9 @@ import from here:
   replicas);
 - ``search``: search (path / content, bounded pages) and the bounded directory tree of the
   memory tool's ``view``;
-- ``context``: the prompt block (``cut_index``, ``strip_controls``).
+- ``context``: the prompt block (``cut_index``, ``strip_controls``);
+- ``memstores``: what the Anthropic memory-store API (``memfuse.server.anthropic_api``) needs
+  beyond the rest (stores by name, archive, delete; listings by depth; versions by seq).
 """
 from __future__ import annotations
 
@@ -57,6 +59,7 @@ from memfuse.server.context import (
     cut_index,
 )
 from memfuse.server.db import Database
+from memfuse.server.memstores import MemoryStoresMixin
 from memfuse.server.records import RecordsMixin, _usage  # noqa: F401  (_usage: for tests)
 from memfuse.server.search import SearchMixin
 from memfuse.server.stores import StoresMixin
@@ -89,7 +92,8 @@ __all__ = [
 ]
 
 
-class Service(TokensMixin, StoresMixin, BatchMixin, RecordsMixin, SearchMixin, ChangesMixin, ContextMixin):
+class Service(TokensMixin, StoresMixin, BatchMixin, RecordsMixin, SearchMixin, ChangesMixin, ContextMixin,
+              MemoryStoresMixin):
     """The control plane's rules over a ``Database``.
 
     ``static_tokens`` maps raw token → workspace (None = admin); the mapping is consulted on

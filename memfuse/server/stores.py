@@ -153,7 +153,7 @@ class StoresMixin(ServiceBase):
             self._store(s.connection(), p, slug, write=True)
             values = {k: v for k, v in body.model_dump(exclude_unset=True).items() if v is not None}
             if values:
-                s.connection().execute(update(_S).where(_S.c.slug == slug).values(**values))
+                s.connection().execute(update(_S).where(_S.c.slug == slug).values(**values, updated_at=utcnow()))
             attached = s.scalars(select(AttachmentRow.workspace).where(AttachmentRow.store == slug)).all()
             self._emit(s, attached, "store_changed", slug, None)
             return _store_model(self._store(s.connection(), p, slug))
@@ -163,8 +163,10 @@ class StoresMixin(ServiceBase):
     def put_attachment(
         self, p: Principal, ws: str, slug: str, body: AttachmentPut, idem: IdempotencyRequest | None = None
     ) -> Reply:
-        """200 [Attachment]; 404 ``workspace_not_found`` / ``store_not_found``; emits
-        ``attached`` when the attachment is new or its access or instructions changed."""
+        """200 [Attachment]; 404 ``workspace_not_found`` / ``store_not_found``; 403
+        ``store_archived`` for a new attachment of an archived store (an existing one may
+        still change); emits ``attached`` when the attachment is new or its access or
+        instructions changed."""
         self._require_admin(p)
 
         def fn(s: Session) -> Attachment:
@@ -172,6 +174,8 @@ class StoresMixin(ServiceBase):
             st = self._store(s.connection(), p, slug)
             att = s.get(AttachmentRow, (ws, slug))
             changed = True
+            if att is None and st.archived_at is not None:
+                raise ServiceError(403, "store_archived", f"store {slug!r} is archived: it takes no new attachments")
             if att is None:
                 att = AttachmentRow(
                     workspace=ws, store=slug, access=body.access.value, instructions=body.instructions,
