@@ -183,8 +183,7 @@ class Gate:
         if method in ("POST", "PUT", "PATCH"):
             if path.startswith("/ui/"):
                 return self.max_body
-            if path.startswith("/v1/") and ("/records" in path or "/memories" in path
-                                            or path.endswith(("/batch", "/memory-tool"))):
+            if path.startswith("/v1/") and ("/records" in path or path.endswith(("/batch", "/memory-tool"))):
                 return self.max_body
         return SMALL_BODY
 
@@ -519,8 +518,7 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 
 
 def _headers(scope: Scope) -> tuple[int | None, bool, str | None, str | None]:
-    """(Content-Length or None, chunked, token (``Authorization: Bearer``, else ``x-api-key``) or
-    None, X-Memfuse-Instance or None)."""
+    """(Content-Length or None, chunked, bearer token or None, X-Memfuse-Instance or None)."""
     length: int | None = None
     chunked = False
     token = instance = None
@@ -536,10 +534,6 @@ def _headers(scope: Scope) -> tuple[int | None, bool, str | None, str | None]:
             scheme, _, cred = v.decode("latin-1").partition(" ")
             if scheme.lower() == "bearer" and cred.strip():
                 token = cred.strip()
-        elif k == b"x-api-key" and token is None:
-            # Anthropic's SDK may send the key this way (memfuse.server.anthropic_api); a
-            # bearer token, when both are given, wins
-            token = v.decode("latin-1").strip() or None
         elif k == b"x-memfuse-instance":
             instance = v.decode("latin-1")
     return length, chunked, token, instance
