@@ -400,6 +400,16 @@ ViewQ = Annotated[str | None, Query(description="basic (no content) or full")]
 def install(app: FastAPI, svc: Service) -> None:
     """Add the memory-store API's routes to ``app`` (``memfuse.server.app.create_app``)."""
 
+    front = getattr(app, "front", None)  # memfuse.server.gate.Gate authenticates before the body
+    if front is not None:
+        front.api_key_prefixes = (*front.api_key_prefixes, PREFIX)
+
+        def unauthorized(e: ServiceError, scope: Any) -> Response:
+            message = "x-api-key header is required" if e.detail == "a bearer token is required" else e.detail
+            return AnthropicError(401, "authentication_error", message).response("req_" + uuid.uuid4().hex)
+
+        front.auth_refusals[PREFIX] = unauthorized
+
     # every route checks anthropic-workspace-id against the token (FastAPI runs a dependency
     # once per request, so the routes that read it get the same answer)
     r = APIRouter(prefix=PREFIX, route_class=_AnthropicRoute, tags=["anthropic memory stores"],

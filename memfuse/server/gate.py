@@ -8,11 +8,12 @@ In order, for every HTTP request:
    its ``SELECT 1`` on a thread of its own (one at a time; concurrent probes share the
    answer, a success is reused for ``READY_REUSE_SECONDS``).
 2. **Authentication from the headers**, before any body byte is read: ``/v1/...`` and
-   ``/mcp`` need ``Authorization: Bearer``. A missing token, a static token and a token in
+   ``/mcp`` need ``Authorization: Bearer`` (or ``x-api-key`` under ``api_key_prefixes``:
+   Anthropic's memory-store API). A missing token, a static token and a token in
    the positive cache are decided on the event loop; an unknown token costs one indexed
    lookup on a small thread pool of its own (``AUTH_THREADS``) and its refusal is remembered
    (``BAD_TOKEN_SECONDS``), so anonymous traffic cannot take the API's threads or repeat a
-   query. 401 problem (``/mcp``: its own 401 with ``WWW-Authenticate``).
+   query. 401 problem (``/mcp`` and the memory-store API: their own 401, ``auth_refusals``).
 3. **Size**: a declared ``Content-Length`` above the endpoint's limit is 413 at once; a
    chunked body is counted as it is read and cut with 413 past the limit. Limits:
    ``max_body`` for record writes, batches, the memory tool and console forms,
@@ -165,6 +166,9 @@ class Gate:
         self.header_timeout = header_timeout
         self.connections = Connections(max_unauthenticated_per_address)
         self.auth_refusals: dict[str, Callable[[ServiceError, Scope], Any]] = {}
+        # path prefixes whose clients may send the token as ``x-api-key`` (it wins over
+        # ``Authorization``, as there): Anthropic's memory-store API
+        self.api_key_prefixes: tuple[str, ...] = ()
         self.inflight = 0
         self.body_bytes = 0  # bytes of bodies held now
         self._auth_limiter: anyio.CapacityLimiter | None = None
@@ -183,7 +187,8 @@ class Gate:
         if method in ("POST", "PUT", "PATCH"):
             if path.startswith("/ui/"):
                 return self.max_body
-            if path.startswith("/v1/") and ("/records" in path or path.endswith(("/batch", "/memory-tool"))):
+            if path.startswith("/v1/") and ("/records" in path or "/memories" in path
+                                            or path.endswith(("/batch", "/memory-tool"))):
                 return self.max_body
         return SMALL_BODY
 
@@ -216,7 +221,9 @@ class Gate:
             self.connections.cleared(scope.get("client"))
             await self._probe(path, receive, send)
             return
-        length, chunked, token, instance = _headers(scope)
+        length, chunked, token, instance, api_key = _headers(scope)
+        if api_key and path.startswith(self.api_key_prefixes or ("\0",)):
+            token = api_key
         limit = self.body_limit(method, path)
         pending = chunked or bool(length)  # a body not read yet
         if length is not None and length > limit:
@@ -517,11 +524,12 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-def _headers(scope: Scope) -> tuple[int | None, bool, str | None, str | None]:
-    """(Content-Length or None, chunked, bearer token or None, X-Memfuse-Instance or None)."""
+def _headers(scope: Scope) -> tuple[int | None, bool, str | None, str | None, str | None]:
+    """(Content-Length or None, chunked, bearer token or None, X-Memfuse-Instance or None,
+    X-Api-Key or None)."""
     length: int | None = None
     chunked = False
-    token = instance = None
+    token = instance = api_key = None
     for k, v in scope.get("headers", ()):
         if k == b"content-length":
             try:
@@ -536,7 +544,9 @@ def _headers(scope: Scope) -> tuple[int | None, bool, str | None, str | None]:
                 token = cred.strip()
         elif k == b"x-memfuse-instance":
             instance = v.decode("latin-1")
-    return length, chunked, token, instance
+        elif k == b"x-api-key":
+            api_key = v.decode("latin-1").strip() or None
+    return length, chunked, token, instance, api_key
 
 
 def _problem(status: int, code: str, detail: str) -> bytes:
