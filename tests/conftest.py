@@ -8,7 +8,13 @@
   (``IN_PROCESS``: the sidecar runs in the test's own process), whose ``memfuse.*`` log
   records at ERROR or above are caught by a handler.
 - ``home``: a fresh ``MEMFUSE_HOME`` (and ``XDG_CACHE_HOME``) under the test's tmp dir, every
-  other ``MEMFUSE_*`` variable removed, for tests of the CLI's local mode.
+  other ``MEMFUSE_*`` variable removed (but ``MEMFUSE_CHECK_INVARIANTS``), for tests of the
+  CLI's local mode.
+- Every sidecar the tests start (in process or as a subprocess, which inherits the
+  environment) checks the filesystem core's invariants after every modifying FUSE operation
+  (``MEMFUSE_CHECK_INVARIANTS=1``, ``InodeTable.check_invariants``); a broken one is logged
+  as an ERROR (failing the test as above) and, in process, kept in
+  ``inodes.BROKEN_INVARIANTS``, which fails the test too.
 - Any FUSE mount a test left behind under this session's temporary directory is lazily
   unmounted at the end of the session, so a failing test cannot leave the machine with a dead mount.
 """
@@ -20,6 +26,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
+# before any memfuse.sidecar module is imported: read once at import (inodes.CHECK_INVARIANTS)
+os.environ.setdefault("MEMFUSE_CHECK_INVARIANTS", "1")
 
 _skipped_mount_tests: list[str] = []
 # modules whose sidecar layers run in the test process (their memfuse.* ERROR records count)
@@ -39,7 +48,7 @@ class _ErrorRecords(logging.Handler):
 def home(tmp_path, monkeypatch) -> Path:
     """MEMFUSE_HOME in a tmp dir and no other MEMFUSE_* variable in the environment."""
     for k in list(os.environ):
-        if k.startswith("MEMFUSE_"):
+        if k.startswith("MEMFUSE_") and k != "MEMFUSE_CHECK_INVARIANTS":
             monkeypatch.delenv(k)
     h = tmp_path / "home"
     monkeypatch.setenv("MEMFUSE_HOME", str(h))
@@ -50,6 +59,17 @@ def home(tmp_path, monkeypatch) -> Path:
 def pytest_configure(config):
     config.addinivalue_line("markers", "expect_sidecar_errors(reason): the test's sidecar may "
                                        "log an ERROR or a traceback on purpose")
+
+
+@pytest.fixture(autouse=True)
+def invariants_kept():
+    """Fail the test when an in-process sidecar found one of its invariants broken."""
+    from memfuse.sidecar import inodes
+
+    del inodes.BROKEN_INVARIANTS[:]
+    yield
+    broken, inodes.BROKEN_INVARIANTS[:] = list(inodes.BROKEN_INVARIANTS), []
+    assert not broken, f"sidecar invariants broken: {broken[:5]}"
 
 
 @pytest.fixture(autouse=True)

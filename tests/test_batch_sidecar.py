@@ -52,8 +52,8 @@ async def test_backlog_commits_in_batches_each_entry_as_alone(tmp_path, monkeypa
     finished: dict[str, int] = {}
     async with trio.open_nursery() as nursery:
         await start(sc, nursery)
-        on_result = sc.committer.on_result
-        sc.committer.on_result = lambda e: (finished.__setitem__(e.args.get("path"), e.errno), on_result(e))
+        entry_finished = sc.entry_finished  # the sidecar hears of every finished entry
+        sc.entry_finished = lambda e: (finished.__setitem__(e.args.get("path"), e.errno), entry_finished(e))
         for i in range(4):
             await write(sc, f"old{i}.md", f"old {i}\n".encode())
         await wait_until(lambda: sc.committer.depth() == 0)

@@ -25,7 +25,7 @@ import trio
 from memfuse.client import ApiClient
 from memfuse.sidecar.blobcache import BlobCache
 from memfuse.sidecar.core import Filesystem
-from memfuse.sidecar.committer import Committer
+from memfuse.sidecar.identity import RecordIds
 from memfuse.sidecar.journal import Journal
 from memfuse.sidecar.sync import Meta, StoreState
 from memfuse.wire import Record, datetime_ns, sha256_hex
@@ -144,7 +144,7 @@ def test_broken_mirror_is_refused(tmp_path):
 def test_tree_shares_the_mirror_and_keeps_a_records_key_when_its_id_changes(tmp_path):
     journal = Journal(tmp_path / "outbox.db")
     _, keymap = journal.load()
-    fs = Filesystem(BlobCache(tmp_path / "blobs.db"), Committer(None, journal, keymap))
+    fs = Filesystem(BlobCache(tmp_path / "blobs.db"), None, journal, ids=RecordIds(journal, keymap))
     st = StoreState(tmp_path / "s.json", "s")
     records = [rec(i) for i in range(20)]
     st.reset(records, 1)
@@ -158,7 +158,7 @@ def test_tree_shares_the_mirror_and_keeps_a_records_key_when_its_id_changes(tmp_
     # one directory string per directory, whatever the number of its records
     assert len({id(x.dir) for x in st.records.values()}) == len({x.dir for x in st.records.values()}) == 7
     assert n.key == "r:id-0003" and fs.node_by_key("r:id-0003") is n and "r:id-0003" not in fs.by_key
-    assert fs.committer.keymap == {}  # nothing per record until a record is written
+    assert fs.ids.map == {}  # nothing per record until a record is written
     assert (stat.S_IMODE(fs.by_rid["id-0005"].mode), fs.by_rid["id-0004"].mtime_ns) == (0o600, 10**18 + 4)
     assert fs.getxattr(n, "user.memfuse.updated_at") == T0.isoformat().encode()
     assert fs.getxattr(n, "user.memfuse.version") == str(m.version).encode()
@@ -173,10 +173,10 @@ def test_tree_shares_the_mirror_and_keeps_a_records_key_when_its_id_changes(tmp_
     h = fs.open(w.ino, os.O_WRONLY | os.O_TRUNC)
     fs.write(h, 0, b"new content\n")
     e = fs.commit(w)
-    assert e is not None and fs.committer.keymap["r:id-0007"] == ("id-0007", base)
+    assert e is not None and fs.ids.map["r:id-0007"] == ("id-0007", base)
     assert fs.committer.ids.get("r:id-0007", "s") == ("id-0007", base)
     # a record the keymap does not know: the sidecar's mirror gives the base
-    fs.committer.base_sha = lambda store, rid: st.sha_of(rid) if store == "s" else None
+    fs.ids.base_sha = lambda store, rid: st.sha_of(rid) if store == "s" else None
     assert fs.committer.ids.get("r:id-0008", "s") == ("id-0008", st.records["id-0008"].sha256)
     assert fs.committer.ids.get("r:unknown", "s") == ("unknown", None)
     # a node of a record that is gone is no key's node
@@ -382,7 +382,7 @@ def test_blob_cache_missing_and_gc_by_digest(tmp_path):
 def test_store_build_skips_paths_through_files_and_counts_what_it_shows(tmp_path):
     journal = Journal(tmp_path / "outbox.db")
     _, keymap = journal.load()
-    fs = Filesystem(BlobCache(tmp_path / "blobs.db"), Committer(None, journal, keymap))
+    fs = Filesystem(BlobCache(tmp_path / "blobs.db"), None, journal, ids=RecordIds(journal, keymap))
     paths = ["a/b.md", "a/c/d.md", "a/c/e.md", "x.md", "x.md/y.md", "a/c", "a/c/f.md", "top.md"]
     records = [rec(i, path=p, content=f"content {i}\n") for i, p in enumerate(paths)]
     sm = fs.add_store("s", "read_write", records,

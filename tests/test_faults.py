@@ -521,7 +521,7 @@ async def test_no_append_or_no_base_is_last_writer_wins_with_a_conflict_line(tmp
         assert len(conflict_lines(sc)) == 1 and sc.committer.merges == 0
 
         await write(sc, "j.md", b"a\n")
-        sc.committer.base_content = lambda sha: None  # the base's content is not cached
+        sc.committer.resolver.base_content = lambda sha: None  # the base's content is not cached
         fake.faults.precondition_race = 1
         await append(sc, "j.md", b"b\n")
         assert (await remote(fake))["j.md"] == b"a\nb\n"

@@ -9,7 +9,7 @@ through the core) leave out.
   ``catch_up`` against the fake, with a ``410`` injected;
 - committer: lost responses (the request applied, the answer dropped) and concurrent edits
   (``If-Match`` races) from the fake's fault injection: one version per write, conflicts
-  resolved last-writer-wins and reported to ``on_conflict``.
+  resolved last-writer-wins and reported to ``entry_conflicted``.
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def rec(rid: str, path: str, content: str, version: int = 1, deleted: bool = Fal
 
 def make_fs(tmp_path: Path, records: list[Record] = ()) -> Filesystem:
     j = Journal(tmp_path / "outbox.db")
-    fs = Filesystem(BlobCache(tmp_path / "blobs.db"), Committer(Offline(), j, {}))
+    fs = Filesystem(BlobCache(tmp_path / "blobs.db"), Offline(), j)
     fs.add_store("default", "read_write", list(records))
     return fs
 
@@ -161,9 +161,14 @@ async def test_committer_lost_responses_and_races_give_one_version_per_write(tmp
     async with ApiClient(fake.base_url, token,
                          transport=fake.transport) as api:
         j = Journal(tmp_path / "outbox.db")
-        c = Committer(api, j, {})
-        c.on_result = results.append
-        c.on_conflict = lambda e, what: conflicts.append(what)
+        class Listener:  # a CommitListener
+            def entry_finished(self, e):
+                results.append(e)
+
+            def entry_conflicted(self, e, what):
+                conflicts.append(what)
+
+        c = Committer(api, j, {}, Listener())
         async with trio.open_nursery() as nursery:
             nursery.start_soon(j.run)
             await nursery.start(c.run)

@@ -14,7 +14,6 @@ import trio
 
 from memfuse.sidecar.blobcache import BlobCache
 from memfuse.sidecar.core import PENDING, REJECTED, Filesystem, FsError
-from memfuse.sidecar.committer import Committer
 from memfuse.sidecar.journal import PUT, Journal
 
 from test_layers import Offline, rec, tree
@@ -24,8 +23,7 @@ BAD = b"notes: caf\xe9\n"  # not UTF-8: EILSEQ at close
 
 def start(tmp_path: Path, records) -> tuple[Filesystem, Journal]:
     j = Journal(tmp_path / "outbox.db")
-    fs = Filesystem(BlobCache(tmp_path / "blobs.db"), Committer(Offline(), j, {}),
-                    rejected=j.load_rejected())
+    fs = Filesystem(BlobCache(tmp_path / "blobs.db"), Offline(), j, rejected=j.load_rejected())
     fs.controls.committed_size = lambda slug, rid: {"r1": 4, "r2": 4}.get(rid)
     fs.add_store("default", "read_write", list(records))
     return fs, j

@@ -14,7 +14,7 @@ import os
 import sqlite3
 import threading
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from ..wire import sha256_hex
 from .cachedir import private_file
@@ -91,7 +91,7 @@ class BlobCache:
     deleted by ``gc``; the write-ahead log is kept under 1 MiB and truncated by ``checkpoint``.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, metrics: Any = None) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.rebuilt = False  # the file was left by a crash during a bulk fill: made anew
@@ -99,7 +99,7 @@ class BlobCache:
         self._bulk_bytes = 0  # content written by the current bulk fill
         self._in_batch = False
         self._lock = threading.RLock()
-        self.metrics = None  # set by the sidecar: counts failed writes
+        self.metrics = metrics  # counts failed writes (the sidecar's), or None
         private_file(path)  # 0600 (memory content); SQLite's -wal / -shm files get its mode
         self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
         if not self._trusted():

@@ -32,6 +32,7 @@ from ..wire import BatchOperation
 from .conflict import AnsweredClient, ConflictResolver, local_refusal
 from .identity import RecordIds
 from .journal import ATTRS, DELETE, MOVE, MOVE_PREFIX, PUT, Entry, Journal
+from .listeners import CommitListener
 
 log = logging.getLogger("memfuse.outbox")
 
@@ -59,28 +60,42 @@ class Backoff:
         return max(delay, floor)
 
 
+class _NoListener:
+    """The listener of a committer nobody listens to (tests driving the committer alone)."""
+
+    def entry_finished(self, e: Entry) -> None:
+        pass
+
+    def entry_conflicted(self, e: Entry, what: str) -> None:
+        pass
+
+
 class Committer:
     """Commits entries to the control plane, one ordered queue per store.
 
-    ``on_result(entry)`` is called on the trio thread after each entry finishes (committed or
-    refused: ``entry.errno`` / ``entry.reason``) so the filesystem can update the node's state
-    and the store's mirror; ``on_conflict(entry, what)`` when a write met a concurrent change
-    and was resolved last-writer-wins (``what``: one sentence for ``errors.log``). Both are
-    set by the filesystem and the sidecar; an exception in either is logged, never raised.
+    Parts, given at construction: ``client`` (the API client), ``journal`` (where entries
+    and what is learnt are made durable), ``ids`` (the record identity shared with the
+    filesystem: a ``RecordIds``, or for a bare committer the journal's key map as a dict),
+    ``listener`` (a ``CommitListener``: told of every finished entry and every conflict
+    resolved last-writer-wins), ``base_content(sha256)`` (the bytes of a version this
+    sidecar had, None when gone: the base of a rebase), ``backoff_max`` (s, the cap of the
+    one ``Backoff`` policy) and ``metrics``.
     """
 
     def __init__(self, client: ApiClient, journal: Journal,
-                 keymap: dict[str, tuple[str | None, str | None]],
-                 on_result: Callable[[Entry], None] | None = None,
-                 backoff_max: float = 30.0, metrics=None) -> None:
+                 ids: RecordIds | dict[str, tuple[str | None, str | None]],
+                 listener: CommitListener | None = None, *,
+                 base_content: Callable[[str], bytes | None] | None = None,
+                 backoff_max: float = 30.0, metrics: Any = None) -> None:
         self.metrics = metrics
         self.client = client
         self.journal = journal
         #: node key -> (record id, sha256), persisted in the journal's ``keymap`` table
-        self.ids = RecordIds(journal, keymap)
+        self.ids = ids if isinstance(ids, RecordIds) else RecordIds(journal, ids)
+        self.listener: CommitListener = listener if listener is not None else _NoListener()
         #: puts sent with ``If-Match`` and the concurrent changes they meet
-        self.resolver = ConflictResolver(self.ids, journal, metrics)
-        self.on_result = on_result or (lambda e: None)
+        self.resolver = ConflictResolver(self.ids, journal, metrics, base_content=base_content,
+                                         on_conflict=self.listener.entry_conflicted)
         #: the one backoff policy of every retry of a commit, a batch and the worker itself
         self.backoff = Backoff(cap=backoff_max)
         self.queues: dict[str, deque[Entry]] = {}
@@ -144,42 +159,7 @@ class Committer:
                             "depth": self.depth()})
             self.unreachable = None
 
-    # --- views of the parts (the filesystem and the sidecar set the callbacks) ---------------
-    @property
-    def keymap(self) -> dict[str, tuple[str | None, str | None]]:
-        """node key -> (record id, last known sha256): ``ids.map``."""
-        return self.ids.map
-
-    @property
-    def base_sha(self) -> Callable[[str, str], str | None] | None:
-        """``base_sha(store, record id)``: the sha256 the store's mirror holds, or None (set
-        by the sidecar: records loaded from a snapshot are not in ``keymap``)."""
-        return self.ids.base_sha
-
-    @base_sha.setter
-    def base_sha(self, fn: Callable[[str, str], str | None] | None) -> None:
-        self.ids.base_sha = fn
-
-    @property
-    def on_conflict(self) -> Callable[[Entry, str], None]:
-        """``on_conflict(entry, description)``: a write met a newer version and was resolved
-        last-writer-wins (``ConflictResolver.on_conflict``)."""
-        return self.resolver.on_conflict
-
-    @on_conflict.setter
-    def on_conflict(self, fn: Callable[[Entry, str], None]) -> None:
-        self.resolver.on_conflict = fn
-
-    @property
-    def base_content(self) -> Callable[[str], bytes | None]:
-        """``base_content(sha256)``: the bytes of a version this sidecar had (the blob
-        cache), None when gone; the base of a rebase (``ConflictResolver.base_content``)."""
-        return self.resolver.base_content
-
-    @base_content.setter
-    def base_content(self, fn: Callable[[str], bytes | None]) -> None:
-        self.resolver.base_content = fn
-
+    # --- views of the parts -------------------------------------------------------------------
     @property
     def conflicts(self) -> int:
         """Writes resolved last-writer-wins since start."""
@@ -347,13 +327,13 @@ class Committer:
 
     def _finished(self, store: str, q: deque[Entry], e: Entry) -> None:
         """``e`` (first in ``q``) committed or was refused for good: out of the queue and the
-        journal, then ``on_result``."""
+        journal, then the listener's ``entry_finished``."""
         q.popleft()
         self.finished[store] = self.finished.get(store, 0) + 1
         self.journal.remove(e)
         e.finish()
         try:
-            self.on_result(e)
+            self.listener.entry_finished(e)
         except Exception:
             log.exception("outbox result handler failed", extra={"entry": e.id})
 

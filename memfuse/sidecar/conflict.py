@@ -55,12 +55,14 @@ class ConflictResolver:
     is logged, never raised. Counters: ``conflicts`` (last writer won), ``merges`` (rebased).
     """
 
-    def __init__(self, ids: RecordIds, journal: Journal, metrics: Any = None) -> None:
+    def __init__(self, ids: RecordIds, journal: Journal, metrics: Any = None, *,
+                 base_content: Callable[[str], bytes | None] | None = None,
+                 on_conflict: Callable[[Entry, str], None] | None = None) -> None:
         self.ids = ids
         self.journal = journal
         self.metrics = metrics
-        self.base_content: Callable[[str], bytes | None] = lambda sha: None
-        self.on_conflict: Callable[[Entry, str], None] = lambda e, what: None
+        self.base_content: Callable[[str], bytes | None] = base_content or (lambda sha: None)
+        self.on_conflict: Callable[[Entry, str], None] = on_conflict or (lambda e, what: None)
         self.conflicts = 0
         self.merges = 0  # puts rebased onto a concurrent change instead of overwriting it
         #: node key -> merge state: a later put of that file, written before the merge came

@@ -46,7 +46,7 @@ import os
 import time
 from collections import deque
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
 
 from memfuse.content import refusals_line
 from memfuse.errors import CODE_BY_ERRNO
@@ -54,7 +54,9 @@ from memfuse.errors import CODE_BY_ERRNO
 from .cachedir import write_private
 
 if TYPE_CHECKING:
-    from .core import Filesystem
+    from .committer import Committer
+    from .inodes import Handle, Node, StoreMount
+    from .journal import Journal
 
 log = logging.getLogger("memfuse.fs")
 
@@ -72,18 +74,45 @@ def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
+class _Tree(Protocol):
+    """What the control files read of the filesystem core (``core.Filesystem``)."""
+
+    metrics: Any
+    committer: Committer
+    workspace: str
+    ready: bool
+    started: float
+    stores: dict[str, StoreMount]
+    handles: dict[int, Handle]
+    inodes: dict[int, Node]
+
+    def rejected_files(self, sm: StoreMount) -> Iterable[Node]: ...
+
+
+class _Host(Protocol):
+    """What the control files ask of the sidecar (``core.FsListener`` has both)."""
+
+    def status(self) -> dict: ...
+
+    def committed_size(self, slug: str, record_id: str) -> int | None: ...
+
+
 class ControlFiles:
     """What ``.memfuse/`` shows for one mount (see module docstring).
 
-    ``status_provider`` (set by the sidecar) returns the fuller status document of
-    ``Sidecar.status``; without it ``status()`` (the filesystem's part) is used.
+    Parts, given at construction: ``journal`` (where the lines of ``errors.log`` are kept
+    across restarts; None: memory only), ``host`` (the sidecar: its ``status()`` is the
+    fuller status document, its ``committed_size(slug, record_id)`` the bytes of a record as
+    the control plane holds it; None: the filesystem's part of the status, sizes unknown)
+    and ``mount_root`` (the mountpoint, an absolute path, for the prompt block).
     """
 
-    def __init__(self, fs: "Filesystem") -> None:
+    def __init__(self, fs: _Tree, journal: "Journal | None" = None,
+                 host: "_Host | None" = None, mount_root: str = "") -> None:
         self.fs = fs
         self.errors: deque[dict] = deque(maxlen=ERRORS_KEPT)
         #: where the lines are kept across restarts (``journal.Journal``), None: memory only
-        self.journal = getattr(fs.committer, "journal", None)
+        self.journal = journal
         if self.journal is not None:
             # oldest first by time (a line put back by ``note_restored`` is added late)
             kept = self.journal.load_errors(ERRORS_KEPT)
@@ -91,11 +120,12 @@ class ControlFiles:
         #: refusals noted by this process (``note_error``: decided here or by the control
         #: plane; not the lines put back at start): ``refusals_since_start`` in the status
         self.refusals = 0
-        self.status_provider: Callable[[], dict] | None = None
+        self.status_provider: Callable[[], dict] | None = host.status if host is not None else None
         #: ``committed_size(slug, record_id)``: bytes of the record as the control plane holds
-        #: it (the store's mirror), None when unknown; set by the sidecar
-        self.committed_size: Callable[[str, str], int | None] = lambda slug, rid: None
-        self.mount_root = ""  # the mountpoint (absolute path), set by the sidecar
+        #: it (the store's mirror), None when unknown
+        self.committed_size: Callable[[str, str], int | None] = (
+            host.committed_size if host is not None else (lambda slug, rid: None))
+        self.mount_root = mount_root  # the mountpoint (absolute path)
         self.context_text: str | None = None  # the last prompt block fetched
         self.context_at = 0.0  # time.time() of that fetch; 0 before the first
         self.context_error: str | None = None  # why the last refresh failed, else None

@@ -6,11 +6,17 @@ from memory and the local blob cache, applies writes locally at once, and turns 
 into outbox entries (``committer.Committer``). The FUSE adapter (``fuse_ops``) is a thin layer that
 converts arguments and maps ``FsError`` to ``pyfuse3.FUSEError``.
 
-The class is assembled from one module per concern: ``inodes.InodeTable`` (the tables,
-lookups, handles), ``remote.RemoteApply`` (store loading, feed changes, snapshots) and
-``namespace.NamespaceOps`` (mkdir, unlink, rmdir, rename); this module keeps the write
-sessions (open / write / truncate / flush / fsync / release and ``commit``), attributes,
-xattrs and the directory list. The control files are ``control.ControlFiles``.
+The class is built from parts passed in at construction (the blob cache, the API client and
+the journal of its committer, the record identity ``identity.RecordIds`` it shares with the
+committer, the sidecar as its ``listeners.FsListener``); it builds its ``Committer`` and is
+that committer's ``listeners.CommitListener``. Its concerns are one module each, mixed in,
+each declaring at class level the attributes it uses: ``inodes.InodeTable`` (the tables,
+lookups, handles, ``check_invariants``), ``remote.RemoteApply`` (store loading, feed
+changes, snapshots), ``namespace.NamespaceOps`` (mkdir, unlink, rmdir, rename),
+``attributes.AttributeOps`` (setattr, xattrs), ``rejected.RejectedFiles`` and
+``localfiles.LocalFiles``; this module keeps the write sessions (open / write / truncate /
+flush / fsync / release and ``commit``), the results of commits and the directory list. The
+control files are ``control.ControlFiles``.
 
 Concurrency: every method runs on the trio thread. Methods without ``await`` are atomic with
 respect to each other; the only awaits are in ``flush`` / ``fsync`` (waiting for the outbox),
@@ -33,14 +39,16 @@ import stat
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import trio
 
 from .. import content as content_rules  # the server enforces the same rules
 from .. import names
 from ..errors import errno_of
-from ..wire import RECORD_TYPES, datetime_ns, sha256_hex
+from ..wire import datetime_ns, sha256_hex
 
+from .attributes import AttributeOps
 from .blobcache import BlobCache
 from .cachedir import CacheError, cache_error, write_private
 from .control import CONTROL_DIR, FILES, ControlFiles
@@ -48,7 +56,9 @@ from .inodes import (CLEAN, DIR_MODE, DIR_MODES_KEY, PENDING, REJECTED, ROOT_INO
                      Handle, InodeTable, Node, Settings, StoreMount)
 from .namespace import NamespaceOps
 from .committer import Committer
-from .journal import ATTRS, DELETE, MOVE, MOVE_PREFIX, PUT, Barrier, Entry
+from .identity import RecordIds
+from .journal import ATTRS, DELETE, MOVE, MOVE_PREFIX, PUT, Barrier, Entry, Journal
+from .listeners import FsListener
 from .localfiles import LocalFiles
 from .rejected import RejectedFiles
 from .remote import RemoteApply
@@ -56,42 +66,83 @@ from .remote import RemoteApply
 log = logging.getLogger("memfuse.fs")
 
 # what callers use from here (the node types live in inodes.py, re-exported for them)
-__all__ = ["Filesystem", "FsError", "Settings", "Node", "Handle", "StoreMount", "ROOT_INO",
+__all__ = ["Filesystem", "FsListener", "FsError", "Settings", "Node", "Handle", "StoreMount", "ROOT_INO",
            "CONTROL_DIR", "CLEAN", "PENDING", "REJECTED"]
 
 
-class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles, LocalFiles):
-    """The namespace and semantics of one memfuse mount (see module docstring)."""
+class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFiles, LocalFiles):
+    """The namespace and semantics of one memfuse mount (see module docstring).
 
-    def __init__(self, blobs: BlobCache, committer: Committer, settings: Settings | None = None,
-                 workspace: str = "", dirs_file: Path | None = None,
-                 rejected: list[dict] | None = None,
-                 local: list[dict] | None = None) -> None:
+    Parts, given at construction (nothing is wired from outside afterwards): ``blobs`` (the
+    blob cache), ``client`` and ``journal`` (the committer's: this core builds its
+    ``Committer``, listening to it itself), ``ids`` (the record identity shared with the
+    committer; default: an empty one on ``journal``), ``listener`` (the sidecar, an
+    ``FsListener``; None for a bare core), ``metrics``, ``mount_root`` (the mountpoint, for
+    the prompt block) and ``backoff_max`` (the committer's retry cap, s).
+
+    Concurrency (one trio thread; the rule that stands for a lock): no ``await`` between the
+    changes of one operation. Only ``flush`` / ``fsync`` (and ``_wait_accepted``) await, after
+    every state change; ``entry_finished`` / ``entry_conflicted`` run after the committer's
+    ``await`` of an HTTP call and change a node only while its ``last_put`` is still that
+    entry (a newer local write is never overwritten). The tables' invariants are in
+    ``inodes.InodeTable``; ``check_invariants`` asserts them.
+    """
+
+    # --- dependencies (given at construction, never replaced) --------------------------------
+    blobs: BlobCache
+    journal: Journal
+    ids: RecordIds  # shared with ``committer``: node key -> (record id, sha256)
+    committer: Committer  # built here, listening to this filesystem (``CommitListener``)
+    listener: FsListener | None
+    metrics: Any
+    settings: Settings
+    controls: ControlFiles
+    # --- mutable state (besides the tables of ``InodeTable``) --------------------------------
+    workspace: str
+    dirs_file: Path | None
+    #: slug -> directory paths made here; ``DIR_MODES_KEY`` -> their modes (``dirs.json``)
+    saved_dirs: dict[str, Any]
+    errors: Any  # ``controls.errors``: errors.log lines, newest last
+    started: float  # time.time() at construction
+    ready: bool  # every attached store is loaded
+    control: Node  # ``.memfuse/``
+
+    def __init__(self, blobs: BlobCache, client: Any, journal: Journal,
+                 settings: Settings | None = None, workspace: str = "",
+                 dirs_file: Path | None = None, rejected: list[dict] | None = None,
+                 local: list[dict] | None = None, *, ids: RecordIds | None = None,
+                 listener: FsListener | None = None, metrics: Any = None,
+                 mount_root: str = "", backoff_max: float = 30.0) -> None:
         """``rejected``: the rejected files a previous process kept
         (``Journal.load_rejected``), ``local``: its local-only files
         (``Journal.load_local``); both put back as each store is added (``add_store``)."""
         self.blobs = blobs
+        self.journal = journal
+        self.ids = ids if ids is not None else RecordIds(journal, {})
+        self.listener = listener
+        self.metrics = metrics  # memfuse.sidecar.metrics.Metrics, or None
         self.dirs_file = dirs_file
-        self.saved_dirs: dict = {}  # slug -> directory paths; DIR_MODES_KEY -> modes
+        self.saved_dirs = {}
         if dirs_file is not None and dirs_file.exists():
             try:
                 self.saved_dirs = json.loads(dirs_file.read_text())
             except (OSError, ValueError):
                 log.warning("directory list in the cache is unreadable; empty directories "
                             "made earlier are not restored", extra={"file": str(dirs_file)})
-        self.committer = committer
+        self.committer = Committer(client, journal, self.ids, listener=self,
+                                   base_content=self._cached_blob, backoff_max=backoff_max,
+                                   metrics=metrics)
         self.settings = settings or Settings()
         self.workspace = workspace
-        self.inodes: dict[int, Node] = {}
-        self.by_key: dict[str, Node] = {}
-        self.by_rid: dict[str, Node] = {}
-        self.handles: dict[int, Handle] = {}
-        self.stores: dict[str, StoreMount] = {}
+        self.inodes = {}
+        self.by_key = {}
+        self.by_rid = {}
+        self.handles = {}
+        self.stores = {}
         self._next_ino = ROOT_INO
         self._next_fh = 0
-        self.controls = ControlFiles(self)
+        self.controls = ControlFiles(self, journal=journal, host=listener, mount_root=mount_root)
         self.errors = self.controls.errors  # errors.log entries, newest last
-        self.metrics = None  # memfuse.sidecar.metrics.Metrics, set by the sidecar
         self.started = time.time()
         self.ready = False
         now = time.time_ns()
@@ -99,14 +150,14 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles, LocalFile
         self.control = self._new_node(CONTROL_DIR, self.root, True, None, 0o555, now)
         for fname, kind in FILES.items():
             self._new_node(fname, self.control, False, None, 0o444, now).special = kind
-        committer.on_result = self._on_commit
-        committer.on_conflict = self._on_conflict
-        committer.base_content = self._cached_blob
-        #: ``on_invalidate(items)``: hand kernel invalidations (``("inode", ino)``...) to
-        #: the sidecar's invalidator; None without a mount
-        self.on_invalidate = None
         self._init_rejected(rejected)
         self._init_local(local)
+
+    def invalidate(self, items: list[tuple[Any, ...]]) -> None:
+        """Hand kernel invalidations to the sidecar (``FsListener.invalidate``); nothing
+        without one (no mount, nothing cached)."""
+        if self.listener is not None and items:
+            self.listener.invalidate(items)
 
     def add_store(self, slug: str, access: str, records: list, **kw) -> StoreMount:
         """``RemoteApply.add_store``, then the store's rejected files and local-only files
@@ -484,12 +535,12 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles, LocalFile
             return None
         if n.local_only:  # never sent: kept in the journal (LocalFiles), on disk at the barrier
             self.save_local(n)
-            return self.committer.journal.barrier()
+            return self.journal.barrier()
         data = self._content(n)  # the write buffer, or the clean content (e.g. renamed back)
         if n._key is None and n.sha:
             # the first commit of a record loaded from the control plane: its clean sha256
             # is the base the update is conditional on (If-Match)
-            self.committer.keymap.setdefault(n.key, (n.record_id, n.sha))
+            self.ids.note_default(n.key, n.record_id, n.sha)
         # on a full or failing cache disk the content stays in memory and the outbox entry
         # below carries it durably, when the journal can write; the next commit of this file
         # tries the blob cache again
@@ -596,7 +647,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles, LocalFile
         e = self.commit(n)
         e = e or (n.last_put if n.state == PENDING and not (n.local_only or n.unlinked) else None)
         if e is None and n.local_only and not n.unlinked:
-            e = self.committer.journal.barrier()  # its kept copy may still be queued
+            e = self.journal.barrier()  # its kept copy may still be queued
         if e is None:
             return
         deadline = trio.current_time() + self.settings.fsync_timeout
@@ -638,8 +689,22 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles, LocalFile
             self.commit_quietly(n)
         self._drop_if_unused(n)
 
-    def _on_conflict(self, e: Entry, what: str) -> None:
+    # ------------------------------------------------------------------ CommitListener
+    def entry_conflicted(self, e: Entry, what: str) -> None:
+        """``CommitListener``: a write resolved last-writer-wins: a line in errors.log, then
+        the sidecar is told."""
         self.controls.note_conflict(e.store, e.args.get("path", ""), what)
+        if self.listener is not None:
+            self.listener.entry_conflicted(e, what)
+
+    def entry_finished(self, e: Entry) -> None:
+        """``CommitListener``: apply a finished entry's result to the tree (``_on_commit``),
+        then tell the sidecar (the store's mirror follows the tree)."""
+        try:
+            self._on_commit(e)
+        finally:
+            if self.listener is not None:
+                self.listener.entry_finished(e)
 
     def _on_commit(self, e: Entry) -> None:
         self.controls.changed()  # the outbox and the store's counts in status.json
@@ -707,80 +772,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles, LocalFile
         self._account(n, n.cur_size() - old)
         n.mtime_ns = n.ctime_ns = n.updated_ns
         self.committer.forget_merge(n.key)
-        if self.on_invalidate is not None:
-            self.on_invalidate([("inode", n.ino)])
-
-    # ------------------------------------------------------------------ attributes
-    def setattr(self, n: Node, *, fh: int | None = None, size: int | None = None,
-                mode: int | None = None, uid: int | None = None, gid: int | None = None,
-                atime_ns: int | None = None, mtime_ns: int | None = None) -> None:
-        """setattr: truncate to ``size`` bytes (through the open handle ``fh`` — ftruncate(2),
-        which counts as a write of that handle's session — or by path, which commits at once
-        since no close follows), chmod (``mode``: permission bits), chown (``uid`` / ``gid``;
-        -1 leaves one as is), utimensat (``atime_ns`` / ``mtime_ns``, ns since the epoch); see
-        ``_set_attributes`` for what reaches the control plane. Raises ``FsError``:
-        ``EACCES`` on the root or ``.memfuse``, ``EROFS`` on a read-only store, ``EBADF`` /
-        ``ESTALE`` for a bad handle, and the size refusals of ``truncate`` (``EFBIG``,
-        ``ENOSPC``, ``EISDIR``)."""
-        if fh is not None and size is not None:
-            self.handle(fh).modified = True
-        by_path = size is not None and fh is None and n.opened == 0
-        self._set_attributes(n, size=size, mode=mode, uid=uid, gid=gid, atime_ns=atime_ns,
-                             mtime_ns=mtime_ns, judge=by_path)
-        if by_path:
-            self.commit_quietly(n)  # truncate(2) by path: no close will follow to commit it
-
-    def _set_attributes(self, n: Node, *, size: int | None, mode: int | None,
-                        uid: int | None, gid: int | None, atime_ns: int | None,
-                        mtime_ns: int | None, judge: bool = False) -> None:
-        """What ``setattr`` changes (truncate, chmod, chown, utimensat). Permission bits and
-        mtime of a record are kept by the control plane: on a file with unsent writes (or a
-        refused one) they ride with its next content commit; on a clean file a change queues an ``attrs``
-        outbox entry (a metadata-only version, no content upload); a change to the current
-        value queues nothing. Directory modes stay in this sidecar (``dirs.json``); uid/gid
-        and atime are local (per mount)."""
-        if n.special or n is self.root or n is self.control:
-            raise FsError(errno.EACCES, "read-only")
-        if size is not None:
-            self.truncate(n, size, judge=judge)
-        if (n.store is not None and not n.store.writable
-                and any(v is not None for v in (mode, uid, gid, atime_ns, mtime_ns))):
-            raise FsError(errno.EROFS)
-        changed: dict[str, int] = {}
-        if mode is not None:
-            new = stat.S_IFMT(n.mode) | stat.S_IMODE(mode)
-            if new != n.mode:
-                n.mode = new
-                changed["mode"] = stat.S_IMODE(mode)
-        if uid is not None and uid != -1 & 0xFFFFFFFF:
-            n.uid = uid
-        if gid is not None and gid != -1 & 0xFFFFFFFF:
-            n.gid = gid
-        if atime_ns is not None:
-            n.atime_ns = atime_ns
-        if mtime_ns is not None:
-            if size is None and not n.is_dir and (n.dirty or mtime_ns != n.mtime_ns):
-                # an explicit time (touch -d, cp -p); with a size it is the truncation's own
-                n.xmtime = mtime_ns
-                changed["mtime_ns"] = mtime_ns
-            n.mtime_ns = mtime_ns
-        n.ctime_ns = time.time_ns()
-        if not changed:
-            return
-        if n.is_dir:
-            if "mode" in changed and n.store is not None:
-                self._save_dirs_logged()  # the mode applies now; a failure is logged
-            return
-        if n.local_only and not n.unlinked:
-            self.sync_local()  # the kept copy gets the new mode / mtime
-            return
-        if n.unlinked or n.store is None or n.dirty or n.state == REJECTED:
-            return  # rides with the next content commit (commit() sends both)
-        if "mtime_ns" not in changed and n.xmtime is None:
-            # chmod(2) changes the ctime, not the mtime: pin the mtime this file shows, or the
-            # record would show the chmod's version time (here after a restart, elsewhere)
-            n.xmtime = changed["mtime_ns"] = n.mtime_ns
-        self.committer.submit(n.store.slug, ATTRS, n.key, {"path": n.path(), **changed})
+        self.invalidate([("inode", n.ino)])
 
     # ------------------------------------------------------------------ directory list
     def _save_dirs_logged(self) -> None:
@@ -792,53 +784,6 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles, LocalFile
             self.save_dirs()
         except CacheError as err:
             log.warning("directory list not saved", extra={"reason": err.reason})
-
-    # ------------------------------------------------------------------ xattrs
-    XATTRS = ("id", "version", "sha256", "state", "updated_at", "error", "type")
-
-    def getxattr(self, n: Node, name: str) -> bytes:
-        """The value of ``user.memfuse.<key>`` for a record file (``id``, ``version``, ``sha256``,
-        ``state``, ``updated_at``, ``error``, ``type``) as UTF-8 bytes. Raises
-        ``FsError(ENODATA)`` for other names, directories, control files and empty values."""
-        if not name.startswith("user.memfuse."):
-            raise FsError(errno.ENODATA)
-        key = name[len("user.memfuse."):]
-        if n.is_dir or n.special or key not in self.XATTRS:
-            raise FsError(errno.ENODATA)
-        value = {"id": n.record_id or "", "version": str(n.version) if n.record_id else "",
-                 "sha256": n.sha if n.buf is None else sha256_hex(bytes(n.buf)),
-                 "state": "local" if n.local_only else n.state, "updated_at": n.updated_at,
-                 "error": n.error,
-                 "type": n.rtype or ""}[key]
-        if not value and key not in ("error",):
-            raise FsError(errno.ENODATA)
-        return value.encode("utf-8")
-
-    def setxattr(self, n: Node, name: str, value: bytes) -> None:
-        """setxattr(2): only ``user.memfuse.type`` is writable (``set_type``); other
-        ``user.memfuse.*`` names → ``EPERM``; any other name → ``ENOTSUP``."""
-        if name == "user.memfuse.type":
-            self.set_type(n, value)
-            return
-        if name.startswith("user.memfuse."):
-            raise FsError(errno.EPERM, f"{name} is read-only")
-        raise FsError(errno.ENOTSUP)
-
-    def set_type(self, n: Node, value: bytes) -> None:
-        """``setxattr user.memfuse.type``: a new version with that type (docs/SEMANTICS.md, "Extended attributes")."""
-        if n.is_dir or n.special or n.store is None:
-            raise FsError(errno.ENOTSUP, "only records have a type")
-        self._check_writable_file(n)
-        t = value.decode("utf-8", "replace").strip()
-        if t not in RECORD_TYPES:
-            self.refuse(n.parent, n.name, errno_of("invalid_type"),
-                        f"type {t!r} is not one of {', '.join(RECORD_TYPES)}", "invalid_type")
-        if n.local_only:
-            raise FsError(errno.ENOTSUP, "local-only files have no type")
-        n.type_override = t
-        n.dirty = True
-        if n.opened == 0 or n.buf is None:
-            self.commit_quietly(n)
 
     # ------------------------------------------------------------------ status
     def status(self) -> dict:

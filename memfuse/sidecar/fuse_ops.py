@@ -25,7 +25,7 @@ import pyfuse3
 
 from .control import CONTROL_DIR
 from .core import Filesystem
-from .inodes import FsError, Node
+from .inodes import CHECK_INVARIANTS, FsError, Node
 from .metrics import Metrics
 from .cachedir import CacheError
 
@@ -73,6 +73,8 @@ def _guard(fn):
         finally:
             if modifying:
                 self.fs.controls.changed()
+                if CHECK_INVARIANTS:  # tests: MEMFUSE_CHECK_INVARIANTS=1
+                    self.fs.check_invariants_after(name)
             ops_child.inc()
             lat_child.observe(time.perf_counter() - t0)
 

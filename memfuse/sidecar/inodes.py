@@ -14,6 +14,7 @@ tree (``unlinked``) leaves the tables once neither the kernel nor an open handle
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import stat
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ from ..errors import errno_of
 
 if TYPE_CHECKING:
     from .journal import Entry
+
+log = logging.getLogger("memfuse.fs")
 
 ROOT_INO = 1
 # renameat2(2) flags (linux/fs.h); pyfuse3 passes them through as the kernel sent them
@@ -244,10 +247,89 @@ class Settings:
     local_only_patterns: tuple[str, ...] = names.DEFAULT_LOCAL_ONLY
 
 
+#: invariants found broken by ``check_invariants_after`` in this process (tests read it)
+BROKEN_INVARIANTS: list[str] = []
+#: whether the FUSE adapter checks the invariants after every modifying operation
+CHECK_INVARIANTS = os.environ.get("MEMFUSE_CHECK_INVARIANTS", "") == "1"
+
+
 class InodeTable:
     """The inode and handle tables of ``core.Filesystem`` (module docstring). Mixed into
     ``Filesystem``, whose ``__init__`` creates ``inodes``, ``by_key``, ``by_rid``, ``handles``,
-    ``stores``, ``settings`` and the root."""
+    ``stores``, ``settings`` and the root.
+
+    Concurrency: one trio thread, no lock. The rule that stands for gcsfuse's
+    ``GUARDED_BY(mu)``: every change of these tables and of the nodes' ``parent`` /
+    ``children`` / ``name`` / ``_key`` / ``record_id`` is made with no ``await`` between the
+    changes that restore the invariants below (a method that awaits does so only after
+    them: ``Filesystem.flush`` / ``fsync``). ``check_invariants`` asserts them; tests run it
+    after every modifying FUSE operation (``MEMFUSE_CHECK_INVARIANTS=1``).
+    """
+
+    # --- mutable state (declared here, created by ``Filesystem.__init__``) ---------------------
+    #: INVARIANT: ``inodes[i].ino == i``; every node reachable from the root is here; an
+    #: unlinked node stays until the kernel and every handle dropped it (``_drop_if_unused``)
+    inodes: dict[int, Node]
+    #: INVARIANT: ``by_key[k].key == k`` and ``by_key[k]`` is in ``inodes`` (written-out keys
+    #: only: a record's implicit ``r:<id>`` key is found through ``by_rid``)
+    by_key: dict[str, Node]
+    #: INVARIANT: ``by_rid[r].record_id == r`` and ``by_rid[r]`` is in ``inodes``
+    by_rid: dict[str, Node]
+    #: INVARIANT: ``handles[f].fh == f``; ``handles[f].node.opened`` counts it
+    handles: dict[int, Handle]
+    #: INVARIANT: ``stores[s].slug == s``; ``count`` / ``used`` (``local_count`` /
+    #: ``local_used``) equal a recount of the store's live record (local-only) files
+    stores: dict[str, StoreMount]
+    settings: Settings
+    root: Node
+    _next_ino: int  # INVARIANT: above every inode number given out
+    _next_fh: int  # INVARIANT: at or above every handle number given out
+
+    def check_invariants_after(self, op: str) -> None:
+        """``check_invariants`` after the FUSE operation ``op`` (tests:
+        ``MEMFUSE_CHECK_INVARIANTS=1``): a broken invariant is logged as an error and kept in
+        ``BROKEN_INVARIANTS`` (the test suite fails a test that leaves one), never raised
+        into the FUSE loop."""
+        try:
+            self.check_invariants()
+        except AssertionError as e:
+            BROKEN_INVARIANTS.append(f"after {op}: {e}")
+            log.error("invariant broken", extra={"op": op, "invariant": str(e)})
+
+    def check_invariants(self) -> None:
+        """Assert the tables' invariants (the ``INVARIANT:`` comments above): raises
+        ``AssertionError`` naming the first one broken. Costs a walk of the whole tree: for
+        tests (``MEMFUSE_CHECK_INVARIANTS=1``), never on a production path."""
+        for ino, n in self.inodes.items():
+            assert n.ino == ino, f"inodes[{ino}] is inode {n.ino}"
+            assert ino < self._next_ino, f"inode {ino} not below the next inode number"
+            if n.parent is not None and not n.unlinked:
+                assert n.parent.children.get(n.name) is n, f"{n.path()!r} not in its parent"
+            for name, c in (n.children or {}).items():
+                assert c.parent is n and c.name == name, f"child {name!r} of {n.path()!r}"
+                assert self.inodes.get(c.ino) is c, f"{c.path()!r} not in the inode table"
+        for k, n in self.by_key.items():
+            assert n.key == k, f"by_key[{k!r}] has key {n.key!r}"
+            assert self.inodes.get(n.ino) is n, f"by_key[{k!r}] not in the inode table"
+        for rid, n in self.by_rid.items():
+            assert n.record_id == rid, f"by_rid[{rid!r}] is record {n.record_id!r}"
+            assert self.inodes.get(n.ino) is n, f"by_rid[{rid!r}] not in the inode table"
+        opened: dict[int, int] = {}
+        for fh, h in self.handles.items():
+            assert h.fh == fh and fh <= self._next_fh, f"handle {fh}"
+            opened[h.node.ino] = opened.get(h.node.ino, 0) + 1
+        for ino, k in opened.items():
+            n = self.inodes.get(ino)
+            assert n is None or n.opened >= k, f"inode {ino}: {k} handles, opened {n.opened}"
+        for slug, sm in self.stores.items():
+            assert sm.slug == slug, f"stores[{slug!r}] is {sm.slug!r}"
+            files = [n for n in self._walk_files(sm.root)]
+            rec = [n for n in files if not n.local_only]
+            loc = [n for n in files if n.local_only]
+            assert (sm.count, sm.used) == (len(rec), sum(n.cur_size() for n in rec)), \
+                f"store {slug}: count/used {(sm.count, sm.used)} != recount"
+            assert (sm.local_count, sm.local_used) == (len(loc), sum(n.cur_size() for n in loc)), \
+                f"store {slug}: local count/used != recount"
 
     def _new_node(self, name: str, parent: Node | None, is_dir: bool, store: StoreMount | None,
                   mode: int, now_ns: int, uid: int | None = None, gid: int | None = None) -> Node:

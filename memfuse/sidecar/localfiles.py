@@ -37,11 +37,14 @@ import errno
 import logging
 import stat
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..wire import sha256_hex
 from .inodes import Node, StoreMount
 from .cachedir import CacheError
+
+if TYPE_CHECKING:
+    from .journal import Journal
 
 log = logging.getLogger("memfuse.fs")
 
@@ -49,6 +52,12 @@ log = logging.getLogger("memfuse.fs")
 class LocalFiles:
     """Persistence of local-only files (module docstring); mixed into ``core.Filesystem``,
     whose ``__init__`` calls ``_init_local``."""
+
+    # what this part uses of the filesystem (declared here, S3QL style; created by
+    # ``Filesystem.__init__``)
+    by_key: dict[str, Node]
+    stores: dict[str, StoreMount]
+    journal: Journal
 
     def _init_local(self, saved: list[dict[str, Any]] | None) -> None:
         self._local: set[Node] = set()
@@ -86,7 +95,7 @@ class LocalFiles:
         for the disk (the journal retries a failed write)."""
         if not self._local and not self._local_saved:
             return
-        journal = self.committer.journal
+        journal = self.journal
         current: dict[str, tuple] = {}
         for n in list(self._local):
             if n.unlinked or not n.local_only or n.store is None or n.store.detached:

@@ -38,7 +38,8 @@ from .fuse_ops import MemfuseOps
 from .logs import setup_logging
 from .metrics import Metrics
 from .committer import Committer
-from .journal import Journal
+from .identity import RecordIds
+from .journal import Entry, Journal
 from .stores import StoreSync
 from .invalidator import Invalidator
 from .sync import StoreState
@@ -237,7 +238,10 @@ class Sidecar(StoreSync):
         secure_cache_dir(config.cache_dir)  # owner-only: it holds memory content
         self.journal = Journal(config.cache_dir / "outbox.db", metrics=self.metrics)
         self.leftovers, keymap = self.journal.load()
-        self.committer = Committer(client, self.journal, keymap, metrics=self.metrics)
+        self.states: dict[str, StoreState] = {}  # before the parts below, which read it
+        # the record identity, shared by the filesystem and its committer: records loaded
+        # from a snapshot are not in the key map, their sha256 is their store mirror's
+        ids = RecordIds(self.journal, keymap, base_sha=self.mirror_sha)
         settings = Settings(commit_wait=config.commit_wait, fsync_timeout=config.fsync_timeout)
         if config.uid is not None:
             settings.uid = config.uid
@@ -246,36 +250,15 @@ class Sidecar(StoreSync):
         legacy = config.cache_dir / "blobs"  # one-file-per-blob layout of earlier versions
         if legacy.is_dir():
             shutil.rmtree(legacy, ignore_errors=True)
-        self.fs = Filesystem(BlobCache(config.cache_dir / "blobs.db"), self.committer, settings,
-                             config.workspace, dirs_file=config.cache_dir / "dirs.json",
+        self.invalidator = Invalidator()
+        self.fs = Filesystem(BlobCache(config.cache_dir / "blobs.db", metrics=self.metrics),
+                             client, self.journal, settings, config.workspace,
+                             dirs_file=config.cache_dir / "dirs.json",
                              rejected=self.journal.load_rejected(),
-                             local=self.journal.load_local())
+                             local=self.journal.load_local(), ids=ids, listener=self,
+                             metrics=self.metrics, mount_root=str(config.mountpoint))
+        self.committer = self.fs.committer
         self.ops = MemfuseOps(self.fs, self.metrics)
-        self.fs.controls.status_provider = self.status
-
-        def committed_size(slug: str, rid: str) -> int | None:
-            state = self.states.get(slug)
-            rec = state.records.get(rid) if state is not None else None
-            return rec.size if rec is not None else None
-        self.fs.controls.committed_size = committed_size
-        on_result = self.committer.on_result
-
-        def committed(e) -> None:  # the tree first, then the store's mirror
-            on_result(e)
-            state = self.states.get(e.store)
-            if state is not None:
-                state.committed(e)
-            if not e.errno and INDEX_PATH in (e.args.get("path"), e.args.get("to"),
-                                              e.args.get("from")):
-                self.want_context()  # a store's MEMORY.md changed: the prompt block too
-        self.committer.on_result = committed
-
-        def base_sha(store: str, record_id: str) -> str | None:
-            state = self.states.get(store)
-            return state.sha_of(record_id) if state is not None else None
-        self.committer.base_sha = base_sha  # records loaded from a snapshot: not in keymap
-        self.fs.metrics = self.metrics
-        self.fs.blobs.metrics = self.metrics
         self.task_failures: dict[str, int] = {}  # task name -> unexpected exceptions
         self.state_save_failing = False
 
@@ -306,9 +289,6 @@ class Sidecar(StoreSync):
         # the control plane leaves our own versions out of the feed (no wake-up per own
         # commit); _feed still checks the actor, for control planes that ignore skip_actor
         self._feed_kw = {"skip_actor": self.actor}
-        self.invalidator = Invalidator()
-        self.fs.on_invalidate = self.invalidator.submit
-        self.states: dict[str, StoreState] = {}
         self.feeds: dict[str, trio.CancelScope] = {}
         self.admin_unmounted: set[str] = set()
         self.admin_address: str | None = None
@@ -321,7 +301,6 @@ class Sidecar(StoreSync):
         self._drain_scope: trio.CancelScope | None = None
         self.admin_socket: str | None = None
         self.last_start_error: str | None = None
-        self.fs.controls.mount_root = str(config.mountpoint)
         # requests for a new prompt block (.memfuse/context.md); one pending is enough
         self._context_send, self._context_recv = trio.open_memory_channel(1)
         self.metrics.bind(
@@ -349,6 +328,37 @@ class Sidecar(StoreSync):
         return "; ".join(reasons) or None
 
     # ------------------------------------------------------------------ status
+    # ------------------------------------------------------------------ FsListener
+    def entry_finished(self, e: Entry) -> None:
+        """``FsListener``: an outbox entry finished and the tree shows it: the store's
+        mirror follows (``StoreState.committed``); a store's MEMORY.md changed: a new prompt
+        block is wanted."""
+        state = self.states.get(e.store)
+        if state is not None:
+            state.committed(e)
+        if not e.errno and INDEX_PATH in (e.args.get("path"), e.args.get("to"),
+                                          e.args.get("from")):
+            self.want_context()
+
+    def entry_conflicted(self, e: Entry, what: str) -> None:
+        """``FsListener``: a write was resolved last-writer-wins (the core logged it)."""
+
+    def invalidate(self, items: list[tuple]) -> None:
+        """``FsListener``: kernel invalidations, made by the invalidator's worker thread."""
+        self.invalidator.submit(items)
+
+    def committed_size(self, slug: str, record_id: str) -> int | None:
+        """``FsListener``: the record's size in the store's mirror, None when unknown."""
+        state = self.states.get(slug)
+        rec = state.records.get(record_id) if state is not None else None
+        return rec.size if rec is not None else None
+
+    def mirror_sha(self, slug: str, record_id: str) -> str | None:
+        """The sha256 the store's mirror holds for ``record_id`` (``RecordIds.base_sha``),
+        None when unknown."""
+        state = self.states.get(slug)
+        return state.sha_of(record_id) if state is not None else None
+
     def status(self) -> dict:
         """The status document (``.memfuse/status.json``, admin ``/v1/status``): the
         filesystem's part plus per-store cursors and feed ages (s), the mountpoint, admin

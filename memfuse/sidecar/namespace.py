@@ -12,16 +12,28 @@ from __future__ import annotations
 import errno
 import stat
 import time
+from typing import TYPE_CHECKING
 
 from .. import names
 from .inodes import PENDING, RENAME_EXCHANGE, RENAME_NOREPLACE, FsError, Node, StoreMount
 from .cachedir import CacheError
 from .journal import DELETE, MOVE, MOVE_PREFIX
 
+if TYPE_CHECKING:
+    from .committer import Committer
+
 
 class NamespaceOps:
     """mkdir, unlink, rmdir and rename of ``core.Filesystem`` (module docstring); mixed into
-    it."""
+    it. Each operation changes the tree and queues its outbox entries with no ``await`` in
+    between (``Committer.submit`` is synchronous): the order of a store's entries is the
+    order of the syscalls."""
+
+    # what this part uses of the filesystem (declared here, S3QL style; created by
+    # ``Filesystem.__init__``)
+    inodes: dict[int, Node]
+    by_key: dict[str, Node]
+    committer: Committer
 
     def mkdir(self, parent_ino: int, name: bytes, mode: int, uid: int, gid: int) -> Node:
         """mkdir(2) of ``name`` in ``parent_ino`` (permission bits ``mode``, owner ``uid`` /

@@ -25,11 +25,16 @@ import errno
 import logging
 import stat
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import CODE_BY_ERRNO
 from ..wire import sha256_hex
 from .inodes import REJECTED, Node, StoreMount
+
+if TYPE_CHECKING:
+    from .blobcache import BlobCache
+    from .control import ControlFiles
+    from .journal import Journal
 
 log = logging.getLogger("memfuse.fs")
 
@@ -37,6 +42,15 @@ log = logging.getLogger("memfuse.fs")
 class RejectedFiles:
     """Persistence of rejected files (module docstring); mixed into ``core.Filesystem``,
     whose ``__init__`` calls ``_init_rejected``."""
+
+    # what this part uses of the filesystem (declared here, S3QL style; created by
+    # ``Filesystem.__init__``)
+    by_key: dict[str, Node]
+    by_rid: dict[str, Node]
+    stores: dict[str, StoreMount]
+    blobs: BlobCache
+    journal: Journal
+    controls: ControlFiles
 
     def _init_rejected(self, saved: list[dict[str, Any]] | None) -> None:
         self._rejected: dict[Node, tuple[int, str]] = {}  # node -> (errno, code)
@@ -96,7 +110,7 @@ class RejectedFiles:
             return
         changed = {s[0] for s in sigs.values()} | {
             s[0] for k, s in self._rejected_saved.items() if s[0] in mounted and sigs.get(k) != s}
-        self.committer.journal.replace_rejected(
+        self.journal.replace_rejected(
             sorted(changed), [r for r in rows.values() if r["store"] in changed])
         self._rejected_saved = {**kept, **sigs}
         self._rejected_rows = {k: r for k, r in {**self._rejected_rows, **rows}.items()

@@ -18,11 +18,17 @@ import stat
 import time
 
 import sys
+from typing import TYPE_CHECKING, Any
 
 from ..wire import DEFAULT_MODE, RECORD_TYPES, Record, datetime_ns
 from .inodes import CLEAN, DIR_MODES_KEY, Node, StoreMount, shared_mode
 from .journal import MOVE_PREFIX, Entry
 from .sync import Meta
+
+if TYPE_CHECKING:
+    from .blobcache import BlobCache
+    from .identity import RecordIds
+    from .inodes import Settings
 
 log = logging.getLogger("memfuse.fs")
 
@@ -49,7 +55,25 @@ def updated_ns(rec) -> int:
 
 
 class RemoteApply:
-    """Loading and remote changes of ``core.Filesystem`` (module docstring); mixed into it."""
+    """Loading and remote changes of ``core.Filesystem`` (module docstring); mixed into it.
+
+    Every method here is synchronous: a page of changes, a snapshot or a store is applied
+    with no ``await`` in between (the invariants of ``inodes.InodeTable`` hold after each).
+    """
+
+    # what this part uses of the filesystem (declared here, S3QL style; created by
+    # ``Filesystem.__init__``): the tables (``inodes.InodeTable``), the blob cache, the
+    # record identity shared with the committer, the settings and the saved directory list
+    inodes: dict[int, Node]
+    by_key: dict[str, Node]
+    by_rid: dict[str, Node]
+    stores: dict[str, StoreMount]
+    root: Node
+    blobs: BlobCache
+    ids: RecordIds
+    settings: Settings
+    saved_dirs: dict[str, Any]
+    _next_ino: int
 
     def add_store(self, slug: str, access: str, records, *,
                   limits: dict | None = None, contents: dict[str, bytes] | None = None,
@@ -249,7 +273,7 @@ class RemoteApply:
                 self._bind_rid(cur, None)
             n = self._new_node(parts[-1], d, False, sm, 0o644, time.time_ns())
             self._set_record_key(n, rec.id)
-            self.committer.keymap[n.key] = (rec.id, rec.sha256)
+            self.ids.note(n.key, rec.id, rec.sha256)
             self._live(n, +1)  # size 0 now; its size is accounted below
             inv.append(("entry", d.ino, n.name))
             self._touch_dir(d)
@@ -258,7 +282,7 @@ class RemoteApply:
                 inv += self._move_remote(sm, n, rec.path)
             if n.sha != rec.sha256:
                 inv.append(("inode", n.ino))
-            self.committer.keymap[n.key] = (rec.id, rec.sha256)
+            self.ids.note(n.key, rec.id, rec.sha256)
         old = n.cur_size()
         before = (n.mode, n.mtime_ns)
         self._set_clean(n, rec)
@@ -300,7 +324,7 @@ class RemoteApply:
         snapshot cannot show. Records and files they touch are left as they are here (their
         commits land on top), so a reconcile never reverts or hides a local write."""
         busy_keys = {e.node_key for e in queued if e.node_key}
-        busy_rids = {self.committer.keymap.get(k, (None, None))[0] for k in busy_keys}
+        busy_rids = {self.ids.record_id(k) for k in busy_keys}
         busy_rids |= {k[2:] for k in busy_keys if k.startswith("r:")}
         prefixes = [p for e in queued if e.op == MOVE_PREFIX
                     for p in (e.args.get("from", ""), e.args.get("to", ""))]

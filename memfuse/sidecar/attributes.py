@@ -1,0 +1,155 @@
+"""File attributes and extended attributes of ``core.Filesystem``: ``setattr`` (truncate,
+chmod, chown, utimensat) and the ``user.memfuse.*`` xattrs (docs/SEMANTICS.md, "Attributes"
+and "Extended attributes"). Mixed into ``Filesystem``; every method is synchronous (no
+``await``: the invariants of ``inodes.InodeTable`` hold after each).
+
+Permission bits and the explicit mtime of a record are kept by the control plane: on a file
+with unsent writes they ride with its next content commit; on a clean file a change queues
+an ``attrs`` outbox entry (no content upload). Directory modes stay in this sidecar
+(``dirs.json``); uid / gid and atime are local (per mount).
+"""
+from __future__ import annotations
+
+import errno
+import stat
+import time
+from typing import TYPE_CHECKING
+
+from ..errors import errno_of
+from ..wire import RECORD_TYPES, sha256_hex
+from .inodes import REJECTED, FsError, Node
+from .journal import ATTRS
+
+if TYPE_CHECKING:
+    from .committer import Committer
+
+__all__ = ["AttributeOps"]
+
+
+class AttributeOps:
+    """setattr and xattrs of ``core.Filesystem`` (module docstring); mixed into it."""
+
+    # what this part uses of the filesystem (declared here, S3QL style; created by
+    # ``Filesystem.__init__``)
+    root: Node
+    control: Node
+    committer: Committer
+
+    # ------------------------------------------------------------------ attributes
+    def setattr(self, n: Node, *, fh: int | None = None, size: int | None = None,
+                mode: int | None = None, uid: int | None = None, gid: int | None = None,
+                atime_ns: int | None = None, mtime_ns: int | None = None) -> None:
+        """setattr: truncate to ``size`` bytes (through the open handle ``fh`` — ftruncate(2),
+        which counts as a write of that handle's session — or by path, which commits at once
+        since no close follows), chmod (``mode``: permission bits), chown (``uid`` / ``gid``;
+        -1 leaves one as is), utimensat (``atime_ns`` / ``mtime_ns``, ns since the epoch); see
+        ``_set_attributes`` for what reaches the control plane. Raises ``FsError``:
+        ``EACCES`` on the root or ``.memfuse``, ``EROFS`` on a read-only store, ``EBADF`` /
+        ``ESTALE`` for a bad handle, and the size refusals of ``truncate`` (``EFBIG``,
+        ``ENOSPC``, ``EISDIR``)."""
+        if fh is not None and size is not None:
+            self.handle(fh).modified = True
+        by_path = size is not None and fh is None and n.opened == 0
+        self._set_attributes(n, size=size, mode=mode, uid=uid, gid=gid, atime_ns=atime_ns,
+                             mtime_ns=mtime_ns, judge=by_path)
+        if by_path:
+            self.commit_quietly(n)  # truncate(2) by path: no close will follow to commit it
+
+    def _set_attributes(self, n: Node, *, size: int | None, mode: int | None,
+                        uid: int | None, gid: int | None, atime_ns: int | None,
+                        mtime_ns: int | None, judge: bool = False) -> None:
+        """What ``setattr`` changes (truncate, chmod, chown, utimensat). Permission bits and
+        mtime of a record are kept by the control plane: on a file with unsent writes (or a
+        refused one) they ride with its next content commit; on a clean file a change queues an ``attrs``
+        outbox entry (a metadata-only version, no content upload); a change to the current
+        value queues nothing. Directory modes stay in this sidecar (``dirs.json``); uid/gid
+        and atime are local (per mount)."""
+        if n.special or n is self.root or n is self.control:
+            raise FsError(errno.EACCES, "read-only")
+        if size is not None:
+            self.truncate(n, size, judge=judge)
+        if (n.store is not None and not n.store.writable
+                and any(v is not None for v in (mode, uid, gid, atime_ns, mtime_ns))):
+            raise FsError(errno.EROFS)
+        changed: dict[str, int] = {}
+        if mode is not None:
+            new = stat.S_IFMT(n.mode) | stat.S_IMODE(mode)
+            if new != n.mode:
+                n.mode = new
+                changed["mode"] = stat.S_IMODE(mode)
+        if uid is not None and uid != -1 & 0xFFFFFFFF:
+            n.uid = uid
+        if gid is not None and gid != -1 & 0xFFFFFFFF:
+            n.gid = gid
+        if atime_ns is not None:
+            n.atime_ns = atime_ns
+        if mtime_ns is not None:
+            if size is None and not n.is_dir and (n.dirty or mtime_ns != n.mtime_ns):
+                # an explicit time (touch -d, cp -p); with a size it is the truncation's own
+                n.xmtime = mtime_ns
+                changed["mtime_ns"] = mtime_ns
+            n.mtime_ns = mtime_ns
+        n.ctime_ns = time.time_ns()
+        if not changed:
+            return
+        if n.is_dir:
+            if "mode" in changed and n.store is not None:
+                self._save_dirs_logged()  # the mode applies now; a failure is logged
+            return
+        if n.local_only and not n.unlinked:
+            self.sync_local()  # the kept copy gets the new mode / mtime
+            return
+        if n.unlinked or n.store is None or n.dirty or n.state == REJECTED:
+            return  # rides with the next content commit (commit() sends both)
+        if "mtime_ns" not in changed and n.xmtime is None:
+            # chmod(2) changes the ctime, not the mtime: pin the mtime this file shows, or the
+            # record would show the chmod's version time (here after a restart, elsewhere)
+            n.xmtime = changed["mtime_ns"] = n.mtime_ns
+        self.committer.submit(n.store.slug, ATTRS, n.key, {"path": n.path(), **changed})
+
+    # ------------------------------------------------------------------ xattrs
+    XATTRS = ("id", "version", "sha256", "state", "updated_at", "error", "type")
+
+    def getxattr(self, n: Node, name: str) -> bytes:
+        """The value of ``user.memfuse.<key>`` for a record file (``id``, ``version``, ``sha256``,
+        ``state``, ``updated_at``, ``error``, ``type``) as UTF-8 bytes. Raises
+        ``FsError(ENODATA)`` for other names, directories, control files and empty values."""
+        if not name.startswith("user.memfuse."):
+            raise FsError(errno.ENODATA)
+        key = name[len("user.memfuse."):]
+        if n.is_dir or n.special or key not in self.XATTRS:
+            raise FsError(errno.ENODATA)
+        value = {"id": n.record_id or "", "version": str(n.version) if n.record_id else "",
+                 "sha256": n.sha if n.buf is None else sha256_hex(bytes(n.buf)),
+                 "state": "local" if n.local_only else n.state, "updated_at": n.updated_at,
+                 "error": n.error,
+                 "type": n.rtype or ""}[key]
+        if not value and key not in ("error",):
+            raise FsError(errno.ENODATA)
+        return value.encode("utf-8")
+
+    def setxattr(self, n: Node, name: str, value: bytes) -> None:
+        """setxattr(2): only ``user.memfuse.type`` is writable (``set_type``); other
+        ``user.memfuse.*`` names → ``EPERM``; any other name → ``ENOTSUP``."""
+        if name == "user.memfuse.type":
+            self.set_type(n, value)
+            return
+        if name.startswith("user.memfuse."):
+            raise FsError(errno.EPERM, f"{name} is read-only")
+        raise FsError(errno.ENOTSUP)
+
+    def set_type(self, n: Node, value: bytes) -> None:
+        """``setxattr user.memfuse.type``: a new version with that type (docs/SEMANTICS.md, "Extended attributes")."""
+        if n.is_dir or n.special or n.store is None:
+            raise FsError(errno.ENOTSUP, "only records have a type")
+        self._check_writable_file(n)
+        t = value.decode("utf-8", "replace").strip()
+        if t not in RECORD_TYPES:
+            self.refuse(n.parent, n.name, errno_of("invalid_type"),
+                        f"type {t!r} is not one of {', '.join(RECORD_TYPES)}", "invalid_type")
+        if n.local_only:
+            raise FsError(errno.ENOTSUP, "local-only files have no type")
+        n.type_override = t
+        n.dirty = True
+        if n.opened == 0 or n.buf is None:
+            self.commit_quietly(n)

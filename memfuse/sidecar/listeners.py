@@ -1,0 +1,57 @@
+"""The listener interfaces of the sidecar's parts: what a part tells the one that assembles
+it, given at construction instead of callbacks set from outside.
+
+- ``CommitListener``: what the committer (``committer.Committer``) tells, after the ``await``
+  of the HTTP call that settled an entry; the filesystem core implements it.
+- ``FsListener``: what the filesystem core (``core.Filesystem``) tells the sidecar
+  (``mount.Sidecar``) that assembles it; a bare core (tests, the reference model) has none.
+
+Every method runs on the trio thread and must not block; an exception it raises is logged by
+the caller, never raised into it.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from .journal import Entry
+
+__all__ = ["CommitListener", "FsListener"]
+
+
+class CommitListener(Protocol):
+    """What the committer tells, on the trio thread, after the ``await`` of the HTTP call
+    that settled an entry (the filesystem core implements it, and forwards to the sidecar).
+    An exception raised by a method is logged, never raised into the committer."""
+
+    def entry_finished(self, e: Entry) -> None:
+        """``e`` is committed (``e.errno`` 0; ``e.record`` / ``e.moved`` / ``e.merged`` say
+        what the control plane now holds) or refused for good (``e.errno``, ``e.reason``,
+        ``e.code``); it has left the queue and the journal."""
+
+    def entry_conflicted(self, e: Entry, what: str) -> None:
+        """``e`` met a concurrent change and was resolved last-writer-wins (``what``: one
+        sentence for ``errors.log``)."""
+
+
+class FsListener(Protocol):
+    """What the filesystem core tells the sidecar that assembles it, given at construction
+    (``Filesystem(listener=...)``); every method runs on the trio thread and must not
+    block. A bare core (tests, the reference model) has none."""
+
+    def entry_finished(self, e: Entry) -> None:
+        """An outbox entry finished, after the core applied its result to the tree (the
+        sidecar updates the store's mirror)."""
+
+    def entry_conflicted(self, e: Entry, what: str) -> None:
+        """A write was resolved last-writer-wins, after the core noted it in errors.log."""
+
+    def invalidate(self, items: list[tuple[Any, ...]]) -> None:
+        """Kernel cache invalidations to make (``("inode", ino)``...): never blocks."""
+
+    def committed_size(self, slug: str, record_id: str) -> int | None:
+        """Bytes of the record as the control plane holds it (the store's mirror), None when
+        unknown."""
+
+    def status(self) -> dict[str, Any]:
+        """The fuller status document (``.memfuse/status.json``)."""
