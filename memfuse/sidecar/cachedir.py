@@ -101,8 +101,11 @@ class CacheError(OSError):
     """A write to the sidecar's own cache directory failed: ``errno`` (``ENOSPC`` for a full
     disk, else ``EIO`` or the OS's errno) and a one-line ``reason`` for logs and errors.log."""
 
+    errno: int  # never None here (``OSError.errno`` may be)
+
     def __init__(self, err: int, reason: str) -> None:
         super().__init__(err, reason)
+        self.errno = err
         self.reason = reason
 
 

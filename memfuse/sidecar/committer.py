@@ -22,7 +22,7 @@ import random
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 import trio
 
@@ -253,7 +253,7 @@ class Committer:
         return list(self.queues.get(store, ()))
 
     @contextlib.asynccontextmanager
-    async def hold(self, store: str):
+    async def hold(self, store: str) -> AsyncIterator[None]:
         """Inside: no commit of ``store`` is in flight and none starts (entries still queue).
 
         Waits for the commit in flight to end (it is retried until it commits or is refused,
@@ -269,7 +269,7 @@ class Committer:
             del self._held[store]
             ev.set()
 
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run one worker per store (more start as stores appear) until cancelled; reports
         ready through ``task_status.started()`` at once."""
         async with trio.open_nursery() as nursery:

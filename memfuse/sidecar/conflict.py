@@ -29,7 +29,8 @@ import trio
 
 from ..client import ApiClient
 from ..errors import ApiError, Conflict, NotFound, PermanentError, PreconditionFailed, TransientError
-from ..wire import Record, sha256_hex
+from ..defs import sha256_hex
+from ..wire import Record
 from .identity import RecordIds
 from .journal import Entry, Journal
 
@@ -219,9 +220,10 @@ class ConflictResolver:
             if kind == "append":
                 new = theirs + local[len(base):]
             else:
-                new = await trio.to_thread.run_sync(merge_lines, base, theirs, local)
-                if new is None:
+                three_way = await trio.to_thread.run_sync(merge_lines, base, theirs, local)
+                if three_way is None:
                     return None  # the changes overlap: last writer wins
+                new = three_way
             try:
                 rec = await c.update_record(e.store, rid, new.decode("utf-8"), type=typ,
                                             if_match=cur.sha256,

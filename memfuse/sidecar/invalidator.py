@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import logging
 import math
+from typing import Any
 
 import pyfuse3
 import trio
@@ -37,14 +38,14 @@ class Invalidator:
         self._outstanding = 0  # submitted, not yet sent to the kernel
         self._settled = trio.Event()
 
-    def submit(self, items: list[tuple]) -> None:
+    def submit(self, items: list[tuple[Any, ...]]) -> None:
         """Queue kernel invalidations (``("entry", parent_ino, name)``, ``("inode", ino)``,
         ``("attr", ino)``); dropped while the mount is not up. Never blocks."""
         if self.active and items:
             self._outstanding += len(items)
             self._send.send_nowait(list(items))
 
-    def _run_batch(self, batch: list[tuple]) -> None:
+    def _run_batch(self, batch: list[tuple[Any, ...]]) -> None:
         for item in batch:
             try:
                 if item[0] == "entry":
@@ -58,7 +59,8 @@ class Invalidator:
                 if e.errno != errno.ENOENT:  # ENOENT: the kernel had nothing cached
                     self.failed += 1
                     log.warning("kernel invalidation failed",
-                                extra={"kind": item[0], "ino": item[1], "errno": errno.errorcode.get(e.errno)})
+                                extra={"kind": item[0], "ino": item[1],
+                                       "errno": errno.errorcode.get(e.errno or 0)})
 
     async def run(self) -> None:
         """Perform queued invalidations until cancelled."""

@@ -47,8 +47,39 @@ log = logging.getLogger("memfuse.outbox")
 PUT, DELETE, MOVE, MOVE_PREFIX, ATTRS = "put", "delete", "move", "move_prefix", "attrs"
 
 
+class _Waitable:
+    """What ``Entry`` and ``Barrier`` share: waited on until accepted (``wait_accepted``)."""
+
+    durable: trio.Event
+    done: trio.Event
+    changed: trio.Event
+    journal_error: tuple[int, str] | None
+
+    def notify(self) -> None:
+        """Wake whoever waits on ``changed`` (``wait_accepted``)."""
+        ev, self.changed = self.changed, trio.Event()
+        ev.set()
+
+    async def wait_accepted(self, timeout: float) -> None:
+        """Wait until the entry is accepted (its journal row is on disk) or already finished
+        (committed or refused: the control plane holds the outcome), at most ``timeout`` s.
+
+        Raises ``CacheError`` with the journal's errno (``ENOSPC`` when the cache disk is full,
+        ``EIO`` for other write failures) when the journal tried to write the entry and failed,
+        or ``EIO`` when it did not get to it within ``timeout``. The entry stays queued either
+        way: the journal keeps retrying it and the committer may still commit it.
+        """
+        with trio.move_on_after(timeout):
+            while not (self.durable.is_set() or self.done.is_set()):
+                if self.journal_error is not None:
+                    raise CacheError(*self.journal_error)
+                await self.changed.wait()
+            return
+        raise CacheError(errno.EIO, f"the outbox journal did not write within {timeout:g} s")
+
+
 @dataclass(eq=False)
-class Entry:
+class Entry(_Waitable):
     """One accepted change. ``args`` holds the op's paths (store-relative) and flags; ``content``
     the bytes of a ``put``. ``errno`` is 0 once committed, the refusal's errno otherwise."""
 
@@ -77,35 +108,13 @@ class Entry:
     #: set (and replaced) whenever the entry's state changes: a journal attempt or its end
     changed: trio.Event = field(default_factory=trio.Event)
 
-    def notify(self) -> None:
-        """Wake whoever waits on ``changed`` (``wait_accepted``)."""
-        ev, self.changed = self.changed, trio.Event()
-        ev.set()
-
     def finish(self) -> None:
         """The entry is committed or refused for good (``done``)."""
         self.done.set()
         self.notify()
 
-    async def wait_accepted(self, timeout: float) -> None:
-        """Wait until the entry is accepted (its journal row is on disk) or already finished
-        (committed or refused: the control plane holds the outcome), at most ``timeout`` s.
 
-        Raises ``CacheError`` with the journal's errno (``ENOSPC`` when the cache disk is full,
-        ``EIO`` for other write failures) when the journal tried to write the entry and failed,
-        or ``EIO`` when it did not get to it within ``timeout``. The entry stays queued either
-        way: the journal keeps retrying it and the committer may still commit it.
-        """
-        with trio.move_on_after(timeout):
-            while not (self.durable.is_set() or self.done.is_set()):
-                if self.journal_error is not None:
-                    raise CacheError(*self.journal_error)
-                await self.changed.wait()
-            return
-        raise CacheError(errno.EIO, f"the outbox journal did not write within {timeout:g} s")
-
-
-class Barrier:
+class Barrier(_Waitable):
     """A point in the journal's queue: ``durable`` (also ``done``) is set once everything
     queued before it is on disk. Waited on like an ``Entry`` (``wait_accepted``): a failed
     write sets ``journal_error``. Used by writes that are not outbox entries (local-only
@@ -121,9 +130,6 @@ class Barrier:
         self.done = self.durable  # nothing to commit beyond the disk
         self.changed = trio.Event()
         self.journal_error: tuple[int, str] | None = None
-
-    notify = Entry.notify
-    wait_accepted = Entry.wait_accepted
 
 
 class Journal:
@@ -145,7 +151,7 @@ class Journal:
     CHECKPOINT_EVERY = 2.0  # s between idle checkpoints
     RETRY_MIN, RETRY_MAX = 0.1, 2.0  # s: backoff of a failed batch
 
-    def __init__(self, path: Path, metrics=None) -> None:
+    def __init__(self, path: Path, metrics: Any = None) -> None:
         self.path = path
         self.metrics = metrics
         private_file(path)  # 0600; SQLite gives its -wal / -shm files the same mode
@@ -187,9 +193,9 @@ class Journal:
             "CREATE TABLE IF NOT EXISTS merges (node_key TEXT PRIMARY KEY, local_sha TEXT NOT NULL,"
             " local BLOB NOT NULL, merged_sha TEXT NOT NULL)")
         # queued writes: [sql, params, entry id of an insert (else None)]
-        self._pending: list[list] = []
-        self._waiters: list[Entry] = []
-        self._unwritten: dict[int, list] = {}  # entry id -> its queued insert
+        self._pending: list[list[Any]] = []
+        self._waiters: list[Entry | Barrier] = []
+        self._unwritten: dict[int, list[Any]] = {}  # entry id -> its queued insert
         self._wakeup = trio.Event()
         self._lock = trio.Lock()
         self.error: CacheError | None = None  # the last write failure, None once one succeeds
@@ -347,7 +353,7 @@ class Journal:
                               (node_key, record_id, sha), None])
         self._wakeup.set()
 
-    def _apply(self, batch: list[list]) -> None:
+    def _apply(self, batch: list[list[Any]]) -> None:
         self._db.execute("BEGIN IMMEDIATE")
         try:
             for sql, params, _ in batch:
