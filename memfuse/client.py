@@ -666,15 +666,20 @@ class ApiClient:
         cursor: str | None = None,
         limit: int = 20,
         max_lines: int = 5,
+        order: str = "path",
     ) -> SearchPage:
         """``GET /v1/stores/{store}/search``: one page of the live records whose path
         (``match="path"``), content (``"content"``) or either (``"any"``) hold ``q``
         (literal, one line, 1–256 characters), in path order, each with its first
         ``max_lines`` matching lines (docs/API.md, "Search"). ``prefix`` limits it to a file
-        or directory; ``limit`` 1–100 records a page; follow ``next_cursor``. Raises
-        :class:`~memfuse.errors.ApiError` (422 ``invalid_query`` and friends for bad input)."""
+        or directory; ``limit`` 1–100 records a page; follow ``next_cursor``. ``order=
+        "relevance"``: ranked by the full-text index instead, best first, with ``score`` and
+        ``snippet`` per hit. Raises :class:`~memfuse.errors.ApiError` (422 ``invalid_query``
+        and friends for bad input)."""
         params: dict[str, Any] = {"q": q, "match": match, "limit": limit, "max_lines": max_lines,
                                   "case_sensitive": _bool(case_sensitive)}
+        if order != "path":
+            params["order"] = order
         if prefix:
             params["prefix"] = prefix
         if type is not None:

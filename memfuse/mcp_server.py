@@ -128,12 +128,15 @@ TOOLS: list[types.Tool] = [
     ),
     types.Tool(
         name="memory_search",
-        description=("Search memory files for literal text (case-insensitive unless case_sensitive). Answers "
-                     "grep-style lines `path:line: text`, at most 100."),
+        description=("Search memory files for literal text (case-insensitive unless case_sensitive), or with "
+                     "rank for the files holding every word, best first. Answers grep-style lines "
+                     "`path:line: text`, at most 100."),
         input_schema={"type": "object", "properties": {
             "query": {"type": "string", "description": "text to look for"},
             "path": _path("where to search (default /memories: every store)"),
             "case_sensitive": {"type": "boolean", "description": "match case exactly (default false)"},
+            "rank": {"type": "boolean", "description": ("rank by relevance: files holding every word of "
+                                                        "query (word prefixes), best first (default false)")},
             "max_results": {"type": "integer", "minimum": 1, "maximum": 100,
                             "description": "at most this many lines (default 100)"},
         }, "required": ["query"], "additionalProperties": False},

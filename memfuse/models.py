@@ -269,16 +269,20 @@ class SearchHit(BaseModel):
     """A live record that matches a search (``GET /v1/stores/{store}/search``): the record
     without content; ``path_match`` whether its path holds the query; ``lines`` its first
     matching lines (at most the request's ``max_lines``); ``line_matches`` how many of its
-    lines match in all."""
+    lines match in all. A ranked search (``order=relevance``) also gives ``score`` (higher is
+    better; comparable within one search only) and ``snippet`` (a short excerpt of the
+    content around the query's words, plain untrusted text); None otherwise."""
 
     record: Record
     path_match: bool = False
     lines: list[SearchLine] = []
     line_matches: int = 0
+    score: float | None = None
+    snippet: str | None = None
 
 
 class SearchPage(BaseModel):
-    """One page of search hits ordered by path; ``next_cursor`` None on the last page (a page
+    """One page of search hits ordered by path (by score with ``order=relevance``); ``next_cursor`` None on the last page (a page
     may hold fewer hits than ``limit`` and still have a next one); ``seq``: the store's
     change-feed position read before the page."""
 

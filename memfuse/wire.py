@@ -263,12 +263,15 @@ class SearchLine(Struct, kw_only=True):
 
 class SearchHit(Struct, kw_only=True):
     """A record matching a search (without content), whether its path matched, its first
-    matching lines and how many lines match in all."""
+    matching lines and how many lines match in all; a ranked search's ``score`` and
+    ``snippet`` (None otherwise)."""
 
     record: Record
     path_match: bool = False
     lines: list[SearchLine] = msgspec.field(default_factory=list)
     line_matches: int = 0
+    score: float | None = None
+    snippet: str | None = None
 
 
 class SearchPage(Struct, kw_only=True):

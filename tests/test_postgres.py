@@ -18,7 +18,8 @@ HERE = Path(__file__).resolve().parent
 API_TESTS = ["tests/test_api.py", "tests/test_batch.py", "tests/test_semantics_api.py", "tests/test_server_perf.py",
              "tests/test_migrations.py", "tests/test_tokens_api.py", "tests/test_console_api.py",
              "tests/test_health.py", "tests/test_streams.py", "tests/test_search_api.py",
-             "tests/test_hostile.py::test_on_postgresql_caps_hold_and_a_revocation_on_one_replica_cuts_on_the_other"]
+             "tests/test_hostile.py::test_on_postgresql_caps_hold_and_a_revocation_on_one_replica_cuts_on_the_other",
+             "tests/test_ranked_search.py"]
 
 
 @pytest.mark.timeout(600)

@@ -85,7 +85,8 @@ EXAMPLES: dict[str, list[dict]] = {
     "MemoryToolResult": [dict(content="ok", is_error=True), dict(content="")],
     "SearchLine": [dict(line=3, text="tea \u2028 <b>x</b> …")],
     "SearchHit": [dict(record=RECORD_MIN, path_match=True, lines=[dict(line=1, text="a")],
-                       line_matches=4), dict(record=RECORD_FULL)],
+                       line_matches=4), dict(record=RECORD_FULL),
+                  dict(record=RECORD_MIN, score=1.25, snippet="a   snippet …")],
     "SearchPage": [dict(hits=[dict(record=RECORD_MIN, lines=[dict(line=2, text="")], line_matches=1)],
                         next_cursor="c", seq=3), dict(hits=[], seq=0)],
     "BatchOperation": [dict(op="update", record_id="r", if_match='"ab"', idempotency_key="k",

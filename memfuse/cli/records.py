@@ -194,10 +194,14 @@ class SearchError(click.ClickException):
      help="Only the record at PATH or the records under directory PATH.")
 @opt("--type", "rtype", type=click.Choice(["user", "feedback", "project", "reference"]),
      help="Only records of this type.")
-@opt("--match", type=click.Choice(["content", "path", "any"]), default="content",
-     show_default=True,
+@opt("--match", type=click.Choice(["content", "path", "any"]), default=None,
      help="Where QUERY must be: in the content (grep), in the path, or either (the memory "
-          "tool's search). A record found by its path alone prints as its bare path.")
+          "tool's search). A record found by its path alone prints as its bare path. "
+          "Default: content; with --rank, any.")
+@opt("--rank", is_flag=True,
+     help="Rank by relevance (the store's full-text index): records holding every word of "
+          "QUERY (as word prefixes, any case), best first; a word in the path or a heading "
+          "counts more. Prints the lines holding one of the words.")
 @opt("--case-sensitive", is_flag=True,
      help="Match case exactly. Default: both sides compared in Unicode lowercase (ÄPFEL finds äpfel).")
 @opt("-l", "--files-with-matches", "files_only", is_flag=True,
@@ -205,16 +209,20 @@ class SearchError(click.ClickException):
 @opt("--limit", type=click.IntRange(min=1), metavar="N",
      help="Stop after N matching records. Default: all of them.")
 @api_options
-def search(target: Target, store_slug: str, query: str, prefix: str, rtype: str | None, match: str,
-           case_sensitive: bool, files_only: bool, limit: int | None) -> None:
+def search(target: Target, store_slug: str, query: str, prefix: str, rtype: str | None, match: str | None,
+           rank: bool, case_sensitive: bool, files_only: bool, limit: int | None) -> None:
     """Find QUERY (literal text, one line) in the live records of STORE, like `grep -rn`.
 
+    With --rank, the records holding QUERY's words instead, best first (see --rank).
     Prints PATH:LINE:TEXT for each matching line, in path order (PATH relative to the store
     root, LINE counted from 1, a line longer than 300 characters cut and ended with " …").
     On a terminal, control characters and bidirectional controls in TEXT are shown escaped
     (\\x1b, \\u202e); piped, TEXT is printed as stored. Exit status: 0 when something
     matched, 1 when nothing did, 2 on an error (as grep).
     """
+    if rank and case_sensitive:
+        raise click.UsageError("--case-sensitive applies to substring search, not to --rank")
+    match = match or ("any" if rank else "content")
     tty = stdout_is_terminal()
     out = getattr(sys.stdout, "buffer", None) or sys.stdout  # bytes: UTF-8 whatever the locale
 
@@ -229,7 +237,7 @@ def search(target: Target, store_slug: str, query: str, prefix: str, rtype: str 
             page = await with_retries(lambda: api.search(
                 store_slug, query, match=match, prefix=prefix, type=rtype,
                 case_sensitive=case_sensitive, cursor=cursor, limit=SEARCH_PAGE,
-                max_lines=0 if files_only else SEARCH_LINES))
+                max_lines=0 if files_only else SEARCH_LINES, order="relevance" if rank else "path"))
             for hit in page.hits:
                 path = hit.record.path
                 if files_only or not hit.lines:

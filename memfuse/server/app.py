@@ -426,11 +426,14 @@ def create_app(
                                     description="records read for this page")] = defs.SEARCH_PAGE_DEFAULT,
         max_lines: Annotated[int, Query(ge=0, le=defs.SEARCH_LINES_MAX,
                                         description="matching lines shown per record")] = defs.SEARCH_LINES_DEFAULT,
+        order: Annotated[Literal["path", "relevance"], Query(description=(
+            "path: substring search in path order (grep); relevance: every word of q in the "
+            "full-text index, best first, with score and snippet"))] = "path",
     ):
         """Live records whose path and / or content hold ``q`` (docs/API.md, "Search")."""
         return _json(svc.search(p, store, q, match=match, prefix=prefix, type=type,
                                 case_sensitive=case_sensitive, cursor=cursor, limit=limit,
-                                max_lines=max_lines))
+                                max_lines=max_lines, order=order))
 
     @app.post("/v1/stores/{store}/records", status_code=201, response_model=Record, tags=["records"])
     def create_record(store: StoreSlug, body: RecordCreate, p: P, idem: Idem):

@@ -58,12 +58,14 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 from sqlalchemy.pool import StaticPool
 
+from memfuse.server import fulltext
+
 log = logging.getLogger(__name__)
 
 #: the newest Alembic revision (``memfuse/server/migrations/versions/``): a database at it
 #: opens without Alembic (``Database._at_schema_head``). A new revision updates it;
 #: tests/test_migrations.py fails while it is not ``schema.head()``.
-SCHEMA_HEAD = "0006_anthropic_memory_stores"
+SCHEMA_HEAD = "0007_fulltext"
 
 
 def utcnow() -> datetime:
@@ -290,6 +292,11 @@ class EventRow(Base):
     __table_args__ = (Index("ix_events_workspace_seq", "workspace", "seq"), {"sqlite_autoincrement": True})
 
 
+# The full-text index of live records (revision 0006_fulltext): not models, DDL run after
+# the tables are created (``memfuse.server.fulltext``).
+fulltext.install(Base.metadata)
+
+
 def normalize_db_url(url: str):
     """The SQLAlchemy ``URL`` for ``url``, with ``postgresql://`` / ``postgres://`` (no
     driver named) mapped to psycopg 3 (``postgresql+psycopg://``); any other URL unchanged.
@@ -403,6 +410,7 @@ class Database:
             cur = dbapi_conn.cursor()
             cur.execute("PRAGMA foreign_keys=ON")
             cur.execute("PRAGMA busy_timeout=5000")
+            fulltext.register_sqlite_functions(dbapi_conn)  # the full-text triggers call it
             if not memory:
                 _set_wal(cur)
             cur.close()

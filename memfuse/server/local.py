@@ -234,15 +234,16 @@ class LocalTransport(httpx.AsyncBaseTransport):
         return call
 
     def _search(self, token: str, instance: str | None, slug: str, q: dict[str, str]):
-        self._take(q, {"q", "match", "prefix", "type", "case_sensitive", "cursor", "limit", "max_lines"})
+        self._take(q, {"q", "match", "prefix", "type", "case_sensitive", "cursor", "limit", "max_lines", "order"})
         text, match, prefix = q.get("q", ""), q.get("match", "any"), q.get("prefix", "")
+        order = q.get("order", "path")
         if (not 1 <= len(text) <= defs.SEARCH_QUERY_MAX or match not in ("any", "path", "content")
-                or len(prefix) > defs.SEARCH_PREFIX_MAX):
+                or len(prefix) > defs.SEARCH_PREFIX_MAX or order not in ("path", "relevance")):
             raise _Plain()
         kw = dict(match=match, prefix=prefix, type=q.get("type"),
                   case_sensitive=self._bool(q, "case_sensitive", False), cursor=q.get("cursor"),
                   limit=self._bounded(q, "limit", defs.SEARCH_PAGE_DEFAULT, 1, defs.SEARCH_PAGE_MAX),
                   max_lines=self._bounded(q, "max_lines", defs.SEARCH_LINES_DEFAULT, 0,
-                                          defs.SEARCH_LINES_MAX))
+                                          defs.SEARCH_LINES_MAX), order=order)
         return lambda: (self.service.search(self._principal(token, instance), slug, text, **kw)
                         .model_dump_json().encode(), {})

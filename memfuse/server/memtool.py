@@ -701,6 +701,10 @@ class MemoryTool:
         limit = min(limit, SEARCH_MAX_RESULTS)
         case_sensitive = bool(c.get("case_sensitive", False))
         stores = sorted(self._attachments()) if t.is_root else [self._attachment(t).store.slug]
+        if c.get("rank"):
+            if case_sensitive:
+                raise ToolError("Parameter `case_sensitive` does not apply to a ranked search (`rank`)")
+            return self._ranked_search(query, t, stores, limit)
         hits: list[str] = []
         more = 0
         unsure = False  # files not read may match too
@@ -733,6 +737,44 @@ class MemoryTool:
             else:  # the lines shown filled the bound exactly; files not read may match too
                 what = f"the search stopped after {len(hits)} lines; other files may match too"
             text += f"\n[memfuse: {what}; narrow the search with `path` or a longer query]"
+        return text
+
+    def _ranked_search(self, query: str, t: Target, stores: list[str], limit: int) -> str:
+        """``search`` with ``rank``: the files holding every word of ``query`` (word
+        prefixes, any case) by the full-text index, best first over every store searched
+        (``Service.search`` with ``order="relevance"``, one page per store); per file its
+        lines holding a word as ``<path>:<line>: <text>``, or ``<path>`` alone for a file
+        found by its path; at most ``limit`` lines in all."""
+        found = []
+        for slug in stores:
+            try:
+                page = self.svc.search(self.p, slug, query, match="any", prefix=t.path, order="relevance",
+                                       limit=SEARCH_PAGE, max_lines=SEARCH_MAX_RESULTS)
+            except ServiceError as e:
+                raise ToolError(f"Parameter `query`: {e.detail}") from None
+            found += [(h.score or 0.0, slug, h) for h in page.hits]
+        found.sort(key=lambda x: -x[0])
+        out: list[str] = []
+        more = 0
+        for _, slug, h in found:
+            where = f"{ROOT}/{slug}/{h.record.path}"
+            if not h.lines:
+                if len(out) < limit:
+                    out.append(where)
+                else:
+                    more += 1
+                continue
+            for ln in h.lines:
+                if len(out) < limit:
+                    out.append(f"{where}:{ln.line}: {ln.text}")
+                else:
+                    more += 1
+            more += h.line_matches - len(h.lines)
+        if not out:
+            return f"No files hold every word of {query!r} in {t.raw}"
+        text = "\n".join(out)
+        if more:
+            text += f"\n[memfuse: {more} more matching line(s) not shown; best files first]"
         return text
 
     def history(self, c: Mapping[str, Any]) -> str:

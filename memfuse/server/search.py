@@ -19,15 +19,17 @@ snapshot pages; a cursor is the snapshot cursor of the last row read.
 """
 from __future__ import annotations
 
+import base64
 import unicodedata
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from sqlalchemy import and_, false, func, or_, select, tuple_
+from sqlalchemy import and_, bindparam, column, false, func, literal_column, or_, select, table, text, tuple_
 from sqlalchemy.engine import Connection
 
 from memfuse import content as content_rules
 from memfuse.models import SearchHit, SearchLine, SearchPage
+from memfuse.server import fulltext
 from memfuse.server.base import _R, _V, Principal, ServiceBase, ServiceError, _check_path, fold
 from memfuse.server.records import _decode_cursor, _encode_cursor, _record_model
 
@@ -36,8 +38,28 @@ SEARCH_MAX_LIMIT = 100  # records one search page returns at most
 SEARCH_MAX_LINES = 100  # matching lines shown per record at most
 LINE_MAX_CHARS = 300  # a matching line is shown up to this many characters
 MATCH_FIELDS = ("any", "path", "content")
+ORDERS = ("path", "relevance")
+RANK_MAX_OFFSET = 1000  # a ranked search pages through its best 1,000 hits at most
 TREE_PAGE = 200  # rows one step of ``tree`` reads at most
 TREE_MIN_PAGE = 16  # rows the step right after a jump reads
+
+
+def _encode_offset(offset: int) -> str:
+    """The cursor of a ranked page: the offset of its first hit."""
+    return base64.urlsafe_b64encode(f"rank:{offset}".encode()).decode().rstrip("=")
+
+
+def _decode_offset(cursor: str) -> int:
+    """The offset of a ranked cursor; 422 ``validation_error`` for any other text."""
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+        kind, _, n = raw.partition(":")
+        offset = int(n)
+        if kind != "rank" or not 0 <= offset <= RANK_MAX_OFFSET:
+            raise ValueError(raw)
+        return offset
+    except Exception:
+        raise ServiceError(422, "validation_error", "cursor is not one this server gave out") from None
 
 
 def check_query(q: str) -> None:
@@ -90,9 +112,16 @@ class SearchMixin(ServiceBase):
         cursor: str | None = None,
         limit: int = 20,
         max_lines: int = 5,
+        order: str = "path",
     ) -> SearchPage:
         """One page of the live records of ``slug`` holding ``q`` (literal text) in their
         path (``match="path"``), content (``"content"``) or either (``"any"``), in path order.
+
+        ``order="relevance"``: the records holding every word of ``q`` (as a word prefix) in
+        the full-text index instead (``memfuse.server.fulltext``), best first, each with its
+        ``score`` and ``snippet``; ``lines`` are then the lines holding one of the words.
+        ``case_sensitive`` does not apply (422 ``validation_error``); 422 ``invalid_query``
+        when ``q`` has no word; pages go to the best ``RANK_MAX_OFFSET`` hits.
 
         ``prefix``: only the record at that path or under that directory (``""``: the whole
         store). ``type``: only records of that type. ``limit`` (1–100) bounds the records
@@ -103,6 +132,8 @@ class SearchMixin(ServiceBase):
         check_query(q)
         if match not in MATCH_FIELDS:
             raise ServiceError(422, "validation_error", f"match must be one of {', '.join(MATCH_FIELDS)}")
+        if order not in ORDERS:
+            raise ServiceError(422, "validation_error", f"order must be one of {', '.join(ORDERS)}")
         if not 1 <= limit <= SEARCH_MAX_LIMIT or not 0 <= max_lines <= SEARCH_MAX_LINES:
             raise ServiceError(422, "validation_error",
                                f"limit must be 1..{SEARCH_MAX_LIMIT} and max_lines 0..{SEARCH_MAX_LINES}")
@@ -112,6 +143,10 @@ class SearchMixin(ServiceBase):
         prefix = prefix.strip("/")
         if prefix:
             _check_path(prefix)
+        if order == "relevance":
+            return self._ranked(p, slug, q, match=match, prefix=prefix, type=type,
+                                case_sensitive=case_sensitive, cursor=cursor, limit=limit,
+                                max_lines=max_lines)
         needle = q if case_sensitive else fold(q)
         with self.db.read_conn() as conn:
             st = self._store(conn, p, slug)
@@ -148,6 +183,63 @@ class SearchMixin(ServiceBase):
                                       path_match=path_match, lines=lines, line_matches=count))
         return SearchPage(hits=hits, seq=seq,
                           next_cursor=_encode_cursor(rows[-1].path, rows[-1].id) if more else None)
+
+    def _ranked(self, p: Principal, slug: str, q: str, *, match: str, prefix: str, type: str | None,
+                case_sensitive: bool, cursor: str | None, limit: int, max_lines: int) -> SearchPage:
+        """``search`` with ``order="relevance"`` (arguments checked by the caller but for
+        the ranking's own rules, see ``search``)."""
+        if case_sensitive:
+            raise ServiceError(422, "validation_error",
+                               "case_sensitive applies to substring search only, not to order=relevance")
+        words = fulltext.terms(q)
+        if not words:
+            raise ServiceError(422, "invalid_query", "the query has no word to rank by (letters or digits)")
+        offset = _decode_offset(cursor) if cursor else 0
+        take = min(limit, RANK_MAX_OFFSET - offset)
+        with self.db.read_conn() as conn:
+            st = self._store(conn, p, slug)
+            seq = conn.scalar(select(func.max(_V.c.seq)).where(_V.c.store == st.slug)) or 0
+            if take <= 0:
+                return SearchPage(hits=[], seq=seq)
+            conds = [_R.c.store == st.slug, _R.c.deleted == false()]
+            if prefix:
+                conds.append(_prefix_clause(self._path_col(), prefix))
+            if type is not None:
+                conds.append(_R.c.type == type)
+            if conn.dialect.name == "sqlite":
+                fts = table("records_fts", column("rowid"))
+                rank = literal_column("bm25(records_fts, {}, {}, {})".format(*fulltext.SQLITE_WEIGHTS))
+                stmt = (select(_R, (-rank).label("score")).select_from(fts.join(_R, _R.c.seq == fts.c.rowid))
+                        .where(text("records_fts MATCH :fts_q").bindparams(fts_q=fulltext.sqlite_match(words, match)),
+                               *conds)
+                        .order_by(rank, _R.c.path, _R.c.id))
+            else:
+                tsq = func.to_tsquery(literal_column("'simple'::regconfig"),
+                                      bindparam("ts_q", fulltext.pg_tsquery(words, match)))
+                vec = literal_column("records.search_vector")
+                rank = func.ts_rank_cd(vec, tsq)
+                stmt = (select(_R, rank.label("score")).where(vec.op("@@")(tsq), *conds)
+                        .order_by(rank.desc(), self._path_col(), _R.c.id))
+            rows = conn.execute(stmt.limit(take + 1).offset(offset)).all()
+        more = len(rows) > take and offset + take < RANK_MAX_OFFSET
+        rows = rows[:take]
+        hits: list[SearchHit] = []
+        for r in rows:
+            path_words = [t for t in fulltext.WORD.findall(r.path.lower())]
+            path_match = match != "content" and all(any(t.startswith(w) for t in path_words) for w in words)
+            lines: list[SearchLine] = []
+            count = 0
+            body = r.content or ""
+            if match != "path":
+                for i, line in enumerate(body.split("\n"), 1):
+                    if fulltext.line_matches(line, words):
+                        count += 1
+                        if len(lines) < max_lines:
+                            lines.append(SearchLine(line=i, text=cut_line(line)))
+            hits.append(SearchHit(record=_record_model(r, with_content=False), path_match=path_match,
+                                  lines=lines, line_matches=count, score=float(r.score),
+                                  snippet=fulltext.snippet(body, words, path_match)))
+        return SearchPage(hits=hits, seq=seq, next_cursor=_encode_offset(offset + take) if more else None)
 
     def tree(self, p: Principal, slug: str, prefix: str = "", *, depth: int = 2,
              max_entries: int = 1000, hidden: bool = False) -> TreeListing:

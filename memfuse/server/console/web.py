@@ -40,7 +40,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from memfuse.content import INDEX_PATH, RECORD_TYPES, ContentError, is_index
-from memfuse.defs import parse_byte_size, parse_count
+from memfuse.defs import SEARCH_QUERY_MAX, parse_byte_size, parse_count
 from memfuse.models import (
     Access,
     AttachmentPut,
@@ -451,6 +451,24 @@ def store_settings(ctx: Ctx) -> Response:
     return _redirect(ctx.url("stores", slug, msg="settings_saved"))
 
 
+def _ranked_hits(ctx: Ctx, slug: str) -> dict | None:
+    """The store page's ranked search (``?rank=WORDS[&rcursor=…]``): a page of hits best
+    first (``Service.search`` with ``order="relevance"``), or its refusal; None without
+    ``rank``."""
+    q = ctx.q("rank")
+    if not q:
+        return None
+    try:
+        page = ctx.svc.search(ctx.principal, slug, q[:SEARCH_QUERY_MAX], order="relevance",
+                              cursor=ctx.q("rcursor") or None, limit=min(PAGE_SIZE, 100), max_lines=0)
+    except ServiceError as err:
+        if err.status != 422:
+            raise
+        return {"q": q, "hits": [], "error": err.detail, "next_url": None}
+    next_url = (ctx.url("stores", slug, rank=q, rcursor=page.next_cursor) if page.next_cursor else None)
+    return {"q": q, "hits": page.hits, "error": None, "next_url": next_url}
+
+
 def _store_view(ctx: Ctx, slug: str, *, status: int = 200, settings_errors: dict[str, str] | None = None,
                 settings_values: dict[str, str] | None = None) -> Response:
     svc, p = ctx.svc, ctx.principal
@@ -466,12 +484,13 @@ def _store_view(ctx: Ctx, slug: str, *, status: int = 200, settings_errors: dict
     rendered = render.render_content(index.path, index.content or "") if index else None
     next_url = (ctx.url("stores", slug, type=rtype, path=path_q, text=text_q, cursor=page.next_cursor)
                 if page.next_cursor else None)
+    ranked = _ranked_hits(ctx, slug)
     return _page(
         ctx, "store.html", current_store=slug, store=store, records=page.records, index=index,
         index_rendered=rendered, filters={"type": rtype or "", "path": path_q or "", "text": text_q or ""},
         filtered=bool(rtype or path_q or text_q), next_url=next_url, first_page=cursor is None,
         can_write=_can_write(ctx, slug), live_url=ctx.url("stores", slug, "live", after=page.seq),
-        status=status, settings_errors=settings_errors or {},
+        ranked=ranked, status=status, settings_errors=settings_errors or {},
         settings_values=settings_values or _settings_values(store), settings_open=bool(settings_errors),
     )
 

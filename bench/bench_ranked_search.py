@@ -1,0 +1,155 @@
+"""Ranked search (``GET /v1/stores/{s}/search?order=relevance``) at 3,000 and 30,000 records,
+beside the substring search of today (not a test, never run by pytest).
+
+For each size N, builds one store of N records of ~1 KiB (a heading, four lines of words
+drawn from a 4,000-word vocabulary, Zipf-like) through the reference ``Service`` (batches of
+100, in process, no HTTP: the figure is the search's own database work), on a SQLite file
+and, when PostgreSQL is installed (``./scripts/setup --test``), on a throwaway cluster
+(``tests/pgutil.pg_cluster``). Then, best of 7 runs of ``Service.search`` (first page of
+20 hits, 5 lines each):
+
+- ranked, a rare word (in 10 records at either N);
+- ranked, a selective word (in 1% of the records: 30, then 300);
+- ranked, two words (every record holding both: about 0.1%);
+- substring (``order=path``), the same rare word: the default, which reads every record.
+
+The ratio column is the 30,000-record time over the 3,000-record one: the target is at
+most 3 for the ranked rows (10× the records). Writes ``bench/results-ranked-search.json``
+(``--out``) and prints a Markdown table. ``--sizes 3000,30000`` and ``--no-pg`` to change.
+
+    .venv/bin/python bench/bench_ranked_search.py
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from memfuse.models import BatchRequest, StoreCreate  # noqa: E402
+from memfuse.server.db import Database  # noqa: E402
+from memfuse.server.service import Principal, Service  # noqa: E402
+
+REPS = 7
+VOCAB = 4000
+ADMIN = Principal(None)
+CASES = [
+    ("ranked: rare word (10 records)", "xylophone", "relevance"),
+    ("ranked: selective word (1% of records)", "quartz", "relevance"),
+    ("ranked: two words (~0.1%)", "quartz meadow", "relevance"),
+    ("substring (default): rare word", "xylophone", "path"),
+]
+
+
+def _words(rng: random.Random) -> list[str]:
+    syll = ["ka", "lo", "mi", "ne", "ru", "ta", "vo", "si", "de", "pa", "ri", "go", "be", "nu", "zo"]
+    out: set[str] = set()
+    while len(out) < VOCAB:
+        out.add("".join(rng.choice(syll) for _ in range(rng.randint(2, 4))))
+    return sorted(out)
+
+
+def _content(i: int, n: int, vocab: list[str], rng: random.Random) -> str:
+    pick = lambda k: " ".join(vocab[min(int(rng.paretovariate(1.1)) - 1, VOCAB - 1)] if rng.random() < .5  # noqa: E731
+                              else rng.choice(vocab) for _ in range(k))
+    extra = []
+    if i % (n // 10) == 3:
+        extra.append("the xylophone came up")
+    if i % 100 == 5:
+        extra.append("quartz")
+    if i % 1000 == 5:
+        extra.append("a meadow")
+    body = "\n".join(pick(28) for _ in range(4))
+    return f"# {pick(4)}\n{body}\n{' '.join(extra)}\n"
+
+
+def _fill(svc: Service, n: int) -> float:
+    rng = random.Random(7)
+    vocab = _words(rng)
+    svc.create_store(ADMIN, StoreCreate(slug="s", max_records=10 ** 6, max_store_bytes=10 ** 10))
+    t = time.perf_counter()
+    ops = []
+    for i in range(n):
+        ops.append({"op": "create", "body": {"path": f"topic{i % 20:02d}/note{i:05d}.md",
+                                              "content": _content(i, n, vocab, rng)}})
+        if len(ops) == 100 or i == n - 1:
+            svc.batch(ADMIN, "s", BatchRequest.model_validate({"operations": ops}).operations)
+            ops = []
+    return time.perf_counter() - t
+
+
+def _measure(svc: Service) -> dict[str, dict]:
+    out = {}
+    for name, q, order in CASES:
+        best, hits = None, 0
+        for _ in range(REPS):
+            t = time.perf_counter()
+            page = svc.search(ADMIN, "s", q, order=order, match="any", limit=20, max_lines=5)
+            dt = (time.perf_counter() - t) * 1000
+            best = dt if best is None or dt < best else best
+            hits = len(page.hits)
+        out[name] = {"ms": round(best, 3), "hits": hits}
+    return out
+
+
+def run_db(url: str, n: int) -> dict:
+    db = Database(url)
+    try:
+        svc = Service(db)
+        fill_s = _fill(svc, n)
+        res = _measure(svc)
+        return {"fill_s": round(fill_s, 2), "cases": res}
+    finally:
+        db.dispose()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="3000,30000")
+    ap.add_argument("--no-pg", action="store_true")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results-ranked-search.json"))
+    args = ap.parse_args()
+    sizes = [int(x) for x in args.sizes.split(",")]
+    results: dict = {"sqlite": {}, "postgresql": {}}
+    work = Path(tempfile.mkdtemp(prefix="memfuse-bench-rank-"))
+    try:
+        for n in sizes:
+            results["sqlite"][n] = run_db(f"sqlite:///{work}/db{n}.sqlite", n)
+            print(f"sqlite {n}: {results['sqlite'][n]}", flush=True)
+        if not args.no_pg:
+            from pgutil import pg_bindir, pg_cluster, fresh_db_url
+            import os
+
+            if pg_bindir() is None:
+                print("PostgreSQL not installed: skipped", flush=True)
+            else:
+                with pg_cluster() as base:
+                    os.environ["MEMFUSE_TEST_DB_URL"] = base
+                    for n in sizes:
+                        with fresh_db_url() as url:
+                            results["postgresql"][n] = run_db(url, n)
+                        print(f"postgresql {n}: {results['postgresql'][n]}", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    lo, hi = sizes[0], sizes[-1]
+    print(f"\n| database | search | {lo:,} records (ms) | {hi:,} records (ms) | ratio |")
+    print("|---|---|---:|---:|---:|")
+    for dbname, per in results.items():
+        if not per:
+            continue
+        for name, _, _ in CASES:
+            a, b = per[lo]["cases"][name]["ms"], per[hi]["cases"][name]["ms"]
+            print(f"| {dbname} | {name} | {a:.2f} | {b:.2f} | {b / a:.1f}× |")
+        print(f"| {dbname} | (fill, s) | {per[lo]['fill_s']} | {per[hi]['fill_s']} | |")
+
+
+if __name__ == "__main__":
+    main()

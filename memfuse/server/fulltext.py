@@ -1,0 +1,208 @@
+"""The full-text index of live records and ranked search over it (``order=relevance``).
+
+One index per database, kept by the database itself in the transaction of every write to
+``records`` (so every write path, the batch's deferred inserts and a future one alike, keeps
+it without a line of Python):
+
+- **SQLite**: an FTS5 table ``records_fts(path, headings, body)`` whose rowid is the
+  record's ``seq`` (its latest version's change-feed position: unique per record, changed by
+  every write), filled by three triggers on ``records`` (``records_fts_ai`` / ``_au`` /
+  ``_ad``) for the rows that are live and have their seq (``deleted = 0 AND seq > 0``; a new
+  record is inserted with seq 0 and given its seq by the next statement; ``OR REPLACE``:
+  a write is never refused for the index, even on a database whose seqs were made by
+  hand). ``headings`` is
+  the output of the SQL function ``memfuse_headings(content)`` that ``Database`` registers on
+  every connection (``register_sqlite_functions``): a connection without it (the ``sqlite3``
+  shell, a memfuse older than revision ``0006_fulltext``) cannot write records. The FTS
+  table keeps its own copy of the indexed text (so a delete needs only the rowid, and a
+  change of the headings rule never corrupts it). Tokenizer ``unicode61`` (letters and
+  digits, Unicode lowercase, diacritics kept); ``records.seq`` is indexed
+  (``ix_records_seq``) for the join from a hit to its record. Ranked by ``bm25`` with
+  weights path 10, headings 4, body 1.
+- **PostgreSQL**: a stored generated column ``records.search_vector`` (``tsvector``,
+  configuration ``simple``: lowercase, no stemming, like the SQLite side) of the path
+  (weight A), the headings (B) and the content (D), computed by the database from SQL
+  alone (``PG_VECTOR_SQL``), with a partial GIN index on the live records
+  (``ix_records_search``). Ranked by ``ts_rank_cd`` (weights D 0.1, B 0.4, A 1.0: the same
+  ratios as the SQLite side). The text given to ``to_tsvector`` has ``/ . - _ @ : \\``
+  replaced by spaces (so ``notes/deploy.md`` is the words ``notes deploy md`` as on SQLite,
+  not one "file" token) and is cut at ``PG_MAX_CHARS`` characters (a ``tsvector`` holds at
+  most 1 MiB; a longer record's tail is not indexed, its substring search still finds it).
+
+Neither is a SQLAlchemy model: ``install`` hooks their DDL to ``Base.metadata``'s
+``after_create`` (in-memory databases, tests), and revision ``0006_fulltext`` creates and
+fills them on an existing database. Both are listed in ``INDEX_OBJECTS`` for the schema
+comparison of ``tests/test_migrations.py``.
+
+A query is ranked by its words (``terms``: runs of letters and digits, Unicode lowercase,
+at most ``MAX_TERMS``), every word required, each as a prefix (``deploy`` finds
+``deployment``). Scores are "higher is better" and comparable within one result list only
+(bm25 and ts_rank_cd differ in scale).
+"""
+from __future__ import annotations
+
+import re
+import sqlite3
+from collections.abc import Iterable
+
+from sqlalchemy import DDL, event
+
+HEADING = re.compile(r"^ {0,3}#{1,6}(?:[ \t]+|$)(.*)$", re.MULTILINE)
+WORD = re.compile(r"[^\W_]+")
+MAX_TERMS = 16  # words of a query used for ranking at most
+MAX_TERM_CHARS = 64  # a longer word is cut (no token that long is in a text worth finding)
+SQLITE_WEIGHTS = (10.0, 4.0, 1.0)  # bm25 weights of path, headings, body
+PG_MAX_CHARS = 200_000  # characters of a record's content given to to_tsvector
+PG_SEPARATORS = "/.-_@:\\"
+INDEX_OBJECTS = {  # what this module adds beside the models (tables, indexes, columns, triggers)
+    "tables": {"records_fts", "records_fts_data", "records_fts_idx", "records_fts_docsize",
+               "records_fts_config", "records_fts_content"},
+    "indexes": {"ix_records_seq", "ix_records_search"},
+    "columns": {"search_vector"},
+}
+
+
+def headings(content: str | None) -> str:
+    """The Markdown ATX headings of ``content`` (lines ``# …`` to ``###### …``, up to three
+    spaces before), their text one per line; ``""`` for None. The SQLite side's
+    ``memfuse_headings``; ``PG_HEADINGS_SQL`` is the same rule in SQL."""
+    if not content:
+        return ""
+    return "\n".join(m.group(1) for m in HEADING.finditer(content))
+
+
+def register_sqlite_functions(dbapi_conn: sqlite3.Connection) -> None:
+    """Register ``memfuse_headings(text)`` (deterministic) on a new SQLite connection: the
+    triggers of ``records_fts`` call it."""
+    dbapi_conn.create_function("memfuse_headings", 1, headings, deterministic=True)
+
+
+# ------------------------------------------------------------------ DDL
+
+SQLITE_DDL = [
+    "CREATE VIRTUAL TABLE IF NOT EXISTS records_fts USING fts5("
+    "path, headings, body, tokenize = 'unicode61 remove_diacritics 0')",
+    "CREATE INDEX IF NOT EXISTS ix_records_seq ON records (seq)",
+    "CREATE TRIGGER IF NOT EXISTS records_fts_ai AFTER INSERT ON records "
+    "WHEN new.deleted = 0 AND new.seq > 0 BEGIN "
+    "INSERT OR REPLACE INTO records_fts (rowid, path, headings, body) "
+    "VALUES (new.seq, new.path, memfuse_headings(new.content), coalesce(new.content, '')); END",
+    "CREATE TRIGGER IF NOT EXISTS records_fts_ad AFTER DELETE ON records "
+    "WHEN old.deleted = 0 AND old.seq > 0 BEGIN "
+    "DELETE FROM records_fts WHERE rowid = old.seq; END",
+    "CREATE TRIGGER IF NOT EXISTS records_fts_au AFTER UPDATE ON records BEGIN "
+    "DELETE FROM records_fts WHERE old.deleted = 0 AND old.seq > 0 AND rowid = old.seq; "
+    "INSERT OR REPLACE INTO records_fts (rowid, path, headings, body) "
+    "SELECT new.seq, new.path, memfuse_headings(new.content), coalesce(new.content, '') "
+    "WHERE new.deleted = 0 AND new.seq > 0; END",
+]
+SQLITE_BACKFILL = ("INSERT OR REPLACE INTO records_fts (rowid, path, headings, body) "
+                   "SELECT seq, path, memfuse_headings(content), coalesce(content, '') FROM records "
+                   "WHERE deleted = 0 AND seq > 0")
+SQLITE_DROP = ["DROP TRIGGER IF EXISTS records_fts_au", "DROP TRIGGER IF EXISTS records_fts_ad",
+               "DROP TRIGGER IF EXISTS records_fts_ai", "DROP INDEX IF EXISTS ix_records_seq",
+               "DROP TABLE IF EXISTS records_fts"]
+
+
+def _pg_words(expr: str) -> str:
+    return f"translate({expr}, '{PG_SEPARATORS}', '{' ' * len(PG_SEPARATORS)}')"
+
+
+_PG_CONTENT = f"left(coalesce(content, ''), {PG_MAX_CHARS})"
+# the heading lines' text: every other line emptied, then the leading #s taken off
+PG_HEADINGS_SQL = (f"regexp_replace(regexp_replace({_PG_CONTENT}, '^(?! {{0,3}}#{{1,6}}([ \\t]|$)).*$', '', 'gn'), "
+                   "'^ {0,3}#{1,6}', '', 'gn')")
+PG_VECTOR_SQL = (
+    f"setweight(to_tsvector('simple'::regconfig, {_pg_words('path')}), 'A') || "
+    f"setweight(to_tsvector('simple'::regconfig, {_pg_words(PG_HEADINGS_SQL)}), 'B') || "
+    f"setweight(to_tsvector('simple'::regconfig, {_pg_words(_PG_CONTENT)}), 'D')"
+)
+PG_DDL = [
+    f"ALTER TABLE records ADD COLUMN IF NOT EXISTS search_vector tsvector "
+    f"GENERATED ALWAYS AS ({PG_VECTOR_SQL}) STORED",
+    "CREATE INDEX IF NOT EXISTS ix_records_search ON records USING gin (search_vector) "
+    "WHERE deleted = false",
+]
+PG_DROP = ["DROP INDEX IF EXISTS ix_records_search", "ALTER TABLE records DROP COLUMN IF EXISTS search_vector"]
+
+
+def install(metadata) -> None:
+    """Create the index with the tables (``metadata.create_all``: in-memory databases and
+    the schema tests), after ``records`` exists; the dialect's DDL only."""
+    for stmt in SQLITE_DDL:
+        event.listen(metadata, "after_create", DDL(stmt).execute_if(dialect="sqlite"))
+    for stmt in PG_DDL:
+        event.listen(metadata, "after_create", DDL(stmt).execute_if(dialect="postgresql"))
+
+
+def create_statements(dialect: str) -> list[str]:
+    """The SQL that creates the index on an existing database of ``dialect`` and fills it
+    from the live records (revision ``0006_fulltext``; PostgreSQL computes the generated
+    column as it adds it); ``[]`` for another dialect."""
+    return {"sqlite": [*SQLITE_DDL, SQLITE_BACKFILL], "postgresql": list(PG_DDL)}.get(dialect, [])
+
+
+def drop_statements(dialect: str) -> list[str]:
+    """The SQL that removes the index (downgrade of ``0006_fulltext``)."""
+    return {"sqlite": list(SQLITE_DROP), "postgresql": list(PG_DROP)}.get(dialect, [])
+
+
+# ------------------------------------------------------------------ queries
+
+def terms(q: str) -> list[str]:
+    """The words a ranked search looks for: runs of letters and digits of ``q`` in Unicode
+    lowercase, each at most ``MAX_TERM_CHARS``, duplicates dropped, at most ``MAX_TERMS``."""
+    out: list[str] = []
+    for w in WORD.findall(q.lower()):
+        w = w[:MAX_TERM_CHARS]
+        if w not in out:
+            out.append(w)
+    return out[:MAX_TERMS]
+
+
+def sqlite_match(words: Iterable[str], match: str) -> str:
+    """The FTS5 MATCH expression: every word as a quoted prefix, in the columns of
+    ``match`` (``path``; ``content``: headings and body; ``any``: all three)."""
+    body = " AND ".join(f'"{w}"*' for w in words)  # words hold letters and digits only
+    cols = {"path": "{path}", "content": "{headings body}", "any": "{path headings body}"}[match]
+    return f"{cols} : ({body})"
+
+
+def pg_tsquery(words: Iterable[str], match: str) -> str:
+    """The ``to_tsquery('simple', …)`` text: every word as a prefix, restricted to the
+    weights of ``match`` (A: path; B, D: headings and body)."""
+    weights = {"path": "A", "content": "BD", "any": ""}[match]
+    return " & ".join(f"'{w}':*{weights}" for w in words)
+
+
+def line_matches(line: str, words: list[str]) -> bool:
+    """Whether ``line`` has a word starting with one of ``words`` (the index's rule)."""
+    return any(t.startswith(w) for t in WORD.findall(line.lower()) for w in words)
+
+
+SNIPPET_CHARS = 200
+
+
+def snippet(content: str, words: list[str], path_hit: bool) -> str:
+    """A short excerpt of ``content`` (at most ``SNIPPET_CHARS`` characters, `` … `` where
+    cut) around the first line holding the most of ``words``; the first line when none
+    does (a hit by its path). Plain text, never markup: content is untrusted."""
+    lines = content.split("\n")
+    best, best_n = 0, 0
+    for i, line in enumerate(lines):
+        toks = WORD.findall(line.lower())
+        n = sum(1 for w in words if any(t.startswith(w) for t in toks))
+        if n > best_n:
+            best, best_n = i, n
+            if n == len(words):
+                break
+    if best_n == 0 and path_hit:
+        best = next((i for i, ln in enumerate(lines) if ln.strip()), 0)
+    line = lines[best].strip() if lines else ""
+    if len(line) <= SNIPPET_CHARS:
+        return line
+    low = line.lower()
+    pos = min((p for p in (low.find(w) for w in words) if p >= 0), default=0)
+    start = max(0, min(pos - SNIPPET_CHARS // 4, len(line) - SNIPPET_CHARS))
+    out = line[start:start + SNIPPET_CHARS]
+    return ("… " if start else "") + out + (" …" if start + SNIPPET_CHARS < len(line) else "")

@@ -1,0 +1,159 @@
+"""Ranked search (``GET /v1/stores/{store}/search?order=relevance``, docs/API.md "Search")
+on the full-text index the database keeps (``memfuse.server.fulltext``): ranking weights
+(path > headings > body), every word required as a prefix, score and snippet per hit, the
+index following every kind of write (create, batch, update, move, prefix move, delete,
+restore, another store), bounded paging, refusals; and revision ``0006_fulltext`` building
+the index for the records of a database made before it. Runs on SQLite here and on
+PostgreSQL through tests/test_postgres.py."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from memfuse.models import RecordCreate, StoreCreate
+from memfuse.server import schema
+from memfuse.server.db import Database
+from memfuse.server.service import Principal, Service
+from pgutil import fresh_db_url
+
+from test_api import Env, assert_problem, env  # noqa: F401  (env: the fixture)
+from test_search_api import batch_create
+
+URL = "/v1/stores/default/search"
+ADMIN = Principal(workspace=None, name="test")
+
+
+async def ranked(env: Env, q: str, **params) -> dict:
+    r = await env.ws.get(URL, params={"q": q, "order": "relevance", **params})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def paths(page: dict) -> list[str]:
+    return [h["record"]["path"] for h in page["hits"]]
+
+
+async def test_ranked_by_path_then_headings_then_body_with_score_and_snippet(env: Env):
+    await batch_create(env, {
+        "notes/kubernetes.md": "some notes\nnothing to see\n",
+        "notes/cluster.md": "# Kubernetes upgrades\nsteps follow\n",
+        "notes/misc.md": "we once talked about kubernetes in passing\n",
+        "notes/other.md": "unrelated text\n",
+        **{f"filler/{i}.md": f"filler text number {i}\n" for i in range(8)},
+    })
+    page = await ranked(env, "kubernetes")
+    assert paths(page) == ["notes/kubernetes.md", "notes/cluster.md", "notes/misc.md"]
+    scores = [h["score"] for h in page["hits"]]
+    assert scores == sorted(scores, reverse=True) and scores[0] > scores[1] > scores[2] > 0
+    by = {h["record"]["path"]: h for h in page["hits"]}
+    assert by["notes/misc.md"]["snippet"] == "we once talked about kubernetes in passing"
+    assert by["notes/misc.md"]["lines"] == [{"line": 1, "text": "we once talked about kubernetes in passing"}]
+    assert by["notes/cluster.md"]["snippet"] == "# Kubernetes upgrades"
+    assert by["notes/kubernetes.md"]["path_match"] and by["notes/kubernetes.md"]["lines"] == []
+    assert by["notes/kubernetes.md"]["snippet"] == "some notes"  # a hit by its path: the first line
+    assert by["notes/misc.md"]["record"]["content"] is None
+    # substring search stays the default: path order, no score
+    plain = (await env.ws.get(URL, params={"q": "kubernetes"})).json()
+    assert paths(plain) == ["notes/cluster.md", "notes/kubernetes.md", "notes/misc.md"]
+    assert all(h["score"] is None and h["snippet"] is None for h in plain["hits"])
+
+
+async def test_every_word_required_as_a_prefix_any_case_and_match_fields(env: Env):
+    await batch_create(env, {
+        "a.md": "Deployment of the BILLING service\n",
+        "b.md": "deploy notes\n",
+        "billing/c.md": "how we deploy\n",
+        "d.md": "billing only\n",
+    })
+    assert sorted(paths(await ranked(env, "deploy billing"))) == ["a.md", "billing/c.md"]
+    assert sorted(paths(await ranked(env, "DEPLOY"))) == ["a.md", "b.md", "billing/c.md"]
+    assert paths(await ranked(env, "billing", match="path")) == ["billing/c.md"]
+    assert sorted(paths(await ranked(env, "billing", match="content"))) == ["a.md", "d.md"]
+    assert sorted(paths(await ranked(env, "billing!! deploy??"))) == ["a.md", "billing/c.md"]  # words only
+    page = await ranked(env, "deploy", prefix="billing")
+    assert paths(page) == ["billing/c.md"]
+    assert paths(await ranked(env, "zzz")) == []
+
+
+async def test_index_follows_every_write(env: Env):
+    a = await env.create("one.md", "alpha bravo\n")
+    await env.create("two.md", "alpha charlie\n")
+    assert sorted(paths(await ranked(env, "alpha"))) == ["one.md", "two.md"]
+    # update: the old words leave the index, the new ones come in
+    r = await env.ws.put(f"/v1/stores/default/records/{a['id']}", json={"content": "delta echo\n"},
+                         headers={"If-Match": f'"{a["sha256"]}"'})
+    assert r.status_code == 200, r.text
+    assert paths(await ranked(env, "alpha")) == ["two.md"]
+    assert paths(await ranked(env, "delta")) == ["one.md"]
+    # move: the path's words follow
+    r = await env.ws.post(f"/v1/stores/default/records/{a['id']}/move", json={"path": "archive/foxtrot.md"})
+    assert r.status_code == 200, r.text
+    assert paths(await ranked(env, "foxtrot", match="path")) == ["archive/foxtrot.md"]
+    assert paths(await ranked(env, "one", match="path")) == []
+    # prefix move
+    r = await env.ws.post("/v1/stores/default/move", json={"from_prefix": "archive", "to_prefix": "golf"})
+    assert r.status_code == 200, r.text
+    assert paths(await ranked(env, "golf foxtrot")) == ["golf/foxtrot.md"]
+    # attributes only: still found, once
+    r = await env.ws.patch(f"/v1/stores/default/records/{a['id']}", json={"mode": 0o600})
+    assert r.status_code == 200, r.text
+    assert paths(await ranked(env, "delta")) == ["golf/foxtrot.md"]
+    # delete, then restore
+    assert (await env.ws.delete(f"/v1/stores/default/records/{a['id']}")).status_code == 204
+    assert paths(await ranked(env, "delta")) == []
+    r = await env.ws.post(f"/v1/stores/default/records/{a['id']}/restore", json={"version": 2})
+    assert r.status_code == 200, r.text
+    assert paths(await ranked(env, "delta")) == ["one.md"]  # version 2 was at one.md
+    # another store's records never show
+    await env.create("x.md", "delta in the secret store\n", client=env.admin, store="secret")
+    assert paths(await ranked(env, "delta")) == ["one.md"]
+
+
+async def test_ranked_pages_and_refusals(env: Env):
+    await batch_create(env, {f"n/{i:03}.md": "hotel " * (i + 1) + "\n" for i in range(25)})
+    seen: list[str] = []
+    cursor = None
+    while True:
+        params = {"limit": 10, **({"cursor": cursor} if cursor else {})}
+        page = await ranked(env, "hotel", **params)
+        seen += paths(page)
+        cursor = page["next_cursor"]
+        if cursor is None:
+            break
+    assert len(seen) == 25 and len(set(seen)) == 25
+    assert seen[0] == "n/024.md"  # the most occurrences ranks first
+    assert_problem(await env.ws.get(URL, params={"q": "hotel", "order": "relevance", "case_sensitive": "true"}),
+                   422, "validation_error")
+    assert_problem(await env.ws.get(URL, params={"q": "!!", "order": "relevance"}), 422, "invalid_query")
+    assert_problem(await env.ws.get(URL, params={"q": "hotel", "order": "relevance", "cursor": "bogus"}),
+                   422, "validation_error")
+    assert_problem(await env.ws.get(URL, params={"q": "hotel", "order": "best"}), 422, "validation_error")
+    assert_problem(await env.other.get(URL, params={"q": "hotel", "order": "relevance"}), 404, "store_not_attached")
+
+
+def test_migration_indexes_the_records_of_an_older_database(tmp_path: Path):
+    """A database at ``0005_records_path_bytes`` with records (live, deleted, updated) is
+    upgraded by ``0006_fulltext``: ranked search finds the live ones, and the index then
+    follows new writes; downgrade removes it and upgrade builds it again."""
+    with fresh_db_url(f"sqlite:///{tmp_path / 'old.db'}") as url:
+        db = Database(url, schema="none")
+        schema.upgrade(db, "0005_records_path_bytes")
+        svc = Service(db)
+        svc.create_store(ADMIN, StoreCreate(slug="s"))
+        svc.create_record(ADMIN, "s", RecordCreate(path="notes/india.md", content="# Juliet\nkilo\n"))
+        gone = json.loads(svc.create_record(ADMIN, "s", RecordCreate(path="gone.md", content="juliet kilo\n")).body)
+        svc.delete_record(ADMIN, "s", gone["id"])
+        before, after = schema.upgrade(db)
+        assert before.current == "0005_records_path_bytes" and after.current == schema.head()
+        hits = svc.search(ADMIN, "s", "juliet", order="relevance").hits
+        assert [h.record.path for h in hits] == ["notes/india.md"] and hits[0].snippet == "# Juliet"
+        svc.create_record(ADMIN, "s", RecordCreate(path="lima.md", content="juliet too\n"))
+        assert {h.record.path for h in svc.search(ADMIN, "s", "juliet", order="relevance").hits} == {
+            "notes/india.md", "lima.md"}
+        from alembic import command
+
+        with db.write_conn() as conn:
+            command.downgrade(schema.alembic_config(connection=conn), "0005_records_path_bytes")
+        schema.upgrade(db)
+        assert {h.record.path for h in svc.search(ADMIN, "s", "kilo", order="relevance").hits} == {"notes/india.md"}
+        db.dispose()
