@@ -5,7 +5,7 @@ For each size N, builds one store of N records of ~1 KiB (a heading, four lines 
 drawn from a 4,000-word vocabulary, Zipf-like) through the reference ``Service`` (batches of
 100, in process, no HTTP: the figure is the search's own database work), on a SQLite file
 and, when PostgreSQL is installed (``./scripts/setup --test``), on a throwaway cluster
-(``tests/pgutil.pg_cluster``). Then, best of 7 runs of ``Service.search`` (first page of
+(``tests/pgutil.pg_cluster``). Then, best of 15 runs of ``Service.search`` (first page of
 20 hits, 5 lines each):
 
 - ranked, a rare word (in 10 records at either N);
@@ -37,7 +37,7 @@ from memfuse.models import BatchRequest, StoreCreate  # noqa: E402
 from memfuse.server.db import Database  # noqa: E402
 from memfuse.server.service import Principal, Service  # noqa: E402
 
-REPS = 7
+REPS = 15
 VOCAB = 4000
 ADMIN = Principal(None)
 CASES = [

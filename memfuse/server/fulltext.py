@@ -175,26 +175,45 @@ def pg_tsquery(words: Iterable[str], match: str) -> str:
     return " & ".join(f"'{w}':*{weights}" for w in words)
 
 
-def line_matches(line: str, words: list[str]) -> bool:
-    """Whether ``line`` has a word starting with one of ``words`` (the index's rule)."""
-    return any(t.startswith(w) for t in WORD.findall(line.lower()) for w in words)
+class Matcher:
+    """Where the words of a ranked search are in a text, by the index's rule (a word of
+    the text that starts with one of ``words``, any case): one compiled pattern."""
+
+    def __init__(self, words: list[str]) -> None:
+        self.words = words
+        self._re = re.compile(r"(?<![^\W_])(?:" + "|".join(map(re.escape, sorted(words, key=len, reverse=True)))
+                              + ")")
+
+    def line(self, line: str) -> bool:
+        """Whether ``line`` holds one of the words."""
+        return self._re.search(line.lower()) is not None
+
+    def count(self, line: str) -> int:
+        """How many of the words ``line`` holds (each counted once)."""
+        low = line.lower()
+        return sum(1 for w in self.words if re.search(r"(?<![^\W_])" + re.escape(w), low)) \
+            if self._re.search(low) else 0
+
+    def path(self, path: str) -> bool:
+        """Whether ``path`` holds every word."""
+        low = path.lower()
+        return all(re.search(r"(?<![^\W_])" + re.escape(w), low) for w in self.words)
 
 
 SNIPPET_CHARS = 200
 
 
-def snippet(content: str, words: list[str], path_hit: bool) -> str:
+def snippet(content: str, m: Matcher, path_hit: bool) -> str:
     """A short excerpt of ``content`` (at most ``SNIPPET_CHARS`` characters, `` … `` where
-    cut) around the first line holding the most of ``words``; the first line when none
-    does (a hit by its path). Plain text, never markup: content is untrusted."""
+    cut) around the first line holding the most of the words; the first non-blank line
+    when none does (a hit by its path). Plain text, never markup: content is untrusted."""
     lines = content.split("\n")
     best, best_n = 0, 0
     for i, line in enumerate(lines):
-        toks = WORD.findall(line.lower())
-        n = sum(1 for w in words if any(t.startswith(w) for t in toks))
+        n = m.count(line)
         if n > best_n:
             best, best_n = i, n
-            if n == len(words):
+            if n == len(m.words):
                 break
     if best_n == 0 and path_hit:
         best = next((i for i, ln in enumerate(lines) if ln.strip()), 0)
@@ -202,7 +221,7 @@ def snippet(content: str, words: list[str], path_hit: bool) -> str:
     if len(line) <= SNIPPET_CHARS:
         return line
     low = line.lower()
-    pos = min((p for p in (low.find(w) for w in words) if p >= 0), default=0)
+    pos = min((p for p in (low.find(w) for w in m.words) if p >= 0), default=0)
     start = max(0, min(pos - SNIPPET_CHARS // 4, len(line) - SNIPPET_CHARS))
     out = line[start:start + SNIPPET_CHARS]
     return ("… " if start else "") + out + (" …" if start + SNIPPET_CHARS < len(line) else "")

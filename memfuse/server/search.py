@@ -224,21 +224,21 @@ class SearchMixin(ServiceBase):
         more = len(rows) > take and offset + take < RANK_MAX_OFFSET
         rows = rows[:take]
         hits: list[SearchHit] = []
+        m = fulltext.Matcher(words)
         for r in rows:
-            path_words = [t for t in fulltext.WORD.findall(r.path.lower())]
-            path_match = match != "content" and all(any(t.startswith(w) for t in path_words) for w in words)
+            path_match = match != "content" and m.path(r.path)
             lines: list[SearchLine] = []
             count = 0
             body = r.content or ""
             if match != "path":
                 for i, line in enumerate(body.split("\n"), 1):
-                    if fulltext.line_matches(line, words):
+                    if m.line(line):
                         count += 1
                         if len(lines) < max_lines:
                             lines.append(SearchLine(line=i, text=cut_line(line)))
             hits.append(SearchHit(record=_record_model(r, with_content=False), path_match=path_match,
                                   lines=lines, line_matches=count, score=float(r.score),
-                                  snippet=fulltext.snippet(body, words, path_match)))
+                                  snippet=fulltext.snippet(body, m, path_match)))
         return SearchPage(hits=hits, seq=seq, next_cursor=_encode_offset(offset + take) if more else None)
 
     def tree(self, p: Principal, slug: str, prefix: str = "", *, depth: int = 2,
