@@ -76,6 +76,7 @@ from .wire import (
     PrefixMove,
     Record,
     SearchPage,
+    IndexReport,
     RecordAttributes,
     RecordCreate,
     RecordMove,
@@ -644,6 +645,11 @@ class ApiClient:
             accept="text/markdown, text/plain, */*",
         )
         return resp.text
+
+    async def index_report(self, store: str) -> IndexReport:
+        """``GET /v1/stores/{store}/index``: how the store's ``MEMORY.md`` and its records
+        agree (docs/API.md, "Index report"). Raises :class:`~memfuse.errors.ApiError`."""
+        return await self._call(IndexReport, "GET", f"/v1/stores/{_seg(store)}/index")
 
     async def memory_tool(self, ws: str, command: dict[str, Any]) -> MemoryToolResult:
         """``POST /v1/workspaces/{ws}/memory-tool``: run one memory-tool command (the model's

@@ -291,6 +291,36 @@ class SearchPage(BaseModel):
     seq: int
 
 
+class IndexEntry(BaseModel):
+    """A link of a store's ``MEMORY.md`` (an entry of its index): ``line`` its line
+    (1-based), ``text`` the line (cut at 300 characters, then `` …``; untrusted), ``target``
+    the path it links relative to the store root (as written when it leaves the store)."""
+
+    line: int
+    text: str
+    target: str
+
+
+class IndexReport(BaseModel):
+    """``GET /v1/stores/{store}/index``: how ``MEMORY.md`` and the records agree.
+    ``missing``: entries linking no live record nor directory; ``unindexed``: live records
+    ``MEMORY.md`` does not mention (first 1,000 in path order; ``unindexed_count`` all of
+    them); ``omitted``: entries on the lines the prompt block cuts; ``entries`` links in
+    all; ``lines`` / ``bytes`` of ``MEMORY.md`` and how many the prompt block shows."""
+
+    store: str
+    index_exists: bool
+    entries: int = 0
+    missing: list[IndexEntry] = []
+    unindexed: list[str] = []
+    unindexed_count: int = 0
+    omitted: list[IndexEntry] = []
+    lines: int = 0
+    lines_shown: int = 0
+    bytes: int = 0
+    bytes_shown: int = 0
+
+
 class BatchOperation(BaseModel):
     """One write of a batch, as its single endpoint takes it. ``op``: ``create`` (``POST
     .../records``), ``update`` (``PUT .../records/{record_id}``), ``attrs`` (``PATCH

@@ -283,6 +283,33 @@ class SearchPage(Struct, kw_only=True):
     seq: int
 
 
+class IndexEntry(Struct, kw_only=True):
+    """A link of ``MEMORY.md``: its line number, the line (untrusted, cut at 300
+    characters) and the path it links."""
+
+    line: int
+    text: str
+    target: str
+
+
+class IndexReport(Struct, kw_only=True):
+    """A store's index report: links to nothing (``missing``), records not mentioned
+    (``unindexed``, first 1,000; ``unindexed_count``), entries the prompt block cuts
+    (``omitted``), and the sizes of ``MEMORY.md`` in all and shown."""
+
+    store: str
+    index_exists: bool
+    entries: int = 0
+    missing: list[IndexEntry] = msgspec.field(default_factory=list)
+    unindexed: list[str] = msgspec.field(default_factory=list)
+    unindexed_count: int = 0
+    omitted: list[IndexEntry] = msgspec.field(default_factory=list)
+    lines: int = 0
+    lines_shown: int = 0
+    bytes: int = 0
+    bytes_shown: int = 0
+
+
 class BatchOperation(Struct, kw_only=True, omit_defaults=True):
     """One write of a batch, as its single endpoint takes it (docs/API.md, batch): ``op``
     ``create`` / ``update`` / ``attrs`` / ``move`` / ``delete``; ``body`` that endpoint's

@@ -89,6 +89,11 @@ EXAMPLES: dict[str, list[dict]] = {
                   dict(record=RECORD_MIN, score=1.25, snippet="a   snippet …")],
     "SearchPage": [dict(hits=[dict(record=RECORD_MIN, lines=[dict(line=2, text="")], line_matches=1)],
                         next_cursor="c", seq=3), dict(hits=[], seq=0)],
+    "IndexEntry": [dict(line=3, text="- [A](a.md) \u202e", target="a.md")],
+    "IndexReport": [dict(store="s", index_exists=True, entries=3, missing=[dict(line=1, text="x", target="b.md")],
+                         unindexed=["c.md"], unindexed_count=4, omitted=[dict(line=201, text="y", target="d")],
+                         lines=300, lines_shown=200, bytes=9000, bytes_shown=6000),
+                    dict(store="s", index_exists=False)],
     "BatchOperation": [dict(op="update", record_id="r", if_match='"ab"', idempotency_key="k",
                             body={"content": "x", "type": None, "mode": 0o600}),
                        dict(op="delete")],

@@ -12,6 +12,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 import click
+import msgspec
 
 from memfuse.cli.common import (
     Target,
@@ -144,6 +145,38 @@ def redact(target: Target, store_slug: str, path: str, version_n: int) -> None:
 
     _api(target, body)
     click.echo(f"redacted version {version_n} of {store_slug}/{path}")
+
+
+@cli.command("index")
+@click.argument("store_slug", metavar="STORE")
+@opt("--json", "as_json", is_flag=True, help="Print the report as JSON (the API's body).")
+@api_options
+def index_cmd(target: Target, store_slug: str, as_json: bool) -> None:
+    """Report how STORE's MEMORY.md and its records agree: links to records that do not
+    exist (missing), records MEMORY.md does not mention (unindexed), and entries the prompt
+    block cuts (omitted). Lines of MEMORY.md are shown escaped on a terminal."""
+    rep = _api(target, lambda api: with_retries(lambda: api.index_report(store_slug)))
+    if as_json:
+        click.echo(msgspec.json.encode(rep).decode())
+        return
+    tty = stdout_is_terminal()
+    safe = (lambda t: terminal_safe(t)) if tty else (lambda t: t)
+    if not rep.index_exists:
+        click.echo(f"{store_slug}: no MEMORY.md")
+    else:
+        click.echo(f"MEMORY.md: {rep.entries} entries; {rep.lines} lines ({rep.bytes} bytes), "
+                   f"{rep.lines_shown} lines ({rep.bytes_shown} bytes) shown in the prompt block")
+    click.echo(f"missing ({len(rep.missing)}): links to records that do not exist")
+    for e in rep.missing:
+        click.echo(f"  MEMORY.md:{e.line}: {safe(e.target)}")
+    click.echo(f"unindexed ({rep.unindexed_count}): records MEMORY.md does not mention")
+    for path in rep.unindexed:
+        click.echo(f"  {safe(path)}")
+    if rep.unindexed_count > len(rep.unindexed):
+        click.echo(f"  … and {rep.unindexed_count - len(rep.unindexed)} more")
+    click.echo(f"omitted ({len(rep.omitted)}): entries the prompt block cuts")
+    for e in rep.omitted:
+        click.echo(f"  MEMORY.md:{e.line}: {safe(e.target)}")
 
 
 @cli.command()

@@ -57,6 +57,7 @@ from memfuse.models import (
     Record,
     RecordAttributes,
     SearchPage,
+    IndexReport,
     RecordCreate,
     RecordMove,
     RecordPage,
@@ -434,6 +435,11 @@ def create_app(
         return _json(svc.search(p, store, q, match=match, prefix=prefix, type=type,
                                 case_sensitive=case_sensitive, cursor=cursor, limit=limit,
                                 max_lines=max_lines, order=order))
+
+    @app.get("/v1/stores/{store}/index", response_model=IndexReport, tags=["records"])
+    def index_report(store: StoreSlug, p: P):
+        """How the store's ``MEMORY.md`` and its records agree (docs/API.md, "Index report")."""
+        return _json(svc.index_report(p, store))
 
     @app.post("/v1/stores/{store}/records", status_code=201, response_model=Record, tags=["records"])
     def create_record(store: StoreSlug, body: RecordCreate, p: P, idem: Idem):

@@ -18,6 +18,7 @@ from memfuse import content as content_rules
 from memfuse.models import Access
 from memfuse.server.base import Principal, ServiceBase
 from memfuse.server.db import AttachmentRow, RecordRow, StoreRow
+from memfuse.server.indexlinks import omitted_marker
 
 CONTEXT_INDEX_MAX_LINES = 200
 CONTEXT_INDEX_MAX_BYTES = 25_000
@@ -108,8 +109,8 @@ def _index_section(clean: Callable[[str], str], text: str, path: str) -> str:
             "",
             f"[memfuse: MEMORY.md is cut here: {lines_left} more line(s) ({bytes_left} bytes) are not "
             f"shown; an index is shown up to {CONTEXT_INDEX_MAX_LINES} lines / {CONTEXT_INDEX_MAX_BYTES} "
-            f"bytes. Compact MEMORY.md so that it fits: keep one short line per memory and move details "
-            f"into topic files. Read {path} for the rest.]",
+            f"bytes.{clean(omitted_marker(text, lines_left))} Compact MEMORY.md so that it fits: keep one "
+            f"short line per memory and move details into topic files. Read {path} for the rest.]",
         ]
     return "\n".join(parts)
 

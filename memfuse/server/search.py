@@ -209,7 +209,7 @@ class SearchMixin(ServiceBase):
             if conn.dialect.name == "sqlite":
                 fts = table("records_fts", column("rowid"))
                 rank = literal_column("bm25(records_fts, {}, {}, {})".format(*fulltext.SQLITE_WEIGHTS))
-                stmt = (select(_R, (-rank).label("score")).select_from(fts.join(_R, _R.c.seq == fts.c.rowid))
+                stmt = (select(_R.c.id, (-rank).label("score")).select_from(fts.join(_R, _R.c.seq == fts.c.rowid))
                         .where(text("records_fts MATCH :fts_q").bindparams(fts_q=fulltext.sqlite_match(words, match)),
                                *conds)
                         .order_by(rank, _R.c.path, _R.c.id))
@@ -218,14 +218,17 @@ class SearchMixin(ServiceBase):
                                       bindparam("ts_q", fulltext.pg_tsquery(words, match)))
                 vec = literal_column("records.search_vector")
                 rank = func.ts_rank_cd(vec, tsq)
-                stmt = (select(_R, rank.label("score")).where(vec.op("@@")(tsq), *conds)
+                stmt = (select(_R.c.id, rank.label("score")).where(vec.op("@@")(tsq), *conds)
                         .order_by(rank.desc(), self._path_col(), _R.c.id))
-            rows = conn.execute(stmt.limit(take + 1).offset(offset)).all()
-        more = len(rows) > take and offset + take < RANK_MAX_OFFSET
-        rows = rows[:take]
+            # ranked without content (the sort holds ids and scores), then the page's records
+            ranked = conn.execute(stmt.limit(take + 1).offset(offset)).all()
+            more = len(ranked) > take and offset + take < RANK_MAX_OFFSET
+            ranked = ranked[:take]
+            by_id = {r.id: r for r in conn.execute(select(_R).where(_R.c.id.in_([x.id for x in ranked])))}
+        rows = [(by_id[x.id], x.score) for x in ranked if x.id in by_id]
         hits: list[SearchHit] = []
         m = fulltext.Matcher(words)
-        for r in rows:
+        for r, score in rows:
             path_match = match != "content" and m.path(r.path)
             lines: list[SearchLine] = []
             count = 0
@@ -237,7 +240,7 @@ class SearchMixin(ServiceBase):
                         if len(lines) < max_lines:
                             lines.append(SearchLine(line=i, text=cut_line(line)))
             hits.append(SearchHit(record=_record_model(r, with_content=False), path_match=path_match,
-                                  lines=lines, line_matches=count, score=float(r.score),
+                                  lines=lines, line_matches=count, score=float(score),
                                   snippet=fulltext.snippet(body, m, path_match)))
         return SearchPage(hits=hits, seq=seq, next_cursor=_encode_offset(offset + take) if more else None)
 

@@ -59,6 +59,7 @@ from memfuse.server.context import (
     cut_index,
 )
 from memfuse.server.db import Database
+from memfuse.server.indexreport import IndexReportMixin
 from memfuse.server.memstores import MemoryStoresMixin
 from memfuse.server.records import RecordsMixin, _usage  # noqa: F401  (_usage: for tests)
 from memfuse.server.search import SearchMixin
@@ -93,7 +94,7 @@ __all__ = [
 
 
 class Service(TokensMixin, StoresMixin, BatchMixin, RecordsMixin, SearchMixin, ChangesMixin, ContextMixin,
-              MemoryStoresMixin):
+              MemoryStoresMixin, IndexReportMixin):
     """The control plane's rules over a ``Database``.
 
     ``static_tokens`` maps raw token → workspace (None = admin); the mapping is consulted on

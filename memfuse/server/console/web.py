@@ -485,12 +485,13 @@ def _store_view(ctx: Ctx, slug: str, *, status: int = 200, settings_errors: dict
     next_url = (ctx.url("stores", slug, type=rtype, path=path_q, text=text_q, cursor=page.next_cursor)
                 if page.next_cursor else None)
     ranked = _ranked_hits(ctx, slug)
+    report = svc.index_report(p, slug)
     return _page(
         ctx, "store.html", current_store=slug, store=store, records=page.records, index=index,
         index_rendered=rendered, filters={"type": rtype or "", "path": path_q or "", "text": text_q or ""},
         filtered=bool(rtype or path_q or text_q), next_url=next_url, first_page=cursor is None,
         can_write=_can_write(ctx, slug), live_url=ctx.url("stores", slug, "live", after=page.seq),
-        ranked=ranked, status=status, settings_errors=settings_errors or {},
+        ranked=ranked, report=report, status=status, settings_errors=settings_errors or {},
         settings_values=settings_values or _settings_values(store), settings_open=bool(settings_errors),
     )
 

@@ -1,0 +1,92 @@
+"""The links of a store's ``MEMORY.md`` (its *entries*), shared by the index report
+(``indexreport``) and the prompt block (``context``), which names the entries it cuts.
+
+An *entry* is a local Markdown link on a line of ``MEMORY.md`` (``[text](notes/a.md)``;
+``<…>`` and a title allowed; links with a scheme ``https:`` / ``mailto:``, pure anchors
+``#x`` and absolute paths are not local). A target is read relative to the store root (where
+``MEMORY.md`` is): ``./`` and ``..`` resolved, ``%XX`` decoded, ``#anchor`` / ``?query``
+dropped; a target ending in ``/`` is written as a directory.
+"""
+from __future__ import annotations
+
+import posixpath
+import re
+from dataclasses import dataclass
+from urllib.parse import unquote
+
+LINK_RE = re.compile(r"\[(?:[^\]\n\\]|\\.)*\]\(\s*(<[^>\n]*>|[^)\s]+)(?:\s+(?:\"[^\"\n]*\"|'[^'\n]*'))?\s*\)")
+SCHEME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*:")
+MARKER_NAMES_MAX = 20  # omitted entries the prompt block's marker names at most
+MARKER_NAMES_BYTES = 1000  # and at most this many bytes of their targets
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A local link of ``MEMORY.md``: its 1-based ``line``, the line's ``text`` and the
+    ``target`` path relative to the store root (``None``: it leaves the store), ``dir``
+    when written as a directory (trailing ``/``)."""
+
+    line: int
+    text: str
+    target: str | None
+    raw: str
+    dir: bool = False
+
+
+def _target(raw: str) -> tuple[str | None, bool] | None:
+    """(path relative to the store root or None when it leaves the store, written as a
+    directory) of a link target; None when the link is not local."""
+    raw = raw.strip()
+    if raw.startswith("<") and raw.endswith(">"):
+        raw = raw[1:-1].strip()
+    if not raw or raw.startswith("#") or raw.startswith("/") or SCHEME_RE.match(raw):
+        return None
+    raw = re.split(r"[#?]", raw, maxsplit=1)[0]
+    if not raw:
+        return None
+    path = unquote(raw)
+    is_dir = path.endswith("/")
+    norm = posixpath.normpath(path)
+    if norm == "." or norm.startswith("../") or norm == "..":
+        return (None, is_dir) if norm != "." else None
+    return norm, is_dir
+
+
+def entries(text: str) -> list[Entry]:
+    """Every local link of ``MEMORY.md`` text, in order (a line with two links gives two)."""
+    out: list[Entry] = []
+    for i, line in enumerate(text.split("\n"), 1):
+        if "](" not in line:
+            continue
+        for m in LINK_RE.finditer(line):
+            t = _target(m.group(1))
+            if t is not None:
+                out.append(Entry(line=i, text=line, target=t[0], raw=m.group(1), dir=t[1]))
+    return out
+
+
+def line_count(text: str) -> int:
+    """Lines of ``text`` as ``context.cut_index`` counts them (an unterminated tail is one)."""
+    return text.count("\n") + (0 if text.endswith("\n") or not text else 1)
+
+
+def omitted_marker(text: str, lines_left: int) -> str:
+    """The sentence the prompt block's cut marker adds when its last ``lines_left`` lines
+    are cut: the targets of the entries on them (at most ``MARKER_NAMES_MAX`` /
+    ``MARKER_NAMES_BYTES``, then how many more), or ``""`` when they hold no entry."""
+    first_cut = line_count(text) - lines_left + 1
+    gone = [e for e in entries(text) if e.line >= first_cut]
+    if not gone:
+        return ""
+    names: list[str] = []
+    size = 0
+    for e in gone:
+        name = e.target if e.target is not None else e.raw
+        name = name.replace("`", "").replace("]", "")
+        if len(names) >= MARKER_NAMES_MAX or size + len(name.encode()) > MARKER_NAMES_BYTES:
+            break
+        names.append(f"`{name}`")
+        size += len(name.encode())
+    more = len(gone) - len(names)
+    tail = f" and {more} more" if more else ""
+    return f" The entries cut are: {', '.join(names)}{tail}."

@@ -1,0 +1,87 @@
+"""The index report of a store (``GET /v1/stores/{store}/index``): how its ``MEMORY.md``
+and its records agree, and what of ``MEMORY.md`` the prompt block leaves out.
+
+- an *entry* is a line of ``MEMORY.md`` holding at least one local Markdown link
+  (``[text](notes/a.md)``; ``<…>`` and a title allowed; links with a scheme ``https:`` /
+  ``mailto:``, pure anchors ``#x`` and absolute paths are not local). A target is read
+  relative to the store root (where ``MEMORY.md`` is): ``./`` and ``..`` resolved, ``%XX``
+  decoded, ``#anchor`` / ``?query`` dropped; a target ending in ``/`` or naming a directory
+  of the store links that directory;
+- ``missing``: entries whose target is neither a live record nor a directory holding one
+  (or leaves the store: ``../x``);
+- ``unindexed``: live records (but ``MEMORY.md``) that ``MEMORY.md`` does not mention: not
+  linked, not under a linked directory, and their path not written in it as a word
+  (`` `notes/a.md` `` counts); listed up to ``UNINDEXED_MAX`` in path order, all counted;
+- ``omitted``: entries on the lines the prompt block cuts (``context.cut_index``: 200 lines,
+  25,000 bytes), which agents never see in their prompt. The prompt block names them too
+  (``indexlinks.omitted_marker``).
+
+Memory content is untrusted: an entry's ``text`` is the line as stored, cut at
+``search.LINE_MAX_CHARS`` characters; whoever renders it escapes it.
+"""
+from __future__ import annotations
+
+import re
+
+from sqlalchemy import false, select
+
+from memfuse import content as content_rules
+from memfuse.models import IndexEntry, IndexReport
+from memfuse.server.base import _R, Principal, ServiceBase
+from memfuse.server.context import cut_index
+from memfuse.server.indexlinks import Entry, entries, line_count
+from memfuse.server.search import cut_line
+
+WORDISH_RE = re.compile(r"[^\s`'\"()<>\[\]{},;|*]+")
+UNINDEXED_MAX = 1000  # unindexed records listed at most (all are counted)
+
+
+def _entry_model(e: Entry) -> IndexEntry:
+    return IndexEntry(line=e.line, text=cut_line(e.text), target=e.target if e.target is not None else e.raw)
+
+
+class IndexReportMixin(ServiceBase):
+    """``Service.index_report``."""
+
+    def index_report(self, p: Principal, slug: str) -> IndexReport:
+        """The index report of store ``slug`` (module docstring): reads the store's live
+        paths (no content) and its ``MEMORY.md``. Raises 404 like ``list_records``."""
+        with self.db.read_conn() as conn:
+            st = self._store(conn, p, slug)
+            rows = conn.execute(select(_R.c.path, _R.c.content).where(
+                _R.c.store == st.slug, _R.c.deleted == false(), _R.c.path == content_rules.INDEX_PATH)).first()
+            paths = sorted(conn.execute(select(_R.c.path).where(
+                _R.c.store == st.slug, _R.c.deleted == false())).scalars())
+        text = (rows.content or "") if rows is not None else ""
+        live = set(paths)
+        dirs: set[str] = set()
+        for path in paths:
+            parts = path.split("/")
+            for k in range(1, len(parts)):
+                dirs.add("/".join(parts[:k]))
+        found = entries(text)
+        missing = [e for e in found if e.target is None or (e.target not in live and e.target not in dirs)]
+        linked_files = {e.target for e in found if e.target is not None and not e.dir and e.target in live}
+        linked_dirs = {e.target for e in found if e.target is not None and e.target in dirs}
+        words = {w.strip(".:!?").removeprefix("./") for w in WORDISH_RE.findall(text)}
+        unindexed: list[str] = []
+        count = 0
+        for path in paths:
+            if path == content_rules.INDEX_PATH or path in linked_files or path in words:
+                continue
+            parts = path.split("/")
+            if any("/".join(parts[:k]) in linked_dirs for k in range(1, len(parts))):
+                continue
+            count += 1
+            if len(unindexed) < UNINDEXED_MAX:
+                unindexed.append(path)
+        total_lines = line_count(text)
+        _, lines_left, bytes_left = cut_index(text)
+        n_shown = total_lines - lines_left
+        return IndexReport(
+            store=st.slug, index_exists=rows is not None, entries=len(found),
+            missing=[_entry_model(e) for e in missing],
+            unindexed=unindexed, unindexed_count=count,
+            omitted=[_entry_model(e) for e in found if e.line > n_shown],
+            lines=total_lines, lines_shown=n_shown, bytes=len(text.encode()), bytes_shown=len(text.encode()) - bytes_left,
+        )
