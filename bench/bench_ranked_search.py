@@ -5,7 +5,7 @@ For each size N, builds one store of N records of ~1 KiB (a heading, four lines 
 drawn from a 4,000-word vocabulary, Zipf-like) through the reference ``Service`` (batches of
 100, in process, no HTTP: the figure is the search's own database work), on a SQLite file
 and, when PostgreSQL is installed (``./scripts/setup --test``), on a throwaway cluster
-(``tests/pgutil.pg_cluster``). Then, best of 15 runs of ``Service.search`` (first page of
+(``tests/pgutil.pg_cluster``). Then, best of 40 rounds of ``Service.search``, the two sizes and the cases interleaved in each round (first page of
 20 hits, 5 lines each):
 
 - ranked, a rare word (in 10 records at either N);
@@ -22,6 +22,7 @@ most 3 for the ranked rows (10× the records). Writes ``bench/results-ranked-sea
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import shutil
@@ -36,8 +37,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 from memfuse.models import BatchRequest, StoreCreate  # noqa: E402
 from memfuse.server.db import Database  # noqa: E402
 from memfuse.server.service import Principal, Service  # noqa: E402
+from pgutil import fresh_db_url, pg_bindir, pg_cluster  # noqa: E402  (imported before any work)
 
-REPS = 15
+REPS = 40
 VOCAB = 4000
 ADMIN = Principal(None)
 CASES = [
@@ -85,29 +87,33 @@ def _fill(svc: Service, n: int) -> float:
     return time.perf_counter() - t
 
 
-def _measure(svc: Service) -> dict[str, dict]:
-    out = {}
-    for name, q, order in CASES:
-        best, hits = None, 0
-        for _ in range(REPS):
-            t = time.perf_counter()
-            page = svc.search(ADMIN, "s", q, order=order, match="any", limit=20, max_lines=5)
-            dt = (time.perf_counter() - t) * 1000
-            best = dt if best is None or dt < best else best
-            hits = len(page.hits)
-        out[name] = {"ms": round(best, 3), "hits": hits}
-    return out
+def _measure(svcs: dict[int, Service]) -> dict[int, dict[str, dict]]:
+    """Best time of every case on every size, the sizes and cases interleaved round by round
+    (a busy machine slows them alike)."""
+    best: dict[int, dict[str, float]] = {n: {} for n in svcs}
+    hits: dict[int, dict[str, int]] = {n: {} for n in svcs}
+    for _ in range(REPS):
+        for n, svc in svcs.items():
+            for name, q, order in CASES:
+                t = time.perf_counter()
+                page = svc.search(ADMIN, "s", q, order=order, match="any", limit=20, max_lines=5)
+                dt = (time.perf_counter() - t) * 1000
+                best[n][name] = min(dt, best[n].get(name, dt))
+                hits[n][name] = len(page.hits)
+    return {n: {name: {"ms": round(best[n][name], 3), "hits": hits[n][name]} for name in best[n]} for n in svcs}
 
 
-def run_db(url: str, n: int) -> dict:
-    db = Database(url)
+def run_sizes(urls: dict[int, str]) -> dict:
+    """Fill one database per size, then measure them together."""
+    dbs = {n: Database(url) for n, url in urls.items()}
     try:
-        svc = Service(db)
-        fill_s = _fill(svc, n)
-        res = _measure(svc)
-        return {"fill_s": round(fill_s, 2), "cases": res}
+        svcs = {n: Service(db) for n, db in dbs.items()}
+        fills = {n: _fill(svc, n) for n, svc in svcs.items()}
+        cases = _measure(svcs)
+        return {n: {"fill_s": round(fills[n], 2), "cases": cases[n]} for n in urls}
     finally:
-        db.dispose()
+        for db in dbs.values():
+            db.dispose()
 
 
 def main() -> None:
@@ -120,22 +126,19 @@ def main() -> None:
     results: dict = {"sqlite": {}, "postgresql": {}}
     work = Path(tempfile.mkdtemp(prefix="memfuse-bench-rank-"))
     try:
-        for n in sizes:
-            results["sqlite"][n] = run_db(f"sqlite:///{work}/db{n}.sqlite", n)
-            print(f"sqlite {n}: {results['sqlite'][n]}", flush=True)
+        results["sqlite"] = run_sizes({n: f"sqlite:///{work}/db{n}.sqlite" for n in sizes})
+        print(f"sqlite: {results['sqlite']}", flush=True)
         if not args.no_pg:
-            from pgutil import pg_bindir, pg_cluster, fresh_db_url
             import os
 
             if pg_bindir() is None:
                 print("PostgreSQL not installed: skipped", flush=True)
             else:
-                with pg_cluster() as base:
+                with pg_cluster() as base, contextlib.ExitStack() as stack:
                     os.environ["MEMFUSE_TEST_DB_URL"] = base
-                    for n in sizes:
-                        with fresh_db_url() as url:
-                            results["postgresql"][n] = run_db(url, n)
-                        print(f"postgresql {n}: {results['postgresql'][n]}", flush=True)
+                    urls = {n: stack.enter_context(fresh_db_url()) for n in sizes}
+                    results["postgresql"] = run_sizes(urls)
+                    print(f"postgresql: {results['postgresql']}", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")

@@ -221,6 +221,10 @@ class Record(BaseModel):
     content: str | None = None
     mode: int = DEFAULT_MODE  # permission bits; 0o644 when never set
     mtime_ns: int | None = None  # explicit mtime (ns since the epoch); None: ``updated_at``
+    # from the content's frontmatter (``review_after``, ``expires``): when to check it again,
+    # when memfuse deletes it; None when not set (docs/API.md, "Staleness")
+    review_after: datetime | None = None
+    expires_at: datetime | None = None
 
     def mtime_effective_ns(self) -> int:
         """The mtime a file shows: ``mtime_ns``, else ``updated_at``, in ns since the epoch."""
@@ -301,12 +305,24 @@ class IndexEntry(BaseModel):
     target: str
 
 
+class StaleRecord(BaseModel):
+    """A stale live record (docs/API.md, "Staleness"): its path, last change, and the
+    frontmatter's ``review_after`` / ``expires`` (None when not set)."""
+
+    path: str
+    updated_at: datetime
+    review_after: datetime | None = None
+    expires_at: datetime | None = None
+
+
 class IndexReport(BaseModel):
     """``GET /v1/stores/{store}/index``: how ``MEMORY.md`` and the records agree.
     ``missing``: entries linking no live record nor directory; ``unindexed``: live records
     ``MEMORY.md`` does not mention (first 1,000 in path order; ``unindexed_count`` all of
     them); ``omitted``: entries on the lines the prompt block cuts; ``entries`` links in
-    all; ``lines`` / ``bytes`` of ``MEMORY.md`` and how many the prompt block shows."""
+    all; ``lines`` / ``bytes`` of ``MEMORY.md`` and how many the prompt block shows;
+    ``stale``: the store's stale records, oldest change first (first 100; ``stale_count``
+    all), ``stale_after_days`` the server's age of staleness (0: by review date only)."""
 
     store: str
     index_exists: bool
@@ -319,6 +335,9 @@ class IndexReport(BaseModel):
     lines_shown: int = 0
     bytes: int = 0
     bytes_shown: int = 0
+    stale: list[StaleRecord] = []
+    stale_count: int = 0
+    stale_after_days: int = 0
 
 
 class BatchOperation(BaseModel):

@@ -217,6 +217,10 @@ class Record(Struct, kw_only=True, gc=False):
     content: str | None = None
     mode: int = DEFAULT_MODE  # permission bits; 0o644 when never set
     mtime_ns: int | None = None  # explicit mtime (ns since the epoch); None: ``updated_at``
+    # from the content's frontmatter (``review_after``, ``expires``): when to check it again,
+    # when memfuse deletes it; None when not set (docs/API.md, "Staleness")
+    review_after: datetime | None = None
+    expires_at: datetime | None = None
 
     def mtime_effective_ns(self) -> int:
         """The mtime a file shows: ``mtime_ns``, else ``updated_at``, in ns since the epoch."""
@@ -292,10 +296,20 @@ class IndexEntry(Struct, kw_only=True):
     target: str
 
 
+class StaleRecord(Struct, kw_only=True):
+    """A stale live record: path, last change, frontmatter review and expiry times."""
+
+    path: str
+    updated_at: datetime
+    review_after: datetime | None = None
+    expires_at: datetime | None = None
+
+
 class IndexReport(Struct, kw_only=True):
     """A store's index report: links to nothing (``missing``), records not mentioned
     (``unindexed``, first 1,000; ``unindexed_count``), entries the prompt block cuts
-    (``omitted``), and the sizes of ``MEMORY.md`` in all and shown."""
+    (``omitted``), the sizes of ``MEMORY.md`` in all and shown, and the store's stale
+    records (first 100; ``stale_count``)."""
 
     store: str
     index_exists: bool
@@ -308,6 +322,9 @@ class IndexReport(Struct, kw_only=True):
     lines_shown: int = 0
     bytes: int = 0
     bytes_shown: int = 0
+    stale: list[StaleRecord] = msgspec.field(default_factory=list)
+    stale_count: int = 0
+    stale_after_days: int = 0
 
 
 class BatchOperation(Struct, kw_only=True, omit_defaults=True):

@@ -107,7 +107,8 @@ def test_cli_index(home):
         "MEMORY.md: 2 entries; 2 lines (24 bytes), 2 lines (24 bytes) shown in the prompt block",
         "missing (1): links to records that do not exist", "  MEMORY.md:2: b.md",
         "unindexed (1): records MEMORY.md does not mention", "  c.md",
-        "omitted (0): entries the prompt block cuts"]
+        "omitted (0): entries the prompt block cuts",
+        "stale (0): records unchanged for 90 days or past their review date"]
     p = run(["index", "default", "--json"])
     rep = json.loads(p.stdout)
     assert rep["missing"][0]["target"] == "b.md" and rep["unindexed"] == ["c.md"]

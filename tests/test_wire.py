@@ -28,7 +28,7 @@ T2 = datetime(2027, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
 RECORD_FULL = dict(id="r-1", store="default", path="notes/ü ß.md", type="project", version=3,
                    sha256="ab" * 32, size=12, deleted=True, created_at=T1, updated_at=T2,
                    updated_by="ws:w/side-1", seq=41, content="line \"one\"\n\u2028\x01", mode=0o4755,
-                   mtime_ns=-1_577_923_200_123_456_789)
+                   mtime_ns=-1_577_923_200_123_456_789, review_after=T1, expires_at=T2)
 RECORD_MIN = dict(id="r-2", store="s", path="MEMORY.md", type=None, version=1, sha256="00" * 32,
                   size=0, created_at=T1, updated_at=T1, updated_by="admin", seq=1)
 STORE_FULL = dict(slug="s.1", description="d", default_type="user", max_record_bytes=5,
@@ -89,10 +89,13 @@ EXAMPLES: dict[str, list[dict]] = {
                   dict(record=RECORD_MIN, score=1.25, snippet="a   snippet …")],
     "SearchPage": [dict(hits=[dict(record=RECORD_MIN, lines=[dict(line=2, text="")], line_matches=1)],
                         next_cursor="c", seq=3), dict(hits=[], seq=0)],
+    "StaleRecord": [dict(path="a", updated_at=T1, review_after=T1, expires_at=T2), dict(path="b", updated_at=T1)],
     "IndexEntry": [dict(line=3, text="- [A](a.md) \u202e", target="a.md")],
     "IndexReport": [dict(store="s", index_exists=True, entries=3, missing=[dict(line=1, text="x", target="b.md")],
                          unindexed=["c.md"], unindexed_count=4, omitted=[dict(line=201, text="y", target="d")],
-                         lines=300, lines_shown=200, bytes=9000, bytes_shown=6000),
+                         lines=300, lines_shown=200, bytes=9000, bytes_shown=6000,
+                         stale=[dict(path="a.md", updated_at=T1, review_after=T2, expires_at=None),
+                                dict(path="b.md", updated_at=T2)], stale_count=7, stale_after_days=90),
                     dict(store="s", index_exists=False)],
     "BatchOperation": [dict(op="update", record_id="r", if_match='"ab"', idempotency_key="k",
                             body={"content": "x", "type": None, "mode": 0o600}),

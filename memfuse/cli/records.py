@@ -177,6 +177,14 @@ def index_cmd(target: Target, store_slug: str, as_json: bool) -> None:
     click.echo(f"omitted ({len(rep.omitted)}): entries the prompt block cuts")
     for e in rep.omitted:
         click.echo(f"  MEMORY.md:{e.line}: {safe(e.target)}")
+    age = f"unchanged for {rep.stale_after_days} days or " if rep.stale_after_days else ""
+    click.echo(f"stale ({rep.stale_count}): records {age}past their review date")
+    for r in rep.stale:
+        extra = "".join([f", review after {_fmt_time(r.review_after)}" if r.review_after else "",
+                         f", expires {_fmt_time(r.expires_at)}" if r.expires_at else ""])
+        click.echo(f"  {safe(r.path)} (last change {_fmt_time(r.updated_at)}{extra})")
+    if rep.stale_count > len(rep.stale):
+        click.echo(f"  … and {rep.stale_count - len(rep.stale)} more")
 
 
 @cli.command()

@@ -100,11 +100,18 @@ def _admin_token(admin_token_file: Path | None) -> tuple[str, Path, bool]:
 @opt("--max-unauthenticated-per-address", type=click.IntRange(min=0), default=64, show_default=True,
      help="Connections per client address that have not shown a valid token yet (more are "
      "closed at once); 0: no cap. Behind a proxy every client has the proxy's address: raise it.")
+@opt("--stale-after", type=click.IntRange(min=0), default=90, show_default=True, metavar="DAYS",
+     help="A record unchanged for DAYS is stale: the prompt block names the MEMORY.md entries "
+     "linking it and the console lists it (also a record past its frontmatter review_after). 0: off.")
+@opt("--expiry-interval", type=click.FloatRange(min=0), default=60.0, show_default=True, metavar="SECONDS",
+     help="How often to delete the records past their frontmatter `expires` (a deleted version, "
+     "restorable). 0: never.")
 @opt("--debug", is_flag=True, help="Verbose logging.")
 def serve(db: str | None, listen: str, admin_token_file: Path | None, migrate: bool, no_streams: bool,
           max_requests: int, max_streams: int, max_streams_per_token: int, max_body: int,
           header_timeout: float, body_timeout: float, body_read_timeout: float,
-          max_unauthenticated_per_address: int, debug: bool) -> None:
+          max_unauthenticated_per_address: int, stale_after: int, expiry_interval: float,
+          debug: bool) -> None:
     """Run the reference control plane (HTTP API v1) on a database."""
     from memfuse.cli.db import database_errors
     from memfuse.devenv import data_dir, dev_db_url
@@ -132,6 +139,8 @@ def serve(db: str | None, listen: str, admin_token_file: Path | None, migrate: b
                              header_timeout=header_timeout, body_timeout=body_timeout,
                              receive_timeout=body_read_timeout,
                              max_unauthenticated_per_address=max_unauthenticated_per_address)
+        app.state.service.stale_after_days = stale_after
+        app.state.service.expiry_interval = expiry_interval
         try:
             claim_database(app)  # SQLite: one replica per file
         except AlreadyServing as e:

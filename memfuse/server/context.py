@@ -17,8 +17,9 @@ from sqlalchemy import false, select
 from memfuse import content as content_rules
 from memfuse.models import Access
 from memfuse.server.base import Principal, ServiceBase
-from memfuse.server.db import AttachmentRow, RecordRow, StoreRow
-from memfuse.server.indexlinks import omitted_marker
+from memfuse.server import staleness
+from memfuse.server.db import AttachmentRow, RecordRow, StoreRow, utcnow
+from memfuse.server.indexlinks import entries, omitted_marker
 
 CONTEXT_INDEX_MAX_LINES = 200
 CONTEXT_INDEX_MAX_BYTES = 25_000
@@ -94,8 +95,9 @@ def _fence(text: str) -> str:
     return "`" * max(3, longest + 1)
 
 
-def _index_section(clean: Callable[[str], str], text: str, path: str) -> str:
-    """``### <path>`` and the (cut, cleaned) index in a fence, with the cut marker after it."""
+def _index_section(clean: Callable[[str], str], text: str, path: str, stale_note: str = "") -> str:
+    """``### <path>`` and the (cut, cleaned) index in a fence, with the cut marker after it,
+    then ``stale_note`` (``staleness.stale_marker``) when given."""
     shown, lines_left, bytes_left = cut_index(text)
     body = clean(shown)
     if body.endswith("\n"):
@@ -112,6 +114,8 @@ def _index_section(clean: Callable[[str], str], text: str, path: str) -> str:
             f"bytes.{clean(omitted_marker(text, lines_left))} Compact MEMORY.md so that it fits: keep one "
             f"short line per memory and move details into topic files. Read {path} for the rest.]",
         ]
+    if stale_note:
+        parts += ["", clean(stale_note)]
     return "\n".join(parts)
 
 
@@ -160,6 +164,13 @@ class ContextMixin(ServiceBase):
                     )
                 )
             }
+            now = utcnow()
+            stale_notes = {  # the entries of each index linking stale records
+                slug: staleness.stale_marker(staleness.stale_targets(
+                    s.connection(), slug, [e.target for e in entries(text) if e.target is not None], now,
+                    self.stale_after_days), self.stale_after_days)
+                for slug, text in indexes.items()
+            }
         refusals = content_rules.refusals_line(mount_root)
         if mounted and (_nbytes(refusals) + 2 + _nbytes(_stores_left_marker(bound, [], len(rows)))
                         + _INTRO_BYTES + 2 * _nbytes(mount_root) > bound):
@@ -195,7 +206,7 @@ class ContextMixin(ServiceBase):
                 head += ["", f"Instructions for this store (from the operator): {clean(instructions).strip()}"]
             head_text = "\n".join(head)
             if slug in indexes:
-                index_text = "\n" + _index_section(clean, indexes[slug], f"{base}/MEMORY.md")
+                index_text = "\n" + _index_section(clean, indexes[slug], f"{base}/MEMORY.md", stale_notes[slug])
             else:
                 index_text = f"\n\n`{base}/MEMORY.md` does not exist yet."
             rest = len(rows) - i - 1

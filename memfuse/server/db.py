@@ -65,7 +65,7 @@ log = logging.getLogger(__name__)
 #: the newest Alembic revision (``memfuse/server/migrations/versions/``): a database at it
 #: opens without Alembic (``Database._at_schema_head``). A new revision updates it;
 #: tests/test_migrations.py fails while it is not ``schema.head()``.
-SCHEMA_HEAD = "0007_fulltext"
+SCHEMA_HEAD = "0008_record_review"
 
 
 def utcnow() -> datetime:
@@ -196,6 +196,10 @@ class RecordRow(Base):
     # modification time in nanoseconds since the epoch (None = ``updated_at``).
     mode: Mapped[int | None] = mapped_column(Integer, nullable=True)
     mtime_ns: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    # From the content's frontmatter at every write (``memfuse.server.staleness``): when to
+    # check it again, and when the expiry sweep deletes it. None: not set.
+    review_after: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
 
     __table_args__ = (
         Index(
@@ -209,6 +213,9 @@ class RecordRow(Base):
         Index("ix_records_store_path", "store", "path", "id"),
         # count and sum of live sizes per store without a table scan (the usage backfill)
         Index("ix_records_usage", "store", "deleted", "size"),
+        # the expiry sweep's scan: live records with an expiry, by time
+        Index("ix_records_expires", "expires_at", sqlite_where=(deleted == false()) & expires_at.is_not(None),
+              postgresql_where=(deleted == false()) & expires_at.is_not(None)),
     )
 
 

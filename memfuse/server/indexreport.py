@@ -14,7 +14,10 @@ and its records agree, and what of ``MEMORY.md`` the prompt block leaves out.
   (`` `notes/a.md` `` counts); listed up to ``UNINDEXED_MAX`` in path order, all counted;
 - ``omitted``: entries on the lines the prompt block cuts (``context.cut_index``: 200 lines,
   25,000 bytes), which agents never see in their prompt. The prompt block names them too
-  (``indexlinks.omitted_marker``).
+  (``indexlinks.omitted_marker``);
+- ``stale``: the store's stale live records (``staleness``: unchanged for the server's
+  ``stale_after_days``, or past their ``review_after``), oldest change first, up to
+  ``STALE_MAX`` listed, all counted.
 
 Memory content is untrusted: an entry's ``text`` is the line as stored, cut at
 ``search.LINE_MAX_CHARS`` characters; whoever renders it escapes it.
@@ -23,17 +26,20 @@ from __future__ import annotations
 
 import re
 
-from sqlalchemy import false, select
+from sqlalchemy import false, func, select
 
 from memfuse import content as content_rules
-from memfuse.models import IndexEntry, IndexReport
+from memfuse.models import IndexEntry, IndexReport, StaleRecord
+from memfuse.server import staleness
 from memfuse.server.base import _R, Principal, ServiceBase
 from memfuse.server.context import cut_index
+from memfuse.server.db import utcnow
 from memfuse.server.indexlinks import Entry, entries, line_count
 from memfuse.server.search import cut_line
 
 WORDISH_RE = re.compile(r"[^\s`'\"()<>\[\]{},;|*]+")
 UNINDEXED_MAX = 1000  # unindexed records listed at most (all are counted)
+STALE_MAX = 100  # stale records listed at most (all are counted)
 
 
 def _entry_model(e: Entry) -> IndexEntry:
@@ -52,6 +58,15 @@ class IndexReportMixin(ServiceBase):
                 _R.c.store == st.slug, _R.c.deleted == false(), _R.c.path == content_rules.INDEX_PATH)).first()
             paths = sorted(conn.execute(select(_R.c.path).where(
                 _R.c.store == st.slug, _R.c.deleted == false())).scalars())
+            now = utcnow()
+            stale_where = (_R.c.store == st.slug, _R.c.deleted == false(),
+                           staleness.stale_condition(now, self.stale_after_days))
+            stale = [StaleRecord(path=r.path, updated_at=r.updated_at, review_after=r.review_after,
+                                 expires_at=r.expires_at)
+                     for r in conn.execute(select(_R.c.path, _R.c.updated_at, _R.c.review_after, _R.c.expires_at)
+                                           .where(*stale_where).order_by(_R.c.updated_at, _R.c.path)
+                                           .limit(STALE_MAX))]
+            stale_count = conn.scalar(select(func.count()).select_from(_R).where(*stale_where)) or 0
         text = (rows.content or "") if rows is not None else ""
         live = set(paths)
         dirs: set[str] = set()
@@ -84,4 +99,5 @@ class IndexReportMixin(ServiceBase):
             unindexed=unindexed, unindexed_count=count,
             omitted=[_entry_model(e) for e in found if e.line > n_shown],
             lines=total_lines, lines_shown=n_shown, bytes=len(text.encode()), bytes_shown=len(text.encode()) - bytes_left,
+            stale=stale, stale_count=stale_count, stale_after_days=self.stale_after_days,
         )

@@ -51,7 +51,7 @@ from memfuse.server.base import (
     holds,
     parse_if_match,
 )
-from memfuse.server import wakeups
+from memfuse.server import staleness, wakeups
 from memfuse.server.db import UTCDateTime, utcnow
 
 log = logging.getLogger("memfuse.server.service")  # every room of the Service logs under one name
@@ -267,6 +267,7 @@ class BatchStore:
         seq = self.seqs.pop()
         rec.seq = seq
         rec.updated_at, rec.updated_by = now, actor
+        rec.review_after, rec.expires_at = staleness.record_dates(rec.content)
         self._records.append(rec.values())
         self._versions.append({
             "seq": seq, "record_id": rec.id, "store": rec.store, "version": rec.version,
@@ -316,6 +317,8 @@ def _record_model(rec: _Rec | Row, *, with_content: bool) -> Record:
         content=rec.content if with_content else None,
         mode=_mode(rec.mode),
         mtime_ns=rec.mtime_ns,
+        review_after=getattr(rec, "review_after", None),
+        expires_at=getattr(rec, "expires_at", None),
     )
 
 
@@ -395,6 +398,7 @@ class RecordsMixin(ServiceBase):
         conn.info["memfuse_writes"] = conn.info.get("memfuse_writes", 0) + 1
         rec.updated_at = now
         rec.updated_by = actor
+        rec.review_after, rec.expires_at = staleness.record_dates(rec.content)
         if new:
             rec.seq = 0
             conn.execute(_INSERT_RECORD, rec.values())  # before the version that references it

@@ -18,6 +18,7 @@ from pathlib import Path
 import trio
 from hypercorn.config import Config
 
+from . import staleness
 from .limits import SEND_TIMEOUT
 
 log = logging.getLogger(__name__)
@@ -202,8 +203,16 @@ async def _serve(app, listen: str, task_status) -> None:
     svc = getattr(getattr(app, "state", None), "service", None)
     if svc is not None:
         svc.bus.start()  # listen for other replicas' commits before the first long-poll
+    sweeps = trio.CancelScope()  # the expiry sweep (memfuse.server.staleness), stopped at shutdown
+
+    async def sweep() -> None:
+        with sweeps:
+            await staleness.sweep_forever(svc, svc.expiry_interval)
+
     async with trio.open_nursery() as nursery:
         binds = await nursery.start(run)
+        if svc is not None and getattr(svc, "expiry_interval", 0) > 0:
+            nursery.start_soon(sweep)
         url = binds[0] if binds else f"http://{listen}"
         log.info("control plane listening on %s", url)
         task_status.started(url)
@@ -215,6 +224,7 @@ async def _serve(app, listen: str, task_status) -> None:
             if svc is not None:  # answer open long-polls now instead of holding the shutdown
                 svc.closing = True
                 svc.notifier.wake_all()
+            sweeps.cancel()
             shutdown.set()
             inner.deadline = trio.current_time() + GRACEFUL_TIMEOUT + 2
 

@@ -46,7 +46,7 @@ from memfuse.server.base import (
     idempotency_request,
     parse_if_match,
 )
-from memfuse.server import wakeups
+from memfuse.server import staleness, wakeups
 from memfuse.server.batch import BatchMixin
 from memfuse.server.changes import MAX_WAIT_SECONDS, ChangesMixin, FeedRead
 from memfuse.server.context import (
@@ -117,6 +117,10 @@ class Service(TokensMixin, StoresMixin, BatchMixin, RecordsMixin, SearchMixin, C
         db.on_dispose(self.bus.close)
         db.on_dispose(lambda: self.flush_token_use(force=True))  # pending last_used_at
         self.closing = False  # set at server shutdown: long-polls answer at once
+        # staleness (memfuse.server.staleness): age of a stale record (days, 0 = off) and
+        # the expiry sweep's interval in ``memfuse serve`` (seconds, 0 = no sweep)
+        self.stale_after_days = staleness.STALE_AFTER_DAYS
+        self.expiry_interval = 0.0
         self._last_idem_cleanup = 0.0
         self._token_cache = TokenCache()  # database tokens seen lately
         # a revocation committed on any replica reaches this one on the commit bus; after the
