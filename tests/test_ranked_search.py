@@ -7,8 +7,10 @@ the index for the records of a database made before it. Runs on SQLite here and 
 PostgreSQL through tests/test_postgres.py."""
 from __future__ import annotations
 
-import json
+from datetime import datetime
 from pathlib import Path
+
+from sqlalchemy import text
 
 from memfuse.models import RecordCreate, StoreCreate
 from memfuse.server import schema
@@ -140,9 +142,15 @@ def test_migration_indexes_the_records_of_an_older_database(tmp_path: Path):
         schema.upgrade(db, "0005_records_path_bytes")
         svc = Service(db)
         svc.create_store(ADMIN, StoreCreate(slug="s"))
-        svc.create_record(ADMIN, "s", RecordCreate(path="notes/india.md", content="# Juliet\nkilo\n"))
-        gone = json.loads(svc.create_record(ADMIN, "s", RecordCreate(path="gone.md", content="juliet kilo\n")).body)
-        svc.delete_record(ADMIN, "s", gone["id"])
+        # records as a release at 0005 wrote them (raw rows: this code's writes name newer columns)
+        with db.write_conn() as conn:
+            for i, (path, body, deleted) in enumerate([("notes/india.md", "# Juliet\nkilo\n", False),
+                                                         ("gone.md", "juliet kilo\n", True)], 1):
+                conn.execute(text(
+                    "INSERT INTO records (id, store, path, type, version, sha256, size, content, deleted, "
+                    "created_at, updated_at, updated_by, seq) VALUES (:id, 's', :p, 'project', 1, :h, :n, :c, :d, "
+                    ":t, :t, 'x', :seq)"), {"id": f"r{i}", "p": path, "h": "0" * 64, "n": len(body), "c": body,
+                                            "d": deleted, "t": datetime(2026, 1, 1), "seq": 1000 + i})
         before, after = schema.upgrade(db)
         assert before.current == "0005_records_path_bytes" and after.current == schema.head()
         hits = svc.search(ADMIN, "s", "juliet", order="relevance").hits
