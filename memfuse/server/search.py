@@ -24,7 +24,7 @@ import unicodedata
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from sqlalchemy import and_, bindparam, column, false, func, literal_column, or_, select, table, text, tuple_
+from sqlalchemy import and_, bindparam, false, func, literal_column, or_, select, text, tuple_
 from sqlalchemy.engine import Connection
 
 from memfuse import content as content_rules
@@ -201,27 +201,38 @@ class SearchMixin(ServiceBase):
             seq = conn.scalar(select(func.max(_V.c.seq)).where(_V.c.store == st.slug)) or 0
             if take <= 0:
                 return SearchPage(hits=[], seq=seq)
-            conds = [_R.c.store == st.slug, _R.c.deleted == false()]
-            if prefix:
-                conds.append(_prefix_clause(self._path_col(), prefix))
-            if type is not None:
-                conds.append(_R.c.type == type)
             if conn.dialect.name == "sqlite":
-                fts = table("records_fts", column("rowid"))
-                rank = literal_column("bm25(records_fts, {}, {}, {})".format(*fulltext.SQLITE_WEIGHTS))
-                stmt = (select(_R.c.id, (-rank).label("score")).select_from(fts.join(_R, _R.c.seq == fts.c.rowid))
-                        .where(text("records_fts MATCH :fts_q").bindparams(fts_q=fulltext.sqlite_match(words, match)),
-                               *conds)
-                        .order_by(rank, _R.c.path, _R.c.id))
+                # written out: CROSS JOIN keeps the FTS table the outer loop (SQLite never
+                # reorders it), so the cost follows the matches, never the store's size
+                extra, params = "", {"fts_q": fulltext.sqlite_match(words, match), "store": st.slug,
+                                     "lim": take + 1, "off": offset}
+                if prefix:
+                    extra += (" AND records.path >= :p0 AND records.path < :p1"
+                              " AND (records.path = :p0 OR records.path >= :p2)")
+                    params.update(p0=prefix, p1=prefix + "0", p2=prefix + "/")
+                if type is not None:
+                    extra += " AND records.type = :rtype"
+                    params["rtype"] = type
+                bm25 = "bm25(records_fts, {}, {}, {})".format(*fulltext.SQLITE_WEIGHTS)
+                ranked = conn.execute(text(
+                    f"SELECT records.id, -{bm25} AS score FROM records_fts CROSS JOIN records "
+                    "ON records.seq = records_fts.rowid WHERE records_fts MATCH :fts_q "
+                    f"AND records.store = :store AND records.deleted = 0{extra} "
+                    f"ORDER BY {bm25}, records.path, records.id LIMIT :lim OFFSET :off"), params).all()
             else:
+                conds = [_R.c.store == st.slug, _R.c.deleted == false()]
+                if prefix:
+                    conds.append(_prefix_clause(self._path_col(), prefix))
+                if type is not None:
+                    conds.append(_R.c.type == type)
                 tsq = func.to_tsquery(literal_column("'simple'::regconfig"),
                                       bindparam("ts_q", fulltext.pg_tsquery(words, match)))
                 vec = literal_column("records.search_vector")
                 rank = func.ts_rank_cd(vec, tsq)
                 stmt = (select(_R.c.id, rank.label("score")).where(vec.op("@@")(tsq), *conds)
                         .order_by(rank.desc(), self._path_col(), _R.c.id))
+                ranked = conn.execute(stmt.limit(take + 1).offset(offset)).all()
             # ranked without content (the sort holds ids and scores), then the page's records
-            ranked = conn.execute(stmt.limit(take + 1).offset(offset)).all()
             more = len(ranked) > take and offset + take < RANK_MAX_OFFSET
             ranked = ranked[:take]
             by_id = {r.id: r for r in conn.execute(select(_R).where(_R.c.id.in_([x.id for x in ranked])))}
