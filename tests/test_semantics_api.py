@@ -269,9 +269,11 @@ async def test_context_cuts_a_300_line_index_with_exact_counts(env: Env):
     await env.create("MEMORY.md", "".join(lines))
     text = await env.context()
     left_bytes = len("".join(lines[200:]).encode())
+    cut = ", ".join(f"`notes/m{i}.md`" for i in range(200, 220))  # the entries cut, named (20, then a count)
     marker = (
         f"[memfuse: MEMORY.md is cut here: 100 more line(s) ({left_bytes} bytes) are not shown; "
-        "an index is shown up to 200 lines / 25000 bytes. Compact MEMORY.md so that it fits: keep one "
+        f"an index is shown up to 200 lines / 25000 bytes. The entries cut are: {cut} and 80 more. "
+        "Compact MEMORY.md so that it fits: keep one "
         "short line per memory and move details into topic files. Read /mnt/memory/default/MEMORY.md for the rest.]"
     )
     assert marker in text
