@@ -16,8 +16,8 @@ it without a line of Python):
   shell, a memfuse older than revision ``0006_fulltext``) cannot write records. The FTS
   table keeps its own copy of the indexed text (so a delete needs only the rowid, and a
   change of the headings rule never corrupts it). Tokenizer ``unicode61`` (letters and
-  digits, Unicode lowercase, diacritics kept); ``records.seq`` is indexed
-  (``ix_records_seq``) for the join from a hit to its record. Ranked by ``bm25`` with
+  digits, Unicode lowercase, diacritics kept); ``ix_records_seq`` (``seq, store, deleted,
+  path, id, type``) covers the join from a hit to its record and the page's filters. Ranked by ``bm25`` with
   weights path 10, headings 4, body 1.
 - **PostgreSQL**: a stored generated column ``records.search_vector`` (``tsvector``,
   configuration ``simple``: lowercase, no stemming, like the SQLite side) of the path
@@ -82,7 +82,8 @@ def register_sqlite_functions(dbapi_conn: sqlite3.Connection) -> None:
 SQLITE_DDL = [
     "CREATE VIRTUAL TABLE IF NOT EXISTS records_fts USING fts5("
     "path, headings, body, tokenize = 'unicode61 remove_diacritics 0')",
-    "CREATE INDEX IF NOT EXISTS ix_records_seq ON records (seq)",
+    # covering: a hit's join to its record reads the index only, never the row (with content)
+    "CREATE INDEX IF NOT EXISTS ix_records_seq ON records (seq, store, deleted, path, id, type)",
     "CREATE TRIGGER IF NOT EXISTS records_fts_ai AFTER INSERT ON records "
     "WHEN new.deleted = 0 AND new.seq > 0 BEGIN "
     "INSERT OR REPLACE INTO records_fts (rowid, path, headings, body) "
