@@ -52,8 +52,11 @@ def _dump(url: str) -> dict:
             if table == schema.VERSION_TABLE:
                 continue
             out[table] = {
-                "columns": [(c["name"], str(c["type"]), c["nullable"], str(c.get("default")))
-                            for c in insp.get_columns(table)],
+                # by name: the order of columns added later differs between the two roads (the
+                # full-text column is created last by create_all, in revision order by upgrade)
+                # and nothing reads columns by position
+                "columns": sorted((c["name"], str(c["type"]), c["nullable"], str(c.get("default")))
+                                  for c in insp.get_columns(table)),
                 "pk": insp.get_pk_constraint(table)["constrained_columns"],
                 "fks": sorted((tuple(f["constrained_columns"]), f["referred_table"], tuple(f["referred_columns"]),
                                str(sorted(f.get("options", {}).items()))) for f in insp.get_foreign_keys(table)),
