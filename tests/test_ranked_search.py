@@ -2,7 +2,7 @@
 on the full-text index the database keeps (``memfuse.server.fulltext``): ranking weights
 (path > headings > body), every word required as a prefix, score and snippet per hit, the
 index following every kind of write (create, batch, update, move, prefix move, delete,
-restore, another store), bounded paging, refusals; and revision ``0006_fulltext`` building
+restore, another store), bounded paging, refusals; and revision ``0007_fulltext`` building
 the index for the records of a database made before it. Runs on SQLite here and on
 PostgreSQL through tests/test_postgres.py."""
 from __future__ import annotations
@@ -134,12 +134,13 @@ async def test_ranked_pages_and_refusals(env: Env):
 
 
 def test_migration_indexes_the_records_of_an_older_database(tmp_path: Path):
-    """A database at ``0005_records_path_bytes`` with records (live, deleted, updated) is
-    upgraded by ``0006_fulltext``: ranked search finds the live ones, and the index then
+    """A database at the revision before ``0007_fulltext`` with records (live, deleted) is
+    upgraded by ``0007_fulltext``: ranked search finds the live ones, and the index then
     follows new writes; downgrade removes it and upgrade builds it again."""
     with fresh_db_url(f"sqlite:///{tmp_path / 'old.db'}") as url:
         db = Database(url, schema="none")
-        schema.upgrade(db, "0005_records_path_bytes")
+        before_fts = schema.script_directory().get_revision("0007_fulltext").down_revision
+        schema.upgrade(db, before_fts)
         svc = Service(db)
         svc.create_store(ADMIN, StoreCreate(slug="s"))
         # records as a release at 0005 wrote them (raw rows: this code's writes name newer columns)
@@ -152,7 +153,7 @@ def test_migration_indexes_the_records_of_an_older_database(tmp_path: Path):
                     ":t, :t, 'x', :seq)"), {"id": f"r{i}", "p": path, "h": "0" * 64, "n": len(body), "c": body,
                                             "d": deleted, "t": datetime(2026, 1, 1), "seq": 1000 + i})
         before, after = schema.upgrade(db)
-        assert before.current == "0005_records_path_bytes" and after.current == schema.head()
+        assert before.current == before_fts and after.current == schema.head()
         hits = svc.search(ADMIN, "s", "juliet", order="relevance").hits
         assert [h.record.path for h in hits] == ["notes/india.md"] and hits[0].snippet == "# Juliet"
         svc.create_record(ADMIN, "s", RecordCreate(path="lima.md", content="juliet too\n"))
@@ -161,7 +162,7 @@ def test_migration_indexes_the_records_of_an_older_database(tmp_path: Path):
         from alembic import command
 
         with db.write_conn() as conn:
-            command.downgrade(schema.alembic_config(connection=conn), "0005_records_path_bytes")
+            command.downgrade(schema.alembic_config(connection=conn), before_fts)
         schema.upgrade(db)
         assert {h.record.path for h in svc.search(ADMIN, "s", "kilo", order="relevance").hits} == {"notes/india.md"}
         db.dispose()

@@ -299,7 +299,7 @@ class EventRow(Base):
     __table_args__ = (Index("ix_events_workspace_seq", "workspace", "seq"), {"sqlite_autoincrement": True})
 
 
-# The full-text index of live records (revision 0006_fulltext): not models, DDL run after
+# The full-text index of live records (revision 0007_fulltext): not models, DDL run after
 # the tables are created (``memfuse.server.fulltext``).
 fulltext.install(Base.metadata)
 

@@ -13,7 +13,7 @@ it without a line of Python):
   hand). ``headings`` is
   the output of the SQL function ``memfuse_headings(content)`` that ``Database`` registers on
   every connection (``register_sqlite_functions``): a connection without it (the ``sqlite3``
-  shell, a memfuse older than revision ``0006_fulltext``) cannot write records. The FTS
+  shell, a memfuse older than revision ``0007_fulltext``) cannot write records. The FTS
   table keeps its own copy of the indexed text (so a delete needs only the rowid, and a
   change of the headings rule never corrupts it). Tokenizer ``unicode61`` (letters and
   digits, Unicode lowercase, diacritics kept); ``ix_records_seq`` (``seq, store, deleted,
@@ -30,7 +30,7 @@ it without a line of Python):
   most 1 MiB; a longer record's tail is not indexed, its substring search still finds it).
 
 Neither is a SQLAlchemy model: ``install`` hooks their DDL to ``Base.metadata``'s
-``after_create`` (in-memory databases, tests), and revision ``0006_fulltext`` creates and
+``after_create`` (in-memory databases, tests), and revision ``0007_fulltext`` creates and
 fills them on an existing database. Both are listed in ``INDEX_OBJECTS`` for the schema
 comparison of ``tests/test_migrations.py``.
 
@@ -138,13 +138,13 @@ def install(metadata) -> None:
 
 def create_statements(dialect: str) -> list[str]:
     """The SQL that creates the index on an existing database of ``dialect`` and fills it
-    from the live records (revision ``0006_fulltext``; PostgreSQL computes the generated
+    from the live records (revision ``0007_fulltext``; PostgreSQL computes the generated
     column as it adds it); ``[]`` for another dialect."""
     return {"sqlite": [*SQLITE_DDL, SQLITE_BACKFILL], "postgresql": list(PG_DDL)}.get(dialect, [])
 
 
 def drop_statements(dialect: str) -> list[str]:
-    """The SQL that removes the index (downgrade of ``0006_fulltext``)."""
+    """The SQL that removes the index (downgrade of ``0007_fulltext``)."""
     return {"sqlite": list(SQLITE_DROP), "postgresql": list(PG_DROP)}.get(dialect, [])
 
 

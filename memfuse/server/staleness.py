@@ -10,7 +10,7 @@ A record may carry in its YAML frontmatter
 
 They are read at every write (``record_dates``, called by ``records._add_version`` and the
 batch's deferred creates) into ``records.review_after`` / ``records.expires_at``
-(revision ``0007_record_review``); a date means its midnight UTC; a value that is not a
+(revision ``0008_record_review``); a date means its midnight UTC; a value that is not a
 date or time is ignored. A record is *stale* when it has not changed for ``stale_after``
 (``memfuse serve --stale-after DAYS``, default 90, 0 = off) or its ``review_after`` has
 passed: the prompt block names the stale entries of ``MEMORY.md`` and the console lists the
