@@ -143,7 +143,7 @@ def test_migration_indexes_the_records_of_an_older_database(tmp_path: Path):
         schema.upgrade(db, before_fts)
         svc = Service(db)
         svc.create_store(ADMIN, StoreCreate(slug="s"))
-        # records as a release at 0005 wrote them (raw rows: this code's writes name newer columns)
+        # records as the release before wrote them (raw rows: this code's writes name newer columns)
         with db.write_conn() as conn:
             for i, (path, body, deleted) in enumerate([("notes/india.md", "# Juliet\nkilo\n", False),
                                                          ("gone.md", "juliet kilo\n", True)], 1):
