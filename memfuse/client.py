@@ -433,6 +433,12 @@ class ApiClient:
         #: ``endpoint`` is a low-cardinality template such as ``PUT /v1/stores/{}/records/{}``
         self.observer: Callable[[str, str, float], None] | None = None
         self.timeout = float(timeout)
+        #: ordinary requests waiting for an answer (not long polls or streams): a number per
+        #: request → when it was sent (``time.monotonic()``); ``no_answer_for`` reads it
+        self._waiting: dict[int, float] = {}
+        self._next_request = 0
+        #: when the control plane last answered anything (``time.monotonic()``; 0: never)
+        self.last_answer = 0.0
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
             headers=headers,
@@ -447,6 +453,19 @@ class ApiClient:
         """Send ``X-Memfuse-Instance: instance`` from now on (the sidecar id on versions)."""
         self.instance = instance
         self._http.headers[INSTANCE_HEADER] = instance
+
+    def no_answer_for(self) -> float:
+        """Seconds the oldest ordinary request (not a long poll or a stream) has been waiting
+        while the control plane answered nothing at all: 0 when none waits or an answer to
+        any request arrived since it was sent. A hung control plane (a paused process, a
+        black-holed network) shows here within seconds, long before the request's own read
+        timeout (``timeout``)."""
+        if not self._waiting:
+            return 0.0
+        oldest = min(self._waiting.values())
+        if self.last_answer >= oldest:
+            return 0.0
+        return max(0.0, time.monotonic() - oldest)
 
     def _observe(self, method: str, path: str, status: str, t0: float) -> None:
         if self.observer is not None:
@@ -512,6 +531,11 @@ class ApiClient:
                 generation = tf.generation
                 headers["Authorization"] = f"Bearer {tf.token}"
             t0 = time.perf_counter()
+            ordinary = wait <= 0 and not stream and read_timeout is None
+            if ordinary:
+                self._next_request += 1
+                rid = self._next_request
+                self._waiting[rid] = time.monotonic()
             try:
                 resp = await self._http.send(self._http.build_request(method, path, **kwargs), stream=stream)
                 if stream and not resp.is_success:
@@ -521,6 +545,10 @@ class ApiClient:
                 log.debug("%s %s failed: %s", method, path, err.code)
                 self._observe(method, path, err.code or "error", t0)
                 raise err from None
+            finally:
+                if ordinary:
+                    del self._waiting[rid]
+            self.last_answer = time.monotonic()
             self._observe(method, path, str(resp.status_code), t0)
             log.debug("%s %s -> %s", method, path, resp.status_code)
             if resp.status_code != 401:
@@ -1292,6 +1320,7 @@ class PageStream(Generic[P]):
             self.streaming = True
             try:
                 async for line in resp.aiter_lines():
+                    self._api.last_answer = time.monotonic()  # a heartbeat is an answer too
                     if not line.strip():
                         continue
                     if line.startswith('{"error"'):

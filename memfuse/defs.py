@@ -38,7 +38,7 @@ __all__ = [
 
 RECORD_TYPES = ("user", "feedback", "project", "reference")
 DEFAULT_MODE = 0o644  # permission bits of a record whose mode was never set
-MODE_MASK = 0o7777  # the bits a record keeps (chmod(2)); the file type is not one of them
+MODE_MASK = 0o777  # the bits a record keeps (rwx of user, group, other; never setuid, setgid or sticky)
 MTIME_NS_MIN, MTIME_NS_MAX = -(1 << 63), (1 << 63) - 1  # a signed 64-bit ns count
 SLUG_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
 MAX_TOKEN_TTL_SECONDS = 10 * 366 * 86400  # ten years

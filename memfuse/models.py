@@ -12,8 +12,9 @@ Conventions:
   (``"<sha256>"`` in ``ETag`` / ``If-Match`` headers, RFC 9110 §8.8.3);
 - ``content`` is text (UTF-8); records hold Markdown, JSONL or plain text;
 - ``seq`` is the change-feed position: a number that grows with every version written;
-- file attributes: ``mode`` is the POSIX permission bits (``0o7777`` mask: rwx for user,
-  group, other plus setuid, setgid, sticky), 0o644 when never set; ``mtime_ns`` is the
+- file attributes: ``mode`` is the POSIX permission bits (``0o777`` mask: rwx for user,
+  group, other; setuid, setgid and sticky are refused in requests, 422, and stripped on
+  export), 0o644 when never set; ``mtime_ns`` is the
   modification time in integer nanoseconds since the Unix epoch (as ``st_mtime_ns``), None
   when never set explicitly (a file then shows ``updated_at``).
 """
@@ -148,7 +149,7 @@ class TokenInfo(BaseModel):
 
 
 Mode = Field(default=None, ge=0, le=MODE_MASK, strict=True,
-             description="permission bits (0..0o7777); absent: 0o644 on create, unchanged on update")
+             description="permission bits (0..0o777; setuid, setgid, sticky refused); absent: 0o644 on create, unchanged on update")
 MtimeNs = Field(default=None, ge=MTIME_NS_MIN, le=MTIME_NS_MAX, strict=True,
                 description="modification time, integer ns since the Unix epoch")
 

@@ -236,6 +236,7 @@ class BatchStore:
         self.read_count, self.read_bytes = self.record_count, self.usage_bytes
         self.deferring = False
         self.paths: dict[str, str] = {}
+        self.dirs: set[str] = set()  # the ancestors of every path in ``paths`` (``_check_clash``)
         self.seqs: list[int] = []
         self._records: list[dict[str, object]] = []
         self._versions: list[dict[str, object]] = []
@@ -276,6 +277,8 @@ class BatchStore:
             "mtime_ns": rec.mtime_ns,
         })
         self.paths[rec.path] = rec.id
+        parts = rec.path.split("/")
+        self.dirs.update("/".join(parts[:i]) for i in range(1, len(parts)))
         wakeups.note_feed(rec.store, seq, actor)
         if not self.seqs:
             self.deferring = False
@@ -376,6 +379,49 @@ class RecordsMixin(ServiceBase):
     def _live_at_id(conn: Connection, store: str, path: str) -> str | None:
         """The id of the live record at ``path``, if any."""
         return conn.scalar(_SELECT_LIVE_ID_AT, {"store": store, "path": path})
+
+    def _check_clash(self, conn: Connection, st: Any, path: str, skip: frozenset[str] = frozenset(),
+                     *, under: bool = True) -> None:
+        """Refuse a record at ``path`` that would make a file and a directory of one name
+        (a file ``fd`` beside a file ``fd/child.md``: a filesystem cannot show both, so the
+        mount would hide one and export would fail). 409 ``parent_is_file`` when a live
+        record sits at one of ``path``'s ancestors; 409 ``path_is_directory`` when live
+        records sit under ``path/`` (not checked when ``under`` is False: a prefix move
+        checks one moved path for its ancestors, and each target for ``path_exists``).
+        Records whose id is in ``skip`` (the ones being moved) do not count. Within a batch
+        still deferring its creates, the creates not yet written count too
+        (``BatchStore.paths`` / ``dirs``). Two indexed reads of at most one row each."""
+        parts = path.split("/")
+        ancestors = ["/".join(parts[:i]) for i in range(1, len(parts))]
+        deferred = isinstance(st, BatchStore) and st.deferring
+        not_skipped = [_R.c.id.notin_(skip)] if skip else []
+        if ancestors:
+            hit = None
+            if deferred:
+                hit = next((a for a in ancestors if st.paths.get(a) not in (None, *skip)), None)
+            if hit is None:
+                row = conn.execute(select(_R.c.id, _R.c.path).where(
+                    _R.c.store == st.slug, _R.c.deleted == false(), _R.c.path.in_(ancestors),
+                    *not_skipped).limit(1)).first()
+                hit = row.path if row is not None else None
+            if hit is not None:
+                raise ServiceError(409, "parent_is_file",
+                                   f"{hit!r} is a file, so {path!r} cannot be under it")
+        if not under:
+            return
+        below = None
+        if deferred and path in st.dirs:
+            below = next((q for q, rid in st.paths.items() if q.startswith(path + "/") and rid not in skip), None)
+        if below is None:
+            col = self._path_col()
+            row = conn.execute(select(_R.c.path).where(
+                _R.c.store == st.slug, _R.c.deleted == false(), col >= path + "/", col < path + "0",
+                *not_skipped).limit(1)).first()
+            below = row.path if row is not None else None
+        if below is not None:
+            raise ServiceError(409, "path_is_directory",
+                               f"{path!r} is a directory ({below!r} is under it), so it cannot be a file")
+
     @staticmethod
     def _add_version(
         conn: Connection,
@@ -668,6 +714,7 @@ class RecordsMixin(ServiceBase):
             other = st.paths.get(path) if deferred else self._live_at_id(conn, st.slug, path)
             if other is not None:
                 raise ServiceError(409, "path_exists", f"{path!r} exists", record_id=other)
+            self._check_clash(conn, st, path)
             now = utcnow()
             rec = _Rec(
                 id=str(uuid.uuid4()), store=st.slug, path=path, type=rtype, version=1,
@@ -838,6 +885,7 @@ class RecordsMixin(ServiceBase):
                     self._add_version(conn, target, Operation.modified, p.actor, now)
                 self._use(conn, st, d_bytes, -1, grew_bytes=False, grew_count=False)  # shrinks
                 return MoveResult(records=[_record_model(target, with_content=False)])
+            self._check_clash(conn, st, new_path, frozenset((rec.id,)))
             old_path = rec.path
             rec.path, rec.type = new_path, new_type
             rec.version += 1
@@ -885,6 +933,8 @@ class RecordsMixin(ServiceBase):
                 other = self._live_at_id(conn, st.slug, new_path)
                 if other is not None and other not in moving_ids:
                     raise ServiceError(409, "path_exists", f"{new_path!r} exists", record_id=other)
+            if plan:  # a file at the target prefix or above it
+                self._check_clash(conn, st, plan[0][2], frozenset(moving_ids), under=False)
             # Two steps so the live-path unique index never sees a transient duplicate
             # (a target may be the old path of another moving record). The parking path has
             # a leading slash, so no valid record path equals it (and no NUL: PostgreSQL text
@@ -954,6 +1004,7 @@ class RecordsMixin(ServiceBase):
             other = self._live_at_id(conn, st.slug, v.path)
             if other is not None and other != rec.id:
                 raise ServiceError(409, "path_exists", f"{v.path!r} exists", record_id=other)
+            self._check_clash(conn, st, v.path, frozenset((rec.id,)))
             _check_record_size(st, v.size)
             secret = content_rules.find_secret(v.content)
             if secret is not None:

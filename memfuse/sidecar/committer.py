@@ -144,6 +144,21 @@ class Committer:
                             "depth": self.depth()})
             self.unreachable = None
 
+    def no_answer(self, seconds: float) -> None:
+        """The control plane has answered nothing for ``seconds`` while a request waits (a
+        paused process, a black-holed network: ``ApiClient.no_answer_for``): treat it as a
+        known outage (``failing``, error ``no_answer``) so a waiting ``close`` returns once
+        its write is accepted instead of waiting out ``--commit-wait``. A failure already
+        noted is left as it is. Cleared by ``heard_again`` or any answered commit."""
+        if self.unreachable is None:
+            self._attempt_failed(TransientError(f"no answer for {seconds:.1f} s", code="no_answer"))
+
+    def heard_again(self) -> None:
+        """The control plane answered something after ``no_answer``: the outage it noted is
+        over (a failure of another kind stays until a commit is answered)."""
+        if self.unreachable is not None and self.unreachable["error"] == "no_answer":
+            self._attempt_answered()
+
     # --- views of the parts (the filesystem and the sidecar set the callbacks) ---------------
     @property
     def keymap(self) -> dict[str, tuple[str | None, str | None]]:
@@ -577,8 +592,12 @@ class Committer:
             self.resolver.set_merged(e.node_key, None)
 
     async def _move(self, e: Entry, c: ApiClient, a: dict[str, Any]) -> None:
-        """Move one record to ``args["to"]`` (``replace`` an existing target); a target
-        created elsewhere meanwhile is replaced (last writer wins)."""
+        """Move one record to ``args["to"]``. The sidecar sends no ``replace`` for a target
+        it knows (a rename over a record it has seen is a ``put`` of that record, merged like
+        any write: ``NamespaceOps._rename_file_remote``); a target created elsewhere that
+        this sidecar never saw is replaced (last writer wins), reported as a conflict (a
+        line in ``errors.log``, ``memfuse_conflicts``): its content stays a version in the
+        target's history. Entries journaled by earlier releases may still carry ``replace``."""
         rid, sha = self.ids.get(e.node_key, e.store)
         e.record_id = rid
         if rid is None:
@@ -587,7 +606,11 @@ class Committer:
         try:
             res = await c.move_record(e.store, rid, a["to"], replace=replace,
                                       idempotency_key=e.key)
-        except Conflict:
+        except Conflict as err:
+            if err.code in ("parent_is_file", "path_is_directory"):
+                raise  # a file and a directory of one name: refused for good
+            self.resolver.conflict(e, "the target path was created elsewhere; this rename replaced "
+                                      "it (last writer wins; its content is kept in the record's history)")
             log.warning("conflict: move target created elsewhere; replacing it",
                         extra={"store": e.store, "path": a["to"]})
             res = await c.move_record(e.store, rid, a["to"], replace=True,

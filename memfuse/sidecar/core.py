@@ -39,7 +39,7 @@ import trio
 from .. import content as content_rules  # the server enforces the same rules
 from .. import names
 from ..errors import errno_of
-from ..wire import RECORD_TYPES, datetime_ns, sha256_hex
+from ..wire import MODE_MASK, RECORD_TYPES, datetime_ns, sha256_hex
 
 from .blobcache import BlobCache
 from .cachedir import CacheError, cache_error, write_private
@@ -448,7 +448,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles, LocalFile
             self.refuse(d, s, errno_of("store_full"),
                         f"store {sm.slug} holds {sm.max_records} local-only files, its limit",
                         "store_full")
-        n = self._new_node(s, d, False, sm, stat.S_IMODE(mode), time.time_ns(), uid, gid)
+        n = self._new_node(s, d, False, sm, stat.S_IMODE(mode) & MODE_MASK, time.time_ns(), uid, gid)
         n.local_only = local
         n.key = "n:" + uuid.uuid4().hex
         self.by_key[n.key] = n
@@ -747,6 +747,10 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, RejectedFiles, LocalFile
                 and any(v is not None for v in (mode, uid, gid, atime_ns, mtime_ns))):
             raise FsError(errno.EROFS)
         changed: dict[str, int] = {}
+        if mode is not None and stat.S_IMODE(mode) & ~MODE_MASK and not n.is_dir:
+            # setuid / setgid / sticky: no record keeps them (the control plane refuses them)
+            raise FsError(errno.EPERM, "setuid, setgid and sticky bits are not kept on memory files",
+                          "validation_error")
         if mode is not None:
             new = stat.S_IFMT(n.mode) | stat.S_IMODE(mode)
             if new != n.mode:

@@ -234,8 +234,12 @@ class Sidecar(StoreSync):
         self.config = config
         self.client = client
         self.metrics = Metrics()
-        secure_cache_dir(config.cache_dir)  # owner-only: it holds memory content
-        self.journal = Journal(config.cache_dir / "outbox.db", metrics=self.metrics)
+        try:
+            secure_cache_dir(config.cache_dir)  # owner-only: it holds memory content
+            self.journal = Journal(config.cache_dir / "outbox.db", metrics=self.metrics)
+        except OSError as e:  # e.g. a symlink planted in the cache directory (refused)
+            raise StartError(f"cache directory {config.cache_dir} unusable: "
+                             f"{e.strerror or e}") from None
         self.leftovers, keymap = self.journal.load()
         self.committer = Committer(client, self.journal, keymap, metrics=self.metrics)
         settings = Settings(commit_wait=config.commit_wait, fsync_timeout=config.fsync_timeout)
@@ -246,7 +250,12 @@ class Sidecar(StoreSync):
         legacy = config.cache_dir / "blobs"  # one-file-per-blob layout of earlier versions
         if legacy.is_dir():
             shutil.rmtree(legacy, ignore_errors=True)
-        self.fs = Filesystem(BlobCache(config.cache_dir / "blobs.db"), self.committer, settings,
+        try:
+            blobs = BlobCache(config.cache_dir / "blobs.db")
+        except OSError as e:
+            raise StartError(f"cache directory {config.cache_dir} unusable: "
+                             f"{e.strerror or e}") from None
+        self.fs = Filesystem(blobs, self.committer, settings,
                              config.workspace, dirs_file=config.cache_dir / "dirs.json",
                              rejected=self.journal.load_rejected(),
                              local=self.journal.load_local())
@@ -329,6 +338,8 @@ class Sidecar(StoreSync):
             records=lambda: sum(len(s.records) for s in self.states.values()),
             cache_bytes=lambda: sum(r.size for s in self.states.values() for r in s.records.values()),
             stores=lambda: len(self.fs.stores), ready=lambda: 1.0 if self.ready else 0.0)
+        self.metrics.control_plane_up.set_function(
+            lambda: 0.0 if self.committer.unreachable is not None else 1.0)
 
     @property
     def ready(self) -> bool:
@@ -375,6 +386,7 @@ class Sidecar(StoreSync):
         st["context"] = {"fetched_age_s": round(time.time() - ctl.context_at, 3)
                          if ctl.context_at else None, "error": ctl.context_error}
         st["ready"] = self.ready
+        st["control_plane"]["no_answer_s"] = round(self.client.no_answer_for(), 1)
         tf = self.client.token_file
         st["auth"] = {"ok": self.client.auth_failure is None, "error": self.client.auth_failure,
                       "failures": self.client.auth_failures,
@@ -411,6 +423,34 @@ class Sidecar(StoreSync):
                                                    context=context), name=name)
 
     GC_EVERY = 60.0  # s between collections of unreferenced blobs
+    #: s without any answer from the control plane while a request waits, after which it
+    #: counts as down (closes return once accepted); at most half of ``--commit-wait``
+    NO_ANSWER_AFTER = 3.0
+    LIVENESS_EVERY = 0.25  # s between looks at the waiting requests
+
+    async def _liveness(self) -> None:
+        """Notice a control plane that has stopped answering (paused, black-holed network)
+        within ``NO_ANSWER_AFTER`` s, long before a request's read timeout (30 s): the
+        outbox then counts it as down (``Committer.no_answer``: status ``reachable: false``,
+        error ``no_answer``, ``memfuse_control_plane_up`` 0) and a waiting ``close``
+        returns once its write is accepted, as in a known outage. Any answer afterwards
+        (a response, a feed heartbeat) ends it (``Committer.heard_again``). No request of
+        its own: the requests already waiting are the probe, so an idle sidecar costs the
+        control plane nothing."""
+        after = min(self.NO_ANSWER_AFTER, max(0.5, self.config.commit_wait / 2))
+        noted_at: float | None = None  # time.monotonic() when this task noted an outage
+        while True:
+            await trio.sleep(self.LIVENESS_EVERY)
+            silent = self.client.no_answer_for()
+            if silent >= after and noted_at is None:
+                noted_at = time.monotonic()
+                self.metrics.no_answer.inc()
+                log.warning("the control plane answers nothing; counted as unreachable",
+                            extra={"silent_s": round(silent, 1)})
+                self.committer.no_answer(silent)
+            elif noted_at is not None and self.client.last_answer > noted_at:
+                noted_at = None
+                self.committer.heard_again()
 
     async def _wait_token(self, timeout: float) -> None:
         """Sleep up to ``timeout`` s, less if a new token is taken up meanwhile."""
@@ -460,6 +500,7 @@ class Sidecar(StoreSync):
                 nursery.start_soon(self._signals, sigs)
                 self._spawn("journal", self.journal.run)
                 await nursery.start(self.committer.run)
+                self._spawn("liveness", self._liveness)
                 if self.client.token_file is not None:
                     self._spawn("token-watch", self._token_watch)
                 # the admin API first, so /healthz and /readyz answer while loading
