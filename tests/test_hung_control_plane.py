@@ -51,7 +51,7 @@ def test_a_paused_control_plane_is_noticed_within_seconds(tmp_path):
             metrics = httpx.get(f"{admin}/metrics", timeout=5).text
             assert "memfuse_control_plane_up 0.0" in metrics
             assert "memfuse_control_plane_no_answer_total 1.0" in metrics
-            assert st["outbox"]["depth"] >= 2
+            assert _status(mnt)["outbox"]["depth"] >= 2
         finally:
             os.kill(cp.proc.pid, signal.SIGCONT)
         wait_until(lambda: _status(mnt)["control_plane"]["reachable"] is True, timeout=60,

@@ -24,9 +24,10 @@ pytestmark = pytest.mark.mount
 
 from mountutil import ControlPlane, Sidecar, live_records, read, sh, wait_until
 from test_faults import conflict_lines, local, make_sidecar, remote, start, write
+from test_faults import wait_until as wait_until_async
 
 from memfuse.client import ApiClient
-from memfuse.fake import RACE_MARKER, FakeControlPlane
+from memfuse.fake import FakeControlPlane
 
 
 @pytest.fixture(scope="module")
@@ -138,19 +139,19 @@ def test_an_append_survives_a_rival_rename_over(pair):
 def test_a_memory_tool_write_racing_a_rename_over_is_merged(pair):
     cp, a, b = pair
     name = f"tool-{uuid.uuid4().hex[:6]}.md"
-    _seed(cp, a, b, name, "first\nsecond\n")
+    _seed(cp, a, b, name, "first\nmiddle\nsecond\n")  # adjacent lines would overlap (diff3)
     os.kill(cp.proc.pid, signal.SIGSTOP)
     try:
         sh(f"sed -i s/first/FIRST/ {name}", a.mountpoint / "s", timeout=30)
     finally:
         os.kill(cp.proc.pid, signal.SIGCONT)
-    # the memory tool edits line 2 while A's queued put (based on "first\nsecond") drains:
+    # the memory tool edits line 3 while A's queued put (based on the seed) drains:
     # whichever lands first, the other is merged onto it
     r = cp.call("memory_tool", "wb", {"command": "str_replace", "path": f"/memories/s/{name}",
                                       "old_str": "second", "new_str": "SECOND"},
                 token=(cp.tmp / "wb.token").read_text())
     assert not r.is_error, r.content
-    _settled(cp, a, b, name, "FIRST\nSECOND\n")
+    _settled(cp, a, b, name, "FIRST\nmiddle\nSECOND\n")
 
 
 # ------------------------------------------------------------------ the fake's fault injection
@@ -160,43 +161,44 @@ def _rename(sc, src: str, dst: str) -> None:
 
 
 async def test_a_rename_over_meeting_a_rival_version_is_merged_not_replaced(tmp_path):
-    """sed -i through the core: create a temporary, write, close, rename it over the file.
-    The put of the target meets a rival version (the fake's ``precondition_race``: a new
-    version ending with ``RACE_MARKER``): the edit is merged onto it, the temporary leaves no
-    record, the target keeps its id."""
+    """sed -i through the core: create a temporary, write, close, rename it over the file,
+    while a rival version lands first (the fake's ``latency`` delays the sidecar's requests
+    only): a disjoint rival edit is merged (no conflict line), an overlapping one is last
+    writer wins with a conflict line and the rival kept in history; the temporary leaves no
+    live record and the target keeps its id."""
     fake = FakeControlPlane(seed=21)
     token = await fake.setup("ws")
     sc = await make_sidecar(tmp_path, fake, token)
-    async with trio.open_nursery() as nursery:
+    async with trio.open_nursery() as nursery, \
+            ApiClient(fake.base_url, fake.admin_token, transport=fake._inner) as adm:
         await start(sc, nursery)
         n = await write(sc, "m.md", b"a\nb\nc\n")
         rid = n.record_id
-        await write(sc, "sedAbC123", b"A\nb\nc\n")
-        fake.faults.precondition_race = 1
-        _rename(sc, "sedAbC123", "m.md")
-        await wait_until_idle(sc)
-        want = b"A\nb\nc\n" + RACE_MARKER.encode()
-        got = await remote(fake)
-        assert got == {"m.md": want}, got
-        assert fake.counters.races == 1
-        assert conflict_lines(sc) == [] and sc.committer.merges == 1
-        assert local(sc) == {"m.md": want}
-        async with ApiClient(fake.base_url, fake.admin_token, transport=fake._inner) as adm:
-            assert (await adm.find_record("default", "m.md")).id == rid
 
-        # an overlapping rival edit: last writer wins, a conflict line, the rival kept in history
-        async with ApiClient(fake.base_url, fake.admin_token, transport=fake._inner) as adm:
-            await write(sc, "sedXyZ999", b"A\nB-local\nc\n" + RACE_MARKER.encode())
-            fake.faults.latency = 0.5  # the sidecar's requests only: the rival lands first
-            _rename(sc, "sedXyZ999", "m.md")
-            await adm.update_record("default", rid, "A\nB-remote\nc\n" + RACE_MARKER)
-            await wait_until_idle(sc)
-            fake.faults.latency = 0.0
-            assert (await remote(fake))["m.md"] == b"A\nB-local\nc\n" + RACE_MARKER.encode()
-            assert len(conflict_lines(sc)) == 1
-            versions = await adm.versions("default", rid)
-            kept = [(await adm.version("default", rid, v.version)).content for v in versions]
-            assert "A\nB-remote\nc\n" + RACE_MARKER in kept
+        await write(sc, "sedAbC123", b"A\nb\nc\n")
+        fake.faults.latency = 0.5
+        _rename(sc, "sedAbC123", "m.md")
+        await adm.update_record("default", rid, "a\nb\nc\nd\n")  # the rival, disjoint
+        await wait_until_idle(sc)
+        fake.faults.latency = 0.0
+        want = b"A\nb\nc\nd\n"
+        assert await remote(fake) == {"m.md": want}
+        assert conflict_lines(sc) == [] and sc.committer.merges == 1
+        await wait_until_async(lambda: local(sc) == {"m.md": want})
+        assert (await adm.find_record("default", "m.md")).id == rid
+
+        await write(sc, "sedXyZ999", b"A\nB-local\nc\nd\n")
+        fake.faults.latency = 0.5
+        _rename(sc, "sedXyZ999", "m.md")
+        await adm.update_record("default", rid, "A\nB-remote\nc\nd\n")  # the rival, same line
+        await wait_until_idle(sc)
+        fake.faults.latency = 0.0
+        assert await remote(fake) == {"m.md": b"A\nB-local\nc\nd\n"}
+        assert len(conflict_lines(sc)) == 1 and sc.committer.conflicts == 1
+        kept = [(await adm.version("default", rid, v.version)).content
+                for v in await adm.versions("default", rid)]
+        assert "A\nB-remote\nc\nd\n" in kept
+        assert (await adm.find_record("default", "m.md")).id == rid
         nursery.cancel_scope.cancel()
     sc.journal.close()
     await sc.client.aclose()
