@@ -1138,15 +1138,23 @@ class ApiClient:
         max_store_bytes: int | None = None,
         max_records: int | None = None,
         idempotency_key: str | None = None,
+        *,
+        max_history_bytes: int | None = None,
+        max_history_versions: int | None = None,
+        history_min_age_s: int | None = None,
     ) -> Store:
         """``POST /v1/stores`` (admin). Limits left ``None`` take the server defaults (1 MiB,
-        64 MiB, 10,000). Raises Conflict (``exists``); ``ValueError``
+        64 MiB, 10,000; the history budget: 16 x max_store_bytes, 16 x max_records, 24 h).
+        Raises Conflict (``exists``); ``ValueError``
         (``msgspec.ValidationError``, before any request) for a bad slug, type or limit."""
         fields: dict[str, Any] = {"slug": slug, "description": description, "default_type": default_type}
         for k, v in (
             ("max_record_bytes", max_record_bytes),
             ("max_store_bytes", max_store_bytes),
             ("max_records", max_records),
+            ("max_history_bytes", max_history_bytes),
+            ("max_history_versions", max_history_versions),
+            ("history_min_age_s", history_min_age_s),
         ):
             if v is not None:
                 fields[k] = v
@@ -1172,8 +1180,13 @@ class ApiClient:
         max_store_bytes: int | None = None,
         max_records: int | None = None,
         idempotency_key: str | None = None,
+        max_history_bytes: int | None = None,
+        max_history_versions: int | None = None,
+        history_min_age_s: int | None = None,
     ) -> Store:
-        """``PATCH /v1/stores/{slug}`` (admin): change only the fields given (not ``None``).
+        """``PATCH /v1/stores/{slug}`` (admin): change only the fields given (not ``None``):
+        the limits, and the history budget (``max_history_bytes``, ``max_history_versions``,
+        ``history_min_age_s``: docs/SEMANTICS.md "History budget").
         Raises ``ValueError`` (``msgspec.ValidationError``, before any request) for a bad type
         or limit."""
         update = build(
@@ -1183,6 +1196,9 @@ class ApiClient:
             max_record_bytes=max_record_bytes,
             max_store_bytes=max_store_bytes,
             max_records=max_records,
+            max_history_bytes=max_history_bytes,
+            max_history_versions=max_history_versions,
+            history_min_age_s=history_min_age_s,
         )
         return await self._call(
             Store,

@@ -76,6 +76,9 @@ class StoreCreate(BaseModel):
     max_record_bytes: int = Field(default=1 << 20, gt=0)
     max_store_bytes: int = Field(default=64 << 20, gt=0)
     max_records: int = Field(default=10_000, gt=0)
+    max_history_bytes: int | None = Field(default=None, gt=0)
+    max_history_versions: int | None = Field(default=None, gt=0)
+    history_min_age_s: int | None = Field(default=None, ge=0)
 
 
 class StoreUpdate(BaseModel):
@@ -84,6 +87,9 @@ class StoreUpdate(BaseModel):
     max_record_bytes: int | None = Field(default=None, gt=0)
     max_store_bytes: int | None = Field(default=None, gt=0)
     max_records: int | None = Field(default=None, gt=0)
+    max_history_bytes: int | None = Field(default=None, gt=0)
+    max_history_versions: int | None = Field(default=None, gt=0)
+    history_min_age_s: int | None = Field(default=None, ge=0)
 
 
 class Store(BaseModel):
@@ -96,6 +102,13 @@ class Store(BaseModel):
     created_at: datetime
     usage_bytes: int = 0
     record_count: int = 0
+    # the history budget in force (the store's own, else the default) and its use: content
+    # bytes and count of the past versions kept (docs/SEMANTICS.md "History budget")
+    max_history_bytes: int = 0
+    max_history_versions: int = 0
+    history_min_age_s: int = 0
+    history_bytes: int = 0
+    history_versions: int = 0
 
 
 class AttachmentPut(BaseModel):
@@ -239,6 +252,7 @@ class Version(BaseModel):
     created_at: datetime
     actor: str
     redacted: bool = False
+    pruned: bool = False  # content removed by the store's history budget (metadata kept)
     seq: int
     content: str | None = None
     mode: int = DEFAULT_MODE  # the record's attributes as of this version

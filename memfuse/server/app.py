@@ -269,6 +269,8 @@ def create_app(
                                      enabled=streams)
     stream_class = streamclass.StreamClass(svc, per_replica=max_long_polls, per_token=max_long_polls_per_token)
     metrics.add_collector(limits.notifier_collector(svc.notifier, svc.bus, open_streams))
+    from memfuse.server import history
+    metrics.add_collector(history.collector())
     app = _App(
         title="memfuse control plane",
         version="1",

@@ -51,7 +51,7 @@ from memfuse.server.base import (
     holds,
     parse_if_match,
 )
-from memfuse.server import wakeups
+from memfuse.server import history, wakeups
 from memfuse.server.db import UTCDateTime, utcnow
 
 log = logging.getLogger("memfuse.server.service")  # every room of the Service logs under one name
@@ -334,6 +334,7 @@ def _version_model(v: Row, *, with_content: bool) -> Version:
         created_at=v.created_at,
         actor=v.actor,
         redacted=v.redacted,
+        pruned=bool(getattr(v, "pruned", False)),
         seq=v.seq,
         content=v.content if with_content and not v.redacted else None,
         mode=_mode(v.mode),
@@ -464,6 +465,8 @@ class RecordsMixin(ServiceBase):
                 "mtime_ns": rec.mtime_ns,
             },
         ).inserted_primary_key[0]
+        if rec.content is not None:
+            history.note_kept(conn, rec.store, rec.size, 1)
         rec.seq = seq
         wakeups.note_feed(rec.store, seq, actor)
         if new:
@@ -725,6 +728,7 @@ class RecordsMixin(ServiceBase):
             self._room(st, len(raw), 1, grew_bytes=True, grew_count=True)  # refused before any write
             if deferred:
                 st.defer_create(rec, p.actor, now)  # written with the batch's other creates
+                history.note_kept(conn, st.slug, rec.size, 1)
                 conn.info["memfuse_writes"] = conn.info.get("memfuse_writes", 0) + 1  # as if written
             else:
                 self._add_version(conn, rec, Operation.created, p.actor, now, new=True)
@@ -995,6 +999,9 @@ class RecordsMixin(ServiceBase):
             _check_writable(st)
             rec = self._record(conn, st, record_id)
             v = self._version(conn, record_id, body.version)
+            if getattr(v, "pruned", False):
+                raise ServiceError(409, "pruned", f"version {body.version}'s content was pruned by the "
+                                   "store's history budget (its metadata is kept); restore a later version")
             if v.redacted or v.content is None:
                 raise ServiceError(409, "redacted", f"version {body.version} was redacted")
             if not rec.deleted and (rec.path, rec.sha256, rec.type, *_attrs(rec)) == (
@@ -1039,6 +1046,8 @@ class RecordsMixin(ServiceBase):
                     409, "current_version", "the current version of a live record cannot be redacted; write over it first"
                 )
             if not v.redacted:
+                if v.content is not None:  # no longer kept (the history budget's count)
+                    history.note_kept(conn, st.slug, -v.size, -1)
                 conn.execute(update(_V).where(_V.c.seq == v.seq).values(
                     redacted=True, content=None, redacted_at=utcnow(), redacted_by=p.actor))
                 if rec.deleted and rec.version == n:

@@ -1,0 +1,127 @@
+"""The history budget of a store (docs/SEMANTICS.md "History budget"): the content of past
+versions beyond the store's budget (bytes, versions; never younger than the minimum age) is
+pruned, oldest first, keeping the metadata; pruned versions show as such in history (API,
+CLI, memory tool, console); restoring or showing one answers a clear problem; the usage is in
+the store's answer and the budget is settable per store. On the control plane the tests run
+on (SQLite, or PostgreSQL with ``MEMFUSE_TEST_DB_URL``)."""
+from __future__ import annotations
+
+import pytest
+
+from memfuse.client import ApiClient
+from memfuse.errors import Conflict
+from memfuse.fake import FakeControlPlane
+from memfuse.server import history
+
+STORE = "s"
+
+
+@pytest.fixture
+async def fake():
+    f = FakeControlPlane()
+    try:
+        yield f
+    finally:
+        await f.aclose()
+
+
+@pytest.fixture
+async def admin(fake):
+    await fake.setup("ws", stores=(STORE,))
+    async with ApiClient(fake.base_url, fake.admin_token, transport=fake.transport, instance="pytest") as c:
+        yield c
+
+
+@pytest.fixture
+async def api(fake, admin):
+    async with ApiClient(fake.base_url, fake.token_for("ws"), transport=fake.transport,
+                         instance="pytest") as c:
+        yield c
+
+
+async def test_defaults_are_in_force_and_usage_is_reported(admin, api):
+    st = await admin.get_store(STORE)
+    assert st.max_history_bytes == 16 * st.max_store_bytes
+    assert st.max_history_versions == 16 * st.max_records
+    assert st.history_min_age_s == 86_400
+    assert (st.history_bytes, st.history_versions) == (0, 0)
+    rec = await api.create_record(STORE, "a.md", "x" * 100)
+    for i in range(5):
+        await api.update_record(STORE, rec.id, f"{i}" * 100)
+    st = await admin.get_store(STORE)
+    assert (st.history_bytes, st.history_versions) == (500, 5)  # the 5 past versions
+    assert (st.usage_bytes, st.record_count) == (100, 1)
+    await api.delete_record(STORE, rec.id)
+    st = await admin.get_store(STORE)
+    # a deleted record's versions are all history (its last one, restorable, included)
+    assert (st.history_bytes, st.history_versions) == (700, 7) and st.usage_bytes == 0
+
+
+async def test_rewrites_past_the_budget_prune_the_oldest_content_and_keep_metadata(admin, api, fake):
+    """300 rewrites of a 1 KiB record in a 4 KiB store: history stays within the budget."""
+    await admin.update_store(STORE, max_store_bytes=4096, max_history_bytes=8192,
+                             history_min_age_s=0)
+    st = await admin.get_store(STORE)
+    assert (st.max_history_bytes, st.history_min_age_s) == (8192, 0)
+    rec = await api.create_record(STORE, "r.md", "v0\n" + "x" * 1021)
+    other = await api.create_record(STORE, "other.md", "keep me\n")
+    for i in range(1, 300):
+        await api.update_record(STORE, rec.id, f"v{i}\n" + "x" * (1021 - len(str(i)) + 1))
+    st = await admin.get_store(STORE)
+    assert st.history_bytes <= 8192 and st.history_versions == 8, st
+    versions = await api.versions(STORE, rec.id)
+    assert len(versions) == 300  # every version's metadata is kept
+    pruned = [v.version for v in versions if v.pruned]
+    kept = [v.version for v in versions if not v.pruned]
+    assert pruned == list(range(1, 292)) and kept == list(range(292, 301))  # oldest first
+    # the current content and other records are never pruned
+    assert (await api.get_record(STORE, rec.id)).content.startswith("v299\n")
+    assert (await api.get_record(STORE, other.id)).content == "keep me\n"
+    v1 = await api.version(STORE, rec.id, 1)
+    assert v1.pruned and v1.content is None and v1.size == 1024 and v1.sha256
+    with pytest.raises(Conflict) as info:
+        await api.restore(STORE, rec.id, 1)
+    assert info.value.code == "pruned" and "history budget" in info.value.detail
+    await api.restore(STORE, rec.id, 295)  # a kept version restores
+    # the counters agree with the rows
+    async with fake.client(fake.admin_token) as http:
+        metrics = (await http.get("/metrics")).text
+    assert "memfuse_server_history_pruned_versions_total" in metrics
+
+
+async def test_the_minimum_age_protects_recent_versions(admin, api):
+    await admin.update_store(STORE, max_history_bytes=10, max_history_versions=1,
+                             history_min_age_s=3600)
+    rec = await api.create_record(STORE, "young.md", "a\n")
+    for i in range(10):
+        await api.update_record(STORE, rec.id, f"b{i}\n")
+    versions = await api.versions(STORE, rec.id)
+    assert not any(v.pruned for v in versions)
+    st = await admin.get_store(STORE)
+    assert st.history_versions == 10 and st.history_bytes > st.max_history_bytes  # over, but young
+
+
+async def test_version_budget_and_batches_and_redaction_count(admin, api):
+    await admin.update_store(STORE, max_history_versions=3, history_min_age_s=0)
+    ops = [ApiClient.batch_create(f"b{i}.md", f"{i}\n") for i in range(5)]
+    out = await api.batch(STORE, ops)
+    ids = [r.id for r in out]
+    for k in range(2):
+        out = await api.batch(STORE, [ApiClient.batch_update(i, f"again {k} {i}\n") for i in ids])
+    st = await admin.get_store(STORE)
+    assert st.history_versions == 3, st
+    all_versions = {i: await api.versions(STORE, i) for i in ids}
+    assert sum(v.pruned for vs in all_versions.values() for v in vs) == 7
+    # a redaction takes its content out of the count
+    kept = [(i, v.version) for i, vs in all_versions.items() for v in vs
+            if not v.pruned and v.version != 3]
+    rid, n = kept[0]
+    await admin.redact(STORE, rid, n)
+    assert (await admin.get_store(STORE)).history_versions == 2
+
+
+def test_budget_defaults_follow_the_store_limits():
+    class Row:
+        max_history_bytes = max_history_versions = history_min_age_s = None
+        max_store_bytes, max_records = 1000, 10
+    assert history.budget(Row) == (16_000, 160, 86_400)
