@@ -125,3 +125,48 @@ def test_budget_defaults_follow_the_store_limits():
         max_history_bytes = max_history_versions = history_min_age_s = None
         max_store_bytes, max_records = 1000, 10
     assert history.budget(Row) == (16_000, 160, 86_400)
+
+
+async def test_console_shows_pruned_versions_and_sets_the_budget():
+    """The console: the store page shows the history usage and takes the budget in its
+    settings form; a record's history marks pruned versions and offers no restore for them."""
+    import httpx
+
+    from memfuse.models import RecordCreate, RecordUpdate, WorkspaceCreate
+    from memfuse.server.app import create_app
+    from memfuse.server.console.session import csrf_token
+    from memfuse.server.service import Principal
+    from pgutil import fresh_db_url
+
+    admin_token, p = "history-admin-token", Principal(None)
+    with fresh_db_url() as url:
+        app = create_app(url, static_tokens={admin_token: None})
+        svc = app.state.service
+        try:
+            svc.create_workspace(p, WorkspaceCreate(name="ws"))
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+                await c.get("/ui/login")
+                r = await c.post("/ui/login", data={"token": admin_token, "csrf": c.cookies["memfuse_login"]})
+                assert r.status_code == 303
+                page = (await c.get("/ui/stores/ws")).text
+                assert 'name="max_history_bytes" value="1073741824"' in page  # 16 x 64 MiB
+                form = {"description": "", "default_type": "project", "max_record_bytes": "1M",
+                        "max_store_bytes": "64M", "max_records": "10000", "max_history_bytes": "1K",
+                        "max_history_versions": "2", "history_min_age_s": "0", "csrf": csrf_token(admin_token)}
+                r = await c.post("/ui/stores/ws/settings", data=form)
+                assert r.status_code == 303 and r.headers["location"].endswith("msg=settings_saved")
+                st = svc.get_store(p, "ws")
+                assert (st.max_history_bytes, st.max_history_versions, st.history_min_age_s) == (1024, 2, 0)
+                import json
+                rid = json.loads(svc.create_record(p, "ws", RecordCreate(path="a.md", content="v0\n")).body)["id"]
+                for i in range(1, 5):
+                    svc.update_record(p, "ws", rid, RecordUpdate(content=f"v{i}\n"))
+                page = (await c.get(f"/ui/stores/ws/records/{rid}")).text
+                assert page.count(">pruned</span>") == 2
+                assert page.count('name="version" value=') == 2  # restore offered for the kept two only
+                page = (await c.get(f"/ui/stores/ws/records/{rid}?version=1")).text
+                assert "pruned by the store&#39;s history budget" in page or "pruned by the store's history budget" in page
+                page = (await c.get("/ui/stores/ws")).text
+                assert "history 6 B of 1.0 KiB (2 of 2 past versions)" in page or "(2 of 2 past versions)" in page
+        finally:
+            svc.db.engine.dispose()
