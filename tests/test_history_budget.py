@@ -170,3 +170,61 @@ async def test_console_shows_pruned_versions_and_sets_the_budget():
                 assert "history 6 B of 1.0 KiB (2 of 2 past versions)" in page or "(2 of 2 past versions)" in page
         finally:
             svc.db.engine.dispose()
+
+
+# ------------------------------------------------------------------ per-token write rate
+async def test_a_token_writing_too_fast_gets_429_with_retry_after(fake, admin, api):
+    """Writes of one token draw on its buckets (requests, body bytes); an empty bucket is
+    429 ``rate_limited`` with ``Retry-After``, decided before the body is read; reads and
+    other tokens are not affected."""
+    import httpx
+
+    from memfuse.server.limits import WriteRate
+
+    fake.app.front.write_rate = WriteRate(rate=2, burst=3, bytes_rate=1000, bytes_burst=4000)
+    async with fake.client(fake.token_for("ws")) as http:
+        for i in range(3):
+            r = await http.post(f"/v1/stores/{STORE}/records", json={"path": f"r{i}.md", "content": "x\n"})
+            assert r.status_code == 201, r.text
+        r = await http.post(f"/v1/stores/{STORE}/records", json={"path": "r3.md", "content": "x\n"})
+        assert r.status_code == 429 and r.json()["code"] == "rate_limited"
+        assert r.headers["retry-after"] == "1"
+        assert (await http.get(f"/v1/stores/{STORE}/records")).status_code == 200  # reads: not limited
+    # another token has its own buckets
+    r2 = await admin.create_record(STORE, "admin.md", "y\n")
+    assert r2.path == "admin.md"
+    # a body larger than the bytes left waits for the bytes bucket (bytes_rate 1000/s)
+    fake.app.front.write_rate = WriteRate(rate=100, burst=100, bytes_rate=1000, bytes_burst=4000)
+    async with fake.client(fake.token_for("ws")) as http:
+        r = await http.post(f"/v1/stores/{STORE}/records", json={"path": "big.md", "content": "z" * 3000})
+        assert r.status_code == 201
+        r = await http.post(f"/v1/stores/{STORE}/records", json={"path": "big2.md", "content": "z" * 3000})
+        assert r.status_code == 429 and int(r.headers["retry-after"]) >= 2
+    assert isinstance(r, httpx.Response)
+
+
+async def test_the_sidecar_waits_out_retry_after(tmp_path, fake):
+    """The outbox meets 429 ``rate_limited``: it waits at least ``Retry-After`` before its
+    next attempt, and every write commits in the end."""
+    import trio
+
+    from memfuse.server.limits import WriteRate
+    from test_faults import make_sidecar, remote, start, write
+
+    token = await fake.setup("ws")
+    sc = await make_sidecar(tmp_path, fake, token)
+    async with trio.open_nursery() as nursery:
+        await start(sc, nursery)
+        fake.app.front.write_rate = WriteRate(rate=0.5, burst=2, bytes_rate=1 << 20, bytes_burst=1 << 20)
+        t0 = trio.current_time()
+        for i in range(4):
+            await write(sc, f"f{i}.md", f"{i}\n".encode())
+        with trio.fail_after(30):
+            while sc.committer.depth():
+                await trio.sleep(0.02)
+        took = trio.current_time() - t0
+        assert await remote(fake) == {f"f{i}.md": f"{i}\n".encode() for i in range(4)}
+        assert sc.committer.retries >= 1 and took >= 1.5, (sc.committer.retries, took)
+        nursery.cancel_scope.cancel()
+    sc.journal.close()
+    await sc.client.aclose()
