@@ -234,7 +234,8 @@ class Committer:
         """Accept one change: queue it for the journal and for its store's worker."""
         self._seq += 1
         e = Entry(id=self._seq, store=store, op=op, node_key=node_key, args=args, content=content)
-        self.journal.add(e)
+        # the witness notes the record id and base the entry is written on (Journal.recover)
+        self.journal.add(e, self.ids.get(node_key, store) if node_key is not None else None)
         self._enqueue(e)
         return e
 

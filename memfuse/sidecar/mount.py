@@ -255,10 +255,16 @@ class Sidecar(StoreSync):
         except OSError as e:
             raise StartError(f"cache directory {config.cache_dir} unusable: "
                              f"{e.strerror or e}") from None
+        self.journal_recovered, self.journal_lost = self._recover_journal(blobs)
         self.fs = Filesystem(blobs, self.committer, settings,
                              config.workspace, dirs_file=config.cache_dir / "dirs.json",
                              rejected=self.journal.load_rejected(),
                              local=self.journal.load_local())
+        for x in self.journal_lost:  # named in errors.log (the log and status.json: above, below)
+            self.fs.note_error(None, (x.get("a") or {}).get("path", ""), errno.EIO,
+                               f"an accepted {x.get('o')} was lost with the outbox journal and its "
+                               "content is gone from the cache: write it again", "journal_lost",
+                               x.get("s", ""))
         self.ops = MemfuseOps(self.fs, self.metrics)
         self.fs.controls.status_provider = self.status
 
@@ -359,6 +365,35 @@ class Sidecar(StoreSync):
                            + (f"in {tf.path}" if tf is not None else "given"))
         return "; ".join(reasons) or None
 
+    def _recover_journal(self, blobs: BlobCache) -> tuple[int, list[dict]]:
+        """A journal missing, emptied, cut short or corrupt (moved aside by ``Journal``) is
+        never forgotten silently: every accepted write the witness names that the journal
+        lacks is queued again when its content is still in the blob cache (same id and
+        idempotency key), and each one that cannot be is named in the log (error), in
+        ``errors.log`` and in ``status.json`` (``cache.journal_lost``). Returns (how many were
+        recovered, the witness lines of the lost ones)."""
+        def content_of(sha: str) -> bytes | None:
+            try:
+                return blobs.read(sha) if blobs.has(sha) else None
+            except Exception:  # an unreadable cache: the content is as good as gone
+                return None
+
+        back, keys, gone = self.journal.recover(content_of)
+        for k, v in keys.items():
+            if k not in self.committer.keymap:
+                self.committer.keymap[k] = v
+                self.journal.set_key(k, *v)
+        if back:
+            self.leftovers = sorted([*self.leftovers, *back], key=lambda e: e.id)
+            log.warning("outbox journal short of accepted writes; recovered them from the "
+                        "witness and the blob cache", extra={"recovered": len(back),
+                                                            "journal": str(self.journal.path)})
+        for x in gone:
+            log.error("an accepted write was lost with the outbox journal; its content is gone",
+                      extra={"store": x.get("s"), "path": (x.get("a") or {}).get("path"),
+                             "op": x.get("o"), "key": x.get("k")})
+        return len(back), gone
+
     # ------------------------------------------------------------------ status
     def status(self) -> dict:
         """The status document (``.memfuse/status.json``, admin ``/v1/status``): the
@@ -380,13 +415,18 @@ class Sidecar(StoreSync):
         st["task_failures"] = dict(self.task_failures)
         st["cache"] = {"dir": str(self.config.cache_dir), "journal_queued": self.journal.depth(),
                        "journal_error": self.journal.error.reason if self.journal.error else None,
+                       "journal_moved_aside": str(self.journal.moved_aside) if self.journal.moved_aside else None,
+                       "journal_recovered": self.journal_recovered,
+                       "journal_lost": [{"store": x.get("s"), "path": (x.get("a") or {}).get("path"),
+                                         "op": x.get("o")} for x in self.journal_lost],
                        "state_save_failing": self.state_save_failing}
         st["offline_start"] = self.offline_start
         ctl = self.fs.controls
         st["context"] = {"fetched_age_s": round(time.time() - ctl.context_at, 3)
                          if ctl.context_at else None, "error": ctl.context_error}
         st["ready"] = self.ready
-        st["control_plane"]["no_answer_s"] = round(self.client.no_answer_for(), 1)
+        if not st["control_plane"]["reachable"]:
+            st["control_plane"]["no_answer_s"] = round(self.client.no_answer_for(), 1)
         tf = self.client.token_file
         st["auth"] = {"ok": self.client.auth_failure is None, "error": self.client.auth_failure,
                       "failures": self.client.auth_failures,
