@@ -208,3 +208,37 @@ async def wait_until_idle(sc, timeout: float = 20) -> None:
     with trio.fail_after(timeout):
         while sc.committer.depth():
             await trio.sleep(0.01)
+
+
+# ------------------------------------------------------------------ a backlog of one file
+async def test_a_backlog_of_one_file_coalesces_and_keeps_every_close(tmp_path):
+    """During an outage 200 appends to two files queue up; once the control plane is back
+    they commit as one put per file (the last content holds every append, in order), each
+    queued entry finishes with it, and a rival change made meanwhile is merged, not lost."""
+    fake = FakeControlPlane(seed=31)
+    token = await fake.setup("ws")
+    sc = await make_sidecar(tmp_path, fake, token)
+    async with trio.open_nursery() as nursery, \
+            ApiClient(fake.base_url, fake.admin_token, transport=fake._inner) as adm:
+        await start(sc, nursery)
+        a = await write(sc, "a.md", b"a0\n")
+        await write(sc, "b.md", b"b0\n")
+        fake.faults.outage = True
+        for i in range(1, 101):
+            await write(sc, "a.md", f"a{i}\n".encode(), append=True, wait=False)
+            await write(sc, "b.md", f"b{i}\n".encode(), append=True, wait=False)
+        assert sc.committer.depth() == 200
+        await adm.update_record("default", a.record_id, "RIVAL\na0\n")  # a rival edit, line 1
+        before = len(await adm.versions("default", a.record_id))
+        fake.faults.outage = False
+        sc.committer.poke()
+        await wait_until_idle(sc, timeout=60)
+        got = await remote(fake)
+        assert got["b.md"] == b"".join(f"b{i}\n".encode() for i in range(101))
+        assert got["a.md"] == b"RIVAL\n" + b"".join(f"a{i}\n".encode() for i in range(101))
+        assert sc.committer.coalesced >= 190 and conflict_lines(sc) == []
+        assert len(await adm.versions("default", a.record_id)) <= before + 2
+        await wait_until_async(lambda: local(sc) == got)
+        nursery.cancel_scope.cancel()
+    sc.journal.close()
+    await sc.client.aclose()

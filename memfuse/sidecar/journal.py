@@ -73,6 +73,9 @@ class Entry:
     merged: bytes | None = None
     record_id: str | None = None  # delete / move: the record the op acted on
     moved: list[Record] = field(default_factory=list)  # move_prefix: the records moved
+    #: earlier ``put``s of the same file this one supersedes (``Committer._coalesce``): they
+    #: finish with it, with its result
+    absorbed: list["Entry"] = field(default_factory=list)
     #: why the journal could not write this entry yet: ``(errno, reason)``, None once durable
     journal_error: tuple[int, str] | None = None
     #: set (and replaced) whenever the entry's state changes: a journal attempt or its end
