@@ -132,8 +132,8 @@ class Witness:
     """What the outbox journal should hold, kept apart from it: ``accepted.log``, one JSON
     line per entry accepted (id, idempotency key, store, op, node key, args, the sha256 of its
     content, the record id and base it was written on), per entry finished (``{"d": id}``)
-    and per key-map change, appended and fsynced by the journal's writer right after each
-    batch commits and before any of its entries counts as accepted. No content: the content
+    and per key-map change, appended by the journal's writer right after each batch commits
+    and before any of its entries counts as accepted (not fsynced: see ``append``). No content: the content
     of an accepted put is in the blob cache (``blobs.db``), put there before the entry was
     queued. Emptied when the journal holds no entry. ``unfinished(present)`` gives the
     accepted entries neither finished nor in the journal: what a lost, emptied, cut or
@@ -148,16 +148,18 @@ class Witness:
         return os.fstat(self._fd).st_size
 
     def append(self, lines: list[dict[str, Any]]) -> None:
-        """Append ``lines`` and fsync (worker thread). Raises ``OSError``."""
+        """Append ``lines`` (worker thread), one ``write(2)``, no fsync: the lines are in the
+        kernel's page cache, so they survive the process (a crash, ``kill -9``) at once; only
+        a crash of the machine may lose the last ones, and then the journal (fsynced) still
+        holds those entries: the witness is read only for what the journal lacks. So the
+        witness adds no disk flush to a ``close``. Raises ``OSError``."""
         data = "".join(json.dumps(x, separators=(",", ":")) + "\n" for x in lines).encode()
         view = memoryview(data)
         while view:
             view = view[os.write(self._fd, view):]
-        os.fsync(self._fd)
 
     def clear(self) -> None:
         os.ftruncate(self._fd, 0)
-        os.fsync(self._fd)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
