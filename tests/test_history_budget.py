@@ -179,27 +179,27 @@ async def test_a_token_writing_too_fast_gets_429_with_retry_after(fake, admin, a
     other tokens are not affected."""
     import httpx
 
-    from memfuse.server.limits import WriteRate
+    from memfuse.server.gate import WriteRate
 
-    fake.app.front.write_rate = WriteRate(rate=2, burst=3, bytes_rate=1000, bytes_burst=4000)
+    fake.app.front.write_rate = WriteRate(rate=0.5, burst=3, bytes_rate=1000, bytes_burst=4000)
     async with fake.client(fake.token_for("ws")) as http:
         for i in range(3):
             r = await http.post(f"/v1/stores/{STORE}/records", json={"path": f"r{i}.md", "content": "x\n"})
             assert r.status_code == 201, r.text
         r = await http.post(f"/v1/stores/{STORE}/records", json={"path": "r3.md", "content": "x\n"})
         assert r.status_code == 429 and r.json()["code"] == "rate_limited"
-        assert r.headers["retry-after"] == "1"
+        assert 1 <= int(r.headers["retry-after"]) <= 2
         assert (await http.get(f"/v1/stores/{STORE}/records")).status_code == 200  # reads: not limited
     # another token has its own buckets
     r2 = await admin.create_record(STORE, "admin.md", "y\n")
     assert r2.path == "admin.md"
     # a body larger than the bytes left waits for the bytes bucket (bytes_rate 1000/s)
-    fake.app.front.write_rate = WriteRate(rate=100, burst=100, bytes_rate=1000, bytes_burst=4000)
+    fake.app.front.write_rate = WriteRate(rate=100, burst=100, bytes_rate=100, bytes_burst=4000)
     async with fake.client(fake.token_for("ws")) as http:
         r = await http.post(f"/v1/stores/{STORE}/records", json={"path": "big.md", "content": "z" * 3000})
         assert r.status_code == 201
         r = await http.post(f"/v1/stores/{STORE}/records", json={"path": "big2.md", "content": "z" * 3000})
-        assert r.status_code == 429 and int(r.headers["retry-after"]) >= 2
+        assert r.status_code == 429 and int(r.headers["retry-after"]) >= 10
     assert isinstance(r, httpx.Response)
 
 
@@ -208,7 +208,7 @@ async def test_the_sidecar_waits_out_retry_after(tmp_path, fake):
     next attempt, and every write commits in the end."""
     import trio
 
-    from memfuse.server.limits import WriteRate
+    from memfuse.server.gate import WriteRate
     from test_faults import make_sidecar, remote, start, write
 
     token = await fake.setup("ws")
