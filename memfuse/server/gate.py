@@ -14,6 +14,13 @@ In order, for every HTTP request:
    lookup on a small thread pool of its own (``AUTH_THREADS``) and its refusal is remembered
    (``BAD_TOKEN_SECONDS``), so anonymous traffic cannot take the API's threads or repeat a
    query. 401 problem (``/mcp`` and the memory-store API: their own 401, ``auth_refusals``).
+2b. **Write rate per token** (``WriteRate``): a write (``POST`` / ``PUT`` / ``PATCH`` /
+   ``DELETE`` under ``/v1/``) draws on its token's two buckets, requests (``WRITE_RATE`` a
+   second, bursts of ``WRITE_BURST``) and body bytes (the declared ``Content-Length``:
+   ``WRITE_BYTES_RATE`` a second, bursts of ``WRITE_BYTES_BURST``); an empty bucket is 429
+   ``rate_limited`` with ``Retry-After`` (the seconds until the write fits), before the body
+   is read. The sidecar's outbox waits that long before its next attempt. So one token
+   cannot fill the database's disk at ``max_record_bytes`` a request.
 3. **Size**: a declared ``Content-Length`` above the endpoint's limit is 413 at once; a
    chunked body is counted as it is read and cut with 413 past the limit. Limits:
    ``max_body`` for record writes, batches, the memory tool and console forms,
