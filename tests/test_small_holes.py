@@ -203,3 +203,36 @@ def test_cache_files_never_follow_a_planted_symlink(tmp_path):
     assert "outbox.db is a symbolic link" in p.stderr, p.stderr[-2000:]
     assert target.read_text() == "not the sidecar's\n"
     assert stat.S_IMODE(os.stat(target).st_mode) == 0o644
+
+
+async def test_chmod_with_setuid_setgid_or_sticky_is_eperm_on_the_mount(tmp_path):
+    """The mount's core: chmod u+s / g+s / +t of a file is EPERM with a reason (no record
+    keeps those bits); plain permission bits change as before; a create asking for them gets
+    the permission bits only."""
+    import trio
+
+    from memfuse.sidecar.inodes import FsError
+    from test_faults import make_sidecar, start, write
+
+    f = FakeControlPlane(seed=5)
+    try:
+        token = await f.setup("ws")
+        sc = await make_sidecar(tmp_path, f, token)
+        async with trio.open_nursery() as nursery:
+            await start(sc, nursery)
+            n = await write(sc, "x.sh", b"echo hi\n")
+            for bad in (0o4755, 0o2755, 0o1755):
+                with pytest.raises(FsError) as info:
+                    sc.fs.setattr(n, mode=bad)
+                assert info.value.errno == errno.EPERM and "setuid" in info.value.reason
+            sc.fs.setattr(n, mode=0o750)
+            assert stat.S_IMODE(n.mode) == 0o750
+            sm = sc.fs.stores["default"]
+            h = sc.fs.create(sm.root.ino, b"y.sh", 0o6755, os.O_WRONLY, 0, 0)
+            sc.fs.release(h.fh)
+            assert stat.S_IMODE(h.node.mode) == 0o755
+            nursery.cancel_scope.cancel()
+        sc.journal.close()
+        await sc.client.aclose()
+    finally:
+        await f.aclose()
