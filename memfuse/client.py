@@ -434,6 +434,12 @@ class ApiClient:
         #: ``endpoint`` is a low-cardinality template such as ``PUT /v1/stores/{}/records/{}``
         self.observer: Callable[[str, str, float], None] | None = None
         self.timeout = float(timeout)
+        #: ordinary requests waiting for an answer (not long polls or streams): a number per
+        #: request → when it was sent (``time.monotonic()``); ``no_answer_for`` reads it
+        self._waiting: dict[int, float] = {}
+        self._next_request = 0
+        #: when the control plane last answered anything (``time.monotonic()``; 0: never)
+        self.last_answer = 0.0
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
             headers=headers,
@@ -448,6 +454,19 @@ class ApiClient:
         """Send ``X-Memfuse-Instance: instance`` from now on (the sidecar id on versions)."""
         self.instance = instance
         self._http.headers[INSTANCE_HEADER] = instance
+
+    def no_answer_for(self) -> float:
+        """Seconds the oldest ordinary request (not a long poll or a stream) has been waiting
+        while the control plane answered nothing at all: 0 when none waits or an answer to
+        any request arrived since it was sent. A hung control plane (a paused process, a
+        black-holed network) shows here within seconds, long before the request's own read
+        timeout (``timeout``)."""
+        if not self._waiting:
+            return 0.0
+        oldest = min(self._waiting.values())
+        if self.last_answer >= oldest:
+            return 0.0
+        return max(0.0, time.monotonic() - oldest)
 
     def _observe(self, method: str, path: str, status: str, t0: float) -> None:
         if self.observer is not None:
@@ -513,6 +532,11 @@ class ApiClient:
                 generation = tf.generation
                 headers["Authorization"] = f"Bearer {tf.token}"
             t0 = time.perf_counter()
+            ordinary = wait <= 0 and not stream and read_timeout is None
+            if ordinary:
+                self._next_request += 1
+                rid = self._next_request
+                self._waiting[rid] = time.monotonic()
             try:
                 resp = await self._http.send(self._http.build_request(method, path, **kwargs), stream=stream)
                 if stream and not resp.is_success:
@@ -522,6 +546,10 @@ class ApiClient:
                 log.debug("%s %s failed: %s", method, path, err.code)
                 self._observe(method, path, err.code or "error", t0)
                 raise err from None
+            finally:
+                if ordinary:
+                    del self._waiting[rid]
+            self.last_answer = time.monotonic()
             self._observe(method, path, str(resp.status_code), t0)
             log.debug("%s %s -> %s", method, path, resp.status_code)
             if resp.status_code != 401:
@@ -1121,15 +1149,23 @@ class ApiClient:
         max_store_bytes: int | None = None,
         max_records: int | None = None,
         idempotency_key: str | None = None,
+        *,
+        max_history_bytes: int | None = None,
+        max_history_versions: int | None = None,
+        history_min_age_s: int | None = None,
     ) -> Store:
         """``POST /v1/stores`` (admin). Limits left ``None`` take the server defaults (1 MiB,
-        64 MiB, 10,000). Raises Conflict (``exists``); ``ValueError``
+        64 MiB, 10,000; the history budget: 16 x max_store_bytes, 16 x max_records, 24 h).
+        Raises Conflict (``exists``); ``ValueError``
         (``msgspec.ValidationError``, before any request) for a bad slug, type or limit."""
         fields: dict[str, Any] = {"slug": slug, "description": description, "default_type": default_type}
         for k, v in (
             ("max_record_bytes", max_record_bytes),
             ("max_store_bytes", max_store_bytes),
             ("max_records", max_records),
+            ("max_history_bytes", max_history_bytes),
+            ("max_history_versions", max_history_versions),
+            ("history_min_age_s", history_min_age_s),
         ):
             if v is not None:
                 fields[k] = v
@@ -1155,8 +1191,13 @@ class ApiClient:
         max_store_bytes: int | None = None,
         max_records: int | None = None,
         idempotency_key: str | None = None,
+        max_history_bytes: int | None = None,
+        max_history_versions: int | None = None,
+        history_min_age_s: int | None = None,
     ) -> Store:
-        """``PATCH /v1/stores/{slug}`` (admin): change only the fields given (not ``None``).
+        """``PATCH /v1/stores/{slug}`` (admin): change only the fields given (not ``None``):
+        the limits, and the history budget (``max_history_bytes``, ``max_history_versions``,
+        ``history_min_age_s``: docs/SEMANTICS.md "History budget").
         Raises ``ValueError`` (``msgspec.ValidationError``, before any request) for a bad type
         or limit."""
         update = build(
@@ -1166,6 +1207,9 @@ class ApiClient:
             max_record_bytes=max_record_bytes,
             max_store_bytes=max_store_bytes,
             max_records=max_records,
+            max_history_bytes=max_history_bytes,
+            max_history_versions=max_history_versions,
+            history_min_age_s=history_min_age_s,
         )
         return await self._call(
             Store,
@@ -1303,6 +1347,7 @@ class PageStream(Generic[P]):
             self.streaming = True
             try:
                 async for line in resp.aiter_lines():
+                    self._api.last_answer = time.monotonic()  # a heartbeat is an answer too
                     if not line.strip():
                         continue
                     if line.startswith('{"error"'):

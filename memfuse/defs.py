@@ -34,11 +34,20 @@ __all__ = [
     "sha256_hex",
     "datetime_ns",
     "mtime_effective_ns",
+    "HISTORY_BYTES_FACTOR",
+    "HISTORY_VERSIONS_FACTOR",
+    "HISTORY_MIN_AGE_S",
 ]
 
 RECORD_TYPES = ("user", "feedback", "project", "reference")
 DEFAULT_MODE = 0o644  # permission bits of a record whose mode was never set
-MODE_MASK = 0o7777  # the bits a record keeps (chmod(2)); the file type is not one of them
+#: a store's history budget when it sets none (docs/SEMANTICS.md "History budget"): the
+#: content of past versions kept is at most this many times ``max_store_bytes`` and this many
+#: times ``max_records`` versions; versions younger than ``HISTORY_MIN_AGE_S`` are never pruned
+HISTORY_BYTES_FACTOR = 16
+HISTORY_VERSIONS_FACTOR = 16
+HISTORY_MIN_AGE_S = 86_400
+MODE_MASK = 0o777  # the bits a record keeps (rwx of user, group, other; never setuid, setgid or sticky)
 MTIME_NS_MIN, MTIME_NS_MAX = -(1 << 63), (1 << 63) - 1  # a signed 64-bit ns count
 SLUG_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
 MAX_TOKEN_TTL_SECONDS = 10 * 366 * 86400  # ten years

@@ -110,7 +110,8 @@ class NotFound(PermanentError):
 
 
 class Conflict(PermanentError):
-    """409: ``path_exists`` (see :attr:`record_id`), ``exists``, ``redacted``,
+    """409: ``path_exists`` (see :attr:`record_id`), ``parent_is_file``,
+    ``path_is_directory`` (a file and a directory of one name), ``exists``, ``redacted``,
     ``current_version``."""
 
     @property
@@ -162,6 +163,8 @@ ERRNO_BY_CODE: dict[str, int] = {
     "store_not_found": errno.ENOENT,
     "store_not_attached": errno.ENOENT,
     "path_exists": errno.EEXIST,
+    "parent_is_file": errno.ENOTDIR,
+    "path_is_directory": errno.EISDIR,
     "idempotency_key_reused": errno.EINVAL,
 }
 

@@ -12,8 +12,9 @@ Conventions:
   (``"<sha256>"`` in ``ETag`` / ``If-Match`` headers, RFC 9110 §8.8.3);
 - ``content`` is text (UTF-8); records hold Markdown, JSONL or plain text;
 - ``seq`` is the change-feed position: a number that grows with every version written;
-- file attributes: ``mode`` is the POSIX permission bits (``0o7777`` mask: rwx for user,
-  group, other plus setuid, setgid, sticky), 0o644 when never set; ``mtime_ns`` is the
+- file attributes: ``mode`` is the POSIX permission bits (``0o777`` mask: rwx for user,
+  group, other; setuid, setgid and sticky are refused in requests, 422, and stripped on
+  export), 0o644 when never set; ``mtime_ns`` is the
   modification time in integer nanoseconds since the Unix epoch (as ``st_mtime_ns``), None
   when never set explicitly (a file then shows ``updated_at``).
 """
@@ -75,6 +76,9 @@ class StoreCreate(BaseModel):
     max_record_bytes: int = Field(default=1 << 20, gt=0)
     max_store_bytes: int = Field(default=64 << 20, gt=0)
     max_records: int = Field(default=10_000, gt=0)
+    max_history_bytes: int | None = Field(default=None, gt=0)
+    max_history_versions: int | None = Field(default=None, gt=0)
+    history_min_age_s: int | None = Field(default=None, ge=0)
 
 
 class StoreUpdate(BaseModel):
@@ -83,6 +87,9 @@ class StoreUpdate(BaseModel):
     max_record_bytes: int | None = Field(default=None, gt=0)
     max_store_bytes: int | None = Field(default=None, gt=0)
     max_records: int | None = Field(default=None, gt=0)
+    max_history_bytes: int | None = Field(default=None, gt=0)
+    max_history_versions: int | None = Field(default=None, gt=0)
+    history_min_age_s: int | None = Field(default=None, ge=0)
 
 
 class Store(BaseModel):
@@ -95,6 +102,13 @@ class Store(BaseModel):
     created_at: datetime
     usage_bytes: int = 0
     record_count: int = 0
+    # the history budget in force (the store's own, else the default) and its use: content
+    # bytes and count of the past versions kept (docs/SEMANTICS.md "History budget")
+    max_history_bytes: int = 0
+    max_history_versions: int = 0
+    history_min_age_s: int = 0
+    history_bytes: int = 0
+    history_versions: int = 0
 
 
 class AttachmentPut(BaseModel):
@@ -148,7 +162,7 @@ class TokenInfo(BaseModel):
 
 
 Mode = Field(default=None, ge=0, le=MODE_MASK, strict=True,
-             description="permission bits (0..0o7777); absent: 0o644 on create, unchanged on update")
+             description="permission bits (0..0o777; setuid, setgid, sticky refused); absent: 0o644 on create, unchanged on update")
 MtimeNs = Field(default=None, ge=MTIME_NS_MIN, le=MTIME_NS_MAX, strict=True,
                 description="modification time, integer ns since the Unix epoch")
 
@@ -242,6 +256,7 @@ class Version(BaseModel):
     created_at: datetime
     actor: str
     redacted: bool = False
+    pruned: bool = False  # content removed by the store's history budget (metadata kept)
     seq: int
     content: str | None = None
     mode: int = DEFAULT_MODE  # the record's attributes as of this version

@@ -26,7 +26,7 @@ from pathlib import Path
 from memfuse.client import ApiClient, with_retries
 from memfuse.content import ContentError, check_secrets, check_type, check_utf8, record_type
 from memfuse.errors import Conflict, PermanentError
-from memfuse.wire import Record, sha256_hex
+from memfuse.wire import MODE_MASK, Record, sha256_hex
 from memfuse.names import NameError_, check_path, is_local_only
 
 #: Every action of :class:`ImportReport` ``done``, in the order a summary lists them.
@@ -68,7 +68,7 @@ class ManifestError(ValueError):
 class ManifestEntry:
     """One record of an export manifest: ``path`` (the record path, also the file's path
     relative to the export directory), ``type`` (None for a store's root ``MEMORY.md``),
-    ``mode`` (permission bits, ``& 0o7777``), ``mtime_ns`` (the modification time the record
+    ``mode`` (permission bits, ``& 0o777``: setuid, setgid and sticky are stripped), ``mtime_ns`` (the modification time the record
     shows, ns since the epoch), ``sha256`` (hex of the content's UTF-8 bytes) and ``size``
     (bytes)."""
 
@@ -82,7 +82,7 @@ class ManifestEntry:
     @classmethod
     def of(cls, rec: Record) -> "ManifestEntry":
         """The entry of a record (its content's sha256 and size as the store has them)."""
-        return cls(rec.path, rec.type, rec.mode & 0o7777, rec.mtime_effective_ns(), rec.sha256, rec.size)
+        return cls(rec.path, rec.type, rec.mode & MODE_MASK, rec.mtime_effective_ns(), rec.sha256, rec.size)
 
 
 def write_manifest(directory: Path, store: str, entries: list[ManifestEntry]) -> Path:
@@ -235,7 +235,7 @@ async def import_files(
 ) -> ImportReport:
     """Write ``files`` (record path, file) into ``store_slug``: a new path is created, a
     changed one updated, an identical one (same sha256, permission bits, mtime and type) left
-    alone; each record gets its file's permission bits (``st_mode & 0o7777``) and modification
+    alone; each record gets its file's permission bits (``st_mode & 0o777``: setuid, setgid and sticky are dropped) and modification
     time (``st_mtime_ns``), as ``cp -p`` keeps them, so an export imported again is unchanged
     (a file differing only in those gets them by ``PATCH``, no content sent); ``echo`` gets one line
     per file done (``"created notes/a.md (project)"``).
@@ -276,7 +276,7 @@ async def import_files(
         except OSError as e:
             refuse(path, f"cannot read: {e.strerror}")
             continue
-        mode, mtime_ns = stat.S_IMODE(st.st_mode), st.st_mtime_ns
+        mode, mtime_ns = st.st_mode & MODE_MASK, st.st_mtime_ns
         try:
             text = check_utf8(data)
         except ContentError as e:
@@ -286,7 +286,7 @@ async def import_files(
         entry = (manifest or {}).get(path)
         explicit: str | None = None  # the type to set whatever the frontmatter says
         if entry is not None and entry.sha256 == digest:  # as exported: the record's attributes
-            mode, mtime_ns, explicit = entry.mode & 0o7777, entry.mtime_ns, entry.type
+            mode, mtime_ns, explicit = entry.mode & MODE_MASK, entry.mtime_ns, entry.type
         old = live.get(path)
         same_content = old is not None and old.sha256 == digest
         same_type = explicit is None or old is None or old.type == explicit
@@ -368,7 +368,8 @@ def export_records(records: Iterable[Record], directory: Path, store: str | None
     """Write each record's content (UTF-8, byte for byte) under ``directory`` at its path;
     ``directory`` and the parents are created as needed. A file at a record's path is
     replaced atomically (a temporary file, then ``rename(2)``); other files are left alone.
-    Each file gets the record's attributes: its permission bits (``mode``; the owner's read
+    Each file gets the record's attributes: its permission bits (``mode & 0o777``: setuid,
+    setgid and sticky bits a record of an older release holds are stripped; the owner's read
     bit added, so that the export can be read back: the manifest has the exact bits) and
     modification time (``mtime_ns``, else ``updated_at``).
 
@@ -403,7 +404,7 @@ def export_records(records: Iterable[Record], directory: Path, store: str | None
                     fh.write(data)
                 ts = rec.mtime_effective_ns()
                 os.utime(tmp, ns=(ts, ts))
-                os.chmod(tmp, (rec.mode & 0o7777) | stat.S_IRUSR)
+                os.chmod(tmp, (rec.mode & MODE_MASK) | stat.S_IRUSR)  # never setuid / setgid / sticky
                 os.replace(tmp, parent / dest.name)
             finally:
                 if tmp.exists():

@@ -60,6 +60,7 @@ S = TypeVar("S")
 
 Slug = Annotated[str, Meta(pattern=SLUG_PATTERN)]
 Positive = Annotated[int, Meta(gt=0)]
+NonNegative = Annotated[int, Meta(ge=0)]
 Mode = Annotated[int, Meta(ge=0, le=MODE_MASK)]
 MtimeNs = Annotated[int, Meta(ge=MTIME_NS_MIN, le=MTIME_NS_MAX)]
 RecordType = Literal["user", "feedback", "project", "reference"]
@@ -85,6 +86,9 @@ class StoreCreate(Struct, kw_only=True):
     max_record_bytes: Positive = 1 << 20
     max_store_bytes: Positive = 64 << 20
     max_records: Positive = 10_000
+    max_history_bytes: Positive | None = None
+    max_history_versions: Positive | None = None
+    history_min_age_s: NonNegative | None = None
 
 
 class StoreUpdate(Struct, kw_only=True, omit_defaults=True):
@@ -95,6 +99,9 @@ class StoreUpdate(Struct, kw_only=True, omit_defaults=True):
     max_record_bytes: Positive | None = None
     max_store_bytes: Positive | None = None
     max_records: Positive | None = None
+    max_history_bytes: Positive | None = None
+    max_history_versions: Positive | None = None
+    history_min_age_s: NonNegative | None = None
 
 
 class Store(Struct, kw_only=True):
@@ -107,6 +114,11 @@ class Store(Struct, kw_only=True):
     created_at: datetime
     usage_bytes: int = 0
     record_count: int = 0
+    max_history_bytes: int = 0
+    max_history_versions: int = 0
+    history_min_age_s: int = 0
+    history_bytes: int = 0
+    history_versions: int = 0
 
 
 class AttachmentPut(Struct, kw_only=True):
@@ -238,6 +250,7 @@ class Version(Struct, kw_only=True, gc=False):
     created_at: datetime
     actor: str
     redacted: bool = False
+    pruned: bool = False
     seq: int
     content: str | None = None
     mode: int = DEFAULT_MODE  # the record's attributes as of this version

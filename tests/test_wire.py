@@ -64,7 +64,7 @@ EXAMPLES: dict[str, list[dict]] = {
                      dict(path="a.md", content=""), dict(path="a.md", content="x", type=None)],
     "RecordUpdate": [dict(content="x", type="feedback", mode=0, mtime_ns=models.MTIME_NS_MAX),
                      dict(content="x")],
-    "RecordAttributes": [dict(mode=0o7777, mtime_ns=models.MTIME_NS_MIN), dict(),
+    "RecordAttributes": [dict(mode=0o777, mtime_ns=models.MTIME_NS_MIN), dict(),
                          dict(mode=None, mtime_ns=None)],
     "RecordMove": [dict(path="b.md", replace=True), dict(path="b.md")],
     "PrefixMove": [dict(from_prefix="a", to_prefix="b")],
@@ -233,6 +233,9 @@ BAD_REQUESTS = [
     ("RecordUpdate", dict(content="x", mtime_ns=models.MTIME_NS_MAX + 1)),
     ("RecordAttributes", dict(mtime_ns=models.MTIME_NS_MIN - 1)),
     ("RecordAttributes", dict(mode="644")),
+    ("RecordAttributes", dict(mode=0o4755)),  # setuid / setgid / sticky: never kept
+    ("RecordAttributes", dict(mode=0o1777)),
+    ("RecordUpdate", dict(content="x", mode=0o2644)),
     ("RecordMove", dict(replace=True)),
     ("Restore", dict()),
     ("BatchOperation", dict(op="upsert")),

@@ -42,11 +42,25 @@ def _store_rows(stores: list[Store]) -> str:
             f"{s.record_count}/{s.max_records}",
             f"{_human_bytes(s.usage_bytes)}/{_human_bytes(s.max_store_bytes)}",
             _human_bytes(s.max_record_bytes),
+            f"{_human_bytes(s.history_bytes)}/{_human_bytes(s.max_history_bytes)}",
             _one_line(s.description),
         ]
         for s in stores
     ]
-    return _table(rows, ["SLUG", "DEFAULT TYPE", "RECORDS", "USAGE", "MAX RECORD", "DESCRIPTION"])
+    return _table(rows, ["SLUG", "DEFAULT TYPE", "RECORDS", "USAGE", "MAX RECORD", "HISTORY",
+                         "DESCRIPTION"])
+
+
+def _history_options(fn):
+    """--max-history-bytes, --max-history-versions, --history-min-age (docs/CLI.md)."""
+    fn = opt("--history-min-age", "history_min_age_s", type=click.IntRange(min=0), metavar="SECONDS",
+             help="Never prune a version younger than this (default 86400: 24 h).")(fn)
+    fn = opt("--max-history-versions", type=click.IntRange(min=1),
+             help="Past versions whose content is kept (default 16 x max records).")(fn)
+    fn = opt("--max-history-bytes", type=BYTES,
+             help="Content of past versions kept; beyond it the oldest are pruned "
+                  "(default 16 x max store bytes).")(fn)
+    return fn
 
 
 _type_choice = click.Choice(list(RECORD_TYPES))
@@ -60,10 +74,12 @@ _type_choice = click.Choice(list(RECORD_TYPES))
 @opt("--max-record-bytes", type=BYTES, help="Largest record (default 1 MiB). Accepts 512K, 1MiB, ...")
 @opt("--max-store-bytes", type=BYTES, help="Total size limit (default 64 MiB).")
 @opt("--max-records", type=click.IntRange(min=1), help="Record count limit (default 10000).")
+@_history_options
 @api_options
 def store_create(target: Target, slug: str, description: str, default_type: str,
                  max_record_bytes: int | None, max_store_bytes: int | None,
-                 max_records: int | None) -> None:
+                 max_records: int | None, max_history_bytes: int | None,
+                 max_history_versions: int | None, history_min_age_s: int | None) -> None:
     """Create store SLUG."""
     from memfuse.names import NameError_, check_slug
 
@@ -75,7 +91,8 @@ def store_create(target: Target, slug: str, description: str, default_type: str,
     s = _api(target, lambda api: with_retries(lambda: api.create_store(
         slug, description=description, default_type=default_type,
         max_record_bytes=max_record_bytes, max_store_bytes=max_store_bytes,
-        max_records=max_records, idempotency_key=key)))
+        max_records=max_records, idempotency_key=key, max_history_bytes=max_history_bytes,
+        max_history_versions=max_history_versions, history_min_age_s=history_min_age_s)))
     click.echo(_store_rows([s]))
 
 
@@ -107,14 +124,18 @@ def store_show(target: Target, slug: str) -> None:
 @opt("--max-record-bytes", type=BYTES, help="New record size limit.")
 @opt("--max-store-bytes", type=BYTES, help="New total size limit.")
 @opt("--max-records", type=click.IntRange(min=1), help="New record count limit.")
+@_history_options
 @api_options
 def store_update(target: Target, slug: str, description: str | None, default_type: str | None,
                  max_record_bytes: int | None, max_store_bytes: int | None,
-                 max_records: int | None) -> None:
-    """Change the description, default type or limits of store SLUG (only what is given)."""
+                 max_records: int | None, max_history_bytes: int | None,
+                 max_history_versions: int | None, history_min_age_s: int | None) -> None:
+    """Change the description, default type, limits or history budget of store SLUG (only
+    what is given)."""
     fields = dict(description=description, default_type=default_type,
                   max_record_bytes=max_record_bytes, max_store_bytes=max_store_bytes,
-                  max_records=max_records)
+                  max_records=max_records, max_history_bytes=max_history_bytes,
+                  max_history_versions=max_history_versions, history_min_age_s=history_min_age_s)
     if all(v is None for v in fields.values()):
         raise click.UsageError("nothing to update: give at least one option")
     key = _key()

@@ -65,7 +65,7 @@ def history(target: Target, store_slug: str, path: str) -> None:
     rows = [
         [
             str(v.version),
-            v.operation.value + (" (redacted)" if v.redacted else ""),
+            v.operation.value + (" (redacted)" if v.redacted else " (pruned)" if v.pruned else ""),
             _fmt_time(v.created_at),
             v.actor,
             v.type or "-",
@@ -96,6 +96,10 @@ def show(target: Target, store_slug: str, path: str, version_n: int | None) -> N
         rec = await _find(api, store_slug, path)
         if version_n is not None:
             v = await with_retries(lambda: api.version(store_slug, rec.id, version_n))
+            if v.pruned:
+                raise click.ClickException(
+                    f"version {version_n} of {store_slug}/{path} was pruned by the store's history "
+                    "budget: its content is gone, its metadata is in `memfuse history`")
             if v.redacted or v.content is None:
                 raise click.ClickException(f"version {version_n} of {store_slug}/{path} is redacted")
             return v.content

@@ -223,6 +223,7 @@ def create_app(
     streams: bool = True,
     stream_heartbeat: float = streaming.HEARTBEAT_SECONDS,
     stream_lifetime: float = streaming.LIFETIME_SECONDS,
+    write_rate: gate.WriteRate | None = None,
 ) -> FastAPI:
     """Build the control-plane app over the database at ``db_url``.
 
@@ -242,7 +243,8 @@ def create_app(
     ``max_unauthenticated_per_address`` (connections without a valid token yet, per client
     address; 0: no cap; applied by ``memfuse.server.serve``): the limits of the front door
     (``memfuse.server.gate``; ``app.front``) and of ``memfuse.server.streamclass``
-    (``app.state.stream_class``). ``app.state.metrics`` is the ``ServerMetrics``.
+    (``app.state.stream_class``). ``write_rate``: the per-token write buckets (``gate.WriteRate``, default
+    ``gate.WriteRate()``). ``app.state.metrics`` is the ``ServerMetrics``.
     ``streams``: serve ``stream=true`` on the change feed and the workspace events
     (``memfuse.server.streams``); False answers it as a server without streams would (a
     long-poll, or the plain page), which clients handle by long-polling.
@@ -270,6 +272,8 @@ def create_app(
                                      enabled=streams)
     stream_class = streamclass.StreamClass(svc, per_replica=max_long_polls, per_token=max_long_polls_per_token)
     metrics.add_collector(limits.notifier_collector(svc.notifier, svc.bus, open_streams))
+    from memfuse.server import history
+    metrics.add_collector(history.collector())
     app = _App(
         title="memfuse control plane",
         version="1",
@@ -288,6 +292,7 @@ def create_app(
         send_timeout=send_timeout, max_body=max_body, body_timeout=body_timeout,
         receive_timeout=receive_timeout, header_timeout=header_timeout,
         max_unauthenticated_per_address=max_unauthenticated_per_address,
+        write_rate=write_rate,
         fast=longpoll.FastPath(svc, reads, _exception_response, open_streams),
     )
     metrics.add_collector(limits.front_collector(app.front, stream_class))

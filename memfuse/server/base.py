@@ -32,7 +32,7 @@ from sqlalchemy.orm import Session
 from memfuse import content as content_rules
 from memfuse import names
 from memfuse.models import Access
-from memfuse.server import wakeups
+from memfuse.server import history, wakeups
 from memfuse.server.db import (
     AttachmentRow,
     Database,
@@ -393,12 +393,14 @@ class ServiceBase:
                 with (self.db.write_conn() if feed is not None else self.db.write()) as s:
                     conn = s if feed is not None else s.connection()
                     wakeups.begin_notes()
+                    history.reset(conn)
                     if idem is not None:
                         replay = self._idem_lookup(conn, p, idem)
                         if replay is not None:
                             wakeups.take_notes()
                             return replay
                     result = fn(s)
+                    history.settle(conn)  # the kept versions counted; pruned when over budget
                     if feed is None:
                         wakeups.note_acl()  # admin writes: access answers may have changed
                     body = result.model_dump_json().encode() if result is not None else b""

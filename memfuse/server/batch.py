@@ -42,7 +42,7 @@ from memfuse.models import (
     RecordMove,
     RecordUpdate,
 )
-from memfuse.server import wakeups
+from memfuse.server import history, wakeups
 from memfuse.server.base import (
     _I,
     IDEMPOTENCY_TTL,
@@ -193,6 +193,7 @@ class BatchMixin(RecordsMixin):
     def _batch_tx(self, p: Principal, slug: str, plans: list[_Planned], keys: list[str], savepoints: bool):
         with self.db.write_conn() as conn:
             wakeups.begin_notes()
+            history.reset(conn)
             row = self._store(conn, p, slug, write=True)
             st = BatchStore(row)
             stored: dict[str, Any] = {}
@@ -221,6 +222,7 @@ class BatchMixin(RecordsMixin):
                 conn.execute(_UPDATE_USAGE, {"slug_": st.slug, "d_bytes": d_bytes, "d_count": d_count})
             if inserts:
                 conn.execute(_INSERT_IDEM, inserts)
+            history.settle(conn)
             notes, vseqs, eseqs = wakeups.take_notes()
             self.bus.publish(conn, notes)  # one NOTIFY for the batch (PostgreSQL)
         return replies, notes, vseqs, eseqs
@@ -248,12 +250,14 @@ class BatchMixin(RecordsMixin):
             mark = wakeups.notes_mark()
             counters = st.record_count, st.usage_bytes
             if savepoints:
+                kept = history.kept_mark(conn)
                 savepoint = conn.begin_nested()
                 try:
                     result = pl.fn(conn, st)
                 except ServiceError:
                     savepoint.rollback()
                     wakeups.notes_rollback(mark)
+                    history.kept_rollback(conn, kept)
                     st.record_count, st.usage_bytes = counters
                     raise
                 except BaseException:

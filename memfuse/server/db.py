@@ -65,7 +65,7 @@ log = logging.getLogger(__name__)
 #: the newest Alembic revision (``memfuse/server/migrations/versions/``): a database at it
 #: opens without Alembic (``Database._at_schema_head``). A new revision updates it;
 #: tests/test_migrations.py fails while it is not ``schema.head()``.
-SCHEMA_HEAD = "0008_record_review"
+SCHEMA_HEAD = "0009_history_budget"
 
 
 def utcnow() -> datetime:
@@ -138,6 +138,15 @@ class StoreRow(Base):
     metadata_json: Mapped[str | None] = mapped_column(Text, nullable=True)
     archived_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     updated_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    # History budget (revision 0009_history_budget): NULL = the default (``defs.HISTORY_*``:
+    # 16 x max_store_bytes, 16 x max_records, 24 h), and the content kept in ``versions``
+    # (rows whose content is not pruned or redacted: bytes and count), kept by every write in
+    # the same transaction; history = these minus the live records (usage_bytes, record_count)
+    max_history_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    max_history_versions: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    history_min_age_s: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    version_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    version_count: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
 
 class AttachmentRow(Base):
@@ -257,6 +266,8 @@ class VersionRow(Base):
     # before revision 0006_anthropic_memory_stores.
     redacted_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     redacted_by: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # content removed by the store's history budget (metadata kept; revision 0009)
+    pruned: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
     __table_args__ = (
         UniqueConstraint("record_id", "version", name="uq_versions_record_version"),

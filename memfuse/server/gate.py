@@ -14,6 +14,13 @@ In order, for every HTTP request:
    lookup on a small thread pool of its own (``AUTH_THREADS``) and its refusal is remembered
    (``BAD_TOKEN_SECONDS``), so anonymous traffic cannot take the API's threads or repeat a
    query. 401 problem (``/mcp`` and the memory-store API: their own 401, ``auth_refusals``).
+2b. **Write rate per token** (``WriteRate``): a write (``POST`` / ``PUT`` / ``PATCH`` /
+   ``DELETE`` under ``/v1/``) draws on its token's two buckets, requests (``WRITE_RATE`` a
+   second, bursts of ``WRITE_BURST``) and body bytes (the declared ``Content-Length``:
+   ``WRITE_BYTES_RATE`` a second, bursts of ``WRITE_BYTES_BURST``); an empty bucket is 429
+   ``rate_limited`` with ``Retry-After`` (the seconds until the write fits), before the body
+   is read. The sidecar's outbox waits that long before its next attempt. So one token
+   cannot fill the database's disk at ``max_record_bytes`` a request.
 3. **Size**: a declared ``Content-Length`` above the endpoint's limit is 413 at once; a
    chunked body is counted as it is read and cut with 413 past the limit. Limits:
    ``max_body`` for record writes, batches, the memory tool and console forms,
@@ -43,8 +50,10 @@ the connections per client address that have not yet shown a valid token (or ask
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -134,6 +143,44 @@ _TITLES = {401: "Unauthorized", 408: "Request Timeout", 413: "Content Too Large"
            429: "Too Many Requests", 503: "Service Unavailable"}
 
 
+WRITE_RATE, WRITE_BURST = 500.0, 2_000  # writes / s of one token, and its burst
+WRITE_BYTES_RATE, WRITE_BYTES_BURST = 16 << 20, 256 << 20  # body bytes / s of one token, burst
+_WRITE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+
+class WriteRate:
+    """Token buckets of writes per bearer token: ``take(key, size, now)`` returns 0 when a
+    write of ``size`` body bytes may go now (and takes it), else the seconds until it could.
+    Buckets start full and refill continuously (requests at ``rate``/s up to ``burst``;
+    bytes at ``bytes_rate``/s up to ``bytes_burst``); a token idle long enough to be full
+    again is forgotten, so the table holds only the tokens writing now."""
+
+    def __init__(self, rate: float = WRITE_RATE, burst: int = WRITE_BURST,
+                 bytes_rate: float = WRITE_BYTES_RATE, bytes_burst: int = WRITE_BYTES_BURST) -> None:
+        self.rate, self.burst = float(rate), float(burst)
+        self.bytes_rate, self.bytes_burst = float(bytes_rate), float(bytes_burst)
+        self._buckets: dict[str, tuple[float, float, float]] = {}  # key -> (writes, bytes, at)
+
+    def take(self, key: str, size: int, now: float) -> float:
+        writes, nbytes, at = self._buckets.get(key, (self.burst, self.bytes_burst, now))
+        writes = min(self.burst, writes + (now - at) * self.rate)
+        nbytes = min(self.bytes_burst, nbytes + (now - at) * self.bytes_rate)
+        size = min(size, self.bytes_burst)  # a body larger than a burst waits for a full bucket
+        if writes >= 1 and nbytes >= size:
+            self._buckets[key] = (writes - 1, nbytes - size, now)
+            if len(self._buckets) > 10_000:
+                self._forget_full(now)
+            return 0.0
+        self._buckets[key] = (writes, nbytes, now)
+        return max((1 - writes) / self.rate if writes < 1 else 0.0,
+                   (size - nbytes) / self.bytes_rate if nbytes < size else 0.0)
+
+    def _forget_full(self, now: float) -> None:
+        for key, (w, b, at) in list(self._buckets.items()):
+            if w + (now - at) * self.rate >= self.burst and b + (now - at) * self.bytes_rate >= self.bytes_burst:
+                del self._buckets[key]
+
+
 class Gate:
     """ASGI wrapper of the app: the steps of the module docstring.
 
@@ -150,8 +197,10 @@ class Gate:
                  header_timeout: float = HEADER_TIMEOUT,
                  max_unauthenticated_per_address: int = MAX_UNAUTHENTICATED_PER_ADDRESS,
                  fast: Callable[[Scope, Receive, Send], Awaitable[bool]] | None = None,
-                 ready: Callable[[], Any] | None = None) -> None:
+                 ready: Callable[[], Any] | None = None,
+                 write_rate: WriteRate | None = None) -> None:
         self.app = app
+        self.write_rate = write_rate if write_rate is not None else WriteRate()
         self.svc = svc
         self.metrics = metrics
         self.streams = streams
@@ -249,6 +298,16 @@ class Gate:
                 return
             self.connections.cleared(scope.get("client"))
             scope["memfuse.principal"] = principal
+            if method in _WRITE_METHODS and path.startswith("/v1/") and token:
+                # the token's write buckets, from the headers, before the body is read
+                key = hashlib.sha256(token.encode()).hexdigest()[:32]
+                wait = self.write_rate.take(key, length or 0, time.monotonic())
+                if wait > 0:
+                    await self._refuse(receive, send, 429, "rate_limited",
+                                       "this token writes faster than the control plane allows; "
+                                       "retry after the time in Retry-After",
+                                       headers={"Retry-After": str(max(1, math.ceil(wait)))}, close=pending)
+                    return
         lease: Lease | None = None
         if self.long_lived(method, path, scope.get("query_string", b"")):
             try:

@@ -798,6 +798,9 @@ class MemoryTool:
                 if e.code == "version_not_found":
                     raise ToolError(f"{t.raw} has no version {version}") from None
                 raise
+            if v.pruned:
+                return (f"Version {version} of {t.raw} was pruned by the store's history budget: "
+                        "its content is gone")
             if v.content is None:
                 return f"Version {version} of {t.raw} was redacted: its content is gone"
             return self._view_file(t, v.content, c.get("view_range"))
@@ -805,7 +808,7 @@ class MemoryTool:
         lines = [f"History of {t.raw} (newest first; `version` shows one):"]
         for v in reversed(versions):
             where = f"{ROOT}/{t.store}/{v.path}"
-            size = "redacted" if v.redacted else format_size(v.size)
+            size = "redacted" if v.redacted else f"pruned ({format_size(v.size)})" if v.pruned else format_size(v.size)
             lines.append(f"v{v.version}\t{v.created_at.strftime('%Y-%m-%dT%H:%M:%SZ')}\t{v.operation.value}"
                          f"\t{v.actor}\t{size}\t{where}")
         return "\n".join(lines)

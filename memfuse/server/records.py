@@ -51,7 +51,7 @@ from memfuse.server.base import (
     holds,
     parse_if_match,
 )
-from memfuse.server import staleness, wakeups
+from memfuse.server import history, staleness, wakeups
 from memfuse.server.db import UTCDateTime, utcnow
 
 log = logging.getLogger("memfuse.server.service")  # every room of the Service logs under one name
@@ -236,6 +236,7 @@ class BatchStore:
         self.read_count, self.read_bytes = self.record_count, self.usage_bytes
         self.deferring = False
         self.paths: dict[str, str] = {}
+        self.dirs: set[str] = set()  # the ancestors of every path in ``paths`` (``_check_clash``)
         self.seqs: list[int] = []
         self._records: list[dict[str, object]] = []
         self._versions: list[dict[str, object]] = []
@@ -277,6 +278,8 @@ class BatchStore:
             "mtime_ns": rec.mtime_ns,
         })
         self.paths[rec.path] = rec.id
+        parts = rec.path.split("/")
+        self.dirs.update("/".join(parts[:i]) for i in range(1, len(parts)))
         wakeups.note_feed(rec.store, seq, actor)
         if not self.seqs:
             self.deferring = False
@@ -334,6 +337,7 @@ def _version_model(v: Row, *, with_content: bool) -> Version:
         created_at=v.created_at,
         actor=v.actor,
         redacted=v.redacted,
+        pruned=bool(getattr(v, "pruned", False)),
         seq=v.seq,
         content=v.content if with_content and not v.redacted else None,
         mode=_mode(v.mode),
@@ -379,6 +383,49 @@ class RecordsMixin(ServiceBase):
     def _live_at_id(conn: Connection, store: str, path: str) -> str | None:
         """The id of the live record at ``path``, if any."""
         return conn.scalar(_SELECT_LIVE_ID_AT, {"store": store, "path": path})
+
+    def _check_clash(self, conn: Connection, st: Any, path: str, skip: frozenset[str] = frozenset(),
+                     *, under: bool = True) -> None:
+        """Refuse a record at ``path`` that would make a file and a directory of one name
+        (a file ``fd`` beside a file ``fd/child.md``: a filesystem cannot show both, so the
+        mount would hide one and export would fail). 409 ``parent_is_file`` when a live
+        record sits at one of ``path``'s ancestors; 409 ``path_is_directory`` when live
+        records sit under ``path/`` (not checked when ``under`` is False: a prefix move
+        checks one moved path for its ancestors, and each target for ``path_exists``).
+        Records whose id is in ``skip`` (the ones being moved) do not count. Within a batch
+        still deferring its creates, the creates not yet written count too
+        (``BatchStore.paths`` / ``dirs``). Two indexed reads of at most one row each."""
+        parts = path.split("/")
+        ancestors = ["/".join(parts[:i]) for i in range(1, len(parts))]
+        deferred = isinstance(st, BatchStore) and st.deferring
+        not_skipped = [_R.c.id.notin_(skip)] if skip else []
+        if ancestors:
+            hit = None
+            if deferred:
+                hit = next((a for a in ancestors if st.paths.get(a) not in (None, *skip)), None)
+            if hit is None:
+                row = conn.execute(select(_R.c.id, _R.c.path).where(
+                    _R.c.store == st.slug, _R.c.deleted == false(), _R.c.path.in_(ancestors),
+                    *not_skipped).limit(1)).first()
+                hit = row.path if row is not None else None
+            if hit is not None:
+                raise ServiceError(409, "parent_is_file",
+                                   f"{hit!r} is a file, so {path!r} cannot be under it")
+        if not under:
+            return
+        below = None
+        if deferred and path in st.dirs:
+            below = next((q for q, rid in st.paths.items() if q.startswith(path + "/") and rid not in skip), None)
+        if below is None:
+            col = self._path_col()
+            row = conn.execute(select(_R.c.path).where(
+                _R.c.store == st.slug, _R.c.deleted == false(), col >= path + "/", col < path + "0",
+                *not_skipped).limit(1)).first()
+            below = row.path if row is not None else None
+        if below is not None:
+            raise ServiceError(409, "path_is_directory",
+                               f"{path!r} is a directory ({below!r} is under it), so it cannot be a file")
+
     @staticmethod
     def _add_version(
         conn: Connection,
@@ -422,6 +469,8 @@ class RecordsMixin(ServiceBase):
                 "mtime_ns": rec.mtime_ns,
             },
         ).inserted_primary_key[0]
+        if rec.content is not None:
+            history.note_kept(conn, rec.store, rec.size, 1)
         rec.seq = seq
         wakeups.note_feed(rec.store, seq, actor)
         if new:
@@ -672,6 +721,7 @@ class RecordsMixin(ServiceBase):
             other = st.paths.get(path) if deferred else self._live_at_id(conn, st.slug, path)
             if other is not None:
                 raise ServiceError(409, "path_exists", f"{path!r} exists", record_id=other)
+            self._check_clash(conn, st, path)
             now = utcnow()
             rec = _Rec(
                 id=str(uuid.uuid4()), store=st.slug, path=path, type=rtype, version=1,
@@ -682,6 +732,7 @@ class RecordsMixin(ServiceBase):
             self._room(st, len(raw), 1, grew_bytes=True, grew_count=True)  # refused before any write
             if deferred:
                 st.defer_create(rec, p.actor, now)  # written with the batch's other creates
+                history.note_kept(conn, st.slug, rec.size, 1)
                 conn.info["memfuse_writes"] = conn.info.get("memfuse_writes", 0) + 1  # as if written
             else:
                 self._add_version(conn, rec, Operation.created, p.actor, now, new=True)
@@ -842,6 +893,7 @@ class RecordsMixin(ServiceBase):
                     self._add_version(conn, target, Operation.modified, p.actor, now)
                 self._use(conn, st, d_bytes, -1, grew_bytes=False, grew_count=False)  # shrinks
                 return MoveResult(records=[_record_model(target, with_content=False)])
+            self._check_clash(conn, st, new_path, frozenset((rec.id,)))
             old_path = rec.path
             rec.path, rec.type = new_path, new_type
             rec.version += 1
@@ -889,6 +941,8 @@ class RecordsMixin(ServiceBase):
                 other = self._live_at_id(conn, st.slug, new_path)
                 if other is not None and other not in moving_ids:
                     raise ServiceError(409, "path_exists", f"{new_path!r} exists", record_id=other)
+            if plan:  # a file at the target prefix or above it
+                self._check_clash(conn, st, plan[0][2], frozenset(moving_ids), under=False)
             # Two steps so the live-path unique index never sees a transient duplicate
             # (a target may be the old path of another moving record). The parking path has
             # a leading slash, so no valid record path equals it (and no NUL: PostgreSQL text
@@ -949,6 +1003,9 @@ class RecordsMixin(ServiceBase):
             _check_writable(st)
             rec = self._record(conn, st, record_id)
             v = self._version(conn, record_id, body.version)
+            if getattr(v, "pruned", False):
+                raise ServiceError(409, "pruned", f"version {body.version}'s content was pruned by the "
+                                   "store's history budget (its metadata is kept); restore a later version")
             if v.redacted or v.content is None:
                 raise ServiceError(409, "redacted", f"version {body.version} was redacted")
             if not rec.deleted and (rec.path, rec.sha256, rec.type, *_attrs(rec)) == (
@@ -958,6 +1015,7 @@ class RecordsMixin(ServiceBase):
             other = self._live_at_id(conn, st.slug, v.path)
             if other is not None and other != rec.id:
                 raise ServiceError(409, "path_exists", f"{v.path!r} exists", record_id=other)
+            self._check_clash(conn, st, v.path, frozenset((rec.id,)))
             _check_record_size(st, v.size)
             secret = content_rules.find_secret(v.content)
             if secret is not None:
@@ -992,6 +1050,8 @@ class RecordsMixin(ServiceBase):
                     409, "current_version", "the current version of a live record cannot be redacted; write over it first"
                 )
             if not v.redacted:
+                if v.content is not None:  # no longer kept (the history budget's count)
+                    history.note_kept(conn, st.slug, -v.size, -1)
                 conn.execute(update(_V).where(_V.c.seq == v.seq).values(
                     redacted=True, content=None, redacted_at=utcnow(), redacted_by=p.actor))
                 if rec.deleted and rec.version == n:

@@ -25,14 +25,17 @@ from memfuse.models import (
     WorkspaceCreate,
 )
 from memfuse.server.base import _S, IdempotencyRequest, Principal, Reply, ServiceBase, ServiceError
-from memfuse.server import wakeups
+from memfuse.server import history, wakeups
 from memfuse.server.db import AttachmentRow, EventRow, StoreRow, WorkspaceRow, utcnow
 
 log = logging.getLogger("memfuse.server.service")  # every room of the Service logs under one name
 
 
 def _store_model(st: StoreRow | Row) -> Store:
-    """[Store] of a store row (ORM or Core), with its usage counters."""
+    """[Store] of a store row (ORM or Core), with its usage counters and its history budget
+    (the one in force) and usage."""
+    max_b, max_n, min_age = history.budget(st)
+    hist_b, hist_n = history.usage(st)
     return Store(
         slug=st.slug,
         description=st.description,
@@ -43,6 +46,11 @@ def _store_model(st: StoreRow | Row) -> Store:
         created_at=st.created_at,
         usage_bytes=st.usage_bytes or 0,
         record_count=st.record_count or 0,
+        max_history_bytes=max_b,
+        max_history_versions=max_n,
+        history_min_age_s=min_age,
+        history_bytes=hist_b,
+        history_versions=hist_n,
     )
 
 
@@ -122,7 +130,11 @@ class StoresMixin(ServiceBase):
                 max_record_bytes=body.max_record_bytes,
                 max_store_bytes=body.max_store_bytes,
                 max_records=body.max_records,
+                max_history_bytes=body.max_history_bytes,
+                max_history_versions=body.max_history_versions,
+                history_min_age_s=body.history_min_age_s,
                 created_at=utcnow(),
+                usage_bytes=0, record_count=0, version_bytes=0, version_count=0,
             )
             s.add(st)
             s.flush()
@@ -154,6 +166,7 @@ class StoresMixin(ServiceBase):
             values = {k: v for k, v in body.model_dump(exclude_unset=True).items() if v is not None}
             if values:
                 s.connection().execute(update(_S).where(_S.c.slug == slug).values(**values, updated_at=utcnow()))
+                history.forget_idle(slug)  # a new budget: look at the store again at its next write
             attached = s.scalars(select(AttachmentRow.workspace).where(AttachmentRow.store == slug)).all()
             self._emit(s, attached, "store_changed", slug, None)
             return _store_model(self._store(s.connection(), p, slug))

@@ -16,7 +16,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ..errors import errno_of
-from ..wire import RECORD_TYPES, sha256_hex
+from ..wire import MODE_MASK, RECORD_TYPES, sha256_hex
 from .inodes import REJECTED, FsError, Node
 from .journal import ATTRS
 
@@ -72,6 +72,10 @@ class AttributeOps:
                 and any(v is not None for v in (mode, uid, gid, atime_ns, mtime_ns))):
             raise FsError(errno.EROFS)
         changed: dict[str, int] = {}
+        if mode is not None and stat.S_IMODE(mode) & ~MODE_MASK and not n.is_dir:
+            # setuid / setgid / sticky: no record keeps them (the control plane refuses them)
+            raise FsError(errno.EPERM, "setuid, setgid and sticky bits are not kept on memory files",
+                          "validation_error")
         if mode is not None:
             new = stat.S_IFMT(n.mode) | stat.S_IMODE(mode)
             if new != n.mode:

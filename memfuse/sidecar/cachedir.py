@@ -17,6 +17,10 @@ included), whatever the umask.
 - ``CacheError`` is what every failed write to the cache directory raises (``cache_error``
   turns a ``sqlite3`` / ``OSError`` into one; ``cache_errno`` gives its errno): the FUSE
   adapter maps it to its errno without a traceback.
+
+Both open with ``O_NOFOLLOW``: a symlink planted in the cache directory (``blobs.db`` ->
+``/etc/something``) is refused (``OSError`` ``ELOOP`` naming the path) instead of followed,
+so its target is never chmod-ed, truncated or written, and SQLite never opens it.
 """
 from __future__ import annotations
 
@@ -71,12 +75,28 @@ def secure_cache_dir(path: Path) -> int:
     return changed
 
 
+def _open_nofollow(path: Path, flags: int) -> int:
+    """``os.open(path, flags | O_NOFOLLOW | O_CLOEXEC, 0600)``; a symlink at ``path`` raises
+    ``OSError(ELOOP)`` whose message names the path and says it was refused."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, f"{path} is a symbolic link; a cache file must be a "
+                          "regular file (refused, not followed)", str(path)) from None
+        raise
+
+
 def private_file(path: Path) -> None:
     """Create ``path`` empty with mode ``0600`` when missing; clear group / other bits of an
-    existing one. Raises ``OSError``."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
+    existing one. Never follows a symlink: one at ``path`` raises ``OSError`` (``ELOOP``);
+    anything else that is not a regular file raises ``OSError`` (``EINVAL``). Raises
+    ``OSError``."""
+    fd = _open_nofollow(path, os.O_RDWR | os.O_CREAT)
     try:
         st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, f"{path} is not a regular file (refused)", str(path))
         if stat.S_IMODE(st.st_mode) & _OTHERS:
             os.fchmod(fd, stat.S_IMODE(st.st_mode) & ~_OTHERS)
     finally:
@@ -85,8 +105,9 @@ def private_file(path: Path) -> None:
 
 def write_private(path: Path, text: str | bytes) -> None:
     """Write ``text`` (a ``str``, written as UTF-8, or ``bytes`` as they are) to ``path``,
-    created or truncated, mode ``0600``. Raises ``OSError``."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
+    created or truncated, mode ``0600``. A symlink at ``path`` is refused (``OSError``
+    ``ELOOP``), never followed. Raises ``OSError``."""
+    fd = _open_nofollow(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     try:
         os.fchmod(fd, FILE_MODE)
         data = text.encode("utf-8") if isinstance(text, str) else text

@@ -102,6 +102,9 @@ class Committer:
         self._wakeups: dict[str, trio.Event] = {}
         self._nursery: trio.Nursery | None = None
         self._seq = journal.next_id()
+        self._to_coalesce: set[str] = set()  # stores whose queue got a put since the last look
+        self.coalesced = 0  # puts superseded by a later put of the same file (``_coalesce``)
+        self._absorbed: dict[str, int] = {}  # store -> puts waiting in a later one's ``absorbed``
         self.committed = 0
         self.refused = 0
         self.retries = 0
@@ -150,6 +153,8 @@ class Committer:
         for q in self.queues.values():
             for e in q:
                 e.notify()
+                for a in e.absorbed:
+                    a.notify()
 
     def _attempt_answered(self) -> None:
         """The control plane answered a commit attempt (a commit or a refusal)."""
@@ -158,6 +163,21 @@ class Committer:
                      extra={"down_s": round(time.time() - self.unreachable["since"], 3),
                             "depth": self.depth()})
             self.unreachable = None
+
+    def no_answer(self, seconds: float) -> None:
+        """The control plane has answered nothing for ``seconds`` while a request waits (a
+        paused process, a black-holed network: ``ApiClient.no_answer_for``): treat it as a
+        known outage (``failing``, error ``no_answer``) so a waiting ``close`` returns once
+        its write is accepted instead of waiting out ``--commit-wait``. A failure already
+        noted is left as it is. Cleared by ``heard_again`` or any answered commit."""
+        if self.unreachable is None:
+            self._attempt_failed(TransientError(f"no answer for {seconds:.1f} s", code="no_answer"))
+
+    def heard_again(self) -> None:
+        """The control plane answered something after ``no_answer``: the outage it noted is
+        over (a failure of another kind stays until a commit is answered)."""
+        if self.unreachable is not None and self.unreachable["error"] == "no_answer":
+            self._attempt_answered()
 
     # --- views of the parts -------------------------------------------------------------------
     @property
@@ -199,11 +219,14 @@ class Committer:
         """Accept one change: queue it for the journal and for its store's worker."""
         self._seq += 1
         e = Entry(id=self._seq, store=store, op=op, node_key=node_key, args=args, content=content)
-        self.journal.add(e)
+        # the witness notes the record id and base the entry is written on (Journal.recover)
+        self.journal.add(e, self.ids.get(node_key, store) if node_key is not None else None)
         self._enqueue(e)
         return e
 
     def _enqueue(self, e: Entry) -> None:
+        if e.op == PUT:
+            self._to_coalesce.add(e.store)
         q = self.queues.setdefault(e.store, deque())
         q.append(e)
         self.idle = trio.Event() if self.idle.is_set() else self.idle
@@ -229,8 +252,8 @@ class Committer:
     def depth(self, store: str | None = None) -> int:
         """Entries not yet finished, in one store or in all."""
         if store is not None:
-            return len(self.queues.get(store, ()))
-        return sum(len(q) for q in self.queues.values())
+            return len(self.queues.get(store, ())) + self._absorbed.get(store, 0)
+        return sum(len(q) for q in self.queues.values()) + sum(self._absorbed.values())
 
     async def wait_store_idle(self, store: str) -> None:
         """Return once ``store`` has no unfinished entry (at once when it has none)."""
@@ -313,6 +336,10 @@ class Committer:
                 ev = self._wakeups[store] = trio.Event()
                 await ev.wait()
                 continue
+            if store in self._to_coalesce:
+                self._to_coalesce.discard(store)
+                if len(q) > 1:
+                    self._coalesce(store, q)
             batch = self._batch_of(q) if self.batching and len(q) > 1 else []
             if sum(op is not None for _, op in batch) >= 2:
                 await self._commit_batch(store, q, batch)
@@ -325,9 +352,63 @@ class Committer:
                 self._inflight.pop(store).set()
             self._finished(store, q, e)
 
+    def _coalesce(self, store: str, q: deque[Entry]) -> None:
+        """Successive queued ``put``s of one file become one: a ``put`` followed later in the
+        queue by another ``put`` of the same node key, with nothing between them that touches
+        that file (a move, a delete, its attributes) or moves a directory, is superseded. It
+        leaves the queue and joins the later one's ``absorbed``; it finishes when that one
+        does, with its result (a ``close`` or ``fsync`` waiting for it waits for that). The
+        later content was written on top of the earlier one here, so it holds every earlier
+        close (appends in their order); it is sent with the base the earlier one had (the
+        version this sidecar last saw: ``If-Match``), so a rival change is merged as before.
+        Nothing moves ahead of what was written before it: the content waits at the later
+        position. A backlog of 1,000 writes to 2 files is 2 requests."""
+        later: dict[str, Entry] = {}  # node key -> the next put of it, nothing touching it between
+        keep: list[Entry] = []
+        dropped = 0
+        for e in reversed(q):
+            if e.op == MOVE_PREFIX or e.node_key is None:
+                later.clear()
+                keep.append(e)
+                continue
+            nxt = later.get(e.node_key)
+            if e.op == PUT and nxt is not None:
+                nxt.absorbed[:0] = [*e.absorbed, e]  # oldest first
+                e.absorbed = []
+                dropped += 1
+                continue
+            later.pop(e.node_key, None)
+            tk = e.args.get("target_key")
+            if tk:
+                later.pop(tk, None)
+            if e.op == PUT:
+                later[e.node_key] = e
+            keep.append(e)
+        if dropped:
+            keep.reverse()
+            q.clear()
+            q.extend(keep)
+            self.coalesced += dropped
+            self._absorbed[store] = self._absorbed.get(store, 0) + dropped
+            log.debug("outbox: successive puts of the same files coalesced",
+                      extra={"dropped": dropped, "left": len(q)})
+
     def _finished(self, store: str, q: deque[Entry], e: Entry) -> None:
         """``e`` (first in ``q``) committed or was refused for good: out of the queue and the
-        journal, then the listener's ``entry_finished``."""
+        journal, then the listener's ``entry_finished``; the puts it superseded (``absorbed``) first, with its
+        result."""
+        for a in e.absorbed:
+            a.errno, a.reason, a.code, a.record = e.errno, e.reason, e.code, e.record
+            self.finished[store] = self.finished.get(store, 0) + 1
+            self.journal.remove(a)
+            a.finish()
+            try:
+                self.listener.entry_finished(a)
+            except Exception:
+                log.exception("outbox result handler failed", extra={"entry": a.id})
+        if e.absorbed:
+            self._absorbed[store] = self._absorbed.get(store, 0) - len(e.absorbed)
+        e.absorbed = []
         q.popleft()
         self.finished[store] = self.finished.get(store, 0) + 1
         self.journal.remove(e)
@@ -557,8 +638,12 @@ class Committer:
             self.resolver.set_merged(e.node_key, None)
 
     async def _move(self, e: Entry, c: ApiClient, a: dict[str, Any]) -> None:
-        """Move one record to ``args["to"]`` (``replace`` an existing target); a target
-        created elsewhere meanwhile is replaced (last writer wins)."""
+        """Move one record to ``args["to"]``. The sidecar sends no ``replace`` for a target
+        it knows (a rename over a record it has seen is a ``put`` of that record, merged like
+        any write: ``NamespaceOps._rename_file_remote``); a target created elsewhere that
+        this sidecar never saw is replaced (last writer wins), reported as a conflict (a
+        line in ``errors.log``, ``memfuse_conflicts``): its content stays a version in the
+        target's history. Entries journaled by earlier releases may still carry ``replace``."""
         rid, sha = self.ids.get(e.node_key, e.store)
         e.record_id = rid
         if rid is None:
@@ -567,7 +652,11 @@ class Committer:
         try:
             res = await c.move_record(e.store, rid, a["to"], replace=replace,
                                       idempotency_key=e.key)
-        except Conflict:
+        except Conflict as err:
+            if err.code in ("parent_is_file", "path_is_directory"):
+                raise  # a file and a directory of one name: refused for good
+            self.resolver.conflict(e, "the target path was created elsewhere; this rename replaced "
+                                      "it (last writer wins; its content is kept in the record's history)")
             log.warning("conflict: move target created elsewhere; replacing it",
                         extra={"store": e.store, "path": a["to"]})
             res = await c.move_record(e.store, rid, a["to"], replace=True,

@@ -255,7 +255,7 @@ class ControlFiles:
             "stores": [self._store_status(s) for s in fs.stores.values()],
             "outbox": {"depth": c.depth(), "oldest_age_s": round(c.oldest_age(), 3),
                        "committed": c.committed, "refused": c.refused, "retries": c.retries,
-                       "merged": c.merges},
+                       "merged": c.merges, "coalesced": c.coalesced},
             "control_plane": self._reachability(),
             "refusals_since_start": self.refusals,
             "open_handles": len(fs.handles),

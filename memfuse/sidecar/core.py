@@ -46,7 +46,7 @@ import trio
 from .. import content as content_rules  # the server enforces the same rules
 from .. import names
 from ..errors import errno_of
-from ..wire import datetime_ns, sha256_hex
+from ..wire import MODE_MASK, datetime_ns, sha256_hex
 
 from .attributes import AttributeOps
 from .blobcache import BlobCache
@@ -499,7 +499,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             self.refuse(d, s, errno_of("store_full"),
                         f"store {sm.slug} holds {sm.max_records} local-only files, its limit",
                         "store_full")
-        n = self._new_node(s, d, False, sm, stat.S_IMODE(mode), time.time_ns(), uid, gid)
+        n = self._new_node(s, d, False, sm, stat.S_IMODE(mode) & MODE_MASK, time.time_ns(), uid, gid)
         n.local_only = local
         n.key = "n:" + uuid.uuid4().hex
         self.by_key[n.key] = n

@@ -29,15 +29,17 @@ import contextlib
 import errno
 import json
 import logging
+import os
 import sqlite3
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import trio
 
+from ..defs import sha256_hex
 from ..wire import Record
 from .cachedir import CacheError, cache_errno, cache_error, private_file
 
@@ -103,6 +105,9 @@ class Entry(_Waitable):
     merged: bytes | None = None
     record_id: str | None = None  # delete / move: the record the op acted on
     moved: list[Record] = field(default_factory=list)  # move_prefix: the records moved
+    #: earlier ``put``s of the same file this one supersedes (``Committer._coalesce``): they
+    #: finish with it, with its result
+    absorbed: list["Entry"] = field(default_factory=list)
     #: why the journal could not write this entry yet: ``(errno, reason)``, None once durable
     journal_error: tuple[int, str] | None = None
     #: set (and replaced) whenever the entry's state changes: a journal attempt or its end
@@ -112,6 +117,88 @@ class Entry(_Waitable):
         """The entry is committed or refused for good (``done``)."""
         self.done.set()
         self.notify()
+
+
+WITNESS_NAME = "accepted.log"
+
+
+def _move_aside(path: Path) -> Path:
+    """Rename ``path`` and its ``-wal`` / ``-shm`` / ``-journal`` files to
+    ``<path>.corrupt-<unix time>[-wal...]`` (kept for inspection); returns the new path."""
+    stamp = f"{path.name}.corrupt-{int(time.time())}"
+    target = path.with_name(stamp)
+    n = 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{stamp}.{n}")
+    for suffix in ("", "-wal", "-shm", "-journal"):
+        src = Path(f"{path}{suffix}")
+        if src.exists():
+            src.rename(Path(f"{target}{suffix}"))
+    return target
+
+
+class Witness:
+    """What the outbox journal should hold, kept apart from it: ``accepted.log``, one JSON
+    line per entry accepted (id, idempotency key, store, op, node key, args, the sha256 of its
+    content, the record id and base it was written on), per entry finished (``{"d": id}``)
+    and per key-map change, appended by the journal's writer right after each batch commits
+    and before any of its entries counts as accepted (not fsynced: see ``append``). No content: the content
+    of an accepted put is in the blob cache (``blobs.db``), put there before the entry was
+    queued. Emptied when the journal holds no entry. ``unfinished(present)`` gives the
+    accepted entries neither finished nor in the journal: what a lost, emptied, cut or
+    corrupt journal lost (docs/SEMANTICS.md "What an accepted write survives")."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        self._fd = fd
+
+    def size(self) -> int:
+        return os.fstat(self._fd).st_size
+
+    def append(self, lines: list[dict[str, Any]]) -> None:
+        """Append ``lines`` (worker thread), one ``write(2)``, no fsync: the lines are in the
+        kernel's page cache, so they survive the process (a crash, ``kill -9``) at once; only
+        a crash of the machine may lose the last ones, and then the journal (fsynced) still
+        holds those entries: the witness is read only for what the journal lacks. So the
+        witness adds no disk flush to a ``close``. Raises ``OSError``."""
+        data = "".join(json.dumps(x, separators=(",", ":")) + "\n" for x in lines).encode()
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._fd, view):]
+
+    def clear(self) -> None:
+        os.ftruncate(self._fd, 0)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+
+    def unfinished(self, present: set[int]) -> tuple[list[dict[str, Any]], dict[str, tuple[Any, Any]], int]:
+        """(entries accepted, not finished and not in ``present`` (the journal's entry ids),
+        in order; the key map the witness saw, node key -> (record id, sha256); the highest
+        entry id it names). A line cut by a crash (the last one) is skipped."""
+        top = 0
+        added: dict[int, dict[str, Any]] = {}
+        keys: dict[str, tuple[Any, Any]] = {}
+        try:
+            text = self.path.read_text("utf-8", errors="replace")
+        except OSError:
+            return [], {}, 0
+        for raw in text.splitlines():
+            try:
+                x = json.loads(raw)
+            except ValueError:
+                continue
+            if "d" in x:
+                added.pop(x["d"], None)
+            elif "m" in x:
+                keys[x["m"]] = (x.get("r"), x.get("h"))
+            elif "i" in x:
+                added[x["i"]] = x
+                top = max(top, int(x["i"]))
+        return [x for i, x in sorted(added.items()) if i not in present], keys, top
 
 
 class Barrier(_Waitable):
@@ -154,8 +241,32 @@ class Journal:
     def __init__(self, path: Path, metrics: Any = None) -> None:
         self.path = path
         self.metrics = metrics
+        #: where an unreadable journal was moved aside at this start (kept, named in the
+        #: log), else None
+        self.moved_aside: Path | None = None
+        #: the witness (``accepted.log`` beside the journal): what the journal should hold,
+        #: kept apart from it (``Witness``)
+        self.witness = Witness(path.with_name(WITNESS_NAME))
+        try:
+            self._open(path)
+        except sqlite3.DatabaseError as exc:  # corrupt, or not a database: keep it, start anew
+            with contextlib.suppress(Exception):
+                self._db.close()
+            self.moved_aside = _move_aside(path)
+            log.error("the outbox journal is unreadable; moved aside (kept for inspection) and "
+                      "started anew; what it held is recovered from the witness and the blob cache",
+                      extra={"path": str(path), "moved_to": str(self.moved_aside),
+                             "error": str(exc)[:200]})
+            self._open(path)
+
+    def _open(self, path: Path) -> None:
+        """Open (create) the journal's SQLite file and its tables; ``sqlite3.DatabaseError``
+        when it is corrupt or not a database (``quick_check`` included)."""
         private_file(path)  # 0600; SQLite gives its -wal / -shm files the same mode
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        check = self._db.execute("PRAGMA quick_check").fetchone()
+        if not check or check[0] != "ok":
+            raise sqlite3.DatabaseError(f"quick_check: {check[0] if check else 'no answer'}")
         # a new file gives freed pages back on `incremental_vacuum` (no effect on an old one)
         self._db.execute("PRAGMA auto_vacuum=INCREMENTAL")
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -192,6 +303,10 @@ class Journal:
         self._db.execute(
             "CREATE TABLE IF NOT EXISTS merges (node_key TEXT PRIMARY KEY, local_sha TEXT NOT NULL,"
             " local BLOB NOT NULL, merged_sha TEXT NOT NULL)")
+        self._init_queue()
+
+    def _init_queue(self) -> None:
+        self._witness_top = 0  # the highest entry id the witness names (``recover``)
         # queued writes: [sql, params, entry id of an insert (else None)]
         self._pending: list[list[Any]] = []
         self._waiters: list[Entry | Barrier] = []
@@ -316,21 +431,56 @@ class Journal:
         self._wakeup.set()
 
     def next_id(self) -> int:
-        """The highest entry id on disk (0 for an empty journal): entry ids continue from it."""
+        """The highest entry id on disk or in the witness (0 for none): entry ids continue
+        from it."""
         row = self._db.execute("SELECT COALESCE(MAX(id), 0) FROM entries").fetchone()
-        return int(row[0])
+        return max(int(row[0]), self._witness_top)
+
+    def recover(self, content_of: Callable[[str], bytes | None]
+                ) -> tuple[list[Entry], dict[str, tuple[Any, Any]], list[dict[str, Any]]]:
+        """What the journal lost, from the witness (call after ``load``, before anything is
+        queued): (the entries recovered: accepted, unfinished, missing from the journal, and
+        whose content ``content_of(sha256)`` still gives (the blob cache; ops without content
+        always), queued again here with their ids and idempotency keys, so one that did
+        commit before the loss is not applied twice; the key map the witness saw; the
+        witness lines of the accepted writes that cannot be recovered: their content is gone).
+        The lost ones are marked finished in the witness, so they are named once."""
+        present = {int(r[0]) for r in self._db.execute("SELECT id FROM entries")}
+        lost, keys, self._witness_top = self.witness.unfinished(present)
+        back: list[Entry] = []
+        gone: list[dict[str, Any]] = []
+        for x in lost:
+            content = None
+            if x.get("h"):
+                content = content_of(x["h"])
+                if content is None or sha256_hex(content) != x["h"]:
+                    gone.append(x)
+                    continue
+            e = Entry(id=int(x["i"]), key=x["k"], store=x["s"], op=x["o"], node_key=x.get("n"),
+                      args=x.get("a") or {}, content=content, created=float(x.get("t") or time.time()))
+            if e.node_key and x.get("r") and e.node_key not in keys:
+                keys[e.node_key] = (x.get("r"), x.get("b"))
+            self.add(e, (x.get("r"), x.get("b")))
+            back.append(e)
+        if gone:
+            self.witness.append([{"d": x["i"]} for x in gone])
+        return back, keys, gone
 
     def depth(self) -> int:
         """Queued writes not yet on disk."""
         return len(self._pending)
 
     # --- queued writes, applied in order by run() -------------------------------------------
-    def add(self, e: Entry) -> None:
+    def add(self, e: Entry, ident: tuple[str | None, str | None] | None = None) -> None:
         """Queue the insert of entry ``e`` (written by ``run`` in the next batch; ``e.durable``
-        is set once it is on disk). Never blocks, never raises."""
+        is set once it is on disk, its witness line too). ``ident``: the (record id, base
+        sha256) its node key maps to now, noted in the witness. Never blocks, never raises."""
+        line = {"i": e.id, "k": e.key, "s": e.store, "o": e.op, "n": e.node_key, "a": e.args,
+                "t": e.created, "h": sha256_hex(e.content) if e.content is not None else None,
+                "r": ident[0] if ident else None, "b": ident[1] if ident else None}
         op = ["INSERT INTO entries VALUES (?,?,?,?,?,?,?,?)",
               (e.id, e.key, e.store, e.op, e.node_key, json.dumps(e.args), e.content, e.created),
-              e.id]
+              e.id, line]
         self._pending.append(op)
         self._unwritten[e.id] = op
         self._waiters.append(e)
@@ -344,30 +494,43 @@ class Journal:
             if e in self._waiters:
                 self._waiters.remove(e)
             return
-        self._pending.append(["DELETE FROM entries WHERE id=?", (e.id,), None])
+        self._pending.append(["DELETE FROM entries WHERE id=?", (e.id,), None, {"d": e.id}])
         self._wakeup.set()
 
     def set_key(self, node_key: str, record_id: str | None, sha: str | None) -> None:
         """Queue the key map row ``node_key`` → (record id, sha256) (None, None: forgotten)."""
         self._pending.append(["INSERT OR REPLACE INTO keymap VALUES (?,?,?)",
-                              (node_key, record_id, sha), None])
+                              (node_key, record_id, sha), None,
+                              {"m": node_key, "r": record_id, "h": sha}])
         self._wakeup.set()
 
     def _apply(self, batch: list[list[Any]]) -> None:
         self._db.execute("BEGIN IMMEDIATE")
         try:
-            for sql, params, _ in batch:
+            for sql, params, *_ in batch:
                 self._db.execute(sql, params)
             self._db.execute("COMMIT")
         except BaseException:
             if self._db.in_transaction:
                 self._db.execute("ROLLBACK")
             raise
+        # after the commit, before the waiters learn it is accepted: a crash in between
+        # leaves the entry in the journal (the witness is read only for what it lacks)
+        lines = [op[3] for op in batch if len(op) > 3]
+        if lines:
+            try:
+                self.witness.append(lines)
+            except OSError as exc:
+                raise sqlite3.OperationalError(f"writing the witness: {exc.strerror or exc}") from exc
 
     def _checkpoint(self) -> None:
-        """Copy the write-ahead log into the database, truncate it, give free pages back."""
+        """Copy the write-ahead log into the database, truncate it, give free pages back;
+        empty the witness when no entry is left (it then has nothing to witness)."""
         self._db.execute("PRAGMA incremental_vacuum").fetchall()  # one page per step
         self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+        if self.witness.size() and not self._db.execute("SELECT 1 FROM entries LIMIT 1").fetchone():
+            with contextlib.suppress(OSError):
+                self.witness.clear()
 
     async def flush_pending(self) -> None:
         """Write everything queued so far in one transaction (from a worker thread).
@@ -449,3 +612,4 @@ class Journal:
                         extra={"queued": len(self._pending),
                                "errno": errno.errorcode.get(cache_errno(exc))})
         self._db.close()
+        self.witness.close()

@@ -67,6 +67,15 @@ class Metrics:
                              "0 while the control plane refuses the token in use, else 1",
                              registry=r)
         self.auth_ok.set(1)
+        self.control_plane_up = Gauge(
+            "memfuse_control_plane_up",
+            "0 while the outbox counts the control plane as down (commits fail with connection "
+            "errors, timeouts, 5xx or 429, or nothing was answered for a few seconds), else 1",
+            registry=r)
+        self.no_answer = Counter(
+            "memfuse_control_plane_no_answer",
+            "times the control plane answered nothing for a few seconds while a request "
+            "waited (a paused process, a black-holed network)", registry=r)
         self.token_reloads = Counter("memfuse_token_reloads",
                                      "times a changed --token-file was taken up", registry=r)
 

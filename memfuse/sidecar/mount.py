@@ -235,8 +235,12 @@ class Sidecar(StoreSync):
         self.config = config
         self.client = client
         self.metrics = Metrics()
-        secure_cache_dir(config.cache_dir)  # owner-only: it holds memory content
-        self.journal = Journal(config.cache_dir / "outbox.db", metrics=self.metrics)
+        try:
+            secure_cache_dir(config.cache_dir)  # owner-only: it holds memory content
+            self.journal = Journal(config.cache_dir / "outbox.db", metrics=self.metrics)
+        except OSError as e:  # e.g. a symlink planted in the cache directory (refused)
+            raise StartError(f"cache directory {config.cache_dir} unusable: "
+                             f"{e.strerror or e}") from None
         self.leftovers, keymap = self.journal.load()
         self.states: dict[str, StoreState] = {}  # before the parts below, which read it
         # the record identity, shared by the filesystem and its committer: records loaded
@@ -250,14 +254,24 @@ class Sidecar(StoreSync):
         legacy = config.cache_dir / "blobs"  # one-file-per-blob layout of earlier versions
         if legacy.is_dir():
             shutil.rmtree(legacy, ignore_errors=True)
+        try:
+            blobs = BlobCache(config.cache_dir / "blobs.db", metrics=self.metrics)
+        except OSError as e:
+            raise StartError(f"cache directory {config.cache_dir} unusable: "
+                             f"{e.strerror or e}") from None
+        self.journal_recovered, self.journal_lost = self._recover_journal(blobs, ids)
         self.invalidator = Invalidator()
-        self.fs = Filesystem(BlobCache(config.cache_dir / "blobs.db", metrics=self.metrics),
-                             client, self.journal, settings, config.workspace,
+        self.fs = Filesystem(blobs, client, self.journal, settings, config.workspace,
                              dirs_file=config.cache_dir / "dirs.json",
                              rejected=self.journal.load_rejected(),
                              local=self.journal.load_local(), ids=ids, listener=self,
                              metrics=self.metrics, mount_root=str(config.mountpoint))
         self.committer = self.fs.committer
+        for x in self.journal_lost:  # named in errors.log (the log and status.json: above, below)
+            self.fs.note_error(None, (x.get("a") or {}).get("path", ""), errno.EIO,
+                               f"an accepted {x.get('o')} was lost with the outbox journal and its "
+                               "content is gone from the cache: write it again", "journal_lost",
+                               x.get("s", ""))
         self.ops = MemfuseOps(self.fs, self.metrics)
         self.task_failures: dict[str, int] = {}  # task name -> unexpected exceptions
         self.state_save_failing = False
@@ -308,6 +322,8 @@ class Sidecar(StoreSync):
             records=lambda: sum(len(s.records) for s in self.states.values()),
             cache_bytes=lambda: sum(r.size for s in self.states.values() for r in s.records.values()),
             stores=lambda: len(self.fs.stores), ready=lambda: 1.0 if self.ready else 0.0)
+        self.metrics.control_plane_up.set_function(
+            lambda: 0.0 if self.committer.unreachable is not None else 1.0)
 
     @property
     def ready(self) -> bool:
@@ -326,6 +342,36 @@ class Sidecar(StoreSync):
                            "in the outbox and commit once a valid token is "
                            + (f"in {tf.path}" if tf is not None else "given"))
         return "; ".join(reasons) or None
+
+    def _recover_journal(self, blobs: BlobCache, ids: RecordIds) -> tuple[int, list[dict]]:
+        """A journal missing, emptied, cut short or corrupt (moved aside by ``Journal``) is
+        never forgotten silently: every accepted write the witness names that the journal
+        lacks is queued again when its content is still in the blob cache (same id and
+        idempotency key), and each one that cannot be is named in the log (error), in
+        ``errors.log`` and in ``status.json`` (``cache.journal_lost``). Returns (how many were
+        recovered, the witness lines of the lost ones). ``ids`` (the record identity the
+        filesystem and its committer will share) learns the key map the witness saw."""
+        def content_of(sha: str) -> bytes | None:
+            try:
+                return blobs.read(sha) if blobs.has(sha) else None
+            except Exception:  # an unreadable cache: the content is as good as gone
+                return None
+
+        back, keys, gone = self.journal.recover(content_of)
+        for k, v in keys.items():
+            if k not in ids.map:
+                ids.map[k] = v
+                self.journal.set_key(k, *v)
+        if back:
+            self.leftovers = sorted([*self.leftovers, *back], key=lambda e: e.id)
+            log.warning("outbox journal short of accepted writes; recovered them from the "
+                        "witness and the blob cache", extra={"recovered": len(back),
+                                                            "journal": str(self.journal.path)})
+        for x in gone:
+            log.error("an accepted write was lost with the outbox journal; its content is gone",
+                      extra={"store": x.get("s"), "path": (x.get("a") or {}).get("path"),
+                             "op": x.get("o"), "key": x.get("k")})
+        return len(back), gone
 
     # ------------------------------------------------------------------ status
     # ------------------------------------------------------------------ FsListener
@@ -379,12 +425,18 @@ class Sidecar(StoreSync):
         st["task_failures"] = dict(self.task_failures)
         st["cache"] = {"dir": str(self.config.cache_dir), "journal_queued": self.journal.depth(),
                        "journal_error": self.journal.error.reason if self.journal.error else None,
+                       "journal_moved_aside": str(self.journal.moved_aside) if self.journal.moved_aside else None,
+                       "journal_recovered": self.journal_recovered,
+                       "journal_lost": [{"store": x.get("s"), "path": (x.get("a") or {}).get("path"),
+                                         "op": x.get("o")} for x in self.journal_lost],
                        "state_save_failing": self.state_save_failing}
         st["offline_start"] = self.offline_start
         ctl = self.fs.controls
         st["context"] = {"fetched_age_s": round(time.time() - ctl.context_at, 3)
                          if ctl.context_at else None, "error": ctl.context_error}
         st["ready"] = self.ready
+        if not st["control_plane"]["reachable"]:
+            st["control_plane"]["no_answer_s"] = round(self.client.no_answer_for(), 1)
         tf = self.client.token_file
         st["auth"] = {"ok": self.client.auth_failure is None, "error": self.client.auth_failure,
                       "failures": self.client.auth_failures,
@@ -421,6 +473,34 @@ class Sidecar(StoreSync):
                                                    context=context), name=name)
 
     GC_EVERY = 60.0  # s between collections of unreferenced blobs
+    #: s without any answer from the control plane while a request waits, after which it
+    #: counts as down (closes return once accepted); at most half of ``--commit-wait``
+    NO_ANSWER_AFTER = 3.0
+    LIVENESS_EVERY = 0.25  # s between looks at the waiting requests
+
+    async def _liveness(self) -> None:
+        """Notice a control plane that has stopped answering (paused, black-holed network)
+        within ``NO_ANSWER_AFTER`` s, long before a request's read timeout (30 s): the
+        outbox then counts it as down (``Committer.no_answer``: status ``reachable: false``,
+        error ``no_answer``, ``memfuse_control_plane_up`` 0) and a waiting ``close``
+        returns once its write is accepted, as in a known outage. Any answer afterwards
+        (a response, a feed heartbeat) ends it (``Committer.heard_again``). No request of
+        its own: the requests already waiting are the probe, so an idle sidecar costs the
+        control plane nothing."""
+        after = min(self.NO_ANSWER_AFTER, max(0.5, self.config.commit_wait / 2))
+        noted_at: float | None = None  # time.monotonic() when this task noted an outage
+        while True:
+            await trio.sleep(self.LIVENESS_EVERY)
+            silent = self.client.no_answer_for()
+            if silent >= after and noted_at is None:
+                noted_at = time.monotonic()
+                self.metrics.no_answer.inc()
+                log.warning("the control plane answers nothing; counted as unreachable",
+                            extra={"silent_s": round(silent, 1)})
+                self.committer.no_answer(silent)
+            elif noted_at is not None and self.client.last_answer > noted_at:
+                noted_at = None
+                self.committer.heard_again()
 
     async def _wait_token(self, timeout: float) -> None:
         """Sleep up to ``timeout`` s, less if a new token is taken up meanwhile."""
@@ -470,6 +550,7 @@ class Sidecar(StoreSync):
                 nursery.start_soon(self._signals, sigs)
                 self._spawn("journal", self.journal.run)
                 await nursery.start(self.committer.run)
+                self._spawn("liveness", self._liveness)
                 if self.client.token_file is not None:
                     self._spawn("token-watch", self._token_watch)
                 # the admin API first, so /healthz and /readyz answer while loading

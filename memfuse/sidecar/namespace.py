@@ -212,8 +212,19 @@ class NamespaceOps:
             # acts on that record (as a local-only file renamed over it does)
             self._adopt_key(src, dst)
             return False
-        args = {"path": old_path, "to": new_path, "replace": dst is not None and not dst.local_only}
         if dst is not None and not dst.local_only:
-            args["target_key"] = dst.key
-        self.committer.submit(sm.slug, MOVE, src.key, args)
+            # A rename over a record (sed -i, os.replace, an editor's save, mv over a file)
+            # is a write of that record under the rules of an in-place write, never a blind
+            # replace: src's record (the temporary, created or queued) is deleted, and src
+            # takes over dst's key, so its content is put with dst's last-seen version as
+            # the base (If-Match): a rival change since then is merged (append rebase,
+            # three-way line merge), and only overlapping edits fall back to last writer
+            # wins with a conflict line (Committer._put). Order in the store's queue: src's
+            # create (if queued), its delete, dst's put.
+            self.committer.submit(sm.slug, DELETE, src.key, {"path": old_path})
+            self._adopt_key(src, dst)
+            src.dirty = True
+            return True
+        self.committer.submit(sm.slug, MOVE, src.key, {"path": old_path, "to": new_path,
+                                                        "replace": False})
         return False

@@ -403,6 +403,9 @@ _SETTINGS_FIELDS: dict[str, Callable[[str], Any]] = {
     "max_record_bytes": parse_byte_size,
     "max_store_bytes": parse_byte_size,
     "max_records": parse_count,
+    "max_history_bytes": parse_byte_size,
+    "max_history_versions": parse_count,
+    "history_min_age_s": lambda text: 0 if text.strip() in ("0", "") else parse_count(text),
 }
 
 
@@ -433,6 +436,8 @@ def store_settings(ctx: Ctx) -> Response:
     else:
         update["default_type"] = values["default_type"]
     for name, parse in _SETTINGS_FIELDS.items():
+        if name.startswith(("max_history", "history_")) and name not in ctx.form:
+            continue  # a form of an earlier release: the history budget is left as it is
         try:
             update[name] = parse(values[name])
         except ValueError as err:

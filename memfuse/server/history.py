@@ -1,0 +1,192 @@
+"""The history budget of a store: how much past versions' content the control plane keeps.
+
+Every write keeps the content of the version it makes, so without a bound a store's history
+grows with every rewrite (300 rewrites of a 1 KiB record in a 4 KiB store kept 300 KB). Each
+store has a budget (docs/SEMANTICS.md "History budget"; the store's own settings, else the
+defaults of :mod:`memfuse.defs`):
+
+- ``max_history_bytes`` (default 16 x ``max_store_bytes``): content bytes of past versions;
+- ``max_history_versions`` (default 16 x ``max_records``): past versions with content;
+- ``history_min_age_s`` (default 24 h): a version younger than this is never pruned, whatever
+  the budget says (a mistake of the last day can always be undone).
+
+*History* is every version whose content is kept, minus the current version of each live
+record (those are the live content, counted by ``usage_bytes`` / ``record_count``). The store
+row counts the kept versions (``version_bytes`` / ``version_count``) in the same transaction
+as every write: ``note_kept`` collects a transaction's changes in ``conn.info`` and
+``settle`` (called at the end of every record write transaction, single or batch) adds them
+in one statement per store, then prunes when the store is over its budget: the oldest past
+versions (by change-feed seq) older than the minimum age lose their content (``content`` NULL,
+``pruned`` true; path, sha256, size, time and actor kept), until the history fits. A pruned
+version shows ``pruned: true`` in the history of every face; showing or restoring its content
+answers 409 ``pruned``.
+
+Pruning runs in the write transaction that went over the budget, so it costs that write one
+indexed read (``ix_versions_store_seq``) and two updates; a store over its budget with
+nothing old enough to prune is not looked at again for ``IDLE_RECHECK`` s by this process.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import bindparam, or_, select, true, update
+from sqlalchemy.engine import Connection
+
+from memfuse.defs import HISTORY_BYTES_FACTOR, HISTORY_MIN_AGE_S, HISTORY_VERSIONS_FACTOR
+from memfuse.server.db import RecordRow, StoreRow, VersionRow, utcnow
+
+__all__ = ["budget", "usage", "note_kept", "kept_mark", "kept_rollback", "reset", "settle",
+           "forget_idle", "collector", "PRUNED", "IDLE_RECHECK"]
+
+log = logging.getLogger("memfuse.server.service")
+
+_S, _R, _V = StoreRow.__table__, RecordRow.__table__, VersionRow.__table__
+_KEY = "memfuse_kept"  # conn.info: store slug -> [bytes, count] of kept versions added
+PRUNE_BATCH = 500  # candidate versions read per pass
+IDLE_RECHECK = 30.0  # s before a store with nothing prunable is looked at again
+
+_UPDATE_KEPT = (
+    update(_S)
+    .where(_S.c.slug == bindparam("slug_"))
+    .values(version_bytes=_S.c.version_bytes + bindparam("d_bytes"),
+            version_count=_S.c.version_count + bindparam("d_count"))
+)
+
+
+class _Totals:
+    """What this process pruned (``memfuse_server_history_pruned_*`` metrics)."""
+
+    def __init__(self) -> None:
+        self.versions = 0
+        self.bytes = 0
+        self.lock = threading.Lock()
+
+
+PRUNED = _Totals()
+_idle_until: dict[str, float] = {}  # store slug -> time.monotonic() before which not to look
+
+
+def budget(st: Any) -> tuple[int, int, int]:
+    """(max bytes, max versions, minimum age in s) of the history of store row ``st``: its
+    own settings, else the defaults (16 x ``max_store_bytes``, 16 x ``max_records``, 24 h)."""
+    b = st.max_history_bytes if st.max_history_bytes is not None else HISTORY_BYTES_FACTOR * st.max_store_bytes
+    n = (st.max_history_versions if st.max_history_versions is not None
+         else HISTORY_VERSIONS_FACTOR * st.max_records)
+    age = st.history_min_age_s if st.history_min_age_s is not None else HISTORY_MIN_AGE_S
+    return int(b), int(n), int(age)
+
+
+def usage(st: Any) -> tuple[int, int]:
+    """(bytes, versions) of store row ``st``'s history: its kept versions minus its live
+    records (never below 0: a rolling update may leave old replicas' versions uncounted)."""
+    return (max(0, (st.version_bytes or 0) - (st.usage_bytes or 0)),
+            max(0, (st.version_count or 0) - (st.record_count or 0)))
+
+
+def note_kept(conn: Connection, store: str, d_bytes: int, d_count: int) -> None:
+    """Note in this transaction that ``store`` keeps ``d_count`` more versions holding
+    ``d_bytes`` more content (negative: content removed, by a redaction)."""
+    kept = conn.info.setdefault(_KEY, {})
+    b, n = kept.get(store, (0, 0))
+    kept[store] = (b + d_bytes, n + d_count)
+
+
+def kept_mark(conn: Connection) -> dict:
+    """The notes so far (for ``kept_rollback`` when a savepoint is rolled back)."""
+    return dict(conn.info.get(_KEY, {}))
+
+
+def kept_rollback(conn: Connection, mark: dict) -> None:
+    """Forget the notes made since ``kept_mark`` returned ``mark``."""
+    conn.info[_KEY] = dict(mark)
+
+
+def reset(conn: Connection) -> None:
+    """Drop notes left on a pooled connection by a transaction that did not settle."""
+    conn.info.pop(_KEY, None)
+
+
+def settle(conn: Connection) -> None:
+    """At the end of a record write transaction: add the noted kept versions to each
+    store's counters, then prune each store that is over its history budget."""
+    kept = conn.info.pop(_KEY, None)
+    if not kept:
+        return
+    for store, (d_bytes, d_count) in kept.items():
+        if d_bytes or d_count:
+            conn.execute(_UPDATE_KEPT, {"slug_": store, "d_bytes": d_bytes, "d_count": d_count})
+        if d_bytes > 0 or d_count > 0:
+            _prune(conn, store)
+
+
+def _prune(conn: Connection, store: str) -> None:
+    st = conn.execute(select(_S).where(_S.c.slug == store)).first()
+    if st is None:
+        return
+    max_b, max_n, min_age = budget(st)
+    hist_b, hist_n = usage(st)
+    over_b, over_n = hist_b - max_b, hist_n - max_n
+    if over_b <= 0 and over_n <= 0:
+        return
+    if _idle_until.get(store, 0.0) > time.monotonic():
+        return
+    cutoff = utcnow() - timedelta(seconds=min_age)
+    rows = conn.execute(
+        select(_V.c.seq, _V.c.size, _V.c.record_id, _V.c.version, _R.c.deleted, _R.c.version.label("current"))
+        .select_from(_V.join(_R, _R.c.id == _V.c.record_id))
+        .where(_V.c.store == store, _V.c.content.is_not(None), _V.c.created_at < cutoff,
+               or_(_R.c.deleted == true(), _R.c.version != _V.c.version))
+        .order_by(_V.c.seq).limit(PRUNE_BATCH)
+    ).all()
+    seqs: list[int] = []
+    gone_records: list[str] = []  # deleted records whose last version is pruned: no content left
+    freed = 0
+    for r in rows:
+        if over_b <= 0 and over_n <= 0:
+            break
+        seqs.append(r.seq)
+        freed += r.size
+        over_b -= r.size
+        over_n -= 1
+        if r.deleted and r.version == r.current:
+            gone_records.append(r.record_id)
+    if seqs:
+        conn.execute(update(_V).where(_V.c.seq.in_(seqs)).values(content=None, pruned=True))
+        if gone_records:
+            conn.execute(update(_R).where(_R.c.id.in_(gone_records)).values(content=None))
+        conn.execute(_UPDATE_KEPT, {"slug_": store, "d_bytes": -freed, "d_count": -len(seqs)})
+        with PRUNED.lock:
+            PRUNED.versions += len(seqs)
+            PRUNED.bytes += freed
+        log.info("history budget: pruned the content of %d versions (%d bytes) of store %s",
+                 len(seqs), freed, store)
+    if over_b > 0 or over_n > 0:
+        # still over: what is left is younger than the minimum age (or the current content)
+        _idle_until[store] = time.monotonic() + IDLE_RECHECK
+    else:
+        _idle_until.pop(store, None)
+
+
+def forget_idle(store: str) -> None:
+    """``store``'s budget changed: look at it again at its next write."""
+    _idle_until.pop(store, None)
+
+
+def collector():
+    """Metric families of what this process pruned (``ServerMetrics.add_collector``)."""
+    from prometheus_client.core import CounterMetricFamily
+
+    def collect() -> list:
+        v = CounterMetricFamily("memfuse_server_history_pruned_versions",
+                                "Versions whose content the history budget pruned")
+        v.add_metric([], PRUNED.versions)
+        b = CounterMetricFamily("memfuse_server_history_pruned_bytes",
+                                "Content bytes the history budget pruned")
+        b.add_metric([], PRUNED.bytes)
+        return [v, b]
+
+    return collect

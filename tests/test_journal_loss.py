@@ -1,0 +1,107 @@
+"""A lost outbox journal is never silent (docs/SEMANTICS.md "What an accepted write
+survives"). With the control plane down, writes close with 0 (accepted into ``outbox.db``);
+the sidecar stops; ``outbox.db`` is deleted, emptied, its write-ahead log cut, or corrupted.
+At the next start the sidecar requeues every accepted write whose content the blob cache
+still holds (the witness ``accepted.log``, kept apart from the journal, names them), moves a
+corrupt journal aside (kept) instead of crash-looping, and names every write it cannot
+recover in the log, ``errors.log`` and ``status.json``. Real ``memfuse serve`` and
+``memfuse mount`` processes."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from mountutil import ControlPlane, Sidecar, live_records, read, sh, wait_until
+
+pytestmark = pytest.mark.mount
+
+N = 12
+
+
+def _status(sc: Sidecar) -> dict:
+    return json.loads((sc.mountpoint / ".memfuse" / "status.json").read_text())
+
+
+def _damage(cache: Path, how: str) -> None:
+    db = cache / "outbox.db"
+    if how in ("deleted", "all_gone"):
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{db}{suffix}").unlink(missing_ok=True)
+        if how == "all_gone":
+            for suffix in ("", "-wal", "-shm"):
+                Path(f"{cache / 'blobs.db'}{suffix}").unlink(missing_ok=True)
+    elif how == "emptied":
+        os.truncate(db, 0)
+        for suffix in ("-wal", "-shm"):
+            Path(f"{db}{suffix}").unlink(missing_ok=True)
+    elif how == "wal_cut":
+        wal = Path(f"{db}-wal")
+        if wal.exists():
+            os.truncate(wal, 0)
+        # and what a checkpoint had moved into the main file is gone too: an older copy
+        os.truncate(db, 0)
+    elif how == "corrupt":
+        with open(db, "r+b") as f:
+            f.write(b"\xde\xad\xbe\xef" * 256)
+    else:
+        raise AssertionError(how)
+
+
+@pytest.mark.expect_sidecar_errors("a corrupt journal and unrecoverable writes are logged as errors")
+@pytest.mark.parametrize("how", ["deleted", "emptied", "wal_cut", "corrupt", "all_gone"])
+def test_accepted_writes_survive_a_lost_journal_or_are_named(tmp_path, how):
+    cp = ControlPlane(tmp_path).start()
+    sc = None
+    try:
+        tok = cp.setup_workspace("ws", ("s",))
+        sc = Sidecar(cp, "ws", tok, tmp_path / "mnt", tmp_path / "cache", "--drain-timeout", "1",
+                     "--start-timeout", "5").start(expect="s")
+        m = sc.mountpoint / "s"
+        sh("echo base > base.md", m)
+        wait_until(lambda: "base.md" in live_records(cp, "s"), timeout=10, what="base committed")
+        cp.stop()  # an outage: the writes below are accepted, not committed
+        for i in range(N):
+            sh(f"echo 'during the outage {i}' > f{i:02d}.md", m, timeout=30)
+        sh("echo more >> base.md", m, timeout=30)
+        assert _status(sc)["outbox"]["depth"] >= N + 1
+        if how == "wal_cut":
+            sc.kill9()  # the journal's last batches may still be in its write-ahead log
+        else:
+            sc.stop()
+        sc.proc = None
+        _damage(sc.cache_dir, how)
+        cp.start()
+        sc.start(expect="s")
+        want = {f"f{i:02d}.md": f"during the outage {i}\n" for i in range(N)}
+        want["base.md"] = "base\nmore\n"
+        st = _status(sc)
+        if how == "all_gone":
+            # nothing to recover the content from: every accepted write is named
+            lost = st["cache"]["journal_lost"]
+            assert sorted(x["path"] for x in lost) == sorted(want), lost
+            errors = [json.loads(ln) for ln in (sc.mountpoint / ".memfuse" / "errors.log").read_text().splitlines()]
+            named = {e["path"] for e in errors if e.get("code") == "journal_lost"}
+            assert named == set(want), errors
+            log = sc.log.read_text()
+            assert log.count("an accepted write was lost with the outbox journal") == len(want)
+            return
+        wait_until(lambda: _status(sc)["outbox"]["depth"] == 0, timeout=60, what="outbox drained")
+        recs = live_records(cp, "s")
+        assert {p: r.content for p, r in recs.items()} == want
+        assert all(read(m / p) == c for p, c in want.items())
+        assert st["cache"]["journal_lost"] == []
+        assert st["cache"]["journal_recovered"] >= (1 if how == "wal_cut" else N + 1)
+        if how == "corrupt":
+            aside = Path(st["cache"]["journal_moved_aside"])
+            assert aside.exists() and aside.name.startswith("outbox.db.corrupt-")
+            assert "the outbox journal is unreadable; moved aside" in sc.log.read_text()
+        # the versions: each write applied once (the base record: created, appended)
+        base = recs["base.md"]
+        assert [v.version for v in cp.call("versions", "s", base.id)] == [1, 2]
+    finally:
+        if sc is not None and sc.proc is not None:
+            sc.stop()
+        cp.stop()
