@@ -25,7 +25,7 @@ from memfuse.wire import Change, Operation, Record, sha256_hex
 from memfuse.sidecar.blobcache import BlobCache
 from memfuse.sidecar.core import CLEAN, Filesystem
 from memfuse.sidecar.committer import Committer
-from memfuse.sidecar.journal import PUT, Journal
+from memfuse.sidecar.journal import PUT, Entry, Journal
 from memfuse.sidecar.sync import StoreState, catch_up
 
 
@@ -153,6 +153,37 @@ async def test_catch_up_from_the_fake_and_410(tmp_path):
 
 
 # ------------------------------------------------------------------ committer
+async def test_replayed_put_that_applied_is_not_coalesced_into_the_next(tmp_path):
+    """A put the previous process sent (applied; its answer lost with the process) is sent
+    again on replay with its idempotency key, never absorbed by the next put of the same file:
+    that one, sent on the older base, would merge the applied lines a second time."""
+    fake = FakeControlPlane(seed=3)
+    token = await fake.setup("ws")
+    async with ApiClient(fake.base_url, token, transport=fake.transport) as api:
+        rec = await api.create_record("default", "a.md", "r0\n")
+        e1 = Entry(id=1, store="default", op=PUT, node_key="n:a", args={"path": "a.md"},
+                   content=b"r0\nr1\n")
+        e2 = Entry(id=2, store="default", op=PUT, node_key="n:a", args={"path": "a.md"},
+                   content=b"r0\nr1\nr2\n")
+        # the previous process sent e1 and was killed before the answer came
+        await api.update_record("default", rec.id, "r0\nr1\n", if_match=rec.sha256,
+                                idempotency_key=e1.key)
+        j = Journal(tmp_path / "outbox.db")
+        c = Committer(api, j, {"n:a": (rec.id, rec.sha256)})
+        c.replay([e1, e2])
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(j.run)
+            await nursery.start(c.run)
+            with trio.fail_after(30):
+                await c.wait_idle()
+            nursery.cancel_scope.cancel()
+        recs, _ = await api.snapshot("default", content=True)
+        versions = await api.versions("default", rec.id)
+    assert [(r.path, r.content) for r in recs] == [("a.md", "r0\nr1\nr2\n")]
+    assert len(versions) == 3 and e1.errno == 0 == e2.errno
+    j.close()
+
+
 async def test_committer_lost_responses_and_races_give_one_version_per_write(tmp_path):
     fake = FakeControlPlane(seed=11)
     token = await fake.setup("ws")
@@ -173,10 +204,10 @@ async def test_committer_lost_responses_and_races_give_one_version_per_write(tmp
             nursery.start_soon(j.run)
             await nursery.start(c.run)
             fake.faults.drop_rate = 0.5  # half the answers are lost after the write applied
-            for i in range(6):
+            for i in range(6):  # one at a time: queued together they would be coalesced
                 c.submit("default", PUT, "n:a", {"path": "a.md"}, f"v{i}\n".encode())
-            with trio.fail_after(30):
-                await c.wait_idle()
+                with trio.fail_after(30):
+                    await c.wait_idle()
             fake.faults.drop_rate = 0.0
             fake.faults.precondition_race = 1  # someone else edits before the next If-Match
             c.submit("default", PUT, "n:a", {"path": "a.md"}, b"last\n")

@@ -238,8 +238,13 @@ class Committer:
 
     def replay(self, entries: list[Entry]) -> None:
         """Queue entries a previous process accepted but did not finish (call before mount)."""
+        first: set[tuple[str, str | None]] = set()
         for e in entries:
             self._seq = max(self._seq, e.id)
+            if (e.store, e.node_key) not in first:
+                # the previous process may have sent it (its answer lost with the process)
+                first.add((e.store, e.node_key))
+                e.sent = True
             self._enqueue(e)
 
     def poke(self) -> None:
@@ -362,7 +367,10 @@ class Committer:
         close (appends in their order); it is sent with the base the earlier one had (the
         version this sidecar last saw: ``If-Match``), so a rival change is merged as before.
         Nothing moves ahead of what was written before it: the content waits at the later
-        position. A backlog of 1,000 writes to 2 files is 2 requests."""
+        position. A put that may already have reached the control plane (``Entry.sent``) is
+        never absorbed: its content may be applied, so the later put, sent on the earlier
+        base, would merge it a second time; it is sent again with its own idempotency key.
+        A backlog of 1,000 writes to 2 files is 2 requests."""
         later: dict[str, Entry] = {}  # node key -> the next put of it, nothing touching it between
         keep: list[Entry] = []
         dropped = 0
@@ -372,7 +380,7 @@ class Committer:
                 keep.append(e)
                 continue
             nxt = later.get(e.node_key)
-            if e.op == PUT and nxt is not None:
+            if e.op == PUT and nxt is not None and not e.sent:
                 nxt.absorbed[:0] = [*e.absorbed, e]  # oldest first
                 e.absorbed = []
                 dropped += 1
@@ -480,6 +488,8 @@ class Committer:
         self._inflight[store] = trio.Event()
         try:
             ops = [op for _, op in batch if op is not None]
+            for e, op in batch:
+                e.sent = e.sent or op is not None
             outcomes = await self._send_batch(store, ops)
             answers = iter(outcomes) if outcomes is not None else None
             for e, op in batch:
@@ -538,6 +548,7 @@ class Committer:
         for the first attempt only)."""
         while True:
             e.attempts += 1
+            e.sent = True
             client, answered = answered, None
             try:
                 await self._apply(e, client)

@@ -108,6 +108,10 @@ class Entry(_Waitable):
     #: earlier ``put``s of the same file this one supersedes (``Committer._coalesce``): they
     #: finish with it, with its result
     absorbed: list["Entry"] = field(default_factory=list)
+    #: a request carrying this entry may have reached the control plane (sent once, or
+    #: replayed after a crash as the first entry of its file): never coalesced away, so a
+    #: write that did apply is answered by its idempotency key instead of being merged twice
+    sent: bool = False
     #: why the journal could not write this entry yet: ``(errno, reason)``, None once durable
     journal_error: tuple[int, str] | None = None
     #: set (and replaced) whenever the entry's state changes: a journal attempt or its end
