@@ -169,7 +169,8 @@ async def test_replayed_put_that_applied_is_not_coalesced_into_the_next(tmp_path
         await api.update_record("default", rec.id, "r0\nr1\n", if_match=rec.sha256,
                                 idempotency_key=e1.key)
         j = Journal(tmp_path / "outbox.db")
-        c = Committer(api, j, {"n:a": (rec.id, rec.sha256)})
+        blobs = {rec.sha256: b"r0\n"}  # the blob cache: the base of an append's rebase
+        c = Committer(api, j, {"n:a": (rec.id, rec.sha256)}, base_content=blobs.get)
         c.replay([e1, e2])
         async with trio.open_nursery() as nursery:
             nursery.start_soon(j.run)
