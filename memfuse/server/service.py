@@ -62,6 +62,7 @@ from memfuse.server.db import Database
 from memfuse.server.memstores import MemoryStoresMixin
 from memfuse.server.records import RecordsMixin, _usage  # noqa: F401  (_usage: for tests)
 from memfuse.server.search import SearchMixin
+from memfuse.server.sessions import SessionsMixin
 from memfuse.server.stores import StoresMixin
 from memfuse.server.tokens import TOKEN_CACHE_MAX, TOKEN_CACHE_SECONDS, TokenCache, TokensMixin
 from memfuse.server.wakeups import Bus, Notifier
@@ -92,7 +93,7 @@ __all__ = [
 ]
 
 
-class Service(TokensMixin, StoresMixin, BatchMixin, RecordsMixin, SearchMixin, ChangesMixin, ContextMixin,
+class Service(TokensMixin, SessionsMixin, StoresMixin, BatchMixin, RecordsMixin, SearchMixin, ChangesMixin, ContextMixin,
               MemoryStoresMixin):
     """The control plane's rules over a ``Database``.
 
