@@ -29,7 +29,10 @@ CHROMEDRIVER = "/usr/bin/chromedriver"
 WAIT = 15  # seconds: upper bound of every wait for the page or the mount (event-driven)
 
 
-def _chrome(profile: Path):
+def _chrome(profile: Path, *extra: str, performance_log: bool = False):
+    """Headless Chromium under chromedriver (skips the test when either is missing), with
+    ``extra`` command-line switches; ``performance_log``: keep the DevTools network events
+    (``driver.get_log("performance")``)."""
     try:
         from selenium import webdriver
         from selenium.webdriver.chrome.service import Service as ChromeService
@@ -41,8 +44,10 @@ def _chrome(profile: Path):
     opts.binary_location = CHROMIUM
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                "--disable-dev-shm-usage", "--window-size=1280,900", f"--user-data-dir={profile}"):
+                "--disable-dev-shm-usage", "--window-size=1280,900", f"--user-data-dir={profile}", *extra):
         opts.add_argument(arg)
+    if performance_log:
+        opts.set_capability("goog:loggingPrefs", {"performance": "ALL"})
     return webdriver.Chrome(service=ChromeService(executable_path=CHROMEDRIVER), options=opts)
 
 
