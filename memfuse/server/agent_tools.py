@@ -56,6 +56,9 @@ class InProcessBackend:
         self.tool = MemoryTool(svc, principal, workspace, client)
 
     async def call(self, command: dict[str, Any]) -> tuple[str, bool]:
+        bad = _not_unicode(command, "arguments")
+        if bad is not None:
+            return f"{bad}: not valid Unicode text (a lone surrogate code point)", True
         r: ToolResult = await anyio.to_thread.run_sync(self.tool.run, command)
         return r.content, r.is_error
 
@@ -86,6 +89,29 @@ def _check_workspace(p: Principal, ws: str) -> None:
         raise ServiceError(403, "forbidden", "the token belongs to another workspace")
 
 
+def _not_unicode(value: Any, where: str = "body") -> str | None:
+    """Where in a decoded JSON value a string holds a lone surrogate (JSON's ``"\\ud800"``
+    decodes to one; it has no UTF-8 form, so it can be neither a path nor stored), e.g.
+    ``"body.path"``; None when there is none."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return where
+        return None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            found = _not_unicode(k, where) or _not_unicode(v, f"{where}.{k}")
+            if found:
+                return found
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            found = _not_unicode(v, f"{where}[{i}]")
+            if found:
+                return found
+    return None
+
+
 def install(app: FastAPI, svc: Service, principal: Callable[..., Any]) -> None:
     """Add the memory-tool endpoint, ``/mcp`` and its protected-resource metadata to ``app``.
     ``principal`` is the app's authentication dependency. The MCP session manager runs in
@@ -101,6 +127,10 @@ def install(app: FastAPI, svc: Service, principal: Callable[..., Any]) -> None:
             examples=[{"command": "view", "path": "/memories"}]),
     ) -> Response:
         _check_workspace(p, ws)
+        bad = _not_unicode(command)
+        if bad is not None:
+            raise ServiceError(422, "validation_error",
+                               f"{bad}: not valid Unicode text (a lone surrogate code point)")
         r = MemoryTool(svc, p, ws, p.instance).run(command)
         body = MemoryToolResult(content=r.content, is_error=r.is_error).model_dump_json()
         return Response(body, media_type="application/json")
