@@ -87,13 +87,20 @@ async def test_memory_tool_hostile_parameters(env):
         assert "must be an integer from 1" in r.json()["content"]
     r = await c.post(url, headers=h, json={"command": "history", "path": "/memories/ws/a.md", "version": 1})
     assert r.status_code == 200 and "one" in r.json()["content"]
-    # a lone surrogate (JSON "\ud800") has no UTF-8 form: 422, whatever the parameter
+    # a lone surrogate (JSON "\ud800") has no UTF-8 form: in a path (or any name) 422 ...
     for body in (b'{"command": "view", "path": "/memories/ws/\\ud800.md"}',
                  b'{"command": "create", "path": "/memories/ws/\\udfff", "file_text": "x"}',
-                 b'{"command": "str_replace", "path": "/memories/ws/a.md", "old_str": "\\ud800", "new_str": "y"}',
+                 b'{"command": "rename", "old_path": "/memories/ws/a.md", "new_path": "/memories/ws/\\ud800"}',
                  b'{"command": "view", "path": "/memories", "\\ud800": 1}'):
         r = await c.post(url, headers={**h, "Content-Type": "application/json"}, content=body)
         assert_422(r, "lone surrogate")
+    # ... in text, the tool refuses the content (EILSEQ), as a result, never a 500
+    for body in (b'{"command": "str_replace", "path": "/memories/ws/a.md", "old_str": "\\ud800", "new_str": "y"}',
+                 b'{"command": "str_replace", "path": "/memories/ws/a.md", "old_str": "two", "new_str": "\\ud800"}',
+                 b'{"command": "insert", "path": "/memories/ws/a.md", "insert_line": 1, "insert_text": "\\udc00"}',
+                 b'{"command": "create", "path": "/memories/ws/s.md", "file_text": "x\\ud800"}'):
+        r = await c.post(url, headers={**h, "Content-Type": "application/json"}, content=body)
+        assert r.status_code == 200 and r.json()["is_error"] is True, (body, r.status_code, r.text)
     assert (await c.get(f"/v1/stores/ws/records/{rid}")).json()["content"] == "two\n"
 
 
