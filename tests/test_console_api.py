@@ -292,6 +292,10 @@ async def test_session_ends_with_its_token_and_is_stored_hashed(app):
         assert [(r.id_sha256, r.token_id, r.workspace) for r in rows] == [
             (session_digest(session), created["id"], "ws")]
         assert all(session not in str(tuple(r)) and created["token"] not in str(tuple(r)) for r in rows)
+        # the session's principal names its token: its live pages end with the token
+        # (memfuse.server.streamclass), and no later than the session
+        sp = svc.session_principal(session)
+        assert sp.token_id == created["id"] and sp.expires_at is not None and sp.workspace == "ws"
         # the session expires: refused
         with svc.db.write_conn() as conn:
             conn.execute(update(ConsoleSessionRow.__table__).values(expires_at=utcnow() - timedelta(seconds=1)))
