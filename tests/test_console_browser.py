@@ -29,7 +29,10 @@ CHROMEDRIVER = "/usr/bin/chromedriver"
 WAIT = 15  # seconds: upper bound of every wait for the page or the mount (event-driven)
 
 
-def _chrome(profile: Path):
+def _chrome(profile: Path, *extra: str, performance_log: bool = False):
+    """Headless Chromium under chromedriver (skips the test when either is missing), with
+    ``extra`` command-line switches; ``performance_log``: keep the DevTools network events
+    (``driver.get_log("performance")``)."""
     try:
         from selenium import webdriver
         from selenium.webdriver.chrome.service import Service as ChromeService
@@ -41,8 +44,10 @@ def _chrome(profile: Path):
     opts.binary_location = CHROMIUM
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                "--disable-dev-shm-usage", "--window-size=1280,900", f"--user-data-dir={profile}"):
+                "--disable-dev-shm-usage", "--window-size=1280,900", f"--user-data-dir={profile}", *extra):
         opts.add_argument(arg)
+    if performance_log:
+        opts.set_capability("goog:loggingPrefs", {"performance": "ALL"})
     return webdriver.Chrome(service=ChromeService(executable_path=CHROMEDRIVER), options=opts)
 
 
@@ -193,7 +198,8 @@ def test_login_and_stores(console):
     c.go(c.button("Log in"))
     c.until(lambda: c.d.current_url.endswith("/ui/"), "the stores page")
     cookie = c.d.get_cookie("memfuse_session")
-    assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and cookie["path"] == "/ui"
+    assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and cookie["path"] == "/ui/"
+    assert c.cp.admin_token not in cookie["value"]  # a session id, never the token
     assert c.d.execute_script("return document.cookie") == ""  # no script can read it
     side = c.one(".sidebar").text
     assert "default" in side and "records" in side and "MiB" in side
@@ -538,6 +544,65 @@ def test_read_only_workspace_cannot_edit(console):
         assert r.status_code == 403
     assert (c.mnt / "default" / "prefs.md").read_text() == "prefers water\n"
     c.login(c.cp.admin_token)
+
+
+def test_logout_ends_the_session_and_the_old_cookie_is_refused(console):
+    """Log in, log out: the session is over on the server, so the cookie the browser had
+    (copied before the logout, or put back into the browser) opens nothing any more."""
+    c = console
+    c.login(c.cp.admin_token)
+    c.open("/ui/stores/default")
+    c.until(lambda: "MEMORY.md" in c.text() or "records" in c.text(), "the store page")
+    old = c.d.get_cookie("memfuse_session")["value"]
+    with httpx.Client(base_url=c.cp.url, timeout=30, cookies={"memfuse_session": old}) as other:
+        assert other.get("/ui/stores/default").status_code == 200  # the copied cookie works now
+    c.go(c.button("Log out"))
+    c.until(lambda: "/ui/login" in c.d.current_url and "Logged out" in c.d.page_source, "the login page")
+    assert c.d.get_cookie("memfuse_session") is None  # the browser dropped it
+    with httpx.Client(base_url=c.cp.url, timeout=30, cookies={"memfuse_session": old}) as other:
+        r = other.get("/ui/stores/default")
+        assert r.status_code == 303 and "/ui/login" in r.headers["location"]  # refused by the server
+    # put back into the browser: still the login page
+    c.d.add_cookie({"name": "memfuse_session", "value": old, "path": "/ui/", "httpOnly": True,
+                    "sameSite": "Strict"})
+    c.open("/ui/stores/default")
+    c.until(lambda: "/ui/login" in c.d.current_url, "the login page for the old cookie")
+    assert "prefers" not in c.d.page_source
+
+
+def test_redact_asks_for_confirmation(console):
+    """Redact is a link to a confirmation page (no JavaScript) that names the version and what
+    is lost; Cancel changes nothing; only its button redacts."""
+    c = console
+    with c.api() as api:
+        r = api.post("/v1/stores/default/records", json={"path": "leak.md", "content": "api key was here\n",
+                                                          "type": "project"})
+        assert r.status_code == 201, r.text
+        rid = r.json()["id"]
+        r = api.put(f"/v1/stores/default/records/{rid}", json={"content": "clean now\n"},
+                    headers={"If-Match": f'"{r.json()["sha256"]}"'})
+        assert r.status_code == 200, r.text
+    c.login(c.cp.admin_token)
+    c.open(f"/ui/stores/default/records/{rid}")
+    c.until(lambda: "History" in c.text(), "the record page")
+    row = [r for r in c.css("table.history tbody tr") if r.text.split()[0] == "1"][0]
+    assert not [b for b in row.find_elements("css selector", "button") if "Redact" in b.text]  # no one-click
+    c.go(row.find_element("link text", "Redact…"))
+    c.until(lambda: "Redact version 1 of" in c.text(), "the confirmation page")
+    page = c.text()
+    assert "leak.md" in page and "no undo" in page and "17 bytes" in page
+    assert "for good" in page
+    c.shot("redact-confirm")
+    c.go(c.link("Cancel"))
+    c.until(lambda: "History" in c.text(), "back on the record page")
+    with c.api() as api:
+        assert api.get(f"/v1/stores/default/records/{rid}/versions/1").json()["content"] == "api key was here\n"
+    c.open(f"/ui/stores/default/records/{rid}/versions/1/redact")
+    c.go(c.button("Redact version 1 for good"))
+    c.until(lambda: "Redacted" in c.text(), "the redacted message")
+    with c.api() as api:
+        v = api.get(f"/v1/stores/default/records/{rid}/versions/1").json()
+        assert v["redacted"] is True and v["content"] is None
 
 
 def test_phone_layout(console):

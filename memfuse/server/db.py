@@ -65,7 +65,7 @@ log = logging.getLogger(__name__)
 #: the newest Alembic revision (``memfuse/server/migrations/versions/``): a database at it
 #: opens without Alembic (``Database._at_schema_head``). A new revision updates it;
 #: tests/test_migrations.py fails while it is not ``schema.head()``.
-SCHEMA_HEAD = "0008_record_review"
+SCHEMA_HEAD = "0009_console_sessions"
 
 
 def utcnow() -> datetime:
@@ -171,6 +171,23 @@ class TokenRow(Base):
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True, index=True)
     # updated at most once a minute per token (never one write per request)
     last_used_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+
+
+class ConsoleSessionRow(Base):
+    """A web-console session (memfuse/server/sessions.py): the sha256 of its random id (the
+    cookie's value; never stored), the token it was made from (``token_id`` for a database
+    token, deleted with it; ``token_sha256`` for a static one), and when it ends."""
+
+    __tablename__ = "console_sessions"
+
+    id_sha256: Mapped[str] = mapped_column(String(64), primary_key=True)
+    token_id: Mapped[str | None] = mapped_column(
+        ForeignKey("tokens.id", ondelete="CASCADE"), nullable=True, index=True
+    )
+    token_sha256: Mapped[str] = mapped_column(String(64))
+    workspace: Mapped[str | None] = mapped_column(String(63), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime, index=True)
 
 
 class RecordRow(Base):

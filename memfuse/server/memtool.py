@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memfuse import names
+from memfuse.defs import INT64_MAX
 from memfuse.errors import ERRNO_NAME_BY_CODE
 from memfuse.models import Access, Attachment, PrefixMove, Record, RecordCreate, RecordMove, RecordUpdate
 from memfuse.server.records import _encode_cursor
@@ -790,8 +791,8 @@ class MemoryTool:
         rec = max(page.records, key=lambda r: (not r.deleted, r.updated_at))
         version = c.get("version")
         if version is not None:
-            if not isinstance(version, int) or isinstance(version, bool):
-                raise ToolError("Parameter `version` must be an integer")
+            if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= INT64_MAX:
+                raise ToolError(f"Parameter `version` must be an integer from 1 to {INT64_MAX}")
             try:
                 v = self.svc.get_version(self.p, t.store, rec.id, version)
             except ServiceError as e:

@@ -21,7 +21,7 @@ from sqlalchemy.engine import Connection, Row
 
 from memfuse import content as content_rules
 from memfuse import wire
-from memfuse.defs import mtime_effective_ns
+from memfuse.defs import INT64_MAX, mtime_effective_ns
 from memfuse.models import (
     DEFAULT_MODE,
     MoveResult,
@@ -635,6 +635,8 @@ class RecordsMixin(ServiceBase):
 
     @staticmethod
     def _version(conn: Connection, record_id: str, n: int) -> Row:
+        if not 1 <= n <= INT64_MAX:  # no such version, and not one the database could compare
+            raise ServiceError(404, "version_not_found", f"record {record_id!r} has no version {n}")
         v = conn.execute(select(_V).where(_V.c.record_id == record_id, _V.c.version == n)).first()
         if v is None:
             raise ServiceError(404, "version_not_found", f"record {record_id!r} has no version {n}")

@@ -63,6 +63,7 @@ from memfuse.server.indexreport import IndexReportMixin
 from memfuse.server.memstores import MemoryStoresMixin
 from memfuse.server.records import RecordsMixin, _usage  # noqa: F401  (_usage: for tests)
 from memfuse.server.search import SearchMixin
+from memfuse.server.sessions import SessionsMixin
 from memfuse.server.stores import StoresMixin
 from memfuse.server.tokens import TOKEN_CACHE_MAX, TOKEN_CACHE_SECONDS, TokenCache, TokensMixin
 from memfuse.server.wakeups import Bus, Notifier
@@ -93,8 +94,8 @@ __all__ = [
 ]
 
 
-class Service(TokensMixin, StoresMixin, BatchMixin, RecordsMixin, SearchMixin, ChangesMixin, ContextMixin,
-              MemoryStoresMixin, IndexReportMixin):
+class Service(TokensMixin, SessionsMixin, StoresMixin, BatchMixin, RecordsMixin, SearchMixin, ChangesMixin,
+              ContextMixin, MemoryStoresMixin, IndexReportMixin):
     """The control plane's rules over a ``Database``.
 
     ``static_tokens`` maps raw token → workspace (None = admin); the mapping is consulted on
