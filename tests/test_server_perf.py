@@ -12,6 +12,7 @@ from sqlalchemy import create_engine
 from memfuse.client import ApiClient
 from memfuse.models import RecordCreate, StoreCreate, StoreUpdate
 from memfuse.server.app import create_app
+from memfuse.server import fulltext
 from memfuse.server.db import normalize_db_url
 from memfuse.server.service import Principal, _usage
 from pgutil import fresh_db_url
@@ -279,6 +280,12 @@ def _older_database_gets_usage_columns_filled(url):
             con.exec_driver_sql(f"ALTER TABLE stores DROP COLUMN {col}")
         for col in ("redacted_at", "redacted_by"):
             con.exec_driver_sql(f"ALTER TABLE versions DROP COLUMN {col}")
+        con.exec_driver_sql("DROP TABLE console_sessions")  # nor 0009's table
+        for stmt in fulltext.drop_statements(old.dialect.name):  # nor 0007's full-text index
+            con.exec_driver_sql(stmt)
+        con.exec_driver_sql("DROP INDEX ix_records_expires")  # nor 0008's columns
+        for col in ("review_after", "expires_at"):
+            con.exec_driver_sql(f"ALTER TABLE records DROP COLUMN {col}")
         con.exec_driver_sql("DROP TABLE alembic_version")
     old.dispose()
 
