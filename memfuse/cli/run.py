@@ -490,7 +490,8 @@ _UNSTATTED_PATH = _UnstattedPath()
           "socket only. A taken address is an error (no other port is tried): give each "
           "sidecar on a host its own, or port 0 for a free one.")
 @opt("--commit-wait", type=float, default=10.0, show_default=True, metavar="S",
-     help="Seconds close() waits for the commit.")
+     help="Seconds close() waits for the control plane's commit (0: return once the write "
+          "is on disk in the outbox journal, which has its own bound).")
 @opt("--fsync-timeout", type=float, default=60.0, show_default=True, metavar="S",
      help="Seconds fsync() waits for the commit before EIO.")
 @opt("--drain-timeout", type=float, default=20.0, show_default=True, metavar="S",

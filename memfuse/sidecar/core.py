@@ -57,7 +57,7 @@ from .inodes import (CLEAN, DIR_MODE, DIR_MODES_KEY, PENDING, REJECTED, ROOT_INO
 from .namespace import NamespaceOps
 from .committer import Committer
 from .identity import RecordIds
-from .journal import ATTRS, DELETE, MOVE, MOVE_PREFIX, PUT, Barrier, Entry, Journal
+from .journal import ATTRS, DELETE, JOURNAL_WAIT, MOVE, MOVE_PREFIX, PUT, Barrier, Entry, Journal
 from .listeners import FsListener
 from .localfiles import LocalFiles
 from .rejected import RejectedFiles
@@ -601,7 +601,9 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         return None
 
     async def flush(self, h: Handle) -> None:
-        """close(2): commit a dirty file; wait up to ``commit_wait`` s for the control plane,
+        """close(2): commit a dirty file; wait until it is accepted (on disk in the outbox
+        journal, at most ``journal.JOURNAL_WAIT`` s), then up to ``commit_wait`` s from the
+        start of the close for the control plane (0: not at all),
         unless the outbox knows it is unreachable (``Committer.failing``: its last attempt
         failed with a connection error, timeout, 5xx or 429 and none was answered since):
         then return as soon as the write is accepted, or as soon as the outbox learns it
@@ -629,8 +631,11 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             e = n.last_put if n.state == PENDING and not (n.local_only or n.unlinked) else None
             if e is None:
                 return
+        # the local journal has its own bound (JOURNAL_WAIT): a close never fails for a
+        # write the journal accepts, whatever --commit-wait is; --commit-wait bounds only the
+        # wait for the control plane (0: do not wait for it), counted from the close
         deadline = trio.current_time() + self.settings.commit_wait
-        await self._wait_accepted(n, e, self.settings.commit_wait)
+        await self._wait_accepted(n, e, JOURNAL_WAIT)
         c = self.committer
         with trio.move_on_at(deadline):
             # e.changed is set when e finishes and, for every queued entry, when the outbox
