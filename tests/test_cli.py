@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -77,8 +78,15 @@ def test_help_for_every_command(home):
         assert " ".join(("memfuse", *path)) in r.stdout.splitlines()[0]
     r = invoke(["store", "create", "--help"])
     assert "MEMFUSE_DESCRIPTION" in r.stdout and "MEMFUSE_CONTROL_PLANE" in r.stdout
-    p = run(["--help"])
+    p = run(["--help"], env_extra={"COLUMNS": "80"})
     assert p.returncode == 0 and b"Usage: memfuse" in p.stdout
+    # no description cut short (click ends a cut one with "..."); `dev` says what it does
+    for group in ([], ["store"], ["token"], ["workspace"], ["db"], ["mounts"]):
+        r = invoke([*group, "--help"], env={"COLUMNS": "80"})
+        listing = r.stdout.split("Commands:", 1)[1]
+        assert not [ln for ln in listing.splitlines() if ln.rstrip().endswith("...")], (group, listing)
+    listing = invoke(["--help"], env={"COLUMNS": "80"}).stdout.split("Commands:", 1)[1]
+    assert re.search(r"\n  dev\s+Mount memory at MOUNTPOINT", listing), listing
     p = run(["mount", "--help"])
     assert p.returncode == 0 and b"--control-plane" in p.stdout and b"MEMFUSE_COMMIT_WAIT" in p.stdout
 

@@ -23,8 +23,22 @@ import click
 from memfuse.client import ApiClient
 from memfuse.defs import parse_byte_size
 from memfuse.errors import ApiError
-from memfuse.transfer import new_key as _key  # noqa: F401  (the CLI's idempotency keys)
-from memfuse.transfer import one_line as _one_line
+
+
+# memfuse.transfer (and the content checks it imports) is loaded by these two only when
+# called: a read command (``history``, ``show``, ``store list``...) does not pay for it.
+def _key() -> str:
+    """A fresh idempotency key for one CLI write (:func:`memfuse.transfer.new_key`)."""
+    from memfuse.transfer import new_key
+
+    return new_key()
+
+
+def _one_line(text: str) -> str:
+    """``text`` on one line (:func:`memfuse.transfer.one_line`)."""
+    from memfuse.transfer import one_line
+
+    return one_line(text)
 
 T = TypeVar("T")
 
@@ -100,7 +114,25 @@ def _api_error_message(e: ApiError) -> str:
     return _one_line(f"{what} ({extra})")
 
 
-class MemfuseGroup(click.Group):
+class WholeHelpGroup(click.Group):
+    """A command group whose ``--help`` lists each command's whole first sentence, wrapped
+    to the terminal, where click cuts it to one line ending in ``...``. The root group and,
+    through its ``group_class``, every group under it (``store``, ``token``, ``db``...)."""
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """The ``Commands:`` section of ``--help`` with each command's whole first sentence,
+        wrapped to the terminal, where click cuts it to one line ending in ``...``."""
+        rows = []
+        for name in self.list_commands(ctx):
+            cmd = self.get_command(ctx, name)
+            if cmd is not None and not cmd.hidden:
+                rows.append((name, cmd.get_short_help_str(limit=10_000)))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+
+class MemfuseGroup(WholeHelpGroup):
     """Top-level group: turns every failure into a one-line message and exit status 1, and
     output into a closed pipe into a quiet exit with :data:`EXIT_BROKEN_PIPE`.
 
@@ -112,6 +144,7 @@ class MemfuseGroup(click.Group):
     """
 
     lazy_commands: dict[str, str] = {}
+    group_class = WholeHelpGroup  # ``@cli.group()`` makes one
 
     def list_commands(self, ctx: click.Context) -> list[str]:  # noqa: D102
         return sorted(set(super().list_commands(ctx)) | set(self.lazy_commands))
