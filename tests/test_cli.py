@@ -190,6 +190,20 @@ async def _make_history(content_v2: str) -> str:
         return r.id
 
 
+def test_errors_about_a_path_say_it_in_its_terms(home):
+    """A refusal about a record named by path names the path and version, not the record id
+    and HTTP code; --verbose adds them."""
+    rid = trio.run(_make_history, "second\n")
+    for cmd in (["show", "default", "notes/a.md", "--version", "99"],
+                ["restore", "default", "notes/a.md", "--version", "99"]):
+        r = invoke(cmd)
+        assert r.exit_code == 1 and r.stderr.strip() == "Error: notes/a.md has no version 99", r.stderr
+    r = invoke(["--verbose", "show", "default", "notes/a.md", "--version", "99"])
+    assert r.stderr.startswith("Error: notes/a.md has no version 99 (HTTP 404 version_not_found"), r.stderr
+    assert rid in r.stderr
+    assert_one_line_error(r.stderr)
+
+
 def test_history_show_restore_subprocess(home):
     v2 = "second — ünïcode\nno newline at end"
     rid = trio.run(_make_history, v2)

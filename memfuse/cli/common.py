@@ -106,6 +106,47 @@ def flush_stdout() -> None:
 
 
 
+#: ``memfuse --verbose``: errors said in the user's terms also show the HTTP status and code
+VERBOSE = False
+
+
+class PathError(click.ClickException):
+    """An API refusal about a record the user named by path, said in the user's terms
+    (``prefs.md has no version 99``) instead of the server's (record id, HTTP status, code);
+    ``memfuse --verbose`` appends the server's status, code and detail."""
+
+    def __init__(self, message: str, cause: ApiError) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+    def format_message(self) -> str:  # noqa: D102
+        if not VERBOSE:
+            return self.message
+        c = self.cause
+        extra = f"HTTP {c.status}" + (f" {c.code}" if c.code else "")
+        detail = _one_line(c.detail or c.title or "")
+        if detail and detail != self.message:
+            extra += f": {detail}"
+        return f"{self.message} ({extra})"
+
+
+def path_error(e: ApiError, store: str, path: str, record_id: str | None = None,
+               version: int | None = None) -> click.ClickException:
+    """``e`` (a refusal of a request about the record at ``path`` in ``store``, id
+    ``record_id``, version ``version``) as a :class:`PathError` naming the path and version;
+    a failure without an HTTP status (unreachable, ...) is left as :func:`click_error` says it."""
+    if e.status is None:
+        return click_error(e)
+    if e.code == "version_not_found" and version is not None:
+        return PathError(f"{path} has no version {version}", e)
+    if e.code == "record_not_found":
+        return PathError(f"no record at {path} in store {store}", e)
+    what = e.detail or e.title or "request failed"
+    if record_id:
+        what = what.replace(f"record {record_id!r}", path).replace(record_id, path)
+    return PathError(_one_line(what), e)
+
+
 def _api_error_message(e: ApiError) -> str:
     if e.status is None:
         return _one_line(str(e))
@@ -400,13 +441,17 @@ def _fmt_time(dt: Any) -> str:
 # the release, never from the environment: MEMFUSE_VERSION is a common name for the release
 # to install (Dockerfiles, CI), and reading it made every command print the version instead
 @click.version_option(package_name="memfuse", prog_name="memfuse", allow_from_autoenv=False)
-def cli() -> None:
+@click.option("-v", "--verbose", is_flag=True, envvar="MEMFUSE_VERBOSE",
+              help="Errors about a path also show the server's HTTP status and error code.")
+def cli(verbose: bool) -> None:
     """memfuse: long-term memory for AI agents, served as plain files over FUSE.
 
     Start with `memfuse dev` (embedded control plane on a local SQLite file, workspace `dev`
     with store `default` mounted at ./memory). Every option also reads MEMFUSE_<OPTION> from
     the environment (exceptions: --version, --help). Rules shared by every command: docs/CLI.md.
     """
+    global VERBOSE
+    VERBOSE = verbose
     # with_retries() retries quietly; the last error, if any, is the one line the user sees.
     logging.getLogger("stamina").setLevel(logging.ERROR)
 
