@@ -527,6 +527,12 @@ def test_status_json_and_odd_shapes(runner, tmp_path):
     assert "ready: no" in text and "stores: n/a" in text and "outbox: 3" in text
     assert "list: 1, a" in text and "Z" in text
     assert format_status({}) == ""
+    # byte counts print as people read them (store list, the console), not raw
+    sized = {"stores": [{"slug": "s", "local_bytes": 1536, "max_store_bytes": 67108864}],
+             "cache": {"used_bytes": 12, "count": 67108864}}
+    text = format_status(sized)
+    assert "64 MiB" in text and "1.5 KiB" in text and "12 B" in text and "67108864" in text  # count: no unit
+    assert text.count("67108864") == 1
 
 
 def test_status_errors(runner, tmp_path, monkeypatch):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -77,8 +78,15 @@ def test_help_for_every_command(home):
         assert " ".join(("memfuse", *path)) in r.stdout.splitlines()[0]
     r = invoke(["store", "create", "--help"])
     assert "MEMFUSE_DESCRIPTION" in r.stdout and "MEMFUSE_CONTROL_PLANE" in r.stdout
-    p = run(["--help"])
+    p = run(["--help"], env_extra={"COLUMNS": "80"})
     assert p.returncode == 0 and b"Usage: memfuse" in p.stdout
+    # no description cut short (click ends a cut one with "..."); `dev` says what it does
+    for group in ([], ["store"], ["token"], ["workspace"], ["db"], ["mounts"]):
+        r = invoke([*group, "--help"], env={"COLUMNS": "80"})
+        listing = r.stdout.split("Commands:", 1)[1]
+        assert not [ln for ln in listing.splitlines() if ln.rstrip().endswith("...")], (group, listing)
+    listing = invoke(["--help"], env={"COLUMNS": "80"}).stdout.split("Commands:", 1)[1]
+    assert re.search(r"\n  dev\s+Mount memory at MOUNTPOINT", listing), listing
     p = run(["mount", "--help"])
     assert p.returncode == 0 and b"--control-plane" in p.stdout and b"MEMFUSE_COMMIT_WAIT" in p.stdout
 
@@ -180,6 +188,20 @@ async def _make_history(content_v2: str) -> str:
         await api.update_record("default", r.id, content_v2, if_match=r.sha256)
         await api.delete_record("default", r.id)
         return r.id
+
+
+def test_errors_about_a_path_say_it_in_its_terms(home):
+    """A refusal about a record named by path names the path and version, not the record id
+    and HTTP code; --verbose adds them."""
+    rid = trio.run(_make_history, "second\n")
+    for cmd in (["show", "default", "notes/a.md", "--version", "99"],
+                ["restore", "default", "notes/a.md", "--version", "99"]):
+        r = invoke(cmd)
+        assert r.exit_code == 1 and r.stderr.strip() == "Error: notes/a.md has no version 99", r.stderr
+    r = invoke(["--verbose", "show", "default", "notes/a.md", "--version", "99"])
+    assert r.stderr.startswith("Error: notes/a.md has no version 99 (HTTP 404 version_not_found"), r.stderr
+    assert rid in r.stderr
+    assert_one_line_error(r.stderr)
 
 
 def test_history_show_restore_subprocess(home):

@@ -16,7 +16,7 @@ import pytest
 from memfuse.models import RecordCreate, RecordUpdate, WorkspaceCreate
 from memfuse.server.app import create_app
 from memfuse.server.console import login_url
-from memfuse.server.console.render import render_markdown, unified_diff
+from memfuse.server.console.render import line_diff, path_breaks, render_markdown, unified_diff
 from memfuse.server.console.session import csrf_token
 from memfuse.server.service import Principal, ServiceError
 from pgutil import fresh_db_url
@@ -516,7 +516,12 @@ async def test_restore_delete_redact_and_diff(app):
     svc.update_record(ADMIN_P, "ws", rid, RecordUpdate(content="two\n"))
     async with client(app, ADMIN) as c:
         r = await c.get(f"/ui/stores/ws/records/{rid}/diff?a=1&b=2")
-        assert '<span class="d-del">-one' in r.text and '<span class="d-add">+two' in r.text
+        assert re.search(r'<tr class="d-del"><td class="ln">1</td><td class="ln"></td><td class="code">one</td>', r.text)
+        assert re.search(r'<tr class="d-add"><td class="ln"></td><td class="ln">1</td><td class="code">two</td>', r.text)
+        r = await c.get(f"/ui/stores/ws/records/{rid}/diff?a=1&b=2&view=split")
+        assert 'class="diff split"' in r.text and '<td class="code d-del">one</td>' in r.text
+        r = await c.get(f"/ui/stores/ws/records/{rid}")  # each history row links its previous version's diff
+        assert f'href="/ui/stores/ws/records/{rid}/diff?a=1&amp;b=2"' in r.text
         r = await c.post(f"/ui/stores/ws/records/{rid}/restore", data={"version": "1"})
         assert r.status_code == 303
         rec = svc.get_record(ADMIN_P, "ws", rid, with_content=True)
@@ -630,6 +635,43 @@ def test_unified_diff():
         ("add", "+c")]
     assert unified_diff("x", "x", "a", "b") == []
     assert unified_diff("x", "x\n", "a", "b")[0].kind == "hunk"
+
+
+def test_line_diff_numbers_and_words():
+    d = line_diff("keep\nprefers tea with milk\ngone\n", "keep\nprefers coffee with milk\n", context=3)
+    (h,) = d.hunks
+    assert h.header == "@@ -1,3 +1,2 @@"
+    assert [(r.kind, r.old, r.new) for r in h.unified] == [
+        ("ctx", 1, 1), ("del", 2, None), ("del", 3, None), ("add", None, 2)]
+    changed = [[(s.text, s.changed) for s in r.segments] for r in h.unified[1:]]
+    assert changed[0] == [("prefers ", False), ("tea", True), (" with milk", False)]
+    assert changed[1] == [("gone", False)]  # no counterpart: not word-marked
+    assert changed[2] == [("prefers ", False), ("coffee", True), (" with milk", False)]
+    assert [(left and left.old, right and right.new) for left, right in h.split] == [(1, 1), (2, 2), (3, None)]
+    # unrelated lines are not marked word by word; equal texts have no hunk; a final newline is noted
+    (h,) = line_diff("alpha beta\n", "1 2 3\n").hunks
+    assert all(not s.changed for r in h.unified for s in r.segments)
+    assert line_diff("x\n", "x\n").hunks == () and line_diff("x", "x\n").note
+    # hunks keep 3 lines of context and split far-apart changes
+    a = "".join(f"l{i}\n" for i in range(30))
+    d = line_diff(a, a.replace("l2\n", "L2\n").replace("l25\n", "L25\n"))
+    assert [h.header for h in d.hunks] == ["@@ -1,6 +1,6 @@", "@@ -23,7 +23,7 @@"]
+
+
+def test_path_breaks_between_directories_and_escapes():
+    assert str(path_breaks("notes/a<b>/JOURNAL.jsonl")) == "notes/<wbr>a&lt;b&gt;/<wbr>JOURNAL.jsonl"
+
+
+async def test_diff_of_hostile_content_is_inert(app):
+    svc = app.state.service
+    rid = create(app, "x/<svg onload=alert(1)>.md", "<script>alert(1)</script>\n")
+    svc.update_record(ADMIN_P, "ws", rid, RecordUpdate(content="<script>alert(2)</script><img src=x onerror=alert(3)>\n"))
+    async with client(app, ADMIN) as c:
+        for view in ("unified", "split"):
+            r = await c.get(f"/ui/stores/ws/records/{rid}/diff?a=1&b=2&view={view}")
+            assert r.status_code == 200
+            assert "<script>" not in r.text and "<img" not in r.text and "<svg" not in r.text
+            assert "&lt;script&gt;alert(" in r.text and "script-src 'self'" in r.headers["content-security-policy"]
 
 
 async def test_untrusted_names_and_text_are_escaped(app):

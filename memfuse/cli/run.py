@@ -304,8 +304,10 @@ def _safe_url(url: str) -> str:
      help="Mount even when MOUNTPOINT holds files; they are hidden (not changed) while dev runs.")
 def dev(mountpoint: Path, admin_listen: str | None, log_format: str, debug: bool, console_listen: str,
         nonempty: bool) -> None:
-    """Embedded default: control plane in-process on the dev database, workspace `dev` with
-    store `default` attached, mounted at MOUNTPOINT (default ./memory) in the foreground.
+    """Mount memory at MOUNTPOINT (default ./memory) with everything built in: store `default` of workspace `dev`, the control plane in process on the dev database.
+
+    The control plane runs in-process on the dev database, workspace `dev` with store
+    `default` attached, mounted at MOUNTPOINT (default ./memory) in the foreground.
     The web console is served on 127.0.0.1 and a one-time login link is printed at start.
     A MOUNTPOINT that holds files is refused unless --nonempty (libfuse 2's `nonempty`
     rule): the mount would hide them."""

@@ -932,7 +932,26 @@ def format_status(data: dict) -> str:
     access, records, then any other store keys), the outbox (depth, oldest age, committed,
     refused by the control plane, retries, then any other keys), then every other key,
     nested ones indented (labels: ``OUTBOX_LABELS``, ``STATUS_LABELS``, else the key's
-    words). Keys ending in ``_s`` are durations in seconds and print as such."""
+    words). Keys ending in ``_s`` are durations in seconds and print as such; keys ending in
+    ``_bytes`` are byte counts and print in binary units, as ``store list`` and the console do
+    (``67108864`` → ``64 MiB``, ``1536`` → ``1.5 KiB``, ``12`` → ``12 B``)."""
+
+    def human(n: int) -> str:
+        value = float(n)
+        for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+            if abs(value) < 1024 or unit == "TiB":
+                return f"{n} B" if unit == "B" else f"{value:.1f} {unit}".replace(".0 ", " ")
+            value /= 1024
+        return f"{n} B"  # pragma: no cover
+
+    def sizes(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {k: human(x) if str(k).endswith("_bytes") and type(x) is int else sizes(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [sizes(x) for x in v]
+        return v
+
+    data = sizes(data)
     out: list[str] = []
     head = {k: data[k] for k in ("workspace", "ready", "uptime_s") if k in data}
     out += _fields(head, ["workspace", "ready", "uptime_s"], "", ("uptime_s",))

@@ -145,6 +145,7 @@ _env = Environment(
 _env.filters["bytes"] = render.human_bytes
 _env.filters["utc"] = render.utc
 _env.filters["iso"] = render.iso
+_env.filters["wbr"] = render.path_breaks
 
 
 def _sidebar(ctx: Ctx) -> list[dict[str, Any]]:
@@ -565,22 +566,23 @@ def record_page(ctx: Ctx) -> Response:
 
 
 def diff_page(ctx: Ctx) -> Response:
-    """GET ``/stores/{store}/records/{id}/diff?a=N&b=M``: unified diff of two versions."""
+    """GET ``/stores/{store}/records/{id}/diff?a=N&b=M[&view=split]``: the diff of two
+    versions with line numbers and changed words marked, unified (default) or side by side."""
     slug, rid = ctx.path("store"), ctx.path("rid")
     rec, versions = _record_and_versions(ctx, slug, rid)
     try:
         a, b = int(ctx.q("a")), int(ctx.q("b"))
     except ValueError:
         raise ServiceError(400, "validation_error", "choose two versions to compare") from None
+    view = "split" if ctx.q("view") == "split" else "unified"
     va = ctx.svc.get_version(ctx.principal, slug, rid, a)
     vb = ctx.svc.get_version(ctx.principal, slug, rid, b)
-    lines = None
+    d = None
     redacted = [v.version for v in (va, vb) if v.content is None]
     if not redacted:
-        lines = render.unified_diff(va.content or "", vb.content or "", f"{va.path} (version {a})",
-                                    f"{vb.path} (version {b})")
+        d = render.line_diff(va.content or "", vb.content or "")
     return _page(ctx, "diff.html", current_store=slug, rec=rec, versions=list(reversed(versions)), va=va, vb=vb,
-                 lines=lines, redacted=redacted)
+                 d=d, view=view, redacted=redacted)
 
 
 def _type_choice(ctx: Ctx, required: bool) -> tuple[str | None, str | None]:
