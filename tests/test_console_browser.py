@@ -679,8 +679,8 @@ def test_phone_layout(console):
         _fits_the_screen(c, "the store page, unfiltered")
         c.open(f"/ui/stores/default/records/{rid}")
         _fits_the_screen(c, "the record page")
-        for name in ("Restore", "Redact"):  # on screen, not behind a sideways scroll
-            b = c.button(name)
+        for b, name in ((c.button("Restore"), "Restore"), (c.link("Redact…"), "Redact…")):  # on screen,
+            # not behind a sideways scroll (Redact is a link to its confirmation page)
             assert 0 <= b.rect["x"] and b.rect["x"] + b.rect["width"] <= 390, (name, b.rect)
         assert c.one("table.history thead").is_displayed() is False  # stacked cards, labelled fields
         c.shot("phone-record")
