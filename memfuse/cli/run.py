@@ -371,6 +371,8 @@ def _dev(mountpoint: Path, admin_listen: str | None, log_format: str, debug: boo
     # and listens on a free loopback port, for the sidecar only.
     env = dev_app(faces=console_on, streams=True)
     env.app.state.db_claim = claim  # held by this process: the server takes it as its own
+    # the console's prompt preview shows the paths the agents get: this mount's
+    env.app.state.service.mount_root = str(mountpoint)
 
     from memfuse.sidecar.mount import MountConfig, run_mount
 
