@@ -383,6 +383,11 @@ class _Rule:
     kind: str
     pattern: re.Pattern[str]
     check: Callable[[re.Match[str], str], bool]
+    #: literals one of which every match holds: the rule's regex runs only on a text that
+    #: holds one (``str.__contains__`` is ~10x faster than a regex scan for no match);
+    #: lower-case literals looked up in the lower-cased text when ``lower``
+    hints: tuple[str, ...] = ()
+    lower: bool = False
 
 
 _SEP = r"[_.\-]?"
@@ -395,21 +400,25 @@ _RULES: tuple[_Rule, ...] = (
         "GCP service-account private key",
         re.compile(r'"private_key"\s*:\s*"-----BEGIN [A-Z0-9 ]{0,30}PRIVATE KEY-----'),
         _pem_body_follows,
+        ("\"private_key\"",),
     ),
     _Rule(
         "private key",
         re.compile(r"-----BEGIN (?:[A-Z0-9]+ ){0,3}PRIVATE KEY(?: BLOCK)?-----"),
         _pem_body_follows,
+        ("PRIVATE KEY",),
     ),
     _Rule(
         "private key (PuTTY)",
         re.compile(r"PuTTY-User-Key-File-[23]: [^\n]+\n(?:[^\n]*\n){0,40}?Private-Lines: \d+\n([A-Za-z0-9+/=]{40,})"),
         _group_random(1),
+        ("PuTTY-User-Key-File-",),
     ),
     _Rule(
         "AWS access key id",
         re.compile(r"(?:AKIA|ASIA|ABIA|ACCA|A3T[A-Z0-9])([A-Z0-9]{16})"),
         _group_random(1),
+        ("AKIA", "ASIA", "ABIA", "ACCA", "A3T"),
     ),
     _Rule(
         "AWS secret access key",
@@ -418,66 +427,79 @@ _RULES: tuple[_Rule, ...] = (
             rf"{_ASSIGN}([A-Za-z0-9/+]{{40}})(?![A-Za-z0-9/+=])"
         ),
         _group_random(1, mixed=True, standalone=False),
+        ("secret",), True,
     ),
     _Rule(
         "GCP API key",
         re.compile(r"AIza([0-9A-Za-z_\-]{35})"),
         _group_random(1, extra="-"),
+        ("AIza",),
     ),
     _Rule(
         "GCP OAuth client secret",
         re.compile(r"GOCSPX-([A-Za-z0-9_\-]{28})"),
         _group_random(1, extra="-"),
+        ("GOCSPX-",),
     ),
     _Rule(
         "Azure storage or service-bus key",
         re.compile(r"(?i:AccountKey|SharedAccessKey)\s*=\s*([A-Za-z0-9+/]{40,}={0,2})(?![A-Za-z0-9+/=])"),
         _group_random(1, mixed=True, standalone=False),
+        ("accountkey", "sharedaccesskey"), True,
     ),
     _Rule(
         "GitHub token",
         re.compile(r"gh[pousr]_([A-Za-z0-9]{36,251})"),
         _group_random(1),
+        ("ghp_", "gho_", "ghu_", "ghs_", "ghr_"),
     ),
     _Rule(
         "GitHub fine-grained token",
         re.compile(r"github_pat_([A-Za-z0-9_]{50,251})"),
         _group_random(1),
+        ("github_pat_",),
     ),
     _Rule(
         "GitLab token",
         re.compile(r"(?:glpat|gldt|glrt|glft|glsoat|glptt|glcbt|glimt|gloas)-([A-Za-z0-9_\-.]{20,255})"),
         _group_random(1, extra="-."),
+        ("glpat-", "gldt-", "glrt-", "glft-", "glsoat-", "glptt-", "glcbt-", "glimt-", "gloas-"),
     ),
     _Rule(
         "GitLab runner registration token",
         re.compile(r"GR1348941([A-Za-z0-9_\-]{20,50})"),
         _group_random(1, extra="-"),
+        ("GR1348941",),
     ),
     _Rule(
         "Slack token",
         re.compile(r"xox[abposre]-((?:[0-9]+-)+[A-Za-z0-9]{10,}(?:-[A-Za-z0-9]+)*)"),
         _group_random(1, extra="-"),
+        ("xox",),
     ),
     _Rule(
         "Slack app token",
         re.compile(r"xapp-[0-9]+-([A-Z0-9]+-[0-9]+-[A-Za-z0-9]{20,})"),
         _group_random(1, extra="-"),
+        ("xapp-",),
     ),
     _Rule(
         "Slack webhook URL",
         re.compile(r"https://hooks\.slack\.com/(?:services|workflows|triggers)/(T[A-Z0-9_]+/[A-Z0-9_]+/([A-Za-z0-9_]{16,}))"),
         _group_random(2),
+        ("hooks.slack.com",),
     ),
     _Rule(
         "Anthropic API key",
         re.compile(r"sk-ant-[a-z]{2,10}[0-9]{0,3}-([A-Za-z0-9_\-]{32,})"),
         _group_random(1, mixed=True, extra="-"),
+        ("sk-ant-",),
     ),
     _Rule(
         "OpenAI API key",
         re.compile(r"sk-(?:(?:proj|svcacct|admin)-([A-Za-z0-9_\-]{40,})|([A-Za-z0-9]{32,}))"),
         lambda m, text: _group_random(1 if m.group(1) else 2, mixed=True, extra="-")(m, text),
+        ("sk-",),
     ),
     _Rule(
         "memfuse token",
@@ -485,6 +507,7 @@ _RULES: tuple[_Rule, ...] = (
         # tokens of `memfuse dev` / `serve`), each + secrets.token_urlsafe(32): 43 base64url
         re.compile(r"mf[aw]?_([A-Za-z0-9_\-]{43})(?![A-Za-z0-9_\-])"),
         _group_random(1, classes=2),
+        ("mf_", "mfa_", "mfw_"),
     ),
     _Rule(
         "Stripe key",
@@ -492,30 +515,35 @@ _RULES: tuple[_Rule, ...] = (
         # keys, live and test (a test key still opens the account's test data)
         re.compile(r"(?:sk|rk)_(?:live|test|prod)_([0-9A-Za-z]{24,247})"),
         _group_random(1, classes=2),
+        ("sk_", "rk_"),
     ),
     _Rule(
         "npm token",
         # gitleaks npm-access-token (detect-secrets finds only .npmrc _authToken lines)
         re.compile(r"npm_([A-Za-z0-9]{36})(?![A-Za-z0-9])"),
         _group_random(1, classes=2),
+        ("npm_",),
     ),
     _Rule(
         "PyPI token",
         # detect-secrets PypiTokenDetector: a macaroon for pypi.org / test.pypi.org
         re.compile(r"pypi-(?:AgEIcHlwaS5vcmc|AgENdGVzdC5weXBpLm9yZw)([A-Za-z0-9_\-]{50,})"),
         _group_random(1, standalone=False),
+        ("pypi-",),
     ),
     _Rule(
         "Hugging Face token",
         # gitleaks huggingface-access-token / -organization-api-token
         re.compile(r"(?:hf_|api_org_)([A-Za-z]{34})(?![A-Za-z0-9_])"),
         _group_random(1, classes=2),
+        ("hf_", "api_org_"),
     ),
     _Rule(
         "SendGrid API key",
         # detect-secrets SendGridDetector
         re.compile(r"SG\.([A-Za-z0-9_\-]{22}\.[A-Za-z0-9_\-]{43})(?![A-Za-z0-9_\-])"),
         _group_random(1, classes=2),
+        ("SG.",),
     ),
     _Rule(
         "Twilio API key",
@@ -524,47 +552,54 @@ _RULES: tuple[_Rule, ...] = (
         # which are identifiers, not secrets
         re.compile(r"SK([0-9a-fA-F]{32})(?![0-9A-Za-z])"),
         _group_random(1),
+        ("SK",),
     ),
     _Rule(
         "DigitalOcean token",
         # gitleaks digitalocean-pat / -access-token / -refresh-token
         re.compile(r"do[opr]_v1_([a-f0-9]{64})(?![A-Za-z0-9])"),
         _group_random(1),
+        ("dop_v1_", "doo_v1_", "dor_v1_"),
     ),
     _Rule(
         "Google OAuth access token",
         # gitleaks gcp-api-key's sibling for OAuth 2 access tokens (ya29.)
         re.compile(r"ya29\.([0-9A-Za-z_\-]{30,})"),
         _group_random(1, classes=2, extra="."),
+        ("ya29.",),
     ),
     _Rule(
         "URL with a password",
         # detect-secrets BasicAuthDetector: user:password@ in any URL (database URLs first of
         # all: postgresql://app:…@db/app); templated or placeholder passwords pass
-        re.compile(r"\b[A-Za-z][A-Za-z0-9+.\-]{1,30}://([^\s:/?#\[\]@'\"`<>]{1,128}):([^\s/?#\[\]@'\"`<>]{1,256})@[A-Za-z0-9\[]"),
+        re.compile(r"://([^\s:/?#\[\]@'\"`<>]{1,128}):([^\s/?#\[\]@'\"`<>]{1,256})@[A-Za-z0-9\[]"),
         lambda m, text: _real_password(m.group(2)),
+        ("://",),
     ),
     _Rule(
         "password assignment",
         # detect-secrets KeywordDetector, narrowed for prose: a key ending in password /
         # passwd / passphrase, then = or :, then one literal value that looks like a password
         # (not a word, a reference, a template or a placeholder)
-        re.compile(r"(?i:[A-Za-z0-9_\-]*(?:password|passwd|passphrase))[\"'\]]{0,2}\s*(?::=|=>|[:=])\s*[\"'`]?"
+        re.compile(r"(?i:password|passwd|passphrase)[\"'\]]{0,2}\s*(?::=|=>|[:=])\s*[\"'`]?"
                    r"([^\s\"'`,;]{6,128})"),
         lambda m, text: _real_password(m.group(1), assignment=True),
+        ("password", "passwd", "passphrase"), True,
     ),
     _Rule(
         "secret assignment",
         # detect-secrets KeywordDetector's other keys (secret, api_key, access token...),
         # with a value that looks random, 16+ characters
-        re.compile(r"(?i:[A-Za-z0-9_\-]*(?:secret|secret[_\-]?key|api[_\-]?key|access[_\-]?token|auth[_\-]?token|private[_\-]?key))"
-                   r"[\"'\]]{0,2}\s*(?::=|=>|[:=])\s*[\"'`]?([A-Za-z0-9_\-+/=.]{16,256})(?![A-Za-z0-9_\-+/=.])"),
+        re.compile(r"(?i:secret|secret[_\-]?key|api[_\-]?key|access[_\-]?token|auth[_\-]?token|private[_\-]?key)"
+                   r"[\"'\]]{0,2}\s*(?::=|=>|[:=])\s*[\"'`]?([A-Za-z0-9_\-+/.]{16,256}+={0,2})(?![A-Za-z0-9_\-+/=.])"),
         _group_random(1, classes=3, standalone=False),
+        ("secret", "key", "token"), True,
     ),
     _Rule(
         "JSON Web Token",
         re.compile(r"eyJ[A-Za-z0-9_\-]{10,}\.[A-Za-z0-9_\-]{10,}\.[A-Za-z0-9_\-]{16,}"),
         _jwt,
+        ("eyJ",),
     ),
 )
 
@@ -573,7 +608,15 @@ SECRET_KINDS: tuple[str, ...] = tuple(r.kind for r in _RULES)
 
 
 def _first_secret(content: str, in_name: bool = False) -> tuple[_Rule, re.Match[str]] | None:
+    low: str | None = None
     for rule in _RULES:
+        if rule.lower:
+            if low is None:
+                low = content.lower()
+            if not any(h in low for h in rule.hints):
+                continue
+        elif not any(h in content for h in rule.hints):
+            continue
         for m in rule.pattern.finditer(content):
             if rule.check(m, content) and (not in_name or _name_check(rule, m)):
                 return rule, m

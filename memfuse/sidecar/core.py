@@ -480,8 +480,9 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         return self._new_handle(n, flags)
 
     def create(self, parent_ino: int, name: bytes, mode: int, flags: int, uid: int, gid: int) -> Handle:
-        """create(2) of ``name`` in directory ``parent_ino`` with permission bits ``mode`` and
-        owner ``uid`` / ``gid``; returns the open ``Handle`` (the new file counts one kernel
+        """create(2) of ``name`` in directory ``parent_ino`` with permission bits ``mode``
+        (``uid`` / ``gid``, the caller's, are not used: every file belongs to the mount's
+        ``--uid`` / ``--gid``); returns the open ``Handle`` (the new file counts one kernel
         lookup). Raises ``FsError``: ``EEXIST``, ``ENOTDIR``, ``EACCES`` (mount root), ``EROFS``,
         ``EINVAL`` / ``ENAMETOOLONG`` (name rules), ``ENOSPC`` (the store's record limit)."""
         d = self.node(parent_ino)
@@ -499,7 +500,9 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             self.refuse(d, s, errno_of("store_full"),
                         f"store {sm.slug} holds {sm.max_records} local-only files, its limit",
                         "store_full")
-        n = self._new_node(s, d, False, sm, stat.S_IMODE(mode), time.time_ns(), uid, gid)
+        # owned by the mount's --uid / --gid, not the caller's: the owner a file shows must
+        # not change at the next restart (nothing stores it); chown to another is EPERM
+        n = self._new_node(s, d, False, sm, stat.S_IMODE(mode), time.time_ns())
         n.local_only = local
         n.key = "n:" + uuid.uuid4().hex
         self.by_key[n.key] = n
@@ -755,6 +758,8 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         elif e.op == MOVE and n is not None and e.record is not None:
             self._bind_rid(n, e.record.id)
             n.version = e.record.version
+            if n.xmtime is None and not n.dirty:
+                n.xmtime = e.record.mtime_ns  # the control plane keeps the mtime across a move
         elif e.op in (DELETE, MOVE) and e.errno:
             self.note_error(None, e.args.get("path", ""), e.errno, e.reason, e.code, e.store)
 

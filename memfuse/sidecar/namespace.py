@@ -46,7 +46,7 @@ class NamespaceOps:
         s = self._check_name(d, name)
         if s in d.children:
             raise FsError(errno.EEXIST)
-        n = self._new_node(s, d, True, sm, stat.S_IMODE(mode), time.time_ns(), uid, gid)
+        n = self._new_node(s, d, True, sm, stat.S_IMODE(mode), time.time_ns())  # the mount's uid / gid
         try:
             self.save_dirs()
         except CacheError as err:
