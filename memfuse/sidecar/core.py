@@ -62,6 +62,7 @@ from .listeners import FsListener
 from .localfiles import LocalFiles
 from .rejected import RejectedFiles
 from .remote import RemoteApply
+from .writecheck import Refusal, WriteChecker
 
 log = logging.getLogger("memfuse.fs")
 
@@ -401,6 +402,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         self._check_size(n, end)
         old = len(buf)
         self._check_growth(n, max(old, end))
+        self._judge(n, buf, off, data)  # EILSEQ / EPERM / EINVAL: not applied
         if off > len(buf):
             buf.extend(b"\0" * (off - len(buf)))
         buf[off:end] = data
@@ -408,6 +410,36 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         self._touch_content(n)
         h.modified = True
         return len(data)
+
+    def _judge(self, n: Node, buf: bytearray, off: int, data: bytes | None = None,
+               size: int | None = None) -> None:
+        """Refusals at write(2): raise ``FsError`` when writing ``data`` at ``off`` (or, with
+        ``size``, ftruncate to it) would make the content refusable (``writecheck``); the
+        change is then not applied, and the refusal is one ``errors.log`` line (a writer
+        retrying the same write is not logged again)."""
+        if n.local_only or n.store is None:
+            return
+        ch = n.checker
+        if ch is None:
+            trusted = not buf or (n.state == CLEAN and not n.dirty)
+            ch = n.checker = WriteChecker(buf, trusted=trusted,
+                                          type_rule=lambda text: self._type_refusal(n, text))
+        r = ch.check_write(buf, off, data) if size is None else ch.check_truncate(buf, size)
+        if r is None:
+            return
+        if ch.last_refused != (r.reason, off):  # the rest of a split write(2) retried: one line
+            ch.last_refused = (r.reason, off)
+            self.note_error(n.parent, n.name, r.errno, r.reason, r.code)
+        raise FsError(r.errno, r.reason, r.code)
+
+    def _type_refusal(self, n: Node, text: str) -> Refusal | None:
+        """The refusal of a file ``n`` whose text starts with ``text`` for its type (the
+        frontmatter's, unless ``user.memfuse.type`` set one; none for ``MEMORY.md``)."""
+        try:
+            content_rules.check_type(content_rules.record_type(n.path(), text, n.type_override, "project"))
+        except ValueError as e:
+            return Refusal(errno.EINVAL, "invalid_type", str(e) or "invalid record type")
+        return None
 
     def truncate(self, n: Node, size: int, *, judge: bool = False) -> None:
         """Set the file's size to ``size`` bytes (cut, or zero-filled). Raises ``FsError``:
@@ -434,6 +466,8 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
                 self.refuse(n.parent, n.name, refusal.errno,
                             refusal.reason + "; the truncate was not applied", refusal.code)
         buf = self._make_buf(n)
+        if not judge:  # ftruncate(2) on a descriptor: judged as a write (EILSEQ for NULs)
+            self._judge(n, buf, 0, size=size)
         self._account(n, size - len(buf))
         if size < len(buf):
             del buf[size:]
@@ -467,6 +501,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
                 raise FsError(errno.EACCES, ".memfuse files are read-only")
             self._check_writable_file(n)
             n.refused = 0  # a new write session: its content is judged at commit
+            n.checker = None  # ... and at each write (writecheck), from what it holds now
         if n.special:  # one consistent snapshot per open: json.load may read twice
             h = self._new_handle(n, flags)
             h.snapshot = self.controls.opened(n.special)
@@ -534,6 +569,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         if not n.dirty or n.is_dir or n.special:
             return None
         n.dirty = False
+        n.checker = None  # the whole content is judged here; a later write starts afresh
         if n.unlinked:
             return None
         if n.local_only:  # never sent: kept in the journal (LocalFiles), on disk at the barrier
