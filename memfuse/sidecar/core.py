@@ -430,6 +430,11 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         if ch.last_refused != (r.reason, off):  # the rest of a split write(2) retried: one line
             ch.last_refused = (r.reason, off)
             self.note_error(n.parent, n.name, r.errno, r.reason, r.code)
+        if n.dirty and not n.refused:
+            # as for EFBIG: what this session left behind (a truncation at open, vim's
+            # ftruncate, earlier writes) must not replace the stored record; held back
+            # until the next open for writing, and its close reports the refusal too
+            n.refused, n.state, n.error = r.errno, REJECTED, r.reason
         raise FsError(r.errno, r.reason, r.code)
 
     def _type_refusal(self, n: Node, text: str) -> Refusal | None:
@@ -614,10 +619,11 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         except FsError:
             pass
 
-    def _precheck(self, n: Node, data: bytes) -> FsError | None:
+    def _precheck(self, n: Node, data: bytes, path: str | None = None) -> FsError | None:
         """Refusals the sidecar can decide alone, so they fail at close even offline:
         not UTF-8 or a NUL character (``EILSEQ``), a secret (``EPERM``), a bad frontmatter
-        type (``EINVAL``). Sizes and names are checked at write / create already."""
+        type (``EINVAL``) of file ``n`` holding ``data`` at ``path`` (default: its own).
+        Sizes and names are checked at write / create already."""
         try:
             data.decode("utf-8")
         except UnicodeDecodeError as e:
@@ -632,12 +638,29 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             return FsError.of("secret_detected", f"content looks like it holds a secret ({kind}); "
                                                  "memory must not store credentials")
         try:
-            t = content_rules.record_type(n.path(), text, n.type_override, "project")
+            t = content_rules.record_type(path or n.path(), text, n.type_override, "project")
             if t is not None:
                 content_rules.check_type(t)
         except ValueError as e:
             return FsError.of("invalid_type", str(e) or "invalid record type")
         return None
+
+    def judge_rename(self, n: Node, new_path: str) -> None:
+        """A rename(2) that would make file ``n``'s content refusable fails with the
+        refusal's errno (and an ``errors.log`` line), nothing renamed: a local-only file
+        (never judged: ``f~``, a swap file) renamed onto a record's name, or a file whose
+        type rule changes with its path (the root ``MEMORY.md`` has no type). Content
+        refusable already at its old path is left to close, as before."""
+        if n.store is None or self.is_local_only(new_path.rsplit("/", 1)[-1]):
+            return
+        if not n.local_only and content_rules.is_index(n.path()) == content_rules.is_index(new_path):
+            return  # same rules at both paths: judged at its writes and close already
+        data = self._content(n)
+        refusal = self._precheck(n, data, new_path)
+        if refusal is None or (not n.local_only and self._precheck(n, data) is not None):
+            return
+        self.refuse(n.parent, n.name, refusal.errno,
+                    refusal.reason + "; the rename was not applied", refusal.code)
 
     async def flush(self, h: Handle) -> None:
         """close(2): commit a dirty file; wait up to ``commit_wait`` s for the control plane,

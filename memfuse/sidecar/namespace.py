@@ -130,6 +130,8 @@ class NamespaceOps:
 
         old_path = src.path()
         new_path = (nd.path() + "/" + s) if nd.path() else s
+        if not src.is_dir:
+            self.judge_rename(src, new_path)  # content refusable under the new name: not renamed
         commit_after = False
         if src.is_dir:
             self._check_subtree_paths(nd, src, new_path)
