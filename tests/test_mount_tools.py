@@ -296,6 +296,36 @@ def test_read_only_attachment_gives_erofs(tmp_path):
         assert _errno_of(lambda: os.mkdir(store / "dir")) == errno.EROFS
 
 
+def test_a_read_only_store_shows_no_write_bits(tmp_path):
+    """Issue 20: a read-only store and its files show no write bits (ls -l, test -w); an
+    agent running as another uid gets EACCES from access(W_OK) (the kernel answers it from
+    the modes, docs/SEMANTICS.md); root's writes reach the sidecar and get EROFS."""
+    import stat
+    import subprocess
+
+    cp = ControlPlane(tmp_path).start()
+    try:
+        tok = cp.setup_workspace("ro", ("default",), "read_only")
+        cp.call("create_record", "default", "notes/a.md", "x\n", mode=0o664)
+        sc = Sidecar(cp, "ro", tok, tmp_path / "mnt", tmp_path / "cache", "--allow-other").start()
+        try:
+            store = sc.mountpoint / "default"
+            modes = {p: stat.S_IMODE(os.stat(store / p).st_mode) for p in ("", "notes", "notes/a.md")}
+            assert modes == {"": 0o555, "notes": 0o555, "notes/a.md": 0o444}
+            probe = (f"test -w {store}/notes/a.md; echo $?; test -r {store}/notes/a.md; echo $?; "
+                     f"test -w {store}; echo $?")
+            r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                                "sh", "-c", probe], capture_output=True, text=True, timeout=30)
+            assert r.stdout == "1\n0\n1\n", r.stderr
+            assert _errno_of(lambda: (store / "notes" / "a.md").write_text("y")) == errno.EROFS
+            assert _errno_of(lambda: os.chmod(store / "notes" / "a.md", 0o644)) == errno.EROFS
+            assert (store / "notes" / "a.md").read_text() == "x\n"
+        finally:
+            sc.stop()
+    finally:
+        cp.stop()
+
+
 def test_restart_keeps_identical_tree(tmp_path):
     """Unmount, mount again: the same tree, byte for byte, from the control plane."""
     import hashlib
