@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -315,6 +316,24 @@ def test_mount_builds_config_and_client(home, tmp_path, monkeypatch):
     assert client.token_file.path == tf and client.token_file.token == "ws-token-abc"
     assert c.token_check_interval == 5.0
     trio.run(client.aclose)
+
+    # --actor (MEMFUSE_ACTOR): a pod name from the downward API; the default names the
+    # user and host, with a stable suffix from the cache directory
+    r = invoke(["mount", str(mp), "--control-plane", "http://cp.example:8080/", "--workspace", "team",
+                "--token-file", str(tf)], env={"MEMFUSE_ACTOR": "agent-pod-7"})
+    assert r.exit_code == 3 and seen["client"].instance == "agent-pod-7", r.output
+    trio.run(seen["client"].aclose)
+    names = []
+    for _ in range(2):  # the same name at each start
+        r = invoke(["mount", str(mp), "--control-plane", "http://cp.example:8080/", "--workspace", "team",
+                    "--token-file", str(tf)])
+        assert r.exit_code == 3, r.output
+        names.append(seen["client"].instance)
+        trio.run(seen["client"].aclose)
+    import getpass
+    import socket
+    assert names[0] == names[1] and re.fullmatch(
+        re.escape(f"{getpass.getuser()}@{socket.gethostname()}") + r"\.[0-9a-f]{6}", names[0]), names
 
     r = invoke(["mount", str(mp), "--workspace", "team", "--token-file", str(tf)])
     assert r.exit_code == 2 and "--control-plane" in r.output
