@@ -21,7 +21,7 @@ def type_rule(text: str) -> Refusal | None:
     try:
         content_rules.check_type(content_rules.record_type("n.md", text, None, "project"))
     except ValueError as e:
-        return Refusal(errno.EINVAL, "invalid_type", str(e))
+        return Refusal("invalid_type", str(e))
     return None
 
 

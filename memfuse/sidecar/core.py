@@ -443,7 +443,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         try:
             content_rules.check_type(content_rules.record_type(n.path(), text, n.type_override, "project"))
         except ValueError as e:
-            return Refusal(errno.EINVAL, "invalid_type", str(e) or "invalid record type")
+            return Refusal("invalid_type", str(e) or "invalid record type")
         return None
 
     def truncate(self, n: Node, size: int, *, judge: bool = False) -> None:

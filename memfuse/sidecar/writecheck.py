@@ -27,11 +27,11 @@ file written in 4 KiB chunks is never rescanned whole.
 """
 from __future__ import annotations
 
-import errno
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from memfuse import content as content_rules
+from memfuse.errors import ERRNO_BY_CODE
 
 __all__ = ["Refusal", "WriteChecker", "WINDOW", "HEAD_BYTES"]
 
@@ -45,12 +45,16 @@ _UNKNOWN = object()
 
 @dataclass(frozen=True)
 class Refusal:
-    """Why a write is refused: ``errno`` for the syscall, ``code`` (the API's problem code,
-    as at close) and a ``reason`` for ``errors.log`` (never the content)."""
+    """Why a write is refused: ``code`` (the API's problem code, as at close) and a
+    ``reason`` for ``errors.log`` (never the content); ``errno`` for the syscall comes from
+    the one table (``memfuse.errors.ERRNO_BY_CODE``)."""
 
-    errno: int
     code: str
     reason: str
+
+    @property
+    def errno(self) -> int:
+        return ERRNO_BY_CODE[self.code]
 
 
 def _is_cont(b: int) -> bool:
@@ -133,7 +137,7 @@ class WriteChecker:
         if valid is None:
             where = start + at
             what = ("a NUL character" if region[at:at + 1] == b"\0" else "invalid UTF-8")
-            return Refusal(errno.EILSEQ, "invalid_content",
+            return Refusal("invalid_content",
                            f"the write puts {what} in the content (at byte {where}); records are "
                            "UTF-8 text; the write was not applied"), self.ok_upto
         return None, (start + valid if tail_ok else self.ok_upto)
@@ -152,7 +156,7 @@ class WriteChecker:
         if content_rules.find_secret(before.decode("utf-8", "ignore")) is not None:
             return None  # held one already: close judges the file
         kind = found.rsplit(" on line ", 1)[0]
-        return Refusal(errno.EPERM, "secret_detected",
+        return Refusal("secret_detected",
                        f"the write completes a secret ({kind}); memory must not store "
                        "credentials; the write was not applied")
 
@@ -182,7 +186,7 @@ class WriteChecker:
             before = self._type_verdict(bytes(buf[:HEAD_BYTES]))
         after = self._type_verdict(self._after(buf, off, data, HEAD_BYTES))
         if after is not None and before is None:
-            return Refusal(after.errno, after.code, after.reason + "; the write was not applied"), before
+            return Refusal(after.code, after.reason + "; the write was not applied"), before
         return None, after
 
     # ------------------------------------------------------------------ the checks
@@ -208,7 +212,7 @@ class WriteChecker:
         old_len = len(buf)
         if size > old_len:
             if not self.bad:
-                return Refusal(errno.EILSEQ, "invalid_content",
+                return Refusal("invalid_content",
                                f"extending the file to {size} bytes fills it with NUL characters; "
                                "records are UTF-8 text; the truncate was not applied")
             return None
