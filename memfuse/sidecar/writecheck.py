@@ -36,7 +36,7 @@ from memfuse.errors import ERRNO_BY_CODE
 __all__ = ["Refusal", "WriteChecker", "WINDOW", "HEAD_BYTES"]
 
 #: bytes of context on each side of a write scanned for a secret it completes
-WINDOW = 4096
+WINDOW = 2048
 #: bytes that may hold a frontmatter: 64 Ki characters of at most 4 bytes, plus the fences
 HEAD_BYTES = 4 * 64 * 1024 + 16
 _FENCES = (b"---", b"\xef\xbb\xbf---")
