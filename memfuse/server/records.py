@@ -833,7 +833,6 @@ class RecordsMixin(ServiceBase):
                 return MoveResult(records=[_record_model(rec, with_content=False)])
             new_type = self._type_after_move(rec, new_path, st)
             now = utcnow()
-            _pin_mtime(rec)  # rename(2) keeps the file's mtime (the moved version stores it)
             target = self._live_at(conn, st.slug, new_path)
             if target is not None:
                 if not body.replace:
@@ -855,6 +854,7 @@ class RecordsMixin(ServiceBase):
                 return MoveResult(records=[_record_model(target, with_content=False)])
             old_path = rec.path
             rec.path, rec.type = new_path, new_type
+            _pin_mtime(rec)  # rename(2) keeps the file's mtime: the moved version stores it
             rec.version += 1
             self._add_version(conn, rec, Operation.moved, p.actor, now, old_path=old_path)
             return MoveResult(records=[_record_model(rec, with_content=False)])
