@@ -239,3 +239,32 @@ def test_rejection_before_the_create_committed_keeps_the_record_id(tmp_path):
     assert (tree(fs), n.state, n.record_id) == ({"e4.md": BAD}, REJECTED, "r9")
     assert not any("dropped" in e["reason"] for e in fs.errors)
     stop(fs, j)
+
+
+def test_a_write_refused_while_an_earlier_put_is_in_flight_stays_rejected(tmp_path):
+    """A file committed once (a reader's release commits a writer's dirty content), written
+    on, then a write refused (held back): when the earlier put lands it must not mark the
+    file clean, and the held content is kept across a restart."""
+    token = "gh" + "p_" + "aB3dE5fG7hJ9kL1mN3pQ5rS7tU9vW1xY3zA5"
+    fs, j = start(tmp_path, [])
+    sm = fs.stores["default"]
+    h = fs.create(sm.root.ino, b"c.md", 0o644, os.O_WRONLY | os.O_CREAT, 0, 0)
+    fs.write(h, 0, b"one\n")
+    first = fs.commit(h.node)  # in flight
+    fs.write(h, 4, ("token " + token[:20]).encode())
+    with pytest.raises(FsError) as ei:
+        fs.write(h, 4 + 6 + 20, token[20:].encode())
+    assert ei.value.errno == errno.EPERM
+    with pytest.raises(FsError):
+        fs.commit(h.node)  # the close reports the held session
+    first.record = rec("r1", "c.md", "one\n")
+    fs._on_commit(first)  # the earlier put lands now
+    n = h.node
+    assert (n.state, n.record_id) == (REJECTED, "r1")
+    fs.release(h.fh)
+    trio.run(j.flush_pending)
+    stop(fs, j)
+    fs, j = start(tmp_path, [rec("r1", "c.md", "one\n")])
+    n = fs.stores["default"].root.children["c.md"]
+    assert (tree(fs), n.state) == ({"c.md": ("one\ntoken " + token[:20]).encode()}, REJECTED)
+    stop(fs, j)

@@ -435,6 +435,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             # ftruncate, earlier writes) must not replace the stored record; held back
             # until the next open for writing, and its close reports the refusal too
             n.refused, n.state, n.error = r.errno, REJECTED, r.reason
+            n.last_put = None  # an earlier put landing later must not mark it clean
         raise FsError(r.errno, r.reason, r.code)
 
     def _type_refusal(self, n: Node, text: str) -> Refusal | None:
@@ -590,6 +591,8 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         # tries the blob cache again
         self._hold_content(n, data, sha256_hex(data), "the file's content")
         if n.refused:
+            # an earlier put still in flight must not mark the file clean when it lands
+            n.state, n.last_put = REJECTED, None
             self._mark_rejected(n, n.refused, "")
             self.sync_rejected()
             raise FsError(n.refused, n.error)
