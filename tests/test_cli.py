@@ -274,7 +274,9 @@ def test_dev_sets_up_and_runs_sidecar_with_workspace_client(home, tmp_path, monk
     assert mp.is_dir() and cfg.mountpoint == mp.resolve()
     assert cfg.workspace == "dev" and cfg.cache_dir == home / "cache" / "dev"
     assert seen["attachments"] == [("default", "read_write")]
-    assert seen["actor"] == "ws:dev/dev"
+    import getpass
+    import socket
+    assert seen["actor"] == f"ws:dev/{getpass.getuser()}@{socket.gethostname()}"  # USER@HOST
     assert seen["list_stores_status"] == 403
     assert str(mp.resolve()) in r.stderr and "Ctrl-C" in r.stderr
 
