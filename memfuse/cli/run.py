@@ -7,10 +7,12 @@ plane; ``status`` reads a running sidecar's status. The admin and record command
 """
 from __future__ import annotations
 
+import getpass
 import hashlib
 import json
 import logging
 import os
+import re
 import secrets
 import socket
 import shutil
@@ -302,8 +304,11 @@ def _safe_url(url: str) -> str:
           "'off': no console.")
 @opt("--nonempty", is_flag=True,
      help="Mount even when MOUNTPOINT holds files; they are hidden (not changed) while dev runs.")
+@opt("--actor", metavar="NAME",
+     help="Who writes through this mount, recorded on every version (history, the console, the "
+          "API's updated_by) as ws:dev/NAME. Default: USER@HOST.")
 def dev(mountpoint: Path, admin_listen: str | None, log_format: str, debug: bool, console_listen: str,
-        nonempty: bool) -> None:
+        nonempty: bool, actor: str | None) -> None:
     """Mount memory at MOUNTPOINT (default ./memory) with everything built in: store `default` of workspace `dev`, the control plane in process on the dev database.
 
     The control plane runs in-process on the dev database, workspace `dev` with store
@@ -322,13 +327,14 @@ def dev(mountpoint: Path, admin_listen: str | None, log_format: str, debug: bool
     except OSError as e:
         raise click.ClickException(f"cannot lock {dev_db_path()}: {e.strerror}") from None
     try:
-        _dev(mountpoint, admin_listen, log_format, debug, console_listen, claim, nonempty)
+        _dev(mountpoint, admin_listen, log_format, debug, console_listen, claim, nonempty,
+             actor_name(actor or default_actor()))
     finally:
         os.close(claim)
 
 
 def _dev(mountpoint: Path, admin_listen: str | None, log_format: str, debug: bool, console_listen: str,
-         claim: int, nonempty: bool = False) -> None:
+         claim: int, nonempty: bool = False, actor: str = "dev") -> None:
     """``memfuse dev`` once the dev database's lock (the descriptor ``claim``) is held."""
     from memfuse.devenv import (
         DEV_WORKSPACE,
@@ -373,6 +379,8 @@ def _dev(mountpoint: Path, admin_listen: str | None, log_format: str, debug: boo
     # and listens on a free loopback port, for the sidecar only.
     env = dev_app(faces=console_on, streams=True)
     env.app.state.db_claim = claim  # held by this process: the server takes it as its own
+    # the console's prompt preview shows the paths the agents get: this mount's
+    env.app.state.service.mount_root = str(mountpoint)
 
     from memfuse.sidecar.mount import MountConfig, run_mount
 
@@ -410,7 +418,7 @@ def _dev(mountpoint: Path, admin_listen: str | None, log_format: str, debug: boo
         from memfuse.devenv import agent_tools_hint
 
         click.echo(agent_tools_hint(shutil.which("memfuse") or sys.argv[0], base), err=True)
-        rc = run_mount(config, lambda: ApiClient(api_url, env.workspace_token, instance="dev"))
+        rc = run_mount(config, lambda: ApiClient(api_url, env.workspace_token, instance=actor))
     finally:
         server.stop()  # after the mount's drain, which commits through it
         # every pooled connection closed: SQLite checkpoints its WAL into dev.db and removes
@@ -471,6 +479,30 @@ class _UnstattedPath(click.ParamType):
 
 _UNSTATTED_PATH = _UnstattedPath()
 
+# characters an actor name keeps (the control plane records ws:<workspace>/<name>: no "/")
+_ACTOR_BAD = re.compile(r"[^A-Za-z0-9._@:+-]")
+
+
+def actor_name(value: str) -> str:
+    """``value`` as an actor name: characters outside ``[A-Za-z0-9._@:+-]`` become ``-``,
+    at most 100 characters (what the control plane keeps); ``sidecar`` when nothing is left."""
+    return _ACTOR_BAD.sub("-", value.strip())[:100] or "sidecar"
+
+
+def default_actor(cache_dir: Path | None = None) -> str:
+    """``USER@HOST``, the name a person recognises; with ``cache_dir`` (``memfuse mount``)
+    followed by ``.`` and 6 hex digits of its absolute path: stable across restarts, and
+    different for two sidecars of one workspace on one host (no two running sidecars share a
+    cache directory), whose versions the change feed tells apart by actor."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = str(os.getuid())
+    name = f"{user}@{socket.gethostname()}"
+    if cache_dir is not None:
+        name += "." + hashlib.sha256(os.path.abspath(cache_dir).encode()).hexdigest()[:6]
+    return name
+
 
 @cli.command()
 @click.argument("mountpoint", type=_UNSTATTED_PATH, envvar="MEMFUSE_MOUNTPOINT")
@@ -501,7 +533,13 @@ _UNSTATTED_PATH = _UnstattedPath()
 @opt("--offline-after", type=float, default=10.0, show_default=True, metavar="S",
      help="Seconds without an answer from the control plane at start before the stores saved "
           "in the cache are mounted as they were (only when the outbox is empty).")
-@opt("--instance", metavar="ID", help="Sidecar id recorded on versions. Default: the host name.")
+@opt("--actor", "--instance", "actor", metavar="NAME",
+     help="Who writes through this mount, recorded on every version (history, the console, the "
+          "API's updated_by) as ws:WORKSPACE/NAME; stable across restarts, so it must differ "
+          "between sidecars of one workspace running at once. In Kubernetes the manifests pass "
+          "the pod name (downward API). Default: USER@HOST.CACHE (CACHE: 6 hex digits of the "
+          "cache directory's path, which no two running sidecars share). --instance is the old "
+          "name.")
 @opt("--log-format", type=click.Choice(["json", "text"]), default="json", show_default=True,
      help="Log line format on stderr.")
 @opt("--admin-token-file", type=click.Path(dir_okay=False, path_type=Path),
@@ -533,7 +571,7 @@ def mount(
     fsync_timeout: float,
     drain_timeout: float,
     offline_after: float,
-    instance: str | None,
+    actor: str | None,
     log_format: str,
     admin_token_file: Path | None,
     admin_socket: bool,
@@ -576,7 +614,8 @@ def mount(
     else:
         _prepare_mountpoint(mountpoint)
         mountpoint = Path(os.path.realpath(mountpoint))
-    inst = instance or socket.gethostname()
+    cache = cache_dir or _mount_cache_dir(control_plane, workspace)
+    inst = actor_name(actor or default_actor(cache))
     sidecar_process_setup()
 
     from memfuse.sidecar.mount import MountConfig, run_mount
@@ -584,7 +623,7 @@ def mount(
     config = MountConfig(
         mountpoint=mountpoint,
         workspace=workspace,
-        cache_dir=cache_dir or _mount_cache_dir(control_plane, workspace),
+        cache_dir=cache,
         uid=uid,
         gid=gid,
         allow_other=allow_other,

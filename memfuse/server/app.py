@@ -463,7 +463,11 @@ def create_app(
     def context(
         ws: str,
         p: P,
-        mount_root: Annotated[str, Query(description="where the sidecar mounts the stores")] = "/mnt/memory",
+        mount_root: Annotated[
+            str | None,
+            Query(description="where the sidecar mounts the stores (default: the server's, "
+                              "/mnt/memory, or the mountpoint under memfuse dev)"),
+        ] = None,
         max_bytes: Annotated[
             int | None,
             Query(ge=CONTEXT_MIN_BYTES, le=10_000_000,
@@ -475,7 +479,7 @@ def create_app(
                               "the line on the mount's .memfuse/errors.log"),
         ] = True,
     ):
-        text = svc.context(p, ws, mount_root, max_bytes, mounted=mounted)
+        text = svc.context(p, ws, mount_root or svc.mount_root, max_bytes, mounted=mounted)
         return PlainTextResponse(text, media_type="text/markdown; charset=utf-8")
 
     # ------------------------------------------------------------ records

@@ -295,6 +295,14 @@ def _mode(value: int | None) -> int:
     return DEFAULT_MODE if value is None else value
 
 
+def _pin_mtime(rec: _Rec) -> None:
+    """Store the mtime a record's file shows (``updated_at`` when it has no explicit one)
+    as its explicit ``mtime_ns``, before a version that must not change it (a move, as
+    rename(2) leaves ``st_mtime`` alone) sets ``updated_at`` to now."""
+    if rec.mtime_ns is None:
+        rec.mtime_ns = mtime_effective_ns(None, rec.updated_at)
+
+
 def _attrs(rec: _Rec) -> tuple[int, int | None]:
     """What decides whether an attribute change makes a version: (effective mode, mtime)."""
     return _mode(rec.mode), rec.mtime_ns
@@ -846,6 +854,7 @@ class RecordsMixin(ServiceBase):
                 return MoveResult(records=[_record_model(target, with_content=False)])
             old_path = rec.path
             rec.path, rec.type = new_path, new_type
+            _pin_mtime(rec)  # rename(2) keeps the file's mtime: the moved version stores it
             rec.version += 1
             self._add_version(conn, rec, Operation.moved, p.actor, now, old_path=old_path)
             return MoveResult(records=[_record_model(rec, with_content=False)])
@@ -901,6 +910,7 @@ class RecordsMixin(ServiceBase):
             plan.sort(key=lambda x: x[2])
             for r, old_path, new_path in plan:
                 r.path = new_path
+                _pin_mtime(r)  # a directory rename keeps each file's mtime
                 r.version += 1
                 self._add_version(conn, r, Operation.moved, p.actor, now, old_path=old_path)
             log.info("moved %d records in store %s", len(plan), st.slug)

@@ -101,6 +101,9 @@ class Service(TokensMixin, SessionsMixin, StoresMixin, BatchMixin, RecordsMixin,
     ``static_tokens`` maps raw token → workspace (None = admin); the mapping is consulted on
     every request, so a caller may add tokens later (the in-process fake does).
     ``context_max_bytes`` is the default bound of the prompt block (``context``).
+    ``mount_root`` is where this deployment's sidecars mount the stores (``/mnt/memory``, the
+    Kubernetes manifests' path; ``memfuse dev`` sets its real mountpoint): the default of the
+    prompt block's paths, so the console's preview shows what the agents get.
     """
 
     def __init__(
@@ -109,9 +112,11 @@ class Service(TokensMixin, SessionsMixin, StoresMixin, BatchMixin, RecordsMixin,
         static_tokens: dict[str, str | None] | None = None,
         *,
         context_max_bytes: int = CONTEXT_TOTAL_MAX_BYTES,
+        mount_root: str = "/mnt/memory",
     ) -> None:
         self.db = db
         self.context_max_bytes = context_max_bytes
+        self.mount_root = mount_root
         self.static_tokens: dict[str, str | None] = static_tokens if static_tokens is not None else {}
         self.notifier = Notifier()
         self.bus = Bus(db, self.notifier)

@@ -870,7 +870,7 @@ def context_page(ctx: Ctx) -> Response:
     """GET ``/workspaces/{ws}/context``: exactly the prompt block the workspace's agents get
     (``Service.context``, as ``GET /v1/workspaces/{ws}/context``), omission markers marked."""
     ws = ctx.path("ws")
-    mount_root = ctx.q("mount_root") or "/mnt/memory"
+    mount_root = ctx.q("mount_root") or ctx.svc.mount_root  # memfuse dev: its real mountpoint
     max_bytes = None
     if ctx.q("max_bytes"):
         try:
