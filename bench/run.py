@@ -58,10 +58,11 @@ def main() -> int:
                                 detail={"error": str(e)[-3000:]}))
             timings[name] = round(time.perf_counter() - t0, 1)
         populate_s = s.populate_s
+        peer = s.peer_meta
         n_files = len(s.files) if s._files is not None else None
     meta = machine_meta(args.quick)
     meta.update(loadavg_start=load_start, total_s=round(time.perf_counter() - t_all, 1), benchmark_s=timings,
-                populate_s=populate_s, files=n_files)
+                populate_s=populate_s, files=n_files, **peer)
     print()
     print(table(rows))
     print(f"\ntotal {meta['total_s']} s; per benchmark {timings}")

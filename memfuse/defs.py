@@ -49,6 +49,9 @@ HISTORY_VERSIONS_FACTOR = 16
 HISTORY_MIN_AGE_S = 86_400
 MODE_MASK = 0o777  # the bits a record keeps (rwx of user, group, other; never setuid, setgid or sticky)
 MTIME_NS_MIN, MTIME_NS_MAX = -(1 << 63), (1 << 63) - 1  # a signed 64-bit ns count
+# versions, feed positions (seq, after) and limits are signed 64-bit integers in the database:
+# the API refuses a larger one with 422 (and says so in its OpenAPI document)
+INT64_MAX = (1 << 63) - 1
 SLUG_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
 MAX_TOKEN_TTL_SECONDS = 10 * 366 * 86400  # ten years
 # characters of an attachment's instructions (the prompt block shows them): the bound of

@@ -215,7 +215,12 @@ def build_server(
             text, err = f"Unknown tool: {params.name}. Tools: {', '.join(_BY_NAME)}", True
         else:
             command = {**(params.arguments or {}), "command": params.name.removeprefix("memory_")}
-            text, err = await backend().call(command)
+            try:
+                text, err = await backend().call(command)
+            except Exception as e:  # noqa: BLE001 - a tool result, never a protocol error with internal text
+                log.error("memory tool %s failed (%s)", params.name, type(e).__name__, exc_info=e)
+                text, err = ("The memory tool could not run this command (a server error, logged); "
+                             "try again later"), True
         return types.CallToolResult(content=[types.TextContent(text=text)], is_error=err)
 
     async def list_resources(ctx: ServerRequestContext[Any], params: Any) -> types.ListResourcesResult:

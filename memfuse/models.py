@@ -30,6 +30,7 @@ from pydantic import BaseModel, Field
 from .defs import (  # noqa: F401  (re-exported)
     BATCH_MAX_BYTES,
     BATCH_MAX_OPERATIONS,
+    INT64_MAX,
     DEFAULT_MODE,
     INSTRUCTIONS_MAX_CHARS,
     MAX_TOKEN_TTL_SECONDS,
@@ -73,23 +74,23 @@ class StoreCreate(BaseModel):
     slug: str = Field(pattern=SLUG_PATTERN)
     description: str = ""
     default_type: Literal["user", "feedback", "project", "reference"] = "project"
-    max_record_bytes: int = Field(default=1 << 20, gt=0)
-    max_store_bytes: int = Field(default=64 << 20, gt=0)
-    max_records: int = Field(default=10_000, gt=0)
-    max_history_bytes: int | None = Field(default=None, gt=0)
-    max_history_versions: int | None = Field(default=None, gt=0)
-    history_min_age_s: int | None = Field(default=None, ge=0)
+    max_record_bytes: int = Field(default=1 << 20, gt=0, le=INT64_MAX)
+    max_store_bytes: int = Field(default=64 << 20, gt=0, le=INT64_MAX)
+    max_records: int = Field(default=10_000, gt=0, le=INT64_MAX)
+    max_history_bytes: int | None = Field(default=None, gt=0, le=INT64_MAX)
+    max_history_versions: int | None = Field(default=None, gt=0, le=INT64_MAX)
+    history_min_age_s: int | None = Field(default=None, ge=0, le=INT64_MAX)
 
 
 class StoreUpdate(BaseModel):
     description: str | None = None
     default_type: Literal["user", "feedback", "project", "reference"] | None = None
-    max_record_bytes: int | None = Field(default=None, gt=0)
-    max_store_bytes: int | None = Field(default=None, gt=0)
-    max_records: int | None = Field(default=None, gt=0)
-    max_history_bytes: int | None = Field(default=None, gt=0)
-    max_history_versions: int | None = Field(default=None, gt=0)
-    history_min_age_s: int | None = Field(default=None, ge=0)
+    max_record_bytes: int | None = Field(default=None, gt=0, le=INT64_MAX)
+    max_store_bytes: int | None = Field(default=None, gt=0, le=INT64_MAX)
+    max_records: int | None = Field(default=None, gt=0, le=INT64_MAX)
+    max_history_bytes: int | None = Field(default=None, gt=0, le=INT64_MAX)
+    max_history_versions: int | None = Field(default=None, gt=0, le=INT64_MAX)
+    history_min_age_s: int | None = Field(default=None, ge=0, le=INT64_MAX)
 
 
 class Store(BaseModel):
@@ -214,7 +215,7 @@ class PrefixMove(BaseModel):
 
 
 class Restore(BaseModel):
-    version: int
+    version: int = Field(ge=1, le=INT64_MAX)
 
 
 class Record(BaseModel):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
+import unicodedata
 
 MAX_COMPONENT_BYTES = 255
 MAX_COMPONENTS = 32
@@ -15,10 +16,29 @@ MAX_PATH_BYTES = 1024
 
 SLUG_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 
-# U+0000–U+001F, U+007F–U+009F, U+200B–U+200F, U+2028, U+2029, U+202A–U+202E, U+2060–U+2064, U+FEFF
-_FORBIDDEN_RE = re.compile(
-    "[\u0000-\u001f\u007f-\u009f\u200b-\u200f\u2028\u2029\u202a-\u202e\u2060-\u2064\ufeff]"
-)
+#: Unicode general categories no name may hold, from the Unicode database (``unicodedata``):
+#: control characters (Cc: U+0000–U+001F, U+007F–U+009F), format characters (Cf: the
+#: zero-width characters, every bidi control — embeddings, overrides and isolates
+#: U+202A–U+202E, U+2066–U+2069, the marks U+200E, U+200F, U+061C —, U+00AD, U+180E,
+#: U+FEFF, the interlinear annotation characters U+FFF9–U+FFFB, tag characters...), line and
+#: paragraph separators (Zl, Zp) and surrogates (Cs, a ``str`` decoded with
+#: ``surrogateescape``). No exception: ZWJ and ZWNJ (U+200D, U+200C) are refused too (they
+#: are invisible, so two names that look the same would be different records). The
+#: category comes from the Python running the check (its ``unicodedata.unidata_version``).
+FORBIDDEN_CATEGORIES = frozenset(("Cc", "Cf", "Zl", "Zp", "Cs"))
+# every character outside printable ASCII is looked up; printable ASCII never is
+_SUSPECT_RE = re.compile(r"[^\x20-\x7e]")
+
+
+def forbidden_char(name: str) -> str | None:
+    """The first character of ``name`` whose general category is in
+    :data:`FORBIDDEN_CATEGORIES`, or None. Printable ASCII costs one regex scan."""
+    for m in _SUSPECT_RE.finditer(name):
+        ch = m.group()
+        if unicodedata.category(ch) in FORBIDDEN_CATEGORIES:
+            return ch
+    return None
+
 
 DEFAULT_LOCAL_ONLY = (".*.sw?", ".*.swp", ".*.swpx", "4913", "*~", ".#*", "#*#", ".goutputstream-*", ".~lock.*#")
 
@@ -36,7 +56,9 @@ def check_component(name: str | bytes) -> str:
     """Validate one path component; return it as ``str``.
 
     Raises ``NameError_`` (``too_long`` set when over 255 bytes) for: empty, over 255 UTF-8
-    bytes, not UTF-8, ``.`` or ``..``, a ``/``, NUL, or a control / Unicode format character.
+    bytes, not UTF-8, ``.`` or ``..``, a ``/``, or a character of a forbidden Unicode
+    category (:data:`FORBIDDEN_CATEGORIES`: control, format — every bidi control among
+    them —, line / paragraph separator, surrogate).
     """
     if isinstance(name, bytes):
         raw = name
@@ -57,9 +79,10 @@ def check_component(name: str | bytes) -> str:
         raise NameError_(f"'{name}' is not a valid name")
     if "/" in name:
         raise NameError_("name contains '/'")
-    m = _FORBIDDEN_RE.search(name)
-    if m:
-        raise NameError_(f"name contains forbidden character U+{ord(m.group()):04X}")
+    bad = forbidden_char(name)
+    if bad is not None:
+        raise NameError_(f"name contains forbidden character U+{ord(bad):04X} "
+                         f"(Unicode category {unicodedata.category(bad)})")
     return name
 
 

@@ -35,6 +35,7 @@ from .defs import (  # noqa: F401  (re-exported: the client side imports them fr
     INSTRUCTIONS_MAX_CHARS,
     MAX_TOKEN_TTL_SECONDS,
     MODE_MASK,
+    INT64_MAX,
     MTIME_NS_MAX,
     MTIME_NS_MIN,
     RECORD_TYPES,
@@ -59,8 +60,8 @@ __all__ = [
 S = TypeVar("S")
 
 Slug = Annotated[str, Meta(pattern=SLUG_PATTERN)]
-Positive = Annotated[int, Meta(gt=0)]
-NonNegative = Annotated[int, Meta(ge=0)]
+Positive = Annotated[int, Meta(gt=0, le=INT64_MAX)]
+NonNegative = Annotated[int, Meta(ge=0, le=INT64_MAX)]
 Mode = Annotated[int, Meta(ge=0, le=MODE_MASK)]
 MtimeNs = Annotated[int, Meta(ge=MTIME_NS_MIN, le=MTIME_NS_MAX)]
 RecordType = Literal["user", "feedback", "project", "reference"]
@@ -207,7 +208,7 @@ class PrefixMove(Struct, kw_only=True):
 
 
 class Restore(Struct, kw_only=True):
-    version: int
+    version: Annotated[int, Meta(ge=1, le=INT64_MAX)]
 
 
 class Record(Struct, kw_only=True, gc=False):

@@ -136,12 +136,14 @@ def stop(proc: subprocess.Popen, timeout: float = 30) -> int:
 
 
 class ControlPlane:
-    """A real ``memfuse serve`` on loopback over a SQLite file, with an admin token."""
+    """A real ``memfuse serve`` on loopback over a SQLite file (or the database ``db_url``),
+    with an admin token."""
 
-    def __init__(self, tmp: Path, extra_args: tuple[str, ...] = ()) -> None:
+    def __init__(self, tmp: Path, extra_args: tuple[str, ...] = (), db_url: str | None = None) -> None:
         self.tmp = tmp
         self.extra_args = list(extra_args)  # more `memfuse serve` options, e.g. --no-streams
         self.db = tmp / "cp.db"
+        self.db_url = db_url or f"sqlite:///{self.db}"
         self.port = 0  # chosen by the kernel at the first start (see start), then kept
         self.admin_token = secrets.token_urlsafe(24)
         self.token_file = tmp / "admin.token"
@@ -161,7 +163,7 @@ class ControlPlane:
         restart listens on the same port again, so sidecars keep their URL."""
         offset = self.log.stat().st_size if self.log.exists() else 0
         self.proc = subprocess.Popen(
-            [MEMFUSE, "serve", "--db", f"sqlite:///{self.db}", "--listen", f"127.0.0.1:{self.port}",
+            [MEMFUSE, "serve", "--db", self.db_url, "--listen", f"127.0.0.1:{self.port}",
              "--admin-token-file", str(self.token_file), "--migrate", *self.extra_args],
             stdout=self.log.open("ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env=dict(os.environ, MEMFUSE_HOME=str(self.tmp / "home")))

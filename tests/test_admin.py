@@ -120,7 +120,7 @@ async def test_health_ready_status(admin):
         r = await c.get("/readyz")
         assert r.status_code == 200 and r.json() == {"ready": True}
 
-        r = await c.get("/v1/status")
+        r = await c.get("/v1/status", headers=AUTH)
         assert r.status_code == 200 and r.headers["content-type"] == "application/json"
         body = r.json()
         assert body["workspace"] == "team" and body["ready"] is True
@@ -198,7 +198,8 @@ async def test_http_framing_keep_alive_head_and_bad_requests(admin):
     _, url = admin
     bound = url.removeprefix("http://")
     two = await _raw(bound, b"GET /healthz HTTP/1.1\r\nHost: a\r\n\r\n"
-                            b"GET /v1/status HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
+                            b"GET /v1/status HTTP/1.1\r\nHost: a\r\nAuthorization: Bearer " + TOKEN.encode()
+                            + b"\r\nConnection: close\r\n\r\n")
     assert two.count(b"HTTP/1.1 200 ") == 2 and b'{"ok": true}' in two and b'"workspace": "team"' in two
     bad = await _raw(bound, b"NOT HTTP AT ALL\r\n\r\n")
     assert bad.startswith(b"HTTP/1.1 400 ") and PROBLEM_JSON.encode() in bad
@@ -228,25 +229,69 @@ async def test_tcp_mutations_need_the_token_loopback_included(admin, caplog):
             assert r.headers["www-authenticate"].startswith("Bearer")
             assert_problem(await c.post("/v1/mounts/shared", headers=headers), 401, "unauthorized")
         assert target.calls == [] and target.mounted == {"default"}  # never reached the target
-        # the read-only endpoints stay open, for the kubelet and Prometheus
+        # probes and metrics stay open, for the kubelet and Prometheus
         assert (await c.get("/readyz")).status_code == 200
         assert (await c.get("/healthz")).status_code == 200
         assert (await c.get("/metrics")).status_code == 200
-        assert (await c.get("/v1/status")).status_code == 200
         r = await c.delete("/v1/mounts/default", headers={"Authorization": f"bearer {TOKEN}"})
         assert r.status_code == 200 and target.mounted == set()
     assert TOKEN not in caplog.text and "wrong" not in caplog.text
 
 
+class ContextTarget(StubTarget):
+    """A StubTarget that serves a prompt block holding memory content (``SECRET``)."""
+
+    async def prompt_block(self) -> str:
+        return f"## Store `default`\n\n{SECRET}\n"
+
+
 async def test_tcp_without_a_token_refuses_every_mutation(nursery):
-    target = StubTarget()
+    target = ContextTarget()
     bound = await nursery.start(serve_admin, target, "127.0.0.1:0")
     async with httpx.AsyncClient(base_url=f"http://{bound}") as c:
-        body = assert_problem(await c.delete("/v1/mounts/default", headers=AUTH), 403, "mutations_disabled")
+        body = assert_problem(await c.delete("/v1/mounts/default", headers=AUTH), 403, "admin_token_required")
         assert "admin.sock" in body["detail"] or "Unix socket" in body["detail"]
-        assert_problem(await c.post("/v1/mounts/shared"), 403, "mutations_disabled")
+        assert_problem(await c.post("/v1/mounts/shared"), 403, "admin_token_required")
+        for path in ("/v1/context", "/v1/status"):
+            r = await c.get(path, headers=AUTH)
+            assert_problem(r, 403, "admin_token_required")
+            assert SECRET not in r.text and "default" not in r.text
         assert (await c.get("/healthz")).status_code == 200
+        assert (await c.get("/metrics")).status_code == 200
     assert target.calls == [] and target.mounted == {"default"}
+
+
+async def test_tcp_memory_needs_the_token_only_probes_and_metrics_are_open(nursery, tmp_path):
+    """On TCP only /healthz, /readyz and /metrics answer without the admin token; the prompt
+    block (memory content) and the status document (store names, paths) need it, loopback
+    included; the Unix socket serves them without one."""
+    target = ContextTarget()
+    target.ready = True
+    bound = await nursery.start(functools.partial(serve_admin, target, "127.0.0.1:0", token=TOKEN))
+    sock = tmp_path / "admin.sock"
+    await nursery.start(serve_admin_unix, target, sock)
+    async with httpx.AsyncClient(base_url=f"http://{bound}") as c:
+        for path in ("/healthz", "/readyz", "/metrics"):
+            r = await c.get(path)
+            assert r.status_code == 200, (path, r.text)
+            assert SECRET not in r.text
+        for path in ("/v1/context", "/v1/status"):
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
+                for method in ("GET", "HEAD"):
+                    r = await c.request(method, path, headers=headers)
+                    assert r.status_code == 401, (method, path, headers, r.text)
+                    assert SECRET not in r.text and "team" not in r.text
+        r = await c.get("/v1/context", headers=AUTH)
+        assert r.status_code == 200 and SECRET in r.text
+        r = await c.get("/v1/status", headers=AUTH)
+        assert r.status_code == 200 and r.json()["workspace"] == "team"
+        # an unknown path stays 404 (no hint which paths exist behind the token)
+        assert_problem(await c.get("/v1/nothing"), 404, "not_found")
+    transport = httpx.AsyncHTTPTransport(uds=str(sock))
+    async with httpx.AsyncClient(transport=transport, base_url="http://sidecar") as c:
+        r = await c.get("/v1/context")
+        assert r.status_code == 200 and SECRET in r.text
+        assert (await c.get("/v1/status")).json()["workspace"] == "team"
 
 
 def test_token_matching_and_token_files(tmp_path):
@@ -482,6 +527,12 @@ def test_status_json_and_odd_shapes(runner, tmp_path):
     assert "ready: no" in text and "stores: n/a" in text and "outbox: 3" in text
     assert "list: 1, a" in text and "Z" in text
     assert format_status({}) == ""
+    # byte counts print as people read them (store list, the console), not raw
+    sized = {"stores": [{"slug": "s", "local_bytes": 1536, "max_store_bytes": 67108864}],
+             "cache": {"used_bytes": 12, "count": 67108864}}
+    text = format_status(sized)
+    assert "64 MiB" in text and "1.5 KiB" in text and "12 B" in text and "67108864" in text  # count: no unit
+    assert text.count("67108864") == 1
 
 
 def test_status_errors(runner, tmp_path, monkeypatch):
@@ -512,14 +563,24 @@ def test_status_admin_not_reachable(runner):
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.output
 
 
-async def test_status_via_admin(admin, runner):
+async def test_status_via_admin(admin, runner, tmp_path):
     target, url = admin
     target.ready = True
+    token_file = tmp_path / "admin.token"
+    token_file.write_text(TOKEN)
+    sock = tmp_path / "admin.sock"
+    async with trio.open_nursery() as nursery:
+        await nursery.start(serve_admin_unix, target, sock)
 
-    def invoke(*args: str):
-        return runner.invoke(cli, ["status", *args])
+        def invoke(*args: str, auth: bool = True):
+            return runner.invoke(cli, ["status", *args, *(["--admin-token-file", str(token_file)] if auth else [])])
 
-    # the CLI blocks: run it in a thread while this trio loop serves the admin API
+        # the CLI blocks: run it in a thread while this trio loop serves the admin API
+        r = await trio.to_thread.run_sync(functools.partial(invoke, "--admin", url, auth=False))
+        assert r.exit_code == 1 and "answered HTTP 401" in r.stderr  # the status needs the token on TCP
+        r = await trio.to_thread.run_sync(functools.partial(invoke, "--admin-socket", str(sock), auth=False))
+        assert r.exit_code == 0 and "workspace: team" in r.stdout, r.output
+        nursery.cancel_scope.cancel()
     r = await trio.to_thread.run_sync(invoke, "--admin", url)
     assert r.exit_code == 0, r.output
     assert "workspace: team" in r.stdout and ["default", "read_write", "4"] in [

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mountutil import ControlPlane, Sidecar, live_records, sh, wait_until
+from mountutil import MEMFUSE, ControlPlane, Sidecar, live_records, sh, wait_until
 
 pytestmark = pytest.mark.mount
 
@@ -91,6 +91,84 @@ def test_script_mode_and_mtime_survive_restarts(tmp_path):
         assert (rec.mode, rec.mtime_ns) == (0o755, None)
         assert os.stat(d / "s.sh").st_mtime_ns > want_mtime
         assert sh("./s.sh", d).stdout == "ran\nagain\n"
+    finally:
+        if sc is not None:
+            sc.stop()
+        cp.stop()
+
+
+def test_a_move_keeps_the_mtime_across_restarts_and_exports(tmp_path):
+    """Issue 20: ``echo one > c.md; sleep; mv c.md d.md``: after a restart (fresh cache too)
+    and in an export, d.md shows the time of the write, not of the mv; so does a file moved
+    with its directory."""
+    cp = ControlPlane(tmp_path).start()
+    sc = None
+    try:
+        tok = cp.setup_workspace("ws")
+        sc = Sidecar(cp, "ws", tok, tmp_path / "mnt", tmp_path / "cache").start()
+        d = sc.mountpoint / "default"
+        sh("echo one > c.md && mkdir dir && echo two > dir/e.md", d)
+        wait_until(lambda: outbox_empty(sc), timeout=10.0, what="outbox drained")
+        written = {p: live_records(cp)[p].updated_at for p in ("c.md", "dir/e.md")}
+        time.sleep(1.5)
+        sh("mv c.md d.md && mv dir moved", d)
+        wait_until(lambda: outbox_empty(sc), timeout=10.0, what="outbox drained")
+        recs = live_records(cp)
+        for old, new in (("c.md", "d.md"), ("dir/e.md", "moved/e.md")):
+            want = int(written[old].timestamp() * 10**6) * 1000
+            assert recs[new].mtime_ns is not None and abs(recs[new].mtime_ns - want) < 10**6, new
+            assert recs[new].updated_at > written[old]  # the move's version is later
+        for fresh in (False, True):
+            sc.stop()
+            if fresh:
+                shutil.rmtree(sc.cache_dir)
+            sc.start()
+            for new in ("d.md", "moved/e.md"):
+                assert os.stat(d / new).st_mtime_ns == recs[new].mtime_ns, (fresh, new)
+        out = tmp_path / "export"
+        sh(f"{MEMFUSE} export default {out} --control-plane {cp.url} "
+           f"--token-file {cp.token_file}", tmp_path, timeout=60)
+        for new in ("d.md", "moved/e.md"):
+            assert os.stat(out / new).st_mtime_ns == recs[new].mtime_ns, new
+    finally:
+        if sc is not None:
+            sc.stop()
+        cp.stop()
+
+
+def test_chown_to_another_owner_is_eperm_and_a_no_op_chown_succeeds(tmp_path):
+    """Owner and group are the mount's (nothing stores them): a chown that changes nothing
+    succeeds, one to another owner is EPERM (``tar x`` says so), never shown until a
+    restart and then lost."""
+    cp = ControlPlane(tmp_path).start()
+    sc = None
+    try:
+        tok = cp.setup_workspace("ws")
+        sc = Sidecar(cp, "ws", tok, tmp_path / "mnt", tmp_path / "cache").start()
+        d = sc.mountpoint / "default"
+        sh("echo one > f.md", d)
+        st = os.stat(d / "f.md")
+        os.chown(d / "f.md", st.st_uid, st.st_gid)
+        os.chown(d / "f.md", -1, -1)
+        with pytest.raises(PermissionError):
+            os.chown(d / "f.md", st.st_uid + 1000, -1)
+        with pytest.raises(PermissionError):
+            os.chown(d / "f.md", -1, st.st_gid + 1000)
+        r = sh("chown 1234:1234 f.md", d, check=False)
+        assert r.returncode == 1 and "Operation not permitted" in r.stderr, r.stderr
+        # tar x of files owned by another uid, as root: reported, the content still there
+        src = tmp_path / "src"
+        src.mkdir()
+        (src / "t.md").write_text("tar\n")
+        os.chown(src / "t.md", 1234, 1234)
+        sh(f"tar -C {src} -cf {tmp_path}/a.tar t.md", tmp_path)
+        r = sh(f"tar -xf {tmp_path}/a.tar", d, check=False)
+        assert r.returncode != 0 and "Cannot change ownership" in r.stderr, r.stderr
+        assert (d / "t.md").read_text() == "tar\n"
+        assert (os.stat(d / "t.md").st_uid, os.stat(d / "f.md").st_uid) == (st.st_uid, st.st_uid)
+        sc.stop()
+        sc.start()
+        assert (os.stat(d / "t.md").st_uid, os.stat(d / "t.md").st_gid) == (st.st_uid, st.st_gid)
     finally:
         if sc is not None:
             sc.stop()

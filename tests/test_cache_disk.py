@@ -98,12 +98,17 @@ def write_local(path: Path) -> str | None:
     return errno.errorcode[int(out)] if out else None
 
 
-def test_full_cache_disk_gives_enospc_at_close_never_hangs_and_recovers(tmp_path, small_cache):
+@pytest.mark.parametrize("commit_wait", ["10", "0"])
+def test_full_cache_disk_gives_enospc_at_close_never_hangs_and_recovers(tmp_path, small_cache,
+                                                                        commit_wait):
+    """With ``--commit-wait 0`` too: the journal's wait has its own bound, so a full disk
+    still answers ``ENOSPC`` (not ``EIO`` for a zero wait) and a written file answers 0."""
     cp = ControlPlane(tmp_path).start()
     sc = None
     try:
         tok = cp.setup_workspace("ws")
-        sc = Sidecar(cp, "ws", tok, tmp_path / "mnt", small_cache).start()
+        sc = Sidecar(cp, "ws", tok, tmp_path / "mnt", small_cache,
+                     "--commit-wait", commit_wait).start()
         root = tmp_path / "mnt"
         admin = status(root)["admin"]
         # leave ~700 KB free: a few 96 KB files fit, then the disk is full

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -77,8 +78,15 @@ def test_help_for_every_command(home):
         assert " ".join(("memfuse", *path)) in r.stdout.splitlines()[0]
     r = invoke(["store", "create", "--help"])
     assert "MEMFUSE_DESCRIPTION" in r.stdout and "MEMFUSE_CONTROL_PLANE" in r.stdout
-    p = run(["--help"])
+    p = run(["--help"], env_extra={"COLUMNS": "80"})
     assert p.returncode == 0 and b"Usage: memfuse" in p.stdout
+    # no description cut short (click ends a cut one with "..."); `dev` says what it does
+    for group in ([], ["store"], ["token"], ["workspace"], ["db"], ["mounts"]):
+        r = invoke([*group, "--help"], env={"COLUMNS": "80"})
+        listing = r.stdout.split("Commands:", 1)[1]
+        assert not [ln for ln in listing.splitlines() if ln.rstrip().endswith("...")], (group, listing)
+    listing = invoke(["--help"], env={"COLUMNS": "80"}).stdout.split("Commands:", 1)[1]
+    assert re.search(r"\n  dev\s+Mount memory at MOUNTPOINT", listing), listing
     p = run(["mount", "--help"])
     assert p.returncode == 0 and b"--control-plane" in p.stdout and b"MEMFUSE_COMMIT_WAIT" in p.stdout
 
@@ -182,6 +190,20 @@ async def _make_history(content_v2: str) -> str:
         return r.id
 
 
+def test_errors_about_a_path_say_it_in_its_terms(home):
+    """A refusal about a record named by path names the path and version, not the record id
+    and HTTP code; --verbose adds them."""
+    rid = trio.run(_make_history, "second\n")
+    for cmd in (["show", "default", "notes/a.md", "--version", "99"],
+                ["restore", "default", "notes/a.md", "--version", "99"]):
+        r = invoke(cmd)
+        assert r.exit_code == 1 and r.stderr.strip() == "Error: notes/a.md has no version 99", r.stderr
+    r = invoke(["--verbose", "show", "default", "notes/a.md", "--version", "99"])
+    assert r.stderr.startswith("Error: notes/a.md has no version 99 (HTTP 404 version_not_found"), r.stderr
+    assert rid in r.stderr
+    assert_one_line_error(r.stderr)
+
+
 def test_history_show_restore_subprocess(home):
     v2 = "second — ünïcode\nno newline at end"
     rid = trio.run(_make_history, v2)
@@ -273,7 +295,9 @@ def test_dev_sets_up_and_runs_sidecar_with_workspace_client(home, tmp_path, monk
     assert mp.is_dir() and cfg.mountpoint == mp.resolve()
     assert cfg.workspace == "dev" and cfg.cache_dir == home / "cache" / "dev"
     assert seen["attachments"] == [("default", "read_write")]
-    assert seen["actor"] == "ws:dev/dev"
+    import getpass
+    import socket
+    assert seen["actor"] == f"ws:dev/{getpass.getuser()}@{socket.gethostname()}"  # USER@HOST
     assert seen["list_stores_status"] == 403
     assert str(mp.resolve()) in r.stderr and "Ctrl-C" in r.stderr
 
@@ -315,6 +339,24 @@ def test_mount_builds_config_and_client(home, tmp_path, monkeypatch):
     assert client.token_file.path == tf and client.token_file.token == "ws-token-abc"
     assert c.token_check_interval == 5.0
     trio.run(client.aclose)
+
+    # --actor (MEMFUSE_ACTOR): a pod name from the downward API; the default names the
+    # user and host, with a stable suffix from the cache directory
+    r = invoke(["mount", str(mp), "--control-plane", "http://cp.example:8080/", "--workspace", "team",
+                "--token-file", str(tf)], env={"MEMFUSE_ACTOR": "agent-pod-7"})
+    assert r.exit_code == 3 and seen["client"].instance == "agent-pod-7", r.output
+    trio.run(seen["client"].aclose)
+    names = []
+    for _ in range(2):  # the same name at each start
+        r = invoke(["mount", str(mp), "--control-plane", "http://cp.example:8080/", "--workspace", "team",
+                    "--token-file", str(tf)])
+        assert r.exit_code == 3, r.output
+        names.append(seen["client"].instance)
+        trio.run(seen["client"].aclose)
+    import getpass
+    import socket
+    assert names[0] == names[1] and re.fullmatch(
+        re.escape(f"{getpass.getuser()}@{socket.gethostname()}") + r"\.[0-9a-f]{6}", names[0]), names
 
     r = invoke(["mount", str(mp), "--workspace", "team", "--token-file", str(tf)])
     assert r.exit_code == 2 and "--control-plane" in r.output
@@ -528,7 +570,10 @@ def test_history_shows_where_a_record_moved(home):
     rows = [ln.split() for ln in p.stdout.decode().splitlines()[2:]]
     assert rows[0][1] == "created" and rows[0][-1] == "old/name.md"
     assert rows[1][1] == "moved" and rows[1][-1] == "new/name.md"
-    assert len(rows) == 2 and all(len(r) == len(rows[0]) for r in rows)
+    assert len(rows) == 2
+    # the move keeps the record's mtime (docs/SEMANTICS.md): the moved version shows it as
+    # its explicit mtime (a date and a time) where the created one shows "-"
+    assert len(rows[1]) == len(rows[0]) + 1 and rows[0][-3] == "-", rows
 
 
 def test_lazy_commands_name_the_module_that_registers_each_command():

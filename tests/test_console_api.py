@@ -8,6 +8,7 @@ tests/test_console_browser.py.
 from __future__ import annotations
 
 import re
+from contextlib import aclosing
 
 import httpx
 import pytest
@@ -15,7 +16,7 @@ import pytest
 from memfuse.models import RecordCreate, RecordUpdate, WorkspaceCreate
 from memfuse.server.app import create_app
 from memfuse.server.console import login_url
-from memfuse.server.console.render import render_markdown, unified_diff
+from memfuse.server.console.render import line_diff, path_breaks, render_markdown, unified_diff
 from memfuse.server.console.session import csrf_token
 from memfuse.server.service import Principal, ServiceError
 from pgutil import fresh_db_url
@@ -216,24 +217,186 @@ async def test_login_cookie_and_csrf(app):
         assert r.status_code == 303 and r.headers["location"] == "/ui/"  # never off-site
         cookie = r.headers["set-cookie"]
         assert "memfuse_session=" in cookie and "HttpOnly" in cookie and "SameSite=strict" in cookie.replace(
-            "Strict", "strict") and "Path=/ui" in cookie
+            "Strict", "strict") and "Path=/ui/" in cookie and "Max-Age=" in cookie and "Secure" not in cookie
+        session = c.cookies["memfuse_session"]
+        assert ADMIN not in cookie and len(session) >= 40  # a random session id, never the token
         r = await c.get("/ui/stores/ws")
         assert r.status_code == 200
         # a POST with the cookie but without the CSRF token is refused, and nothing is written
         r = await c.post("/ui/stores/ws/new", data={"path": "x.md", "content": "x\n", "type": "user"})
         assert r.status_code == 403
-        r = await c.post("/ui/stores/ws/new", data={"path": "x.md", "content": "x\n", "type": "user",
-                                                    "csrf": "0" * 64})
-        assert r.status_code == 403
+        for forged in ("0" * 64, csrf_token(ADMIN)):  # nor with one made from the token
+            r = await c.post("/ui/stores/ws/new", data={"path": "x.md", "content": "x\n", "type": "user",
+                                                        "csrf": forged})
+            assert r.status_code == 403
         assert app.state.service.list_records(ADMIN_P, "ws", path="x.md").records == []
         r = await c.post("/ui/stores/ws/new", data={"path": "x.md", "content": "x\r\ny\r\n", "type": "user",
-                                                    "csrf": csrf_token(ADMIN)})
+                                                    "csrf": csrf_token(session)})
         assert r.status_code == 303
         rec = app.state.service.list_records(ADMIN_P, "ws", path="x.md", with_content=True).records[0]
         assert rec.content == "x\ny\n" and rec.type == "user"  # CRLF from the textarea → LF
-        r = await c.post("/ui/logout", data={"csrf": csrf_token(ADMIN)})
+        r = await c.post("/ui/logout", data={"csrf": csrf_token(session)})
         assert r.status_code == 303
         assert (await c.get("/ui/stores/ws")).status_code == 303
+    # the old cookie, replayed after logout (copied, or a browser that kept it): refused
+    async with client(app, cookies={"memfuse_session": session}) as c:
+        r = await c.get("/ui/stores/ws")
+        assert r.status_code == 303 and "/ui/login" in r.headers["location"]
+    # the API never takes the session id
+    async with client(app, session) as c:
+        assert (await c.get("/v1/stores")).status_code == 401
+
+
+def set_cookies(r: httpx.Response) -> dict[str, tuple[str, dict[str, str]]]:
+    """The cookies a response sets: name → (value, {attribute (lower case): value})."""
+    out = {}
+    for header in r.headers.get_list("set-cookie"):
+        first, *rest = [p.strip() for p in header.split(";")]
+        name, _, value = first.partition("=")
+        out[name] = (value, {k.lower(): v for k, _, v in (a.partition("=") for a in rest)})
+    return out
+
+
+async def _login(app, token: str, **kw) -> tuple[httpx.AsyncClient, str]:
+    """A client logged in to the console with ``token``; (client, session cookie value)."""
+    c = client(app, **kw)
+    await c.get("/ui/login")
+    login_cookie = next(k for k in c.cookies.keys() if k.endswith("memfuse_login"))
+    r = await c.post("/ui/login", data={"token": token, "csrf": c.cookies[login_cookie]})
+    assert r.status_code == 303, r.text
+    name = next(k for k in c.cookies.keys() if k.endswith("memfuse_session"))
+    return c, c.cookies[name]
+
+
+async def test_session_ends_with_its_token_and_is_stored_hashed(app):
+    """A database token's console session: stored as a hash only, refused once the token is
+    revoked or has expired, and once the session itself expires."""
+    from datetime import timedelta
+
+    from sqlalchemy import select, update
+
+    from memfuse.models import TokenCreate
+    from memfuse.server.db import ConsoleSessionRow, TokenRow, utcnow
+    from memfuse.server.sessions import session_digest
+
+    svc = app.state.service
+    tok = svc.create_token(ADMIN_P, TokenCreate(workspace="ws", name="person"))
+    import json as _json
+
+    created = _json.loads(tok.body)
+    c, session = await _login(app, created["token"])
+    async with aclosing(c):
+        assert (await c.get("/ui/stores/ws")).status_code == 200
+        with svc.db.read_conn() as conn:
+            rows = conn.execute(select(ConsoleSessionRow.__table__)).all()
+        assert [(r.id_sha256, r.token_id, r.workspace) for r in rows] == [
+            (session_digest(session), created["id"], "ws")]
+        assert all(session not in str(tuple(r)) and created["token"] not in str(tuple(r)) for r in rows)
+        # the session's principal names its token: its live pages end with the token
+        # (memfuse.server.streamclass), and no later than the session
+        sp = svc.session_principal(session)
+        assert sp.token_id == created["id"] and sp.expires_at is not None and sp.workspace == "ws"
+        # the session expires: refused
+        with svc.db.write_conn() as conn:
+            conn.execute(update(ConsoleSessionRow.__table__).values(expires_at=utcnow() - timedelta(seconds=1)))
+        assert (await c.get("/ui/stores/ws")).status_code == 303
+    c, session = await _login(app, created["token"])
+    async with aclosing(c):
+        assert (await c.get("/ui/stores/ws")).status_code == 200
+        # the token expires: refused
+        with svc.db.write_conn() as conn:
+            conn.execute(update(TokenRow.__table__).values(expires_at=utcnow() - timedelta(seconds=1)))
+        assert (await c.get("/ui/stores/ws")).status_code == 303
+        with svc.db.write_conn() as conn:
+            conn.execute(update(TokenRow.__table__).values(expires_at=None))
+        c.cookies.set("memfuse_session", session)  # the refusal made the client drop it
+        assert (await c.get("/ui/stores/ws")).status_code == 200  # the same session, token valid again
+        # the token is revoked: refused at once, the cookie dropped
+        assert svc.revoke_token(ADMIN_P, created["id"]).status == 204
+        r = await c.get("/ui/stores/ws")
+        assert r.status_code == 303 and "/ui/login" in r.headers["location"]
+        assert "memfuse_session=" in r.headers.get("set-cookie", "") and 'memfuse_session=""' in r.headers[
+            "set-cookie"].replace("memfuse_session=;", 'memfuse_session="";')
+    # a static token no longer given: its sessions end too
+    c, session = await _login(app, RO)
+    async with aclosing(c):
+        assert (await c.get("/ui/stores/ws")).status_code == 200
+        del svc.static_tokens[RO]
+        assert (await c.get("/ui/stores/ws")).status_code == 303
+
+
+async def test_session_cookie_over_tls_from_a_trusted_proxy_only():
+    """``X-Forwarded-Proto: https`` from a --trusted-proxy address: the cookie is
+    ``__Host-memfuse_session``, ``Secure``, ``Path=/``; from any other peer the header is
+    ignored (plain-HTTP cookie)."""
+    with fresh_db_url() as url:
+        app = create_app(url, static_tokens={ADMIN: None}, trusted_proxies=["10.1.2.0/24", "::1"])
+        try:
+            proxied = {"X-Forwarded-Proto": "https"}
+            for peer, secure in ((("10.1.2.3", 5000), True), (("10.9.9.9", 5000), False), (("::1", 1), True)):
+                transport = httpx.ASGITransport(app=app, client=peer)
+                # cookies by hand: httpx keeps a Secure cookie for https URLs only
+                async with httpx.AsyncClient(transport=transport, base_url=BASE, headers=proxied) as c:
+                    r = await c.get("/ui/login")
+                    login_cookie = "__Host-memfuse_login" if secure else "memfuse_login"
+                    nonce = set_cookies(r)[login_cookie][0]
+                    c.cookies.clear()
+                    r = await c.post("/ui/login", data={"token": ADMIN, "csrf": nonce},
+                                     headers={"Cookie": f"{login_cookie}={nonce}"})
+                    assert r.status_code == 303, (peer, r.text)
+                    c.cookies.clear()
+                    name = "__Host-memfuse_session" if secure else "memfuse_session"
+                    value, attrs = set_cookies(r)[name]
+                    if secure:
+                        assert "secure" in attrs and attrs["path"] == "/" and "domain" not in attrs
+                    else:
+                        assert "secure" not in attrs and attrs["path"] == "/ui/"
+                    assert attrs["samesite"].lower() == "strict" and "httponly" in attrs
+                    # the cookie works on the next request of the same kind
+                    r = await c.get("/ui/", headers={"Cookie": f"{name}={value}"})
+                    assert r.status_code == 200, (peer, r.status_code)
+        finally:
+            app.state.service.db.engine.dispose()
+    with pytest.raises(ValueError, match="not an IP address"):
+        create_app("sqlite://", trusted_proxies=["example.com"])
+
+
+async def test_redact_asks_for_confirmation(app):
+    """Redact from the console: a GET (or a POST without ``confirm``) shows what is lost and
+    changes nothing; only the confirming form redacts."""
+    svc = app.state.service
+    rid = create(app, "secret.md", "old secret text\n")
+    svc.update_record(ADMIN_P, "ws", rid, RecordUpdate(content="clean\n"))
+    c, session = await _login(app, ADMIN)
+    async with aclosing(c):
+        page = (await c.get(f"/ui/stores/ws/records/{rid}")).text
+        assert f'href="/ui/stores/ws/records/{rid}/versions/1/redact"' in page
+        assert f'action="/ui/stores/ws/records/{rid}/versions/1/redact"' not in page  # no one-click form
+        r = await c.get(f"/ui/stores/ws/records/{rid}/versions/1/redact")
+        assert r.status_code == 200
+        assert "Redact version 1 of" in r.text and "secret.md" in r.text and "no undo" in r.text
+        assert "16 bytes" in r.text and 'name="confirm" value="redact"' in r.text
+        assert svc.get_version(ADMIN_P, "ws", rid, 1).content == "old secret text\n"
+        # a POST without the confirmation: the page again, nothing redacted
+        r = await c.post(f"/ui/stores/ws/records/{rid}/versions/1/redact", data={"csrf": csrf_token(session)})
+        assert r.status_code == 200 and "no undo" in r.text
+        assert svc.get_version(ADMIN_P, "ws", rid, 1).content == "old secret text\n"
+        # the current version cannot be redacted: the page says so, no form
+        r = await c.get(f"/ui/stores/ws/records/{rid}/versions/2/redact")
+        assert r.status_code == 409 and 'name="confirm"' not in r.text
+        r = await c.post(f"/ui/stores/ws/records/{rid}/versions/1/redact",
+                         data={"csrf": csrf_token(session), "confirm": "redact"})
+        assert r.status_code == 303 and r.headers["location"].endswith("msg=redacted")
+        assert svc.get_version(ADMIN_P, "ws", rid, 1).content is None
+        r = await c.get(f"/ui/stores/ws/records/{rid}/versions/1/redact")
+        assert "already redacted" in r.text and 'name="confirm"' not in r.text
+        # out-of-range version numbers are a 404 page, never a 500
+        r = await c.get(f"/ui/stores/ws/records/{rid}/versions/{2 ** 70}/redact")
+        assert r.status_code == 404
+    # a workspace token may not redact (no link, 403)
+    async with client(app, WS) as c:
+        assert "/redact" not in (await c.get(f"/ui/stores/ws/records/{rid}")).text
+        assert (await c.get(f"/ui/stores/ws/records/{rid}/versions/1/redact")).status_code == 403
 
 
 async def test_one_time_login_link(app):
@@ -353,7 +516,12 @@ async def test_restore_delete_redact_and_diff(app):
     svc.update_record(ADMIN_P, "ws", rid, RecordUpdate(content="two\n"))
     async with client(app, ADMIN) as c:
         r = await c.get(f"/ui/stores/ws/records/{rid}/diff?a=1&b=2")
-        assert '<span class="d-del">-one' in r.text and '<span class="d-add">+two' in r.text
+        assert re.search(r'<tr class="d-del"><td class="ln">1</td><td class="ln"></td><td class="code">one</td>', r.text)
+        assert re.search(r'<tr class="d-add"><td class="ln"></td><td class="ln">1</td><td class="code">two</td>', r.text)
+        r = await c.get(f"/ui/stores/ws/records/{rid}/diff?a=1&b=2&view=split")
+        assert 'class="diff split"' in r.text and '<td class="code d-del">one</td>' in r.text
+        r = await c.get(f"/ui/stores/ws/records/{rid}")  # each history row links its previous version's diff
+        assert f'href="/ui/stores/ws/records/{rid}/diff?a=1&amp;b=2"' in r.text
         r = await c.post(f"/ui/stores/ws/records/{rid}/restore", data={"version": "1"})
         assert r.status_code == 303
         rec = svc.get_record(ADMIN_P, "ws", rid, with_content=True)
@@ -364,11 +532,14 @@ async def test_restore_delete_redact_and_diff(app):
         r = await c.post(f"/ui/stores/ws/records/{rid}/delete", data={"sha256": rec.sha256})
         assert r.status_code == 303 and svc.get_record(ADMIN_P, "ws", rid).deleted
         r = await c.post(f"/ui/stores/ws/records/{rid}/versions/2/redact", data={})
+        assert r.status_code == 200 and "no undo" in r.text  # asked first
+        assert svc.get_version(ADMIN_P, "ws", rid, 2).content is not None
+        r = await c.post(f"/ui/stores/ws/records/{rid}/versions/2/redact", data={"confirm": "redact"})
         assert r.status_code == 303
         r = await c.get(f"/ui/stores/ws/records/{rid}/diff?a=1&b=2")
         assert "was redacted" in r.text
     async with client(app, WS) as c:  # redact is for admins
-        r = await c.post(f"/ui/stores/ws/records/{rid}/versions/1/redact", data={})
+        r = await c.post(f"/ui/stores/ws/records/{rid}/versions/1/redact", data={"confirm": "redact"})
         assert r.status_code == 403
 
 
@@ -466,6 +637,43 @@ def test_unified_diff():
     assert unified_diff("x", "x\n", "a", "b")[0].kind == "hunk"
 
 
+def test_line_diff_numbers_and_words():
+    d = line_diff("keep\nprefers tea with milk\ngone\n", "keep\nprefers coffee with milk\n", context=3)
+    (h,) = d.hunks
+    assert h.header == "@@ -1,3 +1,2 @@"
+    assert [(r.kind, r.old, r.new) for r in h.unified] == [
+        ("ctx", 1, 1), ("del", 2, None), ("del", 3, None), ("add", None, 2)]
+    changed = [[(s.text, s.changed) for s in r.segments] for r in h.unified[1:]]
+    assert changed[0] == [("prefers ", False), ("tea", True), (" with milk", False)]
+    assert changed[1] == [("gone", False)]  # no counterpart: not word-marked
+    assert changed[2] == [("prefers ", False), ("coffee", True), (" with milk", False)]
+    assert [(left and left.old, right and right.new) for left, right in h.split] == [(1, 1), (2, 2), (3, None)]
+    # unrelated lines are not marked word by word; equal texts have no hunk; a final newline is noted
+    (h,) = line_diff("alpha beta\n", "1 2 3\n").hunks
+    assert all(not s.changed for r in h.unified for s in r.segments)
+    assert line_diff("x\n", "x\n").hunks == () and line_diff("x", "x\n").note
+    # hunks keep 3 lines of context and split far-apart changes
+    a = "".join(f"l{i}\n" for i in range(30))
+    d = line_diff(a, a.replace("l2\n", "L2\n").replace("l25\n", "L25\n"))
+    assert [h.header for h in d.hunks] == ["@@ -1,6 +1,6 @@", "@@ -23,7 +23,7 @@"]
+
+
+def test_path_breaks_between_directories_and_escapes():
+    assert str(path_breaks("notes/a<b>/JOURNAL.jsonl")) == "notes/<wbr>a&lt;b&gt;/<wbr>JOURNAL.jsonl"
+
+
+async def test_diff_of_hostile_content_is_inert(app):
+    svc = app.state.service
+    rid = create(app, "x/<svg onload=alert(1)>.md", "<script>alert(1)</script>\n")
+    svc.update_record(ADMIN_P, "ws", rid, RecordUpdate(content="<script>alert(2)</script><img src=x onerror=alert(3)>\n"))
+    async with client(app, ADMIN) as c:
+        for view in ("unified", "split"):
+            r = await c.get(f"/ui/stores/ws/records/{rid}/diff?a=1&b=2&view={view}")
+            assert r.status_code == 200
+            assert "<script>" not in r.text and "<img" not in r.text and "<svg" not in r.text
+            assert "&lt;script&gt;alert(" in r.text and "script-src 'self'" in r.headers["content-security-policy"]
+
+
 async def test_untrusted_names_and_text_are_escaped(app):
     evil = '<img src=x onerror=alert(1)>.md'
     rid = create(app, evil, "# hi\n<b onclick=alert(1)>x</b>\n", type="user")
@@ -498,12 +706,13 @@ async def test_store_settings_form(app):
         await c.get("/ui/login")
         r = await c.post("/ui/login", data={"token": ADMIN, "csrf": c.cookies["memfuse_login"]})
         assert r.status_code == 303
+        csrf = csrf_token(c.cookies["memfuse_session"])
         page = (await c.get("/ui/stores/ws")).text
         assert 'action="/ui/stores/ws/settings"' in page and 'value="1048576"' in page
         # without the CSRF token: refused, nothing changed
         assert (await c.post("/ui/stores/ws/settings", data=form)).status_code == 403
         bad = {**form, "max_record_bytes": "12 parsecs", "max_records": "0", "default_type": "diary",
-               "max_store_bytes": "<b>9</b>", "csrf": csrf_token(ADMIN)}
+               "max_store_bytes": "<b>9</b>", "csrf": csrf}
         r = await c.post("/ui/stores/ws/settings", data=bad)
         assert r.status_code == 422
         assert "Nothing was changed" in r.text
@@ -513,17 +722,17 @@ async def test_store_settings_form(app):
         assert 'value="12 parsecs"' in r.text and "<details class=\"settings\" id=\"settings\" open>" in r.text
         assert svc.get_store(ADMIN_P, "ws") == before
         r = await c.post("/ui/stores/ws/settings", data={**form, "max_record_bytes": "4M",
-                                                          "max_store_bytes": "1M", "csrf": csrf_token(ADMIN)})
+                                                          "max_store_bytes": "1M", "csrf": csrf})
         assert r.status_code == 422 and "cannot be larger than the whole store" in r.text
         assert svc.get_store(ADMIN_P, "ws") == before
         # good values: saved, one store_changed event for the attached workspaces
-        r = await c.post("/ui/stores/ws/settings", data={**form, "csrf": csrf_token(ADMIN)})
+        r = await c.post("/ui/stores/ws/settings", data={**form, "csrf": csrf})
         assert r.status_code == 303 and r.headers["location"].endswith("msg=settings_saved")
         after = svc.get_store(ADMIN_P, "ws")
         assert (after.description, after.default_type, after.max_record_bytes, after.max_store_bytes,
                 after.max_records) == ("team notes", "user", 512 << 10, 2 << 20, 1500)
         assert "Store settings saved." in (await c.get(r.headers["location"])).text
-        r = await c.post("/ui/stores/ws/settings", data={**form, "max_records": "1500", "csrf": csrf_token(ADMIN)})
+        r = await c.post("/ui/stores/ws/settings", data={**form, "max_records": "1500", "csrf": csrf})
         assert r.headers["location"].endswith("msg=settings_unchanged")
     # a workspace token (even read-write) sees no form and may not post one
     async with client(app, WS) as c:

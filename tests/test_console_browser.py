@@ -29,7 +29,10 @@ CHROMEDRIVER = "/usr/bin/chromedriver"
 WAIT = 15  # seconds: upper bound of every wait for the page or the mount (event-driven)
 
 
-def _chrome(profile: Path):
+def _chrome(profile: Path, *extra: str, performance_log: bool = False):
+    """Headless Chromium under chromedriver (skips the test when either is missing), with
+    ``extra`` command-line switches; ``performance_log``: keep the DevTools network events
+    (``driver.get_log("performance")``)."""
     try:
         from selenium import webdriver
         from selenium.webdriver.chrome.service import Service as ChromeService
@@ -41,8 +44,10 @@ def _chrome(profile: Path):
     opts.binary_location = CHROMIUM
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                "--disable-dev-shm-usage", "--window-size=1280,900", f"--user-data-dir={profile}"):
+                "--disable-dev-shm-usage", "--window-size=1280,900", f"--user-data-dir={profile}", *extra):
         opts.add_argument(arg)
+    if performance_log:
+        opts.set_capability("goog:loggingPrefs", {"performance": "ALL"})
     return webdriver.Chrome(service=ChromeService(executable_path=CHROMEDRIVER), options=opts)
 
 
@@ -193,7 +198,8 @@ def test_login_and_stores(console):
     c.go(c.button("Log in"))
     c.until(lambda: c.d.current_url.endswith("/ui/"), "the stores page")
     cookie = c.d.get_cookie("memfuse_session")
-    assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and cookie["path"] == "/ui"
+    assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and cookie["path"] == "/ui/"
+    assert c.cp.admin_token not in cookie["value"]  # a session id, never the token
     assert c.d.execute_script("return document.cookie") == ""  # no script can read it
     side = c.one(".sidebar").text
     assert "default" in side and "records" in side and "MiB" in side
@@ -220,12 +226,30 @@ def test_store_record_history_diff_restore_reaches_mount(console):
     history = c.one("table.history").text
     assert "created" in history and "modified" in history
     c.shot("record")
+    record_url = c.d.current_url
     c.go(c.button("Diff"))  # the defaults: previous → current
-    c.until(lambda: c.css("pre.diff"), "the diff")
-    assert [e.text for e in c.css("pre.diff .d-del")] == ["-prefers tea"]
-    assert [e.text for e in c.css("pre.diff .d-add")] == ["+prefers coffee"]
+    c.until(lambda: c.css("table.diff.unified"), "the diff")
+    cells = lambda sel: [e.text for e in c.css(sel)]  # noqa: E731
+    assert cells("table.diff tr.d-del td") == ["1", "", "prefers tea"]  # old line 1, no new line
+    assert cells("table.diff tr.d-add td") == ["", "1", "prefers coffee"]
+    assert cells("table.diff tr.d-del mark") == ["tea"] and cells("table.diff tr.d-add mark") == ["coffee"]
+    sign = c.d.execute_script("return getComputedStyle(document.querySelector('tr.d-add td.code'), '::before').content")
+    assert sign == '"+"'  # the +/- column is drawn, not copied with the text
+    mono = c.d.execute_script("return getComputedStyle(document.querySelector('table.diff td.code')).fontFamily")
+    assert "monospace" in mono
     c.shot("diff")
-    c.d.back()
+    c.go(c.link("Side by side"))
+    c.until(lambda: c.css("table.diff.split"), "the side-by-side diff")
+    rows = [[td.text for td in tr.find_elements("css selector", "td")] for tr in c.css("table.diff.split tbody tr")]
+    assert ["1", "prefers tea", "1", "prefers coffee"] in rows
+    assert cells("table.diff td.d-del mark") == ["tea"] and cells("table.diff td.d-add mark") == ["coffee"]
+    c.shot("diff-split")
+    c.d.get(record_url)
+    row = [r for r in c.css("table.history tbody tr") if r.text.split()[0] == "2"][0]
+    c.go(row.find_element("link text", "Diff with previous"))
+    c.until(lambda: "Version 1 → version 2" in c.text(), "the diff with the previous version")
+    assert cells("table.diff tr.d-add td.code") == ["prefers coffee"]
+    c.d.get(record_url)
     row = [r for r in c.css("table.history tbody tr") if r.text.split()[0] == "1"][0]
     c.go(c.button("Restore", row))
     c.until(lambda: "Restored" in c.text(), "the restore message")
@@ -244,6 +268,7 @@ def test_edit_with_a_type_reaches_mount(console):
     assert options == ["user", "feedback", "project", "reference"]  # the four types, nothing else
     Select(c.one("#type")).select_by_value("user")
     area = c.one("#content")
+    assert "monospace" in c.d.execute_script("return getComputedStyle(arguments[0]).fontFamily", area)
     area.clear()
     area.send_keys("prefers green tea\nno sugar\n")
     c.shot("edit")
@@ -540,28 +565,139 @@ def test_read_only_workspace_cannot_edit(console):
     c.login(c.cp.admin_token)
 
 
+def test_logout_ends_the_session_and_the_old_cookie_is_refused(console):
+    """Log in, log out: the session is over on the server, so the cookie the browser had
+    (copied before the logout, or put back into the browser) opens nothing any more."""
+    c = console
+    c.login(c.cp.admin_token)
+    c.open("/ui/stores/default")
+    c.until(lambda: "MEMORY.md" in c.text() or "records" in c.text(), "the store page")
+    old = c.d.get_cookie("memfuse_session")["value"]
+    with httpx.Client(base_url=c.cp.url, timeout=30, cookies={"memfuse_session": old}) as other:
+        assert other.get("/ui/stores/default").status_code == 200  # the copied cookie works now
+    c.go(c.button("Log out"))
+    c.until(lambda: "/ui/login" in c.d.current_url and "Logged out" in c.d.page_source, "the login page")
+    assert c.d.get_cookie("memfuse_session") is None  # the browser dropped it
+    with httpx.Client(base_url=c.cp.url, timeout=30, cookies={"memfuse_session": old}) as other:
+        r = other.get("/ui/stores/default")
+        assert r.status_code == 303 and "/ui/login" in r.headers["location"]  # refused by the server
+    # put back into the browser: still the login page
+    c.d.add_cookie({"name": "memfuse_session", "value": old, "path": "/ui/", "httpOnly": True,
+                    "sameSite": "Strict"})
+    c.open("/ui/stores/default")
+    c.until(lambda: "/ui/login" in c.d.current_url, "the login page for the old cookie")
+    assert "prefers" not in c.d.page_source
+
+
+def test_redact_asks_for_confirmation(console):
+    """Redact is a link to a confirmation page (no JavaScript) that names the version and what
+    is lost; Cancel changes nothing; only its button redacts."""
+    c = console
+    with c.api() as api:
+        r = api.post("/v1/stores/default/records", json={"path": "leak.md", "content": "api key was here\n",
+                                                          "type": "project"})
+        assert r.status_code == 201, r.text
+        rid = r.json()["id"]
+        r = api.put(f"/v1/stores/default/records/{rid}", json={"content": "clean now\n"},
+                    headers={"If-Match": f'"{r.json()["sha256"]}"'})
+        assert r.status_code == 200, r.text
+    c.login(c.cp.admin_token)
+    c.open(f"/ui/stores/default/records/{rid}")
+    c.until(lambda: "History" in c.text(), "the record page")
+    row = [r for r in c.css("table.history tbody tr") if r.text.split()[0] == "1"][0]
+    assert not [b for b in row.find_elements("css selector", "button") if "Redact" in b.text]  # no one-click
+    c.go(row.find_element("link text", "Redact…"))
+    c.until(lambda: "Redact version 1 of" in c.text(), "the confirmation page")
+    page = c.text()
+    assert "leak.md" in page and "no undo" in page and "17 bytes" in page
+    assert "for good" in page
+    c.shot("redact-confirm")
+    c.go(c.link("Cancel"))
+    c.until(lambda: "History" in c.text(), "back on the record page")
+    with c.api() as api:
+        assert api.get(f"/v1/stores/default/records/{rid}/versions/1").json()["content"] == "api key was here\n"
+    c.open(f"/ui/stores/default/records/{rid}/versions/1/redact")
+    c.go(c.button("Redact version 1 for good"))
+    c.until(lambda: "Redacted" in c.text(), "the redacted message")
+    with c.api() as api:
+        v = api.get(f"/v1/stores/default/records/{rid}/versions/1").json()
+        assert v["redacted"] is True and v["content"] is None
+
+
+LONG_PATH = "notes/projects/memfuse-console-on-a-phone/meeting-minutes-archive/JOURNAL.jsonl"
+
+
+def _fits_the_screen(c, page: str) -> None:
+    """No horizontal overflow: the document is no wider than the window (a phone at 390 px)."""
+    wide = c.d.execute_script(
+        "return Array.from(document.querySelectorAll('body *')).filter(e => e.getBoundingClientRect().right"
+        " > window.innerWidth + 1).map(e => e.tagName + '.' + e.className + ' ' + e.getBoundingClientRect().right)"
+        ".slice(0, 8)")
+    fits = c.d.execute_script("return document.documentElement.scrollWidth <= document.documentElement.clientWidth")
+    assert fits, f"{page} is wider than the screen: {wide}"
+
+
+def _path_wraps_at_slashes(c, selector: str) -> None:
+    """The element showing LONG_PATH wraps onto several lines, and its last name
+    (``JOURNAL.jsonl``) stays on one line: the breaks are at ``/``, never inside a name."""
+    lines = c.d.execute_script("""
+        const el = Array.from(document.querySelectorAll(arguments[0]))
+            .find(e => e.textContent.trim().endsWith('JOURNAL.jsonl'));
+        if (!el) return null;
+        const whole = document.createRange(); whole.selectNodeContents(el);
+        const last = Array.from(el.childNodes).filter(n => n.nodeType === 3 && n.textContent.trim()).pop();
+        const name = document.createRange(); name.selectNodeContents(last);
+        const tops = rects => new Set(Array.from(rects).map(r => Math.round(r.top))).size;
+        return [tops(whole.getClientRects()), tops(name.getClientRects()), last.textContent.trim()];""", selector)
+    assert lines is not None, f"no {selector} showing {LONG_PATH} on {c.d.current_url}"
+    assert lines[0] > 1 and lines[1] == 1 and lines[2] == "JOURNAL.jsonl", lines
+
+
 def test_phone_layout(console):
     c = console
+    c.login(c.cp.admin_token)  # the admin sees every page and every button
+    with c.api() as api:
+        r = api.post("/v1/stores/default/records",
+                     json={"path": LONG_PATH, "content": '{"event": "first"}\n', "type": "project"})
+        assert r.status_code == 201, r.text
+        rid_long = r.json()["id"]
+        r = api.put(f"/v1/stores/default/records/{rid_long}",
+                    json={"content": '{"event": "second, and a much longer line than the first one was"}\n'})
+        assert r.status_code == 200, r.text
+    rid = c.record_id("prefs.md")
     c.d.set_window_size(390, 844)
     try:
-        c.open("/ui/stores/default")
-        wide = c.d.execute_script(
-            "return Array.from(document.querySelectorAll('body *')).filter(e => e.getBoundingClientRect().right"
-            " > window.innerWidth + 1).map(e => e.tagName + '.' + e.className + ' ' + e.getBoundingClientRect().right)"
-            ".slice(0, 8)")
-        assert c.d.execute_script("return document.documentElement.scrollWidth <= window.innerWidth + 1"), wide
+        assert c.d.execute_script("return window.innerWidth") <= 400
+        c.open("/ui/stores/default?path=JOURNAL")
+        _fits_the_screen(c, "the store page")
+        _path_wraps_at_slashes(c, "table.records td.path a")
         side = c.one(".sidebar").rect
         main = c.one("main").rect
         assert side["y"] < main["y"]  # stores above the records on a narrow screen
         c.shot("phone-store")
-        rid = c.record_id("prefs.md")
+        c.open("/ui/stores/default")
+        _fits_the_screen(c, "the store page, unfiltered")
         c.open(f"/ui/stores/default/records/{rid}")
-        wide = c.d.execute_script(
-            "return Array.from(document.querySelectorAll('body *')).filter(e => e.getBoundingClientRect().right"
-            " > window.innerWidth + 1).map(e => e.tagName + '.' + e.className + ' ' + e.getBoundingClientRect().right)"
-            ".slice(0, 8)")
-        assert c.d.execute_script("return document.documentElement.scrollWidth <= window.innerWidth + 1"), wide
+        _fits_the_screen(c, "the record page")
+        for b, name in ((c.button("Restore"), "Restore"), (c.link("Redact…"), "Redact…")):  # on screen,
+            # not behind a sideways scroll (Redact is a link to its confirmation page)
+            assert 0 <= b.rect["x"] and b.rect["x"] + b.rect["width"] <= 390, (name, b.rect)
+        assert c.one("table.history thead").is_displayed() is False  # stacked cards, labelled fields
         c.shot("phone-record")
+        c.open(f"/ui/stores/default/records/{rid_long}")
+        _fits_the_screen(c, "a long path's record page")
+        _path_wraps_at_slashes(c, "h1.path")
+        _path_wraps_at_slashes(c, "table.history td.path")
+        for view in ("unified", "split"):
+            c.open(f"/ui/stores/default/records/{rid_long}/diff?a=1&b=2&view={view}")
+            _fits_the_screen(c, f"the {view} diff")
+            assert c.css(f"table.diff.{view} mark")
+            c.shot(f"phone-diff-{view}")
+        for page in (f"/ui/stores/default/records/{rid_long}/edit", "/ui/", "/ui/stores/default/new",
+                     "/ui/workspaces", "/ui/workspaces/ws", "/ui/workspaces/ws/context"):
+            c.open(page)
+            _fits_the_screen(c, page)
+        c.shot("phone-edit")
     finally:
         c.d.set_window_size(1280, 900)
     for p in c.shots.glob("console-*.png"):

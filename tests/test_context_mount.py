@@ -90,9 +90,14 @@ def test_context_md_follows_the_mount(tmp_path):
         wait_for(lambda: f"## Store `team` at `{mnt}/team/` (read-only)" in _context(mnt), 30,
                  "attached store in context.md")
 
-        # the admin API serves the same block
+        # the admin API serves the same block on its Unix socket; on TCP (no admin token
+        # here) memory is refused, probes stay open
         status = json.loads((mnt / ".memfuse" / "status.json").read_text())
         r = httpx.get(f"http://{status['admin']}/v1/context", timeout=15)
+        assert r.status_code == 403 and "prefers coffee" not in r.text
+        assert httpx.get(f"http://{status['admin']}/healthz", timeout=15).status_code == 200
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(sc.cache_dir / "admin.sock")), timeout=15) as c:
+            r = c.get("http://sidecar/v1/context")
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/markdown")
         assert f"`{mnt}/team/`" in r.text and "prefers coffee" in r.text
 

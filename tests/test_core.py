@@ -7,6 +7,7 @@ the outbox drains the control plane holds exactly the tree's files.
 """
 from __future__ import annotations
 
+import errno
 import os
 import random
 from pathlib import Path
@@ -180,7 +181,10 @@ async def test_setattr_sends_only_changes_and_never_content(tmp_path: Path):
         seen.clear()
         fs.setattr(n, mode=0o755)  # unchanged
         fs.setattr(n, mtime_ns=7)
-        fs.setattr(n, uid=5, gid=5, atime_ns=9)  # local only
+        fs.setattr(n, uid=n.uid, gid=n.gid, atime_ns=9)  # local only (a no-op chown)
+        with pytest.raises(FsError) as ei:  # owners are the mount's: another is refused
+            fs.setattr(n, uid=n.uid + 5)
+        assert ei.value.errno == errno.EPERM
         assert committer.depth() == 0
         fs.setattr(n, mode=0o700)
         fs.setattr(n, mtime_ns=8)

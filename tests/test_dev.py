@@ -40,8 +40,9 @@ def interrupt(proc: subprocess.Popen, timeout: float = 30) -> int:
     return proc.wait(timeout)
 
 
-def _console_login(log: Path) -> None:
-    """The one-time console link `memfuse dev` printed logs a browser in, once."""
+def _console_login(log: Path, mnt: Path | None = None) -> None:
+    """The one-time console link `memfuse dev` printed logs a browser in, once; with ``mnt``,
+    the prompt preview shows the paths the agents get (the real mountpoint)."""
     import re
 
     import httpx
@@ -52,6 +53,10 @@ def _console_login(log: Path) -> None:
         r = browser.get(links[-1], follow_redirects=True)
         assert r.status_code == 200 and "/ui/stores/default" in r.text  # logged in: the stores page
         assert "memfuse_session" in browser.cookies
+        if mnt is not None:
+            base = links[-1].split("/ui/")[0]
+            page = browser.get(f"{base}/ui/workspaces/dev/context").text
+            assert f"{mnt}/default/" in page and "/mnt/memory" not in page, page[-3000:]
     with httpx.Client(timeout=30) as other:
         r = other.get(links[-1], follow_redirects=True)
         assert "already used" in r.text and "memfuse_session" not in other.cookies
@@ -79,12 +84,14 @@ def test_readme_flow_restart_and_history(tmp_path):
     mnt, log = tmp_path / "memory", tmp_path / "dev.log"
     proc = start_dev(mnt, env, log)
     try:
-        _console_login(log)
+        _console_login(log, mnt.resolve())
         sh('echo "prefers tea" > memory/default/prefs.md', tmp_path)
         assert sh("grep -r tea memory/", tmp_path).stdout == "memory/default/prefs.md:prefers tea\n"
         sh("sed -i s/tea/coffee/ memory/default/prefs.md", tmp_path)
         # a refusal's console line names store, path, errno and reason code (not content)
-        sh(r"printf 'caf\xe9\n' > memory/default/bad.md", tmp_path)
+        # (refused at the write: printf fails with the errno)
+        r = sh(r"printf 'caf\xe9\n' > memory/default/bad.md", tmp_path, check=False)
+        assert r.returncode == 1 and "Invalid or incomplete multibyte" in r.stderr, r.stderr
         wait_for(lambda: "refused store=default path=bad.md errno=EILSEQ code=invalid_content"
                  in log.read_text(), 30, "the refusal's log line")
         sh("rm memory/default/bad.md", tmp_path)
@@ -130,6 +137,11 @@ def test_readme_flow_restart_and_history(tmp_path):
         lines = [ln for ln in hist.splitlines() if ln.strip()]
         assert any("created" in ln for ln in lines) and any("modified" in ln for ln in lines), hist
         assert sum(1 for ln in lines if "created" in ln or "modified" in ln) == 2, hist
+        # the actor names the user and host, the same before and after the restart
+        import getpass
+        import socket
+        actor = f"ws:dev/{getpass.getuser()}@{socket.gethostname()}"
+        assert all(actor in ln for ln in lines if "created" in ln or "modified" in ln), hist
         assert sh(f"{MEMFUSE} show default prefs.md --version 1", tmp_path, env=env).stdout == "prefers tea\n"
         # a restore through the CLI reaches the running mount through the change feed
         sh(f"{MEMFUSE} restore default prefs.md --version 1", tmp_path, env=env)

@@ -705,3 +705,33 @@ def test_start_while_control_plane_down_mounts_from_cache(tmp_path):
         if sc is not None:
             sc.stop()
         cp.stop()
+
+
+def test_commit_wait_zero_close_never_fails_an_accepted_write(tmp_path):
+    """``--commit-wait 0`` means "do not wait for the control plane", not "do not wait for
+    the journal": 50 create-write-close in a row (a fresh mount, so the first meets a cold
+    journal) all return 0, each once its write is on disk in the outbox, and every record
+    reaches the control plane with its content. (A full cache disk with ``--commit-wait 0``
+    still answers ``ENOSPC``: test_cache_disk.)"""
+    cp = ControlPlane(tmp_path).start()
+    sc = None
+    try:
+        tok = cp.setup_workspace("ws")
+        sc = Sidecar(cp, "ws", tok, tmp_path / "mnt", tmp_path / "cache",
+                     "--commit-wait", "0", *NO_ADMIN).start()
+        store = sc.mountpoint / "default"
+        for i in range(50):  # os.close raises the flush's errno: returning means 0
+            timed(write, store / f"n{i:02d}.md", f"note {i}\n", False, timeout=30)
+
+        def all_there() -> bool:
+            records, _ = cp.call("snapshot", "default", content=True)
+            got = {r.path: r.content for r in records}
+            return all(got.get(f"n{i:02d}.md") == f"note {i}\n" for i in range(50))
+
+        wait_for(all_there, 60, "the 50 records on the control plane")
+    finally:
+        try:
+            if sc is not None:
+                sc.stop()
+        finally:
+            cp.stop()

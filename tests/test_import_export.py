@@ -199,7 +199,7 @@ def test_import_lists_refusals_and_goes_on(home, tmp_path):
     assert "diary.md: type 'diary' is not one of user, feedback, project, reference [invalid_type]" in refused
     assert "keys.md: content holds a secret (GitHub token on line 3)" in refused and "[secret_detected]" in refused
     assert "big.md: record is 2001 bytes, the store allows 1024 [record_too_large]" in refused
-    assert "bad\x01name.md: name contains forbidden character U+0001 [invalid_path]" in refused
+    assert "bad\x01name.md: name contains forbidden character U+0001 (Unicode category Cc) [invalid_path]" in refused
     assert fake_token() not in out
     assert set(store_records("strict")) == {"ok.md"}
 

@@ -383,3 +383,9 @@ async def test_refusal_log_line_names_path_and_reason_code_never_content(api, ca
     assert len(lines) == 4 and "\n" not in lines[3] and "code=" in lines[3], lines
     logged = "\n".join(r.getMessage() for r in caplog.records)
     assert "secret-ish" not in logged and "other body" not in logged and "not there at all" not in logged
+    # a path holding a secret is refused and logged redacted, as the REST API and the mount do
+    token = "gh" + "p_" + "aB3dE5fG7hJ9kL1mN3pQ5rS7tU9vW1xY3zA5"
+    text, is_error = await run(api, command="create", path=f"/memories/default/{token}.md", file_text="y")
+    assert is_error and token not in text
+    (line,) = [r.getMessage() for r in caplog.records if "secret_detected" in r.getMessage()]
+    assert token not in line and "ghp_[REDACTED].md" in line, line

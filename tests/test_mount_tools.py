@@ -296,6 +296,41 @@ def test_read_only_attachment_gives_erofs(tmp_path):
         assert _errno_of(lambda: os.mkdir(store / "dir")) == errno.EROFS
 
 
+def test_a_read_only_store_shows_no_write_bits(tmp_path):
+    """Issue 20: a read-only store and its files show no write bits (ls -l, test -w); an
+    agent running as another uid gets EACCES from access(W_OK) (the kernel answers it from
+    the modes, docs/SEMANTICS.md); root's writes reach the sidecar and get EROFS."""
+    import stat
+    import subprocess
+    import tempfile
+
+    cp = ControlPlane(tmp_path).start()
+    try:
+        tok = cp.setup_workspace("ro", ("default",), "read_only")
+        cp.call("create_record", "default", "notes/a.md", "x\n", mode=0o664)
+        # a mountpoint another user can reach (pytest's tmp_path is root's, 0700)
+        base = Path(tempfile.mkdtemp(prefix="memfuse-ro-"))
+        os.chmod(base, 0o755)
+        sc = Sidecar(cp, "ro", tok, base / "mnt", tmp_path / "cache", "--allow-other").start()
+        try:
+            store = sc.mountpoint / "default"
+            modes = {p: stat.S_IMODE(os.stat(store / p).st_mode) for p in ("", "notes", "notes/a.md")}
+            assert modes == {"": 0o555, "notes": 0o555, "notes/a.md": 0o444}
+            probe = (f"test -w {store}/notes/a.md; echo $?; test -r {store}/notes/a.md; echo $?; "
+                     f"test -w {store}; echo $?")
+            r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                                "sh", "-c", probe], capture_output=True, text=True, timeout=30)
+            assert r.stdout == "1\n0\n1\n", r.stderr
+            assert _errno_of(lambda: (store / "notes" / "a.md").write_text("y")) == errno.EROFS
+            assert _errno_of(lambda: os.chmod(store / "notes" / "a.md", 0o644)) == errno.EROFS
+            assert (store / "notes" / "a.md").read_text() == "x\n"
+        finally:
+            sc.stop()
+            shutil.rmtree(base, ignore_errors=True)
+    finally:
+        cp.stop()
+
+
 def test_restart_keeps_identical_tree(tmp_path):
     """Unmount, mount again: the same tree, byte for byte, from the control plane."""
     import hashlib
@@ -332,26 +367,37 @@ def test_restart_keeps_identical_tree(tmp_path):
         cp.stop()
 
 
-def test_invalid_utf8_rejected_at_close_and_fixable(env, d):
+def test_invalid_utf8_refused_at_write_or_close_and_fixable(env, d):
     cp, _ = env
     p, pre = d
     (p / "n.md").write_text("good\n")
+    # bytes that cannot be UTF-8: refused at the write(2) that holds them, not applied; the
+    # session (its O_TRUNC) is held back, so the stored record is untouched
     fd = os.open(p / "n.md", os.O_WRONLY | os.O_TRUNC)
-    os.write(fd, b"bad \xff\xfe\n")
     with pytest.raises(OSError) as e:
-        os.close(fd)
+        os.write(fd, b"bad \xff\xfe\n")
     assert e.value.errno == errno.EILSEQ
-    assert (p / "n.md").read_bytes() == b"bad \xff\xfe\n"  # kept here to be fixed in place
+    os.close(fd)
     assert os.getxattr(p / "n.md", "user.memfuse.state") == b"rejected"
     assert b"UTF-8" in os.getxattr(p / "n.md", "user.memfuse.error")
     assert cp.call("get_record", "default", rec(cp, f"{pre}/n.md").id).content == "good\n"
-    # a shell redirection ignores close(2)'s result; the refusal still shows in the state
-    sh("printf 'bad \\377\\n' > m.md", p)
-    assert os.getxattr(p / "m.md", "user.memfuse.state") == b"rejected"
+    # a sequence cut at the end of the file: only close sees it; kept here to fix in place
+    fd = os.open(p / "c.md", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.write(fd, "cut €".encode()[:-1])
+    with pytest.raises(OSError) as e:
+        os.close(fd)
+    assert e.value.errno == errno.EILSEQ
+    assert (p / "c.md").read_bytes() == "cut €".encode()[:-1]
+    assert os.getxattr(p / "c.md", "user.memfuse.state") == b"rejected"
+    # a shell redirection ignores close(2)'s result, not write(2)'s
+    r = sh("printf 'bad \\377\\n' > m.md", p, check=False)
+    assert r.returncode == 1 and os.strerror(errno.EILSEQ) in r.stderr, r.stderr
     assert rec(cp, f"{pre}/m.md") is None
     (p / "n.md").write_text("fixed\n")
+    (p / "c.md").write_text("cut €\n")
     assert os.getxattr(p / "n.md", "user.memfuse.state") == b"clean"
     assert cp.call("get_record", "default", rec(cp, f"{pre}/n.md").id).content == "fixed\n"
+    assert cp.call("get_record", "default", rec(cp, f"{pre}/c.md").id).content == "cut €\n"
 
 
 def test_set_type_xattr_makes_a_version(env, d):

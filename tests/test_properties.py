@@ -27,6 +27,7 @@ import functools
 import json
 import os
 import shutil
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -83,7 +84,7 @@ valid_components = st.one_of(
     st.text(_name_chars, min_size=1, max_size=24),
     st.text(_name_chars, min_size=60, max_size=255),
     st.sampled_from(["x" * 255, "é" * 127 + "x", "用" * 85, "Notes.md", "notes.md",
-                     "cafe\u0301.md", "caf\u00e9.md", "soft\u00adhyphen", " lead", "trail ",
+                     "cafe\u0301.md", "caf\u00e9.md", "soft-hyphen", " lead", "trail ",
                      "-dash", "a:b", "a\\b", "*?[]", "...", ".hidden", "\U0001F9E0"]),
 ).map(_strip_forbidden).map(_fit).filter(
     lambda s: s not in ("", ".", "..") and not is_local_only(s))
@@ -109,7 +110,8 @@ contents = st.one_of(
     st.builds(lambda t, n: t * n, st.text(min_size=1, max_size=50), st.integers(100, 4000)),
 ).map(_content).filter(lambda t: "\x00" not in t)
 
-_forbidden_chars = st.sampled_from(sorted(FORBIDDEN - {0, 0x2F})).map(chr)
+_forbidden_chars = st.sampled_from(sorted(c for c in FORBIDDEN - {0, 0x2F}
+                                          if not 0xD800 <= c <= 0xDFFF)).map(chr)  # no lone surrogate
 _bad_utf8 = st.sampled_from([b"\xff", b"\xfe", b"\xc3", b"\xc0\xaf", b"\xed\xa0\x80", b"\x80",
                              b"\xe2\x82", b"\xf4\x90\x80\x80"])
 
@@ -290,12 +292,33 @@ def make_machine(env: MountEnv, local_base: Path, runs: list[str]):
             runs.append(self.pre)
 
         # --- helpers
-        def _content_op(self, rel: str, do, *, waits: bool = True) -> None:
+        def _content_op(self, rel: str, do, *, waits: bool = True, bare=None) -> None:
             """Run a content-changing op (``do(root)`` → outcome dict) on both sides.
             ``waits``: the close commits and waits (something was written through the
-            descriptor), so ``user.memfuse.state`` is final when it returns."""
-            local = do(self.l)
+            descriptor), so ``user.memfuse.state`` is final when it returns. The mount may
+            refuse the write itself (``EILSEQ`` at the write, docs/SEMANTICS.md "Refusals at
+            write(2)"): only when the content it would make is refusable (checked on a copy),
+            and then the write is not applied: the local side does ``bare(root)``, the same
+            open and close without the write."""
             mount = do(self.m)
+            if mount.get("write") == "EILSEQ":
+                scratch = Path(tempfile.mkdtemp(prefix="memfuse-prop-"))
+                try:
+                    if os.path.isfile(self.l / rel):
+                        (scratch / rel).parent.mkdir(parents=True, exist_ok=True)
+                        shutil.copyfile(self.l / rel, scratch / rel)
+                    else:
+                        (scratch / rel).parent.mkdir(parents=True, exist_ok=True)
+                    would = do(scratch)
+                    after = (scratch / rel).read_bytes() if os.path.isfile(scratch / rel) else b""
+                finally:
+                    shutil.rmtree(scratch, ignore_errors=True)
+                note(f"{rel}: refused at the write; applied it would be {after!r}")
+                assert would["write"] is None and not utf8_text_ok(after), f"{rel}: refused {after!r}"
+                local = (bare or (lambda r: {"open": None, "write": None, "close": None}))(self.l)
+                assert mount == {**local, "write": "EILSEQ"}, f"{rel}: mount {mount}, local {local}"
+                return
+            local = do(self.l)
             expect = dict(local)
             committed = (local["open"] is None and local["close"] is None
                          and not is_local_only(rel.rsplit("/", 1)[-1]))
@@ -339,32 +362,37 @@ def make_machine(env: MountEnv, local_base: Path, runs: list[str]):
         @_tracked
         def create(self, pick, data):  # O_CREAT | O_EXCL: cp a new, mkstemp, sed -i
             rel = self._pick(pick, "new")
-            self._content_op(rel, lambda r: write_file(r / rel, data, EXCL), waits=bool(data))
+            self._content_op(rel, lambda r: write_file(r / rel, data, EXCL), waits=bool(data),
+                             bare=lambda r: write_file(r / rel, b"", EXCL))
 
         @rule(pick=st.data(), data=datas, new=st.booleans())
         @_tracked
         def overwrite(self, pick, data, new):  # O_CREAT | O_TRUNC: echo > f, cp a f, tee f
             rel = self._pick(pick, "new" if new else "file")
             flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-            self._content_op(rel, lambda r: write_file(r / rel, data, flags))
+            self._content_op(rel, lambda r: write_file(r / rel, data, flags),
+                             bare=lambda r: write_file(r / rel, b"", flags))
 
         @rule(pick=st.data(), off=small, data=datas)
         @_tracked
         def write_at(self, pick, off, data):
             rel = self._pick(pick, "file")
-            self._content_op(rel, lambda r: _fd_op(r / rel, os.O_WRONLY, lambda fd: os.pwrite(fd, data, off)))
+            self._content_op(rel, lambda r: _fd_op(r / rel, os.O_WRONLY, lambda fd: os.pwrite(fd, data, off)),
+                             bare=lambda r: _fd_op(r / rel, os.O_WRONLY, lambda fd: None))
 
         @rule(pick=st.data(), data=datas)
         @_tracked
         def append(self, pick, data):  # echo >> f
             rel = self._pick(pick, "file")
-            self._content_op(rel, lambda r: write_file(r / rel, data, os.O_WRONLY | os.O_APPEND))
+            self._content_op(rel, lambda r: write_file(r / rel, data, os.O_WRONLY | os.O_APPEND),
+                             bare=lambda r: write_file(r / rel, b"", os.O_WRONLY | os.O_APPEND))
 
         @rule(pick=st.data(), size=small)
         @_tracked
         def ftruncate(self, pick, size):
             rel = self._pick(pick, "file")
-            self._content_op(rel, lambda r: _fd_op(r / rel, os.O_WRONLY, lambda fd: os.ftruncate(fd, size)))
+            self._content_op(rel, lambda r: _fd_op(r / rel, os.O_WRONLY, lambda fd: os.ftruncate(fd, size)),
+                             bare=lambda r: _fd_op(r / rel, os.O_WRONLY, lambda fd: None))
 
         @rule(pick=st.data(), size=small)
         @_tracked
@@ -428,6 +456,12 @@ def make_machine(env: MountEnv, local_base: Path, runs: list[str]):
                 flags = os.O_WRONLY | os.O_TRUNC
                 assert write_file(self.l / rel, good, flags) == OK
                 fixed[rel] = write_file(self.m / rel, good, flags)
+            # files whose write session was held back by a write refused at once (valid
+            # content, state rejected): written again as they are
+            for rel, v in sorted(_tree(self.l).items()):
+                if (v != "dir" and rel not in fixed and not is_local_only(rel.rsplit("/", 1)[-1])
+                        and xattr(self.m / rel, "state") == "rejected"):
+                    fixed[rel] = write_file(self.m / rel, v, os.O_WRONLY | os.O_TRUNC)
             note(f"fixed in place: {sorted(fixed)}")
             assert fixed == dict.fromkeys(fixed, OK)
             assert _tree(self.m) == _tree(self.l)
@@ -475,7 +509,8 @@ def test_deleting_a_rejected_file_that_replaced_a_record(env):
     survive (a remount would bring back a file the user replaced and deleted)."""
     d, pre = fresh_dir(env, "min")
     assert write_file(d / "x.md", b"x\n") == OK
-    assert write_file(d / "y.md", b"bad\x00") == {"open": None, "write": None, "close": "EILSEQ"}
+    # a character cut at the end: only close refuses it, and the content is kept rejected
+    assert write_file(d / "y.md", b"bad \xc3") == {"open": None, "write": None, "close": "EILSEQ"}
     os.rename(d / "y.md", d / "x.md")
     os.unlink(d / "x.md")
     assert os.listdir(d) == []
@@ -487,7 +522,8 @@ def test_renaming_a_rejected_file_that_replaced_a_record(env):
     """Same start, then the file moves on: the old record must not stay at the old path."""
     d, pre = fresh_dir(env, "min")
     assert write_file(d / "x.md", b"x\n") == OK
-    assert write_file(d / "y.md", b"bad\x00") == {"open": None, "write": None, "close": "EILSEQ"}
+    # a character cut at the end: only close refuses it, and the content is kept rejected
+    assert write_file(d / "y.md", b"bad \xc3") == {"open": None, "write": None, "close": "EILSEQ"}
     os.rename(d / "y.md", d / "x.md")
     os.rename(d / "x.md", d / "z.md")
     assert write_file(d / "z.md", b"good\n") == OK  # fixed in place
@@ -548,9 +584,8 @@ def test_close_of_a_local_only_file_reports_no_refusal(env):
     for i in range(5):
         d, _ = fresh_dir(env, "min")
         assert write_file(d / "a.md", b"abc\n") == OK
-        # NUL padding through a descriptor: refused at its close (a truncate(2) by path is
-        # refused at once and leaves the file as it was)
-        got_close = _fd_op(d / "a.md", os.O_WRONLY, lambda fd: os.ftruncate(fd, 10))
+        # a character cut at the end, through a descriptor: refused at its close
+        got_close = _fd_op(d / "a.md", os.O_WRONLY | os.O_APPEND, lambda fd: os.write(fd, b"\xc3"))
         assert got_close == {"open": None, "write": None, "close": "EILSEQ"}
         os.rename(d / "a.md", d / "b.md")  # the rejected content moves with the file
         os.rename(d / "b.md", d / "b.md~")  # a local-only name from now on

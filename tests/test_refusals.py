@@ -143,7 +143,9 @@ def test_one_oversized_write_is_one_refusal_line(env):
     reason: one refusal, one ``errors.log`` line and one ``refused`` log line per file."""
     d, pre = fresh_dir(env)
     before = env.sc.log.read_text().count('"msg": "refused"')
-    r = sh("dd if=/dev/zero of=dd.md bs=2M count=1", d, timeout=30, check=False)
+    # text, not /dev/zero: NUL bytes are refused (EILSEQ) at the first chunk already
+    r = sh("dd if=<(yes a | head -c 2097152) iflag=fullblock of=dd.md bs=2M count=1", d,
+           timeout=30, check=False)
     assert r.returncode != 0 and os.strerror(errno.EFBIG) in r.stderr, r.stderr
     got = write_file(d / "py.md", b"x" * (2 << 20))
     assert got == {"open": None, "write": "EFBIG", "close": "EFBIG"}  # close: held back
@@ -246,23 +248,31 @@ def _aws_access_key() -> bytes:
     return f"[default]\naws_access_key_id = {key_id}\naws_secret_access_key = {secret}\n".encode()
 
 
-CLOSE_REFUSALS = {
-    # kind: (errno, refused content factory, fixed content, type the fixed record gets)
-    "not UTF-8": (errno.EILSEQ, lambda: b"notes: caf\xe9 \xff\xfe\n", b"notes: caf\xc3\xa9\n", "project"),
-    "NUL byte": (errno.EILSEQ, lambda: b"line one\n\x00line two\n", b"line one\nline two\n", "project"),
+CONTENT_REFUSALS = {
+    # kind: (errno, refused content factory, fixed content, type the fixed record gets,
+    #        where it is refused: "write" (the write(2) that makes the content refusable:
+    #        not applied, the write session held back) or "close" (only the whole file shows it))
+    "not UTF-8": (errno.EILSEQ, lambda: b"notes: caf\xe9 \xff\xfe\n", b"notes: caf\xc3\xa9\n", "project",
+                  "write"),
+    "NUL byte": (errno.EILSEQ, lambda: b"line one\n\x00line two\n", b"line one\nline two\n", "project",
+                 "write"),
     "frontmatter type": (errno.EINVAL, lambda: b"---\ntype: bogus\n---\nbody\n",
-                         b"---\ntype: user\n---\nbody\n", "user"),
+                         b"---\ntype: user\n---\nbody\n", "user", "write"),
     "frontmatter metadata.type": (errno.EINVAL, lambda: b"---\nmetadata:\n  type: diary\n---\nbody\n",
-                                  b"---\nmetadata:\n  type: reference\n---\nbody\n", "reference"),
+                                  b"---\nmetadata:\n  type: reference\n---\nbody\n", "reference", "write"),
     "secret: PEM private key": (errno.EPERM, lambda: b"deploy key:\n" + _pem_private_key(),
-                                b"deploy key: in the vault\n", "project"),
-    "secret: AWS access key": (errno.EPERM, _aws_access_key, b"aws: use the instance role\n", "project"),
+                                b"deploy key: in the vault\n", "project", "write"),
+    "secret: AWS access key": (errno.EPERM, _aws_access_key, b"aws: use the instance role\n", "project",
+                               "write"),
+    # a UTF-8 sequence cut at the end of the file waits for a next write, which never comes
+    "cut UTF-8 at the end": (errno.EILSEQ, lambda: "notes: café €".encode()[:-1],
+                             "notes: café €\n".encode(), "project", "close"),
 }
 
 
-@pytest.mark.parametrize("kind", list(CLOSE_REFUSALS))
-def test_refused_at_close_keeps_content_rejected_then_fix_in_place(env, kind, tmp_path):
-    err, make_bad, fixed, fixed_type = CLOSE_REFUSALS[kind]
+@pytest.mark.parametrize("kind", list(CONTENT_REFUSALS))
+def test_refused_content_is_reported_and_nothing_stored_then_fix_in_place(env, kind, tmp_path):
+    err, make_bad, fixed, fixed_type, where = CONTENT_REFUSALS[kind]
     bad = make_bad()
     d, pre = fresh_dir(env)
     ename = errno.errorcode[err]
@@ -271,7 +281,14 @@ def test_refused_at_close_keeps_content_rejected_then_fix_in_place(env, kind, tm
 
     got = {"new file": write_file(d / "new.md", bad),
            "over a stored record": write_file(d / "old.md", bad)}
-    refused = {"open": None, "write": None, "close": ename}
+    if where == "write":
+        refused = {"open": None, "write": ename, "close": None}
+        # the refused write is not applied; what the session left (the truncation at open)
+        # is held back: the stored record is untouched
+        left = b""
+    else:
+        refused = {"open": None, "write": None, "close": ename}
+        left = bad  # kept locally to fix in place
     src = tmp_path / "refused.txt"
     src.write_bytes(bad)
     shell = {"cp": shell_refused(f"cp {src} cp.md", d, err),
@@ -281,9 +298,9 @@ def test_refused_at_close_keeps_content_rejected_then_fix_in_place(env, kind, tm
     assert shell == {"cp": "", "cat >": "", "tee": ""}
 
     names = ("new.md", "old.md", "cp.md", "cat.md", "tee.md")
-    for n in names:  # the local file keeps the refused content, marked rejected with a reason
+    for n in names:  # the local file is marked rejected with a reason
         p = d / n
-        assert (n, p.read_bytes()) == (n, bad)
+        assert (n, p.read_bytes()) == (n, left)
         assert (n, xattr(p, "state")) == (n, "rejected")
         assert xattr(p, "error"), f"{n}: user.memfuse.error is empty"
         entries = logged(env, "default", f"{pre}/{n}", err)
@@ -311,32 +328,43 @@ def test_refused_at_close_keeps_content_rejected_then_fix_in_place(env, kind, tm
     assert (old.id, old.version, old.type) == (old0.id, 2, fixed_type)
 
 
-def test_appends_to_a_rejected_journal_are_each_refused_and_listed(env):
-    """The journal case: a line holding a secret is appended with ``>>`` (exit 0: the shell
-    ignores close's errno); every later clean append is refused again at close, each with its
-    own ``errors.log`` line, never a silent success; the agent's fix (remove the line) saves
-    it."""
+def test_appends_to_a_journal_are_refused_at_write_and_a_rejected_journal_stays_refused(env):
+    """The journal case: a line holding a secret appended with ``>>`` fails at its write(2)
+    (the shell's exit status and stderr say so) and is not applied: the journal stays clean
+    and later appends commit. A line cut inside a UTF-8 character (only the whole file shows
+    it: refused at close) leaves the journal rejected; every later append is refused at its
+    write, each with its own ``errors.log`` line, never a silent success; the agent's fix
+    (rewrite it) saves it."""
     d, pre = fresh_dir(env)
+    j = d / "J.jsonl"
     secret_line = b'{"text":"' + _aws_access_key().replace(b"\n", b" ") + b'"}\n'
-    assert write_file(d / "J.jsonl", b'{"text":"first"}\n') == OK
+    assert write_file(j, b'{"text":"first"}\n') == OK
     st0 = status(env.root)
     ap = os.O_WRONLY | os.O_APPEND
-    assert write_file(d / "J.jsonl", secret_line, ap)["close"] == "EPERM"
+    assert write_file(j, secret_line, ap) == {"open": None, "write": "EPERM", "close": None}
     assert sh('echo \'{"text":"clean"}\' >> J.jsonl; echo $?', d, timeout=30).stdout == "0\n"
-    assert write_file(d / "J.jsonl", b'{"text":"clean 2"}\n', ap)["close"] == "EPERM"
-    assert xattr(d / "J.jsonl", "state") == "rejected"
-    assert len(logged(env, "default", f"{pre}/J.jsonl", errno.EPERM)) == 3
+    src = env.tmp / f"{pre}-secret.txt"
+    src.write_bytes(secret_line)
+    assert shell_refused(f"cat {src} >> J.jsonl", d, errno.EPERM) == ""
+    assert xattr(j, "state") == "clean"
+    assert j.read_bytes() == b'{"text":"first"}\n{"text":"clean"}\n'
+    assert write_file(j, b'{"text":"caf\xc3', ap) == {"open": None, "write": None, "close": "EILSEQ"}
+    assert xattr(j, "state") == "rejected"
+    assert write_file(j, b'{"text":"clean 2"}\n', ap) == {"open": None, "write": "EILSEQ", "close": None}
+    assert shell_refused('echo \'{"text":"clean 3"}\' >> J.jsonl', d, errno.EILSEQ) == ""
+    assert len(logged(env, "default", f"{pre}/J.jsonl", errno.EPERM)) == 2
+    assert len(logged(env, "default", f"{pre}/J.jsonl", errno.EILSEQ)) == 3
     # status counts them where they were decided: here, before the outbox (not in the
     # outbox's refused, which counts what the control plane refused when sent)
     st = status(env.root)
-    assert st["refusals_since_start"] - st0["refusals_since_start"] == 3
+    assert st["refusals_since_start"] - st0["refusals_since_start"] == 5
     assert st["outbox"]["refused"] == st0["outbox"]["refused"]
     human = sh(f"{MEMFUSE} status {env.root}", env.tmp, timeout=30).stdout
     assert f"refused by control plane: {st['outbox']['refused']}" in " ".join(human.split())
     assert "refusals since start (sidecar + control plane):" in human
     assert "errors.log lines:" in human
     fixed = b'{"text":"first"}\n{"text":"clean"}\n{"text":"clean 2"}\n'
-    assert write_file(d / "J.jsonl", fixed) == OK
+    assert write_file(j, fixed) == OK
     wait_drained(env.root)
     assert env.contents("default", pre) == {"J.jsonl": fixed.decode()}
 
@@ -408,6 +436,8 @@ BAD_NAMES = {
     "RTL override U+202E": ("a\u202edm.txt".encode(), errno.EINVAL),
     "line separator U+2028": ("a\u2028b.md".encode(), errno.EINVAL),
     "word joiner U+2060": ("a\u2060b.md".encode(), errno.EINVAL),
+    "bidi isolate U+2066 (Trojan Source)": ("a\u2066b.md".encode(), errno.EINVAL),
+    "soft hyphen U+00AD": ("soft\u00adhyphen.md".encode(), errno.EINVAL),
     "not UTF-8": (b"caf\xe9.md", errno.EINVAL),
     "256 bytes": (b"x" * 256, errno.ENAMETOOLONG),
     "256 bytes of 2-byte characters": ("é".encode() * 128, errno.ENAMETOOLONG),
@@ -447,10 +477,10 @@ def test_bad_name_refused_for_create_mkdir_rename(env, label):
 
 
 def test_names_at_the_limits_are_accepted(env):
-    """The edges of the name rules (docs/SEMANTICS.md) that are valid: 255-byte names, format characters outside the
-    forbidden ranges, decomposed and case-distinct names kept byte-exact."""
+    """The edges of the name rules (docs/SEMANTICS.md) that are valid: 255-byte names, other
+    scripts and emoji, decomposed and case-distinct names kept byte-exact."""
     d, pre = fresh_dir(env)
-    good = ["x" * 255, "é" * 127 + "x", "soft\u00adhyphen.md", "cafe\u0301.md", "caf\u00e9.md",
+    good = ["x" * 255, "é" * 127 + "x", "cafe\u0301.md", "caf\u00e9.md",
             "Notes.md", "notes.md", "emoji \U0001F9E0.md", "a b.md"]
     got = {n: write_file(d / n, n.encode()) for n in good}
     assert got == {n: OK for n in good}

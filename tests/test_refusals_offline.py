@@ -13,7 +13,7 @@ import os
 import pytest
 
 from mountcheck import MountEnv, outcome, wait_drained, write_file, xattr
-from test_refusals import CLOSE_REFUSALS, OK
+from test_refusals import CONTENT_REFUSALS, OK
 
 pytestmark = pytest.mark.mount
 
@@ -38,10 +38,11 @@ def test_local_refusals_fail_at_the_syscall_with_the_control_plane_down(env):
     env.cp.stop()  # from here on the sidecar cannot ask anyone
 
     got, want = {}, {}
-    for kind, (err, make_bad, _fixed, _t) in CLOSE_REFUSALS.items():
+    for kind, (err, make_bad, _fixed, _t, where) in CONTENT_REFUSALS.items():
         name = "c-" + "".join(ch if ch.isalnum() else "-" for ch in kind) + ".md"
         got[kind] = write_file(d / name, make_bad())
-        want[kind] = {"open": None, "write": None, "close": errno.errorcode[err]}
+        want[kind] = ({"open": None, "write": errno.errorcode[err], "close": None} if where == "write"
+                      else {"open": None, "write": None, "close": errno.errorcode[err]})
         assert xattr(d / name, "state") == "rejected", kind
     got["size"] = write_file(env.store("small") / "big.md", b"x" * 65)
     want["size"] = {"open": None, "write": "EFBIG", "close": None}

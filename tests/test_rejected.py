@@ -18,7 +18,7 @@ from memfuse.sidecar.journal import PUT, Journal
 
 from test_layers import Offline, rec, tree
 
-BAD = b"notes: caf\xe9\n"  # not UTF-8: EILSEQ at close
+BAD = b"notes: caf\xc3"  # a UTF-8 sequence cut at the end: accepted at write, EILSEQ at close
 
 
 def start(tmp_path: Path, records) -> tuple[Filesystem, Journal]:
@@ -214,15 +214,16 @@ def test_refusal_log_line_names_store_path_errno_and_code_in_text_format(tmp_pat
 
 
 def test_rejection_before_the_create_committed_keeps_the_record_id(tmp_path):
-    """``: > e4.md; truncate -s 10 e4.md``: the empty file's create is still in flight when
-    the NUL content is refused at the next close; the create lands afterwards. The node must
+    """``: > e4.md`` then content refused at the next close (a UTF-8 sequence cut at the
+    end: only the whole file shows it): the empty file's create is still in flight when the
+    content is refused; the create lands afterwards. The node must
     learn the record's id anyway, so the kept rejected file finds its record at the next
     start (before, it had none and was dropped as "another record now has its path", and the
     empty stored version came back as ``clean``)."""
     fs, j = start(tmp_path, [])
     created = write(fs, "e4.md", b"", create=True)  # the create's put, not committed yet
     with pytest.raises(FsError) as refused:
-        write(fs, "e4.md", b"\0" * 10, create=False)
+        write(fs, "e4.md", BAD, create=False)
     assert refused.value.errno == errno.EILSEQ
     n = fs.stores["default"].root.children["e4.md"]
     assert n.last_put is None and n.state == REJECTED
@@ -235,6 +236,35 @@ def test_rejection_before_the_create_committed_keeps_the_record_id(tmp_path):
 
     fs, j = start(tmp_path, [rec("r9", "e4.md", "")])  # the control plane holds the empty version
     n = fs.stores["default"].root.children["e4.md"]
-    assert (tree(fs), n.state, n.record_id) == ({"e4.md": b"\0" * 10}, REJECTED, "r9")
+    assert (tree(fs), n.state, n.record_id) == ({"e4.md": BAD}, REJECTED, "r9")
     assert not any("dropped" in e["reason"] for e in fs.errors)
+    stop(fs, j)
+
+
+def test_a_write_refused_while_an_earlier_put_is_in_flight_stays_rejected(tmp_path):
+    """A file committed once (a reader's release commits a writer's dirty content), written
+    on, then a write refused (held back): when the earlier put lands it must not mark the
+    file clean, and the held content is kept across a restart."""
+    token = "gh" + "p_" + "aB3dE5fG7hJ9kL1mN3pQ5rS7tU9vW1xY3zA5"
+    fs, j = start(tmp_path, [])
+    sm = fs.stores["default"]
+    h = fs.create(sm.root.ino, b"c.md", 0o644, os.O_WRONLY | os.O_CREAT, 0, 0)
+    fs.write(h, 0, b"one\n")
+    first = fs.commit(h.node)  # in flight
+    fs.write(h, 4, ("token " + token[:20]).encode())
+    with pytest.raises(FsError) as ei:
+        fs.write(h, 4 + 6 + 20, token[20:].encode())
+    assert ei.value.errno == errno.EPERM
+    with pytest.raises(FsError):
+        fs.commit(h.node)  # the close reports the held session
+    first.record = rec("r1", "c.md", "one\n")
+    fs._on_commit(first)  # the earlier put lands now
+    n = h.node
+    assert (n.state, n.record_id) == (REJECTED, "r1")
+    fs.release(h.fh)
+    trio.run(j.flush_pending)
+    stop(fs, j)
+    fs, j = start(tmp_path, [rec("r1", "c.md", "one\n")])
+    n = fs.stores["default"].root.children["c.md"]
+    assert (tree(fs), n.state) == ({"c.md": ("one\ntoken " + token[:20]).encode()}, REJECTED)
     stop(fs, j)

@@ -1,8 +1,9 @@
 """Rejected files through a real mount and a real restart of ``memfuse mount`` on the same
 cache directory (docs/SEMANTICS.md, "Writes and close" and "Cache directory"):
 
-- a file refused for good (a key refused as a secret, not UTF-8, a bad type, too large) is
-  still there after the restart with its content, ``state=rejected`` and its reason; nothing
+- a file refused for good (a key refused as a secret, a bad type or too large at its write,
+  not UTF-8 at close) is still there after the restart with its content (what the accepted
+  writes left: nothing for a write refused at once), ``state=rejected`` and its reason; nothing
   is sent again; a fix in place commits it, an unlink drops it, a rename keeps it;
   ``.memfuse/errors.log`` still holds the lines saying why;
 - ``status.json`` counts rejected files apart from ``records`` / ``bytes``;
@@ -71,17 +72,18 @@ def test_rejected_files_survive_restart_and_cache_is_private(tmp_path):
         assert write_file(d / "old.md", b"v1\n") == OK
         (d / "sub").mkdir()
         got = {"secret": write_file(d / "sub" / "key.md", b"deploy key:\n" + key),
-               "utf8 over a record": write_file(d / "old.md", b"caf\xe9\n"),
+               # a UTF-8 sequence cut at the end: only the whole file shows it, at close
+               "utf8 over a record": write_file(d / "old.md", b"caf\xc3"),
                "type": write_file(d / "typ.md", b"---\ntype: diary\n---\nbody\n"),
                "size": write_file(small / "big.md", b"x" * 100)}
-        assert got == {"secret": {"open": None, "write": None, "close": "EPERM"},
+        assert got == {"secret": {"open": None, "write": "EPERM", "close": None},
                        "utf8 over a record": {"open": None, "write": None, "close": "EILSEQ"},
-                       "type": {"open": None, "write": None, "close": "EINVAL"},
+                       "type": {"open": None, "write": "EINVAL", "close": None},
                        "size": {"open": None, "write": "EFBIG", "close": None}}
         wait_drained(mnt)
         assert xattr(small / "big.md", "state") == "rejected"  # the refused write held back
-        rejected = {"sub/key.md": b"deploy key:\n" + key, "old.md": b"caf\xe9\n",
-                    "typ.md": b"---\ntype: diary\n---\nbody\n"}
+        # refused at the write: not applied, the new files held back empty
+        rejected = {"sub/key.md": b"", "old.md": b"caf\xc3", "typ.md": b""}
         # status.json: records / bytes are what the control plane holds (old.md, 3 bytes)
         expect = {"records": 1, "bytes": 3, "rejected": 3,
                   "rejected_bytes": sum(len(v) for v in rejected.values())}

@@ -280,13 +280,14 @@ def _older_database_gets_usage_columns_filled(url):
             con.exec_driver_sql(f"ALTER TABLE stores DROP COLUMN {col}")
         for col in ("redacted_at", "redacted_by"):
             con.exec_driver_sql(f"ALTER TABLE versions DROP COLUMN {col}")
-        for stmt in fulltext.drop_statements("sqlite"):  # nor 0007's full-text index
+        con.exec_driver_sql("DROP TABLE console_sessions")  # nor 0009's table
+        for stmt in fulltext.drop_statements(old.dialect.name):  # nor 0007's full-text index
             con.exec_driver_sql(stmt)
-        con.exec_driver_sql("DROP INDEX ix_records_expires")  # nor 0008's review columns
+        con.exec_driver_sql("DROP INDEX ix_records_expires")  # nor 0008's columns
         for col in ("review_after", "expires_at"):
             con.exec_driver_sql(f"ALTER TABLE records DROP COLUMN {col}")
         for col in ("max_history_bytes", "max_history_versions", "history_min_age_s",
-                    "version_bytes", "version_count"):  # nor 0009's history budget
+                    "version_bytes", "version_count"):  # nor 0010's history budget
             con.exec_driver_sql(f"ALTER TABLE stores DROP COLUMN {col}")
         con.exec_driver_sql("ALTER TABLE versions DROP COLUMN pruned")
         con.exec_driver_sql("DROP TABLE alembic_version")

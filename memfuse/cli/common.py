@@ -23,8 +23,22 @@ import click
 from memfuse.client import ApiClient
 from memfuse.defs import parse_byte_size
 from memfuse.errors import ApiError
-from memfuse.transfer import new_key as _key  # noqa: F401  (the CLI's idempotency keys)
-from memfuse.transfer import one_line as _one_line
+
+
+# memfuse.transfer (and the content checks it imports) is loaded by these two only when
+# called: a read command (``history``, ``show``, ``store list``...) does not pay for it.
+def _key() -> str:
+    """A fresh idempotency key for one CLI write (:func:`memfuse.transfer.new_key`)."""
+    from memfuse.transfer import new_key
+
+    return new_key()
+
+
+def _one_line(text: str) -> str:
+    """``text`` on one line (:func:`memfuse.transfer.one_line`)."""
+    from memfuse.transfer import one_line
+
+    return one_line(text)
 
 T = TypeVar("T")
 
@@ -92,6 +106,47 @@ def flush_stdout() -> None:
 
 
 
+#: ``memfuse --verbose``: errors said in the user's terms also show the HTTP status and code
+VERBOSE = False
+
+
+class PathError(click.ClickException):
+    """An API refusal about a record the user named by path, said in the user's terms
+    (``prefs.md has no version 99``) instead of the server's (record id, HTTP status, code);
+    ``memfuse --verbose`` appends the server's status, code and detail."""
+
+    def __init__(self, message: str, cause: ApiError) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+    def format_message(self) -> str:  # noqa: D102
+        if not VERBOSE:
+            return self.message
+        c = self.cause
+        extra = f"HTTP {c.status}" + (f" {c.code}" if c.code else "")
+        detail = _one_line(c.detail or c.title or "")
+        if detail and detail != self.message:
+            extra += f": {detail}"
+        return f"{self.message} ({extra})"
+
+
+def path_error(e: ApiError, store: str, path: str, record_id: str | None = None,
+               version: int | None = None) -> click.ClickException:
+    """``e`` (a refusal of a request about the record at ``path`` in ``store``, id
+    ``record_id``, version ``version``) as a :class:`PathError` naming the path and version;
+    a failure without an HTTP status (unreachable, ...) is left as :func:`click_error` says it."""
+    if e.status is None:
+        return click_error(e)
+    if e.code == "version_not_found" and version is not None:
+        return PathError(f"{path} has no version {version}", e)
+    if e.code == "record_not_found":
+        return PathError(f"no record at {path} in store {store}", e)
+    what = e.detail or e.title or "request failed"
+    if record_id:
+        what = what.replace(f"record {record_id!r}", path).replace(record_id, path)
+    return PathError(_one_line(what), e)
+
+
 def _api_error_message(e: ApiError) -> str:
     if e.status is None:
         return _one_line(str(e))
@@ -100,7 +155,25 @@ def _api_error_message(e: ApiError) -> str:
     return _one_line(f"{what} ({extra})")
 
 
-class MemfuseGroup(click.Group):
+class WholeHelpGroup(click.Group):
+    """A command group whose ``--help`` lists each command's whole first sentence, wrapped
+    to the terminal, where click cuts it to one line ending in ``...``. The root group and,
+    through its ``group_class``, every group under it (``store``, ``token``, ``db``...)."""
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """The ``Commands:`` section of ``--help`` with each command's whole first sentence,
+        wrapped to the terminal, where click cuts it to one line ending in ``...``."""
+        rows = []
+        for name in self.list_commands(ctx):
+            cmd = self.get_command(ctx, name)
+            if cmd is not None and not cmd.hidden:
+                rows.append((name, cmd.get_short_help_str(limit=10_000)))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+
+class MemfuseGroup(WholeHelpGroup):
     """Top-level group: turns every failure into a one-line message and exit status 1, and
     output into a closed pipe into a quiet exit with :data:`EXIT_BROKEN_PIPE`.
 
@@ -112,6 +185,7 @@ class MemfuseGroup(click.Group):
     """
 
     lazy_commands: dict[str, str] = {}
+    group_class = WholeHelpGroup  # ``@cli.group()`` makes one
 
     def list_commands(self, ctx: click.Context) -> list[str]:  # noqa: D102
         return sorted(set(super().list_commands(ctx)) | set(self.lazy_commands))
@@ -367,13 +441,17 @@ def _fmt_time(dt: Any) -> str:
 # the release, never from the environment: MEMFUSE_VERSION is a common name for the release
 # to install (Dockerfiles, CI), and reading it made every command print the version instead
 @click.version_option(package_name="memfuse", prog_name="memfuse", allow_from_autoenv=False)
-def cli() -> None:
+@click.option("-v", "--verbose", is_flag=True, envvar="MEMFUSE_VERBOSE",
+              help="Errors about a path also show the server's HTTP status and error code.")
+def cli(verbose: bool) -> None:
     """memfuse: long-term memory for AI agents, served as plain files over FUSE.
 
     Start with `memfuse dev` (embedded control plane on a local SQLite file, workspace `dev`
     with store `default` mounted at ./memory). Every option also reads MEMFUSE_<OPTION> from
     the environment (exceptions: --version, --help). Rules shared by every command: docs/CLI.md.
     """
+    global VERBOSE
+    VERBOSE = verbose
     # with_retries() retries quietly; the last error, if any, is the one line the user sees.
     logging.getLogger("stamina").setLevel(logging.ERROR)
 

@@ -25,10 +25,12 @@ from memfuse.cli.common import (
     cli,
     click_error,
     opt,
+    path_error,
     stdout_is_terminal,
     terminal_safe,
 )
 from memfuse.client import ApiClient, with_retries
+from memfuse.errors import ApiError
 from memfuse.wire import Record
 
 
@@ -50,6 +52,15 @@ async def _find(api: ApiClient, store_slug: str, path: str) -> Record:
     return rec
 
 
+async def _about(store_slug: str, path: str, rec: Record, call: Any, version: int | None = None) -> Any:
+    """``await with_retries(call)``, a refusal said in the user's terms (the path and version
+    they gave, not the record id and HTTP code: :func:`memfuse.cli.common.path_error`)."""
+    try:
+        return await with_retries(call)
+    except ApiError as e:
+        raise path_error(e, store_slug, path, rec.id, version) from e
+
+
 @cli.command()
 @click.argument("store_slug", metavar="STORE")
 @click.argument("path")
@@ -59,7 +70,7 @@ def history(target: Target, store_slug: str, path: str) -> None:
 
     async def body(api: ApiClient) -> tuple[Record, list[Any]]:
         rec = await _find(api, store_slug, path)
-        return rec, await with_retries(lambda: api.versions(store_slug, rec.id))
+        return rec, await _about(store_slug, path, rec, lambda: api.versions(store_slug, rec.id))
 
     rec, versions = _api(target, body)
     rows = [
@@ -95,7 +106,7 @@ def show(target: Target, store_slug: str, path: str, version_n: int | None) -> N
     async def body(api: ApiClient) -> str:
         rec = await _find(api, store_slug, path)
         if version_n is not None:
-            v = await with_retries(lambda: api.version(store_slug, rec.id, version_n))
+            v = await _about(store_slug, path, rec, lambda: api.version(store_slug, rec.id, version_n), version_n)
             if v.pruned:
                 raise click.ClickException(
                     f"version {version_n} of {store_slug}/{path} was pruned by the store's history "
@@ -127,7 +138,8 @@ def restore(target: Target, store_slug: str, path: str, version_n: int) -> None:
 
     async def body(api: ApiClient) -> Record:
         rec = await _find(api, store_slug, path)
-        return await with_retries(lambda: api.restore(store_slug, rec.id, version_n, idempotency_key=key))
+        return await _about(store_slug, path, rec,
+                            lambda: api.restore(store_slug, rec.id, version_n, idempotency_key=key), version_n)
 
     rec = _api(target, body)
     click.echo(f"restored {store_slug}/{rec.path} to version {version_n} (now version {rec.version})")
@@ -145,7 +157,8 @@ def redact(target: Target, store_slug: str, path: str, version_n: int) -> None:
 
     async def body(api: ApiClient) -> Any:
         rec = await _find(api, store_slug, path)
-        return await with_retries(lambda: api.redact(store_slug, rec.id, version_n, idempotency_key=key))
+        return await _about(store_slug, path, rec,
+                            lambda: api.redact(store_slug, rec.id, version_n, idempotency_key=key), version_n)
 
     _api(target, body)
     click.echo(f"redacted version {version_n} of {store_slug}/{path}")

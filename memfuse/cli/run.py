@@ -7,9 +7,12 @@ plane; ``status`` reads a running sidecar's status. The admin and record command
 """
 from __future__ import annotations
 
+import getpass
 import hashlib
 import json
+import logging
 import os
+import re
 import secrets
 import socket
 import shutil
@@ -25,7 +28,6 @@ from memfuse.cli.common import (
     Target,
     _one_line,
     _run,
-    _setup_logging,
     cli,
     opt,
 )
@@ -106,17 +108,38 @@ def _admin_token(admin_token_file: Path | None) -> tuple[str, Path, bool]:
 @opt("--expiry-interval", type=click.FloatRange(min=0), default=60.0, show_default=True, metavar="SECONDS",
      help="How often to delete the records past their frontmatter `expires` (a deleted version, "
      "restorable). 0: never.")
+@opt("--trusted-proxy", "trusted_proxies", multiple=True, metavar="CIDR",
+     help="Address or CIDR block of a TLS-terminating proxy whose X-Forwarded-Proto is believed "
+     "(repeatable; the environment variable takes a comma-separated list). A request through it "
+     "that came over https gets the console's Secure __Host- session cookie. Default: none "
+     "(the header is ignored).")
+@opt("--db-file", type=click.Path(dir_okay=False, path_type=Path),
+     help="Read the database URL from this file instead (e.g. a mounted Secret, so the password "
+     "is in no flag, environment variable or process listing); surrounding whitespace is ignored.")
+@opt("--log-format", type=click.Choice(["json", "text"]), default="json", show_default=True,
+     help="Log lines as JSON objects (one per event, the exception as a field) or as text.")
 @opt("--debug", is_flag=True, help="Verbose logging.")
 def serve(db: str | None, listen: str, admin_token_file: Path | None, migrate: bool, no_streams: bool,
           max_requests: int, max_streams: int, max_streams_per_token: int, max_body: int,
           header_timeout: float, body_timeout: float, body_read_timeout: float,
           max_unauthenticated_per_address: int, stale_after: int, expiry_interval: float,
-          debug: bool) -> None:
+          trusted_proxies: tuple[str, ...], db_file: Path | None, log_format: str, debug: bool) -> None:
     """Run the reference control plane (HTTP API v1) on a database."""
     from memfuse.cli.db import database_errors
     from memfuse.devenv import data_dir, dev_db_url
+    from memfuse.sidecar.logs import setup_logging
 
-    _setup_logging(debug)
+    setup_logging(debug, log_format)
+    if db_file is not None:
+        if db:
+            raise click.UsageError("give the database as --db or as --db-file, not both")
+        db = _read_db_file(db_file)
+    from memfuse.server.proxies import parse_trusted
+
+    try:
+        parse_trusted(trusted_proxies)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--trusted-proxy") from None
     # What a start that fails (a database without the schema, a port in use, ...) made is
     # removed again: the data dir, the admin token file, the SQLite file and its directory.
     made = _MadeFiles()
@@ -138,7 +161,8 @@ def serve(db: str | None, listen: str, admin_token_file: Path | None, migrate: b
                              max_long_polls_per_token=max_streams_per_token, max_body=max_body,
                              header_timeout=header_timeout, body_timeout=body_timeout,
                              receive_timeout=body_read_timeout,
-                             max_unauthenticated_per_address=max_unauthenticated_per_address)
+                             max_unauthenticated_per_address=max_unauthenticated_per_address,
+                             trusted_proxies=trusted_proxies)
         app.state.service.stale_after_days = stale_after
         app.state.service.expiry_interval = expiry_interval
         try:
@@ -157,7 +181,24 @@ def serve(db: str | None, listen: str, admin_token_file: Path | None, migrate: b
     except BaseException:
         made.remove()  # nothing once serving started (made.keep())
         raise
-    click.echo("memfuse serve: stopped", err=True)
+    logging.getLogger("memfuse.serve").info("memfuse serve: stopped")
+
+
+def _read_db_file(path: Path) -> str:
+    """The database URL in ``path`` (``--db-file``), surrounding whitespace stripped. Raises
+    ``click.UsageError`` (naming the file, never its content) when it cannot be read, is not
+    UTF-8, is empty, or holds more than one line."""
+    try:
+        text = path.read_text(encoding="utf-8").strip()
+    except OSError as e:
+        raise click.UsageError(f"cannot read --db-file {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise click.UsageError(f"--db-file {path} is not UTF-8 text") from None
+    if not text:
+        raise click.UsageError(f"--db-file {path} is empty")
+    if "\n" in text:
+        raise click.UsageError(f"--db-file {path} must hold one line: the database URL")
+    return text
 
 
 class _MadeFiles:
@@ -229,12 +270,11 @@ def _serve_until_signal(app, url: str, listen: str, token_path: Path, generated:
                     raise click.ClickException(
                         f"cannot listen on {listen}: {getattr(e, 'strerror', None) or e}") from None
                 made.keep()
-                click.echo(f"memfuse serve: admin token {'written to' if generated else 'read from'} "
-                           f"{token_path}", err=True)
-                click.echo(f"memfuse serve: listening on {bound or 'http://' + listen} "
-                           f"(database {_safe_url(url)}); stop with Ctrl-C", err=True)
-                click.echo(f"memfuse serve: web console at {bound or 'http://' + listen}/ui/ "
-                           "(log in with a token)", err=True)
+                say = logging.getLogger("memfuse.serve").info  # log lines: JSON by default
+                say(f"memfuse serve: admin token {'written to' if generated else 'read from'} {token_path}")
+                say(f"memfuse serve: listening on {bound or 'http://' + listen} "
+                    f"(database {_safe_url(url)}); stop with Ctrl-C")
+                say(f"memfuse serve: web console at {bound or 'http://' + listen}/ui/ (log in with a token)")
                 async for _ in signals:
                     nursery.cancel_scope.cancel()
                     break
@@ -264,10 +304,15 @@ def _safe_url(url: str) -> str:
           "'off': no console.")
 @opt("--nonempty", is_flag=True,
      help="Mount even when MOUNTPOINT holds files; they are hidden (not changed) while dev runs.")
+@opt("--actor", metavar="NAME",
+     help="Who writes through this mount, recorded on every version (history, the console, the "
+          "API's updated_by) as ws:dev/NAME. Default: USER@HOST.")
 def dev(mountpoint: Path, admin_listen: str | None, log_format: str, debug: bool, console_listen: str,
-        nonempty: bool) -> None:
-    """Embedded default: control plane in-process on the dev database, workspace `dev` with
-    store `default` attached, mounted at MOUNTPOINT (default ./memory) in the foreground.
+        nonempty: bool, actor: str | None) -> None:
+    """Mount memory at MOUNTPOINT (default ./memory) with everything built in: store `default` of workspace `dev`, the control plane in process on the dev database.
+
+    The control plane runs in-process on the dev database, workspace `dev` with store
+    `default` attached, mounted at MOUNTPOINT (default ./memory) in the foreground.
     The web console is served on 127.0.0.1 and a one-time login link is printed at start.
     A MOUNTPOINT that holds files is refused unless --nonempty (libfuse 2's `nonempty`
     rule): the mount would hide them."""
@@ -282,13 +327,14 @@ def dev(mountpoint: Path, admin_listen: str | None, log_format: str, debug: bool
     except OSError as e:
         raise click.ClickException(f"cannot lock {dev_db_path()}: {e.strerror}") from None
     try:
-        _dev(mountpoint, admin_listen, log_format, debug, console_listen, claim, nonempty)
+        _dev(mountpoint, admin_listen, log_format, debug, console_listen, claim, nonempty,
+             actor_name(actor or default_actor()))
     finally:
         os.close(claim)
 
 
 def _dev(mountpoint: Path, admin_listen: str | None, log_format: str, debug: bool, console_listen: str,
-         claim: int, nonempty: bool = False) -> None:
+         claim: int, nonempty: bool = False, actor: str = "dev") -> None:
     """``memfuse dev`` once the dev database's lock (the descriptor ``claim``) is held."""
     from memfuse.devenv import (
         DEV_WORKSPACE,
@@ -333,6 +379,8 @@ def _dev(mountpoint: Path, admin_listen: str | None, log_format: str, debug: boo
     # and listens on a free loopback port, for the sidecar only.
     env = dev_app(faces=console_on, streams=True)
     env.app.state.db_claim = claim  # held by this process: the server takes it as its own
+    # the console's prompt preview shows the paths the agents get: this mount's
+    env.app.state.service.mount_root = str(mountpoint)
 
     from memfuse.sidecar.mount import MountConfig, run_mount
 
@@ -370,7 +418,7 @@ def _dev(mountpoint: Path, admin_listen: str | None, log_format: str, debug: boo
         from memfuse.devenv import agent_tools_hint
 
         click.echo(agent_tools_hint(shutil.which("memfuse") or sys.argv[0], base), err=True)
-        rc = run_mount(config, lambda: ApiClient(api_url, env.workspace_token, instance="dev"))
+        rc = run_mount(config, lambda: ApiClient(api_url, env.workspace_token, instance=actor))
     finally:
         server.stop()  # after the mount's drain, which commits through it
         # every pooled connection closed: SQLite checkpoints its WAL into dev.db and removes
@@ -431,6 +479,30 @@ class _UnstattedPath(click.ParamType):
 
 _UNSTATTED_PATH = _UnstattedPath()
 
+# characters an actor name keeps (the control plane records ws:<workspace>/<name>: no "/")
+_ACTOR_BAD = re.compile(r"[^A-Za-z0-9._@:+-]")
+
+
+def actor_name(value: str) -> str:
+    """``value`` as an actor name: characters outside ``[A-Za-z0-9._@:+-]`` become ``-``,
+    at most 100 characters (what the control plane keeps); ``sidecar`` when nothing is left."""
+    return _ACTOR_BAD.sub("-", value.strip())[:100] or "sidecar"
+
+
+def default_actor(cache_dir: Path | None = None) -> str:
+    """``USER@HOST``, the name a person recognises; with ``cache_dir`` (``memfuse mount``)
+    followed by ``.`` and 6 hex digits of its absolute path: stable across restarts, and
+    different for two sidecars of one workspace on one host (no two running sidecars share a
+    cache directory), whose versions the change feed tells apart by actor."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = str(os.getuid())
+    name = f"{user}@{socket.gethostname()}"
+    if cache_dir is not None:
+        name += "." + hashlib.sha256(os.path.abspath(cache_dir).encode()).hexdigest()[:6]
+    return name
+
 
 @cli.command()
 @click.argument("mountpoint", type=_UNSTATTED_PATH, envvar="MEMFUSE_MOUNTPOINT")
@@ -452,7 +524,8 @@ _UNSTATTED_PATH = _UnstattedPath()
           "socket only. A taken address is an error (no other port is tried): give each "
           "sidecar on a host its own, or port 0 for a free one.")
 @opt("--commit-wait", type=float, default=10.0, show_default=True, metavar="S",
-     help="Seconds close() waits for the commit.")
+     help="Seconds close() waits for the control plane's commit (0: return once the write "
+          "is on disk in the outbox journal, which has its own bound).")
 @opt("--fsync-timeout", type=float, default=60.0, show_default=True, metavar="S",
      help="Seconds fsync() waits for the commit before EIO.")
 @opt("--drain-timeout", type=float, default=20.0, show_default=True, metavar="S",
@@ -460,7 +533,13 @@ _UNSTATTED_PATH = _UnstattedPath()
 @opt("--offline-after", type=float, default=10.0, show_default=True, metavar="S",
      help="Seconds without an answer from the control plane at start before the stores saved "
           "in the cache are mounted as they were (only when the outbox is empty).")
-@opt("--instance", metavar="ID", help="Sidecar id recorded on versions. Default: the host name.")
+@opt("--actor", "--instance", "actor", metavar="NAME",
+     help="Who writes through this mount, recorded on every version (history, the console, the "
+          "API's updated_by) as ws:WORKSPACE/NAME; stable across restarts, so it must differ "
+          "between sidecars of one workspace running at once. In Kubernetes the manifests pass "
+          "the pod name (downward API). Default: USER@HOST.CACHE (CACHE: 6 hex digits of the "
+          "cache directory's path, which no two running sidecars share). --instance is the old "
+          "name.")
 @opt("--log-format", type=click.Choice(["json", "text"]), default="json", show_default=True,
      help="Log line format on stderr.")
 @opt("--admin-token-file", type=click.Path(dir_okay=False, path_type=Path),
@@ -492,7 +571,7 @@ def mount(
     fsync_timeout: float,
     drain_timeout: float,
     offline_after: float,
-    instance: str | None,
+    actor: str | None,
     log_format: str,
     admin_token_file: Path | None,
     admin_socket: bool,
@@ -535,7 +614,8 @@ def mount(
     else:
         _prepare_mountpoint(mountpoint)
         mountpoint = Path(os.path.realpath(mountpoint))
-    inst = instance or socket.gethostname()
+    cache = cache_dir or _mount_cache_dir(control_plane, workspace)
+    inst = actor_name(actor or default_actor(cache))
     sidecar_process_setup()
 
     from memfuse.sidecar.mount import MountConfig, run_mount
@@ -543,7 +623,7 @@ def mount(
     config = MountConfig(
         mountpoint=mountpoint,
         workspace=workspace,
-        cache_dir=cache_dir or _mount_cache_dir(control_plane, workspace),
+        cache_dir=cache,
         uid=uid,
         gid=gid,
         allow_other=allow_other,
@@ -619,16 +699,35 @@ def _check_fuse_fd(fd: int) -> None:
 @click.argument("mountpoint", default="memory", type=click.Path(file_okay=False, path_type=Path),
                 envvar="MEMFUSE_MOUNTPOINT")
 @opt("--admin", "admin_url", metavar="URL",
-     help="Ask the sidecar's admin API instead (GET URL/v1/status), e.g. http://127.0.0.1:9464.")
+     help="Ask the sidecar's TCP admin API instead (GET URL/v1/status), e.g. http://127.0.0.1:9464; "
+          "needs --admin-token-file.")
+@opt("--admin-token-file", type=click.Path(dir_okay=False, path_type=Path),
+     help="Bearer token for --admin (the sidecar's --admin-token-file): on TCP the status needs it.")
+@opt("--admin-socket", type=click.Path(dir_okay=False, path_type=Path),
+     help="Ask the sidecar's admin Unix socket instead (<cache dir>/admin.sock; no token).")
 @opt("--json", "as_json", is_flag=True, envvar="MEMFUSE_JSON", help="Print the raw status JSON.")
-def status(mountpoint: Path, admin_url: str | None, as_json: bool) -> None:
+def status(mountpoint: Path, admin_url: str | None, admin_token_file: Path | None, admin_socket: Path | None,
+           as_json: bool) -> None:
     """Print the sidecar status of the mount at MOUNTPOINT (its .memfuse/status.json), or,
-    with --admin URL, of the sidecar serving that admin API: workspace, readiness, stores,
-    outbox. Exits 1 with one line when nothing answers."""
-    from memfuse.sidecar.admin import StatusUnavailable, fetch_status, format_status, read_status_file
+    with --admin URL --admin-token-file F or --admin-socket PATH, of the sidecar serving that
+    admin API: workspace, readiness, stores, outbox. Exits 1 with one line when nothing
+    answers."""
+    from memfuse.sidecar.admin import (StatusUnavailable, fetch_status, format_status, read_admin_token,
+                                       read_status_file)
 
+    token = None
+    if admin_token_file is not None:
+        try:
+            token = read_admin_token(admin_token_file)
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
     try:
-        data = fetch_status(admin_url) if admin_url else read_status_file(mountpoint)
+        if admin_socket is not None:
+            data = fetch_status(socket_path=admin_socket)
+        elif admin_url:
+            data = fetch_status(admin_url, token=token)
+        else:
+            data = read_status_file(mountpoint)
     except StatusUnavailable as e:
         raise click.ClickException(_one_line(str(e))) from None
     click.echo(json.dumps(data, indent=2, sort_keys=True, default=str) if as_json else format_status(data))

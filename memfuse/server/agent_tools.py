@@ -56,8 +56,11 @@ class InProcessBackend:
         self.tool = MemoryTool(svc, principal, workspace, client)
 
     async def call(self, command: dict[str, Any]) -> tuple[str, bool]:
+        bad = _bad_name(command, "arguments")
+        if bad is not None:
+            return f"{bad}: not valid Unicode text (a lone surrogate code point)", True
         r: ToolResult = await anyio.to_thread.run_sync(self.tool.run, command)
-        return r.content, r.is_error
+        return _text(r.content), r.is_error
 
     async def instructions(self) -> str:
         text = await anyio.to_thread.run_sync(
@@ -86,6 +89,52 @@ def _check_workspace(p: Principal, ws: str) -> None:
         raise ServiceError(403, "forbidden", "the token belongs to another workspace")
 
 
+# Memory-tool parameters that name something (a path, a store, the command): a lone surrogate
+# there is refused before the tool runs (422). Text parameters (file_text, new_str, ...) reach
+# the tool, which refuses such content as it refuses any invalid UTF-8 (EILSEQ).
+_NAMING_KEYS = ("command", "path", "old_path", "new_path", "store", "query")
+
+
+def _text(s: str) -> str:
+    """``s`` with every lone surrogate as U+FFFD (so it has a UTF-8 form)."""
+    return s.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+
+
+def _bad_name(command: dict[str, Any], where: str) -> str | None:
+    """The first naming parameter (or any parameter name) of a memory-tool command holding a
+    lone surrogate, as ``"<where>.path"``; None when there is none."""
+    for k in command:
+        if isinstance(k, str) and _not_unicode(k, where):
+            return where
+    for k in _NAMING_KEYS:
+        if _not_unicode(command.get(k), f"{where}.{k}"):
+            return f"{where}.{k}"
+    return None
+
+
+def _not_unicode(value: Any, where: str = "body") -> str | None:
+    """Where in a decoded JSON value a string holds a lone surrogate (JSON's ``"\\ud800"``
+    decodes to one; it has no UTF-8 form, so it can be neither a path nor stored), e.g.
+    ``"body.path"``; None when there is none."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return where
+        return None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            found = _not_unicode(k, where) or _not_unicode(v, f"{where}.{k}")
+            if found:
+                return found
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            found = _not_unicode(v, f"{where}[{i}]")
+            if found:
+                return found
+    return None
+
+
 def install(app: FastAPI, svc: Service, principal: Callable[..., Any]) -> None:
     """Add the memory-tool endpoint, ``/mcp`` and its protected-resource metadata to ``app``.
     ``principal`` is the app's authentication dependency. The MCP session manager runs in
@@ -101,8 +150,12 @@ def install(app: FastAPI, svc: Service, principal: Callable[..., Any]) -> None:
             examples=[{"command": "view", "path": "/memories"}]),
     ) -> Response:
         _check_workspace(p, ws)
+        bad = _bad_name(command, "body")
+        if bad is not None:
+            raise ServiceError(422, "validation_error",
+                               f"{bad}: not valid Unicode text (a lone surrogate code point)")
         r = MemoryTool(svc, p, ws, p.instance).run(command)
-        body = MemoryToolResult(content=r.content, is_error=r.is_error).model_dump_json()
+        body = MemoryToolResult(content=_text(r.content), is_error=r.is_error).model_dump_json()
         return Response(body, media_type="application/json")
 
     # the backend of the request being served, set around each /mcp request

@@ -46,6 +46,7 @@ from sqlalchemy.engine import Row
 from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from memfuse import defs
 from memfuse.models import Record
 from memfuse.server import anthropic_models as am
 from memfuse.server.memstores import VERSION_OPERATIONS, store_id, store_out, store_slug
@@ -245,6 +246,11 @@ def _view(view: str | None, default: str) -> bool:
     return v == "full"
 
 
+# ``limit``'s bounds stated in the OpenAPI document; the handler checks them itself (``_limit``)
+# so that a bad one is Anthropic's 400 ``invalid_request_error``, not FastAPI's 422
+ListLimit = Annotated[int, Query(json_schema_extra={"minimum": 1, "maximum": am.LIST_LIMIT_MAX})]
+
+
 def _limit(limit: int | None, full: bool) -> int:
     n = am.LIST_LIMIT_DEFAULT if limit is None else limit
     if not 1 <= n <= am.LIST_LIMIT_MAX:
@@ -433,7 +439,7 @@ def install(app: FastAPI, svc: Service) -> None:
         created_gte: Annotated[datetime | None, Query(alias="created_at[gte]")] = None,
         created_lte: Annotated[datetime | None, Query(alias="created_at[lte]")] = None,
         include_archived: bool = False,
-        limit: int | None = None,
+        limit: ListLimit = am.LIST_LIMIT_DEFAULT,
         page: str | None = None,
     ):
         n = _limit(limit, False)
@@ -484,8 +490,8 @@ def install(app: FastAPI, svc: Service) -> None:
     @r.get("/{memory_store_id}/memories", response_model=am.MemoryPage)
     def list_memories(
         memory_store_id: str, p: P,
-        depth: Annotated[int, Query(ge=0)] = 0,
-        limit: int | None = None,
+        depth: Annotated[int, Query(ge=0, le=defs.INT64_MAX)] = 0,
+        limit: ListLimit = am.LIST_LIMIT_DEFAULT,
         page: str | None = None,
         path_prefix: str | None = None,
         view: ViewQ = None,
@@ -563,7 +569,7 @@ def install(app: FastAPI, svc: Service) -> None:
         api_key_id: str | None = None,
         created_gte: Annotated[datetime | None, Query(alias="created_at[gte]")] = None,
         created_lte: Annotated[datetime | None, Query(alias="created_at[lte]")] = None,
-        limit: int | None = None,
+        limit: ListLimit = am.LIST_LIMIT_DEFAULT,
         memory_id: str | None = None,
         operation: str | None = None,
         page: str | None = None,

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, Literal
 
@@ -38,9 +39,11 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import Histogram
 from pydantic import BaseModel, ValidationError
 from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Mount
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from memfuse.models import (
@@ -74,7 +77,8 @@ from memfuse.models import (
     WorkspaceCreate,
 )
 from memfuse import defs
-from memfuse.server import gate, limits, longpoll, streamclass, streams as streaming
+from memfuse.server import gate, limits, longpoll, proxies, streamclass, streams as streaming
+from memfuse.server.apidocs import install_docs
 from memfuse.server.base import REASONS
 from memfuse.server.batch import batch_body
 from memfuse.server.db import Database
@@ -111,7 +115,9 @@ def problem_response(
     headers: dict[str, str] | None = None,
     **extra: Any,
 ) -> JSONResponse:
-    """An ``application/problem+json`` response; ``extra`` become additional members."""
+    """An ``application/problem+json`` response; ``extra`` become additional members. A lone
+    surrogate in ``detail`` (echoed client input) becomes U+FFFD: the body is always UTF-8."""
+    detail = detail.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
     body = Problem(title=_REASONS.get(status, "Error"), status=status, detail=detail, code=code).model_dump()
     body.update(jsonable_encoder(extra))
     return JSONResponse(body, status_code=status, headers=headers, media_type=PROBLEM_JSON)
@@ -143,6 +149,68 @@ class _CatchAll:
             if started:
                 raise
             await problem_response(500, "internal_error", "unexpected server error")(scope, receive, send)
+
+
+# Seconds; Prometheus' default buckets plus the long tail of a busy database.
+REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 30.0)
+_STREAM_TYPES = (b"text/event-stream", streaming.NDJSON)
+
+
+def route_template(scope: Scope, root_path: str = "") -> str:
+    """The route template a routed request matched (``/v1/stores/{store}/records/{record_id}``,
+    ``/ui/stores/{store}``), from the ``route`` Starlette leaves in ``scope``; ``"unmatched"``
+    when none did (an unknown path must not make a new time series)."""
+    route = scope.get("route")
+    path = getattr(route, "path", None)
+    if not path:
+        return "unmatched"
+    mounted = str(scope.get("root_path", ""))[len(root_path):]
+    if isinstance(route, Mount):  # a mounted app without routes of its own (static files)
+        return mounted + "/{path}"
+    return (mounted + path) or "/"
+
+
+class _Timing:
+    """ASGI middleware: ``http_request_duration_seconds{route, method, status}``, a histogram of
+    the time from a request's arrival in the app to its last response byte, by route template
+    (``route_template``) and status. Streamed responses (server-sent events, NDJSON change
+    streams) are left out: their duration is how long a client listened."""
+
+    def __init__(self, app: ASGIApp, histogram) -> None:
+        self.app = app
+        self.histogram = histogram
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        root_path = str(scope.get("root_path", ""))
+        status = 500
+        streamed = False
+        done = False
+
+        def observe() -> None:
+            nonlocal done
+            if not done and not streamed:
+                done = True
+                self.histogram.labels(route_template(scope, root_path), scope.get("method", ""),
+                                      str(status)).observe(time.perf_counter() - start)
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal status, streamed
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                ctype = next((v for k, v in message.get("headers", ()) if k.lower() == b"content-type"), b"")
+                streamed = ctype.split(b";")[0].strip() in _STREAM_TYPES
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                observe()
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            observe()
 
 
 def _reply(r: Reply) -> Response:
@@ -201,6 +269,8 @@ P = Annotated[Principal, Depends(_principal)]
 Idem = Annotated[IdempotencyRequest | None, Depends(_idempotency)]
 IfMatch = Annotated[str | None, Header(description='"<sha256>" of the version the change is based on, or *')]
 StoreSlug = Annotated[str, Path(description="store slug")]
+VersionNumber = Annotated[int, Path(ge=1, le=defs.INT64_MAX, description="version number (1, 2, ...)")]
+After = Annotated[int, Query(ge=0, le=defs.INT64_MAX, description="feed position to read after (a page's seq)")]
 Wait = Annotated[float, Query(ge=0, description="long-poll seconds (capped at 60)")]
 
 
@@ -223,6 +293,7 @@ def create_app(
     streams: bool = True,
     stream_heartbeat: float = streaming.HEARTBEAT_SECONDS,
     stream_lifetime: float = streaming.LIFETIME_SECONDS,
+    trusted_proxies: tuple[str, ...] | list[str] = (),
     write_rate: gate.WriteRate | None = None,
 ) -> FastAPI:
     """Build the control-plane app over the database at ``db_url``.
@@ -253,6 +324,9 @@ def create_app(
     Raises ``sqlalchemy.exc.ArgumentError`` for a bad URL, ``OperationalError`` when the
     database cannot be opened, ``ValueError`` for a bad ``$MEMFUSE_CONTEXT_MAX_BYTES``,
     ``memfuse.server.schema.SchemaBehind`` when ``schema="check"`` finds it behind.
+    ``trusted_proxies``: addresses or CIDR blocks whose ``X-Forwarded-Proto`` is believed
+    (``memfuse.server.proxies``; ``ValueError`` for a bad one): a request through them that
+    the proxy says came over TLS gets the console's ``Secure`` ``__Host-`` session cookie.
     ``faces``: also serve the web console (``/ui/``) and the agent-tool faces (the
     memory-tool endpoint, ``/mcp``). The CLI's local mode leaves them out: it calls only the
     v1 API in-process, and importing the MCP SDK and the templates would add seconds to the
@@ -263,6 +337,7 @@ def create_app(
         context_max_bytes = int(env) if env else CONTEXT_TOTAL_MAX_BYTES
     if context_max_bytes < CONTEXT_MIN_BYTES:
         raise ValueError(f"context_max_bytes must be at least {CONTEXT_MIN_BYTES}")
+    trusted = proxies.parse_trusted(trusted_proxies)
     metrics = limits.ServerMetrics()
     db = Database(db_url, schema=schema)
     metrics.count_statements(db.engine)
@@ -279,7 +354,10 @@ def create_app(
         version="1",
         description="Long-term memory for AI agents, served as files (see docs/API.md).",
         responses=_PROBLEM_RESPONSES,
+        docs_url=None,  # served by apidocs.install_docs, every asset from this server
+        redoc_url=None,
     )
+    install_docs(app)
     app.state.service = svc
     app.state.metrics = metrics
     app.state.feed_reads = reads
@@ -287,6 +365,14 @@ def create_app(
     app.state.stream_class = stream_class
     _install_error_handlers(app)
     app.add_middleware(_CatchAll)
+    app.add_middleware(_Timing, histogram=Histogram(
+        "http_request_duration_seconds", "Time from a request's arrival in the app to its last "
+        "response byte, by route template, method and status (streams left out)",
+        ["route", "method", "status"], buckets=REQUEST_BUCKETS, registry=metrics.registry))
+    _process_collectors(metrics.registry)
+    app.state.trusted_proxies = trusted
+    if trusted:
+        app.add_middleware(proxies.TrustedProxyScheme, trusted=trusted)
     app.front = gate.Gate(
         app.serve_fastapi, svc, metrics, stream_class, max_inflight=max_inflight,
         send_timeout=send_timeout, max_body=max_body, body_timeout=body_timeout,
@@ -362,7 +448,7 @@ def create_app(
         request: Request,
         ws: str,
         p: P,
-        after: Annotated[int, Query(ge=0)] = 0,
+        after: After = 0,
         wait: Wait = 0,
         limit: Annotated[int, Query(ge=1, le=1000)] = 1000,
         stream: Annotated[bool, Query(description="answer an NDJSON stream of pages (docs/API.md)")] = False,
@@ -382,7 +468,11 @@ def create_app(
     def context(
         ws: str,
         p: P,
-        mount_root: Annotated[str, Query(description="where the sidecar mounts the stores")] = "/mnt/memory",
+        mount_root: Annotated[
+            str | None,
+            Query(description="where the sidecar mounts the stores (default: the server's, "
+                              "/mnt/memory, or the mountpoint under memfuse dev)"),
+        ] = None,
         max_bytes: Annotated[
             int | None,
             Query(ge=CONTEXT_MIN_BYTES, le=10_000_000,
@@ -394,7 +484,7 @@ def create_app(
                               "the line on the mount's .memfuse/errors.log"),
         ] = True,
     ):
-        text = svc.context(p, ws, mount_root, max_bytes, mounted=mounted)
+        text = svc.context(p, ws, mount_root or svc.mount_root, max_bytes, mounted=mounted)
         return PlainTextResponse(text, media_type="text/markdown; charset=utf-8")
 
     # ------------------------------------------------------------ records
@@ -508,7 +598,7 @@ def create_app(
         return _json(svc.list_versions(p, store, record_id))
 
     @app.get("/v1/stores/{store}/records/{record_id}/versions/{n}", response_model=Version, tags=["records"])
-    def get_version(store: StoreSlug, record_id: str, n: int, p: P):
+    def get_version(store: StoreSlug, record_id: str, n: VersionNumber, p: P):
         return _json(svc.get_version(p, store, record_id, n))
 
     @app.post("/v1/stores/{store}/records/{record_id}/restore", response_model=Record, tags=["records"])
@@ -518,7 +608,7 @@ def create_app(
     @app.post(
         "/v1/stores/{store}/records/{record_id}/versions/{n}/redact", response_model=Version, tags=["records"]
     )
-    def redact_version(store: StoreSlug, record_id: str, n: int, p: P, idem: Idem):
+    def redact_version(store: StoreSlug, record_id: str, n: VersionNumber, p: P, idem: Idem):
         return _reply(svc.redact_version(p, store, record_id, n, idem))
 
     @app.get("/v1/stores/{store}/changes", response_model=ChangePage, tags=["records"])
@@ -526,7 +616,7 @@ def create_app(
         request: Request,
         store: StoreSlug,
         p: P,
-        after: Annotated[int, Query(ge=0)] = 0,
+        after: After = 0,
         wait: Wait = 0,
         content: bool = True,
         limit: Annotated[int, Query(ge=1, le=1000)] = 1000,
@@ -549,7 +639,9 @@ def create_app(
 
     def openapi() -> dict[str, Any]:
         """FastAPI's document plus the schemas of the batch body (read by the handler itself,
-        so FastAPI does not know them)."""
+        so FastAPI does not know them), with integer bounds as integers: FastAPI's OpenAPI
+        models hold ``minimum`` / ``maximum`` as floats, which turns ``le=2**63 - 1`` into
+        ``9.223372036854776e18`` (2**63, one more than the server takes)."""
         if app.openapi_schema is None:
             schema = FastAPI.openapi(app)
             defs = BatchRequest.model_json_schema(ref_template="#/components/schemas/{model}")
@@ -557,6 +649,7 @@ def create_app(
             for name, d in defs.pop("$defs", {}).items():
                 comps.setdefault(name, d)
             comps["BatchRequest"] = defs
+            _integer_bounds(schema)
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
@@ -619,6 +712,36 @@ class _App(FastAPI):
                         "body": body if scope["method"] == "GET" else b""})
             return
         await super().__call__(scope, receive, send)
+
+
+def _process_collectors(registry) -> None:
+    """Register prometheus-client's process collectors (``process_*``: CPU seconds, resident
+    and virtual memory, open file descriptors, start time; ``python_gc_*``; ``python_info``)
+    on ``registry``."""
+    from prometheus_client import ProcessCollector
+    from prometheus_client.gc_collector import GCCollector
+    from prometheus_client.platform_collector import PlatformCollector
+
+    ProcessCollector(registry=registry)
+    GCCollector(registry=registry)
+    PlatformCollector(registry=registry)
+
+
+def _integer_bounds(node: Any) -> None:
+    """In an OpenAPI document (in place): the ``minimum`` / ``maximum`` /
+    ``exclusiveMinimum`` / ``exclusiveMaximum`` of every ``"type": "integer"`` schema as an
+    integer in the signed 64-bit range (a float bound of 2**63 is the float of 2**63 - 1)."""
+    if isinstance(node, dict):
+        if node.get("type") == "integer":
+            for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+                v = node.get(key)
+                if isinstance(v, float) and v == v and abs(v) != float("inf"):
+                    node[key] = max(-defs.INT64_MAX - 1, min(int(v), defs.INT64_MAX))
+        for v in node.values():
+            _integer_bounds(v)
+    elif isinstance(node, list):
+        for v in node:
+            _integer_bounds(v)
 
 
 def _exception_response(exc: Exception, scope: Scope) -> Response:

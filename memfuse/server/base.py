@@ -304,6 +304,7 @@ class ServiceBase:
 
     db: Database
     context_max_bytes: int
+    mount_root: str  # the default mount root of the prompt block's paths
     static_tokens: dict[str, str | None]
     notifier: Notifier
     bus: Bus

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from sqlalchemy import func, null, select
 from sqlalchemy.engine import Row
 
+from memfuse.defs import INT64_MAX
 from memfuse.models import DEFAULT_MODE, Access, Change, ChangePage, EventPage, Operation, Record, WorkspaceEvent
 from memfuse.server import wakeups
 from memfuse.server.base import _R, _V, Principal, ServiceBase, ServiceError
@@ -104,6 +105,7 @@ class ChangesMixin(ServiceBase):
         """Events of ``ws`` with seq > ``after``, oldest first. When ``after`` is beyond every
         event the server has (database replaced), ``seq`` is the server's latest, so the
         caller resumes from there. Teaches the ``Notifier`` the workspace's event bounds."""
+        after = max(-1, min(after, INT64_MAX))  # a 64-bit column: beyond it there is nothing
         stamp = self.notifier.stamp()
         with self.db.read() as s:
             self._workspace(s, p, ws)
@@ -157,6 +159,7 @@ class ChangesMixin(ServiceBase):
         ``check_feed_access`` first. Reads the store's latest seq first and no version beyond
         it (a store's versions commit in seq order, so the read has no gaps) and teaches the
         ``Notifier`` that head."""
+        after = max(-1, min(after, INT64_MAX))  # a 64-bit column: beyond it there is nothing
         stamp = self.notifier.stamp()
         with self.db.read_conn() as conn:
             top = conn.scalar(select(func.max(_V.c.seq))) or 0

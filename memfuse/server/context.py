@@ -9,7 +9,6 @@ renders text; it writes nothing.
 from __future__ import annotations
 
 import re
-import unicodedata
 from collections.abc import Callable
 
 from sqlalchemy import false, select
@@ -29,22 +28,9 @@ CONTEXT_MAX_BYTES_ENV = "MEMFUSE_CONTEXT_MAX_BYTES"
 
 # the opening paragraphs without the mount root and the refusals line (bytes, generous)
 _INTRO_BYTES = 600
-_SUSPECT_RE = re.compile(r"[^\t\n\x20-\x7e]")
-_STRIP_CATEGORIES = frozenset(("Cc", "Cf", "Zl", "Zp", "Cs"))
-
-
-def _strip_one(m: re.Match[str]) -> str:
-    ch = m.group()
-    return "" if unicodedata.category(ch) in _STRIP_CATEGORIES else ch
-
-
-def strip_controls(text: str) -> str:
-    """Remove control characters (Cc, except tab and newline), Unicode format characters
-    (Cf: zero-width, bidi overrides, BOM, tag characters, ...), line / paragraph separators
-    and lone surrogates, for the prompt block; ``\\r\\n`` becomes ``\\n`` (a lone ``\\r`` is
-    removed like any control character)."""
-    text = text.replace("\r\n", "\n")
-    return _SUSPECT_RE.sub(_strip_one, text)
+#: the prompt block's normalisation, shared with the secret detector (one place:
+#: ``memfuse.content.prompt_text``), so the detector reads what the model will read
+strip_controls = content_rules.prompt_text
 
 
 def _nbytes(text: str) -> int:

@@ -65,7 +65,7 @@ log = logging.getLogger(__name__)
 #: the newest Alembic revision (``memfuse/server/migrations/versions/``): a database at it
 #: opens without Alembic (``Database._at_schema_head``). A new revision updates it;
 #: tests/test_migrations.py fails while it is not ``schema.head()``.
-SCHEMA_HEAD = "0009_history_budget"
+SCHEMA_HEAD = "0010_history_budget"
 
 
 def utcnow() -> datetime:
@@ -138,7 +138,7 @@ class StoreRow(Base):
     metadata_json: Mapped[str | None] = mapped_column(Text, nullable=True)
     archived_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     updated_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
-    # History budget (revision 0009_history_budget): NULL = the default (``defs.HISTORY_*``:
+    # History budget (revision 0010_history_budget): NULL = the default (``defs.HISTORY_*``:
     # 16 x max_store_bytes, 16 x max_records, 24 h), and the content kept in ``versions``
     # (rows whose content is not pruned or redacted: bytes and count), kept by every write in
     # the same transaction; history = these minus the live records (usage_bytes, record_count)
@@ -180,6 +180,23 @@ class TokenRow(Base):
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True, index=True)
     # updated at most once a minute per token (never one write per request)
     last_used_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+
+
+class ConsoleSessionRow(Base):
+    """A web-console session (memfuse/server/sessions.py): the sha256 of its random id (the
+    cookie's value; never stored), the token it was made from (``token_id`` for a database
+    token, deleted with it; ``token_sha256`` for a static one), and when it ends."""
+
+    __tablename__ = "console_sessions"
+
+    id_sha256: Mapped[str] = mapped_column(String(64), primary_key=True)
+    token_id: Mapped[str | None] = mapped_column(
+        ForeignKey("tokens.id", ondelete="CASCADE"), nullable=True, index=True
+    )
+    token_sha256: Mapped[str] = mapped_column(String(64))
+    workspace: Mapped[str | None] = mapped_column(String(63), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime, index=True)
 
 
 class RecordRow(Base):
@@ -266,7 +283,7 @@ class VersionRow(Base):
     # before revision 0006_anthropic_memory_stores.
     redacted_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     redacted_by: Mapped[str | None] = mapped_column(Text, nullable=True)
-    # content removed by the store's history budget (metadata kept; revision 0009)
+    # content removed by the store's history budget (metadata kept; revision 0010)
     pruned: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
     __table_args__ = (

@@ -29,6 +29,7 @@ import anyio
 from fastapi import Request
 from fastapi.responses import Response
 
+from memfuse.defs import INT64_MAX
 from memfuse.models import ChangePage, EventPage
 from memfuse.server import wakeups
 from memfuse.server.service import MAX_WAIT_SECONDS, FeedRead, Principal, Service, ServiceError
@@ -286,7 +287,7 @@ class FastPath:
         if stream not in _TRUE and stream not in _FALSE:
             return False
         stream_on = stream in _TRUE and self.streams is not None and self.streams.enabled
-        if after < 0 or not (stream_on or 0 < wait < float("inf")) or not (1 <= limit <= 1000):
+        if not 0 <= after <= INT64_MAX or not (stream_on or 0 < wait < float("inf")) or not (1 <= limit <= 1000):
             return False
         content = q.get("content", "true").lower()
         if content not in _TRUE and content not in _FALSE:

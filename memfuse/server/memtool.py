@@ -49,7 +49,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from memfuse import content as content_rules
 from memfuse import names
+from memfuse.defs import INT64_MAX
 from memfuse.errors import ERRNO_NAME_BY_CODE
 from memfuse.models import Access, Attachment, PrefixMove, Record, RecordCreate, RecordMove, RecordUpdate
 from memfuse.server.records import _encode_cursor
@@ -100,6 +102,14 @@ _CODES = (
     ("Cannot rename the /memories", "forbidden"),
 )
 
+
+
+def _redacted(path: str) -> str:
+    """``path`` as a log line may show it: a secret in it replaced by its first four
+    characters and ``[REDACTED]`` (``content.find_secret_in_path``), like the REST API's
+    problem detail and the mount's ``errors.log``."""
+    found = content_rules.find_secret_in_path(path)
+    return path if found is None else found.redacted
 
 class ToolError(Exception):
     """A command refused: ``message`` is the tool result text (``is_error`` true); ``code`` a
@@ -261,9 +271,10 @@ class MemoryTool:
             return ToolResult(fn(command))
         except ToolError as e:
             # path and reason code, never content (file_text, old_str...) nor tokens; the path
-            # is the model's input, so shortened and quoted (%r: no line breaks in the log)
+            # is the model's input, so shortened, quoted (%r: no line breaks in the log) and
+            # redacted when it holds a secret (as the REST API and the mount log it)
             paths = [command.get(k) for k in ("path", "old_path", "new_path")]
-            shown = " -> ".join(repr(p[:200]) for p in paths if isinstance(p, str)) or "-"
+            shown = " -> ".join(repr(_redacted(p)[:200]) for p in paths if isinstance(p, str)) or "-"
             log.info("memory tool %s refused in workspace %s path=%s code=%s", name, self.workspace,
                      shown, e.code)
             return ToolResult(e.message, True)
@@ -330,7 +341,7 @@ class MemoryTool:
         reason = e.detail or e.code
         if e.code == "read_only":
             reason = f"store {t.store} is attached read-only"
-        return ToolError(f"Cannot write {t.raw}: {reason} ({code})", e.code)
+        return ToolError(f"Cannot write {_redacted(t.raw)}: {reason} ({code})", e.code)
 
     def _retrying(self, t: Target, attempt: Callable[[], str | None]) -> str:
         """Run ``attempt`` until it returns a result (not None = done); None means a
@@ -790,8 +801,8 @@ class MemoryTool:
         rec = max(page.records, key=lambda r: (not r.deleted, r.updated_at))
         version = c.get("version")
         if version is not None:
-            if not isinstance(version, int) or isinstance(version, bool):
-                raise ToolError("Parameter `version` must be an integer")
+            if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= INT64_MAX:
+                raise ToolError(f"Parameter `version` must be an integer from 1 to {INT64_MAX}")
             try:
                 v = self.svc.get_version(self.p, t.store, rec.id, version)
             except ServiceError as e:

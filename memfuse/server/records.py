@@ -21,7 +21,7 @@ from sqlalchemy.engine import Connection, Row
 
 from memfuse import content as content_rules
 from memfuse import wire
-from memfuse.defs import mtime_effective_ns
+from memfuse.defs import INT64_MAX, mtime_effective_ns
 from memfuse.models import (
     DEFAULT_MODE,
     MoveResult,
@@ -296,6 +296,14 @@ class BatchStore:
 def _mode(value: int | None) -> int:
     """The permission bits a file shows for a stored ``mode`` (NULL: 0o644)."""
     return DEFAULT_MODE if value is None else value
+
+
+def _pin_mtime(rec: _Rec) -> None:
+    """Store the mtime a record's file shows (``updated_at`` when it has no explicit one)
+    as its explicit ``mtime_ns``, before a version that must not change it (a move, as
+    rename(2) leaves ``st_mtime`` alone) sets ``updated_at`` to now."""
+    if rec.mtime_ns is None:
+        rec.mtime_ns = mtime_effective_ns(None, rec.updated_at)
 
 
 def _attrs(rec: _Rec) -> tuple[int, int | None]:
@@ -684,6 +692,8 @@ class RecordsMixin(ServiceBase):
 
     @staticmethod
     def _version(conn: Connection, record_id: str, n: int) -> Row:
+        if not 1 <= n <= INT64_MAX:  # no such version, and not one the database could compare
+            raise ServiceError(404, "version_not_found", f"record {record_id!r} has no version {n}")
         v = conn.execute(select(_V).where(_V.c.record_id == record_id, _V.c.version == n)).first()
         if v is None:
             raise ServiceError(404, "version_not_found", f"record {record_id!r} has no version {n}")
@@ -896,6 +906,7 @@ class RecordsMixin(ServiceBase):
             self._check_clash(conn, st, new_path, frozenset((rec.id,)))
             old_path = rec.path
             rec.path, rec.type = new_path, new_type
+            _pin_mtime(rec)  # rename(2) keeps the file's mtime: the moved version stores it
             rec.version += 1
             self._add_version(conn, rec, Operation.moved, p.actor, now, old_path=old_path)
             return MoveResult(records=[_record_model(rec, with_content=False)])
@@ -953,6 +964,7 @@ class RecordsMixin(ServiceBase):
             plan.sort(key=lambda x: x[2])
             for r, old_path, new_path in plan:
                 r.path = new_path
+                _pin_mtime(r)  # a directory rename keeps each file's mtime
                 r.version += 1
                 self._add_version(conn, r, Operation.moved, p.actor, now, old_path=old_path)
             log.info("moved %d records in store %s", len(plan), st.slug)

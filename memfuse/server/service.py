@@ -63,6 +63,7 @@ from memfuse.server.indexreport import IndexReportMixin
 from memfuse.server.memstores import MemoryStoresMixin
 from memfuse.server.records import RecordsMixin, _usage  # noqa: F401  (_usage: for tests)
 from memfuse.server.search import SearchMixin
+from memfuse.server.sessions import SessionsMixin
 from memfuse.server.stores import StoresMixin
 from memfuse.server.tokens import TOKEN_CACHE_MAX, TOKEN_CACHE_SECONDS, TokenCache, TokensMixin
 from memfuse.server.wakeups import Bus, Notifier
@@ -93,13 +94,16 @@ __all__ = [
 ]
 
 
-class Service(TokensMixin, StoresMixin, BatchMixin, RecordsMixin, SearchMixin, ChangesMixin, ContextMixin,
-              MemoryStoresMixin, IndexReportMixin):
+class Service(TokensMixin, SessionsMixin, StoresMixin, BatchMixin, RecordsMixin, SearchMixin, ChangesMixin,
+              ContextMixin, MemoryStoresMixin, IndexReportMixin):
     """The control plane's rules over a ``Database``.
 
     ``static_tokens`` maps raw token → workspace (None = admin); the mapping is consulted on
     every request, so a caller may add tokens later (the in-process fake does).
     ``context_max_bytes`` is the default bound of the prompt block (``context``).
+    ``mount_root`` is where this deployment's sidecars mount the stores (``/mnt/memory``, the
+    Kubernetes manifests' path; ``memfuse dev`` sets its real mountpoint): the default of the
+    prompt block's paths, so the console's preview shows what the agents get.
     """
 
     def __init__(
@@ -108,9 +112,11 @@ class Service(TokensMixin, StoresMixin, BatchMixin, RecordsMixin, SearchMixin, C
         static_tokens: dict[str, str | None] | None = None,
         *,
         context_max_bytes: int = CONTEXT_TOTAL_MAX_BYTES,
+        mount_root: str = "/mnt/memory",
     ) -> None:
         self.db = db
         self.context_max_bytes = context_max_bytes
+        self.mount_root = mount_root
         self.static_tokens: dict[str, str | None] = static_tokens if static_tokens is not None else {}
         self.notifier = Notifier()
         self.bus = Bus(db, self.notifier)

@@ -7,14 +7,17 @@ no web framework or ASGI server is loaded: they would cost the sidecar's baselin
 for six endpoints), on two listeners:
 
 - TCP (:func:`serve_admin`, ``--admin-listen``, default ``127.0.0.1:9464``; in Kubernetes the
-  pod IP, so the kubelet's probes and Prometheus reach it). The read-only endpoints are open;
-  the mutating ones (``POST`` / ``DELETE /v1/mounts/{store}``) need
-  ``Authorization: Bearer <admin token>`` (``--admin-token-file``, compared in constant time),
-  on loopback too: any process in the pod's network namespace, or any pod that can reach the
-  pod IP, can reach this port. Without a token file, mutations on TCP are refused (403).
+  pod IP, so the kubelet's probes and Prometheus reach it). Only ``/healthz``, ``/readyz``
+  and ``/metrics`` are open (``OPEN_ON_TCP``: they carry no memory content, no store path and
+  no token). Everything else — the status document (it names stores, the mountpoint and the
+  control plane), the prompt block (every attached store's ``MEMORY.md``), mount changes —
+  needs ``Authorization: Bearer <admin token>`` (``--admin-token-file``, compared in constant
+  time), on loopback too: any process in the pod's network namespace, or any pod that can
+  reach the pod IP, can reach this port. Without a token file they are refused on TCP (403
+  ``admin_token_required``).
 - a Unix socket (:func:`serve_admin_unix`) at ``<cache dir>/admin.sock``, mode 0600, owned by
-  the sidecar's user: every endpoint, mutations without a token (file permissions are the
-  authentication). ``memfuse mounts add|remove`` uses it.
+  the sidecar's user: every endpoint without a token (file permissions are the
+  authentication). ``memfuse mounts add|remove`` and ``memfuse status --admin-socket`` use it.
 
 Endpoints:
 
@@ -38,8 +41,8 @@ Every error is ``application/problem+json`` (RFC 9457) with memfuse's ``code`` m
 ``not_found``, ``method_not_allowed``, ``invalid_name``, ``store_not_attached``,
 ``store_refused``, ``store_not_mounted``, ``not_ready``, ``context_unavailable``,
 ``internal_error``, ``unauthorized`` (401 with ``WWW-Authenticate: Bearer``, RFC 6750: a
-mutation on TCP without the right token), ``mutations_disabled`` (403: a mutation on TCP when
-no admin token is set), ``bad_request`` (400: malformed HTTP), ``headers_too_large`` (431: a
+request on TCP past the open endpoints without the right token), ``admin_token_required``
+(403: such a request on TCP when the sidecar has no admin token), ``bad_request`` (400: malformed HTTP), ``headers_too_large`` (431: a
 request head over 16 KiB), ``body_too_large`` (413: a body over 64 KiB; no endpoint takes one).
 Each failed request
 logs one line on the ``memfuse.admin`` logger: method, path, status and code (never a token,
@@ -245,6 +248,11 @@ class Response:
 
 App = Callable[[Request], Awaitable[Response]]
 
+# The only endpoints a TCP client may call without the admin token: probes and metrics, which
+# carry no memory content, no store path and no token. Everything else needs the token on TCP
+# (or the Unix socket).
+OPEN_ON_TCP: frozenset[tuple[str, ...]] = frozenset({("healthz",), ("readyz",), ("metrics",)})
+
 # (path template, allowed methods); "{store}" is one path segment
 _ROUTES: tuple[tuple[tuple[str, ...], frozenset[str]], ...] = (
     (("healthz",), frozenset({"GET", "HEAD"})),
@@ -283,8 +291,9 @@ def create_admin_app(target: AdminTarget, *, token: str | None = None, local: bo
     segment); see the module docstring for the endpoints. Never raises: an unexpected error is
     a logged 500 problem, an unknown path 404, a wrong method 405 with ``Allow``.
 
-    ``local``: the app serves the Unix socket, so mutations need no token. Otherwise (TCP)
-    mutations need ``Authorization: Bearer <token>``, and are refused when ``token`` is None.
+    ``local``: the app serves the Unix socket, so nothing needs a token. Otherwise (TCP) every
+    endpoint but ``OPEN_ON_TCP`` needs ``Authorization: Bearer <token>`` (401 without it), and
+    is refused (403 ``admin_token_required``) when ``token`` is None.
     Mount and unmount requests run one at a time (``lock``, shared by the apps of one sidecar).
     """
     from ..names import NameError_, check_slug
@@ -366,16 +375,21 @@ def create_admin_app(target: AdminTarget, *, token: str | None = None, local: bo
                            headers={"Retry-After": "5"}, level=logging.INFO)
         return Response(text.encode("utf-8"), media_type="text/markdown; charset=utf-8")
 
+    def refused(request: Request, template: tuple[str, ...]) -> Response | None:
+        """The refusal of a TCP request to a guarded endpoint without the admin token."""
+        if local or template in OPEN_ON_TCP:
+            return None
+        if token is None:
+            return problem(request, 403, "admin_token_required",
+                           "on TCP only /healthz, /readyz and /metrics are open; this endpoint needs "
+                           "the sidecar's --admin-token-file, or the admin Unix socket in the cache "
+                           "directory (memfuse status --admin-socket, memfuse mounts add|remove)")
+        if not token_matches(request.headers.get("authorization"), token):
+            return problem(request, 401, "unauthorized", "a valid admin bearer token is required",
+                           headers={"WWW-Authenticate": 'Bearer realm="memfuse-admin"'})
+        return None
+
     async def mounts(request: Request) -> Response:
-        if not local:
-            if token is None:
-                return problem(request, 403, "mutations_disabled",
-                               "changing mounts over TCP needs the sidecar's --admin-token-file; "
-                               "without one, use the admin Unix socket in the cache directory "
-                               "(memfuse mounts add|remove)")
-            if not token_matches(request.headers.get("authorization"), token):
-                return problem(request, 401, "unauthorized", "a valid admin bearer token is required",
-                               headers={"WWW-Authenticate": 'Bearer realm="memfuse-admin"'})
         return await (mount if request.method == "POST" else unmount)(request)
 
     handlers: dict[tuple[str, ...], Callable[[Request], Awaitable[Response]]] = {
@@ -392,6 +406,9 @@ def create_admin_app(target: AdminTarget, *, token: str | None = None, local: bo
             return problem(request, 405, "method_not_allowed",
                            headers={"Allow": ", ".join(sorted(methods))})
         request.path_params = params
+        no = refused(request, template)
+        if no is not None:
+            return no
         try:
             return await handlers[template](request)
         except Exception as e:  # noqa: BLE001 — the server keeps serving
@@ -764,28 +781,48 @@ def admin_call(method: str, path: str, *, socket_path: Path | None = None, url: 
     return body
 
 
-def fetch_status(admin_url: str, timeout: float = STATUS_TIMEOUT) -> dict:
-    """``GET {admin_url}/v1/status`` (``admin_url`` like ``http://127.0.0.1:9464``; a bare
-    ``HOST:PORT`` gets ``http://``), waiting at most ``timeout`` seconds.
+def fetch_status(admin_url: str | None = None, timeout: float = STATUS_TIMEOUT, *, token: str | None = None,
+                 socket_path: Path | None = None) -> dict:
+    """``GET /v1/status`` of a sidecar: at ``admin_url`` (TCP, like ``http://127.0.0.1:9464``; a
+    bare ``HOST:PORT`` gets ``http://``) with ``token`` as the admin bearer token (on TCP the
+    status needs it), or over its Unix socket ``socket_path`` (no token). Waits at most
+    ``timeout`` seconds.
 
     Raises ``StatusUnavailable`` when nothing answers, the answer is an error, or not a JSON
     object.
     """
     import httpx
 
-    base = admin_url.strip().rstrip("/")
-    if "://" not in base:
-        base = "http://" + base
-    url = base + "/v1/status"
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    dir_fd = None
     try:
-        r = httpx.get(url, timeout=timeout)
-    except httpx.InvalidURL as e:
-        raise StatusUnavailable(f"invalid admin URL {admin_url!r}: {e}") from None
-    except httpx.TimeoutException:
-        raise StatusUnavailable(f"sidecar admin API at {base} did not answer within {timeout:g} s") from None
-    except httpx.HTTPError as e:
-        reason = " ".join(str(e).split()) or type(e).__name__
-        raise StatusUnavailable(f"sidecar admin API not reachable at {base} ({reason})") from None
+        if socket_path is not None:
+            socket_path = Path(socket_path)
+            try:
+                dir_fd = os.open(socket_path.parent, os.O_RDONLY | os.O_DIRECTORY)
+            except OSError as e:
+                raise StatusUnavailable(f"no sidecar admin socket at {socket_path} ({e.strerror})") from None
+            transport, base, where = httpx.HTTPTransport(uds=_short(dir_fd, socket_path.name)), "http://sidecar", \
+                str(socket_path)
+        else:
+            base = (admin_url or "").strip().rstrip("/")
+            if "://" not in base:
+                base = "http://" + base
+            transport, where = None, base
+        url = base + "/v1/status"
+        try:
+            with httpx.Client(transport=transport, timeout=timeout) as client:
+                r = client.get(url, headers=headers)
+        except httpx.InvalidURL as e:
+            raise StatusUnavailable(f"invalid admin URL {admin_url!r}: {e}") from None
+        except httpx.TimeoutException:
+            raise StatusUnavailable(f"sidecar admin API at {where} did not answer within {timeout:g} s") from None
+        except httpx.HTTPError as e:
+            reason = " ".join(str(e).split()) or type(e).__name__
+            raise StatusUnavailable(f"sidecar admin API not reachable at {where} ({reason})") from None
+    finally:
+        if dir_fd is not None:
+            os.close(dir_fd)
     if r.status_code != 200:
         detail = ""
         try:
@@ -794,7 +831,7 @@ def fetch_status(admin_url: str, timeout: float = STATUS_TIMEOUT) -> dict:
                 detail = str(body.get("detail") or body.get("title") or "")
         except ValueError:
             pass
-        raise StatusUnavailable(f"sidecar admin API at {base} answered HTTP {r.status_code}"
+        raise StatusUnavailable(f"sidecar admin API at {where} answered HTTP {r.status_code}"
                                 + (f": {' '.join(detail.split())}" if detail else ""))
     return _status_object(r.text, url)
 
@@ -895,7 +932,26 @@ def format_status(data: dict) -> str:
     access, records, then any other store keys), the outbox (depth, oldest age, committed,
     refused by the control plane, retries, then any other keys), then every other key,
     nested ones indented (labels: ``OUTBOX_LABELS``, ``STATUS_LABELS``, else the key's
-    words). Keys ending in ``_s`` are durations in seconds and print as such."""
+    words). Keys ending in ``_s`` are durations in seconds and print as such; keys ending in
+    ``_bytes`` are byte counts and print in binary units, as ``store list`` and the console do
+    (``67108864`` → ``64 MiB``, ``1536`` → ``1.5 KiB``, ``12`` → ``12 B``)."""
+
+    def human(n: int) -> str:
+        value = float(n)
+        for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+            if abs(value) < 1024 or unit == "TiB":
+                return f"{n} B" if unit == "B" else f"{value:.1f} {unit}".replace(".0 ", " ")
+            value /= 1024
+        return f"{n} B"  # pragma: no cover
+
+    def sizes(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {k: human(x) if str(k).endswith("_bytes") and type(x) is int else sizes(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [sizes(x) for x in v]
+        return v
+
+    data = sizes(data)
     out: list[str] = []
     head = {k: data[k] for k in ("workspace", "ready", "uptime_s") if k in data}
     out += _fields(head, ["workspace", "ready", "uptime_s"], "", ("uptime_s",))

@@ -6,7 +6,8 @@ and "Extended attributes"). Mixed into ``Filesystem``; every method is synchrono
 Permission bits and the explicit mtime of a record are kept by the control plane: on a file
 with unsent writes they ride with its next content commit; on a clean file a change queues
 an ``attrs`` outbox entry (no content upload). Directory modes stay in this sidecar
-(``dirs.json``); uid / gid and atime are local (per mount).
+(``dirs.json``); uid / gid are the mount's (a chown to another owner is ``EPERM``) and atime
+is local (per mount).
 """
 from __future__ import annotations
 
@@ -55,6 +56,19 @@ class AttributeOps:
         if by_path:
             self.commit_quietly(n)  # truncate(2) by path: no close will follow to commit it
 
+    @staticmethod
+    def _check_chown(n: Node, uid: int | None, gid: int | None) -> None:
+        """chown(2): owner and group are the mount's (``--uid`` / ``--gid``), the same for
+        every file and across restarts, so only a chown to the current owner and group (or
+        -1, "leave it") is accepted, as a no-op; any other is ``EPERM``, as a filesystem that
+        cannot store owners answers (``tar x`` then reports "Cannot change ownership",
+        instead of an owner shown until the next restart)."""
+        keep = -1 & 0xFFFFFFFF
+        for what, value, current in (("owner", uid, n.uid), ("group", gid, n.gid)):
+            if value is not None and value != keep and value != current:
+                raise FsError(errno.EPERM, f"the {what} of files on this mount is fixed "
+                                           f"({current}, the mount's --{'uid' if what == 'owner' else 'gid'})")
+
     def _set_attributes(self, n: Node, *, size: int | None, mode: int | None,
                         uid: int | None, gid: int | None, atime_ns: int | None,
                         mtime_ns: int | None, judge: bool = False) -> None:
@@ -66,6 +80,7 @@ class AttributeOps:
         and atime are local (per mount)."""
         if n.special or n is self.root or n is self.control:
             raise FsError(errno.EACCES, "read-only")
+        self._check_chown(n, uid, gid)  # first: a refused chown changes nothing
         if size is not None:
             self.truncate(n, size, judge=judge)
         if (n.store is not None and not n.store.writable
@@ -81,10 +96,6 @@ class AttributeOps:
             if new != n.mode:
                 n.mode = new
                 changed["mode"] = stat.S_IMODE(mode)
-        if uid is not None and uid != -1 & 0xFFFFFFFF:
-            n.uid = uid
-        if gid is not None and gid != -1 & 0xFFFFFFFF:
-            n.gid = gid
         if atime_ns is not None:
             n.atime_ns = atime_ns
         if mtime_ns is not None:

@@ -57,11 +57,12 @@ from .inodes import (CLEAN, DIR_MODE, DIR_MODES_KEY, PENDING, REJECTED, ROOT_INO
 from .namespace import NamespaceOps
 from .committer import Committer
 from .identity import RecordIds
-from .journal import ATTRS, DELETE, MOVE, MOVE_PREFIX, PUT, Barrier, Entry, Journal
+from .journal import ATTRS, DELETE, JOURNAL_WAIT, MOVE, MOVE_PREFIX, PUT, Barrier, Entry, Journal
 from .listeners import FsListener
 from .localfiles import LocalFiles
 from .rejected import RejectedFiles
 from .remote import RemoteApply
+from .writecheck import Refusal, WriteChecker
 
 log = logging.getLogger("memfuse.fs")
 
@@ -401,6 +402,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         self._check_size(n, end)
         old = len(buf)
         self._check_growth(n, max(old, end))
+        self._judge(n, buf, off, data)  # EILSEQ / EPERM / EINVAL: not applied
         if off > len(buf):
             buf.extend(b"\0" * (off - len(buf)))
         buf[off:end] = data
@@ -408,6 +410,42 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         self._touch_content(n)
         h.modified = True
         return len(data)
+
+    def _judge(self, n: Node, buf: bytearray, off: int, data: bytes | None = None,
+               size: int | None = None) -> None:
+        """Refusals at write(2): raise ``FsError`` when writing ``data`` at ``off`` (or, with
+        ``size``, ftruncate to it) would make the content refusable (``writecheck``); the
+        change is then not applied, and the refusal is one ``errors.log`` line (a writer
+        retrying the same write is not logged again)."""
+        if n.local_only or n.store is None:
+            return
+        ch = n.checker
+        if ch is None:
+            trusted = not buf or (n.state == CLEAN and not n.dirty)
+            ch = n.checker = WriteChecker(buf, trusted=trusted,
+                                          type_rule=lambda text: self._type_refusal(n, text))
+        r = ch.check_write(buf, off, data) if size is None else ch.check_truncate(buf, size)
+        if r is None:
+            return
+        if ch.last_refused != (r.reason, off):  # the rest of a split write(2) retried: one line
+            ch.last_refused = (r.reason, off)
+            self.note_error(n.parent, n.name, r.errno, r.reason, r.code)
+        if n.dirty and not n.refused:
+            # as for EFBIG: what this session left behind (a truncation at open, vim's
+            # ftruncate, earlier writes) must not replace the stored record; held back
+            # until the next open for writing, and its close reports the refusal too
+            n.refused, n.state, n.error = r.errno, REJECTED, r.reason
+            n.last_put = None  # an earlier put landing later must not mark it clean
+        raise FsError(r.errno, r.reason, r.code)
+
+    def _type_refusal(self, n: Node, text: str) -> Refusal | None:
+        """The refusal of a file ``n`` whose text starts with ``text`` for its type (the
+        frontmatter's, unless ``user.memfuse.type`` set one; none for ``MEMORY.md``)."""
+        try:
+            content_rules.check_type(content_rules.record_type(n.path(), text, n.type_override, "project"))
+        except ValueError as e:
+            return Refusal("invalid_type", str(e) or "invalid record type")
+        return None
 
     def truncate(self, n: Node, size: int, *, judge: bool = False) -> None:
         """Set the file's size to ``size`` bytes (cut, or zero-filled). Raises ``FsError``:
@@ -434,6 +472,8 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
                 self.refuse(n.parent, n.name, refusal.errno,
                             refusal.reason + "; the truncate was not applied", refusal.code)
         buf = self._make_buf(n)
+        if not judge:  # ftruncate(2) on a descriptor: judged as a write (EILSEQ for NULs)
+            self._judge(n, buf, 0, size=size)
         self._account(n, size - len(buf))
         if size < len(buf):
             del buf[size:]
@@ -467,6 +507,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
                 raise FsError(errno.EACCES, ".memfuse files are read-only")
             self._check_writable_file(n)
             n.refused = 0  # a new write session: its content is judged at commit
+            n.checker = None  # ... and at each write (writecheck), from what it holds now
         if n.special:  # one consistent snapshot per open: json.load may read twice
             h = self._new_handle(n, flags)
             h.snapshot = self.controls.opened(n.special)
@@ -480,8 +521,9 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         return self._new_handle(n, flags)
 
     def create(self, parent_ino: int, name: bytes, mode: int, flags: int, uid: int, gid: int) -> Handle:
-        """create(2) of ``name`` in directory ``parent_ino`` with permission bits ``mode`` and
-        owner ``uid`` / ``gid``; returns the open ``Handle`` (the new file counts one kernel
+        """create(2) of ``name`` in directory ``parent_ino`` with permission bits ``mode``
+        (``uid`` / ``gid``, the caller's, are not used: every file belongs to the mount's
+        ``--uid`` / ``--gid``); returns the open ``Handle`` (the new file counts one kernel
         lookup). Raises ``FsError``: ``EEXIST``, ``ENOTDIR``, ``EACCES`` (mount root), ``EROFS``,
         ``EINVAL`` / ``ENAMETOOLONG`` (name rules), ``ENOSPC`` (the store's record limit)."""
         d = self.node(parent_ino)
@@ -499,7 +541,9 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             self.refuse(d, s, errno_of("store_full"),
                         f"store {sm.slug} holds {sm.max_records} local-only files, its limit",
                         "store_full")
-        n = self._new_node(s, d, False, sm, stat.S_IMODE(mode) & MODE_MASK, time.time_ns(), uid, gid)
+        # owned by the mount's --uid / --gid, not the caller's: the owner a file shows must
+        # not change at the next restart (nothing stores it); chown to another is EPERM
+        n = self._new_node(s, d, False, sm, stat.S_IMODE(mode) & MODE_MASK, time.time_ns())
         n.local_only = local
         n.key = "n:" + uuid.uuid4().hex
         self.by_key[n.key] = n
@@ -531,6 +575,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         if not n.dirty or n.is_dir or n.special:
             return None
         n.dirty = False
+        n.checker = None  # the whole content is judged here; a later write starts afresh
         if n.unlinked:
             return None
         if n.local_only:  # never sent: kept in the journal (LocalFiles), on disk at the barrier
@@ -546,6 +591,8 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         # tries the blob cache again
         self._hold_content(n, data, sha256_hex(data), "the file's content")
         if n.refused:
+            # an earlier put still in flight must not mark the file clean when it lands
+            n.state, n.last_put = REJECTED, None
             self._mark_rejected(n, n.refused, "")
             self.sync_rejected()
             raise FsError(n.refused, n.error)
@@ -575,10 +622,11 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         except FsError:
             pass
 
-    def _precheck(self, n: Node, data: bytes) -> FsError | None:
+    def _precheck(self, n: Node, data: bytes, path: str | None = None) -> FsError | None:
         """Refusals the sidecar can decide alone, so they fail at close even offline:
         not UTF-8 or a NUL character (``EILSEQ``), a secret (``EPERM``), a bad frontmatter
-        type (``EINVAL``). Sizes and names are checked at write / create already."""
+        type (``EINVAL``) of file ``n`` holding ``data`` at ``path`` (default: its own).
+        Sizes and names are checked at write / create already."""
         try:
             data.decode("utf-8")
         except UnicodeDecodeError as e:
@@ -593,15 +641,34 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             return FsError.of("secret_detected", f"content looks like it holds a secret ({kind}); "
                                                  "memory must not store credentials")
         try:
-            t = content_rules.record_type(n.path(), text, n.type_override, "project")
+            t = content_rules.record_type(path or n.path(), text, n.type_override, "project")
             if t is not None:
                 content_rules.check_type(t)
         except ValueError as e:
             return FsError.of("invalid_type", str(e) or "invalid record type")
         return None
 
+    def judge_rename(self, n: Node, new_path: str) -> None:
+        """A rename(2) that would make file ``n``'s content refusable fails with the
+        refusal's errno (and an ``errors.log`` line), nothing renamed: a local-only file
+        (never judged: ``f~``, a swap file) renamed onto a record's name, or a file whose
+        type rule changes with its path (the root ``MEMORY.md`` has no type). Content
+        refusable already at its old path is left to close, as before."""
+        if n.store is None or self.is_local_only(new_path.rsplit("/", 1)[-1]):
+            return
+        if not n.local_only and content_rules.is_index(n.path()) == content_rules.is_index(new_path):
+            return  # same rules at both paths: judged at its writes and close already
+        data = self._content(n)
+        refusal = self._precheck(n, data, new_path)
+        if refusal is None or (not n.local_only and self._precheck(n, data) is not None):
+            return
+        self.refuse(n.parent, n.name, refusal.errno,
+                    refusal.reason + "; the rename was not applied", refusal.code)
+
     async def flush(self, h: Handle) -> None:
-        """close(2): commit a dirty file; wait up to ``commit_wait`` s for the control plane,
+        """close(2): commit a dirty file; wait until it is accepted (on disk in the outbox
+        journal, at most ``journal.JOURNAL_WAIT`` s), then up to ``commit_wait`` s from the
+        start of the close for the control plane (0: not at all),
         unless the outbox knows it is unreachable (``Committer.failing``: its last attempt
         failed with a connection error, timeout, 5xx or 429 and none was answered since):
         then return as soon as the write is accepted, or as soon as the outbox learns it
@@ -629,8 +696,11 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             e = n.last_put if n.state == PENDING and not (n.local_only or n.unlinked) else None
             if e is None:
                 return
+        # the local journal has its own bound (JOURNAL_WAIT): a close never fails for a
+        # write the journal accepts, whatever --commit-wait is; --commit-wait bounds only the
+        # wait for the control plane (0: do not wait for it), counted from the close
         deadline = trio.current_time() + self.settings.commit_wait
-        await self._wait_accepted(n, e, self.settings.commit_wait)
+        await self._wait_accepted(n, e, JOURNAL_WAIT)
         c = self.committer
         with trio.move_on_at(deadline):
             # e.changed is set when e finishes and, for every queued entry, when the outbox
@@ -755,6 +825,8 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         elif e.op == MOVE and n is not None and e.record is not None:
             self._bind_rid(n, e.record.id)
             n.version = e.record.version
+            if n.xmtime is None and not n.dirty:
+                n.xmtime = e.record.mtime_ns  # the control plane keeps the mtime across a move
         elif e.op in (DELETE, MOVE) and e.errno:
             self.note_error(None, e.args.get("path", ""), e.errno, e.reason, e.code, e.store)
 

@@ -110,7 +110,11 @@ class MemfuseOps(pyfuse3.Operations):
         volatile = bool(n.special) or n is self.fs.control
         a.entry_timeout = 0 if volatile else CACHE_TIMEOUT
         a.attr_timeout = 0 if volatile else CACHE_TIMEOUT
-        a.st_mode = n.mode
+        sm = n.store
+        # a read-only store shows no write bits (ls -l, test -w, stat): the kernel then
+        # refuses writes by other users itself (default_permissions: EACCES); root's reach
+        # the handlers, which answer EROFS
+        a.st_mode = n.mode if sm is None or sm.writable else n.mode & ~0o222
         a.st_nlink = self.fs.nlink(n)
         a.st_uid = n.uid
         a.st_gid = n.gid

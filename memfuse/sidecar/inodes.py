@@ -177,6 +177,7 @@ class Node:
     special = _rare("special", "")  # .memfuse control files: "status" / "errors"
     type_override = _rare("type_override", None)  # set through user.memfuse.type, sent with the next put
     refused = _rare("refused", 0)  # errno of a write refused in the current write session (held back)
+    checker = _rare("checker", None)  # writecheck.WriteChecker of the current write session
     # File attributes (records): ``mode`` holds the permission bits shown and sent; ``xmtime``
     # is the explicit mtime (utimensat) the record keeps, None when it follows the last write
     # (``updated_ns``); ``attrs_version``: the version our last attribute change made, when

@@ -45,6 +45,13 @@ from .cachedir import CacheError, cache_errno, cache_error, private_file
 
 log = logging.getLogger("memfuse.outbox")
 
+#: Seconds a ``close(2)`` waits for its entry to be on disk in this journal (its own bound,
+#: independent of ``--commit-wait``, which bounds only the wait for the control plane). A
+#: healthy disk writes a batch in milliseconds; a disk that refuses the write answers at once
+#: with its errno (``ENOSPC``, ``EIO``); only a disk stalled this long makes close fail with
+#: ``EIO``. Long enough that a loaded machine's fsync never trips it (ext4 commits every 5 s).
+JOURNAL_WAIT = 30.0
+
 #: the ops of an ``Entry``
 PUT, DELETE, MOVE, MOVE_PREFIX, ATTRS = "put", "delete", "move", "move_prefix", "attrs"
 

@@ -1,4 +1,4 @@
-"""Logging of the sidecar and the CLI: one JSON object a line on stderr.
+"""Logging of the sidecar, ``memfuse serve`` and the CLI: one JSON object a line on stderr.
 
 ``setup_logging(debug, fmt)`` installs the handler on the root logger; ``JsonFormatter``
 writes ``time`` (UTC, ms), ``level``, ``logger``, ``msg`` and every ``extra={...}`` field of
@@ -6,13 +6,23 @@ the record (non-scalar values as ``str``), plus ``exc`` with a traceback; ``Text
 (``memfuse dev``'s default) writes the same fields on one line as ``key=value`` after the
 message, so a console line names what the JSON line names. Callers never put
 tokens or memory content in ``extra`` (project rule: logs say what failed and what was done).
+
+Repeated failures are rate-limited (``RepeatFilter``, installed by ``setup_logging``): a
+warning or error whose logger, level, message template and exception type were logged in the
+last ``REPEAT_WINDOW_SECONDS`` is dropped and counted; the next one of that kind that is
+written carries ``repeated`` (how many were dropped since the last line of the kind). A
+database outage of 20 s in which every request fails then writes a few lines, not thousands.
 """
 from __future__ import annotations
 
 import json
 import logging
 import sys
+import threading
 import time
+
+REPEAT_WINDOW_SECONDS = 10.0  # one line per kind of warning or error per this long
+REPEAT_KEYS_MAX = 1024  # kinds remembered; the table is emptied when full
 
 
 class JsonFormatter(logging.Formatter):
@@ -66,11 +76,47 @@ class TextFormatter(logging.Formatter):
         return line
 
 
+class RepeatFilter(logging.Filter):
+    """A handler filter that rate-limits repeated warnings and errors: one line per kind
+    (logger, level, message template, exception type) per ``window`` seconds; the ones in
+    between are dropped and counted, and the next line of that kind gets the count as its
+    ``repeated`` field. INFO and DEBUG lines always pass. Thread-safe (the control plane logs
+    from worker threads)."""
+
+    def __init__(self, window: float = REPEAT_WINDOW_SECONDS, clock=time.monotonic) -> None:
+        super().__init__()
+        self.window = window
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._seen: dict[tuple, list] = {}  # kind → [monotonic time of the last line, dropped since]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """True to write ``record`` (then maybe with ``record.repeated``), False to drop it."""
+        if record.levelno < logging.WARNING:
+            return True
+        exc = record.exc_info[0].__name__ if record.exc_info and record.exc_info[0] else None
+        key = (record.name, record.levelno, str(record.msg), exc)
+        now = self.clock()
+        with self._lock:
+            hit = self._seen.get(key)
+            if hit is not None and now - hit[0] < self.window:
+                hit[1] += 1
+                return False
+            if len(self._seen) >= REPEAT_KEYS_MAX:
+                self._seen.clear()
+            self._seen[key] = [now, 0]
+        if hit is not None and hit[1]:
+            record.repeated = hit[1]
+        return True
+
+
 def setup_logging(debug: bool = False, fmt: str = "json") -> None:
     """Log to stderr at INFO (DEBUG when ``debug``), as JSON lines (``fmt="json"``) or text
-    lines with ``key=value`` fields (any other ``fmt``); httpx, httpcore, hypercorn and pyfuse3 only from WARNING."""
+    lines with ``key=value`` fields (any other ``fmt``), repeated warnings and errors
+    rate-limited (``RepeatFilter``); httpx, httpcore, hypercorn and pyfuse3 only from WARNING."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    handler.addFilter(RepeatFilter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.DEBUG if debug else logging.INFO)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.platform_collector import PlatformCollector
 
 _LAT_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
                 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -19,6 +21,11 @@ class Metrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        # process_* (CPU seconds, resident memory, open descriptors, start time), python_gc_*,
+        # python_info: prometheus-client's standard process collectors, on this registry
+        ProcessCollector(registry=r)
+        GCCollector(registry=r)
+        PlatformCollector(registry=r)
         self.fuse_ops = Counter("memfuse_fuse_ops", "FUSE operations handled", ["op"], registry=r)
         self.fuse_errors = Counter("memfuse_fuse_errors", "FUSE operations answered with an errno",
                                    ["op", "errno"], registry=r)

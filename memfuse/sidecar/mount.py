@@ -20,7 +20,6 @@ import shutil
 import signal
 import subprocess
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -293,11 +292,13 @@ class Sidecar(StoreSync):
             else:
                 self.metrics.auth_failures.inc()
         client.auth_listener = auth
-        # A per-process instance id: the change feed skips exactly the versions this process
-        # wrote (they are already applied here, or superseded by later local changes), and
-        # history tells sidecar restarts apart.
-        base = re.sub(r"[^A-Za-z0-9._-]", "-", client.instance or "sidecar")[:64]
-        self.instance = f"{base}.{os.getpid()}.{uuid.uuid4().hex[:6]}"
+        # The actor name (``--actor``: a pod name, USER@HOST...), stable across restarts so
+        # history names the agent or pod a person recognises. The live change feed skips
+        # exactly this actor's versions (applied here already, or superseded by later local
+        # changes): two sidecars of one workspace running at once must not share it (the
+        # defaults differ, docs/CLI.md). A restart is safe: the catch-up at start skips
+        # nothing, so versions an earlier process wrote after its last saved cursor arrive.
+        self.instance = re.sub(r"[^A-Za-z0-9._@:+-]", "-", client.instance or "sidecar")[:100]
         client.set_instance(self.instance)
         self.actor = f"ws:{config.workspace}/{self.instance}"
         # the control plane leaves our own versions out of the feed (no wake-up per own
@@ -417,6 +418,7 @@ class Sidecar(StoreSync):
                 s["last_remote_change_age_s"] = (round(time.time() - state.last_change_at, 3)
                                                  if state.last_change_at else None)
         st["mountpoint"] = str(self.config.mountpoint)
+        st["actor"] = self.actor  # what history and the API show as updated_by
         st["admin"] = self.admin_address
         st["admin_socket"] = self.admin_socket
         st["invalidations"] = {"done": self.invalidator.done, "failed": self.invalidator.failed}

@@ -46,7 +46,7 @@ class NamespaceOps:
         s = self._check_name(d, name)
         if s in d.children:
             raise FsError(errno.EEXIST)
-        n = self._new_node(s, d, True, sm, stat.S_IMODE(mode), time.time_ns(), uid, gid)
+        n = self._new_node(s, d, True, sm, stat.S_IMODE(mode), time.time_ns())  # the mount's uid / gid
         try:
             self.save_dirs()
         except CacheError as err:
@@ -130,6 +130,8 @@ class NamespaceOps:
 
         old_path = src.path()
         new_path = (nd.path() + "/" + s) if nd.path() else s
+        if not src.is_dir:
+            self.judge_rename(src, new_path)  # content refusable under the new name: not renamed
         commit_after = False
         if src.is_dir:
             self._check_subtree_paths(nd, src, new_path)

@@ -126,6 +126,139 @@ def unified_diff(a: str, b: str, a_label: str, b_label: str, context: int = 3) -
     return out
 
 
+@dataclass(frozen=True)
+class Segment:
+    """A run of a line's text; ``changed`` marks words that differ from the paired line on
+    the other side (shown highlighted)."""
+
+    text: str
+    changed: bool = False
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of a diff as shown: ``kind`` is ``ctx``, ``del`` or ``add``; ``old`` / ``new``
+    the 1-based line numbers in the old / new version (None on the side the line is not in);
+    ``segments`` the text, with changed words marked."""
+
+    kind: str
+    old: int | None
+    new: int | None
+    segments: tuple[Segment, ...]
+
+
+@dataclass(frozen=True)
+class Hunk:
+    """A run of changes with its context: ``header`` (``@@ -a,n +b,m @@``), ``unified`` (rows
+    in unified order: removed lines before added ones), ``split`` (pairs ``(left, right)`` for
+    the side-by-side view; either may be None where one side has no line)."""
+
+    header: str
+    unified: tuple[Row, ...]
+    split: tuple[tuple[Row | None, Row | None], ...]
+
+
+@dataclass(frozen=True)
+class LineDiff:
+    """A diff for display: ``hunks`` (empty when the texts are equal) and ``note`` (set when
+    the texts differ only in line endings or a final newline, which no line shows)."""
+
+    hunks: tuple[Hunk, ...]
+    note: str | None = None
+
+
+_TOKEN = re.compile(r"\w+|\s+|[^\w\s]")
+MAX_WORD_DIFF_CHARS = 4000  # per line; longer changed lines are shown without word marks
+MIN_WORD_SIMILARITY = 0.3  # below it two paired lines are unrelated: marking every word is noise
+
+
+def _segments(tokens: list[str], spans: list[tuple[int, int, bool]]) -> tuple[Segment, ...]:
+    out: list[Segment] = []
+    for lo, hi, changed in spans:
+        text = "".join(tokens[lo:hi])
+        if not text:
+            continue
+        if out and out[-1].changed == changed:
+            out[-1] = Segment(out[-1].text + text, changed)
+        else:
+            out.append(Segment(text, changed))
+    return tuple(out)
+
+
+def word_diff(old: str, new: str) -> tuple[tuple[Segment, ...], tuple[Segment, ...]]:
+    """The words of ``old`` and ``new`` (two paired changed lines) with the ones that differ
+    marked, as GitHub does: ``difflib.SequenceMatcher`` over word / space / punctuation
+    tokens. Lines that are too long or too different come back unmarked (one segment each)."""
+    plain = (Segment(old),) if old else (), (Segment(new),) if new else ()
+    if len(old) > MAX_WORD_DIFF_CHARS or len(new) > MAX_WORD_DIFF_CHARS:
+        return plain
+    a, b = _TOKEN.findall(old), _TOKEN.findall(new)
+    sm = difflib.SequenceMatcher(None, a, b, autojunk=False)
+    if sm.ratio() < MIN_WORD_SIMILARITY:
+        return plain
+    left: list[tuple[int, int, bool]] = []
+    right: list[tuple[int, int, bool]] = []
+    for tag, i1, i2, j1, j2 in sm.get_opcodes():
+        left.append((i1, i2, tag != "equal"))
+        right.append((j1, j2, tag != "equal"))
+    return _segments(a, left), _segments(b, right)
+
+
+def line_diff(a: str, b: str, context: int = 3) -> LineDiff | None:
+    """The diff of ``a`` → ``b`` for the console's unified and side-by-side views: hunks of
+    changed lines with ``context`` lines around them, line numbers on both sides, and within
+    each replaced line paired with its counterpart the changed words marked (:func:`word_diff`).
+    None when either side has more than ``MAX_DIFF_LINES`` lines (difflib is quadratic)."""
+    al, bl = a.splitlines(), b.splitlines()
+    if len(al) > MAX_DIFF_LINES or len(bl) > MAX_DIFF_LINES:
+        return None
+    sm = difflib.SequenceMatcher(None, al, bl, autojunk=False)
+    hunks: list[Hunk] = []
+    for group in sm.get_grouped_opcodes(context):
+        i0, i9, j0, j9 = group[0][1], group[-1][2], group[0][3], group[-1][4]
+        header = f"@@ -{i0 + 1 if i9 > i0 else i0},{i9 - i0} +{j0 + 1 if j9 > j0 else j0},{j9 - j0} @@"
+        unified: list[Row] = []
+        split: list[tuple[Row | None, Row | None]] = []
+        for tag, i1, i2, j1, j2 in group:
+            if tag == "equal":
+                for k in range(i2 - i1):
+                    row = Row("ctx", i1 + k + 1, j1 + k + 1, (Segment(al[i1 + k]),) if al[i1 + k] else ())
+                    unified.append(row)
+                    split.append((row, row))
+                continue
+            dels: list[Row] = []
+            adds: list[Row] = []
+            olds, news = al[i1:i2], bl[j1:j2]
+            for k in range(max(len(olds), len(news))):
+                o = olds[k] if k < len(olds) else None
+                n = news[k] if k < len(news) else None
+                if o is not None and n is not None:
+                    os_, ns_ = word_diff(o, n)
+                else:
+                    os_ = (Segment(o),) if o else ()
+                    ns_ = (Segment(n),) if n else ()
+                left = Row("del", i1 + k + 1, None, os_) if o is not None else None
+                right = Row("add", None, j1 + k + 1, ns_) if n is not None else None
+                if left:
+                    dels.append(left)
+                if right:
+                    adds.append(right)
+                split.append((left, right))
+            unified.extend(dels)
+            unified.extend(adds)
+        hunks.append(Hunk(header, tuple(unified), tuple(split)))
+    note = None
+    if a != b and not hunks:
+        note = "The versions differ only in line endings or a final newline."
+    return LineDiff(tuple(hunks), note)
+
+
+def path_breaks(path: str) -> Markup:
+    """A record path as HTML with a line-break opportunity (``<wbr>``) after each ``/``, so a
+    narrow screen wraps it between directories, never inside a name; each part is escaped."""
+    return Markup("/<wbr>").join(path.split("/"))
+
+
 def human_bytes(n: int | None) -> str:
     """``1536`` → ``"1.5 KiB"``, ``1048576`` → ``"1 MiB"`` (binary units, as ``ls -h``)."""
     if n is None:

@@ -1,22 +1,33 @@
-"""Who is using the console: sessions, CSRF tokens, one-time login links, security headers.
+"""Who is using the console: session cookies, CSRF tokens, one-time login links, security headers.
 
 A person logs in with a token (admin or workspace), the same tokens the API takes. The
-session cookie ``memfuse_session`` holds that token: ``HttpOnly`` (no script can read it),
-``SameSite=Strict`` (no other site's page can send it), ``Path=/ui``, ``Secure`` when the
-request came over HTTPS, no expiry (it ends with the browser session or at log-out). Holding
-the token rather than a server-side session id means a session works on every replica and
-after a restart, and revoking the token ends every console session made with it. Every
-request is authenticated again (``Service.authenticate``), exactly as an API call.
+browser never holds that token: login makes a server-side session (``Service.create_session``,
+memfuse/server/sessions.py: a random id stored hashed, bound to the token, ending after
+12 hours, at log-out, or with the token's revocation or expiry) and the cookie holds only the
+session id. The cookie is ``HttpOnly`` (no script can read it), ``SameSite=Strict`` (no other
+site's page can send it), with a ``Max-Age`` up to the session's end, and
 
-Every form carries a CSRF token; for a cookie session it is ``HMAC-SHA256(token,
+- over TLS (``https``, or ``X-Forwarded-Proto: https`` from a trusted proxy:
+  memfuse/server/proxies.py): ``Secure`` and named ``__Host-memfuse_session`` (RFC 6265bis
+  §4.1.3.2: a browser keeps a ``__Host-`` cookie only when it is ``Secure``, has no ``Domain``
+  and ``Path=/``, so no sibling sub-domain and no plain-HTTP page can set or shadow it);
+- over plain HTTP (loopback, ``memfuse dev``): ``memfuse_session`` with ``Path=/ui/``, so the
+  browser sends it to the console's pages only, not to other paths of the host.
+
+A cookie cannot be scoped to a port (RFC 6265 §8.5): a browser sends it to every server on the
+same host name whose path matches. That is why it holds a session id rather than the token:
+what another server on the host could see opens the console only, never the API, and ends
+with the session.
+
+Every form carries a CSRF token; for a cookie session it is ``HMAC-SHA256(session id,
 "memfuse-console-csrf")`` (derived from a secret only the session holds, so another site
-cannot know it; OWASP "synchronizer token" pattern without server state). The login form,
+cannot know it; OWASP "synchronizer token" pattern without more server state). The login form,
 before any session, uses the double-submit pattern: a random value in a ``SameSite=Strict``
 cookie and the same value in the form. A request with ``Authorization: Bearer`` (scripts,
 tests) needs no CSRF token: another site's page cannot set that header.
 
 One-time login links (``/ui/login/<code>``, printed by ``memfuse dev``) map a random code to
-a token in this process's memory; the first use consumes the code.
+a token in this process's memory; the first use consumes the code and makes a session.
 """
 from __future__ import annotations
 
@@ -29,8 +40,10 @@ from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-SESSION_COOKIE = "memfuse_session"
+SESSION_COOKIE = "memfuse_session"  # over plain HTTP, Path=/ui/
+SECURE_SESSION_COOKIE = "__Host-" + SESSION_COOKIE  # over TLS: Secure, Path=/
 LOGIN_COOKIE = "memfuse_login"
+SECURE_LOGIN_COOKIE = "__Host-" + LOGIN_COOKIE
 CSRF_FIELD = "csrf"
 LOGIN_CODE_SECONDS = 24 * 3600  # a one-time login link expires after this long, unused
 
@@ -47,9 +60,22 @@ _SECURITY_HEADERS = [
 ]
 
 
-def csrf_token(token: str) -> str:
-    """The CSRF token of a session holding ``token`` (hex HMAC-SHA256)."""
-    return hmac.new(token.encode("utf-8", "surrogatepass"), b"memfuse-console-csrf", hashlib.sha256).hexdigest()
+def csrf_token(secret: str) -> str:
+    """The CSRF token of a session whose secret (session id, or the bearer token of a request
+    without cookie) is ``secret`` (hex HMAC-SHA256)."""
+    return hmac.new(secret.encode("utf-8", "surrogatepass"), b"memfuse-console-csrf", hashlib.sha256).hexdigest()
+
+
+def cookie_names(secure: bool) -> tuple[str, str]:
+    """(session cookie, login cookie) names for a request over TLS (``secure``) or not."""
+    return (SECURE_SESSION_COOKIE, SECURE_LOGIN_COOKIE) if secure else (SESSION_COOKIE, LOGIN_COOKIE)
+
+
+def cookie_args(secure: bool, base: str) -> dict:
+    """``set_cookie`` arguments of the console's cookies (see the module docstring):
+    ``__Host-`` rules over TLS, ``Path=<base>/`` otherwise."""
+    return {"path": "/" if secure else (base.rstrip("/") + "/"), "httponly": True, "samesite": "strict",
+            "secure": secure}
 
 
 def same(a: str | None, b: str | None) -> bool:
@@ -84,22 +110,31 @@ class LoginCodes:
 
 @dataclass(frozen=True)
 class Credentials:
-    """The token of a request and how it came: ``via_cookie`` (a browser session, CSRF
-    checked on every POST) or an ``Authorization: Bearer`` header."""
+    """How a request authenticates: an ``Authorization: Bearer`` ``token`` (``via_cookie``
+    False), or a browser ``session`` id from the cookie (``via_cookie`` True; CSRF checked on
+    every POST; ``token`` None: the browser never holds it)."""
 
-    token: str
+    token: str | None
     via_cookie: bool
+    session: str | None = None
+
+    @property
+    def secret(self) -> str:
+        """What the CSRF token is derived from: the session id, else the bearer token."""
+        return self.session or self.token or ""
 
 
-def request_credentials(headers: dict[str, str], cookies: dict[str, str]) -> Credentials | None:
-    """The request's token: ``Authorization: Bearer`` first, else the session cookie."""
+def request_credentials(headers: dict[str, str], cookies: dict[str, str], secure: bool) -> Credentials | None:
+    """The request's credentials: ``Authorization: Bearer`` first, else the session cookie of
+    this kind of request (``secure``: over TLS, the ``__Host-`` one; a plain-HTTP request
+    never uses a cookie set over TLS, and the other way round)."""
     auth = headers.get("authorization", "")
     scheme, _, value = auth.partition(" ")
     if scheme.lower() == "bearer" and value.strip():
         return Credentials(value.strip(), via_cookie=False)
-    token = cookies.get(SESSION_COOKIE)
-    if token:
-        return Credentials(token, via_cookie=True)
+    session = cookies.get(cookie_names(secure)[0])
+    if session:
+        return Credentials(None, via_cookie=True, session=session)
     return None
 
 

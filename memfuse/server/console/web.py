@@ -26,6 +26,7 @@ import logging
 import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any
 from urllib.parse import quote, urlencode
 
@@ -55,11 +56,11 @@ from memfuse.server.console import render
 from memfuse.server.console.forms import FormError, field_text, read_form
 from memfuse.server.console.session import (
     CSRF_FIELD,
-    LOGIN_COOKIE,
-    SESSION_COOKIE,
     Credentials,
     LoginCodes,
     SecurityHeaders,
+    cookie_args,
+    cookie_names,
     csrf_token,
     request_credentials,
     same,
@@ -118,7 +119,7 @@ class Ctx:
 
     @property
     def csrf(self) -> str:
-        return csrf_token(self.creds.token)
+        return csrf_token(self.creds.secret)
 
     def path(self, name: str) -> str:
         return self.request.path_params[name]
@@ -144,6 +145,7 @@ _env = Environment(
 _env.filters["bytes"] = render.human_bytes
 _env.filters["utc"] = render.utc
 _env.filters["iso"] = render.iso
+_env.filters["wbr"] = render.path_breaks
 
 
 def _sidebar(ctx: Ctx) -> list[dict[str, Any]]:
@@ -204,18 +206,25 @@ def _safe_next(base: str, target: str | None) -> str:
     return base + "/"
 
 
+def _secure(request: Request) -> bool:
+    """The request came over TLS (directly, or as a trusted proxy says: the scheme is set by
+    ``memfuse.server.proxies.TrustedProxyScheme``)."""
+    return request.url.scheme == "https"
+
+
 async def _authenticate(svc: Service, request: Request) -> tuple[Principal, Credentials]:
-    creds = request_credentials(dict(request.headers), request.cookies)
+    creds = request_credentials(dict(request.headers), request.cookies, _secure(request))
     if creds is None:
         raise _LoginNeeded()
-    try:
-        p = svc.authenticate_cached(creds.token, INSTANCE)
-        if p is None:
-            p = await anyio.to_thread.run_sync(svc.authenticate, creds.token, INSTANCE)
-    except ServiceError:
-        if creds.via_cookie:
-            raise _LoginNeeded("Your session's token is no longer valid; log in again.") from None
-        raise
+    if creds.via_cookie:
+        try:
+            p = await anyio.to_thread.run_sync(svc.session_principal, creds.session, INSTANCE)
+        except ServiceError:
+            raise _LoginNeeded("Your session ended; log in again.") from None
+        return p, creds
+    p = svc.authenticate_cached(creds.token, INSTANCE)
+    if p is None:
+        p = await anyio.to_thread.run_sync(svc.authenticate, creds.token, INSTANCE)
     return p, creds
 
 
@@ -248,7 +257,7 @@ def view(svc: Service, fn: Callable[[Ctx], Response], *, post: bool = False) -> 
             target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
             resp = _redirect(f"{base}/login?" + urlencode({"next": target}))
             if need.reason:
-                resp.delete_cookie(SESSION_COOKIE, path=base or "/")
+                _forget_session(request, resp)
             return resp
         except ServiceError as err:
             return _bare(request, "error.html", status=err.status, title=_TITLES.get(err.status, "Error"),
@@ -285,12 +294,25 @@ def view(svc: Service, fn: Callable[[Ctx], Response], *, post: bool = False) -> 
 
 
 def _cookie_args(request: Request) -> dict[str, Any]:
-    return {
-        "path": request.scope.get("root_path", "") or "/",
-        "httponly": True,
-        "samesite": "strict",
-        "secure": request.url.scheme == "https",
-    }
+    return cookie_args(_secure(request), request.scope.get("root_path", ""))
+
+
+def _forget_session(request: Request, resp: Response) -> None:
+    """Make the browser drop the session cookie of this kind of request."""
+    args = _cookie_args(request)
+    resp.delete_cookie(cookie_names(_secure(request))[0], path=args["path"], secure=args["secure"],
+                       httponly=True, samesite="strict")
+
+
+async def _start_session(svc: Service, request: Request, token: str, target: str) -> Response:
+    """Log in with ``token``: a new session (``Service.create_session``), its cookie, and a
+    redirect to ``target``. Raises ``ServiceError`` 401 when the token is not valid."""
+    session, p, ends = await anyio.to_thread.run_sync(svc.create_session, token, INSTANCE)
+    log.info("console: login (%s)", "admin" if p.is_admin else f"workspace {p.workspace}")
+    resp = _redirect(target)
+    max_age = max(1, int((ends - datetime.now(timezone.utc)).total_seconds()))
+    resp.set_cookie(cookie_names(_secure(request))[0], session, max_age=max_age, **_cookie_args(request))
+    return resp
 
 
 def login_page(svc: Service) -> Callable[[Request], Awaitable[Response]]:
@@ -298,8 +320,9 @@ def login_page(svc: Service) -> Callable[[Request], Awaitable[Response]]:
 
     async def endpoint(request: Request) -> Response:
         base = request.scope.get("root_path", "")
+        login_cookie = cookie_names(_secure(request))[1]
         nxt = _safe_next(base, request.query_params.get("next"))
-        nonce = request.cookies.get(LOGIN_COOKIE) or secrets.token_urlsafe(24)
+        nonce = request.cookies.get(login_cookie) or secrets.token_urlsafe(24)
         error = ""
         status = 200
         if request.method == "POST":
@@ -309,27 +332,26 @@ def login_page(svc: Service) -> Callable[[Request], Awaitable[Response]]:
                 return _bare(request, "error.html", status=err.status, title="Bad request", detail=err.detail)
             nxt = _safe_next(base, form.get("next"))
             token = form.get("token", "").strip()
-            if not same(form.get(CSRF_FIELD), request.cookies.get(LOGIN_COOKIE)):
+            if not same(form.get(CSRF_FIELD), request.cookies.get(login_cookie)):
                 error, status = "The login form expired: try again.", 403
             elif not token:
                 error, status = "Paste a token.", 401
             else:
                 try:
-                    p = svc.authenticate_cached(token, INSTANCE)
-                    if p is None:
-                        p = await anyio.to_thread.run_sync(svc.authenticate, token, INSTANCE)
-                except ServiceError:
+                    resp = await _start_session(svc, request, token, nxt)
+                except ServiceError as err:
+                    if err.status != 401:
+                        raise
                     error, status = "That token is not valid here.", 401
                 else:
-                    log.info("console: login (%s)", "admin" if p.is_admin else f"workspace {p.workspace}")
-                    resp = _redirect(nxt)
-                    resp.set_cookie(SESSION_COOKIE, token, **_cookie_args(request))
-                    resp.delete_cookie(LOGIN_COOKIE, path=base or "/")
+                    args = _cookie_args(request)
+                    resp.delete_cookie(login_cookie, path=args["path"], secure=args["secure"],
+                                       httponly=True, samesite="strict")
                     return resp
         resp = _bare(request, "login.html", status=status, next=nxt, nonce=nonce, error=error,
                      csrf_field=CSRF_FIELD, message=_MESSAGES.get(request.query_params.get("msg", "")),
                      notice=request.query_params.get("notice") == "expired")
-        resp.set_cookie(LOGIN_COOKIE, nonce, **_cookie_args(request))
+        resp.set_cookie(login_cookie, nonce, **_cookie_args(request))
         return resp
 
     return endpoint
@@ -343,18 +365,24 @@ def login_code(svc: Service, codes: LoginCodes) -> Callable[[Request], Awaitable
         token = codes.redeem(request.path_params["code"])
         if token is None:
             return _redirect(f"{base}/login?notice=expired")
+        try:
+            resp = await _start_session(svc, request, token, base + "/")
+        except ServiceError:
+            return _redirect(f"{base}/login?notice=expired")
         log.info("console: login with a one-time link")
-        resp = _redirect(base + "/")
-        resp.set_cookie(SESSION_COOKIE, token, **_cookie_args(request))
         return resp
 
     return endpoint
 
 
 def logout(ctx: Ctx) -> Response:
-    """POST ``/logout``: forget the session cookie."""
+    """POST ``/logout``: end the session on the server (its cookie is refused from now on, on
+    every replica) and make the browser forget the cookie."""
+    if ctx.creds.session:
+        ctx.svc.end_session(ctx.creds.session)
+        log.info("console: logout")
     resp = _redirect(ctx.url("login", msg="logged_out"))
-    resp.delete_cookie(SESSION_COOKIE, path=ctx.base or "/")
+    _forget_session(ctx.request, resp)
     return resp
 
 
@@ -543,22 +571,23 @@ def record_page(ctx: Ctx) -> Response:
 
 
 def diff_page(ctx: Ctx) -> Response:
-    """GET ``/stores/{store}/records/{id}/diff?a=N&b=M``: unified diff of two versions."""
+    """GET ``/stores/{store}/records/{id}/diff?a=N&b=M[&view=split]``: the diff of two
+    versions with line numbers and changed words marked, unified (default) or side by side."""
     slug, rid = ctx.path("store"), ctx.path("rid")
     rec, versions = _record_and_versions(ctx, slug, rid)
     try:
         a, b = int(ctx.q("a")), int(ctx.q("b"))
     except ValueError:
         raise ServiceError(400, "validation_error", "choose two versions to compare") from None
+    view = "split" if ctx.q("view") == "split" else "unified"
     va = ctx.svc.get_version(ctx.principal, slug, rid, a)
     vb = ctx.svc.get_version(ctx.principal, slug, rid, b)
-    lines = None
+    d = None
     redacted = [v.version for v in (va, vb) if v.content is None]
     if not redacted:
-        lines = render.unified_diff(va.content or "", vb.content or "", f"{va.path} (version {a})",
-                                    f"{vb.path} (version {b})")
+        d = render.line_diff(va.content or "", vb.content or "")
     return _page(ctx, "diff.html", current_store=slug, rec=rec, versions=list(reversed(versions)), va=va, vb=vb,
-                 lines=lines, redacted=redacted)
+                 d=d, view=view, redacted=redacted)
 
 
 def _type_choice(ctx: Ctx, required: bool) -> tuple[str | None, str | None]:
@@ -760,10 +789,24 @@ def delete(ctx: Ctx) -> Response:
 
 
 def redact(ctx: Ctx) -> Response:
-    """POST ``/stores/{store}/records/{id}/versions/{n}/redact`` (admin)."""
+    """GET/POST ``/stores/{store}/records/{id}/versions/{n}/redact`` (admin): redaction
+    destroys content for good, so it is asked twice. GET (and a POST without
+    ``confirm=redact``) shows what would be lost — the version, its path, time, actor, size and
+    content — with the confirming form (no JavaScript needed); only a POST with
+    ``confirm=redact`` redacts."""
     slug, rid, n = ctx.path("store"), ctx.path("rid"), ctx.path("n")
-    ctx.svc.redact_version(ctx.principal, slug, rid, n)
-    return _redirect(ctx.url("stores", slug, "records", rid, msg="redacted"))
+    svc, p = ctx.svc, ctx.principal
+    if not p.is_admin:
+        raise ServiceError(403, "forbidden", "only an admin token may redact")
+    if ctx.request.method == "POST" and ctx.form.get("confirm") == "redact":
+        svc.redact_version(p, slug, rid, n)
+        return _redirect(ctx.url("stores", slug, "records", rid, msg="redacted"))
+    rec = svc.get_record(p, slug, rid)
+    v = svc.get_version(p, slug, rid, n)
+    if not rec.deleted and rec.version == n:
+        raise ServiceError(409, "current_version",
+                           "the current version of a live record cannot be redacted; write over it first")
+    return _page(ctx, "redact.html", current_store=slug, rec=rec, v=v)
 
 
 # ---------------------------------------------------------------- workspaces
@@ -832,7 +875,7 @@ def context_page(ctx: Ctx) -> Response:
     """GET ``/workspaces/{ws}/context``: exactly the prompt block the workspace's agents get
     (``Service.context``, as ``GET /v1/workspaces/{ws}/context``), omission markers marked."""
     ws = ctx.path("ws")
-    mount_root = ctx.q("mount_root") or "/mnt/memory"
+    mount_root = ctx.q("mount_root") or ctx.svc.mount_root  # memfuse dev: its real mountpoint
     max_bytes = None
     if ctx.q("max_bytes"):
         try:
@@ -939,7 +982,7 @@ def create_console(svc: Service, codes: LoginCodes | None = None) -> Starlette:
         Route("/stores/{store}/records/{rid}/edit", v(edit_page), methods=["GET", "POST"]),
         Route("/stores/{store}/records/{rid}/restore", v(restore), methods=["POST"]),
         Route("/stores/{store}/records/{rid}/delete", v(delete), methods=["POST"]),
-        Route("/stores/{store}/records/{rid}/versions/{n:int}/redact", v(redact), methods=["POST"]),
+        Route("/stores/{store}/records/{rid}/versions/{n:int}/redact", v(redact), methods=["GET", "POST"]),
         Route("/workspaces", v(workspaces_page), methods=["GET", "POST"]),
         Route("/workspaces/{ws}", v(workspace_page)),
         Route("/workspaces/{ws}/attachments", v(attach), methods=["POST"]),

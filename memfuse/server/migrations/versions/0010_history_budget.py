@@ -1,7 +1,7 @@
 """History budget: per-store limits on the past versions' content kept, and its usage.
 
-Revision ID: 0009_history_budget
-Revises: 0008_record_review
+Revision ID: 0010_history_budget
+Revises: 0009_console_sessions
 Create Date: 2026-12-01
 
 Every write keeps the content of each version, so a store's history grew without bound
@@ -26,8 +26,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0009_history_budget"
-down_revision = "0008_record_review"
+revision = "0010_history_budget"
+down_revision = "0009_console_sessions"
 branch_labels = None
 depends_on = None
 

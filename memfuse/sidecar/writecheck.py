@@ -1,0 +1,226 @@
+"""Refusals at write(2): the content checks a close makes, decided at the write that makes
+the content refusable, so a shell sees them (bash ignores close(2)'s result; ``echo … > f``
+can only report what write(2) returns). docs/SEMANTICS.md, "Refusals at write(2)".
+
+Pure: no FUSE, no I/O; ``core.Filesystem`` keeps one :class:`WriteChecker` per file being
+written (``Node.checker``) and asks it before applying each write or ftruncate. A refused
+write is not applied: the file keeps what it held before it.
+
+What a write is refused for, judged on the file's bytes as they would stand after it:
+
+- ``EILSEQ``: it makes the content invalid UTF-8 or puts a NUL in it (a zero-filled hole
+  too). A multi-byte sequence cut at the end of the file waits for the next write; only
+  a byte that cannot continue it is refused.
+- ``EPERM``: it completes a secret (``memfuse.content.find_secret``, on the text as the
+  prompt renders it) in the window of :data:`WINDOW` bytes on each side of the bytes written,
+  which held none before. A secret longer than the window is refused at close.
+- ``EINVAL``: the frontmatter (within its first 64 Ki characters), once closed, names a
+  ``type`` outside the four, where before it did not.
+
+Content that is refusable already (a rejected file being fixed, a cut sequence left
+elsewhere) does not make later writes fail: close judges the whole file, as before.
+
+Cost per write: the bytes written plus a few bytes of context for UTF-8; the window (about
+``2 * WINDOW`` bytes) for secrets; the head of the file (YAML parse) only for a write
+within the first :data:`HEAD_BYTES` of a file that starts with a frontmatter fence. A 1 MiB
+file written in 4 KiB chunks is never rescanned whole.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from memfuse import content as content_rules
+from memfuse.errors import ERRNO_BY_CODE
+
+__all__ = ["Refusal", "WriteChecker", "WINDOW", "HEAD_BYTES"]
+
+#: bytes of context on each side of a write scanned for a secret it completes
+WINDOW = 2048
+#: bytes that may hold a frontmatter: 64 Ki characters of at most 4 bytes, plus the fences
+HEAD_BYTES = 4 * 64 * 1024 + 16
+_FENCES = (b"---", b"\xef\xbb\xbf---")
+_UNKNOWN = object()
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a write is refused: ``code`` (the API's problem code, as at close) and a
+    ``reason`` for ``errors.log`` (never the content); ``errno`` for the syscall comes from
+    the one table (``memfuse.errors.ERRNO_BY_CODE``)."""
+
+    code: str
+    reason: str
+
+    @property
+    def errno(self) -> int:
+        return ERRNO_BY_CODE[self.code]
+
+
+def _is_cont(b: int) -> bool:
+    return b & 0xC0 == 0x80
+
+
+class WriteChecker:
+    """The incremental judge of one file's content during a write session.
+
+    ``content``: the file's bytes when the session starts (the first write after an open
+    for writing; after ``O_TRUNC``, empty). ``trusted``: they are known to be valid UTF-8
+    without NUL (a clean record), so they are not scanned. ``type_rule(text)`` returns the
+    refusal for a file whose text starts with ``text`` (its frontmatter), or None; it is
+    the caller's (path and explicit type decide whether a type applies).
+
+    ``check_write`` / ``check_truncate`` return a :class:`Refusal` (nothing changes) or None
+    (the checker's state now describes the content after the change, which the caller must
+    then apply)."""
+
+    __slots__ = ("ok_upto", "bad", "head_error", "type_rule", "last_refused")
+
+    def __init__(self, content: bytes | bytearray, *, trusted: bool,
+                 type_rule: Callable[[str], Refusal | None]) -> None:
+        self.type_rule = type_rule
+        self.last_refused: tuple | None = None  # the caller's: (reason, offset) last refused
+        #: [0, ok_upto) is valid UTF-8 without NUL ending at a character boundary; the rest
+        #: (at most 3 bytes) is the start of a multi-byte sequence; meaningless when ``bad``
+        self.ok_upto = len(content)
+        #: the content is refusable as UTF-8 already: not judged here, close judges it
+        self.bad = False
+        self.head_error: object = _UNKNOWN  # the frontmatter's refusal before the next write
+        if not trusted:
+            valid, cut = self._scan(bytes(content), tail_ok=True)
+            if valid is None:
+                self.bad = True
+            else:
+                self.ok_upto = valid
+
+    # ------------------------------------------------------------------ UTF-8
+    @staticmethod
+    def _scan(region: bytes, tail_ok: bool) -> tuple[int | None, int]:
+        """``(valid, at)``: ``valid`` the length of ``region``'s valid prefix when the rest is
+        a cut sequence at its end (``tail_ok``) or nothing; None when it holds an invalid
+        byte or a NUL, ``at`` its offset."""
+        try:
+            region.decode("utf-8")
+            valid = len(region)
+        except UnicodeDecodeError as e:
+            if not (tail_ok and e.reason == "unexpected end of data" and e.end == len(region)):
+                return None, e.start
+            valid = e.start
+        nul = region.find(b"\0", 0, valid)
+        if nul >= 0:
+            return None, nul
+        return valid, valid
+
+    def _check_utf8(self, buf: bytes | bytearray, off: int, data: bytes) -> tuple[Refusal | None, int]:
+        """The UTF-8 / NUL verdict of writing ``data`` at ``off`` into ``buf``, and the
+        ``ok_upto`` after it."""
+        if self.bad:
+            return None, self.ok_upto
+        old_len = len(buf)
+        end = off + len(data)
+        start = min(self.ok_upto, off)
+        while start > 0 and start < old_len and _is_cont(buf[start]):
+            start -= 1  # [0, ok_upto) is valid: a character starts within 3 bytes back
+        if end >= self.ok_upto:
+            stop, tail_ok = max(old_len, end), True
+        else:
+            stop, tail_ok = end, False
+            while stop < self.ok_upto and _is_cont(buf[stop]):
+                stop += 1  # up to the next character of the old content
+        if off > old_len:
+            region = bytes(buf[start:old_len]) + b"\0" * (off - old_len) + data
+        else:
+            region = bytes(buf[start:off]) + data
+        if stop > end:
+            region += bytes(buf[end:stop])
+        valid, at = self._scan(region, tail_ok)
+        if valid is None:
+            where = start + at
+            what = ("a NUL character" if region[at:at + 1] == b"\0" else "invalid UTF-8")
+            return Refusal("invalid_content",
+                           f"the write puts {what} in the content (at byte {where}); records are "
+                           "UTF-8 text; the write was not applied"), self.ok_upto
+        return None, (start + valid if tail_ok else self.ok_upto)
+
+    # ------------------------------------------------------------------ secrets
+    @staticmethod
+    def _check_secret(buf: bytes | bytearray, off: int, data: bytes) -> Refusal | None:
+        old_len = len(buf)
+        end = off + len(data)
+        ws = max(0, min(off, old_len) - WINDOW)
+        after = bytes(buf[ws:off]) + b"\0" * max(0, off - old_len) + data + bytes(buf[end:end + WINDOW])
+        found = content_rules.find_secret(after.decode("utf-8", "ignore"))
+        if found is None:
+            return None
+        before = bytes(buf[ws:end + WINDOW])
+        if content_rules.find_secret(before.decode("utf-8", "ignore")) is not None:
+            return None  # held one already: close judges the file
+        kind = found.rsplit(" on line ", 1)[0]
+        return Refusal("secret_detected",
+                       f"the write completes a secret ({kind}); memory must not store "
+                       "credentials; the write was not applied")
+
+    # ------------------------------------------------------------------ frontmatter type
+    def _type_verdict(self, head: bytes) -> Refusal | None:
+        if not head.startswith(_FENCES):
+            return None
+        return self.type_rule(head.decode("utf-8", "ignore"))
+
+    @staticmethod
+    def _after(buf: bytes | bytearray, off: int, data: bytes, upto: int) -> bytes:
+        """Bytes ``[0, upto)`` of ``buf`` as they would stand after writing ``data`` at ``off``."""
+        out = bytes(buf[:min(off, upto)])
+        if off < upto:
+            out += b"\0" * max(0, off - len(buf)) + data[:upto - off]
+            if off + len(data) < upto:
+                out += bytes(buf[off + len(data):upto])
+        return out
+
+    def _check_type(self, buf: bytes | bytearray, off: int, data: bytes) -> tuple[Refusal | None, object]:
+        if off >= HEAD_BYTES:
+            return None, self.head_error
+        if not (bytes(buf[:6]).startswith(_FENCES) or self._after(buf, off, data, 6).startswith(_FENCES)):
+            return None, None  # no frontmatter before or after: no type to judge
+        before = self.head_error
+        if before is _UNKNOWN:
+            before = self._type_verdict(bytes(buf[:HEAD_BYTES]))
+        after = self._type_verdict(self._after(buf, off, data, HEAD_BYTES))
+        if after is not None and before is None:
+            return Refusal(after.code, after.reason + "; the write was not applied"), before
+        return None, after
+
+    # ------------------------------------------------------------------ the checks
+    def check_write(self, buf: bytes | bytearray, off: int, data: bytes) -> Refusal | None:
+        """Judge writing ``data`` at byte ``off`` into the file whose bytes are ``buf`` (not
+        changed here). None: accepted, the state now describes the content after it."""
+        refusal, ok_upto = self._check_utf8(buf, off, data)
+        if refusal is not None:
+            return refusal
+        refusal = self._check_secret(buf, off, data)
+        if refusal is not None:
+            return refusal
+        refusal, head = self._check_type(buf, off, data)
+        if refusal is not None:
+            return refusal
+        self.ok_upto, self.head_error = ok_upto, head
+        return None
+
+    def check_truncate(self, buf: bytes | bytearray, size: int) -> Refusal | None:
+        """Judge ftruncate(2) of the file whose bytes are ``buf`` to ``size`` bytes: an
+        extension adds NUL bytes (``EILSEQ``); a cut may leave a cut sequence at the end,
+        which waits for the next write."""
+        old_len = len(buf)
+        if size > old_len:
+            if not self.bad:
+                return Refusal("invalid_content",
+                               f"extending the file to {size} bytes fills it with NUL characters; "
+                               "records are UTF-8 text; the truncate was not applied")
+            return None
+        if not self.bad and size < self.ok_upto:
+            start = size
+            while start > 0 and _is_cont(buf[start]):
+                start -= 1
+            self.ok_upto = start  # [start, size) is a cut sequence, waiting for a write
+        if size < HEAD_BYTES:
+            self.head_error = _UNKNOWN
+        return None
