@@ -148,11 +148,12 @@ async def test_console_shows_pruned_versions_and_sets_the_budget():
                 await c.get("/ui/login")
                 r = await c.post("/ui/login", data={"token": admin_token, "csrf": c.cookies["memfuse_login"]})
                 assert r.status_code == 303
+                session = c.cookies["memfuse_session"]  # the CSRF token is the session's
                 page = (await c.get("/ui/stores/ws")).text
                 assert 'name="max_history_bytes" value="1073741824"' in page  # 16 x 64 MiB
                 form = {"description": "", "default_type": "project", "max_record_bytes": "1M",
                         "max_store_bytes": "64M", "max_records": "10000", "max_history_bytes": "1K",
-                        "max_history_versions": "2", "history_min_age_s": "0", "csrf": csrf_token(admin_token)}
+                        "max_history_versions": "2", "history_min_age_s": "0", "csrf": csrf_token(session)}
                 r = await c.post("/ui/stores/ws/settings", data=form)
                 assert r.status_code == 303 and r.headers["location"].endswith("msg=settings_saved")
                 st = svc.get_store(p, "ws")
