@@ -85,8 +85,10 @@ def test_accepted_writes_survive_a_lost_journal_or_are_named(tmp_path, how):
             errors = [json.loads(ln) for ln in (sc.mountpoint / ".memfuse" / "errors.log").read_text().splitlines()]
             named = {e["path"] for e in errors if e.get("code") == "journal_lost"}
             assert named == set(want), errors
-            log = sc.log.read_text()
-            assert log.count("an accepted write was lost with the outbox journal") == len(want)
+            lines = [json.loads(ln) for ln in sc.log.read_text().splitlines() if ln.startswith("{")]
+            lost_lines = [x for x in lines if "lost with the outbox journal" in x.get("msg", "")]
+            assert len(lost_lines) == 1 and lost_lines[0]["lost"] == len(want), lost_lines
+            assert all(f"s/{p}" in lost_lines[0]["writes"] for p in want), lost_lines
             return
         wait_until(lambda: _status(sc)["outbox"]["depth"] == 0, timeout=60, what="outbox drained")
         recs = live_records(cp, "s")

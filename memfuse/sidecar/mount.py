@@ -44,6 +44,7 @@ from .invalidator import Invalidator
 from .sync import StoreState
 
 log = logging.getLogger("memfuse.mount")
+LOST_NAMED_MAX = 200  # lost writes named in the start log line (errors.log names every one)
 
 
 M_MMAP_THRESHOLD = -3  # mallopt(3) parameter (glibc's malloc.h)
@@ -350,8 +351,10 @@ class Sidecar(StoreSync):
         lacks is queued again when its content is still in the blob cache (same id and
         idempotency key), and each one that cannot be is named in the log (error), in
         ``errors.log`` and in ``status.json`` (``cache.journal_lost``). Returns (how many were
-        recovered, the witness lines of the lost ones). ``ids`` (the record identity the
-        filesystem and its committer will share) learns the key map the witness saw."""
+        recovered, the witness lines of the lost ones). The log names the lost ones in one
+        line (the first ``LOST_NAMED_MAX``; ``errors.log`` and ``status.json`` name every
+        one). ``ids`` (the record identity the filesystem and its committer will share)
+        learns the key map the witness saw."""
         def content_of(sha: str) -> bytes | None:
             try:
                 return blobs.read(sha) if blobs.has(sha) else None
@@ -368,10 +371,12 @@ class Sidecar(StoreSync):
             log.warning("outbox journal short of accepted writes; recovered them from the "
                         "witness and the blob cache", extra={"recovered": len(back),
                                                             "journal": str(self.journal.path)})
-        for x in gone:
-            log.error("an accepted write was lost with the outbox journal; its content is gone",
-                      extra={"store": x.get("s"), "path": (x.get("a") or {}).get("path"),
-                             "op": x.get("o"), "key": x.get("k")})
+        if gone:
+            # one line naming them all: repeated errors are rate-limited (logs.RepeatFilter)
+            log.error("accepted writes were lost with the outbox journal; their content is gone",
+                      extra={"lost": len(gone),
+                             "writes": [f"{x.get('o')} {x.get('s')}/{(x.get('a') or {}).get('path')}"
+                                        for x in gone[:LOST_NAMED_MAX]]})
         return len(back), gone
 
     # ------------------------------------------------------------------ status
