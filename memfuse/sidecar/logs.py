@@ -78,7 +78,8 @@ class TextFormatter(logging.Formatter):
 
 class RepeatFilter(logging.Filter):
     """A handler filter that rate-limits repeated warnings and errors: one line per kind
-    (logger, level, message template, exception type) per ``window`` seconds; the ones in
+    (logger, level, message template, exception type, and the ``store`` and ``path`` fields
+    when the line has them) per ``window`` seconds; the ones in
     between are dropped and counted, and the next line of that kind gets the count as its
     ``repeated`` field. INFO and DEBUG lines always pass. Thread-safe (the control plane logs
     from worker threads)."""
@@ -95,7 +96,10 @@ class RepeatFilter(logging.Filter):
         if record.levelno < logging.WARNING:
             return True
         exc = record.exc_info[0].__name__ if record.exc_info and record.exc_info[0] else None
-        key = (record.name, record.levelno, str(record.msg), exc)
+        # a line about one file (a refusal names its store and path) is its own kind: an
+        # operator needs every refused path, and errors.log keeps one line per refusal too
+        key = (record.name, record.levelno, str(record.msg), exc,
+               getattr(record, "store", None), getattr(record, "path", None))
         now = self.clock()
         with self._lock:
             hit = self._seen.get(key)
