@@ -216,13 +216,14 @@ async def test_prefix_move(env: Env):
     a = await env.create("a/x.md")
     b = await env.create("a/sub/y.md")
     c = await env.create("ab/z.md")  # not under a/
-    d = await env.create("a")  # a file named like the prefix: not moved
+    d = await env.create("a.md")  # a name that starts like the prefix: not moved (a file named
+    # exactly "a" beside the directory "a/" is refused: 409 path_is_directory)
     r = await env.ws.post("/v1/stores/default/move", json={"from_prefix": "a", "to_prefix": "b/c"})
     assert r.status_code == 200, r.text
     got = {rec["id"]: rec["path"] for rec in r.json()["records"]}
     assert got == {a["id"]: "b/c/x.md", b["id"]: "b/c/sub/y.md"}
     assert await env.live_paths() == {
-        "b/c/x.md": a["id"], "b/c/sub/y.md": b["id"], "ab/z.md": c["id"], "a": d["id"]
+        "b/c/x.md": a["id"], "b/c/sub/y.md": b["id"], "ab/z.md": c["id"], "a.md": d["id"]
     }
     assert (await env.versions(a["id"]))[-1]["operation"] == "moved"
 
