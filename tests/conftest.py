@@ -45,6 +45,19 @@ class _ErrorRecords(logging.Handler):
 
 
 @pytest.fixture
+async def fake():
+    """The in-process fake control plane (``memfuse.fake.FakeControlPlane``, no fault seed),
+    closed after the test. Modules that want a seeded one define their own ``fake``."""
+    from memfuse.fake import FakeControlPlane
+
+    f = FakeControlPlane()
+    try:
+        yield f
+    finally:
+        await f.aclose()
+
+
+@pytest.fixture
 def home(tmp_path, monkeypatch) -> Path:
     """MEMFUSE_HOME in a tmp dir and no other MEMFUSE_* variable in the environment."""
     for k in list(os.environ):

@@ -10,19 +10,9 @@ import pytest
 
 from memfuse.client import ApiClient
 from memfuse.errors import Conflict
-from memfuse.fake import FakeControlPlane
 from memfuse.server import history
 
 STORE = "s"
-
-
-@pytest.fixture
-async def fake():
-    f = FakeControlPlane()
-    try:
-        yield f
-    finally:
-        await f.aclose()
 
 
 @pytest.fixture

@@ -13,19 +13,9 @@ import trio
 from mcp import Client
 
 from memfuse.client import ApiClient
-from memfuse.fake import FakeControlPlane
 from memfuse.mcp_server import TOOLS, HttpBackend, IndexWatcher, build_server, index_uri
 
 M = "/memories/default"
-
-
-@pytest.fixture
-async def fake():
-    f = FakeControlPlane()
-    try:
-        yield f
-    finally:
-        await f.aclose()
 
 
 @pytest.fixture

@@ -14,7 +14,6 @@ import pytest
 import trio
 
 from memfuse.client import ApiClient
-from memfuse.fake import FakeControlPlane
 from memfuse.server import memtool
 
 anthropic_tools = pytest.importorskip("anthropic.lib.tools")
@@ -22,15 +21,6 @@ from anthropic.lib.tools import ToolError  # noqa: E402
 from anthropic.tools.memory import BetaLocalFilesystemMemoryTool  # noqa: E402
 
 STORE = "default"
-
-
-@pytest.fixture
-async def fake():
-    f = FakeControlPlane()
-    try:
-        yield f
-    finally:
-        await f.aclose()
 
 
 @pytest.fixture

@@ -38,15 +38,6 @@ STORE = "s"
 
 
 @pytest.fixture
-async def fake():
-    f = FakeControlPlane()
-    try:
-        yield f
-    finally:
-        await f.aclose()
-
-
-@pytest.fixture
 async def api(fake):
     token = await fake.setup("ws", stores=(STORE,))
     async with ApiClient(fake.base_url, token, transport=fake.transport, instance="pytest") as client:
