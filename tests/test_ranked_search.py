@@ -142,9 +142,13 @@ def test_migration_indexes_the_records_of_an_older_database(tmp_path: Path):
         before_fts = schema.script_directory().get_revision("0007_fulltext").down_revision
         schema.upgrade(db, before_fts)
         svc = Service(db)
-        svc.create_store(ADMIN, StoreCreate(slug="s"))
-        # records as the release before wrote them (raw rows: this code's writes name newer columns)
+        # a store and records as the release before wrote them (raw rows: this code's writes
+        # name newer columns, e.g. 0010's history budget)
         with db.write_conn() as conn:
+            conn.execute(text(
+                "INSERT INTO stores (slug, description, default_type, max_record_bytes, max_store_bytes, "
+                "max_records, created_at) VALUES ('s', '', 'project', 1048576, 104857600, 10000, :t)"),
+                {"t": datetime(2026, 1, 1)})
             for i, (path, body, deleted) in enumerate([("notes/india.md", "# Juliet\nkilo\n", False),
                                                          ("gone.md", "juliet kilo\n", True)], 1):
                 conn.execute(text(

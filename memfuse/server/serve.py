@@ -234,7 +234,14 @@ async def _worker_serve(app, config: Config, connections, shutdown_trigger, task
     and Unix sockets only) with one change: each accepted connection is first offered to
     ``connections`` (``memfuse.server.gate.Connections``: the cap on connections without a
     valid token per client address), closed at once when over it, and reported when it
-    ends. hypercorn has no hook for this; the rest is its own code, called as it calls it."""
+    ends. hypercorn has no hook for this; the rest is its own code, called as it calls it.
+
+    A second change: when the client closes its end, the connection ends then. hypercorn
+    0.18's ``TCPServer`` leaves its keep-alive idle timer running after the client's EOF, so a
+    closed connection's task lived on for ``keep_alive_timeout`` (5 s) and still counted
+    against the per-address cap: 64 short requests in a row without a token (a client whose
+    token expired, Schemathesis' negative cases) filled it and every further connection was
+    reset for 5 s."""
     from functools import partial
 
     from hypercorn.trio.lifespan import Lifespan
@@ -242,6 +249,11 @@ async def _worker_serve(app, config: Config, connections, shutdown_trigger, task
     from hypercorn.trio.worker_context import WorkerContext
     from hypercorn.typing import ConnectionState
     from hypercorn.utils import ShutdownError, raise_shutdown, repr_socket_addr, wrap_app
+
+    class _TCPServer(TCPServer):
+        async def _read_data(self) -> None:
+            await super()._read_data()
+            await self.idle_task.stop()  # the peer is gone: nothing to keep alive
 
     asgi = wrap_app(app, config.wsgi_max_body_size, None)
     lifespan_state: dict = {}
@@ -260,7 +272,7 @@ async def _worker_serve(app, config: Config, connections, shutdown_trigger, task
                 await stream.aclose()
                 return
         try:
-            await TCPServer(asgi, config, context, ConnectionState(lifespan_state.copy()), stream)
+            await _TCPServer(asgi, config, context, ConnectionState(lifespan_state.copy()), stream)
         finally:
             if peer is not None:
                 connections.closed(peer)

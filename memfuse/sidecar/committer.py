@@ -518,6 +518,8 @@ class Committer:
                 self.retries += 1
                 if isinstance(err, TransientError):
                     self._attempt_failed(err)
+                else:  # an authentication outage, as in _commit_with_retry
+                    self.auth_waits += 1
                 if self.metrics is not None:
                     self.metrics.retries.inc()
                 delay = self.backoff.delay(attempts, err.retry_after)
