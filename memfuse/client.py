@@ -82,6 +82,7 @@ from .wire import (
     RecordMove,
     RecordPage,
     RecordUpdate,
+    RecordAppend,
     Restore,
     Store,
     StoreCreate,
@@ -348,6 +349,7 @@ def _bool(value: bool) -> str:
 _BATCH_ENDPOINTS = {  # op of a batch → (method, path) of its single endpoint (for errors)
     "create": ("POST", "/v1/stores/{store}/records"),
     "update": ("PUT", "/v1/stores/{store}/records/{id}"),
+    "append": ("POST", "/v1/stores/{store}/records/{id}/append"),
     "attrs": ("PATCH", "/v1/stores/{store}/records/{id}"),
     "move": ("POST", "/v1/stores/{store}/records/{id}/move"),
     "delete": ("DELETE", "/v1/stores/{store}/records/{id}"),
@@ -929,6 +931,31 @@ class ApiClient:
             idempotency_key=idempotency_key,
         )
 
+    async def append_record(
+        self,
+        store: str,
+        id: str,
+        suffix: str,
+        if_match: str,
+        type: str | None = None,
+        idempotency_key: str | None = None,
+        *,
+        mode: int | None = None,
+        mtime_ns: int | None = None,
+    ) -> Record:
+        """``POST /v1/stores/{store}/records/{id}/append``: the record's content becomes its
+        current content plus ``suffix``, sent as only the suffix. ``if_match`` (required) is
+        the sha256 of the version ``suffix`` extends. Answers and raises as
+        ``update_record`` (PreconditionFailed when the record changed since)."""
+        return await self._call(
+            Record,
+            "POST",
+            f"/v1/stores/{_seg(store)}/records/{_seg(id)}/append",
+            body=build(RecordAppend, append=suffix, type=type, **_attrs(mode, mtime_ns)),
+            if_match=if_match,
+            idempotency_key=idempotency_key,
+        )
+
     async def set_attributes(
         self,
         store: str,
@@ -1029,6 +1056,15 @@ class ApiClient:
         return build(BatchOperation, op="update", record_id=id, idempotency_key=idempotency_key,
                      if_match=quote_etag(if_match) if if_match is not None else None,
                      body=to_jsonable(body))
+
+    @staticmethod
+    def batch_append(id: str, suffix: str, if_match: str, type: str | None = None,
+                     idempotency_key: str | None = None, *, mode: int | None = None,
+                     mtime_ns: int | None = None) -> BatchOperation:
+        """The ``append_record`` operation of a batch."""
+        body = build(RecordAppend, append=suffix, type=type, **_attrs(mode, mtime_ns))
+        return build(BatchOperation, op="append", record_id=id, idempotency_key=idempotency_key,
+                     if_match=quote_etag(if_match), body=to_jsonable(body))
 
     @staticmethod
     def batch_attrs(id: str, *, mode: int | None | _Unset = UNSET, mtime_ns: int | None | _Unset = UNSET,

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 BASE_URL = "http://memfuse.test"
 RACE_MARKER = "\n<!-- memfuse fake: concurrent edit -->\n"
-_RECORD_URL = re.compile(r"^/v1/stores/(?P<store>[^/]+)/records/(?P<id>[^/]+)$")
+_RECORD_URL = re.compile(r"^/v1/stores/(?P<store>[^/]+)/records/(?P<id>[^/]+)(?:/append)?$")
 
 
 @dataclass
@@ -44,7 +44,8 @@ class Faults:
     - ``drop_rate``: fraction applied by the app whose response is then lost
       (``httpx.ReadError``);
     - ``outage``: every request raises ``httpx.ConnectError`` without reaching the app;
-    - ``precondition_race``: the next N PUT/DELETE requests on a record that carry
+    - ``precondition_race``: the next N PUT/DELETE requests (and appends, ``POST
+      .../append``) on a record that carry
       ``If-Match`` first see the record modified by another actor (a real new version whose
       content ends with ``RACE_MARKER``), so they get 412.
     - ``inject``: scripted answers, each ``(method, path regex, status)`` used once by the
@@ -118,7 +119,9 @@ class FaultTransport(httpx.AsyncBaseTransport):
         if r_error < faults.error_rate + faults.rate_429:
             counters.rate_limited_429 += 1
             return _problem(429, "rate_limited", "injected by the fake control plane", request, {"Retry-After": "0"})
-        if faults.precondition_race > 0 and request.method in ("PUT", "DELETE") and "if-match" in request.headers:
+        if faults.precondition_race > 0 and "if-match" in request.headers and (
+                request.method in ("PUT", "DELETE")
+                or (request.method == "POST" and request.url.path.endswith("/append"))):
             m = _RECORD_URL.match(request.url.path)
             if m and await fake._concurrent_edit(m["store"], m["id"]):
                 faults.precondition_race -= 1

@@ -190,6 +190,17 @@ class RecordUpdate(BaseModel):
     mtime_ns: int | None = MtimeNs
 
 
+class RecordAppend(BaseModel):
+    """``POST .../records/{record_id}/append``: add ``append`` at the end of the record's
+    content (``echo line >> f``), sent as only the suffix, ``If-Match`` the version it
+    extends; ``type``, ``mode``, ``mtime_ns`` as in [RecordUpdate]."""
+
+    append: str
+    type: str | None = None
+    mode: int | None = Mode
+    mtime_ns: int | None = MtimeNs
+
+
 class RecordAttributes(BaseModel):
     """``PATCH`` body: change only a record's attributes, never its content. A member left
     out is kept; ``mode: null`` resets the permission bits to 0o644; ``mtime_ns: null``
@@ -360,12 +371,13 @@ class BatchOperation(BaseModel):
     """One write of a batch, as its single endpoint takes it. ``op``: ``create`` (``POST
     .../records``), ``update`` (``PUT .../records/{record_id}``), ``attrs`` (``PATCH
     .../records/{record_id}``), ``move`` (``POST .../records/{record_id}/move``) or
-    ``delete`` (``DELETE .../records/{record_id}``). ``body``: that endpoint's JSON body
-    ([RecordCreate], [RecordUpdate], [RecordAttributes], [RecordMove]; none for ``delete``).
+    ``delete`` (``DELETE .../records/{record_id}``), ``append`` (``POST
+    .../records/{record_id}/append``). ``body``: that endpoint's JSON body ([RecordCreate],
+    [RecordUpdate], [RecordAppend], [RecordAttributes], [RecordMove]; none for ``delete``).
     ``if_match``: what that endpoint takes as ``If-Match``; ``idempotency_key``: what it takes
     as ``Idempotency-Key`` (the same operation sent alone or in a batch is the same request)."""
 
-    op: Literal["create", "update", "attrs", "move", "delete"]
+    op: Literal["create", "update", "append", "attrs", "move", "delete"]
     record_id: str | None = None
     if_match: str | None = None
     idempotency_key: str | None = Field(default=None, min_length=1, max_length=255)

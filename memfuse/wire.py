@@ -50,7 +50,7 @@ from .defs import (  # noqa: F401  (re-exported: the client side imports them fr
 __all__ = [
     "UNSET",
     "Workspace", "WorkspaceCreate", "Store", "StoreCreate", "StoreUpdate", "Attachment",
-    "AttachmentPut", "TokenCreate", "TokenCreated", "TokenInfo", "RecordCreate", "RecordUpdate",
+    "AttachmentPut", "TokenCreate", "TokenCreated", "TokenInfo", "RecordCreate", "RecordUpdate", "RecordAppend",
     "RecordAttributes", "RecordMove", "PrefixMove", "Restore", "Record", "Version",
     "RecordPage", "MoveResult", "SearchLine", "SearchHit", "SearchPage", "BatchOperation", "BatchRequest", "BatchResult", "BatchResponse",
     "BATCH_MAX_OPERATIONS", "BATCH_MAX_BYTES", "Change", "ChangePage", "WorkspaceEvent", "EventPage",
@@ -185,6 +185,16 @@ class RecordUpdate(Struct, kw_only=True):
     given."""
 
     content: str
+    type: str | None = None
+    mode: Mode | None | UnsetType = UNSET
+    mtime_ns: MtimeNs | None | UnsetType = UNSET
+
+
+class RecordAppend(Struct, kw_only=True):
+    """``POST .../append``: the suffix to add at the end of the record's content, ``If-Match``
+    the version it extends; ``mode`` / ``mtime_ns`` sent only when given."""
+
+    append: str
     type: str | None = None
     mode: Mode | None | UnsetType = UNSET
     mtime_ns: MtimeNs | None | UnsetType = UNSET
@@ -343,11 +353,11 @@ class IndexReport(Struct, kw_only=True):
 
 class BatchOperation(Struct, kw_only=True, omit_defaults=True):
     """One write of a batch, as its single endpoint takes it (docs/API.md, batch): ``op``
-    ``create`` / ``update`` / ``attrs`` / ``move`` / ``delete``; ``body`` that endpoint's
+    ``create`` / ``update`` / ``append`` / ``attrs`` / ``move`` / ``delete``; ``body`` that endpoint's
     JSON body (none for ``delete``); ``if_match`` / ``idempotency_key`` what it takes as
     ``If-Match`` / ``Idempotency-Key``. Members left None are not sent."""
 
-    op: Literal["create", "update", "attrs", "move", "delete"]
+    op: Literal["create", "update", "append", "attrs", "move", "delete"]
     record_id: str | None = None
     if_match: str | None = None
     idempotency_key: Annotated[str, Meta(min_length=1, max_length=255)] | None = None

@@ -290,6 +290,8 @@ def _older_database_gets_usage_columns_filled(url):
                     "version_bytes", "version_count"):  # nor 0010's history budget
             con.exec_driver_sql(f"ALTER TABLE stores DROP COLUMN {col}")
         con.exec_driver_sql("ALTER TABLE versions DROP COLUMN pruned")
+        for col in ("base_version", "chain"):  # nor 0011's append versions
+            con.exec_driver_sql(f"ALTER TABLE versions DROP COLUMN {col}")
         con.exec_driver_sql("DROP TABLE alembic_version")
     old.dispose()
 

@@ -65,6 +65,7 @@ from memfuse.models import (
     RecordMove,
     RecordPage,
     RecordUpdate,
+    RecordAppend,
     Restore,
     Store,
     StoreCreate,
@@ -548,6 +549,11 @@ def create_app(
     @app.put("/v1/stores/{store}/records/{record_id}", response_model=Record, tags=["records"])
     def update_record(store: StoreSlug, record_id: str, body: RecordUpdate, p: P, idem: Idem, if_match: IfMatch = None):
         return _reply(svc.update_record(p, store, record_id, body, if_match, idem))
+
+    @app.post("/v1/stores/{store}/records/{record_id}/append", response_model=Record, tags=["records"])
+    def append_record(store: StoreSlug, record_id: str, body: RecordAppend, p: P, idem: Idem,
+                      if_match: IfMatch = None):
+        return _reply(svc.append_record(p, store, record_id, body, if_match, idem))
 
     @app.patch("/v1/stores/{store}/records/{record_id}", response_model=Record, tags=["records"])
     def set_record_attributes(

@@ -37,6 +37,7 @@ from memfuse.models import (
     BATCH_MAX_OPERATIONS,
     BatchOperation,
     Problem,
+    RecordAppend,
     RecordAttributes,
     RecordCreate,
     RecordMove,
@@ -68,12 +69,13 @@ _SELECT_IDEM_MANY = select(
 _ENDPOINTS = {
     "create": ("POST", "/v1/stores/{store}/records", 201, True),
     "update": ("PUT", "/v1/stores/{store}/records/{id}", 200, True),
+    "append": ("POST", "/v1/stores/{store}/records/{id}/append", 200, True),
     "attrs": ("PATCH", "/v1/stores/{store}/records/{id}", 200, True),
     "move": ("POST", "/v1/stores/{store}/records/{id}/move", 200, False),
     "delete": ("DELETE", "/v1/stores/{store}/records/{id}", 204, False),
 }
 _BODIES: dict[str, type[BaseModel] | None] = {
-    "create": RecordCreate, "update": RecordUpdate, "attrs": RecordAttributes, "move": RecordMove,
+    "create": RecordCreate, "update": RecordUpdate, "append": RecordAppend, "attrs": RecordAttributes, "move": RecordMove,
     "delete": None,
 }
 
@@ -143,6 +145,8 @@ class BatchMixin(RecordsMixin):
                 fn = self._create_op(p, body)  # type: ignore[arg-type]
             elif op.op == "update":
                 fn = self._update_op(p, op.record_id, body, op.if_match)  # type: ignore[arg-type]
+            elif op.op == "append":
+                fn = self._append_op(p, op.record_id, body, op.if_match)  # type: ignore[arg-type]
             elif op.op == "attrs":
                 fn = self._attrs_op(p, op.record_id, body, op.if_match)  # type: ignore[arg-type]
             elif op.op == "move":

@@ -17,7 +17,7 @@ from sqlalchemy.engine import Row
 
 from memfuse.defs import INT64_MAX
 from memfuse.models import DEFAULT_MODE, Access, Change, ChangePage, EventPage, Operation, Record, WorkspaceEvent
-from memfuse.server import wakeups
+from memfuse.server import deltas, wakeups
 from memfuse.server.base import _R, _V, Principal, ServiceBase, ServiceError
 from memfuse.server.db import EventRow
 
@@ -33,7 +33,7 @@ def _feed_select(with_content: bool):
         _V.c.seq, _V.c.operation, _V.c.old_path, _V.c.record_id, _V.c.store, _V.c.path,
         _V.c.type, _V.c.version, _V.c.sha256, _V.c.size, _V.c.created_at, _V.c.actor,
         _V.c.content if with_content else null().label("content"), _V.c.redacted,
-        _V.c.mode, _V.c.mtime_ns,
+        _V.c.mode, _V.c.mtime_ns, _V.c.base_version, _V.c.chain,
         _R.c.created_at.label("record_created_at"),
     ).join(_R, _R.c.id == _V.c.record_id)
 
@@ -168,6 +168,8 @@ class ChangesMixin(ServiceBase):
                 _feed_select(with_content).where(_V.c.store == slug, _V.c.seq > after, _V.c.seq <= store_top)
                 .order_by(_V.c.seq).limit(limit)
             ).all()
+            if with_content:
+                rows = deltas.resolve(conn, rows)  # append versions' content made whole
         self.notifier.learn_head(slug, store_top, stamp)
         return FeedRead(slug, after, [_change(v, with_content) for v in rows], store_top, top, len(rows) >= limit)
 
@@ -204,6 +206,8 @@ class ChangesMixin(ServiceBase):
                 store_top = conn.scalar(select(func.max(_V.c.seq)).where(_V.c.store == st.slug)) or 0
                 q = q.where(_V.c.seq <= store_top, _V.c.actor != skip)
             rows = conn.execute(q).all()
+            if with_content:
+                rows = deltas.resolve(conn, rows)  # append versions' content made whole
         changes = [_change(v, with_content) for v in rows]
         if skip is not None and len(rows) < limit:
             seq = max(after, store_top)

@@ -65,7 +65,7 @@ log = logging.getLogger(__name__)
 #: the newest Alembic revision (``memfuse/server/migrations/versions/``): a database at it
 #: opens without Alembic (``Database._at_schema_head``). A new revision updates it;
 #: tests/test_migrations.py fails while it is not ``schema.head()``.
-SCHEMA_HEAD = "0010_history_budget"
+SCHEMA_HEAD = "0011_append_versions"
 
 
 def utcnow() -> datetime:
@@ -285,6 +285,11 @@ class VersionRow(Base):
     redacted_by: Mapped[str | None] = mapped_column(Text, nullable=True)
     # content removed by the store's history budget (metadata kept; revision 0010)
     pruned: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    # An append version (revision 0011, ``memfuse.server.deltas``): ``content`` holds only
+    # what this version adds to version ``base_version`` (always ``version - 1``) of the same
+    # record; NULL: ``content`` is whole. ``chain``: links since the last whole copy.
+    base_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    chain: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
     __table_args__ = (
         UniqueConstraint("record_id", "version", name="uq_versions_record_version"),

@@ -17,7 +17,8 @@ as every write: ``note_kept`` collects a transaction's changes in ``conn.info`` 
 ``settle`` (called at the end of every record write transaction, single or batch) adds them
 in one statement per store, then prunes when the store is over its budget: the oldest past
 versions (by change-feed seq) older than the minimum age lose their content (``content`` NULL,
-``pruned`` true; path, sha256, size, time and actor kept), until the history fits. A pruned
+``pruned`` true; path, sha256, size, time and actor kept), until the history fits. A kept
+append version built on a pruned one is made whole first (``deltas.materialize_dependent``). A pruned
 version shows ``pruned: true`` in the history of every face; showing or restoring its content
 answers 409 ``pruned``.
 
@@ -37,6 +38,7 @@ from sqlalchemy import bindparam, or_, select, true, update
 from sqlalchemy.engine import Connection
 
 from memfuse.defs import HISTORY_BYTES_FACTOR, HISTORY_MIN_AGE_S, HISTORY_VERSIONS_FACTOR
+from memfuse.server import deltas
 from memfuse.server.db import RecordRow, StoreRow, VersionRow, utcnow
 
 __all__ = ["budget", "usage", "note_kept", "kept_mark", "kept_rollback", "reset", "settle",
@@ -155,7 +157,14 @@ def _prune(conn: Connection, store: str) -> None:
         if r.deleted and r.version == r.current:
             gone_records.append(r.record_id)
     if seqs:
-        conn.execute(update(_V).where(_V.c.seq.in_(seqs)).values(content=None, pruned=True))
+        # an append version kept after a pruned one becomes whole first (memfuse.server.deltas)
+        chosen = set(seqs)
+        pruning = {(r.record_id, r.version) for r in rows if r.seq in chosen}
+        for rid, v in sorted(pruning):
+            if (rid, v + 1) not in pruning:
+                deltas.materialize_dependent(conn, rid, v)
+        conn.execute(update(_V).where(_V.c.seq.in_(seqs)).values(content=None, pruned=True,
+                                                                 base_version=None, chain=0))
         if gone_records:
             conn.execute(update(_R).where(_R.c.id.in_(gone_records)).values(content=None))
         conn.execute(_UPDATE_KEPT, {"slug_": store, "d_bytes": -freed, "d_count": -len(seqs)})

@@ -30,6 +30,7 @@ from sqlalchemy.engine import Connection, Row
 from sqlalchemy.orm import Session
 
 from memfuse.models import Access, MoveResult, Record, RecordCreate, RecordMove, RecordUpdate, StoreCreate
+from memfuse.server import deltas
 from memfuse.server.anthropic_models import DeletedMemoryStore, MemoryStoreOut
 from memfuse.server.base import _A, _R, _S, _V, IdempotencyRequest, Principal, Reply, ServiceBase, ServiceError
 from memfuse.server.db import AttachmentRow, StoreRow, WorkspaceRow, utcnow
@@ -344,6 +345,8 @@ class MemoryStoresMixin(ServiceBase):
                 esc = actor_instance.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
                 q = q.where(_V.c.actor.like("ws:%/" + esc, escape="\\"))
             rows = conn.execute(q.order_by(_V.c.seq.desc()).limit(limit + 1)).all()
+            if with_content:  # append versions' content made whole (oldest first: links reused)
+                rows = list(reversed(deltas.resolve(conn, list(reversed(rows)))))
         if actor_instance is not None:  # LIKE's ``%`` may span a "/" of the workspace part
             rows = [r for r in rows if r.actor.rpartition("/")[2] == actor_instance]
         return rows[:limit], len(rows) > limit
@@ -353,6 +356,8 @@ class MemoryStoresMixin(ServiceBase):
         with self.db.read_conn() as conn:
             st = self._store(conn, p, slug)
             v = conn.execute(select(_V).where(_V.c.seq == seq, _V.c.store == st.slug)).first()
+            if v is not None:
+                v = deltas.resolve(conn, [v])[0]  # an append version's content made whole
         if v is None:
             raise ServiceError(404, "version_not_found", f"store {slug!r} has no such version")
         return v

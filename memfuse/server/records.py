@@ -28,6 +28,7 @@ from memfuse.models import (
     Operation,
     PrefixMove,
     Record,
+    RecordAppend,
     RecordAttributes,
     RecordCreate,
     RecordMove,
@@ -51,10 +52,14 @@ from memfuse.server.base import (
     holds,
     parse_if_match,
 )
-from memfuse.server import history, staleness, wakeups
+from memfuse.server import deltas, history, staleness, wakeups
 from memfuse.server.db import UTCDateTime, utcnow
 
 log = logging.getLogger("memfuse.server.service")  # every room of the Service logs under one name
+
+#: characters of a record's content before an appended suffix that the secret scan reads
+#: with it (from the start of their line), so a secret the suffix completes is found
+APPEND_SCAN_CONTEXT = 16 * 1024
 
 
 def _check_if_match(header: str | None, current_sha: str) -> None:
@@ -143,7 +148,9 @@ class _Rec:
     """One ``records`` row as a plain mutable object (no ORM session): every column is an
     attribute. Made from a Core row with ``of``; written back by ``Service._add_version``."""
 
-    __slots__ = _RECORD_COLUMNS
+    # ``base_content``: the content of the record's current version as read (the base of an
+    # append version, ``deltas.plan``); not a column
+    __slots__ = (*_RECORD_COLUMNS, "base_content")
 
     def __init__(self, **values: object) -> None:
         for k, v in values.items():
@@ -152,7 +159,9 @@ class _Rec:
     @classmethod
     def of(cls, row: Row) -> "_Rec":
         """The record of a ``select(records)`` row."""
-        return cls(**row._mapping)
+        rec = cls(**row._mapping)
+        rec.base_content = row.content
+        return rec
 
     def values(self) -> dict[str, object]:
         """Every column → value."""
@@ -275,7 +284,7 @@ class BatchStore:
             "operation": Operation.created.value, "path": rec.path, "old_path": None,
             "type": rec.type, "sha256": rec.sha256, "size": rec.size, "content": rec.content,
             "created_at": now, "actor": actor, "redacted": False, "mode": rec.mode,
-            "mtime_ns": rec.mtime_ns,
+            "mtime_ns": rec.mtime_ns, "base_version": None, "chain": 0,
         })
         self.paths[rec.path] = rec.id
         parts = rec.path.split("/")
@@ -457,6 +466,11 @@ class RecordsMixin(ServiceBase):
         if new:
             rec.seq = 0
             conn.execute(_INSERT_RECORD, rec.values())  # before the version that references it
+            stored, base_version, chain = rec.content, None, 0
+        else:
+            stored, base_version, chain = deltas.plan(
+                conn, rec.id, rec.version, getattr(rec, "base_content", None), rec.content)
+        rec.base_content = rec.content
         seq = conn.execute(
             _INSERT_VERSION,
             {
@@ -469,12 +483,14 @@ class RecordsMixin(ServiceBase):
                 "type": rec.type,
                 "sha256": rec.sha256,
                 "size": rec.size,
-                "content": rec.content,
+                "content": stored,
                 "created_at": now,
                 "actor": actor,
                 "redacted": False,
                 "mode": rec.mode,
                 "mtime_ns": rec.mtime_ns,
+                "base_version": base_version,
+                "chain": chain,
             },
         ).inserted_primary_key[0]
         if rec.content is not None:
@@ -691,13 +707,15 @@ class RecordsMixin(ServiceBase):
             return _version_model(self._version(conn, record_id, n), with_content=True)
 
     @staticmethod
-    def _version(conn: Connection, record_id: str, n: int) -> Row:
+    def _version(conn: Connection, record_id: str, n: int) -> Any:
+        """Version ``n``'s row, an append version's content made whole (``deltas.resolve``);
+        404 ``version_not_found``."""
         if not 1 <= n <= INT64_MAX:  # no such version, and not one the database could compare
             raise ServiceError(404, "version_not_found", f"record {record_id!r} has no version {n}")
         v = conn.execute(select(_V).where(_V.c.record_id == record_id, _V.c.version == n)).first()
         if v is None:
             raise ServiceError(404, "version_not_found", f"record {record_id!r} has no version {n}")
-        return v
+        return deltas.resolve(conn, [v])[0]
     # ------------------------------------------------------------ records: writes
 
     def create_record(
@@ -783,26 +801,83 @@ class RecordsMixin(ServiceBase):
             _check_writable(st)
             rec = self._live(self._record(conn, st, record_id))
             _check_if_match(if_match, rec.sha256)
-            _check_record_size(st, len(raw))
-            current = rec.type if rec.type is not None else st.default_type
-            rtype = _resolve_type(rec.path, body.content, body.type, current)
-            if secret is not None:
-                raise _secret_error(secret)
-            mode = body.mode if body.mode is not None else rec.mode
-            if body.mtime_ns is not None:
-                mtime = body.mtime_ns
-            else:  # a write sets the mtime; the same content keeps an explicit one
-                mtime = rec.mtime_ns if sha == rec.sha256 else None
-            if sha == rec.sha256 and rtype == rec.type and (_mode(mode), mtime) == _attrs(rec):
-                return _record_model(rec, with_content=False)
-            old_size = rec.size
-            rec.content, rec.sha256, rec.size, rec.type = body.content, sha, len(raw), rtype
-            rec.mode, rec.mtime_ns = mode, mtime
-            rec.version += 1
-            self._room(st, len(raw) - old_size, 0, grew_bytes=len(raw) > old_size, grew_count=False)
-            self._add_version(conn, rec, Operation.modified, p.actor, utcnow())
-            self._use(conn, st, len(raw) - old_size, 0, grew_bytes=len(raw) > old_size, grew_count=False)
+            return self._put_content(conn, st, p, rec, body, body.content, len(raw), sha, secret)
+
+        return fn
+
+    def _put_content(self, conn: Connection, st: Any, p: Principal, rec: _Rec, body: Any, content: str,
+                     size: int, sha: str, secret: str | None) -> Record:
+        """The rest of an update of live record ``rec`` (If-Match checked) to ``content``
+        (``size`` bytes of UTF-8, sha256 ``sha``, ``secret`` what the secret scan found):
+        size, type, secret refusals in that order, then the ``modified`` version (none when
+        nothing changes). ``body``: the request's ``type``, ``mode`` and ``mtime_ns``."""
+        _check_record_size(st, size)
+        current = rec.type if rec.type is not None else st.default_type
+        rtype = _resolve_type(rec.path, content, body.type, current)
+        if secret is not None:
+            raise _secret_error(secret)
+        mode = body.mode if body.mode is not None else rec.mode
+        if body.mtime_ns is not None:
+            mtime = body.mtime_ns
+        else:  # a write sets the mtime; the same content keeps an explicit one
+            mtime = rec.mtime_ns if sha == rec.sha256 else None
+        if sha == rec.sha256 and rtype == rec.type and (_mode(mode), mtime) == _attrs(rec):
             return _record_model(rec, with_content=False)
+        old_size = rec.size
+        rec.content, rec.sha256, rec.size, rec.type = content, sha, size, rtype
+        rec.mode, rec.mtime_ns = mode, mtime
+        rec.version += 1
+        self._room(st, size - old_size, 0, grew_bytes=size > old_size, grew_count=False)
+        self._add_version(conn, rec, Operation.modified, p.actor, utcnow())
+        self._use(conn, st, size - old_size, 0, grew_bytes=size > old_size, grew_count=False)
+        return _record_model(rec, with_content=False)
+
+    def append_record(
+        self,
+        p: Principal,
+        slug: str,
+        record_id: str,
+        body: RecordAppend,
+        if_match: str | None = None,
+        idem: IdempotencyRequest | None = None,
+    ) -> Reply:
+        """200 [Record] without content, with ``ETag``: ``update_record`` of the record's
+        current content plus ``body.append``, sent as only the suffix. ``if_match`` (the
+        sha256 of the version the suffix was written on) is required: 428
+        ``precondition_required`` without one (or with ``*``); 412 ``precondition_failed``
+        (with ``sha256``) when the record changed since. Every other answer is
+        ``update_record``'s for the whole content (an empty suffix with the same type and
+        attributes makes no version). The secret scan reads the suffix and the
+        ``APPEND_SCAN_CONTEXT`` characters before it (from a line start), not the whole
+        content the record held already."""
+        op = self._append_op(p, record_id, body, if_match)
+        return self._write(p, idem, 200, lambda conn: op(conn, self._store(conn, p, slug, write=True)),
+                           etag=True, feed=slug)
+
+    def _append_op(
+        self, p: Principal, record_id: str, body: RecordAppend, if_match: str | None
+    ) -> Callable[[Connection, Any], Record]:
+        """``append_record`` as ``_create_op`` splits ``create_record``."""
+        tags = parse_if_match(if_match)
+        if tags is None or tags == ["*"]:
+            raise ServiceError(428, "precondition_required",
+                               "an append needs If-Match: the sha256 of the version it extends")
+        raw = _check_content(body.append)
+
+        def fn(conn: Connection, st: Any) -> Record:
+            _check_writable(st)
+            rec = self._live(self._record(conn, st, record_id))
+            _check_if_match(if_match, rec.sha256)
+            old = rec.content or ""
+            start = max(0, len(old) - APPEND_SCAN_CONTEXT)
+            if start:
+                nl = old.rfind("\n", 0, start)
+                start = nl + 1 if nl >= 0 else 0
+            secret = content_rules.find_secret(old[start:] + body.append) if raw else None
+            content = old + body.append
+            whole = content.encode("utf-8") if raw else None
+            sha = sha256_hex(whole) if whole is not None else rec.sha256
+            return self._put_content(conn, st, p, rec, body, content, rec.size + len(raw), sha, secret)
 
         return fn
 
@@ -1064,8 +1139,11 @@ class RecordsMixin(ServiceBase):
             if not v.redacted:
                 if v.content is not None:  # no longer kept (the history budget's count)
                     history.note_kept(conn, st.slug, -v.size, -1)
+                # a later append version built on this one becomes whole first (deltas)
+                deltas.materialize_dependent(conn, record_id, n)
                 conn.execute(update(_V).where(_V.c.seq == v.seq).values(
-                    redacted=True, content=None, redacted_at=utcnow(), redacted_by=p.actor))
+                    redacted=True, content=None, base_version=None, chain=0,
+                    redacted_at=utcnow(), redacted_by=p.actor))
                 if rec.deleted and rec.version == n:
                     conn.execute(_UPDATE_RECORD, {"rid": rec.id, "content": None})
                 v = self._version(conn, record_id, n)

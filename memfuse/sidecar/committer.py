@@ -458,13 +458,17 @@ class Committer:
         a, c = e.args, self.client
         rid, sha = self.ids.get(e.node_key, e.store)
         if e.op == PUT:
-            rid, sha, _ = self.resolver.put_base(e)
+            rid, sha, base = self.resolver.put_base(e)
             text = (e.content or b"").decode("utf-8", errors="surrogateescape")
             try:
                 text.encode("utf-8")
             except UnicodeEncodeError:
                 return None  # refused locally by _put
             kw = {"mode": a.get("mode"), "mtime_ns": a.get("mtime_ns")}
+            suffix = self.resolver.append_suffix(e, sha, base) if rid is not None else None
+            if rid is not None and sha is not None and suffix is not None:
+                return c.batch_append(rid, suffix.decode("utf-8"), if_match=sha, type=a.get("type"),
+                                      idempotency_key=e.key + "-append", **kw)
             if rid is not None:
                 return c.batch_update(rid, text, type=a.get("type"), if_match=sha, idempotency_key=e.key, **kw)
             return c.batch_create(a["path"], text, type=a.get("type"), idempotency_key=e.key, **kw)

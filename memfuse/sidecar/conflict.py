@@ -36,9 +36,12 @@ from .journal import Entry, Journal
 
 log = logging.getLogger("memfuse.outbox")
 
-__all__ = ["MERGE_ROUNDS", "AnsweredClient", "ConflictResolver", "local_refusal", "merge_lines"]
+__all__ = ["APPEND_MIN_BYTES", "MERGE_ROUNDS", "AnsweredClient", "ConflictResolver", "local_refusal", "merge_lines"]
 
 MERGE_ROUNDS = 8  # rebase attempts of one append racing other writers, then back off
+#: a put of fewer bytes is sent whole even when it is an append (the suffix would not save
+#: what looking its base up costs)
+APPEND_MIN_BYTES = 1024
 
 #: a merge state: (sha256 and bytes of the local content a merged put carried, sha256 the
 #: control plane holds after the merge)
@@ -117,6 +120,22 @@ class ConflictResolver:
             return rid, m[0], m[1]
         return rid, sha, None
 
+    def append_suffix(self, e: Entry, sha: str | None, base: bytes | None) -> bytes | None:
+        """What a ``put`` adds at the end of the version it was written on, when it is an
+        append (``echo >> f``): the put's content minus that version's bytes (``base``, else
+        the blob cache's copy of ``sha``), or None when it is not one or the base's bytes are
+        not known here (the put is then sent whole). An append is sent as only the suffix
+        (``ApiClient.append_record``, ``If-Match`` ``sha``, idempotency key
+        ``<key>-append``): the same outcome as the whole content, with fewer bytes."""
+        local = e.content or b""
+        if sha is None or len(local) < APPEND_MIN_BYTES:
+            return None
+        if base is None:
+            base = self.base_content(sha)
+        if base is None or len(local) <= len(base) or not local.startswith(base):
+            return None
+        return local[len(base):]
+
     async def put(self, e: Entry, c: ApiClient, a: dict[str, Any]) -> None:
         """Create or update the record with the entry's content and attributes (``If-Match``
         the sha256 of the version it was written on, ``put_base``). On ``412`` an append
@@ -138,9 +157,14 @@ class ConflictResolver:
         if rid is not None:
             create_key = e.key + "-create"
 
+            suffix = self.append_suffix(e, sha, base)
             try:
-                rec = await c.update_record(e.store, rid, text, type=typ, if_match=sha,
-                                            idempotency_key=e.key, **attrs)
+                if suffix is not None and sha is not None:
+                    rec = await c.append_record(e.store, rid, suffix.decode("utf-8"), if_match=sha, type=typ,
+                                                idempotency_key=e.key + "-append", **attrs)
+                else:
+                    rec = await c.update_record(e.store, rid, text, type=typ, if_match=sha,
+                                                idempotency_key=e.key, **attrs)
             except PreconditionFailed:
                 cur = await c.get_record(e.store, rid, content=True)
                 merged = None
@@ -257,7 +281,8 @@ class AnsweredClient:
     call (``op``'s method) returns, or raises, the batch's answer, once; every other call
     goes to the real client."""
 
-    _METHODS = {"create": "create_record", "update": "update_record", "attrs": "set_attributes",
+    _METHODS = {"create": "create_record", "update": "update_record", "append": "append_record",
+                "attrs": "set_attributes",
                 "move": "move_record", "delete": "delete_record"}
 
     def __init__(self, client: ApiClient, op: str, outcome: Any) -> None:
