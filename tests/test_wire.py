@@ -64,6 +64,8 @@ EXAMPLES: dict[str, list[dict]] = {
                      dict(path="a.md", content=""), dict(path="a.md", content="x", type=None)],
     "RecordUpdate": [dict(content="x", type="feedback", mode=0, mtime_ns=models.MTIME_NS_MAX),
                      dict(content="x")],
+    "RecordAppend": [dict(append="x\n", type="feedback", mode=0, mtime_ns=models.MTIME_NS_MAX),
+                     dict(append="")],
     "RecordAttributes": [dict(mode=0o777, mtime_ns=models.MTIME_NS_MIN), dict(),
                          dict(mode=None, mtime_ns=None)],
     "RecordMove": [dict(path="b.md", replace=True), dict(path="b.md")],
@@ -99,6 +101,8 @@ EXAMPLES: dict[str, list[dict]] = {
                     dict(store="s", index_exists=False)],
     "BatchOperation": [dict(op="update", record_id="r", if_match='"ab"', idempotency_key="k",
                             body={"content": "x", "type": None, "mode": 0o600}),
+                       dict(op="append", record_id="r", if_match='"ab"', idempotency_key="k-append",
+                            body={"append": "x\n", "type": None}),
                        dict(op="delete")],
     "BatchRequest": [dict(operations=[dict(op="create", idempotency_key="k1",
                                            body={"path": "a", "content": "", "type": None}),
@@ -113,12 +117,13 @@ EXAMPLES: dict[str, list[dict]] = {
 
 # request bodies: the client builds and sends them (wire.build + wire.encode)
 REQUESTS = {"WorkspaceCreate", "StoreCreate", "StoreUpdate", "AttachmentPut", "TokenCreate",
-            "RecordCreate", "RecordUpdate", "RecordAttributes", "RecordMove", "PrefixMove", "Restore",
+            "RecordCreate", "RecordUpdate", "RecordAppend", "RecordAttributes", "RecordMove", "PrefixMove", "Restore",
             "BatchOperation", "BatchRequest"}
 # the pydantic options the client sent each with (earlier releases): the same bytes now
 DUMP_OPTIONS = {"StoreUpdate": dict(exclude_none=True), "BatchOperation": dict(exclude_none=True),
                 "BatchRequest": dict(exclude_none=True), "RecordCreate": dict(exclude_unset=True),
-                "RecordUpdate": dict(exclude_unset=True), "RecordAttributes": dict(exclude_unset=True)}
+                "RecordUpdate": dict(exclude_unset=True), "RecordAppend": dict(exclude_unset=True),
+                "RecordAttributes": dict(exclude_unset=True)}
 
 
 def server_models() -> dict[str, type[BaseModel]]:
@@ -196,7 +201,7 @@ def test_server_json_decodes_and_encodes_back_equal(name, example):
 @pytest.mark.parametrize("name,example", [p for p in _examples() if p.values[0] in REQUESTS])
 def test_request_bodies_are_the_bytes_pydantic_sent(name, example):
     model, struct = server_models()[name], getattr(wire, name)
-    if name in ("RecordCreate", "RecordUpdate"):  # the client always passes type
+    if name in ("RecordCreate", "RecordUpdate", "RecordAppend"):  # the client always passes type
         example = {"type": None, **example}
     body = wire.build(struct, **example)
     sent = wire.encode(body, exclude_none=name == "StoreUpdate")
@@ -236,6 +241,8 @@ BAD_REQUESTS = [
     ("RecordAttributes", dict(mode=0o4755)),  # setuid / setgid / sticky: never kept
     ("RecordAttributes", dict(mode=0o1777)),
     ("RecordUpdate", dict(content="x", mode=0o2644)),
+    ("RecordAppend", dict(append="x", mode=0o2644)),
+    ("RecordAppend", dict(content="x")),
     ("RecordMove", dict(replace=True)),
     ("Restore", dict()),
     ("BatchOperation", dict(op="upsert")),
