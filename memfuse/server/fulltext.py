@@ -8,7 +8,9 @@ it without a line of Python):
   record's ``seq`` (its latest version's change-feed position: unique per record, changed by
   every write), filled by three triggers on ``records`` (``records_fts_ai`` / ``_au`` /
   ``_ad``) for the rows that are live and have their seq (``deleted = 0 AND seq > 0``; a new
-  record is inserted with seq 0 and given its seq by the next statement; ``OR REPLACE``:
+  record is inserted with seq 0 and given its seq by the next statement; the first
+  ``PG_MAX_CHARS`` characters of the content, as on PostgreSQL, so a write to a large
+  record reindexes a bounded text; ``OR REPLACE``:
   a write is never refused for the index, even on a database whose seqs were made by
   hand). ``headings`` is
   the output of the SQL function ``memfuse_headings(content)`` that ``Database`` registers on
@@ -87,19 +89,25 @@ SQLITE_DDL = [
     "CREATE TRIGGER IF NOT EXISTS records_fts_ai AFTER INSERT ON records "
     "WHEN new.deleted = 0 AND new.seq > 0 BEGIN "
     "INSERT OR REPLACE INTO records_fts (rowid, path, headings, body) "
-    "VALUES (new.seq, new.path, memfuse_headings(new.content), coalesce(new.content, '')); END",
+    f"VALUES (new.seq, new.path, memfuse_headings(substr(new.content, 1, {PG_MAX_CHARS})), "
+    f"coalesce(substr(new.content, 1, {PG_MAX_CHARS}), '')); END",
     "CREATE TRIGGER IF NOT EXISTS records_fts_ad AFTER DELETE ON records "
     "WHEN old.deleted = 0 AND old.seq > 0 BEGIN "
     "DELETE FROM records_fts WHERE rowid = old.seq; END",
     "CREATE TRIGGER IF NOT EXISTS records_fts_au AFTER UPDATE ON records BEGIN "
     "DELETE FROM records_fts WHERE old.deleted = 0 AND old.seq > 0 AND rowid = old.seq; "
     "INSERT OR REPLACE INTO records_fts (rowid, path, headings, body) "
-    "SELECT new.seq, new.path, memfuse_headings(new.content), coalesce(new.content, '') "
+    f"SELECT new.seq, new.path, memfuse_headings(substr(new.content, 1, {PG_MAX_CHARS})), "
+    f"coalesce(substr(new.content, 1, {PG_MAX_CHARS}), '') "
     "WHERE new.deleted = 0 AND new.seq > 0; END",
 ]
 SQLITE_BACKFILL = ("INSERT OR REPLACE INTO records_fts (rowid, path, headings, body) "
-                   "SELECT seq, path, memfuse_headings(content), coalesce(content, '') FROM records "
+                   f"SELECT seq, path, memfuse_headings(substr(content, 1, {PG_MAX_CHARS})), "
+                   f"coalesce(substr(content, 1, {PG_MAX_CHARS}), '') FROM records "
                    "WHERE deleted = 0 AND seq > 0")
+#: the two triggers that index a written record (revision ``0011_append_versions`` made them
+#: index the first ``PG_MAX_CHARS`` characters, as on PostgreSQL; ``refresh_statements``)
+SQLITE_WRITE_TRIGGERS = ("records_fts_ai", "records_fts_au")
 SQLITE_DROP = ["DROP TRIGGER IF EXISTS records_fts_au", "DROP TRIGGER IF EXISTS records_fts_ad",
                "DROP TRIGGER IF EXISTS records_fts_ai", "DROP INDEX IF EXISTS ix_records_seq",
                "DROP TABLE IF EXISTS records_fts"]
@@ -141,6 +149,17 @@ def create_statements(dialect: str) -> list[str]:
     from the live records (revision ``0007_fulltext``; PostgreSQL computes the generated
     column as it adds it); ``[]`` for another dialect."""
     return {"sqlite": [*SQLITE_DDL, SQLITE_BACKFILL], "postgresql": list(PG_DDL)}.get(dialect, [])
+
+
+def refresh_statements(dialect: str) -> list[str]:
+    """The SQL that replaces SQLite's write triggers with this module's (revision
+    ``0011_append_versions``: index the first ``PG_MAX_CHARS`` characters of a record, so a
+    write to a large record, an append above all, costs a bounded reindex); ``[]`` on
+    PostgreSQL, whose generated column always had that bound."""
+    if dialect != "sqlite":
+        return []
+    create = [d for d in SQLITE_DDL if any(f"TRIGGER IF NOT EXISTS {t} " in d for t in SQLITE_WRITE_TRIGGERS)]
+    return [*(f"DROP TRIGGER IF EXISTS {t}" for t in SQLITE_WRITE_TRIGGERS), *create]
 
 
 def drop_statements(dialect: str) -> list[str]:

@@ -66,6 +66,12 @@ from .writecheck import Refusal, WriteChecker
 
 log = logging.getLogger("memfuse.fs")
 
+#: a close of a file this large or larger whose content is its previous content plus a
+#: suffix (an append) is judged by the suffix (``Filesystem._checked_prefix``): UTF-8 and NUL
+#: in the suffix, the secret scan from ``APPEND_SCAN_CONTEXT`` bytes before it
+APPEND_CHECK_MIN = 1024
+APPEND_SCAN_CONTEXT = 16 * 1024
+
 # what callers use from here (the node types live in inodes.py, re-exported for them)
 __all__ = ["Filesystem", "FsListener", "FsError", "Settings", "Node", "Handle", "StoreMount", "ROOT_INO",
            "CONTROL_DIR", "CLEAN", "PENDING", "REJECTED"]
@@ -582,6 +588,9 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             self.save_local(n)
             return self.journal.barrier()
         data = self._content(n)  # the write buffer, or the clean content (e.g. renamed back)
+        # the content before this write session passed these checks already (committed, or
+        # queued after them) unless it was refused: an append is judged by what it adds
+        prev_sha = n.sha if n.state != REJECTED else ""
         if n._key is None and n.sha:
             # the first commit of a record loaded from the control plane: its clean sha256
             # is the base the update is conditional on (If-Match)
@@ -596,7 +605,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             self._mark_rejected(n, n.refused, "")
             self.sync_rejected()
             raise FsError(n.refused, n.error)
-        refusal = self._precheck(n, data)
+        refusal = self._precheck(n, data, checked=self._checked_prefix(prev_sha, data))
         if refusal is not None:
             n.state, n.error, n.last_put = REJECTED, refusal.reason, None
             self.note_error(n.parent, n.name, refusal.errno, refusal.reason, refusal.code)
@@ -622,21 +631,43 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         except FsError:
             pass
 
-    def _precheck(self, n: Node, data: bytes, path: str | None = None) -> FsError | None:
+    def _checked_prefix(self, prev_sha: str, data: bytes) -> int:
+        """How many leading bytes of ``data`` are a content that passed ``_precheck``
+        already: the file's previous content (sha256 ``prev_sha``, from the blob cache) when
+        ``data`` starts with it (an append: ``echo >> f``), else 0. Costs one read of that
+        content from the blob cache and a comparison, instead of a secret scan of all of it."""
+        if not prev_sha or len(data) < APPEND_CHECK_MIN:
+            return 0
+        try:
+            base = self.blobs.read(prev_sha)
+        except CacheError:
+            return 0
+        if not base or not data.startswith(base):  # content-addressed: base is prev_sha's
+            return 0
+        return len(base)
+
+    def _precheck(self, n: Node, data: bytes, path: str | None = None, checked: int = 0) -> FsError | None:
         """Refusals the sidecar can decide alone, so they fail at close even offline:
         not UTF-8 or a NUL character (``EILSEQ``), a secret (``EPERM``), a bad frontmatter
         type (``EINVAL``) of file ``n`` holding ``data`` at ``path`` (default: its own).
-        Sizes and names are checked at write / create already."""
+        Sizes and names are checked at write / create already. ``checked``: the first bytes
+        of ``data`` passed these checks already (``_checked_prefix``): UTF-8 and NUL are
+        checked after them, the secret scan reads from ``APPEND_SCAN_CONTEXT`` bytes before
+        them (a line start; as the control plane's append does), the type from the whole."""
+        start = 0
+        if checked:
+            start = max(0, checked - APPEND_SCAN_CONTEXT)
+            start = data.rfind(b"\n", 0, start) + 1 if start else 0
         try:
-            data.decode("utf-8")
+            data[checked:].decode("utf-8")
         except UnicodeDecodeError as e:
-            return FsError.of("invalid_content", f"content is not valid UTF-8 (byte {e.start})")
-        nul = data.find(b"\0")
+            return FsError.of("invalid_content", f"content is not valid UTF-8 (byte {e.start + checked})")
+        nul = data.find(b"\0", checked)
         if nul >= 0:
             return FsError.of("invalid_content", f"content contains a NUL character (at offset "
                                                  f"{nul}); records are text")
         text = data.decode("utf-8")
-        kind = content_rules.find_secret(text)
+        kind = content_rules.find_secret(data[start:].decode("utf-8") if start else text)
         if kind:
             return FsError.of("secret_detected", f"content looks like it holds a secret ({kind}); "
                                                  "memory must not store credentials")
