@@ -228,7 +228,7 @@ def import_walk(root: Path, listed: Iterable[str] = ()) -> tuple[list[tuple[str,
 async def import_files(
     api: ApiClient,
     store_slug: str,
-    files: list[tuple[str, Path]],
+    files: Iterable[tuple[str, Path]],
     dry_run: bool,
     echo: Callable[[str], None],
     manifest: dict[str, ManifestEntry] | None = None,
