@@ -197,20 +197,33 @@ def _imports(args: list[str], env: dict[str, str]) -> set[str]:
                         "import sys; sys.argv[0] = 'memfuse'; from memfuse.cli import main; main()", *args],
                        env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode in (0, 1), p.stderr[-2000:]
-    return {m.group(1).split(".")[0] for m in re.finditer(r"^import time:\s+\d+ \|\s+\d+ \|\s*(\S+)",
-                                                        p.stderr, re.M)}
+    return {m.group(1) for m in re.finditer(r"^import time:\s+\d+ \|\s+\d+ \|\s*(\S+)", p.stderr, re.M)}
+
+
+def _heavy(modules: set[str]) -> set[str]:
+    """The costly modules among ``modules``: the server side, trio, the content checks."""
+    top = {"sqlalchemy", "fastapi", "pydantic", "trio", "alembic", "starlette", "stamina"}
+    return {m for m in modules if m.split(".")[0] in top or m.startswith("memfuse.server")
+            or m in ("memfuse.content", "memfuse.transfer", "memfuse.sidecar.admin")}
 
 
 def test_read_commands_import_no_server_nor_trio(filled):
     """What a read command loads in a real process: neither SQLAlchemy, FastAPI, pydantic nor
     trio (each alone costs about the floor, ``import httpx, click``, or more)."""
     env = dict(os.environ)
-    heavy = {"sqlalchemy", "fastapi", "pydantic", "trio", "alembic", "starlette", "stamina"}
     for args in (["history", "default", "MEMORY.md"], ["show", "default", "MEMORY.md"],
                  ["search", "default", "note"], ["store", "list"], ["token", "list"]):
-        assert not heavy & _imports(args, env), args
+        assert _heavy(_imports(args, env)) == set(), args
     # a command the fast path hands on still works, and loads what it needs
     assert "sqlalchemy" in _imports(["search", "default", "note", "--rank"], env)
+
+
+def test_status_imports_no_trio(tmp_path):
+    """``memfuse status`` of a mount reads its status.json without the sidecar's server side."""
+    mp = tmp_path / "mnt"
+    (mp / ".memfuse").mkdir(parents=True)
+    (mp / ".memfuse" / "status.json").write_text('{"workspace": "dev", "ready": true, "outbox": {"depth": 0}}')
+    assert _heavy(_imports(["status", str(mp)], dict(os.environ))) == set()
 
 
 def test_loopless_retries_a_transient_error(monkeypatch):

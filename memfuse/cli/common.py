@@ -21,11 +21,11 @@ from typing import Any, NoReturn, TypeVar
 import click
 
 from memfuse.client import ApiClient
-from memfuse.defs import parse_byte_size
+from memfuse.defs import one_line, parse_byte_size
 from memfuse.errors import ApiError
 
 
-# memfuse.transfer (and the content checks it imports) is loaded by these two only when
+# memfuse.transfer (and the content checks it imports) is loaded by this one only when
 # called: a read command (``history``, ``show``, ``store list``...) does not pay for it.
 def _key() -> str:
     """A fresh idempotency key for one CLI write (:func:`memfuse.transfer.new_key`)."""
@@ -35,9 +35,7 @@ def _key() -> str:
 
 
 def _one_line(text: str) -> str:
-    """``text`` on one line (:func:`memfuse.transfer.one_line`)."""
-    from memfuse.transfer import one_line
-
+    """``text`` on one line (:func:`memfuse.defs.one_line`)."""
     return one_line(text)
 
 T = TypeVar("T")

@@ -33,7 +33,7 @@ T = TypeVar("T")
 
 
 def progress_bar(total: int, desc: str, unit: str) -> Any:
-    """A progress bar (``tqdm``) of ``total`` ``unit``\ s on stderr when stderr is a terminal,
+    """A progress bar (``tqdm``) of ``total`` items (``unit``) on stderr when stderr is a terminal,
     else None: piped or redirected, import and export print exactly their lines and nothing
     else. The bar is cleared when closed (``leave=False``); redrawn at most 10 times a second."""
     try:
