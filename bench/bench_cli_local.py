@@ -5,7 +5,8 @@ loopback), beside the floor the issue sets: ``python -c "import httpx, click"``.
     .venv/bin/python bench/bench_cli_local.py [--runs 15] [--src DIR] [--no-server]
 
 Makes a dev database in a fresh ``MEMFUSE_HOME`` (one store, ``MEMORY.md`` and 20 records)
-and, unless ``--no-server``, a ``memfuse serve`` on a copy of it. Runs every command once per
+and, unless ``--no-server``, a ``memfuse serve`` on a copy of it; ``memfuse status`` reads a
+directory holding a mount's ``.memfuse/status.json``. Runs every command once per
 round, ``--runs`` rounds, the floor in each round (paired runs: a machine loaded by others
 slows a round's runs alike), and reports per command the median wall time and CPU time (user
 + system of the child, from ``wait4``; the other work on the machine inflates it less than
