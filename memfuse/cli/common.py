@@ -344,11 +344,15 @@ _PROXY_ENV = {"http_proxy", "https_proxy", "all_proxy"}
 def _read_api(target: Target, body: Callable[[ApiClient], Awaitable[T]]) -> T:
     """:func:`_api` for a read command (``history``, ``show``, ``search``, ``store list``,
     ``token list``...), without an event loop where one is not needed
-    (:func:`memfuse.client.run_loopless`): against a control plane through a blocking
-    transport (:class:`memfuse.client.SyncTransport`), so trio is never imported. Output and
-    errors are the same as :func:`_api`'s; when the work needs an event loop after all
-    (:class:`memfuse.client.NeedEventLoop`: an HTTP proxy, ...), or in local mode, it runs
-    through :func:`_api`. ``body`` must be a read: it may be started twice."""
+    (:func:`memfuse.client.run_loopless`), so trio is never imported: against a control
+    plane through a blocking transport (:class:`memfuse.client.SyncTransport`); in local mode
+    from the dev database through ``sqlite3`` (:class:`memfuse.cli.localread.LocalReadTransport`,
+    when the database exists at the newest schema revision). Output and errors are the same
+    as :func:`_api`'s; when the work needs an event loop or the full service after all
+    (:class:`memfuse.client.NeedEventLoop`: a request the local reader does not answer
+    plainly, a refusal, an HTTP proxy in the environment), it runs again through
+    :func:`_api`. ``body`` must be a read: it may be started twice (before any output, for
+    the commands using this: the local reader answers a search in one page)."""
     if target.control_plane and not any(k.lower() in _PROXY_ENV for k in os.environ):
         from memfuse.client import NeedEventLoop, SyncTransport, run_loopless, tls_context
 
