@@ -5,7 +5,8 @@ loopback), beside the floor the issue sets: ``python -c "import httpx, click"``.
     .venv/bin/python bench/bench_cli_local.py [--runs 15] [--src DIR] [--no-server]
 
 Makes a dev database in a fresh ``MEMFUSE_HOME`` (one store, ``MEMORY.md`` and 20 records)
-and, unless ``--no-server``, a ``memfuse serve`` on a copy of it. Runs every command once per
+and, unless ``--no-server``, a ``memfuse serve`` on a copy of it; ``memfuse status`` reads a
+directory holding a mount's ``.memfuse/status.json``. Runs every command once per
 round, ``--runs`` rounds, the floor in each round (paired runs: a machine loaded by others
 slows a round's runs alike), and reports per command the median wall time and CPU time (user
 + system of the child, from ``wait4``; the other work on the machine inflates it less than
@@ -23,6 +24,7 @@ import os
 import re
 import secrets
 import shutil
+import sqlite3
 import statistics
 import subprocess
 import sys
@@ -44,6 +46,7 @@ COMMANDS = {
     FLOOR: ["-c", "import httpx, click"],
     "python -c pass": ["-c", "pass"],
     "import memfuse.cli": ["-c", "import memfuse.cli"],
+    "status (a mount's status.json)": ["-m", "memfuse.cli", "status", "{mount}"],
     **{f"local: {k}": ["-m", "memfuse.cli", *v] for k, v in READS.items()},
     **{f"server: {k}": ["-m", "memfuse.cli", *v] for k, v in READS.items()},
 }
@@ -60,7 +63,13 @@ async def main():
 trio.run(main)
 """
 
+STATUS_JSON = {"workspace": "dev", "ready": True, "stores": {"default": {"access": "read_write", "records": 21}},
+               "outbox": {"depth": 0}}
+
+
 def _argv(args: list[str]) -> list[str]:
+    mount = os.environ.get("MEMFUSE_BENCH_MOUNT", "")
+    args = [a.replace("{mount}", mount) for a in args]
     if args[:1] == ["-m"]:  # memfuse.cli has no __main__: call its entry point
         return ["-c", "from memfuse.cli import main; import sys; sys.argv[0] = 'memfuse'; main()", *args[2:]]
     return args
@@ -102,7 +111,8 @@ def start_server(work: Path, env: dict[str, str]) -> tuple[subprocess.Popen, str
     URL, admin token)."""
     db = next(Path(env["MEMFUSE_HOME"]).rglob("*.db"))
     copy = work / "server.db"
-    shutil.copy(db, copy)
+    with sqlite3.connect(db) as src, sqlite3.connect(copy) as dst:
+        src.backup(dst)  # the pages still in the WAL too (a file copy may miss them)
     token = secrets.token_urlsafe(24)
     (work / "admin-token").write_text(token)
     log = (work / "serve.log").open("wb")
@@ -137,6 +147,10 @@ def main() -> None:
         if opts.src:
             env["PYTHONPATH"] = str(opts.src.resolve())
         os.makedirs(env["MEMFUSE_HOME"])
+        mount = work / "mnt"  # what `memfuse status` reads: a mount's .memfuse/status.json
+        (mount / ".memfuse").mkdir(parents=True)
+        (mount / ".memfuse" / "status.json").write_text(json.dumps(STATUS_JSON))
+        os.environ["MEMFUSE_BENCH_MOUNT"] = str(mount)
         subprocess.run([sys.executable, "-c", FILL], env=env, check=True, timeout=300, cwd=env["MEMFUSE_HOME"])
         where = subprocess.run([sys.executable, "-c", "import memfuse; print(memfuse.__file__)"],
                                env=env, check=True, capture_output=True, text=True,
@@ -173,7 +187,7 @@ def main() -> None:
         print("\nwhat each command imports (top-level package: own import ms, costliest first):")
         for row in rows:
             name = row["command"]
-            if name in live and (name.startswith(("local: ", "server: ")) or name == FLOOR):
+            if name in live and (name.startswith(("local: ", "server: ", "status")) or name == FLOOR):
                 row["imports_ms"] = dict(imports(COMMANDS[name], live[name]))
                 print(f"  {name}: " + ", ".join(f"{k} {v:.0f}" for k, v in row["imports_ms"].items()))
         result = {"memfuse": where, "runs": opts.runs, "loadavg": os.getloadavg(), "rows": rows}

@@ -155,3 +155,9 @@ def parse_count(text: str) -> int:
     if n > MAX_COUNT:
         raise ValueError(f"is too large (at most {MAX_COUNT})")
     return n
+
+
+def one_line(text: object) -> str:
+    """``text`` with every run of whitespace (newlines included) as one space, stripped (an
+    error or a description on one line of the CLI's output)."""
+    return " ".join(str(text).split())

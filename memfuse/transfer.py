@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from memfuse.client import ApiClient, with_retries
+from memfuse.defs import one_line  # noqa: F401  (re-exported: callers found it here)
 from memfuse.content import ContentError, check_secrets, check_type, check_utf8, record_type
 from memfuse.errors import Conflict, PermanentError
 from memfuse.wire import MODE_MASK, Record, sha256_hex
@@ -38,11 +39,6 @@ MANIFEST_PATH = ".memfuse/export.json"
 #: The manifest's ``format`` member, and the ``version`` this memfuse writes and reads.
 MANIFEST_FORMAT = "memfuse-export"
 MANIFEST_VERSION = 1
-
-
-def one_line(text: str) -> str:
-    """``text`` with every run of whitespace (newlines included) as one space, stripped."""
-    return " ".join(str(text).split())
 
 
 def shown(path: str) -> str:
@@ -228,7 +224,7 @@ def import_walk(root: Path, listed: Iterable[str] = ()) -> tuple[list[tuple[str,
 async def import_files(
     api: ApiClient,
     store_slug: str,
-    files: list[tuple[str, Path]],
+    files: Iterable[tuple[str, Path]],
     dry_run: bool,
     echo: Callable[[str], None],
     manifest: dict[str, ManifestEntry] | None = None,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import string
 import subprocess
@@ -396,3 +397,77 @@ def test_import_of_a_directory_with_a_bad_manifest_fails_clearly(home, tmp_path)
     r = invoke("import", "s", str(tmp_path / "d"))
     assert r.exit_code == 1 and "has version 2; this memfuse reads version 1" in r.stderr
     assert store_records("s") == {}
+
+
+def _on_a_terminal(args: list[str], timeout: float = 120) -> tuple[int, bytes]:
+    """Run the real executable with stdout and stderr on a pseudo-terminal (as in a shell
+    window); (exit status, everything it wrote there)."""
+    import pty
+    import select
+    import time
+
+    import fcntl
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))  # rows, columns
+    env = dict(os.environ, COLUMNS="100", TERM="xterm")
+    proc = subprocess.Popen([str(MEMFUSE), *args], stdin=subprocess.DEVNULL, stdout=follower, stderr=follower,
+                            env=env, close_fds=True)
+    os.close(follower)
+    out = bytearray()
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([leader], [], [], 0.5)
+            if ready:
+                try:
+                    chunk = os.read(leader, 65536)
+                except OSError:  # EIO: the process closed its side (exited)
+                    break
+                if not chunk:
+                    break
+                out += chunk
+            elif proc.poll() is not None:
+                break
+        return proc.wait(timeout=30), bytes(out)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(leader)
+
+
+def test_import_and_export_show_a_progress_bar_on_a_terminal_only(home, tmp_path):
+    """On a terminal, `memfuse import` and `export` draw a progress bar (tqdm, on stderr,
+    redrawn in place with carriage returns, cleared at the end); piped they print their lines
+    and nothing else."""
+    files = {f"notes/n{i:03d}.md": f"note {i}\n" for i in range(60)}
+    src = tmp_path / "src"
+    write_tree(src, files)
+    ok("store", "create", "bars")
+    code, shown = _on_a_terminal(["import", "bars", str(src)])
+    text = shown.decode("utf-8", "replace")
+    assert code == 0, text
+    assert re.search(r"importing: +\d+%\|", text), text  # the bar, with its percentage
+    assert re.search(r"\b[1-9]\d*/60\b", text) and "\r" in text  # it moved on (redrawn in place)
+    assert "created notes/n059.md (project)" in text  # the per-file lines still show
+    assert "imported 60 of 60 file(s) into bars: 60 created" in text
+
+    code, shown = _on_a_terminal(["export", "bars", str(tmp_path / "out")])
+    text = shown.decode("utf-8", "replace")
+    assert code == 0, text
+    assert re.search(r"(reading|writing): +\d+%\|", text) and re.search(r"\b\d+/60\b", text), text
+    assert "exported 60 record(s)" in text
+    assert read_tree(tmp_path / "out") == {k: v.encode() for k, v in files.items()}
+
+    # piped (stdout and stderr): the same lines, no bar, no carriage return
+    write_tree(src, {"notes/n000.md": "changed\n"})
+    p = subprocess.run([str(MEMFUSE), "import", "bars", str(src)], capture_output=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert b"updated notes/n000.md (project)" in p.stdout and b"1 updated, 59 unchanged" in p.stdout
+    assert p.stderr == b"" and b"\r" not in p.stdout and b"%|" not in p.stdout
+    p = subprocess.run([str(MEMFUSE), "export", "bars", str(tmp_path / "out2")], capture_output=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith(b"exported 60 record(s)") and p.stderr == b""

@@ -16,6 +16,7 @@ from memfuse.cli.common import (
     BYTES,
     Target,
     _api,
+    _read_api,
     _fmt_time,
     _human_bytes,
     _key,
@@ -101,7 +102,7 @@ def store_create(target: Target, slug: str, description: str, default_type: str,
 @api_options
 def store_list(target: Target, as_json: bool) -> None:
     """List every store with usage and limits."""
-    stores = _api(target, lambda api: with_retries(api.list_stores))
+    stores = _read_api(target, lambda api: with_retries(api.list_stores))
     if as_json:
         click.echo(json.dumps([to_jsonable(s) for s in stores], indent=2))
     else:
@@ -113,7 +114,7 @@ def store_list(target: Target, as_json: bool) -> None:
 @api_options
 def store_show(target: Target, slug: str) -> None:
     """Show store SLUG as JSON."""
-    s = _api(target, lambda api: with_retries(lambda: api.get_store(slug)))
+    s = _read_api(target, lambda api: with_retries(lambda: api.get_store(slug)))
     click.echo(json.dumps(to_jsonable(s), indent=2))
 
 
@@ -189,7 +190,7 @@ def workspace_list(target: Target) -> None:
                          ", ".join(f"{a.store.slug} ({a.access.value})" for a in atts)])
         return rows
 
-    click.echo(_table(_api(target, body), ["WORKSPACE", "CREATED", "STORES"]))
+    click.echo(_table(_read_api(target, body), ["WORKSPACE", "CREATED", "STORES"]))
 
 
 @cli.command()
@@ -319,7 +320,7 @@ def token_create(target: Target, workspace: str | None, name: str, ttl: int | No
 def token_list(target: Target, workspace: str | None, include_revoked: bool, as_json: bool) -> None:
     """List tokens (never their secrets): id, name, workspace, created, last used, expiry,
     state. LAST USED is updated at most once a minute."""
-    tokens = _api(target, lambda api: with_retries(
+    tokens = _read_api(target, lambda api: with_retries(
         lambda: api.list_tokens(workspace, include_revoked=include_revoked)))
     if as_json:
         click.echo(json.dumps([to_jsonable(t) for t in tokens], indent=2))

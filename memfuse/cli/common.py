@@ -21,11 +21,11 @@ from typing import Any, NoReturn, TypeVar
 import click
 
 from memfuse.client import ApiClient
-from memfuse.defs import parse_byte_size
+from memfuse.defs import one_line, parse_byte_size
 from memfuse.errors import ApiError
 
 
-# memfuse.transfer (and the content checks it imports) is loaded by these two only when
+# memfuse.transfer (and the content checks it imports) is loaded by this one only when
 # called: a read command (``history``, ``show``, ``store list``...) does not pay for it.
 def _key() -> str:
     """A fresh idempotency key for one CLI write (:func:`memfuse.transfer.new_key`)."""
@@ -35,9 +35,7 @@ def _key() -> str:
 
 
 def _one_line(text: str) -> str:
-    """``text`` on one line (:func:`memfuse.transfer.one_line`)."""
-    from memfuse.transfer import one_line
-
+    """``text`` on one line (:func:`memfuse.defs.one_line`)."""
     return one_line(text)
 
 T = TypeVar("T")
@@ -259,6 +257,7 @@ class Target:
 
     control_plane: str | None
     token_file: Path | None
+    _warned: bool = False
 
     def token(self) -> str | None:
         """The token from ``--token-file`` (whitespace stripped), else ``$MEMFUSE_TOKEN``."""
@@ -273,22 +272,31 @@ class Target:
         tok = os.environ.get(TOKEN_ENV, "").strip()
         return tok or None
 
+    def warn_local(self) -> None:
+        """In local mode, say once on stderr that a token given is ignored."""
+        if (self.token_file is not None or os.environ.get(TOKEN_ENV)) and not self._warned:
+            self._warned = True
+            click.echo(
+                "memfuse: no --control-plane given; using the local dev database (token ignored)",
+                err=True,
+            )
+
+    def server_token(self) -> str:
+        """The token for ``--control-plane`` (:meth:`token`); a usage error when none is given."""
+        tok = self.token()
+        if tok is None:
+            raise click.UsageError(
+                "no token: pass --token-file F (or set MEMFUSE_TOKEN_FILE / MEMFUSE_TOKEN)"
+            )
+        return tok
+
     def client(self, *, faces: bool = False) -> ApiClient:
         """A new ApiClient for this target (close it when done). In local mode ``faces=True``
         also serves the agent-tool routes in process (``memfuse mcp`` needs the memory-tool
         endpoint); the other commands leave them out."""
         if self.control_plane:
-            tok = self.token()
-            if tok is None:
-                raise click.UsageError(
-                    "no token: pass --token-file F (or set MEMFUSE_TOKEN_FILE / MEMFUSE_TOKEN)"
-                )
-            return ApiClient(self.control_plane, tok)
-        if self.token_file is not None or os.environ.get(TOKEN_ENV):
-            click.echo(
-                "memfuse: no --control-plane given; using the local dev database (token ignored)",
-                err=True,
-            )
+            return ApiClient(self.control_plane, self.server_token())
+        self.warn_local()
         from memfuse.devenv import local_client
 
         return local_client(faces=faces)
@@ -326,6 +334,57 @@ def _api(target: Target, body: Callable[[ApiClient], Awaitable[T]]) -> T:
             return await body(api)
 
     return _run(main)
+
+
+#: environment variables that make httpx send through a proxy (its ``trust_env``): a read
+#: then takes the ordinary path (the proxy transports need an event loop)
+_PROXY_ENV = {"http_proxy", "https_proxy", "all_proxy"}
+
+
+def _read_api(target: Target, body: Callable[[ApiClient], Awaitable[T]]) -> T:
+    """:func:`_api` for a read command (``history``, ``show``, ``search``, ``store list``,
+    ``token list``...), without an event loop where one is not needed
+    (:func:`memfuse.client.run_loopless`), so trio is never imported: against a control
+    plane through a blocking transport (:class:`memfuse.client.SyncTransport`); in local mode
+    from the dev database through ``sqlite3`` (:class:`memfuse.cli.localread.LocalReadTransport`,
+    when the database exists at the newest schema revision). Output and errors are the same
+    as :func:`_api`'s; when the work needs an event loop or the full service after all
+    (:class:`memfuse.client.NeedEventLoop`: a request the local reader does not answer
+    plainly, a refusal, an HTTP proxy in the environment), it runs again through
+    :func:`_api`. ``body`` must be a read: it may be started twice (before any output, for
+    the commands using this: the local reader answers a search in one page)."""
+    if target.control_plane and not any(k.lower() in _PROXY_ENV for k in os.environ):
+        from memfuse.client import NeedEventLoop, SyncTransport, run_loopless, tls_context
+
+        base = target.control_plane
+        tok = target.server_token()
+
+        async def main() -> T:
+            async with ApiClient(base, tok, transport=SyncTransport(tls_context(base))) as api:
+                return await body(api)
+
+        try:
+            return run_loopless(main)
+        except NeedEventLoop:
+            pass
+    elif not target.control_plane:
+        from memfuse.client import NeedEventLoop, run_loopless
+        from memfuse.cli.localread import LocalReadTransport
+        from memfuse.devenv import LOCAL_BASE_URL, dev_db_path
+
+        transport = LocalReadTransport.open(dev_db_path())
+        if transport is not None:
+            target.warn_local()
+
+            async def local() -> T:
+                async with ApiClient(LOCAL_BASE_URL, None, transport=transport) as api:
+                    return await body(api)
+
+            try:
+                return run_loopless(local)
+            except NeedEventLoop:
+                pass
+    return _api(target, body)
 
 
 def _table(rows: list[list[str]], headers: list[str]) -> str:

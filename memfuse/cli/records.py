@@ -17,6 +17,7 @@ import msgspec
 from memfuse.cli.common import (
     Target,
     _api,
+    _read_api,
     _fmt_time,
     _key,
     _table,
@@ -72,7 +73,7 @@ def history(target: Target, store_slug: str, path: str) -> None:
         rec = await _find(api, store_slug, path)
         return rec, await _about(store_slug, path, rec, lambda: api.versions(store_slug, rec.id))
 
-    rec, versions = _api(target, body)
+    rec, versions = _read_api(target, body)
     rows = [
         [
             str(v.version),
@@ -122,7 +123,7 @@ def show(target: Target, store_slug: str, path: str, version_n: int | None) -> N
         full = await with_retries(lambda: api.get_record(store_slug, rec.id, content=True))
         return full.content or ""
 
-    content = _api(target, body)
+    content = _read_api(target, body)
     _write_exact(content)
 
 
@@ -172,7 +173,7 @@ def index_cmd(target: Target, store_slug: str, as_json: bool) -> None:
     """Report how STORE's MEMORY.md and its records agree: links to records that do not
     exist (missing), records MEMORY.md does not mention (unindexed), and entries the prompt
     block cuts (omitted). Lines of MEMORY.md are shown escaped on a terminal."""
-    rep = _api(target, lambda api: with_retries(lambda: api.index_report(store_slug)))
+    rep = _read_api(target, lambda api: with_retries(lambda: api.index_report(store_slug)))
     if as_json:
         click.echo(msgspec.json.encode(rep).decode())
         return
@@ -320,7 +321,7 @@ def search(target: Target, store_slug: str, query: str, prefix: str, rtype: str 
 
     sys.stdout.flush()
     try:
-        found = _api(target, body)
+        found = _read_api(target, body)
     except (click.exceptions.Abort, click.exceptions.Exit):
         raise
     except BrokenPipeError:  # the reader left (`| head`): quiet, as grep killed by SIGPIPE

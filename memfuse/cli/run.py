@@ -712,11 +712,13 @@ def status(mountpoint: Path, admin_url: str | None, admin_token_file: Path | Non
     with --admin URL --admin-token-file F or --admin-socket PATH, of the sidecar serving that
     admin API: workspace, readiness, stores, outbox. Exits 1 with one line when nothing
     answers."""
-    from memfuse.sidecar.admin import (StatusUnavailable, fetch_status, format_status, read_admin_token,
-                                       read_status_file)
+    # not memfuse.sidecar.admin, the server side (trio): `memfuse status` is a quick read
+    from memfuse.sidecar.statusclient import StatusUnavailable, fetch_status, format_status, read_status_file
 
     token = None
     if admin_token_file is not None:
+        from memfuse.sidecar.admin import read_admin_token
+
         try:
             token = read_admin_token(admin_token_file)
         except ValueError as e:

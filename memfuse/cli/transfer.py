@@ -6,7 +6,12 @@ output.
 """
 from __future__ import annotations
 
+import os
+import shutil
+import sys
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import click
 
@@ -22,6 +27,49 @@ from memfuse.transfer import (
     read_manifest,
     shown,
 )
+
+
+T = TypeVar("T")
+
+
+def progress_bar(total: int, desc: str, unit: str) -> Any:
+    """A progress bar (``tqdm``) of ``total`` items (``unit``) on stderr when stderr is a terminal,
+    else None: piped or redirected, import and export print exactly their lines and nothing
+    else. The bar is cleared when closed (``leave=False``); redrawn at most 10 times a second."""
+    try:
+        tty = sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        tty = False
+    if not tty:
+        return None
+    from tqdm import tqdm
+
+    try:  # a terminal that reports no size (0 columns: some ptys) gets $COLUMNS or 80
+        sized = os.get_terminal_size(sys.stderr.fileno()).columns > 0
+    except (OSError, ValueError):
+        sized = False
+    width = {"dynamic_ncols": True} if sized else {"ncols": shutil.get_terminal_size().columns}
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False, mininterval=0.1, **width)
+
+
+def _ticking(bar: Any, items: Iterable[T]) -> Iterable[T]:
+    """``items``, the bar advanced by one as each is done (when the next is asked for)."""
+    first = True
+    for item in items:
+        if not first:
+            bar.update(1)
+        first = False
+        yield item
+    if not first:
+        bar.update(1)
+
+
+def _echo_with(bar: Any) -> Callable[[str], None]:
+    """``click.echo``, or above the bar while one is shown (``tqdm.write``: the bar is redrawn
+    under the line)."""
+    if bar is None:
+        return click.echo
+    return lambda line: bar.write(line, file=sys.stdout)
 
 
 @cli.command("import")
@@ -55,7 +103,14 @@ def import_(target: Target, store_slug: str, directory: Path, dry_run: bool) -> 
     except ManifestError as e:
         raise click.ClickException(_one_line(e)) from None
     files, skipped = import_walk(directory, manifest or ())
-    report = _api(target, lambda api: import_files(api, store_slug, files, dry_run, click.echo, manifest))
+    bar = progress_bar(len(files), "checking" if dry_run else "importing", "file")
+    try:
+        items = files if bar is None else _ticking(bar, files)
+        report = _api(target, lambda api: import_files(api, store_slug, items, dry_run, _echo_with(bar),
+                                                       manifest))
+    finally:
+        if bar is not None:
+            bar.close()
     report.skipped = skipped
     found = {p for p, _ in files}
     for path in sorted(manifest or (), key=lambda p: p.encode("utf-8")):
@@ -95,11 +150,37 @@ def export(target: Target, store_slug: str, directory: Path) -> None:
     the same records back: paths (dot-files included), content, types (set by frontmatter,
     xattr or the console), modes and times.
     """
-    records, _ = _api(target, lambda api: with_retries(lambda: api.snapshot(store_slug, content=True)))
-    report = export_records(records, directory, store_slug)
+    bar = progress_bar(0, "reading", "record")
+    try:
+        if bar is None:
+            records, _ = _api(target, lambda api: with_retries(lambda: api.snapshot(store_slug, content=True)))
+        else:
+            records = _api(target, lambda api: _read_with_bar(api, store_slug, bar))
+            bar.close()
+            bar = progress_bar(len(records), "writing", "record")
+        report = export_records(records if bar is None else _ticking(bar, records), directory, store_slug)
+    finally:
+        if bar is not None:
+            bar.close()
     click.echo(f"exported {report.written} record(s), {_human_bytes(report.bytes)}, from {store_slug} to {directory}")
     if report.failed:
         click.echo("failed:")
         for path, reason in report.failed:
             click.echo(f"  {shown(path)}: {_one_line(reason)}")
         raise click.ClickException(f"{len(report.failed)} record(s) could not be written")
+
+
+async def _read_with_bar(api: Any, store_slug: str, bar: Any) -> list[Any]:
+    """Every live record of the store with content, as ``ApiClient.snapshot`` reads them
+    (the same pages), the bar advanced per page; its total is the store's record count."""
+    store = await with_retries(lambda: api.get_store(store_slug))
+
+    async def read() -> list[Any]:
+        bar.reset(total=store.record_count)
+        records: list[Any] = []
+        async for page in api.iter_pages(store_slug, content=True):
+            records.extend(page.records)
+            bar.update(len(page.records))
+        return records
+
+    return await with_retries(read)
