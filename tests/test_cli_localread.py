@@ -48,6 +48,7 @@ READS = [
     ["show", "default", "MEMORY.md", "--version", "1"],
     ["show", "default", "MEMORY.md", "--version", "2"],  # redacted
     ["show", "default", "MEMORY.md", "--version", "99"],
+    ["show", "default", "journal.md", "--version", "2"],  # an append version: the full path
     ["show", "default", "gone.md"],
     ["show", "default", "nowhere.md"],
     ["show", "nostore", "x.md"],
@@ -67,7 +68,7 @@ READS = [
 ]
 
 #: commands the fast path must answer itself (no fallback to the full local mode)
-FAST = [a for a in READS if not ({"--rank", "--path-prefix", "nostore", "nowhere.md", "99"} & set(a))]
+FAST = [a for a in READS if not ({"--rank", "--path-prefix", "nostore", "nowhere.md", "99", "journal.md"} & set(a))]
 
 
 async def _fill() -> None:
@@ -88,6 +89,8 @@ async def _fill() -> None:
         await api.create_record("default", "notes/long.md", "long " + "x" * 400 + "\n")
         m = await api.create_record("default", "notes/m.md", "to move\n")
         await api.move_record("default", m.id, "notes/moved.md", if_match=m.sha256)
+        j = await api.create_record("default", "journal.md", "line 0\n")
+        await api.update_record("default", j.id, "line 0\nline 1\n", if_match=j.sha256)  # stored as its suffix
         g = await api.create_record("default", "gone.md", "soon gone\n")
         await api.delete_record("default", g.id, if_match=g.sha256)
         await api.create_token("dev", name="laptop")
@@ -137,6 +140,7 @@ def test_local_reads_match_the_full_path(filled, monkeypatch):
     assert "redacted" in fast[("show", "default", "MEMORY.md", "--version", "2")][2]
     assert "notes/moved.md" in fast[("history", "default", "notes/moved.md")][1]
     assert fast[("show", "default", "MEMORY.md", "--version", "99")][0] == 1
+    assert fast[("show", "default", "journal.md", "--version", "2")][1] == "line 0\nline 1\n"
     assert fast[("search", "default", "ÄPFEL")][1].count("\n") == 1
     assert "(admin)" in fast[("token", "list")][1] and "revoked" in fast[("token", "list", "--all")][1]
     assert "3/" in fast[("store", "show", "limited")][1] or '"max_history_versions": 3' in \

@@ -251,9 +251,11 @@ class LocalReadTransport(httpx.AsyncBaseTransport):
                 sql = f"SELECT {', '.join(_VERSION_COLS)} FROM versions WHERE record_id = ? ORDER BY version"
                 return [_row(r, _VERSION_COLS) for r in self._conn.execute(sql, (rest[1],))]
             n = _bounded({"n": rest[3]}, "n", 0, 1, 2**63 - 1)
-            cols = _VERSION_COLS + ["content"]
+            cols = _VERSION_COLS + ["content", "base_version"]
             v = _row(self._one(f"SELECT {', '.join(cols)} FROM versions WHERE record_id = ? AND version = ?",
                                rest[1], n), cols)
+            if v.pop("base_version") is not None:  # an append version holds only its suffix
+                raise NeedEventLoop("an append version: its content is rebuilt from its chain")
             if v["redacted"]:
                 v["content"] = None
             return v
