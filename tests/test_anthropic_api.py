@@ -10,6 +10,7 @@ are checked through memfuse's own API (``ApiClient``).
 from __future__ import annotations
 
 import hashlib
+import re
 import os
 import secrets
 from collections.abc import Iterator
@@ -414,6 +415,39 @@ def test_wire_and_errors(server, ws_token, notes):
         assert r.status_code == 400
         r = h.get(url, headers={**hdr, "anthropic-workspace-id": "wrkspc_ws"})
         assert r.status_code == 200
+        # created_at filters are RFC 3339 date-times, as the OpenAPI document says
+        r = h.get(url, headers=hdr, params={"created_at[gte]": "1.5e-198"})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+        r = h.get(url, headers=hdr, params={"created_at[gte]": "2020-01-01T00:00:00Z"})
+        assert r.status_code == 200
+        # the front door's refusals, before the body is read, are in the same envelope: a body
+        # past the endpoint's limit (declared; never sent) is 413 request_too_large
+        import json
+        import socket
+
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+            sock.sendall(f"POST /v1/memory_stores/{notes}/memories HTTP/1.1\r\nHost: x\r\n"
+                         f"x-api-key: {ws_token}\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: {64 << 20}\r\n\r\n".encode())
+            raw = b""
+            while b"\r\n\r\n" not in raw or len(raw.split(b"\r\n\r\n", 1)[1]) < int(
+                    re.search(rb"(?i)content-length: (\d+)", raw).group(1)):
+                piece = sock.recv(65536)
+                assert piece, raw
+                raw += piece
+        head, body = raw.split(b"\r\n\r\n", 1)
+        assert head.startswith(b"HTTP/1.1 413") and b"content-type: application/json\r\n" in head.lower(), head
+        err = json.loads(body)
+        assert err["type"] == "error" and err["error"]["type"] == "request_too_large"
+        assert err["request_id"].startswith("req_")
+    # the document declares these refusals: the envelope, not the app's problem+json
+    doc = httpx.get(f"{server.url}/openapi.json", timeout=30).json()
+    op = doc["paths"]["/v1/memory_stores/{memory_store_id}/memories"]["post"]
+    assert {"400", "401", "404", "409", "413", "429", "503"} <= set(op["responses"])
+    assert "422" not in op["responses"] and "4XX" not in op["responses"]
+    assert op["responses"]["413"]["content"] == {
+        "application/json": {"schema": {"$ref": "#/components/schemas/AnthropicErrorResponse"}}}
+    assert {"AnthropicApiKey": []} in op["security"]
     with pytest.raises(anthropic.AuthenticationError):
         client(server, "wrong").beta.memory_stores.list()
     # the secret rule of memfuse holds here too: 400, nothing stored

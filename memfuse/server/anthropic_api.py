@@ -29,6 +29,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import re
 import unicodedata
 import uuid
 from collections.abc import Awaitable, Callable
@@ -41,6 +42,7 @@ from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
+from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
 from sqlalchemy.engine import Row
 from sqlalchemy.exc import OperationalError
@@ -146,12 +148,85 @@ class _AnthropicRoute(APIRoute):
                 return _bad("; ".join(parts) or "invalid request").response(rid)
             except StarletteHTTPException as e:
                 return AnthropicError(e.status_code, "invalid_request_error", str(e.detail)).response(rid)
-            except OperationalError:
-                log.error("database error on %s %s", request.method, request.url.path, exc_info=True)
+            except OperationalError as e:
+                text = str(e.orig).lower() if e.orig is not None else ""
+                if "locked" in text or "busy" in text:
+                    log.warning("database busy on %s %s", request.method, request.url.path)
+                else:
+                    log.error("database error on %s %s", request.method, request.url.path, exc_info=True)
                 return AnthropicError(503, "overloaded_error", "database error; retry",
                                       {"retry-after": "1"}).response(rid)
+            except Exception:
+                log.exception("unhandled error in %s %s", request.method, request.url.path)
+                return AnthropicError(500, "api_error", "unexpected server error").response(rid)
 
         return route
+
+
+# the error type of a refusal the front door makes before the app runs
+# (memfuse.server.gate: size, body deadline, write rate, load), by status
+_GATE_TYPES = {401: "authentication_error", 408: "timeout_error", 413: "request_too_large",
+               429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def gate_refusal(status: int, code: str, detail: str) -> tuple[bytes, bytes]:
+    """(body, content type) of a refusal of the front door (``memfuse.server.gate``) under
+    ``PREFIX``: Anthropic's envelope, the error type by status (``api_error`` for others),
+    the message memfuse's detail with its code."""
+    body = am.ErrorResponse(error=am.ErrorObject(type=_GATE_TYPES.get(status, "api_error"),
+                                                 message=f"{detail} ({code})"),
+                            request_id="req_" + uuid.uuid4().hex)
+    return body.model_dump_json().encode(), b"application/json"
+
+
+# Every refusal an operation of this API may answer, as its OpenAPI document declares it
+# (status → Anthropic error types; ``writes``: only POST and DELETE). Source: the SDK's
+# status → exception map (anthropic 2.15.0, ``_client.py: _make_status_error``), and what
+# memfuse answers (``from_service_error``, ``_AnthropicRoute``, ``gate_refusal``).
+ERROR_STATUSES: dict[int, tuple[str, bool]] = {
+    400: ("invalid_request_error: input the API does not take (validation, bounds, a page "
+          "of another listing, a path or content memfuse refuses, an archived or full store)", False),
+    401: ("authentication_error: no credential, or an unknown, revoked or expired one", False),
+    403: ("permission_error: the credential may not do this, or names another workspace", False),
+    404: ("not_found_error: no such memory store, memory or version (or not visible to the "
+          "credential)", False),
+    408: ("timeout_error: the request body did not arrive in time", False),
+    409: ("memory_precondition_failed_error (the content's sha256 is not the precondition's), "
+          "memory_path_conflict_error (a memory holds that path) or conflict_error", True),
+    413: ("request_too_large: the body is larger than the endpoint takes", False),
+    429: ("rate_limit_error: the credential writes faster than the server allows "
+          "(Retry-After)", True),
+    500: ("api_error: an unexpected server error", False),
+    503: ("overloaded_error: the server or its database is busy; retry (Retry-After)", False),
+}
+ERROR_SCHEMA = "AnthropicErrorResponse"
+
+
+def declare_errors(document: dict[str, Any]) -> None:
+    """Make ``document`` (the app's OpenAPI document) declare what the operations under
+    ``PREFIX`` answer on refusal: the statuses of ``ERROR_STATUSES`` in Anthropic's envelope
+    (``application/json``, schema ``AnthropicErrorResponse``) instead of the app's
+    problem+json and FastAPI's 422. Changes ``document`` in place."""
+    comps = document.setdefault("components", {}).setdefault("schemas", {})
+    schema = am.ErrorResponse.model_json_schema(ref_template="#/components/schemas/Anthropic{model}")
+    for name, d in schema.pop("$defs", {}).items():
+        comps["Anthropic" + name] = d
+    schema["required"] = ["type", "error"]  # always sent (``request_id`` too, but may be null)
+    comps[ERROR_SCHEMA] = schema
+    ref = {"$ref": f"#/components/schemas/{ERROR_SCHEMA}"}
+    for path, item in document.get("paths", {}).items():
+        if not path.startswith(PREFIX):
+            continue
+        for method, op in item.items():
+            if not isinstance(op, dict) or "responses" not in op:
+                continue
+            responses = {k: v for k, v in op["responses"].items() if k.startswith("2")}
+            for status, (description, writes_only) in ERROR_STATUSES.items():
+                if writes_only and method not in ("post", "delete"):
+                    continue
+                responses[str(status)] = {"description": description,
+                                          "content": {"application/json": {"schema": ref}}}
+            op["responses"] = responses
 
 
 # ---------------------------------------------------------------- ids, paths, pages
@@ -249,6 +324,26 @@ def _view(view: str | None, default: str) -> bool:
 # ``limit``'s bounds stated in the OpenAPI document; the handler checks them itself (``_limit``)
 # so that a bad one is Anthropic's 400 ``invalid_request_error``, not FastAPI's 422
 ListLimit = Annotated[int, Query(json_schema_extra={"minimum": 1, "maximum": am.LIST_LIMIT_MAX})]
+
+
+# ``created_at[gte|lte]``: an RFC 3339 date-time, as the document says (``format: date-time``);
+# read by the handler (``_when``), since pydantic would also take a number (a Unix time) and
+# a date alone, which the document refuses
+_DATE_TIME = re.compile(r"\d{4}-\d\d-\d\d[Tt ]\d\d:\d\d:\d\d(\.\d{1,9})?([Zz]|[+-]\d\d:\d\d)?", re.ASCII)
+WhenQ = Annotated[str | None, Query(json_schema_extra={"format": "date-time"})]
+
+
+def _when(value: str | None, name: str) -> datetime | None:
+    """The date-time of a ``created_at[…]`` filter (an offset-less one is taken as it is, as
+    the anthropic SDK sends a naive ``datetime``); 400 for anything else."""
+    if value is None:
+        return None
+    if not _DATE_TIME.fullmatch(value):
+        raise _bad(f"{name} must be an RFC 3339 date-time")
+    try:
+        return datetime.fromisoformat(value[:19] + value[19:].replace("z", "Z"))
+    except ValueError:
+        raise _bad(f"{name} must be an RFC 3339 date-time") from None
 
 
 def _limit(limit: int | None, full: bool) -> int:
@@ -350,17 +445,21 @@ def _sha(value: str | None, what: str) -> str:
 # ---------------------------------------------------------------- the router
 
 
+# the two ways to send the credential, as the OpenAPI document's security schemes (either)
+_api_key = APIKeyHeader(name="x-api-key", auto_error=False, scheme_name="AnthropicApiKey",
+                        description="a memfuse token (workspace or admin), as the anthropic SDK sends it")
+_bearer = HTTPBearer(auto_error=False, scheme_name="HTTPBearer", description="workspace or admin token")
+
+
 async def principal(
     request: Request,
-    x_api_key: Annotated[str | None, Header()] = None,
+    x_api_key: Annotated[str | None, Depends(_api_key)] = None,
+    bearer: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)] = None,
 ) -> Principal:
-    """The caller: a memfuse token as ``x-api-key`` or ``Authorization: Bearer``; 401
-    ``authentication_error`` when missing, unknown, revoked or expired."""
+    """The caller: a memfuse token as ``x-api-key`` (it wins) or ``Authorization: Bearer``;
+    401 ``authentication_error`` when missing, unknown, revoked or expired."""
     svc: Service = request.app.state.service
-    token = x_api_key
-    if not token:
-        scheme, _, cred = request.headers.get("authorization", "").partition(" ")
-        token = cred.strip() if scheme.lower() == "bearer" else None
+    token = (x_api_key or "").strip() or (bearer.credentials.strip() if bearer is not None else None)
     if not token:
         raise AnthropicError(401, "authentication_error", "x-api-key header is required")
     p = svc.authenticate_cached(token, None)
@@ -415,6 +514,17 @@ def install(app: FastAPI, svc: Service) -> None:
             return AnthropicError(401, "authentication_error", message).response("req_" + uuid.uuid4().hex)
 
         front.auth_refusals[PREFIX] = unauthorized
+        front.refusal_bodies[PREFIX] = gate_refusal
+
+    base_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        """The app's document, with this API's refusals declared as they are answered."""
+        if app.openapi_schema is None:
+            declare_errors(base_openapi())
+        return app.openapi_schema  # type: ignore[return-value]
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
     # every route checks anthropic-workspace-id against the token (FastAPI runs a dependency
     # once per request, so the routes that read it get the same answer)
@@ -436,8 +546,8 @@ def install(app: FastAPI, svc: Service) -> None:
     @r.get("", response_model=am.MemoryStorePage)
     def list_stores(
         p: P, ws: WS,
-        created_gte: Annotated[datetime | None, Query(alias="created_at[gte]")] = None,
-        created_lte: Annotated[datetime | None, Query(alias="created_at[lte]")] = None,
+        created_gte: Annotated[WhenQ, Query(alias="created_at[gte]")] = None,
+        created_lte: Annotated[WhenQ, Query(alias="created_at[lte]")] = None,
         include_archived: bool = False,
         limit: ListLimit = am.LIST_LIMIT_DEFAULT,
         page: str | None = None,
@@ -445,7 +555,8 @@ def install(app: FastAPI, svc: Service) -> None:
         n = _limit(limit, False)
         cur = _decode_page(page, "s")
         rows = svc.ms_list_stores(p, ws, include_archived=include_archived,
-                                  created_gte=created_gte, created_lte=created_lte)
+                                  created_gte=_when(created_gte, "created_at[gte]"),
+                                  created_lte=_when(created_lte, "created_at[lte]"))
         start = 0
         if cur is not None:
             key = (cur["t"], cur["s"])
@@ -567,8 +678,8 @@ def install(app: FastAPI, svc: Service) -> None:
     def list_versions(
         memory_store_id: str, p: P,
         api_key_id: str | None = None,
-        created_gte: Annotated[datetime | None, Query(alias="created_at[gte]")] = None,
-        created_lte: Annotated[datetime | None, Query(alias="created_at[lte]")] = None,
+        created_gte: Annotated[WhenQ, Query(alias="created_at[gte]")] = None,
+        created_lte: Annotated[WhenQ, Query(alias="created_at[lte]")] = None,
         limit: ListLimit = am.LIST_LIMIT_DEFAULT,
         memory_id: str | None = None,
         operation: str | None = None,
@@ -589,7 +700,7 @@ def install(app: FastAPI, svc: Service) -> None:
             p, slug, limit=n, before_seq=cur["b"] if cur else None,
             record_id=record_id_of(memory_id) if memory_id is not None else None,
             operations=VERSION_OPERATIONS[operation] if operation else None,
-            created_gte=created_gte, created_lte=created_lte,
+            created_gte=_when(created_gte, "created_at[gte]"), created_lte=_when(created_lte, "created_at[lte]"),
             actor_exact=api_key_id, actor_instance=session_id, with_content=full)
         if api_key_id is not None:  # an api_actor's id is its actor string, never a session's
             rows = [v for v in rows if isinstance(actor_out(v.actor), am.APIActor)]
@@ -612,5 +723,6 @@ def install(app: FastAPI, svc: Service) -> None:
     app.include_router(r)
 
 
-__all__ = ["AnthropicError", "PREFIX", "from_service_error", "install", "memfuse_path",
+__all__ = ["AnthropicError", "ERROR_STATUSES", "PREFIX", "declare_errors", "from_service_error", "gate_refusal",
+           "install", "memfuse_path",
            "memory_id", "record_id_of", "version_id", "version_seq"]

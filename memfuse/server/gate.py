@@ -215,6 +215,10 @@ class Gate:
         self.header_timeout = header_timeout
         self.connections = Connections(max_unauthenticated_per_address)
         self.auth_refusals: dict[str, Callable[[ServiceError, Scope], Any]] = {}
+        # path prefix → ``(status, code, detail) -> (body, content type)``: the form of every
+        # other refusal (413, 408, 429, 503) under that prefix, where it is not problem+json
+        # (Anthropic's memory-store API answers its own error envelope)
+        self.refusal_bodies: dict[str, Callable[[int, str, str], tuple[bytes, bytes]]] = {}
         # path prefixes whose clients may send the token as ``x-api-key`` (it wins over
         # ``Authorization``, as there): Anthropic's memory-store API
         self.api_key_prefixes: tuple[str, ...] = ()
@@ -277,7 +281,8 @@ class Gate:
         pending = chunked or bool(length)  # a body not read yet
         if length is not None and length > limit:
             await self._refuse(receive, send, 413, "too_large",
-                               f"the body is larger than this endpoint takes ({limit} bytes)", close=pending)
+                               f"the body is larger than this endpoint takes ({limit} bytes)",
+                               close=pending, path=path)
             return
         principal: Principal | None = None
         if path.startswith("/v1/") or path == "/mcp" or path.startswith("/mcp/"):
@@ -289,12 +294,13 @@ class Gate:
                     self._count(401, e.code)
                     await self._drained(receive, render(e, scope), scope, send, close=pending)
                 else:
-                    await self._refuse(receive, send, e.status, e.code, e.detail, headers=e.headers, close=pending)
+                    await self._refuse(receive, send, e.status, e.code, e.detail, headers=e.headers,
+                                       close=pending, path=path)
                 return
             except SQLAlchemyError as e:
                 log.warning("authentication: database unavailable: %s", type(e).__name__)
                 await self._refuse(receive, send, 503, "unavailable", "database error; retry",
-                                   headers={"Retry-After": "1"}, close=pending)
+                                   headers={"Retry-After": "1"}, close=pending, path=path)
                 return
             self.connections.cleared(scope.get("client"))
             scope["memfuse.principal"] = principal
@@ -306,7 +312,8 @@ class Gate:
                     await self._refuse(receive, send, 429, "rate_limited",
                                        "this token writes faster than the control plane allows; "
                                        "retry after the time in Retry-After",
-                                       headers={"Retry-After": str(max(1, math.ceil(wait)))}, close=pending)
+                                       headers={"Retry-After": str(max(1, math.ceil(wait)))},
+                                       close=pending, path=path)
                     return
         lease: Lease | None = None
         if self.long_lived(method, path, scope.get("query_string", b"")):
@@ -317,7 +324,8 @@ class Gate:
             except ServiceError as e:
                 if lease is not None:
                     lease.close()
-                await self._refuse(receive, send, e.status, e.code, e.detail, headers=e.headers, close=pending)
+                await self._refuse(receive, send, e.status, e.code, e.detail, headers=e.headers,
+                                   close=pending, path=path)
                 return
             scope["memfuse.lease"] = lease
         held = 0
@@ -325,14 +333,16 @@ class Gate:
             try:
                 body, held = await self._read_body(receive, limit)
             except _Refusal as r:
-                await self._refuse(receive, send, r.status, r.code, r.detail, headers=r.headers, close=True)
+                await self._refuse(receive, send, r.status, r.code, r.detail, headers=r.headers,
+                                   close=True, path=path)
                 return
             if body is None:
                 return  # the client left
             if lease is None:
                 if self.inflight >= self.max_inflight:
                     await self._refuse(receive, send, 503, "overloaded",
-                                       "the server is at its request limit; retry", headers={"Retry-After": "1"})
+                                       "the server is at its request limit; retry",
+                                       headers={"Retry-After": "1"}, path=path)
                     return
                 self.inflight += 1
                 self.metrics.inflight.inc()
@@ -531,12 +541,15 @@ class Gate:
                 "status": status, "inflight": self.inflight, "streams": self.streams.open})
 
     async def _refuse(self, receive: Receive, send: Send, status: int, code: str, detail: str, *,
-                      headers: dict[str, str] | None = None, close: bool = False) -> None:
-        """Answer a problem (RFC 9457) now; with ``close``, the request's body is left unread
-        and the connection is closed after the answer."""
+                      headers: dict[str, str] | None = None, close: bool = False, path: str = "") -> None:
+        """Answer a problem (RFC 9457) now, or the body ``refusal_bodies`` gives for ``path``;
+        with ``close``, the request's body is left unread and the connection is closed after
+        the answer."""
         self._count(status, code)
-        body = _problem(status, code, detail)
-        hdrs = [(b"content-type", PROBLEM_JSON), (b"content-length", str(len(body)).encode())]
+        render = next((fn for prefix, fn in self.refusal_bodies.items() if path.startswith(prefix)), None)
+        body, ctype = render(status, code, detail) if render is not None else (_problem(status, code, detail),
+                                                                              PROBLEM_JSON)
+        hdrs = [(b"content-type", ctype), (b"content-length", str(len(body)).encode())]
         hdrs += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]
         messages = [{"type": "http.response.start", "status": status, "headers": hdrs},
                     {"type": "http.response.body", "body": body}]
