@@ -617,6 +617,69 @@ async def test_live_events(app, monkeypatch):
         assert "event: gone" in r.text
 
 
+async def test_idle_live_page_makes_no_database_queries(app, monkeypatch):
+    """A live page is woken by the commits that concern its store (the ``Notifier``, as
+    long-polls and streams are), never by a timer that re-reads the database: once it has
+    looked, an open page makes no statement across its keep-alives, and a write still reaches
+    it at once (before the page's end)."""
+    import trio
+
+    from memfuse.server.console import web
+
+    monkeypatch.setattr(web, "LIVE_KEEPALIVE_SECONDS", 0.2)  # many wake-ups in a short page
+    svc = app.state.service
+    svc.bus.start()
+    with trio.fail_after(10):  # PostgreSQL: the server trusts its cache once LISTEN is up
+        while not svc.bus.connected:
+            await trio.sleep(0.02)
+    seq = svc.list_records(ADMIN_P, "ws", limit=1).seq
+    counter = app.state.metrics.db_statements
+    async with client(app, WS) as c:
+        monkeypatch.setattr(web, "LIVE_STREAM_SECONDS", 0.3)
+        r = await c.get(f"/ui/stores/ws/live?after={seq}")  # looks once: learns the head, access
+        assert r.status_code == 200 and "event: change" not in r.text
+        monkeypatch.setattr(web, "LIVE_STREAM_SECONDS", 2.5)
+        before = counter._value.get()
+        r = await c.get(f"/ui/stores/ws/live?after={seq}")
+        assert r.text.count(": keep-alive") >= 5 and "event: change" not in r.text, r.text
+        assert counter._value.get() == before
+    # a write wakes an open page: the change event comes long before the page's end (the
+    # app called as ASGI directly: httpx's ASGITransport hands over a body only once complete)
+    monkeypatch.setattr(web, "LIVE_STREAM_SECONDS", 60.0)
+    body = bytearray()
+    seen = trio.Event()
+
+    async def send(message):
+        if message["type"] == "http.response.body":
+            body.extend(message.get("body", b""))
+            if b"data:" in body:
+                seen.set()
+
+    requested = False
+
+    async def receive():  # the (empty) request body, then nothing: the client stays
+        nonlocal requested
+        if not requested:
+            requested = True
+            return {"type": "http.request", "body": b"", "more_body": False}
+        await trio.sleep_forever()
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET",
+             "scheme": "http", "path": "/ui/stores/ws/live", "raw_path": b"/ui/stores/ws/live",
+             "root_path": "", "query_string": f"after={seq}".encode(), "server": ("test", 80),
+             "client": ("127.0.0.1", 1), "headers": [(b"host", b"test"), (b"authorization", f"Bearer {WS}".encode())]}
+    with trio.fail_after(15):
+        async with trio.open_nursery() as n:
+            n.start_soon(app, scope, receive, send)
+            while svc.notifier.waiting < 1:
+                await trio.sleep(0.01)
+            await trio.to_thread.run_sync(create, app, "woken.md", "w\n")
+            await seen.wait()
+            n.cancel_scope.cancel()
+    new_seq = svc.list_records(ADMIN_P, "ws", limit=1).seq
+    assert f'data: {{"seq": {new_seq}}}' in body.decode()
+
+
 def test_markdown_is_inert():
     html = str(render_markdown(
         "<script>alert(1)</script>\n\n<img src=x onerror=alert(1)>\n\n[a](javascript:alert(1))\n\n"

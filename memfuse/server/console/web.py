@@ -41,7 +41,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from memfuse.content import INDEX_PATH, RECORD_TYPES, ContentError, is_index
-from memfuse.defs import SEARCH_QUERY_MAX, parse_byte_size, parse_count
+from memfuse.defs import INT64_MAX, SEARCH_QUERY_MAX, parse_byte_size, parse_count
 from memfuse.models import (
     Access,
     AttachmentPut,
@@ -74,7 +74,6 @@ INSTANCE = "console"  # recorded in the actor of a workspace token's writes: ws:
 PAGE_SIZE = 100  # records per page of a store listing
 LIVE_STREAM_SECONDS = 300.0  # an event stream ends after this long; EventSource reconnects
 LIVE_KEEPALIVE_SECONDS = 15.0
-LIVE_POLL_SECONDS = 1.0  # re-query for writes of other processes sharing the database
 
 _MESSAGES = {  # ?msg= codes → fixed text (no user-supplied text is ever echoed from a URL)
     "saved": "Saved: a new version was written.",
@@ -897,10 +896,15 @@ def live(svc: Service) -> Callable[[Request], Awaitable[Response]]:
     when given), a comment every 15 s to keep the
     connection, and the end after 5 minutes (EventSource reconnects); a ``gone`` event and the
     end at once when the session's token is revoked or expires (a long-lived response of
-    ``memfuse.server.streamclass``, capped per token and per replica). Fed by the store's
-    change feed (``Service.changes_page``): woken by commits in this process, re-queried
-    every second for other processes sharing the database. A store no longer visible →
-    ``gone`` event and the end."""
+    ``memfuse.server.streamclass``, capped per token and per replica).
+
+    Woken like the change feed's long-polls and streams (``memfuse.server.longpoll``): it
+    subscribes to the ``Notifier`` before it looks, reads the feed only when the store's head
+    (known from this process's commits and, through the ``Bus``, other replicas') is past its
+    cursor, and otherwise sleeps until a commit concerns the store or the keep-alive is due.
+    An idle live page makes no database query. Access is checked when it opens and on every
+    wake-up (answered from the ``Notifier``'s cache until access changes): a store no longer
+    visible → ``gone`` event and the end, at its next commit or keep-alive."""
 
     async def endpoint(request: Request) -> Response:
         try:
@@ -917,37 +921,61 @@ def live(svc: Service) -> Callable[[Request], Awaitable[Response]]:
         slug = request.path_params["store"]
         record = request.query_params.get("record") or None
         try:
-            after = int(request.query_params.get("after", "0"))
+            after = max(0, min(int(request.query_params.get("after", "0")), INT64_MAX))
         except ValueError:
             after = 0
+        notifier = svc.notifier
+
+        async def look() -> int | None:
+            """The seq to announce (None: nothing for this page); moves ``after``. Raises
+            ``ServiceError`` (404: not visible, 410: cursor beyond the feed)."""
+            nonlocal after
+            if not notifier.readable(p.scope, wakeups.FEED, slug):
+                await anyio.to_thread.run_sync(svc.check_feed_access, p, slug)
+            announce = None
+            while True:
+                head = notifier.head(slug)
+                if head is not None and head <= after:
+                    break  # nothing past the cursor: no read
+                at = after
+                fr = await anyio.to_thread.run_sync(
+                    functools.partial(svc.feed_read, slug, at, limit=100, with_content=False))
+                if at > fr.top:
+                    raise ServiceError(410, "cursor_expired", "the cursor is beyond this server's feed")
+                if fr.changes:
+                    after = fr.changes[-1].seq
+                    if record is None or any(ch.record.id == record for ch in fr.changes):
+                        announce = after
+                else:
+                    after = max(at, fr.store_top)
+                if not fr.full:
+                    break
+            return announce
 
         async def events():
-            nonlocal after
             deadline = anyio.current_time() + LIVE_STREAM_SECONDS
             last_sent = anyio.current_time()
             yield "retry: 2000\n\n"
-            while anyio.current_time() < deadline and not svc.closing:
-                waiter = svc.notifier.subscribe(wakeups.FEED, slug)
-                try:
+            waiter = notifier.subscribe(wakeups.FEED, slug)
+            try:
+                while anyio.current_time() < deadline and not svc.closing:
+                    notifier.rearm(waiter)  # before looking: no commit is missed
                     try:
-                        page = await anyio.to_thread.run_sync(
-                            functools.partial(svc.changes_page, p, slug, after, limit=100, with_content=False))
+                        seq = await look()
                     except ServiceError as err:
                         yield f"event: gone\ndata: {json.dumps({'status': err.status})}\n\n"
                         return
-                    if page.changes:
-                        after = page.seq
-                        if record is None or any(ch.record.id == record for ch in page.changes):
-                            yield f"event: change\ndata: {json.dumps({'seq': page.seq})}\n\n"
-                            last_sent = anyio.current_time()
-                        continue
-                    with anyio.move_on_after(LIVE_POLL_SECONDS):
+                    if seq is not None:
+                        yield f"event: change\ndata: {json.dumps({'seq': seq})}\n\n"
+                        last_sent = anyio.current_time()
+                    now = anyio.current_time()
+                    if now - last_sent >= LIVE_KEEPALIVE_SECONDS:
+                        yield ": keep-alive\n\n"
+                        last_sent = now
+                    with anyio.move_on_after(min(deadline, last_sent + LIVE_KEEPALIVE_SECONDS) - now):
                         await waiter.event.wait()
-                finally:
-                    svc.notifier.unsubscribe(waiter)
-                if anyio.current_time() - last_sent > LIVE_KEEPALIVE_SECONDS:
-                    yield ": keep-alive\n\n"
-                    last_sent = anyio.current_time()
+            finally:
+                notifier.unsubscribe(waiter)
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
