@@ -459,6 +459,33 @@ async def test_long_lived_responses_are_capped_per_token_and_per_replica_and_hol
             await trio.sleep(1.5)
 
 
+async def test_refused_console_pages_of_a_valid_session_do_not_fill_the_per_address_cap(server):
+    """A console client with a valid token (or session) whose live pages are refused past its
+    cap (429, on keep-alive connections it keeps, as a browser with many tabs does) is not an
+    anonymous client: those connections leave the per-address cap of unauthenticated ones.
+    Before, 8 (here; 64 by default) such refusals made the server close every further
+    connection from that address at once, the token's API requests included."""
+    from contextlib import AsyncExitStack
+
+    s = server
+    token = (await new_token(s.url, "many-tabs"))["token"]
+    n = LIMITS["max_unauthenticated_per_address"] * 2
+    with trio.fail_after(60):
+        async with AsyncExitStack() as stack:
+            statuses = []
+            for i in range(LIMITS["max_streams_per_token"] + n):  # each on a connection of its own
+                transport = httpx.AsyncHTTPTransport(local_address="127.0.0.5")
+                c = await stack.enter_async_context(httpx.AsyncClient(
+                    transport=transport, base_url=s.url, headers=_auth(token), timeout=10))
+                r = await _open_stream(c, "live", stack)
+                statuses.append(r.status_code)
+            assert statuses.count(200) == LIMITS["max_streams_per_token"] and statuses.count(429) == n, statuses
+            transport = httpx.AsyncHTTPTransport(local_address="127.0.0.5")
+            async with httpx.AsyncClient(transport=transport, base_url=s.url, timeout=10) as fresh:
+                r = await fresh.get("/v1/stores/default/records", params={"limit": 1}, headers=_auth(token))
+                assert r.status_code == 200, r.text
+
+
 # ---------------------------------------------------------------- 4. tokens end their streams
 
 

@@ -91,7 +91,8 @@ _TRUE = ("true", "1", "yes", "on")
 
 class Connections:
     """Open connections per client address that have not shown a valid token yet (nor asked a
-    probe, nor had an answer below 400: a console page, whose session the console checks);
+    probe, nor had an answer below 400 or one the app marked ``memfuse.authenticated``: a
+    console page, whose session the console checks);
     at most ``cap`` per address (0: no cap). ``memfuse.server.serve`` calls ``opened``
     when it accepts a connection (False: close it at once) and ``closed`` when it ends; the
     ``Gate`` calls ``cleared`` once a request on it authenticated. Event-loop only."""
@@ -370,7 +371,9 @@ class Gate:
         async def send_bounded(message: Message) -> None:
             if message["type"] == "http.response.start":
                 state["status"] = message["status"]
-                if message["status"] < 400:  # served: e.g. a console page, whose session the app checked
+                if message["status"] < 400 or scope.get("memfuse.authenticated"):
+                    # served, or refused to a client the app authenticated (the console checks
+                    # its own sessions: a 429 past a token's live pages is not anonymous)
                     self.connections.cleared(scope.get("client"))
                 state["type"] = next((v for k, v in message.get("headers", ()) if k.lower() == b"content-type"), b"")
             elif message["type"] == "http.response.body" and not message.get("more_body", False):

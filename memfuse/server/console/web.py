@@ -212,6 +212,11 @@ def _secure(request: Request) -> bool:
 
 
 async def _authenticate(svc: Service, request: Request) -> tuple[Principal, Credentials]:
+    """The request's principal and credentials (a session cookie or a bearer token); marks the
+    request authenticated for the front door (``memfuse.authenticated`` in the scope: its
+    connection leaves the per-address cap of ``memfuse.server.gate.Connections`` whatever
+    the answer, e.g. a 429 past the token's live pages). Raises ``_LoginNeeded``,
+    ``ServiceError`` 401."""
     creds = request_credentials(dict(request.headers), request.cookies, _secure(request))
     if creds is None:
         raise _LoginNeeded()
@@ -220,10 +225,11 @@ async def _authenticate(svc: Service, request: Request) -> tuple[Principal, Cred
             p = await anyio.to_thread.run_sync(svc.session_principal, creds.session, INSTANCE)
         except ServiceError:
             raise _LoginNeeded("Your session ended; log in again.") from None
-        return p, creds
-    p = svc.authenticate_cached(creds.token, INSTANCE)
-    if p is None:
-        p = await anyio.to_thread.run_sync(svc.authenticate, creds.token, INSTANCE)
+    else:
+        p = svc.authenticate_cached(creds.token, INSTANCE)
+        if p is None:
+            p = await anyio.to_thread.run_sync(svc.authenticate, creds.token, INSTANCE)
+    request.scope["memfuse.authenticated"] = True
     return p, creds
 
 
