@@ -486,6 +486,44 @@ async def test_refused_console_pages_of_a_valid_session_do_not_fill_the_per_addr
                 assert r.status_code == 200, r.text
 
 
+async def _exchange(s: Server, data: bytes, seconds: float = 10) -> bytes:
+    """Send ``data`` on a new connection and read until the server closes it or ``seconds``."""
+    stream = await connect(s)
+    try:
+        await stream.send_all(data)
+        return await read_all(stream, seconds)
+    finally:
+        await stream.aclose()
+
+
+async def test_no_cleartext_http2_and_request_heads_are_bounded(server):
+    """No HTTP/2 on a cleartext connection: over it one connection could start and reset
+    streams without reading an answer ("rapid reset", CVE-2023-44487), work without bound
+    that no per-connection limit sees. ``Upgrade: h2c`` is ignored (the answer is HTTP/1.1),
+    the HTTP/2 preface is a malformed HTTP/1.1 request. And a request head past 16 KiB is
+    431 even when it arrives in one read (hypercorn bounds only a head split over reads)."""
+    s = server
+    with trio.fail_after(30):
+        got = await _exchange(s, b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\n"
+                                 b"Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAAP__\r\n\r\n", 3)
+        assert got.startswith(b"HTTP/1.1 200"), got[:100]
+        got = await _exchange(s, b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes.fromhex("000000040000000000"))
+        assert got.startswith(b"HTTP/1.1 4"), got[:100]  # no SETTINGS frame: not HTTP/2
+        for path in ("/v1/stores", "/ui/", "/mcp"):  # (probes are answered before any limit)
+            big = b"GET " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 40_000 + b"\r\n\r\n"
+            got = await _exchange(s, big)
+            assert got.startswith(b"HTTP/1.1 431"), (path, got[:100])
+        many = b"".join(b"X-A%d: b\r\n" % i for i in range(3000))
+        got = await _exchange(s, b"GET /v1/stores HTTP/1.1\r\nHost: x\r\n" + _auth_line(ADMIN) + many + b"\r\n")
+        assert got.startswith(b"HTTP/1.1 431"), got[:100]
+        async with admin_client(s.url) as a:  # a head under the bound is served
+            assert (await a.get("/v1/stores", headers={f"X-A{i}": "b" for i in range(500)})).status_code == 200
+
+
+def _auth_line(token: str) -> bytes:
+    return f"Authorization: Bearer {token}\r\n".encode()
+
+
 # ---------------------------------------------------------------- 4. tokens end their streams
 
 

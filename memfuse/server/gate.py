@@ -26,6 +26,8 @@ In order, for every HTTP request:
    ``max_body`` for record writes, batches, the memory tool and console forms,
    ``MCP_MAX_BODY`` for ``/mcp``, ``SMALL_BODY`` elsewhere. The bodies being read at once
    share ``body_budget`` bytes (503 ``overloaded`` past it).
+3b. **Head size**: a request whose target and headers exceed ``MAX_HEAD`` bytes is 431
+   (hypercorn refuses a longer head only when it arrives in more than one read).
 4. **Deadlines**: the body must arrive within ``body_timeout`` s in all, with at most
    ``receive_timeout`` s between two pieces (408 ``request_timeout``). Headers are bounded by
    the HTTP server (``memfuse.server.serve``: hypercorn's ``keep_alive_timeout`` runs from
@@ -64,7 +66,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from memfuse.models import sha256_hex
-from memfuse.server.limits import PROBLEM_JSON, ServerMetrics
+from memfuse.server.limits import MAX_HEAD, PROBLEM_JSON, ServerMetrics
 from memfuse.server.service import Principal, Service, ServiceError
 from memfuse.server.streamclass import Lease, StreamClass
 
@@ -141,6 +143,7 @@ class _Refusal(Exception):
 
 
 _TITLES = {401: "Unauthorized", 408: "Request Timeout", 413: "Content Too Large",
+           431: "Request Header Fields Too Large",
            429: "Too Many Requests", 503: "Service Unavailable"}
 
 
@@ -274,6 +277,13 @@ class Gate:
         if path in PROBES or (path == "/metrics" and method == "GET"):
             self.connections.cleared(scope.get("client"))
             await self._probe(path, receive, send)
+            return
+        head = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
+        head += sum(len(k) + len(v) + 4 for k, v in scope.get("headers", ()))
+        if head > MAX_HEAD:  # hypercorn bounds only a head that arrives in several reads
+            await self._refuse(receive, send, 431, "header_too_large",
+                               f"the request line and headers are larger than {MAX_HEAD} bytes",
+                               close=True, path=path)
             return
         length, chunked, token, instance, api_key = _headers(scope)
         if api_key and path.startswith(self.api_key_prefixes or ("\0",)):

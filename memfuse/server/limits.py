@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 log = logging.getLogger(__name__)
 
 SEND_TIMEOUT = 30.0  # s a send to a client may take (memfuse.server.gate, memfuse.server.serve)
+MAX_HEAD = 16 * 1024  # bytes of a request line and headers (hypercorn's default); 431 past it
 PROBLEM_JSON = b"application/problem+json"
 
 

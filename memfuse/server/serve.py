@@ -14,12 +14,13 @@ import logging
 import os
 import socket
 from pathlib import Path
+from typing import Any
 
 import trio
 from hypercorn.config import Config
 
 from . import staleness
-from .limits import SEND_TIMEOUT
+from .limits import MAX_HEAD, SEND_TIMEOUT
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,6 @@ BACKLOG = 2048  # pending connections the kernel queues (thousands of sidecars r
 # timeout (memfuse.server.limits) closes the connection. Fast enough for a data-centre
 # network (256 KiB per round trip: 250 MB/s at 1 ms).
 SEND_BUFFER = 128 * 1024
-MAX_HEAD = 16 * 1024  # bytes of a request line and headers (hypercorn's default, said here)
 
 
 # The cyclic garbage collector's thresholds for a serving process (``tune_gc``): CPython's
@@ -241,19 +241,48 @@ async def _worker_serve(app, config: Config, connections, shutdown_trigger, task
     closed connection's task lived on for ``keep_alive_timeout`` (5 s) and still counted
     against the per-address cap: 64 short requests in a row without a token (a client whose
     token expired, Schemathesis' negative cases) filled it and every further connection was
-    reset for 5 s."""
+    reset for 5 s.
+
+    A third: no HTTP/2 on cleartext connections (``_HTTP11Only``)."""
     from functools import partial
 
+    from hypercorn.protocol import ProtocolWrapper
+    from hypercorn.protocol.h11 import H11Protocol
     from hypercorn.trio.lifespan import Lifespan
     from hypercorn.trio.tcp_server import TCPServer
     from hypercorn.trio.worker_context import WorkerContext
     from hypercorn.typing import ConnectionState
     from hypercorn.utils import ShutdownError, raise_shutdown, repr_socket_addr, wrap_app
 
+    class _HTTP11Only(H11Protocol):
+        """hypercorn's HTTP/1.1 protocol without its switch to HTTP/2 on a cleartext
+        connection (``Upgrade: h2c``, or the HTTP/2 preface): the upgrade is ignored (RFC 9110
+        lets a server ignore ``Upgrade``) and a preface is answered as the malformed HTTP/1.1
+        request it is. Over HTTP/2 one connection could start and reset streams without
+        reading a byte of their answers (the "rapid reset" of CVE-2023-44487): work without
+        bound that none of the front door's per-connection limits sees, where an HTTP/1.1
+        client that does not read stops the server at the send buffer. memfuse's clients
+        speak HTTP/1.1; HTTP/2 belongs to a TLS proxy in front."""
+
+        async def _check_protocol(self, event: Any) -> None:
+            return None
+
     class _TCPServer(TCPServer):
         async def _read_data(self) -> None:
             await super()._read_data()
             await self.idle_task.stop()  # the peer is gone: nothing to keep alive
+
+        # hypercorn's ``run`` makes its ProtocolWrapper inline: its HTTP/1.1 protocol is
+        # swapped for ``_HTTP11Only`` as it is set (TLS with ALPN h2 is not served here)
+        @property
+        def protocol(self) -> ProtocolWrapper:
+            return self._protocol
+
+        @protocol.setter
+        def protocol(self, wrapper: ProtocolWrapper) -> None:
+            if type(wrapper.protocol) is H11Protocol:
+                wrapper.protocol.__class__ = _HTTP11Only
+            self._protocol = wrapper
 
     asgi = wrap_app(app, config.wsgi_max_body_size, None)
     lifespan_state: dict = {}
