@@ -650,9 +650,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
                     self._overlay_move(sm, self._node_at(sm, a.get("from", "")), a.get("to", ""), e)
                     applied += 1
                     continue
-                n = self.node_by_key(e.node_key)
-                if n is not None and (n.unlinked or n.store is not sm or n.is_dir):
-                    n = None
+                n = self._overlay_node(sm, e.node_key)
                 if e.op == PUT:
                     if n is None:
                         n = self._overlay_file(sm, a.get("path", ""), e)
@@ -701,6 +699,24 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             self._hold_content(n, data, sha256_hex(data), "a queued write")
             self._account(n, n.cur_size() - old)
         return applied
+
+    def _overlay_node(self, sm: StoreMount, key: str | None) -> Node | None:
+        """The file of store ``sm`` a queued entry's node ``key`` names: by key, or (a file
+        created by the previous process, ``n:<uuid>``, since committed) through the
+        record id the key map holds for it; such a node takes the key back, as it had it in
+        that process, so the entry's result finds it (``_on_commit``)."""
+        n = self.node_by_key(key)
+        if n is None and key:
+            rid = self.ids.record_id(key)
+            n = self.by_rid.get(rid) if rid else None
+            if n is not None and not (n.unlinked or n.store is not sm or n.is_dir):
+                if n._key and self.by_key.get(n._key) is n:
+                    del self.by_key[n._key]
+                n._key = key
+                self.by_key[key] = n
+        if n is not None and (n.unlinked or n.store is not sm or n.is_dir):
+            return None
+        return n
 
     def _node_at(self, sm: StoreMount, path: str) -> Node | None:
         """The node at store-relative ``path`` (None when absent or crossing a file)."""
