@@ -47,12 +47,15 @@ def test_a_backlog_drains_behind_the_mount(tmp_path):
     sc = None
     try:
         tok = cp.setup_workspace("ws", ("s",))
+        # a record written elsewhere: this sidecar loads it from a snapshot (key r:<id>,
+        # its first local write has no key-map row of its own)
+        r = cp.call("create_record", "s", "r.md", "r0\n")
         args = ("--drain-timeout", "1", "--offline-after", "2", "--commit-wait", "2")
         sc = Sidecar(cp, "ws", tok, tmp_path / "mnt", tmp_path / "cache", *args).start(expect="s")
         m = sc.mountpoint / "s"
         sh("printf 'a0\\n' > a.md && echo old > old.md && echo gone > gone.md && echo b > b.md",
            m)
-        wait_until(lambda: len(live_records(cp, "s")) == 4, timeout=30, what="base committed")
+        wait_until(lambda: len(live_records(cp, "s")) == 5, timeout=30, what="base committed")
         wait_until(lambda: _status(sc)["outbox"]["depth"] == 0, timeout=30, what="idle")
 
         cp.stop()  # an outage: every write below is accepted, not committed
@@ -60,7 +63,7 @@ def test_a_backlog_drains_behind_the_mount(tmp_path):
         for i in range(1, N + 1):
             _append(m / "a.md", f"a{i}\n")
             want_a += f"a{i}\n"
-        sh("mkdir -p sub && echo new > sub/new.md && mv old.md moved.md && rm gone.md "
+        sh("echo r1 >> r.md && mkdir -p sub && echo new > sub/new.md && mv old.md moved.md && rm gone.md "
            "&& chmod 600 b.md", m, timeout=60)
         assert _status(sc)["outbox"]["depth"] >= N
         sc.stop()  # SIGTERM: the drain times out (1 s), the backlog stays in the journal
@@ -72,12 +75,12 @@ def test_a_backlog_drains_behind_the_mount(tmp_path):
         assert st["outbox"]["draining"] is True and st["outbox"]["backlog"] >= N, st["outbox"]
         code, body = _readyz(sc)
         assert code == 200 and body["ready"] is True and body["draining"] is True, body
-        assert read(m / "a.md") == want_a
+        assert read(m / "a.md") == want_a and read(m / "r.md") == "r0\nr1\n"
         assert read(m / "sub" / "new.md") == "new\n"
         assert read(m / "moved.md") == "old\n"
         assert not (m / "old.md").exists() and not (m / "gone.md").exists()
         assert stat.S_IMODE(os.stat(m / "b.md").st_mode) == 0o600
-        assert sorted(os.listdir(m)) == ["a.md", "b.md", "moved.md", "sub"]
+        assert sorted(os.listdir(m)) == ["a.md", "b.md", "moved.md", "r.md", "sub"]
         # new writes are accepted while the backlog waits, and queue behind it
         _append(m / "a.md", "after restart 1\n")
         want_a += "after restart 1\n"
@@ -100,15 +103,17 @@ def test_a_backlog_drains_behind_the_mount(tmp_path):
         cp.start()
         a = live_records(cp, "s")["a.md"]
         cp.call("update_record", "s", a.id, "RIVAL\na0\n")
+        cp.call("update_record", "s", r.id, "RIVAL\nr0\n")  # the store loads this version
         sc.start(expect="s")
         assert read(m / "a.md") in (want_a, "RIVAL\n" + want_a)
+        assert read(m / "r.md") in ("r0\nr1\n", "RIVAL\nr0\nr1\n")
         _append(m / "a.md", "after restart 2\n")
         want_a += "after restart 2\n"
         wait_until(lambda: _status(sc)["outbox"]["depth"] == 0, timeout=60, what="backlog drained")
         st = _status(sc)
         assert st["outbox"]["draining"] is False and st["outbox"]["backlog"] == 0
         assert _readyz(sc)[1]["draining"] is False
-        want = {"a.md": "RIVAL\n" + want_a, "b.md": "b\n", "moved.md": "old\n",
+        want = {"a.md": "RIVAL\n" + want_a, "r.md": "RIVAL\nr0\nr1\n", "b.md": "b\n", "moved.md": "old\n",
                 "sub/new.md": "NEW\n", "later.md": "later\n"}
         recs = live_records(cp, "s")
         assert {p: r.content for p, r in recs.items()} == want

@@ -224,3 +224,47 @@ async def test_committer_lost_responses_and_races_give_one_version_per_write(tmp
     assert len(versions) == 7 + 1
     assert len(conflicts) == 1 and "changed elsewhere" in conflicts[0]
     j.close()
+
+
+async def test_journal_load_defers_exactly_the_puts_the_committer_absorbs(tmp_path):
+    """``Journal.load`` reads no content of a put that the replayed queue's coalescing
+    absorbs (``journal.superseded``, the rule of ``Committer._coalesce``), reads every other
+    put's, and a deferred put that is sent after all gets its content from the journal."""
+    import random
+
+    from memfuse.sidecar.journal import ATTRS, DELETE, MOVE, MOVE_PREFIX
+
+    rnd = random.Random(7)
+    for run in range(40):
+        path = tmp_path / f"outbox-{run}.db"
+        j = Journal(path)
+        written: dict[int, bytes] = {}
+        for i in range(1, rnd.randint(2, 60)):
+            store = rnd.choice(["s", "t"])
+            op = rnd.choice([PUT] * 6 + [DELETE, MOVE, ATTRS, MOVE_PREFIX])
+            key = None if op == MOVE_PREFIX else f"n:{rnd.randint(1, 3)}"
+            args: dict = {"path": "p.md"}
+            if op == MOVE and rnd.random() < 0.5:
+                args["target_key"] = f"n:{rnd.randint(1, 3)}"
+            data = f"{run}-{i}\n".encode() if op == PUT else None
+            if data is not None:
+                written[i] = data
+            j.add(Entry(id=i, store=store, op=op, node_key=key, args=args, content=data))
+        await j.flush_pending()
+        j.close()
+        j = Journal(path)
+        entries, _ = j.load()
+        c = Committer(None, j, {})  # type: ignore[arg-type]  # no request is sent here
+        c.replay(entries)
+        absorbed = set()
+        for store, q in c.queues.items():
+            c._coalesce(store, q)
+            absorbed |= {a.id for e in q for a in e.absorbed}
+        assert {e.id for e in entries if e.deferred} == absorbed
+        for e in entries:
+            if e.op == PUT and not e.deferred:
+                assert e.content == written[e.id]
+            if e.deferred:
+                c._fill(e)
+                assert e.content == written[e.id] and not e.deferred
+        j.close()

@@ -168,6 +168,10 @@ class Witness:
         self.path = path
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         self._fd = fd
+        #: node key -> (record id, base sha256) its earliest unfinished entry was written on
+        #: (set by ``unfinished``; keys with a record only): the base of a replayed put whose
+        #: key the key map does not hold (``Sidecar._recover_journal``)
+        self.bases: dict[str, tuple[Any, Any]] = {}
 
     def size(self) -> int:
         return os.fstat(self._fd).st_size
@@ -213,6 +217,10 @@ class Witness:
             elif "i" in x:
                 added[x["i"]] = x
                 top = max(top, int(x["i"]))
+        self.bases = {}
+        for _, x in sorted(added.items()):
+            if x.get("n") and x.get("r") and x["n"] not in self.bases:
+                self.bases[x["n"]] = (x.get("r"), x.get("b"))
         return [x for i, x in sorted(added.items()) if i not in present], keys, top
 
 

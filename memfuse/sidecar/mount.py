@@ -367,6 +367,14 @@ class Sidecar(StoreSync):
             if k not in ids.map:
                 ids.map[k] = v
                 self.journal.set_key(k, *v)
+        # the base a queued put of a record was written on, when the key map does not hold
+        # it (the first write of a record loaded from a snapshot: RecordIds.note_default,
+        # memory only): the stores load before the backlog is sent, so the store mirror
+        # may already hold a rival's newer version, which must be merged, not taken as the
+        # base (memory only, as note_default; a witness line lost with a machine crash
+        # leaves the base to Filesystem.overlay_outbox: the loaded version)
+        for k, v in self.journal.witness.bases.items():
+            ids.map.setdefault(k, v)
         if back:
             self.leftovers = sorted([*self.leftovers, *back], key=lambda e: e.id)
             log.warning("outbox journal short of accepted writes; recovered them from the "
