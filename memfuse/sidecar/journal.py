@@ -391,7 +391,7 @@ class Journal:
             entries.append(e)
         skip = superseded(entries)
         want = [e for e in entries if e.op == PUT and e.id not in skip]
-        contents = {}
+        contents: dict[int, bytes] = {}
         for i in range(0, len(want), 500):  # SQLite's bound on host parameters
             ids = [e.id for e in want[i:i + 500]]
             contents.update(self._db.execute(

@@ -622,7 +622,7 @@ class Sidecar(StoreSync):
                 if self.leftovers:
                     shown = self.fs.overlay_outbox(self.leftovers)
                     self.committer.replay(self.leftovers)
-                    log.info("replaying the outbox behind the mount",
+                    log.info("replaying outbox behind the mount",
                              extra={"entries": len(self.leftovers), "shown": shown})
                     nursery.start_soon(self._backlog_drained, self.leftovers)
                 self.committer.replayed({e.node_key for e in self.leftovers
