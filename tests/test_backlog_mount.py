@@ -53,9 +53,9 @@ def test_a_backlog_drains_behind_the_mount(tmp_path):
         args = ("--drain-timeout", "1", "--offline-after", "2", "--commit-wait", "2")
         sc = Sidecar(cp, "ws", tok, tmp_path / "mnt", tmp_path / "cache", *args).start(expect="s")
         m = sc.mountpoint / "s"
-        sh("printf 'a0\\n' > a.md && echo old > old.md && echo gone > gone.md && echo b > b.md",
-           m)
-        wait_until(lambda: len(live_records(cp, "s")) == 5, timeout=30, what="base committed")
+        sh("printf 'a0\\n' > a.md && echo old > old.md && echo gone > gone.md && echo b > b.md "
+           "&& mkdir docs && echo doc > docs/d.md", m)
+        wait_until(lambda: len(live_records(cp, "s")) == 6, timeout=30, what="base committed")
         wait_until(lambda: _status(sc)["outbox"]["depth"] == 0, timeout=30, what="idle")
 
         cp.stop()  # an outage: every write below is accepted, not committed
@@ -64,7 +64,7 @@ def test_a_backlog_drains_behind_the_mount(tmp_path):
             _append(m / "a.md", f"a{i}\n")
             want_a += f"a{i}\n"
         sh("echo r1 >> r.md && mkdir -p sub && echo new > sub/new.md && mv old.md moved.md && rm gone.md "
-           "&& chmod 600 b.md", m, timeout=60)
+           "&& chmod 600 b.md && mv docs notes", m, timeout=60)
         assert _status(sc)["outbox"]["depth"] >= N
         sc.stop()  # SIGTERM: the drain times out (1 s), the backlog stays in the journal
         sc.proc = None
@@ -80,7 +80,8 @@ def test_a_backlog_drains_behind_the_mount(tmp_path):
         assert read(m / "moved.md") == "old\n"
         assert not (m / "old.md").exists() and not (m / "gone.md").exists()
         assert stat.S_IMODE(os.stat(m / "b.md").st_mode) == 0o600
-        assert sorted(os.listdir(m)) == ["a.md", "b.md", "moved.md", "r.md", "sub"]
+        assert read(m / "notes" / "d.md") == "doc\n" and not (m / "docs").exists()
+        assert sorted(os.listdir(m)) == ["a.md", "b.md", "moved.md", "notes", "r.md", "sub"]
         # new writes are accepted while the backlog waits, and queue behind it
         _append(m / "a.md", "after restart 1\n")
         want_a += "after restart 1\n"
@@ -114,7 +115,7 @@ def test_a_backlog_drains_behind_the_mount(tmp_path):
         assert st["outbox"]["draining"] is False and st["outbox"]["backlog"] == 0
         assert _readyz(sc)[1]["draining"] is False
         want = {"a.md": "RIVAL\n" + want_a, "r.md": "RIVAL\nr0\nr1\n", "b.md": "b\n", "moved.md": "old\n",
-                "sub/new.md": "NEW\n", "later.md": "later\n"}
+                "sub/new.md": "NEW\n", "later.md": "later\n", "notes/d.md": "doc\n"}
         recs = live_records(cp, "s")
         assert {p: r.content for p, r in recs.items()} == want
         assert recs["b.md"].mode == 0o600
