@@ -374,7 +374,8 @@ class Sidecar(StoreSync):
         # base (memory only, as note_default; a witness line lost with a machine crash
         # leaves the base to Filesystem.overlay_outbox: the loaded version)
         for k, v in self.journal.witness.bases.items():
-            ids.map.setdefault(k, v)
+            if v[1]:  # an unknown base stays the mirror's (RecordIds.get)
+                ids.map.setdefault(k, v)
         if back:
             self.leftovers = sorted([*self.leftovers, *back], key=lambda e: e.id)
             log.warning("outbox journal short of accepted writes; recovered them from the "
