@@ -13,6 +13,7 @@ through the core) leave out.
 """
 from __future__ import annotations
 
+import json
 import os
 from datetime import datetime, timezone
 from pathlib import Path
@@ -268,3 +269,25 @@ async def test_journal_load_defers_exactly_the_puts_the_committer_absorbs(tmp_pa
                 c._fill(e)
                 assert e.content == written[e.id] and not e.deferred
         j.close()
+
+
+def test_witness_reads_lost_entries_and_bases_with_a_cut_last_line(tmp_path):
+    """``Witness.unfinished``: the accepted entries neither finished nor in the journal, in
+    order; the base of each node key's earliest unfinished entry; a last line cut by a crash
+    skipped."""
+    from memfuse.sidecar.journal import Witness
+
+    w = Witness(tmp_path / "accepted.log")
+    lines = []
+    for i in range(1, 7):
+        lines.append({"i": i, "k": f"k{i}", "s": "s", "o": "put", "n": f"r:{i % 2}",
+                      "a": {"path": f'p"{i}.md'}, "t": 1.0, "h": None,
+                      "r": f"rec{i % 2}", "b": f"base{i}"})
+    w.append(lines[:5] + [{"d": 1}, {"m": "r:0", "r": "rec0", "h": "h0"}])
+    with open(w.path, "a") as f:  # the sixth entry's line, cut by a crash
+        f.write(json.dumps(lines[5], separators=(",", ":"))[:40])
+    lost, keys, top = w.unfinished(present={2, 3})
+    assert [x["i"] for x in lost] == [4, 5] and lost[0]["a"] == {"path": 'p"4.md'}
+    assert keys == {"r:0": ("rec0", "h0")} and top == 5
+    assert w.bases == {"r:0": ("rec0", "base2"), "r:1": ("rec1", "base3")}
+    w.close()
