@@ -7,9 +7,11 @@ A control plane of its own and one sidecar (``--commit-wait 5``). Two files are 
 committed; the control plane is stopped; N appends alternate between the two files (each
 close returns once accepted: the outbox knows the control plane is down); the sidecar is
 killed (SIGKILL: the backlog stays in its journal); the control plane is started again and
-the sidecar too, timed from its process start until the store lists (it replays the outbox,
-before anything else, then mounts). Then the time until the outbox is empty, and a check
-that both files hold every append in order; last, the same restart with an empty outbox (the
+the sidecar too, timed from its process start until the store lists (it loads the store,
+shows the outbox on the files and mounts; the backlog drains behind the mount). At once
+both files must read every append (the queued content, before or while the backlog
+drains); then the time until the outbox is empty, and a check that both files and the
+control plane hold every append in order; last, the same restart with an empty outbox (the
 floor of the machine, in the same run: ``ready_with_empty_outbox_s``).
 
 Targets (bench/README.md): N = 1,000 ready ≤ 3 s; N = 10,000 ready ≤ 10 s. ``--quick``: 200
@@ -76,6 +78,9 @@ def one(s: Session, n: int, tag: str) -> Row:
         cp.start()
         ready = m.start(STORE, nonempty=True, timeout=600)
         t1 = time.perf_counter()
+        early_depth = m.status()["outbox"]["depth"]
+        if {f.name: f.read_text() for f in files} != want:
+            raise RuntimeError("right after the mount, the files do not read the queued appends")
         deadline = time.monotonic() + 600
         while True:
             ob = m.status()["outbox"]
@@ -106,6 +111,7 @@ def one(s: Session, n: int, tag: str) -> Row:
     return Row(f"backlog_{tag}", f"mount ready with {n} queued writes to 2 files", ready, "s",
                target=3.0 if n <= 1000 else 10.0,
                detail={"ready_with_empty_outbox_s": floor, "over_empty_outbox_s": ready - floor, "queued": depth, "write_phase_s": t_write, "drained_after_ready_s": drained,
+                       "depth_at_ready": early_depth,
                        "coalesced": st.get("coalesced"), "committed": st.get("committed")})
 
 

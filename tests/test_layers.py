@@ -13,6 +13,7 @@ through the core) leave out.
 """
 from __future__ import annotations
 
+import json
 import os
 from datetime import datetime, timezone
 from pathlib import Path
@@ -224,3 +225,69 @@ async def test_committer_lost_responses_and_races_give_one_version_per_write(tmp
     assert len(versions) == 7 + 1
     assert len(conflicts) == 1 and "changed elsewhere" in conflicts[0]
     j.close()
+
+
+async def test_journal_load_defers_exactly_the_puts_the_committer_absorbs(tmp_path):
+    """``Journal.load`` reads no content of a put that the replayed queue's coalescing
+    absorbs (``journal.superseded``, the rule of ``Committer._coalesce``), reads every other
+    put's, and a deferred put that is sent after all gets its content from the journal."""
+    import random
+
+    from memfuse.sidecar.journal import ATTRS, DELETE, MOVE, MOVE_PREFIX
+
+    rnd = random.Random(7)
+    for run in range(40):
+        path = tmp_path / f"outbox-{run}.db"
+        j = Journal(path)
+        written: dict[int, bytes] = {}
+        for i in range(1, rnd.randint(2, 60)):
+            store = rnd.choice(["s", "t"])
+            op = rnd.choice([PUT] * 6 + [DELETE, MOVE, ATTRS, MOVE_PREFIX])
+            key = None if op == MOVE_PREFIX else f"n:{rnd.randint(1, 3)}"
+            args: dict = {"path": "p.md"}
+            if op == MOVE and rnd.random() < 0.5:
+                args["target_key"] = f"n:{rnd.randint(1, 3)}"
+            data = f"{run}-{i}\n".encode() if op == PUT else None
+            if data is not None:
+                written[i] = data
+            j.add(Entry(id=i, store=store, op=op, node_key=key, args=args, content=data))
+        await j.flush_pending()
+        j.close()
+        j = Journal(path)
+        entries, _ = j.load()
+        c = Committer(None, j, {})  # type: ignore[arg-type]  # no request is sent here
+        c.replay(entries)
+        absorbed = set()
+        for store, q in c.queues.items():
+            c._coalesce(store, q)
+            absorbed |= {a.id for e in q for a in e.absorbed}
+        assert {e.id for e in entries if e.deferred} == absorbed
+        for e in entries:
+            if e.op == PUT and not e.deferred:
+                assert e.content == written[e.id]
+            if e.deferred:
+                c._fill(e)
+                assert e.content == written[e.id] and not e.deferred
+        j.close()
+
+
+def test_witness_reads_lost_entries_and_bases_with_a_cut_last_line(tmp_path):
+    """``Witness.unfinished``: the accepted entries neither finished nor in the journal, in
+    order; the base of each node key's earliest unfinished entry; a last line cut by a crash
+    skipped."""
+    from memfuse.sidecar.journal import Witness
+
+    w = Witness(tmp_path / "accepted.log")
+    lines = []
+    for i in range(1, 7):
+        lines.append({"i": i, "k": f"k{i}", "s": "s", "o": "put", "n": f"r:{i % 2}",
+                      "a": {"path": f'p"{i}.md'}, "t": 1.0, "h": None,
+                      "r": f"rec{i % 2}", "b": f"base{i}"})
+    w.append(lines[:5] + [{"d": 1}, {"m": "r:0", "r": "rec0", "h": "h0"}])
+    with open(w.path, "a") as f:  # the sixth entry's line, cut by a crash
+        f.write(json.dumps(lines[5], separators=(",", ":"))[:40])
+    lost, keys, top = w.unfinished(present={2, 3})
+    assert [x["i"] for x in lost] == [4, 5] and lost[0]["a"] == {"path": 'p"4.md'}
+    assert keys == {"r:0": ("rec0", "h0")} and top == 5
+    assert w.bases == {"r:0": ("rec0", "base2"), "r:1": ("rec1", "base3")}
+    w.close()

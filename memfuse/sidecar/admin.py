@@ -22,9 +22,11 @@ for six endpoints), on two listeners:
 Endpoints:
 
 - ``GET /healthz`` → 200 ``{"ok": true}`` while the process serves.
-- ``GET /readyz`` → 200 ``{"ready": true}`` once the first load and mount are done and while
-  the control plane accepts the token, else 503 with the reason in ``detail`` (the target's
-  optional ``not_ready_reason``).
+- ``GET /readyz`` → 200 ``{"ready": true, "draining": bool, "backlog": n}`` once the first
+  load and mount are done and while the control plane accepts the token (``draining``: the
+  outbox a previous process left, ``backlog`` entries of it, still commits behind the
+  mount), else 503 with the reason in ``detail`` (the target's optional
+  ``not_ready_reason``).
 - ``GET /metrics`` → Prometheus exposition of ``target.metrics.registry`` (text format 0.0.4 by
   default; OpenMetrics or text 1.0.0 when the ``Accept`` header asks for it).
 - ``GET /v1/status`` → 200 JSON of ``target.status()``.
@@ -330,7 +332,13 @@ def create_admin_app(target: AdminTarget, *, token: str | None = None, local: bo
 
     async def readyz(request: Request) -> Response:
         if target.ready:
-            return json_response({"ready": True})
+            # ready = mounted and serving; a backlog left by the previous process may still
+            # be draining behind the mount (reads show it, writes queue behind it)
+            committer = getattr(target, "committer", None)
+            if committer is None:
+                return json_response({"ready": True})
+            left = committer.backlog_left()
+            return json_response({"ready": True, "draining": left > 0, "backlog": left})
         # Probes poll this while starting: a failure, but an expected one.
         reason = getattr(target, "not_ready_reason", None) or "the first load and mount are not done yet"
         return problem(request, 503, "not_ready", reason,

@@ -102,6 +102,7 @@ class Committer:
         self._wakeups: dict[str, trio.Event] = {}
         self._nursery: trio.Nursery | None = None
         self._seq = journal.next_id()
+        self._backlog: list[Entry] = []  # what ``replay`` queued (``backlog_left``)
         self._to_coalesce: set[str] = set()  # stores whose queue got a put since the last look
         self.coalesced = 0  # puts superseded by a later put of the same file (``_coalesce``)
         self._absorbed: dict[str, int] = {}  # store -> puts waiting in a later one's ``absorbed``
@@ -195,10 +196,10 @@ class Committer:
         (``ConflictResolver.forget_merge``)."""
         self.resolver.forget_merge(node_key)
 
-    def replayed(self) -> None:
-        """The outbox a previous process left is committed: merge states kept for its puts
-        are obsolete (``ConflictResolver.replayed``)."""
-        self.resolver.replayed()
+    def replayed(self, keep: set[str] | frozenset[str] = frozenset()) -> None:
+        """The outbox a previous process left is queued again (``replay``): merge states
+        kept for files without a queued put are obsolete (``ConflictResolver.replayed``)."""
+        self.resolver.replayed(keep)
 
     def base_shas(self) -> set[str]:
         """The sha256 of the bases of queued ``put`` entries (the versions their
@@ -237,7 +238,11 @@ class Committer:
         self._wakeups[e.store].set()
 
     def replay(self, entries: list[Entry]) -> None:
-        """Queue entries a previous process accepted but did not finish (call before mount)."""
+        """Queue entries a previous process accepted but did not finish, ahead of anything
+        written since (called once the stores are loaded and the entries shown on the tree,
+        ``Filesystem.overlay_outbox``, just before the mount: the backlog drains while the
+        mount serves). ``backlog_left`` counts them down."""
+        self._backlog = list(entries)
         first: set[tuple[str, str | None]] = set()
         for e in entries:
             self._seq = max(self._seq, e.id)
@@ -246,6 +251,14 @@ class Committer:
                 first.add((e.store, e.node_key))
                 e.sent = True
             self._enqueue(e)
+
+    def backlog_left(self) -> int:
+        """Entries of the replayed backlog (``replay``) not finished yet: 0 once it drained
+        (``status.json``'s ``outbox.backlog``, ``draining`` while above 0)."""
+        left = sum(1 for e in self._backlog if not e.done.is_set())
+        if not left:
+            self._backlog = []
+        return left
 
     def poke(self) -> None:
         """The control plane answered someone (e.g. the change feed): retry waiting commits
@@ -350,6 +363,7 @@ class Committer:
                 await self._commit_batch(store, q, batch)
                 continue
             e = q[0]
+            self._fill(e)
             self._inflight[store] = trio.Event()
             try:
                 await self._commit_with_retry(e)
@@ -401,6 +415,14 @@ class Committer:
             log.debug("outbox: successive puts of the same files coalesced",
                       extra={"dropped": dropped, "left": len(q)})
 
+    def _fill(self, e: Entry) -> None:
+        """Read the content of a ``deferred`` put (loaded without it: ``Journal.load``)
+        before it is sent. A journal that cannot give it (``sqlite3.Error``) is a failure
+        of this attempt: raised, the worker restarts and the entry stays first."""
+        if e.deferred:
+            e.content = self.journal.read_content(e.id)
+            e.deferred = False
+
     def _finished(self, store: str, q: deque[Entry], e: Entry) -> None:
         """``e`` (first in ``q``) committed or was refused for good: out of the queue and the
         journal, then the listener's ``entry_finished``; the puts it superseded (``absorbed``) first, with its
@@ -440,6 +462,7 @@ class Committer:
         for e in q:
             if e.op not in (PUT, ATTRS, DELETE, MOVE) or e.node_key is None or len(out) >= BATCH_MAX_ENTRIES:
                 break
+            self._fill(e)
             touched = {e.node_key}
             if e.op == MOVE and e.args.get("target_key"):
                 touched.add(e.args["target_key"])

@@ -75,13 +75,15 @@ class ConflictResolver:
         #: next put was sent
         self.merged: dict[str, MergeState] = journal.load_merges()
 
-    def replayed(self) -> None:
-        """The outbox a previous process left is committed (``replay`` + ``wait_idle``),
-        before any store is loaded: no put written on content from before the restart is
-        left, and every file will show the control plane's content, so the merge states
-        kept for such puts are obsolete: dropped."""
+    def replayed(self, keep: set[str] | frozenset[str] = frozenset()) -> None:
+        """The outbox a previous process left is queued again (``Committer.replay``, its
+        content shown on the tree): the merge state of a file with a queued put (its node
+        key in ``keep``) still bases that put and is dropped when the put is sent, as in
+        the process that wrote it; every other one is obsolete (the file shows the
+        control plane's content): dropped."""
         for key in list(self.merged):
-            self.set_merged(key, None)
+            if key not in keep:
+                self.set_merged(key, None)
 
     def forget_merge(self, node_key: str) -> None:
         """The file ``node_key`` now shows the merged content of its last put (nothing was

@@ -30,6 +30,7 @@ import errno
 import json
 import logging
 import os
+import re
 import sqlite3
 import time
 import uuid
@@ -119,6 +120,10 @@ class Entry(_Waitable):
     #: replayed after a crash as the first entry of its file): never coalesced away, so a
     #: write that did apply is answered by its idempotency key instead of being merged twice
     sent: bool = False
+    #: a ``put`` loaded from the journal without its content (``Journal.load``: a later
+    #: queued put of the same file will absorb it, so its bytes are never sent); the
+    #: committer reads them (``Journal.read_content``) should it send it after all
+    deferred: bool = False
     #: why the journal could not write this entry yet: ``(errno, reason)``, None once durable
     journal_error: tuple[int, str] | None = None
     #: set (and replaced) whenever the entry's state changes: a journal attempt or its end
@@ -164,6 +169,10 @@ class Witness:
         self.path = path
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         self._fd = fd
+        #: node key -> (record id, base sha256) its earliest unfinished entry was written on
+        #: (set by ``unfinished``; keys with a record only): the base of a replayed put whose
+        #: key the key map does not hold (``Sidecar._recover_journal``)
+        self.bases: dict[str, tuple[Any, Any]] = {}
 
     def size(self) -> int:
         return os.fstat(self._fd).st_size
@@ -189,27 +198,107 @@ class Witness:
     def unfinished(self, present: set[int]) -> tuple[list[dict[str, Any]], dict[str, tuple[Any, Any]], int]:
         """(entries accepted, not finished and not in ``present`` (the journal's entry ids),
         in order; the key map the witness saw, node key -> (record id, sha256); the highest
-        entry id it names). A line cut by a crash (the last one) is skipped."""
+        entry id it names). A line cut by a crash (the last one) is skipped.
+
+        A line of an accepted entry is read in full only when needed (a lost entry, the
+        first line of a node key for ``bases``); for the others the id and node key are
+        taken from the head ``Journal.add`` writes (``_WITNESS_HEAD``): a backlog of 10,000
+        entries is 10,000 lines (bench/README.md, "A backlog of one file")."""
         top = 0
-        added: dict[int, dict[str, Any]] = {}
+        added: dict[int, tuple[str | None, str | dict[str, Any]]] = {}  # id -> (node key, line)
         keys: dict[str, tuple[Any, Any]] = {}
         try:
             text = self.path.read_text("utf-8", errors="replace")
         except OSError:
             return [], {}, 0
         for raw in text.splitlines():
+            m = _WITNESS_DONE.match(raw)
+            if m is not None:
+                added.pop(int(m.group(1)), None)
+                continue
+            m = _WITNESS_HEAD.match(raw)
+            if m is not None and raw.endswith("}"):
+                i = int(m.group(1))
+                added[i] = (m.group(2), raw)
+                top = max(top, i)
+                continue
             try:
                 x = json.loads(raw)
             except ValueError:
+                continue
+            if not isinstance(x, dict):
                 continue
             if "d" in x:
                 added.pop(x["d"], None)
             elif "m" in x:
                 keys[x["m"]] = (x.get("r"), x.get("h"))
             elif "i" in x:
-                added[x["i"]] = x
+                added[int(x["i"])] = (x.get("n"), x)
                 top = max(top, int(x["i"]))
-        return [x for i, x in sorted(added.items()) if i not in present], keys, top
+
+        def full(line: str | dict[str, Any]) -> dict[str, Any] | None:
+            if isinstance(line, dict):
+                return line
+            try:
+                x = json.loads(line)
+            except ValueError:  # cut by a crash
+                return None
+            return x if isinstance(x, dict) and "i" in x else None
+
+        self.bases = {}
+        seen: set[str] = set()
+        lost = []
+        for i, (node_key, line) in sorted(added.items()):
+            if i not in present:
+                x = full(line)
+                if x is not None:
+                    lost.append(x)
+            if node_key and node_key not in seen:
+                seen.add(node_key)
+                x = full(line)
+                if x is not None and x.get("r"):
+                    self.bases[node_key] = (x.get("r"), x.get("b"))
+        return lost, keys, top
+
+
+#: the head of an accepted entry's witness line as ``Journal.add`` writes it (json.dumps of
+#: a dict in that order): its id and node key (keys are ``r:<id>`` / ``n:<hex>``)
+_WITNESS_HEAD = re.compile(r'\{"i":(\d+),"k":"[^"\\]*","s":"[^"\\]*","o":"[^"\\]*","n":(?:null|"([^"\\]*)")')
+#: a finished entry's witness line
+_WITNESS_DONE = re.compile(r'\{"d":(\d+)\}$')
+
+
+def superseded(entries: list[Entry]) -> set[int]:
+    """The ids of the ``put``s among ``entries`` (a previous process's outbox, in order)
+    that ``Committer._coalesce`` absorbs once they are replayed: followed later in their
+    store by another put of the same node key with nothing between that touches that key
+    (a move, a delete, attributes, a move onto it) or moves a directory, and not the first
+    entry of their key (``Committer.replay`` marks that one ``sent``: it may have reached
+    the control plane). The same rule as ``_coalesce``'s, so their content need not be
+    read; should one be sent after all, the committer reads it then (``Entry.deferred``)."""
+    first: set[tuple[str, str | None]] = set()
+    sent: set[int] = set()
+    for e in entries:
+        if (e.store, e.node_key) not in first:
+            first.add((e.store, e.node_key))
+            sent.add(e.id)
+    later: dict[str, set[str]] = {}  # store -> node keys with a later put, nothing between
+    out: set[int] = set()
+    for e in reversed(entries):
+        lat = later.setdefault(e.store, set())
+        if e.op == MOVE_PREFIX or e.node_key is None:
+            lat.clear()
+            continue
+        if e.op == PUT and e.node_key in lat and e.id not in sent:
+            out.add(e.id)
+            continue
+        lat.discard(e.node_key)
+        tk = e.args.get("target_key")
+        if tk:
+            lat.discard(tk)
+        if e.op == PUT:
+            lat.add(e.node_key)
+    return out
 
 
 class Barrier(_Waitable):
@@ -329,17 +418,44 @@ class Journal:
         self._last_checkpoint = 0.0
 
     def load(self) -> tuple[list[Entry], dict[str, tuple[str | None, str | None]]]:
-        """Read what a previous process left: entries in order and the key map."""
+        """Read what a previous process left: entries in order and the key map.
+
+        The content of a ``put`` that a later queued put of the same file supersedes
+        (``superseded``: the committer's coalescing will absorb it, so it is never sent) is
+        not read: the entry comes back ``deferred`` (content None) and stays in the journal
+        as it is. A backlog of 10,000 appends to one file holds 10,000 copies of a growing
+        file (~370 MB at 75 KB); only the last is read (bench/README.md, "A backlog of one
+        file")."""
         entries = []
         for row in self._db.execute(
-                "SELECT id, key, store, op, node_key, args, content, created FROM entries ORDER BY id"):
+                "SELECT id, key, store, op, node_key, args, created FROM entries ORDER BY id"):
             e = Entry(id=row[0], key=row[1], store=row[2], op=row[3], node_key=row[4],
-                      args=json.loads(row[5]), content=row[6], created=row[7])
+                      args=json.loads(row[5]), created=row[6])
             e.durable.set()
             entries.append(e)
+        skip = superseded(entries)
+        want = [e for e in entries if e.op == PUT and e.id not in skip]
+        contents: dict[int, bytes] = {}
+        for i in range(0, len(want), 500):  # SQLite's bound on host parameters
+            ids = [e.id for e in want[i:i + 500]]
+            contents.update(self._db.execute(
+                f"SELECT id, content FROM entries WHERE id IN ({','.join('?' * len(ids))})", ids))
+        for e in entries:
+            if e.op != PUT:
+                continue
+            if e.id in skip:
+                e.deferred = True
+            else:
+                e.content = contents.get(e.id)
         keymap = {r[0]: (r[1], r[2]) for r in self._db.execute(
             "SELECT node_key, record_id, sha256 FROM keymap")}
         return entries, keymap
+
+    def read_content(self, entry_id: int) -> bytes | None:
+        """The content of entry ``entry_id`` as the journal holds it (a ``deferred`` put's:
+        ``load``), None when it holds none. Raises ``sqlite3.Error``."""
+        row = self._db.execute("SELECT content FROM entries WHERE id=?", (entry_id,)).fetchone()
+        return None if row is None or row[0] is None else bytes(row[0])
 
     def load_merges(self) -> dict[str, tuple[str, bytes, str]]:
         """What ``set_merge`` kept: node key -> (local sha256, local bytes, merged sha256)."""

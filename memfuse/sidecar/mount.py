@@ -1,8 +1,9 @@
-"""Assembly of the sidecar: replay the outbox, load the attached stores, mount, serve, drain.
+"""Assembly of the sidecar: load the attached stores, show and replay the outbox, mount, serve, drain.
 
 ``run_mount(config, client_factory)`` is the blocking entry point used by ``memfuse mount``
-and ``memfuse dev``. The order (docs/ARCHITECTURE.md): replay the outbox first, then list the
-workspace's attachments and load each store, then mount and report ready. SIGTERM / SIGINT
+and ``memfuse dev``. The order (docs/ARCHITECTURE.md): list the workspace's attachments and
+load each store, show the outbox a previous process left on the tree and queue it again,
+then mount and report ready (the backlog drains while the mount serves). SIGTERM / SIGINT
 drain the outbox for up to ``drain_timeout`` seconds, unmount and exit 0; what did not drain
 stays in the outbox for the next start.
 """
@@ -38,7 +39,7 @@ from .logs import setup_logging
 from .metrics import Metrics
 from .committer import Committer
 from .identity import RecordIds
-from .journal import Entry, Journal
+from .journal import PUT, Entry, Journal
 from .stores import StoreSync
 from .invalidator import Invalidator
 from .sync import StoreState
@@ -366,6 +367,15 @@ class Sidecar(StoreSync):
             if k not in ids.map:
                 ids.map[k] = v
                 self.journal.set_key(k, *v)
+        # the base a queued put of a record was written on, when the key map does not hold
+        # it (the first write of a record loaded from a snapshot: RecordIds.note_default,
+        # memory only): the stores load before the backlog is sent, so the store mirror
+        # may already hold a rival's newer version, which must be merged, not taken as the
+        # base (memory only, as note_default; a witness line lost with a machine crash
+        # leaves the base to Filesystem.overlay_outbox: the loaded version)
+        for k, v in self.journal.witness.bases.items():
+            if v[1]:  # an unknown base stays the mirror's (RecordIds.get)
+                ids.map.setdefault(k, v)
         if back:
             self.leftovers = sorted([*self.leftovers, *back], key=lambda e: e.id)
             log.warning("outbox journal short of accepted writes; recovered them from the "
@@ -587,12 +597,6 @@ class Sidecar(StoreSync):
                                     "with the admin token", extra={"error": e.strerror or str(e)})
                 self._spawn("context", self._context_loop)
                 self.want_context()
-                if self.leftovers:
-                    log.info("replaying outbox", extra={"entries": len(self.leftovers)})
-                    self.committer.replay(self.leftovers)
-                    await self.committer.wait_idle()
-                    log.info("outbox replayed", extra={"entries": len(self.leftovers)})
-                self.committer.replayed()
                 atts = None
                 saved = bool(self._saved_slugs())
                 wait = config.offline_after if saved else (config.start_timeout or math.inf)
@@ -612,6 +616,19 @@ class Sidecar(StoreSync):
                 # the mirrors are saved by the saver right after the mount, unreferenced blobs
                 # collected GC_EVERY s later (each a pass over every record: not on the way
                 # to ready)
+
+                # the outbox a previous process left: shown on the tree just loaded, then
+                # queued again; it drains while the mount serves (new writes queue behind
+                # it, the feeds wait for it: StoreSync._apply_page)
+                if self.leftovers:
+                    shown = self.fs.overlay_outbox(self.leftovers)
+                    self.committer.replay(self.leftovers)
+                    log.info("replaying outbox behind the mount",
+                             extra={"entries": len(self.leftovers), "shown": shown})
+                    nursery.start_soon(self._backlog_drained, self.leftovers)
+                self.committer.replayed({e.node_key for e in self.leftovers
+                                         if e.op == PUT and e.node_key})
+                self.leftovers = []
 
                 options = set(pyfuse3.default_options)
                 # fsname stays a bare "memfuse" (`mount` run where a ./memfuse exists shows
@@ -671,6 +688,14 @@ class Sidecar(StoreSync):
             self.fs.blobs.close()
             lock.release()
         return 0
+
+    async def _backlog_drained(self, entries: list) -> None:
+        """Log when the replayed backlog has committed (each entry finished)."""
+        t0 = time.monotonic()
+        for e in entries:
+            await e.done.wait()
+        log.info("outbox backlog committed", extra={"entries": len(entries),
+                                                    "seconds": round(time.monotonic() - t0, 3)})
 
     async def _signals(self, sigs) -> None:
         stopping = False
