@@ -409,6 +409,66 @@ class BatchResponse(BaseModel):
     results: list[BatchResult]
 
 
+CONSOLIDATION_INSTRUCTIONS_MAX_CHARS = 20_000  # a job's instructions, in characters
+
+
+class ConsolidationCreate(BaseModel):
+    """``POST /v1/stores/{store}/consolidations``: what the model is asked to do with the
+    store (``instructions``), where the result goes (``new_store``: a new store for review,
+    the default; ``in_place``: the store itself, every change a version restore undoes), the
+    model (None: the server's default), and whether the store's recent change history (paths,
+    operations, actors, times; never past content) goes with the records."""
+
+    instructions: str = Field(min_length=1, max_length=CONSOLIDATION_INSTRUCTIONS_MAX_CHARS)
+    output: Literal["new_store", "in_place"] = "new_store"
+    model: str | None = Field(default=None, min_length=1, max_length=200)
+    include_history: bool = False
+
+
+class ConsolidationUsage(BaseModel):
+    """Tokens the model call used, as the Messages API reported them."""
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+
+class ConsolidationChange(BaseModel):
+    """One change a job made (or, in a new store, made against its input): ``op`` is
+    ``write`` (created or changed) or ``delete``."""
+
+    op: Literal["write", "delete"]
+    path: str
+
+
+class ConsolidationJob(BaseModel):
+    """A consolidation job. ``status``: ``pending`` → ``running`` → ``completed`` |
+    ``failed`` | ``canceled``. ``output_store``: the store the result went to (the new
+    store's slug, or the store itself in place; None until written). ``input_seq``: the
+    store's change-feed seq the job read. ``usage``: the model call's tokens (None before
+    it answered). ``changes``: what the job wrote (path order). ``error``: why it failed
+    or was canceled (never memory content). ``summary``: the model's own summary (untrusted
+    text)."""
+
+    id: str
+    store: str
+    status: Literal["pending", "running", "completed", "failed", "canceled"]
+    output: Literal["new_store", "in_place"]
+    output_store: str | None = None
+    model: str
+    instructions: str
+    include_history: bool = False
+    requested_by: str
+    scheduled: bool = False
+    created_at: datetime
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    input_seq: int | None = None
+    usage: ConsolidationUsage | None = None
+    summary: str | None = None
+    changes: list[ConsolidationChange] = []
+    error: str | None = None
+
+
 class Change(BaseModel):
     """One entry of a store's change feed: the record's state after version ``seq``.
     ``old_path`` is set for moves; ``record.deleted`` is True for deletes."""

@@ -383,6 +383,51 @@ class BatchResponse(Struct, kw_only=True):
     results: list[BatchResult]
 
 
+CONSOLIDATION_INSTRUCTIONS_MAX_CHARS = 20_000
+
+
+class ConsolidationCreate(Struct, kw_only=True):
+    """``POST /v1/stores/{store}/consolidations`` (see memfuse.models.ConsolidationCreate)."""
+
+    instructions: Annotated[str, Meta(min_length=1, max_length=CONSOLIDATION_INSTRUCTIONS_MAX_CHARS)]
+    output: Literal["new_store", "in_place"] = "new_store"
+    model: Annotated[str, Meta(min_length=1, max_length=200)] | None = None
+    include_history: bool = False
+
+
+class ConsolidationUsage(Struct, kw_only=True):
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+
+class ConsolidationChange(Struct, kw_only=True):
+    op: Literal["write", "delete"]
+    path: str
+
+
+class ConsolidationJob(Struct, kw_only=True):
+    """A consolidation job (see memfuse.models.ConsolidationJob)."""
+
+    id: str
+    store: str
+    status: Literal["pending", "running", "completed", "failed", "canceled"]
+    output: Literal["new_store", "in_place"]
+    output_store: str | None = None
+    model: str
+    instructions: str
+    include_history: bool = False
+    requested_by: str
+    scheduled: bool = False
+    created_at: datetime
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    input_seq: int | None = None
+    usage: ConsolidationUsage | None = None
+    summary: str | None = None
+    changes: list[ConsolidationChange] = msgspec.field(default_factory=list)
+    error: str | None = None
+
+
 class Change(Struct, kw_only=True, gc=False):
     """One entry of a store's change feed: the record's state after version ``seq``."""
 

@@ -108,6 +108,26 @@ def _admin_token(admin_token_file: Path | None) -> tuple[str, Path, bool]:
 @opt("--expiry-interval", type=click.FloatRange(min=0), default=60.0, show_default=True, metavar="SECONDS",
      help="How often to delete the records past their frontmatter `expires` (a deleted version, "
      "restorable). 0: never.")
+@opt("--consolidation-model-url", metavar="URL",
+     help="Base URL of the Anthropic Messages API that consolidation jobs call (the SDK posts to "
+     "URL/v1/messages). With --consolidation-api-key-file it turns consolidation jobs on.")
+@opt("--consolidation-api-key-file", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
+     help="File holding the Messages API key (read at each job's start; never logged).")
+@opt("--consolidation-model", default="claude-sonnet-4-5", show_default=True,
+     help="Model a job uses when its request names none.")
+@opt("--consolidation-timeout", type=click.FloatRange(min=1), default=600.0, show_default=True,
+     metavar="SECONDS", help="How long a consolidation job may run (the model call included).")
+@opt("--consolidation-max-input-bytes", type=click.IntRange(min=1), default=512 * 1024, show_default=True,
+     help="Largest store (paths and contents of its live records) a job reads; larger: refused.")
+@opt("--consolidation-max-output-tokens", type=click.IntRange(min=1), default=32_000, show_default=True,
+     help="The model's max_tokens; an answer cut there fails the job.")
+@opt("--consolidation-idle-after", type=click.FloatRange(min=0), default=0.0, show_default=True,
+     metavar="SECONDS", help="Scheduled maintenance: consolidate a store once it has been idle this long "
+     "(with --consolidation-interval; 0: off).")
+@opt("--consolidation-interval", type=click.FloatRange(min=0), default=0.0, show_default=True,
+     metavar="SECONDS", help="Scheduled maintenance: at most one scheduled job per store in this time (0: off).")
+@opt("--consolidation-schedule-output", type=click.Choice(["new_store", "in_place"]), default="new_store",
+     show_default=True, help="Where scheduled jobs write.")
 @opt("--trusted-proxy", "trusted_proxies", multiple=True, metavar="CIDR",
      help="Address or CIDR block of a TLS-terminating proxy whose X-Forwarded-Proto is believed "
      "(repeatable; the environment variable takes a comma-separated list). A request through it "
@@ -123,6 +143,10 @@ def serve(db: str | None, listen: str, admin_token_file: Path | None, migrate: b
           max_requests: int, max_streams: int, max_streams_per_token: int, max_body: int,
           header_timeout: float, body_timeout: float, body_read_timeout: float,
           max_unauthenticated_per_address: int, stale_after: int, expiry_interval: float,
+          consolidation_model_url: str | None, consolidation_api_key_file: Path | None,
+          consolidation_model: str, consolidation_timeout: float, consolidation_max_input_bytes: int,
+          consolidation_max_output_tokens: int, consolidation_idle_after: float, consolidation_interval: float,
+          consolidation_schedule_output: str,
           trusted_proxies: tuple[str, ...], db_file: Path | None, log_format: str, debug: bool) -> None:
     """Run the reference control plane (HTTP API v1) on a database."""
     from memfuse.cli.db import database_errors
@@ -165,6 +189,17 @@ def serve(db: str | None, listen: str, admin_token_file: Path | None, migrate: b
                              trusted_proxies=trusted_proxies)
         app.state.service.stale_after_days = stale_after
         app.state.service.expiry_interval = expiry_interval
+        cons = app.state.service.consolidation
+        if bool(consolidation_model_url) != (consolidation_api_key_file is not None):
+            app.state.service.db.dispose()
+            raise click.UsageError("consolidation jobs need both --consolidation-model-url and "
+                                   "--consolidation-api-key-file")
+        cons.model_url, cons.api_key_file = consolidation_model_url or None, consolidation_api_key_file
+        cons.model, cons.timeout = consolidation_model, consolidation_timeout
+        cons.max_input_bytes, cons.max_output_tokens = consolidation_max_input_bytes, consolidation_max_output_tokens
+        cons.max_output_bytes = max(cons.max_output_bytes, consolidation_max_input_bytes)
+        cons.idle_after, cons.interval = consolidation_idle_after, consolidation_interval
+        cons.schedule_output = consolidation_schedule_output  # type: ignore[assignment]
         try:
             claim_database(app)  # SQLite: one replica per file
         except AlreadyServing as e:

@@ -53,6 +53,8 @@ from memfuse.models import (
     Attachment,
     AttachmentPut,
     ChangePage,
+    ConsolidationCreate,
+    ConsolidationJob,
     EventPage,
     MoveResult,
     PrefixMove,
@@ -536,6 +538,33 @@ def create_app(
     def index_report(store: StoreSlug, p: P):
         """How the store's ``MEMORY.md`` and its records agree (docs/API.md, "Index report")."""
         return _json(svc.index_report(p, store))
+
+    @app.post("/v1/stores/{store}/consolidations", status_code=202, response_model=ConsolidationJob,
+              tags=["consolidations"])
+    def create_consolidation(store: StoreSlug, body: ConsolidationCreate, p: P):
+        """Start a consolidation job on the store (docs/API.md, "Consolidation jobs"): 202
+        with the job, ``Location`` its URL."""
+        job = svc.create_consolidation(p, store, body)
+        return Response(content=job.model_dump_json(), status_code=202, media_type="application/json",
+                        headers={"Location": f"/v1/consolidations/{job.id}"})
+
+    @app.get("/v1/stores/{store}/consolidations", response_model=list[ConsolidationJob], tags=["consolidations"])
+    def list_consolidations(
+        store: StoreSlug, p: P,
+        limit: Annotated[int, Query(ge=1, le=1000, description="jobs to list at most")] = 100,
+    ):
+        """The store's consolidation jobs, newest first."""
+        return _json(svc.list_consolidations(p, store, limit))
+
+    @app.get("/v1/consolidations/{job_id}", response_model=ConsolidationJob, tags=["consolidations"])
+    def get_consolidation(job_id: Annotated[str, Path(max_length=64)], p: P):
+        """One consolidation job."""
+        return _json(svc.get_consolidation(p, job_id))
+
+    @app.post("/v1/consolidations/{job_id}/cancel", response_model=ConsolidationJob, tags=["consolidations"])
+    def cancel_consolidation(job_id: Annotated[str, Path(max_length=64)], p: P):
+        """Cancel a pending or running job: it writes nothing (409 ``job_finished`` once ended)."""
+        return _json(svc.cancel_consolidation(p, job_id))
 
     @app.post("/v1/stores/{store}/records", status_code=201, response_model=Record, tags=["records"])
     def create_record(store: StoreSlug, body: RecordCreate, p: P, idem: Idem):

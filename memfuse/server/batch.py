@@ -194,10 +194,17 @@ class BatchMixin(RecordsMixin):
         log.debug("batch on store %s: %d operations, %d applied", slug, len(ops), applied)
         return replies
 
-    def _batch_tx(self, p: Principal, slug: str, plans: list[_Planned], keys: list[str], savepoints: bool):
+    def _batch_tx(self, p: Principal, slug: str, plans: list[_Planned], keys: list[str], savepoints: bool,
+                  *, prepare: Callable[[Connection], None] | None = None,
+                  finish: Callable[[Connection, list[Reply]], None] | None = None):
+        """The batch's transaction. ``prepare(conn)`` runs first (a consolidation job makes its
+        output store there); ``finish(conn, replies)`` runs after every operation, before the
+        commit: raising rolls the whole batch back (a job's all-or-nothing result)."""
         with self.db.write_conn() as conn:
             wakeups.begin_notes()
             history.reset(conn)
+            if prepare is not None:
+                prepare(conn)
             row = self._store(conn, p, slug, write=True)
             st = BatchStore(row)
             stored: dict[str, Any] = {}
@@ -227,6 +234,8 @@ class BatchMixin(RecordsMixin):
             if inserts:
                 conn.execute(_INSERT_IDEM, inserts)
             history.settle(conn)
+            if finish is not None:
+                finish(conn, replies)
             notes, vseqs, eseqs = wakeups.take_notes()
             self.bus.publish(conn, notes)  # one NOTIFY for the batch (PostgreSQL)
         return replies, notes, vseqs, eseqs

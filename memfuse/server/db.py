@@ -65,7 +65,7 @@ log = logging.getLogger(__name__)
 #: the newest Alembic revision (``memfuse/server/migrations/versions/``): a database at it
 #: opens without Alembic (``Database._at_schema_head``). A new revision updates it;
 #: tests/test_migrations.py fails while it is not ``schema.head()``.
-SCHEMA_HEAD = "0011_append_versions"
+SCHEMA_HEAD = "0012_consolidation_jobs"
 
 
 def utcnow() -> datetime:
@@ -330,6 +330,46 @@ class EventRow(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
     __table_args__ = (Index("ix_events_workspace_seq", "workspace", "seq"), {"sqlite_autoincrement": True})
+
+
+class ConsolidationJobRow(Base):
+    """A consolidation job (``memfuse.server.consolidation``, revision
+    ``0012_consolidation_jobs``): a model rewrites a store's records into a new store or in
+    place. ``status``: ``pending`` → ``running`` → ``completed`` | ``failed`` | ``canceled``.
+    At most one ``pending`` or ``running`` job per store (``ux_consolidation_jobs_active``:
+    the database enforces it across replicas). ``heartbeat_at`` is refreshed by the process
+    running the job; a job whose heartbeat stops (the process died) is marked failed by any
+    replica. ``input_seq``: the store's change-feed seq the job read (the scheduled
+    maintenance's cursor). ``usage``, ``changes``: JSON text."""
+
+    __tablename__ = "consolidation_jobs"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    store: Mapped[str] = mapped_column(ForeignKey("stores.slug", ondelete="CASCADE"))
+    status: Mapped[str] = mapped_column(String(16))
+    output: Mapped[str] = mapped_column(String(16))
+    output_store: Mapped[str | None] = mapped_column(String(63), nullable=True)
+    instructions: Mapped[str] = mapped_column(Text)
+    model: Mapped[str] = mapped_column(String(200))
+    include_history: Mapped[bool] = mapped_column(Boolean, default=False)
+    requested_by: Mapped[str] = mapped_column(String(200))
+    scheduled: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    heartbeat_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    input_seq: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    usage: Mapped[str | None] = mapped_column(Text, nullable=True)
+    summary: Mapped[str | None] = mapped_column(Text, nullable=True)
+    changes: Mapped[str | None] = mapped_column(Text, nullable=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+    __table_args__ = (
+        Index("ix_consolidation_jobs_store_created", "store", "created_at"),
+        Index("ux_consolidation_jobs_active", "store", unique=True,
+              sqlite_where=status.in_(("pending", "running")),
+              postgresql_where=status.in_(("pending", "running"))),
+    )
 
 
 # The full-text index of live records (revision 0007_fulltext): not models, DDL run after

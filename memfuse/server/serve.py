@@ -19,7 +19,7 @@ from typing import Any
 import trio
 from hypercorn.config import Config
 
-from . import staleness
+from . import consolidation, staleness
 from .limits import MAX_HEAD, SEND_TIMEOUT
 
 log = logging.getLogger(__name__)
@@ -209,10 +209,17 @@ async def _serve(app, listen: str, task_status) -> None:
         with sweeps:
             await staleness.sweep_forever(svc, svc.expiry_interval)
 
+    async def schedule() -> None:
+        with sweeps:
+            await consolidation.schedule_forever(svc)
+
     async with trio.open_nursery() as nursery:
         binds = await nursery.start(run)
         if svc is not None and getattr(svc, "expiry_interval", 0) > 0:
             nursery.start_soon(sweep)
+        cons = getattr(svc, "consolidation", None)
+        if cons is not None and cons.scheduled:  # scheduled consolidation (off unless configured)
+            nursery.start_soon(schedule)
         url = binds[0] if binds else f"http://{listen}"
         log.info("control plane listening on %s", url)
         task_status.started(url)

@@ -24,6 +24,8 @@ import from here:
   long-polls (``feed_read``); ``memfuse.server.wakeups`` has the ``Notifier`` (wakes this
   process's long-polls after a commit, knows the heads) and the ``Bus`` (commit notes between
   replicas);
+- ``consolidation``: consolidation jobs (a model rewrites a store: new store or in place),
+  their runner threads, the stale-job reaper and scheduled maintenance;
 - ``search``: search (path / content, bounded pages) and the bounded directory tree of the
   memory tool's ``view``;
 - ``context``: the prompt block (``cut_index``, ``strip_controls``);
@@ -49,6 +51,7 @@ from memfuse.server.base import (
 from memfuse.server import staleness, wakeups
 from memfuse.server.batch import BatchMixin
 from memfuse.server.changes import MAX_WAIT_SECONDS, ChangesMixin, FeedRead
+from memfuse.server.consolidation import ConsolidationMixin, ConsolidationSettings
 from memfuse.server.context import (
     CONTEXT_INDEX_MAX_BYTES,
     CONTEXT_INDEX_MAX_LINES,
@@ -94,8 +97,8 @@ __all__ = [
 ]
 
 
-class Service(TokensMixin, SessionsMixin, StoresMixin, BatchMixin, RecordsMixin, SearchMixin, ChangesMixin,
-              ContextMixin, MemoryStoresMixin, IndexReportMixin):
+class Service(TokensMixin, SessionsMixin, StoresMixin, ConsolidationMixin, BatchMixin, RecordsMixin, SearchMixin,
+              ChangesMixin, ContextMixin, MemoryStoresMixin, IndexReportMixin):
     """The control plane's rules over a ``Database``.
 
     ``static_tokens`` maps raw token → workspace (None = admin); the mapping is consulted on
@@ -128,6 +131,12 @@ class Service(TokensMixin, SessionsMixin, StoresMixin, BatchMixin, RecordsMixin,
         self.stale_after_days = staleness.STALE_AFTER_DAYS
         self.expiry_interval = 0.0
         self._last_idem_cleanup = 0.0
+        # consolidation jobs (memfuse.server.consolidation): off until a model is configured;
+        # this process's running jobs, stopped (failed, nothing written) before the pool closes
+        self.consolidation = ConsolidationSettings()
+        self._job_cancels: dict[str, threading.Event] = {}
+        self._job_threads: dict[str, threading.Thread] = {}
+        db.on_dispose(self.stop_jobs)
         self._token_cache = TokenCache()  # database tokens seen lately
         # a revocation committed on any replica reaches this one on the commit bus; after the
         # bus (re)connects nothing cached is trusted (revocations may have been missed)
