@@ -110,12 +110,14 @@ def _configure(app, model: ScriptedModel, key_file: Path, **settings) -> None:
 
 
 @pytest.fixture
-async def cenv(model, tmp_path):
+async def cenv(request, model, tmp_path):
     """test_api's ``env`` (workspace ``ws`` with ``default`` read-write and ``ro``
-    read-only, workspace ``other``) on a database file, with consolidation configured."""
+    read-only, workspace ``other``) with consolidation configured; on an in-memory SQLite
+    database, or a file when the test is marked ``db_file`` (two replicas share it)."""
     key = tmp_path / "model.key"
     key.write_text(API_KEY + "\n")
-    with fresh_db_url(f"sqlite:///{tmp_path / 'cp.db'}") as url:
+    sqlite = f"sqlite:///{tmp_path / 'cp.db'}" if request.node.get_closest_marker("db_file") else "sqlite://"
+    with fresh_db_url(sqlite) as url:
         app = create_app(url, static_tokens={ADMIN: None, WS_TOKEN: "ws", OTHER_TOKEN: "other"})
         _configure(app, model, key, heartbeat=0.2, timeout=30)
         async with _client(app, ADMIN) as admin, _client(app, WS_TOKEN, **{"X-Memfuse-Instance": "sc1"}) as ws, \
@@ -394,6 +396,7 @@ async def test_cancel_a_running_job_writes_nothing_and_frees_the_store(cenv: Env
     assert again["status"] == "completed"
 
 
+@pytest.mark.db_file
 async def test_one_job_per_store_across_two_replicas(cenv: Env, model: ScriptedModel):
     await _seed(cenv, FILES)
     model.hold = True

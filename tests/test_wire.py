@@ -111,6 +111,17 @@ EXAMPLES: dict[str, list[dict]] = {
                     dict(status=204)],
     "BatchResponse": [dict(results=[dict(status=412, body={"title": "t", "status": 412}),
                                     dict(status=204)]), dict(results=[])],
+    "ConsolidationCreate": [dict(instructions="merge", output="in_place", model="m", include_history=True),
+                            dict(instructions="x")],
+    "ConsolidationUsage": [dict(input_tokens=5, output_tokens=6), dict()],
+    "ConsolidationChange": [dict(op="delete", path="a.md")],
+    "ConsolidationJob": [dict(id="j", store="s", status="completed", output="new_store",
+                              output_store="s-consolidated-1", model="m", instructions="i", include_history=True,
+                              requested_by="ws:w/api", scheduled=True, created_at=T1, started_at=T1,
+                              finished_at=T2, input_seq=9, usage=dict(input_tokens=1, output_tokens=2),
+                              summary="s", changes=[dict(op="write", path="a.md")], error="e"),
+                         dict(id="j", store="s", status="pending", output="in_place", model="m", instructions="i",
+                              requested_by="admin:static", created_at=T1)],
     "Problem": [dict(type="https://example.invalid/p", title="t", status=409, detail="d", code="c"),
                 dict(title="t", status=500)],
 }
@@ -118,7 +129,7 @@ EXAMPLES: dict[str, list[dict]] = {
 # request bodies: the client builds and sends them (wire.build + wire.encode)
 REQUESTS = {"WorkspaceCreate", "StoreCreate", "StoreUpdate", "AttachmentPut", "TokenCreate",
             "RecordCreate", "RecordUpdate", "RecordAppend", "RecordAttributes", "RecordMove", "PrefixMove", "Restore",
-            "BatchOperation", "BatchRequest"}
+            "BatchOperation", "BatchRequest", "ConsolidationCreate"}
 # the pydantic options the client sent each with (earlier releases): the same bytes now
 DUMP_OPTIONS = {"StoreUpdate": dict(exclude_none=True), "BatchOperation": dict(exclude_none=True),
                 "BatchRequest": dict(exclude_none=True), "RecordCreate": dict(exclude_unset=True),
