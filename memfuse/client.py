@@ -71,6 +71,8 @@ from .wire import (
     BatchRequest,
     BatchResponse,
     ChangePage,
+    ConsolidationCreate,
+    ConsolidationJob,
     EventPage,
     MemoryToolResult,
     MoveResult,
@@ -357,6 +359,7 @@ _BATCH_ENDPOINTS = {  # op of a batch → (method, path) of its single endpoint 
 }
 _RECORDS = list[Record]
 _STORES = list[Store]
+_JOBS = list[ConsolidationJob]
 _WORKSPACES = list[Workspace]
 _ATTACHMENTS = list[Attachment]
 _VERSIONS = list[Version]
@@ -681,6 +684,28 @@ class ApiClient:
         """``GET /v1/stores/{store}/index``: how the store's ``MEMORY.md`` and its records
         agree (docs/API.md, "Index report"). Raises :class:`~memfuse.errors.ApiError`."""
         return await self._call(IndexReport, "GET", f"/v1/stores/{_seg(store)}/index")
+
+    async def create_consolidation(self, store: str, instructions: str, output: str = "new_store",
+                                   model: str | None = None, include_history: bool = False) -> ConsolidationJob:
+        """``POST /v1/stores/{store}/consolidations``: start a consolidation job (docs/API.md,
+        "Consolidation jobs"); the job comes back ``pending``. Raises Conflict
+        (``job_running``, ``consolidation_disabled``), NotFound, Forbidden, PermanentError
+        (413 ``input_too_large``); ``ValueError`` before any request for a bad body."""
+        body = build(ConsolidationCreate, instructions=instructions, output=output, model=model,
+                     include_history=include_history)
+        return await self._call(ConsolidationJob, "POST", f"/v1/stores/{_seg(store)}/consolidations", body=body)
+
+    async def get_consolidation(self, job_id: str) -> ConsolidationJob:
+        """``GET /v1/consolidations/{id}``. Raises NotFound (``job_not_found``)."""
+        return await self._call(ConsolidationJob, "GET", f"/v1/consolidations/{_seg(job_id)}")
+
+    async def list_consolidations(self, store: str, limit: int = 100) -> list[ConsolidationJob]:
+        """``GET /v1/stores/{store}/consolidations``: the store's jobs, newest first."""
+        return await self._call(_JOBS, "GET", f"/v1/stores/{_seg(store)}/consolidations", params={"limit": limit})
+
+    async def cancel_consolidation(self, job_id: str) -> ConsolidationJob:
+        """``POST /v1/consolidations/{id}/cancel``. Raises NotFound, Conflict (``job_finished``)."""
+        return await self._call(ConsolidationJob, "POST", f"/v1/consolidations/{_seg(job_id)}/cancel")
 
     async def memory_tool(self, ws: str, command: dict[str, Any]) -> MemoryToolResult:
         """``POST /v1/workspaces/{ws}/memory-tool``: run one memory-tool command (the model's

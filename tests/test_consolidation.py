@@ -6,9 +6,12 @@ PostgreSQL through tests/test_postgres.py."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
 import string
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from datetime import timedelta
@@ -470,12 +473,22 @@ async def test_scheduled_maintenance_runs_on_idle_changed_stores_once_per_interv
 # ---------------------------------------------------------------- restart
 
 
-def test_a_restart_while_a_job_runs_marks_it_failed_and_frees_the_store(tmp_path, model: ScriptedModel):
+def _cli(cp, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMFUSE_")}
+    env.update(MEMFUSE_HOME=str(cp.tmp / "home"), MEMFUSE_CONTROL_PLANE=cp.url,
+               MEMFUSE_TOKEN_FILE=str(cp.token_file))
+    return subprocess.run([str(Path(sys.executable).with_name("memfuse")), *args], env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cli_then_a_restart_while_a_job_runs_marks_it_failed_and_frees_the_store(tmp_path, model: ScriptedModel):
+    """``memfuse serve --consolidation-*``, the CLI (``consolidate``, ``job list|show|cancel``)
+    against it, then the replica killed while its job waits for the model: another process on
+    the same database marks the job failed once its heartbeat is stale, and the store is free."""
     from mountutil import ControlPlane
 
     key = tmp_path / "model.key"
     key.write_text(API_KEY)
-    model.hold = True
     model.answer(ANSWER)
     cp = ControlPlane(tmp_path, extra_args=("--consolidation-model-url", model.url,
                                             "--consolidation-api-key-file", str(key))).start()
@@ -485,6 +498,20 @@ def test_a_restart_while_a_job_runs_marks_it_failed_and_frees_the_store(tmp_path
             assert c.post("/v1/stores", json={"slug": "default"}).status_code == 201
             for path, content in FILES.items():
                 assert c.post("/v1/stores/default/records", json={"path": path, "content": content}).status_code == 201
+            r = _cli(cp, "consolidate", "default", "--instructions", "Merge duplicates.", "--wait", "60")
+            assert r.returncode == 0, r.stderr
+            assert "completed" in r.stdout and "default-consolidated-1" in r.stdout
+            assert "delete deploy-2.md" in r.stdout and "tokens: 1234 in, 56 out" in r.stdout
+            first = r.stdout.split()[1].rstrip(":")
+            r = _cli(cp, "job", "list", "default")
+            assert r.returncode == 0 and first in r.stdout and "completed" in r.stdout, r.stderr
+            r = _cli(cp, "job", "show", first, "--json")
+            assert r.returncode == 0 and json.loads(r.stdout)["output_store"] == "default-consolidated-1"
+            r = _cli(cp, "job", "cancel", first)
+            assert r.returncode == 1 and "job_finished" in r.stderr
+            r = _cli(cp, "consolidate", "default")
+            assert r.returncode == 2 and "--instructions" in r.stderr
+            model.hold = True
             r = c.post("/v1/stores/default/consolidations", json={"instructions": "x", "output": "in_place"})
             assert r.status_code == 202, r.text
             job = r.json()["id"]
@@ -497,7 +524,7 @@ def test_a_restart_while_a_job_runs_marks_it_failed_and_frees_the_store(tmp_path
     model.gate.set()
     app = create_app(f"sqlite:///{cp.db}", static_tokens={ADMIN: None})
     svc = app.state.service
-    _configure(app, model, key, stale_after=0.5)
+    _configure(app, model, key, stale_after=3.0, heartbeat=0.2)  # a live job beats well within 3 s
     try:
         from memfuse.server.base import Principal
 
@@ -517,6 +544,7 @@ def test_a_restart_while_a_job_runs_marks_it_failed_and_frees_the_store(tmp_path
         while svc.get_consolidation(admin, again.id).status in ("pending", "running"):
             assert utcnow() < deadline
             threading.Event().wait(0.05)
-        assert svc.get_consolidation(admin, again.id).status == "completed"
+        final = svc.get_consolidation(admin, again.id)
+        assert final.status == "completed", final.error
     finally:
         svc.db.dispose()

@@ -2,7 +2,7 @@
 
 Commands: ``serve``, ``dev``, ``mount``, ``status``, ``store create|list|show|update``,
 ``workspace create|list``, ``attach``, ``detach``, ``token create``, ``history``, ``show``,
-``restore``, ``redact``, ``search``, ``context``, ``import``, ``export``, ``db upgrade|current``, ``mcp``,
+``restore``, ``redact``, ``search``, ``context``, ``consolidate``, ``job show|list|cancel``, ``import``, ``export``, ``db upgrade|current``, ``mcp``,
 ``mounts add|remove``.
 
 Every option also reads ``MEMFUSE_<OPTION>`` from the environment (``--control-plane`` →
@@ -19,7 +19,8 @@ One module per command group, each registering its commands on ``cli`` when impo
 the invoked command's module is imported: ``cli.lazy_commands``):
 ``common`` (the root group and the plumbing every command shares), ``run`` (``serve``,
 ``dev``, ``mount``, ``status``), ``admin`` (stores, workspaces, attachments, tokens),
-``records`` (``history``, ``show``, ``restore``, ``redact``, ``search``, ``index``, ``context``), ``transfer``
+``records`` (``history``, ``show``, ``restore``, ``redact``, ``search``, ``index``, ``context``),
+``jobs`` (``consolidate``, ``job show|list|cancel``: consolidation jobs), ``transfer``
 (``import``, ``export``, over :mod:`memfuse.transfer`), ``db`` (schema migrations of the
 control-plane database), ``agent`` (``mcp``, the MCP server for agents without a mount) and
 ``sidecar`` (``mounts``: a running sidecar's admin API).
@@ -44,6 +45,7 @@ cli.lazy_commands = {
     "store": "admin", "workspace": "admin", "attach": "admin", "detach": "admin", "token": "admin",
     "history": "records", "show": "records", "restore": "records", "redact": "records",
     "context": "records", "search": "records", "index": "records",
+    "consolidate": "jobs", "job": "jobs",
     "import": "transfer", "export": "transfer",
     "db": "db",
     "mcp": "agent",

@@ -200,6 +200,10 @@ def serve(db: str | None, listen: str, admin_token_file: Path | None, migrate: b
         cons.max_output_bytes = max(cons.max_output_bytes, consolidation_max_input_bytes)
         cons.idle_after, cons.interval = consolidation_idle_after, consolidation_interval
         cons.schedule_output = consolidation_schedule_output  # type: ignore[assignment]
+        if cons.enabled:  # the SDK takes seconds to import: not in the first job's time
+            import threading
+
+            threading.Thread(target=lambda: __import__("anthropic"), name="import-anthropic", daemon=True).start()
         try:
             claim_database(app)  # SQLite: one replica per file
         except AlreadyServing as e:

@@ -366,7 +366,27 @@ class ConsolidationMixin(BatchMixin):
         for t in list(self._job_threads.values()):
             t.join(max(0.0, deadline - time.monotonic()))
 
+    def _ticker(self, job_id: str, cancel: threading.Event, stop: threading.Event) -> None:
+        """Refresh the job's heartbeat every ``heartbeat`` s for the whole life of its thread
+        (reading the store, importing the SDK, writing: not only while the model thinks);
+        set ``cancel`` when the row is no longer active (canceled, or failed elsewhere), so
+        the runner stops at its next check."""
+        while not stop.wait(self.consolidation.heartbeat):
+            try:
+                with self.db.write_conn() as conn:
+                    n = conn.execute(update(_J).where(_J.c.id == job_id, _J.c.status.in_(ACTIVE))
+                                     .values(heartbeat_at=utcnow())).rowcount
+            except Exception:  # noqa: BLE001 - the next tick tries again
+                log.warning("consolidation heartbeat failed", extra={"job": job_id}, exc_info=True)
+                continue
+            if n == 0:
+                cancel.set()
+                return
+
     def _run_job(self, job_id: str, workspace: str | None, cancel: threading.Event) -> None:
+        stop = threading.Event()
+        threading.Thread(target=self._ticker, args=(job_id, cancel, stop), daemon=True,
+                         name=f"consolidation-beat-{job_id[:8]}").start()
         try:
             self._run_job_inner(job_id, workspace, cancel)
         except _Gone:
@@ -377,6 +397,7 @@ class ConsolidationMixin(BatchMixin):
             log.exception("consolidation job failed unexpectedly", extra={"job": job_id})
             self._fail(job_id, f"internal error ({type(e).__name__})")
         finally:
+            stop.set()
             self._job_cancels.pop(job_id, None)
             self._job_threads.pop(job_id, None)
 
