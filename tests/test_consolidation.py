@@ -260,6 +260,29 @@ async def test_in_place_job_writes_versions_that_restore_undoes(cenv: Env, model
     assert now["deploy.md"][0] == FILES["deploy.md"] and now["deploy-2.md"][0] == FILES["deploy-2.md"]
 
 
+async def test_console_lists_jobs_and_shows_the_output_diff_escaped(cenv: Env, model: ScriptedModel):
+    hostile = "<script>alert(1)</script> <img src=x onerror=alert(2)>"
+    await _seed(cenv, FILES)
+    model.answer({"summary": f"summary {hostile}", "changes": [
+        {"op": "write", "path": "deploy.md", "content": f"---\ntype: project\n---\nShip it. {hostile}\n"},
+        {"op": "delete", "path": "deploy-2.md"}]})
+    job = await _wait(cenv, (await _start(cenv, instructions=f"do {hostile}"))["id"])
+    assert job["status"] == "completed", job
+    r = await cenv.admin.get("/ui/stores/default")
+    assert r.status_code == 200 and "/ui/stores/default/consolidations" in r.text
+    r = await cenv.admin.get("/ui/stores/default/consolidations")
+    assert r.status_code == 200, r.text
+    assert f'/ui/consolidations/{job["id"]}' in r.text and "default-consolidated-1" in r.text
+    r = await cenv.admin.get(f"/ui/consolidations/{job['id']}")
+    assert r.status_code == 200, r.text
+    page = r.text
+    assert "<script>alert" not in page and "<img src=x" not in page  # escaped, never markup
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    assert "Changed" in page and "Deleted" in page and "deploy-2.md" in page
+    assert "We deploy with make ship." in page and "Ship it." in page  # both sides of the diff
+    assert (await cenv.other.get(f"/ui/consolidations/{job['id']}")).status_code == 404
+
+
 # ---------------------------------------------------------------- failures leave the input
 
 

@@ -323,6 +323,35 @@ class ConsolidationMixin(BatchMixin):
         log.info("consolidation job canceled", extra={"job": job_id, "store": row.store})
         return _job_model(row)
 
+    def consolidation_diff(self, p: Principal, job_id: str) -> tuple[ConsolidationJob, list[dict[str, Any]]]:
+        """The job and, for a completed job, each change it made as ``{op, path, old, new}``:
+        ``old`` the input's content at that path as the job read it (the newest version of the
+        input store at or before ``input_seq``; None when the path held nothing), ``new`` the
+        content the job wrote in the output store (None for a delete). A content removed
+        since (redacted, pruned) is None with ``gone`` set. Same access as ``get_consolidation``
+        (and read access to the output store for its side)."""
+        job = self.get_consolidation(p, job_id)
+        if job.status != "completed" or not job.changes or job.output_store is None:
+            return job, []
+        actor = f"job:{job.id}"
+        out = []
+        with self.db.read_conn() as conn:
+            if not self._may_see(conn, p, job.output_store):
+                return job, []
+            for c in job.changes[:200]:
+                old = conn.execute(select(_V.c.operation, _V.c.content, _V.c.size).where(
+                    _V.c.store == job.store, _V.c.path == c.path, _V.c.seq <= (job.input_seq or 0))
+                    .order_by(_V.c.seq.desc()).limit(1)).first()
+                new = conn.execute(select(_V.c.operation, _V.c.content, _V.c.size).where(
+                    _V.c.store == job.output_store, _V.c.path == c.path, _V.c.actor == actor)
+                    .order_by(_V.c.seq.desc()).limit(1)).first()
+                old_text = None if old is None or old.operation == "deleted" else old.content
+                new_text = None if c.op == "delete" or new is None else new.content
+                gone = (old is not None and old.operation != "deleted" and old.content is None) or (
+                    c.op == "write" and (new is None or new.content is None))
+                out.append({"op": c.op, "path": c.path, "old": old_text, "new": new_text, "gone": gone})
+        return job, out
+
     def _may_see(self, conn: Connection, p: Principal, store: str) -> bool:
         if p.is_admin:
             return True

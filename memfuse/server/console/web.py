@@ -595,6 +595,27 @@ def diff_page(ctx: Ctx) -> Response:
                  d=d, view=view, redacted=redacted)
 
 
+def consolidations_page(ctx: Ctx) -> Response:
+    """GET ``/stores/{store}/consolidations``: the store's consolidation jobs, newest first
+    (docs/API.md "Consolidation jobs")."""
+    slug = ctx.path("store")
+    store = ctx.svc.get_store(ctx.principal, slug)
+    jobs = ctx.svc.list_consolidations(ctx.principal, slug)
+    return _page(ctx, "consolidations.html", current_store=slug, store=store, jobs=jobs)
+
+
+def consolidation_page(ctx: Ctx) -> Response:
+    """GET ``/consolidations/{job}``: one job, and for a completed one the diff of each file
+    it wrote or deleted against the input it read (unified; the history diff's rendering).
+    Everything from the store or the model is untrusted text, escaped by the template."""
+    job, changes = ctx.svc.consolidation_diff(ctx.principal, ctx.path("job"))
+    files = []
+    for c in changes:
+        d = None if c["gone"] else render.line_diff(c["old"] or "", c["new"] or "")
+        files.append({**c, "diff": d})
+    return _page(ctx, "consolidation.html", current_store=job.store, job=job, files=files)
+
+
 def _type_choice(ctx: Ctx, required: bool) -> tuple[str | None, str | None]:
     """The ``type`` field: (type or None, error)."""
     t = ctx.form.get("type", "").strip()
@@ -1011,6 +1032,8 @@ def create_console(svc: Service, codes: LoginCodes | None = None) -> Starlette:
         Route("/stores/{store}/settings", v(store_settings), methods=["POST"]),
         Route("/stores/{store}/new", v(new_record_page), methods=["GET", "POST"]),
         Route("/stores/{store}/memory", v(memory_settings)),
+        Route("/stores/{store}/consolidations", v(consolidations_page)),
+        Route("/consolidations/{job}", v(consolidation_page)),
         Route("/stores/{store}/records/{rid}", v(record_page)),
         Route("/stores/{store}/records/{rid}/diff", v(diff_page)),
         Route("/stores/{store}/records/{rid}/edit", v(edit_page), methods=["GET", "POST"]),
