@@ -475,7 +475,7 @@ async def test_scheduled_maintenance_runs_on_idle_changed_stores_once_per_interv
     cons.idle_after, cons.interval = 3600.0, 3600.0
     cons.schedule_output = "in_place"
     await _seed(cenv, FILES)
-    model.answer({"summary": "nothing to do", "changes": []})
+    model.answer({"summary": "merged", "changes": [{"op": "delete", "path": "deploy-2.md"}]})
     # not idle yet
     assert await trio.to_thread.run_sync(svc.schedule_once) == []
     later = utcnow() + timedelta(hours=2)
@@ -484,7 +484,7 @@ async def test_scheduled_maintenance_runs_on_idle_changed_stores_once_per_interv
     assert len(jobs) == 1 and jobs[0]["scheduled"] and jobs[0]["requested_by"] == "admin:scheduler"
     done = await _wait(cenv, jobs[0]["id"])
     assert done["status"] == "completed"
-    # nothing changed since the cursor: no new job, however late
+    # nothing changed since the cursor but the job's own versions: no new job, however late
     assert await trio.to_thread.run_sync(lambda: svc.schedule_once(later + timedelta(days=1))) == []
     await cenv.create("new.md", "---\ntype: user\n---\nfresh\n")
     # changed, but not idle and within the interval

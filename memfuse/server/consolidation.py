@@ -44,7 +44,8 @@ Scheduled maintenance (``schedule_once``, run by ``memfuse serve`` every ``sched
 seconds when ``idle_after`` and ``interval`` are set): a store is consolidated only when its
 last change is at least ``idle_after`` seconds old, its last job started at least
 ``interval`` seconds ago, and it changed since the change-feed seq its last completed job
-read (the cursor, ``input_seq``). Output stores of jobs are never scheduled themselves.
+read (the cursor, ``input_seq``), counting only changes not written by a job. Output stores of
+jobs are never scheduled themselves.
 """
 from __future__ import annotations
 
@@ -739,35 +740,38 @@ class ConsolidationMixin(BatchMixin):
         now = now or utcnow()
         idle_cut = now - timedelta(seconds=cfg.idle_after)
         interval_cut = now - timedelta(seconds=cfg.interval)
+        due: list[str] = []
         with self.db.read_conn() as conn:
-            last_change = (select(_V.c.store, func.max(_V.c.seq).label("seq"), func.max(_V.c.created_at).label("at"))
-                           .group_by(_V.c.store).subquery())
-            last_job = select(_J.c.store, func.max(_J.c.created_at).label("at")).group_by(_J.c.store).subquery()
-            cursor = (select(_J.c.store, func.max(_J.c.input_seq).label("seq"))
-                      .where(_J.c.status == "completed").group_by(_J.c.store).subquery())
             outputs = select(_J.c.output_store).where(_J.c.output == "new_store", _J.c.output_store.is_not(None))
-            rows = conn.execute(
-                select(_S.c.slug, _S.c.usage_bytes)
-                .join(last_change, last_change.c.store == _S.c.slug)
-                .outerjoin(last_job, last_job.c.store == _S.c.slug)
-                .outerjoin(cursor, cursor.c.store == _S.c.slug)
-                .where(_S.c.archived_at.is_(None), last_change.c.at <= idle_cut,
-                       (last_job.c.at.is_(None)) | (last_job.c.at <= interval_cut),
-                       (cursor.c.seq.is_(None)) | (last_change.c.seq > cursor.c.seq),
-                       _S.c.slug.not_in(outputs))
-                .order_by(_S.c.slug).limit(100)).all()
+            stores = conn.execute(select(_S.c.slug, _S.c.usage_bytes).where(
+                _S.c.archived_at.is_(None), _S.c.slug.not_in(outputs)).order_by(_S.c.slug)).all()
+            for st in stores:  # index seeks per store: never a scan of the versions
+                if (st.usage_bytes or 0) > cfg.max_input_bytes:
+                    continue
+                # the last change not written by a job (an in-place job's own versions are no
+                # reason to consolidate again)
+                last = conn.execute(select(_V.c.seq, _V.c.created_at).where(
+                    _V.c.store == st.slug, ~_V.c.actor.startswith("job:")).order_by(_V.c.seq.desc()).limit(1)).first()
+                if last is None or last.created_at > idle_cut:
+                    continue  # never written, or not idle yet
+                last_job = conn.scalar(select(func.max(_J.c.created_at)).where(_J.c.store == st.slug))
+                if last_job is not None and last_job > interval_cut:
+                    continue  # a job within the interval
+                cursor = conn.scalar(select(func.max(_J.c.input_seq)).where(
+                    _J.c.store == st.slug, _J.c.status == "completed"))
+                if cursor is not None and last.seq <= cursor:
+                    continue  # nothing new since the last completed job read it
+                due.append(st.slug)
         admin = Principal(workspace=None, name="scheduler")
         started = []
-        for r in rows:
-            if (r.usage_bytes or 0) > cfg.max_input_bytes:
-                continue
+        for slug in due:
             try:
-                self.create_consolidation(admin, r.slug, ConsolidationCreate(
+                self.create_consolidation(admin, slug, ConsolidationCreate(
                     instructions=cfg.schedule_instructions, output=cfg.schedule_output), scheduled=True)
             except ServiceError as e:
-                log.info("scheduled consolidation skipped", extra={"store": r.slug, "code": e.code})
+                log.info("scheduled consolidation skipped", extra={"store": slug, "code": e.code})
                 continue
-            started.append(r.slug)
+            started.append(slug)
         return started
 
 
