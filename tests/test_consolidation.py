@@ -535,6 +535,7 @@ def test_cli_then_a_restart_while_a_job_runs_marks_it_failed_and_frees_the_store
             r = _cli(cp, "consolidate", "default")
             assert r.returncode == 2 and "--instructions" in r.stderr
             model.hold = True
+            model.arrived.clear()  # the CLI's job arrived already
             r = c.post("/v1/stores/default/consolidations", json={"instructions": "x", "output": "in_place"})
             assert r.status_code == 202, r.text
             job = r.json()["id"]
