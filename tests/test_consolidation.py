@@ -262,7 +262,11 @@ async def test_in_place_job_writes_versions_that_restore_undoes(cenv: Env, model
 
 async def test_console_lists_jobs_and_shows_the_output_diff_escaped(cenv: Env, model: ScriptedModel):
     hostile = "<script>alert(1)</script> <img src=x onerror=alert(2)>"
-    await _seed(cenv, FILES)
+    seeded = await _seed(cenv, FILES)
+    # the input's version is an append version (only its suffix stored): the diff shows it whole
+    r = await cenv.admin.post(f"/v1/stores/default/records/{seeded['deploy.md']['id']}/append",
+                              json={"append": "Extra line.\n"}, headers={"If-Match": seeded["deploy.md"]["sha256"]})
+    assert r.status_code == 200, r.text
     model.answer({"summary": f"summary {hostile}", "changes": [
         {"op": "write", "path": "deploy.md", "content": f"---\ntype: project\n---\nShip it. {hostile}\n"},
         {"op": "delete", "path": "deploy-2.md"}]})
@@ -279,7 +283,7 @@ async def test_console_lists_jobs_and_shows_the_output_diff_escaped(cenv: Env, m
     assert "<script>alert" not in page and "<img src=x" not in page  # escaped, never markup
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
     assert "Changed" in page and "Deleted" in page and "deploy-2.md" in page
-    assert "We deploy with make ship." in page and "Ship it." in page  # both sides of the diff
+    assert "We deploy with make ship." in page and "Extra line." in page and "Ship it." in page  # both sides
     assert (await cenv.other.get(f"/ui/consolidations/{job['id']}")).status_code == 404
 
 

@@ -281,7 +281,7 @@ def _older_database_gets_usage_columns_filled(url):
         for col in ("redacted_at", "redacted_by"):
             con.exec_driver_sql(f"ALTER TABLE versions DROP COLUMN {col}")
         con.exec_driver_sql("DROP TABLE console_sessions")  # nor 0009's table
-        con.exec_driver_sql("DROP TABLE consolidation_jobs")  # nor 0011's
+        con.exec_driver_sql("DROP TABLE consolidation_jobs")  # nor 0012's
         for stmt in fulltext.drop_statements(old.dialect.name):  # nor 0007's full-text index
             con.exec_driver_sql(stmt)
         con.exec_driver_sql("DROP INDEX ix_records_expires")  # nor 0008's columns

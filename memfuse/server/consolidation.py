@@ -72,7 +72,7 @@ from memfuse.models import (
     ConsolidationJob,
     ConsolidationUsage,
 )
-from memfuse.server import wakeups
+from memfuse.server import deltas, wakeups
 from memfuse.server.base import _A, _R, _S, _V, Principal, Reply, ServiceError
 from memfuse.server.batch import BatchMixin, _Planned
 from memfuse.server.db import ConsolidationJobRow, EventRow, WorkspaceRow, utcnow
@@ -339,13 +339,16 @@ class ConsolidationMixin(BatchMixin):
         with self.db.read_conn() as conn:
             if not self._may_see(conn, p, job.output_store):
                 return job, []
+            cols = (_V.c.operation, _V.c.content, _V.c.record_id, _V.c.version, _V.c.base_version, _V.c.chain)
             for c in job.changes[:200]:
-                old = conn.execute(select(_V.c.operation, _V.c.content, _V.c.size).where(
+                old = conn.execute(select(*cols).where(
                     _V.c.store == job.store, _V.c.path == c.path, _V.c.seq <= (job.input_seq or 0))
                     .order_by(_V.c.seq.desc()).limit(1)).first()
-                new = conn.execute(select(_V.c.operation, _V.c.content, _V.c.size).where(
+                new = conn.execute(select(*cols).where(
                     _V.c.store == job.output_store, _V.c.path == c.path, _V.c.actor == actor)
                     .order_by(_V.c.seq.desc()).limit(1)).first()
+                # an append version holds only its suffix: the whole content (memfuse.server.deltas)
+                old, new = (deltas.resolve(conn, [v])[0] if v is not None else None for v in (old, new))
                 old_text = None if old is None or old.operation == "deleted" else old.content
                 new_text = None if c.op == "delete" or new is None else new.content
                 gone = (old is not None and old.operation != "deleted" and old.content is None) or (
