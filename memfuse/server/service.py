@@ -47,6 +47,7 @@ from memfuse.server.base import (
     parse_if_match,
 )
 from memfuse.server import staleness, wakeups
+from memfuse.server.accounts import AccountsMixin
 from memfuse.server.batch import BatchMixin
 from memfuse.server.changes import MAX_WAIT_SECONDS, ChangesMixin, FeedRead
 from memfuse.server.context import (
@@ -94,7 +95,7 @@ __all__ = [
 ]
 
 
-class Service(TokensMixin, SessionsMixin, StoresMixin, BatchMixin, RecordsMixin, SearchMixin, ChangesMixin,
+class Service(AccountsMixin, TokensMixin, SessionsMixin, StoresMixin, BatchMixin, RecordsMixin, SearchMixin, ChangesMixin,
               ContextMixin, MemoryStoresMixin, IndexReportMixin):
     """The control plane's rules over a ``Database``.
 

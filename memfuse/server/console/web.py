@@ -25,7 +25,7 @@ import json
 import logging
 import secrets
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any
 from urllib.parse import quote, urlencode
@@ -170,6 +170,9 @@ def _page(ctx: Ctx, template: str, status: int = 200, **values: Any) -> HTMLResp
         csrf_field=CSRF_FIELD,
         principal=ctx.principal,
         sidebar=stores,
+        # the account switch of the root admin: every account (read once per page)
+        accounts=([a.slug for a in ctx.svc.list_accounts(replace(ctx.principal, account=None))]
+                  if ctx.principal.root_token and ctx.principal.workspace is None else []),
         message=_MESSAGES.get(ctx.q("msg")),
         record_types=RECORD_TYPES,
         **values,
@@ -229,6 +232,9 @@ async def _authenticate(svc: Service, request: Request) -> tuple[Principal, Cred
         p = svc.authenticate_cached(creds.token, INSTANCE)
         if p is None:
             p = await anyio.to_thread.run_sync(svc.authenticate, creds.token, INSTANCE)
+        account = request.headers.get("x-memfuse-account")
+        if account:  # a bearer caller naming its account, as on the API (docs/API.md "Accounts")
+            p = await anyio.to_thread.run_sync(svc.act_in_account, p, account)
     request.scope["memfuse.authenticated"] = True
     return p, creds
 
@@ -378,6 +384,16 @@ def login_code(svc: Service, codes: LoginCodes) -> Callable[[Request], Awaitable
         return resp
 
     return endpoint
+
+
+def switch_account(ctx: Ctx) -> Response:
+    """POST ``/account`` (root admin, console session): act in the account of the form's
+    ``account`` from now on (empty: every account); back to the overview."""
+    if not ctx.creds.session:
+        raise ServiceError(403, "forbidden", "switching accounts needs a console session")
+    ctx.svc.set_session_account(ctx.principal, ctx.creds.session, ctx.form.get("account") or None)
+    log.info("console: account switched to %s", ctx.form.get("account") or "(all)")
+    return _redirect(ctx.url(""))
 
 
 def logout(ctx: Ctx) -> Response:
@@ -1005,6 +1021,7 @@ def create_console(svc: Service, codes: LoginCodes | None = None) -> Starlette:
         Route("/login", login_page(svc), methods=["GET", "POST"]),
         Route("/login/{code}", login_code(svc, codes)),
         Route("/logout", v(logout), methods=["POST"]),
+        Route("/account", v(switch_account), methods=["POST"]),
         Route("/stores", v(create_store), methods=["POST"]),
         Route("/stores/{store}", v(store_page)),
         Route("/stores/{store}/live", live(svc)),
