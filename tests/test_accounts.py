@@ -14,14 +14,22 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+from datetime import datetime, timezone
+from pathlib import Path
 
 import httpx
 import pytest
 from fastapi.routing import APIRoute
 from starlette.routing import Mount, Route
 
+from sqlalchemy import text
+
+from memfuse.models import sha256_hex
+from memfuse.server import schema
 from memfuse.server.anthropic_api import memory_id, version_id
 from memfuse.server.app import create_app
+from memfuse.server.db import Database
 from memfuse.server.memstores import store_id
 from pgutil import fresh_db_url
 
@@ -414,3 +422,74 @@ async def test_workspace_tokens_stay_in_their_account(world):
         # its own account's store attached account-wide (read-only) is there
         atts = {x["store"]["slug"]: x["access"] for x in (await c.get("/v1/workspaces/alpha-ws/attachments")).json()}
         assert atts == {"alpha-ws": "read_write", "alpha-notes": "read_write", "alpha-shared": "read_only"}
+
+
+# ---------------------------------------------------------------- migration
+
+
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "memfuse-dea454a.db"
+
+
+def _release_database(tmp_path: Path, url: str) -> dict[str, str]:
+    """A database made by the release before accounts (revision 0010_history_budget), with
+    an admin token, a workspace token and a revoked one; returns the tokens. SQLite: the
+    fixture the code at dea454a made (tests/fixtures/make_release_db.py). PostgreSQL: the
+    same objects as raw rows in a schema upgraded to 0010 (the fixture is an SQLite file)."""
+    tokens = json.loads(Path(str(FIXTURE) + ".tokens").read_text())
+    if url.startswith("sqlite"):
+        shutil.copy(FIXTURE, tmp_path / "release.db")
+        return tokens
+    db = Database(url, schema="none")
+    schema.upgrade(db, "0010_history_budget")
+    now = datetime.now(timezone.utc)
+    with db.write_conn() as conn:
+        for ws in ("agent-1", "agent-2"):
+            conn.execute(text("INSERT INTO workspaces (name, created_at) VALUES (:n, :t)"), {"n": ws, "t": now})
+        for slug in ("agent-1", "notes"):
+            conn.execute(text(
+                "INSERT INTO stores (slug, description, default_type, max_record_bytes, max_store_bytes, "
+                "max_records, created_at) VALUES (:s, '', 'project', 1048576, 67108864, 10000, :t)"),
+                {"s": slug, "t": now})
+        for ws, store, access in (("agent-1", "agent-1", "read_write"), ("agent-1", "notes", "read_write"),
+                                  ("agent-2", "notes", "read_only")):
+            conn.execute(text("INSERT INTO attachments (workspace, store, access, instructions, created_at) "
+                              "VALUES (:w, :s, :a, '', :t)"), {"w": ws, "s": store, "a": access, "t": now})
+        for i, (ws, key, revoked) in enumerate(((None, "admin", None), ("agent-1", "workspace", None),
+                                                ("agent-2", "revoked", now))):
+            conn.execute(text("INSERT INTO tokens (id, token_sha256, workspace, name, created_at, revoked_at) "
+                              "VALUES (:i, :h, :w, '', :t, :r)"),
+                         {"i": f"00000000-0000-4000-8000-00000000000{i}", "h": sha256_hex(tokens[key].encode()),
+                          "w": ws, "t": now, "r": revoked})
+    db.dispose()
+    return tokens
+
+
+async def test_release_database_migrates_into_default(tmp_path):
+    with fresh_db_url(f"sqlite:///{tmp_path / 'release.db'}") as url:
+        tokens = _release_database(tmp_path, url)
+        app = create_app(url, schema="migrate")
+        try:
+            assert schema.status(app.state.service.db).at_head
+            async with _client(app, tokens["admin"]) as admin:  # today's admin token: the root admin
+                accounts = (await admin.get("/v1/accounts")).json()
+                assert [(x["slug"], x["stores"], x["tokens"]) for x in accounts] == [("default", 2, 1)]
+                stores = {s["slug"]: s["account"] for s in (await admin.get("/v1/stores")).json()}
+                assert stores == {"agent-1": "default", "notes": "default"}
+                assert {w["account"] for w in (await admin.get("/v1/workspaces")).json()} == {"default"}
+                listed = {t["workspace"]: t for t in (await admin.get("/v1/tokens?include_revoked=true")).json()}
+                assert listed[None]["account"] is None  # still root
+                assert listed["agent-1"]["account"] == "default" and listed["agent-2"]["state"] == "revoked"
+                await _ok(await admin.post("/v1/accounts", json={"slug": "new"}), 201)
+                # today's URLs: a workspace made without naming an account lands in default
+                w = await _ok(await admin.post("/v1/workspaces", json={"name": "agent-3"}), 201)
+                assert w["account"] == "default"
+            async with _client(app, tokens["workspace"]) as ws:  # today's workspace token
+                atts = {a["store"]["slug"]: a["access"] for a in (await ws.get("/v1/workspaces/agent-1/attachments")).json()}
+                assert atts == {"agent-1": "read_write", "notes": "read_write"}
+                await _ok(await ws.post("/v1/stores/notes/records", json={"path": "after.md", "content": "x\n"}), 201)
+                # a store of another account is not found, even by a token made before accounts
+                assert (await ws.get("/v1/stores/new-store/records")).status_code == 404
+            async with _client(app, tokens["revoked"]) as gone:
+                assert (await gone.get("/v1/workspaces/agent-2/attachments")).status_code == 401
+        finally:
+            app.state.service.db.dispose()
