@@ -493,3 +493,49 @@ async def test_release_database_migrates_into_default(tmp_path):
                 assert (await gone.get("/v1/workspaces/agent-2/attachments")).status_code == 401
         finally:
             app.state.service.db.dispose()
+
+
+# ---------------------------------------------------------------- console
+
+
+async def _console_login(app, token: str) -> httpx.AsyncClient:
+    """A browser logged in to the console with ``token`` (cookie session)."""
+    c = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url=BASE)
+    await c.get("/ui/login")
+    login_cookie = next(k for k in c.cookies.keys() if k.endswith("memfuse_login"))
+    r = await c.post("/ui/login", data={"token": token, "csrf": c.cookies[login_cookie]})
+    assert r.status_code == 303, r.text
+    return c
+
+
+def _csrf(html: str) -> str:
+    return re.search(r'name="csrf" value="([^"]+)"', html).group(1)
+
+
+async def test_console_shows_the_account_and_the_root_switches(world):
+    app, root, ids = world
+    c = await _console_login(app, ids["alpha"]["admin"])
+    try:
+        page = (await c.get("/ui/")).text
+        assert "account alpha" in page and "alpha-notes" in page
+        assert "bravo" not in page and 'action="/ui/account"' not in page  # no switch for an account admin
+        assert (await c.get("/ui/stores/bravo-notes")).status_code == 404
+    finally:
+        await c.aclose()
+    c = await _console_login(app, ROOT)
+    try:
+        page = (await c.get("/ui/")).text
+        assert "account all" in page and "alpha-notes" in page and "bravo-notes" in page
+        assert '<option value="bravo">' in page
+        r = await c.post("/ui/account", data={"account": "bravo", "csrf": _csrf(page)})
+        assert r.status_code == 303, r.text
+        page = (await c.get("/ui/")).text
+        assert "account bravo" in page and "bravo-notes" in page and "alpha-notes" not in page
+        assert (await c.get("/ui/stores/alpha-notes")).status_code == 404
+        r = await c.post("/ui/account", data={"account": "nope", "csrf": _csrf(page)})
+        assert r.status_code == 404
+        r = await c.post("/ui/account", data={"account": "", "csrf": _csrf(page)})
+        assert r.status_code == 303
+        assert "alpha-notes" in (await c.get("/ui/")).text
+    finally:
+        await c.aclose()
