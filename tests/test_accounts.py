@@ -539,3 +539,40 @@ async def test_console_shows_the_account_and_the_root_switches(world):
         assert "alpha-notes" in (await c.get("/ui/")).text
     finally:
         await c.aclose()
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def test_cli_accounts_in_local_mode(home):
+    from click.testing import CliRunner
+
+    from memfuse.cli import cli
+
+    def invoke(*args: str):
+        r = CliRunner().invoke(cli, list(args), catch_exceptions=False)
+        return r
+
+    r = invoke("account", "create", "acme", "--max-stores", "2", "--max-bytes", "1M")
+    assert r.exit_code == 0 and r.stdout.strip() == "created account acme", r.output
+    r = invoke("account", "list")
+    lines = r.stdout.splitlines()
+    assert lines[0].split()[:4] == ["ACCOUNT", "STORES", "BYTES", "TOKENS"]
+    acme = next(ln for ln in lines if ln.startswith("acme "))
+    assert "0 / 2" in acme and "1 MiB" in acme and "0 / unlimited" in acme, acme
+    assert any(ln.startswith("default ") for ln in lines)
+    r = invoke("token", "create", "--account", "acme", "--name", "acme-ops")
+    assert r.exit_code == 0 and "account acme admin" in r.stderr, r.output
+    r = invoke("token", "create", "--account", "nope")
+    assert r.exit_code != 0 and "no account 'nope'" in r.output
+    # today's commands, unchanged: the default account
+    assert invoke("workspace", "create", "w1").exit_code == 0
+    assert invoke("store", "create", "shared").exit_code == 0
+    r = invoke("account", "attach", "default", "shared", "--read-only")
+    assert r.exit_code == 0 and "every workspace of account default (read_only)" in r.stdout, r.output
+    assert "shared (read_only)" in invoke("workspace", "list").stdout
+    assert invoke("account", "detach", "default", "shared").exit_code == 0
+    assert "shared" not in invoke("workspace", "list").stdout
+    r = invoke("account", "show", "default")
+    assert r.exit_code == 0 and "2 / unlimited" in r.stdout, r.output  # w1's store and shared
+    assert invoke("account", "delete", "default").exit_code != 0
