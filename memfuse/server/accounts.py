@@ -169,6 +169,14 @@ class AccountsMixin(ServiceBase):
                 q = q.where(_AC.c.slug == p.account)
             return [self._account_model(conn, r) for r in conn.execute(q).all()]
 
+    def account_slugs(self, p: Principal) -> list[str]:
+        """The slugs of every account, sorted (root admin; one query, no usage: the console's
+        account switch). 403 ``forbidden`` for anyone else."""
+        if not (p.is_root or (p.root_token and p.workspace is None)):
+            raise ServiceError(403, "forbidden", "this needs the root admin token")
+        with self.db.read_conn() as conn:
+            return list(conn.execute(select(_AC.c.slug).order_by(_AC.c.slug)).scalars())
+
     def get_account(self, p: Principal, slug: str) -> Account:
         """[Account] (root admin, or that account's admin); 404 ``account_not_found``."""
         self._require_admin(p)

@@ -25,7 +25,7 @@ import json
 import logging
 import secrets
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 from urllib.parse import quote, urlencode
@@ -171,7 +171,7 @@ def _page(ctx: Ctx, template: str, status: int = 200, **values: Any) -> HTMLResp
         principal=ctx.principal,
         sidebar=stores,
         # the account switch of the root admin: every account (read once per page)
-        accounts=([a.slug for a in ctx.svc.list_accounts(replace(ctx.principal, account=None))]
+        accounts=(ctx.svc.account_slugs(ctx.principal)
                   if ctx.principal.root_token and ctx.principal.workspace is None else []),
         message=_MESSAGES.get(ctx.q("msg")),
         record_types=RECORD_TYPES,
