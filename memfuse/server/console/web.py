@@ -413,7 +413,16 @@ def logout(ctx: Ctx) -> Response:
 def home(ctx: Ctx) -> Response:
     """GET ``/``: the stores with usage and limits (admin: also create a store)."""
     workspaces = ctx.svc.list_workspaces(ctx.principal) if ctx.principal.is_admin else []
-    return _page(ctx, "home.html", workspaces=workspaces, errors={}, form={})
+    return _page(ctx, "home.html", workspaces=workspaces, errors={}, form={}, account=_account(ctx))
+
+
+def _account(ctx: Ctx) -> Any:
+    """The [Account] (usage and quotas) an admin acting in one account sees on the overview;
+    None for the root admin over every account and for a workspace token."""
+    p = ctx.principal
+    if p.workspace is None and p.account is not None:
+        return ctx.svc.get_account(p, p.account)
+    return None
 
 
 def create_store(ctx: Ctx) -> Response:
