@@ -427,20 +427,20 @@ async def test_workspace_tokens_stay_in_their_account(world):
 # ---------------------------------------------------------------- migration
 
 
-FIXTURE = Path(__file__).resolve().parent / "fixtures" / "memfuse-dea454a.db"
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "memfuse-0af4625.db"
 
 
 def _release_database(tmp_path: Path, url: str) -> dict[str, str]:
-    """A database made by the release before accounts (revision 0010_history_budget), with
+    """A database made by the release before accounts (revision 0011_append_versions), with
     an admin token, a workspace token and a revoked one; returns the tokens. SQLite: the
-    fixture the code at dea454a made (tests/fixtures/make_release_db.py). PostgreSQL: the
-    same objects as raw rows in a schema upgraded to 0010 (the fixture is an SQLite file)."""
+    fixture the code at 0af4625 made (tests/fixtures/make_release_db.py). PostgreSQL: the
+    same objects as raw rows in a schema upgraded to 0011_append_versions (the fixture is an SQLite file)."""
     tokens = json.loads(Path(str(FIXTURE) + ".tokens").read_text())
     if url.startswith("sqlite"):
         shutil.copy(FIXTURE, tmp_path / "release.db")
         return tokens
     db = Database(url, schema="none")
-    schema.upgrade(db, "0010_history_budget")
+    schema.upgrade(db, "0011_append_versions")
     now = datetime.now(timezone.utc)
     with db.write_conn() as conn:
         for ws in ("agent-1", "agent-2"):
