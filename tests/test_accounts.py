@@ -66,6 +66,7 @@ BODIES: dict[tuple[str, str], object] = {
     ("POST", "/v1/stores/{store}/records"): {"path": "probe.md", "content": "x\n", "type": "user"},
     ("PUT", "/v1/stores/{store}/records/{record_id}"): {"content": "overwritten\n", "type": "user"},
     ("PATCH", "/v1/stores/{store}/records/{record_id}"): {"mode": 0o600},
+    ("POST", "/v1/stores/{store}/records/{record_id}/append"): {"append": "appended\n", "type": "user"},
     ("POST", "/v1/stores/{store}/records/{record_id}/move"): {"path": "moved.md"},
     ("POST", "/v1/stores/{store}/move"): {"from_prefix": "a", "to_prefix": "b"},
     ("POST", "/v1/stores/{store}/records/{record_id}/restore"): {"version": 1},
