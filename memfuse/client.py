@@ -96,6 +96,8 @@ from .wire import (
     Version,
     Workspace,
     WorkspaceCreate,
+    Account,
+    AccountCreate,
     build,
     convert,
     decode,
@@ -361,6 +363,7 @@ _RECORDS = list[Record]
 _STORES = list[Store]
 _JOBS = list[ConsolidationJob]
 _WORKSPACES = list[Workspace]
+_ACCOUNTS = list[Account]
 _ATTACHMENTS = list[Attachment]
 _VERSIONS = list[Version]
 _TOKENS = list[TokenInfo]
@@ -1300,6 +1303,45 @@ class ApiClient:
             idempotency_key=idempotency_key,
         )
 
+    async def create_account(self, slug: str, max_stores: int | None = None, max_bytes: int | None = None,
+                             max_tokens: int | None = None, idempotency_key: str | None = None) -> Account:
+        """``POST /v1/accounts`` (root admin): a new account with its quotas (None:
+        unlimited). Raises Conflict (``exists``), Forbidden unless the root admin."""
+        return await self._call(
+            Account, "POST", "/v1/accounts",
+            body=build(AccountCreate, slug=slug, max_stores=max_stores, max_bytes=max_bytes,
+                       max_tokens=max_tokens),
+            idempotency_key=idempotency_key,
+        )
+
+    async def list_accounts(self) -> list[Account]:
+        """``GET /v1/accounts`` (admin): every account with quotas and usage (an account
+        admin: its own)."""
+        return await self._call(_ACCOUNTS, "GET", "/v1/accounts")
+
+    async def get_account(self, slug: str) -> Account:
+        """``GET /v1/accounts/{account}``. Raises NotFound (``account_not_found``)."""
+        return await self._call(Account, "GET", f"/v1/accounts/{_seg(slug)}")
+
+    async def delete_account(self, slug: str, idempotency_key: str | None = None) -> None:
+        """``DELETE /v1/accounts/{account}`` (root admin): an empty account. Raises
+        Conflict (``account_not_empty``), NotFound."""
+        await self._request("DELETE", f"/v1/accounts/{_seg(slug)}", idempotency_key=idempotency_key)
+
+    async def attach_account(self, account: str, store: str, access: Access | str = Access.read_write,
+                             idempotency_key: str | None = None) -> Attachment:
+        """``PUT /v1/accounts/{account}/attachments/{store}``: attach ``store`` to every
+        workspace of the account, existing and new."""
+        return await self._call(
+            Attachment, "PUT", f"/v1/accounts/{_seg(account)}/attachments/{_seg(store)}",
+            body=build(AttachmentPut, access=Access(access)), idempotency_key=idempotency_key,
+        )
+
+    async def detach_account(self, account: str, store: str, idempotency_key: str | None = None) -> None:
+        """``DELETE /v1/accounts/{account}/attachments/{store}``: detach it everywhere."""
+        await self._request("DELETE", f"/v1/accounts/{_seg(account)}/attachments/{_seg(store)}",
+                            idempotency_key=idempotency_key)
+
     async def detach(self, ws: str, store: str, idempotency_key: str | None = None) -> None:
         """``DELETE /v1/workspaces/{ws}/attachments/{store}`` (admin). Raises NotFound when
         not attached."""
@@ -1311,17 +1353,19 @@ class ApiClient:
 
     async def create_token(
         self, workspace: str | None = None, name: str = "", idempotency_key: str | None = None,
-        ttl_seconds: int | None = None,
+        ttl_seconds: int | None = None, account: str | None = None,
     ) -> TokenCreated:
         """``POST /v1/tokens`` (admin): a token for ``workspace``, or an admin token when
         ``None``; with ``ttl_seconds`` it expires that long after creation (``.expires_at``).
-        The raw token is in ``.token`` and is shown only once. Raises NotFound
-        (``workspace_not_found``), Forbidden for a workspace token."""
+        The raw token is in ``.token`` and is shown only once. With ``account`` and no
+        ``workspace``: an admin token of that account only. Raises NotFound
+        (``workspace_not_found``, ``account_not_found``), Forbidden for a workspace token."""
         return await self._call(
             TokenCreated,
             "POST",
             "/v1/tokens",
-            body=build(TokenCreate, workspace=workspace, name=name, ttl_seconds=ttl_seconds),
+            body=build(TokenCreate, workspace=workspace, name=name, ttl_seconds=ttl_seconds,
+                       account=account),
             idempotency_key=idempotency_key,
             exclude_none=ttl_seconds is None,
         )

@@ -156,6 +156,7 @@ ERRNO_BY_CODE: dict[str, int] = {
     "secret_detected": errno.EPERM,
     "record_too_large": errno.EFBIG,
     "store_full": errno.ENOSPC,
+    "account_full": errno.ENOSPC,  # the account's max_bytes (docs/API.md "Accounts")
     "forbidden": errno.EACCES,
     "unauthorized": errno.EACCES,
     "read_only": errno.EROFS,

@@ -60,6 +60,34 @@ class WorkspaceCreate(BaseModel):
 class Workspace(BaseModel):
     name: str
     created_at: datetime
+    account: str = "default"  # the owning account (docs/API.md "Accounts")
+
+
+# ---------------------------------------------------------------- accounts
+
+
+class AccountCreate(BaseModel):
+    """``POST /v1/accounts`` (root admin): a new account; quotas None = unlimited."""
+
+    slug: str = Field(pattern=SLUG_PATTERN)
+    max_stores: int | None = Field(default=None, ge=0, le=INT64_MAX)
+    max_bytes: int | None = Field(default=None, ge=0, le=INT64_MAX)
+    max_tokens: int | None = Field(default=None, ge=0, le=INT64_MAX)
+
+
+class Account(BaseModel):
+    """An account with its quotas (None: unlimited) and usage: ``stores`` (count),
+    ``bytes`` (live record bytes of all its stores), ``tokens`` (active tokens:
+    neither revoked nor expired)."""
+
+    slug: str
+    created_at: datetime
+    max_stores: int | None = None
+    max_bytes: int | None = None
+    max_tokens: int | None = None
+    stores: int = 0
+    bytes: int = 0
+    tokens: int = 0
 
 
 class StoreLimits(BaseModel):
@@ -110,6 +138,7 @@ class Store(BaseModel):
     history_min_age_s: int = 0
     history_bytes: int = 0
     history_versions: int = 0
+    account: str = "default"  # the owning account (docs/API.md "Accounts")
 
 
 class AttachmentPut(BaseModel):
@@ -134,6 +163,9 @@ class TokenCreate(BaseModel):
     workspace: str | None = None
     name: str = Field(default="", max_length=200)
     ttl_seconds: int | None = Field(default=None, ge=1, le=MAX_TOKEN_TTL_SECONDS)
+    # an admin token (no workspace) for this account only (an account admin); the root
+    # admin's when None (docs/API.md "Accounts")
+    account: str | None = Field(default=None, pattern=SLUG_PATTERN)
 
 
 class TokenCreated(BaseModel):
@@ -142,6 +174,7 @@ class TokenCreated(BaseModel):
     name: str
     token: str  # shown once; the server keeps only its sha256
     expires_at: datetime | None = None
+    account: str | None = None  # None: a root admin token
 
 
 class TokenInfo(BaseModel):
@@ -157,6 +190,7 @@ class TokenInfo(BaseModel):
     expires_at: datetime | None = None
     revoked_at: datetime | None = None
     state: Literal["active", "expired", "revoked"] = "active"
+    account: str | None = None  # None: a root admin token
 
 
 # ---------------------------------------------------------------- records

@@ -50,7 +50,8 @@ from .defs import (  # noqa: F401  (re-exported: the client side imports them fr
 __all__ = [
     "UNSET",
     "Workspace", "WorkspaceCreate", "Store", "StoreCreate", "StoreUpdate", "Attachment",
-    "AttachmentPut", "TokenCreate", "TokenCreated", "TokenInfo", "RecordCreate", "RecordUpdate", "RecordAppend",
+    "AttachmentPut", "AccountCreate", "Account", "TokenCreate", "TokenCreated", "TokenInfo", "RecordCreate",
+    "RecordUpdate", "RecordAppend",
     "RecordAttributes", "RecordMove", "PrefixMove", "Restore", "Record", "Version",
     "RecordPage", "MoveResult", "SearchLine", "SearchHit", "SearchPage", "BatchOperation", "BatchRequest", "BatchResult", "BatchResponse",
     "BATCH_MAX_OPERATIONS", "BATCH_MAX_BYTES", "Change", "ChangePage", "WorkspaceEvent", "EventPage",
@@ -78,6 +79,25 @@ class WorkspaceCreate(Struct, kw_only=True):
 class Workspace(Struct, kw_only=True):
     name: str
     created_at: datetime
+    account: str = "default"
+
+
+class AccountCreate(Struct, kw_only=True):
+    slug: Slug
+    max_stores: NonNegative | None = None
+    max_bytes: NonNegative | None = None
+    max_tokens: NonNegative | None = None
+
+
+class Account(Struct, kw_only=True):
+    slug: str
+    created_at: datetime
+    max_stores: int | None = None
+    max_bytes: int | None = None
+    max_tokens: int | None = None
+    stores: int = 0
+    bytes: int = 0
+    tokens: int = 0
 
 
 class StoreCreate(Struct, kw_only=True):
@@ -120,6 +140,7 @@ class Store(Struct, kw_only=True):
     history_min_age_s: int = 0
     history_bytes: int = 0
     history_versions: int = 0
+    account: str = "default"
 
 
 class AttachmentPut(Struct, kw_only=True):
@@ -144,6 +165,7 @@ class TokenCreate(Struct, kw_only=True):
     workspace: str | None = None
     name: Annotated[str, Meta(max_length=200)] = ""
     ttl_seconds: Annotated[int, Meta(ge=1, le=MAX_TOKEN_TTL_SECONDS)] | None = None
+    account: Slug | None = None
 
 
 class TokenCreated(Struct, kw_only=True):
@@ -152,6 +174,7 @@ class TokenCreated(Struct, kw_only=True):
     name: str
     token: str  # shown once; the server keeps only its sha256
     expires_at: datetime | None = None
+    account: str | None = None
 
 
 class TokenInfo(Struct, kw_only=True):
@@ -165,6 +188,7 @@ class TokenInfo(Struct, kw_only=True):
     expires_at: datetime | None = None
     revoked_at: datetime | None = None
     state: Literal["active", "expired", "revoked"] = "active"
+    account: str | None = None
 
 
 # ---------------------------------------------------------------- records

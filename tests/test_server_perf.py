@@ -293,6 +293,11 @@ def _older_database_gets_usage_columns_filled(url):
         con.exec_driver_sql("ALTER TABLE versions DROP COLUMN pruned")
         for col in ("base_version", "chain"):  # nor 0011's append versions
             con.exec_driver_sql(f"ALTER TABLE versions DROP COLUMN {col}")
+        con.exec_driver_sql("DROP TABLE account_attachments")  # nor 0013's accounts
+        con.exec_driver_sql("DROP TABLE accounts")
+        for table in ("workspaces", "stores", "tokens"):
+            con.exec_driver_sql(f"DROP INDEX ix_{table}_account")
+            con.exec_driver_sql(f"ALTER TABLE {table} DROP COLUMN account")
         con.exec_driver_sql("DROP TABLE alembic_version")
     old.dispose()
 

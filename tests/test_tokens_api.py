@@ -76,7 +76,7 @@ async def test_create_list_never_shows_secrets(env):
     assert [t["id"] for t in listed] == [a["id"], b["id"], o["id"], adm["id"]]  # oldest first
     for t, made in zip(listed, (a, b, o, adm)):
         assert set(t) == {"id", "workspace", "name", "created_at", "last_used_at", "expires_at",
-                          "revoked_at", "state"}
+                          "revoked_at", "state", "account"}
         assert t["state"] == "active" and t["name"] == made["name"]
         assert made["token"] not in r.text and sha256_hex(made["token"].encode()) not in r.text
     assert listed[1]["expires_at"] is not None

@@ -32,8 +32,9 @@ RECORD_FULL = dict(id="r-1", store="default", path="notes/ü ß.md", type="proje
 RECORD_MIN = dict(id="r-2", store="s", path="MEMORY.md", type=None, version=1, sha256="00" * 32,
                   size=0, created_at=T1, updated_at=T1, updated_by="admin", seq=1)
 STORE_FULL = dict(slug="s.1", description="d", default_type="user", max_record_bytes=5,
-                  max_store_bytes=6, max_records=7, created_at=T1, usage_bytes=9, record_count=2)
-STORE_MIN = {k: v for k, v in STORE_FULL.items() if k not in ("usage_bytes", "record_count")}
+                  max_store_bytes=6, max_records=7, created_at=T1, usage_bytes=9, record_count=2,
+                  account="acme")
+STORE_MIN = {k: v for k, v in STORE_FULL.items() if k not in ("usage_bytes", "record_count", "account")}
 VERSION_FULL = dict(record_id="r-1", version=2, operation="moved", path="a.md", type="user",
                     sha256="cd" * 32, size=3, created_at=T1, actor="ws:w/x", redacted=True, seq=7,
                     content="abc", mode=0o600, mtime_ns=5)
@@ -43,7 +44,10 @@ VERSION_MIN = dict(record_id="r-1", version=1, operation="created", path="a.md",
 # name → examples: every optional member set (not to its default), and only the required ones
 EXAMPLES: dict[str, list[dict]] = {
     "WorkspaceCreate": [dict(name="w-1", default_store=False), dict(name="w")],
-    "Workspace": [dict(name="w", created_at=T1)],
+    "Workspace": [dict(name="w", created_at=T1, account="acme"), dict(name="w", created_at=T1)],
+    "AccountCreate": [dict(slug="acme", max_stores=1, max_bytes=2, max_tokens=0), dict(slug="a")],
+    "Account": [dict(slug="acme", created_at=T1, max_stores=1, max_bytes=2, max_tokens=3, stores=1,
+                     bytes=9, tokens=2), dict(slug="default", created_at=T2)],
     "StoreCreate": [dict(slug="s", description="d", default_type="user", max_record_bytes=1,
                          max_store_bytes=2, max_records=3), dict(slug="s")],
     "StoreUpdate": [dict(description="d", default_type="reference", max_record_bytes=1,
@@ -54,11 +58,11 @@ EXAMPLES: dict[str, list[dict]] = {
                         created_at=T2),
                    dict(workspace="w", store=STORE_MIN, access="read_write", instructions="",
                         created_at=T1)],
-    "TokenCreate": [dict(workspace="w", name="n", ttl_seconds=60), dict(), dict(workspace="w")],
-    "TokenCreated": [dict(id="t", workspace="w", name="n", token="mf_x", expires_at=T2),
+    "TokenCreate": [dict(workspace="w", name="n", ttl_seconds=60, account="acme"), dict(), dict(workspace="w")],
+    "TokenCreated": [dict(id="t", workspace="w", name="n", token="mf_x", expires_at=T2, account="acme"),
                      dict(id="t", workspace=None, name="", token="mf_x")],
     "TokenInfo": [dict(id="t", workspace="w", name="n", created_at=T1, last_used_at=T2,
-                       expires_at=T2, revoked_at=T2, state="revoked"),
+                       expires_at=T2, revoked_at=T2, state="revoked", account="acme"),
                   dict(id="t", workspace=None, name="", created_at=T1)],
     "RecordCreate": [dict(path="a.md", content="x\n", type="user", mode=0o600, mtime_ns=-3),
                      dict(path="a.md", content=""), dict(path="a.md", content="x", type=None)],
@@ -127,7 +131,7 @@ EXAMPLES: dict[str, list[dict]] = {
 }
 
 # request bodies: the client builds and sends them (wire.build + wire.encode)
-REQUESTS = {"WorkspaceCreate", "StoreCreate", "StoreUpdate", "AttachmentPut", "TokenCreate",
+REQUESTS = {"WorkspaceCreate", "AccountCreate", "StoreCreate", "StoreUpdate", "AttachmentPut", "TokenCreate",
             "RecordCreate", "RecordUpdate", "RecordAppend", "RecordAttributes", "RecordMove", "PrefixMove", "Restore",
             "BatchOperation", "BatchRequest", "ConsolidationCreate"}
 # the pydantic options the client sent each with (earlier releases): the same bytes now
@@ -233,6 +237,9 @@ BAD_REQUESTS = [
     ("WorkspaceCreate", dict(name="Bad Name")),
     ("WorkspaceCreate", dict(name="")),
     ("StoreCreate", dict(slug="-x")),
+    ("AccountCreate", dict(slug="Bad")),
+    ("AccountCreate", dict(slug="a", max_stores=-1)),
+    ("TokenCreate", dict(account="Bad Name")),
     ("StoreCreate", dict(slug="s", default_type="other")),
     ("StoreCreate", dict(slug="s", max_records=0)),
     ("StoreUpdate", dict(max_store_bytes=-1)),

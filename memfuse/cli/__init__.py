@@ -42,7 +42,7 @@ from memfuse.cli.common import ByteSize, cli  # noqa: E402
 #: (``MemfuseGroup.lazy_commands``; tests/test_cli.py checks this against the modules)
 cli.lazy_commands = {
     "serve": "run", "dev": "run", "mount": "run", "status": "run",
-    "store": "admin", "workspace": "admin", "attach": "admin", "detach": "admin", "token": "admin",
+    "store": "admin", "workspace": "admin", "attach": "admin", "detach": "admin", "token": "admin", "account": "admin",
     "history": "records", "show": "records", "restore": "records", "redact": "records",
     "context": "records", "search": "records", "index": "records",
     "consolidate": "jobs", "job": "jobs",

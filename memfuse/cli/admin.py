@@ -1,5 +1,6 @@
-"""The admin commands: ``store create|list|show|update``, ``workspace create|list``, ``attach``,
-``detach``, ``token create|list|revoke``.
+"""The admin commands: ``account create|list|show|delete|attach|detach``, ``store
+create|list|show|update``, ``workspace create|list``, ``attach``, ``detach``, ``token
+create|list|revoke``.
 
 Each is one API call (or a few reads) through ``_api`` with an idempotency key per write; the
 record commands are in ``records``.
@@ -283,21 +284,27 @@ def token() -> None:
 
 @token.command("create")
 @opt("--workspace", metavar="WS", help="Scope the token to WS. Without it: an admin token.")
+@opt("--account", metavar="ACCOUNT",
+     help="Without --workspace: an admin token of ACCOUNT only (an account admin). "
+          "Default: a root admin token (the root admin only).")
 @opt("--name", default="", help="A label for the token (shown by 'token list').")
 @opt("--ttl", type=Duration(), metavar="DURATION",
      help="Expire the token after DURATION (3600, 45s, 30m, 12h, 90d, 2w). Default: never.")
 @opt("--out", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
      help="Write the token to FILE (mode 0600, replaced atomically) instead of stdout.")
 @api_options
-def token_create(target: Target, workspace: str | None, name: str, ttl: int | None, out: Path | None) -> None:
+def token_create(target: Target, workspace: str | None, account: str | None, name: str, ttl: int | None,
+                 out: Path | None) -> None:
     """Create a token and print it on stdout, or write it to --out FILE (mode 0600); it is
     shown once: the server keeps only its hash."""
     from memfuse.privfile import write_private
 
     key = _key()
     t = _api(target, lambda api: with_retries(
-        lambda: api.create_token(workspace or None, name, idempotency_key=key, ttl_seconds=ttl)))
-    scope = f"workspace {t.workspace}" if t.workspace else "admin"
+        lambda: api.create_token(workspace or None, name, idempotency_key=key, ttl_seconds=ttl,
+                                 account=account or None)))
+    scope = (f"workspace {t.workspace}" if t.workspace
+             else f"account {t.account} admin" if t.account else "admin")
     where = ""
     if out is not None:
         try:
@@ -369,3 +376,97 @@ def token_revoke(target: Target, token_ids: tuple[str, ...]) -> None:
 
     _api(target, body)
 
+
+
+# ---------------------------------------------------------------- accounts
+
+
+@cli.group()
+def account() -> None:
+    """Create, list, show and delete accounts (root admin); account-wide attachments."""
+
+
+def _account_rows(accounts: list[Any]) -> str:
+    def quota(used: int, limit: int | None, fmt: Any = str) -> str:
+        return f"{fmt(used)} / {fmt(limit) if limit is not None else 'unlimited'}"
+
+    rows = [[a.slug, quota(a.stores, a.max_stores), quota(a.bytes, a.max_bytes, _human_bytes),
+             quota(a.tokens, a.max_tokens), _fmt_time(a.created_at)] for a in accounts]
+    return _table(rows, ["ACCOUNT", "STORES", "BYTES", "TOKENS", "CREATED"])
+
+
+@account.command("create")
+@click.argument("slug")
+@opt("--max-stores", type=click.IntRange(min=0), help="Quota: stores (default: unlimited).")
+@opt("--max-bytes", type=BYTES, help="Quota: live bytes of all its stores (512M, 2G...; default: unlimited).")
+@opt("--max-tokens", type=click.IntRange(min=0), help="Quota: active tokens (default: unlimited).")
+@api_options
+def account_create(target: Target, slug: str, max_stores: int | None, max_bytes: int | None,
+                   max_tokens: int | None) -> None:
+    """Create account SLUG (root admin). Give it an admin with
+    'memfuse token create --account SLUG'."""
+    from memfuse.names import NameError_, check_slug
+
+    try:
+        check_slug(slug)
+    except NameError_ as e:
+        raise click.BadParameter(e.reason, param_hint="SLUG") from None
+    key = _key()
+    a = _api(target, lambda api: with_retries(lambda: api.create_account(
+        slug, max_stores=max_stores, max_bytes=max_bytes, max_tokens=max_tokens, idempotency_key=key)))
+    click.echo(f"created account {a.slug}")
+
+
+@account.command("list")
+@opt("--json", "as_json", is_flag=True, envvar="MEMFUSE_JSON", help="Print JSON.")
+@api_options
+def account_list(target: Target, as_json: bool) -> None:
+    """List accounts with their usage and quotas (an account admin sees its own)."""
+    accounts = _api(target, lambda api: with_retries(api.list_accounts))
+    if as_json:
+        click.echo(json.dumps([to_jsonable(a) for a in accounts], indent=2))
+        return
+    click.echo(_account_rows(accounts))
+
+
+@account.command("show")
+@click.argument("slug")
+@api_options
+def account_show(target: Target, slug: str) -> None:
+    """Show account SLUG's usage and quotas."""
+    a = _api(target, lambda api: with_retries(lambda: api.get_account(slug)))
+    click.echo(_account_rows([a]))
+
+
+@account.command("delete")
+@click.argument("slug")
+@api_options
+def account_delete(target: Target, slug: str) -> None:
+    """Delete account SLUG (root admin): it must hold no store, workspace or active token."""
+    key = _key()
+    _api(target, lambda api: with_retries(lambda: api.delete_account(slug, idempotency_key=key)))
+    click.echo(f"deleted account {slug}")
+
+
+@account.command("attach")
+@click.argument("slug")
+@click.argument("store_slug", metavar="STORE")
+@opt("--read-only", is_flag=True, help="Attach read-only (default: read-write).")
+@api_options
+def account_attach(target: Target, slug: str, store_slug: str, read_only: bool) -> None:
+    """Attach STORE to every workspace of account SLUG, existing and new."""
+    key = _key()
+    a = _api(target, lambda api: with_retries(lambda: api.attach_account(
+        slug, store_slug, "read_only" if read_only else "read_write", idempotency_key=key)))
+    click.echo(f"attached {a.store.slug} to every workspace of account {slug} ({a.access.value})")
+
+
+@account.command("detach")
+@click.argument("slug")
+@click.argument("store_slug", metavar="STORE")
+@api_options
+def account_detach(target: Target, slug: str, store_slug: str) -> None:
+    """Detach STORE from every workspace of account SLUG (ends its account-wide attachment)."""
+    key = _key()
+    _api(target, lambda api: with_retries(lambda: api.detach_account(slug, store_slug, idempotency_key=key)))
+    click.echo(f"detached {store_slug} from every workspace of account {slug}")

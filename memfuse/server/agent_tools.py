@@ -150,6 +150,8 @@ def install(app: FastAPI, svc: Service, principal: Callable[..., Any]) -> None:
             examples=[{"command": "view", "path": "/memories"}]),
     ) -> Response:
         _check_workspace(p, ws)
+        if p.is_admin:  # an admin's workspace: of its account (404 otherwise)
+            svc.check_workspace(p, ws)
         bad = _bad_name(command, "body")
         if bad is not None:
             raise ServiceError(422, "validation_error",

@@ -467,6 +467,9 @@ async def principal(
         p = await anyio.to_thread.run_sync(svc.authenticate, token, None)
     if svc.token_upkeep_due():  # tokens' last_used_at, as memfuse's own API keeps it
         await anyio.to_thread.run_sync(svc.token_upkeep)
+    account = request.headers.get("x-memfuse-account") or request.query_params.get("account")
+    if account:  # the root admin acting in one account (docs/API.md "Accounts")
+        p = await anyio.to_thread.run_sync(svc.act_in_account, p, account)
     return p
 
 

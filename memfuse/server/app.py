@@ -48,6 +48,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from memfuse.models import (
     BATCH_MAX_BYTES,
+    Account,
+    AccountCreate,
     BatchRequest,
     BatchResponse,
     Attachment,
@@ -255,7 +257,16 @@ async def _principal(
             p = await anyio.to_thread.run_sync(svc.authenticate, token, x_memfuse_instance)
     if svc.token_upkeep_due():  # token bookkeeping: a few statements a minute (tokens.py)
         await anyio.to_thread.run_sync(svc.token_upkeep)
+    account = requested_account(request)
+    if account:  # the root admin acting in one account (docs/API.md "Accounts")
+        p = await anyio.to_thread.run_sync(svc.act_in_account, p, account)
     return p
+
+
+def requested_account(request: Request) -> str | None:
+    """The account a request names: the ``X-Memfuse-Account`` header, else the ``account``
+    query parameter (for links and the console), else None."""
+    return request.headers.get("x-memfuse-account") or request.query_params.get("account") or None
 
 
 async def _idempotency(
@@ -272,6 +283,7 @@ P = Annotated[Principal, Depends(_principal)]
 Idem = Annotated[IdempotencyRequest | None, Depends(_idempotency)]
 IfMatch = Annotated[str | None, Header(description='"<sha256>" of the version the change is based on, or *')]
 StoreSlug = Annotated[str, Path(description="store slug")]
+AccountSlug = Annotated[str, Path(description="account slug")]
 VersionNumber = Annotated[int, Path(ge=1, le=defs.INT64_MAX, description="version number (1, 2, ...)")]
 After = Annotated[int, Query(ge=0, le=defs.INT64_MAX, description="feed position to read after (a page's seq)")]
 Wait = Annotated[float, Query(ge=0, description="long-poll seconds (capped at 60)")]
@@ -393,6 +405,32 @@ def create_app(
 
     # /healthz, /readyz and /metrics are answered by the front door (memfuse.server.gate),
     # before any limit: they never queue behind API traffic
+
+    # ------------------------------------------------------------ accounts
+
+    @app.post("/v1/accounts", status_code=201, response_model=Account, tags=["accounts"])
+    def create_account(body: AccountCreate, p: P, idem: Idem):
+        return _reply(svc.create_account(p, body, idem))
+
+    @app.get("/v1/accounts", response_model=list[Account], tags=["accounts"])
+    def list_accounts(p: P):
+        return _json(svc.list_accounts(p))
+
+    @app.get("/v1/accounts/{account}", response_model=Account, tags=["accounts"])
+    def get_account(account: AccountSlug, p: P):
+        return _json(svc.get_account(p, account))
+
+    @app.delete("/v1/accounts/{account}", status_code=204, tags=["accounts"])
+    def delete_account(account: AccountSlug, p: P, idem: Idem):
+        return _reply(svc.delete_account(p, account, idem))
+
+    @app.put("/v1/accounts/{account}/attachments/{store}", response_model=Attachment, tags=["accounts"])
+    def put_account_attachment(account: AccountSlug, store: StoreSlug, body: AttachmentPut, p: P, idem: Idem):
+        return _reply(svc.put_account_attachment(p, account, store, body, idem))
+
+    @app.delete("/v1/accounts/{account}/attachments/{store}", status_code=204, tags=["accounts"])
+    def delete_account_attachment(account: AccountSlug, store: StoreSlug, p: P, idem: Idem):
+        return _reply(svc.delete_account_attachment(p, account, store, idem))
 
     # ------------------------------------------------------------ admin
 

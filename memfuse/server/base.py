@@ -174,6 +174,14 @@ def like_superset(needle: str) -> str:
 class Principal:
     """Who calls: a workspace token (``workspace`` set) or an admin token (None).
 
+    ``account``: the account the caller acts in (docs/API.md, "Accounts"). For an admin:
+    None for the root admin (sees every account), else the account it administers (an
+    account admin token, or the root admin that named an account with ``X-Memfuse-Account``
+    / ``?account=``): it sees and changes that account's objects only, anything else is 404.
+    For a database workspace token: its workspace's account (informational: a workspace
+    token reaches only the stores attached to its workspace, always of the same account).
+    ``root_token``: the token is a root admin token (also while it acts in one account).
+
     ``name`` is the token's name (``"static"`` for tokens given to ``create_app``);
     ``instance`` the sidecar id from ``X-Memfuse-Instance``; ``token_id`` the database
     token's id (None for a static token) and ``expires_at`` its expiry (wall-clock epoch
@@ -184,12 +192,25 @@ class Principal:
     workspace: str | None
     name: str = "static"
     instance: str | None = None
+    account: str | None = None
+    root_token: bool = field(default=False, compare=False)
     token_id: str | None = field(default=None, compare=False)
     expires_at: float | None = field(default=None, compare=False)
 
     @property
     def is_admin(self) -> bool:
         return self.workspace is None
+
+    @property
+    def is_root(self) -> bool:
+        """The root admin acting on every account (an admin token without an account)."""
+        return self.workspace is None and self.account is None
+
+    @property
+    def admin_account(self) -> str | None:
+        """For an admin: the one account it may see (None: all, the root admin). For a
+        workspace token: None (its reach is its workspace's attachments)."""
+        return self.account if self.workspace is None else None
 
     @property
     def actor(self) -> str:
@@ -200,8 +221,11 @@ class Principal:
 
     @property
     def scope(self) -> str:
-        """Idempotency-key scope: the token's workspace, or ``admin``."""
-        return "admin" if self.workspace is None else f"ws:{self.workspace}"
+        """Idempotency-key scope: the token's workspace, ``admin`` for the root admin,
+        ``acct:<account>`` for an admin acting in one account."""
+        if self.workspace is not None:
+            return f"ws:{self.workspace}"
+        return "admin" if self.account is None else f"acct:{self.account}"
 
 
 @dataclass(frozen=True)
@@ -282,6 +306,9 @@ def idempotency_request(key: str, method: str, url_path: str, raw: bytes) -> Ide
 # Statements of the hot paths, built once (parameters at execution).
 _SELECT_STORE = select(_S).where(_S.c.slug == bindparam("slug"))
 _SELECT_STORE_FOR_UPDATE = _SELECT_STORE.with_for_update(of=_S)
+# an account admin's: the store only if it is in its account
+_SELECT_ACCOUNT_STORE = _SELECT_STORE.where(_S.c.account == bindparam("account"))
+_SELECT_ACCOUNT_STORE_FOR_UPDATE = _SELECT_ACCOUNT_STORE.with_for_update(of=_S)
 _SELECT_ATTACHED_STORE = (
     select(_S, _A.c.access)
     .join(_A, and_(_A.c.store == _S.c.slug, _A.c.workspace == bindparam("ws")))
@@ -341,20 +368,31 @@ class ServiceBase:
 
     @staticmethod
     def _workspace(s: Session, p: Principal, ws: str) -> WorkspaceRow:
-        if not p.is_admin and p.workspace != ws:
-            raise ServiceError(403, "forbidden", "the token belongs to another workspace")
+        """The workspace row, if ``p`` may address it: the root admin any, an account admin
+        those of its account, a workspace token its own. Raises 404 ``workspace_not_found``
+        for a missing workspace or one of another account (never telling which); 403
+        ``forbidden`` for a workspace token naming another workspace of its own account."""
         row = s.get(WorkspaceRow, ws)
-        if row is None:
+        if not p.is_admin and p.workspace != ws:
+            own = s.get(WorkspaceRow, p.workspace)
+            if row is not None and own is not None and own.account == row.account:
+                raise ServiceError(403, "forbidden", "the token belongs to another workspace")
+            raise ServiceError(404, "workspace_not_found", f"no workspace {ws!r}")
+        if row is None or (p.admin_account is not None and row.account != p.admin_account):
             raise ServiceError(404, "workspace_not_found", f"no workspace {ws!r}")
         return row
 
     @staticmethod
     def _store(conn: Connection, p: Principal, slug: str, *, write: bool = False) -> Row:
         """The store row (Core: its columns, usage counters included), if the principal may
-        see it (and write it, with ``write``), in one query with the attachment. A write
+        see it (and write it, with ``write``), in one query with the attachment (an account
+        admin: only a store of its account; 404 ``store_not_found`` for any other). A write
         locks the store row on PostgreSQL (serialises the store's versions)."""
-        if p.is_admin:
+        if p.is_admin and p.account is None:
             st = conn.execute(_SELECT_STORE_FOR_UPDATE if write else _SELECT_STORE, {"slug": slug}).first()
+        elif p.is_admin:  # an account admin: a store of another account is not found
+            st = conn.execute(_SELECT_ACCOUNT_STORE_FOR_UPDATE if write else _SELECT_ACCOUNT_STORE,
+                              {"slug": slug, "account": p.account}).first()
         else:
             st = conn.execute(
                 _SELECT_ATTACHED_STORE_FOR_UPDATE if write else _SELECT_ATTACHED_STORE,

@@ -39,6 +39,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from sqlalchemy import (
+    DDL,
     BigInteger,
     Boolean,
     DateTime,
@@ -65,7 +66,7 @@ log = logging.getLogger(__name__)
 #: the newest Alembic revision (``memfuse/server/migrations/versions/``): a database at it
 #: opens without Alembic (``Database._at_schema_head``). A new revision updates it;
 #: tests/test_migrations.py fails while it is not ``schema.head()``.
-SCHEMA_HEAD = "0012_consolidation_jobs"
+SCHEMA_HEAD = "0013_accounts"
 
 
 def utcnow() -> datetime:
@@ -106,13 +107,41 @@ class Base(DeclarativeBase):
     """Declarative base of every control-plane table."""
 
 
+#: the account every object of a database made before accounts belongs to (revision
+#: 0013_accounts), and where the root admin creates objects when it names no account
+DEFAULT_ACCOUNT = "default"
+
+
+class AccountRow(Base):
+    """An account (a customer or team): it owns workspaces, stores and tokens. Quotas are
+    NULL for unlimited: ``max_stores`` (stores), ``max_bytes`` (live bytes of all its stores),
+    ``max_tokens`` (active tokens)."""
+
+    __tablename__ = "accounts"
+
+    slug: Mapped[str] = mapped_column(String(63), primary_key=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    max_stores: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    max_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    max_tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+
+
+# A database built by ``create_all`` (in-memory: tests, the fake) has the account ``default``
+# as one built by the revisions has (0013_accounts inserts it).
+event.listen(AccountRow.__table__, "after_create", DDL(
+    f"INSERT INTO accounts (slug, created_at) VALUES ('{DEFAULT_ACCOUNT}', CURRENT_TIMESTAMP)"))
+
+
 class WorkspaceRow(Base):
-    """A workspace (one agent / sidecar identity); ``name`` is a slug."""
+    """A workspace (one agent / sidecar identity); ``name`` is a slug; ``account`` its owner
+    (revision 0013_accounts)."""
 
     __tablename__ = "workspaces"
 
     name: Mapped[str] = mapped_column(String(63), primary_key=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    account: Mapped[str] = mapped_column(String(63), default=DEFAULT_ACCOUNT,
+                                         server_default=DEFAULT_ACCOUNT, index=True)
 
 
 class StoreRow(Base):
@@ -147,6 +176,9 @@ class StoreRow(Base):
     history_min_age_s: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     version_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     version_count: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    # the owning account (revision 0013_accounts)
+    account: Mapped[str] = mapped_column(String(63), default=DEFAULT_ACCOUNT,
+                                         server_default=DEFAULT_ACCOUNT, index=True)
 
 
 class AttachmentRow(Base):
@@ -160,6 +192,18 @@ class AttachmentRow(Base):
     store: Mapped[str] = mapped_column(ForeignKey("stores.slug", ondelete="CASCADE"), primary_key=True)
     access: Mapped[str] = mapped_column(String(16))
     instructions: Mapped[str] = mapped_column(Text, default="")
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class AccountAttachmentRow(Base):
+    """A store attached to every workspace of its account, existing and new (revision
+    0013_accounts): ``PUT /v1/accounts/{account}/attachments/{store}``."""
+
+    __tablename__ = "account_attachments"
+
+    account: Mapped[str] = mapped_column(ForeignKey("accounts.slug", ondelete="CASCADE"), primary_key=True)
+    store: Mapped[str] = mapped_column(ForeignKey("stores.slug", ondelete="CASCADE"), primary_key=True)
+    access: Mapped[str] = mapped_column(String(16))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
@@ -180,6 +224,9 @@ class TokenRow(Base):
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True, index=True)
     # updated at most once a minute per token (never one write per request)
     last_used_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    # the account (revision 0013_accounts): of the workspace for a workspace token; for an
+    # admin token (workspace NULL) the account it administers, NULL for a root admin token
+    account: Mapped[str | None] = mapped_column(String(63), nullable=True, index=True)
 
 
 class ConsoleSessionRow(Base):
@@ -197,6 +244,8 @@ class ConsoleSessionRow(Base):
     workspace: Mapped[str | None] = mapped_column(String(63), nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     expires_at: Mapped[datetime] = mapped_column(UTCDateTime, index=True)
+    # the account of the session's principal (revision 0013_accounts; NULL: root admin)
+    account: Mapped[str | None] = mapped_column(String(63), nullable=True)
 
 
 class RecordRow(Base):

@@ -33,7 +33,7 @@ from memfuse.models import Access, MoveResult, Record, RecordCreate, RecordMove,
 from memfuse.server import deltas
 from memfuse.server.anthropic_models import DeletedMemoryStore, MemoryStoreOut
 from memfuse.server.base import _A, _R, _S, _V, IdempotencyRequest, Principal, Reply, ServiceBase, ServiceError
-from memfuse.server.db import AttachmentRow, StoreRow, WorkspaceRow, utcnow
+from memfuse.server.db import DEFAULT_ACCOUNT, AttachmentRow, StoreRow, WorkspaceRow, utcnow
 from memfuse.server.records import _record_model
 
 log = logging.getLogger("memfuse.server.service")  # every room of the Service logs under one name
@@ -90,9 +90,12 @@ class MemoryStoresMixin(ServiceBase):
         """The statement of the stores ``p`` sees: all for an admin token (those attached to
         ``workspace`` when given), the attached ones for a workspace token."""
         ws = p.workspace or workspace
+        q = select(_S)
+        if p.admin_account is not None:  # an account admin: its account's stores only
+            q = q.where(_S.c.account == p.admin_account)
         if ws is None:
-            return select(_S)
-        return select(_S).join(_A, (_A.c.store == _S.c.slug) & (_A.c.workspace == ws))
+            return q
+        return q.join(_A, (_A.c.store == _S.c.slug) & (_A.c.workspace == ws))
 
     def ms_list_stores(
         self, p: Principal, workspace: str | None, *, include_archived: bool,
@@ -126,8 +129,11 @@ class MemoryStoresMixin(ServiceBase):
         ``attached``). 404 ``workspace_not_found``."""
         self._require_admin(p)
         def fn(s: Session) -> MemoryStoreOut:
-            if workspace is not None and s.get(WorkspaceRow, workspace) is None:
-                raise ServiceError(404, "workspace_not_found", f"no workspace {workspace!r}")
+            account = p.admin_account or DEFAULT_ACCOUNT
+            if workspace is not None:
+                wrow = self._workspace(s, p, workspace)
+                account = wrow.account  # the root admin's store goes to the workspace's account
+            self._check_store_quota(s, account)  # type: ignore[attr-defined]
             base = slug_for_name(name)
             slug, n = base, 1
             while s.get(StoreRow, slug) is not None:
@@ -141,6 +147,7 @@ class MemoryStoresMixin(ServiceBase):
                 max_record_bytes=limits.max_record_bytes, max_store_bytes=limits.max_store_bytes,
                 max_records=limits.max_records, created_at=now, name=name,
                 metadata_json=json.dumps(metadata, ensure_ascii=False), updated_at=now,
+                account=account,
             )
             s.add(st)
             s.flush()

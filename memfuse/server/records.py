@@ -53,7 +53,7 @@ from memfuse.server.base import (
     parse_if_match,
 )
 from memfuse.server import deltas, history, staleness, wakeups
-from memfuse.server.db import UTCDateTime, utcnow
+from memfuse.server.db import DEFAULT_ACCOUNT, AccountRow, UTCDateTime, utcnow
 
 log = logging.getLogger("memfuse.server.service")  # every room of the Service logs under one name
 
@@ -225,6 +225,25 @@ _SELECT_LIVE_AT = select(_R).where(
 _SELECT_LIVE_ID_AT = select(_R.c.id).where(
     _R.c.store == bindparam("store"), _R.c.path == bindparam("path"), _R.c.deleted == false()
 )
+
+
+_SELECT_ACCOUNT_MAX_BYTES = select(AccountRow.__table__.c.max_bytes).where(
+    AccountRow.__table__.c.slug == bindparam("account"))
+_SELECT_ACCOUNT_OTHER_BYTES = select(func.coalesce(func.sum(_S.c.usage_bytes), 0)).where(
+    _S.c.account == bindparam("account"), _S.c.slug != bindparam("slug"))
+
+
+def _account_room(conn: Connection, st: Row | BatchStore, store_bytes: int) -> None:
+    """507 ``account_full`` when the store ``st`` holding ``store_bytes`` puts its account
+    over its ``max_bytes`` (docs/API.md "Accounts"). One primary-key read when the account
+    has no byte quota; with one, a sum over the account's other stores (``ix_stores_account``)."""
+    account = getattr(st, "account", None) or DEFAULT_ACCOUNT
+    limit = conn.execute(_SELECT_ACCOUNT_MAX_BYTES, {"account": account}).scalar()
+    if limit is None:
+        return
+    total = conn.execute(_SELECT_ACCOUNT_OTHER_BYTES, {"account": account, "slug": st.slug}).scalar_one() + store_bytes
+    if total > limit:
+        raise ServiceError(507, "account_full", f"account {account!r} would hold {total} bytes, limit {limit}")
 
 
 class BatchStore:
@@ -530,6 +549,8 @@ class RecordsMixin(ServiceBase):
         (``grew_*``) and the store is now over a limit; the caller's transaction then rolls
         back, counters included."""
         n, b = RecordsMixin._room(st, d_bytes, d_count, grew_bytes=grew_bytes, grew_count=grew_count)
+        if grew_bytes and d_bytes > 0:
+            _account_room(conn, st, b)
         if isinstance(st, BatchStore):  # a batch writes the counters once, at its end
             st.record_count, st.usage_bytes = n, b
         elif d_bytes or d_count:

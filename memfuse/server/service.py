@@ -49,6 +49,7 @@ from memfuse.server.base import (
     parse_if_match,
 )
 from memfuse.server import staleness, wakeups
+from memfuse.server.accounts import AccountsMixin
 from memfuse.server.batch import BatchMixin
 from memfuse.server.changes import MAX_WAIT_SECONDS, ChangesMixin, FeedRead
 from memfuse.server.consolidation import ConsolidationMixin, ConsolidationSettings
@@ -97,8 +98,8 @@ __all__ = [
 ]
 
 
-class Service(TokensMixin, SessionsMixin, StoresMixin, ConsolidationMixin, BatchMixin, RecordsMixin, SearchMixin,
-              ChangesMixin, ContextMixin, MemoryStoresMixin, IndexReportMixin):
+class Service(AccountsMixin, TokensMixin, SessionsMixin, StoresMixin, ConsolidationMixin, BatchMixin, RecordsMixin,
+              SearchMixin, ChangesMixin, ContextMixin, MemoryStoresMixin, IndexReportMixin):
     """The control plane's rules over a ``Database``.
 
     ``static_tokens`` maps raw token → workspace (None = admin); the mapping is consulted on

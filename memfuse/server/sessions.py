@@ -38,8 +38,9 @@ _CS = ConsoleSessionRow.__table__
 _TK = TokenRow.__table__
 
 _SELECT_SESSION = (
-    select(_CS.c.token_id, _CS.c.token_sha256, _CS.c.workspace, _CS.c.expires_at,
+    select(_CS.c.token_id, _CS.c.token_sha256, _CS.c.workspace, _CS.c.expires_at, _CS.c.account,
            _TK.c.id.label("t_id"), _TK.c.name.label("t_name"), _TK.c.workspace.label("t_workspace"),
+           _TK.c.account.label("t_account"),
            _TK.c.expires_at.label("t_expires_at"), _TK.c.revoked_at.label("t_revoked_at"))
     .select_from(_CS.outerjoin(_TK, _TK.c.id == _CS.c.token_id))
 )
@@ -100,6 +101,8 @@ class SessionsMixin(ServiceBase):
                 if (hmac.compare_digest(sha256_hex(known.encode("utf-8", "surrogatepass")), row.token_sha256)
                         and workspace == row.workspace):
                     return Principal(workspace=workspace, name="static", instance=instance,
+                                     account=row.account if workspace is None else None,
+                                     root_token=workspace is None,
                                      expires_at=row.expires_at.timestamp())
             raise _unauthorized("the console session's token is no longer valid")
         if row.t_id is None or row.t_revoked_at is not None or (
@@ -107,8 +110,11 @@ class SessionsMixin(ServiceBase):
             raise _unauthorized("the console session's token is no longer valid")
         # token_id: a revocation of the token ends the session's live pages too
         # (memfuse.server.streamclass); expires_at: the session's end (never after the token's)
+        root = row.t_workspace is None and row.t_account is None
+        # a root admin's session acts in the account it switched to (the console's switch)
+        account = row.account if root else row.t_account
         return Principal(workspace=row.t_workspace, name=row.t_name or row.t_id, instance=instance,
-                         token_id=row.t_id, expires_at=row.expires_at.timestamp())
+                         account=account, root_token=root, token_id=row.t_id, expires_at=row.expires_at.timestamp())
 
     def end_session(self, session_id: str | None) -> bool:
         """Log out: delete the session ``session_id``. True when there was one. Worker thread."""

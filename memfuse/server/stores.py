@@ -26,7 +26,7 @@ from memfuse.models import (
 )
 from memfuse.server.base import _S, IdempotencyRequest, Principal, Reply, ServiceBase, ServiceError
 from memfuse.server import history, wakeups
-from memfuse.server.db import AttachmentRow, EventRow, StoreRow, WorkspaceRow, utcnow
+from memfuse.server.db import DEFAULT_ACCOUNT, AccountAttachmentRow, AttachmentRow, EventRow, StoreRow, WorkspaceRow, utcnow
 
 log = logging.getLogger("memfuse.server.service")  # every room of the Service logs under one name
 
@@ -51,6 +51,7 @@ def _store_model(st: StoreRow | Row) -> Store:
         history_min_age_s=min_age,
         history_bytes=hist_b,
         history_versions=hist_n,
+        account=st.account or DEFAULT_ACCOUNT,
     )
 
 
@@ -71,6 +72,87 @@ class StoresMixin(ServiceBase):
         for r in rows:
             wakeups.note_events(r.workspace, r.seq)
 
+    def _attach_account_stores(self, s: Session, ws: WorkspaceRow) -> None:
+        """Attach to the new workspace ``ws`` every account-wide attachment of its account
+        (events ``attached``); a store already attached (its own store) is left as it is."""
+        rows = s.scalars(select(AccountAttachmentRow).where(AccountAttachmentRow.account == ws.account)).all()
+        for aa in rows:
+            if s.get(AttachmentRow, (ws.name, aa.store)) is not None:
+                continue
+            s.add(AttachmentRow(workspace=ws.name, store=aa.store, access=aa.access, instructions="",
+                                created_at=utcnow()))
+            s.flush()
+            self._emit(s, [ws.name], "attached", aa.store, aa.access)
+
+    def put_account_attachment(self, p: Principal, account: str, slug: str, body: AttachmentPut,
+                               idem: IdempotencyRequest | None = None) -> Reply:
+        """200 [Attachment] with ``workspace`` ``"*"``: ``slug`` (a store of ``account``) is
+        attached with ``body.access`` to every workspace of the account, now and every
+        workspace created later (events ``attached`` where new or changed). Admin of the
+        account (the root admin, or its account admin); 404 ``account_not_found`` /
+        ``store_not_found``; 403 ``store_archived``."""
+        self._require_admin(p)
+        p = self.act_in_account(p, account)  # type: ignore[attr-defined]
+
+        def fn(s: Session) -> Attachment:
+            st = self._store(s.connection(), p, slug)
+            if st.archived_at is not None:
+                raise ServiceError(403, "store_archived", f"store {slug!r} is archived: it takes no new attachments")
+            now = utcnow()
+            aa = s.get(AccountAttachmentRow, (account, slug))
+            if aa is None:
+                aa = AccountAttachmentRow(account=account, store=slug, access=body.access.value, created_at=now)
+                s.add(aa)
+            else:
+                aa.access = body.access.value
+            s.flush()
+            changed: list[str] = []
+            for ws in s.scalars(select(WorkspaceRow.name).where(WorkspaceRow.account == account)).all():
+                att = s.get(AttachmentRow, (ws, slug))
+                if att is None:
+                    s.add(AttachmentRow(workspace=ws, store=slug, access=aa.access,
+                                        instructions=body.instructions, created_at=now))
+                elif att.access != aa.access or att.instructions != body.instructions:
+                    att.access, att.instructions = aa.access, body.instructions
+                else:
+                    continue
+                changed.append(ws)
+            s.flush()
+            self._emit(s, changed, "attached", slug, aa.access)
+            log.info("store %s attached to every workspace of account %s (%s; %d changed)", slug, account,
+                     aa.access, len(changed))
+            return Attachment(workspace="*", store=_store_model(st), access=Access(aa.access),
+                              instructions=body.instructions, created_at=aa.created_at)
+
+        return self._write(p, idem, 200, fn)
+
+    def delete_account_attachment(self, p: Principal, account: str, slug: str,
+                                  idem: IdempotencyRequest | None = None) -> Reply:
+        """204: the account-wide attachment of ``slug`` ends and the store is detached from
+        every workspace of ``account`` (events ``detached``). 404 ``account_not_found`` /
+        ``store_not_attached``."""
+        self._require_admin(p)
+        p = self.act_in_account(p, account)  # type: ignore[attr-defined]
+
+        def fn(s: Session) -> None:
+            aa = s.get(AccountAttachmentRow, (account, slug))
+            if aa is None:
+                raise ServiceError(404, "store_not_attached", f"store {slug!r} is not attached account-wide")
+            s.delete(aa)
+            wss = s.scalars(select(AttachmentRow.workspace).join(
+                WorkspaceRow, WorkspaceRow.name == AttachmentRow.workspace).where(
+                AttachmentRow.store == slug, WorkspaceRow.account == account)).all()
+            for ws in wss:
+                att = s.get(AttachmentRow, (ws, slug))
+                if att is not None:
+                    s.delete(att)
+            s.flush()
+            self._emit(s, wss, "detached", slug, None)
+            log.info("store %s detached from every workspace of account %s", slug, account)
+            return None
+
+        return self._write(p, idem, 204, fn)
+
     # ------------------------------------------------------------ admin
 
     def create_workspace(self, p: Principal, body: WorkspaceCreate, idem: IdempotencyRequest | None = None) -> Reply:
@@ -81,21 +163,26 @@ class StoresMixin(ServiceBase):
         store with the default limits and type, or the existing store of that name, which is
         attached as it is (its records and limits untouched, never recreated)."""
         self._require_admin(p)
+        account = p.admin_account or DEFAULT_ACCOUNT
 
         def fn(s: Session) -> Workspace:
             if s.get(WorkspaceRow, body.name) is not None:
                 raise ServiceError(409, "exists", f"workspace {body.name!r} exists")
             now = utcnow()
-            row = WorkspaceRow(name=body.name, created_at=now)
+            row = WorkspaceRow(name=body.name, created_at=now, account=account)
             s.add(row)
             s.flush()
             if body.default_store:
-                if s.get(StoreRow, body.name) is None:
+                existing = s.get(StoreRow, body.name)
+                if existing is not None and existing.account != account:
+                    raise ServiceError(409, "exists", f"store {body.name!r} exists")
+                if existing is None:
+                    self._check_store_quota(s, account)  # type: ignore[attr-defined]
                     limits = StoreCreate(slug=body.name)
                     s.add(StoreRow(
                         slug=body.name, description=limits.description, default_type=limits.default_type,
                         max_record_bytes=limits.max_record_bytes, max_store_bytes=limits.max_store_bytes,
-                        max_records=limits.max_records, created_at=now,
+                        max_records=limits.max_records, created_at=now, account=account,
                     ))
                     s.flush()  # the store row before the attachment that references it
                     log.info("store %s created for workspace %s", body.name, body.name)
@@ -105,25 +192,34 @@ class StoresMixin(ServiceBase):
                 self._emit(s, [body.name], "attached", body.name, Access.read_write.value)
             log.info("workspace %s created%s", body.name,
                      f" with store {body.name} attached read-write" if body.default_store else "")
-            return Workspace(name=row.name, created_at=row.created_at)
+            self._attach_account_stores(s, row)
+            return Workspace(name=row.name, created_at=row.created_at, account=row.account)
 
         return self._write(p, idem, 201, fn)
 
     def list_workspaces(self, p: Principal) -> list[Workspace]:
-        """Every workspace, by name (admin)."""
+        """Every workspace, by name (admin; an account admin: its account's)."""
         self._require_admin(p)
         with self.db.read() as s:
-            rows = s.scalars(select(WorkspaceRow).order_by(WorkspaceRow.name)).all()
-            return [Workspace(name=r.name, created_at=r.created_at) for r in rows]
+            q = select(WorkspaceRow).order_by(WorkspaceRow.name)
+            if p.admin_account is not None:
+                q = q.where(WorkspaceRow.account == p.admin_account)
+            rows = s.scalars(q).all()
+            return [Workspace(name=r.name, created_at=r.created_at, account=r.account) for r in rows]
 
     def create_store(self, p: Principal, body: StoreCreate, idem: IdempotencyRequest | None = None) -> Reply:
-        """201 [Store]; 409 ``exists`` (admin)."""
+        """201 [Store] in the caller's account (the root admin's: ``default``, unless it
+        names one: ``X-Memfuse-Account``); 409 ``exists`` (slugs are unique across accounts),
+        409 ``account_quota`` (the account's ``max_stores``) (admin)."""
         self._require_admin(p)
+        account = p.admin_account or DEFAULT_ACCOUNT
 
         def fn(s: Session) -> Store:
             if s.get(StoreRow, body.slug) is not None:
                 raise ServiceError(409, "exists", f"store {body.slug!r} exists")
+            self._check_store_quota(s, account)  # type: ignore[attr-defined]
             st = StoreRow(
+                account=account,
                 slug=body.slug,
                 description=body.description,
                 default_type=body.default_type,
@@ -144,10 +240,13 @@ class StoresMixin(ServiceBase):
         return self._write(p, idem, 201, fn)
 
     def list_stores(self, p: Principal) -> list[Store]:
-        """Every store with its usage, by slug (admin)."""
+        """Every store with its usage, by slug (admin; an account admin: its account's)."""
         self._require_admin(p)
         with self.db.read() as s:
-            rows = s.connection().execute(select(_S).order_by(_S.c.slug)).all()
+            q = select(_S).order_by(_S.c.slug)
+            if p.admin_account is not None:
+                q = q.where(_S.c.account == p.admin_account)
+            rows = s.connection().execute(q).all()
             return [_store_model(r) for r in rows]
 
     def get_store(self, p: Principal, slug: str) -> Store:
@@ -176,15 +275,18 @@ class StoresMixin(ServiceBase):
     def put_attachment(
         self, p: Principal, ws: str, slug: str, body: AttachmentPut, idem: IdempotencyRequest | None = None
     ) -> Reply:
-        """200 [Attachment]; 404 ``workspace_not_found`` / ``store_not_found``; 403
+        """200 [Attachment]; 404 ``workspace_not_found`` / ``store_not_found`` (also for a
+        store of another account than the workspace's); 403
         ``store_archived`` for a new attachment of an archived store (an existing one may
         still change); emits ``attached`` when the attachment is new or its access or
         instructions changed."""
         self._require_admin(p)
 
         def fn(s: Session) -> Attachment:
-            self._workspace(s, p, ws)
+            wrow = self._workspace(s, p, ws)
             st = self._store(s.connection(), p, slug)
+            if st.account != wrow.account:  # the root admin's: never across accounts
+                raise ServiceError(404, "store_not_found", f"no store {slug!r} in the workspace's account")
             att = s.get(AttachmentRow, (ws, slug))
             changed = True
             if att is None and st.archived_at is not None:
@@ -227,6 +329,12 @@ class StoresMixin(ServiceBase):
             return None
 
         return self._write(p, idem, 204, fn)
+    def check_workspace(self, p: Principal, ws: str) -> None:
+        """Raise what ``_workspace`` raises when ``p`` may not address workspace ``ws`` (404
+        ``workspace_not_found`` for another account's)."""
+        with self.db.read() as s:
+            self._workspace(s, p, ws)
+
     def list_attachments(self, p: Principal, ws: str) -> list[Attachment]:
         """The workspace's attachments, by store slug."""
         with self.db.read() as s:

@@ -67,7 +67,7 @@ from memfuse.server.base import (
     _unauthorized,
 )
 from memfuse.server import wakeups
-from memfuse.server.db import TokenRow, WorkspaceRow, utcnow
+from memfuse.server.db import TokenRow, utcnow
 
 log = logging.getLogger("memfuse.server.service")  # every room of the Service logs under one name
 
@@ -80,7 +80,7 @@ TOKEN_CONFIRM_BATCH = 1000  # tokens confirmed by one query
 
 _SELECT_TOKENS = select(
     _T.c.id, _T.c.token_sha256, _T.c.workspace, _T.c.name, _T.c.expires_at, _T.c.revoked_at,
-    _T.c.last_used_at,
+    _T.c.last_used_at, _T.c.account,
 ).where(_T.c.token_sha256.in_(bindparam("digests", expanding=True)))
 _SELECT_REVOKED = select(_T.c.id).where(_T.c.revoked_at > bindparam("since"))
 _TOUCH_MANY = update(_T).where(
@@ -104,6 +104,7 @@ def _label(name: str | None) -> str:
 
 def _principal_of(e: _Entry, instance: str | None) -> Principal:
     return Principal(workspace=e.workspace, name=e.name, instance=_clean_instance(instance),
+                     account=e.account, root_token=e.workspace is None and e.account is None,
                      token_id=e.token_id, expires_at=e.expires_at)
 
 
@@ -118,6 +119,7 @@ class _Entry:
     name: str
     expires_at: float | None  # wall-clock epoch seconds
     until: float  # monotonic: looked up again after this
+    account: str | None = None  # the token's account (None: a root admin token)
     used: bool = False  # used since last_used_at was last written (or found fresh)
     seen: float = 0.0  # monotonic: last request with this token
 
@@ -161,7 +163,8 @@ def _state(row, now: datetime) -> str:
 def _info(row, now: datetime) -> TokenInfo:
     return TokenInfo(id=row.id, workspace=row.workspace, name=row.name or "",
                      created_at=row.created_at, last_used_at=row.last_used_at,
-                     expires_at=row.expires_at, revoked_at=row.revoked_at, state=_state(row, now))
+                     expires_at=row.expires_at, revoked_at=row.revoked_at, state=_state(row, now),
+                     account=row.account)
 
 
 class TokensMixin(ServiceBase):
@@ -212,7 +215,7 @@ class TokensMixin(ServiceBase):
         name = row.name or row.id
         fresh = row.last_used_at is not None and row.last_used_at.timestamp() > wall - LAST_USED_SECONDS
         old = cache.entries.get(digest)
-        entry = _Entry(token_id=row.id, workspace=row.workspace, name=name,
+        entry = _Entry(token_id=row.id, workspace=row.workspace, name=name, account=row.account,
                        expires_at=row.expires_at.timestamp() if row.expires_at is not None else None,
                        until=mono + TOKEN_CACHE_SECONDS,
                        used=not fresh or (old is not None and old.used), seen=mono)
@@ -232,7 +235,8 @@ class TokensMixin(ServiceBase):
         raw = token.encode("utf-8", "surrogatepass")
         for known, workspace in list(self.static_tokens.items()):
             if hmac.compare_digest(known.encode("utf-8", "surrogatepass"), raw):
-                return Principal(workspace=workspace, name="static", instance=_clean_instance(instance))
+                return Principal(workspace=workspace, name="static", instance=_clean_instance(instance),
+                                 root_token=workspace is None)
         cache: TokenCache = self._token_cache
         hit = cache.entries.get(sha256_hex(raw))
         mono = time.monotonic()
@@ -391,26 +395,39 @@ class TokensMixin(ServiceBase):
 
     def create_token(self, p: Principal, body: TokenCreate, idem: IdempotencyRequest | None = None) -> Reply:
         """201 [TokenCreated] (the token is shown once; only its sha256 is kept); with
-        ``ttl_seconds`` it expires that long after now. 404 ``workspace_not_found``; 403
+        ``ttl_seconds`` it expires that long after now. A workspace token belongs to its
+        workspace's account; an admin token (no ``workspace``) with ``account`` (or made by
+        an account admin) administers that account only, else it is a root admin token
+        (only the root admin makes those). 404 ``workspace_not_found`` (also another
+        account's) / ``account_not_found``; 409 ``account_quota`` (``max_tokens``); 403
         ``forbidden`` for a workspace token. Logged with the actor (audit)."""
         self._require_admin(p)
         made: list[TokenRow] = []  # the row, once the transaction ran (not on a replay)
+        if body.account is not None:
+            p = self.act_in_account(p, body.account)  # type: ignore[attr-defined]
 
         def fn(s: Session) -> TokenCreated:
-            if body.workspace is not None and s.get(WorkspaceRow, body.workspace) is None:
-                raise ServiceError(404, "workspace_not_found", f"no workspace {body.workspace!r}")
+            if body.workspace is not None:
+                account: str | None = self._workspace(s, p, body.workspace).account
+                if body.account is not None and body.account != account:
+                    raise ServiceError(404, "workspace_not_found",
+                                       f"no workspace {body.workspace!r} in account {body.account!r}")
+            else:  # an admin token: of the caller's account (an account admin's), or root
+                account = p.admin_account
+            if account is not None:
+                self._check_token_quota(s, account)  # type: ignore[attr-defined]
             raw = "mf_" + secrets.token_urlsafe(32)
             now = utcnow()
             expires = now + timedelta(seconds=body.ttl_seconds) if body.ttl_seconds else None
             row = TokenRow(
                 id=str(uuid.uuid4()), token_sha256=sha256_hex(raw.encode()), workspace=body.workspace,
-                name=body.name, created_at=now, expires_at=expires,
+                name=body.name, created_at=now, expires_at=expires, account=account,
             )
             s.add(row)
             s.flush()
             made[:] = [row]
             return TokenCreated(id=row.id, workspace=row.workspace, name=row.name, token=raw,
-                                expires_at=expires)
+                                expires_at=expires, account=account)
 
         reply = self._write(p, idem, 201, fn)
         for row in made:  # committed (audit: after the commit, never for a replay)
@@ -429,7 +446,9 @@ class TokensMixin(ServiceBase):
         self._require_admin(p)
         self.flush_token_use(force=True)  # this process's pending uses, so the answer is current
         q = select(_T.c.id, _T.c.workspace, _T.c.name, _T.c.created_at, _T.c.last_used_at,
-                   _T.c.expires_at, _T.c.revoked_at).order_by(_T.c.created_at, _T.c.id)
+                   _T.c.expires_at, _T.c.revoked_at, _T.c.account).order_by(_T.c.created_at, _T.c.id)
+        if p.admin_account is not None:  # an account admin: its account's tokens only
+            q = q.where(_T.c.account == p.admin_account)
         if workspace is not None:
             q = q.where(_T.c.workspace.is_(None) if workspace == "" else _T.c.workspace == workspace)
         if not include_revoked:
@@ -449,7 +468,7 @@ class TokensMixin(ServiceBase):
         def fn(s: Session) -> None:
             revoked.clear()
             row = s.get(TokenRow, token_id)
-            if row is None:
+            if row is None or (p.admin_account is not None and row.account != p.admin_account):
                 raise ServiceError(404, "token_not_found", f"no token {token_id!r}")
             if row.revoked_at is None:
                 row.revoked_at = utcnow()

@@ -170,6 +170,9 @@ def _page(ctx: Ctx, template: str, status: int = 200, **values: Any) -> HTMLResp
         csrf_field=CSRF_FIELD,
         principal=ctx.principal,
         sidebar=stores,
+        # the account switch of the root admin: every account (read once per page)
+        accounts=(ctx.svc.account_slugs(ctx.principal)
+                  if ctx.principal.root_token and ctx.principal.workspace is None else []),
         message=_MESSAGES.get(ctx.q("msg")),
         record_types=RECORD_TYPES,
         **values,
@@ -229,6 +232,9 @@ async def _authenticate(svc: Service, request: Request) -> tuple[Principal, Cred
         p = svc.authenticate_cached(creds.token, INSTANCE)
         if p is None:
             p = await anyio.to_thread.run_sync(svc.authenticate, creds.token, INSTANCE)
+        account = request.headers.get("x-memfuse-account")
+        if account:  # a bearer caller naming its account, as on the API (docs/API.md "Accounts")
+            p = await anyio.to_thread.run_sync(svc.act_in_account, p, account)
     request.scope["memfuse.authenticated"] = True
     return p, creds
 
@@ -380,6 +386,16 @@ def login_code(svc: Service, codes: LoginCodes) -> Callable[[Request], Awaitable
     return endpoint
 
 
+def switch_account(ctx: Ctx) -> Response:
+    """POST ``/account`` (root admin, console session): act in the account of the form's
+    ``account`` from now on (empty: every account); back to the overview."""
+    if not ctx.creds.session:
+        raise ServiceError(403, "forbidden", "switching accounts needs a console session")
+    ctx.svc.set_session_account(ctx.principal, ctx.creds.session, ctx.form.get("account") or None)
+    log.info("console: account switched to %s", ctx.form.get("account") or "(all)")
+    return _redirect(ctx.url(""))
+
+
 def logout(ctx: Ctx) -> Response:
     """POST ``/logout``: end the session on the server (its cookie is refused from now on, on
     every replica) and make the browser forget the cookie."""
@@ -397,7 +413,16 @@ def logout(ctx: Ctx) -> Response:
 def home(ctx: Ctx) -> Response:
     """GET ``/``: the stores with usage and limits (admin: also create a store)."""
     workspaces = ctx.svc.list_workspaces(ctx.principal) if ctx.principal.is_admin else []
-    return _page(ctx, "home.html", workspaces=workspaces, errors={}, form={})
+    return _page(ctx, "home.html", workspaces=workspaces, errors={}, form={}, account=_account(ctx))
+
+
+def _account(ctx: Ctx) -> Any:
+    """The [Account] (usage and quotas) an admin acting in one account sees on the overview;
+    None for the root admin over every account and for a workspace token."""
+    p = ctx.principal
+    if p.workspace is None and p.account is not None:
+        return ctx.svc.get_account(p, p.account)
+    return None
 
 
 def create_store(ctx: Ctx) -> Response:
@@ -1026,6 +1051,7 @@ def create_console(svc: Service, codes: LoginCodes | None = None) -> Starlette:
         Route("/login", login_page(svc), methods=["GET", "POST"]),
         Route("/login/{code}", login_code(svc, codes)),
         Route("/logout", v(logout), methods=["POST"]),
+        Route("/account", v(switch_account), methods=["POST"]),
         Route("/stores", v(create_store), methods=["POST"]),
         Route("/stores/{store}", v(store_page)),
         Route("/stores/{store}/live", live(svc)),

@@ -1,0 +1,580 @@
+"""Accounts (docs/API.md "Accounts"): the root admin makes accounts and account admins; an
+account admin, and every token of an account, sees and changes only its account.
+
+The isolation probe tries every endpoint of every face — the v1 API and the Anthropic-
+compatible API (from the app's OpenAPI document), the memory tool, the console and MCP (from
+the route table) — as account ``alpha``'s principals against account ``bravo``'s objects,
+and each time the same request naming a missing object: the two answers must be the same
+refusal (a ``bravo`` object is indistinguishable from no object), ``bravo``'s data never
+appears in an answer and is unchanged afterwards. A route that is neither probed nor listed in
+``ACCOUNT_FREE`` fails the test, so a new endpoint cannot skip it. Runs on SQLite, and on
+PostgreSQL through ``tests/test_postgres.py``.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from datetime import datetime, timezone
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi.routing import APIRoute
+from starlette.routing import Mount, Route
+
+from sqlalchemy import text
+
+from memfuse.models import sha256_hex
+from memfuse.server import schema
+from memfuse.server.anthropic_api import memory_id, version_id
+from memfuse.server.app import create_app
+from memfuse.server.db import Database
+from memfuse.server.memstores import store_id
+from pgutil import fresh_db_url
+
+ROOT = "accounts-root-token"
+BASE = "http://t"
+SECRET = "BRAVO-SECRET-CONTENT"
+# what must never appear in an answer to alpha: bravo's names and content
+BRAVO_MARKS = ("bravo-notes", "bravo-ws", "bravo-shared", SECRET)
+
+# Routes with no account's object in them, each with why (the probe fails on any other route
+# it does not probe).
+ACCOUNT_FREE = {
+    "/openapi.json": "the API description",
+    "/docs": "API docs page", "/docs/oauth2-redirect": "API docs page", "/redoc": "API docs page",
+    "/.well-known/oauth-protected-resource/mcp": "MCP resource metadata (static)",
+    "/ui/login": "console login form", "/ui/login/{code}": "one-time login link",
+    "/ui/logout": "ends the caller's own session", "/ui/static": "console assets",
+}
+
+# routes that answer 200 with the refusal in the body: the memory tool (``is_error``), the
+# console's live page (a ``gone`` event)
+REFUSED_IN_BODY = {"/v1/workspaces/{ws}/memory-tool", "/ui/stores/{store}/live"}
+
+# a body that passes validation for each route that takes one (keyed by method and path
+# template; a new route with a body needs an entry, or the probe fails)
+BODIES: dict[tuple[str, str], object] = {
+    ("POST", "/v1/accounts"): {"slug": "probe-acct"},
+    ("POST", "/v1/workspaces"): {"name": "probe-ws", "default_store": False},
+    ("POST", "/v1/stores"): {"slug": "probe-store"},
+    ("PATCH", "/v1/stores/{store}"): {"description": "changed by alpha"},
+    ("PUT", "/v1/workspaces/{ws}/attachments/{store}"): {"access": "read_write"},
+    ("PUT", "/v1/accounts/{account}/attachments/{store}"): {"access": "read_write"},
+    ("POST", "/v1/tokens"): {"workspace": "{ws}"},
+    ("POST", "/v1/stores/{store}/records"): {"path": "probe.md", "content": "x\n", "type": "user"},
+    ("PUT", "/v1/stores/{store}/records/{record_id}"): {"content": "overwritten\n", "type": "user"},
+    ("PATCH", "/v1/stores/{store}/records/{record_id}"): {"mode": 0o600},
+    ("POST", "/v1/stores/{store}/records/{record_id}/append"): {"append": "appended\n", "type": "user"},
+    ("POST", "/v1/stores/{store}/records/{record_id}/move"): {"path": "moved.md"},
+    ("POST", "/v1/stores/{store}/move"): {"from_prefix": "a", "to_prefix": "b"},
+    ("POST", "/v1/stores/{store}/records/{record_id}/restore"): {"version": 1},
+    ("POST", "/v1/stores/{store}/batch"): {"operations": [
+        {"op": "update", "record_id": "{record_id}", "body": {"content": "batched\n", "type": "user"}}]},
+    ("POST", "/v1/workspaces/{ws}/memory-tool"): {"command": "view", "path": "/memories/{store}/a.md"},
+    ("POST", "/v1/memory_stores"): {"name": "probe", "description": ""},
+    ("POST", "/v1/memory_stores/{memory_store_id}"): {"description": "changed"},
+    ("POST", "/v1/memory_stores/{memory_store_id}/memories"): {"path": "/probe.md", "content": "x"},
+    ("POST", "/v1/memory_stores/{memory_store_id}/memories/{memory_id}"): {"content": "overwritten"},
+}
+# console forms (CSRF is not checked for a bearer caller)
+FORMS = {
+    "/ui/stores": {"slug": "probe-ui"},
+    "/ui/account": {"account": "{account}"},
+    "/ui/stores/{store}/settings": {"description": "changed"},
+    "/ui/stores/{store}/new": {"path": "probe.md", "content": "x", "type": "user"},
+    "/ui/stores/{store}/records/{rid}/edit": {"content": "overwritten", "type": "user"},
+    "/ui/workspaces": {"name": "probe-ui-ws"},
+    "/ui/workspaces/{ws}/attachments": {"store": "{store}", "access": "read_write"},
+}
+
+
+def _client(app, token: str, **headers: str) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url=BASE,
+                             headers={"Authorization": f"Bearer {token}", **headers})
+
+
+async def _ok(r: httpx.Response, status: int = 200) -> dict:
+    assert r.status_code == status, (r.request.method, r.request.url, r.text)
+    return r.json() if r.content else {}
+
+
+@pytest.fixture
+async def world():
+    """Accounts alpha and bravo with the same shape: an account admin, a workspace (with its
+    own store), a store ``<account>-notes`` attached to it holding ``a.md`` (two versions),
+    a workspace token, and an account-wide attachment."""
+    with fresh_db_url() as url:
+        app = create_app(url, static_tokens={ROOT: None}, faces=True)
+        async with app.router.lifespan_context(app):
+            async with _client(app, ROOT) as root:
+                ids: dict[str, dict] = {}
+                for acct in ("alpha", "bravo"):
+                    await _ok(await root.post("/v1/accounts", json={"slug": acct}), 201)
+                    adm = await _ok(await root.post("/v1/tokens", json={"account": acct, "name": "adm"}), 201)
+                    assert adm["account"] == acct and adm["workspace"] is None
+                    async with _client(app, adm["token"]) as a:
+                        ws, notes = f"{acct}-ws", f"{acct}-notes"
+                        w = await _ok(await a.post("/v1/workspaces", json={"name": ws}), 201)
+                        assert w["account"] == acct
+                        await _ok(await a.post("/v1/stores", json={"slug": notes}), 201)
+                        await _ok(await a.put(f"/v1/workspaces/{ws}/attachments/{notes}", json={}))
+                        content = SECRET if acct == "bravo" else "alpha content"
+                        rec = await _ok(await a.post(f"/v1/stores/{notes}/records", json={
+                            "path": "a.md", "content": content + "\n", "type": "user"}), 201)
+                        rec = await _ok(await a.put(f"/v1/stores/{notes}/records/{rec['id']}", json={
+                            "content": content + " v2\n", "type": "user"}))
+                        wt = await _ok(await a.post("/v1/tokens", json={"workspace": ws}), 201)
+                        assert wt["account"] == acct
+                        await _ok(await a.post("/v1/stores", json={"slug": f"{acct}-shared"}), 201)
+                        await _ok(await a.put(f"/v1/accounts/{acct}/attachments/{acct}-shared",
+                                              json={"access": "read_only"}))
+                        ids[acct] = dict(admin=adm["token"], admin_id=adm["id"], ws_token=wt["token"],
+                                         ws_token_id=wt["id"], rid=rec["id"], seq=rec["seq"], ws=ws,
+                                         notes=notes)
+                yield app, root, ids
+        app.state.service.db.dispose()
+
+
+async def _bravo_state(app, ids) -> str:
+    """Everything bravo holds, as its admin sees it (to compare before and after)."""
+    b = ids["bravo"]
+    async with _client(app, b["admin"]) as c:
+        parts = []
+        for path in ("/v1/stores", "/v1/workspaces", "/v1/tokens", f"/v1/workspaces/{b['ws']}/attachments",
+                     f"/v1/stores/{b['notes']}/records?content=true",
+                     f"/v1/stores/{b['notes']}/records/{b['rid']}/versions"):
+            r = await c.get(path)
+            assert r.status_code == 200, (path, r.text)
+            parts.append(re.sub(r'"(last_used_at|usage_bytes)":[^,}]*', "", r.text))
+        return "\n".join(parts)
+
+
+def _fill(template: str, values: dict[str, str]) -> str:
+    return re.sub(r"\{(\w+)(:\w+)?\}", lambda m: values[m.group(1)], template)
+
+
+def _fill_body(body: object, values: dict[str, str]) -> object:
+    return json.loads(_fill(json.dumps(body), values))
+
+
+def _routes(app) -> list[tuple[str, str, str]]:
+    """(face, method, path template) of every route of the app: the OpenAPI document's
+    operations, then the route table's (console, MCP, anything outside the document)."""
+    out: list[tuple[str, str, str]] = []
+    doc = app.openapi()
+    for path, ops in doc["paths"].items():
+        for method in ops:
+            face = "anthropic" if path.startswith("/v1/memory_stores") else "rest"
+            out.append((face, method.upper(), path))
+    documented = {p for _, _, p in out}
+    for r in app.routes:
+        if isinstance(r, APIRoute) and r.path in documented:
+            continue
+        if isinstance(r, Mount):
+            for sub in getattr(r, "routes", []) or []:
+                path = r.path + sub.path
+                for method in sorted((getattr(sub, "methods", None) or {"GET"}) - {"HEAD"}):
+                    out.append(("console", method, path))
+            if not getattr(r, "routes", None):
+                out.append(("static", "GET", r.path))
+            continue
+        if isinstance(r, Route | APIRoute):
+            for method in sorted((r.methods or {"GET"}) - {"HEAD"}):
+                out.append(("other", method, r.path))
+    return out
+
+
+def _same_refusal(a: httpx.Response, b: httpx.Response) -> bool:
+    """Two answers are the same refusal: the same status and, for a JSON body, the same code
+    (problem+json ``code``, Anthropic ``error.type``)."""
+    if a.status_code != b.status_code:
+        return False
+    if a.headers.get("content-type", "").startswith(("application/problem+json", "application/json")):
+        ja, jb = a.json(), b.json()
+        ca = ja.get("code") if isinstance(ja, dict) else None
+        cb = jb.get("code") if isinstance(jb, dict) else None
+        if isinstance(ja, dict) and isinstance(ja.get("error"), dict):
+            ca, cb = ja["error"].get("type"), (jb.get("error") or {}).get("type")
+        if isinstance(ja, dict) and "is_error" in ja:  # the memory tool's result
+            ca, cb = ja["is_error"], jb.get("is_error")
+        return ca == cb
+    return True
+
+
+def _norm(text: str, bravo: dict[str, str] | None = None, missing: dict[str, str] | None = None) -> str:
+    """``text`` with bravo's names replaced by the missing ones, and what differs for other
+    reasons left out: the Anthropic API's ``request_id``, the root admin's account switch
+    (it lists every account)."""
+    if bravo and missing:
+        for k in sorted(bravo, key=lambda k: -len(bravo[k])):
+            text = text.replace(bravo[k], missing[k])
+    text = re.sub(r'<select name="account".*?</select>', "", text, flags=re.S)  # the root's switch lists all
+    return re.sub(r'"request_id":"[^"]*"', "", text)
+
+
+def _no_bravo(r: httpx.Response, what: str) -> None:
+    for mark in BRAVO_MARKS:
+        assert mark not in r.text, (what, r.status_code, r.text[:500])
+
+
+async def test_isolation_probe_every_route_of_every_face(world):
+    app, root, ids = world
+    a, b = ids["alpha"], ids["bravo"]
+    before = await _bravo_state(app, ids)
+    bravo = dict(store=b["notes"], ws=b["ws"], record_id=b["rid"], rid=b["rid"], token_id=b["ws_token_id"],
+                 n="1", account="bravo", memory_store_id=store_id(b["notes"]), memory_id=memory_id(b["rid"]),
+                 memory_version_id=version_id(b["seq"]))
+    missing = dict(store="zulu-none", ws="zulu-none", record_id="0" * 8 + "-0000-4000-8000-" + "0" * 12,
+                   rid="0" * 8 + "-0000-4000-8000-" + "0" * 12, token_id="0" * 8 + "-0000-4000-8000-" + "0" * 12,
+                   n="1", account="zulu-none", memory_store_id=store_id("zulu-none"),
+                   memory_id=memory_id("0" * 8 + "-0000-4000-8000-" + "0" * 12), memory_version_id=version_id(1))
+    principals = {
+        "alpha admin": _client(app, a["admin"]),
+        "alpha workspace": _client(app, a["ws_token"]),
+        "root acting in alpha": _client(app, ROOT, **{"X-Memfuse-Account": "alpha"}),
+    }
+    probed: set[str] = set()
+    leaks: list[str] = []
+    try:
+        for face, method, template in _routes(app):
+            if template in ACCOUNT_FREE or any(template.startswith(p + "/") for p in ACCOUNT_FREE
+                                               if p == "/ui/static"):
+                probed.add(template)
+                continue
+            if face == "other" and template == "/mcp":
+                continue  # probed below, tool by tool
+            params = set(re.findall(r"\{(\w+)", template))
+            if re.search(r"\{\w+\}", json.dumps(BODIES.get((method, template))) + json.dumps(FORMS.get(template))):
+                params.add("body")  # the body names bravo's object
+            for who, c in principals.items():
+                answers = []
+                for values in (bravo, missing):
+                    url = _fill(template, values)
+                    kw: dict = {}
+                    if face == "console":
+                        if method == "POST":
+                            kw["data"] = {k: _fill(v, values) for k, v in FORMS.get(template, {}).items()}
+                        kw["follow_redirects"] = False
+                    elif method in ("POST", "PUT", "PATCH"):
+                        key = (method, template)
+                        assert key in BODIES or not _takes_body(app, template, method), (
+                            f"no probe body for {method} {template}: add one to BODIES")
+                        if key in BODIES:
+                            kw["json"] = _fill_body(BODIES[key], values)
+                    r = await c.request(method, url, **kw)
+                    assert r.status_code < 500, (who, method, url, r.text)
+                    answers.append(r)
+                    assert SECRET not in r.text, (who, method, url, r.text[:500])
+                rb, rm = answers
+                if not params:  # a listing or a create: nothing of bravo's in it
+                    _no_bravo(rb, f"{who} {method} {template}")
+                elif any(m in rb.text for m in BRAVO_MARKS):  # only echoes of the request's own names
+                    if _norm(rb.text, bravo, missing) != _norm(rm.text):
+                        leaks.append(f"{who}: {method} {template}: bravo's answer differs from a missing "
+                                     f"object's beyond the names asked: {rb.text[:200]!r} vs {rm.text[:200]!r}")
+                if params:
+                    if 200 <= rb.status_code < 300 and not (
+                            template in REFUSED_IN_BODY and _norm(rb.text, bravo, missing) == _norm(rm.text)):
+                        leaks.append(f"{who}: {method} {template} -> {rb.status_code} on bravo's object")
+                    if not _same_refusal(rb, rm):
+                        leaks.append(f"{who}: {method} {template}: bravo's object {rb.status_code} "
+                                     f"{rb.text[:120]!r} vs missing {rm.status_code} {rm.text[:120]!r}")
+            probed.add(template)
+        # MCP (alpha's workspace token): every tool, naming bravo's store
+        mcp = principals["alpha workspace"]
+        h = {"Accept": "application/json, text/event-stream"}
+        init = await mcp.post("/mcp", headers=h, json={"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+            "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "probe", "version": "1"}}})
+        assert init.status_code == 200, init.text
+        tools = (await mcp.post("/mcp", headers=h, json={"jsonrpc": "2.0", "id": 2, "method": "tools/list",
+                                                         "params": {}})).json()["result"]["tools"]
+        assert tools
+        for i, tool in enumerate(tools):
+            results = []
+            for store in (b["notes"], "zulu-none"):
+                path = f"/memories/{store}/a.md"
+                generic = {"path": path, "old_path": path, "new_path": f"/memories/{store}/z.md",
+                           "file_text": "x", "old_str": "v2", "new_str": "y", "insert_line": 0,
+                           "insert_text": "y", "query": "v2", "store": store, "version": 1, "fact": "x"}
+                args = {k: v for k, v in generic.items() if k in tool["inputSchema"].get("properties", {})}
+                r = await mcp.post("/mcp", headers=h, json={"jsonrpc": "2.0", "id": 10 + i, "method": "tools/call",
+                                                            "params": {"name": tool["name"], "arguments": args}})
+                assert r.status_code == 200, r.text
+                assert SECRET not in r.text, (tool["name"], r.text)
+                results.append(r.text)
+            if results[0].replace(b["notes"], "zulu-none") != results[1]:
+                leaks.append(f"MCP {tool['name']}: bravo's store {results[0][:200]!r} vs missing {results[1][:200]!r}")
+        probed.add("/mcp")
+    finally:
+        for c in principals.values():
+            await c.aclose()
+    assert not leaks, "\n".join(leaks)
+    every = {t for _, _, t in _routes(app)}
+    assert every - probed == set(), f"routes neither probed nor account-free: {every - probed}"
+    assert await _bravo_state(app, ids) == before  # nothing of bravo's changed
+    async with _client(app, b["ws_token"]) as c:  # bravo's workspace token still works
+        r = await c.get(f"/v1/stores/{b['notes']}/records/{b['rid']}")
+        assert r.status_code == 200 and SECRET in r.json()["content"]
+
+
+def _takes_body(app, template: str, method: str) -> bool:
+    op = app.openapi()["paths"].get(template, {}).get(method.lower(), {})
+    return "requestBody" in op
+
+
+async def test_root_and_account_admins(world):
+    app, root, ids = world
+    a = ids["alpha"]
+    # the root admin sees every account's objects; an account admin its own
+    names = {s["slug"] for s in (await root.get("/v1/stores")).json()}
+    assert {"alpha-notes", "bravo-notes"} <= names
+    async with _client(app, a["admin"]) as c:
+        assert {s["slug"] for s in (await c.get("/v1/stores")).json()} == {"alpha-notes", "alpha-ws", "alpha-shared"}
+        assert {w["name"] for w in (await c.get("/v1/workspaces")).json()} == {"alpha-ws"}
+        assert {t["account"] for t in (await c.get("/v1/tokens")).json()} == {"alpha"}
+        assert [x["slug"] for x in (await c.get("/v1/accounts")).json()] == ["alpha"]
+        # account admins make no accounts and no root tokens
+        assert (await c.post("/v1/accounts", json={"slug": "x"})).status_code == 403
+        t = await _ok(await c.post("/v1/tokens", json={}), 201)
+        assert t["account"] == "alpha"  # an admin token of its own account, never root
+        assert (await c.post("/v1/tokens", json={"account": "bravo"})).status_code == 404
+    # today's URLs without an account: the default account
+    await _ok(await root.post("/v1/workspaces", json={"name": "legacy"}), 201)
+    acc = {x["slug"]: x for x in (await root.get("/v1/accounts")).json()}
+    assert set(acc) == {"default", "alpha", "bravo"}
+    assert acc["default"]["stores"] == 1 and acc["alpha"]["stores"] == 3
+    # root acting in an account: creates there
+    async with _client(app, ROOT, **{"X-Memfuse-Account": "bravo"}) as c:
+        s = await _ok(await c.post("/v1/stores", json={"slug": "bravo-more"}), 201)
+        assert s["account"] == "bravo"
+        assert (await c.get("/v1/stores/alpha-notes")).status_code == 404
+    assert (await root.get("/v1/stores?account=nope")).status_code == 404
+    # a store never attaches across accounts, even by the root admin
+    r = await root.put("/v1/workspaces/legacy/attachments/alpha-notes", json={})
+    assert r.status_code == 404 and r.json()["code"] == "store_not_found"
+    # delete: only an empty account
+    assert (await root.delete("/v1/accounts/alpha")).json()["code"] == "account_not_empty"
+    await _ok(await root.post("/v1/accounts", json={"slug": "empty"}), 201)
+    assert (await root.delete("/v1/accounts/empty")).status_code == 204
+    assert (await root.get("/v1/accounts/empty")).status_code == 404
+    assert (await root.delete("/v1/accounts/default")).json()["code"] == "default_account"
+
+
+async def test_account_wide_attachment_reaches_existing_and_new_workspaces(world):
+    app, root, ids = world
+    a = ids["alpha"]
+    async with _client(app, a["admin"]) as c:
+        await _ok(await c.post("/v1/workspaces", json={"name": "alpha-2"}), 201)
+        await _ok(await c.post("/v1/stores", json={"slug": "alpha-user"}), 201)
+        att = await _ok(await c.put("/v1/accounts/alpha/attachments/alpha-user", json={"access": "read_only"}))
+        assert att["workspace"] == "*" and att["access"] == "read_only"
+        await _ok(await c.post("/v1/workspaces", json={"name": "alpha-3"}), 201)  # made after
+        for ws in ("alpha-ws", "alpha-2", "alpha-3"):
+            atts = {x["store"]["slug"]: x["access"] for x in (await c.get(f"/v1/workspaces/{ws}/attachments")).json()}
+            assert atts.get("alpha-user") == "read_only", (ws, atts)
+            assert atts.get(ws) == "read_write" or ws == "alpha-ws"  # beside its own store
+            ev = (await c.get(f"/v1/workspaces/{ws}/events?after=0")).json()["events"]
+            assert any(e["kind"] == "attached" and e["store"] == "alpha-user" for e in ev)
+        # bravo's workspaces are untouched
+        assert (await c.put("/v1/accounts/bravo/attachments/alpha-user", json={})).status_code == 404
+        assert (await c.delete("/v1/accounts/alpha/attachments/alpha-user")).status_code == 204
+        for ws in ("alpha-ws", "alpha-2", "alpha-3"):
+            atts = {x["store"]["slug"] for x in (await c.get(f"/v1/workspaces/{ws}/attachments")).json()}
+            assert "alpha-user" not in atts
+            ev = (await c.get(f"/v1/workspaces/{ws}/events?after=0")).json()["events"]
+            assert ev[-1]["kind"] == "detached" and ev[-1]["store"] == "alpha-user"
+    async with _client(app, ids["bravo"]["admin"]) as c:
+        atts = {x["store"]["slug"] for x in (await c.get("/v1/workspaces/bravo-ws/attachments")).json()}
+        assert atts == {"bravo-ws", "bravo-notes", "bravo-shared"}
+
+
+async def test_quotas_refuse_and_usage_shows(world):
+    app, root, ids = world
+    await _ok(await root.post("/v1/accounts", json={"slug": "small", "max_stores": 1, "max_bytes": 100,
+                                                    "max_tokens": 1}), 201)
+    async with _client(app, ROOT, **{"X-Memfuse-Account": "small"}) as c:
+        await _ok(await c.post("/v1/stores", json={"slug": "small-a"}), 201)
+        r = await c.post("/v1/stores", json={"slug": "small-b"})
+        assert r.status_code == 409 and r.json()["code"] == "account_quota", r.text
+        await _ok(await c.post("/v1/stores/small-a/records", json={"path": "a.md", "content": "x" * 60}), 201)
+        r = await c.post("/v1/stores/small-a/records", json={"path": "b.md", "content": "y" * 60})
+        assert r.status_code == 507 and r.json()["code"] == "account_full", r.text
+        # a batch counts its own growth too
+        r = await c.post("/v1/stores/small-a/batch", json={"operations": [
+            {"op": "create", "body": {"path": f"c{i}.md", "content": "z" * 20}} for i in range(3)]})
+        assert [x["status"] for x in r.json()["results"]][-1] == 507 or r.status_code == 507, r.text
+        await _ok(await c.post("/v1/tokens", json={}), 201)
+        r = await c.post("/v1/tokens", json={})
+        assert r.status_code == 409 and r.json()["code"] == "account_quota"
+        acct = await _ok(await c.get("/v1/accounts/small"))
+        assert (acct["stores"], acct["tokens"], acct["max_bytes"]) == (1, 1, 100)
+        assert 60 <= acct["bytes"] <= 100
+
+
+async def test_workspace_tokens_stay_in_their_account(world):
+    app, root, ids = world
+    async with _client(app, ids["alpha"]["ws_token"]) as c:
+        r = await c.get("/v1/workspaces/bravo-ws/attachments")
+        assert r.status_code == 404 and r.json()["code"] == "workspace_not_found"
+        r = await c.get("/v1/stores/bravo-notes/records")
+        assert r.status_code == 404
+        # its own account's store attached account-wide (read-only) is there
+        atts = {x["store"]["slug"]: x["access"] for x in (await c.get("/v1/workspaces/alpha-ws/attachments")).json()}
+        assert atts == {"alpha-ws": "read_write", "alpha-notes": "read_write", "alpha-shared": "read_only"}
+
+
+# ---------------------------------------------------------------- migration
+
+
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "memfuse-0af4625.db"
+
+
+def _release_database(tmp_path: Path, url: str) -> dict[str, str]:
+    """A database made by the release before accounts (revision 0011_append_versions), with
+    an admin token, a workspace token and a revoked one; returns the tokens. SQLite: the
+    fixture the code at 0af4625 made (tests/fixtures/make_release_db.py). PostgreSQL: the
+    same objects as raw rows in a schema upgraded to 0011_append_versions (the fixture is an SQLite file)."""
+    tokens = json.loads(Path(str(FIXTURE) + ".tokens").read_text())
+    if url.startswith("sqlite"):
+        shutil.copy(FIXTURE, tmp_path / "release.db")
+        return tokens
+    db = Database(url, schema="none")
+    schema.upgrade(db, "0011_append_versions")
+    now = datetime.now(timezone.utc)
+    with db.write_conn() as conn:
+        for ws in ("agent-1", "agent-2"):
+            conn.execute(text("INSERT INTO workspaces (name, created_at) VALUES (:n, :t)"), {"n": ws, "t": now})
+        for slug in ("agent-1", "notes"):
+            conn.execute(text(
+                "INSERT INTO stores (slug, description, default_type, max_record_bytes, max_store_bytes, "
+                "max_records, created_at) VALUES (:s, '', 'project', 1048576, 67108864, 10000, :t)"),
+                {"s": slug, "t": now})
+        for ws, store, access in (("agent-1", "agent-1", "read_write"), ("agent-1", "notes", "read_write"),
+                                  ("agent-2", "notes", "read_only")):
+            conn.execute(text("INSERT INTO attachments (workspace, store, access, instructions, created_at) "
+                              "VALUES (:w, :s, :a, '', :t)"), {"w": ws, "s": store, "a": access, "t": now})
+        for i, (ws, key, revoked) in enumerate(((None, "admin", None), ("agent-1", "workspace", None),
+                                                ("agent-2", "revoked", now))):
+            conn.execute(text("INSERT INTO tokens (id, token_sha256, workspace, name, created_at, revoked_at) "
+                              "VALUES (:i, :h, :w, '', :t, :r)"),
+                         {"i": f"00000000-0000-4000-8000-00000000000{i}", "h": sha256_hex(tokens[key].encode()),
+                          "w": ws, "t": now, "r": revoked})
+    db.dispose()
+    return tokens
+
+
+async def test_release_database_migrates_into_default(tmp_path):
+    with fresh_db_url(f"sqlite:///{tmp_path / 'release.db'}") as url:
+        tokens = _release_database(tmp_path, url)
+        app = create_app(url, schema="migrate")
+        try:
+            assert schema.status(app.state.service.db).at_head
+            async with _client(app, tokens["admin"]) as admin:  # today's admin token: the root admin
+                accounts = (await admin.get("/v1/accounts")).json()
+                assert [(x["slug"], x["stores"], x["tokens"]) for x in accounts] == [("default", 2, 1)]
+                stores = {s["slug"]: s["account"] for s in (await admin.get("/v1/stores")).json()}
+                assert stores == {"agent-1": "default", "notes": "default"}
+                assert {w["account"] for w in (await admin.get("/v1/workspaces")).json()} == {"default"}
+                listed = {t["workspace"]: t for t in (await admin.get("/v1/tokens?include_revoked=true")).json()}
+                assert listed[None]["account"] is None  # still root
+                assert listed["agent-1"]["account"] == "default" and listed["agent-2"]["state"] == "revoked"
+                await _ok(await admin.post("/v1/accounts", json={"slug": "new"}), 201)
+                # today's URLs: a workspace made without naming an account lands in default
+                w = await _ok(await admin.post("/v1/workspaces", json={"name": "agent-3"}), 201)
+                assert w["account"] == "default"
+            async with _client(app, tokens["workspace"]) as ws:  # today's workspace token
+                atts = {a["store"]["slug"]: a["access"] for a in (await ws.get("/v1/workspaces/agent-1/attachments")).json()}
+                assert atts == {"agent-1": "read_write", "notes": "read_write"}
+                await _ok(await ws.post("/v1/stores/notes/records", json={"path": "after.md", "content": "x\n"}), 201)
+                # a store of another account is not found, even by a token made before accounts
+                assert (await ws.get("/v1/stores/new-store/records")).status_code == 404
+            async with _client(app, tokens["revoked"]) as gone:
+                assert (await gone.get("/v1/workspaces/agent-2/attachments")).status_code == 401
+        finally:
+            app.state.service.db.dispose()
+
+
+# ---------------------------------------------------------------- console
+
+
+async def _console_login(app, token: str) -> httpx.AsyncClient:
+    """A browser logged in to the console with ``token`` (cookie session)."""
+    c = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url=BASE)
+    await c.get("/ui/login")
+    login_cookie = next(k for k in c.cookies.keys() if k.endswith("memfuse_login"))
+    r = await c.post("/ui/login", data={"token": token, "csrf": c.cookies[login_cookie]})
+    assert r.status_code == 303, r.text
+    return c
+
+
+def _csrf(html: str) -> str:
+    return re.search(r'name="csrf" value="([^"]+)"', html).group(1)
+
+
+async def test_console_shows_the_account_and_the_root_switches(world):
+    app, root, ids = world
+    c = await _console_login(app, ids["alpha"]["admin"])
+    try:
+        page = (await c.get("/ui/")).text
+        assert "account alpha" in page and "alpha-notes" in page
+        assert "Account alpha:" in page and "3 / unlimited stores" in page  # usage and quotas
+        assert "bravo" not in page and 'action="/ui/account"' not in page  # no switch for an account admin
+        assert (await c.get("/ui/stores/bravo-notes")).status_code == 404
+    finally:
+        await c.aclose()
+    c = await _console_login(app, ROOT)
+    try:
+        page = (await c.get("/ui/")).text
+        assert "account all" in page and "alpha-notes" in page and "bravo-notes" in page
+        assert '<option value="bravo">' in page
+        r = await c.post("/ui/account", data={"account": "bravo", "csrf": _csrf(page)})
+        assert r.status_code == 303, r.text
+        page = (await c.get("/ui/")).text
+        assert "account bravo" in page and "bravo-notes" in page and "alpha-notes" not in page
+        assert (await c.get("/ui/stores/alpha-notes")).status_code == 404
+        r = await c.post("/ui/account", data={"account": "nope", "csrf": _csrf(page)})
+        assert r.status_code == 404
+        r = await c.post("/ui/account", data={"account": "", "csrf": _csrf(page)})
+        assert r.status_code == 303
+        assert "alpha-notes" in (await c.get("/ui/")).text
+    finally:
+        await c.aclose()
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def test_cli_accounts_in_local_mode(home):
+    from click.testing import CliRunner
+
+    from memfuse.cli import cli
+
+    def invoke(*args: str):
+        r = CliRunner().invoke(cli, list(args), catch_exceptions=False)
+        return r
+
+    r = invoke("account", "create", "acme", "--max-stores", "2", "--max-bytes", "1M")
+    assert r.exit_code == 0 and r.stdout.strip() == "created account acme", r.output
+    r = invoke("account", "list")
+    lines = r.stdout.splitlines()
+    assert lines[0].split()[:4] == ["ACCOUNT", "STORES", "BYTES", "TOKENS"]
+    acme = next(ln for ln in lines if ln.startswith("acme "))
+    assert "0 / 2" in acme and "1 MiB" in acme and "0 / unlimited" in acme, acme
+    assert any(ln.startswith("default ") for ln in lines)
+    r = invoke("token", "create", "--account", "acme", "--name", "acme-ops")
+    assert r.exit_code == 0 and "account acme admin" in r.stderr, r.output
+    r = invoke("token", "create", "--account", "nope")
+    assert r.exit_code != 0 and "no account 'nope'" in r.output
+    # today's commands, unchanged: the default account
+    assert invoke("workspace", "create", "w1").exit_code == 0
+    assert invoke("store", "create", "shared").exit_code == 0
+    r = invoke("account", "attach", "default", "shared", "--read-only")
+    assert r.exit_code == 0 and "every workspace of account default (read_only)" in r.stdout, r.output
+    assert "shared (read_only)" in invoke("workspace", "list").stdout
+    assert invoke("account", "detach", "default", "shared").exit_code == 0
+    assert "shared" not in invoke("workspace", "list").stdout
+    r = invoke("account", "show", "default")
+    assert r.exit_code == 0 and "2 / unlimited" in r.stdout, r.output  # w1's store and shared
+    assert invoke("account", "delete", "default").exit_code != 0
