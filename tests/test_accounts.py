@@ -73,6 +73,7 @@ BODIES: dict[tuple[str, str], object] = {
     ("POST", "/v1/stores/{store}/batch"): {"operations": [
         {"op": "update", "record_id": "{record_id}", "body": {"content": "batched\n", "type": "user"}}]},
     ("POST", "/v1/workspaces/{ws}/memory-tool"): {"command": "view", "path": "/memories/{store}/a.md"},
+    ("POST", "/v1/stores/{store}/consolidations"): {"instructions": "tidy", "output": "new_store"},
     ("POST", "/v1/memory_stores"): {"name": "probe", "description": ""},
     ("POST", "/v1/memory_stores/{memory_store_id}"): {"description": "changed"},
     ("POST", "/v1/memory_stores/{memory_store_id}/memories"): {"path": "/probe.md", "content": "x"},
@@ -130,11 +131,31 @@ async def world():
                         await _ok(await a.post("/v1/stores", json={"slug": f"{acct}-shared"}), 201)
                         await _ok(await a.put(f"/v1/accounts/{acct}/attachments/{acct}-shared",
                                               json={"access": "read_only"}))
+                        job = _finished_job(app, notes)  # a consolidation job of the store
                         ids[acct] = dict(admin=adm["token"], admin_id=adm["id"], ws_token=wt["token"],
                                          ws_token_id=wt["id"], rid=rec["id"], seq=rec["seq"], ws=ws,
-                                         notes=notes)
+                                         notes=notes, job=job)
                 yield app, root, ids
         app.state.service.db.dispose()
+
+
+def _finished_job(app, store: str) -> str:
+    """The id of a completed consolidation job of ``store``, written as the runner leaves one
+    (this app has no model configured, so none can be started through the API)."""
+    import uuid
+
+    from sqlalchemy import insert
+
+    from memfuse.server.db import ConsolidationJobRow, utcnow
+
+    job_id, now = str(uuid.uuid4()), utcnow()
+    with app.state.service.db.write_conn() as conn:
+        conn.execute(insert(ConsolidationJobRow.__table__).values(
+            id=job_id, store=store, status="completed", output="new_store", output_store=None,
+            instructions="tidy", model="m", include_history=False, requested_by="admin", scheduled=False,
+            created_at=now, started_at=now, finished_at=now, heartbeat_at=now, input_seq=0,
+            summary="done", changes="[]"))
+    return job_id
 
 
 async def _bravo_state(app, ids) -> str:
@@ -144,7 +165,7 @@ async def _bravo_state(app, ids) -> str:
         parts = []
         for path in ("/v1/stores", "/v1/workspaces", "/v1/tokens", f"/v1/workspaces/{b['ws']}/attachments",
                      f"/v1/stores/{b['notes']}/records?content=true",
-                     f"/v1/stores/{b['notes']}/records/{b['rid']}/versions"):
+                     f"/v1/stores/{b['notes']}/records/{b['rid']}/versions", f"/v1/stores/{b['notes']}/consolidations"):
             r = await c.get(path)
             assert r.status_code == 200, (path, r.text)
             parts.append(re.sub(r'"(last_used_at|usage_bytes)":[^,}]*', "", r.text))
@@ -225,11 +246,12 @@ async def test_isolation_probe_every_route_of_every_face(world):
     before = await _bravo_state(app, ids)
     bravo = dict(store=b["notes"], ws=b["ws"], record_id=b["rid"], rid=b["rid"], token_id=b["ws_token_id"],
                  n="1", account="bravo", memory_store_id=store_id(b["notes"]), memory_id=memory_id(b["rid"]),
-                 memory_version_id=version_id(b["seq"]))
+                 memory_version_id=version_id(b["seq"]), job_id=b["job"], job=b["job"])
     missing = dict(store="zulu-none", ws="zulu-none", record_id="0" * 8 + "-0000-4000-8000-" + "0" * 12,
                    rid="0" * 8 + "-0000-4000-8000-" + "0" * 12, token_id="0" * 8 + "-0000-4000-8000-" + "0" * 12,
                    n="1", account="zulu-none", memory_store_id=store_id("zulu-none"),
-                   memory_id=memory_id("0" * 8 + "-0000-4000-8000-" + "0" * 12), memory_version_id=version_id(1))
+                   memory_id=memory_id("0" * 8 + "-0000-4000-8000-" + "0" * 12), memory_version_id=version_id(1),
+                   job_id="0" * 8 + "-0000-4000-8000-" + "0" * 12, job="0" * 8 + "-0000-4000-8000-" + "0" * 12)
     principals = {
         "alpha admin": _client(app, a["admin"]),
         "alpha workspace": _client(app, a["ws_token"]),
@@ -578,3 +600,23 @@ def test_cli_accounts_in_local_mode(home):
     r = invoke("account", "show", "default")
     assert r.exit_code == 0 and "2 / unlimited" in r.stdout, r.output  # w1's store and shared
     assert invoke("account", "delete", "default").exit_code != 0
+
+
+async def test_a_consolidation_output_store_is_in_its_inputs_account(world):
+    """A consolidation job's new store belongs to the account of the store it read (and counts
+    against that account's store quota), so the account's admin sees it and no other does."""
+    from sqlalchemy import select
+
+    from memfuse.server.db import ConsolidationJobRow
+
+    app, root, ids = world
+    b = ids["bravo"]
+    svc = app.state.service
+    with svc.db.write_conn() as conn:
+        job = conn.execute(select(ConsolidationJobRow.__table__).where(
+            ConsolidationJobRow.__table__.c.id == b["job"])).one()
+        svc._new_store_maker(job, "bravo-notes-consolidated-1", None)(conn)
+    async with _client(app, b["admin"]) as c:
+        assert (await c.get("/v1/stores/bravo-notes-consolidated-1")).json()["account"] == "bravo"
+    async with _client(app, ids["alpha"]["admin"]) as c:
+        assert (await c.get("/v1/stores/bravo-notes-consolidated-1")).status_code == 404

@@ -357,10 +357,13 @@ class ConsolidationMixin(BatchMixin):
         return job, out
 
     def _may_see(self, conn: Connection, p: Principal, store: str) -> bool:
-        if p.is_admin:
-            return True
-        return conn.execute(select(_A.c.store).where(_A.c.workspace == p.workspace, _A.c.store == store)).first() \
-            is not None
+        """Whether ``p`` may see ``store`` (the one rule of ``_store``: the root admin every
+        store, an account admin its account's, a workspace its attachments)."""
+        try:
+            self._store(conn, p, store)  # type: ignore[attr-defined]
+        except ServiceError:
+            return False
+        return True
 
     def reap_stale_jobs(self) -> int:
         """Mark failed every pending or running job whose heartbeat is older than
@@ -712,9 +715,11 @@ class ConsolidationMixin(BatchMixin):
     def _new_store_maker(self, job: Row, slug: str, workspace: str | None):
         def prepare(conn: Connection) -> None:
             src = conn.execute(select(_S).where(_S.c.slug == job.store)).one()
+            # the output belongs to the input's account and counts against its store quota
+            self._check_store_quota(conn, src.account)  # type: ignore[attr-defined]
             now = utcnow()
             conn.execute(insert(_S).values(
-                slug=slug, description=_cut(f"consolidation of {job.store} by job {job.id}", 200),
+                slug=slug, account=src.account, description=_cut(f"consolidation of {job.store} by job {job.id}", 200),
                 default_type=src.default_type, max_record_bytes=src.max_record_bytes,
                 max_store_bytes=src.max_store_bytes, max_records=src.max_records,
                 max_history_bytes=src.max_history_bytes, max_history_versions=src.max_history_versions,
