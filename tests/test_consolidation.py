@@ -576,3 +576,27 @@ def test_cli_then_a_restart_while_a_job_runs_marks_it_failed_and_frees_the_store
         assert final.status == "completed", final.error
     finally:
         svc.db.dispose()
+
+
+async def test_account_quotas_refuse_a_job_by_name_and_before_the_model_is_paid(cenv: Env, model: ScriptedModel):
+    """A job that would pass its account's quotas is refused with the quota's own code: a new
+    output store past ``max_stores`` at once (409 ``account_quota``, no model call); an in-place
+    result past ``max_bytes`` fails the job naming ``account_full``, and writes nothing."""
+    acct = {"X-Memfuse-Account": "tight"}
+    r = await cenv.admin.post("/v1/accounts", json={"slug": "tight", "max_stores": 1, "max_bytes": 400})
+    assert r.status_code == 201, r.text
+    r = await cenv.admin.post("/v1/stores", json={"slug": "t1"}, headers=acct)
+    assert r.status_code == 201, r.text
+    r = await cenv.admin.post("/v1/stores/t1/records", json={"path": "a.md", "content": "alpha\n"}, headers=acct)
+    assert r.status_code == 201, r.text
+    model.answer({"summary": "grow", "changes": [{"op": "write", "path": "a.md", "content": "x" * 1000 + "\n"}]})
+    r = await cenv.admin.post("/v1/stores/t1/consolidations", json={"instructions": "tidy"}, headers=acct)
+    assert_problem(r, 409, "account_quota")
+    assert model.requests == []  # refused before the model was asked (and paid)
+    before = await _snapshot(cenv, "t1")
+    r = await cenv.admin.post("/v1/stores/t1/consolidations", json={"instructions": "tidy", "output": "in_place"},
+                              headers=acct)
+    assert r.status_code == 202, r.text
+    done = await _wait(cenv, r.json()["id"])
+    assert done["status"] == "failed" and "account_full" in done["error"], done
+    assert await _snapshot(cenv, "t1") == before

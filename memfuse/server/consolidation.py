@@ -74,7 +74,7 @@ from memfuse.models import (
 )
 from memfuse.server import deltas, wakeups
 from memfuse.server.base import _A, _R, _S, _V, Principal, Reply, ServiceError
-from memfuse.server.batch import BatchMixin, _Planned
+from memfuse.server.batch import BatchMixin, _LateRefusal, _Planned
 from memfuse.server.db import ConsolidationJobRow, EventRow, WorkspaceRow, utcnow
 
 log = logging.getLogger("memfuse.server.consolidation")
@@ -265,6 +265,8 @@ class ConsolidationMixin(BatchMixin):
         try:
             with self.db.write_conn() as conn:
                 st = self._store(conn, p, slug, write=True)
+                if body.output == "new_store":  # refused now, before the model is paid for
+                    self._check_store_quota(conn, st.account)  # type: ignore[attr-defined]
                 if body.output == "in_place" and getattr(st, "archived_at", None) is not None:
                     raise ServiceError(403, "store_archived", f"store {slug!r} is archived: it cannot be written")
                 size = (st.usage_bytes or 0)
@@ -670,6 +672,7 @@ class ConsolidationMixin(BatchMixin):
     def _write_result(self, jp: JobPrincipal, job: Row, plans: list[_Planned], ops: list[BatchOperation],
                       changes: list[dict], summary: str, usage: dict, workspace: str | None) -> None:
         new_store = job.output == "new_store"
+        savepoints = False  # a refusal after a write (an account's byte quota): again, per operation
         for attempt in range(5):
             target = job.store
             prepare = None
@@ -692,7 +695,14 @@ class ConsolidationMixin(BatchMixin):
                     raise _Gone()
 
             try:
-                _, notes, vseqs, eseqs = self._batch_tx(jp, target, plans, [], False, prepare=prepare, finish=finish)
+                _, notes, vseqs, eseqs = self._batch_tx(jp, target, plans, [], savepoints, prepare=prepare,
+                                                        finish=finish)
+            except _LateRefusal:
+                savepoints = True  # the refused operation's own problem comes back through finish
+                continue
+            except ServiceError as e:  # the output store refused (the account's store quota)
+                raise _Stop(f"the result could not be written ({e.code}: {_cut(e.detail, 200)}); "
+                            "nothing was written") from None
             except IntegrityError:
                 if attempt == 4:
                     raise _Stop("the result could not be written (concurrent writes); nothing was written") from None
