@@ -55,6 +55,9 @@ class WorkspaceCreate(BaseModel):
     # Also a store named like the workspace, attached read-write (an existing store of that
     # name is attached, not recreated). False: the workspace starts with no store.
     default_store: bool = True
+    # The owning account (docs/API.md "Accounts"): the root admin's choice, as
+    # ``X-Memfuse-Account`` names it; anyone else may name only its own. None: the caller's.
+    account: str | None = Field(default=None, pattern=SLUG_PATTERN)
 
 
 class Workspace(BaseModel):
@@ -108,6 +111,8 @@ class StoreCreate(BaseModel):
     max_history_bytes: int | None = Field(default=None, gt=0, le=INT64_MAX)
     max_history_versions: int | None = Field(default=None, gt=0, le=INT64_MAX)
     history_min_age_s: int | None = Field(default=None, ge=0, le=INT64_MAX)
+    # The owning account, as in ``WorkspaceCreate.account``.
+    account: str | None = Field(default=None, pattern=SLUG_PATTERN)
 
 
 class StoreUpdate(BaseModel):

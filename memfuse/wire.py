@@ -74,6 +74,7 @@ RecordType = Literal["user", "feedback", "project", "reference"]
 class WorkspaceCreate(Struct, kw_only=True):
     name: Slug
     default_store: bool = True
+    account: Slug | None = None
 
 
 class Workspace(Struct, kw_only=True):
@@ -110,6 +111,7 @@ class StoreCreate(Struct, kw_only=True):
     max_history_bytes: Positive | None = None
     max_history_versions: Positive | None = None
     history_min_age_s: NonNegative | None = None
+    account: Slug | None = None
 
 
 class StoreUpdate(Struct, kw_only=True, omit_defaults=True):

@@ -620,3 +620,20 @@ async def test_a_consolidation_output_store_is_in_its_inputs_account(world):
         assert (await c.get("/v1/stores/bravo-notes-consolidated-1")).json()["account"] == "bravo"
     async with _client(app, ids["alpha"]["admin"]) as c:
         assert (await c.get("/v1/stores/bravo-notes-consolidated-1")).status_code == 404
+
+
+async def test_an_account_named_in_the_body_is_honoured_or_refused(world):
+    """``account`` in a create body names the owner as ``X-Memfuse-Account`` does: the root
+    admin's choice; an account admin naming another account is 404 ``account_not_found``
+    (never a silent create in its own account)."""
+    app, root, ids = world
+    r = await root.post("/v1/stores", json={"slug": "zz9", "account": "bravo"})
+    assert r.status_code == 201 and r.json()["account"] == "bravo", r.text
+    r = await root.post("/v1/workspaces", json={"name": "zw8", "account": "bravo", "default_store": False})
+    assert r.status_code == 201 and r.json()["account"] == "bravo", r.text
+    async with _client(app, ids["alpha"]["admin"]) as a:
+        for path, body in (("/v1/stores", {"slug": "zz8"}), ("/v1/workspaces", {"name": "zw9", "default_store": False})):
+            r = await a.post(path, json={**body, "account": "bravo"})
+            assert r.status_code == 404 and r.json()["code"] == "account_not_found", r.text
+            r = await a.post(path, json={**body, "account": "alpha"})
+            assert r.status_code == 201 and r.json()["account"] == "alpha", r.text

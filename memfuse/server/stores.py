@@ -163,6 +163,8 @@ class StoresMixin(ServiceBase):
         store with the default limits and type, or the existing store of that name, which is
         attached as it is (its records and limits untouched, never recreated)."""
         self._require_admin(p)
+        if body.account is not None:  # named in the body: as X-Memfuse-Account would name it
+            p = self.act_in_account(p, body.account)  # type: ignore[attr-defined]
         account = p.admin_account or DEFAULT_ACCOUNT
 
         def fn(s: Session) -> Workspace:
@@ -212,6 +214,8 @@ class StoresMixin(ServiceBase):
         names one: ``X-Memfuse-Account``); 409 ``exists`` (slugs are unique across accounts),
         409 ``account_quota`` (the account's ``max_stores``) (admin)."""
         self._require_admin(p)
+        if body.account is not None:  # named in the body: as X-Memfuse-Account would name it
+            p = self.act_in_account(p, body.account)  # type: ignore[attr-defined]
         account = p.admin_account or DEFAULT_ACCOUNT
 
         def fn(s: Session) -> Store:
