@@ -169,9 +169,12 @@ class Witness:
         self.path = path
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         self._fd = fd
-        #: node key -> (record id, base sha256) its earliest unfinished entry was written on
-        #: (set by ``unfinished``; keys with a record only): the base of a replayed put whose
-        #: key the key map does not hold (``Sidecar._recover_journal``)
+        #: node key -> (record id, base sha256) its last accepted entry was written on, for
+        #: the keys with an unfinished entry and a record whose last entry line comes after
+        #: their last key-map line (set by ``unfinished``): the version this sidecar last saw
+        #: (the key map persists only commits: a remote change seen, or the clean version of
+        #: a record loaded from a snapshot, is memory only), the base of the replayed put
+        #: (``Sidecar._recover_journal``)
         self.bases: dict[str, tuple[Any, Any]] = {}
 
     def size(self) -> int:
@@ -207,11 +210,15 @@ class Witness:
         top = 0
         added: dict[int, tuple[str | None, str | dict[str, Any]]] = {}  # id -> (node key, line)
         keys: dict[str, tuple[Any, Any]] = {}
+        # node key -> (line number, line) of its last entry line / line number of its last
+        # key-map line: which of the two the sidecar knew last (``bases``)
+        last_entry: dict[str, tuple[int, str | dict[str, Any]]] = {}
+        last_key: dict[str, int] = {}
         try:
             text = self.path.read_text("utf-8", errors="replace")
         except OSError:
             return [], {}, 0
-        for raw in text.splitlines():
+        for pos, raw in enumerate(text.splitlines()):
             m = _WITNESS_DONE.match(raw)
             if m is not None:
                 added.pop(int(m.group(1)), None)
@@ -221,6 +228,8 @@ class Witness:
                 i = int(m.group(1))
                 added[i] = (m.group(2), raw)
                 top = max(top, i)
+                if m.group(2):
+                    last_entry[m.group(2)] = (pos, raw)
                 continue
             try:
                 x = json.loads(raw)
@@ -232,9 +241,12 @@ class Witness:
                 added.pop(x["d"], None)
             elif "m" in x:
                 keys[x["m"]] = (x.get("r"), x.get("h"))
+                last_key[x["m"]] = pos
             elif "i" in x:
                 added[int(x["i"])] = (x.get("n"), x)
                 top = max(top, int(x["i"]))
+                if x.get("n"):
+                    last_entry[x["n"]] = (pos, x)
 
         def full(line: str | dict[str, Any]) -> dict[str, Any] | None:
             if isinstance(line, dict):
@@ -255,7 +267,13 @@ class Witness:
                     lost.append(x)
             if node_key and node_key not in seen:
                 seen.add(node_key)
-                x = full(line)
+                # the base the sidecar last knew: the ident its last accepted entry was
+                # written on, unless a key-map line (a commit learnt) came after it; the
+                # key map is then the base (the journal's, or ``keys`` when it is lost)
+                pos, last = last_entry.get(node_key, (-1, line))
+                if pos < last_key.get(node_key, -1):
+                    continue
+                x = full(last)
                 if x is not None and x.get("r"):
                     self.bases[node_key] = (x.get("r"), x.get("b"))
         return lost, keys, top

@@ -367,15 +367,19 @@ class Sidecar(StoreSync):
             if k not in ids.map:
                 ids.map[k] = v
                 self.journal.set_key(k, *v)
-        # the base a queued put of a record was written on, when the key map does not hold
-        # it (the first write of a record loaded from a snapshot: RecordIds.note_default,
-        # memory only): the stores load before the backlog is sent, so the store mirror
-        # may already hold a rival's newer version, which must be merged, not taken as the
-        # base (memory only, as note_default; a witness line lost with a machine crash
-        # leaves the base to Filesystem.overlay_outbox: the loaded version)
+        # the base a queued put of a record was written on, when it is newer than what the
+        # key map holds (which persists only commits): the first write of a record loaded
+        # from a snapshot (RecordIds.note_default, memory only), or a write after a remote
+        # change this sidecar had seen (RecordIds.note, memory only; the key map still
+        # holds our own older commit, which would make the put meet a "conflict" with the
+        # version it was written on). The stores load before the backlog is sent, so the
+        # store mirror may already hold a rival's newer version, which must be merged, not
+        # taken as the base (memory only, as note / note_default; a witness line lost with
+        # a machine crash leaves the base to the key map or Filesystem.overlay_outbox: the
+        # loaded version)
         for k, v in self.journal.witness.bases.items():
-            if v[1]:  # an unknown base stays the mirror's (RecordIds.get)
-                ids.map.setdefault(k, v)
+            if v[1]:  # an unknown base stays the key map's or the mirror's (RecordIds.get)
+                ids.map[k] = v
         if back:
             self.leftovers = sorted([*self.leftovers, *back], key=lambda e: e.id)
             log.warning("outbox journal short of accepted writes; recovered them from the "
