@@ -289,5 +289,30 @@ def test_witness_reads_lost_entries_and_bases_with_a_cut_last_line(tmp_path):
     lost, keys, top = w.unfinished(present={2, 3})
     assert [x["i"] for x in lost] == [4, 5] and lost[0]["a"] == {"path": 'p"4.md'}
     assert keys == {"r:0": ("rec0", "h0")} and top == 5
-    assert w.bases == {"r:0": ("rec0", "base2"), "r:1": ("rec1", "base3")}
+    # r:0's key-map line (a commit learnt) is newer than its entries: the key map is its base
+    assert w.bases == {"r:1": ("rec1", "base3")}
+    w.close()
+
+
+def test_witness_base_is_the_version_seen_after_the_last_commit(tmp_path):
+    """``Witness.bases``: a key whose unfinished entries were accepted after its last key-map
+    line (our own commit) gets the base they were written on (a remote change seen since,
+    memory only in ``RecordIds``); one whose key-map line is newer gets none (the key map)."""
+    from memfuse.sidecar.journal import Witness
+
+    w = Witness(tmp_path / "accepted.log")
+
+    def entry(i: int, node_key: str, rid: str | None, base: str | None) -> dict:
+        # in the order Journal.add writes it (the head Witness.unfinished reads)
+        return {"i": i, "k": f"k{i}", "s": "s", "o": "put", "n": node_key, "a": {"path": "f.md"},
+                "t": 1.0, "h": None, "r": rid, "b": base}
+
+    w.append([entry(1, "n:a", None, None), {"m": "n:a", "r": "rec", "h": "own"}, {"d": 1},
+              entry(2, "n:a", "rec", "remote"),  # written after a remote change seen
+              entry(3, "n:a", "rec", "remote"),
+              entry(4, "n:b", "recb", "b0"), entry(5, "n:b", "recb", "b0"),
+              {"m": "n:b", "r": "recb", "h": "b4"}, {"d": 4}])  # 4 committed while 5 waited
+    lost, keys, top = w.unfinished(present={2, 3, 5})
+    assert lost == [] and top == 5 and keys == {"n:a": ("rec", "own"), "n:b": ("recb", "b4")}
+    assert w.bases == {"n:a": ("rec", "remote")}
     w.close()

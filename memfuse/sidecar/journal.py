@@ -169,9 +169,9 @@ class Witness:
         self.path = path
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         self._fd = fd
-        #: node key -> (record id, base sha256) its last accepted entry was written on, for
-        #: the keys with an unfinished entry and a record whose last entry line comes after
-        #: their last key-map line (set by ``unfinished``): the version this sidecar last saw
+        #: node key -> (record id, base sha256) its earliest unfinished entry was written on,
+        #: for the keys with a record whose earliest unfinished entry line comes after their
+        #: last key-map line (set by ``unfinished``): the version this sidecar last saw
         #: (the key map persists only commits: a remote change seen, or the clean version of
         #: a record loaded from a snapshot, is memory only), the base of the replayed put
         #: (``Sidecar._recover_journal``)
@@ -210,9 +210,9 @@ class Witness:
         top = 0
         added: dict[int, tuple[str | None, str | dict[str, Any]]] = {}  # id -> (node key, line)
         keys: dict[str, tuple[Any, Any]] = {}
-        # node key -> (line number, line) of its last entry line / line number of its last
-        # key-map line: which of the two the sidecar knew last (``bases``)
-        last_entry: dict[str, tuple[int, str | dict[str, Any]]] = {}
+        # entry id -> number of its first line; node key -> number of its last key-map
+        # line: which of the two the sidecar knew last (``bases``)
+        first_pos: dict[int, int] = {}
         last_key: dict[str, int] = {}
         try:
             text = self.path.read_text("utf-8", errors="replace")
@@ -228,8 +228,7 @@ class Witness:
                 i = int(m.group(1))
                 added[i] = (m.group(2), raw)
                 top = max(top, i)
-                if m.group(2):
-                    last_entry[m.group(2)] = (pos, raw)
+                first_pos.setdefault(i, pos)
                 continue
             try:
                 x = json.loads(raw)
@@ -245,8 +244,7 @@ class Witness:
             elif "i" in x:
                 added[int(x["i"])] = (x.get("n"), x)
                 top = max(top, int(x["i"]))
-                if x.get("n"):
-                    last_entry[x["n"]] = (pos, x)
+                first_pos.setdefault(int(x["i"]), pos)
 
         def full(line: str | dict[str, Any]) -> dict[str, Any] | None:
             if isinstance(line, dict):
@@ -267,13 +265,12 @@ class Witness:
                     lost.append(x)
             if node_key and node_key not in seen:
                 seen.add(node_key)
-                # the base the sidecar last knew: the ident its last accepted entry was
-                # written on, unless a key-map line (a commit learnt) came after it; the
-                # key map is then the base (the journal's, or ``keys`` when it is lost)
-                pos, last = last_entry.get(node_key, (-1, line))
-                if pos < last_key.get(node_key, -1):
+                # the base the sidecar knew last: the ident the entry was written on,
+                # unless a key-map line (a commit learnt) came after it; the key map is
+                # then the base (the journal's, or ``keys`` when it is lost)
+                if first_pos.get(i, -1) < last_key.get(node_key, -1):
                     continue
-                x = full(last)
+                x = full(line)
                 if x is not None and x.get("r"):
                     self.bases[node_key] = (x.get("r"), x.get("b"))
         return lost, keys, top
