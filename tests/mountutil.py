@@ -284,6 +284,28 @@ def serve_and_mount(tmp: Path, ws: str = "ws", stores: tuple[str, ...] = ("defau
             cp.stop()
 
 
+@contextmanager
+def two_sidecars(tmp: Path, store: str = "shared") -> Iterator[tuple[ControlPlane, Sidecar, Sidecar]]:
+    """A control plane and two sidecars on one shared ``store`` (workspaces ``wa`` and ``wb``,
+    mounted at ``tmp/ma`` and ``tmp/mb``): the setup of every two-mount sync test; all
+    stopped afterwards."""
+    cp = ControlPlane(tmp).start()
+    a = b = None
+    try:
+        ta = cp.setup_workspace("wa", (store,))
+        tb = cp.setup_workspace("wb", (store,))
+        a = Sidecar(cp, "wa", ta, tmp / "ma", tmp / "ca").start(expect=store)
+        b = Sidecar(cp, "wb", tb, tmp / "mb", tmp / "cb").start(expect=store)
+        yield cp, a, b
+    finally:
+        try:
+            for sc in (a, b):
+                if sc is not None:
+                    sc.stop()
+        finally:
+            cp.stop()
+
+
 def live_records(cp: ControlPlane, store: str = "default") -> dict[str, object]:
     """path → Record of every live record in ``store``, read from the control plane."""
     records, _ = cp.call("snapshot", store, content=True)

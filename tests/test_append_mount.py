@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from mountutil import MEMFUSE, ControlPlane, Sidecar, read, serve_and_mount, sh, wait_until
+from mountutil import MEMFUSE, ControlPlane, read, serve_and_mount, sh, two_sidecars, wait_until
 
 pytestmark = pytest.mark.mount
 
@@ -83,20 +83,8 @@ def test_echo_appends_are_sent_and_stored_as_suffixes(tmp_path):
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("pair")
-    cp = ControlPlane(tmp).start()
-    a = b = None
-    try:
-        ta = cp.setup_workspace("wa", ("shared",))
-        tb = cp.setup_workspace("wb", ("shared",))
-        a = Sidecar(cp, "wa", ta, tmp / "ma", tmp / "ca").start(expect="shared")
-        b = Sidecar(cp, "wb", tb, tmp / "mb", tmp / "cb").start(expect="shared")
-        yield cp, a, b
-    finally:
-        for sc in (a, b):
-            if sc is not None:
-                sc.stop()
-        cp.stop()
+    with two_sidecars(tmp_path_factory.mktemp("pair")) as cp_a_b:
+        yield cp_a_b
 
 
 def test_two_sidecars_appending_to_one_journal_keep_every_line(pair):

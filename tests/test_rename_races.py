@@ -22,7 +22,7 @@ import trio
 
 pytestmark = pytest.mark.mount
 
-from mountutil import ControlPlane, Sidecar, live_records, read, sh, wait_until
+from mountutil import ControlPlane, Sidecar, live_records, read, sh, two_sidecars, wait_until
 from test_faults import conflict_lines, local, make_sidecar, remote, start, write
 from test_faults import wait_until as wait_until_async
 
@@ -32,20 +32,8 @@ from memfuse.fake import FakeControlPlane
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("rr")
-    cp = ControlPlane(tmp).start()
-    a = b = None
-    try:
-        ta = cp.setup_workspace("wa", ("s",))
-        tb = cp.setup_workspace("wb", ("s",))
-        a = Sidecar(cp, "wa", ta, tmp / "ma", tmp / "ca").start(expect="s")
-        b = Sidecar(cp, "wb", tb, tmp / "mb", tmp / "cb").start(expect="s")
-        yield cp, a, b
-    finally:
-        for sc in (a, b):
-            if sc is not None:
-                sc.stop()
-        cp.stop()
+    with two_sidecars(tmp_path_factory.mktemp("rr"), "s") as cp_a_b:
+        yield cp_a_b
 
 
 def _errors(sc: Sidecar) -> list[dict]:

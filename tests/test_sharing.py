@@ -12,27 +12,15 @@ import uuid
 import httpx
 import pytest
 
-from mountutil import ControlPlane, Sidecar, read, sh, wait_until
+from mountutil import ControlPlane, Sidecar, read, sh, two_sidecars, wait_until
 
 pytestmark = pytest.mark.mount
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("pair")
-    cp = ControlPlane(tmp).start()
-    a = b = None
-    try:
-        ta = cp.setup_workspace("wa", ("shared",))
-        tb = cp.setup_workspace("wb", ("shared",))
-        a = Sidecar(cp, "wa", ta, tmp / "ma", tmp / "ca").start(expect="shared")
-        b = Sidecar(cp, "wb", tb, tmp / "mb", tmp / "cb").start(expect="shared")
-        yield cp, a, b
-    finally:
-        for sc in (a, b):
-            if sc is not None:
-                sc.stop()
-        cp.stop()
+    with two_sidecars(tmp_path_factory.mktemp("pair")) as cp_a_b:
+        yield cp_a_b
 
 
 def test_write_create_rename_delete_propagate(pair):
