@@ -54,6 +54,43 @@ class AdminRequestFailed(Exception):
         self.status, self.code = status, code
 
 
+def _request(method: str, path: str, *, socket_path: Path | None, url: str, headers: dict[str, str],
+             timeout: float, fail: type[Exception]) -> tuple[Any, str]:
+    """One request to a sidecar's admin API: over the Unix socket at ``socket_path`` (its
+    directory opened first, so a deep path still fits ``sun_path``), else to ``url`` (TCP; a
+    bare ``HOST:PORT`` gets ``http://``). Returns ``(httpx.Response, where)``, ``where`` the
+    socket path or base URL for messages. Raises ``fail(message)`` when there is no socket
+    or nothing answers within ``timeout`` s; ``httpx.InvalidURL`` passes through."""
+    import httpx
+
+    dir_fd = None
+    try:
+        if socket_path is not None:
+            socket_path = Path(socket_path)
+            try:
+                dir_fd = os.open(socket_path.parent, os.O_RDONLY | os.O_DIRECTORY)
+            except OSError as e:
+                raise fail(f"no sidecar admin socket at {socket_path} ({e.strerror})") from None
+            transport, base, where = httpx.HTTPTransport(uds=_short(dir_fd, socket_path.name)), \
+                "http://sidecar", str(socket_path)
+        else:
+            base = url.strip().rstrip("/")
+            if "://" not in base:
+                base = "http://" + base
+            transport, where = None, base
+        try:
+            with httpx.Client(transport=transport, timeout=timeout) as client:
+                return client.request(method, base + path, headers=headers), where
+        except httpx.TimeoutException:
+            raise fail(f"sidecar admin API at {where} did not answer within {timeout:g} s") from None
+        except httpx.HTTPError as e:
+            reason = " ".join(str(e).split()) or type(e).__name__
+            raise fail(f"sidecar admin API not reachable at {where} ({reason})") from None
+    finally:
+        if dir_fd is not None:
+            os.close(dir_fd)
+
+
 def admin_call(method: str, path: str, *, socket_path: Path | None = None, url: str | None = None,
                token: str | None = None, timeout: float = 60.0) -> dict:
     """One admin API call, over the Unix socket at ``socket_path`` or to ``url`` (TCP, with
@@ -62,37 +99,11 @@ def admin_call(method: str, path: str, *, socket_path: Path | None = None, url: 
 
     Raises ``AdminRequestFailed`` when nothing answers or the answer is an error.
     """
-    import httpx
-
+    if socket_path is None and not url:
+        raise AdminRequestFailed("no admin socket or URL given")
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    dir_fd = None
-    try:
-        if socket_path is not None:
-            socket_path = Path(socket_path)
-            try:
-                dir_fd = os.open(socket_path.parent, os.O_RDONLY | os.O_DIRECTORY)
-            except OSError as e:
-                raise AdminRequestFailed(f"no sidecar admin socket at {socket_path} ({e.strerror})") from None
-            transport = httpx.HTTPTransport(uds=_short(dir_fd, socket_path.name))
-            base, where = "http://sidecar", str(socket_path)
-        elif url:
-            transport, base = None, url.strip().rstrip("/")
-            if "://" not in base:
-                base = "http://" + base
-            where = base
-        else:
-            raise AdminRequestFailed("no admin socket or URL given")
-        try:
-            with httpx.Client(transport=transport, timeout=timeout) as client:
-                r = client.request(method, base + path, headers=headers)
-        except httpx.TimeoutException:
-            raise AdminRequestFailed(f"sidecar admin API at {where} did not answer within {timeout:g} s") from None
-        except httpx.HTTPError as e:
-            reason = " ".join(str(e).split()) or type(e).__name__
-            raise AdminRequestFailed(f"sidecar admin API not reachable at {where} ({reason})") from None
-    finally:
-        if dir_fd is not None:
-            os.close(dir_fd)
+    r, where = _request(method, path, socket_path=socket_path, url=url or "", headers=headers, timeout=timeout,
+                        fail=AdminRequestFailed)
     try:
         body = r.json()
     except ValueError:
@@ -121,35 +132,12 @@ def fetch_status(admin_url: str | None = None, timeout: float = STATUS_TIMEOUT, 
     import httpx
 
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    dir_fd = None
     try:
-        if socket_path is not None:
-            socket_path = Path(socket_path)
-            try:
-                dir_fd = os.open(socket_path.parent, os.O_RDONLY | os.O_DIRECTORY)
-            except OSError as e:
-                raise StatusUnavailable(f"no sidecar admin socket at {socket_path} ({e.strerror})") from None
-            transport, base, where = httpx.HTTPTransport(uds=_short(dir_fd, socket_path.name)), "http://sidecar", \
-                str(socket_path)
-        else:
-            base = (admin_url or "").strip().rstrip("/")
-            if "://" not in base:
-                base = "http://" + base
-            transport, where = None, base
-        url = base + "/v1/status"
-        try:
-            with httpx.Client(transport=transport, timeout=timeout) as client:
-                r = client.get(url, headers=headers)
-        except httpx.InvalidURL as e:
-            raise StatusUnavailable(f"invalid admin URL {admin_url!r}: {e}") from None
-        except httpx.TimeoutException:
-            raise StatusUnavailable(f"sidecar admin API at {where} did not answer within {timeout:g} s") from None
-        except httpx.HTTPError as e:
-            reason = " ".join(str(e).split()) or type(e).__name__
-            raise StatusUnavailable(f"sidecar admin API not reachable at {where} ({reason})") from None
-    finally:
-        if dir_fd is not None:
-            os.close(dir_fd)
+        r, where = _request("GET", "/v1/status", socket_path=socket_path, url=admin_url or "", headers=headers,
+                            timeout=timeout, fail=StatusUnavailable)
+    except httpx.InvalidURL as e:
+        raise StatusUnavailable(f"invalid admin URL {admin_url!r}: {e}") from None
+    url = ("http://sidecar" if socket_path is not None else where) + "/v1/status"
     if r.status_code != 200:
         detail = ""
         try:
