@@ -563,6 +563,37 @@ async def _make_moved() -> None:
         await api.move_record("default", r.id, "new/name.md")
 
 
+def test_diff_between_versions(home):
+    """`memfuse diff` prints `diff -u` between two versions (default: the last change), a
+    missing last newline as diff marks it, a deleted version as empty, a redacted one as an
+    error, through the real executable."""
+    rid = trio.run(_make_history, "first\nsecond\u202e\x1b[31m")  # v1 created, v2 modified, v3 deleted
+    assert rid
+    p = run(["diff", "default", "notes/a.md", "--from", "1", "--to", "2"])
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.decode() == ("--- default/notes/a.md@1\n+++ default/notes/a.md@2\n@@ -1 +1,2 @@\n"
+                                 " first\n+second\u202e\x1b[31m\n\\ No newline at end of file\n")
+    p = run(["diff", "default", "notes/a.md"])  # the last change: the delete
+    assert p.returncode == 0, p.stderr
+    out = p.stdout.decode()
+    assert out.startswith("--- default/notes/a.md@2\n+++ default/notes/a.md@3\n") and "-first\n" in out
+    p = run(["diff", "default", "notes/a.md", "--from", "0", "--to", "1"])
+    assert p.returncode == 0 and p.stdout.decode() == "--- /dev/null\n+++ default/notes/a.md@1\n@@ -0,0 +1 @@\n+first\n"
+    p = run(["diff", "default", "notes/a.md", "--from", "2", "--to", "2"])
+    assert p.returncode == 0 and p.stdout == b""
+    p = run(["diff", "default", "notes/a.md", "--to", "9"])
+    assert p.returncode == 1 and p.stderr.decode().strip() == "Error: notes/a.md has no version 9"
+    assert run(["redact", "default", "notes/a.md", "--version", "1"]).returncode == 0
+    p = run(["diff", "default", "notes/a.md", "--from", "1", "--to", "2"])
+    assert p.returncode == 1 and b"redacted" in p.stderr
+    assert_one_line_error(p.stderr)
+    # to a terminal, what a terminal would act on is shown as escapes (content is untrusted)
+    from memfuse.cli.common import terminal_safe
+    r = invoke(["diff", "default", "notes/a.md", "--from", "2", "--to", "3"])
+    assert r.exit_code == 0 and "\x1b" in r.stdout  # CliRunner's stdout is not a terminal
+    assert "\x1b" not in terminal_safe(r.stdout)
+
+
 def test_history_shows_where_a_record_moved(home):
     trio.run(_make_moved)
     p = run(["history", "default", "new/name.md"])

@@ -28,6 +28,9 @@ NO_ENVVAR = {
     (("show",), "--version"): "the record version acted on is an operand, like STORE and PATH",
     (("restore",), "--version"): "as show --version",
     (("redact",), "--version"): "as show --version: redact destroys that version's content",
+    (("diff",), "--from"): "as show --version",
+    (("diff",), "--to"): "as show --version",
+    (("diff",), "--unified"): "how much context one diff shows, not a setting",
 }
 
 

@@ -19,7 +19,7 @@ One module per command group, each registering its commands on ``cli`` when impo
 the invoked command's module is imported: ``cli.lazy_commands``):
 ``common`` (the root group and the plumbing every command shares), ``run`` (``serve``,
 ``dev``, ``mount``, ``status``), ``admin`` (stores, workspaces, attachments, tokens),
-``records`` (``history``, ``show``, ``restore``, ``redact``, ``search``, ``index``, ``context``),
+``records`` (``history``, ``show``, ``diff``, ``restore``, ``redact``, ``search``, ``index``, ``context``),
 ``jobs`` (``consolidate``, ``job show|list|cancel``: consolidation jobs), ``transfer``
 (``import``, ``export``, over :mod:`memfuse.transfer`), ``db`` (schema migrations of the
 control-plane database), ``agent`` (``mcp``, the MCP server for agents without a mount) and
@@ -43,7 +43,7 @@ from memfuse.cli.common import ByteSize, cli  # noqa: E402
 cli.lazy_commands = {
     "serve": "run", "dev": "run", "mount": "run", "status": "run",
     "store": "admin", "workspace": "admin", "attach": "admin", "detach": "admin", "token": "admin", "account": "admin",
-    "history": "records", "show": "records", "restore": "records", "redact": "records",
+    "history": "records", "show": "records", "diff": "records", "restore": "records", "redact": "records",
     "context": "records", "search": "records", "index": "records",
     "consolidate": "jobs", "job": "jobs",
     "import": "transfer", "export": "transfer",

@@ -1,4 +1,4 @@
-"""The record commands, by path: ``history``, ``show``, ``restore``, ``redact``; ``search``
+"""The record commands, by path: ``history``, ``show``, ``diff``, ``restore``, ``redact``; ``search``
 (grep over a store, through the search API); and ``context``.
 
 A record is found by its path (``_find``: the live record, else the latest deleted one), then
@@ -125,6 +125,61 @@ def show(target: Target, store_slug: str, path: str, version_n: int | None) -> N
 
     content = _read_api(target, body)
     _write_exact(content)
+
+
+def unified_diff(old: str, new: str, old_label: str, new_label: str, context: int = 3) -> str:
+    """``old`` → ``new`` as ``diff -u`` prints it (``difflib.unified_diff`` over lines, their
+    endings kept), with diff's ``\\ No newline at end of file`` after a last line that has
+    none; ``""`` when equal."""
+    import difflib
+
+    out = []
+    for line in difflib.unified_diff(old.splitlines(keepends=True), new.splitlines(keepends=True),
+                                     old_label, new_label, n=context):
+        out.append(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n")
+    return "".join(out)
+
+
+@cli.command()
+@click.argument("store_slug", metavar="STORE")
+@click.argument("path")
+@opt("--from", "from_n", envvar=None, type=click.IntRange(min=0), metavar="N",
+     help="The older version (default: the one before --to; 0: the empty file before the first).")
+@opt("--to", "to_n", envvar=None, type=click.IntRange(min=1), metavar="N",
+     help="The newer version (default: the record's last version).")
+@opt("-U", "--unified", "context", envvar=None, type=click.IntRange(min=0), default=3, show_default=True,
+     metavar="LINES", help="Lines of context around each change.")
+@api_options
+def diff(target: Target, store_slug: str, path: str, from_n: int | None, to_n: int | None, context: int) -> None:
+    """Show what changed in the record at PATH in STORE between two versions, as `diff -u`
+    does (default: its last change). Deleted versions read as empty; a redacted or pruned
+    version is an error. Memory content is untrusted: to a terminal, control characters are
+    shown as escapes."""
+
+    async def content_of(api: ApiClient, rec: Record, n: int) -> str:
+        if n == 0:
+            return ""
+        v = await _about(store_slug, path, rec, lambda: api.version(store_slug, rec.id, n), n)
+        if v.pruned:
+            raise click.ClickException(
+                f"version {n} of {store_slug}/{path} was pruned by the store's history budget")
+        if v.redacted:
+            raise click.ClickException(f"version {n} of {store_slug}/{path} is redacted")
+        if v.operation.value == "deleted":  # it keeps the content it removed; the file is gone
+            return ""
+        return v.content or ""
+
+    async def body(api: ApiClient) -> str:
+        rec = await _find(api, store_slug, path)
+        new_n = rec.version if to_n is None else to_n
+        old_n = max(new_n - 1, 0) if from_n is None else from_n
+        new = await content_of(api, rec, new_n)  # first: a missing --to is the error to name
+        old = await content_of(api, rec, old_n)
+        return unified_diff(old, new, f"{store_slug}/{path}@{old_n}" if old_n else "/dev/null",
+                            f"{store_slug}/{path}@{new_n}", context)
+
+    out = _read_api(target, body)
+    _write_exact(terminal_safe(out) if stdout_is_terminal() else out)
 
 
 @cli.command()
