@@ -1,0 +1,562 @@
+"""The transport half of :class:`memfuse.client.ApiClient`: error classification of HTTP
+answers, ETag and ``Retry-After`` helpers, the TLS context, and :class:`ApiSession` (one
+``httpx.AsyncClient``, the request loop with its authentication state, answer parsing).
+The endpoints are in :mod:`memfuse.client.api`; see :mod:`memfuse.client` for the error
+model and the secrecy rules.
+"""
+from __future__ import annotations
+
+import email.utils
+import functools
+import logging
+import math
+import ssl
+import time
+from collections.abc import Callable
+from typing import Any, Self, TypeVar
+from urllib.parse import quote
+
+import httpx
+import msgspec
+
+from ..errors import (
+    ApiError,
+    Conflict,
+    Forbidden,
+    Gone,
+    NotFound,
+    PermanentError,
+    PreconditionFailed,
+    StoreFull,
+    TransientError,
+    Unauthorized,
+)
+from ..tokenfile import TokenFile
+from ..wire import (
+    Attachment,
+    ChangePage,
+    ConsolidationJob,
+    EventPage,
+    Record,
+    Store,
+    TokenInfo,
+    Version,
+    Workspace,
+    Account,
+    decode,
+    encode,
+)
+
+log = logging.getLogger("memfuse.client")
+
+
+def _package_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("memfuse")
+    except Exception:  # not installed (running from a source tree)
+        return "0"
+
+
+_version = _package_version()
+
+T = TypeVar("T")
+P = TypeVar("P", ChangePage, EventPage)
+
+INSTANCE_HEADER = "X-Memfuse-Instance"
+#: s without a line before a stream counts as dead: two heartbeats (20 s each) and a margin
+STREAM_READ_TIMEOUT = 45.0
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+
+
+# ---------------------------------------------------------------- error classification
+
+
+_STATUS_CLASSES: dict[int, type[PermanentError]] = {
+    401: Unauthorized,
+    403: Forbidden,
+    404: NotFound,
+    409: Conflict,
+    410: Gone,
+    412: PreconditionFailed,
+    507: StoreFull,
+}
+
+
+def parse_retry_after(value: str | None, *, now: float | None = None) -> float | None:
+    """Parse a ``Retry-After`` header (RFC 9110 §10.2.3) into seconds ≥ 0.
+
+    Accepts delay-seconds (``"5"``, also ``"1.5"``) or an HTTP-date; returns ``None`` when the
+    header is absent or unparsable.
+    """
+    if value is None:
+        return None
+    value = value.strip()
+    if not value:
+        return None
+    try:
+        secs = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError):
+            return None
+        if when is None:
+            return None
+        secs = when.timestamp() - (time.time() if now is None else now)
+    if math.isnan(secs) or math.isinf(secs):
+        return None
+    return max(0.0, secs)
+
+
+def quote_etag(sha256: str) -> str:
+    """Return ``sha256`` as an entity tag for ``If-Match`` (RFC 9110 §8.8.3): ``"<sha256>"``.
+
+    A value that already is an entity tag (starts with ``"`` or ``W/"``) or ``*`` is returned
+    unchanged.
+    """
+    if sha256 == "*" or sha256.startswith('"') or sha256.startswith('W/"'):
+        return sha256
+    return f'"{sha256}"'
+
+
+def unquote_etag(etag: str | None) -> str | None:
+    """Return the opaque value of an entity tag (``W/"x"`` or ``"x"`` → ``x``); ``None`` stays
+    ``None``."""
+    if etag is None:
+        return None
+    etag = etag.strip()
+    if etag.startswith("W/"):
+        etag = etag[2:]
+    if len(etag) >= 2 and etag[0] == etag[-1] == '"':
+        etag = etag[1:-1]
+    return etag
+
+
+def _transport_error(exc: httpx.HTTPError, method: str, path: str) -> ApiError:
+    """Classify an httpx exception raised before a complete response arrived."""
+    if isinstance(exc, httpx.TimeoutException):
+        code = {
+            httpx.ConnectTimeout: "connect_timeout",
+            httpx.ReadTimeout: "read_timeout",
+            httpx.WriteTimeout: "write_timeout",
+            httpx.PoolTimeout: "pool_timeout",
+        }.get(type(exc), "timeout")
+        cls: type[ApiError] = TransientError
+    elif isinstance(exc, (httpx.UnsupportedProtocol, httpx.LocalProtocolError, httpx.InvalidURL)):
+        # configuration or client bug: repeating cannot help
+        code, cls = "client_error", PermanentError
+    elif isinstance(exc, httpx.ConnectError):
+        code, cls = "connect_error", TransientError
+    elif isinstance(exc, httpx.ReadError):
+        code, cls = "read_error", TransientError
+    elif isinstance(exc, httpx.WriteError):
+        code, cls = "write_error", TransientError
+    elif isinstance(exc, httpx.RemoteProtocolError):
+        code, cls = "protocol_error", TransientError
+    else:  # NetworkError, ProxyError, DecodingError, StreamError, ...
+        code, cls = "transport_error", TransientError
+    reason = str(exc) or type(exc).__name__
+    msg = f"{method} {path}: control plane unreachable ({type(exc).__name__}: {reason})"
+    if cls is PermanentError:
+        msg = f"{method} {path}: {type(exc).__name__}: {reason}"
+    return cls(msg, code=code, detail=reason, method=method, path=path)
+
+
+def _http_error(resp: httpx.Response, method: str, path: str) -> ApiError:
+    """Build the exception for a non-2xx response from its problem body."""
+    problem: dict[str, Any] = {}
+    try:
+        body = resp.json()
+        if isinstance(body, dict):
+            problem = body
+    except ValueError:
+        pass
+    return _error_from(resp.status_code, problem, resp.reason_phrase, resp.headers.get("Retry-After"),
+                       method, path)
+
+
+def _error_from(status: int, problem: dict[str, Any], reason: str | None, retry_header: str | None,
+                method: str, path: str) -> ApiError:
+    """The exception for a refusal with HTTP ``status`` and ``problem`` body (a response's, or
+    one operation's answer inside a batch)."""
+    title = str(problem.get("title") or reason or "HTTP error")
+    detail = problem.get("detail") or ""
+    if not isinstance(detail, str):
+        # A plain FastAPI 422 puts a list of {loc, msg, type, input} here; ``input`` may hold
+        # record content, so keep only where and what.
+        detail = _validation_summary(detail)
+        problem = {k: v for k, v in problem.items() if k != "detail"}
+        problem["detail"] = detail
+    code = str(problem.get("code") or "")
+    if not problem:
+        problem = {"type": "about:blank", "title": title, "status": status}
+    retry_after = None
+    if status in _STATUS_CLASSES:
+        cls: type[ApiError] = _STATUS_CLASSES[status]
+    elif status >= 500 or status in (408, 429):  # 408: the body was too slow; send it again
+        cls = TransientError
+        retry_after = parse_retry_after(retry_header)
+    elif 400 <= status < 500:
+        cls = _STATUS_CLASSES.get(status, PermanentError)
+    else:  # 1xx/3xx that httpx did not handle: nothing sensible to do again
+        cls = PermanentError
+    msg = f"{method} {path}: {status} {title}"
+    if code:
+        msg += f" [{code}]"
+    if detail:
+        msg += f": {detail}"
+    return cls(
+        _one_line(msg),
+        status=status,
+        code=code,
+        detail=detail,
+        title=title,
+        problem=problem,
+        retry_after=retry_after,
+        method=method,
+        path=path,
+    )
+
+
+def _validation_summary(detail: Any) -> str:
+    """``loc: msg; ...`` from a list of validation errors, without their ``input`` values."""
+    parts = []
+    if isinstance(detail, list):
+        for item in detail[:10]:
+            if isinstance(item, dict):
+                loc = ".".join(str(x) for x in item.get("loc", ()) or ())
+                parts.append(f"{loc}: {item.get('msg', '')}".strip(": "))
+    return _one_line("; ".join(parts))[:500] or "invalid request"
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+class _Unset:
+    """The type of ``UNSET``: an argument not passed (``None`` means "reset")."""
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET = _Unset()
+
+
+def _attrs(mode: int | None, mtime_ns: int | None) -> dict[str, int]:
+    """The attribute members of a create / update body: only those given."""
+    out = {}
+    if mode is not None:
+        out["mode"] = mode
+    if mtime_ns is not None:
+        out["mtime_ns"] = mtime_ns
+    return out
+
+
+def _memory_tool_command(command: dict[str, Any]) -> dict[str, Any]:
+    """The memory-tool body: ``command`` first, then the command's other members as given.
+    Raises ``ValueError`` (``msgspec.ValidationError``) when ``command`` is not a JSON object
+    with a string ``command``."""
+    if not isinstance(command, dict) or not isinstance(command.get("command"), str):
+        raise msgspec.ValidationError("a memory-tool command is an object with a string `command`")
+    return {"command": command["command"], **{k: v for k, v in command.items() if k != "command"}}
+
+
+def _seg(value: str | int) -> str:
+    """Percent-encode one URL path segment."""
+    return quote(str(value), safe="")
+
+
+def _bool(value: bool) -> str:
+    return "true" if value else "false"
+
+
+_BATCH_ENDPOINTS = {  # op of a batch → (method, path) of its single endpoint (for errors)
+    "create": ("POST", "/v1/stores/{store}/records"),
+    "update": ("PUT", "/v1/stores/{store}/records/{id}"),
+    "append": ("POST", "/v1/stores/{store}/records/{id}/append"),
+    "attrs": ("PATCH", "/v1/stores/{store}/records/{id}"),
+    "move": ("POST", "/v1/stores/{store}/records/{id}/move"),
+    "delete": ("DELETE", "/v1/stores/{store}/records/{id}"),
+}
+_RECORDS = list[Record]
+_STORES = list[Store]
+_JOBS = list[ConsolidationJob]
+_WORKSPACES = list[Workspace]
+_ACCOUNTS = list[Account]
+_ATTACHMENTS = list[Attachment]
+_VERSIONS = list[Version]
+_TOKENS = list[TokenInfo]
+
+
+@functools.cache
+def _verifying_context() -> ssl.SSLContext:
+    return httpx.create_ssl_context()
+
+
+def tls_context(base_url: str) -> ssl.SSLContext:
+    """The TLS context for a control plane at ``base_url``.
+
+    ``https://``: httpx's default, built once per process and shared: verifies the server's
+    certificate and host name against ``SSL_CERT_FILE`` / ``SSL_CERT_DIR`` when set, else
+    certifi's CA bundle. Any other scheme (plain ``http://`` on a pod network or loopback):
+    a context that loads no CA bundle at all (loading one costs ~2 MiB of the sidecar's
+    baseline memory) and still requires a verified certificate, so it can never complete a
+    TLS handshake: nothing is sent unverified (redirects are not followed either).
+    """
+    if base_url.lower().startswith("https:"):
+        return _verifying_context()
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # CERT_REQUIRED, check_hostname, no CAs
+    return ctx
+
+
+# ---------------------------------------------------------------- client
+
+
+_TEMPLATE_AFTER = {"stores", "records", "workspaces", "versions", "attachments", "mounts"}
+
+
+def endpoint_label(method: str, path: str) -> str:
+    """``PUT /v1/stores/default/records/3f…`` → ``PUT /v1/stores/{}/records/{}``: a label
+    for metrics with no store names, ids or paths in it."""
+    parts = path.split("?")[0].split("/")
+    out = []
+    for i, part in enumerate(parts):
+        out.append("{}" if i > 0 and parts[i - 1] in _TEMPLATE_AFTER and part else part)
+    return f"{method} {'/'.join(out)}"
+
+
+def _num(value: float) -> str:
+    """Format seconds for a query string: ``5`` rather than ``5.0``."""
+    f = float(value)
+    return str(int(f)) if f.is_integer() else repr(f)
+
+
+class ApiSession:
+    """The request machinery of :class:`~memfuse.client.api.ApiClient` (its base class): one
+    ``httpx.AsyncClient``, ``_request`` / ``_call`` / ``_parse``, the authentication state
+    (``auth_failure``, ``auth_failures``, ``auth_listener``) and the metrics ``observer``. The
+    constructor's arguments, the errors raised and the authentication state are described on
+    ``ApiClient``, the class callers make."""
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str | TokenFile | None,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
+        instance: str | None = None,
+        timeout: float = 30.0,
+    ) -> None:
+        headers = {"User-Agent": f"memfuse/{_version}", "Accept": "application/json"}
+        self.token_file: TokenFile | None = token if isinstance(token, TokenFile) else None
+        if token and self.token_file is None:
+            headers["Authorization"] = f"Bearer {token}"
+        self.auth_failure: str | None = None
+        self.auth_failures = 0
+        self.auth_listener: Callable[[bool], None] | None = None
+        if instance:
+            headers[INSTANCE_HEADER] = instance
+        self.base_url = base_url.rstrip("/")
+        self.instance = instance
+        #: called as ``observer(endpoint, status, seconds)`` after every request (metrics);
+        #: ``endpoint`` is a low-cardinality template such as ``PUT /v1/stores/{}/records/{}``
+        self.observer: Callable[[str, str, float], None] | None = None
+        self.timeout = float(timeout)
+        #: ordinary requests waiting for an answer (not long polls or streams): a number per
+        #: request → when it was sent (``time.monotonic()``); ``no_answer_for`` reads it
+        self._waiting: dict[int, float] = {}
+        self._next_request = 0
+        #: when the control plane last answered anything (``time.monotonic()``; 0: never)
+        self.last_answer = 0.0
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url,
+            headers=headers,
+            transport=transport,
+            verify=tls_context(self.base_url),
+            timeout=httpx.Timeout(self.timeout),
+            limits=httpx.Limits(max_connections=200, max_keepalive_connections=50),
+            follow_redirects=False,
+        )
+
+    def set_instance(self, instance: str) -> None:
+        """Send ``X-Memfuse-Instance: instance`` from now on (the sidecar id on versions)."""
+        self.instance = instance
+        self._http.headers[INSTANCE_HEADER] = instance
+
+    def no_answer_for(self) -> float:
+        """Seconds the oldest ordinary request (not a long poll or a stream) has been waiting
+        while the control plane answered nothing at all: 0 when none waits or an answer to
+        any request arrived since it was sent. A hung control plane (a paused process, a
+        black-holed network) shows here within seconds, long before the request's own read
+        timeout (``timeout``)."""
+        if not self._waiting:
+            return 0.0
+        oldest = min(self._waiting.values())
+        if self.last_answer >= oldest:
+            return 0.0
+        return max(0.0, time.monotonic() - oldest)
+
+    def _observe(self, method: str, path: str, status: str, t0: float) -> None:
+        if self.observer is not None:
+            try:
+                self.observer(endpoint_label(method, path), status, time.perf_counter() - t0)
+            except Exception:  # metrics must never break a call
+                log.debug("API call observer failed", exc_info=True)
+
+    def __repr__(self) -> str:  # never show the token
+        return f"ApiClient({self.base_url!r}, instance={self.instance!r})"
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the connection pool. Idempotent."""
+        await self._http.aclose()
+
+    # ------------------------------------------------------------ plumbing
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: dict[str, Any] | None = None,
+        body: msgspec.Struct | dict[str, Any] | None = None,
+        if_match: str | None = None,
+        idempotency_key: str | None = None,
+        wait: float = 0.0,
+        accept: str | None = None,
+        exclude_none: bool = False,
+        stream: bool = False,
+        read_timeout: float | None = None,
+    ) -> httpx.Response:
+        headers: dict[str, str] = {}
+        if if_match is not None:
+            headers["If-Match"] = quote_etag(if_match)
+        if idempotency_key is not None:
+            headers[IDEMPOTENCY_HEADER] = idempotency_key
+        if accept is not None:
+            headers["Accept"] = accept
+        timeout = None
+        if wait > 0:
+            timeout = httpx.Timeout(self.timeout, read=wait + self.timeout)
+        if read_timeout is not None:
+            timeout = httpx.Timeout(self.timeout, read=read_timeout)
+        kwargs: dict[str, Any] = {"params": params, "headers": headers}
+        if timeout is not None:
+            kwargs["timeout"] = timeout
+        if body is not None:
+            # UNSET members are left out (pydantic's exclude_unset of earlier releases: the
+            # same bodies, so the same idempotency hashes)
+            kwargs["content"] = encode(body, exclude_none=exclude_none)
+            headers["Content-Type"] = "application/json"
+        tf = self.token_file
+        for attempt in (1, 2):
+            generation = None
+            if tf is not None:
+                generation = tf.generation
+                headers["Authorization"] = f"Bearer {tf.token}"
+            t0 = time.perf_counter()
+            ordinary = wait <= 0 and not stream and read_timeout is None
+            if ordinary:
+                self._next_request += 1
+                rid = self._next_request
+                self._waiting[rid] = time.monotonic()
+            try:
+                resp = await self._http.send(self._http.build_request(method, path, **kwargs), stream=stream)
+                if stream and not resp.is_success:
+                    await resp.aread()
+            except httpx.HTTPError as exc:
+                err = _transport_error(exc, method, path)
+                log.debug("%s %s failed: %s", method, path, err.code)
+                self._observe(method, path, err.code or "error", t0)
+                raise err from None
+            finally:
+                if ordinary:
+                    del self._waiting[rid]
+            self.last_answer = time.monotonic()
+            self._observe(method, path, str(resp.status_code), t0)
+            log.debug("%s %s -> %s", method, path, resp.status_code)
+            if resp.status_code != 401:
+                self._auth_ok()
+                break
+            if tf is not None and attempt == 1 and (tf.generation != generation or tf.refresh()):
+                log.info("%s %s: token refused; sending again with the token file's new token",
+                         method, path)
+                await resp.aclose()
+                continue
+            if tf is None or tf.generation == generation:  # refused: the token in use
+                self._auth_failed(resp)
+            break
+        if not resp.is_success:
+            if stream:
+                await resp.aclose()
+            raise _http_error(resp, method, path)
+        return resp
+
+    def _auth_ok(self) -> None:
+        if self.auth_failure is not None:
+            self.auth_failure = None
+            log.info("the control plane accepts the token again")
+            self._tell_auth(True)
+
+    def _auth_failed(self, resp: httpx.Response) -> None:
+        self.auth_failures += 1
+        detail = "token refused (401)"
+        try:
+            body = resp.json()
+            if isinstance(body, dict) and isinstance(body.get("detail"), str) and body["detail"]:
+                detail = f"token refused (401): {body['detail'][:200]}"
+        except ValueError:
+            pass
+        if self.auth_failure is None:
+            log.warning("the control plane refused the token",
+                        extra={"detail": detail,
+                               "token_file": str(self.token_file.path) if self.token_file else None})
+        self.auth_failure = detail
+        self._tell_auth(False)
+
+    def _tell_auth(self, ok: bool) -> None:
+        if self.auth_listener is not None:
+            try:
+                self.auth_listener(ok)
+            except Exception:  # a listener must never break a call
+                log.exception("auth listener failed")
+
+    def refresh_token(self) -> bool:
+        """Refresh the token file (if any); True when a different token is in use now."""
+        return self.token_file.refresh() if self.token_file is not None else False
+
+    @staticmethod
+    def _parse(model: type[T], resp: httpx.Response, method: str, path: str) -> T:
+        """``resp``'s body decoded as ``model`` (a Struct or ``list[Struct]``); a body that is
+        not JSON of that shape raises ``TransientError`` ``bad_response``."""
+        return ApiSession._parse_bytes(model, resp.content, resp.status_code, method, path)
+
+    @staticmethod
+    def _parse_bytes(model: type[T], data: bytes, status: int, method: str, path: str) -> T:
+        try:
+            return decode(data, model)  # type[T] binds decode's S to T
+        except ValueError as exc:  # msgspec.DecodeError / ValidationError
+            # A 2xx whose body is not what the contract says: treat like a garbled response.
+            raise TransientError(
+                f"{method} {path}: {status} response does not match the API contract"
+                f" ({type(exc).__name__})",
+                status=status,
+                code="bad_response",
+                method=method,
+                path=path,
+            ) from None
+
+    async def _call(self, model: type[T], method: str, path: str, **kw: Any) -> T:
+        """``_request``, then the answer's body decoded as ``model`` (``_parse``)."""
+        resp = await self._request(method, path, **kw)
+        return self._parse(model, resp, method, path)
+
+    # ------------------------------------------------------------ workspace endpoints

@@ -1,0 +1,99 @@
+"""Streams of pages (``stream=true``, docs/API.md "Streams"): :class:`PageStream`, what
+:meth:`ApiClient.changes_stream <memfuse.client.api.ApiClient.changes_stream>` and
+``events_stream`` return.
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Generic
+
+import httpx
+
+from ..errors import ApiError, PermanentError, TransientError
+from .base import ApiSession, P, _http_error, _transport_error, log
+
+
+class PageStream(Generic[P]):
+    """One stream of pages (``ApiClient.changes_stream`` / ``events_stream``): iterate with
+    ``async for``; ``streaming`` is None before the response, then True (an NDJSON stream)
+    or False (the server answered without streaming). ``aclose()`` closes the connection
+    (idempotent; also done when iteration ends or raises)."""
+
+    def __init__(self, api: ApiSession, model: type[P], path: str, params: dict[str, Any],
+                 read_timeout: float) -> None:
+        self._api, self._path, self._params = api, path, params
+        self._model: type[P] = model
+        self._read_timeout = read_timeout
+        self._resp: httpx.Response | None = None
+        self._gen: AsyncIterator[P] | None = None
+        self.streaming: bool | None = None
+
+    def __aiter__(self) -> AsyncIterator[P]:
+        if self._gen is None:
+            self._gen = self._pages()
+        return self._gen
+
+    async def aclose(self) -> None:
+        """Close the response (idempotent)."""
+        gen, self._gen = self._gen, None
+        if gen is not None:
+            await gen.aclose()  # type: ignore[attr-defined]
+        await self._close_response()
+
+    async def _close_response(self) -> None:
+        if self._resp is not None:
+            resp, self._resp = self._resp, None
+            await resp.aclose()
+
+    async def _pages(self) -> AsyncIterator[P]:
+        path = self._path
+        try:
+            try:
+                resp = await self._api._request("GET", path, params=self._params, stream=True,
+                                                accept="application/x-ndjson, application/json",
+                                                read_timeout=self._read_timeout)
+            except PermanentError as e:
+                if e.status == 400 or (e.status in (404, 405) and e.code in ("", "not_found", "method_not_allowed")):
+                    log.debug("the control plane does not stream; long-polling",
+                             extra={"path": path, "status": e.status, "code": e.code})
+                    self.streaming = False
+                    return
+                raise
+            self._resp = resp
+            ctype = resp.headers.get("content-type", "").split(";")[0].strip().lower()
+            if ctype != "application/x-ndjson":
+                self.streaming = False
+                try:
+                    await resp.aread()
+                except httpx.HTTPError as exc:
+                    raise _transport_error(exc, "GET", path) from None
+                log.debug("the control plane does not stream; long-polling", extra={"path": path})
+                yield ApiSession._parse(self._model, resp, "GET", path)
+                return
+            self.streaming = True
+            try:
+                async for line in resp.aiter_lines():
+                    self._api.last_answer = time.monotonic()  # a heartbeat is an answer too
+                    if not line.strip():
+                        continue
+                    if line.startswith('{"error"'):
+                        raise _line_error(line, path)
+                    yield ApiSession._parse_bytes(self._model, line.encode(), resp.status_code, "GET", path)
+            except httpx.HTTPError as exc:
+                raise _transport_error(exc, "GET", path) from None
+        finally:
+            await self._close_response()
+
+
+def _line_error(line: str, path: str) -> ApiError:
+    """The exception of a stream's last line ``{"error": <problem>}`` (classified like an
+    HTTP answer with that problem)."""
+    try:
+        problem = json.loads(line)["error"]
+        status = int(problem["status"])
+    except (ValueError, KeyError, TypeError):
+        return TransientError(f"GET {path}: unreadable error line on a stream", code="bad_response",
+                              method="GET", path=path)
+    return _http_error(httpx.Response(status, json=problem), "GET", path)
