@@ -13,6 +13,7 @@ tree (``unlinked``) leaves the tables once neither the kernel nor an open handle
 """
 from __future__ import annotations
 
+import enum
 import errno
 import logging
 import os
@@ -38,7 +39,36 @@ RENAME_EXCHANGE = 2
 DEFAULT_MAX_RECORD_BYTES = 1 << 20
 DEFAULT_MAX_STORE_BYTES = 64 << 20
 DEFAULT_MAX_RECORDS = 10_000
-CLEAN, PENDING, REJECTED = "clean", "pending", "rejected"  # Node.state
+
+
+class WriteState(enum.StrEnum):
+    """A file's write state, ``Node.state`` (mountpoint-s3's explicit upload state): where its
+    current content stands with the control plane. Its value is what ``user.memfuse.state``
+    and ``errors`` show (``"clean"``...; a ``StrEnum``, so it compares equal to that string).
+
+    - ``CLEAN``: the content is the record's last known version (or a file never written).
+    - ``PENDING``: a ``put`` of the content is in the outbox (``Node.last_put``, never None
+      in this state), not yet answered.
+    - ``REJECTED``: the content is refused for good (by ``_precheck``, a size limit of the
+      write session, or the control plane); kept here, not sent, until rewritten.
+
+    Transitions (each written once, where it happens; INVARIANTS.md "Write state"):
+    CLEAN / PENDING / REJECTED → PENDING: ``commit`` submits a put (``overlay_outbox`` at
+    start: a replayed put); PENDING → CLEAN: that put's success (``_on_commit``, when it is
+    still ``last_put``); any → CLEAN: a remote version shown (``_set_clean``); any →
+    REJECTED: a refused write or truncate of the session (``_check_size``, ``_check_growth``,
+    ``_judge``), a commit refused here, the put refused by the control plane, a rejected file
+    put back at start (``RejectedFiles``). Directories and control files stay CLEAN. The
+    orthogonal ``Node.dirty`` says a write session changed the content since the last
+    commit: the state then still describes the content before it.
+    """
+
+    CLEAN = "clean"
+    PENDING = "pending"
+    REJECTED = "rejected"
+
+
+CLEAN, PENDING, REJECTED = WriteState.CLEAN, WriteState.PENDING, WriteState.REJECTED
 DIR_MODE = 0o755  # permission bits of a directory nobody chmod-ed
 DIR_MODES_KEY = "_modes"  # dirs.json: {slug: {dir path ("" = store root): mode}}; never a slug
 
@@ -131,7 +161,7 @@ class Node:
         self._sha = b""  # the sha256 as 32 bytes (shared with the mirror's entry), b"": none
         self.size = 0
         self.dirty = False
-        self.state = CLEAN
+        self.state: WriteState = CLEAN
         self.nlookup = 0
         self.updated_ns = 0  # ns since the epoch of the record's last version; 0: none
         self._x: dict | None = None
@@ -340,6 +370,13 @@ class InodeTable:
                 f"store {slug}: count/used {(sm.count, sm.used)} != recount"
             assert (sm.local_count, sm.local_used) == (len(loc), sum(n.cur_size() for n in loc)), \
                 f"store {slug}: local count/used != recount"
+            for n in files:  # the write state (WriteState's docstring)
+                assert isinstance(n.state, WriteState), f"{n.path()!r}: state {n.state!r}"
+                assert n.state != PENDING or n.last_put is not None, \
+                    f"{n.path()!r}: pending without its put"
+        for n in self.inodes.values():
+            assert n.state == CLEAN or not (n.is_dir or n.special), \
+                f"{n.path()!r}: a directory or control file in state {n.state}"
 
     def _new_node(self, name: str, parent: Node | None, is_dir: bool, store: StoreMount | None,
                   mode: int, now_ns: int, uid: int | None = None, gid: int | None = None) -> Node:
