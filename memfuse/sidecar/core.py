@@ -12,11 +12,12 @@ committer, the sidecar as its ``listeners.FsListener``); it builds its ``Committ
 that committer's ``listeners.CommitListener``. Its concerns are one module each, mixed in,
 each declaring at class level the attributes it uses: ``inodes.InodeTable`` (the tables,
 lookups, handles, ``check_invariants``), ``remote.RemoteApply`` (store loading, feed
-changes, snapshots), ``namespace.NamespaceOps`` (mkdir, unlink, rmdir, rename),
-``attributes.AttributeOps`` (setattr, xattrs), ``rejected.RejectedFiles`` and
-``localfiles.LocalFiles``; this module keeps the write sessions (open / write / truncate /
-flush / fsync / release and ``commit``), the results of commits and the directory list. The
-control files are ``control.ControlFiles``.
+changes, snapshots), ``namespace.NamespaceOps`` (mkdir, unlink, rmdir, rename, the directory list),
+``attributes.AttributeOps`` (setattr, xattrs), ``rejected.RejectedFiles``,
+``localfiles.LocalFiles``, ``limits.WriteLimits`` (the refusals at write(2): size limits
+and content checks) and ``overlay.OutboxOverlay`` (a backlog at start shown on the tree);
+this module keeps the write sessions (open / write / truncate / flush / fsync / release and
+``commit``) and the results of commits. The control files are ``control.ControlFiles``.
 
 Concurrency: every method runs on the trio thread. Methods without ``await`` are atomic with
 respect to each other; the only awaits are in ``flush`` / ``fsync`` (waiting for the outbox),
@@ -29,7 +30,6 @@ submitted.
 """
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import logging
@@ -46,15 +46,17 @@ import trio
 from .. import content as content_rules  # the server enforces the same rules
 from .. import names
 from ..errors import errno_of
-from ..wire import MODE_MASK, datetime_ns, sha256_hex
+from ..defs import MODE_MASK, datetime_ns, sha256_hex
 
 from .attributes import AttributeOps
 from .blobcache import BlobCache
-from .cachedir import CacheError, cache_error, write_private
+from .cachedir import CacheError
 from .control import CONTROL_DIR, FILES, ControlFiles
-from .inodes import (CLEAN, DIR_MODE, DIR_MODES_KEY, PENDING, REJECTED, ROOT_INO, FsError,
-                     Handle, InodeTable, Node, Settings, StoreMount, shared_mode)
+from .inodes import (CLEAN, PENDING, REJECTED, ROOT_INO, FsError, Handle, InodeTable, Node, Settings,
+                     StoreMount)
 from .namespace import NamespaceOps
+from .limits import WriteLimits
+from .overlay import OutboxOverlay
 from .committer import Committer
 from .identity import RecordIds
 from .journal import ATTRS, DELETE, JOURNAL_WAIT, MOVE, MOVE_PREFIX, PUT, Barrier, Entry, Journal
@@ -62,7 +64,6 @@ from .listeners import FsListener
 from .localfiles import LocalFiles
 from .rejected import RejectedFiles
 from .remote import RemoteApply
-from .writecheck import Refusal, WriteChecker
 
 log = logging.getLogger("memfuse.fs")
 
@@ -77,7 +78,8 @@ __all__ = ["Filesystem", "FsListener", "FsError", "Settings", "Node", "Handle", 
            "CONTROL_DIR", "CLEAN", "PENDING", "REJECTED"]
 
 
-class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFiles, LocalFiles):
+class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFiles, LocalFiles,
+                 WriteLimits, OutboxOverlay):
     """The namespace and semantics of one memfuse mount (see module docstring).
 
     Parts, given at construction (nothing is wired from outside afterwards): ``blobs`` (the
@@ -181,61 +183,6 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         if sm is not None:
             self.take_local(sm)
         return super().remove_store(slug)
-
-    # ------------------------------------------------------------------ directories (dirs.json)
-    def _ensure_dir(self, sm: StoreMount, parts: list[str], ts: int,
-                    inv: list[tuple] | None = None) -> Node | None:
-        """The directory at ``parts`` under the store root, made where missing (each new one
-        added to ``inv`` as an entry to invalidate); None when the path crosses a file."""
-        d = sm.root
-        for comp in parts:
-            child = d.children.get(comp)
-            if child is None:
-                child = self._new_node(comp, d, True, sm, 0o755, ts)
-                if inv is not None:
-                    inv.append(("entry", d.ino, comp))
-            elif not child.is_dir:
-                return None
-            d = child
-        return d
-
-    def save_dirs(self) -> None:
-        """Persist every directory path of every store (``dirs.json`` in the cache), so a
-        directory made by mkdir and still empty survives a restart of the sidecar. Atomic
-        (tmp + rename); directories holding records are implied by them anyway."""
-        if self.dirs_file is None:
-            return
-        out: dict = {}
-        modes: dict[str, dict[str, int]] = {}
-        for slug, sm in self.stores.items():
-            paths: list[str] = []
-            chmodded = {"": stat.S_IMODE(sm.root.mode)} if stat.S_IMODE(sm.root.mode) != DIR_MODE else {}
-            stack = [sm.root]
-            while stack:
-                d = stack.pop()
-                for c in d.children.values():
-                    if c.is_dir:
-                        paths.append(c.path())
-                        stack.append(c)
-                        if stat.S_IMODE(c.mode) != DIR_MODE:
-                            chmodded[c.path()] = stat.S_IMODE(c.mode)
-            out[slug] = sorted(paths)
-            if chmodded:
-                modes[slug] = chmodded
-        out[DIR_MODES_KEY] = modes
-        tmp = self.dirs_file.with_suffix(".tmp")
-        try:
-            write_private(tmp, json.dumps(out))
-            os.replace(tmp, self.dirs_file)
-        except OSError as exc:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            err = cache_error(exc, "saving the directory list")
-            if self.metrics is not None:
-                self.metrics.cache_write_errors.labels(
-                    "dirs", errno.errorcode.get(err.errno, str(err.errno))).inc()
-            raise err from exc
-        self.saved_dirs = out
 
     # ------------------------------------------------------------------ checks
     def _store_of(self, n: Node) -> StoreMount:
@@ -345,54 +292,6 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             n.buf = bytearray(self._content(n))
         return n.buf
 
-    def _check_size(self, n: Node, size: int, truncating: bool = False) -> None:
-        """``EFBIG`` when a write ending at byte ``size`` (or, ``truncating``, a truncation
-        to ``size`` bytes) passes the store's ``max_record_bytes``. The reason says what is
-        known at that moment: where the refused write reached (the kernel hands a large
-        write over in chunks, so the file the writer meant may be larger still), never a
-        guess of the file's final size."""
-        sm = n.store
-        if sm is not None and size > sm.max_record_bytes and not n.local_only:
-            if truncating:
-                reason = (f"truncating to {size} bytes exceeds the store's max_record_bytes "
-                          f"{sm.max_record_bytes}")
-            else:
-                reason = (f"a write reaching byte {size} exceeds the store's max_record_bytes "
-                          f"{sm.max_record_bytes}")
-            self._note_size_refusal(n, errno_of("record_too_large"), reason, "record_too_large")
-            # What this write session left behind (often a truncation at open plus part of
-            # the content) must not replace the stored record: hold it back until the next
-            # open for writing (docs/SEMANTICS.md: the stored record untouched).
-            if n.dirty and n.refused != errno.EFBIG:  # else nothing changed, or held already
-                n.refused, n.state, n.error = errno.EFBIG, REJECTED, reason
-            raise FsError.of("record_too_large", reason)
-
-    def _note_size_refusal(self, n: Node, err: int, reason: str, code: str) -> None:
-        """``note_error`` for a write / truncate refused for size, once per refusal: a
-        write(2) the kernel split in chunks returns the bytes written before the refused
-        chunk, and the writer (``dd``, Python's ``write``, coreutils) retries the rest, which
-        is refused again for the same reason; this session is already held back with it, so
-        it is one refusal and one ``errors.log`` line."""
-        if n.refused == err:
-            return  # this session is held back for that already (the reason may name
-            # another byte: a writer retrying the rest may be refused at another chunk)
-        self.note_error(n.parent, n.name, err, reason, code)
-
-    def _check_growth(self, n: Node, new_size: int) -> None:
-        """``ENOSPC`` when growing ``n`` to ``new_size`` passes the store's byte quota."""
-        sm = n.store
-        grow = new_size - n.cur_size()
-        if sm is None or grow <= 0 or sm.used + sm.local_used + grow <= sm.max_store_bytes:
-            return
-        reason = (f"store {sm.slug} would hold {sm.used + sm.local_used + grow} bytes, "
-                  f"limit {sm.max_store_bytes}")
-        if sm.local_used:
-            reason += f" ({sm.local_used} of them in local-only files)"
-        self._note_size_refusal(n, errno_of("store_full"), reason, "store_full")
-        if n.dirty and not n.local_only:
-            n.refused, n.state, n.error = errno.ENOSPC, REJECTED, reason
-        raise FsError.of("store_full", reason)
-
     def write(self, h: Handle, off: int, data: bytes) -> int:
         """write(2) of ``data`` at byte offset ``off`` (the end for ``O_APPEND``) through
         ``h``; returns the number of bytes written. Raises ``FsError``: ``EBADF`` (not open for
@@ -416,42 +315,6 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         self._touch_content(n)
         h.modified = True
         return len(data)
-
-    def _judge(self, n: Node, buf: bytearray, off: int, data: bytes | None = None,
-               size: int | None = None) -> None:
-        """Refusals at write(2): raise ``FsError`` when writing ``data`` at ``off`` (or, with
-        ``size``, ftruncate to it) would make the content refusable (``writecheck``); the
-        change is then not applied, and the refusal is one ``errors.log`` line (a writer
-        retrying the same write is not logged again)."""
-        if n.local_only or n.store is None:
-            return
-        ch = n.checker
-        if ch is None:
-            trusted = not buf or (n.state == CLEAN and not n.dirty)
-            ch = n.checker = WriteChecker(buf, trusted=trusted,
-                                          type_rule=lambda text: self._type_refusal(n, text))
-        r = ch.check_write(buf, off, data) if size is None else ch.check_truncate(buf, size)
-        if r is None:
-            return
-        if ch.last_refused != (r.reason, off):  # the rest of a split write(2) retried: one line
-            ch.last_refused = (r.reason, off)
-            self.note_error(n.parent, n.name, r.errno, r.reason, r.code)
-        if n.dirty and not n.refused:
-            # as for EFBIG: what this session left behind (a truncation at open, vim's
-            # ftruncate, earlier writes) must not replace the stored record; held back
-            # until the next open for writing, and its close reports the refusal too
-            n.refused, n.state, n.error = r.errno, REJECTED, r.reason
-            n.last_put = None  # an earlier put landing later must not mark it clean
-        raise FsError(r.errno, r.reason, r.code)
-
-    def _type_refusal(self, n: Node, text: str) -> Refusal | None:
-        """The refusal of a file ``n`` whose text starts with ``text`` for its type (the
-        frontmatter's, unless ``user.memfuse.type`` set one; none for ``MEMORY.md``)."""
-        try:
-            content_rules.check_type(content_rules.record_type(n.path(), text, n.type_override, "project"))
-        except ValueError as e:
-            return Refusal("invalid_type", str(e) or "invalid record type")
-        return None
 
     def truncate(self, n: Node, size: int, *, judge: bool = False) -> None:
         """Set the file's size to ``size`` bytes (cut, or zero-filled). Raises ``FsError``:
@@ -620,164 +483,6 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         n.state, n.error = PENDING, ""
         self.sync_rejected()  # a fixed file is no longer kept as rejected (same batch as e)
         return e
-
-    # ------------------------------------------------------------------ a backlog at start
-    def overlay_outbox(self, entries: list[Entry]) -> int:
-        """Show what the outbox a previous process left holds on top of the stores just
-        loaded (the control plane's state), before the mount serves and while the backlog
-        drains (docs/SEMANTICS.md, "A backlog drains behind the mount"): ``entries`` (in
-        order, not yet sent again) are applied to the tree as the local operations they
-        were: a ``put`` gives its file that content (a file created here gets a node with
-        the entry's ``n:`` key), ``delete`` unlinks, ``move`` / ``move_prefix`` move (a
-        file already at the target is replaced), ``attrs`` sets mode / mtime. Each file
-        with a queued put is ``pending`` with that put as ``last_put``, so its commit makes
-        it clean as for a write of this process, and the feed (which waits until the
-        store's outbox is empty) never shows an older version over it. A record's clean
-        sha256 becomes the base of its update first (``RecordIds.note_default``, as
-        ``commit`` does), so a rival change is merged, not taken for ours. Only each file's
-        last content is read and hashed. Entries of stores not mounted are skipped (they
-        still commit). Synchronous: call before the mount (no kernel invalidation is made).
-        Returns the number of entries applied."""
-        last: dict[int, tuple[Node, Entry]] = {}  # ino -> (file, its last queued put)
-        applied = 0
-        for e in entries:
-            sm = self.stores.get(e.store)
-            if sm is None or sm.root.children is None:
-                continue
-            a = e.args
-            try:
-                if e.op == MOVE_PREFIX:
-                    self._overlay_move(sm, self._node_at(sm, a.get("from", "")), a.get("to", ""), e)
-                    applied += 1
-                    continue
-                n = self._overlay_node(sm, e.node_key)
-                if e.op == PUT:
-                    if n is None:
-                        n = self._overlay_file(sm, a.get("path", ""), e)
-                        if n is None:
-                            continue
-                    if n._key is None and n.sha:
-                        self.ids.note_default(n.key, n.record_id, n.sha)  # the base of the update
-                    if a.get("mode") is not None:
-                        n.mode = shared_mode(stat.S_IFREG | stat.S_IMODE(a["mode"]))
-                    if a.get("type") is not None:
-                        n.type_override = a["type"]
-                    n.xmtime = a.get("mtime_ns")
-                    ts = int(e.created * 1e9)
-                    n.ctime_ns = ts
-                    n.mtime_ns = n.xmtime if n.xmtime is not None else ts
-                    n.last_put = e
-                    n.state, n.error = PENDING, ""
-                    last[n.ino] = (n, e)
-                elif n is None:
-                    continue
-                elif e.op == DELETE:
-                    n.dirty = False
-                    self._detach(n)
-                    last.pop(n.ino, None)
-                elif e.op == MOVE:
-                    self._overlay_move(sm, n, a.get("to", ""), e)
-                elif e.op == ATTRS:
-                    if a.get("mode") is not None:
-                        n.mode = shared_mode(stat.S_IFREG | stat.S_IMODE(a["mode"]))
-                    if "mtime_ns" in a:
-                        n.xmtime = a["mtime_ns"]
-                        n.mtime_ns = n.xmtime if n.xmtime is not None else n.updated_ns
-                applied += 1
-            except (FsError, KeyError, TypeError, ValueError) as exc:  # a shape the tree cannot take
-                log.warning("a queued change could not be shown before it commits",
-                            extra={"store": e.store, "op": e.op, "entry": e.id, "error": str(exc)})
-        for n, e in last.values():
-            if n.unlinked:
-                continue
-            data = e.content
-            if data is None and e.deferred:
-                data = self.committer.journal.read_content(e.id)
-                e.content, e.deferred = data, False
-            data = data or b""
-            old = n.cur_size()
-            self._hold_content(n, data, sha256_hex(data), "a queued write")
-            self._account(n, n.cur_size() - old)
-        return applied
-
-    def _overlay_node(self, sm: StoreMount, key: str | None) -> Node | None:
-        """The file of store ``sm`` a queued entry's node ``key`` names: by key, or (a file
-        created by the previous process, ``n:<uuid>``, since committed) through the
-        record id the key map holds for it; such a node takes the key back, as it had it in
-        that process, so the entry's result finds it (``_on_commit``)."""
-        n = self.node_by_key(key)
-        if n is None and key:
-            rid = self.ids.record_id(key)
-            n = self.by_rid.get(rid) if rid else None
-            if n is not None and not (n.unlinked or n.store is not sm or n.is_dir):
-                if n._key and self.by_key.get(n._key) is n:
-                    del self.by_key[n._key]
-                n._key = key
-                self.by_key[key] = n
-        if n is not None and (n.unlinked or n.store is not sm or n.is_dir):
-            return None
-        return n
-
-    def _node_at(self, sm: StoreMount, path: str) -> Node | None:
-        """The node at store-relative ``path`` (None when absent or crossing a file)."""
-        d: Node | None = sm.root
-        for comp in path.split("/") if path else ():
-            if d is None or d.children is None:
-                return None
-            d = d.children.get(comp)
-        return d
-
-    def _overlay_place(self, sm: StoreMount, path: str, keep: Node | None) -> tuple[Node, str] | None:
-        """The directory and name for ``path`` (directories made where missing), after
-        detaching whatever other than ``keep`` is there (a file, or an empty directory:
-        the queued change replaced it); None when the path crosses a file or lands on a
-        directory that is not empty."""
-        parts = path.split("/")
-        d = self._ensure_dir(sm, parts[:-1], time.time_ns())
-        if d is None or not parts[-1]:
-            return None
-        old = d.children.get(parts[-1])
-        if old is not None and old is not keep:
-            if old.is_dir and old.children:
-                return None
-            old.dirty = False
-            self._detach(old)
-        return d, parts[-1]
-
-    def _overlay_file(self, sm: StoreMount, path: str, e: Entry) -> Node | None:
-        """A node for the file a queued ``put`` of ``e.node_key`` created (not in the
-        tree the control plane gave), at ``path``."""
-        place = self._overlay_place(sm, path, None)
-        if place is None or not e.node_key:
-            log.warning("a queued write's path is taken by a directory; shown once committed",
-                        extra={"store": sm.slug, "entry": e.id})
-            return None
-        d, name = place
-        n = self._new_node(name, d, False, sm, stat.S_IMODE(e.args.get("mode") or 0o644),
-                           int(e.created * 1e9))
-        n.key = e.node_key
-        self.by_key[e.node_key] = n
-        self._live(n, +1)
-        return n
-
-    def _overlay_move(self, sm: StoreMount, n: Node | None, to: str, e: Entry) -> None:
-        """Move ``n`` (a file or a directory) to store-relative ``to`` for a queued move."""
-        if n is None or n is sm.root or not to:
-            return
-        place = self._overlay_place(sm, to, n)
-        if place is None:
-            log.warning("a queued move's target is taken; shown once committed",
-                        extra={"store": sm.slug, "entry": e.id})
-            return
-        d, name = place
-        a = d
-        while a is not None:  # never into itself
-            if a is n:
-                return
-            a = a.parent
-        del n.parent.children[n.name]
-        n.name, n.parent = name, d
-        d.children[name] = n
 
     def commit_quietly(self, n: Node) -> None:
         """``commit`` for callers with no syscall to fail (release, rename, a type change,
@@ -1034,17 +739,6 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         n.mtime_ns = n.ctime_ns = n.updated_ns
         self.committer.forget_merge(n.key)
         self.invalidate([("inode", n.ino)])
-
-    # ------------------------------------------------------------------ directory list
-    def _save_dirs_logged(self) -> None:
-        """``save_dirs`` after a change that already happened (rmdir, rename, a directory's
-        chmod): a failure is logged and counted; an empty directory may then reappear, or be
-        missing, or lose its mode, after a restart (the list is written again at the next
-        change)."""
-        try:
-            self.save_dirs()
-        except CacheError as err:
-            log.warning("directory list not saved", extra={"reason": err.reason})
 
     # ------------------------------------------------------------------ status
     def status(self) -> dict:

@@ -1,39 +1,55 @@
-"""Namespace changes of a memfuse mount: mkdir, unlink, rmdir, rename.
+"""Namespace changes of a memfuse mount: mkdir, unlink, rmdir, rename, and the directory list.
 
 ``NamespaceOps`` is the part of ``core.Filesystem`` that changes the tree on behalf of a
 syscall. Each change applies locally at once and queues its outbox entries
 (``DELETE``, ``MOVE``, ``MOVE_PREFIX``) with the paths of that moment, so the control plane
 sees the local sequence. Renames follow rename(2) / renameat2(2) (``RENAME_NOREPLACE``;
 ``RENAME_EXCHANGE`` → ``EINVAL``; across stores → ``EXDEV``); a file renamed over another takes
-over the target's record (docs/SEMANTICS.md, "Namespace changes"). Nothing here awaits.
+over the target's record (docs/SEMANTICS.md, "Namespace changes"). Empty directories made by
+mkdir, and directory modes, are local to this sidecar: kept in ``dirs.json`` in the cache
+(``save_dirs``, written whole on every change of the directory set). Nothing here awaits.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
+import json
+import logging
+import os
 import stat
 import time
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from .. import names
-from .inodes import PENDING, RENAME_EXCHANGE, RENAME_NOREPLACE, FsError, Node, StoreMount
-from .cachedir import CacheError
+from .inodes import (DIR_MODE, DIR_MODES_KEY, PENDING, RENAME_EXCHANGE, RENAME_NOREPLACE, FsError,
+                     Node, StoreMount)
+from .cachedir import CacheError, cache_error, write_private
 from .journal import DELETE, MOVE, MOVE_PREFIX
 
 if TYPE_CHECKING:
     from .committer import Committer
 
+log = logging.getLogger("memfuse.fs")
+
 
 class NamespaceOps:
-    """mkdir, unlink, rmdir and rename of ``core.Filesystem`` (module docstring); mixed into
-    it. Each operation changes the tree and queues its outbox entries with no ``await`` in
-    between (``Committer.submit`` is synchronous): the order of a store's entries is the
-    order of the syscalls."""
+    """mkdir, unlink, rmdir and rename of ``core.Filesystem``, and its directory list
+    (module docstring); mixed into it. Each operation changes the tree and queues its outbox
+    entries with no ``await`` in between (``Committer.submit`` is synchronous): the order of
+    a store's entries is the order of the syscalls."""
 
     # what this part uses of the filesystem (declared here, S3QL style; created by
     # ``Filesystem.__init__``)
     inodes: dict[int, Node]
     by_key: dict[str, Node]
+    stores: dict[str, StoreMount]
     committer: Committer
+    metrics: Any
+    dirs_file: Path | None
+    #: slug -> directory paths made here; ``DIR_MODES_KEY`` -> their modes (``dirs.json``)
+    saved_dirs: dict[str, Any]
+    _local: set[Node]  # ``LocalFiles``: the local-only files
 
     def mkdir(self, parent_ino: int, name: bytes, mode: int, uid: int, gid: int) -> Node:
         """mkdir(2) of ``name`` in ``parent_ino`` (permission bits ``mode``, owner ``uid`` /
@@ -230,3 +246,68 @@ class NamespaceOps:
         self.committer.submit(sm.slug, MOVE, src.key, {"path": old_path, "to": new_path,
                                                         "replace": False})
         return False
+
+    # ------------------------------------------------------------------ directories (dirs.json)
+    def _ensure_dir(self, sm: StoreMount, parts: list[str], ts: int,
+                    inv: list[tuple] | None = None) -> Node | None:
+        """The directory at ``parts`` under the store root, made where missing (each new one
+        added to ``inv`` as an entry to invalidate); None when the path crosses a file."""
+        d = sm.root
+        for comp in parts:
+            child = d.children.get(comp)
+            if child is None:
+                child = self._new_node(comp, d, True, sm, 0o755, ts)
+                if inv is not None:
+                    inv.append(("entry", d.ino, comp))
+            elif not child.is_dir:
+                return None
+            d = child
+        return d
+
+    def save_dirs(self) -> None:
+        """Persist every directory path of every store (``dirs.json`` in the cache), so a
+        directory made by mkdir and still empty survives a restart of the sidecar. Atomic
+        (tmp + rename); directories holding records are implied by them anyway."""
+        if self.dirs_file is None:
+            return
+        out: dict = {}
+        modes: dict[str, dict[str, int]] = {}
+        for slug, sm in self.stores.items():
+            paths: list[str] = []
+            chmodded = {"": stat.S_IMODE(sm.root.mode)} if stat.S_IMODE(sm.root.mode) != DIR_MODE else {}
+            stack = [sm.root]
+            while stack:
+                d = stack.pop()
+                for c in d.children.values():
+                    if c.is_dir:
+                        paths.append(c.path())
+                        stack.append(c)
+                        if stat.S_IMODE(c.mode) != DIR_MODE:
+                            chmodded[c.path()] = stat.S_IMODE(c.mode)
+            out[slug] = sorted(paths)
+            if chmodded:
+                modes[slug] = chmodded
+        out[DIR_MODES_KEY] = modes
+        tmp = self.dirs_file.with_suffix(".tmp")
+        try:
+            write_private(tmp, json.dumps(out))
+            os.replace(tmp, self.dirs_file)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            err = cache_error(exc, "saving the directory list")
+            if self.metrics is not None:
+                self.metrics.cache_write_errors.labels(
+                    "dirs", errno.errorcode.get(err.errno, str(err.errno))).inc()
+            raise err from exc
+        self.saved_dirs = out
+
+    def _save_dirs_logged(self) -> None:
+        """``save_dirs`` after a change that already happened (rmdir, rename, a directory's
+        chmod): a failure is logged and counted; an empty directory may then reappear, or be
+        missing, or lose its mode, after a restart (the list is written again at the next
+        change)."""
+        try:
+            self.save_dirs()
+        except CacheError as err:
+            log.warning("directory list not saved", extra={"reason": err.reason})

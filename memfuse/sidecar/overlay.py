@@ -1,0 +1,194 @@
+"""A backlog at start: the part of ``core.Filesystem`` that shows the outbox a previous
+process left on top of the stores just loaded (docs/SEMANTICS.md, "A backlog drains behind
+the mount"; INVARIANTS.md, "Crash states").
+
+``OutboxOverlay.overlay_outbox`` applies the queued entries to the tree as the local
+operations they were, before the mount serves and before ``Committer.replay`` queues them
+again; nothing here awaits and no kernel invalidation is made (nothing is mounted yet).
+"""
+from __future__ import annotations
+
+import logging
+import stat
+import time
+from typing import TYPE_CHECKING
+
+from ..defs import sha256_hex
+from .inodes import PENDING, FsError, Node, StoreMount, shared_mode
+from .journal import ATTRS, DELETE, MOVE, MOVE_PREFIX, PUT, Entry
+
+if TYPE_CHECKING:
+    from .committer import Committer
+    from .identity import RecordIds
+
+log = logging.getLogger("memfuse.fs")
+
+
+class OutboxOverlay:
+    """The queued entries of a previous process shown on the tree at start (module
+    docstring); mixed into ``core.Filesystem``."""
+
+    # what this part uses of the filesystem (declared here, S3QL style; created by
+    # ``Filesystem.__init__``)
+    by_key: dict[str, Node]
+    by_rid: dict[str, Node]
+    stores: dict[str, StoreMount]
+    ids: RecordIds
+    committer: Committer
+
+    def overlay_outbox(self, entries: list[Entry]) -> int:
+        """Show what the outbox a previous process left holds on top of the stores just
+        loaded (the control plane's state), before the mount serves and while the backlog
+        drains (docs/SEMANTICS.md, "A backlog drains behind the mount"): ``entries`` (in
+        order, not yet sent again) are applied to the tree as the local operations they
+        were: a ``put`` gives its file that content (a file created here gets a node with
+        the entry's ``n:`` key), ``delete`` unlinks, ``move`` / ``move_prefix`` move (a
+        file already at the target is replaced), ``attrs`` sets mode / mtime. Each file
+        with a queued put is ``pending`` with that put as ``last_put``, so its commit makes
+        it clean as for a write of this process, and the feed (which waits until the
+        store's outbox is empty) never shows an older version over it. A record's clean
+        sha256 becomes the base of its update first (``RecordIds.note_default``, as
+        ``commit`` does), so a rival change is merged, not taken for ours. Only each file's
+        last content is read and hashed. Entries of stores not mounted are skipped (they
+        still commit). Synchronous: call before the mount (no kernel invalidation is made).
+        Returns the number of entries applied."""
+        last: dict[int, tuple[Node, Entry]] = {}  # ino -> (file, its last queued put)
+        applied = 0
+        for e in entries:
+            sm = self.stores.get(e.store)
+            if sm is None or sm.root.children is None:
+                continue
+            a = e.args
+            try:
+                if e.op == MOVE_PREFIX:
+                    self._overlay_move(sm, self._node_at(sm, a.get("from", "")), a.get("to", ""), e)
+                    applied += 1
+                    continue
+                n = self._overlay_node(sm, e.node_key)
+                if e.op == PUT:
+                    if n is None:
+                        n = self._overlay_file(sm, a.get("path", ""), e)
+                        if n is None:
+                            continue
+                    if n._key is None and n.sha:
+                        self.ids.note_default(n.key, n.record_id, n.sha)  # the base of the update
+                    if a.get("mode") is not None:
+                        n.mode = shared_mode(stat.S_IFREG | stat.S_IMODE(a["mode"]))
+                    if a.get("type") is not None:
+                        n.type_override = a["type"]
+                    n.xmtime = a.get("mtime_ns")
+                    ts = int(e.created * 1e9)
+                    n.ctime_ns = ts
+                    n.mtime_ns = n.xmtime if n.xmtime is not None else ts
+                    n.last_put = e
+                    n.state, n.error = PENDING, ""
+                    last[n.ino] = (n, e)
+                elif n is None:
+                    continue
+                elif e.op == DELETE:
+                    n.dirty = False
+                    self._detach(n)
+                    last.pop(n.ino, None)
+                elif e.op == MOVE:
+                    self._overlay_move(sm, n, a.get("to", ""), e)
+                elif e.op == ATTRS:
+                    if a.get("mode") is not None:
+                        n.mode = shared_mode(stat.S_IFREG | stat.S_IMODE(a["mode"]))
+                    if "mtime_ns" in a:
+                        n.xmtime = a["mtime_ns"]
+                        n.mtime_ns = n.xmtime if n.xmtime is not None else n.updated_ns
+                applied += 1
+            except (FsError, KeyError, TypeError, ValueError) as exc:  # a shape the tree cannot take
+                log.warning("a queued change could not be shown before it commits",
+                            extra={"store": e.store, "op": e.op, "entry": e.id, "error": str(exc)})
+        for n, e in last.values():
+            if n.unlinked:
+                continue
+            data = e.content
+            if data is None and e.deferred:
+                data = self.committer.journal.read_content(e.id)
+                e.content, e.deferred = data, False
+            data = data or b""
+            old = n.cur_size()
+            self._hold_content(n, data, sha256_hex(data), "a queued write")
+            self._account(n, n.cur_size() - old)
+        return applied
+
+    def _overlay_node(self, sm: StoreMount, key: str | None) -> Node | None:
+        """The file of store ``sm`` a queued entry's node ``key`` names: by key, or (a file
+        created by the previous process, ``n:<uuid>``, since committed) through the
+        record id the key map holds for it; such a node takes the key back, as it had it in
+        that process, so the entry's result finds it (``_on_commit``)."""
+        n = self.node_by_key(key)
+        if n is None and key:
+            rid = self.ids.record_id(key)
+            n = self.by_rid.get(rid) if rid else None
+            if n is not None and not (n.unlinked or n.store is not sm or n.is_dir):
+                if n._key and self.by_key.get(n._key) is n:
+                    del self.by_key[n._key]
+                n._key = key
+                self.by_key[key] = n
+        if n is not None and (n.unlinked or n.store is not sm or n.is_dir):
+            return None
+        return n
+
+    def _node_at(self, sm: StoreMount, path: str) -> Node | None:
+        """The node at store-relative ``path`` (None when absent or crossing a file)."""
+        d: Node | None = sm.root
+        for comp in path.split("/") if path else ():
+            if d is None or d.children is None:
+                return None
+            d = d.children.get(comp)
+        return d
+
+    def _overlay_place(self, sm: StoreMount, path: str, keep: Node | None) -> tuple[Node, str] | None:
+        """The directory and name for ``path`` (directories made where missing), after
+        detaching whatever other than ``keep`` is there (a file, or an empty directory:
+        the queued change replaced it); None when the path crosses a file or lands on a
+        directory that is not empty."""
+        parts = path.split("/")
+        d = self._ensure_dir(sm, parts[:-1], time.time_ns())
+        if d is None or not parts[-1]:
+            return None
+        old = d.children.get(parts[-1])
+        if old is not None and old is not keep:
+            if old.is_dir and old.children:
+                return None
+            old.dirty = False
+            self._detach(old)
+        return d, parts[-1]
+
+    def _overlay_file(self, sm: StoreMount, path: str, e: Entry) -> Node | None:
+        """A node for the file a queued ``put`` of ``e.node_key`` created (not in the
+        tree the control plane gave), at ``path``."""
+        place = self._overlay_place(sm, path, None)
+        if place is None or not e.node_key:
+            log.warning("a queued write's path is taken by a directory; shown once committed",
+                        extra={"store": sm.slug, "entry": e.id})
+            return None
+        d, name = place
+        n = self._new_node(name, d, False, sm, stat.S_IMODE(e.args.get("mode") or 0o644),
+                           int(e.created * 1e9))
+        n.key = e.node_key
+        self.by_key[e.node_key] = n
+        self._live(n, +1)
+        return n
+
+    def _overlay_move(self, sm: StoreMount, n: Node | None, to: str, e: Entry) -> None:
+        """Move ``n`` (a file or a directory) to store-relative ``to`` for a queued move."""
+        if n is None or n is sm.root or not to:
+            return
+        place = self._overlay_place(sm, to, n)
+        if place is None:
+            log.warning("a queued move's target is taken; shown once committed",
+                        extra={"store": sm.slug, "entry": e.id})
+            return
+        d, name = place
+        a = d
+        while a is not None:  # never into itself
+            if a is n:
+                return
+            a = a.parent
+        del n.parent.children[n.name]
+        n.name, n.parent = name, d
+        d.children[name] = n
