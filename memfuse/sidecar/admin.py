@@ -117,12 +117,12 @@ class AdminTarget(Protocol):
         """The process's metrics; ``/metrics`` exposes ``metrics.registry``."""
         ...
 
-    def status(self) -> dict:
+    def status(self) -> dict[str, Any]:
         """The status document (``/v1/status``, ``.memfuse/status.json``): a JSON-able dict,
         see ``Filesystem.status()``."""
         ...
 
-    async def mount_store(self, slug: str) -> dict:
+    async def mount_store(self, slug: str) -> dict[str, Any]:
         """Mount store ``slug`` now; return a JSON-able description of the result.
 
         Raises ``LookupError`` when the store is not attached to the workspace,
@@ -130,7 +130,7 @@ class AdminTarget(Protocol):
         """
         ...
 
-    async def unmount_store(self, slug: str) -> dict:
+    async def unmount_store(self, slug: str) -> dict[str, Any]:
         """Commit the store's dirty files (bounded wait), unmount it; return a JSON-able result.
 
         Raises ``LookupError`` when the store is not mounted.
@@ -444,7 +444,7 @@ def create_admin_app(target: AdminTarget, *, token: str | None = None, local: bo
 
 async def serve_admin(target: AdminTarget, listen: str = DEFAULT_ADMIN_LISTEN, *,
                       token: str | None = None, lock: trio.Lock | None = None,
-                      task_status=trio.TASK_STATUS_IGNORED) -> None:
+                      task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
     """Serve the admin API for ``target`` on ``listen`` (``HOST:PORT`` or ``[IPV6]:PORT``;
     port 0 picks a free port) until cancelled. Mutations need ``token`` (see
     ``create_admin_app``); ``lock`` serialises them with the Unix-socket listener.
@@ -474,7 +474,7 @@ async def serve_admin(target: AdminTarget, listen: str = DEFAULT_ADMIN_LISTEN, *
 
 
 async def serve_admin_unix(target: AdminTarget, path: Path, *, lock: trio.Lock | None = None,
-                           task_status=trio.TASK_STATUS_IGNORED) -> None:
+                           task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
     """Serve the admin API for ``target`` on a Unix socket at ``path`` (mode 0600: only the
     sidecar's user may connect; every endpoint, mutations without a token) until cancelled;
     the socket file is removed on the way out.
@@ -670,7 +670,8 @@ def _problem_bytes(status: int, code: str, instance: str) -> bytes:
                         "detail": "", "code": code, "instance": instance})
 
 
-async def _serve(app: Any, listener: trio.SocketListener, what: str, bound: str, task_status) -> None:
+async def _serve(app: Any, listener: trio.SocketListener, what: str, bound: str,
+                 task_status: trio.TaskStatus[str]) -> None:
     """Serve ``app`` on ``listener`` until cancelled (see ``serve_admin``): then stop accepting,
     close idle connections and give requests in flight up to ``GRACEFUL_TIMEOUT`` s."""
     server = _Server(app, what)
@@ -679,7 +680,7 @@ async def _serve(app: Any, listener: trio.SocketListener, what: str, bound: str,
     grace = trio.CancelScope(shield=True)
     stop = trio.Event()
 
-    async def connections(task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def connections(task_status: trio.TaskStatus[trio.Nursery] = trio.TASK_STATUS_IGNORED) -> None:
         with grace:
             async with trio.open_nursery() as conns:
                 task_status.started(conns)

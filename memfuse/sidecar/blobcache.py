@@ -14,9 +14,10 @@ import os
 import sqlite3
 import threading
 from pathlib import Path
-from typing import Any, Iterator
+from collections.abc import Callable, Iterable
+from typing import Any, Concatenate, Iterator, ParamSpec, TypeVar
 
-from ..wire import sha256_hex
+from ..defs import sha256_hex
 from .cachedir import private_file
 from .cachedir import CacheError, cache_error
 
@@ -48,12 +49,16 @@ def _trim_heap(db: sqlite3.Connection) -> None:
         pass
 
 
-def _locked(fn):
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _locked(fn: Callable[Concatenate[BlobCache, _P], _R]) -> Callable[Concatenate[BlobCache, _P], _R]:
     """Run the method under the cache's lock (``BlobCache``: one thread at a time)."""
-    @functools.wraps(fn)
-    def locked(self, *args, **kwargs):
+    def locked(self: BlobCache, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         with self._lock:
             return fn(self, *args, **kwargs)
+    functools.update_wrapper(locked, fn)
     return locked
 
 
@@ -230,7 +235,7 @@ class BlobCache:
         """Whether the blob with this sha256 (64 hex digits) is held."""
         return self._db.execute("SELECT 1 FROM blobs WHERE sha=?", (sha,)).fetchone() is not None
 
-    def missing(self, shas) -> set[str]:
+    def missing(self, shas: Iterable[str]) -> set[str]:
         """The sha256s of ``shas`` (an iterable of 64-hex-digit strings) not held:
         ``missing_digests`` for callers holding hex digits (a string that is not hex is
         never held). Raises ``CacheError(EIO)`` when the file cannot be read."""
@@ -244,7 +249,7 @@ class BlobCache:
         return out | {want[d] for d in self.missing_digests(want)}
 
     @_locked
-    def missing_digests(self, digests) -> set[bytes]:
+    def missing_digests(self, digests: Iterable[bytes]) -> set[bytes]:
         """The digests of ``digests`` (an iterable of sha256s as 32 ``bytes``) not held: the
         same as ``missing`` without a hex string per digest (a 100,000-record store asks
         for 100,000). One scan of the primary key (4,096 rows at a time), each key compared
@@ -360,7 +365,7 @@ class BlobCache:
         """Delete every blob whose sha256 (64 hex digits) is not in ``keep``, then
         ``checkpoint``; return how many were deleted: ``gc_digests`` for callers holding hex
         digits. Raises ``CacheError`` when the file cannot be written."""
-        digests = set()
+        digests: set[bytes] = set()
         for sha in keep:
             with contextlib.suppress(ValueError, TypeError):  # not hex: names no blob
                 digests.add(bytes.fromhex(sha))

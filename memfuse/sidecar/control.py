@@ -92,7 +92,7 @@ class _Tree(Protocol):
 class _Host(Protocol):
     """What the control files ask of the sidecar (``core.FsListener`` has both)."""
 
-    def status(self) -> dict: ...
+    def status(self) -> dict[str, Any]: ...
 
     def committed_size(self, slug: str, record_id: str) -> int | None: ...
 
@@ -110,7 +110,7 @@ class ControlFiles:
     def __init__(self, fs: _Tree, journal: "Journal | None" = None,
                  host: "_Host | None" = None, mount_root: str = "") -> None:
         self.fs = fs
-        self.errors: deque[dict] = deque(maxlen=ERRORS_KEPT)
+        self.errors: deque[dict[str, Any]] = deque(maxlen=ERRORS_KEPT)
         #: where the lines are kept across restarts (``journal.Journal``), None: memory only
         self.journal = journal
         if self.journal is not None:
@@ -120,7 +120,7 @@ class ControlFiles:
         #: refusals noted by this process (``note_error``: decided here or by the control
         #: plane; not the lines put back at start): ``refusals_since_start`` in the status
         self.refusals = 0
-        self.status_provider: Callable[[], dict] | None = host.status if host is not None else None
+        self.status_provider: Callable[[], dict[str, Any]] | None = host.status if host is not None else None
         #: ``committed_size(slug, record_id)``: bytes of the record as the control plane holds
         #: it (the store's mirror), None when unknown
         self.committed_size: Callable[[str, str], int | None] = (
@@ -133,9 +133,9 @@ class ControlFiles:
         self.changes = 0
         self._errors_gen = 0  # bumped whenever ``errors`` changes
         #: kind -> (content, what it was rendered from, time.monotonic() of the rendering)
-        self._rendered: dict[str, tuple[bytes, tuple, float]] = {}
+        self._rendered: dict[str, tuple[bytes, tuple[object, ...], float]] = {}
         #: kind -> [the newest open handle's snapshot, handles open on that file]
-        self._held: dict[str, list] = {}
+        self._held: dict[str, list[Any]] = {}
 
     def set_context(self, text: str | None, error: str | None = None) -> None:
         """Keep a freshly fetched prompt block (``text``), or note that a refresh failed
@@ -191,7 +191,7 @@ class ControlFiles:
         if any(e.get("store") == store and e.get("path") == path and e.get("errno") == name
                and e.get("reason") == reason for e in self.errors):
             return
-        entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(since)),
+        entry: dict[str, Any] = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(since)),
                  "store": store, "path": path, "errno": name,
                  "code": code or CODE_BY_ERRNO.get(err, name.lower()), "reason": reason,
                  "restored": True}
@@ -210,7 +210,7 @@ class ControlFiles:
         if self.journal is not None:
             self.journal.add_error(entry, ERRORS_KEPT)
 
-    def _add(self, entry: dict) -> None:
+    def _add(self, entry: dict[str, Any]) -> None:
         """Append one line to ``errors.log`` and keep it in the journal (bounded)."""
         self.errors.append(entry)
         self._errors_gen += 1
@@ -218,7 +218,7 @@ class ControlFiles:
         if self.journal is not None:
             self.journal.add_error(entry, ERRORS_KEPT)
 
-    def _store_status(self, s) -> dict:
+    def _store_status(self, s: StoreMount) -> dict[str, Any]:
         """One store's entry: ``records`` / ``bytes`` are what the control plane holds plus
         what is pending (a file rejected over a stored record counts with the stored
         size); ``rejected`` / ``rejected_bytes`` are the files refused for good, kept here
@@ -239,7 +239,7 @@ class ControlFiles:
                 "local": s.local_count, "local_bytes": s.local_used,
                 "max_records": s.max_records, "max_store_bytes": s.max_store_bytes}
 
-    def status(self) -> dict:
+    def status(self) -> dict[str, Any]:
         """The filesystem's part of the status document: workspace, readiness, uptime (s),
         per store its records, bytes (held by the control plane + pending), rejected files
         and their bytes (``_store_status``) and limits, the outbox (depth, oldest age in s,
@@ -263,7 +263,7 @@ class ControlFiles:
             "inodes": len(fs.inodes),
         }
 
-    def _reachability(self) -> dict:
+    def _reachability(self) -> dict[str, Any]:
         """``control_plane`` of the status document, as the outbox sees it: ``reachable``
         (false while commits fail with connection errors, timeouts, 5xx or 429 and none was
         answered since: closes then return once their write is accepted), and when not,
@@ -293,7 +293,7 @@ class ControlFiles:
         prompt-block fetch): its next lookup, getattr or open renders it afresh."""
         self.changes += 1
 
-    def _source(self, kind: str) -> tuple:
+    def _source(self, kind: str) -> tuple[object, ...]:
         """What the content of ``kind`` is rendered from: equal tuples, equal content
         (``status`` also ages: ``STATUS_REUSE_S``)."""
         if kind == "errors":
@@ -348,7 +348,7 @@ class ControlFiles:
 MOUNT_INFO = "mount.json"  # in the cache directory while the sidecar is mounted
 
 
-def write_mount_info(cache_dir: Path, info: dict) -> None:
+def write_mount_info(cache_dir: Path, info: dict[str, Any]) -> None:
     """Write ``<cache_dir>/mount.json`` (``mountpoint``, ``workspace``, ``pid``, ``admin``)
     so that other processes (``memfuse context`` beside ``memfuse dev``) find the running
     mount. Atomic (tmp + rename); a failure is logged, never raised (it is a convenience)."""
@@ -357,10 +357,10 @@ def write_mount_info(cache_dir: Path, info: dict) -> None:
         write_private(tmp, json.dumps(info))
         os.replace(tmp, cache_dir / MOUNT_INFO)
     except OSError as e:
-        log.warning("mount info not written", extra={"errno": errno.errorcode.get(e.errno)})
+        log.warning("mount info not written", extra={"errno": errno.errorcode.get(e.errno or 0)})
 
 
-def running_mount(cache_dir: Path) -> dict | None:
+def running_mount(cache_dir: Path) -> dict[str, Any] | None:
     """What ``write_mount_info`` wrote for the sidecar running on ``cache_dir``, or None when
     no sidecar holds that cache (its ``lock`` is free: it stopped, even by ``kill -9``) or
     nothing readable is there."""

@@ -20,6 +20,7 @@ import logging
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 REPEAT_WINDOW_SECONDS = 10.0  # one line per kind of warning or error per this long
 REPEAT_KEYS_MAX = 1024  # kinds remembered; the table is emptied when full
@@ -32,7 +33,7 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         """One JSON object (one line) for ``record``."""
-        out = {"time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+        out: dict[str, object] = {"time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
                        + f".{int(record.msecs):03d}Z",
                "level": record.levelname.lower(), "logger": record.name,
                "msg": record.getMessage()}
@@ -84,12 +85,13 @@ class RepeatFilter(logging.Filter):
     ``repeated`` field. INFO and DEBUG lines always pass. Thread-safe (the control plane logs
     from worker threads)."""
 
-    def __init__(self, window: float = REPEAT_WINDOW_SECONDS, clock=time.monotonic) -> None:
+    def __init__(self, window: float = REPEAT_WINDOW_SECONDS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
         self.window = window
         self.clock = clock
         self._lock = threading.Lock()
-        self._seen: dict[tuple, list] = {}  # kind → [monotonic time of the last line, dropped since]
+        self._seen: dict[tuple[object, ...], list[float]] = {}  # kind → [monotonic time of the last line, dropped since]
 
     def filter(self, record: logging.LogRecord) -> bool:
         """True to write ``record`` (then maybe with ``record.repeated``), False to drop it."""

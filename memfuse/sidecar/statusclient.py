@@ -9,6 +9,7 @@ import errno
 import json
 import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ class StatusUnavailable(Exception):
     """Nothing answered with a status document; the message is one line for people."""
 
 
-def read_status_file(mountpoint: Path) -> dict:
+def read_status_file(mountpoint: Path) -> dict[str, Any]:
     """The status document at ``MOUNTPOINT/.memfuse/status.json``.
 
     Raises ``StatusUnavailable`` when there is no mount there, the mount does not answer
@@ -92,7 +93,7 @@ def _request(method: str, path: str, *, socket_path: Path | None, url: str, head
 
 
 def admin_call(method: str, path: str, *, socket_path: Path | None = None, url: str | None = None,
-               token: str | None = None, timeout: float = 60.0) -> dict:
+               token: str | None = None, timeout: float = 60.0) -> dict[str, Any]:
     """One admin API call, over the Unix socket at ``socket_path`` or to ``url`` (TCP, with
     ``token`` as a bearer token for mutations). Returns the JSON object answered; waits at most
     ``timeout`` s (an unmount commits dirty files first, up to the sidecar's --commit-wait).
@@ -120,7 +121,7 @@ def admin_call(method: str, path: str, *, socket_path: Path | None = None, url: 
 
 
 def fetch_status(admin_url: str | None = None, timeout: float = STATUS_TIMEOUT, *, token: str | None = None,
-                 socket_path: Path | None = None) -> dict:
+                 socket_path: Path | None = None) -> dict[str, Any]:
     """``GET /v1/status`` of a sidecar: at ``admin_url`` (TCP, like ``http://127.0.0.1:9464``; a
     bare ``HOST:PORT`` gets ``http://``) with ``token`` as the admin bearer token (on TCP the
     status needs it), or over its Unix socket ``socket_path`` (no token). Waits at most
@@ -151,7 +152,7 @@ def fetch_status(admin_url: str | None = None, timeout: float = STATUS_TIMEOUT, 
     return _status_object(r.text, url)
 
 
-def _status_object(text: str, where: str) -> dict:
+def _status_object(text: str, where: str) -> dict[str, Any]:
     try:
         data = json.loads(text)
     except ValueError:
@@ -197,7 +198,7 @@ def _table(rows: list[list[str]], headers: list[str], indent: str = "  ") -> lis
     return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [headers, *rows]]
 
 
-def _dict_table(items: list[dict], first: list[str], indent: str = "  ") -> list[str]:
+def _dict_table(items: list[dict[str, Any]], first: list[str], indent: str = "  ") -> list[str]:
     cols = [c for c in first if any(c in it for it in items)]
     for it in items:
         cols += [k for k in it if k not in cols]
@@ -205,7 +206,7 @@ def _dict_table(items: list[dict], first: list[str], indent: str = "  ") -> list
     return _table(rows, [_label(c).upper() for c in cols], indent)
 
 
-def _fields(d: dict, first: list[str], indent: str, durations: tuple[str, ...] = (),
+def _fields(d: Mapping[str, Any], first: list[str], indent: str, durations: tuple[str, ...] = (),
             names: dict[str, str] | None = None) -> list[str]:
     """``key: value`` lines (known keys first, then the rest), nesting dicts and lists;
     ``names`` gives a key a label other than its own words."""
@@ -242,7 +243,7 @@ STATUS_LABELS = {"errors_logged": "errors.log lines",
                  "refusals_since_start": "refusals since start (sidecar + control plane)"}
 
 
-def format_status(data: dict) -> str:
+def format_status(data: dict[str, Any]) -> str:
     """The status document for people: workspace, ready, uptime, one row per store (slug,
     access, records, then any other store keys), the outbox (depth, oldest age, committed,
     refused by the control plane, retries, then any other keys), then every other key,
@@ -268,7 +269,7 @@ def format_status(data: dict) -> str:
 
     data = sizes(data)
     out: list[str] = []
-    head = {k: data[k] for k in ("workspace", "ready", "uptime_s") if k in data}
+    head: dict[str, Any] = {k: data[k] for k in ("workspace", "ready", "uptime_s") if k in data}
     out += _fields(head, ["workspace", "ready", "uptime_s"], "", ("uptime_s",))
     stores = data.get("stores")
     if isinstance(stores, list) and all(isinstance(s, dict) for s in stores):

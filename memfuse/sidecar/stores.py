@@ -29,15 +29,25 @@ from __future__ import annotations
 import errno
 import logging
 import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypedDict, TypeVar
 
 import trio
 
 from ..content import INDEX_PATH
 from ..errors import ApiError, Forbidden, Gone, PermanentError, TransientError, Unauthorized
-from ..wire import Attachment
-from .inodes import ROOT_INO
+from ..wire import Attachment, ChangePage, EventPage, Record
+from .inodes import ROOT_INO, StoreMount
 from .cachedir import CacheError
 from .sync import Meta, StoreState, catch_up, lag_seconds
+
+if TYPE_CHECKING:
+    from ..client import ApiClient
+    from .committer import Committer
+    from .core import Filesystem
+    from .invalidator import Invalidator
+    from .metrics import Metrics
+    from .mount import MountConfig
 
 log = logging.getLogger("memfuse.mount")
 
@@ -48,9 +58,52 @@ CONTEXT_RETRY_MAX = 60.0  # s between retries of a failed fetch (from 1 s, doubl
 STREAM_RETRY_SECONDS = 600.0  # s of long-polls before asking a non-streaming server again
 STREAM_SHORT_SECONDS = 1.0  # a stream that ended sooner is reopened after a backoff
 
+R = TypeVar("R")
+
+
+class FeedKw(TypedDict, total=False):
+    """The keyword arguments every change-feed request carries (``Sidecar._feed_kw``)."""
+
+    skip_actor: str  # leave out the versions this actor wrote (applied here already)
+
 
 class StoreSync:
     """Attachments, store loading, change feeds and workspace events (module docstring)."""
+
+    # what this part uses of the sidecar (declared here, S3QL style; set up by
+    # ``Sidecar.__init__``)
+    config: MountConfig
+    client: ApiClient
+    fs: Filesystem
+    committer: Committer
+    metrics: Metrics
+    invalidator: Invalidator
+    states: dict[str, StoreState]  # slug -> the store's mirror
+    feeds: dict[str, trio.CancelScope]  # slug -> its change-feed task's scope
+    admin_unmounted: set[str]
+    actor: str
+    _feed_kw: FeedKw
+    _nursery: trio.Nursery | None
+    _mount_lock: trio.Lock
+    _mounted: bool
+    offline_start: bool
+    feed_tasks: int
+    task_failures: dict[str, int]
+    state_save_failing: bool
+    _context_send: trio.MemorySendChannel[None]
+    _context_recv: trio.MemoryReceiveChannel[None]
+    _no_stream_until: float
+    GC_EVERY: float
+    last_start_error: str | None
+
+    if TYPE_CHECKING:  # Sidecar's methods this part calls
+        async def supervise(self, name: str, fn: Callable[..., Awaitable[object]], *args: Any,
+                            context: dict[str, Any] | None = None) -> None: ...
+
+        def _spawn(self, name: str, fn: Callable[..., Awaitable[object]], *args: Any,
+                   context: dict[str, Any] | None = None) -> None: ...
+
+        async def _wait_token(self, timeout: float) -> None: ...
 
     # ------------------------------------------------------------------ .memfuse/context.md
     def want_context(self) -> None:
@@ -61,7 +114,7 @@ class StoreSync:
         except trio.WouldBlock:
             pass
 
-    def touches_index(self, sm, rec) -> bool:
+    def touches_index(self, sm: StoreMount, rec: Record | Meta) -> bool:
         """Whether the remote state ``rec`` of a record in store ``sm`` changes the store's
         ``MEMORY.md``: it is at that path now, or the file it replaces here was."""
         if rec.path == INDEX_PATH:
@@ -109,7 +162,7 @@ class StoreSync:
             delay = 1.0
 
     # ------------------------------------------------------------------ loading
-    async def _retrying(self, what: str, fn):
+    async def _retrying(self, what: str, fn: Callable[[], Awaitable[R]]) -> R:
         delay = 0.2
         while True:
             try:
@@ -162,6 +215,7 @@ class StoreSync:
                 missing = set()  # a snapshot carries every live record's content, now stored
             for r in [r for r in state.records.values() if r.sha in missing]:
                 full = await self.client.get_record(slug, r.id, content=True)
+                assert full.content is not None  # asked for (content=True)
                 self.fs.blobs.put(full.content.encode("utf-8"), full.sha256)
                 state.put(full)
         finally:
@@ -287,6 +341,7 @@ class StoreSync:
             old.cancel()
         scope = trio.CancelScope()
         self.feeds[slug] = scope
+        assert self._nursery is not None, "feeds start while the sidecar runs"
         self._nursery.start_soon(self._feed, slug, scope)
 
     # ------------------------------------------------------------------ change feed
@@ -400,11 +455,12 @@ class StoreSync:
             except PermanentError as e:
                 log.warning("change feed refused; reconciling attachments",
                             extra={"store": slug, "status": e.status, "code": e.code})
+                assert self._nursery is not None
                 self._nursery.start_soon(self._reconcile_logged)
                 await trio.sleep(5)
                 continue
 
-    async def _apply_page(self, slug: str, page) -> bool:
+    async def _apply_page(self, slug: str, page: ChangePage) -> bool:
         """Apply one change-feed page (a long-poll's answer or a stream's line) to the store
         and move its cursor. Returns False when the cache disk refused a change (after 5 s:
         the page is asked again from the unmoved cursor) or the store is gone."""
@@ -416,7 +472,7 @@ class StoreSync:
             return True
         # every local change of this store must be committed before remote ones apply
         await self.committer.wait_store_idle(slug)
-        inv: list[tuple] = []
+        inv: list[tuple[Any, ...]] = []
         try:
             for ch in page.changes:
                 if ch.seq <= state.cursor:
@@ -479,7 +535,7 @@ class StoreSync:
             cursor = max(cursor, page.seq)
             await self._on_events(page)
 
-    async def _on_events(self, page) -> None:
+    async def _on_events(self, page: EventPage) -> None:
         if page.events:
             log.info("workspace events", extra={"events": ",".join(
                 f"{ev.kind}:{ev.store}" for ev in page.events)})
@@ -550,7 +606,7 @@ class StoreSync:
         self.state_save_failing = failed is not None
 
     # ------------------------------------------------------------------ mount / umount signals
-    async def reconcile(self) -> dict:
+    async def reconcile(self) -> dict[str, Any]:
         """Make the mounted stores match the workspace's attachments (SIGHUP, events)."""
         async with self._mount_lock:
             atts = await self.client.list_attachments(self.config.workspace)
@@ -575,7 +631,7 @@ class StoreSync:
                                                           "removed": ",".join(removed)})
             return {"added": added, "removed": removed, "stores": sorted(self.fs.stores)}
 
-    async def mount_store(self, slug: str) -> dict:
+    async def mount_store(self, slug: str) -> dict[str, Any]:
         """Admin ``POST /v1/mounts/{store}``: load and mount an attached store. Returns
         ``{"store", "mounted": True, "changed"}``. Raises ``LookupError`` when the store is
         not attached to the workspace, ``PermissionError`` when the control plane refuses it
@@ -586,7 +642,7 @@ class StoreSync:
         except Forbidden as e:
             raise PermissionError(e.detail or e.code or "forbidden") from e
 
-    async def _mount_store(self, slug: str) -> dict:
+    async def _mount_store(self, slug: str) -> dict[str, Any]:
         async with self._mount_lock:
             self.admin_unmounted.discard(slug)
             if slug in self.fs.stores:
@@ -598,7 +654,7 @@ class StoreSync:
             await self._add_attachment(att)
             return {"store": slug, "mounted": True, "changed": True}
 
-    async def unmount_store(self, slug: str) -> dict:
+    async def unmount_store(self, slug: str) -> dict[str, Any]:
         """Admin ``DELETE /v1/mounts/{store}``. Raises LookupError when not mounted."""
         async with self._mount_lock:
             if slug not in self.fs.stores:

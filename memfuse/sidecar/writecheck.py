@@ -79,7 +79,7 @@ class WriteChecker:
     def __init__(self, content: bytes | bytearray, *, trusted: bool,
                  type_rule: Callable[[str], Refusal | None]) -> None:
         self.type_rule = type_rule
-        self.last_refused: tuple | None = None  # the caller's: (reason, offset) last refused
+        self.last_refused: tuple[str, int] | None = None  # the caller's: (reason, offset) last refused
         #: [0, ok_upto) is valid UTF-8 without NUL ending at a character boundary; the rest
         #: (at most 3 bytes) is the start of a multi-byte sequence; meaningless when ``bad``
         self.ok_upto = len(content)
