@@ -23,7 +23,8 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, Callable
 
 import pyfuse3
 import trio
@@ -68,7 +69,7 @@ def fix_mmap_threshold() -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    return mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
+    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1)
 
 
 @dataclass
@@ -346,7 +347,7 @@ class Sidecar(StoreSync):
                            + (f"in {tf.path}" if tf is not None else "given"))
         return "; ".join(reasons) or None
 
-    def _recover_journal(self, blobs: BlobCache, ids: RecordIds) -> tuple[int, list[dict]]:
+    def _recover_journal(self, blobs: BlobCache, ids: RecordIds) -> tuple[int, list[dict[str, Any]]]:
         """A journal missing, emptied, cut short or corrupt (moved aside by ``Journal``) is
         never forgotten silently: every accepted write the witness names that the journal
         lacks is queued again when its content is still in the blob cache (same id and
@@ -409,7 +410,7 @@ class Sidecar(StoreSync):
     def entry_conflicted(self, e: Entry, what: str) -> None:
         """``FsListener``: a write was resolved last-writer-wins (the core logged it)."""
 
-    def invalidate(self, items: list[tuple]) -> None:
+    def invalidate(self, items: list[tuple[Any, ...]]) -> None:
         """``FsListener``: kernel invalidations, made by the invalidator's worker thread."""
         self.invalidator.submit(items)
 
@@ -425,7 +426,7 @@ class Sidecar(StoreSync):
         state = self.states.get(slug)
         return state.sha_of(record_id) if state is not None else None
 
-    def status(self) -> dict:
+    def status(self) -> dict[str, Any]:
         """The status document (``.memfuse/status.json``, admin ``/v1/status``): the
         filesystem's part plus per-store cursors and feed ages (s), the mountpoint, admin
         address, invalidations, task failures, the cache, authentication and the prompt block."""
@@ -467,7 +468,8 @@ class Sidecar(StoreSync):
         return st
 
     # ------------------------------------------------------------------ supervision
-    async def supervise(self, name: str, fn, *args, context: dict | None = None) -> None:
+    async def supervise(self, name: str, fn: Callable[..., Awaitable[object]], *args: Any,
+                        context: dict[str, Any] | None = None) -> None:
         """Run ``fn(*args)`` until it returns; an unexpected exception is logged (with
         ``context``), counted (``memfuse_task_failures{task=name}``, ``status.task_failures``)
         and the task restarted after a backoff of 0.2 s doubling to 30 s (reset after a minute
@@ -488,8 +490,10 @@ class Sidecar(StoreSync):
                 await trio.sleep(delay)
                 delay = min(delay * 2, 30.0)
 
-    def _spawn(self, name: str, fn, *args, context: dict | None = None) -> None:
+    def _spawn(self, name: str, fn: Callable[..., Awaitable[object]], *args: Any,
+               context: dict[str, Any] | None = None) -> None:
         """Start a supervised long-lived task in the sidecar's nursery."""
+        assert self._nursery is not None, "tasks start while the sidecar runs"
         self._nursery.start_soon(functools.partial(self.supervise, name, fn, *args,
                                                    context=context), name=name)
 
@@ -548,7 +552,7 @@ class Sidecar(StoreSync):
                 log.exception("token file check failed; trying again")
 
     # ------------------------------------------------------------------ life cycle
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> int:
+    async def run(self, *, task_status: trio.TaskStatus[Sidecar] = trio.TASK_STATUS_IGNORED) -> int:
         """Replay, load, mount, serve until SIGTERM / SIGINT or an external unmount.
 
         Signals are caught for the whole run, teardown included: a second SIGTERM (``timeout``
@@ -558,7 +562,7 @@ class Sidecar(StoreSync):
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
             return await self._run(sigs, task_status)
 
-    async def _run(self, sigs, task_status) -> int:
+    async def _run(self, sigs: AsyncIterator[int], task_status: trio.TaskStatus[Sidecar]) -> int:
         config = self.config
         fix_mmap_threshold()  # before the first big buffer (docs/SCALING.md)
         if config.fuse_fd is None:
@@ -693,7 +697,7 @@ class Sidecar(StoreSync):
             lock.release()
         return 0
 
-    async def _backlog_drained(self, entries: list) -> None:
+    async def _backlog_drained(self, entries: list[Entry]) -> None:
         """Log when the replayed backlog has committed (each entry finished)."""
         t0 = time.monotonic()
         for e in entries:
@@ -701,14 +705,16 @@ class Sidecar(StoreSync):
         log.info("outbox backlog committed", extra={"entries": len(entries),
                                                     "seconds": round(time.monotonic() - t0, 3)})
 
-    async def _signals(self, sigs) -> None:
+    async def _signals(self, sigs: AsyncIterator[int]) -> None:
         stopping = False
+        nursery = self._nursery
+        assert nursery is not None  # started in it
         async for sig in sigs:
             name = signal.Signals(sig).name
             if sig == signal.SIGHUP:
                 if self._mounted and not stopping:
                     log.info("SIGHUP: reconciling attachments")
-                    self._nursery.start_soon(self._reconcile_logged)
+                    nursery.start_soon(self._reconcile_logged)
                 continue
             if stopping:
                 if sig == signal.SIGINT and self._drain_scope is not None:
@@ -721,12 +727,12 @@ class Sidecar(StoreSync):
             if not self._mounted:
                 log.info("stopping before the mount was up; accepted writes stay in the outbox",
                          extra={"signal": name})
-                self._nursery.cancel_scope.cancel()
+                nursery.cancel_scope.cancel()
                 continue
             log.info("stopping: draining the outbox",
                      extra={"signal": name, "depth": self.committer.depth(),
                             "timeout_s": self.config.drain_timeout})
-            self._nursery.start_soon(self._stop)
+            nursery.start_soon(self._stop)
 
     async def _stop(self) -> None:
         try:
@@ -739,7 +745,7 @@ class Sidecar(StoreSync):
             pyfuse3.terminate()
 
 async def serve_mount(config: MountConfig, client: ApiClient, *,
-                      task_status=trio.TASK_STATUS_IGNORED) -> int:
+                      task_status: trio.TaskStatus[Sidecar] = trio.TASK_STATUS_IGNORED) -> int:
     """Run one sidecar (``Sidecar.run``) until SIGTERM / SIGINT or an external unmount."""
     return await Sidecar(config, client).run(task_status=task_status)
 

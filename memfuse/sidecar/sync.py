@@ -24,21 +24,27 @@ import time
 import zlib
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Annotated, ClassVar
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
 import msgspec
 import trio
 
 from ..client import ApiClient
 from ..errors import Gone
-from ..wire import DEFAULT_MODE, RECORD_TYPES, Change, Record, datetime_ns
+from ..defs import DEFAULT_MODE, RECORD_TYPES, datetime_ns
+from ..wire import Change, Record
 from .cachedir import FILE_MODE, cache_error
+
+if TYPE_CHECKING:
+    from .blobcache import BlobCache
+    from .journal import Entry
 
 log = logging.getLogger("memfuse.sync")
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 
-_TYPES = {t: sys.intern(t) for t in RECORD_TYPES}
+_TYPES: dict[str | None, str | None] = {t: sys.intern(t) for t in RECORD_TYPES}
 # the columns of a format-3 mirror (earlier releases)
 COLUMNS = ("id", "path", "type", "version", "sha256", "size", "updated_ns", "mode", "mtime_ns")
 FORMAT = 4  # of <cache>/stores/<slug>.json; formats 3 and 2 of earlier releases are still read
@@ -154,7 +160,7 @@ class Meta(msgspec.Struct, gc=False):
         return _EPOCH + timedelta(microseconds=self.updated_ns // 1000)
 
     @classmethod
-    def load_v2(cls, row: list) -> "Meta":
+    def load_v2(cls, row: list[Any]) -> "Meta":
         """A row of a format-2 file (``[id, path, type, version, sha256, size, updated_at
         ISO 8601, mode, mtime_ns]``); rows of earlier releases (7 members, before the
         attributes) load with the defaults, as their records had no attributes then."""
@@ -201,7 +207,7 @@ def _frame(payload: bytes) -> bytes:
     return _FRAME.pack(_MAGIC, len(payload), zlib.crc32(payload)) + payload
 
 
-def _frames(data: bytes):
+def _frames(data: bytes) -> Iterator[tuple[bytes, int]]:
     """The payloads of the whole frames at the start of ``data``, as ``(payload, end
     offset)``; stops at the first frame that is cut short, has no magic, is empty or fails
     its CRC (a torn or garbage tail: nothing after it is trusted)."""
@@ -221,13 +227,13 @@ def _frames(data: bytes):
 _CHUNK = 8192  # items per encoding call of a base's column
 
 
-def _json_array(col: list) -> list:
+def _json_array(col: list[Any]) -> list[bytes | memoryview]:
     """``col`` as a JSON array in pieces (bytes or memoryviews; their concatenation is the
     array), each encoded by its own call of at most ``_CHUNK`` items: from a worker thread
     no single call then holds the GIL for more than about a millisecond."""
     if len(col) <= _CHUNK:
         return [msgspec.json.encode(col)]
-    parts: list = [b"["]
+    parts: list[bytes | memoryview] = [b"["]
     for i in range(0, len(col), _CHUNK):
         if i:
             parts.append(b",")
@@ -239,7 +245,7 @@ def _json_array(col: list) -> list:
 class _Snapshot(msgspec.Struct, frozen=True):
     """What a base file is written from: the mirror at one moment (``compact``)."""
 
-    recs: list
+    recs: list[Any]
     cursor: int
     access: str
     limits: dict[str, int]
@@ -370,7 +376,7 @@ class StoreState:
             return
         except OSError as e:
             log.warning("store state log unreadable; resuming from its base",
-                        extra={"store": self.slug, "errno": errno.errorcode.get(e.errno)})
+                        extra={"store": self.slug, "errno": errno.errorcode.get(e.errno or 0)})
             return
         frames = _frames(data)
         first = next(frames, None)
@@ -382,14 +388,15 @@ class StoreState:
             if data:
                 log.info("store state log of another base ignored", extra={"store": self.slug})
             return
+        assert first is not None  # else head is None
         good, applied = first[1], 0
         recs = self.records
         for payload, end in frames:
             try:
-                e = _ENTRY_DEC.decode(payload)
+                entry = _ENTRY_DEC.decode(payload)
                 metas = [Meta(i, sys.intern(d), name, _TYPES.get(t, t), v, sha, size, upd,
                               _shared(mode), mt)
-                         for i, d, name, t, v, sha, size, upd, mode, mt in e.put]
+                         for i, d, name, t, v, sha, size, upd, mode, mt in entry.put]
                 if any(len(m.sha) != 32 for m in metas):
                     raise ValueError("a digest is not 32 bytes")
             except (msgspec.DecodeError, ValueError) as exc:
@@ -398,9 +405,9 @@ class StoreState:
                 break
             for m in metas:
                 recs[m.id] = m
-            for i in e.removed:
+            for i in entry.removed:
                 recs.pop(i, None)
-            self.cursor, self.access, self.limits = e.cursor, e.access, dict(e.limits)
+            self.cursor, self.access, self.limits = entry.cursor, entry.access, dict(entry.limits)
             good, applied = end, applied + 1
         if good != len(data):
             log.info("store state log tail ignored (torn or unreadable)",
@@ -444,7 +451,7 @@ class StoreState:
         return b"".join(self._encode_parts(snap if snap is not None else self._snapshot()))
 
     @staticmethod
-    def _encode_parts(snap: _Snapshot) -> list[bytes]:
+    def _encode_parts(snap: _Snapshot) -> list[bytes | memoryview]:
         """``snap`` as a format-4 base file in pieces (their concatenation is the file): no
         object per record is made (the columns hold the mirror's own strings and ints;
         directories, types and modes are indices made once per distinct value). Each column
@@ -468,7 +475,7 @@ class StoreState:
                                     "access": snap.access, "limits": snap.limits,
                                     "dirs": list(dirs), "types": list(types),
                                     "modes": list(modes)})
-        parts: list = [head[:-1], b',"columns":{']
+        parts: list[bytes | memoryview] = [head[:-1], b',"columns":{']
         for key, col in cols:
             parts.append(key)
             if col is None:  # the digests: one string of hex digits (no escaping needed)
@@ -597,7 +604,8 @@ class StoreState:
         this base. Raises ``CacheError``; the log's whole frames stay as they were (a
         partial write is cut off by the next append)."""
         recs = self.records
-        put, removed = [], []
+        put: list[tuple[Any, ...]] = []
+        removed: list[str] = []
         for i in self._changed:
             m = recs.get(i)
             if m is None:
@@ -607,9 +615,10 @@ class StoreState:
                             m.updated_ns, m.mode, m.mtime_ns))
         frame = _frame(_LOG_ENC.encode(_LogEntry(self.cursor, self.access, self.limits,
                                                  put, removed)))
-        fresh = self._log_size is None
+        size = self._log_size
         try:
-            if fresh:
+            if size is None:  # a new log for this base
+                assert self._base_id is not None  # appends extend a base (save, _based)
                 data = _frame(_LOG_ENC.encode(_LogHead(LOG_FORMAT, self._base_id))) + frame
                 fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
                              FILE_MODE)
@@ -617,10 +626,10 @@ class StoreState:
                 data = frame
                 fd = os.open(self.log_path, os.O_WRONLY | os.O_CLOEXEC)
             try:
-                if not fresh:
-                    if os.fstat(fd).st_size != self._log_size:
-                        os.ftruncate(fd, self._log_size)  # a torn tail or a failed append
-                    os.lseek(fd, self._log_size, os.SEEK_SET)
+                if size is not None:
+                    if os.fstat(fd).st_size != size:
+                        os.ftruncate(fd, size)  # a torn tail or a failed append
+                    os.lseek(fd, size, os.SEEK_SET)
                 view = memoryview(data)
                 while view:
                     view = view[os.write(fd, view):]
@@ -631,7 +640,7 @@ class StoreState:
             raise cache_error(exc, f"saving the state of store {self.slug}") from exc
         except OSError as exc:
             raise cache_error(exc, f"saving the state of store {self.slug}") from exc
-        self._log_size = len(data) if fresh else self._log_size + len(data)
+        self._log_size = len(data) if size is None else size + len(data)
         self._changed.clear()
 
     def _touch(self, record_id: str) -> None:
@@ -666,7 +675,7 @@ class StoreState:
         if record_id is not None and self.records.pop(record_id, None) is not None:
             self._touch(record_id)
 
-    def committed(self, e) -> None:
+    def committed(self, e: Entry) -> None:
         """Mirror what this sidecar's own committed outbox entry did on the control plane.
         The change feed leaves our own versions out (``skip_actor``), so this is how they
         reach the mirror; a restart or an offline start then shows them."""
@@ -700,7 +709,7 @@ class StoreState:
         self.dirty = True
 
 
-async def catch_up(client: ApiClient, state: StoreState, blobs) -> bool:
+async def catch_up(client: ApiClient, state: StoreState, blobs: BlobCache) -> bool:
     """Bring a loaded ``state`` up to date through the change feed (no waiting), storing the
     content of every change in ``blobs``. Returns False when the cursor is gone (410): the
     caller takes a full snapshot."""
