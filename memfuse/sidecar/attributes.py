@@ -14,15 +14,16 @@ from __future__ import annotations
 import errno
 import stat
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from ..errors import errno_of
-from ..wire import MODE_MASK, RECORD_TYPES, sha256_hex
+from ..defs import MODE_MASK, RECORD_TYPES, sha256_hex
 from .inodes import REJECTED, FsError, Node
 from .journal import ATTRS
 
 if TYPE_CHECKING:
     from .committer import Committer
+    from .inodes import Handle
 
 __all__ = ["AttributeOps"]
 
@@ -37,6 +38,21 @@ class AttributeOps:
     committer: Committer
 
     # ------------------------------------------------------------------ attributes
+    if TYPE_CHECKING:  # what this part calls of the other parts of ``core.Filesystem``
+        def _check_writable_file(self, n: Node) -> None: ...
+
+        def _save_dirs_logged(self) -> None: ...
+
+        def commit_quietly(self, n: Node) -> None: ...
+
+        def handle(self, fh: int, *, allow_stale: bool = False) -> Handle: ...
+
+        def refuse(self, where: Node | None, name: str, err: int, reason: str, code: str = "") -> NoReturn: ...
+
+        def sync_local(self) -> None: ...
+
+        def truncate(self, n: Node, size: int, *, judge: bool = False) -> None: ...
+
     def setattr(self, n: Node, *, fh: int | None = None, size: int | None = None,
                 mode: int | None = None, uid: int | None = None, gid: int | None = None,
                 atime_ns: int | None = None, mtime_ns: int | None = None) -> None:

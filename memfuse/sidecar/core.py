@@ -38,8 +38,9 @@ import sqlite3
 import stat
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import trio
 
@@ -64,6 +65,10 @@ from .listeners import FsListener
 from .localfiles import LocalFiles
 from .rejected import RejectedFiles
 from .remote import RemoteApply
+
+if TYPE_CHECKING:
+    from ..wire import Record
+    from .sync import Meta
 
 log = logging.getLogger("memfuse.fs")
 
@@ -118,8 +123,8 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
 
     def __init__(self, blobs: BlobCache, client: Any, journal: Journal,
                  settings: Settings | None = None, workspace: str = "",
-                 dirs_file: Path | None = None, rejected: list[dict] | None = None,
-                 local: list[dict] | None = None, *, ids: RecordIds | None = None,
+                 dirs_file: Path | None = None, rejected: list[dict[str, Any]] | None = None,
+                 local: list[dict[str, Any]] | None = None, *, ids: RecordIds | None = None,
                  listener: FsListener | None = None, metrics: Any = None,
                  mount_root: str = "", backoff_max: float = 30.0) -> None:
         """``rejected``: the rejected files a previous process kept
@@ -168,7 +173,8 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         if self.listener is not None and items:
             self.listener.invalidate(items)
 
-    def add_store(self, slug: str, access: str, records: list, **kw) -> StoreMount:
+    def add_store(self, slug: str, access: str, records: Sequence[Record | Meta],
+                  **kw: Any) -> StoreMount:
         """``RemoteApply.add_store``, then the store's rejected files and local-only files
         kept from before a restart are put back (``RejectedFiles``, ``LocalFiles``)."""
         sm = super().add_store(slug, access, records, **kw)
@@ -176,7 +182,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         self._restore_local(sm)
         return sm
 
-    def remove_store(self, slug: str) -> list[tuple]:
+    def remove_store(self, slug: str) -> list[tuple[Any, ...]]:
         """``RemoteApply.remove_store``; the store's local-only files are kept for a later
         mount of it (``LocalFiles.take_local``)."""
         sm = self.stores.get(slug)
@@ -229,7 +235,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         tool temporaries kept in this sidecar, never sent: ``Settings.local_only_patterns``)."""
         return names.is_local_only(name, self.settings.local_only_patterns)
 
-    def refuse(self, where: Node, name: str, err: int, reason: str, code: str = "") -> None:
+    def refuse(self, where: Node | None, name: str, err: int, reason: str, code: str = "") -> NoReturn:
         """Record a refusal in ``errors.log`` and raise it as ``FsError``."""
         self.note_error(where, name, err, reason, code)
         raise FsError(err, reason, code)
@@ -397,6 +403,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         ``EINVAL`` / ``ENAMETOOLONG`` (name rules), ``ENOSPC`` (the store's record limit)."""
         d = self.node(parent_ino)
         sm = self._writable_dir(d)
+        assert d.children is not None  # _writable_dir: a directory
         s = self._check_name(d, name)
         if s in d.children:
             raise FsError(errno.EEXIST)
@@ -476,6 +483,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             self.sync_rejected()
             raise refusal
         # the attributes ride with the content (cp -p, install -m, sed -i's fchmod)
+        assert n.store is not None  # a record's file (not local-only, not a control file)
         e = self.committer.submit(n.store.slug, PUT, n.key,
                                   {"path": n.path(), "type": n.type_override,
                                    "mode": stat.S_IMODE(n.mode), "mtime_ns": n.xmtime}, data)
@@ -623,7 +631,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         if e.errno:
             raise FsError(e.errno, e.reason)
 
-    async def _wait_accepted(self, n: Node, e: Entry, timeout: float) -> None:
+    async def _wait_accepted(self, n: Node, e: Entry | Barrier, timeout: float) -> None:
         """Wait (at most ``timeout`` s) until ``e`` is accepted (on disk in the outbox) or
         finished. When the sidecar's own disk refuses it, raise ``FsError`` with the journal's
         errno (``ENOSPC`` for a full disk) and its reason in ``user.memfuse.error`` and
@@ -741,6 +749,6 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         self.invalidate([("inode", n.ino)])
 
     # ------------------------------------------------------------------ status
-    def status(self) -> dict:
+    def status(self) -> dict[str, Any]:
         """The filesystem's status document (``ControlFiles.status``)."""
         return self.controls.status()

@@ -20,6 +20,8 @@ import logging
 import os
 import stat
 import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar, cast
 
 import pyfuse3
 
@@ -44,12 +46,17 @@ MODIFYING = frozenset({"setattr", "mkdir", "rmdir", "unlink", "rename", "mknod",
                        "write", "flush", "fsync", "setxattr"})
 
 
-def _guard(fn):
+_H = TypeVar("_H", bound=Callable[..., Awaitable[Any]])
+
+
+def _guard(fn: _H) -> _H:
+    """``fn``, a FUSE handler of ``MemfuseOps``, with errors mapped to ``FUSEError`` and
+    metrics counted (module docstring); the signature stays ``fn``'s."""
     name = fn.__name__
     modifying = name in MODIFYING
 
     @functools.wraps(fn)
-    async def wrapper(self, *args, **kwargs):
+    async def wrapper(self: MemfuseOps, *args: Any, **kwargs: Any) -> Any:
         m = self.metrics
         ops_child, lat_child = self._op_metric(name)
         t0 = time.perf_counter()
@@ -78,7 +85,7 @@ def _guard(fn):
             ops_child.inc()
             lat_child.observe(time.perf_counter() - t0)
 
-    return wrapper
+    return cast(_H, wrapper)
 
 
 class MemfuseOps(pyfuse3.Operations):
@@ -92,9 +99,9 @@ class MemfuseOps(pyfuse3.Operations):
         super().__init__()
         self.fs = fs
         self.metrics = metrics or Metrics()
-        self._op_metrics: dict[str, tuple] = {}
+        self._op_metrics: dict[str, tuple[Any, Any]] = {}
 
-    def _op_metric(self, name: str) -> tuple:
+    def _op_metric(self, name: str) -> tuple[Any, Any]:
         """The labelled counter and histogram of one op, looked up once (hot path)."""
         pair = self._op_metrics.get(name)
         if pair is None:
@@ -138,7 +145,7 @@ class MemfuseOps(pyfuse3.Operations):
         return a
 
     @_guard
-    async def lookup(self, parent_inode, name, ctx):
+    async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         n = self.fs.lookup(parent_inode, name)
         if n is None:
             parent = self.fs.node(parent_inode)
@@ -148,11 +155,12 @@ class MemfuseOps(pyfuse3.Operations):
         return self.attrs(n)
 
     @_guard
-    async def getattr(self, inode, ctx):
+    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         return self.attrs(self.fs.node(inode))
 
     @_guard
-    async def setattr(self, inode, attr, fields, fh, ctx):
+    async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
+                      fh: int | None, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         n = self.fs.node(inode)
         self.fs.setattr(
             n, fh=fh,
@@ -166,17 +174,17 @@ class MemfuseOps(pyfuse3.Operations):
         return self.attrs(n)
 
     @_guard
-    async def forget(self, inode_list):
+    async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         for ino, nlookup in inode_list:
             self.fs.forget(ino, nlookup)
 
     # ------------------------------------------------------------------ directories
     @_guard
-    async def opendir(self, inode, ctx):
+    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
         return self.fs.opendir(inode).fh
 
     @_guard
-    async def readdir(self, fh, start_id, token):
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
         # "." and ".." first (offsets 1 and 2), as a local directory lists them (`ls -a`).
         # They are not lookups: the kernel links no dentry for them and never forgets them
         # (linux fs/fuse/readdir.c, fuse_direntplus_link; libfuse fuse_lowlevel.h: the lookup
@@ -186,46 +194,50 @@ class MemfuseOps(pyfuse3.Operations):
         for nxt, name, node in dots[start_id:]:
             if not pyfuse3.readdir_reply(token, name, self.attrs(node), nxt):
                 return
-        for nxt, name, child in self.fs.readdir(h, max(start_id - len(dots), 0)):
-            if not pyfuse3.readdir_reply(token, name.encode("utf-8"), self.attrs(child),
+        for nxt, entry, child in self.fs.readdir(h, max(start_id - len(dots), 0)):
+            if not pyfuse3.readdir_reply(token, entry.encode("utf-8"), self.attrs(child),
                                          nxt + len(dots)):
                 break
             self.fs.looked_up(child)  # readdirplus: an accepted entry is a lookup
 
     @_guard
-    async def releasedir(self, fh):
+    async def releasedir(self, fh: int) -> None:
         self.fs.release(fh)
 
     @_guard
-    async def fsyncdir(self, fh, datasync):
+    async def fsyncdir(self, fh: int, datasync: bool) -> None:
         return None
 
     @_guard
-    async def mkdir(self, parent_inode, name, mode, ctx):
+    async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         return self.attrs(self.fs.mkdir(parent_inode, name, mode, ctx.uid, ctx.gid))
 
     @_guard
-    async def rmdir(self, parent_inode, name, ctx):
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         self.fs.rmdir(parent_inode, name)
 
     @_guard
-    async def unlink(self, parent_inode, name, ctx):
+    async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         self.fs.unlink(parent_inode, name)
 
     @_guard
-    async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
+    async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int,
+                     name_new: bytes, flags: int, ctx: pyfuse3.RequestContext) -> None:
         self.fs.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
 
     @_guard
-    async def symlink(self, parent_inode, name, target, ctx):
+    async def symlink(self, parent_inode: int, name: bytes, target: bytes,
+                      ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         raise FsError(errno.EPERM, "symlinks are not supported")
 
     @_guard
-    async def link(self, inode, new_parent_inode, new_name, ctx):
+    async def link(self, inode: int, new_parent_inode: int, new_name: bytes,
+                   ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         raise FsError(errno.EPERM, "hard links are not supported")
 
     @_guard
-    async def mknod(self, parent_inode, name, mode, rdev, ctx):
+    async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
+                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         if stat.S_ISREG(mode):
             fi, attrs = await self._create(parent_inode, name, mode, os.O_WRONLY, ctx)
             self.fs.release(fi.fh)
@@ -234,43 +246,45 @@ class MemfuseOps(pyfuse3.Operations):
 
     # ------------------------------------------------------------------ files
     @_guard
-    async def open(self, inode, flags, ctx):
+    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         h = self.fs.open(inode, flags)
         if h.node.special:  # reads from this open's snapshot, never from another's pages
             return pyfuse3.FileInfo(fh=h.fh, direct_io=True, keep_cache=False)
         return pyfuse3.FileInfo(fh=h.fh, keep_cache=True)
 
-    async def _create(self, parent_inode, name, mode, flags, ctx):
+    async def _create(self, parent_inode: int, name: bytes, mode: int, flags: int,
+                      ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         h = self.fs.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid)
         return pyfuse3.FileInfo(fh=h.fh, keep_cache=True), self.attrs(h.node)
 
     @_guard
-    async def create(self, parent_inode, name, mode, flags, ctx):
+    async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
+                     ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         return await self._create(parent_inode, name, mode, flags, ctx)
 
     @_guard
-    async def read(self, fh, off, size):
+    async def read(self, fh: int, off: int, size: int) -> bytes:
         return self.fs.read(self.fs.handle(fh), off, size)
 
     @_guard
-    async def write(self, fh, off, buf):
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
         return self.fs.write(self.fs.handle(fh), off, buf)
 
     @_guard
-    async def flush(self, fh):
+    async def flush(self, fh: int) -> None:
         await self.fs.flush(self.fs.handle(fh, allow_stale=True))
 
     @_guard
-    async def fsync(self, fh, datasync):
+    async def fsync(self, fh: int, datasync: bool) -> None:
         await self.fs.fsync(self.fs.handle(fh))
 
     @_guard
-    async def release(self, fh):
+    async def release(self, fh: int) -> None:
         self.fs.release(fh)
 
     # ------------------------------------------------------------------ misc
     @_guard
-    async def statfs(self, ctx):
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
         s = pyfuse3.StatvfsData()
         t = self.fs.statfs()
         total, used, files, nfiles = t["bytes"], t["used"], t["files"], t["nfiles"]
@@ -286,19 +300,19 @@ class MemfuseOps(pyfuse3.Operations):
         return s
 
     @_guard
-    async def getxattr(self, inode, name, ctx):
+    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
         return self.fs.getxattr(self.fs.node(inode), name.decode("utf-8", "replace"))
 
     @_guard
-    async def listxattr(self, inode, ctx):
+    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> Sequence[bytes]:
         return []
 
     @_guard
-    async def setxattr(self, inode, name, value, ctx):
+    async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext) -> None:
         self.fs.setxattr(self.fs.node(inode), name.decode("utf-8", "replace"), value)
 
     @_guard
-    async def removexattr(self, inode, name, ctx):
+    async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         raise FsError(errno.ENOTSUP)
 
 

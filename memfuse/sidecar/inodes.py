@@ -20,13 +20,14 @@ import os
 import stat
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any, Generic, Iterator, TypeVar
 
 from .. import names
 from ..errors import errno_of
 
 if TYPE_CHECKING:
     from .journal import Entry
+    from .writecheck import WriteChecker
 
 log = logging.getLogger("memfuse.fs")
 
@@ -102,14 +103,28 @@ class FsError(Exception):
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 
-def _rare(name: str, default):
+_V = TypeVar("_V")
+
+
+class _Rare(Generic[_V]):
+    """The type checker's view of a ``_rare`` attribute: reads and writes a ``_V`` (at run
+    time the attribute is the ``property`` ``_rare`` makes)."""
+
+    if TYPE_CHECKING:
+        def __get__(self, obj: object, owner: object = None) -> _V: ...
+
+        def __set__(self, obj: object, value: _V) -> None: ...
+
+
+def _rare(name: str, default: Any) -> Any:
     """A ``Node`` attribute kept in the node's side table (``Node._x``, a dict created on the
-    first non-default value): fields most nodes never set cost nothing per node."""
-    def get(self):
+    first non-default value): fields most nodes never set cost nothing per node. Declared
+    as ``_Rare[type]`` for the type checker."""
+    def get(self: Node) -> Any:
         x = self._x
         return default if x is None else x.get(name, default)
 
-    def set_(self, value):
+    def set_(self: Node, value: Any) -> None:
         x = self._x
         if x is None:
             if value == default and type(value) is type(default):
@@ -164,7 +179,7 @@ class Node:
         self.state: WriteState = CLEAN
         self.nlookup = 0
         self.updated_ns = 0  # ns since the epoch of the record's last version; 0: none
-        self._x: dict | None = None
+        self._x: dict[str, Any] | None = None
 
     @property
     def is_dir(self) -> bool:
@@ -175,7 +190,11 @@ class Node:
     def key(self) -> str:
         """The outbox key: ``r:<record id>``, ``n:<uuid>``, or '' (directories, control files)."""
         k = self._key
-        return ("r:" + self.record_id) if k is None else k
+        if k is None:  # a record loaded from the control plane: its key is implicit
+            rid = self.record_id
+            assert rid is not None  # INVARIANT: only a record's key is left implicit
+            return "r:" + rid
+        return k
 
     @key.setter
     def key(self, value: str) -> None:
@@ -198,22 +217,22 @@ class Node:
             return ""
         return (_EPOCH + timedelta(microseconds=ns // 1000)).isoformat()
 
-    buf = _rare("buf", None)  # bytearray being written, None: content is the blob ``sha``
-    last_put = _rare("last_put", None)  # the outbox Entry of the last content commit
-    error = _rare("error", "")  # why the last commit was refused ('' when not)
-    local_only = _rare("local_only", False)
-    unlinked = _rare("unlinked", False)
-    opened = _rare("opened", 0)  # open handles
-    special = _rare("special", "")  # .memfuse control files: "status" / "errors"
-    type_override = _rare("type_override", None)  # set through user.memfuse.type, sent with the next put
-    refused = _rare("refused", 0)  # errno of a write refused in the current write session (held back)
-    checker = _rare("checker", None)  # writecheck.WriteChecker of the current write session
+    buf: _Rare[bytearray | None] = _rare("buf", None)  # bytearray being written, None: content is the blob ``sha``
+    last_put: _Rare[Entry | None] = _rare("last_put", None)  # the outbox Entry of the last content commit
+    error: _Rare[str] = _rare("error", "")  # why the last commit was refused ('' when not)
+    local_only: _Rare[bool] = _rare("local_only", False)
+    unlinked: _Rare[bool] = _rare("unlinked", False)
+    opened: _Rare[int] = _rare("opened", 0)  # open handles
+    special: _Rare[str] = _rare("special", "")  # .memfuse control files: "status" / "errors"
+    type_override: _Rare[str | None] = _rare("type_override", None)  # set through user.memfuse.type, sent with the next put
+    refused: _Rare[int] = _rare("refused", 0)  # errno of a write refused in the current write session (held back)
+    checker: _Rare[WriteChecker | None] = _rare("checker", None)  # writecheck.WriteChecker of the current write session
     # File attributes (records): ``mode`` holds the permission bits shown and sent; ``xmtime``
     # is the explicit mtime (utimensat) the record keeps, None when it follows the last write
     # (``updated_ns``); ``attrs_version``: the version our last attribute change made, when
     # it was made on content not seen here yet (older remote states keep our attributes).
-    xmtime = _rare("xmtime", None)
-    attrs_version = _rare("attrs_version", 0)
+    xmtime: _Rare[int | None] = _rare("xmtime", None)
+    attrs_version: _Rare[int] = _rare("attrs_version", 0)
 
     def __repr__(self) -> str:
         return f"Node(ino={self.ino}, name={self.name!r}, key={self.key!r}, state={self.state})"
@@ -345,7 +364,7 @@ class InodeTable:
             assert n.ino == ino, f"inodes[{ino}] is inode {n.ino}"
             assert ino < self._next_ino, f"inode {ino} not below the next inode number"
             if n.parent is not None and not n.unlinked:
-                assert n.parent.children.get(n.name) is n, f"{n.path()!r} not in its parent"
+                assert (n.parent.children or {}).get(n.name) is n, f"{n.path()!r} not in its parent"
             for name, c in (n.children or {}).items():
                 assert c.parent is n and c.name == name, f"child {name!r} of {n.path()!r}"
                 assert self.inodes.get(c.ino) is c, f"{c.path()!r} not in the inode table"
@@ -358,9 +377,10 @@ class InodeTable:
         for fh, h in self.handles.items():
             assert h.fh == fh and fh <= self._next_fh, f"handle {fh}"
             opened[h.node.ino] = opened.get(h.node.ino, 0) + 1
-        for ino, k in opened.items():
-            n = self.inodes.get(ino)
-            assert n is None or n.opened >= k, f"inode {ino}: {k} handles, opened {n.opened}"
+        for ino, count in opened.items():
+            node = self.inodes.get(ino)
+            assert node is None or node.opened >= count, \
+                f"inode {ino}: {count} handles, opened {node.opened if node else 0}"
         for slug, sm in self.stores.items():
             assert sm.slug == slug, f"stores[{slug!r}] is {sm.slug!r}"
             files = [n for n in self._walk_files(sm.root)]
@@ -389,6 +409,7 @@ class InodeTable:
                  atime_ns=now_ns, mtime_ns=now_ns, ctime_ns=now_ns)
         self.inodes[ino] = n
         if parent is not None:
+            assert parent.children is not None  # a directory
             parent.children[name] = n
         return n
 
@@ -443,7 +464,7 @@ class InodeTable:
     def _bind_rid(self, n: Node, rid: str | None) -> None:
         if n._key is None and n.record_id != rid:
             # the key stays "r:<old id>": write it out before the id changes
-            n._key = "r:" + n.record_id
+            n._key = n.key
             if self.node_by_key(n._key) is None:
                 self.by_key[n._key] = n
         if n.record_id and self.by_rid.get(n.record_id) is n:
@@ -455,8 +476,9 @@ class InodeTable:
     def lookup(self, parent_ino: int, name: bytes) -> Node | None:
         """The child named ``name`` or None; ``.``/``..`` resolve. Counts a lookup when found."""
         d = self.node(parent_ino)
-        if not d.is_dir:
+        if d.children is None:  # not a directory
             raise FsError(errno.ENOTDIR)
+        n: Node | None
         if name == b".":
             n = d
         elif name == b"..":
@@ -510,14 +532,14 @@ class InodeTable:
     def listdir(self, d: Node) -> list[tuple[str, Node]]:
         """The children of directory ``d`` as ``(name, node)`` sorted by name; ``ENOTDIR`` for a
         file."""
-        if not d.is_dir:
+        if d.children is None:  # not a directory
             raise FsError(errno.ENOTDIR)
         return sorted(d.children.items())
 
     def nlink(self, n: Node) -> int:
         """The link count shown: 2 + subdirectories for a directory, 1 for a file (0 once
         unlinked)."""
-        if not n.is_dir:
+        if n.children is None:  # a file
             return 0 if n.unlinked else 1
         return 2 + sum(1 for c in n.children.values() if c.is_dir)
 
@@ -561,7 +583,7 @@ class InodeTable:
         return h
 
     def _child(self, d: Node, name: bytes) -> Node:
-        if not d.is_dir:
+        if d.children is None:  # not a directory
             raise FsError(errno.ENOTDIR)
         n = d.children.get(name.decode("utf-8", "surrogateescape"))
         if n is None:
@@ -569,13 +591,13 @@ class InodeTable:
         return n
 
     def _has_remote(self, d: Node) -> bool:
-        for c in d.children.values():
+        for c in (d.children or {}).values():
             if (c.is_dir and self._has_remote(c)) or (not c.is_dir and not c.local_only):
                 return True
         return False
 
     def _walk_files(self, d: Node) -> Iterator[Node]:
-        for c in d.children.values():
+        for c in (d.children or {}).values():
             if c.is_dir:
                 yield from self._walk_files(c)
             else:

@@ -90,7 +90,11 @@ class WriteLimits:
             trusted = not buf or (n.state == CLEAN and not n.dirty)
             ch = n.checker = WriteChecker(buf, trusted=trusted,
                                           type_rule=lambda text: self._type_refusal(n, text))
-        r = ch.check_write(buf, off, data) if size is None else ch.check_truncate(buf, size)
+        if size is None:
+            assert data is not None  # a write (else an ftruncate, with size)
+            r = ch.check_write(buf, off, data)
+        else:
+            r = ch.check_truncate(buf, size)
         if r is None:
             return
         if ch.last_refused != (r.reason, off):  # the rest of a split write(2) retried: one line

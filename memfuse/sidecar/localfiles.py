@@ -39,7 +39,7 @@ import stat
 import time
 from typing import TYPE_CHECKING, Any
 
-from ..wire import sha256_hex
+from ..defs import sha256_hex
 from .inodes import Node, StoreMount
 from .cachedir import CacheError
 
@@ -59,9 +59,25 @@ class LocalFiles:
     stores: dict[str, StoreMount]
     journal: Journal
 
+    if TYPE_CHECKING:  # what this part calls of the other parts of ``core.Filesystem``
+        def _content(self, n: Node) -> bytes: ...
+
+        def _ensure_dir(self, sm: StoreMount, parts: list[str], ts: int,
+                        inv: list[tuple[Any, ...]] | None = None) -> Node | None: ...
+
+        def _hold_content(self, n: Node, data: bytes, sha: str, what: str) -> None: ...
+
+        def _live(self, n: Node, sign: int) -> None: ...
+
+        def _new_node(self, name: str, parent: Node | None, is_dir: bool, store: StoreMount | None,
+                      mode: int, now_ns: int, uid: int | None = None, gid: int | None = None) -> Node: ...
+
+        def note_error(self, where: Node | None, name: str, err: int, reason: str,
+                       code: str = "", store: str = "") -> None: ...
+
     def _init_local(self, saved: list[dict[str, Any]] | None) -> None:
         self._local: set[Node] = set()
-        self._local_saved: dict[str, tuple] = {}  # node key -> signature written
+        self._local_saved: dict[str, tuple[Any, ...]] = {}  # node key -> signature written
         # rows a previous process kept (or a store removed from the mount had), by store,
         # until the store is loaded
         self._local_restore: dict[str, list[dict[str, Any]]] = {}
@@ -69,12 +85,14 @@ class LocalFiles:
             self._local_restore.setdefault(row["store"], []).append(row)
             self._local_saved[row["node_key"]] = (row["store"], "kept")
 
-    def _local_sig(self, n: Node) -> tuple:
+    def _local_sig(self, n: Node) -> tuple[Any, ...]:
         # the content is the blob ``sha``, or the buffer when the blob cache could not take it
         sha = sha256_hex(bytes(n.buf)) if n.buf is not None else n.sha
+        assert n.store is not None  # a file of a store
         return (n.store.slug, n.path(), sha, stat.S_IMODE(n.mode), n.mtime_ns)
 
     def _local_row(self, n: Node) -> dict[str, Any]:
+        assert n.store is not None  # a file of a store
         return {"node_key": n.key, "store": n.store.slug, "path": n.path(),
                 "content": self._content(n), "mode": stat.S_IMODE(n.mode),
                 "mtime_ns": n.mtime_ns, "created": time.time()}
@@ -96,7 +114,7 @@ class LocalFiles:
         if not self._local and not self._local_saved:
             return
         journal = self.journal
-        current: dict[str, tuple] = {}
+        current: dict[str, tuple[Any, ...]] = {}
         for n in list(self._local):
             if n.unlinked or not n.local_only or n.store is None or n.store.detached:
                 self._local.discard(n)
@@ -152,10 +170,10 @@ class LocalFiles:
         parts = path.split("/")
         now = time.time_ns()
         d = self._ensure_dir(sm, parts[:-1], now)
-        cur = d.children.get(parts[-1]) if d is not None else None
+        cur = d.children.get(parts[-1]) if d is not None and d.children is not None else None
         if d is None or cur is not None:
             why = ("a file is in its way" if d is None
-                   else "a directory now has its path" if cur.is_dir
+                   else "a directory now has its path" if cur is not None and cur.is_dir
                    else "a record now has its path")
             self.note_error(None, path, errno.EEXIST,
                             f"a local-only file kept from before the restart was dropped: {why}",

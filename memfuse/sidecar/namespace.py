@@ -19,7 +19,7 @@ import os
 import stat
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from .. import names
 from .inodes import (DIR_MODE, DIR_MODES_KEY, PENDING, RENAME_EXCHANGE, RENAME_NOREPLACE, FsError,
@@ -51,6 +51,40 @@ class NamespaceOps:
     saved_dirs: dict[str, Any]
     _local: set[Node]  # ``LocalFiles``: the local-only files
 
+    if TYPE_CHECKING:  # what this part calls of the other parts of ``core.Filesystem``
+        def _bind_rid(self, n: Node, rid: str | None) -> None: ...
+
+        def _check_name(self, d: Node, name: bytes) -> str: ...
+
+        def _child(self, d: Node, name: bytes) -> Node: ...
+
+        def _drop_if_unused(self, n: Node) -> None: ...
+
+        def _has_remote(self, d: Node) -> bool: ...
+
+        def _live(self, n: Node, sign: int) -> None: ...
+
+        def _new_node(self, name: str, parent: Node | None, is_dir: bool, store: StoreMount | None,
+                      mode: int, now_ns: int, uid: int | None = None, gid: int | None = None) -> Node: ...
+
+        def _touch_dir(self, d: Node) -> None: ...
+
+        def _writable_dir(self, d: Node) -> StoreMount: ...
+
+        def commit_quietly(self, n: Node) -> None: ...
+
+        def is_local_only(self, name: str) -> bool: ...
+
+        def judge_rename(self, n: Node, new_path: str) -> None: ...
+
+        def node(self, ino: int) -> Node: ...
+
+        def refuse(self, where: Node | None, name: str, err: int, reason: str, code: str = "") -> NoReturn: ...
+
+        def sync_local(self) -> None: ...
+
+        def sync_rejected(self) -> None: ...
+
     def mkdir(self, parent_ino: int, name: bytes, mode: int, uid: int, gid: int) -> Node:
         """mkdir(2) of ``name`` in ``parent_ino`` (permission bits ``mode``, owner ``uid`` /
         ``gid``); returns the new directory (one kernel lookup). It lives in this sidecar
@@ -59,6 +93,7 @@ class NamespaceOps:
         errno (``ENOSPC`` / ``EIO``) when the directory list cannot be saved."""
         d = self.node(parent_ino)
         sm = self._writable_dir(d)
+        assert d.children is not None  # _writable_dir: a directory
         s = self._check_name(d, name)
         if s in d.children:
             raise FsError(errno.EEXIST)
@@ -75,8 +110,10 @@ class NamespaceOps:
 
     def _detach(self, n: Node) -> None:
         self._live(n, -1)
-        del n.parent.children[n.name]
-        self._touch_dir(n.parent)
+        parent = n.parent
+        assert parent is not None and parent.children is not None  # n is in the tree
+        del parent.children[n.name]
+        self._touch_dir(parent)
         n.unlinked = True
         n.ctime_ns = time.time_ns()
         self._drop_if_unused(n)
@@ -125,13 +162,14 @@ class NamespaceOps:
         if sm is not sm2:
             raise FsError(errno.EXDEV)
         s = self._check_name(nd, new_name)
+        assert od.children is not None and nd.children is not None  # _writable_dir: directories
         dst = nd.children.get(s)
         if dst is src:
             return
         if dst is not None and flags & RENAME_NOREPLACE:
             raise FsError(errno.EEXIST)
         if src.is_dir:
-            a = nd
+            a: Node | None = nd
             while a is not None:  # a directory cannot move into itself
                 if a is src:
                     raise FsError(errno.EINVAL, "cannot move a directory into itself")
@@ -187,7 +225,7 @@ class NamespaceOps:
         stack = [(d, new_path)]
         while stack:
             cur, path = stack.pop()
-            for name, c in cur.children.items():
+            for name, c in (cur.children or {}).items():
                 p = path + "/" + name
                 if c.is_dir:
                     stack.append((c, p))
@@ -249,11 +287,12 @@ class NamespaceOps:
 
     # ------------------------------------------------------------------ directories (dirs.json)
     def _ensure_dir(self, sm: StoreMount, parts: list[str], ts: int,
-                    inv: list[tuple] | None = None) -> Node | None:
+                    inv: list[tuple[Any, ...]] | None = None) -> Node | None:
         """The directory at ``parts`` under the store root, made where missing (each new one
         added to ``inv`` as an entry to invalidate); None when the path crosses a file."""
         d = sm.root
         for comp in parts:
+            assert d.children is not None  # a directory (checked below)
             child = d.children.get(comp)
             if child is None:
                 child = self._new_node(comp, d, True, sm, 0o755, ts)
@@ -270,7 +309,7 @@ class NamespaceOps:
         (tmp + rename); directories holding records are implied by them anyway."""
         if self.dirs_file is None:
             return
-        out: dict = {}
+        out: dict[str, Any] = {}
         modes: dict[str, dict[str, int]] = {}
         for slug, sm in self.stores.items():
             paths: list[str] = []
@@ -278,7 +317,7 @@ class NamespaceOps:
             stack = [sm.root]
             while stack:
                 d = stack.pop()
-                for c in d.children.values():
+                for c in (d.children or {}).values():
                     if c.is_dir:
                         paths.append(c.path())
                         stack.append(c)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import stat
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..defs import sha256_hex
 from .inodes import PENDING, FsError, Node, StoreMount, shared_mode
@@ -35,6 +35,23 @@ class OutboxOverlay:
     stores: dict[str, StoreMount]
     ids: RecordIds
     committer: Committer
+
+    if TYPE_CHECKING:  # what this part calls of the other parts of ``core.Filesystem``
+        def _account(self, n: Node, delta: int) -> None: ...
+
+        def _detach(self, n: Node) -> None: ...
+
+        def _ensure_dir(self, sm: StoreMount, parts: list[str], ts: int,
+                        inv: list[tuple[Any, ...]] | None = None) -> Node | None: ...
+
+        def _hold_content(self, n: Node, data: bytes, sha: str, what: str) -> None: ...
+
+        def _live(self, n: Node, sign: int) -> None: ...
+
+        def _new_node(self, name: str, parent: Node | None, is_dir: bool, store: StoreMount | None,
+                      mode: int, now_ns: int, uid: int | None = None, gid: int | None = None) -> Node: ...
+
+        def node_by_key(self, key: str | None) -> Node | None: ...
 
     def overlay_outbox(self, entries: list[Entry]) -> int:
         """Show what the outbox a previous process left holds on top of the stores just
@@ -150,6 +167,7 @@ class OutboxOverlay:
         d = self._ensure_dir(sm, parts[:-1], time.time_ns())
         if d is None or not parts[-1]:
             return None
+        assert d.children is not None  # _ensure_dir gives a directory
         old = d.children.get(parts[-1])
         if old is not None and old is not keep:
             if old.is_dir and old.children:
@@ -184,11 +202,13 @@ class OutboxOverlay:
                         extra={"store": sm.slug, "entry": e.id})
             return
         d, name = place
-        a = d
+        a: Node | None = d
         while a is not None:  # never into itself
             if a is n:
                 return
             a = a.parent
+        assert n.parent is not None and n.parent.children is not None  # n is in the tree
+        assert d.children is not None
         del n.parent.children[n.name]
         n.name, n.parent = name, d
         d.children[name] = n

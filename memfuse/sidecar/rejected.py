@@ -28,7 +28,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CODE_BY_ERRNO
-from ..wire import sha256_hex
+from ..defs import sha256_hex
 from .inodes import REJECTED, Node, StoreMount
 
 if TYPE_CHECKING:
@@ -52,9 +52,25 @@ class RejectedFiles:
     journal: Journal
     controls: ControlFiles
 
+    if TYPE_CHECKING:  # what this part calls of the other parts of ``core.Filesystem``
+        def _account(self, n: Node, delta: int) -> None: ...
+
+        def _content(self, n: Node) -> bytes: ...
+
+        def _ensure_dir(self, sm: StoreMount, parts: list[str], ts: int,
+                        inv: list[tuple[Any, ...]] | None = None) -> Node | None: ...
+
+        def _live(self, n: Node, sign: int) -> None: ...
+
+        def _new_node(self, name: str, parent: Node | None, is_dir: bool, store: StoreMount | None,
+                      mode: int, now_ns: int, uid: int | None = None, gid: int | None = None) -> Node: ...
+
+        def note_error(self, where: Node | None, name: str, err: int, reason: str,
+                       code: str = "", store: str = "") -> None: ...
+
     def _init_rejected(self, saved: list[dict[str, Any]] | None) -> None:
         self._rejected: dict[Node, tuple[int, str]] = {}  # node -> (errno, code)
-        self._rejected_saved: dict[str, tuple] = {}  # node key -> signature written
+        self._rejected_saved: dict[str, tuple[Any, ...]] = {}  # node key -> signature written
         self._rejected_rows: dict[str, dict[str, Any]] = {}  # node key -> row written
         # rows a previous process kept, by store, until the store is loaded
         self._rejected_restore: dict[str, list[dict[str, Any]]] = {}
@@ -71,11 +87,12 @@ class RejectedFiles:
                 and not n.local_only and n.store is not None and not n.store.detached
                 and (sm is None or n.store is sm)]
 
-    def _rejected_row(self, n: Node, err: int, code: str) -> tuple[tuple, dict[str, Any]] | None:
+    def _rejected_row(self, n: Node, err: int, code: str) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         prev = self._rejected_rows.get(n.key)
         if n.dirty:  # being rewritten: the content refused last stays kept until judged
             return (self._rejected_saved[n.key], prev) if prev is not None else None
         data = self._content(n)
+        assert n.store is not None  # a file of a store
         sig = (n.store.slug, n.path(), err, code, n.error, sha256_hex(data), n.record_id,
                n.type_override, stat.S_IMODE(n.mode), n.xmtime)
         if prev is not None and self._rejected_saved.get(n.key) == sig:
@@ -93,7 +110,7 @@ class RejectedFiles:
         retries a failed write)."""
         if not self._rejected and not self._rejected_saved:
             return
-        sigs: dict[str, tuple] = {}
+        sigs: dict[str, tuple[Any, ...]] = {}
         rows: dict[str, dict[str, Any]] = {}
         for n in list(self._rejected):
             if n.state != REJECTED or n.unlinked or n.local_only or n.store is None:
@@ -146,10 +163,10 @@ class RejectedFiles:
             n = None
         if n is None:
             d = self._ensure_dir(sm, parts[:-1], time.time_ns())
-            cur = d.children.get(parts[-1]) if d is not None else None
+            cur = d.children.get(parts[-1]) if d is not None and d.children is not None else None
             if d is None or (cur is not None and (cur.is_dir or cur.record_id != row["record_id"]
                                                   or cur.record_id is None)):
-                why = ("a directory or file is in its way" if d is None or cur.is_dir
+                why = ("a directory or file is in its way" if d is None or (cur is not None and cur.is_dir)
                        else "another record now has its path")
                 self.note_error(None, path, row["errno"],
                                 f"a rejected file kept from before the restart was dropped: {why} "
@@ -176,7 +193,9 @@ class RejectedFiles:
         n.state, n.error, n.dirty, n.last_put = REJECTED, row["reason"], False, None
         n.mtime_ns = n.ctime_ns = int(row["created"] * 1e9) if n.xmtime is None else n.xmtime
         self._rejected[n] = (row["errno"], row["code"])
-        self._rejected_saved[n.key] = self._rejected_row(n, row["errno"], row["code"])[0]
+        saved = self._rejected_row(n, row["errno"], row["code"])
+        assert saved is not None  # not dirty: a row is made
+        self._rejected_saved[n.key] = saved[0]
         self._rejected_rows[n.key] = row
         # errors.log still says why (its line kept in the journal, else written again)
         self.controls.note_restored(sm.slug, path, row["errno"], row["code"], row["reason"],

@@ -18,9 +18,11 @@ import stat
 import time
 
 import sys
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..wire import DEFAULT_MODE, RECORD_TYPES, Record, datetime_ns
+from ..defs import DEFAULT_MODE, RECORD_TYPES, datetime_ns
+from ..wire import Record
 from .inodes import CLEAN, DIR_MODES_KEY, Node, StoreMount, shared_mode
 from .journal import MOVE_PREFIX, Entry
 from .sync import Meta
@@ -33,7 +35,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("memfuse.fs")
 
 
-_TYPES = {t: sys.intern(t) for t in RECORD_TYPES}
+_TYPES: dict[str | None, str | None] = {t: sys.intern(t) for t in RECORD_TYPES}
 
 
 def _intern_type(t: str | None) -> str | None:
@@ -41,17 +43,18 @@ def _intern_type(t: str | None) -> str | None:
     return _TYPES.get(t, t) if t is not None else None
 
 
-def _digest(rec) -> bytes:
+def _digest(rec: Record | Meta) -> bytes:
     """The sha256 of a ``Record`` or a mirror ``Meta`` as 32 bytes (a ``Meta``'s own)."""
     sha = getattr(rec, "sha", None)
     return sha if type(sha) is bytes else bytes.fromhex(rec.sha256)
 
 
-def updated_ns(rec) -> int:
+def updated_ns(rec: Record | Meta) -> int:
     """The update time of a ``Record`` (``updated_at``) or a mirror ``Meta``
     (``updated_ns``), in ns since the epoch."""
-    ns = getattr(rec, "updated_ns", None)
-    return ns if ns is not None else datetime_ns(rec.updated_at)
+    if isinstance(rec, Meta):
+        return rec.updated_ns
+    return datetime_ns(rec.updated_at)
 
 
 class RemoteApply:
@@ -75,8 +78,29 @@ class RemoteApply:
     saved_dirs: dict[str, Any]
     _next_ino: int
 
-    def add_store(self, slug: str, access: str, records, *,
-                  limits: dict | None = None, contents: dict[str, bytes] | None = None,
+    if TYPE_CHECKING:  # what this part calls of the other parts of ``core.Filesystem``
+        def _account(self, n: Node, delta: int) -> None: ...
+
+        def _bind_rid(self, n: Node, rid: str | None) -> None: ...
+
+        def _detach(self, n: Node) -> None: ...
+
+        def _ensure_dir(self, sm: StoreMount, parts: list[str], ts: int,
+                        inv: list[tuple[Any, ...]] | None = None) -> Node | None: ...
+
+        def _live(self, n: Node, sign: int) -> None: ...
+
+        def _new_node(self, name: str, parent: Node | None, is_dir: bool, store: StoreMount | None,
+                      mode: int, now_ns: int, uid: int | None = None, gid: int | None = None) -> Node: ...
+
+        def _set_record_key(self, n: Node, rid: str) -> None: ...
+
+        def _touch_dir(self, d: Node) -> None: ...
+
+        def _walk_files(self, d: Node) -> Iterator[Node]: ...
+
+    def add_store(self, slug: str, access: str, records: Sequence[Record | Meta], *,
+                  limits: dict[str, Any] | None = None, contents: dict[str, bytes] | None = None,
                   cached: bool = False) -> StoreMount:
         """Put one attached store under the root, built from a snapshot of its live records
         (``Record`` or mirror ``Meta`` objects; the nodes share their strings).
@@ -97,11 +121,12 @@ class RemoteApply:
             with self.blobs.batch():
                 for rec in given:
                     data = contents.get(rec.id)
-                    self.blobs.put(rec.content.encode("utf-8") if data is None else data, rec.sha256)
+                    self.blobs.put(data if data is not None  # else rec.content is not None (given)
+                                   else (rec.content or "").encode("utf-8"), rec.sha256)
         missing = set() if cached else self.blobs.missing_digests(
             _digest(r) for r in records if r.content is None and r.id not in contents)
         if missing:
-            kept = []
+            kept: list[Record | Meta] = []
             for rec in records:
                 if _digest(rec) in missing:
                     log.error("record content missing from snapshot and cache; skipped",
@@ -115,7 +140,7 @@ class RemoteApply:
         self._restore_dir_modes(sm)
         return sm
 
-    def _insert_records(self, sm: StoreMount, records) -> None:
+    def _insert_records(self, sm: StoreMount, records: Iterable[Record | Meta]) -> None:
         """Add clean files for ``records`` (``Record`` or mirror ``Meta``) to a store being
         built (``add_store``), in one loop (a store of 100,000 records is built at start, on
         the mount's critical path): each record a clean file (as ``_set_clean`` shows it),
@@ -133,12 +158,13 @@ class RemoteApply:
         count = used = 0
         try:
             for rec in records:
-                if type(rec) is not Meta:
+                if not isinstance(rec, Meta):
                     rec = Meta.of(rec)  # a Record: the fields as the mirror keeps them
                 head, name, ts = rec.dir, rec.name, rec.updated_ns
                 if head != last_dir:
-                    d = root
+                    d: Node | None = root
                     for comp in head.split("/") if head else ():
+                        assert d is not None and d.children is not None  # a directory
                         child = d.children.get(comp)
                         if child is None:
                             self._next_ino = ino
@@ -155,6 +181,7 @@ class RemoteApply:
                         continue
                     last_dir, last_d = head, d
                 d = last_d
+                assert d.children is not None  # a directory
                 xm = rec.mtime_ns
                 fmode = fmodes.get(rec.mode)
                 if fmode is None:
@@ -190,13 +217,13 @@ class RemoteApply:
         are local to this sidecar: docs/SEMANTICS.md)."""
         saved = self.saved_dirs.get(DIR_MODES_KEY, {})
         for path, mode in (saved.get(sm.slug, {}) if isinstance(saved, dict) else {}).items():
-            d = sm.root
+            d: Node | None = sm.root
             for comp in path.split("/") if path else []:
-                d = d.children.get(comp) if d is not None and d.is_dir else None
+                d = d.children.get(comp) if d is not None and d.children is not None else None
             if d is not None and d.is_dir and isinstance(mode, int):
                 d.mode = stat.S_IFDIR | stat.S_IMODE(mode)
 
-    def _set_clean(self, n: Node, rec, ts: int | None = None) -> None:
+    def _set_clean(self, n: Node, rec: Record | Meta, ts: int | None = None) -> None:
         """Show ``rec`` (a ``Record`` or a mirror ``Meta``; ``ts``: its update time in ns
         when the caller has it) as ``n``'s clean state."""
         self._bind_rid(n, rec.id)
@@ -217,7 +244,8 @@ class RemoteApply:
         xm = n.xmtime
         n.mtime_ns = xm if xm is not None else n.ctime_ns
 
-    def apply_remote(self, sm: StoreMount, rec: Record, *, force: bool = False) -> list[tuple]:
+    def apply_remote(self, sm: StoreMount, rec: Record | Meta, *,
+                     force: bool = False) -> list[tuple[Any, ...]]:
         """Apply one record state from the change feed (or a snapshot when ``force``) to the
         tree. Returns the kernel invalidations to make: ``("entry", parent_ino, name)`` and
         ``("inode", ino)`` (content changed), ``("attr", ino)`` (only mode / mtime changed).
@@ -245,16 +273,17 @@ class RemoteApply:
         if rec.deleted:
             if n is None:
                 return []
-            inv = [("entry", n.parent.ino, n.name)]
+            assert n.parent is not None  # a record's file is in the tree
+            gone: list[tuple[Any, ...]] = [("entry", n.parent.ino, n.name)]
             self._detach(n)
             self._bind_rid(n, None)
-            return inv
+            return gone
         if rec.content is None and not self.blobs.has(rec.sha256):
             log.error("remote change without content; skipped", extra={"store": sm.slug, "record": rec.id})
             return []
         if rec.content is not None:
             self.blobs.put(rec.content.encode("utf-8"), rec.sha256)
-        inv: list[tuple] = []
+        inv: list[tuple[Any, ...]] = []
         if n is None:
             parts = rec.path.split("/")
             d = self._ensure_dir(sm, parts[:-1], time.time_ns(), inv)
@@ -262,6 +291,7 @@ class RemoteApply:
                 log.warning("remote record path crosses a local file; skipped",
                             extra={"store": sm.slug, "record": rec.id})
                 return []
+            assert d.children is not None  # _ensure_dir gives a directory
             cur = d.children.get(parts[-1])
             if cur is not None:
                 if cur.is_dir or cur.dirty or cur.record_id is None:
@@ -291,12 +321,13 @@ class RemoteApply:
             inv.append(("attr", n.ino))
         return inv
 
-    def _move_remote(self, sm: StoreMount, n: Node, path: str) -> list[tuple]:
+    def _move_remote(self, sm: StoreMount, n: Node, path: str) -> list[tuple[Any, ...]]:
         parts = path.split("/")
-        inv: list[tuple] = []
+        inv: list[tuple[Any, ...]] = []
         d = self._ensure_dir(sm, parts[:-1], time.time_ns(), inv)
         if d is None:
             return []
+        assert d.children is not None  # _ensure_dir gives a directory
         cur = d.children.get(parts[-1])
         if cur is not None and cur is not n:
             if cur.is_dir or cur.dirty:
@@ -304,17 +335,19 @@ class RemoteApply:
             inv.append(("entry", d.ino, cur.name))
             self._detach(cur)
             self._bind_rid(cur, None)
-        inv.append(("entry", n.parent.ino, n.name))
-        del n.parent.children[n.name]
-        self._touch_dir(n.parent)
+        old = n.parent
+        assert old is not None and old.children is not None  # n is in the tree
+        inv.append(("entry", old.ino, n.name))
+        del old.children[n.name]
+        self._touch_dir(old)
         n.parent, n.name = d, parts[-1]
         d.children[n.name] = n
         self._touch_dir(d)
         inv.append(("entry", d.ino, n.name))
         return inv
 
-    def reconcile_store(self, sm: StoreMount, records: list[Record],
-                        queued: list[Entry] = ()) -> list[tuple]:
+    def reconcile_store(self, sm: StoreMount, records: Iterable[Record | Meta],
+                        queued: Sequence[Entry] = ()) -> list[tuple[Any, ...]]:
         """Make the store's tree match a full snapshot (after ``410``): apply every record,
         remove clean local files whose record is no longer live.
 
@@ -332,8 +365,8 @@ class RemoteApply:
         def touched(path: str) -> bool:
             return any(path == p or path.startswith(p + "/") for p in prefixes)
 
-        inv: list[tuple] = []
-        live = set()
+        inv: list[tuple[Any, ...]] = []
+        live: set[str] = set()
         for rec in records:
             live.add(rec.id)
             n = self.by_rid.get(rec.id)
@@ -343,18 +376,19 @@ class RemoteApply:
         for n in list(self._walk_files(sm.root)):
             if (n.record_id and n.record_id not in live and not n.dirty and not n.local_only
                     and n.key not in busy_keys and n.state == CLEAN and not touched(n.path())):
+                assert n.parent is not None  # a file of the tree
                 inv.append(("entry", n.parent.ino, n.name))
                 self._detach(n)
                 self._bind_rid(n, None)
         return inv
 
-    def remove_store(self, slug: str) -> list[tuple]:
+    def remove_store(self, slug: str) -> list[tuple[Any, ...]]:
         """Take a store out of the mount; handles still open on it answer ``ESTALE``."""
         sm = self.stores.pop(slug, None)
         if sm is None:
             return []
         sm.detached = True
-        inv = [("entry", self.root.ino, slug)]
+        inv: list[tuple[Any, ...]] = [("entry", self.root.ino, slug)]
         self._detach(sm.root)
         for n in self._walk_files(sm.root):
             if n.record_id and self.by_rid.get(n.record_id) is n:
