@@ -31,6 +31,7 @@ import trio
 
 from ..client import ApiClient
 from ..content import INDEX_PATH
+from .backoff import Doubling
 from .blobcache import BlobCache
 from .cachedir import secure_cache_dir
 from .control import MOUNT_INFO, write_mount_info
@@ -474,7 +475,7 @@ class Sidecar(StoreSync):
         ``context``), counted (``memfuse_task_failures{task=name}``, ``status.task_failures``)
         and the task restarted after a backoff of 0.2 s doubling to 30 s (reset after a minute
         of running). Cancellation passes through: only a deliberate stop ends a task."""
-        delay = 0.2
+        retry = Doubling(0.2, 30.0)
         while True:
             t0 = trio.current_time()
             try:
@@ -482,13 +483,12 @@ class Sidecar(StoreSync):
                 return
             except Exception:
                 if trio.current_time() - t0 > 60:
-                    delay = 0.2
+                    retry.reset()
                 self.task_failures[name] = self.task_failures.get(name, 0) + 1
                 self.metrics.task_failures.labels(name).inc()
                 log.exception("background task failed; restarting it",
-                              extra={"task": name, "restart_in_s": delay, **(context or {})})
-                await trio.sleep(delay)
-                delay = min(delay * 2, 30.0)
+                              extra={"task": name, "restart_in_s": retry.delay, **(context or {})})
+                await trio.sleep(retry.next())
 
     def _spawn(self, name: str, fn: Callable[..., Awaitable[object]], *args: Any,
                context: dict[str, Any] | None = None) -> None:

@@ -39,6 +39,7 @@ from ..errors import ApiError, Forbidden, Gone, PermanentError, TransientError, 
 from ..wire import Attachment, ChangePage, EventPage, Record
 from .inodes import ROOT_INO, StoreMount
 from .cachedir import CacheError
+from .backoff import Doubling
 from .sync import Meta, StoreState, catch_up, lag_seconds
 
 if TYPE_CHECKING:
@@ -152,39 +153,35 @@ class StoreSync:
     async def _context_loop(self) -> None:
         """Refresh the prompt block on every ``want_context``; a failed fetch is retried
         after 1 s doubling to ``CONTEXT_RETRY_MAX`` s, or at once on the next request."""
-        delay = 1.0
+        retry = Doubling(1.0, CONTEXT_RETRY_MAX)
         while True:
             await self._context_recv.receive()
             while not await self.refresh_context():
-                with trio.move_on_after(delay):
+                with trio.move_on_after(retry.next()):
                     await self._context_recv.receive()
-                delay = min(delay * 2, CONTEXT_RETRY_MAX)
-            delay = 1.0
+            retry.reset()
 
     # ------------------------------------------------------------------ loading
     async def _retrying(self, what: str, fn: Callable[[], Awaitable[R]]) -> R:
-        delay = 0.2
+        retry = Doubling(0.2, 5.0)
         while True:
             try:
                 return await fn()
             except TransientError as e:
                 self.last_start_error = e.code or (f"HTTP {e.status}" if e.status else type(e).__name__)
                 log.warning(f"control plane unreachable while {what}; retrying",
-                            extra={"status": e.status, "code": e.code, "retry_in_s": delay})
-                await trio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+                            extra={"status": e.status, "code": e.code, "retry_in_s": retry.delay})
+                await trio.sleep(retry.next())
             except CacheError as e:
                 log.warning(f"cache disk refused a write while {what}; retrying",
                             extra={"errno": errno.errorcode.get(e.errno), "reason": e.reason,
-                                   "retry_in_s": delay})
-                await trio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+                                   "retry_in_s": retry.delay})
+                await trio.sleep(retry.next())
             except Unauthorized as e:  # an authentication outage: wait for a valid token
                 self.last_start_error = f"HTTP {e.status}: the token was refused"
                 log.warning(f"the control plane refused the token while {what}; retrying",
-                            extra={"status": e.status, "code": e.code, "retry_in_s": delay})
-                await self._wait_token(delay)
-                delay = min(delay * 2, 5.0)
+                            extra={"status": e.status, "code": e.code, "retry_in_s": retry.delay})
+                await self._wait_token(retry.next())
 
     async def _load_state(self, slug: str, expect_records: int | None = None) -> StoreState:
         """The store's mirror, resumed from the saved cursor or from a full snapshot.
@@ -391,7 +388,7 @@ class StoreSync:
         """The feed of one store (run under ``supervise``; ``_feed`` owns the scope): a
         stream of pages (``ApiClient.changes_stream``), reopened from the cursor when it
         ends, or long-polls when the control plane does not stream."""
-        delay, probe = 0.2, False
+        retry, probe = Doubling(0.2, 5.0), False
         while True:
             state, sm = self.states.get(slug), self.fs.stores.get(slug)
             if state is None or sm is None:
@@ -403,7 +400,7 @@ class StoreSync:
                     try:
                         async for page in stream:
                             if trio.current_time() - opened >= STREAM_SHORT_SECONDS:
-                                delay = 0.2  # a stream that lasts: the control plane is fine
+                                retry.reset()  # a stream that lasts: the control plane is fine
                             self.committer.poke()
                             if not await self._apply_page(slug, page):
                                 break  # reopened from the cursor of the last page applied
@@ -412,14 +409,14 @@ class StoreSync:
                     if stream.streaming is False:
                         self._streams_refused(f"changes:{slug}")
                     elif trio.current_time() - opened < STREAM_SHORT_SECONDS:
-                        await trio.sleep(delay)  # streams that end at once: reopen with backoff
-                        delay = min(delay * 2, 5.0)
+                        await trio.sleep(retry.next())  # streams that end at once: reopen with backoff
                     continue
                 # after a failure, ask without waiting: the first answer tells the
                 # committer at once that the control plane is back
                 page = await self.client.changes(slug, state.cursor, wait=0 if probe else 25,
                                                  content=True, **self._feed_kw)
-                delay, probe = 0.2, False
+                retry.reset()
+                probe = False
                 self.committer.poke()
                 await self._apply_page(slug, page)
             except Gone:
@@ -428,12 +425,10 @@ class StoreSync:
                     await self._resync(slug)
                 except TransientError as e:
                     log.info("snapshot after 410 failed; retrying",
-                             extra={"store": slug, "status": e.status, "retry_in_s": delay})
-                    await trio.sleep(delay)
-                    delay = min(delay * 2, 5.0)
+                             extra={"store": slug, "status": e.status, "retry_in_s": retry.delay})
+                    await trio.sleep(retry.next())
                 except Unauthorized:  # an authentication outage: wait for a valid token
-                    await self._wait_token(delay)
-                    delay = min(delay * 2, 5.0)
+                    await self._wait_token(retry.next())
                 except CacheError as e:
                     log.warning("snapshot after 410 not stored: cache disk error; retrying",
                                 extra={"store": slug, "reason": e.reason, "retry_in_s": 5.0})
@@ -441,15 +436,13 @@ class StoreSync:
                 continue
             except TransientError as e:
                 log.info("change feed unreachable; retrying",
-                         extra={"store": slug, "status": e.status, "code": e.code, "retry_in_s": delay})
-                await trio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+                         extra={"store": slug, "status": e.status, "code": e.code, "retry_in_s": retry.delay})
+                await trio.sleep(retry.next())
                 probe = not self._streams_ok()  # a stream's first line is a probe already
                 continue
             except Unauthorized:
                 # an authentication outage, not a detach: keep the store, wait for a token
-                await self._wait_token(delay)
-                delay = min(delay * 2, 5.0)
+                await self._wait_token(retry.next())
                 probe = not self._streams_ok()
                 continue
             except PermanentError as e:
@@ -498,7 +491,7 @@ class StoreSync:
     async def _events(self) -> None:
         """Follow the workspace's attach / detach / store-changed events: a stream
         (``ApiClient.events_stream``), or long-polls when the control plane does not stream."""
-        cursor, delay = None, 0.2
+        cursor, retry = None, Doubling(0.2, 10.0)
         while True:
             try:
                 if cursor is None:
@@ -513,7 +506,7 @@ class StoreSync:
                     try:
                         async for page in stream:
                             if trio.current_time() - opened >= STREAM_SHORT_SECONDS:
-                                delay = 0.2  # a stream that lasts: the control plane is fine
+                                retry.reset()  # a stream that lasts: the control plane is fine
                             cursor = max(cursor, page.seq)
                             await self._on_events(page)
                     finally:
@@ -521,16 +514,14 @@ class StoreSync:
                     if stream.streaming is False:
                         self._streams_refused("events")
                     elif trio.current_time() - opened < STREAM_SHORT_SECONDS:
-                        await trio.sleep(delay)  # streams that end at once: reopen with backoff
-                        delay = min(delay * 2, 10.0)
+                        await trio.sleep(retry.next())  # streams that end at once: reopen with backoff
                     continue
                 page = await self.client.workspace_events(self.config.workspace, cursor, wait=25)
-                delay = 0.2
+                retry.reset()
             except ApiError as e:
                 log.info("workspace events unreachable; retrying",
-                         extra={"status": e.status, "code": e.code, "retry_in_s": delay})
-                await trio.sleep(delay)
-                delay = min(delay * 2, 10.0)
+                         extra={"status": e.status, "code": e.code, "retry_in_s": retry.delay})
+                await trio.sleep(retry.next())
                 continue
             cursor = max(cursor, page.seq)
             await self._on_events(page)
