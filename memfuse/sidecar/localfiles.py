@@ -24,7 +24,7 @@ process gets its files back from the rows taken when it was removed (``take_loca
 Limits: local-only files share the store's byte quota with its records in this sidecar (as
 temporaries share a disk with the files they belong to): ``StoreMount.local_used`` counts
 their bytes, and a write that would take records plus local-only files past
-``max_store_bytes`` is refused with ``ENOSPC`` (``core.Filesystem._check_growth``). Their
+``max_store_bytes`` is refused with ``ENOSPC`` (``limits.WriteLimits._check_growth``). Their
 number (``local_count``) is bounded by ``max_records`` on its own, so a store full of records
 still lets an editor make its swap and backup files (in-place edits keep working at the
 record limit). There is no per-file ``EFBIG`` (a vim swap file of a record near
