@@ -7,8 +7,8 @@ from __future__ import annotations
 import contextvars
 import ssl
 import time
-from collections.abc import Awaitable, Callable
-from typing import cast
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, cast
 
 import httpx
 
@@ -39,7 +39,7 @@ class NeedEventLoop(Exception):
 _LOOPLESS = contextvars.ContextVar("memfuse_loopless", default=False)
 
 
-def run_loopless(fn: Callable[[], Awaitable[T]]) -> T:
+def run_loopless(fn: Callable[[], Coroutine[Any, Any, T]]) -> T:
     """Run the coroutine ``fn()`` to its end without an event loop, when nothing it awaits
     suspends: an :class:`ApiClient` whose transport answers synchronously
     (:class:`SyncTransport`, or an in-process one) never does. A short-lived command (the
@@ -53,11 +53,12 @@ def run_loopless(fn: Callable[[], Awaitable[T]]) -> T:
     try:
         coro = fn()
         try:
-            coro.send(None)  # type: ignore[attr-defined]
+            coro.send(None)
         except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
+            value: T = done.value  # what the coroutine returned
+            return value
         try:
-            coro.close()  # type: ignore[attr-defined]
+            coro.close()
         except RuntimeError:  # it awaited again while closing: nothing more to do
             pass
         raise NeedEventLoop("the work suspended: it needs an event loop")

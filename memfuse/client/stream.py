@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, Generic
 
 import httpx
@@ -27,7 +27,7 @@ class PageStream(Generic[P]):
         self._model: type[P] = model
         self._read_timeout = read_timeout
         self._resp: httpx.Response | None = None
-        self._gen: AsyncIterator[P] | None = None
+        self._gen: AsyncGenerator[P, None] | None = None
         self.streaming: bool | None = None
 
     def __aiter__(self) -> AsyncIterator[P]:
@@ -39,7 +39,7 @@ class PageStream(Generic[P]):
         """Close the response (idempotent)."""
         gen, self._gen = self._gen, None
         if gen is not None:
-            await gen.aclose()  # type: ignore[attr-defined]
+            await gen.aclose()
         await self._close_response()
 
     async def _close_response(self) -> None:
@@ -47,7 +47,7 @@ class PageStream(Generic[P]):
             resp, self._resp = self._resp, None
             await resp.aclose()
 
-    async def _pages(self) -> AsyncIterator[P]:
+    async def _pages(self) -> AsyncGenerator[P, None]:
         path = self._path
         try:
             try:
