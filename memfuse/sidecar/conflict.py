@@ -132,6 +132,9 @@ class ConflictResolver:
         local = e.content or b""
         if sha is None or len(local) < APPEND_MIN_BYTES:
             return None
+        ab = e.append_base
+        if base is None and ab is not None and ab[0] == sha and 0 < ab[1] < len(local):
+            return local[ab[1]:]  # checked at commit: local starts with sha's content
         if base is None:
             base = self.base_content(sha)
         if base is None or len(local) <= len(base) or not local.startswith(base):
@@ -143,7 +146,11 @@ class ConflictResolver:
         the sha256 of the version it was written on, ``put_base``). On ``412`` an append
         (the content is that version's plus a suffix) is rebased onto the current version
         (``rebase``); any other concurrent change is resolved last-writer-wins
-        (``conflict``); a record deleted elsewhere is created again."""
+        (``conflict``); a record deleted elsewhere is created again. A put known only as
+        an append on a version (``Entry.suffix_only``) is ``put_suffix``'s."""
+        if e.content is None and e.suffix_only is not None:
+            await self.put_suffix(e, c, a)
+            return
         text = (e.content or b"").decode("utf-8", errors="surrogateescape")
         try:
             text.encode("utf-8")
@@ -151,7 +158,7 @@ class ConflictResolver:
             raise local_refusal("invalid_content", "content is not valid UTF-8") from None
         rid, sha, base = self.put_base(e)
         e.merged = None
-        want = sha256_hex(e.content or b"")
+        want = e.content_sha() or sha256_hex(b"")
         typ = a.get("type")
         # absent in entries journaled by earlier releases: then the server keeps / defaults
         attrs = {"mode": a.get("mode"), "mtime_ns": a.get("mtime_ns")}
@@ -212,6 +219,64 @@ class ConflictResolver:
                 self.set_merged(e.node_key, (want, e.content or b"", rec.sha256))
             else:
                 self.set_merged(e.node_key, None)
+
+    async def put_suffix(self, e: Entry, c: ApiClient, a: dict[str, Any]) -> None:
+        """Send a put the journal holds only as bytes appended to a version whose content is
+        gone here (``Entry.suffix_only``: its journal row was an append row, and the earlier
+        row or blob holding its base is lost, e.g. by a machine crash): the control plane
+        committed that version, so the put is an append on it (``If-Match`` its sha256,
+        idempotency key ``<key>-append``, as a put of the whole content would send); on
+        ``412`` the bytes are appended to the current content instead (as ``rebase`` does
+        for an append, key ``<key>-rebase``). The file is then shown the content the
+        control plane holds (``e.merged``). Raises ``local_refusal("journal_lost")`` (the
+        bytes cannot be placed: the record is gone, or the row was damaged), API errors as
+        the client raises them."""
+        base_sha, suffix = e.suffix_only or ("", b"")
+        rid = self.ids.get(e.node_key, e.store)[0]
+        lost = ("this queued append's base is gone from the outbox journal and the cache, "
+                "and the control plane cannot place it: write it again")
+        if not base_sha or rid is None:
+            raise local_refusal("journal_lost", lost)
+        try:
+            text = suffix.decode("utf-8")
+        except UnicodeDecodeError:
+            raise local_refusal("invalid_content", "content is not valid UTF-8") from None
+        kw = {"type": a.get("type"), "mode": a.get("mode"), "mtime_ns": a.get("mtime_ns")}
+        try:
+            rec = await c.append_record(e.store, rid, text, if_match=base_sha,
+                                        idempotency_key=e.key + "-append", **kw)
+        except NotFound:
+            raise local_refusal("journal_lost", lost) from None
+        except PreconditionFailed:
+            for _ in range(MERGE_ROUNDS):
+                cur = await c.get_record(e.store, rid, content=True)
+                if cur.deleted:
+                    raise local_refusal("journal_lost", lost) from None
+                try:
+                    rec = await c.append_record(e.store, rid, text, if_match=cur.sha256,
+                                                idempotency_key=e.key + "-rebase", **kw)
+                    break
+                except PreconditionFailed:
+                    continue
+                except ApiError as err:
+                    if err.code != "idempotency_key_reused":
+                        raise
+                    rec = await c.get_record(e.store, rid, content=True)  # applied, answer lost
+                    break
+            else:
+                raise TransientError(f"merge lost {MERGE_ROUNDS} races in a row; will retry",
+                                     code="merge_contended") from None
+            self.merges += 1
+        cur = await c.get_record(e.store, rid, content=True)
+        if cur.sha256 == rec.sha256 and cur.content is not None:
+            e.merged = cur.content.encode("utf-8")
+        log.info("a queued append whose base was gone here was sent as an append on it",
+                 extra={"store": e.store, "path": a.get("path"), "record": rid, "entry": e.id,
+                        "base_sha256": base_sha, "sha256": rec.sha256})
+        e.record = rec
+        self.ids.learn(e.node_key, rec)
+        if e.node_key is not None:
+            self.set_merged(e.node_key, None)
 
     async def rebase(self, e: Entry, c: ApiClient, rid: str, base_sha: str | None,
                       base: bytes | None, cur: Record) -> Record | None:

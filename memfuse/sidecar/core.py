@@ -46,6 +46,7 @@ import trio
 from .. import content as content_rules  # the server enforces the same rules
 from .. import names
 from ..errors import errno_of
+from ..hashstate import Sha256States
 from ..wire import MODE_MASK, datetime_ns, sha256_hex
 
 from .attributes import AttributeOps
@@ -113,6 +114,8 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
     started: float  # time.time() at construction
     ready: bool  # every attached store is loaded
     control: Node  # ``.memfuse/``
+    #: sha256 states of recently committed contents: an append is hashed over its suffix
+    hashes: Sha256States
 
     def __init__(self, blobs: BlobCache, client: Any, journal: Journal,
                  settings: Settings | None = None, workspace: str = "",
@@ -124,6 +127,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         (``Journal.load_rejected``), ``local``: its local-only files
         (``Journal.load_local``); both put back as each store is added (``add_store``)."""
         self.blobs = blobs
+        self.hashes = Sha256States()
         self.journal = journal
         self.ids = ids if ids is not None else RecordIds(journal, {})
         self.listener = listener
@@ -598,14 +602,18 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         # on a full or failing cache disk the content stays in memory and the outbox entry
         # below carries it durably, when the journal can write; the next commit of this file
         # tries the blob cache again
-        self._hold_content(n, data, sha256_hex(data), "the file's content")
+        # an append (the content before this session plus a suffix) is judged by its suffix
+        # and hashed from the base's kept hash state: one pass over the suffix (hashstate)
+        checked = self._checked_prefix(prev_sha, data)
+        sha = self.hashes.of(data, prev_sha, checked)
+        self._hold_content(n, data, sha, "the file's content")
         if n.refused:
             # an earlier put still in flight must not mark the file clean when it lands
             n.state, n.last_put = REJECTED, None
             self._mark_rejected(n, n.refused, "")
             self.sync_rejected()
             raise FsError(n.refused, n.error)
-        refusal = self._precheck(n, data, checked=self._checked_prefix(prev_sha, data))
+        refusal = self._precheck(n, data, checked=checked)
         if refusal is not None:
             n.state, n.error, n.last_put = REJECTED, refusal.reason, None
             self.note_error(n.parent, n.name, refusal.errno, refusal.reason, refusal.code)
@@ -615,7 +623,8 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         # the attributes ride with the content (cp -p, install -m, sed -i's fchmod)
         e = self.committer.submit(n.store.slug, PUT, n.key,
                                   {"path": n.path(), "type": n.type_override,
-                                   "mode": stat.S_IMODE(n.mode), "mtime_ns": n.xmtime}, data)
+                                   "mode": stat.S_IMODE(n.mode), "mtime_ns": n.xmtime}, data,
+                                  sha=sha, append_base=(prev_sha, checked) if checked else None)
         n.last_put = e
         n.state, n.error = PENDING, ""
         self.sync_rejected()  # a fixed file is no longer kept as rejected (same batch as e)
@@ -690,11 +699,10 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         for n, e in last.values():
             if n.unlinked:
                 continue
-            data = e.content
-            if data is None and e.deferred:
-                data = self.committer.journal.read_content(e.id)
-                e.content, e.deferred = data, False
-            data = data or b""
+            self.committer.fill(e)
+            if e.content is None and e.suffix_only is not None:
+                continue  # an append whose base is gone here: shown once it commits
+            data = e.content or b""
             old = n.cur_size()
             self._hold_content(n, data, sha256_hex(data), "a queued write")
             self._account(n, n.cur_size() - old)
