@@ -151,12 +151,19 @@ class ConflictResolver:
         if e.content is None and e.suffix_only is not None:
             await self.put_suffix(e, c, a)
             return
-        text = (e.content or b"").decode("utf-8", errors="surrogateescape")
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            raise local_refusal("invalid_content", "content is not valid UTF-8") from None
         rid, sha, base = self.put_base(e)
+        # an append sends (and decodes) only its suffix; the whole text is decoded once a
+        # request needs it (``_Text``)
+        suffix = self.append_suffix(e, sha, base) if rid is not None else None
+        appended = None
+        if suffix is not None:
+            try:
+                appended = suffix.decode("utf-8")
+            except UnicodeDecodeError:
+                suffix = None
+        text = _Text(e.content or b"")
+        if suffix is None:
+            text.check()
         e.merged = None
         want = e.content_sha() or sha256_hex(b"")
         typ = a.get("type")
@@ -166,13 +173,12 @@ class ConflictResolver:
         if rid is not None:
             create_key = e.key + "-create"
 
-            suffix = self.append_suffix(e, sha, base)
             try:
-                if suffix is not None and sha is not None:
-                    rec = await c.append_record(e.store, rid, suffix.decode("utf-8"), if_match=sha, type=typ,
+                if appended is not None and sha is not None:
+                    rec = await c.append_record(e.store, rid, appended, if_match=sha, type=typ,
                                                 idempotency_key=e.key + "-append", **attrs)
                 else:
-                    rec = await c.update_record(e.store, rid, text, type=typ, if_match=sha,
+                    rec = await c.update_record(e.store, rid, text.check(), type=typ, if_match=sha,
                                                 idempotency_key=e.key, **attrs)
             except PreconditionFailed:
                 cur = await c.get_record(e.store, rid, content=True)
@@ -189,13 +195,13 @@ class ConflictResolver:
                     log.warning("conflict: record changed elsewhere; last writer wins, the "
                                 "other version stays in history",
                                 extra={"store": e.store, "path": a.get("path"), "record": rid})
-                    rec = await c.update_record(e.store, rid, text, type=typ,
+                    rec = await c.update_record(e.store, rid, text.check(), type=typ,
                                                 idempotency_key=e.key + "-lww", **attrs)
             except NotFound:
                 rid = None  # deleted elsewhere: re-create it below
         if rid is None:
             try:
-                rec = await c.create_record(e.store, a["path"], text, type=typ,
+                rec = await c.create_record(e.store, a["path"], text.check(), type=typ,
                                             idempotency_key=create_key, **attrs)
             except Conflict as err:
                 other = (err.problem or {}).get("record_id")
@@ -208,7 +214,7 @@ class ConflictResolver:
                                   "latest version of that record, the other stays in history")
                 log.warning("conflict: path created elsewhere; last writer wins",
                             extra={"store": e.store, "path": a["path"], "record": other})
-                rec = await c.update_record(e.store, other, text, type=typ,
+                rec = await c.update_record(e.store, other, text.check(), type=typ,
                                             idempotency_key=e.key + "-lww", **attrs)
         e.record = rec
         self.ids.learn(e.node_key, rec)
@@ -342,6 +348,26 @@ class ConflictResolver:
             return rec
         raise TransientError(f"merge lost {MERGE_ROUNDS} races in a row; will retry",
                              code="merge_contended")
+
+class _Text:
+    """A put's content as the text a request sends, decoded once, when first needed
+    (``check``): an append that goes as its suffix never decodes the whole file."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.text: str | None = None
+
+    def check(self) -> str:
+        """The text; raises ``local_refusal("invalid_content")`` when it is not UTF-8."""
+        if self.text is None:
+            text = self.data.decode("utf-8", errors="surrogateescape")
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise local_refusal("invalid_content", "content is not valid UTF-8") from None
+            self.text = text
+        return self.text
+
 
 class AnsweredClient:
     """The client for an entry whose first request was answered inside a batch: that one
