@@ -203,8 +203,10 @@ class Committer:
 
     def base_shas(self) -> set[str]:
         """The sha256 of the bases of queued ``put`` entries (the versions their
-        ``If-Match`` names): the blob collection keeps those blobs, so an append that
-        meets a concurrent change can be rebased (``_rebase``)."""
+        ``If-Match`` names, and the content an append's journal row extends,
+        ``Entry.append_base``): the blob collection keeps those blobs, so an append that
+        meets a concurrent change can be rebased (``_rebase``) and an append row rebuilt
+        after a crash (``Journal.resolve_bases``)."""
         out = set()
         for store, q in self.queues.items():
             for e in q:
@@ -212,6 +214,9 @@ class Committer:
                     sha = self.ids.get(e.node_key, store)[1]
                     if sha:
                         out.add(sha)
+                    for a in (e, *e.absorbed):
+                        if a.append_base is not None:
+                            out.add(a.append_base[0])
         return out
 
     # --- enqueueing (synchronous, on the trio thread: order is fixed here) -------------------
