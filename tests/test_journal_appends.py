@@ -111,10 +111,12 @@ async def _replay(tmp_path: Path, api: ApiClient, ids: dict, blobs: dict) -> lis
 
 
 async def test_a_base_lost_everywhere_is_appended_on_the_version_the_control_plane_holds(tmp_path):
-    """Base row finished and blob cache lost (a machine crash): the queued append is sent as
-    an append on that version (exact), and after a rival change as an append on the
-    current content (as an append meeting a rival change is rebased); the file is then
-    shown what the control plane holds (``merged``). One version per replayed append."""
+    """Base row finished and blob cache lost (a machine crash): the base is read back from
+    the control plane (the current record; after a rival change, the version with that
+    sha256 in its history), the queued append is sent as an append on that version (exact),
+    and after the rival change rebased onto the current content as an append is; the file
+    is then shown what the control plane holds (``merged``). One version per replayed
+    append."""
     fake = FakeControlPlane(seed=5)
     token = await fake.setup("ws")
     async with ApiClient(fake.base_url, token, transport=fake.transport) as api:

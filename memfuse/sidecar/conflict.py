@@ -228,15 +228,17 @@ class ConflictResolver:
 
     async def put_suffix(self, e: Entry, c: ApiClient, a: dict[str, Any]) -> None:
         """Send a put the journal holds only as bytes appended to a version whose content is
-        gone here (``Entry.suffix_only``: its journal row was an append row, and the earlier
-        row or blob holding its base is lost, e.g. by a machine crash): the control plane
-        committed that version, so the put is an append on it (``If-Match`` its sha256,
-        idempotency key ``<key>-append``, as a put of the whole content would send); on
-        ``412`` the bytes are appended to the current content instead (as ``rebase`` does
-        for an append, key ``<key>-rebase``). The file is then shown the content the
-        control plane holds (``e.merged``). Raises ``local_refusal("journal_lost")`` (the
-        bytes cannot be placed: the record is gone, or the row was damaged), API errors as
-        the client raises them."""
+        gone here (``Entry.suffix_only``: its journal row was an append row, and the rows or
+        blob holding its base are lost, e.g. by a machine crash). That base is a version the
+        control plane committed (or a queued put of this file, committed before this one is
+        sent): its content is read back from there (the current record, else the version
+        of that sha256 in the record's history) and the put goes on as a whole one
+        (``put``: an append on the current version, else a whole write ``If-Match`` it).
+        When no version holds it, the bytes are appended to the current content (as
+        ``rebase`` does for an append; key ``<key>-append``), which the file then shows
+        (``e.merged``). Raises ``local_refusal("journal_lost")`` when they cannot be
+        placed (the record is gone, or the row was damaged), API errors as the client
+        raises them."""
         base_sha, suffix = e.suffix_only or ("", b"")
         rid = self.ids.get(e.node_key, e.store)[0]
         lost = ("this queued append's base is gone from the outbox journal and the cache, "
@@ -247,38 +249,38 @@ class ConflictResolver:
             text = suffix.decode("utf-8")
         except UnicodeDecodeError:
             raise local_refusal("invalid_content", "content is not valid UTF-8") from None
-        kw = {"type": a.get("type"), "mode": a.get("mode"), "mtime_ns": a.get("mtime_ns")}
         try:
-            rec = await c.append_record(e.store, rid, text, if_match=base_sha,
-                                        idempotency_key=e.key + "-append", **kw)
+            cur = await c.get_record(e.store, rid, content=True)
         except NotFound:
             raise local_refusal("journal_lost", lost) from None
-        except PreconditionFailed:
-            for _ in range(MERGE_ROUNDS):
-                cur = await c.get_record(e.store, rid, content=True)
-                if cur.deleted:
-                    raise local_refusal("journal_lost", lost) from None
-                try:
-                    rec = await c.append_record(e.store, rid, text, if_match=cur.sha256,
-                                                idempotency_key=e.key + "-rebase", **kw)
+        base = cur.content if cur.sha256 == base_sha else None
+        if base is None:
+            for v in reversed(await c.versions(e.store, rid)):
+                if v.sha256 == base_sha and not (v.redacted or v.pruned):
+                    base = (await c.version(e.store, rid, v.version)).content
                     break
-                except PreconditionFailed:
-                    continue
-                except ApiError as err:
-                    if err.code != "idempotency_key_reused":
-                        raise
-                    rec = await c.get_record(e.store, rid, content=True)  # applied, answer lost
-                    break
-            else:
-                raise TransientError(f"merge lost {MERGE_ROUNDS} races in a row; will retry",
-                                     code="merge_contended") from None
-            self.merges += 1
-        cur = await c.get_record(e.store, rid, content=True)
-        if cur.sha256 == rec.sha256 and cur.content is not None:
-            e.merged = cur.content.encode("utf-8")
-        log.info("a queued append whose base was gone here was sent as an append on it",
+        log.info("a queued append whose base was gone here is rebuilt from the control plane",
                  extra={"store": e.store, "path": a.get("path"), "record": rid, "entry": e.id,
-                        "base_sha256": base_sha, "sha256": rec.sha256})
+                        "base_sha256": base_sha, "found": base is not None})
+        if base is not None:
+            raw = base.encode("utf-8")
+            e.content, e.suffix_only, e.sha = raw + suffix, None, None
+            e.append_base = (base_sha, len(raw))
+            await self.put(e, c, a)
+            if e.merged is None and e.record is not None and e.record.sha256 == e.content_sha():
+                e.merged = e.content  # the file shows it (it was not shown while queued)
+            return
+        if cur.deleted or cur.content is None:
+            raise local_refusal("journal_lost", lost)
+        kw = {"type": a.get("type"), "mode": a.get("mode"), "mtime_ns": a.get("mtime_ns")}
+        try:
+            rec = await c.append_record(e.store, rid, text, if_match=cur.sha256,
+                                        idempotency_key=e.key + "-append", **kw)
+        except PreconditionFailed:  # changed again meanwhile: start over, with backoff
+            raise TransientError("the record changed while a queued append was placed; will retry",
+                                 code="merge_contended") from None
+        self.merges += 1
+        e.merged = cur.content.encode("utf-8") + suffix
         e.record = rec
         self.ids.learn(e.node_key, rec)
         if e.node_key is not None:
@@ -305,6 +307,9 @@ class ConflictResolver:
         times in a row (the entry backs off and tries again); API errors as the client
         raises them."""
         local = e.content or b""
+        ab = e.append_base
+        if base is None and base_sha and ab is not None and ab[0] == base_sha and ab[1] <= len(local):
+            base = local[:ab[1]]  # the put extends that version (checked when it was made)
         if base is None and base_sha:
             base = self.base_content(base_sha)
         if base is None or cur.deleted or cur.content is None:
