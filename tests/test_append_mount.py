@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sqlite3
 import uuid
 
 import pytest
 
-from mountutil import MEMFUSE, ControlPlane, read, serve_and_mount, sh, two_sidecars, wait_until
+from mountutil import MEMFUSE, ControlPlane, Sidecar, read, serve_and_mount, sh, two_sidecars, wait_until
 
 pytestmark = pytest.mark.mount
 
@@ -79,6 +80,56 @@ def test_echo_appends_are_sent_and_stored_as_suffixes(tmp_path):
         _drained(sc)
         _cli(cp, "export", "default", str(tmp_path / "out"), cwd=tmp_path)
         assert (tmp_path / "out" / "JOURNAL.md").read_text() == mid_text + "after-restore\n"
+
+
+@pytest.mark.parametrize("blobs", ["kept", "lost"])
+def test_appends_journaled_as_suffixes_survive_kill9(tmp_path, blobs):
+    """With the control plane frozen, each ``echo >>`` close is accepted with an outbox row
+    holding only the line it adds; the sidecar is killed (-9) and, ``lost``, its blob cache
+    deleted (what a machine crash may do to its last writes); the control plane resumes
+    (the first append, in flight, applies; its answer is lost). The restarted sidecar
+    rebuilds the queued appends (from the blob cache, or from the control plane's version)
+    and the control plane and the file hold every line once."""
+    cp = ControlPlane(tmp_path).start()
+    mnt, cache = tmp_path / "mnt", tmp_path / "cache"
+    sc = None
+    frozen = False
+    try:
+        tok = cp.setup_workspace("ws")
+        sc = Sidecar(cp, "ws", tok, mnt, cache, "--commit-wait", "0.5").start()
+        f = mnt / "default" / "JOURNAL.md"
+        f.write_text(BASE)
+        _drained(sc)
+        os.kill(cp.proc.pid, signal.SIGSTOP)
+        frozen = True
+        sh(f'for i in $(seq 5); do echo "line $i" >> {f}; done', f.parent, timeout=120)
+        want = BASE + "".join(f"line {i}\n" for i in range(1, 6))
+        assert read(f) == want
+        db = sqlite3.connect(f"file:{cache / 'outbox.db'}?mode=ro", uri=True, timeout=30)
+        try:
+            rows = db.execute("SELECT length(content), args FROM entries ORDER BY id").fetchall()
+        finally:
+            db.close()
+        assert len(rows) == 5 and all(n < 100 and "~append" in a for n, a in rows), rows
+        sc.kill9()
+        if blobs == "lost":
+            for p in cache.glob("blobs.db*"):
+                p.unlink()
+        os.kill(cp.proc.pid, signal.SIGCONT)
+        frozen = False
+        sc = Sidecar(cp, "ws", tok, mnt, cache, "--commit-wait", "0.5").start()
+        _drained(sc)
+        rec = cp.call("find_record", "default", "JOURNAL.md")
+        assert cp.call("get_record", "default", rec.id).content == want
+        wait_until(lambda: read(f) == want, timeout=30, what="the file shows every line once")
+    finally:
+        try:
+            if frozen:
+                os.kill(cp.proc.pid, signal.SIGCONT)
+            if sc is not None:
+                sc.stop()
+        finally:
+            cp.stop()
 
 
 @pytest.fixture(scope="module")

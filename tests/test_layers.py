@@ -266,7 +266,7 @@ async def test_journal_load_defers_exactly_the_puts_the_committer_absorbs(tmp_pa
             if e.op == PUT and not e.deferred:
                 assert e.content == written[e.id]
             if e.deferred:
-                c._fill(e)
+                c.fill(e)
                 assert e.content == written[e.id] and not e.deferred
         j.close()
 

@@ -22,6 +22,7 @@ from sqlalchemy.engine import Connection, Row
 from memfuse import content as content_rules
 from memfuse import wire
 from memfuse.defs import INT64_MAX, mtime_effective_ns
+from memfuse.hashstate import Sha256States
 from memfuse.models import (
     DEFAULT_MODE,
     MoveResult,
@@ -36,7 +37,6 @@ from memfuse.models import (
     RecordUpdate,
     Restore,
     Version,
-    sha256_hex,
 )
 from memfuse.server.base import (
     _R,
@@ -167,6 +167,10 @@ class _Rec:
         """Every column → value."""
         return {k: getattr(self, k) for k in _RECORD_COLUMNS}
 
+
+#: sha256 states of recently written contents (``memfuse.hashstate``): an append's sha256 is
+#: computed over its suffix when its base was written (or appended to) by this process
+_HASHES = Sha256States()
 
 # Statements of the hot paths, built once (parameters at execution).
 _INSERT_RECORD = insert(_R)
@@ -758,7 +762,7 @@ class RecordsMixin(ServiceBase):
         path = _check_new_path(body.path)
         raw = _check_content(body.content)
         secret = content_rules.find_secret(body.content)  # outside the write lock
-        sha = sha256_hex(raw)
+        sha = _HASHES.digest(raw)
 
         def fn(conn: Connection, st: Any) -> Record:
             _check_writable(st)
@@ -816,7 +820,7 @@ class RecordsMixin(ServiceBase):
         """``update_record`` as ``_create_op`` splits ``create_record``."""
         raw = _check_content(body.content)
         secret = content_rules.find_secret(body.content)  # outside the write lock
-        sha = sha256_hex(raw)
+        sha = _HASHES.digest(raw)
 
         def fn(conn: Connection, st: Any) -> Record:
             _check_writable(st)
@@ -896,8 +900,9 @@ class RecordsMixin(ServiceBase):
                 start = nl + 1 if nl >= 0 else 0
             secret = content_rules.find_secret(old[start:] + body.append) if raw else None
             content = old + body.append
-            whole = content.encode("utf-8") if raw else None
-            sha = sha256_hex(whole) if whole is not None else rec.sha256
+            sha = rec.sha256
+            if raw:  # one pass over the suffix when the base's hash state is kept (hashstate)
+                sha = _HASHES.extend(rec.sha256, raw) or _HASHES.digest(content.encode("utf-8"))
             return self._put_content(conn, st, p, rec, body, content, rec.size + len(raw), sha, secret)
 
         return fn

@@ -203,8 +203,10 @@ class Committer:
 
     def base_shas(self) -> set[str]:
         """The sha256 of the bases of queued ``put`` entries (the versions their
-        ``If-Match`` names): the blob collection keeps those blobs, so an append that
-        meets a concurrent change can be rebased (``_rebase``)."""
+        ``If-Match`` names, and the content an append's journal row extends,
+        ``Entry.append_base``): the blob collection keeps those blobs, so an append that
+        meets a concurrent change can be rebased (``_rebase``) and an append row rebuilt
+        after a crash (``Journal.resolve_bases``)."""
         out = set()
         for store, q in self.queues.items():
             for e in q:
@@ -212,14 +214,22 @@ class Committer:
                     sha = self.ids.get(e.node_key, store)[1]
                     if sha:
                         out.add(sha)
+                    for a in (e, *e.absorbed):
+                        if a.append_base is not None:
+                            out.add(a.append_base[0])
         return out
 
     # --- enqueueing (synchronous, on the trio thread: order is fixed here) -------------------
     def submit(self, store: str, op: str, node_key: str | None, args: dict[str, Any],
-               content: bytes | None = None) -> Entry:
-        """Accept one change: queue it for the journal and for its store's worker."""
+               content: bytes | None = None, *, sha: str | None = None,
+               append_base: tuple[str, int] | None = None) -> Entry:
+        """Accept one change: queue it for the journal and for its store's worker. ``sha``:
+        the sha256 of ``content`` when the caller has it (not hashed again); ``append_base``:
+        (sha256, length) of the content ``content`` extends, when the caller checked it
+        (``Entry.append_base``)."""
         self._seq += 1
-        e = Entry(id=self._seq, store=store, op=op, node_key=node_key, args=args, content=content)
+        e = Entry(id=self._seq, store=store, op=op, node_key=node_key, args=args, content=content,
+                  sha=sha, append_base=append_base)
         # the witness notes the record id and base the entry is written on (Journal.recover)
         self.journal.add(e, self.ids.get(node_key, store) if node_key is not None else None)
         self._enqueue(e)
@@ -363,7 +373,7 @@ class Committer:
                 await self._commit_batch(store, q, batch)
                 continue
             e = q[0]
-            self._fill(e)
+            self.fill(e)
             self._inflight[store] = trio.Event()
             try:
                 await self._commit_with_retry(e)
@@ -415,13 +425,17 @@ class Committer:
             log.debug("outbox: successive puts of the same files coalesced",
                       extra={"dropped": dropped, "left": len(q)})
 
-    def _fill(self, e: Entry) -> None:
+    def fill(self, e: Entry) -> None:
         """Read the content of a ``deferred`` put (loaded without it: ``Journal.load``)
-        before it is sent. A journal that cannot give it (``sqlite3.Error``) is a failure
-        of this attempt: raised, the worker restarts and the entry stays first."""
+        before it is sent or shown; an append row whose base the journal no longer holds is
+        rebuilt from the blob cache (``base_content``), else stays ``suffix_only``. A
+        journal that cannot give it (``sqlite3.Error``) is a failure of this attempt:
+        raised, the worker restarts and the entry stays first."""
         if e.deferred:
-            e.content = self.journal.read_content(e.id)
+            e.content, e.suffix_only = self.journal.read_put(e.id)
             e.deferred = False
+            self.journal.resolve_bases([e], self.resolver.base_content)
+
 
     def _finished(self, store: str, q: deque[Entry], e: Entry) -> None:
         """``e`` (first in ``q``) committed or was refused for good: out of the queue and the
@@ -462,7 +476,9 @@ class Committer:
         for e in q:
             if e.op not in (PUT, ATTRS, DELETE, MOVE) or e.node_key is None or len(out) >= BATCH_MAX_ENTRIES:
                 break
-            self._fill(e)
+            self.fill(e)
+            if e.op == PUT and e.content is None and e.suffix_only is not None:
+                break  # sent alone (ConflictResolver.put), as an append on its base
             touched = {e.node_key}
             if e.op == MOVE and e.args.get("target_key"):
                 touched.add(e.args["target_key"])

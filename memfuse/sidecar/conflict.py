@@ -132,6 +132,9 @@ class ConflictResolver:
         local = e.content or b""
         if sha is None or len(local) < APPEND_MIN_BYTES:
             return None
+        ab = e.append_base
+        if base is None and ab is not None and ab[0] == sha and 0 < ab[1] < len(local):
+            return local[ab[1]:]  # checked at commit: local starts with sha's content
         if base is None:
             base = self.base_content(sha)
         if base is None or len(local) <= len(base) or not local.startswith(base):
@@ -143,15 +146,26 @@ class ConflictResolver:
         the sha256 of the version it was written on, ``put_base``). On ``412`` an append
         (the content is that version's plus a suffix) is rebased onto the current version
         (``rebase``); any other concurrent change is resolved last-writer-wins
-        (``conflict``); a record deleted elsewhere is created again."""
-        text = (e.content or b"").decode("utf-8", errors="surrogateescape")
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            raise local_refusal("invalid_content", "content is not valid UTF-8") from None
+        (``conflict``); a record deleted elsewhere is created again. A put known only as
+        an append on a version (``Entry.suffix_only``) is ``put_suffix``'s."""
+        if e.content is None and e.suffix_only is not None:
+            await self.put_suffix(e, c, a)
+            return
         rid, sha, base = self.put_base(e)
+        # an append sends (and decodes) only its suffix; the whole text is decoded once a
+        # request needs it (``_Text``)
+        suffix = self.append_suffix(e, sha, base) if rid is not None else None
+        appended = None
+        if suffix is not None:
+            try:
+                appended = suffix.decode("utf-8")
+            except UnicodeDecodeError:
+                suffix = None
+        text = _Text(e.content or b"")
+        if suffix is None:
+            text.check()
         e.merged = None
-        want = sha256_hex(e.content or b"")
+        want = e.content_sha() or sha256_hex(b"")
         typ = a.get("type")
         # absent in entries journaled by earlier releases: then the server keeps / defaults
         attrs = {"mode": a.get("mode"), "mtime_ns": a.get("mtime_ns")}
@@ -159,13 +173,12 @@ class ConflictResolver:
         if rid is not None:
             create_key = e.key + "-create"
 
-            suffix = self.append_suffix(e, sha, base)
             try:
-                if suffix is not None and sha is not None:
-                    rec = await c.append_record(e.store, rid, suffix.decode("utf-8"), if_match=sha, type=typ,
+                if appended is not None and sha is not None:
+                    rec = await c.append_record(e.store, rid, appended, if_match=sha, type=typ,
                                                 idempotency_key=e.key + "-append", **attrs)
                 else:
-                    rec = await c.update_record(e.store, rid, text, type=typ, if_match=sha,
+                    rec = await c.update_record(e.store, rid, text.check(), type=typ, if_match=sha,
                                                 idempotency_key=e.key, **attrs)
             except PreconditionFailed:
                 cur = await c.get_record(e.store, rid, content=True)
@@ -182,13 +195,13 @@ class ConflictResolver:
                     log.warning("conflict: record changed elsewhere; last writer wins, the "
                                 "other version stays in history",
                                 extra={"store": e.store, "path": a.get("path"), "record": rid})
-                    rec = await c.update_record(e.store, rid, text, type=typ,
+                    rec = await c.update_record(e.store, rid, text.check(), type=typ,
                                                 idempotency_key=e.key + "-lww", **attrs)
             except NotFound:
                 rid = None  # deleted elsewhere: re-create it below
         if rid is None:
             try:
-                rec = await c.create_record(e.store, a["path"], text, type=typ,
+                rec = await c.create_record(e.store, a["path"], text.check(), type=typ,
                                             idempotency_key=create_key, **attrs)
             except Conflict as err:
                 other = (err.problem or {}).get("record_id")
@@ -201,7 +214,7 @@ class ConflictResolver:
                                   "latest version of that record, the other stays in history")
                 log.warning("conflict: path created elsewhere; last writer wins",
                             extra={"store": e.store, "path": a["path"], "record": other})
-                rec = await c.update_record(e.store, other, text, type=typ,
+                rec = await c.update_record(e.store, other, text.check(), type=typ,
                                             idempotency_key=e.key + "-lww", **attrs)
         e.record = rec
         self.ids.learn(e.node_key, rec)
@@ -212,6 +225,66 @@ class ConflictResolver:
                 self.set_merged(e.node_key, (want, e.content or b"", rec.sha256))
             else:
                 self.set_merged(e.node_key, None)
+
+    async def put_suffix(self, e: Entry, c: ApiClient, a: dict[str, Any]) -> None:
+        """Send a put the journal holds only as bytes appended to a version whose content is
+        gone here (``Entry.suffix_only``: its journal row was an append row, and the rows or
+        blob holding its base are lost, e.g. by a machine crash). That base is a version the
+        control plane committed (or a queued put of this file, committed before this one is
+        sent): its content is read back from there (the current record, else the version
+        of that sha256 in the record's history) and the put goes on as a whole one
+        (``put``: an append on the current version, else a whole write ``If-Match`` it).
+        When no version holds it, the bytes are appended to the current content (as
+        ``rebase`` does for an append; key ``<key>-append``), which the file then shows
+        (``e.merged``). Raises ``local_refusal("journal_lost")`` when they cannot be
+        placed (the record is gone, or the row was damaged), API errors as the client
+        raises them."""
+        base_sha, suffix = e.suffix_only or ("", b"")
+        rid = self.ids.get(e.node_key, e.store)[0]
+        lost = ("this queued append's base is gone from the outbox journal and the cache, "
+                "and the control plane cannot place it: write it again")
+        if not base_sha or rid is None:
+            raise local_refusal("journal_lost", lost)
+        try:
+            text = suffix.decode("utf-8")
+        except UnicodeDecodeError:
+            raise local_refusal("invalid_content", "content is not valid UTF-8") from None
+        try:
+            cur = await c.get_record(e.store, rid, content=True)
+        except NotFound:
+            raise local_refusal("journal_lost", lost) from None
+        base = cur.content if cur.sha256 == base_sha else None
+        if base is None:
+            for v in reversed(await c.versions(e.store, rid)):
+                if v.sha256 == base_sha and not (v.redacted or v.pruned):
+                    base = (await c.version(e.store, rid, v.version)).content
+                    break
+        log.info("a queued append whose base was gone here is rebuilt from the control plane",
+                 extra={"store": e.store, "path": a.get("path"), "record": rid, "entry": e.id,
+                        "base_sha256": base_sha, "found": base is not None})
+        if base is not None:
+            raw = base.encode("utf-8")
+            e.content, e.suffix_only, e.sha = raw + suffix, None, None
+            e.append_base = (base_sha, len(raw))
+            await self.put(e, c, a)
+            if e.merged is None and e.record is not None and e.record.sha256 == e.content_sha():
+                e.merged = e.content  # the file shows it (it was not shown while queued)
+            return
+        if cur.deleted or cur.content is None:
+            raise local_refusal("journal_lost", lost)
+        kw = {"type": a.get("type"), "mode": a.get("mode"), "mtime_ns": a.get("mtime_ns")}
+        try:
+            rec = await c.append_record(e.store, rid, text, if_match=cur.sha256,
+                                        idempotency_key=e.key + "-append", **kw)
+        except PreconditionFailed:  # changed again meanwhile: start over, with backoff
+            raise TransientError("the record changed while a queued append was placed; will retry",
+                                 code="merge_contended") from None
+        self.merges += 1
+        e.merged = cur.content.encode("utf-8") + suffix
+        e.record = rec
+        self.ids.learn(e.node_key, rec)
+        if e.node_key is not None:
+            self.set_merged(e.node_key, None)
 
     async def rebase(self, e: Entry, c: ApiClient, rid: str, base_sha: str | None,
                       base: bytes | None, cur: Record) -> Record | None:
@@ -234,6 +307,9 @@ class ConflictResolver:
         times in a row (the entry backs off and tries again); API errors as the client
         raises them."""
         local = e.content or b""
+        ab = e.append_base
+        if base is None and base_sha and ab is not None and ab[0] == base_sha and ab[1] <= len(local):
+            base = local[:ab[1]]  # the put extends that version (checked when it was made)
         if base is None and base_sha:
             base = self.base_content(base_sha)
         if base is None or cur.deleted or cur.content is None:
@@ -277,6 +353,26 @@ class ConflictResolver:
             return rec
         raise TransientError(f"merge lost {MERGE_ROUNDS} races in a row; will retry",
                              code="merge_contended")
+
+class _Text:
+    """A put's content as the text a request sends, decoded once, when first needed
+    (``check``): an append that goes as its suffix never decodes the whole file."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.text: str | None = None
+
+    def check(self) -> str:
+        """The text; raises ``local_refusal("invalid_content")`` when it is not UTF-8."""
+        if self.text is None:
+            text = self.data.decode("utf-8", errors="surrogateescape")
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise local_refusal("invalid_content", "content is not valid UTF-8") from None
+            self.text = text
+        return self.text
+
 
 class AnsweredClient:
     """The client for an entry whose first request was answered inside a batch: that one

@@ -48,6 +48,7 @@ from .. import content as content_rules  # the server enforces the same rules
 from .. import names
 from ..errors import errno_of
 from ..defs import MODE_MASK, datetime_ns, sha256_hex
+from ..hashstate import Sha256States
 
 from .attributes import AttributeOps
 from .blobcache import BlobCache
@@ -120,6 +121,8 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
     started: float  # time.time() at construction
     ready: bool  # every attached store is loaded
     control: Node  # ``.memfuse/``
+    #: sha256 states of recently committed contents: an append is hashed over its suffix
+    hashes: Sha256States
 
     def __init__(self, blobs: BlobCache, client: Any, journal: Journal,
                  settings: Settings | None = None, workspace: str = "",
@@ -131,6 +134,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         (``Journal.load_rejected``), ``local``: its local-only files
         (``Journal.load_local``); both put back as each store is added (``add_store``)."""
         self.blobs = blobs
+        self.hashes = Sha256States()
         self.journal = journal
         self.ids = ids if ids is not None else RecordIds(journal, {})
         self.listener = listener
@@ -468,14 +472,18 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         # on a full or failing cache disk the content stays in memory and the outbox entry
         # below carries it durably, when the journal can write; the next commit of this file
         # tries the blob cache again
-        self._hold_content(n, data, sha256_hex(data), "the file's content")
+        # an append (the content before this session plus a suffix) is judged by its suffix
+        # and hashed from the base's kept hash state: one pass over the suffix (hashstate)
+        checked = self._checked_prefix(prev_sha, data)
+        sha = self.hashes.of(data, prev_sha, checked)
+        self._hold_content(n, data, sha, "the file's content")
         if n.refused:
             # an earlier put still in flight must not mark the file clean when it lands
             n.state, n.last_put = REJECTED, None
             self._mark_rejected(n, n.refused, "")
             self.sync_rejected()
             raise FsError(n.refused, n.error)
-        refusal = self._precheck(n, data, checked=self._checked_prefix(prev_sha, data))
+        refusal = self._precheck(n, data, checked=checked)
         if refusal is not None:
             n.state, n.error, n.last_put = REJECTED, refusal.reason, None
             self.note_error(n.parent, n.name, refusal.errno, refusal.reason, refusal.code)
@@ -486,7 +494,8 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         assert n.store is not None  # a record's file (not local-only, not a control file)
         e = self.committer.submit(n.store.slug, PUT, n.key,
                                   {"path": n.path(), "type": n.type_override,
-                                   "mode": stat.S_IMODE(n.mode), "mtime_ns": n.xmtime}, data)
+                                   "mode": stat.S_IMODE(n.mode), "mtime_ns": n.xmtime}, data,
+                                  sha=sha, append_base=(prev_sha, checked) if checked else None)
         n.last_put = e
         n.state, n.error = PENDING, ""
         self.sync_rejected()  # a fixed file is no longer kept as rejected (same batch as e)

@@ -56,6 +56,13 @@ JOURNAL_WAIT = 30.0
 #: the ops of an ``Entry``
 PUT, DELETE, MOVE, MOVE_PREFIX, ATTRS = "put", "delete", "move", "move_prefix", "attrs"
 
+#: the member of a journal row's ``args`` that makes it an append row: its ``content`` column
+#: holds only the bytes appended to a base, ``{"h": the base's sha256, "n": its length in
+#: bytes, "e": the id of the earlier entry of the same file whose content is that base when it
+#: was still queued (else null)}``. Memory never sees it (``Journal.add`` writes it,
+#: ``Journal.load`` / ``read_put`` take it out and rebuild the whole content)
+APPEND_REF = "~append"
+
 
 class _Waitable:
     """What ``Entry`` and ``Barrier`` share: waited on until accepted (``wait_accepted``)."""
@@ -128,6 +135,29 @@ class Entry(_Waitable):
     journal_error: tuple[int, str] | None = None
     #: set (and replaced) whenever the entry's state changes: a journal attempt or its end
     changed: trio.Event = field(default_factory=trio.Event)
+    #: the sha256 of ``content`` when the writer computed it already (``Filesystem.commit``),
+    #: else None (then computed where needed); memory only
+    sha: str | None = None
+    #: a ``put`` whose content is the content with sha256 ``append_base[0]`` plus a suffix
+    #: (an append: ``echo >> f``), its first ``append_base[1]`` bytes that content, as the
+    #: writer checked at commit (``Filesystem._checked_prefix``): the committer cuts the
+    #: suffix without reading the base again (``ConflictResolver.append_suffix``); None when
+    #: not known. Memory only: an entry loaded from the journal checks the base as before
+    append_base: tuple[str, int] | None = None
+    #: a ``put`` loaded from the journal as an append (``APPEND_REF``) whose base content
+    #: neither the journal nor the blob cache holds any more: (the sha256 of that base, the
+    #: bytes appended to it), ``content`` None. The committer sends it as an append on that
+    #: version (``ConflictResolver.put``), which the control plane holds: it was committed
+    suffix_only: tuple[str, bytes] | None = None
+
+    def content_sha(self) -> str | None:
+        """The sha256 hex of ``content`` (``sha`` when the writer gave it; hashed once and
+        kept otherwise), None without content."""
+        if self.content is None:
+            return None
+        if self.sha is None:
+            self.sha = sha256_hex(self.content)
+        return self.sha
 
     def finish(self) -> None:
         """The entry is committed or refused for good (``done``)."""
@@ -283,6 +313,30 @@ _WITNESS_HEAD = re.compile(r'\{"i":(\d+),"k":"[^"\\]*","s":"[^"\\]*","o":"[^"\\]
 _WITNESS_DONE = re.compile(r'\{"d":(\d+)\}$')
 
 
+#: links of an append chain ``Journal.read_put`` follows at most (a longer one is sent as an
+#: append on the base it reached: bounded work per entry at a start)
+_CHAIN_MAX = 100_000
+
+
+def _append_ref(args: str) -> tuple[str, int, int | None] | None:
+    """(base sha256, base length, base entry id or None) of a journal row's ``args`` JSON
+    when it is an append row (``APPEND_REF``), else None. A damaged reference (not of that
+    shape) reads as a base of sha256 "" (``Entry.suffix_only``: refused, never sent as a
+    whole content it is not)."""
+    try:
+        ref = json.loads(args).get(APPEND_REF)
+    except (ValueError, AttributeError):
+        return None
+    if ref is None:
+        return None
+    if not isinstance(ref, dict):
+        return ("", 0, None)
+    h, n, i = ref.get("h"), ref.get("n"), ref.get("e")
+    if not isinstance(h, str) or not isinstance(n, int) or not (i is None or isinstance(i, int)):
+        return ("", 0, None)
+    return (h, n, i)
+
+
 def superseded(entries: list[Entry]) -> set[int]:
     """The ids of the ``put``s among ``entries`` (a previous process's outbox, in order)
     that ``Committer._coalesce`` absorbs once they are replayed: followed later in their
@@ -431,6 +485,9 @@ class Journal:
         self.error: CacheError | None = None  # the last write failure, None once one succeeds
         self.failures = 0  # failed batch writes since start
         self._last_checkpoint = 0.0
+        #: node key -> (id, content sha256) of its last put added and not finished: the base
+        #: an append row names (``add``)
+        self._last_put: dict[str, tuple[int, str | None]] = {}
 
     def load(self) -> tuple[list[Entry], dict[str, tuple[str | None, str | None]]]:
         """Read what a previous process left: entries in order and the key map.
@@ -442,12 +499,18 @@ class Journal:
         file (~370 MB at 75 KB); only the last is read (bench/README.md, "A backlog of one
         file")."""
         entries = []
+        appends: set[int] = set()  # ids of append rows (``APPEND_REF``)
         for row in self._db.execute(
                 "SELECT id, key, store, op, node_key, args, created FROM entries ORDER BY id"):
+            args = json.loads(row[5])
+            if isinstance(args, dict) and args.pop(APPEND_REF, None) is not None:
+                appends.add(row[0])
             e = Entry(id=row[0], key=row[1], store=row[2], op=row[3], node_key=row[4],
-                      args=json.loads(row[5]), created=row[6])
+                      args=args, created=row[6])
             e.durable.set()
             entries.append(e)
+            if e.op == PUT and e.node_key is not None:
+                self._last_put[e.node_key] = (e.id, None)  # its sha: unknown (not read)
         skip = superseded(entries)
         want = [e for e in entries if e.op == PUT and e.id not in skip]
         contents: dict[int, bytes] = {}
@@ -460,6 +523,8 @@ class Journal:
                 continue
             if e.id in skip:
                 e.deferred = True
+            elif e.id in appends:
+                e.content, e.suffix_only = self.read_put(e.id)
             else:
                 e.content = contents.get(e.id)
         keymap = {r[0]: (r[1], r[2]) for r in self._db.execute(
@@ -467,10 +532,59 @@ class Journal:
         return entries, keymap
 
     def read_content(self, entry_id: int) -> bytes | None:
-        """The content of entry ``entry_id`` as the journal holds it (a ``deferred`` put's:
-        ``load``), None when it holds none. Raises ``sqlite3.Error``."""
-        row = self._db.execute("SELECT content FROM entries WHERE id=?", (entry_id,)).fetchone()
-        return None if row is None or row[0] is None else bytes(row[0])
+        """The whole content of entry ``entry_id`` (a ``deferred`` put's: ``load``), None
+        when the journal holds none or cannot rebuild it (``read_put``). Raises
+        ``sqlite3.Error``."""
+        return self.read_put(entry_id)[0]
+
+    def read_put(self, entry_id: int) -> tuple[bytes | None, tuple[str, bytes] | None]:
+        """(the whole content of put ``entry_id``, None) as the journal holds it; for an
+        append row (``APPEND_REF``) its base is rebuilt from the earlier rows it names, back
+        to a whole one, and checked against the base's sha256 and length. When the base is
+        not all here (its row finished and was deleted: the control plane had it; or the
+        chain does not check out): (None, (the sha256 of the oldest base reached, the bytes
+        appended to it since)), for ``resolve_bases`` / the committer (``Entry.suffix_only``).
+        (None, None) when there is no such row or it holds no content. Raises
+        ``sqlite3.Error``."""
+        row = self._db.execute("SELECT content, args FROM entries WHERE id=?", (entry_id,)).fetchone()
+        if row is None or row[0] is None:
+            return None, None
+        ref = _append_ref(row[1])
+        if ref is None:
+            return bytes(row[0]), None
+        top, parts = ref, [bytes(row[0])]
+        while ref is not None:
+            prev = None
+            if ref[2] is not None and len(parts) <= _CHAIN_MAX:
+                prev = self._db.execute("SELECT content, args FROM entries WHERE id=?",
+                                        (ref[2],)).fetchone()
+            if prev is None or prev[0] is None:
+                return None, (ref[0], b"".join(reversed(parts)))
+            parts.append(bytes(prev[0]))
+            ref = _append_ref(prev[1])
+        whole = b"".join(reversed(parts))
+        base_len = len(whole) - len(parts[0])
+        if base_len != top[1] or sha256_hex(whole[:base_len]) != top[0]:
+            log.warning("an append in the outbox journal does not match the entries it extends; "
+                        "it is sent as an append on its base version",
+                        extra={"entry": entry_id})
+            return None, (top[0], parts[0])
+        return whole, None
+
+    @staticmethod
+    def resolve_bases(entries: list[Entry], content_of: Callable[[str], bytes | None]) -> int:
+        """Give each put of ``entries`` loaded as ``suffix_only`` its whole content when
+        ``content_of(sha256)`` (the blob cache) still holds its base (checked against the
+        sha256). Returns how many were rebuilt."""
+        done = 0
+        for e in entries:
+            if e.suffix_only is None or not e.suffix_only[0]:
+                continue
+            base = content_of(e.suffix_only[0])
+            if base is not None and sha256_hex(base) == e.suffix_only[0]:
+                e.content, e.suffix_only = base + e.suffix_only[1], None
+                done += 1
+        return done
 
     def load_merges(self) -> dict[str, tuple[str, bytes, str]]:
         """What ``set_merge`` kept: node key -> (local sha256, local bytes, merged sha256)."""
@@ -618,10 +732,21 @@ class Journal:
         is set once it is on disk, its witness line too). ``ident``: the (record id, base
         sha256) its node key maps to now, noted in the witness. Never blocks, never raises."""
         line = {"i": e.id, "k": e.key, "s": e.store, "o": e.op, "n": e.node_key, "a": e.args,
-                "t": e.created, "h": sha256_hex(e.content) if e.content is not None else None,
+                "t": e.created, "h": e.content_sha(),
                 "r": ident[0] if ident else None, "b": ident[1] if ident else None}
+        content, args = e.content, json.dumps(e.args)
+        ab = e.append_base
+        if e.op == PUT and content is not None and e.node_key is not None:
+            if ab is not None and 0 < ab[1] <= len(content):
+                # an append: the row holds what it adds (one fsync of the suffix, not of the
+                # file); the base is the earlier queued put of the file, or the version the
+                # file showed (the blob cache; the control plane, which committed it)
+                last = self._last_put.get(e.node_key)
+                ref = {"h": ab[0], "n": ab[1], "e": last[0] if last is not None and last[1] == ab[0] else None}
+                content, args = content[ab[1]:], json.dumps({**e.args, APPEND_REF: ref})
+            self._last_put[e.node_key] = (e.id, e.content_sha())
         op = ["INSERT INTO entries VALUES (?,?,?,?,?,?,?,?)",
-              (e.id, e.key, e.store, e.op, e.node_key, json.dumps(e.args), e.content, e.created),
+              (e.id, e.key, e.store, e.op, e.node_key, args, content, e.created),
               e.id, line]
         self._pending.append(op)
         self._unwritten[e.id] = op
@@ -630,6 +755,8 @@ class Journal:
 
     def remove(self, e: Entry) -> None:
         """The entry finished: delete its row (or never write it, when still queued)."""
+        if e.node_key is not None and self._last_put.get(e.node_key, (None,))[0] == e.id:
+            del self._last_put[e.node_key]
         op = self._unwritten.pop(e.id, None)
         if op is not None:
             self._pending.remove(op)

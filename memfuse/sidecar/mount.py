@@ -364,6 +364,8 @@ class Sidecar(StoreSync):
             except Exception:  # an unreadable cache: the content is as good as gone
                 return None
 
+        # an append row whose base the journal no longer holds: the base from the blob cache
+        self.journal.resolve_bases(self.leftovers, content_of)
         back, keys, gone = self.journal.recover(content_of)
         for k, v in keys.items():
             if k not in ids.map:

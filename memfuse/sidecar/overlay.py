@@ -121,11 +121,10 @@ class OutboxOverlay:
         for n, e in last.values():
             if n.unlinked:
                 continue
-            data = e.content
-            if data is None and e.deferred:
-                data = self.committer.journal.read_content(e.id)
-                e.content, e.deferred = data, False
-            data = data or b""
+            self.committer.fill(e)
+            if e.content is None and e.suffix_only is not None:
+                continue  # an append whose base is gone here: shown once it commits
+            data = e.content or b""
             old = n.cur_size()
             self._hold_content(n, data, sha256_hex(data), "a queued write")
             self._account(n, n.cur_size() - old)
