@@ -52,7 +52,8 @@ class MemfuseMemoryTool(BetaAbstractMemoryTool):
         result = r.json()
         if result.get("is_error"):
             raise ToolError(result["content"])
-        return result["content"]
+        content: str = result["content"]  # MemoryToolResult.content (docs/API.md)
+        return content
 
     # The six commands of memory_20250818, each sent as is.
     def view(self, command: Any) -> str:

@@ -30,8 +30,9 @@ import binascii
 import json
 import re
 import unicodedata
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from memfuse.defs import RECORD_TYPES
 
@@ -100,7 +101,7 @@ _CLOSE_RE = re.compile(r"^(?:---|\.\.\.)[ \t]*\r?$", re.MULTILINE)
 _MAX_FRONTMATTER_CHARS = 64 * 1024
 
 
-def frontmatter(content: str) -> dict | None:
+def frontmatter(content: str) -> dict[str, Any] | None:
     """Return the YAML frontmatter of ``content`` as a dict, or None when there is none, it
     does not parse, or it is not a mapping. Never raises.
 
@@ -612,7 +613,7 @@ SECRET_KINDS: tuple[str, ...] = tuple(r.kind for r in _RULES)
 _ANCHORS = {r.kind: re.compile("|".join(re.escape(h) for h in r.hints)) for r in _RULES if r.lower}
 
 
-def _matches(rule: _Rule, content: str, low: str | None):
+def _matches(rule: _Rule, content: str, low: str | None) -> Iterator[re.Match[str]]:
     """The candidate matches of ``rule`` in ``content`` (``low``: its lower-cased text)."""
     if rule.lower and low is not None and len(low) == len(content):
         for a in _ANCHORS[rule.kind].finditer(low):

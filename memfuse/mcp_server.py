@@ -185,7 +185,7 @@ class _Server(Server[Any]):
     current_instructions: contextvars.ContextVar[str | None] = contextvars.ContextVar(
         "memfuse_mcp_instructions", default=None)
 
-    @property  # type: ignore[override]
+    @property  # over mcp Server's plain attribute, with a setter below
     def instructions(self) -> str | None:
         v = self.current_instructions.get()
         return v if v is not None else self._static_instructions
@@ -301,8 +301,8 @@ class HttpBackend:
         return r.content, r.is_error
 
     async def instructions(self) -> str:
-        return TOOL_INSTRUCTIONS + await self.api.context(self.workspace, mount_root="/memories",
-                                                           mounted=False)
+        block: str = await self.api.context(self.workspace, mount_root="/memories", mounted=False)
+        return TOOL_INSTRUCTIONS + block
 
     async def stores(self) -> list[str]:
         return [a.store.slug for a in await self.api.list_attachments(self.workspace)]

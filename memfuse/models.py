@@ -21,29 +21,29 @@ Conventions:
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
 # Constants, enums and helpers live in memfuse.defs (no pydantic there: the sidecar uses them);
-# importing them from here stays supported.
+# importing them from here stays supported (``X as X``: an explicit re-export for the type checker).
 from .defs import (  # noqa: F401  (re-exported)
-    BATCH_MAX_BYTES,
-    BATCH_MAX_OPERATIONS,
-    INT64_MAX,
-    DEFAULT_MODE,
-    INSTRUCTIONS_MAX_CHARS,
-    MAX_TOKEN_TTL_SECONDS,
-    MODE_MASK,
-    MTIME_NS_MAX,
-    MTIME_NS_MIN,
-    RECORD_TYPES,
-    SLUG_PATTERN,
-    Access,
-    Operation,
-    datetime_ns,
-    mtime_effective_ns,
-    sha256_hex,
+    BATCH_MAX_BYTES as BATCH_MAX_BYTES,
+    BATCH_MAX_OPERATIONS as BATCH_MAX_OPERATIONS,
+    INT64_MAX as INT64_MAX,
+    DEFAULT_MODE as DEFAULT_MODE,
+    INSTRUCTIONS_MAX_CHARS as INSTRUCTIONS_MAX_CHARS,
+    MAX_TOKEN_TTL_SECONDS as MAX_TOKEN_TTL_SECONDS,
+    MODE_MASK as MODE_MASK,
+    MTIME_NS_MAX as MTIME_NS_MAX,
+    MTIME_NS_MIN as MTIME_NS_MIN,
+    RECORD_TYPES as RECORD_TYPES,
+    SLUG_PATTERN as SLUG_PATTERN,
+    Access as Access,
+    Operation as Operation,
+    datetime_ns as datetime_ns,
+    mtime_effective_ns as mtime_effective_ns,
+    sha256_hex as sha256_hex,
 )
 
 
@@ -420,7 +420,7 @@ class BatchOperation(BaseModel):
     record_id: str | None = None
     if_match: str | None = None
     idempotency_key: str | None = Field(default=None, min_length=1, max_length=255)
-    body: dict | None = None
+    body: dict[str, Any] | None = None
 
 
 class BatchRequest(BaseModel):
@@ -437,7 +437,7 @@ class BatchResult(BaseModel):
     its ``idempotency_key``)."""
 
     status: int
-    body: dict | None = None
+    body: dict[str, Any] | None = None
     etag: str | None = None
     replayed: bool = False
 

@@ -134,15 +134,16 @@ def read_manifest(directory: Path) -> dict[str, ManifestEntry] | None:
         raise ManifestError(f"{path}: \"records\" is not a list")
     for i, r in enumerate(records):
         try:
-            e = ManifestEntry(r["path"], r["type"], r["mode"], r["mtime_ns"], r["sha256"], r["size"])
-            ok = (isinstance(e.path, str) and (e.type is None or isinstance(e.type, str))
-                  and all(isinstance(v, int) and not isinstance(v, bool) for v in (e.mode, e.mtime_ns, e.size))
-                  and isinstance(e.sha256, str))
+            entry = ManifestEntry(r["path"], r["type"], r["mode"], r["mtime_ns"], r["sha256"], r["size"])
+            ok = (isinstance(entry.path, str) and (entry.type is None or isinstance(entry.type, str))
+                  and all(isinstance(v, int) and not isinstance(v, bool)
+                          for v in (entry.mode, entry.mtime_ns, entry.size))
+                  and isinstance(entry.sha256, str))
         except (KeyError, TypeError):
             ok = False
         if not ok:
             raise ManifestError(f"{path}: record {i} is not {{path, type, mode, mtime_ns, sha256, size}}")
-        out[e.path] = e
+        out[entry.path] = entry
     return out
 
 
@@ -286,7 +287,8 @@ async def import_files(
         old = live.get(path)
         same_content = old is not None and old.sha256 == digest
         same_type = explicit is None or old is None or old.type == explicit
-        if same_content and same_type and old.mode == mode and old.mtime_effective_ns() == mtime_ns:
+        if (old is not None and same_content and same_type and old.mode == mode
+                and old.mtime_effective_ns() == mtime_ns):
             report.done.append(("unchanged", path, old.type))
             echo(f"unchanged {shown(path)} ({old.type or 'index'})")
             continue
@@ -311,7 +313,7 @@ async def import_files(
             continue
         key = new_key()
         try:
-            if same_content and same_type:  # only the attributes differ: no content is sent
+            if old is not None and same_content and same_type:  # only the attributes differ: no content is sent
                 oid = old.id
                 rec = await with_retries(lambda: api.set_attributes(
                     store_slug, oid, mode=mode, mtime_ns=mtime_ns, idempotency_key=key))

@@ -29,22 +29,22 @@ import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
 from .defs import (  # noqa: F401  (re-exported: the client side imports them from here)
-    BATCH_MAX_BYTES,
-    BATCH_MAX_OPERATIONS,
-    DEFAULT_MODE,
-    INSTRUCTIONS_MAX_CHARS,
-    MAX_TOKEN_TTL_SECONDS,
-    MODE_MASK,
-    INT64_MAX,
-    MTIME_NS_MAX,
-    MTIME_NS_MIN,
-    RECORD_TYPES,
-    SLUG_PATTERN,
-    Access,
-    Operation,
-    datetime_ns,
-    mtime_effective_ns,
-    sha256_hex,
+    BATCH_MAX_BYTES as BATCH_MAX_BYTES,
+    BATCH_MAX_OPERATIONS as BATCH_MAX_OPERATIONS,
+    DEFAULT_MODE as DEFAULT_MODE,
+    INSTRUCTIONS_MAX_CHARS as INSTRUCTIONS_MAX_CHARS,
+    MAX_TOKEN_TTL_SECONDS as MAX_TOKEN_TTL_SECONDS,
+    MODE_MASK as MODE_MASK,
+    INT64_MAX as INT64_MAX,
+    MTIME_NS_MAX as MTIME_NS_MAX,
+    MTIME_NS_MIN as MTIME_NS_MIN,
+    RECORD_TYPES as RECORD_TYPES,
+    SLUG_PATTERN as SLUG_PATTERN,
+    Access as Access,
+    Operation as Operation,
+    datetime_ns as datetime_ns,
+    mtime_effective_ns as mtime_effective_ns,
+    sha256_hex as sha256_hex,
 )
 
 __all__ = [
@@ -387,7 +387,7 @@ class BatchOperation(Struct, kw_only=True, omit_defaults=True):
     record_id: str | None = None
     if_match: str | None = None
     idempotency_key: Annotated[str, Meta(min_length=1, max_length=255)] | None = None
-    body: dict | None = None
+    body: dict[str, Any] | None = None
 
 
 class BatchRequest(Struct, kw_only=True):
@@ -400,7 +400,7 @@ class BatchResult(Struct, kw_only=True):
     ``replayed``."""
 
     status: int
-    body: dict | None = None
+    body: dict[str, Any] | None = None
     etag: str | None = None
     replayed: bool = False
 
@@ -510,7 +510,8 @@ def decode(data: bytes | str, cls: type[S] | Any) -> S:
     dec = _decoders.get(cls)
     if dec is None:
         dec = _decoders[cls] = msgspec.json.Decoder(cls)
-    return dec.decode(data)
+    out: S = dec.decode(data)  # the decoder is keyed by cls, so it yields a cls
+    return out
 
 
 def encode(obj: Any, *, exclude_none: bool = False) -> bytes:

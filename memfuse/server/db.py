@@ -33,10 +33,11 @@ import logging
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import (
     DDL,
@@ -54,7 +55,7 @@ from sqlalchemy import (
     event,
     false,
 )
-from sqlalchemy.engine import Connection, Engine, make_url
+from sqlalchemy.engine import URL, Connection, Dialect, Engine, make_url
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 from sqlalchemy.pool import StaticPool
@@ -74,13 +75,13 @@ def utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
 
-class UTCDateTime(TypeDecorator):
+class UTCDateTime(TypeDecorator[datetime]):
     """A timezone-aware UTC ``datetime`` on every backend (SQLite stores naive UTC)."""
 
     impl = DateTime(timezone=True)
     cache_ok = True
 
-    def process_bind_param(self, value, dialect):  # noqa: D102
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:  # noqa: D102
         if value is None:
             return None
         if value.tzinfo is None:
@@ -90,7 +91,7 @@ class UTCDateTime(TypeDecorator):
             value = value.replace(tzinfo=None)
         return value
 
-    def process_result_value(self, value, dialect):  # noqa: D102
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:  # noqa: D102
         if value is None:
             return None
         if value.tzinfo is None:
@@ -128,7 +129,7 @@ class AccountRow(Base):
 
 # A database built by ``create_all`` (in-memory: tests, the fake) has the account ``default``
 # as one built by the revisions has (0013_accounts inserts it).
-event.listen(AccountRow.__table__, "after_create", DDL(
+event.listen(AccountRow.__table__, "after_create", DDL(  # type: ignore[no-untyped-call]  # SQLAlchemy leaves DDL() unannotated
     f"INSERT INTO accounts (slug, created_at) VALUES ('{DEFAULT_ACCOUNT}', CURRENT_TIMESTAMP)"))
 
 
@@ -426,7 +427,7 @@ class ConsolidationJobRow(Base):
 fulltext.install(Base.metadata)
 
 
-def normalize_db_url(url: str):
+def normalize_db_url(url: str) -> URL:
     """The SQLAlchemy ``URL`` for ``url``, with ``postgresql://`` / ``postgres://`` (no
     driver named) mapped to psycopg 3 (``postgresql+psycopg://``); any other URL unchanged.
     Raises ``sqlalchemy.exc.ArgumentError`` for a bad URL."""
@@ -468,14 +469,14 @@ class Database:
         self._write_lock: threading.Lock | None = (
             threading.Lock() if self.is_sqlite and not self.is_memory else None
         )
-        if self.is_sqlite and not self.is_memory and not self.url.query.get("uri"):
+        if self.is_sqlite and self.url.database and not self.is_memory and not self.url.query.get("uri"):
             # a missing directory made 0700, a new file 0600 (it holds memory content and
             # token hashes); fails at once, with a clear message, when they cannot be made
             from memfuse.privfile import prepare_sqlite_file
 
             prepare_sqlite_file(Path(self.url.database))  # the path SQLite opens
         self.engine = self._make_engine()
-        self._on_dispose: list = []
+        self._on_dispose: list[Callable[[], object]] = []
         # Write sessions bind to this (BEGIN IMMEDIATE on SQLite); made once, not per session.
         self._write_bind = self.engine.execution_options(memfuse_write=True) if self.is_sqlite else self.engine
         shown = self.url.render_as_string(hide_password=True)
@@ -533,7 +534,7 @@ class Database:
         memory = self.is_memory
 
         @event.listens_for(engine, "connect")
-        def _on_connect(dbapi_conn, _record):  # pragma: no cover - trivial
+        def _on_connect(dbapi_conn: Any, _record: Any) -> None:  # pragma: no cover - trivial
             # Let SQLAlchemy (not pysqlite) emit BEGIN, so writes can use BEGIN IMMEDIATE.
             dbapi_conn.isolation_level = None
             cur = dbapi_conn.cursor()
@@ -545,7 +546,7 @@ class Database:
             cur.close()
 
         @event.listens_for(engine, "begin")
-        def _on_begin(conn):
+        def _on_begin(conn: Connection) -> None:
             if conn.get_execution_options().get("memfuse_write"):
                 conn.exec_driver_sql("BEGIN IMMEDIATE")
             else:
@@ -620,7 +621,7 @@ class Database:
             if lock is not None:
                 lock.release()
 
-    def on_dispose(self, fn) -> None:
+    def on_dispose(self, fn: Callable[[], object]) -> None:
         """Call ``fn()`` at ``dispose()`` (before the pool closes): stops what listens on the
         database."""
         self._on_dispose.append(fn)

@@ -25,16 +25,16 @@ bounds is the history a store shows, not the bytes it takes.
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import bindparam, select, update
+from sqlalchemy import Table, bindparam, select, update
 from sqlalchemy.engine import Connection
 
 from memfuse.server.db import VersionRow
 
 __all__ = ["CHAIN_MAX", "plan", "resolve", "content_of", "materialize_dependent", "materialize_all"]
 
-_V = VersionRow.__table__
+_V = cast(Table, VersionRow.__table__)  # a mapped class's table (SQLAlchemy types it as a FromClause)
 CHAIN_MAX = 32  # links from a whole copy before the next version is whole again
 
 _SELECT_BASE = select(_V.c.chain, _V.c.content.is_not(None).label("kept")).where(

@@ -47,7 +47,7 @@ import re
 import sqlite3
 from collections.abc import Iterable
 
-from sqlalchemy import DDL, event
+from sqlalchemy import DDL, MetaData, event
 
 HEADING = re.compile(r"^ {0,3}#{1,6}(?:[ \t]+|$)(.*)$", re.MULTILINE)
 #: ``HEADING`` at a line start after the first: from the newline before it
@@ -144,13 +144,14 @@ PG_DDL = [
 PG_DROP = ["DROP INDEX IF EXISTS ix_records_search", "ALTER TABLE records DROP COLUMN IF EXISTS search_vector"]
 
 
-def install(metadata) -> None:
+def install(metadata: MetaData) -> None:
     """Create the index with the tables (``metadata.create_all``: in-memory databases and
     the schema tests), after ``records`` exists; the dialect's DDL only."""
+    # DDL(): SQLAlchemy 2.0 leaves its constructor unannotated
     for stmt in SQLITE_DDL:
-        event.listen(metadata, "after_create", DDL(stmt).execute_if(dialect="sqlite"))
+        event.listen(metadata, "after_create", DDL(stmt).execute_if(dialect="sqlite"))  # type: ignore[no-untyped-call]
     for stmt in PG_DDL:
-        event.listen(metadata, "after_create", DDL(stmt).execute_if(dialect="postgresql"))
+        event.listen(metadata, "after_create", DDL(stmt).execute_if(dialect="postgresql"))  # type: ignore[no-untyped-call]
 
 
 def create_statements(dialect: str) -> list[str]:

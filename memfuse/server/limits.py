@@ -11,10 +11,20 @@ send timeouts), ``memfuse.server.streamclass`` (long-lived responses) and
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+
+if TYPE_CHECKING:  # for the annotations only (they import this module)
+    from sqlalchemy.engine import Engine
+
+    from memfuse.server.gate import Gate
+    from memfuse.server.streamclass import StreamClass
+    from memfuse.server.streams import Streams
+    from memfuse.server.wakeups import Bus, Notifier
 
 log = logging.getLogger(__name__)
 
@@ -40,39 +50,41 @@ class ServerMetrics:
                                      "SQL statements sent to the database (the commit listener's "
                                      "LISTEN and the SQLite watcher's PRAGMA data_version excluded)",
                                      registry=r)
-        self._extra: list[Callable[[], list]] = []
+        self._extra: list[Callable[[], list[Metric]]] = []
         r.register(self)
 
-    def add_collector(self, fn: Callable[[], list]) -> None:
+    def add_collector(self, fn: Callable[[], list[Metric]]) -> None:
         """``fn()`` returns metric families, read at each scrape."""
         self._extra.append(fn)
 
-    def collect(self):  # prometheus_client custom collector protocol
+    def collect(self) -> Iterator[Metric]:  # prometheus_client custom collector protocol
         for fn in self._extra:
             yield from fn()
 
-    def describe(self):
+    def describe(self) -> list[Metric]:
         return []
 
-    def count_statements(self, engine) -> None:
+    def count_statements(self, engine: Engine) -> None:
         """Count every statement ``engine`` executes."""
         from sqlalchemy import event
 
         counter = self.db_statements
 
         @event.listens_for(engine, "before_cursor_execute")
-        def _count(conn, cursor, statement, parameters, context, executemany):  # noqa: ARG001
+        def _count(conn: Any, cursor: Any, statement: str, parameters: Any, context: Any,  # noqa: ARG001
+                   executemany: bool) -> None:
             counter.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
-def notifier_collector(notifier, bus, streams=None) -> Callable[[], list]:
+def notifier_collector(notifier: Notifier, bus: Bus,
+                       streams: Streams | None = None) -> Callable[[], list[Metric]]:
     """Metric families of the long-poll waiters, the streams (``memfuse.server.streams``)
     and the commit bus."""
 
-    def collect() -> list:
+    def collect() -> list[Metric]:
         g = GaugeMetricFamily("memfuse_server_long_polls", "Long-polls waiting now")
         g.add_metric([], notifier.waiting)
         w = CounterMetricFamily("memfuse_server_wakeups", "Long-polls woken by commits")
@@ -82,7 +94,7 @@ def notifier_collector(notifier, bus, streams=None) -> Callable[[], list]:
         c.add_metric([], 1 if bus.connected else 0)
         s = CounterMetricFamily("memfuse_server_bus_scans", "Shared scans for commits of other processes")
         s.add_metric([], bus.scans)
-        out = [g, w, c, s]
+        out: list[Metric] = [g, w, c, s]
         if streams is not None:
             o = GaugeMetricFamily("memfuse_server_streams", "Change-feed and event streams open now")
             o.add_metric([], streams.open)
@@ -95,11 +107,11 @@ def notifier_collector(notifier, bus, streams=None) -> Callable[[], list]:
     return collect
 
 
-def front_collector(front, stream_class) -> Callable[[], list]:
+def front_collector(front: Gate, stream_class: StreamClass) -> Callable[[], list[Metric]]:
     """Metric families of the front door (``memfuse.server.gate.Gate``) and the long-lived
     responses (``memfuse.server.streamclass.StreamClass``)."""
 
-    def collect() -> list:
+    def collect() -> list[Metric]:
         o = GaugeMetricFamily("memfuse_server_long_lived", "Long-lived responses open now "
                               "(long-polls, streams, console live pages)")
         o.add_metric([], stream_class.open)

@@ -15,6 +15,8 @@ see the old dates).
 """
 from __future__ import annotations
 
+from typing import cast
+
 import sqlalchemy as sa
 from alembic import op
 
@@ -36,7 +38,7 @@ def upgrade() -> None:
     from memfuse.server.db import RecordRow
     from memfuse.server.staleness import record_dates
 
-    t = RecordRow.__table__
+    t = cast(sa.Table, RecordRow.__table__)  # a mapped class's table (SQLAlchemy types it as a FromClause)
     conn = op.get_bind()
     after = ""
     while True:
