@@ -14,7 +14,7 @@ from collections.abc import Callable
 from sqlalchemy import false, select
 
 from memfuse import content as content_rules
-from memfuse.models import Access
+from memfuse.defs import Access
 from memfuse.server.base import Principal, ServiceBase
 from memfuse.server import staleness
 from memfuse.server.db import AttachmentRow, RecordRow, StoreRow, utcnow
@@ -107,6 +107,8 @@ def _index_section(clean: Callable[[str], str], text: str, path: str, stale_note
 
 class ContextMixin(ServiceBase):
     """``Service`` method: ``context`` (the prompt block)."""
+
+    stale_after_days: int  # set by ``Service.__init__`` (memfuse.server.staleness.STALE_AFTER_DAYS)
 
     def context(
         self, p: Principal, ws: str, mount_root: str = "/mnt/memory", max_bytes: int | None = None,

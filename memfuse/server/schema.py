@@ -189,7 +189,7 @@ def upgrade(db: "Database", target: str = "head") -> tuple[SchemaStatus, SchemaS
                         "not migrating", before.current)
             return before, before
         cfg = alembic_config(connection=conn)
-        if before.legacy:
+        if before.legacy and before.current is not None:  # legacy: a revision its tables match
             command.stamp(cfg, before.current)
             log.info("legacy database (no migration history) recognised as revision %s", before.current)
         try:

@@ -27,11 +27,16 @@ from __future__ import annotations
 
 import logging
 from datetime import date, datetime, time, timedelta, timezone
+from typing import TYPE_CHECKING
 
-from sqlalchemy import and_, false, or_, select
+from sqlalchemy import ColumnElement, and_, false, or_, select
+from sqlalchemy.engine import Connection
 
 from memfuse import content as content_rules
 from memfuse.server.base import _R, Principal, ServiceError
+
+if TYPE_CHECKING:  # for the annotations only (the service imports this module)
+    from memfuse.server.service import Service
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +72,7 @@ def record_dates(text: str | None) -> tuple[datetime | None, datetime | None]:
     return _when(fm.get("review_after")), _when(fm.get("expires"))
 
 
-def stale_condition(now: datetime, stale_after_days: int):
+def stale_condition(now: datetime, stale_after_days: int) -> ColumnElement[bool]:
     """The SQL condition of a stale live record (module docstring)."""
     conds = [and_(_R.c.review_after.is_not(None), _R.c.review_after <= now)]
     if stale_after_days > 0:
@@ -75,7 +80,7 @@ def stale_condition(now: datetime, stale_after_days: int):
     return or_(*conds)
 
 
-def sweep_once(svc, now: datetime | None = None) -> int:
+def sweep_once(svc: Service, now: datetime | None = None) -> int:
     """Delete the live records whose ``expires_at`` has passed and that did not change after
     it, at most ``SWEEP_BATCH``; returns how many this call deleted. Each delete is its own
     transaction with ``If-Match`` of the sha256 read, so a concurrent change or delete (other
@@ -100,7 +105,7 @@ def sweep_once(svc, now: datetime | None = None) -> int:
     return done
 
 
-async def sweep_forever(svc, interval: float) -> None:
+async def sweep_forever(svc: Service, interval: float) -> None:
     """Run ``sweep_once`` every ``interval`` seconds in a worker thread until cancelled; a
     failed round is logged and retried at the next one."""
     import trio
@@ -118,7 +123,7 @@ async def sweep_forever(svc, interval: float) -> None:
 STALE_NAMES_MAX = 20  # stale entries the prompt block names at most
 
 
-def stale_targets(conn, store: str, targets: list[str], now: datetime, stale_after_days: int
+def stale_targets(conn: Connection, store: str, targets: list[str], now: datetime, stale_after_days: int
                   ) -> list[tuple[str, str]]:
     """(path, why) of the live records at ``targets`` of ``store`` that are stale, in the
     order of ``targets``: why is ``unchanged since YYYY-MM-DD`` or ``review after

@@ -30,13 +30,17 @@ import logging
 import random
 import threading
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from fastapi import Request
+from starlette.types import Receive, Scope, Send
 
 from memfuse.server import wakeups
 from memfuse.server.service import Principal, Service, ServiceError
+
+if TYPE_CHECKING:  # for the annotations only (longpoll imports this module)
+    from memfuse.server.longpoll import FeedReads
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +142,7 @@ class Streams:
 
     # ------------------------------------------------------------ serving
 
-    async def changes(self, reads, p: Principal, slug: str, after: int, *, limit: int,
+    async def changes(self, reads: FeedReads, p: Principal, slug: str, after: int, *, limit: int,
                       content: bool, skip_actor: str | None) -> Callable[[Any, Any, Any], Awaitable[None]]:
         """Open a change-feed stream: checks access and the cursor first (raises
         ``ServiceError`` 404 / 410 / 401 before anything is sent), then returns the ASGI
@@ -213,7 +217,7 @@ class Streams:
         svc = self.svc
         ends_at = anyio.current_time() + self.lifetime * (1 + random.uniform(-LIFETIME_JITTER, LIFETIME_JITTER))
 
-        async def run(scope, receive, send) -> None:
+        async def run(scope: Scope, receive: Receive, send: Send) -> None:
             o = _Open(ends_at)
             self._add(o)
             self._start()
@@ -306,7 +310,7 @@ async def _until_disconnect(request: Request, body: Callable[[], Awaitable[Any]]
         raise error
 
 
-def _disconnected(scope) -> bool:
+def _disconnected(scope: Scope) -> bool:
     return bool(scope.get("memfuse.disconnected"))
 
 

@@ -40,10 +40,17 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import sniffio
+
+if TYPE_CHECKING:  # for the annotations only
+    import psycopg
+    import trio
+    from sqlalchemy.engine import Connection
+
+    from memfuse.server.db import Database
 
 log = logging.getLogger(__name__)
 
@@ -199,12 +206,12 @@ class _TrioLoop:
     _known: dict[int, _TrioLoop] = {}
 
     def __init__(self, token: Any) -> None:
-        self.post = token.run_sync_soon
+        self.post: Callable[..., object] = token.run_sync_soon
 
     @classmethod
     def of(cls, token: Any) -> _TrioLoop:
         loop = cls._known.get(id(token))
-        if loop is None or loop.post.__self__ is not token:
+        if loop is None or getattr(loop.post, "__self__", None) is not token:
             if len(cls._known) > 64:
                 cls._known.clear()
             loop = cls._known[id(token)] = cls(token)
@@ -218,19 +225,19 @@ class _AsyncioLoop:
     _known: dict[int, _AsyncioLoop] = {}
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.post = loop.call_soon_threadsafe
+        self.post: Callable[..., object] = loop.call_soon_threadsafe
 
     @classmethod
     def of(cls, loop: asyncio.AbstractEventLoop) -> _AsyncioLoop:
         known = cls._known.get(id(loop))
-        if known is None or known.post.__self__ is not loop:
+        if known is None or getattr(known.post, "__self__", None) is not loop:
             if len(cls._known) > 64:
                 cls._known.clear()
             known = cls._known[id(loop)] = cls(loop)
         return known
 
 
-def loop_poster() -> Callable[..., None]:
+def loop_poster() -> Callable[..., object]:
     """``post(fn, *args)`` that runs ``fn(*args)`` soon on the calling event loop (trio or
     asyncio), from any thread. Call it on the event loop; ``post`` raises ``RuntimeError``
     once that loop has finished."""
@@ -241,7 +248,7 @@ def loop_poster() -> Callable[..., None]:
     return _AsyncioLoop.of(asyncio.get_running_loop()).post
 
 
-def _set_all(events: list) -> None:
+def _set_all(events: list[trio.Event | anyio.Event]) -> None:
     for e in events:
         e.set()
 
@@ -251,7 +258,7 @@ def wake_many(waiters: Iterable[_Waiter]) -> None:
     (one thread-to-loop hand-off for a commit that wakes thousands of waiters, instead of
     one each). A waiter already woken since its last ``Notifier.rearm`` is skipped; the event
     set is the one the waiter had when this was called."""
-    batches: dict[int, tuple[Any, list]] = {}
+    batches: dict[int, tuple[Any, list[trio.Event | anyio.Event]]] = {}
     for w in waiters:
         if w._woken:
             continue
@@ -490,7 +497,7 @@ class Notifier:
 
 
 def _encode(origin: str, notes: list[Note]) -> str:
-    items: list[list] = []
+    items: list[list[Any]] = []
     for n in notes:
         if n.kind == "f":
             items.append(["f", n.key, n.seq, n.actor])
@@ -505,7 +512,7 @@ def _encode(origin: str, notes: list[Note]) -> str:
         return payload
     # Too big (events for thousands of workspaces): name the stores, summarise the events;
     # topics that do not fit become a reset ("*"), so receivers forget what they cached.
-    small: list[list] = [i for i in items if i[0] == "f"]
+    small: list[list[Any]] = [i for i in items if i[0] == "f"]
     ev = [i[2] for i in items if i[0] == "e"]
     if ev:
         small.append(["E", max(ev)])
@@ -545,7 +552,7 @@ class Bus:
     ``scans`` counts fallback / watcher scans (for /metrics).
     """
 
-    def __init__(self, db, notifier: Notifier) -> None:
+    def __init__(self, db: Database, notifier: Notifier) -> None:
         self.db = db
         self.notifier = notifier
         self.origin = uuid.uuid4().hex[:12]
@@ -559,7 +566,7 @@ class Bus:
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
         self._tops: tuple[int, int] | None = None  # (versions, events) seen by the last scan
-        self._pg_conn = None
+        self._pg_conn: psycopg.Connection[Any] | None = None
         # called (in the bus thread) after every scan for commits of other processes:
         # what those commits did to tokens is only known by reading them (memfuse.server.streamclass)
         self.on_scan: list[Callable[[], None]] = []
@@ -574,7 +581,7 @@ class Bus:
 
     # ------------------------------------------------------------ sending
 
-    def publish(self, conn, notes: list[Note]) -> None:
+    def publish(self, conn: Connection, notes: list[Note]) -> None:
         """Send ``notes`` to the other processes when the transaction on ``conn`` (a SQLAlchemy
         ``Connection``) commits. PostgreSQL only; elsewhere nothing to do."""
         if self.is_pg and notes:
@@ -609,7 +616,8 @@ class Bus:
 
     def _conninfo(self) -> str:
         url = self.db.url.set(drivername="postgresql")
-        return url.render_as_string(hide_password=False)
+        info: str = url.render_as_string(hide_password=False)
+        return info
 
     def _run_pg(self) -> None:
         import psycopg

@@ -11,6 +11,8 @@ makes a one-time login link (``memfuse dev`` prints one at start).
 """
 from __future__ import annotations
 
+from fastapi import FastAPI
+from starlette.requests import Request
 from starlette.responses import RedirectResponse
 
 from memfuse.server.console.session import LoginCodes
@@ -21,21 +23,22 @@ __all__ = ["PREFIX", "install_console", "login_url"]
 PREFIX = "/ui"
 
 
-def install_console(app) -> None:
+def install_console(app: FastAPI) -> None:
     """Mount the console at ``/ui`` of the control-plane ``app`` (a FastAPI app whose
     ``state.service`` is the ``Service``); ``/ui`` redirects to ``/ui/``. The one-time login
     codes live in ``app.state.login_codes``."""
     codes = LoginCodes()
     app.state.login_codes = codes
 
-    async def to_console(request):
+    async def to_console(request: Request) -> RedirectResponse:
         return RedirectResponse(PREFIX + "/", status_code=308)
 
     app.add_route(PREFIX, to_console, include_in_schema=False)
     app.mount(PREFIX, create_console(app.state.service, codes))
 
 
-def login_url(app, token: str, base_url: str) -> str:
+def login_url(app: FastAPI, token: str, base_url: str) -> str:
     """A one-time login link to the console of ``app`` for ``token`` (admin or workspace):
     ``<base_url>/ui/login/<code>``. The first visit logs the browser in and uses the code up."""
-    return f"{base_url.rstrip('/')}{PREFIX}/login/{app.state.login_codes.issue(token)}"
+    codes: LoginCodes = app.state.login_codes
+    return f"{base_url.rstrip('/')}{PREFIX}/login/{codes.issue(token)}"

@@ -36,6 +36,7 @@ import hmac
 import secrets
 import threading
 import time
+from typing import Any
 from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -71,7 +72,7 @@ def cookie_names(secure: bool) -> tuple[str, str]:
     return (SECURE_SESSION_COOKIE, SECURE_LOGIN_COOKIE) if secure else (SESSION_COOKIE, LOGIN_COOKIE)
 
 
-def cookie_args(secure: bool, base: str) -> dict:
+def cookie_args(secure: bool, base: str) -> dict[str, Any]:
     """``set_cookie`` arguments of the console's cookies (see the module docstring):
     ``__Host-`` rules over TLS, ``Path=<base>/`` otherwise."""
     return {"path": "/" if secure else (base.rstrip("/") + "/"), "httponly": True, "samesite": "strict",
