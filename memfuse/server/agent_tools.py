@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse, Response
 from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 from mcp.server.transport_security import TransportSecuritySettings
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from memfuse.mcp_server import INDEX, TOOL_INSTRUCTIONS, build_server
 from memfuse.models import MemoryToolResult
@@ -197,17 +197,18 @@ def install(app: FastAPI, svc: Service, principal: Callable[..., Any]) -> None:
             await Response(status_code=405, headers={"Allow": "POST, DELETE"})(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        p = scope.get("memfuse.principal")
+        p: Principal | None = scope.get("memfuse.principal")
         if p is None:
             auth = headers.get("authorization", "")
             token = auth[7:].strip() if auth[:7].lower() == "bearer " else None
             try:
-                p = svc.authenticate_cached(token, headers.get("x-memfuse-instance"))
-                if p is None:
-                    p = await anyio.to_thread.run_sync(svc.authenticate, token, headers.get("x-memfuse-instance"))
+                found = svc.authenticate_cached(token, headers.get("x-memfuse-instance"))
+                if found is None:
+                    found = await anyio.to_thread.run_sync(svc.authenticate, token, headers.get("x-memfuse-instance"))
             except ServiceError as e:
                 await unauthorized(e, scope)(scope, receive, send)
                 return
+            p = found
         if p.is_admin:
             resp = JSONResponse({"error": "insufficient_scope",
                                  "error_description": "/mcp needs a workspace token"}, status_code=403,
@@ -234,7 +235,7 @@ def install(app: FastAPI, svc: Service, principal: Callable[..., Any]) -> None:
             instructions = await backend.instructions()
         sent = False
 
-        async def replay() -> dict[str, Any]:
+        async def replay() -> Message:
             nonlocal sent
             if not sent:
                 sent = True
@@ -294,8 +295,9 @@ def _wants_instructions(body: bytes) -> bool:
 def _base_url(scope: Scope) -> str:
     """The URL the client used to reach this server (scheme and Host header; behind a
     proxy, the proxy's ``X-Forwarded-Proto`` / ``X-Forwarded-Host`` when present)."""
-    headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-    scheme = headers.get("x-forwarded-proto", scope.get("scheme", "http")).split(",")[0].strip()
+    headers: dict[str, str] = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+    own_scheme: str = scope.get("scheme", "http")
+    scheme = headers.get("x-forwarded-proto", own_scheme).split(",")[0].strip()
     host = headers.get("x-forwarded-host") or headers.get("host")
     if not host:
         server = scope.get("server") or ("localhost", 80)

@@ -65,7 +65,7 @@ import anyio
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from memfuse.models import sha256_hex
+from memfuse.defs import sha256_hex
 from memfuse.server.limits import MAX_HEAD, PROBLEM_JSON, ServerMetrics
 from memfuse.server.service import Principal, Service, ServiceError
 from memfuse.server.streamclass import Lease, StreamClass
@@ -169,15 +169,15 @@ class WriteRate:
         writes, nbytes, at = self._buckets.get(key, (self.burst, self.bytes_burst, now))
         writes = min(self.burst, writes + (now - at) * self.rate)
         nbytes = min(self.bytes_burst, nbytes + (now - at) * self.bytes_rate)
-        size = min(size, self.bytes_burst)  # a body larger than a burst waits for a full bucket
-        if writes >= 1 and nbytes >= size:
-            self._buckets[key] = (writes - 1, nbytes - size, now)
+        want = min(float(size), self.bytes_burst)  # a body larger than a burst waits for a full bucket
+        if writes >= 1 and nbytes >= want:
+            self._buckets[key] = (writes - 1, nbytes - want, now)
             if len(self._buckets) > 10_000:
                 self._forget_full(now)
             return 0.0
         self._buckets[key] = (writes, nbytes, now)
         return max((1 - writes) / self.rate if writes < 1 else 0.0,
-                   (size - nbytes) / self.bytes_rate if nbytes < size else 0.0)
+                   (want - nbytes) / self.bytes_rate if nbytes < want else 0.0)
 
     def _forget_full(self, now: float) -> None:
         for key, (w, b, at) in list(self._buckets.items()):
@@ -372,7 +372,7 @@ class Gate:
     async def _run(self, scope: Scope, receive: Receive, send: Send, lease: Lease | None) -> None:
         """Run the app with bounded sends; a lease's response runs in its scope and, when the
         lease is cut, is ended here."""
-        state = {"status": 0, "type": b"", "done": False}
+        state: dict[str, Any] = {"status": 0, "type": b"", "done": False}
         # One cancel scope around the whole request, armed only while a send is under way:
         # a stream sends thousands of lines, and a scope per send was a third of a
         # heartbeat's CPU.
@@ -417,7 +417,7 @@ class Gate:
             if state["status"]:
                 self.metrics.requests.labels(f"{state['status'] // 100}xx").inc()
 
-    async def _end_cut(self, why: str, state: dict, send: Send) -> None:
+    async def _end_cut(self, why: str, state: dict[str, Any], send: Send) -> None:
         """End a long-lived response whose token was revoked or expired: a 401 problem when
         nothing was sent, else the stream's last line (NDJSON: ``{"error": problem}``; SSE:
         a ``gone`` event), then the end."""
@@ -507,7 +507,8 @@ class Gate:
 
     async def _probe(self, path: str, receive: Receive, send: Send) -> None:
         if path == "/healthz":
-            status, body, ctype, headers = 200, b'{"ok":true}', b"application/json", []
+            headers: list[tuple[bytes, bytes]] = []
+            status, body, ctype = 200, b'{"ok":true}', b"application/json"
         elif path == "/readyz":
             status, body, ctype, headers = await self._readiness()
         else:
@@ -517,7 +518,7 @@ class Gate:
             (b"content-type", ctype), (b"content-length", str(len(body)).encode()), *headers]})
         await send({"type": "http.response.body", "body": body})
 
-    async def _readiness(self) -> tuple[int, bytes, bytes, list]:
+    async def _readiness(self) -> tuple[int, bytes, bytes, list[tuple[bytes, bytes]]]:
         """``/readyz``: 200 when ``SELECT 1`` answers (on the probe's own thread; concurrent
         probes share one check; a success is reused for ``READY_REUSE_SECONDS``); 503 problem
         ``database_unavailable`` (reason logged) or ``shutting_down``."""
@@ -564,10 +565,10 @@ class Gate:
                                                                               PROBLEM_JSON)
         hdrs = [(b"content-type", ctype), (b"content-length", str(len(body)).encode())]
         hdrs += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]
-        messages = [{"type": "http.response.start", "status": status, "headers": hdrs},
+        messages: list[Message] = [{"type": "http.response.start", "status": status, "headers": hdrs},
                     {"type": "http.response.body", "body": body}]
 
-        async def respond(scope, receive_, send_):
+        async def respond(scope: Scope, receive_: Receive, send_: Send) -> None:
             for m in messages:
                 await send_(m)
 

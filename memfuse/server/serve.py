@@ -13,14 +13,21 @@ import gc
 import logging
 import os
 import socket
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 from hypercorn.config import Config
 
 from . import consolidation, staleness
 from .limits import MAX_HEAD, SEND_TIMEOUT
+
+if TYPE_CHECKING:  # for the annotations only
+    from fastapi import FastAPI
+
+    from memfuse.server.gate import Connections
+    from memfuse.server.service import Service
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +105,7 @@ def claim_sqlite_file(path: Path, kind: str = "serve") -> int:
     return fd
 
 
-def claim_database(app) -> None:
+def claim_database(app: FastAPI) -> None:
     """Take the one-replica lock of an SQLite file database (``claim_sqlite_file``; no-op for
     PostgreSQL, in-memory SQLite, or when ``app`` already holds it: ``app.state.db_claim``).
     Raises ``AlreadyServing`` naming the other pid when another process holds it; ``OSError``
@@ -109,7 +116,7 @@ def claim_database(app) -> None:
     app.state.db_claim = claim_sqlite_file(Path(db.url.database))
 
 
-def release_database(app) -> None:
+def release_database(app: FastAPI) -> None:
     """Drop the lock of ``claim_database`` (idempotent)."""
     fd = getattr(getattr(app, "state", None), "db_claim", None)
     if fd is not None:
@@ -117,7 +124,8 @@ def release_database(app) -> None:
         os.close(fd)
 
 
-async def serve(app, listen: str = "127.0.0.1:8080", *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+async def serve(app: FastAPI, listen: str = "127.0.0.1:8080", *,
+                task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
     """Serve the ASGI ``app`` on ``listen`` (``HOST:PORT``; port 0 picks a free one) until
     cancelled.
 
@@ -171,7 +179,7 @@ def listen_socket(listen: str, send_buffer: int = SEND_BUFFER,
     return sock
 
 
-async def _serve(app, listen: str, task_status) -> None:
+async def _serve(app: FastAPI, listen: str, task_status: trio.TaskStatus[str]) -> None:
     config = Config()
     front = getattr(app, "front", None)  # memfuse.server.gate.Gate
     # our own socket (hypercorn takes a bound one over as fd://N: it listens and closes it)
@@ -196,30 +204,30 @@ async def _serve(app, listen: str, task_status) -> None:
     # abrupt cancel of hypercorn's tasks; its deadline, set at shutdown, bounds the wait.
     inner = trio.CancelScope(shield=True)
 
-    async def run(task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
         with inner:
             await _worker_serve(app, config, connections, shutdown.wait, task_status)
 
-    svc = getattr(getattr(app, "state", None), "service", None)
+    svc: Service | None = getattr(getattr(app, "state", None), "service", None)
     if svc is not None:
         svc.bus.start()  # listen for other replicas' commits before the first long-poll
     sweeps = trio.CancelScope()  # the expiry sweep (memfuse.server.staleness), stopped at shutdown
 
-    async def sweep() -> None:
+    async def sweep(svc: Service) -> None:
         with sweeps:
             await staleness.sweep_forever(svc, svc.expiry_interval)
 
-    async def schedule() -> None:
+    async def schedule(svc: Service) -> None:
         with sweeps:
             await consolidation.schedule_forever(svc)
 
     async with trio.open_nursery() as nursery:
         binds = await nursery.start(run)
         if svc is not None and getattr(svc, "expiry_interval", 0) > 0:
-            nursery.start_soon(sweep)
+            nursery.start_soon(sweep, svc)
         cons = getattr(svc, "consolidation", None)
-        if cons is not None and cons.scheduled:  # scheduled consolidation (off unless configured)
-            nursery.start_soon(schedule)
+        if svc is not None and cons is not None and cons.scheduled:  # scheduled consolidation (off unless configured)
+            nursery.start_soon(schedule, svc)
         url = binds[0] if binds else f"http://{listen}"
         log.info("control plane listening on %s", url)
         task_status.started(url)
@@ -236,7 +244,9 @@ async def _serve(app, listen: str, task_status) -> None:
             inner.deadline = trio.current_time() + GRACEFUL_TIMEOUT + 2
 
 
-async def _worker_serve(app, config: Config, connections, shutdown_trigger, task_status) -> None:
+async def _worker_serve(app: FastAPI, config: Config, connections: Connections | None,
+                        shutdown_trigger: Callable[[], Awaitable[object]],
+                        task_status: trio.TaskStatus[list[str]]) -> None:
     """hypercorn's ``worker_serve`` (hypercorn 0.18, ``hypercorn/trio/run.py``, plain TCP
     and Unix sockets only) with one change: each accepted connection is first offered to
     ``connections`` (``memfuse.server.gate.Connections``: the cap on connections without a
@@ -291,8 +301,9 @@ async def _worker_serve(app, config: Config, connections, shutdown_trigger, task
                 wrapper.protocol.__class__ = _HTTP11Only
             self._protocol = wrapper
 
-    asgi = wrap_app(app, config.wsgi_max_body_size, None)
-    lifespan_state: dict = {}
+    # hypercorn types its ASGI app with its own TypedDict scopes; starlette's are plain mappings
+    asgi = wrap_app(app, config.wsgi_max_body_size, None)  # type: ignore[arg-type]
+    lifespan_state: dict[str, Any] = {}
     lifespan = Lifespan(asgi, config, lifespan_state)
     context = WorkerContext(None)
 
@@ -308,9 +319,10 @@ async def _worker_serve(app, config: Config, connections, shutdown_trigger, task
                 await stream.aclose()
                 return
         try:
-            await _TCPServer(asgi, config, context, ConnectionState(lifespan_state.copy()), stream)
+            # hypercorn types the stream as its TLS one; it serves plain streams too (its own run())
+            await _TCPServer(asgi, config, context, ConnectionState(lifespan_state.copy()), stream)  # type: ignore[arg-type]
         finally:
-            if peer is not None:
+            if peer is not None and connections is not None:
                 connections.closed(peer)
 
     async with trio.open_nursery() as lifespan_nursery:
