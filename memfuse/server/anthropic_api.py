@@ -32,9 +32,9 @@ import logging
 import re
 import unicodedata
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import anyio
 import msgspec
@@ -51,7 +51,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from memfuse import defs
 from memfuse.models import Record
 from memfuse.server import anthropic_models as am
-from memfuse.server.memstores import VERSION_OPERATIONS, store_id, store_out, store_slug
+from memfuse.server.memstores import VERSION_OPERATIONS, ListedItem, store_id, store_out, store_slug
 from memfuse.server.service import IdempotencyRequest, Principal, Reply, Service, ServiceError, idempotency_request
 
 log = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ class _AnthropicRoute(APIRoute):
     """A route whose every refusal, validation included, answers in Anthropic's envelope
     (the app's own handlers answer problem+json for memfuse's API)."""
 
-    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
 
         async def route(request: Request) -> Response:
@@ -356,7 +356,7 @@ def _limit(limit: int | None, full: bool) -> int:
 # ---------------------------------------------------------------- shapes
 
 
-def memory_out(slug: str, rec: Record | Row, content: str | None) -> am.MemoryOut:
+def memory_out(slug: str, rec: Record | Row[Any], content: str | None) -> am.MemoryOut:
     """``MemoryOut`` of a record (the model or a row with id, path, sha256, size, times, seq)."""
     return am.MemoryOut(
         id=memory_id(rec.id), memory_store_id=store_id(slug), memory_version_id=version_id(rec.seq),
@@ -379,11 +379,12 @@ def actor_out(actor: str | None) -> am.SessionActor | am.APIActor | None:
     return am.APIActor(api_key_id=actor)
 
 
-def version_out(slug: str, v: Row, with_content: bool) -> am.MemoryVersionOut:
+def version_out(slug: str, v: Row[Any], with_content: bool) -> am.MemoryVersionOut:
     """``MemoryVersionOut`` of a version row: ``moved`` / ``restored`` / attribute changes
     are ``modified``; a redacted version shows no content, path, size or sha (its
     ``redacted_at`` is the version's own time when the redaction predates the column)."""
-    op = "created" if v.operation == "created" else "deleted" if v.operation == "deleted" else "modified"
+    op: Literal["created", "modified", "deleted"] = (
+        "created" if v.operation == "created" else "deleted" if v.operation == "deleted" else "modified")
     out = am.MemoryVersionOut(
         id=version_id(v.seq), memory_id=memory_id(v.record_id), memory_store_id=store_id(slug),
         operation=op, created_at=v.created_at, created_by=actor_out(v.actor),
@@ -537,7 +538,7 @@ def install(app: FastAPI, svc: Service) -> None:
     # ------------------------------------------------------------ memory stores
 
     @r.post("", response_model=am.MemoryStoreOut)
-    def create_store(body: am.MemoryStoreCreate, p: P, ws: WS, idem: Idem):
+    def create_store(body: am.MemoryStoreCreate, p: P, ws: WS, idem: Idem) -> Response:
         """Create a store: the slug from the name (docs/ANTHROPIC-API.md), memfuse's default
         limits; attached read-write to the workspace the request names (admin token)."""
         meta = body.metadata or {}
@@ -554,7 +555,7 @@ def install(app: FastAPI, svc: Service) -> None:
         include_archived: bool = False,
         limit: ListLimit = am.LIST_LIMIT_DEFAULT,
         page: str | None = None,
-    ):
+    ) -> Response:
         n = _limit(limit, False)
         cur = _decode_page(page, "s")
         rows = svc.ms_list_stores(p, ws, include_archived=include_archived,
@@ -571,11 +572,11 @@ def install(app: FastAPI, svc: Service) -> None:
         return _json(am.MemoryStorePage(data=[store_out(st) for st in chunk], next_page=nxt))
 
     @r.get("/{memory_store_id}", response_model=am.MemoryStoreOut)
-    def get_store(memory_store_id: str, p: P):
+    def get_store(memory_store_id: str, p: P) -> Response:
         return _json(store_out(svc.ms_get_store(p, slug_of(memory_store_id))))
 
     @r.post("/{memory_store_id}", response_model=am.MemoryStoreOut)
-    def update_store(memory_store_id: str, body: am.MemoryStoreUpdate, p: P, idem: Idem):
+    def update_store(memory_store_id: str, body: am.MemoryStoreUpdate, p: P, idem: Idem) -> Response:
         return _reply(svc.ms_update_store(
             p, slug_of(memory_store_id),
             name=_check_name(body.name) if body.name is not None else None,
@@ -583,17 +584,17 @@ def install(app: FastAPI, svc: Service) -> None:
             metadata_patch=body.metadata, check_metadata=check_metadata, idem=idem))
 
     @r.delete("/{memory_store_id}", response_model=am.DeletedMemoryStore)
-    def delete_store(memory_store_id: str, p: P, idem: Idem):
+    def delete_store(memory_store_id: str, p: P, idem: Idem) -> Response:
         return _reply(svc.ms_delete_store(p, slug_of(memory_store_id), idem))
 
     @r.post("/{memory_store_id}/archive", response_model=am.MemoryStoreOut)
-    def archive_store(memory_store_id: str, p: P, idem: Idem):
+    def archive_store(memory_store_id: str, p: P, idem: Idem) -> Response:
         return _reply(svc.ms_archive_store(p, slug_of(memory_store_id), idem))
 
     # ------------------------------------------------------------ memories
 
     @r.post("/{memory_store_id}/memories", response_model=am.MemoryOut)
-    def create_memory(memory_store_id: str, body: am.MemoryCreate, p: P, idem: Idem, view: ViewQ = None):
+    def create_memory(memory_store_id: str, body: am.MemoryCreate, p: P, idem: Idem, view: ViewQ = None) -> Response:
         slug = slug_of(memory_store_id)
         full = _view(view, "basic")
         content = body.content or ""
@@ -609,7 +610,7 @@ def install(app: FastAPI, svc: Service) -> None:
         page: str | None = None,
         path_prefix: str | None = None,
         view: ViewQ = None,
-    ):
+    ) -> Response:
         slug = slug_of(memory_store_id)
         full = _view(view, "basic")
         n = _limit(limit, full)
@@ -631,16 +632,23 @@ def install(app: FastAPI, svc: Service) -> None:
         # tests/test_anthropic_api.py holds a listed memory equal to the retrieved one): 0.2 ms
         # of CPU per page of 100 where a pydantic model per memory took 3.1 ms
         sid = store_id(slug)
-        data = [{"type": "memory_prefix", "path": "/" + it.prefix} if it.prefix is not None else {
-            "type": "memory", "id": memory_id(it.row.id), "memory_store_id": sid,
-            "memory_version_id": version_id(it.row.seq), "path": "/" + it.row.path,
-            "content_sha256": it.row.sha256, "content_size_bytes": it.row.size,
-            "created_at": it.row.created_at, "updated_at": it.row.updated_at,
-            "content": it.row.content if full else None} for it in items]
+
+        def listed(it: ListedItem) -> dict[str, Any]:
+            if it.prefix is not None:
+                return {"type": "memory_prefix", "path": "/" + it.prefix}
+            row = it.row
+            assert row is not None  # an item is a prefix or a row (ListedItem)
+            return {"type": "memory", "id": memory_id(row.id), "memory_store_id": sid,
+                    "memory_version_id": version_id(row.seq), "path": "/" + row.path,
+                    "content_sha256": row.sha256, "content_size_bytes": row.size,
+                    "created_at": row.created_at, "updated_at": row.updated_at,
+                    "content": row.content if full else None}
+
+        data = [listed(it) for it in items]
         return Response(_PAGE_ENCODER.encode({"data": data, "next_page": nxt}), media_type="application/json")
 
     @r.get("/{memory_store_id}/memories/{memory_id}", response_model=am.MemoryOut)
-    def get_memory(memory_store_id: str, memory_id: str, p: P, view: ViewQ = None):
+    def get_memory(memory_store_id: str, memory_id: str, p: P, view: ViewQ = None) -> Response:
         slug = slug_of(memory_store_id)
         full = _view(view, "full")
         rec = svc.get_record(p, slug, record_id_of(memory_id), with_content=full)
@@ -650,7 +658,7 @@ def install(app: FastAPI, svc: Service) -> None:
 
     @r.post("/{memory_store_id}/memories/{memory_id}", response_model=am.MemoryOut)
     def update_memory(memory_store_id: str, memory_id: str, body: am.MemoryUpdate, p: P, idem: Idem,
-                      view: ViewQ = None):
+                      view: ViewQ = None) -> Response:
         slug = slug_of(memory_store_id)
         full = _view(view, "basic")
         if_match = None
@@ -667,7 +675,7 @@ def install(app: FastAPI, svc: Service) -> None:
 
     @r.delete("/{memory_store_id}/memories/{memory_id}", response_model=am.DeletedMemory)
     def delete_memory(memory_store_id: str, memory_id: str, p: P, idem: Idem,
-                      expected_content_sha256: str | None = None):
+                      expected_content_sha256: str | None = None) -> Response:
         slug = slug_of(memory_store_id)
         if_match = None
         if expected_content_sha256 is not None:
@@ -690,7 +698,7 @@ def install(app: FastAPI, svc: Service) -> None:
         service_account_id: str | None = None,
         session_id: str | None = None,
         view: ViewQ = None,
-    ):
+    ) -> Response:
         slug = slug_of(memory_store_id)
         full = _view(view, "basic")
         n = _limit(limit, full)
@@ -711,14 +719,14 @@ def install(app: FastAPI, svc: Service) -> None:
         return _json(am.MemoryVersionPage(data=[version_out(slug, v, full) for v in rows], next_page=nxt))
 
     @r.get("/{memory_store_id}/memory_versions/{memory_version_id}", response_model=am.MemoryVersionOut)
-    def get_version(memory_store_id: str, memory_version_id: str, p: P, view: ViewQ = None):
+    def get_version(memory_store_id: str, memory_version_id: str, p: P, view: ViewQ = None) -> Response:
         slug = slug_of(memory_store_id)
         full = _view(view, "full")
         v = svc.ms_get_version(p, slug, version_seq(memory_version_id), with_content=full)
         return _json(version_out(slug, v, full))
 
     @r.post("/{memory_store_id}/memory_versions/{memory_version_id}/redact", response_model=am.MemoryVersionOut)
-    def redact_version(memory_store_id: str, memory_version_id: str, p: P, idem: Idem):
+    def redact_version(memory_store_id: str, memory_version_id: str, p: P, idem: Idem) -> Response:
         slug = slug_of(memory_store_id)
         v = svc.ms_redact_version(p, slug, version_seq(memory_version_id), idem)
         return _json(version_out(slug, v, True))

@@ -53,7 +53,8 @@ from memfuse import content as content_rules
 from memfuse import names
 from memfuse.defs import INT64_MAX
 from memfuse.errors import ERRNO_NAME_BY_CODE
-from memfuse.models import Access, Attachment, PrefixMove, Record, RecordCreate, RecordMove, RecordUpdate
+from memfuse.defs import Access
+from memfuse.models import Attachment, PrefixMove, Record, RecordCreate, RecordMove, RecordUpdate
 from memfuse.server.records import _encode_cursor
 from memfuse.server.search import LINE_MAX_CHARS, TreeListing, check_query
 from memfuse.server.service import Principal, Service, ServiceError
@@ -190,6 +191,13 @@ class Target:
     @property
     def is_store_root(self) -> bool:
         return self.store is not None and not self.path
+
+    @property
+    def in_store(self) -> str:
+        """``store`` of a path known to be inside a store (not the root; ``_attachment``
+        checked it)."""
+        assert self.store is not None, "the /memories root has no store"
+        return self.store
 
 
 def parse_path(raw: Any, what: str = "path") -> Target:
@@ -370,12 +378,12 @@ class MemoryTool:
             root, cut = self._tree_of_root()
             return self._listing(t, root, cut=cut)
         self._attachment(t)
-        rec = self._record(t.store, t.path) if t.path else None
+        rec = self._record(t.in_store, t.path) if t.path else None
         if rec is not None:
             return self._view_file(t, rec.content or "", c.get("view_range"))
         # the database lists two levels, skipping deeper subtrees (Service.tree): bounded
-        listing = self.svc.tree(self.p, t.store, t.path, depth=2, max_entries=LIST_MAX_ENTRIES)
-        if not listing.dirs and not listing.files and t.path and not self._is_dir(t.store, t.path):
+        listing = self.svc.tree(self.p, t.in_store, t.path, depth=2, max_entries=LIST_MAX_ENTRIES)
+        if not listing.dirs and not listing.files and t.path and not self._is_dir(t.in_store, t.path):
             raise ToolError(f"The path {t.raw} does not exist. Please provide a valid path.")
         return self._listing(t, self._tree(listing), cut=not listing.complete)
 
@@ -496,13 +504,13 @@ class MemoryTool:
             raise ToolError(f"Cannot create {t.raw}: {ROOT} holds one directory per store ({stores}); "
                             "create files inside a store")
         self._attachment(t, write=True, creating=True)
-        if self._is_dir(t.store, t.path):
+        if self._is_dir(t.in_store, t.path):
             raise ToolError(f"File {t.raw} already exists")
-        anc = self._file_ancestor(t.store, t.path)
+        anc = self._file_ancestor(t.in_store, t.path)
         if anc is not None:
             raise ToolError(f"Cannot create {t.raw}: {ROOT}/{t.store}/{anc} is a file (ENOTDIR)")
         try:
-            self.svc.create_record(self.p, t.store, RecordCreate(path=t.path, content=text))
+            self.svc.create_record(self.p, t.in_store, RecordCreate(path=t.path, content=text))
         except ServiceError as e:
             if e.code == "path_exists":
                 raise ToolError(f"File {t.raw} already exists") from None
@@ -519,9 +527,9 @@ class MemoryTool:
                 self._attachment(t, write=write)
             raise ToolError(f"The path {t.raw} is not a file.")
         self._attachment(t, write=write)
-        rec = self._record(t.store, t.path)
+        rec = self._record(t.in_store, t.path)
         if rec is None:
-            if self._is_dir(t.store, t.path):
+            if self._is_dir(t.in_store, t.path):
                 raise ToolError(f"The path {t.raw} is not a file.")
             raise ToolError(f"The path {t.raw} does not exist. Please provide a valid path.")
         return rec
@@ -530,7 +538,7 @@ class MemoryTool:
         """Write ``new`` over ``rec`` with If-Match; False on a concurrent change (412 or
         the record gone and another at its path)."""
         try:
-            self.svc.update_record(self.p, t.store, rec.id, RecordUpdate(content=new), f'"{rec.sha256}"')
+            self.svc.update_record(self.p, t.in_store, rec.id, RecordUpdate(content=new), f'"{rec.sha256}"')
             return True
         except ServiceError as e:
             if e.code == "precondition_failed":
@@ -619,8 +627,8 @@ class MemoryTool:
         if t.is_store_root:
             raise ToolError(f"Cannot delete {t.raw}: it is the directory of store {t.store} (EACCES); "
                             "delete the files in it instead")
-        rec = self._record(t.store, t.path)
-        targets = [rec] if rec is not None else self._under(t.store, t.path)
+        rec = self._record(t.in_store, t.path)
+        targets = [rec] if rec is not None else self._under(t.in_store, t.path)
         if not targets:
             raise ToolError(f"The path {t.raw} does not exist")
         for r in targets:
@@ -631,14 +639,14 @@ class MemoryTool:
         def attempt() -> str | None:
             nonlocal rec
             try:
-                self.svc.delete_record(self.p, t.store, rec.id, f'"{rec.sha256}"')
+                self.svc.delete_record(self.p, t.in_store, rec.id, f'"{rec.sha256}"')
                 return "done"
             except ServiceError as e:
                 if e.code == "record_not_found":
                     return "gone"  # deleted concurrently: what we wanted
                 if e.code != "precondition_failed":
                     raise self._refusal(t, e) from None
-            current = self._record(t.store, rec.path)
+            current = self._record(t.in_store, rec.path)
             if current is None or current.id != rec.id:
                 return "gone"
             rec = current
@@ -795,7 +803,7 @@ class MemoryTool:
         if t.is_root or t.is_store_root:
             raise ToolError(f"The path {t.raw} is not a file.")
         self._attachment(t)
-        page = self.svc.list_records(self.p, t.store, path=t.path, limit=1000, include_deleted=True)
+        page = self.svc.list_records(self.p, t.in_store, path=t.path, limit=1000, include_deleted=True)
         if not page.records:
             raise ToolError(f"The path {t.raw} does not exist. Please provide a valid path.")
         rec = max(page.records, key=lambda r: (not r.deleted, r.updated_at))
@@ -804,7 +812,7 @@ class MemoryTool:
             if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= INT64_MAX:
                 raise ToolError(f"Parameter `version` must be an integer from 1 to {INT64_MAX}")
             try:
-                v = self.svc.get_version(self.p, t.store, rec.id, version)
+                v = self.svc.get_version(self.p, t.in_store, rec.id, version)
             except ServiceError as e:
                 if e.code == "version_not_found":
                     raise ToolError(f"{t.raw} has no version {version}") from None
@@ -815,7 +823,7 @@ class MemoryTool:
             if v.content is None:
                 return f"Version {version} of {t.raw} was redacted: its content is gone"
             return self._view_file(t, v.content, c.get("view_range"))
-        versions = self.svc.list_versions(self.p, t.store, rec.id)
+        versions = self.svc.list_versions(self.p, t.in_store, rec.id)
         lines = [f"History of {t.raw} (newest first; `version` shows one):"]
         for v in reversed(versions):
             where = f"{ROOT}/{t.store}/{v.path}"
