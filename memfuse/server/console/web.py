@@ -24,7 +24,7 @@ import functools
 import json
 import logging
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -41,15 +41,17 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from memfuse.content import INDEX_PATH, RECORD_TYPES, ContentError, is_index
-from memfuse.defs import INT64_MAX, SEARCH_QUERY_MAX, parse_byte_size, parse_count
+from memfuse.defs import INT64_MAX, SEARCH_QUERY_MAX, Access, parse_byte_size, parse_count
 from memfuse.models import (
-    Access,
     AttachmentPut,
+    Record,
     RecordCreate,
     RecordUpdate,
     Restore,
+    Store,
     StoreCreate,
     StoreUpdate,
+    Version,
     WorkspaceCreate,
 )
 from memfuse.server.console import render
@@ -114,14 +116,21 @@ class Ctx:
 
     @property
     def base(self) -> str:
-        return self.request.scope.get("root_path", "")
+        root: str = self.request.scope.get("root_path", "")
+        return root
 
     @property
     def csrf(self) -> str:
         return csrf_token(self.creds.secret)
 
     def path(self, name: str) -> str:
-        return self.request.path_params[name]
+        value: str = self.request.path_params[name]
+        return value
+
+    def path_int(self, name: str) -> int:
+        """A path parameter the route table declares ``{name:int}`` (Starlette converts it)."""
+        value: int = self.request.path_params[name]
+        return value
 
     def q(self, name: str, default: str = "") -> str:
         return self.request.query_params.get(name, default)
@@ -155,6 +164,7 @@ def _sidebar(ctx: Ctx) -> list[dict[str, Any]]:
         if p.is_admin:
             ctx._sidebar = [{"store": s, "access": None} for s in ctx.svc.list_stores(p)]
         else:
+            assert p.workspace is not None  # a workspace token
             ctx._sidebar = [{"store": a.store, "access": a.access.value}
                             for a in ctx.svc.list_attachments(p, p.workspace)]
     return ctx._sidebar
@@ -229,9 +239,8 @@ async def _authenticate(svc: Service, request: Request) -> tuple[Principal, Cred
         except ServiceError:
             raise _LoginNeeded("Your session ended; log in again.") from None
     else:
-        p = svc.authenticate_cached(creds.token, INSTANCE)
-        if p is None:
-            p = await anyio.to_thread.run_sync(svc.authenticate, creds.token, INSTANCE)
+        cached = svc.authenticate_cached(creds.token, INSTANCE)
+        p = cached if cached is not None else await anyio.to_thread.run_sync(svc.authenticate, creds.token, INSTANCE)
         account = request.headers.get("x-memfuse-account")
         if account:  # a bearer caller naming its account, as on the API (docs/API.md "Accounts")
             p = await anyio.to_thread.run_sync(svc.act_in_account, p, account)
@@ -429,8 +438,9 @@ def create_store(ctx: Ctx) -> Response:
     """POST ``/stores`` (admin): create a store."""
     form = {k: ctx.form.get(k, "") for k in ("slug", "description", "default_type")}
     try:
-        body = StoreCreate(slug=form["slug"].strip(), description=field_text(ctx.form, "description"),
-                           default_type=form["default_type"] or "project")
+        body = StoreCreate.model_validate({  # default_type validated as the model's Literal
+            "slug": form["slug"].strip(), "description": field_text(ctx.form, "description"),
+            "default_type": form["default_type"] or "project"})
     except ContentError as err:
         workspaces = ctx.svc.list_workspaces(ctx.principal)
         return _page(ctx, "home.html", status=422, workspaces=workspaces, errors={"description": str(err)},
@@ -467,7 +477,7 @@ _SETTINGS_FIELDS: dict[str, Callable[[str], Any]] = {
 }
 
 
-def _settings_values(store) -> dict[str, str]:
+def _settings_values(store: Store) -> dict[str, str]:
     return {"description": store.description, "default_type": store.default_type,
             **{k: str(getattr(store, k)) for k in _SETTINGS_FIELDS}}
 
@@ -514,7 +524,7 @@ def store_settings(ctx: Ctx) -> Response:
     return _redirect(ctx.url("stores", slug, msg="settings_saved"))
 
 
-def _ranked_hits(ctx: Ctx, slug: str) -> dict | None:
+def _ranked_hits(ctx: Ctx, slug: str) -> dict[str, Any] | None:
     """The store page's ranked search (``?rank=WORDS[&rcursor=…]``): a page of hits best
     first (``Service.search`` with ``order="relevance"``), or its refusal; None without
     ``rank``."""
@@ -567,7 +577,7 @@ def _store_seq(ctx: Ctx, slug: str) -> int:
     return ctx.svc.list_records(ctx.principal, slug, limit=1).seq
 
 
-def _record_and_versions(ctx: Ctx, slug: str, rid: str):
+def _record_and_versions(ctx: Ctx, slug: str, rid: str) -> tuple[Record, list[Version]]:
     rec = ctx.svc.get_record(ctx.principal, slug, rid, with_content=True)
     versions = ctx.svc.list_versions(ctx.principal, slug, rid)
     return rec, versions
@@ -657,7 +667,7 @@ _FIELD_OF = {  # problem code → the form field its reason is shown next to
 }
 
 
-def _edit_form(ctx: Ctx, slug: str, *, rec=None, status: int = 200, content: str | None = None,
+def _edit_form(ctx: Ctx, slug: str, *, rec: Record | None = None, status: int = 200, content: str | None = None,
                errors: dict[str, str] | None = None, stale: dict[str, Any] | None = None,
                settings: bool = False, values: dict[str, str] | None = None) -> Response:
     # The notice watches for a change of the record after the version the form is based on.
@@ -710,10 +720,11 @@ def edit_page(ctx: Ctx) -> Response:
     if rtype is not None and rtype == values["original_type"]:
         rtype = None  # unchanged select: let frontmatter / the current type decide (docs/API.md)
     base = values["base_sha256"]
-    deleted_meanwhile = lambda: _edit_form(  # noqa: E731
-        ctx, slug, rec=rec, status=409, content=content, settings=settings, values=values,
-        errors={"content": "The record was deleted while you were editing; nothing was saved. Copy your text, "
-                           "restore the record from its history, then save again."})
+    def deleted_meanwhile() -> Response:
+        return _edit_form(
+            ctx, slug, rec=rec, status=409, content=content, settings=settings, values=values,
+            errors={"content": "The record was deleted while you were editing; nothing was saved. Copy your text, "
+                               "restore the record from its history, then save again."})
     if rec.deleted:
         return deleted_meanwhile()
     try:
@@ -736,7 +747,7 @@ def edit_page(ctx: Ctx) -> Response:
     return _redirect(ctx.url("stores", slug, "records", rid, msg=msg))
 
 
-def _stale(ctx: Ctx, slug: str, rec, content: str, values: dict[str, str], settings: bool) -> Response:
+def _stale(ctx: Ctx, slug: str, rec: Record, content: str, values: dict[str, str], settings: bool) -> Response:
     """The edit form again after a 412: what changed since the base version (diff), the
     person's text kept, the base moved to the current version (saving again overwrites,
     knowingly)."""
@@ -845,7 +856,7 @@ def redact(ctx: Ctx) -> Response:
     ``confirm=redact``) shows what would be lost — the version, its path, time, actor, size and
     content — with the confirming form (no JavaScript needed); only a POST with
     ``confirm=redact`` redacts."""
-    slug, rid, n = ctx.path("store"), ctx.path("rid"), ctx.path("n")
+    slug, rid, n = ctx.path("store"), ctx.path("rid"), ctx.path_int("n")
     svc, p = ctx.svc, ctx.principal
     if not p.is_admin:
         raise ServiceError(403, "forbidden", "only an admin token may redact")
@@ -868,6 +879,7 @@ def workspaces_page(ctx: Ctx) -> Response:
     to its own workspace."""
     p = ctx.principal
     if not p.is_admin:
+        assert p.workspace is not None  # a workspace token
         return _redirect(ctx.url("workspaces", p.workspace))
     errors: dict[str, str] = {}
     values = {"name": "", "default_store": "on"}
@@ -907,8 +919,8 @@ def attach(ctx: Ctx) -> Response:
     ws = ctx.path("ws")
     slug = ctx.form.get("store", "")
     try:
-        body = AttachmentPut(access=ctx.form.get("access", "read_write"),
-                             instructions=field_text(ctx.form, "instructions"))
+        body = AttachmentPut.model_validate({  # access validated as the model's enum
+            "access": ctx.form.get("access", "read_write"), "instructions": field_text(ctx.form, "instructions")})
     except (ValidationError, ContentError) as err:
         raise ServiceError(422, "validation_error", f"bad attachment: {err}") from None
     ctx.svc.put_attachment(ctx.principal, ws, slug, body)
@@ -1004,7 +1016,7 @@ def live(svc: Service) -> Callable[[Request], Awaitable[Response]]:
                     break
             return announce
 
-        async def events():
+        async def events() -> AsyncIterator[str]:
             deadline = anyio.current_time() + LIVE_STREAM_SECONDS
             last_sent = anyio.current_time()
             yield "retry: 2000\n\n"
