@@ -19,13 +19,22 @@ import logging
 import random
 import re
 import secrets
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import httpx
 
 from memfuse.models import Problem
 from memfuse.server.app import create_app
+
+if TYPE_CHECKING:  # for the annotations only
+    import asyncio
+
+    from starlette.types import Message
+
+    from memfuse.server.service import Service
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +74,7 @@ class Faults:
     drop_rate: float = 0.0
     outage: bool = False
     precondition_race: int = 0
-    inject: list = field(default_factory=list)
+    inject: list[tuple[str, str, int]] = field(default_factory=list)
     cut_streams: int = 0
 
     def reset(self) -> None:
@@ -165,16 +174,16 @@ async def _stream_request(fake: FakeControlPlane, request: httpx.Request) -> htt
     sent_body = False
     left = anyio.Event()
     started = anyio.Event()
-    send_ch, recv_ch = anyio.create_memory_object_stream(1000)
-    head: dict = {}
-    scope = {
+    send_ch, recv_ch = anyio.create_memory_object_stream[tuple[bytes, bool]](1000)
+    head: dict[str, Any] = {}
+    scope: dict[str, Any] = {
         "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": request.method,
         "scheme": "http", "path": request.url.path, "raw_path": request.url.raw_path.split(b"?")[0],
         "query_string": request.url.query, "root_path": "", "server": ("memfuse.test", 80),
         "client": ("127.0.0.1", 1), "headers": [(k.lower(), v) for k, v in request.headers.raw],
     }
 
-    async def receive() -> dict:
+    async def receive() -> Message:
         nonlocal sent_body
         if not sent_body:
             sent_body = True
@@ -182,7 +191,7 @@ async def _stream_request(fake: FakeControlPlane, request: httpx.Request) -> htt
         await left.wait()
         return {"type": "http.disconnect"}
 
-    async def send(message: dict) -> None:
+    async def send(message: Message) -> None:
         if message["type"] == "http.response.start":
             head.update(message)
             started.set()
@@ -220,7 +229,7 @@ async def _stream_request(fake: FakeControlPlane, request: httpx.Request) -> htt
         fake.counters.streams += 1
 
     class _Body(httpx.AsyncByteStream):
-        async def __aiter__(self):
+        async def __aiter__(self) -> AsyncIterator[bytes]:
             try:
                 async for chunk, more in recv_ch:
                     injected = _take_inject(fake, request)
@@ -278,12 +287,13 @@ class FakeControlPlane:
         self.base_url = BASE_URL
         self._inner = httpx.ASGITransport(app=self.app)
         self.transport = FaultTransport(self)
-        self._tasks: set = set()  # streaming requests' app tasks under asyncio
+        self._tasks: set[asyncio.Task[None]] = set()  # streaming requests' app tasks under asyncio
 
     @property
-    def service(self):
+    def service(self) -> Service:
         """The app's ``memfuse.server.service.Service`` (for direct inspection in tests)."""
-        return self.app.state.service
+        svc: Service = self.app.state.service
+        return svc
 
     def token_for(self, workspace: str) -> str:
         """A static bearer token for ``workspace`` (the same one on every call). The workspace
@@ -308,7 +318,7 @@ class FakeControlPlane:
             if tok == token:
                 del self._ws_tokens[ws]
 
-    def client(self, token: str | None = None, **kwargs) -> httpx.AsyncClient:
+    def client(self, token: str | None = None, **kwargs: Any) -> httpx.AsyncClient:
         """An ``httpx.AsyncClient`` through the fault transport, with ``token`` (default: the
         admin token) as bearer."""
         headers = {"Authorization": f"Bearer {token or self.admin_token}", **kwargs.pop("headers", {})}
