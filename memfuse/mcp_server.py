@@ -262,7 +262,7 @@ def build_server(
 
         handlers = {"on_subscribe_resource": subscribe, "on_unsubscribe_resource": unsubscribe}
 
-    from memfuse.client import _package_version
+    from memfuse.client.base import _package_version
 
     return _Server(
         SERVER_NAME,
