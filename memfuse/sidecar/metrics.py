@@ -18,7 +18,8 @@ from prometheus_client.utils import floatToGoString
 
 _LAT_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
                 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
-_LE = [floatToGoString(b) for b in _LAT_BUCKETS] + ["+Inf"]
+# the ``le`` labels as prometheus-client writes them ("5e-05", "1.0", "+Inf")
+_LE = [floatToGoString(b) for b in _LAT_BUCKETS] + ["+Inf"]  # type: ignore[no-untyped-call]
 
 
 class OpStats:
