@@ -16,10 +16,11 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-_LAT_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+#: seconds: the upper bounds of the latency histograms' buckets
+LAT_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
                 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 # the ``le`` labels as prometheus-client writes them ("5e-05", "1.0", "+Inf")
-_LE = [floatToGoString(b) for b in _LAT_BUCKETS] + ["+Inf"]  # type: ignore[no-untyped-call]
+_LE = [floatToGoString(b) for b in LAT_BUCKETS] + ["+Inf"]  # type: ignore[no-untyped-call]
 
 
 class OpStats:
@@ -33,27 +34,32 @@ class OpStats:
     from another thread reads a snapshot under the GIL (the sum may lag the buckets by one
     request)."""
 
-    __slots__ = ("count", "sum", "buckets")
+    __slots__ = ("counted", "sum", "buckets")
 
     def __init__(self) -> None:
-        self.count = 0  # requests handled (``memfuse_fuse_ops_total``)
+        self.counted = 0  # requests counted without a latency (``inc``)
         self.sum = 0.0  # seconds, over the requests observed
-        self.buckets = [0] * (len(_LAT_BUCKETS) + 1)  # per bucket, not cumulative; last: +Inf
+        self.buckets = [0] * (len(LAT_BUCKETS) + 1)  # per bucket, not cumulative; last: +Inf
+
+    @property
+    def count(self) -> int:
+        """Requests handled (``memfuse_fuse_ops_total``): those observed plus ``counted``."""
+        return self.counted + sum(self.buckets)
 
     def observe(self, seconds: float) -> None:
-        """One request handled in ``seconds``."""
-        self.count += 1
+        """One request handled in ``seconds``. (``fuse_ops._guard`` does the same two
+        updates inline: a method call per request is a measurable share of its cost.)"""
         self.sum += seconds
-        self.buckets[bisect_left(_LAT_BUCKETS, seconds)] += 1
+        self.buckets[bisect_left(LAT_BUCKETS, seconds)] += 1
 
     def inc(self, amount: int = 1) -> None:
         """Count ``amount`` requests without a latency (as ``Counter.inc``)."""
-        self.count += amount
+        self.counted += amount
 
 
 class FuseOpsCollector(Collector):
     """``memfuse_fuse_ops_total{op}`` (counter) and ``memfuse_fuse_op_seconds{op}``
-    (histogram, buckets ``_LAT_BUCKETS``) from one ``OpStats`` per operation name."""
+    (histogram, buckets ``LAT_BUCKETS``) from one ``OpStats`` per operation name."""
 
     def __init__(self) -> None:
         self.ops: dict[str, OpStats] = {}
@@ -71,8 +77,8 @@ class FuseOpsCollector(Collector):
         lat = HistogramMetricFamily("memfuse_fuse_op_seconds", "FUSE handler latency",
                                     labels=["op"])
         for name, st in sorted(self.ops.items()):
-            ops.add_metric([name], st.count)
             counts, total, cum = list(st.buckets), st.sum, 0
+            ops.add_metric([name], st.counted + sum(counts))
             if not any(counts):
                 continue  # counted only (``inc``): no histogram, as before any observation
             buckets = []
@@ -102,7 +108,7 @@ class Metrics:
         self.api_calls = Counter("memfuse_api_calls", "control-plane API calls",
                                  ["endpoint", "status"], registry=r)
         self.api_latency = Histogram("memfuse_api_call_seconds", "control-plane API call latency",
-                                     ["endpoint"], buckets=_LAT_BUCKETS, registry=r)
+                                     ["endpoint"], buckets=LAT_BUCKETS, registry=r)
         self.refusals = Counter("memfuse_refusals", "writes refused for good, by reason",
                                 ["reason"], registry=r)
         self.commits = Counter("memfuse_outbox_committed", "outbox entries committed", ["op"], registry=r)
@@ -118,7 +124,7 @@ class Metrics:
                                       "remote changes applied from the change feed", ["store"], registry=r)
         self.sync_lag = Histogram("memfuse_sync_lag_seconds",
                                   "time from a remote version's creation to its arrival here",
-                                  buckets=_LAT_BUCKETS, registry=r)
+                                  buckets=LAT_BUCKETS, registry=r)
         self.cache_write_errors = Counter(
             "memfuse_cache_write_errors",
             "writes to the sidecar's own cache directory that failed (what: outbox, blobs, "
