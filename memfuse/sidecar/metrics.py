@@ -18,7 +18,7 @@ from prometheus_client.utils import floatToGoString
 
 #: seconds: the upper bounds of the latency histograms' buckets
 LAT_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
-                0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+               0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 # the ``le`` labels as prometheus-client writes them ("5e-05", "1.0", "+Inf")
 _LE = [floatToGoString(b) for b in LAT_BUCKETS] + ["+Inf"]  # type: ignore[no-untyped-call]
 
@@ -26,7 +26,8 @@ _LE = [floatToGoString(b) for b in LAT_BUCKETS] + ["+Inf"]  # type: ignore[no-un
 class OpStats:
     """Count and latency histogram of one FUSE operation, kept as plain numbers.
 
-    Updated on the trio thread for every FUSE request (``observe``), so it takes no lock:
+    Updated on the trio thread for every FUSE request (``observe``, inline in
+    ``fuse_ops._guard``), so it takes no lock:
     prometheus-client's ``Counter.inc`` plus ``Histogram.observe`` cost two to three lock
     round trips and several Python calls per request, a measurable share of a warm
     ``grep -r`` (bench/README.md, "Warm grep -r: what memfuse adds per request").
