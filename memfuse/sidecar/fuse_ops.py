@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import functools
+from bisect import bisect_left
 import logging
 import os
 import stat
@@ -28,7 +29,7 @@ import pyfuse3
 from .control import CONTROL_DIR
 from .core import Filesystem
 from .inodes import CHECK_INVARIANTS, FsError, Node
-from .metrics import Metrics
+from .metrics import LAT_BUCKETS, Metrics, OpStats
 from .cachedir import CacheError
 
 log = logging.getLogger("memfuse.fuse")
@@ -37,6 +38,7 @@ log = logging.getLogger("memfuse.fuse")
 # (bench/README.md has the short-vs-long measurement that chose 300 s).
 CACHE_TIMEOUT = float(os.environ.get("MEMFUSE_KERNEL_CACHE_TIMEOUT", "300"))
 BLOCK = 4096
+_WRITABLE = os.O_WRONLY | os.O_RDWR  # open flags of a handle that may write
 
 
 # requests that may change what .memfuse/status.json shows (ControlFiles.changed); plain
@@ -50,31 +52,32 @@ _H = TypeVar("_H", bound=Callable[..., Awaitable[Any]])
 
 
 def _guard(fn: _H) -> _H:
-    """``fn``, a FUSE handler of ``MemfuseOps``, with errors mapped to ``FUSEError`` and
-    metrics counted (module docstring); the signature stays ``fn``'s."""
+    """Wrap one handler (module docstring): errors mapped to errnos, the request counted and
+    timed (``metrics.OpStats``: plain numbers, no lock; this runs for every FUSE request, so
+    it stays lean: bench/README.md, "Warm grep -r: what memfuse adds per request"); the
+    signature stays ``fn``'s."""
     name = fn.__name__
     modifying = name in MODIFYING
+    clock = time.perf_counter
 
     @functools.wraps(fn)
     async def wrapper(self: MemfuseOps, *args: Any, **kwargs: Any) -> Any:
-        m = self.metrics
-        ops_child, lat_child = self._op_metric(name)
-        t0 = time.perf_counter()
+        t0 = clock()
         try:
             return await fn(self, *args, **kwargs)
         except pyfuse3.FUSEError as e:
-            m.fuse_errors.labels(name, errno.errorcode.get(e.errno, str(e.errno))).inc()
+            self.metrics.fuse_errors.labels(name, errno.errorcode.get(e.errno, str(e.errno))).inc()
             raise
         except FsError as e:
-            m.fuse_errors.labels(name, errno.errorcode.get(e.errno, str(e.errno))).inc()
+            self.metrics.fuse_errors.labels(name, errno.errorcode.get(e.errno, str(e.errno))).inc()
             raise pyfuse3.FUSEError(e.errno) from None
         except CacheError as e:  # the sidecar's own disk: full (ENOSPC) or failing (EIO)
-            m.fuse_errors.labels(name, errno.errorcode.get(e.errno, str(e.errno))).inc()
+            self.metrics.fuse_errors.labels(name, errno.errorcode.get(e.errno, str(e.errno))).inc()
             log.warning("cache disk error; answered with its errno",
                         extra={"op": name, "errno": errno.errorcode.get(e.errno), "reason": e.reason})
             raise pyfuse3.FUSEError(e.errno) from None
         except Exception:
-            m.fuse_errors.labels(name, "EIO").inc()
+            self.metrics.fuse_errors.labels(name, "EIO").inc()
             log.exception("unexpected error in FUSE handler; answered EIO", extra={"op": name})
             raise pyfuse3.FUSEError(errno.EIO) from None
         finally:
@@ -82,8 +85,12 @@ def _guard(fn: _H) -> _H:
                 self.fs.controls.changed()
                 if CHECK_INVARIANTS:  # tests: MEMFUSE_CHECK_INVARIANTS=1
                     self.fs.check_invariants_after(name)
-            ops_child.inc()
-            lat_child.observe(time.perf_counter() - t0)
+            dt = clock() - t0
+            st = self._op_stats.get(name)
+            if st is None:
+                st = self._op_stats[name] = self.metrics.fuse_ops.labels(name)
+            st.sum += dt  # OpStats.observe, inline
+            st.buckets[bisect_left(LAT_BUCKETS, dt)] += 1
 
     return cast(_H, wrapper)
 
@@ -99,24 +106,20 @@ class MemfuseOps(pyfuse3.Operations):
         super().__init__()
         self.fs = fs
         self.metrics = metrics or Metrics()
-        self._op_metrics: dict[str, tuple[Any, Any]] = {}
-
-    def _op_metric(self, name: str) -> tuple[Any, Any]:
-        """The labelled counter and histogram of one op, looked up once (hot path)."""
-        pair = self._op_metrics.get(name)
-        if pair is None:
-            pair = self._op_metrics[name] = (self.metrics.fuse_ops.labels(name),
-                                             self.metrics.fuse_latency.labels(name))
-        return pair
+        self._op_stats: dict[str, OpStats] = {}  # per op name, looked up once (hot path)
 
     # ------------------------------------------------------------------ attributes
     def attrs(self, n: Node) -> pyfuse3.EntryAttributes:
+        """The attributes of ``n`` as the kernel caches them (module docstring). Built for
+        every lookup, getattr and ``readdir`` entry (readdirplus), so each property of the
+        node is read once."""
         a = pyfuse3.EntryAttributes()
         a.st_ino = n.ino
         a.generation = 0
-        volatile = bool(n.special) or n is self.fs.control
-        a.entry_timeout = 0 if volatile else CACHE_TIMEOUT
-        a.attr_timeout = 0 if volatile else CACHE_TIMEOUT
+        special = n.special
+        timeout = 0 if special or n is self.fs.control else CACHE_TIMEOUT
+        a.entry_timeout = timeout
+        a.attr_timeout = timeout
         sm = n.store
         # a read-only store shows no write bits (ls -l, test -w, stat): the kernel then
         # refuses writes by other users itself (default_permissions: EACCES); root's reach
@@ -126,10 +129,12 @@ class MemfuseOps(pyfuse3.Operations):
         a.st_uid = n.uid
         a.st_gid = n.gid
         a.st_rdev = 0
-        if n.special:  # the length of the content an open reads (control.py docstring)
-            size = self.fs.controls.size(n.special)
+        if special:  # the length of the content an open reads (control.py docstring)
+            size = self.fs.controls.size(special)
+        elif n.children is not None:
+            size = BLOCK
         else:
-            size = BLOCK if n.is_dir else n.cur_size()
+            size = n.cur_size()
         a.st_size = size
         a.st_blksize = BLOCK
         a.st_blocks = (size + 511) // 512
@@ -272,7 +277,12 @@ class MemfuseOps(pyfuse3.Operations):
 
     @_guard
     async def flush(self, fh: int) -> None:
-        await self.fs.flush(self.fs.handle(fh, allow_stale=True))
+        h = self.fs.handle(fh, allow_stale=True)
+        # a reader's close of a file nobody is writing: nothing to commit or wait for
+        # (Filesystem.flush returns at once then); skipping the call keeps this close,
+        # one of three requests per file of a warm grep -r, at the cost of the bare floor's
+        if h.flags & _WRITABLE or h.node.dirty:
+            await self.fs.flush(h)
 
     @_guard
     async def fsync(self, fh: int, datasync: bool) -> None:

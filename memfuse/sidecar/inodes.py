@@ -147,13 +147,15 @@ class Node:
     ``InodeTable._bind_rid`` writes it out before the id changes); times are int ns, the
     update time is ``updated_ns`` (``updated_at`` is rendered from it); fields few nodes set
     (``buf``, ``last_put``, ``error``, ``type_override``, ``special``, ``refused``,
-    ``xmtime``, ``attrs_version``, ``local_only``, ``unlinked``, ``opened``) live in a dict
-    per node (``_x``) that exists only once one of them is set.
+    ``xmtime``, ``attrs_version``, ``local_only``, ``unlinked``) live in a dict per node
+    (``_x``) that exists only once one of them is set. ``opened`` (open handles) is a slot:
+    every ``open`` and ``release`` changes it (a warm ``grep -r`` opens every file), and in
+    the side table each opened file kept a dict for good.
     """
 
     __slots__ = ("ino", "name", "parent", "store", "mode", "uid", "gid", "atime_ns", "mtime_ns",
                  "ctime_ns", "children", "_key", "record_id", "version", "rtype", "_sha", "size",
-                 "dirty", "state", "nlookup", "updated_ns", "_x")
+                 "dirty", "state", "nlookup", "updated_ns", "opened", "_x")
 
     def __init__(self, ino: int, name: str, parent: "Node | None", is_dir: bool,
                  store: "StoreMount | None" = None, mode: int = 0, uid: int = 0, gid: int = 0,
@@ -179,6 +181,7 @@ class Node:
         self.state: WriteState = CLEAN
         self.nlookup = 0
         self.updated_ns = 0  # ns since the epoch of the record's last version; 0: none
+        self.opened = 0  # open handles
         self._x: dict[str, Any] | None = None
 
     @property
@@ -222,7 +225,6 @@ class Node:
     error: _Rare[str] = _rare("error", "")  # why the last commit was refused ('' when not)
     local_only: _Rare[bool] = _rare("local_only", False)
     unlinked: _Rare[bool] = _rare("unlinked", False)
-    opened: _Rare[int] = _rare("opened", 0)  # open handles
     special: _Rare[str] = _rare("special", "")  # .memfuse control files: "status" / "errors"
     type_override: _Rare[str | None] = _rare("type_override", None)  # set through user.memfuse.type, sent with the next put
     refused: _Rare[int] = _rare("refused", 0)  # errno of a write refused in the current write session (held back)
@@ -272,7 +274,7 @@ class StoreMount:
         """Whether the store is attached read-write."""
         return self.access == "read_write"
 
-@dataclass
+@dataclass(slots=True)
 class Handle:
     """One open file or directory: ``fh`` (the number the kernel passes back), its node,
     the ``os.O_*`` open flags; a directory handle keeps the listing it pages through

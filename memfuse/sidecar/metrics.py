@@ -6,14 +6,89 @@ computed at scrape time through callbacks set by ``bind``.
 """
 from __future__ import annotations
 
-from typing import Callable
+from bisect import bisect_left
+from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.gc_collector import GCCollector
+from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
-_LAT_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
-                0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+#: seconds: the upper bounds of the latency histograms' buckets
+LAT_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+               0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+# the ``le`` labels as prometheus-client writes them ("5e-05", "1.0", "+Inf")
+_LE = [floatToGoString(b) for b in LAT_BUCKETS] + ["+Inf"]  # type: ignore[no-untyped-call]
+
+
+class OpStats:
+    """Count and latency histogram of one FUSE operation, kept as plain numbers.
+
+    Updated on the trio thread for every FUSE request (``observe``, inline in
+    ``fuse_ops._guard``), so it takes no lock:
+    prometheus-client's ``Counter.inc`` plus ``Histogram.observe`` cost two to three lock
+    round trips and several Python calls per request, a measurable share of a warm
+    ``grep -r`` (bench/README.md, "Warm grep -r: what memfuse adds per request").
+    ``FuseOpsCollector`` turns them into the same metric families at scrape time; a scrape
+    from another thread reads a snapshot under the GIL (the sum may lag the buckets by one
+    request)."""
+
+    __slots__ = ("counted", "sum", "buckets")
+
+    def __init__(self) -> None:
+        self.counted = 0  # requests counted without a latency (``inc``)
+        self.sum = 0.0  # seconds, over the requests observed
+        self.buckets = [0] * (len(LAT_BUCKETS) + 1)  # per bucket, not cumulative; last: +Inf
+
+    @property
+    def count(self) -> int:
+        """Requests handled (``memfuse_fuse_ops_total``): those observed plus ``counted``."""
+        return self.counted + sum(self.buckets)
+
+    def observe(self, seconds: float) -> None:
+        """One request handled in ``seconds``. (``fuse_ops._guard`` does the same two
+        updates inline: a method call per request is a measurable share of its cost.)"""
+        self.sum += seconds
+        self.buckets[bisect_left(LAT_BUCKETS, seconds)] += 1
+
+    def inc(self, amount: int = 1) -> None:
+        """Count ``amount`` requests without a latency (as ``Counter.inc``)."""
+        self.counted += amount
+
+
+class FuseOpsCollector(Collector):
+    """``memfuse_fuse_ops_total{op}`` (counter) and ``memfuse_fuse_op_seconds{op}``
+    (histogram, buckets ``LAT_BUCKETS``) from one ``OpStats`` per operation name."""
+
+    def __init__(self) -> None:
+        self.ops: dict[str, OpStats] = {}
+
+    def labels(self, op: str) -> OpStats:
+        """The ``OpStats`` of operation ``op`` (created on first use)."""
+        st = self.ops.get(op)
+        if st is None:
+            st = self.ops[op] = OpStats()
+        return st
+
+    def collect(self) -> Iterator[Metric]:
+        """The two families, from a snapshot of every operation's numbers."""
+        ops = CounterMetricFamily("memfuse_fuse_ops", "FUSE operations handled", labels=["op"])
+        lat = HistogramMetricFamily("memfuse_fuse_op_seconds", "FUSE handler latency",
+                                    labels=["op"])
+        for name, st in sorted(self.ops.items()):
+            counts, total, cum = list(st.buckets), st.sum, 0
+            ops.add_metric([name], st.counted + sum(counts))
+            if not any(counts):
+                continue  # counted only (``inc``): no histogram, as before any observation
+            buckets = []
+            for le, c in zip(_LE, counts):
+                cum += c
+                buckets.append((le, float(cum)))
+            lat.add_metric([name], buckets, total)
+        yield ops
+        yield lat
 
 
 class Metrics:
@@ -26,15 +101,15 @@ class Metrics:
         ProcessCollector(registry=r)
         GCCollector(registry=r)
         PlatformCollector(registry=r)
-        self.fuse_ops = Counter("memfuse_fuse_ops", "FUSE operations handled", ["op"], registry=r)
+        # per-request count and latency: plain numbers, exported at scrape time (OpStats)
+        self.fuse_ops = FuseOpsCollector()
+        r.register(self.fuse_ops)
         self.fuse_errors = Counter("memfuse_fuse_errors", "FUSE operations answered with an errno",
                                    ["op", "errno"], registry=r)
-        self.fuse_latency = Histogram("memfuse_fuse_op_seconds", "FUSE handler latency", ["op"],
-                                      buckets=_LAT_BUCKETS, registry=r)
         self.api_calls = Counter("memfuse_api_calls", "control-plane API calls",
                                  ["endpoint", "status"], registry=r)
         self.api_latency = Histogram("memfuse_api_call_seconds", "control-plane API call latency",
-                                     ["endpoint"], buckets=_LAT_BUCKETS, registry=r)
+                                     ["endpoint"], buckets=LAT_BUCKETS, registry=r)
         self.refusals = Counter("memfuse_refusals", "writes refused for good, by reason",
                                 ["reason"], registry=r)
         self.commits = Counter("memfuse_outbox_committed", "outbox entries committed", ["op"], registry=r)
@@ -50,7 +125,7 @@ class Metrics:
                                       "remote changes applied from the change feed", ["store"], registry=r)
         self.sync_lag = Histogram("memfuse_sync_lag_seconds",
                                   "time from a remote version's creation to its arrival here",
-                                  buckets=_LAT_BUCKETS, registry=r)
+                                  buckets=LAT_BUCKETS, registry=r)
         self.cache_write_errors = Counter(
             "memfuse_cache_write_errors",
             "writes to the sidecar's own cache directory that failed (what: outbox, blobs, "

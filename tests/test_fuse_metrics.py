@@ -1,0 +1,85 @@
+"""The FUSE adapter's per-request metrics (``metrics.OpStats`` / ``FuseOpsCollector``): kept as
+plain numbers on the hot path, they must still reach ``/metrics`` as the counter and the
+latency histogram they were before (``memfuse_fuse_ops_total``, ``memfuse_fuse_op_seconds``),
+errors counted apart (``memfuse_fuse_errors_total``). Handlers driven directly, no mount.
+"""
+from __future__ import annotations
+
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pyfuse3
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from memfuse.sidecar.blobcache import BlobCache
+from memfuse.sidecar.core import Filesystem, Settings
+from memfuse.sidecar.fuse_ops import MemfuseOps
+from memfuse.sidecar.journal import Journal
+from memfuse.sidecar.metrics import LAT_BUCKETS, Metrics, OpStats
+from memfuse.wire import Record, sha256_hex
+
+
+class Ctx:
+    uid = gid = pid = 0
+    umask = 0o022
+
+
+def samples(m: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of the registry's exposition, parsed back: (name, sorted labels) -> value."""
+    text = generate_latest(m.registry).decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def make_ops(tmp: Path, metrics: Metrics) -> tuple[MemfuseOps, int]:
+    fs = Filesystem(BlobCache(tmp / "blobs.db"), None, Journal(tmp / "outbox.db"), Settings(),
+                    "ws", dirs_file=tmp / "dirs.json")
+    now = datetime.now(timezone.utc)
+    data = b"hello\n"
+    rec = Record(id="r1", store="s", path="a.md", type="note", version=1, sha256=sha256_hex(data),
+                 size=len(data), created_at=now, updated_at=now, updated_by="t", seq=1,
+                 content=data.decode())
+    fs.add_store("s", "read_write", [rec])
+    return MemfuseOps(fs, metrics), fs.stores["s"].root.children["a.md"].ino
+
+
+async def test_requests_reach_the_exposition_as_counter_and_histogram(tmp_path: Path) -> None:
+    m = Metrics()
+    ops, ino = make_ops(tmp_path, m)
+    for _ in range(3):
+        fi = await ops.open(ino, os.O_RDONLY, Ctx)
+        assert await ops.read(fi.fh, 0, 100) == b"hello\n"
+        await ops.flush(fi.fh)
+        await ops.release(fi.fh)
+    with pytest.raises(pyfuse3.FUSEError):
+        await ops.getattr(999_999, Ctx)  # unknown inode: ENOENT, still a request
+    got = samples(m)
+    for op in ("open", "read", "flush", "release"):
+        assert got[("memfuse_fuse_ops_total", (("op", op),))] == 3
+        assert got[("memfuse_fuse_op_seconds_count", (("op", op),))] == 3
+        assert got[("memfuse_fuse_op_seconds_bucket", (("le", "+Inf"), ("op", op)))] == 3
+        assert got[("memfuse_fuse_op_seconds_sum", (("op", op),))] > 0
+    assert got[("memfuse_fuse_ops_total", (("op", "getattr"),))] == 1
+    assert got[("memfuse_fuse_errors_total", (("errno", "ENOENT"), ("op", "getattr")))] == 1
+
+
+def test_opstats_buckets_are_cumulative_with_prometheus_bounds() -> None:
+    m = Metrics()
+    st = m.fuse_ops.labels("lookup")
+    assert isinstance(st, OpStats)
+    for s in (LAT_BUCKETS[0], LAT_BUCKETS[0] * 1.01, 0.003, 31.0):  # on a bound: in that bucket
+        st.observe(s)
+    m.fuse_ops.labels(op="statfs").inc(2)  # counted only: no histogram
+    got = samples(m)
+    b = {le: v for (name, labels), v in got.items()
+         if name == "memfuse_fuse_op_seconds_bucket" and ("op", "lookup") in labels
+         for k, le in labels if k == "le"}
+    assert b["5e-05"] == 1 and b["0.0001"] == 2 and b["0.0025"] == 2 and b["0.005"] == 3
+    assert b["30.0"] == 3 and b["+Inf"] == 4
+    assert got[("memfuse_fuse_ops_total", (("op", "lookup"),))] == 4 == st.count
+    assert got[("memfuse_fuse_ops_total", (("op", "statfs"),))] == 2
+    assert not any(name.startswith("memfuse_fuse_op_seconds") and ("op", "statfs") in labels
+                   for name, labels in got)
