@@ -38,6 +38,10 @@ BASE = "http://t"
 SECRET = "BRAVO-SECRET-CONTENT"
 # what must never appear in an answer to alpha: bravo's names and content
 BRAVO_MARKS = ("bravo-notes", "bravo-ws", "bravo-shared", SECRET)
+# a store both accounts have (bravo made it first: its key is ``notes``, alpha's
+# ``notes~alpha``; memfuse.server.keys), and what must never show: a key that is not a name
+SAME = "notes"
+KEY_MARKS = ("~alpha", "~bravo")
 
 # Routes with no account's object in them, each with why (the probe fails on any other route
 # it does not probe).
@@ -105,13 +109,14 @@ async def _ok(r: httpx.Response, status: int = 200) -> dict:
 async def world():
     """Accounts alpha and bravo with the same shape: an account admin, a workspace (with its
     own store), a store ``<account>-notes`` attached to it holding ``a.md`` (two versions),
-    a workspace token, and an account-wide attachment."""
+    a store ``notes`` (the same name in both; bravo's first) attached to it holding
+    ``same.md`` (bravo's holds ``SECRET``), a workspace token, and an account-wide attachment."""
     with fresh_db_url() as url:
         app = create_app(url, static_tokens={ROOT: None}, faces=True)
         async with app.router.lifespan_context(app):
             async with _client(app, ROOT) as root:
                 ids: dict[str, dict] = {}
-                for acct in ("alpha", "bravo"):
+                for acct in ("bravo", "alpha"):
                     await _ok(await root.post("/v1/accounts", json={"slug": acct}), 201)
                     adm = await _ok(await root.post("/v1/tokens", json={"account": acct, "name": "adm"}), 201)
                     assert adm["account"] == acct and adm["workspace"] is None
@@ -126,6 +131,11 @@ async def world():
                             "path": "a.md", "content": content + "\n", "type": "user"}), 201)
                         rec = await _ok(await a.put(f"/v1/stores/{notes}/records/{rec['id']}", json={
                             "content": content + " v2\n", "type": "user"}))
+                        await _ok(await a.post("/v1/stores", json={"slug": SAME}), 201)
+                        await _ok(await a.put(f"/v1/workspaces/{ws}/attachments/{SAME}", json={}))
+                        same = await _ok(await a.post(f"/v1/stores/{SAME}/records", json={
+                            "path": "same.md", "content": f"{content} in {SAME}\n", "type": "user"}), 201)
+                        assert same["store"] == SAME
                         wt = await _ok(await a.post("/v1/tokens", json={"workspace": ws}), 201)
                         assert wt["account"] == acct
                         await _ok(await a.post("/v1/stores", json={"slug": f"{acct}-shared"}), 201)
@@ -134,9 +144,17 @@ async def world():
                         job = _finished_job(app, notes)  # a consolidation job of the store
                         ids[acct] = dict(admin=adm["token"], admin_id=adm["id"], ws_token=wt["token"],
                                          ws_token_id=wt["id"], rid=rec["id"], seq=rec["seq"], ws=ws,
-                                         notes=notes, job=job)
+                                         notes=notes, job=job, same_rid=same["id"], same_seq=same["seq"],
+                                         same_job=_finished_job(app, _key(app, acct)))
                 yield app, root, ids
         app.state.service.db.dispose()
+
+
+def _key(app, account: str, name: str = SAME) -> str:
+    """The key of ``account``'s store ``name``, read from the database."""
+    with app.state.service.db.read_conn() as conn:
+        return conn.execute(text("SELECT slug FROM stores WHERE account = :a AND public_slug = :n"),
+                            {"a": account, "n": name}).scalar_one()
 
 
 def _finished_job(app, store: str) -> str:
@@ -165,7 +183,9 @@ async def _bravo_state(app, ids) -> str:
         parts = []
         for path in ("/v1/stores", "/v1/workspaces", "/v1/tokens", f"/v1/workspaces/{b['ws']}/attachments",
                      f"/v1/stores/{b['notes']}/records?content=true",
-                     f"/v1/stores/{b['notes']}/records/{b['rid']}/versions", f"/v1/stores/{b['notes']}/consolidations"):
+                     f"/v1/stores/{b['notes']}/records/{b['rid']}/versions", f"/v1/stores/{b['notes']}/consolidations",
+                     f"/v1/stores/{SAME}", f"/v1/stores/{SAME}/records?content=true",
+                     f"/v1/stores/{SAME}/records/{b['same_rid']}/versions", f"/v1/stores/{SAME}/consolidations"):
             r = await c.get(path)
             assert r.status_code == 200, (path, r.text)
             parts.append(re.sub(r'"(last_used_at|usage_bytes)":[^,}]*', "", r.text))
@@ -252,6 +272,11 @@ async def test_isolation_probe_every_route_of_every_face(world):
                    n="1", account="zulu-none", memory_store_id=store_id("zulu-none"),
                    memory_id=memory_id("0" * 8 + "-0000-4000-8000-" + "0" * 12), memory_version_id=version_id(1),
                    job_id="0" * 8 + "-0000-4000-8000-" + "0" * 12, job="0" * 8 + "-0000-4000-8000-" + "0" * 12)
+    # alpha's own objects of the names bravo's have too: every route must answer with alpha's
+    own = dict(store=SAME, ws=a["ws"], record_id=a["same_rid"], rid=a["same_rid"], token_id=a["ws_token_id"],
+               n="1", account="alpha", memory_store_id=store_id(SAME), memory_id=memory_id(a["same_rid"]),
+               memory_version_id=version_id(a["same_seq"]), job_id=a["same_job"], job=a["same_job"])
+    assert _key(app, "bravo") == SAME and _key(app, "alpha") == f"{SAME}~alpha"
     principals = {
         "alpha admin": _client(app, a["admin"]),
         "alpha workspace": _client(app, a["ws_token"]),
@@ -289,6 +314,26 @@ async def test_isolation_probe_every_route_of_every_face(world):
                     assert r.status_code < 500, (who, method, url, r.text)
                     answers.append(r)
                     assert SECRET not in r.text, (who, method, url, r.text[:500])
+                if "store" in params or "memory_store_id" in params or "job_id" in params:
+                    # alpha's own store of bravo's name (never a delete: the probe goes on)
+                    if method != "DELETE" and not template.endswith("/live"):  # live pages never end
+                        url = _fill(template, own)
+                        kw = {}
+                        if face == "console":
+                            if method == "POST":
+                                kw["data"] = {k: _fill(v, own) for k, v in FORMS.get(template, {}).items()}
+                            kw["follow_redirects"] = False
+                        elif (method, template) in BODIES:
+                            kw["json"] = _fill_body(BODIES[(method, template)], own)
+                        r = await c.request(method, url, **kw)
+                        assert r.status_code < 500, (who, method, url, r.text)
+                        assert SECRET not in r.text and b["same_rid"] not in r.text, ("own", who, method, url,
+                                                                                     r.text[:500])
+                        assert not any(m in r.text for m in KEY_MARKS), ("key shown", who, method, url, r.text[:500])
+                        if method == "GET" and face != "console" and template.startswith("/v1/stores/{store}"):
+                            assert r.status_code != 404, (who, url, r.text[:300])  # alpha's own is found
+                for r in answers:
+                    assert not any(m in r.text for m in KEY_MARKS), ("key shown", who, method, r.url, r.text[:500])
                 rb, rm = answers
                 if not params:  # a listing or a create: nothing of bravo's in it
                     _no_bravo(rb, f"{who} {method} {template}")
@@ -328,6 +373,17 @@ async def test_isolation_probe_every_route_of_every_face(world):
                 results.append(r.text)
             if results[0].replace(b["notes"], "zulu-none") != results[1]:
                 leaks.append(f"MCP {tool['name']}: bravo's store {results[0][:200]!r} vs missing {results[1][:200]!r}")
+        for i, tool in enumerate(tools):  # alpha's own ``notes``: never bravo's
+            path = f"/memories/{SAME}/same.md"
+            generic = {"path": path, "old_path": path, "new_path": f"/memories/{SAME}/z.md",
+                       "file_text": "x", "old_str": "alpha", "new_str": "alpha", "insert_line": 0,
+                       "insert_text": "y", "query": "content", "store": SAME, "version": 1, "fact": "x"}
+            args = {k: v for k, v in generic.items() if k in tool["inputSchema"].get("properties", {})}
+            r = await mcp.post("/mcp", headers=h, json={"jsonrpc": "2.0", "id": 100 + i, "method": "tools/call",
+                                                        "params": {"name": tool["name"], "arguments": args}})
+            assert r.status_code == 200, r.text
+            assert SECRET not in r.text and b["same_rid"] not in r.text, (tool["name"], r.text)
+            assert not any(m in r.text for m in KEY_MARKS), (tool["name"], r.text)
         probed.add("/mcp")
     finally:
         for c in principals.values():
@@ -353,7 +409,8 @@ async def test_root_and_account_admins(world):
     names = {s["slug"] for s in (await root.get("/v1/stores")).json()}
     assert {"alpha-notes", "bravo-notes"} <= names
     async with _client(app, a["admin"]) as c:
-        assert {s["slug"] for s in (await c.get("/v1/stores")).json()} == {"alpha-notes", "alpha-ws", "alpha-shared"}
+        assert {s["slug"] for s in (await c.get("/v1/stores")).json()} == {"alpha-notes", "alpha-ws", "alpha-shared",
+                                                                           SAME}
         assert {w["name"] for w in (await c.get("/v1/workspaces")).json()} == {"alpha-ws"}
         assert {t["account"] for t in (await c.get("/v1/tokens")).json()} == {"alpha"}
         assert [x["slug"] for x in (await c.get("/v1/accounts")).json()] == ["alpha"]
@@ -366,7 +423,7 @@ async def test_root_and_account_admins(world):
     await _ok(await root.post("/v1/workspaces", json={"name": "legacy"}), 201)
     acc = {x["slug"]: x for x in (await root.get("/v1/accounts")).json()}
     assert set(acc) == {"default", "alpha", "bravo"}
-    assert acc["default"]["stores"] == 1 and acc["alpha"]["stores"] == 3
+    assert acc["default"]["stores"] == 1 and acc["alpha"]["stores"] == 4
     # root acting in an account: creates there
     async with _client(app, ROOT, **{"X-Memfuse-Account": "bravo"}) as c:
         s = await _ok(await c.post("/v1/stores", json={"slug": "bravo-more"}), 201)
@@ -409,7 +466,7 @@ async def test_account_wide_attachment_reaches_existing_and_new_workspaces(world
             assert ev[-1]["kind"] == "detached" and ev[-1]["store"] == "alpha-user"
     async with _client(app, ids["bravo"]["admin"]) as c:
         atts = {x["store"]["slug"] for x in (await c.get("/v1/workspaces/bravo-ws/attachments")).json()}
-        assert atts == {"bravo-ws", "bravo-notes", "bravo-shared"}
+        assert atts == {"bravo-ws", "bravo-notes", "bravo-shared", SAME}
 
 
 async def test_quotas_refuse_and_usage_shows(world):
@@ -444,7 +501,8 @@ async def test_workspace_tokens_stay_in_their_account(world):
         assert r.status_code == 404
         # its own account's store attached account-wide (read-only) is there
         atts = {x["store"]["slug"]: x["access"] for x in (await c.get("/v1/workspaces/alpha-ws/attachments")).json()}
-        assert atts == {"alpha-ws": "read_write", "alpha-notes": "read_write", "alpha-shared": "read_only"}
+        assert atts == {"alpha-ws": "read_write", "alpha-notes": "read_write", "alpha-shared": "read_only",
+                        SAME: "read_write"}
 
 
 # ---------------------------------------------------------------- migration
