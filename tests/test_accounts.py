@@ -599,7 +599,7 @@ async def test_console_shows_the_account_and_the_root_switches(world):
     try:
         page = (await c.get("/ui/")).text
         assert "account alpha" in page and "alpha-notes" in page
-        assert "Account alpha:" in page and "3 / unlimited stores" in page  # usage and quotas
+        assert "Account alpha:" in page and "4 / unlimited stores" in page  # usage and quotas
         assert "bravo" not in page and 'action="/ui/account"' not in page  # no switch for an account admin
         assert (await c.get("/ui/stores/bravo-notes")).status_code == 404
     finally:

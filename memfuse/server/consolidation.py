@@ -735,7 +735,8 @@ class ConsolidationMixin(BatchMixin):
             n += 1
         return output_slug(store, n)
 
-    def _new_store_maker(self, job: Row, name: str, workspace: str | None, made: list[str]):
+    def _new_store_maker(self, job: Row, name: str, workspace: str | None, made: list[str] | None = None):
+        made = [] if made is None else made  # receives the new store's key
         def prepare(conn: Connection) -> None:
             src = conn.execute(select(_S).where(_S.c.slug == job.store)).one()
             # the output belongs to the input's account and counts against its store quota
