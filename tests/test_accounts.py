@@ -695,3 +695,56 @@ async def test_an_account_named_in_the_body_is_honoured_or_refused(world):
             assert r.status_code == 404 and r.json()["code"] == "account_not_found", r.text
             r = await a.post(path, json={**body, "account": "alpha"})
             assert r.status_code == 201 and r.json()["account"] == "alpha", r.text
+
+
+async def test_two_accounts_each_have_their_own_store_of_one_name(world):
+    """``notes`` in alpha and in bravo (docs/ARCHITECTURE.md "Accounts"): each account writes,
+    reads, searches, follows and deletes its own, through every face, and no answer shows a
+    key (``notes~alpha``)."""
+    app, root, ids = world
+    a, b = ids["alpha"], ids["bravo"]
+    async with _client(app, a["ws_token"]) as aw, _client(app, b["ws_token"]) as bw, \
+            _client(app, a["admin"]) as aa, _client(app, b["admin"]) as ba:
+        # a second create of the name in the same account is still 409; in another account it is not
+        assert (await aa.post("/v1/stores", json={"slug": SAME})).json()["code"] == "exists"
+        await _ok(await root.post("/v1/accounts", json={"slug": "charlie"}), 201)
+        async with _client(app, ROOT, **{"X-Memfuse-Account": "charlie"}) as rc:
+            assert (await _ok(await rc.post("/v1/stores", json={"slug": SAME}), 201))["slug"] == SAME
+        # follow alpha's notes (long-poll) while bravo and then alpha write theirs
+        seq = (await _ok(await aw.get(f"/v1/stores/{SAME}/changes?after=0")))["seq"]
+        await _ok(await bw.post(f"/v1/stores/{SAME}/records", json={"path": "b.md", "content": "bravo words\n"}), 201)
+        r = await aw.get(f"/v1/stores/{SAME}/changes?after={seq}&wait=0.2")
+        assert r.status_code == 200 and r.json()["changes"] == [], r.text  # bravo's write is not alpha's
+        await _ok(await aw.post(f"/v1/stores/{SAME}/records", json={"path": "a.md", "content": "alpha words\n"}), 201)
+        page = await _ok(await aw.get(f"/v1/stores/{SAME}/changes?after={seq}&wait=5"))
+        assert [c["record"]["path"] for c in page["changes"]] == ["a.md"]
+        assert page["changes"][0]["record"]["store"] == SAME
+        for c, mine, theirs in ((aw, "alpha words", "bravo words"), (bw, "bravo words", "alpha words")):
+            recs = (await _ok(await c.get(f"/v1/stores/{SAME}/records?content=true")))["records"]
+            text_ = json.dumps(recs)
+            assert mine in text_ and theirs not in text_ and all(x["store"] == SAME for x in recs)
+            hits = await _ok(await c.get(f"/v1/stores/{SAME}/search?q=words"))
+            assert mine in json.dumps(hits) or any(h["path"] for h in hits.get("records", hits.get("hits", [])))
+            assert theirs.split()[0] not in json.dumps(hits)
+            tool = await _ok(await c.post(f"/v1/workspaces/{(a if c is aw else b)['ws']}/memory-tool",
+                                          json={"command": "view", "path": f"/memories/{SAME}"}))
+            assert "~" not in json.dumps(tool)
+        # events and attachments show the name
+        for c, acct in ((aa, a), (ba, b)):
+            ev = (await _ok(await c.get(f"/v1/workspaces/{acct['ws']}/events?after=0")))["events"]
+            assert SAME in {e["store"] for e in ev} and not any("~" in e["store"] for e in ev)
+            ctx = await c.get(f"/v1/workspaces/{acct['ws']}/context")
+            assert ctx.status_code == 200 and f"/{SAME}/" in ctx.text and "~" not in ctx.text
+        # the root admin lists both, by name, with their accounts
+        listed = [(s["slug"], s["account"]) for s in (await root.get("/v1/stores")).json() if s["slug"] == SAME]
+        assert sorted(listed) == [(SAME, "alpha"), (SAME, "bravo"), (SAME, "charlie")]
+        # the Anthropic API: the same id, each account its own store; alpha deletes its own
+        ms = await _ok(await aa.get(f"/v1/memory_stores/{store_id(SAME)}"))
+        assert ms["id"] == store_id(SAME)
+        await _ok(await aa.delete(f"/v1/memory_stores/{store_id(SAME)}"))
+        assert (await aa.get(f"/v1/stores/{SAME}")).status_code == 404
+        recs = (await _ok(await bw.get(f"/v1/stores/{SAME}/records?content=true")))["records"]
+        assert "bravo words" in json.dumps(recs)
+        # alpha makes its notes again: the key is now free in no account but its own rules hold
+        await _ok(await aa.post("/v1/stores", json={"slug": SAME}), 201)
+        assert (await _ok(await aa.get(f"/v1/stores/{SAME}/records")))["records"] == []
