@@ -42,13 +42,23 @@ def upgrade() -> None:
     op.execute("UPDATE stores SET public_slug = slug")
     op.create_index("ux_stores_account_public_slug", "stores", ["account", "public_slug"], unique=True)
     if op.get_bind().dialect.name == "postgresql":
-        for table, column in KEY_COLUMNS:
-            op.alter_column(table, column, type_=sa.String(127), existing_type=sa.String(63))
+        _widen(127, 63)
+
+
+def _widen(to: int, was: int) -> None:
+    """PostgreSQL: the store-key columns to ``varchar(to)``. The partial unique index on the
+    active jobs' store is made again as 0012 made it (PostgreSQL would keep it, with its
+    predicate re-written in another, equivalent form)."""
+    op.drop_index("ux_consolidation_jobs_active", table_name="consolidation_jobs")
+    for table, column in KEY_COLUMNS:
+        op.alter_column(table, column, type_=sa.String(to), existing_type=sa.String(was))
+    active = sa.text("status IN ('pending', 'running')")  # as 0012's
+    op.create_index("ux_consolidation_jobs_active", "consolidation_jobs", ["store"], unique=True,
+                    postgresql_where=active)
 
 
 def downgrade() -> None:
     if op.get_bind().dialect.name == "postgresql":
-        for table, column in KEY_COLUMNS:  # fails if a key longer than 63 exists: delete it first
-            op.alter_column(table, column, type_=sa.String(63), existing_type=sa.String(127))
+        _widen(63, 127)  # fails if a key longer than 63 exists: delete that store first
     op.drop_index("ux_stores_account_public_slug", table_name="stores")
     op.drop_column("stores", "public_slug")
