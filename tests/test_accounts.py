@@ -436,6 +436,9 @@ async def test_root_and_account_admins(world):
     # delete: only an empty account
     assert (await root.delete("/v1/accounts/alpha")).json()["code"] == "account_not_empty"
     await _ok(await root.post("/v1/accounts", json={"slug": "empty"}), 201)
+    for reserved in ("all", "root"):  # the console's and the CLI's words in an account's place
+        r = await root.post("/v1/accounts", json={"slug": reserved})
+        assert r.status_code == 409 and "reserved" in r.json()["detail"], r.text
     assert (await root.delete("/v1/accounts/empty")).status_code == 204
     assert (await root.get("/v1/accounts/empty")).status_code == 404
     assert (await root.delete("/v1/accounts/default")).json()["code"] == "default_account"
