@@ -661,6 +661,18 @@ def test_cli_accounts_in_local_mode(home):
     r = invoke("account", "show", "default")
     assert r.exit_code == 0 and "2 / unlimited" in r.stdout, r.output  # w1's store and shared
     assert invoke("account", "delete", "default").exit_code != 0
+    # the same store slug in another account; the root admin's lists show the accounts
+    assert invoke("store", "list").stdout.splitlines()[0].split()[0] == "SLUG"  # one account: as before
+    assert invoke("store", "create", "shared", "--account", "acme").exit_code == 0
+    assert invoke("store", "create", "shared", "--account", "acme").exit_code != 0  # 409 in acme
+    assert invoke("workspace", "create", "w2", "--account", "acme").exit_code == 0
+    lines = invoke("store", "list").stdout.splitlines()
+    assert lines[0].split()[:2] == ["ACCOUNT", "SLUG"], lines
+    assert {tuple(ln.split()[:2]) for ln in lines[1:]} == {("default", "shared"), ("default", "w1"),
+                                                           ("acme", "shared"), ("acme", "w2")}
+    lines = invoke("workspace", "list").stdout.splitlines()
+    assert lines[0].split()[:2] == ["ACCOUNT", "WORKSPACE"]
+    assert any(ln.split()[:2] == ["acme", "w2"] for ln in lines), lines
 
 
 async def test_a_consolidation_output_store_is_in_its_inputs_account(world):
