@@ -712,7 +712,7 @@ async def test_an_account_named_in_the_body_is_honoured_or_refused(world):
             assert r.status_code == 201 and r.json()["account"] == "alpha", r.text
 
 
-async def test_two_accounts_each_have_their_own_store_of_one_name(world):
+async def test_two_accounts_each_have_their_own_store_of_one_name(world, monkeypatch):
     """``notes`` in alpha and in bravo (docs/ARCHITECTURE.md "Accounts"): each account writes,
     reads, searches, follows and deletes its own, through every face, and no answer shows a
     key (``notes~alpha``)."""
@@ -734,6 +734,14 @@ async def test_two_accounts_each_have_their_own_store_of_one_name(world):
         page = await _ok(await aw.get(f"/v1/stores/{SAME}/changes?after={seq}&wait=5"))
         assert [c["record"]["path"] for c in page["changes"]] == ["a.md"]
         assert page["changes"][0]["record"]["store"] == SAME
+        # the console's live page of alpha's notes: alpha's change, and only after it
+        from memfuse.server.console import web
+
+        monkeypatch.setattr(web, "LIVE_STREAM_SECONDS", 0.5)
+        live = await aw.get(f"/ui/stores/{SAME}/live?after={seq}")
+        assert live.text.count("event: change") == 1 and f'"seq": {page["changes"][0]["seq"]}' in live.text
+        live = await aw.get(f"/ui/stores/{SAME}/live?after={page['changes'][0]['seq']}")
+        assert "event: change" not in live.text and "event: gone" not in live.text
         for c, mine, theirs in ((aw, "alpha words", "bravo words"), (bw, "bravo words", "alpha words")):
             recs = (await _ok(await c.get(f"/v1/stores/{SAME}/records?content=true")))["records"]
             text_ = json.dumps(recs)
