@@ -38,6 +38,10 @@ BASE = "http://t"
 SECRET = "BRAVO-SECRET-CONTENT"
 # what must never appear in an answer to alpha: bravo's names and content
 BRAVO_MARKS = ("bravo-notes", "bravo-ws", "bravo-shared", SECRET)
+# a store both accounts have (bravo made it first: its key is ``notes``, alpha's
+# ``notes~alpha``; memfuse.server.keys), and what must never show: a key that is not a name
+SAME = "notes"
+KEY_MARKS = ("~alpha", "~bravo")
 
 # Routes with no account's object in them, each with why (the probe fails on any other route
 # it does not probe).
@@ -105,13 +109,14 @@ async def _ok(r: httpx.Response, status: int = 200) -> dict:
 async def world():
     """Accounts alpha and bravo with the same shape: an account admin, a workspace (with its
     own store), a store ``<account>-notes`` attached to it holding ``a.md`` (two versions),
-    a workspace token, and an account-wide attachment."""
+    a store ``notes`` (the same name in both; bravo's first) attached to it holding
+    ``same.md`` (bravo's holds ``SECRET``), a workspace token, and an account-wide attachment."""
     with fresh_db_url() as url:
         app = create_app(url, static_tokens={ROOT: None}, faces=True)
         async with app.router.lifespan_context(app):
             async with _client(app, ROOT) as root:
                 ids: dict[str, dict] = {}
-                for acct in ("alpha", "bravo"):
+                for acct in ("bravo", "alpha"):
                     await _ok(await root.post("/v1/accounts", json={"slug": acct}), 201)
                     adm = await _ok(await root.post("/v1/tokens", json={"account": acct, "name": "adm"}), 201)
                     assert adm["account"] == acct and adm["workspace"] is None
@@ -126,6 +131,11 @@ async def world():
                             "path": "a.md", "content": content + "\n", "type": "user"}), 201)
                         rec = await _ok(await a.put(f"/v1/stores/{notes}/records/{rec['id']}", json={
                             "content": content + " v2\n", "type": "user"}))
+                        await _ok(await a.post("/v1/stores", json={"slug": SAME}), 201)
+                        await _ok(await a.put(f"/v1/workspaces/{ws}/attachments/{SAME}", json={}))
+                        same = await _ok(await a.post(f"/v1/stores/{SAME}/records", json={
+                            "path": "same.md", "content": f"{content} in {SAME}\n", "type": "user"}), 201)
+                        assert same["store"] == SAME
                         wt = await _ok(await a.post("/v1/tokens", json={"workspace": ws}), 201)
                         assert wt["account"] == acct
                         await _ok(await a.post("/v1/stores", json={"slug": f"{acct}-shared"}), 201)
@@ -134,9 +144,17 @@ async def world():
                         job = _finished_job(app, notes)  # a consolidation job of the store
                         ids[acct] = dict(admin=adm["token"], admin_id=adm["id"], ws_token=wt["token"],
                                          ws_token_id=wt["id"], rid=rec["id"], seq=rec["seq"], ws=ws,
-                                         notes=notes, job=job)
+                                         notes=notes, job=job, same_rid=same["id"], same_seq=same["seq"],
+                                         same_job=_finished_job(app, _key(app, acct)))
                 yield app, root, ids
         app.state.service.db.dispose()
+
+
+def _key(app, account: str, name: str = SAME) -> str:
+    """The key of ``account``'s store ``name``, read from the database."""
+    with app.state.service.db.read_conn() as conn:
+        return conn.execute(text("SELECT slug FROM stores WHERE account = :a AND public_slug = :n"),
+                            {"a": account, "n": name}).scalar_one()
 
 
 def _finished_job(app, store: str) -> str:
@@ -165,7 +183,9 @@ async def _bravo_state(app, ids) -> str:
         parts = []
         for path in ("/v1/stores", "/v1/workspaces", "/v1/tokens", f"/v1/workspaces/{b['ws']}/attachments",
                      f"/v1/stores/{b['notes']}/records?content=true",
-                     f"/v1/stores/{b['notes']}/records/{b['rid']}/versions", f"/v1/stores/{b['notes']}/consolidations"):
+                     f"/v1/stores/{b['notes']}/records/{b['rid']}/versions", f"/v1/stores/{b['notes']}/consolidations",
+                     f"/v1/stores/{SAME}", f"/v1/stores/{SAME}/records?content=true",
+                     f"/v1/stores/{SAME}/records/{b['same_rid']}/versions", f"/v1/stores/{SAME}/consolidations"):
             r = await c.get(path)
             assert r.status_code == 200, (path, r.text)
             parts.append(re.sub(r'"(last_used_at|usage_bytes)":[^,}]*', "", r.text))
@@ -252,6 +272,11 @@ async def test_isolation_probe_every_route_of_every_face(world):
                    n="1", account="zulu-none", memory_store_id=store_id("zulu-none"),
                    memory_id=memory_id("0" * 8 + "-0000-4000-8000-" + "0" * 12), memory_version_id=version_id(1),
                    job_id="0" * 8 + "-0000-4000-8000-" + "0" * 12, job="0" * 8 + "-0000-4000-8000-" + "0" * 12)
+    # alpha's own objects of the names bravo's have too: every route must answer with alpha's
+    own = dict(store=SAME, ws=a["ws"], record_id=a["same_rid"], rid=a["same_rid"], token_id=a["ws_token_id"],
+               n="1", account="alpha", memory_store_id=store_id(SAME), memory_id=memory_id(a["same_rid"]),
+               memory_version_id=version_id(a["same_seq"]), job_id=a["same_job"], job=a["same_job"])
+    assert _key(app, "bravo") == SAME and _key(app, "alpha") == f"{SAME}~alpha"
     principals = {
         "alpha admin": _client(app, a["admin"]),
         "alpha workspace": _client(app, a["ws_token"]),
@@ -289,6 +314,26 @@ async def test_isolation_probe_every_route_of_every_face(world):
                     assert r.status_code < 500, (who, method, url, r.text)
                     answers.append(r)
                     assert SECRET not in r.text, (who, method, url, r.text[:500])
+                if "store" in params or "memory_store_id" in params or "job_id" in params:
+                    # alpha's own store of bravo's name (never a delete: the probe goes on)
+                    if method != "DELETE" and not template.endswith("/live"):  # live pages never end
+                        url = _fill(template, own)
+                        kw = {}
+                        if face == "console":
+                            if method == "POST":
+                                kw["data"] = {k: _fill(v, own) for k, v in FORMS.get(template, {}).items()}
+                            kw["follow_redirects"] = False
+                        elif (method, template) in BODIES:
+                            kw["json"] = _fill_body(BODIES[(method, template)], own)
+                        r = await c.request(method, url, **kw)
+                        assert r.status_code < 500, (who, method, url, r.text)
+                        assert SECRET not in r.text and b["same_rid"] not in r.text, ("own", who, method, url,
+                                                                                     r.text[:500])
+                        assert not any(m in r.text for m in KEY_MARKS), ("key shown", who, method, url, r.text[:500])
+                        if method == "GET" and face != "console" and template.startswith("/v1/stores/{store}"):
+                            assert r.status_code != 404, (who, url, r.text[:300])  # alpha's own is found
+                for r in answers:
+                    assert not any(m in r.text for m in KEY_MARKS), ("key shown", who, method, r.url, r.text[:500])
                 rb, rm = answers
                 if not params:  # a listing or a create: nothing of bravo's in it
                     _no_bravo(rb, f"{who} {method} {template}")
@@ -328,6 +373,17 @@ async def test_isolation_probe_every_route_of_every_face(world):
                 results.append(r.text)
             if results[0].replace(b["notes"], "zulu-none") != results[1]:
                 leaks.append(f"MCP {tool['name']}: bravo's store {results[0][:200]!r} vs missing {results[1][:200]!r}")
+        for i, tool in enumerate(tools):  # alpha's own ``notes``: never bravo's
+            path = f"/memories/{SAME}/same.md"
+            generic = {"path": path, "old_path": path, "new_path": f"/memories/{SAME}/z.md",
+                       "file_text": "x", "old_str": "alpha", "new_str": "alpha", "insert_line": 0,
+                       "insert_text": "y", "query": "content", "store": SAME, "version": 1, "fact": "x"}
+            args = {k: v for k, v in generic.items() if k in tool["inputSchema"].get("properties", {})}
+            r = await mcp.post("/mcp", headers=h, json={"jsonrpc": "2.0", "id": 100 + i, "method": "tools/call",
+                                                        "params": {"name": tool["name"], "arguments": args}})
+            assert r.status_code == 200, r.text
+            assert SECRET not in r.text and b["same_rid"] not in r.text, (tool["name"], r.text)
+            assert not any(m in r.text for m in KEY_MARKS), (tool["name"], r.text)
         probed.add("/mcp")
     finally:
         for c in principals.values():
@@ -353,7 +409,8 @@ async def test_root_and_account_admins(world):
     names = {s["slug"] for s in (await root.get("/v1/stores")).json()}
     assert {"alpha-notes", "bravo-notes"} <= names
     async with _client(app, a["admin"]) as c:
-        assert {s["slug"] for s in (await c.get("/v1/stores")).json()} == {"alpha-notes", "alpha-ws", "alpha-shared"}
+        assert {s["slug"] for s in (await c.get("/v1/stores")).json()} == {"alpha-notes", "alpha-ws", "alpha-shared",
+                                                                           SAME}
         assert {w["name"] for w in (await c.get("/v1/workspaces")).json()} == {"alpha-ws"}
         assert {t["account"] for t in (await c.get("/v1/tokens")).json()} == {"alpha"}
         assert [x["slug"] for x in (await c.get("/v1/accounts")).json()] == ["alpha"]
@@ -366,7 +423,7 @@ async def test_root_and_account_admins(world):
     await _ok(await root.post("/v1/workspaces", json={"name": "legacy"}), 201)
     acc = {x["slug"]: x for x in (await root.get("/v1/accounts")).json()}
     assert set(acc) == {"default", "alpha", "bravo"}
-    assert acc["default"]["stores"] == 1 and acc["alpha"]["stores"] == 3
+    assert acc["default"]["stores"] == 1 and acc["alpha"]["stores"] == 4
     # root acting in an account: creates there
     async with _client(app, ROOT, **{"X-Memfuse-Account": "bravo"}) as c:
         s = await _ok(await c.post("/v1/stores", json={"slug": "bravo-more"}), 201)
@@ -379,6 +436,9 @@ async def test_root_and_account_admins(world):
     # delete: only an empty account
     assert (await root.delete("/v1/accounts/alpha")).json()["code"] == "account_not_empty"
     await _ok(await root.post("/v1/accounts", json={"slug": "empty"}), 201)
+    for reserved in ("all", "root"):  # the console's and the CLI's words in an account's place
+        r = await root.post("/v1/accounts", json={"slug": reserved})
+        assert r.status_code == 409 and "reserved" in r.json()["detail"], r.text
     assert (await root.delete("/v1/accounts/empty")).status_code == 204
     assert (await root.get("/v1/accounts/empty")).status_code == 404
     assert (await root.delete("/v1/accounts/default")).json()["code"] == "default_account"
@@ -409,7 +469,7 @@ async def test_account_wide_attachment_reaches_existing_and_new_workspaces(world
             assert ev[-1]["kind"] == "detached" and ev[-1]["store"] == "alpha-user"
     async with _client(app, ids["bravo"]["admin"]) as c:
         atts = {x["store"]["slug"] for x in (await c.get("/v1/workspaces/bravo-ws/attachments")).json()}
-        assert atts == {"bravo-ws", "bravo-notes", "bravo-shared"}
+        assert atts == {"bravo-ws", "bravo-notes", "bravo-shared", SAME}
 
 
 async def test_quotas_refuse_and_usage_shows(world):
@@ -444,7 +504,8 @@ async def test_workspace_tokens_stay_in_their_account(world):
         assert r.status_code == 404
         # its own account's store attached account-wide (read-only) is there
         atts = {x["store"]["slug"]: x["access"] for x in (await c.get("/v1/workspaces/alpha-ws/attachments")).json()}
-        assert atts == {"alpha-ws": "read_write", "alpha-notes": "read_write", "alpha-shared": "read_only"}
+        assert atts == {"alpha-ws": "read_write", "alpha-notes": "read_write", "alpha-shared": "read_only",
+                        SAME: "read_write"}
 
 
 # ---------------------------------------------------------------- migration
@@ -541,7 +602,7 @@ async def test_console_shows_the_account_and_the_root_switches(world):
     try:
         page = (await c.get("/ui/")).text
         assert "account alpha" in page and "alpha-notes" in page
-        assert "Account alpha:" in page and "3 / unlimited stores" in page  # usage and quotas
+        assert "Account alpha:" in page and "4 / unlimited stores" in page  # usage and quotas
         assert "bravo" not in page and 'action="/ui/account"' not in page  # no switch for an account admin
         assert (await c.get("/ui/stores/bravo-notes")).status_code == 404
     finally:
@@ -600,6 +661,18 @@ def test_cli_accounts_in_local_mode(home):
     r = invoke("account", "show", "default")
     assert r.exit_code == 0 and "2 / unlimited" in r.stdout, r.output  # w1's store and shared
     assert invoke("account", "delete", "default").exit_code != 0
+    # the same store slug in another account; the root admin's lists show the accounts
+    assert invoke("store", "list").stdout.splitlines()[0].split()[0] == "SLUG"  # one account: as before
+    assert invoke("store", "create", "shared", "--account", "acme").exit_code == 0
+    assert invoke("store", "create", "shared", "--account", "acme").exit_code != 0  # 409 in acme
+    assert invoke("workspace", "create", "w2", "--account", "acme").exit_code == 0
+    lines = invoke("store", "list").stdout.splitlines()
+    assert lines[0].split()[:2] == ["ACCOUNT", "SLUG"], lines
+    assert {tuple(ln.split()[:2]) for ln in lines[1:]} == {("default", "shared"), ("default", "w1"),
+                                                           ("acme", "shared"), ("acme", "w2")}
+    lines = invoke("workspace", "list").stdout.splitlines()
+    assert lines[0].split()[:2] == ["ACCOUNT", "WORKSPACE"]
+    assert any(ln.split()[:2] == ["acme", "w2"] for ln in lines), lines
 
 
 async def test_a_consolidation_output_store_is_in_its_inputs_account(world):
@@ -637,3 +710,64 @@ async def test_an_account_named_in_the_body_is_honoured_or_refused(world):
             assert r.status_code == 404 and r.json()["code"] == "account_not_found", r.text
             r = await a.post(path, json={**body, "account": "alpha"})
             assert r.status_code == 201 and r.json()["account"] == "alpha", r.text
+
+
+async def test_two_accounts_each_have_their_own_store_of_one_name(world, monkeypatch):
+    """``notes`` in alpha and in bravo (docs/ARCHITECTURE.md "Accounts"): each account writes,
+    reads, searches, follows and deletes its own, through every face, and no answer shows a
+    key (``notes~alpha``)."""
+    app, root, ids = world
+    a, b = ids["alpha"], ids["bravo"]
+    async with _client(app, a["ws_token"]) as aw, _client(app, b["ws_token"]) as bw, \
+            _client(app, a["admin"]) as aa, _client(app, b["admin"]) as ba:
+        # a second create of the name in the same account is still 409; in another account it is not
+        assert (await aa.post("/v1/stores", json={"slug": SAME})).json()["code"] == "exists"
+        await _ok(await root.post("/v1/accounts", json={"slug": "charlie"}), 201)
+        async with _client(app, ROOT, **{"X-Memfuse-Account": "charlie"}) as rc:
+            assert (await _ok(await rc.post("/v1/stores", json={"slug": SAME}), 201))["slug"] == SAME
+        # follow alpha's notes (long-poll) while bravo and then alpha write theirs
+        seq = (await _ok(await aw.get(f"/v1/stores/{SAME}/changes?after=0")))["seq"]
+        await _ok(await bw.post(f"/v1/stores/{SAME}/records", json={"path": "b.md", "content": "bravo words\n"}), 201)
+        r = await aw.get(f"/v1/stores/{SAME}/changes?after={seq}&wait=0.2")
+        assert r.status_code == 200 and r.json()["changes"] == [], r.text  # bravo's write is not alpha's
+        await _ok(await aw.post(f"/v1/stores/{SAME}/records", json={"path": "a.md", "content": "alpha words\n"}), 201)
+        page = await _ok(await aw.get(f"/v1/stores/{SAME}/changes?after={seq}&wait=5"))
+        assert [c["record"]["path"] for c in page["changes"]] == ["a.md"]
+        assert page["changes"][0]["record"]["store"] == SAME
+        # the console's live page of alpha's notes: alpha's change, and only after it
+        from memfuse.server.console import web
+
+        monkeypatch.setattr(web, "LIVE_STREAM_SECONDS", 0.5)
+        live = await aw.get(f"/ui/stores/{SAME}/live?after={seq}")
+        assert live.text.count("event: change") == 1 and f'"seq": {page["changes"][0]["seq"]}' in live.text
+        live = await aw.get(f"/ui/stores/{SAME}/live?after={page['changes'][0]['seq']}")
+        assert "event: change" not in live.text and "event: gone" not in live.text
+        for c, mine, theirs in ((aw, "alpha words", "bravo words"), (bw, "bravo words", "alpha words")):
+            recs = (await _ok(await c.get(f"/v1/stores/{SAME}/records?content=true")))["records"]
+            text_ = json.dumps(recs)
+            assert mine in text_ and theirs not in text_ and all(x["store"] == SAME for x in recs)
+            hits = await _ok(await c.get(f"/v1/stores/{SAME}/search?q=words"))
+            assert mine in json.dumps(hits) or any(h["path"] for h in hits.get("records", hits.get("hits", [])))
+            assert theirs.split()[0] not in json.dumps(hits)
+            tool = await _ok(await c.post(f"/v1/workspaces/{(a if c is aw else b)['ws']}/memory-tool",
+                                          json={"command": "view", "path": f"/memories/{SAME}"}))
+            assert "~" not in json.dumps(tool)
+        # events and attachments show the name
+        for c, acct in ((aa, a), (ba, b)):
+            ev = (await _ok(await c.get(f"/v1/workspaces/{acct['ws']}/events?after=0")))["events"]
+            assert SAME in {e["store"] for e in ev} and not any("~" in e["store"] for e in ev)
+            ctx = await c.get(f"/v1/workspaces/{acct['ws']}/context")
+            assert ctx.status_code == 200 and f"/{SAME}/" in ctx.text and "~" not in ctx.text
+        # the root admin lists both, by name, with their accounts
+        listed = [(s["slug"], s["account"]) for s in (await root.get("/v1/stores")).json() if s["slug"] == SAME]
+        assert sorted(listed) == [(SAME, "alpha"), (SAME, "bravo"), (SAME, "charlie")]
+        # the Anthropic API: the same id, each account its own store; alpha deletes its own
+        ms = await _ok(await aa.get(f"/v1/memory_stores/{store_id(SAME)}"))
+        assert ms["id"] == store_id(SAME)
+        await _ok(await aa.delete(f"/v1/memory_stores/{store_id(SAME)}"))
+        assert (await aa.get(f"/v1/stores/{SAME}")).status_code == 404
+        recs = (await _ok(await bw.get(f"/v1/stores/{SAME}/records?content=true")))["records"]
+        assert "bravo words" in json.dumps(recs)
+        # alpha makes its notes again: the key is now free in no account but its own rules hold
+        await _ok(await aa.post("/v1/stores", json={"slug": SAME}), 201)
+        assert (await _ok(await aa.get(f"/v1/stores/{SAME}/records")))["records"] == []

@@ -37,6 +37,8 @@ def store() -> None:
 
 
 def _store_rows(stores: list[Store]) -> str:
+    """The store table; with an ACCOUNT column first when the stores are of more than one
+    account (the root admin's listing: two accounts may each have a store ``notes``)."""
     rows = [
         [
             s.slug,
@@ -49,8 +51,11 @@ def _store_rows(stores: list[Store]) -> str:
         ]
         for s in stores
     ]
-    return _table(rows, ["SLUG", "DEFAULT TYPE", "RECORDS", "USAGE", "MAX RECORD", "HISTORY",
-                         "DESCRIPTION"])
+    head = ["SLUG", "DEFAULT TYPE", "RECORDS", "USAGE", "MAX RECORD", "HISTORY", "DESCRIPTION"]
+    if len({s.account for s in stores}) > 1:
+        rows = [[s.account, *r] for s, r in zip(stores, rows)]
+        head = ["ACCOUNT", *head]
+    return _table(rows, head)
 
 
 def _history_options(fn):
@@ -77,11 +82,15 @@ _type_choice = click.Choice(list(RECORD_TYPES))
 @opt("--max-store-bytes", type=BYTES, help="Total size limit (default 64 MiB).")
 @opt("--max-records", type=click.IntRange(min=1), help="Record count limit (default 10000).")
 @_history_options
+@opt("--account", metavar="ACCOUNT", default=None,
+     help="Create it in ACCOUNT (the root admin; default: the caller's account, 'default' for the "
+          "root admin). Slugs are unique within an account.")
 @api_options
 def store_create(target: Target, slug: str, description: str, default_type: str,
                  max_record_bytes: int | None, max_store_bytes: int | None,
                  max_records: int | None, max_history_bytes: int | None,
-                 max_history_versions: int | None, history_min_age_s: int | None) -> None:
+                 max_history_versions: int | None, history_min_age_s: int | None,
+                 account: str | None) -> None:
     """Create store SLUG."""
     from memfuse.names import NameError_, check_slug
 
@@ -94,7 +103,8 @@ def store_create(target: Target, slug: str, description: str, default_type: str,
         slug, description=description, default_type=default_type,
         max_record_bytes=max_record_bytes, max_store_bytes=max_store_bytes,
         max_records=max_records, idempotency_key=key, max_history_bytes=max_history_bytes,
-        max_history_versions=max_history_versions, history_min_age_s=history_min_age_s)))
+        max_history_versions=max_history_versions, history_min_age_s=history_min_age_s,
+        account=account or None)))
     click.echo(_store_rows([s]))
 
 
@@ -159,8 +169,11 @@ def workspace() -> None:
 @opt("--default-store/--no-default-store", default=True, show_default=True,
      help="Also give the workspace a store named NAME attached read-write (an existing "
           "store of that name is attached, not recreated).")
+@opt("--account", metavar="ACCOUNT", default=None,
+     help="Create it in ACCOUNT (the root admin; default: the caller's account, 'default' for the "
+          "root admin).")
 @api_options
-def workspace_create(target: Target, name: str, default_store: bool) -> None:
+def workspace_create(target: Target, name: str, default_store: bool, account: str | None) -> None:
     """Create workspace NAME (with a same-named store attached read-write, unless
     --no-default-store)."""
     from memfuse.names import NameError_, check_slug
@@ -171,7 +184,8 @@ def workspace_create(target: Target, name: str, default_store: bool) -> None:
         raise click.BadParameter(e.reason, param_hint="NAME") from None
     key = _key()
     w = _api(target, lambda api: with_retries(
-        lambda: api.create_workspace(name, idempotency_key=key, default_store=default_store)))
+        lambda: api.create_workspace(name, idempotency_key=key, default_store=default_store,
+                                     account=account or None)))
     if default_store:
         click.echo(f"created workspace {w.name} with store {w.name} attached read-write")
     else:
@@ -183,15 +197,18 @@ def workspace_create(target: Target, name: str, default_store: bool) -> None:
 def workspace_list(target: Target) -> None:
     """List workspaces with their attached stores."""
 
-    async def body(api: ApiClient) -> list[list[str]]:
+    async def body(api: ApiClient) -> tuple[list[list[str]], bool]:
         rows = []
-        for w in await with_retries(api.list_workspaces):
+        workspaces = await with_retries(api.list_workspaces)
+        several = len({w.account for w in workspaces}) > 1  # the root admin's: an ACCOUNT column
+        for w in workspaces:
             atts = await with_retries(lambda: api.list_attachments(w.name))
-            rows.append([w.name, _fmt_time(w.created_at),
+            rows.append([*([w.account] if several else []), w.name, _fmt_time(w.created_at),
                          ", ".join(f"{a.store.slug} ({a.access.value})" for a in atts)])
-        return rows
+        return rows, several
 
-    click.echo(_table(_read_api(target, body), ["WORKSPACE", "CREATED", "STORES"]))
+    rows, several = _read_api(target, body)
+    click.echo(_table(rows, [*(["ACCOUNT"] if several else []), "WORKSPACE", "CREATED", "STORES"]))
 
 
 @cli.command()

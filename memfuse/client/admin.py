@@ -39,16 +39,21 @@ class AdminEndpoints(ApiSession):
     # ------------------------------------------------------------ admin
 
     async def create_workspace(
-        self, name: str, idempotency_key: str | None = None, *, default_store: bool = True
+        self, name: str, idempotency_key: str | None = None, *, default_store: bool = True,
+        account: str | None = None,
     ) -> Workspace:
         """``POST /v1/workspaces`` (admin); with ``default_store`` the server also creates a
-        store named ``name`` (or takes the existing one) and attaches it read-write. Raises
-        Conflict (``exists``)."""
+        store named ``name`` (or takes the existing one) and attaches it read-write; in
+        ``account`` when given (the root admin's choice; None: the caller's). Raises
+        Conflict (``exists``), NotFound (``account_not_found``)."""
+        fields: dict[str, Any] = {"name": name, "default_store": default_store}
+        if account is not None:
+            fields["account"] = account
         return await self._call(
             Workspace,
             "POST",
             "/v1/workspaces",
-            body=build(WorkspaceCreate, name=name, default_store=default_store),
+            body=build(WorkspaceCreate, **fields),
             idempotency_key=idempotency_key,
         )
 
@@ -69,12 +74,17 @@ class AdminEndpoints(ApiSession):
         max_history_bytes: int | None = None,
         max_history_versions: int | None = None,
         history_min_age_s: int | None = None,
+        account: str | None = None,
     ) -> Store:
-        """``POST /v1/stores`` (admin). Limits left ``None`` take the server defaults (1 MiB,
+        """``POST /v1/stores`` (admin), in ``account`` when given (the root admin's choice;
+        None: the caller's). Limits left ``None`` take the server defaults (1 MiB,
         64 MiB, 10,000; the history budget: 16 x max_store_bytes, 16 x max_records, 24 h).
-        Raises Conflict (``exists``); ``ValueError``
+        Raises Conflict (``exists``: the account has a store of that slug), NotFound
+        (``account_not_found``); ``ValueError``
         (``msgspec.ValidationError``, before any request) for a bad slug, type or limit."""
         fields: dict[str, Any] = {"slug": slug, "description": description, "default_type": default_type}
+        if account is not None:
+            fields["account"] = account
         for k, v in (
             ("max_record_bytes", max_record_bytes),
             ("max_store_bytes", max_store_bytes),

@@ -38,6 +38,13 @@ def _not_found(slug: str) -> ServiceError:
     return ServiceError(404, "account_not_found", f"no account {slug!r}")
 
 
+#: account slugs no account may take, each with why: words the console and the CLI show in
+#: the place of an account
+RESERVED_ACCOUNTS = {
+    "all": "the console's and the CLI's word for every account (the root admin's view)",
+    "root": "the root admin, which has no account",
+}
+
 class AccountsMixin(ServiceBase):
     """``Service`` methods: ``create_account``, ``list_accounts``, ``get_account``,
     ``delete_account``, ``act_in_account`` and the quota checks the other rooms call."""
@@ -144,8 +151,11 @@ class AccountsMixin(ServiceBase):
     # ------------------------------------------------------------ root admin: accounts
 
     def create_account(self, p: Principal, body: AccountCreate, idem: IdempotencyRequest | None = None) -> Reply:
-        """201 [Account]; 409 ``exists``; 403 ``forbidden`` unless the root admin."""
+        """201 [Account]; 409 ``exists`` (also for a ``RESERVED_ACCOUNTS`` slug); 403
+        ``forbidden`` unless the root admin."""
         self._require_root(p)
+        if body.slug in RESERVED_ACCOUNTS:
+            raise ServiceError(409, "exists", f"account slug {body.slug!r} is reserved: {RESERVED_ACCOUNTS[body.slug]}")
 
         def fn(s: Session) -> Account:
             if s.get(AccountRow, body.slug) is not None:

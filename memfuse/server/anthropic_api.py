@@ -51,6 +51,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from memfuse import defs
 from memfuse.models import Record
 from memfuse.server import anthropic_models as am
+from memfuse.server import keys
 from memfuse.server.memstores import VERSION_OPERATIONS, ListedItem, store_id, store_out, store_slug
 from memfuse.server.service import IdempotencyRequest, Principal, Reply, Service, ServiceError, idempotency_request
 
@@ -565,10 +566,10 @@ def install(app: FastAPI, svc: Service) -> None:
         if cur is not None:
             key = (cur["t"], cur["s"])
             start = next((i for i, st in enumerate(rows)
-                          if (-st.created_at.timestamp(), st.slug) > key), len(rows))
+                          if (-st.created_at.timestamp(), keys.public(st.slug)) > key), len(rows))
         chunk = rows[start:start + n]
         more = start + n < len(rows)
-        nxt = _encode_page({"k": "s", "t": -chunk[-1].created_at.timestamp(), "s": chunk[-1].slug}) if more else None
+        nxt = _encode_page({"k": "s", "t": -chunk[-1].created_at.timestamp(), "s": keys.public(chunk[-1].slug)}) if more else None
         return _json(am.MemoryStorePage(data=[store_out(st) for st in chunk], next_page=nxt))
 
     @r.get("/{memory_store_id}", response_model=am.MemoryStoreOut)

@@ -24,7 +24,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
-from sqlalchemy import and_, bindparam, delete, func, insert, select
+from sqlalchemy import and_, bindparam, delete, func, insert, or_, select
 from sqlalchemy.engine import Connection, Row
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -32,9 +32,10 @@ from sqlalchemy.orm import Session
 from memfuse import content as content_rules
 from memfuse import names
 from memfuse.models import Access
-from memfuse.server import history, wakeups
+from memfuse.server import history, keys, wakeups
 from memfuse.server.db import (
     AttachmentRow,
+    DEFAULT_ACCOUNT,
     Database,
     IdempotencyRow,
     RecordRow,
@@ -303,16 +304,19 @@ def idempotency_request(key: str, method: str, url_path: str, raw: bytes) -> Ide
     return IdempotencyRequest(key, method, url_path, canon, raw_hash)
 
 
-# Statements of the hot paths, built once (parameters at execution).
-_SELECT_STORE = select(_S).where(_S.c.slug == bindparam("slug"))
+# Statements of the hot paths, built once (parameters at execution). A request names a store
+# by its public name; ``slug`` / ``alt`` are the two keys it can have (``keys.candidates``).
+_SELECT_STORE = select(_S).where(_S.c.slug.in_([bindparam("slug"), bindparam("alt")]))
 _SELECT_STORE_FOR_UPDATE = _SELECT_STORE.with_for_update(of=_S)
 # an account admin's: the store only if it is in its account
 _SELECT_ACCOUNT_STORE = _SELECT_STORE.where(_S.c.account == bindparam("account"))
 _SELECT_ACCOUNT_STORE_FOR_UPDATE = _SELECT_ACCOUNT_STORE.with_for_update(of=_S)
+# a workspace token's: among the stores attached to its workspace (all of its account), the
+# one whose name is asked (its key, or a key of that name taken by another account)
 _SELECT_ATTACHED_STORE = (
     select(_S, _A.c.access)
     .join(_A, and_(_A.c.store == _S.c.slug, _A.c.workspace == bindparam("ws")))
-    .where(_S.c.slug == bindparam("slug"))
+    .where(or_(_S.c.slug == bindparam("slug"), _S.c.public_slug == bindparam("slug")))
 )
 _SELECT_ATTACHED_STORE_FOR_UPDATE = _SELECT_ATTACHED_STORE.with_for_update(of=_S)
 _INSERT_IDEM = insert(_I)
@@ -338,6 +342,7 @@ class ServiceBase:
     closing: bool  # set at server shutdown: long-polls answer at once
     _last_idem_cleanup: float
     _token_cache: TokenCache  # database tokens seen lately (memfuse.server.tokens)
+    _feed_keys: dict[tuple[str, str], str]  # (scope, store name) -> key the feed last found
 
     def _contains(self, col, q: str, case_sensitive: bool = False):
         """SQL: ``col`` may hold ``q`` (``memfuse.server.base.holds`` decides). Case-sensitive:
@@ -384,15 +389,23 @@ class ServiceBase:
 
     @staticmethod
     def _store(conn: Connection, p: Principal, slug: str, *, write: bool = False) -> Row:
-        """The store row (Core: its columns, usage counters included), if the principal may
-        see it (and write it, with ``write``), in one query with the attachment (an account
-        admin: only a store of its account; 404 ``store_not_found`` for any other). A write
-        locks the store row on PostgreSQL (serialises the store's versions)."""
+        """The store row (Core: its columns, usage counters included) that ``slug`` (a public
+        name, docs/ARCHITECTURE.md "Accounts") names for ``p``, if ``p`` may see it (and
+        write it, with ``write``), in one query with the attachment: an account admin's is
+        the store of that name in its account (404 ``store_not_found`` for any other); a
+        workspace token's the attached store of that name; the root admin's the store of
+        that name in ``default``, else the store whose key is the name (whichever account
+        it is in: the root admin sees every account). The row's ``slug`` is the store's key:
+        what the caller queries and writes with, never what it shows (``keys.public``). A
+        write locks the store row on PostgreSQL (serialises the store's versions)."""
         if p.is_admin and p.account is None:
-            st = conn.execute(_SELECT_STORE_FOR_UPDATE if write else _SELECT_STORE, {"slug": slug}).first()
+            alt = slug if keys.SEP in slug else keys.store_key(slug, DEFAULT_ACCOUNT)  # a key: itself
+            rows = conn.execute(_SELECT_STORE_FOR_UPDATE if write else _SELECT_STORE,
+                                {"slug": slug, "alt": alt}).all()
+            st = min(rows, key=lambda r: (r.account != DEFAULT_ACCOUNT, r.slug != slug), default=None)
         elif p.is_admin:  # an account admin: a store of another account is not found
             st = conn.execute(_SELECT_ACCOUNT_STORE_FOR_UPDATE if write else _SELECT_ACCOUNT_STORE,
-                              {"slug": slug, "account": p.account}).first()
+                              {"slug": slug, "alt": keys.store_key(slug, p.account), "account": p.account}).first()
         else:
             st = conn.execute(
                 _SELECT_ATTACHED_STORE_FOR_UPDATE if write else _SELECT_ATTACHED_STORE,
@@ -404,6 +417,25 @@ class ServiceBase:
             raise ServiceError(404, "store_not_attached", f"store {slug!r} is not attached to this workspace")
         if write and not p.is_admin and st.access != Access.read_write.value:
             raise ServiceError(403, "read_only", f"store {slug!r} is attached read-only")
+        return st
+
+    def _store_by_key(self, conn: Connection, p: Principal, key: str, *, write: bool = False) -> Row:
+        """``_store`` for a store the caller knows by its key (``key``: a row's ``store``
+        column, e.g. a job's), never by a name a request gave: the same row and refusals as
+        ``_store`` of its public name, and 404 when the name leads ``p`` to another store
+        (the same name in ``p``'s account)."""
+        if p.is_admin and p.account is None:
+            st = conn.execute(_SELECT_STORE_FOR_UPDATE if write else _SELECT_STORE,
+                              {"slug": key, "alt": key}).first()
+            if st is None:
+                raise ServiceError(404, "store_not_found", f"no store {keys.public(key)!r}")
+            return st
+        st = self._store(conn, p, keys.public(key), write=write)
+        if st.slug != key:
+            if p.is_admin:
+                raise ServiceError(404, "store_not_found", f"no store {keys.public(key)!r}")
+            raise ServiceError(404, "store_not_attached",
+                               f"store {keys.public(key)!r} is not attached to this workspace")
         return st
 
     # ------------------------------------------------------------ write machinery

@@ -17,7 +17,7 @@ from sqlalchemy.engine import Row
 
 from memfuse.defs import INT64_MAX
 from memfuse.models import DEFAULT_MODE, Access, Change, ChangePage, EventPage, Operation, Record, WorkspaceEvent
-from memfuse.server import deltas, wakeups
+from memfuse.server import deltas, keys, wakeups
 from memfuse.server.base import _R, _V, Principal, ServiceBase, ServiceError
 from memfuse.server.db import EventRow
 
@@ -46,7 +46,7 @@ def _change(v: Row, with_content: bool) -> Change:
         old_path=v.old_path,
         record=Record(
             id=v.record_id,
-            store=v.store,
+            store=keys.public(v.store),
             path=v.path,
             type=v.type,
             version=v.version,
@@ -126,21 +126,34 @@ class ChangesMixin(ServiceBase):
             self.notifier.learn_readable(p.scope, wakeups.EVENTS, ws, stamp)
             return EventPage(
                 events=[
-                    WorkspaceEvent(seq=r.seq, kind=r.kind, store=r.store, access=Access(r.access) if r.access else None)
+                    WorkspaceEvent(seq=r.seq, kind=r.kind, store=keys.public(r.store), access=Access(r.access) if r.access else None)
                     for r in rows
                 ],
                 seq=seq,
             )
 
-    def check_feed_access(self, p: Principal, slug: str) -> None:
-        """Raise what ``changes_page`` would for a store ``p`` may not read (404); remembered
-        in the ``Notifier`` until access changes, so a long-poll asks at most once."""
-        if self.notifier.readable(p.scope, wakeups.FEED, slug):
-            return
+    def check_feed_access(self, p: Principal, slug: str) -> str:
+        """The key of the store ``p`` names ``slug`` (memfuse.server.keys: what ``feed_read``
+        and the ``Notifier`` take); raise what ``changes_page`` would for a store ``p`` may not
+        read (404). Remembered in the ``Notifier`` until access changes (and the key with it,
+        ``cached_feed_key``), so a long-poll asks at most once."""
+        key = self.cached_feed_key(p, slug)
+        if key is not None:
+            return key
         stamp = self.notifier.stamp()
         with self.db.read_conn() as conn:
-            self._store(conn, p, slug)
+            key = self._store(conn, p, slug).slug
+        self._feed_keys[(p.scope, slug)] = key
         self.notifier.learn_readable(p.scope, wakeups.FEED, slug, stamp)
+        return key
+
+    def cached_feed_key(self, p: Principal, slug: str) -> str | None:
+        """The key ``check_feed_access`` found for ``(p.scope, slug)`` while the ``Notifier``
+        still trusts that ``p`` may read it (no access change since), else None. Never reads
+        the database (the event loop's fast path of long-polls and streams)."""
+        if not self.notifier.readable(p.scope, wakeups.FEED, slug):
+            return None
+        return self._feed_keys.get((p.scope, slug))
 
     def check_events_access(self, p: Principal, ws: str) -> None:
         """Raise what ``events_page`` would for a workspace ``p`` may not read (403 / 404);
@@ -153,7 +166,7 @@ class ChangesMixin(ServiceBase):
         self.notifier.learn_readable(p.scope, wakeups.EVENTS, ws, stamp)
 
     def feed_read(self, slug: str, after: int, *, limit: int = 1000, with_content: bool = True) -> FeedRead:
-        """The store's versions with seq > ``after`` (at most ``limit``, oldest first, nobody
+        """``slug``: the store's key (``check_feed_access``'s answer). The store's versions with seq > ``after`` (at most ``limit``, oldest first, nobody
         left out) for long-polls, which share one read among all their waiters at the same
         cursor and filter it each (``FeedRead.page``). No access check: callers run
         ``check_feed_access`` first. Reads the store's latest seq first and no version beyond

@@ -54,7 +54,7 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -72,7 +72,7 @@ from memfuse.models import (
     ConsolidationJob,
     ConsolidationUsage,
 )
-from memfuse.server import deltas, wakeups
+from memfuse.server import deltas, keys, wakeups
 from memfuse.server.base import _A, _R, _S, _V, Principal, Reply, ServiceError
 from memfuse.server.batch import BatchMixin, _LateRefusal, _Planned
 from memfuse.server.db import ConsolidationJobRow, EventRow, WorkspaceRow, utcnow
@@ -221,7 +221,8 @@ def _job_model(r: Row) -> ConsolidationJob:
     usage = ConsolidationUsage(**json.loads(r.usage)) if r.usage else None
     changes = [ConsolidationChange(**c) for c in json.loads(r.changes)] if r.changes else []
     return ConsolidationJob(
-        id=r.id, store=r.store, status=r.status, output=r.output, output_store=r.output_store,
+        id=r.id, store=keys.public(r.store), status=r.status, output=r.output,
+        output_store=keys.public(r.output_store) if r.output_store is not None else None,
         model=r.model, instructions=r.instructions, include_history=bool(r.include_history),
         requested_by=r.requested_by, scheduled=bool(r.scheduled), created_at=r.created_at,
         started_at=r.started_at, finished_at=r.finished_at, input_seq=r.input_seq, usage=usage,
@@ -314,7 +315,7 @@ class ConsolidationMixin(BatchMixin):
             row = conn.execute(select(_J).where(_J.c.id == job_id)).first()
             if row is None or not self._may_see(conn, p, row.store):
                 raise ServiceError(404, "job_not_found", f"no consolidation job {job_id!r}")
-            self._store(conn, p, row.store, write=True)  # 403 read_only for a read-only workspace
+            self._store_by_key(conn, p, row.store, write=True)  # 403 read_only for a read-only workspace
             n = conn.execute(update(_J).where(_J.c.id == job_id, _J.c.status.in_(ACTIVE)).values(
                 status="canceled", finished_at=utcnow(), error=f"canceled by {p.actor}")).rowcount
             if n == 0:
@@ -339,15 +340,17 @@ class ConsolidationMixin(BatchMixin):
         actor = f"job:{job.id}"
         out = []
         with self.db.read_conn() as conn:
-            if not self._may_see(conn, p, job.output_store):
+            # the stores' keys (the model shows their names: memfuse.server.keys)
+            job_row = conn.execute(select(_J.c.store, _J.c.output_store).where(_J.c.id == job.id)).one()
+            if not self._may_see(conn, p, job_row.output_store):
                 return job, []
             cols = (_V.c.operation, _V.c.content, _V.c.record_id, _V.c.version, _V.c.base_version, _V.c.chain)
             for c in job.changes[:200]:
                 old = conn.execute(select(*cols).where(
-                    _V.c.store == job.store, _V.c.path == c.path, _V.c.seq <= (job.input_seq or 0))
+                    _V.c.store == job_row.store, _V.c.path == c.path, _V.c.seq <= (job.input_seq or 0))
                     .order_by(_V.c.seq.desc()).limit(1)).first()
                 new = conn.execute(select(*cols).where(
-                    _V.c.store == job.output_store, _V.c.path == c.path, _V.c.actor == actor)
+                    _V.c.store == job_row.output_store, _V.c.path == c.path, _V.c.actor == actor)
                     .order_by(_V.c.seq.desc()).limit(1)).first()
                 # an append version holds only its suffix: the whole content (memfuse.server.deltas)
                 old, new = (deltas.resolve(conn, [v])[0] if v is not None else None for v in (old, new))
@@ -362,7 +365,7 @@ class ConsolidationMixin(BatchMixin):
         """Whether ``p`` may see ``store`` (the one rule of ``_store``: the root admin every
         store, an account admin its account's, a workspace its attachments)."""
         try:
-            self._store(conn, p, store)  # type: ignore[attr-defined]
+            self._store_by_key(conn, p, store)  # ``store``: a key (a job row's)
         except ServiceError:
             return False
         return True
@@ -474,7 +477,9 @@ class ConsolidationMixin(BatchMixin):
             if n == 0:
                 raise _Gone()
             job = conn.execute(select(_J).where(_J.c.id == job_id)).one()
-        jp = JobPrincipal(workspace=None, name="job", job_id=job_id)
+        with self.db.read_conn() as conn:  # the job acts in its store's account (keys resolve there)
+            account = conn.scalar(select(_S.c.account).where(_S.c.slug == job.store))
+        jp = JobPrincipal(workspace=None, name="job", job_id=job_id, account=account)
         records, seq, history = self._job_input(jp, job)
         with self.db.write_conn() as conn:
             conn.execute(update(_J).where(_J.c.id == job_id).values(input_seq=seq))
@@ -494,7 +499,7 @@ class ConsolidationMixin(BatchMixin):
         (``include_history``). Raises ``_Stop`` beyond the input cap."""
         cap = self.consolidation.max_input_bytes
         with self.db.read_conn() as conn:
-            st = self._store(conn, jp, job.store)
+            st = self._store_by_key(conn, jp, job.store)
             seq = conn.scalar(select(func.max(_V.c.seq)).where(_V.c.store == st.slug)) or 0
             rows = conn.execute(select(_R.c.id, _R.c.path, _R.c.content, _R.c.sha256, _R.c.type, _R.c.size,
                                        _R.c.mode, _R.c.mtime_ns)
@@ -516,7 +521,7 @@ class ConsolidationMixin(BatchMixin):
         """The Messages API request of a job: the system prompt, the instructions and the
         store's files as JSON, the forced tool call."""
         files = [{"path": r.path, "content": r.content} for r in records]
-        parts = [f"Store: {job.store}\n\nInstructions from the store's owner:\n{job.instructions}\n\n"
+        parts = [f"Store: {keys.public(job.store)}\n\nInstructions from the store's owner:\n{job.instructions}\n\n"
                  f"The store's files ({len(files)}), as JSON:\n{json.dumps(files, ensure_ascii=False)}"]
         if history:
             parts.append("Recent changes (oldest first), as JSON:\n" + json.dumps(history, ensure_ascii=False))
@@ -658,7 +663,7 @@ class ConsolidationMixin(BatchMixin):
             ops = [BatchOperation(op="create", body={k: v for k, v in body.items() if v is not None})
                    for body in final.values()]
         summary = [ConsolidationChange(op=c.op, path=c.path).model_dump() for c in sorted(changes, key=lambda c: c.path)]
-        plans = [self._plan(jp, job.store, i, op) for i, op in enumerate(ops)]
+        plans = [self._plan(jp, keys.public(job.store), i, op) for i, op in enumerate(ops)]
         for i, pl in enumerate(plans):
             if pl.refusal is not None:
                 raise _Stop(self._refusal(i, ops, pl.refusal.code, pl.refusal.detail))
@@ -674,11 +679,12 @@ class ConsolidationMixin(BatchMixin):
         new_store = job.output == "new_store"
         savepoints = False  # a refusal after a write (an account's byte quota): again, per operation
         for attempt in range(5):
-            target = job.store
+            target = keys.public(job.store)  # a name: jp resolves it in the job's account
             prepare = None
+            made: list[str] = []  # the output store's key (memfuse.server.keys), set by prepare
             if new_store:
                 target = self._free_output_slug(job.store)
-                prepare = self._new_store_maker(job, target, workspace)
+                prepare = self._new_store_maker(job, target, workspace, made)
 
             def finish(conn: Connection, replies: list[Reply], target: str = target) -> None:
                 for i, r in enumerate(replies):
@@ -689,7 +695,8 @@ class ConsolidationMixin(BatchMixin):
                             prob = {}
                         raise _Stop(self._refusal(i, ops, str(prob.get("code", r.status)), str(prob.get("detail", ""))))
                 n = conn.execute(update(_J).where(_J.c.id == job.id, _J.c.status == "running").values(
-                    status="completed", finished_at=utcnow(), output_store=target, usage=json.dumps(usage),
+                    status="completed", finished_at=utcnow(), output_store=made[0] if made else job.store,
+                    usage=json.dumps(usage),
                     changes=json.dumps(changes), summary=summary, error=None)).rowcount
                 if n == 0:
                     raise _Gone()
@@ -709,27 +716,39 @@ class ConsolidationMixin(BatchMixin):
                 continue
             self.notifier.committed(notes, own=(vseqs, eseqs))
             log.info("consolidation job completed", extra={"job": job.id, "store": job.store,
-                                                           "output_store": target, "changes": len(changes)})
+                                                           "output_store": made[0] if made else job.store,
+                                                           "changes": len(changes)})
             return
 
     def _free_output_slug(self, store: str) -> str:
+        """The first free output name for the store whose key is ``store``, in its account
+        (names are per account: memfuse.server.keys)."""
+        name = keys.public(store)
         with self.db.read_conn() as conn:
-            prefix = output_slug(store, 0)[:-1]
-            taken = set(conn.execute(select(_S.c.slug).where(_S.c.slug.startswith(prefix, autoescape=True)))
-                        .scalars())
+            account = conn.scalar(select(_S.c.account).where(_S.c.slug == store))
+            prefix = output_slug(name, 0)[:-1]
+            taken = {keys.public(k) for k in conn.execute(select(_S.c.slug).where(
+                _S.c.slug.startswith(prefix, autoescape=True), _S.c.account == account)).scalars()}
+        store = name
         n = 1
         while output_slug(store, n) in taken:
             n += 1
         return output_slug(store, n)
 
-    def _new_store_maker(self, job: Row, slug: str, workspace: str | None):
+    def _new_store_maker(self, job: Row, name: str, workspace: str | None, made: list[str] | None = None):
+        made = [] if made is None else made  # receives the new store's key
         def prepare(conn: Connection) -> None:
             src = conn.execute(select(_S).where(_S.c.slug == job.store)).one()
             # the output belongs to the input's account and counts against its store quota
             self._check_store_quota(conn, src.account)  # type: ignore[attr-defined]
+            slug = keys.new_key(conn, name, src.account)
+            if slug is None:  # taken since _free_output_slug looked: the write runs again
+                raise IntegrityError("output store", None, ValueError(f"store {name!r} exists"))
+            made[:] = [slug]
             now = utcnow()
             conn.execute(insert(_S).values(
-                slug=slug, account=src.account, description=_cut(f"consolidation of {job.store} by job {job.id}", 200),
+                slug=slug, public_slug=name, account=src.account,
+                description=_cut(f"consolidation of {keys.public(job.store)} by job {job.id}", 200),
                 default_type=src.default_type, max_record_bytes=src.max_record_bytes,
                 max_store_bytes=src.max_store_bytes, max_records=src.max_records,
                 max_history_bytes=src.max_history_bytes, max_history_versions=src.max_history_versions,
@@ -758,10 +777,10 @@ class ConsolidationMixin(BatchMixin):
         now = now or utcnow()
         idle_cut = now - timedelta(seconds=cfg.idle_after)
         interval_cut = now - timedelta(seconds=cfg.interval)
-        due: list[str] = []
+        due: list[tuple[str, str]] = []
         with self.db.read_conn() as conn:
             outputs = select(_J.c.output_store).where(_J.c.output == "new_store", _J.c.output_store.is_not(None))
-            stores = conn.execute(select(_S.c.slug, _S.c.usage_bytes).where(
+            stores = conn.execute(select(_S.c.slug, _S.c.usage_bytes, _S.c.account).where(
                 _S.c.archived_at.is_(None), _S.c.slug.not_in(outputs)).order_by(_S.c.slug)).all()
             for st in stores:  # index seeks per store: never a scan of the versions
                 if (st.usage_bytes or 0) > cfg.max_input_bytes:
@@ -779,17 +798,17 @@ class ConsolidationMixin(BatchMixin):
                     _J.c.store == st.slug, _J.c.status == "completed"))
                 if cursor is not None and last.seq <= cursor:
                     continue  # nothing new since the last completed job read it
-                due.append(st.slug)
+                due.append((st.slug, st.account))
         admin = Principal(workspace=None, name="scheduler")
         started = []
-        for slug in due:
+        for slug, account in due:  # as the store's account's admin: its key resolves there
             try:
-                self.create_consolidation(admin, slug, ConsolidationCreate(
+                self.create_consolidation(replace(admin, account=account), slug, ConsolidationCreate(
                     instructions=cfg.schedule_instructions, output=cfg.schedule_output), scheduled=True)
             except ServiceError as e:
                 log.info("scheduled consolidation skipped", extra={"store": slug, "code": e.code})
                 continue
-            started.append(slug)
+            started.append(keys.public(slug))
         return started
 
 

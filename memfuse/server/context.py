@@ -16,7 +16,7 @@ from sqlalchemy import false, select
 from memfuse import content as content_rules
 from memfuse.defs import Access
 from memfuse.server.base import Principal, ServiceBase
-from memfuse.server import staleness
+from memfuse.server import keys, staleness
 from memfuse.server.db import AttachmentRow, RecordRow, StoreRow, utcnow
 from memfuse.server.indexlinks import entries, omitted_marker
 
@@ -140,7 +140,7 @@ class ContextMixin(ServiceBase):
                        StoreRow.archived_at)
                 .join(StoreRow, StoreRow.slug == AttachmentRow.store)
                 .where(AttachmentRow.workspace == ws)
-                .order_by(AttachmentRow.store)
+                .order_by(StoreRow.public_slug, AttachmentRow.store)
             ).all()
             indexes: dict[str, str] = {
                 slug: text or ""
@@ -183,11 +183,12 @@ class ContextMixin(ServiceBase):
             return out + "\n\n(No memory store is attached to this workspace.)\n"
         used = _nbytes(out)
         for i, (access_value, slug, description, instructions, archived_at) in enumerate(rows):
-            base = f"{mount_root}/{slug}"
+            name = keys.public(slug)  # ``slug`` is the store's key (memfuse.server.keys)
+            base = f"{mount_root}/{name}"
             access = "read-write" if access_value == Access.read_write.value else "read-only"
             if archived_at is not None:  # archived (the memory-store API): no writes at all
                 access = "read-only, archived"
-            head = ["", "", f"## Store `{slug}` at `{base}/` ({access})"]
+            head = ["", "", f"## Store `{name}` at `{base}/` ({access})"]
             if description.strip():
                 head += ["", f"Description: {clean(description).strip()}"]
             if instructions.strip():
@@ -211,7 +212,7 @@ class ContextMixin(ServiceBase):
                 out += head_text + omitted
                 used += _nbytes(head_text) + _nbytes(omitted)
                 continue
-            left = [f"`{mount_root}/{r[1]}/`" for r in rows[i:]]
+            left = [f"`{mount_root}/{keys.public(r[1])}/`" for r in rows[i:]]
             marker = _stores_left_marker(bound, left, len(left))
             if used + _nbytes(marker) > bound:
                 marker = _stores_left_marker(bound, [], len(left))

@@ -67,7 +67,7 @@ log = logging.getLogger(__name__)
 #: the newest Alembic revision (``memfuse/server/migrations/versions/``): a database at it
 #: opens without Alembic (``Database._at_schema_head``). A new revision updates it;
 #: tests/test_migrations.py fails while it is not ``schema.head()``.
-SCHEMA_HEAD = "0013_accounts"
+SCHEMA_HEAD = "0014_store_names"
 
 
 def utcnow() -> datetime:
@@ -107,6 +107,11 @@ _SEQ = BigInteger().with_variant(Integer(), "sqlite")
 class Base(DeclarativeBase):
     """Declarative base of every control-plane table."""
 
+
+#: a column holding a store's key (``stores.slug`` and every column naming a store): up to
+#: ``keys.KEY_MAX`` characters (``<name>~<account>``, revision 0014_store_names) where the
+#: database enforces lengths (PostgreSQL); SQLite does not, and keeps its ``varchar(63)``
+STORE_KEY = String(63).with_variant(String(127), "postgresql")
 
 #: the account every object of a database made before accounts belongs to (revision
 #: 0013_accounts), and where the root admin creates objects when it names no account
@@ -150,7 +155,7 @@ class StoreRow(Base):
 
     __tablename__ = "stores"
 
-    slug: Mapped[str] = mapped_column(String(63), primary_key=True)
+    slug: Mapped[str] = mapped_column(STORE_KEY, primary_key=True)  # the key (memfuse.server.keys)
     description: Mapped[str] = mapped_column(Text, default="")
     default_type: Mapped[str] = mapped_column(String(16), default="project")
     max_record_bytes: Mapped[int] = mapped_column(BigInteger)
@@ -180,6 +185,11 @@ class StoreRow(Base):
     # the owning account (revision 0013_accounts)
     account: Mapped[str] = mapped_column(String(63), default=DEFAULT_ACCOUNT,
                                          server_default=DEFAULT_ACCOUNT, index=True)
+    # the public name, unique within the account (revision 0014_store_names; NULL for a row
+    # the release before it inserted, whose key is its name): ``keys.public(slug)``
+    public_slug: Mapped[str | None] = mapped_column(String(63), nullable=True)
+
+    __table_args__ = (Index("ux_stores_account_public_slug", "account", "public_slug", unique=True),)
 
 
 class AttachmentRow(Base):
@@ -314,7 +324,7 @@ class VersionRow(Base):
 
     seq: Mapped[int] = mapped_column(_SEQ, primary_key=True, autoincrement=True)
     record_id: Mapped[str] = mapped_column(ForeignKey("records.id", ondelete="CASCADE"))
-    store: Mapped[str] = mapped_column(String(63))
+    store: Mapped[str] = mapped_column(STORE_KEY)
     version: Mapped[int] = mapped_column(Integer)
     operation: Mapped[str] = mapped_column(String(16))
     path: Mapped[str] = mapped_column(Text)
@@ -375,7 +385,7 @@ class EventRow(Base):
     seq: Mapped[int] = mapped_column(_SEQ, primary_key=True, autoincrement=True)
     workspace: Mapped[str] = mapped_column(String(63))
     kind: Mapped[str] = mapped_column(String(16))
-    store: Mapped[str] = mapped_column(String(63))
+    store: Mapped[str] = mapped_column(STORE_KEY)
     access: Mapped[str | None] = mapped_column(String(16), nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
@@ -398,7 +408,7 @@ class ConsolidationJobRow(Base):
     store: Mapped[str] = mapped_column(ForeignKey("stores.slug", ondelete="CASCADE"))
     status: Mapped[str] = mapped_column(String(16))
     output: Mapped[str] = mapped_column(String(16))
-    output_store: Mapped[str | None] = mapped_column(String(63), nullable=True)
+    output_store: Mapped[str | None] = mapped_column(STORE_KEY, nullable=True)
     instructions: Mapped[str] = mapped_column(Text)
     model: Mapped[str] = mapped_column(String(200))
     include_history: Mapped[bool] = mapped_column(Boolean, default=False)

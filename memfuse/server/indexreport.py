@@ -30,7 +30,7 @@ from sqlalchemy import false, func, select
 
 from memfuse import content as content_rules
 from memfuse.models import IndexEntry, IndexReport, StaleRecord
-from memfuse.server import staleness
+from memfuse.server import keys, staleness
 from memfuse.server.base import _R, Principal, ServiceBase
 from memfuse.server.context import cut_index
 from memfuse.server.db import utcnow
@@ -94,7 +94,7 @@ class IndexReportMixin(ServiceBase):
         _, lines_left, bytes_left = cut_index(text)
         n_shown = total_lines - lines_left
         return IndexReport(
-            store=st.slug, index_exists=rows is not None, entries=len(found),
+            store=keys.public(st.slug), index_exists=rows is not None, entries=len(found),
             missing=[_entry_model(e) for e in missing],
             unindexed=unindexed, unindexed_count=count,
             omitted=[_entry_model(e) for e in found if e.line > n_shown],

@@ -127,8 +127,8 @@ async def changes(svc: Service, reads: FeedReads, request: Request, p: Principal
     """Answer ``GET /v1/stores/{slug}/changes`` with ``wait`` > 0 (docs/API.md): the page as
     JSON, or 204 when the client left. Raises ``ServiceError`` (404 not readable, 410)."""
     notifier = svc.notifier
-    if not notifier.readable(p.scope, wakeups.FEED, slug):
-        await anyio.to_thread.run_sync(svc.check_feed_access, p, slug)
+    # from here ``slug`` is the store's key (memfuse.server.keys): what reads and wake-ups use
+    slug = svc.cached_feed_key(p, slug) or await anyio.to_thread.run_sync(svc.check_feed_access, p, slug)
     deadline = anyio.current_time() + min(wait, MAX_WAIT_SECONDS)
     cursor = after
 

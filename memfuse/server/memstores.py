@@ -30,7 +30,7 @@ from sqlalchemy.engine import Connection, Row
 from sqlalchemy.orm import Session
 
 from memfuse.models import Access, MoveResult, Record, RecordCreate, RecordMove, RecordUpdate, StoreCreate
-from memfuse.server import deltas
+from memfuse.server import deltas, keys
 from memfuse.server.anthropic_models import DeletedMemoryStore, MemoryStoreOut
 from memfuse.server.base import _A, _R, _S, _V, IdempotencyRequest, Principal, Reply, ServiceBase, ServiceError
 from memfuse.server.db import DEFAULT_ACCOUNT, AttachmentRow, StoreRow, WorkspaceRow, utcnow
@@ -112,7 +112,7 @@ class MemoryStoresMixin(ServiceBase):
             if created_lte is not None:
                 q = q.where(_S.c.created_at <= created_lte)
             rows = conn.execute(q).all()
-        return sorted(rows, key=lambda r: (-r.created_at.timestamp(), r.slug))
+        return sorted(rows, key=lambda r: (-r.created_at.timestamp(), keys.public(r.slug)))
 
     def ms_get_store(self, p: Principal, slug: str) -> Row:
         """The store row, if ``p`` may see it; 404 otherwise."""
@@ -135,15 +135,15 @@ class MemoryStoresMixin(ServiceBase):
                 account = wrow.account  # the root admin's store goes to the workspace's account
             self._check_store_quota(s, account)  # type: ignore[attr-defined]
             base = slug_for_name(name)
-            slug, n = base, 1
-            while s.get(StoreRow, slug) is not None:
+            public, n = base, 1  # unique within the account (memfuse.server.keys)
+            while (slug := keys.new_key(s.connection(), public, account)) is None:
                 n += 1
                 suffix = f"-{n}"
-                slug = base[: SLUG_MAX - len(suffix)].rstrip("-") + suffix
-            limits = StoreCreate(slug=slug)
+                public = base[: SLUG_MAX - len(suffix)].rstrip("-") + suffix
+            limits = StoreCreate(slug=public)
             now = utcnow()
             st = StoreRow(
-                slug=slug, description=description, default_type=limits.default_type,
+                slug=slug, public_slug=public, description=description, default_type=limits.default_type,
                 max_record_bytes=limits.max_record_bytes, max_store_bytes=limits.max_store_bytes,
                 max_records=limits.max_records, created_at=now, name=name,
                 metadata_json=json.dumps(metadata, ensure_ascii=False), updated_at=now,
@@ -180,7 +180,8 @@ class MemoryStoresMixin(ServiceBase):
             if st.archived_at is not None:
                 raise ServiceError(403, "store_archived", f"store {slug!r} is archived: it cannot be changed")
             values: dict[str, Any] = {}
-            if name is not None and name != (st.name or st.slug):
+            key = st.slug  # the store's key (memfuse.server.keys): what the rows name
+            if name is not None and name != (st.name or keys.public(key)):
                 values["name"] = name
             if description is not None and description != st.description:
                 values["description"] = description
@@ -197,10 +198,10 @@ class MemoryStoresMixin(ServiceBase):
                     values["metadata_json"] = json.dumps(new, ensure_ascii=False)
             if values:
                 values["updated_at"] = utcnow()
-                conn.execute(update(_S).where(_S.c.slug == slug).values(**values))
+                conn.execute(update(_S).where(_S.c.slug == key).values(**values))
                 if "description" in values:
-                    attached = s.scalars(select(AttachmentRow.workspace).where(AttachmentRow.store == slug)).all()
-                    self._emit(s, attached, "store_changed", slug, None)  # type: ignore[attr-defined]
+                    attached = s.scalars(select(AttachmentRow.workspace).where(AttachmentRow.store == key)).all()
+                    self._emit(s, attached, "store_changed", key, None)  # type: ignore[attr-defined]
             return store_out(self._store(conn, p, slug))
 
         return self._write(p, idem, 200, fn)
@@ -214,11 +215,11 @@ class MemoryStoresMixin(ServiceBase):
             conn = s.connection()
             st = self._store(conn, p, slug, write=True)
             if st.archived_at is None:
-                now = utcnow()
-                conn.execute(update(_S).where(_S.c.slug == slug).values(archived_at=now, updated_at=now))
-                attached = s.scalars(select(AttachmentRow.workspace).where(AttachmentRow.store == slug)).all()
-                self._emit(s, attached, "store_changed", slug, None)  # type: ignore[attr-defined]
-                log.info("store %s archived", slug)
+                key, now = st.slug, utcnow()
+                conn.execute(update(_S).where(_S.c.slug == key).values(archived_at=now, updated_at=now))
+                attached = s.scalars(select(AttachmentRow.workspace).where(AttachmentRow.store == key)).all()
+                self._emit(s, attached, "store_changed", key, None)  # type: ignore[attr-defined]
+                log.info("store %s archived", key)
             return store_out(self._store(conn, p, slug))
 
         return self._write(p, idem, 200, fn)
@@ -231,14 +232,14 @@ class MemoryStoresMixin(ServiceBase):
         self._require_admin(p)
         def fn(s: Session) -> DeletedMemoryStore:
             conn = s.connection()
-            self._store(conn, p, slug, write=True)
-            attached = s.scalars(select(AttachmentRow.workspace).where(AttachmentRow.store == slug)).all()
-            conn.execute(delete(_A).where(_A.c.store == slug))
-            conn.execute(delete(_V).where(_V.c.store == slug))
-            conn.execute(delete(_R).where(_R.c.store == slug))
-            conn.execute(delete(_S).where(_S.c.slug == slug))
-            self._emit(s, attached, "detached", slug, None)  # type: ignore[attr-defined]
-            log.info("store %s deleted with its records and versions", slug)
+            key = self._store(conn, p, slug, write=True).slug  # the key (memfuse.server.keys)
+            attached = s.scalars(select(AttachmentRow.workspace).where(AttachmentRow.store == key)).all()
+            conn.execute(delete(_A).where(_A.c.store == key))
+            conn.execute(delete(_V).where(_V.c.store == key))
+            conn.execute(delete(_R).where(_R.c.store == key))
+            conn.execute(delete(_S).where(_S.c.slug == key))
+            self._emit(s, attached, "detached", key, None)  # type: ignore[attr-defined]
+            log.info("store %s deleted with its records and versions", key)
             return DeletedMemoryStore(id=store_id(slug))
 
         return self._write(p, idem, 200, fn)
@@ -410,7 +411,7 @@ def store_out(st: Row | StoreRow) -> MemoryStoreOut:
     """``MemoryStoreOut`` of a store row: ``name`` the slug when never set, ``updated_at``
     the creation time when never changed."""
     return MemoryStoreOut(
-        id=store_id(st.slug), name=st.name or st.slug, description=st.description or "",
+        id=store_id(keys.public(st.slug)), name=st.name or keys.public(st.slug), description=st.description or "",
         metadata=store_metadata(st), created_at=st.created_at,
         updated_at=st.updated_at or st.created_at, archived_at=st.archived_at,
     )

@@ -52,7 +52,7 @@ from memfuse.server.base import (
     holds,
     parse_if_match,
 )
-from memfuse.server import deltas, history, staleness, wakeups
+from memfuse.server import deltas, history, keys, staleness, wakeups
 from memfuse.server.db import DEFAULT_ACCOUNT, AccountRow, UTCDateTime, utcnow
 
 log = logging.getLogger("memfuse.server.service")  # every room of the Service logs under one name
@@ -116,7 +116,7 @@ def _check_writable(st: Row) -> None:
     Anthropic memory-store API's archive): its records may still be read, deleted and
     redacted, never created, changed, moved or restored."""
     if getattr(st, "archived_at", None) is not None:
-        raise ServiceError(403, "store_archived", f"store {st.slug!r} is archived: its records cannot be written")
+        raise ServiceError(403, "store_archived", f"store {keys.public(st.slug)!r} is archived: its records cannot be written")
 
 
 def _like_escape(text: str) -> str:
@@ -346,7 +346,7 @@ def _attrs(rec: _Rec) -> tuple[int, int | None]:
 def _record_model(rec: _Rec | Row, *, with_content: bool) -> Record:
     return Record(
         id=rec.id,
-        store=rec.store,
+        store=keys.public(rec.store),
         path=rec.path,
         type=rec.type,
         version=rec.version,
@@ -405,7 +405,7 @@ class RecordsMixin(ServiceBase):
     def _record(conn: Connection, st: Row, record_id: str) -> _Rec:
         row = conn.execute(_SELECT_RECORD, {"rid": record_id}).first()
         if row is None or row.store != st.slug:
-            raise ServiceError(404, "record_not_found", f"no record {record_id!r} in store {st.slug!r}")
+            raise ServiceError(404, "record_not_found", f"no record {record_id!r} in store {keys.public(st.slug)!r}")
         return _Rec.of(row)
 
     @staticmethod
@@ -537,10 +537,10 @@ class RecordsMixin(ServiceBase):
         writes call it before their first statement, so a refusal leaves nothing to undo."""
         n, b = st.record_count + d_count, st.usage_bytes + d_bytes
         if grew_count and n > st.max_records:
-            raise ServiceError(507, "store_full", f"store {st.slug!r} holds its limit of {st.max_records} records")
+            raise ServiceError(507, "store_full", f"store {keys.public(st.slug)!r} holds its limit of {st.max_records} records")
         if grew_bytes and b > st.max_store_bytes:
             raise ServiceError(
-                507, "store_full", f"store {st.slug!r} would hold {b} bytes, limit {st.max_store_bytes}"
+                507, "store_full", f"store {keys.public(st.slug)!r} would hold {b} bytes, limit {st.max_store_bytes}"
             )
         return n, b
 
@@ -637,7 +637,7 @@ class RecordsMixin(ServiceBase):
                                                    raw_times=True)
         W = wire.Record
         t = _sqlite_time if raw else _same
-        recs = [W(id=r[0], store=r[1], path=r[2], type=r[3], version=r[4], sha256=r[5], size=r[6],
+        recs = [W(id=r[0], store=keys.public(r[1]), path=r[2], type=r[3], version=r[4], sha256=r[5], size=r[6],
                   deleted=r[7], created_at=t(r[8]), updated_at=t(r[9]), updated_by=r[10], seq=r[11],
                   mode=DEFAULT_MODE if r[12] is None else r[12], mtime_ns=r[13],
                   content=r[14] if with_content else None)

@@ -139,6 +139,7 @@ class Service(AccountsMixin, TokensMixin, SessionsMixin, StoresMixin, Consolidat
         self._job_threads: dict[str, threading.Thread] = {}
         db.on_dispose(self.stop_jobs)
         self._token_cache = TokenCache()  # database tokens seen lately
+        self._feed_keys: dict[tuple[str, str], str] = {}  # (scope, store name) -> key (changes.py)
         # a revocation committed on any replica reaches this one on the commit bus; after the
         # bus (re)connects nothing cached is trusted (revocations may have been missed)
         self.notifier.on_topic(wakeups.TOKEN_REVOKED, lambda token_id: self.tokens_revoked({token_id}))

@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import logging
 from datetime import date, datetime, time, timedelta, timezone
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from sqlalchemy import ColumnElement, and_, false, or_, select
 from sqlalchemy.engine import Connection
 
 from memfuse import content as content_rules
-from memfuse.server.base import _R, Principal, ServiceError
+from memfuse.server.base import _R, _S, Principal, ServiceError
 
 if TYPE_CHECKING:  # for the annotations only (the service imports this module)
     from memfuse.server.service import Service
@@ -88,14 +89,16 @@ def sweep_once(svc: Service, now: datetime | None = None) -> int:
     now = now or datetime.now(timezone.utc)
     with svc.db.read_conn() as conn:
         rows = conn.execute(
-            select(_R.c.id, _R.c.store, _R.c.sha256, _R.c.path)
+            select(_R.c.id, _R.c.store, _R.c.sha256, _R.c.path, _S.c.account)
+            .join(_S, _S.c.slug == _R.c.store)
             .where(_R.c.deleted == false(), _R.c.expires_at.is_not(None), _R.c.expires_at <= now,
                    _R.c.updated_at < _R.c.expires_at)
             .order_by(_R.c.expires_at).limit(SWEEP_BATCH)).all()
     done = 0
     for r in rows:
         try:
-            svc.delete_record(EXPIRY_ACTOR, r.store, r.id, if_match=f'"{r.sha256}"')
+            # as the store's account's admin: ``r.store`` (a key) resolves in that account
+            svc.delete_record(replace(EXPIRY_ACTOR, account=r.account), r.store, r.id, if_match=f'"{r.sha256}"')
         except ServiceError as e:
             if e.status in (404, 409, 412):
                 continue

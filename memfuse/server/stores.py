@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from dataclasses import replace
 
 from sqlalchemy import select, update
 from sqlalchemy.engine import Row
@@ -25,7 +26,7 @@ from memfuse.models import (
     WorkspaceCreate,
 )
 from memfuse.server.base import _S, IdempotencyRequest, Principal, Reply, ServiceBase, ServiceError
-from memfuse.server import history, wakeups
+from memfuse.server import history, keys, wakeups
 from memfuse.server.db import DEFAULT_ACCOUNT, AccountAttachmentRow, AttachmentRow, EventRow, StoreRow, WorkspaceRow, utcnow
 
 log = logging.getLogger("memfuse.server.service")  # every room of the Service logs under one name
@@ -37,7 +38,7 @@ def _store_model(st: StoreRow | Row) -> Store:
     max_b, max_n, min_age = history.budget(st)
     hist_b, hist_n = history.usage(st)
     return Store(
-        slug=st.slug,
+        slug=keys.public(st.slug),
         description=st.description,
         default_type=st.default_type,
         max_record_bytes=st.max_record_bytes,
@@ -99,18 +100,19 @@ class StoresMixin(ServiceBase):
             if st.archived_at is not None:
                 raise ServiceError(403, "store_archived", f"store {slug!r} is archived: it takes no new attachments")
             now = utcnow()
-            aa = s.get(AccountAttachmentRow, (account, slug))
+            key = st.slug  # the store's key (memfuse.server.keys): what the rows name
+            aa = s.get(AccountAttachmentRow, (account, key))
             if aa is None:
-                aa = AccountAttachmentRow(account=account, store=slug, access=body.access.value, created_at=now)
+                aa = AccountAttachmentRow(account=account, store=key, access=body.access.value, created_at=now)
                 s.add(aa)
             else:
                 aa.access = body.access.value
             s.flush()
             changed: list[str] = []
             for ws in s.scalars(select(WorkspaceRow.name).where(WorkspaceRow.account == account)).all():
-                att = s.get(AttachmentRow, (ws, slug))
+                att = s.get(AttachmentRow, (ws, key))
                 if att is None:
-                    s.add(AttachmentRow(workspace=ws, store=slug, access=aa.access,
+                    s.add(AttachmentRow(workspace=ws, store=key, access=aa.access,
                                         instructions=body.instructions, created_at=now))
                 elif att.access != aa.access or att.instructions != body.instructions:
                     att.access, att.instructions = aa.access, body.instructions
@@ -118,7 +120,7 @@ class StoresMixin(ServiceBase):
                     continue
                 changed.append(ws)
             s.flush()
-            self._emit(s, changed, "attached", slug, aa.access)
+            self._emit(s, changed, "attached", key, aa.access)
             log.info("store %s attached to every workspace of account %s (%s; %d changed)", slug, account,
                      aa.access, len(changed))
             return Attachment(workspace="*", store=_store_model(st), access=Access(aa.access),
@@ -135,19 +137,20 @@ class StoresMixin(ServiceBase):
         p = self.act_in_account(p, account)  # type: ignore[attr-defined]
 
         def fn(s: Session) -> None:
-            aa = s.get(AccountAttachmentRow, (account, slug))
+            key = self._store(s.connection(), p, slug).slug  # 404 store_not_found: not of the account
+            aa = s.get(AccountAttachmentRow, (account, key))
             if aa is None:
                 raise ServiceError(404, "store_not_attached", f"store {slug!r} is not attached account-wide")
             s.delete(aa)
             wss = s.scalars(select(AttachmentRow.workspace).join(
                 WorkspaceRow, WorkspaceRow.name == AttachmentRow.workspace).where(
-                AttachmentRow.store == slug, WorkspaceRow.account == account)).all()
+                AttachmentRow.store == key, WorkspaceRow.account == account)).all()
             for ws in wss:
-                att = s.get(AttachmentRow, (ws, slug))
+                att = s.get(AttachmentRow, (ws, key))
                 if att is not None:
                     s.delete(att)
             s.flush()
-            self._emit(s, wss, "detached", slug, None)
+            self._emit(s, wss, "detached", key, None)
             log.info("store %s detached from every workspace of account %s", slug, account)
             return None
 
@@ -175,23 +178,26 @@ class StoresMixin(ServiceBase):
             s.add(row)
             s.flush()
             if body.default_store:
-                existing = s.get(StoreRow, body.name)
-                if existing is not None and existing.account != account:
-                    raise ServiceError(409, "exists", f"store {body.name!r} exists")
-                if existing is None:
+                conn = s.connection()
+                key = keys.new_key(conn, body.name, account)
+                if key is None:  # the account's own store of that name: attached as it is
+                    key = next(k for k in keys.candidates(body.name, account)
+                               if (r := s.get(StoreRow, k)) is not None and r.account == account)
+                else:
                     self._check_store_quota(s, account)  # type: ignore[attr-defined]
                     limits = StoreCreate(slug=body.name)
                     s.add(StoreRow(
-                        slug=body.name, description=limits.description, default_type=limits.default_type,
-                        max_record_bytes=limits.max_record_bytes, max_store_bytes=limits.max_store_bytes,
-                        max_records=limits.max_records, created_at=now, account=account,
+                        slug=key, public_slug=body.name, description=limits.description,
+                        default_type=limits.default_type, max_record_bytes=limits.max_record_bytes,
+                        max_store_bytes=limits.max_store_bytes, max_records=limits.max_records,
+                        created_at=now, account=account,
                     ))
                     s.flush()  # the store row before the attachment that references it
-                    log.info("store %s created for workspace %s", body.name, body.name)
-                s.add(AttachmentRow(workspace=body.name, store=body.name, access=Access.read_write.value,
+                    log.info("store %s created for workspace %s", key, body.name)
+                s.add(AttachmentRow(workspace=body.name, store=key, access=Access.read_write.value,
                                     instructions="", created_at=now))
                 s.flush()
-                self._emit(s, [body.name], "attached", body.name, Access.read_write.value)
+                self._emit(s, [body.name], "attached", key, Access.read_write.value)
             log.info("workspace %s created%s", body.name,
                      f" with store {body.name} attached read-write" if body.default_store else "")
             self._attach_account_stores(s, row)
@@ -211,7 +217,8 @@ class StoresMixin(ServiceBase):
 
     def create_store(self, p: Principal, body: StoreCreate, idem: IdempotencyRequest | None = None) -> Reply:
         """201 [Store] in the caller's account (the root admin's: ``default``, unless it
-        names one: ``X-Memfuse-Account``); 409 ``exists`` (slugs are unique across accounts),
+        names one: ``X-Memfuse-Account``); 409 ``exists`` (the account has a store of that
+        slug; another account's store of the same slug is no conflict: memfuse.server.keys),
         409 ``account_quota`` (the account's ``max_stores``) (admin)."""
         self._require_admin(p)
         if body.account is not None:  # named in the body: as X-Memfuse-Account would name it
@@ -219,12 +226,14 @@ class StoresMixin(ServiceBase):
         account = p.admin_account or DEFAULT_ACCOUNT
 
         def fn(s: Session) -> Store:
-            if s.get(StoreRow, body.slug) is not None:
+            key = keys.new_key(s.connection(), body.slug, account)
+            if key is None:
                 raise ServiceError(409, "exists", f"store {body.slug!r} exists")
             self._check_store_quota(s, account)  # type: ignore[attr-defined]
             st = StoreRow(
                 account=account,
-                slug=body.slug,
+                slug=key,
+                public_slug=body.slug,
                 description=body.description,
                 default_type=body.default_type,
                 max_record_bytes=body.max_record_bytes,
@@ -238,7 +247,7 @@ class StoresMixin(ServiceBase):
             )
             s.add(st)
             s.flush()
-            log.info("store %s created", body.slug)
+            log.info("store %s created", key)
             return _store_model(st)
 
         return self._write(p, idem, 201, fn)
@@ -251,7 +260,7 @@ class StoresMixin(ServiceBase):
             if p.admin_account is not None:
                 q = q.where(_S.c.account == p.admin_account)
             rows = s.connection().execute(q).all()
-            return [_store_model(r) for r in rows]
+            return sorted((_store_model(r) for r in rows), key=lambda m: (m.slug, m.account))
 
     def get_store(self, p: Principal, slug: str) -> Store:
         """[Store] for admin or a workspace it is attached to; 404 otherwise."""
@@ -265,13 +274,13 @@ class StoresMixin(ServiceBase):
         self._require_admin(p)
 
         def fn(s: Session) -> Store:
-            self._store(s.connection(), p, slug, write=True)
+            key = self._store(s.connection(), p, slug, write=True).slug
             values = {k: v for k, v in body.model_dump(exclude_unset=True).items() if v is not None}
             if values:
-                s.connection().execute(update(_S).where(_S.c.slug == slug).values(**values, updated_at=utcnow()))
-                history.forget_idle(slug)  # a new budget: look at the store again at its next write
-            attached = s.scalars(select(AttachmentRow.workspace).where(AttachmentRow.store == slug)).all()
-            self._emit(s, attached, "store_changed", slug, None)
+                s.connection().execute(update(_S).where(_S.c.slug == key).values(**values, updated_at=utcnow()))
+                history.forget_idle(key)  # a new budget: look at the store again at its next write
+            attached = s.scalars(select(AttachmentRow.workspace).where(AttachmentRow.store == key)).all()
+            self._emit(s, attached, "store_changed", key, None)
             return _store_model(self._store(s.connection(), p, slug))
 
         return self._write(p, idem, 200, fn)
@@ -288,16 +297,20 @@ class StoresMixin(ServiceBase):
 
         def fn(s: Session) -> Attachment:
             wrow = self._workspace(s, p, ws)
-            st = self._store(s.connection(), p, slug)
-            if st.account != wrow.account:  # the root admin's: never across accounts
+            if p.is_root:  # the root admin: the store of that name in the workspace's account
+                st = self._store(s.connection(), replace(p, account=wrow.account), slug)
+            else:
+                st = self._store(s.connection(), p, slug)
+            if st.account != wrow.account:  # never across accounts
                 raise ServiceError(404, "store_not_found", f"no store {slug!r} in the workspace's account")
-            att = s.get(AttachmentRow, (ws, slug))
+            key = st.slug
+            att = s.get(AttachmentRow, (ws, key))
             changed = True
             if att is None and st.archived_at is not None:
                 raise ServiceError(403, "store_archived", f"store {slug!r} is archived: it takes no new attachments")
             if att is None:
                 att = AttachmentRow(
-                    workspace=ws, store=slug, access=body.access.value, instructions=body.instructions,
+                    workspace=ws, store=key, access=body.access.value, instructions=body.instructions,
                     created_at=utcnow(),
                 )
                 s.add(att)
@@ -308,7 +321,7 @@ class StoresMixin(ServiceBase):
                 changed = False
             s.flush()
             if changed:
-                self._emit(s, [ws], "attached", slug, att.access)
+                self._emit(s, [ws], "attached", key, att.access)
                 log.info("store %s attached to %s (%s)", slug, ws, att.access)
             return Attachment(
                 workspace=ws, store=_store_model(st), access=Access(att.access),
@@ -322,13 +335,13 @@ class StoresMixin(ServiceBase):
         self._require_admin(p)
 
         def fn(s: Session) -> None:
-            self._workspace(s, p, ws)
-            att = s.get(AttachmentRow, (ws, slug))
+            wrow = self._workspace(s, p, ws)
+            att = s.get(AttachmentRow, (ws, keys.store_key(slug, wrow.account))) or s.get(AttachmentRow, (ws, slug))
             if att is None:
                 raise ServiceError(404, "store_not_attached", f"store {slug!r} is not attached to {ws!r}")
             s.delete(att)
             s.flush()
-            self._emit(s, [ws], "detached", slug, None)
+            self._emit(s, [ws], "detached", att.store, None)
             log.info("store %s detached from %s", slug, ws)
             return None
 
@@ -347,7 +360,7 @@ class StoresMixin(ServiceBase):
                 select(AttachmentRow, StoreRow)
                 .join(StoreRow, StoreRow.slug == AttachmentRow.store)
                 .where(AttachmentRow.workspace == ws)
-                .order_by(AttachmentRow.store)
+                .order_by(StoreRow.public_slug, AttachmentRow.store)
             ).all()
             return [
                 Attachment(

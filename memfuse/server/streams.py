@@ -149,10 +149,11 @@ class Streams:
         callable that streams (``await run(scope, receive, send)``)."""
         svc, notifier = self.svc, self.svc.notifier
         cursor = after
+        name = slug  # the public name; ``slug`` becomes the store's key (memfuse.server.keys)
 
         async def check() -> None:
-            if not notifier.readable(p.scope, wakeups.FEED, slug):
-                await anyio.to_thread.run_sync(svc.check_feed_access, p, slug)
+            if svc.cached_feed_key(p, name) is None:
+                await anyio.to_thread.run_sync(svc.check_feed_access, p, name)
 
         async def lines() -> tuple[list[bytes], bool]:
             # one read (one page of at most ``limit``) per call: a long catch-up is sent page
@@ -173,10 +174,11 @@ class Streams:
         def heartbeat() -> bytes:  # ChangePage(changes=[], seq=cursor) as pydantic encodes it
             return b'{"changes":[],"seq":%d}\n' % cursor
 
-        await check()
+        key = svc.cached_feed_key(p, name)
+        slug = key if key is not None else await anyio.to_thread.run_sync(svc.check_feed_access, p, name)
         first = await lines()  # a 410 known now is a plain problem response
         return self._runner(lambda: notifier.subscribe(wakeups.FEED, slug, skip_actor),
-                            check, lines, heartbeat, first, {"store": slug})
+                            check, lines, heartbeat, first, {"store": name})
 
     async def events(self, p: Principal, ws: str, after: int, *,
                      limit: int) -> Callable[[Any, Any, Any], Awaitable[None]]:

@@ -340,7 +340,8 @@ def live(svc: Service) -> Callable[[Request], Awaitable[Response]]:
             except ServiceError as err:
                 return Response(f"{err.detail}\n", status_code=err.status, media_type="text/plain",
                                 headers=err.headers)
-        slug = request.path_params["store"]
+        name: str = request.path_params["store"]
+        slug: str = name  # becomes the store's key (memfuse.server.keys) once access is checked
         record = request.query_params.get("record") or None
         try:
             after = max(0, min(int(request.query_params.get("after", "0")), INT64_MAX))
@@ -352,8 +353,8 @@ def live(svc: Service) -> Callable[[Request], Awaitable[Response]]:
             """The seq to announce (None: nothing for this page); moves ``after``. Raises
             ``ServiceError`` (404: not visible, 410: cursor beyond the feed)."""
             nonlocal after
-            if not notifier.readable(p.scope, wakeups.FEED, slug):
-                await anyio.to_thread.run_sync(svc.check_feed_access, p, slug)
+            if svc.cached_feed_key(p, name) is None:
+                await anyio.to_thread.run_sync(svc.check_feed_access, p, name)
             announce = None
             while True:
                 head = notifier.head(slug)
@@ -375,9 +376,16 @@ def live(svc: Service) -> Callable[[Request], Awaitable[Response]]:
             return announce
 
         async def events() -> AsyncIterator[str]:
+            nonlocal slug
             deadline = anyio.current_time() + LIVE_STREAM_SECONDS
             last_sent = anyio.current_time()
             yield "retry: 2000\n\n"
+            try:  # the key the Notifier wakes by
+                key = svc.cached_feed_key(p, name)
+                slug = key if key is not None else await anyio.to_thread.run_sync(svc.check_feed_access, p, name)
+            except ServiceError as err:
+                yield f"event: gone\ndata: {json.dumps({'status': err.status})}\n\n"
+                return
             waiter = notifier.subscribe(wakeups.FEED, slug)
             try:
                 while anyio.current_time() < deadline and not svc.closing:

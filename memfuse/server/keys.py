@@ -1,0 +1,60 @@
+"""A store's internal key and its public name (docs/ARCHITECTURE.md, "Accounts").
+
+Store names are unique within an account (revision ``0014_store_names``): two accounts may
+each have a store ``notes``. Every table keeps referring to a store by ``stores.slug``, its
+*key*; the name an account sees and uses is ``public(key)``:
+
+- a store's key is its name when no other store holds that key (every store made before the
+  revision, every store of a database with one account, the first ``notes`` of all);
+- otherwise ``<name>~<account>`` (``store_key``): ``~`` is a character a slug can never hold
+  (``names.SLUG_RE``), so the name is the key up to its first ``~``, with no lookup, and a
+  key of that form is never a name anyone can type.
+
+Resolution (a name a request gives → the key) is in ``ServiceBase._store`` and the creates;
+every answer, event, feed entry, path and id shows ``public(key)``. The key is never shown.
+"""
+from __future__ import annotations
+
+from sqlalchemy import select
+from sqlalchemy.engine import Connection
+
+from memfuse.server.db import StoreRow
+
+_S = StoreRow.__table__
+
+#: separates a store's name from its account in a key of a name taken by another account
+SEP = "~"
+#: the widest key: a slug (63), ``~``, an account slug (63)
+KEY_MAX = 127
+
+
+def public(key: str) -> str:
+    """The public name of the store whose key is ``key`` (the key itself for a key without
+    ``~``). Pure: safe on any string, e.g. ``public("notes~bravo") == "notes"``."""
+    return key.split(SEP, 1)[0]
+
+
+def store_key(name: str, account: str) -> str:
+    """The key of store ``name`` of ``account`` when the key ``name`` is held by a store of
+    another account: ``<name>~<account>`` (at most ``KEY_MAX`` characters for slugs)."""
+    return f"{name}{SEP}{account}"
+
+
+def candidates(name: str, account: str) -> tuple[str, str]:
+    """The two keys the store ``name`` of ``account`` can have: ``name`` (when it was free at
+    creation) and ``store_key(name, account)``. At most one of them is a store of
+    ``account`` (``ux_stores_account_name``)."""
+    return name, store_key(name, account)
+
+
+def new_key(conn: Connection, name: str, account: str) -> str | None:
+    """The key a new store ``name`` of ``account`` gets: ``name`` when no store holds that
+    key, else ``store_key(name, account)``; None when ``account`` already has a store
+    ``name`` (the caller's 409 ``exists``). Read in the creating transaction; a create racing
+    it fails on the primary key or on ``ux_stores_account_public_slug`` (``IntegrityError``:
+    ``ServiceBase._write`` runs it again, and it then sees the winner)."""
+    rows = conn.execute(select(_S.c.slug, _S.c.account).where(
+        _S.c.slug.in_(candidates(name, account)))).all()
+    if any(r.account == account for r in rows):
+        return None
+    return store_key(name, account) if any(r.slug == name for r in rows) else name
