@@ -57,6 +57,11 @@ _UPDATE_KEPT = (
     .values(version_bytes=_S.c.version_bytes + bindparam("d_bytes"),
             version_count=_S.c.version_count + bindparam("d_count"))
 )
+#: ``_UPDATE_KEPT`` giving back what ``budget`` and ``usage`` read
+_UPDATE_KEPT_RETURNING = _UPDATE_KEPT.returning(
+    _S.c.slug, _S.c.max_history_bytes, _S.c.max_store_bytes, _S.c.max_history_versions,
+    _S.c.max_records, _S.c.history_min_age_s, _S.c.version_bytes, _S.c.usage_bytes,
+    _S.c.version_count, _S.c.record_count)
 
 
 class _Totals:
@@ -119,14 +124,20 @@ def settle(conn: Connection) -> None:
     if not kept:
         return
     for store, (d_bytes, d_count) in kept.items():
-        if d_bytes or d_count:
-            conn.execute(_UPDATE_KEPT, {"slug_": store, "d_bytes": d_bytes, "d_count": d_count})
+        params = {"slug_": store, "d_bytes": d_bytes, "d_count": d_count}
         if d_bytes > 0 or d_count > 0:
-            _prune(conn, store)
+            # the counters' new values come back with the update (RETURNING: SQLite 3.35+,
+            # PostgreSQL), so the budget check costs no second statement
+            _prune(conn, store, conn.execute(_UPDATE_KEPT_RETURNING, params).first())
+        elif d_bytes or d_count:
+            conn.execute(_UPDATE_KEPT, params)
 
 
-def _prune(conn: Connection, store: str) -> None:
-    st = conn.execute(select(_S).where(_S.c.slug == store)).first()
+def _prune(conn: Connection, store: str, st: Any = None) -> None:
+    """Prune ``store``'s oldest versions while its history is over budget. ``st``: the store
+    row as it is now in this transaction (read here when None)."""
+    if st is None:
+        st = conn.execute(select(_S).where(_S.c.slug == store)).first()
     if st is None:
         return
     max_b, max_n, min_age = budget(st)

@@ -397,6 +397,10 @@ class Journal:
     its waiters, in front of anything queued since; ``run`` retries it with backoff, so the
     journal resumes by itself once space returns. Every waiter of a failed batch is told why
     (``Entry.journal_error``), so ``close(2)`` can answer ``ENOSPC`` instead of waiting.
+    Writes nobody waits for (a finished entry's delete, a key map row: ``_lazy``) do not
+    start a transaction of their own: they ride with the next one, at most ``LAZY_DELAY`` s
+    later, so a steady stream of closes costs one transaction (one fsync) per batch of
+    closes, not one more per commit (bench/README.md, "The close path").
 
     Size: committed rows are deleted, an insert still queued when its entry finishes is never
     written at all, and the write-ahead log is checkpointed and truncated whenever the queue
@@ -405,6 +409,9 @@ class Journal:
     """
 
     CHECKPOINT_EVERY = 2.0  # s between idle checkpoints
+    #: s at most between a queued write that woke nobody (``_lazy``: a finished entry's
+    #: delete, a key map row) and its transaction, when no ``close`` comes to carry it
+    LAZY_DELAY = 0.25
     RETRY_MIN, RETRY_MAX = 0.1, 2.0  # s: backoff of a failed batch
 
     def __init__(self, path: Path, metrics: Any = None) -> None:
@@ -481,6 +488,9 @@ class Journal:
         self._waiters: list[Entry | Barrier] = []
         self._unwritten: dict[int, list[Any]] = {}  # entry id -> its queued insert
         self._wakeup = trio.Event()
+        #: when the oldest queued write that woke nobody (``_lazy``) was queued, None when
+        #: every queued write woke ``run``
+        self._lazy_since: float | None = None
         self._lock = trio.Lock()
         self.error: CacheError | None = None  # the last write failure, None once one succeeds
         self.failures = 0  # failed batch writes since start
@@ -754,7 +764,8 @@ class Journal:
         self._wakeup.set()
 
     def remove(self, e: Entry) -> None:
-        """The entry finished: delete its row (or never write it, when still queued)."""
+        """The entry finished: delete its row (or never write it, when still queued). The
+        delete is lazy (``_lazy``): it goes with the next batch."""
         if e.node_key is not None and self._last_put.get(e.node_key, (None,))[0] == e.id:
             del self._last_put[e.node_key]
         op = self._unwritten.pop(e.id, None)
@@ -764,14 +775,25 @@ class Journal:
                 self._waiters.remove(e)
             return
         self._pending.append(["DELETE FROM entries WHERE id=?", (e.id,), None, {"d": e.id}])
-        self._wakeup.set()
+        self._lazy()
 
     def set_key(self, node_key: str, record_id: str | None, sha: str | None) -> None:
         """Queue the key map row ``node_key`` → (record id, sha256) (None, None: forgotten)."""
         self._pending.append(["INSERT OR REPLACE INTO keymap VALUES (?,?,?)",
                               (node_key, record_id, sha), None,
                               {"m": node_key, "r": record_id, "h": sha}])
-        self._wakeup.set()
+        self._lazy()
+
+    def _lazy(self) -> None:
+        """A queued write nobody waits for (the end of a finished entry, a key map row): it
+        does not wake ``run`` by itself but goes with the next batch that has a waiter (the
+        next ``close``), or after at most ``LAZY_DELAY`` s. So one file created, written
+        and closed costs one journal transaction (one fsync), not two: its insert carries
+        the previous file's delete. A crash before it is written loses nothing: the entry
+        stays in the journal, committed, and its replay is answered by its idempotency key
+        (the key map row is learnt again from that answer)."""
+        if self._lazy_since is None:
+            self._lazy_since = time.monotonic()
 
     def _apply(self, batch: list[list[Any]]) -> None:
         self._db.execute("BEGIN IMMEDIATE")
@@ -809,6 +831,7 @@ class Journal:
         async with self._lock:
             batch, self._pending = self._pending, []
             waiters, self._waiters = self._waiters, []
+            lazy_since, self._lazy_since = self._lazy_since, None
             self._unwritten = {}
             if batch:
                 try:
@@ -816,6 +839,8 @@ class Journal:
                 except BaseException as exc:
                     self._pending[:0] = batch
                     self._waiters[:0] = waiters
+                    if lazy_since is not None:
+                        self._lazy_since = min(lazy_since, self._lazy_since or lazy_since)
                     self._unwritten = {op[2]: op for op in self._pending if op[2] is not None}
                     if not isinstance(exc, Exception):
                         raise
@@ -833,11 +858,19 @@ class Journal:
                 w.notify()
 
     async def run(self) -> None:
-        """Group-commit loop: wait for queued writes, apply them, repeat. Never returns; a
-        failed write is retried with backoff (``RETRY_MIN`` .. ``RETRY_MAX`` s)."""
+        """Group-commit loop: wait for queued writes, apply them, repeat: every write queued
+        while a batch is being written goes in the next one, so concurrent closes share one
+        fsync. Lazy writes alone (``_lazy``) wait up to ``LAZY_DELAY`` s for company. Never
+        returns; a failed write is retried with backoff (``RETRY_MIN`` .. ``RETRY_MAX`` s)."""
         delay = self.RETRY_MIN
         while True:
-            await self._wakeup.wait()
+            if self._lazy_since is not None and not self._wakeup.is_set():
+                # only lazy writes queued: write them with the next batch, or after LAZY_DELAY
+                with trio.move_on_at(trio.current_time() + max(
+                        0.0, self._lazy_since + self.LAZY_DELAY - time.monotonic())):
+                    await self._wakeup.wait()
+            else:
+                await self._wakeup.wait()
             self._wakeup = trio.Event()
             try:
                 await self.flush_pending()

@@ -1,0 +1,104 @@
+"""create-write-close rate and CPU per file per process, optionally profiled with py-spy.
+
+    .venv/bin/python bench/prof_write.py [--n 1000] [--rounds 3] [--threads 1,4,16]
+                                         [--juicefs] [--pyspy DIR]
+
+One ``memfuse serve`` (SQLite) and one sidecar (``--commit-wait`` 10 s: every close returns
+once the control plane has the record). Each round writes ``n`` files of ~550 B
+(``bench_write.content``) with 1 writer, then with each number of writer threads in
+``--threads``, into fresh directories; it prints files/s and the CPU milliseconds per file of
+the sidecar and of the control plane (``/proc/PID/stat``). With ``--juicefs`` the peer
+(``common.JuiceFS``) runs the same writes in the same rounds (interleaved), so every rate has
+a ratio to the peer measured minutes apart on the same machine. With ``--pyspy DIR`` the one-
+writer part of the first round is sampled by ``py-spy record`` in both processes (raw
+collapsed stacks ``DIR/sidecar.txt`` and ``DIR/serve.txt``, idle frames dropped); py-spy must
+be on PATH or in the venv. Results go to stdout as JSON lines, one per measurement.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench_write import STORE, WS, write_files
+from common import Mount, Session, cpu_s, loadavg
+
+
+def _pyspy() -> str | None:
+    here = Path(sys.executable).parent / "py-spy"
+    return str(here) if here.exists() else shutil.which("py-spy")
+
+
+def _record(pid: int, out: Path) -> subprocess.Popen:
+    exe = _pyspy()
+    assert exe, "py-spy not found"
+    return subprocess.Popen([exe, "record", "--pid", str(pid), "--format", "raw", "--rate", "250",
+                             "--threads", "--output", str(out), "--nonblocking"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _stop(p: subprocess.Popen) -> None:
+    p.send_signal(signal.SIGINT)
+    try:
+        p.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=1000)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", default="4,16")
+    ap.add_argument("--juicefs", action="store_true")
+    ap.add_argument("--pyspy", type=Path)
+    ap.add_argument("--label", default="")
+    a = ap.parse_args()
+    threads = [int(x) for x in a.threads.split(",") if x]
+    with Session(quick=True, verbose=True) as s:
+        tok = s.workspace(WS, (STORE,))
+        m = Mount(s, s.cp, WS, tok, "writer")
+        m.start(STORE, nonempty=False)
+        s.on_close(m.stop)
+        jfs = s.juicefs() if a.juicefs else None
+        write_files(m.mountpoint / STORE / "warmup", 50)
+        if jfs is not None:
+            write_files(jfs.mountpoint / "warmup", 50)
+        for r in range(a.rounds):
+            for t in [1, *threads]:
+                spies = []
+                if a.pyspy and r == 0 and t == 1:
+                    a.pyspy.mkdir(parents=True, exist_ok=True)
+                    spies = [_record(m.pid, a.pyspy / "sidecar.txt"),
+                             _record(s.cp.proc.pid, a.pyspy / "serve.txt")]
+                    time.sleep(1.0)
+                c0 = (cpu_s(m.pid), cpu_s(s.cp.proc.pid))
+                dt = write_files(m.mountpoint / STORE / f"r{r}t{t}", a.n, threads=t)
+                c1 = (cpu_s(m.pid), cpu_s(s.cp.proc.pid))
+                for p in spies:
+                    _stop(p)
+                peer = None
+                if jfs is not None:
+                    peer = a.n / write_files(jfs.mountpoint / f"r{r}t{t}", a.n, threads=t)
+                row = {"label": a.label, "round": r, "writers": t, "files_s": round(a.n / dt, 1),
+                       "juicefs_files_s": round(peer, 1) if peer else None,
+                       "vs_juicefs": round(a.n / dt / peer, 2) if peer else None,
+                       "cpu_ms_per_file": {"sidecar": round((c1[0] - c0[0]) / a.n * 1000, 3),
+                                           "serve": round((c1[1] - c0[1]) / a.n * 1000, 3)},
+                       "loadavg": loadavg()}
+                print(json.dumps(row), flush=True)
+        st = m.status()
+        print(json.dumps({"label": a.label, "outbox": st.get("outbox")}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    raise SystemExit(main())
