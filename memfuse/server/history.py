@@ -57,11 +57,21 @@ _UPDATE_KEPT = (
     .values(version_bytes=_S.c.version_bytes + bindparam("d_bytes"),
             version_count=_S.c.version_count + bindparam("d_count"))
 )
-#: ``_UPDATE_KEPT`` giving back what ``budget`` and ``usage`` read
-_UPDATE_KEPT_RETURNING = _UPDATE_KEPT.returning(
-    _S.c.slug, _S.c.max_history_bytes, _S.c.max_store_bytes, _S.c.max_history_versions,
-    _S.c.max_records, _S.c.history_min_age_s, _S.c.version_bytes, _S.c.usage_bytes,
-    _S.c.version_count, _S.c.record_count)
+#: what ``budget`` and ``usage`` read, given back by the updates below (RETURNING)
+_BUDGET_COLUMNS = (_S.c.slug, _S.c.max_history_bytes, _S.c.max_store_bytes, _S.c.max_history_versions,
+                   _S.c.max_records, _S.c.history_min_age_s, _S.c.version_bytes, _S.c.usage_bytes,
+                   _S.c.version_count, _S.c.record_count)
+_UPDATE_KEPT_RETURNING = _UPDATE_KEPT.returning(*_BUDGET_COLUMNS)
+#: a write's usage counters and kept-version counters in one statement (``settle_with_usage``)
+_UPDATE_USAGE_KEPT = (
+    update(_S)
+    .where(_S.c.slug == bindparam("slug_"))
+    .values(usage_bytes=_S.c.usage_bytes + bindparam("d_bytes"),
+            record_count=_S.c.record_count + bindparam("d_count"),
+            version_bytes=_S.c.version_bytes + bindparam("k_bytes"),
+            version_count=_S.c.version_count + bindparam("k_count"))
+    .returning(*_BUDGET_COLUMNS)
+)
 
 
 class _Totals:
@@ -131,6 +141,24 @@ def settle(conn: Connection) -> None:
             _prune(conn, store, conn.execute(_UPDATE_KEPT_RETURNING, params).first())
         elif d_bytes or d_count:
             conn.execute(_UPDATE_KEPT, params)
+
+
+def settle_with_usage(conn: Connection, store: str, d_bytes: int, d_count: int) -> bool:
+    """Add ``d_bytes`` / ``d_count`` to ``store``'s usage counters (``usage_bytes`` /
+    ``record_count``) in the same statement as what ``note_kept`` noted for ``store`` so far
+    in this transaction (then settled here, pruning as ``settle`` would): one UPDATE for a
+    write that changes both. False (nothing done) when nothing is noted for ``store``: the
+    caller updates its usage counters itself."""
+    kept = conn.info.get(_KEY)
+    kb, kn = kept.get(store, (0, 0)) if kept else (0, 0)
+    if not (kb or kn):
+        return False
+    del kept[store]
+    row = conn.execute(_UPDATE_USAGE_KEPT, {"slug_": store, "d_bytes": d_bytes, "d_count": d_count,
+                                            "k_bytes": kb, "k_count": kn}).first()
+    if kb > 0 or kn > 0:
+        _prune(conn, store, row)
+    return True
 
 
 def _prune(conn: Connection, store: str, st: Any = None) -> None:

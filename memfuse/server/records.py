@@ -231,6 +231,11 @@ _SELECT_LIVE_ID_AT = select(_R.c.id).where(
 )
 
 
+#: (path, id) of the live records at any of ``paths`` (a new record's path and its ancestors)
+_SELECT_LIVE_AT_PATHS = select(_R.c.path, _R.c.id).where(
+    _R.c.store == bindparam("store"), _R.c.deleted == false(),
+    _R.c.path.in_(bindparam("paths", expanding=True)))
+
 _SELECT_ACCOUNT_MAX_BYTES = select(AccountRow.__table__.c.max_bytes).where(
     AccountRow.__table__.c.slug == bindparam("account"))
 _SELECT_ACCOUNT_OTHER_BYTES = select(func.coalesce(func.sum(_S.c.usage_bytes), 0)).where(
@@ -425,7 +430,7 @@ class RecordsMixin(ServiceBase):
         return conn.scalar(_SELECT_LIVE_ID_AT, {"store": store, "path": path})
 
     def _check_clash(self, conn: Connection, st: Any, path: str, skip: frozenset[str] = frozenset(),
-                     *, under: bool = True) -> None:
+                     *, under: bool = True, parents: bool = True) -> None:
         """Refuse a record at ``path`` that would make a file and a directory of one name
         (a file ``fd`` beside a file ``fd/child.md``: a filesystem cannot show both, so the
         mount would hide one and export would fail). 409 ``parent_is_file`` when a live
@@ -434,12 +439,13 @@ class RecordsMixin(ServiceBase):
         checks one moved path for its ancestors, and each target for ``path_exists``).
         Records whose id is in ``skip`` (the ones being moved) do not count. Within a batch
         still deferring its creates, the creates not yet written count too
-        (``BatchStore.paths`` / ``dirs``). Two indexed reads of at most one row each."""
+        (``BatchStore.paths`` / ``dirs``). Two indexed reads of at most one row each
+        (``parents`` False: the caller checked the ancestors already, one read)."""
         parts = path.split("/")
         ancestors = ["/".join(parts[:i]) for i in range(1, len(parts))]
         deferred = isinstance(st, BatchStore) and st.deferring
         not_skipped = [_R.c.id.notin_(skip)] if skip else []
-        if ancestors:
+        if ancestors and parents:
             hit = None
             if deferred:
                 hit = next((a for a in ancestors if st.paths.get(a) not in (None, *skip)), None)
@@ -557,7 +563,7 @@ class RecordsMixin(ServiceBase):
             _account_room(conn, st, b)
         if isinstance(st, BatchStore):  # a batch writes the counters once, at its end
             st.record_count, st.usage_bytes = n, b
-        elif d_bytes or d_count:
+        elif (d_bytes or d_count) and not history.settle_with_usage(conn, st.slug, d_bytes, d_count):
             conn.execute(_UPDATE_USAGE, {"slug_": st.slug, "d_bytes": d_bytes, "d_count": d_count})
 
     # ------------------------------------------------------------ records: reads
@@ -771,10 +777,23 @@ class RecordsMixin(ServiceBase):
             if secret is not None:
                 raise _secret_error(secret)
             deferred = isinstance(st, BatchStore) and st.deferring
-            other = st.paths.get(path) if deferred else self._live_at_id(conn, st.slug, path)
+            parts = path.split("/")
+            ancestors = ["/".join(parts[:i]) for i in range(1, len(parts))]
+            hits: dict[str, str] = {}  # path -> id of the live records there
+            if deferred:
+                other = st.paths.get(path)
+            else:  # the live records at the path and at its ancestors: one indexed read
+                hits = {r.path: r.id for r in conn.execute(
+                    _SELECT_LIVE_AT_PATHS, {"store": st.slug, "paths": [path, *ancestors]})}
+                other = hits.get(path)
             if other is not None:
                 raise ServiceError(409, "path_exists", f"{path!r} exists", record_id=other)
-            self._check_clash(conn, st, path)
+            if not deferred:
+                hit = next((a for a in ancestors if a in hits), None)
+                if hit is not None:  # _check_clash's refusal, its parents part done here
+                    raise ServiceError(409, "parent_is_file",
+                                       f"{hit!r} is a file, so {path!r} cannot be under it")
+            self._check_clash(conn, st, path, parents=deferred)
             now = utcnow()
             rec = _Rec(
                 id=str(uuid.uuid4()), store=st.slug, path=path, type=rtype, version=1,

@@ -491,6 +491,7 @@ class Journal:
         #: when the oldest queued write that woke nobody (``_lazy``) was queued, None when
         #: every queued write woke ``run``
         self._lazy_since: float | None = None
+        self._urgent = False  # a write queued since the last batch wants it written now
         self._lock = trio.Lock()
         self.error: CacheError | None = None  # the last write failure, None once one succeeds
         self.failures = 0  # failed batch writes since start
@@ -609,7 +610,7 @@ class Journal:
         else:
             self._pending.append(["INSERT OR REPLACE INTO merges VALUES (?,?,?,?)",
                                   (node_key, *value), None])
-        self._wakeup.set()
+        self._wake()
 
     REJECTED_COLUMNS = ("node_key", "store", "path", "errno", "code", "reason", "content",
                         "record_id", "type", "mode", "mtime_ns", "created")
@@ -632,7 +633,7 @@ class Journal:
         for r in rows:
             self._pending.append([f"INSERT OR REPLACE INTO rejected VALUES ({marks})",
                                   tuple(r[c] for c in self.REJECTED_COLUMNS), None])
-        self._wakeup.set()
+        self._wake()
 
     LOCAL_COLUMNS = ("node_key", "store", "path", "content", "mode", "mtime_ns", "created")
 
@@ -649,25 +650,25 @@ class Journal:
         marks = ",".join("?" * len(self.LOCAL_COLUMNS))
         self._pending.append([f"INSERT OR REPLACE INTO local_files VALUES ({marks})",
                               tuple(row[c] for c in self.LOCAL_COLUMNS), None])
-        self._wakeup.set()
+        self._wake()
 
     def move_local(self, node_key: str, path: str, mode: int, mtime_ns: int) -> None:
         """Queue a new path / mode / mtime for a kept local-only file (content unchanged)."""
         self._pending.append(["UPDATE local_files SET path=?, mode=?, mtime_ns=? WHERE node_key=?",
                               (path, mode, mtime_ns, node_key), None])
-        self._wakeup.set()
+        self._wake()
 
     def delete_local(self, node_key: str) -> None:
         """Queue the deletion of a kept local-only file (unlinked, or renamed onto a normal
         name and now a record)."""
         self._pending.append(["DELETE FROM local_files WHERE node_key=?", (node_key,), None])
-        self._wakeup.set()
+        self._wake()
 
     def barrier(self) -> Barrier:
         """A ``Barrier`` after everything queued so far (set once it is all on disk)."""
         b = Barrier()
         self._waiters.append(b)
-        self._wakeup.set()
+        self._wake()
         return b
 
     def load_errors(self, keep: int) -> list[dict[str, Any]]:
@@ -694,7 +695,7 @@ class Journal:
                               (json.dumps(entry),), None])
         self._pending.append(["DELETE FROM errors_log WHERE id <= "
                               "(SELECT MAX(id) FROM errors_log) - ?", (keep,), None])
-        self._wakeup.set()
+        self._wake()
 
     def next_id(self) -> int:
         """The highest entry id on disk or in the witness (0 for none): entry ids continue
@@ -761,7 +762,7 @@ class Journal:
         self._pending.append(op)
         self._unwritten[e.id] = op
         self._waiters.append(e)
-        self._wakeup.set()
+        self._wake()
 
     def remove(self, e: Entry) -> None:
         """The entry finished: delete its row (or never write it, when still queued). The
@@ -794,6 +795,12 @@ class Journal:
         (the key map row is learnt again from that answer)."""
         if self._lazy_since is None:
             self._lazy_since = time.monotonic()
+            self._wakeup.set()  # not urgent: ``run`` then waits up to LAZY_DELAY for company
+
+    def _wake(self) -> None:
+        """A queued write someone waits for (or a retry): ``run`` writes the batch now."""
+        self._urgent = True
+        self._wakeup.set()
 
     def _apply(self, batch: list[list[Any]]) -> None:
         self._db.execute("BEGIN IMMEDIATE")
@@ -864,14 +871,15 @@ class Journal:
         returns; a failed write is retried with backoff (``RETRY_MIN`` .. ``RETRY_MAX`` s)."""
         delay = self.RETRY_MIN
         while True:
-            if self._lazy_since is not None and not self._wakeup.is_set():
+            await self._wakeup.wait()
+            if not self._urgent and self._lazy_since is not None:
                 # only lazy writes queued: write them with the next batch, or after LAZY_DELAY
+                self._wakeup = trio.Event()
                 with trio.move_on_at(trio.current_time() + max(
                         0.0, self._lazy_since + self.LAZY_DELAY - time.monotonic())):
                     await self._wakeup.wait()
-            else:
-                await self._wakeup.wait()
             self._wakeup = trio.Event()
+            self._urgent = False
             try:
                 await self.flush_pending()
             except CacheError as err:
@@ -887,7 +895,7 @@ class Journal:
                     await trio.to_thread.run_sync(self._checkpoint)
                 await trio.sleep(delay)
                 delay = min(delay * 2, self.RETRY_MAX)
-                self._wakeup.set()
+                self._wake()
                 continue
             if delay != self.RETRY_MIN:
                 log.info("outbox journal writes again", extra={"failures": self.failures})
