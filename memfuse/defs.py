@@ -29,6 +29,7 @@ __all__ = [
     "SEARCH_PAGE_MAX",
     "SEARCH_LINES_DEFAULT",
     "SEARCH_LINES_MAX",
+    "FEED_PAGE_MAX",
     "Access",
     "Operation",
     "sha256_hex",
@@ -66,6 +67,9 @@ SEARCH_QUERY_MAX = 256  # characters of ``q``
 SEARCH_PREFIX_MAX = 1024  # characters of ``prefix`` (a record path's bound)
 SEARCH_PAGE_DEFAULT, SEARCH_PAGE_MAX = 20, 100  # records read per search page (``limit``)
 SEARCH_LINES_DEFAULT, SEARCH_LINES_MAX = 5, 100  # matching lines shown per record
+# changes / events per page of GET .../changes and .../events (``limit``: also the default), in the
+# app's Query(...), the long-poll fast path and the streams
+FEED_PAGE_MAX = 1000
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 

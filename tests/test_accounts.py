@@ -688,7 +688,7 @@ async def test_a_consolidation_output_store_is_in_its_inputs_account(world):
     with svc.db.write_conn() as conn:
         job = conn.execute(select(ConsolidationJobRow.__table__).where(
             ConsolidationJobRow.__table__.c.id == b["job"])).one()
-        svc._new_store_maker(job, "bravo-notes-consolidated-1", None)(conn)
+        svc.consolidations._new_store_maker(job, "bravo-notes-consolidated-1", None)(conn)
     async with _client(app, b["admin"]) as c:
         assert (await c.get("/v1/stores/bravo-notes-consolidated-1")).json()["account"] == "bravo"
     async with _client(app, ids["alpha"]["admin"]) as c:

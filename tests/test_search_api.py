@@ -351,7 +351,7 @@ async def test_memory_tool_search_marker_when_the_bound_is_met_exactly(env: Env)
 def test_like_superset_never_loses_a_match():
     """For every code point ``x`` (and ``x`` between other text), the pattern of each piece of
     ``fold(x)`` matches ``x`` under SQLite's ``LIKE`` (ASCII-only case folding): the
-    database's filter is a superset of what ``holds`` accepts (``ServiceBase._contains``)."""
+    database's filter is a superset of what ``holds`` accepts (``Resource._contains``)."""
     import sqlite3
     import sys
 

@@ -331,7 +331,7 @@ async def test_database_token_is_cached_and_expires(env):
             conn.exec_driver_sql("DELETE FROM tokens")
         assert (await c.get("/v1/stores/default/records")).status_code == 200
         # its time is up (TOKEN_CACHE_SECONDS later): asked again, refused
-        for entry in svc._token_cache.entries.values():
+        for entry in svc.tokens._token_cache.entries.values():
             entry.until = 0.0
         r = await c.get("/v1/stores/default/records")
         assert r.status_code == 401 and r.json()["code"] == "unauthorized"
@@ -507,12 +507,12 @@ async def test_revocation_topic_reaches_the_token_cache(env):
     svc = app.state.service
     tok = (await admin.post("/v1/tokens", json={"workspace": "ws", "name": "t"})).json()
     svc.authenticate(tok["token"])
-    assert any(e.token_id == tok["id"] for e in svc._token_cache.entries.values())
+    assert any(e.token_id == tok["id"] for e in svc.tokens._token_cache.entries.values())
     wakeups.begin_notes()
     wakeups.note_topic(wakeups.TOKEN_REVOKED, tok["id"])
     notes, _, _ = wakeups.take_notes()
     svc.notifier.committed(notes, local=False)
-    assert not any(e.token_id == tok["id"] for e in svc._token_cache.entries.values())
+    assert not any(e.token_id == tok["id"] for e in svc.tokens._token_cache.entries.values())
 
 
 async def test_token_confirmations_are_batched(env):
@@ -532,7 +532,7 @@ async def test_token_confirmations_are_batched(env):
     for t in toks:
         svc.authenticate(t)
     digests = [sha256_hex(t.encode()) for t in toks]
-    cache = svc._token_cache
+    cache = svc.tokens._token_cache
     with svc.db.write_conn() as conn:
         conn.exec_driver_sql(f"DELETE FROM tokens WHERE token_sha256 = '{digests[2]}'")
     mono = time.monotonic()

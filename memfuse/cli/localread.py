@@ -268,7 +268,7 @@ class LocalReadTransport(httpx.AsyncBaseTransport):
 
     def _workspaces(self, rest: list[str]) -> Any:
         """``GET /v1/workspaces`` (by name) and ``/v1/workspaces/{ws}/attachments`` (by store,
-        each with its store: ``memfuse.server.stores.StoresMixin.list_attachments``)."""
+        each with its store: ``memfuse.server.stores.StoresService.list_attachments``)."""
         if not rest:
             sql = f"SELECT {', '.join(_fields(wire.Workspace))} FROM workspaces ORDER BY name"
             return [_row(r, _fields(wire.Workspace)) for r in self._conn.execute(sql)]
@@ -304,7 +304,7 @@ class LocalReadTransport(httpx.AsyncBaseTransport):
 
     def _tokens(self, q: dict[str, str]) -> list[dict[str, Any]]:
         """``GET /v1/tokens``: every token, oldest first, with its state
-        (``memfuse.server.tokens.TokensMixin.list_tokens``)."""
+        (``memfuse.server.tokens.TokensService.list_tokens``)."""
         if not set(q) <= {"workspace", "include_revoked"}:
             raise NeedEventLoop("not served here")
         sql = f"SELECT {', '.join(_TOKEN_COLS)} FROM tokens"
@@ -332,7 +332,7 @@ class LocalReadTransport(httpx.AsyncBaseTransport):
         return out
 
     def _search(self, slug: str, q: dict[str, str]) -> dict[str, Any]:
-        """``GET .../search`` in path order (``memfuse.server.search.SearchMixin.search``):
+        """``GET .../search`` in path order (``memfuse.server.search.SearchService.search``):
         every live record holding the query, in one page (the CLI reads all pages anyway;
         ``limit`` is the records it asks for, served whole). A ranked search, a prefix, a
         cursor or anything the service would check goes the full way."""

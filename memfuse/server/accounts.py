@@ -4,7 +4,7 @@ An account owns workspaces, stores and tokens (their ``account`` column). The ro
 admin token without an account: every admin token made before accounts) creates, lists and
 deletes accounts and acts on every account; an account admin (an admin token with
 ``account``) sees and changes only its account: another account's object is 404
-(``ServiceBase._store`` / ``_workspace`` and the listings filter by
+(``AccessRules.store`` / ``.workspace`` and the listings filter by
 ``Principal.admin_account``). A database made before accounts has all its objects in
 ``default`` (revision 0013_accounts).
 
@@ -24,7 +24,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
 from memfuse.models import Account, AccountCreate
-from memfuse.server.base import _S, _T, IdempotencyRequest, Principal, Reply, ServiceBase, ServiceError
+from memfuse.server.base import _S, _T, IdempotencyRequest, Principal, Reply, Resource, ServiceError
 from memfuse.server.db import DEFAULT_ACCOUNT, AccountRow, WorkspaceRow, utcnow
 from memfuse.server.sessions import _CS, session_digest
 
@@ -45,7 +45,7 @@ RESERVED_ACCOUNTS = {
     "root": "the root admin, which has no account",
 }
 
-class AccountsMixin(ServiceBase):
+class AccountsService(Resource):
     """``Service`` methods: ``create_account``, ``list_accounts``, ``get_account``,
     ``delete_account``, ``act_in_account`` and the quota checks the other rooms call."""
 
@@ -75,7 +75,7 @@ class AccountsMixin(ServiceBase):
 
     # ------------------------------------------------------------ quotas (other rooms call these)
 
-    def _check_store_quota(self, s: Session | Connection, account: str) -> None:
+    def check_store_quota(self, s: Session | Connection, account: str) -> None:
         """409 ``account_quota`` when ``account`` holds ``max_stores`` stores already; 404
         ``account_not_found`` when it does not exist."""
         conn = s.connection() if isinstance(s, Session) else s
@@ -88,7 +88,7 @@ class AccountsMixin(ServiceBase):
                 raise ServiceError(409, "account_quota",
                                    f"account {account!r} holds its limit of {row.max_stores} stores")
 
-    def _check_token_quota(self, s: Session, account: str) -> None:
+    def check_token_quota(self, s: Session, account: str) -> None:
         """409 ``account_quota`` when ``account`` has ``max_tokens`` active tokens already; 404
         ``account_not_found`` when it does not exist."""
         conn = s.connection()

@@ -1,28 +1,24 @@
-"""HTTP layer of the reference control plane: the FastAPI app of docs/API.md.
+"""HTTP layer of the reference control plane: the FastAPI app of docs/API.md, assembled.
 
-Handlers are thin: authenticate, call ``Service``, turn the result into a response. Every
-error is ``application/problem+json`` (RFC 9457) with memfuse's ``code``: refusals of the
-service, request validation (422 ``validation_error``), unknown routes (404 ``not_found``),
-a database that stays locked (503 ``unavailable``, ``Retry-After: 1``) and unexpected
-exceptions (500 ``internal_error``, logged with the traceback).
+``create_app`` builds the ``Service`` and includes one ``APIRouter`` per resource
+(``memfuse.server.routes``: accounts, stores, workspaces, tokens, records, feeds,
+consolidations), every route registered from the one route table
+(``memfuse.server.routetable``); the other faces (the web console, the memory tool and MCP,
+the Anthropic memory-store API) install their own routes. Errors are problem+json
+(``memfuse.server.problems``).
 
-Plain ``def`` handlers run in anyio's worker threads (fine under trio and asyncio); the
-long-polls (``changes``, ``events`` with ``wait``) are ``async`` (``memfuse.server.longpoll``):
-they read the database only when there may be something to read, in a worker thread, and
-sleep without a session until a commit concerns them (this process's, or another replica's
-through the commit bus of ``memfuse.server.wakeups``). Authentication is an ``async``
-dependency: static and recently seen tokens resolve on the event loop, only an unknown token
-costs a worker thread and a query.
+The long-polls (``changes``, ``events`` with ``wait``) are ``async``
+(``memfuse.server.longpoll``): they read the database only when there may be something to
+read, in a worker thread, and sleep without a session until a commit concerns them (this
+process's, or another replica's through the commit bus of ``memfuse.server.wakeups``).
 
 In front of the app, ``memfuse.server.gate.Gate`` answers the probes and ``GET /metrics``,
 authenticates and checks the size from the headers before any body byte is read, bounds the
 time a body may take and the requests in flight (503 + ``Retry-After`` beyond), runs
 long-lived responses under the caps of ``memfuse.server.streamclass`` (429), and bounds the
-time a response may take to be read.
-
-Responses are serialised once, by pydantic (``model_dump_json``), into plain ``Response``
-objects: FastAPI neither validates nor re-encodes them against the ``response_model``
-(which only documents the body in the OpenAPI schema).
+time a response may take to be read. This module also holds the app's middleware
+(``_CatchAll``: a logged 500 for anything unhandled; ``_Timing``: the request-duration
+histogram by route template).
 """
 from __future__ import annotations
 
@@ -30,103 +26,40 @@ import json
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
-from typing import Annotated, Any, Literal
+from typing import Any
 
-import anyio
-from fastapi import Depends, FastAPI, Header, Path, Query, Request, Security
-from fastapi.encoders import jsonable_encoder
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi import FastAPI
 from prometheus_client import Histogram
-from pydantic import BaseModel, ValidationError
-from sqlalchemy.exc import OperationalError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Mount
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from memfuse.models import (
-    BATCH_MAX_BYTES,
-    Account,
-    AccountCreate,
-    BatchRequest,
-    BatchResponse,
-    Attachment,
-    AttachmentPut,
-    ChangePage,
-    ConsolidationCreate,
-    ConsolidationJob,
-    EventPage,
-    MoveResult,
-    PrefixMove,
-    Problem,
-    Record,
-    RecordAttributes,
-    SearchPage,
-    IndexReport,
-    RecordCreate,
-    RecordMove,
-    RecordPage,
-    RecordUpdate,
-    RecordAppend,
-    Restore,
-    Store,
-    StoreCreate,
-    StoreUpdate,
-    TokenCreate,
-    TokenCreated,
-    TokenInfo,
-    Version,
-    Workspace,
-    WorkspaceCreate,
-)
+from memfuse.models import BatchRequest
 from memfuse import defs
 from memfuse.server import gate, limits, longpoll, proxies, streamclass, streams as streaming
 from memfuse.server.apidocs import install_docs
-from memfuse.server.base import REASONS
-from memfuse.server.batch import batch_body
 from memfuse.server.db import Database
+from memfuse.server.routes import accounts, consolidations, feeds, records, stores, tokens, workspaces
+from memfuse.server.routes.deps import get_principal, requested_account
+from memfuse.server.problems import (
+    PROBLEM_JSON,
+    PROBLEM_RESPONSES,
+    exception_response,
+    install_error_handlers,
+    problem_response,
+)
 from memfuse.server.service import (
     CONTEXT_MAX_BYTES_ENV,
     CONTEXT_MIN_BYTES,
     CONTEXT_TOTAL_MAX_BYTES,
-    MAX_WAIT_SECONDS,
-    IdempotencyRequest,
-    Principal,
-    Reply,
     Service,
-    ServiceError,
-    idempotency_request,
 )
+
+__all__ = ["PROBLEM_JSON", "create_app", "problem_response", "requested_account", "route_template"]
 
 log = logging.getLogger(__name__)
 
-PROBLEM_JSON = "application/problem+json"
-_REASONS = REASONS
-_PROBLEM_RESPONSES: dict[int | str, dict[str, Any]] = {
-    "4XX": {"model": Problem, "description": "Refusal (RFC 9457 problem details)",
-            "content": {PROBLEM_JSON: {}}},
-    "5XX": {"model": Problem, "description": "Transient failure (RFC 9457 problem details)",
-            "content": {PROBLEM_JSON: {}}},
-}
-
-
-def problem_response(
-    status: int,
-    code: str,
-    detail: str = "",
-    *,
-    headers: dict[str, str] | None = None,
-    **extra: Any,
-) -> JSONResponse:
-    """An ``application/problem+json`` response; ``extra`` become additional members. A lone
-    surrogate in ``detail`` (echoed client input) becomes U+FFFD: the body is always UTF-8."""
-    detail = detail.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
-    body = Problem(title=_REASONS.get(status, "Error"), status=status, detail=detail, code=code).model_dump()
-    body.update(jsonable_encoder(extra))
-    return JSONResponse(body, status_code=status, headers=headers, media_type=PROBLEM_JSON)
-
+ROUTERS = (accounts, stores, workspaces, tokens, records, feeds, consolidations)
+"""The resource routers of the v1 API (``memfuse.server.routes``), in the order they are added."""
 
 class _CatchAll:
     """Turns an exception no handler took into a logged 500 problem (when the response has
@@ -218,77 +151,6 @@ class _Timing:
             observe()
 
 
-def _reply(r: Reply) -> Response:
-    headers = dict(r.headers)
-    if r.replayed:
-        headers["Idempotent-Replayed"] = "true"
-    if r.status == 204 or not r.body:
-        return Response(status_code=r.status, headers=headers)
-    return Response(content=r.body, status_code=r.status, headers=headers, media_type="application/json")
-
-
-def _json(model: BaseModel | list[BaseModel], *, etag: str | None = None) -> Response:
-    """A 200 JSON response of a wire model (or a list of them), serialised by pydantic."""
-    headers = {"ETag": f'"{etag}"'} if etag else None
-    if isinstance(model, list):
-        body = b"[" + b",".join(m.model_dump_json().encode() for m in model) + b"]"
-    else:
-        body = model.model_dump_json().encode()
-    return Response(content=body, headers=headers, media_type="application/json")
-
-_bearer = HTTPBearer(auto_error=False, description="workspace or admin token")
-
-
-def _service(request: Request) -> Service:
-    return request.app.state.service
-
-
-async def _principal(
-    request: Request,
-    cred: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)],
-    x_memfuse_instance: Annotated[str | None, Header(description="sidecar id, recorded in actor")] = None,
-) -> Principal:
-    svc = _service(request)
-    p = request.scope.get("memfuse.principal")  # the front door's (memfuse.server.gate)
-    if p is None:
-        token = cred.credentials if cred else None
-        p = svc.authenticate_cached(token, x_memfuse_instance)  # no database, no thread
-        if p is None:
-            p = await anyio.to_thread.run_sync(svc.authenticate, token, x_memfuse_instance)
-    if svc.token_upkeep_due():  # token bookkeeping: a few statements a minute (tokens.py)
-        await anyio.to_thread.run_sync(svc.token_upkeep)
-    account = requested_account(request)
-    if account:  # the root admin acting in one account (docs/API.md "Accounts")
-        p = await anyio.to_thread.run_sync(svc.act_in_account, p, account)
-    return p
-
-
-def requested_account(request: Request) -> str | None:
-    """The account a request names: the ``X-Memfuse-Account`` header, else the ``account``
-    query parameter (for links and the console), else None."""
-    return request.headers.get("x-memfuse-account") or request.query_params.get("account") or None
-
-
-async def _idempotency(
-    request: Request,
-    idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
-) -> IdempotencyRequest | None:
-    if not idempotency_key:
-        return None
-    body = await request.body()
-    return idempotency_request(idempotency_key, request.method, request.url.path, body)
-
-
-P = Annotated[Principal, Depends(_principal)]
-Idem = Annotated[IdempotencyRequest | None, Depends(_idempotency)]
-IfMatch = Annotated[str | None, Header(description='"<sha256>" of the version the change is based on, or *')]
-StoreSlug = Annotated[str, Path(description="store slug")]
-AccountSlug = Annotated[str, Path(description="account slug")]
-VersionNumber = Annotated[int, Path(ge=1, le=defs.INT64_MAX, description="version number (1, 2, ...)")]
-After = Annotated[int, Query(ge=0, le=defs.INT64_MAX, description="feed position to read after (a page's seq)")]
-Wait = Annotated[float, Query(ge=0, description="long-poll seconds (capped at 60)")]
-
-
 def create_app(
     db_url: str,
     *,
@@ -368,7 +230,7 @@ def create_app(
         title="memfuse control plane",
         version="1",
         description="Long-term memory for AI agents, served as files (see docs/API.md).",
-        responses=_PROBLEM_RESPONSES,
+        responses=PROBLEM_RESPONSES,
         docs_url=None,  # served by apidocs.install_docs, every asset from this server
         redoc_url=None,
     )
@@ -378,7 +240,7 @@ def create_app(
     app.state.feed_reads = reads
     app.state.streams = open_streams
     app.state.stream_class = stream_class
-    _install_error_handlers(app)
+    install_error_handlers(app)
     app.add_middleware(_CatchAll)
     app.add_middleware(_Timing, histogram=Histogram(
         "http_request_duration_seconds", "Time from a request's arrival in the app to its last "
@@ -394,7 +256,7 @@ def create_app(
         receive_timeout=receive_timeout, header_timeout=header_timeout,
         max_unauthenticated_per_address=max_unauthenticated_per_address,
         write_rate=write_rate,
-        fast=longpoll.FastPath(svc, reads, _exception_response, open_streams),
+        fast=longpoll.FastPath(svc, reads, exception_response, open_streams),
     )
     metrics.add_collector(limits.front_collector(app.front, stream_class))
 
@@ -405,310 +267,12 @@ def create_app(
 
     # /healthz, /readyz and /metrics are answered by the front door (memfuse.server.gate),
     # before any limit: they never queue behind API traffic
-
-    # ------------------------------------------------------------ accounts
-
-    @app.post("/v1/accounts", status_code=201, response_model=Account, tags=["accounts"])
-    def create_account(body: AccountCreate, p: P, idem: Idem):
-        return _reply(svc.create_account(p, body, idem))
-
-    @app.get("/v1/accounts", response_model=list[Account], tags=["accounts"])
-    def list_accounts(p: P):
-        return _json(svc.list_accounts(p))
-
-    @app.get("/v1/accounts/{account}", response_model=Account, tags=["accounts"])
-    def get_account(account: AccountSlug, p: P):
-        return _json(svc.get_account(p, account))
-
-    @app.delete("/v1/accounts/{account}", status_code=204, tags=["accounts"])
-    def delete_account(account: AccountSlug, p: P, idem: Idem):
-        return _reply(svc.delete_account(p, account, idem))
-
-    @app.put("/v1/accounts/{account}/attachments/{store}", response_model=Attachment, tags=["accounts"])
-    def put_account_attachment(account: AccountSlug, store: StoreSlug, body: AttachmentPut, p: P, idem: Idem):
-        return _reply(svc.put_account_attachment(p, account, store, body, idem))
-
-    @app.delete("/v1/accounts/{account}/attachments/{store}", status_code=204, tags=["accounts"])
-    def delete_account_attachment(account: AccountSlug, store: StoreSlug, p: P, idem: Idem):
-        return _reply(svc.delete_account_attachment(p, account, store, idem))
-
-    # ------------------------------------------------------------ admin
-
-    @app.post("/v1/workspaces", status_code=201, response_model=Workspace, tags=["admin"])
-    def create_workspace(body: WorkspaceCreate, p: P, idem: Idem):
-        return _reply(svc.create_workspace(p, body, idem))
-
-    @app.get("/v1/workspaces", response_model=list[Workspace], tags=["admin"])
-    def list_workspaces(p: P):
-        return _json(svc.list_workspaces(p))
-
-    @app.post("/v1/stores", status_code=201, response_model=Store, tags=["admin"])
-    def create_store(body: StoreCreate, p: P, idem: Idem):
-        return _reply(svc.create_store(p, body, idem))
-
-    @app.get("/v1/stores", response_model=list[Store], tags=["admin"])
-    def list_stores(p: P):
-        return _json(svc.list_stores(p))
-
-    @app.get("/v1/stores/{store}", response_model=Store, tags=["admin"])
-    def get_store(store: StoreSlug, p: P):
-        return _json(svc.get_store(p, store))
-
-    @app.patch("/v1/stores/{store}", response_model=Store, tags=["admin"])
-    def update_store(store: StoreSlug, body: StoreUpdate, p: P, idem: Idem):
-        return _reply(svc.update_store(p, store, body, idem))
-
-    @app.put("/v1/workspaces/{ws}/attachments/{store}", response_model=Attachment, tags=["admin"])
-    def put_attachment(ws: str, store: StoreSlug, body: AttachmentPut, p: P, idem: Idem):
-        return _reply(svc.put_attachment(p, ws, store, body, idem))
-
-    @app.delete("/v1/workspaces/{ws}/attachments/{store}", status_code=204, tags=["admin"])
-    def delete_attachment(ws: str, store: StoreSlug, p: P, idem: Idem):
-        return _reply(svc.delete_attachment(p, ws, store, idem))
-
-    @app.post("/v1/tokens", status_code=201, response_model=TokenCreated, tags=["admin"])
-    def create_token(body: TokenCreate, p: P, idem: Idem):
-        return _reply(svc.create_token(p, body, idem))
-
-    @app.get("/v1/tokens", response_model=list[TokenInfo], tags=["admin"])
-    def list_tokens(p: P, workspace: str | None = None, include_revoked: bool = False):
-        return _json(svc.list_tokens(p, workspace, include_revoked))
-
-    @app.delete("/v1/tokens/{token_id}", status_code=204, tags=["admin"])
-    def revoke_token(token_id: str, p: P, idem: Idem):
-        return _reply(svc.revoke_token(p, token_id, idem))
-
-    # ------------------------------------------------------------ workspace
-
-    @app.get("/v1/workspaces/{ws}/attachments", response_model=list[Attachment], tags=["workspace"])
-    def list_attachments(ws: str, p: P):
-        return _json(svc.list_attachments(p, ws))
-
-    @app.get("/v1/workspaces/{ws}/events", response_model=EventPage, tags=["workspace"])
-    async def events(
-        request: Request,
-        ws: str,
-        p: P,
-        after: After = 0,
-        wait: Wait = 0,
-        limit: Annotated[int, Query(ge=1, le=1000)] = 1000,
-        stream: Annotated[bool, Query(description="answer an NDJSON stream of pages (docs/API.md)")] = False,
-    ):
-        if stream and open_streams.enabled:
-            return _StreamResponse(await open_streams.events(p, ws, after, limit=limit))
-        if wait <= 0:
-            return _json(await anyio.to_thread.run_sync(lambda: svc.events_page(p, ws, after, limit)))
-        return await longpoll.events(svc, request, p, ws, after, wait, limit=limit)
-
-    @app.get(
-        "/v1/workspaces/{ws}/context",
-        response_class=PlainTextResponse,
-        responses={200: {"content": {"text/markdown": {}}, "description": "the prompt block"}},
-        tags=["workspace"],
-    )
-    def context(
-        ws: str,
-        p: P,
-        mount_root: Annotated[
-            str | None,
-            Query(description="where the sidecar mounts the stores (default: the server's, "
-                              "/mnt/memory, or the mountpoint under memfuse dev)"),
-        ] = None,
-        max_bytes: Annotated[
-            int | None,
-            Query(ge=CONTEXT_MIN_BYTES, le=10_000_000,
-                  description="bound of the whole block in bytes (default: the server's setting)"),
-        ] = None,
-        mounted: Annotated[
-            bool,
-            Query(description="false: for an agent without a mount (memory tool, MCP): leave out "
-                              "the line on the mount's .memfuse/errors.log"),
-        ] = True,
-    ):
-        text = svc.context(p, ws, mount_root or svc.mount_root, max_bytes, mounted=mounted)
-        return PlainTextResponse(text, media_type="text/markdown; charset=utf-8")
-
-    # ------------------------------------------------------------ records
-
-    @app.get("/v1/stores/{store}/records", response_model=RecordPage, tags=["records"])
-    def list_records(
-        store: StoreSlug,
-        p: P,
-        cursor: str | None = None,
-        limit: Annotated[int, Query(ge=1, le=defs.RECORDS_PAGE_MAX)] = defs.RECORDS_PAGE_DEFAULT,
-        content: bool = False,
-        path: str | None = None,
-        include_deleted: bool = False,
-    ):
-        body = svc.list_records_json(  # the RecordPage's JSON, without pydantic per record
-            p, store, cursor=cursor, limit=limit, with_content=content, path=path,
-            include_deleted=include_deleted,
-        )
-        return Response(content=body, media_type="application/json")
-
-    @app.get("/v1/stores/{store}/search", response_model=SearchPage, tags=["records"])
-    def search_records(
-        store: StoreSlug,
-        p: P,
-        q: Annotated[str, Query(min_length=1, max_length=defs.SEARCH_QUERY_MAX,
-                                description="literal text (one line) to find")],
-        match: Annotated[Literal["any", "path", "content"], Query(
-            description="where to look: the path, the content, or either")] = "any",
-        prefix: Annotated[str, Query(max_length=defs.SEARCH_PREFIX_MAX, description=(
-            "only the record at this path or under this directory"))] = "",
-        type: Annotated[str | None, Query(description="only records of this type")] = None,
-        case_sensitive: bool = False,
-        cursor: str | None = None,
-        limit: Annotated[int, Query(ge=1, le=defs.SEARCH_PAGE_MAX,
-                                    description="records read for this page")] = defs.SEARCH_PAGE_DEFAULT,
-        max_lines: Annotated[int, Query(ge=0, le=defs.SEARCH_LINES_MAX,
-                                        description="matching lines shown per record")] = defs.SEARCH_LINES_DEFAULT,
-        order: Annotated[Literal["path", "relevance"], Query(description=(
-            "path: substring search in path order (grep); relevance: every word of q in the "
-            "full-text index, best first, with score and snippet"))] = "path",
-    ):
-        """Live records whose path and / or content hold ``q`` (docs/API.md, "Search")."""
-        return _json(svc.search(p, store, q, match=match, prefix=prefix, type=type,
-                                case_sensitive=case_sensitive, cursor=cursor, limit=limit,
-                                max_lines=max_lines, order=order))
-
-    @app.get("/v1/stores/{store}/index", response_model=IndexReport, tags=["records"])
-    def index_report(store: StoreSlug, p: P):
-        """How the store's ``MEMORY.md`` and its records agree (docs/API.md, "Index report")."""
-        return _json(svc.index_report(p, store))
-
-    @app.post("/v1/stores/{store}/consolidations", status_code=202, response_model=ConsolidationJob,
-              tags=["consolidations"])
-    def create_consolidation(store: StoreSlug, body: ConsolidationCreate, p: P):
-        """Start a consolidation job on the store (docs/API.md, "Consolidation jobs"): 202
-        with the job, ``Location`` its URL."""
-        job = svc.create_consolidation(p, store, body)
-        return Response(content=job.model_dump_json(), status_code=202, media_type="application/json",
-                        headers={"Location": f"/v1/consolidations/{job.id}"})
-
-    @app.get("/v1/stores/{store}/consolidations", response_model=list[ConsolidationJob], tags=["consolidations"])
-    def list_consolidations(
-        store: StoreSlug, p: P,
-        limit: Annotated[int, Query(ge=1, le=1000, description="jobs to list at most")] = 100,
-    ):
-        """The store's consolidation jobs, newest first."""
-        return _json(svc.list_consolidations(p, store, limit))
-
-    @app.get("/v1/consolidations/{job_id}", response_model=ConsolidationJob, tags=["consolidations"])
-    def get_consolidation(job_id: Annotated[str, Path(max_length=64)], p: P):
-        """One consolidation job."""
-        return _json(svc.get_consolidation(p, job_id))
-
-    @app.post("/v1/consolidations/{job_id}/cancel", response_model=ConsolidationJob, tags=["consolidations"])
-    def cancel_consolidation(job_id: Annotated[str, Path(max_length=64)], p: P):
-        """Cancel a pending or running job: it writes nothing (409 ``job_finished`` once ended)."""
-        return _json(svc.cancel_consolidation(p, job_id))
-
-    @app.post("/v1/stores/{store}/records", status_code=201, response_model=Record, tags=["records"])
-    def create_record(store: StoreSlug, body: RecordCreate, p: P, idem: Idem):
-        return _reply(svc.create_record(p, store, body, idem))
-
-    @app.get("/v1/stores/{store}/records/{record_id}", response_model=Record, tags=["records"])
-    def get_record(store: StoreSlug, record_id: str, p: P, content: bool = True):
-        rec = svc.get_record(p, store, record_id, with_content=content)
-        return _json(rec, etag=rec.sha256)
-
-    @app.put("/v1/stores/{store}/records/{record_id}", response_model=Record, tags=["records"])
-    def update_record(store: StoreSlug, record_id: str, body: RecordUpdate, p: P, idem: Idem, if_match: IfMatch = None):
-        return _reply(svc.update_record(p, store, record_id, body, if_match, idem))
-
-    @app.post("/v1/stores/{store}/records/{record_id}/append", response_model=Record, tags=["records"])
-    def append_record(store: StoreSlug, record_id: str, body: RecordAppend, p: P, idem: Idem,
-                      if_match: IfMatch = None):
-        return _reply(svc.append_record(p, store, record_id, body, if_match, idem))
-
-    @app.patch("/v1/stores/{store}/records/{record_id}", response_model=Record, tags=["records"])
-    def set_record_attributes(
-        store: StoreSlug, record_id: str, body: RecordAttributes, p: P, idem: Idem, if_match: IfMatch = None
-    ):
-        return _reply(svc.set_attributes(p, store, record_id, body, if_match, idem))
-
-    @app.post("/v1/stores/{store}/records/{record_id}/move", response_model=MoveResult, tags=["records"])
-    def move_record(store: StoreSlug, record_id: str, body: RecordMove, p: P, idem: Idem, if_match: IfMatch = None):
-        return _reply(svc.move_record(p, store, record_id, body, if_match, idem))
-
-    @app.post("/v1/stores/{store}/move", response_model=MoveResult, tags=["records"])
-    def move_prefix(store: StoreSlug, body: PrefixMove, p: P, idem: Idem):
-        return _reply(svc.move_prefix(p, store, body, idem))
-
-    @app.delete("/v1/stores/{store}/records/{record_id}", status_code=204, tags=["records"])
-    def delete_record(store: StoreSlug, record_id: str, p: P, idem: Idem, if_match: IfMatch = None):
-        return _reply(svc.delete_record(p, store, record_id, if_match, idem))
-
-    @app.post(
-        "/v1/stores/{store}/batch", response_model=BatchResponse, tags=["records"],
-        openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
-            "schema": {"$ref": "#/components/schemas/BatchRequest"}}}}},
-    )
-    async def batch(request: Request, store: StoreSlug, p: P):
-        """Up to 100 record writes to one store in one transaction, each answered as alone
-        (docs/API.md, "Batch")."""
-        if request.headers.get("idempotency-key"):
-            raise ServiceError(422, "validation_error",
-                               "a batch takes no Idempotency-Key: give each operation its own idempotency_key")
-        raw = bytearray()
-        async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > BATCH_MAX_BYTES:
-                raise ServiceError(413, "batch_too_large", f"a batch body holds at most {BATCH_MAX_BYTES} bytes")
-        try:  # json.loads, as FastAPI parses the single endpoints' bodies (lone surrogates
-            # reach the content rules and become that operation's 422 invalid_content)
-            req = BatchRequest.model_validate(json.loads(raw))
-        except ValueError as err:
-            errors = err.errors(include_input=False) if isinstance(err, ValidationError) else [
-                {"loc": ["body"], "msg": f"invalid JSON: {err}", "type": "json_invalid"}]
-            raise RequestValidationError(errors) from None
-        replies = await anyio.to_thread.run_sync(svc.batch, p, store, req.operations)
-        return Response(content=batch_body(replies), media_type="application/json")
-
-    @app.get("/v1/stores/{store}/records/{record_id}/versions", response_model=list[Version], tags=["records"])
-    def list_versions(store: StoreSlug, record_id: str, p: P):
-        return _json(svc.list_versions(p, store, record_id))
-
-    @app.get("/v1/stores/{store}/records/{record_id}/versions/{n}", response_model=Version, tags=["records"])
-    def get_version(store: StoreSlug, record_id: str, n: VersionNumber, p: P):
-        return _json(svc.get_version(p, store, record_id, n))
-
-    @app.post("/v1/stores/{store}/records/{record_id}/restore", response_model=Record, tags=["records"])
-    def restore_record(store: StoreSlug, record_id: str, body: Restore, p: P, idem: Idem):
-        return _reply(svc.restore_record(p, store, record_id, body, idem))
-
-    @app.post(
-        "/v1/stores/{store}/records/{record_id}/versions/{n}/redact", response_model=Version, tags=["records"]
-    )
-    def redact_version(store: StoreSlug, record_id: str, n: VersionNumber, p: P, idem: Idem):
-        return _reply(svc.redact_version(p, store, record_id, n, idem))
-
-    @app.get("/v1/stores/{store}/changes", response_model=ChangePage, tags=["records"])
-    async def changes(
-        request: Request,
-        store: StoreSlug,
-        p: P,
-        after: After = 0,
-        wait: Wait = 0,
-        content: bool = True,
-        limit: Annotated[int, Query(ge=1, le=1000)] = 1000,
-        skip_actor: Annotated[
-            str | None,
-            Query(description="leave out versions whose actor is exactly this "
-                  "(a sidecar's own writes); seq still moves past them and a long-poll keeps waiting"),
-        ] = None,
-        stream: Annotated[bool, Query(description="answer an NDJSON stream of pages (docs/API.md)")] = False,
-    ):
-        skip = skip_actor or None
-        if stream and open_streams.enabled:
-            return _StreamResponse(await open_streams.changes(
-                reads, p, store, after, limit=limit, content=content, skip_actor=skip))
-        if wait <= 0:
-            return _json(await anyio.to_thread.run_sync(
-                lambda: svc.changes_page(p, store, after, limit=limit, with_content=content, skip_actor=skip)))
-        return await longpoll.changes(svc, reads, request, p, store, after, wait, limit=limit, content=content,
-                                      skip_actor=skip)
+    # One APIRouter per resource (memfuse.server.routes), each route from the route table
+    # (memfuse.server.routetable). Their routes join the app's own list: FastAPI 0.165 keeps an
+    # included router (include_router) as a branch matched apart on every request, about 800
+    # more Python calls a request for these seven (bench/README.md, "The routers").
+    for module in ROUTERS:
+        app.router.routes.extend(module.router.routes)
 
     def openapi() -> dict[str, Any]:
         """FastAPI's document plus the schemas of the batch body (read by the handler itself,
@@ -734,19 +298,8 @@ def create_app(
     if faces:
         from memfuse.server import agent_tools
 
-        agent_tools.install(app, svc, _principal)
+        agent_tools.install(app, svc, get_principal)
     return app
-
-
-class _StreamResponse(Response):
-    """A response that runs an opened stream (``memfuse.server.streams``)."""
-
-    def __init__(self, run: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
-        super().__init__(media_type=streaming.NDJSON.decode())
-        self._run = run
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self._run(scope, receive, send)
 
 
 class _App(FastAPI):
@@ -815,55 +368,3 @@ def _integer_bounds(node: Any) -> None:
     elif isinstance(node, list):
         for v in node:
             _integer_bounds(v)
-
-
-def _exception_response(exc: Exception, scope: Scope) -> Response:
-    """What the app's exception handlers answer for ``exc`` (for the long-poll fast path)."""
-    if isinstance(exc, ServiceError):
-        if exc.status >= 500:
-            log.warning("%s %s: %s %s", scope.get("method"), scope.get("path"), exc.status, exc.code)
-        return problem_response(exc.status, exc.code, exc.detail, headers=exc.headers, **exc.extra)
-    if isinstance(exc, OperationalError):
-        log.error("database error on %s %s", scope.get("method"), scope.get("path"), exc_info=exc)
-        return problem_response(503, "unavailable", "database error; retry", headers={"Retry-After": "1"})
-    log.error("unhandled error in %s %s", scope.get("method"), scope.get("path"), exc_info=exc)
-    return problem_response(500, "internal_error", "unexpected server error")
-
-
-def _install_error_handlers(app: FastAPI) -> None:
-    async def on_service_error(request: Request, exc: ServiceError) -> Response:
-        if exc.status >= 500:
-            log.warning("%s %s: %s %s", request.method, request.url.path, exc.status, exc.code)
-        return problem_response(exc.status, exc.code, exc.detail, headers=exc.headers, **exc.extra)
-
-    async def on_validation_error(request: Request, exc: RequestValidationError) -> Response:
-        errors = [
-            {"loc": list(e.get("loc", ())), "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))}
-            for e in exc.errors()
-        ]
-        detail = "; ".join(f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in errors)
-        return problem_response(422, "validation_error", detail, errors=errors)
-
-    async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        detail = exc.detail if isinstance(exc.detail, str) else ""
-        if exc.status_code == 404 and detail == "Not Found":
-            detail = f"no route for {request.method} {request.url.path}"
-        return problem_response(exc.status_code, code, detail, headers=getattr(exc, "headers", None))
-
-    async def on_db_error(request: Request, exc: OperationalError) -> Response:
-        text = str(exc.orig).lower() if exc.orig is not None else ""
-        if "locked" in text or "busy" in text:
-            log.warning("database busy on %s %s", request.method, request.url.path)
-            return problem_response(503, "unavailable", "the database is busy; retry", headers={"Retry-After": "1"})
-        log.error("database error on %s %s", request.method, request.url.path, exc_info=exc)
-        return problem_response(503, "unavailable", "database error; retry", headers={"Retry-After": "1"})
-
-    handlers: dict[type[Exception], Callable[[Request, Any], Awaitable[Response]]] = {
-        ServiceError: on_service_error,
-        RequestValidationError: on_validation_error,
-        StarletteHTTPException: on_http_error,
-        OperationalError: on_db_error,
-    }
-    for exc_type, handler in handlers.items():
-        app.add_exception_handler(exc_type, handler)

@@ -1,15 +1,20 @@
-"""What every resource of the control plane shares: refusals, callers, the write transaction.
+"""What every resource of the control plane shares: refusals, callers, the parts it is built from.
 
 This room holds ``ServiceError`` (a refusal with its HTTP status and problem code),
 ``Principal`` (who calls), ``IdempotencyRequest`` / ``Reply`` (the identity of a write and
-its stored response), the ``If-Match`` parser, and ``ServiceBase``: the state every resource
-reads (set by ``Service.__init__``), the access checks (admin, workspace, store) and
-``_write``, the one write transaction (idempotency check and store, retry on a concurrent
-conflict, commit notes: sent to other replicas inside the transaction, and waking this
-process's long-polls after the commit; see ``memfuse.server.wakeups``).
+its stored response), the ``If-Match`` parser, and the parts every resource service is built
+from (``Parts``):
 
-It holds no resource's rules: those are in ``tokens``, ``stores``, ``records``, ``changes``
-and ``context``, composed into ``Service`` by ``memfuse.server.service``.
+- ``Settings``: the settings its owner may change while serving (one object, shared);
+- ``AccessRules``: who may address which workspace and store (admin, account, attachment):
+  the isolation rules, in one place;
+- ``Writer``: the one write transaction (idempotency check and store, retry on a concurrent
+  conflict, commit notes: sent to other replicas inside the transaction, and waking this
+  process's long-polls after the commit; see ``memfuse.server.wakeups``);
+- ``Resource``: the base of every resource service, holding the parts as declared attributes.
+
+It holds no resource's rules: those are in ``accounts``, ``tokens``, ``stores``, ``records``,
+``changes``, ... , composed into ``Service`` by ``memfuse.server.service``.
 """
 from __future__ import annotations
 
@@ -21,10 +26,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Unpack, cast
 
 from pydantic import BaseModel
-from sqlalchemy import and_, bindparam, delete, func, insert, or_, select
+from sqlalchemy import Table, and_, bindparam, delete, func, insert, or_, select
 from sqlalchemy.engine import Connection, Row
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -47,20 +52,22 @@ from memfuse.server.db import (
 )
 
 if TYPE_CHECKING:
-    from memfuse.server.tokens import TokenCache
     from memfuse.server.wakeups import Bus, Notifier
 
 log = logging.getLogger("memfuse.server.service")  # every room of the Service logs under one name
 
 # The tables, for SQLAlchemy Core statements (the record paths skip the ORM unit of work).
-_R = RecordRow.__table__
-_V = VersionRow.__table__
-_S = StoreRow.__table__
-_A = AttachmentRow.__table__
-_I = IdempotencyRow.__table__
-_T = TokenRow.__table__
+_R = cast(Table, RecordRow.__table__)
+_V = cast(Table, VersionRow.__table__)
+_S = cast(Table, StoreRow.__table__)
+_A = cast(Table, AttachmentRow.__table__)
+_I = cast(Table, IdempotencyRow.__table__)
+_T = cast(Table, TokenRow.__table__)
 
 IDEMPOTENCY_TTL = timedelta(hours=24)
+
+AnyRow = Row[Unpack[tuple[Any, ...]]]
+"""A Core result row of any columns (SQLAlchemy's ``Row`` is generic over its column types)."""
 
 # Reason phrases of problem titles (RFC 9110 §15).
 REASONS = {
@@ -326,53 +333,40 @@ _SELECT_IDEM = select(
 ).where(_I.c.scope == bindparam("scope"), _I.c.key == bindparam("key"))
 
 
-# ---------------------------------------------------------------- the shared machinery
+# ---------------------------------------------------------------- the parts every resource is built from
 
 
-class ServiceBase:
-    """The state every resource reads and the machinery they share; ``Service`` composes
-    the resources over it (``memfuse.server.service``) and sets the state in ``__init__``."""
+@dataclass
+class Settings:
+    """The settings of one control plane that its resources read and its owner may change
+    while it serves (one object shared by every resource, so a change is seen by all).
 
-    db: Database
+    ``context_max_bytes``: default bound of the prompt block (bytes); ``mount_root``: the
+    default mount root of the prompt block's paths; ``stale_after_days``: age of a stale record
+    (days, 0 = off; ``memfuse.server.staleness``); ``expiry_interval``: seconds between the
+    expiry sweeps of ``memfuse serve`` (0 = none); ``closing``: set at server shutdown (the
+    long-polls answer at once)."""
+
     context_max_bytes: int
-    mount_root: str  # the default mount root of the prompt block's paths
-    static_tokens: dict[str, str | None]
-    notifier: Notifier
-    bus: Bus
-    closing: bool  # set at server shutdown: long-polls answer at once
-    _last_idem_cleanup: float
-    _token_cache: TokenCache  # database tokens seen lately (memfuse.server.tokens)
-    _feed_keys: dict[tuple[str, str], str]  # (scope, store name) -> key the feed last found
+    mount_root: str
+    stale_after_days: int
+    expiry_interval: float = 0.0
+    closing: bool = False
 
-    def _contains(self, col, q: str, case_sensitive: bool = False):
-        """SQL: ``col`` may hold ``q`` (``memfuse.server.base.holds`` decides). Case-sensitive:
-        exactly (``instr`` / ``strpos``). Case-insensitive: a superset filter the database
-        runs in C, the same on both dialects whatever PostgreSQL's ``LC_CTYPE`` (SQLite's
-        ``LIKE`` and ``lower()`` fold ASCII only, and PostgreSQL's ``ILIKE`` folds by the
-        database's locale: ASCII only under ``C``): ``LIKE`` (SQLite) / ``ILIKE`` with the
-        pattern of ``like_superset``; the caller checks every row it reads with ``holds``."""
-        pg = self.db.engine.dialect.name == "postgresql"
-        if case_sensitive:
-            return (func.strpos(col, q) if pg else func.instr(col, q)) > 0
-        pattern = "%" + like_superset(fold(q)) + "%"
-        return col.ilike(pattern, escape="\\") if pg else col.like(pattern, escape="\\")
 
-    def _path_col(self):
-        """``records.path`` compared in byte order on both databases: SQLite compares bytes;
-        on PostgreSQL ``COLLATE "C"``, which the live records' ``(store, path COLLATE "C",
-        id)`` index serves (revision ``0005_records_path_bytes``). Snapshot pages, search and
-        ``tree`` page by it."""
-        if self.db.engine.dialect.name == "postgresql":
-            return _R.c.path.collate("C")
-        return _R.c.path
+class AccessRules:
+    """Who may address which workspace and store: the one place of the isolation rules
+    (docs/API.md, "Accounts" and "Tokens"). Every resource resolves workspaces and stores
+    through these methods; none reads a store or workspace row for a caller otherwise."""
 
     @staticmethod
-    def _require_admin(p: Principal) -> None:
+    def require_admin(p: Principal) -> None:
+        """403 ``forbidden`` unless ``p`` is an admin (root or account admin)."""
         if not p.is_admin:
             raise ServiceError(403, "forbidden", "this needs an admin token")
 
     @staticmethod
-    def _workspace(s: Session, p: Principal, ws: str) -> WorkspaceRow:
+    def workspace(s: Session, p: Principal, ws: str) -> WorkspaceRow:
         """The workspace row, if ``p`` may address it: the root admin any, an account admin
         those of its account, a workspace token its own. Raises 404 ``workspace_not_found``
         for a missing workspace or one of another account (never telling which); 403
@@ -388,7 +382,7 @@ class ServiceBase:
         return row
 
     @staticmethod
-    def _store(conn: Connection, p: Principal, slug: str, *, write: bool = False) -> Row:
+    def store(conn: Connection, p: Principal, slug: str, *, write: bool = False) -> AnyRow:
         """The store row (Core: its columns, usage counters included) that ``slug`` (a public
         name, docs/ARCHITECTURE.md "Accounts") names for ``p``, if ``p`` may see it (and
         write it, with ``write``), in one query with the attachment: an account admin's is
@@ -419,10 +413,11 @@ class ServiceBase:
             raise ServiceError(403, "read_only", f"store {slug!r} is attached read-only")
         return st
 
-    def _store_by_key(self, conn: Connection, p: Principal, key: str, *, write: bool = False) -> Row:
-        """``_store`` for a store the caller knows by its key (``key``: a row's ``store``
+    @staticmethod
+    def store_by_key(conn: Connection, p: Principal, key: str, *, write: bool = False) -> AnyRow:
+        """``store`` for a store the caller knows by its key (``key``: a row's ``store``
         column, e.g. a job's), never by a name a request gave: the same row and refusals as
-        ``_store`` of its public name, and 404 when the name leads ``p`` to another store
+        ``store`` of its public name, and 404 when the name leads ``p`` to another store
         (the same name in ``p``'s account)."""
         if p.is_admin and p.account is None:
             st = conn.execute(_SELECT_STORE_FOR_UPDATE if write else _SELECT_STORE,
@@ -430,7 +425,7 @@ class ServiceBase:
             if st is None:
                 raise ServiceError(404, "store_not_found", f"no store {keys.public(key)!r}")
             return st
-        st = self._store(conn, p, keys.public(key), write=write)
+        st = AccessRules.store(conn, p, keys.public(key), write=write)
         if st.slug != key:
             if p.is_admin:
                 raise ServiceError(404, "store_not_found", f"no store {keys.public(key)!r}")
@@ -438,9 +433,25 @@ class ServiceBase:
                                f"store {keys.public(key)!r} is not attached to this workspace")
         return st
 
-    # ------------------------------------------------------------ write machinery
 
-    def _write(
+class Writer:
+    """The one write transaction of the control plane (``write``) with its idempotency
+    check and store, over ``db``; what a write changed is published to the other replicas on
+    ``bus`` and wakes this process's long-polls through ``notifier`` after the commit
+    (``memfuse.server.wakeups``)."""
+
+    db: Database
+    notifier: Notifier
+    bus: Bus
+    _last_idem_cleanup: float  # time.monotonic() of the last sweep of old idempotency rows
+
+    def __init__(self, db: Database, notifier: Notifier, bus: Bus) -> None:
+        self.db = db
+        self.notifier = notifier
+        self.bus = bus
+        self._last_idem_cleanup = 0.0
+
+    def write(
         self,
         p: Principal,
         idem: IdempotencyRequest | None,
@@ -466,7 +477,7 @@ class ServiceBase:
                     wakeups.begin_notes()
                     history.reset(conn)
                     if idem is not None:
-                        replay = self._idem_lookup(conn, p, idem)
+                        replay = self.idem_lookup(conn, p, idem)
                         if replay is not None:
                             wakeups.take_notes()
                             return replay
@@ -477,7 +488,7 @@ class ServiceBase:
                     body = result.model_dump_json().encode() if result is not None else b""
                     headers: dict[str, str] = {}
                     if etag and result is not None and getattr(result, "sha256", None):
-                        headers["ETag"] = f'"{result.sha256}"'
+                        headers["ETag"] = f'"{getattr(result, "sha256")}"'
                     if idem is not None:
                         conn.execute(
                             _INSERT_IDEM,
@@ -505,26 +516,28 @@ class ServiceBase:
         self.notifier.committed(notes, own=(vseqs, eseqs))
         return Reply(status, body, headers)
 
-    def _idem_cleanup(self, conn: Connection) -> None:
+    def idem_cleanup(self, conn: Connection) -> None:
         """Delete idempotency rows older than ``IDEMPOTENCY_TTL`` (at most once a minute per
         process, inside a write transaction that uses keys)."""
         if time.monotonic() - self._last_idem_cleanup > 60:
             self._last_idem_cleanup = time.monotonic()
             conn.execute(delete(_I).where(_I.c.created_at < utcnow() - IDEMPOTENCY_TTL))
 
-    def _idem_lookup(self, conn: Connection, p: Principal, idem: IdempotencyRequest) -> Reply | None:
+    def idem_lookup(self, conn: Connection, p: Principal, idem: IdempotencyRequest) -> Reply | None:
+        """The stored response of ``idem`` in ``p``'s scope, or None (none, or expired: then
+        deleted). Raises 422 ``idempotency_key_reused`` for a row of another request."""
         now = utcnow()
-        self._idem_cleanup(conn)
+        self.idem_cleanup(conn)
         row = conn.execute(_SELECT_IDEM, {"scope": p.scope, "key": idem.key}).first()
         if row is None:
             return None
         if row.created_at < now - IDEMPOTENCY_TTL:
             conn.execute(delete(_I).where(_I.c.id == row.id))
             return None
-        return self._idem_replay(row, idem)
+        return self.idem_replay(row, idem)
 
     @staticmethod
-    def _idem_replay(row: Row, idem: IdempotencyRequest) -> Reply:
+    def idem_replay(row: AnyRow, idem: IdempotencyRequest) -> Reply:
         """The stored response ``row`` for ``idem``; 422 ``idempotency_key_reused`` when the
         row is of another request."""
         if (row.method, row.url_path) != (idem.method, idem.url_path) or row.request_hash not in (
@@ -534,3 +547,95 @@ class ServiceBase:
             )
         return Reply(row.status, row.response_body.encode(), json.loads(row.response_headers), replayed=True)
 
+
+@dataclass(frozen=True)
+class Parts:
+    """What every resource service is built from (``Resource.__init__``): the database, the
+    wake-ups of this process (``notifier``) and of the other replicas (``bus``), the shared
+    ``settings``, the access rules and the write transaction. ``Parts.build`` makes the
+    usual set over one database."""
+
+    db: Database
+    notifier: Notifier
+    bus: Bus
+    settings: Settings
+    access: AccessRules
+    writer: Writer
+
+    @classmethod
+    def build(cls, db: Database, settings: Settings) -> Parts:
+        """The parts over ``db``: a new ``Notifier``, the commit ``Bus`` on ``db`` (closed when
+        the database is disposed), the access rules and the write transaction."""
+        notifier = wakeups.Notifier()
+        bus = wakeups.Bus(db, notifier)
+        db.on_dispose(bus.close)
+        return cls(db, notifier, bus, settings, AccessRules(), Writer(db, notifier, bus))
+
+
+class Resource:
+    """The base of every resource service (accounts, tokens, stores, records, ...): the parts
+    it was built from, as declared attributes, and the shared machinery under the names the
+    resources' methods use (``_write``: ``Writer.write``; ``_require_admin`` / ``_workspace``
+    / ``_store`` / ``_store_by_key``: ``AccessRules``; ``_contains`` / ``_path_col``: the dialect's text rules).
+    A resource that needs another takes it in its own ``__init__``."""
+
+    db: Database
+    notifier: Notifier
+    bus: Bus
+    settings: Settings
+    access: AccessRules
+    writer: Writer
+
+    def __init__(self, parts: Parts) -> None:
+        self.db = parts.db
+        self.notifier = parts.notifier
+        self.bus = parts.bus
+        self.settings = parts.settings
+        self.access = parts.access
+        self.writer = parts.writer
+
+    def _contains(self, col: Any, q: str, case_sensitive: bool = False) -> Any:
+        """SQL: ``col`` may hold ``q`` (``memfuse.server.base.holds`` decides). Case-sensitive:
+        exactly (``instr`` / ``strpos``). Case-insensitive: a superset filter the database
+        runs in C, the same on both dialects whatever PostgreSQL's ``LC_CTYPE`` (SQLite's
+        ``LIKE`` and ``lower()`` fold ASCII only, and PostgreSQL's ``ILIKE`` folds by the
+        database's locale: ASCII only under ``C``): ``LIKE`` (SQLite) / ``ILIKE`` with the
+        pattern of ``like_superset``; the caller checks every row it reads with ``holds``."""
+        pg = self.db.engine.dialect.name == "postgresql"
+        if case_sensitive:
+            return (func.strpos(col, q) if pg else func.instr(col, q)) > 0
+        pattern = "%" + like_superset(fold(q)) + "%"
+        return col.ilike(pattern, escape="\\") if pg else col.like(pattern, escape="\\")
+
+    def _path_col(self) -> Any:
+        """``records.path`` compared in byte order on both databases: SQLite compares bytes;
+        on PostgreSQL ``COLLATE "C"``, which the live records' ``(store, path COLLATE "C",
+        id)`` index serves (revision ``0005_records_path_bytes``). Snapshot pages, search and
+        ``tree`` page by it."""
+        if self.db.engine.dialect.name == "postgresql":
+            return _R.c.path.collate("C")
+        return _R.c.path
+
+    def _require_admin(self, p: Principal) -> None:
+        self.access.require_admin(p)
+
+    def _workspace(self, s: Session, p: Principal, ws: str) -> WorkspaceRow:
+        return self.access.workspace(s, p, ws)
+
+    def _store(self, conn: Connection, p: Principal, slug: str, *, write: bool = False) -> AnyRow:
+        return self.access.store(conn, p, slug, write=write)
+
+    def _store_by_key(self, conn: Connection, p: Principal, key: str, *, write: bool = False) -> AnyRow:
+        return self.access.store_by_key(conn, p, key, write=write)
+
+    def _write(
+        self,
+        p: Principal,
+        idem: IdempotencyRequest | None,
+        status: int,
+        fn: Callable[[Any], BaseModel | None],
+        *,
+        etag: bool = False,
+        feed: str | None = None,
+    ) -> Reply:
+        return self.writer.write(p, idem, status, fn, etag=etag, feed=feed)

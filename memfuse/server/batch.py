@@ -4,7 +4,7 @@ A batch is a list of record writes (create, update, attrs, move, delete) exactly
 single endpoints take them, each with its own ``Idempotency-Key`` and ``If-Match``. The whole
 batch is one transaction holding the store's row lock once. A refusal (412, 409, 413, 422,
 507, ...) is that operation's own answer and leaves nothing while the others commit: every
-write checks all its rules before its first statement (``RecordsMixin._room`` included), so a
+write checks all its rules before its first statement (``RecordsService._room`` included), so a
 refused operation has nothing to undo; should one be refused after it wrote (no rule does
 today: ``_LateRefusal``), the whole batch runs again with a SAVEPOINT around each operation
 (two more round trips per operation, which is why it is not the default). One commit, one
@@ -50,13 +50,17 @@ from memfuse.server.base import (
     REASONS,
     _INSERT_IDEM,
     IdempotencyRequest,
+    Parts,
     Principal,
     Reply,
+    Resource,
     ServiceError,
     canonical_sha256,
 )
 from memfuse.server.db import utcnow
-from memfuse.server.records import _UPDATE_USAGE, BatchStore, RecordsMixin
+from memfuse.server import routetable as table
+from memfuse.server.recordrows import _UPDATE_USAGE, BatchStore
+from memfuse.server.records import RecordsService
 
 log = logging.getLogger("memfuse.server.service")
 
@@ -65,14 +69,14 @@ _SELECT_IDEM_MANY = select(
     _I.c.response_headers, _I.c.created_at,
 ).where(_I.c.scope == bindparam("scope"), _I.c.key.in_(bindparam("keys", expanding=True)))
 
-# op → (method, URL path template of the single endpoint, success status, ETag on success)
-_ENDPOINTS = {
-    "create": ("POST", "/v1/stores/{store}/records", 201, True),
-    "update": ("PUT", "/v1/stores/{store}/records/{id}", 200, True),
-    "append": ("POST", "/v1/stores/{store}/records/{id}/append", 200, True),
-    "attrs": ("PATCH", "/v1/stores/{store}/records/{id}", 200, True),
-    "move": ("POST", "/v1/stores/{store}/records/{id}/move", 200, False),
-    "delete": ("DELETE", "/v1/stores/{store}/records/{id}", 204, False),
+# op → (the single endpoint's route in the app's route table, success status, ETag on success)
+_ENDPOINTS: dict[str, tuple[table.Route, int, bool]] = {
+    "create": (table.CREATE_RECORD, 201, True),
+    "update": (table.UPDATE_RECORD, 200, True),
+    "append": (table.APPEND_RECORD, 200, True),
+    "attrs": (table.SET_RECORD_ATTRIBUTES, 200, True),
+    "move": (table.MOVE_RECORD, 200, False),
+    "delete": (table.DELETE_RECORD, 204, False),
 }
 _BODIES: dict[str, type[BaseModel] | None] = {
     "create": RecordCreate, "update": RecordUpdate, "append": RecordAppend, "attrs": RecordAttributes, "move": RecordMove,
@@ -124,15 +128,22 @@ class _Planned:
     create_path: str | None = None  # a create's (checked) path
 
 
-class BatchMixin(RecordsMixin):
+class BatchService(Resource):
     """``Service.batch``: many record writes to one store in one transaction."""
 
+    records: RecordsService  # the record writes a batch is made of
+
+    def __init__(self, parts: Parts, records: RecordsService) -> None:
+        super().__init__(parts)
+        self.records = records
+
     def _plan(self, p: Principal, slug: str, i: int, op: BatchOperation) -> _Planned:
-        method, template, status, etag = _ENDPOINTS[op.op]
+        route, status, etag = _ENDPOINTS[op.op]
+        method = route.method
         model = _BODIES[op.op]
         if op.op != "create" and not op.record_id:
             return _Planned(ServiceError(422, "validation_error", f"operations.{i}: {op.op} needs record_id"))
-        url_path = template.format(store=slug, id=op.record_id)
+        url_path = route.url(store=slug, record_id=op.record_id or "")
         idem = None
         if op.idempotency_key:
             idem = IdempotencyRequest(op.idempotency_key, method, url_path, canonical_sha256(op.body))
@@ -142,17 +153,17 @@ class BatchMixin(RecordsMixin):
             return _Planned(_validation_problem(err, f"operations.{i}.body"))
         try:
             if op.op == "create":
-                fn = self._create_op(p, body)  # type: ignore[arg-type]
+                fn = self.records._create_op(p, body)  # type: ignore[arg-type]
             elif op.op == "update":
-                fn = self._update_op(p, op.record_id, body, op.if_match)  # type: ignore[arg-type]
+                fn = self.records._update_op(p, op.record_id, body, op.if_match)  # type: ignore[arg-type]
             elif op.op == "append":
-                fn = self._append_op(p, op.record_id, body, op.if_match)  # type: ignore[arg-type]
+                fn = self.records._append_op(p, op.record_id, body, op.if_match)  # type: ignore[arg-type]
             elif op.op == "attrs":
-                fn = self._attrs_op(p, op.record_id, body, op.if_match)  # type: ignore[arg-type]
+                fn = self.records._attrs_op(p, op.record_id, body, op.if_match)  # type: ignore[arg-type]
             elif op.op == "move":
-                fn = self._move_op(p, op.record_id, body, op.if_match)  # type: ignore[arg-type]
+                fn = self.records._move_op(p, op.record_id, body, op.if_match)  # type: ignore[arg-type]
             else:
-                fn = self._delete_op(p, op.record_id, op.if_match)  # type: ignore[arg-type]
+                fn = self.records._delete_op(p, op.record_id, op.if_match)  # type: ignore[arg-type]
         except ServiceError as err:
             return _Planned(err, idem=idem)
         path = body.path if op.op == "create" else None  # type: ignore[union-attr]
@@ -209,7 +220,7 @@ class BatchMixin(RecordsMixin):
             st = BatchStore(row)
             stored: dict[str, Any] = {}
             if keys:
-                self._idem_cleanup(conn)
+                self.writer.idem_cleanup(conn)
                 stored = {r.key: r for r in conn.execute(_SELECT_IDEM_MANY, {"scope": p.scope, "keys": keys})}
             lead = []  # the creates at the head of the batch: deferred (BatchStore)
             for pl in plans:
@@ -248,7 +259,7 @@ class BatchMixin(RecordsMixin):
             if idem is not None:
                 row = stored.get(idem.key)
                 if row is not None and row.created_at >= now - IDEMPOTENCY_TTL:
-                    return self._idem_replay(row, idem)
+                    return self.writer.idem_replay(row, idem)
                 earlier = new_keys.get(idem.key)  # the same key earlier in this batch
                 if earlier is not None:
                     first, reply = earlier

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from sqlalchemy import func, null, select
 from sqlalchemy.engine import Row
 
-from memfuse.defs import INT64_MAX
+from memfuse.defs import FEED_PAGE_MAX, INT64_MAX
 from memfuse.models import DEFAULT_MODE, Access, Change, ChangePage, EventPage, Operation, Record, WorkspaceEvent
 from memfuse.server import deltas, keys, wakeups
-from memfuse.server.base import _R, _V, Principal, ServiceBase, ServiceError
+from memfuse.server.base import _R, _V, Parts, Principal, Resource, ServiceError
 from memfuse.server.db import EventRow
 
 MAX_WAIT_SECONDS = 60.0  # the longest a long-poll may ask to wait
@@ -96,12 +96,18 @@ class FeedRead:
 # ---------------------------------------------------------------- the feeds
 
 
-class ChangesMixin(ServiceBase):
+class ChangesService(Resource):
     """``Service`` methods: ``changes_page`` (a store's change feed), ``events_page`` (a
     workspace's events), and for long-polls ``check_feed_access``, ``check_events_access``,
     ``feed_read``."""
 
-    def events_page(self, p: Principal, ws: str, after: int, limit: int = 1000) -> EventPage:
+    _feed_keys: dict[tuple[str, str], str]  # (scope, store name) -> key the feed last found
+
+    def __init__(self, parts: Parts) -> None:
+        super().__init__(parts)
+        self._feed_keys = {}
+
+    def events_page(self, p: Principal, ws: str, after: int, limit: int = FEED_PAGE_MAX) -> EventPage:
         """Events of ``ws`` with seq > ``after``, oldest first. When ``after`` is beyond every
         event the server has (database replaced), ``seq`` is the server's latest, so the
         caller resumes from there. Teaches the ``Notifier`` the workspace's event bounds."""
@@ -165,7 +171,7 @@ class ChangesMixin(ServiceBase):
             self._workspace(s, p, ws)
         self.notifier.learn_readable(p.scope, wakeups.EVENTS, ws, stamp)
 
-    def feed_read(self, slug: str, after: int, *, limit: int = 1000, with_content: bool = True) -> FeedRead:
+    def feed_read(self, slug: str, after: int, *, limit: int = FEED_PAGE_MAX, with_content: bool = True) -> FeedRead:
         """``slug``: the store's key (``check_feed_access``'s answer). The store's versions with seq > ``after`` (at most ``limit``, oldest first, nobody
         left out) for long-polls, which share one read among all their waiters at the same
         cursor and filter it each (``FeedRead.page``). No access check: callers run
@@ -192,7 +198,7 @@ class ChangesMixin(ServiceBase):
         slug: str,
         after: int,
         *,
-        limit: int = 1000,
+        limit: int = FEED_PAGE_MAX,
         with_content: bool = True,
         skip_actor: str | None = None,
     ) -> ChangePage:

@@ -15,7 +15,7 @@ from sqlalchemy import false, select
 
 from memfuse import content as content_rules
 from memfuse.defs import Access
-from memfuse.server.base import Principal, ServiceBase
+from memfuse.server.base import Principal, Resource
 from memfuse.server import keys, staleness
 from memfuse.server.db import AttachmentRow, RecordRow, StoreRow, utcnow
 from memfuse.server.indexlinks import entries, omitted_marker
@@ -105,10 +105,8 @@ def _index_section(clean: Callable[[str], str], text: str, path: str, stale_note
     return "\n".join(parts)
 
 
-class ContextMixin(ServiceBase):
+class ContextService(Resource):
     """``Service`` method: ``context`` (the prompt block)."""
-
-    stale_after_days: int  # set by ``Service.__init__`` (memfuse.server.staleness.STALE_AFTER_DAYS)
 
     def context(
         self, p: Principal, ws: str, mount_root: str = "/mnt/memory", max_bytes: int | None = None,
@@ -130,7 +128,7 @@ class ContextMixin(ServiceBase):
         for agents without a mount (memory tool, MCP), whose refusals come back as tool
         results.
         """
-        bound = max(int(max_bytes if max_bytes is not None else self.context_max_bytes), CONTEXT_MIN_BYTES)
+        bound = max(int(max_bytes if max_bytes is not None else self.settings.context_max_bytes), CONTEXT_MIN_BYTES)
         clean = strip_controls
         mount_root = clean(mount_root).replace("`", "").rstrip("/")
         with self.db.read() as s:
@@ -156,7 +154,7 @@ class ContextMixin(ServiceBase):
             stale_notes = {  # the entries of each index linking stale records
                 slug: staleness.stale_marker(staleness.stale_targets(
                     s.connection(), slug, [e.target for e in entries(text) if e.target is not None], now,
-                    self.stale_after_days), self.stale_after_days)
+                    self.settings.stale_after_days), self.settings.stale_after_days)
                 for slug, text in indexes.items()
             }
         refusals = content_rules.refusals_line(mount_root)

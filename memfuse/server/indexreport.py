@@ -31,7 +31,7 @@ from sqlalchemy import false, func, select
 from memfuse import content as content_rules
 from memfuse.models import IndexEntry, IndexReport, StaleRecord
 from memfuse.server import keys, staleness
-from memfuse.server.base import _R, Principal, ServiceBase
+from memfuse.server.base import _R, Principal, Resource
 from memfuse.server.context import cut_index
 from memfuse.server.db import utcnow
 from memfuse.server.indexlinks import Entry, entries, line_count
@@ -46,7 +46,7 @@ def _entry_model(e: Entry) -> IndexEntry:
     return IndexEntry(line=e.line, text=cut_line(e.text), target=e.target if e.target is not None else e.raw)
 
 
-class IndexReportMixin(ServiceBase):
+class IndexReportService(Resource):
     """``Service.index_report``."""
 
     def index_report(self, p: Principal, slug: str) -> IndexReport:
@@ -60,7 +60,7 @@ class IndexReportMixin(ServiceBase):
                 _R.c.store == st.slug, _R.c.deleted == false())).scalars())
             now = utcnow()
             stale_where = (_R.c.store == st.slug, _R.c.deleted == false(),
-                           staleness.stale_condition(now, self.stale_after_days))
+                           staleness.stale_condition(now, self.settings.stale_after_days))
             stale = [StaleRecord(path=r.path, updated_at=r.updated_at, review_after=r.review_after,
                                  expires_at=r.expires_at)
                      for r in conn.execute(select(_R.c.path, _R.c.updated_at, _R.c.review_after, _R.c.expires_at)
@@ -99,5 +99,5 @@ class IndexReportMixin(ServiceBase):
             unindexed=unindexed, unindexed_count=count,
             omitted=[_entry_model(e) for e in found if e.line > n_shown],
             lines=total_lines, lines_shown=n_shown, bytes=len(text.encode()), bytes_shown=len(text.encode()) - bytes_left,
-            stale=stale, stale_count=stale_count, stale_after_days=self.stale_after_days,
+            stale=stale, stale_count=stale_count, stale_after_days=self.settings.stale_after_days,
         )

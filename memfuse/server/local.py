@@ -12,17 +12,18 @@ for anything it does not serve plainly: another route or method, a query paramet
 would validate or coerce, a token not among the static ones, and every refusal
 (``ServiceError``) or database error: the app serves such a request again from the start
 (the routes are reads), so errors keep the app's exact problem+json. The rule is
-``memfuse.server.longpoll.FastPath``'s, one layer further out.
+``memfuse.server.longpoll.FastPath``'s, one layer further out; which route a request is comes
+from the app's route table (``memfuse.server.routetable``), on the path the app would route.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import unquote
 
 import httpx
 
 from memfuse import defs
+from memfuse.server import routetable as table
 
 __all__ = ["LocalTransport"]
 
@@ -114,10 +115,9 @@ class LocalTransport(httpx.AsyncBaseTransport):
         """A call answering ``request`` (body bytes, extra headers), or None for the app."""
         if request.method != "GET":
             return None
-        raw = request.url.raw_path.split(b"?", 1)[0].decode("ascii", "replace")
-        parts = [unquote(s) for s in raw.split("/")]
-        if (len(parts) < 3 or parts[:2] != ["", "v1"] or parts[2] not in ("stores", "workspaces")
-                or any("/" in s or not s for s in parts[2:])):
+        # the path the app routes on (httpx.ASGITransport's scope["path"]), by the route table
+        m = table.match("GET", request.url.path)
+        if m is None:
             return None
         params: dict[str, str] = {}
         for k, v in request.url.params.multi_items():
@@ -132,21 +132,21 @@ class LocalTransport(httpx.AsyncBaseTransport):
         instance = request.headers.get("x-memfuse-instance")
         if token is None or token not in self.static_tokens:
             return None
+        r, path = m.route, m.params
         try:
-            if len(parts) <= 4 or parts[2] == "workspaces":
-                return self._admin_read(token, instance, parts[2:], params)
-            slug, rest = parts[3], parts[4:]
-            if rest == ["records"]:
-                return self._list_records(token, instance, slug, params)
-            if rest == ["search"]:
-                return self._search(token, instance, slug, params)
-            if len(rest) == 2 and rest[0] == "records":
-                return self._get_record(token, instance, slug, rest[1], params)
-            if len(rest) in (3, 4) and rest[0] == "records" and rest[2] == "versions" and not params:
-                n = _int(rest[3], 0, 2**63 - 1) if len(rest) == 4 else None
-                if len(rest) == 4 and n is None:
+            if r in (table.LIST_STORES, table.LIST_WORKSPACES, table.GET_STORE, table.LIST_ATTACHMENTS):
+                return self._admin_read(token, instance, r, path, params)
+            if r is table.LIST_RECORDS:
+                return self._list_records(token, instance, path["store"], params)
+            if r is table.SEARCH_RECORDS:
+                return self._search(token, instance, path["store"], params)
+            if r is table.GET_RECORD:
+                return self._get_record(token, instance, path["store"], path["record_id"], params)
+            if r in (table.LIST_VERSIONS, table.GET_VERSION) and not params:
+                n = _int(path["n"], 0, 2**63 - 1) if r is table.GET_VERSION else None
+                if r is table.GET_VERSION and n is None:
                     return None
-                return self._versions(token, instance, slug, rest[1], n)
+                return self._versions(token, instance, path["store"], path["record_id"], n)
         except _Plain:
             return None
         return None
@@ -180,22 +180,22 @@ class LocalTransport(httpx.AsyncBaseTransport):
             raise _Plain()
         return v
 
-    def _admin_read(self, token: str, instance: str | None, parts: list[str], q: dict[str, str]):
+    def _admin_read(self, token: str, instance: str | None, r: table.Route, path: dict[str, str],
+                    q: dict[str, str]) -> Callable[[], tuple[bytes, dict[str, str]]] | None:
         """``GET /v1/stores``, ``/v1/stores/{s}``, ``/v1/workspaces``,
         ``/v1/workspaces/{ws}/attachments`` (``store list``, ``attach``'s checks, ...)."""
         if q:
             return None
         svc = self.service
-        if parts == ["stores"]:
+        fn: Callable[[Any], Any]
+        if r is table.LIST_STORES:
             fn = lambda p: svc.list_stores(p)  # noqa: E731
-        elif parts == ["workspaces"]:
+        elif r is table.LIST_WORKSPACES:
             fn = lambda p: svc.list_workspaces(p)  # noqa: E731
-        elif len(parts) == 2 and parts[0] == "stores":
-            fn = lambda p: svc.get_store(p, parts[1])  # noqa: E731
-        elif len(parts) == 3 and parts[0] == "workspaces" and parts[2] == "attachments":
-            fn = lambda p: svc.list_attachments(p, parts[1])  # noqa: E731
+        elif r is table.GET_STORE:
+            fn = lambda p: svc.get_store(p, path["store"])  # noqa: E731
         else:
-            return None
+            fn = lambda p: svc.list_attachments(p, path["ws"])  # noqa: E731
 
         def call() -> tuple[bytes, dict[str, str]]:
             out = fn(self._principal(token, instance))

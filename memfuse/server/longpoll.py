@@ -29,9 +29,10 @@ import anyio
 from fastapi import Request
 from fastapi.responses import Response
 
-from memfuse.defs import INT64_MAX
+from memfuse.defs import FEED_PAGE_MAX, INT64_MAX
 from memfuse.models import ChangePage, EventPage
 from memfuse.server import wakeups
+from memfuse.server import routetable as table
 from memfuse.server.service import MAX_WAIT_SECONDS, FeedRead, Principal, Service, ServiceError
 
 log = logging.getLogger(__name__)
@@ -265,29 +266,25 @@ class FastPath:
         return None if p is None else (p, token)
 
     async def __call__(self, scope, receive, send) -> bool:
-        if scope["method"] != "GET":
+        m = table.match(scope["method"], scope["path"])  # the app's route table
+        if m is None or m.route not in (table.CHANGES, table.EVENTS):
             return False
-        parts = scope["path"].split("/")
-        # ["", "v1", "stores", slug, "changes"] / ["", "v1", "workspaces", ws, "events"]
-        if len(parts) != 5 or parts[1] != "v1" or not parts[3]:
-            return False
-        kind = (parts[2], parts[4])
-        if kind not in (("stores", "changes"), ("workspaces", "events")):
-            return False
+        is_changes = m.route is table.CHANGES
+        target = m.params["store"] if is_changes else m.params["ws"]
         q = self._params(scope)
         if q is None:
             return False
         try:
             after = int(q.get("after", "0"))
             wait = float(q.get("wait", "0"))
-            limit = int(q.get("limit", "1000"))
+            limit = int(q.get("limit", str(FEED_PAGE_MAX)))
         except ValueError:
             return False
         stream = q.get("stream", "false").lower()
         if stream not in _TRUE and stream not in _FALSE:
             return False
         stream_on = stream in _TRUE and self.streams is not None and self.streams.enabled
-        if not 0 <= after <= INT64_MAX or not (stream_on or 0 < wait < float("inf")) or not (1 <= limit <= 1000):
+        if not 0 <= after <= INT64_MAX or not (stream_on or 0 < wait < float("inf")) or not (1 <= limit <= FEED_PAGE_MAX):
             return False
         content = q.get("content", "true").lower()
         if content not in _TRUE and content not in _FALSE:
@@ -301,23 +298,23 @@ class FastPath:
         request = Request(scope, receive)
         if stream_on:
             try:
-                if kind[1] == "changes":
+                if is_changes:
                     run = await self.streams.changes(
-                        self.reads, p, parts[3], after, limit=limit, content=content in _TRUE,
+                        self.reads, p, target, after, limit=limit, content=content in _TRUE,
                         skip_actor=q.get("skip_actor") or None)
                 else:
-                    run = await self.streams.events(p, parts[3], after, limit=limit)
+                    run = await self.streams.events(p, target, after, limit=limit)
             except Exception as e:  # refused before the first byte: the usual problem response
                 await self.problem(e, scope)(scope, receive, send)
                 return True
             await run(scope, receive, send)
             return True
         try:
-            if kind[1] == "changes":
-                response = await changes(self.svc, self.reads, request, p, parts[3], after, wait, limit=limit,
+            if is_changes:
+                response = await changes(self.svc, self.reads, request, p, target, after, wait, limit=limit,
                                          content=content in _TRUE, skip_actor=q.get("skip_actor") or None)
             else:
-                response = await events(self.svc, request, p, parts[3], after, wait, limit=limit)
+                response = await events(self.svc, request, p, target, after, wait, limit=limit)
         except Exception as e:  # rendered as the app's exception handlers would
             response = self.problem(e, scope)
         await response(scope, receive, send)

@@ -7,7 +7,7 @@ The API's objects are memfuse's own rows, read and written here with memfuse's r
   ``0006_anthropic_memory_stores``); creating, changing, archiving or deleting one needs an
   admin token, as memfuse's own store endpoints do;
 - a *memory* is a live record (its path with a leading ``/``); its writes go through
-  ``RecordsMixin``'s operations, so every rule (content, secrets, limits, the change feed, the
+  ``RecordsService``'s operations, so every rule (content, secrets, limits, the change feed, the
   versions) is the one the mount, the API, the memory tool and MCP meet;
 - a *memory version* is a version row, named by its change-feed ``seq``.
 
@@ -32,9 +32,12 @@ from sqlalchemy.orm import Session
 from memfuse.models import Access, MoveResult, Record, RecordCreate, RecordMove, RecordUpdate, StoreCreate
 from memfuse.server import deltas, keys
 from memfuse.server.anthropic_models import DeletedMemoryStore, MemoryStoreOut
-from memfuse.server.base import _A, _R, _S, _V, IdempotencyRequest, Principal, Reply, ServiceBase, ServiceError
+from memfuse.server.base import _A, _R, _S, _V, IdempotencyRequest, Principal, Parts, Reply, Resource, ServiceError
 from memfuse.server.db import DEFAULT_ACCOUNT, AttachmentRow, StoreRow, WorkspaceRow, utcnow
-from memfuse.server.records import _record_model
+from memfuse.server.accounts import AccountsService
+from memfuse.server.recordrows import _record_model
+from memfuse.server.records import RecordsService
+from memfuse.server.stores import StoresService
 
 log = logging.getLogger("memfuse.server.service")  # every room of the Service logs under one name
 
@@ -80,8 +83,19 @@ class ListedItem:
 _MEMORY_COLUMNS = (_R.c.id, _R.c.path, _R.c.sha256, _R.c.size, _R.c.created_at, _R.c.updated_at, _R.c.seq)
 
 
-class MemoryStoresMixin(ServiceBase):
+class MemoryStoresService(Resource):
     """``Service`` methods of the Anthropic memory-store API (``ms_*``)."""
+
+    records: RecordsService  # memories are records
+    stores: StoresService  # memory stores are stores (their attachment events)
+    accounts: AccountsService  # the store quota
+
+    def __init__(self, parts: Parts, records: RecordsService, stores: StoresService,
+                 accounts: AccountsService) -> None:
+        super().__init__(parts)
+        self.records = records
+        self.stores = stores
+        self.accounts = accounts
 
     # ------------------------------------------------------------ memory stores
 
@@ -133,7 +147,7 @@ class MemoryStoresMixin(ServiceBase):
             if workspace is not None:
                 wrow = self._workspace(s, p, workspace)
                 account = wrow.account  # the root admin's store goes to the workspace's account
-            self._check_store_quota(s, account)  # type: ignore[attr-defined]
+            self.accounts.check_store_quota(s, account)
             base = slug_for_name(name)
             public, n = base, 1  # unique within the account (memfuse.server.keys)
             while (slug := keys.new_key(s.connection(), public, account)) is None:
@@ -155,7 +169,7 @@ class MemoryStoresMixin(ServiceBase):
                 s.add(AttachmentRow(workspace=workspace, store=slug, access=Access.read_write.value,
                                     instructions="", created_at=now))
                 s.flush()
-                self._emit(s, [workspace], "attached", slug, Access.read_write.value)  # type: ignore[attr-defined]
+                self.stores._emit(s, [workspace], "attached", slug, Access.read_write.value)
             log.info("store %s created (memory-store API)%s", slug,
                      f", attached to {workspace} read-write" if workspace else "")
             return store_out(st)
@@ -201,7 +215,7 @@ class MemoryStoresMixin(ServiceBase):
                 conn.execute(update(_S).where(_S.c.slug == key).values(**values))
                 if "description" in values:
                     attached = s.scalars(select(AttachmentRow.workspace).where(AttachmentRow.store == key)).all()
-                    self._emit(s, attached, "store_changed", key, None)  # type: ignore[attr-defined]
+                    self.stores._emit(s, attached, "store_changed", key, None)
             return store_out(self._store(conn, p, slug))
 
         return self._write(p, idem, 200, fn)
@@ -218,7 +232,7 @@ class MemoryStoresMixin(ServiceBase):
                 key, now = st.slug, utcnow()
                 conn.execute(update(_S).where(_S.c.slug == key).values(archived_at=now, updated_at=now))
                 attached = s.scalars(select(AttachmentRow.workspace).where(AttachmentRow.store == key)).all()
-                self._emit(s, attached, "store_changed", key, None)  # type: ignore[attr-defined]
+                self.stores._emit(s, attached, "store_changed", key, None)
                 log.info("store %s archived", key)
             return store_out(self._store(conn, p, slug))
 
@@ -238,7 +252,7 @@ class MemoryStoresMixin(ServiceBase):
             conn.execute(delete(_V).where(_V.c.store == key))
             conn.execute(delete(_R).where(_R.c.store == key))
             conn.execute(delete(_S).where(_S.c.slug == key))
-            self._emit(s, attached, "detached", key, None)  # type: ignore[attr-defined]
+            self.stores._emit(s, attached, "detached", key, None)
             log.info("store %s deleted with its records and versions", key)
             return DeletedMemoryStore(id=store_id(slug))
 
@@ -300,10 +314,10 @@ class MemoryStoresMixin(ServiceBase):
         ``path_exists`` when another live record holds ``path``) and ``update_record``
         (412 ``precondition_failed``, 404, 403 ``store_archived``, content rules); nothing is
         written when one refuses."""
-        move = self._move_op(p, record_id, RecordMove(path=path), if_match) if path is not None else None  # type: ignore[attr-defined]
+        move = self.records._move_op(p, record_id, RecordMove(path=path), if_match) if path is not None else None
         upd = None
         if content is not None:
-            upd = self._update_op(p, record_id, RecordUpdate(content=content), if_match)  # type: ignore[attr-defined]
+            upd = self.records._update_op(p, record_id, RecordUpdate(content=content), if_match)
 
         def fn(conn: Connection) -> Record:
             st = self._store(conn, p, slug, write=True)
@@ -320,7 +334,7 @@ class MemoryStoresMixin(ServiceBase):
         return self._write(p, idem, 200, fn, etag=True, feed=slug)
 
     def _ms_record(self, conn: Connection, st: Row, record_id: str) -> Record:
-        return _record_model(self._live(self._record(conn, st, record_id)), with_content=False)  # type: ignore[attr-defined]
+        return _record_model(self.records._live(self.records._record(conn, st, record_id)), with_content=False)
 
     # ------------------------------------------------------------ versions
 
@@ -374,14 +388,14 @@ class MemoryStoresMixin(ServiceBase):
         """Redact the version of ``seq`` (``redact_version``'s rules: admin; 409
         ``current_version`` for the current version of a live record) and return its row."""
         v = self.ms_get_version(p, slug, seq, with_content=False)
-        self.redact_version(p, slug, v.record_id, v.version, idem)  # type: ignore[attr-defined]
+        self.records.redact_version(p, slug, v.record_id, v.version, idem)
         return self.ms_get_version(p, slug, seq, with_content=True)
 
     def ms_create_memory(
         self, p: Principal, slug: str, path: str, content: str, idem: IdempotencyRequest | None = None
     ) -> Reply:
         """``create_record`` with the store's type rules (201 [Record])."""
-        return self.create_record(p, slug, RecordCreate(path=path, content=content), idem)  # type: ignore[attr-defined]
+        return self.records.create_record(p, slug, RecordCreate(path=path, content=content), idem)
 
 
 # ---------------------------------------------------------------- ids and shapes
@@ -418,6 +432,6 @@ def store_out(st: Row | StoreRow) -> MemoryStoreOut:
 
 
 __all__ = [
-    "ListedItem", "MemoryStoresMixin", "VERSION_OPERATIONS", "slug_for_name", "store_id", "store_metadata",
+    "ListedItem", "MemoryStoresService", "VERSION_OPERATIONS", "slug_for_name", "store_id", "store_metadata",
     "store_out", "store_slug", "path_prefix_end",
 ]

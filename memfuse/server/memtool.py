@@ -70,7 +70,7 @@ from memfuse.server.memtool_base import (  # re-exported: callers import them fr
     parse_path as parse_path,
     split_lines_keeping_cr as split_lines_keeping_cr,
 )
-from memfuse.server.records import _encode_cursor
+from memfuse.server.recordrows import _encode_cursor
 from memfuse.server.search import LINE_MAX_CHARS, TreeListing, check_query
 from memfuse.server.service import Principal, Service, ServiceError
 

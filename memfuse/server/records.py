@@ -1,30 +1,25 @@
-"""Records and their versions: reads (snapshot pages, records, versions) and every write.
+"""Records and their versions: every write (reads: ``recordreads``; shared rules: ``recordrows``).
 
 A write appends a version and updates the record row and the store's usage counters in one
-transaction (``ServiceBase._write`` with ``feed`` = the store), through SQLAlchemy Core on the
+transaction (``Writer.write`` with ``feed`` = the store), through SQLAlchemy Core on the
 session's connection. Content rules (UTF-8, type, secrets) come from :mod:`memfuse.content`,
 mapped here to problem codes. The change feed that reads these versions is in ``changes``.
 """
 from __future__ import annotations
 
-import base64
-import json
 import logging
 import uuid
-from collections.abc import Callable, Iterable
-from datetime import datetime, timezone
+from collections.abc import Callable
+from datetime import datetime
 from typing import Any
 
-import msgspec
-from sqlalchemy import String, bindparam, false, func, insert, select, text, tuple_, type_coerce, update
+from sqlalchemy import false, select, update
 from sqlalchemy.engine import Connection, Row
 
 from memfuse import content as content_rules
-from memfuse import wire
 from memfuse.defs import INT64_MAX, mtime_effective_ns
 from memfuse.hashstate import Sha256States
 from memfuse.models import (
-    DEFAULT_MODE,
     MoveResult,
     Operation,
     PrefixMove,
@@ -33,376 +28,67 @@ from memfuse.models import (
     RecordAttributes,
     RecordCreate,
     RecordMove,
-    RecordPage,
     RecordUpdate,
     Restore,
     Version,
 )
 from memfuse.server.base import (
     _R,
-    _S,
     _V,
     IdempotencyRequest,
     Principal,
     Reply,
-    ServiceBase,
+    Resource,
     ServiceError,
     _check_new_path,
     _check_path,
-    holds,
     parse_if_match,
 )
 from memfuse.server import deltas, history, keys, staleness, wakeups
-from memfuse.server.db import DEFAULT_ACCOUNT, AccountRow, UTCDateTime, utcnow
+from memfuse.server.db import utcnow
+from memfuse.server.recordrows import (
+    APPEND_SCAN_CONTEXT,
+    BatchStore,
+    _INSERT_RECORD,
+    _INSERT_VERSION,
+    _Rec,
+    _SELECT_LIVE_AT,
+    _SELECT_LIVE_AT_PATHS,
+    _SELECT_LIVE_ID_AT,
+    _SELECT_RECORD,
+    _UPDATE_RECORD,
+    _UPDATE_USAGE,
+    _account_room,
+    _attrs,
+    _check_content,
+    _check_if_match,
+    _check_record_size,
+    _check_writable,
+    _decode_cursor,
+    _encode_cursor,
+    _like_escape,
+    _mode,
+    _pin_mtime,
+    _record_model,
+    _resolve_type,
+    _secret_error,
+    _sqlite_time,
+    _usage,
+    _version_model,
+)
 
 log = logging.getLogger("memfuse.server.service")  # every room of the Service logs under one name
-
-#: characters of a record's content before an appended suffix that the secret scan reads
-#: with it (from the start of their line), so a secret the suffix completes is found
-APPEND_SCAN_CONTEXT = 16 * 1024
-
-
-def _check_if_match(header: str | None, current_sha: str) -> None:
-    tags = parse_if_match(header)
-    if tags is None or tags == ["*"] or current_sha in tags:
-        return
-    raise ServiceError(
-        412, "precondition_failed", "the record has changed since that version", sha256=current_sha
-    )
-
-
-def _check_content(text: str) -> bytes:
-    """``text`` as UTF-8; 422 ``invalid_content`` when it holds NUL or cannot be encoded
-    (lone surrogates from JSON ``\\ud800``)."""
-    try:
-        return content_rules.check_text(text)
-    except ValueError as err:
-        raise ServiceError(422, "invalid_content", str(err)) from None
-
-
-def _resolve_type(path: str, text: str, explicit: str | None, fallback: str | None) -> str | None:
-    """The validated type (explicit > frontmatter > ``fallback``; None for the root
-    ``MEMORY.md``); 422 ``invalid_type``."""
-    try:
-        t = content_rules.record_type(path, text, explicit, fallback)
-        if t is None and not content_rules.is_index(path):
-            raise content_rules.InvalidType("the record has no type and no default applies")
-        content_rules.check_type(t)
-        return t
-    except ValueError as err:
-        raise ServiceError(422, "invalid_type", str(err)) from None
-
-
-def _secret_error(reason: str) -> ServiceError:
-    """422 ``secret_detected``; ``reason`` names the kind and line, never the secret."""
-    return ServiceError(
-        422,
-        "secret_detected",
-        f"content holds a secret ({reason}); memory must not store credentials: remove it and write again",
-    )
-
-
-def _check_record_size(store: Row, size: int) -> None:
-    if size > store.max_record_bytes:
-        raise ServiceError(
-            413,
-            "record_too_large",
-            f"record is {size} bytes, the store allows {store.max_record_bytes}",
-        )
-
-
-def _check_writable(st: Row) -> None:
-    """403 ``store_archived`` when the store was archived (``stores.archived_at``, the
-    Anthropic memory-store API's archive): its records may still be read, deleted and
-    redacted, never created, changed, moved or restored."""
-    if getattr(st, "archived_at", None) is not None:
-        raise ServiceError(403, "store_archived", f"store {keys.public(st.slug)!r} is archived: its records cannot be written")
-
-
-def _like_escape(text: str) -> str:
-    """``text`` for a ``LIKE`` pattern with escape character ``\\``: ``\\``, ``%`` and ``_``
-    match literally."""
-    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
-
-
-def _encode_cursor(path: str, record_id: str) -> str:
-    raw = json.dumps([path, record_id], ensure_ascii=False).encode()
-    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
-
-
-def _decode_cursor(cursor: str) -> tuple[str, str]:
-    try:
-        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
-        path, rid = json.loads(raw)
-        if not isinstance(path, str) or not isinstance(rid, str):
-            raise ValueError
-        return path, rid
-    except Exception:
-        raise ServiceError(422, "validation_error", "cursor is not one this server gave out") from None
-
-
-_RECORD_COLUMNS = tuple(c.name for c in _R.c)
-
-
-class _Rec:
-    """One ``records`` row as a plain mutable object (no ORM session): every column is an
-    attribute. Made from a Core row with ``of``; written back by ``Service._add_version``."""
-
-    # ``base_content``: the content of the record's current version as read (the base of an
-    # append version, ``deltas.plan``); not a column
-    __slots__ = (*_RECORD_COLUMNS, "base_content")
-
-    def __init__(self, **values: object) -> None:
-        for k, v in values.items():
-            setattr(self, k, v)
-
-    @classmethod
-    def of(cls, row: Row) -> "_Rec":
-        """The record of a ``select(records)`` row."""
-        rec = cls(**row._mapping)
-        rec.base_content = row.content
-        return rec
-
-    def values(self) -> dict[str, object]:
-        """Every column → value."""
-        return {k: getattr(self, k) for k in _RECORD_COLUMNS}
-
 
 #: sha256 states of recently written contents (``memfuse.hashstate``): an append's sha256 is
 #: computed over its suffix when its base was written (or appended to) by this process
 _HASHES = Sha256States()
 
-# Statements of the hot paths, built once (parameters at execution).
-_INSERT_RECORD = insert(_R)
-_INSERT_VERSION = insert(_V)
-_UPDATE_RECORD = update(_R).where(_R.c.id == bindparam("rid"))
-_UPDATE_USAGE = (  # also the batch's one usage statement
-    update(_S)
-    .where(_S.c.slug == bindparam("slug_"))
-    .values(
-        usage_bytes=_S.c.usage_bytes + bindparam("d_bytes"),
-        record_count=_S.c.record_count + bindparam("d_count"),
-    )
-)
-# A snapshot page's columns, in the order ``list_records_json`` reads them (content last).
-_PAGE_COLUMNS_NO_CONTENT = (_R.c.id, _R.c.store, _R.c.path, _R.c.type, _R.c.version, _R.c.sha256, _R.c.size,
-                            _R.c.deleted, _R.c.created_at, _R.c.updated_at, _R.c.updated_by, _R.c.seq,
-                            _R.c.mode, _R.c.mtime_ns)
-_PAGE_COLUMNS = (*_PAGE_COLUMNS_NO_CONTENT, _R.c.content)
 
-
-def _raw_times(cols: tuple) -> tuple:
-    """``cols`` with the two times read as SQLite stores them (text), not parsed by
-    SQLAlchemy: ``_sqlite_time`` parses them in a fraction of the time."""
-    return tuple(type_coerce(c, String).label(c.name) if c.name in ("created_at", "updated_at") else c
-                 for c in cols)
-
-
-_PAGE_COLUMNS_SQLITE = _raw_times(_PAGE_COLUMNS)
-_PAGE_COLUMNS_NO_CONTENT_SQLITE = _raw_times(_PAGE_COLUMNS_NO_CONTENT)
-
-
-def _same(value: datetime) -> datetime:
-    return value
-
-
-def _sqlite_time(value: str) -> datetime:
-    """A time as the SQLite backend stores it (naive UTC text, ``YYYY-MM-DD HH:MM:SS[.ffffff]``)
-    as the aware ``datetime`` ``UTCDateTime`` reads; anything else through SQLAlchemy's own
-    parser. ~0.3 µs instead of ~1.8."""
-    try:
-        if len(value) in (19, 26) and value[10] == " ":
-            return datetime.fromisoformat(value).replace(tzinfo=timezone.utc)
-    except ValueError:
-        pass
-    from sqlalchemy.dialects import sqlite
-
-    dialect = sqlite.dialect()
-    return UTCDateTime().dialect_impl(dialect).result_processor(dialect, None)(value)
-
-
-_PAGE_ENCODER = msgspec.json.Encoder()
-_SELECT_RECORD = select(_R).where(_R.c.id == bindparam("rid"))
-_SELECT_LIVE_AT = select(_R).where(
-    _R.c.store == bindparam("store"), _R.c.path == bindparam("path"), _R.c.deleted == false()
-)
-_SELECT_LIVE_ID_AT = select(_R.c.id).where(
-    _R.c.store == bindparam("store"), _R.c.path == bindparam("path"), _R.c.deleted == false()
-)
-
-
-#: (path, id) of the live records at any of ``paths`` (a new record's path and its ancestors)
-_SELECT_LIVE_AT_PATHS = select(_R.c.path, _R.c.id).where(
-    _R.c.store == bindparam("store"), _R.c.deleted == false(),
-    _R.c.path.in_(bindparam("paths", expanding=True)))
-
-_SELECT_ACCOUNT_MAX_BYTES = select(AccountRow.__table__.c.max_bytes).where(
-    AccountRow.__table__.c.slug == bindparam("account"))
-_SELECT_ACCOUNT_OTHER_BYTES = select(func.coalesce(func.sum(_S.c.usage_bytes), 0)).where(
-    _S.c.account == bindparam("account"), _S.c.slug != bindparam("slug"))
-
-
-def _account_room(conn: Connection, st: Row | BatchStore, store_bytes: int) -> None:
-    """507 ``account_full`` when the store ``st`` holding ``store_bytes`` puts its account
-    over its ``max_bytes`` (docs/API.md "Accounts"). One primary-key read when the account
-    has no byte quota; with one, a sum over the account's other stores (``ix_stores_account``)."""
-    account = getattr(st, "account", None) or DEFAULT_ACCOUNT
-    limit = conn.execute(_SELECT_ACCOUNT_MAX_BYTES, {"account": account}).scalar()
-    if limit is None:
-        return
-    total = conn.execute(_SELECT_ACCOUNT_OTHER_BYTES, {"account": account, "slug": st.slug}).scalar_one() + store_bytes
-    if total > limit:
-        raise ServiceError(507, "account_full", f"account {account!r} would hold {total} bytes, limit {limit}")
-
-
-class BatchStore:
-    """The store row of a batch as a mutable object: its columns as attributes, with the
-    usage counters (``record_count``, ``usage_bytes``) kept here as the batch's operations
-    change them; ``read_*`` are the counters as read under the lock (the batch adds the
-    difference in one statement at its end).
-
-    Creates at the head of a batch are *deferred*: the batch reads the live records at
-    their paths in one query (``paths``: path → record id) and reserves their change-feed
-    seqs in one (``seqs``), so a create checks and builds its record without a statement;
-    ``flush`` inserts every deferred record, then every version, in one statement each.
-    The first operation of another kind flushes and ends deferral (it reads records, and
-    its version must come after every earlier create's)."""
-
-    def __init__(self, row: Row) -> None:
-        self.__dict__.update(row._mapping)
-        self.read_count, self.read_bytes = self.record_count, self.usage_bytes
-        self.deferring = False
-        self.paths: dict[str, str] = {}
-        self.dirs: set[str] = set()  # the ancestors of every path in ``paths`` (``_check_clash``)
-        self.seqs: list[int] = []
-        self._records: list[dict[str, object]] = []
-        self._versions: list[dict[str, object]] = []
-
-    def defer(self, conn: Connection, paths: list[str], n: int) -> None:
-        """Start deferring up to ``n`` creates at ``paths``: one read of the live records
-        there, one reservation of ``n`` seqs (PostgreSQL: ``nextval`` of the versions'
-        sequence; SQLite: past ``sqlite_sequence``, under the database's write lock)."""
-        if n <= 0:
-            return
-        rows = conn.execute(select(_R.c.path, _R.c.id).where(
-            _R.c.store == self.slug, _R.c.deleted == false(), _R.c.path.in_(paths)))
-        self.paths = {r.path: r.id for r in rows}
-        if conn.dialect.name == "postgresql":
-            self.seqs = list(conn.execute(text(
-                "SELECT nextval(pg_get_serial_sequence('versions', 'seq')) FROM generate_series(1, :n)"),
-                {"n": n}).scalars())
-        else:
-            top = conn.execute(text("SELECT seq FROM sqlite_sequence WHERE name = 'versions'")).scalar()
-            if top is None:
-                top = conn.execute(select(func.max(_V.c.seq))).scalar()
-            self.seqs = list(range((top or 0) + 1, (top or 0) + 1 + n))
-        self.seqs.reverse()  # pop() takes the smallest
-        self.deferring = True
-
-    def defer_create(self, rec: "_Rec", actor: str, now: datetime) -> None:
-        """Queue the insert of ``rec`` (a new record, version 1) and its ``created`` version
-        with the next reserved seq; sets ``rec.seq``; notes the feed."""
-        seq = self.seqs.pop()
-        rec.seq = seq
-        rec.updated_at, rec.updated_by = now, actor
-        rec.review_after, rec.expires_at = staleness.record_dates(rec.content)
-        self._records.append(rec.values())
-        self._versions.append({
-            "seq": seq, "record_id": rec.id, "store": rec.store, "version": rec.version,
-            "operation": Operation.created.value, "path": rec.path, "old_path": None,
-            "type": rec.type, "sha256": rec.sha256, "size": rec.size, "content": rec.content,
-            "created_at": now, "actor": actor, "redacted": False, "mode": rec.mode,
-            "mtime_ns": rec.mtime_ns, "base_version": None, "chain": 0,
-        })
-        self.paths[rec.path] = rec.id
-        parts = rec.path.split("/")
-        self.dirs.update("/".join(parts[:i]) for i in range(1, len(parts)))
-        wakeups.note_feed(rec.store, seq, actor)
-        if not self.seqs:
-            self.deferring = False
-
-    def flush(self, conn: Connection) -> None:
-        """Insert the deferred records and versions (one statement each) and stop deferring."""
-        self.deferring = False
-        if self._records:
-            conn.execute(_INSERT_RECORD, self._records)
-            conn.execute(_INSERT_VERSION, self._versions)
-            self._records, self._versions = [], []
-
-
-def _mode(value: int | None) -> int:
-    """The permission bits a file shows for a stored ``mode`` (NULL: 0o644)."""
-    return DEFAULT_MODE if value is None else value
-
-
-def _pin_mtime(rec: _Rec) -> None:
-    """Store the mtime a record's file shows (``updated_at`` when it has no explicit one)
-    as its explicit ``mtime_ns``, before a version that must not change it (a move, as
-    rename(2) leaves ``st_mtime`` alone) sets ``updated_at`` to now."""
-    if rec.mtime_ns is None:
-        rec.mtime_ns = mtime_effective_ns(None, rec.updated_at)
-
-
-def _attrs(rec: _Rec) -> tuple[int, int | None]:
-    """What decides whether an attribute change makes a version: (effective mode, mtime)."""
-    return _mode(rec.mode), rec.mtime_ns
-
-
-def _record_model(rec: _Rec | Row, *, with_content: bool) -> Record:
-    return Record(
-        id=rec.id,
-        store=keys.public(rec.store),
-        path=rec.path,
-        type=rec.type,
-        version=rec.version,
-        sha256=rec.sha256,
-        size=rec.size,
-        deleted=rec.deleted,
-        created_at=rec.created_at,
-        updated_at=rec.updated_at,
-        updated_by=rec.updated_by,
-        seq=rec.seq,
-        content=rec.content if with_content else None,
-        mode=_mode(rec.mode),
-        mtime_ns=rec.mtime_ns,
-        review_after=getattr(rec, "review_after", None),
-        expires_at=getattr(rec, "expires_at", None),
-    )
-
-
-def _version_model(v: Row, *, with_content: bool) -> Version:
-    return Version(
-        record_id=v.record_id,
-        version=v.version,
-        operation=Operation(v.operation),
-        path=v.path,
-        type=v.type,
-        sha256=v.sha256,
-        size=v.size,
-        created_at=v.created_at,
-        actor=v.actor,
-        redacted=v.redacted,
-        pruned=bool(getattr(v, "pruned", False)),
-        seq=v.seq,
-        content=v.content if with_content and not v.redacted else None,
-        mode=_mode(v.mode),
-        mtime_ns=v.mtime_ns,
-    )
-
-
-def _usage(conn: Connection, slugs: Iterable[str] | None = None) -> dict[str, tuple[int, int]]:
-    """Live (record_count, bytes) per store slug, counted from the records (a full scan of
-    the stores' live records: for checks and tests, never on a request path)."""
-    q = select(_R.c.store, func.count(), func.coalesce(func.sum(_R.c.size), 0)).where(_R.c.deleted == false())
-    if slugs is not None:
-        q = q.where(_R.c.store.in_(list(slugs)))
-    return {slug: (int(n), int(b)) for slug, n, b in conn.execute(q.group_by(_R.c.store))}
-
-
-class RecordsMixin(ServiceBase):
-    """``Service`` methods: record reads (``list_records``, ``get_record``, ``list_versions``,
-    ``get_version``) and writes (``create_record``, ``update_record``, ``set_attributes``, ``move_record``,
-    ``move_prefix``, ``delete_record``, ``restore_record``, ``redact_version``). In an archived
+class RecordsService(Resource):
+    """``Service`` methods: record writes (``create_record``, ``update_record``,
+    ``append_record``, ``set_attributes``, ``move_record``, ``move_prefix``, ``delete_record``,
+    ``restore_record``, ``redact_version``; reads are ``recordreads.RecordReadsService``'s), and
+    the operations batch plans with (``_create_op``, ``_update_op``, ...). In an archived
     store every write but ``delete_record`` and ``redact_version`` refuses 403
     ``store_archived`` (``_check_writable``)."""
 
@@ -558,184 +244,13 @@ class RecordsMixin(ServiceBase):
         this transaction, under the write lock). 507 ``store_full`` when the write grew usage
         (``grew_*``) and the store is now over a limit; the caller's transaction then rolls
         back, counters included."""
-        n, b = RecordsMixin._room(st, d_bytes, d_count, grew_bytes=grew_bytes, grew_count=grew_count)
+        n, b = RecordsService._room(st, d_bytes, d_count, grew_bytes=grew_bytes, grew_count=grew_count)
         if grew_bytes and d_bytes > 0:
             _account_room(conn, st, b)
         if isinstance(st, BatchStore):  # a batch writes the counters once, at its end
             st.record_count, st.usage_bytes = n, b
         elif (d_bytes or d_count) and not history.settle_with_usage(conn, st.slug, d_bytes, d_count):
             conn.execute(_UPDATE_USAGE, {"slug_": st.slug, "d_bytes": d_bytes, "d_count": d_count})
-
-    # ------------------------------------------------------------ records: reads
-
-    def _snapshot_rows(
-        self, p: Principal, slug: str, cursor: str | None, limit: int, with_content: bool,
-        path: str | None, include_deleted: bool, raw_times: bool = False,
-    ) -> tuple[list[Row], bool, int, bool]:
-        """The rows of one snapshot page (``limit`` at most, ordered by (path, id)), whether
-        more follow, and the store's change-feed seq read before them. The keyset condition
-        is one row-value comparison, ``(path, id) > (cursor)``: SQLite seeks the ``(store,
-        path, id)`` index to the cursor with it (written as ``path > p OR (path = p AND id >
-        i)`` SQLite scanned the store's index from its start on every page), PostgreSQL the
-        live records' ``(store, path COLLATE "C", id)`` index (revision
-        ``0005_records_path_bytes``; with ``include_deleted`` it sorts the store's records).
-        With ``raw_times`` on SQLite the two times come as stored text (``_sqlite_time``);
-        the last member says whether they do."""
-        with self.db.read_conn() as conn:
-            st = self._store(conn, p, slug)
-            seq = conn.scalar(select(func.max(_V.c.seq)).where(_V.c.store == st.slug)) or 0
-            path_col = self._path_col()
-            if raw_times and self.db.is_sqlite:
-                cols = _PAGE_COLUMNS_SQLITE if with_content else _PAGE_COLUMNS_NO_CONTENT_SQLITE
-            else:
-                cols = _PAGE_COLUMNS if with_content else _PAGE_COLUMNS_NO_CONTENT
-                raw_times = False
-            q = select(*cols).where(_R.c.store == st.slug)
-            if not include_deleted:
-                q = q.where(_R.c.deleted == false())
-            if path is not None:
-                q = q.where(_R.c.path == path)
-            if cursor:
-                cp, cid = _decode_cursor(cursor)
-                q = q.where(tuple_(path_col, _R.c.id) > tuple_(cp, cid))
-            rows = conn.execute(q.order_by(path_col, _R.c.id).limit(limit + 1)).all()
-        more = len(rows) > limit
-        return rows[:limit], more, seq, raw_times
-
-    def list_records(
-        self,
-        p: Principal,
-        slug: str,
-        *,
-        cursor: str | None = None,
-        limit: int = 500,
-        with_content: bool = False,
-        path: str | None = None,
-        include_deleted: bool = False,
-    ) -> RecordPage:
-        """One snapshot page ordered by (path, id); ``seq`` is the store's change-feed position
-        read before the page. Raises 422 ``validation_error`` for a foreign cursor."""
-        rows, more, seq, _ = self._snapshot_rows(p, slug, cursor, limit, with_content, path, include_deleted)
-        return RecordPage(
-            records=[_record_model(r, with_content=with_content) for r in rows],
-            next_cursor=_encode_cursor(rows[-1].path, rows[-1].id) if more else None,
-            seq=seq,
-        )
-
-    def list_records_json(
-        self,
-        p: Principal,
-        slug: str,
-        *,
-        cursor: str | None = None,
-        limit: int = 500,
-        with_content: bool = False,
-        path: str | None = None,
-        include_deleted: bool = False,
-    ) -> bytes:
-        """``list_records`` as the JSON body of ``GET /v1/stores/{store}/records``: the same
-        bytes as ``RecordPage.model_dump_json()`` of its answer (``tests/test_wire.py`` holds
-        them equal), built without a pydantic model per record: each row becomes the
-        client's msgspec ``Record`` (same members, same order, same JSON) and the page is
-        encoded by msgspec, ~5× less CPU for a page of 1,000 records with content. Raises
-        what ``list_records`` raises."""
-        rows, more, seq, raw = self._snapshot_rows(p, slug, cursor, limit, with_content, path, include_deleted,
-                                                   raw_times=True)
-        W = wire.Record
-        t = _sqlite_time if raw else _same
-        recs = [W(id=r[0], store=keys.public(r[1]), path=r[2], type=r[3], version=r[4], sha256=r[5], size=r[6],
-                  deleted=r[7], created_at=t(r[8]), updated_at=t(r[9]), updated_by=r[10], seq=r[11],
-                  mode=DEFAULT_MODE if r[12] is None else r[12], mtime_ns=r[13],
-                  content=r[14] if with_content else None)
-                for r in rows]
-        return _PAGE_ENCODER.encode(wire.RecordPage(
-            records=recs, seq=seq,
-            next_cursor=_encode_cursor(rows[-1].path, rows[-1].id) if more else None))
-
-    def search_records(
-        self,
-        p: Principal,
-        slug: str,
-        *,
-        type: str | None = None,
-        path_contains: str | None = None,
-        text: str | None = None,
-        cursor: str | None = None,
-        limit: int = 100,
-    ) -> RecordPage:
-        """Live records of the store that match every filter given, without content, ordered
-        by (path, id) like ``list_records`` (same cursors; ``seq`` is the store's change-feed
-        position read before the page). Filters, all evaluated by the database:
-
-        - ``type``: one of ``user``, ``feedback``, ``project``, ``reference`` (422
-          ``invalid_type`` otherwise); the root ``MEMORY.md`` has no type and never matches;
-        - ``path_contains``: a substring of the path, case-insensitive;
-        - ``text``: a substring of the content, case-insensitive.
-
-        Substrings match literally (``%``, ``_``, ``\\`` are plain characters) and
-        case-insensitively by ``base.fold`` (Unicode lowercase: ``ÄPFEL`` finds ``äpfel``), the
-        search API's rule, on both databases: the database narrows the rows with the superset
-        filter of ``ServiceBase._contains`` and each row read is checked here (``holds``);
-        rows are read in batches of ``limit`` + 1 until the page is full, so a page holds
-        ``limit`` records unless it is the last. A content filter reads every live record
-        of the store it passes (no index). ``limit`` is clamped to 1–1000. Raises 404 like
-        ``list_records``, 422 ``validation_error`` for a foreign cursor."""
-        if type is not None and type not in content_rules.RECORD_TYPES:
-            raise ServiceError(422, "invalid_type", f"type {type!r} is not one of {', '.join(content_rules.RECORD_TYPES)}")
-        limit = min(max(int(limit), 1), 1000)
-        with self.db.read_conn() as conn:
-            st = self._store(conn, p, slug)
-            after = _decode_cursor(cursor) if cursor else None
-            seq = conn.scalar(select(func.max(_V.c.seq)).where(_V.c.store == st.slug)) or 0
-            path_col = self._path_col()
-            q = select(*(c for c in _R.c if c.name != "content" or text)).where(
-                _R.c.store == st.slug, _R.c.deleted == false()
-            )
-            if type is not None:
-                q = q.where(_R.c.type == type)
-            if path_contains:
-                q = q.where(self._contains(_R.c.path, path_contains))
-            if text:
-                q = q.where(self._contains(_R.c.content, text))
-            q = q.order_by(path_col, _R.c.id).limit(limit + 1)
-            rows: list[Row] = []
-            while len(rows) <= limit:
-                batch = conn.execute(q.where(tuple_(path_col, _R.c.id) > tuple_(*after)) if after else q).all()
-                rows.extend(r for r in batch if (not path_contains or holds(r.path, path_contains))
-                            and (not text or holds(r.content or "", text)))
-                if len(batch) <= limit:
-                    break
-                after = (batch[-1].path, batch[-1].id)  # an index seek, see _snapshot_rows
-            more = len(rows) > limit
-            rows = rows[:limit]
-            return RecordPage(
-                records=[_record_model(r, with_content=False) for r in rows],
-                next_cursor=_encode_cursor(rows[-1].path, rows[-1].id) if more else None,
-                seq=seq,
-            )
-
-    def get_record(self, p: Principal, slug: str, record_id: str, *, with_content: bool = True) -> Record:
-        """The record (deleted ones too, with ``deleted`` true); 404 ``record_not_found``."""
-        with self.db.read_conn() as conn:
-            st = self._store(conn, p, slug)
-            return _record_model(self._record(conn, st, record_id), with_content=with_content)
-
-    def list_versions(self, p: Principal, slug: str, record_id: str) -> list[Version]:
-        """Every version of the record without content, oldest first."""
-        with self.db.read_conn() as conn:
-            st = self._store(conn, p, slug)
-            self._record(conn, st, record_id)
-            rows = conn.execute(
-                select(_V).where(_V.c.record_id == record_id).order_by(_V.c.version)
-            ).all()
-            return [_version_model(v, with_content=False) for v in rows]
-
-    def get_version(self, p: Principal, slug: str, record_id: str, n: int) -> Version:
-        """Version ``n`` with content (None when redacted); 404 ``version_not_found``."""
-        with self.db.read_conn() as conn:
-            st = self._store(conn, p, slug)
-            self._record(conn, st, record_id)
-            return _version_model(self._version(conn, record_id, n), with_content=True)
 
     @staticmethod
     def _version(conn: Connection, record_id: str, n: int) -> Any:

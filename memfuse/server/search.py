@@ -9,10 +9,10 @@ indexed range queries on ``(store, path, id)`` that skip whole subtrees below th
 so a listing reads about as many rows as it shows, never the whole store.
 
 Case-insensitive matching compares ``base.fold`` (Unicode lowercase) of both sides: the
-database narrows the rows with ``LIKE`` / ``ILIKE`` (``ServiceBase._contains``: a superset,
+database narrows the rows with ``LIKE`` / ``ILIKE`` (``Resource._contains``: a superset,
 the same on SQLite and PostgreSQL, whatever the database's ``LC_CTYPE``) and each candidate
 row is checked again here, line by line, so a hit always holds the query as this module
-defines it. The console's filters (``RecordsMixin.search_records``) use the same rule.
+defines it. The console's filters (``RecordsService.search_records``) use the same rule.
 
 Paths compare byte-wise on both databases (PostgreSQL: ``COLLATE "C"``), the order of the
 snapshot pages; a cursor is the snapshot cursor of the last row read.
@@ -30,8 +30,8 @@ from sqlalchemy.engine import Connection
 from memfuse import content as content_rules
 from memfuse.models import SearchHit, SearchLine, SearchPage
 from memfuse.server import fulltext
-from memfuse.server.base import _R, _V, Principal, ServiceBase, ServiceError, _check_path, fold
-from memfuse.server.records import _decode_cursor, _encode_cursor, _record_model
+from memfuse.server.base import _R, _V, Principal, Resource, ServiceError, _check_path, fold
+from memfuse.server.recordrows import _decode_cursor, _encode_cursor, _record_model
 
 QUERY_MAX_CHARS = 256  # a search query is 1..256 characters
 SEARCH_MAX_LIMIT = 100  # records one search page returns at most
@@ -96,7 +96,7 @@ class TreeListing:
     complete: bool = True
 
 
-class SearchMixin(ServiceBase):
+class SearchService(Resource):
     """``Service.search`` and ``Service.tree`` (module docstring)."""
 
     def search(

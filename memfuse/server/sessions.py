@@ -24,11 +24,12 @@ import hmac
 import logging
 import secrets
 from datetime import datetime, timedelta
+from typing import Protocol
 
 from sqlalchemy import delete, insert, select
 
 from memfuse.models import sha256_hex
-from memfuse.server.base import Principal, ServiceBase, _unauthorized
+from memfuse.server.base import Parts, Principal, Resource, _unauthorized
 from memfuse.server.db import ConsoleSessionRow, TokenRow, utcnow
 
 log = logging.getLogger("memfuse.server.service")
@@ -51,22 +52,36 @@ def session_digest(session_id: str) -> str:
     return sha256_hex(session_id.encode("utf-8", "surrogatepass"))
 
 
-class SessionsMixin(ServiceBase):
+class _Tokens(Protocol):
+    """What console sessions need of the tokens (``memfuse.server.tokens.TokensService``)."""
+
+    static_tokens: dict[str, str | None]
+
+    def authenticate(self, token: str | None, instance: str | None = None) -> Principal: ...
+
+
+class SessionsService(Resource):
     """``Service`` methods of console sessions: ``create_session``, ``session_principal``,
     ``end_session``."""
+
+    tokens: _Tokens  # a session is opened with a token, and ends when its token does
+
+    def __init__(self, parts: Parts, tokens: _Tokens) -> None:
+        super().__init__(parts)
+        self.tokens = tokens
 
     def create_session(self, token: str, instance: str | None = None,
                        seconds: float = SESSION_SECONDS) -> tuple[str, Principal, datetime]:
         """Log in with ``token``: returns (session id for the cookie, the principal, when the
         session ends). Expired sessions of every token are deleted on the way. Raises
         ``ServiceError`` 401 when the token is not valid (``authenticate``). Worker thread."""
-        p = self.authenticate(token, instance)
+        p = self.tokens.authenticate(token, instance)
         digest = sha256_hex(token.encode("utf-8", "surrogatepass"))
         now = utcnow()
         ends = now + timedelta(seconds=seconds)
         token_id = None
         if not any(hmac.compare_digest(k.encode("utf-8", "surrogatepass"), token.encode("utf-8", "surrogatepass"))
-                   for k in list(self.static_tokens)):
+                   for k in list(self.tokens.static_tokens)):
             with self.db.read_conn() as conn:
                 row = conn.execute(select(_TK.c.id, _TK.c.expires_at).where(_TK.c.token_sha256 == digest)).first()
             if row is None:  # deleted between the two reads
@@ -97,7 +112,7 @@ class SessionsMixin(ServiceBase):
         if row.expires_at <= now:
             raise _unauthorized("console session expired")
         if row.token_id is None:  # a static token: still given, for the same workspace?
-            for known, workspace in list(self.static_tokens.items()):
+            for known, workspace in list(self.tokens.static_tokens.items()):
                 if (hmac.compare_digest(sha256_hex(known.encode("utf-8", "surrogatepass")), row.token_sha256)
                         and workspace == row.workspace):
                     return Principal(workspace=workspace, name="static", instance=instance,

@@ -2,7 +2,7 @@
 
 Every change here that a sidecar must see (a store attached, detached or changed) appends a
 workspace event in the same transaction (``_emit``); the events are read by
-``changes.ChangesMixin.events_page``. Records live in ``records``; the store row's access
+``changes.ChangesService.events_page``. Records live in ``records``; the store row's access
 check (``_store``) is shared with them in ``base``.
 """
 from __future__ import annotations
@@ -25,7 +25,8 @@ from memfuse.models import (
     Workspace,
     WorkspaceCreate,
 )
-from memfuse.server.base import _S, IdempotencyRequest, Principal, Reply, ServiceBase, ServiceError
+from memfuse.server.accounts import AccountsService
+from memfuse.server.base import _S, IdempotencyRequest, Principal, Parts, Reply, Resource, ServiceError
 from memfuse.server import history, keys, wakeups
 from memfuse.server.db import DEFAULT_ACCOUNT, AccountAttachmentRow, AttachmentRow, EventRow, StoreRow, WorkspaceRow, utcnow
 
@@ -56,9 +57,15 @@ def _store_model(st: StoreRow | Row) -> Store:
     )
 
 
-class StoresMixin(ServiceBase):
+class StoresService(Resource):
     """``Service`` methods: workspaces, stores, attachments (``create_*``, ``list_*``,
     ``get_store``, ``update_store``, ``put_attachment``, ``delete_attachment``)."""
+
+    accounts: AccountsService  # the account a root admin acts in, the store quota
+
+    def __init__(self, parts: Parts, accounts: AccountsService) -> None:
+        super().__init__(parts)
+        self.accounts = accounts
 
     def _emit(self, s: Session, workspaces: Iterable[str], kind: str, store: str, access: str | None) -> None:
         ws = sorted(set(workspaces))
@@ -93,7 +100,7 @@ class StoresMixin(ServiceBase):
         account (the root admin, or its account admin); 404 ``account_not_found`` /
         ``store_not_found``; 403 ``store_archived``."""
         self._require_admin(p)
-        p = self.act_in_account(p, account)  # type: ignore[attr-defined]
+        p = self.accounts.act_in_account(p, account)
 
         def fn(s: Session) -> Attachment:
             st = self._store(s.connection(), p, slug)
@@ -134,7 +141,7 @@ class StoresMixin(ServiceBase):
         every workspace of ``account`` (events ``detached``). 404 ``account_not_found`` /
         ``store_not_attached``."""
         self._require_admin(p)
-        p = self.act_in_account(p, account)  # type: ignore[attr-defined]
+        p = self.accounts.act_in_account(p, account)
 
         def fn(s: Session) -> None:
             key = self._store(s.connection(), p, slug).slug  # 404 store_not_found: not of the account
@@ -167,7 +174,7 @@ class StoresMixin(ServiceBase):
         attached as it is (its records and limits untouched, never recreated)."""
         self._require_admin(p)
         if body.account is not None:  # named in the body: as X-Memfuse-Account would name it
-            p = self.act_in_account(p, body.account)  # type: ignore[attr-defined]
+            p = self.accounts.act_in_account(p, body.account)
         account = p.admin_account or DEFAULT_ACCOUNT
 
         def fn(s: Session) -> Workspace:
@@ -184,7 +191,7 @@ class StoresMixin(ServiceBase):
                     key = next(k for k in keys.candidates(body.name, account)
                                if (r := s.get(StoreRow, k)) is not None and r.account == account)
                 else:
-                    self._check_store_quota(s, account)  # type: ignore[attr-defined]
+                    self.accounts.check_store_quota(s, account)
                     limits = StoreCreate(slug=body.name)
                     s.add(StoreRow(
                         slug=key, public_slug=body.name, description=limits.description,
@@ -222,14 +229,14 @@ class StoresMixin(ServiceBase):
         409 ``account_quota`` (the account's ``max_stores``) (admin)."""
         self._require_admin(p)
         if body.account is not None:  # named in the body: as X-Memfuse-Account would name it
-            p = self.act_in_account(p, body.account)  # type: ignore[attr-defined]
+            p = self.accounts.act_in_account(p, body.account)
         account = p.admin_account or DEFAULT_ACCOUNT
 
         def fn(s: Session) -> Store:
             key = keys.new_key(s.connection(), body.slug, account)
             if key is None:
                 raise ServiceError(409, "exists", f"store {body.slug!r} exists")
-            self._check_store_quota(s, account)  # type: ignore[attr-defined]
+            self.accounts.check_store_quota(s, account)
             st = StoreRow(
                 account=account,
                 slug=key,

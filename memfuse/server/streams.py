@@ -318,6 +318,6 @@ def _disconnected(scope: Scope) -> bool:
 
 def _problem_json(exc: Exception) -> bytes:
     """The problem object (RFC 9457) of a mid-stream failure, as the app would render it."""
-    from memfuse.server.app import _exception_response
+    from memfuse.server.problems import exception_response as _exception_response
 
     return bytes(_exception_response(exc, {"method": "GET", "path": "stream"}).body)

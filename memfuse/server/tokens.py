@@ -62,11 +62,13 @@ from memfuse.server.base import (
     IdempotencyRequest,
     Principal,
     Reply,
-    ServiceBase,
+    Parts,
+    Resource,
     ServiceError,
     _unauthorized,
 )
 from memfuse.server import wakeups
+from memfuse.server.accounts import AccountsService
 from memfuse.server.db import TokenRow, utcnow
 
 log = logging.getLogger("memfuse.server.service")  # every room of the Service logs under one name
@@ -167,9 +169,24 @@ def _info(row, now: datetime) -> TokenInfo:
                      account=row.account)
 
 
-class TokensMixin(ServiceBase):
+class TokensService(Resource):
     """``Service`` methods: ``authenticate``, ``authenticate_cached``, ``create_token``,
     ``list_tokens``, ``revoke_token``, ``tokens_revoked``."""
+
+    accounts: AccountsService  # the account a root admin acts in, the token quota
+    static_tokens: dict[str, str | None]  # raw token → workspace (None: admin), read per request
+    _token_cache: TokenCache  # database tokens seen lately
+
+    def __init__(self, parts: Parts, static_tokens: dict[str, str | None], accounts: AccountsService) -> None:
+        super().__init__(parts)
+        self.accounts = accounts
+        self.static_tokens = static_tokens
+        self._token_cache = TokenCache()
+        parts.db.on_dispose(lambda: self.flush_token_use(force=True))  # pending last_used_at
+        # a revocation committed on any replica reaches this one on the commit bus; after the
+        # bus (re)connects nothing cached is trusted (revocations may have been missed)
+        self.notifier.on_topic(wakeups.TOKEN_REVOKED, lambda token_id: self.tokens_revoked({token_id}))
+        self.notifier.on_reset.append(lambda: self.tokens_revoked(None))
 
     # ------------------------------------------------------------ authentication
 
@@ -404,7 +421,7 @@ class TokensMixin(ServiceBase):
         self._require_admin(p)
         made: list[TokenRow] = []  # the row, once the transaction ran (not on a replay)
         if body.account is not None:
-            p = self.act_in_account(p, body.account)  # type: ignore[attr-defined]
+            p = self.accounts.act_in_account(p, body.account)
 
         def fn(s: Session) -> TokenCreated:
             if body.workspace is not None:
@@ -415,7 +432,7 @@ class TokensMixin(ServiceBase):
             else:  # an admin token: of the caller's account (an account admin's), or root
                 account = p.admin_account
             if account is not None:
-                self._check_token_quota(s, account)  # type: ignore[attr-defined]
+                self.accounts.check_token_quota(s, account)
             raw = "mf_" + secrets.token_urlsafe(32)
             now = utcnow()
             expires = now + timedelta(seconds=body.ttl_seconds) if body.ttl_seconds else None
