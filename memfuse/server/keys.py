@@ -10,7 +10,7 @@ each have a store ``notes``. Every table keeps referring to a store by ``stores.
   (``names.SLUG_RE``), so the name is the key up to its first ``~``, with no lookup, and a
   key of that form is never a name anyone can type.
 
-Resolution (a name a request gives → the key) is in ``ServiceBase._store`` and the creates;
+Resolution (a name a request gives → the key) is in ``AccessRules.store`` and the creates;
 every answer, event, feed entry, path and id shows ``public(key)``. The key is never shown.
 """
 from __future__ import annotations
@@ -52,7 +52,7 @@ def new_key(conn: Connection, name: str, account: str) -> str | None:
     key, else ``store_key(name, account)``; None when ``account`` already has a store
     ``name`` (the caller's 409 ``exists``). Read in the creating transaction; a create racing
     it fails on the primary key or on ``ux_stores_account_public_slug`` (``IntegrityError``:
-    ``ServiceBase._write`` runs it again, and it then sees the winner)."""
+    ``Writer.write`` runs it again, and it then sees the winner)."""
     rows = conn.execute(select(_S.c.slug, _S.c.account).where(
         _S.c.slug.in_(candidates(name, account)))).all()
     if any(r.account == account for r in rows):
