@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -21,12 +21,30 @@ from prometheus_client.metrics_core import Metric
 if TYPE_CHECKING:  # for the annotations only (they import this module)
     from sqlalchemy.engine import Engine
 
-    from memfuse.server.gate import Gate
     from memfuse.server.streamclass import StreamClass
     from memfuse.server.streams import Streams
     from memfuse.server.wakeups import Bus, Notifier
 
 log = logging.getLogger(__name__)
+
+
+class _Connections(Protocol):
+    @property
+    def unauthenticated(self) -> int: ...
+
+    @property
+    def refused(self) -> int: ...
+
+
+class Front(Protocol):
+    """What the metrics read of the front door (``memfuse.server.gate.Gate``; named here, so
+    this module, which the gate imports, imports nothing of it)."""
+
+    @property
+    def connections(self) -> _Connections: ...
+
+    @property
+    def body_bytes(self) -> int: ...
 
 SEND_TIMEOUT = 30.0  # s a send to a client may take (memfuse.server.gate, memfuse.server.serve)
 MAX_HEAD = 16 * 1024  # bytes of a request line and headers (hypercorn's default); 431 past it
@@ -107,7 +125,7 @@ def notifier_collector(notifier: Notifier, bus: Bus,
     return collect
 
 
-def front_collector(front: Gate, stream_class: StreamClass) -> Callable[[], list[Metric]]:
+def front_collector(front: Front, stream_class: StreamClass) -> Callable[[], list[Metric]]:
     """Metric families of the front door (``memfuse.server.gate.Gate``) and the long-lived
     responses (``memfuse.server.streamclass.StreamClass``)."""
 

@@ -37,10 +37,10 @@ from __future__ import annotations
 import io
 import logging
 from collections.abc import Iterator
-from contextlib import contextmanager, redirect_stdout
+from contextlib import AbstractContextManager, contextmanager, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 logging.getLogger("alembic").setLevel(logging.WARNING)  # see below, before Alembic logs anything
 
@@ -52,8 +52,18 @@ from alembic.util.exc import CommandError  # noqa: E402
 from sqlalchemy import inspect, text  # noqa: E402
 from sqlalchemy.engine import Connection  # noqa: E402
 
-if TYPE_CHECKING:
-    from memfuse.server.db import Database
+
+
+class Database(Protocol):
+    """What the migrations need of ``memfuse.server.db.Database`` (named here, so this module,
+    which ``db`` imports, imports nothing of it)."""
+
+    is_sqlite: bool
+
+    def read_conn(self) -> AbstractContextManager[Connection]: ...
+
+    def write_conn(self) -> AbstractContextManager[Connection]: ...
+
 
 log = logging.getLogger(__name__)
 # Alembic says "Context impl SQLiteImpl" on every run (set above, before its first words);

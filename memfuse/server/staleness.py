@@ -28,16 +28,25 @@ from __future__ import annotations
 import logging
 from datetime import date, datetime, time, timedelta, timezone
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from sqlalchemy import ColumnElement, and_, false, or_, select
 from sqlalchemy.engine import Connection
 
 from memfuse import content as content_rules
-from memfuse.server.base import _R, _S, Principal, ServiceError
+from memfuse.server.base import _R, _S, IdempotencyRequest, Principal, Reply, ServiceError
+from memfuse.server.db import Database
 
-if TYPE_CHECKING:  # for the annotations only (the service imports this module)
-    from memfuse.server.service import Service
+
+class Service(Protocol):
+    """What the expiry sweep needs of ``memfuse.server.service.Service`` (named here, so this
+    module, which the services import, imports none of them)."""
+
+    @property
+    def db(self) -> Database: ...
+
+    def delete_record(self, p: Principal, slug: str, record_id: str, if_match: str | None = None,
+                      idem: IdempotencyRequest | None = None) -> Reply: ...
 
 log = logging.getLogger(__name__)
 
