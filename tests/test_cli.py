@@ -587,11 +587,15 @@ def test_diff_between_versions(home):
     p = run(["diff", "default", "notes/a.md", "--from", "1", "--to", "2"])
     assert p.returncode == 1 and b"redacted" in p.stderr
     assert_one_line_error(p.stderr)
-    # to a terminal, what a terminal would act on is shown as escapes (content is untrusted)
-    from memfuse.cli.common import terminal_safe
-    r = invoke(["diff", "default", "notes/a.md", "--from", "2", "--to", "3"])
-    assert r.exit_code == 0 and "\x1b" in r.stdout  # CliRunner's stdout is not a terminal
-    assert "\x1b" not in terminal_safe(r.stdout)
+    # to a terminal (script(1) gives it one), what a terminal would act on is shown as
+    # escapes (content is untrusted), line breaks kept
+    cmd = " ".join([str(MEMFUSE), "diff", "default", "notes/a.md", "--from", "2", "--to", "3"])
+    p = subprocess.run(["script", "-qec", cmd, "/dev/null"], capture_output=True, timeout=60,
+                       env=dict(os.environ, TERM="dumb"))
+    assert p.returncode == 0, p.stderr
+    seen = p.stdout.decode().replace("\r\n", "\n")
+    assert "\x1b" not in seen and "\u202e" not in seen and "\\x1b[31m" in seen and "\\u202e" in seen
+    assert seen.splitlines()[:3] == ["--- default/notes/a.md@2", "+++ default/notes/a.md@3", "@@ -1,2 +0,0 @@"]
 
 
 def test_history_shows_where_a_record_moved(home):

@@ -117,6 +117,18 @@ def test_budget_defaults_follow_the_store_limits():
     assert history.budget(Row) == (16_000, 160, 86_400)
 
 
+async def test_budgets_of_the_largest_limits_fit_64_bits(admin):
+    """Limits of 2^63-1 (the largest accepted) give default budgets of 2^63-1, not 16 times
+    it: every answer's integers fit the 64 bits clients read (found by a hostile client)."""
+    from memfuse.defs import INT64_MAX
+
+    st = await admin.create_store("huge", max_store_bytes=INT64_MAX, max_records=INT64_MAX)
+    assert (st.max_history_bytes, st.max_history_versions) == (INT64_MAX, INT64_MAX)
+    st = await admin.update_store("huge", max_record_bytes=1 << 20)
+    assert (st.max_history_bytes, st.max_history_versions) == (INT64_MAX, INT64_MAX)
+    assert max(st.max_history_bytes, st.max_history_versions, st.max_store_bytes) <= INT64_MAX
+
+
 async def test_console_shows_pruned_versions_and_sets_the_budget():
     """The console: the store page shows the history usage and takes the budget in its
     settings form; a record's history marks pruned versions and offers no restore for them."""

@@ -48,6 +48,7 @@ from memfuse.defs import (
     HISTORY_BYTES_FACTOR,
     HISTORY_MIN_AGE_S,
     HISTORY_VERSIONS_FACTOR,
+    INT64_MAX,
 )
 
 __all__ = ["LocalReadTransport", "schema_head"]
@@ -124,9 +125,9 @@ def _store_body(row: sqlite3.Row | dict[str, Any]) -> dict[str, Any]:
     d["usage_bytes"] = d["usage_bytes"] or 0
     d["record_count"] = d["record_count"] or 0
     if d["max_history_bytes"] is None:
-        d["max_history_bytes"] = HISTORY_BYTES_FACTOR * d["max_store_bytes"]
+        d["max_history_bytes"] = min(HISTORY_BYTES_FACTOR * d["max_store_bytes"], INT64_MAX)
     if d["max_history_versions"] is None:
-        d["max_history_versions"] = HISTORY_VERSIONS_FACTOR * d["max_records"]
+        d["max_history_versions"] = min(HISTORY_VERSIONS_FACTOR * d["max_records"], INT64_MAX)
     if d["history_min_age_s"] is None:
         d["history_min_age_s"] = HISTORY_MIN_AGE_S
     d["history_bytes"] = max(0, vb - d["usage_bytes"])

@@ -179,7 +179,10 @@ def diff(target: Target, store_slug: str, path: str, from_n: int | None, to_n: i
                             f"{store_slug}/{path}@{new_n}", context)
 
     out = _read_api(target, body)
-    _write_exact(terminal_safe(out) if stdout_is_terminal() else out)
+    if stdout_is_terminal():  # each line made safe, its line break kept
+        out = "".join(terminal_safe(ln[:-1]) + "\n" if ln.endswith("\n") else terminal_safe(ln)
+                      for ln in out.splitlines(keepends=True))
+    _write_exact(out)
 
 
 @cli.command()

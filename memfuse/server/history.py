@@ -37,7 +37,7 @@ from typing import Any
 from sqlalchemy import bindparam, or_, select, true, update
 from sqlalchemy.engine import Connection
 
-from memfuse.defs import HISTORY_BYTES_FACTOR, HISTORY_MIN_AGE_S, HISTORY_VERSIONS_FACTOR
+from memfuse.defs import HISTORY_BYTES_FACTOR, HISTORY_MIN_AGE_S, HISTORY_VERSIONS_FACTOR, INT64_MAX
 from memfuse.server import deltas
 from memfuse.server.db import RecordRow, StoreRow, VersionRow, utcnow
 
@@ -89,12 +89,14 @@ _idle_until: dict[str, float] = {}  # store slug -> time.monotonic() before whic
 
 def budget(st: Any) -> tuple[int, int, int]:
     """(max bytes, max versions, minimum age in s) of the history of store row ``st``: its
-    own settings, else the defaults (16 x ``max_store_bytes``, 16 x ``max_records``, 24 h)."""
+    own settings, else the defaults (16 x ``max_store_bytes``, 16 x ``max_records``, 24 h),
+    each at most ``INT64_MAX`` (a limit of 2^63-1 times 16 must still fit a 64-bit integer in
+    answers and SQL parameters)."""
     b = st.max_history_bytes if st.max_history_bytes is not None else HISTORY_BYTES_FACTOR * st.max_store_bytes
     n = (st.max_history_versions if st.max_history_versions is not None
          else HISTORY_VERSIONS_FACTOR * st.max_records)
     age = st.history_min_age_s if st.history_min_age_s is not None else HISTORY_MIN_AGE_S
-    return int(b), int(n), int(age)
+    return min(int(b), INT64_MAX), min(int(n), INT64_MAX), min(int(age), INT64_MAX)
 
 
 def usage(st: Any) -> tuple[int, int]:
