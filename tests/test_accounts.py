@@ -771,3 +771,28 @@ async def test_two_accounts_each_have_their_own_store_of_one_name(world, monkeyp
         # alpha makes its notes again: the key is now free in no account but its own rules hold
         await _ok(await aa.post("/v1/stores", json={"slug": SAME}), 201)
         assert (await _ok(await aa.get(f"/v1/stores/{SAME}/records")))["records"] == []
+
+
+async def test_the_root_admin_finds_the_one_store_holding_a_name(world):
+    """alpha and bravo each make a store ``dup`` (alpha's first: its key is the name, bravo's
+    ``dup~bravo``); once alpha's is deleted, the root admin's ``dup`` is bravo's, the one
+    store holding the name (it was 404: the root looked for the key only). While both hold
+    it, the root's plain name is the store whose key it is, and ``X-Memfuse-Account`` names
+    either."""
+    app, root, ids = world
+    for acct in ("alpha", "bravo"):
+        async with _client(app, ids[acct]["admin"]) as c:
+            await _ok(await c.post("/v1/stores", json={"slug": "dup", "description": acct}), 201)
+    assert (await _ok(await root.get("/v1/stores/dup")))["description"] == "alpha"
+    async with _client(app, ROOT, **{"X-Memfuse-Account": "bravo"}) as c:
+        assert (await _ok(await c.get("/v1/stores/dup")))["description"] == "bravo"
+    async with _client(app, ids["alpha"]["admin"]) as c:
+        r = await c.delete("/v1/memory_stores/memstore_dup")  # stores are deleted on this face
+        assert r.status_code == 200, r.text
+        assert (await c.get("/v1/stores/dup")).status_code == 404
+    st = await _ok(await root.get("/v1/stores/dup"))
+    assert (st["description"], st["account"], st["slug"]) == ("bravo", "bravo", "dup")
+    r = await _ok(await root.post("/v1/stores/dup/records", json={"path": "x.md", "content": "x\n"}), 201)
+    assert r["store"] == "dup"
+    async with _client(app, ids["bravo"]["admin"]) as c:
+        assert (await _ok(await c.get("/v1/stores/dup/records", params={"path": "x.md"})))["records"]

@@ -315,6 +315,9 @@ def idempotency_request(key: str, method: str, url_path: str, raw: bytes) -> Ide
 # by its public name; ``slug`` / ``alt`` are the two keys it can have (``keys.candidates``).
 _SELECT_STORE = select(_S).where(_S.c.slug.in_([bindparam("slug"), bindparam("alt")]))
 _SELECT_STORE_FOR_UPDATE = _SELECT_STORE.with_for_update(of=_S)
+# the root admin's last resort: the stores of any account holding a name (the key differs)
+_SELECT_NAMED_STORE = select(_S).where(_S.c.public_slug == bindparam("slug")).limit(2)
+_SELECT_NAMED_STORE_FOR_UPDATE = _SELECT_NAMED_STORE.with_for_update(of=_S)
 # an account admin's: the store only if it is in its account
 _SELECT_ACCOUNT_STORE = _SELECT_STORE.where(_S.c.account == bindparam("account"))
 _SELECT_ACCOUNT_STORE_FOR_UPDATE = _SELECT_ACCOUNT_STORE.with_for_update(of=_S)
@@ -388,8 +391,10 @@ class AccessRules:
         write it, with ``write``), in one query with the attachment: an account admin's is
         the store of that name in its account (404 ``store_not_found`` for any other); a
         workspace token's the attached store of that name; the root admin's the store of
-        that name in ``default``, else the store whose key is the name (whichever account
-        it is in: the root admin sees every account). The row's ``slug`` is the store's key:
+        that name in ``default``, else the store whose key is the name, else the one store of
+        any account holding the name (whichever account it is in: the root admin sees every
+        account; two other accounts' stores of that name: 404, name one with
+        ``X-Memfuse-Account``). The row's ``slug`` is the store's key:
         what the caller queries and writes with, never what it shows (``keys.public``). A
         write locks the store row on PostgreSQL (serialises the store's versions)."""
         if p.is_admin and p.account is None:
@@ -397,6 +402,10 @@ class AccessRules:
             rows = conn.execute(_SELECT_STORE_FOR_UPDATE if write else _SELECT_STORE,
                                 {"slug": slug, "alt": alt}).all()
             st = min(rows, key=lambda r: (r.account != DEFAULT_ACCOUNT, r.slug != slug), default=None)
+            if st is None and keys.SEP not in slug:  # the one store holding the name, if one
+                named = conn.execute(_SELECT_NAMED_STORE_FOR_UPDATE if write else _SELECT_NAMED_STORE,
+                                     {"slug": slug}).all()
+                st = named[0] if len(named) == 1 else None
         elif p.is_admin:  # an account admin: a store of another account is not found
             st = conn.execute(_SELECT_ACCOUNT_STORE_FOR_UPDATE if write else _SELECT_ACCOUNT_STORE,
                               {"slug": slug, "alt": keys.store_key(slug, p.account), "account": p.account}).first()
