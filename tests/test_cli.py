@@ -587,6 +587,14 @@ def test_diff_between_versions(home):
     p = run(["diff", "default", "notes/a.md", "--from", "1", "--to", "2"])
     assert p.returncode == 1 and b"redacted" in p.stderr
     assert_one_line_error(p.stderr)
+    # a move alone: the two names the record had (it printed nothing)
+    async def move() -> None:
+        async with local_client() as api:
+            r = await api.create_record("default", "old/m.md", "same\n")
+            await api.move_record("default", r.id, "new/m.md")
+    trio.run(move)
+    p = run(["diff", "default", "new/m.md"])
+    assert p.returncode == 0 and p.stdout.decode() == "--- default/old/m.md@1\n+++ default/new/m.md@2\n", p.stdout
     # to a terminal (script(1) gives it one), what a terminal would act on is shown as
     # escapes (content is untrusted), line breaks kept
     cmd = " ".join([str(MEMFUSE), "diff", "default", "notes/a.md", "--from", "2", "--to", "3"])

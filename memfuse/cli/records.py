@@ -152,13 +152,15 @@ def unified_diff(old: str, new: str, old_label: str, new_label: str, context: in
 @api_options
 def diff(target: Target, store_slug: str, path: str, from_n: int | None, to_n: int | None, context: int) -> None:
     """Show what changed in the record at PATH in STORE between two versions, as `diff -u`
-    does (default: its last change). Deleted versions read as empty; a redacted or pruned
+    does (default: its last change), each side labelled with the path the record had then (a
+    move alone prints just the two labels). Deleted versions read as empty; a redacted or pruned
     version is an error. Memory content is untrusted: to a terminal, control characters are
     shown as escapes."""
 
-    async def content_of(api: ApiClient, rec: Record, n: int) -> str:
+    async def version_of(api: ApiClient, rec: Record, n: int) -> tuple[str, str]:
+        """(content, the record's path at version ``n``); version 0: empty, at PATH."""
         if n == 0:
-            return ""
+            return "", path
         v = await _about(store_slug, path, rec, lambda: api.version(store_slug, rec.id, n), n)
         if v.pruned:
             raise click.ClickException(
@@ -166,17 +168,20 @@ def diff(target: Target, store_slug: str, path: str, from_n: int | None, to_n: i
         if v.redacted:
             raise click.ClickException(f"version {n} of {store_slug}/{path} is redacted")
         if v.operation.value == "deleted":  # it keeps the content it removed; the file is gone
-            return ""
-        return v.content or ""
+            return "", v.path
+        return v.content or "", v.path
 
     async def body(api: ApiClient) -> str:
         rec = await _find(api, store_slug, path)
         new_n = rec.version if to_n is None else to_n
         old_n = max(new_n - 1, 0) if from_n is None else from_n
-        new = await content_of(api, rec, new_n)  # first: a missing --to is the error to name
-        old = await content_of(api, rec, old_n)
-        return unified_diff(old, new, f"{store_slug}/{path}@{old_n}" if old_n else "/dev/null",
-                            f"{store_slug}/{path}@{new_n}", context)
+        new, new_path = await version_of(api, rec, new_n)  # first: a missing --to is the error to name
+        old, old_path = await version_of(api, rec, old_n)
+        old_label = f"{store_slug}/{old_path}@{old_n}" if old_n else "/dev/null"
+        new_label = f"{store_slug}/{new_path}@{new_n}"
+        if old == new and old_path != new_path:  # a move alone: its two names, as git shows a rename
+            return f"--- {old_label}\n+++ {new_label}\n"
+        return unified_diff(old, new, old_label, new_label, context)
 
     out = _read_api(target, body)
     if stdout_is_terminal():  # each line made safe, its line break kept
