@@ -275,7 +275,7 @@ def test_witness_reads_lost_entries_and_bases_with_a_cut_last_line(tmp_path):
     """``Witness.unfinished``: the accepted entries neither finished nor in the journal, in
     order; the base of each node key's earliest unfinished entry; a last line cut by a crash
     skipped."""
-    from memfuse.sidecar.journal import Witness
+    from memfuse.sidecar.witness import Witness
 
     w = Witness(tmp_path / "accepted.log")
     lines = []
@@ -298,7 +298,7 @@ def test_witness_base_is_the_version_seen_after_the_last_commit(tmp_path):
     """``Witness.bases``: a key whose unfinished entries were accepted after its last key-map
     line (our own commit) gets the base they were written on (a remote change seen since,
     memory only in ``RecordIds``); one whose key-map line is newer gets none (the key map)."""
-    from memfuse.sidecar.journal import Witness
+    from memfuse.sidecar.witness import Witness
 
     w = Witness(tmp_path / "accepted.log")
 

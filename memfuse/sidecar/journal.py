@@ -29,8 +29,6 @@ import contextlib
 import errno
 import json
 import logging
-import os
-import re
 import sqlite3
 import time
 import uuid
@@ -43,6 +41,7 @@ import trio
 from ..defs import sha256_hex
 from ..wire import Record
 from .cachedir import CacheError, cache_errno, cache_error, private_file
+from .witness import WITNESS_NAME, Witness, move_aside
 
 log = logging.getLogger("memfuse.outbox")
 
@@ -165,154 +164,6 @@ class Entry(_Waitable):
         self.notify()
 
 
-WITNESS_NAME = "accepted.log"
-
-
-def _move_aside(path: Path) -> Path:
-    """Rename ``path`` and its ``-wal`` / ``-shm`` / ``-journal`` files to
-    ``<path>.corrupt-<unix time>[-wal...]`` (kept for inspection); returns the new path."""
-    stamp = f"{path.name}.corrupt-{int(time.time())}"
-    target = path.with_name(stamp)
-    n = 1
-    while target.exists():
-        n += 1
-        target = path.with_name(f"{stamp}.{n}")
-    for suffix in ("", "-wal", "-shm", "-journal"):
-        src = Path(f"{path}{suffix}")
-        if src.exists():
-            src.rename(Path(f"{target}{suffix}"))
-    return target
-
-
-class Witness:
-    """What the outbox journal should hold, kept apart from it: ``accepted.log``, one JSON
-    line per entry accepted (id, idempotency key, store, op, node key, args, the sha256 of its
-    content, the record id and base it was written on), per entry finished (``{"d": id}``)
-    and per key-map change, appended by the journal's writer right after each batch commits
-    and before any of its entries counts as accepted (not fsynced: see ``append``). No content: the content
-    of an accepted put is in the blob cache (``blobs.db``), put there before the entry was
-    queued. Emptied when the journal holds no entry. ``unfinished(present)`` gives the
-    accepted entries neither finished nor in the journal: what a lost, emptied, cut or
-    corrupt journal lost (docs/SEMANTICS.md "What an accepted write survives")."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        self._fd = fd
-        #: node key -> (record id, base sha256) its earliest unfinished entry was written on,
-        #: for the keys with a record whose earliest unfinished entry line comes after their
-        #: last key-map line (set by ``unfinished``): the version this sidecar last saw
-        #: (the key map persists only commits: a remote change seen, or the clean version of
-        #: a record loaded from a snapshot, is memory only), the base of the replayed put
-        #: (``Sidecar._recover_journal``)
-        self.bases: dict[str, tuple[Any, Any]] = {}
-
-    def size(self) -> int:
-        return os.fstat(self._fd).st_size
-
-    def append(self, lines: list[dict[str, Any]]) -> None:
-        """Append ``lines`` (worker thread), one ``write(2)``, no fsync: the lines are in the
-        kernel's page cache, so they survive the process (a crash, ``kill -9``) at once; only
-        a crash of the machine may lose the last ones, and then the journal (fsynced) still
-        holds those entries: the witness is read only for what the journal lacks. So the
-        witness adds no disk flush to a ``close``. Raises ``OSError``."""
-        data = "".join(json.dumps(x, separators=(",", ":")) + "\n" for x in lines).encode()
-        view = memoryview(data)
-        while view:
-            view = view[os.write(self._fd, view):]
-
-    def clear(self) -> None:
-        os.ftruncate(self._fd, 0)
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            os.close(self._fd)
-
-    def unfinished(self, present: set[int]) -> tuple[list[dict[str, Any]], dict[str, tuple[Any, Any]], int]:
-        """(entries accepted, not finished and not in ``present`` (the journal's entry ids),
-        in order; the key map the witness saw, node key -> (record id, sha256); the highest
-        entry id it names). A line cut by a crash (the last one) is skipped.
-
-        A line of an accepted entry is read in full only when needed (a lost entry, the
-        first line of a node key for ``bases``); for the others the id and node key are
-        taken from the head ``Journal.add`` writes (``_WITNESS_HEAD``): a backlog of 10,000
-        entries is 10,000 lines (bench/README.md, "A backlog of one file")."""
-        top = 0
-        added: dict[int, tuple[str | None, str | dict[str, Any]]] = {}  # id -> (node key, line)
-        keys: dict[str, tuple[Any, Any]] = {}
-        # entry id -> number of its first line; node key -> number of its last key-map
-        # line: which of the two the sidecar knew last (``bases``)
-        first_pos: dict[int, int] = {}
-        last_key: dict[str, int] = {}
-        try:
-            text = self.path.read_text("utf-8", errors="replace")
-        except OSError:
-            return [], {}, 0
-        for pos, raw in enumerate(text.splitlines()):
-            m = _WITNESS_DONE.match(raw)
-            if m is not None:
-                added.pop(int(m.group(1)), None)
-                continue
-            m = _WITNESS_HEAD.match(raw)
-            if m is not None and raw.endswith("}"):
-                i = int(m.group(1))
-                added[i] = (m.group(2), raw)
-                top = max(top, i)
-                first_pos.setdefault(i, pos)
-                continue
-            try:
-                x = json.loads(raw)
-            except ValueError:
-                continue
-            if not isinstance(x, dict):
-                continue
-            if "d" in x:
-                added.pop(x["d"], None)
-            elif "m" in x:
-                keys[x["m"]] = (x.get("r"), x.get("h"))
-                last_key[x["m"]] = pos
-            elif "i" in x:
-                added[int(x["i"])] = (x.get("n"), x)
-                top = max(top, int(x["i"]))
-                first_pos.setdefault(int(x["i"]), pos)
-
-        def full(line: str | dict[str, Any]) -> dict[str, Any] | None:
-            if isinstance(line, dict):
-                return line
-            try:
-                x = json.loads(line)
-            except ValueError:  # cut by a crash
-                return None
-            return x if isinstance(x, dict) and "i" in x else None
-
-        self.bases = {}
-        seen: set[str] = set()
-        lost = []
-        for i, (node_key, line) in sorted(added.items()):
-            if i not in present:
-                x = full(line)
-                if x is not None:
-                    lost.append(x)
-            if node_key and node_key not in seen:
-                seen.add(node_key)
-                # the base the sidecar knew last: the ident the entry was written on,
-                # unless a key-map line (a commit learnt) came after it; the key map is
-                # then the base (the journal's, or ``keys`` when it is lost)
-                if first_pos.get(i, -1) < last_key.get(node_key, -1):
-                    continue
-                x = full(line)
-                if x is not None and x.get("r"):
-                    self.bases[node_key] = (x.get("r"), x.get("b"))
-        return lost, keys, top
-
-
-#: the head of an accepted entry's witness line as ``Journal.add`` writes it (json.dumps of
-#: a dict in that order): its id and node key (keys are ``r:<id>`` / ``n:<hex>``)
-_WITNESS_HEAD = re.compile(r'\{"i":(\d+),"k":"[^"\\]*","s":"[^"\\]*","o":"[^"\\]*","n":(?:null|"([^"\\]*)")')
-#: a finished entry's witness line
-_WITNESS_DONE = re.compile(r'\{"d":(\d+)\}$')
-
-
 #: links of an append chain ``Journal.read_put`` follows at most (a longer one is sent as an
 #: append on the base it reached: bounded work per entry at a start)
 _CHAIN_MAX = 100_000
@@ -428,7 +279,7 @@ class Journal:
         except sqlite3.DatabaseError as exc:  # corrupt, or not a database: keep it, start anew
             with contextlib.suppress(Exception):
                 self._db.close()
-            self.moved_aside = _move_aside(path)
+            self.moved_aside = move_aside(path)
             log.error("the outbox journal is unreadable; moved aside (kept for inspection) and "
                       "started anew; what it held is recovered from the witness and the blob cache",
                       extra={"path": str(path), "moved_to": str(self.moved_aside),
