@@ -303,9 +303,8 @@ class BatchService(Resource):
             return Reply(err.status, problem_body(err), {"Content-Type": "application/problem+json"})
         body = result.model_dump_json().encode() if result is not None else b""
         headers: dict[str, str] = {}
-        sha256: str | None = getattr(result, "sha256", None) if pl.etag and result is not None else None
-        if sha256:  # a Record's
-            headers["ETag"] = f'"{sha256}"'
+        if pl.etag and result is not None and getattr(result, "sha256", None):
+            headers["ETag"] = f'"{getattr(result, "sha256")}"'  # a Record's (as Writer.write)
         reply = Reply(pl.status, body, headers)
         if idem is not None:
             if idem.key in stored:  # an expired row of the same key: the new answer replaces it
