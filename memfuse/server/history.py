@@ -157,10 +157,11 @@ def settle_with_usage(conn: Connection, store: str, d_bytes: int, d_count: int) 
     in this transaction (then settled here, pruning as ``settle`` would): one UPDATE for a
     write that changes both. False (nothing done) when nothing is noted for ``store``: the
     caller updates its usage counters itself."""
-    kept = conn.info.get(_KEY)
+    kept: dict[str, tuple[int, int]] | None = conn.info.get(_KEY)
     kb, kn = kept.get(store, (0, 0)) if kept else (0, 0)
     if not (kb or kn):
         return False
+    assert kept is not None  # kb or kn came from it
     del kept[store]
     row = conn.execute(_UPDATE_USAGE_KEPT, {"slug_": store, "d_bytes": d_bytes, "d_count": d_count,
                                             "k_bytes": kb, "k_count": kn}).first()
