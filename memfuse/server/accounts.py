@@ -18,20 +18,21 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
+from typing import cast
 
-from sqlalchemy import delete, func, or_, select
+from sqlalchemy import Table, delete, func, or_, select
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
 from memfuse.models import Account, AccountCreate
-from memfuse.server.base import _S, _T, IdempotencyRequest, Principal, Reply, Resource, ServiceError
+from memfuse.server.base import _S, _T, AnyRow, IdempotencyRequest, Principal, Reply, Resource, ServiceError
 from memfuse.server.db import DEFAULT_ACCOUNT, AccountRow, WorkspaceRow, utcnow
 from memfuse.server.sessions import _CS, session_digest
 
 log = logging.getLogger("memfuse.server.service")  # every room of the Service logs under one name
 
-_AC = AccountRow.__table__
-_W = WorkspaceRow.__table__
+_AC = cast(Table, AccountRow.__table__)
+_W = cast(Table, WorkspaceRow.__table__)
 
 
 def _not_found(slug: str) -> ServiceError:
@@ -67,7 +68,7 @@ class AccountsService(Resource):
         ).scalar_one()
         return int(stores), int(nbytes), int(tokens)
 
-    def _account_model(self, conn: Connection, row) -> Account:
+    def _account_model(self, conn: Connection, row: AccountRow | AnyRow) -> Account:
         stores, nbytes, tokens = self._usage(conn, row.slug)
         return Account(slug=row.slug, created_at=row.created_at, max_stores=row.max_stores,
                        max_bytes=row.max_bytes, max_tokens=row.max_tokens,

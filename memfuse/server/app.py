@@ -29,7 +29,7 @@ import time
 from typing import Any
 
 from fastapi import FastAPI
-from prometheus_client import Histogram
+from prometheus_client import CollectorRegistry, Histogram
 from starlette.routing import Mount
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -114,7 +114,7 @@ class _Timing:
     (``route_template``) and status. Streamed responses (server-sent events, NDJSON change
     streams) are left out: their duration is how long a client listened."""
 
-    def __init__(self, app: ASGIApp, histogram) -> None:
+    def __init__(self, app: ASGIApp, histogram: Histogram) -> None:
         self.app = app
         self.histogram = histogram
 
@@ -287,6 +287,7 @@ def create_app(
                 comps.setdefault(name, d)
             comps["BatchRequest"] = defs
             _integer_bounds(schema)
+        assert app.openapi_schema is not None  # FastAPI.openapi stored the document it made
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
@@ -340,7 +341,7 @@ class _App(FastAPI):
         await super().__call__(scope, receive, send)
 
 
-def _process_collectors(registry) -> None:
+def _process_collectors(registry: CollectorRegistry) -> None:
     """Register prometheus-client's process collectors (``process_*``: CPU seconds, resident
     and virtual memory, open file descriptors, start time; ``python_gc_*``; ``python_info``)
     on ``registry``."""

@@ -407,6 +407,7 @@ class AccessRules:
                                      {"slug": slug}).all()
                 st = named[0] if len(named) == 1 else None
         elif p.is_admin:  # an account admin: a store of another account is not found
+            assert p.account is not None  # the root admin (no account) is the branch above
             st = conn.execute(_SELECT_ACCOUNT_STORE_FOR_UPDATE if write else _SELECT_ACCOUNT_STORE,
                               {"slug": slug, "alt": keys.store_key(slug, p.account), "account": p.account}).first()
         else:
@@ -482,7 +483,8 @@ class Writer:
         for attempt in range(3):
             try:
                 with (self.db.write_conn() if feed is not None else self.db.write()) as s:
-                    conn = s if feed is not None else s.connection()
+                    # ``s`` is what the branch above opened: a Core connection with ``feed``, else a Session
+                    conn = cast(Connection, s) if feed is not None else cast(Session, s).connection()
                     wakeups.begin_notes()
                     history.reset(conn)
                     if idem is not None:

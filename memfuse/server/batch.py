@@ -26,6 +26,7 @@ import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -151,6 +152,7 @@ class BatchService(Resource):
             body = model.model_validate(op.body or {}) if model is not None else None
         except ValidationError as err:
             return _Planned(_validation_problem(err, f"operations.{i}.body"))
+        fn: Callable[[Connection, Any], BaseModel | None]
         try:
             if op.op == "create":
                 fn = self.records._create_op(p, body)  # type: ignore[arg-type]
@@ -207,7 +209,8 @@ class BatchService(Resource):
 
     def _batch_tx(self, p: Principal, slug: str, plans: list[_Planned], keys: list[str], savepoints: bool,
                   *, prepare: Callable[[Connection], None] | None = None,
-                  finish: Callable[[Connection, list[Reply]], None] | None = None):
+                  finish: Callable[[Connection, list[Reply]], None] | None = None,
+                  ) -> tuple[list[Reply], list[wakeups.Note], list[int], list[int]]:
         """The batch's transaction. ``prepare(conn)`` runs first (a consolidation job makes its
         output store there); ``finish(conn, replies)`` runs after every operation, before the
         commit: raising rolls the whole batch back (a job's all-or-nothing result)."""
@@ -253,7 +256,7 @@ class BatchService(Resource):
 
     def _batch_one(self, conn: Connection, scope: str, st: BatchStore, pl: _Planned, stored: dict[str, Any],
                    new_keys: dict[str, tuple[IdempotencyRequest, Reply]],
-                   inserts: list[dict[str, Any]], now, savepoints: bool) -> Reply:
+                   inserts: list[dict[str, Any]], now: datetime, savepoints: bool) -> Reply:
         idem = pl.idem
         try:
             if idem is not None:
@@ -301,7 +304,7 @@ class BatchService(Resource):
         body = result.model_dump_json().encode() if result is not None else b""
         headers: dict[str, str] = {}
         if pl.etag and result is not None and getattr(result, "sha256", None):
-            headers["ETag"] = f'"{result.sha256}"'
+            headers["ETag"] = f'"{getattr(result, "sha256")}"'  # a Record's (as Writer.write)
         reply = Reply(pl.status, body, headers)
         if idem is not None:
             if idem.key in stored:  # an expired row of the same key: the new answer replaces it

@@ -11,23 +11,25 @@ long-polls at the head need no read. The writes themselves are in ``records`` an
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, Literal, Unpack, cast
 
-from sqlalchemy import func, null, select
-from sqlalchemy.engine import Row
+from sqlalchemy import Select, func, null, select
 
 from memfuse.defs import FEED_PAGE_MAX, INT64_MAX
 from memfuse.models import DEFAULT_MODE, Access, Change, ChangePage, EventPage, Operation, Record, WorkspaceEvent
 from memfuse.server import deltas, keys, wakeups
-from memfuse.server.base import _R, _V, Parts, Principal, Resource, ServiceError
+from memfuse.server.base import _R, _V, AnyRow, Parts, Principal, Resource, ServiceError
 from memfuse.server.db import EventRow
 
 MAX_WAIT_SECONDS = 60.0  # the longest a long-poll may ask to wait
+_EventKind = Literal["attached", "detached", "store_changed"]  # WorkspaceEvent.kind: what EventRow.kind holds
 
 
 # ---------------------------------------------------------------- change feed rows
 
 
-def _feed_select(with_content: bool):
+def _feed_select(with_content: bool) -> Select[Unpack[tuple[Any, ...]]]:
     """SELECT of change-feed rows (a version with its record's creation time)."""
     return select(
         _V.c.seq, _V.c.operation, _V.c.old_path, _V.c.record_id, _V.c.store, _V.c.path,
@@ -38,7 +40,7 @@ def _feed_select(with_content: bool):
     ).join(_R, _R.c.id == _V.c.record_id)
 
 
-def _change(v: Row, with_content: bool) -> Change:
+def _change(v: AnyRow | SimpleNamespace, with_content: bool) -> Change:
     """[Change] of a ``_feed_select`` row: the record as of that version."""
     return Change(
         seq=v.seq,
@@ -132,7 +134,8 @@ class ChangesService(Resource):
             self.notifier.learn_readable(p.scope, wakeups.EVENTS, ws, stamp)
             return EventPage(
                 events=[
-                    WorkspaceEvent(seq=r.seq, kind=r.kind, store=keys.public(r.store), access=Access(r.access) if r.access else None)
+                    WorkspaceEvent(seq=r.seq, kind=cast(_EventKind, r.kind), store=keys.public(r.store),
+                                   access=Access(r.access) if r.access else None)
                     for r in rows
                 ],
                 seq=seq,
@@ -148,7 +151,7 @@ class ChangesService(Resource):
             return key
         stamp = self.notifier.stamp()
         with self.db.read_conn() as conn:
-            key = self._store(conn, p, slug).slug
+            key = cast(str, self._store(conn, p, slug).slug)  # a store key
         self._feed_keys[(p.scope, slug)] = key
         self.notifier.learn_readable(p.scope, wakeups.FEED, slug, stamp)
         return key

@@ -54,19 +54,20 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 from pydantic import ValidationError
-from sqlalchemy import false, func, insert, select, update
-from sqlalchemy.engine import Connection, Row
+from sqlalchemy import Table, false, func, insert, select, update
+from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 
 from memfuse.models import Access, BatchOperation, ConsolidationChange, ConsolidationCreate, ConsolidationJob
 from memfuse.server import deltas, keys, wakeups
 from memfuse.server.accounts import AccountsService
-from memfuse.server.base import _A, _R, _S, _V, Parts, Principal, Reply, Resource, ServiceError
+from memfuse.server.base import _A, _R, _S, _V, AnyRow, Parts, Principal, Reply, Resource, ServiceError
 from memfuse.server.batch import BatchService, _LateRefusal, _Planned
 from memfuse.server.db import ConsolidationJobRow, EventRow, WorkspaceRow, utcnow
 from memfuse.server.jobspec import (
@@ -91,9 +92,9 @@ from memfuse.server.jobspec import (
 
 log = logging.getLogger("memfuse.server.consolidation")
 
-_J = ConsolidationJobRow.__table__
-_E = EventRow.__table__
-_W = WorkspaceRow.__table__
+_J = cast(Table, ConsolidationJobRow.__table__)
+_E = cast(Table, EventRow.__table__)
+_W = cast(Table, WorkspaceRow.__table__)
 
 
 class ConsolidationService(Resource):
@@ -365,7 +366,7 @@ class ConsolidationService(Resource):
         self._beat(job_id, cancel)
         self._apply(jp, job, records, out, usage, workspace)
 
-    def _job_input(self, jp: Principal, job: Row) -> tuple[list[Row], int, list[dict[str, Any]]]:
+    def _job_input(self, jp: Principal, job: AnyRow) -> tuple[Sequence[AnyRow], int, list[dict[str, Any]]]:
         """The store's live records (path order), its change-feed seq, and its recent history
         (``include_history``). Raises ``_Stop`` beyond the input cap."""
         cap = self.consolidation.max_input_bytes
@@ -388,7 +389,7 @@ class ConsolidationService(Resource):
                         "nothing was sent to the model")
         return rows, seq, history
 
-    def _model_request(self, job: Row, records: list[Row], history: list[dict[str, Any]]) -> dict[str, Any]:
+    def _model_request(self, job: AnyRow, records: Sequence[AnyRow], history: list[dict[str, Any]]) -> dict[str, Any]:
         """The Messages API request of a job: the system prompt, the instructions and the
         store's files as JSON, the forced tool call."""
         files = [{"path": r.path, "content": r.content} for r in records]
@@ -480,7 +481,7 @@ class ConsolidationService(Resource):
 
     # ------------------------------------------------------------ writing the result
 
-    def _apply(self, jp: JobPrincipal, job: Row, records: list[Row], out: Output, usage: dict,
+    def _apply(self, jp: JobPrincipal, job: AnyRow, records: Sequence[AnyRow], out: Output, usage: dict[str, int],
                workspace: str | None) -> None:
         """Check the answer against the input and write it in one transaction (see module
         doc). Raises ``_Stop`` for a refused change (nothing written), ``_Gone`` when the job
@@ -514,6 +515,7 @@ class ConsolidationService(Resource):
             for c in changes:
                 old = by_path.get(c.path)
                 if c.op == "delete":
+                    assert old is not None  # a delete of a file the store does not hold stopped above
                     ops.append(BatchOperation(op="delete", record_id=old.id, if_match=f'"{old.sha256}"'))
                 elif old is not None:
                     ops.append(BatchOperation(op="update", record_id=old.id, if_match=f'"{old.sha256}"',
@@ -545,8 +547,8 @@ class ConsolidationService(Resource):
         what = ops[i].op
         return f"a {what} the model asked for was refused ({code}: {_cut(detail, 200)}); nothing was written"
 
-    def _write_result(self, jp: JobPrincipal, job: Row, plans: list[_Planned], ops: list[BatchOperation],
-                      changes: list[dict], summary: str, usage: dict, workspace: str | None) -> None:
+    def _write_result(self, jp: JobPrincipal, job: AnyRow, plans: list[_Planned], ops: list[BatchOperation],
+                      changes: list[dict[str, Any]], summary: str, usage: dict[str, int], workspace: str | None) -> None:
         new_store = job.output == "new_store"
         savepoints = False  # a refusal after a write (an account's byte quota): again, per operation
         for attempt in range(5):
@@ -606,7 +608,8 @@ class ConsolidationService(Resource):
             n += 1
         return output_slug(store, n)
 
-    def _new_store_maker(self, job: Row, name: str, workspace: str | None, made: list[str] | None = None):
+    def _new_store_maker(self, job: AnyRow, name: str, workspace: str | None,
+                         made: list[str] | None = None) -> Callable[[Connection], None]:
         made = [] if made is None else made  # receives the new store's key
         def prepare(conn: Connection) -> None:
             src = conn.execute(select(_S).where(_S.c.slug == job.store)).one()
@@ -629,7 +632,8 @@ class ConsolidationService(Resource):
                 conn.execute(insert(_A).values(workspace=workspace, store=slug, access=Access.read_only.value,
                                                instructions="", created_at=now))
                 conn.execute(select(_W.c.name).where(_W.c.name == workspace).with_for_update())
-                seq = conn.execute(insert(_E).values(workspace=workspace, kind="attached", store=slug,
+                # a single-row insert always has its key (SQLAlchemy types it Optional for any insert)
+                seq = conn.execute(insert(_E).values(workspace=workspace, kind="attached", store=slug,  # type: ignore[index]
                                                      access=Access.read_only.value, created_at=now)).inserted_primary_key[0]
                 wakeups.note_events(workspace, seq)
                 wakeups.note_acl()

@@ -24,6 +24,7 @@ bounds is the history a store shows, not the bytes it takes.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -84,7 +85,7 @@ def content_of(conn: Connection, record_id: str, version: int, chain: int, suffi
     return None
 
 
-def resolve(conn: Connection, rows: list[Any]) -> list[Any]:
+def resolve(conn: Connection, rows: Sequence[Any]) -> list[Any]:
     """``rows`` (version rows with ``record_id``, ``version``, ``content``, ``base_version``
     and ``chain``) with each append version's ``content`` replaced by its whole content (as
     a ``SimpleNamespace`` with the row's members); others are returned as they are. Rows of

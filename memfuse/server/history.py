@@ -32,21 +32,27 @@ import logging
 import threading
 import time
 from datetime import timedelta
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
-from sqlalchemy import bindparam, or_, select, true, update
+from sqlalchemy import Table, bindparam, or_, select, true, update
 from sqlalchemy.engine import Connection
 
 from memfuse.defs import HISTORY_BYTES_FACTOR, HISTORY_MIN_AGE_S, HISTORY_VERSIONS_FACTOR, INT64_MAX
 from memfuse.server import deltas
 from memfuse.server.db import RecordRow, StoreRow, VersionRow, utcnow
 
+if TYPE_CHECKING:  # for the annotations only
+    from prometheus_client.metrics_core import Metric
+
 __all__ = ["budget", "usage", "note_kept", "kept_mark", "kept_rollback", "reset", "settle",
            "forget_idle", "collector", "PRUNED", "IDLE_RECHECK"]
 
 log = logging.getLogger("memfuse.server.service")
 
-_S, _R, _V = StoreRow.__table__, RecordRow.__table__, VersionRow.__table__
+# mapped classes' tables (SQLAlchemy types ``__table__`` as a FromClause)
+_S, _R, _V = (cast(Table, StoreRow.__table__), cast(Table, RecordRow.__table__),
+              cast(Table, VersionRow.__table__))
 _KEY = "memfuse_kept"  # conn.info: store slug -> [bytes, count] of kept versions added
 PRUNE_BATCH = 500  # candidate versions read per pass
 IDLE_RECHECK = 30.0  # s before a store with nothing prunable is looked at again
@@ -114,12 +120,12 @@ def note_kept(conn: Connection, store: str, d_bytes: int, d_count: int) -> None:
     kept[store] = (b + d_bytes, n + d_count)
 
 
-def kept_mark(conn: Connection) -> dict:
+def kept_mark(conn: Connection) -> dict[str, tuple[int, int]]:
     """The notes so far (for ``kept_rollback`` when a savepoint is rolled back)."""
     return dict(conn.info.get(_KEY, {}))
 
 
-def kept_rollback(conn: Connection, mark: dict) -> None:
+def kept_rollback(conn: Connection, mark: dict[str, tuple[int, int]]) -> None:
     """Forget the notes made since ``kept_mark`` returned ``mark``."""
     conn.info[_KEY] = dict(mark)
 
@@ -151,10 +157,11 @@ def settle_with_usage(conn: Connection, store: str, d_bytes: int, d_count: int) 
     in this transaction (then settled here, pruning as ``settle`` would): one UPDATE for a
     write that changes both. False (nothing done) when nothing is noted for ``store``: the
     caller updates its usage counters itself."""
-    kept = conn.info.get(_KEY)
+    kept: dict[str, tuple[int, int]] | None = conn.info.get(_KEY)
     kb, kn = kept.get(store, (0, 0)) if kept else (0, 0)
     if not (kb or kn):
         return False
+    assert kept is not None  # kb or kn came from it
     del kept[store]
     row = conn.execute(_UPDATE_USAGE_KEPT, {"slug_": store, "d_bytes": d_bytes, "d_count": d_count,
                                             "k_bytes": kb, "k_count": kn}).first()
@@ -226,11 +233,11 @@ def forget_idle(store: str) -> None:
     _idle_until.pop(store, None)
 
 
-def collector():
+def collector() -> Callable[[], list[Metric]]:
     """Metric families of what this process pruned (``ServerMetrics.add_collector``)."""
     from prometheus_client.core import CounterMetricFamily
 
-    def collect() -> list:
+    def collect() -> list[Metric]:
         v = CounterMetricFamily("memfuse_server_history_pruned_versions",
                                 "Versions whose content the history budget pruned")
         v.add_metric([], PRUNED.versions)

@@ -205,15 +205,18 @@ class LocalTransport(httpx.AsyncBaseTransport):
 
         return call
 
-    def _list_records(self, token: str, instance: str | None, slug: str, q: dict[str, str]):
+    def _list_records(self, token: str, instance: str | None, slug: str,
+                      q: dict[str, str]) -> Callable[[], tuple[bytes, dict[str, str]]]:
         self._take(q, {"cursor", "limit", "content", "path", "include_deleted"})
+        kw: dict[str, Any]  # keyword arguments of the service call
         kw = dict(cursor=q.get("cursor"),
                   limit=self._bounded(q, "limit", defs.RECORDS_PAGE_DEFAULT, 1, defs.RECORDS_PAGE_MAX),
                   with_content=self._bool(q, "content", False), path=q.get("path"),
                   include_deleted=self._bool(q, "include_deleted", False))
         return lambda: (self.service.list_records_json(self._principal(token, instance), slug, **kw), {})
 
-    def _get_record(self, token: str, instance: str | None, slug: str, rid: str, q: dict[str, str]):
+    def _get_record(self, token: str, instance: str | None, slug: str, rid: str,
+                    q: dict[str, str]) -> Callable[[], tuple[bytes, dict[str, str]]]:
         self._take(q, {"content"})
         content = self._bool(q, "content", True)
 
@@ -223,7 +226,8 @@ class LocalTransport(httpx.AsyncBaseTransport):
 
         return call
 
-    def _versions(self, token: str, instance: str | None, slug: str, rid: str, n: int | None):
+    def _versions(self, token: str, instance: str | None, slug: str, rid: str,
+                  n: int | None) -> Callable[[], tuple[bytes, dict[str, str]]]:
         def call() -> tuple[bytes, dict[str, str]]:
             p = self._principal(token, instance)
             if n is not None:
@@ -233,13 +237,15 @@ class LocalTransport(httpx.AsyncBaseTransport):
 
         return call
 
-    def _search(self, token: str, instance: str | None, slug: str, q: dict[str, str]):
+    def _search(self, token: str, instance: str | None, slug: str,
+                q: dict[str, str]) -> Callable[[], tuple[bytes, dict[str, str]]]:
         self._take(q, {"q", "match", "prefix", "type", "case_sensitive", "cursor", "limit", "max_lines", "order"})
         text, match, prefix = q.get("q", ""), q.get("match", "any"), q.get("prefix", "")
         order = q.get("order", "path")
         if (not 1 <= len(text) <= defs.SEARCH_QUERY_MAX or match not in ("any", "path", "content")
                 or len(prefix) > defs.SEARCH_PREFIX_MAX or order not in ("path", "relevance")):
             raise _Plain()
+        kw: dict[str, Any]  # keyword arguments of the service call
         kw = dict(match=match, prefix=prefix, type=q.get("type"),
                   case_sensitive=self._bool(q, "case_sensitive", False), cursor=q.get("cursor"),
                   limit=self._bounded(q, "limit", defs.SEARCH_PAGE_DEFAULT, 1, defs.SEARCH_PAGE_MAX),

@@ -28,6 +28,7 @@ from typing import Any
 import anyio
 from fastapi import Request
 from fastapi.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from memfuse.defs import FEED_PAGE_MAX, INT64_MAX
 from memfuse.models import ChangePage, EventPage
@@ -56,8 +57,9 @@ class FeedReads:
 
     def __init__(self, svc: Service) -> None:
         self.svc = svc
-        self._flights: dict[tuple, _Flight] = {}
-        self._done: dict[tuple, FeedRead] = {}
+        # keyed by (store key, cursor, limit, with content)
+        self._flights: dict[tuple[str, int, int, bool], _Flight] = {}
+        self._done: dict[tuple[str, int, int, bool], FeedRead] = {}
         self.reads = 0  # database reads made (for tests and metrics)
 
     async def read(self, slug: str, after: int, limit: int, content: bool) -> FeedRead:
@@ -129,7 +131,9 @@ async def changes(svc: Service, reads: FeedReads, request: Request, p: Principal
     JSON, or 204 when the client left. Raises ``ServiceError`` (404 not readable, 410)."""
     notifier = svc.notifier
     # from here ``slug`` is the store's key (memfuse.server.keys): what reads and wake-ups use
-    slug = svc.cached_feed_key(p, slug) or await anyio.to_thread.run_sync(svc.check_feed_access, p, slug)
+    # (mypy infers run_sync's result from the left operand, str | None; check_feed_access returns str)
+    slug = svc.cached_feed_key(p, slug) or await anyio.to_thread.run_sync(  # type: ignore[assignment]
+        svc.check_feed_access, p, slug)
     deadline = anyio.current_time() + min(wait, MAX_WAIT_SECONDS)
     cursor = after
 
@@ -207,7 +211,7 @@ async def events(svc: Service, request: Request, p: Principal, ws: str, after: i
     return result if result is not None else Response(status_code=204)
 
 
-def _page_response(page, raw: bytes | None) -> Response:
+def _page_response(page: ChangePage | EventPage, raw: bytes | None) -> Response:
     body = raw if raw is not None else page.model_dump_json().encode()
     return Response(content=body, media_type="application/json")
 
@@ -236,7 +240,7 @@ class FastPath:
         self.streams = streams  # memfuse.server.streams.Streams, or None
 
     @staticmethod
-    def _params(scope) -> dict[str, str] | None:
+    def _params(scope: Scope) -> dict[str, str] | None:
         from urllib.parse import parse_qsl
 
         try:
@@ -244,7 +248,7 @@ class FastPath:
         except (UnicodeDecodeError, ValueError):
             return None
 
-    def _principal(self, scope) -> tuple[Principal, str] | None:
+    def _principal(self, scope: Scope) -> tuple[Principal, str] | None:
         p = scope.get("memfuse.principal")  # authenticated by the front door (memfuse.server.gate)
         if p is not None:
             return p, ""
@@ -265,7 +269,7 @@ class FastPath:
             return None
         return None if p is None else (p, token)
 
-    async def __call__(self, scope, receive, send) -> bool:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> bool:
         m = table.match(scope["method"], scope["path"])  # the app's route table
         if m is None or m.route not in (table.CHANGES, table.EVENTS):
             return False

@@ -26,13 +26,13 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import delete, false, select, tuple_, update
-from sqlalchemy.engine import Connection, Row
+from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
 from memfuse.models import Access, MoveResult, Record, RecordCreate, RecordMove, RecordUpdate, StoreCreate
 from memfuse.server import deltas, keys
 from memfuse.server.anthropic_models import DeletedMemoryStore, MemoryStoreOut
-from memfuse.server.base import _A, _R, _S, _V, IdempotencyRequest, Principal, Parts, Reply, Resource, ServiceError
+from memfuse.server.base import _A, _R, _S, _V, AnyRow, IdempotencyRequest, Principal, Parts, Reply, Resource, ServiceError
 from memfuse.server.db import DEFAULT_ACCOUNT, AttachmentRow, StoreRow, WorkspaceRow, utcnow
 from memfuse.server.accounts import AccountsService
 from memfuse.server.recordrows import _record_model
@@ -75,9 +75,9 @@ class ListedItem:
     (``prefix``, memfuse form with the trailing ``/``), and the listing position after it
     (``after``: ``("m", path, id)`` or ``("p", first path after the prefix)``)."""
 
-    row: Row | None
+    row: AnyRow | None
     prefix: str | None
-    after: tuple
+    after: tuple[str, ...]
 
 
 _MEMORY_COLUMNS = (_R.c.id, _R.c.path, _R.c.sha256, _R.c.size, _R.c.created_at, _R.c.updated_at, _R.c.seq)
@@ -114,7 +114,7 @@ class MemoryStoresService(Resource):
     def ms_list_stores(
         self, p: Principal, workspace: str | None, *, include_archived: bool,
         created_gte: datetime | None, created_lte: datetime | None,
-    ) -> list[Row]:
+    ) -> list[AnyRow]:
         """The store rows ``p`` sees, newest first (then by slug), archived ones only with
         ``include_archived``, created within the bounds given (inclusive)."""
         with self.db.read_conn() as conn:
@@ -128,7 +128,7 @@ class MemoryStoresService(Resource):
             rows = conn.execute(q).all()
         return sorted(rows, key=lambda r: (-r.created_at.timestamp(), keys.public(r.slug)))
 
-    def ms_get_store(self, p: Principal, slug: str) -> Row:
+    def ms_get_store(self, p: Principal, slug: str) -> AnyRow:
         """The store row, if ``p`` may see it; 404 otherwise."""
         with self.db.read_conn() as conn:
             return self._store(conn, p, slug)
@@ -261,7 +261,7 @@ class MemoryStoresService(Resource):
     # ------------------------------------------------------------ memories
 
     def ms_list_memories(
-        self, p: Principal, slug: str, *, prefix: str, depth: int, limit: int, after: tuple | None,
+        self, p: Principal, slug: str, *, prefix: str, depth: int, limit: int, after: tuple[str, ...] | None,
         with_content: bool,
     ) -> tuple[list[ListedItem], bool]:
         """At most ``limit`` items of the store's live records under ``prefix`` (memfuse form:
@@ -333,7 +333,7 @@ class MemoryStoresService(Resource):
 
         return self._write(p, idem, 200, fn, etag=True, feed=slug)
 
-    def _ms_record(self, conn: Connection, st: Row, record_id: str) -> Record:
+    def _ms_record(self, conn: Connection, st: AnyRow, record_id: str) -> Record:
         return _record_model(self.records._live(self.records._record(conn, st, record_id)), with_content=False)
 
     # ------------------------------------------------------------ versions
@@ -342,7 +342,7 @@ class MemoryStoresService(Resource):
         self, p: Principal, slug: str, *, limit: int, before_seq: int | None, record_id: str | None,
         operations: Sequence[str] | None, created_gte: datetime | None, created_lte: datetime | None,
         actor_exact: str | None, actor_instance: str | None, with_content: bool,
-    ) -> tuple[list[Row], bool]:
+    ) -> tuple[Sequence[AnyRow], bool]:
         """At most ``limit`` version rows of the store, newest first (``seq`` descending),
         older than ``before_seq``, filtered by record, memfuse operations, creation time
         (inclusive) and actor (``actor_exact``: the actor string; ``actor_instance``: a
@@ -373,18 +373,18 @@ class MemoryStoresService(Resource):
             rows = [r for r in rows if r.actor.rpartition("/")[2] == actor_instance]
         return rows[:limit], len(rows) > limit
 
-    def ms_get_version(self, p: Principal, slug: str, seq: int, *, with_content: bool) -> Row:
+    def ms_get_version(self, p: Principal, slug: str, seq: int, *, with_content: bool) -> AnyRow:
         """The version row of ``seq`` in the store; 404 ``version_not_found``."""
         with self.db.read_conn() as conn:
             st = self._store(conn, p, slug)
-            v = conn.execute(select(_V).where(_V.c.seq == seq, _V.c.store == st.slug)).first()
+            v: AnyRow | None = conn.execute(select(_V).where(_V.c.seq == seq, _V.c.store == st.slug)).first()
             if v is not None:
                 v = deltas.resolve(conn, [v])[0]  # an append version's content made whole
         if v is None:
             raise ServiceError(404, "version_not_found", f"store {slug!r} has no such version")
         return v
 
-    def ms_redact_version(self, p: Principal, slug: str, seq: int, idem: IdempotencyRequest | None = None) -> Row:
+    def ms_redact_version(self, p: Principal, slug: str, seq: int, idem: IdempotencyRequest | None = None) -> AnyRow:
         """Redact the version of ``seq`` (``redact_version``'s rules: admin; 409
         ``current_version`` for the current version of a live record) and return its row."""
         v = self.ms_get_version(p, slug, seq, with_content=False)
@@ -415,13 +415,13 @@ def store_slug(memory_store_id: str) -> str | None:
     return memory_store_id[len(STORE_PREFIX):] or None
 
 
-def store_metadata(st: Row | StoreRow) -> dict[str, str]:
+def store_metadata(st: AnyRow | StoreRow) -> dict[str, str]:
     """The store's metadata (``{}`` when never set)."""
     raw = getattr(st, "metadata_json", None)
     return json.loads(raw) if raw else {}
 
 
-def store_out(st: Row | StoreRow) -> MemoryStoreOut:
+def store_out(st: AnyRow | StoreRow) -> MemoryStoreOut:
     """``MemoryStoreOut`` of a store row: ``name`` the slug when never set, ``updated_at``
     the creation time when never changed."""
     return MemoryStoreOut(

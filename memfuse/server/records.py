@@ -14,7 +14,7 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import false, select, update
-from sqlalchemy.engine import Connection, Row
+from sqlalchemy.engine import Connection
 
 from memfuse import content as content_rules
 from memfuse.defs import INT64_MAX, mtime_effective_ns
@@ -35,6 +35,7 @@ from memfuse.models import (
 from memfuse.server.base import (
     _R,
     _V,
+    AnyRow,
     IdempotencyRequest,
     Principal,
     Reply,
@@ -93,7 +94,7 @@ class RecordsService(Resource):
     ``store_archived`` (``_check_writable``)."""
 
     @staticmethod
-    def _record(conn: Connection, st: Row, record_id: str) -> _Rec:
+    def _record(conn: Connection, st: AnyRow, record_id: str) -> _Rec:
         row = conn.execute(_SELECT_RECORD, {"rid": record_id}).first()
         if row is None or row.store != st.slug:
             raise ServiceError(404, "record_not_found", f"no record {record_id!r} in store {keys.public(st.slug)!r}")
@@ -186,7 +187,8 @@ class RecordsService(Resource):
             stored, base_version, chain = deltas.plan(
                 conn, rec.id, rec.version, getattr(rec, "base_content", None), rec.content)
         rec.base_content = rec.content
-        seq = conn.execute(
+        # a single-row insert always has its key (SQLAlchemy types it Optional for any insert)
+        seq: int = conn.execute(  # type: ignore[index]
             _INSERT_VERSION,
             {
                 "record_id": rec.id,
@@ -223,7 +225,7 @@ class RecordsService(Resource):
         return seq
 
     @staticmethod
-    def _room(st: Row, d_bytes: int, d_count: int, *, grew_bytes: bool, grew_count: bool) -> tuple[int, int]:
+    def _room(st: AnyRow, d_bytes: int, d_count: int, *, grew_bytes: bool, grew_count: bool) -> tuple[int, int]:
         """The store's (record_count, usage_bytes) after adding ``d_count`` / ``d_bytes``; 507
         ``store_full`` when the write grew usage (``grew_*``) past a limit. Reads only ``st``:
         writes call it before their first statement, so a refusal leaves nothing to undo."""
@@ -238,7 +240,7 @@ class RecordsService(Resource):
 
     @staticmethod
     def _use(
-        conn: Connection, st: Row, d_bytes: int, d_count: int, *, grew_bytes: bool, grew_count: bool
+        conn: Connection, st: AnyRow, d_bytes: int, d_count: int, *, grew_bytes: bool, grew_count: bool
     ) -> None:
         """Add ``d_bytes`` / ``d_count`` to the store's usage counters (``st`` was read in
         this transaction, under the write lock). 507 ``store_full`` when the write grew usage
@@ -549,7 +551,7 @@ class RecordsService(Resource):
         return fn
 
     @staticmethod
-    def _type_after_move(rec: _Rec, new_path: str, st: Row) -> str | None:
+    def _type_after_move(rec: _Rec, new_path: str, st: AnyRow) -> str | None:
         if content_rules.is_index(new_path):
             return None
         if content_rules.is_index(rec.path) or rec.type is None:

@@ -23,8 +23,9 @@ import base64
 import unicodedata
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
-from sqlalchemy import and_, bindparam, false, func, literal_column, or_, select, text, tuple_
+from sqlalchemy import ColumnClause, ColumnElement, and_, bindparam, false, func, literal_column, or_, select, text, tuple_
 from sqlalchemy.engine import Connection
 
 from memfuse import content as content_rules
@@ -77,7 +78,7 @@ def cut_line(line: str) -> str:
     return line if len(line) <= LINE_MAX_CHARS else line[:LINE_MAX_CHARS] + " …"
 
 
-def _prefix_clause(path_col, prefix: str):
+def _prefix_clause(path_col: Any, prefix: str) -> ColumnElement[bool]:
     """Records at ``prefix`` (a file) or under it (a directory), as an index range (in byte
     order, ``path_col``: ``prefix`` and every path under ``prefix/`` sort in [``prefix``,
     ``prefix0``)); the ``OR`` inside the range leaves out its other paths (``prefix-x``)."""
@@ -227,7 +228,7 @@ class SearchService(Resource):
                     conds.append(_R.c.type == type)
                 tsq = func.to_tsquery(literal_column("'simple'::regconfig"),
                                       bindparam("ts_q", fulltext.pg_tsquery(words, match)))
-                vec = literal_column("records.search_vector")
+                vec: ColumnClause[Any] = literal_column("records.search_vector")
                 rank = func.ts_rank_cd(vec, tsq)
                 stmt = (select(_R.c.id, rank.label("score")).where(vec.op("@@")(tsq), *conds)
                         .order_by(rank.desc(), self._path_col(), _R.c.id))

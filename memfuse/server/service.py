@@ -62,7 +62,7 @@ from memfuse.server import staleness
 from memfuse.server.accounts import AccountsService
 from memfuse.server.batch import BatchService
 from memfuse.server.changes import MAX_WAIT_SECONDS, ChangesService, FeedRead
-from memfuse.server.consolidation import ConsolidationService, ConsolidationSettings
+from memfuse.server.consolidation import ConsolidationService
 from memfuse.server.context import (
     CONTEXT_INDEX_MAX_BYTES,
     CONTEXT_INDEX_MAX_LINES,
@@ -74,9 +74,11 @@ from memfuse.server.context import (
 )
 from memfuse.server.db import Database
 from memfuse.server.indexreport import IndexReportService
+from memfuse.server.jobspec import ConsolidationSettings
 from memfuse.server.memstores import MemoryStoresService
 from memfuse.server.recordreads import RecordReadsService
-from memfuse.server.records import RecordsService, _usage  # noqa: F401  (_usage: for tests)
+from memfuse.server.recordrows import _usage  # noqa: F401  (_usage: for tests)
+from memfuse.server.records import RecordsService
 from memfuse.server.search import SearchService
 from memfuse.server.sessions import SessionsService
 from memfuse.server.stores import StoresService

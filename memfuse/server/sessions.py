@@ -24,9 +24,9 @@ import hmac
 import logging
 import secrets
 from datetime import datetime, timedelta
-from typing import Protocol
+from typing import Protocol, cast
 
-from sqlalchemy import delete, insert, select
+from sqlalchemy import Table, delete, insert, select
 
 from memfuse.models import sha256_hex
 from memfuse.server.base import Parts, Principal, Resource, _unauthorized
@@ -35,8 +35,8 @@ from memfuse.server.db import ConsoleSessionRow, TokenRow, utcnow
 log = logging.getLogger("memfuse.server.service")
 
 SESSION_SECONDS = 12 * 3600  # a console session ends this long after login at the latest
-_CS = ConsoleSessionRow.__table__
-_TK = TokenRow.__table__
+_CS = cast(Table, ConsoleSessionRow.__table__)
+_TK = cast(Table, TokenRow.__table__)
 
 _SELECT_SESSION = (
     select(_CS.c.token_id, _CS.c.token_sha256, _CS.c.workspace, _CS.c.expires_at, _CS.c.account,

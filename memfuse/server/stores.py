@@ -12,7 +12,6 @@ from collections.abc import Iterable
 from dataclasses import replace
 
 from sqlalchemy import select, update
-from sqlalchemy.engine import Row
 from sqlalchemy.orm import Session
 
 from memfuse.models import (
@@ -26,14 +25,14 @@ from memfuse.models import (
     WorkspaceCreate,
 )
 from memfuse.server.accounts import AccountsService
-from memfuse.server.base import _S, IdempotencyRequest, Principal, Parts, Reply, Resource, ServiceError
+from memfuse.server.base import _S, AnyRow, IdempotencyRequest, Principal, Parts, Reply, Resource, ServiceError
 from memfuse.server import history, keys, wakeups
 from memfuse.server.db import DEFAULT_ACCOUNT, AccountAttachmentRow, AttachmentRow, EventRow, StoreRow, WorkspaceRow, utcnow
 
 log = logging.getLogger("memfuse.server.service")  # every room of the Service logs under one name
 
 
-def _store_model(st: StoreRow | Row) -> Store:
+def _store_model(st: StoreRow | AnyRow) -> Store:
     """[Store] of a store row (ORM or Core), with its usage counters and its history budget
     (the one in force) and usage."""
     max_b, max_n, min_age = history.budget(st)

@@ -50,7 +50,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Literal
 
 from sqlalchemy import bindparam, or_, select, update
 from sqlalchemy.exc import SQLAlchemyError
@@ -59,6 +59,7 @@ from sqlalchemy.orm import Session
 from memfuse.models import TokenCreate, TokenCreated, TokenInfo, sha256_hex
 from memfuse.server.base import (
     _T,
+    AnyRow,
     IdempotencyRequest,
     Principal,
     Reply,
@@ -154,7 +155,7 @@ class TokenCache:
         self.entries.clear()
 
 
-def _state(row, now: datetime) -> str:
+def _state(row: AnyRow, now: datetime) -> Literal["active", "expired", "revoked"]:
     if row.revoked_at is not None:
         return "revoked"
     if row.expires_at is not None and row.expires_at <= now:
@@ -162,7 +163,7 @@ def _state(row, now: datetime) -> str:
     return "active"
 
 
-def _info(row, now: datetime) -> TokenInfo:
+def _info(row: AnyRow, now: datetime) -> TokenInfo:
     return TokenInfo(id=row.id, workspace=row.workspace, name=row.name or "",
                      created_at=row.created_at, last_used_at=row.last_used_at,
                      expires_at=row.expires_at, revoked_at=row.revoked_at, state=_state(row, now),
@@ -349,7 +350,7 @@ class TokensService(Resource):
             return 0
         return len(due)
 
-    def _confirmed(self, digest: str, row, mono: float, wall: float) -> None:
+    def _confirmed(self, digest: str, row: AnyRow | None, mono: float, wall: float) -> None:
         """Apply a fresh lookup (``row``, None when gone) to the cache entry of ``digest``."""
         cache: TokenCache = self._token_cache
         e = cache.entries.get(digest)
