@@ -21,7 +21,6 @@ import shutil
 import signal
 import subprocess
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, Callable
@@ -42,6 +41,7 @@ from .metrics import Metrics
 from .committer import Committer
 from .identity import RecordIds
 from .journal import PUT, Entry, Journal
+from .config import MountConfig as MountConfig  # re-exported: callers import it from here
 from .stores import StoreSync
 from .invalidator import Invalidator
 from .sync import StoreState
@@ -71,39 +71,6 @@ def fix_mmap_threshold() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1)
-
-
-@dataclass
-class MountConfig:
-    """Options of one sidecar (``memfuse mount --help``). Times in seconds."""
-
-    mountpoint: Path
-    workspace: str
-    cache_dir: Path
-    uid: int | None = None
-    gid: int | None = None
-    allow_other: bool = False
-    commit_wait: float = 10.0
-    fsync_timeout: float = 60.0
-    drain_timeout: float = 20.0
-    admin_listen: str | None = None
-    debug: bool = False
-    offline_after: float = 10.0  # s without an answer before mounting saved stores from the cache
-    log_format: str = "json"
-    token_check_interval: float = 5.0  # s between looks at --token-file for a rotated token
-    # Mutations on the TCP admin API need this bearer token (None: refused on TCP).
-    admin_token: str | None = field(default=None, repr=False)
-    admin_socket: bool = True  # serve the admin API on <cache_dir>/admin.sock (mode 0600)
-    # An open /dev/fuse fd already mounted by a privileged helper (libfuse >= 3.3 takes
-    # /dev/fd/N as the mountpoint); None: mount MOUNTPOINT ourselves (mount(2) or fusermount3).
-    fuse_fd: int | None = None
-    # s without an answer from the control plane at start, with nothing cached to mount,
-    # before giving up with exit status 1 (0: wait forever)
-    start_timeout: float = 60.0
-    # False: the control plane does not stream by design (an app reached in process through
-    # httpx.ASGITransport, which buffers whole responses), so falling back to long-polling is
-    # said at DEBUG, not INFO. memfuse dev serves its app over loopback HTTP: True there too
-    streams_expected: bool = True
 
 
 class StartError(Exception):

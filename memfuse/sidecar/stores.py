@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from .core import Filesystem
     from .invalidator import Invalidator
     from .metrics import Metrics
-    from .mount import MountConfig
+    from .config import MountConfig
 
 log = logging.getLogger("memfuse.mount")
 
