@@ -30,6 +30,8 @@ __all__ = [
     "SEARCH_LINES_DEFAULT",
     "SEARCH_LINES_MAX",
     "FEED_PAGE_MAX",
+    "JOBS_PAGE_DEFAULT",
+    "JOBS_PAGE_MAX",
     "Access",
     "Operation",
     "sha256_hex",
@@ -70,6 +72,8 @@ SEARCH_LINES_DEFAULT, SEARCH_LINES_MAX = 5, 100  # matching lines shown per reco
 # changes / events per page of GET .../changes and .../events (``limit``: also the default), in the
 # app's Query(...), the long-poll fast path and the streams
 FEED_PAGE_MAX = 1000
+# consolidation jobs per page of GET /v1/stores/{store}/consolidations (``limit``)
+JOBS_PAGE_DEFAULT, JOBS_PAGE_MAX = 100, 1000
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 

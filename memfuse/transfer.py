@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from memfuse.client import ApiClient, with_retries
+from memfuse.defs import RECORDS_PAGE_MAX
 from memfuse.defs import one_line  # noqa: F401  (re-exported: callers found it here)
 from memfuse.content import ContentError, check_secrets, check_type, check_utf8, record_type
 from memfuse.errors import Conflict, PermanentError
@@ -253,7 +254,7 @@ async def import_files(
     :class:`~memfuse.errors.ApiError` when the store cannot be read or a write keeps failing
     transiently (after ``with_retries``)."""
     store_info = await with_retries(lambda: api.get_store(store_slug))
-    records, _ = await with_retries(lambda: api.snapshot(store_slug, content=False, limit=1000))
+    records, _ = await with_retries(lambda: api.snapshot(store_slug, content=False, limit=RECORDS_PAGE_MAX))
     live: dict[str, Record] = {r.path: r for r in records}
 
     report = ImportReport()

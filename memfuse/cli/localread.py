@@ -49,6 +49,8 @@ from memfuse.defs import (
     HISTORY_MIN_AGE_S,
     HISTORY_VERSIONS_FACTOR,
     INT64_MAX,
+    RECORDS_PAGE_DEFAULT,
+    RECORDS_PAGE_MAX,
 )
 
 __all__ = ["LocalReadTransport", "schema_head"]
@@ -291,7 +293,7 @@ class LocalReadTransport(httpx.AsyncBaseTransport):
         ``find_record``), without content; a page that would need a cursor goes the full way."""
         if not set(q) <= {"path", "include_deleted", "limit", "content"} or _flag(q, "content", False):
             raise NeedEventLoop("not served here")
-        limit = _bounded(q, "limit", 500, 1, 1000)
+        limit = _bounded(q, "limit", RECORDS_PAGE_DEFAULT, 1, RECORDS_PAGE_MAX)
         sql = f"SELECT {', '.join(_RECORD_COLS)} FROM records WHERE store = ? AND path = ?"
         if not _flag(q, "include_deleted", False):
             sql += " AND deleted = 0"

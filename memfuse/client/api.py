@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ..defs import Access
+from ..defs import FEED_PAGE_MAX, JOBS_PAGE_DEFAULT, RECORDS_PAGE_DEFAULT, RECORDS_PAGE_MAX, Access
 from ..errors import TransientError
 from ..wire import (
     Attachment,
@@ -147,7 +147,7 @@ class ApiClient(AdminEndpoints):
         """``GET /v1/consolidations/{id}``. Raises NotFound (``job_not_found``)."""
         return await self._call(ConsolidationJob, "GET", f"/v1/consolidations/{_seg(job_id)}")
 
-    async def list_consolidations(self, store: str, limit: int = 100) -> list[ConsolidationJob]:
+    async def list_consolidations(self, store: str, limit: int = JOBS_PAGE_DEFAULT) -> list[ConsolidationJob]:
         """``GET /v1/stores/{store}/consolidations``: the store's jobs, newest first."""
         return await self._call(_JOBS, "GET", f"/v1/stores/{_seg(store)}/consolidations", params={"limit": limit})
 
@@ -204,7 +204,7 @@ class ApiClient(AdminEndpoints):
         self,
         store: str,
         cursor: str | None = None,
-        limit: int = 500,
+        limit: int = RECORDS_PAGE_DEFAULT,
         content: bool = False,
         path: str | None = None,
         include_deleted: bool = False,
@@ -223,7 +223,7 @@ class ApiClient(AdminEndpoints):
         return await self._call(RecordPage, "GET", f"/v1/stores/{_seg(store)}/records", params=params)
 
     async def iter_pages(
-        self, store: str, *, content: bool = True, limit: int = 500, include_deleted: bool = False
+        self, store: str, *, content: bool = True, limit: int = RECORDS_PAGE_DEFAULT, include_deleted: bool = False
     ) -> AsyncIterator[RecordPage]:
         """Async generator over every snapshot page of ``store`` (``list_records`` pages of
         ``limit`` records, deleted ones too with ``include_deleted``), following
@@ -244,7 +244,7 @@ class ApiClient(AdminEndpoints):
             cursor = page.next_cursor
 
     async def snapshot(
-        self, store: str, *, content: bool = True, limit: int = 500, include_deleted: bool = False
+        self, store: str, *, content: bool = True, limit: int = RECORDS_PAGE_DEFAULT, include_deleted: bool = False
     ) -> tuple[list[Record], int]:
         """Every live record of ``store`` (all pages of ``iter_pages``; deleted ones too with
         ``include_deleted``) and the change-feed seq to resume from (the first page's
@@ -265,7 +265,7 @@ class ApiClient(AdminEndpoints):
         that path (deleted, then created anew), the live one wins, else the most recently
         updated deleted one. Content is not included.
         """
-        page = await self.list_records(store, limit=1000, path=path, include_deleted=include_deleted)
+        page = await self.list_records(store, limit=RECORDS_PAGE_MAX, path=path, include_deleted=include_deleted)
         found = [r for r in page.records if r.path == path]
         if not found:
             return None
@@ -290,7 +290,7 @@ class ApiClient(AdminEndpoints):
         after: int,
         wait: float = 0,
         content: bool = True,
-        limit: int = 1000,
+        limit: int = FEED_PAGE_MAX,
         skip_actor: str | None = None,
     ) -> ChangePage:
         """``GET /v1/stores/{store}/changes``: versions with seq > ``after``, oldest first;
@@ -316,7 +316,7 @@ class ApiClient(AdminEndpoints):
         store: str,
         after: int,
         content: bool = True,
-        limit: int = 1000,
+        limit: int = FEED_PAGE_MAX,
         skip_actor: str | None = None,
         read_timeout: float = STREAM_READ_TIMEOUT,
     ) -> PageStream[ChangePage]:

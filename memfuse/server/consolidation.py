@@ -64,6 +64,7 @@ from sqlalchemy import Table, false, func, insert, select, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 
+from memfuse.defs import JOBS_PAGE_DEFAULT
 from memfuse.models import Access, BatchOperation, ConsolidationChange, ConsolidationCreate, ConsolidationJob
 from memfuse.server import deltas, keys, wakeups
 from memfuse.server.accounts import AccountsService
@@ -171,7 +172,7 @@ class ConsolidationService(Resource):
                 raise ServiceError(404, "job_not_found", f"no consolidation job {job_id!r}")
             return _job_model(row)
 
-    def list_consolidations(self, p: Principal, slug: str, limit: int = 100) -> list[ConsolidationJob]:
+    def list_consolidations(self, p: Principal, slug: str, limit: int = JOBS_PAGE_DEFAULT) -> list[ConsolidationJob]:
         """The store's jobs, newest first (at most ``limit``); 404 for the store."""
         self.reap_stale_jobs()
         with self.db.read_conn() as conn:

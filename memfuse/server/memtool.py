@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memfuse import content as content_rules
-from memfuse.defs import INT64_MAX, Access
+from memfuse.defs import INT64_MAX, RECORDS_PAGE_MAX, Access
 from memfuse.errors import ERRNO_NAME_BY_CODE
 from memfuse.models import Attachment, PrefixMove, Record, RecordCreate, RecordMove, RecordUpdate
 from memfuse.server.memtool_base import (  # re-exported: callers import them from here
@@ -665,7 +665,7 @@ class MemoryTool:
         if t.is_root or t.is_store_root:
             raise ToolError(f"The path {t.raw} is not a file.")
         self._attachment(t)
-        page = self.svc.list_records(self.p, t.in_store, path=t.path, limit=1000, include_deleted=True)
+        page = self.svc.list_records(self.p, t.in_store, path=t.path, limit=RECORDS_PAGE_MAX, include_deleted=True)
         if not page.records:
             raise ToolError(f"The path {t.raw} does not exist. Please provide a valid path.")
         rec = max(page.records, key=lambda r: (not r.deleted, r.updated_at))

@@ -12,7 +12,7 @@ from sqlalchemy import false, func, select, text, tuple_
 
 from memfuse import content as content_rules
 from memfuse import wire
-from memfuse.defs import DEFAULT_MODE, RECORDS_PAGE_DEFAULT
+from memfuse.defs import DEFAULT_MODE, RECORDS_PAGE_DEFAULT, RECORDS_PAGE_MAX
 from memfuse.models import Record, RecordPage, Version
 from memfuse.server import keys
 from memfuse.server.base import AnyRow, Principal, Resource, ServiceError, _R, _V, holds
@@ -155,7 +155,7 @@ class RecordReadsService(Resource):
         ``list_records``, 422 ``validation_error`` for a foreign cursor."""
         if type is not None and type not in content_rules.RECORD_TYPES:
             raise ServiceError(422, "invalid_type", f"type {type!r} is not one of {', '.join(content_rules.RECORD_TYPES)}")
-        limit = min(max(int(limit), 1), 1000)
+        limit = min(max(int(limit), 1), RECORDS_PAGE_MAX)
         with self.db.read_conn() as conn:
             st = self._store(conn, p, slug)
             after = _decode_cursor(cursor) if cursor else None

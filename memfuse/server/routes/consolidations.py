@@ -7,6 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 from fastapi.responses import Response
 
+from memfuse.defs import JOBS_PAGE_DEFAULT, JOBS_PAGE_MAX
 from memfuse.models import ConsolidationCreate, ConsolidationJob
 from memfuse.server import routetable as table
 from memfuse.server.routes.deps import JobId, P, StoreSlug, Svc, json_response, route
@@ -29,7 +30,7 @@ def create_consolidation(svc: Svc, store: StoreSlug, body: ConsolidationCreate, 
 def list_consolidations(
     svc: Svc,
     store: StoreSlug, p: P,
-    limit: Annotated[int, Query(ge=1, le=1000, description="jobs to list at most")] = 100,
+    limit: Annotated[int, Query(ge=1, le=JOBS_PAGE_MAX, description="jobs to list at most")] = JOBS_PAGE_DEFAULT,
 ) -> Response:
     """The store's consolidation jobs, newest first."""
     return json_response(svc.list_consolidations(p, store, limit))
