@@ -116,3 +116,22 @@ def is_local_only(name: str, patterns: tuple[str, ...] = DEFAULT_LOCAL_ONLY) -> 
     """True when ``name`` (one component) is an editor or tool temporary that stays in the
     sidecar: never sent to the control plane, invisible to other workspaces (docs/SEMANTICS.md)."""
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def client_label(value: str | None, limit: int = 100) -> str | None:
+    """A client's self-chosen name (``X-Memfuse-Instance``, the memory tool's client) fit
+    for an actor (``ws:<workspace>/<label>``, ``tool:<label>``): an HTTP header value arrives
+    decoded as Latin-1 (ASGI), so UTF-8 bytes are decoded as UTF-8 where they are that; then
+    only printable characters that are not format controls (bidirectional overrides,
+    zero-width characters: Unicode category ``Cf``), ``/`` or whitespace are kept, at most
+    ``limit`` of them. None when nothing is left."""
+    if not value:
+        return None
+    try:
+        value = value.encode("latin-1").decode("utf-8")
+    except (UnicodeEncodeError, UnicodeDecodeError):
+        pass  # not Latin-1-decoded UTF-8: taken as it is
+    kept = "".join(ch for ch in value.strip()
+                   if ch.isprintable() and not ch.isspace() and ch != "/"
+                   and unicodedata.category(ch) != "Cf")
+    return kept[:limit] or None

@@ -687,3 +687,24 @@ def test_plain_http_control_plane_loads_no_ca_bundle():
     assert verifying is tls_context("HTTPS://other")  # one per process, shared
     assert verifying.verify_mode == ssl.CERT_REQUIRED and verifying.check_hostname
     assert verifying.cert_store_stats()["x509_ca"] > 0
+
+
+async def test_instance_names_are_cleaned_for_the_actor(fake):
+    """``X-Memfuse-Instance`` reaches the actor as UTF-8 (an ASGI header value arrives as
+    Latin-1), without format controls (a bidirectional override, zero-width space), ``/``,
+    spaces or controls, at most 100 characters (found by the fresh tester: an instance with
+    U+202E was stored garbled with a C1 control)."""
+    import httpx
+
+    from memfuse.names import client_label
+
+    token = await fake.setup("ws", stores=("default",))
+    for raw, want in (("EVIL\u202eadmin", "ws:ws/EVILadmin"), ("pod-ü\u200b7", "ws:ws/pod-ü7"),
+                      ("x" * 5000, "ws:ws/" + "x" * 100), ("\u202e/ \x1b", "ws:ws/[api]")):
+        headers = [(b"authorization", f"Bearer {token}".encode()), (b"x-memfuse-instance", raw.encode())]
+        async with httpx.AsyncClient(transport=fake.transport, base_url=fake.base_url) as c:
+            r = await c.post("/v1/stores/default/records", headers=headers,
+                             json={"path": f"i/{len(raw)}-{raw.encode().hex()[:8]}.md", "content": "x\n"})
+        assert r.status_code == 201, r.text
+        assert r.json()["updated_by"] == want.replace("[api]", "api"), (raw, r.json()["updated_by"])
+    assert client_label("café") == "café" and client_label("  ") is None

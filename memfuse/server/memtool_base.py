@@ -79,10 +79,9 @@ class ToolPrincipal(Principal):
 
 
 def clean_client(value: str | None) -> str:
-    """A client name fit for the actor: printable, no ``/`` or spaces, at most 100
-    characters; ``"api"`` when nothing is left."""
-    value = "".join(ch for ch in (value or "").strip() if ch.isprintable() and ch not in "/ ")[:100]
-    return value or "api"
+    """A client name fit for the actor (``names.client_label``: printable, no format
+    controls, ``/`` or spaces, at most 100 characters); ``"api"`` when nothing is left."""
+    return names.client_label(value) or "api"
 
 
 def format_size(n: int) -> str:

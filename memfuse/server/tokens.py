@@ -56,6 +56,7 @@ from sqlalchemy import bindparam, or_, select, update
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
+from memfuse import names
 from memfuse.models import TokenCreate, TokenCreated, TokenInfo, sha256_hex
 from memfuse.server.base import (
     _T,
@@ -94,10 +95,8 @@ TOUCH_BATCH = 1000  # token ids per UPDATE
 
 
 def _clean_instance(value: str | None) -> str | None:
-    if not value:
-        return None
-    value = "".join(ch for ch in value.strip() if ch.isprintable() and ch not in "/ ")[:100]
-    return value or None
+    """``X-Memfuse-Instance`` fit for the actor (``names.client_label``)."""
+    return names.client_label(value)
 
 
 def _label(name: str | None) -> str:
