@@ -23,7 +23,7 @@ API_TESTS = ["tests/test_api.py", "tests/test_batch.py", "tests/test_semantics_a
              "tests/test_append_versions.py", "tests/test_consolidation.py", "tests/test_accounts.py"]
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1800)
 def test_api_suite_on_postgresql():
     from pgutil import pg_cluster
 
@@ -31,7 +31,7 @@ def test_api_suite_on_postgresql():
     with pg_cluster(max_connections=300) as url:
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                                *API_TESTS], cwd=HERE.parent, capture_output=True, text=True,
-                              timeout=500, env=dict(os.environ, MEMFUSE_TEST_DB_URL=url))
+                              timeout=1500, env=dict(os.environ, MEMFUSE_TEST_DB_URL=url))
     print(proc.stdout[-3000:])
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and " skipped" not in proc.stdout.splitlines()[-1]
