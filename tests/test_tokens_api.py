@@ -237,3 +237,19 @@ async def test_last_used_is_written_for_every_token_in_one_statement_a_minute(en
         assert r.status_code == 200
     finally:
         event.remove(engine, "before_cursor_execute", count)
+
+
+async def test_names_no_object_can_have_are_missing_not_errors(env):
+    """A workspace or store name no object can have (a NUL byte, which PostgreSQL refuses in
+    a query; spaces, upper case) is 404 like a missing one, on every database (found by
+    Schemathesis on PostgreSQL: ``POST /v1/tokens {"workspace": "\\x00..."}`` was a 500)."""
+    _, app, admin = env
+    for bad in ("\x00ws", "W S", "ws\x00"):
+        r = await admin.post("/v1/tokens", json={"workspace": bad})
+        assert r.status_code == 404 and r.json()["code"] == "workspace_not_found", r.text
+    async with _client(app, WS_TOKEN) as ws:
+        for bad in ("%00x", "x~%00", "A%20B"):
+            r = await admin.get(f"/v1/stores/{bad}")
+            assert r.status_code in (404, 422), r.text
+            r = await ws.get(f"/v1/stores/{bad}/records")
+            assert r.status_code in (404, 422), r.text

@@ -373,7 +373,11 @@ class AccessRules:
         """The workspace row, if ``p`` may address it: the root admin any, an account admin
         those of its account, a workspace token its own. Raises 404 ``workspace_not_found``
         for a missing workspace or one of another account (never telling which); 403
-        ``forbidden`` for a workspace token naming another workspace of its own account."""
+        ``forbidden`` for a workspace token naming another workspace of its own account.
+        A name no workspace can have (not a slug: a NUL byte, which PostgreSQL refuses in a
+        query) is a missing workspace, found without a query."""
+        if not names.SLUG_RE.match(ws):
+            raise ServiceError(404, "workspace_not_found", f"no workspace {ws!r}")
         row = s.get(WorkspaceRow, ws)
         if not p.is_admin and p.workspace != ws:
             own = s.get(WorkspaceRow, p.workspace)
@@ -396,7 +400,12 @@ class AccessRules:
         account; two other accounts' stores of that name: 404, name one with
         ``X-Memfuse-Account``). The row's ``slug`` is the store's key:
         what the caller queries and writes with, never what it shows (``keys.public``). A
-        write locks the store row on PostgreSQL (serialises the store's versions)."""
+        write locks the store row on PostgreSQL (serialises the store's versions). A name no
+        store can have (``keys.possible``) is a missing store, found without a query."""
+        if not keys.possible(slug):
+            if p.is_admin:
+                raise ServiceError(404, "store_not_found", f"no store {slug!r}")
+            raise ServiceError(404, "store_not_attached", f"store {slug!r} is not attached to this workspace")
         if p.is_admin and p.account is None:
             alt = slug if keys.SEP in slug else keys.store_key(slug, DEFAULT_ACCOUNT)  # a key: itself
             rows = conn.execute(_SELECT_STORE_FOR_UPDATE if write else _SELECT_STORE,

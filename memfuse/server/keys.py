@@ -18,6 +18,7 @@ from __future__ import annotations
 from sqlalchemy import select
 from sqlalchemy.engine import Connection
 
+from memfuse.names import SLUG_RE
 from memfuse.server.db import StoreRow
 
 _S = StoreRow.__table__
@@ -32,6 +33,15 @@ def public(key: str) -> str:
     """The public name of the store whose key is ``key`` (the key itself for a key without
     ``~``). Pure: safe on any string, e.g. ``public("notes~bravo") == "notes"``."""
     return key.split(SEP, 1)[0]
+
+
+def possible(name: str) -> bool:
+    """Whether some store could be named or keyed ``name``: a slug (``names.SLUG_RE``), or
+    a slug ``~`` a slug (a key). Anything else (a NUL byte, which PostgreSQL refuses in a
+    query; spaces; upper case) names no store, and is answered as a missing one without
+    asking the database."""
+    head, sep, tail = name.partition(SEP)
+    return bool(SLUG_RE.match(head)) and (not sep or bool(SLUG_RE.match(tail)))
 
 
 def store_key(name: str, account: str) -> str:
