@@ -253,3 +253,6 @@ async def test_names_no_object_can_have_are_missing_not_errors(env):
             assert r.status_code in (404, 422), r.text
             r = await ws.get(f"/v1/stores/{bad}/records")
             assert r.status_code in (404, 422), r.text
+    for bad in ("%00x", "A%20B"):  # an account no account can be
+        r = await admin.get(f"/v1/stores?account={bad}")
+        assert r.status_code == 404 and r.json()["code"] == "account_not_found", r.text

@@ -24,6 +24,7 @@ from sqlalchemy import Table, delete, func, or_, select
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
+from memfuse import names
 from memfuse.models import Account, AccountCreate
 from memfuse.server.base import _S, _T, AnyRow, IdempotencyRequest, Principal, Reply, Resource, ServiceError
 from memfuse.server.db import DEFAULT_ACCOUNT, AccountRow, WorkspaceRow, utcnow
@@ -124,6 +125,8 @@ class AccountsService(Resource):
         a missing account). None: ``p`` unchanged. Reads the database for the root admin."""
         if not account:
             return p
+        if not names.SLUG_RE.match(account):  # no account has it (a NUL byte: PostgreSQL refuses it)
+            raise _not_found(account)
         if p.is_root:
             with self.db.read_conn() as conn:
                 if conn.execute(select(_AC.c.slug).where(_AC.c.slug == account)).first() is None:
