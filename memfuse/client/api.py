@@ -7,7 +7,15 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ..defs import FEED_PAGE_MAX, JOBS_PAGE_DEFAULT, RECORDS_PAGE_DEFAULT, RECORDS_PAGE_MAX, Access
+from ..defs import (
+    FEED_PAGE_MAX,
+    JOBS_PAGE_DEFAULT,
+    RECORDS_PAGE_DEFAULT,
+    RECORDS_PAGE_MAX,
+    SEARCH_LINES_DEFAULT,
+    SEARCH_PAGE_DEFAULT,
+    Access,
+)
 from ..errors import TransientError
 from ..wire import (
     Attachment,
@@ -174,8 +182,8 @@ class ApiClient(AdminEndpoints):
         type: str | None = None,
         case_sensitive: bool = False,
         cursor: str | None = None,
-        limit: int = 20,
-        max_lines: int = 5,
+        limit: int = SEARCH_PAGE_DEFAULT,
+        max_lines: int = SEARCH_LINES_DEFAULT,
         order: str = "path",
     ) -> SearchPage:
         """``GET /v1/stores/{store}/search``: one page of the live records whose path

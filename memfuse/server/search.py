@@ -29,6 +29,7 @@ from sqlalchemy import ColumnClause, ColumnElement, and_, bindparam, false, func
 from sqlalchemy.engine import Connection
 
 from memfuse import content as content_rules
+from memfuse.defs import SEARCH_LINES_DEFAULT, SEARCH_PAGE_DEFAULT
 from memfuse.models import SearchHit, SearchLine, SearchPage
 from memfuse.server import fulltext
 from memfuse.server.base import _R, _V, Principal, Resource, ServiceError, _check_path, fold
@@ -111,8 +112,8 @@ class SearchService(Resource):
         type: str | None = None,
         case_sensitive: bool = False,
         cursor: str | None = None,
-        limit: int = 20,
-        max_lines: int = 5,
+        limit: int = SEARCH_PAGE_DEFAULT,
+        max_lines: int = SEARCH_LINES_DEFAULT,
         order: str = "path",
     ) -> SearchPage:
         """One page of the live records of ``slug`` holding ``q`` (literal text) in their
