@@ -32,6 +32,10 @@ CHECKPOINT_BEHIND_BYTES = 4 << 20
 #: ``wal_autocheckpoint``; 4 KiB pages: 64 MiB)
 AUTOCHECKPOINT_PAGES = 16384
 PUT_ROWS = 400  # blobs per INSERT of put_many: 800 parameters (SQLite before 3.32 allows 999)
+#: links from a whole blob at most (``BlobCache.put_append``): the next append is stored
+#: whole again, so a read resolves at most this many rows and the cache holds one whole copy
+#: per ``APPEND_CHAIN_MAX`` appends of a file
+APPEND_CHAIN_MAX = 16
 
 
 def _put_sql(n: int) -> str:
@@ -98,6 +102,15 @@ class BlobCache:
     and the loader takes a snapshot). The store mirror of a snapshot is saved only after
     ``bulk`` has returned, so a saved mirror never refers to blobs that are not durable.
 
+    An append (``put_append``: a content that is an earlier blob plus a suffix, as a close
+    after ``echo line >> f`` makes) is stored as a *link*: a row of ``appends`` ``(sha,
+    base, base_len, chain, suffix)`` naming the blob it extends, so the close of an append
+    to a 1 MiB file writes what it appends, not 1 MiB. ``read`` resolves a link through at
+    most ``APPEND_CHAIN_MAX`` rows (every ``APPEND_CHAIN_MAX``-th append is stored whole
+    again); ``gc`` keeps the base of every link it keeps. A link and its base are written in
+    one SQLite transaction each (the base first), so a crash never leaves a link without its
+    base; a link whose base is missing anyway (a file damaged by hand) reads as absent.
+
     Every failure of the file (a full disk, an I/O error) is raised as ``CacheError``
     (``ENOSPC`` / ``EIO``), never as a raw ``sqlite3`` exception. Unreferenced blobs are
     deleted by ``gc``; the write-ahead log is kept under 1 MiB and truncated by ``checkpoint``.
@@ -135,6 +148,9 @@ class BlobCache:
         self._db.execute("PRAGMA journal_size_limit=1048576")
         self._db.execute("CREATE TABLE IF NOT EXISTS blobs (sha TEXT PRIMARY KEY, data BLOB NOT NULL)")
         self._db.execute("CREATE TABLE IF NOT EXISTS fill (what TEXT NOT NULL)")  # bulk's marker
+        # appends stored as links to the blob they extend (``put_append``)
+        self._db.execute("CREATE TABLE IF NOT EXISTS appends (sha TEXT PRIMARY KEY, base TEXT NOT NULL, "
+                         "base_len INTEGER NOT NULL, chain INTEGER NOT NULL, suffix BLOB NOT NULL)")
 
     def _trusted(self) -> bool:
         """Whether the file can be used as it is: SQLite reads it and no bulk fill was cut
@@ -245,8 +261,34 @@ class BlobCache:
 
     @_locked
     def has(self, sha: str) -> bool:
-        """Whether the blob with this sha256 (64 hex digits) is held."""
-        return self._db.execute("SELECT 1 FROM blobs WHERE sha=?", (sha,)).fetchone() is not None
+        """Whether the blob with this sha256 (64 hex digits) is held (whole or as an append
+        link whose bases are held)."""
+        if self._db.execute("SELECT 1 FROM blobs WHERE sha=?", (sha,)).fetchone() is not None:
+            return True
+        return self._link_chain(sha) is not None
+
+    def _link_chain(self, sha: str) -> list[tuple[str, int, int]] | None:
+        """The links from append blob ``sha`` down to the whole blob it rests on:
+        ``[(sha, base_len, suffix_len), …]`` newest first, then ``(whole sha, size, 0)``;
+        None when ``sha`` is not a link or a base is missing. At most
+        ``APPEND_CHAIN_MAX + 1`` indexed point reads (a longer chain, never written by
+        ``put_append``, reads as absent)."""
+        out: list[tuple[str, int, int]] = []
+        cur = sha
+        for _ in range(APPEND_CHAIN_MAX + 1):
+            row = self._db.execute("SELECT base, base_len, length(suffix) FROM appends WHERE sha=?",
+                                   (cur,)).fetchone()
+            if row is None:
+                if not out:
+                    return None
+                whole = self._db.execute("SELECT length(data) FROM blobs WHERE sha=?", (cur,)).fetchone()
+                if whole is None or whole[0] != out[-1][1]:
+                    return None
+                out.append((cur, int(whole[0]), 0))
+                return out
+            out.append((cur, int(row[1]), int(row[2])))
+            cur = row[0]
+        return None
 
     def missing(self, shas: Iterable[str]) -> set[str]:
         """The sha256s of ``shas`` (an iterable of 64-hex-digit strings) not held:
@@ -266,8 +308,10 @@ class BlobCache:
         """The digests of ``digests`` (an iterable of sha256s as 32 ``bytes``) not held: the
         same as ``missing`` without a hex string per digest (a 100,000-record store asks
         for 100,000). One scan of the primary key (4,096 rows at a time), each key compared
-        as bytes; ~0.3 µs per blob. Raises ``CacheError(EIO)`` when the file cannot be
-        read."""
+        as bytes; ~0.3 µs per blob; then a digest not held whole is held when it is an
+        append link whose chain resolves (``_link_chain``: a few point reads; a broken
+        one counts as missing, so it is fetched again). Raises ``CacheError(EIO)`` when the
+        file cannot be read."""
         out = set(digests)
         if not out:
             return out
@@ -284,6 +328,11 @@ class BlobCache:
                     except (ValueError, TypeError):  # not a digest: nobody asks for it
                         pass
             cur.close()
+            if out and self._db.execute("SELECT 1 FROM appends LIMIT 1").fetchone() is not None:
+                # append links: held when their chain resolves (a broken one is fetched again)
+                for d in list(out):
+                    if self._link_chain(d.hex()) is not None:
+                        discard(d)
         except sqlite3.Error as exc:
             raise CacheError(errno.EIO, f"the sidecar's blob cache cannot be read "
                                         f"({type(exc).__name__})") from exc
@@ -293,13 +342,33 @@ class BlobCache:
     def gc_digests(self, keep: set[bytes]) -> int:
         """Delete every blob whose sha256 is not in ``keep`` (sha256s as 32 ``bytes``: the
         store mirrors' and the tree's own objects, nothing per blob is made to build it),
-        then ``checkpoint``; return how many were deleted. One scan of the primary key
+        then ``checkpoint``; return how many were deleted. The base of every kept append
+        link is kept (and its base, down to the whole blob). One scan of the primary key
         (4,096 rows at a time), then one ``DELETE`` per unreferenced blob in one
         transaction. Raises ``CacheError`` when the file cannot be written."""
         drop: list[tuple[str]] = []
         fromhex = bytes.fromhex
         try:
-            cur = self._db.execute("SELECT sha FROM blobs")
+            links = {sha: base for sha, base in self._db.execute("SELECT sha, base FROM appends")}
+            if links:
+                keep = set(keep)
+                for sha in list(links):
+                    try:
+                        if fromhex(sha) not in keep:
+                            continue
+                    except (ValueError, TypeError):
+                        continue
+                    base: str | None = links.get(sha)
+                    for _ in range(APPEND_CHAIN_MAX + 1):  # a chain is short; a cycle (never
+                        if base is None:                   # written) cannot hold the scan
+                            break
+                        try:
+                            d = fromhex(base)
+                        except (ValueError, TypeError):
+                            break
+                        keep.add(d)
+                        base = links.get(base)
+            cur = self._db.execute("SELECT sha FROM blobs UNION ALL SELECT sha FROM appends")
             while True:
                 rows = cur.fetchmany(4096)
                 if not rows:
@@ -316,6 +385,8 @@ class BlobCache:
                 self._db.execute("BEGIN")
                 try:
                     self._db.executemany("DELETE FROM blobs WHERE sha=?", drop)
+                    if links:
+                        self._db.executemany("DELETE FROM appends WHERE sha=?", drop)
                     self._db.execute("COMMIT")
                 except BaseException:
                     if self._db.in_transaction:
@@ -340,6 +411,42 @@ class BlobCache:
         if not self._in_batch:
             self._checkpoint_behind()
         return sha
+
+    @_locked
+    def put_append(self, sha: str, base: str, base_len: int, suffix: bytes) -> bool:
+        """Store the content whose sha256 is ``sha`` as blob ``base`` (``base_len`` bytes)
+        followed by ``suffix``: a link row of a few bytes beside ``suffix`` instead of the
+        whole content (class docstring). True when it is held afterwards (linked now, or
+        held already); False when the caller must ``put`` it whole: ``base`` is not held
+        with that length, or its chain has ``APPEND_CHAIN_MAX`` links already (the periodic
+        whole copy), or ``suffix`` is empty. ``sha`` is not checked (the caller hashed the
+        content: ``memfuse.hashstate``). Raises ``CacheError`` when the file cannot be
+        written (nothing stored then)."""
+        if not suffix or sha == base:
+            return False
+        try:
+            if self._db.execute("SELECT 1 FROM blobs WHERE sha=? UNION ALL SELECT 1 FROM appends WHERE sha=?",
+                                (sha, sha)).fetchone() is not None:
+                return True
+            row = self._db.execute("SELECT chain, base_len + length(suffix) FROM appends WHERE sha=?",
+                                   (base,)).fetchone()
+            if row is not None:
+                chain, size = int(row[0]) + 1, int(row[1])
+            else:
+                whole = self._db.execute("SELECT length(data) FROM blobs WHERE sha=?", (base,)).fetchone()
+                if whole is None:
+                    return False
+                chain, size = 1, int(whole[0])
+            if size != base_len or chain > APPEND_CHAIN_MAX:
+                return False
+            self._db.execute("INSERT INTO appends VALUES (?, ?, ?, ?, ?)", (sha, base, base_len, chain, suffix))
+        except sqlite3.Error as exc:
+            if self._in_batch:
+                raise
+            raise self._failed(exc, "writing the blob cache") from exc
+        if not self._in_batch:
+            self._checkpoint_behind()
+        return True
 
     def _checkpoint_behind(self) -> None:
         """Once the write-ahead log holds ``CHECKPOINT_BEHIND_BYTES``, copy it into the file
@@ -398,10 +505,41 @@ class BlobCache:
             else:
                 row = self._db.execute("SELECT substr(data, ?, ?) FROM blobs WHERE sha=?",
                                        (off + 1, size, sha)).fetchone()
+            if row is None:
+                return self._read_link(sha, off, size)
         except sqlite3.Error as exc:
             raise CacheError(errno.EIO, f"the sidecar's blob cache cannot be read "
                                         f"({type(exc).__name__})") from exc
-        return bytes(row[0]) if row is not None and row[0] is not None else b""
+        return bytes(row[0]) if row[0] is not None else b""
+
+    def _read_link(self, sha: str, off: int, size: int) -> bytes:
+        """``read`` of an append link: the parts of ``[off, off+size)`` from each link's
+        suffix and from the whole blob at the chain's end, one ``substr`` each; ``b""``
+        when ``sha`` is not held or its chain is broken."""
+        chain = self._link_chain(sha)
+        if chain is None:
+            return b""
+        total = chain[0][1] + chain[0][2]
+        end = total if size < 0 else min(total, off + size)
+        if off >= end:
+            return b""
+        parts: list[bytes] = []
+        for i, (s_, base_len, suffix_len) in enumerate(chain):
+            lo, hi = max(off, base_len), min(end, base_len + suffix_len)
+            if i == len(chain) - 1:  # the whole blob: bytes [0, base_len)
+                lo, hi = off, min(end, base_len)
+                if hi > lo:
+                    r = self._db.execute("SELECT substr(data, ?, ?) FROM blobs WHERE sha=?",
+                                         (lo + 1, hi - lo, s_)).fetchone()
+                    parts.append(bytes(r[0]) if r is not None and r[0] is not None else b"")
+            elif hi > lo:
+                r = self._db.execute("SELECT substr(suffix, ?, ?) FROM appends WHERE sha=?",
+                                     (lo - base_len + 1, hi - lo, s_)).fetchone()
+                parts.append(bytes(r[0]) if r is not None and r[0] is not None else b"")
+            if base_len <= off:
+                break
+        out = b"".join(reversed(parts))
+        return out if len(out) == end - off else b""
 
     def gc(self, keep: set[str]) -> int:
         """Delete every blob whose sha256 (64 hex digits) is not in ``keep``, then
@@ -425,9 +563,10 @@ class BlobCache:
 
     @_locked
     def count(self) -> tuple[int, int]:
-        """(blobs, bytes of content) held."""
+        """(blobs and append links, bytes stored: whole blobs' content plus links' suffixes)."""
         row = self._db.execute("SELECT COUNT(*), COALESCE(SUM(LENGTH(data)), 0) FROM blobs").fetchone()
-        return int(row[0]), int(row[1])
+        link = self._db.execute("SELECT COUNT(*), COALESCE(SUM(LENGTH(suffix)), 0) FROM appends").fetchone()
+        return int(row[0]) + int(link[0]), int(row[1]) + int(link[1])
 
     def close(self) -> None:
         """Close the database file (after a checkpoint running behind, at most 30 s)."""

@@ -135,6 +135,9 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         (``Journal.load_local``); both put back as each store is added (``add_store``)."""
         self.blobs = blobs
         self.hashes = Sha256States()
+        # the content ``_make_buf`` last read from the blob cache, (sha256, bytes): the
+        # base ``_checked_prefix`` compares an append with, without reading it again
+        self._read_base: tuple[str, bytes] | None = None
         self.journal = journal
         self.ids = ids if ids is not None else RecordIds(journal, {})
         self.listener = listener
@@ -276,15 +279,19 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             return None
         return data if data is not None and sha256_hex(data) == sha else None
 
-    def _hold_content(self, n: Node, data: bytes, sha: str, what: str) -> None:
+    def _hold_content(self, n: Node, data: bytes, sha: str, what: str,
+                      base: tuple[str, int] | None = None) -> None:
         """Make ``data`` (whose sha256 is ``sha``) the content of file ``n``: ``n.sha`` and
         ``n.size`` set, the bytes in the blob cache (reads are served from there, ``n.buf``
         None), or, when the cache disk refuses them (full or failing), kept in memory
         (``n.buf``, reads served from it) with a warning naming ``what`` was kept (never the
-        content). Accounting (``_account``) is the caller's."""
+        content). ``base``: ``(sha256, length)`` of a cached blob that ``data`` starts with
+        (an append): stored as a link to it plus the suffix when the cache can
+        (``BlobCache.put_append``), else whole. Accounting (``_account``) is the caller's."""
         n.sha, n.size = sha, len(data)
         try:
-            self.blobs.put(data, sha)
+            if base is None or not self.blobs.put_append(sha, base[0], base[1], data[base[1]:]):
+                self.blobs.put(data, sha)
             n.buf = None
         except CacheError as err:
             n.buf = bytearray(data)
@@ -299,7 +306,12 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
 
     def _make_buf(self, n: Node) -> bytearray:
         if n.buf is None:
-            n.buf = bytearray(self._content(n))
+            if n.sha and n.size >= APPEND_CHECK_MIN:
+                base = self.blobs.read(n.sha)
+                self._read_base = (n.sha, base)  # the base of an append's check at close
+                n.buf = bytearray(base)
+            else:
+                n.buf = bytearray(self._content(n))
         return n.buf
 
     def write(self, h: Handle, off: int, data: bytes) -> int:
@@ -476,7 +488,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         # and hashed from the base's kept hash state: one pass over the suffix (hashstate)
         checked = self._checked_prefix(prev_sha, data)
         sha = self.hashes.of(data, prev_sha, checked)
-        self._hold_content(n, data, sha, "the file's content")
+        self._hold_content(n, data, sha, "the file's content", base=(prev_sha, checked) if checked else None)
         if n.refused:
             # an earlier put still in flight must not mark the file clean when it lands
             n.state, n.last_put = REJECTED, None
@@ -515,13 +527,18 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         """How many leading bytes of ``data`` are a content that passed ``_precheck``
         already: the file's previous content (sha256 ``prev_sha``, from the blob cache) when
         ``data`` starts with it (an append: ``echo >> f``), else 0. Costs one read of that
-        content from the blob cache and a comparison, instead of a secret scan of all of it."""
+        content (from the blob cache, or kept from ``_make_buf``'s read of it) and a
+        comparison, instead of a secret scan of all of it."""
+        kept, self._read_base = self._read_base, None
         if not prev_sha or len(data) < APPEND_CHECK_MIN:
             return 0
-        try:
-            base = self.blobs.read(prev_sha)
-        except CacheError:
-            return 0
+        if kept is not None and kept[0] == prev_sha:
+            base = kept[1]
+        else:
+            try:
+                base = self.blobs.read(prev_sha)
+            except CacheError:
+                return 0
         if not base or not data.startswith(base):  # content-addressed: base is prev_sha's
             return 0
         return len(base)
