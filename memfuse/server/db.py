@@ -67,7 +67,7 @@ log = logging.getLogger(__name__)
 #: the newest Alembic revision (``memfuse/server/migrations/versions/``): a database at it
 #: opens without Alembic (``Database._at_schema_head``). A new revision updates it;
 #: tests/test_migrations.py fails while it is not ``schema.head()``.
-SCHEMA_HEAD = "0014_store_names"
+SCHEMA_HEAD = "0016_fts_record_keys"
 
 
 def utcnow() -> datetime:

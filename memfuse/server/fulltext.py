@@ -5,22 +5,29 @@ One index per database, kept by the database itself in the transaction of every 
 it without a line of Python):
 
 - **SQLite**: an FTS5 table ``records_fts(path, headings, body)`` whose rowid is the
-  record's ``seq`` (its latest version's change-feed position: unique per record, changed by
-  every write), filled by three triggers on ``records`` (``records_fts_ai`` / ``_au`` /
-  ``_ad``) for the rows that are live and have their seq (``deleted = 0 AND seq > 0``; a new
-  record is inserted with seq 0 and given its seq by the next statement; the first
-  ``PG_MAX_CHARS`` characters of the content, as on PostgreSQL, so a write to a large
-  record reindexes a bounded text; ``OR REPLACE``:
-  a write is never refused for the index, even on a database whose seqs were made by
-  hand). ``headings`` is
+  record's *full-text key* negated: ``-k`` of its row ``(k, record_id)`` in
+  ``records_fts_keys`` (``k`` an ``INTEGER PRIMARY KEY`` given at the record's first
+  indexing, kept while the record's row exists; revision ``0016_fts_record_keys``; before it
+  the rowid was the record's ``seq``, new at every write, so every write re-indexed the
+  record). Negated so that no key equals a ``seq``: a previous release's ranked search, which
+  joins on ``seq``, finds nothing during a rolling update instead of wrong records. Filled
+  by three triggers on ``records`` (``records_fts_ai`` / ``_au`` / ``_ad``) for the rows
+  that are live and have their seq (``deleted = 0 AND seq > 0``; a new record is inserted
+  with seq 0 and given its seq by the next statement), from the first ``PG_MAX_CHARS``
+  characters of the content, as on PostgreSQL. ``records_fts_au`` does nothing when the
+  indexed text is unchanged (live before and after, same path, same first ``PG_MAX_CHARS``
+  characters): an append to a record longer than that, or a change of its attributes, costs
+  the index nothing (an append to a 1 MiB record: ~48 ms of tokenizing and index writes
+  less). ``OR REPLACE``: a write is never refused for the index. ``headings`` is
   the output of the SQL function ``memfuse_headings(content)`` that ``Database`` registers on
   every connection (``register_sqlite_functions``): a connection without it (the ``sqlite3``
   shell, a memfuse older than revision ``0007_fulltext``) cannot write records. The FTS
   table keeps its own copy of the indexed text (so a delete needs only the rowid, and a
   change of the headings rule never corrupts it). Tokenizer ``unicode61`` (letters and
-  digits, Unicode lowercase, diacritics kept); ``ix_records_seq`` (``seq, store, deleted,
-  path, id, type``) covers the join from a hit to its record and the page's filters. Ranked by ``bm25`` with
-  weights path 10, headings 4, body 1.
+  digits, Unicode lowercase, diacritics kept); a hit joins ``records_fts_keys`` by its key,
+  then ``records`` by id through ``ix_records_fts_hit`` (``id, store, deleted, path,
+  type``), which covers the join and the page's filters without reading a record's row
+  (its content). Ranked by ``bm25`` with weights path 10, headings 4, body 1.
 - **PostgreSQL**: a stored generated column ``records.search_vector`` (``tsvector``,
   configuration ``simple``: lowercase, no stemming, like the SQLite side) of the path
   (weight A), the headings (B) and the content (D), computed by the database from SQL
@@ -33,7 +40,8 @@ it without a line of Python):
 
 Neither is a SQLAlchemy model: ``install`` hooks their DDL to ``Base.metadata``'s
 ``after_create`` (in-memory databases, tests), and revision ``0007_fulltext`` creates and
-fills them on an existing database. Both are listed in ``INDEX_OBJECTS`` for the schema
+fills them on an existing database (in the form keyed by ``seq``: ``create_statements``),
+``0016_fts_record_keys`` re-keys them (``rekey_statements``). Both are listed in ``INDEX_OBJECTS`` for the schema
 comparison of ``tests/test_migrations.py``.
 
 A query is ranked by its words (``terms``: runs of letters and digits, Unicode lowercase,
@@ -60,8 +68,8 @@ PG_MAX_CHARS = 200_000  # characters of a record's content given to to_tsvector
 PG_SEPARATORS = "/.-_@:\\"
 INDEX_OBJECTS = {  # what this module adds beside the models (tables, indexes, columns, triggers)
     "tables": {"records_fts", "records_fts_data", "records_fts_idx", "records_fts_docsize",
-               "records_fts_config", "records_fts_content"},
-    "indexes": {"ix_records_seq", "ix_records_search"},
+               "records_fts_config", "records_fts_content", "records_fts_keys"},
+    "indexes": {"ix_records_seq", "ix_records_fts_hit", "ix_records_search"},
     "columns": {"search_vector"},
 }
 
@@ -90,7 +98,10 @@ def register_sqlite_functions(dbapi_conn: sqlite3.Connection) -> None:
 
 # ------------------------------------------------------------------ DDL
 
-SQLITE_DDL = [
+# The form revisions 0007_fulltext and 0011_append_versions made (rowid = the record's seq):
+# what they create on an existing database, so that a database upgraded step by step ends
+# with what ``install`` makes (re-keyed by 0016_fts_record_keys: ``rekey_statements``).
+_SEQ_KEYED_DDL = [
     "CREATE VIRTUAL TABLE IF NOT EXISTS records_fts USING fts5("
     "path, headings, body, tokenize = 'unicode61 remove_diacritics 0')",
     # covering: a hit's join to its record reads the index only, never the row (with content)
@@ -110,15 +121,53 @@ SQLITE_DDL = [
     f"coalesce(substr(new.content, 1, {PG_MAX_CHARS}), '') "
     "WHERE new.deleted = 0 AND new.seq > 0; END",
 ]
-SQLITE_BACKFILL = ("INSERT OR REPLACE INTO records_fts (rowid, path, headings, body) "
-                   f"SELECT seq, path, memfuse_headings(substr(content, 1, {PG_MAX_CHARS})), "
-                   f"coalesce(substr(content, 1, {PG_MAX_CHARS}), '') FROM records "
-                   "WHERE deleted = 0 AND seq > 0")
+_SEQ_KEYED_BACKFILL = ("INSERT OR REPLACE INTO records_fts (rowid, path, headings, body) "
+                       f"SELECT seq, path, memfuse_headings(substr(content, 1, {PG_MAX_CHARS})), "
+                       f"coalesce(substr(content, 1, {PG_MAX_CHARS}), '') FROM records "
+                       "WHERE deleted = 0 AND seq > 0")
 #: the two triggers that index a written record (revision ``0011_append_versions`` made them
 #: index the first ``PG_MAX_CHARS`` characters, as on PostgreSQL; ``refresh_statements``)
 SQLITE_WRITE_TRIGGERS = ("records_fts_ai", "records_fts_au")
+_TRIGGERS = ("records_fts_au", "records_fts_ad", "records_fts_ai")
+
+_KEY_OF_NEW = "-(SELECT k FROM records_fts_keys WHERE record_id = new.id)"
+_KEY_OF_OLD = "-(SELECT k FROM records_fts_keys WHERE record_id = old.id)"
+_NEW_ROW = (f"new.path, memfuse_headings(substr(new.content, 1, {PG_MAX_CHARS})), "
+            f"coalesce(substr(new.content, 1, {PG_MAX_CHARS}), '')")
+#: the index as ``install`` makes it and revision ``0016_fts_record_keys`` leaves it (module
+#: docstring): the FTS rowid is ``-k`` of the record's row in ``records_fts_keys``
+SQLITE_DDL = [
+    _SEQ_KEYED_DDL[0],
+    "CREATE TABLE IF NOT EXISTS records_fts_keys (k INTEGER PRIMARY KEY, record_id VARCHAR(36) NOT NULL UNIQUE)",
+    # covering: a hit's join to its record reads the index only, never the row (with content)
+    "CREATE INDEX IF NOT EXISTS ix_records_fts_hit ON records (id, store, deleted, path, type)",
+    "CREATE TRIGGER IF NOT EXISTS records_fts_ai AFTER INSERT ON records "
+    "WHEN new.deleted = 0 AND new.seq > 0 BEGIN "
+    "INSERT OR IGNORE INTO records_fts_keys (record_id) VALUES (new.id); "
+    f"INSERT OR REPLACE INTO records_fts (rowid, path, headings, body) VALUES ({_KEY_OF_NEW}, {_NEW_ROW}); END",
+    "CREATE TRIGGER IF NOT EXISTS records_fts_ad AFTER DELETE ON records BEGIN "
+    f"DELETE FROM records_fts WHERE old.deleted = 0 AND old.seq > 0 AND rowid = {_KEY_OF_OLD}; "
+    "DELETE FROM records_fts_keys WHERE record_id = old.id; END",
+    # nothing to do when the indexed text stays (an append past PG_MAX_CHARS, an attribute)
+    "CREATE TRIGGER IF NOT EXISTS records_fts_au AFTER UPDATE ON records "
+    "WHEN NOT (old.deleted = 0 AND old.seq > 0 AND new.deleted = 0 AND new.seq > 0 "
+    "AND old.path IS new.path "
+    f"AND substr(old.content, 1, {PG_MAX_CHARS}) IS substr(new.content, 1, {PG_MAX_CHARS})) BEGIN "
+    f"DELETE FROM records_fts WHERE old.deleted = 0 AND old.seq > 0 AND rowid = {_KEY_OF_OLD}; "
+    "INSERT OR IGNORE INTO records_fts_keys (record_id) SELECT new.id WHERE new.deleted = 0 AND new.seq > 0; "
+    f"INSERT OR REPLACE INTO records_fts (rowid, path, headings, body) SELECT {_KEY_OF_NEW}, {_NEW_ROW} "
+    "WHERE new.deleted = 0 AND new.seq > 0; END",
+]
+_KEYED_BACKFILL = [
+    "INSERT OR IGNORE INTO records_fts_keys (record_id) SELECT id FROM records WHERE deleted = 0 AND seq > 0",
+    "INSERT OR REPLACE INTO records_fts (rowid, path, headings, body) "
+    f"SELECT -k.k, r.path, memfuse_headings(substr(r.content, 1, {PG_MAX_CHARS})), "
+    f"coalesce(substr(r.content, 1, {PG_MAX_CHARS}), '') FROM records r "
+    "JOIN records_fts_keys k ON k.record_id = r.id WHERE r.deleted = 0 AND r.seq > 0",
+]
 SQLITE_DROP = ["DROP TRIGGER IF EXISTS records_fts_au", "DROP TRIGGER IF EXISTS records_fts_ad",
                "DROP TRIGGER IF EXISTS records_fts_ai", "DROP INDEX IF EXISTS ix_records_seq",
+               "DROP INDEX IF EXISTS ix_records_fts_hit", "DROP TABLE IF EXISTS records_fts_keys",
                "DROP TABLE IF EXISTS records_fts"]
 
 
@@ -156,9 +205,10 @@ def install(metadata: MetaData) -> None:
 
 def create_statements(dialect: str) -> list[str]:
     """The SQL that creates the index on an existing database of ``dialect`` and fills it
-    from the live records (revision ``0007_fulltext``; PostgreSQL computes the generated
-    column as it adds it); ``[]`` for another dialect."""
-    return {"sqlite": [*SQLITE_DDL, SQLITE_BACKFILL], "postgresql": list(PG_DDL)}.get(dialect, [])
+    from the live records (revision ``0007_fulltext``, in its form keyed by ``seq``, which
+    ``0016_fts_record_keys`` re-keys; PostgreSQL computes the generated column as it adds
+    it); ``[]`` for another dialect."""
+    return {"sqlite": [*_SEQ_KEYED_DDL, _SEQ_KEYED_BACKFILL], "postgresql": list(PG_DDL)}.get(dialect, [])
 
 
 def refresh_statements(dialect: str) -> list[str]:
@@ -168,8 +218,30 @@ def refresh_statements(dialect: str) -> list[str]:
     PostgreSQL, whose generated column always had that bound."""
     if dialect != "sqlite":
         return []
-    create = [d for d in SQLITE_DDL if any(f"TRIGGER IF NOT EXISTS {t} " in d for t in SQLITE_WRITE_TRIGGERS)]
+    create = [d for d in _SEQ_KEYED_DDL if any(f"TRIGGER IF NOT EXISTS {t} " in d for t in SQLITE_WRITE_TRIGGERS)]
     return [*(f"DROP TRIGGER IF EXISTS {t}" for t in SQLITE_WRITE_TRIGGERS), *create]
+
+
+def rekey_statements(dialect: str) -> list[str]:
+    """The SQL that re-keys SQLite's index by record (revision ``0016_fts_record_keys``,
+    module docstring): the seq-keyed triggers and ``ix_records_seq`` replaced, every live
+    record given its key and indexed again (one pass over the live records, as
+    ``0007_fulltext``'s fill); ``[]`` on PostgreSQL (its generated column is the record's
+    own)."""
+    if dialect != "sqlite":
+        return []
+    return [*(f"DROP TRIGGER IF EXISTS {t}" for t in _TRIGGERS), "DROP INDEX IF EXISTS ix_records_seq",
+            "DELETE FROM records_fts", *SQLITE_DDL[1:3], *_KEYED_BACKFILL, *SQLITE_DDL[3:]]
+
+
+def unkey_statements(dialect: str) -> list[str]:
+    """The SQL that puts SQLite's index back in its form keyed by ``seq`` (downgrade of
+    ``0016_fts_record_keys``); ``[]`` on PostgreSQL."""
+    if dialect != "sqlite":
+        return []
+    return [*(f"DROP TRIGGER IF EXISTS {t}" for t in _TRIGGERS), "DROP INDEX IF EXISTS ix_records_fts_hit",
+            "DROP TABLE IF EXISTS records_fts_keys", "DELETE FROM records_fts", *_SEQ_KEYED_DDL[1:],
+            _SEQ_KEYED_BACKFILL]
 
 
 def drop_statements(dialect: str) -> list[str]:

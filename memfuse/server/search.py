@@ -217,8 +217,10 @@ class SearchService(Resource):
                     params["rtype"] = type
                 bm25 = "bm25(records_fts, {}, {}, {})".format(*fulltext.SQLITE_WEIGHTS)
                 ranked = conn.execute(text(
-                    f"SELECT records.id, -{bm25} AS score FROM records_fts CROSS JOIN records "
-                    "ON records.seq = records_fts.rowid WHERE records_fts MATCH :fts_q "
+                    f"SELECT records.id, -{bm25} AS score FROM records_fts "
+                    "CROSS JOIN records_fts_keys ON records_fts_keys.k = -records_fts.rowid "
+                    "CROSS JOIN records INDEXED BY ix_records_fts_hit ON records.id = records_fts_keys.record_id "
+                    "WHERE records_fts MATCH :fts_q "
                     f"AND records.store = :store AND records.deleted = 0{extra} "
                     f"ORDER BY {bm25}, records.path, records.id LIMIT :lim OFFSET :off"), params).all()
             else:

@@ -1,0 +1,162 @@
+"""SQLite's full-text index keyed by record (revision ``0016_fts_record_keys``,
+``memfuse.server.fulltext``): a write that leaves the indexed text alone (an append past the
+first ``PG_MAX_CHARS`` characters, an attribute change) does not touch the index, and ranked
+search stays exact: the same hits, scores, snippets and lines as a database that indexed the
+final contents at once. The revision re-keys a database of the revision before with its
+records, and its downgrade puts the seq-keyed form back."""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+from sqlalchemy import text
+
+from memfuse.models import RecordAppend, RecordCreate, RecordAttributes, RecordMove, Restore, StoreCreate
+from memfuse.server import fulltext, schema
+from memfuse.server.db import Database
+from memfuse.server.service import Principal, Service
+
+ADMIN = Principal(workspace=None, name="test")
+HEAD = fulltext.PG_MAX_CHARS
+
+
+def _service(path: Path) -> Service:
+    svc = Service(Database(f"sqlite:///{path}"))
+    svc.create_store(ADMIN, StoreCreate(slug="s", max_record_bytes=4 << 20))
+    return svc
+
+
+def _big() -> str:
+    # words in the indexed head, then past it: only the head is ranked (as on PostgreSQL)
+    line = "# Ledger heading\n" + "journal entry with quartz and words\n" * 20
+    body = (line * (HEAD // len(line) + 1))[:HEAD - 1] + "\n"
+    return body + "tail words zircon only past the head\n" * 3000
+
+
+def _index_state(svc: Service) -> tuple[int, int, list]:
+    with svc.db.read_conn() as conn:
+        changes = conn.execute(text("SELECT count(*), sum(length(block)) FROM records_fts_data")).one()
+        keys = conn.execute(text("SELECT k, record_id FROM records_fts_keys ORDER BY k")).all()
+    return int(changes[0]), int(changes[1]), [tuple(k) for k in keys]
+
+
+def _ranked(svc: Service, q: str, **kw) -> list[tuple]:
+    page = svc.search(ADMIN, "s", q, order="relevance", **kw)
+    return [(h.record.path, round(h.score or 0, 9), h.snippet, [(ln.line, ln.text) for ln in h.lines],
+             h.line_matches, h.path_match) for h in page.hits]
+
+
+def _create(svc: Service, path: str, content: str) -> dict:
+    r = svc.create_record(ADMIN, "s", RecordCreate(path=path, content=content))
+    assert r.status == 201, r.body
+    return json.loads(r.body)
+
+
+def _append(svc: Service, rid: str, sha: str, suffix: str) -> str:
+    r = svc.append_record(ADMIN, "s", rid, RecordAppend(append=suffix), if_match=f'"{sha}"')
+    assert r.status == 200, r.body
+    return json.loads(r.body)["sha256"]
+
+
+def test_a_write_that_keeps_the_indexed_text_leaves_the_index_alone_and_ranking_exact(tmp_path):
+    svc = _service(tmp_path / "a.db")
+    big = _create(svc, "journal/ledger.md", _big())
+    small = _create(svc, "notes/quartz.md", "quartz notes\n")
+    _create(svc, "notes/other.md", "# Quartz\nother words\n")
+    before = _index_state(svc)
+    sha = big["sha256"]
+    for i in range(5):  # appends past the indexed head: the index is not written
+        sha = _append(svc, big["id"], sha, f"appended line {i} with quartz\n")
+    assert _index_state(svc) == before
+    r = svc.set_attributes(ADMIN, "s", big["id"], RecordAttributes(mode=0o600), if_match=f'"{sha}"')
+    assert r.status == 200, r.body
+    assert _index_state(svc) == before
+    # an append inside the head (a small record) is indexed: its new word is found
+    s2 = _append(svc, small["id"], small["sha256"], "yankee appended\n")
+    assert [h[0] for h in _ranked(svc, "yankee")] == ["notes/quartz.md"]
+    assert _index_state(svc)[2] == before[2]  # same keys: re-indexed in place
+    # the same final contents indexed at once in a fresh database rank exactly the same
+    fresh = _service(tmp_path / "b.db")
+    for path, rid in (("journal/ledger.md", big["id"]), ("notes/quartz.md", small["id"])):
+        content = svc.get_record(ADMIN, "s", rid).content
+        assert content is not None
+        _create(fresh, path, content)
+    _create(fresh, "notes/other.md", "# Quartz\nother words\n")
+    for q, kw in (("quartz", {}), ("ledger", {}), ("quartz journal", {"match": "content"}),
+                  ("quartz", {"match": "path"}), ("yankee", {}), ("zircon", {})):
+        assert _ranked(svc, q, **kw) == _ranked(fresh, q, **kw), q
+    assert [h[0] for h in _ranked(svc, "ledger")] == ["journal/ledger.md"]
+    assert _ranked(svc, "zircon") == []  # past the head: not ranked (substring search finds it)
+    assert [h.record.path for h in svc.search(ADMIN, "s", "zircon").hits] == ["journal/ledger.md"]
+    # move, delete, restore, purge keep the key table and the index in step
+    assert svc.move_record(ADMIN, "s", small["id"], RecordMove(path="archive/moved.md"),
+                           if_match=f'"{s2}"').status == 200
+    assert [h[0] for h in _ranked(svc, "yankee")] == ["archive/moved.md"]
+    assert svc.delete_record(ADMIN, "s", small["id"]).status == 204
+    assert _ranked(svc, "yankee") == []
+    assert svc.restore_record(ADMIN, "s", small["id"], Restore(version=2)).status == 200
+    assert [h[0] for h in _ranked(svc, "yankee")] == ["notes/quartz.md"]
+    with svc.db.write_conn() as conn:  # a purge (the row goes): its key goes with it
+        conn.execute(text("DELETE FROM versions WHERE record_id = :r"), {"r": small["id"]})
+        conn.execute(text("DELETE FROM records WHERE id = :r"), {"r": small["id"]})
+    assert _ranked(svc, "yankee") == []
+    assert small["id"] not in {rid for _, rid in _index_state(svc)[2]}
+    with svc.db.read_conn() as conn:  # every FTS row belongs to a live record's key
+        orphans = conn.execute(text(
+            "SELECT count(*) FROM records_fts f LEFT JOIN records_fts_keys k ON k.k = -f.rowid "
+            "LEFT JOIN records r ON r.id = k.record_id WHERE r.id IS NULL OR r.deleted = 1")).scalar()
+        plan = " ".join(str(r[-1]) for r in conn.execute(text(
+            "EXPLAIN QUERY PLAN SELECT records.id FROM records_fts CROSS JOIN records_fts_keys "
+            "ON records_fts_keys.k = -records_fts.rowid CROSS JOIN records INDEXED BY ix_records_fts_hit "
+            "ON records.id = records_fts_keys.record_id WHERE records_fts MATCH 'quartz' "
+            "AND records.store = 's' AND records.deleted = 0")))
+    assert orphans == 0
+    assert "COVERING INDEX ix_records_fts_hit" in plan  # a hit never reads a record's row
+    svc.db.dispose()
+    fresh.db.dispose()
+
+
+def test_revision_rekeys_an_older_database_and_downgrades(tmp_path: Path):
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    db = Database(url, schema="none")
+    schema.upgrade(db, "0014_store_names")
+    with db.write_conn() as conn:  # rows as the release before wrote them
+        conn.execute(text(
+            "INSERT INTO stores (slug, public_slug, description, default_type, max_record_bytes, "
+            "max_store_bytes, max_records, created_at) VALUES ('s', 's', '', 'project', 1048576, "
+            "104857600, 10000, :t)"), {"t": datetime(2026, 1, 1)})
+        for i, (path, body, deleted) in enumerate([("notes/india.md", "# Juliet\nkilo\n", False),
+                                                     ("b.md", "juliet juliet\n", False),
+                                                     ("gone.md", "juliet kilo\n", True)], 1):
+            conn.execute(text(
+                "INSERT INTO records (id, store, path, type, version, sha256, size, content, deleted, "
+                "created_at, updated_at, updated_by, seq) VALUES (:id, 's', :p, 'project', 1, :h, :n, :c, "
+                ":d, :t, :t, 'x', :seq)"), {"id": f"r{i}", "p": path, "h": "0" * 64, "n": len(body), "c": body,
+                                           "d": deleted, "t": datetime(2026, 1, 1), "seq": 1000 + i})
+    with db.read_conn() as conn:  # the seq-keyed form's own hits
+        old = conn.execute(text("SELECT r.path, bm25(records_fts, 10.0, 4.0, 1.0) FROM records_fts CROSS JOIN records r "
+                                "ON r.seq = records_fts.rowid WHERE records_fts MATCH 'juliet' "
+                                "ORDER BY 2, 1")).all()
+    assert [p for p, _ in old] == ["notes/india.md", "b.md"]
+    svc = Service(db)
+    before, after = schema.upgrade(db)
+    assert before.current == "0014_store_names" and after.current == schema.head()
+    assert [(h[0], h[1]) for h in _ranked(svc, "juliet")] == [(p, round(-score, 9)) for p, score in old]
+    with db.read_conn() as conn:
+        assert {r for _, r in conn.execute(text("SELECT k, record_id FROM records_fts_keys"))} == {"r1", "r2"}
+        # a previous release's ranked search (joined on seq) finds nothing, never a wrong record
+        assert conn.execute(text("SELECT count(*) FROM records_fts CROSS JOIN records "
+                                 "ON records.seq = records_fts.rowid WHERE records_fts MATCH 'juliet'")).scalar() == 0
+    svc.create_record(ADMIN, "s", RecordCreate(path="lima.md", content="juliet too\n"))
+    from alembic import command
+
+    with db.write_conn() as conn:
+        command.downgrade(schema.alembic_config(connection=conn), "0014_store_names")
+    with db.read_conn() as conn:
+        rows = conn.execute(text("SELECT r.path FROM records_fts CROSS JOIN records r ON r.seq = records_fts.rowid "
+                                 "WHERE records_fts MATCH 'juliet' ORDER BY r.path")).scalars().all()
+    assert rows == ["b.md", "lima.md", "notes/india.md"]  # the seq-keyed form, every live record
+    schema.upgrade(db)
+    assert {h[0] for h in _ranked(svc, "juliet")} == {"b.md", "lima.md", "notes/india.md"}
+    db.dispose()
