@@ -160,3 +160,67 @@ def test_revision_rekeys_an_older_database_and_downgrades(tmp_path: Path):
     schema.upgrade(db)
     assert {h[0] for h in _ranked(svc, "juliet")} == {"b.md", "lima.md", "notes/india.md"}
     db.dispose()
+
+
+def test_postgresql_vector_kept_by_trigger_equals_the_computed_one():
+    """PostgreSQL (a cluster of its own; skipped without the binaries): after the migrations
+    (``0007_fulltext``'s generated column made a plain one kept by the trigger
+    ``records_search_vector``), every record's stored vector equals the vector computed from
+    its row now, through appends past and inside the indexed head, a move, an attribute
+    change, a delete and a restore; ranked search finds what it did; downgrade to the
+    revision before gives the generated column back, upgrade the trigger."""
+    import pytest
+
+    from pgutil import pg_bindir, pg_cluster
+
+    if pg_bindir() is None:
+        pytest.skip("PostgreSQL not installed (./scripts/setup --test installs it)")
+    with pg_cluster(max_connections=20) as url:
+        svc = Service(Database(url))
+        svc.create_store(ADMIN, StoreCreate(slug="s", max_record_bytes=4 << 20))
+        big = _create(svc, "journal/ledger.md", _big())
+        small = _create(svc, "notes/quartz.md", "quartz notes\n")
+
+        def check() -> None:
+            with svc.db.read_conn() as conn:
+                bad = conn.execute(text(
+                    f"SELECT path FROM records WHERE search_vector IS DISTINCT FROM ({fulltext.PG_VECTOR_SQL})"
+                )).scalars().all()
+            assert bad == []
+
+        def stored(rid: str) -> str:
+            with svc.db.read_conn() as conn:
+                return str(conn.execute(text("SELECT search_vector::text FROM records WHERE id = :r"),
+                                        {"r": rid}).scalar())
+
+        check()
+        before = stored(big["id"])
+        sha = big["sha256"]
+        for i in range(3):
+            sha = _append(svc, big["id"], sha, f"appended zulu {i}\n")
+        assert stored(big["id"]) == before
+        check()
+        s2 = _append(svc, small["id"], small["sha256"], "yankee appended\n")
+        check()
+        assert [h[0] for h in _ranked(svc, "yankee")] == ["notes/quartz.md"]
+        assert svc.move_record(ADMIN, "s", small["id"], RecordMove(path="archive/moved.md"),
+                               if_match=f'"{s2}"').status == 200
+        assert svc.set_attributes(ADMIN, "s", big["id"], RecordAttributes(mode=0o600),
+                                  if_match=f'"{sha}"').status == 200
+        assert svc.delete_record(ADMIN, "s", small["id"]).status == 204
+        assert svc.restore_record(ADMIN, "s", small["id"], Restore(version=2)).status == 200
+        check()
+        assert [h[0] for h in _ranked(svc, "yankee")] == ["notes/quartz.md"]
+        assert [h[0] for h in _ranked(svc, "ledger")] == ["journal/ledger.md"]
+        from alembic import command
+
+        with svc.db.write_conn() as conn:
+            command.downgrade(schema.alembic_config(connection=conn), "0014_store_names")
+        with svc.db.read_conn() as conn:
+            gen = conn.execute(text("SELECT column_name FROM information_schema.columns WHERE "
+                                    "table_schema = current_schema() AND is_generated = 'ALWAYS'")).scalars().all()
+        assert gen == ["search_vector"]
+        schema.upgrade(svc.db)
+        check()
+        assert [h[0] for h in _ranked(svc, "yankee")] == ["notes/quartz.md"]
+        svc.db.dispose()

@@ -28,11 +28,14 @@ it without a line of Python):
   then ``records`` by id through ``ix_records_fts_hit`` (``id, store, deleted, path,
   type``), which covers the join and the page's filters without reading a record's row
   (its content). Ranked by ``bm25`` with weights path 10, headings 4, body 1.
-- **PostgreSQL**: a stored generated column ``records.search_vector`` (``tsvector``,
-  configuration ``simple``: lowercase, no stemming, like the SQLite side) of the path
-  (weight A), the headings (B) and the content (D), computed by the database from SQL
-  alone (``PG_VECTOR_SQL``), with a partial GIN index on the live records
-  (``ix_records_search``). Ranked by ``ts_rank_cd`` (weights D 0.1, B 0.4, A 1.0: the same
+- **PostgreSQL**: a column ``records.search_vector`` (``tsvector``, configuration
+  ``simple``: lowercase, no stemming, like the SQLite side) of the path (weight A), the
+  headings (B) and the content (D), computed by the database from SQL alone
+  (``PG_VECTOR_SQL``) in the ``BEFORE INSERT OR UPDATE`` trigger ``records_search_vector``
+  (function ``memfuse_records_search_vector``), which keeps the old vector when the path
+  and the first ``PG_MAX_CHARS`` characters are unchanged (revision
+  ``0016_fts_record_keys``; before it a stored generated column, computed again at every
+  write of the row), with a partial GIN index on the live records (``ix_records_search``). Ranked by ``ts_rank_cd`` (weights D 0.1, B 0.4, A 1.0: the same
   ratios as the SQLite side). The text given to ``to_tsvector`` has ``/ . - _ @ : \\``
   replaced by spaces (so ``notes/deploy.md`` is the words ``notes deploy md`` as on SQLite,
   not one "file" token) and is cut at ``PG_MAX_CHARS`` characters (a ``tsvector`` holds at
@@ -175,22 +178,55 @@ def _pg_words(expr: str) -> str:
     return f"translate({expr}, '{PG_SEPARATORS}', '{' ' * len(PG_SEPARATORS)}')"
 
 
+def _pg_vector_sql(row: str = "") -> str:
+    """The ``tsvector`` of a record's path (A), headings (B) and content (D), the columns
+    named with ``row`` (``""``, or ``"NEW."`` in a trigger function)."""
+    content = f"left(coalesce({row}content, ''), {PG_MAX_CHARS})"
+    # the heading lines' text: every other line emptied, then the leading #s taken off
+    headings = (f"regexp_replace(regexp_replace({content}, '^(?! {{0,3}}#{{1,6}}([ \\t]|$)).*$', '', 'gn'), "
+                "'^ {0,3}#{1,6}', '', 'gn')")
+    return (f"setweight(to_tsvector('simple'::regconfig, {_pg_words(row + 'path')}), 'A') || "
+            f"setweight(to_tsvector('simple'::regconfig, {_pg_words(headings)}), 'B') || "
+            f"setweight(to_tsvector('simple'::regconfig, {_pg_words(content)}), 'D')")
+
+
 _PG_CONTENT = f"left(coalesce(content, ''), {PG_MAX_CHARS})"
-# the heading lines' text: every other line emptied, then the leading #s taken off
 PG_HEADINGS_SQL = (f"regexp_replace(regexp_replace({_PG_CONTENT}, '^(?! {{0,3}}#{{1,6}}([ \\t]|$)).*$', '', 'gn'), "
                    "'^ {0,3}#{1,6}', '', 'gn')")
-PG_VECTOR_SQL = (
-    f"setweight(to_tsvector('simple'::regconfig, {_pg_words('path')}), 'A') || "
-    f"setweight(to_tsvector('simple'::regconfig, {_pg_words(PG_HEADINGS_SQL)}), 'B') || "
-    f"setweight(to_tsvector('simple'::regconfig, {_pg_words(_PG_CONTENT)}), 'D')"
-)
-PG_DDL = [
+PG_VECTOR_SQL = _pg_vector_sql()
+_PG_INDEX = ("CREATE INDEX IF NOT EXISTS ix_records_search ON records USING gin (search_vector) "
+             "WHERE deleted = false")
+# The form revision 0007_fulltext made: a stored generated column, computed again at every
+# write of the row (an append to a 1 MiB record: ~100 ms), re-made by 0016_fts_record_keys
+_PG_GENERATED_DDL = [
     f"ALTER TABLE records ADD COLUMN IF NOT EXISTS search_vector tsvector "
     f"GENERATED ALWAYS AS ({PG_VECTOR_SQL}) STORED",
-    "CREATE INDEX IF NOT EXISTS ix_records_search ON records USING gin (search_vector) "
-    "WHERE deleted = false",
+    _PG_INDEX,
 ]
-PG_DROP = ["DROP INDEX IF EXISTS ix_records_search", "ALTER TABLE records DROP COLUMN IF EXISTS search_vector"]
+_PG_FUNCTION = (
+    "CREATE OR REPLACE FUNCTION memfuse_records_search_vector() RETURNS trigger LANGUAGE plpgsql AS $fn$ "
+    "BEGIN "
+    "IF TG_OP = 'UPDATE' AND NEW.path IS NOT DISTINCT FROM OLD.path "
+    f"AND left(NEW.content, {PG_MAX_CHARS}) IS NOT DISTINCT FROM left(OLD.content, {PG_MAX_CHARS}) THEN "
+    "NEW.search_vector := OLD.search_vector; "
+    f"ELSE NEW.search_vector := {_pg_vector_sql('NEW.')}; "
+    "END IF; RETURN NEW; END $fn$"
+)
+_PG_TRIGGER = ("CREATE TRIGGER records_search_vector BEFORE INSERT OR UPDATE ON records "
+               "FOR EACH ROW EXECUTE FUNCTION memfuse_records_search_vector()")
+#: the index as ``install`` makes it and revision ``0016_fts_record_keys`` leaves it: a plain
+#: column kept by a trigger that copies the old vector when the path and the indexed head
+#: are unchanged (module docstring)
+PG_DDL = [
+    "ALTER TABLE records ADD COLUMN IF NOT EXISTS search_vector tsvector",
+    _PG_FUNCTION,
+    "DROP TRIGGER IF EXISTS records_search_vector ON records",
+    _PG_TRIGGER,
+    _PG_INDEX,
+]
+PG_DROP = ["DROP INDEX IF EXISTS ix_records_search", "DROP TRIGGER IF EXISTS records_search_vector ON records",
+           "DROP FUNCTION IF EXISTS memfuse_records_search_vector()",
+           "ALTER TABLE records DROP COLUMN IF EXISTS search_vector"]
 
 
 def install(metadata: MetaData) -> None:
@@ -208,7 +244,7 @@ def create_statements(dialect: str) -> list[str]:
     from the live records (revision ``0007_fulltext``, in its form keyed by ``seq``, which
     ``0016_fts_record_keys`` re-keys; PostgreSQL computes the generated column as it adds
     it); ``[]`` for another dialect."""
-    return {"sqlite": [*_SEQ_KEYED_DDL, _SEQ_KEYED_BACKFILL], "postgresql": list(PG_DDL)}.get(dialect, [])
+    return {"sqlite": [*_SEQ_KEYED_DDL, _SEQ_KEYED_BACKFILL], "postgresql": list(_PG_GENERATED_DDL)}.get(dialect, [])
 
 
 def refresh_statements(dialect: str) -> list[str]:
@@ -226,8 +262,11 @@ def rekey_statements(dialect: str) -> list[str]:
     """The SQL that re-keys SQLite's index by record (revision ``0016_fts_record_keys``,
     module docstring): the seq-keyed triggers and ``ix_records_seq`` replaced, every live
     record given its key and indexed again (one pass over the live records, as
-    ``0007_fulltext``'s fill); ``[]`` on PostgreSQL (its generated column is the record's
-    own)."""
+    ``0007_fulltext``'s fill). PostgreSQL: the generated column becomes a plain one (its
+    values kept: no rewrite of the table), kept from now on by the trigger
+    ``records_search_vector``; ``[]`` for another dialect."""
+    if dialect == "postgresql":
+        return ["ALTER TABLE records ALTER COLUMN search_vector DROP EXPRESSION", *PG_DDL[1:4]]
     if dialect != "sqlite":
         return []
     return [*(f"DROP TRIGGER IF EXISTS {t}" for t in _TRIGGERS), "DROP INDEX IF EXISTS ix_records_seq",
@@ -236,7 +275,10 @@ def rekey_statements(dialect: str) -> list[str]:
 
 def unkey_statements(dialect: str) -> list[str]:
     """The SQL that puts SQLite's index back in its form keyed by ``seq`` (downgrade of
-    ``0016_fts_record_keys``); ``[]`` on PostgreSQL."""
+    ``0016_fts_record_keys``); on PostgreSQL the generated column again (the table rewritten,
+    every vector computed)."""
+    if dialect == "postgresql":
+        return [*PG_DROP, *_PG_GENERATED_DDL]
     if dialect != "sqlite":
         return []
     return [*(f"DROP TRIGGER IF EXISTS {t}" for t in _TRIGGERS), "DROP INDEX IF EXISTS ix_records_fts_hit",
