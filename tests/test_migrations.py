@@ -83,9 +83,12 @@ def _dump(url: str) -> dict:
                 out["pg_generated"] = conn.execute(text(
                     "SELECT column_name, generation_expression FROM information_schema.columns "
                     "WHERE table_schema = current_schema() AND is_generated = 'ALWAYS' ORDER BY column_name")).all()
-                out["pg_triggers"] = conn.execute(text(
+                here = conn.execute(text("SELECT current_schema()")).scalar()  # each database its own
+                out["pg_triggers"] = [(name, tdef.replace(f"{here}.", ""), src) for name, tdef, src in conn.execute(text(
                     "SELECT t.tgname, pg_get_triggerdef(t.oid), p.prosrc FROM pg_trigger t "
-                    "JOIN pg_proc p ON p.oid = t.tgfoid WHERE NOT t.tgisinternal ORDER BY t.tgname")).all()
+                    "JOIN pg_proc p ON p.oid = t.tgfoid JOIN pg_class c ON c.oid = t.tgrelid "
+                    "WHERE NOT t.tgisinternal AND c.relnamespace = current_schema()::regnamespace "
+                    "ORDER BY t.tgname"))]
         return out
     finally:
         engine.dispose()
