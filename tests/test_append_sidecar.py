@@ -50,6 +50,24 @@ async def test_appends_are_sent_as_their_suffix_and_small_files_whole(tmp_path):
         assert (await remote(fake))["j.md"] == want
         assert [k for k, _ in calls] == ["append"] * 20
         assert sum(n for _, n in calls) == len(want) - len(BASE)  # only the suffixes went
+        # the blob cache holds them as links to their bases (a whole copy every
+        # APPEND_CHAIN_MAX links), and the file reads back exact through them
+        from memfuse.sidecar.blobcache import APPEND_CHAIN_MAX
+
+        links = sc.fs.blobs._db.execute("SELECT count(*), sum(length(suffix)) FROM appends").fetchone()
+        assert links[0] == 20 - 20 // (APPEND_CHAIN_MAX + 1) and links[1] < len(want) - len(BASE)
+        n = sc.fs.lookup(sc.fs.stores["default"].root.ino, b"j.md")
+        assert n is not None and n.buf is None and sc.fs.blobs.read(n.sha) == want
+        assert sc.fs.blobs.read(n.sha, len(BASE) - 2, 9) == want[len(BASE) - 2:len(BASE) + 7]
+        reads = []
+        real_read = sc.fs.blobs.read
+        sc.fs.blobs.read = lambda sha, off=0, size=-1: reads.append((off, size)) or real_read(sha, off, size)
+        await append(sc, "j.md", b"one more\n")
+        sc.fs.blobs.read = real_read
+        want += b"one more\n"
+        assert reads == [(0, -1)]  # the base read once: at the open, kept for the close's check
+        assert (await remote(fake))["j.md"] == want
+        calls.clear()
         # a small file is sent whole; a rewrite too
         calls.clear()
         await write(sc, "small.md", b"a\n")

@@ -19,6 +19,8 @@ from memfuse.server.service import Principal, Service
 
 ADMIN = Principal(workspace=None, name="test")
 HEAD = fulltext.PG_MAX_CHARS
+#: the revision before this one (whatever it is after a re-chain)
+BEFORE = schema.script_directory().get_revision("0016_fts_record_keys").down_revision
 
 
 def _service(path: Path) -> Service:
@@ -120,7 +122,7 @@ def test_a_write_that_keeps_the_indexed_text_leaves_the_index_alone_and_ranking_
 def test_revision_rekeys_an_older_database_and_downgrades(tmp_path: Path):
     url = f"sqlite:///{tmp_path / 'old.db'}"
     db = Database(url, schema="none")
-    schema.upgrade(db, "0014_store_names")
+    schema.upgrade(db, BEFORE)
     with db.write_conn() as conn:  # rows as the release before wrote them
         conn.execute(text(
             "INSERT INTO stores (slug, public_slug, description, default_type, max_record_bytes, "
@@ -141,7 +143,7 @@ def test_revision_rekeys_an_older_database_and_downgrades(tmp_path: Path):
     assert [p for p, _ in old] == ["notes/india.md", "b.md"]
     svc = Service(db)
     before, after = schema.upgrade(db)
-    assert before.current == "0014_store_names" and after.current == schema.head()
+    assert before.current == BEFORE and after.current == schema.head()
     assert [(h[0], h[1]) for h in _ranked(svc, "juliet")] == [(p, round(-score, 9)) for p, score in old]
     with db.read_conn() as conn:
         assert {r for _, r in conn.execute(text("SELECT k, record_id FROM records_fts_keys"))} == {"r1", "r2"}
@@ -152,7 +154,7 @@ def test_revision_rekeys_an_older_database_and_downgrades(tmp_path: Path):
     from alembic import command
 
     with db.write_conn() as conn:
-        command.downgrade(schema.alembic_config(connection=conn), "0014_store_names")
+        command.downgrade(schema.alembic_config(connection=conn), BEFORE)
     with db.read_conn() as conn:
         rows = conn.execute(text("SELECT r.path FROM records_fts CROSS JOIN records r ON r.seq = records_fts.rowid "
                                  "WHERE records_fts MATCH 'juliet' ORDER BY r.path")).scalars().all()
@@ -215,7 +217,7 @@ def test_postgresql_vector_kept_by_trigger_equals_the_computed_one():
         from alembic import command
 
         with svc.db.write_conn() as conn:
-            command.downgrade(schema.alembic_config(connection=conn), "0014_store_names")
+            command.downgrade(schema.alembic_config(connection=conn), BEFORE)
         with svc.db.read_conn() as conn:
             gen = conn.execute(text("SELECT column_name FROM information_schema.columns WHERE "
                                     "table_schema = current_schema() AND is_generated = 'ALWAYS'")).scalars().all()
