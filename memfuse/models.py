@@ -78,10 +78,31 @@ class AccountCreate(BaseModel):
     max_tokens: int | None = Field(default=None, ge=0, le=INT64_MAX)
 
 
+class AccountUpdate(BaseModel):
+    """``PATCH /v1/accounts/{account}`` (root admin): new quotas. A field left out keeps its
+    quota; ``null`` makes it unlimited and a number sets it (as in ``AccountCreate``, ``0``
+    is a quota of zero, not unlimited). A quota below the current usage refuses what would
+    add to it (new stores, new tokens, growing writes) and deletes nothing."""
+
+    max_stores: int | None = Field(default=None, ge=0, le=INT64_MAX)
+    max_bytes: int | None = Field(default=None, ge=0, le=INT64_MAX)
+    max_tokens: int | None = Field(default=None, ge=0, le=INT64_MAX)
+
+
+class AccountAttachment(BaseModel):
+    """A store attached to every workspace of its account (``PUT
+    /v1/accounts/{account}/attachments/{store}``): the store's name in the account, the
+    access every workspace gets, when the account-wide attachment was made."""
+
+    store: str
+    access: Access
+    created_at: datetime
+
+
 class Account(BaseModel):
     """An account with its quotas (None: unlimited) and usage: ``stores`` (count),
     ``bytes`` (live record bytes of all its stores), ``tokens`` (active tokens:
-    neither revoked nor expired)."""
+    neither revoked nor expired); and its account-wide ``attachments``, by store name."""
 
     slug: str
     created_at: datetime
@@ -91,6 +112,7 @@ class Account(BaseModel):
     stores: int = 0
     bytes: int = 0
     tokens: int = 0
+    attachments: list[AccountAttachment] = []
 
 
 class StoreLimits(BaseModel):

@@ -50,7 +50,7 @@ from .defs import (  # noqa: F401  (re-exported: the client side imports them fr
 __all__ = [
     "UNSET",
     "Workspace", "WorkspaceCreate", "Store", "StoreCreate", "StoreUpdate", "Attachment",
-    "AttachmentPut", "AccountCreate", "Account", "TokenCreate", "TokenCreated", "TokenInfo", "RecordCreate",
+    "AttachmentPut", "AccountCreate", "AccountUpdate", "AccountAttachment", "Account", "TokenCreate", "TokenCreated", "TokenInfo", "RecordCreate",
     "RecordUpdate", "RecordAppend",
     "RecordAttributes", "RecordMove", "PrefixMove", "Restore", "Record", "Version",
     "RecordPage", "MoveResult", "SearchLine", "SearchHit", "SearchPage", "BatchOperation", "BatchRequest", "BatchResult", "BatchResponse",
@@ -90,6 +90,21 @@ class AccountCreate(Struct, kw_only=True):
     max_tokens: NonNegative | None = None
 
 
+class AccountUpdate(Struct, kw_only=True):
+    """``PATCH /v1/accounts/{account}`` body: a quota left UNSET is kept (left out of the
+    JSON); ``None`` makes it unlimited."""
+
+    max_stores: NonNegative | None | UnsetType = UNSET
+    max_bytes: NonNegative | None | UnsetType = UNSET
+    max_tokens: NonNegative | None | UnsetType = UNSET
+
+
+class AccountAttachment(Struct, kw_only=True):
+    store: str
+    access: Access
+    created_at: datetime
+
+
 class Account(Struct, kw_only=True):
     slug: str
     created_at: datetime
@@ -99,6 +114,7 @@ class Account(Struct, kw_only=True):
     stores: int = 0
     bytes: int = 0
     tokens: int = 0
+    attachments: list[AccountAttachment] = msgspec.field(default_factory=list)
 
 
 class StoreCreate(Struct, kw_only=True):

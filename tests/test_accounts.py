@@ -61,6 +61,7 @@ REFUSED_IN_BODY = {"/v1/workspaces/{ws}/memory-tool", "/ui/stores/{store}/live"}
 # template; a new route with a body needs an entry, or the probe fails)
 BODIES: dict[tuple[str, str], object] = {
     ("POST", "/v1/accounts"): {"slug": "probe-acct"},
+    ("PATCH", "/v1/accounts/{account}"): {"max_stores": 0, "max_bytes": None},
     ("POST", "/v1/workspaces"): {"name": "probe-ws", "default_store": False},
     ("POST", "/v1/stores"): {"slug": "probe-store"},
     ("PATCH", "/v1/stores/{store}"): {"description": "changed by alpha"},
@@ -335,6 +336,22 @@ async def test_isolation_probe_every_route_of_every_face(world):
                 for r in answers:
                     assert not any(m in r.text for m in KEY_MARKS), ("key shown", who, method, r.url, r.text[:500])
                 rb, rm = answers
+                if params and rb.status_code >= 400 and rb.status_code != 404:
+                    # the status class on every face: another account's object is 404 (REST
+                    # ``*_not_found``, Anthropic ``not_found_error``, the console's and the
+                    # memory tool's 404), unless the caller gets the same refusal on its own
+                    # object (a privilege or a malformed request, decided before any lookup)
+                    kw = {}
+                    if face == "console":
+                        if method == "POST":
+                            kw["data"] = {k: _fill(v, own) for k, v in FORMS.get(template, {}).items()}
+                        kw["follow_redirects"] = False
+                    elif (method, template) in BODIES:
+                        kw["json"] = _fill_body(BODIES[(method, template)], own)
+                    ro = await c.request(method, _fill(template, own), **kw)
+                    if not _same_refusal(rb, ro):
+                        leaks.append(f"{who}: {method} {template}: {rb.status_code} {rb.text[:120]!r} for another "
+                                     f"account's object, not 404 (own object: {ro.status_code})")
                 if not params:  # a listing or a create: nothing of bravo's in it
                     _no_bravo(rb, f"{who} {method} {template}")
                 elif any(m in rb.text for m in BRAVO_MARKS):  # only echoes of the request's own names

@@ -46,8 +46,11 @@ EXAMPLES: dict[str, list[dict]] = {
     "WorkspaceCreate": [dict(name="w-1", default_store=False), dict(name="w")],
     "Workspace": [dict(name="w", created_at=T1, account="acme"), dict(name="w", created_at=T1)],
     "AccountCreate": [dict(slug="acme", max_stores=1, max_bytes=2, max_tokens=0), dict(slug="a")],
+    "AccountUpdate": [dict(max_stores=1, max_bytes=None, max_tokens=0), dict()],
+    "AccountAttachment": [dict(store="user", access="read_only", created_at=T1)],
     "Account": [dict(slug="acme", created_at=T1, max_stores=1, max_bytes=2, max_tokens=3, stores=1,
-                     bytes=9, tokens=2), dict(slug="default", created_at=T2)],
+                     bytes=9, tokens=2, attachments=[dict(store="user", access="read_only", created_at=T1)]),
+                dict(slug="default", created_at=T2)],
     "StoreCreate": [dict(slug="s", description="d", default_type="user", max_record_bytes=1,
                          max_store_bytes=2, max_records=3), dict(slug="s")],
     "StoreUpdate": [dict(description="d", default_type="reference", max_record_bytes=1,
@@ -131,11 +134,11 @@ EXAMPLES: dict[str, list[dict]] = {
 }
 
 # request bodies: the client builds and sends them (wire.build + wire.encode)
-REQUESTS = {"WorkspaceCreate", "AccountCreate", "StoreCreate", "StoreUpdate", "AttachmentPut", "TokenCreate",
+REQUESTS = {"WorkspaceCreate", "AccountCreate", "AccountUpdate", "StoreCreate", "StoreUpdate", "AttachmentPut", "TokenCreate",
             "RecordCreate", "RecordUpdate", "RecordAppend", "RecordAttributes", "RecordMove", "PrefixMove", "Restore",
             "BatchOperation", "BatchRequest", "ConsolidationCreate"}
 # the pydantic options the client sent each with (earlier releases): the same bytes now
-DUMP_OPTIONS = {"StoreUpdate": dict(exclude_none=True), "BatchOperation": dict(exclude_none=True),
+DUMP_OPTIONS = {"StoreUpdate": dict(exclude_none=True), "AccountUpdate": dict(exclude_unset=True), "BatchOperation": dict(exclude_none=True),
                 "BatchRequest": dict(exclude_none=True), "RecordCreate": dict(exclude_unset=True),
                 "RecordUpdate": dict(exclude_unset=True), "RecordAppend": dict(exclude_unset=True),
                 "RecordAttributes": dict(exclude_unset=True)}
@@ -239,6 +242,7 @@ BAD_REQUESTS = [
     ("StoreCreate", dict(slug="-x")),
     ("AccountCreate", dict(slug="Bad")),
     ("AccountCreate", dict(slug="a", max_stores=-1)),
+    ("AccountUpdate", dict(max_bytes=-1)),
     ("TokenCreate", dict(account="Bad Name")),
     ("StoreCreate", dict(slug="s", default_type="other")),
     ("StoreCreate", dict(slug="s", max_records=0)),

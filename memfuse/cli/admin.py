@@ -448,10 +448,61 @@ def account_list(target: Target, as_json: bool) -> None:
 
 @account.command("show")
 @click.argument("slug")
+@opt("--json", "as_json", is_flag=True, envvar="MEMFUSE_JSON", help="Print JSON.")
 @api_options
-def account_show(target: Target, slug: str) -> None:
-    """Show account SLUG's usage and quotas."""
+def account_show(target: Target, slug: str, as_json: bool) -> None:
+    """Show account SLUG's usage and quotas, and the stores attached to every workspace of
+    it ('memfuse account attach')."""
     a = _api(target, lambda api: with_retries(lambda: api.get_account(slug)))
+    if as_json:
+        click.echo(json.dumps(to_jsonable(a), indent=2))
+        return
+    click.echo(_account_rows([a]))
+    click.echo("")
+    if a.attachments:
+        click.echo("Attached to every workspace of the account:")
+        click.echo(_table([[x.store, x.access.value, _fmt_time(x.created_at)] for x in a.attachments],
+                          ["STORE", "ACCESS", "SINCE"]))
+    else:
+        click.echo("No store is attached to every workspace of the account.")
+
+
+UNLIMITED = "unlimited"
+
+
+class QuotaParam(click.ParamType):
+    """A quota: a count (``QuotaParam(False)``) or a byte size (``QuotaParam(True)``: 512M,
+    2G, as ``--max-bytes`` of 'account create'), or ``unlimited`` (``UNLIMITED``)."""
+
+    def __init__(self, size: bool) -> None:
+        self.size = size
+        self.name = "SIZE|unlimited" if size else "N|unlimited"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int | str:
+        if isinstance(value, str) and value.strip().lower() == UNLIMITED:
+            return UNLIMITED
+        if self.size:
+            return int(BYTES.convert(value, param, ctx))
+        return int(click.IntRange(min=0).convert(value, param, ctx))
+
+
+@account.command("set")
+@click.argument("slug")
+@opt("--max-stores", type=QuotaParam(False), help="Quota: stores (a number, or 'unlimited').")
+@opt("--max-bytes", type=QuotaParam(True), help="Quota: live bytes of all its stores (512M, 2G..., or 'unlimited').")
+@opt("--max-tokens", type=QuotaParam(False), help="Quota: active tokens (a number, or 'unlimited').")
+@api_options
+def account_set(target: Target, slug: str, max_stores: int | str | None, max_bytes: int | str | None,
+                max_tokens: int | str | None) -> None:
+    """Change account SLUG's quotas (root admin); the ones not given are kept, 'unlimited'
+    lifts one. A quota below the current usage refuses new stores, tokens or growing
+    writes, and deletes nothing."""
+    given = (("max_stores", max_stores), ("max_bytes", max_bytes), ("max_tokens", max_tokens))
+    quotas = {k: (None if v == UNLIMITED else int(v)) for k, v in given if v is not None}
+    if not quotas:
+        raise click.UsageError("give at least one of --max-stores, --max-bytes, --max-tokens")
+    key = _key()
+    a = _api(target, lambda api: with_retries(lambda: api.update_account(slug, quotas, idempotency_key=key)))
     click.echo(_account_rows([a]))
 
 

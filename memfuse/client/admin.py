@@ -20,6 +20,7 @@ from ..wire import (
     WorkspaceCreate,
     Account,
     AccountCreate,
+    AccountUpdate,
     build,
 )
 from .base import (
@@ -183,6 +184,17 @@ class AdminEndpoints(ApiSession):
     async def get_account(self, slug: str) -> Account:
         """``GET /v1/accounts/{account}``. Raises NotFound (``account_not_found``)."""
         return await self._call(Account, "GET", f"/v1/accounts/{_seg(slug)}")
+
+    async def update_account(self, slug: str, quotas: dict[str, int | None],
+                             idempotency_key: str | None = None) -> Account:
+        """``PATCH /v1/accounts/{account}`` (root admin): set the quotas in ``quotas``
+        (``max_stores``, ``max_bytes``, ``max_tokens``: a number, or None for unlimited);
+        the ones left out are kept. Raises NotFound (``account_not_found``), Forbidden
+        unless the root admin, ``ValueError`` (before any request) for a bad quota."""
+        return await self._call(
+            Account, "PATCH", f"/v1/accounts/{_seg(slug)}",
+            body=build(AccountUpdate, **quotas), idempotency_key=idempotency_key,
+        )
 
     async def delete_account(self, slug: str, idempotency_key: str | None = None) -> None:
         """``DELETE /v1/accounts/{account}`` (root admin): an empty account. Raises

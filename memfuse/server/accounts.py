@@ -25,14 +25,16 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
 from memfuse import names
-from memfuse.models import Account, AccountCreate
+from memfuse.models import Access, Account, AccountAttachment, AccountCreate, AccountUpdate
+from memfuse.server import keys
 from memfuse.server.base import _S, _T, AnyRow, IdempotencyRequest, Principal, Reply, Resource, ServiceError
-from memfuse.server.db import DEFAULT_ACCOUNT, AccountRow, WorkspaceRow, utcnow
+from memfuse.server.db import DEFAULT_ACCOUNT, AccountAttachmentRow, AccountRow, WorkspaceRow, utcnow
 from memfuse.server.sessions import _CS, session_digest
 
 log = logging.getLogger("memfuse.server.service")  # every room of the Service logs under one name
 
 _AC = cast(Table, AccountRow.__table__)
+_AA = cast(Table, AccountAttachmentRow.__table__)
 _W = cast(Table, WorkspaceRow.__table__)
 
 
@@ -49,7 +51,7 @@ RESERVED_ACCOUNTS = {
 
 class AccountsService(Resource):
     """``Service`` methods: ``create_account``, ``list_accounts``, ``get_account``,
-    ``delete_account``, ``act_in_account`` and the quota checks the other rooms call."""
+    ``update_account``, ``delete_account``, ``act_in_account`` and the quota checks the other rooms call."""
 
     @staticmethod
     def _require_root(p: Principal) -> None:
@@ -70,10 +72,16 @@ class AccountsService(Resource):
         return int(stores), int(nbytes), int(tokens)
 
     def _account_model(self, conn: Connection, row: AccountRow | AnyRow) -> Account:
+        """[Account] of ``row`` with its usage and its account-wide attachments (by the
+        store's name: ``keys.public`` of the key the row holds)."""
         stores, nbytes, tokens = self._usage(conn, row.slug)
+        atts = conn.execute(select(_AA.c.store, _AA.c.access, _AA.c.created_at)
+                            .where(_AA.c.account == row.slug)).all()
+        attachments = sorted((AccountAttachment(store=keys.public(a.store), access=Access(a.access),
+                                                created_at=a.created_at) for a in atts), key=lambda a: a.store)
         return Account(slug=row.slug, created_at=row.created_at, max_stores=row.max_stores,
                        max_bytes=row.max_bytes, max_tokens=row.max_tokens,
-                       stores=stores, bytes=nbytes, tokens=tokens)
+                       stores=stores, bytes=nbytes, tokens=tokens, attachments=attachments)
 
     # ------------------------------------------------------------ quotas (other rooms call these)
 
@@ -201,6 +209,30 @@ class AccountsService(Resource):
             if row is None:
                 raise _not_found(slug)
             return self._account_model(conn, row)
+
+    def update_account(self, p: Principal, slug: str, body: AccountUpdate,
+                       idem: IdempotencyRequest | None = None) -> Reply:
+        """200 [Account] (root admin): the quotas ``body`` names (its fields set: a number, or
+        null for unlimited) replace the account's; the others are kept. A quota below the
+        current usage is accepted: from then on the checks (``check_store_quota``,
+        ``check_token_quota``, ``_check_bytes_quota``) refuse what would add to the usage,
+        and nothing held is deleted. 404 ``account_not_found``; 403 ``forbidden`` unless the
+        root admin (an account admin cannot raise its own quotas)."""
+        self._require_root(p)
+        values = {k: getattr(body, k) for k in ("max_stores", "max_bytes", "max_tokens")
+                  if k in body.model_fields_set}
+
+        def fn(s: Session) -> Account:
+            conn = s.connection()
+            if conn.execute(select(_AC.c.slug).where(_AC.c.slug == slug)).first() is None:
+                raise _not_found(slug)
+            if values:
+                conn.execute(_AC.update().where(_AC.c.slug == slug).values(**values))
+                log.info("account %s quotas set by %s: %s", slug, p.actor,
+                         ", ".join(f"{k}={'unlimited' if v is None else v}" for k, v in sorted(values.items())))
+            return self._account_model(conn, conn.execute(select(_AC).where(_AC.c.slug == slug)).one())
+
+        return self._write(p, idem, 200, fn)
 
     def delete_account(self, p: Principal, slug: str, idem: IdempotencyRequest | None = None) -> Reply:
         """204 (root admin): an account that holds no store, workspace or active token any

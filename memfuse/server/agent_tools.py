@@ -84,11 +84,6 @@ class InProcessBackend:
         return await anyio.to_thread.run_sync(read)
 
 
-def _check_workspace(p: Principal, ws: str) -> None:
-    if not p.is_admin and p.workspace != ws:
-        raise ServiceError(403, "forbidden", "the token belongs to another workspace")
-
-
 # Memory-tool parameters that name something (a path, a store, the command): a lone surrogate
 # there is refused before the tool runs (422). Text parameters (file_text, new_str, ...) reach
 # the tool, which refuses such content as it refuses any invalid UTF-8 (EILSEQ).
@@ -149,8 +144,7 @@ def install(app: FastAPI, svc: Service, principal: Callable[..., Any]) -> None:
             description="the model's tool_use.input as is: {command, path, ...} (docs/AGENT-TOOLS.md)",
             examples=[{"command": "view", "path": "/memories"}]),
     ) -> Response:
-        _check_workspace(p, ws)
-        if p.is_admin:  # an admin's workspace: of its account (404 otherwise)
+        if p.is_admin or p.workspace != ws:  # as REST: 404 for another account's or a missing one
             svc.check_workspace(p, ws)
         bad = _bad_name(command, "body")
         if bad is not None:

@@ -51,8 +51,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from memfuse import defs
 from memfuse.models import Record
 from memfuse.server import anthropic_models as am
-from memfuse.server import keys
-from memfuse.server.memstores import VERSION_OPERATIONS, ListedItem, store_id, store_out, store_slug
+from memfuse.server.memstores import VERSION_OPERATIONS, ListedItem, shown_slug, store_id, store_out, store_slug
 from memfuse.server.service import IdempotencyRequest, Principal, Reply, Service, ServiceError, idempotency_request
 
 log = logging.getLogger(__name__)
@@ -476,18 +475,29 @@ async def principal(
 
 
 def workspace(
+    request: Request,
     p: Annotated[Principal, Depends(principal)],
     anthropic_workspace_id: Annotated[str | None, Header()] = None,
 ) -> str | None:
     """The workspace the request names (``anthropic-workspace-id``), checked against the
-    token; None when not named by an admin token."""
+    token as memfuse's API checks a workspace in a path (``Service.check_workspace``): 404
+    ``not_found_error`` for a missing workspace or one of another account (never telling
+    which), 403 ``permission_error`` for a workspace token naming another workspace of its
+    own account. None when not named by an admin token. Reads the database only when a
+    workspace token names another workspace, or an admin token names one."""
     ws = anthropic_workspace_id
     if ws and ws.startswith(WORKSPACE_PREFIX):
         ws = ws[len(WORKSPACE_PREFIX):]
-    if p.workspace is not None:
-        if ws and ws != p.workspace:
-            raise AnthropicError(403, "permission_error", "the credential belongs to another workspace")
+    if p.workspace is not None and (not ws or ws == p.workspace):
         return p.workspace
+    if ws:
+        svc: Service = request.app.state.service
+        try:
+            svc.check_workspace(p, ws)
+        except ServiceError as e:
+            raise from_service_error(e) from None
+        if p.workspace is not None:  # not reached: AccessRules refuses another workspace
+            raise AnthropicError(403, "permission_error", "the credential belongs to another workspace")
     return ws or None
 
 
@@ -566,15 +576,15 @@ def install(app: FastAPI, svc: Service) -> None:
         if cur is not None:
             key = (cur["t"], cur["s"])
             start = next((i for i, st in enumerate(rows)
-                          if (-st.created_at.timestamp(), keys.public(st.slug)) > key), len(rows))
+                          if (-st.created_at.timestamp(), shown_slug(st, p)) > key), len(rows))
         chunk = rows[start:start + n]
         more = start + n < len(rows)
-        nxt = _encode_page({"k": "s", "t": -chunk[-1].created_at.timestamp(), "s": keys.public(chunk[-1].slug)}) if more else None
-        return _json(am.MemoryStorePage(data=[store_out(st) for st in chunk], next_page=nxt))
+        nxt = _encode_page({"k": "s", "t": -chunk[-1].created_at.timestamp(), "s": shown_slug(chunk[-1], p)}) if more else None
+        return _json(am.MemoryStorePage(data=[store_out(st, p) for st in chunk], next_page=nxt))
 
     @r.get("/{memory_store_id}", response_model=am.MemoryStoreOut)
     def get_store(memory_store_id: str, p: P) -> Response:
-        return _json(store_out(svc.ms_get_store(p, slug_of(memory_store_id))))
+        return _json(store_out(svc.ms_get_store(p, slug_of(memory_store_id)), p))
 
     @r.post("/{memory_store_id}", response_model=am.MemoryStoreOut)
     def update_store(memory_store_id: str, body: am.MemoryStoreUpdate, p: P, idem: Idem) -> Response:

@@ -398,7 +398,9 @@ class AccessRules:
         that name in ``default``, else the store whose key is the name, else the one store of
         any account holding the name (whichever account it is in: the root admin sees every
         account; two other accounts' stores of that name: 404, name one with
-        ``X-Memfuse-Account``). The row's ``slug`` is the store's key:
+        ``X-Memfuse-Account`` or by its reference). An admin may also give a reference
+        ``name~account`` (``keys.ref``): the store ``name`` of ``account`` (the root admin any
+        account's, an account admin its own only). The row's ``slug`` is the store's key:
         what the caller queries and writes with, never what it shows (``keys.public``). A
         write locks the store row on PostgreSQL (serialises the store's versions). A name no
         store can have (``keys.possible``) is a missing store, found without a query."""
@@ -406,19 +408,25 @@ class AccessRules:
             if p.is_admin:
                 raise ServiceError(404, "store_not_found", f"no store {slug!r}")
             raise ServiceError(404, "store_not_attached", f"store {slug!r} is not attached to this workspace")
-        if p.is_admin and p.account is None:
-            alt = slug if keys.SEP in slug else keys.store_key(slug, DEFAULT_ACCOUNT)  # a key: itself
+        name, named_account = keys.split(slug)
+        if p.is_admin and (named_account is not None or p.account is not None):
+            # a reference ``name~account`` (keys.ref), or an account admin's name: the store
+            # ``name`` of that account, whatever its key; an account admin naming another
+            # account's is 404 like a missing one
+            account = named_account or p.account
+            assert account is not None
+            st = None
+            if p.account is None or account == p.account:
+                st = conn.execute(_SELECT_ACCOUNT_STORE_FOR_UPDATE if write else _SELECT_ACCOUNT_STORE,
+                                  {"slug": name, "alt": keys.store_key(name, account), "account": account}).first()
+        elif p.is_admin:  # the root admin, a plain name
             rows = conn.execute(_SELECT_STORE_FOR_UPDATE if write else _SELECT_STORE,
-                                {"slug": slug, "alt": alt}).all()
+                                {"slug": slug, "alt": keys.store_key(slug, DEFAULT_ACCOUNT)}).all()
             st = min(rows, key=lambda r: (r.account != DEFAULT_ACCOUNT, r.slug != slug), default=None)
-            if st is None and keys.SEP not in slug:  # the one store holding the name, if one
+            if st is None:  # the one store holding the name, if one
                 named = conn.execute(_SELECT_NAMED_STORE_FOR_UPDATE if write else _SELECT_NAMED_STORE,
                                      {"slug": slug}).all()
                 st = named[0] if len(named) == 1 else None
-        elif p.is_admin:  # an account admin: a store of another account is not found
-            assert p.account is not None  # the root admin (no account) is the branch above
-            st = conn.execute(_SELECT_ACCOUNT_STORE_FOR_UPDATE if write else _SELECT_ACCOUNT_STORE,
-                              {"slug": slug, "alt": keys.store_key(slug, p.account), "account": p.account}).first()
         else:
             st = conn.execute(
                 _SELECT_ATTACHED_STORE_FOR_UPDATE if write else _SELECT_ATTACHED_STORE,

@@ -12,6 +12,13 @@ each have a store ``notes``. Every table keeps referring to a store by ``stores.
 
 Resolution (a name a request gives → the key) is in ``AccessRules.store`` and the creates;
 every answer, event, feed entry, path and id shows ``public(key)``. The key is never shown.
+
+The root admin, which sees every account, also names a store by its *reference*
+(``ref``): the name for a store of the account ``default``, ``<name>~<account>`` for any
+other (``notes~bravo``: the store ``notes`` of ``bravo``, whatever its key). It has the form
+of a key, but is read as (name, account) (``split``): stable for the store's life, the same
+on every database, and unambiguous where two accounts hold the same name. The root admin's
+views over every account (the console's rows and links, the Anthropic API's ids) show it.
 """
 from __future__ import annotations
 
@@ -19,7 +26,7 @@ from sqlalchemy import select
 from sqlalchemy.engine import Connection
 
 from memfuse.names import SLUG_RE
-from memfuse.server.db import StoreRow
+from memfuse.server.db import DEFAULT_ACCOUNT, StoreRow
 
 _S = StoreRow.__table__
 
@@ -33,6 +40,19 @@ def public(key: str) -> str:
     """The public name of the store whose key is ``key`` (the key itself for a key without
     ``~``). Pure: safe on any string, e.g. ``public("notes~bravo") == "notes"``."""
     return key.split(SEP, 1)[0]
+
+
+def ref(name: str, account: str) -> str:
+    """The root admin's reference of store ``name`` (a public name) of ``account``: ``name``
+    in the account ``default`` (as before accounts), else ``<name>~<account>``. Pure."""
+    return name if account == DEFAULT_ACCOUNT else store_key(name, account)
+
+
+def split(slug: str) -> tuple[str, str | None]:
+    """(name, account) of a reference or key ``slug``: ``("notes", "bravo")`` for
+    ``notes~bravo``, ``("notes", None)`` for a plain name. Pure."""
+    name, sep, account = slug.partition(SEP)
+    return (name, account) if sep else (name, None)
 
 
 def possible(name: str) -> bool:

@@ -115,7 +115,7 @@ class MemoryStoresService(Resource):
         self, p: Principal, workspace: str | None, *, include_archived: bool,
         created_gte: datetime | None, created_lte: datetime | None,
     ) -> list[AnyRow]:
-        """The store rows ``p`` sees, newest first (then by slug), archived ones only with
+        """The store rows ``p`` sees, newest first (then by ``shown_slug``), archived ones only with
         ``include_archived``, created within the bounds given (inclusive)."""
         with self.db.read_conn() as conn:
             q = self._ms_visible(p, workspace)
@@ -126,7 +126,7 @@ class MemoryStoresService(Resource):
             if created_lte is not None:
                 q = q.where(_S.c.created_at <= created_lte)
             rows = conn.execute(q).all()
-        return sorted(rows, key=lambda r: (-r.created_at.timestamp(), keys.public(r.slug)))
+        return sorted(rows, key=lambda r: (-r.created_at.timestamp(), shown_slug(r, p)))
 
     def ms_get_store(self, p: Principal, slug: str) -> AnyRow:
         """The store row, if ``p`` may see it; 404 otherwise."""
@@ -172,7 +172,7 @@ class MemoryStoresService(Resource):
                 self.stores._emit(s, [workspace], "attached", slug, Access.read_write.value)
             log.info("store %s created (memory-store API)%s", slug,
                      f", attached to {workspace} read-write" if workspace else "")
-            return store_out(st)
+            return store_out(st, p)
 
         return self._write(p, idem, 200, fn)
 
@@ -216,7 +216,7 @@ class MemoryStoresService(Resource):
                 if "description" in values:
                     attached = s.scalars(select(AttachmentRow.workspace).where(AttachmentRow.store == key)).all()
                     self.stores._emit(s, attached, "store_changed", key, None)
-            return store_out(self._store(conn, p, slug))
+            return store_out(self._store(conn, p, slug), p)
 
         return self._write(p, idem, 200, fn)
 
@@ -234,7 +234,7 @@ class MemoryStoresService(Resource):
                 attached = s.scalars(select(AttachmentRow.workspace).where(AttachmentRow.store == key)).all()
                 self.stores._emit(s, attached, "store_changed", key, None)
                 log.info("store %s archived", key)
-            return store_out(self._store(conn, p, slug))
+            return store_out(self._store(conn, p, slug), p)
 
         return self._write(p, idem, 200, fn)
 
@@ -421,11 +421,21 @@ def store_metadata(st: AnyRow | StoreRow) -> dict[str, str]:
     return json.loads(raw) if raw else {}
 
 
-def store_out(st: AnyRow | StoreRow) -> MemoryStoreOut:
-    """``MemoryStoreOut`` of a store row: ``name`` the slug when never set, ``updated_at``
-    the creation time when never changed."""
+def shown_slug(st: AnyRow | StoreRow, p: Principal) -> str:
+    """What ``p`` calls the store of row ``st`` on this API: its name, or for the root admin
+    over every account its reference (``keys.ref``: ``notes~bravo`` for ``bravo``'s
+    ``notes``, the name for a store of ``default``), so two accounts' stores of one name
+    have two ids. An account admin and a workspace token never see a ``~``."""
+    name = keys.public(st.slug)
+    return keys.ref(name, st.account or DEFAULT_ACCOUNT) if p.is_root else name
+
+
+def store_out(st: AnyRow | StoreRow, p: Principal) -> MemoryStoreOut:
+    """``MemoryStoreOut`` of a store row as ``p`` sees it: the id from ``shown_slug``,
+    ``name`` the store's name when never set, ``updated_at`` the creation time when never
+    changed."""
     return MemoryStoreOut(
-        id=store_id(keys.public(st.slug)), name=st.name or keys.public(st.slug), description=st.description or "",
+        id=store_id(shown_slug(st, p)), name=st.name or keys.public(st.slug), description=st.description or "",
         metadata=store_metadata(st), created_at=st.created_at,
         updated_at=st.updated_at or st.created_at, archived_at=st.archived_at,
     )
@@ -433,5 +443,5 @@ def store_out(st: AnyRow | StoreRow) -> MemoryStoreOut:
 
 __all__ = [
     "ListedItem", "MemoryStoresService", "VERSION_OPERATIONS", "slug_for_name", "store_id", "store_metadata",
-    "store_out", "store_slug", "path_prefix_end",
+    "store_out", "store_slug", "shown_slug", "path_prefix_end",
 ]

@@ -65,6 +65,7 @@ class Match:
 CREATE_ACCOUNT = Route("create_account", "POST", "/v1/accounts")
 LIST_ACCOUNTS = Route("list_accounts", "GET", "/v1/accounts")
 GET_ACCOUNT = Route("get_account", "GET", "/v1/accounts/{account}")
+UPDATE_ACCOUNT = Route("update_account", "PATCH", "/v1/accounts/{account}")
 DELETE_ACCOUNT = Route("delete_account", "DELETE", "/v1/accounts/{account}")
 PUT_ACCOUNT_ATTACHMENT = Route("put_account_attachment", "PUT", "/v1/accounts/{account}/attachments/{store}")
 DELETE_ACCOUNT_ATTACHMENT = Route("delete_account_attachment", "DELETE",

@@ -184,6 +184,7 @@ class Service:
         self.list_accounts = self.accounts.list_accounts
         self.account_slugs = self.accounts.account_slugs
         self.get_account = self.accounts.get_account
+        self.update_account = self.accounts.update_account
         self.delete_account = self.accounts.delete_account
         # tokens
         self.authenticate = self.tokens.authenticate

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import Response
 
-from memfuse.models import Account, AccountCreate, Attachment, AttachmentPut
+from memfuse.models import Account, AccountCreate, AccountUpdate, Attachment, AttachmentPut
 from memfuse.server import routetable as table
 from memfuse.server.routes.deps import AccountSlug, Idem, P, StoreSlug, Svc, json_response, reply_response, route
 from memfuse.server.problems import PROBLEM_RESPONSES
@@ -26,6 +26,11 @@ def list_accounts(svc: Svc, p: P) -> Response:
 @route(router, table.GET_ACCOUNT, response_model=Account, tags=["accounts"])
 def get_account(svc: Svc, account: AccountSlug, p: P) -> Response:
     return json_response(svc.get_account(p, account))
+
+
+@route(router, table.UPDATE_ACCOUNT, response_model=Account, tags=["accounts"])
+def update_account(svc: Svc, account: AccountSlug, body: AccountUpdate, p: P, idem: Idem) -> Response:
+    return reply_response(svc.update_account(p, account, body, idem))
 
 
 @route(router, table.DELETE_ACCOUNT, status_code=204, tags=["accounts"])
