@@ -673,6 +673,23 @@ def test_cli_accounts_in_local_mode(home):
     r = invoke("account", "attach", "default", "shared", "--read-only")
     assert r.exit_code == 0 and "every workspace of account default (read_only)" in r.stdout, r.output
     assert "shared (read_only)" in invoke("workspace", "list").stdout
+    r = invoke("account", "show", "default")
+    assert r.exit_code == 0, r.output
+    att = r.stdout.splitlines()[r.stdout.splitlines().index("Attached to every workspace of the account:") + 2]
+    assert att.split()[:2] == ["shared", "read_only"], r.stdout
+    assert json.loads(invoke("account", "show", "default", "--json").stdout)["attachments"][0]["store"] == "shared"
+    # quotas changed after creation: given ones replaced, 'unlimited' lifts one, the rest kept
+    r = invoke("account", "set", "acme", "--max-stores", "5", "--max-bytes", "unlimited", "--max-tokens", "0")
+    assert r.exit_code == 0, r.output
+    acme = next(ln for ln in r.stdout.splitlines() if ln.startswith("acme "))
+    assert "0 / 5" in acme and "0 B / unlimited" in acme and "1 / 0" in acme, acme  # its admin token: over, kept
+    r = invoke("account", "set", "acme", "--max-tokens", "unlimited")
+    acme = next(ln for ln in r.stdout.splitlines() if ln.startswith("acme "))
+    assert "0 / 5" in acme and "1 / unlimited" in acme, acme
+    assert invoke("account", "set", "acme").exit_code != 0  # nothing to set
+    assert invoke("account", "set", "acme", "--max-stores", "-1").exit_code != 0
+    r = invoke("account", "set", "nope", "--max-stores", "1")
+    assert r.exit_code != 0 and "no account 'nope'" in r.output
     assert invoke("account", "detach", "default", "shared").exit_code == 0
     assert "shared" not in invoke("workspace", "list").stdout
     r = invoke("account", "show", "default")
@@ -813,3 +830,159 @@ async def test_the_root_admin_finds_the_one_store_holding_a_name(world):
     assert r["store"] == "dup"
     async with _client(app, ids["bravo"]["admin"]) as c:
         assert (await _ok(await c.get("/v1/stores/dup/records", params={"path": "x.md"})))["records"]
+
+
+async def test_the_root_admin_names_each_store_by_its_reference(world):
+    """Two accounts' ``notes`` (bravo's key ``notes``, alpha's ``notes~alpha``): the root admin
+    over every account names each by its reference ``notes~<account>`` (memfuse.server.keys.ref,
+    whatever the key) on every face: the v1 API, the Anthropic API's ids (listed once each), the
+    console's links (the overview's rows and every link inside the store's pages). An account
+    admin never sees a ``~`` and cannot reach another account's store by its reference."""
+    app, root, ids = world
+    a, b = ids["alpha"], ids["bravo"]
+    for acct, content in (("alpha", "alpha content"), ("bravo", SECRET)):
+        ref = f"{SAME}~{acct}"
+        st = await _ok(await root.get(f"/v1/stores/{ref}"))
+        assert (st["slug"], st["account"]) == (SAME, acct)
+        recs = (await _ok(await root.get(f"/v1/stores/{ref}/records?content=true")))["records"]
+        assert [r["content"] for r in recs] == [f"{content} in {SAME}\n"]
+        # the Anthropic API: one id per store, the reference
+        ms = await _ok(await root.get(f"/v1/memory_stores/{store_id(ref)}"))
+        assert ms["id"] == store_id(ref) and ms["name"] == SAME
+        mems = await _ok(await root.get(f"/v1/memory_stores/{store_id(ref)}/memories"))
+        assert [m["id"] for m in mems["data"]] == [memory_id(ids[acct]["same_rid"])]
+    listed = [s["id"] for s in (await _ok(await root.get("/v1/memory_stores?limit=100")))["data"]]
+    assert listed.count(store_id(f"{SAME}~alpha")) == 1 and listed.count(store_id(f"{SAME}~bravo")) == 1
+    assert store_id(SAME) not in listed  # neither is default's: no bare name for root
+    # paging by the reference: every store once, in pages of one
+    seen, page = [], None
+    while True:
+        r = await _ok(await root.get("/v1/memory_stores", params={"limit": 1, **({"page": page} if page else {})}))
+        seen += [s["id"] for s in r["data"]]
+        if not (page := r.get("next_page")):
+            break
+    assert sorted(seen) == sorted(listed)
+    # a default store keeps its bare id; the root admin acting in one account sees bare names
+    await _ok(await root.post("/v1/stores", json={"slug": "plain"}), 201)
+    assert store_id("plain") in [s["id"] for s in (await _ok(await root.get("/v1/memory_stores?limit=100")))["data"]]
+    async with _client(app, ROOT, **{"X-Memfuse-Account": "alpha"}) as c:
+        ids_alpha = [s["id"] for s in (await _ok(await c.get("/v1/memory_stores?limit=100")))["data"]]
+        assert store_id(SAME) in ids_alpha and not any("~" in i for i in ids_alpha)
+    async with _client(app, a["admin"]) as c:
+        assert (await c.get(f"/v1/stores/{SAME}~alpha")).status_code == 200  # its own, qualified
+        for ref in (f"{SAME}~bravo", "bravo-notes~bravo"):
+            r = await c.get(f"/v1/stores/{ref}")
+            assert r.status_code == 404 and r.json()["code"] == "store_not_found", r.text
+            r = await c.get(f"/v1/memory_stores/{store_id(ref)}")
+            assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error", r.text
+        listed = (await _ok(await c.get("/v1/memory_stores?limit=100")))["data"]
+        assert store_id(SAME) in [s["id"] for s in listed] and "~" not in json.dumps(listed)
+    # the console, root over every account: a row and a link per store, and inside the store
+    c = await _console_login(app, ROOT)
+    try:
+        page = (await c.get("/ui/")).text
+        for acct in ("alpha", "bravo"):
+            assert f'href="/ui/stores/{SAME}~{acct}"' in page, page
+        assert f'href="/ui/stores/{SAME}"' not in page
+        store_page = (await c.get(f"/ui/stores/{SAME}~alpha")).text
+        assert "same.md" in store_page and SECRET not in store_page
+        assert f'/ui/stores/{SAME}~alpha/records/{a["same_rid"]}' in store_page
+        assert f'href="/ui/stores/{SAME}/' not in store_page  # no link inside leads to the key's store
+        rec_page = await c.get(f"/ui/stores/{SAME}~bravo/records/{b['same_rid']}")
+        assert rec_page.status_code == 200 and SECRET in rec_page.text
+        assert f'href="/ui/stores/{SAME}~bravo"' in rec_page.text and f'href="/ui/stores/{SAME}"' not in rec_page.text
+        # the workspace page offers only the workspace's account's stores, by reference
+        async with _client(app, a["admin"]) as adm:
+            await _ok(await adm.post("/v1/stores", json={"slug": "alpha-extra"}), 201)
+        ws_page = (await c.get(f"/ui/workspaces/{a['ws']}")).text
+        options = re.search(r'<select id="store".*?</select>', ws_page, flags=re.S).group(0)
+        assert options.count("<option") == 1 and 'value="alpha-extra~alpha"' in options, options
+        assert f'/attachments/{SAME}~alpha/detach' in ws_page
+        r = await c.post(f"/ui/workspaces/{a['ws']}/attachments", data={
+            "store": "alpha-extra~alpha", "access": "read_only", "csrf": _csrf(ws_page)})
+        assert r.status_code == 303, r.text
+        async with _client(app, a["admin"]) as adm:
+            atts = {x["store"]["slug"]: x["access"] for x in (await adm.get(f"/v1/workspaces/{a['ws']}/attachments")).json()}
+            assert atts["alpha-extra"] == "read_only"
+    finally:
+        await c.aclose()
+
+
+async def test_the_root_admin_changes_an_accounts_quotas(world):
+    """``PATCH /v1/accounts/{account}``: the fields given replace the quotas (null:
+    unlimited, 0: zero, as at creation), the rest are kept; below the usage it refuses what
+    would add to it and deletes nothing; root admin only, 404 for a missing account."""
+    app, root, ids = world
+    await _ok(await root.post("/v1/accounts", json={"slug": "small", "max_tokens": 5}), 201)
+    async with _client(app, ROOT, **{"X-Memfuse-Account": "small"}) as c:
+        for i in range(2):
+            await _ok(await c.post("/v1/stores", json={"slug": f"s{i}"}), 201)
+        await _ok(await c.post("/v1/stores/s0/records", json={"path": "a.md", "content": "x" * 100}), 201)
+        await _ok(await c.post("/v1/tokens", json={}), 201)
+        acct = await _ok(await root.patch("/v1/accounts/small", json={"max_stores": 1, "max_bytes": 50}))
+        assert (acct["max_stores"], acct["max_bytes"], acct["max_tokens"]) == (1, 50, 5)  # tokens kept
+        assert (acct["stores"], acct["bytes"]) == (2, 100)  # over both: nothing deleted
+        r = await c.post("/v1/stores", json={"slug": "s2"})
+        assert r.status_code == 409 and r.json()["code"] == "account_quota", r.text
+        r = await c.post("/v1/stores/s1/records", json={"path": "b.md", "content": "y"})
+        assert r.status_code == 507 and r.json()["code"] == "account_full", r.text
+        rec = (await _ok(await c.get("/v1/stores/s0/records?content=true")))["records"][0]
+        assert rec["content"] == "x" * 100
+        shrink = await c.put(f"/v1/stores/s0/records/{rec['id']}", json={"content": "x" * 10})
+        assert shrink.status_code == 200, shrink.text  # a write that does not grow is never refused
+        acct = await _ok(await root.patch("/v1/accounts/small", json={"max_tokens": 0}))
+        r = await c.post("/v1/tokens", json={})
+        assert r.status_code == 409 and r.json()["code"] == "account_quota", r.text
+        # null: unlimited again; {}: nothing changes
+        acct = await _ok(await root.patch("/v1/accounts/small", json={"max_stores": None, "max_bytes": None,
+                                                                      "max_tokens": None}))
+        assert (acct["max_stores"], acct["max_bytes"], acct["max_tokens"]) == (None, None, None)
+        assert (await _ok(await root.patch("/v1/accounts/small", json={})))["max_stores"] is None
+        await _ok(await c.post("/v1/stores", json={"slug": "s2"}), 201)
+        await _ok(await c.post("/v1/stores/s1/records", json={"path": "b.md", "content": "y"}), 201)
+        # root only: the account's own admin (or root acting in it) cannot raise its quotas
+        r = await c.patch("/v1/accounts/small", json={"max_stores": 9})
+        assert r.status_code == 403 and r.json()["code"] == "forbidden"
+    async with _client(app, ids["alpha"]["admin"]) as c:
+        assert (await c.patch("/v1/accounts/alpha", json={"max_stores": 99})).status_code == 403
+    r = await root.patch("/v1/accounts/nope", json={"max_stores": 1})
+    assert r.status_code == 404 and r.json()["code"] == "account_not_found"
+    assert (await root.patch("/v1/accounts/small", json={"max_stores": -1})).status_code == 422
+
+
+async def test_an_account_shows_its_account_wide_attachments(world):
+    app, root, ids = world
+    for c_token in (ROOT, ids["alpha"]["admin"]):
+        async with _client(app, c_token) as c:
+            acct = await _ok(await c.get("/v1/accounts/alpha"))
+            assert [(x["store"], x["access"]) for x in acct["attachments"]] == [("alpha-shared", "read_only")]
+    listed = {a["slug"]: a for a in (await _ok(await root.get("/v1/accounts")))}
+    assert [x["store"] for x in listed["bravo"]["attachments"]] == ["bravo-shared"]
+    assert listed["default"]["attachments"] == []
+    # a store whose key is not its name shows by its name
+    async with _client(app, ids["alpha"]["admin"]) as c:
+        await _ok(await c.put(f"/v1/accounts/alpha/attachments/{SAME}", json={"access": "read_write"}))
+        acct = await _ok(await c.get("/v1/accounts/alpha"))
+        assert [x["store"] for x in acct["attachments"]] == ["alpha-shared", SAME]
+        assert "~" not in json.dumps(acct)
+
+
+async def test_anthropic_workspace_header_of_another_account_is_404(world):
+    """``anthropic-workspace-id`` naming another account's workspace answers as a missing
+    one: 404 ``not_found_error`` (the v1 API's ``workspace_not_found``), for a workspace token
+    and an admin token; a workspace token naming another workspace of its own account: 403,
+    as on the v1 API."""
+    app, root, ids = world
+    a = ids["alpha"]
+    for token in (a["ws_token"], a["admin"]):
+        async with _client(app, token) as c:
+            for ws in ("bravo-ws", "wrkspc_bravo-ws", "zulu-none"):
+                r = await c.get("/v1/memory_stores", headers={"anthropic-workspace-id": ws})
+                assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error", (token, ws, r.text)
+            r = await c.get("/v1/memory_stores", headers={"anthropic-workspace-id": a["ws"]})
+            assert r.status_code == 200, r.text
+    async with _client(app, a["admin"]) as c:
+        await _ok(await c.post("/v1/workspaces", json={"name": "alpha-other", "default_store": False}), 201)
+    async with _client(app, a["ws_token"]) as c:
+        r = await c.get("/v1/memory_stores", headers={"anthropic-workspace-id": "alpha-other"})
+        assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error", r.text

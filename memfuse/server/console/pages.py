@@ -17,6 +17,8 @@ from starlette.responses import HTMLResponse, RedirectResponse
 
 from memfuse.content import RECORD_TYPES
 from memfuse.defs import Access
+from memfuse.server.db import DEFAULT_ACCOUNT
+from memfuse.server import keys
 from memfuse.server.console import render
 from memfuse.server.console.session import CSRF_FIELD, Credentials, csrf_token
 from memfuse.server.service import Principal, Service
@@ -109,10 +111,25 @@ def sidebar_stores(ctx: Ctx) -> list[dict[str, Any]]:
     return ctx._sidebar
 
 
+def store_ref(p: Principal, name: str, account: str | None) -> str:
+    """How the console links store ``name`` of ``account`` for ``p``: the root admin over
+    every account by its reference (``keys.ref``: ``notes~bravo``, the name in
+    ``default``), so two accounts' stores of one name have two links; anyone else (one
+    account) by its name."""
+    return keys.ref(name, account or DEFAULT_ACCOUNT) if p.is_root else name
+
+
 def render_page(ctx: Ctx, template: str, status: int = 200, **values: Any) -> HTMLResponse:
+    """The page ``template`` with ``values``, the sidebar and what every page uses: ``ref``
+    (``store_ref`` for the caller: the links to a store from a list) and ``sref`` (the store
+    as this request's URL named it: the links within a store's pages, which so stay on the
+    same store)."""
     stores = sidebar_stores(ctx)
     values.setdefault("current_store", None)
+    p = ctx.principal
     html = _env.get_template(template).render(
+        ref=lambda name, account: store_ref(p, name, account),
+        sref=ctx.request.path_params.get("store"),
         base=ctx.base,
         url=ctx.url,
         csrf=ctx.csrf,

@@ -211,10 +211,13 @@ def workspaces_page(ctx: Ctx) -> Response:
 def workspace_page(ctx: Ctx) -> Response:
     """GET ``/workspaces/{ws}``: its attachments and access; admin: attach, detach, switch."""
     ws = ctx.path("ws")
-    attachments = ctx.svc.list_attachments(ctx.principal, ws)
-    attached = {a.store.slug for a in attachments}
-    candidates = ([s for s in ctx.svc.list_stores(ctx.principal) if s.slug not in attached]
-                  if ctx.principal.is_admin else [])
+    p = ctx.principal
+    attachments = ctx.svc.list_attachments(p, ws)
+    candidates = []
+    if p.is_admin:  # the stores of the workspace's account not attached to it yet
+        account = next((w.account for w in ctx.svc.list_workspaces(p) if w.name == ws), None)
+        attached = {a.store.slug for a in attachments}
+        candidates = [s for s in ctx.svc.list_stores(p) if s.account == account and s.slug not in attached]
     return render_page(ctx, "workspace.html", ws=ws, attachments=attachments, candidates=candidates)
 
 
