@@ -157,10 +157,17 @@ def test_store_lifecycle(server, admin, agent, ws_token):
         agent.beta.memory_stores.create(name="mine")
     with pytest.raises(anthropic.NotFoundError):
         agent.beta.memory_stores.retrieve(b.id)
+    # another workspace of its account: 403; a missing one (or another account's): 404, as
+    # memfuse's own API answers a workspace in a path
+    server.call("create_workspace", "other", default_store=False)
     with pytest.raises(anthropic.PermissionDeniedError):
         agent.beta.memory_stores.list(workspace_id="other")
     with pytest.raises(anthropic.PermissionDeniedError):
         agent.beta.memory_stores.memories.list(a.id, workspace_id="other")
+    with pytest.raises(anthropic.NotFoundError):
+        agent.beta.memory_stores.list(workspace_id="nowhere")
+    with pytest.raises(anthropic.NotFoundError):
+        ms.list(workspace_id="nowhere")
     assert agent.beta.memory_stores.retrieve(a.id, workspace_id="wrkspc_ws").id == a.id
     # created_at filters
     assert b.id in {s.id for s in ms.list(created_at_gte=b.created_at)}
