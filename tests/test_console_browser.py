@@ -724,3 +724,53 @@ def test_phone_layout(console):
         for p in c.shots.glob("console-*.png"):
             shutil.copy(p, keep)
     assert re.search(r"console-store\.png", " ".join(p.name for p in c.shots.glob("*.png")))
+
+
+def test_root_switches_between_accounts_with_same_named_stores(console):
+    """Two accounts each with a store ``notes`` (the key of the second is not its name): the
+    root admin over every account sees both, each in its own row with its account, and each
+    row's link, and every link inside, stays on that account's store; the header's account
+    switch shows one account, its ``notes`` only, and back. Runs last: it adds accounts."""
+    c = console
+    c.login(c.cp.admin_token)
+    with c.api() as api:
+        for acct in ("alpha", "bravo"):
+            assert api.post("/v1/accounts", json={"slug": acct}).status_code == 201
+            h = {"X-Memfuse-Account": acct}
+            assert api.post("/v1/stores", json={"slug": "notes"}, headers=h).status_code == 201
+            r = api.post("/v1/stores/notes/records", headers=h,
+                         json={"path": "who.md", "content": f"the notes of {acct}\n", "type": "project"})
+            assert r.status_code == 201, r.text
+    c.open("/ui/")
+    assert "account all" in c.one("header").text
+    rows = {r.text.split()[0]: r for r in c.css("table.list tbody tr") if "notes" in r.text}
+    assert set(rows) == {"alpha", "bravo"}, [r.text for r in c.css("table.list tbody tr")]
+    for acct in ("bravo", "alpha"):
+        c.open("/ui/")
+        row = [r for r in c.css("table.list tbody tr") if r.text.split()[0] == acct and "notes" in r.text][0]
+        from selenium.webdriver.common.by import By
+
+        c.go(row.find_element(By.LINK_TEXT, "notes"))
+        assert c.d.current_url.endswith(f"/ui/stores/notes~{acct}"), c.d.current_url
+        c.go(c.link("who.md"))
+        c.until(lambda: f"the notes of {acct}" in c.text(), f"{acct}'s record")
+        other = "alpha" if acct == "bravo" else "bravo"
+        assert f"the notes of {other}" not in c.text()
+        c.go(c.one("main").find_element(By.LINK_TEXT, "notes"))  # the crumb back: the same account's store
+        assert c.d.current_url.endswith(f"/ui/stores/notes~{acct}"), c.d.current_url
+    c.shot("root-all-accounts")
+    # the switch: one account, its store by its bare name
+    from selenium.webdriver.support.ui import Select
+
+    Select(c.one('select[name="account"]')).select_by_value("bravo")
+    c.go(c.button("Switch"))
+    c.until(lambda: "account bravo" in c.one("header").text, "acting in bravo")
+    side = c.one(".sidebar").text
+    assert "notes" in side and "default" not in side, side
+    c.go(c.link("notes"))
+    assert c.d.current_url.endswith("/ui/stores/notes"), c.d.current_url
+    c.go(c.link("who.md"))
+    c.until(lambda: "the notes of bravo" in c.text(), "bravo's record")
+    Select(c.one('select[name="account"]')).select_by_value("")
+    c.go(c.button("Switch"))
+    c.until(lambda: "account all" in c.one("header").text, "every account again")
