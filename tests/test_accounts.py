@@ -628,6 +628,11 @@ async def test_console_shows_the_account_and_the_root_switches(world):
     try:
         page = (await c.get("/ui/")).text
         assert "account all" in page and "alpha-notes" in page and "bravo-notes" in page
+        # every account's usage, quotas and account-wide attachments on the root's overview
+        table = re.search(r'<table class="list accounts">.*?</table>', page, flags=re.S).group(0)
+        alpha_row = re.search(r"<tr>\s*<td>alpha</td>.*?</tr>", table, flags=re.S).group(0)
+        assert "4 / unlimited" in alpha_row and 'href="/ui/stores/alpha-shared~alpha"' in alpha_row, alpha_row
+        assert ">RO<" in alpha_row and "bravo" not in alpha_row
         assert '<option value="bravo">' in page
         r = await c.post("/ui/account", data={"account": "bravo", "csrf": _csrf(page)})
         assert r.status_code == 303, r.text

@@ -27,8 +27,11 @@ log = logging.getLogger(__name__)
 
 def home(ctx: Ctx) -> Response:
     """GET ``/``: the stores with usage and limits (admin: also create a store)."""
-    workspaces = ctx.svc.list_workspaces(ctx.principal) if ctx.principal.is_admin else []
-    return render_page(ctx, "home.html", workspaces=workspaces, errors={}, form={}, account=_account(ctx))
+    p = ctx.principal
+    workspaces = ctx.svc.list_workspaces(p) if p.is_admin else []
+    accounts = ctx.svc.list_accounts(p) if p.is_root else []  # the root's overview: each account's usage
+    return render_page(ctx, "home.html", workspaces=workspaces, errors={}, form={}, account=_account(ctx),
+                       all_accounts=accounts)
 
 
 def _account(ctx: Ctx) -> Any:
