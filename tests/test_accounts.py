@@ -709,6 +709,10 @@ def test_cli_accounts_in_local_mode(home):
     assert lines[0].split()[:2] == ["ACCOUNT", "SLUG"], lines
     assert {tuple(ln.split()[:2]) for ln in lines[1:]} == {("default", "shared"), ("default", "w1"),
                                                            ("acme", "shared"), ("acme", "w2")}
+    # the root admin names acme's ``shared`` by its reference, default's by its name
+    shown = json.loads(invoke("store", "show", "shared~acme").stdout)
+    assert (shown["slug"], shown["account"]) == ("shared", "acme")
+    assert json.loads(invoke("store", "show", "shared").stdout)["account"] == "default"
     lines = invoke("workspace", "list").stdout.splitlines()
     assert lines[0].split()[:2] == ["ACCOUNT", "WORKSPACE"]
     assert any(ln.split()[:2] == ["acme", "w2"] for ln in lines), lines

@@ -14,7 +14,10 @@ tool, MCP and this API at once.
 
 Identifiers (stable, reversible, nothing stored for them):
 
-- ``memstore_<slug>``: the store's slug (its primary key; a rename changes ``name`` only);
+- ``memstore_<slug>``: the store's name in its account (a rename changes ``name`` only); for
+  the root admin over every account, the store's reference (``keys.ref``:
+  ``memstore_notes~bravo`` for a store of another account than ``default``), so two
+  accounts' stores of one name have two ids (``memstores.shown_slug``);
 - ``mem_<32 hex>``: the record's UUID without hyphens (``memory_id`` / ``record_id``);
 - ``memver_<seq>``: the version's change-feed position, unique across the database.
 
