@@ -897,6 +897,8 @@ async def test_the_root_admin_names_each_store_by_its_reference(world):
         assert "same.md" in store_page and SECRET not in store_page
         assert f'/ui/stores/{SAME}~alpha/records/{a["same_rid"]}' in store_page
         assert f'href="/ui/stores/{SAME}/' not in store_page  # no link inside leads to the key's store
+        job_page = await c.get(f"/ui/consolidations/{a['same_job']}")  # the job of alpha's notes
+        assert job_page.status_code == 200 and f'href="/ui/stores/{SAME}~alpha/consolidations"' in job_page.text
         rec_page = await c.get(f"/ui/stores/{SAME}~bravo/records/{b['same_rid']}")
         assert rec_page.status_code == 200 and SECRET in rec_page.text
         assert f'href="/ui/stores/{SAME}~bravo"' in rec_page.text and f'href="/ui/stores/{SAME}"' not in rec_page.text

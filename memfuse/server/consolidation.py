@@ -172,6 +172,17 @@ class ConsolidationService(Resource):
                 raise ServiceError(404, "job_not_found", f"no consolidation job {job_id!r}")
             return _job_model(row)
 
+    def consolidation_account(self, p: Principal, job_id: str) -> str:
+        """The account of the store job ``job_id`` read (its output store's too: a job's new
+        store is made in its input's account): what the console needs to link the root
+        admin's view of the job to the right store (``keys.ref``). 404 ``job_not_found`` as
+        ``get_consolidation``."""
+        with self.db.read_conn() as conn:
+            row = conn.execute(select(_J.c.store).where(_J.c.id == job_id)).first()
+            if row is None or not self._may_see(conn, p, row.store):
+                raise ServiceError(404, "job_not_found", f"no consolidation job {job_id!r}")
+            return str(self._store_by_key(conn, p, row.store).account)
+
     def list_consolidations(self, p: Principal, slug: str, limit: int = JOBS_PAGE_DEFAULT) -> list[ConsolidationJob]:
         """The store's jobs, newest first (at most ``limit``); 404 for the store."""
         self.reap_stale_jobs()

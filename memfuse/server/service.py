@@ -241,6 +241,7 @@ class Service:
         self.list_consolidations = self.consolidations.list_consolidations
         self.cancel_consolidation = self.consolidations.cancel_consolidation
         self.consolidation_diff = self.consolidations.consolidation_diff
+        self.consolidation_account = self.consolidations.consolidation_account
         self.reap_stale_jobs = self.consolidations.reap_stale_jobs
         self.stop_jobs = self.consolidations.stop_jobs
         self.schedule_once = self.consolidations.schedule_once

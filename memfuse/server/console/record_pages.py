@@ -15,7 +15,7 @@ from memfuse.content import INDEX_PATH, RECORD_TYPES, ContentError, is_index
 from memfuse.models import Record, RecordCreate, RecordUpdate, Restore, Version
 from memfuse.server.console import render
 from memfuse.server.console.forms import field_text
-from memfuse.server.console.pages import can_write, Ctx, redirect_to, render_page
+from memfuse.server.console.pages import can_write, Ctx, redirect_to, render_page, store_ref
 from memfuse.server.service import ServiceError
 
 log = logging.getLogger(__name__)
@@ -95,12 +95,16 @@ def consolidation_page(ctx: Ctx) -> Response:
     """GET ``/consolidations/{job}``: one job, and for a completed one the diff of each file
     it wrote or deleted against the input it read (unified; the history diff's rendering).
     Everything from the store or the model is untrusted text, escaped by the template."""
-    job, changes = ctx.svc.consolidation_diff(ctx.principal, ctx.path("job"))
+    p = ctx.principal
+    job, changes = ctx.svc.consolidation_diff(p, ctx.path("job"))
     files = []
     for c in changes:
         d = None if c["gone"] else render.line_diff(c["old"] or "", c["new"] or "")
         files.append({**c, "diff": d})
-    return render_page(ctx, "consolidation.html", current_store=job.store, job=job, files=files)
+    # the root admin over every account links the job's stores by reference (their account)
+    account = ctx.svc.consolidation_account(p, job.id) if p.is_root else None
+    return render_page(ctx, "consolidation.html", current_store=store_ref(p, job.store, account), job=job,
+                       files=files, job_account=account)
 
 
 def _type_choice(ctx: Ctx, required: bool) -> tuple[str | None, str | None]:
