@@ -35,7 +35,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from memfuse.models import BatchRequest
 from memfuse import defs
-from memfuse.server import gate, limits, longpoll, proxies, streamclass, streams as streaming
+from memfuse.server import gate, limits, longpoll, proxies, streamclass, streams as streaming, writepath
 from memfuse.server.apidocs import install_docs
 from memfuse.server.db import Database
 from memfuse.server.routes import accounts, consolidations, feeds, records, stores, tokens, workspaces
@@ -242,10 +242,11 @@ def create_app(
     app.state.stream_class = stream_class
     install_error_handlers(app)
     app.add_middleware(_CatchAll)
-    app.add_middleware(_Timing, histogram=Histogram(
+    durations = Histogram(
         "http_request_duration_seconds", "Time from a request's arrival in the app to its last "
         "response byte, by route template, method and status (streams left out)",
-        ["route", "method", "status"], buckets=REQUEST_BUCKETS, registry=metrics.registry))
+        ["route", "method", "status"], buckets=REQUEST_BUCKETS, registry=metrics.registry)
+    app.add_middleware(_Timing, histogram=durations)
     _process_collectors(metrics.registry)
     app.state.trusted_proxies = trusted
     if trusted:
@@ -257,6 +258,8 @@ def create_app(
         max_unauthenticated_per_address=max_unauthenticated_per_address,
         write_rate=write_rate,
         fast=longpoll.FastPath(svc, reads, exception_response, open_streams),
+        # the record writes without FastAPI's machinery (memfuse.server.writepath)
+        writes=writepath.WritePath(svc, exception_response, durations),
     )
     metrics.add_collector(limits.front_collector(app.front, stream_class))
 

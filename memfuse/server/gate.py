@@ -189,7 +189,9 @@ class Gate:
     """ASGI wrapper of the app: the steps of the module docstring.
 
     ``fast(scope, receive, send)``, when given, is tried first for long-polls and streams
-    (``memfuse.server.longpoll.FastPath``): True when it answered. ``auth_refusals`` maps a
+    (``memfuse.server.longpoll.FastPath``): True when it answered. ``writes(scope, body,
+    send)``, when given, is tried first for every other request once its body is read (the
+    record writes, ``memfuse.server.writepath.WritePath``): True when it answered. ``auth_refusals`` maps a
     path prefix to a function ``(ServiceError, scope) -> ASGI response`` for prefixes whose
     401 has its own form (``/mcp``). ``connections``: the per-address cap, when the server
     applies it (``memfuse.server.serve``)."""
@@ -202,8 +204,10 @@ class Gate:
                  max_unauthenticated_per_address: int = MAX_UNAUTHENTICATED_PER_ADDRESS,
                  fast: Callable[[Scope, Receive, Send], Awaitable[bool]] | None = None,
                  ready: Callable[[], Any] | None = None,
-                 write_rate: WriteRate | None = None) -> None:
+                 write_rate: WriteRate | None = None,
+                 writes: Callable[[Scope, bytes, Send], Awaitable[bool]] | None = None) -> None:
         self.app = app
+        self.writes = writes
         self.write_rate = write_rate if write_rate is not None else WriteRate()
         self.svc = svc
         self.metrics = metrics
@@ -358,7 +362,7 @@ class Gate:
                 self.inflight += 1
                 self.metrics.inflight.inc()
                 try:
-                    await self._run(scope, _replay(body, receive), send, None)
+                    await self._run(scope, _replay(body, receive), send, None, body)
                 finally:
                     self.inflight -= 1
                     self.metrics.inflight.dec()
@@ -369,9 +373,11 @@ class Gate:
             if lease is not None:
                 lease.close()
 
-    async def _run(self, scope: Scope, receive: Receive, send: Send, lease: Lease | None) -> None:
-        """Run the app with bounded sends; a lease's response runs in its scope and, when the
-        lease is cut, is ended here."""
+    async def _run(self, scope: Scope, receive: Receive, send: Send, lease: Lease | None,
+                   body: bytes = b"") -> None:
+        """Run the app with bounded sends (an ordinary request first offered to ``writes``
+        with its ``body``); a lease's response runs in its scope and, when the lease is cut,
+        is ended here."""
         state: dict[str, Any] = {"status": 0, "type": b"", "done": False}
         # One cancel scope around the whole request, armed only while a send is under way:
         # a stream sends thousands of lines, and a scope per send was a third of a
@@ -397,7 +403,8 @@ class Gate:
         try:
             with bound:
                 if lease is None:
-                    await self.app(scope, receive, send_bounded)
+                    if not (self.writes is not None and await self.writes(scope, body, send_bounded)):
+                        await self.app(scope, receive, send_bounded)
                 else:
                     with lease.scope:
                         if not (self.fast is not None and await self.fast(scope, receive, send_bounded)):

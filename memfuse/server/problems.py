@@ -58,10 +58,21 @@ def exception_response(exc: Exception, scope: Mapping[str, Any]) -> Response:
             log.warning("%s %s: %s %s", scope.get("method"), scope.get("path"), exc.status, exc.code)
         return problem_response(exc.status, exc.code, exc.detail, headers=exc.headers, **exc.extra)
     if isinstance(exc, OperationalError):
-        log.error("database error on %s %s", scope.get("method"), scope.get("path"), exc_info=exc)
-        return problem_response(503, "unavailable", "database error; retry", headers={"Retry-After": "1"})
+        return db_error_response(exc, str(scope.get("method")), str(scope.get("path")))
     log.error("unhandled error in %s %s", scope.get("method"), scope.get("path"), exc_info=exc)
     return problem_response(500, "internal_error", "unexpected server error")
+
+
+def db_error_response(exc: OperationalError, method: str, path: str) -> Response:
+    """503 ``unavailable`` with ``Retry-After: 1`` for a database error: "the database is
+    busy" when SQLite stayed locked (logged as a warning), else "database error" (logged with
+    the traceback)."""
+    text = str(exc.orig).lower() if exc.orig is not None else ""
+    if "locked" in text or "busy" in text:
+        log.warning("database busy on %s %s", method, path)
+        return problem_response(503, "unavailable", "the database is busy; retry", headers={"Retry-After": "1"})
+    log.error("database error on %s %s", method, path, exc_info=exc)
+    return problem_response(503, "unavailable", "database error; retry", headers={"Retry-After": "1"})
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -89,12 +100,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return problem_response(exc.status_code, code, detail, headers=getattr(exc, "headers", None))
 
     async def on_db_error(request: Request, exc: OperationalError) -> Response:
-        text = str(exc.orig).lower() if exc.orig is not None else ""
-        if "locked" in text or "busy" in text:
-            log.warning("database busy on %s %s", request.method, request.url.path)
-            return problem_response(503, "unavailable", "the database is busy; retry", headers={"Retry-After": "1"})
-        log.error("database error on %s %s", request.method, request.url.path, exc_info=exc)
-        return problem_response(503, "unavailable", "database error; retry", headers={"Retry-After": "1"})
+        return db_error_response(exc, request.method, request.url.path)
 
     handlers: dict[type[Exception], Callable[[Request, Any], Awaitable[Response]]] = {
         ServiceError: on_service_error,

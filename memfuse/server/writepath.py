@@ -1,0 +1,121 @@
+"""The record-write fast path: ``POST /v1/stores/{store}/records`` (create) and
+``PUT /v1/stores/{store}/records/{record_id}`` (update) served straight from ASGI, under the
+front door (``memfuse.server.gate``), without FastAPI's routing, middleware stack, dependency
+resolution and body handling (bench/README.md, "The close path": they were about a quarter
+of ``memfuse serve``'s CPU per created file).
+
+``WritePath`` answers only a request it can answer *exactly* as FastAPI would: a well-formed
+JSON body (``Content-Type: application/json``) that the route's pydantic model accepts, the
+caller authenticated by the front door, no account named (``X-Memfuse-Account`` or any query
+string), each header it reads given at most once and within FastAPI's bounds. Anything else
+returns False having sent nothing, and FastAPI serves the request with the same handlers, so
+every refusal of the request's shape (422 ``validation_error`` with FastAPI's error list, a
+content type FastAPI does not read as JSON) is FastAPI's own. What it serves is the same
+``Service`` call as the FastAPI handler (``Service.create_record`` / ``update_record``), in a
+worker thread as a sync FastAPI handler runs, and the same response: ``reply_response``
+(status, ``ETag``, ``Idempotent-Replayed``), refusals rendered by ``problems.exception_response``
+as the app's exception handlers render them. The request-duration histogram
+(``http_request_duration_seconds``) and the front door's counters see it as they see a
+FastAPI-served request.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+from prometheus_client import Histogram
+from pydantic import BaseModel, ValidationError
+from starlette.datastructures import URL
+from starlette.responses import Response
+from starlette.types import Scope, Send
+
+from memfuse.models import RecordCreate, RecordUpdate
+from memfuse.server import routetable as table
+from memfuse.server.routes.deps import reply_response
+from memfuse.server.service import Principal, Reply, Service, idempotency_request
+
+log = logging.getLogger(__name__)
+
+IDEMPOTENCY_KEY_MAX = 255  # the Idempotency-Key header's bound (routes.deps.get_idempotency)
+_JSON = b"application/json"
+# the request headers the fast path reads; any of them twice: FastAPI decides
+_READ = frozenset({b"content-type", b"idempotency-key", b"if-match", b"x-memfuse-account"})
+
+
+class WritePath:
+    """``await writes(scope, body, send)``: True when it answered the request (``body``: the
+    whole request body, read by the front door), False having sent nothing when FastAPI must
+    (see the module docstring). ``problem(exc, scope)`` renders an exception as the app's
+    handlers do (``problems.exception_response``); ``histogram`` is the app's request-duration
+    histogram (labels route template, method, status)."""
+
+    def __init__(self, svc: Service, problem: Callable[[Exception, Any], Response],
+                 histogram: Histogram | None = None) -> None:
+        self.svc = svc
+        self.problem = problem
+        self.histogram = histogram
+        self.served = 0  # requests answered here (for tests and the benchmark)
+
+    async def __call__(self, scope: Scope, body: bytes, send: Send) -> bool:
+        start = time.perf_counter()
+        method = scope["method"]
+        if method not in ("POST", "PUT") or scope.get("query_string"):
+            return False
+        m = table.match(method, scope["path"])
+        if m is None or (m.route is not table.CREATE_RECORD and m.route is not table.UPDATE_RECORD):
+            return False
+        p: Principal | None = scope.get("memfuse.principal")  # the front door's
+        if p is None or not body:
+            return False
+        headers: dict[bytes, bytes] = {}
+        for k, v in scope.get("headers", ()):
+            if k in _READ:
+                if k in headers:
+                    return False
+                headers[k] = v
+        if b"x-memfuse-account" in headers:
+            return False  # the root admin acting in an account: FastAPI's dependency does it
+        ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+        if ctype != _JSON:
+            return False
+        key = headers.get(b"idempotency-key", b"").decode("latin-1")
+        if len(key) > IDEMPOTENCY_KEY_MAX:
+            return False
+        model: type[BaseModel] = RecordCreate if m.route is table.CREATE_RECORD else RecordUpdate
+        try:  # json.loads, then the model: what FastAPI does with a JSON body
+            parsed = model.model_validate(json.loads(body))
+        except (ValueError, ValidationError):  # FastAPI answers it (its own 422)
+            return False
+        svc = self.svc
+        store = m.params["store"]
+        try:
+            if svc.token_upkeep_due():  # token bookkeeping, as the principal dependency does it
+                await anyio.to_thread.run_sync(svc.token_upkeep)
+            idem = idempotency_request(key, method, URL(scope=scope).path, body) if key else None
+            reply: Reply
+            if m.route is table.CREATE_RECORD:
+                assert isinstance(parsed, RecordCreate)
+                reply = await anyio.to_thread.run_sync(svc.create_record, p, store, parsed, idem)
+            else:
+                assert isinstance(parsed, RecordUpdate)
+                if_match = headers.get(b"if-match")
+                reply = await anyio.to_thread.run_sync(
+                    svc.update_record, p, store, m.params["record_id"], parsed,
+                    if_match.decode("latin-1") if if_match is not None else None, idem)
+            response = reply_response(reply)
+        except Exception as e:  # rendered as the app's exception handlers would
+            response = self.problem(e, scope)
+        await response(scope, _no_receive, send)
+        self.served += 1
+        if self.histogram is not None:
+            self.histogram.labels(m.route.path, method, str(response.status_code)).observe(
+                time.perf_counter() - start)
+        return True
+
+
+async def _no_receive() -> dict[str, Any]:
+    return {"type": "http.request", "body": b"", "more_body": False}
