@@ -228,6 +228,16 @@ _SELECT_LIVE_AT_PATHS = select(_R.c.path, _R.c.id).where(
     _R.c.store == bindparam("store"), _R.c.deleted == false(),
     _R.c.path.in_(bindparam("paths", expanding=True)))
 
+#: a live record under the directory ``lo`` = ``path + "/"`` (``hi`` = ``path + "0"``: the
+#: byte after ``/``), if one; paths compared in byte order (``_PG``: ``COLLATE "C"``, the
+#: index of revision ``0005_records_path_bytes``)
+_SELECT_LIVE_UNDER = select(_R.c.path).where(
+    _R.c.store == bindparam("store"), _R.c.deleted == false(),
+    _R.c.path >= bindparam("lo"), _R.c.path < bindparam("hi")).limit(1)
+_SELECT_LIVE_UNDER_PG = select(_R.c.path).where(
+    _R.c.store == bindparam("store"), _R.c.deleted == false(),
+    _R.c.path.collate("C") >= bindparam("lo"), _R.c.path.collate("C") < bindparam("hi")).limit(1)
+
 
 _SELECT_ACCOUNT_MAX_BYTES = select(AccountRow.__table__.c.max_bytes).where(
     AccountRow.__table__.c.slug == bindparam("account"))

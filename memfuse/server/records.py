@@ -56,6 +56,8 @@ from memfuse.server.recordrows import (
     _SELECT_LIVE_AT,
     _SELECT_LIVE_AT_PATHS,
     _SELECT_LIVE_ID_AT,
+    _SELECT_LIVE_UNDER,
+    _SELECT_LIVE_UNDER_PG,
     _SELECT_RECORD,
     _UPDATE_RECORD,
     _UPDATE_USAGE,
@@ -150,10 +152,15 @@ class RecordsService(Resource):
         if deferred and path in st.dirs:
             below = next((q for q, rid in st.paths.items() if q.startswith(path + "/") and rid not in skip), None)
         if below is None:
-            col = self._path_col()
-            row = conn.execute(select(_R.c.path).where(
-                _R.c.store == st.slug, _R.c.deleted == false(), col >= path + "/", col < path + "0",
-                *not_skipped).limit(1)).first()
+            if skip:
+                col = self._path_col()
+                row = conn.execute(select(_R.c.path).where(
+                    _R.c.store == st.slug, _R.c.deleted == false(), col >= path + "/", col < path + "0",
+                    *not_skipped).limit(1)).first()
+            else:  # a create: the statement built once (bench/README.md, "The close path")
+                pg = self.db.engine.dialect.name == "postgresql"
+                row = conn.execute(_SELECT_LIVE_UNDER_PG if pg else _SELECT_LIVE_UNDER,
+                                   {"store": st.slug, "lo": path + "/", "hi": path + "0"}).first()
             below = row.path if row is not None else None
         if below is not None:
             raise ServiceError(409, "path_is_directory",
