@@ -1,0 +1,179 @@
+"""The record-write fast path (``memfuse.server.writepath``): a create or update served
+straight from ASGI answers exactly what FastAPI answers for it (status, headers, body), and
+every request it cannot answer so (bad JSON, a body the model refuses, another content type,
+an over-long Idempotency-Key, an account named, a query string, a header twice) is left to
+FastAPI. Each scenario runs twice on two fresh control planes, one with the fast path and one
+without, and the answers are compared after the values that differ by nature (record ids,
+timestamps) are blanked."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from memfuse.server.app import create_app
+from pgutil import fresh_db_url
+
+ADMIN = "wp-admin"
+WS = "wp-ws"
+RO = "wp-ro"
+BASE = "http://test"
+_VOLATILE = {"id", "record_id", "created_at", "updated_at"}
+_SKIP_HEADERS = {"date", "server"}
+
+
+def _blank(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {k: ("*" if k in _VOLATILE and v[k] is not None else _blank(x)) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_blank(x) for x in v]
+    return v
+
+
+def _answer(r: httpx.Response, ids: dict[str, str]) -> tuple[Any, ...]:
+    try:
+        body: Any = _blank(r.json())
+    except ValueError:
+        body = r.content
+    text = json.dumps(body) if not isinstance(body, bytes) else body.decode("latin-1")
+    for rid, name in ids.items():
+        text = text.replace(rid, name)
+    headers = sorted((k, v) for k, v in r.headers.items() if k not in _SKIP_HEADERS and k != "content-length")
+    return r.status_code, headers, text
+
+
+async def _scenario(fast: bool) -> tuple[list[tuple[Any, ...]], int]:
+    """Run every request of the scenario against a fresh app; the answers, and how many the
+    fast path served."""
+    with fresh_db_url() as url:
+        app = create_app(url, static_tokens={ADMIN: None, WS: "ws", RO: "ro"}, faces=False)
+        if not fast:
+            app.front.writes = None
+        answers: list[tuple[Any, ...]] = []
+        ids: dict[str, str] = {}
+        t = httpx.ASGITransport(app=app)
+        try:
+            async with httpx.AsyncClient(transport=t, base_url=BASE, headers={"Authorization": f"Bearer {ADMIN}"}) as a, \
+                    httpx.AsyncClient(transport=t, base_url=BASE, headers={
+                        "Authorization": f"Bearer {WS}", "X-Memfuse-Instance": "me"}) as c, \
+                    httpx.AsyncClient(transport=t, base_url=BASE, headers={"Authorization": f"Bearer {RO}"}) as ro:
+                for m, p, b in [("POST", "/v1/workspaces", {"name": "ws", "default_store": False}),
+                                ("POST", "/v1/workspaces", {"name": "ro", "default_store": False}),
+                                ("POST", "/v1/stores", {"slug": "s", "max_record_bytes": 4096}),
+                                ("POST", "/v1/stores", {"slug": "tiny", "max_records": 1}),
+                                ("PUT", "/v1/workspaces/ws/attachments/s", {"access": "read_write"}),
+                                ("PUT", "/v1/workspaces/ws/attachments/tiny", {"access": "read_write"}),
+                                ("PUT", "/v1/workspaces/ro/attachments/s", {"access": "read_only"})]:
+                    r = await a.request(m, p, json=b)
+                    assert r.status_code < 300, r.text
+
+                async def send(client: httpx.AsyncClient, method: str, path: str, **kw: Any) -> httpx.Response:
+                    r = await client.request(method, path, **kw)
+                    got = _answer(r, ids)
+                    for rid, name in ids.items():
+                        path = path.replace(rid, name)
+                    answers.append((method, path, *got))
+                    if r.status_code == 201:
+                        ids.setdefault(r.json()["id"], f"<rec{len(ids)}>")
+                    return r
+
+                rec = "/v1/stores/s/records"
+                first = await send(c, "POST", rec, json={"path": "notes/a.md", "content": "hello\n"},
+                                   headers={"Idempotency-Key": "k1"})
+                rid = first.json()["id"]
+                etag = first.headers["etag"]
+                one = f"{rec}/{rid}"
+                # the same key again: replayed; the key on another body: 422
+                await send(c, "POST", rec, json={"path": "notes/a.md", "content": "hello\n"},
+                           headers={"Idempotency-Key": "k1"})
+                await send(c, "POST", rec, json={"path": "notes/b.md", "content": "other\n"},
+                           headers={"Idempotency-Key": "k1"})
+                # service refusals
+                await send(c, "POST", rec, json={"path": "notes/a.md", "content": "again\n"})  # 409 path_exists
+                await send(c, "POST", rec, json={"path": "notes/a.md/x.md", "content": "x\n"})  # parent_is_file
+                await send(c, "POST", rec, json={"path": "notes", "content": "x\n"})  # path_is_directory
+                await send(c, "POST", rec, json={"path": "../up.md", "content": "x\n"})  # invalid_path
+                await send(c, "POST", rec, json={"path": "big.md", "content": "x" * 5000})  # record_too_large
+                await send(c, "POST", rec, json={"path": "nul.md", "content": "a\u0000b"})  # invalid_content
+                await send(c, "POST", rec, content=b'{"path": "sur.md", "content": "\\ud800"}',
+                           headers={"Content-Type": "application/json"})  # a lone surrogate
+                await send(c, "POST", rec, json={"path": "key.md",
+                                                 "content": "token = ghp_" + "a1B2c3D4" * 5 + "\n"})
+                await send(c, "POST", "/v1/stores/nope/records", json={"path": "x.md", "content": "x"})
+                await send(ro, "POST", rec, json={"path": "x.md", "content": "x"})  # read_only
+                await send(c, "POST", "/v1/stores/tiny/records", json={"path": "1.md", "content": "x"})
+                await send(c, "POST", "/v1/stores/tiny/records", json={"path": "2.md", "content": "x"})  # full
+                await send(c, "POST", rec, json={"path": "typed.md", "content": "x", "type": "feedback",
+                                                 "mode": 0o600, "mtime_ns": 1_700_000_000_000_000_000})
+                # updates: If-Match, a stale one, *, unknown record, identical content
+                await send(c, "PUT", one, json={"content": "hello\nworld\n"}, headers={"If-Match": etag})
+                await send(c, "PUT", one, json={"content": "stale\n"}, headers={"If-Match": etag})
+                await send(c, "PUT", one, json={"content": "star\n"}, headers={"If-Match": "*",
+                                                                             "Idempotency-Key": "k2"})
+                await send(c, "PUT", one, json={"content": "star\n"}, headers={"If-Match": "*",
+                                                                             "Idempotency-Key": "k2"})
+                await send(c, "PUT", one, json={"content": "star\n"})
+                await send(c, "PUT", f"{rec}/no-such-id", json={"content": "x"})
+                # what the fast path leaves to FastAPI: its own 422s and readings
+                await send(c, "POST", rec, content=b"{not json", headers={"Content-Type": "application/json"})
+                await send(c, "POST", rec, json={"path": "m.md"})  # content missing
+                await send(c, "POST", rec, json={"path": "m.md", "content": "x", "mode": 2**64})  # 64-bit
+                await send(c, "POST", rec, json={"path": "m.md", "content": "x", "mtime_ns": -(2**63) - 1})
+                await send(c, "POST", rec, json=[1, 2])
+                await send(c, "POST", rec, content=b'{"path": "t.md", "content": "x"}',
+                           headers={"Content-Type": "text/plain"})
+                await send(c, "POST", rec, content=b'{"path": "v.md", "content": "x"}',
+                           headers={"Content-Type": "application/vnd.x+json"})
+                await send(c, "POST", rec, json={"path": "long.md", "content": "x"},
+                           headers={"Idempotency-Key": "k" * 256})
+                await send(c, "POST", rec + "?account=default", json={"path": "q.md", "content": "x"})
+                await send(a, "POST", rec, json={"path": "acct.md", "content": "x"},
+                           headers={"X-Memfuse-Account": "nobody"})
+                await send(c, "POST", rec, json={"path": "two.md", "content": "x"},
+                           headers=[("Idempotency-Key", "k3"), ("Idempotency-Key", "k4")])
+                await send(c, "PUT", one, content=b"", headers={"Content-Type": "application/json"})
+            return answers, app.front.writes.served if fast else 0
+        finally:
+            app.state.service.db.dispose()
+
+
+async def test_fast_path_answers_as_fastapi_does():
+    fast, served = await _scenario(True)
+    slow, _ = await _scenario(False)
+    assert len(fast) == len(slow)
+    for f, s in zip(fast, slow):
+        assert f == s
+    statuses = [a[2] for a in fast]
+    assert statuses[:3] == [201, 201, 422]  # created, replayed, key reused
+    assert ("idempotent-replayed", "true") in fast[1][3]
+    assert {409, 404, 403, 413, 412, 507, 200} <= set(statuses)
+    # the fast path served the well-formed writes (22 of them), FastAPI the rest
+    assert served == 22
+
+
+@pytest.mark.parametrize("fast", [True, False])
+async def test_request_duration_histogram_sees_fast_writes(fast):
+    with fresh_db_url() as url:
+        app = create_app(url, static_tokens={ADMIN: None}, faces=False)
+        if not fast:
+            app.front.writes = None
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url=BASE,
+                                         headers={"Authorization": f"Bearer {ADMIN}"}) as a:
+                assert (await a.post("/v1/stores", json={"slug": "s"})).status_code == 201
+                r = await a.post("/v1/stores/s/records", json={"path": "a.md", "content": "x"})
+                assert r.status_code == 201
+                r = await a.put(f"/v1/stores/s/records/{r.json()['id']}", json={"content": "y"},
+                                headers={"If-Match": '"0"'})
+                assert r.status_code == 412
+                text = (await a.get("/metrics")).text
+            for status, method, route in [("201", "POST", "/v1/stores/{store}/records"),
+                                          ("412", "PUT", "/v1/stores/{store}/records/{record_id}")]:
+                line = (f'http_request_duration_seconds_count{{method="{method}",route="{route}",'
+                        f'status="{status}"}} 1.0')
+                assert line in text, text[:2000]
+            assert (app.front.writes.served if fast else 2) == 2
+        finally:
+            app.state.service.db.dispose()
