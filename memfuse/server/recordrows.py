@@ -245,12 +245,18 @@ _SELECT_ACCOUNT_OTHER_BYTES = select(func.coalesce(func.sum(_S.c.usage_bytes), 0
     _S.c.account == bindparam("account"), _S.c.slug != bindparam("slug"))
 
 
+_UNREAD = object()
+
+
 def _account_room(conn: Connection, st: AnyRow | BatchStore, store_bytes: int) -> None:
     """507 ``account_full`` when the store ``st`` holding ``store_bytes`` puts its account
-    over its ``max_bytes`` (docs/API.md "Accounts"). One primary-key read when the account
-    has no byte quota; with one, a sum over the account's other stores (``ix_stores_account``)."""
+    over its ``max_bytes`` (docs/API.md "Accounts"). The quota comes with a store row read
+    for writing (``account_max_bytes``, ``base._for_update``), else one primary-key read; with
+    one, a sum over the account's other stores (``ix_stores_account``)."""
     account = getattr(st, "account", None) or DEFAULT_ACCOUNT
-    limit = conn.execute(_SELECT_ACCOUNT_MAX_BYTES, {"account": account}).scalar()
+    limit = getattr(st, "account_max_bytes", _UNREAD)  # read with the store row for writing
+    if limit is _UNREAD:
+        limit = conn.execute(_SELECT_ACCOUNT_MAX_BYTES, {"account": account}).scalar()
     if limit is None:
         return
     total = conn.execute(_SELECT_ACCOUNT_OTHER_BYTES, {"account": account, "slug": st.slug}).scalar_one() + store_bytes
