@@ -12,6 +12,10 @@ The long-polls (``changes``, ``events`` with ``wait``) are ``async``
 read, in a worker thread, and sleep without a session until a commit concerns them (this
 process's, or another replica's through the commit bus of ``memfuse.server.wakeups``).
 
+The record writes (``POST .../records``, ``PUT .../records/{record_id}``) are served by
+``memfuse.server.writepath.WritePath`` from the front door, without FastAPI's per-request
+machinery, whenever it can answer exactly as FastAPI would (FastAPI serves the rest).
+
 In front of the app, ``memfuse.server.gate.Gate`` answers the probes and ``GET /metrics``,
 authenticates and checks the size from the headers before any body byte is read, bounds the
 time a body may take and the requests in flight (503 + ``Retry-After`` beyond), runs
