@@ -1,5 +1,6 @@
-"""The record-write fast path: ``POST /v1/stores/{store}/records`` (create) and
-``PUT /v1/stores/{store}/records/{record_id}`` (update) served straight from ASGI, under the
+"""The record-write fast path: ``POST /v1/stores/{store}/records`` (create),
+``PUT /v1/stores/{store}/records/{record_id}`` (update) and ``POST /v1/stores/{store}/batch``
+(the sidecar's outbox sends overlapping closes as one batch) served straight from ASGI, under the
 front door (``memfuse.server.gate``), without FastAPI's routing, middleware stack, dependency
 resolution and body handling (bench/README.md, "The close path": they were about a quarter
 of ``memfuse serve``'s CPU per created file).
@@ -11,9 +12,10 @@ string), each header it reads given at most once and within FastAPI's bounds. An
 returns False having sent nothing, and FastAPI serves the request with the same handlers, so
 every refusal of the request's shape (422 ``validation_error`` with FastAPI's error list, a
 content type FastAPI does not read as JSON) is FastAPI's own. What it serves is the same
-``Service`` call as the FastAPI handler (``Service.create_record`` / ``update_record``), in a
-worker thread as a sync FastAPI handler runs, and the same response: ``reply_response``
-(status, ``ETag``, ``Idempotent-Replayed``), refusals rendered by ``problems.exception_response``
+``Service`` call as the FastAPI handler (``Service.create_record`` / ``update_record`` /
+``batch``), in a worker thread as the FastAPI handler runs it, and the same response:
+``reply_response`` (status, ``ETag``, ``Idempotent-Replayed``) or the batch's
+``batch_body``, refusals rendered by ``problems.exception_response``
 as the app's exception handlers render them. The request-duration histogram
 (``http_request_duration_seconds``) and the front door's counters see it as they see a
 FastAPI-served request.
@@ -33,8 +35,10 @@ from starlette.datastructures import URL
 from starlette.responses import Response
 from starlette.types import Scope, Send
 
-from memfuse.models import RecordCreate, RecordUpdate
+from memfuse.defs import BATCH_MAX_BYTES
+from memfuse.models import BatchRequest, RecordCreate, RecordUpdate
 from memfuse.server import routetable as table
+from memfuse.server.batch import batch_body
 from memfuse.server.routes.deps import reply_response
 from memfuse.server.service import Principal, Reply, Service, idempotency_request
 
@@ -66,7 +70,7 @@ class WritePath:
         if method not in ("POST", "PUT") or scope.get("query_string"):
             return False
         m = table.match(method, scope["path"])
-        if m is None or (m.route is not table.CREATE_RECORD and m.route is not table.UPDATE_RECORD):
+        if m is None or m.route not in _ROUTES:
             return False
         p: Principal | None = scope.get("memfuse.principal")  # the front door's
         if p is None or not body:
@@ -79,7 +83,9 @@ class WritePath:
                 headers[k] = v
         if b"x-memfuse-account" in headers:
             return False  # the root admin acting in an account: FastAPI's dependency does it
-        ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+        if m.route is table.BATCH:
+            return await self._batch(scope, body, send, p, m.params["store"], headers, start)
+        ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()  # as FastAPI reads it
         if ctype != _JSON:
             return False
         key = headers.get(b"idempotency-key", b"").decode("latin-1")
@@ -109,12 +115,42 @@ class WritePath:
             response = reply_response(reply)
         except Exception as e:  # rendered as the app's exception handlers would
             response = self.problem(e, scope)
+        await self._send(scope, send, response, m.route, start)
+        return True
+
+    async def _batch(self, scope: Scope, body: bytes, send: Send, p: Principal, store: str,
+                     headers: dict[bytes, bytes], start: float) -> bool:
+        """``POST .../batch`` as ``routes.records.batch`` serves it (the body read whatever its
+        content type); its refusals of the request itself (an ``Idempotency-Key``, a body
+        past ``BATCH_MAX_BYTES``, JSON or operations the model refuses) are FastAPI's."""
+        if headers.get(b"idempotency-key") or len(body) > BATCH_MAX_BYTES:
+            return False
+        try:
+            req = BatchRequest.model_validate(json.loads(body))
+        except (ValueError, ValidationError):
+            return False
+        svc = self.svc
+        response: Response
+        try:
+            if svc.token_upkeep_due():
+                await anyio.to_thread.run_sync(svc.token_upkeep)
+            replies = await anyio.to_thread.run_sync(svc.batch, p, store, req.operations)
+            response = Response(content=batch_body(replies), media_type="application/json")
+        except Exception as e:
+            response = self.problem(e, scope)
+        await self._send(scope, send, response, table.BATCH, start)
+        return True
+
+    async def _send(self, scope: Scope, send: Send, response: Response, route: table.Route,
+                    start: float) -> None:
         await response(scope, _no_receive, send)
         self.served += 1
         if self.histogram is not None:
-            self.histogram.labels(m.route.path, method, str(response.status_code)).observe(
+            self.histogram.labels(route.path, scope["method"], str(response.status_code)).observe(
                 time.perf_counter() - start)
-        return True
+
+
+_ROUTES = (table.CREATE_RECORD, table.UPDATE_RECORD, table.BATCH)
 
 
 async def _no_receive() -> dict[str, Any]:
