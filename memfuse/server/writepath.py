@@ -35,10 +35,10 @@ from starlette.datastructures import URL
 from starlette.responses import Response
 from starlette.types import Scope, Send
 
-from memfuse.defs import BATCH_MAX_BYTES
 from memfuse.models import BatchRequest, RecordCreate, RecordUpdate
 from memfuse.server import routetable as table
 from memfuse.server.batch import batch_body
+from memfuse.server.routes import records as record_routes
 from memfuse.server.routes.deps import reply_response
 from memfuse.server.service import Principal, Reply, Service, idempotency_request
 
@@ -122,8 +122,9 @@ class WritePath:
                      headers: dict[bytes, bytes], start: float) -> bool:
         """``POST .../batch`` as ``routes.records.batch`` serves it (the body read whatever its
         content type); its refusals of the request itself (an ``Idempotency-Key``, a body
-        past ``BATCH_MAX_BYTES``, JSON or operations the model refuses) are FastAPI's."""
-        if headers.get(b"idempotency-key") or len(body) > BATCH_MAX_BYTES:
+        past ``routes.records.BATCH_MAX_BYTES``, JSON or operations the model refuses) are FastAPI's."""
+        # the batch handler's own bound (one knob: routes.records.BATCH_MAX_BYTES)
+        if headers.get(b"idempotency-key") or len(body) > record_routes.BATCH_MAX_BYTES:
             return False
         try:
             req = BatchRequest.model_validate(json.loads(body))
