@@ -155,6 +155,12 @@ async def _scenario(fast: bool) -> tuple[list[tuple[Any, ...]], int]:
                 await send(c, "POST", batch, content=b"[", headers={"Content-Type": "application/json"})
                 await send(c, "POST", batch, json={"operations": [{"op": "explode"}]})
                 await send(c, "POST", batch, json={"operations": "no"})
+                # JSON nested past the parser's recursion limit: FastAPI's answer either way
+                deep = b"[" * 100_000 + b"]" * 100_000
+                await send(c, "POST", rec, content=deep, headers={"Content-Type": "application/json"})
+                await send(c, "POST", batch, content=deep, headers={"Content-Type": "application/json"})
+                deep_op = b'{"operations": [{"op": "create", "body": {"a": ' + b"[" * 50_000 + b"]" * 50_000 + b"}}]}"
+                await send(c, "POST", batch, content=deep_op, headers={"Content-Type": "application/json"})
             return answers, app.front.writes.served if fast else 0
         finally:
             app.state.service.db.dispose()
@@ -170,6 +176,9 @@ async def test_fast_path_answers_as_fastapi_does():
     assert statuses[:3] == [201, 201, 422]  # created, replayed, key reused
     assert ("idempotent-replayed", "true") in fast[1][3]
     assert {409, 404, 403, 413, 412, 507, 200} <= set(statuses)
+    # a batch body nested too deep to parse is a 422 (it was an unhandled 500)
+    assert [a[2] for a in fast[-2:]] == [422, 422]
+    assert all(json.loads(a[4])["code"] == "validation_error" for a in fast[-2:])
     # the fast path served the well-formed writes (22 of them) and batches (7), FastAPI the rest
     assert served == 29
 

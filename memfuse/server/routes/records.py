@@ -166,7 +166,7 @@ async def batch(svc: Svc, request: Request, store: StoreSlug, p: P) -> Response:
     try:  # json.loads, as FastAPI parses the single endpoints' bodies (lone surrogates
         # reach the content rules and become that operation's 422 invalid_content)
         req = BatchRequest.model_validate(json.loads(raw))
-    except ValueError as err:
+    except (ValueError, RecursionError) as err:  # RecursionError: JSON nested too deep to parse
         errors = err.errors(include_input=False) if isinstance(err, ValidationError) else [
             {"loc": ["body"], "msg": f"invalid JSON: {err}", "type": "json_invalid"}]
         raise RequestValidationError(errors) from None
