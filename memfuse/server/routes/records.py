@@ -13,7 +13,7 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 
 from memfuse import defs
-from memfuse.defs import BATCH_MAX_BYTES
+from memfuse.defs import BATCH_MAX_BYTES as BATCH_MAX_BYTES  # re-exported: the fast path reads it here too
 from memfuse.models import (
     BatchResponse,
     BatchRequest,
