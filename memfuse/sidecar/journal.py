@@ -356,6 +356,10 @@ class Journal:
         #: due, for the inserts queued and not written; ``run`` writes no later than the
         #: earliest
         self._held: dict[int, float] = {}
+        #: lazy writes are queued behind a held insert not due yet (a batch written for
+        #: lazy writes stops at it): they go when it is due, at most ``LAZY_DELAY + HOLD``
+        #: after the oldest of them
+        self._lazy_behind = False
         self.held_skipped = 0  # held inserts never written: their entry finished first
         self._lock = trio.Lock()
         self.error: CacheError | None = None  # the last write failure, None once one succeeds
@@ -689,6 +693,8 @@ class Journal:
         due = min(self._held.values(), default=None)
         if self._lazy_since is not None:
             lazy = self._lazy_since + self.LAZY_DELAY
+            if self._lazy_behind:
+                lazy += self.HOLD
             due = lazy if due is None else min(due, lazy)
         return due
 
@@ -720,17 +726,40 @@ class Journal:
             with contextlib.suppress(OSError):
                 self.witness.clear()
 
-    async def flush_pending(self) -> None:
+    async def flush_pending(self, *, due_only: bool = False) -> None:
         """Write everything queued so far in one transaction (from a worker thread).
+        ``due_only`` (nothing urgent queued: ``run`` woke for lazy writes or a held insert
+        that is due): stop before the first held insert not due yet, in order, unless the
+        oldest lazy write has waited ``LAZY_DELAY + HOLD`` already.
 
         Raises ``CacheError`` when the write fails; the batch then stays queued in front of
         later writes, and each of its entries carries the error in ``journal_error``."""
         async with self._lock:
-            batch, self._pending = self._pending, []
-            waiters, self._waiters = self._waiters, []
-            lazy_since, self._lazy_since = self._lazy_since, None
-            held, self._held = self._held, {}
-            self._unwritten = {}
+            cut = len(self._pending)
+            now = time.monotonic()
+            if due_only and self._held and (self._lazy_since is None or now < self._lazy_since
+                                            + self.LAZY_DELAY + self.HOLD):
+                for i, op in enumerate(self._pending):
+                    if op[2] is not None and self._held.get(op[2], 0.0) > now:
+                        cut = i
+                        break
+            batch, self._pending = self._pending[:cut], self._pending[cut:]
+            if self._pending:  # the rest: held inserts not due, what was queued after them
+                ids = {op[2] for op in batch if op[2] is not None}
+                waiters = [w for w in self._waiters if isinstance(w, Entry) and w.id in ids]
+                self._waiters = [w for w in self._waiters if not (isinstance(w, Entry) and w.id in ids)]
+                held = {i: self._held.pop(i) for i in ids if i in self._held}
+                self._unwritten = {op[2]: op for op in self._pending if op[2] is not None}
+                lazy_since = self._lazy_since
+                if not any(op[2] is None for op in self._pending):
+                    self._lazy_since = None
+                self._lazy_behind = self._lazy_since is not None
+            else:
+                waiters, self._waiters = self._waiters, []
+                lazy_since, self._lazy_since = self._lazy_since, None
+                held, self._held = self._held, {}
+                self._unwritten = {}
+                self._lazy_behind = False
             if batch:
                 try:
                     await trio.to_thread.run_sync(self._apply, batch)
@@ -740,6 +769,7 @@ class Journal:
                     if lazy_since is not None:
                         self._lazy_since = min(lazy_since, self._lazy_since or lazy_since)
                     self._held.update(held)
+                    self._lazy_behind = False
                     self._unwritten = {op[2]: op for op in self._pending if op[2] is not None}
                     if not isinstance(exc, Exception):
                         raise
@@ -759,7 +789,8 @@ class Journal:
     async def run(self) -> None:
         """Group-commit loop: wait for queued writes, apply them, repeat: every write queued
         while a batch is being written goes in the next one, so concurrent closes share one
-        fsync. Lazy writes alone (``_lazy``) wait up to ``LAZY_DELAY`` s for company. Never
+        fsync. Lazy writes alone (``_lazy``) wait up to ``LAZY_DELAY`` s for company, held
+        inserts (``add(hold=True)``) up to ``HOLD`` s for their entry to finish. Never
         returns; a failed write is retried with backoff (``RETRY_MIN`` .. ``RETRY_MAX`` s)."""
         delay = self.RETRY_MIN
         while True:
@@ -773,9 +804,9 @@ class Journal:
             self._wakeup = trio.Event()
             if not self._urgent and not self._pending and not self._waiters:
                 continue  # the held inserts finished first: nothing to write
-            self._urgent = False
+            urgent, self._urgent = self._urgent, False
             try:
-                await self.flush_pending()
+                await self.flush_pending(due_only=not urgent)
             except CacheError as err:
                 if self.metrics is not None:
                     self.metrics.cache_write_errors.labels(
