@@ -183,7 +183,7 @@ class LeanHTTP:
                 except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError) as exc:
                     raise httpx.ReadError(str(exc) or type(exc).__name__) from None
                 try:
-                    c.h11.receive_data(got)
+                    c.h11.receive_data(bytes(got))
                 except h11.RemoteProtocolError as exc:
                     raise httpx.RemoteProtocolError(str(exc)) from None
                 continue

@@ -746,7 +746,8 @@ class Journal:
             batch, self._pending = self._pending[:cut], self._pending[cut:]
             if self._pending:  # the rest: held inserts not due, what was queued after them
                 ids = {op[2] for op in batch if op[2] is not None}
-                waiters = [w for w in self._waiters if isinstance(w, Entry) and w.id in ids]
+                waiters: list[Entry | Barrier] = [w for w in self._waiters
+                                                  if isinstance(w, Entry) and w.id in ids]
                 self._waiters = [w for w in self._waiters if not (isinstance(w, Entry) and w.id in ids)]
                 held = {i: self._held.pop(i) for i in ids if i in self._held}
                 self._unwritten = {op[2]: op for op in self._pending if op[2] is not None}
