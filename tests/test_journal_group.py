@@ -22,6 +22,7 @@ import pytest
 import trio
 
 from memfuse.client import ApiClient
+from memfuse.errors import TransientError
 from memfuse.fake import FakeControlPlane
 from memfuse.sidecar.cachedir import CacheError
 from memfuse.sidecar.committer import Committer
@@ -255,18 +256,24 @@ async def test_a_crash_before_the_lazy_delete_replays_the_committed_entry_once(t
     assert Journal(db).load()[0] == []
 
 
+@pytest.mark.parametrize("hold", [False, True])
 @pytest.mark.parametrize("n", [1, 4])
-async def test_one_transaction_per_close_in_a_steady_stream(tmp_path, n):
+async def test_one_transaction_per_close_in_a_steady_stream(tmp_path, n, hold):
     """``n`` writers each close files one after another (each close waits for its commit),
     committed by the committer against the fake: the journal writes at most one transaction
-    per close (the deletes and key map rows ride along), not two."""
+    per close (the deletes and key map rows ride along), not two. With ``hold`` (the
+    committer holds inserts, ``Journal.HOLD``) the commits come first: no entry is written,
+    the key map rows go in a few lazy transactions (never spinning on a held insert that
+    blocks them), and every file's row is in the key map at the end."""
     fake = FakeControlPlane(seed=7)
     token = await fake.setup("ws")
     fake.faults.latency = 0.01  # a commit takes longer than the journal's write, as over HTTP
     async with ApiClient(fake.base_url, token, transport=fake.transport) as api:
         j = CountingJournal(tmp_path / "outbox.db")
-        j.LAZY_DELAY = 5.0  # a stall of the loaded machine between two closes writes nothing alone
+        j.LAZY_DELAY = 0.05 if hold else 5.0  # (without hold: a stall between two closes writes nothing alone)
         c = Committer(api, j, {})
+        c.hold_journal = hold
+        j.HOLD = 5.0  # longer than any commit of a loaded machine: every commit comes first
         per = 20
 
         async def writer(w: int) -> None:
@@ -284,7 +291,7 @@ async def test_one_transaction_per_close_in_a_steady_stream(tmp_path, n):
                 async with trio.open_nursery() as writers:
                     for w in range(n):
                         writers.start_soon(writer, w)
-                while rows(j):  # the last deletes, after at most LAZY_DELAY
+                while rows(j) or (hold and j.depth()):  # the last deletes (key map rows), after LAZY_DELAY
                     await trio.sleep(0.01)
                 nursery.cancel_scope.cancel()
         closes = n * per
@@ -294,4 +301,75 @@ async def test_one_transaction_per_close_in_a_steady_stream(tmp_path, n):
         bound = per + 3 if n == 1 else closes + 3
         assert len(j.batches) <= bound, (len(j.batches), closes)
         assert rows(j) == []
+        if hold:
+            assert j.held_skipped == closes
+            assert all(i is None for b in j.batches for _, i in b)
+            assert len(j.load()[1]) == closes
         j.close()
+
+
+async def test_a_held_insert_acknowledged_first_is_never_written(tmp_path):
+    """``Committer.hold_journal`` (a close that waits for the commit): the control plane
+    acknowledges each entry within ``Journal.HOLD``, so the journal never writes the entry
+    (its close returns on the acknowledgement; the row would be moot): no entry insert, no
+    delete, only the key map rows, in one lazy transaction, not one per close."""
+    fake = FakeControlPlane(seed=11)
+    token = await fake.setup("ws")
+    fake.faults.latency = 0.01
+    async with ApiClient(fake.base_url, token, transport=fake.transport) as api:
+        j = CountingJournal(tmp_path / "outbox.db")
+        j.HOLD = 10.0  # longer than any commit of a loaded machine
+        c = Committer(api, j, {})
+        c.hold_journal = True
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(j.run)
+                await nursery.start(c.run)
+                for i in range(20):
+                    e = c.submit("default", PUT, f"n:{i}", {"path": f"f{i}.md"}, b"x\n")
+                    await e.wait_accepted(30)  # as flush: returns on the acknowledgement
+                    assert e.done.is_set() and not e.durable.is_set() and e.errno == 0
+                while j.depth():  # the key map rows, after LAZY_DELAY
+                    await trio.sleep(0.01)
+                nursery.cancel_scope.cancel()
+        assert j.held_skipped == 20
+        assert all(i is None for b in j.batches for _, i in b), j.batches  # no entry row
+        assert len(j.batches) <= 3 and rows(j) == []
+        assert len(j.load()[1]) == 20  # the key map has every record
+        recs, _ = await api.snapshot("default")
+        assert len(recs) == 20
+        j.close()
+
+
+async def test_a_held_insert_is_written_when_due_or_when_the_control_plane_fails(tmp_path):
+    """No acknowledgement within ``HOLD``: the insert is written then, and the waiting
+    close returns once it is on disk (accepted), as without the hold. The committer learning
+    that the control plane is unreachable writes held inserts at once (``Journal.hurry``),
+    and entries submitted while it is unreachable are not held."""
+    j = CountingJournal(tmp_path / "outbox.db")
+    j.HOLD = 0.3
+    c = Committer(Offline(), j, {})
+    c.hold_journal = True
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(j.run)
+            t0 = trio.current_time()
+            e1 = c.submit("s", PUT, "n:1", {"path": "a.md"}, b"a\n")
+            await trio.sleep(0.1)
+            assert not e1.durable.is_set() and j.batches == []
+            await e1.wait_accepted(30)
+            assert e1.durable.is_set() and trio.current_time() - t0 >= j.HOLD - 0.01
+            assert rows(j) == [1]
+            j.HOLD = 30.0
+            e2 = c.submit("s", PUT, "n:2", {"path": "b.md"}, b"b\n")
+            await trio.sleep(0.05)
+            assert not e2.durable.is_set()
+            c._attempt_failed(TransientError("down", code="connect_error"))  # hurries the journal
+            with trio.fail_after(10):
+                await e2.wait_accepted(30)
+            e3 = c.submit("s", PUT, "n:3", {"path": "c.md"}, b"c\n")  # failing: not held
+            with trio.fail_after(10):
+                await e3.wait_accepted(30)
+            assert rows(j) == [1, 2, 3]
+            nursery.cancel_scope.cancel()
+    j.close()

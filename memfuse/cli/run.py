@@ -457,7 +457,7 @@ def _dev(mountpoint: Path, admin_listen: str | None, log_format: str, debug: boo
         from memfuse.devenv import agent_tools_hint
 
         click.echo(agent_tools_hint(shutil.which("memfuse") or sys.argv[0], base), err=True)
-        rc = run_mount(config, lambda: ApiClient(api_url, env.workspace_token, instance=actor))
+        rc = run_mount(config, lambda: ApiClient(api_url, env.workspace_token, instance=actor, lean=True))
     finally:
         server.stop()  # after the mount's drain, which commits through it
         # every pooled connection closed: SQLite checkpoints its WAL into dev.db and removes
@@ -679,7 +679,7 @@ def mount(
         fuse_fd=fuse_fd,
         start_timeout=start_timeout,
     )
-    rc = run_mount(config, lambda: ApiClient(control_plane, token, instance=inst))
+    rc = run_mount(config, lambda: ApiClient(control_plane, token, instance=inst, lean=True))
     sys.exit(rc)
 
 

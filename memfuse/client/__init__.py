@@ -30,7 +30,9 @@ TLS, :class:`~memfuse.client.base.ApiSession`: the request loop and authenticati
 :mod:`~memfuse.client.api` (:class:`ApiClient`: records and feeds endpoints, one short method
 per endpoint of docs/API.md in the same order) on :mod:`~memfuse.client.admin` (the admin
 endpoints), :mod:`~memfuse.client.stream` (:class:`PageStream`) and
-:mod:`~memfuse.client.retries` (the CLI's :func:`with_retries` and loop-less calls). Import
+:mod:`~memfuse.client.retries` (the CLI's :func:`with_retries` and loop-less calls), and
+:mod:`~memfuse.client.lean` (the lean HTTP/1.1 path of ``ApiClient(lean=True)``: the
+sidecar's commits). Import
 every name from ``memfuse.client``: the split into modules is not part of the interface.
 """
 from __future__ import annotations

@@ -80,6 +80,11 @@ class ApiClient(AdminEndpoints):
         instance: sidecar id sent as ``X-Memfuse-Instance`` (recorded in version actors).
         timeout: seconds for connect, read, write and pool waits of ordinary calls. Long-poll
             calls (``wait > 0``) get a read timeout of ``wait + timeout``.
+        lean: send ordinary requests without query parameters (the sidecar's commits: one
+            small request per ``close(2)``) through :class:`~memfuse.client.lean.LeanHTTP`
+            (pooled HTTP/1.1 framed by h11, ~5x less client CPU than httpx per request),
+            unless ``transport`` is given or a proxy is configured in the environment;
+            answers and errors are the same. Default False (httpx for everything).
 
     Use as ``async with ApiClient(...) as api:`` or call :meth:`aclose`. Every method raises
     :class:`TransientError` or :class:`PermanentError` (see the module docstring); none retries

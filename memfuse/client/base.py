@@ -32,6 +32,7 @@ from ..errors import (
     Unauthorized,
 )
 from ..tokenfile import TokenFile
+from .lean import LeanHTTP, proxy_configured
 from ..wire import (
     Attachment,
     ChangePage,
@@ -349,6 +350,7 @@ class ApiSession:
         transport: httpx.AsyncBaseTransport | None = None,
         instance: str | None = None,
         timeout: float = 30.0,
+        lean: bool = False,
     ) -> None:
         headers = {"User-Agent": f"memfuse/{_version}", "Accept": "application/json"}
         self.token_file: TokenFile | None = token if isinstance(token, TokenFile) else None
@@ -380,6 +382,11 @@ class ApiSession:
             limits=httpx.Limits(max_connections=200, max_keepalive_connections=50),
             follow_redirects=False,
         )
+        #: the lean HTTP/1.1 path for ordinary requests (``lean.LeanHTTP``), when asked for
+        #: (``lean=True``: the sidecar) and usable: no custom transport, no proxy configured
+        self._lean: LeanHTTP | None = None
+        if lean and transport is None and not proxy_configured():
+            self._lean = LeanHTTP(self.base_url, tls_context(self.base_url), self.timeout)
 
     def set_instance(self, instance: str) -> None:
         """Send ``X-Memfuse-Instance: instance`` from now on (the sidecar id on versions)."""
@@ -418,6 +425,8 @@ class ApiSession:
     async def aclose(self) -> None:
         """Close the connection pool. Idempotent."""
         await self._http.aclose()
+        if self._lean is not None:
+            await self._lean.aclose()
 
     # ------------------------------------------------------------ plumbing
 
@@ -457,6 +466,9 @@ class ApiSession:
             kwargs["content"] = encode(body, exclude_none=exclude_none)
             headers["Content-Type"] = "application/json"
         tf = self.token_file
+        # ordinary requests without query parameters take the lean path when there is one
+        lean = self._lean if (self._lean is not None and not params and timeout is None
+                               and not stream) else None
         for attempt in (1, 2):
             generation = None
             if tf is not None:
@@ -469,7 +481,12 @@ class ApiSession:
                 rid = self._next_request
                 self._waiting[rid] = time.monotonic()
             try:
-                resp = await self._http.send(self._http.build_request(method, path, **kwargs), stream=stream)
+                if lean is not None:
+                    merged = {k: v for k, v in self._http.headers.items() if k != "accept-encoding"}
+                    merged.update((k.lower(), v) for k, v in headers.items())
+                    resp = await lean.send(method, path, list(merged.items()), kwargs.get("content"))
+                else:
+                    resp = await self._http.send(self._http.build_request(method, path, **kwargs), stream=stream)
                 if stream and not resp.is_success:
                     await resp.aread()
             except httpx.HTTPError as exc:

@@ -128,6 +128,11 @@ class Committer:
         #: was answered (or none was made yet), else since when (``time.time()``) and why
         #: its attempts fail transiently (``unreachable``: ``{"since", "error"}``)
         self.unreachable: dict[str, Any] | None = None
+        #: ask the journal to hold each new entry's insert (``Journal.add(hold=True)``) while
+        #: the control plane answers: set by the filesystem when a close waits for the
+        #: commit (``--commit-wait`` well above ``Journal.HOLD``), so a write acknowledged
+        #: within ``Journal.HOLD`` costs no journal transaction (docs/SEMANTICS.md)
+        self.hold_journal = False
 
     # --- the control plane's reachability, as the outbox sees it ------------------------------
     @property
@@ -148,6 +153,7 @@ class Committer:
             self.unreachable["error"] = why
             return
         self.unreachable = {"since": time.time(), "error": why}
+        self.journal.hurry()  # no acknowledgement is coming soon: make held entries durable
         log.warning("control plane unreachable for commits; closes return once their write "
                     "is accepted", extra={"status": err.status, "code": why,
                                           "depth": self.depth()})
@@ -231,7 +237,8 @@ class Committer:
         e = Entry(id=self._seq, store=store, op=op, node_key=node_key, args=args, content=content,
                   sha=sha, append_base=append_base)
         # the witness notes the record id and base the entry is written on (Journal.recover)
-        self.journal.add(e, self.ids.get(node_key, store) if node_key is not None else None)
+        self.journal.add(e, self.ids.get(node_key, store) if node_key is not None else None,
+                         hold=self.hold_journal and self.unreachable is None)
         self._enqueue(e)
         return e
 

@@ -154,6 +154,10 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
                                    base_content=self._cached_blob, backoff_max=backoff_max,
                                    metrics=metrics)
         self.settings = settings or Settings()
+        # a close that waits for the commit need not wait for the journal too when the
+        # acknowledgement comes first (Journal.HOLD); with --commit-wait 0 (or near it) the
+        # close waits only for the journal, which then writes at once
+        self.committer.hold_journal = self.settings.commit_wait > 2 * journal.HOLD
         self.workspace = workspace
         self.inodes = {}
         self.by_key = {}

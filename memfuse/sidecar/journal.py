@@ -264,6 +264,15 @@ class Journal:
     #: delete, a key map row) and its transaction, when no ``close`` comes to carry it
     LAZY_DELAY = 0.25
     RETRY_MIN, RETRY_MAX = 0.1, 2.0  # s: backoff of a failed batch
+    #: s an entry's insert may wait for its commit when ``add`` is asked to hold it
+    #: (``hold=True``: the control plane answers and the close waits for it): an entry
+    #: the control plane acknowledges within this time is never written here (its close
+    #: returns on the acknowledgement; the journal row would be moot), one still unanswered
+    #: is written then (its close returns only after that, or after the acknowledgement).
+    #: Longer than a healthy commit (~5-15 ms on loopback; ~100 ms on a loaded machine),
+    #: short beside ``--commit-wait``
+    #: (docs/SEMANTICS.md, "Writes and close": the crash windows)
+    HOLD = 0.2
 
     def __init__(self, path: Path, metrics: Any = None) -> None:
         self.path = path
@@ -343,6 +352,15 @@ class Journal:
         #: every queued write woke ``run``
         self._lazy_since: float | None = None
         self._urgent = False  # a write queued since the last batch wants it written now
+        #: entry id -> when (``time.monotonic()``) its held insert (``add(hold=True)``) is
+        #: due, for the inserts queued and not written; ``run`` writes no later than the
+        #: earliest
+        self._held: dict[int, float] = {}
+        #: lazy writes are queued behind a held insert not due yet (a batch written for
+        #: lazy writes stops at it): they go when it is due, at most ``LAZY_DELAY + HOLD``
+        #: after the oldest of them
+        self._lazy_behind = False
+        self.held_skipped = 0  # held inserts never written: their entry finished first
         self._lock = trio.Lock()
         self.error: CacheError | None = None  # the last write failure, None once one succeeds
         self.failures = 0  # failed batch writes since start
@@ -589,10 +607,13 @@ class Journal:
         return len(self._pending)
 
     # --- queued writes, applied in order by run() -------------------------------------------
-    def add(self, e: Entry, ident: tuple[str | None, str | None] | None = None) -> None:
+    def add(self, e: Entry, ident: tuple[str | None, str | None] | None = None, *,
+            hold: bool = False) -> None:
         """Queue the insert of entry ``e`` (written by ``run`` in the next batch; ``e.durable``
         is set once it is on disk, its witness line too). ``ident``: the (record id, base
-        sha256) its node key maps to now, noted in the witness. Never blocks, never raises."""
+        sha256) its node key maps to now, noted in the witness. ``hold``: the insert does not
+        start a transaction for ``HOLD`` s (it goes with any batch written meanwhile); if
+        ``e`` finishes first (``remove``) it is never written. Never blocks, never raises."""
         line = {"i": e.id, "k": e.key, "s": e.store, "o": e.op, "n": e.node_key, "a": e.args,
                 "t": e.created, "h": e.content_sha(),
                 "r": ident[0] if ident else None, "b": ident[1] if ident else None}
@@ -613,7 +634,11 @@ class Journal:
         self._pending.append(op)
         self._unwritten[e.id] = op
         self._waiters.append(e)
-        self._wake()
+        if hold and self.HOLD > 0:
+            self._held[e.id] = time.monotonic() + self.HOLD
+            self._wakeup.set()  # not urgent: ``run`` waits until it is due, or for company
+        else:
+            self._wake()
 
     def remove(self, e: Entry) -> None:
         """The entry finished: delete its row (or never write it, when still queued). The
@@ -625,6 +650,8 @@ class Journal:
             self._pending.remove(op)
             if e in self._waiters:
                 self._waiters.remove(e)
+            if self._held.pop(e.id, None) is not None:
+                self.held_skipped += 1
             return
         self._pending.append(["DELETE FROM entries WHERE id=?", (e.id,), None, {"d": e.id}])
         self._lazy()
@@ -652,6 +679,24 @@ class Journal:
         """A queued write someone waits for (or a retry): ``run`` writes the batch now."""
         self._urgent = True
         self._wakeup.set()
+
+    def hurry(self) -> None:
+        """Write held inserts (``add(hold=True)``) now: their closes will not get an
+        acknowledgement soon (the committer learnt the control plane is unreachable)."""
+        if self._held:
+            self._wake()
+
+    def _due(self) -> float | None:
+        """When (``time.monotonic()``) the queued writes must be written at the latest
+        without an urgent one: the earliest held insert's due time, or ``LAZY_DELAY`` after
+        the oldest lazy write; None when nothing non-urgent is queued."""
+        due = min(self._held.values(), default=None)
+        if self._lazy_since is not None:
+            lazy = self._lazy_since + self.LAZY_DELAY
+            if self._lazy_behind:
+                lazy += self.HOLD
+            due = lazy if due is None else min(due, lazy)
+        return due
 
     def _apply(self, batch: list[list[Any]]) -> None:
         self._db.execute("BEGIN IMMEDIATE")
@@ -681,16 +726,41 @@ class Journal:
             with contextlib.suppress(OSError):
                 self.witness.clear()
 
-    async def flush_pending(self) -> None:
+    async def flush_pending(self, *, due_only: bool = False) -> None:
         """Write everything queued so far in one transaction (from a worker thread).
+        ``due_only`` (nothing urgent queued: ``run`` woke for lazy writes or a held insert
+        that is due): stop before the first held insert not due yet, in order, unless the
+        oldest lazy write has waited ``LAZY_DELAY + HOLD`` already.
 
         Raises ``CacheError`` when the write fails; the batch then stays queued in front of
         later writes, and each of its entries carries the error in ``journal_error``."""
         async with self._lock:
-            batch, self._pending = self._pending, []
-            waiters, self._waiters = self._waiters, []
-            lazy_since, self._lazy_since = self._lazy_since, None
-            self._unwritten = {}
+            cut = len(self._pending)
+            now = time.monotonic()
+            if due_only and self._held and (self._lazy_since is None or now < self._lazy_since
+                                            + self.LAZY_DELAY + self.HOLD):
+                for i, op in enumerate(self._pending):
+                    if op[2] is not None and self._held.get(op[2], 0.0) > now:
+                        cut = i
+                        break
+            batch, self._pending = self._pending[:cut], self._pending[cut:]
+            if self._pending:  # the rest: held inserts not due, what was queued after them
+                ids = {op[2] for op in batch if op[2] is not None}
+                waiters: list[Entry | Barrier] = [w for w in self._waiters
+                                                  if isinstance(w, Entry) and w.id in ids]
+                self._waiters = [w for w in self._waiters if not (isinstance(w, Entry) and w.id in ids)]
+                held = {i: self._held.pop(i) for i in ids if i in self._held}
+                self._unwritten = {op[2]: op for op in self._pending if op[2] is not None}
+                lazy_since = self._lazy_since
+                if not any(op[2] is None for op in self._pending):
+                    self._lazy_since = None
+                self._lazy_behind = self._lazy_since is not None
+            else:
+                waiters, self._waiters = self._waiters, []
+                lazy_since, self._lazy_since = self._lazy_since, None
+                held, self._held = self._held, {}
+                self._unwritten = {}
+                self._lazy_behind = False
             if batch:
                 try:
                     await trio.to_thread.run_sync(self._apply, batch)
@@ -699,6 +769,8 @@ class Journal:
                     self._waiters[:0] = waiters
                     if lazy_since is not None:
                         self._lazy_since = min(lazy_since, self._lazy_since or lazy_since)
+                    self._held.update(held)
+                    self._lazy_behind = False
                     self._unwritten = {op[2]: op for op in self._pending if op[2] is not None}
                     if not isinstance(exc, Exception):
                         raise
@@ -718,21 +790,24 @@ class Journal:
     async def run(self) -> None:
         """Group-commit loop: wait for queued writes, apply them, repeat: every write queued
         while a batch is being written goes in the next one, so concurrent closes share one
-        fsync. Lazy writes alone (``_lazy``) wait up to ``LAZY_DELAY`` s for company. Never
+        fsync. Lazy writes alone (``_lazy``) wait up to ``LAZY_DELAY`` s for company, held
+        inserts (``add(hold=True)``) up to ``HOLD`` s for their entry to finish. Never
         returns; a failed write is retried with backoff (``RETRY_MIN`` .. ``RETRY_MAX`` s)."""
         delay = self.RETRY_MIN
         while True:
             await self._wakeup.wait()
-            if not self._urgent and self._lazy_since is not None:
-                # only lazy writes queued: write them with the next batch, or after LAZY_DELAY
+            # only lazy writes or held inserts queued: write them with the next urgent batch,
+            # or when the first of them is due (LAZY_DELAY, HOLD)
+            while not self._urgent and (due := self._due()) is not None and due > time.monotonic():
                 self._wakeup = trio.Event()
-                with trio.move_on_at(trio.current_time() + max(
-                        0.0, self._lazy_since + self.LAZY_DELAY - time.monotonic())):
+                with trio.move_on_after(due - time.monotonic()):
                     await self._wakeup.wait()
             self._wakeup = trio.Event()
-            self._urgent = False
+            if not self._urgent and not self._pending and not self._waiters:
+                continue  # the held inserts finished first: nothing to write
+            urgent, self._urgent = self._urgent, False
             try:
-                await self.flush_pending()
+                await self.flush_pending(due_only=not urgent)
             except CacheError as err:
                 if self.metrics is not None:
                     self.metrics.cache_write_errors.labels(

@@ -1,0 +1,204 @@
+"""A lean HTTP/1.1 path for the sidecar's ordinary requests: pooled keep-alive connections
+framed by h11 (the protocol state machine httpx's own transport, httpcore, uses), on trio
+streams (TCP, TLS through ``trio.SSLStream`` with the client's ``ssl.SSLContext``).
+
+Why: the outbox sends one small request per ``close(2)`` when one file is written at a time
+(create, update, append, batch). Through ``httpx.AsyncClient`` such a request cost ~2 ms of
+client CPU on the benchmark machine (URL and header models, the connection pool's locks and
+events, the response model, several trio hops); the same request framed by h11 directly cost
+~0.4 ms (bench/README.md, "The close path"). What the caller sees does not change:
+``LeanHTTP.send`` returns an ``httpx.Response`` (status, headers, body read in full) and
+raises the ``httpx`` exception httpx would raise for the same failure (``ConnectError``,
+``ConnectTimeout``, ``ReadTimeout``, ``WriteTimeout``, ``ReadError``, ``WriteError``,
+``RemoteProtocolError``, ``LocalProtocolError``), so ``ApiSession`` classifies answers and
+failures exactly as for httpx (``base._transport_error``, ``base._http_error``).
+
+Scope (``ApiSession._request`` decides): ordinary requests only (no stream, no long poll, no
+query parameters), with no custom ``transport`` and no proxy configured in the environment
+(httpx honours ``HTTP(S)_PROXY`` / ``ALL_PROXY``; this path does not, so it stays off then).
+Everything else goes through httpx.
+
+Connections: at most ``MAX_IDLE`` idle connections are kept; one is reused only while its
+socket shows nothing to read (a server that closed an idle keep-alive connection makes it
+readable: it is dropped, as httpcore does). A request is never sent twice here: a failure
+after the request may have left is raised (the caller's idempotency key covers a retry).
+"""
+from __future__ import annotations
+
+import os
+import ssl
+from urllib.parse import urlsplit
+
+import h11
+import httpx
+import trio
+
+#: idle keep-alive connections kept for reuse
+MAX_IDLE = 8
+#: bytes read per ``receive_some``
+READ_SIZE = 65536
+_PROXY_VARS = ("http_proxy", "https_proxy", "all_proxy")
+
+
+def proxy_configured() -> bool:
+    """Whether the environment names a proxy httpx would use (``HTTP_PROXY``,
+    ``HTTPS_PROXY``, ``ALL_PROXY``, either case): the lean path is then not used."""
+    return any(os.environ.get(v) or os.environ.get(v.upper()) for v in _PROXY_VARS)
+
+
+class _Conn:
+    """One HTTP/1.1 connection: a trio stream and its h11 state machine."""
+
+    __slots__ = ("stream", "h11", "sock")
+
+    def __init__(self, stream: trio.abc.Stream, sock: trio.socket.SocketType) -> None:
+        self.stream = stream
+        self.sock = sock
+        self.h11 = h11.Connection(h11.CLIENT)
+
+    def reusable(self) -> bool:
+        """Idle and still open as far as the socket tells: nothing to read (an EOF or stray
+        bytes from the server make it readable)."""
+        try:
+            return not self.sock.is_readable()
+        except OSError:
+            return False
+
+    async def aclose(self) -> None:
+        with trio.CancelScope(shield=True):
+            try:
+                await trio.aclose_forcefully(self.stream)
+            except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+
+
+class LeanHTTP:
+    """Pooled HTTP/1.1 requests to one origin (``base_url``: ``http://`` or ``https://``
+    host, port and an optional path prefix). ``ssl_context`` is used for ``https``;
+    ``timeout`` (s) bounds the connect, each write and each read, as ``httpx.Timeout(timeout)``
+    does. Not thread-safe; one trio run."""
+
+    def __init__(self, base_url: str, ssl_context: ssl.SSLContext | None, timeout: float) -> None:
+        u = urlsplit(base_url)
+        if u.scheme not in ("http", "https") or not u.hostname:
+            raise ValueError(f"not an http(s) origin: {u.scheme}://...")
+        self.https = u.scheme == "https"
+        self.host = u.hostname
+        self.port = u.port or (443 if self.https else 80)
+        self.prefix = u.path.rstrip("/")
+        default_port = self.port == (443 if self.https else 80)
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        self.host_header = host if default_port else f"{host}:{self.port}"
+        self.ssl_context = ssl_context
+        self.timeout = float(timeout)
+        self._idle: list[_Conn] = []
+        self.connections_opened = 0  # for tests and status: how often a connection was made
+
+    async def aclose(self) -> None:
+        """Close the idle connections. Idempotent."""
+        idle, self._idle = self._idle, []
+        for c in idle:
+            await c.aclose()
+
+    async def _connect(self) -> _Conn:
+        try:
+            with trio.fail_after(self.timeout):
+                tcp = await trio.open_tcp_stream(self.host, self.port)
+                stream: trio.abc.Stream = tcp
+                if self.https:
+                    ctx = self.ssl_context or ssl.create_default_context()
+                    tls = trio.SSLStream(tcp, ctx, server_hostname=self.host, https_compatible=True)
+                    await tls.do_handshake()
+                    stream = tls
+        except trio.TooSlowError:
+            raise httpx.ConnectTimeout("timed out connecting") from None
+        except (OSError, trio.BrokenResourceError, ssl.SSLError) as exc:
+            raise httpx.ConnectError(str(exc) or type(exc).__name__) from None
+        self.connections_opened += 1
+        return _Conn(stream, tcp.socket)
+
+    async def _take(self) -> _Conn:
+        while self._idle:
+            c = self._idle.pop()
+            if c.reusable():
+                return c
+            await c.aclose()
+        return await self._connect()
+
+    async def send(self, method: str, path: str, headers: list[tuple[str, str]],
+                   content: bytes | None) -> httpx.Response:
+        """Send one request (``path`` below the base URL's prefix; ``headers`` without
+        ``Host`` and ``Content-Length``, added here) and read its whole answer. Returns an
+        ``httpx.Response``; raises ``httpx.TransportError`` subclasses as httpx would."""
+        body = content or b""
+        hdrs = [("Host", self.host_header), *headers]
+        if content is not None or method in ("POST", "PUT", "PATCH"):
+            hdrs.append(("Content-Length", str(len(body))))
+        c = await self._take()
+        ok = False
+        try:
+            try:
+                data = c.h11.send(h11.Request(method=method, target=self.prefix + path, headers=hdrs))
+                assert data is not None
+                if body:
+                    data += c.h11.send(h11.Data(data=body)) or b""
+                data += c.h11.send(h11.EndOfMessage()) or b""
+            except h11.LocalProtocolError as exc:
+                raise httpx.LocalProtocolError(str(exc)) from None
+            try:
+                with trio.fail_after(self.timeout):
+                    await c.stream.send_all(data)
+            except trio.TooSlowError:
+                raise httpx.WriteTimeout("timed out sending the request") from None
+            except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError) as exc:
+                raise httpx.WriteError(str(exc) or type(exc).__name__) from None
+            resp = await self._receive(c)
+            ok = True
+        finally:
+            if not ok:
+                await c.aclose()
+        if c.h11.our_state is h11.DONE and c.h11.their_state is h11.DONE and len(self._idle) < MAX_IDLE:
+            c.h11.start_next_cycle()
+            self._idle.append(c)
+        else:
+            await c.aclose()
+        return resp
+
+    async def _receive(self, c: _Conn) -> httpx.Response:
+        status = 0
+        reason = b""
+        headers: list[tuple[bytes, bytes]] = []
+        chunks: list[bytes] = []
+        while True:
+            try:
+                ev = c.h11.next_event()
+            except h11.RemoteProtocolError as exc:
+                raise httpx.RemoteProtocolError(str(exc)) from None
+            if ev is h11.NEED_DATA:
+                try:
+                    with trio.fail_after(self.timeout):
+                        got = await c.stream.receive_some(READ_SIZE)
+                except trio.TooSlowError:
+                    raise httpx.ReadTimeout("timed out reading the answer") from None
+                except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError) as exc:
+                    raise httpx.ReadError(str(exc) or type(exc).__name__) from None
+                try:
+                    c.h11.receive_data(bytes(got))
+                except h11.RemoteProtocolError as exc:
+                    raise httpx.RemoteProtocolError(str(exc)) from None
+                continue
+            if isinstance(ev, h11.InformationalResponse):
+                continue
+            if isinstance(ev, h11.Response):
+                status, reason, headers = ev.status_code, ev.reason, list(ev.headers)
+            elif isinstance(ev, h11.Data):
+                chunks.append(bytes(ev.data))
+            elif isinstance(ev, h11.EndOfMessage):
+                break
+            elif isinstance(ev, h11.ConnectionClosed):
+                raise httpx.RemoteProtocolError("server disconnected without sending a complete answer")
+            else:  # pragma: no cover - h11 emits no other client-side events
+                raise httpx.RemoteProtocolError(f"unexpected event {type(ev).__name__}")
+        resp = httpx.Response(status, headers=headers, content=b"".join(chunks))
+        resp.extensions["reason_phrase"] = reason
+        return resp

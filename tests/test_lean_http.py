@@ -1,0 +1,207 @@
+"""The client's lean HTTP/1.1 path (``memfuse/client/lean.py``, ``ApiClient(lean=True)``: the
+sidecar's commits) answers and fails exactly as the httpx path does: against a real
+``memfuse serve`` (records, batch, refusals, authentication, the instance header, connection
+reuse) and against hand-made servers that misbehave on the wire (refused connection, no
+answer, a connection closed before or after an answer, garbage, 503 with ``Retry-After``).
+Each case runs through both paths and compares what the caller sees."""
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+import trio
+
+from memfuse.client import ApiClient
+from memfuse.errors import ApiError, Conflict, PreconditionFailed, TransientError, Unauthorized
+
+from mountutil import ControlPlane
+
+
+def _both(url: str, token: str | None, **kw: Any) -> tuple[ApiClient, ApiClient]:
+    lean = ApiClient(url, token, lean=True, **kw)
+    assert lean._lean is not None
+    plain = ApiClient(url, token, **kw)
+    assert plain._lean is None
+    return lean, plain
+
+
+def _shape(err: BaseException) -> tuple[Any, ...]:
+    assert isinstance(err, ApiError), repr(err)
+    return (type(err).__name__, err.status, err.code, err.retry_after)
+
+
+async def _outcome(call: Callable[[], Awaitable[Any]]) -> Any:
+    try:
+        return await call()
+    except ApiError as e:
+        return _shape(e)
+
+
+@pytest.fixture
+def cp(tmp_path):
+    c = ControlPlane(tmp_path).start()
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.mark.timeout(120)
+def test_lean_path_against_memfuse_serve(cp):
+    """Creates, updates, appends, a batch and reads through the lean path over one pooled
+    connection; refusals (409, 412, 401, 404) raise the same classes and codes as through
+    httpx; the instance header reaches the version's actor."""
+    token = cp.setup_workspace("ws").read_text().strip()
+    trio.run(_against_serve, cp.url, token)
+
+
+async def _against_serve(url: str, token: str) -> None:
+    lean, plain = _both(url, token, instance="lean-1")
+    async with lean, plain:
+        recs = [await lean.create_record("default", f"n/{i}.md", f"# {i}\n", idempotency_key=f"k{i}")
+                for i in range(20)]
+        assert lean._lean is not None and lean._lean.connections_opened == 1
+        assert recs[0].updated_by.endswith("/lean-1")
+        # the same key answers the same record (the stored response), through either path
+        again = await plain.create_record("default", "n/0.md", "# 0\n", idempotency_key="k0")
+        assert again.id == recs[0].id and again.sha256 == recs[0].sha256
+        r = await lean.update_record("default", recs[1].id, "# 1 bis\n", if_match=recs[1].sha256)
+        r = await lean.append_record("default", r.id, "more\n", if_match=r.sha256)
+        got = await plain.get_record("default", r.id)
+        assert got.content == "# 1 bis\nmore\n" and got.sha256 == r.sha256
+        ops = [lean.batch_create(f"b/{i}.md", f"b{i}\n", idempotency_key=f"b{i}") for i in range(5)]
+        out = await lean.batch("default", ops)
+        assert all(getattr(o, "path", None) == f"b/{i}.md" for i, o in enumerate(out))
+        for call in (lambda c: c.create_record("default", "n/3.md", "dup\n"),
+                     lambda c: c.update_record("default", recs[4].id, "x\n", if_match="0" * 64),
+                     lambda c: c.create_record("nostore", "a.md", "x\n"),
+                     lambda c: c.delete_record("default", "r_missing")):
+            a, b = await _outcome(lambda: call(lean)), await _outcome(lambda: call(plain))
+            assert a == b, (a, b)
+        with pytest.raises(Conflict):
+            await lean.create_record("default", "n/5.md", "dup\n")
+        with pytest.raises(PreconditionFailed):
+            await lean.update_record("default", recs[6].id, "x\n", if_match="1" * 64)
+        assert lean._lean.connections_opened == 1  # refusals keep the connection
+    bad_lean, bad_plain = _both(url, "mf_not_a_token")
+    async with bad_lean, bad_plain:
+        a = await _outcome(lambda: bad_lean.create_record("default", "z.md", "x\n"))
+        b = await _outcome(lambda: bad_plain.create_record("default", "z.md", "x\n"))
+        assert a == b and a[0] == Unauthorized.__name__
+        assert bad_lean.auth_failure is not None and bad_lean.auth_failures == 1
+
+
+# ---------------------------------------------------------------- misbehaving servers
+
+_OK = (b"HTTP/1.1 201 Created\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n")
+
+
+def _record_body(path: str) -> bytes:
+    return (b'{"id":"r_1","store":"default","path":"%s","type":"note","size":2,"sha256":"%s",'
+            b'"version":1,"created_at":"2026-12-02T00:00:00Z","updated_at":"2026-12-02T00:00:00Z",'
+            b'"updated_by":"ws:ws/x","seq":1,"content":null}' % (path.encode(), b"0" * 64))
+
+
+async def _read_request(stream: trio.SocketStream) -> bool:
+    """Read one whole request (headers and a Content-Length body); False at EOF."""
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        got = await stream.receive_some(65536)
+        if not got:
+            return False
+        buf += got
+    head, _, body = buf.partition(b"\r\n\r\n")
+    n = 0
+    for line in head.split(b"\r\n")[1:]:
+        k, _, v = line.partition(b":")
+        if k.strip().lower() == b"content-length":
+            n = int(v)
+    while len(body) < n:
+        body += await stream.receive_some(65536)
+    return True
+
+
+async def _serve(behaviour: str, nursery: trio.Nursery) -> int:
+    """A server on a free port that answers every request as ``behaviour`` says."""
+    async def handler(stream: trio.SocketStream) -> None:
+        try:
+            while await _read_request(stream):
+                if behaviour == "silent":
+                    await trio.sleep_forever()
+                if behaviour == "close":
+                    return
+                if behaviour == "garbage":
+                    await stream.send_all(b"NOT HTTP AT ALL\r\n\r\n")
+                    return
+                if behaviour == "503":
+                    body = b'{"type":"about:blank","title":"busy","status":503,"code":"busy"}'
+                    await stream.send_all(b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 7\r\n"
+                                          b"Content-Type: application/problem+json\r\n"
+                                          b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                    continue
+                body = _record_body("a.md")
+                await stream.send_all(_OK % len(body) + body)
+                if behaviour == "answer-then-close":
+                    return
+        except trio.BrokenResourceError:
+            pass
+        finally:
+            await stream.aclose()
+
+    listeners = await nursery.start(trio.serve_tcp, handler, 0)
+    return int(listeners[0].socket.getsockname()[1])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("behaviour", ["silent", "close", "garbage", "503", "refused"])
+async def test_wire_failures_classified_as_httpx_does(behaviour):
+    """Each failure reaches the caller as the same ``ApiError`` (class, status, code,
+    ``Retry-After``) through the lean path as through httpx."""
+    async with trio.open_nursery() as nursery:
+        if behaviour == "refused":
+            s = trio.socket.socket()
+            await s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+            s.close()  # nothing listens there
+        else:
+            port = await _serve(behaviour, nursery)
+        lean, plain = _both(f"http://127.0.0.1:{port}", "t", timeout=0.5)
+        async with lean, plain:
+            a = await _outcome(lambda: lean.create_record("default", "a.md", "x\n"))
+            b = await _outcome(lambda: plain.create_record("default", "a.md", "x\n"))
+        assert a == b, (a, b)
+        assert a[0] == TransientError.__name__
+        want = {"silent": "read_timeout", "close": "protocol_error", "garbage": "protocol_error",
+                "503": "busy", "refused": "connect_error"}[behaviour]
+        assert a[2] == want
+        if behaviour == "503":
+            assert a[3] == 7.0
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.timeout(60)
+async def test_connection_closed_by_the_server_after_an_answer_is_not_reused():
+    """A server that closes its side after answering (idle keep-alive expiry): the next
+    request opens a new connection instead of failing on the dead one."""
+    async with trio.open_nursery() as nursery:
+        port = await _serve("answer-then-close", nursery)
+        async with ApiClient(f"http://127.0.0.1:{port}", "t", lean=True, timeout=5) as c:
+            assert c._lean is not None
+            for _ in range(3):
+                rec = await c.create_record("default", "a.md", "x\n")
+                assert rec.path == "a.md"
+                await trio.sleep(0.05)  # the server's FIN arrives
+            assert c._lean.connections_opened == 3
+        nursery.cancel_scope.cancel()
+
+
+def test_lean_path_off_with_a_proxy_or_a_transport(monkeypatch):
+    """A proxy in the environment (which httpx would use) or a custom transport: httpx."""
+    import httpx
+
+    assert ApiClient("http://127.0.0.1:1", "t", lean=True)._lean is not None
+    assert ApiClient("http://127.0.0.1:1", "t", lean=True,
+                     transport=httpx.MockTransport(lambda r: httpx.Response(200)))._lean is None
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.example:3128")
+    assert ApiClient("http://127.0.0.1:1", "t", lean=True)._lean is None
