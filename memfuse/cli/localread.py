@@ -26,7 +26,8 @@ Served (admin only: local mode is admin): ``GET /v1/stores``, ``/v1/stores/{s}``
 ``.../records/{id}/versions/{n}``, ``/v1/tokens[?workspace=&include_revoked=]`` and
 ``/v1/stores/{s}/search`` in path order (``--rank`` goes the full way), ``/v1/workspaces``
 and ``/v1/workspaces/{ws}/attachments``; all but the tokens only while every store's key is
-its name (no two accounts share a store name: ``memfuse.server.keys``).
+its name (no two accounts share a store name: ``memfuse.server.keys``), and all only while
+every workspace's key is its name.
 """
 from __future__ import annotations
 
@@ -230,6 +231,10 @@ class LocalReadTransport(httpx.AsyncBaseTransport):
         return _row(row, cols)
 
     def _answer(self, p: list[str], q: dict[str, str]) -> Any:
+        if self._conn.execute("SELECT 1 FROM workspaces WHERE instr(name, '~') > 0 LIMIT 1").fetchone():
+            # a workspace whose name another account took first: tokens, attachments and
+            # listings hold its key, which the service resolves and never shows
+            raise NeedEventLoop("a workspace's key differs from its name")
         if p == ["tokens"]:
             return self._tokens(q)
         if self._conn.execute("SELECT 1 FROM stores WHERE instr(slug, '~') > 0 LIMIT 1").fetchone():

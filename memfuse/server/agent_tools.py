@@ -144,13 +144,16 @@ def install(app: FastAPI, svc: Service, principal: Callable[..., Any]) -> None:
             description="the model's tool_use.input as is: {command, path, ...} (docs/AGENT-TOOLS.md)",
             examples=[{"command": "view", "path": "/memories"}]),
     ) -> Response:
-        if p.is_admin or p.workspace != ws:  # as REST: 404 for another account's or a missing one
-            svc.check_workspace(p, ws)
+        # the workspace's key (memfuse.server.keys); as REST: 404 for another account's or a
+        # missing one (and 403 for another workspace of the token's account)
+        own = not p.is_admin and ws in (p.workspace, p.workspace_name)
+        key = p.workspace if own else svc.check_workspace(p, ws)
+        assert key is not None
         bad = _bad_name(command, "body")
         if bad is not None:
             raise ServiceError(422, "validation_error",
                                f"{bad}: not valid Unicode text (a lone surrogate code point)")
-        r = MemoryTool(svc, p, ws, p.instance).run(command)
+        r = MemoryTool(svc, p, key, p.instance).run(command)
         body = MemoryToolResult(content=_text(r.content), is_error=r.is_error).model_dump_json()
         return Response(body, media_type="application/json")
 

@@ -491,7 +491,8 @@ def workspace(
     ws = anthropic_workspace_id
     if ws and ws.startswith(WORKSPACE_PREFIX):
         ws = ws[len(WORKSPACE_PREFIX):]
-    if p.workspace is not None and (not ws or ws == p.workspace):
+    # a workspace token's own workspace: its key; the header may give its name (memfuse.server.keys)
+    if p.workspace is not None and (not ws or ws in (p.workspace, p.workspace_name)):
         return p.workspace
     if ws:
         svc: Service = request.app.state.service

@@ -222,16 +222,26 @@ class Principal:
         return self.account if self.workspace is None else None
 
     @property
+    def workspace_name(self) -> str | None:
+        """The public name of the token's workspace (``workspace`` is its key,
+        ``memfuse.server.keys``); None for an admin."""
+        return None if self.workspace is None else keys.public(self.workspace)
+
+    @property
     def actor(self) -> str:
-        """``ws:<workspace>/<instance or "api">`` or ``admin:<token name or "static">``."""
+        """``ws:<workspace name>/<instance or "api">`` or ``admin:<token name or "static">``:
+        what a version records. The workspace's public name, never its key: a store's writers
+        are all of the store's account (an attachment never crosses accounts), so within a
+        store the name is unambiguous, versions hold no key to hide, and a sidecar knows its
+        own actor from the name it was given (docs/ARCHITECTURE.md "Accounts")."""
         if self.workspace is None:
             return f"admin:{self.name or 'static'}"
-        return f"ws:{self.workspace}/{self.instance or 'api'}"
+        return f"ws:{keys.public(self.workspace)}/{self.instance or 'api'}"
 
     @property
     def scope(self) -> str:
-        """Idempotency-key scope: the token's workspace, ``admin`` for the root admin,
-        ``acct:<account>`` for an admin acting in one account."""
+        """Idempotency-key scope: the token's workspace (its key), ``admin`` for the root
+        admin, ``acct:<account>`` for an admin acting in one account."""
         if self.workspace is not None:
             return f"ws:{self.workspace}"
         return "admin" if self.account is None else f"acct:{self.account}"
@@ -385,23 +395,57 @@ class AccessRules:
 
     @staticmethod
     def workspace(s: Session, p: Principal, ws: str) -> WorkspaceRow:
-        """The workspace row, if ``p`` may address it: the root admin any, an account admin
-        those of its account, a workspace token its own. Raises 404 ``workspace_not_found``
-        for a missing workspace or one of another account (never telling which); 403
-        ``forbidden`` for a workspace token naming another workspace of its own account.
-        A name no workspace can have (not a slug: a NUL byte, which PostgreSQL refuses in a
-        query) is a missing workspace, found without a query."""
-        if not names.SLUG_RE.match(ws):
+        """The workspace row that ``ws`` (a public name, or a key: docs/ARCHITECTURE.md
+        "Accounts") names for ``p``, if ``p`` may address it: a workspace token its own (by
+        name or key); an account admin the workspace of that name in its account; the root
+        admin the workspace of that name in ``default``, else the workspace whose key is the
+        name, else the one workspace of any account holding the name (two other accounts'
+        of that name: 404, name one with ``X-Memfuse-Account``), and by its reference
+        ``<name>~<account>`` (``keys.split``, as a store) the workspace of that name in that
+        account. The row's ``name`` is the
+        workspace's key: what the caller queries and writes with, never what it shows
+        (``keys.public``). Raises 404 ``workspace_not_found`` for a missing workspace or one
+        of another account (never telling which); 403 ``forbidden`` for a workspace token
+        naming another workspace of its own account. A name no workspace can have
+        (``keys.possible``: a NUL byte, which PostgreSQL refuses in a query) is a missing
+        workspace, found without a query."""
+        if not keys.possible(ws):
             raise ServiceError(404, "workspace_not_found", f"no workspace {ws!r}")
-        row = s.get(WorkspaceRow, ws)
-        if not p.is_admin and p.workspace != ws:
+        row: WorkspaceRow | None
+        if not p.is_admin:
+            assert p.workspace is not None
+            if ws in (p.workspace, keys.public(p.workspace)):
+                row = s.get(WorkspaceRow, p.workspace)
+                if row is None:  # a static token of a workspace that does not exist
+                    raise ServiceError(404, "workspace_not_found", f"no workspace {ws!r}")
+                return row
             own = s.get(WorkspaceRow, p.workspace)
-            if row is not None and own is not None and own.account == row.account:
+            if own is not None and AccessRules._in_account(s, ws, own.account) is not None:
                 raise ServiceError(403, "forbidden", "the token belongs to another workspace")
             raise ServiceError(404, "workspace_not_found", f"no workspace {ws!r}")
-        if row is None or (p.admin_account is not None and row.account != p.admin_account):
+        if p.account is None:  # the root admin
+            name, account = keys.split(ws)
+            if account is not None:  # a reference ``<name>~<account>`` (a key has that form too)
+                row = AccessRules._in_account(s, name, account)
+            else:
+                rows = s.scalars(select(WorkspaceRow).where(
+                    WorkspaceRow.name.in_((ws, keys.workspace_key(ws, DEFAULT_ACCOUNT))))).all()
+                row = min(rows, key=lambda r: (r.account != DEFAULT_ACCOUNT, r.name != ws), default=None)
+            if row is None and account is None:  # the one workspace holding the name, if one
+                named = s.scalars(select(WorkspaceRow).where(WorkspaceRow.public_name == ws).limit(2)).all()
+                row = named[0] if len(named) == 1 else None
+        else:
+            row = AccessRules._in_account(s, ws, p.account)
+        if row is None:
             raise ServiceError(404, "workspace_not_found", f"no workspace {ws!r}")
         return row
+
+    @staticmethod
+    def _in_account(s: Session, ws: str, account: str) -> WorkspaceRow | None:
+        """The workspace of ``account`` that ``ws`` (a name, or a key) names, or None."""
+        return s.scalars(select(WorkspaceRow).where(
+            WorkspaceRow.name.in_(keys.workspace_candidates(ws, account)),
+            WorkspaceRow.account == account)).first()
 
     @staticmethod
     def store(conn: Connection, p: Principal, slug: str, *, write: bool = False) -> AnyRow:

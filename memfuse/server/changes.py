@@ -104,33 +104,37 @@ class ChangesService(Resource):
     ``feed_read``."""
 
     _feed_keys: dict[tuple[str, str], str]  # (scope, store name) -> key the feed last found
+    _events_keys: dict[tuple[str, str], str]  # (scope, workspace name) -> its key, likewise
 
     def __init__(self, parts: Parts) -> None:
         super().__init__(parts)
         self._feed_keys = {}
+        self._events_keys = {}
 
     def events_page(self, p: Principal, ws: str, after: int, limit: int = FEED_PAGE_MAX) -> EventPage:
         """Events of ``ws`` with seq > ``after``, oldest first. When ``after`` is beyond every
         event the server has (database replaced), ``seq`` is the server's latest, so the
-        caller resumes from there. Teaches the ``Notifier`` the workspace's event bounds."""
+        caller resumes from there. Teaches the ``Notifier`` the workspace's event bounds (by
+        the workspace's key, memfuse.server.keys, which the events rows and wake-ups name)."""
         after = max(-1, min(after, INT64_MAX))  # a 64-bit column: beyond it there is nothing
         stamp = self.notifier.stamp()
         with self.db.read() as s:
-            self._workspace(s, p, ws)
+            key = self._workspace(s, p, ws).name
             rows = s.scalars(
                 select(EventRow)
-                .where(EventRow.workspace == ws, EventRow.seq > after)
+                .where(EventRow.workspace == key, EventRow.seq > after)
                 .order_by(EventRow.seq)
                 .limit(limit)
             ).all()
             if rows:
                 seq = rows[-1].seq
                 if len(rows) < limit:
-                    self.notifier.learn_events(ws, seq, seq, stamp)
+                    self.notifier.learn_events(key, seq, seq, stamp)
             else:
                 top = s.scalar(select(func.max(EventRow.seq))) or 0
                 seq = min(after, top)
-                self.notifier.learn_events(ws, after, top, stamp)
+                self.notifier.learn_events(key, after, top, stamp)
+            self._events_keys[(p.scope, ws)] = key
             self.notifier.learn_readable(p.scope, wakeups.EVENTS, ws, stamp)
             return EventPage(
                 events=[
@@ -164,15 +168,26 @@ class ChangesService(Resource):
             return None
         return self._feed_keys.get((p.scope, slug))
 
-    def check_events_access(self, p: Principal, ws: str) -> None:
-        """Raise what ``events_page`` would for a workspace ``p`` may not read (403 / 404);
-        remembered like ``check_feed_access``."""
-        if self.notifier.readable(p.scope, wakeups.EVENTS, ws):
-            return
+    def check_events_access(self, p: Principal, ws: str) -> str:
+        """The key of the workspace ``p`` names ``ws`` (memfuse.server.keys: what the
+        ``Notifier``'s event bounds and wake-ups take); raise what ``events_page`` would for a
+        workspace ``p`` may not read (403 / 404); remembered like ``check_feed_access``."""
+        key = self.cached_events_key(p, ws)
+        if key is not None:
+            return key
         stamp = self.notifier.stamp()
         with self.db.read() as s:
-            self._workspace(s, p, ws)
+            key = self._workspace(s, p, ws).name
+        self._events_keys[(p.scope, ws)] = key
         self.notifier.learn_readable(p.scope, wakeups.EVENTS, ws, stamp)
+        return key
+
+    def cached_events_key(self, p: Principal, ws: str) -> str | None:
+        """``cached_feed_key`` for a workspace's events: the key ``check_events_access``
+        found for ``(p.scope, ws)`` while access is unchanged, else None; no database read."""
+        if not self.notifier.readable(p.scope, wakeups.EVENTS, ws):
+            return None
+        return self._events_keys.get((p.scope, ws))
 
     def feed_read(self, slug: str, after: int, *, limit: int = FEED_PAGE_MAX, with_content: bool = True) -> FeedRead:
         """``slug``: the store's key (``check_feed_access``'s answer). The store's versions with seq > ``after`` (at most ``limit``, oldest first, nobody

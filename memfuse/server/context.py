@@ -132,12 +132,12 @@ class ContextService(Resource):
         clean = strip_controls
         mount_root = clean(mount_root).replace("`", "").rstrip("/")
         with self.db.read() as s:
-            self._workspace(s, p, ws)
+            wkey = self._workspace(s, p, ws).name  # the workspace's key (memfuse.server.keys)
             rows = s.execute(
                 select(AttachmentRow.access, StoreRow.slug, StoreRow.description, AttachmentRow.instructions,
                        StoreRow.archived_at)
                 .join(StoreRow, StoreRow.slug == AttachmentRow.store)
-                .where(AttachmentRow.workspace == ws)
+                .where(AttachmentRow.workspace == wkey)
                 .order_by(StoreRow.public_slug, AttachmentRow.store)
             ).all()
             indexes: dict[str, str] = {

@@ -67,7 +67,7 @@ log = logging.getLogger(__name__)
 #: the newest Alembic revision (``memfuse/server/migrations/versions/``): a database at it
 #: opens without Alembic (``Database._at_schema_head``). A new revision updates it;
 #: tests/test_migrations.py fails while it is not ``schema.head()``.
-SCHEMA_HEAD = "0016_fts_record_keys"
+SCHEMA_HEAD = "0017_workspace_names"
 
 
 def utcnow() -> datetime:
@@ -112,6 +112,11 @@ class Base(DeclarativeBase):
 #: ``keys.KEY_MAX`` characters (``<name>~<account>``, revision 0014_store_names) where the
 #: database enforces lengths (PostgreSQL); SQLite does not, and keeps its ``varchar(63)``
 STORE_KEY = String(63).with_variant(String(127), "postgresql")
+#: a column holding a workspace's key (``workspaces.name`` and every column naming a
+#: workspace), the same widths (revision 0017_workspace_names)
+WORKSPACE_KEY = String(63).with_variant(String(127), "postgresql")
+#: ``idempotency_keys.scope``: ``ws:<workspace key>`` needs 130 characters on PostgreSQL
+IDEM_SCOPE = String(100).with_variant(String(140), "postgresql")
 
 #: the account every object of a database made before accounts belongs to (revision
 #: 0013_accounts), and where the root admin creates objects when it names no account
@@ -139,15 +144,21 @@ event.listen(AccountRow.__table__, "after_create", DDL(  # type: ignore[no-untyp
 
 
 class WorkspaceRow(Base):
-    """A workspace (one agent / sidecar identity); ``name`` is a slug; ``account`` its owner
-    (revision 0013_accounts)."""
+    """A workspace (one agent / sidecar identity); ``name`` is its key (``memfuse.server.keys``:
+    the public name, or ``<name>~<account>`` when another account held the name); ``account``
+    its owner (revision 0013_accounts)."""
 
     __tablename__ = "workspaces"
 
-    name: Mapped[str] = mapped_column(String(63), primary_key=True)
+    name: Mapped[str] = mapped_column(WORKSPACE_KEY, primary_key=True)  # the key (memfuse.server.keys)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     account: Mapped[str] = mapped_column(String(63), default=DEFAULT_ACCOUNT,
                                          server_default=DEFAULT_ACCOUNT, index=True)
+    # the public name, unique within the account (revision 0017_workspace_names; NULL for a
+    # row the release before it inserted, whose key is its name): ``keys.public(name)``
+    public_name: Mapped[str | None] = mapped_column(String(63), nullable=True)
+
+    __table_args__ = (Index("ux_workspaces_account_public_name", "account", "public_name", unique=True),)
 
 
 class StoreRow(Base):
@@ -252,7 +263,7 @@ class ConsoleSessionRow(Base):
         ForeignKey("tokens.id", ondelete="CASCADE"), nullable=True, index=True
     )
     token_sha256: Mapped[str] = mapped_column(String(64))
-    workspace: Mapped[str | None] = mapped_column(String(63), nullable=True)
+    workspace: Mapped[str | None] = mapped_column(WORKSPACE_KEY, nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     expires_at: Mapped[datetime] = mapped_column(UTCDateTime, index=True)
     # the account of the session's principal (revision 0013_accounts; NULL: root admin)
@@ -364,7 +375,7 @@ class IdempotencyRow(Base):
     __tablename__ = "idempotency_keys"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    scope: Mapped[str] = mapped_column(String(100))
+    scope: Mapped[str] = mapped_column(IDEM_SCOPE)
     key: Mapped[str] = mapped_column(String(255))
     method: Mapped[str] = mapped_column(String(10))
     url_path: Mapped[str] = mapped_column(Text)
@@ -383,7 +394,7 @@ class EventRow(Base):
     __tablename__ = "workspace_events"
 
     seq: Mapped[int] = mapped_column(_SEQ, primary_key=True, autoincrement=True)
-    workspace: Mapped[str] = mapped_column(String(63))
+    workspace: Mapped[str] = mapped_column(WORKSPACE_KEY)
     kind: Mapped[str] = mapped_column(String(16))
     store: Mapped[str] = mapped_column(STORE_KEY)
     access: Mapped[str | None] = mapped_column(String(16), nullable=True)

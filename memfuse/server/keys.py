@@ -1,17 +1,21 @@
-"""A store's internal key and its public name (docs/ARCHITECTURE.md, "Accounts").
+"""The internal key of a store or a workspace and its public name (docs/ARCHITECTURE.md,
+"Accounts").
 
-Store names are unique within an account (revision ``0014_store_names``): two accounts may
-each have a store ``notes``. Every table keeps referring to a store by ``stores.slug``, its
-*key*; the name an account sees and uses is ``public(key)``:
+Store names (revision ``0014_store_names``) and workspace names (revision
+``0017_workspace_names``) are unique within an account: two accounts may each have a store
+``notes`` and a workspace ``agent``. Every table keeps referring to a store by
+``stores.slug`` and to a workspace by ``workspaces.name``, its *key*; the name an account
+sees and uses is ``public(key)``:
 
-- a store's key is its name when no other store holds that key (every store made before the
-  revision, every store of a database with one account, the first ``notes`` of all);
-- otherwise ``<name>~<account>`` (``store_key``): ``~`` is a character a slug can never hold
-  (``names.SLUG_RE``), so the name is the key up to its first ``~``, with no lookup, and a
-  key of that form is never a name anyone can type.
+- a key is the name when no other store (workspace) holds that key (every one made before
+  the revision, every one of a database with one account, the first ``notes`` of all);
+- otherwise ``<name>~<account>`` (``store_key`` / ``workspace_key``): ``~`` is a character a
+  slug can never hold (``names.SLUG_RE``), so the name is the key up to its first ``~``, with
+  no lookup, and a key of that form is never a name anyone can type.
 
-Resolution (a name a request gives → the key) is in ``AccessRules.store`` and the creates;
-every answer, event, feed entry, path and id shows ``public(key)``. The key is never shown.
+Resolution (a name a request gives → the key) is in ``AccessRules.store`` /
+``AccessRules.workspace`` and the creates; every answer, event, feed entry, path and id
+shows ``public(key)``. The key is never shown.
 
 The root admin, which sees every account, also names a store by its *reference*
 (``ref``): the name for a store of the account ``default``, ``<name>~<account>`` for any
@@ -26,9 +30,10 @@ from sqlalchemy import select
 from sqlalchemy.engine import Connection
 
 from memfuse.names import SLUG_RE
-from memfuse.server.db import DEFAULT_ACCOUNT, StoreRow
+from memfuse.server.db import DEFAULT_ACCOUNT, StoreRow, WorkspaceRow
 
 _S = StoreRow.__table__
+_W = WorkspaceRow.__table__
 
 #: separates a store's name from its account in a key of a name taken by another account
 SEP = "~"
@@ -88,3 +93,28 @@ def new_key(conn: Connection, name: str, account: str) -> str | None:
     if any(r.account == account for r in rows):
         return None
     return store_key(name, account) if any(r.slug == name for r in rows) else name
+
+
+def workspace_key(name: str, account: str) -> str:
+    """The key of workspace ``name`` of ``account`` when the key ``name`` is held by a
+    workspace of another account: ``<name>~<account>`` (the form of ``store_key``)."""
+    return f"{name}{SEP}{account}"
+
+
+def workspace_candidates(name: str, account: str) -> tuple[str, str]:
+    """The two keys the workspace ``name`` of ``account`` can have: ``name`` and
+    ``workspace_key(name, account)``. At most one of them is a workspace of ``account``
+    (``ux_workspaces_account_public_name``)."""
+    return name, workspace_key(name, account)
+
+
+def new_workspace_key(conn: Connection, name: str, account: str) -> str | None:
+    """``new_key`` for a workspace: the key a new workspace ``name`` of ``account`` gets
+    (``name`` when free, else ``workspace_key(name, account)``); None when ``account``
+    already has a workspace ``name`` (409 ``exists``). A racing create fails on the primary
+    key or on ``ux_workspaces_account_public_name`` and is run again by ``Writer.write``."""
+    rows = conn.execute(select(_W.c.name, _W.c.account).where(
+        _W.c.name.in_(workspace_candidates(name, account)))).all()
+    if any(r.account == account for r in rows):
+        return None
+    return workspace_key(name, account) if any(r.name == name for r in rows) else name

@@ -102,7 +102,8 @@ class MemoryStoresService(Resource):
     @staticmethod
     def _ms_visible(p: Principal, workspace: str | None) -> Any:
         """The statement of the stores ``p`` sees: all for an admin token (those attached to
-        ``workspace`` when given), the attached ones for a workspace token."""
+        the workspace whose key is ``workspace`` when given), the attached ones for a
+        workspace token."""
         ws = p.workspace or workspace
         q = select(_S)
         if p.admin_account is not None:  # an account admin: its account's stores only
@@ -117,7 +118,13 @@ class MemoryStoresService(Resource):
     ) -> list[AnyRow]:
         """The store rows ``p`` sees, newest first (then by ``shown_slug``), archived ones only with
         ``include_archived``, created within the bounds given (inclusive)."""
-        with self.db.read_conn() as conn:
+        with self.db.read() as s:
+            conn = s.connection()
+            if workspace is not None and p.is_admin:  # a name: its key, as the caller sees it
+                try:
+                    workspace = self._workspace(s, p, workspace).name
+                except ServiceError:
+                    return []  # no such workspace for this caller: no store attached to it
             q = self._ms_visible(p, workspace)
             if not include_archived:
                 q = q.where(_S.c.archived_at.is_(None))
@@ -166,10 +173,10 @@ class MemoryStoresService(Resource):
             s.add(st)
             s.flush()
             if workspace is not None:
-                s.add(AttachmentRow(workspace=workspace, store=slug, access=Access.read_write.value,
+                s.add(AttachmentRow(workspace=wrow.name, store=slug, access=Access.read_write.value,
                                     instructions="", created_at=now))
                 s.flush()
-                self.stores._emit(s, [workspace], "attached", slug, Access.read_write.value)
+                self.stores._emit(s, [wrow.name], "attached", slug, Access.read_write.value)
             log.info("store %s created (memory-store API)%s", slug,
                      f", attached to {workspace} read-write" if workspace else "")
             return store_out(st, p)

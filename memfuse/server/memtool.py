@@ -70,6 +70,7 @@ from memfuse.server.memtool_base import (  # re-exported: callers import them fr
     parse_path as parse_path,
     split_lines_keeping_cr as split_lines_keeping_cr,
 )
+from memfuse.server import keys
 from memfuse.server.recordrows import _encode_cursor
 from memfuse.server.search import LINE_MAX_CHARS, TreeListing, check_query
 from memfuse.server.service import Principal, Service, ServiceError
@@ -107,7 +108,7 @@ class MemoryTool:
     """Runs memory-tool commands for one workspace through ``Service``.
 
     ``principal`` must be allowed to act on ``workspace`` (the workspace's token, or admin);
-    versions are recorded with actor ``tool:<client>``. Blocking (database calls): run it
+    ``workspace`` is its key (memfuse.server.keys), never shown; versions are recorded with actor ``tool:<client>``. Blocking (database calls): run it
     in a worker thread from async code. Thread-safe (no state between commands).
     """
 
@@ -709,7 +710,8 @@ class MemoryTool:
             writable = [s for s, a in sorted(atts.items()) if a.access == Access.read_write]
             if not writable:
                 raise ToolError("Cannot remember: no store is attached read-write to this workspace (EROFS)")
-            store = self.workspace if self.workspace in writable else writable[0]
+            own = keys.public(self.workspace)  # its own store has its public name
+            store = own if own in writable else writable[0]
         if not isinstance(store, str):
             raise ToolError("Parameter `store` must be a store slug")
         t = parse_path(f"{ROOT}/{store}/{NOTES_FILE}")

@@ -253,6 +253,7 @@ class Service:
         self.check_feed_access = self.changes.check_feed_access
         self.cached_feed_key = self.changes.cached_feed_key
         self.check_events_access = self.changes.check_events_access
+        self.cached_events_key = self.changes.cached_events_key
         self.feed_read = self.changes.feed_read
         self.changes_page = self.changes.changes_page
         # contexts

@@ -56,6 +56,11 @@ def _store_model(st: StoreRow | AnyRow) -> Store:
     )
 
 
+def _workspace_model(row: WorkspaceRow) -> Workspace:
+    """[Workspace] of a workspace row: its public name (``keys.public`` of the key)."""
+    return Workspace(name=keys.public(row.name), created_at=row.created_at, account=row.account)
+
+
 class StoresService(Resource):
     """``Service`` methods: workspaces, stores, attachments (``create_*``, ``list_*``,
     ``get_store``, ``update_store``, ``put_attachment``, ``delete_attachment``)."""
@@ -177,10 +182,12 @@ class StoresService(Resource):
         account = p.admin_account or DEFAULT_ACCOUNT
 
         def fn(s: Session) -> Workspace:
-            if s.get(WorkspaceRow, body.name) is not None:
+            wkey = keys.new_workspace_key(s.connection(), body.name, account)
+            if wkey is None:
                 raise ServiceError(409, "exists", f"workspace {body.name!r} exists")
             now = utcnow()
-            row = WorkspaceRow(name=body.name, created_at=now, account=account)
+            # the key (memfuse.server.keys): the name, or ``<name>~<account>`` when taken
+            row = WorkspaceRow(name=wkey, public_name=body.name, created_at=now, account=account)
             s.add(row)
             s.flush()
             if body.default_store:
@@ -200,14 +207,14 @@ class StoresService(Resource):
                     ))
                     s.flush()  # the store row before the attachment that references it
                     log.info("store %s created for workspace %s", key, body.name)
-                s.add(AttachmentRow(workspace=body.name, store=key, access=Access.read_write.value,
+                s.add(AttachmentRow(workspace=wkey, store=key, access=Access.read_write.value,
                                     instructions="", created_at=now))
                 s.flush()
-                self._emit(s, [body.name], "attached", key, Access.read_write.value)
+                self._emit(s, [wkey], "attached", key, Access.read_write.value)
             log.info("workspace %s created%s", body.name,
                      f" with store {body.name} attached read-write" if body.default_store else "")
             self._attach_account_stores(s, row)
-            return Workspace(name=row.name, created_at=row.created_at, account=row.account)
+            return _workspace_model(row)
 
         return self._write(p, idem, 201, fn)
 
@@ -219,7 +226,7 @@ class StoresService(Resource):
             if p.admin_account is not None:
                 q = q.where(WorkspaceRow.account == p.admin_account)
             rows = s.scalars(q).all()
-            return [Workspace(name=r.name, created_at=r.created_at, account=r.account) for r in rows]
+            return sorted((_workspace_model(r) for r in rows), key=lambda m: (m.name, m.account))
 
     def create_store(self, p: Principal, body: StoreCreate, idem: IdempotencyRequest | None = None) -> Reply:
         """201 [Store] in the caller's account (the root admin's: ``default``, unless it
@@ -309,14 +316,14 @@ class StoresService(Resource):
                 st = self._store(s.connection(), p, slug)
             if st.account != wrow.account:  # never across accounts
                 raise ServiceError(404, "store_not_found", f"no store {slug!r} in the workspace's account")
-            key = st.slug
-            att = s.get(AttachmentRow, (ws, key))
+            key, wkey = st.slug, wrow.name  # the keys (memfuse.server.keys): what the rows name
+            att = s.get(AttachmentRow, (wkey, key))
             changed = True
             if att is None and st.archived_at is not None:
                 raise ServiceError(403, "store_archived", f"store {slug!r} is archived: it takes no new attachments")
             if att is None:
                 att = AttachmentRow(
-                    workspace=ws, store=key, access=body.access.value, instructions=body.instructions,
+                    workspace=wkey, store=key, access=body.access.value, instructions=body.instructions,
                     created_at=utcnow(),
                 )
                 s.add(att)
@@ -327,10 +334,10 @@ class StoresService(Resource):
                 changed = False
             s.flush()
             if changed:
-                self._emit(s, [ws], "attached", key, att.access)
-                log.info("store %s attached to %s (%s)", slug, ws, att.access)
+                self._emit(s, [wkey], "attached", key, att.access)
+                log.info("store %s attached to %s (%s)", slug, wkey, att.access)
             return Attachment(
-                workspace=ws, store=_store_model(st), access=Access(att.access),
+                workspace=keys.public(wkey), store=_store_model(st), access=Access(att.access),
                 instructions=att.instructions, created_at=att.created_at,
             )
 
@@ -341,36 +348,40 @@ class StoresService(Resource):
         self._require_admin(p)
 
         def fn(s: Session) -> None:
-            wrow = self._workspace(s, p, ws)
-            att = s.get(AttachmentRow, (ws, keys.store_key(slug, wrow.account))) or s.get(AttachmentRow, (ws, slug))
+            wkey = self._workspace(s, p, ws).name  # the key
+            wrow = s.get(WorkspaceRow, wkey)
+            assert wrow is not None
+            att = (s.get(AttachmentRow, (wkey, keys.store_key(slug, wrow.account)))
+                   or s.get(AttachmentRow, (wkey, slug)))
             if att is None:
                 raise ServiceError(404, "store_not_attached", f"store {slug!r} is not attached to {ws!r}")
             s.delete(att)
             s.flush()
-            self._emit(s, [ws], "detached", att.store, None)
-            log.info("store %s detached from %s", slug, ws)
+            self._emit(s, [wkey], "detached", att.store, None)
+            log.info("store %s detached from %s", slug, wkey)
             return None
 
         return self._write(p, idem, 204, fn)
-    def check_workspace(self, p: Principal, ws: str) -> None:
-        """Raise what ``_workspace`` raises when ``p`` may not address workspace ``ws`` (404
-        ``workspace_not_found`` for another account's)."""
+    def check_workspace(self, p: Principal, ws: str) -> str:
+        """The key of the workspace ``p`` names ``ws`` (memfuse.server.keys); raise what
+        ``_workspace`` raises when ``p`` may not address it (404 ``workspace_not_found`` for
+        another account's)."""
         with self.db.read() as s:
-            self._workspace(s, p, ws)
+            return self._workspace(s, p, ws).name
 
     def list_attachments(self, p: Principal, ws: str) -> list[Attachment]:
         """The workspace's attachments, by store slug."""
         with self.db.read() as s:
-            self._workspace(s, p, ws)
+            wkey = self._workspace(s, p, ws).name  # the key
             rows = s.execute(
                 select(AttachmentRow, StoreRow)
                 .join(StoreRow, StoreRow.slug == AttachmentRow.store)
-                .where(AttachmentRow.workspace == ws)
+                .where(AttachmentRow.workspace == wkey)
                 .order_by(StoreRow.public_slug, AttachmentRow.store)
             ).all()
             return [
                 Attachment(
-                    workspace=ws,
+                    workspace=keys.public(wkey),
                     store=_store_model(st),
                     access=Access(att.access),
                     instructions=att.instructions,

@@ -188,11 +188,14 @@ class Streams:
         cursor = after
 
         async def check() -> None:
-            if not notifier.readable(p.scope, wakeups.EVENTS, ws):
+            if svc.cached_events_key(p, ws) is None:
                 await anyio.to_thread.run_sync(svc.check_events_access, p, ws)
 
+        # the workspace's key (memfuse.server.keys): what event bounds and wake-ups use
+        key = svc.cached_events_key(p, ws) or await anyio.to_thread.run_sync(svc.check_events_access, p, ws)
+
         def quiet() -> bool:
-            bounds = notifier.event_bounds(ws)
+            bounds = notifier.event_bounds(key)
             return bounds is not None and bounds[0] <= cursor <= bounds[1]
 
         async def lines() -> tuple[list[bytes], bool]:
@@ -208,9 +211,8 @@ class Streams:
         def heartbeat() -> bytes:  # EventPage(events=[], seq=cursor) as pydantic encodes it
             return b'{"events":[],"seq":%d}\n' % cursor
 
-        await check()
         first = await lines()
-        return self._runner(lambda: notifier.subscribe(wakeups.EVENTS, ws),
+        return self._runner(lambda: notifier.subscribe(wakeups.EVENTS, key),
                             check, lines, heartbeat, first, {"workspace": ws})
 
     def _runner(self, subscribe: Callable[[], wakeups._Waiter],

@@ -69,7 +69,7 @@ from memfuse.server.base import (
     ServiceError,
     _unauthorized,
 )
-from memfuse.server import wakeups
+from memfuse.server import keys, wakeups
 from memfuse.server.accounts import AccountsService
 from memfuse.server.db import TokenRow, utcnow
 
@@ -162,8 +162,13 @@ def _state(row: AnyRow, now: datetime) -> Literal["active", "expired", "revoked"
     return "active"
 
 
+def _public(workspace: str | None) -> str | None:
+    """The public name of a token's workspace (the row holds its key, memfuse.server.keys)."""
+    return None if workspace is None else keys.public(workspace)
+
+
 def _info(row: AnyRow, now: datetime) -> TokenInfo:
-    return TokenInfo(id=row.id, workspace=row.workspace, name=row.name or "",
+    return TokenInfo(id=row.id, workspace=_public(row.workspace), name=row.name or "",
                      created_at=row.created_at, last_used_at=row.last_used_at,
                      expires_at=row.expires_at, revoked_at=row.revoked_at, state=_state(row, now),
                      account=row.account)
@@ -424,8 +429,10 @@ class TokensService(Resource):
             p = self.accounts.act_in_account(p, body.account)
 
         def fn(s: Session) -> TokenCreated:
+            wkey: str | None = None  # the workspace's key (memfuse.server.keys): what the row holds
             if body.workspace is not None:
-                account: str | None = self._workspace(s, p, body.workspace).account
+                wrow = self._workspace(s, p, body.workspace)
+                wkey, account = wrow.name, wrow.account
                 if body.account is not None and body.account != account:
                     raise ServiceError(404, "workspace_not_found",
                                        f"no workspace {body.workspace!r} in account {body.account!r}")
@@ -437,13 +444,13 @@ class TokensService(Resource):
             now = utcnow()
             expires = now + timedelta(seconds=body.ttl_seconds) if body.ttl_seconds else None
             row = TokenRow(
-                id=str(uuid.uuid4()), token_sha256=sha256_hex(raw.encode()), workspace=body.workspace,
+                id=str(uuid.uuid4()), token_sha256=sha256_hex(raw.encode()), workspace=wkey,
                 name=body.name, created_at=now, expires_at=expires, account=account,
             )
             s.add(row)
             s.flush()
             made[:] = [row]
-            return TokenCreated(id=row.id, workspace=row.workspace, name=row.name, token=raw,
+            return TokenCreated(id=row.id, workspace=_public(row.workspace), name=row.name, token=raw,
                                 expires_at=expires, account=account)
 
         reply = self._write(p, idem, 201, fn)
@@ -466,13 +473,18 @@ class TokensService(Resource):
                    _T.c.expires_at, _T.c.revoked_at, _T.c.account).order_by(_T.c.created_at, _T.c.id)
         if p.admin_account is not None:  # an account admin: its account's tokens only
             q = q.where(_T.c.account == p.admin_account)
-        if workspace is not None:
-            q = q.where(_T.c.workspace.is_(None) if workspace == "" else _T.c.workspace == workspace)
         if not include_revoked:
             q = q.where(_T.c.revoked_at.is_(None))
         now = utcnow()
-        with self.db.read_conn() as conn:
-            return [_info(r, now) for r in conn.execute(q)]
+        with self.db.read() as s:
+            if workspace == "":
+                q = q.where(_T.c.workspace.is_(None))
+            elif workspace is not None:  # by name: the key of the workspace the caller sees so
+                try:
+                    q = q.where(_T.c.workspace == self._workspace(s, p, workspace).name)
+                except ServiceError:
+                    return []  # no such workspace (for this caller): no tokens
+            return [_info(r, now) for r in s.connection().execute(q)]
 
     def revoke_token(self, p: Principal, token_id: str, idem: IdempotencyRequest | None = None) -> Reply:
         """204: the token stops working at once on this process and within

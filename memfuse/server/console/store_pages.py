@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from pydantic import ValidationError
@@ -187,7 +188,7 @@ def workspaces_page(ctx: Ctx) -> Response:
     p = ctx.principal
     if not p.is_admin:
         assert p.workspace is not None  # a workspace token
-        return redirect_to(ctx.url("workspaces", p.workspace))
+        return redirect_to(ctx.url("workspaces", p.workspace_name or ""))
     errors: dict[str, str] = {}
     values = {"name": "", "default_store": "on"}
     status = 200
@@ -207,7 +208,10 @@ def workspaces_page(ctx: Ctx) -> Response:
             return redirect_to(ctx.url("workspaces", body.name, msg="workspace_created"))
     rows = []
     for w in ctx.svc.list_workspaces(p):
-        rows.append({"workspace": w, "attachments": ctx.svc.list_attachments(p, w.name)})
+        # the root admin over every account: each workspace's name resolved in its account
+        # (two accounts may each have a workspace ``agent``, memfuse.server.keys)
+        asker = replace(p, account=w.account) if p.is_root else p
+        rows.append({"workspace": w, "attachments": ctx.svc.list_attachments(asker, w.name)})
     return render_page(ctx, "workspaces.html", status=status, rows=rows, errors=errors, values=values)
 
 
