@@ -42,6 +42,8 @@ BRAVO_MARKS = ("bravo-notes", "bravo-ws", "bravo-shared", SECRET)
 # ``notes~alpha``; memfuse.server.keys), and what must never show: a key that is not a name
 SAME = "notes"
 KEY_MARKS = ("~alpha", "~bravo")
+# a workspace both accounts have (bravo's first: its key is ``agent``, alpha's ``agent~alpha``)
+SAME_WS = "agent"
 
 # Routes with no account's object in them, each with why (the probe fails on any other route
 # it does not probe).
@@ -111,7 +113,9 @@ async def world():
     """Accounts alpha and bravo with the same shape: an account admin, a workspace (with its
     own store), a store ``<account>-notes`` attached to it holding ``a.md`` (two versions),
     a store ``notes`` (the same name in both; bravo's first) attached to it holding
-    ``same.md`` (bravo's holds ``SECRET``), a workspace token, and an account-wide attachment."""
+    ``same.md`` (bravo's holds ``SECRET``), a workspace token, an account-wide attachment,
+    and a workspace ``agent`` (the same name in both; bravo's first) with ``notes`` and
+    ``<account>-notes`` attached, a token of its own and a record it wrote in ``notes``."""
     with fresh_db_url() as url:
         app = create_app(url, static_tokens={ROOT: None}, faces=True)
         async with app.router.lifespan_context(app):
@@ -143,10 +147,23 @@ async def world():
                         await _ok(await a.put(f"/v1/accounts/{acct}/attachments/{acct}-shared",
                                               json={"access": "read_only"}))
                         job = _finished_job(app, notes)  # a consolidation job of the store
+                        w = await _ok(await a.post("/v1/workspaces", json={"name": SAME_WS, "default_store": False}),
+                                      201)
+                        assert (w["name"], w["account"]) == (SAME_WS, acct)
+                        for st in (SAME, notes):
+                            att = await _ok(await a.put(f"/v1/workspaces/{SAME_WS}/attachments/{st}", json={}))
+                            assert att["workspace"] == SAME_WS
+                        at = await _ok(await a.post("/v1/tokens", json={"workspace": SAME_WS}), 201)
+                        assert (at["workspace"], at["account"]) == (SAME_WS, acct)
+                        async with _client(app, at["token"]) as agent:
+                            mine = await _ok(await agent.post(f"/v1/stores/{SAME}/records", json={
+                                "path": "agent.md", "content": f"{content} by the agent\n", "type": "user"}), 201)
+                            assert mine["updated_by"] == f"ws:{SAME_WS}/api"  # the name, never the key
                         ids[acct] = dict(admin=adm["token"], admin_id=adm["id"], ws_token=wt["token"],
                                          ws_token_id=wt["id"], rid=rec["id"], seq=rec["seq"], ws=ws,
                                          notes=notes, job=job, same_rid=same["id"], same_seq=same["seq"],
-                                         same_job=_finished_job(app, _key(app, acct)))
+                                         same_job=_finished_job(app, _key(app, acct)), agent_token=at["token"],
+                                         agent_token_id=at["id"], agent_rid=mine["id"])
                 yield app, root, ids
         app.state.service.db.dispose()
 
@@ -155,6 +172,13 @@ def _key(app, account: str, name: str = SAME) -> str:
     """The key of ``account``'s store ``name``, read from the database."""
     with app.state.service.db.read_conn() as conn:
         return conn.execute(text("SELECT slug FROM stores WHERE account = :a AND public_slug = :n"),
+                            {"a": account, "n": name}).scalar_one()
+
+
+def _ws_key(app, account: str, name: str = SAME_WS) -> str:
+    """The key of ``account``'s workspace ``name``, read from the database."""
+    with app.state.service.db.read_conn() as conn:
+        return conn.execute(text("SELECT name FROM workspaces WHERE account = :a AND public_name = :n"),
                             {"a": account, "n": name}).scalar_one()
 
 
@@ -274,13 +298,15 @@ async def test_isolation_probe_every_route_of_every_face(world):
                    memory_id=memory_id("0" * 8 + "-0000-4000-8000-" + "0" * 12), memory_version_id=version_id(1),
                    job_id="0" * 8 + "-0000-4000-8000-" + "0" * 12, job="0" * 8 + "-0000-4000-8000-" + "0" * 12)
     # alpha's own objects of the names bravo's have too: every route must answer with alpha's
-    own = dict(store=SAME, ws=a["ws"], record_id=a["same_rid"], rid=a["same_rid"], token_id=a["ws_token_id"],
+    own = dict(store=SAME, ws=SAME_WS, record_id=a["same_rid"], rid=a["same_rid"], token_id=a["ws_token_id"],
                n="1", account="alpha", memory_store_id=store_id(SAME), memory_id=memory_id(a["same_rid"]),
                memory_version_id=version_id(a["same_seq"]), job_id=a["same_job"], job=a["same_job"])
     assert _key(app, "bravo") == SAME and _key(app, "alpha") == f"{SAME}~alpha"
+    assert _ws_key(app, "bravo") == SAME_WS and _ws_key(app, "alpha") == f"{SAME_WS}~alpha"
     principals = {
         "alpha admin": _client(app, a["admin"]),
         "alpha workspace": _client(app, a["ws_token"]),
+        "alpha agent": _client(app, a["agent_token"]),  # its workspace's key is ``agent~alpha``
         "root acting in alpha": _client(app, ROOT, **{"X-Memfuse-Account": "alpha"}),
     }
     probed: set[str] = set()
@@ -315,8 +341,8 @@ async def test_isolation_probe_every_route_of_every_face(world):
                     assert r.status_code < 500, (who, method, url, r.text)
                     answers.append(r)
                     assert SECRET not in r.text, (who, method, url, r.text[:500])
-                if "store" in params or "memory_store_id" in params or "job_id" in params:
-                    # alpha's own store of bravo's name (never a delete: the probe goes on)
+                if "store" in params or "memory_store_id" in params or "job_id" in params or "ws" in params:
+                    # alpha's own store and workspace of bravo's names (never a delete: the probe goes on)
                     if method != "DELETE" and not template.endswith("/live"):  # live pages never end
                         url = _fill(template, own)
                         kw = {}
@@ -331,8 +357,12 @@ async def test_isolation_probe_every_route_of_every_face(world):
                         assert SECRET not in r.text and b["same_rid"] not in r.text, ("own", who, method, url,
                                                                                      r.text[:500])
                         assert not any(m in r.text for m in KEY_MARKS), ("key shown", who, method, url, r.text[:500])
+                        _no_bravo(r, f"own: {who} {method} {url}")
                         if method == "GET" and face != "console" and template.startswith("/v1/stores/{store}"):
                             assert r.status_code != 404, (who, url, r.text[:300])  # alpha's own is found
+                        if (method == "GET" and face != "console" and template.startswith("/v1/workspaces/{ws}")
+                                and who != "alpha workspace"):  # (another workspace of its account: 403)
+                            assert r.status_code == 200, (who, url, r.text[:300])  # alpha's own ``agent``
                 for r in answers:
                     assert not any(m in r.text for m in KEY_MARKS), ("key shown", who, method, r.url, r.text[:500])
                 rb, rm = answers
@@ -428,7 +458,7 @@ async def test_root_and_account_admins(world):
     async with _client(app, a["admin"]) as c:
         assert {s["slug"] for s in (await c.get("/v1/stores")).json()} == {"alpha-notes", "alpha-ws", "alpha-shared",
                                                                            SAME}
-        assert {w["name"] for w in (await c.get("/v1/workspaces")).json()} == {"alpha-ws"}
+        assert {w["name"] for w in (await c.get("/v1/workspaces")).json()} == {"alpha-ws", SAME_WS}
         assert {t["account"] for t in (await c.get("/v1/tokens")).json()} == {"alpha"}
         assert [x["slug"] for x in (await c.get("/v1/accounts")).json()] == ["alpha"]
         # account admins make no accounts and no root tokens
