@@ -949,6 +949,106 @@ async def test_the_root_admin_names_each_store_by_its_reference(world):
         await c.aclose()
 
 
+async def test_two_accounts_each_have_their_own_workspace_of_one_name(world):
+    """``agent`` in alpha and in bravo (docs/ARCHITECTURE.md "Accounts"): each account
+    addresses its own by name on every resource (attachments, events as page, long-poll and
+    stream, the prompt block, tokens, the memory tool, the console); versions record
+    ``ws:agent/<instance>`` and the feed's ``skip_actor`` leaves out exactly the writer's own;
+    the root admin's plain name is the default account's, else the key's, and
+    ``X-Memfuse-Account`` names either; no answer shows a key (``agent~alpha``)."""
+    app, root, ids = world
+    a, b = ids["alpha"], ids["bravo"]
+    async with _client(app, a["agent_token"], **{"X-Memfuse-Instance": "pod-1"}) as ag, \
+            _client(app, b["agent_token"], **{"X-Memfuse-Instance": "pod-1"}) as bg, \
+            _client(app, a["admin"]) as aa, _client(app, b["admin"]) as ba:
+        # a second ``agent`` in one account is 409; a third account may have one too
+        assert (await aa.post("/v1/workspaces", json={"name": SAME_WS})).json()["code"] == "exists"
+        await _ok(await root.post("/v1/accounts", json={"slug": "charlie"}), 201)
+        w = await _ok(await root.post("/v1/workspaces", json={"name": SAME_WS, "account": "charlie"}), 201)
+        assert (w["name"], w["account"]) == (SAME_WS, "charlie")
+        assert _ws_key(app, "charlie") == f"{SAME_WS}~charlie"
+        # each account's agent: its own attachments (bravo's has bravo-notes, alpha's alpha-notes)
+        for c in (ag, aa):
+            atts = await _ok(await c.get(f"/v1/workspaces/{SAME_WS}/attachments"))
+            assert {x["store"]["slug"] for x in atts} == {SAME, "alpha-notes", "alpha-shared"}
+            assert {x["workspace"] for x in atts} == {SAME_WS}
+        atts = await _ok(await bg.get(f"/v1/workspaces/{SAME_WS}/attachments"))
+        assert {x["store"]["slug"] for x in atts} == {SAME, "bravo-notes", "bravo-shared"}
+        # the root admin: ``agent`` is no default account's, so the key's (bravo's, made first)
+        atts = await _ok(await root.get(f"/v1/workspaces/{SAME_WS}/attachments"))
+        assert "bravo-notes" in {x["store"]["slug"] for x in atts}
+        async with _client(app, ROOT, **{"X-Memfuse-Account": "alpha"}) as ra:
+            atts = await _ok(await ra.get(f"/v1/workspaces/{SAME_WS}/attachments"))
+            assert "alpha-notes" in {x["store"]["slug"] for x in atts}
+        listed = sorted((w["name"], w["account"]) for w in (await root.get("/v1/workspaces")).json()
+                        if w["name"] == SAME_WS)
+        assert listed == [(SAME_WS, "alpha"), (SAME_WS, "bravo"), (SAME_WS, "charlie")]
+        # tokens: listed by name, filtered by the name in the caller's account
+        toks = await _ok(await aa.get(f"/v1/tokens?workspace={SAME_WS}"))
+        assert [t["id"] for t in toks] == [a["agent_token_id"]] and toks[0]["workspace"] == SAME_WS
+        assert [t["id"] for t in await _ok(await ba.get(f"/v1/tokens?workspace={SAME_WS}"))] == [b["agent_token_id"]]
+        # events: an attach in alpha wakes alpha's long-poll (keyed by agent~alpha; the stream
+        # in tests/test_streams.py), and never bravo's
+        seq = (await _ok(await ag.get(f"/v1/workspaces/{SAME_WS}/events?after=0")))["seq"]
+        bseq = (await _ok(await bg.get(f"/v1/workspaces/{SAME_WS}/events?after=0")))["seq"]
+        import anyio
+
+        got: dict[str, object] = {}
+
+        async def poll() -> None:
+            got["page"] = (await ag.get(f"/v1/workspaces/{SAME_WS}/events?after={seq}&wait=10")).json()
+
+        await _ok(await aa.post("/v1/stores", json={"slug": "alpha-late"}), 201)
+        with anyio.fail_after(10):  # woken at the attach, long before the wait ends
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(poll)
+                await anyio.sleep(0.2)  # waiting (a late start still finds the event)
+                await _ok(await aa.put(f"/v1/workspaces/{SAME_WS}/attachments/alpha-late", json={}))
+        assert [(e["kind"], e["store"]) for e in got["page"]["events"]] == [("attached", "alpha-late")], got
+        r = await bg.get(f"/v1/workspaces/{SAME_WS}/events?after={bseq}&wait=0.2")
+        assert r.json()["events"] == [], r.text
+        # versions: the actor names the workspace and the instance; skip_actor leaves out exactly
+        # the writer's own, in each account's notes
+        feed = (await _ok(await ag.get(f"/v1/stores/{SAME}/changes?after=0")))["seq"]
+        rec = await _ok(await ag.post(f"/v1/stores/{SAME}/records", json={"path": "pod.md", "content": "pod\n"}), 201)
+        assert rec["updated_by"] == f"ws:{SAME_WS}/pod-1"
+        mine = f"ws:{SAME_WS}/pod-1"
+        page = await _ok(await ag.get(f"/v1/stores/{SAME}/changes?after={feed}&skip_actor={mine}"))
+        assert page["changes"] == [] and page["seq"] >= rec["seq"]
+        await _ok(await aa.post(f"/v1/stores/{SAME}/records", json={"path": "adm.md", "content": "adm\n"}), 201)
+        page = await _ok(await ag.get(f"/v1/stores/{SAME}/changes?after={feed}&skip_actor={mine}&wait=5"))
+        assert [c["record"]["path"] for c in page["changes"]] == ["adm.md"]
+        vers = await _ok(await aa.get(f"/v1/stores/{SAME}/records/{a['agent_rid']}/versions"))
+        assert [v["actor"] for v in vers] == [f"ws:{SAME_WS}/api"]
+        # the prompt block and the memory tool of alpha's agent: alpha's stores
+        ctx = await _ok_text(await aa.get(f"/v1/workspaces/{SAME_WS}/context"))
+        assert "/alpha-notes/" in ctx and "bravo" not in ctx and "~" not in ctx
+        for c in (ag, aa):
+            tool = await _ok(await c.post(f"/v1/workspaces/{SAME_WS}/memory-tool",
+                                          json={"command": "view", "path": "/memories"}))
+            assert "alpha-notes" in tool["content"] and "bravo" not in tool["content"], tool
+        # a workspace token names its own workspace by name; another of its account is 403
+        r = await _client(app, a["ws_token"]).get(f"/v1/workspaces/{SAME_WS}/attachments")
+        assert r.status_code == 403 and r.json()["code"] == "forbidden"
+    # the console of alpha's agent token: the name in its header and links
+    c = await _console_login(app, a["agent_token"])
+    try:
+        page = (await c.get("/ui/")).text
+        assert f"workspace {SAME_WS}" in page and "~" not in page
+        r = await c.get("/ui/workspaces", follow_redirects=False)
+        assert r.status_code == 303 and r.headers["location"].endswith(f"/workspaces/{SAME_WS}")
+        page = (await c.get(f"/ui/workspaces/{SAME_WS}")).text
+        assert "alpha-notes" in page and "bravo" not in page and "~" not in page
+    finally:
+        await c.aclose()
+    c = await _console_login(app, ROOT)  # the root over every account: each agent's own stores
+    try:
+        page = (await c.get("/ui/workspaces")).text
+        assert "alpha-notes" in page and "bravo-notes" in page and "~" not in page
+    finally:
+        await c.aclose()
+
+
 async def test_the_root_admin_changes_an_accounts_quotas(world):
     """``PATCH /v1/accounts/{account}``: the fields given replace the quotas (null:
     unlimited, 0: zero, as at creation), the rest are kept; below the usage it refuses what
@@ -1027,3 +1127,8 @@ async def test_anthropic_workspace_header_of_another_account_is_404(world):
     async with _client(app, a["ws_token"]) as c:
         r = await c.get("/v1/memory_stores", headers={"anthropic-workspace-id": "alpha-other"})
         assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error", r.text
+
+
+async def _ok_text(r: httpx.Response) -> str:
+    assert r.status_code == 200, (r.request.url, r.text)
+    return r.text
