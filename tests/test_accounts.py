@@ -996,7 +996,7 @@ async def test_two_accounts_each_have_their_own_workspace_of_one_name(world):
         got: dict[str, object] = {}
 
         async def poll() -> None:
-            got["page"] = (await ag.get(f"/v1/workspaces/{SAME_WS}/events?after={seq}&wait=10")).json()
+            got["page"] = (await ag.get(f"/v1/workspaces/{SAME_WS}/events?after={seq}&wait=30")).json()
 
         await _ok(await aa.post("/v1/stores", json={"slug": "alpha-late"}), 201)
         with anyio.fail_after(10):  # woken at the attach, long before the wait ends

@@ -1,9 +1,15 @@
-"""Store names per account on a real mount: a sidecar of a workspace in account ``bravo``
-mounts its store ``notes`` while account ``alpha`` has a store ``notes`` of its own (made
-first, so bravo's is the one whose internal key is not its name: docs/ARCHITECTURE.md,
+"""Store and workspace names per account on a real mount: a sidecar of a workspace in account
+``bravo`` mounts its store ``notes`` while account ``alpha`` has a store ``notes`` of its own
+(made first, so bravo's is the one whose internal key is not its name: docs/ARCHITECTURE.md,
 "Accounts"). The mount shows bravo's content under ``notes/``, a shell's writes land in
-bravo's store only, and a write through the API reaches the mount through the change feed."""
+bravo's store only, and a write through the API reaches the mount through the change feed.
+Then two sidecars at once, one per account, both of a workspace ``agent`` and both with the
+actor name ``pod-1``: each mounts and writes its own account's ``notes``, and each follows
+its own store's writes by others and skips only its own."""
 from __future__ import annotations
+
+import json
+import re
 
 import httpx
 import pytest
@@ -70,6 +76,82 @@ def test_a_mount_in_bravo_shows_and_writes_bravos_notes(tmp_path):
     finally:
         try:
             if sc is not None:
+                sc.stop()
+        finally:
+            cp.stop()
+
+
+def test_two_sidecars_of_workspace_agent_in_two_accounts(tmp_path):
+    cp = ControlPlane(tmp_path).start()
+    sidecars: dict[str, Sidecar] = {}
+    try:
+        with _admin(cp) as root:
+            for acct in ("bravo", "alpha"):
+                assert root.post("/v1/accounts", json={"slug": acct}).status_code == 201
+        clients = {acct: _admin(cp, acct) for acct in ("bravo", "alpha")}
+        try:
+            for acct, c in clients.items():  # bravo's first: alpha's keys are agent~alpha, notes~alpha
+                w = c.post("/v1/workspaces", json={"name": "agent", "default_store": False})
+                assert w.status_code == 201 and w.json()["name"] == "agent", w.text
+                assert c.post("/v1/stores", json={"slug": "notes"}).status_code == 201
+                assert c.put("/v1/workspaces/agent/attachments/notes", json={}).status_code == 200
+                r = c.post("/v1/stores/notes/records", json={"path": "a.md", "content": f"{acct} says hi\n"})
+                assert r.status_code == 201, r.text
+                tok = c.post("/v1/tokens", json={"workspace": "agent"}).json()["token"]
+                token_file = tmp_path / f"{acct}.token"
+                token_file.write_text(tok)
+                sidecars[acct] = Sidecar(cp, "agent", token_file, tmp_path / f"mnt-{acct}",
+                                         tmp_path / f"cache-{acct}", "--actor", "pod-1").start(expect="notes")
+            for acct, sc in sidecars.items():
+                assert read(sc.mountpoint / "notes" / "a.md") == f"{acct} says hi\n"
+            # a shell writes through each mount: each account's notes change, never the other's
+            for acct, sc in sidecars.items():
+                sh(f"printf '{acct} line\\n' >> notes/a.md && sed -i 's/hi/hello/' notes/a.md && "
+                   f"printf '{acct} new\\n' > notes/{acct}.md", cwd=sc.mountpoint)
+            for acct, c in clients.items():
+                other = "alpha" if acct == "bravo" else "bravo"
+                wait_until(lambda: _content(c, "notes", "a.md") == f"{acct} says hello\n{acct} line\n"
+                           and _content(c, "notes", f"{acct}.md") == f"{acct} new\n", 30,
+                           f"{acct}'s mount writes committed")
+                assert _content(c, "notes", f"{other}.md") is None
+                # the actor is the workspace's name and the sidecar's: what the sidecar skips
+                rec = c.get("/v1/stores/notes/records", params={"path": f"{acct}.md"}).json()["records"][0]
+                assert rec["updated_by"] == "ws:agent/pod-1", rec
+            # writes by others reach each mount through its own change feed: the account admin,
+            # and the same workspace through the API (actor ws:agent/api: not the sidecar's own)
+            for acct, c in clients.items():
+                assert c.post("/v1/stores/notes/records",
+                              json={"path": "admin.md", "content": f"{acct} admin\n"}).status_code == 201
+                tok = (tmp_path / f"{acct}.token").read_text()
+                with httpx.Client(base_url=cp.url, headers={"Authorization": f"Bearer {tok}"}, timeout=30) as w:
+                    r = w.post("/v1/stores/notes/records", json={"path": "api.md", "content": f"{acct} via api\n"})
+                    assert r.status_code == 201 and r.json()["updated_by"] == "ws:agent/api", r.text
+            for acct, sc in sidecars.items():
+                mnt = sc.mountpoint
+                wait_until(lambda: read(mnt / "notes" / "admin.md") == f"{acct} admin\n"
+                           and read(mnt / "notes" / "api.md") == f"{acct} via api\n", 30,
+                           f"{acct}'s API writes on its mount")
+                out = sh("ls -a notes; cat notes/*.md", cwd=mnt).stdout
+                other = "alpha" if acct == "bravo" else "bravo"
+                assert other not in out and "~" not in out, out
+                # the sidecar's own writes were not applied back as remote changes: the file it
+                # wrote is as the shell left it, and nothing it wrote is shown twice
+                assert read(mnt / "notes" / f"{acct}.md") == f"{acct} new\n"
+                assert sorted(p.name for p in (mnt / "notes").iterdir()) == sorted(
+                    ["a.md", f"{acct}.md", "admin.md", "api.md"])
+                # the feed brought exactly the two writes by others (none of the sidecar's own)
+                status = json.loads(read(mnt / ".memfuse" / "status.json"))
+                assert status["actor"] == "ws:agent/pod-1"
+                admin = status["admin"]
+                metrics = httpx.get(f"http://{admin}/metrics", timeout=10).text
+                applied = re.search(r'^memfuse_sync_changes_applied_total\{store="notes"\} (\S+)$', metrics, re.M)
+                assert applied is not None and float(applied.group(1)) == 2, metrics[:2000]
+        finally:
+            for c in clients.values():
+                c.close()
+    finally:
+        try:
+            for sc in sidecars.values():
                 sc.stop()
         finally:
             cp.stop()
