@@ -12,10 +12,12 @@
 """
 from __future__ import annotations
 
+import json
 import logging
 import re
 import shutil
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,7 +27,7 @@ from click.testing import CliRunner
 from sqlalchemy import create_engine, inspect, text
 
 from memfuse.cli import cli
-from memfuse.models import RecordAttributes, RecordCreate, StoreCreate
+from memfuse.models import AccountCreate, RecordAttributes, RecordCreate, StoreCreate, WorkspaceCreate
 from memfuse.server import fulltext, schema
 from memfuse.server.app import create_app
 from memfuse.server.db import Base, Database, normalize_db_url
@@ -320,6 +322,16 @@ def test_fixture_from_memfuse_0_1_0_upgrades_with_rows_intact(tmp_path):
     created = svc.create_record(p, "notes", RecordCreate(path="after-upgrade.md", content="new\n"))
     assert created.status == 201
     assert svc.get_store(ADMIN, "notes").record_count == 4
+    # 0015_workspace_names: every workspace's public name is its name (= its key)
+    with svc.db.read_conn() as conn:
+        rows = conn.execute(text("SELECT name, public_name, account FROM workspaces ORDER BY name")).all()
+    assert rows and all(r.public_name == r.name and r.account == "default" for r in rows)
+    # ... so another account may now have one of the same name, keyed apart
+    svc.create_account(ADMIN, AccountCreate(slug="other"))
+    made = svc.create_workspace(replace(ADMIN, account="other"), WorkspaceCreate(name="agent-1"))
+    assert made.status == 201 and json.loads(made.body)["name"] == "agent-1"
+    assert [a.store.slug for a in svc.list_attachments(ADMIN, "agent-2")] == ["notes"]
+    assert svc.authenticate(token).workspace == "agent-1"  # the old token: the old workspace
     svc.db.dispose()
 
 
