@@ -181,7 +181,8 @@ async def events(svc: Service, request: Request, p: Principal, ws: str, after: i
     client left. Raises ``ServiceError`` (403, 404)."""
     notifier = svc.notifier
     # the workspace's key (memfuse.server.keys): what event bounds and wake-ups use
-    key = svc.cached_events_key(p, ws) or await anyio.to_thread.run_sync(svc.check_events_access, p, ws)
+    cached = svc.cached_events_key(p, ws)
+    key = cached if cached is not None else await anyio.to_thread.run_sync(svc.check_events_access, p, ws)
     deadline = anyio.current_time() + min(wait, MAX_WAIT_SECONDS)
 
     def quiet() -> bool:

@@ -192,7 +192,8 @@ class Streams:
                 await anyio.to_thread.run_sync(svc.check_events_access, p, ws)
 
         # the workspace's key (memfuse.server.keys): what event bounds and wake-ups use
-        key = svc.cached_events_key(p, ws) or await anyio.to_thread.run_sync(svc.check_events_access, p, ws)
+        cached = svc.cached_events_key(p, ws)
+        key = cached if cached is not None else await anyio.to_thread.run_sync(svc.check_events_access, p, ws)
 
         def quiet() -> bool:
             bounds = notifier.event_bounds(key)

@@ -430,6 +430,7 @@ class TokensService(Resource):
 
         def fn(s: Session) -> TokenCreated:
             wkey: str | None = None  # the workspace's key (memfuse.server.keys): what the row holds
+            account: str | None
             if body.workspace is not None:
                 wrow = self._workspace(s, p, body.workspace)
                 wkey, account = wrow.name, wrow.account
