@@ -69,6 +69,10 @@ SEARCH_QUERY_MAX = 256  # characters of ``q``
 SEARCH_PREFIX_MAX = 1024  # characters of ``prefix`` (a record path's bound)
 SEARCH_PAGE_DEFAULT, SEARCH_PAGE_MAX = 20, 100  # records read per search page (``limit``)
 SEARCH_LINES_DEFAULT, SEARCH_LINES_MAX = 5, 100  # matching lines shown per record
+# the response header of GET /v1/workspaces/{ws}/attachments naming the actor the control plane
+# records on this caller's writes (``ws:<workspace name>/<instance>``): what a sidecar's feed
+# leaves out as its own (docs/API.md "Workspaces and attachments")
+ACTOR_HEADER = "Memfuse-Actor"
 # changes / events per page of GET .../changes and .../events (``limit``: also the default), in the
 # app's Query(...), the long-poll fast path and the streams
 FEED_PAGE_MAX = 1000

@@ -1132,3 +1132,26 @@ async def test_anthropic_workspace_header_of_another_account_is_404(world):
 async def _ok_text(r: httpx.Response) -> str:
     assert r.status_code == 200, (r.request.url, r.text)
     return r.text
+
+
+async def test_the_attachments_answer_names_the_callers_actor(world):
+    """``Memfuse-Actor`` on ``GET /v1/workspaces/{ws}/attachments``: the actor the control
+    plane records on the caller's writes, which a sidecar takes as its own
+    (``ApiClient.actor``, ``StoreSync.learn_actor``): the workspace's name (never its key)
+    and the instance, whether the workspace is named by its name or by its key."""
+    from memfuse.client import ApiClient
+
+    app, root, ids = world
+    a = ids["alpha"]
+    for named in (SAME_WS, _ws_key(app, "alpha")):
+        async with ApiClient(BASE, a["agent_token"], transport=httpx.ASGITransport(app=app),
+                             instance="pod-9") as api:
+            assert api.actor is None
+            atts = await api.list_attachments(named)
+            assert {x.store.slug for x in atts} == {SAME, "alpha-notes", "alpha-shared"}
+            assert api.actor == f"ws:{SAME_WS}/pod-9"
+            rec = await api.create_record(SAME, f"by-{len(named)}.md", "x\n")
+            assert rec.updated_by == api.actor  # what the feed leaves out as this client's own
+    async with _client(app, a["admin"]) as c:
+        r = await c.get(f"/v1/workspaces/{SAME_WS}/attachments")
+        assert r.headers["Memfuse-Actor"] == "admin:adm"

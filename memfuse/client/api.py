@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from ..defs import (
+    ACTOR_HEADER,
     FEED_PAGE_MAX,
     JOBS_PAGE_DEFAULT,
     RECORDS_PAGE_DEFAULT,
@@ -98,8 +99,16 @@ class ApiClient(AdminEndpoints):
 
     async def list_attachments(self, ws: str) -> list[Attachment]:
         """``GET /v1/workspaces/{ws}/attachments``: the stores attached to ``ws``, sorted by
-        slug. Raises NotFound (``workspace_not_found``), Forbidden for another workspace."""
-        return await self._call(_ATTACHMENTS, "GET", f"/v1/workspaces/{_seg(ws)}/attachments")
+        slug. Raises NotFound (``workspace_not_found``), Forbidden for another workspace.
+        Keeps the answer's ``Memfuse-Actor`` (the actor of this client's writes) in
+        :attr:`actor`."""
+        path = f"/v1/workspaces/{_seg(ws)}/attachments"
+        resp = await self._request("GET", path)
+        atts = self._parse(_ATTACHMENTS, resp, "GET", path)
+        told = resp.headers.get(ACTOR_HEADER)
+        if told:
+            self.actor = told
+        return atts
 
     async def workspace_events(self, ws: str, after: int = 0, wait: float = 0) -> EventPage:
         """``GET /v1/workspaces/{ws}/events``: attach / detach / store_changed events with

@@ -363,6 +363,10 @@ class ApiSession:
             headers[INSTANCE_HEADER] = instance
         self.base_url = base_url.rstrip("/")
         self.instance = instance
+        #: the actor the control plane records on this client's writes, as it last said
+        #: (``Memfuse-Actor`` on ``list_attachments``' answer); None until then, and from a
+        #: control plane that does not say
+        self.actor: str | None = None
         #: called as ``observer(endpoint, status, seconds)`` after every request (metrics);
         #: ``endpoint`` is a low-cardinality template such as ``PUT /v1/stores/{}/records/{}``
         self.observer: Callable[[str, str, float], None] | None = None

@@ -271,6 +271,9 @@ class Sidecar(StoreSync):
         # nothing, so versions an earlier process wrote after its last saved cursor arrive.
         self.instance = re.sub(r"[^A-Za-z0-9._@:+-]", "-", client.instance or "sidecar")[:100]
         client.set_instance(self.instance)
+        # what the control plane records on our writes; the one it names in the attachments
+        # answer replaces it (StoreSync.learn_actor): a control plane that does not name it
+        # records this
         self.actor = f"ws:{config.workspace}/{self.instance}"
         # the control plane leaves our own versions out of the feed (no wake-up per own
         # commit); _feed still checks the actor, for control planes that ignore skip_actor
@@ -588,6 +591,7 @@ class Sidecar(StoreSync):
                 if atts is None:
                     self._load_offline()
                 else:
+                    self.learn_actor()
                     for att in atts:
                         await self._add_attachment(att)
                 # the mirrors are saved by the saver right after the mount, unreferenced blobs

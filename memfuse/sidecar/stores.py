@@ -597,10 +597,22 @@ class StoreSync:
         self.state_save_failing = failed is not None
 
     # ------------------------------------------------------------------ mount / umount signals
+    def learn_actor(self) -> None:
+        """Take the actor the control plane records on this sidecar's writes (the client's
+        ``actor``, from the attachments answer) as ``actor`` and the feeds' ``skip_actor``:
+        the versions it leaves out and ``_apply_page`` skips as its own. A control plane that
+        does not say leaves the sidecar's own ``ws:<workspace>/<instance>``."""
+        told = self.client.actor
+        if told and told != self.actor:
+            log.info("actor named by the control plane", extra={"actor": told, "was": self.actor})
+            self.actor = told
+            self._feed_kw["skip_actor"] = told
+
     async def reconcile(self) -> dict[str, Any]:
         """Make the mounted stores match the workspace's attachments (SIGHUP, events)."""
         async with self._mount_lock:
             atts = await self.client.list_attachments(self.config.workspace)
+            self.learn_actor()
             want = {a.store.slug: a for a in atts}
             added, removed = [], []
             for slug, att in want.items():
@@ -639,6 +651,7 @@ class StoreSync:
             if slug in self.fs.stores:
                 return {"store": slug, "mounted": True, "changed": False}
             atts = await self.client.list_attachments(self.config.workspace)
+            self.learn_actor()
             att = next((a for a in atts if a.store.slug == slug), None)
             if att is None:
                 raise LookupError(f"store {slug} is not attached to workspace {self.config.workspace}")
