@@ -746,6 +746,16 @@ def test_cli_accounts_in_local_mode(home):
     lines = invoke("workspace", "list").stdout.splitlines()
     assert lines[0].split()[:2] == ["ACCOUNT", "WORKSPACE"]
     assert any(ln.split()[:2] == ["acme", "w2"] for ln in lines), lines
+    # the same workspace name in another account (default's w1 keeps its name and tokens)
+    assert invoke("workspace", "create", "w1", "--account", "acme", "--no-default-store").exit_code == 0
+    assert invoke("workspace", "create", "w1", "--account", "acme", "--no-default-store").exit_code != 0
+    lines = invoke("workspace", "list").stdout.splitlines()
+    assert {tuple(ln.split()[:2]) for ln in lines[1:]} >= {("default", "w1"), ("acme", "w1")}, lines
+    assert "~" not in "\n".join(lines)
+    r = invoke("token", "create", "--workspace", "w1", "--account", "acme", "--name", "acme-w1")
+    assert r.exit_code == 0 and "workspace w1" in r.stderr and "~" not in r.output, r.output
+    listed = invoke("token", "list", "--json").stdout
+    assert '"acme-w1"' in listed and "~" not in listed
 
 
 async def test_a_consolidation_output_store_is_in_its_inputs_account(world):
