@@ -4,8 +4,9 @@
 "Accounts"). The mount shows bravo's content under ``notes/``, a shell's writes land in
 bravo's store only, and a write through the API reaches the mount through the change feed.
 Then two sidecars at once, one per account, both of a workspace ``agent`` and both with the
-actor name ``pod-1``: each mounts and writes its own account's ``notes``, and each follows
-its own store's writes by others and skips only its own."""
+actor name ``pod-1``: each mounts and writes its own account's ``notes``, each follows its
+own store's writes by others and skips only its own, and an attachment to one account's
+``agent`` reaches only that account's sidecar."""
 from __future__ import annotations
 
 import json
@@ -146,6 +147,13 @@ def test_two_sidecars_of_workspace_agent_in_two_accounts(tmp_path):
                 metrics = httpx.get(f"http://{admin}/metrics", timeout=10).text
                 applied = re.search(r'^memfuse_sync_changes_applied_total\{store="notes"\} (\S+)$', metrics, re.M)
                 assert applied is not None and float(applied.group(1)) == 2, metrics[:2000]
+            # a store attached to alpha's agent (key agent~alpha) reaches alpha's mount through
+            # the workspace's events, and never bravo's
+            alpha = clients["alpha"]
+            assert alpha.post("/v1/stores", json={"slug": "extra"}).status_code == 201
+            assert alpha.put("/v1/workspaces/agent/attachments/extra", json={}).status_code == 200
+            wait_until(lambda: (sidecars["alpha"].mountpoint / "extra").is_dir(), 30, "alpha's new store mounted")
+            assert not (sidecars["bravo"].mountpoint / "extra").exists()
         finally:
             for c in clients.values():
                 c.close()
