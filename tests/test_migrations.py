@@ -322,7 +322,7 @@ def test_fixture_from_memfuse_0_1_0_upgrades_with_rows_intact(tmp_path):
     created = svc.create_record(p, "notes", RecordCreate(path="after-upgrade.md", content="new\n"))
     assert created.status == 201
     assert svc.get_store(ADMIN, "notes").record_count == 4
-    # 0015_workspace_names: every workspace's public name is its name (= its key)
+    # 0017_workspace_names: every workspace's public name is its name (= its key)
     with svc.db.read_conn() as conn:
         rows = conn.execute(text("SELECT name, public_name, account FROM workspaces ORDER BY name")).all()
     assert rows and all(r.public_name == r.name and r.account == "default" for r in rows)
