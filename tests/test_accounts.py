@@ -894,12 +894,13 @@ async def test_the_root_admin_names_each_store_by_its_reference(world):
         st = await _ok(await root.get(f"/v1/stores/{ref}"))
         assert (st["slug"], st["account"]) == (SAME, acct)
         recs = (await _ok(await root.get(f"/v1/stores/{ref}/records?content=true")))["records"]
-        assert [r["content"] for r in recs] == [f"{content} in {SAME}\n"]
+        assert sorted(r["content"] for r in recs) == [f"{content} by the agent\n", f"{content} in {SAME}\n"]
         # the Anthropic API: one id per store, the reference
         ms = await _ok(await root.get(f"/v1/memory_stores/{store_id(ref)}"))
         assert ms["id"] == store_id(ref) and ms["name"] == SAME
         mems = await _ok(await root.get(f"/v1/memory_stores/{store_id(ref)}/memories"))
-        assert [m["id"] for m in mems["data"]] == [memory_id(ids[acct]["same_rid"])]
+        assert sorted(m["id"] for m in mems["data"]) == sorted(
+            [memory_id(ids[acct]["same_rid"]), memory_id(ids[acct]["agent_rid"])])
     listed = [s["id"] for s in (await _ok(await root.get("/v1/memory_stores?limit=100")))["data"]]
     assert listed.count(store_id(f"{SAME}~alpha")) == 1 and listed.count(store_id(f"{SAME}~bravo")) == 1
     assert store_id(SAME) not in listed  # neither is default's: no bare name for root
@@ -1051,10 +1052,17 @@ async def test_two_accounts_each_have_their_own_workspace_of_one_name(world):
         assert "alpha-notes" in page and "bravo" not in page and "~" not in page
     finally:
         await c.aclose()
-    c = await _console_login(app, ROOT)  # the root over every account: each agent's own stores
+    c = await _console_login(app, ROOT)  # the root over every account: each agent by its reference
     try:
         page = (await c.get("/ui/workspaces")).text
-        assert "alpha-notes" in page and "bravo-notes" in page and "~" not in page
+        assert "alpha-notes" in page and "bravo-notes" in page
+        for acct in ("alpha", "bravo"):
+            assert f'href="/ui/workspaces/{SAME_WS}~{acct}"' in page, page
+            ws_page = (await c.get(f"/ui/workspaces/{SAME_WS}~{acct}")).text
+            other = "bravo" if acct == "alpha" else "alpha"
+            assert f"/attachments/{acct}-notes~{acct}/detach" in ws_page, ws_page  # its attachments
+            assert f"/attachments/{other}-notes~{other}/detach" not in ws_page
+        assert f'href="/ui/workspaces/{SAME_WS}"' not in page
     finally:
         await c.aclose()
 
