@@ -138,15 +138,18 @@ def parse_byte_size(text: str) -> int:
     unit = raw[len(num):].lower()
     if not num:
         raise ValueError(f"{text.strip()!r} is not a byte size (e.g. 1048576, 512K, 1MiB)")
-    try:
-        n = float(num)
-    except ValueError:
-        raise ValueError(f"{text.strip()!r} is not a byte size (e.g. 1048576, 512K, 1MiB)") from None
     if unit not in _BYTE_UNITS:
         raise ValueError(f"unknown unit in {text.strip()!r} (use K, M, G, KiB, MiB, GiB, kB, MB, GB)")
-    if not n == n or n in (float("inf"), float("-inf")):  # nan, inf
-        raise ValueError(f"{text.strip()!r} is not a byte size (e.g. 1048576, 512K, 1MiB)")
-    result = int(n * _BYTE_UNITS[unit])
+    if num.isascii() and num.isdigit():  # a whole number: exact (a float loses digits past 2**53)
+        result = int(num) * _BYTE_UNITS[unit]
+    else:
+        try:
+            n = float(num)
+        except ValueError:
+            raise ValueError(f"{text.strip()!r} is not a byte size (e.g. 1048576, 512K, 1MiB)") from None
+        if not n == n or n in (float("inf"), float("-inf")):  # nan, inf
+            raise ValueError(f"{text.strip()!r} is not a byte size (e.g. 1048576, 512K, 1MiB)")
+        result = int(n * _BYTE_UNITS[unit])
     if result <= 0:
         raise ValueError(f"{text.strip()!r} must be at least 1 byte")
     if result > MAX_COUNT:

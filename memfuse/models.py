@@ -23,7 +23,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 # Constants, enums and helpers live in memfuse.defs (no pydantic there: the sidecar uses them);
 # importing them from here stays supported (``X as X``: an explicit re-export for the type checker).
@@ -73,9 +73,9 @@ class AccountCreate(BaseModel):
     """``POST /v1/accounts`` (root admin): a new account; quotas None = unlimited."""
 
     slug: str = Field(pattern=SLUG_PATTERN)
-    max_stores: int | None = Field(default=None, ge=0, le=INT64_MAX)
-    max_bytes: int | None = Field(default=None, ge=0, le=INT64_MAX)
-    max_tokens: int | None = Field(default=None, ge=0, le=INT64_MAX)
+    max_stores: int | None = Field(default=None, ge=0, le=INT64_MAX, strict=True)  # true is not 1
+    max_bytes: int | None = Field(default=None, ge=0, le=INT64_MAX, strict=True)
+    max_tokens: int | None = Field(default=None, ge=0, le=INT64_MAX, strict=True)
 
 
 class AccountUpdate(BaseModel):
@@ -84,9 +84,11 @@ class AccountUpdate(BaseModel):
     is a quota of zero, not unlimited). A quota below the current usage refuses what would
     add to it (new stores, new tokens, growing writes) and deletes nothing."""
 
-    max_stores: int | None = Field(default=None, ge=0, le=INT64_MAX)
-    max_bytes: int | None = Field(default=None, ge=0, le=INT64_MAX)
-    max_tokens: int | None = Field(default=None, ge=0, le=INT64_MAX)
+    model_config = ConfigDict(extra="forbid")  # a misspelt quota is a 422, not a silent no-op
+
+    max_stores: int | None = Field(default=None, ge=0, le=INT64_MAX, strict=True)
+    max_bytes: int | None = Field(default=None, ge=0, le=INT64_MAX, strict=True)
+    max_tokens: int | None = Field(default=None, ge=0, le=INT64_MAX, strict=True)
 
 
 class AccountAttachment(BaseModel):

@@ -723,6 +723,13 @@ def test_cli_accounts_in_local_mode(home):
     assert "0 / 5" in acme and "1 / unlimited" in acme, acme
     assert invoke("account", "set", "acme").exit_code != 0  # nothing to set
     assert invoke("account", "set", "acme", "--max-stores", "-1").exit_code != 0
+    # 0 bytes is a quota of zero as the API takes it; 2**63-1 exactly is the largest (attacker finding)
+    for size, shown in (("0", "0 B / 0 B"), ("9223372036854775807", "0 B / ")):
+        r = invoke("account", "set", "acme", "--max-bytes", size)
+        assert r.exit_code == 0, (size, r.output)
+        assert shown in next(ln for ln in r.stdout.splitlines() if ln.startswith("acme ")), r.stdout
+    assert invoke("account", "set", "acme", "--max-bytes", "9223372036854775808").exit_code != 0
+    assert invoke("account", "set", "acme", "--max-bytes", "unlimited").exit_code == 0
     r = invoke("account", "set", "nope", "--max-stores", "1")
     assert r.exit_code != 0 and "no account 'nope'" in r.output
     assert invoke("account", "detach", "default", "shared").exit_code == 0
@@ -927,6 +934,14 @@ async def test_the_root_admin_names_each_store_by_its_reference(world):
             assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error", r.text
         listed = (await _ok(await c.get("/v1/memory_stores?limit=100")))["data"]
         assert store_id(SAME) in [s["id"] for s in listed] and "~" not in json.dumps(listed)
+    # a workspace token names its attached stores by name only: a reference (or a key) is
+    # refused alike in both accounts, whichever account took the name first (attacker finding)
+    for acct in ("alpha", "bravo"):
+        async with _client(app, ids[acct]["ws_token"]) as c:
+            assert (await c.get(f"/v1/stores/{SAME}")).status_code == 200
+            for ref in (f"{SAME}~{acct}", f"{SAME}~alpha", f"{SAME}~bravo"):
+                r = await c.get(f"/v1/stores/{ref}")
+                assert r.status_code == 404, (acct, ref, r.text)
     # the console, root over every account: a row and a link per store, and inside the store
     c = await _console_login(app, ROOT)
     try:
@@ -1107,6 +1122,13 @@ async def test_the_root_admin_changes_an_accounts_quotas(world):
     r = await root.patch("/v1/accounts/nope", json={"max_stores": 1})
     assert r.status_code == 404 and r.json()["code"] == "account_not_found"
     assert (await root.patch("/v1/accounts/small", json={"max_stores": -1})).status_code == 422
+    # JSON true is not 1, "10" is not 10, a misspelt field is not a silent no-op (attacker finding)
+    for body in ({"max_bytes": True}, {"max_bytes": "10"}, {"max_byte": 10}, {"max_stores": 1.5}):
+        r = await root.patch("/v1/accounts/small", json=body)
+        assert r.status_code == 422, (body, r.text)
+    assert (await root.post("/v1/accounts", json={"slug": "boolq", "max_bytes": True})).status_code == 422
+    acct = await _ok(await root.get("/v1/accounts/small"))
+    assert (acct["max_stores"], acct["max_bytes"]) == (None, None)  # the refused ones changed nothing
 
 
 async def test_an_account_shows_its_account_wide_attachments(world):

@@ -482,6 +482,8 @@ class QuotaParam(click.ParamType):
         if isinstance(value, str) and value.strip().lower() == UNLIMITED:
             return UNLIMITED
         if self.size:
+            if isinstance(value, str) and value.strip() == "0":
+                return 0  # a quota of zero bytes (as the API takes it), not a size error
             return int(BYTES.convert(value, param, ctx))
         return int(click.IntRange(min=0).convert(value, param, ctx))
 

@@ -96,7 +96,7 @@ class AccountsService(Resource):
             n = conn.execute(select(func.count()).select_from(_S).where(_S.c.account == account)).scalar_one()
             if n >= row.max_stores:
                 raise ServiceError(409, "account_quota",
-                                   f"account {account!r} holds its limit of {row.max_stores} stores")
+                                   f"account {account!r} holds {n} stores; its limit is {row.max_stores}")
 
     def check_token_quota(self, s: Session, account: str) -> None:
         """409 ``account_quota`` when ``account`` has ``max_tokens`` active tokens already; 404
@@ -105,9 +105,11 @@ class AccountsService(Resource):
         row = conn.execute(select(_AC).where(_AC.c.slug == account)).first()
         if row is None:
             raise _not_found(account)
-        if row.max_tokens is not None and self._usage(conn, account)[2] >= row.max_tokens:
-            raise ServiceError(409, "account_quota",
-                               f"account {account!r} holds its limit of {row.max_tokens} active tokens")
+        if row.max_tokens is not None:
+            held = self._usage(conn, account)[2]
+            if held >= row.max_tokens:
+                raise ServiceError(409, "account_quota", f"account {account!r} holds {held} active "
+                                                         f"tokens; its limit is {row.max_tokens}")
 
     def _check_bytes_quota(self, conn: Connection, account: str, d_bytes: int) -> None:
         """507 ``account_full`` when adding ``d_bytes`` (> 0) to the live bytes of

@@ -29,7 +29,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Unpack, cast
 
 from pydantic import BaseModel
-from sqlalchemy import Table, and_, bindparam, delete, func, insert, or_, select
+from sqlalchemy import Table, and_, bindparam, delete, func, insert, select
 from sqlalchemy.engine import Connection, Row
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -351,7 +351,9 @@ _SELECT_ACCOUNT_STORE_FOR_UPDATE = _for_update(_SELECT_ACCOUNT_STORE)
 _SELECT_ATTACHED_STORE = (
     select(_S, _A.c.access)
     .join(_A, and_(_A.c.store == _S.c.slug, _A.c.workspace == bindparam("ws")))
-    .where(or_(_S.c.slug == bindparam("slug"), _S.c.public_slug == bindparam("slug")))
+    # by its public name only: a workspace token never names a store by its key or a
+    # reference (``notes~bravo``), which would answer or not by which account took the name first
+    .where(_S.c.public_slug == bindparam("slug"))
 )
 _SELECT_ATTACHED_STORE_FOR_UPDATE = _for_update(_SELECT_ATTACHED_STORE)
 _INSERT_IDEM = insert(_I)
