@@ -373,3 +373,30 @@ async def test_a_held_insert_is_written_when_due_or_when_the_control_plane_fails
             assert rows(j) == [1, 2, 3]
             nursery.cancel_scope.cancel()
     j.close()
+
+
+async def test_a_held_insert_behind_a_lazy_write_is_written_when_due(tmp_path):
+    """A lazy write due before a held insert (a finished entry's delete, then a close that
+    waits for its commit): the batch written for the lazy write stops at the held insert, and
+    the held insert is still written once it is due, with no other close to wake the journal
+    (the reference model found a close waiting forever: ``wait_accepted`` timed out)."""
+    j = CountingJournal(tmp_path / "outbox.db")
+    j.LAZY_DELAY, j.HOLD = 0.1, 0.6
+    c = Committer(Offline(), j, {})
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(j.run)
+            e1 = c.submit("s", PUT, "n:1", {"path": "a.md"}, b"a\n")
+            await e1.wait_accepted(10)
+            j.remove(e1)  # lazy: due LAZY_DELAY from now
+            c.hold_journal = True
+            e2 = c.submit("s", PUT, "n:2", {"path": "b.md"}, b"b\n")  # held: due HOLD from now
+            t0 = trio.current_time()
+            while len(j.batches) < 2:  # the lazy delete goes alone, cut before the held insert
+                await trio.sleep(0.01)
+            assert j.batches[1] == [("DELETE", None)] and not e2.durable.is_set()
+            await e2.wait_accepted(20)  # without a look at its due time again: never
+            assert trio.current_time() - t0 >= j.HOLD - 0.2
+            assert rows(j) == [2]
+            nursery.cancel_scope.cancel()
+    j.close()

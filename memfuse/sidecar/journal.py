@@ -826,6 +826,11 @@ class Journal:
             if delay != self.RETRY_MIN:
                 log.info("outbox journal writes again", extra={"failures": self.failures})
                 delay = self.RETRY_MIN
+            if self._pending:
+                # a batch cut before a held insert not due yet (``flush_pending(due_only)``):
+                # what stays queued has no wake-up of its own, so look at its due time again
+                # (else a held insert waits for the next close, forever on a quiet mount)
+                self._wakeup.set()
             now = time.monotonic()
             if not self._pending and now - self._last_checkpoint >= self.CHECKPOINT_EVERY:
                 self._last_checkpoint = now
