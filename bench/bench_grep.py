@@ -42,12 +42,50 @@ from memfuse.client.api import ApiClient
 from memfuse.defs import BATCH_MAX_OPERATIONS
 
 
+#: set by --callgrind: the command every daemon runs under, and where its dumps go
+PREFIX: list[str] = []
+CG_DIR: Path | None = None
+
+
+def callgrind_ir(pid: int, name: str) -> int:
+    """Dump ``pid``'s callgrind counters (``callgrind_control -d``), zero them, and return
+    the instructions (Ir) counted since the last zeroing (the dump's ``totals:`` line)."""
+    assert CG_DIR is not None
+    before = set(CG_DIR.glob(f"cg.{name}.*"))
+    subprocess.run(["callgrind_control", "-d", str(pid)], capture_output=True, timeout=300, check=True)
+    deadline = time.monotonic() + 120
+    while True:
+        new = [p for p in CG_DIR.glob(f"cg.{name}.*") if p not in before]
+        if new:
+            for line in new[0].read_text(errors="replace").splitlines():
+                if line.startswith(("totals:", "summary:")):
+                    subprocess.run(["callgrind_control", "-z", str(pid)], capture_output=True,
+                                   timeout=300, check=True)
+                    return int(line.split()[1])
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no callgrind dump from {name}")
+        time.sleep(0.2)
+
+
 def proc_cpu(pid: int) -> tuple[float, float]:
     """(user, system) CPU seconds used so far by ``pid`` (all its threads)."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     tck = os.sysconf("SC_CLK_TCK")
     return int(fields[11]) / tck, int(fields[12]) / tck
+
+
+def run_ns(pid: int) -> int:
+    """Nanoseconds ``pid``'s threads have spent on a CPU so far (``/proc/PID/task/*/schedstat``,
+    first field): ``/proc/PID/stat`` counts clock ticks (10 ms), too coarse for a short grep."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass  # a thread that ended meanwhile
+    return total
 
 
 def ctx_switches(pid: int) -> int:
@@ -60,15 +98,24 @@ def ctx_switches(pid: int) -> int:
     return n
 
 
-def grep_once(root: Path) -> tuple[float, int]:
+def grep_once(root: Path, timeout: float = 300) -> tuple[float, int]:
     """Seconds of one ``grep -r NEEDLE root`` into a pipe, and its lines of output."""
     t0 = time.perf_counter()
     p = subprocess.run(["grep", "-r", NEEDLE, str(root)], stdout=subprocess.PIPE,
-                       stderr=subprocess.PIPE, timeout=300, env=dict(os.environ, **LC))
+                       stderr=subprocess.PIPE, timeout=timeout, env=dict(os.environ, **LC))
     dt = time.perf_counter() - t0
     if p.returncode not in (0, 1):
         raise RuntimeError(f"grep -r {root} exited {p.returncode}: {p.stderr[-500:]!r}")
     return dt, p.stdout.count(b"\n")
+
+
+def cg_prefix(name: str) -> list[str]:
+    """The valgrind command line a daemon named ``name`` runs under (none without
+    --callgrind): instrumentation off until the measured rounds start."""
+    if CG_DIR is None:
+        return []
+    return ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--trace-children=no",
+            f"--callgrind-out-file={CG_DIR}/cg.{name}.%p"]
 
 
 class VariantMount(Mount):
@@ -79,11 +126,12 @@ class VariantMount(Mount):
         super().__init__(session, session.cp, session.WS_READ, session.big_token(), name)
         self.src, self.env = src, env
 
-    def start(self, expect: str, nonempty: bool = True, timeout: float = 180) -> float:
+    def start(self, expect: str, nonempty: bool = True, timeout: float = 900) -> float:
         self.mountpoint.mkdir(parents=True, exist_ok=True)
         self.log.parent.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, **self.env)
-        argv = [PY, "-c", "import sys; from memfuse.cli import main; sys.exit(main())"]
+        argv = cg_prefix(self.mountpoint.name) + [
+            PY, "-c", "import sys; from memfuse.cli import main; sys.exit(main())"]
         if self.src is not None:
             env["PYTHONPATH"] = str(self.src)
         elif "PYTHONPATH" in self.env:  # an experiment's sitecustomize beside this tree
@@ -175,6 +223,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--files", type=int, default=10_000)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--subdir", default="", help="grep only this subdirectory of the tree "
+                    "(e.g. t00: 1,000 of the 10,000 files): shorter runs, more rounds")
     ap.add_argument("--variant", action="append", default=[],
                     help="NAME or NAME=SRC_DIR (repeatable; default: memfuse)")
     ap.add_argument("--env", action="append", default=[], help="NAME:KEY=VALUE (repeatable)")
@@ -189,7 +239,15 @@ def main() -> int:
                     help="after the rounds, per place one more grep under `perf record -g` "
                          "(software clock; DIR/<place>.perf) and one under py-spy "
                          "(--native, raw; DIR/<place>.pyspy) of its daemon")
+    ap.add_argument("--callgrind", type=Path, metavar="DIR",
+                    help="run every daemon under valgrind's callgrind and report the "
+                         "instructions it executes per file (user space only; the same on a "
+                         "loaded machine as on a quiet one); dumps in DIR")
     args = ap.parse_args()
+    global CG_DIR
+    if args.callgrind is not None:
+        args.callgrind.mkdir(parents=True, exist_ok=True)
+        CG_DIR = args.callgrind.resolve()
     variants: dict[str, Path | None] = {}
     for v in args.variant or ["memfuse"]:
         name, _, src = v.partition("=")
@@ -214,41 +272,74 @@ def main() -> int:
             m.start(s.BIG)
             s.on_close(m.stop)
             roots[name], pids[name] = m.mountpoint / s.BIG, m.pid
-        bare = s.bare()
-        roots["bare"], pids["bare"] = bare.mountpoint, bare.proc.pid
-        for spec in args.bare:  # floor variants: another script serving the same tree
+        bares = list(args.bare)
+        if CG_DIR is None:
+            bare = s.bare()
+            roots["bare"], pids["bare"] = bare.mountpoint, bare.proc.pid
+        else:  # the floor under valgrind too
+            bares.insert(0, f"bare={Path(__file__).resolve().parent / 'barefs.py'}")
+        for spec in bares:  # floor variants: another script serving the same tree
             name, _, script = spec.partition("=")
             mp = s.dir / "mnt" / name
             mp.mkdir(parents=True)
-            proc = subprocess.Popen([PY, script, str(mp), "--from", str(s.local)],
+            proc = subprocess.Popen(cg_prefix(name) + [PY, script, str(mp), "--from", str(s.local)],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                     env=dict(os.environ, BENCH_DIR=str(Path(__file__).resolve().parent)))
             s.track(proc, mp)
             t0 = time.perf_counter()
             while not is_mounted(mp):
-                if proc.poll() is not None or time.perf_counter() - t0 > 120:
+                if proc.poll() is not None or time.perf_counter() - t0 > 600:
                     raise RuntimeError(f"floor variant {name} did not mount")
                 time.sleep(0.01)
             roots[name], pids[name] = mp, proc.pid
         keys = list(roots)
-        lines = {k: grep_once(roots[k])[1] for k in keys}  # warm-up
+        lines = {k: grep_once(roots[k], timeout=3600)[1] for k in keys}  # warm-up
         if len(set(lines.values())) != 1:
             raise RuntimeError(f"places disagree on the matches: {lines}")
+        if args.subdir:
+            nf = sum(1 for rel, _ in s.files if rel.startswith(args.subdir.rstrip("/") + "/"))
+            lines = {k: grep_once(roots[k] / args.subdir)[1] for k in keys}
         s.say(f"{nf} files, {lines['bare']} matching lines; {args.rounds} rounds, load {loadavg()}")
         runs: dict[str, list[dict]] = {k: [] for k in keys}
+        if CG_DIR is not None:  # instructions per file, one grep per place and round
+            for k in keys:
+                subprocess.run(["callgrind_control", "-i", "on", str(pids[k])],
+                               capture_output=True, timeout=300, check=True)
+                grep_once(roots[k] / args.subdir, timeout=3600)  # warm under instrumentation
+                callgrind_ir(pids[k], k)
+            for i in range(args.rounds):
+                for k in keys:
+                    # zeroed just before: the daemon's own background work while the other
+                    # places were grepped (minutes under valgrind) is not counted
+                    subprocess.run(["callgrind_control", "-z", str(pids[k])],
+                                   capture_output=True, timeout=300, check=True)
+                    grep_once(roots[k] / args.subdir, timeout=3600)
+                    runs[k].append({"ir_per_file": callgrind_ir(pids[k], k) / nf})
+                s.say(f"round {i + 1}: " + ", ".join(
+                    f"{k} {runs[k][-1]['ir_per_file']:,.0f} Ir/file" for k in keys))
+            for k in keys:
+                v = [r["ir_per_file"] for r in runs[k]]
+                print(f"{k:<12} {statistics.median(v):>12,.0f} Ir/file (min {min(v):,.0f}, "
+                      f"max {max(v):,.0f}) {statistics.median(v) / statistics.median(r['ir_per_file'] for r in runs['bare']):.3f}x bare")
+            if args.json:
+                args.json.write_text(json.dumps({"files": nf, "runs": runs}, indent=1))
+            return 0
         for i in range(args.rounds):
             order = keys[i % len(keys):] + keys[:i % len(keys)]
             for k in order:
                 u0, s0 = proc_cpu(pids[k])
                 c0 = ctx_switches(pids[k])
-                wall, _ = grep_once(roots[k])
+                r0 = run_ns(pids[k])
+                wall, _ = grep_once(roots[k] / args.subdir)
+                r1 = run_ns(pids[k])
                 u1, s1 = proc_cpu(pids[k])
-                runs[k].append({"wall_s": wall, "user_us_per_file": (u1 - u0) / nf * 1e6,
+                runs[k].append({"wall_s": wall, "cpu_us_per_file": (r1 - r0) / nf / 1e3,
+                                "user_us_per_file": (u1 - u0) / nf * 1e6,
                                 "sys_us_per_file": (s1 - s0) / nf * 1e6,
                                 "ctxsw_per_file": (ctx_switches(pids[k]) - c0) / nf})
             s.say(f"round {i + 1}: " + ", ".join(
                 f"{k} {runs[k][-1]['wall_s']:.2f}s "
-                f"{runs[k][-1]['user_us_per_file'] + runs[k][-1]['sys_us_per_file']:.0f}us/f"
+                f"{runs[k][-1]['cpu_us_per_file']:.0f}us/f"
                 for k in keys) + f" (load {loadavg()})")
         load1 = loadavg()
         if args.profile:
@@ -271,24 +362,27 @@ def main() -> int:
         return statistics.median(r[f] for r in runs[k])
 
     def cpu(r: dict) -> float:
-        return r["user_us_per_file"] + r["sys_us_per_file"]
+        return r["cpu_us_per_file"]
 
     print(f"\n{nf} files, {args.rounds} rounds, load {load0} -> {load1}")
-    print(f"{'place':<14}{'wall s':>8}{'x bare':>8}{'cpu us/f':>10}{'user':>8}{'sys':>8}"
-          f"{'x bare':>8}{'ctxsw/f':>9}")
+    print(f"{'place':<14}{'wall s':>8}{'x bare':>8}{'cpu us/f':>10}{'min':>7}{'user':>7}{'sys':>6}"
+          f"{'x bare':>8}{'min x':>7}{'ctxsw/f':>9}")
     summary = {}
     for k in keys:
         wr = statistics.median(r["wall_s"] / b["wall_s"] for r, b in zip(runs[k], runs["bare"]))
         cr = statistics.median(cpu(r) / cpu(b) for r, b in zip(runs[k], runs["bare"]))
+        cmin = min(cpu(r) for r in runs[k])
         summary[k] = {"wall_s": med(k, "wall_s"), "wall_vs_bare": wr,
                       "cpu_us_per_file": statistics.median(cpu(r) for r in runs[k]),
+                      "cpu_us_per_file_min": cmin,
+                      "cpu_min_vs_bare_min": cmin / min(cpu(r) for r in runs["bare"]),
                       "user_us_per_file": med(k, "user_us_per_file"),
                       "sys_us_per_file": med(k, "sys_us_per_file"), "cpu_vs_bare": cr,
                       "ctxsw_per_file": med(k, "ctxsw_per_file")}
         d = summary[k]
-        print(f"{k:<14}{d['wall_s']:>8.3f}{wr:>8.2f}{d['cpu_us_per_file']:>10.1f}"
-              f"{d['user_us_per_file']:>8.1f}{d['sys_us_per_file']:>8.1f}{cr:>8.2f}"
-              f"{d['ctxsw_per_file']:>9.2f}")
+        print(f"{k:<14}{d['wall_s']:>8.3f}{wr:>8.2f}{d['cpu_us_per_file']:>10.1f}{cmin:>7.1f}"
+              f"{d['user_us_per_file']:>7.0f}{d['sys_us_per_file']:>6.0f}{cr:>8.2f}"
+              f"{d['cpu_min_vs_bare_min']:>7.2f}{d['ctxsw_per_file']:>9.2f}")
     if args.json:
         meta = machine_meta(False)
         meta.update(files=nf, rounds=args.rounds, loadavg=[load0, load1],

@@ -112,6 +112,7 @@ def _guard_sync(fn: Callable[_P, _R]) -> Callable[_P, Coroutine[Any, Any, _R]]:
     name = fn.__name__
     modifying = name in MODIFYING
     clock = time.perf_counter
+    call = cast(Callable[..., Any], fn)  # called as fn(self, *args): _P includes self
 
     @functools.wraps(fn)
     async def wrapper(self: MemfuseOps, *args: Any) -> Any:
@@ -120,7 +121,7 @@ def _guard_sync(fn: Callable[_P, _R]) -> Callable[_P, Coroutine[Any, Any, _R]]:
         st.n = c + 1
         t0 = 0.0 if c & TIME_MASK else clock()  # one request in TIME_EVERY is timed
         try:
-            return fn(self, *args)
+            return call(self, *args)
         except Exception as e:
             raise _failed(self, name, e) from None
         finally:
@@ -144,6 +145,7 @@ def _guard_then(fn: Callable[_P, Awaitable[None] | None]) -> Callable[_P, Corout
     name = fn.__name__
     modifying = name in MODIFYING
     clock = time.perf_counter
+    call = cast(Callable[..., Any], fn)  # called as fn(self, *args): _P includes self
 
     @functools.wraps(fn)
     async def wrapper(self: MemfuseOps, *args: Any) -> None:
@@ -152,7 +154,7 @@ def _guard_then(fn: Callable[_P, Awaitable[None] | None]) -> Callable[_P, Corout
         st.n = c + 1
         t0 = 0.0 if c & TIME_MASK else clock()  # one request in TIME_EVERY is timed
         try:
-            pending = fn(self, *args)  # type: ignore[arg-type]  # (self, *args) is _P
+            pending = call(self, *args)
             if pending is not None:
                 await pending
         except Exception as e:
