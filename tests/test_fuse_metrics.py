@@ -18,7 +18,7 @@ from memfuse.sidecar.blobcache import BlobCache
 from memfuse.sidecar.core import Filesystem, Settings
 from memfuse.sidecar.fuse_ops import MemfuseOps
 from memfuse.sidecar.journal import Journal
-from memfuse.sidecar.metrics import LAT_BUCKETS, Metrics, OpStats
+from memfuse.sidecar.metrics import LAT_BUCKETS, TIME_EVERY, Metrics, OpStats
 from memfuse.wire import Record, sha256_hex
 
 
@@ -58,12 +58,26 @@ async def test_requests_reach_the_exposition_as_counter_and_histogram(tmp_path: 
         await ops.getattr(999_999, Ctx)  # unknown inode: ENOENT, still a request
     got = samples(m)
     for op in ("open", "read", "flush", "release"):
+        # every request counted; the first of every TIME_EVERY timed (a sampled histogram)
         assert got[("memfuse_fuse_ops_total", (("op", op),))] == 3
-        assert got[("memfuse_fuse_op_seconds_count", (("op", op),))] == 3
-        assert got[("memfuse_fuse_op_seconds_bucket", (("le", "+Inf"), ("op", op)))] == 3
+        assert got[("memfuse_fuse_op_seconds_count", (("op", op),))] == 1
+        assert got[("memfuse_fuse_op_seconds_bucket", (("le", "+Inf"), ("op", op)))] == 1
         assert got[("memfuse_fuse_op_seconds_sum", (("op", op),))] > 0
     assert got[("memfuse_fuse_ops_total", (("op", "getattr"),))] == 1
+    assert got[("memfuse_fuse_op_seconds_count", (("op", "getattr"),))] == 1  # a failure too
     assert got[("memfuse_fuse_errors_total", (("errno", "ENOENT"), ("op", "getattr")))] == 1
+
+
+async def test_one_request_in_time_every_is_timed_every_one_counted(tmp_path: Path) -> None:
+    m = Metrics()
+    ops, ino = make_ops(tmp_path, m)
+    n = 2 * TIME_EVERY + 1  # the 1st, the (TIME_EVERY + 1)th and the (2 TIME_EVERY + 1)th timed
+    for _ in range(n):
+        await ops.getattr(ino, Ctx)
+    got = samples(m)
+    assert got[("memfuse_fuse_ops_total", (("op", "getattr"),))] == n
+    assert got[("memfuse_fuse_op_seconds_count", (("op", "getattr"),))] == 3
+    assert 0 < got[("memfuse_fuse_op_seconds_sum", (("op", "getattr"),))] < 1
 
 
 def test_opstats_buckets_are_cumulative_with_prometheus_bounds() -> None:

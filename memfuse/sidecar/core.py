@@ -394,18 +394,21 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         ``EISDIR``, ``EACCES`` (writing a ``.memfuse`` file), ``EROFS`` (writing on a read-only
         store). A ``.memfuse`` file's content is rendered once, into the handle."""
         n = self.node(ino)
-        if n.is_dir:
+        if n.children is not None:  # a directory
             raise FsError(errno.EISDIR)
         writing = flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC)
+        if not writing and n._x is None:  # a reader of a plain file (Node: _x): the warm path
+            return self._new_handle(n, flags)
+        special = n.special
         if writing:
-            if n.special:
+            if special:
                 raise FsError(errno.EACCES, ".memfuse files are read-only")
             self._check_writable_file(n)
             n.refused = 0  # a new write session: its content is judged at commit
             n.checker = None  # ... and at each write (writecheck), from what it holds now
-        if n.special:  # one consistent snapshot per open: json.load may read twice
+        if special:  # one consistent snapshot per open: json.load may read twice
             h = self._new_handle(n, flags)
-            h.snapshot = self.controls.opened(n.special)
+            h.snapshot = self.controls.opened(special)
             return h
         if flags & os.O_TRUNC and n.cur_size() > 0:
             self._account(n, -n.cur_size())
@@ -685,11 +688,12 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             return
         n = h.node
         n.opened -= 1
-        if n.special:
-            self.controls.closed(n.special)
         if n.dirty:  # flush was not called (or failed): never drop the write
             self.commit_quietly(n)
-        self._drop_if_unused(n)
+        if n._x is not None:  # else neither special nor unlinked (Node: _x)
+            if n.special:
+                self.controls.closed(n.special)
+            self._drop_if_unused(n)
 
     # ------------------------------------------------------------------ CommitListener
     def entry_conflicted(self, e: Entry, what: str) -> None:

@@ -21,15 +21,15 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar, cast
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any, ParamSpec, TypeVar, cast
 
 import pyfuse3
 
 from .control import CONTROL_DIR
 from .core import Filesystem
-from .inodes import CHECK_INVARIANTS, FsError, Node
-from .metrics import LAT_BUCKETS, Metrics, OpStats
+from .inodes import CHECK_INVARIANTS, FsError, Handle, Node
+from .metrics import LAT_BUCKETS, TIME_MASK, Metrics, OpStats
 from .cachedir import CacheError
 
 log = logging.getLogger("memfuse.fuse")
@@ -45,54 +45,131 @@ _WRITABLE = os.O_WRONLY | os.O_RDWR  # open flags of a handle that may write
 # reads, opens and closes do not count (its inode and handle counts may lag by up to
 # STATUS_REUSE_S), so an ``ls -l`` beside a busy reader does not render it on every stat
 MODIFYING = frozenset({"setattr", "mkdir", "rmdir", "unlink", "rename", "mknod", "create",
-                       "write", "flush", "fsync", "setxattr"})
+                       "write", "fsync", "setxattr"})  # and a writer's flush (MemfuseOps._flush)
 
 
 _H = TypeVar("_H", bound=Callable[..., Awaitable[Any]])
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _failed(self: MemfuseOps, name: str, e: Exception) -> pyfuse3.FUSEError:
+    """The ``FUSEError`` a handler's exception ``e`` is answered with (module docstring),
+    counted in ``memfuse_fuse_errors_total`` and, for the sidecar's own disk and for
+    anything unexpected, logged (``log.exception``: call it from the ``except`` block)."""
+    if isinstance(e, pyfuse3.FUSEError):
+        self.metrics.fuse_errors.labels(name, errno.errorcode.get(e.errno, str(e.errno))).inc()
+        return e
+    if isinstance(e, FsError):
+        self.metrics.fuse_errors.labels(name, errno.errorcode.get(e.errno, str(e.errno))).inc()
+        return pyfuse3.FUSEError(e.errno)
+    if isinstance(e, CacheError):  # the sidecar's own disk: full (ENOSPC) or failing (EIO)
+        self.metrics.fuse_errors.labels(name, errno.errorcode.get(e.errno, str(e.errno))).inc()
+        log.warning("cache disk error; answered with its errno",
+                    extra={"op": name, "errno": errno.errorcode.get(e.errno), "reason": e.reason})
+        return pyfuse3.FUSEError(e.errno)
+    self.metrics.fuse_errors.labels(name, "EIO").inc()
+    log.exception("unexpected error in FUSE handler; answered EIO", extra={"op": name})
+    return pyfuse3.FUSEError(errno.EIO)
 
 
 def _guard(fn: _H) -> _H:
-    """Wrap one handler (module docstring): errors mapped to errnos, the request counted and
-    timed (``metrics.OpStats``: plain numbers, no lock; this runs for every FUSE request, so
-    it stays lean: bench/README.md, "Warm grep -r: what memfuse adds per request"); the
-    signature stays ``fn``'s."""
+    """Wrap one handler that awaits (module docstring): errors mapped to errnos
+    (``_failed``), the request counted and timed (``metrics.OpStats``: plain numbers, no
+    lock); the signature stays ``fn``'s. Handlers that never await use ``_guard_sync``."""
     name = fn.__name__
     modifying = name in MODIFYING
     clock = time.perf_counter
 
     @functools.wraps(fn)
-    async def wrapper(self: MemfuseOps, *args: Any, **kwargs: Any) -> Any:
-        t0 = clock()
+    async def wrapper(self: MemfuseOps, *args: Any) -> Any:
+        st = self._op_stats.get(name) or self._stats(name)
+        c = st.n
+        st.n = c + 1
+        t0 = 0.0 if c & TIME_MASK else clock()  # one request in TIME_EVERY is timed
         try:
-            return await fn(self, *args, **kwargs)
-        except pyfuse3.FUSEError as e:
-            self.metrics.fuse_errors.labels(name, errno.errorcode.get(e.errno, str(e.errno))).inc()
-            raise
-        except FsError as e:
-            self.metrics.fuse_errors.labels(name, errno.errorcode.get(e.errno, str(e.errno))).inc()
-            raise pyfuse3.FUSEError(e.errno) from None
-        except CacheError as e:  # the sidecar's own disk: full (ENOSPC) or failing (EIO)
-            self.metrics.fuse_errors.labels(name, errno.errorcode.get(e.errno, str(e.errno))).inc()
-            log.warning("cache disk error; answered with its errno",
-                        extra={"op": name, "errno": errno.errorcode.get(e.errno), "reason": e.reason})
-            raise pyfuse3.FUSEError(e.errno) from None
-        except Exception:
-            self.metrics.fuse_errors.labels(name, "EIO").inc()
-            log.exception("unexpected error in FUSE handler; answered EIO", extra={"op": name})
-            raise pyfuse3.FUSEError(errno.EIO) from None
+            return await fn(self, *args)
+        except Exception as e:
+            raise _failed(self, name, e) from None
         finally:
             if modifying:
                 self.fs.controls.changed()
                 if CHECK_INVARIANTS:  # tests: MEMFUSE_CHECK_INVARIANTS=1
                     self.fs.check_invariants_after(name)
-            dt = clock() - t0
-            st = self._op_stats.get(name)
-            if st is None:
-                st = self._op_stats[name] = self.metrics.fuse_ops.labels(name)
-            st.sum += dt  # OpStats.observe, inline
-            st.buckets[bisect_left(LAT_BUCKETS, dt)] += 1
+            if t0:
+                dt = clock() - t0
+                st.sum += dt  # OpStats.observe, inline (n counted above)
+                st.buckets[bisect_left(LAT_BUCKETS, dt)] += 1
 
     return cast(_H, wrapper)
+
+
+def _guard_sync(fn: Callable[_P, _R]) -> Callable[_P, Coroutine[Any, Any, _R]]:
+    """``_guard`` for a handler written as a plain function (it never awaits): the wrapper
+    is the request's only coroutine (pyfuse3 awaits what a handler returns). Every FUSE
+    request of a warm ``grep -r`` goes through here, so it stays lean: bench/README.md,
+    "Warm grep -r: what memfuse adds per request"."""
+    name = fn.__name__
+    modifying = name in MODIFYING
+    clock = time.perf_counter
+    call = cast(Callable[..., Any], fn)  # called as fn(self, *args): _P includes self
+
+    @functools.wraps(fn)
+    async def wrapper(self: MemfuseOps, *args: Any) -> Any:
+        st = self._op_stats.get(name) or self._stats(name)
+        c = st.n
+        st.n = c + 1
+        t0 = 0.0 if c & TIME_MASK else clock()  # one request in TIME_EVERY is timed
+        try:
+            return call(self, *args)
+        except Exception as e:
+            raise _failed(self, name, e) from None
+        finally:
+            if modifying:
+                self.fs.controls.changed()
+                if CHECK_INVARIANTS:  # tests: MEMFUSE_CHECK_INVARIANTS=1
+                    self.fs.check_invariants_after(name)
+            if t0:
+                dt = clock() - t0
+                st.sum += dt  # OpStats.observe, inline (n counted above)
+                st.buckets[bisect_left(LAT_BUCKETS, dt)] += 1
+
+    return cast(Callable[_P, Coroutine[Any, Any, _R]], wrapper)
+
+
+def _guard_then(fn: Callable[_P, Awaitable[None] | None]) -> Callable[_P, Coroutine[Any, Any, None]]:
+    """``_guard`` for a handler written as a plain function that is done at once in the
+    common case (None) and otherwise returns what is left to await (``flush``: a reader's
+    close does nothing, a writer's waits for its commit). The three guards share
+    ``_failed``; their bodies are kept apart so that none pays a check per request."""
+    name = fn.__name__
+    modifying = name in MODIFYING
+    clock = time.perf_counter
+    call = cast(Callable[..., Any], fn)  # called as fn(self, *args): _P includes self
+
+    @functools.wraps(fn)
+    async def wrapper(self: MemfuseOps, *args: Any) -> None:
+        st = self._op_stats.get(name) or self._stats(name)
+        c = st.n
+        st.n = c + 1
+        t0 = 0.0 if c & TIME_MASK else clock()  # one request in TIME_EVERY is timed
+        try:
+            pending = call(self, *args)
+            if pending is not None:
+                await pending
+        except Exception as e:
+            raise _failed(self, name, e) from None
+        finally:
+            if modifying:
+                self.fs.controls.changed()
+                if CHECK_INVARIANTS:  # tests: MEMFUSE_CHECK_INVARIANTS=1
+                    self.fs.check_invariants_after(name)
+            if t0:
+                dt = clock() - t0
+                st.sum += dt  # OpStats.observe, inline (n counted above)
+                st.buckets[bisect_left(LAT_BUCKETS, dt)] += 1
+
+    return cast(Callable[_P, Coroutine[Any, Any, None]], wrapper)
 
 
 class MemfuseOps(pyfuse3.Operations):
@@ -106,17 +183,24 @@ class MemfuseOps(pyfuse3.Operations):
         super().__init__()
         self.fs = fs
         self.metrics = metrics or Metrics()
-        self._op_stats: dict[str, OpStats] = {}  # per op name, looked up once (hot path)
+        self._op_stats: dict[str, OpStats] = {}  # per op name (hot path: one dict lookup)
+
+    def _stats(self, name: str) -> OpStats:
+        """The ``OpStats`` of operation ``name``, taken from the metrics on first use."""
+        st = self._op_stats[name] = self.metrics.fuse_ops.labels(name)
+        return st
 
     # ------------------------------------------------------------------ attributes
     def attrs(self, n: Node) -> pyfuse3.EntryAttributes:
         """The attributes of ``n`` as the kernel caches them (module docstring). Built for
-        every lookup, getattr and ``readdir`` entry (readdirplus), so each property of the
-        node is read once."""
+        every lookup, getattr and ``readdir`` entry (readdirplus), so it reads each property
+        of the node once and none of the side-table ones for a plain node (``Node._x``).
+        ``EntryAttributes()`` starts zeroed (``generation``, ``st_rdev``) with
+        ``st_blksize`` 4096 (``BLOCK``)."""
         a = pyfuse3.EntryAttributes()
         a.st_ino = n.ino
-        a.generation = 0
-        special = n.special
+        kids = n.children
+        special = "" if n._x is None else n.special
         timeout = 0 if special or n is self.fs.control else CACHE_TIMEOUT
         a.entry_timeout = timeout
         a.attr_timeout = timeout
@@ -125,18 +209,21 @@ class MemfuseOps(pyfuse3.Operations):
         # refuses writes by other users itself (default_permissions: EACCES); root's reach
         # the handlers, which answer EROFS
         a.st_mode = n.mode if sm is None or sm.writable else n.mode & ~0o222
-        a.st_nlink = self.fs.nlink(n)
         a.st_uid = n.uid
         a.st_gid = n.gid
-        a.st_rdev = 0
         if special:  # the length of the content an open reads (control.py docstring)
             size = self.fs.controls.size(special)
-        elif n.children is not None:
+            a.st_nlink = 1
+        elif kids is not None:
             size = BLOCK
+            a.st_nlink = self.fs.nlink(n)
+        elif n._x is None:  # a plain file: no write buffer, not unlinked
+            size = n.size
+            a.st_nlink = 1
         else:
             size = n.cur_size()
+            a.st_nlink = self.fs.nlink(n)
         a.st_size = size
-        a.st_blksize = BLOCK
         a.st_blocks = (size + 511) // 512
         a.st_atime_ns = n.atime_ns
         a.st_mtime_ns = n.mtime_ns
@@ -149,8 +236,8 @@ class MemfuseOps(pyfuse3.Operations):
         a.entry_timeout = CACHE_TIMEOUT
         return a
 
-    @_guard
-    async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+    @_guard_sync
+    def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         n = self.fs.lookup(parent_inode, name)
         if n is None:
             parent = self.fs.node(parent_inode)
@@ -159,13 +246,13 @@ class MemfuseOps(pyfuse3.Operations):
             return self._negative()
         return self.attrs(n)
 
-    @_guard
-    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+    @_guard_sync
+    def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         return self.attrs(self.fs.node(inode))
 
-    @_guard
-    async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
-                      fh: int | None, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+    @_guard_sync
+    def setattr(self, inode: int, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
+                fh: int | None, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         n = self.fs.node(inode)
         self.fs.setattr(
             n, fh=fh,
@@ -178,123 +265,137 @@ class MemfuseOps(pyfuse3.Operations):
         )
         return self.attrs(n)
 
-    @_guard
-    async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
+    @_guard_sync
+    def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         for ino, nlookup in inode_list:
             self.fs.forget(ino, nlookup)
 
     # ------------------------------------------------------------------ directories
-    @_guard
-    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+    @_guard_sync
+    def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
         return self.fs.opendir(inode).fh
 
-    @_guard
-    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+    @_guard_sync
+    def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
         # "." and ".." first (offsets 1 and 2), as a local directory lists them (`ls -a`).
         # They are not lookups: the kernel links no dentry for them and never forgets them
         # (linux fs/fuse/readdir.c, fuse_direntplus_link; libfuse fuse_lowlevel.h: the lookup
         # count of every readdirplus entry "except . and .." is incremented).
         h = self.fs.handle(fh)
-        dots = ((1, b".", h.node), (2, b"..", h.node.parent or h.node))
-        for nxt, name, node in dots[start_id:]:
-            if not pyfuse3.readdir_reply(token, name, self.attrs(node), nxt):
-                return
-        for nxt, entry, child in self.fs.readdir(h, max(start_id - len(dots), 0)):
-            if not pyfuse3.readdir_reply(token, entry.encode("utf-8"), self.attrs(child),
-                                         nxt + len(dots)):
+        reply, attrs = pyfuse3.readdir_reply, self.attrs
+        if start_id < 2:
+            dots = ((1, b".", h.node), (2, b"..", h.node.parent or h.node))
+            for nxt, name, node in dots[start_id:]:
+                if not reply(token, name, attrs(node), nxt):
+                    return
+        looked_up = self.fs.looked_up
+        for nxt, entry, child in self.fs.readdir(h, max(start_id - 2, 0)):
+            if not reply(token, entry.encode("utf-8"), attrs(child), nxt + 2):
                 break
-            self.fs.looked_up(child)  # readdirplus: an accepted entry is a lookup
+            looked_up(child)  # readdirplus: an accepted entry is a lookup
 
-    @_guard
-    async def releasedir(self, fh: int) -> None:
+    @_guard_sync
+    def releasedir(self, fh: int) -> None:
         self.fs.release(fh)
 
-    @_guard
-    async def fsyncdir(self, fh: int, datasync: bool) -> None:
+    @_guard_sync
+    def fsyncdir(self, fh: int, datasync: bool) -> None:
         return None
 
-    @_guard
-    async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+    @_guard_sync
+    def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         return self.attrs(self.fs.mkdir(parent_inode, name, mode, ctx.uid, ctx.gid))
 
-    @_guard
-    async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+    @_guard_sync
+    def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         self.fs.rmdir(parent_inode, name)
 
-    @_guard
-    async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+    @_guard_sync
+    def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         self.fs.unlink(parent_inode, name)
 
-    @_guard
-    async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int,
-                     name_new: bytes, flags: int, ctx: pyfuse3.RequestContext) -> None:
+    @_guard_sync
+    def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int,
+               name_new: bytes, flags: int, ctx: pyfuse3.RequestContext) -> None:
         self.fs.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
 
-    @_guard
-    async def symlink(self, parent_inode: int, name: bytes, target: bytes,
-                      ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+    @_guard_sync
+    def symlink(self, parent_inode: int, name: bytes, target: bytes,
+                ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         raise FsError(errno.EPERM, "symlinks are not supported")
 
-    @_guard
-    async def link(self, inode: int, new_parent_inode: int, new_name: bytes,
+    @_guard_sync
+    def link(self, inode: int, new_parent_inode: int, new_name: bytes,
                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         raise FsError(errno.EPERM, "hard links are not supported")
 
-    @_guard
-    async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
-                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+    @_guard_sync
+    def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
+              ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         if stat.S_ISREG(mode):
-            fi, attrs = await self._create(parent_inode, name, mode, os.O_WRONLY, ctx)
+            fi, attrs = self._create(parent_inode, name, mode, os.O_WRONLY, ctx)
             self.fs.release(fi.fh)
             return attrs
         raise FsError(errno.EPERM, "special files are not supported")
 
     # ------------------------------------------------------------------ files
-    @_guard
-    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+    @_guard_sync
+    def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         h = self.fs.open(inode, flags)
-        if h.node.special:  # reads from this open's snapshot, never from another's pages
+        if h.snapshot is not None:  # a .memfuse file: reads from this open's snapshot,
+            # never from another's pages
             return pyfuse3.FileInfo(fh=h.fh, direct_io=True, keep_cache=False)
-        return pyfuse3.FileInfo(fh=h.fh, keep_cache=True)
+        return pyfuse3.FileInfo(h.fh)  # keep_cache (pyfuse3's default), no direct_io
 
-    async def _create(self, parent_inode: int, name: bytes, mode: int, flags: int,
-                      ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+    def _create(self, parent_inode: int, name: bytes, mode: int, flags: int,
+                ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         h = self.fs.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid)
         return pyfuse3.FileInfo(fh=h.fh, keep_cache=True), self.attrs(h.node)
 
-    @_guard
-    async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
-                     ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
-        return await self._create(parent_inode, name, mode, flags, ctx)
+    @_guard_sync
+    def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
+               ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        return self._create(parent_inode, name, mode, flags, ctx)
 
-    @_guard
-    async def read(self, fh: int, off: int, size: int) -> bytes:
+    @_guard_sync
+    def read(self, fh: int, off: int, size: int) -> bytes:
         return self.fs.read(self.fs.handle(fh), off, size)
 
-    @_guard
-    async def write(self, fh: int, off: int, buf: bytes) -> int:
+    @_guard_sync
+    def write(self, fh: int, off: int, buf: bytes) -> int:
         return self.fs.write(self.fs.handle(fh), off, buf)
 
-    @_guard
-    async def flush(self, fh: int) -> None:
+    @_guard_then
+    def flush(self, fh: int) -> Awaitable[None] | None:
         h = self.fs.handle(fh, allow_stale=True)
         # a reader's close of a file nobody is writing: nothing to commit or wait for
-        # (Filesystem.flush returns at once then); skipping the call keeps this close,
-        # one of three requests per file of a warm grep -r, at the cost of the bare floor's
+        # (Filesystem.flush returns at once then); not calling it keeps this close, one of
+        # three requests per file of a warm grep -r, at the cost of the bare floor's
         if h.flags & _WRITABLE or h.node.dirty:
+            return self._flush(h)
+        return None
+
+    async def _flush(self, h: Handle) -> None:
+        """A writer's flush: commit and wait (``Filesystem.flush``); what ``MODIFYING`` does
+        for the other modifying requests (a reader's flush changes nothing)."""
+        try:
             await self.fs.flush(h)
+        finally:
+            self.fs.controls.changed()
+            if CHECK_INVARIANTS:  # tests: MEMFUSE_CHECK_INVARIANTS=1
+                self.fs.check_invariants_after("flush")
 
     @_guard
     async def fsync(self, fh: int, datasync: bool) -> None:
         await self.fs.fsync(self.fs.handle(fh))
 
-    @_guard
-    async def release(self, fh: int) -> None:
+    @_guard_sync
+    def release(self, fh: int) -> None:
         self.fs.release(fh)
 
     # ------------------------------------------------------------------ misc
-    @_guard
-    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+    @_guard_sync
+    def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
         s = pyfuse3.StatvfsData()
         t = self.fs.statfs()
         total, used, files, nfiles = t["bytes"], t["used"], t["files"], t["nfiles"]
@@ -309,20 +410,20 @@ class MemfuseOps(pyfuse3.Operations):
         s.f_namemax = 255
         return s
 
-    @_guard
-    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+    @_guard_sync
+    def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
         return self.fs.getxattr(self.fs.node(inode), name.decode("utf-8", "replace"))
 
-    @_guard
-    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> Sequence[bytes]:
+    @_guard_sync
+    def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> Sequence[bytes]:
         return []
 
-    @_guard
-    async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext) -> None:
+    @_guard_sync
+    def setxattr(self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext) -> None:
         self.fs.setxattr(self.fs.node(inode), name.decode("utf-8", "replace"), value)
 
-    @_guard
-    async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+    @_guard_sync
+    def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         raise FsError(errno.ENOTSUP)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 import errno
 import logging
+import operator
 import os
 import stat
 from dataclasses import dataclass, field
@@ -106,6 +107,9 @@ _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 _V = TypeVar("_V")
 
 
+_children_of = operator.attrgetter("children")  # Node -> its children (None: a file)
+
+
 class _Rare(Generic[_V]):
     """The type checker's view of a ``_rare`` attribute: reads and writes a ``_V`` (at run
     time the attribute is the ``property`` ``_rare`` makes)."""
@@ -151,6 +155,11 @@ class Node:
     (``_x``) that exists only once one of them is set. ``opened`` (open handles) is a slot:
     every ``open`` and ``release`` changes it (a warm ``grep -r`` opens every file), and in
     the side table each opened file kept a dict for good.
+
+    INVARIANT: ``_x is None`` means every side-table field has its default (not special,
+    not unlinked, no write buffer, ...). The per-request paths of a warm read (``open``,
+    ``release``, ``readdir``, the adapter's ``attrs``) test it before reading any of them:
+    each such read is a Python property call.
     """
 
     __slots__ = ("ino", "name", "parent", "store", "mode", "uid", "gid", "atime_ns", "mtime_ns",
@@ -423,7 +432,7 @@ class InodeTable:
             raise FsError(errno.ENOENT, f"unknown inode {ino}") from None
 
     def _drop_if_unused(self, n: Node) -> None:
-        if n.unlinked and n.nlookup <= 0 and n.opened <= 0:
+        if n._x is not None and n.unlinked and n.nlookup <= 0 and n.opened <= 0:
             self.inodes.pop(n.ino, None)
             if n._key and self.by_key.get(n._key) is n:
                 del self.by_key[n._key]
@@ -502,7 +511,7 @@ class InodeTable:
     def opendir(self, ino: int) -> Handle:
         """A directory handle on ``ino`` (``ENOTDIR`` for a file); closed by ``release``."""
         n = self.node(ino)
-        if not n.is_dir:
+        if n.children is None:  # a file
             raise FsError(errno.ENOTDIR)
         h = self._new_handle(n, os.O_RDONLY)
         h.is_dir = True
@@ -515,9 +524,10 @@ class InodeTable:
         out."""
         if start == 0 or h.entries is None:
             h.entries = self.listdir(h.node)
-        for i in range(start, len(h.entries)):
-            name, child = h.entries[i]
-            if not child.unlinked:
+        entries = h.entries
+        for i in range(start, len(entries)):
+            name, child = entries[i]
+            if child._x is None or not child.unlinked:  # Node: _x None, not unlinked
                 yield i + 1, name, child
 
     def statfs(self) -> dict[str, int]:
@@ -541,9 +551,13 @@ class InodeTable:
     def nlink(self, n: Node) -> int:
         """The link count shown: 2 + subdirectories for a directory, 1 for a file (0 once
         unlinked)."""
-        if n.children is None:  # a file
-            return 0 if n.unlinked else 1
-        return 2 + sum(1 for c in n.children.values() if c.is_dir)
+        kids = n.children
+        if kids is None:  # a file
+            return 0 if n._x is not None and n.unlinked else 1
+        # subdirectories = entries - files (those without children), counted in C: this
+        # runs for every directory entry of a readdirplus reply (bench/README.md, "Warm
+        # grep -r")
+        return 2 + len(kids) - list(map(_children_of, kids.values())).count(None)
 
     def _account(self, n: Node, delta: int) -> None:
         """Keep ``StoreMount.used`` equal to the sum of its live records' sizes (and

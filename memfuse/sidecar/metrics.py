@@ -23,39 +23,49 @@ LAT_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.0
 _LE = [floatToGoString(b) for b in LAT_BUCKETS] + ["+Inf"]  # type: ignore[no-untyped-call]
 
 
+#: one request in ``TIME_EVERY`` of each FUSE operation is timed (the 1st, then every 16th):
+#: the latency histogram is a sample, the count is exact (``OpStats``)
+TIME_EVERY = 16
+TIME_MASK = TIME_EVERY - 1
+
+
 class OpStats:
     """Count and latency histogram of one FUSE operation, kept as plain numbers.
 
-    Updated on the trio thread for every FUSE request (``observe``, inline in
-    ``fuse_ops._guard``), so it takes no lock:
-    prometheus-client's ``Counter.inc`` plus ``Histogram.observe`` cost two to three lock
-    round trips and several Python calls per request, a measurable share of a warm
-    ``grep -r`` (bench/README.md, "Warm grep -r: what memfuse adds per request").
-    ``FuseOpsCollector`` turns them into the same metric families at scrape time; a scrape
-    from another thread reads a snapshot under the GIL (the sum may lag the buckets by one
-    request)."""
+    Updated on the trio thread for every FUSE request (inline in ``fuse_ops``' guards), so
+    it takes no lock: prometheus-client's ``Counter.inc`` plus ``Histogram.observe`` cost
+    two to three lock round trips and several Python calls per request, a measurable share
+    of a warm ``grep -r`` (bench/README.md, "Warm grep -r: what memfuse adds per request").
+    ``n`` counts every request; only one in ``TIME_EVERY`` is timed (``sum``, ``buckets``:
+    reading the clock twice and placing the result in a bucket cost more than the
+    handler of a reader's ``flush`` itself), so ``memfuse_fuse_op_seconds`` is a sample of
+    the latencies (its ``_count`` the requests timed) and ``memfuse_fuse_ops_total`` the
+    exact count. ``FuseOpsCollector`` turns them into the metric families at scrape time;
+    a scrape from another thread reads a snapshot under the GIL (the sum may lag the
+    buckets by one request)."""
 
-    __slots__ = ("counted", "sum", "buckets")
+    __slots__ = ("n", "sum", "buckets")
 
     def __init__(self) -> None:
-        self.counted = 0  # requests counted without a latency (``inc``)
-        self.sum = 0.0  # seconds, over the requests observed
+        self.n = 0  # requests handled, timed or not
+        self.sum = 0.0  # seconds, over the requests timed
         self.buckets = [0] * (len(LAT_BUCKETS) + 1)  # per bucket, not cumulative; last: +Inf
 
     @property
     def count(self) -> int:
-        """Requests handled (``memfuse_fuse_ops_total``): those observed plus ``counted``."""
-        return self.counted + sum(self.buckets)
+        """Requests handled (``memfuse_fuse_ops_total``)."""
+        return self.n
 
     def observe(self, seconds: float) -> None:
-        """One request handled in ``seconds``. (``fuse_ops._guard`` does the same two
-        updates inline: a method call per request is a measurable share of its cost.)"""
+        """One request handled and timed at ``seconds``. (The guards in ``fuse_ops`` do the
+        same updates inline: a method call per request is a measurable share of its cost.)"""
+        self.n += 1
         self.sum += seconds
         self.buckets[bisect_left(LAT_BUCKETS, seconds)] += 1
 
     def inc(self, amount: int = 1) -> None:
         """Count ``amount`` requests without a latency (as ``Counter.inc``)."""
-        self.counted += amount
+        self.n += amount
 
 
 class FuseOpsCollector(Collector):
@@ -75,11 +85,12 @@ class FuseOpsCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         """The two families, from a snapshot of every operation's numbers."""
         ops = CounterMetricFamily("memfuse_fuse_ops", "FUSE operations handled", labels=["op"])
-        lat = HistogramMetricFamily("memfuse_fuse_op_seconds", "FUSE handler latency",
+        lat = HistogramMetricFamily("memfuse_fuse_op_seconds",
+                                    f"FUSE handler latency (one request in {TIME_EVERY} timed)",
                                     labels=["op"])
         for name, st in sorted(self.ops.items()):
             counts, total, cum = list(st.buckets), st.sum, 0
-            ops.add_metric([name], st.counted + sum(counts))
+            ops.add_metric([name], st.n)
             if not any(counts):
                 continue  # counted only (``inc``): no histogram, as before any observation
             buckets = []
