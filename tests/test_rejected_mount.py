@@ -158,3 +158,99 @@ def test_rejected_files_survive_restart_and_cache_is_private(tmp_path):
                 sc.stop()
         finally:
             cp.stop()
+
+
+def test_remote_changes_never_replace_a_rejected_file_silently(tmp_path):
+    """A file refused for good (here: over the store's byte quota, ``ENOSPC`` at close) over
+    a stored record keeps its refused content when that record changes elsewhere: updated
+    (``PUT``), restored, moved (the file moves along, still rejected), deleted (the file
+    stays; its fix creates the record again). Each such change is a line in ``errors.log``
+    and a WARNING ``refused`` log line naming where the content is; fixing the file commits
+    it over the other version (docs/SEMANTICS.md, "Remote changes and rejected files")."""
+    cp = ControlPlane(tmp_path).start()
+    sc = None
+    try:
+        tok = cp.setup_workspace("ws")
+        mnt = tmp_path / "mnt"
+        sc = Sidecar(cp, "ws", tok, mnt, tmp_path / "cache").start()
+        d = mnt / "default"
+        names = ("upd.md", "res.md", "mov.md", "del.md", "held.md")
+        for name in names:
+            assert write_file(d / name, b"base\n") == OK
+        assert write_file(d / "res.md", b"second\n") == OK  # version 2, restored to 1 below
+        wait_drained(mnt)
+        ids = {p: r.id for p, r in live_records(cp).items()}
+        local = {}
+        # refused at close: a UTF-8 sequence cut at the end of the file
+        for name in ("res.md", "mov.md", "del.md"):
+            local[name] = (b"second\n" if name == "res.md" else b"base\n") + b"caf\xc3"
+            assert write_file(d / name, b"caf\xc3", os.O_WRONLY | os.O_APPEND) == {
+                "open": None, "write": None, "close": "EILSEQ"}, name
+        # refused at close by the control plane: the store's byte quota below its usage
+        cp.call("update_store", "default", max_store_bytes=10)
+        local["upd.md"] = b"base\nLOCAL EDIT\n"
+        got = write_file(d / "upd.md", b"LOCAL EDIT\n", os.O_WRONLY | os.O_APPEND)
+        upd_err = ("ENOSPC", "store_full")
+        if got["write"] == "ENOSPC":
+            # the sidecar learnt the new limit first and refused the append at the write
+            # (nothing applied, the file clean): refuse it at close another way instead
+            assert xattr(d / "upd.md", "state") == "clean"
+            cp.call("update_store", "default", max_store_bytes=10**6)
+            local["upd.md"] = b"base\ncaf\xc3"
+            got = write_file(d / "upd.md", b"caf\xc3", os.O_WRONLY | os.O_APPEND)
+            upd_err = ("EILSEQ", "invalid_content")
+        assert got == {"open": None, "write": None, "close": upd_err[0]}
+        for name in ("upd.md", "res.md", "mov.md", "del.md"):
+            assert xattr(d / name, "state") == "rejected", name
+        assert (d / "held.md").read_bytes() == b"base\n"
+        wait_drained(mnt)
+        cp.call("update_store", "default", max_store_bytes=10**6)
+        lines_before = len(errors_log(mnt))
+
+        cp.call("update_record", "default", ids["upd.md"], "remote\n")
+        cp.call("restore", "default", ids["res.md"], 1)
+        cp.call("move_record", "default", ids["mov.md"], "sub/moved.md")
+        cp.call("delete_record", "default", ids["del.md"])
+        # a file that is not rejected shows the change as usual
+        cp.call("update_record", "default", ids["held.md"], "remote held\n")
+
+        wait_until(lambda: (d / "held.md").read_bytes() == b"remote held\n", 10, "feed applied")
+        want = {"upd.md": "changed elsewhere", "res.md": "changed elsewhere",
+                "sub/moved.md": "moved elsewhere from mov.md", "del.md": "deleted elsewhere"}
+
+        def noted() -> dict[str, list[dict]]:
+            new = errors_log(mnt)[lines_before:]
+            return {p: [e for e in new if e.get("path") == p] for p in want}
+        wait_until(lambda: all(noted().values()), 10, "an errors.log line per change")
+        for path, what in want.items():
+            (e,) = noted()[path]
+            assert e.get("kept") is True
+            assert (e["errno"], e["code"]) == (upd_err if path == "upd.md"
+                                               else ("EILSEQ", "invalid_content")), e
+            assert what in e["reason"] and "kept in this file" in e["reason"], e
+        # the refused content is where it was (the moved one at its new path), still rejected
+        shown = {"upd.md": "upd.md", "res.md": "res.md", "sub/moved.md": "mov.md", "del.md": "del.md"}
+        for path, name in shown.items():
+            assert ((d / path).read_bytes(), xattr(d / path, "state")) == (local[name], "rejected"), path
+        assert not (d / "mov.md").exists()
+        assert xattr(d / "held.md", "state") == "clean"
+        refused = [json.loads(ln) for ln in sc.log.read_text().splitlines() if ln.startswith("{")]
+        logged = {ln.get("path") for ln in refused
+                  if ln["msg"] == "rejected file kept over a remote change"}
+        assert logged == set(want), logged
+
+        # fixed in place: committed over the other version; the deleted one created again
+        assert write_file(d / "upd.md", b"fixed upd\n") == OK
+        assert write_file(d / "del.md", b"fixed del\n") == OK
+        wait_drained(mnt)
+        assert xattr(d / "upd.md", "state") == "clean" and xattr(d / "del.md", "state") == "clean"
+        recs = {p: r.content for p, r in live_records(cp).items()}
+        assert (recs["upd.md"], recs["del.md"], recs["held.md"]) == (
+            "fixed upd\n", "fixed del\n", "remote held\n")
+        assert recs["sub/moved.md"] == "base\n" and "mov.md" not in recs
+    finally:
+        try:
+            if sc is not None:
+                sc.stop()
+        finally:
+            cp.stop()

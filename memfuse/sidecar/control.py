@@ -174,6 +174,19 @@ class ControlFiles:
         if self.fs.metrics is not None:
             self.fs.metrics.refusals.labels(name).inc()
 
+    def note_kept(self, store: str, path: str, err: int, code: str, reason: str) -> None:
+        """A rejected file at ``path`` was kept over a remote change of its record
+        (``remote.RemoteApply._remote_over_rejected``): a line in ``errors.log`` with the
+        file's ``errno`` name and reason ``code`` and ``kept: true``, and a WARNING
+        ``rejected file kept over a remote change`` with the same fields (never content).
+        Not counted as a refusal: nothing new was refused."""
+        name = errno.errorcode.get(err, str(err))
+        self._add({"time": _now(), "store": store, "path": path, "errno": name, "code": code,
+                   "kept": True, "reason": reason})
+        log.warning("rejected file kept over a remote change",
+                    extra={"store": store, "path": path, "errno": name, "code": code,
+                           "reason": reason})
+
     def note_conflict(self, store: str, path: str, what: str) -> None:
         """Add a conflict the committer resolved (``conflict: true``, ``reason``) to
         ``errors.log``."""

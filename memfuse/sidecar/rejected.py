@@ -70,6 +70,8 @@ class RejectedFiles:
 
     def _init_rejected(self, saved: list[dict[str, Any]] | None) -> None:
         self._rejected: dict[Node, tuple[int, str]] = {}  # node -> (errno, code)
+        # node -> (version, what) of the last remote change kept out of it (remote.py)
+        self._rejected_remote: dict[Node, tuple[int, str]] = {}
         self._rejected_saved: dict[str, tuple[Any, ...]] = {}  # node key -> signature written
         self._rejected_rows: dict[str, dict[str, Any]] = {}  # node key -> row written
         # rows a previous process kept, by store, until the store is loaded
@@ -115,6 +117,7 @@ class RejectedFiles:
         for n in list(self._rejected):
             if n.state != REJECTED or n.unlinked or n.local_only or n.store is None:
                 del self._rejected[n]
+                self._rejected_remote.pop(n, None)
                 continue
             if n.store.detached:  # its rows stay as they are until it is mounted again
                 continue

@@ -13,6 +13,7 @@ committed first; a file with unflushed writes is never overwritten. Nothing here
 """
 from __future__ import annotations
 
+import errno
 import logging
 import stat
 import time
@@ -23,12 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 from ..defs import DEFAULT_MODE, RECORD_TYPES, datetime_ns
 from ..wire import Record
-from .inodes import CLEAN, DIR_MODES_KEY, Node, StoreMount, shared_mode
+from .inodes import CLEAN, DIR_MODES_KEY, REJECTED, Node, StoreMount, shared_mode
 from .journal import MOVE_PREFIX, Entry
 from .sync import Meta
 
 if TYPE_CHECKING:
     from .blobcache import BlobCache
+    from .control import ControlFiles
     from .identity import RecordIds
     from .inodes import Settings
 
@@ -77,6 +79,9 @@ class RemoteApply:
     settings: Settings
     saved_dirs: dict[str, Any]
     _next_ino: int
+    _rejected: dict[Node, tuple[int, str]]  # rejected.RejectedFiles: node -> (errno, code)
+    _rejected_remote: dict[Node, tuple[int, str]]  # rejected.RejectedFiles: last change noted
+    controls: ControlFiles
 
     if TYPE_CHECKING:  # what this part calls of the other parts of ``core.Filesystem``
         def _account(self, n: Node, delta: int) -> None: ...
@@ -98,6 +103,7 @@ class RemoteApply:
         def _touch_dir(self, d: Node) -> None: ...
 
         def _walk_files(self, d: Node) -> Iterator[Node]: ...
+
 
     def add_store(self, slug: str, access: str, records: Sequence[Record | Meta], *,
                   limits: dict[str, Any] | None = None, contents: dict[str, bytes] | None = None,
@@ -270,6 +276,10 @@ class RemoteApply:
                     return []  # a local version the snapshot does not know yet
             elif n.version >= rec.version:
                 return []
+            if n.state == REJECTED:
+                kept = self._remote_over_rejected(sm, n, rec)
+                if kept is not None:
+                    return kept
         if rec.deleted:
             if n is None:
                 return []
@@ -298,6 +308,11 @@ class RemoteApply:
                     log.warning("remote record collides with a local entry; local kept",
                                 extra={"store": sm.slug, "record": rec.id})
                     return []
+                if cur.state == REJECTED:
+                    self._note_rejected_kept(cur, rec, "another record now has this path elsewhere "
+                                             f"(record {rec.id}, version {rec.version}); that record "
+                                             "is not shown here while this file is kept")
+                    return []
                 inv.append(("entry", d.ino, cur.name))
                 self._detach(cur)
                 self._bind_rid(cur, None)
@@ -321,6 +336,54 @@ class RemoteApply:
             inv.append(("attr", n.ino))
         return inv
 
+    def _remote_over_rejected(self, sm: StoreMount, n: Node,
+                              rec: Record | Meta) -> list[tuple[Any, ...]] | None:
+        """A newer state ``rec`` of the record of ``n``, a rejected file (refused for good,
+        kept here until fixed: docs/SEMANTICS.md, "Remote changes and rejected files"), from
+        the feed or a snapshot. Returns None when applying it as usual loses nothing: the
+        remote content is the rejected content, or the rejected content is the stored content
+        the file had (a write refused at once and held back). Otherwise the file keeps its
+        rejected content, state and reason (a move moves it along, as a local rename does;
+        its content is never replaced and it is not removed); its base version stays the one
+        it was refused over, so its fix is sent by the conflict rules (a delete elsewhere:
+        created again); the change is one ``errors.log`` line and WARNING per version.
+        Returns the invalidations of a move."""
+        known = self.ids.map.get(n.key, (None, None))[1]
+        if not rec.deleted and (rec.sha256 == n.sha or (known is not None and known == n.sha)):
+            return None
+        inv: list[tuple[Any, ...]] = []
+        was = n.path()
+        moved = not rec.deleted and rec.path != was
+        if moved:
+            inv = self._move_remote(sm, n, rec.path)
+        if rec.deleted:
+            what = f"the record was deleted elsewhere (version {rec.version})"
+        elif moved and rec.sha256 == known:
+            what = f"the record was moved elsewhere from {was} (version {rec.version})"
+        elif moved:
+            what = f"the record was moved from {was} and changed elsewhere (version {rec.version})"
+        else:
+            what = f"the record was changed elsewhere (version {rec.version})"
+        if moved and n.path() == was:
+            what += f"; its new path {rec.path} is taken here, so the file stays at {was}"
+        self._note_rejected_kept(n, rec, what)
+        return inv
+
+    def _note_rejected_kept(self, n: Node, rec: Record | Meta | None, what: str) -> None:
+        """One ``errors.log`` line and WARNING ``refused`` (the file's errno and reason
+        code, path, never content) saying that the rejected file ``n`` was kept over the
+        remote change ``what``; once per record version (``rec``)."""
+        key = (rec.version if rec is not None else -1, what)
+        if self._rejected_remote.get(n) == key:
+            return
+        self._rejected_remote[n] = key
+        err, code = self._rejected.get(n, (errno.EIO, ""))
+        assert n.store is not None  # a file of a store
+        self.controls.note_kept(n.store.slug, n.path(), err, code,
+                                f"{what}: the rejected local content is kept in this file, still "
+                                "rejected (the other version is in the record's history); fix this "
+                                "file to send it over that version, or remove it to keep the other one")
+
     def _move_remote(self, sm: StoreMount, n: Node, path: str) -> list[tuple[Any, ...]]:
         parts = path.split("/")
         inv: list[tuple[Any, ...]] = []
@@ -331,6 +394,11 @@ class RemoteApply:
         cur = d.children.get(parts[-1])
         if cur is not None and cur is not n:
             if cur.is_dir or cur.dirty:
+                return []
+            if cur.state == REJECTED:
+                rid = n.record_id or "?"
+                self._note_rejected_kept(cur, None, f"record {rid} was moved onto this path elsewhere; "
+                                         f"it stays shown at {n.path()} while this file is kept")
                 return []
             inv.append(("entry", d.ino, cur.name))
             self._detach(cur)
@@ -355,7 +423,8 @@ class RemoteApply:
         (``Committer.hold``): every local change that committed is then in ``records``.
         ``queued`` are the store's outbox entries not committed yet: local changes the
         snapshot cannot show. Records and files they touch are left as they are here (their
-        commits land on top), so a reconcile never reverts or hides a local write."""
+        commits land on top), so a reconcile never reverts or hides a local write. A rejected
+        file is never replaced or removed by it (``_remote_over_rejected``)."""
         busy_keys = {e.node_key for e in queued if e.node_key}
         busy_rids = {self.ids.record_id(k) for k in busy_keys}
         busy_rids |= {k[2:] for k in busy_keys if k.startswith("r:")}
@@ -374,6 +443,11 @@ class RemoteApply:
                 continue
             inv += self.apply_remote(sm, rec, force=True)
         for n in list(self._walk_files(sm.root)):
+            if (n.record_id and n.record_id not in live and not n.dirty and not n.local_only
+                    and n.key not in busy_keys and n.state == REJECTED and not touched(n.path())):
+                # kept (its fix creates the record again), and said so once
+                self._note_rejected_kept(n, None, "the record was deleted elsewhere")
+                continue
             if (n.record_id and n.record_id not in live and not n.dirty and not n.local_only
                     and n.key not in busy_keys and n.state == CLEAN and not touched(n.path())):
                 assert n.parent is not None  # a file of the tree
