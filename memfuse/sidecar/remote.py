@@ -381,8 +381,8 @@ class RemoteApply:
         assert n.store is not None  # a file of a store
         self.controls.note_kept(n.store.slug, n.path(), err, code,
                                 f"{what}: the rejected local content is kept in this file, still "
-                                "rejected (the other version is in the record's history); fix this "
-                                "file to send it over that version, or remove it to keep the other one")
+                                "rejected (the other version is in the record's history); fixing this "
+                                "file sends it over that version by the conflict rules")
 
     def _move_remote(self, sm: StoreMount, n: Node, path: str) -> list[tuple[Any, ...]]:
         parts = path.split("/")
@@ -446,7 +446,8 @@ class RemoteApply:
             if (n.record_id and n.record_id not in live and not n.dirty and not n.local_only
                     and n.key not in busy_keys and n.state == REJECTED and not touched(n.path())):
                 # kept (its fix creates the record again), and said so once
-                self._note_rejected_kept(n, None, "the record was deleted elsewhere")
+                if not self._rejected_remote.get(n, (0, ""))[1].startswith("the record was deleted"):
+                    self._note_rejected_kept(n, None, "the record was deleted elsewhere")
                 continue
             if (n.record_id and n.record_id not in live and not n.dirty and not n.local_only
                     and n.key not in busy_keys and n.state == CLEAN and not touched(n.path())):
