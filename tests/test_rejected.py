@@ -268,3 +268,40 @@ def test_a_write_refused_while_an_earlier_put_is_in_flight_stays_rejected(tmp_pa
     n = fs.stores["default"].root.children["c.md"]
     assert (tree(fs), n.state) == ({"c.md": ("one\ntoken " + token[:20]).encode()}, REJECTED)
     stop(fs, j)
+
+
+def test_a_snapshot_after_a_reconnect_keeps_rejected_files_and_says_so_once(tmp_path):
+    """A full snapshot (after ``410``) that changed, deleted, or moved another record onto
+    the path of rejected files keeps them, each change one ``errors.log`` line (``kept``),
+    not repeated by the next snapshot (docs/SEMANTICS.md, "Remote changes and rejected
+    files"). Through a real mount and the feed: test_rejected_mount."""
+    fs, j = start(tmp_path, [rec("r1", "a.md", "one\n"), rec("r2", "b.md", "two\n"),
+                             rec("r3", "c.md", "three\n")])
+    sm = fs.stores["default"]
+    for name in ("a.md", "b.md"):
+        with pytest.raises(FsError):
+            write(fs, name, BAD, create=False)
+    before = len(fs.errors)
+    # r1 changed, r2 deleted, r3 moved onto b.md
+    snapshot = [rec("r1", "a.md", "remote\n", version=2), rec("r3", "b.md", "three\n", version=2)]
+    fs.reconcile_store(sm, snapshot)
+    assert tree(fs) == {"a.md": BAD, "b.md": BAD, "c.md": b"three\n"}
+    assert {n: sm.root.children[n].state for n in ("a.md", "b.md")} == {
+        "a.md": REJECTED, "b.md": REJECTED}
+    kept = [(e["path"], e["errno"], e["reason"].split(":")[0]) for e in list(fs.errors)[before:]]
+    assert all(e.get("kept") for e in list(fs.errors)[before:])
+    assert sorted(kept) == [
+        ("a.md", "EILSEQ", "the record was changed elsewhere (version 2)"),
+        ("b.md", "EILSEQ", "record r3 was moved onto this path elsewhere; it stays shown at c.md "
+                           "while this file is kept"),
+        ("b.md", "EILSEQ", "the record was deleted elsewhere")], kept
+    fs.reconcile_store(sm, snapshot)  # the same snapshot again: nothing new to say
+    assert len(fs.errors) == before + 3
+    # across a restart a.md is kept; b.md, whose path the next process finds taken by
+    # r3, is dropped with its trace (the rule of a restart, test_path_taken_meanwhile...)
+    trio.run(j.flush_pending)
+    stop(fs, j)
+    fs, j = start(tmp_path, snapshot)
+    assert tree(fs) == {"a.md": BAD, "b.md": b"three\n"}
+    assert [e["path"] for e in fs.errors if "dropped" in e.get("reason", "")] == ["b.md"]
+    stop(fs, j)

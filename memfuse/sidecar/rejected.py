@@ -70,8 +70,8 @@ class RejectedFiles:
 
     def _init_rejected(self, saved: list[dict[str, Any]] | None) -> None:
         self._rejected: dict[Node, tuple[int, str]] = {}  # node -> (errno, code)
-        # node -> (version, what) of the last remote change kept out of it (remote.py)
-        self._rejected_remote: dict[Node, tuple[int, str]] = {}
+        # node -> (version, what) of each remote change kept out of it (remote.py)
+        self._rejected_remote: dict[Node, set[tuple[int, str]]] = {}
         self._rejected_saved: dict[str, tuple[Any, ...]] = {}  # node key -> signature written
         self._rejected_rows: dict[str, dict[str, Any]] = {}  # node key -> row written
         # rows a previous process kept, by store, until the store is loaded

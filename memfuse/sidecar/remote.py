@@ -80,7 +80,7 @@ class RemoteApply:
     saved_dirs: dict[str, Any]
     _next_ino: int
     _rejected: dict[Node, tuple[int, str]]  # rejected.RejectedFiles: node -> (errno, code)
-    _rejected_remote: dict[Node, tuple[int, str]]  # rejected.RejectedFiles: last change noted
+    _rejected_remote: dict[Node, set[tuple[int, str]]]  # rejected.RejectedFiles: changes noted
     controls: ControlFiles
 
     if TYPE_CHECKING:  # what this part calls of the other parts of ``core.Filesystem``
@@ -374,9 +374,10 @@ class RemoteApply:
         code, path, never content) saying that the rejected file ``n`` was kept over the
         remote change ``what``; once per record version (``rec``)."""
         key = (rec.version if rec is not None else -1, what)
-        if self._rejected_remote.get(n) == key:
+        noted = self._rejected_remote.setdefault(n, set())
+        if key in noted:
             return
-        self._rejected_remote[n] = key
+        noted.add(key)
         err, code = self._rejected.get(n, (errno.EIO, ""))
         assert n.store is not None  # a file of a store
         self.controls.note_kept(n.store.slug, n.path(), err, code,
@@ -446,7 +447,8 @@ class RemoteApply:
             if (n.record_id and n.record_id not in live and not n.dirty and not n.local_only
                     and n.key not in busy_keys and n.state == REJECTED and not touched(n.path())):
                 # kept (its fix creates the record again), and said so once
-                if not self._rejected_remote.get(n, (0, ""))[1].startswith("the record was deleted"):
+                if not any(w.startswith("the record was deleted")
+                           for _, w in self._rejected_remote.get(n, ())):
                     self._note_rejected_kept(n, None, "the record was deleted elsewhere")
                 continue
             if (n.record_id and n.record_id not in live and not n.dirty and not n.local_only
