@@ -132,6 +132,75 @@ def test_appends_journaled_as_suffixes_survive_kill9(tmp_path, blobs):
             cp.stop()
 
 
+def test_a_replayed_append_answered_as_of_an_older_version_shows_the_newest(tmp_path):
+    """The state a ``kill -9`` during an append loop may leave (a committed entry's journal
+    delete is lazy): the journal holds an append the control plane already has (here: the
+    control plane is frozen while ``echo >>`` is accepted, the sidecar killed, the control
+    plane killed too so the frozen request is never applied, then the append applied with
+    the journal's idempotency key, as the lost answer would have had it), and a newer
+    version by the same workspace follows it. The restarted sidecar catches the newer
+    version up, replays the leftover, and the control plane answers it by its key with the
+    record as of that older version: the file must still show the newest version, clean
+    (it stayed stale until the next write before), and so must the store's mirror on the
+    next start."""
+    cp = ControlPlane(tmp_path).start()
+    mnt, cache = tmp_path / "mnt", tmp_path / "cache"
+    sc = None
+    frozen = False
+    try:
+        tok = cp.setup_workspace("ws")
+        ws_token = tok.read_text().strip()
+        sc = Sidecar(cp, "ws", tok, mnt, cache, "--commit-wait", "0.5").start()
+        f = mnt / "default" / "JOURNAL.md"
+        f.write_text(BASE)
+        _drained(sc)
+        rec = cp.call("find_record", "default", "JOURNAL.md")
+        os.kill(cp.proc.pid, signal.SIGSTOP)
+        frozen = True
+        sh(f'echo "line 1" >> {f}', f.parent, timeout=60)  # accepted: its journal row is written
+        sc.kill9()
+        cp.proc.kill()  # the frozen request dies with it, never applied
+        cp.proc.wait(30)
+        frozen = False
+        cp.start()
+        db = sqlite3.connect(f"file:{cache / 'outbox.db'}?mode=ro", uri=True, timeout=30)
+        try:
+            rows = db.execute("SELECT key, args FROM entries ORDER BY id").fetchall()
+        finally:
+            db.close()
+        assert len(rows) == 1, rows
+        key, args = rows[0][0], json.loads(rows[0][1])
+        # the control plane has the leftover's commit (its answer was lost) ...
+        v2 = cp.call("append_record", "default", rec.id, "line 1\n", if_match=rec.sha256,
+                     type=args.get("type"), idempotency_key=key + "-append",
+                     mode=args.get("mode"), mtime_ns=args.get("mtime_ns"), token=ws_token)
+        # ... and a newer version by the same workspace after it (another of its sidecars)
+        v3 = cp.call("append_record", "default", rec.id, "line 2\n", if_match=v2.sha256,
+                     idempotency_key=uuid.uuid4().hex, token=ws_token)
+        want = BASE + "line 1\nline 2\n"
+        assert v3.version > v2.version and cp.call("get_record", "default", rec.id).content == want
+
+        sc = Sidecar(cp, "ws", tok, mnt, cache, "--commit-wait", "0.5").start()
+        _drained(sc)
+        assert len(cp.call("versions", "default", rec.id)) == 3  # the replay added none
+        wait_until(lambda: read(f) == want, timeout=30, what="the file shows the newest version")
+        assert os.getxattr(f, "user.memfuse.version").decode() == str(v3.version)
+        assert os.getxattr(f, "user.memfuse.state").decode() == "clean"
+        sc.stop()
+
+        sc = Sidecar(cp, "ws", tok, mnt, cache, "--commit-wait", "0.5").start()  # the mirror's state
+        assert read(f) == want
+        assert os.getxattr(f, "user.memfuse.version").decode() == str(v3.version)
+    finally:
+        try:
+            if frozen:
+                os.kill(cp.proc.pid, signal.SIGCONT)
+            if sc is not None:
+                sc.stop()
+        finally:
+            cp.stop()
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     with two_sidecars(tmp_path_factory.mktemp("pair")) as cp_a_b:

@@ -741,6 +741,8 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
                 self.sync_rejected()
             elif e.record is not None:
                 self._bind_rid(n, e.record.id)
+                if e.record.version < n.version and self._show_newest(n, e):
+                    return
                 n.version, n.rtype = e.record.version, e.record.type
                 if n.type_override == e.args.get("type"):
                     n.type_override = None
@@ -760,11 +762,50 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
                     n.attrs_version = max(n.attrs_version, e.record.version)
         elif e.op == MOVE and n is not None and e.record is not None:
             self._bind_rid(n, e.record.id)
-            n.version = e.record.version
+            n.version = max(n.version, e.record.version)  # a replayed move: answered as of then
             if n.xmtime is None and not n.dirty:
                 n.xmtime = e.record.mtime_ns  # the control plane keeps the mtime across a move
         elif e.op in (DELETE, MOVE) and e.errno:
             self.note_error(None, e.args.get("path", ""), e.errno, e.reason, e.code, e.store)
+
+    def _show_newest(self, n: Node, e: Entry) -> bool:
+        """``e`` (``n``'s last put, committed) was answered with an older version of the record
+        than ``n`` knows: a replayed entry, left in the journal by a crash after it
+        committed (its delete is lazy), answered by its idempotency key with the record as
+        of that commit, while a later version (made after it, caught up at start) is the
+        record's state. Unless ``n`` was written since (``dirty``: its put derives from the
+        older content and is merged onto the newer version, ``ConflictResolver.put_base``),
+        ``n`` shows the newest state the store's mirror holds, clean, so the file never
+        goes back to an older version (the feed, past it, would not bring it again).
+        Returns False when that state is not known here (no mirror, or its content is not
+        in the blob cache): the caller then shows ``e``'s result."""
+        assert e.record is not None  # a committed put
+        if n.dirty or self.listener is None:
+            return False
+        m = self.listener.known_record(e.store, e.record.id)
+        if m is None or m.version <= e.record.version:
+            return False
+        data = self._cached_blob(m.sha256)
+        if data is None:
+            log.warning("a replayed write was answered with an older version and the newest is "
+                        "not cached; showing the older one until the next change",
+                        extra={"store": e.store, "record": e.record.id,
+                               "answered": e.record.version, "known": m.version})
+            return False
+        log.info("a replayed write was answered with an older version; showing the newest",
+                 extra={"store": e.store, "record": e.record.id, "entry": e.id,
+                        "answered": e.record.version, "known": m.version})
+        old = n.cur_size()
+        self._hold_content(n, data, m.sha256, "the newest version")
+        self._set_clean(n, m)
+        self._account(n, n.cur_size() - old)
+        n.state, n.error = CLEAN, ""
+        if n.type_override == e.args.get("type"):
+            n.type_override = None
+        self.ids.note(n.key, m.id, m.sha256)  # the base of the next update
+        self.committer.forget_merge(n.key)
+        self.invalidate([("inode", n.ino)])
+        return True
 
     def _show_merged(self, n: Node, e: Entry) -> None:
         """``e`` (``n``'s last put) was rebased onto a concurrent change (an append merged,

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from .journal import Entry
+    from .sync import Meta
 
 __all__ = ["CommitListener", "FsListener"]
 
@@ -52,6 +53,10 @@ class FsListener(Protocol):
     def committed_size(self, slug: str, record_id: str) -> int | None:
         """Bytes of the record as the control plane holds it (the store's mirror), None when
         unknown."""
+
+    def known_record(self, slug: str, record_id: str) -> Meta | None:
+        """The newest state of the record known here (the store's mirror: the control
+        plane's state as of its cursor, this sidecar's commits included), None when unknown."""
 
     def status(self) -> dict[str, Any]:
         """The fuller status document (``.memfuse/status.json``)."""

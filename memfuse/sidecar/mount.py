@@ -44,7 +44,7 @@ from .journal import PUT, Entry, Journal
 from .config import MountConfig as MountConfig  # re-exported: callers import it from here
 from .stores import StoreSync
 from .invalidator import Invalidator
-from .sync import StoreState
+from .sync import Meta, StoreState
 
 log = logging.getLogger("memfuse.mount")
 LOST_NAMED_MAX = 200  # lost writes named in the start log line (errors.log names every one)
@@ -392,6 +392,12 @@ class Sidecar(StoreSync):
         state = self.states.get(slug)
         rec = state.records.get(record_id) if state is not None else None
         return rec.size if rec is not None else None
+
+    def known_record(self, slug: str, record_id: str) -> Meta | None:
+        """``FsListener``: the record's entry in the store's mirror (its newest version
+        known here), None when unknown."""
+        state = self.states.get(slug)
+        return state.newest(record_id) if state is not None else None
 
     def mirror_sha(self, slug: str, record_id: str) -> str | None:
         """The sha256 the store's mirror holds for ``record_id`` (``RecordIds.base_sha``),

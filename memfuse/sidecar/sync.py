@@ -678,20 +678,34 @@ class StoreState:
     def committed(self, e: Entry) -> None:
         """Mirror what this sidecar's own committed outbox entry did on the control plane.
         The change feed leaves our own versions out (``skip_actor``), so this is how they
-        reach the mirror; a restart or an offline start then shows them."""
+        reach the mirror; a restart or an offline start then shows them.
+        A record is never moved back to an older version than the mirror holds: a replayed
+        entry (left in the journal by a crash after it committed) is answered by its
+        idempotency key with the record as of that commit, which a later version (caught
+        up at start) may have replaced already."""
         if e.errno:
             return
         if e.op in ("put", "attrs") and e.record is not None:
-            self.put(e.record)
+            self._put_newer(e.record)
         elif e.op == "delete":
             self.remove(e.record_id)
         elif e.op == "move" and e.record is not None:
             if e.record_id != e.record.id:  # moved over another record: the source is gone
                 self.remove(e.record_id)
-            self.put(e.record)
+            self._put_newer(e.record)
         elif e.op == "move_prefix":
             for r in e.moved:
-                self.put(r)
+                self._put_newer(r)
+
+    def _put_newer(self, r: Record) -> None:
+        """``put`` unless the mirror holds a newer version of ``r`` (``committed``)."""
+        cur = self.records.get(r.id)
+        if cur is None or cur.version <= r.version:
+            self.put(r)
+
+    def newest(self, record_id: str) -> Meta | None:
+        """The mirror's entry of record ``record_id`` (its newest version known here), or None."""
+        return self.records.get(record_id)
 
     def apply(self, ch: Change) -> None:
         """Apply one feed change: a delete removes the record, an update replaces an older or
