@@ -191,6 +191,11 @@ def test_a_replayed_append_answered_as_of_an_older_version_shows_the_newest(tmp_
         sc = Sidecar(cp, "ws", tok, mnt, cache, "--commit-wait", "0.5").start()  # the mirror's state
         assert read(f) == want
         assert os.getxattr(f, "user.memfuse.version").decode() == str(v3.version)
+        sh(f'echo "line 3" >> {f}', f.parent, timeout=60)  # the next write lands on the newest, once
+        _drained(sc)
+        want += "line 3\n"
+        assert cp.call("get_record", "default", rec.id).content == want
+        assert read(f) == want
     finally:
         try:
             if frozen:
