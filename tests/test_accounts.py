@@ -993,6 +993,14 @@ async def test_two_accounts_each_have_their_own_workspace_of_one_name(world):
         w = await _ok(await root.post("/v1/workspaces", json={"name": SAME_WS, "account": "charlie"}), 201)
         assert (w["name"], w["account"]) == (SAME_WS, "charlie")
         assert _ws_key(app, "charlie") == f"{SAME_WS}~charlie"
+        # an account admin may name its own workspace by reference, whichever account took the
+        # name first (bravo's key is the bare name); never another account's (attacker finding)
+        for c, own, other in ((aa, "alpha", "bravo"), (ba, "bravo", "alpha")):
+            atts = await _ok(await c.get(f"/v1/workspaces/{SAME_WS}~{own}/attachments"))
+            assert {x["workspace"] for x in atts} == {SAME_WS}, own
+            for ref in (f"{SAME_WS}~{other}", f"{SAME_WS}~charlie", f"{SAME_WS}~{own}~x"):
+                r = await c.get(f"/v1/workspaces/{ref}/attachments")
+                assert r.status_code == 404 and r.json()["code"] == "workspace_not_found", (own, ref, r.text)
         # each account's agent: its own attachments (bravo's has bravo-notes, alpha's alpha-notes)
         for c in (ag, aa):
             atts = await _ok(await c.get(f"/v1/workspaces/{SAME_WS}/attachments"))

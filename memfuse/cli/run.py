@@ -571,7 +571,8 @@ def default_actor(cache_dir: Path | None = None) -> str:
      help="Seconds to drain the outbox on SIGTERM/SIGINT.")
 @opt("--offline-after", type=float, default=10.0, show_default=True, metavar="S",
      help="Seconds without an answer from the control plane at start before the stores saved "
-          "in the cache are mounted as they were (only when the outbox is empty).")
+          "in the cache are mounted as they were (writes the outbox holds are shown on them and "
+          "sent once the control plane answers).")
 @opt("--actor", "--instance", "actor", metavar="NAME",
      help="Who writes through this mount, recorded on every version (history, the console, the "
           "API's updated_by) as ws:WORKSPACE/NAME; stable across restarts, so it must differ "

@@ -436,8 +436,10 @@ class AccessRules:
             if row is None and account is None:  # the one workspace holding the name, if one
                 named = s.scalars(select(WorkspaceRow).where(WorkspaceRow.public_name == ws).limit(2)).all()
                 row = named[0] if len(named) == 1 else None
-        else:
-            row = AccessRules._in_account(s, ws, p.account)
+        else:  # an account admin: a name, or a reference to its own account (as a store's)
+            name, account = keys.split(ws)
+            row = (AccessRules._in_account(s, name, p.account)
+                   if account is None or account == p.account else None)
         if row is None:
             raise ServiceError(404, "workspace_not_found", f"no workspace {ws!r}")
         return row
