@@ -13,7 +13,7 @@ import math
 import ssl
 import time
 from collections.abc import Callable
-from typing import Any, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Self, TypeVar
 from urllib.parse import quote
 
 import httpx
@@ -32,7 +32,9 @@ from ..errors import (
     Unauthorized,
 )
 from ..tokenfile import TokenFile
-from .lean import LeanHTTP, proxy_configured
+
+if TYPE_CHECKING:
+    from .lean import LeanHTTP
 from ..wire import (
     Attachment,
     ChangePage,
@@ -389,8 +391,10 @@ class ApiSession:
         #: the lean HTTP/1.1 path for ordinary requests (``lean.LeanHTTP``), when asked for
         #: (``lean=True``: the sidecar) and usable: no custom transport, no proxy configured
         self._lean: LeanHTTP | None = None
-        if lean and transport is None and not proxy_configured():
-            self._lean = LeanHTTP(self.base_url, tls_context(self.base_url), self.timeout)
+        if lean:  # imported here: it needs trio, which the CLI's read commands never load
+            from .lean import LeanHTTP, proxy_configured
+            if transport is None and not proxy_configured():
+                self._lean = LeanHTTP(self.base_url, tls_context(self.base_url), self.timeout)
 
     def set_instance(self, instance: str) -> None:
         """Send ``X-Memfuse-Instance: instance`` from now on (the sidecar id on versions)."""
