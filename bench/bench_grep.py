@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import LC, NEEDLE, PY, Mount, Session, is_mounted, loadavg, machine_meta
+from common import PY, Mount, Session, grep, is_mounted, loadavg, machine_meta
 from mountutil import ControlPlane
 
 import trio
@@ -96,17 +96,6 @@ def ctx_switches(pid: int) -> int:
             if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
                 n += int(line.split()[1])
     return n
-
-
-def grep_once(root: Path, timeout: float = 300) -> tuple[float, int]:
-    """Seconds of one ``grep -r NEEDLE root`` into a pipe, and its lines of output."""
-    t0 = time.perf_counter()
-    p = subprocess.run(["grep", "-r", NEEDLE, str(root)], stdout=subprocess.PIPE,
-                       stderr=subprocess.PIPE, timeout=timeout, env=dict(os.environ, **LC))
-    dt = time.perf_counter() - t0
-    if p.returncode not in (0, 1):
-        raise RuntimeError(f"grep -r {root} exited {p.returncode}: {p.stderr[-500:]!r}")
-    return dt, p.stdout.count(b"\n")
 
 
 def cg_prefix(name: str) -> list[str]:
@@ -293,19 +282,19 @@ def main() -> int:
                 time.sleep(0.01)
             roots[name], pids[name] = mp, proc.pid
         keys = list(roots)
-        lines = {k: grep_once(roots[k], timeout=3600)[1] for k in keys}  # warm-up
+        lines = {k: grep(roots[k], timeout=3600)[1] for k in keys}  # warm-up
         if len(set(lines.values())) != 1:
             raise RuntimeError(f"places disagree on the matches: {lines}")
         if args.subdir:
             nf = sum(1 for rel, _ in s.files if rel.startswith(args.subdir.rstrip("/") + "/"))
-            lines = {k: grep_once(roots[k] / args.subdir)[1] for k in keys}
+            lines = {k: grep(roots[k] / args.subdir)[1] for k in keys}
         s.say(f"{nf} files, {lines['bare']} matching lines; {args.rounds} rounds, load {loadavg()}")
         runs: dict[str, list[dict]] = {k: [] for k in keys}
         if CG_DIR is not None:  # instructions per file, one grep per place and round
             for k in keys:
                 subprocess.run(["callgrind_control", "-i", "on", str(pids[k])],
                                capture_output=True, timeout=300, check=True)
-                grep_once(roots[k] / args.subdir, timeout=3600)  # warm under instrumentation
+                grep(roots[k] / args.subdir, timeout=3600)  # warm under instrumentation
                 callgrind_ir(pids[k], k)
             for i in range(args.rounds):
                 for k in keys:
@@ -313,7 +302,7 @@ def main() -> int:
                     # places were grepped (minutes under valgrind) is not counted
                     subprocess.run(["callgrind_control", "-z", str(pids[k])],
                                    capture_output=True, timeout=300, check=True)
-                    grep_once(roots[k] / args.subdir, timeout=3600)
+                    grep(roots[k] / args.subdir, timeout=3600)
                     runs[k].append({"ir_per_file": callgrind_ir(pids[k], k) / nf})
                 s.say(f"round {i + 1}: " + ", ".join(
                     f"{k} {runs[k][-1]['ir_per_file']:,.0f} Ir/file" for k in keys))
@@ -330,7 +319,7 @@ def main() -> int:
                 u0, s0 = proc_cpu(pids[k])
                 c0 = ctx_switches(pids[k])
                 r0 = run_ns(pids[k])
-                wall, _ = grep_once(roots[k] / args.subdir)
+                wall, _ = grep(roots[k] / args.subdir)
                 r1 = run_ns(pids[k])
                 u1, s1 = proc_cpu(pids[k])
                 runs[k].append({"wall_s": wall, "cpu_us_per_file": (r1 - r0) / nf / 1e3,
@@ -353,7 +342,7 @@ def main() -> int:
                             "--native", "-r", "400", "-p", str(pids[k]), "-o", str(out)])
                     rec = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                     time.sleep(1)
-                    grep_once(roots[k])
+                    grep(roots[k])
                     rec.send_signal(signal.SIGINT)
                     rec.wait(timeout=120)
                     s.say(f"{tool} profile of {k}: {out}")
