@@ -72,7 +72,7 @@ def main() -> int:
         if jfs is not None:
             write_files(jfs.mountpoint / "warmup", 50)
         for r in range(a.rounds):
-            for t in [1, *threads]:
+            for t in dict.fromkeys([1, *threads]):  # 1 first, each count once
                 spies = []
                 if a.pyspy and r == 0 and t == 1:
                     a.pyspy.mkdir(parents=True, exist_ok=True)
