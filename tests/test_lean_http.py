@@ -258,3 +258,50 @@ async def test_a_dripping_answer_is_cut_at_the_request_deadline():
                 await plain.changes("default", 0, wait=0)
             assert scope.cancelled_caught  # still reading after 3 s
         nursery.cancel_scope.cancel()
+
+
+@pytest.mark.timeout(60)
+async def test_a_dripping_stream_line_is_cut_at_its_deadline():
+    """A change stream whose line arrives a byte every 0.1 s: a bounded client's stream
+    fails as a read timeout about ``read_timeout`` s after it waited for the line (the feed
+    then reopens it), where per-read timeouts alone would keep it waiting as long as the
+    drip lasts."""
+    line = b'{"changes": [], "seq": 1, "more": false}' + b" " * 400 + b"\n"
+
+    async def handle(stream: trio.SocketStream) -> None:
+        try:
+            got = b""
+            while b"\r\n\r\n" not in got:
+                data = await stream.receive_some(65536)
+                if not data:
+                    return
+                got += data
+            await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/x-ndjson\r\n"
+                                  b"connection: close\r\n\r\n")
+            for i in range(len(line)):
+                await stream.send_all(line[i:i + 1])
+                await trio.sleep(0.1)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(trio.serve_tcp, handle, 0)
+        url = f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+        async with ApiClient(url, "t", lean=True, bounded=True, timeout=1) as c:
+            stream = c.changes_stream("default", 0, read_timeout=1)
+            t0 = trio.current_time()
+            with pytest.raises(TransientError) as err:
+                async for _page in stream:
+                    pass
+            took = trio.current_time() - t0
+            await stream.aclose()
+            assert err.value.code == "read_timeout", err.value
+            assert 0.9 < took < 4, took
+        async with ApiClient(url, "t", timeout=1) as plain:  # per-read timeouts only
+            stream = plain.changes_stream("default", 0, read_timeout=1)
+            with trio.move_on_after(3) as scope:
+                async for _page in stream:
+                    pass
+            await stream.aclose()
+            assert scope.cancelled_caught  # still reading after 3 s
+        nursery.cancel_scope.cancel()

@@ -89,7 +89,7 @@ class ApiClient(AdminEndpoints):
         bounded: give every request a total deadline, not only a timeout per read
             (:mod:`~memfuse.client.deadline`: the answer's head within ``timeout`` s, plus
             ``wait`` for a long poll; its body at 64 KiB/s at least after that; a stream's
-            head only). A request past it raises :class:`TransientError` ``read_timeout``.
+            head, then each of its lines within its read timeout at the same rate). A request past it raises :class:`TransientError` ``read_timeout``.
             Needs trio (the sidecar passes it); default False. Lean requests always have it.
 
     Use as ``async with ApiClient(...) as api:`` or call :meth:`aclose`. Every method raises

@@ -13,8 +13,9 @@ caller forever (a sidecar start stayed unmounted that way). A bounded request mu
 
 A request past its deadline raises ``httpx.ReadTimeout`` (so ``TransientError``
 ``read_timeout`` for the caller, retried like any other read timeout). Streams (change and
-event feeds) have only their head bounded: their body is read by the caller with its own
-per-read timeout. One rule in one place: both paths call ``extend``. No trio import here
+event feeds) have their head bounded so, then each of their lines (a page or a heartbeat):
+``read_timeout`` s from when it is awaited, moved on as its bytes arrive
+(``stream.PageStream._lines``). One rule in one place: every path calls ``extend``. No trio import here
 (the CLI's read commands import this module through ``base`` and never load trio); the
 scope is any object with a ``deadline`` (``trio.CancelScope``).
 """
