@@ -109,9 +109,9 @@ class PageStream(Generic[P]):
         while True:
             nl = pending.find(b"\n")
             if nl >= 0:
-                line = bytes(pending[:nl])
+                raw = bytes(pending[:nl])
                 del pending[:nl + 1]
-                yield line.decode("utf-8", "replace").rstrip("\r")
+                yield raw.decode("utf-8", "replace").rstrip("\r")
                 continue
             if ended:
                 if pending:
