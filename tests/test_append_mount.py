@@ -206,6 +206,82 @@ def test_a_replayed_append_answered_as_of_an_older_version_shows_the_newest(tmp_
             cp.stop()
 
 
+def test_a_replayed_leftover_older_than_the_mirror_never_shows(tmp_path):
+    """The state of the test above, read before the replay's answer: the restarted sidecar
+    mounts from its cache (the control plane is frozen, so the replay cannot be answered)
+    with a mirror that holds the newest version (v3, which extends the leftover's content:
+    the leftover committed as v2, then an append followed). From the first read, the file
+    shows v3, not the leftover's older content; once the control plane answers, the replay
+    adds no version and the file stays at v3."""
+    cp = ControlPlane(tmp_path).start()
+    mnt, cache = tmp_path / "mnt", tmp_path / "cache"
+    sc = None
+    frozen = False
+    try:
+        tok = cp.setup_workspace("ws")
+        ws_token = tok.read_text().strip()
+        sc = Sidecar(cp, "ws", tok, mnt, cache, "--commit-wait", "0.5").start()
+        f = mnt / "default" / "JOURNAL.md"
+        f.write_text(BASE)
+        _drained(sc)
+        rec = cp.call("find_record", "default", "JOURNAL.md")
+        os.kill(cp.proc.pid, signal.SIGSTOP)
+        frozen = True
+        sh(f'echo "line 1" >> {f}', f.parent, timeout=60)  # accepted: its journal row is written
+        sc.kill9()
+        cp.proc.kill()  # the frozen request dies with it, never applied
+        cp.proc.wait(30)
+        frozen = False
+        cp.start()
+        journal = {p.name: p.read_bytes() for p in cache.glob("outbox.db*")}  # the leftover
+        db = sqlite3.connect(f"file:{cache / 'outbox.db'}?mode=ro", uri=True, timeout=30)
+        try:
+            rows = db.execute("SELECT key, args FROM entries ORDER BY id").fetchall()
+        finally:
+            db.close()
+        assert len(rows) == 1, rows
+        key, args = rows[0][0], json.loads(rows[0][1])
+        v2 = cp.call("append_record", "default", rec.id, "line 1\n", if_match=rec.sha256,
+                     type=args.get("type"), idempotency_key=key + "-append",
+                     mode=args.get("mode"), mtime_ns=args.get("mtime_ns"), token=ws_token)
+        v3 = cp.call("append_record", "default", rec.id, "line 2\n", if_match=v2.sha256,
+                     idempotency_key=uuid.uuid4().hex, token=ws_token)
+        want = BASE + "line 1\nline 2\n"
+        # one run catches the mirror up to v3 (and replays the leftover); stopped, the cache
+        # keeps that mirror; the journal is put back as the kill -9 left it
+        sc = Sidecar(cp, "ws", tok, mnt, cache, "--commit-wait", "0.5").start()
+        _drained(sc)
+        wait_until(lambda: read(f) == want, timeout=30, what="the newest version")
+        sc.stop()
+        for p in cache.glob("outbox.db*"):
+            p.unlink()
+        for name, data in journal.items():
+            (cache / name).write_bytes(data)
+        os.kill(cp.proc.pid, signal.SIGSTOP)
+        frozen = True
+        sc = Sidecar(cp, "ws", tok, mnt, cache, "--commit-wait", "0.5", "--offline-after", "1").start()
+        assert _status(sc)["outbox"]["depth"] == 1  # the leftover, replayed, not answered
+        assert read(f) == want  # the first read: the newest, not the leftover's content
+        assert os.getxattr(f, "user.memfuse.version").decode() == str(v3.version)
+        os.kill(cp.proc.pid, signal.SIGCONT)
+        frozen = False
+        _drained(sc)
+        assert read(f) == want
+        assert os.getxattr(f, "user.memfuse.state").decode() == "clean"
+        assert len(cp.call("versions", "default", rec.id)) == 3  # the replay added none
+        sh(f'echo "line 3" >> {f}', f.parent, timeout=60)
+        _drained(sc)
+        assert cp.call("get_record", "default", rec.id).content == want + "line 3\n"
+    finally:
+        try:
+            if frozen:
+                os.kill(cp.proc.pid, signal.SIGCONT)
+            if sc is not None:
+                sc.stop()
+        finally:
+            cp.stop()
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     with two_sidecars(tmp_path_factory.mktemp("pair")) as cp_a_b:

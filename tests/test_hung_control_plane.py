@@ -8,12 +8,15 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
+import threading
 import time
+import types
 
 import httpx
 import pytest
 
-from mountutil import live_records, read, serve_and_mount, sh, wait_until
+from mountutil import ControlPlane, Sidecar, live_records, read, serve_and_mount, sh, wait_until
 
 pytestmark = pytest.mark.mount
 
@@ -62,3 +65,143 @@ def test_a_paused_control_plane_is_noticed_within_seconds(tmp_path):
             "a.md": "before\n", "b.md": "during\n", "c.md": "more\n"}
         metrics = httpx.get(f"{admin}/metrics", timeout=5).text
         assert "memfuse_control_plane_up 1.0" in metrics
+
+
+class DripProxy:
+    """A TCP proxy in front of the control plane whose answers can arrive a byte every
+    ``DRIP`` s. A connection drips (for good, every answer on it) once it carries a request
+    while ``drip`` is True and its path starts with one of ``paths``
+    (``("/",)``: every request); a connection opened or used only while ``drip`` is False
+    passes bytes at full speed. Threads; ``close`` stops everything."""
+
+    DRIP = 0.2
+
+    def __init__(self, port: int) -> None:
+        self.target = ("127.0.0.1", port)
+        self.drip = False
+        self.paths: tuple[bytes, ...] = (b"/",)
+        self.dripped = 0  # connections that dripped
+        self._closing = False
+        self._socks: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closing:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            try:
+                server = socket.create_connection(self.target, timeout=5)
+            except OSError:
+                client.close()
+                continue
+            server.settimeout(None)
+            with self._lock:
+                self._socks += [client, server]
+            state = {"drip": False}
+            threading.Thread(target=self._up, args=(client, server, state), daemon=True).start()
+            threading.Thread(target=self._down, args=(server, client, state), daemon=True).start()
+
+    def _up(self, src: socket.socket, dst: socket.socket, state: dict) -> None:
+        try:
+            while data := src.recv(65536):
+                if self.drip and not state["drip"]:
+                    line = data.split(b"\r\n", 1)[0].split(b" ")
+                    if len(line) >= 2 and line[1].startswith(self.paths):
+                        state["drip"] = True
+                        self.dripped += 1
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            self._shut(dst)
+
+    def _down(self, src: socket.socket, dst: socket.socket, state: dict) -> None:
+        try:
+            while data := src.recv(65536):
+                if not state["drip"]:
+                    dst.sendall(data)
+                    continue
+                for i in range(len(data)):
+                    if self._closing:
+                        return
+                    dst.sendall(data[i:i + 1])
+                    time.sleep(self.DRIP)
+        except OSError:
+            pass
+        finally:
+            self._shut(dst)
+
+    @staticmethod
+    def _shut(s: socket.socket) -> None:
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self._closing = True
+        self.listener.close()
+        with self._lock:
+            for s in self._socks:
+                self._shut(s)
+                s.close()
+
+
+def test_a_dripping_control_plane_delays_a_restart_by_offline_after_at_most(tmp_path):
+    """The attacker's case: after a restart, the attachments are listed at full speed, then
+    a store's catch-up is answered a byte every 0.2 s. The mount comes up from its cache
+    within ``--offline-after`` (3 s) plus a bound, showing the write the last run's outbox
+    kept; the requests caught in the drip are cut at their total deadline (30 s), and the
+    write commits once the control plane answers at full speed again."""
+    cp = ControlPlane(tmp_path).start()
+    proxy = DripProxy(cp.port)
+    via = types.SimpleNamespace(url=proxy.url)  # what Sidecar takes of a control plane
+    sc = None
+    try:
+        tok = cp.setup_workspace("ws", ("s",))
+        args = ("--offline-after", "3", "--commit-wait", "2", "--drain-timeout", "1")
+        sc = Sidecar(via, "ws", tok, tmp_path / "mnt", tmp_path / "cache", *args).start(expect="s")
+        m = sc.mountpoint / "s"
+        sh("echo before > a.md", m)
+        wait_until(lambda: _status(sc.mountpoint)["outbox"]["depth"] == 0, timeout=30,
+                   what="a.md committed")
+        sc.stop()  # the store's mirror saved in the cache, a.md in it
+        sc.start(expect="s")
+        # every answer drips: this close returns once the write is in the outbox journal
+        proxy.drip = True
+        sh("echo during > b.md", m, timeout=30)
+        assert _status(sc.mountpoint)["outbox"]["depth"] >= 1
+        sc.kill9()  # the outbox keeps b.md for the next start
+        # the next start: the listing is answered at full speed, the stores' requests drip
+        proxy.paths = (b"/v1/stores/",)
+        t0 = time.monotonic()
+        sc.start(expect="s")
+        took = time.monotonic() - t0
+        assert took < 3 + 12, f"mounted after {took:.1f} s"
+        assert proxy.dripped >= 1  # a store request did drip
+        assert read(m / "a.md") == "before\n"
+        assert read(m / "b.md") == "during\n"  # the kept write, shown
+        # replayed behind the mount, its request caught in the drip (the control plane may
+        # have applied the first one already: the replay carries its idempotency key)
+        assert _status(sc.mountpoint)["outbox"]["depth"] >= 1
+        # the control plane answers at full speed again (new connections); what is caught
+        # in the drip is cut at its deadline and sent again
+        proxy.drip = False
+        wait_until(lambda: "b.md" in live_records(cp, "s"), timeout=90, what="b.md committed")
+        assert live_records(cp, "s")["b.md"].content == "during\n"
+        wait_until(lambda: _status(sc.mountpoint)["outbox"]["depth"] == 0, timeout=30,
+                   what="outbox drained")
+        sh("echo after > c.md", m, timeout=30)
+        wait_until(lambda: "c.md" in live_records(cp, "s"), timeout=30, what="c.md committed")
+    finally:
+        try:
+            if sc is not None:
+                sc.stop()
+        finally:
+            proxy.close()
+            cp.stop()

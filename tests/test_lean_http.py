@@ -205,3 +205,103 @@ def test_lean_path_off_with_a_proxy_or_a_transport(monkeypatch):
                      transport=httpx.MockTransport(lambda r: httpx.Response(200)))._lean is None
     monkeypatch.setenv("HTTPS_PROXY", "http://proxy.example:3128")
     assert ApiClient("http://127.0.0.1:1", "t", lean=True)._lean is None
+
+
+async def _serve_drip(nursery: trio.Nursery, head_delay: float = 0.0) -> int:
+    """A server that sends each answer's head at once (after ``head_delay`` s) and then its
+    body a byte every 0.1 s: each read gets something, so no per-read timeout ever fires."""
+    body = b'{"records": [], "seq": 0, "more": false}' + b" " * 400
+
+    async def handle(stream: trio.SocketStream) -> None:
+        try:
+            got = b""
+            while b"\r\n\r\n" not in got:
+                data = await stream.receive_some(65536)
+                if not data:
+                    return
+                got += data
+            await trio.sleep(head_delay)
+            await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                                  b"content-length: %d\r\n\r\n" % len(body))
+            for i in range(len(body)):
+                await stream.send_all(body[i:i + 1])
+                await trio.sleep(0.1)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+    listeners = await nursery.start(trio.serve_tcp, handle, 0)
+    return listeners[0].socket.getsockname()[1]
+
+
+@pytest.mark.timeout(60)
+async def test_a_dripping_answer_is_cut_at_the_request_deadline():
+    """An answer that arrives a byte at a time (docs/SEMANTICS.md, "Started while the
+    control plane is unreachable or too slow"): a bounded client's request fails as a read
+    timeout once the answer is ``timeout`` s past its head without the body at 64 KiB/s,
+    on the lean path and on the httpx one (a request with query parameters), instead of
+    taking as long as the drip lasts (45 s here); an unbounded httpx client keeps reading."""
+    async with trio.open_nursery() as nursery:
+        port = await _serve_drip(nursery)
+        url = f"http://127.0.0.1:{port}"
+        async with ApiClient(url, "t", lean=True, bounded=True, timeout=1) as c:
+            assert c._lean is not None
+            for call in (lambda: c.list_attachments("ws"),  # lean: no query parameters
+                         lambda: c.changes("default", 0, wait=0)):  # httpx, bounded
+                t0 = trio.current_time()
+                with pytest.raises(TransientError) as err:
+                    await call()
+                took = trio.current_time() - t0
+                assert err.value.code == "read_timeout", err.value
+                assert 0.9 < took < 4, took
+        async with ApiClient(url, "t", timeout=1) as plain:  # per-read timeouts only
+            with trio.move_on_after(3) as scope:
+                await plain.changes("default", 0, wait=0)
+            assert scope.cancelled_caught  # still reading after 3 s
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.timeout(60)
+async def test_a_dripping_stream_line_is_cut_at_its_deadline():
+    """A change stream whose line arrives a byte every 0.1 s: a bounded client's stream
+    fails as a read timeout about ``read_timeout`` s after it waited for the line (the feed
+    then reopens it), where per-read timeouts alone would keep it waiting as long as the
+    drip lasts."""
+    line = b'{"changes": [], "seq": 1, "more": false}' + b" " * 400 + b"\n"
+
+    async def handle(stream: trio.SocketStream) -> None:
+        try:
+            got = b""
+            while b"\r\n\r\n" not in got:
+                data = await stream.receive_some(65536)
+                if not data:
+                    return
+                got += data
+            await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/x-ndjson\r\n"
+                                  b"connection: close\r\n\r\n")
+            for i in range(len(line)):
+                await stream.send_all(line[i:i + 1])
+                await trio.sleep(0.1)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(trio.serve_tcp, handle, 0)
+        url = f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+        async with ApiClient(url, "t", lean=True, bounded=True, timeout=1) as c:
+            stream = c.changes_stream("default", 0, read_timeout=1)
+            t0 = trio.current_time()
+            with pytest.raises(TransientError) as err:
+                async for _page in stream:
+                    pass
+            took = trio.current_time() - t0
+            await stream.aclose()
+            assert err.value.code == "read_timeout", err.value
+            assert 0.9 < took < 4, took
+        async with ApiClient(url, "t", timeout=1) as plain:  # per-read timeouts only
+            stream = plain.changes_stream("default", 0, read_timeout=1)
+            with trio.move_on_after(3) as scope:
+                async for _page in stream:
+                    pass
+            await stream.aclose()
+            assert scope.cancelled_caught  # still reading after 3 s
+        nursery.cancel_scope.cancel()

@@ -25,6 +25,7 @@ import os
 import re
 import secrets
 import string
+import subprocess
 import uuid
 from pathlib import Path
 
@@ -32,7 +33,7 @@ import pytest
 
 from mountcheck import (MountEnv, errors_log, errors_log_text, outcome, status, wait_drained, wait_until,
                         write_file, xattr)
-from mountutil import MEMFUSE, sh
+from mountutil import MEMFUSE, live_records, serve_and_mount, sh
 
 pytestmark = pytest.mark.mount
 
@@ -567,3 +568,40 @@ def test_more_than_32_components_refused(env):
     leaf_key = "y/" + "/".join(["x"] * 29) + "/leaf.md"
     assert env.contents("default", pre) == {"src.md": "src\n", ok_key: "ok\n", leaf_key: "leaf\n"}
     assert (d / leaf_key).read_bytes() == b"leaf\n"
+
+
+def test_a_write_refused_at_write2_leaves_no_stale_buffer_behind(tmp_path):
+    """Seen once: ``invariant broken: store default count/used (5, 55) != recount`` after an
+    append was refused with ``ENOSPC`` under a lowered quota. The refused write had read the
+    file into a write buffer, and the session, having changed nothing, was never committed:
+    the buffer stayed on a clean file, and a later change from elsewhere set the file's size
+    and content underneath it. The file then read the old bytes and the store's usage no
+    longer added up. A refused write leaves the file as it was, and a clean state applied
+    from the control plane replaces any buffer (``RemoteApply._set_clean``)."""
+    with serve_and_mount(tmp_path, stores=("default",)) as (cp, sc):
+        m = sc.mountpoint / "default"
+        for i in range(5):
+            (m / f"f{i}.md").write_text("0123456789\n")  # 5 files, 55 bytes
+        wait_until(lambda: len(live_records(cp)) == 5, timeout=30, what="5 records committed")
+        cp.call("update_store", "default", max_store_bytes=58)
+
+        def quota() -> int:
+            return {s["slug"]: s for s in status(sc.mountpoint)["stores"]}["default"]["max_store_bytes"]
+
+        wait_until(lambda: quota() == 58, timeout=30, what="the sidecar told the new quota")
+        r = subprocess.run(["bash", "-c", "echo more-bytes >> f0.md"], cwd=m, timeout=20,
+                           capture_output=True, text=True)
+        assert r.returncode != 0 and "No space left on device" in r.stderr, r
+        assert (m / "f0.md").read_text() == "0123456789\n"
+        # another writer shortens the file: the feed brings it here
+        rid = live_records(cp)["f0.md"].id
+        cp.call("update_record", "default", rid, "short\n")
+        wait_until(lambda: (m / "f0.md").read_text() == "short\n", timeout=30,
+                   what="the remote change shown")
+        sh("echo ok >> f1.md", m)  # 50 + 3 bytes: within the quota
+        assert (m / "f1.md").read_text() == "0123456789\nok\n"
+        wait_drained(sc.mountpoint)
+        bad = [line for line in sc.log.read_text().splitlines() if "invariant broken" in line]
+        assert bad == [], bad
+        st = {s["slug"]: s for s in status(sc.mountpoint)["stores"]}["default"]
+        assert (st["records"], st["bytes"]) == (5, 6 + 11 * 3 + 14), st

@@ -457,7 +457,8 @@ def _dev(mountpoint: Path, admin_listen: str | None, log_format: str, debug: boo
         from memfuse.devenv import agent_tools_hint
 
         click.echo(agent_tools_hint(shutil.which("memfuse") or sys.argv[0], base), err=True)
-        rc = run_mount(config, lambda: ApiClient(api_url, env.workspace_token, instance=actor, lean=True))
+        rc = run_mount(config, lambda: ApiClient(api_url, env.workspace_token, instance=actor, lean=True,
+                                                    bounded=True))
     finally:
         server.stop()  # after the mount's drain, which commits through it
         # every pooled connection closed: SQLite checkpoints its WAL into dev.db and removes
@@ -570,9 +571,11 @@ def default_actor(cache_dir: Path | None = None) -> str:
 @opt("--drain-timeout", type=float, default=20.0, show_default=True, metavar="S",
      help="Seconds to drain the outbox on SIGTERM/SIGINT.")
 @opt("--offline-after", type=float, default=10.0, show_default=True, metavar="S",
-     help="Seconds without an answer from the control plane at start before the stores saved "
-          "in the cache are mounted as they were (writes the outbox holds are shown on them and "
-          "sent once the control plane answers).")
+     help="Seconds the whole start may take (listing the attachments and loading every store) "
+          "when stores are saved in the cache; past that, those not loaded yet are mounted as they "
+          "were (writes the outbox holds are shown on them and sent once the control plane "
+          "answers). Each request to the control plane also has a total deadline: its answer's "
+          "head within 30 s (plus a long poll's wait), its body at 64 KiB/s at least.")
 @opt("--actor", "--instance", "actor", metavar="NAME",
      help="Who writes through this mount, recorded on every version (history, the console, the "
           "API's updated_by) as ws:WORKSPACE/NAME; stable across restarts, so it must differ "
@@ -680,7 +683,7 @@ def mount(
         fuse_fd=fuse_fd,
         start_timeout=start_timeout,
     )
-    rc = run_mount(config, lambda: ApiClient(control_plane, token, instance=inst, lean=True))
+    rc = run_mount(config, lambda: ApiClient(control_plane, token, instance=inst, lean=True, bounded=True))
     sys.exit(rc)
 
 

@@ -86,6 +86,11 @@ class ApiClient(AdminEndpoints):
             (pooled HTTP/1.1 framed by h11, ~5x less client CPU than httpx per request),
             unless ``transport`` is given or a proxy is configured in the environment;
             answers and errors are the same. Default False (httpx for everything).
+        bounded: give every request a total deadline, not only a timeout per read
+            (:mod:`~memfuse.client.deadline`: the answer's head within ``timeout`` s, plus
+            ``wait`` for a long poll; its body at 64 KiB/s at least after that; a stream's
+            head, then each of its lines within its read timeout at the same rate). A request past it raises :class:`TransientError` ``read_timeout``.
+            Needs trio (the sidecar passes it); default False. Lean requests always have it.
 
     Use as ``async with ApiClient(...) as api:`` or call :meth:`aclose`. Every method raises
     :class:`TransientError` or :class:`PermanentError` (see the module docstring); none retries

@@ -353,6 +353,7 @@ class ApiSession:
         instance: str | None = None,
         timeout: float = 30.0,
         lean: bool = False,
+        bounded: bool = False,
     ) -> None:
         headers = {"User-Agent": f"memfuse/{_version}", "Accept": "application/json"}
         self.token_file: TokenFile | None = token if isinstance(token, TokenFile) else None
@@ -388,6 +389,11 @@ class ApiSession:
             limits=httpx.Limits(max_connections=200, max_keepalive_connections=50),
             follow_redirects=False,
         )
+        #: every request has a total deadline (``deadline``: the answer's head within
+        #: ``timeout`` s, plus ``wait`` for a long poll; its body at ``MIN_BODY_RATE`` after
+        #: that), not only per read. Needs trio (the sidecar); off for the CLI, whose reads
+        #: may run without an event loop (``retries.run_loopless``)
+        self.bounded = bounded
         #: the lean HTTP/1.1 path for ordinary requests (``lean.LeanHTTP``), when asked for
         #: (``lean=True``: the sidecar) and usable: no custom transport, no proxy configured
         self._lean: LeanHTTP | None = None
@@ -489,10 +495,13 @@ class ApiSession:
                 rid = self._next_request
                 self._waiting[rid] = time.monotonic()
             try:
-                if lean is not None:
+                if lean is not None:  # its requests are always bounded (LeanHTTP.send)
                     merged = {k: v for k, v in self._http.headers.items() if k != "accept-encoding"}
                     merged.update((k.lower(), v) for k, v in headers.items())
                     resp = await lean.send(method, path, list(merged.items()), kwargs.get("content"))
+                elif self.bounded:
+                    resp = await self._send_bounded(self._http.build_request(method, path, **kwargs),
+                                                    stream, self.timeout + max(wait, 0.0))
                 else:
                     resp = await self._http.send(self._http.build_request(method, path, **kwargs), stream=stream)
                 if stream and not resp.is_success:
@@ -523,6 +532,37 @@ class ApiSession:
             if stream:
                 await resp.aclose()
             raise _http_error(resp, method, path)
+        return resp
+
+    async def _send_bounded(self, request: httpx.Request, stream: bool, head: float) -> httpx.Response:
+        """Send ``request`` through httpx within its total deadline (``deadline``): the head
+        within ``head`` s; then, unless ``stream``, the body read here at
+        ``deadline.MIN_BODY_RATE`` at least and returned as a whole ``httpx.Response`` (the
+        raw bytes; decoded by their ``Content-Encoding`` as httpx would). Raises
+        ``httpx.ReadTimeout`` past the deadline, and what ``httpx.AsyncClient.send`` raises."""
+        import trio  # only bounded clients (the sidecar) come here
+
+        from . import deadline
+
+        resp: httpx.Response | None = None
+        with trio.CancelScope(deadline=trio.current_time() + head) as scope:
+            got = await self._http.send(request, stream=True)
+            if stream:
+                resp = got
+            else:
+                try:
+                    body_start, received, chunks = trio.current_time(), 0, []
+                    async for chunk in got.aiter_raw():
+                        chunks.append(chunk)
+                        received += len(chunk)
+                        deadline.extend(scope, body_start, self.timeout, received)
+                finally:
+                    with trio.CancelScope(shield=True):
+                        await got.aclose()
+                resp = httpx.Response(got.status_code, headers=got.headers, content=b"".join(chunks),
+                                      request=request, extensions=got.extensions)
+        if resp is None:
+            raise httpx.ReadTimeout(deadline.message(head), request=request)
         return resp
 
     def _auth_ok(self) -> None:

@@ -33,6 +33,8 @@ import h11
 import httpx
 import trio
 
+from . import deadline
+
 #: idle keep-alive connections kept for reuse
 MAX_IDLE = 8
 #: bytes read per ``receive_some``
@@ -76,7 +78,9 @@ class LeanHTTP:
     """Pooled HTTP/1.1 requests to one origin (``base_url``: ``http://`` or ``https://``
     host, port and an optional path prefix). ``ssl_context`` is used for ``https``;
     ``timeout`` (s) bounds the connect, each write and each read, as ``httpx.Timeout(timeout)``
-    does. Not thread-safe; one trio run."""
+    does, and the whole request too (``deadline``: the answer's head within ``timeout`` s of
+    the start, its body at ``deadline.MIN_BODY_RATE`` after that). Not thread-safe; one
+    trio run."""
 
     def __init__(self, base_url: str, ssl_context: ssl.SSLContext | None, timeout: float) -> None:
         u = urlsplit(base_url)
@@ -134,6 +138,15 @@ class LeanHTTP:
         hdrs = [("Host", self.host_header), *headers]
         if content is not None or method in ("POST", "PUT", "PATCH"):
             hdrs.append(("Content-Length", str(len(body))))
+        resp: httpx.Response | None = None
+        with trio.CancelScope(deadline=trio.current_time() + self.timeout) as scope:
+            resp = await self._exchange(scope, method, path, hdrs, body)
+        if resp is None:  # the scope's deadline passed (a drip, or a server that stalls)
+            raise httpx.ReadTimeout(deadline.message(self.timeout))
+        return resp
+
+    async def _exchange(self, scope: trio.CancelScope, method: str, path: str,
+                        hdrs: list[tuple[str, str]], body: bytes) -> httpx.Response:
         c = await self._take()
         ok = False
         try:
@@ -152,7 +165,7 @@ class LeanHTTP:
                 raise httpx.WriteTimeout("timed out sending the request") from None
             except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError) as exc:
                 raise httpx.WriteError(str(exc) or type(exc).__name__) from None
-            resp = await self._receive(c)
+            resp = await self._receive(c, scope)
             ok = True
         finally:
             if not ok:
@@ -164,8 +177,12 @@ class LeanHTTP:
             await c.aclose()
         return resp
 
-    async def _receive(self, c: _Conn) -> httpx.Response:
+    async def _receive(self, c: _Conn, scope: trio.CancelScope) -> httpx.Response:
+        """Read one whole answer; ``scope``'s deadline moves on as its body arrives
+        (``deadline.extend``)."""
         status = 0
+        body_start = 0.0
+        received = 0
         reason = b""
         headers: list[tuple[bytes, bytes]] = []
         chunks: list[bytes] = []
@@ -191,8 +208,11 @@ class LeanHTTP:
                 continue
             if isinstance(ev, h11.Response):
                 status, reason, headers = ev.status_code, ev.reason, list(ev.headers)
+                body_start = trio.current_time()
             elif isinstance(ev, h11.Data):
                 chunks.append(bytes(ev.data))
+                received += len(ev.data)
+                deadline.extend(scope, body_start, self.timeout, received)
             elif isinstance(ev, h11.EndOfMessage):
                 break
             elif isinstance(ev, h11.ConnectionClosed):

@@ -74,7 +74,7 @@ class PageStream(Generic[P]):
                 return
             self.streaming = True
             try:
-                async for line in resp.aiter_lines():
+                async for line in self._lines(resp):
                     self._api.last_answer = time.monotonic()  # a heartbeat is an answer too
                     if not line.strip():
                         continue
@@ -85,6 +85,53 @@ class PageStream(Generic[P]):
                 raise _transport_error(exc, "GET", path) from None
         finally:
             await self._close_response()
+
+
+    async def _lines(self, resp: httpx.Response) -> AsyncGenerator[str, None]:
+        """The stream's lines. From a bounded client (``ApiSession.bounded``: the sidecar)
+        each line (a page or a heartbeat) has a deadline of its own, as a request has
+        (``deadline``): ``read_timeout`` s from when it is awaited, moved on as its bytes
+        arrive at ``deadline.MIN_BODY_RATE``; past it ``httpx.ReadTimeout`` is raised (a
+        stream that drips a byte at a time never trips the per-read timeout, and its feed
+        would stall for good). Otherwise httpx's ``aiter_lines``."""
+        if not self._api.bounded:
+            async for line in resp.aiter_lines():
+                yield line
+            return
+        import trio  # only bounded clients (the sidecar) come here
+
+        from . import deadline
+
+        chunks = resp.aiter_bytes().__aiter__()
+        pending = bytearray()
+        ended = False
+        rt = self._read_timeout
+        while True:
+            nl = pending.find(b"\n")
+            if nl >= 0:
+                raw = bytes(pending[:nl])
+                del pending[:nl + 1]
+                yield raw.decode("utf-8", "replace").rstrip("\r")
+                continue
+            if ended:
+                if pending:
+                    yield bytes(pending).decode("utf-8", "replace")
+                return
+            start, received = trio.current_time(), 0
+            with trio.CancelScope(deadline=start + rt) as scope:
+                while True:
+                    try:
+                        chunk = await chunks.__anext__()
+                    except StopAsyncIteration:
+                        ended = True
+                        break
+                    pending += chunk
+                    if b"\n" in chunk:
+                        break
+                    received += len(chunk)
+                    deadline.extend(scope, start, rt, received)
+            if scope.cancelled_caught:
+                raise httpx.ReadTimeout(deadline.message(rt))
 
 
 def _line_error(line: str, path: str) -> ApiError:

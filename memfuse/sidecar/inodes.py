@@ -230,6 +230,10 @@ class Node:
         return (_EPOCH + timedelta(microseconds=ns // 1000)).isoformat()
 
     buf: _Rare[bytearray | None] = _rare("buf", None)  # bytearray being written, None: content is the blob ``sha``
+    # INVARIANT: on a file that is not ``dirty``, ``buf`` holds its clean content (read in by
+    # a write refused at write(2), or kept in memory on a failing cache disk); a new clean
+    # state drops it (``RemoteApply._set_clean``), else it would serve the old bytes and
+    # count their size in the store's usage (``cur_size``) under the new ``size``
     last_put: _Rare[Entry | None] = _rare("last_put", None)  # the outbox Entry of the last content commit
     error: _Rare[str] = _rare("error", "")  # why the last commit was refused ('' when not)
     local_only: _Rare[bool] = _rare("local_only", False)

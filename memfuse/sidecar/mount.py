@@ -583,23 +583,7 @@ class Sidecar(StoreSync):
                                     "with the admin token", extra={"error": e.strerror or str(e)})
                 self._spawn("context", self._context_loop)
                 self.want_context()
-                atts = None
-                saved = bool(self._saved_slugs())
-                wait = config.offline_after if saved else (config.start_timeout or math.inf)
-                with trio.move_on_after(wait):
-                    atts = await self._retrying(
-                        "listing attachments", lambda: self.client.list_attachments(config.workspace))
-                if atts is None and not saved:
-                    raise StartError(
-                        f"no answer from the control plane {self.client.base_url} within "
-                        f"{config.start_timeout:g} s at start (last error: {self.last_start_error}) "
-                        "and nothing is cached to mount; exiting")
-                if atts is None:
-                    self._load_offline()
-                else:
-                    self.learn_actor()
-                    for att in atts:
-                        await self._add_attachment(att)
+                await self._load_at_start()
                 # the mirrors are saved by the saver right after the mount, unreferenced blobs
                 # collected GC_EVERY s later (each a pass over every record: not on the way
                 # to ready)
@@ -675,6 +659,43 @@ class Sidecar(StoreSync):
             self.fs.blobs.close()
             lock.release()
         return 0
+
+    async def _load_at_start(self) -> None:
+        """List the attachments and load every attached store, or mount from the cache.
+
+        With stores saved in the cache, the whole of it (the listing and every store's
+        catch-up or snapshot) has ``offline_after`` s: past that, the stores loaded so far
+        stay and every other saved store is mounted as last seen (``_load_offline``; the
+        outbox is kept and drains once the control plane answers). A control plane that
+        answers slowly (one byte every 0.2 s) so delays a mount by ``offline_after`` s at
+        most; each request also has its own total deadline (``client.deadline``), so the
+        retries go on. With nothing cached, the listing has ``start_timeout`` s (0: no
+        limit) before ``StartError``; the stores then load without a start limit (a first
+        snapshot may be big; each request is bounded and retried)."""
+        config = self.config
+        atts = None
+        saved = bool(self._saved_slugs())
+        if saved:
+            with trio.move_on_after(config.offline_after) as scope:
+                atts = await self._retrying(
+                    "listing attachments", lambda: self.client.list_attachments(config.workspace))
+                self.learn_actor()
+                for att in atts:
+                    await self._add_attachment(att)
+            if scope.cancelled_caught:
+                self._load_offline(listed=atts is not None)
+            return
+        with trio.move_on_after(config.start_timeout or math.inf):
+            atts = await self._retrying(
+                "listing attachments", lambda: self.client.list_attachments(config.workspace))
+        if atts is None:
+            raise StartError(
+                f"no answer from the control plane {self.client.base_url} within "
+                f"{config.start_timeout:g} s at start (last error: {self.last_start_error}) "
+                "and nothing is cached to mount; exiting")
+        self.learn_actor()
+        for att in atts:
+            await self._add_attachment(att)
 
     async def _backlog_drained(self, entries: list[Entry]) -> None:
         """Log when the replayed backlog has committed (each entry finished)."""

@@ -46,6 +46,8 @@ class OutboxOverlay:
 
         def _hold_content(self, n: Node, data: bytes, sha: str, what: str) -> None: ...
 
+        def _cached_blob(self, sha: str) -> bytes | None: ...
+
         def _live(self, n: Node, sign: int) -> None: ...
 
         def _new_node(self, name: str, parent: Node | None, is_dir: bool, store: StoreMount | None,
@@ -125,10 +127,32 @@ class OutboxOverlay:
             if e.content is None and e.suffix_only is not None:
                 continue  # an append whose base is gone here: shown once it commits
             data = e.content or b""
+            if self._superseded(n, data):
+                log.info("a queued write is older than the store's newest version; showing the "
+                         "newest until its answer", extra={"store": e.store, "entry": e.id,
+                                                           "record": n.record_id, "version": n.version})
+                continue
             old = n.cur_size()
             self._hold_content(n, data, sha256_hex(data), "a queued write")
             self._account(n, n.cur_size() - old)
         return applied
+
+    def _superseded(self, n: Node, data: bytes) -> bool:
+        """Whether the queued content ``data`` of file ``n`` is known to be older than the
+        version of its record the store's mirror holds (``n``'s clean state, just loaded):
+        that version extends ``data`` (starts with it and is longer). Then the queued put is a
+        leftover that committed before the crash (its journal delete is lazy) and appends
+        followed it, here or elsewhere: the file shows the newest of the two, the mirror's,
+        from the first read (its replay is answered by its idempotency key as of the older
+        version, ``Filesystem._show_newest``; were it not committed after all, its answer
+        brings the merged content, ``_show_merged``). A mirror version that does not extend
+        it cannot be told from a rival change the put is still to be merged onto: the queued
+        content shows until the answer, as every acknowledged write does. Reads the mirror's
+        blob only when it is longer than ``data``."""
+        if n.record_id is None or not n.sha or n.buf is not None or n.size <= len(data):
+            return False
+        newest = self._cached_blob(n.sha)
+        return newest is not None and newest.startswith(data)
 
     def _overlay_node(self, sm: StoreMount, key: str | None) -> Node | None:
         """The file of store ``sm`` a queued entry's node ``key`` names: by key, or (a file

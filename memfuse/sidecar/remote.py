@@ -231,7 +231,16 @@ class RemoteApply:
 
     def _set_clean(self, n: Node, rec: Record | Meta, ts: int | None = None) -> None:
         """Show ``rec`` (a ``Record`` or a mirror ``Meta``; ``ts``: its update time in ns
-        when the caller has it) as ``n``'s clean state."""
+        when the caller has it) as ``n``'s clean state: its content is ``rec``'s blob from
+        now on. A write buffer ``n`` still holds is dropped (callers apply a state only to a
+        file that is not ``dirty``, so the buffer holds no write: the content before, read in
+        by a write refused at write(2), or kept in memory on a failing cache disk): kept, it
+        would go on serving the old bytes and count their size in the store's usage
+        (``cur_size``) while ``size`` says ``rec``'s."""
+        if n._x is not None and n.buf is not None:
+            assert not n.dirty, "a clean state over unsent writes"
+            n.buf = None
+            n.checker = None  # it judged the old content; the next write starts afresh
         self._bind_rid(n, rec.id)
         n.version, n.rtype = rec.version, _intern_type(rec.type)
         sha = getattr(rec, "sha", None)  # a mirror entry's bytes: shared, not copied

@@ -312,11 +312,15 @@ class StoreSync:
         d = self.config.cache_dir / "stores"
         return sorted(p.stem for p in d.glob("*.json")) if d.is_dir() else []
 
-    def _load_offline(self) -> None:
-        """The control plane is unreachable and the outbox is empty: mount every store saved
-        in the cache as it was last seen. The change feeds catch up, and the attachments are
-        reconciled, once the control plane answers again."""
+    def _load_offline(self, listed: bool = False) -> None:
+        """The control plane did not answer in time at start (``Sidecar._load_at_start``):
+        mount every store saved in the cache as it was last seen, except those loaded from
+        the control plane already (``listed``: the attachments were listed, some stores may
+        be). The change feeds catch up, and the attachments are reconciled, once the control
+        plane answers again; the outbox left by the last run is replayed as usual."""
         for slug in self._saved_slugs():
+            if slug in self.fs.stores:
+                continue
             state = StoreState(self.config.cache_dir / "stores" / f"{slug}.json", slug)
             if not state.load():
                 continue
@@ -326,9 +330,10 @@ class StoreSync:
             self.fs.add_store(slug, state.access, records, limits=state.limits or None,
                               cached=True)
         self.offline_start = True
-        log.warning("control plane unreachable: mounted from the local cache; writes are "
-                    "accepted and commit once it answers",
-                    extra={"stores": ",".join(self.states), "timeout_s": self.config.offline_after})
+        log.warning("control plane unreachable or too slow at start: mounted from the local "
+                    "cache; writes are accepted and commit once it answers",
+                    extra={"stores": ",".join(self.states), "timeout_s": self.config.offline_after,
+                           "listed": listed, "last_error": self.last_start_error})
 
     def _start_feed(self, slug: str) -> None:
         """Start the store's change-feed task; exactly one per store (two would apply
