@@ -133,6 +133,10 @@ def test_what_raw_cannot_run_is_refused_at_its_first_compile():
         Raw(select(_R.c.id).where(_R.c.path.in_(bindparam("p", expanding=True))))._compiled(sqlite.dialect(), {"p": 0})
     with pytest.raises(TypeError, match="default"):  # stores.created_at defaults to utcnow(), a callable
         Raw(insert(StoreRow.__table__))._compiled(sqlite.dialect(), {"slug": 0})
+    with pytest.raises(exc.ArgumentError, match="alt"):  # a parameter not given: refused, as Core does
+        c = Raw(select(_S.c.slug).where(_S.c.slug.in_([bindparam("slug"), bindparam("alt")])))._compiled(
+            sqlite.dialect(), {"slug": 0})
+        c.parameters({"slug": "x"})
     assert RawIn("p", lambda n: select(_I.c.id).where(_I.c.key.in_([bindparam(f"p{i}") for i in range(n)])))
     assert _S is not None
 

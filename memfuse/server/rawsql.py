@@ -74,14 +74,17 @@ class _Compiled:
         if c.literal_execute_params or c.post_compile_params:
             raise TypeError(f"Raw cannot run a statement with expanding parameters: {c.string!r}")
         self.fixed: dict[str, Any] = {}
-        for col in (*c.insert_prefetch, *c.update_prefetch):
-            d = col.default if col in c.insert_prefetch else col.onupdate
+        defaults = [(col, col.default) for col in c.insert_prefetch]
+        defaults += [(col, col.onupdate) for col in c.update_prefetch]
+        for col, d in defaults:
             if d is None or not d.is_scalar:
                 raise TypeError(f"Raw cannot fill the default of column {col.key!r}: not a constant")
             self.fixed[col.key] = d.arg  # type: ignore[attr-defined]
-        # bound values of the statement itself (LIMIT 1, ...): every bind the caller does not give
+        # values bound in the statement itself (LIMIT 1, ...); a required parameter the caller
+        # does not give stays missing (ArgumentError at execution, as Core refuses it)
+        required = {name for bp, name in c.bind_names.items() if bp.required}
         for name, value in c.construct_params(_check=False, escape_names=False).items():
-            if name not in keys and name not in self.fixed:
+            if name not in keys and name not in self.fixed and name not in required:
                 self.fixed[name] = value
         self.sql: str = c.string
         self.positional: bool = bool(c.positional)
