@@ -53,6 +53,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from memfuse import defs
 from memfuse.models import Record
+from memfuse.server.base import AnyRow
 from memfuse.server import anthropic_models as am
 from memfuse.server.memstores import VERSION_OPERATIONS, ListedItem, shown_slug, store_id, store_out, store_slug
 from memfuse.server.service import IdempotencyRequest, Principal, Reply, Service, ServiceError, idempotency_request
@@ -382,7 +383,7 @@ def actor_out(actor: str | None) -> am.SessionActor | am.APIActor | None:
     return am.APIActor(api_key_id=actor)
 
 
-def version_out(slug: str, v: Row[Any], with_content: bool) -> am.MemoryVersionOut:
+def version_out(slug: str, v: AnyRow, with_content: bool) -> am.MemoryVersionOut:
     """``MemoryVersionOut`` of a version row: ``moved`` / ``restored`` / attribute changes
     are ``modified``; a redacted version shows no content, path, size or sha (its
     ``redacted_at`` is the version's own time when the redaction predates the column)."""

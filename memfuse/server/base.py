@@ -38,6 +38,7 @@ from memfuse import content as content_rules
 from memfuse import names
 from memfuse.models import Access
 from memfuse.server import history, keys, wakeups
+from memfuse.server.rawsql import Raw, RawRow
 from memfuse.server.db import (
     AccountRow,
     AttachmentRow,
@@ -67,8 +68,9 @@ _T = cast(Table, TokenRow.__table__)
 
 IDEMPOTENCY_TTL = timedelta(hours=24)
 
-AnyRow = Row[Unpack[tuple[Any, ...]]]
-"""A Core result row of any columns (SQLAlchemy's ``Row`` is generic over its column types)."""
+AnyRow = Row[Unpack[tuple[Any, ...]]] | RawRow
+"""A Core result row of any columns (SQLAlchemy's ``Row`` is generic over its column types),
+or the same row read on the DB-API cursor (``memfuse.server.rawsql``)."""
 
 # Reason phrases of problem titles (RFC 9110 §15).
 REASONS = {
@@ -361,6 +363,13 @@ _SELECT_IDEM = select(
     _I.c.id, _I.c.method, _I.c.url_path, _I.c.request_hash, _I.c.status, _I.c.response_body,
     _I.c.response_headers, _I.c.created_at,
 ).where(_I.c.scope == bindparam("scope"), _I.c.key == bindparam("key"))
+# the same, run on the DB-API cursor (every write's path: memfuse.server.rawsql)
+_RAW_STORE = {False: Raw(_SELECT_STORE), True: Raw(_SELECT_STORE_FOR_UPDATE)}
+_RAW_NAMED_STORE = {False: Raw(_SELECT_NAMED_STORE), True: Raw(_SELECT_NAMED_STORE_FOR_UPDATE)}
+_RAW_ACCOUNT_STORE = {False: Raw(_SELECT_ACCOUNT_STORE), True: Raw(_SELECT_ACCOUNT_STORE_FOR_UPDATE)}
+_RAW_ATTACHED_STORE = {False: Raw(_SELECT_ATTACHED_STORE), True: Raw(_SELECT_ATTACHED_STORE_FOR_UPDATE)}
+_RAW_INSERT_IDEM = Raw(_INSERT_IDEM)
+_RAW_SELECT_IDEM = Raw(_SELECT_IDEM)
 
 
 # ---------------------------------------------------------------- the parts every resource is built from
@@ -480,21 +489,16 @@ class AccessRules:
             assert account is not None
             st = None
             if p.account is None or account == p.account:
-                st = conn.execute(_SELECT_ACCOUNT_STORE_FOR_UPDATE if write else _SELECT_ACCOUNT_STORE,
-                                  {"slug": name, "alt": keys.store_key(name, account), "account": account}).first()
+                st = _RAW_ACCOUNT_STORE[write].first(
+                    conn, {"slug": name, "alt": keys.store_key(name, account), "account": account})
         elif p.is_admin:  # the root admin, a plain name
-            rows = conn.execute(_SELECT_STORE_FOR_UPDATE if write else _SELECT_STORE,
-                                {"slug": slug, "alt": keys.store_key(slug, DEFAULT_ACCOUNT)}).all()
+            rows = _RAW_STORE[write].all(conn, {"slug": slug, "alt": keys.store_key(slug, DEFAULT_ACCOUNT)})
             st = min(rows, key=lambda r: (r.account != DEFAULT_ACCOUNT, r.slug != slug), default=None)
             if st is None:  # the one store holding the name, if one
-                named = conn.execute(_SELECT_NAMED_STORE_FOR_UPDATE if write else _SELECT_NAMED_STORE,
-                                     {"slug": slug}).all()
+                named = _RAW_NAMED_STORE[write].all(conn, {"slug": slug})
                 st = named[0] if len(named) == 1 else None
         else:
-            st = conn.execute(
-                _SELECT_ATTACHED_STORE_FOR_UPDATE if write else _SELECT_ATTACHED_STORE,
-                {"slug": slug, "ws": p.workspace},
-            ).first()
+            st = _RAW_ATTACHED_STORE[write].first(conn, {"slug": slug, "ws": p.workspace})
         if st is None:
             if p.is_admin:
                 raise ServiceError(404, "store_not_found", f"no store {slug!r}")
@@ -510,11 +514,10 @@ class AccessRules:
         ``store`` of its public name, and 404 when the name leads ``p`` to another store
         (the same name in ``p``'s account)."""
         if p.is_admin and p.account is None:
-            st = conn.execute(_SELECT_STORE_FOR_UPDATE if write else _SELECT_STORE,
-                              {"slug": key, "alt": key}).first()
-            if st is None:
+            row = _RAW_STORE[write].first(conn, {"slug": key, "alt": key})
+            if row is None:
                 raise ServiceError(404, "store_not_found", f"no store {keys.public(key)!r}")
-            return st
+            return row
         st = AccessRules.store(conn, p, keys.public(key), write=write)
         if st.slug != key:
             if p.is_admin:
@@ -581,8 +584,8 @@ class Writer:
                     if etag and result is not None and getattr(result, "sha256", None):
                         headers["ETag"] = f'"{getattr(result, "sha256")}"'
                     if idem is not None:
-                        conn.execute(
-                            _INSERT_IDEM,
+                        _RAW_INSERT_IDEM.run(
+                            conn,
                             {
                                 "scope": p.scope,
                                 "key": idem.key,
@@ -619,7 +622,7 @@ class Writer:
         deleted). Raises 422 ``idempotency_key_reused`` for a row of another request."""
         now = utcnow()
         self.idem_cleanup(conn)
-        row = conn.execute(_SELECT_IDEM, {"scope": p.scope, "key": idem.key}).first()
+        row = _RAW_SELECT_IDEM.first(conn, {"scope": p.scope, "key": idem.key})
         if row is None:
             return None
         if row.created_at < now - IDEMPOTENCY_TTL:

@@ -54,6 +54,7 @@ from sqlalchemy import (
     create_engine,
     event,
     false,
+    text,
 )
 from sqlalchemy.engine import URL, Connection, Dialect, Engine, make_url
 from sqlalchemy.exc import SQLAlchemyError
@@ -61,6 +62,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 from sqlalchemy.pool import StaticPool
 
 from memfuse.server import fulltext
+from memfuse.server.rawsql import Raw
 
 log = logging.getLogger(__name__)
 
@@ -566,12 +568,15 @@ class Database:
                 _set_wal(cur)
             cur.close()
 
+        # on the DB-API cursor (memfuse.server.rawsql): the first statement of every transaction
+        begin_write, begin_read = Raw(text("BEGIN IMMEDIATE")), Raw(text("BEGIN"))
+
         @event.listens_for(engine, "begin")
         def _on_begin(conn: Connection) -> None:
             if conn.get_execution_options().get("memfuse_write"):
-                conn.exec_driver_sql("BEGIN IMMEDIATE")
+                begin_write.run(conn, {})
             else:
-                conn.exec_driver_sql("BEGIN")
+                begin_read.run(conn, {})
 
         return engine
 

@@ -41,6 +41,7 @@ from sqlalchemy.engine import Connection
 from memfuse.defs import HISTORY_BYTES_FACTOR, HISTORY_MIN_AGE_S, HISTORY_VERSIONS_FACTOR, INT64_MAX
 from memfuse.server import deltas
 from memfuse.server.db import RecordRow, StoreRow, VersionRow, utcnow
+from memfuse.server.rawsql import Raw
 
 if TYPE_CHECKING:  # for the annotations only
     from prometheus_client.metrics_core import Metric
@@ -78,6 +79,9 @@ _UPDATE_USAGE_KEPT = (
             version_count=_S.c.version_count + bindparam("k_count"))
     .returning(*_BUDGET_COLUMNS)
 )
+# the two updates of every record write, run on the DB-API cursor (memfuse.server.rawsql)
+_RAW_UPDATE_KEPT_RETURNING = Raw(_UPDATE_KEPT_RETURNING)
+_RAW_UPDATE_USAGE_KEPT = Raw(_UPDATE_USAGE_KEPT)
 
 
 class _Totals:
@@ -146,7 +150,7 @@ def settle(conn: Connection) -> None:
         if d_bytes > 0 or d_count > 0:
             # the counters' new values come back with the update (RETURNING: SQLite 3.35+,
             # PostgreSQL), so the budget check costs no second statement
-            _prune(conn, store, conn.execute(_UPDATE_KEPT_RETURNING, params).first())
+            _prune(conn, store, _RAW_UPDATE_KEPT_RETURNING.first(conn, params))
         elif d_bytes or d_count:
             conn.execute(_UPDATE_KEPT, params)
 
@@ -163,8 +167,8 @@ def settle_with_usage(conn: Connection, store: str, d_bytes: int, d_count: int) 
         return False
     assert kept is not None  # kb or kn came from it
     del kept[store]
-    row = conn.execute(_UPDATE_USAGE_KEPT, {"slug_": store, "d_bytes": d_bytes, "d_count": d_count,
-                                            "k_bytes": kb, "k_count": kn}).first()
+    row = _RAW_UPDATE_USAGE_KEPT.first(conn, {"slug_": store, "d_bytes": d_bytes, "d_count": d_count,
+                                              "k_bytes": kb, "k_count": kn})
     if kb > 0 or kn > 0:
         _prune(conn, store, row)
     return True

@@ -25,6 +25,7 @@ from memfuse.defs import DEFAULT_MODE, Operation
 from memfuse.models import Record, Version
 from memfuse.server.base import AnyRow, ServiceError, _R, _S, _V, parse_if_match
 from memfuse.server import keys, staleness, wakeups
+from memfuse.server.rawsql import Raw, RawIn
 from memfuse.server.db import DEFAULT_ACCOUNT, AccountRow, UTCDateTime
 
 log = logging.getLogger("memfuse.server.service")  # every room of the Service logs under one name
@@ -237,6 +238,19 @@ _SELECT_LIVE_UNDER = select(_R.c.path).where(
 _SELECT_LIVE_UNDER_PG = select(_R.c.path).where(
     _R.c.store == bindparam("store"), _R.c.deleted == false(),
     _R.c.path.collate("C") >= bindparam("lo"), _R.c.path.collate("C") < bindparam("hi")).limit(1)
+
+# The statements of a create and an update, run on the DB-API cursor (``memfuse.server.rawsql``:
+# the SQL above, compiled once per dialect). A version's insert hands back its seq (RETURNING:
+# SQLite 3.35+, PostgreSQL), as Core's ``inserted_primary_key`` did.
+_RAW_INSERT_RECORD = Raw(_INSERT_RECORD)
+_RAW_INSERT_VERSION = Raw(_INSERT_VERSION.returning(_V.c.seq))
+_RAW_UPDATE_RECORD = Raw(_UPDATE_RECORD)
+_RAW_UPDATE_USAGE = Raw(_UPDATE_USAGE)
+_RAW_SELECT_RECORD = Raw(_SELECT_RECORD)
+_RAW_SELECT_LIVE_UNDER = {False: Raw(_SELECT_LIVE_UNDER), True: Raw(_SELECT_LIVE_UNDER_PG)}  # by "is PostgreSQL"
+_RAW_SELECT_LIVE_AT_PATHS = RawIn("paths", lambda n: select(_R.c.path, _R.c.id).where(
+    _R.c.store == bindparam("store"), _R.c.deleted == false(),
+    _R.c.path.in_([bindparam(f"paths{i}") for i in range(n)])))
 
 
 _SELECT_ACCOUNT_MAX_BYTES = select(AccountRow.__table__.c.max_bytes).where(

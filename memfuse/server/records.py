@@ -50,17 +50,17 @@ from memfuse.server.db import utcnow
 from memfuse.server.recordrows import (
     APPEND_SCAN_CONTEXT,
     BatchStore,
-    _INSERT_RECORD,
-    _INSERT_VERSION,
+    _RAW_INSERT_RECORD,
+    _RAW_INSERT_VERSION,
+    _RAW_SELECT_LIVE_AT_PATHS,
+    _RAW_SELECT_LIVE_UNDER,
+    _RAW_SELECT_RECORD,
+    _RAW_UPDATE_RECORD,
+    _RAW_UPDATE_USAGE,
     _Rec,
     _SELECT_LIVE_AT,
-    _SELECT_LIVE_AT_PATHS,
     _SELECT_LIVE_ID_AT,
-    _SELECT_LIVE_UNDER,
-    _SELECT_LIVE_UNDER_PG,
-    _SELECT_RECORD,
     _UPDATE_RECORD,
-    _UPDATE_USAGE,
     _account_room,
     _attrs,
     _check_content,
@@ -97,7 +97,7 @@ class RecordsService(Resource):
 
     @staticmethod
     def _record(conn: Connection, st: AnyRow, record_id: str) -> _Rec:
-        row = conn.execute(_SELECT_RECORD, {"rid": record_id}).first()
+        row = _RAW_SELECT_RECORD.first(conn, {"rid": record_id})
         if row is None or row.store != st.slug:
             raise ServiceError(404, "record_not_found", f"no record {record_id!r} in store {keys.public(st.slug)!r}")
         return _Rec.of(row)
@@ -154,14 +154,12 @@ class RecordsService(Resource):
         if below is None:
             if skip:
                 col = self._path_col()
-                row = conn.execute(select(_R.c.path).where(
+                below = conn.scalar(select(_R.c.path).where(
                     _R.c.store == st.slug, _R.c.deleted == false(), col >= path + "/", col < path + "0",
-                    *not_skipped).limit(1)).first()
+                    *not_skipped).limit(1))
             else:  # a create: the statement built once (bench/README.md, "The close path")
                 pg = self.db.engine.dialect.name == "postgresql"
-                row = conn.execute(_SELECT_LIVE_UNDER_PG if pg else _SELECT_LIVE_UNDER,
-                                   {"store": st.slug, "lo": path + "/", "hi": path + "0"}).first()
-            below = row.path if row is not None else None
+                below = _RAW_SELECT_LIVE_UNDER[pg].scalar(conn, {"store": st.slug, "lo": path + "/", "hi": path + "0"})
         if below is not None:
             raise ServiceError(409, "path_is_directory",
                                f"{path!r} is a directory ({below!r} is under it), so it cannot be a file")
@@ -188,15 +186,14 @@ class RecordsService(Resource):
         rec.review_after, rec.expires_at = staleness.record_dates(rec.content)
         if new:
             rec.seq = 0
-            conn.execute(_INSERT_RECORD, rec.values())  # before the version that references it
+            _RAW_INSERT_RECORD.run(conn, rec.values())  # before the version that references it
             stored, base_version, chain = rec.content, None, 0
         else:
             stored, base_version, chain = deltas.plan(
                 conn, rec.id, rec.version, getattr(rec, "base_content", None), rec.content)
         rec.base_content = rec.content
-        # a single-row insert always has its key (SQLAlchemy types it Optional for any insert)
-        seq: int = conn.execute(  # type: ignore[index]
-            _INSERT_VERSION,
+        seq: int = _RAW_INSERT_VERSION.scalar(
+            conn,
             {
                 "record_id": rec.id,
                 "store": rec.store,
@@ -216,19 +213,19 @@ class RecordsService(Resource):
                 "base_version": base_version,
                 "chain": chain,
             },
-        ).inserted_primary_key[0]
+        )
         if rec.content is not None:
             history.note_kept(conn, rec.store, rec.size, 1)
         rec.seq = seq
         wakeups.note_feed(rec.store, seq, actor)
         if new:
-            conn.execute(_UPDATE_RECORD, {"rid": rec.id, "seq": seq})
+            _RAW_UPDATE_RECORD.run(conn, {"rid": rec.id, "seq": seq})
         else:
             values = rec.values()
             for k in ("id", "store", "created_at"):
                 del values[k]
             values["rid"] = rec.id
-            conn.execute(_UPDATE_RECORD, values)
+            _RAW_UPDATE_RECORD.run(conn, values)
         return seq
 
     @staticmethod
@@ -259,7 +256,7 @@ class RecordsService(Resource):
         if isinstance(st, BatchStore):  # a batch writes the counters once, at its end
             st.record_count, st.usage_bytes = n, b
         elif (d_bytes or d_count) and not history.settle_with_usage(conn, st.slug, d_bytes, d_count):
-            conn.execute(_UPDATE_USAGE, {"slug_": st.slug, "d_bytes": d_bytes, "d_count": d_count})
+            _RAW_UPDATE_USAGE.run(conn, {"slug_": st.slug, "d_bytes": d_bytes, "d_count": d_count})
 
     @staticmethod
     def _version(conn: Connection, record_id: str, n: int) -> Any:
@@ -307,8 +304,8 @@ class RecordsService(Resource):
             if deferred:
                 other = st.paths.get(path)
             else:  # the live records at the path and at its ancestors: one indexed read
-                hits = {r.path: r.id for r in conn.execute(
-                    _SELECT_LIVE_AT_PATHS, {"store": st.slug, "paths": [path, *ancestors]})}
+                hits = {r.path: r.id for r in _RAW_SELECT_LIVE_AT_PATHS.all(
+                    conn, {"store": st.slug, "paths": [path, *ancestors]})}
                 other = hits.get(path)
             if other is not None:
                 raise ServiceError(409, "path_exists", f"{path!r} exists", record_id=other)

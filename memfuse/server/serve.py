@@ -263,7 +263,14 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
     A third: no HTTP/2 on cleartext connections (``_HTTP11Only``)."""
     from functools import partial
 
+    from itertools import chain
+
+    import h11
+    from hypercorn.events import RawData
     from hypercorn.protocol import ProtocolWrapper
+    from hypercorn.protocol.events import Body as HyBody
+    from hypercorn.protocol.events import EndBody as HyEndBody
+    from hypercorn.protocol.events import Response as HyResponse
     from hypercorn.protocol.h11 import H11Protocol
     from hypercorn.trio.lifespan import Lifespan
     from hypercorn.trio.tcp_server import TCPServer
@@ -283,6 +290,45 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
 
         async def _check_protocol(self, event: Any) -> None:
             return None
+
+        # INVARIANT: ``_held`` is the head of a response of known length (``Content-Length``,
+        # not chunked) that h11 has framed and that is not sent yet; it leaves with the next
+        # event's bytes (the body, the end of an empty body, or anything else) in one send.
+        # hypercorn sends the head, the body and the (empty) end of a response as three
+        # socket writes, each with its lock and cancel scope; a record write's answer is now
+        # one (bench/README.md, "The close path, session 10: serve"). A response without a
+        # length (a stream, a long-lived answer) has its head sent at once, as before.
+        _held: bytes = b""
+
+        async def stream_send(self, event: Any) -> None:
+            if (isinstance(event, HyResponse) and event.status_code >= 200 and not self._held
+                    and any(k.lower() == b"content-length" for k, _ in event.headers)
+                    and not any(k.lower() == b"transfer-encoding" for k, _ in event.headers)):
+                headers = list(chain(event.headers, self.config.response_headers("h11")))
+                if self.keep_alive_requests >= self.config.keep_alive_max_requests:
+                    headers.append((b"connection", b"close"))
+                self._held = self._frame(h11.Response(headers=headers, status_code=event.status_code))
+                return
+            if isinstance(event, (HyBody, HyEndBody)):
+                data = self._frame(h11.Data(data=event.data) if isinstance(event, HyBody) else h11.EndOfMessage())
+                held, self._held = self._held, b""
+                if held or data:
+                    await self.send(RawData(data=held + data))
+                return
+            if self._held:
+                held, self._held = self._held, b""
+                await self.send(RawData(data=held))
+            await super().stream_send(event)
+
+        def _frame(self, event: Any) -> bytes:
+            """h11's bytes of ``event`` (b"" when the connection is in error, as hypercorn's
+            ``_send_h11_event`` sends nothing then)."""
+            try:
+                return self.connection.send(event) or b""
+            except h11.LocalProtocolError:
+                if self.connection.their_state != h11.ERROR:
+                    raise
+                return b""
 
     class _TCPServer(TCPServer):
         async def _read_data(self) -> None:

@@ -1,0 +1,214 @@
+"""The hot statements of the record writes, run on the DB-API cursor (bench/README.md, "The
+close path, session 10: serve").
+
+SQLAlchemy Core costs ~20-30 µs of CPU per statement beyond the driver's own ~3-5 µs
+(cache key, parameter construction, execution context, result object, event dispatch), and
+a create runs nine of them. ``Raw`` keeps a Core statement as the one definition of its SQL
+and runs it on the connection's DB-API cursor from the text SQLAlchemy compiled for the
+connection's dialect, once per dialect (SQLite and PostgreSQL alike), with SQLAlchemy's own
+bind and result processors of the columns' types (so a ``UTCDateTime`` is stored and read
+back exactly as through Core), scalar column defaults of an ``INSERT`` filled in as Core
+fills them, the engine's ``before_cursor_execute`` listeners called as Core calls them (the
+``/metrics`` statement counter), and a driver error raised as SQLAlchemy's exception class
+for it (``IntegrityError`` for a unique or foreign-key conflict: ``Writer.write`` retries on
+it). Rows come back as ``RawRow``: attribute access, ``_mapping``, indexing.
+
+What it does not do (and refuses at its first compile with ``TypeError``, so a statement
+that needs it is found by the first test that runs it): expanding ``IN`` parameters (use
+``RawIn``), column defaults that are Python callables or SQL expressions, and
+``executemany``. A disconnect seen here is not reported to the pool (PostgreSQL's pool
+pings a connection before each checkout, ``db._make_engine``).
+"""
+from __future__ import annotations
+
+import threading
+from operator import itemgetter
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from sqlalchemy import exc
+from sqlalchemy.engine import Connection, Dialect
+from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.elements import ClauseElement
+
+__all__ = ["Raw", "RawIn", "RawRow"]
+
+
+class RawRow(tuple[Any, ...]):
+    """One result row: a tuple with its columns by name as attributes (``row.slug``) and
+    ``_mapping`` (a dict of name to value), as a Core ``Row`` offers them. The class of a
+    statement's rows is made once per compiled statement (``_row_class``)."""
+
+    __slots__ = ()
+    _keys: tuple[str, ...] = ()
+
+    @property
+    def _mapping(self) -> dict[str, Any]:
+        return dict(zip(self._keys, self, strict=True))
+
+    def _asdict(self) -> dict[str, Any]:
+        return self._mapping
+
+    def __getattr__(self, name: str) -> Any:
+        # only for a name that is not a column (the columns are properties): as a Core
+        # ``Row``, AttributeError (``getattr(row, name, default)`` works); typed Any for mypy
+        raise AttributeError(name)
+
+
+def _row_class(keys: Sequence[str]) -> type[RawRow]:
+    ns: dict[str, Any] = {"__slots__": (), "_keys": tuple(keys)}
+    for i, k in enumerate(keys):
+        ns[k] = property(itemgetter(i))
+    return type("RawRow", (RawRow,), ns)
+
+
+class _Compiled:
+    """A statement compiled for one dialect: its SQL text, how to build the driver's
+    parameters from a dict, and how to make rows from the cursor's tuples."""
+
+    __slots__ = ("sql", "names", "binds", "fixed", "positional", "row", "results")
+
+    def __init__(self, stmt: ClauseElement, dialect: Dialect, keys: Sequence[str]) -> None:
+        c = stmt.compile(dialect=dialect, column_keys=list(keys))
+        assert isinstance(c, SQLCompiler)
+        if c.literal_execute_params or c.post_compile_params:
+            raise TypeError(f"Raw cannot run a statement with expanding parameters: {c.string!r}")
+        self.fixed: dict[str, Any] = {}
+        defaults = [(col, col.default) for col in c.insert_prefetch]
+        defaults += [(col, col.onupdate) for col in c.update_prefetch]
+        for col, d in defaults:
+            if d is None or not d.is_scalar:
+                raise TypeError(f"Raw cannot fill the default of column {col.key!r}: not a constant")
+            self.fixed[col.key] = d.arg  # type: ignore[attr-defined]
+        # values bound in the statement itself (LIMIT 1, ...); a required parameter the caller
+        # does not give stays missing (ArgumentError at execution, as Core refuses it)
+        required = {name for bp, name in c.bind_names.items() if bp.required}
+        for name, value in c.construct_params(_check=False, escape_names=False).items():
+            if name not in keys and name not in self.fixed and name not in required:
+                self.fixed[name] = value
+        self.sql: str = c.string
+        self.positional: bool = bool(c.positional)
+        names = list(c.positiontup or ()) if self.positional else list(c.construct_params(_check=False, escape_names=False))
+        procs: Mapping[str, Any] = c._bind_processors  # noqa: SLF001 - SQLAlchemy's own processors of the bind types
+        # the driver's name of each bind (PostgreSQL: escaped, e.g. a name with a dot)
+        escaped: Mapping[str, str] = c.escaped_bind_names or {}
+        self.names: list[tuple[str, str]] = [(n, escaped.get(n, n)) for n in names]
+        self.binds: list[tuple[str, str, Callable[[Any], Any] | None]] = [
+            (n, e, procs.get(n)) for n, e in self.names]
+        cols = c._result_columns  # noqa: SLF001 - (key, name, objects, type) per result column
+        self.row: type[RawRow] | None = _row_class([col[0] for col in cols]) if cols else None
+        self.results: list[tuple[int, Callable[[Any], Any]]] = []
+        for i, entry in enumerate(cols):
+            proc = entry[3]._cached_result_processor(dialect, None)  # noqa: SLF001
+            if proc is not None:
+                self.results.append((i, proc))
+
+    def parameters(self, params: Mapping[str, Any]) -> tuple[Any, ...] | dict[str, Any]:
+        values = {**self.fixed, **params} if self.fixed else params
+        try:
+            if self.positional:
+                return tuple(values[n] if p is None else p(values[n]) for n, _, p in self.binds)
+            return {e: (values[n] if p is None else p(values[n])) for n, e, p in self.binds}
+        except KeyError as err:
+            raise exc.ArgumentError(f"no value for bind parameter {err.args[0]!r} of {self.sql!r}") from None
+
+    def make_row(self, t: Sequence[Any]) -> RawRow:
+        assert self.row is not None
+        if self.results:
+            values = list(t)
+            for i, proc in self.results:
+                values[i] = proc(values[i])
+            return self.row(values)
+        return self.row(t)
+
+
+class Raw:
+    """``Raw(stmt)``: the Core statement ``stmt`` run on the DB-API cursor of a Core
+    ``Connection`` (see the module docstring). ``first`` / ``all`` / ``scalar`` / ``run``
+    take the connection and a dict of the statement's bind parameters (for an ``INSERT`` /
+    ``UPDATE`` without ``values``: the columns to set, as Core's ``execute`` takes them).
+    Compiled SQL is cached per dialect and set of parameter names; the cache is shared by
+    threads (a lost race compiles twice, harmlessly)."""
+
+    def __init__(self, stmt: ClauseElement) -> None:
+        self.stmt = stmt
+        self._cache: dict[tuple[str, frozenset[str]], _Compiled] = {}
+        self._lock = threading.Lock()
+
+    def _compiled(self, dialect: Dialect, params: Mapping[str, Any]) -> _Compiled:
+        key = (dialect.name, frozenset(params))
+        c = self._cache.get(key)
+        if c is None:
+            c = _Compiled(self.stmt, dialect, list(params))
+            with self._lock:
+                self._cache[key] = c
+        return c
+
+    def _execute(self, conn: Connection, params: Mapping[str, Any]) -> tuple[Any, _Compiled]:
+        dialect = conn.dialect
+        c = self._compiled(dialect, params)
+        args = c.parameters(params)
+        cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+        for fn in conn.dispatch.before_cursor_execute:  # the /metrics statement counter, tests' spies
+            fn(conn, cursor, c.sql, args, None, False)
+        try:
+            cursor.execute(c.sql, args)
+        except dialect.loaded_dbapi.Error as e:
+            cursor.close()
+            raise exc.DBAPIError.instance(c.sql, args, e, dialect.loaded_dbapi.Error,
+                                          dialect=dialect) from e
+        return cursor, c
+
+    def run(self, conn: Connection, params: Mapping[str, Any]) -> None:
+        """Execute, no result."""
+        cursor, _ = self._execute(conn, params)
+        cursor.close()
+
+    def first(self, conn: Connection, params: Mapping[str, Any]) -> RawRow | None:
+        """The first row, or None."""
+        cursor, c = self._execute(conn, params)
+        try:
+            t = cursor.fetchone()
+        finally:
+            cursor.close()
+        return None if t is None else c.make_row(t)
+
+    def all(self, conn: Connection, params: Mapping[str, Any]) -> list[RawRow]:
+        """Every row."""
+        cursor, c = self._execute(conn, params)
+        try:
+            rows = cursor.fetchall()
+        finally:
+            cursor.close()
+        return [c.make_row(t) for t in rows]
+
+    def scalar(self, conn: Connection, params: Mapping[str, Any]) -> Any:
+        """The first column of the first row, or None."""
+        row = self.first(conn, params)
+        return None if row is None else row[0]
+
+
+class RawIn:
+    """``Raw`` for a statement with one ``IN`` list of any length: ``build(n)`` makes the
+    Core statement for ``n`` values, its list bound as ``<name>0`` .. ``<name>{n-1}``
+    (``bindparam(f"{name}{i}")``); ``first`` / ``all`` take the list under ``name``. One
+    ``Raw`` per length, made on first use."""
+
+    def __init__(self, name: str, build: Callable[[int], ClauseElement]) -> None:
+        self.name = name
+        self.build = build
+        self._by_len: dict[int, Raw] = {}
+
+    def _raw(self, params: Mapping[str, Any]) -> tuple[Raw, dict[str, Any]]:
+        values = list(params[self.name])
+        raw = self._by_len.get(len(values))
+        if raw is None:
+            raw = self._by_len.setdefault(len(values), Raw(self.build(len(values))))
+        flat = {k: v for k, v in params.items() if k != self.name}
+        flat.update({f"{self.name}{i}": v for i, v in enumerate(values)})
+        return raw, flat
+
+    def all(self, conn: Connection, params: Mapping[str, Any]) -> list[RawRow]:
+        """Every row."""
+        raw, flat = self._raw(params)
+        return raw.all(conn, flat)

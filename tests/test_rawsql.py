@@ -1,0 +1,155 @@
+"""``memfuse.server.rawsql``: the record writes' statements run on the DB-API cursor give what
+SQLAlchemy Core gives (rows, stored values, errors, listeners), on SQLite and, with
+``MEMFUSE_TEST_DB_URL`` (``tests/test_postgres.py``), on PostgreSQL; and a create costs the
+statements bench/README.md counts ("The close path, session 10: serve")."""
+from __future__ import annotations
+
+import httpx
+import pytest
+from sqlalchemy import bindparam, event, exc, false, insert, select
+
+from memfuse.server.app import create_app
+from memfuse.server.base import _I, _R, _S, _V, _RAW_INSERT_IDEM, _RAW_SELECT_IDEM, _SELECT_IDEM
+from memfuse.server.db import StoreRow, utcnow
+from memfuse.server.rawsql import Raw, RawIn
+from memfuse.server.recordrows import (
+    _RAW_INSERT_VERSION,
+    _RAW_SELECT_LIVE_AT_PATHS,
+    _RAW_SELECT_LIVE_UNDER,
+    _RAW_SELECT_RECORD,
+    _SELECT_LIVE_UNDER,
+    _SELECT_RECORD,
+)
+from pgutil import fresh_db_url
+
+ADMIN, WS = "raw-admin", "raw-ws"
+
+
+@pytest.fixture
+async def env():
+    with fresh_db_url() as url:
+        app = create_app(url, static_tokens={ADMIN: None, WS: "ws"})
+        t = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=t, base_url="http://t", headers={"Authorization": f"Bearer {ADMIN}"}) as a, \
+                httpx.AsyncClient(transport=t, base_url="http://t",
+                                  headers={"Authorization": f"Bearer {WS}", "X-Memfuse-Instance": "me"}) as me:
+            assert (await a.post("/v1/workspaces", json={"name": "ws", "default_store": False})).status_code == 201
+            assert (await a.post("/v1/stores", json={"slug": "s"})).status_code == 201
+            r = await a.put("/v1/workspaces/ws/attachments/s", json={"access": "read_write"})
+            assert r.status_code == 200, r.text
+            yield app, me
+        app.state.service.db.dispose()
+
+
+async def _create(me: httpx.AsyncClient, path: str, **headers: str) -> dict:
+    r = await me.post("/v1/stores/s/records", json={"path": path, "content": "x\n"}, headers=headers)
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+async def test_rows_read_raw_are_the_rows_core_reads(env):
+    app, me = env
+    rec = await _create(me, "a/b.md")
+    db = app.state.service.db
+    with db.write_conn() as conn:
+        core = conn.execute(_SELECT_RECORD, {"rid": rec["id"]}).first()
+        raw = _RAW_SELECT_RECORD.first(conn, {"rid": rec["id"]})
+        assert raw is not None and core is not None
+        assert raw._mapping == core._mapping  # every column, times (aware UTC) and booleans alike
+        assert tuple(raw) == tuple(core)
+        assert raw.created_at == core.created_at and raw.created_at.tzinfo is not None
+        assert raw.deleted is False or raw.deleted == 0
+        assert getattr(raw, "no_such_column", "absent") == "absent"
+        # a statement with its own bound values (LIMIT 1): the live record under "a/"
+        params = {"store": core.store, "lo": "a/", "hi": "a0"}
+        pg = db.engine.dialect.name == "postgresql"
+        assert _RAW_SELECT_LIVE_UNDER[pg].scalar(conn, params) == "a/b.md"
+        assert conn.execute(_SELECT_LIVE_UNDER, params).scalar() == "a/b.md"
+        assert _RAW_SELECT_LIVE_UNDER[pg].first(conn, {**params, "lo": "b/", "hi": "b0"}) is None
+        # an IN list of any length, as Core's expanding parameter
+        for paths in (["a/b.md"], ["a", "a/b.md", "zz"], ["zz"]):
+            raw_hits = sorted(tuple(r) for r in _RAW_SELECT_LIVE_AT_PATHS.all(conn, {"store": core.store, "paths": paths}))
+            core_hits = sorted(tuple(r) for r in conn.execute(
+                select(_R.c.path, _R.c.id).where(_R.c.store == core.store, _R.c.deleted == false(),
+                                                 _R.c.path.in_(bindparam("p", expanding=True))), {"p": paths}))
+            assert raw_hits == core_hits
+        conn.rollback()
+
+
+async def test_values_written_raw_read_back_through_core(env):
+    app, me = env
+    rec = await _create(me, "v.md")
+    db = app.state.service.db
+    now = utcnow()
+    with db.write_conn() as conn:
+        store = conn.execute(select(_R.c.store).where(_R.c.id == rec["id"])).scalar_one()
+        seq = _RAW_INSERT_VERSION.scalar(conn, {
+            "record_id": rec["id"], "store": store, "version": 2, "operation": "modified", "path": "v.md",
+            "old_path": None, "type": "project", "sha256": "0" * 64, "size": 3, "content": "yé\n",
+            "created_at": now, "actor": "ws:ws/me", "redacted": True, "mode": 0o600, "mtime_ns": 5,
+            "base_version": None, "chain": 0})
+        assert isinstance(seq, int) and seq > rec["seq"]
+        v = conn.execute(select(_V).where(_V.c.seq == seq)).one()
+        assert (v.created_at, v.redacted, v.pruned, v.content, v.mode) == (now, True, False, "yé\n", 0o600)
+        # the stored text of the time is Core's own (SQLite keeps times as text)
+        raw_text = conn.exec_driver_sql(f"SELECT created_at FROM versions WHERE seq = {int(seq)}").scalar()
+        conn.execute(insert(_V), {**{k: v._mapping[k] for k in v._mapping if k != "seq"}, "version": 3})
+        core_text = conn.exec_driver_sql("SELECT created_at FROM versions WHERE version = 3").scalar()
+        assert raw_text == core_text
+        conn.rollback()
+
+
+async def test_a_conflict_is_sqlalchemys_integrity_error_and_listeners_see_each_statement(env):
+    app, me = env
+    await _create(me, "k.md", **{"Idempotency-Key": "k1"})
+    db = app.state.service.db
+    seen: list[str] = []
+
+    def spy(conn, cursor, statement, parameters, context, executemany):
+        seen.append(statement)
+
+    event.listen(db.engine, "before_cursor_execute", spy)
+    try:
+        with db.write_conn() as conn:
+            row = _RAW_SELECT_IDEM.first(conn, {"scope": "ws:ws", "key": "k1"})
+            core = conn.execute(_SELECT_IDEM, {"scope": "ws:ws", "key": "k1"}).first()
+            assert row is not None and row._mapping == core._mapping
+            with pytest.raises(exc.IntegrityError):  # Writer.write retries on exactly this class
+                _RAW_INSERT_IDEM.run(conn, {k: getattr(row, k) for k in (
+                    "method", "url_path", "request_hash", "status", "response_body", "response_headers",
+                    "created_at")} | {"scope": "ws:ws", "key": "k1"})
+            conn.rollback()
+    finally:
+        event.remove(db.engine, "before_cursor_execute", spy)
+    begin = ["BEGIN"] if db.is_sqlite else []  # SQLite's BEGIN IMMEDIATE is a statement of ours
+    assert [s.split()[0] for s in seen] == [*begin, "SELECT", "SELECT", "INSERT"]
+    assert seen[len(begin)] == _RAW_SELECT_IDEM._compiled(db.engine.dialect, {"scope": 0, "key": 0}).sql
+
+
+def test_what_raw_cannot_run_is_refused_at_its_first_compile():
+    from sqlalchemy.dialects import sqlite
+
+    with pytest.raises(TypeError, match="expanding"):
+        Raw(select(_R.c.id).where(_R.c.path.in_(bindparam("p", expanding=True))))._compiled(sqlite.dialect(), {"p": 0})
+    with pytest.raises(TypeError, match="default"):  # stores.created_at defaults to utcnow(), a callable
+        Raw(insert(StoreRow.__table__))._compiled(sqlite.dialect(), {"slug": 0})
+    with pytest.raises(exc.ArgumentError, match="alt"):  # a parameter not given: refused, as Core does
+        c = Raw(select(_S.c.slug).where(_S.c.slug.in_([bindparam("slug"), bindparam("alt")])))._compiled(
+            sqlite.dialect(), {"slug": 0})
+        c.parameters({"slug": "x"})
+    assert RawIn("p", lambda n: select(_I.c.id).where(_I.c.key.in_([bindparam(f"p{i}") for i in range(n)])))
+    assert _S is not None
+
+
+async def test_a_create_costs_nine_statements_and_begin(env):
+    """The idempotency lookup, the store row, the live records at the path and its
+    ancestors, the ``path/`` range, the record and version inserts, the record's seq, the
+    usage and history counters, the idempotency row (bench/README.md); on SQLite our
+    ``BEGIN IMMEDIATE``, on PostgreSQL the commit bus's ``pg_notify`` (its BEGIN is the
+    driver's, not counted)."""
+    app, me = env
+    await _create(me, "warm.md", **{"Idempotency-Key": "w"})
+    counter = app.state.metrics.db_statements
+    before = counter._value.get()
+    await _create(me, "d/one.md", **{"Idempotency-Key": "one"})
+    assert counter._value.get() - before == 9 + 1
