@@ -27,6 +27,7 @@ from .. import names
 from ..errors import errno_of
 
 if TYPE_CHECKING:
+    from .appendbuf import WriteBuffer
     from .journal import Entry
     from .writecheck import WriteChecker
 
@@ -229,7 +230,7 @@ class Node:
             return ""
         return (_EPOCH + timedelta(microseconds=ns // 1000)).isoformat()
 
-    buf: _Rare[bytearray | None] = _rare("buf", None)  # bytearray being written, None: content is the blob ``sha``
+    buf: _Rare[WriteBuffer | None] = _rare("buf", None)  # bytes being written (appendbuf), None: content is the blob ``sha``
     last_put: _Rare[Entry | None] = _rare("last_put", None)  # the outbox Entry of the last content commit
     error: _Rare[str] = _rare("error", "")  # why the last commit was refused ('' when not)
     local_only: _Rare[bool] = _rare("local_only", False)
