@@ -68,8 +68,7 @@ class AppendBuffer:
     def __getitem__(self, key: slice) -> bytes: ...
 
     def __getitem__(self, key: int | slice) -> int | bytes:
-        """A byte (``int``) or the bytes of a slice (``bytes``, step 1 only: a step
-        flattens)."""
+        """A byte (``int``) or the bytes of a slice (``bytes``); nothing changes."""
         lb = len(self.base)
         if isinstance(key, int):
             i = key + len(self) if key < 0 else key
@@ -78,7 +77,7 @@ class AppendBuffer:
             return self.base[i] if i < lb else self.tail[i - lb]
         start, stop, step = key.indices(len(self))
         if step != 1:
-            return bytes(self._flatten()[key])
+            return bytes(self)[key]
         if stop <= start:
             return b""
         if stop <= lb:
@@ -94,6 +93,8 @@ class AppendBuffer:
         lb = len(self.base)
         if step == 1 and start >= lb:
             self.tail[start - lb:max(start, stop) - lb] = value
+        elif step == 1 and stop <= start and not value:
+            return  # nothing replaced, nothing inserted
         else:
             self._flatten()[key] = value
 
@@ -103,6 +104,8 @@ class AppendBuffer:
         lb = len(self.base)
         if step == 1 and start >= lb:
             del self.tail[start - lb:max(start, stop) - lb]
+        elif step == 1 and stop <= start:
+            return  # nothing to delete
         else:
             del self._flatten()[key]
 
