@@ -86,3 +86,45 @@ def test_recent_contents_are_bounded_and_least_recently_used_go_first():
     r.drop("a")
     r.drop("absent")
     assert r.size == 40 and r.get("a") is None
+
+
+class _FakeNode:
+    type_override = None
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+
+    def path(self) -> str:
+        return self._path
+
+
+@pytest.mark.parametrize("path", ["notes/j.md", "MEMORY.md"])
+def test_an_appends_type_check_from_the_head_is_the_whole_texts(path):
+    """``Filesystem._precheck`` of an append (``checked``: the base passed already) reads the
+    type from the first ``HEAD_BYTES`` only: the verdict is the one of the whole text, for
+    frontmatters opened by ``---`` (with a BOM, CRLF), closed or not, with a bad or good
+    type, bases around ``HEAD_BYTES`` and 4-byte characters cut at it."""
+    from memfuse.sidecar.core import Filesystem
+    from memfuse.sidecar.writecheck import HEAD_BYTES
+
+    def verdict(data: bytes, checked: int) -> tuple[str, int] | None:
+        r = Filesystem._precheck(None, _FakeNode(path), data, checked=checked)  # type: ignore[arg-type]
+        return None if r is None else (r.code, r.errno)
+
+    heads = [b"", b"---\ntype: user\n---\n", b"---\ntype: bogus\n---\n", b"\xef\xbb\xbf---\r\ntype: bogus\r\n...\r\n",
+             b"---\ntype: bogus\n", b"--- \ntype: bogus\n---\n", b"# title\n---\ntype: bogus\n---\n"]
+    line = b"a line of notes\n"
+    fills = [line * 130, ("\U0001F600" * 15 + "\n").encode() * (HEAD_BYTES // 61 + 1),
+             line * ((HEAD_BYTES - 40) // len(line))]
+    suffixes = [b"more\n", b"---\n", b"...\n"]
+    seen = set()
+    for head in heads:
+        for fill in fills:
+            base = head + fill
+            for suffix in suffixes:
+                data = base + suffix
+                whole = verdict(data, 0)
+                assert verdict(data, len(base)) == whole, (head, len(fill), suffix)
+                seen.add(whole)
+    # both verdicts were exercised (the root index has no type: never refused for one)
+    assert seen == ({None} if path == "MEMORY.md" else {None, ("invalid_type", 22)})
