@@ -65,8 +65,21 @@ async def test_appends_are_sent_as_their_suffix_and_small_files_whole(tmp_path):
         await append(sc, "j.md", b"one more\n")
         sc.fs.blobs.read = real_read
         want += b"one more\n"
-        assert reads == [(0, -1)]  # the base read once: at the open, kept for the close's check
+        # the base is the content this sidecar held last, in memory (recent): no blob read,
+        # neither at the open nor at the close's check
+        assert reads == [] and sc.fs.recent.hits
+        # not in memory (another process wrote it, or it was evicted): read once, at the
+        # open, and kept for the close's check
+        for sha in list(sc.fs.recent._items):
+            sc.fs.recent.drop(sha)
+        sc.fs.blobs.read = lambda sha, off=0, size=-1: reads.append((off, size)) or real_read(sha, off, size)
+        await append(sc, "j.md", b"and one\n")
+        sc.fs.blobs.read = real_read
+        want += b"and one\n"
+        assert reads == [(0, -1)]
         assert (await remote(fake))["j.md"] == want
+        n = sc.fs.lookup(sc.fs.stores["default"].root.ino, b"j.md")
+        assert n is not None and sc.fs.blobs.read(n.sha) == want
         calls.clear()
         # a small file is sent whole; a rewrite too
         calls.clear()

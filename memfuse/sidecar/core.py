@@ -50,6 +50,7 @@ from ..errors import errno_of
 from ..defs import MODE_MASK, datetime_ns, sha256_hex
 from ..hashstate import Sha256States
 
+from .appendbuf import AppendBuffer, WriteBuffer
 from .attributes import AttributeOps
 from .blobcache import BlobCache
 from .cachedir import CacheError
@@ -64,6 +65,8 @@ from .identity import RecordIds
 from .journal import ATTRS, DELETE, JOURNAL_WAIT, MOVE, MOVE_PREFIX, PUT, Barrier, Entry, Journal
 from .listeners import FsListener
 from .localfiles import LocalFiles
+from .recent import RecentContents
+from .writecheck import FENCES, HEAD_BYTES
 from .rejected import RejectedFiles
 from .remote import RemoteApply
 
@@ -123,6 +126,9 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
     control: Node  # ``.memfuse/``
     #: sha256 states of recently committed contents: an append is hashed over its suffix
     hashes: Sha256States
+    #: the bytes of recently held contents (``APPEND_CHECK_MIN`` bytes or more): an append's
+    #: base at open (``_make_buf``) and at close (``_checked_prefix``) without a blob read
+    recent: RecentContents
 
     def __init__(self, blobs: BlobCache, client: Any, journal: Journal,
                  settings: Settings | None = None, workspace: str = "",
@@ -135,9 +141,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         (``Journal.load_local``); both put back as each store is added (``add_store``)."""
         self.blobs = blobs
         self.hashes = Sha256States()
-        # the content ``_make_buf`` last read from the blob cache, (sha256, bytes): the
-        # base ``_checked_prefix`` compares an append with, without reading it again
-        self._read_base: tuple[str, bytes] | None = None
+        self.recent = RecentContents(min_bytes=APPEND_CHECK_MIN)
         self.journal = journal
         self.ids = ids if ids is not None else RecordIds(journal, {})
         self.listener = listener
@@ -277,6 +281,9 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
     def _cached_blob(self, sha: str) -> bytes | None:
         """The cached content whose sha256 is ``sha`` (checked), None when the blob cache
         does not hold it or cannot be read."""
+        kept = self.recent.get(sha)  # exact: held under the sha256 of those bytes
+        if kept is not None:
+            return kept
         try:
             data = self.blobs.read(sha) if self.blobs.has(sha) else None
         except (CacheError, sqlite3.Error):
@@ -293,6 +300,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         (an append): stored as a link to it plus the suffix when the cache can
         (``BlobCache.put_append``), else whole. Accounting (``_account``) is the caller's."""
         n.sha, n.size = sha, len(data)
+        self.recent.keep(sha, data)  # the base of the next append to it (``_make_buf``)
         try:
             if base is None or not self.blobs.put_append(sha, base[0], base[1], data[base[1]:]):
                 self.blobs.put(data, sha)
@@ -306,14 +314,22 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
     def _content(self, n: Node) -> bytes:
         if n.buf is not None:
             return bytes(n.buf)
-        return self.blobs.read(n.sha) if n.sha else b""
+        if not n.sha:
+            return b""
+        kept = self.recent.get(n.sha) if n.size >= APPEND_CHECK_MIN else None
+        return kept if kept is not None else self.blobs.read(n.sha)
 
-    def _make_buf(self, n: Node) -> bytearray:
+    def _make_buf(self, n: Node) -> WriteBuffer:
         if n.buf is None:
             if n.sha and n.size >= APPEND_CHECK_MIN:
-                base = self.blobs.read(n.sha)
-                self._read_base = (n.sha, base)  # the base of an append's check at close
-                n.buf = bytearray(base)
+                # the content by reference (an append adds to it, ``appendbuf``): from
+                # memory when this sidecar held it last (the previous close of a journal),
+                # else read once from the blob cache and kept
+                base = self.recent.get(n.sha)
+                if base is None:
+                    base = self.blobs.read(n.sha)
+                    self.recent.keep(n.sha, base)
+                n.buf = AppendBuffer(base, n.sha)
             else:
                 n.buf = bytearray(self._content(n))
         return n.buf
@@ -480,6 +496,8 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         if n.local_only:  # never sent: kept in the journal (LocalFiles), on disk at the barrier
             self.save_local(n)
             return self.journal.barrier()
+        buf = n.buf
+        appended = buf.appended_to if isinstance(buf, AppendBuffer) else None
         data = self._content(n)  # the write buffer, or the clean content (e.g. renamed back)
         # the content before this write session passed these checks already (committed, or
         # queued after them) unless it was refused: an append is judged by what it adds
@@ -493,7 +511,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         # tries the blob cache again
         # an append (the content before this session plus a suffix) is judged by its suffix
         # and hashed from the base's kept hash state: one pass over the suffix (hashstate)
-        checked = self._checked_prefix(prev_sha, data)
+        checked = self._checked_prefix(prev_sha, data, appended)
         sha = self.hashes.of(data, prev_sha, checked)
         self._hold_content(n, data, sha, "the file's content", base=(prev_sha, checked) if checked else None)
         if n.refused:
@@ -530,18 +548,20 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         except FsError:
             pass
 
-    def _checked_prefix(self, prev_sha: str, data: bytes) -> int:
+    def _checked_prefix(self, prev_sha: str, data: bytes,
+                        appended: tuple[str, bytes] | None = None) -> int:
         """How many leading bytes of ``data`` are a content that passed ``_precheck``
         already: the file's previous content (sha256 ``prev_sha``, from the blob cache) when
         ``data`` starts with it (an append: ``echo >> f``), else 0. Costs one read of that
-        content (from the blob cache, or kept from ``_make_buf``'s read of it) and a
-        comparison, instead of a secret scan of all of it."""
-        kept, self._read_base = self._read_base, None
+        content (kept in memory, ``recent``, else from the blob cache) and a comparison,
+        instead of a secret scan of all of it; nothing when the write buffer knows ``data``
+        is ``appended`` (``AppendBuffer.appended_to``: (sha256, bytes) of what it extends)."""
         if not prev_sha or len(data) < APPEND_CHECK_MIN:
             return 0
-        if kept is not None and kept[0] == prev_sha:
-            base = kept[1]
-        else:
+        if appended is not None and appended[0] == prev_sha and appended[1]:
+            return len(appended[1])  # data is appended[1] + what was written after it
+        base = self.recent.get(prev_sha)
+        if base is None:
             try:
                 base = self.blobs.read(prev_sha)
             except CacheError:
@@ -557,7 +577,9 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         Sizes and names are checked at write / create already. ``checked``: the first bytes
         of ``data`` passed these checks already (``_checked_prefix``): UTF-8 and NUL are
         checked after them, the secret scan reads from ``APPEND_SCAN_CONTEXT`` bytes before
-        them (a line start; as the control plane's append does), the type from the whole."""
+        them (a line start; as the control plane's append does), the type from the first
+        ``writecheck.HEAD_BYTES`` (all a frontmatter can span: ``content.frontmatter``
+        reads its first 64 Ki characters), not decoded at all when it opens no fence."""
         start = 0
         if checked:
             start = max(0, checked - APPEND_SCAN_CONTEXT)
@@ -570,13 +592,21 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         if nul >= 0:
             return FsError.of("invalid_content", f"content contains a NUL character (at offset "
                                                  f"{nul}); records are text")
-        text = data.decode("utf-8")
-        kind = content_rules.find_secret(data[start:].decode("utf-8") if start else text)
+        if checked:  # an append: the whole is valid UTF-8 now; never decoded whole
+            scanned = data[start:].decode("utf-8")
+            # the type comes from the frontmatter only, which opens with the first bytes
+            # and lies within HEAD_BYTES (a character cut at its end is dropped: the
+            # 64 Ki characters the frontmatter may take end before it)
+            head = (data[:HEAD_BYTES].decode("utf-8", "ignore") if data.startswith(FENCES)
+                    else "")
+        else:
+            scanned = head = data.decode("utf-8")
+        kind = content_rules.find_secret(scanned)
         if kind:
             return FsError.of("secret_detected", f"content looks like it holds a secret ({kind}); "
                                                  "memory must not store credentials")
         try:
-            t = content_rules.record_type(path or n.path(), text, n.type_override, "project")
+            t = content_rules.record_type(path or n.path(), head, n.type_override, "project")
             if t is not None:
                 content_rules.check_type(t)
         except ValueError as e:

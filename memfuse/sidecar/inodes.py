@@ -27,6 +27,7 @@ from .. import names
 from ..errors import errno_of
 
 if TYPE_CHECKING:
+    from .appendbuf import WriteBuffer
     from .journal import Entry
     from .writecheck import WriteChecker
 
@@ -229,7 +230,7 @@ class Node:
             return ""
         return (_EPOCH + timedelta(microseconds=ns // 1000)).isoformat()
 
-    buf: _Rare[bytearray | None] = _rare("buf", None)  # bytearray being written, None: content is the blob ``sha``
+    buf: _Rare[WriteBuffer | None] = _rare("buf", None)  # bytes being written (appendbuf), None: content is the blob ``sha``
     # INVARIANT: on a file that is not ``dirty``, ``buf`` holds its clean content (read in by
     # a write refused at write(2), or kept in memory on a failing cache disk); a new clean
     # state drops it (``RemoteApply._set_clean``), else it would serve the old bytes and

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from .. import content as content_rules  # the server enforces the same rules
 from ..errors import errno_of
+from .appendbuf import WriteBuffer
 from .inodes import CLEAN, REJECTED, FsError, Node
 from .writecheck import Refusal, WriteChecker
 
@@ -77,7 +78,7 @@ class WriteLimits:
             n.refused, n.state, n.error = errno.ENOSPC, REJECTED, reason
         raise FsError.of("store_full", reason)
 
-    def _judge(self, n: Node, buf: bytearray, off: int, data: bytes | None = None,
+    def _judge(self, n: Node, buf: WriteBuffer, off: int, data: bytes | None = None,
                size: int | None = None) -> None:
         """Refusals at write(2): raise ``FsError`` when writing ``data`` at ``off`` (or, with
         ``size``, ftruncate to it) would make the content refusable (``writecheck``); the

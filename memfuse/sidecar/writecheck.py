@@ -28,18 +28,27 @@ file written in 4 KiB chunks is never rescanned whole.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Union
 from dataclasses import dataclass
 
 from memfuse import content as content_rules
 from memfuse.errors import ERRNO_BY_CODE
 
-__all__ = ["Refusal", "WriteChecker", "WINDOW", "HEAD_BYTES"]
+if TYPE_CHECKING:
+    from .appendbuf import AppendBuffer
+
+#: what is judged: a file's bytes (``Node.buf``: a ``bytearray``, or an ``AppendBuffer``)
+_Buffer = Union[bytes, bytearray, "AppendBuffer"]
+
+__all__ = ["Refusal", "WriteChecker", "WINDOW", "HEAD_BYTES", "FENCES"]
 
 #: bytes of context on each side of a write scanned for a secret it completes
 WINDOW = 2048
 #: bytes that may hold a frontmatter: 64 Ki characters of at most 4 bytes, plus the fences
 HEAD_BYTES = 4 * 64 * 1024 + 16
-_FENCES = (b"---", b"\xef\xbb\xbf---")
+#: how a frontmatter opens (after an optional BOM): a content that starts otherwise has none
+FENCES = (b"---", b"\xef\xbb\xbf---")
+_FENCES = FENCES
 _UNKNOWN = object()
 
 
@@ -76,7 +85,7 @@ class WriteChecker:
 
     __slots__ = ("ok_upto", "bad", "head_error", "type_rule", "last_refused")
 
-    def __init__(self, content: bytes | bytearray, *, trusted: bool,
+    def __init__(self, content: _Buffer, *, trusted: bool,
                  type_rule: Callable[[str], Refusal | None]) -> None:
         self.type_rule = type_rule
         self.last_refused: tuple[str, int] | None = None  # the caller's: (reason, offset) last refused
@@ -111,7 +120,7 @@ class WriteChecker:
             return None, nul
         return valid, valid
 
-    def _check_utf8(self, buf: bytes | bytearray, off: int, data: bytes) -> tuple[Refusal | None, int]:
+    def _check_utf8(self, buf: _Buffer, off: int, data: bytes) -> tuple[Refusal | None, int]:
         """The UTF-8 / NUL verdict of writing ``data`` at ``off`` into ``buf``, and the
         ``ok_upto`` after it."""
         if self.bad:
@@ -144,7 +153,7 @@ class WriteChecker:
 
     # ------------------------------------------------------------------ secrets
     @staticmethod
-    def _check_secret(buf: bytes | bytearray, off: int, data: bytes) -> Refusal | None:
+    def _check_secret(buf: _Buffer, off: int, data: bytes) -> Refusal | None:
         old_len = len(buf)
         end = off + len(data)
         ws = max(0, min(off, old_len) - WINDOW)
@@ -167,7 +176,7 @@ class WriteChecker:
         return self.type_rule(head.decode("utf-8", "ignore"))
 
     @staticmethod
-    def _after(buf: bytes | bytearray, off: int, data: bytes, upto: int) -> bytes:
+    def _after(buf: _Buffer, off: int, data: bytes, upto: int) -> bytes:
         """Bytes ``[0, upto)`` of ``buf`` as they would stand after writing ``data`` at ``off``."""
         out = bytes(buf[:min(off, upto)])
         if off < upto:
@@ -176,7 +185,7 @@ class WriteChecker:
                 out += bytes(buf[off + len(data):upto])
         return out
 
-    def _check_type(self, buf: bytes | bytearray, off: int, data: bytes) -> tuple[Refusal | None, object]:
+    def _check_type(self, buf: _Buffer, off: int, data: bytes) -> tuple[Refusal | None, object]:
         if off >= HEAD_BYTES:
             return None, self.head_error
         if not (bytes(buf[:6]).startswith(_FENCES) or self._after(buf, off, data, 6).startswith(_FENCES)):
@@ -190,7 +199,7 @@ class WriteChecker:
         return None, after
 
     # ------------------------------------------------------------------ the checks
-    def check_write(self, buf: bytes | bytearray, off: int, data: bytes) -> Refusal | None:
+    def check_write(self, buf: _Buffer, off: int, data: bytes) -> Refusal | None:
         """Judge writing ``data`` at byte ``off`` into the file whose bytes are ``buf`` (not
         changed here). None: accepted, the state now describes the content after it."""
         refusal, ok_upto = self._check_utf8(buf, off, data)
@@ -205,7 +214,7 @@ class WriteChecker:
         self.ok_upto, self.head_error = ok_upto, head
         return None
 
-    def check_truncate(self, buf: bytes | bytearray, size: int) -> Refusal | None:
+    def check_truncate(self, buf: _Buffer, size: int) -> Refusal | None:
         """Judge ftruncate(2) of the file whose bytes are ``buf`` to ``size`` bytes: an
         extension adds NUL bytes (``EILSEQ``); a cut may leave a cut sequence at the end,
         which waits for the next write."""
