@@ -85,6 +85,8 @@ class _Waitable:
         or ``EIO`` when it did not get to it within ``timeout``. The entry stays queued either
         way: the journal keeps retrying it and the committer may still commit it.
         """
+        if self.durable.is_set() or self.done.is_set():
+            return  # (no cancel scope for nothing to wait for)
         with trio.move_on_after(timeout):
             while not (self.durable.is_set() or self.done.is_set()):
                 if self.journal_error is not None:
