@@ -15,7 +15,8 @@ collapsed stacks ``DIR/sidecar.txt`` and ``DIR/serve.txt``, idle frames dropped)
 be on PATH or in the venv. With ``--callgrind DIR`` the sidecar runs under valgrind's callgrind
 (instrumentation off until a measured part starts; dumps in ``DIR``) and each row carries the
 instructions it executed per file (``sidecar_ir_per_file``, user space, the same on a loaded
-machine as on a quiet one, less the idle rate measured right after: ``idle_ir_per_s``); the
+machine as on a quiet one, less the idle rate measured right after: ``idle_ir_per_s``; without
+that subtraction: ``sidecar_ir_per_file_raw``); the
 sidecar then runs ~50x slower, so its files/s and CPU are not figures, and with several
 writers its batches differ from a normal run's. Every row splits the CPU per file into
 user and system time (``cpu_ms_per_file_user_sys``). Results go to stdout as JSON lines,
@@ -150,7 +151,7 @@ def main() -> int:
                     idle = callgrind_ir(m.pid, a.callgrind) / (time.monotonic() - tz)
                     _cg(m.pid, "-i", "off")
                     cg = {"sidecar_ir_per_file": round((ir - idle * busy) / a.n),
-                          "idle_ir_per_s": round(idle)}
+                          "sidecar_ir_per_file_raw": round(ir / a.n), "idle_ir_per_s": round(idle)}
                 for p in spies:
                     _stop(p)
                 peer = None
