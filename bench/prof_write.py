@@ -12,7 +12,15 @@ the sidecar and of the control plane (``/proc/PID/stat``). With ``--juicefs`` th
 a ratio to the peer measured minutes apart on the same machine. With ``--pyspy DIR`` the one-
 writer part of the first round is sampled by ``py-spy record`` in both processes (raw
 collapsed stacks ``DIR/sidecar.txt`` and ``DIR/serve.txt``, idle frames dropped); py-spy must
-be on PATH or in the venv. Results go to stdout as JSON lines, one per measurement.
+be on PATH or in the venv. With ``--callgrind DIR`` the sidecar runs under valgrind's callgrind
+(instrumentation off until a measured part starts; dumps in ``DIR``) and each row carries the
+instructions it executed per file (``sidecar_ir_per_file``, user space, the same on a loaded
+machine as on a quiet one, less the idle rate measured right after: ``idle_ir_per_s``; without
+that subtraction: ``sidecar_ir_per_file_raw``); the
+sidecar then runs ~50x slower, so its files/s and CPU are not figures, and with several
+writers its batches differ from a normal run's. Every row splits the CPU per file into
+user and system time (``cpu_ms_per_file_user_sys``). Results go to stdout as JSON lines,
+one per measurement.
 """
 from __future__ import annotations
 
@@ -26,6 +34,7 @@ import sys
 import time
 from pathlib import Path
 
+import common
 from bench_write import STORE, WS, write_files
 from common import Mount, Session, cpu_s, loadavg
 
@@ -52,6 +61,46 @@ def _stop(p: subprocess.Popen) -> None:
         p.wait()
 
 
+def user_sys(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds used so far by ``pid``, all its threads."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    tck = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tck, int(fields[12]) / tck
+
+
+def _callgrind_launcher(out: Path) -> str:
+    """A script that runs ``memfuse`` under callgrind with instrumentation off (dumps
+    ``out/cg.PID.N``), for ``common.MEMFUSE``."""
+    sh = out / "memfuse-callgrind"
+    sh.write_text("#!/bin/sh\n"
+                  f"exec valgrind --tool=callgrind --instr-atstart=no --trace-children=no "
+                  f"--callgrind-out-file={out}/cg.%p {sys.executable} {common.MEMFUSE} \"$@\"\n")
+    sh.chmod(0o755)
+    return str(sh)
+
+
+def _cg(pid: int, *args: str) -> None:
+    subprocess.run(["callgrind_control", *args, str(pid)], capture_output=True, timeout=600,
+                   check=True)
+
+
+def callgrind_ir(pid: int, out: Path) -> int:
+    """Instructions ``pid`` executed since its counters were last zeroed: dump them
+    (``callgrind_control -d``), read the dump's total, zero them."""
+    before = set(out.glob(f"cg.{pid}*"))
+    _cg(pid, "-d")
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        for p in set(out.glob(f"cg.{pid}*")) - before:
+            for line in p.read_text(errors="replace").splitlines():
+                if line.startswith(("totals:", "summary:")):
+                    _cg(pid, "-z")
+                    return int(line.split()[1])
+        time.sleep(0.2)
+    raise RuntimeError(f"no callgrind dump from {pid}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=1000)
@@ -60,12 +109,17 @@ def main() -> int:
     ap.add_argument("--juicefs", action="store_true")
     ap.add_argument("--pyspy", type=Path)
     ap.add_argument("--label", default="")
+    ap.add_argument("--callgrind", type=Path, metavar="DIR")
     a = ap.parse_args()
+    if a.callgrind is not None:
+        a.callgrind = a.callgrind.resolve()
+        a.callgrind.mkdir(parents=True, exist_ok=True)
+        common.MEMFUSE = _callgrind_launcher(a.callgrind)
     threads = [int(x) for x in a.threads.split(",") if x]
     with Session(quick=True, verbose=True) as s:
         tok = s.workspace(WS, (STORE,))
         m = Mount(s, s.cp, WS, tok, "writer")
-        m.start(STORE, nonempty=False)
+        m.start(STORE, nonempty=False, timeout=900 if a.callgrind else 180)
         s.on_close(m.stop)
         jfs = s.juicefs() if a.juicefs else None
         write_files(m.mountpoint / STORE / "warmup", 50)
@@ -79,9 +133,25 @@ def main() -> int:
                     spies = [_record(m.pid, a.pyspy / "sidecar.txt"),
                              _record(s.cp.proc.pid, a.pyspy / "serve.txt")]
                     time.sleep(1.0)
+                if a.callgrind:
+                    _cg(m.pid, "-i", "on")
+                    callgrind_ir(m.pid, a.callgrind)  # zeroed
+                tz = time.monotonic()
                 c0 = (cpu_s(m.pid), cpu_s(s.cp.proc.pid))
+                u0 = user_sys(m.pid)
                 dt = write_files(m.mountpoint / STORE / f"r{r}t{t}", a.n, threads=t)
                 c1 = (cpu_s(m.pid), cpu_s(s.cp.proc.pid))
+                u1 = user_sys(m.pid)
+                cg = {}
+                if a.callgrind:
+                    time.sleep(0.6)  # the journal's lazy write of the last files (LAZY_DELAY)
+                    ir, busy = callgrind_ir(m.pid, a.callgrind), time.monotonic() - tz
+                    tz = time.monotonic()
+                    time.sleep(2.0)  # nothing written: what the sidecar runs per second idle
+                    idle = callgrind_ir(m.pid, a.callgrind) / (time.monotonic() - tz)
+                    _cg(m.pid, "-i", "off")
+                    cg = {"sidecar_ir_per_file": round((ir - idle * busy) / a.n),
+                          "sidecar_ir_per_file_raw": round(ir / a.n), "idle_ir_per_s": round(idle)}
                 for p in spies:
                     _stop(p)
                 peer = None
@@ -92,6 +162,9 @@ def main() -> int:
                        "vs_juicefs": round(a.n / dt / peer, 2) if peer else None,
                        "cpu_ms_per_file": {"sidecar": round((c1[0] - c0[0]) / a.n * 1000, 3),
                                            "serve": round((c1[1] - c0[1]) / a.n * 1000, 3)},
+                       "cpu_ms_per_file_user_sys": {"sidecar": [round((u1[i] - u0[i]) / a.n * 1000, 3)
+                                                                for i in (0, 1)]},
+                       **cg,
                        "loadavg": loadavg()}
                 print(json.dumps(row), flush=True)
         st = m.status()

@@ -624,16 +624,21 @@ def _matches(rule: _Rule, content: str, low: str | None) -> Iterator[re.Match[st
     yield from rule.pattern.finditer(content)
 
 
+#: each rule with its hints and whether they are looked for in the lower-cased text: read
+#: by ``_first_secret`` as plain loops (no generator per rule: a scan of a short name or a
+#: note of a few hundred bytes, three per file written, was mostly that overhead)
+_HINTED: tuple[tuple[_Rule, tuple[str, ...], bool], ...] = tuple((r, r.hints, r.lower) for r in _RULES)
+
+
 def _first_secret(content: str, in_name: bool = False) -> tuple[_Rule, re.Match[str]] | None:
-    low: str | None = None
-    for rule in _RULES:
-        if rule.lower:
-            if low is None:
-                low = content.lower()
-            if not any(h in low for h in rule.hints):
-                continue
-        elif not any(h in content for h in rule.hints):
-            continue
+    low = content.lower()  # a rule with ``lower`` looks for its hints in it
+    for rule, hints, lower in _HINTED:
+        text = low if lower else content
+        for h in hints:
+            if h in text:
+                break
+        else:
+            continue  # no hint: no match possible (``_Rule.hints``)
         for m in _matches(rule, content, low):
             if rule.check(m, content) and (not in_name or _name_check(rule, m)):
                 return rule, m

@@ -7,8 +7,10 @@ name fails at the syscall with ``EINVAL`` / ``ENAMETOOLONG``).
 from __future__ import annotations
 
 import fnmatch
+import functools
 import re
 import unicodedata
+from collections.abc import Callable
 
 MAX_COMPONENT_BYTES = 255
 MAX_COMPONENTS = 32
@@ -114,8 +116,20 @@ def check_slug(slug: str) -> str:
 
 def is_local_only(name: str, patterns: tuple[str, ...] = DEFAULT_LOCAL_ONLY) -> bool:
     """True when ``name`` (one component) is an editor or tool temporary that stays in the
-    sidecar: never sent to the control plane, invisible to other workspaces (docs/SEMANTICS.md)."""
-    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+    sidecar: never sent to the control plane, invisible to other workspaces (docs/SEMANTICS.md).
+    ``patterns`` are ``fnmatch`` patterns, matched case-sensitively (``fnmatchcase``), all in
+    one regular expression (``_local_only_re``): the sidecar asks this twice per file created."""
+    return _local_only_re(patterns)(name) is not None
+
+
+@functools.lru_cache(maxsize=16)
+def _local_only_re(patterns: tuple[str, ...]) -> Callable[[str], re.Match[str] | None]:
+    """``match`` of one regular expression that matches what any of ``patterns`` matches
+    with ``fnmatch.fnmatchcase`` (each ``fnmatch.translate``d, anchored at both ends as
+    there). Nothing matches an empty tuple."""
+    if not patterns:
+        return lambda name: None
+    return re.compile("|".join(f"(?:{fnmatch.translate(p)})" for p in patterns)).match
 
 
 def client_label(value: str | None, limit: int = 100) -> str | None:

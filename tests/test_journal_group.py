@@ -341,6 +341,40 @@ async def test_a_held_insert_acknowledged_first_is_never_written(tmp_path):
         j.close()
 
 
+async def test_held_inserts_do_not_wake_the_journal_once_per_close(tmp_path):
+    """One writer whose closes are acknowledged within ``HOLD`` (each close adds a held
+    insert): the journal's loop, asleep until the first insert or lazy write is due, is not
+    woken by a later one due no earlier (``Journal._wake_by``): a few wake-ups for 30 closes
+    (the first insert, the lazy key map rows), not one or more per close."""
+    fake = FakeControlPlane(seed=13)
+    token = await fake.setup("ws")
+    fake.faults.latency = 0.01
+    async with ApiClient(fake.base_url, token, transport=fake.transport) as api:
+        j = CountingJournal(tmp_path / "outbox.db")
+        j.HOLD, j.LAZY_DELAY = 10.0, 5.0  # nothing falls due while the closes run
+        c = Committer(api, j, {})
+        c.hold_journal = True
+        closes = 30
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(j.run)
+                await nursery.start(c.run)
+                for i in range(closes):
+                    e = c.submit("default", PUT, f"n:{i}", {"path": f"f{i}.md"}, b"x\n")
+                    await e.wait_accepted(30)
+                    await e.done.wait()
+                    assert e.errno == 0 and not e.durable.is_set()
+                woken = j.wakeups
+                j.hurry() if j._held else j._wake()  # the key map rows: written now
+                while j.depth():
+                    await trio.sleep(0.01)
+                nursery.cancel_scope.cancel()
+        assert j.held_skipped == closes
+        assert woken <= 3, woken  # before: one per close (31 for 30)
+        assert len(j.load()[1]) == closes
+        j.close()
+
+
 async def test_a_held_insert_is_written_when_due_or_when_the_control_plane_fails(tmp_path):
     """No acknowledgement within ``HOLD``: the insert is written then, and the waiting
     close returns once it is on disk (accepted), as without the hold. The committer learning

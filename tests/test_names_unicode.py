@@ -91,3 +91,24 @@ async def test_rest_and_memory_tool_refuse_every_format_character():
             assert sorted(x.path for x in page.records) == ["ok.md", "ok2.md"]
     finally:
         await fake.aclose()
+
+
+def test_local_only_patterns_match_exactly_as_fnmatchcase():
+    """``names.is_local_only`` matches all patterns with one compiled expression; it must
+    say what ``fnmatch.fnmatchcase`` says of each pattern (anchored at both ends, case
+    sensitive, ``[`` unclosed read literally, a newline in a name matched by ``*``)."""
+    import fnmatch
+    import itertools
+    import random
+
+    from memfuse import names
+
+    rng = random.Random(5)
+    alphabet = "ab.~#-x*?[]!\n"
+    samples = ["f.md", "f~", ".#x", "#x#", ".goutputstream-1", ".~lock.a#", ".x.swp", ".x.swx",
+               "x.swp", "4913", "49130", "a\n~", "~", "F~", ".#", "#"]
+    samples += ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 7))) for _ in range(3000)]
+    sets = [names.DEFAULT_LOCAL_ONLY, ("*.tmp*x", "a?b", "[!a]*", "[a-"), (), ("*",)]
+    for patterns, name in itertools.product(sets, samples):
+        want = any(fnmatch.fnmatchcase(name, p) for p in patterns)
+        assert names.is_local_only(name, patterns) == want, (name, patterns)

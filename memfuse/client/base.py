@@ -397,6 +397,10 @@ class ApiSession:
         #: the lean HTTP/1.1 path for ordinary requests (``lean.LeanHTTP``), when asked for
         #: (``lean=True``: the sidecar) and usable: no custom transport, no proxy configured
         self._lean: LeanHTTP | None = None
+        #: the client's default headers as the lean path sends them (lower-case names, no
+        #: ``accept-encoding``: it reads no compressed body), built once from ``_http``'s
+        #: and again after ``set_instance`` changes them (None: to be built)
+        self._lean_defaults: dict[str, str] | None = None
         if lean:  # imported here: it needs trio, which the CLI's read commands never load
             from .lean import LeanHTTP, proxy_configured
             if transport is None and not proxy_configured():
@@ -406,6 +410,7 @@ class ApiSession:
         """Send ``X-Memfuse-Instance: instance`` from now on (the sidecar id on versions)."""
         self.instance = instance
         self._http.headers[INSTANCE_HEADER] = instance
+        self._lean_defaults = None
 
     def no_answer_for(self) -> float:
         """Seconds the oldest ordinary request (not a long poll or a stream) has been waiting
@@ -496,7 +501,11 @@ class ApiSession:
                 self._waiting[rid] = time.monotonic()
             try:
                 if lean is not None:  # its requests are always bounded (LeanHTTP.send)
-                    merged = {k: v for k, v in self._http.headers.items() if k != "accept-encoding"}
+                    defaults = self._lean_defaults
+                    if defaults is None:
+                        defaults = self._lean_defaults = {
+                            k: v for k, v in self._http.headers.items() if k != "accept-encoding"}
+                    merged = defaults.copy()
                     merged.update((k.lower(), v) for k, v in headers.items())
                     resp = await lean.send(method, path, list(merged.items()), kwargs.get("content"))
                 elif self.bounded:

@@ -667,11 +667,12 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         deadline = trio.current_time() + self.settings.commit_wait
         await self._wait_accepted(n, e, JOURNAL_WAIT)
         c = self.committer
-        with trio.move_on_at(deadline):
-            # e.changed is set when e finishes and, for every queued entry, when the outbox
-            # starts failing (Committer._attempt_failed)
-            while not e.done.is_set() and not c.failing:
-                await e.changed.wait()
+        if not e.done.is_set() and not c.failing:  # (committed already: no scope to enter)
+            with trio.move_on_at(deadline):
+                # e.changed is set when e finishes and, for every queued entry, when the
+                # outbox starts failing (Committer._attempt_failed)
+                while not e.done.is_set() and not c.failing:
+                    await e.changed.wait()
         if e.done.is_set() and e.errno:
             raise FsError(e.errno, e.reason)
 

@@ -58,10 +58,10 @@ def _failed(self: MemfuseOps, name: str, e: Exception) -> pyfuse3.FUSEError:
     counted in ``memfuse_fuse_errors_total`` and, for the sidecar's own disk and for
     anything unexpected, logged (``log.exception``: call it from the ``except`` block)."""
     if isinstance(e, pyfuse3.FUSEError):
-        self.metrics.fuse_errors.labels(name, errno.errorcode.get(e.errno, str(e.errno))).inc()
+        self._error_counter(name, e.errno).inc()
         return e
     if isinstance(e, FsError):
-        self.metrics.fuse_errors.labels(name, errno.errorcode.get(e.errno, str(e.errno))).inc()
+        self._error_counter(name, e.errno).inc()
         return pyfuse3.FUSEError(e.errno)
     if isinstance(e, CacheError):  # the sidecar's own disk: full (ENOSPC) or failing (EIO)
         self.metrics.fuse_errors.labels(name, errno.errorcode.get(e.errno, str(e.errno))).inc()
@@ -184,11 +184,24 @@ class MemfuseOps(pyfuse3.Operations):
         self.fs = fs
         self.metrics = metrics or Metrics()
         self._op_stats: dict[str, OpStats] = {}  # per op name (hot path: one dict lookup)
+        #: (op name, errno) -> its ``memfuse_fuse_errors_total`` child: every file written
+        #: is answered one ENODATA (the kernel's ``security.capability`` probe before the
+        #: first write), and ``labels()`` takes a lock and builds its key per call
+        self._err_counters: dict[tuple[str, int], Any] = {}
 
     def _stats(self, name: str) -> OpStats:
         """The ``OpStats`` of operation ``name``, taken from the metrics on first use."""
         st = self._op_stats[name] = self.metrics.fuse_ops.labels(name)
         return st
+
+    def _error_counter(self, name: str, err: int) -> Any:
+        """The ``memfuse_fuse_errors_total{op=name, errno=...}`` child counting ``err``
+        (its symbolic name, or the number when it has none), looked up once."""
+        c = self._err_counters.get((name, err))
+        if c is None:
+            c = self._err_counters[(name, err)] = self.metrics.fuse_errors.labels(
+                name, errno.errorcode.get(err, str(err)))
+        return c
 
     # ------------------------------------------------------------------ attributes
     def attrs(self, n: Node) -> pyfuse3.EntryAttributes:

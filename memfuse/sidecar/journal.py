@@ -85,6 +85,8 @@ class _Waitable:
         or ``EIO`` when it did not get to it within ``timeout``. The entry stays queued either
         way: the journal keeps retrying it and the committer may still commit it.
         """
+        if self.durable.is_set() or self.done.is_set():
+            return  # (no cancel scope for nothing to wait for)
         with trio.move_on_after(timeout):
             while not (self.durable.is_set() or self.done.is_set()):
                 if self.journal_error is not None:
@@ -360,6 +362,13 @@ class Journal:
         #: lazy writes stops at it): they go when it is due, at most ``LAZY_DELAY + HOLD``
         #: after the oldest of them
         self._lazy_behind = False
+        #: INVARIANT: while ``run`` sleeps until a due time (its timed wait for held
+        #: inserts and lazy writes), that time (``time.monotonic()``); None whenever it
+        #: does anything else (waits for a first write, writes a batch). A non-urgent write
+        #: due no earlier than it need not wake ``run``: with one writer every close adds a
+        #: held insert, which would otherwise wake it once per file only to sleep again
+        self._sleeping_until: float | None = None
+        self.wakeups = 0  # times ``run`` woke (tests: held inserts do not wake it per file)
         self.held_skipped = 0  # held inserts never written: their entry finished first
         self._lock = trio.Lock()
         self.error: CacheError | None = None  # the last write failure, None once one succeeds
@@ -635,8 +644,8 @@ class Journal:
         self._unwritten[e.id] = op
         self._waiters.append(e)
         if hold and self.HOLD > 0:
-            self._held[e.id] = time.monotonic() + self.HOLD
-            self._wakeup.set()  # not urgent: ``run`` waits until it is due, or for company
+            due = self._held[e.id] = time.monotonic() + self.HOLD
+            self._wake_by(due)  # not urgent: ``run`` waits until it is due, or for company
         else:
             self._wake()
 
@@ -673,7 +682,16 @@ class Journal:
         (the key map row is learnt again from that answer)."""
         if self._lazy_since is None:
             self._lazy_since = time.monotonic()
-            self._wakeup.set()  # not urgent: ``run`` then waits up to LAZY_DELAY for company
+            # not urgent: ``run`` then waits up to LAZY_DELAY for company
+            self._wake_by(self._lazy_since + self.LAZY_DELAY)
+
+    def _wake_by(self, due: float) -> None:
+        """A queued write that must be written by ``due`` (``time.monotonic()``) at the
+        latest: wake ``run`` unless it sleeps until no later than that already
+        (``_sleeping_until``); it then finds this write when it wakes."""
+        until = self._sleeping_until
+        if until is None or due < until:
+            self._wakeup.set()
 
     def _wake(self) -> None:
         """A queued write someone waits for (or a retry): ``run`` writes the batch now."""
@@ -796,12 +814,18 @@ class Journal:
         delay = self.RETRY_MIN
         while True:
             await self._wakeup.wait()
+            self.wakeups += 1
             # only lazy writes or held inserts queued: write them with the next urgent batch,
             # or when the first of them is due (LAZY_DELAY, HOLD)
             while not self._urgent and (due := self._due()) is not None and due > time.monotonic():
                 self._wakeup = trio.Event()
-                with trio.move_on_after(due - time.monotonic()):
-                    await self._wakeup.wait()
+                self._sleeping_until = due
+                try:
+                    with trio.move_on_after(due - time.monotonic()):
+                        await self._wakeup.wait()
+                finally:
+                    self._sleeping_until = None
+                self.wakeups += 1
             self._wakeup = trio.Event()
             if not self._urgent and not self._pending and not self._waiters:
                 continue  # the held inserts finished first: nothing to write

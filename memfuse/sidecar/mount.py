@@ -246,9 +246,17 @@ class Sidecar(StoreSync):
         self.task_failures: dict[str, int] = {}  # task name -> unexpected exceptions
         self.state_save_failing = False
 
+        # the metric children of each (endpoint, status) seen, looked up once: labels()
+        # takes a lock and builds its key per call, and every commit request comes here
+        children: dict[tuple[str, str], tuple[Any, Any]] = {}
+
         def observe(endpoint: str, status: str, seconds: float) -> None:
-            self.metrics.api_calls.labels(endpoint, status).inc()
-            self.metrics.api_latency.labels(endpoint).observe(seconds)
+            c = children.get((endpoint, status))
+            if c is None:
+                c = children[(endpoint, status)] = (self.metrics.api_calls.labels(endpoint, status),
+                                                    self.metrics.api_latency.labels(endpoint))
+            c[0].inc()
+            c[1].observe(seconds)
         client.observer = observe
         self._token_changed = trio.Event()  # set (and replaced) when a new token is in use
         if client.token_file is not None:
