@@ -223,6 +223,8 @@ class Committer:
                     for a in (e, *e.absorbed):
                         if a.append_base is not None:
                             out.add(a.append_base[0])
+                        if a.args.get("base"):  # an overwrite's older base (Node.read_base)
+                            out.add(a.args["base"])
         return out
 
     # --- enqueueing (synchronous, on the trio thread: order is fixed here) -------------------

@@ -115,8 +115,17 @@ class ConflictResolver:
         previous put of the same file was merged (``merged``) and the control plane still
         holds that merge: this put was written on the local content before the merge came
         back, so its base is that local content (the ``If-Match`` then fails and the put is
-        rebased onto the merge, ``rebase``)."""
+        rebased onto the merge, ``rebase``). A put whose args hold ``base`` (an overwrite
+        of a file the feed changed after a reader here was served it, ``Node.read_base``;
+        for coalesced puts the oldest one's) is based on that version instead."""
         rid, sha = self.ids.get(e.node_key, e.store)
+        # an overwrite written on a version older than the last one seen here (the feed
+        # applied a rival change after a reader was served it: ``Node.read_base``, carried
+        # as ``args["base"]``) is based on that version; a coalesced put on its oldest's
+        first = e.absorbed[0] if e.absorbed else e
+        read_base = first.args.get("base")
+        if rid is not None and read_base and read_base != sha:
+            return rid, read_base, None
         m = self.merged.get(e.node_key) if e.node_key else None
         if rid is not None and m is not None and sha == m[2]:
             return rid, m[0], m[1]

@@ -272,6 +272,11 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         if h.snapshot is not None:
             return h.snapshot[off:off + size]
         n = h.node
+        x = n._x
+        if x is not None and "read_base" in x:
+            # the reader is served the current content (a handle opened before a remote
+            # change reads it once the kernel's pages are invalidated): Node.read_base
+            del x["read_base"]
         if n.buf is not None:
             return bytes(n.buf[off:off + size])
         if off >= n.size or not n.sha:
@@ -319,8 +324,16 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         kept = self.recent.get(n.sha) if n.size >= APPEND_CHECK_MIN else None
         return kept if kept is not None else self.blobs.read(n.sha)
 
-    def _make_buf(self, n: Node) -> WriteBuffer:
+    def _make_buf(self, n: Node, *, replacing: bool = False) -> WriteBuffer:
+        """``n``'s write buffer, made from its current content at a write session's first
+        change. Such a session's content derives from that content, which is then its base
+        (``Node.read_base`` dropped), unless ``replacing`` (a truncate to 0: the content is
+        replaced whole, written on what the writer read) or ``n`` is dirty already (an
+        ``O_TRUNC`` open, a file renamed over a record: their base was set then)."""
         if n.buf is None:
+            x = n._x
+            if x is not None and not replacing and not n.dirty:
+                x.pop("read_base", None)
             if n.sha and n.size >= APPEND_CHECK_MIN:
                 # the content by reference (an append adds to it, ``appendbuf``): from
                 # memory when this sidecar held it last (the previous close of a journal),
@@ -382,7 +395,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             if refusal is not None:
                 self.refuse(n.parent, n.name, refusal.errno,
                             refusal.reason + "; the truncate was not applied", refusal.code)
-        buf = self._make_buf(n)
+        buf = self._make_buf(n, replacing=size == 0)
         if not judge:  # ftruncate(2) on a descriptor: judged as a write (EILSEQ for NULs)
             self._judge(n, buf, 0, size=size)
         self._account(n, size - len(buf))
@@ -426,6 +439,12 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             h = self._new_handle(n, flags)
             h.snapshot = self.controls.opened(special)
             return h
+        if not writing:
+            # a reader is served the current content: an overwrite after it is based on it
+            # (Node.read_base; a writing open keeps it: vim reads, then opens to rewrite)
+            x = n._x
+            if x is not None:  # not None here (the warm path above took the others)
+                x.pop("read_base", None)
         if flags & os.O_TRUNC and n.cur_size() > 0:
             self._account(n, -n.cur_size())
             n.buf = bytearray()
@@ -529,9 +548,16 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             raise refusal
         # the attributes ride with the content (cp -p, install -m, sed -i's fchmod)
         assert n.store is not None  # a record's file (not local-only, not a control file)
-        e = self.committer.submit(n.store.slug, PUT, n.key,
-                                  {"path": n.path(), "type": n.type_override,
-                                   "mode": stat.S_IMODE(n.mode), "mtime_ns": n.xmtime}, data,
+        args = {"path": n.path(), "type": n.type_override, "mode": stat.S_IMODE(n.mode),
+                "mtime_ns": n.xmtime}
+        # the base of an overwrite is the version the writer could have read: when the
+        # feed replaced the content readers here were served before this write replaced
+        # it whole, the put is conditional on that older version (its If-Match fails, the
+        # rival change is merged three-way or reported: ConflictResolver.put_base)
+        read_base = n._x.pop("read_base", "") if n._x is not None else ""
+        if read_base and read_base != self.ids.get(n.key, n.store.slug)[1]:
+            args["base"] = read_base
+        e = self.committer.submit(n.store.slug, PUT, n.key, args, data,
                                   sha=sha, append_base=(prev_sha, checked) if checked else None)
         n.last_put = e
         n.state, n.error = PENDING, ""
@@ -827,6 +853,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
                  extra={"store": e.store, "record": e.record.id, "entry": e.id,
                         "answered": e.record.version, "known": m.version})
         old = n.cur_size()
+        self.note_replaced(n, m.sha256)
         self._hold_content(n, data, m.sha256, "the newest version")
         self._set_clean(n, m)
         self._account(n, n.cur_size() - old)
@@ -848,6 +875,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         if n.dirty or e.merged is None or e.record is None:
             return
         old = n.cur_size()
+        self.note_replaced(n, e.record.sha256)  # a reader may have read our write before
         self._hold_content(n, e.merged, e.record.sha256, "the merged content")  # the control plane has it
         self._account(n, n.cur_size() - old)
         n.mtime_ns = n.ctime_ns = n.updated_ns

@@ -249,6 +249,19 @@ class Node:
     # it was made on content not seen here yet (older remote states keep our attributes).
     xmtime: _Rare[int | None] = _rare("xmtime", None)
     attrs_version: _Rare[int] = _rare("attrs_version", 0)
+    # The version a writer here could have read, when a remote change replaced it since
+    # (docs/SEMANTICS.md "Conflicts", the base of an overwrite): the sha256 (64 hex digits) of
+    # the content this mount served to readers of the file before the feed applied a newer
+    # version, '' when readers were served the current one.
+    # INVARIANT: set only by ``RemoteApply.note_replaced`` (a remote change of content, or
+    # the merge of our own write shown, when not set already: the oldest version no reader
+    # was served a newer one after); cleared by a reader's open or read
+    # (``Filesystem.open`` / ``read``: served the current content), by a write
+    # session built on the current content (``_make_buf``: its base is that content), and
+    # by the commit that carries it as its base (``Filesystem.commit``); a file renamed over
+    # a record takes the target's (``NamespaceOps._adopt_key``). Memory only (a restart
+    # forgets it: the base is then the version this sidecar last saw).
+    read_base: _Rare[str] = _rare("read_base", "")
 
     def __repr__(self) -> str:
         return f"Node(ino={self.ino}, name={self.name!r}, key={self.key!r}, state={self.state})"

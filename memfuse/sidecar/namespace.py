@@ -215,6 +215,13 @@ class NamespaceOps:
             del self.by_key[src._key]
         src.key = dst.key  # written out: the key stays the target's whatever its id becomes
         self.by_key[src.key] = src
+        # src's content replaces dst's whole: its base is the version of dst a writer here
+        # could have read (Node.read_base; none: the version this sidecar last saw)
+        x = src._x
+        if x is not None:
+            x.pop("read_base", None)
+        if dst.read_base:
+            src.read_base = dst.read_base
         rid, src.version = dst.record_id, dst.version
         self._bind_rid(dst, None)
         self._bind_rid(src, rid)

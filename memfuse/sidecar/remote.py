@@ -336,6 +336,7 @@ class RemoteApply:
                 inv += self._move_remote(sm, n, rec.path)
             if n.sha != rec.sha256:
                 inv.append(("inode", n.ino))
+                self.note_replaced(n, rec.sha256)
             self.ids.note(n.key, rec.id, rec.sha256)
         old = n.cur_size()
         before = (n.mode, n.mtime_ns)
@@ -344,6 +345,19 @@ class RemoteApply:
         if (n.mode, n.mtime_ns) != before and not any(i[0] == "inode" and i[1] == n.ino for i in inv):
             inv.append(("attr", n.ino))
         return inv
+
+    @staticmethod
+    def note_replaced(n: Node, sha: str) -> None:
+        """File ``n``'s content is about to be replaced by the version ``sha`` (sha256, 64
+        hex digits) that no reader here was served yet: a remote change, or the merge of
+        this sidecar's own write shown. Readers were served ``n``'s content, or an older
+        one still when none read it since the last such change: a later overwrite is based
+        on that (``Node.read_base``, docs/SEMANTICS.md "Conflicts"), not on ``sha``."""
+        x = n._x
+        if x is not None and x.get("read_base") == sha:
+            del x["read_base"]  # back to what readers were served
+        elif not n.read_base and n.sha and n.sha != sha:
+            n.read_base = n.sha
 
     def _remote_over_rejected(self, sm: StoreMount, n: Node,
                               rec: Record | Meta) -> list[tuple[Any, ...]] | None:

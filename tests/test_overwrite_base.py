@@ -1,0 +1,174 @@
+"""The base of an overwrite is the version the writer could have read (docs/SEMANTICS.md,
+"Conflicts"): a tool that reads a file, then replaces it whole (``sed -i`` and ``os.replace``:
+a temporary renamed over it; ``open(O_TRUNC)`` / ``cp`` / ``tee``; vim's ``ftruncate(0)``),
+while the change feed brings a rival version in between, has its write sent ``If-Match``
+the version it read, not the newer one the mount shows by then: the rival change is merged
+three-way (disjoint lines) or the overwrite is reported (``conflict`` line), never lost
+silently.
+
+Two real sidecars on one store of a real ``memfuse serve``. Deterministic: the writer reads
+version 1 in mount B, mount A commits version 2, B's mount applies it (seen through the
+``user.memfuse.sha256`` attribute: no reader is served it), then B writes its edit made on
+version 1 (attack report 1, findings 1 and 2).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.mount
+
+from mountutil import Sidecar, live_records, read, sh, two_sidecars, wait_until
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    with two_sidecars(tmp_path_factory.mktemp("ob"), "s") as cp_a_b:
+        yield cp_a_b
+
+
+def _errors(sc: Sidecar) -> list[dict]:
+    text = (sc.mountpoint / ".memfuse" / "errors.log").read_text()
+    return [json.loads(ln) for ln in text.splitlines() if ln.strip()]
+
+
+def _depth(sc: Sidecar) -> int:
+    return json.loads((sc.mountpoint / ".memfuse" / "status.json").read_text())["outbox"]["depth"]
+
+
+def _shown(p: Path, content: str) -> None:
+    """Wait until the mount shows ``content`` at ``p`` by its sha256 attribute (no open, no
+    read: nothing is served to a reader)."""
+    want = hashlib.sha256(content.encode()).hexdigest()
+
+    def sha() -> str | None:
+        try:
+            return os.getxattr(p, "user.memfuse.sha256").decode()
+        except OSError:
+            return None
+
+    wait_until(lambda: sha() == want, timeout=15, what=f"{p.name} applied from the feed")
+
+
+def _settled(cp, a, b, name: str) -> str:
+    wait_until(lambda: _depth(a) == 0 and _depth(b) == 0, timeout=60, what="both outboxes drained")
+    cur = live_records(cp, "s")[name].content
+    wait_until(lambda: read(a.mountpoint / "s" / name) == cur and read(b.mountpoint / "s" / name) == cur,
+               timeout=15, what="both mounts show the stored content")
+    return cur
+
+
+def _rewrite(path: Path, content: str, style: str) -> None:
+    """Replace ``path``'s content whole as tools do: ``rename`` (sed -i, os.replace: a new
+    file renamed over it), ``trunc`` (open O_TRUNC: cp, tee, python's open('w')), ``ftrunc``
+    (vim: open O_WRONLY, ftruncate 0, write)."""
+    if style == "rename":
+        tmp = path.with_name(f"sed{uuid.uuid4().hex[:6]}")
+        tmp.write_text(content)
+        os.replace(tmp, path)
+    elif style == "trunc":
+        path.write_text(content)
+    else:
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, content.encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+@pytest.mark.parametrize("style", ["rename", "trunc", "ftrunc"])
+def test_an_overwrite_made_on_the_version_read_merges_a_rival_change_applied_since(pair, style):
+    cp, a, b = pair
+    name = f"base-{style}-{uuid.uuid4().hex[:6]}.md"
+    v1 = "".join(f"k{i}=v{i}\n" for i in range(1, 11))
+    (a.mountpoint / "s" / name).write_text(v1)
+    pb = b.mountpoint / "s" / name
+    wait_until(lambda: read(pb) == v1, timeout=15, what="v1 in B")
+    mine = pb.read_text()  # B's tool reads version 1
+    errs = len(_errors(a)) + len(_errors(b))
+    sh(f"sed -i s/^k3=.*/k3=EDIT_A/ {name}", a.mountpoint / "s")  # A commits version 2
+    v2 = v1.replace("k3=v3", "k3=EDIT_A")
+    _shown(pb, v2)  # B's mount applied it from the feed
+    _rewrite(pb, mine.replace("k7=v7", "k7=EDIT_B"), style)  # B's edit, made on version 1
+    cur = _settled(cp, a, b, name)
+    assert cur == v1.replace("k3=v3", "k3=EDIT_A").replace("k7=v7", "k7=EDIT_B"), cur
+    assert len(_errors(a)) + len(_errors(b)) == errs  # merged: no conflict
+
+
+def test_an_overlapping_overwrite_on_an_older_version_is_reported(pair):
+    cp, a, b = pair
+    name = f"clash-{uuid.uuid4().hex[:6]}.md"
+    v1 = "alpha\nbeta\n"
+    (a.mountpoint / "s" / name).write_text(v1)
+    pb = b.mountpoint / "s" / name
+    wait_until(lambda: read(pb) == v1, timeout=15, what="v1 in B")
+    mine = pb.read_text()
+    sh(f"sed -i s/alpha/FROM-A/ {name}", a.mountpoint / "s")
+    _shown(pb, "FROM-A\nbeta\n")
+    _rewrite(pb, mine.replace("alpha", "FROM-B"), "rename")
+    assert _settled(cp, a, b, name) == "FROM-B\nbeta\n"  # last writer wins...
+    conflicts = [e for e in _errors(b) if e.get("conflict") and e["path"].endswith(name)]
+    assert len(conflicts) == 1, _errors(b)  # ... and says so
+    rec = live_records(cp, "s")[name]
+    history = [cp.call("version", "s", rec.id, v.version).content for v in cp.call("versions", "s", rec.id)]
+    assert "FROM-A\nbeta\n" in history
+
+
+def test_a_reader_served_the_new_version_bases_the_overwrite_on_it(pair):
+    """A tool that read the version the feed brought writes on it: a plain overwrite, no
+    merge of its own deletion back (the base is the version last served, not an older one)."""
+    cp, a, b = pair
+    name = f"served-{uuid.uuid4().hex[:6]}.md"
+    v1 = "one\ntwo\n"
+    (a.mountpoint / "s" / name).write_text(v1)
+    pb = b.mountpoint / "s" / name
+    wait_until(lambda: read(pb) == v1, timeout=15, what="v1 in B")
+    sh(f"echo added >> {name}", a.mountpoint / "s")
+    wait_until(lambda: read(pb) == "one\ntwo\nadded\n", timeout=15, what="v2 read in B")
+    errs = len(_errors(b))
+    _rewrite(pb, "one\n", "rename")  # B deletes lines it saw, "added" among them
+    assert _settled(cp, a, b, name) == "one\n"
+    assert len(_errors(b)) == errs
+
+
+def test_sed_on_a_header_while_another_mount_appends_keeps_every_line(pair):
+    """Attack report 1, finding 2 (atk_t10): mount A appends line after line while mount B
+    rewrites the first line with ``sed -i`` again and again: every appended line survives,
+    and the last header too."""
+    cp, a, b = pair
+    name = f"journal-{uuid.uuid4().hex[:6]}.log"
+    (a.mountpoint / "s" / name).write_text("counter=0\n" + "h" * 1100 + "\n")
+    wait_until(lambda: (read(b.mountpoint / "s" / name) or "").startswith("counter=0"),
+               timeout=15, what="the journal in B")
+    n_lines = 40
+    failed: list[BaseException] = []
+
+    def appender() -> None:
+        try:
+            for i in range(1, n_lines + 1):
+                sh(f"echo A-{i} >> {name}", a.mountpoint / "s")
+        except BaseException as e:  # reported below
+            failed.append(e)
+
+    t = threading.Thread(target=appender)
+    t.start()
+    try:
+        for k in range(1, 13):
+            sh(f"sed -i s/^counter=.*/counter={k}/ {name}", b.mountpoint / "s")
+    finally:
+        t.join(timeout=120)
+    assert not t.is_alive() and not failed, failed
+    cur = _settled(cp, a, b, name)
+    lines = cur.splitlines()
+    assert lines[0] == "counter=12", lines[:2]
+    missing = [i for i in range(1, n_lines + 1) if f"A-{i}" not in lines]
+    assert not missing, f"appended lines lost: {missing}"
+    assert [ln for ln in lines if ln.startswith("A-")] == [f"A-{i}" for i in range(1, n_lines + 1)]
