@@ -159,8 +159,9 @@ class SearchService(Resource):
                 conds.append(_prefix_clause(path_col, prefix))
             if type is not None:
                 conds.append(_R.c.type == type)
-            fields = {"path": [_R.c.path], "content": [tails.LIVE_CONTENT_EXPR],
-                      "any": [_R.c.path, tails.LIVE_CONTENT_EXPR]}[match]
+            by_match: dict[str, list[Any]] = {"path": [_R.c.path], "content": [tails.LIVE_CONTENT_EXPR],
+                                              "any": [_R.c.path, tails.LIVE_CONTENT_EXPR]}
+            fields = by_match[match]
             conds.append(or_(*(self._contains(c, q, case_sensitive) for c in fields)))
             if cursor:
                 cp, cid = _decode_cursor(cursor)
