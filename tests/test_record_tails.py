@@ -98,7 +98,7 @@ def audit(fake):
 
     class Audit:
         def check(self) -> None:
-            allowed = ("substr(records.content", "THEN records.content")
+            allowed = ("THEN records.content",)
             bad = []
             for s in seen:
                 flat = " ".join(s.split())
@@ -215,6 +215,25 @@ async def test_tail_starts_grows_folds_and_ends_with_every_version_exact(api, fa
     assert _tail(fake, rec.id) is None and (await api.get_record(STORE, rec.id)).content == "short\n"
     assert (await api.version(STORE, rec.id, len(contents) + 1)).content == contents[-1]  # moved
     assert (await api.version(STORE, rec.id, len(contents) + 2)).content == contents[-1] + "again\n"
+
+
+async def test_the_frontmatter_of_a_base_with_a_tail_still_decides_type_and_dates(api, fake):
+    fm = "---\ntype: feedback\nreview_after: 2031-01-02\n---\n"
+    rec = await api.create_record(STORE, "fm.md", fm + BASE)
+    await _append(api, rec.id, ["one\n", "two\n"])
+    with fake.service.db.read_conn() as conn:
+        assert conn.scalar(select(_T.c.head).where(_T.c.record_id == rec.id)) == fm.rstrip("\n")
+    got = await api.get_record(STORE, rec.id, content=False)
+    assert got.type == "feedback" and got.review_after is not None and got.review_after.year == 2031
+    # an explicit type does not outlive the next append (the frontmatter wins, as without a tail)
+    p = fake.service.authenticate(fake.token_for("ws"))
+    r = fake.service.append_record(p, STORE, rec.id, RecordAppend(append="three\n", type="user"),
+                                   if_match=got.sha256)
+    import json
+    assert json.loads(r.body)["type"] == "user"
+    await _append(api, rec.id, ["four\n"])
+    assert (await api.get_record(STORE, rec.id, content=False)).type == "feedback"
+    assert (await api.get_record(STORE, rec.id)).content == fm + BASE + "one\ntwo\nthree\nfour\n"
 
 
 async def test_a_small_record_never_gets_a_tail_and_its_index_follows(api, fake):

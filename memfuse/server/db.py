@@ -327,14 +327,17 @@ class RecordTailRow(Base):
     INVARIANT (``tails``): a row exists only for a live record whose ``records.content``
     holds at least ``fulltext.PG_MAX_CHARS`` characters and ends with a line end, and
     ``tail`` holds more than ``records.APPEND_SCAN_CONTEXT`` characters: the full-text head
-    and the frontmatter are in ``records.content``, an append's secret-scan context in
-    ``tail``. Any write of a record but an append folds it (``tail`` deleted, the content
+    and the frontmatter are in ``records.content`` (the frontmatter's block also in
+    ``head``), an append's secret-scan context in ``tail``. Any write of a record but an append folds it (``tail`` deleted, the content
     written whole)."""
 
     __tablename__ = "record_tails"
 
     record_id: Mapped[str] = mapped_column(ForeignKey("records.id", ondelete="CASCADE"), primary_key=True)
     tail: Mapped[str] = mapped_column(Text)
+    # the base's frontmatter block (``memfuse.content.frontmatter_head``; "" for none): what
+    # an append reads for the type and the staleness dates instead of the base
+    head: Mapped[str] = mapped_column(Text)
 
 # Byte order of live paths on PostgreSQL (revision 0005_records_path_bytes): the snapshot,
 # search and tree queries order and compare by ``path COLLATE "C"``, which no index in the

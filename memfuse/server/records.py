@@ -185,7 +185,7 @@ class RecordsService(Resource):
         a write).
 
         ``append``: the write is that append (``tails``): with a tail, ``rec.content`` holds
-        only the head of the base (the frontmatter) and the record's content is written as
+        only the base's frontmatter block and the record's content is written as
         ``tails.write`` says. Any other write of a record with a tail drops the tail (the
         row's content is the whole live content, read through ``tails.LIVE_CONTENT``)."""
         conn.info["memfuse_writes"] = conn.info.get("memfuse_writes", 0) + 1
@@ -415,8 +415,8 @@ class RecordsService(Resource):
         size, type, secret refusals in that order, then the ``modified`` version (none when
         nothing changes). ``body``: the request's ``type``, ``mode`` and ``mtime_ns``.
         ``append``: the update is that append (``_add_version``); with a tail, ``content``
-        is the head of the base (``tails.HEAD_CHARS``: the frontmatter, all the type and the
-        staleness dates read)."""
+        is the base's frontmatter block (``tails``: all the type and the staleness dates
+        read)."""
         _check_record_size(st, size)
         current = rec.type if rec.type is not None else st.default_type
         rtype = _resolve_type(rec.path, content, body.type, current)

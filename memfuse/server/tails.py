@@ -24,7 +24,9 @@ least ``APPEND_SCAN_CONTEXT`` characters. So, while a record has a tail:
 - the full-text index's head (the first ``PG_MAX_CHARS`` characters) is in the base and does
   not change with an append (the index's triggers see no change, and need no tail);
 - the frontmatter (within the first 64 KiB of a content: type, review and expiry dates) is
-  in the base: an append reads it with ``HEAD_CHARS`` of the base, never the whole base;
+  in the base and does not change: the tail row keeps its block (``head``, at most
+  ``HEAD_MAX_CHARS``; ``memfuse.content.frontmatter_head``), which an append reads instead
+  of the base;
 - the secret scan's context of the next append (the ``APPEND_SCAN_CONTEXT`` characters
   before it, from their line start: ``recordrows.scan_context``) is in the tail.
 
@@ -38,15 +40,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
-from sqlalchemy import Table, Text, bindparam, case, delete, exists, func, insert, literal_column, select, update
+from sqlalchemy import Table, Text, bindparam, case, delete, exists, insert, literal_column, select, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.sql.elements import ColumnElement
 
+from memfuse.content import frontmatter_head
 from memfuse.defs import LIVE_CONTENT_SQL
 from memfuse.server.db import RecordRow, RecordTailRow
 from memfuse.server.fulltext import PG_MAX_CHARS
 
-__all__ = ["TAIL_MAX_BYTES", "HEAD_CHARS", "LIVE_CONTENT", "LIVE_CONTENT_EXPR", "live", "Append", "scan_context", "read_for_append",
+__all__ = ["TAIL_MAX_BYTES", "HEAD_MAX_CHARS", "LIVE_CONTENT", "LIVE_CONTENT_EXPR", "live", "Append", "scan_context", "read_for_append",
            "live_content", "write", "drop", "HAS_TAIL", "SCAN_CONTEXT"]
 
 _R = cast(Table, RecordRow.__table__)
@@ -55,9 +58,9 @@ _T = cast(Table, RecordTailRow.__table__)
 #: a tail longer than this (UTF-8 bytes) is folded into the base at the append that makes it
 #: so: the base is written once per ~48 KiB appended, the tail row is at most this
 TAIL_MAX_BYTES = 64 * 1024
-#: characters of the base an append reads for its frontmatter (which is within its first
-#: 64 KiB after the ``---`` line, ``memfuse.content.frontmatter``)
-HEAD_CHARS = 64 * 1024 + 8
+#: the longest frontmatter block a tail keeps as its ``head`` (a longer one: no tail, the
+#: record's appends write it whole as before)
+HEAD_MAX_CHARS = 4096
 #: characters before an appended suffix that the secret scan reads with it (from the start
 #: of their line; ``recordrows.APPEND_SCAN_CONTEXT``)
 SCAN_CONTEXT = 16 * 1024
@@ -97,11 +100,10 @@ class Append:
 
 
 #: the record's columns but content; ``content``: the base whole when the record has no tail,
-#: else its first ``HEAD_CHARS`` characters (the frontmatter); ``tail``: the tail, or NULL
+#: else the base's frontmatter block (``head``); ``tail``: the tail, or NULL
 _SELECT_FOR_APPEND = (
     select(*(c for c in _R.c if c.name != "content"), _T.c.tail,
-           case((_T.c.tail.is_(None), _R.c.content),
-                else_=func.substr(_R.c.content, 1, HEAD_CHARS)).label("content"))
+           case((_T.c.tail.is_(None), _R.c.content), else_=_T.c.head).label("content"))
     .select_from(_R.outerjoin(_T, _T.c.record_id == _R.c.id))
     .where(_R.c.id == bindparam("rid"))
 )
@@ -159,7 +161,10 @@ def write(conn: Connection, record_id: str, append: Append,
     cut = _split(whole)
     if cut < PG_MAX_CHARS or len(whole) - cut > TAIL_MAX_BYTES or len(whole[cut:].encode("utf-8")) > TAIL_MAX_BYTES:
         return whole, False
-    conn.execute(_INSERT_TAIL, {"record_id": record_id, "tail": whole[cut:]})
+    head = frontmatter_head(whole)
+    if len(head) > HEAD_MAX_CHARS:
+        return whole, False
+    conn.execute(_INSERT_TAIL, {"record_id": record_id, "tail": whole[cut:], "head": head})
     return whole[:cut], True
 
 

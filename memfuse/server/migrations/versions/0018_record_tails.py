@@ -4,8 +4,9 @@ Revision ID: 0018_record_tails
 Revises: 0017_workspace_names
 Create Date: 2026-12-02
 
-- ``record_tails (record_id, tail)``: what was appended to a large record since its
-  ``records.content`` was last written whole (``memfuse.server.tails``). A record's live
+- ``record_tails (record_id, tail, head)``: what was appended to a large record since its
+  ``records.content`` was last written whole (``memfuse.server.tails``), and the base's
+  frontmatter block (what an append reads of the base). A record's live
   content is ``records.content || tail``; every reader goes through that one rule
   (``memfuse.defs.LIVE_CONTENT_SQL``). The key cascades with the record's row.
 - the full-text index's update triggers run only for a statement that sets what the index
@@ -39,6 +40,7 @@ def upgrade() -> None:
         sa.Column("record_id", sa.String(36), sa.ForeignKey("records.id", ondelete="CASCADE"),
                   primary_key=True),
         sa.Column("tail", sa.Text(), nullable=False),
+        sa.Column("head", sa.Text(), nullable=False),
     )
     for stmt in fulltext.update_trigger_statements(op.get_bind().dialect.name):
         op.execute(stmt)
