@@ -127,6 +127,20 @@ def frontmatter(content: str) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+def frontmatter_head(content: str) -> str:
+    """The shortest start of ``content`` whose :func:`frontmatter` is ``content``'s (and so
+    its type and dates): up to the end of the frontmatter's closing line, or ``""`` when it
+    has none (no ``---`` first line, or no closing line within 64 KiB)."""
+    text = content[1:] if content.startswith("\ufeff") else content
+    if not (text.startswith("---\n") or text.startswith("---\r\n")):
+        return ""
+    start = text.index("\n") + 1
+    m = _CLOSE_RE.search(text, start, start + _MAX_FRONTMATTER_CHARS)
+    if m is None:
+        return ""
+    return content[:m.end() + len(content) - len(text)]
+
+
 def frontmatter_type(content: str) -> str | None:
     """The ``type`` the frontmatter names (top-level ``type`` first, then ``metadata.type``),
     or None when there is none (no frontmatter, bad YAML, key absent or null).

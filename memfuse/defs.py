@@ -176,3 +176,11 @@ def one_line(text: object) -> str:
     """``text`` with every run of whitespace (newlines included) as one space, stripped (an
     error or a description on one line of the CLI's output)."""
     return " ".join(str(text).split())
+
+
+#: A record's live content as SQL over the ``records`` table (unaliased): its stored content
+#: plus what was appended since (``record_tails``, revision ``0018_record_tails``). The one
+#: rule every reader of live content goes through (``memfuse.server.tails.LIVE_CONTENT``, and
+#: the CLI's local reads); NULL when ``records.content`` is (a redacted deleted record).
+LIVE_CONTENT_SQL = ("(records.content || coalesce((SELECT record_tails.tail FROM record_tails "
+                    "WHERE record_tails.record_id = records.id), ''))")

@@ -50,6 +50,7 @@ from memfuse.defs import (
     HISTORY_MIN_AGE_S,
     HISTORY_VERSIONS_FACTOR,
     INT64_MAX,
+    LIVE_CONTENT_SQL,
     RECORDS_PAGE_DEFAULT,
     RECORDS_PAGE_MAX,
 )
@@ -58,6 +59,14 @@ __all__ = ["LocalReadTransport", "schema_head"]
 
 _TIMES = frozenset({"created_at", "updated_at", "review_after", "expires_at", "last_used_at", "revoked_at"})
 _BOOLS = frozenset({"deleted", "redacted", "pruned"})
+
+
+def _record_sql(cols: list[str]) -> str:
+    """The select list of ``records`` columns ``cols``, ``content`` as the live content (the
+    service's one rule: ``memfuse.defs.LIVE_CONTENT_SQL``, a record's tail included)."""
+    return ", ".join(f"{LIVE_CONTENT_SQL} AS content" if c == "content" else c for c in cols)
+
+
 _JSON = {"content-type": "application/json"}
 
 # the search API's bounds (memfuse.server.search), as the CLI asks within them
@@ -225,7 +234,7 @@ class LocalReadTransport(httpx.AsyncBaseTransport):
 
     def _record(self, slug: str, rid: str, content: bool) -> dict[str, Any]:
         cols = _RECORD_COLS + (["content"] if content else [])
-        row = self._one(f"SELECT {', '.join(cols)} FROM records WHERE id = ?", rid)
+        row = self._one(f"SELECT {_record_sql(cols)} FROM records WHERE id = ?", rid)
         if row["store"] != slug:
             raise NeedEventLoop("a record of another store")
         return _row(row, cols)
@@ -359,14 +368,14 @@ class LocalReadTransport(httpx.AsyncBaseTransport):
         seq = self._seq(slug)
         needle = text if case else text.lower()  # memfuse.server.base.fold
         cols = _RECORD_COLS + ["content"]
-        sql = f"SELECT {', '.join(cols)} FROM records WHERE store = ? AND deleted = 0"
+        sql = f"SELECT {_record_sql(cols)} FROM records WHERE store = ? AND deleted = 0"
         args: list[Any] = [slug]
         if rtype is not None:
             sql += " AND type = ?"
             args.append(rtype)
         if case:  # the service's own filter; case-insensitive rows are checked below only
-            field = {"path": "instr(path, ?) > 0", "content": "instr(content, ?) > 0",
-                     "any": "(instr(path, ?) > 0 OR instr(content, ?) > 0)"}[match]
+            field = {"path": "instr(path, ?) > 0", "content": f"instr({LIVE_CONTENT_SQL}, ?) > 0",
+                     "any": f"(instr(path, ?) > 0 OR instr({LIVE_CONTENT_SQL}, ?) > 0)"}[match]
             sql += " AND " + field
             args += [text] * field.count("?")
         hits = []

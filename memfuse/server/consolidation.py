@@ -66,7 +66,7 @@ from sqlalchemy.exc import IntegrityError
 
 from memfuse.defs import JOBS_PAGE_DEFAULT
 from memfuse.models import Access, BatchOperation, ConsolidationChange, ConsolidationCreate, ConsolidationJob
-from memfuse.server import deltas, keys, wakeups
+from memfuse.server import deltas, keys, tails, wakeups
 from memfuse.server.accounts import AccountsService
 from memfuse.server.base import _A, _R, _S, _V, AnyRow, Parts, Principal, Reply, Resource, ServiceError
 from memfuse.server.batch import BatchService, _LateRefusal, _Planned
@@ -385,7 +385,7 @@ class ConsolidationService(Resource):
         with self.db.read_conn() as conn:
             st = self._store_by_key(conn, jp, job.store)
             seq = conn.scalar(select(func.max(_V.c.seq)).where(_V.c.store == st.slug)) or 0
-            rows = conn.execute(select(_R.c.id, _R.c.path, _R.c.content, _R.c.sha256, _R.c.type, _R.c.size,
+            rows = conn.execute(select(_R.c.id, _R.c.path, tails.LIVE_CONTENT, _R.c.sha256, _R.c.type, _R.c.size,
                                        _R.c.mode, _R.c.mtime_ns)
                                 .where(_R.c.store == st.slug, _R.c.deleted == false())
                                 .order_by(self._path_col())).all()

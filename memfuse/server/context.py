@@ -16,7 +16,7 @@ from sqlalchemy import false, select
 from memfuse import content as content_rules
 from memfuse.defs import Access
 from memfuse.server.base import Principal, Resource
-from memfuse.server import keys, staleness
+from memfuse.server import keys, staleness, tails
 from memfuse.server.db import AttachmentRow, RecordRow, StoreRow, utcnow
 from memfuse.server.indexlinks import entries, omitted_marker
 
@@ -143,7 +143,7 @@ class ContextService(Resource):
             indexes: dict[str, str] = {
                 slug: text or ""
                 for slug, text in s.execute(
-                    select(RecordRow.store, RecordRow.content).where(
+                    select(RecordRow.store, tails.LIVE_CONTENT).where(
                         RecordRow.store.in_([r[1] for r in rows]),
                         RecordRow.path == content_rules.INDEX_PATH,
                         RecordRow.deleted == false(),

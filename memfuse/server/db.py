@@ -69,7 +69,7 @@ log = logging.getLogger(__name__)
 #: the newest Alembic revision (``memfuse/server/migrations/versions/``): a database at it
 #: opens without Alembic (``Database._at_schema_head``). A new revision updates it;
 #: tests/test_migrations.py fails while it is not ``schema.head()``.
-SCHEMA_HEAD = "0017_workspace_names"
+SCHEMA_HEAD = "0018_record_tails"
 
 
 def utcnow() -> datetime:
@@ -317,6 +317,29 @@ class RecordRow(Base):
               postgresql_where=(deleted == false()) & expires_at.is_not(None)),
     )
 
+
+
+class RecordTailRow(Base):
+    """What was appended to a large record since its ``records.content`` was last written
+    (revision ``0018_record_tails``; ``memfuse.server.tails``): the record's live content is
+    ``records.content || tail``, read by every reader through one rule
+    (``memfuse.defs.LIVE_CONTENT_SQL``), so an append to a large record writes this small
+    row, not the record's whole content again.
+
+    INVARIANT (``tails``): a row exists only for a live record whose ``records.content``
+    holds at least ``fulltext.PG_MAX_CHARS`` characters and ends with a line end, and
+    ``tail`` holds more than ``records.APPEND_SCAN_CONTEXT`` characters: the full-text head
+    and the frontmatter are in ``records.content`` (the frontmatter's block also in
+    ``head``), an append's secret-scan context in ``tail``. Any write of a record but an append folds it (``tail`` deleted, the content
+    written whole)."""
+
+    __tablename__ = "record_tails"
+
+    record_id: Mapped[str] = mapped_column(ForeignKey("records.id", ondelete="CASCADE"), primary_key=True)
+    tail: Mapped[str] = mapped_column(Text)
+    # the base's frontmatter block (``memfuse.content.frontmatter_head``; "" for none): what
+    # an append reads for the type and the staleness dates instead of the base
+    head: Mapped[str] = mapped_column(Text)
 
 # Byte order of live paths on PostgreSQL (revision 0005_records_path_bytes): the snapshot,
 # search and tree queries order and compare by ``path COLLATE "C"``, which no index in the

@@ -17,14 +17,15 @@ Rules that keep every version exact (docs/SEMANTICS.md, "Append versions"):
   version ever depends on a removed one. ``chain`` counts are not lowered then: they are an
   upper bound of the links, which is all a read needs;
 - readers of version content go through ``resolve`` (history, restore, the change feed, the
-  memory-store API's versions); ``records.content`` always holds the live content whole.
+  memory-store API's versions). The live content of a record is ``records.content`` and
+  its tail (``memfuse.server.tails``).
 
 The history budget still counts a version's whole size (``versions.size``): what the budget
 bounds is the history a store shows, not the bytes it takes.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -33,7 +34,7 @@ from sqlalchemy.engine import Connection
 
 from memfuse.server.db import VersionRow
 
-__all__ = ["CHAIN_MAX", "plan", "resolve", "content_of", "materialize_dependent", "materialize_all"]
+__all__ = ["CHAIN_MAX", "plan", "plan_append", "resolve", "content_of", "materialize_dependent", "materialize_all"]
 
 _V = cast(Table, VersionRow.__table__)  # a mapped class's table (SQLAlchemy types it as a FromClause)
 CHAIN_MAX = 32  # links from a whole copy before the next version is whole again
@@ -60,6 +61,17 @@ def plan(conn: Connection, record_id: str, version: int, base: str | None,
     if row is None or not row.kept or row.chain >= CHAIN_MAX:
         return content, None, 0
     return content[len(base):], version - 1, row.chain + 1
+
+
+def plan_append(conn: Connection, record_id: str, version: int, suffix: str,
+                whole: Callable[[], str]) -> tuple[str | None, int | None, int]:
+    """``plan`` for a version known to be the previous one plus ``suffix`` (an append):
+    ``whole()`` (the whole new content) is called only when the version is stored whole."""
+    if version > 1:
+        row = conn.execute(_SELECT_BASE, {"rid": record_id, "v": version - 1}).first()
+        if row is not None and row.kept and row.chain < CHAIN_MAX:
+            return suffix, version - 1, row.chain + 1
+    return whole(), None, 0
 
 
 def content_of(conn: Connection, record_id: str, version: int, chain: int, suffix: str,

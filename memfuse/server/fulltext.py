@@ -131,15 +131,15 @@ _SEQ_KEYED_BACKFILL = ("INSERT OR REPLACE INTO records_fts (rowid, path, heading
 #: the two triggers that index a written record (revision ``0011_append_versions`` made them
 #: index the first ``PG_MAX_CHARS`` characters, as on PostgreSQL; ``refresh_statements``)
 SQLITE_WRITE_TRIGGERS = ("records_fts_ai", "records_fts_au")
-_TRIGGERS = ("records_fts_au", "records_fts_ad", "records_fts_ai")
+_TRIGGERS = ("records_fts_au", "records_fts_ad", "records_fts_ai", "records_fts_au_seq")
 
 _KEY_OF_NEW = "-(SELECT k FROM records_fts_keys WHERE record_id = new.id)"
 _KEY_OF_OLD = "-(SELECT k FROM records_fts_keys WHERE record_id = old.id)"
 _NEW_ROW = (f"new.path, memfuse_headings(substr(new.content, 1, {PG_MAX_CHARS})), "
             f"coalesce(substr(new.content, 1, {PG_MAX_CHARS}), '')")
-#: the index as ``install`` makes it and revision ``0016_fts_record_keys`` leaves it (module
-#: docstring): the FTS rowid is ``-k`` of the record's row in ``records_fts_keys``
-SQLITE_DDL = [
+#: the index as revision ``0016_fts_record_keys`` leaves it (module docstring): the FTS rowid
+#: is ``-k`` of the record's row in ``records_fts_keys``
+_KEYED_DDL_0016 = [
     _SEQ_KEYED_DDL[0],
     "CREATE TABLE IF NOT EXISTS records_fts_keys (k INTEGER PRIMARY KEY, record_id VARCHAR(36) NOT NULL UNIQUE)",
     # covering: a hit's join to its record reads the index only, never the row (with content)
@@ -152,15 +152,28 @@ SQLITE_DDL = [
     f"DELETE FROM records_fts WHERE old.deleted = 0 AND old.seq > 0 AND rowid = {_KEY_OF_OLD}; "
     "DELETE FROM records_fts_keys WHERE record_id = old.id; END",
     # nothing to do when the indexed text stays (an append past PG_MAX_CHARS, an attribute)
-    "CREATE TRIGGER IF NOT EXISTS records_fts_au AFTER UPDATE ON records "
-    "WHEN NOT (old.deleted = 0 AND old.seq > 0 AND new.deleted = 0 AND new.seq > 0 "
-    "AND old.path IS new.path "
-    f"AND substr(old.content, 1, {PG_MAX_CHARS}) IS substr(new.content, 1, {PG_MAX_CHARS})) BEGIN "
-    f"DELETE FROM records_fts WHERE old.deleted = 0 AND old.seq > 0 AND rowid = {_KEY_OF_OLD}; "
-    "INSERT OR IGNORE INTO records_fts_keys (record_id) SELECT new.id WHERE new.deleted = 0 AND new.seq > 0; "
-    f"INSERT OR REPLACE INTO records_fts (rowid, path, headings, body) SELECT {_KEY_OF_NEW}, {_NEW_ROW} "
-    "WHERE new.deleted = 0 AND new.seq > 0; END",
+    "CREATE TRIGGER IF NOT EXISTS records_fts_au AFTER UPDATE ON records " + (_AU_BODY := (
+        "WHEN NOT (old.deleted = 0 AND old.seq > 0 AND new.deleted = 0 AND new.seq > 0 "
+        "AND old.path IS new.path "
+        f"AND substr(old.content, 1, {PG_MAX_CHARS}) IS substr(new.content, 1, {PG_MAX_CHARS})) BEGIN "
+        f"DELETE FROM records_fts WHERE old.deleted = 0 AND old.seq > 0 AND rowid = {_KEY_OF_OLD}; "
+        "INSERT OR IGNORE INTO records_fts_keys (record_id) SELECT new.id WHERE new.deleted = 0 AND new.seq > 0; "
+        f"INSERT OR REPLACE INTO records_fts (rowid, path, headings, body) SELECT {_KEY_OF_NEW}, {_NEW_ROW} "
+        "WHERE new.deleted = 0 AND new.seq > 0; END")),
 ]
+#: the update triggers as revision ``0018_record_tails`` makes them: ``records_fts_au`` runs
+#: only for a statement that sets the path, the content or ``deleted`` (an append to a record
+#: with a tail sets none of them: its trigger compared two 200,000-character heads of a
+#: 1 MiB row for nothing, ~1 ms), ``records_fts_au_seq`` indexes a new record when the
+#: statement after its insert gives it its seq (the only other change that makes a row
+#: indexable)
+_AU = "CREATE TRIGGER IF NOT EXISTS records_fts_au AFTER UPDATE OF path, content, deleted ON records " + _AU_BODY
+_AU_SEQ = ("CREATE TRIGGER IF NOT EXISTS records_fts_au_seq AFTER UPDATE OF seq ON records "
+           "WHEN old.seq <= 0 AND new.seq > 0 AND new.deleted = 0 BEGIN "
+           "INSERT OR IGNORE INTO records_fts_keys (record_id) VALUES (new.id); "
+           f"INSERT OR REPLACE INTO records_fts (rowid, path, headings, body) VALUES ({_KEY_OF_NEW}, {_NEW_ROW}); END")
+#: the index as ``install`` makes it and revision ``0018_record_tails`` leaves it
+SQLITE_DDL = [*_KEYED_DDL_0016[:5], _AU, _AU_SEQ]
 _KEYED_BACKFILL = [
     "INSERT OR IGNORE INTO records_fts_keys (record_id) SELECT id FROM records WHERE deleted = 0 AND seq > 0",
     "INSERT OR REPLACE INTO records_fts (rowid, path, headings, body) "
@@ -168,7 +181,7 @@ _KEYED_BACKFILL = [
     f"coalesce(substr(r.content, 1, {PG_MAX_CHARS}), '') FROM records r "
     "JOIN records_fts_keys k ON k.record_id = r.id WHERE r.deleted = 0 AND r.seq > 0",
 ]
-SQLITE_DROP = ["DROP TRIGGER IF EXISTS records_fts_au", "DROP TRIGGER IF EXISTS records_fts_ad",
+SQLITE_DROP = ["DROP TRIGGER IF EXISTS records_fts_au_seq", "DROP TRIGGER IF EXISTS records_fts_au", "DROP TRIGGER IF EXISTS records_fts_ad",
                "DROP TRIGGER IF EXISTS records_fts_ai", "DROP INDEX IF EXISTS ix_records_seq",
                "DROP INDEX IF EXISTS ix_records_fts_hit", "DROP TABLE IF EXISTS records_fts_keys",
                "DROP TABLE IF EXISTS records_fts"]
@@ -212,11 +225,15 @@ _PG_FUNCTION = (
     f"ELSE NEW.search_vector := {_pg_vector_sql('NEW.')}; "
     "END IF; RETURN NEW; END $fn$"
 )
-_PG_TRIGGER = ("CREATE TRIGGER records_search_vector BEFORE INSERT OR UPDATE ON records "
+_PG_TRIGGER_0016 = ("CREATE TRIGGER records_search_vector BEFORE INSERT OR UPDATE ON records "
+                    "FOR EACH ROW EXECUTE FUNCTION memfuse_records_search_vector()")
+#: revision ``0018_record_tails``: only a statement that sets the path or the content runs it
+#: (an append to a record with a tail sets neither; the column keeps its value otherwise)
+_PG_TRIGGER = ("CREATE TRIGGER records_search_vector BEFORE INSERT OR UPDATE OF path, content ON records "
                "FOR EACH ROW EXECUTE FUNCTION memfuse_records_search_vector()")
-#: the index as ``install`` makes it and revision ``0016_fts_record_keys`` leaves it: a plain
+#: the index as ``install`` makes it and revision ``0018_record_tails`` leaves it: a plain
 #: column kept by a trigger that copies the old vector when the path and the indexed head
-#: are unchanged (module docstring)
+#: are unchanged (module docstring; ``0016_fts_record_keys`` ran it at every update)
 PG_DDL = [
     "ALTER TABLE records ADD COLUMN IF NOT EXISTS search_vector tsvector",
     _PG_FUNCTION,
@@ -266,11 +283,24 @@ def rekey_statements(dialect: str) -> list[str]:
     values kept: no rewrite of the table), kept from now on by the trigger
     ``records_search_vector``; ``[]`` for another dialect."""
     if dialect == "postgresql":
-        return ["ALTER TABLE records ALTER COLUMN search_vector DROP EXPRESSION", *PG_DDL[1:4]]
+        return ["ALTER TABLE records ALTER COLUMN search_vector DROP EXPRESSION", *PG_DDL[1:3], _PG_TRIGGER_0016]
     if dialect != "sqlite":
         return []
     return [*(f"DROP TRIGGER IF EXISTS {t}" for t in _TRIGGERS), "DROP INDEX IF EXISTS ix_records_seq",
-            "DELETE FROM records_fts", *SQLITE_DDL[1:3], *_KEYED_BACKFILL, *SQLITE_DDL[3:]]
+            "DELETE FROM records_fts", *_KEYED_DDL_0016[1:3], *_KEYED_BACKFILL, *_KEYED_DDL_0016[3:]]
+
+
+def update_trigger_statements(dialect: str, *, upgrade: bool = True) -> list[str]:
+    """The SQL that makes the update triggers run only for a statement that sets what the
+    index reads (revision ``0018_record_tails``: ``_AU``, ``_AU_SEQ``, ``_PG_TRIGGER``), or,
+    with ``upgrade`` False, puts back ``0016_fts_record_keys``'s (its downgrade)."""
+    if dialect == "postgresql":
+        return ["DROP TRIGGER IF EXISTS records_search_vector ON records",
+                _PG_TRIGGER if upgrade else _PG_TRIGGER_0016]
+    if dialect != "sqlite":
+        return []
+    drop = ["DROP TRIGGER IF EXISTS records_fts_au", "DROP TRIGGER IF EXISTS records_fts_au_seq"]
+    return [*drop, _AU, _AU_SEQ] if upgrade else [*drop, _KEYED_DDL_0016[5]]
 
 
 def unkey_statements(dialect: str) -> list[str]:

@@ -30,7 +30,7 @@ from sqlalchemy import false, func, select
 
 from memfuse import content as content_rules
 from memfuse.models import IndexEntry, IndexReport, StaleRecord
-from memfuse.server import keys, staleness
+from memfuse.server import keys, staleness, tails
 from memfuse.server.base import _R, Principal, Resource
 from memfuse.server.context import cut_index
 from memfuse.server.db import utcnow
@@ -54,7 +54,7 @@ class IndexReportService(Resource):
         paths (no content) and its ``MEMORY.md``. Raises 404 like ``list_records``."""
         with self.db.read_conn() as conn:
             st = self._store(conn, p, slug)
-            rows = conn.execute(select(_R.c.path, _R.c.content).where(
+            rows = conn.execute(select(_R.c.path, tails.LIVE_CONTENT).where(
                 _R.c.store == st.slug, _R.c.deleted == false(), _R.c.path == content_rules.INDEX_PATH)).first()
             paths = sorted(conn.execute(select(_R.c.path).where(
                 _R.c.store == st.slug, _R.c.deleted == false())).scalars())

@@ -30,7 +30,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
 from memfuse.models import Access, MoveResult, Record, RecordCreate, RecordMove, RecordUpdate, StoreCreate
-from memfuse.server import deltas, keys
+from memfuse.server import deltas, keys, tails
 from memfuse.server.anthropic_models import DeletedMemoryStore, MemoryStoreOut
 from memfuse.server.base import _A, _R, _S, _V, AnyRow, IdempotencyRequest, Principal, Parts, Reply, Resource, ServiceError
 from memfuse.server.db import DEFAULT_ACCOUNT, AttachmentRow, StoreRow, WorkspaceRow, utcnow
@@ -278,7 +278,7 @@ class MemoryStoresService(Resource):
         up into one prefix item for its first ``depth`` segments, and the listing seeks past
         that directory (one query per rolled-up directory, not one per record)."""
         path_col = self._path_col()
-        cols = (*_MEMORY_COLUMNS, _R.c.content) if with_content else _MEMORY_COLUMNS
+        cols = (*_MEMORY_COLUMNS, tails.LIVE_CONTENT) if with_content else _MEMORY_COLUMNS
         with self.db.read_conn() as conn:
             st = self._store(conn, p, slug)
             base = select(*cols).where(_R.c.store == st.slug, _R.c.deleted == false())

@@ -14,7 +14,7 @@ from memfuse import content as content_rules
 from memfuse import wire
 from memfuse.defs import DEFAULT_MODE, RECORDS_PAGE_DEFAULT, RECORDS_PAGE_MAX
 from memfuse.models import Record, RecordPage, Version
-from memfuse.server import keys
+from memfuse.server import keys, tails
 from memfuse.server.base import AnyRow, Principal, Resource, ServiceError, _R, _V, holds
 from memfuse.server.recordrows import (
     _PAGE_COLUMNS,
@@ -161,7 +161,7 @@ class RecordReadsService(Resource):
             after = _decode_cursor(cursor) if cursor else None
             seq = conn.scalar(select(func.max(_V.c.seq)).where(_V.c.store == st.slug)) or 0
             path_col = self._path_col()
-            q = select(*(c for c in _R.c if c.name != "content" or text)).where(
+            q = select(*tails.live(tuple(c for c in _R.c if c.name != "content" or text))).where(
                 _R.c.store == st.slug, _R.c.deleted == false()
             )
             if type is not None:
@@ -169,7 +169,7 @@ class RecordReadsService(Resource):
             if path_contains:
                 q = q.where(self._contains(_R.c.path, path_contains))
             if text:
-                q = q.where(self._contains(_R.c.content, text))
+                q = q.where(self._contains(tails.LIVE_CONTENT_EXPR, text))
             q = q.order_by(path_col, _R.c.id).limit(limit + 1)
             rows: list[AnyRow] = []
             while len(rows) <= limit:

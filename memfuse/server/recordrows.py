@@ -24,7 +24,7 @@ from memfuse.defs import mtime_effective_ns
 from memfuse.defs import DEFAULT_MODE, Operation
 from memfuse.models import Record, Version
 from memfuse.server.base import AnyRow, ServiceError, _R, _S, _V, parse_if_match
-from memfuse.server import keys, staleness, wakeups
+from memfuse.server import keys, staleness, tails, wakeups
 from memfuse.server.rawsql import Raw, RawIn
 from memfuse.server.db import DEFAULT_ACCOUNT, AccountRow, UTCDateTime
 
@@ -32,7 +32,8 @@ log = logging.getLogger("memfuse.server.service")  # every room of the Service l
 
 #: characters of a record's content before an appended suffix that the secret scan reads
 #: with it (from the start of their line), so a secret the suffix completes is found
-APPEND_SCAN_CONTEXT = 16 * 1024
+#: (``tails.scan_context``)
+APPEND_SCAN_CONTEXT = tails.SCAN_CONTEXT
 
 
 def _check_if_match(header: str | None, current_sha: str) -> None:
@@ -122,8 +123,9 @@ class _Rec:
     attribute. Made from a Core row with ``of``; written back by ``Service._add_version``."""
 
     # ``base_content``: the content of the record's current version as read (the base of an
-    # append version, ``deltas.plan``); not a column
-    __slots__ = (*_RECORD_COLUMNS, "base_content")
+    # append version, ``deltas.plan``); ``tailed``: whether the record has a tail
+    # (``tails``: a write of its whole content drops it); not columns
+    __slots__ = (*_RECORD_COLUMNS, "base_content", "tailed")
 
     # the columns (``memfuse.server.db.RecordRow``), declared for the type checker
     id: str
@@ -144,6 +146,7 @@ class _Rec:
     review_after: datetime | None
     expires_at: datetime | None
     base_content: str | None
+    tailed: bool
 
     def __init__(self, **values: object) -> None:
         for k, v in values.items():
@@ -151,8 +154,10 @@ class _Rec:
 
     @classmethod
     def of(cls, row: AnyRow) -> "_Rec":
-        """The record of a ``select(records)`` row."""
-        rec = cls(**row._mapping)
+        """The record of a ``_SELECT_RECORD``-like row (``content``: the live content;
+        ``tailed``, when selected: whether it has a tail)."""
+        m = row._mapping
+        rec = cls(**m) if "tailed" in m else cls(**m, tailed=False)
         rec.base_content = row.content
         return rec
 
@@ -177,7 +182,7 @@ _UPDATE_USAGE = (  # also the batch's one usage statement
 _PAGE_COLUMNS_NO_CONTENT = (_R.c.id, _R.c.store, _R.c.path, _R.c.type, _R.c.version, _R.c.sha256, _R.c.size,
                             _R.c.deleted, _R.c.created_at, _R.c.updated_at, _R.c.updated_by, _R.c.seq,
                             _R.c.mode, _R.c.mtime_ns)
-_PAGE_COLUMNS = (*_PAGE_COLUMNS_NO_CONTENT, _R.c.content)
+_PAGE_COLUMNS = (*_PAGE_COLUMNS_NO_CONTENT, tails.LIVE_CONTENT)
 
 
 def _raw_times(cols: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -215,8 +220,10 @@ def _sqlite_time(value: str) -> datetime:
 
 
 _PAGE_ENCODER = msgspec.json.Encoder()
-_SELECT_RECORD = select(_R).where(_R.c.id == bindparam("rid"))
-_SELECT_LIVE_AT = select(_R).where(
+#: every column of a record, its live content (``tails``) as ``content``, and ``tailed``
+_RECORD_LIVE = (*tails.live(tuple(_R.c)), tails.HAS_TAIL)
+_SELECT_RECORD = select(*_RECORD_LIVE).where(_R.c.id == bindparam("rid"))
+_SELECT_LIVE_AT = select(*_RECORD_LIVE).where(
     _R.c.store == bindparam("store"), _R.c.path == bindparam("path"), _R.c.deleted == false()
 )
 _SELECT_LIVE_ID_AT = select(_R.c.id).where(

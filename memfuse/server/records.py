@@ -45,10 +45,9 @@ from memfuse.server.base import (
     _check_path,
     parse_if_match,
 )
-from memfuse.server import deltas, history, keys, staleness, wakeups
+from memfuse.server import deltas, history, keys, staleness, tails, wakeups
 from memfuse.server.db import utcnow
 from memfuse.server.recordrows import (
-    APPEND_SCAN_CONTEXT,
     BatchStore,
     _RAW_INSERT_RECORD,
     _RAW_INSERT_VERSION,
@@ -57,6 +56,7 @@ from memfuse.server.recordrows import (
     _RAW_SELECT_RECORD,
     _RAW_UPDATE_RECORD,
     _RAW_UPDATE_USAGE,
+    _RECORD_LIVE,
     _Rec,
     _SELECT_LIVE_AT,
     _SELECT_LIVE_ID_AT,
@@ -174,12 +174,18 @@ class RecordsService(Resource):
         *,
         old_path: str | None = None,
         new: bool = False,
+        append: tails.Append | None = None,
     ) -> int:
         """Append version ``rec.version`` (already bumped by the caller) from the record's
         current state and write the record row (inserted when ``new``); sets ``rec.seq``,
         ``updated_at``, ``updated_by``. Returns the version's seq. Counts the write in
         ``conn.info["memfuse_writes"]`` (a batch tells from it whether a refusal came after
-        a write)."""
+        a write).
+
+        ``append``: the write is that append (``tails``): with a tail, ``rec.content`` holds
+        only the base's frontmatter block and the record's content is written as
+        ``tails.write`` says. Any other write of a record with a tail drops the tail (the
+        row's content is the whole live content, read through ``tails.LIVE_CONTENT``)."""
         conn.info["memfuse_writes"] = conn.info.get("memfuse_writes", 0) + 1
         rec.updated_at = now
         rec.updated_by = actor
@@ -188,10 +194,16 @@ class RecordsService(Resource):
             rec.seq = 0
             _RAW_INSERT_RECORD.run(conn, rec.values())  # before the version that references it
             stored, base_version, chain = rec.content, None, 0
+        elif append is not None:
+            whole = RecordsService._appended_content(conn, rec, append)
+            stored, base_version, chain = deltas.plan_append(conn, rec.id, rec.version, append.suffix, whole)
         else:
             stored, base_version, chain = deltas.plan(
                 conn, rec.id, rec.version, getattr(rec, "base_content", None), rec.content)
-        rec.base_content = rec.content
+            if getattr(rec, "tailed", False):  # the row gets the whole content
+                tails.drop(conn, rec.id)
+                rec.tailed = False
+        rec.base_content = rec.content if append is None or append.tail is None else None
         seq: int = _RAW_INSERT_VERSION.scalar(
             conn,
             {
@@ -224,9 +236,32 @@ class RecordsService(Resource):
             values = rec.values()
             for k in ("id", "store", "created_at"):
                 del values[k]
+            if append is not None:
+                content, rec.tailed = tails.write(conn, rec.id, append, RecordsService._appended_content(conn, rec, append))
+                if content is None:  # nor what an append never changes: no index trigger runs
+                    for k in ("content", "path", "deleted"):
+                        del values[k]
+                else:
+                    values["content"] = content
             values["rid"] = rec.id
             _RAW_UPDATE_RECORD.run(conn, values)
         return seq
+
+    @staticmethod
+    def _appended_content(conn: Connection, rec: _Rec, append: tails.Append) -> Callable[[], str]:
+        """The record's whole content after ``append``, as a function (called only when a
+        write needs it whole: a whole version, or a record without a tail, where
+        ``rec.content`` is it). With a tail it reads the base and the tail before the tail
+        is written (one read of the whole content)."""
+        if append.tail is None:
+            return lambda: rec.content or ""
+        memo: list[str] = []
+
+        def whole() -> str:
+            if not memo:
+                memo.append((tails.live_content(conn, rec.id) or "") + append.suffix)
+            return memo[0]
+        return whole
 
     @staticmethod
     def _room(st: AnyRow, d_bytes: int, d_count: int, *, grew_bytes: bool, grew_count: bool) -> tuple[int, int]:
@@ -371,11 +406,14 @@ class RecordsService(Resource):
         return fn
 
     def _put_content(self, conn: Connection, st: Any, p: Principal, rec: _Rec, body: Any, content: str,
-                     size: int, sha: str, secret: str | None) -> Record:
+                     size: int, sha: str, secret: str | None, append: tails.Append | None = None) -> Record:
         """The rest of an update of live record ``rec`` (If-Match checked) to ``content``
         (``size`` bytes of UTF-8, sha256 ``sha``, ``secret`` what the secret scan found):
         size, type, secret refusals in that order, then the ``modified`` version (none when
-        nothing changes). ``body``: the request's ``type``, ``mode`` and ``mtime_ns``."""
+        nothing changes). ``body``: the request's ``type``, ``mode`` and ``mtime_ns``.
+        ``append``: the update is that append (``_add_version``); with a tail, ``content``
+        is the base's frontmatter block (``tails``: all the type and the staleness dates
+        read)."""
         _check_record_size(st, size)
         current = rec.type if rec.type is not None else st.default_type
         rtype = _resolve_type(rec.path, content, body.type, current)
@@ -393,7 +431,7 @@ class RecordsService(Resource):
         rec.mode, rec.mtime_ns = mode, mtime
         rec.version += 1
         self._room(st, size - old_size, 0, grew_bytes=size > old_size, grew_count=False)
-        self._add_version(conn, rec, Operation.modified, p.actor, utcnow())
+        self._add_version(conn, rec, Operation.modified, p.actor, utcnow(), append=append)
         self._use(conn, st, size - old_size, 0, grew_bytes=size > old_size, grew_count=False)
         return _record_model(rec, with_content=False)
 
@@ -431,19 +469,30 @@ class RecordsService(Resource):
 
         def fn(conn: Connection, st: Any) -> Record:
             _check_writable(st)
-            rec = self._live(self._record(conn, st, record_id))
+            row = tails.read_for_append(conn, record_id)  # with a tail: not the whole base
+            if row is None or row.store != st.slug:
+                raise ServiceError(404, "record_not_found", f"no record {record_id!r} in store {keys.public(st.slug)!r}")
+            values = dict(row._mapping)
+            append = tails.Append(body.append, values.pop("tail"))
+            rec = self._live(_Rec(**values, tailed=append.tail is not None))
+            rec.base_content = rec.content
             _check_if_match(if_match, rec.sha256)
-            old = rec.content or ""
-            start = max(0, len(old) - APPEND_SCAN_CONTEXT)
-            if start:
-                nl = old.rfind("\n", 0, start)
-                start = nl + 1 if nl >= 0 else 0
-            secret = content_rules.find_secret(old[start:] + body.append) if raw else None
-            content = old + body.append
-            sha = rec.sha256
-            if raw:  # one pass over the suffix when the base's hash state is kept (hashstate)
-                sha = _HASHES.extend(rec.sha256, raw) or _HASHES.digest(content.encode("utf-8"))
-            return self._put_content(conn, st, p, rec, body, content, rec.size + len(raw), sha, secret)
+            if append.tail is not None:  # rec.content: the head; the context is in the tail
+                secret = content_rules.find_secret(tails.scan_context(append.tail) + body.append) if raw else None
+                content = rec.content or ""
+                sha = rec.sha256
+                if raw:
+                    sha = _HASHES.extend(rec.sha256, raw) or _HASHES.digest(
+                        ((tails.live_content(conn, rec.id) or "") + body.append).encode("utf-8"))
+            else:
+                old = rec.content or ""
+                secret = content_rules.find_secret(tails.scan_context(old) + body.append) if raw else None
+                content = old + body.append
+                sha = rec.sha256
+                if raw:  # one pass over the suffix when the base's hash state is kept (hashstate)
+                    sha = _HASHES.extend(rec.sha256, raw) or _HASHES.digest(content.encode("utf-8"))
+            return self._put_content(conn, st, p, rec, body, content, rec.size + len(raw), sha, secret,
+                                     append=append)
 
         return fn
 
@@ -578,7 +627,7 @@ class RecordsService(Resource):
             _check_writable(st)
             like = _like_escape(src) + "/%"
             rows = conn.execute(
-                select(_R).where(
+                select(*_RECORD_LIVE).where(
                     _R.c.store == st.slug,
                     _R.c.deleted == false(),
                     _R.c.path.like(like, escape="\\"),

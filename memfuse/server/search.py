@@ -31,7 +31,7 @@ from sqlalchemy.engine import Connection
 from memfuse import content as content_rules
 from memfuse.defs import SEARCH_LINES_DEFAULT, SEARCH_PAGE_DEFAULT
 from memfuse.models import SearchHit, SearchLine, SearchPage
-from memfuse.server import fulltext
+from memfuse.server import fulltext, tails
 from memfuse.server.base import _R, _V, Principal, Resource, ServiceError, _check_path, fold
 from memfuse.server.recordrows import _decode_cursor, _encode_cursor, _record_model
 
@@ -159,13 +159,14 @@ class SearchService(Resource):
                 conds.append(_prefix_clause(path_col, prefix))
             if type is not None:
                 conds.append(_R.c.type == type)
-            fields = {"path": [_R.c.path], "content": [_R.c.content],
-                      "any": [_R.c.path, _R.c.content]}[match]
+            by_match: dict[str, list[Any]] = {"path": [_R.c.path], "content": [tails.LIVE_CONTENT_EXPR],
+                                              "any": [_R.c.path, tails.LIVE_CONTENT_EXPR]}
+            fields = by_match[match]
             conds.append(or_(*(self._contains(c, q, case_sensitive) for c in fields)))
             if cursor:
                 cp, cid = _decode_cursor(cursor)
                 conds.append(tuple_(path_col, _R.c.id) > tuple_(cp, cid))  # an index seek, as in records
-            rows = conn.execute(select(_R).where(*conds).order_by(path_col, _R.c.id)
+            rows = conn.execute(select(*tails.live(tuple(_R.c))).where(*conds).order_by(path_col, _R.c.id)
                                 .limit(limit + 1)).all()
         more = len(rows) > limit
         rows = rows[:limit]
@@ -239,7 +240,8 @@ class SearchService(Resource):
             # ranked without content (the sort holds ids and scores), then the page's records
             more = len(ranked) > take and offset + take < RANK_MAX_OFFSET
             ranked = ranked[:take]
-            by_id = {r.id: r for r in conn.execute(select(_R).where(_R.c.id.in_([x.id for x in ranked])))}
+            by_id = {r.id: r for r in conn.execute(select(*tails.live(tuple(_R.c))).where(
+                _R.c.id.in_([x.id for x in ranked])))}
         rows = [(by_id[x.id], x.score) for x in ranked if x.id in by_id]
         hits: list[SearchHit] = []
         m = fulltext.Matcher(words)
