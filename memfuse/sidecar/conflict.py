@@ -3,7 +3,10 @@
 A ``put`` carries ``If-Match`` the sha256 of the version it was written on (``put_base``). When
 the control plane answers ``412`` (the record changed elsewhere meanwhile):
 
-- the record already holds what the put carries: nothing to do;
+- the record already holds what the put carries because this write was applied before (its
+  answer lost; proved by its idempotency keys, ``applied_before``): nothing to do. The same
+  content alone proves nothing (two mounts appending the same line on one base): it is
+  rebased like any other;
 - an **append** (the put's content is its base's content plus a suffix: ``echo >> f``) is
   rebased: the current content plus that suffix;
 - any other change becomes a **three-way line merge** of base, current and local content
@@ -23,6 +26,7 @@ answered inside a batch (``committer.Committer``).
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Callable
 
 import trio
@@ -182,22 +186,26 @@ class ConflictResolver:
         if rid is not None:
             create_key = e.key + "-create"
 
+            sent_key = e.key + "-append" if appended is not None and sha is not None else e.key
             try:
                 if appended is not None and sha is not None:
                     rec = await c.append_record(e.store, rid, appended, if_match=sha, type=typ,
-                                                idempotency_key=e.key + "-append", **attrs)
+                                                idempotency_key=sent_key, **attrs)
                 else:
                     rec = await c.update_record(e.store, rid, text.check(), type=typ, if_match=sha,
-                                                idempotency_key=e.key, **attrs)
+                                                idempotency_key=sent_key, **attrs)
             except PreconditionFailed:
                 cur = await c.get_record(e.store, rid, content=True)
                 merged = None
-                if (cur.sha256 == want and (typ is None or cur.type == typ)
+                same = (cur.sha256 == want and (typ is None or cur.type == typ)
                         and attrs["mode"] in (None, cur.mode)
-                        and attrs["mtime_ns"] in (None, cur.mtime_ns)):
-                    rec = cur
+                        and attrs["mtime_ns"] in (None, cur.mtime_ns))
+                if same and await self.applied_before(e, c, rid, sent_key):
+                    rec = cur  # this write, applied before (its answer lost)
                 elif (merged := await self.rebase(e, c, rid, sha, base, cur)) is not None:
-                    rec = merged
+                    rec = merged  # e.g. an identical append by another writer: both kept
+                elif same:
+                    rec = cur  # a whole write of the content already there: nothing lost
                 else:
                     self.conflict(e, "the record changed elsewhere; this write is now the "
                                       "latest version, the other one stays in history")
@@ -234,6 +242,34 @@ class ConflictResolver:
                 self.set_merged(e.node_key, (want, e.content or b"", rec.sha256))
             else:
                 self.set_merged(e.node_key, None)
+
+    async def applied_before(self, e: Entry, c: ApiClient, rid: str, refused: str) -> bool:
+        """Whether a write of ``e`` was applied before (its answer lost): the control plane
+        holds a request under one of the idempotency keys a put of ``e`` sends (``<key>``,
+        ``-append``, ``-rebase``, ``-lww``, ``-create``; ``refused``, the key whose request
+        was just answered 412, is known unused). Asked when a 412 shows the record already
+        holding the put's content, which is no proof of its own: another writer may have
+        made the same change (two mounts appending the same line on one base; attack
+        finding 3). Each probe is a ``PUT`` under that key ``If-Match`` a tag no version
+        has: a key that was used is answered from the idempotency store (its stored answer,
+        or ``422 idempotency_key_reused``), one that was not fails the precondition and
+        writes nothing (the server checks the key first, ``Writer.write``). Raises API
+        errors other than those as the client raises them."""
+        never = "memfuse-probe-" + sha256_hex(os.urandom(16))
+        for key in (e.key, e.key + "-append", e.key + "-rebase", e.key + "-lww", e.key + "-create"):
+            if key == refused:
+                continue
+            try:
+                await c.update_record(e.store, rid, "", if_match=never, idempotency_key=key)
+            except (PreconditionFailed, NotFound):
+                continue  # not used: refused before anything was written
+            except ApiError as err:
+                if err.code != "idempotency_key_reused":
+                    raise
+            log.info("a write met its own earlier commit (its answer was lost)",
+                     extra={"store": e.store, "record": rid, "entry": e.id, "key_kind": key[len(e.key):] or "put"})
+            return True
+        return False
 
     async def put_suffix(self, e: Entry, c: ApiClient, a: dict[str, Any]) -> None:
         """Send a put the journal holds only as bytes appended to a version whose content is

@@ -807,6 +807,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
                 n.state, n.error = CLEAN, ""
                 if e.merged is not None:
                     self._show_merged(n, e)
+                self._reconcile_answer(n, e.record)
         elif e.op == ATTRS:
             if e.errno:
                 self.note_error(n.parent if n else None, n.name if n else e.args.get("path", ""),
@@ -820,10 +821,37 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         elif e.op == MOVE and n is not None and e.record is not None:
             self._bind_rid(n, e.record.id)
             n.version = max(n.version, e.record.version)  # a replayed move: answered as of then
+            if (n.sha and n.sha != e.record.sha256 and e.record.version == n.version
+                    and (n.last_put is None or n.last_put.done.is_set())):
+                # the content changed elsewhere before the move: the file shows (and a write
+                # of it derives from) its older content, so that stays the base of its next
+                # put, which is then merged onto the newer one (attack finding 4a), until the
+                # newer content is shown (``_reconcile_answer``, ``apply_remote``)
+                self.ids.note(n.key, e.record.id, n.sha)
+            self._reconcile_answer(n, e.record)
             if n.xmtime is None and not n.dirty:
                 n.xmtime = e.record.mtime_ns  # the control plane keeps the mtime across a move
         elif e.op in (DELETE, MOVE) and e.errno:
             self.note_error(None, e.args.get("path", ""), e.errno, e.reason, e.code, e.store)
+
+    def _reconcile_answer(self, n: Node, rec: Record) -> None:
+        """A commit of ``n`` was answered with ``rec``, the version ``n`` now claims: unless
+        ``n`` shows it (its path and, when not written since, its sha256), the record is
+        fetched and applied like a snapshot state (``FsListener.record_stale``: the newest
+        version wins, by version number, whatever arrived first). The feed cannot bring it:
+        it leaves this sidecar's own versions out, and skips the other writer's older one.
+        Cases (attack finding 4): a put answered at the path another sidecar moved the
+        record to (this file's name is dead in the store), a move answered with content
+        another sidecar wrote before it (this file shows the older content)."""
+        if rec.version != n.version or rec.deleted or n.store is None:
+            return  # not the version n claims (an older answer, ``_show_newest``)
+        moved = n.path() != rec.path
+        if moved or (not n.dirty and n.buf is None and n.sha != rec.sha256):
+            log.info("a commit answer carries a change made elsewhere; fetching the record",
+                     extra={"store": n.store.slug, "record": rec.id, "version": rec.version,
+                            "moved": moved})
+            if self.listener is not None:
+                self.listener.record_stale(n.store.slug, rec.id)
 
     def _show_newest(self, n: Node, e: Entry) -> bool:
         """``e`` (``n``'s last put, committed) was answered with an older version of the record

@@ -58,5 +58,11 @@ class FsListener(Protocol):
         """The newest state of the record known here (the store's mirror: the control
         plane's state as of its cursor, this sidecar's commits included), None when unknown."""
 
+    def record_stale(self, slug: str, record_id: str) -> None:
+        """A commit answer named a state of the record (a path, a content) that the tree
+        does not show and cannot show from what it holds (a change made elsewhere that the
+        answer carries and the feed, past it, will not bring): fetch the record and apply
+        it like a feed state (``StoreSync.refetch_record``). Never blocks."""
+
     def status(self) -> dict[str, Any]:
         """The fuller status document (``.memfuse/status.json``)."""

@@ -61,6 +61,10 @@ STREAM_SHORT_SECONDS = 1.0  # a stream that ended sooner is reopened after a bac
 
 R = TypeVar("R")
 
+#: s a fetch of one record changed elsewhere (``StoreSync.refetch_record``) may take,
+#: waiting for the store's outbox included
+REFETCH_TIMEOUT = 120.0
+
 
 class FeedKw(TypedDict, total=False):
     """The keyword arguments every change-feed request carries (``Sidecar._feed_kw``)."""
@@ -710,6 +714,43 @@ class StoreSync:
             self.task_failures["reconcile"] = self.task_failures.get("reconcile", 0) + 1
             self.metrics.task_failures.labels("reconcile").inc()
             log.exception("reconcile failed unexpectedly")
+
+    def record_stale(self, slug: str, record_id: str) -> None:
+        """``FsListener``: fetch record ``record_id`` of ``slug`` and apply it
+        (``refetch_record``), in a task of the sidecar's nursery (nothing when not running)."""
+        if self._nursery is not None:
+            self._nursery.start_soon(self.refetch_record, slug, record_id,
+                                     name=f"refetch {slug}/{record_id}")
+
+    async def refetch_record(self, slug: str, record_id: str) -> None:
+        """Apply the control plane's current state of one record to the tree as a snapshot
+        state (``Filesystem.apply_remote`` with ``force``: the newest version wins by
+        version number, a local write is never overwritten), once the store's outbox is
+        empty. Asked when a commit answer carried a change made elsewhere that the tree
+        cannot show from what it holds (attack finding 4: a move answered with content
+        appended elsewhere, a put answered at a path the record was moved to elsewhere).
+        Bounded by ``REFETCH_TIMEOUT`` s; a failure is logged (the next change of the record
+        brings it), never raised."""
+        with trio.move_on_after(REFETCH_TIMEOUT) as cs:
+            try:
+                await self.committer.wait_store_idle(slug)
+                rec = await self.client.get_record(slug, record_id, content=True)
+                await self.committer.wait_store_idle(slug)
+                sm = self.fs.stores.get(slug)
+                if sm is None:
+                    return
+                self.invalidator.submit(self.fs.apply_remote(sm, rec, force=True))
+            except (ApiError, CacheError) as e:
+                log.warning("a record changed elsewhere could not be fetched; the next change "
+                            "of it brings it", extra={"store": slug, "record": record_id,
+                                                       "reason": str(e)})
+                return
+            log.info("a record changed elsewhere was fetched and applied",
+                     extra={"store": slug, "record": record_id, "version": rec.version})
+        if cs.cancelled_caught:
+            log.warning("fetching a record changed elsewhere timed out; the next change of it "
+                        "brings it", extra={"store": slug, "record": record_id,
+                                            "timeout_s": REFETCH_TIMEOUT})
 
     def _gc_blobs(self) -> None:
         """Delete cached blobs no store mirror or file refers to (a failure is logged and
