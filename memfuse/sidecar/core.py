@@ -273,10 +273,13 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             return h.snapshot[off:off + size]
         n = h.node
         x = n._x
-        if x is not None and "read_base" in x:
+        if x is not None and ("read_base" in x or "unread" in x):
             # the reader is served the current content (a handle opened before a remote
             # change reads it once the kernel's pages are invalidated): Node.read_base
-            del x["read_base"]
+            x.pop("read_base", None)
+            x.pop("unread", None)
+            if not x:
+                n._x = None  # back on the warm paths
         if n.buf is not None:
             return bytes(n.buf[off:off + size])
         if off >= n.size or not n.sha:
@@ -407,6 +410,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
 
     def _touch_content(self, n: Node) -> None:
         n.dirty = True
+        n.unread = True  # what a writer made here: no reader was served it yet (Node.unread)
         now = time.time_ns()
         n.mtime_ns = n.ctime_ns = now
         n.xmtime = None  # a write sets the mtime (an explicit one is gone)
@@ -429,6 +433,9 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         if not writing and n._x is None:  # a reader of a plain file (Node: _x): the warm path
             return self._new_handle(n, flags)
         special = n.special
+        x = n._x
+        if not writing and x is not None and x.pop("unread", None) is not None and not x:
+            n._x = None  # a reader is served the content (Node.unread): back on the warm paths
         if writing:
             if special:
                 raise FsError(errno.EACCES, ".memfuse files are read-only")
@@ -478,6 +485,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         # owned by the mount's --uid / --gid, not the caller's: the owner a file shows must
         # not change at the next restart (nothing stores it); chown to another is EPERM
         n = self._new_node(s, d, False, sm, stat.S_IMODE(mode) & MODE_MASK, time.time_ns())
+        n.unread = True  # made by a writer; no reader was served it yet (Node.unread)
         n.local_only = local
         n.key = "n:" + uuid.uuid4().hex
         self.by_key[n.key] = n

@@ -262,6 +262,16 @@ class Node:
     # a record takes the target's (``NamespaceOps._adopt_key``). Memory only (a restart
     # forgets it: the base is then the version this sidecar last saw).
     read_base: _Rare[str] = _rare("read_base", "")
+    # True while no reader here opened or read the file since its content was made: by a
+    # writer here, or elsewhere (a record the feed created here, a remote change of its
+    # content). Content no reader was served never becomes a ``read_base``: an overwrite by
+    # a writer that read nothing since is based on the version this sidecar last saw (last
+    # writer wins, as on a local disk; tests/test_reference_model.py). Files loaded at
+    # mount count as served (no side table for them).
+    # INVARIANT: set by ``RemoteApply`` (a new record from the feed, ``note_replaced``) and
+    # by ``Filesystem._touch_content`` (a write); cleared by a reader's open past the warm
+    # path and by a read (``Filesystem.open`` / ``read``).
+    unread: _Rare[bool] = _rare("unread", False)
 
     def __repr__(self) -> str:
         return f"Node(ino={self.ino}, name={self.name!r}, key={self.key!r}, state={self.state})"

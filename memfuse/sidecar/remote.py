@@ -326,6 +326,7 @@ class RemoteApply:
                 self._detach(cur)
                 self._bind_rid(cur, None)
             n = self._new_node(parts[-1], d, False, sm, 0o644, time.time_ns())
+            n.unread = True  # no reader here was served it: never an overwrite's base
             self._set_record_key(n, rec.id)
             self.ids.note(n.key, rec.id, rec.sha256)
             self._live(n, +1)  # size 0 now; its size is accounted below
@@ -356,8 +357,9 @@ class RemoteApply:
         x = n._x
         if x is not None and x.get("read_base") == sha:
             del x["read_base"]  # back to what readers were served
-        elif not n.read_base and n.sha and n.sha != sha:
+        elif not n.read_base and n.sha and n.sha != sha and not n.unread:
             n.read_base = n.sha
+        n.unread = True  # ``sha`` is served to nobody yet
 
     def _remote_over_rejected(self, sm: StoreMount, n: Node,
                               rec: Record | Meta) -> list[tuple[Any, ...]] | None:
