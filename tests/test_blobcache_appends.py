@@ -250,3 +250,18 @@ def test_a_content_held_as_a_link_is_not_stored_whole_again(tmp_path):
             assert b.read(sha) == data
     finally:
         b.close()
+
+
+def test_a_link_whose_base_was_deleted_gives_way_to_the_whole_content(tmp_path):
+    """A link row left without its base (a middle link deleted by hand: ``atk_t2 dellink``)
+    reads as absent; the content fetched again and ``put`` whole replaces it (a link that
+    cannot be read never hides the whole content), and it reads exact."""
+    b, versions = _chain(tmp_path)
+    try:
+        b._db.execute("DELETE FROM appends WHERE sha=?", (versions[5][0],))
+        top_sha, top = versions[-1]
+        assert b.read(top_sha) == b"" and b.get(top_sha) is None
+        b.put(top, top_sha)
+        assert b.read(top_sha) == top and b.get(top_sha) == top
+    finally:
+        b.close()

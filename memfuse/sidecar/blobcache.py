@@ -429,13 +429,18 @@ class BlobCache:
     def put(self, data: bytes, sha: str | None = None) -> str:
         """Store ``data``; return its sha256 (computed when not given; a given one is not
         checked here: reads check it, ``_load``). Nothing is written when ``sha`` is held
-        already, whole or as an append link (``put_append``)."""
+        already, whole or as an append link whose chain resolves (``put_append``; a link
+        whose chain is broken is replaced by the whole content)."""
         sha = sha or sha256_hex(data)
         try:
             # a content held as an append link is not stored whole again (the change feed
-            # brings back the content of this sidecar's own appends)
-            self._db.execute("INSERT OR IGNORE INTO blobs SELECT ?, ? WHERE NOT EXISTS "
-                             "(SELECT 1 FROM appends WHERE sha=?)", (sha, data, sha))
+            # brings back the content of this sidecar's own appends); a link whose chain is
+            # broken (a base deleted) can never be read: it gives way to the whole content
+            if self._db.execute("SELECT 1 FROM appends WHERE sha=?", (sha,)).fetchone() is not None:
+                if self._link_chain(sha) is not None:
+                    return sha
+                self._db.execute("DELETE FROM appends WHERE sha=?", (sha,))
+            self._db.execute("INSERT OR IGNORE INTO blobs VALUES (?, ?)", (sha, data))
         except sqlite3.Error as exc:
             if self._in_batch:
                 raise  # batch() rolls the whole transaction back and raises CacheError
@@ -625,7 +630,8 @@ class BlobCache:
             s_, base_len, suffix = links[i]
             h.update(suffix)
             if base_len != size or h.copy().hexdigest() != s_:
-                self._drop([s for s, _, _ in links[:i + 1]], "append link",
+                # the damaged link first (named in the log), then the links resting on it
+                self._drop([s_] + [s for s, _, _ in links[:i]], "append link",
                            "length mismatch" if base_len != size else "sha256 mismatch")
                 return None
             self._remember(s_)
