@@ -334,3 +334,70 @@ def test_an_append_against_a_rival_rewrite_lands_on_the_rewrite(pair):
         assert final == rival + f"mine {i}\n", (i, final[:80])
         wait_until(lambda: read(pa) == final, timeout=30, what="the mount shows the merged journal")
     assert os.path.exists(pa)
+
+
+def _flip_on_disk(cache, needle: bytes, to: bytes) -> int:
+    """Overwrite every ``needle`` in the blob cache's files with ``to`` (same length), as
+    ``dd`` would (SQLite keeps no page checksum: it reads the changed bytes back)."""
+    flips = 0
+    for p in cache.glob("blobs.db*"):
+        raw = p.read_bytes()
+        i = raw.find(needle)
+        with open(p, "r+b") as fh:
+            while i >= 0:
+                fh.seek(i)
+                fh.write(to)
+                flips += 1
+                i = raw.find(needle, i + 1)
+    return flips
+
+
+def test_bytes_damaged_in_the_blob_cache_while_stopped_are_never_served(tmp_path):
+    """Attack finding 5 (``atk_t2.sh rawflip``): a 2 KB file appended to line by line, the
+    sidecar stopped, ``line-5`` turned into ``LINE-5`` by raw byte writes on ``blobs.db``
+    (inside the append link's suffix, and in any whole copy). After each restart (twice:
+    the first one's catch-up may bring the newest content whole) the file reads exact (the
+    damaged entry is dropped with a warning and the content fetched again from the control
+    plane), and the next append and a ``sed -i`` commit exact content. The blob cache
+    holds a link per append and one whole copy, not both."""
+    cp = ControlPlane(tmp_path).start()
+    mnt, cache = tmp_path / "mnt", tmp_path / "cache"
+    sc = None
+    try:
+        tok = cp.setup_workspace("ws")
+        sc = Sidecar(cp, "ws", tok, mnt, cache).start()
+        f = mnt / "default" / "C.md"
+        f.write_text("H" * 2000 + "\n")
+        sh(f"for i in $(seq 1 10); do echo line-$i-zzzzzzzzzzzzzzzz >> {f}; done", f.parent, timeout=60)
+        want = "H" * 2000 + "\n" + "".join(f"line-{i}-zzzzzzzzzzzzzzzz\n" for i in range(1, 11))
+        assert read(f) == want
+        _drained(sc)
+        db = sqlite3.connect(f"file:{cache / 'blobs.db'}?mode=ro", uri=True)
+        try:
+            stored = (db.execute("SELECT COUNT(*) FROM blobs").fetchone()[0],
+                      db.execute("SELECT COUNT(*) FROM appends").fetchone()[0])
+        finally:
+            db.close()
+        assert stored == (1, 10)  # the 2 KB base whole, a link per append
+        for _ in range(2):
+            sc.stop()
+            sc = None
+            assert _flip_on_disk(cache, b"line-5-zz", b"LINE-5-zz") >= 1
+            sc = Sidecar(cp, "ws", tok, mnt, cache).start()
+            assert read(f) == want  # exact: never LINE-5
+        log = sc.log.read_text()
+        assert "damaged; dropped" in log and "fetched again from the control plane" in log
+        assert "zzzz" not in "".join(x for x in log.splitlines() if "damaged" in x)  # no content
+        sh(f"echo line-11-zzzzzzzzzzzzzzzz >> {f}", f.parent, timeout=30)
+        sh(f"sed -i s/line-11/line-11b/ {f}", f.parent, timeout=30)
+        want += "line-11b-zzzzzzzzzzzzzzzz\n"
+        _drained(sc)
+        rec = cp.call("find_record", "default", "C.md")
+        assert cp.call("get_record", "default", rec.id).content == want
+        assert read(f) == want
+    finally:
+        try:
+            if sc is not None:
+                sc.stop()
+        finally:
+            cp.stop()

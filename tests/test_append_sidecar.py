@@ -60,10 +60,11 @@ async def test_appends_are_sent_as_their_suffix_and_small_files_whole(tmp_path):
         assert n is not None and n.buf is None and sc.fs.blobs.read(n.sha) == want
         assert sc.fs.blobs.read(n.sha, len(BASE) - 2, 9) == want[len(BASE) - 2:len(BASE) + 7]
         reads = []
-        real_read = sc.fs.blobs.read
+        real_read, real_get = sc.fs.blobs.read, sc.fs.blobs.get
         sc.fs.blobs.read = lambda sha, off=0, size=-1: reads.append((off, size)) or real_read(sha, off, size)
+        sc.fs.blobs.get = lambda sha: reads.append((0, -1)) or real_get(sha)  # whole, checked
         await append(sc, "j.md", b"one more\n")
-        sc.fs.blobs.read = real_read
+        sc.fs.blobs.read, sc.fs.blobs.get = real_read, real_get
         want += b"one more\n"
         # the base is the content this sidecar held last, in memory (recent): no blob read,
         # neither at the open nor at the close's check

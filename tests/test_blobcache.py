@@ -187,3 +187,50 @@ def test_snapshot_into_a_full_cache_raises_cache_error_not_a_group_and_fills_whe
     assert seq == 42 and len(metas) == 600
     assert b.missing([m.sha256 for m in metas]) == set()
     assert b.read(page(3, False).records[7].sha256) == page(3, False).records[7].content.encode()
+
+
+def _flip_on_disk(path: Path, needle: bytes, to: bytes) -> int:
+    """Overwrite every occurrence of ``needle`` in the file at ``path`` (closed) with ``to``
+    (same length), as ``dd`` would: SQLite keeps no checksum of a page, so it reads back
+    the changed bytes. Returns how many were changed."""
+    raw = path.read_bytes()
+    n, i = 0, raw.find(needle)
+    with open(path, "r+b") as f:
+        while i >= 0:
+            f.seek(i)
+            f.write(to)
+            n += 1
+            i = raw.find(needle, i + 1)
+    return n
+
+
+def test_bytes_damaged_on_disk_are_never_served_and_the_entry_is_dropped(tmp_path, caplog):
+    """A whole blob whose bytes were changed on disk while the cache was closed reads as
+    absent (whole, by range, with ``get``) and is deleted with a warning naming its sha256,
+    never its content; an undamaged blob beside it reads exact, by range too, from the
+    first read and after it (the check is once per load: later ranges are one substr)."""
+    p = tmp_path / "blobs.db"
+    bad = b"# notes\n" + b"the-secret-word-damaged " * 200
+    good = b"# other\n" + b"fine line\n" * 300
+    b = BlobCache(p)
+    bad_sha, good_sha = b.put(bad), b.put(good)
+    b.checkpoint()
+    b.close()
+    assert _flip_on_disk(p, b"secret-word", b"SECRET-WORD") > 0
+    b = BlobCache(p)
+    try:
+        with caplog.at_level("WARNING", logger="memfuse.mount"):
+            assert b.read(bad_sha, 100, 50) == b""
+        warned = [r for r in caplog.records if "damaged" in r.getMessage()]
+        assert warned and warned[0].sha256 == bad_sha  # type: ignore[attr-defined]
+        assert all(b"secret" not in r.getMessage().encode().lower() for r in caplog.records)
+        assert b.read(bad_sha) == b"" and b.get(bad_sha) is None and not b.has(bad_sha)
+        assert b.dropped == 1
+        assert b.read(good_sha, 7, 13) == good[7:20]
+        for off in range(0, len(good), 1000):  # ranges after the check: the fast path
+            assert b.read(good_sha, off, 1000) == good[off:off + 1000]
+        assert b.get(good_sha) == good
+        b.put(bad, bad_sha)  # fetched again: held and exact
+        assert b.read(bad_sha) == bad
+    finally:
+        b.close()

@@ -12,12 +12,15 @@
 from __future__ import annotations
 
 import os
+import sqlite3
 import random
 import signal
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+import pytest
 
 from memfuse.sidecar.blobcache import APPEND_CHAIN_MAX, BlobCache
 from memfuse.wire import sha256_hex
@@ -162,3 +165,103 @@ def test_kill_while_appending_leaves_every_stored_content_exact(tmp_path):
         data = b.read(sha)
         assert data and sha256_hex(data) == sha  # a link written before the kill resolves
     b.close()
+
+
+def _chain(tmp_path: Path, n: int = 8) -> tuple[BlobCache, list[tuple[str, bytes]]]:
+    """A cache holding a 2 KB content appended to ``n`` times (a link each)."""
+    b = BlobCache(tmp_path / "blobs.db")
+    data = b"H" * 2000 + b"\n"
+    versions = [(b.put(data), data)]
+    for i in range(1, n + 1):
+        versions.append(appended(b, versions[-1][1], f"line-{i}-zzzzzzzzzzzzzzzz\n".encode()))
+    assert links(b) == n
+    return b, versions
+
+
+@pytest.mark.parametrize("damage", ["flip", "text", "cut", "base"])
+def test_a_damaged_link_reads_absent_with_every_link_on_it_and_the_rest_stays(tmp_path, damage):
+    """A link of an append chain whose suffix was changed (same length), stored as TEXT
+    (``TypeError`` before: EIO "unexpected error"), or cut, or whose whole base blob was
+    changed: every version resting on it reads as absent (whole, by range, ``get``) and its
+    rows are deleted; the versions below it still read exact (each link is checked against
+    its own sha256). Checked at the first load of a fresh cache (a restart)."""
+    b, versions = _chain(tmp_path)
+    b.close()
+    db = sqlite3.connect(tmp_path / "blobs.db")
+    mid = versions[5][0]  # the link adding line-5
+    if damage == "flip":
+        db.execute("UPDATE appends SET suffix=CAST(replace(CAST(suffix AS TEXT), 'line', 'LINE') AS BLOB) "
+                   "WHERE sha=?", (mid,))
+    elif damage == "text":
+        db.execute("UPDATE appends SET suffix=CAST(suffix AS TEXT) WHERE sha=?", (mid,))
+    elif damage == "cut":
+        db.execute("UPDATE appends SET suffix=substr(suffix, 1, 3) WHERE sha=?", (mid,))
+    else:
+        db.execute("UPDATE blobs SET data=CAST(replace(CAST(data AS TEXT), 'HHH', 'hhh') AS BLOB)")
+    db.commit()
+    db.close()
+    b = BlobCache(tmp_path / "blobs.db")
+    try:
+        first_bad = 0 if damage == "base" else 5
+        top_sha, top = versions[-1]
+        assert b.read(top_sha, 2000, 10) == b""
+        for sha, _ in versions[first_bad:]:
+            assert b.read(sha) == b"" and b.get(sha) is None, sha
+            assert not b.has(sha)
+        for sha, data in versions[:first_bad]:
+            assert b.read(sha) == data and b.get(sha) == data
+            assert b.read(sha, 1990, 30) == data[1990:2020]
+        assert links(b) == max(0, first_bad - 1)
+        # fetched again (put whole, as the refetch does): exact from then on
+        b.put(top, top_sha)
+        assert b.read(top_sha) == top
+    finally:
+        b.close()
+
+
+def test_reads_of_a_checked_chain_by_range_are_exact(tmp_path):
+    """After the first (checked) load, range reads of a link resolve through the chain (one
+    substr a row) and give the same bytes as slicing the content."""
+    b, versions = _chain(tmp_path, APPEND_CHAIN_MAX)
+    try:
+        sha, data = versions[-1]
+        assert b.read(sha) == data
+        rnd = random.Random(5)
+        for _ in range(200):
+            off, size = rnd.randrange(len(data) + 5), rnd.randrange(-1, 300)
+            want = data[off:] if size < 0 else data[off:off + size]
+            assert b.read(sha, off, size) == want, (off, size)
+    finally:
+        b.close()
+
+
+def test_a_content_held_as_a_link_is_not_stored_whole_again(tmp_path):
+    """The change feed brings back the content of this sidecar's own appends (``put`` of
+    each version): a content held as a link is not stored whole again, so a file appended
+    to line by line keeps a link per append and a whole copy only every
+    ``APPEND_CHAIN_MAX``-th (the design), not both."""
+    b, versions = _chain(tmp_path)
+    try:
+        for sha, data in versions:
+            b.put(data, sha)  # what sync.py / remote.py do with the feed's content
+        whole = b._db.execute("SELECT COUNT(*) FROM blobs").fetchone()[0]
+        assert (whole, links(b)) == (1, len(versions) - 1)
+        for sha, data in versions:
+            assert b.read(sha) == data
+    finally:
+        b.close()
+
+
+def test_a_link_whose_base_was_deleted_gives_way_to_the_whole_content(tmp_path):
+    """A link row left without its base (a middle link deleted by hand: ``atk_t2 dellink``)
+    reads as absent; the content fetched again and ``put`` whole replaces it (a link that
+    cannot be read never hides the whole content), and it reads exact."""
+    b, versions = _chain(tmp_path)
+    try:
+        b._db.execute("DELETE FROM appends WHERE sha=?", (versions[5][0],))
+        top_sha, top = versions[-1]
+        assert b.read(top_sha) == b"" and b.get(top_sha) is None
+        b.put(top, top_sha)
+        assert b.read(top_sha) == top and b.get(top_sha) == top
+    finally:
+        b.close()

@@ -220,3 +220,67 @@ async def test_setattr_sends_only_changes_and_never_content(tmp_path: Path):
     fs.blobs.close()
     await client.aclose()
     await fake.aclose()
+
+
+async def test_a_damaged_cached_content_is_fetched_again_or_eio_never_other_bytes(tmp_path: Path):
+    """A clean file whose cached content was damaged (a byte changed in ``blobs.db``): a read
+    raises ``ContentMissing`` (the FUSE guard then calls ``refetch`` and reads once more),
+    so does a write on top of it (never a write on other bytes); ``refetch`` brings the
+    content back from the control plane and reads are exact; with the control plane
+    unreachable, ``refetch`` raises ``FsError(EIO)`` and the damaged bytes are never served."""
+    from memfuse.sidecar.core import ContentMissing
+
+    fake = FakeControlPlane(seed=0)
+    token = await fake.setup("ws", stores=("default",))
+    client = ApiClient(fake.base_url, token, transport=fake.transport, instance="core-test")
+    journal = Journal(tmp_path / "outbox.db")
+    fs = Filesystem(BlobCache(tmp_path / "blobs.db"), client, journal, Settings(commit_wait=5), "ws")
+    content = b"# notes\n" + b"an exact line\n" * 200
+
+    def damage() -> None:  # what a disk or a hand does while the sidecar is stopped
+        fs.blobs._db.execute("UPDATE blobs SET data=CAST(replace(CAST(data AS TEXT), 'exact', 'EXACT') AS BLOB)")
+        fs.blobs._verified.clear()  # a new process: nothing checked yet
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(journal.run)
+        await nursery.start(fs.committer.run)
+        sm = fs.add_store("default", "read_write", [])
+        h = fs.create(sm.root.ino, b"n.md", 0o600, os.O_WRONLY, 0, 0)
+        fs.write(h, 0, content)
+        await fs.flush(h)
+        fs.release(h.fh)
+        await fs.committer.wait_idle()
+        n = h.node
+        damage()
+        r = fs.open(n.ino, os.O_RDONLY)
+        with pytest.raises(ContentMissing):
+            fs.read(r, 0, 4096)
+        w = fs.open(n.ino, os.O_WRONLY | os.O_APPEND)
+        with pytest.raises(ContentMissing):
+            fs.write(w, 0, b"more\n")
+        assert n.buf is None and not n.dirty
+        await fs.refetch(n)
+        assert fs.read(r, 0, 1 << 20) == content and fs.read(r, 100, 50) == content[100:150]
+        damage()
+
+        class Offline:
+            async def get_record(self, *a, **k):
+                raise ConnectionError("control plane unreachable")
+
+        fs.client = Offline()
+        with pytest.raises(ContentMissing):
+            fs.read(r, 0, 4096)
+        with pytest.raises(FsError) as ei:
+            await fs.refetch(n)
+        assert ei.value.errno == errno.EIO
+        fs.client = client
+        await fs.refetch(n)
+        fs.write(w, 0, b"more\n")
+        await fs.flush(w)
+        fs.release(w.fh)
+        fs.release(r.fh)
+        await fs.committer.wait_idle()
+        rec = await client.get_record("default", n.record_id)
+        assert rec.content == (content + b"more\n").decode()
+        nursery.cancel_scope.cancel()
+    await client.aclose()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import hashlib
 import logging
 import os
 import sqlite3
@@ -36,6 +37,10 @@ PUT_ROWS = 400  # blobs per INSERT of put_many: 800 parameters (SQLite before 3.
 #: whole again, so a read resolves at most this many rows and the cache holds one whole copy
 #: per ``APPEND_CHAIN_MAX`` appends of a file
 APPEND_CHAIN_MAX = 16
+#: sha256s whose stored content was checked since this process opened the file, at most
+#: (``BlobCache._verified``: ~100 bytes each; past it the set starts empty again, and a blob
+#: read again is hashed again)
+VERIFIED_MAX = 1 << 17
 
 
 def _put_sql(n: int) -> str:
@@ -111,6 +116,21 @@ class BlobCache:
     one SQLite transaction each (the base first), so a crash never leaves a link without its
     base; a link whose base is missing anyway (a file damaged by hand) reads as absent.
 
+    Content is checked against the sha256 it is stored under before it is served
+    (``read``, ``get``): the first time this process loads a blob or an append chain from
+    the file, the whole content is hashed (~1 µs per KiB; an append chain link by link, each
+    link against its own version's sha256), and a row that does not match, or that is
+    malformed (a value that is not a BLOB, a length that does not add up), is deleted with a
+    warning naming the sha256 (never content) and reads as absent, so it is fetched again
+    from the control plane (``core.Filesystem.refetch``). A checked sha256 is remembered
+    (``_verified``, at most ``VERIFIED_MAX``), so the later range reads of a big file (one
+    ``read`` per 128 KiB FUSE request) and the warm path pay one ``substr`` as before: the
+    check is against damage at rest (a disk, a hand, a tool changing the file while the
+    sidecar is stopped), not against a file changed under the running sidecar. The disk
+    cache of mountpoint-s3 does the same per block (a CRC32C of each block and of its
+    header, checked on every block read; a mismatch is a cache miss and the block is
+    removed); a content here is hashed whole once, as it is named by its sha256 anyway.
+
     Every failure of the file (a full disk, an I/O error) is raised as ``CacheError``
     (``ENOSPC`` / ``EIO``), never as a raw ``sqlite3`` exception. Unreferenced blobs are
     deleted by ``gc``; the write-ahead log is kept under 1 MiB and truncated by ``checkpoint``.
@@ -124,6 +144,11 @@ class BlobCache:
         self._bulk_bytes = 0  # content written by the current bulk fill
         self._in_batch = False
         self._lock = threading.RLock()
+        # INVARIANT: every sha256 in it was read from the file by this process and its content
+        # (whole, or its append chain resolved) hashed to it; a row it names is never
+        # rewritten (content-addressed), only deleted (then the sha256 is discarded)
+        self._verified: set[str] = set()  # GUARDED_BY: _lock
+        self.dropped = 0  # damaged rows deleted by a check (``_load``)
         self.metrics = metrics  # counts failed writes (the sidecar's), or None
         private_file(path)  # 0600 (memory content); SQLite's -wal / -shm files get its mode
         self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
@@ -384,6 +409,8 @@ class BlobCache:
             if drop:
                 self._db.execute("BEGIN")
                 try:
+                    for (s_,) in drop:
+                        self._verified.discard(s_)
                     self._db.executemany("DELETE FROM blobs WHERE sha=?", drop)
                     if links:
                         self._db.executemany("DELETE FROM appends WHERE sha=?", drop)
@@ -400,9 +427,19 @@ class BlobCache:
 
     @_locked
     def put(self, data: bytes, sha: str | None = None) -> str:
-        """Store ``data``; return its sha256 (computed when not given)."""
+        """Store ``data``; return its sha256 (computed when not given; a given one is not
+        checked here: reads check it, ``_load``). Nothing is written when ``sha`` is held
+        already, whole or as an append link whose chain resolves (``put_append``; a link
+        whose chain is broken is replaced by the whole content)."""
         sha = sha or sha256_hex(data)
         try:
+            # a content held as an append link is not stored whole again (the change feed
+            # brings back the content of this sidecar's own appends); a link whose chain is
+            # broken (a base deleted) can never be read: it gives way to the whole content
+            if self._db.execute("SELECT 1 FROM appends WHERE sha=?", (sha,)).fetchone() is not None:
+                if self._link_chain(sha) is not None:
+                    return sha
+                self._db.execute("DELETE FROM appends WHERE sha=?", (sha,))
             self._db.execute("INSERT OR IGNORE INTO blobs VALUES (?, ?)", (sha, data))
         except sqlite3.Error as exc:
             if self._in_batch:
@@ -496,21 +533,135 @@ class BlobCache:
 
     @_locked
     def read(self, sha: str, off: int = 0, size: int = -1) -> bytes:
-        """Bytes ``[off, off+size)`` of a blob (all from ``off`` when ``size`` < 0); ``b""``
-        when absent. Raises ``CacheError(EIO)`` when the file cannot be read."""
+        """Bytes ``[off, off+size)`` of a blob (all from ``off`` when ``size`` < 0), checked
+        against ``sha`` (class docstring: hashed whole at its first load by this process,
+        ``_load``); ``b""`` when absent, or damaged (then deleted). Raises
+        ``CacheError(EIO)`` when the file cannot be read."""
         try:
-            if size < 0:
-                row = self._db.execute("SELECT substr(data, ?) FROM blobs WHERE sha=?",
-                                       (off + 1, sha)).fetchone()
-            else:
-                row = self._db.execute("SELECT substr(data, ?, ?) FROM blobs WHERE sha=?",
-                                       (off + 1, size, sha)).fetchone()
-            if row is None:
-                return self._read_link(sha, off, size)
+            if sha in self._verified:
+                try:
+                    return self._read_checked(sha, off, size)
+                except (TypeError, ValueError):  # the row changed since it was checked
+                    self._verified.discard(sha)
+            data = self._load(sha)
         except sqlite3.Error as exc:
             raise CacheError(errno.EIO, f"the sidecar's blob cache cannot be read "
                                         f"({type(exc).__name__})") from exc
+        if data is None:
+            return b""
+        if off == 0 and (size < 0 or size >= len(data)):
+            return data
+        return data[off:] if size < 0 else data[off:off + size]
+
+    def _read_checked(self, sha: str, off: int, size: int) -> bytes:
+        """``read`` of a sha256 in ``_verified``: one ``substr`` (or one per link)."""
+        if size < 0:
+            row = self._db.execute("SELECT substr(data, ?) FROM blobs WHERE sha=?",
+                                   (off + 1, sha)).fetchone()
+        else:
+            row = self._db.execute("SELECT substr(data, ?, ?) FROM blobs WHERE sha=?",
+                                   (off + 1, size, sha)).fetchone()
+        if row is None:
+            return self._read_link(sha, off, size)
         return bytes(row[0]) if row[0] is not None else b""
+
+    @_locked
+    def get(self, sha: str) -> bytes | None:
+        """The whole content whose sha256 is ``sha``, checked (hashed on every call: a
+        write's base, a journal's recovery), or None when absent or damaged (then deleted,
+        ``_load``). Raises ``CacheError(EIO)`` when the file cannot be read."""
+        try:
+            self._verified.discard(sha)
+            return self._load(sha)
+        except sqlite3.Error as exc:
+            raise CacheError(errno.EIO, f"the sidecar's blob cache cannot be read "
+                                        f"({type(exc).__name__})") from exc
+
+    def _load(self, sha: str) -> bytes | None:
+        """The whole content stored under ``sha`` (a whole blob, else an append chain
+        resolved), hashed and compared with ``sha``; None when absent. A row whose content
+        does not hash to its sha256, or is malformed (not a BLOB; a chain whose lengths do
+        not add up), is deleted (``_drop``): so is every link resting on a deleted one of
+        the chain read; the rest of the chain (checked link by link, oldest first, each
+        against its own sha256) is kept. Checked sha256s join ``_verified``. Raises
+        ``sqlite3.Error``."""
+        row = self._db.execute("SELECT data FROM blobs WHERE sha=?", (sha,)).fetchone()
+        if row is not None:
+            data = row[0]
+            if isinstance(data, bytes) and hashlib.sha256(data).hexdigest() == sha:
+                self._remember(sha)
+                return data
+            self._drop([sha], "blob", "not a BLOB" if not isinstance(data, bytes) else "sha256 mismatch")
+        # an append link: [(sha, base_len, suffix)] newest first, to the whole blob
+        links: list[tuple[str, int, bytes]] = []
+        cur = sha
+        for _ in range(APPEND_CHAIN_MAX + 1):  # a chain is short; a cycle cannot hold it
+            r = self._db.execute("SELECT base, base_len, suffix FROM appends WHERE sha=?", (cur,)).fetchone()
+            if r is None:
+                break
+            base, base_len, suffix = r
+            if not isinstance(suffix, bytes) or not isinstance(base, str) or not isinstance(base_len, int):
+                self._drop([s for s, _, _ in links] + [cur], "append link", "malformed row")
+                return None
+            links.append((cur, base_len, suffix))
+            cur = base
+        else:
+            self._drop([s for s, _, _ in links], "append link", "chain too long")
+            return None
+        if not links:
+            return None
+        whole = self._db.execute("SELECT data FROM blobs WHERE sha=?", (cur,)).fetchone()
+        if whole is None:
+            return None  # a broken chain (its base deleted): absent, as before
+        base_data = whole[0]
+        if not isinstance(base_data, bytes):
+            self._drop([cur], "blob", "not a BLOB")
+            self._drop([s for s, _, _ in links], "append link", "its base was damaged")
+            return None
+        h = hashlib.sha256(base_data)
+        if h.hexdigest() != cur:
+            self._drop([cur], "blob", "sha256 mismatch")
+            self._drop([s for s, _, _ in links], "append link", "its base was damaged")
+            return None
+        self._remember(cur)
+        parts = [base_data]
+        size = len(base_data)
+        for i in range(len(links) - 1, -1, -1):  # oldest first
+            s_, base_len, suffix = links[i]
+            h.update(suffix)
+            if base_len != size or h.copy().hexdigest() != s_:
+                # the damaged link first (named in the log), then the links resting on it
+                self._drop([s_] + [s for s, _, _ in links[:i]], "append link",
+                           "length mismatch" if base_len != size else "sha256 mismatch")
+                return None
+            self._remember(s_)
+            parts.append(suffix)
+            size += len(suffix)
+        return b"".join(parts)
+
+    def _remember(self, sha: str) -> None:
+        if len(self._verified) >= VERIFIED_MAX:
+            self._verified.clear()
+        self._verified.add(sha)
+
+    def _drop(self, shas: list[str], what: str, reason: str) -> None:
+        """Delete the damaged rows ``shas`` (whole blobs and append links) found by a check,
+        with a warning naming them (never content); a failure to delete is logged (the
+        check runs again at the next load). They read as absent from now on."""
+        if not shas:
+            return
+        for s_ in shas:
+            self._verified.discard(s_)
+        self.dropped += len(shas)
+        log.warning(f"blob cache {what} damaged; dropped (its content is fetched again from "
+                    "the control plane)", extra={"sha256": shas[0], "rows": len(shas), "reason": reason})
+        try:
+            rows = [(s_,) for s_ in shas]
+            self._db.executemany("DELETE FROM blobs WHERE sha=?", rows)
+            self._db.executemany("DELETE FROM appends WHERE sha=?", rows)
+        except sqlite3.Error as exc:
+            log.warning("blob cache damaged rows could not be deleted",
+                        extra={"error": type(exc).__name__})
 
     def _read_link(self, sha: str, off: int, size: int) -> bytes:
         """``read`` of an append link: the parts of ``[off, off+size)`` from each link's

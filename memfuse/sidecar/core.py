@@ -81,9 +81,23 @@ log = logging.getLogger("memfuse.fs")
 #: in the suffix, the secret scan from ``APPEND_SCAN_CONTEXT`` bytes before it
 APPEND_CHECK_MIN = 1024
 APPEND_SCAN_CONTEXT = 16 * 1024
+#: seconds a read or write waits at most for a clean content fetched again from the
+#: control plane (``Filesystem.refetch``), then ``EIO``
+REFETCH_TIMEOUT = 30.0
+
+
+class ContentMissing(FsError):
+    """The clean content of ``node`` is not in the blob cache (absent, or found damaged and
+    dropped: ``BlobCache._load``): ``EIO`` unless the FUSE handler fetches it again
+    (``Filesystem.refetch``, ``fuse_ops._guard_sync``) and runs once more."""
+
+    def __init__(self, node: Node) -> None:
+        super().__init__(errno.EIO, "the file's content is missing from the blob cache")
+        self.node = node
+
 
 # what callers use from here (the node types live in inodes.py, re-exported for them)
-__all__ = ["Filesystem", "FsListener", "FsError", "Settings", "Node", "Handle", "StoreMount", "ROOT_INO",
+__all__ = ["Filesystem", "FsListener", "FsError", "ContentMissing", "Settings", "Node", "Handle", "StoreMount", "ROOT_INO",
            "CONTROL_DIR", "CLEAN", "PENDING", "REJECTED"]
 
 
@@ -140,6 +154,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         (``Journal.load_rejected``), ``local``: its local-only files
         (``Journal.load_local``); both put back as each store is added (``add_store``)."""
         self.blobs = blobs
+        self.client = client  # refetch: a clean content the blob cache lost or found damaged
         self.hashes = Sha256States()
         self.recent = RecentContents(min_bytes=APPEND_CHECK_MIN)
         self.journal = journal
@@ -284,7 +299,10 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             return bytes(n.buf[off:off + size])
         if off >= n.size or not n.sha:
             return b""
-        return self.blobs.read(n.sha, off, size)
+        data = self.blobs.read(n.sha, off, size)
+        if not data and size > 0:  # absent or damaged (dropped): MemfuseOps refetches it
+            raise ContentMissing(n)
+        return data
 
     def _cached_blob(self, sha: str) -> bytes | None:
         """The cached content whose sha256 is ``sha`` (checked), None when the blob cache
@@ -293,10 +311,9 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         if kept is not None:
             return kept
         try:
-            data = self.blobs.read(sha) if self.blobs.has(sha) else None
+            return self.blobs.get(sha)  # checked against sha (BlobCache._load)
         except (CacheError, sqlite3.Error):
             return None
-        return data if data is not None and sha256_hex(data) == sha else None
 
     def _hold_content(self, n: Node, data: bytes, sha: str, what: str,
                       base: tuple[str, int] | None = None) -> None:
@@ -325,7 +342,49 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         if not n.sha:
             return b""
         kept = self.recent.get(n.sha) if n.size >= APPEND_CHECK_MIN else None
-        return kept if kept is not None else self.blobs.read(n.sha)
+        return kept if kept is not None else self._clean_content(n)
+
+    def _clean_content(self, n: Node) -> bytes:
+        """The clean content of ``n`` (``n.sha``, ``n.size`` bytes) from the blob cache,
+        checked (``BlobCache.get``). Raises ``ContentMissing`` when it is absent or damaged
+        (never another content: it may become the base of a write), ``CacheError``."""
+        data = self.blobs.get(n.sha) if n.size else b""
+        if data is None:
+            raise ContentMissing(n)
+        return data
+
+    async def refetch(self, n: Node) -> None:
+        """Fetch the clean content of ``n`` (sha256 ``n.sha``) again from the control plane
+        and hold it (``_hold_content``: the blob cache, or memory when its disk refuses) —
+        what a ``ContentMissing`` asks for. Bounded by ``REFETCH_TIMEOUT`` (s). Raises
+        ``FsError(EIO)`` with a logged reason when it cannot: no record id (never
+        committed), the control plane unreachable or slow, or holding neither this version
+        nor its content (redacted, pruned)."""
+        sha, slug, rid, version = n.sha, n.store.slug if n.store else "", n.record_id, n.version
+        extra = {"store": slug, "path": n.path(), "sha256": sha}
+        if not slug or not rid:
+            log.warning("file content missing from the blob cache and never committed; EIO", extra=extra)
+            raise FsError(errno.EIO, "the file's content is missing from the blob cache")
+        try:
+            with trio.fail_after(REFETCH_TIMEOUT):
+                rec = await self.client.get_record(slug, rid, content=True)
+                text, got = rec.content, rec.sha256
+                if got != sha and version:
+                    v = await self.client.version(slug, rid, version)
+                    text, got = v.content, v.sha256
+        except Exception as e:  # offline, refused, slow: the content is not there to serve
+            log.warning("file content missing from the blob cache; the control plane did not "
+                        "give it; EIO", extra={**extra, "error": type(e).__name__})
+            raise FsError(errno.EIO, "the file's content is missing from the blob cache and "
+                                     "the control plane did not give it") from None
+        data = text.encode("utf-8") if text is not None else None
+        if data is None or got != sha or sha256_hex(data) != sha or n.sha != sha:
+            log.warning("file content missing from the blob cache; the control plane holds "
+                        "another content now; EIO", extra=extra)
+            raise FsError(errno.EIO, "the file's content is missing from the blob cache")
+        if n.buf is None:
+            self._hold_content(n, data, sha, "the content fetched again")
+        log.info("file content fetched again from the control plane", extra=extra)
 
     def _make_buf(self, n: Node, *, replacing: bool = False) -> WriteBuffer:
         """``n``'s write buffer, made from its current content at a write session's first
@@ -343,7 +402,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
                 # else read once from the blob cache and kept
                 base = self.recent.get(n.sha)
                 if base is None:
-                    base = self.blobs.read(n.sha)
+                    base = self._clean_content(n)
                     self.recent.keep(n.sha, base)
                 n.buf = AppendBuffer(base, n.sha)
             else:

@@ -27,7 +27,7 @@ from typing import Any, ParamSpec, TypeVar, cast
 import pyfuse3
 
 from .control import CONTROL_DIR
-from .core import Filesystem
+from .core import ContentMissing, Filesystem
 from .inodes import CHECK_INVARIANTS, FsError, Handle, Node
 from .metrics import LAT_BUCKETS, TIME_MASK, Metrics, OpStats
 from .cachedir import CacheError
@@ -122,6 +122,12 @@ def _guard_sync(fn: Callable[_P, _R]) -> Callable[_P, Coroutine[Any, Any, _R]]:
         t0 = 0.0 if c & TIME_MASK else clock()  # one request in TIME_EVERY is timed
         try:
             return call(self, *args)
+        except ContentMissing as m:  # a clean content absent or damaged in the blob cache:
+            try:                     # fetched again, then the request once more (no effect
+                await self.fs.refetch(m.node)  # before the content is read: read, write,
+                return call(self, *args)       # truncate)
+            except Exception as e:
+                raise _failed(self, name, e) from None
         except Exception as e:
             raise _failed(self, name, e) from None
         finally:

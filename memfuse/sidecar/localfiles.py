@@ -40,7 +40,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..defs import sha256_hex
-from .inodes import Node, StoreMount
+from .inodes import FsError, Node, StoreMount
 from .cachedir import CacheError
 
 if TYPE_CHECKING:
@@ -131,7 +131,18 @@ class LocalFiles:
             if prev is not None and prev[0] == sig[0] and prev[2] == sig[2] and len(prev) == 5:
                 journal.move_local(n.key, sig[1], sig[3], sig[4])
             else:
-                journal.put_local(self._local_row(n))
+                try:
+                    row = self._local_row(n)
+                except (CacheError, FsError):  # its content unreadable or damaged in the blob
+                    # cache (core.ContentMissing): the row the journal holds stays
+                    log.warning("local-only file's content unreadable in the blob cache; its "
+                                "saved row is kept", extra={"store": sig[0], "path": sig[1]})
+                    if prev is not None:
+                        current[n.key] = prev
+                    else:
+                        del current[n.key]
+                    continue
+                journal.put_local(row)
         mounted = self.stores
         for key, sig in list(self._local_saved.items()):
             if key not in current and sig[0] in mounted and not mounted[sig[0]].detached:
@@ -147,7 +158,7 @@ class LocalFiles:
             if n.store is sm and not n.unlinked and n.local_only:
                 try:
                     rows.append(self._local_row(n))
-                except CacheError:
+                except (CacheError, FsError):  # FsError: core.ContentMissing (damaged)
                     log.warning("local-only file not kept: its content is unreadable",
                                 extra={"store": sm.slug, "path": n.path()})
                 self._local.discard(n)

@@ -338,7 +338,7 @@ class Sidecar(StoreSync):
         learns the key map the witness saw."""
         def content_of(sha: str) -> bytes | None:
             try:
-                return blobs.read(sha) if blobs.has(sha) else None
+                return blobs.get(sha)  # checked: a damaged entry is as good as gone
             except Exception:  # an unreadable cache: the content is as good as gone
                 return None
 

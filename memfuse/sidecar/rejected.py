@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import CODE_BY_ERRNO
 from ..defs import sha256_hex
-from .inodes import REJECTED, Node, StoreMount
+from .cachedir import CacheError
+from .inodes import REJECTED, FsError, Node, StoreMount
 
 if TYPE_CHECKING:
     from .blobcache import BlobCache
@@ -121,7 +122,14 @@ class RejectedFiles:
                 continue
             if n.store.detached:  # its rows stay as they are until it is mounted again
                 continue
-            got = self._rejected_row(n, *self._rejected[n])
+            try:
+                got = self._rejected_row(n, *self._rejected[n])
+            except (CacheError, FsError):  # its content unreadable or damaged in the blob
+                # cache (core.ContentMissing): the row the journal holds stays
+                log.warning("rejected file's content unreadable in the blob cache; its saved "
+                            "row is kept", extra={"store": n.store.slug, "path": n.path()})
+                prev, row = self._rejected_saved.get(n.key), self._rejected_rows.get(n.key)
+                got = (prev, row) if prev is not None and row is not None else None
             if got is not None:
                 sigs[n.key], rows[n.key] = got
         mounted = set(self.stores)
