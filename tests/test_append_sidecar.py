@@ -74,8 +74,9 @@ async def test_appends_are_sent_as_their_suffix_and_small_files_whole(tmp_path):
         for sha in list(sc.fs.recent._items):
             sc.fs.recent.drop(sha)
         sc.fs.blobs.read = lambda sha, off=0, size=-1: reads.append((off, size)) or real_read(sha, off, size)
+        sc.fs.blobs.get = lambda sha: reads.append((0, -1)) or real_get(sha)  # whole, checked
         await append(sc, "j.md", b"and one\n")
-        sc.fs.blobs.read = real_read
+        sc.fs.blobs.read, sc.fs.blobs.get = real_read, real_get
         want += b"and one\n"
         assert reads == [(0, -1)]
         assert (await remote(fake))["j.md"] == want
@@ -215,4 +216,6 @@ async def test_a_replayed_append_without_its_base_is_applied_once(tmp_path):
     token = await fake.setup("ws")
     await _crash_after_applied_append(tmp_path, fake, token)
     calls = await _replay(tmp_path, fake, token, lose_base=True)
-    assert calls == [("update", len(BASE) + 5)]  # whole, 412, the record already holds it
+    # whole, 412, the record already holds it; then one probe of the entry's own keys (its
+    # "-append" key was used: the write was applied before, ConflictResolver.applied_before)
+    assert calls == [("update", len(BASE) + 5), ("update", 0)]
