@@ -112,3 +112,27 @@ async def test_one_key_sent_at_once_gets_one_answer(env):
         r = await admin.get(f"{R}/{rid}/versions")
         assert [(v["version"], v["operation"]) for v in r.json()] == [
             (1, "created"), (2, "modified"), (3, "modified"), (4, "modified"), (5, "moved"), (6, "deleted")]
+
+
+async def test_a_refusal_after_its_twin_committed_replays_the_twin(env, monkeypatch):
+    """The window of the burst above made certain, on either database: the key's check finds
+    nothing (as when it ran before the twin committed), then the write is refused because the
+    twin changed the record (412). The request gets the twin's stored answer; a request of
+    another body with that key gets 422 ``idempotency_key_reused``, and a keyed request no
+    twin answered keeps its refusal."""
+    from memfuse.server.base import Writer
+
+    admin, ws = env
+    r = await ws.post(R, json={"path": "t.md", "content": "one\n"})
+    rid, tag = r.json()["id"], r.headers["etag"]
+    headers = {"Idempotency-Key": "k-twin", "If-Match": tag}
+    first = await ws.put(f"{R}/{rid}", json={"content": "two\n"}, headers=headers)
+    assert first.status_code == 200, first.text
+    monkeypatch.setattr(Writer, "idem_lookup", lambda self, conn, p, idem: None)
+    again = await ws.put(f"{R}/{rid}", json={"content": "two\n"}, headers=headers)
+    assert again.status_code == 200, again.text
+    assert again.content == first.content and again.headers["idempotent-replayed"] == "true"
+    _problem(await ws.put(f"{R}/{rid}", json={"content": "three\n"}, headers=headers), 422, "idempotency_key_reused")
+    _problem(await ws.put(f"{R}/{rid}", json={"content": "two\n"}, headers={"Idempotency-Key": "k-new", "If-Match": tag}),
+             412, "precondition_failed")
+    assert [v["version"] for v in (await admin.get(f"{R}/{rid}/versions")).json()] == [1, 2]
