@@ -272,6 +272,20 @@ class ConsoleSessionRow(Base):
     account: Mapped[str | None] = mapped_column(String(63), nullable=True)
 
 
+# INVARIANT: ``records.version`` and ``versions.version`` are ``Integer`` columns, 32-bit signed
+# on PostgreSQL (SQLite's are 64-bit), so no version past ``VERSION_MAX`` can exist; a client's
+# version number (API.md: any signed 64-bit integer) meets a query only through
+# ``version_in_range`` (``memfuse.server.records.RecordsService._version``), else PostgreSQL
+# refuses the comparison (NumericValueOutOfRange, a 500) where SQLite answers 404.
+VERSION_MAX = (1 << 31) - 1
+
+
+def version_in_range(n: int) -> bool:
+    """Whether ``n`` is a version number the version columns can hold (1..``VERSION_MAX``):
+    one outside it is of no version (404), and must not reach a query."""
+    return 1 <= n <= VERSION_MAX
+
+
 class RecordRow(Base):
     """The current state of one record (its latest version)."""
 

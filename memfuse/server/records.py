@@ -17,7 +17,7 @@ from sqlalchemy import false, select, update
 from sqlalchemy.engine import Connection
 
 from memfuse import content as content_rules
-from memfuse.defs import INT64_MAX, mtime_effective_ns
+from memfuse.defs import mtime_effective_ns
 from memfuse.hashstate import Sha256States
 from memfuse.models import (
     MoveResult,
@@ -46,7 +46,7 @@ from memfuse.server.base import (
     parse_if_match,
 )
 from memfuse.server import deltas, history, keys, staleness, tails, wakeups
-from memfuse.server.db import utcnow
+from memfuse.server.db import utcnow, version_in_range
 from memfuse.server.recordrows import (
     BatchStore,
     _RAW_INSERT_RECORD,
@@ -297,7 +297,7 @@ class RecordsService(Resource):
     def _version(conn: Connection, record_id: str, n: int) -> Any:
         """Version ``n``'s row, an append version's content made whole (``deltas.resolve``);
         404 ``version_not_found``."""
-        if not 1 <= n <= INT64_MAX:  # no such version, and not one the database could compare
+        if not version_in_range(n):  # no such version, and not one the database could compare
             raise ServiceError(404, "version_not_found", f"record {record_id!r} has no version {n}")
         v = conn.execute(select(_V).where(_V.c.record_id == record_id, _V.c.version == n)).first()
         if v is None:
