@@ -293,6 +293,7 @@ class Sidecar(StoreSync):
         self._mount_lock = trio.Lock()
         self._mounted = False
         self.offline_start = False
+        self.own_unseen: set[str] = set()  # StoreSync.own_unseen
         self.feed_tasks = 0  # running change-feed tasks: one per mounted store
         self._no_stream_until = float("-inf")  # trio time: long-poll until then (stores.py)
         self._drain_scope: trio.CancelScope | None = None
