@@ -230,21 +230,23 @@ def test_own_commits_missing_from_the_mirror_come_back_after_an_offline_start(tm
         f = m / "log.txt"
         sh("printf 'head\\n' > log.txt", m)
         wait_until(lambda: "log.txt" in live_records(cp, "s"), timeout=30, what="log.txt committed")
-        saved = None
-        for _ in range(5):  # until the kill leaves the saved mirror behind the control plane
+        saved, acked = None, []  # acked: the lines whose close returned 0
+        for rnd in range(5):  # until the kill leaves the saved mirror behind the control plane
             stop_at = time.monotonic() + 3.0
 
             def append() -> None:  # each close returns once committed
                 i = 0
                 while time.monotonic() < stop_at:
+                    line = f"round {rnd} line {i}\n"
                     try:
                         fd = os.open(f, os.O_WRONLY | os.O_APPEND)
                         try:
-                            os.write(fd, f"line {i}\n".encode())
+                            os.write(fd, line.encode())
                         finally:
                             os.close(fd)
                     except OSError:
                         return  # the kill
+                    acked.append(line)
                     i += 1
 
             writer = threading.Thread(target=append)
@@ -266,7 +268,11 @@ def test_own_commits_missing_from_the_mirror_come_back_after_an_offline_start(tm
         sc.start(expect="s")
         assert "mounted from the local cache" in sc.log.read_bytes()[offset:].decode()
         proxy.drip = False  # new connections at full speed; dripping ones are cut at 30 s
+        # the outbox the kill left (the last appends) commits
+        wait_until(lambda: _status(sc.mountpoint)["outbox"]["depth"] == 0, timeout=90,
+                   what="outbox drained")
         want = live_records(cp, "s")["log.txt"].content
+        assert set(acked) <= set(want.splitlines(keepends=True))  # no accepted write lost
         wait_until(lambda: read(f) == want, timeout=90, what="log.txt as the control plane holds it")
         assert live_records(cp, "s")["log.txt"].content == want  # nothing more was written
         # and a later online start resumes from a cursor that agrees with the mirror
