@@ -100,6 +100,14 @@ class StoreSync:
     #: first catches up with every actor's versions (``_catch_up_own``), then leaves it.
     #: GUARDED_BY the trio thread.
     own_unseen: set[str]
+    #: slug -> the ``seq`` of an empty feed page that came while the store had outbox
+    #: entries unfinished. INVARIANT: a store's cursor never passes a version of ours whose
+    #: answer has not reached its mirror (``StoreState.committed``): the feed leaves those
+    #: out, so a page may pass them before their answer arrives, and a mirror saved then
+    #: and killed before the next save would resume past a version it lacks. The cursor
+    #: moves to it once the store's outbox is idle (``own_commits_done``). GUARDED_BY the
+    #: trio thread.
+    cursor_held: dict[str, int]
     feed_tasks: int
     task_failures: dict[str, int]
     state_save_failing: bool
@@ -476,6 +484,18 @@ class StoreSync:
                 await trio.sleep(5)
                 continue
 
+    def own_commits_done(self, slug: str) -> None:
+        """An outbox entry of ``slug`` finished, its answer in the mirror: once none is left,
+        the cursor takes the ``seq`` held for it (``cursor_held``)."""
+        held = self.cursor_held.get(slug)
+        if held is None or self.committer.depth(slug):
+            return
+        del self.cursor_held[slug]
+        state = self.states.get(slug)
+        if state is not None and held > state.cursor:
+            state.cursor = held
+            state.dirty = True
+
     async def _catch_up_own(self, slug: str) -> None:
         """The first feed requests of a store in ``own_unseen``: every version since its
         cursor, ours included (no ``skip_actor``, no wait), applied as the feed applies
@@ -509,7 +529,10 @@ class StoreSync:
         if state is None or sm is None:
             return False
         if not page.changes:
-            state.cursor = max(state.cursor, page.seq)
+            if self.committer.depth(slug):  # it may pass a version of ours not answered yet
+                self.cursor_held[slug] = max(self.cursor_held.get(slug, 0), page.seq)
+            else:
+                state.cursor = max(state.cursor, page.seq)
             return True
         # every local change of this store must be committed before remote ones apply
         await self.committer.wait_store_idle(slug)
