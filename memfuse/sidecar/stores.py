@@ -753,6 +753,8 @@ class StoreSync:
         await self.invalidator.settle()  # the directory is gone for the kernel too on return
         self.want_context()
         state = self.states.pop(slug, None)
+        self.own_unseen.discard(slug)  # a later mount loads it anew (catch-up or snapshot)
+        self.cursor_held.pop(slug, None)
         if state is not None:
             try:
                 await state.save_async()
