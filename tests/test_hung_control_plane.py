@@ -194,10 +194,93 @@ def test_a_dripping_control_plane_delays_a_restart_by_offline_after_at_most(tmp_
         proxy.drip = False
         wait_until(lambda: "b.md" in live_records(cp, "s"), timeout=90, what="b.md committed")
         assert live_records(cp, "s")["b.md"].content == "during\n"
-        wait_until(lambda: _status(sc.mountpoint)["outbox"]["depth"] == 0, timeout=30,
+        # 60 s: the replayed put may have reached the control plane while its answer drips,
+        # then it is cut at its 30 s deadline (from before b.md showed) and sent again
+        wait_until(lambda: _status(sc.mountpoint)["outbox"]["depth"] == 0, timeout=60,
                    what="outbox drained")
         sh("echo after > c.md", m, timeout=30)
         wait_until(lambda: "c.md" in live_records(cp, "s"), timeout=30, what="c.md committed")
+    finally:
+        try:
+            if sc is not None:
+                sc.stop()
+        finally:
+            proxy.close()
+            cp.stop()
+
+
+def test_own_commits_missing_from_the_mirror_come_back_after_an_offline_start(tmp_path):
+    """The outside tester's case (kill -9, then an offline start): appends commit one by
+    one; a kill -9 comes after the journal forgot the last ones (a committed entry leaves it
+    within 0.25 s) but before the store's mirror was saved with them (every 2 s). The next
+    start finds the control plane dripping and mounts from the cache, the file at its older
+    saved version. Once the control plane answers at full speed, the file must show what it
+    holds: the feed leaves this sidecar's own versions out, so before the fix the older
+    content stayed, shown as clean, for good (a later online start too: its catch-up starts
+    from the cursor, past those versions)."""
+    from memfuse.sidecar.sync import StoreState
+
+    cp = ControlPlane(tmp_path).start()
+    proxy = DripProxy(cp.port)
+    via = types.SimpleNamespace(url=proxy.url)  # what Sidecar takes of a control plane
+    sc = None
+    try:
+        tok = cp.setup_workspace("ws", ("s",))
+        args = ("--offline-after", "3", "--commit-wait", "5", "--drain-timeout", "1")
+        sc = Sidecar(via, "ws", tok, tmp_path / "mnt", tmp_path / "cache", *args).start(expect="s")
+        m = sc.mountpoint / "s"
+        f = m / "log.txt"
+        sh("printf 'head\\n' > log.txt", m)
+        wait_until(lambda: "log.txt" in live_records(cp, "s"), timeout=30, what="log.txt committed")
+        saved, acked = None, []  # acked: the lines whose close returned 0
+        for rnd in range(5):  # until the kill leaves the saved mirror behind the control plane
+            stop_at = time.monotonic() + 3.0
+
+            def append() -> None:  # each close returns once committed
+                i = 0
+                while time.monotonic() < stop_at:
+                    line = f"round {rnd} line {i}\n"
+                    try:
+                        fd = os.open(f, os.O_WRONLY | os.O_APPEND)
+                        try:
+                            os.write(fd, line.encode())
+                        finally:
+                            os.close(fd)
+                    except OSError:
+                        return  # the kill
+                    acked.append(line)
+                    i += 1
+
+            writer = threading.Thread(target=append)
+            writer.start()
+            time.sleep(2.5)
+            sc.kill9()  # in the middle of the appends
+            writer.join(30)
+            live = live_records(cp, "s")["log.txt"]
+            st = StoreState(tmp_path / "cache" / "stores" / "s.json", "s")
+            assert st.load()
+            saved = st.records.get(live.id)
+            if saved is not None and saved.version < live.version:
+                break
+            sc.start(expect="s")
+        assert saved is not None and saved.version < live.version, "the mirror was always saved in time"
+        # the next start: the listing is answered at full speed, the stores' requests drip
+        proxy.drip, proxy.paths = True, (b"/v1/stores/",)
+        offset = sc.log.stat().st_size
+        sc.start(expect="s")
+        assert "mounted from the local cache" in sc.log.read_bytes()[offset:].decode()
+        proxy.drip = False  # new connections at full speed; dripping ones are cut at 30 s
+        # the outbox the kill left (the last appends) commits
+        wait_until(lambda: _status(sc.mountpoint)["outbox"]["depth"] == 0, timeout=90,
+                   what="outbox drained")
+        want = live_records(cp, "s")["log.txt"].content
+        assert set(acked) <= set(want.splitlines(keepends=True))  # no accepted write lost
+        wait_until(lambda: read(f) == want, timeout=90, what="log.txt as the control plane holds it")
+        assert live_records(cp, "s")["log.txt"].content == want  # nothing more was written
+        # and a later online start resumes from a cursor that agrees with the mirror
+        sc.stop()
+        sc.start(expect="s")
+        assert read(f) == want
     finally:
         try:
             if sc is not None:

@@ -293,6 +293,8 @@ class Sidecar(StoreSync):
         self._mount_lock = trio.Lock()
         self._mounted = False
         self.offline_start = False
+        self.own_unseen: set[str] = set()  # StoreSync.own_unseen
+        self.cursor_held: dict[str, int] = {}  # StoreSync.cursor_held
         self.feed_tasks = 0  # running change-feed tasks: one per mounted store
         self._no_stream_until = float("-inf")  # trio time: long-poll until then (stores.py)
         self._drain_scope: trio.CancelScope | None = None
@@ -384,6 +386,7 @@ class Sidecar(StoreSync):
         state = self.states.get(e.store)
         if state is not None:
             state.committed(e)
+            self.own_commits_done(e.store)
         if not e.errno and INDEX_PATH in (e.args.get("path"), e.args.get("to"),
                                           e.args.get("from")):
             self.want_context()

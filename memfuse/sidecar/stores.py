@@ -92,6 +92,22 @@ class StoreSync:
     _mount_lock: trio.Lock
     _mounted: bool
     offline_start: bool
+    #: stores mounted from the cache without a catch-up (``_load_offline``). INVARIANT: a
+    #: store in it may lack versions this sidecar's previous process committed after its
+    #: mirror's last save (a committed entry leaves the journal within ``Journal.LAZY_DELAY``
+    #: s, the mirror is saved every 2 s; a kill -9 between loses them from both), which the
+    #: feed, leaving our own versions out (``skip_actor``), would never bring: its feed
+    #: first catches up with every actor's versions (``_catch_up_own``), then leaves it.
+    #: GUARDED_BY the trio thread.
+    own_unseen: set[str]
+    #: slug -> the ``seq`` of an empty feed page that came while the store had outbox
+    #: entries unfinished. INVARIANT: a store's cursor never passes a version of ours whose
+    #: answer has not reached its mirror (``StoreState.committed``): the feed leaves those
+    #: out, so a page may pass them before their answer arrives, and a mirror saved then
+    #: and killed before the next save would resume past a version it lacks. The cursor
+    #: moves to it once the store's outbox is idle (``own_commits_done``). GUARDED_BY the
+    #: trio thread.
+    cursor_held: dict[str, int]
     feed_tasks: int
     task_failures: dict[str, int]
     state_save_failing: bool
@@ -331,6 +347,7 @@ class StoreSync:
             missing = self.fs.blobs.missing_digests(m.sha for m in state.records.values())
             records = [m for m in state.records.values() if m.sha not in missing]
             self.states[slug] = state
+            self.own_unseen.add(slug)
             self.fs.add_store(slug, state.access, records, limits=state.limits or None,
                               cached=True)
         self.offline_start = True
@@ -403,6 +420,11 @@ class StoreSync:
             if state is None or sm is None:
                 return
             try:
+                if slug in self.own_unseen:
+                    await self._catch_up_own(slug)
+                    retry.reset()
+                    probe = False
+                    continue
                 if self._streams_ok() and not probe:
                     stream = self.client.changes_stream(slug, state.cursor, content=True, **self._feed_kw)
                     opened = trio.current_time()
@@ -462,15 +484,55 @@ class StoreSync:
                 await trio.sleep(5)
                 continue
 
-    async def _apply_page(self, slug: str, page: ChangePage) -> bool:
+    def own_commits_done(self, slug: str) -> None:
+        """An outbox entry of ``slug`` finished, its answer in the mirror: once none is left,
+        the cursor takes the ``seq`` held for it (``cursor_held``)."""
+        held = self.cursor_held.get(slug)
+        if held is None or self.committer.depth(slug):
+            return
+        del self.cursor_held[slug]
+        state = self.states.get(slug)
+        if state is not None and held > state.cursor:
+            state.cursor = held
+            state.dirty = True
+
+    async def _catch_up_own(self, slug: str) -> None:
+        """The first feed requests of a store in ``own_unseen``: every version since its
+        cursor, ours included (no ``skip_actor``, no wait), applied as the feed applies
+        others' (``_apply_page(own=True)``: a file already at that version or written since
+        is left alone), until a page is empty; then the store leaves ``own_unseen``, and its
+        feed goes on as usual. Without it, a version committed by the previous process and
+        missing from the saved mirror stays missing, shown as clean, for good (a later
+        online start catches up from the cursor, past it). Raises what
+        ``ApiClient.changes`` raises (the feed loop retries)."""
+        while slug in self.own_unseen:
+            state = self.states.get(slug)
+            if state is None or slug not in self.fs.stores:
+                self.own_unseen.discard(slug)
+                return
+            page = await self.client.changes(slug, state.cursor, wait=0, content=True)
+            self.committer.poke()
+            if not await self._apply_page(slug, page, own=True):
+                continue  # asked again from the unmoved cursor (after 5 s), or gone
+            if not page.changes:
+                self.own_unseen.discard(slug)
+                log.info("store caught up after an offline start",
+                         extra={"store": slug, "cursor": state.cursor})
+
+    async def _apply_page(self, slug: str, page: ChangePage, own: bool = False) -> bool:
         """Apply one change-feed page (a long-poll's answer or a stream's line) to the store
-        and move its cursor. Returns False when the cache disk refused a change (after 5 s:
-        the page is asked again from the unmoved cursor) or the store is gone."""
+        and move its cursor; this sidecar's own versions are skipped (applied here already)
+        unless ``own`` (``_catch_up_own``). Returns False when the cache disk refused a
+        change (after 5 s: the page is asked again from the unmoved cursor) or the store is
+        gone."""
         state, sm = self.states.get(slug), self.fs.stores.get(slug)
         if state is None or sm is None:
             return False
         if not page.changes:
-            state.cursor = max(state.cursor, page.seq)
+            if self.committer.depth(slug):  # it may pass a version of ours not answered yet
+                self.cursor_held[slug] = max(self.cursor_held.get(slug, 0), page.seq)
+            else:
+                state.cursor = max(state.cursor, page.seq)
             return True
         # every local change of this store must be committed before remote ones apply
         await self.committer.wait_store_idle(slug)
@@ -479,7 +541,7 @@ class StoreSync:
             for ch in page.changes:
                 if ch.seq <= state.cursor:
                     continue  # already applied (a page asked again after a reconnect)
-                if ch.record.updated_by != self.actor:  # our own writes are applied already
+                if own or ch.record.updated_by != self.actor:  # ours are applied already
                     if self.touches_index(sm, ch.record):
                         self.want_context()
                     inv += self.fs.apply_remote(sm, ch.record)
@@ -691,6 +753,8 @@ class StoreSync:
         await self.invalidator.settle()  # the directory is gone for the kernel too on return
         self.want_context()
         state = self.states.pop(slug, None)
+        self.own_unseen.discard(slug)  # a later mount loads it anew (catch-up or snapshot)
+        self.cursor_held.pop(slug, None)
         if state is not None:
             try:
                 await state.save_async()
