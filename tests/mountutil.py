@@ -7,6 +7,7 @@ another process, so nothing here can deadlock the serving loop.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -304,6 +305,18 @@ def two_sidecars(tmp: Path, store: str = "shared") -> Iterator[tuple[ControlPlan
                     sc.stop()
         finally:
             cp.stop()
+
+
+def sidecar_status(sc: "Sidecar") -> dict:
+    """The mount's ``.memfuse/status.json`` as a dict."""
+    with open(sc.mountpoint / ".memfuse" / "status.json") as f:
+        return json.load(f)
+
+
+def drained(*scs: "Sidecar", timeout: float = 60) -> None:
+    """Wait (at most ``timeout`` s) until every sidecar's outbox is empty."""
+    wait_until(lambda: all(sidecar_status(sc)["outbox"]["depth"] == 0 for sc in scs),
+               timeout=timeout, what="outboxes drained")
 
 
 def live_records(cp: ControlPlane, store: str = "default") -> dict[str, object]:

@@ -13,21 +13,13 @@ import uuid
 
 import pytest
 
-from mountutil import MEMFUSE, ControlPlane, Sidecar, read, serve_and_mount, sh, two_sidecars, wait_until
+from mountutil import drained, sidecar_status, MEMFUSE, ControlPlane, Sidecar, read, serve_and_mount, sh, two_sidecars, wait_until
 
 pytestmark = pytest.mark.mount
 
 BASE = "# journal\n" + "x" * 8000 + "\n"
 
 
-def _status(sc) -> dict:
-    with open(sc.mountpoint / ".memfuse" / "status.json") as f:
-        return json.load(f)
-
-
-def _drained(*scs) -> None:
-    wait_until(lambda: all(_status(sc)["outbox"]["depth"] == 0 for sc in scs), timeout=60,
-               what="outboxes drained")
 
 
 def _db(cp: ControlPlane) -> sqlite3.Connection:
@@ -47,7 +39,7 @@ def test_echo_appends_are_sent_and_stored_as_suffixes(tmp_path):
         sh(f'for i in $(seq {n}); do echo "line $i" >> {f}; done', f.parent, timeout=120)
         want = BASE + "".join(f"line {i}\n" for i in range(1, n + 1))
         assert read(f) == want
-        _drained(sc)
+        drained(sc)
         rec = cp.call("find_record", "default", "JOURNAL.md")
         assert cp.call("get_record", "default", rec.id).content == want
         with _db(cp) as db:
@@ -77,7 +69,7 @@ def test_echo_appends_are_sent_and_stored_as_suffixes(tmp_path):
         _cli(cp, "restore", "default", "JOURNAL.md", "--version", str(mid), cwd=tmp_path)
         wait_until(lambda: read(f) == mid_text, timeout=30, what="the restored version on the mount")
         sh(f"echo after-restore >> {f}", f.parent, timeout=30)
-        _drained(sc)
+        drained(sc)
         _cli(cp, "export", "default", str(tmp_path / "out"), cwd=tmp_path)
         assert (tmp_path / "out" / "JOURNAL.md").read_text() == mid_text + "after-restore\n"
 
@@ -99,7 +91,7 @@ def test_appends_journaled_as_suffixes_survive_kill9(tmp_path, blobs):
         sc = Sidecar(cp, "ws", tok, mnt, cache, "--commit-wait", "0.5").start()
         f = mnt / "default" / "JOURNAL.md"
         f.write_text(BASE)
-        _drained(sc)
+        drained(sc)
         os.kill(cp.proc.pid, signal.SIGSTOP)
         frozen = True
         sh(f'for i in $(seq 5); do echo "line $i" >> {f}; done', f.parent, timeout=120)
@@ -118,7 +110,7 @@ def test_appends_journaled_as_suffixes_survive_kill9(tmp_path, blobs):
         os.kill(cp.proc.pid, signal.SIGCONT)
         frozen = False
         sc = Sidecar(cp, "ws", tok, mnt, cache, "--commit-wait", "0.5").start()
-        _drained(sc)
+        drained(sc)
         rec = cp.call("find_record", "default", "JOURNAL.md")
         assert cp.call("get_record", "default", rec.id).content == want
         wait_until(lambda: read(f) == want, timeout=30, what="the file shows every line once")
@@ -153,7 +145,7 @@ def test_a_replayed_append_answered_as_of_an_older_version_shows_the_newest(tmp_
         sc = Sidecar(cp, "ws", tok, mnt, cache, "--commit-wait", "0.5").start()
         f = mnt / "default" / "JOURNAL.md"
         f.write_text(BASE)
-        _drained(sc)
+        drained(sc)
         rec = cp.call("find_record", "default", "JOURNAL.md")
         os.kill(cp.proc.pid, signal.SIGSTOP)
         frozen = True
@@ -181,7 +173,7 @@ def test_a_replayed_append_answered_as_of_an_older_version_shows_the_newest(tmp_
         assert v3.version > v2.version and cp.call("get_record", "default", rec.id).content == want
 
         sc = Sidecar(cp, "ws", tok, mnt, cache, "--commit-wait", "0.5").start()
-        _drained(sc)
+        drained(sc)
         assert len(cp.call("versions", "default", rec.id)) == 3  # the replay added none
         wait_until(lambda: read(f) == want, timeout=30, what="the file shows the newest version")
         assert os.getxattr(f, "user.memfuse.version").decode() == str(v3.version)
@@ -192,7 +184,7 @@ def test_a_replayed_append_answered_as_of_an_older_version_shows_the_newest(tmp_
         assert read(f) == want
         assert os.getxattr(f, "user.memfuse.version").decode() == str(v3.version)
         sh(f'echo "line 3" >> {f}', f.parent, timeout=60)  # the next write lands on the newest, once
-        _drained(sc)
+        drained(sc)
         want += "line 3\n"
         assert cp.call("get_record", "default", rec.id).content == want
         assert read(f) == want
@@ -223,7 +215,7 @@ def test_a_replayed_leftover_older_than_the_mirror_never_shows(tmp_path):
         sc = Sidecar(cp, "ws", tok, mnt, cache, "--commit-wait", "0.5").start()
         f = mnt / "default" / "JOURNAL.md"
         f.write_text(BASE)
-        _drained(sc)
+        drained(sc)
         rec = cp.call("find_record", "default", "JOURNAL.md")
         os.kill(cp.proc.pid, signal.SIGSTOP)
         frozen = True
@@ -250,7 +242,7 @@ def test_a_replayed_leftover_older_than_the_mirror_never_shows(tmp_path):
         # one run catches the mirror up to v3 (and replays the leftover); stopped, the cache
         # keeps that mirror; the journal is put back as the kill -9 left it
         sc = Sidecar(cp, "ws", tok, mnt, cache, "--commit-wait", "0.5").start()
-        _drained(sc)
+        drained(sc)
         wait_until(lambda: read(f) == want, timeout=30, what="the newest version")
         sc.stop()
         for p in cache.glob("outbox.db*"):
@@ -260,17 +252,17 @@ def test_a_replayed_leftover_older_than_the_mirror_never_shows(tmp_path):
         os.kill(cp.proc.pid, signal.SIGSTOP)
         frozen = True
         sc = Sidecar(cp, "ws", tok, mnt, cache, "--commit-wait", "0.5", "--offline-after", "1").start()
-        assert _status(sc)["outbox"]["depth"] == 1  # the leftover, replayed, not answered
+        assert sidecar_status(sc)["outbox"]["depth"] == 1  # the leftover, replayed, not answered
         assert read(f) == want  # the first read: the newest, not the leftover's content
         assert os.getxattr(f, "user.memfuse.version").decode() == str(v3.version)
         os.kill(cp.proc.pid, signal.SIGCONT)
         frozen = False
-        _drained(sc)
+        drained(sc)
         assert read(f) == want
         assert os.getxattr(f, "user.memfuse.state").decode() == "clean"
         assert len(cp.call("versions", "default", rec.id)) == 3  # the replay added none
         sh(f'echo "line 3" >> {f}', f.parent, timeout=60)
-        _drained(sc)
+        drained(sc)
         assert cp.call("get_record", "default", rec.id).content == want + "line 3\n"
     finally:
         try:
@@ -297,7 +289,7 @@ def test_two_sidecars_appending_to_one_journal_keep_every_line(pair):
     n = 25
     sh(f'(for i in $(seq {n}); do echo "A $i" >> {pa}; done) & '
        f'(for i in $(seq {n}); do echo "B $i" >> {pb}; done) & wait', pa.parent, timeout=180)
-    _drained(a, b)
+    drained(a, b)
     rec = cp.call("find_record", "shared", name)
     final = cp.call("get_record", "shared", rec.id).content
     assert final.startswith(BASE)
@@ -323,13 +315,13 @@ def test_an_append_against_a_rival_rewrite_lands_on_the_rewrite(pair):
     name = "r-" + uuid.uuid4().hex[:6] + ".md"
     pa = a.mountpoint / "shared" / name
     pa.write_text(BASE)
-    _drained(a)
+    drained(a)
     rec = cp.call("find_record", "shared", name)
     for i in range(5):
         rival = f"# rewritten {i}\n" + "y" * 5000 + "\n"
         cp.call("update_record", "shared", rec.id, rival)
         sh(f'echo "mine {i}" >> {pa}', pa.parent, timeout=30)
-        _drained(a)
+        drained(a)
         final = cp.call("get_record", "shared", rec.id).content
         assert final == rival + f"mine {i}\n", (i, final[:80])
         wait_until(lambda: read(pa) == final, timeout=30, what="the mount shows the merged journal")
@@ -371,7 +363,7 @@ def test_bytes_damaged_in_the_blob_cache_while_stopped_are_never_served(tmp_path
         sh(f"for i in $(seq 1 10); do echo line-$i-zzzzzzzzzzzzzzzz >> {f}; done", f.parent, timeout=60)
         want = "H" * 2000 + "\n" + "".join(f"line-{i}-zzzzzzzzzzzzzzzz\n" for i in range(1, 11))
         assert read(f) == want
-        _drained(sc)
+        drained(sc)
         db = sqlite3.connect(f"file:{cache / 'blobs.db'}?mode=ro", uri=True)
         try:
             stored = (db.execute("SELECT COUNT(*) FROM blobs").fetchone()[0],
@@ -391,7 +383,7 @@ def test_bytes_damaged_in_the_blob_cache_while_stopped_are_never_served(tmp_path
         sh(f"echo line-11-zzzzzzzzzzzzzzzz >> {f}", f.parent, timeout=30)
         sh(f"sed -i s/line-11/line-11b/ {f}", f.parent, timeout=30)
         want += "line-11b-zzzzzzzzzzzzzzzz\n"
-        _drained(sc)
+        drained(sc)
         rec = cp.call("find_record", "default", "C.md")
         assert cp.call("get_record", "default", rec.id).content == want
         assert read(f) == want

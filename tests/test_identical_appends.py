@@ -13,20 +13,13 @@ import sqlite3
 
 import pytest
 
-from mountutil import ControlPlane, Sidecar, read, sh, wait_until
+from mountutil import drained, sidecar_status, ControlPlane, Sidecar, read, sh, wait_until
 
 pytestmark = pytest.mark.mount
 
 BASE = "# heartbeats\n" + "h" * 1100 + "\n"
 
 
-def _status(sc: Sidecar) -> dict:
-    with open(sc.mountpoint / ".memfuse" / "status.json") as f:
-        return json.load(f)
-
-
-def _drained(sc: Sidecar) -> None:
-    wait_until(lambda: _status(sc)["outbox"]["depth"] == 0, timeout=60, what="outbox drained")
 
 
 @pytest.mark.parametrize("earlier", ["rival", "own_whole_put"])
@@ -46,7 +39,7 @@ def test_an_append_meeting_the_same_content_is_kept_unless_it_was_its_own(tmp_pa
         sc = Sidecar(cp, "ws", tok, mnt, cache, "--commit-wait", "0.5").start()
         f = mnt / "default" / "beats.log"
         f.write_text(BASE)
-        _drained(sc)
+        drained(sc)
         rec = cp.call("find_record", "default", "beats.log")
         os.kill(cp.proc.pid, signal.SIGSTOP)
         frozen = True
@@ -73,11 +66,11 @@ def test_an_append_meeting_the_same_content_is_kept_unless_it_was_its_own(tmp_pa
                     idempotency_key=key, token=ws_token, **kw)
             want = BASE + "heartbeat\n"
         sc = Sidecar(cp, "ws", tok, mnt, cache, "--commit-wait", "0.5").start()
-        _drained(sc)
+        drained(sc)
         assert cp.call("get_record", "default", rec.id).content == want
         wait_until(lambda: read(f) == want, timeout=30, what="the mount shows the record")
         sh(f"echo heartbeat >> {f}", f.parent, timeout=60)  # the next append lands once, on it
-        _drained(sc)
+        drained(sc)
         want += "heartbeat\n"
         assert cp.call("get_record", "default", rec.id).content == want
         assert read(f) == want

@@ -14,7 +14,6 @@ the restart path, which shows the rival change from the start (it passed before 
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sqlite3
@@ -23,20 +22,13 @@ from pathlib import Path
 
 import pytest
 
-from mountutil import ControlPlane, Sidecar, read, sh, wait_until
+from mountutil import drained, sidecar_status, ControlPlane, Sidecar, read, sh, wait_until
 
 pytestmark = pytest.mark.mount
 
 BASE = "# journal\n" + "j" * 1100 + "\n"
 
 
-def _status(sc: Sidecar) -> dict:
-    with open(sc.mountpoint / ".memfuse" / "status.json") as f:
-        return json.load(f)
-
-
-def _drained(sc: Sidecar) -> None:
-    wait_until(lambda: _status(sc)["outbox"]["depth"] == 0, timeout=60, what="outbox drained")
 
 
 def _queued(cache: Path) -> int:
@@ -69,7 +61,7 @@ def test_a_commit_answer_carrying_a_rival_change_is_shown(tmp_path, local):
         d = mnt / "default"
         j, k = d / "J.log", d / "K.log"
         j.write_text(BASE)
-        _drained(sc)
+        drained(sc)
         rec = cp.call("find_record", "default", "J.log")
         os.kill(cp.proc.pid, signal.SIGSTOP)
         frozen = True
@@ -92,13 +84,13 @@ def test_a_commit_answer_carrying_a_rival_change_is_shown(tmp_path, local):
                     idempotency_key=uuid.uuid4().hex)
             want = BASE + "rival\n"
         sc = Sidecar(cp, "ws", tok, mnt, cache, "--commit-wait", "0.5").start()
-        _drained(sc)
+        drained(sc)
         cur = cp.call("get_record", "default", rec.id)
         assert (cur.path, cur.content) == ("K.log", want)
         wait_until(lambda: read(k) == want and "J.log" not in _listed(d), timeout=30,
                    what="the mount shows the record as the control plane holds it")
         sh(f"echo after >> {k}", d, timeout=60)
-        _drained(sc)
+        drained(sc)
         want += "after\n"
         got = cp.call("get_record", "default", rec.id).content
         assert got == want, got[len(BASE):]
