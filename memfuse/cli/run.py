@@ -398,6 +398,9 @@ def _dev(mountpoint: Path, admin_listen: str | None, log_format: str, debug: boo
     mountpoint.mkdir(parents=True, exist_ok=True)
     mountpoint = mountpoint.resolve()
     _check_nonempty(mountpoint, nonempty)
+    # the first words at once: loading the control plane and the sidecar takes seconds
+    click.echo(f"memfuse dev: starting the control plane ({dev_db_path()}) and the mount at {mountpoint} ...",
+               err=True)
 
     setup = dev_app()
 
