@@ -701,6 +701,9 @@ def test_start_while_control_plane_down_mounts_from_cache(tmp_path):
         assert (store / "other.md").read_text() == "from elsewhere\n"
         st = _json.loads((sc.mountpoint / ".memfuse" / "status.json").read_text())
         assert st["offline_start"] is True and st["ready"] is True
+        # nothing answered the start: the status says so before any commit has failed
+        assert st["control_plane"]["reachable"] is False, st["control_plane"]
+        assert st["control_plane"]["error"] == "no_answer", st["control_plane"]
         (store / "offline.md").write_text("written offline\n")  # close returns 0: accepted
         assert os.getxattr(store / "offline.md", "user.memfuse.state") == b"pending"
         cp.start()  # same port and database
@@ -711,6 +714,9 @@ def test_start_while_control_plane_down_mounts_from_cache(tmp_path):
         wait_for(lambda: not _json.loads((sc.mountpoint / ".memfuse" / "status.json")
                                          .read_text())["offline_start"], 30,
                  "attachments reconciled after the outage")
+        wait_for(lambda: _json.loads((sc.mountpoint / ".memfuse" / "status.json")
+                                     .read_text())["control_plane"]["reachable"], 30,
+                 "status.json to say the control plane is reachable again")
     finally:
         if sc is not None:
             sc.stop()

@@ -293,6 +293,10 @@ class Sidecar(StoreSync):
         self._mount_lock = trio.Lock()
         self._mounted = False
         self.offline_start = False
+        #: time.monotonic() when a start found no answer within ``offline_after`` and noted
+        #: the outage (``Committer.no_answer``); taken over by ``_liveness``, which ends it at
+        #: the control plane's next answer. None: no such outage to hand over.
+        self._offline_noted: float | None = None
         self.own_unseen: set[str] = set()  # StoreSync.own_unseen
         self.cursor_held: dict[str, int] = {}  # StoreSync.cursor_held
         self.feed_tasks = 0  # running change-feed tasks: one per mounted store
@@ -505,6 +509,8 @@ class Sidecar(StoreSync):
         noted_at: float | None = None  # time.monotonic() when this task noted an outage
         while True:
             await trio.sleep(self.LIVENESS_EVERY)
+            if noted_at is None and self._offline_noted is not None:  # the start's outage (_load_at_start)
+                noted_at, self._offline_noted = self._offline_noted, None
             silent = self.client.no_answer_for()
             if silent >= after and noted_at is None:
                 noted_at = time.monotonic()
@@ -695,6 +701,11 @@ class Sidecar(StoreSync):
                     await self._add_attachment(att)
             if scope.cancelled_caught:
                 self._load_offline(listed=atts is not None)
+                # no answer within offline_after: a known outage from the first moment
+                # (status ``reachable: false``, closes return once accepted) until the
+                # control plane answers anything (``_liveness``), not only after a commit fails
+                self._offline_noted = time.monotonic()
+                self.committer.no_answer(float(config.offline_after))
             return
         with trio.move_on_after(config.start_timeout or math.inf):
             atts = await self._retrying(
