@@ -129,6 +129,67 @@ async def test_a_shutdown_of_the_send_side_never_overlaps_a_response_being_sent(
     assert not _errors(caplog), _errors(caplog)
 
 
+async def test_the_readers_own_answer_never_overlaps_a_shutdown_by_the_app(monkeypatch, caplog):
+    """The other order, the one that stopped ``memfuse serve`` in attack 11: the client leaves
+    before the app answers, so hypercorn's reader answers 400 itself (head, then the end of the
+    message: two sends); as the second is about to start, the app's task, finding the response
+    already made, ends the connection and shuts the write side. The reader's send met that shutdown
+    (``BusyResourceError`` on the reader's task, which hypercorn does not catch: it reached
+    the server's nursery). Now the client gets the 400, no connection fails, the server
+    serves on."""
+    caplog.set_level(logging.INFO)
+    answered, ending = trio.Event(), trio.Event()
+    real_send_eof = trio.SocketStream.send_eof
+    real_send_all = trio.SocketStream.send_all
+
+    async def slow_send_eof(self: trio.SocketStream) -> None:
+        with self._send_conflict_detector:
+            await trio.sleep(1.0)
+        await real_send_eof(self)
+
+    async def send_all(self: trio.SocketStream, data: Any) -> None:
+        if not data and answered.is_set():  # the reader's second send (the end: no bytes)
+            # hypercorn's send lock is taken and h11 has framed the end; trio's send_all is
+            # entered after a checkpoint, where the app's task ends the connection
+            ending.set()
+            await trio.sleep(0.3)
+        await real_send_all(self, data)
+        if bytes(data).startswith(b"HTTP/1.1 400 "):  # the reader's answer's head
+            answered.set()
+
+    monkeypatch.setattr(trio.SocketStream, "send_eof", slow_send_eof)
+    monkeypatch.setattr(trio.SocketStream, "send_all", send_all)
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["path"] == "/ok":
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+            await send({"type": "http.response.body", "body": b"ok"})
+            return
+        with trio.fail_after(5):
+            await ending.wait()
+        # a refusal, as the gate's: h11 has answered already, so nothing is sent, and the
+        # stream's end closes the connection
+        await send({"type": "http.response.start", "status": 429,
+                    "headers": [(b"content-length", b"2"), (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": b"no"})
+
+    async with trio.open_nursery() as nursery:
+        port, shutdown = await _serving(app, nursery)
+        with trio.fail_after(10):
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                await stream.send_all(b"POST /records HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\n{")
+                stream.socket.shutdown(socket.SHUT_WR)  # gone before the app answers
+                answer = b""
+                while chunk := await stream.receive_some(65536):
+                    answer += chunk
+        assert answer.startswith(b"HTTP/1.1 400 "), answer
+        await trio.sleep(1.2)  # the shutdown has ended
+        await _still_serves(port)
+        shutdown.set()
+    assert not _errors(caplog), _errors(caplog)
+
+
 async def test_an_error_that_escapes_a_connection_is_logged_and_the_server_keeps_serving(monkeypatch, caplog):
     """hypercorn lets an app's exception through when its own answer to it fails (its 500 on a
     connection gone bad): that connection is dropped and logged with its peer; the server and
