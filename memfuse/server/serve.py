@@ -361,6 +361,8 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
         # ends that send with ``ClosedResourceError``, which ``protocol_send`` handles.
         async def _close(self) -> None:
             try:
+                if self.send_lock.locked():  # by a send (or by this task: not re-entered)
+                    raise trio.WouldBlock
                 self.send_lock.acquire_nowait()
             except trio.WouldBlock:
                 pass
@@ -402,7 +404,7 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
             if peer is not None and not connections.opened(peer):
                 await stream.aclose()
                 return
-        where = _address(stream)
+        where = f"{peer[0]}:{peer[1]}" if peer is not None else _address(stream)
         try:
             # hypercorn types the stream as its TLS one; it serves plain streams too (its own run())
             await _TCPServer(asgi, config, context, ConnectionState(lifespan_state.copy()), stream)  # type: ignore[arg-type]
