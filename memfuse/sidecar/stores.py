@@ -38,6 +38,7 @@ from ..content import INDEX_PATH
 from ..errors import ApiError, Forbidden, Gone, PermanentError, TransientError, Unauthorized
 from ..wire import Attachment, ChangePage, EventPage, Record
 from .inodes import ROOT_INO, StoreMount
+from .journal import Entry
 from .cachedir import CacheError
 from .backoff import Doubling
 from .sync import Meta, StoreState, catch_up, lag_seconds
@@ -108,6 +109,10 @@ class StoreSync:
     #: moves to it once the store's outbox is idle (``own_commits_done``). GUARDED_BY the
     #: trio thread.
     cursor_held: dict[str, int]
+    #: the outbox a previous process left, until it is queued again (``Committer.replay``,
+    #: right after the stores of the start are loaded; then empty): a store loaded before
+    #: keeps what its files' entries are based on (``Filesystem.add_store``'s ``unsent``)
+    leftovers: list[Entry]
     feed_tasks: int
     task_failures: dict[str, int]
     state_save_failing: bool
@@ -322,11 +327,16 @@ class StoreSync:
             state.access, state.limits, state.dirty = att.access.value, limits, True
         # every blob is cached (_load_state checked, nothing awaited since)
         self.fs.add_store(slug, att.access.value, list(state.records.values()), limits=limits,
-                          cached=True)
+                          cached=True, unsent=self._unsent(slug))
         self.invalidator.submit([("entry", ROOT_INO, slug)])
         self.want_context()
         if self._mounted:  # before the mount, run() starts every store's feed once mounted
             self._start_feed(slug)
+
+    def _unsent(self, slug: str) -> list[Entry]:
+        """The entries of ``slug`` the previous process left that are not queued again yet
+        (``leftovers``: only while the stores of the start load)."""
+        return [e for e in self.leftovers if e.store == slug]
 
     def _saved_slugs(self) -> list[str]:
         d = self.config.cache_dir / "stores"
@@ -349,7 +359,7 @@ class StoreSync:
             self.states[slug] = state
             self.own_unseen.add(slug)
             self.fs.add_store(slug, state.access, records, limits=state.limits or None,
-                              cached=True)
+                              cached=True, unsent=self._unsent(slug))
         self.offline_start = True
         log.warning("control plane unreachable or too slow at start: mounted from the local "
                     "cache; writes are accepted and commit once it answers",
