@@ -99,7 +99,9 @@ class StoreSync:
     #: s, the mirror is saved every 2 s; a kill -9 between loses them from both), which the
     #: feed, leaving our own versions out (``skip_actor``), would never bring: its feed
     #: first catches up with every actor's versions (``_catch_up_own``), then leaves it.
-    #: GUARDED_BY the trio thread.
+    #: Also a store added again while the committer still held entries of it
+    #: (``_add_attachment``): one answered after the load's catch-up is a version of ours
+    #: the store loaded lacks. GUARDED_BY the trio thread.
     own_unseen: set[str]
     #: slug -> the ``seq`` of an empty feed page that came while the store had outbox
     #: entries unfinished. INVARIANT: a store's cursor never passes a version of ours whose
@@ -315,6 +317,9 @@ class StoreSync:
 
     async def _add_attachment(self, att: Attachment) -> None:
         slug = att.store.slug
+        # entries of a store taken out still commit (nothing new queues while it is out); one
+        # answered after the load's catch-up is a version of ours the feed leaves out
+        queued_before = self.committer.depth(slug)
         state = await self._retrying(
             f"loading {slug}", lambda: self._load_state(slug, att.store.record_count))
         if slug in self.fs.stores:
@@ -328,6 +333,8 @@ class StoreSync:
         # every blob is cached (_load_state checked, nothing awaited since)
         self.fs.add_store(slug, att.access.value, list(state.records.values()), limits=limits,
                           cached=True, unsent=self._unsent(slug))
+        if queued_before:  # its feed first catches up with our versions too (_catch_up_own)
+            self.own_unseen.add(slug)
         self.invalidator.submit([("entry", ROOT_INO, slug)])
         self.want_context()
         if self._mounted:  # before the mount, run() starts every store's feed once mounted
