@@ -49,6 +49,7 @@ from .. import names
 from ..errors import errno_of
 from ..defs import MODE_MASK, datetime_ns, sha256_hex
 from ..hashstate import Sha256States
+from ..secretscan import AppendScans
 
 from .appendbuf import AppendBuffer, WriteBuffer
 from .attributes import AttributeOps
@@ -143,6 +144,9 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
     #: the bytes of recently held contents (``APPEND_CHECK_MIN`` bytes or more): an append's
     #: base at open (``_make_buf``) and at close (``_checked_prefix``) without a blob read
     recent: RecentContents
+    #: the hints the secret scans of recent appends found: the next append to the same file
+    #: is scanned over its suffix, not its 16 KiB context again (``secretscan``)
+    scans: AppendScans
 
     def __init__(self, blobs: BlobCache, client: Any, journal: Journal,
                  settings: Settings | None = None, workspace: str = "",
@@ -157,6 +161,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         self.client = client  # refetch: a clean content the blob cache lost or found damaged
         self.hashes = Sha256States()
         self.recent = RecentContents(min_bytes=APPEND_CHECK_MIN)
+        self.scans = AppendScans()
         self.journal = journal
         self.ids = ids if ids is not None else RecordIds(journal, {})
         self.listener = listener
@@ -606,7 +611,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             self._mark_rejected(n, n.refused, "")
             self.sync_rejected()
             raise FsError(n.refused, n.error)
-        refusal = self._precheck(n, data, checked=checked)
+        refusal = self._precheck(n, data, checked=checked, base_sha=prev_sha, sha=sha)
         if refusal is not None:
             n.state, n.error, n.last_put = REJECTED, refusal.reason, None
             self.note_error(n.parent, n.name, refusal.errno, refusal.reason, refusal.code)
@@ -663,7 +668,8 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             return 0
         return len(base)
 
-    def _precheck(self, n: Node, data: bytes, path: str | None = None, checked: int = 0) -> FsError | None:
+    def _precheck(self, n: Node, data: bytes, path: str | None = None, checked: int = 0,
+                  base_sha: str = "", sha: str = "") -> FsError | None:
         """Refusals the sidecar can decide alone, so they fail at close even offline:
         not UTF-8 or a NUL character (``EILSEQ``), a secret (``EPERM``), a bad frontmatter
         type (``EINVAL``) of file ``n`` holding ``data`` at ``path`` (default: its own).
@@ -672,7 +678,10 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         checked after them, the secret scan reads from ``APPEND_SCAN_CONTEXT`` bytes before
         them (a line start; as the control plane's append does), the type from the first
         ``writecheck.HEAD_BYTES`` (all a frontmatter can span: ``content.frontmatter``
-        reads its first 64 Ki characters), not decoded at all when it opens no fence."""
+        reads its first 64 Ki characters), not decoded at all when it opens no fence.
+        ``base_sha`` / ``sha``: the sha256 of the content the first ``checked`` bytes are
+        and of ``data``, for the append's secret scan (``secretscan.AppendScans``: the
+        context is not scanned again when the scan of the append that made it is kept)."""
         start = 0
         if checked:
             start = max(0, checked - APPEND_SCAN_CONTEXT)
@@ -686,15 +695,17 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             return FsError.of("invalid_content", f"content contains a NUL character (at offset "
                                                  f"{nul}); records are text")
         if checked:  # an append: the whole is valid UTF-8 now; never decoded whole
-            scanned = data[start:].decode("utf-8")
+            # checked is a character boundary: data[checked:] decoded above
+            kind = self.scans.find_secret(data[start:checked].decode("utf-8"),
+                                          data[checked:].decode("utf-8"), base_sha, sha)
             # the type comes from the frontmatter only, which opens with the first bytes
             # and lies within HEAD_BYTES (a character cut at its end is dropped: the
             # 64 Ki characters the frontmatter may take end before it)
             head = (data[:HEAD_BYTES].decode("utf-8", "ignore") if data.startswith(FENCES)
                     else "")
         else:
-            scanned = head = data.decode("utf-8")
-        kind = content_rules.find_secret(scanned)
+            head = data.decode("utf-8")
+            kind = content_rules.find_secret(head)
         if kind:
             return FsError.of("secret_detected", f"content looks like it holds a secret ({kind}); "
                                                  "memory must not store credentials")
