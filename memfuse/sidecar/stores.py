@@ -655,6 +655,24 @@ class StoreSync:
                     self._state_not_saved(st, e)
         self._states_saved(failed)
 
+    def save_committed(self, st: StoreState) -> None:
+        """Save the mirror ``st`` at once after one of this sidecar's own writes committed
+        (``Sidecar.entry_finished``, called by the committer before the ``close(2)`` waiting
+        for it can return: nothing awaits in between). Read-your-writes across a crash: the
+        entry leaves the outbox journal within ``Journal.LAZY_DELAY`` s (or was never written
+        there: a held insert answered first), and the feed leaves our own versions out, so
+        without this a ``kill -9`` before the periodic save (every 2 s) would restart the
+        mount, offline, at the older version shown as clean. One frame appended to the
+        mirror's log (``StoreState.save_log``; no fsync: a ``kill -9`` keeps what was
+        written); a mirror without a base yet (a new snapshot) waits for the periodic saver,
+        which writes the base. A failure is counted and logged once per streak, never
+        raised: the periodic saver retries (the write itself is in the control plane)."""
+        try:
+            st.save_log()
+        except CacheError as e:
+            self._state_not_saved(st, e)
+            self.state_save_failing = True
+
     def _state_not_saved(self, st: StoreState, e: CacheError) -> None:
         self.metrics.cache_write_errors.labels(
             "state", errno.errorcode.get(e.errno, str(e.errno))).inc()
