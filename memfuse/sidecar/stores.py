@@ -93,11 +93,12 @@ class StoreSync:
     _mounted: bool
     offline_start: bool
     #: stores mounted from the cache without a catch-up (``_load_offline``). INVARIANT: a
-    #: store in it may lack versions this sidecar's previous process committed after its
-    #: mirror's last save (a committed entry leaves the journal within ``Journal.LAZY_DELAY``
-    #: s, the mirror is saved every 2 s; a kill -9 between loses them from both), which the
-    #: feed, leaving our own versions out (``skip_actor``), would never bring: its feed
-    #: first catches up with every actor's versions (``_catch_up_own``), then leaves it.
+    #: store in it may lack versions this sidecar's previous process had committed: not
+    #: those whose close returned (``save_committed`` saved each as it finished), but one
+    #: whose answer the killed process never got (the control plane applied it; its close
+    #: never returned) or one saved without an fsync before a power loss. The feed, leaving
+    #: our own versions out (``skip_actor``), would never bring them: its feed first catches
+    #: up with every actor's versions (``_catch_up_own``), then leaves it.
     #: GUARDED_BY the trio thread.
     own_unseen: set[str]
     #: slug -> the ``seq`` of an empty feed page that came while the store had outbox
