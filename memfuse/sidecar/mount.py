@@ -385,12 +385,14 @@ class Sidecar(StoreSync):
     # ------------------------------------------------------------------ FsListener
     def entry_finished(self, e: Entry) -> None:
         """``FsListener``: an outbox entry finished and the tree shows it: the store's
-        mirror follows (``StoreState.committed``); a store's MEMORY.md changed: a new prompt
-        block is wanted."""
+        mirror follows (``StoreState.committed``) and is saved at once
+        (``save_committed``); a store's MEMORY.md changed: a new prompt block is wanted."""
         state = self.states.get(e.store)
         if state is not None:
             state.committed(e)
             self.own_commits_done(e.store)
+            if not e.errno:  # before the close waiting for it returns (no await since)
+                self.save_committed(state)
         if not e.errno and INDEX_PATH in (e.args.get("path"), e.args.get("to"),
                                           e.args.get("from")):
             self.want_context()
