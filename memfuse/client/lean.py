@@ -171,9 +171,17 @@ class LeanHTTP:
         ``Host`` and ``Content-Length``, added here: ``_headers``) and read its whole
         answer. Returns an ``httpx.Response``; raises ``httpx.TransportError`` subclasses
         as httpx would (``LocalProtocolError`` for a header h11 refuses)."""
+        return (await self.exchange(method, path, headers, content)).response()
+
+    async def exchange(self, method: str, path: str, headers: list[tuple[str, str]],
+                       content: bytes | None) -> "Answer":
+        """``send``, the answer as an ``Answer`` (status, headers, body): a caller that
+        only decodes a successful answer's body skips building an ``httpx.Response``
+        (~50 us of the sidecar's CPU per commit request on the benchmark machine). Raises
+        as ``send``."""
         body = content or b""
         length = len(body) if content is not None or method in ("POST", "PUT", "PATCH") else None
-        resp: httpx.Response | None = None
+        resp: Answer | None = None
         with trio.CancelScope(deadline=trio.current_time() + self.timeout) as scope:
             resp = await self._exchange(scope, method, path, headers, length, body)
         if resp is None:  # the scope's deadline passed (a drip, or a server that stalls)
@@ -182,7 +190,7 @@ class LeanHTTP:
 
     async def _exchange(self, scope: trio.CancelScope, method: str, path: str,
                         headers: list[tuple[str, str]], length: int | None,
-                        body: bytes) -> httpx.Response:
+                        body: bytes) -> "Answer":
         c = await self._take()
         ok = False
         try:
@@ -195,11 +203,10 @@ class LeanHTTP:
                 data += c.h11.send(h11.EndOfMessage()) or b""
             except h11.LocalProtocolError as exc:
                 raise httpx.LocalProtocolError(str(exc)) from None
+            # no timeout of its own: ``scope`` (the request's deadline, ``timeout`` s from
+            # its start) ends earlier than one started now would (``_receive``)
             try:
-                with trio.fail_after(self.timeout):
-                    await c.stream.send_all(data)
-            except trio.TooSlowError:
-                raise httpx.WriteTimeout("timed out sending the request") from None
+                await c.stream.send_all(data)
             except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError) as exc:
                 raise httpx.WriteError(str(exc) or type(exc).__name__) from None
             resp = await self._receive(c, scope)
@@ -214,9 +221,11 @@ class LeanHTTP:
             await c.aclose()
         return resp
 
-    async def _receive(self, c: _Conn, scope: trio.CancelScope) -> httpx.Response:
+    async def _receive(self, c: _Conn, scope: trio.CancelScope) -> "Answer":
         """Read one whole answer; ``scope``'s deadline moves on as its body arrives
-        (``deadline.extend``)."""
+        (``deadline.extend``). Each read is bounded by ``timeout`` s (``httpx.Timeout``'s
+        read timeout); while ``scope`` ends sooner than that (always before the head
+        arrived: it started earlier with the same bound) no scope of its own is entered."""
         status = 0
         body_start = 0.0
         received = 0
@@ -230,8 +239,11 @@ class LeanHTTP:
                 raise httpx.RemoteProtocolError(str(exc)) from None
             if ev is h11.NEED_DATA:
                 try:
-                    with trio.fail_after(self.timeout):
+                    if scope.deadline <= trio.current_time() + self.timeout:
                         got = await c.stream.receive_some(READ_SIZE)
+                    else:  # the body's deadline moved on (deadline.extend): bound the read
+                        with trio.fail_after(self.timeout):
+                            got = await c.stream.receive_some(READ_SIZE)
                 except trio.TooSlowError:
                     raise httpx.ReadTimeout("timed out reading the answer") from None
                 except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError) as exc:
@@ -256,6 +268,33 @@ class LeanHTTP:
                 raise httpx.RemoteProtocolError("server disconnected without sending a complete answer")
             else:  # pragma: no cover - h11 emits no other client-side events
                 raise httpx.RemoteProtocolError(f"unexpected event {type(ev).__name__}")
-        resp = httpx.Response(status, headers=headers, content=b"".join(chunks))
-        resp.extensions["reason_phrase"] = reason
+        return Answer(status, reason, headers, chunks[0] if len(chunks) == 1 else b"".join(chunks))
+
+
+class Answer:
+    """One whole answer read by ``LeanHTTP.exchange``: ``status``, ``reason`` (the reason
+    phrase), ``headers`` (raw ``(name, value)`` pairs as h11 gives them, names lower-case)
+    and ``content`` (the body, as received: no ``Content-Encoding`` is asked for)."""
+
+    __slots__ = ("status", "reason", "headers", "content")
+
+    def __init__(self, status: int, reason: bytes, headers: list[tuple[bytes, bytes]],
+                 content: bytes) -> None:
+        self.status = status
+        self.reason = reason
+        self.headers = headers
+        self.content = content
+
+    def plain(self) -> bool:
+        """Whether the body is as sent (no ``Content-Encoding``: then only
+        ``response()`` decodes it, as httpx would)."""
+        for name, _ in self.headers:
+            if name == b"content-encoding":
+                return False
+        return True
+
+    def response(self) -> httpx.Response:
+        """The answer as an ``httpx.Response`` (what ``LeanHTTP.send`` returns)."""
+        resp = httpx.Response(self.status, headers=self.headers, content=self.content)
+        resp.extensions["reason_phrase"] = self.reason
         return resp
