@@ -321,14 +321,27 @@ def tls_context(base_url: str) -> ssl.SSLContext:
 _TEMPLATE_AFTER = {"stores", "records", "workspaces", "versions", "attachments", "mounts"}
 
 
+#: (method, path) -> its ``endpoint_label``: every commit request of one store asks for
+#: the same few (a create's path is the store's ``records``); cleared when full
+_LABELS: dict[tuple[str, str], str] = {}
+_LABELS_MAX = 256
+
+
 def endpoint_label(method: str, path: str) -> str:
     """``PUT /v1/stores/default/records/3f…`` → ``PUT /v1/stores/{}/records/{}``: a label
     for metrics with no store names, ids or paths in it."""
+    label = _LABELS.get((method, path))
+    if label is not None:
+        return label
     parts = path.split("?")[0].split("/")
     out = []
     for i, part in enumerate(parts):
         out.append("{}" if i > 0 and parts[i - 1] in _TEMPLATE_AFTER and part else part)
-    return f"{method} {'/'.join(out)}"
+    label = f"{method} {'/'.join(out)}"
+    if len(_LABELS) >= _LABELS_MAX:
+        _LABELS.clear()
+    _LABELS[(method, path)] = label
+    return label
 
 
 def _num(value: float) -> str:
