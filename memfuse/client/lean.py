@@ -32,7 +32,9 @@ from urllib.parse import urlsplit
 import h11
 import httpx
 import trio
+from h11._events import method_re as _METHOD_RE, request_target_re as _TARGET_RE
 from h11._headers import Headers as _H11Headers, normalize_and_validate as _h11_headers
+from h11._readers import header_field_re as _FIELD_RE, status_line_re as _STATUS_RE
 
 from . import deadline
 
@@ -47,6 +49,10 @@ _PROXY_VARS = ("http_proxy", "https_proxy", "all_proxy")
 _PER_REQUEST = frozenset({"idempotency-key", "if-match", "content-length"})
 #: distinct sets of the other headers kept validated (a new token makes a new set)
 _VALIDATED_MAX = 16
+#: the longest answer head read without h11 (h11's own limit on an incomplete event)
+_HEAD_MAX = 16 * 1024
+#: statuses whose answers have no body whatever their headers say (and 1xx): left to h11
+_NO_BODY = frozenset({204, 304})
 
 
 def proxy_configured() -> bool:
@@ -56,14 +62,14 @@ def proxy_configured() -> bool:
 
 
 class _Conn:
-    """One HTTP/1.1 connection: a trio stream and its h11 state machine."""
+    """One HTTP/1.1 connection (a trio stream), idle between two exchanges: every answer
+    read on it so far was whole, with nothing after it, and allowed keep-alive."""
 
-    __slots__ = ("stream", "h11", "sock")
+    __slots__ = ("stream", "sock")
 
     def __init__(self, stream: trio.abc.Stream, sock: trio.socket.SocketType) -> None:
         self.stream = stream
         self.sock = sock
-        self.h11 = h11.Connection(h11.CLIENT)
 
     def reusable(self) -> bool:
         """Idle and still open as far as the socket tells: nothing to read (an EOF or stray
@@ -192,15 +198,12 @@ class LeanHTTP:
                         headers: list[tuple[str, str]], length: int | None,
                         body: bytes) -> "Answer":
         c = await self._take()
-        ok = False
+        ok = reuse = False
         try:
+            target = self.prefix + path
             try:
                 hdrs = self._headers(headers, length)
-                data = c.h11.send(h11.Request(method=method, target=self.prefix + path, headers=hdrs))
-                assert data is not None
-                if body:
-                    data += c.h11.send(h11.Data(data=body)) or b""
-                data += c.h11.send(h11.EndOfMessage()) or b""
+                data = _request_head(method, target, hdrs) + body
             except h11.LocalProtocolError as exc:
                 raise httpx.LocalProtocolError(str(exc)) from None
             # no timeout of its own: ``scope`` (the request's deadline, ``timeout`` s from
@@ -209,23 +212,83 @@ class LeanHTTP:
                 await c.stream.send_all(data)
             except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError) as exc:
                 raise httpx.WriteError(str(exc) or type(exc).__name__) from None
-            resp = await self._receive(c, scope)
+            resp, reuse = await self._receive(c, scope, method, target, hdrs, length, body)
             ok = True
         finally:
             if not ok:
                 await c.aclose()
-        if c.h11.our_state is h11.DONE and c.h11.their_state is h11.DONE and len(self._idle) < MAX_IDLE:
-            c.h11.start_next_cycle()
+        if reuse and len(self._idle) < MAX_IDLE:
             self._idle.append(c)
         else:
             await c.aclose()
         return resp
 
-    async def _receive(self, c: _Conn, scope: trio.CancelScope) -> "Answer":
-        """Read one whole answer; ``scope``'s deadline moves on as its body arrives
-        (``deadline.extend``). Each read is bounded by ``timeout`` s (``httpx.Timeout``'s
-        read timeout); while ``scope`` ends sooner than that (always before the head
-        arrived: it started earlier with the same bound) no scope of its own is entered."""
+    async def _read(self, c: _Conn, scope: trio.CancelScope) -> bytes:
+        """The next bytes of the answer (b"" at EOF). Each read is bounded by ``timeout`` s
+        (``httpx.Timeout``'s read timeout); while ``scope`` ends sooner than that (always
+        before the head arrived: it started earlier with the same bound) no scope of its
+        own is entered."""
+        try:
+            if scope.deadline <= trio.current_time() + self.timeout:
+                return bytes(await c.stream.receive_some(READ_SIZE))
+            with trio.fail_after(self.timeout):  # the body's deadline moved on (extend)
+                return bytes(await c.stream.receive_some(READ_SIZE))
+        except trio.TooSlowError:
+            raise httpx.ReadTimeout("timed out reading the answer") from None
+        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError) as exc:
+            raise httpx.ReadError(str(exc) or type(exc).__name__) from None
+
+    async def _receive(self, c: _Conn, scope: trio.CancelScope, method: str, target: str,
+                       hdrs: _H11Headers, length: int | None,
+                       body: bytes) -> tuple["Answer", bool]:
+        """Read one whole answer: ``(answer, reusable)``. An answer in the plain form the
+        control plane gives (``_simple_head``: HTTP/1.1, ``Content-Length``, no
+        ``Transfer-Encoding``, a final status with a body) is read here; anything else (and
+        any doubt: EOF, bytes past its end, a head that is not that form) goes to h11 with
+        every byte read so far (``_receive_h11``), which reads it or raises as before, and
+        the connection is not reused then. ``scope``'s deadline moves on as the body
+        arrives (``deadline.extend``)."""
+        buf = b""
+        while True:
+            got = await self._read(c, scope)
+            buf += got
+            head = _simple_head(buf, method) if got else False
+            if head is False or (head is None and len(buf) > _HEAD_MAX):
+                return await self._receive_h11(c, scope, method, target, hdrs, length, body, buf, got), False
+            if isinstance(head, tuple):
+                break
+        status, reason, headers, start, size, keep_alive = head
+        body_start = trio.current_time()
+        while len(buf) - start < size:
+            got = await self._read(c, scope)
+            if not got:
+                return await self._receive_h11(c, scope, method, target, hdrs, length, body, buf, got), False
+            buf += got
+            deadline.extend(scope, body_start, self.timeout, len(buf) - start)
+        if len(buf) - start > size:  # bytes after the answer: h11 says what they are
+            return await self._receive_h11(c, scope, method, target, hdrs, length, body, buf, b"x"), False
+        return Answer(status, reason, headers, buf[start:]), keep_alive
+
+    async def _receive_h11(self, c: _Conn, scope: trio.CancelScope, method: str, target: str,
+                           hdrs: _H11Headers, length: int | None, body: bytes, buf: bytes,
+                           last: bytes) -> "Answer":
+        """Read the answer through h11, given the bytes ``buf`` read so far (``last``: the
+        last read's, b"" for an EOF): an h11 client connection is told of the request sent
+        (its bytes dropped: they were sent already) and then reads as it always did."""
+        conn = h11.Connection(h11.CLIENT)
+        try:
+            conn.send(h11.Request(method=method, target=target, headers=hdrs))
+            if body:
+                conn.send(h11.Data(data=body))
+            conn.send(h11.EndOfMessage())
+        except h11.LocalProtocolError as exc:  # pragma: no cover - framed alike above
+            raise httpx.LocalProtocolError(str(exc)) from None
+        try:
+            conn.receive_data(buf)
+            if not last:
+                conn.receive_data(b"")  # the EOF
+        except h11.RemoteProtocolError as exc:
+            raise httpx.RemoteProtocolError(str(exc)) from None
         status = 0
         body_start = 0.0
         received = 0
@@ -234,22 +297,13 @@ class LeanHTTP:
         chunks: list[bytes] = []
         while True:
             try:
-                ev = c.h11.next_event()
+                ev = conn.next_event()
             except h11.RemoteProtocolError as exc:
                 raise httpx.RemoteProtocolError(str(exc)) from None
             if ev is h11.NEED_DATA:
+                got = await self._read(c, scope)
                 try:
-                    if scope.deadline <= trio.current_time() + self.timeout:
-                        got = await c.stream.receive_some(READ_SIZE)
-                    else:  # the body's deadline moved on (deadline.extend): bound the read
-                        with trio.fail_after(self.timeout):
-                            got = await c.stream.receive_some(READ_SIZE)
-                except trio.TooSlowError:
-                    raise httpx.ReadTimeout("timed out reading the answer") from None
-                except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError) as exc:
-                    raise httpx.ReadError(str(exc) or type(exc).__name__) from None
-                try:
-                    c.h11.receive_data(bytes(got))
+                    conn.receive_data(got)
                 except h11.RemoteProtocolError as exc:
                     raise httpx.RemoteProtocolError(str(exc)) from None
                 continue
@@ -268,7 +322,70 @@ class LeanHTTP:
                 raise httpx.RemoteProtocolError("server disconnected without sending a complete answer")
             else:  # pragma: no cover - h11 emits no other client-side events
                 raise httpx.RemoteProtocolError(f"unexpected event {type(ev).__name__}")
-        return Answer(status, reason, headers, chunks[0] if len(chunks) == 1 else b"".join(chunks))
+        return Answer(status, reason, headers, b"".join(chunks))
+
+
+def _request_head(method: str, target: str, hdrs: _H11Headers) -> bytes:
+    """The request line and header block h11 writes for ``method`` ``target`` with the
+    validated ``hdrs`` (``Host`` first, then the others in order; h11's ``write_request``),
+    the method and target checked by h11's own expressions (``LocalProtocolError``)."""
+    m, t = method.encode("ascii"), target.encode("ascii")
+    if _METHOD_RE.fullmatch(m) is None:
+        raise h11.LocalProtocolError("Illegal method characters")
+    if _TARGET_RE.fullmatch(t) is None:
+        raise h11.LocalProtocolError("Illegal target characters")
+    items = hdrs._full_items
+    lines = [b"%s %s HTTP/1.1\r\n" % (m, t)]
+    lines += [b"%s: %s\r\n" % (raw, value) for raw, name, value in items if name == b"host"]
+    lines += [b"%s: %s\r\n" % (raw, value) for raw, name, value in items if name != b"host"]
+    lines.append(b"\r\n")
+    return b"".join(lines)
+
+
+_Head = tuple[int, bytes, list[tuple[bytes, bytes]], int, int, bool]
+
+
+def _simple_head(buf: bytes, method: str) -> "_Head | None | bool":
+    """The head of the answer starting ``buf`` when it is in the plain form read without h11:
+    ``(status, reason, headers, body offset, body length, keep-alive)``; None when more
+    bytes are needed to tell; False when it is not that form (h11 reads it). The form: a
+    status line ``HTTP/1.1 NNN reason`` and header lines that h11's own expressions accept
+    whole (no obsolete line folding), CRLF line ends only, a final status other than 204 /
+    304 to a request other than ``HEAD``, exactly one ``Content-Length`` and no
+    ``Transfer-Encoding``. Keep-alive unless a ``Connection`` header names ``close``."""
+    end = buf.find(b"\r\n\r\n")
+    region = buf if end < 0 else buf[:end + 2]
+    if region.count(b"\n") != region.count(b"\r\n"):
+        return False  # a bare LF (h11 accepts those line ends)
+    if end < 0:
+        return None
+    lines = buf[:end].split(b"\r\n")
+    m = _STATUS_RE.fullmatch(lines[0])
+    if m is None or m["http_version"] != b"1.1" or method == "HEAD":
+        return False
+    status = int(m["status_code"])
+    if status < 200 or status in _NO_BODY:
+        return False
+    headers: list[tuple[bytes, bytes]] = []
+    size = -1
+    keep_alive = True
+    for line in lines[1:]:
+        f = _FIELD_RE.fullmatch(line)
+        if f is None:
+            return False
+        name, value = f["field_name"].lower(), f["field_value"]
+        if name == b"content-length":
+            if size >= 0 or not value.isdigit() or not value.isascii():
+                return False
+            size = int(value)
+        elif name == b"transfer-encoding":
+            return False
+        elif name == b"connection" and b"close" in [v.strip() for v in value.lower().split(b",")]:
+            keep_alive = False
+        headers.append((name, value))
+    if size < 0:
+        return False
+    return status, m["reason"] or b"", headers, end + 4, size, keep_alive
 
 
 class Answer:
