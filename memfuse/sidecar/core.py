@@ -316,19 +316,25 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             return None
 
     def _hold_content(self, n: Node, data: bytes, sha: str, what: str,
-                      base: tuple[str, int] | None = None) -> None:
+                      base: tuple[str, int] | None = None, *, hashed: bool = False) -> None:
         """Make ``data`` (whose sha256 is ``sha``) the content of file ``n``: ``n.sha`` and
         ``n.size`` set, the bytes in the blob cache (reads are served from there, ``n.buf``
         None), or, when the cache disk refuses them (full or failing), kept in memory
         (``n.buf``, reads served from it) with a warning naming ``what`` was kept (never the
         content). ``base``: ``(sha256, length)`` of a cached blob that ``data`` starts with
         (an append): stored as a link to it plus the suffix when the cache can
-        (``BlobCache.put_append``), else whole. Accounting (``_account``) is the caller's."""
+        (``BlobCache.put_append``), else whole. ``hashed``: ``sha`` was computed here from
+        ``data`` (not a sha256 the control plane claims), so the blob cache may hold it in
+        memory a while and write it with others (``BlobCache.put_behind``). Accounting
+        (``_account``) is the caller's."""
         n.sha, n.size = sha, len(data)
         self.recent.keep(sha, data)  # the base of the next append to it (``_make_buf``)
         try:
             if base is None or not self.blobs.put_append(sha, base[0], base[1], data[base[1]:]):
-                self.blobs.put(data, sha)
+                if hashed:
+                    self.blobs.put_behind(data, sha)
+                else:
+                    self.blobs.put(data, sha)
             n.buf = None
         except CacheError as err:
             n.buf = bytearray(data)
@@ -599,7 +605,8 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         # and hashed from the base's kept hash state: one pass over the suffix (hashstate)
         checked = self._checked_prefix(prev_sha, data, appended)
         sha = self.hashes.of(data, prev_sha, checked)
-        self._hold_content(n, data, sha, "the file's content", base=(prev_sha, checked) if checked else None)
+        self._hold_content(n, data, sha, "the file's content", base=(prev_sha, checked) if checked else None,
+                           hashed=True)  # self.hashes.of(data): computed from these bytes
         if n.refused:
             # an earlier put still in flight must not mark the file clean when it lands
             n.state, n.last_put = REJECTED, None

@@ -491,6 +491,18 @@ class Sidecar(StoreSync):
     #: counts as down (closes return once accepted); at most half of ``--commit-wait``
     NO_ANSWER_AFTER = 3.0
     LIVENESS_EVERY = 0.25  # s between looks at the waiting requests
+    #: s the blob cache holds a content put behind (``BlobCache.put_behind``) at most
+    BLOBS_BEHIND_EVERY = 0.5
+
+    async def _blobs_behind(self) -> None:
+        """Write what the blob cache holds in memory (``BlobCache.write_behind``: the
+        contents of the last closes, stored in one transaction) every
+        ``BLOBS_BEHIND_EVERY`` s, so none waits longer: a ``kill -9`` then loses at most
+        that much of the cache (a cache: refetched; the outbox journal and the control
+        plane hold the writes), and an offline start finds the rest in the file."""
+        while True:
+            await trio.sleep(self.BLOBS_BEHIND_EVERY)
+            self.fs.blobs.write_behind()
 
     async def _liveness(self) -> None:
         """Notice a control plane that has stopped answering (paused, black-holed network)
@@ -565,6 +577,7 @@ class Sidecar(StoreSync):
                 self._spawn("journal", self.journal.run)
                 await nursery.start(self.committer.run)
                 self._spawn("liveness", self._liveness)
+                self._spawn("blobs-behind", self._blobs_behind)
                 if self.client.token_file is not None:
                     self._spawn("token-watch", self._token_watch)
                 # the admin API first, so /healthz and /readyz answer while loading
