@@ -456,6 +456,9 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         self._check_writable_file(n)
         self._check_size(n, size, truncating=True)
         self._check_growth(n, size)
+        ch = n.checker
+        if ch is not None:
+            ch.clean_len = -1  # the content changes here, not through check_write
         if judge and not n.local_only and n.cur_size() != size:
             cur = self._content(n)
             after = cur[:size] + b"\0" * (size - len(cur))
@@ -582,6 +585,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         if not n.dirty or n.is_dir or n.special:
             return None
         n.dirty = False
+        ch = n.checker
         n.checker = None  # the whole content is judged here; a later write starts afresh
         if n.unlinked:
             return None
@@ -613,7 +617,10 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             self._mark_rejected(n, n.refused, "")
             self.sync_rejected()
             raise FsError(n.refused, n.error)
-        refusal = self._precheck(n, data, checked=checked)
+        # a file written in one go had its whole content scanned for secrets at that write
+        # (WriteChecker.clean_len): the same text, so not scanned again
+        scanned = not checked and ch is not None and ch.clean_len == len(data)
+        refusal = self._precheck(n, data, checked=checked, secret_free=scanned)
         if refusal is not None:
             n.state, n.error, n.last_put = REJECTED, refusal.reason, None
             self.note_error(n.parent, n.name, refusal.errno, refusal.reason, refusal.code)
@@ -670,7 +677,8 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             return 0
         return len(base)
 
-    def _precheck(self, n: Node, data: bytes, path: str | None = None, checked: int = 0) -> FsError | None:
+    def _precheck(self, n: Node, data: bytes, path: str | None = None, checked: int = 0,
+                  secret_free: bool = False) -> FsError | None:
         """Refusals the sidecar can decide alone, so they fail at close even offline:
         not UTF-8 or a NUL character (``EILSEQ``), a secret (``EPERM``), a bad frontmatter
         type (``EINVAL``) of file ``n`` holding ``data`` at ``path`` (default: its own).
@@ -679,7 +687,9 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         checked after them, the secret scan reads from ``APPEND_SCAN_CONTEXT`` bytes before
         them (a line start; as the control plane's append does), the type from the first
         ``writecheck.HEAD_BYTES`` (all a frontmatter can span: ``content.frontmatter``
-        reads its first 64 Ki characters), not decoded at all when it opens no fence."""
+        reads its first 64 Ki characters), not decoded at all when it opens no fence.
+        ``secret_free``: the whole of ``data`` was scanned for secrets already (at its
+        write, ``WriteChecker.clean_len``) and held none: not scanned again."""
         start = 0
         if checked:
             start = max(0, checked - APPEND_SCAN_CONTEXT)
@@ -701,7 +711,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
                     else "")
         else:
             scanned = head = data.decode("utf-8")
-        kind = content_rules.find_secret(scanned)
+        kind = None if secret_free else content_rules.find_secret(scanned)
         if kind:
             return FsError.of("secret_detected", f"content looks like it holds a secret ({kind}); "
                                                  "memory must not store credentials")
