@@ -33,7 +33,8 @@ import h11
 import httpx
 import trio
 from h11._events import method_re as _METHOD_RE, request_target_re as _TARGET_RE
-from h11._headers import Headers as _H11Headers, normalize_and_validate as _h11_headers
+from h11._headers import Headers as _H11Headers, _field_value_re as _VALUE_RE
+from h11._headers import normalize_and_validate as _h11_headers
 from h11._readers import header_field_re as _FIELD_RE, status_line_re as _STATUS_RE
 
 from . import deadline
@@ -169,7 +170,7 @@ class LeanHTTP:
             if len(self._validated) >= _VALIDATED_MAX:
                 self._validated.clear()
             self._validated[key] = items
-        return _H11Headers(items + _h11_headers(varying)._full_items)
+        return _H11Headers(items + _varying_items(varying))
 
     async def send(self, method: str, path: str, headers: list[tuple[str, str]],
                    content: bytes | None) -> httpx.Response:
@@ -323,6 +324,31 @@ class LeanHTTP:
             else:  # pragma: no cover - h11 emits no other client-side events
                 raise httpx.RemoteProtocolError(f"unexpected event {type(ev).__name__}")
         return Answer(status, reason, headers, b"".join(chunks))
+
+
+def _varying_items(varying: list[tuple[str, str]]) -> list[tuple[bytes, bytes, bytes]]:
+    """h11's validated form of the per-request headers (``_PER_REQUEST``: names h11 takes
+    as they are): each value checked by h11's own expression for a field value (a
+    ``Content-Length`` by its own), ``(raw name, lower-case name, value)``; a name given
+    twice, or anything those checks refuse, goes through h11's ``normalize_and_validate``,
+    which merges or refuses as it does (``LocalProtocolError``)."""
+    out: list[tuple[bytes, bytes, bytes]] = []
+    seen: set[bytes] = set()
+    for k, v in varying:
+        raw, value = k.encode("ascii"), v.encode("ascii")
+        name = raw.lower()
+        if name in seen:
+            break
+        seen.add(name)
+        if name == b"content-length":
+            if not (value.isdigit() and len(value) <= 20) or (len(value) > 1 and value[:1] == b"0"):
+                break
+        elif _VALUE_RE.fullmatch(value) is None:
+            break
+        out.append((raw, name, value))
+    else:
+        return out
+    return _h11_headers(varying)._full_items
 
 
 def _request_head(method: str, target: str, hdrs: _H11Headers) -> bytes:

@@ -251,7 +251,8 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             # once (as the control plane would), logged by its kind and a redacted form
             self.refuse(d, found.redacted, errno_of("secret_detected"), found.reason,
                         "secret_detected")
-        path = (d.path() + "/" + s) if d.path() else s
+        dpath = d.path()
+        path = (dpath + "/" + s) if dpath else s
         if not self.is_local_only(s):
             try:
                 names.check_path(path)

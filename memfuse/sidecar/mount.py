@@ -207,7 +207,14 @@ class Sidecar(StoreSync):
         self.metrics = Metrics()
         try:
             secure_cache_dir(config.cache_dir)  # owner-only: it holds memory content
-            self.journal = Journal(config.cache_dir / "outbox.db", metrics=self.metrics)
+            legacy = config.cache_dir / "blobs"  # one-file-per-blob layout of earlier versions
+            if legacy.is_dir():
+                shutil.rmtree(legacy, ignore_errors=True)
+            blobs = BlobCache(config.cache_dir / "blobs.db", metrics=self.metrics)
+            # the contents the blob cache holds in memory are written before any journal
+            # batch with an accepted write: a journal lost later recovers it from there
+            self.journal = Journal(config.cache_dir / "outbox.db", metrics=self.metrics,
+                                   before_batch=blobs.write_behind)
         except OSError as e:  # e.g. a symlink planted in the cache directory (refused)
             raise StartError(f"cache directory {config.cache_dir} unusable: "
                              f"{e.strerror or e}") from None
@@ -221,14 +228,6 @@ class Sidecar(StoreSync):
             settings.uid = config.uid
         if config.gid is not None:
             settings.gid = config.gid
-        legacy = config.cache_dir / "blobs"  # one-file-per-blob layout of earlier versions
-        if legacy.is_dir():
-            shutil.rmtree(legacy, ignore_errors=True)
-        try:
-            blobs = BlobCache(config.cache_dir / "blobs.db", metrics=self.metrics)
-        except OSError as e:
-            raise StartError(f"cache directory {config.cache_dir} unusable: "
-                             f"{e.strerror or e}") from None
         self.journal_recovered, self.journal_lost = self._recover_journal(blobs, ids)
         self.invalidator = Invalidator()
         self.fs = Filesystem(blobs, client, self.journal, settings, config.workspace,
