@@ -1,13 +1,19 @@
 """A lean HTTP/1.1 path for the sidecar's ordinary requests: pooled keep-alive connections
-framed by h11 (the protocol state machine httpx's own transport, httpcore, uses), on trio
-streams (TCP, TLS through ``trio.SSLStream`` with the client's ``ssl.SSLContext``).
+on trio streams (TCP, TLS through ``trio.SSLStream`` with the client's ``ssl.SSLContext``),
+framed with h11's rules (the protocol library httpx's own transport, httpcore, uses): the
+request written as h11 writes it, with h11's own expressions checking the request line and
+every header; an answer in the control plane's plain form (``_simple_head``) read directly,
+any other handed with every byte read to an h11 connection, which reads it or refuses it as
+it always did (``LeanHTTP._receive``). h11's state machine cost ~0.2 ms of the sidecar's CPU
+per commit request on the benchmark machine (bench/README.md, "The close path, session 11").
 
 Why: the outbox sends one small request per ``close(2)`` when one file is written at a time
 (create, update, append, batch). Through ``httpx.AsyncClient`` such a request cost ~2 ms of
 client CPU on the benchmark machine (URL and header models, the connection pool's locks and
 events, the response model, several trio hops); the same request framed by h11 directly cost
 ~0.4 ms (bench/README.md, "The close path"). What the caller sees does not change:
-``LeanHTTP.send`` returns an ``httpx.Response`` (status, headers, body read in full) and
+``LeanHTTP.send`` returns an ``httpx.Response`` (status, headers, body read in full;
+``exchange`` the same as an ``Answer``, without building the response) and
 raises the ``httpx`` exception httpx would raise for the same failure (``ConnectError``,
 ``ConnectTimeout``, ``ReadTimeout``, ``WriteTimeout``, ``ReadError``, ``WriteError``,
 ``RemoteProtocolError``, ``LocalProtocolError``), so ``ApiSession`` classifies answers and
