@@ -630,6 +630,7 @@ class StoreSync:
         its log, or a rewrite of its base when it has none; ``StoreState.save``). A failure
         (full or failing cache disk) is logged once per streak (no traceback), counted, and
         retried at the next call: the mirror is a cache, what is on disk stays valid."""
+        self.fs.blobs.write_behind()  # a saved mirror names no content held only in memory
         failed = None
         for st in list(self.states.values()):
             if st.dirty:
@@ -645,6 +646,7 @@ class StoreSync:
         (or that has no base: a new snapshot) has its base encoded and written in a worker
         thread (``StoreState.save_async``), so a save holds the trio thread in proportion
         to what changed, not to the store's size."""
+        self.fs.blobs.write_behind()  # a saved mirror names no content held only in memory
         failed = None
         for st in list(self.states.values()):
             if st.dirty:
