@@ -238,6 +238,7 @@ async def test_a_damaged_cached_content_is_fetched_again_or_eio_never_other_byte
     content = b"# notes\n" + b"an exact line\n" * 200
 
     def damage() -> None:  # what a disk or a hand does while the sidecar is stopped
+        fs.blobs.write_behind()  # (a stop writes what the cache held in memory)
         fs.blobs._db.execute("UPDATE blobs SET data=CAST(replace(CAST(data AS TEXT), 'exact', 'EXACT') AS BLOB)")
         fs.blobs._verified.clear()  # a new process: nothing checked yet ...
         for sha in list(fs.recent._items):  # ... nor held in memory (recent.RecentContents)

@@ -256,7 +256,8 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             # once (as the control plane would), logged by its kind and a redacted form
             self.refuse(d, found.redacted, errno_of("secret_detected"), found.reason,
                         "secret_detected")
-        path = (d.path() + "/" + s) if d.path() else s
+        dpath = d.path()
+        path = (dpath + "/" + s) if dpath else s
         if not self.is_local_only(s):
             try:
                 names.check_path(path)
@@ -321,19 +322,25 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             return None
 
     def _hold_content(self, n: Node, data: bytes, sha: str, what: str,
-                      base: tuple[str, int] | None = None) -> None:
+                      base: tuple[str, int] | None = None, *, hashed: bool = False) -> None:
         """Make ``data`` (whose sha256 is ``sha``) the content of file ``n``: ``n.sha`` and
         ``n.size`` set, the bytes in the blob cache (reads are served from there, ``n.buf``
         None), or, when the cache disk refuses them (full or failing), kept in memory
         (``n.buf``, reads served from it) with a warning naming ``what`` was kept (never the
         content). ``base``: ``(sha256, length)`` of a cached blob that ``data`` starts with
         (an append): stored as a link to it plus the suffix when the cache can
-        (``BlobCache.put_append``), else whole. Accounting (``_account``) is the caller's."""
+        (``BlobCache.put_append``), else whole. ``hashed``: ``sha`` was computed here from
+        ``data`` (not a sha256 the control plane claims), so the blob cache may hold it in
+        memory a while and write it with others (``BlobCache.put_behind``). Accounting
+        (``_account``) is the caller's."""
         n.sha, n.size = sha, len(data)
         self.recent.keep(sha, data)  # the base of the next append to it (``_make_buf``)
         try:
             if base is None or not self.blobs.put_append(sha, base[0], base[1], data[base[1]:]):
-                self.blobs.put(data, sha)
+                if hashed:
+                    self.blobs.put_behind(data, sha)
+                else:
+                    self.blobs.put(data, sha)
             n.buf = None
         except CacheError as err:
             n.buf = bytearray(data)
@@ -455,6 +462,9 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         self._check_writable_file(n)
         self._check_size(n, size, truncating=True)
         self._check_growth(n, size)
+        ch = n.checker
+        if ch is not None:
+            ch.clean_len = -1  # the content changes here, not through check_write
         if judge and not n.local_only and n.cur_size() != size:
             cur = self._content(n)
             after = cur[:size] + b"\0" * (size - len(cur))
@@ -581,6 +591,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         if not n.dirty or n.is_dir or n.special:
             return None
         n.dirty = False
+        ch = n.checker
         n.checker = None  # the whole content is judged here; a later write starts afresh
         if n.unlinked:
             return None
@@ -604,14 +615,19 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         # and hashed from the base's kept hash state: one pass over the suffix (hashstate)
         checked = self._checked_prefix(prev_sha, data, appended)
         sha = self.hashes.of(data, prev_sha, checked)
-        self._hold_content(n, data, sha, "the file's content", base=(prev_sha, checked) if checked else None)
+        self._hold_content(n, data, sha, "the file's content", base=(prev_sha, checked) if checked else None,
+                           hashed=True)  # self.hashes.of(data): computed from these bytes
         if n.refused:
             # an earlier put still in flight must not mark the file clean when it lands
             n.state, n.last_put = REJECTED, None
             self._mark_rejected(n, n.refused, "")
             self.sync_rejected()
             raise FsError(n.refused, n.error)
-        refusal = self._precheck(n, data, checked=checked, base_sha=prev_sha, sha=sha)
+        # a file written in one go had its whole content scanned for secrets at that write
+        # (WriteChecker.clean_len): the same text, so not scanned again
+        scanned = not checked and ch is not None and ch.clean_len == len(data)
+        refusal = self._precheck(n, data, checked=checked, base_sha=prev_sha, sha=sha,
+                                 secret_free=scanned)
         if refusal is not None:
             n.state, n.error, n.last_put = REJECTED, refusal.reason, None
             self.note_error(n.parent, n.name, refusal.errno, refusal.reason, refusal.code)
@@ -669,7 +685,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         return len(base)
 
     def _precheck(self, n: Node, data: bytes, path: str | None = None, checked: int = 0,
-                  base_sha: str = "", sha: str = "") -> FsError | None:
+                  base_sha: str = "", sha: str = "", secret_free: bool = False) -> FsError | None:
         """Refusals the sidecar can decide alone, so they fail at close even offline:
         not UTF-8 or a NUL character (``EILSEQ``), a secret (``EPERM``), a bad frontmatter
         type (``EINVAL``) of file ``n`` holding ``data`` at ``path`` (default: its own).
@@ -681,7 +697,9 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         reads its first 64 Ki characters), not decoded at all when it opens no fence.
         ``base_sha`` / ``sha``: the sha256 of the content the first ``checked`` bytes are
         and of ``data``, for the append's secret scan (``secretscan.AppendScans``: the
-        context is not scanned again when the scan of the append that made it is kept)."""
+        context is not scanned again when the scan of the append that made it is kept).
+        ``secret_free``: the whole of ``data`` was scanned for secrets already (at its
+        write, ``WriteChecker.clean_len``) and held none: not scanned again."""
         start = 0
         if checked:
             start = max(0, checked - APPEND_SCAN_CONTEXT)
@@ -705,7 +723,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
                     else "")
         else:
             head = data.decode("utf-8")
-            kind = content_rules.find_secret(head)
+            kind = None if secret_free else content_rules.find_secret(head)
         if kind:
             return FsError.of("secret_detected", f"content looks like it holds a secret ({kind}); "
                                                  "memory must not store credentials")

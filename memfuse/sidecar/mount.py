@@ -207,7 +207,14 @@ class Sidecar(StoreSync):
         self.metrics = Metrics()
         try:
             secure_cache_dir(config.cache_dir)  # owner-only: it holds memory content
-            self.journal = Journal(config.cache_dir / "outbox.db", metrics=self.metrics)
+            legacy = config.cache_dir / "blobs"  # one-file-per-blob layout of earlier versions
+            if legacy.is_dir():
+                shutil.rmtree(legacy, ignore_errors=True)
+            blobs = BlobCache(config.cache_dir / "blobs.db", metrics=self.metrics)
+            # the contents the blob cache holds in memory are written before any journal
+            # batch with an accepted write: a journal lost later recovers it from there
+            self.journal = Journal(config.cache_dir / "outbox.db", metrics=self.metrics,
+                                   before_batch=blobs.write_behind)
         except OSError as e:  # e.g. a symlink planted in the cache directory (refused)
             raise StartError(f"cache directory {config.cache_dir} unusable: "
                              f"{e.strerror or e}") from None
@@ -221,14 +228,6 @@ class Sidecar(StoreSync):
             settings.uid = config.uid
         if config.gid is not None:
             settings.gid = config.gid
-        legacy = config.cache_dir / "blobs"  # one-file-per-blob layout of earlier versions
-        if legacy.is_dir():
-            shutil.rmtree(legacy, ignore_errors=True)
-        try:
-            blobs = BlobCache(config.cache_dir / "blobs.db", metrics=self.metrics)
-        except OSError as e:
-            raise StartError(f"cache directory {config.cache_dir} unusable: "
-                             f"{e.strerror or e}") from None
         self.journal_recovered, self.journal_lost = self._recover_journal(blobs, ids)
         self.invalidator = Invalidator()
         self.fs = Filesystem(blobs, client, self.journal, settings, config.workspace,
@@ -497,6 +496,18 @@ class Sidecar(StoreSync):
     #: counts as down (closes return once accepted); at most half of ``--commit-wait``
     NO_ANSWER_AFTER = 3.0
     LIVENESS_EVERY = 0.25  # s between looks at the waiting requests
+    #: s the blob cache holds a content put behind (``BlobCache.put_behind``) at most
+    BLOBS_BEHIND_EVERY = 0.5
+
+    async def _blobs_behind(self) -> None:
+        """Write what the blob cache holds in memory (``BlobCache.write_behind``: the
+        contents of the last closes, stored in one transaction) every
+        ``BLOBS_BEHIND_EVERY`` s, so none waits longer: a ``kill -9`` then loses at most
+        that much of the cache (a cache: refetched; the outbox journal and the control
+        plane hold the writes), and an offline start finds the rest in the file."""
+        while True:
+            await trio.sleep(self.BLOBS_BEHIND_EVERY)
+            self.fs.blobs.write_behind()
 
     async def _liveness(self) -> None:
         """Notice a control plane that has stopped answering (paused, black-holed network)
@@ -573,6 +584,7 @@ class Sidecar(StoreSync):
                 self._spawn("journal", self.journal.run)
                 await nursery.start(self.committer.run)
                 self._spawn("liveness", self._liveness)
+                self._spawn("blobs-behind", self._blobs_behind)
                 if self.client.token_file is not None:
                     self._spawn("token-watch", self._token_watch)
                 # the admin API first, so /healthz and /readyz answer while loading

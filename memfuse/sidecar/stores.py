@@ -631,6 +631,7 @@ class StoreSync:
         its log, or a rewrite of its base when it has none; ``StoreState.save``). A failure
         (full or failing cache disk) is logged once per streak (no traceback), counted, and
         retried at the next call: the mirror is a cache, what is on disk stays valid."""
+        self.fs.blobs.write_behind()  # a saved mirror names no content held only in memory
         failed = None
         for st in list(self.states.values()):
             if st.dirty:
@@ -646,6 +647,7 @@ class StoreSync:
         (or that has no base: a new snapshot) has its base encoded and written in a worker
         thread (``StoreState.save_async``), so a save holds the trio thread in proportion
         to what changed, not to the store's size."""
+        self.fs.blobs.write_behind()  # a saved mirror names no content held only in memory
         failed = None
         for st in list(self.states.values()):
             if st.dirty:
@@ -667,8 +669,12 @@ class StoreSync:
         mirror's log (``StoreState.save_log``; no fsync: a ``kill -9`` keeps what was
         written); a mirror without a base yet (a new snapshot) waits for the periodic saver,
         which writes the base. A failure is counted and logged once per streak, never
-        raised: the periodic saver retries (the write itself is in the control plane)."""
+        raised: the periodic saver retries (the write itself is in the control plane).
+        The contents put behind (``BlobCache.put_behind``) are written first: a saved mirror
+        names no content held only in memory (else a ``kill -9`` and an offline restart
+        would show the file, and answer EIO at its read)."""
         try:
+            self.fs.blobs.write_behind()
             st.save_log()
         except CacheError as e:
             self._state_not_saved(st, e)
