@@ -105,6 +105,7 @@ def main() -> None:
                            f"{mountutil.MEMFUSE} \"$@\"\n")
         wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
         mountutil.MEMFUSE = str(wrapper)
+        mountutil.serve_listening.__defaults__ = (0, 600)  # (offset, timeout): valgrind starts slowly
     with Session(quick=True, verbose=False) as s:
         tok = s.workspace(WS, (STORE,)).read_text().strip()
         cp = s.cp

@@ -99,7 +99,8 @@ class WritePath:
             return False
         model: type[BaseModel] = RecordCreate if m.route is table.CREATE_RECORD else RecordUpdate
         try:  # json.loads, then the model: what FastAPI does with a JSON body
-            parsed = model.model_validate(json.loads(body))
+            value = json.loads(body)
+            parsed = model.model_validate(value)
         except Exception:  # noqa: BLE001 - bad JSON, too deep, refused: FastAPI answers it
             return False
         svc = self.svc
@@ -107,7 +108,7 @@ class WritePath:
         try:
             if svc.token_upkeep_due():  # token bookkeeping, as the principal dependency does it
                 await anyio.to_thread.run_sync(svc.token_upkeep)
-            idem = idempotency_request(key, method, URL(scope=scope).path, body) if key else None
+            idem = idempotency_request(key, method, URL(scope=scope).path, body, value) if key else None
             reply: Reply
             if m.route is table.CREATE_RECORD:
                 assert isinstance(parsed, RecordCreate)
