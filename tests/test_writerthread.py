@@ -23,7 +23,7 @@ def _alive(name: str) -> int:
     return sum(1 for t in threading.enumerate() if t.name == name)
 
 
-async def test_results_errors_order_one_thread_and_context():
+async def test_results_errors_order_one_thread_and_context() -> None:
     w = WriterThread(name="wt-test-1", idle=5)
     seen: list[tuple[int, int]] = []
 
@@ -55,7 +55,7 @@ async def test_results_errors_order_one_thread_and_context():
     assert await w.run(job, 99) == 198  # the thread survived the exception
 
 
-async def test_a_cancelled_caller_waits_for_its_job():
+async def test_a_cancelled_caller_waits_for_its_job() -> None:
     w = WriterThread(name="wt-test-2", idle=5)
     done = threading.Event()
 
@@ -71,7 +71,7 @@ async def test_a_cancelled_caller_waits_for_its_job():
     assert done.is_set() and got == ["written"]  # not abandoned: the answer was delivered
 
 
-async def test_the_thread_ends_when_idle_and_starts_again():
+async def test_the_thread_ends_when_idle_and_starts_again() -> None:
     w = WriterThread(name="wt-test-3", idle=0.2)
     assert _alive("wt-test-3") == 0
     assert await w.run(lambda: 1) == 1
@@ -83,7 +83,7 @@ async def test_the_thread_ends_when_idle_and_starts_again():
     assert w.jobs == 2
 
 
-def test_under_asyncio_it_is_anyio_to_thread():
+def test_under_asyncio_it_is_anyio_to_thread() -> None:
     w = WriterThread(name="wt-test-4", idle=5)
 
     async def main() -> tuple[int, int]:
