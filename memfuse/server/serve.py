@@ -11,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import gc
 import logging
+import math
 import os
 import socket
 from collections.abc import Awaitable, Callable
@@ -254,6 +255,57 @@ def _address(stream: trio.SocketStream) -> str:
     return f"{name[0]}:{name[1]}" if isinstance(name, tuple) else str(name)
 
 
+class _IdleTimer:
+    """hypercorn's per-connection idle timer (``TCPServer.idle_task``: its
+    ``_idle_timeout``, armed by ``restart`` when the connection turns idle, disarmed by
+    ``stop`` when a request's headers are in) as one task per connection whose deadline
+    is moved, instead of a task started and cancelled per request (a task spawn, a
+    cancellation and the lock of ``TrioSingleTask`` per request: bench/README.md, "The
+    close path, session 11: serve"). Same behaviour: the connection is closed (shielded,
+    as hypercorn does) ``keep_alive_timeout`` s after it turned idle, or at once when the
+    server terminates while it is idle; a busy connection is left to finish. ``end()``
+    (the connection is over) ends the task without closing anything. ``server``: the
+    connection's hypercorn ``TCPServer`` (``_worker_serve``)."""
+
+    def __init__(self, server: Any) -> None:
+        self.server = server
+        self.scope = trio.CancelScope()  # its deadline: when an idle connection closes
+        self.armed: bool = False  # the connection is idle (closes at the deadline)
+        self.ended: bool = False
+        self.started: bool = False  # its task is spawned
+        self.changed: trio.Event = trio.Event()  # set when ``armed`` or ``ended`` changes (after termination)
+
+    async def restart(self, task_group: Any, action: Any) -> None:
+        self.armed = True
+        self.scope.deadline = trio.current_time() + self.server.config.keep_alive_timeout
+        self.changed.set()
+        if not self.started:
+            self.started = True
+            task_group.spawn(self._run)
+
+    async def stop(self) -> None:
+        self.armed = False
+        self.scope.deadline = math.inf
+
+    def end(self) -> None:
+        self.armed = False
+        self.ended = True
+        self.scope.cancel()
+        self.changed.set()
+
+    async def _run(self) -> None:
+        with self.scope:  # cancelled: the deadline passed while idle, or ``end()``
+            await self.server.context.terminated.wait()
+            # the server terminates: close the connection now if idle, else once it is
+            while not self.armed and not self.ended:
+                self.changed = trio.Event()
+                await self.changed.wait()
+        if self.ended:
+            return
+        with trio.CancelScope(shield=True):
+            await self.server._initiate_server_close()
+
+
 async def _worker_serve(app: FastAPI, config: Config, connections: Connections | None,
                         shutdown_trigger: Callable[[], Awaitable[object]],
                         task_status: trio.TaskStatus[list[str]]) -> None:
@@ -272,7 +324,11 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
 
     A third: no HTTP/2 on cleartext connections (``_HTTP11Only``).
 
-    A fourth: one connection's error stays in it. The socket's write side is shut under
+    A fourth: the keep-alive idle timer is one task per connection whose deadline moves
+    (``_IdleTimer``), not a task started and cancelled per request, and a read has no cancel
+    scope of its own when there is no read timeout (hypercorn's default).
+
+    A fifth: one connection's error stays in it. The socket's write side is shut under
     hypercorn's send lock (``_TCPServer._close``), so a response is never sent beside it
     (``trio.BusyResourceError``), and anything else a connection raises is logged with its
     peer and dropped in ``handle`` instead of stopping the server."""
@@ -281,14 +337,14 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
     from itertools import chain
 
     import h11
-    from hypercorn.events import RawData
+    from hypercorn.events import Closed, RawData
     from hypercorn.protocol import ProtocolWrapper
     from hypercorn.protocol.events import Body as HyBody
     from hypercorn.protocol.events import EndBody as HyEndBody
     from hypercorn.protocol.events import Response as HyResponse
     from hypercorn.protocol.h11 import H11Protocol
     from hypercorn.trio.lifespan import Lifespan
-    from hypercorn.trio.tcp_server import TCPServer
+    from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
     from hypercorn.trio.worker_context import WorkerContext
     from hypercorn.typing import ConnectionState
     from hypercorn.utils import ShutdownError, raise_shutdown, repr_socket_addr, wrap_app
@@ -346,9 +402,33 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
                 return b""
 
     class _TCPServer(TCPServer):
+        idle_task: _IdleTimer  # type: ignore[assignment]  # hypercorn's TrioSingleTask, replaced
+
+        def __init__(self, *args: Any) -> None:
+            super().__init__(*args)
+            self.idle_task = _IdleTimer(self)
+
         async def _read_data(self) -> None:
-            await super()._read_data()
-            await self.idle_task.stop()  # the peer is gone: nothing to keep alive
+            # hypercorn's loop, without a cancel scope per read when there is no read
+            # timeout (``config.read_timeout`` None: the idle timer bounds an idle connection)
+            try:
+                timeout = self.config.read_timeout
+                while True:
+                    try:
+                        if timeout is None:
+                            data = await self.stream.receive_some(MAX_RECV)
+                        else:
+                            with trio.fail_after(timeout):
+                                data = await self.stream.receive_some(MAX_RECV)
+                    except (trio.ClosedResourceError, trio.BrokenResourceError, trio.TooSlowError):
+                        break
+                    else:
+                        await self.protocol.handle(RawData(bytes(data)))
+                        if data == b"":
+                            break
+                await self.protocol.handle(Closed())
+            finally:
+                self.idle_task.end()  # the peer is gone: nothing to keep alive
 
         # INVARIANT: the socket's send side has one user at a time: every ``send_all``
         # (hypercorn's ``protocol_send``) and this ``send_eof`` run holding ``send_lock``.
@@ -406,8 +486,8 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
                 return
         where = f"{peer[0]}:{peer[1]}" if peer is not None else _address(stream)
         try:
-            # hypercorn types the stream as its TLS one; it serves plain streams too (its own run())
-            await _TCPServer(asgi, config, context, ConnectionState(lifespan_state.copy()), stream)  # type: ignore[arg-type]
+            # (hypercorn types the stream as its TLS one; it serves plain streams too: its own run())
+            await _TCPServer(asgi, config, context, ConnectionState(lifespan_state.copy()), stream)
         except* Exception:
             # supervision: whatever one connection raises (hypercorn catches only the app's
             # own errors and OSError) ends that connection here, logged, and never reaches the
