@@ -294,13 +294,11 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             return h.snapshot[off:off + size]
         n = h.node
         x = n._x
-        if x is not None and ("read_base" in x or "unread" in x):
+        if x is not None and ("read_base" in x or "unread" in x or "shown" in x):
             # the reader is served the current content (a handle opened before a remote
-            # change reads it once the kernel's pages are invalidated): Node.read_base
-            x.pop("read_base", None)
-            x.pop("unread", None)
-            if not x:
-                n._x = None  # back on the warm paths
+            # change reads it once the kernel's pages are invalidated), or what the kernel
+            # still shows: Node.read_base
+            self._served(n, x)
         if n.buf is not None:
             return bytes(n.buf[off:off + size])
         if off >= n.size or not n.sha:
@@ -309,6 +307,25 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         if not data and size > 0:  # absent or damaged (dropped): MemfuseOps refetches it
             raise ContentMissing(n)
         return data
+
+    def _served(self, n: Node, x: dict[str, Any]) -> None:
+        """A reader of file ``n`` (side table ``x``, ``n._x``) is served its content: by an
+        open for reading or a read. An overwrite after it is based on what the reader got
+        (``Node.read_base``, docs/SEMANTICS.md "Conflicts"): the current content, unless the
+        kernel may still show an older one (``kernel_behind``: the invalidation of a change
+        has not reached it): then the reader may get the pages and the size of the content
+        before that change (``Node.shown``), which becomes the base unless an older one is
+        kept already. Nothing awaits here."""
+        if self.kernel_behind(n.ino):
+            shown = x.get("shown")
+            if shown and "read_base" not in x and shown != n.sha:
+                x["read_base"] = shown
+            return
+        x.pop("read_base", None)
+        x.pop("unread", None)
+        x.pop("shown", None)
+        if not x:
+            n._x = None  # back on the warm paths
 
     def _cached_blob(self, sha: str) -> bytes | None:
         """The cached content whose sha256 is ``sha`` (checked), None when the blob cache
@@ -508,8 +525,10 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             return self._new_handle(n, flags)
         special = n.special
         x = n._x
-        if not writing and x is not None and x.pop("unread", None) is not None and not x:
-            n._x = None  # a reader is served the content (Node.unread): back on the warm paths
+        if not writing and x is not None:
+            # a reader is served the content (Node.unread, Node.read_base; a writing open
+            # keeps them: vim reads, then opens to rewrite)
+            self._served(n, x)
         if writing:
             if special:
                 raise FsError(errno.EACCES, ".memfuse files are read-only")
@@ -520,12 +539,6 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             h = self._new_handle(n, flags)
             h.snapshot = self.controls.opened(special)
             return h
-        if not writing:
-            # a reader is served the current content: an overwrite after it is based on it
-            # (Node.read_base; a writing open keeps it: vim reads, then opens to rewrite)
-            x = n._x
-            if x is not None:  # not None here (the warm path above took the others)
-                x.pop("read_base", None)
         if flags & os.O_TRUNC and n.cur_size() > 0:
             self._account(n, -n.cur_size())
             n.buf = bytearray()

@@ -288,22 +288,33 @@ class Node:
     # version, '' when readers were served the current one.
     # INVARIANT: set only by ``RemoteApply.note_replaced`` (a remote change of content, or
     # the merge of our own write shown, when not set already: the oldest version no reader
-    # was served a newer one after); cleared by a reader's open or read
+    # was served a newer one after), and by a reader served while the kernel may still
+    # show an older content (``shown``); cleared by a reader's open or read
     # (``Filesystem.open`` / ``read``: served the current content), by a write
     # session built on the current content (``_make_buf``: its base is that content), and
     # by the commit that carries it as its base (``Filesystem.commit``); a file renamed over
     # a record takes the target's (``NamespaceOps._adopt_key``). Memory only (a restart
     # forgets it: the base is then the version this sidecar last saw).
     read_base: _Rare[str] = _rare("read_base", "")
+    # The sha256 of the content the kernel may still serve a reader of this file (its pages
+    # and its size) while the invalidation of a change of it has not reached the kernel
+    # (``FsListener.kernel_behind``): a reader served meanwhile may get it, so it becomes
+    # that reader's ``read_base`` (unless an older one is kept).
+    # INVARIANT: set only by ``RemoteApply.note_replaced`` to the content being replaced,
+    # when the kernel is not behind on the file already (else it keeps the older content
+    # it may show); cleared, with ``read_base`` and ``unread``, by a reader served while the
+    # kernel is not behind (``Filesystem._served``). Its blob is kept (``_gc_blobs``).
+    shown: _Rare[str] = _rare("shown", "")
     # True while no reader here opened or read the file since its content was made: by a
     # writer here, or elsewhere (a record the feed created here, a remote change of its
-    # content). Content no reader was served never becomes a ``read_base``: an overwrite by
+    # content). Content no reader was served never becomes a ``read_base`` (except as the
+    # content the kernel still shows a reader, ``shown``): an overwrite by
     # a writer that read nothing since is based on the version this sidecar last saw (last
     # writer wins, as on a local disk; tests/test_reference_model.py). Files loaded at
     # mount count as served (no side table for them).
     # INVARIANT: set by ``RemoteApply`` (a new record from the feed, ``note_replaced``) and
     # by ``Filesystem._touch_content`` (a write); cleared by a reader's open past the warm
-    # path and by a read (``Filesystem.open`` / ``read``).
+    # path and by a read (``Filesystem.open`` / ``read``) while the kernel is not behind.
     unread: _Rare[bool] = _rare("unread", False)
 
     def __repr__(self) -> str:

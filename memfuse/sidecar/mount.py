@@ -201,7 +201,10 @@ class Sidecar(StoreSync):
     are the mount and umount signals (admin API, workspace events, SIGHUP).
     """
 
-    def __init__(self, config: MountConfig, client: ApiClient) -> None:
+    def __init__(self, config: MountConfig, client: ApiClient,
+                 invalidator: Invalidator | None = None) -> None:
+        """``invalidator``: the kernel invalidations' queue (default: a new ``Invalidator``;
+        tests pass one with a fault hook)."""
         self.config = config
         self.client = client
         self.metrics = Metrics()
@@ -229,7 +232,7 @@ class Sidecar(StoreSync):
         if config.gid is not None:
             settings.gid = config.gid
         self.journal_recovered, self.journal_lost = self._recover_journal(blobs, ids)
-        self.invalidator = Invalidator()
+        self.invalidator = invalidator if invalidator is not None else Invalidator()
         self.fs = Filesystem(blobs, client, self.journal, settings, config.workspace,
                              dirs_file=config.cache_dir / "dirs.json",
                              rejected=self.journal.load_rejected(),
@@ -241,7 +244,7 @@ class Sidecar(StoreSync):
                                f"an accepted {x.get('o')} was lost with the outbox journal and its "
                                "content is gone from the cache: write it again", "journal_lost",
                                x.get("s", ""))
-        self.ops = MemfuseOps(self.fs, self.metrics)
+        self.ops = MemfuseOps(self.fs, self.metrics, self.invalidator)
         self.task_failures: dict[str, int] = {}  # task name -> unexpected exceptions
         self.state_save_failing = False
 
@@ -403,6 +406,10 @@ class Sidecar(StoreSync):
         """``FsListener``: kernel invalidations, made by the invalidator's worker thread."""
         self.invalidator.submit(items)
 
+    def kernel_behind(self, ino: int) -> bool:
+        """``FsListener``: an invalidation of ``ino``'s content not performed yet."""
+        return self.invalidator.behind(ino)
+
     def committed_size(self, slug: str, record_id: str) -> int | None:
         """``FsListener``: the record's size in the store's mirror, None when unknown."""
         state = self.states.get(slug)
@@ -436,7 +443,8 @@ class Sidecar(StoreSync):
         st["actor"] = self.actor  # what history and the API show as updated_by
         st["admin"] = self.admin_address
         st["admin_socket"] = self.admin_socket
-        st["invalidations"] = {"done": self.invalidator.done, "failed": self.invalidator.failed}
+        st["invalidations"] = {"done": self.invalidator.done, "failed": self.invalidator.failed,
+                               "pending": self.invalidator.pending}
         st["errors_logged"] = len(self.fs.errors)
         st["feed_tasks"] = self.feed_tasks
         st["task_failures"] = dict(self.task_failures)
@@ -781,9 +789,11 @@ class Sidecar(StoreSync):
             pyfuse3.terminate()
 
 async def serve_mount(config: MountConfig, client: ApiClient, *,
+                      invalidator: Invalidator | None = None,
                       task_status: trio.TaskStatus[Sidecar] = trio.TASK_STATUS_IGNORED) -> int:
-    """Run one sidecar (``Sidecar.run``) until SIGTERM / SIGINT or an external unmount."""
-    return await Sidecar(config, client).run(task_status=task_status)
+    """Run one sidecar (``Sidecar.run``) until SIGTERM / SIGINT or an external unmount
+    (``invalidator``: see ``Sidecar``)."""
+    return await Sidecar(config, client, invalidator).run(task_status=task_status)
 
 
 async def drain(fs: Filesystem, committer: Committer, timeout: float) -> None:
