@@ -202,6 +202,8 @@ class MemfuseOps(pyfuse3.Operations):
         #: the kernel invalidations queued (``mount.Sidecar``'s; None: nothing is ever
         #: behind): an open for reading of a file still being invalidated waits for it
         self.invalidator = invalidator
+        #: its ``behind_inodes`` (read here on every open: an empty dict almost always)
+        self._behind: dict[int, int] = invalidator.behind_inodes if invalidator is not None else {}
         self._op_stats: dict[str, OpStats] = {}  # per op name (hot path: one dict lookup)
         #: (op name, errno) -> its ``memfuse_fuse_errors_total`` child: every file written
         #: is answered one ENODATA (the kernel's ``security.capability`` probe before the
@@ -374,26 +376,27 @@ class MemfuseOps(pyfuse3.Operations):
     @_guard_then
     def open(self, inode: int, flags: int,
              ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo | Awaitable[pyfuse3.FileInfo]:
-        inv = self.invalidator
-        if inv is not None and inv.behind(inode) and flags & os.O_ACCMODE != os.O_WRONLY:
-            # a remote change of the file has not reached the kernel's pages and size yet:
-            # the reader gets the new content once it has (Filesystem._served)
+        behind = self._behind
+        if behind and inode in behind and flags & os.O_ACCMODE != os.O_WRONLY:
+            # a remote change of the file has not reached the kernel's pages and size yet
+            # (Invalidator.behind): the reader gets the new content once it has
+            # (Filesystem._served)
             return self._open_caught_up(inode, flags)
-        return self._opened(self.fs.open(inode, flags))
+        h = self.fs.open(inode, flags)
+        if h.snapshot is not None:  # a .memfuse file: reads from this open's snapshot,
+            # never from another's pages
+            return pyfuse3.FileInfo(fh=h.fh, direct_io=True, keep_cache=False)
+        return pyfuse3.FileInfo(h.fh)  # keep_cache (pyfuse3's default), no direct_io
 
     async def _open_caught_up(self, inode: int, flags: int) -> pyfuse3.FileInfo:
         """``open`` once the kernel invalidation of ``inode`` still queued was performed
         (at most ``OPEN_CATCH_UP`` s; ``Filesystem.open`` follows with no await between)."""
         assert self.invalidator is not None  # open() checked
         await self.invalidator.catch_up(inode, OPEN_CATCH_UP)
-        return self._opened(self.fs.open(inode, flags))
-
-    @staticmethod
-    def _opened(h: Handle) -> pyfuse3.FileInfo:
-        if h.snapshot is not None:  # a .memfuse file: reads from this open's snapshot,
-            # never from another's pages
+        h = self.fs.open(inode, flags)
+        if h.snapshot is not None:  # (a .memfuse file is never invalidated: not reached)
             return pyfuse3.FileInfo(fh=h.fh, direct_io=True, keep_cache=False)
-        return pyfuse3.FileInfo(h.fh)  # keep_cache (pyfuse3's default), no direct_io
+        return pyfuse3.FileInfo(h.fh)
 
     def _create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                 ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:

@@ -48,8 +48,10 @@ class Invalidator:
         self._settled = trio.Event()
         # INVARIANT: ino -> number of its ("inode", ino) requests submitted and not yet
         # performed (or dropped); an ino is a key only while that number is > 0. Changed on
-        # the trio thread only (submit, and run() after its batch returned).
-        self._stale: dict[int, int] = {}
+        # the trio thread only (submit, and run() after its batch returned); read-only to
+        # others (``behind``; the FUSE adapter's open tests it inline: an empty dict is the
+        # common case).
+        self.behind_inodes: dict[int, int] = {}
         self._progress = trio.Event()  # set (and replaced) after every batch
 
     def submit(self, items: list[tuple[Any, ...]]) -> None:
@@ -57,7 +59,7 @@ class Invalidator:
         ``("attr", ino)``); dropped while the mount is not up. Never blocks."""
         if self.active and items:
             self._outstanding += len(items)
-            stale = self._stale
+            stale = self.behind_inodes
             for item in items:
                 if item[0] == "inode":
                     stale[item[1]] = stale.get(item[1], 0) + 1
@@ -72,15 +74,15 @@ class Invalidator:
         """True while an ``("inode", ino)`` invalidation is queued or being performed: the
         kernel may still serve the pages and size of ``ino``'s older content. One dict
         lookup (every open and read of a changed file asks)."""
-        return ino in self._stale
+        return ino in self.behind_inodes
 
     async def catch_up(self, ino: int, timeout: float) -> bool:
         """Wait (up to ``timeout`` s) until no invalidation of ``ino``'s content is pending
         (``behind``); True when none is, False when it still is after ``timeout``."""
         with trio.move_on_after(timeout):
-            while ino in self._stale:
+            while ino in self.behind_inodes:
                 await self._progress.wait()
-        return ino not in self._stale
+        return ino not in self.behind_inodes
 
     def _run_batch(self, batch: list[tuple[Any, ...]]) -> None:
         for item in batch:
@@ -114,7 +116,7 @@ class Invalidator:
                         await self._hold()
                     await trio.to_thread.run_sync(self._run_batch, batch)
             finally:
-                stale = self._stale
+                stale = self.behind_inodes
                 for item in batch:
                     if item[0] == "inode":
                         left = stale.get(item[1], 0) - 1
