@@ -284,3 +284,45 @@ def test_sed_over_its_own_write_before_a_remote_append_reaches_the_kernel_keeps_
                timeout=30, what="C's write committed and seen in A")
     cur = _sed_while_the_kernel_shows_the_older_version(cp, a, c, name, mine, 2, read_first=False)
     assert cur == "counter=2\n" + "y" * 100 + "\nA-2\n", cur
+
+
+def test_sed_on_a_mount_that_is_itself_appending_keeps_the_other_mounts_lines(pair):
+    """Attack report 11, finding 3 (atk11/t_tail_race.sh): mounts A and B both append 1 KB
+    lines to one file while B also rewrites its first line with ``sed -i``. B's own appends
+    are rebased onto A's (the control plane answers versions holding A's lines) while B
+    still shows its own content (its feed waits for its outbox): B's sed read that
+    content, so its rewrite is based on it and A's lines are merged in, never dropped."""
+    cp, a, b = pair
+    name = f"tail-{uuid.uuid4().hex[:6]}.log"
+    (a.mountpoint / "s" / name).write_text("counter=0\n" + "".join(f"base {i}\n" for i in range(10)))
+    wait_until(lambda: (read(b.mountpoint / "s" / name) or "").startswith("counter=0"),
+               timeout=15, what="the file in B")
+    n_lines, pad = 15, "p" * 1000
+    failed: list[BaseException] = []
+
+    def appender(sc: Sidecar, who: str) -> None:
+        try:
+            for i in range(1, n_lines + 1):
+                sh(f"echo {who}-{i} {pad} >> {name}", sc.mountpoint / "s")
+        except BaseException as e:  # reported below
+            failed.append(e)
+
+    threads = [threading.Thread(target=appender, args=(a, "A")),
+               threading.Thread(target=appender, args=(b, "B"))]
+    for t in threads:
+        t.start()
+    try:
+        for k in range(1, 4):
+            sh(f"sed -i s/^counter=.*/counter={k}/ {name}", b.mountpoint / "s")
+    finally:
+        for t in threads:
+            t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads) and not failed, failed
+    cur = _settled(cp, a, b, name)
+    lines = cur.splitlines()
+    # A's lines are all committed and B's sed never read some of them: each is merged in
+    # (or the rewrite that overwrote it is reported as a conflict)
+    missing = [f"A-{i}" for i in range(1, n_lines + 1) if not any(ln.startswith(f"A-{i} ") for ln in lines)]
+    conflicts = [e for e in _errors(b) if e.get("conflict") and e["path"].endswith(name)]
+    assert not missing or conflicts, f"A's lines lost silently: {missing}"
+    assert not missing, f"A's lines lost (reported): {missing}; {conflicts}"

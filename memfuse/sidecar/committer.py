@@ -232,6 +232,8 @@ class Committer:
                             out.add(a.append_base[0])
                         if a.args.get("base"):  # an overwrite's older base (Node.read_base)
                             out.add(a.args["base"])
+                        if a.args.get("served"):  # ... or what readers were served (Node.served)
+                            out.add(a.args["served"])
         return out
 
     # --- enqueueing (synchronous, on the trio thread: order is fixed here) -------------------

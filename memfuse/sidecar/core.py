@@ -324,6 +324,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         x.pop("read_base", None)
         x.pop("unread", None)
         x.pop("shown", None)
+        x.pop("served", None)
         if not x:
             n._x = None  # back on the warm paths
 
@@ -418,13 +419,14 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
     def _make_buf(self, n: Node, *, replacing: bool = False) -> WriteBuffer:
         """``n``'s write buffer, made from its current content at a write session's first
         change. Such a session's content derives from that content, which is then its base
-        (``Node.read_base`` dropped), unless ``replacing`` (a truncate to 0: the content is
-        replaced whole, written on what the writer read) or ``n`` is dirty already (an
-        ``O_TRUNC`` open, a file renamed over a record: their base was set then)."""
+        (the version this sidecar last saw), unless the session replaces the content whole
+        (``Node.replacing``: ``replacing``, a truncate to 0, an ``O_TRUNC`` open, a file
+        renamed over a record: written on what the writer read, ``Node.read_base``). A
+        ``read_base`` stays for the readers it was recorded for (``sed -i`` reads while
+        ``echo >>`` appends)."""
+        if replacing:
+            n.replacing = True
         if n.buf is None:
-            x = n._x
-            if x is not None and not replacing and not n.dirty:
-                x.pop("read_base", None)
             if n.sha and n.size >= APPEND_CHECK_MIN:
                 # the content by reference (an append adds to it, ``appendbuf``): from
                 # memory when this sidecar held it last (the previous close of a journal),
@@ -500,6 +502,8 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         self._touch_content(n)
 
     def _touch_content(self, n: Node) -> None:
+        if not n.unread and n.sha and not n.served:
+            n.served = n.sha  # the content readers were served before this write (Node.served)
         n.dirty = True
         n.unread = True  # what a writer made here: no reader was served it yet (Node.unread)
         now = time.time_ns()
@@ -543,8 +547,10 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             self._account(n, -n.cur_size())
             n.buf = bytearray()
             self._touch_content(n)
+            n.replacing = True
         elif flags & os.O_TRUNC:
             n.dirty = True  # opening with O_TRUNC is a write, even of nothing
+            n.replacing = True
         return self._new_handle(n, flags)
 
     def create(self, parent_ino: int, name: bytes, mode: int, flags: int, uid: int, gid: int) -> Handle:
@@ -655,9 +661,20 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         # feed replaced the content readers here were served before this write replaced
         # it whole, the put is conditional on that older version (its If-Match fails, the
         # rival change is merged three-way or reported: ConflictResolver.put_base)
-        read_base = n._x.pop("read_base", "") if n._x is not None else ""
+        # (a write session built on the current content is based on it: the read_base
+        # stays for the readers it was recorded for, Node.replacing)
+        x = n._x
+        read_base = served = ""
+        if x is not None and x.pop("replacing", False):
+            read_base = x.pop("read_base", "")
+            served = x.pop("served", "")
         if read_base and read_base != self.ids.get(n.key, n.store.slug)[1]:
             args["base"] = read_base
+        elif served:
+            # what readers here were served before a write here changed the file: the base
+            # when that write's put was merged onto a rival change this file does not show
+            # yet (ConflictResolver.put_base)
+            args["served"] = served
         e = self.committer.submit(n.store.slug, PUT, n.key, args, data,
                                   sha=sha, append_base=(prev_sha, checked) if checked else None)
         n.last_put = e

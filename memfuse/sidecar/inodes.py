@@ -290,12 +290,31 @@ class Node:
     # the merge of our own write shown, when not set already: the oldest version no reader
     # was served a newer one after), and by a reader served while the kernel may still
     # show an older content (``shown``); cleared by a reader's open or read
-    # (``Filesystem.open`` / ``read``: served the current content), by a write
-    # session built on the current content (``_make_buf``: its base is that content), and
-    # by the commit that carries it as its base (``Filesystem.commit``); a file renamed over
-    # a record takes the target's (``NamespaceOps._adopt_key``). Memory only (a restart
-    # forgets it: the base is then the version this sidecar last saw).
+    # (``Filesystem.open`` / ``read``: served the current content) and by the commit of a
+    # session that replaced the content whole (``replacing``), which carries it as its base
+    # (``Filesystem.commit``). A write session built on the current content (``echo >>``)
+    # neither uses nor clears it: its base is that content, and the readers it was recorded
+    # for may still overwrite (``sed -i`` reading while another process appends; attack
+    # report 11, F3). A file renamed over a record takes the target's
+    # (``NamespaceOps._adopt_key``). Memory only (a restart forgets it: the base is then the
+    # version this sidecar last saw).
     read_base: _Rare[str] = _rare("read_base", "")
+    # The sha256 of the content readers here were last served, when a writer here changed
+    # the file since (it is ``unread``): a remote change or the merge of our own write
+    # replacing the content then records it as the ``read_base`` (not the content written
+    # here, which no reader was served).
+    # INVARIANT: set by ``Filesystem._touch_content`` (the first write after readers were
+    # served ``sha``, when not set already), only while ``unread`` is set; cleared with
+    # ``unread`` by a reader served (``Filesystem._served``) and by the commit of a session
+    # that replaced the content whole. Its blob is kept (``_gc_blobs``).
+    served: _Rare[str] = _rare("served", "")
+    # True while the current write session replaces the content whole (an ``O_TRUNC`` open,
+    # a truncate to 0, a file renamed over a record): its commit is based on what a reader
+    # here could have read (``read_base``), not on the content it replaced.
+    # INVARIANT: set by ``Filesystem.open`` (``O_TRUNC``), ``Filesystem.truncate`` (to 0,
+    # ``_make_buf``) and ``NamespaceOps._adopt_key``; cleared by ``Filesystem.commit`` of
+    # the session.
+    replacing: _Rare[bool] = _rare("replacing", False)
     # The sha256 of the content the kernel may still serve a reader of this file (its pages
     # and its size) while the invalidation of a change of it has not reached the kernel
     # (``FsListener.kernel_behind``): a reader served meanwhile may get it, so it becomes

@@ -369,8 +369,12 @@ class RemoteApply:
         x = n._x
         if x is not None and x.get("read_base") == sha:
             del x["read_base"]  # back to what readers were served
-        elif not n.read_base and n.sha and n.sha != sha and not n.unread:
-            n.read_base = n.sha
+        elif not n.read_base and n.sha and n.sha != sha:
+            # readers were served n's content, or, when a writer here changed it since, the
+            # content before that write (Node.served: sed -i reads while echo >> appends)
+            base = n.served if n.unread else n.sha
+            if base and base != sha:
+                n.read_base = base
         if n.sha and not self.kernel_behind(n.ino):
             n.shown = n.sha
         n.unread = True  # ``sha`` is served to nobody yet

@@ -852,9 +852,9 @@ class StoreSync:
         keep = {r.sha for st in self.states.values() for r in st.records.values()}
         keep.update(n._sha for n in self.fs.inodes.values() if n._sha)
         # the versions readers were served before a remote change, or the kernel may still
-        # serve them (Node.shown): an overwrite's base
+        # serve them (Node.shown), or before a write here (Node.served): an overwrite's base
         keep.update(bytes.fromhex(x[f]) for x in (n._x for n in self.fs.inodes.values())
-                    if x is not None for f in ("read_base", "shown") if x.get(f))
+                    if x is not None for f in ("read_base", "shown", "served") if x.get(f))
         # the bases of queued puts: an append meeting a concurrent change is rebased on it
         keep.update(bytes.fromhex(sha) for sha in self.committer.base_shas())
         try:
