@@ -35,6 +35,9 @@ class _Connections(Protocol):
     @property
     def refused(self) -> int: ...
 
+    @property
+    def evicted(self) -> int: ...
+
 
 class Front(Protocol):
     """What the metrics read of the front door (``memfuse.server.gate.Gate``; named here, so
@@ -142,8 +145,12 @@ def front_collector(front: Front, stream_class: StreamClass) -> Callable[[], lis
         r = CounterMetricFamily("memfuse_server_connections_refused",
                                 "Connections closed at once: their address had too many without a token")
         r.add_metric([], front.connections.refused)
+        e = CounterMetricFamily("memfuse_server_connections_evicted",
+                                "Connections without a token closed to make room for a new one, by reason "
+                                "(max_unauthenticated: the cap of them in all was reached)", labels=["reason"])
+        e.add_metric(["max_unauthenticated"], front.connections.evicted)
         b = GaugeMetricFamily("memfuse_server_request_body_bytes", "Bytes of request bodies held now")
         b.add_metric([], front.body_bytes)
-        return [o, c, u, r, b]
+        return [o, c, u, r, e, b]
 
     return collect

@@ -12,6 +12,7 @@ import fcntl
 import gc
 import logging
 import os
+import re
 import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -244,6 +245,41 @@ async def _serve(app: FastAPI, listen: str, task_status: trio.TaskStatus[str]) -
             inner.deadline = trio.current_time() + GRACEFUL_TIMEOUT + 2
 
 
+_HEAD_END = re.compile(rb"\n\r?\n")  # the blank line ending a request's head, as h11 finds it
+
+
+async def _first_head(stream: trio.SocketStream, timeout: float) -> tuple[bytes | None, bool]:
+    """Read a new connection's first request head, before hypercorn's machinery for the
+    connection is built: returns (the bytes read, whether the client closed its end after
+    them) as soon as they hold the blank line ending the head (as h11 finds it) or pass
+    ``MAX_HEAD`` bytes (hypercorn then refuses the head: 431); (None, False), and the caller
+    closes the connection without an answer, when the client closed its end before its head
+    was complete (hypercorn answered 400 to a partial head: the client is gone or leaving), or
+    no head came within ``timeout`` s (the header deadline, from the connection's start), or
+    the connection was reset.
+
+    Why: hypercorn's per-connection state (its server, protocol, task group, idle timer) cost
+    ~700 us of CPU per connection, most of it for a connection that never finishes its head;
+    waiting here costs a fraction of that, so a flood of such connections is accepted (and,
+    past the cap of unauthenticated connections, evicted) fast enough that the kernel's
+    listen backlog drains and a client that sends its request is read (bench/README.md,
+    "Hostile clients"). Memory: the head read so far (at most ``MAX_HEAD`` + 64 KiB)."""
+    buf = bytearray()
+    with trio.move_on_after(timeout):
+        while True:
+            try:
+                piece = await stream.receive_some(65536)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return None, False
+            if not piece:  # the client closed its end: answered only when its head is complete
+                return (bytes(buf), True) if _HEAD_END.search(buf) is not None else (None, False)
+            start = max(0, len(buf) - 2)  # only the new bytes (and the two before) are searched
+            buf += piece
+            if len(buf) > MAX_HEAD or _HEAD_END.search(buf, start) is not None:
+                return bytes(buf), False
+    return None, False
+
+
 async def _worker_serve(app: FastAPI, config: Config, connections: Connections | None,
                         shutdown_trigger: Callable[[], Awaitable[object]],
                         task_status: trio.TaskStatus[list[str]]) -> None:
@@ -266,7 +302,7 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
     from itertools import chain
 
     import h11
-    from hypercorn.events import RawData
+    from hypercorn.events import Closed, RawData
     from hypercorn.protocol import ProtocolWrapper
     from hypercorn.protocol.events import Body as HyBody
     from hypercorn.protocol.events import EndBody as HyEndBody
@@ -331,8 +367,19 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
                 return b""
 
     class _TCPServer(TCPServer):
+        # what ``_first_head`` read of the connection before hypercorn took it over, and
+        # whether the client had closed its end by then
+        first: bytes = b""
+        first_eof = False
+
         async def _read_data(self) -> None:
-            await super()._read_data()
+            if self.first:
+                await self.protocol.handle(RawData(self.first))
+            if self.first_eof:  # as hypercorn's own loop ends on the client's EOF
+                await self.protocol.handle(RawData(b""))
+                await self.protocol.handle(Closed())
+            else:
+                await super()._read_data()
             await self.idle_task.stop()  # the peer is gone: nothing to keep alive
 
         # hypercorn's ``run`` makes its ProtocolWrapper inline: its HTTP/1.1 protocol is
@@ -355,19 +402,27 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
 
     async def handle(stream: trio.SocketStream) -> None:
         peer = None
-        if connections is not None:
-            try:
-                name = stream.socket.getpeername()
-                peer = (name[0], name[1]) if isinstance(name, tuple) else None
-            except OSError:
-                peer = None
-            if peer is not None and not connections.opened(peer):
-                await stream.aclose()
-                return
         try:
-            # hypercorn types the stream as its TLS one; it serves plain streams too (its own run())
-            await _TCPServer(asgi, config, context, ConnectionState(lifespan_state.copy()), stream)  # type: ignore[arg-type]
+            with trio.CancelScope() as scope:
+                if connections is not None:
+                    try:
+                        name = stream.socket.getpeername()
+                        peer = (name[0], name[1]) if isinstance(name, tuple) else None
+                    except OSError:
+                        peer = None
+                    if peer is not None and not connections.opened(peer, scope.cancel):
+                        return
+                first, eof = await _first_head(stream, config.keep_alive_timeout)
+                if first is None:
+                    return  # no head within the header deadline: closed, as hypercorn would
+                server = _TCPServer(asgi, config, context, ConnectionState(lifespan_state.copy()), stream)  # type: ignore[arg-type]
+                server.first, server.first_eof = first, eof
+                # hypercorn types the stream as its TLS one; it serves plain streams too (its own run())
+                await server
         finally:
+            # an evicted connection's task is cancelled where it stands (hypercorn's own close
+            # is cut by the cancellation): its socket is closed here, before it stops counting
+            stream.socket.close()
             if peer is not None and connections is not None:
                 connections.closed(peer)
 
