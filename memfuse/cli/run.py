@@ -102,10 +102,10 @@ def _admin_token(admin_token_file: Path | None) -> tuple[str, Path, bool]:
 @opt("--max-unauthenticated-per-address", type=click.IntRange(min=0), default=64, show_default=True,
      help="Connections per client address that have not shown a valid token yet (more are "
      "closed at once); 0: no cap. Behind a proxy every client has the proxy's address: raise it.")
-@opt("--max-unauthenticated", type=click.IntRange(min=0), default=4096, show_default=True,
-     help="Connections that have not shown a valid token yet, all addresses together; past it "
-     "the one idle the longest (its header deadline furthest gone) is closed for each new one. "
-     "0: no cap. Keep it below the open-files limit.")
+@opt("--max-unauthenticated", type=click.IntRange(min=0), default=1024, show_default=True,
+     help="Connections that have not shown a valid token yet, all addresses together; at the cap "
+     "a new one whose request has not arrived is closed at once, and one whose request has "
+     "closes the one idle the longest (its header deadline furthest gone). 0: no cap.")
 @opt("--stale-after", type=click.IntRange(min=0), default=90, show_default=True, metavar="DAYS",
      help="A record unchanged for DAYS is stale: the prompt block names the MEMORY.md entries "
      "linking it and the console lists it (also a record past its frontmatter review_after). 0: off.")

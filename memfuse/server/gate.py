@@ -82,7 +82,7 @@ BODY_TIMEOUT = 60.0  # s for a whole body
 RECEIVE_TIMEOUT = 10.0  # s between two pieces of a body
 HEADER_TIMEOUT = 5.0  # s for a request's headers (and an idle keep-alive connection)
 MAX_UNAUTHENTICATED_PER_ADDRESS = 64
-MAX_UNAUTHENTICATED = 4096  # connections without a valid token yet, all addresses (oldest evicted past it)
+MAX_UNAUTHENTICATED = 1024  # connections without a valid token yet, all addresses (oldest evicted past it)
 SEND_TIMEOUT = 30.0
 AUTH_THREADS = 4  # worker threads for lookups of unknown tokens
 BAD_TOKEN_SECONDS = 60.0  # a refused token is refused again without a query this long
@@ -102,16 +102,18 @@ class Connections:
     calls ``active`` when a request on it starts and ``cleared`` once one authenticated.
     Event-loop only.
 
-    Past ``max_total`` the new connection is kept and the one idle the longest is evicted
-    (its ``evict`` callback, given to ``opened``, is called: the server closes it): the
-    oldest connection still waiting for a request's headers, or for a next request after a
-    refusal, is the one whose header deadline is furthest gone. A flood of connections that
-    never finish their headers, from any number of addresses, then cannot hold the server's
-    descriptors nor fill the kernel's listen backlog ahead of a client that does send its
-    request (tests/test_hostile.py, bench/README.md "Hostile clients"). Every eviction is
-    counted (``evicted``, the metric ``memfuse_server_connections_evicted_total``) and
-    logged (one line per ``LOG_EVERY`` s with the count). Memory: one dict entry per
-    connection."""
+    At ``max_total`` (``full``) the server closes a new connection whose request head has not
+    arrived yet at once (``turned_away``); a new one whose head is in is kept and the one idle
+    the longest is evicted (its ``evict`` callback, given to ``opened``, is called: the
+    server closes it): the oldest connection still waiting for a request's headers, or for a
+    next request after a refusal, is the one whose header deadline is furthest gone. A flood
+    of connections that never finish their heads, from any number of addresses, then can
+    neither hold the server's descriptors nor keep the kernel's listen backlog full ahead of
+    a client that sends its request (``memfuse.server.serve._accept_forever``;
+    tests/test_hostile.py, bench/README.md "Hostile clients"). Every such close is counted
+    (``evicted``, ``turned_away``: the metric ``memfuse_server_connections_evicted_total``
+    by reason) and logged (one line per ``LOG_EVERY`` s with the counts). Memory: one dict
+    entry per connection."""
 
     LOG_EVERY = 5.0  # s between two log lines about evictions
 
@@ -119,14 +121,15 @@ class Connections:
         self.cap = cap
         self.max_total = max_total
         self.refused = 0
-        self.evicted = 0
+        self.evicted = 0  # the oldest closed for a new connection whose head was in
+        self.refused_at_cap = 0  # new connections without their head closed at the cap
         # INVARIANT: ``_pending`` holds every open connection (host, port) not cleared yet,
         # with its evict callback, in the order of its last activity (accepted, or a request
         # started on it: ``active``), oldest first; ``_per_host`` counts its keys per host.
         self._pending: dict[tuple[str, int], Callable[[], object] | None] = {}
         self._per_host: dict[str, int] = {}
         self._logged_at = -math.inf
-        self._logged_count = 0
+        self._logged = (0, 0)  # (evicted, refused_at_cap) at the last log line
 
     def opened(self, peer: tuple[str, int], evict: Callable[[], object] | None = None) -> bool:
         """Count a new connection from ``peer``: False when its address is at ``cap`` (the
@@ -150,6 +153,17 @@ class Connections:
         self._pending[peer] = evict
         self._per_host[host] = self._per_host.get(host, 0) + 1
         return True
+
+    @property
+    def full(self) -> bool:
+        """Whether ``max_total`` connections without a valid token are open."""
+        return bool(self.max_total) and len(self._pending) >= self.max_total
+
+    def turned_away(self) -> None:
+        """Count (and log) a new connection closed at once at ``max_total``: its request head
+        had not arrived."""
+        self.refused_at_cap += 1
+        self._log_eviction()
 
     def active(self, peer: Any) -> None:
         """A request started on ``peer``'s connection: it becomes the newest of the pending."""
@@ -178,10 +192,12 @@ class Connections:
     def _log_eviction(self) -> None:
         now = time.monotonic()
         if now - self._logged_at >= self.LOG_EVERY:
-            log.warning("closing the oldest connections without a token: at the cap of unauthenticated "
-                        "connections", extra={"reason": "max_unauthenticated", "cap": self.max_total,
-                                              "evicted": self.evicted - self._logged_count})
-            self._logged_at, self._logged_count = now, self.evicted
+            log.warning("closing connections without a token: at the cap of unauthenticated connections "
+                        "(the oldest for a new request; new ones whose request has not arrived)",
+                        extra={"reason": "max_unauthenticated", "cap": self.max_total,
+                               "evicted_oldest": self.evicted - self._logged[0],
+                               "refused_without_head": self.refused_at_cap - self._logged[1]})
+            self._logged_at, self._logged = now, (self.evicted, self.refused_at_cap)
 
     @property
     def unauthenticated(self) -> int:

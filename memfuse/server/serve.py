@@ -8,6 +8,7 @@ local mode may still open the file; their commits are picked up by the server's 
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import gc
 import logging
@@ -42,6 +43,9 @@ BACKLOG = 2048  # pending connections the kernel queues (thousands of sidecars r
 # timeout (memfuse.server.limits) closes the connection. Fast enough for a data-centre
 # network (256 KiB per round trip: 250 MB/s at 1 ms).
 SEND_BUFFER = 128 * 1024
+# Seconds a connection whose client has sent nothing is left in the kernel before it is
+# handed to accept() (TCP_DEFER_ACCEPT, see ``listen_socket``).
+DEFER_ACCEPT = 1
 
 
 # The cyclic garbage collector's thresholds for a serving process (``tune_gc``): CPython's
@@ -159,6 +163,13 @@ def listen_socket(listen: str, send_buffer: int = SEND_BUFFER,
       application cannot time them out itself. An idle connection (a long-poll waiting,
       nothing unacknowledged) is not affected, nor is a client that reads.
 
+    and one of the listening socket: ``TCP_DEFER_ACCEPT`` = ``DEFER_ACCEPT`` s (tcp(7)): the
+    kernel hands a connection to accept() once its first bytes arrived (an HTTP client sends
+    first), or, for a client that sends nothing, after that long. So a connection accepted
+    without bytes to read has been silent that long: at the cap of unauthenticated
+    connections it is closed at once (``_accept_forever``), while a client whose request
+    is under way is never accepted before its request.
+
     Raises ``OSError`` when the address cannot be bound, ``ValueError`` for a malformed
     ``listen``."""
     host, sep, port = listen.rpartition(":")
@@ -173,6 +184,7 @@ def listen_socket(listen: str, send_buffer: int = SEND_BUFFER,
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT,
                         max(1, int(send_timeout * 1000)))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_DEFER_ACCEPT, DEFER_ACCEPT)
         sock.bind((host, int(port)))
     except BaseException:
         sock.close()
@@ -248,7 +260,7 @@ async def _serve(app: FastAPI, listen: str, task_status: trio.TaskStatus[str]) -
 _HEAD_END = re.compile(rb"\n\r?\n")  # the blank line ending a request's head, as h11 finds it
 
 
-async def _first_head(stream: trio.SocketStream, timeout: float) -> tuple[bytes | None, bool]:
+async def _first_head(stream: trio.SocketStream, timeout: float, first: bytes = b"") -> tuple[bytes | None, bool]:
     """Read a new connection's first request head, before hypercorn's machinery for the
     connection is built: returns (the bytes read, whether the client closed its end after
     them) as soon as they hold the blank line ending the head (as h11 finds it) or pass
@@ -263,8 +275,11 @@ async def _first_head(stream: trio.SocketStream, timeout: float) -> tuple[bytes 
     waiting here costs a fraction of that, so a flood of such connections is accepted (and,
     past the cap of unauthenticated connections, evicted) fast enough that the kernel's
     listen backlog drains and a client that sends its request is read (bench/README.md,
-    "Hostile clients"). Memory: the head read so far (at most ``MAX_HEAD`` + 64 KiB)."""
-    buf = bytearray()
+    "Hostile clients"). Memory: the head read so far (at most ``MAX_HEAD`` + 64 KiB).
+    ``first``: bytes of the connection read already (``_accept_forever``)."""
+    buf = bytearray(first)
+    if buf and (len(buf) > MAX_HEAD or _HEAD_END.search(buf) is not None):
+        return first, False
     with trio.move_on_after(timeout):
         while True:
             try:
@@ -278,6 +293,68 @@ async def _first_head(stream: trio.SocketStream, timeout: float) -> tuple[bytes 
             if len(buf) > MAX_HEAD or _HEAD_END.search(buf, start) is not None:
                 return bytes(buf), False
     return None, False
+
+
+ACCEPT_BATCH = 64  # connections accepted in a row before the other tasks run
+ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+ACCEPT_IGNORED_ERRNOS = frozenset({errno.ECONNABORTED, errno.EPERM, errno.EPROTO})
+
+
+async def _accept_forever(listener: socket.socket, nursery: trio.Nursery,
+                          handle: Callable[[socket.socket, bytes], Awaitable[None]],
+                          connections: Connections | None) -> None:
+    """Accept connections on the listening socket ``listener`` until cancelled (then close
+    it), starting ``handle(connection, first)`` in ``nursery`` for each: trio's
+    ``serve_listeners`` (trio 0.22, ``_highlevel_serve_listeners.py``: errors of capacity such
+    as EMFILE are logged and retried after 0.1 s) with one change, for when ``connections``
+    is at its cap of connections without a valid token: a new connection whose request head
+    has not fully arrived (read without waiting) is closed at once, before any task or trio
+    object is made for it (counted and logged by ``Connections.turned_away``); one whose
+    head is in is started with those bytes (``first``), and ``Connections.opened`` makes room
+    by evicting the oldest. The listening socket defers accepting a connection until its
+    client sent something (``listen_socket``: ``TCP_DEFER_ACCEPT``), so a client that is
+    sending its request is not closed for being accepted a moment before it arrived.
+
+    Why: a flood of connections that never finish their heads fills the kernel's listen
+    backlog; a client's SYN is then dropped (retried after 1, 3, 7 s) and its connection
+    waits behind the backlog's worth of the flood. The flood is only drained when accepting
+    and refusing one costs less than the flood's clients take to make one (here ~20 us,
+    against ~250 us for a connection given a task; bench/README.md, "Hostile clients"). A
+    client behind the backlog has sent its request by the time it is accepted, so it is
+    started."""
+    import trio.lowlevel
+
+    listener.setblocking(False)
+    try:
+        while True:
+            await trio.lowlevel.wait_readable(listener)
+            for _ in range(ACCEPT_BATCH):
+                try:
+                    conn, addr = listener.accept()
+                except BlockingIOError:
+                    break
+                except OSError as exc:
+                    if exc.errno in ACCEPT_IGNORED_ERRNOS:
+                        continue
+                    if exc.errno not in ACCEPT_CAPACITY_ERRNOS:
+                        raise
+                    log.error("accept: %s; retrying in 0.1 s", errno.errorcode[exc.errno])
+                    await trio.sleep(0.1)
+                    break
+                first = b""
+                if connections is not None and connections.full and isinstance(addr, tuple):
+                    try:
+                        first = conn.recv(MAX_HEAD + 1, socket.MSG_DONTWAIT)
+                    except OSError:  # nothing yet (BlockingIOError), or reset
+                        first = b""
+                    if not first or (len(first) <= MAX_HEAD and _HEAD_END.search(first) is None):
+                        conn.close()
+                        connections.turned_away()
+                        continue
+                nursery.start_soon(handle, conn, first)
+            await trio.lowlevel.checkpoint()
+    finally:
+        listener.close()
 
 
 async def _worker_serve(app: FastAPI, config: Config, connections: Connections | None,
@@ -297,8 +374,6 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
     reset for 5 s.
 
     A third: no HTTP/2 on cleartext connections (``_HTTP11Only``)."""
-    from functools import partial
-
     from itertools import chain
 
     import h11
@@ -400,8 +475,13 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
     lifespan = Lifespan(asgi, config, lifespan_state)
     context = WorkerContext(None)
 
-    async def handle(stream: trio.SocketStream) -> None:
+    async def handle(conn: socket.socket, first_bytes: bytes) -> None:
         peer = None
+        try:
+            stream = trio.SocketStream(trio.socket.from_stdlib_socket(conn))
+        except BaseException:
+            conn.close()
+            raise
         try:
             with trio.CancelScope() as scope:
                 if connections is not None:
@@ -412,7 +492,7 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
                         peer = None
                     if peer is not None and not connections.opened(peer, scope.cancel):
                         return
-                first, eof = await _first_head(stream, config.keep_alive_timeout)
+                first, eof = await _first_head(stream, config.keep_alive_timeout, first_bytes)
                 if first is None:
                     return  # no head within the header deadline: closed, as hypercorn would
                 server = _TCPServer(asgi, config, context, ConnectionState(lifespan_state.copy()), stream)  # type: ignore[arg-type]
@@ -431,19 +511,17 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
         await lifespan.wait_for_startup()
         async with trio.open_nursery() as server_nursery:
             sockets = config.create_sockets()
-            listeners = []
             binds = []
             for sock in sockets.insecure_sockets:
                 sock.listen(config.backlog)
-                listeners.append(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
                 binds.append(f"http://{repr_socket_addr(sock.family, sock.getsockname())}")
             task_status.started(binds)
             try:
                 async with trio.open_nursery(strict_exception_groups=True) as nursery:
                     nursery.start_soon(raise_shutdown, shutdown_trigger)
                     nursery.start_soon(raise_shutdown, context.terminate.wait)
-                    nursery.start_soon(partial(trio.serve_listeners, handle, listeners,
-                                               handler_nursery=server_nursery))
+                    for sock in sockets.insecure_sockets:
+                        nursery.start_soon(_accept_forever, sock, server_nursery, handle, connections)
                     await trio.sleep_forever()
             except BaseExceptionGroup as error:
                 _, other = error.split((ShutdownError, KeyboardInterrupt))
