@@ -322,8 +322,6 @@ async def _accept_forever(listener: socket.socket, nursery: trio.Nursery,
     against ~250 us for a connection given a task; bench/README.md, "Hostile clients"). A
     client behind the backlog has sent its request by the time it is accepted, so it is
     started."""
-    import trio.lowlevel
-
     listener.setblocking(False)
     try:
         while True:
@@ -363,8 +361,8 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
     """hypercorn's ``worker_serve`` (hypercorn 0.18, ``hypercorn/trio/run.py``, plain TCP
     and Unix sockets only) with one change: each accepted connection is first offered to
     ``connections`` (``memfuse.server.gate.Connections``: the cap on connections without a
-    valid token per client address), closed at once when over it, and reported when it
-    ends. hypercorn has no hook for this; the rest is its own code, called as it calls it.
+    valid token per client address, and in all), closed at once when over it, and reported
+    when it ends. hypercorn has no hook for this; the rest is its own code, called as it calls it.
 
     A second change: when the client closes its end, the connection ends then. hypercorn
     0.18's ``TCPServer`` leaves its keep-alive idle timer running after the client's EOF, so a
@@ -373,7 +371,14 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
     token expired, Schemathesis' negative cases) filled it and every further connection was
     reset for 5 s.
 
-    A third: no HTTP/2 on cleartext connections (``_HTTP11Only``)."""
+    A third: no HTTP/2 on cleartext connections (``_HTTP11Only``).
+
+    A fourth: connections are accepted by ``_accept_forever`` (not trio's ``serve_listeners``),
+    which closes new connections without their request head at the cap of unauthenticated
+    connections before any task is made for them, and a connection's first request head is
+    read by ``_first_head`` (within the header deadline) before hypercorn's objects for it
+    are made, then given to hypercorn as if it had read it (``_TCPServer.first``). An
+    evicted connection (``Connections.opened``) is cancelled where it stands and closed."""
     from itertools import chain
 
     import h11
@@ -494,10 +499,11 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
                         return
                 first, eof = await _first_head(stream, config.keep_alive_timeout, first_bytes)
                 if first is None:
-                    return  # no head within the header deadline: closed, as hypercorn would
-                server = _TCPServer(asgi, config, context, ConnectionState(lifespan_state.copy()), stream)  # type: ignore[arg-type]
-                server.first, server.first_eof = first, eof
+                    return  # no head in time, or the client left before it: closed (finally)
                 # hypercorn types the stream as its TLS one; it serves plain streams too (its own run())
+                server = _TCPServer(asgi, config, context, ConnectionState(lifespan_state.copy()),
+                                    stream)  # type: ignore[arg-type]
+                server.first, server.first_eof = first, eof
                 await server
         finally:
             # an evicted connection's task is cancelled where it stands (hypercorn's own close
