@@ -479,6 +479,34 @@ async def test_a_flood_of_header_incomplete_connections_from_many_addresses_does
         stop(s.proc)
 
 
+def test_the_cap_of_unauthenticated_connections_evicts_the_one_idle_the_longest():
+    """``Connections`` (the bookkeeping behind the test above): past the cap in all, the
+    connection whose last request started longest ago is evicted (its callback called, it no
+    longer counts), a cleared one never is; the per-address cap still refuses first."""
+    from memfuse.server.gate import Connections
+
+    c = Connections(cap=2, max_total=3)
+    evicted: list[str] = []
+    assert c.opened(("10.0.0.1", 1), lambda: evicted.append("a"))
+    assert c.opened(("10.0.0.2", 1), lambda: evicted.append("b"))
+    assert c.opened(("10.0.0.3", 1), lambda: evicted.append("c"))
+    assert c.full and c.unauthenticated == 3
+    c.active(("10.0.0.1", 1))  # a request on a: b is now the one idle the longest
+    assert c.opened(("10.0.0.4", 1), lambda: evicted.append("d"))
+    assert evicted == ["b"] and c.evicted == 1 and c.unauthenticated == 3
+    c.cleared(["10.0.0.3", 1])  # authenticated: out of the count, never evicted
+    assert not c.full
+    assert c.opened(("10.0.0.1", 2), lambda: evicted.append("a2"))
+    assert not c.opened(("10.0.0.1", 3))  # the per-address cap (2) refuses, evicting nobody
+    assert c.refused == 1 and evicted == ["b"]
+    assert c.opened(("10.0.0.5", 1), lambda: evicted.append("e"))
+    assert evicted == ["b", "a"]  # a was active before 10.0.0.4 and 10.0.0.1:2 opened
+    c.closed(("10.0.0.1", 1))  # the evicted connection's end is a no-op
+    assert c.unauthenticated == 3
+    c.turned_away()
+    assert c.refused_at_cap == 1
+
+
 # ---------------------------------------------------------------- 3. idle long-lived responses
 
 
