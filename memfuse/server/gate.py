@@ -112,7 +112,7 @@ class Connections:
     a client that sends its request (``memfuse.server.serve._accept_forever``;
     tests/test_hostile.py, bench/README.md "Hostile clients"). Every such close is counted
     (``evicted``, ``turned_away``: the metric ``memfuse_server_connections_evicted_total``
-    by reason) and logged (one line per ``LOG_EVERY`` s with the counts). Memory: one dict
+    by reason) and logged (at most one line per ``LOG_EVERY`` s, with the totals). Memory: one dict
     entry per connection."""
 
     LOG_EVERY = 5.0  # s between two log lines about evictions
@@ -129,7 +129,6 @@ class Connections:
         self._pending: dict[tuple[str, int], Callable[[], object] | None] = {}
         self._per_host: dict[str, int] = {}
         self._logged_at = -math.inf
-        self._logged = (0, 0)  # (evicted, refused_at_cap) at the last log line
 
     def opened(self, peer: tuple[str, int], evict: Callable[[], object] | None = None) -> bool:
         """Count a new connection from ``peer``: False when its address is at ``cap`` (the
@@ -195,9 +194,9 @@ class Connections:
             log.warning("closing connections without a token: at the cap of unauthenticated connections "
                         "(the oldest for a new request; new ones whose request has not arrived)",
                         extra={"reason": "max_unauthenticated", "cap": self.max_total,
-                               "evicted_oldest": self.evicted - self._logged[0],
-                               "refused_without_head": self.refused_at_cap - self._logged[1]})
-            self._logged_at, self._logged = now, (self.evicted, self.refused_at_cap)
+                               # totals since the start (a line the log's rate limit drops loses none)
+                               "evicted_oldest": self.evicted, "refused_without_head": self.refused_at_cap})
+            self._logged_at = now
 
     @property
     def unauthenticated(self) -> int:
