@@ -52,6 +52,7 @@ class Server:
     client (``good``) and one record it reads (``rid``)."""
 
     proc: subprocess.Popen
+    log: Path
     url: str
     db: str
     port: int
@@ -79,7 +80,7 @@ def start(tmp: Path, db: str, name: str, flags: dict = LIMITS) -> Server:
         env=dict(os.environ, MEMFUSE_HOME=str(tmp / "home")))
     try:
         s = Server()
-        s.db = db
+        s.db, s.log = db, log
         s.proc, s.url = proc, serve_listening(proc, log)
         s.port = int(s.url.rsplit(":", 1)[1])
         return s
@@ -397,6 +398,56 @@ async def test_closed_connections_leave_the_per_address_cap_at_once(server):
                 except httpx.TransportError as e:
                     statuses.append(repr(e))
     assert statuses == [401] * n, statuses
+
+
+async def test_clients_that_leave_as_they_are_refused_never_break_a_connection_or_the_server(server):
+    """Clients that send a request's headers and leave at once, the body unread (attack 11 F4:
+    a workspace token's slow bodies took ``memfuse serve`` down). The server refuses each
+    (413 from the declared length, 401 without a token) or finds the client gone, while
+    hypercorn's reader ends the connection: the refusal's send and the shutdown of the
+    socket's write side met on one socket (``trio.BusyResourceError``, "Error in ASGI
+    Framework", and the process exited when such an error left its connection). Now: no
+    connection fails, the server and the watched clients go on."""
+    s = server
+    start = s.log.stat().st_size
+    heads = {  # kind -> (source address, head)
+        "413": ("127.0.0.2", f"Content-Length: {BIG}\r\n"),
+        "401": ("127.0.0.2", "Content-Length: 1000000\r\n"),
+        "token": ("127.0.0.3", f"Content-Length: 1000000\r\nAuthorization: Bearer {s.good}\r\n"),
+    }
+    answers: dict[str, list[int]] = {kind: [] for kind in heads}
+
+    async def leave(kind: str, rounds: int) -> None:
+        source, head = heads[kind]
+        for _ in range(rounds):
+            try:
+                stream = await connect(s, source)
+            except OSError:
+                continue
+            try:
+                await stream.send_all(("POST /v1/stores/default/records HTTP/1.1\r\nHost: x\r\n"
+                                       f"Content-Type: application/json\r\n{head}\r\n{{").encode())
+                stream.socket.shutdown(trio.socket.SHUT_WR)  # gone, the body unread
+                answers[kind].append(status_of(await read_all(stream, 10)))
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                answers[kind].append(-1)  # reset: the server closed first
+            finally:
+                await stream.aclose()
+
+    with trio.fail_after(60):
+        async with watched(s, "clients leaving as they are refused"), trio.open_nursery() as n:
+            for kind in heads:  # below the per-address cap of connections without a token
+                for _ in range(LIMITS["max_unauthenticated_per_address"] // 2):
+                    n.start_soon(leave, kind, 60)
+    assert s.proc.poll() is None, "memfuse serve exited"
+    with s.log.open("rb") as f:
+        f.seek(start)
+        failed = [line[:300] for line in f.read().splitlines()
+                  if b"Error in ASGI" in line or b"BusyResourceError" in line or b"connection failed" in line]
+    assert not failed, failed
+    print("answers:", {k: {st: v.count(st) for st in sorted(set(v))} for k, v in answers.items()})
+    assert all(len(v) >= 200 for v in answers.values()), {k: len(v) for k, v in answers.items()}
+    assert all(st in (0, -1, 400, 401, 413) for v in answers.values() for st in v), answers
 
 
 # A flood of header-incomplete connections from many addresses (each under the per-address

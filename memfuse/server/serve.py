@@ -355,6 +355,16 @@ async def _accept_forever(listener: socket.socket, nursery: trio.Nursery,
         listener.close()
 
 
+def _address(stream: trio.SocketStream) -> str:
+    """``host:port`` of the client of ``stream`` (``"?"`` when the socket cannot tell), for
+    logs."""
+    try:
+        name = stream.socket.getpeername()
+    except OSError:
+        return "?"
+    return f"{name[0]}:{name[1]}" if isinstance(name, tuple) else str(name)
+
+
 async def _worker_serve(app: FastAPI, config: Config, connections: Connections | None,
                         shutdown_trigger: Callable[[], Awaitable[object]],
                         task_status: trio.TaskStatus[list[str]]) -> None:
@@ -373,7 +383,12 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
 
     A third: no HTTP/2 on cleartext connections (``_HTTP11Only``).
 
-    A fourth: connections are accepted by ``_accept_forever`` (not trio's ``serve_listeners``),
+    A fourth: one connection's error stays in it. The socket's write side is shut under
+    hypercorn's send lock (``_TCPServer._close``), so a response is never sent beside it
+    (``trio.BusyResourceError``), and anything else a connection raises is logged with its
+    peer and dropped in ``handle`` instead of stopping the server.
+
+    A fifth: connections are accepted by ``_accept_forever`` (not trio's ``serve_listeners``),
     which closes new connections without their request head at the cap of unauthenticated
     connections before any task is made for them, and a connection's first request head is
     read by ``_first_head`` (within the header deadline) before hypercorn's objects for it
@@ -462,6 +477,31 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
                 await super()._read_data()
             await self.idle_task.stop()  # the peer is gone: nothing to keep alive
 
+        # INVARIANT: the socket's send side has one user at a time: every ``send_all``
+        # (hypercorn's ``protocol_send``) and this ``send_eof`` run holding ``send_lock``.
+        # hypercorn 0.18 shuts the write side without the lock, from whichever task ends the
+        # connection (the reader's, when the client leaves with a request body unread), and
+        # trio's ``send_eof`` holds the stream over a checkpoint: a response sent meanwhile
+        # on the app's task (the gate's refusal) raised ``trio.BusyResourceError`` (attack 11
+        # F4; tests/test_connection_errors.py). When a send holds the lock (it may be blocked
+        # on a client that does not read), the write side is not shut: closing the stream
+        # ends that send with ``ClosedResourceError``, which ``protocol_send`` handles.
+        async def _close(self) -> None:
+            try:
+                if self.send_lock.locked():  # by a send (or by this task: not re-entered)
+                    raise trio.WouldBlock
+                self.send_lock.acquire_nowait()
+            except trio.WouldBlock:
+                pass
+            else:
+                try:
+                    await self.stream.send_eof()
+                except (trio.BrokenResourceError, trio.BusyResourceError, trio.ClosedResourceError):
+                    pass  # the peer is gone, or the stream is closed already
+                finally:
+                    self.send_lock.release()
+            await self.stream.aclose()
+
         # hypercorn's ``run`` makes its ProtocolWrapper inline: its HTTP/1.1 protocol is
         # swapped for ``_HTTP11Only`` as it is set (TLS with ALPN h2 is not served here)
         @property
@@ -497,14 +537,23 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
                         peer = None
                     if peer is not None and not connections.opened(peer, scope.cancel):
                         return
-                first, eof = await _first_head(stream, config.keep_alive_timeout, first_bytes)
-                if first is None:
-                    return  # no head in time, or the client left before it: closed (finally)
-                # hypercorn types the stream as its TLS one; it serves plain streams too (its own run())
-                server = _TCPServer(asgi, config, context, ConnectionState(lifespan_state.copy()),
-                                    stream)  # type: ignore[arg-type]
-                server.first, server.first_eof = first, eof
-                await server
+                where = f"{peer[0]}:{peer[1]}" if peer is not None else _address(stream)
+                try:
+                    first, eof = await _first_head(stream, config.keep_alive_timeout, first_bytes)
+                    if first is None:
+                        return  # no head in time, or the client left before it: closed (finally)
+                    # hypercorn types the stream as its TLS one; it serves plain streams too (its own run())
+                    server = _TCPServer(asgi, config, context, ConnectionState(lifespan_state.copy()),
+                                        stream)  # type: ignore[arg-type]
+                    server.first, server.first_eof = first, eof
+                    await server
+                except* Exception:
+                    # supervision: whatever one connection raises (hypercorn catches only the app's
+                    # own errors and OSError) ends that connection here, logged, and never reaches the
+                    # server's nursery: before, it stopped ``memfuse serve`` (attack 11 F4). The
+                    # stream is closed by hypercorn's ``finally`` (or below); a cancellation passes
+                    # through.
+                    log.exception("connection failed; dropped", extra={"peer": where})
         finally:
             # an evicted connection's task is cancelled where it stands (hypercorn's own close
             # is cut by the cancellation): its socket is closed here, before it stops counting
