@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import socket
+from collections import deque
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -298,34 +299,87 @@ async def _first_head(stream: trio.SocketStream, timeout: float, first: bytes = 
 ACCEPT_BATCH = 64  # connections accepted in a row before the other tasks run
 ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 ACCEPT_IGNORED_ERRNOS = frozenset({errno.ECONNABORTED, errno.EPERM, errno.EPROTO})
+LIMBO_SECONDS = 0.2  # how long a connection accepted at the cap may take to send its request head
+LIMBO_MAX = 4096  # such connections waiting at once (the oldest closed past it)
 
 
 async def _accept_forever(listener: socket.socket, nursery: trio.Nursery,
-                          handle: Callable[[socket.socket, bytes], Awaitable[None]],
+                          handle: Callable[[socket.socket, bytes, tuple[str, int] | None, trio.CancelScope],
+                                           Awaitable[None]],
                           connections: Connections | None) -> None:
     """Accept connections on the listening socket ``listener`` until cancelled (then close
-    it), starting ``handle(connection, first)`` in ``nursery`` for each: trio's
+    it), starting ``handle(connection, first, peer, scope)`` in ``nursery`` for each: trio's
     ``serve_listeners`` (trio 0.22, ``_highlevel_serve_listeners.py``: errors of capacity such
     as EMFILE are logged and retried after 0.1 s) with one change, for when ``connections``
     is at its cap of connections without a valid token: a new connection whose request head
-    has not fully arrived (read without waiting) is closed at once, before any task or trio
-    object is made for it (counted and logged by ``Connections.turned_away``); one whose
-    head is in is started with those bytes (``first``), and ``Connections.opened`` makes room
-    by evicting the oldest. The listening socket defers accepting a connection until its
-    client sent something (``listen_socket``: ``TCP_DEFER_ACCEPT``), so a client that is
-    sending its request is not closed for being accepted a moment before it arrived.
+    has begun to arrive but is not complete (read without waiting), or whose client left, is
+    closed at once, before any task or trio object is made for it (counted and logged by
+    ``Connections.turned_away``); one whose head is in is started with those bytes
+    (``first``); one that has sent nothing yet is looked at again ``LIMBO_SECONDS`` later,
+    without a task (a client's request may be a moment behind its connection: the listening
+    socket's ``TCP_DEFER_ACCEPT`` holds such a connection back, but not one the kernel took
+    by SYN cookie, as it does under a flood): started if its head is in by then, else
+    closed. ``Connections.opened`` makes room for those started by evicting the oldest. Every connection
+    from an address (``peer``: host, port) is counted by ``Connections.opened`` here, before
+    its task starts (closed at once past the per-address cap), with ``scope.cancel`` as its
+    eviction: ``handle`` runs the connection in ``scope`` and reports its end
+    (``Connections.closed``).
 
     Why: a flood of connections that never finish their heads fills the kernel's listen
     backlog; a client's SYN is then dropped (retried after 1, 3, 7 s) and its connection
     waits behind the backlog's worth of the flood. The flood is only drained when accepting
-    and refusing one costs less than the flood's clients take to make one (here ~20 us,
+    and refusing one costs less than the flood's clients take to make one (here ~40 us,
     against ~250 us for a connection given a task; bench/README.md, "Hostile clients"). A
     client behind the backlog has sent its request by the time it is accepted, so it is
     started."""
     listener.setblocking(False)
+    # INVARIANT: ``limbo`` holds, oldest first, (accepted at, connection, peer) of the
+    # connections accepted at the cap that had sent nothing yet; each is looked at again
+    # ``LIMBO_SECONDS`` later (its head in: started; else closed), at most ``LIMBO_MAX``.
+    limbo: deque[tuple[float, socket.socket, tuple[str, int]]] = deque()
+
+    def head_state(conn: socket.socket) -> tuple[bytes, str]:
+        """What ``conn`` sent so far, read without waiting, and ``"head"`` (a whole request
+        head or more than ``MAX_HEAD`` bytes), ``"nothing"`` yet, or ``"drop"`` (a head begun
+        and not finished, the client left, or the connection was reset)."""
+        try:
+            first = conn.recv(MAX_HEAD + 1, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return b"", "nothing"
+        except OSError:
+            return b"", "drop"
+        if first and (len(first) > MAX_HEAD or _HEAD_END.search(first) is not None):
+            return first, "head"
+        return b"", "drop"
+
+    def start(conn: socket.socket, peer: tuple[str, int] | None, first: bytes) -> None:
+        scope = trio.CancelScope()  # entered by the connection's task; cancelled to evict it
+        # counted here, not in the task: the connections of one batch count at once
+        if connections is not None and peer is not None and not connections.opened(peer, scope.cancel):
+            conn.close()  # the per-address cap
+            return
+        nursery.start_soon(handle, conn, first, peer, scope)
+
+    def turn_away(conn: socket.socket) -> None:
+        conn.close()
+        if connections is not None:
+            connections.turned_away()
+
     try:
         while True:
-            await trio.lowlevel.wait_readable(listener)
+            if limbo:
+                with trio.move_on_after(max(0.0, limbo[0][0] + LIMBO_SECONDS - trio.current_time())):
+                    await trio.lowlevel.wait_readable(listener)
+            else:
+                await trio.lowlevel.wait_readable(listener)
+            now = trio.current_time()
+            while limbo and limbo[0][0] + LIMBO_SECONDS <= now:
+                _, conn, waited = limbo.popleft()
+                first, state = head_state(conn)
+                if state == "head":
+                    start(conn, waited, first)
+                else:
+                    turn_away(conn)
             for _ in range(ACCEPT_BATCH):
                 try:
                     conn, addr = listener.accept()
@@ -339,19 +393,23 @@ async def _accept_forever(listener: socket.socket, nursery: trio.Nursery,
                     log.error("accept: %s; retrying in 0.1 s", errno.errorcode[exc.errno])
                     await trio.sleep(0.1)
                     break
-                first = b""
-                if connections is not None and connections.full and isinstance(addr, tuple):
-                    try:
-                        first = conn.recv(MAX_HEAD + 1, socket.MSG_DONTWAIT)
-                    except OSError:  # nothing yet (BlockingIOError), or reset
-                        first = b""
-                    if not first or (len(first) <= MAX_HEAD and _HEAD_END.search(first) is None):
-                        conn.close()
-                        connections.turned_away()
-                        continue
-                nursery.start_soon(handle, conn, first)
+                peer: tuple[str, int] | None = (addr[0], addr[1]) if isinstance(addr, tuple) else None
+                if connections is None or peer is None or not connections.full:
+                    start(conn, peer, b"")
+                    continue
+                first, state = head_state(conn)
+                if state == "head":
+                    start(conn, peer, first)
+                elif state == "nothing":
+                    limbo.append((now, conn, peer))
+                    if len(limbo) > LIMBO_MAX:
+                        turn_away(limbo.popleft()[1])
+                else:
+                    turn_away(conn)
             await trio.lowlevel.checkpoint()
     finally:
+        for _, conn, _ in limbo:
+            conn.close()
         listener.close()
 
 
@@ -520,23 +578,17 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
     lifespan = Lifespan(asgi, config, lifespan_state)
     context = WorkerContext(None)
 
-    async def handle(conn: socket.socket, first_bytes: bytes) -> None:
-        peer = None
+    async def handle(conn: socket.socket, first_bytes: bytes, peer: tuple[str, int] | None,
+                     scope: trio.CancelScope) -> None:
         try:
             stream = trio.SocketStream(trio.socket.from_stdlib_socket(conn))
         except BaseException:
             conn.close()
+            if peer is not None and connections is not None:
+                connections.closed(peer)
             raise
         try:
-            with trio.CancelScope() as scope:
-                if connections is not None:
-                    try:
-                        name = stream.socket.getpeername()
-                        peer = (name[0], name[1]) if isinstance(name, tuple) else None
-                    except OSError:
-                        peer = None
-                    if peer is not None and not connections.opened(peer, scope.cancel):
-                        return
+            with scope:
                 where = f"{peer[0]}:{peer[1]}" if peer is not None else _address(stream)
                 try:
                     first, eof = await _first_head(stream, config.keep_alive_timeout, first_bytes)
