@@ -299,7 +299,7 @@ async def _first_head(stream: trio.SocketStream, timeout: float, first: bytes = 
 ACCEPT_BATCH = 64  # connections accepted in a row before the other tasks run
 ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 ACCEPT_IGNORED_ERRNOS = frozenset({errno.ECONNABORTED, errno.EPERM, errno.EPROTO})
-LIMBO_SECONDS = 0.2  # how long a connection accepted at the cap may take to send its request head
+LIMBO_SECONDS = 0.1  # how long a connection accepted at the cap may take to send its request head
 LIMBO_MAX = 4096  # such connections waiting at once (the oldest closed past it)
 
 
