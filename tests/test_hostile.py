@@ -451,6 +451,41 @@ async def test_clients_that_leave_as_they_are_refused_never_break_a_connection_o
     assert all(st in (0, -1, 400, 401, 413) for v in answers.values() for st in v), answers
 
 
+async def test_keep_alive_timer_closes_idle_connections_never_busy_ones(server):
+    """The keep-alive idle timer (``memfuse.server.serve._IdleTimer``, one task per connection
+    whose deadline moves): a connection idle after an answer is closed ``header_timeout`` s
+    later; one whose request outlives that (its body arriving slowly) is not cut, answers,
+    and is then closed ``header_timeout`` s after that answer; one closed by its client ends
+    at once (its task gone: the per-address cap is given back, see the test above)."""
+    s = server
+    timeout = LIMITS["header_timeout"]
+    with trio.fail_after(30):
+        # idle after an answer: closed at the deadline, not before
+        stream = await connect(s, "127.0.0.4")
+        await stream.send_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        t0 = time.monotonic()
+        got = await read_all(stream, timeout + 5)
+        idle = time.monotonic() - t0
+        await stream.aclose()
+        assert got.startswith(b"HTTP/1.1 200") and b'{"ok":true}' in got, got
+        assert timeout - 0.2 <= idle <= timeout + 3, idle
+
+        # busy past the deadline (a body sent slowly, over 2x the header timeout): answered
+        stream = await connect(s, "127.0.0.4")
+        await stream.send_all(b"POST /nowhere HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\n"
+                              b"Content-Length: 10\r\n\r\n")
+        t0 = time.monotonic()
+        for _ in range(10):
+            await trio.sleep(timeout * 2 / 10)
+            await stream.send_all(b"x")
+        got = await read_all(stream, timeout + 5)
+        after = time.monotonic() - t0
+        await stream.aclose()
+        assert got.startswith(b"HTTP/1.1 404"), got
+        # and closed one header timeout after the answer (the body took 2x the timeout)
+        assert timeout * 3 - 0.2 <= after <= timeout * 3 + 3, after
+
+
 # A flood of header-incomplete connections from many addresses (each under the per-address
 # cap), reconnecting whenever the server closes one (docs/API.md, "Connections without a
 # token"; attack11 F2). Run in a process of its own, so that the good client's answers are

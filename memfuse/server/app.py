@@ -39,7 +39,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from memfuse.models import BatchRequest
 from memfuse import defs
-from memfuse.server import gate, limits, longpoll, proxies, streamclass, streams as streaming, writepath
+from memfuse.server import gate, limits, longpoll, proxies, streamclass, streams as streaming, writepath, writerthread
 from memfuse.server.apidocs import install_docs
 from memfuse.server.db import Database
 from memfuse.server.routes import accounts, consolidations, feeds, records, stores, tokens, workspaces
@@ -266,7 +266,11 @@ def create_app(
         write_rate=write_rate,
         fast=longpoll.FastPath(svc, reads, exception_response, open_streams),
         # the record writes without FastAPI's machinery (memfuse.server.writepath)
-        writes=writepath.WritePath(svc, exception_response, durations),
+        writes=writepath.WritePath(
+            svc, exception_response, durations,
+            # SQLite has one writer: its writes on one thread of their own, not a thread hop
+            # each (memfuse.server.writerthread); PostgreSQL's run side by side as before
+            hop=writerthread.WriterThread().run if db.is_sqlite else None),
     )
     metrics.add_collector(limits.front_collector(app.front, stream_class))
 

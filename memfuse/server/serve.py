@@ -12,6 +12,7 @@ import errno
 import fcntl
 import gc
 import logging
+import math
 import os
 import re
 import socket
@@ -423,6 +424,57 @@ def _address(stream: trio.SocketStream) -> str:
     return f"{name[0]}:{name[1]}" if isinstance(name, tuple) else str(name)
 
 
+class _IdleTimer:
+    """hypercorn's per-connection idle timer (``TCPServer.idle_task``: its
+    ``_idle_timeout``, armed by ``restart`` when the connection turns idle, disarmed by
+    ``stop`` when a request's headers are in) as one task per connection whose deadline
+    is moved, instead of a task started and cancelled per request (a task spawn, a
+    cancellation and the lock of ``TrioSingleTask`` per request: bench/README.md, "The
+    close path, session 11: serve"). Same behaviour: the connection is closed (shielded,
+    as hypercorn does) ``keep_alive_timeout`` s after it turned idle, or at once when the
+    server terminates while it is idle; a busy connection is left to finish. ``end()``
+    (the connection is over) ends the task without closing anything. ``server``: the
+    connection's hypercorn ``TCPServer`` (``_worker_serve``)."""
+
+    def __init__(self, server: Any) -> None:
+        self.server = server
+        self.scope = trio.CancelScope()  # its deadline: when an idle connection closes
+        self.armed: bool = False  # the connection is idle (closes at the deadline)
+        self.ended: bool = False
+        self.started: bool = False  # its task is spawned
+        self.changed: trio.Event = trio.Event()  # set when ``armed`` or ``ended`` changes (after termination)
+
+    async def restart(self, task_group: Any, action: Any) -> None:
+        self.armed = True
+        self.scope.deadline = trio.current_time() + self.server.config.keep_alive_timeout
+        self.changed.set()
+        if not self.started:
+            self.started = True
+            task_group.spawn(self._run)
+
+    async def stop(self) -> None:
+        self.armed = False
+        self.scope.deadline = math.inf
+
+    def end(self) -> None:
+        self.armed = False
+        self.ended = True
+        self.scope.cancel()
+        self.changed.set()
+
+    async def _run(self) -> None:
+        with self.scope:  # cancelled: the deadline passed while idle, or ``end()``
+            await self.server.context.terminated.wait()
+            # the server terminates: close the connection now if idle, else once it is
+            while not self.armed and not self.ended:
+                self.changed = trio.Event()
+                await self.changed.wait()
+        if self.ended:
+            return
+        with trio.CancelScope(shield=True):
+            await self.server._initiate_server_close()
+
+
 async def _worker_serve(app: FastAPI, config: Config, connections: Connections | None,
                         shutdown_trigger: Callable[[], Awaitable[object]],
                         task_status: trio.TaskStatus[list[str]]) -> None:
@@ -441,7 +493,11 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
 
     A third: no HTTP/2 on cleartext connections (``_HTTP11Only``).
 
-    A fourth: one connection's error stays in it. The socket's write side is shut under
+    A fourth: the keep-alive idle timer is one task per connection whose deadline moves
+    (``_IdleTimer``), not a task started and cancelled per request, and a read has no cancel
+    scope of its own when there is no read timeout (hypercorn's default).
+
+    A fifth: one connection's error stays in it. The socket's write side is shut under
     hypercorn's send lock (``_TCPServer._close``), so a response is never sent beside it
     (``trio.BusyResourceError``), and anything else a connection raises is logged with its
     peer and dropped in ``handle`` instead of stopping the server.
@@ -462,7 +518,7 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
     from hypercorn.protocol.events import Response as HyResponse
     from hypercorn.protocol.h11 import H11Protocol
     from hypercorn.trio.lifespan import Lifespan
-    from hypercorn.trio.tcp_server import TCPServer
+    from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
     from hypercorn.trio.worker_context import WorkerContext
     from hypercorn.typing import ConnectionState
     from hypercorn.utils import ShutdownError, raise_shutdown, repr_socket_addr, wrap_app
@@ -524,16 +580,40 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
         # whether the client had closed its end by then
         first: bytes = b""
         first_eof = False
+        idle_task: _IdleTimer  # type: ignore[assignment]  # hypercorn's TrioSingleTask, replaced
+
+        def __init__(self, *args: Any) -> None:
+            super().__init__(*args)
+            self.idle_task = _IdleTimer(self)
 
         async def _read_data(self) -> None:
-            if self.first:
-                await self.protocol.handle(RawData(self.first))
-            if self.first_eof:  # as hypercorn's own loop ends on the client's EOF
-                await self.protocol.handle(RawData(b""))
+            # hypercorn's loop, without a cancel scope per read when there is no read
+            # timeout (``config.read_timeout`` None: the idle timer bounds an idle connection),
+            # given first what ``_first_head`` read
+            try:
+                if self.first:
+                    await self.protocol.handle(RawData(self.first))
+                if self.first_eof:  # as the loop below ends on the client's EOF
+                    await self.protocol.handle(RawData(b""))
+                    await self.protocol.handle(Closed())
+                    return
+                timeout = self.config.read_timeout
+                while True:
+                    try:
+                        if timeout is None:
+                            data = await self.stream.receive_some(MAX_RECV)
+                        else:
+                            with trio.fail_after(timeout):
+                                data = await self.stream.receive_some(MAX_RECV)
+                    except (trio.ClosedResourceError, trio.BrokenResourceError, trio.TooSlowError):
+                        break
+                    else:
+                        await self.protocol.handle(RawData(bytes(data)))
+                        if data == b"":
+                            break
                 await self.protocol.handle(Closed())
-            else:
-                await super()._read_data()
-            await self.idle_task.stop()  # the peer is gone: nothing to keep alive
+            finally:
+                self.idle_task.end()  # the peer is gone: nothing to keep alive
 
         # INVARIANT: the socket's send side has one user at a time: every ``send_all``
         # (hypercorn's ``protocol_send``) and this ``send_eof`` run holding ``send_lock``.
@@ -594,9 +674,8 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
                     first, eof = await _first_head(stream, config.keep_alive_timeout, first_bytes)
                     if first is None:
                         return  # no head in time, or the client left before it: closed (finally)
-                    # hypercorn types the stream as its TLS one; it serves plain streams too (its own run())
-                    server = _TCPServer(asgi, config, context, ConnectionState(lifespan_state.copy()),
-                                        stream)  # type: ignore[arg-type]
+                    # (hypercorn types the stream as its TLS one; it serves plain streams too: its own run())
+                    server = _TCPServer(asgi, config, context, ConnectionState(lifespan_state.copy()), stream)
                     server.first, server.first_eof = first, eof
                     await server
                 except* Exception:
