@@ -104,8 +104,8 @@ def _admin_token(admin_token_file: Path | None) -> tuple[str, Path, bool]:
      "closed at once); 0: no cap. Behind a proxy every client has the proxy's address: raise it.")
 @opt("--max-unauthenticated", type=click.IntRange(min=0), default=1024, show_default=True,
      help="Connections that have not shown a valid token yet, all addresses together; at the cap "
-     "a new one whose request has not arrived is closed at once, and one whose request has "
-     "closes the one idle the longest (its header deadline furthest gone). 0: no cap.")
+     "a new one whose request head has not arrived (within 0.1 s) is closed, and one whose head "
+     "has closes the one idle the longest (its header deadline furthest gone). 0: no cap.")
 @opt("--stale-after", type=click.IntRange(min=0), default=90, show_default=True, metavar="DAYS",
      help="A record unchanged for DAYS is stale: the prompt block names the MEMORY.md entries "
      "linking it and the console lists it (also a record past its frontmatter review_after). 0: off.")
