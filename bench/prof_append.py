@@ -9,7 +9,9 @@ per append and the CPU per append of the sidecar and of ``memfuse serve``
 (``/proc/PID/stat``), with the load average. With ``--callgrind DIR`` the sidecar runs under
 valgrind's callgrind (instrumentation on only during the measured appends) and the
 instructions it executed per append are printed instead (load-independent); the dumps stay
-in ``DIR`` (``dump-<size>``, for ``callgrind_annotate``). To measure another commit's code,
+in ``DIR`` (``dump-<size>``, for ``callgrind_annotate``). ``--serve`` with it runs ``memfuse
+serve`` under callgrind too and prints its instructions per append as well (dumps
+``dump-serve-<size>``; its start takes a minute or more). To measure another commit's code,
 run with ``PYTHONPATH`` pointing at a copy of its tree (the sidecar inherits it).
 bench/README.md, "Appends, session 10: sidecar".
 """
@@ -25,6 +27,7 @@ from pathlib import Path
 import trio
 
 import common
+import mountutil
 from bench_append import _appends, _body
 from common import MEMFUSE, Mount, Session, cpu_s, median
 from memfuse.client import ApiClient
@@ -32,14 +35,14 @@ from memfuse.client import ApiClient
 SIZES = {"4k": 4 << 10, "64k": 64 << 10, "1m": 1 << 20}
 
 
-def _callgrind_ir(pid: int, out: Path) -> tuple[int, Path]:
-    """Dump ``pid``'s callgrind counters, zero them; (instructions since the last zeroing,
-    the dump)."""
-    before = set(out.glob("cg.*"))
+def _callgrind_ir(pid: int, out: Path, prefix: str = "cg") -> tuple[int, Path]:
+    """Dump ``pid``'s callgrind counters (its dumps are ``out/<prefix>.<pid>*``), zero them;
+    (instructions since the last zeroing, the dump)."""
+    before = set(out.glob(f"{prefix}.*"))
     subprocess.run(["callgrind_control", "-d", str(pid)], capture_output=True, timeout=300, check=True)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        for p in set(out.glob("cg.*")) - before:
+        for p in set(out.glob(f"{prefix}.*")) - before:
             for line in p.read_text(errors="replace").splitlines():
                 if line.startswith(("totals:", "summary:")):
                     subprocess.run(["callgrind_control", "-z", str(pid)], capture_output=True,
@@ -54,6 +57,8 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=100, help="appends measured per size")
     ap.add_argument("--callgrind", type=Path, metavar="DIR",
                     help="run the sidecar under callgrind; print instructions per append")
+    ap.add_argument("--serve", action="store_true",
+                    help="with --callgrind: memfuse serve under callgrind as well")
     args = ap.parse_args()
     out: Path | None = args.callgrind.resolve() if args.callgrind else None
     if out is not None:
@@ -61,12 +66,17 @@ def main() -> int:
         real = subprocess.Popen
 
         def popen(cmd, *a, **kw):  # type: ignore[no-untyped-def]
-            if cmd[:2] == [MEMFUSE, "mount"]:
+            if cmd[:2] == [MEMFUSE, "mount"] or (args.serve and cmd[:2] == [MEMFUSE, "serve"]):
+                prefix = "cg" if cmd[1] == "mount" else "cg-serve"
                 cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--trace-children=no",
-                       f"--callgrind-out-file={out}/cg.%p", *cmd]
+                       f"--callgrind-out-file={out}/{prefix}.%p", *cmd]
             return real(cmd, *a, **kw)
 
         common.subprocess.Popen = popen  # type: ignore[assignment,misc]
+        if args.serve:  # a serve under valgrind takes more than the usual minute to listen
+            listening = mountutil.serve_listening
+            mountutil.serve_listening = lambda proc, log, offset=0, timeout=60: listening(  # type: ignore[assignment]
+                proc, log, offset, timeout=900)
     n = args.n
     with Session(quick=True) as s:
         tok = s.workspace("wappend", ("journal",))
@@ -84,16 +94,21 @@ def main() -> int:
             f.write_text(_body(size))
             _appends(f, 3)
             if out is not None:
-                subprocess.run(["callgrind_control", "-i", "on", str(m.pid)], capture_output=True,
-                               timeout=300, check=True)
-                _callgrind_ir(m.pid, out)
+                procs = [("sidecar", m.pid, "cg", f"dump-{name}")]
+                if args.serve:
+                    procs.append(("serve", s.cp.proc.pid, "cg-serve", f"dump-serve-{name}"))
+                for _, pid, prefix, _ in procs:
+                    subprocess.run(["callgrind_control", "-i", "on", str(pid)], capture_output=True,
+                                   timeout=300, check=True)
+                    _callgrind_ir(pid, out, prefix)
                 _appends(f, n)
-                total, dump = _callgrind_ir(m.pid, out)
-                subprocess.run(["callgrind_control", "-i", "off", str(m.pid)], capture_output=True,
-                               timeout=300, check=True)
-                dump.rename(out / f"dump-{name}")
-                print(f"{name}: {total / n / 1e6:.2f} M instructions per append (sidecar, "
-                      f"callgrind, {n} appends)", flush=True)
+                for who, pid, prefix, dumped in procs:
+                    total, dump = _callgrind_ir(pid, out, prefix)
+                    subprocess.run(["callgrind_control", "-i", "off", str(pid)], capture_output=True,
+                                   timeout=300, check=True)
+                    dump.rename(out / dumped)
+                    print(f"{name}: {total / n / 1e6:.2f} M instructions per append ({who}, "
+                          f"callgrind, {n} appends)", flush=True)
                 continue
             c0, k0 = cpu_s(m.pid), cpu_s(s.cp.proc.pid)
             times = _appends(f, n)

@@ -1,7 +1,8 @@
 """create-write-close rate and CPU per file per process, optionally profiled with py-spy.
 
     .venv/bin/python bench/prof_write.py [--n 1000] [--rounds 3] [--threads 1,4,16]
-                                         [--juicefs] [--pyspy DIR]
+                                         [--juicefs] [--pyspy DIR] [--callgrind DIR]
+                                         [--cprofile PREFIX]
 
 One ``memfuse serve`` (SQLite) and one sidecar (``--commit-wait`` 10 s: every close returns
 once the control plane has the record). Each round writes ``n`` files of ~550 B
@@ -110,12 +111,19 @@ def main() -> int:
     ap.add_argument("--pyspy", type=Path)
     ap.add_argument("--label", default="")
     ap.add_argument("--callgrind", type=Path, metavar="DIR")
+    ap.add_argument("--cprofile", metavar="PREFIX",
+                    help="cProfile the sidecar's trio thread during each one-writer part "
+                         "(bench/sigprof: stats in PREFIX.PID, the last part's)")
     a = ap.parse_args()
     if a.callgrind is not None:
         a.callgrind = a.callgrind.resolve()
         a.callgrind.mkdir(parents=True, exist_ok=True)
         common.MEMFUSE = _callgrind_launcher(a.callgrind)
     threads = [int(x) for x in a.threads.split(",") if x]
+    if a.cprofile:  # inherited by the sidecar (bench/sigprof/sitecustomize.py)
+        os.environ["MEMFUSE_SIGPROF"] = str(Path(a.cprofile).resolve())
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            [str(Path(__file__).resolve().parent / "sigprof"), *filter(None, [os.environ.get("PYTHONPATH")])])
     with Session(quick=True, verbose=True) as s:
         tok = s.workspace(WS, (STORE,))
         m = Mount(s, s.cp, WS, tok, "writer")
@@ -136,12 +144,17 @@ def main() -> int:
                 if a.callgrind:
                     _cg(m.pid, "-i", "on")
                     callgrind_ir(m.pid, a.callgrind)  # zeroed
+                if a.cprofile and t == 1:
+                    os.kill(m.pid, signal.SIGUSR1)
                 tz = time.monotonic()
                 c0 = (cpu_s(m.pid), cpu_s(s.cp.proc.pid))
                 u0 = user_sys(m.pid)
                 dt = write_files(m.mountpoint / STORE / f"r{r}t{t}", a.n, threads=t)
                 c1 = (cpu_s(m.pid), cpu_s(s.cp.proc.pid))
                 u1 = user_sys(m.pid)
+                if a.cprofile and t == 1:
+                    time.sleep(0.6)  # the journal's lazy write of the last files (LAZY_DELAY)
+                    os.kill(m.pid, signal.SIGUSR2)
                 cg = {}
                 if a.callgrind:
                     time.sleep(0.6)  # the journal's lazy write of the last files (LAZY_DELAY)

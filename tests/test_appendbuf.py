@@ -104,11 +104,16 @@ def test_an_appends_type_check_from_the_head_is_the_whole_texts(path):
     type from the first ``HEAD_BYTES`` only: the verdict is the one of the whole text, for
     frontmatters opened by ``---`` (with a BOM, CRLF), closed or not, with a bad or good
     type, bases around ``HEAD_BYTES`` and 4-byte characters cut at it."""
+    from types import SimpleNamespace
+
+    from memfuse.secretscan import AppendScans
     from memfuse.sidecar.core import Filesystem
     from memfuse.sidecar.writecheck import HEAD_BYTES
 
+    fs = SimpleNamespace(scans=AppendScans())  # the one attribute _precheck reads
+
     def verdict(data: bytes, checked: int) -> tuple[str, int] | None:
-        r = Filesystem._precheck(None, _FakeNode(path), data, checked=checked)  # type: ignore[arg-type]
+        r = Filesystem._precheck(fs, _FakeNode(path), data, checked=checked)  # type: ignore[arg-type]
         return None if r is None else (r.code, r.errno)
 
     heads = [b"", b"---\ntype: user\n---\n", b"---\ntype: bogus\n---\n", b"\xef\xbb\xbf---\r\ntype: bogus\r\n...\r\n",

@@ -234,3 +234,78 @@ def test_bytes_damaged_on_disk_are_never_served_and_the_entry_is_dropped(tmp_pat
         assert b.read(bad_sha) == bad
     finally:
         b.close()
+
+
+def _rows_in_file(path: Path) -> set[str]:
+    """The sha256s of the blobs in the file, as another connection reads them."""
+    import sqlite3
+
+    db = sqlite3.connect(str(path))
+    try:
+        return {r[0] for r in db.execute("SELECT sha FROM blobs")}
+    finally:
+        db.close()
+
+
+def test_contents_put_behind_are_served_from_memory_and_written_together(tmp_path, monkeypatch):
+    """``put_behind`` (a close's content, hashed by the sidecar): nothing is written at once;
+    ``read`` / ``get`` / ``has`` serve it from memory; any other method writes what waits
+    first, in one transaction (so ``missing`` counts it held and ``gc`` sees it); so do
+    ``write_behind``, the next ``batch``, ``BEHIND_MAX`` contents waiting, and ``close``."""
+    import memfuse.sidecar.blobcache as bc
+
+    b = BlobCache(tmp_path / "blobs.db")
+    (s1, d1), (s2, d2), (s3, d3) = blobs("behind", 3, 600)
+    b.put_behind(d1, s1)
+    b.put_behind(d1, s1)  # twice: held once
+    assert _rows_in_file(b.path) == set()
+    assert b.read(s1) == d1 and b.read(s1, 10, 5) == d1[10:15] and b.read(s1, 590) == d1[590:]
+    assert b.get(s1) == d1 and b.has(s1)
+    assert _rows_in_file(b.path) == set()  # reads wrote nothing
+    assert b.missing([s1, s2]) == {s2}  # written first
+    assert _rows_in_file(b.path) == {s1}
+    b.put_behind(d2, s2)
+    with b.batch():
+        b.put(d3, s3)
+    assert _rows_in_file(b.path) == {s1, s2, s3}  # with the batch
+    assert b.gc({s2}) == 2  # what waited is written before a collection, then judged
+    monkeypatch.setattr(bc, "BEHIND_MAX", 3)
+    more = blobs("more", 4, 100)
+    for sha, data in more[:2]:
+        b.put_behind(data, sha)
+    assert _rows_in_file(b.path) == {s2}
+    b.put_behind(more[2][1], more[2][0])  # the third: all three written
+    assert _rows_in_file(b.path) == {s2} | {s for s, _ in more[:3]}
+    b.put_behind(more[3][1], more[3][0])
+    b.write_behind()
+    assert more[3][0] in _rows_in_file(b.path)
+    b.put_behind(d1, s1)
+    b.close()  # written before the file is closed
+    assert s1 in _rows_in_file(b.path)
+    b2 = BlobCache(tmp_path / "blobs.db")
+    assert b2.get(s1) == d1 and b2.read(more[3][0]) == more[3][1]  # checked at this load
+
+
+def test_contents_put_behind_stay_served_while_the_disk_refuses_them(tmp_path, monkeypatch):
+    """A full disk when what waits must be written: ``put_behind`` raises ``CacheError`` and
+    does not hold the new content (its caller keeps it in memory, as for ``put``); what
+    waited before stays in memory, served, and is written once there is room; a method
+    that had to write it first logs and goes on."""
+    import memfuse.sidecar.blobcache as bc
+
+    monkeypatch.setattr(bc, "BEHIND_MAX", 2)
+    b = BlobCache(tmp_path / "blobs.db")
+    pages = b._db.execute("PRAGMA page_count").fetchone()[0]
+    b._db.execute(f"PRAGMA max_page_count={pages}")  # nothing more fits
+    (s1, d1), (s2, d2) = blobs("full", 2, 9000)
+    b.put_behind(d1, s1)
+    with pytest.raises(CacheError) as err:
+        b.put_behind(d2, s2)
+    assert err.value.errno == errno.ENOSPC
+    assert b.read(s1) == d1 and b.get(s2) is None and not b.has(s2)
+    assert b.missing([s1, s2]) == {s2}  # its write failed again (logged): held in memory
+    assert b.get(s1) == d1 and _rows_in_file(b.path) == set()
+    b._db.execute("PRAGMA max_page_count=1073741823")  # room again
+    b.write_behind()
+    assert _rows_in_file(b.path) == {s1}
+    b.close()

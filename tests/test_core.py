@@ -155,6 +155,9 @@ async def test_setattr_sends_only_changes_and_never_content(tmp_path: Path):
         def committed_size(self, slug, rid):
             return None
 
+        def kernel_behind(self, ino):
+            return False
+
         def status(self):
             return {}
 
@@ -238,6 +241,7 @@ async def test_a_damaged_cached_content_is_fetched_again_or_eio_never_other_byte
     content = b"# notes\n" + b"an exact line\n" * 200
 
     def damage() -> None:  # what a disk or a hand does while the sidecar is stopped
+        fs.blobs.write_behind()  # (a stop writes what the cache held in memory)
         fs.blobs._db.execute("UPDATE blobs SET data=CAST(replace(CAST(data AS TEXT), 'exact', 'EXACT') AS BLOB)")
         fs.blobs._verified.clear()  # a new process: nothing checked yet ...
         for sha in list(fs.recent._items):  # ... nor held in memory (recent.RecentContents)
@@ -286,3 +290,97 @@ async def test_a_damaged_cached_content_is_fetched_again_or_eio_never_other_byte
         assert rec.content == (content + b"more\n").decode()
         nursery.cancel_scope.cancel()
     await client.aclose()
+
+
+async def test_a_reader_served_while_the_kernel_is_behind_is_based_on_what_it_still_shows(tmp_path: Path):
+    """docs/SEMANTICS.md "Conflicts": until the kernel invalidation of a remote change
+    reaches the kernel (``FsListener.kernel_behind``), a reader may get the pages and size of
+    the content before it (``Node.shown``): an open or read meanwhile keeps (or makes) that
+    the base of an overwrite; once the kernel caught up, a reader is served the current
+    content. Content this mount wrote itself (no reader since: ``unread``) counts too."""
+    from memfuse.sidecar.core import sha256_hex
+
+    fake = FakeControlPlane(seed=0)
+    token = await fake.setup("ws", stores=("default",))
+    other_token = await fake.setup("other", stores=("default",))
+    client = ApiClient(fake.base_url, token, transport=fake.transport, instance="core-test")
+    other = ApiClient(fake.base_url, other_token, transport=fake.transport, instance="other")
+    journal = Journal(tmp_path / "outbox.db")
+    behind: set[int] = set()
+
+    class Kernel:  # the sidecar's place: which inodes' invalidations are still queued
+        def entry_finished(self, e):
+            pass
+
+        def entry_conflicted(self, e, what):
+            pass
+
+        def invalidate(self, items):
+            behind.update(i[1] for i in items if i[0] == "inode")
+
+        def kernel_behind(self, ino):
+            return ino in behind
+
+        def committed_size(self, slug, rid):
+            return None
+
+        def known_record(self, slug, rid):
+            return None
+
+        def status(self):
+            return {}
+
+    fs = Filesystem(BlobCache(tmp_path / "blobs.db"), client, journal, Settings(commit_wait=5), "ws",
+                    listener=Kernel())
+    cursor = 0
+
+    async def feed() -> list:
+        nonlocal cursor
+        await fs.committer.wait_idle()
+        page = await client.changes("default", cursor)
+        inv = []
+        for ch in page.changes:
+            inv += fs.apply_remote(sm, ch.record)
+        cursor = page.seq
+        fs.invalidate(inv)  # as StoreSync does: queued, performed later
+        return inv
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(journal.run)
+        await nursery.start(fs.committer.run)
+        sm = fs.add_store("default", "read_write", [])
+        rec = await other.create_record("default", "f.md", "v1\n")
+        await feed()
+        n = sm.root.children["f.md"]
+        fs.release(fs.open(n.ino, os.O_RDONLY).fh)  # a reader served v1
+        await other.update_record("default", rec.id, "v1\nv2\n")
+        assert ("inode", n.ino) in await feed()
+        v1 = sha256_hex(b"v1\n")
+        assert n.read_base == v1 and n.shown == v1 and behind == {n.ino}
+        h = fs.open(n.ino, os.O_RDONLY)  # the kernel may still serve v1: v1 stays the base
+        assert fs.read(h, 0, 4096) == b"v1\nv2\n"  # (what the kernel shows, within v1's size)
+        assert n.read_base == v1
+        behind.clear()  # the invalidation reached the kernel
+        assert fs.read(h, 0, 4096) == b"v1\nv2\n"
+        assert n.read_base == "" and n.shown == "" and not n.unread
+        fs.release(h.fh)
+        # this mount's own write, which no reader served since (unread)
+        h = fs.open(n.ino, os.O_WRONLY | os.O_TRUNC)
+        fs.write(h, 0, b"mine\n")
+        await fs.flush(h)
+        fs.release(h.fh)
+        await fs.committer.wait_idle()
+        assert n.unread and not n.read_base
+        await other.update_record("default", rec.id, "mine\ntheirs\n")
+        await feed()
+        mine = sha256_hex(b"mine\n")
+        assert n.shown == mine and not n.read_base  # no reader was served it...
+        fs.release(fs.open(n.ino, os.O_RDONLY).fh)  # ... until one, while the kernel shows it
+        assert n.read_base == mine
+        fs.check_invariants()
+        nursery.cancel_scope.cancel()
+    journal.close()
+    fs.blobs.close()
+    await client.aclose()
+    await other.aclose()
+    await fake.aclose()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -32,6 +33,7 @@ import httpx
 import pytest
 import trio
 
+from memfuse.server.serve import LIMBO_MAX
 from mountutil import serve_listening, stop
 from pgutil import fresh_db_url
 
@@ -447,6 +449,157 @@ async def test_clients_that_leave_as_they_are_refused_never_break_a_connection_o
     print("answers:", {k: {st: v.count(st) for st in sorted(set(v))} for k, v in answers.items()})
     assert all(len(v) >= 200 for v in answers.values()), {k: len(v) for k, v in answers.items()}
     assert all(st in (0, -1, 400, 401, 413) for v in answers.values() for st in v), answers
+
+
+async def test_keep_alive_timer_closes_idle_connections_never_busy_ones(server):
+    """The keep-alive idle timer (``memfuse.server.serve._IdleTimer``, one task per connection
+    whose deadline moves): a connection idle after an answer is closed ``header_timeout`` s
+    later; one whose request outlives that (its body arriving slowly) is not cut, answers,
+    and is then closed ``header_timeout`` s after that answer; one closed by its client ends
+    at once (its task gone: the per-address cap is given back, see the test above)."""
+    s = server
+    timeout = LIMITS["header_timeout"]
+    with trio.fail_after(30):
+        # idle after an answer: closed at the deadline, not before
+        stream = await connect(s, "127.0.0.4")
+        await stream.send_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        t0 = time.monotonic()
+        got = await read_all(stream, timeout + 5)
+        idle = time.monotonic() - t0
+        await stream.aclose()
+        assert got.startswith(b"HTTP/1.1 200") and b'{"ok":true}' in got, got
+        assert timeout - 0.2 <= idle <= timeout + 3, idle
+
+        # busy past the deadline (a body sent slowly, over 2x the header timeout): answered
+        stream = await connect(s, "127.0.0.4")
+        await stream.send_all(b"POST /nowhere HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\n"
+                              b"Content-Length: 10\r\n\r\n")
+        t0 = time.monotonic()
+        for _ in range(10):
+            await trio.sleep(timeout * 2 / 10)
+            await stream.send_all(b"x")
+        got = await read_all(stream, timeout + 5)
+        after = time.monotonic() - t0
+        await stream.aclose()
+        assert got.startswith(b"HTTP/1.1 404"), got
+        # and closed one header timeout after the answer (the body took 2x the timeout)
+        assert timeout * 3 - 0.2 <= after <= timeout * 3 + 3, after
+
+
+# A flood of header-incomplete connections from many addresses (each under the per-address
+# cap), reconnecting whenever the server closes one (docs/API.md, "Connections without a
+# token"; attack11 F2). Run in a process of its own, so that the good client's answers are
+# timed on an event loop that is not the flood's.
+FLOOD = r"""
+import asyncio, sys, time
+port, naddr, per, secs = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+async def holder(addr, end):
+    while time.monotonic() < end:
+        try:
+            r, w = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port, local_addr=(addr, 0)),
+                                          timeout=max(0.1, end - time.monotonic()))
+        except (OSError, asyncio.TimeoutError):
+            await asyncio.sleep(0.2)
+            continue
+        try:
+            w.write(b"GET /v1/stores HTTP/1.1\r\nHost: x\r\n")  # the head is never finished
+            await asyncio.wait_for(r.read(1), timeout=max(0.1, end - time.monotonic()))
+        except (OSError, asyncio.TimeoutError):
+            pass
+        w.close()
+async def main():
+    end = time.monotonic() + secs
+    await asyncio.gather(*(holder(f"127.{60 + i // 250}.{i % 250}.1", end) for i in range(naddr) for _ in range(per)))
+asyncio.run(main())
+"""
+FLOOD_CAP = 64  # --max-unauthenticated of the flooded server
+FLOOD_BOUND = 3.0  # s for each good answer during the flood (main: 5-16 s, bench/README.md)
+
+
+def _fds(pid: int) -> int:
+    """Open descriptors of process ``pid``."""
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+async def test_a_flood_of_header_incomplete_connections_from_many_addresses_does_not_stall_a_good_client(tmp_path):
+    """4,000 connections from 500 addresses (8 each: the per-address cap) send a request line
+    and one header and never finish, reconnecting whenever closed. An authenticated client
+    making a new connection every 0.25 s is answered within ``FLOOD_BOUND`` s each time, the
+    server holds at most ``FLOOD_CAP`` of the flood's connections, and says it closed the rest
+    (``memfuse_server_connections_evicted_total``). Without the cap of unauthenticated
+    connections the listen backlog stays full (its length, 2048, times ~1 ms of CPU per
+    connection): each answer took seconds."""
+    s = start(tmp_path, f"sqlite:///{tmp_path / 'cp.db'}", "flood", {**LIMITS, "max_unauthenticated": FLOOD_CAP})
+    flood = None
+    try:
+        s.good, s.rid = await _setup(s.url)
+        flood = subprocess.Popen([sys.executable, "-c", FLOOD, str(s.port), "500", "8", "11"],
+                                 stdin=subprocess.DEVNULL)
+        answers: list[tuple[int, float]] = []
+        fds: list[int] = []
+        held: list[float] = []  # memfuse_server_unauthenticated_connections
+        with trio.fail_after(60):
+            await trio.sleep(2)  # the flood is under way
+            t_end = time.monotonic() + 7
+            while time.monotonic() < t_end:
+                fds.append(_fds(s.proc.pid))
+                t0 = time.monotonic()
+                try:
+                    async with httpx.AsyncClient(base_url=s.url, headers=_auth(s.good), timeout=15) as c:
+                        status = (await c.get(f"/v1/stores/default/records/{s.rid}")).status_code
+                except httpx.HTTPError as e:
+                    status = -1
+                    print("good client failed:", type(e).__name__, e)
+                answers.append((status, round(time.monotonic() - t0, 2)))
+                async with httpx.AsyncClient(base_url=s.url, timeout=15) as c:
+                    m = re.search(r"^memfuse_server_unauthenticated_connections (\S+)$", (await c.get("/metrics")).text,
+                                  re.M)
+                    held.append(float(m.group(1)))
+                await trio.sleep(0.25)
+            async with httpx.AsyncClient(base_url=s.url, timeout=15) as c:
+                metrics = (await c.get("/metrics")).text
+        print("answers", answers, "server fds", max(fds), "unauthenticated", max(held))
+        slow = [a for a in answers if a[0] != 200 or a[1] > FLOOD_BOUND]
+        assert not slow, f"{len(slow)} of {len(answers)} good answers failed or were slow: {answers}"
+        assert len(answers) >= 3, answers
+        assert max(held) <= FLOOD_CAP, held  # the flood's connections held: at most the cap
+        # descriptors: those held, and those accepted at the cap that wait 0.1 s for a head
+        assert max(fds) < FLOOD_CAP + LIMBO_MAX + 100, fds
+        assert 'memfuse_server_connections_evicted_total{reason="no_head"}' in metrics, metrics
+        assert not re.search(r'connections_evicted_total\{reason="no_head"\} 0\.0', metrics), metrics
+    finally:
+        if flood is not None:
+            flood.kill()
+            flood.wait(10)
+        stop(s.proc)
+
+
+def test_the_cap_of_unauthenticated_connections_evicts_the_one_idle_the_longest():
+    """``Connections`` (the bookkeeping behind the test above): past the cap in all, the
+    connection whose last request started longest ago is evicted (its callback called, it no
+    longer counts), a cleared one never is; the per-address cap still refuses first."""
+    from memfuse.server.gate import Connections
+
+    c = Connections(cap=2, max_total=3)
+    evicted: list[str] = []
+    assert c.opened(("10.0.0.1", 1), lambda: evicted.append("a"))
+    assert c.opened(("10.0.0.2", 1), lambda: evicted.append("b"))
+    assert c.opened(("10.0.0.3", 1), lambda: evicted.append("c"))
+    assert c.full and c.unauthenticated == 3
+    c.active(("10.0.0.1", 1))  # a request on a: b is now the one idle the longest
+    assert c.opened(("10.0.0.4", 1), lambda: evicted.append("d"))
+    assert evicted == ["b"] and c.evicted == 1 and c.unauthenticated == 3
+    c.cleared(["10.0.0.3", 1])  # authenticated: out of the count, never evicted
+    assert not c.full
+    assert c.opened(("10.0.0.1", 2), lambda: evicted.append("a2"))
+    assert not c.opened(("10.0.0.1", 3))  # the per-address cap (2) refuses, evicting nobody
+    assert c.refused == 1 and evicted == ["b"]
+    assert c.opened(("10.0.0.5", 1), lambda: evicted.append("e"))
+    assert evicted == ["b", "a"]  # a was active before 10.0.0.4 and 10.0.0.1:2 opened
+    c.closed(("10.0.0.1", 1))  # the evicted connection's end is a no-op
+    assert c.unauthenticated == 3
+    c.turned_away()
+    assert c.refused_at_cap == 1
 
 
 # ---------------------------------------------------------------- 3. idle long-lived responses

@@ -211,8 +211,10 @@ def test_a_dripping_control_plane_delays_a_restart_by_offline_after_at_most(tmp_
 
 def test_own_commits_missing_from_the_mirror_come_back_after_an_offline_start(tmp_path):
     """The outside tester's case (kill -9, then an offline start): appends commit one by
-    one; a kill -9 comes after the journal forgot the last ones (a committed entry leaves it
-    within 0.25 s) but before the store's mirror was saved with them (every 2 s). The next
+    one; a kill -9 in their middle leaves the saved mirror behind the control plane (the
+    mirror is saved as each of our writes commits, but the last one the control plane
+    applied may not have been answered before the kill: its close never returned, and
+    the journal, which never wrote a held insert, may not hold it). The next
     start finds the control plane dripping and mounts from the cache, the file at its older
     saved version. Once the control plane answers at full speed, the file must show what it
     holds: the feed leaves this sidecar's own versions out, so before the fix the older

@@ -24,7 +24,7 @@ import pytest
 
 pytestmark = pytest.mark.mount
 
-from mountutil import Sidecar, live_records, read, sh, two_sidecars, wait_until
+from mountutil import Sidecar, live_records, read, sh, sidecar_status, two_sidecars, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -172,3 +172,157 @@ def test_sed_on_a_header_while_another_mount_appends_keeps_every_line(pair):
     missing = [i for i in range(1, n_lines + 1) if f"A-{i}" not in lines]
     assert not missing, f"appended lines lost: {missing}"
     assert [ln for ln in lines if ln.startswith("A-")] == [f"A-{i}" for i in range(1, n_lines + 1)]
+
+
+HELD = Path(__file__).resolve().parent / "held_mount.py"
+
+
+class HeldSidecar(Sidecar):
+    """A sidecar whose kernel invalidations are held back while ``hold_file`` exists
+    (tests/held_mount.py: its ``Invalidator`` gets a fault hook at construction)."""
+
+    def __init__(self, *args, hold_file: Path) -> None:
+        super().__init__(*args)
+        self.hold_file = hold_file
+
+    def start(self, expect: str | None = "default") -> "HeldSidecar":
+        import subprocess
+        import sys
+
+        from mountutil import is_mounted, wait_for
+
+        self.mountpoint.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HELD), str(self.mountpoint), "--control-plane", self.cp.url,
+             "--workspace", self.ws, "--token-file", str(self.token_file),
+             "--cache-dir", str(self.cache_dir), "--hold", str(self.hold_file)],
+            stdout=self.log.open("ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        wait_for(lambda: is_mounted(self.mountpoint) and
+                 (expect is None or os.path.isdir(self.mountpoint / expect)),
+                 60, f"mount at {self.mountpoint}", self.proc, self.log)
+        return self
+
+
+@pytest.fixture(scope="module")
+def held(pair, tmp_path_factory):
+    """A third mount C of the pair's store whose kernel invalidations the test holds back
+    (``C.hold_file``)."""
+    cp, a, _ = pair
+    tmp = tmp_path_factory.mktemp("held")
+    tc = cp.setup_workspace("wc", ("s",))
+    c = HeldSidecar(cp, "wc", tc, tmp / "mc", tmp / "cc", hold_file=tmp / "hold")
+    c.start(expect="s")
+    try:
+        yield cp, a, c
+    finally:
+        c.hold_file.unlink(missing_ok=True)
+        c.stop()
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _sed_while_the_kernel_shows_the_older_version(cp, a, c, name: str, seen: str, k: int,
+                                                  read_first: bool) -> str:
+    """Mount C's kernel holds ``seen`` (its pages or its size); C's invalidations are held
+    while A appends a line and C's sidecar applies it; then ``sed -i`` in C rewrites the
+    first line: it reads ``seen`` from the kernel. ``read_first``: C reads ``seen`` before
+    (its pages are cached), else C's kernel holds only its size. Returns the stored content
+    afterwards."""
+    pc = c.mountpoint / "s" / name
+    wait_until(lambda: sidecar_status(c)["invalidations"]["pending"] == 0, timeout=15,
+               what="C's kernel told every change so far")
+    if read_first:
+        assert read(pc) == seen  # in C's page cache now
+    # its size in C's kernel (a read marks the atime stale: this stat refreshes it, so a
+    # later stat does not fetch the new size, which would drop the pages)
+    assert os.stat(pc).st_size == len(seen)
+    c.hold_file.write_text("")
+    try:
+        sh(f"echo A-{k} >> {name}", a.mountpoint / "s")
+        _shown(pc, seen + f"A-{k}\n")  # C's sidecar applied it; its kernel was not told
+        sh(f"sed -i s/^counter=.*/counter={k}/ {name}", c.mountpoint / "s")
+    finally:
+        c.hold_file.unlink()
+    wait_until(lambda: _depth(a) == 0 and _depth(c) == 0, timeout=60, what="both outboxes drained")
+    cur = live_records(cp, "s")[name].content
+    wait_until(lambda: read(a.mountpoint / "s" / name) == cur and read(pc) == cur,
+               timeout=15, what="both mounts show the stored content")
+    return cur
+
+
+def test_sed_reading_the_page_cache_before_a_remote_append_reaches_it_keeps_the_append(held):
+    """The kernel of mount C still serves the pages of the version its readers read while
+    C's sidecar has applied a rival append (the invalidation has not reached the kernel):
+    ``sed -i`` reads the older pages, so its rewrite is based on them and the append is
+    merged back, never deleted (the base is what the reader got, not what the sidecar
+    holds)."""
+    cp, a, c = held
+    name = f"pages-{uuid.uuid4().hex[:6]}.log"
+    v1 = "counter=0\n" + "x" * 100 + "\n"
+    (a.mountpoint / "s" / name).write_text(v1)
+    pc = c.mountpoint / "s" / name
+    wait_until(lambda: read(pc) == v1, timeout=15, what="v1 in C")
+    cur = _sed_while_the_kernel_shows_the_older_version(cp, a, c, name, v1, 1, read_first=True)
+    assert cur == "counter=1\n" + "x" * 100 + "\nA-1\n", cur
+
+
+def test_sed_over_its_own_write_before_a_remote_append_reaches_the_kernel_keeps_the_append(held):
+    """Mount C's own write (no reader served it since: ``Node.unread``) is what C's kernel
+    shows (its size, its pages) until the invalidation of a rival append reaches it: a
+    ``sed -i`` meanwhile reads C's own version, and its rewrite is based on it."""
+    cp, a, c = held
+    name = f"own-{uuid.uuid4().hex[:6]}.log"
+    v1 = "counter=0\n" + "y" * 100 + "\n"
+    (a.mountpoint / "s" / name).write_text(v1)
+    pc = c.mountpoint / "s" / name
+    wait_until(lambda: read(pc) == v1, timeout=15, what="v1 in C")
+    sh(f"sed -i s/^counter=.*/counter=1/ {name}", c.mountpoint / "s")  # C's own version
+    mine = v1.replace("counter=0", "counter=1")
+    wait_until(lambda: _depth(c) == 0 and read(a.mountpoint / "s" / name) == mine,
+               timeout=30, what="C's write committed and seen in A")
+    cur = _sed_while_the_kernel_shows_the_older_version(cp, a, c, name, mine, 2, read_first=False)
+    assert cur == "counter=2\n" + "y" * 100 + "\nA-2\n", cur
+
+
+def test_sed_on_a_mount_that_is_itself_appending_keeps_the_other_mounts_lines(pair):
+    """Attack report 11, finding 3 (atk11/t_tail_race.sh): mounts A and B both append 1 KB
+    lines to one file while B also rewrites its first line with ``sed -i``. B's own appends
+    are rebased onto A's (the control plane answers versions holding A's lines) while B
+    still shows its own content (its feed waits for its outbox): B's sed read that
+    content, so its rewrite is based on it and A's lines are merged in, never dropped."""
+    cp, a, b = pair
+    name = f"tail-{uuid.uuid4().hex[:6]}.log"
+    (a.mountpoint / "s" / name).write_text("counter=0\n" + "".join(f"base {i}\n" for i in range(10)))
+    wait_until(lambda: (read(b.mountpoint / "s" / name) or "").startswith("counter=0"),
+               timeout=15, what="the file in B")
+    n_lines, pad = 15, "p" * 1000
+    failed: list[BaseException] = []
+
+    def appender(sc: Sidecar, who: str) -> None:
+        try:
+            for i in range(1, n_lines + 1):
+                sh(f"echo {who}-{i} {pad} >> {name}", sc.mountpoint / "s")
+        except BaseException as e:  # reported below
+            failed.append(e)
+
+    threads = [threading.Thread(target=appender, args=(a, "A")),
+               threading.Thread(target=appender, args=(b, "B"))]
+    for t in threads:
+        t.start()
+    try:
+        for k in range(1, 4):
+            sh(f"sed -i s/^counter=.*/counter={k}/ {name}", b.mountpoint / "s")
+    finally:
+        for t in threads:
+            t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads) and not failed, failed
+    cur = _settled(cp, a, b, name)
+    lines = cur.splitlines()
+    # A's lines are all committed and B's sed never read some of them: each is merged in
+    # (or the rewrite that overwrote it is reported as a conflict)
+    missing = [f"A-{i}" for i in range(1, n_lines + 1) if not any(ln.startswith(f"A-{i} ") for ln in lines)]
+    conflicts = [e for e in _errors(b) if e.get("conflict") and e["path"].endswith(name)]
+    assert not missing or conflicts, f"A's lines lost silently: {missing}"
+    assert not missing, f"A's lines lost (reported): {missing}; {conflicts}"

@@ -211,3 +211,83 @@ def test_random_writes_agree_with_a_full_check():
             if before is not None:
                 break  # refusable already: close judges it
     assert seen["refused"] > 50 and seen["accepted"] > 50, seen
+
+
+def test_clean_len_names_a_content_whose_every_byte_a_clean_scan_read():
+    """``clean_len`` (the close then scans no more: ``Filesystem.commit``) is the content's
+    length only when the last change was a write whose window was the whole content and held
+    no secret: not after a truncate, not for a content past the window, not when the content
+    held a secret already, never for a refused write."""
+    f = File()
+    assert f.write("# notes\nline one\n") is None and f.ck.clean_len == len(f.buf)
+    assert f.write("line two\n") is None and f.ck.clean_len == len(f.buf)
+    assert f.write("LINE", 8) is None and f.ck.clean_len == len(f.buf)  # in the middle
+    assert f.truncate(5) is None and f.ck.clean_len == -1
+    assert f.write("x") is None and f.ck.clean_len == len(f.buf)
+    before = f.ck.clean_len
+    assert f.write("token: " + GH + "\n") is not None and f.ck.clean_len == before  # refused
+    big = File(b"a" * (WINDOW + 10))
+    assert big.write("b", WINDOW + 10) is None and big.ck.clean_len == -1  # window: a part
+    assert big.write("c", 0) is None and big.ck.clean_len == -1  # its end past the window
+    held = File(("key " + GH + "\n").encode(), trusted=False)
+    assert held.write(b"a clean line\n") is None and held.ck.clean_len == -1
+
+
+async def test_a_file_written_in_one_go_is_scanned_for_secrets_once(tmp_path, monkeypatch):
+    """create, one write, close: the content is scanned once (at the write), not again at
+    the close; a second write past the window, or a truncate, makes the close scan it; a
+    secret is refused as before (at the write)."""
+    import os
+
+    import trio
+
+    from memfuse.client import ApiClient
+    from memfuse.fake import FakeControlPlane
+    from memfuse.sidecar.blobcache import BlobCache
+    from memfuse.sidecar.core import Filesystem, FsError, Settings
+    from memfuse.sidecar.journal import Journal
+
+    import sys
+
+    scans: list[int] = []
+    real = content_rules.find_secret
+
+    def counted(text: str) -> str | None:  # the sidecar's scans (the fake control plane scans too)
+        if sys._getframe(1).f_globals["__name__"].startswith("memfuse.sidecar."):
+            scans.append(len(text))
+        return real(text)
+
+    monkeypatch.setattr(content_rules, "find_secret", counted)
+    fake = FakeControlPlane(seed=0)
+    token = await fake.setup("ws", stores=("default",))
+    client = ApiClient(fake.base_url, token, transport=fake.transport, instance="wc-test")
+    journal = Journal(tmp_path / "outbox.db")
+    fs = Filesystem(BlobCache(tmp_path / "blobs.db"), client, journal, Settings(commit_wait=5), "ws")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(journal.run)
+        await nursery.start(fs.committer.run)
+        sm = fs.add_store("default", "read_write", [])
+        text = b"# notes\n" + b"a line of notes\n" * 20
+
+        async def one(name: bytes, *steps: tuple[str, int, bytes]) -> int:
+            h = fs.create(sm.root.ino, name, 0o600, os.O_WRONLY, 0, 0)
+            del scans[:]
+            for what, off, data in steps:
+                if what == "w":
+                    fs.write(h, off, data)
+                else:
+                    fs.truncate(h.node, off)
+            await fs.flush(h)
+            fs.release(h.fh)
+            return len(scans)
+
+        assert await one(b"a.md", ("w", 0, text)) == 1
+        assert await one(b"b.md", ("w", 0, text), ("t", 100, b"")) == 2
+        big = b"# big\n" + b"x" * (WINDOW * 2) + b"\n"
+        assert await one(b"c.md", ("w", 0, big), ("w", len(big), b"more\n")) == 3
+        h = fs.create(sm.root.ino, b"d.md", 0o600, os.O_WRONLY, 0, 0)
+        with pytest.raises(FsError) as err:
+            fs.write(h, 0, ("token: " + GH + "\n").encode())
+        assert err.value.errno == errno.EPERM
+        await fs.committer.wait_idle()
+        nursery.cancel_scope.cancel()

@@ -102,6 +102,10 @@ def _admin_token(admin_token_file: Path | None) -> tuple[str, Path, bool]:
 @opt("--max-unauthenticated-per-address", type=click.IntRange(min=0), default=64, show_default=True,
      help="Connections per client address that have not shown a valid token yet (more are "
      "closed at once); 0: no cap. Behind a proxy every client has the proxy's address: raise it.")
+@opt("--max-unauthenticated", type=click.IntRange(min=0), default=1024, show_default=True,
+     help="Connections that have not shown a valid token yet, all addresses together; at the cap "
+     "a new one whose request head has not arrived (within 0.1 s) is closed, and one whose head "
+     "has closes the one idle the longest (its header deadline furthest gone). 0: no cap.")
 @opt("--stale-after", type=click.IntRange(min=0), default=90, show_default=True, metavar="DAYS",
      help="A record unchanged for DAYS is stale: the prompt block names the MEMORY.md entries "
      "linking it and the console lists it (also a record past its frontmatter review_after). 0: off.")
@@ -142,7 +146,7 @@ def _admin_token(admin_token_file: Path | None) -> tuple[str, Path, bool]:
 def serve(db: str | None, listen: str, admin_token_file: Path | None, migrate: bool, no_streams: bool,
           max_requests: int, max_streams: int, max_streams_per_token: int, max_body: int,
           header_timeout: float, body_timeout: float, body_read_timeout: float,
-          max_unauthenticated_per_address: int, stale_after: int, expiry_interval: float,
+          max_unauthenticated_per_address: int, max_unauthenticated: int, stale_after: int, expiry_interval: float,
           consolidation_model_url: str | None, consolidation_api_key_file: Path | None,
           consolidation_model: str, consolidation_timeout: float, consolidation_max_input_bytes: int,
           consolidation_max_output_tokens: int, consolidation_idle_after: float, consolidation_interval: float,
@@ -186,6 +190,7 @@ def serve(db: str | None, listen: str, admin_token_file: Path | None, migrate: b
                              header_timeout=header_timeout, body_timeout=body_timeout,
                              receive_timeout=body_read_timeout,
                              max_unauthenticated_per_address=max_unauthenticated_per_address,
+                             max_unauthenticated=max_unauthenticated,
                              trusted_proxies=trusted_proxies)
         app.state.service.stale_after_days = stale_after
         app.state.service.expiry_interval = expiry_interval

@@ -34,7 +34,7 @@ from ..errors import (
 from ..tokenfile import TokenFile
 
 if TYPE_CHECKING:
-    from .lean import LeanHTTP
+    from .lean import Answer, LeanHTTP
 from ..wire import (
     Attachment,
     ChangePage,
@@ -321,14 +321,27 @@ def tls_context(base_url: str) -> ssl.SSLContext:
 _TEMPLATE_AFTER = {"stores", "records", "workspaces", "versions", "attachments", "mounts"}
 
 
+#: (method, path) -> its ``endpoint_label``: every commit request of one store asks for
+#: the same few (a create's path is the store's ``records``); cleared when full
+_LABELS: dict[tuple[str, str], str] = {}
+_LABELS_MAX = 256
+
+
 def endpoint_label(method: str, path: str) -> str:
     """``PUT /v1/stores/default/records/3f…`` → ``PUT /v1/stores/{}/records/{}``: a label
     for metrics with no store names, ids or paths in it."""
+    label = _LABELS.get((method, path))
+    if label is not None:
+        return label
     parts = path.split("?")[0].split("/")
     out = []
     for i, part in enumerate(parts):
         out.append("{}" if i > 0 and parts[i - 1] in _TEMPLATE_AFTER and part else part)
-    return f"{method} {'/'.join(out)}"
+    label = f"{method} {'/'.join(out)}"
+    if len(_LABELS) >= _LABELS_MAX:
+        _LABELS.clear()
+    _LABELS[(method, path)] = label
+    return label
 
 
 def _num(value: float) -> str:
@@ -449,11 +462,19 @@ class ApiSession:
 
     # ------------------------------------------------------------ plumbing
 
-    async def _request(
+    async def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        """One request (``_send``); the answer as an ``httpx.Response``. Raises the
+        ``ApiError`` of a refusal or of a transport failure."""
+        resp = await self._send(method, path, raw_ok=False, **kw)
+        assert isinstance(resp, httpx.Response)  # raw_ok=False: never an Answer
+        return resp
+
+    async def _send(
         self,
         method: str,
         path: str,
         *,
+        raw_ok: bool = False,
         params: dict[str, Any] | None = None,
         body: msgspec.Struct | dict[str, Any] | None = None,
         if_match: str | None = None,
@@ -463,7 +484,13 @@ class ApiSession:
         exclude_none: bool = False,
         stream: bool = False,
         read_timeout: float | None = None,
-    ) -> httpx.Response:
+    ) -> "httpx.Response | Answer":
+        """Send one request and read its answer: the lean path (``lean.LeanHTTP``) for an
+        ordinary request when there is one, else httpx; a 401 is sent once more when the
+        token file holds a new token. ``raw_ok``: a successful answer of the lean path
+        is returned as its ``lean.Answer`` (no ``httpx.Response`` built: ``_call`` decodes
+        only its body); anything else is an ``httpx.Response``. Raises the ``ApiError`` of a
+        non-2xx answer (``_http_error``) or of a transport failure (``_transport_error``)."""
         headers: dict[str, str] = {}
         if if_match is not None:
             headers["If-Match"] = quote_etag(if_match)
@@ -488,6 +515,7 @@ class ApiSession:
         # ordinary requests without query parameters take the lean path when there is one
         lean = self._lean if (self._lean is not None and not params and timeout is None
                                and not stream) else None
+        raw: Answer | None = None
         for attempt in (1, 2):
             generation = None
             if tf is not None:
@@ -507,7 +535,11 @@ class ApiSession:
                             k: v for k, v in self._http.headers.items() if k != "accept-encoding"}
                     merged = defaults.copy()
                     merged.update((k.lower(), v) for k, v in headers.items())
-                    resp = await lean.send(method, path, list(merged.items()), kwargs.get("content"))
+                    got = await lean.exchange(method, path, list(merged.items()), kwargs.get("content"))
+                    if raw_ok and 200 <= got.status < 300 and got.plain():
+                        raw = got
+                    else:
+                        resp = got.response()
                 elif self.bounded:
                     resp = await self._send_bounded(self._http.build_request(method, path, **kwargs),
                                                     stream, self.timeout + max(wait, 0.0))
@@ -524,6 +556,11 @@ class ApiSession:
                 if ordinary:
                     del self._waiting[rid]
             self.last_answer = time.monotonic()
+            if raw is not None:  # a success: no 401, nothing to send again
+                self._observe(method, path, str(raw.status), t0)
+                log.debug("%s %s -> %s", method, path, raw.status)
+                self._auth_ok()
+                return raw
             self._observe(method, path, str(resp.status_code), t0)
             log.debug("%s %s -> %s", method, path, resp.status_code)
             if resp.status_code != 401:
@@ -630,7 +667,9 @@ class ApiSession:
 
     async def _call(self, model: type[T], method: str, path: str, **kw: Any) -> T:
         """``_request``, then the answer's body decoded as ``model`` (``_parse``)."""
-        resp = await self._request(method, path, **kw)
-        return self._parse(model, resp, method, path)
+        resp = await self._send(method, path, raw_ok=True, **kw)
+        if isinstance(resp, httpx.Response):
+            return self._parse(model, resp, method, path)
+        return self._parse_bytes(model, resp.content, resp.status, method, path)
 
     # ------------------------------------------------------------ workspace endpoints

@@ -1,13 +1,19 @@
 """A lean HTTP/1.1 path for the sidecar's ordinary requests: pooled keep-alive connections
-framed by h11 (the protocol state machine httpx's own transport, httpcore, uses), on trio
-streams (TCP, TLS through ``trio.SSLStream`` with the client's ``ssl.SSLContext``).
+on trio streams (TCP, TLS through ``trio.SSLStream`` with the client's ``ssl.SSLContext``),
+framed with h11's rules (the protocol library httpx's own transport, httpcore, uses): the
+request written as h11 writes it, with h11's own expressions checking the request line and
+every header; an answer in the control plane's plain form (``_simple_head``) read directly,
+any other handed with every byte read to an h11 connection, which reads it or refuses it as
+it always did (``LeanHTTP._receive``). h11's state machine cost ~0.2 ms of the sidecar's CPU
+per commit request on the benchmark machine (bench/README.md, "The close path, session 11").
 
 Why: the outbox sends one small request per ``close(2)`` when one file is written at a time
 (create, update, append, batch). Through ``httpx.AsyncClient`` such a request cost ~2 ms of
 client CPU on the benchmark machine (URL and header models, the connection pool's locks and
 events, the response model, several trio hops); the same request framed by h11 directly cost
 ~0.4 ms (bench/README.md, "The close path"). What the caller sees does not change:
-``LeanHTTP.send`` returns an ``httpx.Response`` (status, headers, body read in full) and
+``LeanHTTP.send`` returns an ``httpx.Response`` (status, headers, body read in full;
+``exchange`` the same as an ``Answer``, without building the response) and
 raises the ``httpx`` exception httpx would raise for the same failure (``ConnectError``,
 ``ConnectTimeout``, ``ReadTimeout``, ``WriteTimeout``, ``ReadError``, ``WriteError``,
 ``RemoteProtocolError``, ``LocalProtocolError``), so ``ApiSession`` classifies answers and
@@ -32,7 +38,10 @@ from urllib.parse import urlsplit
 import h11
 import httpx
 import trio
-from h11._headers import Headers as _H11Headers, normalize_and_validate as _h11_headers
+from h11._events import method_re as _METHOD_RE, request_target_re as _TARGET_RE
+from h11._headers import Headers as _H11Headers, _field_value_re as _VALUE_RE
+from h11._headers import normalize_and_validate as _h11_headers
+from h11._readers import header_field_re as _FIELD_RE, status_line_re as _STATUS_RE
 
 from . import deadline
 
@@ -47,6 +56,10 @@ _PROXY_VARS = ("http_proxy", "https_proxy", "all_proxy")
 _PER_REQUEST = frozenset({"idempotency-key", "if-match", "content-length"})
 #: distinct sets of the other headers kept validated (a new token makes a new set)
 _VALIDATED_MAX = 16
+#: the longest answer head read without h11 (h11's own limit on an incomplete event)
+_HEAD_MAX = 16 * 1024
+#: statuses whose answers have no body whatever their headers say (and 1xx): left to h11
+_NO_BODY = frozenset({204, 304})
 
 
 def proxy_configured() -> bool:
@@ -56,14 +69,14 @@ def proxy_configured() -> bool:
 
 
 class _Conn:
-    """One HTTP/1.1 connection: a trio stream and its h11 state machine."""
+    """One HTTP/1.1 connection (a trio stream), idle between two exchanges: every answer
+    read on it so far was whole, with nothing after it, and allowed keep-alive."""
 
-    __slots__ = ("stream", "h11", "sock")
+    __slots__ = ("stream", "sock")
 
     def __init__(self, stream: trio.abc.Stream, sock: trio.socket.SocketType) -> None:
         self.stream = stream
         self.sock = sock
-        self.h11 = h11.Connection(h11.CLIENT)
 
     def reusable(self) -> bool:
         """Idle and still open as far as the socket tells: nothing to read (an EOF or stray
@@ -163,7 +176,7 @@ class LeanHTTP:
             if len(self._validated) >= _VALIDATED_MAX:
                 self._validated.clear()
             self._validated[key] = items
-        return _H11Headers(items + _h11_headers(varying)._full_items)
+        return _H11Headers(items + _varying_items(varying))
 
     async def send(self, method: str, path: str, headers: list[tuple[str, str]],
                    content: bytes | None) -> httpx.Response:
@@ -171,9 +184,17 @@ class LeanHTTP:
         ``Host`` and ``Content-Length``, added here: ``_headers``) and read its whole
         answer. Returns an ``httpx.Response``; raises ``httpx.TransportError`` subclasses
         as httpx would (``LocalProtocolError`` for a header h11 refuses)."""
+        return (await self.exchange(method, path, headers, content)).response()
+
+    async def exchange(self, method: str, path: str, headers: list[tuple[str, str]],
+                       content: bytes | None) -> "Answer":
+        """``send``, the answer as an ``Answer`` (status, headers, body): a caller that
+        only decodes a successful answer's body skips building an ``httpx.Response``
+        (~50 us of the sidecar's CPU per commit request on the benchmark machine). Raises
+        as ``send``."""
         body = content or b""
         length = len(body) if content is not None or method in ("POST", "PUT", "PATCH") else None
-        resp: httpx.Response | None = None
+        resp: Answer | None = None
         with trio.CancelScope(deadline=trio.current_time() + self.timeout) as scope:
             resp = await self._exchange(scope, method, path, headers, length, body)
         if resp is None:  # the scope's deadline passed (a drip, or a server that stalls)
@@ -182,41 +203,99 @@ class LeanHTTP:
 
     async def _exchange(self, scope: trio.CancelScope, method: str, path: str,
                         headers: list[tuple[str, str]], length: int | None,
-                        body: bytes) -> httpx.Response:
+                        body: bytes) -> "Answer":
         c = await self._take()
-        ok = False
+        ok = reuse = False
         try:
+            target = self.prefix + path
             try:
                 hdrs = self._headers(headers, length)
-                data = c.h11.send(h11.Request(method=method, target=self.prefix + path, headers=hdrs))
-                assert data is not None
-                if body:
-                    data += c.h11.send(h11.Data(data=body)) or b""
-                data += c.h11.send(h11.EndOfMessage()) or b""
+                data = _request_head(method, target, hdrs) + body
             except h11.LocalProtocolError as exc:
                 raise httpx.LocalProtocolError(str(exc)) from None
+            # no timeout of its own: ``scope`` (the request's deadline, ``timeout`` s from
+            # its start) ends earlier than one started now would (``_receive``)
             try:
-                with trio.fail_after(self.timeout):
-                    await c.stream.send_all(data)
-            except trio.TooSlowError:
-                raise httpx.WriteTimeout("timed out sending the request") from None
+                await c.stream.send_all(data)
             except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError) as exc:
                 raise httpx.WriteError(str(exc) or type(exc).__name__) from None
-            resp = await self._receive(c, scope)
+            resp, reuse = await self._receive(c, scope, method, target, hdrs, length, body)
             ok = True
         finally:
             if not ok:
                 await c.aclose()
-        if c.h11.our_state is h11.DONE and c.h11.their_state is h11.DONE and len(self._idle) < MAX_IDLE:
-            c.h11.start_next_cycle()
+        if reuse and len(self._idle) < MAX_IDLE:
             self._idle.append(c)
         else:
             await c.aclose()
         return resp
 
-    async def _receive(self, c: _Conn, scope: trio.CancelScope) -> httpx.Response:
-        """Read one whole answer; ``scope``'s deadline moves on as its body arrives
-        (``deadline.extend``)."""
+    async def _read(self, c: _Conn, scope: trio.CancelScope) -> bytes:
+        """The next bytes of the answer (b"" at EOF). Each read is bounded by ``timeout`` s
+        (``httpx.Timeout``'s read timeout); while ``scope`` ends sooner than that (always
+        before the head arrived: it started earlier with the same bound) no scope of its
+        own is entered."""
+        try:
+            if scope.deadline <= trio.current_time() + self.timeout:
+                return bytes(await c.stream.receive_some(READ_SIZE))
+            with trio.fail_after(self.timeout):  # the body's deadline moved on (extend)
+                return bytes(await c.stream.receive_some(READ_SIZE))
+        except trio.TooSlowError:
+            raise httpx.ReadTimeout("timed out reading the answer") from None
+        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError) as exc:
+            raise httpx.ReadError(str(exc) or type(exc).__name__) from None
+
+    async def _receive(self, c: _Conn, scope: trio.CancelScope, method: str, target: str,
+                       hdrs: _H11Headers, length: int | None,
+                       body: bytes) -> tuple["Answer", bool]:
+        """Read one whole answer: ``(answer, reusable)``. An answer in the plain form the
+        control plane gives (``_simple_head``: HTTP/1.1, ``Content-Length``, no
+        ``Transfer-Encoding``, a final status with a body) is read here; anything else (and
+        any doubt: EOF, bytes past its end, a head that is not that form) goes to h11 with
+        every byte read so far (``_receive_h11``), which reads it or raises as before, and
+        the connection is not reused then. ``scope``'s deadline moves on as the body
+        arrives (``deadline.extend``)."""
+        buf = b""
+        while True:
+            got = await self._read(c, scope)
+            buf += got
+            head = _simple_head(buf, method) if got else False
+            if head is False or (head is None and len(buf) > _HEAD_MAX):
+                return await self._receive_h11(c, scope, method, target, hdrs, length, body, buf, got), False
+            if isinstance(head, tuple):
+                break
+        status, reason, headers, start, size, keep_alive = head
+        body_start = trio.current_time()
+        while len(buf) - start < size:
+            got = await self._read(c, scope)
+            if not got:
+                return await self._receive_h11(c, scope, method, target, hdrs, length, body, buf, got), False
+            buf += got
+            deadline.extend(scope, body_start, self.timeout, len(buf) - start)
+        if len(buf) - start > size:  # bytes after the answer: h11 says what they are
+            return await self._receive_h11(c, scope, method, target, hdrs, length, body, buf, b"x"), False
+        return Answer(status, reason, headers, buf[start:]), keep_alive
+
+    async def _receive_h11(self, c: _Conn, scope: trio.CancelScope, method: str, target: str,
+                           hdrs: _H11Headers, length: int | None, body: bytes, buf: bytes,
+                           last: bytes) -> "Answer":
+        """Read the answer through h11, given the bytes ``buf`` read so far (``last``: the
+        last read's, b"" for an EOF): an h11 client connection is told of the request sent
+        (its bytes dropped: they were sent already) and then reads as it always did."""
+        conn = h11.Connection(h11.CLIENT)
+        try:
+            conn.send(h11.Request(method=method, target=target, headers=hdrs))
+            if body:
+                conn.send(h11.Data(data=body))
+            conn.send(h11.EndOfMessage())
+        except h11.LocalProtocolError as exc:  # pragma: no cover - framed alike above
+            raise httpx.LocalProtocolError(str(exc)) from None
+        try:
+            conn.receive_data(buf)
+            if not last:
+                conn.receive_data(b"")  # the EOF
+        except h11.RemoteProtocolError as exc:
+            raise httpx.RemoteProtocolError(str(exc)) from None
         status = 0
         body_start = 0.0
         received = 0
@@ -225,19 +304,13 @@ class LeanHTTP:
         chunks: list[bytes] = []
         while True:
             try:
-                ev = c.h11.next_event()
+                ev = conn.next_event()
             except h11.RemoteProtocolError as exc:
                 raise httpx.RemoteProtocolError(str(exc)) from None
             if ev is h11.NEED_DATA:
+                got = await self._read(c, scope)
                 try:
-                    with trio.fail_after(self.timeout):
-                        got = await c.stream.receive_some(READ_SIZE)
-                except trio.TooSlowError:
-                    raise httpx.ReadTimeout("timed out reading the answer") from None
-                except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError) as exc:
-                    raise httpx.ReadError(str(exc) or type(exc).__name__) from None
-                try:
-                    c.h11.receive_data(bytes(got))
+                    conn.receive_data(got)
                 except h11.RemoteProtocolError as exc:
                     raise httpx.RemoteProtocolError(str(exc)) from None
                 continue
@@ -256,6 +329,121 @@ class LeanHTTP:
                 raise httpx.RemoteProtocolError("server disconnected without sending a complete answer")
             else:  # pragma: no cover - h11 emits no other client-side events
                 raise httpx.RemoteProtocolError(f"unexpected event {type(ev).__name__}")
-        resp = httpx.Response(status, headers=headers, content=b"".join(chunks))
-        resp.extensions["reason_phrase"] = reason
+        return Answer(status, reason, headers, b"".join(chunks))
+
+
+def _varying_items(varying: list[tuple[str, str]]) -> list[tuple[bytes, bytes, bytes]]:
+    """h11's validated form of the per-request headers (``_PER_REQUEST``: names h11 takes
+    as they are): each value checked by h11's own expression for a field value (a
+    ``Content-Length`` by its own), ``(raw name, lower-case name, value)``; a name given
+    twice, or anything those checks refuse, goes through h11's ``normalize_and_validate``,
+    which merges or refuses as it does (``LocalProtocolError``)."""
+    out: list[tuple[bytes, bytes, bytes]] = []
+    seen: set[bytes] = set()
+    for k, v in varying:
+        raw, value = k.encode("ascii"), v.encode("ascii")
+        name = raw.lower()
+        if name in seen:
+            break
+        seen.add(name)
+        if name == b"content-length":
+            if not (value.isdigit() and len(value) <= 20) or (len(value) > 1 and value[:1] == b"0"):
+                break
+        elif _VALUE_RE.fullmatch(value) is None:
+            break
+        out.append((raw, name, value))
+    else:
+        return out
+    return _h11_headers(varying)._full_items
+
+
+def _request_head(method: str, target: str, hdrs: _H11Headers) -> bytes:
+    """The request line and header block h11 writes for ``method`` ``target`` with the
+    validated ``hdrs`` (``Host`` first, then the others in order; h11's ``write_request``),
+    the method and target checked by h11's own expressions (``LocalProtocolError``)."""
+    m, t = method.encode("ascii"), target.encode("ascii")
+    if _METHOD_RE.fullmatch(m) is None:
+        raise h11.LocalProtocolError("Illegal method characters")
+    if _TARGET_RE.fullmatch(t) is None:
+        raise h11.LocalProtocolError("Illegal target characters")
+    items = hdrs._full_items
+    lines = [b"%s %s HTTP/1.1\r\n" % (m, t)]
+    lines += [b"%s: %s\r\n" % (raw, value) for raw, name, value in items if name == b"host"]
+    lines += [b"%s: %s\r\n" % (raw, value) for raw, name, value in items if name != b"host"]
+    lines.append(b"\r\n")
+    return b"".join(lines)
+
+
+_Head = tuple[int, bytes, list[tuple[bytes, bytes]], int, int, bool]
+
+
+def _simple_head(buf: bytes, method: str) -> "_Head | None | bool":
+    """The head of the answer starting ``buf`` when it is in the plain form read without h11:
+    ``(status, reason, headers, body offset, body length, keep-alive)``; None when more
+    bytes are needed to tell; False when it is not that form (h11 reads it). The form: a
+    status line ``HTTP/1.1 NNN reason`` and header lines that h11's own expressions accept
+    whole (no obsolete line folding), CRLF line ends only, a final status other than 204 /
+    304 to a request other than ``HEAD``, exactly one ``Content-Length`` and no
+    ``Transfer-Encoding``. Keep-alive unless a ``Connection`` header names ``close``."""
+    end = buf.find(b"\r\n\r\n")
+    region = buf if end < 0 else buf[:end + 2]
+    if region.count(b"\n") != region.count(b"\r\n"):
+        return False  # a bare LF (h11 accepts those line ends)
+    if end < 0:
+        return None
+    lines = buf[:end].split(b"\r\n")
+    m = _STATUS_RE.fullmatch(lines[0])
+    if m is None or m["http_version"] != b"1.1" or method == "HEAD":
+        return False
+    status = int(m["status_code"])
+    if status < 200 or status in _NO_BODY:
+        return False
+    headers: list[tuple[bytes, bytes]] = []
+    size = -1
+    keep_alive = True
+    for line in lines[1:]:
+        f = _FIELD_RE.fullmatch(line)
+        if f is None:
+            return False
+        name, value = f["field_name"].lower(), f["field_value"]
+        if name == b"content-length":
+            if size >= 0 or not value.isdigit() or not value.isascii():
+                return False
+            size = int(value)
+        elif name == b"transfer-encoding":
+            return False
+        elif name == b"connection" and b"close" in [v.strip() for v in value.lower().split(b",")]:
+            keep_alive = False
+        headers.append((name, value))
+    if size < 0:
+        return False
+    return status, m["reason"] or b"", headers, end + 4, size, keep_alive
+
+
+class Answer:
+    """One whole answer read by ``LeanHTTP.exchange``: ``status``, ``reason`` (the reason
+    phrase), ``headers`` (raw ``(name, value)`` pairs as h11 gives them, names lower-case)
+    and ``content`` (the body, as received: no ``Content-Encoding`` is asked for)."""
+
+    __slots__ = ("status", "reason", "headers", "content")
+
+    def __init__(self, status: int, reason: bytes, headers: list[tuple[bytes, bytes]],
+                 content: bytes) -> None:
+        self.status = status
+        self.reason = reason
+        self.headers = headers
+        self.content = content
+
+    def plain(self) -> bool:
+        """Whether the body is as sent (no ``Content-Encoding``: then only
+        ``response()`` decodes it, as httpx would)."""
+        for name, _ in self.headers:
+            if name == b"content-encoding":
+                return False
+        return True
+
+    def response(self) -> httpx.Response:
+        """The answer as an ``httpx.Response`` (what ``LeanHTTP.send`` returns)."""
+        resp = httpx.Response(self.status, headers=self.headers, content=self.content)
+        resp.extensions["reason_phrase"] = self.reason
         return resp

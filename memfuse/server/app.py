@@ -39,7 +39,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from memfuse.models import BatchRequest
 from memfuse import defs
-from memfuse.server import gate, limits, longpoll, proxies, streamclass, streams as streaming, writepath
+from memfuse.server import gate, limits, longpoll, proxies, streamclass, streams as streaming, writepath, writerthread
 from memfuse.server.apidocs import install_docs
 from memfuse.server.db import Database
 from memfuse.server.routes import accounts, consolidations, feeds, records, stores, tokens, workspaces
@@ -171,6 +171,7 @@ def create_app(
     receive_timeout: float = gate.RECEIVE_TIMEOUT,
     header_timeout: float = gate.HEADER_TIMEOUT,
     max_unauthenticated_per_address: int = gate.MAX_UNAUTHENTICATED_PER_ADDRESS,
+    max_unauthenticated: int = gate.MAX_UNAUTHENTICATED,
     streams: bool = True,
     stream_heartbeat: float = streaming.HEARTBEAT_SECONDS,
     stream_lifetime: float = streaming.LIFETIME_SECONDS,
@@ -193,7 +194,8 @@ def create_app(
     body), ``body_timeout`` / ``receive_timeout`` (s for a whole body / between two pieces of
     it), ``header_timeout`` (s for a request's headers; ``memfuse.server.serve`` applies it),
     ``max_unauthenticated_per_address`` (connections without a valid token yet, per client
-    address; 0: no cap; applied by ``memfuse.server.serve``): the limits of the front door
+    address; 0: no cap; applied by ``memfuse.server.serve``), ``max_unauthenticated`` (the
+    same in all; past it the oldest is closed; 0: no cap): the limits of the front door
     (``memfuse.server.gate``; ``app.front``) and of ``memfuse.server.streamclass``
     (``app.state.stream_class``). ``write_rate``: the per-token write buckets (``gate.WriteRate``, default
     ``gate.WriteRate()``). ``app.state.metrics`` is the ``ServerMetrics``.
@@ -260,10 +262,15 @@ def create_app(
         send_timeout=send_timeout, max_body=max_body, body_timeout=body_timeout,
         receive_timeout=receive_timeout, header_timeout=header_timeout,
         max_unauthenticated_per_address=max_unauthenticated_per_address,
+        max_unauthenticated=max_unauthenticated,
         write_rate=write_rate,
         fast=longpoll.FastPath(svc, reads, exception_response, open_streams),
         # the record writes without FastAPI's machinery (memfuse.server.writepath)
-        writes=writepath.WritePath(svc, exception_response, durations),
+        writes=writepath.WritePath(
+            svc, exception_response, durations,
+            # SQLite has one writer: its writes on one thread of their own, not a thread hop
+            # each (memfuse.server.writerthread); PostgreSQL's run side by side as before
+            hop=writerthread.WriterThread().run if db.is_sqlite else None),
     )
     metrics.add_collector(limits.front_collector(app.front, stream_class))
 

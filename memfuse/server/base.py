@@ -313,12 +313,20 @@ def canonical_sha256(value: object) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def idempotency_request(key: str, method: str, url_path: str, raw: bytes) -> IdempotencyRequest:
+_UNPARSED = object()
+
+
+def idempotency_request(key: str, method: str, url_path: str, raw: bytes,
+                        parsed: object = _UNPARSED) -> IdempotencyRequest:
     """The ``IdempotencyRequest`` of a single write whose raw body is ``raw`` (empty for a
-    body-less DELETE): canonical hash of the parsed body, raw hash as the alternative."""
+    body-less DELETE): canonical hash of the parsed body, raw hash as the alternative.
+    ``parsed``: ``json.loads(raw)`` when the caller has it already (not parsed again)."""
     raw_hash = body_sha256(raw)
     try:
-        canon = canonical_sha256(json.loads(raw)) if raw.strip() else canonical_sha256(None)
+        if parsed is not _UNPARSED:
+            canon = canonical_sha256(parsed)
+        else:
+            canon = canonical_sha256(json.loads(raw)) if raw.strip() else canonical_sha256(None)
     except ValueError:
         canon = raw_hash  # not JSON: the request is refused anyway; keep the raw identity
     return IdempotencyRequest(key, method, url_path, canon, raw_hash)

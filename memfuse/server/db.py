@@ -589,6 +589,11 @@ class Database:
                 connect_args={"check_same_thread": False, "timeout": 5.0},
                 pool_size=10,
                 max_overflow=30,
+                # the connection used last comes back first: its SQLite page cache is still
+                # valid after its own commit (another connection's commit empties it), so a
+                # write after a write reads the pages it touches from memory, not the file
+                # (an append's UPDATE of a 1 MiB record row: its 256 overflow pages)
+                pool_use_lifo=True,
             )
 
         memory = self.is_memory

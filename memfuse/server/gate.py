@@ -47,8 +47,9 @@ once read) plus hypercorn's receive queue (``max_app_queue_size`` × 64 KiB).
 
 Sending: any part of a response may take at most ``send_timeout`` s (see
 ``memfuse.server.serve.listen_socket`` for the kernel's half of this). ``Connections`` caps
-the connections per client address that have not yet shown a valid token (or asked a probe);
-``memfuse.server.serve`` applies it when it accepts them.
+the connections that have not yet shown a valid token (or asked a probe), per client address
+and in all (past the global cap the oldest is evicted); ``memfuse.server.serve`` applies it
+when it accepts them.
 """
 from __future__ import annotations
 
@@ -81,6 +82,7 @@ BODY_TIMEOUT = 60.0  # s for a whole body
 RECEIVE_TIMEOUT = 10.0  # s between two pieces of a body
 HEADER_TIMEOUT = 5.0  # s for a request's headers (and an idle keep-alive connection)
 MAX_UNAUTHENTICATED_PER_ADDRESS = 64
+MAX_UNAUTHENTICATED = 1024  # connections without a valid token yet, all addresses (oldest evicted past it)
 SEND_TIMEOUT = 30.0
 AUTH_THREADS = 4  # worker threads for lookups of unknown tokens
 BAD_TOKEN_SECONDS = 60.0  # a refused token is refused again without a query this long
@@ -92,33 +94,88 @@ _TRUE = ("true", "1", "yes", "on")
 
 
 class Connections:
-    """Open connections per client address that have not shown a valid token yet (nor asked a
-    probe, nor had an answer below 400 or one the app marked ``memfuse.authenticated``: a
-    console page, whose session the console checks);
-    at most ``cap`` per address (0: no cap). ``memfuse.server.serve`` calls ``opened``
-    when it accepts a connection (False: close it at once) and ``closed`` when it ends; the
-    ``Gate`` calls ``cleared`` once a request on it authenticated. Event-loop only."""
+    """Open connections that have not shown a valid token yet (nor asked a probe, nor had an
+    answer below 400 or one the app marked ``memfuse.authenticated``: a console page, whose
+    session the console checks): at most ``cap`` per client address (0: no cap), and at most
+    ``max_total`` in all (0: no cap). ``memfuse.server.serve`` calls ``opened`` when it
+    accepts a connection (False: close it at once) and ``closed`` when it ends; the ``Gate``
+    calls ``active`` when a request on it starts and ``cleared`` once one authenticated.
+    Event-loop only.
 
-    def __init__(self, cap: int = MAX_UNAUTHENTICATED_PER_ADDRESS) -> None:
+    At ``max_total`` (``full``) the server closes a new connection whose request head has not
+    arrived yet at once (``turned_away``); a new one whose head is in is kept and the one idle
+    the longest is evicted (its ``evict`` callback, given to ``opened``, is called: the
+    server closes it): the oldest connection still waiting for a request's headers, or for a
+    next request after a refusal, is the one whose header deadline is furthest gone. A flood
+    of connections that never finish their heads, from any number of addresses, then can
+    neither hold the server's descriptors nor keep the kernel's listen backlog full ahead of
+    a client that sends its request (``memfuse.server.serve._accept_forever``;
+    tests/test_hostile.py, bench/README.md "Hostile clients"). Every such close is counted
+    (``evicted``, ``turned_away``: the metric ``memfuse_server_connections_evicted_total``
+    by reason) and logged (at most one line per ``LOG_EVERY`` s, with the totals). Memory: one dict
+    entry per connection."""
+
+    LOG_EVERY = 5.0  # s between two log lines about evictions
+
+    def __init__(self, cap: int = MAX_UNAUTHENTICATED_PER_ADDRESS, max_total: int = MAX_UNAUTHENTICATED) -> None:
         self.cap = cap
+        self.max_total = max_total
         self.refused = 0
-        self._pending: set[tuple[str, int]] = set()  # (host, port) not cleared yet
+        self.evicted = 0  # the oldest closed for a new connection whose head was in
+        self.refused_at_cap = 0  # new connections without their head closed at the cap
+        # INVARIANT: ``_pending`` holds every open connection (host, port) not cleared yet,
+        # with its evict callback, in the order of its last activity (accepted, or a request
+        # started on it: ``active``), oldest first; ``_per_host`` counts its keys per host.
+        self._pending: dict[tuple[str, int], Callable[[], object] | None] = {}
         self._per_host: dict[str, int] = {}
+        self._logged_at = -math.inf
 
-    def opened(self, peer: tuple[str, int]) -> bool:
+    def opened(self, peer: tuple[str, int], evict: Callable[[], object] | None = None) -> bool:
+        """Count a new connection from ``peer``: False when its address is at ``cap`` (the
+        caller closes it at once). At ``max_total``, the oldest pending connection's
+        ``evict`` is called and it stops counting."""
         host = peer[0]
         if self.cap and self._per_host.get(host, 0) >= self.cap:
             self.refused += 1
             return False
-        self._pending.add(peer)
+        while self.max_total and len(self._pending) >= self.max_total:
+            oldest = next(iter(self._pending))
+            callback = self._pending.pop(oldest)
+            self._drop(oldest[0])
+            self.evicted += 1
+            if callback is not None:
+                callback()
+            self._log_eviction()
+        if peer in self._pending:  # a reused (host, port): the old connection has ended
+            del self._pending[peer]
+            self._drop(host)
+        self._pending[peer] = evict
         self._per_host[host] = self._per_host.get(host, 0) + 1
         return True
+
+    @property
+    def full(self) -> bool:
+        """Whether ``max_total`` connections without a valid token are open."""
+        return bool(self.max_total) and len(self._pending) >= self.max_total
+
+    def turned_away(self) -> None:
+        """Count (and log) a new connection closed at once at ``max_total``: its request head
+        had not arrived."""
+        self.refused_at_cap += 1
+        self._log_eviction()
+
+    def active(self, peer: Any) -> None:
+        """A request started on ``peer``'s connection: it becomes the newest of the pending."""
+        if isinstance(peer, (tuple, list)) and len(peer) >= 2:
+            key = (peer[0], peer[1])
+            if key in self._pending:
+                self._pending[key] = self._pending.pop(key)
 
     def cleared(self, peer: Any) -> None:
         if isinstance(peer, (tuple, list)) and len(peer) >= 2:
             peer = (peer[0], peer[1])
             if peer in self._pending:
-                self._pending.discard(peer)
+                del self._pending[peer]
                 self._drop(peer[0])
 
     def closed(self, peer: tuple[str, int]) -> None:
@@ -130,6 +187,16 @@ class Connections:
             self._per_host[host] = n
         else:
             self._per_host.pop(host, None)
+
+    def _log_eviction(self) -> None:
+        now = time.monotonic()
+        if now - self._logged_at >= self.LOG_EVERY:
+            log.warning("closing connections without a token: at the cap of unauthenticated connections "
+                        "(the oldest for a new request; new ones whose request has not arrived)",
+                        extra={"reason": "max_unauthenticated", "cap": self.max_total,
+                               # totals since the start (a line the log's rate limit drops loses none)
+                               "evicted_oldest": self.evicted, "refused_without_head": self.refused_at_cap})
+            self._logged_at = now
 
     @property
     def unauthenticated(self) -> int:
@@ -193,8 +260,9 @@ class Gate:
     send)``, when given, is tried first for every other request once its body is read (the
     record writes, ``memfuse.server.writepath.WritePath``): True when it answered. ``auth_refusals`` maps a
     path prefix to a function ``(ServiceError, scope) -> ASGI response`` for prefixes whose
-    401 has its own form (``/mcp``). ``connections``: the per-address cap, when the server
-    applies it (``memfuse.server.serve``)."""
+    401 has its own form (``/mcp``). ``connections``: the caps of connections without a valid
+    token (per address, ``max_unauthenticated_per_address``, and in all, ``max_unauthenticated``),
+    when the server applies them (``memfuse.server.serve``)."""
 
     def __init__(self, app: ASGIApp, svc: Service, metrics: ServerMetrics, streams: StreamClass, *,
                  max_inflight: int = MAX_INFLIGHT, send_timeout: float = SEND_TIMEOUT,
@@ -202,6 +270,7 @@ class Gate:
                  receive_timeout: float = RECEIVE_TIMEOUT, body_budget: int = BODY_BUDGET,
                  header_timeout: float = HEADER_TIMEOUT,
                  max_unauthenticated_per_address: int = MAX_UNAUTHENTICATED_PER_ADDRESS,
+                 max_unauthenticated: int = MAX_UNAUTHENTICATED,
                  fast: Callable[[Scope, Receive, Send], Awaitable[bool]] | None = None,
                  ready: Callable[[], Any] | None = None,
                  write_rate: WriteRate | None = None,
@@ -221,7 +290,7 @@ class Gate:
         self.receive_timeout = receive_timeout
         self.body_budget = body_budget
         self.header_timeout = header_timeout
-        self.connections = Connections(max_unauthenticated_per_address)
+        self.connections = Connections(max_unauthenticated_per_address, max_unauthenticated)
         self.auth_refusals: dict[str, Callable[[ServiceError, Scope], Any]] = {}
         # path prefix → ``(status, code, detail) -> (body, content type)``: the form of every
         # other refusal (413, 408, 429, 503) under that prefix, where it is not problem+json
@@ -278,6 +347,7 @@ class Gate:
             await self.app(scope, receive, send)
             return
         path, method = scope["path"], scope["method"]
+        self.connections.active(scope.get("client"))
         if path in PROBES or (path == "/metrics" and method == "GET"):
             self.connections.cleared(scope.get("client"))
             await self._probe(path, receive, send)

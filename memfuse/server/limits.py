@@ -35,6 +35,12 @@ class _Connections(Protocol):
     @property
     def refused(self) -> int: ...
 
+    @property
+    def evicted(self) -> int: ...
+
+    @property
+    def refused_at_cap(self) -> int: ...
+
 
 class Front(Protocol):
     """What the metrics read of the front door (``memfuse.server.gate.Gate``; named here, so
@@ -142,8 +148,14 @@ def front_collector(front: Front, stream_class: StreamClass) -> Callable[[], lis
         r = CounterMetricFamily("memfuse_server_connections_refused",
                                 "Connections closed at once: their address had too many without a token")
         r.add_metric([], front.connections.refused)
+        e = CounterMetricFamily("memfuse_server_connections_evicted",
+                                "Connections without a token closed at the cap of them in all, by reason "
+                                "(oldest: the one idle the longest, for a new request; no_head: a new one "
+                                "whose request had not arrived)", labels=["reason"])
+        e.add_metric(["oldest"], front.connections.evicted)
+        e.add_metric(["no_head"], front.connections.refused_at_cap)
         b = GaugeMetricFamily("memfuse_server_request_body_bytes", "Bytes of request bodies held now")
         b.add_metric([], front.body_bytes)
-        return [o, c, u, r, b]
+        return [o, c, u, r, e, b]
 
     return collect

@@ -19,6 +19,7 @@ from sqlalchemy.engine import Connection
 from memfuse import content as content_rules
 from memfuse.defs import mtime_effective_ns
 from memfuse.hashstate import Sha256States
+from memfuse.secretscan import AppendScans
 from memfuse.models import (
     MoveResult,
     Operation,
@@ -85,6 +86,9 @@ log = logging.getLogger("memfuse.server.service")  # every room of the Service l
 #: sha256 states of recently written contents (``memfuse.hashstate``): an append's sha256 is
 #: computed over its suffix when its base was written (or appended to) by this process
 _HASHES = Sha256States()
+#: the hints of the windows recent appends' secret scans read: an append's scan from the last
+#: one's (``memfuse.secretscan``)
+_SCANS = AppendScans()
 
 
 class RecordsService(Resource):
@@ -478,7 +482,7 @@ class RecordsService(Resource):
             rec.base_content = rec.content
             _check_if_match(if_match, rec.sha256)
             if append.tail is not None:  # rec.content: the head; the context is in the tail
-                secret = content_rules.find_secret(tails.scan_context(append.tail) + body.append) if raw else None
+                context = tails.scan_context(append.tail)
                 content = rec.content or ""
                 sha = rec.sha256
                 if raw:
@@ -486,11 +490,14 @@ class RecordsService(Resource):
                         ((tails.live_content(conn, rec.id) or "") + body.append).encode("utf-8"))
             else:
                 old = rec.content or ""
-                secret = content_rules.find_secret(tails.scan_context(old) + body.append) if raw else None
+                context = tails.scan_context(old)
                 content = old + body.append
                 sha = rec.sha256
                 if raw:  # one pass over the suffix when the base's hash state is kept (hashstate)
                     sha = _HASHES.extend(rec.sha256, raw) or _HASHES.digest(content.encode("utf-8"))
+            # the context's hints are known when this process scanned the append that made
+            # rec's content (secretscan): then only the suffix is looked through
+            secret = _SCANS.find_secret(context, body.append, rec.sha256, sha) if raw else None
             return self._put_content(conn, st, p, rec, body, content, rec.size + len(raw), sha, secret,
                                      append=append)
 

@@ -8,11 +8,15 @@ local mode may still open the file; their commits are picked up by the server's 
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import gc
 import logging
+import math
 import os
+import re
 import socket
+from collections import deque
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,6 +45,9 @@ BACKLOG = 2048  # pending connections the kernel queues (thousands of sidecars r
 # timeout (memfuse.server.limits) closes the connection. Fast enough for a data-centre
 # network (256 KiB per round trip: 250 MB/s at 1 ms).
 SEND_BUFFER = 128 * 1024
+# Seconds a connection whose client has sent nothing is left in the kernel before it is
+# handed to accept() (TCP_DEFER_ACCEPT, see ``listen_socket``).
+DEFER_ACCEPT = 1
 
 
 # The cyclic garbage collector's thresholds for a serving process (``tune_gc``): CPython's
@@ -158,6 +165,13 @@ def listen_socket(listen: str, send_buffer: int = SEND_BUFFER,
       application cannot time them out itself. An idle connection (a long-poll waiting,
       nothing unacknowledged) is not affected, nor is a client that reads.
 
+    and one of the listening socket: ``TCP_DEFER_ACCEPT`` = ``DEFER_ACCEPT`` s (tcp(7)): the
+    kernel hands a connection to accept() once its first bytes arrived (an HTTP client sends
+    first), or, for a client that sends nothing, after that long. So a connection accepted
+    without bytes to read has been silent that long: at the cap of unauthenticated
+    connections it is closed at once (``_accept_forever``), while a client whose request
+    is under way is never accepted before its request.
+
     Raises ``OSError`` when the address cannot be bound, ``ValueError`` for a malformed
     ``listen``."""
     host, sep, port = listen.rpartition(":")
@@ -172,6 +186,7 @@ def listen_socket(listen: str, send_buffer: int = SEND_BUFFER,
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT,
                         max(1, int(send_timeout * 1000)))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_DEFER_ACCEPT, DEFER_ACCEPT)
         sock.bind((host, int(port)))
     except BaseException:
         sock.close()
@@ -244,6 +259,161 @@ async def _serve(app: FastAPI, listen: str, task_status: trio.TaskStatus[str]) -
             inner.deadline = trio.current_time() + GRACEFUL_TIMEOUT + 2
 
 
+_HEAD_END = re.compile(rb"\n\r?\n")  # the blank line ending a request's head, as h11 finds it
+
+
+async def _first_head(stream: trio.SocketStream, timeout: float, first: bytes = b"") -> tuple[bytes | None, bool]:
+    """Read a new connection's first request head, before hypercorn's machinery for the
+    connection is built: returns (the bytes read, whether the client closed its end after
+    them) as soon as they hold the blank line ending the head (as h11 finds it) or pass
+    ``MAX_HEAD`` bytes (hypercorn then refuses the head: 431); (None, False), and the caller
+    closes the connection without an answer, when the client closed its end before its head
+    was complete (hypercorn answered 400 to a partial head: the client is gone or leaving), or
+    no head came within ``timeout`` s (the header deadline, from the connection's start), or
+    the connection was reset.
+
+    Why: hypercorn's per-connection state (its server, protocol, task group, idle timer) cost
+    ~700 us of CPU per connection, most of it for a connection that never finishes its head;
+    waiting here costs a fraction of that, so a flood of such connections is accepted (and,
+    past the cap of unauthenticated connections, evicted) fast enough that the kernel's
+    listen backlog drains and a client that sends its request is read (bench/README.md,
+    "Hostile clients"). Memory: the head read so far (at most ``MAX_HEAD`` + 64 KiB).
+    ``first``: bytes of the connection read already (``_accept_forever``)."""
+    buf = bytearray(first)
+    if buf and (len(buf) > MAX_HEAD or _HEAD_END.search(buf) is not None):
+        return first, False
+    with trio.move_on_after(timeout):
+        while True:
+            try:
+                piece = await stream.receive_some(65536)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return None, False
+            if not piece:  # the client closed its end: answered only when its head is complete
+                return (bytes(buf), True) if _HEAD_END.search(buf) is not None else (None, False)
+            start = max(0, len(buf) - 2)  # only the new bytes (and the two before) are searched
+            buf += piece
+            if len(buf) > MAX_HEAD or _HEAD_END.search(buf, start) is not None:
+                return bytes(buf), False
+    return None, False
+
+
+ACCEPT_BATCH = 64  # connections accepted in a row before the other tasks run
+ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+ACCEPT_IGNORED_ERRNOS = frozenset({errno.ECONNABORTED, errno.EPERM, errno.EPROTO})
+LIMBO_SECONDS = 0.1  # how long a connection accepted at the cap may take to send its request head
+LIMBO_MAX = 4096  # such connections waiting at once (the oldest closed past it)
+
+
+async def _accept_forever(listener: socket.socket, nursery: trio.Nursery,
+                          handle: Callable[[socket.socket, bytes, tuple[str, int] | None, trio.CancelScope],
+                                           Awaitable[None]],
+                          connections: Connections | None) -> None:
+    """Accept connections on the listening socket ``listener`` until cancelled (then close
+    it), starting ``handle(connection, first, peer, scope)`` in ``nursery`` for each: trio's
+    ``serve_listeners`` (trio 0.22, ``_highlevel_serve_listeners.py``: errors of capacity such
+    as EMFILE are logged and retried after 0.1 s) with one change, for when ``connections``
+    is at its cap of connections without a valid token: a new connection whose request head
+    has begun to arrive but is not complete (read without waiting), or whose client left, is
+    closed at once, before any task or trio object is made for it (counted and logged by
+    ``Connections.turned_away``); one whose head is in is started with those bytes
+    (``first``); one that has sent nothing yet is looked at again ``LIMBO_SECONDS`` later,
+    without a task (a client's request may be a moment behind its connection: the listening
+    socket's ``TCP_DEFER_ACCEPT`` holds such a connection back, but not one the kernel took
+    by SYN cookie, as it does under a flood): started if its head is in by then, else
+    closed. ``Connections.opened`` makes room for those started by evicting the oldest. Every connection
+    from an address (``peer``: host, port) is counted by ``Connections.opened`` here, before
+    its task starts (closed at once past the per-address cap), with ``scope.cancel`` as its
+    eviction: ``handle`` runs the connection in ``scope`` and reports its end
+    (``Connections.closed``).
+
+    Why: a flood of connections that never finish their heads fills the kernel's listen
+    backlog; a client's SYN is then dropped (retried after 1, 3, 7 s) and its connection
+    waits behind the backlog's worth of the flood. The flood is only drained when accepting
+    and refusing one costs less than the flood's clients take to make one (here ~40 us,
+    against ~250 us for a connection given a task; bench/README.md, "Hostile clients"). A
+    client behind the backlog has sent its request by the time it is accepted, so it is
+    started."""
+    listener.setblocking(False)
+    # INVARIANT: ``limbo`` holds, oldest first, (accepted at, connection, peer) of the
+    # connections accepted at the cap that had sent nothing yet; each is looked at again
+    # ``LIMBO_SECONDS`` later (its head in: started; else closed), at most ``LIMBO_MAX``.
+    limbo: deque[tuple[float, socket.socket, tuple[str, int]]] = deque()
+
+    def head_state(conn: socket.socket) -> tuple[bytes, str]:
+        """What ``conn`` sent so far, read without waiting, and ``"head"`` (a whole request
+        head or more than ``MAX_HEAD`` bytes), ``"nothing"`` yet, or ``"drop"`` (a head begun
+        and not finished, the client left, or the connection was reset)."""
+        try:
+            first = conn.recv(MAX_HEAD + 1, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return b"", "nothing"
+        except OSError:
+            return b"", "drop"
+        if first and (len(first) > MAX_HEAD or _HEAD_END.search(first) is not None):
+            return first, "head"
+        return b"", "drop"
+
+    def start(conn: socket.socket, peer: tuple[str, int] | None, first: bytes) -> None:
+        scope = trio.CancelScope()  # entered by the connection's task; cancelled to evict it
+        # counted here, not in the task: the connections of one batch count at once
+        if connections is not None and peer is not None and not connections.opened(peer, scope.cancel):
+            conn.close()  # the per-address cap
+            return
+        nursery.start_soon(handle, conn, first, peer, scope)
+
+    def turn_away(conn: socket.socket) -> None:
+        conn.close()
+        if connections is not None:
+            connections.turned_away()
+
+    try:
+        while True:
+            if limbo:
+                with trio.move_on_after(max(0.0, limbo[0][0] + LIMBO_SECONDS - trio.current_time())):
+                    await trio.lowlevel.wait_readable(listener)
+            else:
+                await trio.lowlevel.wait_readable(listener)
+            now = trio.current_time()
+            while limbo and limbo[0][0] + LIMBO_SECONDS <= now:
+                _, conn, waited = limbo.popleft()
+                first, state = head_state(conn)
+                if state == "head":
+                    start(conn, waited, first)
+                else:
+                    turn_away(conn)
+            for _ in range(ACCEPT_BATCH):
+                try:
+                    conn, addr = listener.accept()
+                except BlockingIOError:
+                    break
+                except OSError as exc:
+                    if exc.errno in ACCEPT_IGNORED_ERRNOS:
+                        continue
+                    if exc.errno not in ACCEPT_CAPACITY_ERRNOS:
+                        raise
+                    log.error("accept: %s; retrying in 0.1 s", errno.errorcode[exc.errno])
+                    await trio.sleep(0.1)
+                    break
+                peer: tuple[str, int] | None = (addr[0], addr[1]) if isinstance(addr, tuple) else None
+                if connections is None or peer is None or not connections.full:
+                    start(conn, peer, b"")
+                    continue
+                first, state = head_state(conn)
+                if state == "head":
+                    start(conn, peer, first)
+                elif state == "nothing":
+                    limbo.append((now, conn, peer))
+                    if len(limbo) > LIMBO_MAX:
+                        turn_away(limbo.popleft()[1])
+                else:
+                    turn_away(conn)
+            await trio.lowlevel.checkpoint()
+    finally:
+        for _, conn, _ in limbo:
+            conn.close()
+        listener.close()
+
+
 def _address(stream: trio.SocketStream) -> str:
     """``host:port`` of the client of ``stream`` (``"?"`` when the socket cannot tell), for
     logs."""
@@ -254,14 +424,65 @@ def _address(stream: trio.SocketStream) -> str:
     return f"{name[0]}:{name[1]}" if isinstance(name, tuple) else str(name)
 
 
+class _IdleTimer:
+    """hypercorn's per-connection idle timer (``TCPServer.idle_task``: its
+    ``_idle_timeout``, armed by ``restart`` when the connection turns idle, disarmed by
+    ``stop`` when a request's headers are in) as one task per connection whose deadline
+    is moved, instead of a task started and cancelled per request (a task spawn, a
+    cancellation and the lock of ``TrioSingleTask`` per request: bench/README.md, "The
+    close path, session 11: serve"). Same behaviour: the connection is closed (shielded,
+    as hypercorn does) ``keep_alive_timeout`` s after it turned idle, or at once when the
+    server terminates while it is idle; a busy connection is left to finish. ``end()``
+    (the connection is over) ends the task without closing anything. ``server``: the
+    connection's hypercorn ``TCPServer`` (``_worker_serve``)."""
+
+    def __init__(self, server: Any) -> None:
+        self.server = server
+        self.scope = trio.CancelScope()  # its deadline: when an idle connection closes
+        self.armed: bool = False  # the connection is idle (closes at the deadline)
+        self.ended: bool = False
+        self.started: bool = False  # its task is spawned
+        self.changed: trio.Event = trio.Event()  # set when ``armed`` or ``ended`` changes (after termination)
+
+    async def restart(self, task_group: Any, action: Any) -> None:
+        self.armed = True
+        self.scope.deadline = trio.current_time() + self.server.config.keep_alive_timeout
+        self.changed.set()
+        if not self.started:
+            self.started = True
+            task_group.spawn(self._run)
+
+    async def stop(self) -> None:
+        self.armed = False
+        self.scope.deadline = math.inf
+
+    def end(self) -> None:
+        self.armed = False
+        self.ended = True
+        self.scope.cancel()
+        self.changed.set()
+
+    async def _run(self) -> None:
+        with self.scope:  # cancelled: the deadline passed while idle, or ``end()``
+            await self.server.context.terminated.wait()
+            # the server terminates: close the connection now if idle, else once it is
+            while not self.armed and not self.ended:
+                self.changed = trio.Event()
+                await self.changed.wait()
+        if self.ended:
+            return
+        with trio.CancelScope(shield=True):
+            await self.server._initiate_server_close()
+
+
 async def _worker_serve(app: FastAPI, config: Config, connections: Connections | None,
                         shutdown_trigger: Callable[[], Awaitable[object]],
                         task_status: trio.TaskStatus[list[str]]) -> None:
     """hypercorn's ``worker_serve`` (hypercorn 0.18, ``hypercorn/trio/run.py``, plain TCP
     and Unix sockets only) with one change: each accepted connection is first offered to
     ``connections`` (``memfuse.server.gate.Connections``: the cap on connections without a
-    valid token per client address), closed at once when over it, and reported when it
-    ends. hypercorn has no hook for this; the rest is its own code, called as it calls it.
+    valid token per client address, and in all), closed at once when over it, and reported
+    when it ends. hypercorn has no hook for this; the rest is its own code, called as it calls it.
 
     A second change: when the client closes its end, the connection ends then. hypercorn
     0.18's ``TCPServer`` leaves its keep-alive idle timer running after the client's EOF, so a
@@ -272,23 +493,32 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
 
     A third: no HTTP/2 on cleartext connections (``_HTTP11Only``).
 
-    A fourth: one connection's error stays in it. The socket's write side is shut under
+    A fourth: the keep-alive idle timer is one task per connection whose deadline moves
+    (``_IdleTimer``), not a task started and cancelled per request, and a read has no cancel
+    scope of its own when there is no read timeout (hypercorn's default).
+
+    A fifth: one connection's error stays in it. The socket's write side is shut under
     hypercorn's send lock (``_TCPServer._close``), so a response is never sent beside it
     (``trio.BusyResourceError``), and anything else a connection raises is logged with its
-    peer and dropped in ``handle`` instead of stopping the server."""
-    from functools import partial
+    peer and dropped in ``handle`` instead of stopping the server.
 
+    A fifth: connections are accepted by ``_accept_forever`` (not trio's ``serve_listeners``),
+    which closes new connections without their request head at the cap of unauthenticated
+    connections before any task is made for them, and a connection's first request head is
+    read by ``_first_head`` (within the header deadline) before hypercorn's objects for it
+    are made, then given to hypercorn as if it had read it (``_TCPServer.first``). An
+    evicted connection (``Connections.opened``) is cancelled where it stands and closed."""
     from itertools import chain
 
     import h11
-    from hypercorn.events import RawData
+    from hypercorn.events import Closed, RawData
     from hypercorn.protocol import ProtocolWrapper
     from hypercorn.protocol.events import Body as HyBody
     from hypercorn.protocol.events import EndBody as HyEndBody
     from hypercorn.protocol.events import Response as HyResponse
     from hypercorn.protocol.h11 import H11Protocol
     from hypercorn.trio.lifespan import Lifespan
-    from hypercorn.trio.tcp_server import TCPServer
+    from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
     from hypercorn.trio.worker_context import WorkerContext
     from hypercorn.typing import ConnectionState
     from hypercorn.utils import ShutdownError, raise_shutdown, repr_socket_addr, wrap_app
@@ -346,9 +576,44 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
                 return b""
 
     class _TCPServer(TCPServer):
+        # what ``_first_head`` read of the connection before hypercorn took it over, and
+        # whether the client had closed its end by then
+        first: bytes = b""
+        first_eof = False
+        idle_task: _IdleTimer  # type: ignore[assignment]  # hypercorn's TrioSingleTask, replaced
+
+        def __init__(self, *args: Any) -> None:
+            super().__init__(*args)
+            self.idle_task = _IdleTimer(self)
+
         async def _read_data(self) -> None:
-            await super()._read_data()
-            await self.idle_task.stop()  # the peer is gone: nothing to keep alive
+            # hypercorn's loop, without a cancel scope per read when there is no read
+            # timeout (``config.read_timeout`` None: the idle timer bounds an idle connection),
+            # given first what ``_first_head`` read
+            try:
+                if self.first:
+                    await self.protocol.handle(RawData(self.first))
+                if self.first_eof:  # as the loop below ends on the client's EOF
+                    await self.protocol.handle(RawData(b""))
+                    await self.protocol.handle(Closed())
+                    return
+                timeout = self.config.read_timeout
+                while True:
+                    try:
+                        if timeout is None:
+                            data = await self.stream.receive_some(MAX_RECV)
+                        else:
+                            with trio.fail_after(timeout):
+                                data = await self.stream.receive_some(MAX_RECV)
+                    except (trio.ClosedResourceError, trio.BrokenResourceError, trio.TooSlowError):
+                        break
+                    else:
+                        await self.protocol.handle(RawData(bytes(data)))
+                        if data == b"":
+                            break
+                await self.protocol.handle(Closed())
+            finally:
+                self.idle_task.end()  # the peer is gone: nothing to keep alive
 
         # INVARIANT: the socket's send side has one user at a time: every ``send_all``
         # (hypercorn's ``protocol_send``) and this ``send_eof`` run holding ``send_lock``.
@@ -393,28 +658,37 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
     lifespan = Lifespan(asgi, config, lifespan_state)
     context = WorkerContext(None)
 
-    async def handle(stream: trio.SocketStream) -> None:
-        peer = None
-        if connections is not None:
-            try:
-                name = stream.socket.getpeername()
-                peer = (name[0], name[1]) if isinstance(name, tuple) else None
-            except OSError:
-                peer = None
-            if peer is not None and not connections.opened(peer):
-                await stream.aclose()
-                return
-        where = f"{peer[0]}:{peer[1]}" if peer is not None else _address(stream)
+    async def handle(conn: socket.socket, first_bytes: bytes, peer: tuple[str, int] | None,
+                     scope: trio.CancelScope) -> None:
         try:
-            # hypercorn types the stream as its TLS one; it serves plain streams too (its own run())
-            await _TCPServer(asgi, config, context, ConnectionState(lifespan_state.copy()), stream)  # type: ignore[arg-type]
-        except* Exception:
-            # supervision: whatever one connection raises (hypercorn catches only the app's
-            # own errors and OSError) ends that connection here, logged, and never reaches the
-            # server's nursery: before, it stopped ``memfuse serve`` (attack 11 F4). The
-            # stream is closed by hypercorn's ``finally``; a cancellation passes through.
-            log.exception("connection failed; dropped", extra={"peer": where})
+            stream = trio.SocketStream(trio.socket.from_stdlib_socket(conn))
+        except BaseException:
+            conn.close()
+            if peer is not None and connections is not None:
+                connections.closed(peer)
+            raise
+        try:
+            with scope:
+                where = f"{peer[0]}:{peer[1]}" if peer is not None else _address(stream)
+                try:
+                    first, eof = await _first_head(stream, config.keep_alive_timeout, first_bytes)
+                    if first is None:
+                        return  # no head in time, or the client left before it: closed (finally)
+                    # (hypercorn types the stream as its TLS one; it serves plain streams too: its own run())
+                    server = _TCPServer(asgi, config, context, ConnectionState(lifespan_state.copy()), stream)
+                    server.first, server.first_eof = first, eof
+                    await server
+                except* Exception:
+                    # supervision: whatever one connection raises (hypercorn catches only the app's
+                    # own errors and OSError) ends that connection here, logged, and never reaches the
+                    # server's nursery: before, it stopped ``memfuse serve`` (attack 11 F4). The
+                    # stream is closed by hypercorn's ``finally`` (or below); a cancellation passes
+                    # through.
+                    log.exception("connection failed; dropped", extra={"peer": where})
         finally:
+            # an evicted connection's task is cancelled where it stands (hypercorn's own close
+            # is cut by the cancellation): its socket is closed here, before it stops counting
+            stream.socket.close()
             if peer is not None and connections is not None:
                 connections.closed(peer)
 
@@ -423,19 +697,17 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
         await lifespan.wait_for_startup()
         async with trio.open_nursery() as server_nursery:
             sockets = config.create_sockets()
-            listeners = []
             binds = []
             for sock in sockets.insecure_sockets:
                 sock.listen(config.backlog)
-                listeners.append(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
                 binds.append(f"http://{repr_socket_addr(sock.family, sock.getsockname())}")
             task_status.started(binds)
             try:
                 async with trio.open_nursery(strict_exception_groups=True) as nursery:
                     nursery.start_soon(raise_shutdown, shutdown_trigger)
                     nursery.start_soon(raise_shutdown, context.terminate.wait)
-                    nursery.start_soon(partial(trio.serve_listeners, handle, listeners,
-                                               handler_nursery=server_nursery))
+                    for sock in sockets.insecure_sockets:
+                        nursery.start_soon(_accept_forever, sock, server_nursery, handle, connections)
                     await trio.sleep_forever()
             except BaseExceptionGroup as error:
                 _, other = error.split((ShutdownError, KeyboardInterrupt))

@@ -13,7 +13,8 @@ returns False having sent nothing, and FastAPI serves the request with the same 
 every refusal of the request's shape (422 ``validation_error`` with FastAPI's error list, a
 content type FastAPI does not read as JSON) is FastAPI's own. What it serves is the same
 ``Service`` call as the FastAPI handler (``Service.create_record`` / ``update_record`` /
-``batch``), in a worker thread as the FastAPI handler runs it, and the same response:
+``batch``), in a worker thread as the FastAPI handler runs it (``hop``: on SQLite the one
+writer thread of ``memfuse.server.writerthread``), and the same response:
 ``reply_response`` (status, ``ETag``, ``Idempotent-Replayed``) or the batch's
 ``batch_body``, refusals rendered by ``problems.exception_response``
 as the app's exception handlers render them. The request-duration histogram
@@ -25,7 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -55,13 +56,18 @@ class WritePath:
     whole request body, read by the front door), False having sent nothing when FastAPI must
     (see the module docstring). ``problem(exc, scope)`` renders an exception as the app's
     handlers do (``problems.exception_response``); ``histogram`` is the app's request-duration
-    histogram (labels route template, method, status)."""
+    histogram (labels route template, method, status). ``hop(fn, *args)`` runs a write's
+    ``Service`` call off the event loop and returns its result (default
+    ``anyio.to_thread.run_sync``; ``memfuse.server.writerthread.WriterThread.run`` for a
+    database whose writes are serial anyway)."""
 
     def __init__(self, svc: Service, problem: Callable[[Exception, Any], Response],
-                 histogram: Histogram | None = None) -> None:
+                 histogram: Histogram | None = None,
+                 hop: Callable[..., Awaitable[Any]] | None = None) -> None:
         self.svc = svc
         self.problem = problem
         self.histogram = histogram
+        self.hop: Callable[..., Awaitable[Any]] = hop if hop is not None else anyio.to_thread.run_sync
         self.served = 0  # requests answered here (for tests and the benchmark)
 
     async def __call__(self, scope: Scope, body: bytes, send: Send) -> bool:
@@ -93,7 +99,8 @@ class WritePath:
             return False
         model: type[BaseModel] = RecordCreate if m.route is table.CREATE_RECORD else RecordUpdate
         try:  # json.loads, then the model: what FastAPI does with a JSON body
-            parsed = model.model_validate(json.loads(body))
+            value = json.loads(body)
+            parsed = model.model_validate(value)
         except Exception:  # noqa: BLE001 - bad JSON, too deep, refused: FastAPI answers it
             return False
         svc = self.svc
@@ -101,15 +108,15 @@ class WritePath:
         try:
             if svc.token_upkeep_due():  # token bookkeeping, as the principal dependency does it
                 await anyio.to_thread.run_sync(svc.token_upkeep)
-            idem = idempotency_request(key, method, URL(scope=scope).path, body) if key else None
+            idem = idempotency_request(key, method, URL(scope=scope).path, body, value) if key else None
             reply: Reply
             if m.route is table.CREATE_RECORD:
                 assert isinstance(parsed, RecordCreate)
-                reply = await anyio.to_thread.run_sync(svc.create_record, p, store, parsed, idem)
+                reply = await self.hop(svc.create_record, p, store, parsed, idem)
             else:
                 assert isinstance(parsed, RecordUpdate)
                 if_match = headers.get(b"if-match")
-                reply = await anyio.to_thread.run_sync(
+                reply = await self.hop(
                     svc.update_record, p, store, m.params["record_id"], parsed,
                     if_match.decode("latin-1") if if_match is not None else None, idem)
             response = reply_response(reply)
@@ -135,7 +142,7 @@ class WritePath:
         try:
             if svc.token_upkeep_due():
                 await anyio.to_thread.run_sync(svc.token_upkeep)
-            replies = await anyio.to_thread.run_sync(svc.batch, p, store, req.operations)
+            replies = await self.hop(svc.batch, p, store, req.operations)
             response = Response(content=batch_body(replies), media_type="application/json")
         except Exception as e:
             response = self.problem(e, scope)

@@ -22,7 +22,7 @@ import random
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import trio
 
@@ -133,6 +133,13 @@ class Committer:
         #: commit (``--commit-wait`` well above ``Journal.HOLD``), so a write acknowledged
         #: within ``Journal.HOLD`` costs no journal transaction (docs/SEMANTICS.md)
         self.hold_journal = False
+        #: the method that sends an entry of each op (``_apply``), built once
+        self._appliers: dict[str, Callable[[Entry, Any, dict[str, Any]], Awaitable[None]]] = {
+            PUT: self.resolver.put, ATTRS: self._set_attrs, DELETE: self._delete,
+            MOVE: self._move, MOVE_PREFIX: self._move_prefix}
+        #: op -> its ``memfuse_commits_total`` child, looked up once (``labels()`` takes a
+        #: lock and builds its key per call; every commit counts one)
+        self._commit_counters: dict[str, Any] = {}
 
     # --- the control plane's reachability, as the outbox sees it ------------------------------
     @property
@@ -225,6 +232,8 @@ class Committer:
                             out.add(a.append_base[0])
                         if a.args.get("base"):  # an overwrite's older base (Node.read_base)
                             out.add(a.args["base"])
+                        if a.args.get("served"):  # ... or what readers were served (Node.served)
+                            out.add(a.args["served"])
         return out
 
     # --- enqueueing (synchronous, on the trio thread: order is fixed here) -------------------
@@ -609,7 +618,10 @@ class Committer:
                 self._attempt_answered()
                 self.committed += 1
                 if self.metrics is not None:
-                    self.metrics.commits.labels(e.op).inc()
+                    c = self._commit_counters.get(e.op)
+                    if c is None:
+                        c = self._commit_counters[e.op] = self.metrics.commits.labels(e.op)
+                    c.inc()
                 return
             except TransientError as err:
                 self.retries += 1
@@ -668,8 +680,7 @@ class Committer:
         ``client``, default the committer's). Raises the client's ``ApiError``
         (``_commit_with_retry`` tells transient from permanent); an unknown ``op`` (a corrupt
         journal) is a permanent refusal."""
-        apply = {PUT: self.resolver.put, ATTRS: self._set_attrs, DELETE: self._delete, MOVE: self._move,
-                 MOVE_PREFIX: self._move_prefix}.get(e.op)
+        apply = self._appliers.get(e.op)
         if apply is None:  # pragma: no cover - journal corruption
             raise local_refusal("validation_error", f"unknown outbox op {e.op!r}")
         await apply(e, client if client is not None else self.client, e.args)

@@ -132,6 +132,13 @@ class ConflictResolver:
             return rid, read_base, None
         m = self.merged.get(e.node_key) if e.node_key else None
         if rid is not None and m is not None and sha == m[2]:
+            # an overwrite written on what readers here were served before a write here
+            # that was merged onto a rival change (``Node.served``: sed -i read, echo >>
+            # appended, its merge not shown yet): based on that, so the rival lines it
+            # never read are merged in, not dropped (attack report 11, F3)
+            served = next((a.args["served"] for a in (*e.absorbed, e) if a.args.get("served")), None)
+            if served:
+                return rid, served, None
             return rid, m[0], m[1]
         return rid, sha, None
 

@@ -49,6 +49,7 @@ from .. import names
 from ..errors import errno_of
 from ..defs import MODE_MASK, datetime_ns, sha256_hex
 from ..hashstate import Sha256States
+from ..secretscan import AppendScans
 
 from .appendbuf import AppendBuffer, WriteBuffer
 from .attributes import AttributeOps
@@ -143,6 +144,9 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
     #: the bytes of recently held contents (``APPEND_CHECK_MIN`` bytes or more): an append's
     #: base at open (``_make_buf``) and at close (``_checked_prefix``) without a blob read
     recent: RecentContents
+    #: the hints the secret scans of recent appends found: the next append to the same file
+    #: is scanned over its suffix, not its 16 KiB context again (``secretscan``)
+    scans: AppendScans
 
     def __init__(self, blobs: BlobCache, client: Any, journal: Journal,
                  settings: Settings | None = None, workspace: str = "",
@@ -157,6 +161,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         self.client = client  # refetch: a clean content the blob cache lost or found damaged
         self.hashes = Sha256States()
         self.recent = RecentContents(min_bytes=APPEND_CHECK_MIN)
+        self.scans = AppendScans()
         self.journal = journal
         self.ids = ids if ids is not None else RecordIds(journal, {})
         self.listener = listener
@@ -293,7 +298,8 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             # once (as the control plane would), logged by its kind and a redacted form
             self.refuse(d, found.redacted, errno_of("secret_detected"), found.reason,
                         "secret_detected")
-        path = (d.path() + "/" + s) if d.path() else s
+        dpath = d.path()
+        path = (dpath + "/" + s) if dpath else s
         if not self.is_local_only(s):
             try:
                 names.check_path(path)
@@ -330,13 +336,11 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             return h.snapshot[off:off + size]
         n = h.node
         x = n._x
-        if x is not None and ("read_base" in x or "unread" in x):
+        if x is not None and ("read_base" in x or "unread" in x or "shown" in x):
             # the reader is served the current content (a handle opened before a remote
-            # change reads it once the kernel's pages are invalidated): Node.read_base
-            x.pop("read_base", None)
-            x.pop("unread", None)
-            if not x:
-                n._x = None  # back on the warm paths
+            # change reads it once the kernel's pages are invalidated), or what the kernel
+            # still shows: Node.read_base
+            self._served(n, x)
         if n.buf is not None:
             return bytes(n.buf[off:off + size])
         if off >= n.size or not n.sha:
@@ -345,6 +349,26 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         if not data and size > 0:  # absent or damaged (dropped): MemfuseOps refetches it
             raise ContentMissing(n)
         return data
+
+    def _served(self, n: Node, x: dict[str, Any]) -> None:
+        """A reader of file ``n`` (side table ``x``, ``n._x``) is served its content: by an
+        open for reading or a read. An overwrite after it is based on what the reader got
+        (``Node.read_base``, docs/SEMANTICS.md "Conflicts"): the current content, unless the
+        kernel may still show an older one (``kernel_behind``: the invalidation of a change
+        has not reached it): then the reader may get the pages and the size of the content
+        before that change (``Node.shown``), which becomes the base unless an older one is
+        kept already. Nothing awaits here."""
+        if self.kernel_behind(n.ino):
+            shown = x.get("shown")
+            if shown and "read_base" not in x and shown != n.sha:
+                x["read_base"] = shown
+            return
+        x.pop("read_base", None)
+        x.pop("unread", None)
+        x.pop("shown", None)
+        x.pop("served", None)
+        if not x:
+            n._x = None  # back on the warm paths
 
     def _cached_blob(self, sha: str) -> bytes | None:
         """The cached content whose sha256 is ``sha`` (checked), None when the blob cache
@@ -358,19 +382,25 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             return None
 
     def _hold_content(self, n: Node, data: bytes, sha: str, what: str,
-                      base: tuple[str, int] | None = None) -> None:
+                      base: tuple[str, int] | None = None, *, hashed: bool = False) -> None:
         """Make ``data`` (whose sha256 is ``sha``) the content of file ``n``: ``n.sha`` and
         ``n.size`` set, the bytes in the blob cache (reads are served from there, ``n.buf``
         None), or, when the cache disk refuses them (full or failing), kept in memory
         (``n.buf``, reads served from it) with a warning naming ``what`` was kept (never the
         content). ``base``: ``(sha256, length)`` of a cached blob that ``data`` starts with
         (an append): stored as a link to it plus the suffix when the cache can
-        (``BlobCache.put_append``), else whole. Accounting (``_account``) is the caller's."""
+        (``BlobCache.put_append``), else whole. ``hashed``: ``sha`` was computed here from
+        ``data`` (not a sha256 the control plane claims), so the blob cache may hold it in
+        memory a while and write it with others (``BlobCache.put_behind``). Accounting
+        (``_account``) is the caller's."""
         n.sha, n.size = sha, len(data)
         self.recent.keep(sha, data)  # the base of the next append to it (``_make_buf``)
         try:
             if base is None or not self.blobs.put_append(sha, base[0], base[1], data[base[1]:]):
-                self.blobs.put(data, sha)
+                if hashed:
+                    self.blobs.put_behind(data, sha)
+                else:
+                    self.blobs.put(data, sha)
             n.buf = None
         except CacheError as err:
             n.buf = bytearray(data)
@@ -431,13 +461,14 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
     def _make_buf(self, n: Node, *, replacing: bool = False) -> WriteBuffer:
         """``n``'s write buffer, made from its current content at a write session's first
         change. Such a session's content derives from that content, which is then its base
-        (``Node.read_base`` dropped), unless ``replacing`` (a truncate to 0: the content is
-        replaced whole, written on what the writer read) or ``n`` is dirty already (an
-        ``O_TRUNC`` open, a file renamed over a record: their base was set then)."""
+        (the version this sidecar last saw), unless the session replaces the content whole
+        (``Node.replacing``: ``replacing``, a truncate to 0, an ``O_TRUNC`` open, a file
+        renamed over a record: written on what the writer read, ``Node.read_base``). A
+        ``read_base`` stays for the readers it was recorded for (``sed -i`` reads while
+        ``echo >>`` appends)."""
+        if replacing:
+            n.replacing = True
         if n.buf is None:
-            x = n._x
-            if x is not None and not replacing and not n.dirty:
-                x.pop("read_base", None)
             if n.sha and n.size >= APPEND_CHECK_MIN:
                 # the content by reference (an append adds to it, ``appendbuf``): from
                 # memory when this sidecar held it last (the previous close of a journal),
@@ -492,6 +523,9 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         self._check_writable_file(n)
         self._check_size(n, size, truncating=True)
         self._check_growth(n, size)
+        ch = n.checker
+        if ch is not None:
+            ch.clean_len = -1  # the content changes here, not through check_write
         if judge and not n.local_only and n.cur_size() != size:
             cur = self._content(n)
             after = cur[:size] + b"\0" * (size - len(cur))
@@ -510,6 +544,8 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         self._touch_content(n)
 
     def _touch_content(self, n: Node) -> None:
+        if not n.unread and n.sha and not n.served:
+            n.served = n.sha  # the content readers were served before this write (Node.served)
         n.dirty = True
         n.unread = True  # what a writer made here: no reader was served it yet (Node.unread)
         now = time.time_ns()
@@ -535,8 +571,10 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             return self._new_handle(n, flags)
         special = n.special
         x = n._x
-        if not writing and x is not None and x.pop("unread", None) is not None and not x:
-            n._x = None  # a reader is served the content (Node.unread): back on the warm paths
+        if not writing and x is not None:
+            # a reader is served the content (Node.unread, Node.read_base; a writing open
+            # keeps them: vim reads, then opens to rewrite)
+            self._served(n, x)
         if writing:
             if special:
                 raise FsError(errno.EACCES, ".memfuse files are read-only")
@@ -547,18 +585,14 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             h = self._new_handle(n, flags)
             h.snapshot = self.controls.opened(special)
             return h
-        if not writing:
-            # a reader is served the current content: an overwrite after it is based on it
-            # (Node.read_base; a writing open keeps it: vim reads, then opens to rewrite)
-            x = n._x
-            if x is not None:  # not None here (the warm path above took the others)
-                x.pop("read_base", None)
         if flags & os.O_TRUNC and n.cur_size() > 0:
             self._account(n, -n.cur_size())
             n.buf = bytearray()
             self._touch_content(n)
+            n.replacing = True
         elif flags & os.O_TRUNC:
             n.dirty = True  # opening with O_TRUNC is a write, even of nothing
+            n.replacing = True
         return self._new_handle(n, flags)
 
     def create(self, parent_ino: int, name: bytes, mode: int, flags: int, uid: int, gid: int) -> Handle:
@@ -618,6 +652,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         if not n.dirty or n.is_dir or n.special:
             return None
         n.dirty = False
+        ch = n.checker
         n.checker = None  # the whole content is judged here; a later write starts afresh
         if n.unlinked:
             return None
@@ -641,14 +676,19 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         # and hashed from the base's kept hash state: one pass over the suffix (hashstate)
         checked = self._checked_prefix(prev_sha, data, appended)
         sha = self.hashes.of(data, prev_sha, checked)
-        self._hold_content(n, data, sha, "the file's content", base=(prev_sha, checked) if checked else None)
+        self._hold_content(n, data, sha, "the file's content", base=(prev_sha, checked) if checked else None,
+                           hashed=True)  # self.hashes.of(data): computed from these bytes
         if n.refused:
             # an earlier put still in flight must not mark the file clean when it lands
             n.state, n.last_put = REJECTED, None
             self._mark_rejected(n, n.refused, "")
             self.sync_rejected()
             raise FsError(n.refused, n.error)
-        refusal = self._precheck(n, data, checked=checked)
+        # a file written in one go had its whole content scanned for secrets at that write
+        # (WriteChecker.clean_len): the same text, so not scanned again
+        scanned = not checked and ch is not None and ch.clean_len == len(data)
+        refusal = self._precheck(n, data, checked=checked, base_sha=prev_sha, sha=sha,
+                                 secret_free=scanned)
         if refusal is not None:
             n.state, n.error, n.last_put = REJECTED, refusal.reason, None
             self.note_error(n.parent, n.name, refusal.errno, refusal.reason, refusal.code)
@@ -663,9 +703,20 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         # feed replaced the content readers here were served before this write replaced
         # it whole, the put is conditional on that older version (its If-Match fails, the
         # rival change is merged three-way or reported: ConflictResolver.put_base)
-        read_base = n._x.pop("read_base", "") if n._x is not None else ""
+        # (a write session built on the current content is based on it: the read_base
+        # stays for the readers it was recorded for, Node.replacing)
+        x = n._x
+        read_base = served = ""
+        if x is not None and x.pop("replacing", False):
+            read_base = x.pop("read_base", "")
+            served = x.pop("served", "")
         if read_base and read_base != self.ids.get(n.key, n.store.slug)[1]:
             args["base"] = read_base
+        elif served:
+            # what readers here were served before a write here changed the file: the base
+            # when that write's put was merged onto a rival change this file does not show
+            # yet (ConflictResolver.put_base)
+            args["served"] = served
         e = self.committer.submit(n.store.slug, PUT, n.key, args, data,
                                   sha=sha, append_base=(prev_sha, checked) if checked else None)
         n.last_put = e
@@ -705,7 +756,8 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             return 0
         return len(base)
 
-    def _precheck(self, n: Node, data: bytes, path: str | None = None, checked: int = 0) -> FsError | None:
+    def _precheck(self, n: Node, data: bytes, path: str | None = None, checked: int = 0,
+                  base_sha: str = "", sha: str = "", secret_free: bool = False) -> FsError | None:
         """Refusals the sidecar can decide alone, so they fail at close even offline:
         not UTF-8 or a NUL character (``EILSEQ``), a secret (``EPERM``), a bad frontmatter
         type (``EINVAL``) of file ``n`` holding ``data`` at ``path`` (default: its own).
@@ -714,7 +766,12 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         checked after them, the secret scan reads from ``APPEND_SCAN_CONTEXT`` bytes before
         them (a line start; as the control plane's append does), the type from the first
         ``writecheck.HEAD_BYTES`` (all a frontmatter can span: ``content.frontmatter``
-        reads its first 64 Ki characters), not decoded at all when it opens no fence."""
+        reads its first 64 Ki characters), not decoded at all when it opens no fence.
+        ``base_sha`` / ``sha``: the sha256 of the content the first ``checked`` bytes are
+        and of ``data``, for the append's secret scan (``secretscan.AppendScans``: the
+        context is not scanned again when the scan of the append that made it is kept).
+        ``secret_free``: the whole of ``data`` was scanned for secrets already (at its
+        write, ``WriteChecker.clean_len``) and held none: not scanned again."""
         start = 0
         if checked:
             start = max(0, checked - APPEND_SCAN_CONTEXT)
@@ -728,15 +785,17 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             return FsError.of("invalid_content", f"content contains a NUL character (at offset "
                                                  f"{nul}); records are text")
         if checked:  # an append: the whole is valid UTF-8 now; never decoded whole
-            scanned = data[start:].decode("utf-8")
+            # checked is a character boundary: data[checked:] decoded above
+            kind = self.scans.find_secret(data[start:checked].decode("utf-8"),
+                                          data[checked:].decode("utf-8"), base_sha, sha)
             # the type comes from the frontmatter only, which opens with the first bytes
             # and lies within HEAD_BYTES (a character cut at its end is dropped: the
             # 64 Ki characters the frontmatter may take end before it)
             head = (data[:HEAD_BYTES].decode("utf-8", "ignore") if data.startswith(FENCES)
                     else "")
         else:
-            scanned = head = data.decode("utf-8")
-        kind = content_rules.find_secret(scanned)
+            head = data.decode("utf-8")
+            kind = None if secret_free else content_rules.find_secret(head)
         if kind:
             return FsError.of("secret_detected", f"content looks like it holds a secret ({kind}); "
                                                  "memory must not store credentials")

@@ -22,6 +22,7 @@ import os
 import stat
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from types import CoroutineType
 from typing import Any, ParamSpec, TypeVar, cast
 
 import pyfuse3
@@ -29,6 +30,7 @@ import pyfuse3
 from .control import CONTROL_DIR
 from .core import ContentMissing, Filesystem
 from .inodes import CHECK_INVARIANTS, FsError, Handle, Node
+from .invalidator import Invalidator
 from .metrics import LAT_BUCKETS, TIME_MASK, Metrics, OpStats
 from .cachedir import CacheError
 
@@ -39,6 +41,10 @@ log = logging.getLogger("memfuse.fuse")
 CACHE_TIMEOUT = float(os.environ.get("MEMFUSE_KERNEL_CACHE_TIMEOUT", "300"))
 BLOCK = 4096
 _WRITABLE = os.O_WRONLY | os.O_RDWR  # open flags of a handle that may write
+# seconds an open for reading waits for the kernel invalidation of a remote change of the
+# file still queued (``Invalidator.catch_up``; milliseconds in practice): past it the open
+# proceeds, and the reader's base is what the kernel may still show (``Filesystem._served``)
+OPEN_CATCH_UP = 1.0
 
 
 # requests that may change what .memfuse/status.json shows (ControlFiles.changed); plain
@@ -143,26 +149,29 @@ def _guard_sync(fn: Callable[_P, _R]) -> Callable[_P, Coroutine[Any, Any, _R]]:
     return cast(Callable[_P, Coroutine[Any, Any, _R]], wrapper)
 
 
-def _guard_then(fn: Callable[_P, Awaitable[None] | None]) -> Callable[_P, Coroutine[Any, Any, None]]:
+def _guard_then(fn: Callable[_P, Any]) -> Callable[_P, Coroutine[Any, Any, Any]]:
     """``_guard`` for a handler written as a plain function that is done at once in the
-    common case (None) and otherwise returns what is left to await (``flush``: a reader's
-    close does nothing, a writer's waits for its commit). The three guards share
-    ``_failed``; their bodies are kept apart so that none pays a check per request."""
+    common case (its reply, or None) and otherwise returns a coroutine, awaited for the
+    reply (``flush``: a reader's close does nothing, a writer's waits for its commit;
+    ``open``: one of a file whose remote change the kernel has not seen yet waits for it).
+    The three guards share ``_failed``; their bodies are kept apart so that none pays a
+    check per request."""
     name = fn.__name__
     modifying = name in MODIFYING
     clock = time.perf_counter
     call = cast(Callable[..., Any], fn)  # called as fn(self, *args): _P includes self
 
     @functools.wraps(fn)
-    async def wrapper(self: MemfuseOps, *args: Any) -> None:
+    async def wrapper(self: MemfuseOps, *args: Any) -> Any:
         st = self._op_stats.get(name) or self._stats(name)
         c = st.n
         st.n = c + 1
         t0 = 0.0 if c & TIME_MASK else clock()  # one request in TIME_EVERY is timed
         try:
-            pending = call(self, *args)
-            if pending is not None:
-                await pending
+            reply = call(self, *args)
+            if type(reply) is CoroutineType:
+                reply = await reply
+            return reply
         except Exception as e:
             raise _failed(self, name, e) from None
         finally:
@@ -175,7 +184,7 @@ def _guard_then(fn: Callable[_P, Awaitable[None] | None]) -> Callable[_P, Corout
                 st.sum += dt  # OpStats.observe, inline (n counted above)
                 st.buckets[bisect_left(LAT_BUCKETS, dt)] += 1
 
-    return cast(Callable[_P, Coroutine[Any, Any, None]], wrapper)
+    return cast(Callable[_P, Coroutine[Any, Any, Any]], wrapper)
 
 
 class MemfuseOps(pyfuse3.Operations):
@@ -185,10 +194,16 @@ class MemfuseOps(pyfuse3.Operations):
     enable_writeback_cache = False
     enable_acl = False
 
-    def __init__(self, fs: Filesystem, metrics: Metrics | None = None) -> None:
+    def __init__(self, fs: Filesystem, metrics: Metrics | None = None,
+                 invalidator: Invalidator | None = None) -> None:
         super().__init__()
         self.fs = fs
         self.metrics = metrics or Metrics()
+        #: the kernel invalidations queued (``mount.Sidecar``'s; None: nothing is ever
+        #: behind): an open for reading of a file still being invalidated waits for it
+        self.invalidator = invalidator
+        #: its ``behind_inodes`` (read here on every open: an empty dict almost always)
+        self._behind: dict[int, int] = invalidator.behind_inodes if invalidator is not None else {}
         self._op_stats: dict[str, OpStats] = {}  # per op name (hot path: one dict lookup)
         #: (op name, errno) -> its ``memfuse_fuse_errors_total`` child: every file written
         #: is answered one ENODATA (the kernel's ``security.capability`` probe before the
@@ -358,13 +373,30 @@ class MemfuseOps(pyfuse3.Operations):
         raise FsError(errno.EPERM, "special files are not supported")
 
     # ------------------------------------------------------------------ files
-    @_guard_sync
-    def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+    @_guard_then
+    def open(self, inode: int, flags: int,
+             ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo | Awaitable[pyfuse3.FileInfo]:
+        behind = self._behind
+        if behind and inode in behind and flags & os.O_ACCMODE != os.O_WRONLY:
+            # a remote change of the file has not reached the kernel's pages and size yet
+            # (Invalidator.behind): the reader gets the new content once it has
+            # (Filesystem._served)
+            return self._open_caught_up(inode, flags)
         h = self.fs.open(inode, flags)
         if h.snapshot is not None:  # a .memfuse file: reads from this open's snapshot,
             # never from another's pages
             return pyfuse3.FileInfo(fh=h.fh, direct_io=True, keep_cache=False)
         return pyfuse3.FileInfo(h.fh)  # keep_cache (pyfuse3's default), no direct_io
+
+    async def _open_caught_up(self, inode: int, flags: int) -> pyfuse3.FileInfo:
+        """``open`` once the kernel invalidation of ``inode`` still queued was performed
+        (at most ``OPEN_CATCH_UP`` s; ``Filesystem.open`` follows with no await between)."""
+        assert self.invalidator is not None  # open() checked
+        await self.invalidator.catch_up(inode, OPEN_CATCH_UP)
+        h = self.fs.open(inode, flags)
+        if h.snapshot is not None:  # (a .memfuse file is never invalidated: not reached)
+            return pyfuse3.FileInfo(fh=h.fh, direct_io=True, keep_cache=False)
+        return pyfuse3.FileInfo(h.fh)
 
     def _create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                 ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import logging
 import math
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pyfuse3
@@ -26,10 +27,18 @@ class Invalidator:
     Requests are ``("entry", parent_ino, name: str)``, ``("inode", ino)`` (attributes and
     pages) and ``("attr", ino)`` (attributes only). ``active`` is
     False until the mount is up (nothing is cached before that).
+
+    ``behind(ino)`` says whether the kernel may still hold an older content of ``ino``: an
+    ``("inode", ino)`` request was submitted and has not been performed yet. Until then the
+    kernel may serve a reader the pages and the size of the content before the change
+    (docs/SEMANTICS.md, "Conflicts": the base of an overwrite); ``catch_up(ino, timeout)``
+    waits for it. ``hold``: a fault hook for tests, awaited before each batch is performed
+    (it widens that window); None in production.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, hold: Callable[[], Awaitable[None]] | None = None) -> None:
         self.active = False
+        self._hold = hold
         # unbounded: submit() is called from synchronous code on the trio thread and must
         # not block; the worker takes everything queued at once as one batch
         self._send, self._recv = trio.open_memory_channel(math.inf)
@@ -37,13 +46,43 @@ class Invalidator:
         self.failed = 0
         self._outstanding = 0  # submitted, not yet sent to the kernel
         self._settled = trio.Event()
+        # INVARIANT: ino -> number of its ("inode", ino) requests submitted and not yet
+        # performed (or dropped); an ino is a key only while that number is > 0. Changed on
+        # the trio thread only (submit, and run() after its batch returned); read-only to
+        # others (``behind``; the FUSE adapter's open tests it inline: an empty dict is the
+        # common case).
+        self.behind_inodes: dict[int, int] = {}
+        self._progress = trio.Event()  # set (and replaced) after every batch
 
     def submit(self, items: list[tuple[Any, ...]]) -> None:
         """Queue kernel invalidations (``("entry", parent_ino, name)``, ``("inode", ino)``,
         ``("attr", ino)``); dropped while the mount is not up. Never blocks."""
         if self.active and items:
             self._outstanding += len(items)
+            stale = self.behind_inodes
+            for item in items:
+                if item[0] == "inode":
+                    stale[item[1]] = stale.get(item[1], 0) + 1
             self._send.send_nowait(list(items))
+
+    @property
+    def pending(self) -> int:
+        """Invalidations submitted and not performed (or dropped) yet."""
+        return self._outstanding
+
+    def behind(self, ino: int) -> bool:
+        """True while an ``("inode", ino)`` invalidation is queued or being performed: the
+        kernel may still serve the pages and size of ``ino``'s older content. One dict
+        lookup (every open and read of a changed file asks)."""
+        return ino in self.behind_inodes
+
+    async def catch_up(self, ino: int, timeout: float) -> bool:
+        """Wait (up to ``timeout`` s) until no invalidation of ``ino``'s content is pending
+        (``behind``); True when none is, False when it still is after ``timeout``."""
+        with trio.move_on_after(timeout):
+            while ino in self.behind_inodes:
+                await self._progress.wait()
+        return ino not in self.behind_inodes
 
     def _run_batch(self, batch: list[tuple[Any, ...]]) -> None:
         for item in batch:
@@ -73,8 +112,20 @@ class Invalidator:
                     break
             try:
                 if batch and self.active:
+                    if self._hold is not None:
+                        await self._hold()
                     await trio.to_thread.run_sync(self._run_batch, batch)
             finally:
+                stale = self.behind_inodes
+                for item in batch:
+                    if item[0] == "inode":
+                        left = stale.get(item[1], 0) - 1
+                        if left > 0:
+                            stale[item[1]] = left
+                        else:
+                            stale.pop(item[1], None)
+                self._progress.set()
+                self._progress = trio.Event()
                 self._outstanding -= len(batch)
                 if self._outstanding <= 0:
                     self._outstanding = 0

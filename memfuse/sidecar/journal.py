@@ -276,9 +276,15 @@ class Journal:
     #: (docs/SEMANTICS.md, "Writes and close": the crash windows)
     HOLD = 0.2
 
-    def __init__(self, path: Path, metrics: Any = None) -> None:
+    def __init__(self, path: Path, metrics: Any = None,
+                 before_batch: Callable[[], None] | None = None) -> None:
         self.path = path
         self.metrics = metrics
+        #: called on the trio thread before a batch holding an entry's insert is written
+        #: (the sidecar's: ``BlobCache.write_behind``, so the content of every write the
+        #: journal accepts is in the blob cache file first, where ``recover`` finds it
+        #: should the journal be lost); must not raise
+        self.before_batch = before_batch
         #: where an unreadable journal was moved aside at this start (kept, named in the
         #: log), else None
         self.moved_aside: Path | None = None
@@ -780,6 +786,8 @@ class Journal:
                 self._unwritten = {}
                 self._lazy_behind = False
             if batch:
+                if self.before_batch is not None and any(op[2] is not None for op in batch):
+                    self.before_batch()
                 try:
                     await trio.to_thread.run_sync(self._apply, batch)
                 except BaseException as exc:

@@ -50,6 +50,11 @@ class FsListener(Protocol):
     def invalidate(self, items: list[tuple[Any, ...]]) -> None:
         """Kernel cache invalidations to make (``("inode", ino)``...): never blocks."""
 
+    def kernel_behind(self, ino: int) -> bool:
+        """True while an invalidation of inode ``ino``'s content has been handed over
+        (``invalidate``) and has not reached the kernel yet: until then the kernel may serve
+        a reader the pages and size of the content before that change."""
+
     def committed_size(self, slug: str, record_id: str) -> int | None:
         """Bytes of the record as the control plane holds it (the store's mirror), None when
         unknown."""

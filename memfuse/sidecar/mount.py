@@ -201,13 +201,23 @@ class Sidecar(StoreSync):
     are the mount and umount signals (admin API, workspace events, SIGHUP).
     """
 
-    def __init__(self, config: MountConfig, client: ApiClient) -> None:
+    def __init__(self, config: MountConfig, client: ApiClient,
+                 invalidator: Invalidator | None = None) -> None:
+        """``invalidator``: the kernel invalidations' queue (default: a new ``Invalidator``;
+        tests pass one with a fault hook)."""
         self.config = config
         self.client = client
         self.metrics = Metrics()
         try:
             secure_cache_dir(config.cache_dir)  # owner-only: it holds memory content
-            self.journal = Journal(config.cache_dir / "outbox.db", metrics=self.metrics)
+            legacy = config.cache_dir / "blobs"  # one-file-per-blob layout of earlier versions
+            if legacy.is_dir():
+                shutil.rmtree(legacy, ignore_errors=True)
+            blobs = BlobCache(config.cache_dir / "blobs.db", metrics=self.metrics)
+            # the contents the blob cache holds in memory are written before any journal
+            # batch with an accepted write: a journal lost later recovers it from there
+            self.journal = Journal(config.cache_dir / "outbox.db", metrics=self.metrics,
+                                   before_batch=blobs.write_behind)
         except OSError as e:  # e.g. a symlink planted in the cache directory (refused)
             raise StartError(f"cache directory {config.cache_dir} unusable: "
                              f"{e.strerror or e}") from None
@@ -221,16 +231,8 @@ class Sidecar(StoreSync):
             settings.uid = config.uid
         if config.gid is not None:
             settings.gid = config.gid
-        legacy = config.cache_dir / "blobs"  # one-file-per-blob layout of earlier versions
-        if legacy.is_dir():
-            shutil.rmtree(legacy, ignore_errors=True)
-        try:
-            blobs = BlobCache(config.cache_dir / "blobs.db", metrics=self.metrics)
-        except OSError as e:
-            raise StartError(f"cache directory {config.cache_dir} unusable: "
-                             f"{e.strerror or e}") from None
         self.journal_recovered, self.journal_lost = self._recover_journal(blobs, ids)
-        self.invalidator = Invalidator()
+        self.invalidator = invalidator if invalidator is not None else Invalidator()
         self.fs = Filesystem(blobs, client, self.journal, settings, config.workspace,
                              dirs_file=config.cache_dir / "dirs.json",
                              rejected=self.journal.load_rejected(),
@@ -242,7 +244,7 @@ class Sidecar(StoreSync):
                                f"an accepted {x.get('o')} was lost with the outbox journal and its "
                                "content is gone from the cache: write it again", "journal_lost",
                                x.get("s", ""))
-        self.ops = MemfuseOps(self.fs, self.metrics)
+        self.ops = MemfuseOps(self.fs, self.metrics, self.invalidator)
         self.task_failures: dict[str, int] = {}  # task name -> unexpected exceptions
         self.state_save_failing = False
 
@@ -385,12 +387,14 @@ class Sidecar(StoreSync):
     # ------------------------------------------------------------------ FsListener
     def entry_finished(self, e: Entry) -> None:
         """``FsListener``: an outbox entry finished and the tree shows it: the store's
-        mirror follows (``StoreState.committed``); a store's MEMORY.md changed: a new prompt
-        block is wanted."""
+        mirror follows (``StoreState.committed``) and is saved at once
+        (``save_committed``); a store's MEMORY.md changed: a new prompt block is wanted."""
         state = self.states.get(e.store)
         if state is not None:
             state.committed(e)
             self.own_commits_done(e.store)
+            if not e.errno:  # before the close waiting for it returns (no await since)
+                self.save_committed(state)
         if not e.errno and INDEX_PATH in (e.args.get("path"), e.args.get("to"),
                                           e.args.get("from")):
             self.want_context()
@@ -401,6 +405,10 @@ class Sidecar(StoreSync):
     def invalidate(self, items: list[tuple[Any, ...]]) -> None:
         """``FsListener``: kernel invalidations, made by the invalidator's worker thread."""
         self.invalidator.submit(items)
+
+    def kernel_behind(self, ino: int) -> bool:
+        """``FsListener``: an invalidation of ``ino``'s content not performed yet."""
+        return self.invalidator.behind(ino)
 
     def committed_size(self, slug: str, record_id: str) -> int | None:
         """``FsListener``: the record's size in the store's mirror, None when unknown."""
@@ -435,7 +443,8 @@ class Sidecar(StoreSync):
         st["actor"] = self.actor  # what history and the API show as updated_by
         st["admin"] = self.admin_address
         st["admin_socket"] = self.admin_socket
-        st["invalidations"] = {"done": self.invalidator.done, "failed": self.invalidator.failed}
+        st["invalidations"] = {"done": self.invalidator.done, "failed": self.invalidator.failed,
+                               "pending": self.invalidator.pending}
         st["errors_logged"] = len(self.fs.errors)
         st["feed_tasks"] = self.feed_tasks
         st["task_failures"] = dict(self.task_failures)
@@ -495,6 +504,18 @@ class Sidecar(StoreSync):
     #: counts as down (closes return once accepted); at most half of ``--commit-wait``
     NO_ANSWER_AFTER = 3.0
     LIVENESS_EVERY = 0.25  # s between looks at the waiting requests
+    #: s the blob cache holds a content put behind (``BlobCache.put_behind``) at most
+    BLOBS_BEHIND_EVERY = 0.5
+
+    async def _blobs_behind(self) -> None:
+        """Write what the blob cache holds in memory (``BlobCache.write_behind``: the
+        contents of the last closes, stored in one transaction) every
+        ``BLOBS_BEHIND_EVERY`` s, so none waits longer: a ``kill -9`` then loses at most
+        that much of the cache (a cache: refetched; the outbox journal and the control
+        plane hold the writes), and an offline start finds the rest in the file."""
+        while True:
+            await trio.sleep(self.BLOBS_BEHIND_EVERY)
+            self.fs.blobs.write_behind()
 
     async def _liveness(self) -> None:
         """Notice a control plane that has stopped answering (paused, black-holed network)
@@ -571,6 +592,7 @@ class Sidecar(StoreSync):
                 self._spawn("journal", self.journal.run)
                 await nursery.start(self.committer.run)
                 self._spawn("liveness", self._liveness)
+                self._spawn("blobs-behind", self._blobs_behind)
                 if self.client.token_file is not None:
                     self._spawn("token-watch", self._token_watch)
                 # the admin API first, so /healthz and /readyz answer while loading
@@ -767,9 +789,11 @@ class Sidecar(StoreSync):
             pyfuse3.terminate()
 
 async def serve_mount(config: MountConfig, client: ApiClient, *,
+                      invalidator: Invalidator | None = None,
                       task_status: trio.TaskStatus[Sidecar] = trio.TASK_STATUS_IGNORED) -> int:
-    """Run one sidecar (``Sidecar.run``) until SIGTERM / SIGINT or an external unmount."""
-    return await Sidecar(config, client).run(task_status=task_status)
+    """Run one sidecar (``Sidecar.run``) until SIGTERM / SIGINT or an external unmount
+    (``invalidator``: see ``Sidecar``)."""
+    return await Sidecar(config, client, invalidator).run(task_status=task_status)
 
 
 async def drain(fs: Filesystem, committer: Committer, timeout: float) -> None:

@@ -222,6 +222,9 @@ class NamespaceOps:
             x.pop("read_base", None)
         if dst.read_base:
             src.read_base = dst.read_base
+        if dst.served and dst.unread:
+            src.served = dst.served
+        src.replacing = True  # its commit is an overwrite: based on what was read
         rid, src.version = dst.record_id, dst.version
         self._bind_rid(dst, None)
         self._bind_rid(src, rid)

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from .blobcache import BlobCache
     from .control import ControlFiles
     from .identity import RecordIds
+    from .listeners import FsListener
     from .inodes import Settings
 
 log = logging.getLogger("memfuse.fs")
@@ -78,6 +79,7 @@ class RemoteApply:
     ids: RecordIds
     settings: Settings
     saved_dirs: dict[str, Any]
+    listener: FsListener | None
     _next_ino: int
     _rejected: dict[Node, tuple[int, str]]  # rejected.RejectedFiles: node -> (errno, code)
     _rejected_remote: dict[Node, set[tuple[int, str]]]  # rejected.RejectedFiles: changes noted
@@ -347,18 +349,34 @@ class RemoteApply:
             inv.append(("attr", n.ino))
         return inv
 
-    @staticmethod
-    def note_replaced(n: Node, sha: str) -> None:
+    def kernel_behind(self, ino: int) -> bool:
+        """True while the kernel may still show an older content of inode ``ino``: the
+        invalidation of a change of its content has not reached the kernel yet
+        (``FsListener.kernel_behind``; a bare core, without a kernel, is never behind)."""
+        listener = self.listener
+        return listener is not None and listener.kernel_behind(ino)
+
+    def note_replaced(self, n: Node, sha: str) -> None:
         """File ``n``'s content is about to be replaced by the version ``sha`` (sha256, 64
         hex digits) that no reader here was served yet: a remote change, or the merge of
-        this sidecar's own write shown. Readers were served ``n``'s content, or an older
+        this sidecar's own write shown; the caller then invalidates the kernel's pages and
+        attributes of ``n``. Readers were served ``n``'s content, or an older
         one still when none read it since the last such change: a later overwrite is based
-        on that (``Node.read_base``, docs/SEMANTICS.md "Conflicts"), not on ``sha``."""
+        on that (``Node.read_base``, docs/SEMANTICS.md "Conflicts"), not on ``sha``. Until
+        the invalidation reaches the kernel, the kernel may still serve a reader ``n``'s
+        content (``Node.shown``; when it is behind already, the older content it showed
+        before that earlier change)."""
         x = n._x
         if x is not None and x.get("read_base") == sha:
             del x["read_base"]  # back to what readers were served
-        elif not n.read_base and n.sha and n.sha != sha and not n.unread:
-            n.read_base = n.sha
+        elif not n.read_base and n.sha and n.sha != sha:
+            # readers were served n's content, or, when a writer here changed it since, the
+            # content before that write (Node.served: sed -i reads while echo >> appends)
+            base = n.served if n.unread else n.sha
+            if base and base != sha:
+                n.read_base = base
+        if n.sha and not self.kernel_behind(n.ino):
+            n.shown = n.sha
         n.unread = True  # ``sha`` is served to nobody yet
 
     def _remote_over_rejected(self, sm: StoreMount, n: Node,

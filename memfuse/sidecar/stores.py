@@ -94,11 +94,12 @@ class StoreSync:
     _mounted: bool
     offline_start: bool
     #: stores mounted from the cache without a catch-up (``_load_offline``). INVARIANT: a
-    #: store in it may lack versions this sidecar's previous process committed after its
-    #: mirror's last save (a committed entry leaves the journal within ``Journal.LAZY_DELAY``
-    #: s, the mirror is saved every 2 s; a kill -9 between loses them from both), which the
-    #: feed, leaving our own versions out (``skip_actor``), would never bring: its feed
-    #: first catches up with every actor's versions (``_catch_up_own``), then leaves it.
+    #: store in it may lack versions this sidecar's previous process had committed: not
+    #: those whose close returned (``save_committed`` saved each as it finished), but one
+    #: whose answer the killed process never got (the control plane applied it; its close
+    #: never returned) or one saved without an fsync before a power loss. The feed, leaving
+    #: our own versions out (``skip_actor``), would never bring them: its feed first catches
+    #: up with every actor's versions (``_catch_up_own``), then leaves it.
     #: Also a store added again while the committer still held entries of it
     #: (``_add_attachment``): one answered after the load's catch-up is a version of ours
     #: the store loaded lacks. GUARDED_BY the trio thread.
@@ -647,6 +648,7 @@ class StoreSync:
         its log, or a rewrite of its base when it has none; ``StoreState.save``). A failure
         (full or failing cache disk) is logged once per streak (no traceback), counted, and
         retried at the next call: the mirror is a cache, what is on disk stays valid."""
+        self.fs.blobs.write_behind()  # a saved mirror names no content held only in memory
         failed = None
         for st in list(self.states.values()):
             if st.dirty:
@@ -662,6 +664,7 @@ class StoreSync:
         (or that has no base: a new snapshot) has its base encoded and written in a worker
         thread (``StoreState.save_async``), so a save holds the trio thread in proportion
         to what changed, not to the store's size."""
+        self.fs.blobs.write_behind()  # a saved mirror names no content held only in memory
         failed = None
         for st in list(self.states.values()):
             if st.dirty:
@@ -671,6 +674,28 @@ class StoreSync:
                     failed = e
                     self._state_not_saved(st, e)
         self._states_saved(failed)
+
+    def save_committed(self, st: StoreState) -> None:
+        """Save the mirror ``st`` at once after one of this sidecar's own writes committed
+        (``Sidecar.entry_finished``, called by the committer before the ``close(2)`` waiting
+        for it can return: nothing awaits in between). Read-your-writes across a crash: the
+        entry leaves the outbox journal within ``Journal.LAZY_DELAY`` s (or was never written
+        there: a held insert answered first), and the feed leaves our own versions out, so
+        without this a ``kill -9`` before the periodic save (every 2 s) would restart the
+        mount, offline, at the older version shown as clean. One frame appended to the
+        mirror's log (``StoreState.save_log``; no fsync: a ``kill -9`` keeps what was
+        written); a mirror without a base yet (a new snapshot) waits for the periodic saver,
+        which writes the base. A failure is counted and logged once per streak, never
+        raised: the periodic saver retries (the write itself is in the control plane).
+        The contents put behind (``BlobCache.put_behind``) are written first: a saved mirror
+        names no content held only in memory (else a ``kill -9`` and an offline restart
+        would show the file, and answer EIO at its read)."""
+        try:
+            self.fs.blobs.write_behind()
+            st.save_log()
+        except CacheError as e:
+            self._state_not_saved(st, e)
+            self.state_save_failing = True
 
     def _state_not_saved(self, st: StoreState, e: CacheError) -> None:
         self.metrics.cache_write_errors.labels(
@@ -843,9 +868,10 @@ class StoreSync:
         # the digests as the mirrors and nodes hold them (32 bytes): no object per blob
         keep = {r.sha for st in self.states.values() for r in st.records.values()}
         keep.update(n._sha for n in self.fs.inodes.values() if n._sha)
-        # the versions readers were served before a remote change: an overwrite's base
-        keep.update(bytes.fromhex(n._x["read_base"]) for n in self.fs.inodes.values()
-                    if n._x is not None and n._x.get("read_base"))
+        # the versions readers were served before a remote change, or the kernel may still
+        # serve them (Node.shown), or before a write here (Node.served): an overwrite's base
+        keep.update(bytes.fromhex(x[f]) for x in (n._x for n in self.fs.inodes.values())
+                    if x is not None for f in ("read_base", "shown", "served") if x.get(f))
         # the bases of queued puts: an append meeting a concurrent change is rebased on it
         keep.update(bytes.fromhex(sha) for sha in self.committer.base_shas())
         try:

@@ -562,6 +562,23 @@ class StoreState:
         self._append()
         self.dirty = False
 
+    def save_log(self) -> bool:
+        """Append what changed since the last save to the log now, on the calling thread
+        (one frame, one ``write``: the cost of the periodic save's frame, made per call), but
+        only when the mirror has a base on disk that a frame can extend; never a base
+        rewrite (that is the periodic saver's, off the trio thread). Returns whether the
+        changes are on disk now (True too when nothing changed). Used for this sidecar's own
+        committed writes (``StoreSync.save_committed``), so that a ``kill -9`` right after
+        their ``close(2)`` returned leaves them in the saved mirror. Raises ``CacheError``
+        (``dirty`` stays set: the periodic saver tries again)."""
+        if not self.dirty:
+            return True
+        if self._base_id is None:
+            return False  # a new snapshot or a reset: the saver writes its base first
+        self._append()
+        self.dirty = False
+        return True
+
     async def save_async(self) -> None:
         """The periodic save (``StoreSync._saver``): an append, or, when due, a compaction
         whose encode and write run in a worker thread (``compact``). A compaction already

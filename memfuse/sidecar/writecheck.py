@@ -83,7 +83,7 @@ class WriteChecker:
     (the checker's state now describes the content after the change, which the caller must
     then apply)."""
 
-    __slots__ = ("ok_upto", "bad", "head_error", "type_rule", "last_refused")
+    __slots__ = ("ok_upto", "bad", "head_error", "type_rule", "last_refused", "clean_len")
 
     def __init__(self, content: _Buffer, *, trusted: bool,
                  type_rule: Callable[[str], Refusal | None]) -> None:
@@ -95,6 +95,11 @@ class WriteChecker:
         #: the content is refusable as UTF-8 already: not judged here, close judges it
         self.bad = False
         self.head_error: object = _UNKNOWN  # the frontmatter's refusal before the next write
+        #: the length of the content when the last change judged here was a write whose
+        #: secret scan read the whole content after it and found none (a file written in
+        #: one go: its close need not scan it again, ``core.Filesystem.commit``); else -1.
+        #: Whoever changes the content without ``check_write`` sets it to -1.
+        self.clean_len = -1
         if not trusted:
             valid, cut = self._scan(bytes(content), tail_ok=True)
             if valid is None:
@@ -153,21 +158,24 @@ class WriteChecker:
 
     # ------------------------------------------------------------------ secrets
     @staticmethod
-    def _check_secret(buf: _Buffer, off: int, data: bytes) -> Refusal | None:
+    def _check_secret(buf: _Buffer, off: int, data: bytes) -> tuple[Refusal | None, bool]:
+        """The secret verdict of writing ``data`` at ``off`` into ``buf`` (the window around
+        it), and whether that window was the whole content after the write and held no
+        secret."""
         old_len = len(buf)
         end = off + len(data)
         ws = max(0, min(off, old_len) - WINDOW)
         after = bytes(buf[ws:off]) + b"\0" * max(0, off - old_len) + data + bytes(buf[end:end + WINDOW])
         found = content_rules.find_secret(after.decode("utf-8", "ignore"))
         if found is None:
-            return None
+            return None, ws == 0 and end + WINDOW >= old_len
         before = bytes(buf[ws:end + WINDOW])
         if content_rules.find_secret(before.decode("utf-8", "ignore")) is not None:
-            return None  # held one already: close judges the file
+            return None, False  # held one already: close judges the file
         kind = found.rsplit(" on line ", 1)[0]
         return Refusal("secret_detected",
                        f"the write completes a secret ({kind}); memory must not store "
-                       "credentials; the write was not applied")
+                       "credentials; the write was not applied"), False
 
     # ------------------------------------------------------------------ frontmatter type
     def _type_verdict(self, head: bytes) -> Refusal | None:
@@ -205,13 +213,14 @@ class WriteChecker:
         refusal, ok_upto = self._check_utf8(buf, off, data)
         if refusal is not None:
             return refusal
-        refusal = self._check_secret(buf, off, data)
+        refusal, whole_clean = self._check_secret(buf, off, data)
         if refusal is not None:
             return refusal
         refusal, head = self._check_type(buf, off, data)
         if refusal is not None:
             return refusal
         self.ok_upto, self.head_error = ok_upto, head
+        self.clean_len = max(len(buf), off + len(data)) if whole_clean else -1
         return None
 
     def check_truncate(self, buf: _Buffer, size: int) -> Refusal | None:
@@ -219,6 +228,7 @@ class WriteChecker:
         extension adds NUL bytes (``EILSEQ``); a cut may leave a cut sequence at the end,
         which waits for the next write."""
         old_len = len(buf)
+        self.clean_len = -1
         if size > old_len:
             if not self.bad:
                 return Refusal("invalid_content",

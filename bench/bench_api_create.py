@@ -1,0 +1,152 @@
+"""Serial creates straight to ``memfuse serve`` (no sidecar): one keep-alive client
+(``ApiClient``) sends ``POST /v1/stores/{store}/records`` with an ``Idempotency-Key``, one at a
+time, and the server's CPU per request is read from ``/proc`` (issue 25 item 2, the server half
+of the close path; bench/README.md, "The close path").
+
+Usage: ``python bench/bench_api_create.py [--n 1000] [--rounds 3]``; one JSON line per round:
+requests/s, ms per request (wall), serve's CPU ms per request (all threads; user / system; the
+event-loop thread apart from the others), its context switches per request, the load average.
+Compare branches by running a ``git archive`` copy of the other with ``PYTHONPATH`` in the same
+minutes (wall figures swing with the machine's load; CPU per request holds better).
+
+``--callgrind DIR``: run ``memfuse serve`` under valgrind's callgrind with instrumentation off
+until a round starts (``callgrind_control -i on``), and report the instructions (Ir, user space,
+all threads) per request of each round: a count that does not depend on the machine's load
+(valgrind runs one thread at a time, ~50x slower: use ``--n 200``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import stat
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import trio  # noqa: E402
+
+from bench_write import STORE, WS, content  # noqa: E402
+from common import Session, loadavg  # noqa: E402
+
+from memfuse.client.api import ApiClient  # noqa: E402
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _stat(path: str) -> tuple[float, float]:
+    """(user, system) CPU seconds in ``path`` (a ``/proc/.../stat``)."""
+    with open(path) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) / TICK, int(fields[12]) / TICK
+
+
+def sample(pid: int) -> dict[str, float]:
+    """The process's CPU (user, system, its main thread's user + system, its threads'
+    user + system summed by name) in seconds and its context switches (voluntary +
+    involuntary, all threads) so far."""
+    u, s = _stat(f"/proc/{pid}/stat")
+    mu, ms = _stat(f"/proc/{pid}/task/{pid}/stat")
+    out = {"user": u, "sys": s, "main": mu + ms}
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/comm") as f:
+                name = "thread:" + f.read().strip().rstrip("0123456789").strip()
+            tu, ts = _stat(f"/proc/{pid}/task/{task}/stat")
+        except OSError:
+            continue  # the thread ended
+        if int(task) != pid:
+            out[name] = out.get(name, 0.0) + tu + ts
+    ctx = 0
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if "ctxt_switches" in line:
+                ctx += int(line.split(":")[1])
+    out["ctx"] = ctx
+    return out
+
+
+def _callgrind(pid: int, *args: str) -> None:
+    subprocess.run(["callgrind_control", *args, str(pid)], check=True, capture_output=True, timeout=120)
+
+
+def _callgrind_ir(out_dir: Path, pid: int) -> int:
+    """Instructions (Ir) in the dumps callgrind wrote for ``pid`` so far (summed)."""
+    total = 0
+    for f in out_dir.glob(f"callgrind.out.{pid}*"):
+        text = f.read_text(errors="replace")
+        m = re.search(r"^totals: (\d+)", text, re.M) or re.search(r"^summary: (\d+)", text, re.M)
+        if m:
+            total += int(m.group(1))
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--n", type=int, default=1000, help="creates per round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--callgrind", type=Path, default=None, metavar="DIR",
+                    help="count serve's instructions per request with callgrind (dumps in DIR)")
+    args = ap.parse_args()
+    n = args.n
+    cg: Path | None = args.callgrind
+    if cg is not None:  # memfuse serve under valgrind: the test helper starts this wrapper
+        import mountutil
+
+        cg.mkdir(parents=True, exist_ok=True)
+        wrapper = cg / "memfuse-callgrind"
+        wrapper.write_text(f"#!/bin/sh\nexec valgrind --tool=callgrind --instr-atstart=no "
+                           f"--callgrind-out-file={cg}/callgrind.out.%p {sys.executable} "
+                           f"{mountutil.MEMFUSE} \"$@\"\n")
+        wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
+        mountutil.MEMFUSE = str(wrapper)
+        mountutil.serve_listening.__defaults__ = (0, 600)  # (offset, timeout): valgrind starts slowly
+    with Session(quick=True, verbose=False) as s:
+        tok = s.workspace(WS, (STORE,)).read_text().strip()
+        cp = s.cp
+        pid = cp.proc.pid
+
+        async def go() -> None:
+            async with ApiClient(cp.url, tok) as c:
+                for i in range(50):  # warm: connection, caches, statements compiled
+                    await c.create_record(STORE, f"warm/{i}.md", content(i).decode(),
+                                          idempotency_key=str(uuid.uuid4()))
+                for rnd in range(args.rounds):
+                    if cg is not None:
+                        for f in cg.glob(f"callgrind.out.{pid}*"):
+                            f.unlink()
+                        _callgrind(pid, "-z")
+                        _callgrind(pid, "-i", "on")
+                    a = sample(pid)
+                    t = time.perf_counter()
+                    for i in range(n):
+                        await c.create_record(STORE, f"r{rnd}/{i}.md", content(i).decode(),
+                                              idempotency_key=str(uuid.uuid4()))
+                    dt = time.perf_counter() - t
+                    b = sample(pid)
+                    ir = None
+                    if cg is not None:
+                        _callgrind(pid, "-i", "off")
+                        _callgrind(pid, "-d")
+                        ir = round(_callgrind_ir(cg, pid) / n)
+                    d = {k: b[k] - a.get(k, 0.0) for k in b}
+                    print(json.dumps({
+                        "round": rnd, "req_s": round(n / dt, 1), "ms_per_req": round(dt / n * 1000, 3),
+                        "serve_cpu_ms": round((d["user"] + d["sys"]) / n * 1000, 3),
+                        "user_ms": round(d["user"] / n * 1000, 3), "sys_ms": round(d["sys"] / n * 1000, 3),
+                        "loop_thread_ms": round(d["main"] / n * 1000, 3),
+                        "other_threads_ms": round((d["user"] + d["sys"] - d["main"]) / n * 1000, 3),
+                        "ctx_per_req": round(d["ctx"] / n, 2), "load": loadavg(), "ir_per_req": ir,
+                        "threads_ms": {k[7:]: round(v / n * 1000, 3) for k, v in d.items()
+                                       if k.startswith("thread:") and v}}), flush=True)
+
+        trio.run(go)
+
+
+if __name__ == "__main__":
+    main()

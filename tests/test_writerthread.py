@@ -1,0 +1,94 @@
+"""``memfuse.server.writerthread.WriterThread``: the one thread of a database's record writes
+(``memfuse serve`` on SQLite). Its promises, as ``anyio.to_thread.run_sync``'s defaults: the
+result or the exception comes back to the calling task, a cancelled caller still waits for its
+job to finish (a write is never abandoned half-way), the caller's context variables are seen;
+and its own: every job on one thread, in order, the thread gone after ``idle`` seconds without
+a job and started again by the next one; under asyncio it is ``anyio.to_thread.run_sync``."""
+from __future__ import annotations
+
+import contextvars
+import threading
+import time
+
+import anyio
+import pytest
+import trio
+
+from memfuse.server.writerthread import WriterThread
+
+VAR: contextvars.ContextVar[str] = contextvars.ContextVar("writerthread_test", default="unset")
+
+
+def _alive(name: str) -> int:
+    return sum(1 for t in threading.enumerate() if t.name == name)
+
+
+async def test_results_errors_order_one_thread_and_context() -> None:
+    w = WriterThread(name="wt-test-1", idle=5)
+    seen: list[tuple[int, int]] = []
+
+    def job(i: int) -> int:
+        seen.append((i, threading.get_ident()))
+        return i * 2
+
+    assert [await w.run(job, i) for i in range(5)] == [0, 2, 4, 6, 8]
+    # concurrent callers: each gets its own answer, all on the same thread
+    answers: dict[int, int] = {}
+
+    async def call(i: int) -> None:
+        answers[i] = await w.run(job, i)
+
+    async with trio.open_nursery() as n:
+        for i in range(5, 25):
+            n.start_soon(call, i)
+    assert answers == {i: i * 2 for i in range(5, 25)}
+    assert len({ident for _, ident in seen}) == 1 and seen[0][1] != threading.get_ident()
+    assert w.jobs == 25
+
+    def boom() -> None:
+        raise KeyError("refused")
+
+    with pytest.raises(KeyError, match="refused"):
+        await w.run(boom)
+    VAR.set("caller's")
+    assert await w.run(VAR.get) == "caller's"
+    assert await w.run(job, 99) == 198  # the thread survived the exception
+
+
+async def test_a_cancelled_caller_waits_for_its_job() -> None:
+    w = WriterThread(name="wt-test-2", idle=5)
+    done = threading.Event()
+
+    def slow() -> str:
+        time.sleep(0.3)
+        done.set()
+        return "written"
+
+    got: list[str] = []
+    with trio.CancelScope() as scope:
+        scope.deadline = trio.current_time() + 0.05
+        got.append(await w.run(slow))
+    assert done.is_set() and got == ["written"]  # not abandoned: the answer was delivered
+
+
+async def test_the_thread_ends_when_idle_and_starts_again() -> None:
+    w = WriterThread(name="wt-test-3", idle=0.2)
+    assert _alive("wt-test-3") == 0
+    assert await w.run(lambda: 1) == 1
+    assert _alive("wt-test-3") == 1
+    with trio.fail_after(5):
+        while _alive("wt-test-3"):
+            await trio.sleep(0.05)
+    assert await w.run(lambda: 2) == 2  # a new thread took it
+    assert w.jobs == 2
+
+
+def test_under_asyncio_it_is_anyio_to_thread() -> None:
+    w = WriterThread(name="wt-test-4", idle=5)
+
+    async def main() -> tuple[int, int]:
+        return await w.run(lambda: threading.get_ident()), threading.get_ident()
+
+    worker, loop = anyio.run(main, backend="asyncio")
+    assert worker != loop
+    assert w.jobs == 0 and _alive("wt-test-4") == 0
