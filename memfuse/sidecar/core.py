@@ -208,14 +208,56 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         if self.listener is not None and items:
             self.listener.invalidate(items)
 
-    def add_store(self, slug: str, access: str, records: Sequence[Record | Meta],
-                  **kw: Any) -> StoreMount:
+    def add_store(self, slug: str, access: str, records: Sequence[Record | Meta], *,
+                  unsent: Sequence[Entry] = (), **kw: Any) -> StoreMount:
         """``RemoteApply.add_store``, then the store's rejected files and local-only files
-        kept from before a restart are put back (``RejectedFiles``, ``LocalFiles``)."""
+        kept from before a restart are put back (``RejectedFiles``, ``LocalFiles``).
+
+        The tree just built is the store's state as loaded; what this process remembers of
+        its files from an earlier mount of it (the store taken out and put back: admin
+        ``mounts remove`` / ``add``, a detach and attach; or the key map and merge states a
+        previous process left) is re-validated against it (``_revalidate_store``), except
+        for files with a change still to commit: ``unsent`` (the entries a previous process
+        left, not queued yet: ``Committer.replay`` comes after) and the store's entries the
+        committer still holds, which are then shown on top of the loaded tree as at a
+        restart (``overlay_outbox``; docs/SEMANTICS.md, "Life cycle")."""
         sm = super().add_store(slug, access, records, **kw)
+        queued = self.committer.queued(slug)
+        self._revalidate_store(sm, {e.node_key for e in (*queued, *unsent) if e.node_key})
         self._restore_rejected(sm)
         self._restore_local(sm)
+        if queued:  # taken out with changes in the outbox: they show as they commit
+            try:
+                self.overlay_outbox(queued)
+            except sqlite3.Error as exc:  # a deferred put's content unreadable (Committer.fill)
+                log.warning("queued changes of a store loaded again not shown before they commit",
+                            extra={"store": slug, "error": str(exc)})
         return sm
+
+    def _revalidate_store(self, sm: StoreMount, keep: set[str]) -> None:
+        """The store ``sm`` was just loaded (``add_store``): every record of it whose node key
+        is not in ``keep`` (files with a change still to commit) gets, as the base of its
+        next update, the sha256 its loaded file shows (``RecordIds.note``, memory only, as a
+        remote change seen), and loses any merge state of an earlier put
+        (``Committer.forget_merge``). Both may be left from an earlier mount of the store in
+        this process (the feed, stopped while the store was out, did not bring the changes
+        made meanwhile) or from a previous process (the journal's key map persists commits
+        only): an append written on the loaded content, sent as a suffix against an older
+        version, would repeat what was added since (attack 11, F6)."""
+        by_rid = self.by_rid
+        for key, (rid, sha) in list(self.ids.map.items()):
+            if key in keep or not key.startswith("r:"):
+                continue
+            n = by_rid.get(key[2:])
+            if n is not None and n.store is sm and n._key is None and (rid, sha) != (n.record_id, n.sha):
+                self.ids.note(key, n.record_id, n.sha)
+        for key in list(self.committer.resolver.merged):
+            if key in keep:
+                continue
+            rid = key[2:] if key.startswith("r:") else self.ids.record_id(key)
+            n = by_rid.get(rid) if rid else None
+            if n is not None and n.store is sm:
+                self.committer.forget_merge(key)
 
     def remove_store(self, slug: str) -> list[tuple[Any, ...]]:
         """``RemoteApply.remove_store``; the store's local-only files are kept for a later

@@ -69,8 +69,10 @@ class OutboxOverlay:
         sha256 becomes the base of its update first (``RecordIds.note_default``, as
         ``commit`` does), so a rival change is merged, not taken for ours. Only each file's
         last content is read and hashed. Entries of stores not mounted are skipped (they
-        still commit). Synchronous: call before the mount (no kernel invalidation is made).
-        Returns the number of entries applied."""
+        still commit). Synchronous: call before the mount (no kernel invalidation is made),
+        or on a store just built (``Filesystem.add_store`` of a store taken out with
+        entries still queued: nodes the kernel has not seen). Returns the number of entries
+        applied."""
         last: dict[int, tuple[Node, Entry]] = {}  # ino -> (file, its last queued put)
         applied = 0
         for e in entries:

@@ -510,7 +510,11 @@ class RemoteApply:
         sm.detached = True
         inv: list[tuple[Any, ...]] = [("entry", self.root.ino, slug)]
         self._detach(sm.root)
+        # the tree taken out is found by no key: a store loaded again gets new nodes, and
+        # results of its entries still queued find those (``overlay_outbox``) or none
         for n in self._walk_files(sm.root):
             if n.record_id and self.by_rid.get(n.record_id) is n:
                 del self.by_rid[n.record_id]
+            if n._key and self.by_key.get(n._key) is n:
+                del self.by_key[n._key]
         return inv

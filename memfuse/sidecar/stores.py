@@ -38,6 +38,7 @@ from ..content import INDEX_PATH
 from ..errors import ApiError, Forbidden, Gone, PermanentError, TransientError, Unauthorized
 from ..wire import Attachment, ChangePage, EventPage, Record
 from .inodes import ROOT_INO, StoreMount
+from .journal import Entry
 from .cachedir import CacheError
 from .backoff import Doubling
 from .sync import Meta, StoreState, catch_up, lag_seconds
@@ -99,7 +100,9 @@ class StoreSync:
     #: never returned) or one saved without an fsync before a power loss. The feed, leaving
     #: our own versions out (``skip_actor``), would never bring them: its feed first catches
     #: up with every actor's versions (``_catch_up_own``), then leaves it.
-    #: GUARDED_BY the trio thread.
+    #: Also a store added again while the committer still held entries of it
+    #: (``_add_attachment``): one answered after the load's catch-up is a version of ours
+    #: the store loaded lacks. GUARDED_BY the trio thread.
     own_unseen: set[str]
     #: slug -> the ``seq`` of an empty feed page that came while the store had outbox
     #: entries unfinished. INVARIANT: a store's cursor never passes a version of ours whose
@@ -109,6 +112,10 @@ class StoreSync:
     #: moves to it once the store's outbox is idle (``own_commits_done``). GUARDED_BY the
     #: trio thread.
     cursor_held: dict[str, int]
+    #: the outbox a previous process left, until it is queued again (``Committer.replay``,
+    #: right after the stores of the start are loaded; then empty): a store loaded before
+    #: keeps what its files' entries are based on (``Filesystem.add_store``'s ``unsent``)
+    leftovers: list[Entry]
     feed_tasks: int
     task_failures: dict[str, int]
     state_save_failing: bool
@@ -311,6 +318,9 @@ class StoreSync:
 
     async def _add_attachment(self, att: Attachment) -> None:
         slug = att.store.slug
+        # entries of a store taken out still commit (nothing new queues while it is out); one
+        # answered after the load's catch-up is a version of ours the feed leaves out
+        queued_before = self.committer.depth(slug)
         state = await self._retrying(
             f"loading {slug}", lambda: self._load_state(slug, att.store.record_count))
         if slug in self.fs.stores:
@@ -323,11 +333,18 @@ class StoreSync:
             state.access, state.limits, state.dirty = att.access.value, limits, True
         # every blob is cached (_load_state checked, nothing awaited since)
         self.fs.add_store(slug, att.access.value, list(state.records.values()), limits=limits,
-                          cached=True)
+                          cached=True, unsent=self._unsent(slug))
+        if queued_before:  # its feed first catches up with our versions too (_catch_up_own)
+            self.own_unseen.add(slug)
         self.invalidator.submit([("entry", ROOT_INO, slug)])
         self.want_context()
         if self._mounted:  # before the mount, run() starts every store's feed once mounted
             self._start_feed(slug)
+
+    def _unsent(self, slug: str) -> list[Entry]:
+        """The entries of ``slug`` the previous process left that are not queued again yet
+        (``leftovers``: only while the stores of the start load)."""
+        return [e for e in self.leftovers if e.store == slug]
 
     def _saved_slugs(self) -> list[str]:
         d = self.config.cache_dir / "stores"
@@ -350,7 +367,7 @@ class StoreSync:
             self.states[slug] = state
             self.own_unseen.add(slug)
             self.fs.add_store(slug, state.access, records, limits=state.limits or None,
-                              cached=True)
+                              cached=True, unsent=self._unsent(slug))
         self.offline_start = True
         log.warning("control plane unreachable or too slow at start: mounted from the local "
                     "cache; writes are accepted and commit once it answers",
