@@ -137,3 +137,33 @@ def test_append_queued_at_removal_shows_when_put_back_and_is_kept(pair):
     sh(f"echo B-3 >> {pb}", pb.parent, timeout=30)
     _final(pair, name, BASE + "B-1\n" + A_LINES + "B-2\nB-3\n")
     assert name not in (b.mountpoint / ".memfuse" / "errors.log").read_text()  # no conflict line
+
+
+def test_write_refused_at_detach_is_merged_after_attach(pair):
+    """N2 (verify 11): a write of B committed while B's workspace is detached from the store
+    is refused ``404 store_not_attached`` and its file kept ``rejected``; A appends while the
+    store is out; the store attached again, B appends to the kept file: the fix is sent on
+    the version it was refused over, so A's lines are kept (on main: the rejected file's
+    base became the version the store loaded, and B's whole put dropped A-1..A-5 with no
+    conflict line)."""
+    cp, a, b = pair
+    name, pa, pb = _start(pair)
+    f = open(pb, "a")
+    try:
+        f.write("B-2\n")
+        f.flush()  # dirty at the detach: committed by the removal, refused by the CP
+        cp.call("detach", "wb", "shared")
+        wait_until(lambda: not (b.mountpoint / "shared").exists(), 30, "the store leaves B's mount")
+    finally:
+        try:
+            f.close()
+        except OSError:
+            pass  # the store is gone from the mount (ESTALE)
+    sh(f"for i in 1 2 3 4 5; do echo A-$i >> {pa}; done", pa.parent, timeout=60)
+    drained(a)
+    cp.call("attach", "wb", "shared", access="read_write")
+    wait_until(lambda: (b.mountpoint / "shared").exists(), 30, "the store back in B's mount")
+    kept = read(pb)
+    assert kept == BASE + "B-1\nB-2\n", (kept or "")[len(BASE):]  # rejected, kept as written
+    sh(f"echo B-3 >> {pb}", pb.parent, timeout=30)
+    _final(pair, name, BASE + "B-1\n" + A_LINES + "B-2\nB-3\n")

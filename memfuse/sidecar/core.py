@@ -220,10 +220,19 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         for files with a change still to commit: ``unsent`` (the entries a previous process
         left, not queued yet: ``Committer.replay`` comes after) and the store's entries the
         committer still holds, which are then shown on top of the loaded tree as at a
-        restart (``overlay_outbox``; docs/SEMANTICS.md, "Life cycle")."""
+        restart (``overlay_outbox``; docs/SEMANTICS.md, "Life cycle"), and for the rejected
+        files of an earlier mount of the store in this process, which keep the version they
+        were refused over (docs/SEMANTICS.md: a fix is sent on it, by the conflict rules)."""
         sm = super().add_store(slug, access, records, **kw)
         queued = self.committer.queued(slug)
-        self._revalidate_store(sm, {e.node_key for e in (*queued, *unsent) if e.node_key})
+        keep = {e.node_key for e in (*queued, *unsent) if e.node_key}
+        if slug not in self._rejected_restore:
+            # mounted again in this process: its rejected files keep the version they were
+            # refused over as their base (as the feed leaves it, ``_remote_over_rejected``),
+            # so a fix is sent by the conflict rules, never as an overwrite of what the
+            # store loaded (verify 11, N2: a write refused ``store_not_attached`` at a detach)
+            keep.update(k for k, r in self._rejected_rows.items() if r["store"] == slug)
+        self._revalidate_store(sm, keep)
         self._restore_rejected(sm)
         self._restore_local(sm)
         if queued:  # taken out with changes in the outbox: they show as they commit
