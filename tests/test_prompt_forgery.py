@@ -168,7 +168,7 @@ async def test_a_mount_root_with_line_breaks_forges_nothing(env: Env):
     await env.create("MEMORY.md", "- [r](x.md)\n", store="ro", client=env.admin)
     await batch_create(env, {"MEMORY.md": _index([], ["a.md"])})
     block = await _block(env, mount_root=f"/mnt/m\n\n{FORGED}\n\u2028x`]")
-    assert_structure(block, STORES, f"/mnt/m {FORGED.replace('`', '')} x")
+    assert_structure(block, STORES, f"/mnt/m  {FORGED.replace('`', '')}  x")
 
 
 def test_one_line_keeps_no_break_no_format_no_quoting():
@@ -178,12 +178,14 @@ def test_one_line_keeps_no_break_no_format_no_quoting():
         got = one_line(f"a{ch}b")
         if unicodedata.category(ch)[0] == "C" or ch in "`[]":
             assert got in ("ab", "a b"), (hex(ord(ch)), got)
+        elif ch != "\u2028" and ch != "\u2029":
+            assert got == f"a{ch}b", hex(ord(ch))  # the rest is kept as it is
         assert len(got.splitlines()) == 1 and "`" not in got and "[" not in got and "]" not in got
     assert one_line("a\ud800b") == "ab"  # a lone surrogate (surrogateescape) is dropped
-    assert one_line("  a \n\n\t b  ") == "a b"
+    assert one_line(" a\n\r\tb  ") == " a   b  "  # spaces kept: a record name is shown as it is
     assert one_line("x" * 500) == "x" * (NAME_MAX_CHARS - 1) + "…"
     assert one_line("x" * NAME_MAX_CHARS) == "x" * NAME_MAX_CHARS
-    assert quoted("\n\u200b`") == "(unprintable name)" and quoted("a`b") == "`ab`"
+    assert quoted("\n\u200b` ") == "(unprintable name)" and quoted("a`b") == "`ab`"
 
 
 @pytest.mark.parametrize("target", _payloads())

@@ -13,7 +13,8 @@ sections (attack 12, A1: ``%0A`` in a cut link target made an "operator instruct
 INVARIANT: ``one_line(x)`` holds no character of Unicode categories C* (controls incl.
 ``\\n`` ``\\r`` ``\\t`` NEL, format characters: zero-width, bidi controls, BOM, tags;
 surrogates, private use, unassigned), Zl / Zp (U+2028, U+2029), no backtick or square
-bracket, no leading, trailing or repeated whitespace, and at most ``max_chars`` characters.
+bracket, and at most ``max_chars`` characters. A record path (``names.check_path`` refuses
+those categories) is shown as it is but for ``` `` ``[`` ``]``.
 Operator text (store descriptions, attachment instructions: admin-only writes) keeps its
 lines and is not passed here.
 """
@@ -27,15 +28,15 @@ ELLIPSIS = "…"
 QUOTING = frozenset("`[]")
 #: categories read as a word break (a space): controls and line / paragraph separators, so
 #: that ``a\nb`` shows as ``a b``, not ``ab``; every other C* category is dropped
-_BREAK_CATEGORIES = frozenset(("Cc", "Zl", "Zp", "Zs"))
+_BREAK_CATEGORIES = frozenset(("Cc", "Zl", "Zp"))
 
 
 def one_line(text: str, max_chars: int = NAME_MAX_CHARS) -> str:
     """``text`` as one line fit for the prompt block outside its fence (module INVARIANT):
-    controls, line / paragraph separators and spaces become one space between words;
-    format, surrogate, private-use and unassigned characters, backticks and square brackets
-    are removed; cut to ``max_chars`` characters (``max_chars >= 1``), the last one ``…``
-    when cut. Returns ``""`` when nothing printable is left."""
+    each control character and line / paragraph separator becomes a space; format,
+    surrogate, private-use and unassigned characters, backticks and square brackets are
+    removed; cut to ``max_chars`` characters (``max_chars >= 1``), the last one ``…`` when
+    cut. Returns ``""`` when nothing but spaces is left."""
     out: list[str] = []
     for ch in text:
         if ch in QUOTING:
@@ -48,10 +49,10 @@ def one_line(text: str, max_chars: int = NAME_MAX_CHARS) -> str:
             out.append(" ")
         elif cat[0] != "C":
             out.append(ch)
-    line = " ".join("".join(out).split())
+    line = "".join(out)
     if len(line) > max_chars:
-        line = line[: max_chars - 1].rstrip() + ELLIPSIS
-    return line
+        line = line[: max_chars - 1] + ELLIPSIS
+    return line if line.strip() else ""
 
 
 def quoted(text: str, max_chars: int = NAME_MAX_CHARS) -> str:
