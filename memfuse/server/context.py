@@ -3,8 +3,12 @@
 Every attached store with its mount path, access, description, operator instructions and
 ``MEMORY.md``, cut to bounds with markers that say what is left out, and cleaned of control
 and Unicode format characters (``strip_controls``). Memory content is untrusted: the block
-frames it as background to verify, never as instructions. This room reads the database and
-renders text; it writes nothing.
+frames it as background to verify, never as instructions. ``MEMORY.md`` is shown in a fence
+it cannot close; memory content shown outside it (the names in the cut marker and the stale
+note) and the caller's mount root go through ``promptline`` (one line, no quoting
+characters), so memory cannot forge a header, an operator instruction or a marker
+(``fenced_lines`` tells the two apart). This room reads the database and renders text; it
+writes nothing.
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ from sqlalchemy import false, select
 from memfuse import content as content_rules
 from memfuse.defs import Access
 from memfuse.server.base import Principal, Resource
-from memfuse.server import keys, staleness, tails
+from memfuse.server import keys, promptline, staleness, tails
 from memfuse.server.db import AttachmentRow, RecordRow, StoreRow, utcnow
 from memfuse.server.indexlinks import entries, omitted_marker
 
@@ -25,6 +29,7 @@ CONTEXT_INDEX_MAX_BYTES = 25_000
 CONTEXT_TOTAL_MAX_BYTES = 100_000  # default bound of the whole prompt block
 CONTEXT_MIN_BYTES = 1024  # the smallest bound a caller may ask for
 CONTEXT_MAX_BYTES_ENV = "MEMFUSE_CONTEXT_MAX_BYTES"
+MOUNT_ROOT_MAX_CHARS = 4096  # a mount root shown, at most (Linux PATH_MAX)
 
 # the opening paragraphs without the mount root and the refusals line (bytes, generous)
 _INTRO_BYTES = 600
@@ -81,6 +86,28 @@ def _fence(text: str) -> str:
     return "`" * max(3, longest + 1)
 
 
+#: the line opening an index's fence (``_index_section``: the fence, then ``markdown``)
+FENCE_OPEN_RE = re.compile(r"(`{3,})markdown")
+
+
+def fenced_lines(block: str) -> list[tuple[bool, str]]:
+    """The prompt block's lines as ``(in_fence, line)`` pairs: ``in_fence`` for the lines of
+    an index's fence, the fence lines included (memory content), False for the block's own
+    lines (headers, operator text, ``[memfuse: …]`` markers, each one line)."""
+    out: list[tuple[bool, str]] = []
+    fence: str | None = None
+    for line in block.split("\n"):
+        if fence is None:
+            m = FENCE_OPEN_RE.fullmatch(line)
+            fence = m.group(1) if m else None
+            out.append((fence is not None, line))
+        else:
+            out.append((True, line))
+            if line == fence:
+                fence = None
+    return out
+
+
 def _index_section(clean: Callable[[str], str], text: str, path: str, stale_note: str = "") -> str:
     """``### <path>`` and the (cut, cleaned) index in a fence, with the cut marker after it,
     then ``stale_note`` (``staleness.stale_marker``) when given."""
@@ -130,7 +157,8 @@ class ContextService(Resource):
         """
         bound = max(int(max_bytes if max_bytes is not None else self.settings.context_max_bytes), CONTEXT_MIN_BYTES)
         clean = strip_controls
-        mount_root = clean(mount_root).replace("`", "").rstrip("/")
+        # the caller's text, shown outside the fence: one line like memory content (promptline)
+        mount_root = promptline.one_line(mount_root, MOUNT_ROOT_MAX_CHARS).rstrip("/")
         with self.db.read() as s:
             wkey = self._workspace(s, p, ws).name  # the workspace's key (memfuse.server.keys)
             rows = s.execute(

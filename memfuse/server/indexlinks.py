@@ -14,6 +14,8 @@ import re
 from dataclasses import dataclass
 from urllib.parse import unquote
 
+from memfuse.server.promptline import quoted
+
 LINK_RE = re.compile(r"\[(?:[^\]\n\\]|\\.)*\]\(\s*(<[^>\n]*>|[^)\s]+)(?:\s+(?:\"[^\"\n]*\"|'[^'\n]*'))?\s*\)")
 SCHEME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*:")
 MARKER_NAMES_MAX = 20  # omitted entries the prompt block's marker names at most
@@ -73,7 +75,9 @@ def line_count(text: str) -> int:
 def omitted_marker(text: str, lines_left: int) -> str:
     """The sentence the prompt block's cut marker adds when its last ``lines_left`` lines
     are cut: the targets of the entries on them (at most ``MARKER_NAMES_MAX`` /
-    ``MARKER_NAMES_BYTES``, then how many more), or ``""`` when they hold no entry."""
+    ``MARKER_NAMES_BYTES``, then how many more), or ``""`` when they hold no entry. Each
+    target is memory content shown outside the fence: ``promptline.quoted`` (one line, no
+    backtick or bracket, at most ``promptline.NAME_MAX_CHARS`` characters)."""
     first_cut = line_count(text) - lines_left + 1
     gone = [e for e in entries(text) if e.line >= first_cut]
     if not gone:
@@ -81,11 +85,11 @@ def omitted_marker(text: str, lines_left: int) -> str:
     names: list[str] = []
     size = 0
     for e in gone:
-        name = e.target if e.target is not None else e.raw
-        name = name.replace("`", "").replace("]", "")
+        # memory content outside the fence: one line, no quoting characters (promptline)
+        name = quoted(e.target if e.target is not None else e.raw)
         if len(names) >= MARKER_NAMES_MAX or size + len(name.encode()) > MARKER_NAMES_BYTES:
             break
-        names.append(f"`{name}`")
+        names.append(name)
         size += len(name.encode())
     more = len(gone) - len(names)
     tail = f" and {more} more" if more else ""

@@ -36,6 +36,7 @@ from sqlalchemy.engine import Connection
 from memfuse import content as content_rules
 from memfuse.server.base import _R, _S, IdempotencyRequest, Principal, Reply, ServiceError
 from memfuse.server.db import Database
+from memfuse.server import promptline
 
 
 class Service(Protocol):
@@ -162,10 +163,12 @@ def stale_targets(conn: Connection, store: str, targets: list[str], now: datetim
 
 def stale_marker(stale: list[tuple[str, str]], stale_after_days: int) -> str:
     """The prompt block's note naming the stale entries of a ``MEMORY.md`` (at most
-    ``STALE_NAMES_MAX``, then how many more); ``""`` when none."""
+    ``STALE_NAMES_MAX``, then how many more); ``""`` when none. Record paths are memory
+    content shown outside the fence: ``promptline.quoted`` (one line, no backtick or bracket,
+    at most ``promptline.NAME_MAX_CHARS`` characters)."""
     if not stale:
         return ""
-    names = [f"`{p.replace('`', '').replace(']', '')}` ({why})" for p, why in stale[:STALE_NAMES_MAX]]
+    names = [f"{promptline.quoted(p)} ({why})" for p, why in stale[:STALE_NAMES_MAX]]
     more = len(stale) - len(names)
     age = f"not changed in {stale_after_days} days or " if stale_after_days > 0 else ""
     return (f"[memfuse: these entries link files {age}past their review date; verify them before "

@@ -20,6 +20,8 @@ import nh3
 from markdown_it import MarkdownIt
 from markupsafe import Markup
 
+from memfuse.server.context import fenced_lines
+
 MARKDOWN_SUFFIXES = (".md", ".markdown", ".mdown", ".mkd")
 
 # CommonMark with raw HTML off; tables and strikethrough (GFM) on. Links are validated by
@@ -296,14 +298,7 @@ MARKER_PREFIX = "[memfuse:"
 
 
 def context_lines(text: str) -> list[tuple[bool, str]]:
-    """The prompt block as ``(is_marker, line)`` pairs: lines of a ``[memfuse: …]`` omission
-    marker are flagged so the preview can highlight them."""
-    out = []
-    in_marker = False
-    for line in text.split("\n"):
-        if line.startswith(MARKER_PREFIX):
-            in_marker = True
-        out.append((in_marker, line))
-        if in_marker and line.rstrip().endswith("]"):
-            in_marker = False
-    return out
+    """The prompt block as ``(is_marker, line)`` pairs: ``[memfuse: …]`` omission markers
+    (one line each, outside the indexes' fences: ``context.fenced_lines``) are flagged so the
+    preview can highlight them; a line of ``MEMORY.md`` shaped as a marker is not."""
+    return [(not in_fence and line.startswith(MARKER_PREFIX), line) for in_fence, line in fenced_lines(text)]
