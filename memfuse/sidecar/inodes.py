@@ -84,15 +84,21 @@ def shared_mode(mode: int) -> int:
     return _MODES.setdefault(mode, mode) if len(_MODES) < 4096 else mode
 
 
+#: errno -> ``os.strerror(errno)``, filled as met (a few dozen values at most)
+_STRERROR: dict[int, str] = {}
+
+
 class FsError(Exception):
     """A refusal with an errno (``errno.E*``), a reason for logs and ``errors.log`` and, for
     refusals of content or names, a machine ``code`` (the control plane's problem codes:
     ``secret_detected``, ``invalid_content``, ``record_too_large``...; "" when none)."""
 
     def __init__(self, err: int, reason: str = "", code: str = "") -> None:
-        super().__init__(reason or os.strerror(err))
+        if not reason:  # (a negative lookup and the GETXATTR probe raise one per new file)
+            reason = _STRERROR.get(err) or _STRERROR.setdefault(err, os.strerror(err))
+        super().__init__(reason)
         self.errno = err
-        self.reason = reason or os.strerror(err)
+        self.reason = reason
         self.code = code
 
     @classmethod

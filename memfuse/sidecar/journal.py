@@ -52,6 +52,9 @@ log = logging.getLogger("memfuse.outbox")
 #: ``EIO``. Long enough that a loaded machine's fsync never trips it (ext4 commits every 5 s).
 JOURNAL_WAIT = 30.0
 
+#: the statement of a queued held insert not built yet (``Journal.add``, ``Journal._build``)
+_UNBUILT = "-- unbuilt held insert"
+
 #: the ops of an ``Entry``
 PUT, DELETE, MOVE, MOVE_PREFIX, ATTRS = "put", "delete", "move", "move_prefix", "attrs"
 
@@ -629,31 +632,52 @@ class Journal:
         sha256) its node key maps to now, noted in the witness. ``hold``: the insert does not
         start a transaction for ``HOLD`` s (it goes with any batch written meanwhile); if
         ``e`` finishes first (``remove``) it is never written. Never blocks, never raises."""
-        line = {"i": e.id, "k": e.key, "s": e.store, "o": e.op, "n": e.node_key, "a": e.args,
-                "t": e.created, "h": e.content_sha(),
-                "r": ident[0] if ident else None, "b": ident[1] if ident else None}
-        content, args = e.content, json.dumps(e.args)
-        ab = e.append_base
-        if e.op == PUT and content is not None and e.node_key is not None:
-            if ab is not None and 0 < ab[1] <= len(content):
+        ref = None
+        if e.op == PUT and e.content is not None and e.node_key is not None:
+            ab = e.append_base
+            if ab is not None and 0 < ab[1] <= len(e.content):
                 # an append: the row holds what it adds (one fsync of the suffix, not of the
                 # file); the base is the earlier queued put of the file, or the version the
                 # file showed (the blob cache; the control plane, which committed it)
                 last = self._last_put.get(e.node_key)
                 ref = {"h": ab[0], "n": ab[1], "e": last[0] if last is not None and last[1] == ab[0] else None}
-                content, args = content[ab[1]:], json.dumps({**e.args, APPEND_REF: ref})
             self._last_put[e.node_key] = (e.id, e.content_sha())
-        op = ["INSERT INTO entries VALUES (?,?,?,?,?,?,?,?)",
-              (e.id, e.key, e.store, e.op, e.node_key, args, content, e.created),
-              e.id, line]
+        held = hold and self.HOLD > 0
+        # a held insert is built (its row, its JSON, its witness line) only when a batch
+        # writes it (``_build``): one its entry's commit makes moot costs nothing more
+        op: list[Any] = [_UNBUILT, (e, ident, ref), e.id] if held else self._insert(e, ident, ref)
         self._pending.append(op)
         self._unwritten[e.id] = op
         self._waiters.append(e)
-        if hold and self.HOLD > 0:
+        if held:
             due = self._held[e.id] = time.monotonic() + self.HOLD
             self._wake_by(due)  # not urgent: ``run`` waits until it is due, or for company
         else:
             self._wake()
+
+    @staticmethod
+    def _insert(e: Entry, ident: tuple[str | None, str | None] | None,
+                ref: dict[str, Any] | None) -> list[Any]:
+        """The queued write of entry ``e``'s row: [statement, parameters, entry id, witness
+        line]; ``ref``: the append reference of an append row (``APPEND_REF``), else None."""
+        line = {"i": e.id, "k": e.key, "s": e.store, "o": e.op, "n": e.node_key, "a": e.args,
+                "t": e.created, "h": e.content_sha(),
+                "r": ident[0] if ident else None, "b": ident[1] if ident else None}
+        content = e.content
+        if ref is not None:
+            assert content is not None and e.append_base is not None
+            content, args = content[e.append_base[1]:], json.dumps({**e.args, APPEND_REF: ref})
+        else:
+            args = json.dumps(e.args)
+        return ["INSERT INTO entries VALUES (?,?,?,?,?,?,?,?)",
+                (e.id, e.key, e.store, e.op, e.node_key, args, content, e.created), e.id, line]
+
+    @classmethod
+    def _build(cls, batch: list[list[Any]]) -> None:
+        """Build, in place, the held inserts of ``batch`` (``add(hold=True)``) not built yet."""
+        for op in batch:
+            if op[0] is _UNBUILT:
+                op[:] = cls._insert(*op[1])
 
     def remove(self, e: Entry) -> None:
         """The entry finished: delete its row (or never write it, when still queued). The
@@ -786,6 +810,7 @@ class Journal:
                 self._unwritten = {}
                 self._lazy_behind = False
             if batch:
+                self._build(batch)
                 if self.before_batch is not None and any(op[2] is not None for op in batch):
                     self.before_batch()
                 try:
@@ -877,6 +902,7 @@ class Journal:
         concerned are replayed from the outbox or re-sent by their nodes next time), close."""
         try:
             if self._pending:
+                self._build(self._pending)
                 self._apply(self._pending)
                 self._pending = []
             self._checkpoint()
