@@ -161,5 +161,12 @@ class WritePath:
 _ROUTES = (table.CREATE_RECORD, table.UPDATE_RECORD, table.BATCH)
 
 
+def lean_route(method: str, path: str) -> bool:
+    """Whether ``method path`` (decoded, as ASGI's ``scope["path"]``) is one of the routes
+    this module serves: the requests ``memfuse.server.lean`` serves without hypercorn."""
+    m = table.match(method, path)
+    return m is not None and m.route in _ROUTES
+
+
 async def _no_receive() -> dict[str, Any]:
     return {"type": "http.request", "body": b"", "more_body": False}
