@@ -492,7 +492,7 @@ class Gate:
                      extra={"path": scope["path"], "timeout_s": self.send_timeout})
         finally:
             if state["status"]:
-                self.metrics.requests.labels(f"{state['status'] // 100}xx").inc()
+                self.metrics.answered(state["status"])
 
     async def _end_cut(self, why: str, state: dict[str, Any], send: Send) -> None:
         """End a long-lived response whose token was revoked or expired: a 401 problem when
@@ -624,7 +624,7 @@ class Gate:
 
     def _count(self, status: int, code: str) -> None:
         self.metrics.refused.labels(code).inc()
-        self.metrics.requests.labels(f"{status // 100}xx").inc()
+        self.metrics.answered(status)
         now = time.monotonic()
         if status != 401 and now - self._last_refusal_log > 5:  # one line per 5 s, not one per refusal
             self._last_refusal_log = now

@@ -720,7 +720,7 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
                     served = 0
                     if lean is not None:
                         sock = stream.socket
-                        over = await lean.serve(stream, first, eof, parse_socket_addr(sock.family, sock.getpeername()),
+                        over = await lean.serve(conn, first, eof, parse_socket_addr(sock.family, sock.getpeername()),
                                                 parse_socket_addr(sock.family, sock.getsockname()))
                         if over is None:
                             return  # the connection is over: closed (finally)
