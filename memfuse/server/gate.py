@@ -461,7 +461,24 @@ class Gate:
                     # served, or refused to a client the app authenticated (the console checks
                     # its own sessions: a 429 past a token's live pages is not anonymous)
                     self.connections.cleared(scope.get("client"))
-                state["type"] = next((v for k, v in message.get("headers", ()) if k.lower() == b"content-type"), b"")
+                ctype: bytes | None = None
+                length = chunked = False
+                for k, v in message.get("headers", ()):
+                    k = k.lower()
+                    if k == b"content-type":
+                        ctype = v if ctype is None else ctype
+                    elif k == b"content-length":
+                        length = True
+                    elif k == b"transfer-encoding":
+                        chunked = True
+                state["type"] = ctype or b""
+                if length and not chunked and message["status"] >= 200:
+                    # the head of an answer of known length is held by the HTTP server until
+                    # the body (memfuse.server.serve's ``_HTTP11Only``, memfuse.server.lean):
+                    # this send does not wait on the client, so it is not armed (two
+                    # deadline moves of a cancel scope less per answer)
+                    await send(message)
+                    return
             elif message["type"] == "http.response.body" and not message.get("more_body", False):
                 state["done"] = True
             bound.deadline = anyio.current_time() + self.send_timeout
