@@ -27,6 +27,7 @@ slots, eviction, metrics) are the app's and apply as they do under hypercorn.
 from __future__ import annotations
 
 import math
+import re
 import socket
 import time
 from collections.abc import Awaitable, Callable
@@ -89,68 +90,54 @@ class LeanHTTP:
     async def serve(self, sock: socket.socket, first: bytes, eof: bool,
                     client: tuple[str, int] | None, server: tuple[str, int] | None) -> Handover | None:
         """Serve the connection ``sock`` (non-blocking, as trio keeps it; ``first``: the bytes
-        read of it so far, a request
-        head among them; ``eof``: the client closed its end after them) as long as its
-        requests are lean ones. Returns a ``Handover`` for hypercorn, or None when the
-        connection is over (the caller closes the socket; the write side is shut here when
-        an answer was sent). Never raises for the client's doing (a reset, a vanished
-        client, bad bytes); a cancellation (eviction, the end of the grace period) passes."""
-        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=self.max_head)
-        conn.receive_data(first)
-        if eof:
-            conn.receive_data(b"")
-        # INVARIANT: ``raw`` holds the bytes of the connection from the first byte of the
-        # request being read (or awaited) to the last read: what hypercorn gets at a hand-over.
-        raw = bytearray(first)
+        read of it so far, a request head among them; ``eof``: the client closed its end after
+        them) as long as its requests are lean ones (``parse_head``). Returns a ``Handover``
+        for hypercorn, or None when the connection is over (the caller closes the socket; the
+        write side is shut here when an answer was sent). Never raises for the client's
+        doing (a reset, a vanished client, bad bytes); a cancellation (eviction, the end of
+        the grace period) passes."""
+        # INVARIANT: ``buf`` holds the bytes read and not consumed: from the first byte of
+        # the request being read (or awaited) on, what hypercorn gets at a hand-over.
+        buf = bytearray(first)
         requests = 0
         closed = eof
         while True:
             # -------- the head, within the header deadline
-            request: h11.Request | None = None
+            head: _Head | None = None
             with trio.move_on_after(self.keep_alive_timeout if requests else math.inf) as waiting:
                 self.waiting.add(waiting)
                 try:
                     while True:
-                        try:
-                            event = conn.next_event()
-                        except h11.RemoteProtocolError:  # hypercorn answers it (400, 431)
-                            return self._handover(raw, closed, requests)
-                        if isinstance(event, h11.Request):
-                            request = event
+                        head = parse_head(buf, self.max_head)
+                        if head is not None:
                             break
-                        if event is not h11.NEED_DATA:  # ConnectionClosed (or PAUSED: not expected)
-                            if raw:
-                                return self._handover(raw, closed, requests)
-                            return None
-                        if closed:
-                            return self._handover(raw, closed, requests) if raw else None
+                        if len(buf) > self.max_head or _HEAD_END.search(buf) is not None or closed:
+                            # not a lean head (or a partial one and the client left): hypercorn's
+                            return self._handover(buf, closed, requests) if buf else None
                         if self.terminated:  # as hypercorn's idle timer: closed at once
                             return None
                         try:
                             data = await _receive(sock)
                         except OSError:  # reset
                             return None
-                        raw += data
-                        conn.receive_data(data)
+                        buf += data
                         closed = not data
                 finally:
                     self.waiting.discard(waiting)
-            if request is None:  # the header deadline passed, or the server terminates
+            if head is None:  # the header deadline passed, or the server terminates
                 return None
-            path, sep, query = request.target.partition(b"?")  # a query string: hypercorn's
-            if (request.method not in (b"POST", b"PUT") or request.http_version != b"1.1" or sep
-                    or not _plain(request.headers)
-                    or not self.lean_route(request.method.decode("ascii"), unquote(path.decode("ascii")))):
-                return self._handover(raw, closed, requests)
+            path = unquote(head.path.decode("ascii"))
+            if not self.lean_route(head.method, path):
+                return self._handover(buf, closed, requests)
             requests += 1
+            del buf[:head.size]
             # -------- the request, on this task
-            exchange = _Exchange(self, conn, sock, closed, requests)
+            exchange = _Exchange(self, head, buf, sock, closed, requests)
             scope = {
                 "type": "http", "http_version": "1.1", "asgi": {"spec_version": "2.1", "version": "3.0"},
-                "method": request.method.decode("ascii"), "scheme": "http",
-                "path": unquote(path.decode("ascii")), "raw_path": path, "query_string": query,
-                "root_path": "", "headers": list(request.headers), "client": client, "server": server,
-                "state": self.lifespan_state.copy(), "extensions": {},
+                "method": head.method, "scheme": "http", "path": path, "raw_path": head.path,
+                "query_string": b"", "root_path": "", "headers": head.headers, "client": client,
+                "server": server, "state": self.lifespan_state.copy(), "extensions": {},
             }
             try:
                 await self.app(scope, exchange.receive, exchange.send)
@@ -161,18 +148,12 @@ class LeanHTTP:
             self.served += 1
             exchange.finish()
             closed = exchange.closed
-            if (exchange.broken or not exchange.done or self.terminated
-                    or conn.our_state is not h11.DONE or conn.their_state is not h11.DONE):
+            if (exchange.broken or not exchange.done or exchange.close or self.terminated
+                    or exchange.remaining):
                 if not exchange.broken:
                     _shut(sock)
                 return None
-            try:
-                conn.start_next_cycle()
-            except h11.LocalProtocolError:  # pragma: no cover - both DONE: h11 recycles
-                _shut(sock)
-                return None
-            raw = bytearray(conn.trailing_data[0])
-            if raw:  # pipelined: other tasks run before the next request (it may not wait)
+            if buf:  # pipelined: other tasks run before the next request (it may not wait)
                 await trio.lowlevel.checkpoint()
 
     def _handover(self, raw: bytearray, closed: bool, requests: int) -> Handover:
@@ -181,19 +162,64 @@ class LeanHTTP:
         return Handover(bytes(raw), closed, requests)
 
 
-_REFUSED = frozenset({b"transfer-encoding", b"expect", b"upgrade"})
+# ---------------------------------------------------------------- the request head
+# A strict subset of what h11 reads (h11/_abnf.py, _readers.py, _events.py): every head this
+# accepts, h11 reads the same way (method, target, lower-case names, values without their
+# surrounding whitespace, keep-alive); anything else (another method, a query string, another
+# version, bare LF line ends, folded lines, obs-text, a missing or second Host, no or several
+# Content-Length, Transfer-Encoding, Expect, Upgrade) is handed to hypercorn as it came.
+_HEAD_END = re.compile(rb"\n\r?\n")  # the blank line ending a head, as h11 finds it
+_REQUEST_LINE = re.compile(rb"(POST|PUT) (/[A-Za-z0-9\-._~%!$&'()*+,;=:@/]*) HTTP/1\.1")
+_HEADER = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*((?:[\x21-\x7e](?:[\x20-\x7e\t]*[\x21-\x7e])?)?)[ \t]*")
+_NOT_LEAN = frozenset({b"transfer-encoding", b"expect", b"upgrade"})
+_MAX_LENGTH_DIGITS = 18  # a longer Content-Length (past 2**59): hypercorn's
 
 
-def _plain(headers: Any) -> bool:
-    """Whether a request's headers (h11's, names lower-case) are of a lean request: a
-    ``Content-Length`` body, no ``Transfer-Encoding``, ``Expect`` or ``Upgrade``."""
-    length = False
-    for name, _ in headers:
-        if name in _REFUSED:
-            return False
-        if name == b"content-length":
-            length = True
-    return length
+class _Head(NamedTuple):
+    method: str
+    path: bytes  # the raw target (no query string)
+    headers: list[tuple[bytes, bytes]]  # (lower-case name, value), as h11 gives them
+    length: int  # Content-Length
+    close: bool  # the client asked to close after the answer (``Connection: close``)
+    size: int  # bytes of the head, blank line included
+
+
+def parse_head(buf: bytearray | bytes, max_head: int) -> _Head | None:
+    """The lean request head at the start of ``buf`` (see the comment above), or None: not
+    complete yet, or not lean (the caller tells them apart: a complete head or more than
+    ``max_head`` bytes is not lean). A head's size is bounded by ``max_head`` as h11's
+    ``max_incomplete_event_size`` bounds it when it arrives in pieces."""
+    m = _HEAD_END.search(buf, 0, max_head + 4)
+    if m is None or m.group() != b"\n\r\n" or m.start() == 0 or buf[m.start() - 1] != 13:
+        return None
+    end = m.start() - 1
+    lines = bytes(buf[:end]).split(b"\r\n")
+    line = _REQUEST_LINE.fullmatch(lines[0])
+    if line is None:
+        return None
+    headers: list[tuple[bytes, bytes]] = []
+    hosts = 0
+    length: int | None = None
+    close = False
+    for raw in lines[1:]:
+        h = _HEADER.fullmatch(raw)
+        if h is None:
+            return None
+        name, value = h.group(1).lower(), h.group(2)
+        if name in _NOT_LEAN:
+            return None
+        if name == b"host":
+            hosts += 1
+        elif name == b"content-length":
+            if length is not None or not value.isdigit() or len(value) > _MAX_LENGTH_DIGITS:
+                return None
+            length = int(value)
+        elif name == b"connection":
+            close = close or any(t.strip().lower() == b"close" for t in value.split(b","))
+        headers.append((name, value))
+    if hosts != 1 or length is None:
+        return None
+    return _Head(line.group(1).decode("ascii"), line.group(2), headers, length, close, m.end())
 
 
 def _shut(sock: socket.socket) -> None:
@@ -229,19 +255,27 @@ async def _send_all(sock: socket.socket, data: bytes) -> None:
 
 
 class _Exchange:
-    """One request and its answer on a lean connection: ``receive`` gives the body as h11
-    reads it, ``send`` frames the answer with h11 and sends its head with the first body
-    piece (a whole answer of known length: one write)."""
+    """One request and its answer on a lean connection: ``receive`` gives the body from the
+    connection's buffer ``buf`` (shared: what follows the body stays there for the next
+    request), ``send`` frames the answer as h11 would and sends its head with the first
+    body piece (a whole answer of known length: one write). An answer that is not plain
+    (no or a wrong ``Content-Length``, a ``Connection`` header, several pieces, 204/304, a
+    header h11 refuses) is framed by h11 itself, given the request's method and keep-alive."""
 
-    def __init__(self, lean: LeanHTTP, conn: h11.Connection, sock: socket.socket,
+    def __init__(self, lean: LeanHTTP, request: _Head, buf: bytearray, sock: socket.socket,
                  closed: bool, requests: int) -> None:
         self.lean = lean
-        self.conn = conn
+        self.request = request
+        self.buf = buf
         self.sock = sock
         self.closed = closed  # the client closed its end
         self.requests = requests
+        self.remaining = request.length  # body bytes not given to the app yet
         self.body_done = False  # the request's body is all given
-        self.head: bytes | None = None  # the answer's head, framed (b"" once sent)
+        self.close = request.close  # the connection closes after the answer
+        # the answer: (status, headers) held until its first body piece, then b"" (sent)
+        self.head: tuple[int, list[tuple[bytes, bytes]]] | bytes | None = None
+        self.h11: h11.Connection | None = None  # framing an answer that is not plain
         self.status = 0
         self.done = False  # the answer is complete
         self.broken = False  # the connection failed (reset, a send cut): close it
@@ -255,38 +289,24 @@ class _Exchange:
                     self.done_event = trio.Event()
                 await self.done_event.wait()
             return {"type": "http.disconnect"}
-        conn = self.conn
+        buf = self.buf
         while True:
-            try:
-                event = conn.next_event()
-            except h11.RemoteProtocolError as e:  # the client left mid-body, or sent bad framing
-                if self.head is None and conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
-                    await self.error(e.error_status_hint)  # as hypercorn: 400, then closed
-                else:
-                    self.broken = True
-                return {"type": "http.disconnect"}
-            if isinstance(event, h11.Data):
-                body = bytes(event.data)
-                more = True
-                try:
-                    if conn.next_event() is not h11.NEED_DATA:  # the end, at once: one message
-                        more = False
-                except h11.RemoteProtocolError:
-                    pass  # reported at the next receive
-                self.body_done = not more
-                return {"type": "http.request", "body": body, "more_body": more}
-            if isinstance(event, h11.EndOfMessage):
-                self.body_done = True
-                return {"type": "http.request", "body": b"", "more_body": False}
-            if self.closed:
-                self.broken = True
+            if buf or not self.remaining:
+                n = min(len(buf), self.remaining)
+                body = bytes(buf[:n])
+                del buf[:n]
+                self.remaining -= n
+                self.body_done = not self.remaining
+                return {"type": "http.request", "body": body, "more_body": not self.body_done}
+            if self.closed:  # the client left mid-body: h11's error, hypercorn's 400
+                await self.error(400)
                 return {"type": "http.disconnect"}
             try:
                 data = await _receive(self.sock)
             except OSError:
                 self.broken = True
                 return {"type": "http.disconnect"}
-            conn.receive_data(data)
+            buf += data
             self.closed = not data
 
     async def send(self, message: dict[str, Any]) -> None:
@@ -301,17 +321,27 @@ class _Exchange:
             if self.requests >= self.lean.keep_alive_max_requests:
                 headers.append((b"connection", b"close"))
             self.status = int(message["status"])
-            self.head = self._frame(h11.Response(status_code=self.status, headers=headers))
+            self.head = (self.status, headers)
             return
         if kind != "http.response.body" or self.head is None:
             raise RuntimeError(f"unexpected ASGI message {kind!r}")
         body = message.get("body", b"")
-        data = self.head
-        self.head = b""
-        if body and not (100 <= self.status < 200 or self.status in (204, 304)):
-            data += self._frame(h11.Data(data=body))
-        if not message.get("more_body", False):
-            data += self._frame(h11.EndOfMessage())
+        more = message.get("more_body", False)
+        head, self.head = self.head, b""
+        data: bytes | None = None
+        if isinstance(head, tuple):
+            data = None if more else _plain_answer(head[0], head[1], body, self.close)
+            if data is None:  # not plain: h11 frames it
+                self.h11 = _framer(self.request)
+                data = self._frame(h11.Response(status_code=head[0], headers=head[1]))
+        if self.h11 is not None:
+            if body and not (100 <= self.status < 200 or self.status in (204, 304)):  # hypercorn's suppress_body
+                data = (data or b"") + self._frame(h11.Data(data=body))
+            if not more:
+                data = (data or b"") + self._frame(h11.EndOfMessage())
+                if self.h11.our_state is not h11.DONE:  # h11 closes: Connection: close
+                    self.close = True
+        if not more:
             self.done = True
         if data:
             await self._write(data)
@@ -324,18 +354,17 @@ class _Exchange:
             self.done_event.set()
 
     async def error(self, status: int) -> None:
-        """hypercorn's answer when the app sent nothing: ``status``, empty, then close."""
-        self.head = self._frame(h11.Response(status_code=status, headers=[
-            (b"content-length", b"0"), (b"connection", b"close"), *self.lean.response_headers()]))
+        """hypercorn's answer when the app sent nothing (or the request broke): ``status``,
+        empty, then close."""
+        self.status = status
+        self.head = (status, [(b"content-length", b"0"), (b"connection", b"close"),
+                              *self.lean.response_headers()])
+        self.close = True
         await self.send({"type": "http.response.body", "body": b""})
 
     def _frame(self, event: Any) -> bytes:
-        try:
-            return self.conn.send(event) or b""
-        except h11.LocalProtocolError:
-            if self.conn.their_state is not h11.ERROR:
-                raise
-            return b""
+        assert self.h11 is not None
+        return self.h11.send(event) or b""
 
     async def _write(self, data: bytes) -> None:
         if self.broken:
@@ -346,8 +375,54 @@ class _Exchange:
             self.broken = True  # the client is gone: the app is not told, as under hypercorn
             self.finish()
         except BaseException:
-            self.broken = True  # cut (the front door's send bound): the stream is unusable
+            self.broken = True  # cut (the front door's send bound): the socket is unusable
             raise
+
+
+# h11's grammar of a header it sends (h11/_abnf.py: field-name, field-value)
+_FIELD_NAME = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_FIELD_VALUE = re.compile(rb"(?:[\x21-\x7e\x80-\xff](?:[ \t\x21-\x7e\x80-\xff]*[\x21-\x7e\x80-\xff])?)?")
+
+
+def _plain_answer(status: int, headers: list[tuple[bytes, bytes]], body: bytes, close: bool) -> bytes | None:
+    """The bytes h11 sends for a whole answer (``Response``, ``Data``, ``EndOfMessage``) to a
+    POST or PUT, when it is plain: status 200-599 but 204 and 304, one ``Content-Length``
+    equal to the body's length, no ``Transfer-Encoding``, ``Connection`` or ``Host``, every
+    header as h11's grammar has it. Else None (h11 frames it: ``_framer``). ``close``: the
+    client asked to close (h11 then adds ``Connection: close`` last)."""
+    if not 200 <= status < 600 or status in (204, 304):
+        return None
+    length = 0
+    out = [b"HTTP/1.1 %d \r\n" % status]
+    for name, value in headers:
+        low = name.lower()
+        if low == b"content-length":
+            if length or value != b"%d" % len(body):
+                return None
+            length = 1
+        elif low in (b"transfer-encoding", b"connection", b"host"):
+            return None
+        if _FIELD_NAME.fullmatch(name) is None or _FIELD_VALUE.fullmatch(value) is None:
+            return None
+        out.append(b"%s: %s\r\n" % (name, value))
+    if not length:
+        return None
+    if close:
+        out.append(b"Connection: close\r\n")
+    out.append(b"\r\n")
+    out.append(body)
+    return b"".join(out)
+
+
+def _framer(request: _Head) -> h11.Connection:
+    """An h11 connection that has read a request like ``request`` (method, keep-alive): it
+    frames an answer exactly as hypercorn's h11 would for it."""
+    conn = h11.Connection(h11.SERVER)
+    conn.receive_data(b"%s / HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n%s\r\n" % (
+        request.method.encode("ascii"), b"connection: close\r\n" if request.close else b""))
+    conn.next_event()  # the Request
+    conn.next_event()  # its EndOfMessage
+    return conn
 
 
 _DATES: list[Any] = [0, b""]
