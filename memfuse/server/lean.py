@@ -5,15 +5,17 @@ session 12: serve's loop").
 hypercorn serves each request of a connection through its ``TCPServer`` (a reader task, a
 send lock), ``H11Protocol``, an ``HTTPStream``, a task per request with a memory channel for
 the body (``spawn_app``) and an event per piece of the answer; for a record write that was
-about a third of the event loop's CPU. ``LeanHTTP.serve`` reads a connection's requests with
-h11 (the parser hypercorn itself uses, with the same head bound) and, as long as each is one
-of the three write routes (``memfuse.server.writepath.lean_route``: create, update, batch;
-HTTP/1.1, ``Content-Length`` body, no ``Expect``, ``Upgrade``, ``Transfer-Encoding`` or query
-string), calls the ASGI app (the front door, ``memfuse.server.gate``, then the write path or
-FastAPI) on the connection's own task, its answer framed by h11 and sent in one write. The
-first request that is anything else, or a head h11 refuses, is handed back with every byte of
-the connection not consumed (``Handover``): hypercorn serves the rest of the connection from
-that request on, as if it had read them itself.
+about a third of the event loop's CPU. ``LeanHTTP.serve`` reads a connection's request heads
+itself (``parse_head``: a strict subset of the grammar h11, hypercorn's parser, reads, with the
+same head bound) and, as long as each is one of the three write routes
+(``memfuse.server.writepath.lean_route``: create, update, batch; HTTP/1.1, one ``Host``, a
+``Content-Length`` body, no ``Expect``, ``Upgrade``, ``Transfer-Encoding`` or query string),
+calls the ASGI app (the front door, ``memfuse.server.gate``, then the write path or FastAPI)
+on the connection's own task, its answer framed as h11 frames it (``_plain_answer``; h11
+itself frames any answer that is not plain) and sent in one write. The first request that
+is anything else, or a head the parser does not take, is handed back with every byte of the
+connection not consumed (``Handover``): hypercorn serves the rest of the connection from that
+request on, as if it had read them itself, so whatever h11 refuses is refused as before.
 
 What hypercorn guarantees holds here: the header deadline (``keep_alive_timeout`` from the
 previous answer until a head is complete; an idle connection closes at once when the server
@@ -111,7 +113,7 @@ class LeanHTTP:
                         head = parse_head(buf, self.max_head)
                         if head is not None:
                             break
-                        if len(buf) > self.max_head or _HEAD_END.search(buf) is not None or closed:
+                        if len(buf) > self.max_head or HEAD_END.search(buf) is not None or closed:
                             # not a lean head (or a partial one and the client left): hypercorn's
                             return self._handover(buf, closed, requests) if buf else None
                         if self.terminated:  # as hypercorn's idle timer: closed at once
@@ -168,7 +170,7 @@ class LeanHTTP:
 # surrounding whitespace, keep-alive); anything else (another method, a query string, another
 # version, bare LF line ends, folded lines, obs-text, a missing or second Host, no or several
 # Content-Length, Transfer-Encoding, Expect, Upgrade) is handed to hypercorn as it came.
-_HEAD_END = re.compile(rb"\n\r?\n")  # the blank line ending a head, as h11 finds it
+HEAD_END = re.compile(rb"\n\r?\n")  # the blank line ending a request's head, as h11 finds it
 _REQUEST_LINE = re.compile(rb"(POST|PUT) (/[A-Za-z0-9\-._~%!$&'()*+,;=:@/]*) HTTP/1\.1")
 _HEADER = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*((?:[\x21-\x7e](?:[\x20-\x7e\t]*[\x21-\x7e])?)?)[ \t]*")
 _NOT_LEAN = frozenset({b"transfer-encoding", b"expect", b"upgrade"})
@@ -189,7 +191,7 @@ def parse_head(buf: bytearray | bytes, max_head: int) -> _Head | None:
     complete yet, or not lean (the caller tells them apart: a complete head or more than
     ``max_head`` bytes is not lean). A head's size is bounded by ``max_head`` as h11's
     ``max_incomplete_event_size`` bounds it when it arrives in pieces."""
-    m = _HEAD_END.search(buf, 0, max_head + 4)
+    m = HEAD_END.search(buf, 0, max_head + 4)
     if m is None or m.group() != b"\n\r\n" or m.start() == 0 or buf[m.start() - 1] != 13:
         return None
     end = m.start() - 1

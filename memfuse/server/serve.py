@@ -14,7 +14,6 @@ import gc
 import logging
 import math
 import os
-import re
 import socket
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -26,6 +25,7 @@ from hypercorn.config import Config
 
 from . import consolidation, staleness
 from .writepath import lean_route
+from .lean import HEAD_END as _HEAD_END  # the blank line ending a request's head, as h11 finds it
 from .limits import MAX_HEAD, SEND_TIMEOUT
 
 if TYPE_CHECKING:  # for the annotations only
@@ -266,7 +266,6 @@ async def _serve(app: FastAPI, listen: str, task_status: trio.TaskStatus[str], l
             inner.deadline = trio.current_time() + GRACEFUL_TIMEOUT + 2
 
 
-_HEAD_END = re.compile(rb"\n\r?\n")  # the blank line ending a request's head, as h11 finds it
 
 
 async def _first_head(stream: trio.SocketStream, timeout: float, first: bytes = b"") -> tuple[bytes | None, bool]:
