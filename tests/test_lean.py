@@ -236,7 +236,7 @@ LEANROUTE = lambda m, p: m == "POST"
 
 
 async def _small_server(nursery: trio.Nursery, *, max_requests: int = 1000,
-                        keep_alive: float = 5.0) -> tuple[int, Any]:
+                        keep_alive: float = 5.0, graceful: float = 1.0) -> tuple[int, Any]:
     """A small ASGI app (POST: 200 with the body's length; else 200 ``get``) behind
     ``_worker_serve`` with every POST served lean; its port and the lean path's counters."""
     holder: dict[str, Any] = {}
@@ -266,7 +266,7 @@ async def _small_server(nursery: trio.Nursery, *, max_requests: int = 1000,
     holder["app"] = asgi
     config = Config()
     config.bind = [f"fd://{serve_mod.listen_socket('127.0.0.1:0').detach()}"]
-    config.graceful_timeout = 1
+    config.graceful_timeout = graceful
     config.accesslog = None
     config.keep_alive_timeout = keep_alive
     config.keep_alive_max_requests = max_requests
@@ -274,6 +274,7 @@ async def _small_server(nursery: trio.Nursery, *, max_requests: int = 1000,
     shutdown = trio.Event()
     binds = await nursery.start(lambda task_status: serve_mod._worker_serve(
         asgi, config, None, shutdown.wait, task_status, LEANROUTE))
+    asgi.state.shutdown = shutdown  # type: ignore[attr-defined]
     return int(binds[0].rsplit(":", 1)[1]), asgi.state  # type: ignore[attr-defined]
 
 
@@ -312,3 +313,29 @@ async def test_idle_lean_connection_closes_at_the_header_deadline():
         raw = await _talk(port, [_post(b"x"), b"POST /w HTTP/1.1\r\n"])
         assert _statuses(raw) == [200] and trio.current_time() - t0 < 3
         nursery.cancel_scope.cancel()
+
+
+async def test_idle_lean_connections_close_at_once_when_the_server_stops():
+    async with trio.open_nursery() as outer:
+        done = trio.Event()
+
+        async def run(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+            async with trio.open_nursery() as nursery:
+                task_status.started(await _small_server(nursery, keep_alive=30, graceful=20))
+            done.set()
+
+        port, state = await outer.start(run)
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        await stream.send_all(_post(b"x"))
+        got = b""
+        with trio.fail_after(10):
+            while not got.endswith(b"\r\n\r\n1"):
+                got += await stream.receive_some(65536)
+        assert state.lean.served == 1
+        t0 = trio.current_time()
+        state.shutdown.set()  # idle on the lean path: closed now, not at the grace's end (20 s)
+        with trio.fail_after(10):
+            assert await stream.receive_some(65536) == b""
+            await done.wait()
+        assert trio.current_time() - t0 < 3
+        await stream.aclose()
