@@ -469,7 +469,24 @@ class Gate:
                     # served, or refused to a client the app authenticated (the console checks
                     # its own sessions: a 429 past a token's live pages is not anonymous)
                     self.connections.cleared(scope.get("client"))
-                state["type"] = next((v for k, v in message.get("headers", ()) if k.lower() == b"content-type"), b"")
+                ctype: bytes | None = None
+                length = chunked = False
+                for k, v in message.get("headers", ()):
+                    k = k.lower()
+                    if k == b"content-type":
+                        ctype = v if ctype is None else ctype
+                    elif k == b"content-length":
+                        length = True
+                    elif k == b"transfer-encoding":
+                        chunked = True
+                state["type"] = ctype or b""
+                if length and not chunked and message["status"] >= 200:
+                    # the head of an answer of known length is held by the HTTP server until
+                    # the body (memfuse.server.serve's ``_HTTP11Only``, memfuse.server.lean):
+                    # this send does not wait on the client, so it is not armed (two
+                    # deadline moves of a cancel scope less per answer)
+                    await send(message)
+                    return
             elif message["type"] == "http.response.body" and not message.get("more_body", False):
                 state["done"] = True
             bound.deadline = anyio.current_time() + self.send_timeout
@@ -500,7 +517,7 @@ class Gate:
                      extra={"path": scope["path"], "timeout_s": self.send_timeout})
         finally:
             if state["status"]:
-                self.metrics.requests.labels(f"{state['status'] // 100}xx").inc()
+                self.metrics.answered(state["status"])
 
     async def _end_cut(self, why: str, state: dict[str, Any], send: Send) -> None:
         """End a long-lived response whose token was revoked or expired: a 401 problem when
@@ -655,7 +672,7 @@ class Gate:
 
     def _count(self, status: int, code: str) -> None:
         self.metrics.refused.labels(code).inc()
-        self.metrics.requests.labels(f"{status // 100}xx").inc()
+        self.metrics.answered(status)
         now = time.monotonic()
         if status != 401 and now - self._last_refusal_log > 5:  # one line per 5 s, not one per refusal
             self._last_refusal_log = now

@@ -75,7 +75,18 @@ class ServerMetrics:
                                      "LISTEN and the SQLite watcher's PRAGMA data_version excluded)",
                                      registry=r)
         self._extra: list[Callable[[], list[Metric]]] = []
+        # the ``requests`` counter's child per status class ("2xx"), looked up once
+        # (``labels`` validates, hashes and locks per call)
+        self._answered: dict[int, Any] = {}
         r.register(self)
+
+    def answered(self, status: int) -> None:
+        """Count an answer of HTTP ``status`` in ``requests`` (by class: ``"2xx"``...)."""
+        cls = status // 100
+        child = self._answered.get(cls)
+        if child is None:
+            child = self._answered[cls] = self.requests.labels(f"{cls}xx")
+        child.inc()
 
     def add_collector(self, fn: Callable[[], list[Metric]]) -> None:
         """``fn()`` returns metric families, read at each scrape."""

@@ -14,7 +14,6 @@ import gc
 import logging
 import math
 import os
-import re
 import socket
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -25,6 +24,8 @@ import trio
 from hypercorn.config import Config
 
 from . import consolidation, staleness
+from .writepath import lean_route
+from .lean import HEAD_END as _HEAD_END  # the blank line ending a request's head, as h11 finds it
 from .limits import MAX_HEAD, SEND_TIMEOUT
 
 if TYPE_CHECKING:  # for the annotations only
@@ -131,7 +132,7 @@ def release_database(app: FastAPI) -> None:
         os.close(fd)
 
 
-async def serve(app: FastAPI, listen: str = "127.0.0.1:8080", *,
+async def serve(app: FastAPI, listen: str = "127.0.0.1:8080", *, lean: bool = True,
                 task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
     """Serve the ASGI ``app`` on ``listen`` (``HOST:PORT``; port 0 picks a free one) until
     cancelled.
@@ -141,11 +142,16 @@ async def serve(app: FastAPI, listen: str = "127.0.0.1:8080", *,
     requests in flight up to 5 s to finish (long-polls are cut), then returns (re-raising the
     cancellation). Raises ``OSError`` when the address cannot be bound, ``AlreadyServing`` when
     another process serves the same SQLite file (``claim_database``).
+
+    ``lean``: record writes on keep-alive connections are served without hypercorn's
+    per-request machinery (``memfuse.server.lean``) when the app has the write path
+    (``app.front.writes``); False serves every request through hypercorn (the tests compare
+    the two byte for byte).
     """
     claimed_here = getattr(app.state, "db_claim", None) is None
     claim_database(app)
     try:
-        await _serve(app, listen, task_status)
+        await _serve(app, listen, task_status, lean)
     finally:
         if claimed_here:
             release_database(app)
@@ -194,7 +200,7 @@ def listen_socket(listen: str, send_buffer: int = SEND_BUFFER,
     return sock
 
 
-async def _serve(app: FastAPI, listen: str, task_status: trio.TaskStatus[str]) -> None:
+async def _serve(app: FastAPI, listen: str, task_status: trio.TaskStatus[str], lean: bool = True) -> None:
     config = Config()
     front = getattr(app, "front", None)  # memfuse.server.gate.Gate
     # our own socket (hypercorn takes a bound one over as fd://N: it listens and closes it)
@@ -221,7 +227,8 @@ async def _serve(app: FastAPI, listen: str, task_status: trio.TaskStatus[str]) -
 
     async def run(task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
         with inner:
-            await _worker_serve(app, config, connections, shutdown.wait, task_status)
+            await _worker_serve(app, config, connections, shutdown.wait, task_status,
+                                lean_route if lean and getattr(front, "writes", None) is not None else None)
 
     svc: Service | None = getattr(getattr(app, "state", None), "service", None)
     if svc is not None:
@@ -259,7 +266,6 @@ async def _serve(app: FastAPI, listen: str, task_status: trio.TaskStatus[str]) -
             inner.deadline = trio.current_time() + GRACEFUL_TIMEOUT + 2
 
 
-_HEAD_END = re.compile(rb"\n\r?\n")  # the blank line ending a request's head, as h11 finds it
 
 
 async def _first_head(stream: trio.SocketStream, timeout: float, first: bytes = b"") -> tuple[bytes | None, bool]:
@@ -414,6 +420,17 @@ async def _accept_forever(listener: socket.socket, nursery: trio.Nursery,
         listener.close()
 
 
+def _response_headers(config: Config) -> Callable[[], list[tuple[bytes, bytes]]]:
+    """hypercorn's headers of every HTTP/1.1 answer (``Config.response_headers("h11")``),
+    the ``Date`` formatted once a second (``memfuse.server.lean.date_header``) when they are
+    its defaults."""
+    if not (config.include_date_header and config.include_server_header) or config.alt_svc_headers:
+        return lambda: config.response_headers("h11")
+    from memfuse.server.lean import date_header
+
+    return lambda: [(b"date", date_header()), (b"server", b"hypercorn-h11")]
+
+
 def _address(stream: trio.SocketStream) -> str:
     """``host:port`` of the client of ``stream`` (``"?"`` when the socket cannot tell), for
     logs."""
@@ -477,7 +494,8 @@ class _IdleTimer:
 
 async def _worker_serve(app: FastAPI, config: Config, connections: Connections | None,
                         shutdown_trigger: Callable[[], Awaitable[object]],
-                        task_status: trio.TaskStatus[list[str]]) -> None:
+                        task_status: trio.TaskStatus[list[str]],
+                        lean_route: Callable[[str, str], bool] | None = None) -> None:
     """hypercorn's ``worker_serve`` (hypercorn 0.18, ``hypercorn/trio/run.py``, plain TCP
     and Unix sockets only) with one change: each accepted connection is first offered to
     ``connections`` (``memfuse.server.gate.Connections``: the cap on connections without a
@@ -507,7 +525,12 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
     connections before any task is made for them, and a connection's first request head is
     read by ``_first_head`` (within the header deadline) before hypercorn's objects for it
     are made, then given to hypercorn as if it had read it (``_TCPServer.first``). An
-    evicted connection (``Connections.opened``) is cancelled where it stands and closed."""
+    evicted connection (``Connections.opened``) is cancelled where it stands and closed.
+
+    A sixth: with ``lean_route`` (``(method, decoded path) -> bool``), a connection's requests
+    that it names are served by ``memfuse.server.lean`` (h11 and the app on the connection's
+    task, no hypercorn object made) until the first that is not, which hypercorn serves
+    with the rest of the connection (``_TCPServer.first``, ``requests_before``)."""
     from itertools import chain
 
     import h11
@@ -521,7 +544,9 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
     from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
     from hypercorn.trio.worker_context import WorkerContext
     from hypercorn.typing import ConnectionState
-    from hypercorn.utils import ShutdownError, raise_shutdown, repr_socket_addr, wrap_app
+    from hypercorn.utils import ShutdownError, parse_socket_addr, raise_shutdown, repr_socket_addr, wrap_app
+
+    from memfuse.server.lean import LeanHTTP
 
     class _HTTP11Only(H11Protocol):
         """hypercorn's HTTP/1.1 protocol without its switch to HTTP/2 on a cleartext
@@ -640,6 +665,10 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
                     self.send_lock.release()
             await self.stream.aclose()
 
+        # requests answered on the connection by the lean path before it was handed over
+        # (``memfuse.server.lean``): hypercorn's keep-alive count goes on from there
+        requests_before = 0
+
         # hypercorn's ``run`` makes its ProtocolWrapper inline: its HTTP/1.1 protocol is
         # swapped for ``_HTTP11Only`` as it is set (TLS with ALPN h2 is not served here)
         @property
@@ -650,6 +679,7 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
         def protocol(self, wrapper: ProtocolWrapper) -> None:
             if type(wrapper.protocol) is H11Protocol:
                 wrapper.protocol.__class__ = _HTTP11Only
+                wrapper.protocol.keep_alive_requests = self.requests_before
             self._protocol = wrapper
 
     # hypercorn types its ASGI app with its own TypedDict scopes; starlette's are plain mappings
@@ -657,6 +687,18 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
     lifespan_state: dict[str, Any] = {}
     lifespan = Lifespan(asgi, config, lifespan_state)
     context = WorkerContext(None)
+    # requests named by ``lean_route`` (the record writes) without hypercorn's per-request
+    # machinery (memfuse.server.lean)
+    lean: LeanHTTP | None = None
+    if lean_route is not None:
+        lean = LeanHTTP(app, lean_route, keep_alive_timeout=config.keep_alive_timeout,
+                        keep_alive_max_requests=config.keep_alive_max_requests,
+                        max_head=config.h11_max_incomplete_size,
+                        response_headers=_response_headers(config),
+                        log_exception=config.log.exception, lifespan_state=lifespan_state)
+        state = getattr(app, "state", None)
+        if state is not None:
+            state.lean = lean  # its counters, for tests and benchmarks
 
     async def handle(conn: socket.socket, first_bytes: bytes, peer: tuple[str, int] | None,
                      scope: trio.CancelScope) -> None:
@@ -674,9 +716,17 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
                     first, eof = await _first_head(stream, config.keep_alive_timeout, first_bytes)
                     if first is None:
                         return  # no head in time, or the client left before it: closed (finally)
+                    served = 0
+                    if lean is not None:
+                        sock = stream.socket
+                        over = await lean.serve(conn, first, eof, parse_socket_addr(sock.family, sock.getpeername()),
+                                                parse_socket_addr(sock.family, sock.getsockname()))
+                        if over is None:
+                            return  # the connection is over: closed (finally)
+                        first, eof, served = over
                     # (hypercorn types the stream as its TLS one; it serves plain streams too: its own run())
                     server = _TCPServer(asgi, config, context, ConnectionState(lifespan_state.copy()), stream)
-                    server.first, server.first_eof = first, eof
+                    server.first, server.first_eof, server.requests_before = first, eof, served
                     await server
                 except* Exception:
                     # supervision: whatever one connection raises (hypercorn catches only the app's
@@ -715,6 +765,8 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
                     raise other
             finally:
                 await context.terminated.set()
+                if lean is not None:
+                    lean.terminate()
                 server_nursery.cancel_scope.deadline = trio.current_time() + config.graceful_timeout
         await lifespan.wait_for_shutdown()
         lifespan_nursery.cancel_scope.cancel()

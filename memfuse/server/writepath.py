@@ -69,6 +69,8 @@ class WritePath:
         self.histogram = histogram
         self.hop: Callable[..., Awaitable[Any]] = hop if hop is not None else anyio.to_thread.run_sync
         self.served = 0  # requests answered here (for tests and the benchmark)
+        # the histogram's child per (route template, method, status), looked up once
+        self._observe: dict[tuple[str, str, int], Any] = {}
 
     async def __call__(self, scope: Scope, body: bytes, send: Send) -> bool:
         start = time.perf_counter()
@@ -154,11 +156,21 @@ class WritePath:
         await response(scope, _no_receive, send)
         self.served += 1
         if self.histogram is not None:
-            self.histogram.labels(route.path, scope["method"], str(response.status_code)).observe(
-                time.perf_counter() - start)
+            key = (route.path, scope["method"], response.status_code)
+            child = self._observe.get(key)
+            if child is None:
+                child = self._observe[key] = self.histogram.labels(key[0], key[1], str(key[2]))
+            child.observe(time.perf_counter() - start)
 
 
 _ROUTES = (table.CREATE_RECORD, table.UPDATE_RECORD, table.BATCH)
+
+
+def lean_route(method: str, path: str) -> bool:
+    """Whether ``method path`` (decoded, as ASGI's ``scope["path"]``) is one of the routes
+    this module serves: the requests ``memfuse.server.lean`` serves without hypercorn."""
+    m = table.match(method, path)
+    return m is not None and m.route in _ROUTES
 
 
 async def _no_receive() -> dict[str, Any]:

@@ -1,0 +1,440 @@
+"""HTTP/1.1 keep-alive connections whose requests are record writes, served without
+hypercorn's per-request machinery (``memfuse serve``; bench/README.md, "The close path,
+session 12: serve's loop").
+
+hypercorn serves each request of a connection through its ``TCPServer`` (a reader task, a
+send lock), ``H11Protocol``, an ``HTTPStream``, a task per request with a memory channel for
+the body (``spawn_app``) and an event per piece of the answer; for a record write that was
+about a third of the event loop's CPU. ``LeanHTTP.serve`` reads a connection's request heads
+itself (``parse_head``: a strict subset of the grammar h11, hypercorn's parser, reads, with the
+same head bound) and, as long as each is one of the three write routes
+(``memfuse.server.writepath.lean_route``: create, update, batch; HTTP/1.1, one ``Host``, a
+``Content-Length`` body, no ``Expect``, ``Upgrade``, ``Transfer-Encoding`` or query string),
+calls the ASGI app (the front door, ``memfuse.server.gate``, then the write path or FastAPI)
+on the connection's own task, its answer framed as h11 frames it (``_plain_answer``; h11
+itself frames any answer that is not plain) and sent in one write. The first request that
+is anything else, or a head the parser does not take, is handed back with every byte of the
+connection not consumed (``Handover``): hypercorn serves the rest of the connection from that
+request on, as if it had read them itself, so whatever h11 refuses is refused as before.
+
+What hypercorn guarantees holds here: the header deadline (``keep_alive_timeout`` from the
+previous answer until a head is complete; an idle connection closes at once when the server
+terminates), ``keep_alive_max_requests`` (the last answer carries ``Connection: close``; the
+count goes on in hypercorn after a hand-over), the response headers it adds (``date``,
+``server``), an app error before its answer is a 500 with ``Connection: close``, a response
+not finished or a request body left unread closes the connection, and the close shuts the
+write side before closing the socket. The front door's bounds (body size and deadlines,
+slots, eviction, metrics) are the app's and apply as they do under hypercorn.
+"""
+from __future__ import annotations
+
+import math
+import re
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, NamedTuple
+from urllib.parse import unquote
+
+import h11
+import trio
+
+MAX_RECV = 65536  # bytes read per receive (hypercorn's ``MAX_RECV``)
+
+
+class Handover(NamedTuple):
+    """A connection for hypercorn from now on: the bytes read and not consumed (they start at
+    a request's first byte), whether the client had closed its end after them, and the
+    requests answered on it already (for ``keep_alive_max_requests``)."""
+
+    data: bytes
+    eof: bool
+    requests: int
+
+
+class LeanHTTP:
+    """The lean path of one server. ``app``: the ASGI app (called as hypercorn calls it,
+    ``app(scope, receive, send)``); ``lean_route(method, path)``: whether a request is served
+    here (decoded path, as ASGI's ``scope["path"]``); ``keep_alive_timeout`` (s) and
+    ``keep_alive_max_requests``, ``max_head`` (bytes, h11's ``max_incomplete_event_size``),
+    ``response_headers()``: hypercorn's (``Config.response_headers("h11")``),
+    ``log_exception(msg)``: hypercorn's error log (``Config.log.exception``),
+    ``lifespan_state``: the ASGI lifespan state, copied into each request's scope.
+    Event-loop only."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]], lean_route: Callable[[str, str], bool], *,
+                 keep_alive_timeout: float, keep_alive_max_requests: int, max_head: int,
+                 response_headers: Callable[[], list[tuple[bytes, bytes]]],
+                 log_exception: Callable[[str], Awaitable[None]],
+                 lifespan_state: dict[str, Any] | None = None) -> None:
+        self.app = app
+        self.lean_route = lean_route
+        self.keep_alive_timeout = keep_alive_timeout
+        self.keep_alive_max_requests = keep_alive_max_requests
+        self.max_head = max_head
+        self.response_headers = response_headers
+        self.log_exception = log_exception
+        self.lifespan_state = lifespan_state if lifespan_state is not None else {}
+        self.served = 0  # requests answered here (tests, the benchmark)
+        self.handed_over = 0  # connections handed to hypercorn after a lean request
+        # INVARIANT: ``waiting`` holds the cancel scopes of the connections waiting for a
+        # request head (idle); ``terminate`` cancels them, and once ``terminated`` no
+        # connection waits for another request.
+        self.waiting: set[trio.CancelScope] = set()
+        self.terminated = False
+
+    def terminate(self) -> None:
+        """The server stops: idle connections close now, busy ones after their answer."""
+        self.terminated = True
+        for scope in self.waiting:
+            scope.cancel()
+
+    async def serve(self, sock: socket.socket, first: bytes, eof: bool,
+                    client: tuple[str, int] | None, server: tuple[str, int] | None) -> Handover | None:
+        """Serve the connection ``sock`` (non-blocking, as trio keeps it; ``first``: the bytes
+        read of it so far, a request head among them; ``eof``: the client closed its end after
+        them) as long as its requests are lean ones (``parse_head``). Returns a ``Handover``
+        for hypercorn, or None when the connection is over (the caller closes the socket; the
+        write side is shut here when an answer was sent). Never raises for the client's
+        doing (a reset, a vanished client, bad bytes); a cancellation (eviction, the end of
+        the grace period) passes."""
+        # INVARIANT: ``buf`` holds the bytes read and not consumed: from the first byte of
+        # the request being read (or awaited) on, what hypercorn gets at a hand-over.
+        buf = bytearray(first)
+        requests = 0
+        closed = eof
+        while True:
+            # -------- the head, within the header deadline
+            head: _Head | None = None
+            with trio.move_on_after(self.keep_alive_timeout if requests else math.inf) as waiting:
+                self.waiting.add(waiting)
+                try:
+                    while True:
+                        head = parse_head(buf, self.max_head)
+                        if head is not None:
+                            break
+                        if len(buf) > self.max_head or HEAD_END.search(buf) is not None or closed:
+                            # not a lean head (or a partial one and the client left): hypercorn's
+                            return self._handover(buf, closed, requests) if buf else None
+                        if self.terminated:  # as hypercorn's idle timer: closed at once
+                            return None
+                        try:
+                            data = await _receive(sock)
+                        except OSError:  # reset
+                            return None
+                        buf += data
+                        closed = not data
+                finally:
+                    self.waiting.discard(waiting)
+            if head is None:  # the header deadline passed, or the server terminates
+                return None
+            path = unquote(head.path.decode("ascii"))
+            if not self.lean_route(head.method, path):
+                return self._handover(buf, closed, requests)
+            requests += 1
+            del buf[:head.size]
+            # -------- the request, on this task
+            exchange = _Exchange(self, head, buf, sock, closed, requests)
+            scope = {
+                "type": "http", "http_version": "1.1", "asgi": {"spec_version": "2.1", "version": "3.0"},
+                "method": head.method, "scheme": "http", "path": path, "raw_path": head.path,
+                "query_string": b"", "root_path": "", "headers": head.headers, "client": client,
+                "server": server, "state": self.lifespan_state.copy(), "extensions": {},
+            }
+            try:
+                await self.app(scope, exchange.receive, exchange.send)
+            except Exception:  # as hypercorn's ``_handle``: logged, a 500 when nothing was sent
+                await self.log_exception("Error in ASGI Framework")
+            if exchange.head is None and not exchange.broken:
+                await exchange.error(500)
+            self.served += 1
+            exchange.finish()
+            closed = exchange.closed
+            if (exchange.broken or not exchange.done or exchange.close or self.terminated
+                    or exchange.remaining):
+                if not exchange.broken:
+                    _shut(sock)
+                return None
+            if buf:  # pipelined: other tasks run before the next request (it may not wait)
+                await trio.lowlevel.checkpoint()
+
+    def _handover(self, raw: bytearray, closed: bool, requests: int) -> Handover:
+        if requests:
+            self.handed_over += 1
+        return Handover(bytes(raw), closed, requests)
+
+
+# ---------------------------------------------------------------- the request head
+# A strict subset of what h11 reads (h11/_abnf.py, _readers.py, _events.py): every head this
+# accepts, h11 reads the same way (method, target, lower-case names, values without their
+# surrounding whitespace, keep-alive); anything else (another method, a query string, another
+# version, bare LF line ends, folded lines, obs-text, a missing or second Host, no or several
+# Content-Length, Transfer-Encoding, Expect, Upgrade) is handed to hypercorn as it came.
+HEAD_END = re.compile(rb"\n\r?\n")  # the blank line ending a request's head, as h11 finds it
+_REQUEST_LINE = re.compile(rb"(POST|PUT) (/[A-Za-z0-9\-._~%!$&'()*+,;=:@/]*) HTTP/1\.1")
+_HEADER = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*((?:[\x21-\x7e](?:[\x20-\x7e\t]*[\x21-\x7e])?)?)[ \t]*")
+_NOT_LEAN = frozenset({b"transfer-encoding", b"expect", b"upgrade"})
+_MAX_LENGTH_DIGITS = 18  # a longer Content-Length (past 2**59): hypercorn's
+
+
+class _Head(NamedTuple):
+    method: str
+    path: bytes  # the raw target (no query string)
+    headers: list[tuple[bytes, bytes]]  # (lower-case name, value), as h11 gives them
+    length: int  # Content-Length
+    close: bool  # the client asked to close after the answer (``Connection: close``)
+    size: int  # bytes of the head, blank line included
+
+
+def parse_head(buf: bytearray | bytes, max_head: int) -> _Head | None:
+    """The lean request head at the start of ``buf`` (see the comment above), or None: not
+    complete yet, or not lean (the caller tells them apart: a complete head or more than
+    ``max_head`` bytes is not lean). A head's size is bounded by ``max_head`` as h11's
+    ``max_incomplete_event_size`` bounds it when it arrives in pieces."""
+    m = HEAD_END.search(buf, 0, max_head + 4)
+    if m is None or m.group() != b"\n\r\n" or m.start() == 0 or buf[m.start() - 1] != 13:
+        return None
+    end = m.start() - 1
+    lines = bytes(buf[:end]).split(b"\r\n")
+    line = _REQUEST_LINE.fullmatch(lines[0])
+    if line is None:
+        return None
+    headers: list[tuple[bytes, bytes]] = []
+    hosts = 0
+    length: int | None = None
+    close = False
+    for raw in lines[1:]:
+        h = _HEADER.fullmatch(raw)
+        if h is None:
+            return None
+        name, value = h.group(1).lower(), h.group(2)
+        if name in _NOT_LEAN:
+            return None
+        if name == b"host":
+            hosts += 1
+        elif name == b"content-length":
+            if length is not None or not value.isdigit() or len(value) > _MAX_LENGTH_DIGITS:
+                return None
+            length = int(value)
+        elif name == b"connection":
+            close = close or any(t.strip().lower() == b"close" for t in value.split(b","))
+        headers.append((name, value))
+    if hosts != 1 or length is None:
+        return None
+    return _Head(line.group(1).decode("ascii"), line.group(2), headers, length, close, m.end())
+
+
+def _shut(sock: socket.socket) -> None:
+    """Shut the write side (the client reads the answer to its end), as hypercorn's close."""
+    try:
+        sock.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass  # the client is gone
+
+
+# The socket's own calls, not ``trio.SocketStream``'s (a context manager for its errors, a
+# conflict detector and two checkpoints per call: ~10 % of a record write's loop CPU). Each
+# connection has one task, so one reader and one writer at a time.
+async def _receive(sock: socket.socket) -> bytes:
+    """The next bytes of ``sock`` (b"" at the client's end), waiting for them (a
+    checkpoint: cancellable). Raises ``OSError`` (a reset)."""
+    while True:
+        try:
+            return sock.recv(MAX_RECV)
+        except BlockingIOError:
+            await trio.lowlevel.wait_readable(sock)
+
+
+async def _send_all(sock: socket.socket, data: bytes) -> None:
+    """Send all of ``data`` on ``sock``, waiting (cancellably) while the send buffer is
+    full. Raises ``OSError`` (a reset, a broken pipe)."""
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[sock.send(view):]
+        except BlockingIOError:
+            await trio.lowlevel.wait_writable(sock)
+
+
+class _Exchange:
+    """One request and its answer on a lean connection: ``receive`` gives the body from the
+    connection's buffer ``buf`` (shared: what follows the body stays there for the next
+    request), ``send`` frames the answer as h11 would and sends its head with the first
+    body piece (a whole answer of known length: one write). An answer that is not plain
+    (no or a wrong ``Content-Length``, a ``Connection`` header, several pieces, 204/304, a
+    header h11 refuses) is framed by h11 itself, given the request's method and keep-alive."""
+
+    def __init__(self, lean: LeanHTTP, request: _Head, buf: bytearray, sock: socket.socket,
+                 closed: bool, requests: int) -> None:
+        self.lean = lean
+        self.request = request
+        self.buf = buf
+        self.sock = sock
+        self.closed = closed  # the client closed its end
+        self.requests = requests
+        self.remaining = request.length  # body bytes not given to the app yet
+        self.body_done = False  # the request's body is all given
+        self.close = request.close  # the connection closes after the answer
+        # the answer: (status, headers) held until its first body piece, then b"" (sent)
+        self.head: tuple[int, list[tuple[bytes, bytes]]] | bytes | None = None
+        self.h11: h11.Connection | None = None  # framing an answer that is not plain
+        self.status = 0
+        self.done = False  # the answer is complete
+        self.broken = False  # the connection failed (reset, a send cut): close it
+        self.done_event: trio.Event | None = None
+
+    async def receive(self) -> dict[str, Any]:
+        if self.body_done or self.head is not None or self.broken:
+            # as under hypercorn: nothing more comes until the request is over
+            if not self.done and not self.broken:
+                if self.done_event is None:
+                    self.done_event = trio.Event()
+                await self.done_event.wait()
+            return {"type": "http.disconnect"}
+        buf = self.buf
+        while True:
+            if buf or not self.remaining:
+                n = min(len(buf), self.remaining)
+                body = bytes(buf[:n])
+                del buf[:n]
+                self.remaining -= n
+                self.body_done = not self.remaining
+                return {"type": "http.request", "body": body, "more_body": not self.body_done}
+            if self.closed:  # the client left mid-body: h11's error, hypercorn's 400
+                await self.error(400)
+                return {"type": "http.disconnect"}
+            try:
+                data = await _receive(self.sock)
+            except OSError:
+                self.broken = True
+                return {"type": "http.disconnect"}
+            buf += data
+            self.closed = not data
+
+    async def send(self, message: dict[str, Any]) -> None:
+        kind = message["type"]
+        if self.done or self.broken:
+            return  # the connection is closing (hypercorn drops what the app sends then)
+        if kind == "http.response.start":
+            if self.head is not None:
+                raise RuntimeError("http.response.start sent twice")
+            headers = [(bytes(k).strip(), bytes(v).strip()) for k, v in message.get("headers", ())]
+            headers += self.lean.response_headers()
+            if self.requests >= self.lean.keep_alive_max_requests:
+                headers.append((b"connection", b"close"))
+            self.status = int(message["status"])
+            self.head = (self.status, headers)
+            return
+        if kind != "http.response.body" or self.head is None:
+            raise RuntimeError(f"unexpected ASGI message {kind!r}")
+        body = message.get("body", b"")
+        more = message.get("more_body", False)
+        head, self.head = self.head, b""
+        data: bytes | None = None
+        if isinstance(head, tuple):
+            data = None if more else _plain_answer(head[0], head[1], body, self.close)
+            if data is None:  # not plain: h11 frames it
+                self.h11 = _framer(self.request)
+                data = self._frame(h11.Response(status_code=head[0], headers=head[1]))
+        if self.h11 is not None:
+            if body and not (100 <= self.status < 200 or self.status in (204, 304)):  # hypercorn's suppress_body
+                data = (data or b"") + self._frame(h11.Data(data=body))
+            if not more:
+                data = (data or b"") + self._frame(h11.EndOfMessage())
+                if self.h11.our_state is not h11.DONE:  # h11 closes: Connection: close
+                    self.close = True
+        if not more:
+            self.done = True
+        if data:
+            await self._write(data)
+        if self.done:
+            self.finish()
+
+    def finish(self) -> None:
+        """The answer is complete (or will never be): a ``receive`` waiting returns."""
+        if self.done_event is not None:
+            self.done_event.set()
+
+    async def error(self, status: int) -> None:
+        """hypercorn's answer when the app sent nothing (or the request broke): ``status``,
+        empty, then close."""
+        self.status = status
+        self.head = (status, [(b"content-length", b"0"), (b"connection", b"close"),
+                              *self.lean.response_headers()])
+        self.close = True
+        await self.send({"type": "http.response.body", "body": b""})
+
+    def _frame(self, event: Any) -> bytes:
+        assert self.h11 is not None
+        return self.h11.send(event) or b""
+
+    async def _write(self, data: bytes) -> None:
+        if self.broken:
+            return
+        try:
+            await _send_all(self.sock, data)
+        except OSError:
+            self.broken = True  # the client is gone: the app is not told, as under hypercorn
+            self.finish()
+        except BaseException:
+            self.broken = True  # cut (the front door's send bound): the socket is unusable
+            raise
+
+
+# h11's grammar of a header it sends (h11/_abnf.py: field-name, field-value)
+_FIELD_NAME = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_FIELD_VALUE = re.compile(rb"(?:[\x21-\x7e\x80-\xff](?:[ \t\x21-\x7e\x80-\xff]*[\x21-\x7e\x80-\xff])?)?")
+
+
+def _plain_answer(status: int, headers: list[tuple[bytes, bytes]], body: bytes, close: bool) -> bytes | None:
+    """The bytes h11 sends for a whole answer (``Response``, ``Data``, ``EndOfMessage``) to a
+    POST or PUT, when it is plain: status 200-599 but 204 and 304, one ``Content-Length``
+    equal to the body's length, no ``Transfer-Encoding``, ``Connection`` or ``Host``, every
+    header as h11's grammar has it. Else None (h11 frames it: ``_framer``). ``close``: the
+    client asked to close (h11 then adds ``Connection: close`` last)."""
+    if not 200 <= status < 600 or status in (204, 304):
+        return None
+    length = 0
+    out = [b"HTTP/1.1 %d \r\n" % status]
+    for name, value in headers:
+        low = name.lower()
+        if low == b"content-length":
+            if length or value != b"%d" % len(body):
+                return None
+            length = 1
+        elif low in (b"transfer-encoding", b"connection", b"host"):
+            return None
+        if _FIELD_NAME.fullmatch(name) is None or _FIELD_VALUE.fullmatch(value) is None:
+            return None
+        out.append(b"%s: %s\r\n" % (name, value))
+    if not length:
+        return None
+    if close:
+        out.append(b"Connection: close\r\n")
+    out.append(b"\r\n")
+    out.append(body)
+    return b"".join(out)
+
+
+def _framer(request: _Head) -> h11.Connection:
+    """An h11 connection that has read a request like ``request`` (method, keep-alive): it
+    frames an answer exactly as hypercorn's h11 would for it."""
+    conn = h11.Connection(h11.SERVER)
+    conn.receive_data(b"%s / HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n%s\r\n" % (
+        request.method.encode("ascii"), b"connection: close\r\n" if request.close else b""))
+    conn.next_event()  # the Request
+    conn.next_event()  # its EndOfMessage
+    return conn
+
+
+_DATES: list[Any] = [0, b""]
+
+
+def date_header() -> bytes:
+    """The ``Date`` value (RFC 9110 IMF-fixdate) of now, formatted once a second."""
+    now = int(time.time())
+    if _DATES[0] != now:
+        from wsgiref.handlers import format_date_time
+        _DATES[0], _DATES[1] = now, format_date_time(now).encode("ascii")
+    value: bytes = _DATES[1]
+    return value

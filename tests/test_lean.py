@@ -1,0 +1,341 @@
+"""The lean path for record writes (``memfuse.server.lean``; ``memfuse serve`` serves create,
+update and batch on keep-alive connections without hypercorn's per-request machinery) answers
+byte for byte as hypercorn does: the same control plane served twice, with the lean path
+(``serve(lean=True)``) and without it, is sent the same bytes on real loopback sockets and
+its answers are compared (the ``Date`` header and the ids and times a create makes aside).
+
+Cases: successes and refusals (401, 404, 413 declared and a 64-bit-overflowing length, 422
+from FastAPI, a slow body's 408), a hand-over mid-connection (a GET after three creates on
+one keep-alive connection), pipelined requests, ``Connection: close``, ``Expect:
+100-continue``, a client that vanishes mid-body; and the lean path's own counters show it
+served what it should. A small ASGI app behind ``_worker_serve`` checks the keep-alive cap
+across a hand-over and that an idle lean connection closes at the header deadline.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+from typing import Any
+
+import httpx
+import pytest
+import trio
+from hypercorn.config import Config
+
+from memfuse.server import serve as serve_mod
+from memfuse.server.app import create_app
+from memfuse.server.serve import serve
+
+pytestmark = pytest.mark.timeout(120)
+
+ADMIN = "lean-admin-token"
+WS = "lean-ws-token"
+MAX_BODY = 64 * 1024
+
+
+async def _bootstrap(url: str) -> None:
+    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30) as a:
+        assert (await a.post("/v1/workspaces", json={"name": "ws", "default_store": False})).status_code == 201
+        assert (await a.post("/v1/stores", json={"slug": "default"})).status_code == 201
+        r = await a.put("/v1/workspaces/ws/attachments/default", json={"access": "read_write"})
+        assert r.status_code == 200, r.text
+
+
+def _app(tmp_path, name: str) -> Any:
+    return create_app(f"sqlite:///{tmp_path / name}.db", static_tokens={ADMIN: None, WS: "ws"},
+                      max_body=MAX_BODY, receive_timeout=0.5, body_timeout=2, header_timeout=2)
+
+
+async def _talk(port: int, pieces: list[bytes | float], *, bound: float = 10) -> bytes:
+    """Send ``pieces`` on a new connection (a float: sleep that long; ``b""``: shut the
+    write side), then read until the server closes it; every byte read."""
+    with trio.fail_after(bound):
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        got = bytearray()
+        try:
+            async def reader() -> None:
+                while True:
+                    try:
+                        data = await stream.receive_some(65536)
+                    except trio.BrokenResourceError:
+                        return
+                    if not data:
+                        return
+                    got.extend(data)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(reader)
+                for piece in pieces:
+                    if isinstance(piece, float):
+                        await trio.sleep(piece)
+                    elif piece == b"":  # the client leaves (its write side shut)
+                        await stream.send_eof()
+                    else:
+                        try:
+                            await stream.send_all(piece)
+                        except trio.BrokenResourceError:
+                            break
+        finally:
+            await stream.aclose()
+    return bytes(got)
+
+
+def _req(method: str, path: str, body: bytes | None = None, *, token: str | None = WS,
+         extra: str = "", length: int | None = None, close: bool = False) -> bytes:
+    head = f"{method} {path} HTTP/1.1\r\nHost: lean\r\n"
+    if token:
+        head += f"Authorization: Bearer {token}\r\n"
+    if body is not None:
+        head += "Content-Type: application/json\r\n"
+        head += f"Content-Length: {len(body) if length is None else length}\r\n"
+    if close:
+        head += "Connection: close\r\n"
+    head += extra
+    return head.encode() + b"\r\n" + (body or b"")
+
+
+def _create(path: str, content: str = "hello\n", **kw: Any) -> bytes:
+    return _req("POST", "/v1/stores/default/records",
+                json.dumps({"path": path, "content": content}).encode(), **kw)
+
+
+_ID = re.compile(rb'"(id|record_id|created_at|updated_at|modified_at|at|cursor|seq|change_id)"\s*:\s*("[^"]*"|[0-9]+)')
+_DATE = re.compile(rb"\r\ndate: [^\r]*\r\n")
+
+
+def _normal(raw: bytes) -> bytes:
+    """``raw`` answers with the ``Date`` header and the ids and times records get made
+    uniform; each body's ``content-length`` checked against the body and made uniform."""
+    raw = _DATE.sub(b"\r\ndate: D\r\n", raw)
+    out = bytearray()
+    rest = raw
+    while rest:
+        head, sep, after = rest.partition(b"\r\n\r\n")
+        if not sep:
+            out += rest
+            break
+        m = re.search(rb"\r\ncontent-length: ([0-9]+)\r?", head + b"\r")
+        n = int(m.group(1)) if m else 0
+        body = after[:n]
+        assert len(body) == n, (head, after)
+        out += re.sub(rb"content-length: [0-9]+", b"content-length: N", head) + sep + _ID.sub(rb'"\1":X', body)
+        rest = after[n:]
+    return bytes(out)
+
+
+class Pair:
+    """Two control planes with the same state, one served with the lean path (``lean``), one
+    without (``plain``); ports and apps."""
+
+    def __init__(self, lean_port: int, plain_port: int, lean_app: Any, plain_app: Any) -> None:
+        self.lean_port, self.plain_port, self.lean_app, self.plain_app = lean_port, plain_port, lean_app, plain_app
+
+    async def both(self, pieces: list[bytes | float], **kw: Any) -> tuple[bytes, bytes]:
+        """The answers of both to ``pieces`` (see ``_talk``), normalized, asserted equal."""
+        a = _normal(await _talk(self.lean_port, pieces, **kw))
+        b = _normal(await _talk(self.plain_port, pieces, **kw))
+        assert a == b, (a, b)
+        return a, b
+
+
+async def _pair(tmp_path, nursery: trio.Nursery) -> Pair:
+    apps, ports = [], []
+    for name, lean in (("lean", True), ("plain", False)):
+        app = _app(tmp_path, name)
+        url = await nursery.start(lambda task_status, app=app, lean=lean: serve(
+            app, "127.0.0.1:0", lean=lean, task_status=task_status))
+        await _bootstrap(url)
+        apps.append(app)
+        ports.append(int(url.rsplit(":", 1)[1]))
+    return Pair(ports[0], ports[1], apps[0], apps[1])
+
+
+def _statuses(raw: bytes) -> list[int]:
+    return [int(s) for s in re.findall(rb"HTTP/1\.1 ([0-9]{3}) \r\n", raw)]
+
+
+async def test_lean_answers_as_hypercorn_does(tmp_path):
+    async with trio.open_nursery() as nursery:
+        p = await _pair(tmp_path, nursery)
+        lean = p.lean_app.state.lean
+        assert not hasattr(p.plain_app.state, "lean")
+
+        # three creates on one keep-alive connection, then a GET: handed over to hypercorn
+        a, _ = await p.both([_create("a.md"), _create("b.md"), _create("c.md"),
+                             _req("GET", "/v1/stores/default/records?path=a.md", close=True)])
+        assert _statuses(a) == [201, 201, 201, 200], a
+        assert lean.served == 3 and lean.handed_over == 1
+
+        # pipelined: all requests in one write, the last one closing
+        a, _ = await p.both([_create("p1.md") + _create("p2.md") + _create("p1.md", "again\n")
+                             + _create("p3.md", close=True)])
+        assert _statuses(a) == [201, 201, 409, 201], a
+        assert lean.served == 7
+
+        # refusals: no token (401, the body unread: closed), an unknown store (404), a bad
+        # body (FastAPI's 422), an update of no record, a batch
+        a, _ = await p.both([_create("x.md", token=None)])
+        assert _statuses(a) == [401] and b"connection: close" in a
+        a, _ = await p.both([_req("POST", "/v1/stores/nope/records", b'{"path":"n.md","content":"x"}'),
+                             _req("POST", "/v1/stores/default/records", b'{"path": 5}'),
+                             _req("PUT", "/v1/stores/default/records/00000000-0000-0000-0000-000000000000",
+                                  b'{"content":"x"}'),
+                             _req("POST", "/v1/stores/default/batch",
+                                  json.dumps({"operations": [{"op": "create", "path": "bt.md",
+                                                              "content": "b\n"}]}).encode(), close=True)])
+        assert _statuses(a)[:3] == [404, 422, 404] and len(_statuses(a)) == 4, a
+
+        # bodies: too large declared (413 at once, closed), a length past 64 bits, a slow
+        # body (408 at the 0.5 s between pieces), a body larger than declared (the extra
+        # bytes are a malformed next request: hypercorn's 400)
+        a, _ = await p.both([_create("big.md", length=MAX_BODY + 1)])
+        assert _statuses(a) == [413] and b"connection: close" in a
+        a, _ = await p.both([_create("o.md", length=2**64 + 1)])
+        assert _statuses(a) == [413], a
+        body = json.dumps({"path": "slow.md", "content": "slow\n"}).encode()
+        a, _ = await p.both([_create("slow.md")[:-len(body)] + body[:5], 1.5, body[5:]])
+        assert _statuses(a) == [408], a
+        a, _ = await p.both([_create("more.md", length=10), 0.2, _create("m2.md", close=True)])
+        assert _statuses(a)[:1] == [422], a
+
+        # heads the lean parser leaves to hypercorn (h11 reads them, or refuses them) and
+        # the odd ones it reads: whitespace around values, a refusal that closes when the
+        # client asked to close too (h11 rewrites the Connection header)
+        body = b'{"path":"h.md","content":"h"}'
+        for raw in (_req("POST", "/v1/stores/default/records", body, close=True).replace(b"\r\n", b"\n"),
+                    _req("POST", "/v1/stores/default/records", body, close=True).replace(b"Host: lean\r\n", b""),
+                    _req("POST", "/v1/stores/default/records", body, close=True,
+                         extra=f"Content-Length: {len(body)}\r\n"),
+                    _req("post", "/v1/stores/default/records", body, close=True),
+                    _req("POST", "/v1/stores/default/records", body, close=True, extra="X-Odd:\t v\t \r\n"),
+                    _req("POST", "/v1/stores/default/records", body, close=True, extra="X-Fold: a\r\n b\r\n"),
+                    _create("big2.md", length=MAX_BODY + 1, close=True)):
+            a, _ = await p.both([raw])
+            assert _statuses(a), (raw, a)
+
+        # Expect: 100-continue and a query string are hypercorn's (handed over at once)
+        a, _ = await p.both([_create("e.md", extra="Expect: 100-continue\r\n", close=True)])
+        assert _statuses(a) == [100, 201], a
+        a, _ = await p.both([_req("POST", "/v1/stores/default/records?x=1", b'{"path":"q.md","content":"q"}',
+                                  close=True)])
+        assert _statuses(a) == [201], a
+
+        # a client that leaves mid-body: hypercorn's 400 (h11's), nothing stored, the server
+        # serves on
+        served = lean.served
+        a, _ = await p.both([_create("gone.md")[:-3], b""])
+        assert _statuses(a) == [400] and b"connection: close" in a
+        assert lean.served == served + 1
+        a, _ = await p.both([_req("GET", "/v1/stores/default/records?path=gone.md", close=True)])
+        assert _statuses(a) == [200] and b'"records":[]' in a, a
+        nursery.cancel_scope.cancel()
+
+
+LEANROUTE = lambda m, p: m == "POST"
+
+
+async def _small_server(nursery: trio.Nursery, *, max_requests: int = 1000,
+                        keep_alive: float = 5.0, graceful: float = 1.0) -> tuple[int, Any]:
+    """A small ASGI app (POST: 200 with the body's length; else 200 ``get``) behind
+    ``_worker_serve`` with every POST served lean; its port and the lean path's counters."""
+    holder: dict[str, Any] = {}
+
+    async def asgi(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                await send({"type": message["type"] + ".complete"})
+                if message["type"] == "lifespan.shutdown":
+                    return
+        body = b""
+        more = True
+        while more:
+            m = await receive()
+            body += m.get("body", b"")
+            more = m.get("more_body", False)
+        out = str(len(body)).encode() if scope["method"] == "POST" else b"get"
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", str(len(out)).encode())]})
+        await send({"type": "http.response.body", "body": out})
+
+    class State:
+        pass
+
+    asgi.state = State()  # type: ignore[attr-defined]
+    holder["app"] = asgi
+    config = Config()
+    config.bind = [f"fd://{serve_mod.listen_socket('127.0.0.1:0').detach()}"]
+    config.graceful_timeout = graceful
+    config.accesslog = None
+    config.keep_alive_timeout = keep_alive
+    config.keep_alive_max_requests = max_requests
+    config.errorlog = logging.getLogger("hypercorn.error")
+    shutdown = trio.Event()
+    binds = await nursery.start(lambda task_status: serve_mod._worker_serve(
+        asgi, config, None, shutdown.wait, task_status, LEANROUTE))
+    asgi.state.shutdown = shutdown  # type: ignore[attr-defined]
+    return int(binds[0].rsplit(":", 1)[1]), asgi.state  # type: ignore[attr-defined]
+
+
+def _post(body: bytes) -> bytes:
+    return b"POST /w HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+
+
+async def test_keep_alive_cap_counts_across_the_hand_over():
+    async with trio.open_nursery() as nursery:
+        port, state = await _small_server(nursery, max_requests=3)
+        # two lean answers, then hypercorn's third carries Connection: close and ends the
+        # connection (``_talk`` reads to its end). (No fourth request is sent: a request
+        # unread when the server closes makes the kernel reset the connection, and the
+        # client may lose the last answer, with or without the lean path.)
+        raw = await _talk(port, [_post(b"ab"), _post(b"abc"), b"GET /r HTTP/1.1\r\nHost: x\r\n\r\n"])
+        assert _statuses(raw) == [200, 200, 200], raw
+        assert raw.count(b"connection: close") == 1 and raw.endswith(b"connection: close\r\n\r\nget")
+        assert state.lean.handed_over == 1
+        # all lean: the third answer closes
+        raw = await _talk(port, [_post(b"a"), _post(b"b"), _post(b"c")])
+        assert _statuses(raw) == [200, 200, 200] and raw.count(b"connection: close") == 1, raw
+        assert raw.endswith(b"connection: close\r\n\r\n1")
+        assert state.lean.served == 5
+        nursery.cancel_scope.cancel()
+
+
+async def test_idle_lean_connection_closes_at_the_header_deadline():
+    async with trio.open_nursery() as nursery:
+        port, state = await _small_server(nursery, keep_alive=0.5)
+        t0 = trio.current_time()
+        # answered, then idle: closed at the header deadline (not the 10 s bound)
+        raw = await _talk(port, [_post(b"x")])
+        assert _statuses(raw) == [200] and trio.current_time() - t0 < 3
+        # a head begun and not finished is closed at the deadline too, without an answer
+        t0 = trio.current_time()
+        raw = await _talk(port, [_post(b"x"), b"POST /w HTTP/1.1\r\n"])
+        assert _statuses(raw) == [200] and trio.current_time() - t0 < 3
+        nursery.cancel_scope.cancel()
+
+
+async def test_idle_lean_connections_close_at_once_when_the_server_stops():
+    async with trio.open_nursery() as outer:
+        done = trio.Event()
+
+        async def run(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+            async with trio.open_nursery() as nursery:
+                task_status.started(await _small_server(nursery, keep_alive=30, graceful=20))
+            done.set()
+
+        port, state = await outer.start(run)
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        await stream.send_all(_post(b"x"))
+        got = b""
+        with trio.fail_after(10):
+            while not got.endswith(b"\r\n\r\n1"):
+                got += await stream.receive_some(65536)
+        assert state.lean.served == 1
+        t0 = trio.current_time()
+        state.shutdown.set()  # idle on the lean path: closed now, not at the grace's end (20 s)
+        with trio.fail_after(10):
+            assert await stream.receive_some(65536) == b""
+            await done.wait()
+        assert trio.current_time() - t0 < 3
+        await stream.aclose()
