@@ -338,6 +338,44 @@ def test_listing(agent, admin):
         mem.list(store, page="bogus")
 
 
+def test_forged_pages_are_refused_as_bad_requests_never_500(server, ws_token, notes):
+    """A ``page`` is opaque to the client: one forged with the right kind but another shape
+    is a 400 ``invalid_request_error`` (which the SDK does not retry), never a 500
+    ``api_error`` nor a listing from a value of another type (attack 12 A7)."""
+    import base64
+    import json
+
+    def page(value: object) -> str:
+        return base64.urlsafe_b64encode(json.dumps(value).encode()).decode().rstrip("=")
+
+    url = f"{server.url}/v1/memory_stores"
+    hdr = {"x-api-key": ws_token, "anthropic-version": "2023-06-01", "anthropic-beta": "agent-memory-2026-07-22"}
+    forged = {
+        f"{url}/{notes}/memories": [
+            {"k": "m", "q": ["", 0], "a": 5}, {"k": "m", "q": ["", 0], "a": ["zz"]}, {"k": "m", "q": ["", 0]},
+            {"k": "m", "q": ["", 0], "a": ["m", "x", 7]}, {"k": "m", "q": ["", 0], "a": ["q", "x"]},
+            {"k": "m", "q": "x", "a": ["p", "x"]}, {"k": "m", "q": ["", 2 ** 70], "a": ["p", "x"]}],
+        f"{url}/{notes}/memory_versions": [
+            {"k": "v", "b": 2 ** 70}, {"k": "v", "b": [1]}, {"k": "v", "b": "x"}, {"k": "v", "b": True},
+            {"k": "v", "b": -1}, {"k": "v"}],
+        url: [{"k": "s", "t": "x", "s": "a"}, {"k": "s", "t": 1.0}, {"k": "s", "t": [1], "s": "a"},
+              {"k": "s", "t": 1e300, "s": "a"}],
+    }
+    with httpx.Client(timeout=30) as h:
+        for where, values in forged.items():
+            for value in values:
+                r = h.get(where, headers=hdr, params={"page": page(value)})
+                assert r.status_code == 400, (where, value, r.status_code, r.text)
+                assert r.json()["error"]["type"] == "invalid_request_error"
+        # a page the listing made still pages on
+        r = h.get(f"{url}/{notes}/memory_versions", headers=hdr, params={"limit": 1})
+        assert r.status_code == 200
+        nxt = r.json()["next_page"]
+        if nxt:
+            assert h.get(f"{url}/{notes}/memory_versions", headers=hdr,
+                         params={"limit": 1, "page": nxt}).status_code == 200
+
+
 # ---------------------------------------------------------------- versions
 
 

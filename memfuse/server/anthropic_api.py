@@ -32,6 +32,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import math
 import re
 import unicodedata
 import uuid
@@ -312,9 +313,39 @@ def _decode_page(page: str | None, kind: str) -> dict[str, Any] | None:
         value = json.loads(base64.urlsafe_b64decode(page + "=" * (-len(page) % 4)))
     except ValueError:
         value = None
-    if not isinstance(value, dict) or value.get("k") != kind:
+    if not isinstance(value, dict) or value.get("k") != kind or not _PAGE_SHAPES[kind](value):
         raise _bad("page is not a next_page value of this listing")
     return value
+
+
+def _is_str(v: Any) -> bool:
+    return isinstance(v, str)
+
+
+def _is_int64(v: Any) -> bool:
+    return type(v) is int and 0 <= v <= defs.INT64_MAX
+
+
+def _is_number(v: Any) -> bool:
+    return type(v) in (int, float) and math.isfinite(v) and abs(v) < 1e15
+
+
+def _memory_position(v: Any) -> bool:
+    """``ListedItem.after``: ``["m", path, record id]`` or ``["p", first path after a prefix]``."""
+    return (isinstance(v, list) and all(isinstance(x, str) for x in v)
+            and ((len(v) == 3 and v[0] == "m") or (len(v) == 2 and v[0] == "p")))
+
+
+# INVARIANT: a ``page`` value decoded by ``_decode_page`` has exactly the shape its listing
+# encodes (``_encode_page`` in ``list_stores`` / ``list_memories`` / ``list_versions``): the
+# client holds it as an opaque string, so a forged one is a 400 ``invalid_request_error``,
+# never a 500 from a value the handler trusted (attack 12 A7: ``"a": 5``, ``"b": 2**70``, ``"b": "x"``)
+_PAGE_SHAPES: dict[str, Callable[[dict[str, Any]], bool]] = {
+    "s": lambda v: _is_number(v.get("t")) and _is_str(v.get("s")),
+    "m": lambda v: (isinstance(v.get("q"), list) and len(v["q"]) == 2 and _is_str(v["q"][0])
+                    and _is_int64(v["q"][1]) and _memory_position(v.get("a"))),
+    "v": lambda v: _is_int64(v.get("b")),
+}
 
 
 def _view(view: str | None, default: str) -> bool:
