@@ -136,11 +136,41 @@ class ConflictResolver:
             # that was merged onto a rival change (``Node.served``: sed -i read, echo >>
             # appended, its merge not shown yet): based on that, so the rival lines it
             # never read are merged in, not dropped (attack report 11, F3)
-            served = next((a.args["served"] for a in (*e.absorbed, e) if a.args.get("served")), None)
+            served = self.served(e)
             if served:
                 return rid, served, None
             return rid, m[0], m[1]
         return rid, sha, None
+
+    @staticmethod
+    def served(e: Entry) -> str | None:
+        """The sha256 of the content readers here were served before a write here changed
+        the file, carried by an overwrite (``args["served"]``, ``Node.served``; of coalesced
+        puts the first that carries one), None when it carries none."""
+        return next((a.args["served"] for a in (*e.absorbed, e) if a.args.get("served")), None)
+
+    def merge_base(self, e: Entry, sha: str | None, base: bytes | None) -> tuple[str | None, bytes | None]:
+        """(sha256, bytes when known here) of the version a put that met a concurrent change
+        (``412`` on ``If-Match`` ``sha``, ``put_base``) is merged from (``rebase``): ``sha``,
+        except for an overwrite written on what readers here were served before this mount's
+        own writes that committed without a merge (``served``, while ``sha``, the record's
+        last known version, is this mount's own commit on top of it: no rival change is
+        known here, none was shown). Its ``If-Match`` stays ``sha``, so with no rival change
+        it is the last writer, as on a local disk (its own lines written after the read
+        go, as sed's rename drops them there); a rival change since is merged from the
+        version the writer read (verify 11, F3 with three mounts: based on the own version,
+        whose appended lines the writer never read, the rewrite deletes them where the
+        rival lines were added after them, an overlap, and the rival lines were dropped by
+        last writer wins). The own lines come back with the merge: they are on the control
+        plane and the writer never saw them (a three-way merge keeps what one side added)."""
+        served = self.served(e)
+        first = e.absorbed[0] if e.absorbed else e
+        if not served or served == sha or first.args.get("base") or e.args.get("base"):
+            return sha, base  # nothing else read, or based on it already (``put_base``)
+        m = self.merged.get(e.node_key) if e.node_key else None
+        if m is not None and sha == m[0]:
+            return sha, base  # based on the merge state (``put_base``)
+        return served, None
 
     def append_suffix(self, e: Entry, sha: str | None, base: bytes | None) -> bytes | None:
         """What a ``put`` adds at the end of the version it was written on, when it is an
@@ -209,7 +239,7 @@ class ConflictResolver:
                         and attrs["mtime_ns"] in (None, cur.mtime_ns))
                 if same and await self.applied_before(e, c, rid, sent_key):
                     rec = cur  # this write, applied before (its answer lost)
-                elif (merged := await self.rebase(e, c, rid, sha, base, cur)) is not None:
+                elif (merged := await self.rebase(e, c, rid, *self.merge_base(e, sha, base), cur)) is not None:
                     rec = merged  # e.g. an identical append by another writer: both kept
                 elif same:
                     rec = cur  # a whole write of the content already there: nothing lost
