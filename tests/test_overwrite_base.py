@@ -366,3 +366,38 @@ def test_an_overwrite_after_an_own_append_committed_cleanly_merges_the_other_mou
     wait_until(lambda: read(a.mountpoint / "s" / name) == cur and read(pc) == cur,
                timeout=15, what="both mounts show the stored content")
     assert len(_errors(a)) + len(_errors(c)) == errs  # merged: no conflict
+
+
+def test_a_reader_whose_reads_straddle_a_remote_change_makes_the_overwrite_a_reported_conflict(held):
+    """verify 11, "F3 at a higher edit rate" (the silent merge): a reader in mount C reads
+    the first part of version 1, mount A inserts a line (version 2), C applies it and its
+    kernel drops the pages; the reader's next read gets version 2's bytes from there on, so
+    it holds parts of both (a line twice, A's line missing). Its rewrite was based on
+    version 2 (the read "served the current content"): sent as a clean write, the duplicate
+    and the loss were silent. No version is what the reader holds: last writer wins, with
+    a conflict line."""
+    cp, a, c = held
+    name = f"torn-{uuid.uuid4().hex[:6]}.log"
+    v1 = "counter=0\n" + "".join(f"line {i:02d} {'x' * 92}\n" for i in range(1, 30))
+    (a.mountpoint / "s" / name).write_text(v1)
+    pc = c.mountpoint / "s" / name
+    wait_until(lambda: read(pc) == v1, timeout=15, what="v1 in C")
+    errs = len([e for e in _errors(c) if e.get("conflict")])
+    with open(pc, "rb", buffering=0) as f:
+        first = f.read(1500)  # the reader in C: version 1 up to byte 1500
+        v2 = v1.replace("line 05", "A-1 inserted\nline 05")
+        sh(f"sed -i 's/^line 05/A-1 inserted\\nline 05/' {name}", a.mountpoint / "s")
+        wait_until(lambda: live_records(cp, "s")[name].content == v2, timeout=30,
+                   what="A's version 2 committed")
+        _shown(pc, v2)  # C applied version 2 (no reader served it)
+        wait_until(lambda: sidecar_status(c)["invalidations"]["pending"] == 0, timeout=15,
+                   what="C's kernel dropped version 1's pages")
+        got = first + f.read()  # version 2 from byte 1500 on
+    assert got != v1.encode() and got != v2.encode()
+    ours = got.decode().replace("counter=0", "counter=1")
+    _rewrite(pc, ours, "rename")
+    wait_until(lambda: _depth(a) == 0 and _depth(c) == 0, timeout=60, what="both outboxes drained")
+    cur = live_records(cp, "s")[name].content
+    conflicts = [e for e in _errors(c) if e.get("conflict")]
+    assert len(conflicts) == errs + 1 and conflicts[-1]["path"].endswith(name), conflicts
+    assert cur == ours, cur  # last writer wins; version 2 stays in history

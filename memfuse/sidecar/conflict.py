@@ -36,6 +36,7 @@ from ..errors import ApiError, Conflict, NotFound, PermanentError, PreconditionF
 from ..defs import sha256_hex
 from ..wire import Record
 from .identity import RecordIds
+from .inodes import UNKNOWN_BASE
 from .journal import Entry, Journal
 
 log = logging.getLogger("memfuse.outbox")
@@ -180,7 +181,7 @@ class ConflictResolver:
         (``ApiClient.append_record``, ``If-Match`` ``sha``, idempotency key
         ``<key>-append``): the same outcome as the whole content, with fewer bytes."""
         local = e.content or b""
-        if sha is None or len(local) < APPEND_MIN_BYTES:
+        if sha is None or sha == UNKNOWN_BASE or len(local) < APPEND_MIN_BYTES:
             return None
         ab = e.append_base
         if base is None and ab is not None and ab[0] == sha and 0 < ab[1] < len(local):
@@ -243,6 +244,15 @@ class ConflictResolver:
                     rec = merged  # e.g. an identical append by another writer: both kept
                 elif same:
                     rec = cur  # a whole write of the content already there: nothing lost
+                elif sha == UNKNOWN_BASE:
+                    self.conflict(e, "a reader of this file was served parts of two versions "
+                                     "(its reads straddled a change); this write is now the latest "
+                                     "version, the other one stays in history")
+                    log.warning("conflict: written on parts of two versions; last writer wins, the "
+                                "other version stays in history",
+                                extra={"store": e.store, "path": a.get("path"), "record": rid})
+                    rec = await c.update_record(e.store, rid, text.check(), type=typ,
+                                                idempotency_key=e.key + "-lww", **attrs)
                 else:
                     self.conflict(e, "the record changed elsewhere; this write is now the "
                                       "latest version, the other one stays in history")
@@ -389,6 +399,8 @@ class ConflictResolver:
         times in a row (the entry backs off and tries again); API errors as the client
         raises them."""
         local = e.content or b""
+        if base_sha == UNKNOWN_BASE:
+            return None  # written on parts of two versions (Handle.across): no merge base
         ab = e.append_base
         if base is None and base_sha and ab is not None and ab[0] == base_sha and ab[1] <= len(local):
             base = local[:ab[1]]  # the put extends that version (checked when it was made)

@@ -387,6 +387,28 @@ class Handle:
     entries: list[tuple[str, Node]] | None = None
     modified: bool = False  # write(2) or ftruncate(2) through this handle since open
     snapshot: bytes | None = None  # .memfuse files: content generated once at open
+    # The sha256 of the content the file had when a remote change or the merge of our own
+    # write replaced it while this handle was open for reading ('' when none since): the
+    # reader may hold part of it (from its reads, or the kernel's pages), so what its next
+    # read gets is checked against it (``Filesystem._read_across``; verify 11: a ``sed -i``
+    # whose reads straddled a merge shown got the older bytes up to one offset and the
+    # merge's after it, while its base became the merge).
+    # INVARIANT: set only by ``RemoteApply.note_replaced`` (the first replacement since the
+    # handle's last check); cleared by ``Filesystem._read_across`` when the reader is served
+    # the current content (a pure append of it).
+    replaced: str = ""
+    # What the reader holds once ``replaced`` was checked: '' (not checked yet), ``"old"``
+    # (exactly the replaced content: the rest of the file is the same bytes) or ``"mixed"``
+    # (parts of both: the base of an overwrite is unknown, ``UNKNOWN_BASE``).
+    across: str = ""
+
+#: ``Node.read_base`` of a file a reader was served partly one content and partly another
+#: (its reads straddled a change, ``Handle.across``): no version is what the reader holds,
+#: so an overwrite is sent ``If-Match`` this tag, which no version has, and resolved last
+#: writer wins with a conflict line, never merged from a version it did not read
+#: (``ConflictResolver.put``). 64 hex digits (kept, journaled and collected as a sha256
+#: is), the digest of no content anyone can make.
+UNKNOWN_BASE = "0" * 64
 
 @dataclass
 class Settings:
