@@ -1,19 +1,23 @@
 """``memfuse mount`` whose kernel invalidations can be held back: one process, one mount.
 
     python tests/held_mount.py MOUNTPOINT --control-plane URL --workspace WS
-        --token-file F --cache-dir D --hold FILE
+        --token-file F --cache-dir D --hold FILE [--hold-feed FILE2]
 
 The same sidecar as ``memfuse mount`` (``memfuse.sidecar.mount.serve_mount``, its signal
 handling: SIGTERM drains and unmounts), built with an ``Invalidator`` whose fault hook
 (``hold``, passed at construction) keeps every batch of kernel invalidations back while FILE
 exists (at most ``HOLD_MAX`` s per batch): a test widens the window in which the sidecar has
 applied a remote change and the kernel still serves the older pages and size of the file
-(tests/test_overwrite_base.py). The mount is ready when ``MOUNTPOINT/<store>`` exists.
+(tests/test_overwrite_base.py). With ``--hold-feed``, the sidecar's change feed (its
+``feed_hold`` hook) applies no page of changes while FILE2 exists (at most ``HOLD_MAX`` s per
+page): the control plane holds a rival version this mount does not show yet
+(tests/test_overwrite_base.py, the own-append tests). The mount is ready when ``MOUNTPOINT/<store>`` exists.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import trio
@@ -40,17 +44,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cache-dir", type=Path, required=True)
     ap.add_argument("--hold", type=Path, required=True,
                     help="while this file exists, kernel invalidations are held back")
+    ap.add_argument("--hold-feed", type=Path, default=None,
+                    help="while this file exists, the change feed applies no page")
     ap.add_argument("--commit-wait", type=float, default=10.0)
     return ap.parse_args(argv)
 
 
 async def main(args: argparse.Namespace) -> int:
-    hold_file: Path = args.hold
+    def holder(path: Path) -> Callable[[], Awaitable[None]]:
+        async def hold() -> None:
+            with trio.move_on_after(HOLD_MAX):
+                while path.exists():
+                    await trio.sleep(0.01)
+        return hold
 
-    async def hold() -> None:
-        with trio.move_on_after(HOLD_MAX):
-            while hold_file.exists():
-                await trio.sleep(0.01)
+    feed_file: Path | None = args.hold_feed
 
     config = MountConfig(mountpoint=args.mountpoint.resolve(), workspace=args.workspace,
                          cache_dir=args.cache_dir, commit_wait=args.commit_wait,
@@ -59,7 +67,8 @@ async def main(args: argparse.Namespace) -> int:
     actor = actor_name(default_actor(args.cache_dir))
     async with ApiClient(args.control_plane, TokenFile(args.token_file), instance=actor,
                          lean=True, bounded=True) as client:
-        return await serve_mount(config, client, invalidator=Invalidator(hold=hold))
+        return await serve_mount(config, client, invalidator=Invalidator(hold=holder(args.hold)),
+                                 feed_hold=holder(feed_file) if feed_file is not None else None)
 
 
 if __name__ == "__main__":

@@ -384,3 +384,62 @@ async def test_a_reader_served_while_the_kernel_is_behind_is_based_on_what_it_st
     await client.aclose()
     await other.aclose()
     await fake.aclose()
+
+
+async def test_a_reader_whose_reads_straddle_a_change_is_based_on_what_it_holds(tmp_path: Path):
+    """docs/SEMANTICS.md "Conflicts" (verify 11, the silent merge of F3): a handle open for
+    reading when a remote change replaces the content (``Handle.replaced``) is checked at
+    its next read: a change that extends the content (an append) serves it the current
+    content; one that leaves the bytes from the read's offset on as they were leaves it
+    holding the older version (the base stays that one); any other leaves it holding parts
+    of both: the base is unknown (``UNKNOWN_BASE``), never the newer version."""
+    from memfuse.sidecar.core import sha256_hex
+    from memfuse.sidecar.inodes import UNKNOWN_BASE
+
+    fake = FakeControlPlane(seed=0)
+    token = await fake.setup("ws", stores=("default",))
+    other_token = await fake.setup("other", stores=("default",))
+    client = ApiClient(fake.base_url, token, transport=fake.transport, instance="core-test")
+    other = ApiClient(fake.base_url, other_token, transport=fake.transport, instance="other")
+    journal = Journal(tmp_path / "outbox.db")
+    fs = Filesystem(BlobCache(tmp_path / "blobs.db"), client, journal, Settings(commit_wait=5), "ws")
+    cursor = 0
+
+    async def feed() -> None:
+        nonlocal cursor
+        await fs.committer.wait_idle()
+        page = await client.changes("default", cursor)
+        for ch in page.changes:
+            fs.apply_remote(sm, ch.record)
+        cursor = page.seq
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(journal.run)
+        await nursery.start(fs.committer.run)
+        sm = fs.add_store("default", "read_write", [])
+        v1 = "".join(f"line {i}\n" for i in range(10))
+        for name, v2, off, want in [
+            ("append.md", v1 + "A-1\n", 0, "current"),  # an append: the reader reads on into it
+            ("head.md", "LINE 0\n" + v1[7:], 7, "old"),  # only bytes before the read changed
+            ("mixed.md", v1.replace("line 5\n", "A-1\nline 5\n"), 0, "mixed"),  # parts of both
+        ]:
+            rec = await other.create_record("default", name, v1)
+            await feed()
+            n = sm.root.children[name]
+            h = fs.open(n.ino, os.O_RDONLY)
+            assert fs.read(h, 0, 7) == v1[:7].encode()  # the reader holds v1's first line
+            await other.update_record("default", rec.id, v2)
+            await feed()
+            assert h.replaced == sha256_hex(v1.encode())
+            assert fs.read(h, off, 4096) == v2.encode()[off:]
+            if want == "current":
+                assert n.read_base == "" and not h.replaced
+            elif want == "old":
+                assert n.read_base == sha256_hex(v1.encode()) and h.across == "old"
+            else:
+                assert n.read_base == UNKNOWN_BASE and h.across == "mixed"
+            fs.release(h.fh)
+            fs.check_invariants()
+        nursery.cancel_scope.cancel()
+    await client.aclose()
+    await other.aclose()

@@ -178,12 +178,14 @@ HELD = Path(__file__).resolve().parent / "held_mount.py"
 
 
 class HeldSidecar(Sidecar):
-    """A sidecar whose kernel invalidations are held back while ``hold_file`` exists
-    (tests/held_mount.py: its ``Invalidator`` gets a fault hook at construction)."""
+    """A sidecar whose kernel invalidations are held back while ``hold_file`` exists, and
+    whose change feed applies nothing while ``feed_file`` exists (tests/held_mount.py: its
+    ``Invalidator`` and its feed get fault hooks at construction)."""
 
     def __init__(self, *args, hold_file: Path) -> None:
         super().__init__(*args)
         self.hold_file = hold_file
+        self.feed_file = hold_file.with_name(hold_file.name + "-feed")
 
     def start(self, expect: str | None = "default") -> "HeldSidecar":
         import subprocess
@@ -195,7 +197,8 @@ class HeldSidecar(Sidecar):
         self.proc = subprocess.Popen(
             [sys.executable, str(HELD), str(self.mountpoint), "--control-plane", self.cp.url,
              "--workspace", self.ws, "--token-file", str(self.token_file),
-             "--cache-dir", str(self.cache_dir), "--hold", str(self.hold_file)],
+             "--cache-dir", str(self.cache_dir), "--hold", str(self.hold_file),
+             "--hold-feed", str(self.feed_file)],
             stdout=self.log.open("ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         wait_for(lambda: is_mounted(self.mountpoint) and
                  (expect is None or os.path.isdir(self.mountpoint / expect)),
@@ -216,6 +219,7 @@ def held(pair, tmp_path_factory):
         yield cp, a, c
     finally:
         c.hold_file.unlink(missing_ok=True)
+        c.feed_file.unlink(missing_ok=True)
         c.stop()
 
 
@@ -326,3 +330,74 @@ def test_sed_on_a_mount_that_is_itself_appending_keeps_the_other_mounts_lines(pa
     conflicts = [e for e in _errors(b) if e.get("conflict") and e["path"].endswith(name)]
     assert not missing or conflicts, f"A's lines lost silently: {missing}"
     assert not missing, f"A's lines lost (reported): {missing}; {conflicts}"
+
+
+@pytest.mark.parametrize("style", ["rename", "trunc"])
+def test_an_overwrite_after_an_own_append_committed_cleanly_merges_the_other_mounts_line(held, style):
+    """verify 11, "F3 with three mounts" / "at a higher edit rate": ``sed -i`` in mount C
+    reads version 1; C's own ``echo >>`` then commits cleanly (no rival yet: version 2 is
+    C's own, its content never served to a reader); mount A appends a line (version 3) that
+    C's feed has not applied (held) when the editor writes its output, made on version 1.
+    The overwrite is based on version 1, what the editor read: A's line is merged in, with
+    no conflict. (Based on version 2, the editor's output deletes C's own line where A's
+    was added after it: overlapping edits, last writer wins, A's line dropped.)"""
+    cp, a, c = held
+    name = f"ownapp-{style}-{uuid.uuid4().hex[:6]}.log"
+    v1 = "counter=0\n" + "".join(f"base {i:02d} {'b' * 88}\n" for i in range(12))
+    (a.mountpoint / "s" / name).write_text(v1)
+    pc = c.mountpoint / "s" / name
+    wait_until(lambda: read(pc) == v1, timeout=15, what="v1 in C")
+    mine = pc.read_text()  # the editor in C reads version 1
+    errs = len(_errors(a)) + len(_errors(c))
+    c.feed_file.write_text("")
+    try:
+        sh(f"echo C-1 >> {name}", c.mountpoint / "s")  # C's own version 2, committed cleanly
+        wait_until(lambda: _depth(c) == 0, timeout=30, what="C's append committed")
+        sh(f"echo A-1 >> {name}", a.mountpoint / "s")  # version 3, not applied in C
+        wait_until(lambda: _depth(a) == 0, timeout=30, what="A's append committed")
+        assert live_records(cp, "s")[name].content == v1 + "C-1\nA-1\n"
+        assert os.getxattr(pc, "user.memfuse.sha256").decode() == _sha(v1 + "C-1\n")
+        _rewrite(pc, mine.replace("counter=0", "counter=1"), style)  # made on version 1
+    finally:
+        c.feed_file.unlink()
+    wait_until(lambda: _depth(a) == 0 and _depth(c) == 0, timeout=60, what="both outboxes drained")
+    cur = live_records(cp, "s")[name].content
+    assert cur == v1.replace("counter=0", "counter=1") + "C-1\nA-1\n", cur
+    wait_until(lambda: read(a.mountpoint / "s" / name) == cur and read(pc) == cur,
+               timeout=15, what="both mounts show the stored content")
+    assert len(_errors(a)) + len(_errors(c)) == errs  # merged: no conflict
+
+
+def test_a_reader_whose_reads_straddle_a_remote_change_makes_the_overwrite_a_reported_conflict(held):
+    """verify 11, "F3 at a higher edit rate" (the silent merge): a reader in mount C reads
+    the first part of version 1, mount A inserts a line (version 2), C applies it and its
+    kernel drops the pages; the reader's next read gets version 2's bytes from there on, so
+    it holds parts of both (a line twice, A's line missing). Its rewrite was based on
+    version 2 (the read "served the current content"): sent as a clean write, the duplicate
+    and the loss were silent. No version is what the reader holds: last writer wins, with
+    a conflict line."""
+    cp, a, c = held
+    name = f"torn-{uuid.uuid4().hex[:6]}.log"
+    v1 = "counter=0\n" + "".join(f"line {i:02d} {'x' * 92}\n" for i in range(1, 30))
+    (a.mountpoint / "s" / name).write_text(v1)
+    pc = c.mountpoint / "s" / name
+    wait_until(lambda: read(pc) == v1, timeout=15, what="v1 in C")
+    errs = len([e for e in _errors(c) if e.get("conflict")])
+    with open(pc, "rb", buffering=0) as f:
+        first = f.read(1500)  # the reader in C: version 1 up to byte 1500
+        v2 = v1.replace("line 05", "A-1 inserted\nline 05")
+        sh(f"sed -i 's/^line 05/A-1 inserted\\nline 05/' {name}", a.mountpoint / "s")
+        wait_until(lambda: live_records(cp, "s")[name].content == v2, timeout=30,
+                   what="A's version 2 committed")
+        _shown(pc, v2)  # C applied version 2 (no reader served it)
+        wait_until(lambda: sidecar_status(c)["invalidations"]["pending"] == 0, timeout=15,
+                   what="C's kernel dropped version 1's pages")
+        got = first + f.read()  # version 2 from byte 1500 on
+    assert got != v1.encode() and got != v2.encode()
+    ours = got.decode().replace("counter=0", "counter=1")
+    _rewrite(pc, ours, "rename")
+    wait_until(lambda: _depth(a) == 0 and _depth(c) == 0, timeout=60, what="both outboxes drained")
+    cur = live_records(cp, "s")[name].content
+    conflicts = [e for e in _errors(c) if e.get("conflict")]
+    assert len(conflicts) == errs + 1 and conflicts[-1]["path"].endswith(name), conflicts
+    assert cur == ours, cur  # last writer wins; version 2 stays in history

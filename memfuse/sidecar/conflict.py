@@ -36,6 +36,7 @@ from ..errors import ApiError, Conflict, NotFound, PermanentError, PreconditionF
 from ..defs import sha256_hex
 from ..wire import Record
 from .identity import RecordIds
+from .inodes import UNKNOWN_BASE
 from .journal import Entry, Journal
 
 log = logging.getLogger("memfuse.outbox")
@@ -136,11 +137,41 @@ class ConflictResolver:
             # that was merged onto a rival change (``Node.served``: sed -i read, echo >>
             # appended, its merge not shown yet): based on that, so the rival lines it
             # never read are merged in, not dropped (attack report 11, F3)
-            served = next((a.args["served"] for a in (*e.absorbed, e) if a.args.get("served")), None)
+            served = self.served(e)
             if served:
                 return rid, served, None
             return rid, m[0], m[1]
         return rid, sha, None
+
+    @staticmethod
+    def served(e: Entry) -> str | None:
+        """The sha256 of the content readers here were served before a write here changed
+        the file, carried by an overwrite (``args["served"]``, ``Node.served``; of coalesced
+        puts the first that carries one), None when it carries none."""
+        return next((a.args["served"] for a in (*e.absorbed, e) if a.args.get("served")), None)
+
+    def merge_base(self, e: Entry, sha: str | None, base: bytes | None) -> tuple[str | None, bytes | None]:
+        """(sha256, bytes when known here) of the version a put that met a concurrent change
+        (``412`` on ``If-Match`` ``sha``, ``put_base``) is merged from (``rebase``): ``sha``,
+        except for an overwrite written on what readers here were served before this mount's
+        own writes that committed without a merge (``served``, while ``sha``, the record's
+        last known version, is this mount's own commit on top of it: no rival change is
+        known here, none was shown). Its ``If-Match`` stays ``sha``, so with no rival change
+        it is the last writer, as on a local disk (its own lines written after the read
+        go, as sed's rename drops them there); a rival change since is merged from the
+        version the writer read (verify 11, F3 with three mounts: based on the own version,
+        whose appended lines the writer never read, the rewrite deletes them where the
+        rival lines were added after them, an overlap, and the rival lines were dropped by
+        last writer wins). The own lines come back with the merge: they are on the control
+        plane and the writer never saw them (a three-way merge keeps what one side added)."""
+        served = self.served(e)
+        first = e.absorbed[0] if e.absorbed else e
+        if not served or served == sha or first.args.get("base") or e.args.get("base"):
+            return sha, base  # nothing else read, or based on it already (``put_base``)
+        m = self.merged.get(e.node_key) if e.node_key else None
+        if m is not None and sha == m[0]:
+            return sha, base  # based on the merge state (``put_base``)
+        return served, None
 
     def append_suffix(self, e: Entry, sha: str | None, base: bytes | None) -> bytes | None:
         """What a ``put`` adds at the end of the version it was written on, when it is an
@@ -150,7 +181,7 @@ class ConflictResolver:
         (``ApiClient.append_record``, ``If-Match`` ``sha``, idempotency key
         ``<key>-append``): the same outcome as the whole content, with fewer bytes."""
         local = e.content or b""
-        if sha is None or len(local) < APPEND_MIN_BYTES:
+        if sha is None or sha == UNKNOWN_BASE or len(local) < APPEND_MIN_BYTES:
             return None
         ab = e.append_base
         if base is None and ab is not None and ab[0] == sha and 0 < ab[1] < len(local):
@@ -209,10 +240,19 @@ class ConflictResolver:
                         and attrs["mtime_ns"] in (None, cur.mtime_ns))
                 if same and await self.applied_before(e, c, rid, sent_key):
                     rec = cur  # this write, applied before (its answer lost)
-                elif (merged := await self.rebase(e, c, rid, sha, base, cur)) is not None:
+                elif (merged := await self.rebase(e, c, rid, *self.merge_base(e, sha, base), cur)) is not None:
                     rec = merged  # e.g. an identical append by another writer: both kept
                 elif same:
                     rec = cur  # a whole write of the content already there: nothing lost
+                elif sha == UNKNOWN_BASE:
+                    self.conflict(e, "a reader of this file was served parts of two versions "
+                                     "(its reads straddled a change); this write is now the latest "
+                                     "version, the other one stays in history")
+                    log.warning("conflict: written on parts of two versions; last writer wins, the "
+                                "other version stays in history",
+                                extra={"store": e.store, "path": a.get("path"), "record": rid})
+                    rec = await c.update_record(e.store, rid, text.check(), type=typ,
+                                                idempotency_key=e.key + "-lww", **attrs)
                 else:
                     self.conflict(e, "the record changed elsewhere; this write is now the "
                                       "latest version, the other one stays in history")
@@ -359,6 +399,8 @@ class ConflictResolver:
         times in a row (the entry backs off and tries again); API errors as the client
         raises them."""
         local = e.content or b""
+        if base_sha == UNKNOWN_BASE:
+            return None  # written on parts of two versions (Handle.across): no merge base
         ab = e.append_base
         if base is None and base_sha and ab is not None and ab[0] == base_sha and ab[1] <= len(local):
             base = local[:ab[1]]  # the put extends that version (checked when it was made)

@@ -56,8 +56,8 @@ from .attributes import AttributeOps
 from .blobcache import BlobCache
 from .cachedir import CacheError
 from .control import CONTROL_DIR, FILES, ControlFiles
-from .inodes import (CLEAN, PENDING, REJECTED, ROOT_INO, FsError, Handle, InodeTable, Node, Settings,
-                     StoreMount)
+from .inodes import (CLEAN, PENDING, REJECTED, ROOT_INO, UNKNOWN_BASE, FsError, Handle, InodeTable,
+                     Node, Settings, StoreMount)
 from .namespace import NamespaceOps
 from .limits import WriteLimits
 from .overlay import OutboxOverlay
@@ -345,7 +345,9 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             return h.snapshot[off:off + size]
         n = h.node
         x = n._x
-        if x is not None and ("read_base" in x or "unread" in x or "shown" in x):
+        if h.replaced and not self._read_across(h, n, off):
+            pass  # the reader holds the replaced content, or a mix: not served the current one
+        elif x is not None and ("read_base" in x or "unread" in x or "shown" in x):
             # the reader is served the current content (a handle opened before a remote
             # change reads it once the kernel's pages are invalidated), or what the kernel
             # still shows: Node.read_base
@@ -358,6 +360,40 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         if not data and size > 0:  # absent or damaged (dropped): MemfuseOps refetches it
             raise ContentMissing(n)
         return data
+
+    def _read_across(self, h: Handle, n: Node, off: int) -> bool:
+        """A read at byte ``off`` through ``h``, a handle open for reading when a remote
+        change or the merge of our own write replaced the file's content
+        (``Handle.replaced``, the older content's sha256): the reader may hold any part of
+        the older content before ``off`` (its earlier reads, or the kernel's pages), and
+        gets the current content from here on. Returns True when that is the current
+        content (it extends the older one: an append; the handle is then an ordinary
+        reader again). Otherwise the overwrite base of the file stays the older version
+        when the reader holds exactly it (the current content has the same bytes from
+        ``off`` on: ``Handle.across`` ``"old"``), else it is unknown (``"mixed"``:
+        ``Node.read_base`` ``UNKNOWN_BASE``, last writer wins with a conflict line; verify
+        11, a ``sed -i`` whose reads straddled a merge shown). Raises ``ContentMissing``
+        as ``read`` does."""
+        if not h.across:
+            old = self._cached_blob(h.replaced)
+            cur = self._content(n)
+            if old is not None and cur.startswith(old):
+                h.replaced = ""
+                return True
+            h.across = "old" if old is not None and cur[off:] == old[off:] else "mixed"
+        elif h.across == "old":
+            cur = self._content(n)
+            old = self._cached_blob(h.replaced)
+            if old is None or cur[off:] != old[off:]:
+                h.across = "mixed"
+        if h.across == "old" and not n.read_base:
+            n.read_base = h.replaced  # what this reader holds (a reader since dropped it)
+        elif h.across == "mixed" and n.read_base != UNKNOWN_BASE:
+            n.read_base = UNKNOWN_BASE
+            log.info("a reader was served parts of two contents of a file (its reads straddled "
+                     "a change); its overwrite is last writer wins with a conflict line",
+                     extra={"store": n.store.slug if n.store else None, "path": n.path()})
+        return False
 
     def _served(self, n: Node, x: dict[str, Any]) -> None:
         """A reader of file ``n`` (side table ``x``, ``n._x``) is served its content: by an

@@ -294,8 +294,10 @@ class Node:
     # version, '' when readers were served the current one.
     # INVARIANT: set only by ``RemoteApply.note_replaced`` (a remote change of content, or
     # the merge of our own write shown, when not set already: the oldest version no reader
-    # was served a newer one after), and by a reader served while the kernel may still
-    # show an older content (``shown``); cleared by a reader's open or read
+    # was served a newer one after), by a reader served while the kernel may still
+    # show an older content (``shown``), and by a reader whose reads straddled a change
+    # (``Filesystem._read_across``: the replaced content it holds, or ``UNKNOWN_BASE``
+    # when it holds parts of two); cleared by a reader's open or read
     # (``Filesystem.open`` / ``read``: served the current content) and by the commit of a
     # session that replaced the content whole (``replacing``), which carries it as its base
     # (``Filesystem.commit``). A write session built on the current content (``echo >>``)
@@ -393,6 +395,28 @@ class Handle:
     entries: list[tuple[str, Node]] | None = None
     modified: bool = False  # write(2) or ftruncate(2) through this handle since open
     snapshot: bytes | None = None  # .memfuse files: content generated once at open
+    # The sha256 of the content the file had when a remote change or the merge of our own
+    # write replaced it while this handle was open for reading ('' when none since): the
+    # reader may hold part of it (from its reads, or the kernel's pages), so what its next
+    # read gets is checked against it (``Filesystem._read_across``; verify 11: a ``sed -i``
+    # whose reads straddled a merge shown got the older bytes up to one offset and the
+    # merge's after it, while its base became the merge).
+    # INVARIANT: set only by ``RemoteApply.note_replaced`` (the first replacement since the
+    # handle's last check); cleared by ``Filesystem._read_across`` when the reader is served
+    # the current content (a pure append of it).
+    replaced: str = ""
+    # What the reader holds once ``replaced`` was checked: '' (not checked yet), ``"old"``
+    # (exactly the replaced content: the rest of the file is the same bytes) or ``"mixed"``
+    # (parts of both: the base of an overwrite is unknown, ``UNKNOWN_BASE``).
+    across: str = ""
+
+#: ``Node.read_base`` of a file a reader was served partly one content and partly another
+#: (its reads straddled a change, ``Handle.across``): no version is what the reader holds,
+#: so an overwrite is sent ``If-Match`` this tag, which no version has, and resolved last
+#: writer wins with a conflict line, never merged from a version it did not read
+#: (``ConflictResolver.put``). 64 hex digits (kept, journaled and collected as a sha256
+#: is), the digest of no content anyone can make.
+UNKNOWN_BASE = "0" * 64
 
 @dataclass
 class Settings:

@@ -202,10 +202,15 @@ class Sidecar(StoreSync):
     """
 
     def __init__(self, config: MountConfig, client: ApiClient,
-                 invalidator: Invalidator | None = None) -> None:
+                 invalidator: Invalidator | None = None, *,
+                 feed_hold: Callable[[], Awaitable[None]] | None = None) -> None:
         """``invalidator``: the kernel invalidations' queue (default: a new ``Invalidator``;
-        tests pass one with a fault hook)."""
+        tests pass one with a fault hook). ``feed_hold``: a fault hook for tests, awaited
+        before each change-feed page with changes is applied (``StoreSync._apply_page``: it
+        widens the window in which the control plane holds a rival version this mount does
+        not show yet); None in production."""
         self.config = config
+        self.feed_hold = feed_hold
         self.client = client
         self.metrics = Metrics()
         try:
@@ -790,10 +795,11 @@ class Sidecar(StoreSync):
 
 async def serve_mount(config: MountConfig, client: ApiClient, *,
                       invalidator: Invalidator | None = None,
+                      feed_hold: Callable[[], Awaitable[None]] | None = None,
                       task_status: trio.TaskStatus[Sidecar] = trio.TASK_STATUS_IGNORED) -> int:
     """Run one sidecar (``Sidecar.run``) until SIGTERM / SIGINT or an external unmount
-    (``invalidator``: see ``Sidecar``)."""
-    return await Sidecar(config, client, invalidator).run(task_status=task_status)
+    (``invalidator``, ``feed_hold``: see ``Sidecar``)."""
+    return await Sidecar(config, client, invalidator, feed_hold=feed_hold).run(task_status=task_status)
 
 
 async def drain(fs: Filesystem, committer: Committer, timeout: float) -> None:

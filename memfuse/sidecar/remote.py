@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import stat
 import time
 
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..defs import DEFAULT_MODE, RECORD_TYPES, datetime_ns
 from ..wire import Record
-from .inodes import CLEAN, DIR_MODES_KEY, REJECTED, Node, StoreMount, shared_mode
+from .inodes import CLEAN, DIR_MODES_KEY, REJECTED, Handle, Node, StoreMount, shared_mode
 from .journal import MOVE_PREFIX, Entry
 from .sync import Meta
 
@@ -73,6 +74,7 @@ class RemoteApply:
     inodes: dict[int, Node]
     by_key: dict[str, Node]
     by_rid: dict[str, Node]
+    handles: dict[int, Handle]
     stores: dict[str, StoreMount]
     root: Node
     blobs: BlobCache
@@ -378,6 +380,13 @@ class RemoteApply:
         if n.sha and not self.kernel_behind(n.ino):
             n.shown = n.sha
         n.unread = True  # ``sha`` is served to nobody yet
+        if n.opened and n.sha and n.sha != sha:
+            # a reader open now may hold part of n's content: its next read is checked
+            # against it (Handle.replaced, Filesystem._read_across)
+            for h in self.handles.values():
+                if (h.node is n and not h.replaced and h.snapshot is None
+                        and h.flags & os.O_ACCMODE != os.O_WRONLY):
+                    h.replaced, h.across = n.sha, ""
 
     def _remote_over_rejected(self, sm: StoreMount, n: Node,
                               rec: Record | Meta) -> list[tuple[Any, ...]] | None:

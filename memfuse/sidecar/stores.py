@@ -84,6 +84,9 @@ class StoreSync:
     committer: Committer
     metrics: Metrics
     invalidator: Invalidator
+    #: a fault hook for tests (``Sidecar``'s ``feed_hold``), awaited before a feed page with
+    #: changes is applied; None in production
+    feed_hold: Callable[[], Awaitable[None]] | None
     states: dict[str, StoreState]  # slug -> the store's mirror
     feeds: dict[str, trio.CancelScope]  # slug -> its change-feed task's scope
     admin_unmounted: set[str]
@@ -552,6 +555,8 @@ class StoreSync:
             else:
                 state.cursor = max(state.cursor, page.seq)
             return True
+        if self.feed_hold is not None and not own:
+            await self.feed_hold()
         # every local change of this store must be committed before remote ones apply
         await self.committer.wait_store_idle(slug)
         inv: list[tuple[Any, ...]] = []
