@@ -156,3 +156,88 @@ def test_full_cache_disk_gives_enospc_at_close_never_hangs_and_recovers(tmp_path
             cp.stop()
     # the log says what failed, without a traceback or an ERROR line
     assert unexpected_log_lines(sc.log) == []
+
+
+APPEND = r'''
+import errno, os, sys
+fd = os.open(sys.argv[1], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+os.write(fd, sys.argv[2].encode())
+try:
+    os.close(fd)
+except OSError as e:
+    print(errno.errorcode[e.errno])
+'''
+
+
+def append(path: Path, text: str) -> str | None:
+    """``echo text >> path`` in a subprocess bounded by a timeout: the errno name of its
+    close, or None."""
+    out = subprocess.run([sys.executable, "-c", APPEND, str(path), text], capture_output=True,
+                         text=True, timeout=60, check=True).stdout.strip()
+    return out or None
+
+
+@pytest.mark.timeout(300)
+def test_close_failing_on_a_full_cache_disk_means_the_write_did_not_happen(tmp_path, small_cache):
+    """attack 12 A3: the cache disk full and the control plane down, a close fails with
+    ENOSPC (not EIO) and the write is withdrawn: the file shows what it showed before,
+    and the write never reaches the control plane once it is back. An append the agent
+    retries then appears once. With the control plane answering (the disk still full), a
+    close returns 0 and the write is there (docs/SEMANTICS.md, "The sidecar's own disk")."""
+    cp = ControlPlane(tmp_path).start()
+    sc = None
+    try:
+        tok = cp.setup_workspace("ws")
+        sc = Sidecar(cp, "ws", tok, tmp_path / "mnt", small_cache, "--commit-wait", "3").start()
+        root = tmp_path / "mnt"
+        log_md = root / "default" / "log.md"
+        assert append(log_md, "line-0\n") is None
+        wait_until(lambda: "log.md" in live_records(cp), 30, "log.md committed")
+        cp.stop()  # the control plane down (its port refuses connections)
+        st = os.statvfs(small_cache)
+        ballast = small_cache / "ballast"
+        ballast.write_bytes(b"\0" * max(0, st.f_bavail * st.f_frsize - 700 * 1024))
+
+        first = write_files(root / "default", 0, 20)
+        outcomes = {r["close"] for r in first}
+        assert outcomes <= {None, "ENOSPC"}, first  # never EIO
+        refused = [r["i"] for r in first if r["close"] == "ENOSPC"]
+        kept = [r["i"] for r in first if r["close"] is None]
+        assert refused, first  # the disk did fill up
+        assert max(r["seconds"] for r in first) < 15, first  # bounded by --commit-wait
+        # a refused new file shows what it showed before the write: nothing (empty, unsent)
+        f = root / "default" / f"f{refused[-1]:03d}.md"
+        assert f.stat().st_size == 0
+        assert "withdrawn" in (xattr(f, "error") or "")
+        # the agent's append: refused, withdrawn, the file as before
+        assert append(log_md, "line-1\n") == "ENOSPC"
+        assert log_md.read_bytes() == b"line-0\n"
+        assert "withdrawn" in (xattr(log_md, "error") or "")
+        assert any(e["errno"] == "ENOSPC" and "withdrawn" in e["reason"] for e in errors_log(root))
+
+        cp.start()  # the control plane back, the cache disk still full
+        wait_until(lambda: all(f"f{i:03d}.md" in live_records(cp) for i in kept), 60,
+                   "the accepted writes committed")
+        wait_until(lambda: status(root)["outbox"]["depth"] == 0, 60, "the outbox drained")
+        recs = live_records(cp)
+        for i in kept:
+            assert recs[f"f{i:03d}.md"].content == content(i), i
+        for i in refused:  # a close that failed: the write did not happen
+            assert f"f{i:03d}.md" not in recs, i
+        assert recs["log.md"].content == "line-0\n"
+        # the agent retries the append (the disk is still full, the control plane answers
+        # within the close's wait): close 0, and it is there once
+        assert append(log_md, "line-1\n") is None
+        assert live_records(cp)["log.md"].content == "line-0\nline-1\n"
+        assert log_md.read_bytes() == b"line-0\nline-1\n"
+        again = write_files(root / "default", refused[0], 1)
+        assert again[0]["close"] is None, again
+        assert live_records(cp)[f"f{refused[0]:03d}.md"].content == content(refused[0])
+        assert sc.proc.poll() is None
+    finally:
+        try:
+            if sc is not None:
+                assert sc.stop() == 0
+        finally:
+            cp.stop()
+    assert unexpected_log_lines(sc.log) == []
