@@ -248,3 +248,18 @@ def test_close_failing_on_a_full_cache_disk_means_the_write_did_not_happen(tmp_p
         finally:
             cp.stop()
     assert unexpected_log_lines(sc.log) == []
+
+
+def test_a_full_disk_met_writing_the_witness_is_enospc():
+    """The journal's witness (``accepted.log``) failing with ENOSPC is re-raised as a
+    ``sqlite3.Error`` (``Journal._apply``); it is a full disk (``ENOSPC`` at close), not
+    ``EIO`` (attack 12 A3 saw EIO closes on a full 4 MiB cache disk)."""
+    import sqlite3
+    from memfuse.sidecar.cachedir import cache_error
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError as exc:
+            raise sqlite3.OperationalError("writing the witness: No space left on device") from exc
+    except sqlite3.Error as exc:
+        assert cache_error(exc, "writing the outbox journal").errno == errno.ENOSPC

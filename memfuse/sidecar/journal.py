@@ -825,6 +825,10 @@ class Journal:
                     if not isinstance(exc, Exception):
                         raise
                     err = cache_error(exc, "writing the outbox journal")
+                    if err.errno != errno.ENOSPC and self.error is None:  # what SQLite said
+                        log.info("outbox journal write error", extra={
+                            "error": type(exc).__name__, "detail": str(exc)[:200],
+                            "sqlite_code": getattr(exc, "sqlite_errorcode", None)})
                     self.error = err
                     self.failures += 1
                     for w in waiters:
