@@ -943,7 +943,8 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         code = "cache_disk_full" if err.errno == errno.ENOSPC else "cache_disk_error"
         where = n.parent if n.store is not None else None
         extra = {"store": e.store, "path": n.path(), "errno": errno.errorcode.get(err.errno)}
-        if n.last_put is e and not e.sent and await self.journal.withdraw(e, WITHDRAW_WAIT):
+        if (n.last_put is e and e.before is not None and not e.sent
+                and await self.journal.withdraw(e, WITHDRAW_WAIT)):
             if c.withdraw(e, err.errno, err.reason, code):
                 self._withdraw(n, e)
                 log.warning("write withdrawn: the cache disk refused it and the control plane "
@@ -956,14 +957,21 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             # taken out of the journal's queue but not the committer's (sent meanwhile):
             # queued again, as it was (its journal row is retried with the others)
             self.journal.add(e)
+        elif e.done.is_set() or e.durable.is_set():  # answered, or written, meanwhile
+            if e.done.is_set() and e.errno:
+                raise FsError(e.errno, e.reason)
+            return
         # a request carrying it may have reached the control plane, or a later write of the
         # file holds it: kept in memory, retried, and the close does not say it failed
-        n.error = err.reason
-        log.warning("the cache disk refused a write that may have reached the control plane; "
-                    "kept in memory and retried under its idempotency key; the close returns 0",
+        if n.last_put is e:
+            n.error = err.reason
+        log.warning("the cache disk refused a write that may have reached the control plane "
+                    "(or that a later write of the file holds); kept in memory and retried "
+                    "under its idempotency key; the close returns 0",
                     extra={**extra, "reason": err.reason})
         self.note_error(where, n.name, err.errno, err.reason + "; the write may have reached "
-                        "the control plane: it is kept in memory and retried until answered", code)
+                        "the control plane (or a later write holds it): it is kept in memory "
+                        "and retried until answered", code)
 
     def _withdraw(self, n: Node, e: Entry) -> None:
         """Undo on the tree the put ``e`` of ``n`` its close withdrew (``_journal_refused``):
