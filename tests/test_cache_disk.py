@@ -101,8 +101,10 @@ def write_local(path: Path) -> str | None:
 @pytest.mark.parametrize("commit_wait", ["10", "0"])
 def test_full_cache_disk_gives_enospc_at_close_never_hangs_and_recovers(tmp_path, small_cache,
                                                                         commit_wait):
-    """With ``--commit-wait 0`` too: the journal's wait has its own bound, so a full disk
-    still answers ``ENOSPC`` (not ``EIO`` for a zero wait) and a written file answers 0."""
+    """The control plane answering: a write the full disk refuses is committed within the
+    close's wait, so the close returns 0 (it is in the control plane). With ``--commit-wait
+    0`` a close may give up first: then ``ENOSPC`` (not ``EIO`` for a zero wait) and the write
+    is withdrawn, never sent (docs/SEMANTICS.md, "The sidecar's own disk")."""
     cp = ControlPlane(tmp_path).start()
     sc = None
     try:
@@ -119,17 +121,17 @@ def test_full_cache_disk_gives_enospc_at_close_never_hangs_and_recovers(tmp_path
         first = write_files(root / "default", 0, 20)
         outcomes = {r["close"] for r in first}
         assert outcomes <= {None, "ENOSPC"}, first  # never EIO, never anything else
-        assert "ENOSPC" in outcomes, first  # the disk did fill up
+        if commit_wait != "0":  # the control plane answers within the wait
+            assert outcomes == {None}, first
         # bounded: a close waits at most --commit-wait (10 s) for anything
         assert max(r["seconds"] for r in first) < 15, first
         refused = [r["i"] for r in first if r["close"] == "ENOSPC"]
-        # the reason shows on the file until its content commits (it was kept and retried)
-        f = root / "default" / f"f{refused[-1]:03d}.md"
-        reason, state = xattr(f, "error") or "", xattr(f, "state")
-        assert "cache disk is full" in reason or (state == "clean" and not reason), (reason, state)
-        assert any(e["errno"] == "ENOSPC" and "cache disk is full" in e["reason"]
-                   for e in errors_log(root))
-        assert metric(admin, "memfuse_cache_write_errors_total") > 0
+        for i in refused:  # withdrawn: the file as before the write (created by it: empty)
+            f = root / "default" / f"f{i:03d}.md"
+            assert f.stat().st_size == 0 and "withdrawn" in (xattr(f, "error") or "")
+            assert any(e["errno"] == "ENOSPC" and "withdrawn" in e["reason"]
+                       for e in errors_log(root))
+        assert metric(admin, "memfuse_cache_write_errors_total") > 0  # the disk did fill up
         # a local-only file is kept in the same journal: its close says ENOSPC too
         assert write_local(root / "default" / "big.md~") == "ENOSPC"
 
@@ -139,14 +141,19 @@ def test_full_cache_disk_gives_enospc_at_close_never_hangs_and_recovers(tmp_path
         assert write_local(root / "default" / "other.md~") is None
         assert (root / "default" / "big.md~").read_bytes() == b"~" * FILE_BYTES  # kept, retried
 
-        # nothing accepted is lost; the refused ones were kept and committed as well
+        # nothing accepted is lost; the refused ones were withdrawn: never sent
+        accepted = [r for r in first + again if r["close"] is None]
+
         def all_there() -> bool:
             recs = live_records(cp)
-            return all(f"f{r['i']:03d}.md" in recs for r in first + again)
+            return all(f"f{r['i']:03d}.md" in recs for r in accepted)
         wait_until(all_there, 60, "every file on the control plane")
+        wait_until(lambda: status(root)["outbox"]["depth"] == 0, 60, "the outbox drained")
         recs = live_records(cp)
-        for r in first + again:
+        for r in accepted:
             assert recs[f"f{r['i']:03d}.md"].content == content(r["i"]), r
+        for i in refused:
+            assert f"f{i:03d}.md" not in recs, i
         assert sc.proc.poll() is None
     finally:
         try:
@@ -156,3 +163,103 @@ def test_full_cache_disk_gives_enospc_at_close_never_hangs_and_recovers(tmp_path
             cp.stop()
     # the log says what failed, without a traceback or an ERROR line
     assert unexpected_log_lines(sc.log) == []
+
+
+APPEND = r'''
+import errno, os, sys
+fd = os.open(sys.argv[1], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+os.write(fd, sys.argv[2].encode())
+try:
+    os.close(fd)
+except OSError as e:
+    print(errno.errorcode[e.errno])
+'''
+
+
+def append(path: Path, text: str) -> str | None:
+    """``echo text >> path`` in a subprocess bounded by a timeout: the errno name of its
+    close, or None."""
+    out = subprocess.run([sys.executable, "-c", APPEND, str(path), text], capture_output=True,
+                         text=True, timeout=60, check=True).stdout.strip()
+    return out or None
+
+
+@pytest.mark.timeout(300)
+def test_close_failing_on_a_full_cache_disk_means_the_write_did_not_happen(tmp_path, small_cache):
+    """attack 12 A3: the cache disk full and the control plane down, a close fails with
+    ENOSPC (not EIO) and the write is withdrawn: the file shows what it showed before,
+    and the write never reaches the control plane once it is back. An append the agent
+    retries then appears once. With the control plane answering (the disk still full), a
+    close returns 0 and the write is there (docs/SEMANTICS.md, "The sidecar's own disk")."""
+    cp = ControlPlane(tmp_path).start()
+    sc = None
+    try:
+        tok = cp.setup_workspace("ws")
+        sc = Sidecar(cp, "ws", tok, tmp_path / "mnt", small_cache, "--commit-wait", "3").start()
+        root = tmp_path / "mnt"
+        log_md = root / "default" / "log.md"
+        assert append(log_md, "line-0\n") is None
+        wait_until(lambda: "log.md" in live_records(cp), 30, "log.md committed")
+        cp.stop()  # the control plane down (its port refuses connections)
+        st = os.statvfs(small_cache)
+        ballast = small_cache / "ballast"
+        ballast.write_bytes(b"\0" * max(0, st.f_bavail * st.f_frsize - 700 * 1024))
+
+        first = write_files(root / "default", 0, 20)
+        outcomes = {r["close"] for r in first}
+        assert outcomes <= {None, "ENOSPC"}, first  # never EIO
+        refused = [r["i"] for r in first if r["close"] == "ENOSPC"]
+        kept = [r["i"] for r in first if r["close"] is None]
+        assert refused, first  # the disk did fill up
+        assert max(r["seconds"] for r in first) < 15, first  # bounded by --commit-wait
+        # a refused new file shows what it showed before the write: nothing (empty, unsent)
+        f = root / "default" / f"f{refused[-1]:03d}.md"
+        assert f.stat().st_size == 0
+        assert "withdrawn" in (xattr(f, "error") or "")
+        # the agent's append: refused, withdrawn, the file as before
+        assert append(log_md, "line-1\n") == "ENOSPC"
+        assert log_md.read_bytes() == b"line-0\n"
+        assert "withdrawn" in (xattr(log_md, "error") or "")
+        assert any(e["errno"] == "ENOSPC" and "withdrawn" in e["reason"] for e in errors_log(root))
+
+        cp.start()  # the control plane back, the cache disk still full
+        wait_until(lambda: all(f"f{i:03d}.md" in live_records(cp) for i in kept), 60,
+                   "the accepted writes committed")
+        wait_until(lambda: status(root)["outbox"]["depth"] == 0, 60, "the outbox drained")
+        recs = live_records(cp)
+        for i in kept:
+            assert recs[f"f{i:03d}.md"].content == content(i), i
+        for i in refused:  # a close that failed: the write did not happen
+            assert f"f{i:03d}.md" not in recs, i
+        assert recs["log.md"].content == "line-0\n"
+        # the agent retries the append (the disk is still full, the control plane answers
+        # within the close's wait): close 0, and it is there once
+        assert append(log_md, "line-1\n") is None
+        assert live_records(cp)["log.md"].content == "line-0\nline-1\n"
+        assert log_md.read_bytes() == b"line-0\nline-1\n"
+        again = write_files(root / "default", refused[0], 1)
+        assert again[0]["close"] is None, again
+        assert live_records(cp)[f"f{refused[0]:03d}.md"].content == content(refused[0])
+        assert sc.proc.poll() is None
+    finally:
+        try:
+            if sc is not None:
+                assert sc.stop() == 0
+        finally:
+            cp.stop()
+    assert unexpected_log_lines(sc.log) == []
+
+
+def test_a_full_disk_met_writing_the_witness_is_enospc():
+    """The journal's witness (``accepted.log``) failing with ENOSPC is re-raised as a
+    ``sqlite3.Error`` (``Journal._apply``); it is a full disk (``ENOSPC`` at close), not
+    ``EIO`` (attack 12 A3 saw EIO closes on a full 4 MiB cache disk)."""
+    import sqlite3
+    from memfuse.sidecar.cachedir import cache_error
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError as exc:
+            raise sqlite3.OperationalError("writing the witness: No space left on device") from exc
+    except sqlite3.Error as exc:
+        assert cache_error(exc, "writing the outbox journal").errno == errno.ENOSPC

@@ -617,3 +617,56 @@ async def test_the_merge_state_survives_a_crash_before_the_next_write_commits(tm
         nursery.cancel_scope.cancel()
     sc2.journal.close()
     await sc2.client.aclose()
+
+
+async def _until(cond, timeout: float = 10.0) -> None:
+    with trio.fail_after(timeout):
+        while not cond():
+            await trio.sleep(0.01)
+
+
+@pytest.mark.parametrize("fault", ["refused", "answer_lost", "in_flight"])
+async def test_a_withdrawn_write_is_never_sent_and_one_that_may_have_landed_is_not_withdrawn(
+        tmp_path, fault):
+    """``Committer.withdraw`` (a close giving up on a write the cache disk refused,
+    docs/SEMANTICS.md "The sidecar's own disk"): an entry whose requests were all refused a
+    connection is taken back, even out of a batch waiting to be sent again, and never sent
+    (the other entries of the batch commit once); an entry a request may have carried (its
+    answer lost, or in flight) is not: it commits, once, under its idempotency key."""
+    fake = FakeControlPlane(seed=3)
+    token = await fake.setup("ws")
+    async with ApiClient(fake.base_url, token, transport=fake.transport) as api:
+        j = Journal(tmp_path / "outbox.db")
+        c = Committer(api, j, {})
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(j.run)
+            await nursery.start(c.run)
+            if fault == "refused":
+                fake.faults.outage = True
+            elif fault == "answer_lost":
+                fake.faults.drop_rate = 1.0
+            else:
+                fake.faults.latency = 1.0
+            # queued together: one batch of three creates
+            es = [c.submit("default", PUT, f"n:{i}", {"path": f"f{i}.md"}, f"v{i}\n".encode())
+                  for i in range(3)]
+            if fault == "in_flight":
+                await _until(lambda: es[1].in_flight)
+            else:
+                await _until(lambda: c.failed_attempts >= 1)
+            taken = c.withdraw(es[1], errno.ENOSPC, "the sidecar's cache disk is full", "cache_disk_full")
+            assert taken == (fault == "refused"), (fault, es[1].sent, es[1].in_flight)
+            fake.faults.reset()
+            c.poke()
+            with trio.fail_after(30):
+                await c.wait_idle()
+            nursery.cancel_scope.cancel()
+        recs, _ = await api.snapshot("default", content=True)
+    got = sorted((r.path, r.content) for r in recs)
+    if fault == "refused":
+        assert got == [("f0.md", "v0\n"), ("f2.md", "v2\n")]
+        assert es[1].withdrawn and es[1].errno == errno.ENOSPC and es[1].done.is_set()
+    else:  # each once: one version per record
+        assert got == [(f"f{i}.md", f"v{i}\n") for i in range(3)]
+        assert all(r.version == 1 for r in recs) and not es[1].withdrawn and es[1].errno == 0
+    j.close()

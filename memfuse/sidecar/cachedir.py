@@ -134,6 +134,8 @@ def cache_errno(exc: BaseException) -> int:
     """The errno a failed write to the cache directory stands for: ``ENOSPC`` for a full
     disk (``SQLITE_FULL``, ``OSError(ENOSPC)`` or ``EDQUOT``), the OS errno of another
     ``OSError``, else ``EIO``."""
+    if isinstance(exc.__cause__, OSError) and exc.__cause__.errno:
+        return cache_errno(exc.__cause__)  # e.g. the journal's witness: raised as sqlite3's
     if isinstance(exc, OSError) and exc.errno:
         return errno.ENOSPC if exc.errno == errno.EDQUOT else exc.errno
     if isinstance(exc, sqlite3.Error):

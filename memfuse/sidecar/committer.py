@@ -22,7 +22,7 @@ import random
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
 import trio
 
@@ -40,6 +40,19 @@ __all__ = ["BATCH_MAX_CONTENT", "BATCH_MAX_ENTRIES", "Backoff", "Committer"]
 
 BATCH_MAX_ENTRIES = 100  # entries in one batch (the server's BATCH_MAX_OPERATIONS)
 BATCH_MAX_CONTENT = 4 * 1024 * 1024  # bytes of content in one batch (the server takes 16 MiB)
+
+#: the codes of transient failures of a request that never reached the control plane (no
+#: connection was made: ``client.base._transport_error``); after one, the entry is as unsent
+#: as before the attempt (``Entry.sent``), so its close may still withdraw it
+#: (``Committer.withdraw``). Every other failure may have been applied (a timeout, a lost
+#: answer, a 5xx): such an entry is only ever finished by the control plane's answer to its
+#: idempotency key. (An attempt's later requests follow only refusals of its first one,
+#: ``ConflictResolver.put``, so a connect failure never hides an applied request.)
+NOT_SENT_CODES = frozenset({"connect_error", "connect_timeout", "pool_timeout"})
+
+#: the result of ``_send_batch`` when an entry of the batch was withdrawn while it waited to
+#: be sent again: the worker builds the batch again from its queue
+_WITHDRAWN: list[Any] = []
 
 
 @dataclass(frozen=True)
@@ -140,6 +153,11 @@ class Committer:
         #: op -> its ``memfuse_commits_total`` child, looked up once (``labels()`` takes a
         #: lock and builds its key per call; every commit counts one)
         self._commit_counters: dict[str, Any] = {}
+        #: transient failures of commit attempts since start (``_attempt_failed``)
+        self.failed_attempts = 0
+        #: entries whose close waits for the control plane without the journal having
+        #: taken them (``watch``): woken at every failed attempt of any entry
+        self._watched: set[Entry] = set()
 
     # --- the control plane's reachability, as the outbox sees it ------------------------------
     @property
@@ -156,6 +174,9 @@ class Committer:
         the transition wake every queued entry's waiters (a ``close`` waiting for its
         commit returns then)."""
         why = err.code or (f"http_{err.status}" if err.status else "unreachable")
+        self.failed_attempts += 1
+        for w in self._watched:
+            w.notify()
         if self.unreachable is not None:
             self.unreachable["error"] = why
             return
@@ -192,6 +213,44 @@ class Committer:
         over (a failure of another kind stays until a commit is answered)."""
         if self.unreachable is not None and self.unreachable["error"] == "no_answer":
             self._attempt_answered()
+
+    @contextlib.contextmanager
+    def watch(self, e: Entry) -> Iterator[None]:
+        """Inside: ``e.changed`` is also set at every failed commit attempt of any entry
+        (``failed_attempts`` grows), so a close waiting for ``e`` learns that the control
+        plane was tried and did not answer."""
+        self._watched.add(e)
+        try:
+            yield
+        finally:
+            self._watched.discard(e)
+
+    def withdraw(self, e: Entry, errno_: int, reason: str, code: str) -> bool:
+        """Take back a queued ``e`` that no request may have carried to the control plane
+        (``Entry.sent`` false, not in flight, not finished, first in nothing: not absorbed by a
+        later put): out of its store's queue, finished with ``errno_`` / ``reason`` / ``code``
+        and ``withdrawn``, never sent (the worker and a batch check ``withdrawn`` before every
+        attempt). The puts it absorbed were accepted on their own: the newest takes its
+        place in the queue, carrying the others. The listener is not told (the caller undoes
+        the write on the tree). False, nothing changed, when it cannot be taken back. The
+        caller takes its insert out of the journal first (``Journal.withdraw``)."""
+        q = self.queues.get(e.store)
+        if e.done.is_set() or e.sent or e.in_flight or q is None or e not in q:
+            return False
+        i = q.index(e)
+        del q[i]
+        if e.absorbed:
+            last = e.absorbed[-1]
+            last.absorbed, e.absorbed = e.absorbed[:-1], []
+            q.insert(i, last)
+            self._absorbed[e.store] = self._absorbed.get(e.store, 0) - 1
+            self._to_coalesce.add(e.store)
+        e.withdrawn = True
+        e.errno, e.reason, e.code = errno_, reason, code
+        e.finish()
+        self._wakeups[e.store].set()  # an emptied queue: its worker goes idle
+        self.poke()
+        return True
 
     # --- views of the parts -------------------------------------------------------------------
     @property
@@ -397,7 +456,8 @@ class Committer:
                 await self._commit_with_retry(e)
             finally:
                 self._inflight.pop(store).set()
-            self._finished(store, q, e)
+            if not e.withdrawn:  # (withdrawn: out of the queue already, never sent)
+                self._finished(store, q, e)
 
     def _coalesce(self, store: str, q: deque[Entry]) -> None:
         """Successive queued ``put``s of one file become one: a ``put`` followed later in the
@@ -549,11 +609,13 @@ class Committer:
         self._inflight[store] = trio.Event()
         try:
             ops = [op for _, op in batch if op is not None]
-            for e, op in batch:
-                e.sent = e.sent or op is not None
-            outcomes = await self._send_batch(store, ops)
+            outcomes = await self._send_batch(store, ops, batch)
+            if outcomes is _WITHDRAWN:
+                return  # built again from the queue, without it
             answers = iter(outcomes) if outcomes is not None else None
             for e, op in batch:
+                if e.withdrawn:  # pragma: no cover - an answered batch's entries were sent
+                    continue
                 first = None
                 if answers is not None and op is not None:
                     first = AnsweredClient(self.client, op.op, next(answers))
@@ -562,14 +624,27 @@ class Committer:
         finally:
             self._inflight.pop(store).set()
 
-    async def _send_batch(self, store: str, ops: list[BatchOperation]) -> list[Any] | None:
-        """The outcomes of ``ops`` (``ApiClient.batch``), retrying transient failures and 401
-        with the committer's backoff; None when the entries must go one by one."""
+    async def _send_batch(self, store: str, ops: list[BatchOperation],
+                          batch: list[tuple[Entry, BatchOperation | None]]) -> list[Any] | None:
+        """The outcomes of ``ops`` (the requests of ``batch``'s entries: ``ApiClient.batch``),
+        retrying transient failures and 401 with the committer's backoff; None when the
+        entries must go one by one; ``_WITHDRAWN`` when an entry was withdrawn meanwhile
+        (``withdraw``: checked before every attempt, never sent)."""
         attempts = 0
+        carried = [e for e, op in batch if op is not None]
         while True:
             attempts += 1
+            if any(e.withdrawn for e, _ in batch):
+                return _WITHDRAWN
+            was = [e.sent for e in carried]
+            for e in carried:
+                e.sent = e.in_flight = True
             try:
-                outcomes = await self.client.batch(store, ops)
+                try:
+                    outcomes = await self.client.batch(store, ops)
+                finally:
+                    for e in carried:
+                        e.in_flight = False
                 self._attempt_answered()
                 self.batches += 1
                 if self.metrics is not None:
@@ -577,6 +652,11 @@ class Committer:
                 return outcomes
             except (TransientError, Unauthorized) as err:
                 self.retries += 1
+                if isinstance(err, Unauthorized) or err.code in NOT_SENT_CODES:
+                    for e, sent in zip(carried, was):
+                        e.sent = sent  # it never reached the control plane
+                for e in carried:
+                    e.notify()
                 if isinstance(err, TransientError):
                     self._attempt_failed(err)
                 else:  # an authentication outage, as in _commit_with_retry
@@ -610,11 +690,16 @@ class Committer:
         ``answered``: the client whose first request of ``e`` was answered inside a batch (used
         for the first attempt only)."""
         while True:
+            if e.withdrawn:
+                return  # its close took it back (``withdraw``): never sent
             e.attempts += 1
-            e.sent = True
+            was, e.sent, e.in_flight = e.sent, True, True
             client, answered = answered, None
             try:
-                await self._apply(e, client)
+                try:
+                    await self._apply(e, client)
+                finally:
+                    e.in_flight = False
                 self._attempt_answered()
                 self.committed += 1
                 if self.metrics is not None:
@@ -625,6 +710,9 @@ class Committer:
                 return
             except TransientError as err:
                 self.retries += 1
+                if err.code in NOT_SENT_CODES:
+                    e.sent = was  # it never reached the control plane
+                e.notify()
                 if err.code != "merge_contended":  # that one was answered: busy, not down
                     self._attempt_failed(err)
                 else:
@@ -642,6 +730,8 @@ class Committer:
                 # an authentication outage (token revoked, expired, or rotated and not yet
                 # re-read), not a refusal of this write: it stays first in the queue
                 self.auth_waits += 1
+                e.sent = was  # refused before anything was applied
+                e.notify()
                 delay = self.backoff.delay(e.attempts)
                 log.info("commit deferred: the control plane refused the token; will retry",
                          extra={"entry": e.id, "op": e.op, "store": e.store,

@@ -85,6 +85,11 @@ APPEND_SCAN_CONTEXT = 16 * 1024
 #: seconds a read or write waits at most for a clean content fetched again from the
 #: control plane (``Filesystem.refetch``), then ``EIO``
 REFETCH_TIMEOUT = 30.0
+#: seconds a close that gives up on a write the cache disk refused (``_journal_refused``)
+#: waits at most for a request carrying it that is in flight to end, and for the journal's
+#: batch being written to end, before deciding whether it can be withdrawn (beyond it: kept,
+#: the close returns 0: it may have landed)
+WITHDRAW_WAIT = 10.0
 
 
 class ContentMissing(FsError):
@@ -706,6 +711,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             return self.journal.barrier()
         buf = n.buf
         appended = buf.appended_to if isinstance(buf, AppendBuffer) else None
+        was = (n.sha, n.state, n.last_put)  # what the file showed: Entry.before
         data = self._content(n)  # the write buffer, or the clean content (e.g. renamed back)
         # the content before this write session passed these checks already (committed, or
         # queued after them) unless it was refused: an append is judged by what it adds
@@ -764,6 +770,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             args["served"] = served
         e = self.committer.submit(n.store.slug, PUT, n.key, args, data,
                                   sha=sha, append_base=(prev_sha, checked) if checked else None)
+        e.before = (was[0], checked if checked and prev_sha == was[0] else -1, was[1], was[2])
         n.last_put = e
         n.state, n.error = PENDING, ""
         self.sync_rejected()  # a fixed file is no longer kept as rejected (same batch as e)
@@ -904,7 +911,14 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         # write the journal accepts, whatever --commit-wait is; --commit-wait bounds only the
         # wait for the control plane (0: do not wait for it), counted from the close
         deadline = trio.current_time() + self.settings.commit_wait
-        await self._wait_accepted(n, e, JOURNAL_WAIT)
+        if isinstance(e, Entry):
+            try:
+                await e.wait_accepted(JOURNAL_WAIT)
+            except CacheError as err:
+                await self._journal_refused(n, e, err, deadline)
+                return
+        else:  # a local-only file's kept copy: ENOSPC / EIO when the disk refuses it
+            await self._wait_accepted(n, e, JOURNAL_WAIT)
         c = self.committer
         if not e.done.is_set() and not c.failing:  # (committed already: no scope to enter)
             with trio.move_on_at(deadline):
@@ -933,6 +947,95 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             raise FsError(errno.EIO, "control plane did not acknowledge within fsync timeout")
         if e.errno:
             raise FsError(e.errno, e.reason)
+
+    async def _journal_refused(self, n: Node, e: Entry, err: CacheError, deadline: float) -> None:
+        """The close of a write the outbox journal could not take (``err``: the cache disk
+        is full, ``ENOSPC``, or fails, ``EIO``): the one rule of docs/SEMANTICS.md ("The
+        sidecar's own disk"). Wait until ``deadline`` (``trio.current_time()``: the close's
+        ``--commit-wait``) for the control plane's answer, or for the journal to take it
+        after all (space came back); when the outbox knows the control plane is down, only
+        until one attempt made during this wait failed (it is tried at once: ``poke``).
+        Committed: return (its refusal's errno raised as any close's); accepted: return.
+        Else the write is withdrawn (``_withdraw``) and ``FsError(err.errno)`` raised, unless
+        a request carrying it may have reached the control plane (``Entry.sent``: its
+        outcome is then learnt only from the answer to its idempotency key): that write is
+        kept and retried, and the close returns 0, for a failed close must mean the write
+        did not happen. A request in flight is waited for first, at most ``WITHDRAW_WAIT`` s."""
+        c = self.committer
+        tried = c.failed_attempts
+        c.poke()
+        with c.watch(e), trio.move_on_at(deadline):
+            while not (e.done.is_set() or e.durable.is_set()):
+                if c.failing and c.failed_attempts > tried and not e.in_flight:
+                    break  # the control plane was tried during this close: no answer
+                await e.changed.wait()
+        with trio.move_on_after(WITHDRAW_WAIT):
+            while e.in_flight and not e.done.is_set():
+                await e.changed.wait()
+        if e.done.is_set() or e.durable.is_set():
+            if e.done.is_set() and e.errno:
+                raise FsError(e.errno, e.reason)
+            return
+        code = "cache_disk_full" if err.errno == errno.ENOSPC else "cache_disk_error"
+        where = n.parent if n.store is not None else None
+        extra = {"store": e.store, "path": n.path(), "errno": errno.errorcode.get(err.errno)}
+        if (n.last_put is e and e.before is not None and not e.sent
+                and await self.journal.withdraw(e, WITHDRAW_WAIT)):
+            if c.withdraw(e, err.errno, err.reason, code):
+                self._withdraw(n, e)
+                log.warning("write withdrawn: the cache disk refused it and the control plane "
+                            "did not answer within the close's wait; the close fails",
+                            extra={**extra, "reason": err.reason})
+                self.note_error(where, n.name, err.errno, err.reason + "; the write was "
+                                "withdrawn (not kept, never sent): the file shows what it "
+                                "showed before it; write it again", code)
+                raise FsError(err.errno, err.reason)
+            # taken out of the journal's queue but not the committer's (sent meanwhile):
+            # queued again, as it was (its journal row is retried with the others)
+            self.journal.add(e)
+        elif e.done.is_set() or e.durable.is_set():  # answered, or written, meanwhile
+            if e.done.is_set() and e.errno:
+                raise FsError(e.errno, e.reason)
+            return
+        # a request carrying it may have reached the control plane, or a later write of the
+        # file holds it: kept in memory, retried, and the close does not say it failed
+        if n.last_put is e:
+            n.error = err.reason
+        log.warning("the cache disk refused a write that may have reached the control plane "
+                    "(or that a later write of the file holds); kept in memory and retried "
+                    "under its idempotency key; the close returns 0",
+                    extra={**extra, "reason": err.reason})
+        self.note_error(where, n.name, err.errno, err.reason + "; the write may have reached "
+                        "the control plane (or a later write holds it): it is kept in memory "
+                        "and retried until answered", code)
+
+    def _withdraw(self, n: Node, e: Entry) -> None:
+        """Undo on the tree the put ``e`` of ``n`` its close withdrew (``_journal_refused``):
+        the file shows what it showed before (``Entry.before``): its previous content and
+        state (a file the write created: empty, never written, not sent), ``user.memfuse.error``
+        saying why. When that content is no longer here (neither kept in memory nor in the
+        blob cache), the file keeps the withdrawn content marked ``state=rejected`` (not
+        sent until rewritten)."""
+        assert e.before is not None and e.content is not None  # a put made by commit
+        sha, blen, state, put = e.before
+        old = e.content[:blen] if blen >= 0 else (self._cached_blob(sha) if sha else b"")
+        reason = e.reason + "; the write was withdrawn"
+        if old is None:
+            n.state, n.error, n.last_put = REJECTED, reason, None
+            self._mark_rejected(n, e.errno, e.code)
+            self.sync_rejected()
+            return
+        size = n.cur_size()
+        self._hold_content(n, old, sha, "the file's content before a withdrawn write")
+        self._account(n, n.cur_size() - size)
+        if isinstance(put, Entry) and put.done.is_set():  # (or a put before it finished)
+            state = REJECTED if put.errno else CLEAN
+        n.state, n.last_put, n.error = state, put, reason
+        if state == REJECTED:
+            self._mark_rejected(n, e.errno, e.code)
+            self.sync_rejected()
+        self.controls.changed()
+        self.invalidate([("inode", n.ino)])
 
     async def _wait_accepted(self, n: Node, e: Entry | Barrier, timeout: float) -> None:
         """Wait (at most ``timeout`` s) until ``e`` is accepted (on disk in the outbox) or

@@ -60,7 +60,8 @@ class WriteState(enum.StrEnum):
     still ``last_put``); any → CLEAN: a remote version shown (``_set_clean``); any →
     REJECTED: a refused write or truncate of the session (``_check_size``, ``_check_growth``,
     ``_judge``), a commit refused here, the put refused by the control plane, a rejected file
-    put back at start (``RejectedFiles``). Directories and control files stay CLEAN. The
+    put back at start (``RejectedFiles``); PENDING → the state before the put: a put its
+    close withdrew (``Filesystem._withdraw``: the cache disk refused it, no answer in time). Directories and control files stay CLEAN. The
     orthogonal ``Node.dirty`` says a write session changed the content since the last
     commit: the state then still describes the content before it.
     """

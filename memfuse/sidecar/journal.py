@@ -153,6 +153,15 @@ class Entry(_Waitable):
     #: bytes appended to it), ``content`` None. The committer sends it as an append on that
     #: version (``ConflictResolver.put``), which the control plane holds: it was committed
     suffix_only: tuple[str, bytes] | None = None
+    #: withdrawn by its close (``Committer.withdraw``: the journal could not take it and the
+    #: control plane did not answer within the close's wait): finished with the close's
+    #: errno, never sent (the worker and a batch holding it check this before every attempt)
+    withdrawn: bool = False
+    #: a request carrying it is being sent now (its outcome unknown until the attempt ends)
+    in_flight: bool = False
+    #: a ``put``: what the file showed before it (``Filesystem.commit``), so that a withdrawn
+    #: write can be undone: (sha256, content length or -1, state, last put); memory only
+    before: tuple[str, int, Any, Any] | None = None
 
     def content_sha(self) -> str | None:
         """The sha256 hex of ``content`` (``sha`` when the writer gave it; hashed once and
@@ -620,6 +629,21 @@ class Journal:
             self.witness.append([{"d": x["i"]} for x in gone])
         return back, keys, gone
 
+    async def withdraw(self, e: Entry, timeout: float) -> bool:
+        """Take back the insert of ``e``, not on disk yet (a write its close gave up on:
+        ``Filesystem.flush``): True when it is out of the queue (never written), False when
+        it is on disk already, or a batch holding it is still being written after
+        ``timeout`` s (its outcome decides). Waits for the batch being written (the lock) so
+        a failed batch cannot put the insert back after this."""
+        with trio.move_on_after(timeout):
+            async with self._lock:
+                if e.durable.is_set() or e.id not in self._unwritten:
+                    return False
+                self.remove(e)  # never written: out of the queue
+                e.journal_error = None
+                return True
+        return False
+
     def depth(self) -> int:
         """Queued writes not yet on disk."""
         return len(self._pending)
@@ -826,6 +850,10 @@ class Journal:
                     if not isinstance(exc, Exception):
                         raise
                     err = cache_error(exc, "writing the outbox journal")
+                    if err.errno != errno.ENOSPC and self.error is None:  # what SQLite said
+                        log.info("outbox journal write error", extra={
+                            "error": type(exc).__name__, "detail": str(exc)[:200],
+                            "sqlite_code": getattr(exc, "sqlite_errorcode", None)})
                     self.error = err
                     self.failures += 1
                     for w in waiters:
