@@ -3,9 +3,10 @@
 as ``memfuse serve``'s writer thread calls it; CPU per create from ``time.thread_time`` (issue 25
 item 2; bench/README.md, "The close path, session 12: serve's writer").
 
-Usage: ``python bench/prof_writer.py [--n 2000] [--rounds 3] [--nosync] [--profile FILE]``;
-one JSON line per round: CPU ms per create (this thread: user + system), wall ms, and the
-memfuse-bus thread's CPU per create (``/proc``). ``--nosync``: ``PRAGMA synchronous=OFF`` on
+Usage: ``python bench/prof_writer.py [--n 2000] [--rounds 3] [--nosync] [--bus] [--profile FILE]``;
+one JSON line per round: CPU ms per create (this thread: user + system), wall ms, and, with
+``--bus`` (the commit watcher started as ``memfuse serve`` starts it), the memfuse-bus
+thread's CPU per create (``/proc``). ``--nosync``: ``PRAGMA synchronous=OFF`` on
 every connection, so the figure excludes the commit's fsync (the durability promise keeps it in
 ``memfuse serve``; here only to read the rest). ``--profile FILE``: cProfile of the last round
 to FILE (pstats).
@@ -44,14 +45,16 @@ TICK = os.sysconf("SC_CLK_TCK")
 
 
 def _bus_cpu() -> float:
-    """CPU seconds of this process's memfuse-bus thread(s) so far."""
+    """CPU seconds of this process's memfuse-bus thread so far (found by its Python name:
+    CPython 3.11 does not name the OS thread)."""
+    import threading
+
     total = 0.0
-    for task in os.listdir("/proc/self/task"):
+    for t in threading.enumerate():
+        if t.name != "memfuse-bus" or t.native_id is None:
+            continue
         try:
-            with open(f"/proc/self/task/{task}/comm") as f:
-                if not f.read().startswith("memfuse-bus"):
-                    continue
-            with open(f"/proc/self/task/{task}/stat") as f:
+            with open(f"/proc/self/task/{t.native_id}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
@@ -65,6 +68,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--nosync", action="store_true")
     ap.add_argument("--profile", type=Path, default=None)
+    ap.add_argument("--bus", action="store_true", help="run the commit watcher (memfuse-bus) as serve does")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="prof-writer-") as d:
         if args.nosync:  # every engine's connections, from the first (the schema's)
@@ -73,6 +77,8 @@ def main() -> None:
                 dbapi_conn.execute("PRAGMA synchronous=OFF")
         db = Database(f"sqlite:///{d}/cp.db")
         svc = Service(db)
+        if args.bus:
+            svc.records.bus.start()
         admin = Principal(workspace=None, name="bench")
         svc.create_workspace(admin, WorkspaceCreate(name="ws"))
         p = Principal(workspace="ws", instance="bench")
