@@ -694,11 +694,12 @@ class Database:
                     with conn.begin():
                         yield conn
                 return
-            conn = self._kept
-            if conn is None or conn.closed or conn.invalidated:
-                if conn is not None:
-                    conn.close()
-                conn = self._kept = self._write_bind.connect()
+            kept = self._kept
+            if kept is None or kept.closed or kept.invalidated:
+                if kept is not None:
+                    kept.close()
+                kept = self._kept = self._write_bind.connect()
+            conn = kept
             try:
                 with conn.begin():
                     yield conn
