@@ -642,10 +642,13 @@ def _matches(rule: _Rule, content: str, low: str | None) -> Iterator[re.Match[st
     yield from rule.pattern.finditer(content)
 
 
-#: each rule with its hints and whether they are looked for in the lower-cased text: read
-#: by ``_first_secret`` as plain loops (no generator per rule: a scan of a short name or a
-#: note of a few hundred bytes, three per file written, was mostly that overhead)
-_HINTED: tuple[tuple[_Rule, tuple[str, ...], bool], ...] = tuple((r, r.hints, r.lower) for r in _RULES)
+#: each rule with its hints, whether they are looked for in the lower-cased text, and the
+#: length of its shortest hint (a text shorter than that holds none of them: a name's
+#: components, ``r0`` or ``notes.md``, skip most rules without a search): read by
+#: ``_first_secret`` as plain loops (no generator per rule: a scan of a short name or a note
+#: of a few hundred bytes, three per file written, was mostly that overhead)
+_HINTED: tuple[tuple[_Rule, tuple[str, ...], bool, int], ...] = tuple(
+    (r, r.hints, r.lower, min(map(len, r.hints))) for r in _RULES)
 
 
 def _first_secret(content: str, in_name: bool = False,
@@ -654,7 +657,10 @@ def _first_secret(content: str, in_name: bool = False,
     check, and the match; None. ``present``: the hints known to occur in ``content`` (a
     superset: ``hints_in``), instead of looking for each one here."""
     low = content.lower()  # a rule with ``lower`` looks for its hints in it
-    for rule, hints, lower in _HINTED:
+    size, low_size = len(content), len(low)  # (``lower`` may lengthen a text: "İ" → "i̇")
+    for rule, hints, lower, shortest in _HINTED:
+        if (low_size if lower else size) < shortest:
+            continue  # no hint fits in the text: no match possible (``_Rule.hints``)
         if present is not None:
             if not any((lower, h) in present for h in hints):
                 continue  # no hint: no match possible (``_Rule.hints``)
@@ -719,7 +725,7 @@ def hints_in(text: str) -> frozenset[Hint]:
     ``_first_secret(text, present=hints_in(text))`` is ``_first_secret(text)``. A full pass
     per hint, as ``_first_secret``'s own gate (~0.6 ms per 16 KiB here)."""
     low = text.lower()
-    return frozenset((lower, h) for _, hints, lower in _HINTED for h in hints
+    return frozenset((lower, h) for _, hints, lower, _ in _HINTED for h in hints
                      if h in (low if lower else text))
 
 

@@ -153,3 +153,40 @@ async def test_a_create_costs_nine_statements_and_begin(env):
     before = counter._value.get()
     await _create(me, "d/one.md", **{"Idempotency-Key": "one"})
     assert counter._value.get() - before == 9 + 1
+
+
+async def test_reads_of_live_records_at_paths_look_each_path_up_on_sqlite(env):
+    """Every ``path IN (...)`` read of the live records (a create's path and its ancestors, a
+    batch's creates, a move's target's ancestors) looks the paths up on a path index: SQLite's
+    planner, without statistics, took ``ix_records_usage`` (``store = ? AND deleted = ?``) for
+    three or more paths and read every live record of the store per create
+    (``base.LIVE_PATHS_ORDER``; bench/README.md, "The close path, session 12: serve's writer")."""
+    app, me = env
+    db = app.state.service.db
+    seen: list[tuple[str, object]] = []
+
+    def spy(conn, cursor, statement, parameters, context, executemany):
+        if ".path IN (" in statement and "FROM records" in statement:
+            seen.append((statement, parameters))
+
+    event.listen(db.engine, "before_cursor_execute", spy)
+    try:
+        await _create(me, "a/b/c/d.md")
+        moved = await _create(me, "m.md")
+        r = await me.post(f"/v1/stores/s/records/{moved['id']}/move", json={"path": "x/y/z/m.md"})
+        assert r.status_code == 200, r.text
+        ops = [{"op": "create", "body": {"path": f"b/{i}/n.md", "content": "x\n"}} for i in range(20)]
+        r = await me.post("/v1/stores/s/batch", json={"operations": ops})
+        assert r.status_code == 200, r.text
+    finally:
+        event.remove(db.engine, "before_cursor_execute", spy)
+    assert len(seen) >= 3  # the create's, the move's, the batch's
+    # the one rule on both databases (PostgreSQL: a sort of the few rows found) ...
+    assert all("ORDER BY records.path" in statement for statement, _ in seen), seen
+    if not db.is_sqlite:
+        return
+    # ... and what it is for on SQLite, whose planner has no statistics
+    with db.read_conn() as conn:
+        for statement, parameters in seen:
+            plan = " ".join(row[3] for row in conn.exec_driver_sql("EXPLAIN QUERY PLAN " + statement, parameters))
+            assert "path=?" in plan and "ix_records_usage" not in plan, (statement, plan)

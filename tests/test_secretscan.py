@@ -103,3 +103,23 @@ def test_a_context_that_is_not_the_kept_windows_end_is_scanned_whole() -> None:
     other = "AKIA" + "QW3RT5YU7IO2PA4SD6FG" + "\n"  # same key, another text: not a suffix of it
     assert scans.find_secret(other, "x\n", "s0", "s1") == content.find_secret(other + "x\n")
     assert scans.hits == 0
+
+
+def test_rules_skipped_by_length_are_exactly_those_that_cannot_match(monkeypatch):
+    """``_first_secret`` skips a rule whose shortest hint is longer than the text (``lower``
+    rules: than the lower-cased text, which ``str.lower`` can lengthen): it finds what the scan
+    without the skip finds, for every rule's secrets and names cut at every length, with
+    characters that change length or case when lower-cased in front."""
+    samples = [h for r in content._RULES for h in r.hints]
+    samples += ["ghp_" + "aB3dE5gH7jK9mN1pQ3sT5vX7zA9cE1gI3kM5", "AKIA2E3F4G5H6J7K2L3M", "password=Xy7#kLm2pQ",
+                "sk-ant-api03-" + "aB3dE5gH7jK9mN1pQ3sT5vX7zA9cE1gI3kM5oQ7", "mf_" + "aB3dE5gH7jK9mN1pQ3sT5vX7zA9cE1gI3kM5oQ7sU9wY"]
+    texts = [p + s[:n] for s in samples for n in range(len(s) + 1) for p in ("", "İ", "K", "_")]
+    found = [content._first_secret(t) for t in texts]
+    present = [content.hints_in(t) for t in texts]
+    unskipped = tuple((r, h, lower, 0) for r, h, lower, _ in content._HINTED)
+    monkeypatch.setattr(content, "_HINTED", unskipped)
+    for t, f, p in zip(texts, found, present, strict=True):
+        ref = content._first_secret(t)
+        assert (None if f is None else (f[0].kind, f[1].span())) == (None if ref is None else (ref[0].kind, ref[1].span())), t
+        assert p == content.hints_in(t), t
+    assert sum(f is not None for f in found) >= 4  # the full secrets are found

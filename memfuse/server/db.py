@@ -529,6 +529,12 @@ class Database:
         self._write_lock: threading.Lock | None = (
             threading.Lock() if self.is_sqlite and not self.is_memory else None
         )
+        # SQLite file: the connection of ``write_conn``'s transactions, kept between them (made
+        # at the first, replaced when closed or invalidated, closed by ``dispose``): no pool
+        # checkout, check-in with its reset and ``Connection`` per write, and its page cache
+        # stays this writer's. GUARDED_BY(_write_lock). INVARIANT: None or a connection of
+        # ``_write_bind`` outside any transaction while ``_write_lock`` is free.
+        self._kept: Connection | None = None
         if self.is_sqlite and self.url.database and not self.is_memory and not self.url.query.get("uri"):
             # a missing directory made 0700, a new file 0600 (it holds memory content and
             # token hashes); fails at once, with a clear message, when they cannot be made
@@ -677,14 +683,31 @@ class Database:
     def write_conn(self) -> Iterator[Connection]:
         """``write()`` without the ORM: a Core connection in a write transaction (``BEGIN
         IMMEDIATE`` on SQLite), committed when the block ends without error and rolled back
-        otherwise. Same locking rules and errors as ``write()``."""
+        otherwise. Same locking rules and errors as ``write()``. On an SQLite file every such
+        transaction runs on one connection kept between them (``_kept``)."""
         lock = self._all_lock if self._all_lock is not None else self._write_lock
         if lock is not None:
             lock.acquire()
         try:
-            with self._write_bind.connect() as conn:
+            if self._write_lock is None:  # PostgreSQL (writers side by side), in-memory SQLite
+                with self._write_bind.connect() as conn:
+                    with conn.begin():
+                        yield conn
+                return
+            kept = self._kept
+            if kept is None or kept.closed or kept.invalidated:
+                if kept is not None:
+                    kept.close()
+                kept = self._kept = self._write_bind.connect()
+            conn = kept
+            try:
                 with conn.begin():
                     yield conn
+            except BaseException:
+                if conn.invalidated or conn.in_transaction():  # not usable as it is: a new one next time
+                    self._kept = None
+                    conn.close()
+                raise
         finally:
             if lock is not None:
                 lock.release()
@@ -695,15 +718,26 @@ class Database:
         self._on_dispose.append(fn)
 
     def dispose(self) -> None:
-        """Stop what was registered with ``on_dispose``, then close every pooled connection."""
+        """Stop what was registered with ``on_dispose``, then close the kept write connection
+        (waiting up to ``DISPOSE_WAIT_SECONDS`` for a write in progress to end; after that it
+        is left to the write) and every pooled connection."""
         for fn in self._on_dispose:
             try:
                 fn()
             except Exception:  # noqa: BLE001 - closing the pool matters more
                 log.exception("closing a database listener failed")
+        lock = self._write_lock
+        if lock is not None and lock.acquire(timeout=DISPOSE_WAIT_SECONDS):
+            try:
+                if self._kept is not None:
+                    self._kept.close()
+                    self._kept = None
+            finally:
+                lock.release()
         self.engine.dispose()
 
 
+DISPOSE_WAIT_SECONDS = 5.0  # how long dispose() waits for a write in progress (the kept connection)
 WAL_SWITCH_SECONDS = 5.0  # how long a new connection may wait to switch a new file to WAL
 
 

@@ -66,7 +66,7 @@ class _Compiled:
     """A statement compiled for one dialect: its SQL text, how to build the driver's
     parameters from a dict, and how to make rows from the cursor's tuples."""
 
-    __slots__ = ("sql", "names", "binds", "fixed", "positional", "row", "results")
+    __slots__ = ("sql", "names", "binds", "fixed", "positional", "row", "results", "getter", "single", "procs")
 
     def __init__(self, stmt: ClauseElement, dialect: Dialect, keys: Sequence[str]) -> None:
         c = stmt.compile(dialect=dialect, column_keys=list(keys))
@@ -95,6 +95,12 @@ class _Compiled:
         self.names: list[tuple[str, str]] = [(n, escaped.get(n, n)) for n in names]
         self.binds: list[tuple[str, str, Callable[[Any], Any] | None]] = [
             (n, e, procs.get(n)) for n, e in self.names]
+        # positional (SQLite): the values in order by one C call, then the few with a bind
+        # processor (a time, a boolean) replaced (~3 us less per statement than a generator)
+        self.getter: Callable[[Mapping[str, Any]], Any] | None = itemgetter(*names) if names else None
+        self.single = len(names) == 1
+        self.procs: list[tuple[int, str, Callable[[Any], Any]]] = [
+            (i, n, p) for i, (n, _, p) in enumerate(self.binds) if p is not None]
         cols = c._result_columns  # noqa: SLF001 - (key, name, objects, type) per result column
         self.row: type[RawRow] | None = _row_class([col[0] for col in cols]) if cols else None
         self.results: list[tuple[int, Callable[[Any], Any]]] = []
@@ -107,7 +113,17 @@ class _Compiled:
         values = {**self.fixed, **params} if self.fixed else params
         try:
             if self.positional:
-                return tuple(values[n] if p is None else p(values[n]) for n, _, p in self.binds)
+                if self.getter is None:
+                    return ()
+                got = self.getter(values)
+                if self.single:
+                    got = (got,)
+                if not self.procs:
+                    return tuple(got)
+                out = list(got)
+                for i, n, p in self.procs:
+                    out[i] = p(values[n])
+                return tuple(out)
             return {e: (values[n] if p is None else p(values[n])) for n, e, p in self.binds}
         except KeyError as err:
             raise exc.ArgumentError(f"no value for bind parameter {err.args[0]!r} of {self.sql!r}") from None

@@ -23,7 +23,7 @@ from memfuse import content as content_rules
 from memfuse.defs import mtime_effective_ns
 from memfuse.defs import DEFAULT_MODE, Operation
 from memfuse.models import Record, Version
-from memfuse.server.base import AnyRow, ServiceError, _R, _S, _V, parse_if_match
+from memfuse.server.base import LIVE_PATHS_ORDER, AnyRow, ServiceError, _R, _S, _V, parse_if_match
 from memfuse.server import keys, staleness, tails, wakeups
 from memfuse.server.rawsql import Raw, RawIn
 from memfuse.server.db import DEFAULT_ACCOUNT, AccountRow, UTCDateTime
@@ -234,7 +234,7 @@ _SELECT_LIVE_ID_AT = select(_R.c.id).where(
 #: (path, id) of the live records at any of ``paths`` (a new record's path and its ancestors)
 _SELECT_LIVE_AT_PATHS = select(_R.c.path, _R.c.id).where(
     _R.c.store == bindparam("store"), _R.c.deleted == false(),
-    _R.c.path.in_(bindparam("paths", expanding=True)))
+    _R.c.path.in_(bindparam("paths", expanding=True))).order_by(LIVE_PATHS_ORDER)
 
 #: a live record under the directory ``lo`` = ``path + "/"`` (``hi`` = ``path + "0"``: the
 #: byte after ``/``), if one; paths compared in byte order (``_PG``: ``COLLATE "C"``, the
@@ -257,7 +257,7 @@ _RAW_SELECT_RECORD = Raw(_SELECT_RECORD)
 _RAW_SELECT_LIVE_UNDER = {False: Raw(_SELECT_LIVE_UNDER), True: Raw(_SELECT_LIVE_UNDER_PG)}  # by "is PostgreSQL"
 _RAW_SELECT_LIVE_AT_PATHS = RawIn("paths", lambda n: select(_R.c.path, _R.c.id).where(
     _R.c.store == bindparam("store"), _R.c.deleted == false(),
-    _R.c.path.in_([bindparam(f"paths{i}") for i in range(n)])))
+    _R.c.path.in_([bindparam(f"paths{i}") for i in range(n)])).order_by(LIVE_PATHS_ORDER))
 
 
 _SELECT_ACCOUNT_MAX_BYTES = select(AccountRow.__table__.c.max_bytes).where(
@@ -321,7 +321,7 @@ class BatchStore:
         if n <= 0:
             return
         rows = conn.execute(select(_R.c.path, _R.c.id).where(
-            _R.c.store == self.slug, _R.c.deleted == false(), _R.c.path.in_(paths)))
+            _R.c.store == self.slug, _R.c.deleted == false(), _R.c.path.in_(paths)).order_by(LIVE_PATHS_ORDER))
         self.paths = {r.path: r.id for r in rows}
         if conn.dialect.name == "postgresql":
             self.seqs = list(conn.execute(text(

@@ -34,6 +34,7 @@ from memfuse.models import (
     Version,
 )
 from memfuse.server.base import (
+    LIVE_PATHS_ORDER,
     _R,
     _V,
     AnyRow,
@@ -145,7 +146,7 @@ class RecordsService(Resource):
             if hit is None:
                 row = conn.execute(select(_R.c.id, _R.c.path).where(
                     _R.c.store == st.slug, _R.c.deleted == false(), _R.c.path.in_(ancestors),
-                    *not_skipped).limit(1)).first()
+                    *not_skipped).order_by(LIVE_PATHS_ORDER).limit(1)).first()
                 hit = row.path if row is not None else None
             if hit is not None:
                 raise ServiceError(409, "parent_is_file",

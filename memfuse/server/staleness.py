@@ -34,7 +34,7 @@ from sqlalchemy import ColumnElement, and_, false, or_, select
 from sqlalchemy.engine import Connection
 
 from memfuse import content as content_rules
-from memfuse.server.base import _R, _S, IdempotencyRequest, Principal, Reply, ServiceError
+from memfuse.server.base import LIVE_PATHS_ORDER, _R, _S, IdempotencyRequest, Principal, Reply, ServiceError
 from memfuse.server.db import Database
 from memfuse.server import promptline
 
@@ -145,7 +145,7 @@ def stale_targets(conn: Connection, store: str, targets: list[str], now: datetim
         return []
     rows = conn.execute(select(_R.c.path, _R.c.updated_at, _R.c.review_after).where(
         _R.c.store == store, _R.c.deleted == false(), _R.c.path.in_(sorted(set(targets))),
-        stale_condition(now, stale_after_days))).all()
+        stale_condition(now, stale_after_days)).order_by(LIVE_PATHS_ORDER)).all()
     why = {}
     for path, updated, review in rows:
         if review is not None and review <= now:

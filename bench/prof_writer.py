@@ -1,0 +1,122 @@
+"""The writer side of one record create in process: ``Service.create_record`` (with an
+``Idempotency-Key``, as the sidecar sends it) on a SQLite file, called serially from one thread
+as ``memfuse serve``'s writer thread calls it; CPU per create from ``time.thread_time`` (issue 25
+item 2; bench/README.md, "The close path, session 12: serve's writer").
+
+Usage: ``python bench/prof_writer.py [--n 2000] [--rounds 3] [--nosync] [--bus] [--profile FILE]``;
+one JSON line per round: CPU ms per create (this thread: user + system), wall ms, and, with
+``--bus`` (the commit watcher started as ``memfuse serve`` starts it), the memfuse-bus
+thread's CPU per create (``/proc``). ``--nosync``: ``PRAGMA synchronous=OFF`` on
+every connection, so the figure excludes the commit's fsync (the durability promise keeps it in
+``memfuse serve``; here only to read the rest). ``--profile FILE``: cProfile of the last round
+to FILE (pstats).
+
+Instructions per create: run it under ``valgrind --tool=callgrind --dump-before=getpgrp``
+with ``--rounds 1``: the script calls ``os.getpgrp()`` (libc ``getpgrp``, called by nothing
+else here) right before and after the timed round, so the second dump
+(``callgrind.out.PID.2``) holds that round alone (``/tmp/servsql_cg.sh`` in the session's
+notes; bench/README.md, "The close path, session 12: serve's writer").
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from sqlalchemy import event  # noqa: E402
+from sqlalchemy.engine import Engine  # noqa: E402
+
+from bench_write import content  # noqa: E402
+from common import loadavg  # noqa: E402
+
+from memfuse.models import RecordCreate, WorkspaceCreate  # noqa: E402
+from memfuse.server.base import IdempotencyRequest, Principal  # noqa: E402
+from memfuse.server.db import Database  # noqa: E402
+from memfuse.server.service import Service  # noqa: E402
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _bus_cpu() -> float:
+    """CPU seconds of this process's memfuse-bus thread so far (found by its Python name:
+    CPython 3.11 does not name the OS thread)."""
+    import threading
+
+    total = 0.0
+    for t in threading.enumerate():
+        if t.name != "memfuse-bus" or t.native_id is None:
+            continue
+        try:
+            with open(f"/proc/self/task/{t.native_id}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / TICK
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--n", type=int, default=2000)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--nosync", action="store_true")
+    ap.add_argument("--profile", type=Path, default=None)
+    ap.add_argument("--bus", action="store_true", help="run the commit watcher (memfuse-bus) as serve does")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="prof-writer-") as d:
+        if args.nosync:  # every engine's connections, from the first (the schema's)
+            @event.listens_for(Engine, "connect")
+            def _nosync(dbapi_conn, _rec):  # noqa: ANN001
+                dbapi_conn.execute("PRAGMA synchronous=OFF")
+        db = Database(f"sqlite:///{d}/cp.db")
+        svc = Service(db)
+        if args.bus:
+            svc.records.bus.start()
+        admin = Principal(workspace=None, name="bench")
+        svc.create_workspace(admin, WorkspaceCreate(name="ws"))
+        p = Principal(workspace="ws", instance="bench")
+        url = "/v1/stores/ws/records"
+
+        def request(path: str, i: int) -> tuple[RecordCreate, IdempotencyRequest]:
+            """What the event loop hands the writer: the parsed body and the request's identity."""
+            idem = IdempotencyRequest(str(uuid.uuid4()), "POST", url, uuid.uuid4().hex * 2, uuid.uuid4().hex * 2)
+            return RecordCreate(path=path, content=content(i).decode()), idem
+
+        def one(req: tuple[RecordCreate, IdempotencyRequest]) -> None:
+            r = svc.create_record(p, "ws", *req)
+            assert r.status == 201, r.body
+
+        for i in range(50):
+            one(request(f"warm/{i}.md", i))
+        for rnd in range(args.rounds):
+            prof = None
+            if args.profile is not None and rnd == args.rounds - 1:
+                import cProfile
+                prof = cProfile.Profile()
+                prof.enable()
+            reqs = [request(f"r{rnd}/d{i % 10}/{i}.md", i) for i in range(args.n)]
+            os.getpgrp()  # the round's start for callgrind (--dump-before=getpgrp; see --help)
+            bus0, c0, t0 = _bus_cpu(), time.thread_time(), time.perf_counter()
+            for req in reqs:
+                one(req)
+            c1, t1, bus1 = time.thread_time(), time.perf_counter(), _bus_cpu()
+            os.getpgrp()  # the round's end
+            if prof is not None:
+                prof.disable()
+                prof.dump_stats(str(args.profile))
+            print(json.dumps({"round": rnd, "cpu_ms": round((c1 - c0) / args.n * 1000, 4),
+                              "wall_ms": round((t1 - t0) / args.n * 1000, 4),
+                              "bus_ms": round((bus1 - bus0) / args.n * 1000, 4),
+                              "nosync": args.nosync, "load": loadavg()}), flush=True)
+        db.dispose()
+
+
+if __name__ == "__main__":
+    main()
