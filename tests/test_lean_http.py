@@ -94,6 +94,30 @@ async def _against_serve(url: str, token: str) -> None:
 
 # ---------------------------------------------------------------- misbehaving servers
 
+@pytest.mark.timeout(120)
+def test_a_body_over_the_servers_bound_is_its_413_not_a_write_error(cp):
+    """A record write whose body is over the front door's bound (its declared length): the
+    server answers 413 ``too_large`` and closes without reading the body, so the send
+    breaks. The lean path reads that answer (as httpx does): a permanent refusal, never a
+    ``write_error`` the sidecar would retry for ever as an outage (attack 12, A2). The
+    connection that broke is not reused; the next small write goes through."""
+    token = cp.setup_workspace("ws").read_text().strip()
+    cp.call("update_store", "default", max_record_bytes=32 << 20)  # the front door's 413
+    trio.run(_over_the_bound, cp.url, token)
+
+
+async def _over_the_bound(url: str, token: str) -> None:
+    lean, plain = _both(url, token, bounded=True)
+    big = "x" * (30 << 20)  # over the 16 MiB body bound
+    async with lean, plain:
+        for _ in range(3):
+            a = await _outcome(lambda: lean.create_record("default", "big.md", big))
+            b = await _outcome(lambda: plain.create_record("default", "big.md", big))
+            assert a == b == ("PermanentError", 413, "too_large", None), (a, b)
+        rec = await lean.create_record("default", "small.md", "small\n")
+        assert rec.path == "small.md"
+
+
 _OK = (b"HTTP/1.1 201 Created\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n")
 
 

@@ -49,6 +49,7 @@ from . import deadline
 MAX_IDLE = 8
 #: bytes read per ``receive_some``
 READ_SIZE = 65536
+EARLY_ANSWER_WAIT = 2.0  # s: the most a broken send waits for the answer sent before it broke
 _PROXY_VARS = ("http_proxy", "https_proxy", "all_proxy")
 #: request headers whose value changes from one request to the next: validated by h11 on
 #: every request; the others (``Host``, the client's defaults, the token, the content type)
@@ -218,7 +219,14 @@ class LeanHTTP:
             try:
                 await c.stream.send_all(data)
             except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError) as exc:
-                raise httpx.WriteError(str(exc) or type(exc).__name__) from None
+                failed = httpx.WriteError(str(exc) or type(exc).__name__)
+                # the server may have answered before it read the whole body (a 413 from the
+                # declared length, a 401) and closed: its answer is the verdict, not the
+                # broken send (RFC 9112 section 9.5; httpcore reads it the same way)
+                early = await self._early_answer(c, scope, method, target, hdrs, length, body)
+                if early is None:
+                    raise failed from None
+                return early
             resp, reuse = await self._receive(c, scope, method, target, hdrs, length, body)
             ok = True
         finally:
@@ -229,6 +237,21 @@ class LeanHTTP:
         else:
             await c.aclose()
         return resp
+
+    async def _early_answer(self, c: _Conn, scope: trio.CancelScope, method: str, target: str,
+                            hdrs: _H11Headers, length: int | None, body: bytes) -> "Answer | None":
+        """The answer the server sent before the request's send broke (it answered without
+        reading the whole body and closed the connection), or None when none can be read
+        (the connection gives EOF or an error first). Bounded by ``scope`` and by
+        ``EARLY_ANSWER_WAIT`` s: a peer that closed has sent its answer already. The
+        connection is closed by the caller (never reused)."""
+        with trio.move_on_after(EARLY_ANSWER_WAIT):
+            try:
+                resp, _ = await self._receive(c, scope, method, target, hdrs, length, body)
+            except httpx.TransportError:
+                return None
+            return resp if resp.status >= 400 else None
+        return None
 
     async def _read(self, c: _Conn, scope: trio.CancelScope) -> bytes:
         """The next bytes of the answer (b"" at EOF). Each read is bounded by ``timeout`` s
