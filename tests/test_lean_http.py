@@ -95,15 +95,19 @@ async def _against_serve(url: str, token: str) -> None:
 # ---------------------------------------------------------------- misbehaving servers
 
 @pytest.mark.timeout(120)
-def test_a_body_over_the_servers_bound_is_its_413_not_a_write_error(cp):
-    """A record write whose body is over the front door's bound (its declared length): the
-    server answers 413 ``too_large`` and closes without reading the body, so the send
-    breaks. The lean path reads that answer (as httpx does): a permanent refusal, never a
-    ``write_error`` the sidecar would retry for ever as an outage (attack 12, A2). The
-    connection that broke is not reused; the next small write goes through."""
-    token = cp.setup_workspace("ws").read_text().strip()
-    cp.call("update_store", "default", max_record_bytes=32 << 20)  # the front door's 413
-    trio.run(_over_the_bound, cp.url, token)
+def test_a_body_over_the_servers_bound_is_its_413_not_a_write_error(tmp_path):
+    """A record write whose body is over the front door's bound (its declared length; here
+    ``--max-body 3MiB``): the server answers 413 ``too_large`` and closes without reading
+    the body, so the send of its 30 MiB breaks. The lean path reads that answer (as httpx
+    does): a permanent refusal, never a ``write_error`` the sidecar would retry for ever as
+    an outage (attack 12, A2). The connection that broke is not reused; the next small
+    write goes through."""
+    cp = ControlPlane(tmp_path, extra_args=("--max-body", "3MiB")).start()
+    try:
+        token = cp.setup_workspace("ws").read_text().strip()
+        trio.run(_over_the_bound, cp.url, token)
+    finally:
+        cp.stop()
 
 
 async def _over_the_bound(url: str, token: str) -> None:
