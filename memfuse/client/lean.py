@@ -95,6 +95,10 @@ class _Conn:
                 pass
 
 
+class _StaleConnection(Exception):
+    """The send of a request on a pooled connection broke and no answer came (``_exchange``)."""
+
+
 class LeanHTTP:
     """Pooled HTTP/1.1 requests to one origin (``base_url``: ``http://`` or ``https://``
     host, port and an optional path prefix). ``ssl_context`` is used for ``https``;
@@ -145,13 +149,14 @@ class LeanHTTP:
         self.connections_opened += 1
         return _Conn(stream, tcp.socket)
 
-    async def _take(self) -> _Conn:
+    async def _take(self) -> tuple[_Conn, bool]:
+        """A connection for the next request and whether it was idle in the pool (reused)."""
         while self._idle:
             c = self._idle.pop()
             if c.reusable():
-                return c
+                return c, True
             await c.aclose()
-        return await self._connect()
+        return await self._connect(), False
 
     def _headers(self, headers: list[tuple[str, str]], length: int | None) -> _H11Headers:
         """``Host``, ``headers`` and ``Content-Length: length`` (None: none) as h11's
@@ -197,15 +202,25 @@ class LeanHTTP:
         length = len(body) if content is not None or method in ("POST", "PUT", "PATCH") else None
         resp: Answer | None = None
         with trio.CancelScope(deadline=trio.current_time() + self.timeout) as scope:
-            resp = await self._exchange(scope, method, path, headers, length, body)
+            try:
+                resp = await self._exchange(scope, method, path, headers, length, body)
+            except _StaleConnection:  # sent again, once, on a new connection (within the deadline)
+                resp = await self._exchange(scope, method, path, headers, length, body, fresh=True)
         if resp is None:  # the scope's deadline passed (a drip, or a server that stalls)
             raise httpx.ReadTimeout(deadline.message(self.timeout))
         return resp
 
     async def _exchange(self, scope: trio.CancelScope, method: str, path: str,
                         headers: list[tuple[str, str]], length: int | None,
-                        body: bytes) -> "Answer":
-        c = await self._take()
+                        body: bytes, fresh: bool = False) -> "Answer":
+        """One request on a pooled connection (``fresh``: a new one). Raises
+        ``_StaleConnection`` when the send on a pooled connection broke with no answer (the
+        server closed it as idle while the request went out: the request never arrived
+        whole, so ``exchange`` sends it once more on a new connection), else as ``send``."""
+        if fresh:
+            c, reused = await self._connect(), False
+        else:
+            c, reused = await self._take()
         ok = reuse = False
         try:
             target = self.prefix + path
@@ -225,7 +240,7 @@ class LeanHTTP:
                 # broken send (RFC 9112 section 9.5; httpcore reads it the same way)
                 early = await self._early_answer(c, scope, method, target, hdrs, length, body)
                 if early is None:
-                    raise failed from None
+                    raise (_StaleConnection() if reused else failed) from None
                 return early
             resp, reuse = await self._receive(c, scope, method, target, hdrs, length, body)
             ok = True
