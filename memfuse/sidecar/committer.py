@@ -6,7 +6,9 @@ worker per store (docs/ARCHITECTURE.md, "The path of a write").
   ``errno`` 0) or refused for good (``errno`` from ``errors.errno_for``). Transient failures
   (connection errors, timeouts, 5xx, 429) are retried until they commit; so is a 401 (the
   token was revoked, expired or rotated: an authentication outage, not a verdict on the
-  write); permanent refusals (403 included) finish the entry with an errno. A ``put`` that
+  write); permanent refusals (403 included) finish the entry with an errno. A send that
+  breaks for one entry while the control plane answers other requests is not an outage:
+  after ``SEND_FAILURES_MAX`` of them the entry is refused (``_broken_send``). A ``put`` that
   meets a concurrent change is resolved by the conflict protocol (``conflict.ConflictResolver``);
   the node keys of entries are resolved through the record identity (``identity.RecordIds``).
 - ``Backoff`` — the one retry policy of every retry path here: exponential with full
