@@ -139,8 +139,8 @@ class Committer:
         #: commit (``--commit-wait`` well above ``Journal.HOLD``), so a write acknowledged
         #: within ``Journal.HOLD`` costs no journal transaction (docs/SEMANTICS.md)
         self.hold_journal = False
-        #: entry id -> (its sends that broke in a row, ``time.monotonic()`` of the first):
-        #: ``_broken_send``; an entry leaves it when its attempt is answered or refused
+        #: entry id -> (its sends that broke, ``time.monotonic()`` of the first of them):
+        #: ``_broken_send``; an entry leaves it when it finishes (``_finished``)
         self._broken_sends: dict[int, tuple[int, float]] = {}
         #: the method that sends an entry of each op (``_apply``), built once
         self._appliers: dict[str, Callable[[Entry, Any, dict[str, Any]], Awaitable[None]]] = {
