@@ -21,6 +21,14 @@ __all__ = [
     "INSTRUCTIONS_MAX_CHARS",
     "BATCH_MAX_OPERATIONS",
     "BATCH_MAX_BYTES",
+    "MAX_RECORD_BYTES",
+    "DEFAULT_MAX_RECORD_BYTES",
+    "RECORD_BODY_MIN",
+    "RECORD_BODY_ENVELOPE",
+    "RECORD_BODY_GROWTH",
+    "RECORD_BODY_MAX",
+    "record_body_bound",
+    "largest_record",
     "RECORDS_PAGE_DEFAULT",
     "RECORDS_PAGE_MAX",
     "SEARCH_QUERY_MAX",
@@ -61,7 +69,40 @@ MAX_TOKEN_TTL_SECONDS = 10 * 366 * 86400  # ten years
 # Anthropic's memory-store resources (docs/ANTHROPIC-API.md)
 INSTRUCTIONS_MAX_CHARS = 4096
 BATCH_MAX_OPERATIONS = 100  # operations in one POST /v1/stores/{store}/batch
-BATCH_MAX_BYTES = 16 * 1024 * 1024  # bytes of one batch request body
+# A record must fit in one request: the largest record a store may allow and the front door's
+# body bound are one rule (``record_body_bound`` / ``largest_record``; docs/API.md, "Limits").
+MAX_RECORD_BYTES = 8 * 1024 * 1024  # the largest max_record_bytes with the default body bound
+DEFAULT_MAX_RECORD_BYTES = 1 << 20  # a new store's max_record_bytes
+RECORD_BODY_ENVELOPE = 64 * 1024  # bytes of a write's JSON body besides its content (path, type, syntax)
+# the most one byte of text grows in a JSON body: a newline, tab, quote or backslash is escaped
+# as two bytes (another control character, ``\u00XX``, as six: content made of them may not fit,
+# and is refused 413 ``too_large`` from its declared length, EFBIG at the mount)
+RECORD_BODY_GROWTH = 2
+BATCH_MAX_OPERATIONS = 100  # operations in one POST /v1/stores/{store}/batch
+
+
+def record_body_bound(max_record_bytes: int) -> int:
+    """The body bound (bytes) a control plane needs so that a write of any text record of up
+    to ``max_record_bytes`` bytes (UTF-8) fits in one request: each content byte escaped
+    at most ``RECORD_BODY_GROWTH``-fold, plus ``RECORD_BODY_ENVELOPE``. The inverse of
+    ``largest_record``."""
+    return RECORD_BODY_GROWTH * max_record_bytes + RECORD_BODY_ENVELOPE
+
+
+def largest_record(max_body: int) -> int:
+    """The largest ``max_record_bytes`` (bytes) a store may have on a control plane whose
+    record writes take bodies of at most ``max_body`` bytes (``memfuse serve --max-body``):
+    the largest ``n`` with ``record_body_bound(n) <= max_body`` (0 when none fits). A larger
+    setting is refused 422 ``invalid_limit`` (``Service.create_store`` / ``update_store``)."""
+    return max(0, (max_body - RECORD_BODY_ENVELOPE) // RECORD_BODY_GROWTH)
+
+
+# the default body bound of record writes, batches, the memory tool and console forms
+# (``memfuse serve --max-body``): a record of ``MAX_RECORD_BYTES`` fits (16 MiB + 64 KiB)
+RECORD_BODY_MAX = record_body_bound(MAX_RECORD_BYTES)
+BATCH_MAX_BYTES = RECORD_BODY_MAX  # bytes of one batch request body: holds any one record
+# the smallest body bound a control plane may have: a store with the default limit fits (2 MiB + 64 KiB)
+RECORD_BODY_MIN = record_body_bound(DEFAULT_MAX_RECORD_BYTES)
 # query bounds of GET /v1/stores/{store}/records and .../search: the app's Query(...) and the
 # CLI's local fast path (memfuse.server.local) must agree on them
 RECORDS_PAGE_DEFAULT, RECORDS_PAGE_MAX = 500, 1000  # records per snapshot page (``limit``)

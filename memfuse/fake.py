@@ -64,6 +64,9 @@ class Faults:
       server: ``not_found``, ``method_not_allowed``), ``5xx`` / ``429`` as transient failures, others as
       ``injected`` refusals. E.g. ``[("GET", r"/changes$", 410), ("GET", r"/records$", 503)]``.
       An open stream whose request matches gets it as its error line instead of its next line.
+    - ``broken_send_over``: a request whose body is larger than this many bytes (0: none)
+      raises ``httpx.WriteError`` without reaching the app and without an answer (a proxy
+      that resets an upload past its own bound);
     - ``cut_streams``: the next N stream lines (``stream=true``) that carry changes or events
       break their stream right after the line (``httpx.ReadError``, as a connection reset).
     """
@@ -76,6 +79,7 @@ class Faults:
     precondition_race: int = 0
     inject: list[tuple[str, str, int]] = field(default_factory=list)
     cut_streams: int = 0
+    broken_send_over: int = 0
 
     def reset(self) -> None:
         """Back to no faults."""
@@ -115,6 +119,8 @@ class FaultTransport(httpx.AsyncBaseTransport):
         if faults.outage:
             counters.outage_refused += 1
             raise httpx.ConnectError("fake control plane: outage", request=request)
+        if faults.broken_send_over and len(request.content) > faults.broken_send_over:
+            raise httpx.WriteError("fake control plane: connection reset while sending", request=request)
         if faults.latency > 0:
             counters.delayed += 1
             await anyio.sleep(faults.latency)

@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from .defs import (  # noqa: F401  (re-exported)
     BATCH_MAX_BYTES as BATCH_MAX_BYTES,
     BATCH_MAX_OPERATIONS as BATCH_MAX_OPERATIONS,
+    DEFAULT_MAX_RECORD_BYTES as DEFAULT_MAX_RECORD_BYTES,
     INT64_MAX as INT64_MAX,
     DEFAULT_MODE as DEFAULT_MODE,
     INSTRUCTIONS_MAX_CHARS as INSTRUCTIONS_MAX_CHARS,
@@ -129,7 +130,7 @@ class StoreCreate(BaseModel):
     slug: str = Field(pattern=SLUG_PATTERN)
     description: str = ""
     default_type: Literal["user", "feedback", "project", "reference"] = "project"
-    max_record_bytes: int = Field(default=1 << 20, gt=0, le=INT64_MAX)
+    max_record_bytes: int = Field(default=DEFAULT_MAX_RECORD_BYTES, gt=0, le=INT64_MAX)
     max_store_bytes: int = Field(default=64 << 20, gt=0, le=INT64_MAX)
     max_records: int = Field(default=10_000, gt=0, le=INT64_MAX)
     max_history_bytes: int | None = Field(default=None, gt=0, le=INT64_MAX)

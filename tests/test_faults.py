@@ -670,3 +670,47 @@ async def test_a_withdrawn_write_is_never_sent_and_one_that_may_have_landed_is_n
         assert got == [(f"f{i}.md", f"v{i}\n") for i in range(3)]
         assert all(r.version == 1 for r in recs) and not es[1].withdrawn and es[1].errno == 0
     j.close()
+
+
+async def test_a_request_that_never_gets_sent_while_others_are_answered_is_refused_not_an_outage(tmp_path):
+    """Attack 12, A2: one write whose request breaks in the send every time (here: a proxy
+    that resets any upload past 20 kB, without an answer) while the control plane answers
+    everything else. It is not an outage: after ``SEND_FAILURES_MAX`` broken sends it is
+    refused for good (EIO ``send_failed``: ``state=rejected``, the content kept in the file,
+    an errors.log line), the store's later writes commit, and ``status.json`` says the
+    control plane is reachable. Before: retried for ever, every later write of the store
+    pending behind it, the mount reporting the control plane unreachable."""
+    from memfuse.sidecar.committer import SEND_FAILURES_MAX
+
+    fake = FakeControlPlane(seed=12)
+    token = await fake.setup("ws")
+    sc = await make_sidecar(tmp_path, fake, token, commit_wait=2)
+    big = b"big line\n" * 4000
+    async with trio.open_nursery() as nursery:
+        await start(sc, nursery)
+        fake.faults.broken_send_over = 20_000
+        stop = trio.Event()
+
+        async def other_requests() -> None:  # the control plane answers everything else
+            while not stop.is_set():
+                await sc.client.get_store("default")
+                await trio.sleep(0.05)
+
+        nursery.start_soon(other_requests)
+        await write(sc, "big.md", big)  # close: accepted (the first broken send looked like an outage)
+        await write(sc, "small.md", b"small\n", wait=False)
+        await wait_until(lambda: sc.committer.depth() == 0, timeout=60)
+        sm = sc.fs.stores["default"]
+        node = sc.fs.lookup(sm.root.ino, b"big.md")
+        assert node.state == "rejected"
+        assert sc.fs._content(node) == big  # what the close accepted is kept
+        (line,) = [e for e in sc.fs.errors if e.get("path", "").endswith("big.md")]
+        assert line["errno"] == "EIO" and line.get("code") == "send_failed", line
+        assert sc.fs.lookup(sm.root.ino, b"small.md").state == "clean"
+        assert await remote(fake) == {"small.md": b"small\n"}
+        assert sc.status()["control_plane"] == {"reachable": True}
+        assert sc.committer.refused == 1 and sc.committer.retries >= SEND_FAILURES_MAX - 1
+        stop.set()
+        nursery.cancel_scope.cancel()
+    sc.journal.close()
+    await sc.client.aclose()

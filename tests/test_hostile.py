@@ -451,6 +451,40 @@ async def test_clients_that_leave_as_they_are_refused_never_break_a_connection_o
     assert all(st in (0, -1, 400, 401, 413) for v in answers.values() for st in v), answers
 
 
+async def test_a_client_that_sends_its_whole_body_before_reading_still_reads_the_413(server):
+    """A token's record write past the body bound, sent as an ordinary client sends it: the
+    whole body first (one ``send_all`` of 40 MiB), the answer read after (attack 12 A2: the
+    sidecar's lean path). The server answers 413 ``too_large`` from the declared length and
+    closes without reading the body, so the send breaks (reset or broken pipe); the answer
+    sent before the close is still there to read: 413 problem+json, ``Connection: close``,
+    then EOF. Twenty in a row; the server and the watched clients go on."""
+    s = server
+    size = 40 * MIB
+    head = (f"POST /v1/stores/default/records HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {s.good}\r\nContent-Length: {size}\r\n\r\n").encode()
+    body = b'{"path": "big.md", "content": "' + b"x" * (size - 33) + b'"}'
+    assert len(body) == size
+    broken = 0
+    with trio.fail_after(120):
+        async with watched(s, "whole bodies sent before the answer is read"):
+            for _ in range(20):
+                stream = await connect(s)
+                try:
+                    try:
+                        await stream.send_all(head + body)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        broken += 1  # the server closed while the body went out: expected
+                    raw = await read_all(stream, 10)
+                finally:
+                    await stream.aclose()
+                assert status_of(raw) == 413, raw[:300]
+                head_part, _, answer = raw.partition(b"\r\n\r\n")
+                assert b"connection: close" in head_part.lower()
+                assert json.loads(answer)["code"] == "too_large"
+    assert broken > 0, "the server read the whole body of some request (or never closed)"
+    assert s.proc.poll() is None
+
+
 async def test_keep_alive_timer_closes_idle_connections_never_busy_ones(server):
     """The keep-alive idle timer (``memfuse.server.serve._IdleTimer``, one task per connection
     whose deadline moves): a connection idle after an answer is closed ``header_timeout`` s

@@ -179,3 +179,35 @@ async def test_openapi_states_every_integer_bound(env):
         walk_model(name, seen)
     assert {"Restore", "StoreCreate", "StoreUpdate", "RecordCreate"} <= seen
     assert not missing, missing
+
+
+async def test_a_store_never_allows_records_larger_than_one_request_carries(env):
+    """``max_record_bytes`` past what the front door takes in one request (its body bound:
+    a record's JSON body may be twice its size, ``memfuse.defs.largest_record``) is 422
+    ``invalid_limit`` at create and update, with nothing changed; the largest allowed is
+    taken, and a record of that size made of escaped characters (every byte a newline or a
+    quote, the body twice the record) is written through the front door. Attack 12 A2: 64 MiB
+    was accepted, and every record past 16 MiB then met 413 before the server read it."""
+    from memfuse.defs import MAX_RECORD_BYTES, RECORD_BODY_MAX, largest_record, record_body_bound
+
+    app, c, rid = env
+    assert largest_record(RECORD_BODY_MAX) == MAX_RECORD_BYTES == 8 << 20
+    assert record_body_bound(MAX_RECORD_BYTES) == RECORD_BODY_MAX == app.front.max_body
+    for too_big in (MAX_RECORD_BYTES + 1, 64 << 20):
+        for r in (await c.post("/v1/stores", json={"slug": "big", "max_record_bytes": too_big}),
+                  await c.patch("/v1/stores/ws", json={"max_record_bytes": too_big})):
+            assert r.status_code == 422 and r.json()["code"] == "invalid_limit", r.text
+            assert str(MAX_RECORD_BYTES) in r.json()["detail"]
+    assert (await c.get("/v1/stores/big")).status_code == 404
+    assert (await c.get("/v1/stores/ws")).json()["max_record_bytes"] == 1 << 20
+    r = await c.patch("/v1/stores/ws", json={"max_record_bytes": MAX_RECORD_BYTES, "max_store_bytes": 64 << 20})
+    assert r.status_code == 200 and r.json()["max_record_bytes"] == MAX_RECORD_BYTES, r.text
+    r = await c.post("/v1/stores", json={"slug": "big", "max_record_bytes": MAX_RECORD_BYTES})
+    assert r.status_code == 201, r.text
+    content = '"\n' * (MAX_RECORD_BYTES // 2)
+    body = json.dumps({"path": "big.md", "content": content, "type": "user"}).encode()
+    assert len(body) > 2 * MAX_RECORD_BYTES - 100
+    r = await c.post("/v1/stores/ws/records", content=body,
+                     headers={"Authorization": f"Bearer {WS}", "Content-Type": "application/json"})
+    assert r.status_code == 201, r.text[:300]
+    assert r.json()["size"] == MAX_RECORD_BYTES

@@ -94,6 +94,34 @@ async def _against_serve(url: str, token: str) -> None:
 
 # ---------------------------------------------------------------- misbehaving servers
 
+@pytest.mark.timeout(120)
+def test_a_body_over_the_servers_bound_is_its_413_not_a_write_error(tmp_path):
+    """A record write whose body is over the front door's bound (its declared length; here
+    ``--max-body 3MiB``): the server answers 413 ``too_large`` and closes without reading
+    the body, so the send of its 30 MiB breaks. The lean path reads that answer (as httpx
+    does): a permanent refusal, never a ``write_error`` the sidecar would retry for ever as
+    an outage (attack 12, A2). The connection that broke is not reused; the next small
+    write goes through."""
+    cp = ControlPlane(tmp_path, extra_args=("--max-body", "3MiB")).start()
+    try:
+        token = cp.setup_workspace("ws").read_text().strip()
+        trio.run(_over_the_bound, cp.url, token)
+    finally:
+        cp.stop()
+
+
+async def _over_the_bound(url: str, token: str) -> None:
+    lean, plain = _both(url, token, bounded=True)
+    big = "x" * (30 << 20)  # over the 16 MiB body bound
+    async with lean, plain:
+        for _ in range(3):
+            a = await _outcome(lambda: lean.create_record("default", "big.md", big))
+            b = await _outcome(lambda: plain.create_record("default", "big.md", big))
+            assert a == b == ("PermanentError", 413, "too_large", None), (a, b)
+        rec = await lean.create_record("default", "small.md", "small\n")
+        assert rec.path == "small.md"
+
+
 _OK = (b"HTTP/1.1 201 Created\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n")
 
 
@@ -193,6 +221,55 @@ async def test_connection_closed_by_the_server_after_an_answer_is_not_reused():
                 assert rec.path == "a.md"
                 await trio.sleep(0.05)  # the server's FIN arrives
             assert c._lean.connections_opened == 3
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.timeout(60)
+async def test_a_pooled_connection_closed_while_a_request_goes_out_is_sent_again_once():
+    """A server that closes an idle connection as the next request goes out over it (its
+    keep-alive expired: it reads the head, answers nothing, closes with the body unread) breaks
+    that request's send with no answer: the request never arrived whole, so it is sent once
+    more on a new connection instead of failing as ``write_error`` (which the sidecar counted
+    as an outage). A send that breaks on a new connection with no answer still fails."""
+    seen = {"requests": 0}
+
+    async def handler(stream: trio.SocketStream) -> None:
+        try:
+            first = True
+            while True:
+                buf = b""
+                while b"\r\n\r\n" not in buf:
+                    got = await stream.receive_some(65536)
+                    if not got:
+                        return
+                    buf += got
+                seen["requests"] += 1
+                if not first:  # a reused connection: closed at once, nothing answered
+                    return
+                first = False
+                head, _, rest = buf.partition(b"\r\n\r\n")
+                n = int(next(v for k, _, v in (ln.partition(b":") for ln in head.split(b"\r\n")[1:])
+                             if k.strip().lower() == b"content-length"))
+                while len(rest) < n:
+                    rest += await stream.receive_some(65536)
+                body = _record_body("a.md")
+                await stream.send_all(_OK % len(body) + body)
+        except trio.BrokenResourceError:
+            pass
+        finally:
+            await stream.aclose()
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(trio.serve_tcp, handler, 0)
+        port = listeners[0].socket.getsockname()[1]
+        async with ApiClient(f"http://127.0.0.1:{port}", "t", lean=True, timeout=10) as c:
+            assert c._lean is not None
+            big = "x" * (8 << 20)  # more than the kernel's buffers hold: the send breaks
+            for _ in range(3):
+                rec = await c.create_record("default", "a.md", big)
+                assert rec.path == "a.md"
+            # the first on a new connection, then each sent twice: its pooled connection closed
+            assert seen["requests"] == 5 and c._lean.connections_opened == 3
         nursery.cancel_scope.cancel()
 
 

@@ -32,6 +32,7 @@ from memfuse.cli.common import (
     opt,
 )
 from memfuse.client import ApiClient
+from memfuse.defs import RECORD_BODY_MAX, RECORD_BODY_MIN
 from memfuse.tokenfile import TokenFile, TokenFileError
 
 
@@ -89,9 +90,11 @@ def _admin_token(admin_token_file: Path | None) -> tuple[str, Path, bool]:
      "is answered 429 too_many_streams with Retry-After.")
 @opt("--max-streams-per-token", type=click.IntRange(min=1), default=64, show_default=True,
      help="Long-lived responses at once per token (429 too_many_long_polls beyond).")
-@opt("--max-body", type=BYTES, default="16MiB", show_default=True, metavar="SIZE",
+@opt("--max-body", type=BYTES, default=str(RECORD_BODY_MAX), show_default="16MiB+64KiB", metavar="SIZE",
      help="Largest body of a record write, batch, memory-tool call or console form (413 "
-     "beyond; /mcp takes 4 MiB, other endpoints 1 MiB).")
+     "beyond; /mcp takes 4 MiB, other endpoints 1 MiB). It bounds a store's max_record_bytes: "
+     "at most (SIZE - 64 KiB) / 2, as a record's JSON body may be twice its size (8 MiB by default); "
+     "at least 2MiB+64KiB.")
 @opt("--header-timeout", type=click.FloatRange(min=0.1), default=5.0, show_default=True, metavar="SECONDS",
      help="Time for a request's headers to arrive (also how long an idle keep-alive connection "
      "stays open).")
@@ -162,6 +165,9 @@ def serve(db: str | None, listen: str, admin_token_file: Path | None, migrate: b
         if db:
             raise click.UsageError("give the database as --db or as --db-file, not both")
         db = _read_db_file(db_file)
+    if max_body < RECORD_BODY_MIN:  # every store's default max_record_bytes fits (defs.largest_record)
+        raise click.BadParameter(f"must be at least {RECORD_BODY_MIN} bytes (2MiB+64KiB): a record of a "
+                                 "store's default 1 MiB must fit in one request", param_hint="--max-body")
     from memfuse.server.proxies import parse_trusted
 
     try:

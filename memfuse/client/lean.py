@@ -49,6 +49,7 @@ from . import deadline
 MAX_IDLE = 8
 #: bytes read per ``receive_some``
 READ_SIZE = 65536
+EARLY_ANSWER_WAIT = 2.0  # s: the most a broken send waits for the answer sent before it broke
 _PROXY_VARS = ("http_proxy", "https_proxy", "all_proxy")
 #: request headers whose value changes from one request to the next: validated by h11 on
 #: every request; the others (``Host``, the client's defaults, the token, the content type)
@@ -92,6 +93,10 @@ class _Conn:
                 await trio.aclose_forcefully(self.stream)
             except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
+
+
+class _StaleConnection(Exception):
+    """The send of a request on a pooled connection broke and no answer came (``_exchange``)."""
 
 
 class LeanHTTP:
@@ -144,13 +149,14 @@ class LeanHTTP:
         self.connections_opened += 1
         return _Conn(stream, tcp.socket)
 
-    async def _take(self) -> _Conn:
+    async def _take(self) -> tuple[_Conn, bool]:
+        """A connection for the next request and whether it was idle in the pool (reused)."""
         while self._idle:
             c = self._idle.pop()
             if c.reusable():
-                return c
+                return c, True
             await c.aclose()
-        return await self._connect()
+        return await self._connect(), False
 
     def _headers(self, headers: list[tuple[str, str]], length: int | None) -> _H11Headers:
         """``Host``, ``headers`` and ``Content-Length: length`` (None: none) as h11's
@@ -196,15 +202,25 @@ class LeanHTTP:
         length = len(body) if content is not None or method in ("POST", "PUT", "PATCH") else None
         resp: Answer | None = None
         with trio.CancelScope(deadline=trio.current_time() + self.timeout) as scope:
-            resp = await self._exchange(scope, method, path, headers, length, body)
+            try:
+                resp = await self._exchange(scope, method, path, headers, length, body)
+            except _StaleConnection:  # sent again, once, on a new connection (within the deadline)
+                resp = await self._exchange(scope, method, path, headers, length, body, fresh=True)
         if resp is None:  # the scope's deadline passed (a drip, or a server that stalls)
             raise httpx.ReadTimeout(deadline.message(self.timeout))
         return resp
 
     async def _exchange(self, scope: trio.CancelScope, method: str, path: str,
                         headers: list[tuple[str, str]], length: int | None,
-                        body: bytes) -> "Answer":
-        c = await self._take()
+                        body: bytes, fresh: bool = False) -> "Answer":
+        """One request on a pooled connection (``fresh``: a new one). Raises
+        ``_StaleConnection`` when the send on a pooled connection broke with no answer (the
+        server closed it as idle while the request went out: the request never arrived
+        whole, so ``exchange`` sends it once more on a new connection), else as ``send``."""
+        if fresh:
+            c, reused = await self._connect(), False
+        else:
+            c, reused = await self._take()
         ok = reuse = False
         try:
             target = self.prefix + path
@@ -218,7 +234,14 @@ class LeanHTTP:
             try:
                 await c.stream.send_all(data)
             except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError) as exc:
-                raise httpx.WriteError(str(exc) or type(exc).__name__) from None
+                failed = httpx.WriteError(str(exc) or type(exc).__name__)
+                # the server may have answered before it read the whole body (a 413 from the
+                # declared length, a 401) and closed: its answer is the verdict, not the
+                # broken send (RFC 9112 section 9.5; httpcore reads it the same way)
+                early = await self._early_answer(c, scope, method, target, hdrs, length, body)
+                if early is None:
+                    raise (_StaleConnection() if reused else failed) from None
+                return early
             resp, reuse = await self._receive(c, scope, method, target, hdrs, length, body)
             ok = True
         finally:
@@ -229,6 +252,21 @@ class LeanHTTP:
         else:
             await c.aclose()
         return resp
+
+    async def _early_answer(self, c: _Conn, scope: trio.CancelScope, method: str, target: str,
+                            hdrs: _H11Headers, length: int | None, body: bytes) -> "Answer | None":
+        """The answer the server sent before the request's send broke (it answered without
+        reading the whole body and closed the connection), or None when none can be read
+        (the connection gives EOF or an error first). Bounded by ``scope`` and by
+        ``EARLY_ANSWER_WAIT`` s: a peer that closed has sent its answer already. The
+        connection is closed by the caller (never reused)."""
+        with trio.move_on_after(EARLY_ANSWER_WAIT):
+            try:
+                resp, _ = await self._receive(c, scope, method, target, hdrs, length, body)
+            except httpx.TransportError:
+                return None
+            return resp if resp.status >= 400 else None
+        return None
 
     async def _read(self, c: _Conn, scope: trio.CancelScope) -> bytes:
         """The next bytes of the answer (b"" at EOF). Each read is bounded by ``timeout`` s

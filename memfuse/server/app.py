@@ -224,7 +224,7 @@ def create_app(
     metrics = limits.ServerMetrics()
     db = Database(db_url, schema=schema)
     metrics.count_statements(db.engine)
-    svc = Service(db, static_tokens, context_max_bytes=context_max_bytes)
+    svc = Service(db, static_tokens, context_max_bytes=context_max_bytes, max_body=max_body)
     reads = longpoll.FeedReads(svc)
     open_streams = streaming.Streams(svc, heartbeat=stream_heartbeat, lifetime=stream_lifetime,
                                      enabled=streams)

@@ -36,6 +36,7 @@ from sqlalchemy.orm import Session
 
 from memfuse import content as content_rules
 from memfuse import names
+from memfuse.defs import RECORD_BODY_MAX
 from memfuse.models import Access
 from memfuse.server import history, keys, wakeups
 from memfuse.server.rawsql import Raw, RawRow
@@ -402,13 +403,16 @@ class Settings:
     default mount root of the prompt block's paths; ``stale_after_days``: age of a stale record
     (days, 0 = off; ``memfuse.server.staleness``); ``expiry_interval``: seconds between the
     expiry sweeps of ``memfuse serve`` (0 = none); ``closing``: set at server shutdown (the
-    long-polls answer at once)."""
+    long-polls answer at once); ``max_body``: the front door's body bound of a record write
+    (bytes, ``memfuse serve --max-body``), which bounds a store's ``max_record_bytes``
+    (``memfuse.defs.largest_record``)."""
 
     context_max_bytes: int
     mount_root: str
     stale_after_days: int
     expiry_interval: float = 0.0
     closing: bool = False
+    max_body: int = RECORD_BODY_MAX
 
 
 class AccessRules:

@@ -67,7 +67,7 @@ import anyio
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from memfuse.defs import sha256_hex
+from memfuse.defs import RECORD_BODY_MAX, sha256_hex
 from memfuse.server.limits import MAX_HEAD, PROBLEM_JSON, ServerMetrics
 from memfuse.server.service import Principal, Service, ServiceError
 from memfuse.server.streamclass import Lease, StreamClass
@@ -75,7 +75,7 @@ from memfuse.server.streamclass import Lease, StreamClass
 log = logging.getLogger(__name__)
 
 MAX_INFLIGHT = 128
-MAX_BODY = 16 * 1024 * 1024  # record writes, batches, the memory tool, console forms
+MAX_BODY = RECORD_BODY_MAX  # record writes, batches, the memory tool, console forms (defs: one rule)
 SMALL_BODY = 1024 * 1024  # every other endpoint
 MCP_MAX_BODY = 4 * 1024 * 1024
 BODY_BUDGET = 256 * 1024 * 1024  # bytes of request bodies held at once, all requests

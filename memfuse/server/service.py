@@ -45,6 +45,7 @@ needs at construction, and offers their public methods under their usual names
 from __future__ import annotations
 
 from memfuse import content as content_rules  # noqa: F401  (tests switch the secret detector off through this name)
+from memfuse.defs import RECORD_BODY_MAX
 from memfuse.server.base import (
     IDEMPOTENCY_TTL,
     IdempotencyRequest,
@@ -156,11 +157,13 @@ class Service:
         *,
         context_max_bytes: int = CONTEXT_TOTAL_MAX_BYTES,
         mount_root: str = "/mnt/memory",
+        max_body: int = RECORD_BODY_MAX,
     ) -> None:
         # staleness (memfuse.server.staleness): age of a stale record (days, 0 = off) and
-        # the expiry sweep's interval in ``memfuse serve`` (seconds, 0 = no sweep)
+        # the expiry sweep's interval in ``memfuse serve`` (seconds, 0 = no sweep);
+        # ``max_body``: the front door's bound of a record write's body (Settings)
         settings = Settings(context_max_bytes=context_max_bytes, mount_root=mount_root,
-                            stale_after_days=staleness.STALE_AFTER_DAYS)
+                            stale_after_days=staleness.STALE_AFTER_DAYS, max_body=max_body)
         parts = self.parts = Parts.build(db, settings)
         self.db, self.notifier, self.bus, self.settings = db, parts.notifier, parts.bus, settings
         self.static_tokens = static_tokens if static_tokens is not None else {}

@@ -14,6 +14,7 @@ from dataclasses import replace
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
+from memfuse.defs import RECORD_BODY_GROWTH, largest_record
 from memfuse.models import (
     Access,
     Attachment,
@@ -70,6 +71,22 @@ class StoresService(Resource):
     def __init__(self, parts: Parts, accounts: AccountsService) -> None:
         super().__init__(parts)
         self.accounts = accounts
+
+    def _check_record_limit(self, max_record_bytes: int | None) -> None:
+        """422 ``invalid_limit`` when a store's ``max_record_bytes`` (bytes; None: not given)
+        is larger than a record the front door takes in one request with its body bound
+        (``Settings.max_body``, ``memfuse serve --max-body``): the rule
+        ``memfuse.defs.largest_record`` (a larger record would be refused 413 ``too_large``
+        before it is read; attack 12, A2)."""
+        if max_record_bytes is None:
+            return
+        most = largest_record(self.settings.max_body)
+        if max_record_bytes > most:
+            raise ServiceError(
+                422, "invalid_limit",
+                f"max_record_bytes {max_record_bytes} is larger than this control plane takes in one "
+                f"request: at most {most} bytes (its body bound, --max-body, is {self.settings.max_body} "
+                f"bytes; a record's JSON body may be {RECORD_BODY_GROWTH} times its size)")
 
     def _emit(self, s: Session, workspaces: Iterable[str], kind: str, store: str, access: str | None) -> None:
         ws = sorted(set(workspaces))
@@ -232,11 +249,13 @@ class StoresService(Resource):
         """201 [Store] in the caller's account (the root admin's: ``default``, unless it
         names one: ``X-Memfuse-Account``); 409 ``exists`` (the account has a store of that
         slug; another account's store of the same slug is no conflict: memfuse.server.keys),
-        409 ``account_quota`` (the account's ``max_stores``) (admin)."""
+        409 ``account_quota`` (the account's ``max_stores``), 422 ``invalid_limit`` (a
+        ``max_record_bytes`` past what one request can carry: ``_check_record_limit``) (admin)."""
         self._require_admin(p)
         if body.account is not None:  # named in the body: as X-Memfuse-Account would name it
             p = self.accounts.act_in_account(p, body.account)
         account = p.admin_account or DEFAULT_ACCOUNT
+        self._check_record_limit(body.max_record_bytes)
 
         def fn(s: Session) -> Store:
             key = keys.new_key(s.connection(), body.slug, account)
@@ -283,8 +302,11 @@ class StoresService(Resource):
     def update_store(
         self, p: Principal, slug: str, body: StoreUpdate, idem: IdempotencyRequest | None = None
     ) -> Reply:
-        """200 [Store]; emits ``store_changed`` to every attached workspace (admin)."""
+        """200 [Store]; emits ``store_changed`` to every attached workspace (admin); 422
+        ``invalid_limit`` for a ``max_record_bytes`` past what one request can carry
+        (``_check_record_limit``)."""
         self._require_admin(p)
+        self._check_record_limit(body.max_record_bytes)
 
         def fn(s: Session) -> Store:
             key = self._store(s.connection(), p, slug, write=True).slug

@@ -6,7 +6,9 @@ worker per store (docs/ARCHITECTURE.md, "The path of a write").
   ``errno`` 0) or refused for good (``errno`` from ``errors.errno_for``). Transient failures
   (connection errors, timeouts, 5xx, 429) are retried until they commit; so is a 401 (the
   token was revoked, expired or rotated: an authentication outage, not a verdict on the
-  write); permanent refusals (403 included) finish the entry with an errno. A ``put`` that
+  write); permanent refusals (403 included) finish the entry with an errno. A send that
+  breaks for one entry while the control plane answers other requests is not an outage:
+  after ``SEND_FAILURES_MAX`` of them the entry is refused (``_broken_send``). A ``put`` that
   meets a concurrent change is resolved by the conflict protocol (``conflict.ConflictResolver``);
   the node keys of entries are resolved through the record identity (``identity.RecordIds``).
 - ``Backoff`` — the one retry policy of every retry path here: exponential with full
@@ -40,6 +42,10 @@ __all__ = ["BATCH_MAX_CONTENT", "BATCH_MAX_ENTRIES", "Backoff", "Committer"]
 
 BATCH_MAX_ENTRIES = 100  # entries in one batch (the server's BATCH_MAX_OPERATIONS)
 BATCH_MAX_CONTENT = 4 * 1024 * 1024  # bytes of content in one batch (the server takes 16 MiB)
+#: sends of one entry that broke (``write_error``: the connection failed while its request
+#: was being sent, no answer read) before it is refused for good, once the control plane
+#: answered other requests since its first broken send (``Committer._broken_send``)
+SEND_FAILURES_MAX = 5
 
 #: the codes of transient failures of a request that never reached the control plane (no
 #: connection was made: ``client.base._transport_error``); after one, the entry is as unsent
@@ -146,6 +152,9 @@ class Committer:
         #: commit (``--commit-wait`` well above ``Journal.HOLD``), so a write acknowledged
         #: within ``Journal.HOLD`` costs no journal transaction (docs/SEMANTICS.md)
         self.hold_journal = False
+        #: entry id -> (its sends that broke, ``time.monotonic()`` of the first of them):
+        #: ``_broken_send``; an entry leaves it when it finishes (``_finished``)
+        self._broken_sends: dict[int, tuple[int, float]] = {}
         #: the method that sends an entry of each op (``_apply``), built once
         self._appliers: dict[str, Callable[[Entry, Any, dict[str, Any]], Awaitable[None]]] = {
             PUT: self.resolver.put, ATTRS: self._set_attrs, DELETE: self._delete,
@@ -190,6 +199,38 @@ class Committer:
                 e.notify()
                 for a in e.absorbed:
                     a.notify()
+
+    def _broken_send(self, e: Entry, err: TransientError) -> bool:
+        """A send of ``e`` broke (``write_error``). While the control plane answers other
+        requests (``client.last_answer`` after this entry's first broken send: another
+        store's commit, a change-feed heartbeat) this is not an outage: reachability is not
+        flipped, and after ``SEND_FAILURES_MAX`` broken sends the entry is refused for good
+        (EIO, ``send_failed``, logged; the file keeps its content as ``rejected``), so one
+        request the control plane never takes (a body over a proxy's bound that resets the
+        connection without an answer) cannot hold the store's later writes for ever (attack
+        12, A2). Returns True when ``e`` was refused; otherwise the caller retries."""
+        now = time.monotonic()
+        count, first = self._broken_sends.get(e.id, (0, now))
+        count += 1
+        self._broken_sends[e.id] = (count, first)
+        last_answer = getattr(self.client, "last_answer", 0.0)
+        if not (isinstance(last_answer, float) and last_answer > first):
+            self._attempt_failed(err)  # nothing answered meanwhile: an outage, as any failure
+            return False
+        self._attempt_answered()
+        if count < SEND_FAILURES_MAX:
+            return False
+        del self._broken_sends[e.id]
+        self.refused += 1
+        e.errno = errno.EIO
+        e.code = "send_failed"
+        e.reason = (f"the control plane answered other requests but this one's send broke "
+                    f"{count} times ({err.detail or err.code})")
+        log.warning("commit refused: its request cannot be sent", extra={
+            "entry": e.id, "op": e.op, "store": e.store,
+            "path": e.args.get("path") or e.args.get("from"), "attempts": count,
+            "code": e.code, "errno": "EIO", "size": len(e.content or b"")})
+        return True
 
     def _attempt_answered(self) -> None:
         """The control plane answered a commit attempt (a commit or a refusal)."""
@@ -532,6 +573,7 @@ class Committer:
             self._absorbed[store] = self._absorbed.get(store, 0) - len(e.absorbed)
         e.absorbed = []
         q.popleft()
+        self._broken_sends.pop(e.id, None)
         self.finished[store] = self.finished.get(store, 0) + 1
         self.journal.remove(e)
         e.finish()
@@ -628,10 +670,13 @@ class Committer:
                           batch: list[tuple[Entry, BatchOperation | None]]) -> list[Any] | None:
         """The outcomes of ``ops`` (the requests of ``batch``'s entries: ``ApiClient.batch``),
         retrying transient failures and 401 with the committer's backoff; None when the
-        entries must go one by one; ``_WITHDRAWN`` when an entry was withdrawn meanwhile
-        (``withdraw``: checked before every attempt, never sent)."""
+        entries must go one by one (also after ``SEND_FAILURES_MAX`` broken sends while the
+        control plane answered other requests: each entry then meets ``_broken_send`` alone);
+        ``_WITHDRAWN`` when an entry was withdrawn meanwhile (``withdraw``: checked before every
+        attempt, never sent)."""
         attempts = 0
         carried = [e for e, op in batch if op is not None]
+        broken, first_broken = 0, 0.0
         while True:
             attempts += 1
             if any(e.withdrawn for e, _ in batch):
@@ -657,7 +702,18 @@ class Committer:
                         e.sent = sent  # it never reached the control plane
                 for e in carried:
                     e.notify()
-                if isinstance(err, TransientError):
+                if isinstance(err, TransientError) and err.code == "write_error":
+                    broken, first_broken = broken + 1, first_broken or time.monotonic()
+                    last_answer = getattr(self.client, "last_answer", 0.0)
+                    if isinstance(last_answer, float) and last_answer > first_broken:
+                        self._attempt_answered()  # answered elsewhere: this request, not an outage
+                        if broken >= SEND_FAILURES_MAX:
+                            log.info("batch cannot be sent; committing its entries one by one",
+                                     extra={"store": store, "operations": len(ops), "attempts": broken})
+                            return None
+                    else:
+                        self._attempt_failed(err)
+                elif isinstance(err, TransientError):
                     self._attempt_failed(err)
                 else:  # an authentication outage, as in _commit_with_retry
                     self.auth_waits += 1
@@ -713,7 +769,10 @@ class Committer:
                 if err.code in NOT_SENT_CODES:
                     e.sent = was  # it never reached the control plane
                 e.notify()
-                if err.code != "merge_contended":  # that one was answered: busy, not down
+                if err.code == "write_error":  # the send broke: an outage, or this request alone?
+                    if self._broken_send(e, err):
+                        return
+                elif err.code != "merge_contended":  # that one was answered: busy, not down
                     self._attempt_failed(err)
                 else:
                     self._attempt_answered()

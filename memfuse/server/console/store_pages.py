@@ -129,7 +129,13 @@ def store_settings(ctx: Ctx) -> Response:
     changed = {k: v for k, v in update.items() if getattr(store, k) != v}
     if not changed:
         return redirect_to(ctx.url("stores", slug, msg="settings_unchanged"))
-    ctx.svc.update_store(ctx.principal, slug, StoreUpdate(**changed))
+    try:
+        ctx.svc.update_store(ctx.principal, slug, StoreUpdate(**changed))
+    except ServiceError as err:
+        if err.code != "invalid_limit":
+            raise
+        errors["max_record_bytes"] = err.detail
+        return _store_view(ctx, slug, status=422, settings_errors=errors, settings_values=values)
     log.info("console: store %s settings changed (%s)", slug, ", ".join(sorted(changed)))
     return redirect_to(ctx.url("stores", slug, msg="settings_saved"))
 
