@@ -434,3 +434,28 @@ def test_two_secrets_in_one_path_are_both_redacted():
     a, b = "AK" + "IA" + rnd(16, AWS_ID_CHARS, 9), "gh" + "p_" + rnd(36, seed=9)
     found = content.find_secret_in_path(f"{a}/{b}.md")
     assert found is not None and found.redacted == "AKIA[REDACTED]/ghp_[REDACTED].md"
+
+
+def test_prompt_text_removes_exactly_the_control_and_format_characters_in_one_pass():
+    """``prompt_text`` removes its categories' code points with one character class (a
+    removal in C, not a Python call per non-ASCII character: a MiB of them cost most of a
+    second per scan): the class is what ``unicodedata`` says for this Python, and the result
+    is the per-character rule's on random text."""
+    import random
+    import sys
+    import unicodedata
+
+    if unicodedata.unidata_version == content._STRIP_UNICODE:
+        assert list(content._STRIP_RANGES) == content._strip_ranges()
+    cats = content._STRIP_CATEGORIES
+
+    def by_character(text: str) -> str:
+        text = text.replace("\r\n", "\n")
+        return "".join(ch for ch in text if ch in "\t\n" or unicodedata.category(ch) not in cats)
+
+    rnd = random.Random(12)
+    for _ in range(2000):
+        text = "".join(chr(rnd.choice([rnd.randint(0, 0x80), rnd.randint(0, 0x3000), rnd.randint(0, sys.maxunicode),
+                                       rnd.choice([0x200B, 0x2028, 0x2029, 0xD800, 0xE0041, 0xFEFF, 0x85, 13, 10, 9])]))
+                       for _ in range(rnd.randint(0, 40)))
+        assert content.prompt_text(text) == by_character(text), ascii(text)
