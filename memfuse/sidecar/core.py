@@ -1090,6 +1090,8 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         if e.op == MOVE_PREFIX or e.node_key is None:
             if e.errno:
                 self.note_error(None, e.args.get("from", ""), e.errno, e.reason, e.code, e.store)
+            elif e.unshown:
+                self._show_unshown_move(e)
             return
         n = self.node_by_key(e.node_key)
         if e.op == PUT:

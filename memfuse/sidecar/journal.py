@@ -124,6 +124,10 @@ class Entry(_Waitable):
     merged: bytes | None = None
     record_id: str | None = None  # delete / move: the record the op acted on
     moved: list[Record] = field(default_factory=list)  # move_prefix: the records moved
+    #: a ``move`` / ``move_prefix`` replayed at start that the tree could not show
+    #: (``OutboxOverlay._overlay_move``: its target taken): its answer is applied to the
+    #: tree (``Filesystem._show_unshown_move``), as the feed leaves our own changes out
+    unshown: bool = False
     #: earlier ``put``s of the same file this one supersedes (``Committer._coalesce``): they
     #: finish with it, with its result
     absorbed: list["Entry"] = field(default_factory=list)

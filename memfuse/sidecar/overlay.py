@@ -55,6 +55,12 @@ class OutboxOverlay:
 
         def node_by_key(self, key: str | None) -> Node | None: ...
 
+        def _move_remote(self, sm: StoreMount, n: Node, path: str) -> list[tuple[Any, ...]]: ...
+
+        def invalidate(self, items: list[tuple[Any, ...]]) -> None: ...
+
+        def _save_dirs_logged(self) -> None: ...
+
     def overlay_outbox(self, entries: list[Entry]) -> int:
         """Show what the outbox a previous process left holds on top of the stores just
         loaded (the control plane's state), before the mount serves and while the backlog
@@ -139,6 +145,38 @@ class OutboxOverlay:
             self._account(n, n.cur_size() - old)
         return applied
 
+    def _show_unshown_move(self, e: Entry) -> None:
+        """A queued ``move_prefix`` the tree could not show at start (``Entry.unshown``)
+        committed: each record its answer moved is moved in the tree to the path the control
+        plane gave it (``RemoteApply._move_remote``: a directory there, or a file with local
+        changes, stays), then the source directory, when no file is left under it, goes
+        (its directories grafted into the target's). The change feed cannot bring this: it
+        leaves this sidecar's own changes out. Makes the kernel invalidations."""
+        sm = self.stores.get(e.store)
+        if sm is None or sm.root.children is None:
+            return
+        inv: list[tuple[Any, ...]] = []
+        moved = 0
+        for rec in e.moved:
+            n = self.by_rid.get(rec.id)
+            if n is None or n.unlinked or n.store is not sm or n.path() == rec.path:
+                continue
+            inv += self._move_remote(sm, n, rec.path)
+            moved += 1
+        src = self._node_at(sm, e.args.get("from", ""))
+        if (src is not None and src is not sm.root and src.is_dir and src.parent is not None
+                and _dirs_only(src)):
+            dst = self._node_at(sm, e.args.get("to", ""))
+            if dst is not None and dst.is_dir:
+                self._graft_dirs(src, dst, inv)
+            inv.append(("entry", src.parent.ino, src.name))
+            self._detach(src)
+        log.info("a queued move shown once committed",
+                 extra={"store": e.store, "entry": e.id, "records": len(e.moved), "moved_here": moved})
+        if inv:
+            self._save_dirs_logged()
+            self.invalidate(inv)
+
     def _superseded(self, n: Node, data: bytes) -> bool:
         """Whether the queued content ``data`` of file ``n`` is known to be older than the
         version of its record the store's mirror holds (``n``'s clean state, just loaded):
@@ -186,8 +224,10 @@ class OutboxOverlay:
     def _overlay_place(self, sm: StoreMount, path: str, keep: Node | None) -> tuple[Node, str] | None:
         """The directory and name for ``path`` (directories made where missing), after
         detaching whatever other than ``keep`` is there (a file, or an empty directory:
-        the queued change replaced it); None when the path crosses a file or lands on a
-        directory that is not empty."""
+        the queued change replaced it). A directory there holding directories only (no
+        file at any depth) is taken over by a directory ``keep``: its directories are
+        grafted into ``keep`` where ``keep`` lacks them (``_graft_dirs``). None when the
+        path crosses a file or lands on a directory that holds a file."""
         parts = path.split("/")
         d = self._ensure_dir(sm, parts[:-1], time.time_ns())
         if d is None or not parts[-1]:
@@ -196,10 +236,31 @@ class OutboxOverlay:
         old = d.children.get(parts[-1])
         if old is not None and old is not keep:
             if old.is_dir and old.children:
-                return None
+                if keep is None or not keep.is_dir or not _dirs_only(old):
+                    return None
+                # the directories a previous process saved (dirs.json) after it made this
+                # move locally: the target's subdirectories, while the records (the control
+                # plane's state, loaded) are still at the source (attack 12, A6)
+                self._graft_dirs(old, keep)
             old.dirty = False
             self._detach(old)
         return d, parts[-1]
+
+    def _graft_dirs(self, src: Node, into: Node, inv: list[tuple[Any, ...]] | None = None) -> None:
+        """Move the directories under directory ``src`` (which holds no file) into directory
+        ``into`` where ``into`` has nothing of that name, merging those of the same name;
+        each entry made is added to ``inv`` (kernel invalidations) when given."""
+        assert src.children is not None and into.children is not None  # directories
+        for name, c in list(src.children.items()):
+            there = into.children.get(name)
+            if there is None:
+                del src.children[name]
+                c.parent = into
+                into.children[name] = c
+                if inv is not None:
+                    inv.append(("entry", into.ino, name))
+            elif there.is_dir:
+                self._graft_dirs(c, there, inv)
 
     def _overlay_file(self, sm: StoreMount, path: str, e: Entry) -> Node | None:
         """A node for the file a queued ``put`` of ``e.node_key`` created (not in the
@@ -225,6 +286,7 @@ class OutboxOverlay:
         if place is None:
             log.warning("a queued move's target is taken; shown once committed",
                         extra={"store": sm.slug, "entry": e.id})
+            e.unshown = True  # its answer moves the files (``Filesystem._show_unshown_move``)
             return
         d, name = place
         a: Node | None = d
@@ -237,3 +299,8 @@ class OutboxOverlay:
         del n.parent.children[n.name]
         n.name, n.parent = name, d
         d.children[name] = n
+
+
+def _dirs_only(d: Node) -> bool:
+    """Whether directory ``d`` holds no file at any depth (directories only, or nothing)."""
+    return all(c.is_dir and _dirs_only(c) for c in (d.children or {}).values())
