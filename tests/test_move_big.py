@@ -5,7 +5,7 @@ counts the control plane that is applying its move as unreachable, never sends t
 again, and the move is applied once. Plus the bound: a directory of more than
 ``PREFIX_MOVE_MAX`` files is refused ``EXDEV`` at rename(2) (``mv`` copies it instead).
 
-Two real sidecars (``mountutil.two_sidecars``) on a real ``memfuse serve`` (SQLite)."""
+Two real sidecars on a real ``memfuse serve`` (SQLite)."""
 from __future__ import annotations
 
 import os
@@ -17,9 +17,9 @@ import pytest
 
 pytestmark = pytest.mark.mount
 
-from mountutil import sh, two_sidecars, wait_until
+from mountutil import ControlPlane, Sidecar, sh, wait_until
 
-N = 4000  # files moved (directories of 100)
+N = 3000  # files moved (directories of 100)
 STORE = "shared"
 
 
@@ -42,53 +42,76 @@ def _count(root) -> int:
 
 
 def test_big_directory_move_leaves_other_writers_committing(tmp_path):
-    with two_sidecars(tmp_path, STORE) as (cp, a, b):
-        _seed(cp, N, "big")
-        ma, mb = a.mountpoint / STORE, b.mountpoint / STORE
-        wait_until(lambda: _count(ma / "big") == N, timeout=60, what="A sees every record", poll=0.2)
-        a_log = a.log.stat().st_size
-        serve_log = cp.log.stat().st_size
-        closes: list[tuple[str, float]] = []
-        stop = threading.Event()
-
-        def probe() -> None:  # B: a small create every 0.2 s, each close timed
-            i = 0
-            while not stop.is_set():
-                name = f"probe_{i}.md"
-                t0 = time.monotonic()
-                sh(f"echo p-{i} > {name}", mb, timeout=60)
-                closes.append((name, time.monotonic() - t0))
-                i += 1
-                stop.wait(0.2)
-
-        t = threading.Thread(target=probe)
-        t.start()
+    """A's ``--commit-wait 2`` makes its liveness probe count the control plane as down
+    after 1 s without an answer (``Sidecar._liveness``): before, the move's own request
+    was a probe, so a move of a few seconds was called an outage (and past 30 s sent
+    again); now a request that may legitimately take long is no probe."""
+    cp = ControlPlane(tmp_path).start()
+    a = b = None
+    try:
+        ta = cp.setup_workspace("wa", (STORE,))
+        tb = cp.setup_workspace("wb", (STORE,))
+        a = Sidecar(cp, "wa", ta, tmp_path / "ma", tmp_path / "ca", "--commit-wait", "2").start(expect=STORE)
+        b = Sidecar(cp, "wb", tb, tmp_path / "mb", tmp_path / "cb").start(expect=STORE)
+        _moving(cp, a, b)
+    finally:
         try:
-            time.sleep(0.5)
-            t0 = time.monotonic()
-            sh("mv big big2", ma, timeout=60)
-            mv_s = time.monotonic() - t0
-
-            wait_until(lambda: f"moved {N} records".encode() in cp.log.read_bytes()[serve_log:],
-                       timeout=120, what="the move applied", poll=0.2)
-            time.sleep(1.0)
+            for sc in (a, b):
+                if sc is not None:
+                    sc.stop()
         finally:
-            stop.set()
-            t.join(90)
-        assert mv_s < 10, mv_s  # applied locally at once
-        # every probe of B committed within the commit-wait (10 s), none waited it out
-        assert closes and max(s for _, s in closes) < 10, closes
-        a_text = a.log.read_bytes()[a_log:].decode("utf-8", "replace")
-        assert "counted as unreachable" not in a_text, a_text[-2000:]
-        assert "read_timeout" not in a_text, a_text[-2000:]
-        serve_text = cp.log.read_bytes()[serve_log:].decode("utf-8", "replace")
-        assert serve_text.count(f"moved {N} records") == 1
-        wait_until(lambda: _count(mb / "big2") == N, timeout=60, what="B sees the move", poll=0.2)
-        assert _count(mb / "big") == 0  # (empty directories stay, as on a local disk)
-        records, _ = cp.call("snapshot", STORE, content=False, limit=1000)
-        paths = {r.path for r in records}
-        assert all(name in paths for name, _ in closes)
-        print(f"mv {mv_s:.2f} s; B: {len(closes)} closes, slowest {max(s for _, s in closes):.2f} s")
+            cp.stop()
+
+
+def _moving(cp: ControlPlane, a: Sidecar, b: Sidecar) -> None:
+    """A moves ``big`` (``N`` files) while B creates a small file every 0.2 s."""
+    _seed(cp, N, "big")
+    ma, mb = a.mountpoint / STORE, b.mountpoint / STORE
+    wait_until(lambda: _count(ma / "big") == N, timeout=60, what="A sees every record", poll=0.2)
+    a_log = a.log.stat().st_size
+    serve_log = cp.log.stat().st_size
+    closes: list[tuple[str, float]] = []
+    stop = threading.Event()
+
+    def probe() -> None:  # B: a small create every 0.2 s, each close timed
+        i = 0
+        while not stop.is_set():
+            name = f"probe_{i}.md"
+            t0 = time.monotonic()
+            sh(f"echo p-{i} > {name}", mb, timeout=60)
+            closes.append((name, time.monotonic() - t0))
+            i += 1
+            stop.wait(0.2)
+
+    t = threading.Thread(target=probe)
+    t.start()
+    try:
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        sh("mv big big2", ma, timeout=60)
+        mv_s = time.monotonic() - t0
+
+        wait_until(lambda: f"moved {N} records".encode() in cp.log.read_bytes()[serve_log:],
+                   timeout=120, what="the move applied", poll=0.1)
+        applied_s = time.monotonic() - t0
+        time.sleep(1.0)
+    finally:
+        stop.set()
+        t.join(90)
+    assert mv_s < 10, mv_s  # applied locally at once
+    # every probe of B committed within the commit-wait (10 s), none waited it out
+    assert closes and max(s for _, s in closes) < 10, closes
+    a_text = a.log.read_bytes()[a_log:].decode("utf-8", "replace")
+    assert "counted as unreachable" not in a_text, a_text[-2000:]
+    assert "read_timeout" not in a_text, a_text[-2000:]
+    serve_text = cp.log.read_bytes()[serve_log:].decode("utf-8", "replace")
+    assert serve_text.count(f"moved {N} records") == 1
+    wait_until(lambda: _count(mb / "big2") == N, timeout=60, what="B sees the move", poll=0.2)
+    assert _count(mb / "big") == 0  # (empty directories stay, as on a local disk)
+    records, _ = cp.call("snapshot", STORE, content=False, limit=1000)
+    paths = {r.path for r in records}
+    assert all(name in paths for name, _ in closes)
+    print(f"mv {mv_s:.2f} s, applied after {applied_s:.2f} s; B: {len(closes)} closes, slowest {max(s for _, s in closes):.2f} s")
 
 
 async def test_directory_over_the_move_bound_is_refused_exdev(tmp_path, monkeypatch):
