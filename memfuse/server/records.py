@@ -683,6 +683,8 @@ class RecordsService(Resource):
                 r.version += 1
                 r.updated_at, r.updated_by = now, p.actor
                 pv = prev.get(r.id)
+                stored: str | None
+                base_version: int | None
                 if r.content is not None and pv is not None and pv.kept and pv.chain < deltas.CHAIN_MAX:
                     stored, base_version, chain = "", r.version - 1, pv.chain + 1
                 else:
