@@ -722,7 +722,8 @@ class RecordsService(Resource):
             conn.info["memfuse_writes"] = conn.info.get("memfuse_writes", 0) + len(plan)
             if kept_n:
                 history.note_kept(conn, st.slug, kept_bytes, kept_n)
-            wakeups.note_feed(st.slug, max(seqs), p.actor)
+            for seq in seqs:  # every seq: the notifier tells this process's versions apart
+                wakeups.note_feed(st.slug, seq, p.actor)
             log.info("moved %d records in store %s", len(plan), st.slug)
             return MoveResult(records=[_record_model(r, with_content=False) for r, _, _ in plan])
 
