@@ -645,3 +645,25 @@ async def test_prefix_move_statements_do_not_grow_with_the_records(env):
     assert [x["path"] for x in r.json()["records"]] == ["a/a/x.md", "a/x.md"]
     assert (await me.get(f"/v1/stores/default/records/{inner['id']}")).json()["path"] == "a/x.md"
     assert (await me.get(f"/v1/stores/default/records/{deep['id']}")).json()["path"] == "a/a/x.md"
+
+
+async def test_prefix_move_past_the_bound_is_refused(env, monkeypatch):
+    """More records under ``from_prefix/`` than ``MAX_PREFIX_MOVE`` (lowered to 2 here; 20,000
+    by default, ``memfuse.defs.PREFIX_MOVE_MAX``): 413 ``move_too_large``, nothing moves;
+    the sidecar's errno for it is EXDEV (``mv`` copies instead)."""
+    import errno
+
+    from memfuse.errors import ERRNO_BY_CODE
+    from memfuse.server import records
+
+    app, admin, me, peer = env
+    monkeypatch.setattr(records, "MAX_PREFIX_MOVE", 2)
+    for i in range(3):
+        await _create(me, f"m/{i}.md")
+    r = await me.post("/v1/stores/default/move", json={"from_prefix": "m", "to_prefix": "n"})
+    assert r.status_code == 413 and r.json()["code"] == "move_too_large", r.text
+    assert ERRNO_BY_CODE["move_too_large"] == errno.EXDEV
+    r = await me.get("/v1/stores/default/records", params={"prefix": "m/"})
+    assert sorted(x["path"] for x in r.json()["records"]) == ["m/0.md", "m/1.md", "m/2.md"]
+    r = await me.post("/v1/stores/default/move", json={"from_prefix": "m/0.md", "to_prefix": "k"})
+    assert r.status_code == 200 and r.json() == {"records": []}
