@@ -122,6 +122,8 @@ def prefix_move_timeout(timeout: float) -> float:
     timeout is ``timeout`` s: that plus what the largest move allowed (``PREFIX_MOVE_MAX``
     records) may legitimately take (``PREFIX_MOVE_S_PER_RECORD`` each): 130 s for 30 s."""
     return timeout + PREFIX_MOVE_MAX * PREFIX_MOVE_S_PER_RECORD
+
+
 # query bounds of GET /v1/stores/{store}/records and .../search: the app's Query(...) and the
 # CLI's local fast path (memfuse.server.local) must agree on them
 RECORDS_PAGE_DEFAULT, RECORDS_PAGE_MAX = 500, 1000  # records per snapshot page (``limit``)
