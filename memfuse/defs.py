@@ -29,6 +29,9 @@ __all__ = [
     "RECORD_BODY_MAX",
     "record_body_bound",
     "largest_record",
+    "PREFIX_MOVE_MAX",
+    "PREFIX_MOVE_S_PER_RECORD",
+    "prefix_move_timeout",
     "RECORDS_PAGE_DEFAULT",
     "RECORDS_PAGE_MAX",
     "SEARCH_QUERY_MAX",
@@ -103,6 +106,24 @@ RECORD_BODY_MAX = record_body_bound(MAX_RECORD_BYTES)
 BATCH_MAX_BYTES = RECORD_BODY_MAX  # bytes of one batch request body: holds any one record
 # the smallest body bound a control plane may have: a store with the default limit fits (2 MiB + 64 KiB)
 RECORD_BODY_MIN = record_body_bound(DEFAULT_MAX_RECORD_BYTES)
+# records one prefix move (POST /v1/stores/{store}/move, a directory rename) moves at most:
+# one request holds the database's one writer a bounded time (~0.2 ms of CPU per record,
+# bench/README.md "Prefix moves"); a bigger one is refused 413 ``move_too_large``, and the
+# sidecar refuses the rename(2) of a directory holding more with EXDEV, so ``mv`` copies
+# file by file instead (docs/SEMANTICS.md "Directories")
+PREFIX_MOVE_MAX = 20_000
+# the seconds per record the client allows a prefix move beyond its usual timeout: 25 times
+# the CPU measured (0.2 ms) for a loaded 2-CPU machine and a writer queue
+PREFIX_MOVE_S_PER_RECORD = 0.005
+
+
+def prefix_move_timeout(timeout: float) -> float:
+    """Seconds a client waits for a prefix move's answer, for a client whose ordinary read
+    timeout is ``timeout`` s: that plus what the largest move allowed (``PREFIX_MOVE_MAX``
+    records) may legitimately take (``PREFIX_MOVE_S_PER_RECORD`` each): 130 s for 30 s."""
+    return timeout + PREFIX_MOVE_MAX * PREFIX_MOVE_S_PER_RECORD
+
+
 # query bounds of GET /v1/stores/{store}/records and .../search: the app's Query(...) and the
 # CLI's local fast path (memfuse.server.local) must agree on them
 RECORDS_PAGE_DEFAULT, RECORDS_PAGE_MAX = 500, 1000  # records per snapshot page (``limit``)

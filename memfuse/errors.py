@@ -166,6 +166,7 @@ ERRNO_BY_CODE: dict[str, int] = {
     "path_exists": errno.EEXIST,
     "parent_is_file": errno.ENOTDIR,
     "path_is_directory": errno.EISDIR,
+    "move_too_large": errno.EXDEV,  # a prefix move past PREFIX_MOVE_MAX records: mv copies instead
     "idempotency_key_reused": errno.EINVAL,
 }
 

@@ -572,3 +572,98 @@ def test_tune_gc_sets_the_collector_thresholds():
         assert GC_THRESHOLDS[0] > 700  # above CPython's default
     finally:
         gc.set_threshold(*before)
+
+
+# ---------------------------------------------------------------- prefix move
+
+
+async def test_prefix_move_statements_do_not_grow_with_the_records(env):
+    """A prefix move (``mv`` of a directory) runs a fixed number of statements whatever the
+    number of records it moves (attack 12 A4: ~1.15 ms and several statements per record
+    held the writer 30-50 s for 10,000 records), and keeps every meaning: each record gets
+    a ``moved`` version with its old path and its mtime, the change feed and search see the
+    new paths, the live content (with an appended tail) is unchanged, a taken target is 409
+    with nothing moved, and a target that is another moving record's old path is fine."""
+    from sqlalchemy import event
+
+    app, admin, me, peer = env
+    svc = app.state.service
+    seen: list[str] = []
+
+    def log_statement(conn, cursor, statement, *args):
+        if "records" in statement or "versions" in statement:
+            seen.append(statement)
+
+    async def move(src: str, dst: str) -> tuple[int, httpx.Response]:
+        seen.clear()
+        event.listen(svc.db.engine, "before_cursor_execute", log_statement)
+        try:
+            r = await me.post("/v1/stores/default/move", json={"from_prefix": src, "to_prefix": dst})
+        finally:
+            event.remove(svc.db.engine, "before_cursor_execute", log_statement)
+        return len(seen), r
+
+    small = [await _create(me, f"s/{i:02d}.md", f"# s{i}\nsmall {i}\n") for i in range(3)]
+    big = [await _create(me, f"b/{i:02d}.md", f"# b{i}\nbig {i}\n") for i in range(40)]
+    r = await me.post(f"/v1/stores/default/records/{big[0]['id']}/append", json={"append": "more\n"},
+                      headers={"If-Match": f'"{big[0]["sha256"]}"'})
+    assert r.status_code == 200, r.text
+    n_small, r = await move("s", "s2")
+    assert r.status_code == 200, r.text
+    n_big, r = await move("b", "b2")
+    assert r.status_code == 200, r.text
+    assert n_big == n_small, (n_small, n_big)
+    moved = r.json()["records"]
+    assert [x["path"] for x in moved] == [f"b2/{i:02d}.md" for i in range(40)]
+    assert [x["seq"] for x in moved] == sorted(x["seq"] for x in moved)
+    assert all(x["version"] == 2 for x in moved[1:]) and moved[0]["version"] == 3
+    got = (await me.get(f"/v1/stores/default/records/{big[0]['id']}")).json()
+    assert (got["path"], got["content"]) == ("b2/00.md", "# b0\nbig 0\nmore\n")
+    vs = (await me.get(f"/v1/stores/default/records/{big[5]['id']}/versions")).json()
+    vs = vs["versions"] if isinstance(vs, dict) else vs
+    last = max(vs, key=lambda v: v["version"])
+    assert (last["operation"], last["path"]) == ("moved", "b2/05.md")
+    full = (await me.get(f"/v1/stores/default/records/{big[5]['id']}/versions/2")).json()
+    assert full["content"] == "# b5\nbig 5\n"
+    changes = (await peer.get("/v1/stores/default/changes", params={"after": big[-1]["seq"]})).json()["changes"]
+    assert [c["record"]["path"] for c in changes][-40:] == [f"b2/{i:02d}.md" for i in range(40)]
+    for order in ("path", "relevance"):  # relevance: the full-text index (its paths too)
+        r = await me.get("/v1/stores/default/search", params={"q": "big", "order": order, "limit": 100})
+        assert r.status_code == 200, r.text
+        assert sorted(h["record"]["path"] for h in r.json()["hits"]) == [f"b2/{i:02d}.md" for i in range(40)]
+    # a taken target: 409, nothing moves
+    await _create(me, "t/03.md", "taken\n")
+    _, r = await move("b2", "t")
+    assert r.status_code == 409 and r.json()["code"] == "path_exists", r.text
+    got = (await me.get(f"/v1/stores/default/records/{big[3]['id']}")).json()
+    assert got["path"] == "b2/03.md"
+    # out of a directory into its parent: a target that is another moving record's old path
+    inner = await _create(me, "a/a/x.md", "ax\n")
+    deep = await _create(me, "a/a/a/x.md", "aax\n")
+    _, r = await move("a/a", "a")
+    assert r.status_code == 200, r.text
+    assert [x["path"] for x in r.json()["records"]] == ["a/a/x.md", "a/x.md"]
+    assert (await me.get(f"/v1/stores/default/records/{inner['id']}")).json()["path"] == "a/x.md"
+    assert (await me.get(f"/v1/stores/default/records/{deep['id']}")).json()["path"] == "a/a/x.md"
+
+
+async def test_prefix_move_past_the_bound_is_refused(env, monkeypatch):
+    """More records under ``from_prefix/`` than ``MAX_PREFIX_MOVE`` (lowered to 2 here; 20,000
+    by default, ``memfuse.defs.PREFIX_MOVE_MAX``): 413 ``move_too_large``, nothing moves;
+    the sidecar's errno for it is EXDEV (``mv`` copies instead)."""
+    import errno
+
+    from memfuse.errors import ERRNO_BY_CODE
+    from memfuse.server import records
+
+    app, admin, me, peer = env
+    monkeypatch.setattr(records, "MAX_PREFIX_MOVE", 2)
+    for i in range(3):
+        await _create(me, f"m/{i}.md")
+    r = await me.post("/v1/stores/default/move", json={"from_prefix": "m", "to_prefix": "n"})
+    assert r.status_code == 413 and r.json()["code"] == "move_too_large", r.text
+    assert ERRNO_BY_CODE["move_too_large"] == errno.EXDEV
+    r = await me.get("/v1/stores/default/records", params={"prefix": "m/"})
+    assert sorted(x["path"] for x in r.json()["records"]) == ["m/0.md", "m/1.md", "m/2.md"]
+    r = await me.post("/v1/stores/default/move", json={"from_prefix": "m/0.md", "to_prefix": "k"})
+    assert r.status_code == 200 and r.json() == {"records": []}

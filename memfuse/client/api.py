@@ -16,6 +16,7 @@ from ..defs import (
     SEARCH_LINES_DEFAULT,
     SEARCH_PAGE_DEFAULT,
     Access,
+    prefix_move_timeout,
 )
 from ..errors import TransientError
 from ..wire import (
@@ -522,6 +523,10 @@ class ApiClient(AdminEndpoints):
             f"/v1/stores/{_seg(store)}/move",
             body=build(PrefixMove, from_prefix=from_prefix, to_prefix=to_prefix),
             idempotency_key=idempotency_key,
+            # what the largest move allowed may take (attack 12 A4: a 30 s read timeout sent
+            # a 10,000-record move again while the server was applying it); a request with
+            # its own read timeout is no liveness probe (``no_answer_for``)
+            read_timeout=prefix_move_timeout(self.timeout),
         )
 
     async def delete_record(

@@ -541,8 +541,11 @@ class ApiSession:
                     else:
                         resp = got.response()
                 elif self.bounded:
+                    head = self.timeout + max(wait, 0.0)
+                    if read_timeout is not None and not stream:  # a longer answer allowed (a prefix move)
+                        head = max(head, read_timeout)
                     resp = await self._send_bounded(self._http.build_request(method, path, **kwargs),
-                                                    stream, self.timeout + max(wait, 0.0))
+                                                    stream, head)
                 else:
                     resp = await self._http.send(self._http.build_request(method, path, **kwargs), stream=stream)
                 if stream and not resp.is_success:

@@ -285,6 +285,21 @@ def _account_room(conn: Connection, st: AnyRow | BatchStore, store_bytes: int) -
         raise ServiceError(507, "account_full", f"account {account!r} would hold {total} bytes, limit {limit}")
 
 
+def reserve_seqs(conn: Connection, n: int) -> list[int]:
+    """``n`` change-feed seqs for versions this transaction inserts with an explicit ``seq``,
+    ascending (PostgreSQL: ``nextval`` of the versions' sequence; SQLite: past
+    ``sqlite_sequence``, which the database's write lock, held by the transaction, keeps
+    for it; an insert with an explicit seq moves ``sqlite_sequence`` past it)."""
+    if conn.dialect.name == "postgresql":
+        return list(conn.execute(text(
+            "SELECT nextval(pg_get_serial_sequence('versions', 'seq')) FROM generate_series(1, :n)"),
+            {"n": n}).scalars())
+    top = conn.execute(text("SELECT seq FROM sqlite_sequence WHERE name = 'versions'")).scalar()
+    if top is None:
+        top = conn.execute(select(func.max(_V.c.seq))).scalar()
+    return list(range((top or 0) + 1, (top or 0) + 1 + n))
+
+
 class BatchStore:
     """The store row of a batch as a mutable object: its columns as attributes, with the
     usage counters (``record_count``, ``usage_bytes``) kept here as the batch's operations
@@ -323,15 +338,7 @@ class BatchStore:
         rows = conn.execute(select(_R.c.path, _R.c.id).where(
             _R.c.store == self.slug, _R.c.deleted == false(), _R.c.path.in_(paths)).order_by(LIVE_PATHS_ORDER))
         self.paths = {r.path: r.id for r in rows}
-        if conn.dialect.name == "postgresql":
-            self.seqs = list(conn.execute(text(
-                "SELECT nextval(pg_get_serial_sequence('versions', 'seq')) FROM generate_series(1, :n)"),
-                {"n": n}).scalars())
-        else:
-            top = conn.execute(text("SELECT seq FROM sqlite_sequence WHERE name = 'versions'")).scalar()
-            if top is None:
-                top = conn.execute(select(func.max(_V.c.seq))).scalar()
-            self.seqs = list(range((top or 0) + 1, (top or 0) + 1 + n))
+        self.seqs = reserve_seqs(conn, n)
         self.seqs.reverse()  # pop() takes the smallest
         self.deferring = True
 

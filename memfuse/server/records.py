@@ -17,7 +17,7 @@ from sqlalchemy import false, select, update
 from sqlalchemy.engine import Connection
 
 from memfuse import content as content_rules
-from memfuse.defs import mtime_effective_ns
+from memfuse.defs import PREFIX_MOVE_MAX, mtime_effective_ns
 from memfuse.hashstate import Sha256States
 from memfuse.secretscan import AppendScans
 from memfuse.models import (
@@ -62,6 +62,7 @@ from memfuse.server.recordrows import (
     _Rec,
     _SELECT_LIVE_AT,
     _SELECT_LIVE_ID_AT,
+    _INSERT_VERSION,
     _UPDATE_RECORD,
     _account_room,
     _attrs,
@@ -80,6 +81,7 @@ from memfuse.server.recordrows import (
     _sqlite_time,
     _usage,
     _version_model,
+    reserve_seqs,
 )
 
 log = logging.getLogger("memfuse.server.service")  # every room of the Service logs under one name
@@ -90,6 +92,10 @@ _HASHES = Sha256States()
 #: the hints of the windows recent appends' secret scans read: an append's scan from the last
 #: one's (``memfuse.secretscan``)
 _SCANS = AppendScans()
+#: the most records one prefix move (``move_prefix``, a directory rename) moves
+#: (``memfuse.defs.PREFIX_MOVE_MAX``: the sidecar refuses a bigger rename(2) with EXDEV and
+#: its client's timeout for a move is derived from it, ``defs.prefix_move_timeout``)
+MAX_PREFIX_MOVE = PREFIX_MOVE_MAX
 
 
 class RecordsService(Resource):
@@ -633,38 +639,91 @@ class RecordsService(Resource):
         def fn(conn: Connection) -> MoveResult:
             st = self._store(conn, p, slug, write=True)
             _check_writable(st)
-            like = _like_escape(src) + "/%"
-            rows = conn.execute(
-                select(*_RECORD_LIVE).where(
-                    _R.c.store == st.slug,
-                    _R.c.deleted == false(),
-                    _R.c.path.like(like, escape="\\"),
-                )
-            ).all()
-            moving = [_Rec.of(r) for r in rows if r.path.startswith(src + "/")]  # LIKE may fold case
-            plan = []  # (record, old path, new path)
-            for r in moving:
-                plan.append((r, r.path, _check_path(dst + r.path[len(src):], "target path")))
-            moving_ids = {r.id for r in moving}
-            for r, _, new_path in plan:
-                other = self._live_at_id(conn, st.slug, new_path)
-                if other is not None and other not in moving_ids:
-                    raise ServiceError(409, "path_exists", f"{new_path!r} exists", record_id=other)
-            if plan:  # a file at the target prefix or above it
-                self._check_clash(conn, st, plan[0][2], frozenset(moving_ids), under=False)
-            # Two steps so the live-path unique index never sees a transient duplicate
-            # (a target may be the old path of another moving record). The parking path has
-            # a leading slash, so no valid record path equals it (and no NUL: PostgreSQL text
-            # cannot hold one).
-            for r, _, _ in plan:
-                conn.execute(_UPDATE_RECORD, {"rid": r.id, "path": f"/moving/{r.id}"})
-            now = utcnow()
+            col = self._path_col()  # byte order: exactly the paths under src/ (no case folding)
+            under = (_R.c.store == st.slug, _R.c.deleted == false(), col >= src + "/", col < src + "0")
+            moving = [_Rec.of(r) for r in conn.execute(select(*_RECORD_LIVE).where(*under))]
+            if len(moving) > MAX_PREFIX_MOVE:
+                raise ServiceError(413, "move_too_large",
+                                   f"{len(moving)} records under {src!r}; one move moves at most {MAX_PREFIX_MOVE} "
+                                   "(move its subdirectories one by one)")
+            plan = [(r, r.path, _check_path(dst + r.path[len(src):], "target path")) for r in moving]
+            if not plan:
+                log.info("moved %d records in store %s", 0, st.slug)
+                return MoveResult(records=[])
             plan.sort(key=lambda x: x[2])
+            moving_ids = {r.id for r in moving}
+            targets = {new_path for _, _, new_path in plan}
+            taken = sorted((path, rid) for rid, path in conn.execute(select(_R.c.id, _R.c.path).where(
+                _R.c.store == st.slug, _R.c.deleted == false(), col >= dst + "/", col < dst + "0"))
+                if path in targets and rid not in moving_ids)
+            if taken:
+                raise ServiceError(409, "path_exists", f"{taken[0][0]!r} exists", record_id=taken[0][1])
+            # a file at the target prefix or above it
+            self._check_clash(conn, st, plan[0][2], frozenset(moving_ids), under=False)
+            # INVARIANT: the live-path unique index never sees a transient duplicate: a record
+            # whose old path is another's target is parked first (a parking path has a
+            # leading slash, so no valid record path equals it, and no NUL: PostgreSQL text
+            # cannot hold one); every other old path is no target, so the one update below
+            # may set the paths in any order.
+            parked = [{"rid": r.id, "path": f"/moving/{r.id}"} for r, old, _ in plan if old in targets]
+            if parked:
+                conn.execute(_UPDATE_RECORD, parked)
+            # how each moved version is stored (``deltas.plan`` with the content unchanged: an
+            # empty suffix of the current version when that one is kept and its chain short)
+            prev = {row.record_id: row for row in conn.execute(
+                select(_V.c.record_id, _V.c.chain, _V.c.content.is_not(None).label("kept"))
+                .select_from(_V.join(_R, (_V.c.record_id == _R.c.id) & (_V.c.version == _R.c.version)))
+                .where(*under))}
+            now = utcnow()
+            versions: list[dict[str, object]] = []
+            kept_bytes = kept_n = 0
             for r, old_path, new_path in plan:
                 r.path = new_path
                 _pin_mtime(r)  # a directory rename keeps each file's mtime
                 r.version += 1
-                self._add_version(conn, r, Operation.moved, p.actor, now, old_path=old_path)
+                r.updated_at, r.updated_by = now, p.actor
+                pv = prev.get(r.id)
+                stored: str | None
+                base_version: int | None
+                if r.content is not None and pv is not None and pv.kept and pv.chain < deltas.CHAIN_MAX:
+                    stored, base_version, chain = "", r.version - 1, pv.chain + 1
+                else:
+                    stored, base_version, chain = r.content, None, 0
+                if r.content is not None:
+                    kept_bytes, kept_n = kept_bytes + r.size, kept_n + 1
+                versions.append({
+                    "record_id": r.id, "store": r.store, "version": r.version,
+                    "operation": Operation.moved.value, "path": new_path, "old_path": old_path,
+                    "type": r.type, "sha256": r.sha256, "size": r.size, "content": stored,
+                    "created_at": now, "actor": p.actor, "redacted": False, "mode": r.mode,
+                    "mtime_ns": r.mtime_ns, "base_version": base_version, "chain": chain,
+                })
+            seqs = reserve_seqs(conn, len(versions))  # ascending: in the order of the new paths
+            for v, seq in zip(versions, seqs):
+                v["seq"] = seq
+            conn.execute(_INSERT_VERSION, versions)
+            rows: list[dict[str, object]] = []
+            tailed: list[dict[str, object]] = []
+            for (r, _, _), seq in zip(plan, seqs):
+                r.seq = seq
+                row = {"rid": r.id, "path": r.path, "version": r.version, "seq": seq,
+                       "updated_at": now, "updated_by": p.actor, "mtime_ns": r.mtime_ns}
+                if r.tailed:  # a write other than an append stores the whole content (``tails``)
+                    row["content"] = r.content
+                    r.tailed = False
+                    tailed.append(row)
+                else:
+                    rows.append(row)
+            if tailed:
+                tails.drop_many(conn, [str(row["rid"]) for row in tailed])
+                conn.execute(_UPDATE_RECORD, tailed)
+            if rows:
+                conn.execute(_UPDATE_RECORD, rows)
+            conn.info["memfuse_writes"] = conn.info.get("memfuse_writes", 0) + len(plan)
+            if kept_n:
+                history.note_kept(conn, st.slug, kept_bytes, kept_n)
+            for seq in seqs:  # every seq: the notifier tells this process's versions apart
+                wakeups.note_feed(st.slug, seq, p.actor)
             log.info("moved %d records in store %s", len(plan), st.slug)
             return MoveResult(records=[_record_model(r, with_content=False) for r, _, _ in plan])
 

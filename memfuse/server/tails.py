@@ -171,3 +171,9 @@ def write(conn: Connection, record_id: str, append: Append,
 def drop(conn: Connection, record_id: str) -> None:
     """Delete the record's tail (a write that stores the whole content: module docstring)."""
     conn.execute(_DELETE_TAIL, {"rid": record_id})
+
+
+def drop_many(conn: Connection, record_ids: list[str]) -> None:
+    """``drop`` for each of ``record_ids`` (one executemany: a prefix move)."""
+    if record_ids:
+        conn.execute(_DELETE_TAIL, [{"rid": rid} for rid in record_ids])

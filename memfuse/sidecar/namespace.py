@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from .. import names
+from ..defs import PREFIX_MOVE_MAX
 from .inodes import (DIR_MODE, DIR_MODES_KEY, PENDING, RENAME_EXCHANGE, RENAME_NOREPLACE, FsError,
                      Node, StoreMount)
 from .cachedir import CacheError, cache_error, write_private
@@ -151,7 +152,8 @@ class NamespaceOps:
     def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes,
                flags: int) -> None:
         """rename(2) / renameat2(2): ``flags`` may hold ``RENAME_NOREPLACE`` (an existing
-        target → ``EEXIST``); ``RENAME_EXCHANGE`` → ``EINVAL``. Across stores → ``EXDEV``.
+        target → ``EEXIST``); ``RENAME_EXCHANGE`` → ``EINVAL``. Across stores → ``EXDEV``; a
+        directory holding more than ``PREFIX_MOVE_MAX`` files → ``EXDEV`` too (``mv`` copies).
         Applied locally at once; the control plane learns it through the outbox."""
         if flags & RENAME_EXCHANGE:
             raise FsError(errno.EINVAL, "RENAME_EXCHANGE is not supported")
@@ -188,8 +190,12 @@ class NamespaceOps:
             self.judge_rename(src, new_path)  # content refusable under the new name: not renamed
         commit_after = False
         if src.is_dir:
-            self._check_subtree_paths(nd, src, new_path)
+            files = self._check_subtree_paths(nd, src, new_path)
             if self._has_remote(src):
+                if files > PREFIX_MOVE_MAX:  # one prefix move moves no more (defs.PREFIX_MOVE_MAX)
+                    self.refuse(nd, s, errno.EXDEV,
+                                f"{files} files below the directory; one move moves at most {PREFIX_MOVE_MAX} "
+                                "(mv copies them one by one)", "move_too_large")
                 self.committer.submit(sm.slug, MOVE_PREFIX, None, {"from": old_path, "to": new_path})
         else:
             commit_after = self._rename_file_remote(sm, src, dst, s, old_path, new_path)
@@ -229,22 +235,27 @@ class NamespaceOps:
         self._bind_rid(dst, None)
         self._bind_rid(src, rid)
 
-    def _check_subtree_paths(self, nd: Node, d: Node, new_path: str) -> None:
+    def _check_subtree_paths(self, nd: Node, d: Node, new_path: str) -> int:
         """Every record below a directory moved to ``new_path`` must still have a valid path
-        (docs/SEMANTICS.md "Names": ≤ 32 components, ≤ 1,024 bytes) → else ``ENAMETOOLONG``."""
+        (docs/SEMANTICS.md "Names": ≤ 32 components, ≤ 1,024 bytes) → else ``ENAMETOOLONG``.
+        Returns the number of files below it (not local-only ones)."""
         stack = [(d, new_path)]
+        files = 0
         while stack:
             cur, path = stack.pop()
             for name, c in (cur.children or {}).items():
                 p = path + "/" + name
                 if c.is_dir:
                     stack.append((c, p))
+                elif not c.local_only:
+                    files += 1
                 if not c.local_only:
                     try:
                         names.check_path(p)
                     except names.NameError_ as e:
                         self.refuse(nd, d.name, errno.ENAMETOOLONG if e.too_long else errno.EINVAL,
                                     f"{e.reason} (for {name!r} below the moved directory)")
+        return files
 
     def _rename_file_remote(self, sm: StoreMount, src: Node, dst: Node | None, s: str,
                             old_path: str, new_path: str) -> bool:
