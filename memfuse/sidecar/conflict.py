@@ -503,16 +503,27 @@ def merge_lines(base: bytes, theirs: bytes, ours: bytes) -> bytes | None:
     """The three-way merge of two changes of ``base`` line by line (``merge3.Merge3``,
     as ``bzr merge`` / ``diff3``): the merged content when the changes touch disjoint
     regions (or make the same change), None when they conflict (both change the same
-    lines, or both insert at the same place). Pure; ``ConflictResolver.rebase`` runs it in a
-    worker thread (the line diff of two large files takes a while)."""
+    lines, or both insert at the same place). One exception: both adding lines at the end
+    of ``base`` is what two appenders do, kept as ``rebase`` keeps an append (theirs, then
+    ours), not a conflict: an overwrite that carries this mount's own queued appends
+    (coalesced with them, e.g. ``sed -i`` after ``echo >>`` while the control plane was
+    down) meets the other mount's appends there (attack report 12, A9). Pure;
+    ``ConflictResolver.rebase`` runs it in a worker thread (the line diff of two large
+    files takes a while)."""
     import merge3
 
     m = merge3.Merge3(base.splitlines(keepends=True), theirs.splitlines(keepends=True),
                       ours.splitlines(keepends=True))
+    groups = list(m.merge_groups())
     out: list[bytes] = []
-    for group in m.merge_groups():
+    for i, group in enumerate(groups):
         if group[0] == "conflict":
-            return None
+            _, at, theirs_added, ours_added = group
+            if at or i != len(groups) - 1:
+                return None
+            out.extend(theirs_added)  # both appended: theirs landed first, ours after
+            out.extend(ours_added)
+            continue
         out.extend(group[1])
     return b"".join(out)
 
