@@ -10,7 +10,8 @@ the control plane answers ``412`` (the record changed elsewhere meanwhile):
 - an **append** (the put's content is its base's content plus a suffix: ``echo >> f``) is
   rebased: the current content plus that suffix;
 - any other change becomes a **three-way line merge** of base, current and local content
-  (``merge_lines``) when the two changes touch disjoint lines;
+  (``merge_lines``) when the two changes touch disjoint lines (or both only add lines at
+  the end: kept as two appends, theirs first);
 - else last writer wins: the put is sent unconditionally, the other version stays in the
   record's history, and the conflict is reported (``on_conflict``: a line in ``errors.log``).
 
