@@ -11,7 +11,11 @@ applied a remote change and the kernel still serves the older pages and size of 
 (tests/test_overwrite_base.py). With ``--hold-feed``, the sidecar's change feed (its
 ``feed_hold`` hook) applies no page of changes while FILE2 exists (at most ``HOLD_MAX`` s per
 page): the control plane holds a rival version this mount does not show yet
-(tests/test_overwrite_base.py, the own-append tests). The mount is ready when ``MOUNTPOINT/<store>`` exists.
+(tests/test_overwrite_base.py, the own-append tests). With ``--hold-after-write FILE3``, every
+record write the control plane answered (create, update, append) returns to the sidecar only
+once FILE3 is gone (at most ``HOLD_MAX`` s): the outbox's next entry waits while another mount
+writes (tests/test_overwrite_base.py, the outage test). The mount is ready when
+``MOUNTPOINT/<store>`` exists.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import argparse
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -46,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="while this file exists, kernel invalidations are held back")
     ap.add_argument("--hold-feed", type=Path, default=None,
                     help="while this file exists, the change feed applies no page")
+    ap.add_argument("--hold-after-write", type=Path, default=None,
+                    help="while this file exists, an answered record write does not return")
     ap.add_argument("--commit-wait", type=float, default=10.0)
     return ap.parse_args(argv)
 
@@ -59,13 +66,36 @@ async def main(args: argparse.Namespace) -> int:
         return hold
 
     feed_file: Path | None = args.hold_feed
+    write_file: Path | None = args.hold_after_write
+
+    class Client(ApiClient):
+        """The API client whose answered record writes wait for ``write_file`` to go."""
+
+        async def create_record(self, *a: Any, **kw: Any) -> Any:
+            rec = await super().create_record(*a, **kw)
+            await after_write()
+            return rec
+
+        async def update_record(self, *a: Any, **kw: Any) -> Any:
+            rec = await super().update_record(*a, **kw)
+            await after_write()
+            return rec
+
+        async def append_record(self, *a: Any, **kw: Any) -> Any:
+            rec = await super().append_record(*a, **kw)
+            await after_write()
+            return rec
+
+    async def after_write() -> None:
+        if write_file is not None:
+            await holder(write_file)()
 
     config = MountConfig(mountpoint=args.mountpoint.resolve(), workspace=args.workspace,
                          cache_dir=args.cache_dir, commit_wait=args.commit_wait,
                          admin_listen=None, log_format="json")
     config.mountpoint.mkdir(parents=True, exist_ok=True)
     actor = actor_name(default_actor(args.cache_dir))
-    async with ApiClient(args.control_plane, TokenFile(args.token_file), instance=actor,
+    async with Client(args.control_plane, TokenFile(args.token_file), instance=actor,
                          lean=True, bounded=True) as client:
         return await serve_mount(config, client, invalidator=Invalidator(hold=holder(args.hold)),
                                  feed_hold=holder(feed_file) if feed_file is not None else None)

@@ -531,6 +531,22 @@ async def test_no_append_or_no_base_is_last_writer_wins_with_a_conflict_line(tmp
     await sc.client.aclose()
 
 
+def test_both_sides_adding_lines_at_the_end_merge_as_two_appends():
+    """``merge_lines``: lines both sides added after the base's last line are kept, theirs
+    first (attack 12 A9: a rewrite carrying the mount's own queued appends met the other
+    mount's appends); the same lines added on both sides once; two insertions at one place
+    inside the file, or changes of the same line, are still a conflict (None)."""
+    from memfuse.sidecar.conflict import merge_lines
+
+    base = b"counter=0\nx\nB-1\n"
+    assert merge_lines(base, base + b"A-1\nA-2\n", b"counter=1\nx\nB-1\nB-2\n") == \
+        b"counter=1\nx\nB-1\nA-1\nA-2\nB-2\n"
+    assert merge_lines(base, base + b"A-1\n", base + b"A-1\n") == base + b"A-1\n"
+    assert merge_lines(base, b"counter=0\nA\nx\nB-1\n", b"counter=0\nB\nx\nB-1\n") is None
+    assert merge_lines(base, b"counter=0\nx\nB-9\n", b"counter=0\nx\nB-1\nB-2\n") is None
+    assert merge_lines(base, b"counter=2\nx\nB-1\n", b"counter=1\nx\nB-1\n") is None
+
+
 async def test_edits_of_disjoint_lines_are_merged_three_way(tmp_path, caplog):
     """Not an append: the local edit (line 1) and the concurrent one (line 5) touch
     disjoint lines: a clean three-way merge, no conflict line; edits of the same line are

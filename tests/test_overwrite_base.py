@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import threading
 import uuid
 from pathlib import Path
@@ -24,7 +25,7 @@ import pytest
 
 pytestmark = pytest.mark.mount
 
-from mountutil import Sidecar, live_records, read, sh, sidecar_status, two_sidecars, wait_until
+from mountutil import ControlPlane, Sidecar, live_records, read, sh, sidecar_status, two_sidecars, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -186,6 +187,7 @@ class HeldSidecar(Sidecar):
         super().__init__(*args)
         self.hold_file = hold_file
         self.feed_file = hold_file.with_name(hold_file.name + "-feed")
+        self.write_file = hold_file.with_name(hold_file.name + "-write")
 
     def start(self, expect: str | None = "default") -> "HeldSidecar":
         import subprocess
@@ -198,7 +200,7 @@ class HeldSidecar(Sidecar):
             [sys.executable, str(HELD), str(self.mountpoint), "--control-plane", self.cp.url,
              "--workspace", self.ws, "--token-file", str(self.token_file),
              "--cache-dir", str(self.cache_dir), "--hold", str(self.hold_file),
-             "--hold-feed", str(self.feed_file)],
+             "--hold-feed", str(self.feed_file), "--hold-after-write", str(self.write_file)],
             stdout=self.log.open("ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         wait_for(lambda: is_mounted(self.mountpoint) and
                  (expect is None or os.path.isdir(self.mountpoint / expect)),
@@ -401,3 +403,60 @@ def test_a_reader_whose_reads_straddle_a_remote_change_makes_the_overwrite_a_rep
     conflicts = [e for e in _errors(c) if e.get("conflict")]
     assert len(conflicts) == errs + 1 and conflicts[-1]["path"].endswith(name), conflicts
     assert cur == ours, cur  # last writer wins; version 2 stays in history
+
+
+def test_sed_after_an_outage_on_a_mount_with_queued_own_appends_keeps_the_other_mounts_lines(tmp_path):
+    """Attack report 12, A9 (atk12/t_chaos.py): while the control plane is down, mount B
+    appends lines (its first one is retried at the head of its outbox, the next ones queue)
+    and rewrites the first line with ``sed -i``: its queued appends and the rename-over
+    coalesce into one put. Mount A appends too. When the control plane is back, B's first
+    append lands, then a line of A (B's outbox is held after that write), then B's put:
+    written on B's first append, it meets A's lines after it, so the three-way merge sees
+    two additions at the end of the file (A's, and B's own queued lines), which is what two
+    appenders make, never a conflict. Every acknowledged line of both mounts is kept, with
+    B's edit, and no conflict is reported. (On main: last writer wins, A's lines are
+    dropped, a conflict line on B only.)"""
+    cp = ControlPlane(tmp_path).start()
+    a = b = None
+    try:
+        ta = cp.setup_workspace("wa", ("s",))
+        tb = cp.setup_workspace("wb", ("s",))
+        a = Sidecar(cp, "wa", ta, tmp_path / "ma", tmp_path / "ca").start(expect="s")
+        b = HeldSidecar(cp, "wb", tb, tmp_path / "mb", tmp_path / "cb",
+                        hold_file=tmp_path / "hold").start(expect="s")
+        name = "J.log"
+        v1 = "counter=0\n" + "".join(f"base {i:02d} {'b' * 88}\n" for i in range(12))
+        (a.mountpoint / "s" / name).write_text(v1)
+        pb = b.mountpoint / "s" / name
+        wait_until(lambda: read(pb) == v1, timeout=15, what="v1 in B")
+        cp.stop()  # the outage: every close below is accepted into its mount's journal
+        sh(f"timeout 60 sh -c 'echo B-1 >> {name}'", b.mountpoint / "s")
+        sh(f"timeout 60 sh -c 'echo A-1 >> {name}'", a.mountpoint / "s")
+        sh(f"timeout 60 sh -c 'echo B-2 >> {name}'", b.mountpoint / "s")
+        sh(f"timeout 60 sed -i s/^counter=.*/counter=1/ {name}", b.mountpoint / "s")
+        sh(f"timeout 60 sh -c 'echo A-2 >> {name}'", a.mountpoint / "s")
+        assert read(pb) == v1.replace("counter=0", "counter=1") + "B-1\nB-2\n"
+        b.write_file.write_text("")  # B's outbox waits after its first write lands
+        b.feed_file.write_text("")  # (and B's feed applies nothing meanwhile, as in the run)
+        try:
+            cp.start()
+            wait_until(lambda: _depth(a) == 0 and "B-1\n" in live_records(cp, "s")[name].content,
+                       timeout=60, what="A's queue and B's first append landed")
+            sh(f"timeout 60 sh -c 'echo A-3 >> {name}'", a.mountpoint / "s")  # after B-1
+            assert live_records(cp, "s")[name].content.endswith("A-3\n")
+        finally:
+            b.write_file.unlink(missing_ok=True)
+            b.feed_file.unlink(missing_ok=True)
+        cur = _settled(cp, a, b, name)
+        conflicts = [e for e in _errors(a) + _errors(b) if e.get("conflict")]
+        lines = cur.splitlines()
+        missing = [w for w in ("A-1", "A-2", "A-3", "B-1", "B-2") if w not in lines]
+        assert not missing, f"acknowledged lines lost: {missing} (conflicts reported: {conflicts})"
+        assert lines[0] == "counter=1" and lines[-2:] == ["A-3", "B-2"], cur
+        assert cur.startswith(v1.replace("counter=0", "counter=1")), cur
+        assert not conflicts, conflicts
+    finally:
+        for sc in (b, a):
+            if sc is not None:
+                sc.stop()
+        cp.stop()

@@ -10,7 +10,8 @@ the control plane answers ``412`` (the record changed elsewhere meanwhile):
 - an **append** (the put's content is its base's content plus a suffix: ``echo >> f``) is
   rebased: the current content plus that suffix;
 - any other change becomes a **three-way line merge** of base, current and local content
-  (``merge_lines``) when the two changes touch disjoint lines;
+  (``merge_lines``) when the two changes touch disjoint lines (or both only add lines at
+  the end: kept as two appends, theirs first);
 - else last writer wins: the put is sent unconditionally, the other version stays in the
   record's history, and the conflict is reported (``on_conflict``: a line in ``errors.log``).
 
@@ -503,16 +504,27 @@ def merge_lines(base: bytes, theirs: bytes, ours: bytes) -> bytes | None:
     """The three-way merge of two changes of ``base`` line by line (``merge3.Merge3``,
     as ``bzr merge`` / ``diff3``): the merged content when the changes touch disjoint
     regions (or make the same change), None when they conflict (both change the same
-    lines, or both insert at the same place). Pure; ``ConflictResolver.rebase`` runs it in a
-    worker thread (the line diff of two large files takes a while)."""
+    lines, or both insert at the same place). One exception: both adding lines at the end
+    of ``base`` is what two appenders do, kept as ``rebase`` keeps an append (theirs, then
+    ours), not a conflict: an overwrite that carries this mount's own queued appends
+    (coalesced with them, e.g. ``sed -i`` after ``echo >>`` while the control plane was
+    down) meets the other mount's appends there (attack report 12, A9). Pure;
+    ``ConflictResolver.rebase`` runs it in a worker thread (the line diff of two large
+    files takes a while)."""
     import merge3
 
     m = merge3.Merge3(base.splitlines(keepends=True), theirs.splitlines(keepends=True),
                       ours.splitlines(keepends=True))
+    groups = list(m.merge_groups())
     out: list[bytes] = []
-    for group in m.merge_groups():
+    for i, group in enumerate(groups):
         if group[0] == "conflict":
-            return None
+            _, at, theirs_added, ours_added = group
+            if at or i != len(groups) - 1:
+                return None
+            out.extend(theirs_added)  # both appended: theirs landed first, ours after
+            out.extend(ours_added)
+            continue
         out.extend(group[1])
     return b"".join(out)
 
