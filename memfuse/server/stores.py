@@ -255,7 +255,9 @@ class StoresService(Resource):
         if body.account is not None:  # named in the body: as X-Memfuse-Account would name it
             p = self.accounts.act_in_account(p, body.account)
         account = p.admin_account or DEFAULT_ACCOUNT
-        self._check_record_limit(body.max_record_bytes)
+        # a limit the caller chose; the default one is served by any body bound this
+        # control plane accepts for it, or refused at the write (413) when --max-body is smaller
+        self._check_record_limit(body.max_record_bytes if "max_record_bytes" in body.model_fields_set else None)
 
         def fn(s: Session) -> Store:
             key = keys.new_key(s.connection(), body.slug, account)
