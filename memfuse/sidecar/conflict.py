@@ -245,20 +245,16 @@ class ConflictResolver:
                     rec = merged  # e.g. an identical append by another writer: both kept
                 elif same:
                     rec = cur  # a whole write of the content already there: nothing lost
-                elif sha == UNKNOWN_BASE:
-                    self.conflict(e, "a reader of this file was served parts of two versions "
-                                     "(its reads straddled a change); this write is now the latest "
-                                     "version, the other one stays in history")
-                    log.warning("conflict: written on parts of two versions; last writer wins, the "
-                                "other version stays in history",
-                                extra={"store": e.store, "path": a.get("path"), "record": rid})
-                    rec = await c.update_record(e.store, rid, text.check(), type=typ,
-                                                idempotency_key=e.key + "-lww", **attrs)
-                else:
-                    self.conflict(e, "the record changed elsewhere; this write is now the "
-                                      "latest version, the other one stays in history")
-                    log.warning("conflict: record changed elsewhere; last writer wins, the "
-                                "other version stays in history",
+                else:  # last writer wins, said in errors.log and the log
+                    if sha == UNKNOWN_BASE:
+                        why = ("a reader of this file was served parts of two versions (its reads "
+                               "straddled a change)")
+                        what = "written on parts of two versions"
+                    else:
+                        why, what = "the record changed elsewhere", "record changed elsewhere"
+                    self.conflict(e, f"{why}; this write is now the latest version, the other one "
+                                     "stays in history")
+                    log.warning(f"conflict: {what}; last writer wins, the other version stays in history",
                                 extra={"store": e.store, "path": a.get("path"), "record": rid})
                     rec = await c.update_record(e.store, rid, text.check(), type=typ,
                                                 idempotency_key=e.key + "-lww", **attrs)
