@@ -286,16 +286,17 @@ def serve_and_mount(tmp: Path, ws: str = "ws", stores: tuple[str, ...] = ("defau
 
 
 @contextmanager
-def two_sidecars(tmp: Path, store: str = "shared") -> Iterator[tuple[ControlPlane, Sidecar, Sidecar]]:
+def two_sidecars(tmp: Path, store: str = "shared",
+                 a_args: tuple[str, ...] = ()) -> Iterator[tuple[ControlPlane, Sidecar, Sidecar]]:
     """A control plane and two sidecars on one shared ``store`` (workspaces ``wa`` and ``wb``,
-    mounted at ``tmp/ma`` and ``tmp/mb``): the setup of every two-mount sync test; all
-    stopped afterwards."""
+    mounted at ``tmp/ma`` and ``tmp/mb``; ``a_args``: more flags for ``wa``'s sidecar): the
+    setup of every two-mount sync test; all stopped afterwards."""
     cp = ControlPlane(tmp).start()
     a = b = None
     try:
         ta = cp.setup_workspace("wa", (store,))
         tb = cp.setup_workspace("wb", (store,))
-        a = Sidecar(cp, "wa", ta, tmp / "ma", tmp / "ca").start(expect=store)
+        a = Sidecar(cp, "wa", ta, tmp / "ma", tmp / "ca", *a_args).start(expect=store)
         b = Sidecar(cp, "wb", tb, tmp / "mb", tmp / "cb").start(expect=store)
         yield cp, a, b
     finally:

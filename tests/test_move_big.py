@@ -17,7 +17,7 @@ import pytest
 
 pytestmark = pytest.mark.mount
 
-from mountutil import ControlPlane, Sidecar, sh, wait_until
+from mountutil import ControlPlane, Sidecar, sh, two_sidecars, wait_until
 
 N = 3000  # files moved (directories of 100)
 STORE = "shared"
@@ -46,21 +46,8 @@ def test_big_directory_move_leaves_other_writers_committing(tmp_path):
     after 1 s without an answer (``Sidecar._liveness``): before, the move's own request
     was a probe, so a move of a few seconds was called an outage (and past 30 s sent
     again); now a request that may legitimately take long is no probe."""
-    cp = ControlPlane(tmp_path).start()
-    a = b = None
-    try:
-        ta = cp.setup_workspace("wa", (STORE,))
-        tb = cp.setup_workspace("wb", (STORE,))
-        a = Sidecar(cp, "wa", ta, tmp_path / "ma", tmp_path / "ca", "--commit-wait", "2").start(expect=STORE)
-        b = Sidecar(cp, "wb", tb, tmp_path / "mb", tmp_path / "cb").start(expect=STORE)
+    with two_sidecars(tmp_path, STORE, a_args=("--commit-wait", "2")) as (cp, a, b):
         _moving(cp, a, b)
-    finally:
-        try:
-            for sc in (a, b):
-                if sc is not None:
-                    sc.stop()
-        finally:
-            cp.stop()
 
 
 def _moving(cp: ControlPlane, a: Sidecar, b: Sidecar) -> None:
