@@ -161,3 +161,27 @@ async def test_import_takes_the_worst_record_at_the_limit(env, tmp_path):
     assert report.refused == [] and len(report.done) == 1, report
     r = _ok(await c.get("/v1/stores/ws/records", params={"path": "at.txt", "content": "true"}))
     assert r["records"][0]["size"] == N
+
+
+async def test_a_batch_holds_the_largest_record_of_a_larger_body_bound(tmp_path):
+    """A batch's own bound is the front door's (``--max-body``), not the default's: under a
+    bound past the default (stores of 9 MiB records) a batch carrying one such record of
+    control characters (a 54 MiB body) is taken. On main it was ``BATCH_MAX_BYTES`` (the
+    default bound): 413 ``batch_too_large``."""
+    from memfuse.defs import RECORD_BODY_MAX
+
+    n = 9 << 20
+    with fresh_db_url() as url:
+        app = create_app(url, static_tokens={ADMIN: None, WS: "ws"}, max_body=record_body_bound(n), faces=False)
+        svc = app.state.service
+        svc.create_workspace(Principal(None), WorkspaceCreate(name="ws"))
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
+                                         headers={"Authorization": f"Bearer {ADMIN}"}) as c:
+                _ok(await c.patch("/v1/stores/ws", json={"max_record_bytes": n, "max_store_bytes": 64 << 20}))
+                raw = json.dumps({"operations": [{"op": "create", "body": {"path": "b.txt", "content": WORST * n}}]})
+                assert len(raw) > RECORD_BODY_MAX
+                r = await c.post("/v1/stores/ws/batch", content=raw, headers={"Content-Type": "application/json"})
+                results = _ok(r)["results"]
+                assert [x["status"] for x in results] == [201], results
+        svc.db.dispose()
