@@ -185,3 +185,38 @@ async def test_a_batch_holds_the_largest_record_of_a_larger_body_bound(tmp_path)
                 results = _ok(r)["results"]
                 assert [x["status"] for x in results] == [201], results
         svc.db.dispose()
+
+
+async def test_mcp_takes_the_worst_record_of_a_default_store():
+    """``/mcp``'s tools write records, so its body bound is the record writes' (at least the
+    rule's): ``memory_create`` of a default store's largest record (1 MiB) of control
+    characters, a 6 MiB body, is taken; one byte more is the tool's refusal. On main /mcp
+    took 4 MiB: 413 before the server read it."""
+    from memfuse.defs import DEFAULT_MAX_RECORD_BYTES as n
+
+    h = {"Authorization": f"Bearer {WS}", "Accept": "application/json, text/event-stream"}
+
+    async def call(c: httpx.AsyncClient, path: str, text: str) -> dict:
+        body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                "params": {"name": "memory_create", "arguments": {"path": path, "file_text": text}}}
+        r = await _post(c, "POST", "/mcp", body, **h)
+        return _ok(r)["result"]
+
+    with fresh_db_url() as url:
+        app = create_app(url, static_tokens={ADMIN: None, WS: "ws"})
+        svc = app.state.service
+        svc.create_workspace(Principal(None), WorkspaceCreate(name="ws"))
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+                init = {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+                    "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}}
+                _ok(await _post(c, "POST", "/mcp", init, **h))
+                got = await call(c, "/memories/ws/m.txt", WORST * n)
+                assert got["isError"] is False, got
+                assert svc.get_store(Principal(None), "ws").max_record_bytes == n
+                got = await call(c, "/memories/ws/o.txt", WORST * (n + 1))
+                assert got["isError"] is True, got
+                r = _ok(await c.get("/v1/stores/ws/records", params={"path": "m.txt"},
+                                    headers={"Authorization": f"Bearer {WS}"}))
+                assert [x["size"] for x in r["records"]] == [n]
+        svc.db.dispose()
