@@ -183,7 +183,7 @@ async def test_openapi_states_every_integer_bound(env):
 
 async def test_a_store_never_allows_records_larger_than_one_request_carries(env):
     """``max_record_bytes`` past what the front door takes in one request (its body bound:
-    a record's JSON body may be twice its size, ``memfuse.defs.largest_record``) is 422
+    a record's JSON body may be six times its size, ``memfuse.defs.largest_record``) is 422
     ``invalid_limit`` at create and update, with nothing changed; the largest allowed is
     taken, and a record of that size made of escaped characters (every byte a newline or a
     quote, the body twice the record) is written through the front door. Attack 12 A2: 64 MiB
