@@ -231,7 +231,14 @@ def install(app: FastAPI, svc: Service, principal: Callable[..., Any]) -> None:
                 await JSONResponse({"error": "request too large"}, status_code=413)(scope, receive, send)
                 return
         instructions = None
-        if _wants_instructions(body):
+        try:
+            wanted = _wants_instructions(body)
+        except RecursionError:  # nested deeper than the parser recurses: JSON-RPC's parse error
+            await JSONResponse({"jsonrpc": "2.0", "id": None, "error": {
+                "code": -32700, "message": "Parse error: JSON nested too deep"}},
+                status_code=400)(scope, receive, send)
+            return
+        if wanted:
             instructions = await backend.instructions()
         sent = False
 
@@ -284,6 +291,10 @@ class _Asgi:
 
 
 def _wants_instructions(body: bytes) -> bool:
+    """Whether the JSON-RPC message (or batch) ``body`` is an ``initialize`` or
+    ``server/discover`` (the requests that carry the instructions). A body that is not JSON
+    is False (the transport answers it); raises RecursionError for JSON nested deeper than
+    the parser recurses, which the caller answers as a parse error (-32700)."""
     try:
         msg = json.loads(body)
     except ValueError:
