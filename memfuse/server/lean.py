@@ -24,7 +24,11 @@ count goes on in hypercorn after a hand-over), the response headers it adds (``d
 ``server``), an app error before its answer is a 500 with ``Connection: close``, a response
 not finished or a request body left unread closes the connection, and the close shuts the
 write side before closing the socket. The front door's bounds (body size and deadlines,
-slots, eviction, metrics) are the app's and apply as they do under hypercorn.
+slots, eviction, metrics) are the app's and apply as they do under hypercorn; two scope
+extensions save it work (``memfuse.server.gate.BODY``: a body the connection's buffer holds
+whole is given at once, without a read deadline to arm; ``gate.SEND_WITHIN``: the write
+path's answers are sent under this exchange's own send bound, armed only when the socket
+would block, instead of the front door's cancel scope).
 """
 from __future__ import annotations
 
