@@ -491,6 +491,32 @@ async def test_edit_refusals_and_stale(app):
     assert svc.get_record(ADMIN_P, "ws", rid).version == 3
 
 
+async def test_editing_keeps_a_records_own_line_endings(app):
+    """A textarea submits every line break as CRLF (HTML): saving a one-word edit of a CRLF
+    record keeps CRLF, of an LF record LF; a record mixing them (or with a lone CR) gets a
+    warning on the edit page before it is saved with LF (attack 13 F15)."""
+    svc = app.state.service
+    crlf = create(app, "win.md", "first line\r\nold word here\r\nend\r\n")
+    lf = create(app, "unix.md", "first line\nold word here\n")
+    mixed = create(app, "mixed.md", "a\r\nb\nlone CR\rend\n")
+    async with client(app, WS) as c:
+        for rid, want in ((crlf, "first line\r\nnew word here\r\nend\r\n"),
+                          (lf, "first line\nnew word here\n")):
+            page = await c.get(f"/ui/stores/ws/records/{rid}/edit")
+            assert page.status_code == 200 and "mixes line endings" not in page.text
+            newline = re.search(r'name="newline" value="([a-z]+)"', page.text).group(1)
+            base = svc.get_record(ADMIN_P, "ws", rid)
+            typed = base.content if base.content else svc.get_record(ADMIN_P, "ws", rid, with_content=True).content
+            typed = typed.replace("\r\n", "\n").replace("old", "new").replace("\n", "\r\n")  # as a browser sends it
+            r = await c.post(f"/ui/stores/ws/records/{rid}/edit", data={
+                "base_sha256": base.sha256, "base_version": str(base.version), "type": "project",
+                "original_type": "project", "newline": newline, "content": typed})
+            assert r.status_code == 303, r.text
+            assert svc.get_record(ADMIN_P, "ws", rid, with_content=True).content == want
+        page = await c.get(f"/ui/stores/ws/records/{mixed}/edit")
+        assert "mixes line endings" in page.text
+
+
 async def test_memory_settings_replace_and_clear(app):
     svc = app.state.service
     async with client(app, WS) as c:

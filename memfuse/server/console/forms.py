@@ -58,6 +58,25 @@ async def read_form(request: Request) -> dict[str, str]:
     return dict(pairs)
 
 
+def newline_style(text: str) -> str:
+    """How ``text`` ends its lines: ``"lf"`` (no CR at all), ``"crlf"`` (every line break is
+    CRLF) or ``"mixed"`` (both, or a lone CR). A textarea submits every line break as CRLF
+    (HTML's form submission), so the editor needs this to give a record its own line endings
+    back (:func:`with_newlines`); a ``"mixed"`` record cannot be edited as text without
+    changing some of them, which the edit page says."""
+    if "\r" not in text:
+        return "lf"
+    if text.count("\r") == text.count("\r\n") == text.count("\n"):
+        return "crlf"
+    return "mixed"
+
+
+def with_newlines(text: str, style: str) -> str:
+    """``text`` (LF line breaks, as :func:`field_text` returns it) with the line breaks of
+    ``style`` (:func:`newline_style`): CRLF for ``"crlf"``, else LF."""
+    return text.replace("\n", "\r\n") if style == "crlf" else text
+
+
 def field_text(form: dict[str, str], name: str, default: str = "") -> str:
     """A text field, with line endings as browsers send them (CRLF) turned into LF (memory
     files use LF; a textarea always submits CRLF). Raises ``memfuse.content.ContentError``

@@ -14,7 +14,7 @@ from starlette.responses import Response
 from memfuse.content import INDEX_PATH, RECORD_TYPES, ContentError, is_index
 from memfuse.models import Record, RecordCreate, RecordUpdate, Restore, Version
 from memfuse.server.console import render
-from memfuse.server.console.forms import field_text
+from memfuse.server.console.forms import field_text, newline_style, with_newlines
 from memfuse.server.console.pages import can_write, Ctx, redirect_to, render_page, store_ref
 from memfuse.server.service import ServiceError
 
@@ -160,11 +160,12 @@ def edit_page(ctx: Ctx) -> Response:
             raise ServiceError(403, "read_only", f"store {slug!r} is attached read-only")
         return _edit_form(ctx, slug, rec=rec, settings=settings,
                           values={"base_sha256": rec.sha256, "base_version": str(rec.version),
-                                  "type": rec.type or ""})
-    values = {k: ctx.form.get(k, "") for k in ("base_sha256", "base_version", "type", "original_type")}
+                                  "type": rec.type or "", "newline": newline_style(rec.content or "")})
+    values = {k: ctx.form.get(k, "") for k in ("base_sha256", "base_version", "type", "original_type", "newline")}
     action = ctx.form.get("action", "save")
     try:
-        content = "" if action == "clear" else field_text(ctx.form, "content")
+        # the record's own line endings back (a textarea submits CRLF for every line break)
+        content = "" if action == "clear" else with_newlines(field_text(ctx.form, "content"), values["newline"])
     except ContentError as err:
         return _edit_form(ctx, slug, rec=rec, status=422, content=ctx.form.get("content", "").encode(
             "utf-8", "surrogateescape").decode("utf-8", "replace"), errors={"content": str(err)},
