@@ -170,7 +170,9 @@ def test_a_backlog_written_after_a_remote_change_is_no_conflict(tmp_path):
         assert read(m / "f.md") == want
         errors = (sc.mountpoint / ".memfuse" / "errors.log").read_text()
         assert "conflict" not in errors and "changed elsewhere" not in errors, errors
-        assert "last writer wins" not in sc.log.read_text()
+        # no conflict resolved last-writer-wins (a reader of the test's own polling may have
+        # straddled the remote change: that notice is info, not a conflict)
+        assert "conflict:" not in sc.log.read_text()
     finally:
         if sc is not None and sc.proc is not None:
             sc.stop()
