@@ -219,6 +219,8 @@ class Service:
         self.delete_attachment = self.stores.delete_attachment
         self.check_workspace = self.stores.check_workspace
         self.list_attachments = self.stores.list_attachments
+        self.stores_over_body_bound = self.stores.stores_over_body_bound
+        self.warn_stores_over_body_bound = self.stores.warn_stores_over_body_bound
         # record_reads
         self.list_records = self.record_reads.list_records
         self.list_records_json = self.record_reads.list_records_json
