@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from memfuse.defs import RECORD_TYPES
+from memfuse.names import INDEX_NAME
 
 __all__ = [
     "RECORD_TYPES",
@@ -64,7 +65,7 @@ __all__ = [
     "secret_view",
 ]
 
-INDEX_PATH = "MEMORY.md"
+INDEX_PATH = INDEX_NAME  # the store's index (memfuse.names: no directory may take its name)
 
 
 # ---------------------------------------------------------------- errors
@@ -770,8 +771,7 @@ def redact_secrets(text: str) -> str:
         found = _first_secret(view)
         if found is None:
             return view
-        _, m = found
-        view = view[: m.start()] + view[m.start() : m.start() + 4] + REDACTED + view[m.end() :]
+        view = _redact_at(view, found[1])
     return "[REDACTED: the text held more than %d secrets]" % REDACT_MAX
 
 
@@ -832,6 +832,12 @@ class NameSecret:
                 f"{self.redacted!r}); names show in listings, history and logs: choose another name")
 
 
+def _redact_at(text: str, m: re.Match[str]) -> str:
+    """``text`` with the secret at ``m``'s span (positions in ``text``) cut to its first four
+    characters (the vendor prefix, ``AKIA``, ``ghp_``) and :data:`REDACTED`."""
+    return text[: m.start()] + text[m.start() : m.start() + 4] + REDACTED + text[m.end() :]
+
+
 def find_secret_in_path(path: str) -> NameSecret | None:
     """The first secret in a record path (``a/b.md``) or one name, found with the same rules
     as content (:func:`find_secret`), each component scanned on its own, as written and with
@@ -852,7 +858,7 @@ def find_secret_in_path(path: str) -> NameSecret | None:
             if found is None:
                 continue
             rule, m = found
-            red = base[: m.start()] + base[m.start() : m.start() + 4] + REDACTED + base[m.end() :]
+            red = _redact_at(base, m)
             shown = "/".join(parts[:i] + [red] + [_redact_rest(c) for c in parts[i + 1 :]])
             return NameSecret(rule.kind, i + 1, shown)
     return None

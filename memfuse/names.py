@@ -112,6 +112,17 @@ def check_path(path: str) -> str:
 INDEX_NAME = "MEMORY.md"
 
 
+def check_dir_name(parent: str, name: str) -> str:
+    """``name`` for a directory made (mkdir, a directory renamed there, an implied parent of
+    a record path) in the directory at store-relative path ``parent`` (``""``: the store's
+    root): :data:`INDEX_NAME` at the root is refused (the index would become a directory that
+    no agent can write, while its prompt block says to create it). Raises ``NameError_``."""
+    if name == INDEX_NAME and not parent:
+        raise NameError_(f"{INDEX_NAME} at the store's root is the store's index file; it cannot "
+                         f"be a directory")
+    return name
+
+
 def check_new_name(name: str) -> str:
     """The rules a name must meet to be GIVEN to a new file or directory (create, mkdir, rename
     target, on every face), beyond :func:`check_component` (which every name already met):
@@ -129,15 +140,13 @@ def check_new_name(name: str) -> str:
 
 def check_new_path(path: str) -> str:
     """:func:`check_path` plus the rules of a path a write gives a record (create, move, the
-    target of a prefix move): every component meets :func:`check_new_name`, and
-    :data:`INDEX_NAME` at the store's root is not a directory (``MEMORY.md/x``: the index
-    would become a directory that no agent can write, while its prompt block says to create
-    it). Raises ``NameError_``."""
+    target of a prefix move): every component meets :func:`check_new_name`, and its first
+    component, when it is a directory, :func:`check_dir_name` (``MEMORY.md/x`` is refused).
+    Raises ``NameError_``."""
     check_path(path)
     parts = path.split("/")
-    if len(parts) > 1 and parts[0] == INDEX_NAME:
-        raise NameError_(f"{INDEX_NAME} at the store's root is the store's index file; it cannot "
-                         f"be a directory")
+    if len(parts) > 1:
+        check_dir_name("", parts[0])
     for part in parts:
         check_new_name(part)
     return path

@@ -86,6 +86,14 @@ class NamespaceOps:
 
         def sync_rejected(self) -> None: ...
 
+    def _check_dir_name(self, d: Node, name: str) -> None:
+        """``names.check_dir_name`` for a directory ``name`` made in ``d`` (mkdir, a directory
+        renamed there): refused ``EINVAL`` (``invalid_path``, an ``errors.log`` line)."""
+        try:
+            names.check_dir_name(d.path(), name)
+        except names.NameError_ as e:
+            self.refuse(d, name, errno.EINVAL, e.reason, "invalid_path")
+
     def mkdir(self, parent_ino: int, name: bytes, mode: int, uid: int, gid: int) -> Node:
         """mkdir(2) of ``name`` in ``parent_ino`` (permission bits ``mode``, owner ``uid`` /
         ``gid``); returns the new directory (one kernel lookup). It lives in this sidecar
@@ -98,9 +106,7 @@ class NamespaceOps:
         s = self._check_name(d, name)
         if s in d.children:
             raise FsError(errno.EEXIST)
-        if s == names.INDEX_NAME and not d.path():
-            self.refuse(d, s, errno.EINVAL, f"{names.INDEX_NAME} at the store's root is the store's "
-                        "index file; it cannot be a directory", "invalid_path")
+        self._check_dir_name(d, s)
         n = self._new_node(s, d, True, sm, stat.S_IMODE(mode), time.time_ns())  # the mount's uid / gid
         try:
             self.save_dirs()
@@ -167,9 +173,8 @@ class NamespaceOps:
         if sm is not sm2:
             raise FsError(errno.EXDEV)
         s = self._check_name(nd, new_name)
-        if src.is_dir and s == names.INDEX_NAME and not nd.path():
-            self.refuse(nd, s, errno.EINVAL, f"{names.INDEX_NAME} at the store's root is the store's "
-                        "index file; it cannot be a directory", "invalid_path")
+        if src.is_dir:
+            self._check_dir_name(nd, s)
         assert od.children is not None and nd.children is not None  # _writable_dir: directories
         dst = nd.children.get(s)
         if dst is src:
