@@ -192,14 +192,19 @@ def record_type(path: str, content: str, explicit: str | None, default: str | No
     return found if found is not None else default
 
 
+#: why a type is refused; the value itself is never shown (it is content)
+TYPE_REFUSAL = f"the type is not one of {', '.join(RECORD_TYPES)}"
+
+
 def check_type(t: str | None) -> None:
     """Raise :class:`InvalidType` unless ``t`` is one of ``user``, ``feedback``, ``project``,
     ``reference``. None passes: it is the root index's (absent) type, which
     :func:`record_type` only returns for ``MEMORY.md``."""
     if t is None or t in RECORD_TYPES:
         return
-    shown = t if len(t) <= 40 else t[:40] + "…"
-    raise InvalidType(f"type {shown!r} is not one of {', '.join(RECORD_TYPES)}")
+    # the value is memory content (it can hold anything: a name, a token): the reason, which
+    # reaches logs, errors.log and API answers, never shows it (attack 13 F13)
+    raise InvalidType(TYPE_REFUSAL)
 
 
 # ---------------------------------------------------------------- encoding
@@ -743,6 +748,31 @@ def find_secret(content: str) -> str | None:
         view = content  # the text as written too (stripping can also join two words)
         found = _first_secret(view)
     return None if found is None else _secret_reason(found, view)
+
+
+#: at most this many secrets are cut out of one text by :func:`redact_secrets`; past it the
+#: whole text is replaced (a text made of secrets says nothing else worth keeping)
+REDACT_MAX = 64
+
+
+def redact_secrets(text: str) -> str:
+    """``text`` with every secret the content rules find (:func:`find_secret`) cut to its
+    first four characters (the vendor prefix, ``ghp_``) and ``[REDACTED]``: for untrusted
+    text memfuse keeps but does not refuse (a consolidation model's summary). Returns
+    ``text`` itself when it holds none. The matches are found in the text as a prompt shows
+    it (:func:`secret_view`), so a text that held a secret comes back in that view (format
+    characters removed, NFKC). More than :data:`REDACT_MAX` secrets: one line saying so.
+    Linear per secret found (one :func:`find_secret` scan each)."""
+    if find_secret(text) is None:
+        return text
+    view = secret_view(text)
+    for _ in range(REDACT_MAX):
+        found = _first_secret(view)
+        if found is None:
+            return view
+        _, m = found
+        view = view[: m.start()] + view[m.start() : m.start() + 4] + REDACTED + view[m.end() :]
+    return "[REDACTED: the text held more than %d secrets]" % REDACT_MAX
 
 
 def _secret_reason(found: tuple[_Rule, re.Match[str]], view: str) -> str:
