@@ -7,6 +7,7 @@ the sidecar, which never loads pydantic, can use them.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from datetime import datetime, timezone
 from enum import Enum
 
@@ -41,6 +42,8 @@ __all__ = [
     "SEARCH_LINES_DEFAULT",
     "SEARCH_LINES_MAX",
     "FEED_PAGE_MAX",
+    "PAGE_CONTENT_BYTES",
+    "page_rows_within",
     "JOBS_PAGE_DEFAULT",
     "JOBS_PAGE_MAX",
     "Access",
@@ -143,6 +146,28 @@ ACTOR_HEADER = "Memfuse-Actor"
 # changes / events per page of GET .../changes and .../events (``limit``: also the default), in the
 # app's Query(...), the long-poll fast path and the streams
 FEED_PAGE_MAX = 1000
+# bytes of content (UTF-8, the rows' ``size``) one page carrying content may hold: every page
+# with content (change feed and its long-polls / streams, store snapshots, the memory-store
+# face's memories and versions with ``view=full``) stops adding rows past it, so a page's memory
+# is bounded by bytes and not only by rows (``limit``); see ``page_rows_within``
+PAGE_CONTENT_BYTES = 8 * 1024 * 1024
+
+
+def page_rows_within(sizes: Iterable[int | None], budget: int = PAGE_CONTENT_BYTES) -> int:
+    """How many of the leading rows (``sizes``: each row's content bytes in page order, None
+    counted as 0) one page carries: as many as fit in ``budget`` bytes together, and always at
+    least one (a row larger than the budget is served alone, so a reader makes progress).
+    0 only when ``sizes`` is empty. A page cut short this way is not the end: its cursor
+    (``next_cursor``, ``next_page``, the feed's ``seq``) goes on after its last row."""
+    total = n = 0
+    for size in sizes:
+        total += size or 0
+        if n and total > budget:
+            break
+        n += 1
+    return n
+
+
 # consolidation jobs per page of GET /v1/stores/{store}/consolidations (``limit``)
 JOBS_PAGE_DEFAULT, JOBS_PAGE_MAX = 100, 1000
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)

@@ -581,3 +581,34 @@ def test_session_sync_through_mount(server, tmp_path):
         wait_until(lambda: not (mnt / "shared").exists(), 30, "the deleted store leaves the mount")
     finally:
         sc.stop()
+
+
+def test_full_view_pages_bounded_in_bytes(agent, admin):
+    """With ``view=full`` a page holds at most defs.PAGE_CONTENT_BYTES of content (at least one
+    item), cut short with a ``next_page``; the SDK's auto-pager still lists every version and
+    every memory exactly once, with its content."""
+    from memfuse.defs import PAGE_CONTENT_BYTES
+
+    big = 1_000_000  # 8 fit in a page's content budget, 9 do not
+    assert 8 * big <= PAGE_CONTENT_BYTES < 9 * big
+
+    def text(i: int) -> str:
+        return (f"{i:03d}" * (big // 3 + 1))[:big]
+
+    store = admin.beta.memory_stores.create(name="big pages", workspace_id="ws").id
+    mem = agent.beta.memory_stores.memories
+    m = mem.create(store, path="/big.md", content=text(0))
+    for i in range(1, 10):
+        mem.update(m.id, memory_store_id=store, content=text(i))
+    versions = agent.beta.memory_stores.memory_versions
+    first = versions.list(store, memory_id=m.id, view="full", limit=20)
+    assert 1 <= len(first.data) <= 8 and first.has_next_page()
+    listed = list(versions.list(store, memory_id=m.id, view="full", limit=20))
+    assert [v.content for v in listed] == [text(i) for i in reversed(range(10))]
+    assert len({v.id for v in listed}) == 10
+    for i in range(1, 10):
+        mem.create(store, path=f"/more/{i}.md", content=text(i))
+    first_m = mem.list(store, view="full", limit=20)
+    assert 1 <= len(first_m.data) <= 8 and first_m.has_next_page()
+    got = [(x.path, x.content) for x in mem.list(store, view="full", limit=20)]
+    assert got == [("/big.md", text(9))] + [(f"/more/{i}.md", text(i)) for i in range(1, 10)]

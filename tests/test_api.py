@@ -425,6 +425,73 @@ async def test_changes_feed_and_long_poll(env: Env):
     assert ch["operation"] == "modified" and ch["record"]["content"] == "v2" and ch["record"]["version"] == 2
 
 
+BIG = 1_000_000  # bytes of one big version: 8 fit in a page's content budget, 9 do not
+
+
+def _big(i: int) -> str:
+    return (f"{i:03d}" * (BIG // 3 + 1))[:BIG]
+
+
+async def _follow_feed(env: Env, **params) -> tuple[list[dict], list[int]]:
+    """Every change of ``default`` from 0, following ``seq`` until an empty page; and the
+    number of changes of each page."""
+    after, out, sizes = 0, [], []
+    for _ in range(50):
+        r = await env.ws.get("/v1/stores/default/changes", params={"after": after, "limit": 1000, **params})
+        assert r.status_code == 200, r.text
+        page = r.json()
+        if not page["changes"]:
+            return out, sizes
+        out += page["changes"]
+        sizes.append(len(page["changes"]))
+        assert page["seq"] == page["changes"][-1]["seq"]
+        after = page["seq"]
+    raise AssertionError("the feed never ended")
+
+
+async def test_pages_with_content_are_bounded_in_bytes(env: Env):
+    """A page that carries content holds at most defs.PAGE_CONTENT_BYTES of it (at least one
+    row): the change feed (plain, long-poll, skip_actor) and the snapshot come back short with
+    a cursor, and following the cursors yields every row exactly once with its content."""
+    from memfuse.defs import PAGE_CONTENT_BYTES
+
+    assert 8 * BIG <= PAGE_CONTENT_BYTES < 9 * BIG
+    rec = await env.create("big.md", _big(0))
+    for i in range(1, 10):  # ten versions of 1 MB: more than one page's budget
+        r = await env.ws.put(f"/v1/stores/default/records/{rec['id']}", json={"content": _big(i)})
+        assert r.status_code == 200, r.text
+    small = [await env.create(f"s{i}.md", f"small {i}") for i in range(3)]
+    for params in ({}, {"wait": 1}, {"skip_actor": "nobody"}):
+        changes, pages = await _follow_feed(env, **params)
+        assert len(pages) > 1 and max(pages) <= 8, (params, pages)
+        assert [c["record"]["version"] for c in changes[:10]] == list(range(1, 11))
+        assert [c["record"]["content"] for c in changes[:10]] == [_big(i) for i in range(10)]
+        assert [c["record"]["path"] for c in changes[10:]] == [s["path"] for s in small]
+        assert len({c["seq"] for c in changes}) == 13
+    changes, pages = await _follow_feed(env, content="false")  # without content: rows only
+    assert pages == [13]
+
+    # the snapshot: ten records of 1 MB
+    for i in range(1, 10):
+        await env.create(f"big{i}.md", _big(i))
+    seen, cursor, n_pages = [], None, 0
+    while True:
+        params = {"content": "true", "limit": 1000, **({"cursor": cursor} if cursor else {})}
+        r = await env.ws.get("/v1/stores/default/records", params=params)
+        assert r.status_code == 200, r.text
+        page = r.json()
+        n_pages += 1
+        assert sum(len(x["content"]) for x in page["records"]) <= max(PAGE_CONTENT_BYTES, BIG)
+        seen += [(x["path"], x["content"]) for x in page["records"]]
+        cursor = page["next_cursor"]
+        if cursor is None:
+            break
+    assert n_pages > 1
+    want = {"big.md": _big(9), **{f"big{i}.md": _big(i) for i in range(1, 10)},
+            **{s["path"]: f"small {i}" for i, s in enumerate(small)}}
+    assert len(seen) == len(want) and dict(seen) == want
+
+
 async def test_changes_cursor_expired(env: Env):
     await env.create("a.md")
     r = await env.ws.get("/v1/stores/default/changes", params={"after": 1000})

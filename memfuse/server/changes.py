@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Literal, Unpack, cast
 
-from sqlalchemy import Select, func, null, select
+from sqlalchemy import ColumnElement, Connection, Select, func, null, select
 
-from memfuse.defs import FEED_PAGE_MAX, INT64_MAX
+from memfuse.defs import FEED_PAGE_MAX, INT64_MAX, page_rows_within
 from memfuse.models import DEFAULT_MODE, Access, Change, ChangePage, EventPage, Operation, Record, WorkspaceEvent
 from memfuse.server import deltas, keys, wakeups
 from memfuse.server.base import _R, _V, AnyRow, Parts, Principal, Resource, ServiceError
@@ -38,6 +38,27 @@ def _feed_select(with_content: bool) -> Select[Unpack[tuple[Any, ...]]]:
         _V.c.mode, _V.c.mtime_ns, _V.c.base_version, _V.c.chain,
         _R.c.created_at.label("record_created_at"),
     ).join(_R, _R.c.id == _V.c.record_id)
+
+
+def _feed_rows(
+    conn: Connection, conds: list[ColumnElement[bool]], limit: int, with_content: bool,
+) -> tuple[list[Any], bool]:
+    """The change-feed rows (``_feed_select``) matching ``conds``, oldest first: at most
+    ``limit``, and with content at most what ``defs.page_rows_within`` lets one page carry
+    (their sizes are read first, without content, so content past the budget is never read).
+    Append versions' content is made whole. Returns the rows and whether the page was cut
+    (by ``limit`` or by bytes): then more versions may follow the last one."""
+    if not with_content:
+        rows = conn.execute(_feed_select(False).where(*conds).order_by(_V.c.seq).limit(limit)).all()
+        return list(rows), len(rows) >= limit
+    sizes = conn.execute(select(_V.c.seq, _V.c.size).where(*conds).order_by(_V.c.seq).limit(limit)).all()
+    n = page_rows_within(r.size for r in sizes)
+    if n == 0:
+        return [], False
+    rows = conn.execute(
+        _feed_select(True).where(*conds, _V.c.seq <= sizes[n - 1].seq).order_by(_V.c.seq).limit(n)
+    ).all()
+    return deltas.resolve(conn, rows), len(sizes) >= limit or n < len(sizes)
 
 
 def _change(v: AnyRow | SimpleNamespace, with_content: bool) -> Change:
@@ -70,7 +91,8 @@ def _change(v: AnyRow | SimpleNamespace, with_content: bool) -> Change:
 class FeedRead:
     """One shared read of a store's change feed (``feed_read``): ``changes`` after ``after``
     up to ``store_top`` (the store's latest seq when read), ``top`` the latest seq of all
-    stores (a cursor beyond it is expired), ``full`` when ``limit`` cut the read."""
+    stores (a cursor beyond it is expired), ``full`` when ``limit`` or the page byte
+    budget (``defs.page_rows_within``) cut the read."""
 
     store: str
     after: int
@@ -201,14 +223,10 @@ class ChangesService(Resource):
         with self.db.read_conn() as conn:
             top = conn.scalar(select(func.max(_V.c.seq))) or 0
             store_top = conn.scalar(select(func.max(_V.c.seq)).where(_V.c.store == slug)) or 0
-            rows = conn.execute(
-                _feed_select(with_content).where(_V.c.store == slug, _V.c.seq > after, _V.c.seq <= store_top)
-                .order_by(_V.c.seq).limit(limit)
-            ).all()
-            if with_content:
-                rows = deltas.resolve(conn, rows)  # append versions' content made whole
+            rows, cut = _feed_rows(conn, [_V.c.store == slug, _V.c.seq > after, _V.c.seq <= store_top],
+                                   limit, with_content)
         self.notifier.learn_head(slug, store_top, stamp)
-        return FeedRead(slug, after, [_change(v, with_content) for v in rows], store_top, top, len(rows) >= limit)
+        return FeedRead(slug, after, [_change(v, with_content) for v in rows], store_top, top, cut)
 
     def changes_page(
         self,
@@ -222,7 +240,8 @@ class ChangesService(Resource):
     ) -> ChangePage:
         """Versions of the store with seq > ``after``, oldest first, each as the record's state
         as of that version. Raises 410 ``cursor_expired`` when ``after`` is beyond anything the
-        server has written.
+        server has written. With content a page holds at most ``defs.PAGE_CONTENT_BYTES`` of
+        it (at least one version): a short page is not the end, the end is an empty page.
 
         ``skip_actor``: versions whose actor is exactly this are left out; the page's ``seq``
         still moves past them (to the store's latest version when the page is not full), so
@@ -234,19 +253,17 @@ class ChangesService(Resource):
                 raise ServiceError(
                     410, "cursor_expired", f"cursor {after} is beyond this server's feed ({top}); take a snapshot"
                 )
-            q = _feed_select(with_content).where(_V.c.store == st.slug, _V.c.seq > after).order_by(_V.c.seq).limit(limit)
+            conds = [_V.c.store == st.slug, _V.c.seq > after]
             skip = skip_actor or None
             store_top = 0
             if skip is not None:
                 # Read the store's latest seq first: every version of the store up to it has
                 # committed (a store's versions commit in seq order), so the page may claim it.
                 store_top = conn.scalar(select(func.max(_V.c.seq)).where(_V.c.store == st.slug)) or 0
-                q = q.where(_V.c.seq <= store_top, _V.c.actor != skip)
-            rows = conn.execute(q).all()
-            if with_content:
-                rows = deltas.resolve(conn, rows)  # append versions' content made whole
+                conds += [_V.c.seq <= store_top, _V.c.actor != skip]
+            rows, cut = _feed_rows(conn, conds, limit, with_content)
         changes = [_change(v, with_content) for v in rows]
-        if skip is not None and len(rows) < limit:
+        if skip is not None and not cut:
             seq = max(after, store_top)
         else:
             seq = changes[-1].seq if changes else after

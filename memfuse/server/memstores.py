@@ -29,6 +29,7 @@ from sqlalchemy import delete, false, select, tuple_, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
+from memfuse.defs import page_rows_within
 from memfuse.models import Access, MoveResult, Record, RecordCreate, RecordMove, RecordUpdate, StoreCreate
 from memfuse.server import deltas, keys, tails
 from memfuse.server.anthropic_models import DeletedMemoryStore, MemoryStoreOut
@@ -276,12 +277,13 @@ class MemoryStoresService(Resource):
         (``ListedItem.after`` of the previous page's last item); and whether more follow.
         With ``depth`` > 0 a record more than ``depth`` segments below the prefix is rolled
         up into one prefix item for its first ``depth`` segments, and the listing seeks past
-        that directory (one query per rolled-up directory, not one per record)."""
+        that directory (one query per rolled-up directory, not one per record). With content
+        a page holds at most ``defs.PAGE_CONTENT_BYTES`` of it (at least one memory); the
+        content is read only for the memories the page keeps."""
         path_col = self._path_col()
-        cols = (*_MEMORY_COLUMNS, tails.LIVE_CONTENT) if with_content else _MEMORY_COLUMNS
         with self.db.read_conn() as conn:
             st = self._store(conn, p, slug)
-            base = select(*cols).where(_R.c.store == st.slug, _R.c.deleted == false())
+            base = select(*_MEMORY_COLUMNS).where(_R.c.store == st.slug, _R.c.deleted == false())
             if prefix:
                 base = base.where(path_col >= prefix, path_col < path_prefix_end(prefix))
             items: list[ListedItem] = []
@@ -307,8 +309,25 @@ class MemoryStoresService(Resource):
                     items.append(ListedItem(r, None, pos))
                 if not rolled and len(batch) < want:
                     break
-        more = len(items) > limit
-        return items[:limit], more
+            more = len(items) > limit
+            items = items[:limit]
+            if with_content:
+                items, cut = self._with_content(conn, items)
+                more = more or cut
+        return items, more
+
+    @staticmethod
+    def _with_content(conn: Connection, items: list[ListedItem]) -> tuple[list[ListedItem], bool]:
+        """The leading ``items`` one page with content may carry (``defs.page_rows_within``
+        by the records' sizes; prefixes count 0), their rows read again with their live
+        content (a record deleted meanwhile is left out); and whether items were cut."""
+        n = page_rows_within(it.row.size if it.row is not None else 0 for it in items)
+        ids = [it.row.id for it in items[:n] if it.row is not None]
+        rows = {r.id: r for r in conn.execute(
+            select(*_MEMORY_COLUMNS, tails.LIVE_CONTENT).select_from(_R).where(_R.c.id.in_(ids))).all()} if ids else {}
+        out = [it if it.row is None else ListedItem(rows[it.row.id], None, it.after)
+               for it in items[:n] if it.row is None or it.row.id in rows]
+        return out, n < len(items)
 
     def ms_update_memory(
         self, p: Principal, slug: str, record_id: str, *, content: str | None, path: str | None,
@@ -353,8 +372,10 @@ class MemoryStoresService(Resource):
         """At most ``limit`` version rows of the store, newest first (``seq`` descending),
         older than ``before_seq``, filtered by record, memfuse operations, creation time
         (inclusive) and actor (``actor_exact``: the actor string; ``actor_instance``: a
-        sidecar's writes, ``ws:<any>/<instance>``); and whether more follow."""
-        cols = [c for c in _V.c if with_content or c.name != "content"]
+        sidecar's writes, ``ws:<any>/<instance>``); and whether more follow. With content a
+        page holds at most ``defs.PAGE_CONTENT_BYTES`` of it (at least one version), read only
+        for the versions it keeps."""
+        cols = [c for c in _V.c if c.name != "content"]
         with self.db.read_conn() as conn:
             st = self._store(conn, p, slug)
             q = select(*cols).where(_V.c.store == st.slug)
@@ -374,11 +395,17 @@ class MemoryStoresService(Resource):
                 esc = actor_instance.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
                 q = q.where(_V.c.actor.like("ws:%/" + esc, escape="\\"))
             rows = conn.execute(q.order_by(_V.c.seq.desc()).limit(limit + 1)).all()
-            if with_content:  # append versions' content made whole (oldest first: links reused)
-                rows = list(reversed(deltas.resolve(conn, list(reversed(rows)))))
-        if actor_instance is not None:  # LIKE's ``%`` may span a "/" of the workspace part
-            rows = [r for r in rows if r.actor.rpartition("/")[2] == actor_instance]
-        return rows[:limit], len(rows) > limit
+            if actor_instance is not None:  # LIKE's ``%`` may span a "/" of the workspace part
+                rows = [r for r in rows if r.actor.rpartition("/")[2] == actor_instance]
+            more, rows = len(rows) > limit, rows[:limit]
+            if with_content and rows:
+                # content only for the versions one page may carry (defs.page_rows_within)
+                n = page_rows_within(r.size for r in rows)
+                more, seqs = more or n < len(rows), [r.seq for r in rows[:n]]
+                whole = conn.execute(select(_V).where(_V.c.seq.in_(seqs)).order_by(_V.c.seq)).all()
+                # append versions' content made whole (oldest first: links reused)
+                rows = list(reversed(deltas.resolve(conn, whole)))
+        return rows, more
 
     def ms_get_version(self, p: Principal, slug: str, seq: int, *, with_content: bool) -> AnyRow:
         """The version row of ``seq`` in the store; 404 ``version_not_found``."""

@@ -6,16 +6,17 @@ versions. Writes are in ``memfuse.server.records``; what both share in
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from sqlalchemy import false, func, select, text, tuple_
 
 from memfuse import content as content_rules
 from memfuse import wire
-from memfuse.defs import DEFAULT_MODE, RECORDS_PAGE_DEFAULT, RECORDS_PAGE_MAX
+from memfuse.defs import DEFAULT_MODE, RECORDS_PAGE_DEFAULT, RECORDS_PAGE_MAX, page_rows_within
 from memfuse.models import Record, RecordPage, Version
 from memfuse.server import keys, tails
 from memfuse.server.base import AnyRow, Principal, Resource, ServiceError, _R, _V, holds
+from memfuse.server.jsonpieces import json_list_pieces
 from memfuse.server.recordrows import (
     _PAGE_COLUMNS,
     _PAGE_COLUMNS_NO_CONTENT,
@@ -35,7 +36,8 @@ log = logging.getLogger("memfuse.server.service")  # every room of the Service l
 
 
 class RecordReadsService(Resource):
-    """``Service`` methods: ``list_records``, ``list_records_json``, ``search_records``,
+    """``Service`` methods: ``list_records``, ``list_records_json`` (and its pieces,
+    ``list_records_pieces``), ``search_records``,
     ``get_record``, ``list_versions``, ``get_version``."""
 
     _record = staticmethod(RecordsService._record)
@@ -53,7 +55,9 @@ class RecordReadsService(Resource):
         live records' ``(store, path COLLATE "C", id)`` index (revision
         ``0005_records_path_bytes``; with ``include_deleted`` it sorts the store's records).
         With ``raw_times`` on SQLite the two times come as stored text (``_sqlite_time``);
-        the last member says whether they do."""
+        the last member says whether they do. With content a page holds at most
+        ``defs.PAGE_CONTENT_BYTES`` of it (``page_rows_within``; at least one record), and
+        more follow when it was cut."""
         with self.db.read_conn() as conn:
             st = self._store(conn, p, slug)
             seq = conn.scalar(select(func.max(_V.c.seq)).where(_V.c.store == st.slug)) or 0
@@ -71,9 +75,21 @@ class RecordReadsService(Resource):
             if cursor:
                 cp, cid = _decode_cursor(cursor)
                 q = q.where(tuple_(path_col, _R.c.id) > tuple_(cp, cid))
-            rows = conn.execute(q.order_by(path_col, _R.c.id).limit(limit + 1)).all()
-        more = len(rows) > limit
-        return rows[:limit], more, seq, raw_times
+            if not with_content:
+                rows = conn.execute(q.order_by(path_col, _R.c.id).limit(limit + 1)).all()
+                return rows[:limit], len(rows) > limit, seq, raw_times
+            # with content: the sizes first, so content past the page's byte budget is never read
+            keys_q = q.with_only_columns(_R.c.path, _R.c.id, _R.c.size)
+            sizes = conn.execute(keys_q.order_by(path_col, _R.c.id).limit(limit + 1)).all()
+            n = page_rows_within(r.size for r in sizes[:limit])
+            if n == 0:
+                return [], False, seq, raw_times
+            cut = len(sizes) > n
+            if cut:  # up to the last record kept (a record created meanwhile may push it out: then
+                last = sizes[n - 1]  # the cursor is the last one read, and it is on the next page)
+                q = q.where(tuple_(path_col, _R.c.id) <= tuple_(last.path, last.id))
+            rows = conn.execute(q.order_by(path_col, _R.c.id).limit(n + 1)).all()
+        return rows[:n], cut or len(rows) > n, seq, raw_times
 
     def list_records(
         self,
@@ -112,18 +128,42 @@ class RecordReadsService(Resource):
         client's msgspec ``Record`` (same members, same order, same JSON) and the page is
         encoded by msgspec, ~5× less CPU for a page of 1,000 records with content. Raises
         what ``list_records`` raises."""
+        pieces, _ = self.list_records_pieces(p, slug, cursor=cursor, limit=limit, with_content=with_content,
+                                             path=path, include_deleted=include_deleted)
+        return b"".join(pieces)
+
+    def list_records_pieces(
+        self,
+        p: Principal,
+        slug: str,
+        *,
+        cursor: str | None = None,
+        limit: int = RECORDS_PAGE_DEFAULT,
+        with_content: bool = False,
+        path: str | None = None,
+        include_deleted: bool = False,
+    ) -> tuple[Iterator[bytes], int]:
+        """``list_records_json``'s bytes as pieces encoded lazily (one per record, between
+        the page's head and tail: a route sends a page of much content without holding its
+        whole JSON, ``routes.deps.pieces_response``), and the page's content bytes. The page
+        is read at once (raises what ``list_records`` raises); only its encoding waits."""
         rows, more, seq, raw = self._snapshot_rows(p, slug, cursor, limit, with_content, path, include_deleted,
                                                    raw_times=True)
         W = wire.Record
         t = _sqlite_time if raw else _same
-        recs = [W(id=r[0], store=keys.public(r[1]), path=r[2], type=r[3], version=r[4], sha256=r[5], size=r[6],
-                  deleted=r[7], created_at=t(r[8]), updated_at=t(r[9]), updated_by=r[10], seq=r[11],
-                  mode=DEFAULT_MODE if r[12] is None else r[12], mtime_ns=r[13],
-                  content=r[14] if with_content else None)
-                for r in rows]
-        return _PAGE_ENCODER.encode(wire.RecordPage(
-            records=recs, seq=seq,
-            next_cursor=_encode_cursor(rows[-1].path, rows[-1].id) if more else None))
+        enc = _PAGE_ENCODER.encode
+
+        def items() -> Iterator[bytes]:
+            for r in rows:
+                yield enc(W(id=r[0], store=keys.public(r[1]), path=r[2], type=r[3], version=r[4], sha256=r[5],
+                            size=r[6], deleted=r[7], created_at=t(r[8]), updated_at=t(r[9]), updated_by=r[10],
+                            seq=r[11], mode=DEFAULT_MODE if r[12] is None else r[12], mtime_ns=r[13],
+                            content=r[14] if with_content else None))
+
+        nxt = _encode_cursor(rows[-1].path, rows[-1].id) if more else None
+        tail = b'],"next_cursor":' + enc(nxt) + b',"seq":' + enc(seq) + b"}"
+        content = sum(r[6] or 0 for r in rows) if with_content else 0
+        return json_list_pieces(b'{"records":[', items(), tail), content
 
     def search_records(
         self,

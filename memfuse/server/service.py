@@ -224,6 +224,7 @@ class Service:
         # record_reads
         self.list_records = self.record_reads.list_records
         self.list_records_json = self.record_reads.list_records_json
+        self.list_records_pieces = self.record_reads.list_records_pieces
         self.search_records = self.record_reads.search_records
         self.get_record = self.record_reads.get_record
         self.list_versions = self.record_reads.list_versions

@@ -12,18 +12,19 @@ objects: FastAPI neither validates nor re-encodes them against the ``response_mo
 """
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Annotated, Any, TypeVar
 
 import anyio
 from fastapi import APIRouter, Depends, Header, Path, Query, Request, Security
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from memfuse import defs
 from memfuse.server import streams as streaming
+from memfuse.server.jsonpieces import json_list_pieces
 from memfuse.server.routetable import Route
 from memfuse.server.service import IdempotencyRequest, Principal, Reply, Service, idempotency_request
 
@@ -139,6 +140,34 @@ def json_response(model: BaseModel | Sequence[BaseModel], *, etag: str | None = 
     else:
         body = b"[" + b",".join(m.model_dump_json().encode() for m in model) + b"]"
     return Response(content=body, headers=headers, media_type="application/json")
+
+
+CHUNKED_MIN = 1 << 20  # bytes of content from which a page's JSON is sent in pieces (``pieces_response``)
+_CHUNK = 256 * 1024  # bytes of JSON per piece sent
+
+
+def pieces_response(pieces: Iterable[bytes], content_bytes: int) -> Response:
+    """A 200 JSON response whose body is ``pieces`` (encoded lazily, in order) joined. A page
+    carrying ``content_bytes`` >= ``CHUNKED_MIN`` of content is sent in pieces of about
+    ``_CHUNK`` bytes as they are encoded (chunked transfer), so the server never holds the
+    whole JSON (up to six bytes per content byte: control characters are escaped) nor a
+    second copy of it framed for the socket; a smaller page is one body."""
+    if content_bytes < CHUNKED_MIN:
+        return Response(content=b"".join(pieces), media_type="application/json")
+
+    async def chunks() -> AsyncIterator[bytes]:
+        buf: list[bytes] = []
+        n = 0
+        for piece in pieces:
+            buf.append(piece)
+            n += len(piece)
+            if n >= _CHUNK:
+                yield b"".join(buf)
+                buf, n = [], 0
+        if buf:
+            yield b"".join(buf)
+
+    return StreamingResponse(chunks(), media_type="application/json")
 
 
 class StreamResponse(Response):

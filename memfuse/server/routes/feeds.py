@@ -15,7 +15,9 @@ from memfuse import defs
 from memfuse.models import ChangePage, EventPage
 from memfuse.server import longpoll
 from memfuse.server import routetable as table
-from memfuse.server.routes.deps import After, P, StoreSlug, StreamResponse, Svc, Wait, json_response, route
+from memfuse.server.jsonpieces import json_list_pieces
+from memfuse.server.routes.deps import (After, P, StoreSlug, StreamResponse, Svc, Wait, json_response, pieces_response,
+                                        route)
 from memfuse.server.problems import PROBLEM_RESPONSES
 
 router = APIRouter(responses=PROBLEM_RESPONSES)  # the problem+json answers every operation may give
@@ -61,7 +63,16 @@ async def changes(
         return StreamResponse(await request.app.state.streams.changes(
             request.app.state.feed_reads, p, store, after, limit=limit, content=content, skip_actor=skip))
     if wait <= 0:
-        return json_response(await anyio.to_thread.run_sync(
-            lambda: svc.changes_page(p, store, after, limit=limit, with_content=content, skip_actor=skip)))
+        page = await anyio.to_thread.run_sync(
+            lambda: svc.changes_page(p, store, after, limit=limit, with_content=content, skip_actor=skip))
+        return change_page_response(page)
     return await longpoll.changes(svc, request.app.state.feed_reads, request, p, store, after, wait, limit=limit, content=content,
                                   skip_actor=skip)
+
+
+def change_page_response(page: ChangePage) -> Response:
+    """The JSON of ``page`` (the bytes of ``page.model_dump_json()``), sent in pieces when it
+    carries much content (``deps.pieces_response``)."""
+    content = sum(len(c.record.content) for c in page.changes if c.record.content is not None)
+    items = (c.model_dump_json().encode() for c in page.changes)
+    return pieces_response(json_list_pieces(b'{"changes":[', items, b'],"seq":%d}' % page.seq), content)

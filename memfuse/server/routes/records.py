@@ -40,6 +40,7 @@ from memfuse.server.routes.deps import (
     Svc,
     VersionNumber,
     json_response,
+    pieces_response,
     reply_response,
     route,
 )
@@ -68,11 +69,11 @@ def list_records(
     path: str | None = None,
     include_deleted: bool = False,
 ) -> Response:
-    body = svc.list_records_json(  # the RecordPage's JSON, without pydantic per record
+    pieces, content_bytes = svc.list_records_pieces(  # the RecordPage's JSON, without pydantic per record
         p, store, cursor=cursor, limit=limit, with_content=content, path=path,
         include_deleted=include_deleted,
     )
-    return Response(content=body, media_type="application/json")
+    return pieces_response(pieces, content_bytes)
 
 
 @route(router, table.SEARCH_RECORDS, response_model=SearchPage, tags=["records"])
