@@ -133,8 +133,11 @@ def test_full_cache_disk_gives_enospc_at_close_never_hangs_and_recovers(tmp_path
             assert any(e["errno"] == "ENOSPC" and "withdrawn" in e["reason"]
                        for e in errors_log(root))
         assert metric(admin, "memfuse_cache_write_errors_total") > 0  # the disk did fill up
-        # a local-only file is kept in the same journal: its close says ENOSPC too
+        # a local-only file is kept in the same journal: its close says ENOSPC too (the
+        # disk filled again: a drained journal gives space back, DiskReserve)
+        more = fill_disk(small_cache, 0, "ballast2")
         assert write_local(root / "default" / "big.md~") == "ENOSPC"
+        more.unlink()
 
         ballast.unlink()  # space returns: writes succeed again, no restart
         again = write_files(root / "default", 100, 5)
@@ -251,10 +254,11 @@ def test_close_failing_on_a_full_cache_disk_means_the_write_did_not_happen(tmp_p
     assert unexpected_log_lines(sc.log) == []
 
 
-def fill_disk(cache: Path, leave: int) -> Path:
-    """A ballast file in ``cache`` taking all but ``leave`` bytes of its disk; its path."""
+def fill_disk(cache: Path, leave: int, name: str = "ballast") -> Path:
+    """A ballast file ``name`` in ``cache`` taking all but ``leave`` bytes of its disk; its
+    path."""
     st = os.statvfs(cache)
-    ballast = cache / "ballast"
+    ballast = cache / name
     ballast.write_bytes(b"\0" * max(0, st.f_bavail * st.f_frsize - leave))
     return ballast
 
