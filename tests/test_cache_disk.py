@@ -375,3 +375,83 @@ def test_a_full_disk_met_writing_the_witness_is_enospc():
             raise sqlite3.OperationalError("writing the witness: No space left on device") from exc
     except sqlite3.Error as exc:
         assert cache_error(exc, "writing the outbox journal").errno == errno.ENOSPC
+
+
+async def test_a_withdrawn_write_whose_earlier_content_is_gone_never_sends_it(tmp_path):
+    """``Filesystem._withdraw`` when nothing here holds the content a withdrawn write
+    replaced (not the write, not a copy, not the put before it, not the blob cache): a file
+    that was clean shows the version the control plane holds again (read: fetched,
+    ``ContentMissing``); one that was rejected keeps the withdrawn content, never sent: an
+    append to it is refused at close (``EIO``), a whole rewrite is sent (docs/SEMANTICS.md,
+    "The sidecar's own disk"). The filesystem core against the in-process control plane."""
+    import trio
+    from memfuse.client import ApiClient
+    from memfuse.fake import FakeControlPlane
+    from memfuse.sidecar.blobcache import BlobCache
+    from memfuse.sidecar.core import ContentMissing, Filesystem, FsError, Settings
+    from memfuse.sidecar.inodes import CLEAN, REJECTED
+    from memfuse.sidecar.journal import Journal
+
+    fake = FakeControlPlane(seed=0)
+    token = await fake.setup("ws", stores=("default",))
+    client = ApiClient(fake.base_url, token, transport=fake.transport, instance="disk-test")
+    journal = Journal(tmp_path / "outbox.db")
+    fs = Filesystem(BlobCache(tmp_path / "blobs.db"), client, journal, Settings(commit_wait=5), "ws")
+
+    def forget(sha: str) -> None:  # gone from memory and the blob cache
+        fs.blobs.write_behind()
+        fs.blobs._db.execute("DELETE FROM blobs WHERE sha=?", (sha,))
+        fs.blobs._verified.discard(sha)
+        fs.recent.drop(sha)
+
+    def withdrawn_append(n, text: bytes, state) -> None:
+        """An append committed and withdrawn by its close at once (never sent), with
+        nothing holding what the file showed before it."""
+        w = fs.open(n.ino, os.O_WRONLY | os.O_APPEND)
+        fs.write(w, 0, text)
+        e = fs.commit(n)
+        assert fs.committer.withdraw(e, errno.ENOSPC, "the cache disk is full", "cache_disk_full")
+        e.before = e.before._replace(put=None, held=None, prefix=-1, state=state)
+        forget(e.before.sha)
+        fs._withdraw(n, e)
+        fs.release(w.fh)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(journal.run)
+        await nursery.start(fs.committer.run)
+        sm = fs.add_store("default", "read_write", [])
+        h = fs.create(sm.root.ino, b"n.md", 0o600, os.O_WRONLY, 0, 0)
+        fs.write(h, 0, b"v1\n")
+        await fs.flush(h)
+        fs.release(h.fh)
+        await fs.committer.wait_idle()
+        n = h.node
+        v1 = n.sha
+
+        withdrawn_append(n, b"lost\n", CLEAN)
+        assert (n.sha, n.size, n.state, n.buf) == (v1, 3, CLEAN, None)
+        r = fs.open(n.ino, os.O_RDONLY)
+        with pytest.raises(ContentMissing):  # the FUSE guard refetches and reads again
+            fs.read(r, 0, 100)
+        await fs.refetch(n)
+        assert fs.read(r, 0, 100) == b"v1\n"
+        fs.release(r.fh)
+
+        withdrawn_append(n, b"lost\n", REJECTED)
+        assert n.state == REJECTED and n.lost_prior
+        w = fs.open(n.ino, os.O_WRONLY | os.O_APPEND)
+        fs.write(w, 0, b"more\n")
+        with pytest.raises(FsError) as ei:
+            await fs.flush(w)
+        assert ei.value.errno == errno.EIO and "withdrawn" in ei.value.reason
+        fs.release(w.fh)
+        w = fs.open(n.ino, os.O_WRONLY | os.O_TRUNC)  # written whole again: sent
+        fs.write(w, 0, b"whole\n")
+        await fs.flush(w)
+        fs.release(w.fh)
+        await fs.committer.wait_idle()
+        assert not n.lost_prior and n.state == CLEAN
+        rec = await client.get_record("default", n.record_id)
+        assert rec.content == "whole\n"
+        nursery.cancel_scope.cancel()
+    await client.aclose()
