@@ -57,11 +57,12 @@ def content(i: int) -> str:
     return (f"# file {i}\n".encode() + bytes([97 + i % 26]) * FILE_BYTES)[:FILE_BYTES].decode()
 
 
-def write_files(d: Path, first: int, count: int) -> list[dict]:
-    """Write files ``f<first>..`` (96 KB each) in a subprocess; per file the close outcome
-    (errno name or None) and the seconds it took. A hang fails the test by the timeout."""
+def write_files(d: Path, first: int, count: int, size: int = FILE_BYTES) -> list[dict]:
+    """Write files ``f<first>..`` (``size`` bytes each, 96 KB unless told) in a subprocess;
+    per file the close outcome (errno name or None) and the seconds it took. A hang fails
+    the test by the timeout."""
     proc = subprocess.run([sys.executable, "-c", WRITER, str(d), str(first), str(count),
-                           str(FILE_BYTES)], capture_output=True, text=True, timeout=120)
+                           str(size)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
@@ -132,8 +133,11 @@ def test_full_cache_disk_gives_enospc_at_close_never_hangs_and_recovers(tmp_path
             assert any(e["errno"] == "ENOSPC" and "withdrawn" in e["reason"]
                        for e in errors_log(root))
         assert metric(admin, "memfuse_cache_write_errors_total") > 0  # the disk did fill up
-        # a local-only file is kept in the same journal: its close says ENOSPC too
+        # a local-only file is kept in the same journal: its close says ENOSPC too (the
+        # disk filled again: a drained journal gives space back, DiskReserve)
+        more = fill_disk(small_cache, 0, "ballast2")
         assert write_local(root / "default" / "big.md~") == "ENOSPC"
+        more.unlink()
 
         ballast.unlink()  # space returns: writes succeed again, no restart
         again = write_files(root / "default", 100, 5)
@@ -250,6 +254,114 @@ def test_close_failing_on_a_full_cache_disk_means_the_write_did_not_happen(tmp_p
     assert unexpected_log_lines(sc.log) == []
 
 
+def fill_disk(cache: Path, leave: int, name: str = "ballast") -> Path:
+    """A ballast file ``name`` in ``cache`` taking all but ``leave`` bytes of its disk; its
+    path."""
+    st = os.statvfs(cache)
+    ballast = cache / name
+    ballast.write_bytes(b"\0" * max(0, st.f_bavail * st.f_frsize - leave))
+    return ballast
+
+
+@pytest.mark.timeout(300)
+def test_a_withdrawn_append_to_a_file_only_memory_held_is_undone(tmp_path, small_cache):
+    """Session 12's verifier (N3, 1): a file whose content the full disk kept out of the blob
+    cache (held in memory only) lost that content when an append to it was withdrawn: the
+    append stayed in the file as ``state=rejected`` and the file's next write committed it
+    (a failed close whose write then appears in memory for good; a retried ``>>`` twice).
+    The content before the append is kept for the withdrawal (``Node.prior``): the file
+    shows it again, and the retried append appears once (docs/SEMANTICS.md, "The sidecar's
+    own disk")."""
+    cp = ControlPlane(tmp_path).start()
+    sc = None
+    try:
+        tok = cp.setup_workspace("ws")
+        sc = Sidecar(cp, "ws", tok, tmp_path / "mnt", small_cache, "--commit-wait", "3").start()
+        root = tmp_path / "mnt"
+        fill_disk(small_cache, 0)  # the cache disk full; the control plane answers
+        # 64 contents wait for the blob cache (BEHIND_MAX): from then on it refuses each
+        # new content at once, which stays in memory only
+        first = write_files(root / "default", 0, 70, 16 * 1024)
+        assert {r["close"] for r in first} == {None}, first  # committed within the wait
+        log_md = root / "default" / "log.md"
+        assert append(log_md, "held-0\n") is None
+        wait_until(lambda: "log.md" in live_records(cp), 30, "log.md committed")
+        cp.stop()  # the control plane down: the journal cannot take the append either
+        assert append(log_md, "line-1\n") == "ENOSPC"
+        assert log_md.read_bytes() == b"held-0\n"  # withdrawn: the file as before
+        assert xattr(log_md, "state") == "clean"
+        assert "withdrawn" in (xattr(log_md, "error") or "")
+        assert append(log_md, "line-2\n") == "ENOSPC"
+        assert log_md.read_bytes() == b"held-0\n"
+
+        cp.start()
+        wait_until(lambda: status(root)["outbox"]["depth"] == 0, 60, "the outbox drained")
+        assert live_records(cp)["log.md"].content == "held-0\n"  # never sent
+        assert append(log_md, "line-1\n") is None  # the agent retries: once
+        wait_until(lambda: status(root)["outbox"]["depth"] == 0, 60, "the outbox drained")
+        assert live_records(cp)["log.md"].content == "held-0\nline-1\n"
+        assert log_md.read_bytes() == b"held-0\nline-1\n"
+        assert sc.proc.poll() is None
+    finally:
+        try:
+            if sc is not None:
+                assert sc.stop() == 0
+        finally:
+            cp.stop()
+    assert unexpected_log_lines(sc.log) == []
+
+
+@pytest.mark.timeout(300)
+def test_a_drained_journal_gives_the_full_cache_disk_space_back(tmp_path, small_cache):
+    """Session 12's verifier (N3, 2): the cache disk full and the control plane down, then
+    back: everything committed, yet the disk stayed 100 % full (the journal's write-ahead
+    log could not be checkpointed into a database that could not grow; the blob cache's
+    retried writes took what was freed), so the next write refused while the control plane
+    was down again failed although nothing waited. Once the outbox drains, the journal
+    gives its log back (with the disk's reserve, ``DiskReserve``) and the blob cache waits
+    for room: the next write is accepted (docs/SEMANTICS.md, "The sidecar's own disk")."""
+    cp = ControlPlane(tmp_path).start()
+    sc = None
+    try:
+        tok = cp.setup_workspace("ws")
+        sc = Sidecar(cp, "ws", tok, tmp_path / "mnt", small_cache, "--commit-wait", "3").start()
+        root = tmp_path / "mnt"
+        log_md = root / "default" / "log.md"
+        assert append(log_md, "line-0\n") is None
+        wait_until(lambda: "log.md" in live_records(cp), 30, "log.md committed")
+        cp.stop()
+        fill_disk(small_cache, 700 * 1024)
+        first = write_files(root / "default", 0, 20)
+        assert "ENOSPC" in {r["close"] for r in first}, first  # the disk did fill up
+        kept = [r["i"] for r in first if r["close"] is None]
+
+        cp.start()
+        wait_until(lambda: all(f"f{i:03d}.md" in live_records(cp) for i in kept), 60,
+                   "the accepted writes committed")
+        wait_until(lambda: status(root)["outbox"]["depth"] == 0, 60, "the outbox drained")
+
+        def free() -> int:
+            st = os.statvfs(small_cache)
+            return st.f_bavail * st.f_frsize
+        # the ballast still there: what the sidecar gives back is its own (measured: ~550 KB
+        # of the 8 MiB disk within 2 s; 0 bytes before)
+        wait_until(lambda: free() >= 256 * 1024, 20, "space given back after the drain")
+        cp.stop()  # down again: the next write must be taken by the journal
+        assert append(log_md, "line-1\n") is None
+        assert log_md.read_bytes() == b"line-0\nline-1\n"
+        cp.start()
+        wait_until(lambda: live_records(cp)["log.md"].content == "line-0\nline-1\n", 60,
+                   "the write accepted while the control plane was down committed")
+        assert sc.proc.poll() is None
+    finally:
+        try:
+            if sc is not None:
+                assert sc.stop() == 0
+        finally:
+            cp.stop()
+    assert unexpected_log_lines(sc.log) == []
+
+
 def test_a_full_disk_met_writing_the_witness_is_enospc():
     """The journal's witness (``accepted.log``) failing with ENOSPC is re-raised as a
     ``sqlite3.Error`` (``Journal._apply``); it is a full disk (``ENOSPC`` at close), not
@@ -263,3 +375,83 @@ def test_a_full_disk_met_writing_the_witness_is_enospc():
             raise sqlite3.OperationalError("writing the witness: No space left on device") from exc
     except sqlite3.Error as exc:
         assert cache_error(exc, "writing the outbox journal").errno == errno.ENOSPC
+
+
+async def test_a_withdrawn_write_whose_earlier_content_is_gone_never_sends_it(tmp_path):
+    """``Filesystem._withdraw`` when nothing here holds the content a withdrawn write
+    replaced (not the write, not a copy, not the put before it, not the blob cache): a file
+    that was clean shows the version the control plane holds again (read: fetched,
+    ``ContentMissing``); one that was rejected keeps the withdrawn content, never sent: an
+    append to it is refused at close (``EIO``), a whole rewrite is sent (docs/SEMANTICS.md,
+    "The sidecar's own disk"). The filesystem core against the in-process control plane."""
+    import trio
+    from memfuse.client import ApiClient
+    from memfuse.fake import FakeControlPlane
+    from memfuse.sidecar.blobcache import BlobCache
+    from memfuse.sidecar.core import ContentMissing, Filesystem, FsError, Settings
+    from memfuse.sidecar.inodes import CLEAN, REJECTED
+    from memfuse.sidecar.journal import Journal
+
+    fake = FakeControlPlane(seed=0)
+    token = await fake.setup("ws", stores=("default",))
+    client = ApiClient(fake.base_url, token, transport=fake.transport, instance="disk-test")
+    journal = Journal(tmp_path / "outbox.db")
+    fs = Filesystem(BlobCache(tmp_path / "blobs.db"), client, journal, Settings(commit_wait=5), "ws")
+
+    def forget(sha: str) -> None:  # gone from memory and the blob cache
+        fs.blobs.write_behind()
+        fs.blobs._db.execute("DELETE FROM blobs WHERE sha=?", (sha,))
+        fs.blobs._verified.discard(sha)
+        fs.recent.drop(sha)
+
+    def withdrawn_append(n, text: bytes, state) -> None:
+        """An append committed and withdrawn by its close at once (never sent), with
+        nothing holding what the file showed before it."""
+        w = fs.open(n.ino, os.O_WRONLY | os.O_APPEND)
+        fs.write(w, 0, text)
+        e = fs.commit(n)
+        assert fs.committer.withdraw(e, errno.ENOSPC, "the cache disk is full", "cache_disk_full")
+        e.before = e.before._replace(put=None, held=None, prefix=-1, state=state)
+        forget(e.before.sha)
+        fs._withdraw(n, e)
+        fs.release(w.fh)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(journal.run)
+        await nursery.start(fs.committer.run)
+        sm = fs.add_store("default", "read_write", [])
+        h = fs.create(sm.root.ino, b"n.md", 0o600, os.O_WRONLY, 0, 0)
+        fs.write(h, 0, b"v1\n")
+        await fs.flush(h)
+        fs.release(h.fh)
+        await fs.committer.wait_idle()
+        n = h.node
+        v1 = n.sha
+
+        withdrawn_append(n, b"lost\n", CLEAN)
+        assert (n.sha, n.size, n.state, n.buf) == (v1, 3, CLEAN, None)
+        r = fs.open(n.ino, os.O_RDONLY)
+        with pytest.raises(ContentMissing):  # the FUSE guard refetches and reads again
+            fs.read(r, 0, 100)
+        await fs.refetch(n)
+        assert fs.read(r, 0, 100) == b"v1\n"
+        fs.release(r.fh)
+
+        withdrawn_append(n, b"lost\n", REJECTED)
+        assert n.state == REJECTED and n.lost_prior
+        w = fs.open(n.ino, os.O_WRONLY | os.O_APPEND)
+        fs.write(w, 0, b"more\n")
+        with pytest.raises(FsError) as ei:
+            await fs.flush(w)
+        assert ei.value.errno == errno.EIO and "withdrawn" in ei.value.reason
+        fs.release(w.fh)
+        w = fs.open(n.ino, os.O_WRONLY | os.O_TRUNC)  # written whole again: sent
+        fs.write(w, 0, b"whole\n")
+        await fs.flush(w)
+        fs.release(w.fh)
+        await fs.committer.wait_idle()
+        assert not n.lost_prior and n.state == CLEAN
+        rec = await client.get_record("default", n.record_id)
+        assert rec.content == "whole\n"
+        nursery.cancel_scope.cancel()
+    await client.aclose()

@@ -46,6 +46,10 @@ VERIFIED_MAX = 1 << 17
 #: (~50 us of CPU and ~12 KiB of log writes per 550-byte file on the benchmark machine)
 BEHIND_MAX = 64
 BEHIND_BYTES = 1 << 20
+#: free bytes the cache disk must have beyond twice what waits before contents put behind
+#: are written again after a write of them met a full disk (``BlobCache._write_behind``):
+#: the space a drained journal gives back goes to accepted writes, not to a cache
+FULL_HEADROOM = 1 << 20
 
 
 def _put_sql(n: int) -> str:
@@ -173,6 +177,8 @@ class BlobCache:
         # method runs, and when it holds ``BEHIND_MAX`` contents or ``BEHIND_BYTES``)
         self._behind: dict[str, bytes] = {}  # GUARDED_BY: _lock
         self._behind_bytes = 0  # GUARDED_BY: _lock; the sum of ``_behind``'s lengths
+        #: a write of the contents put behind met a full disk; cleared by one that succeeds
+        self._disk_full = False  # GUARDED_BY: _lock
         self.dropped = 0  # damaged rows deleted by a check (``_load``)
         self.metrics = metrics  # counts failed writes (the sidecar's), or None
         private_file(path)  # 0600 (memory content); SQLite's -wal / -shm files get its mode
@@ -216,11 +222,23 @@ class BlobCache:
             return False
 
     def _failed(self, exc: BaseException, what: str) -> CacheError:
+        """The ``CacheError`` of a failed write (counted). On a full disk the write-ahead log
+        is truncated (``wal_checkpoint(TRUNCATE)``, outside a transaction): a failed
+        transaction left its frames in the log's file, space the disk needs back
+        (docs/SEMANTICS.md, "The sidecar's own disk")."""
         err = cache_error(exc, what)
         if self.metrics is not None:
             self.metrics.cache_write_errors.labels(
                 "blobs", errno.errorcode.get(err.errno, str(err.errno))).inc()
+        if err.errno == errno.ENOSPC and not self._db.in_transaction:
+            with contextlib.suppress(sqlite3.Error):
+                self._wal_truncate()
         return err
+
+    def _wal_truncate(self) -> None:
+        """``wal_checkpoint(TRUNCATE)`` (the cache never spends the disk's reserve, which is
+        the journal's: ``cachedir.DiskReserve``). Raises ``sqlite3.Error``."""
+        self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
@@ -529,18 +547,35 @@ class BlobCache:
     def _write_behind(self, quiet: bool = True) -> None:
         """Write the contents put behind in one transaction (``put``'s rule for each).
         When that fails they stay in memory, served and written at the next chance:
-        logged (``quiet``) or raised as ``CacheError``. Under the lock."""
+        logged (``quiet``) or raised as ``CacheError``. After a full disk, the next chance
+        is once the disk has ``FULL_HEADROOM`` bytes free beyond twice what waits (not
+        tried before: ``ENOSPC`` at once, not logged when ``quiet``). Under the lock."""
+        if self._disk_full and not self._room():
+            if not quiet:
+                raise CacheError(errno.ENOSPC, "the sidecar's cache disk is full (writing the "
+                                               "blob cache)")
+            return
         try:
             with self._batch():
                 for sha, data in self._behind.items():
                     self._put(data, sha)
         except CacheError as err:
+            self._disk_full = err.errno == errno.ENOSPC
             if not quiet:
                 raise
             log.warning("blob cache write failed; contents kept in memory and written later",
                         extra={"contents": len(self._behind), "reason": err.reason})
             return
-        self._behind, self._behind_bytes = {}, 0
+        self._behind, self._behind_bytes, self._disk_full = {}, 0, False
+
+    def _room(self) -> bool:
+        """The cache disk has room for the contents put behind: ``FULL_HEADROOM`` bytes
+        free beyond twice their size (True when it cannot be told)."""
+        try:
+            st = os.statvfs(self.path.parent)
+        except OSError:
+            return True
+        return st.f_bavail * st.f_frsize >= 2 * self._behind_bytes + FULL_HEADROOM
 
     @_locked
     def put_append(self, sha: str, base: str, base_len: int, suffix: bytes) -> bool:
@@ -809,11 +844,13 @@ class BlobCache:
     def checkpoint(self) -> None:
         """Copy the write-ahead log into the file and truncate it; give free pages back
         (files created with incremental auto-vacuum). Failures are ignored (tried again next
-        time): the log then stays, bounded by ``journal_size_limit``."""
+        time): the log then stays, bounded by ``journal_size_limit``. The log is truncated
+        first: on a full disk the vacuum (which writes to the log) fails."""
+        with contextlib.suppress(sqlite3.Error):
+            self._wal_truncate()
         with contextlib.suppress(sqlite3.Error):
             self._db.execute("PRAGMA incremental_vacuum").fetchall()  # one page per step
-        with contextlib.suppress(sqlite3.Error):
-            self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+            self._wal_truncate()
 
     @_locked
     def count(self) -> tuple[int, int]:

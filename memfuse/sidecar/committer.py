@@ -319,7 +319,9 @@ class Committer:
         ``If-Match`` names, and the content an append's journal row extends,
         ``Entry.append_base``): the blob collection keeps those blobs, so an append that
         meets a concurrent change can be rebased (``_rebase``) and an append row rebuilt
-        after a crash (``Journal.resolve_bases``)."""
+        after a crash (``Journal.resolve_bases``); and the content each replaced
+        (``Entry.before``), from which a write its close withdraws is undone
+        (``Filesystem._withdraw``)."""
         out = set()
         for store, q in self.queues.items():
             for e in q:
@@ -330,6 +332,8 @@ class Committer:
                     for a in (e, *e.absorbed):
                         if a.append_base is not None:
                             out.add(a.append_base[0])
+                        if a.before is not None and a.before[0]:
+                            out.add(a.before[0])
                         if a.args.get("base"):  # an overwrite's older base (Node.read_base)
                             out.add(a.args["base"])
                         if a.args.get("served"):  # ... or what readers were served (Node.served)

@@ -40,7 +40,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 import trio
 
@@ -103,7 +103,19 @@ class ContentMissing(FsError):
 
 
 # what callers use from here (the node types live in inodes.py, re-exported for them)
-__all__ = ["Filesystem", "FsListener", "FsError", "ContentMissing", "Settings", "Node", "Handle", "StoreMount", "ROOT_INO",
+class Before(NamedTuple):
+    """What a file showed before a ``put`` (``Entry.before``, set by ``Filesystem.commit``),
+    so that the write, withdrawn by its close, can be undone (``Filesystem._withdraw``)."""
+
+    sha: str  #: sha256 hex of that content ('' for a file the write created)
+    size: int  #: its length in bytes
+    prefix: int  #: its length when the put's content starts with it (an append), else -1
+    state: Any  #: the file's state then (``inodes.CLEAN`` / ``PENDING`` / ``REJECTED``)
+    put: Any  #: the file's last put then (an ``Entry``), or None
+    held: bytes | None  #: the content itself when only memory held it (``Node.prior``)
+
+
+__all__ = ["Filesystem", "FsListener", "FsError", "ContentMissing", "Before", "Settings", "Node", "Handle", "StoreMount", "ROOT_INO",
            "CONTROL_DIR", "CLEAN", "PENDING", "REJECTED"]
 
 
@@ -531,7 +543,18 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
                 n.buf = AppendBuffer(base, n.sha)
             else:
                 n.buf = bytearray(self._content(n))
+        elif not n.dirty:
+            self._keep_prior(n)  # this session changes the held content in place
         return n.buf
+
+    def _keep_prior(self, n: Node) -> None:
+        """A write session's first change of a content only memory holds (``n.buf`` while
+        not dirty: the blob cache refused it, a full cache disk): keep a copy of it
+        (``Node.prior``), the only one left once the session changes ``n.buf``, so that a
+        write its close withdraws can be undone (``_withdraw``). Costs one copy of the file,
+        only while the cache disk refuses contents. Local-only files are never withdrawn."""
+        if n.buf is not None and not n.local_only and n.sha:
+            n.prior = (n.sha, bytes(n.buf))
 
     def write(self, h: Handle, off: int, data: bytes) -> int:
         """write(2) of ``data`` at byte offset ``off`` (the end for ``O_APPEND``) through
@@ -637,6 +660,8 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             h.snapshot = self.controls.opened(special)
             return h
         if flags & os.O_TRUNC and n.cur_size() > 0:
+            if not n.dirty:
+                self._keep_prior(n)  # replaced below: kept to undo a withdrawn write
             self._account(n, -n.cur_size())
             n.buf = bytearray()
             self._touch_content(n)
@@ -712,7 +737,10 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             return self.journal.barrier()
         buf = n.buf
         appended = buf.appended_to if isinstance(buf, AppendBuffer) else None
-        was = (n.sha, n.state, n.last_put)  # what the file showed: Entry.before
+        was = (n.sha, n.state, n.last_put, n.size)  # what the file showed: Entry.before
+        prior = n.prior
+        if prior is not None:
+            n.prior = None
         data = self._content(n)  # the write buffer, or the clean content (e.g. renamed back)
         # the content before this write session passed these checks already (committed, or
         # queued after them) unless it was refused: an append is judged by what it adds
@@ -736,6 +764,10 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             self._mark_rejected(n, n.refused, "")
             self.sync_rejected()
             raise FsError(n.refused, n.error)
+        if n.lost_prior:
+            if not n.replacing:  # it holds a withdrawn write: never sent (Node.lost_prior)
+                self._refuse_lost_prior(n)
+            n.lost_prior = False
         # a file written in one go had its whole content scanned for secrets at that write
         # (WriteChecker.clean_len): the same text, so not scanned again
         scanned = not checked and ch is not None and ch.clean_len == len(data)
@@ -771,7 +803,9 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             args["served"] = served
         e = self.committer.submit(n.store.slug, PUT, n.key, args, data,
                                   sha=sha, append_base=(prev_sha, checked) if checked else None)
-        e.before = (was[0], checked if checked and prev_sha == was[0] else -1, was[1], was[2])
+        e.before = Before(was[0], was[3], checked if checked and prev_sha == was[0] else -1,
+                          was[1], was[2], prior[1] if prior is not None and prior[0] == was[0]
+                          else None)
         n.last_put = e
         n.state, n.error = PENDING, ""
         self.sync_rejected()  # a fixed file is no longer kept as rejected (same batch as e)
@@ -980,7 +1014,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         code = "cache_disk_full" if err.errno == errno.ENOSPC else "cache_disk_error"
         where = n.parent if n.store is not None else None
         extra = {"store": e.store, "path": n.path(), "errno": errno.errorcode.get(err.errno)}
-        if (n.last_put is e and e.before is not None and not e.sent
+        if (n.last_put is e and isinstance(e.before, Before) and not e.sent
                 and await self.journal.withdraw(e, WITHDRAW_WAIT)):
             if c.withdraw(e, err.errno, err.reason, code):
                 self._withdraw(n, e)
@@ -1012,31 +1046,73 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
 
     def _withdraw(self, n: Node, e: Entry) -> None:
         """Undo on the tree the put ``e`` of ``n`` its close withdrew (``_journal_refused``):
-        the file shows what it showed before (``Entry.before``): its previous content and
-        state (a file the write created: empty, never written, not sent), ``user.memfuse.error``
-        saying why. When that content is no longer here (neither kept in memory nor in the
-        blob cache), the file keeps the withdrawn content marked ``state=rejected`` (not
-        sent until rewritten)."""
-        assert e.before is not None and e.content is not None  # a put made by commit
-        sha, blen, state, put = e.before
-        old = e.content[:blen] if blen >= 0 else (self._cached_blob(sha) if sha else b"")
+        the file shows what it showed before (``Entry.before``, a ``Before``): its previous
+        content and state (a file the write created: empty, never written, not sent),
+        ``user.memfuse.error`` saying why. That content comes from the put itself (an
+        append), the copy kept when only memory held it (``Node.prior``), the put before it,
+        or the blob cache (``_prior_content``); when none holds it and the file was clean, it
+        is the version the control plane holds, fetched again when read or written
+        (``ContentMissing``: ``EIO`` while the control plane is unreachable). Else (never
+        seen so far: a damaged blob cache) the file keeps the withdrawn content marked
+        ``state=rejected``, never sent (``Node.lost_prior``: a later write that does not
+        replace it whole is refused at close)."""
+        b = e.before
+        assert isinstance(b, Before) and e.content is not None  # a put made by commit
+        old = self._prior_content(e, b)
         reason = e.reason + "; the write was withdrawn"
-        if old is None:
-            n.state, n.error, n.last_put = REJECTED, reason, None
+        state, put = b.state, b.put
+        if isinstance(put, Entry) and put.done.is_set():  # (or a put before it finished)
+            state = REJECTED if put.errno else CLEAN
+        size = n.cur_size()
+        if old is not None:
+            self._hold_content(n, old, b.sha, "the file's content before a withdrawn write")
+        elif state == CLEAN and n.record_id and n.store is not None:
+            # the control plane holds it: shown again, its bytes fetched when needed
+            n.buf, n.sha, n.size = None, b.sha, b.size
+            log.warning("the content before a withdrawn write is not held here; the file "
+                        "shows the version the control plane holds, fetched when read",
+                        extra={"store": n.store.slug, "path": n.path()})
+        else:
+            n.state, n.error, n.last_put, n.lost_prior = REJECTED, reason, None, True
             self._mark_rejected(n, e.errno, e.code)
             self.sync_rejected()
             return
-        size = n.cur_size()
-        self._hold_content(n, old, sha, "the file's content before a withdrawn write")
         self._account(n, n.cur_size() - size)
-        if isinstance(put, Entry) and put.done.is_set():  # (or a put before it finished)
-            state = REJECTED if put.errno else CLEAN
         n.state, n.last_put, n.error = state, put, reason
         if state == REJECTED:
             self._mark_rejected(n, e.errno, e.code)
             self.sync_rejected()
         self.controls.changed()
         self.invalidate([("inode", n.ino)])
+
+    def _prior_content(self, e: Entry, b: Before) -> bytes | None:
+        """The content a withdrawn put ``e`` replaced (``b``: its ``Before``), or None when
+        nothing here holds it: the put's own first bytes (an append), the copy kept while
+        only memory held it, the previous put's content (queued: not in the blob cache
+        when the disk refused it), else the blob cache."""
+        if not b.sha:
+            return b""
+        if b.prefix >= 0:
+            assert e.content is not None
+            return e.content[:b.prefix]
+        if b.held is not None:
+            return b.held
+        put = b.put
+        if isinstance(put, Entry) and put.content is not None and put.content_sha() == b.sha:
+            return put.content
+        return self._cached_blob(b.sha)
+
+    def _refuse_lost_prior(self, n: Node) -> NoReturn:
+        """``commit`` of a file that keeps a withdrawn write (``Node.lost_prior``) in a
+        session that did not replace its content whole: refused (``EIO``), nothing sent, the
+        file rejected; writing it whole (``> f``) or deleting it is what is left."""
+        reason = ("the file holds a write that was withdrawn (the cache disk refused it) and "
+                  "its content before that write is lost; it is not sent: write it whole again")
+        n.state, n.last_put, n.error = REJECTED, None, reason
+        self._mark_rejected(n, errno.EIO, "cache_disk_error")
+        self.sync_rejected()
+        self.note_error(n.parent, n.name, errno.EIO, reason, "cache_disk_error")
+        raise FsError(errno.EIO, reason)
 
     async def _wait_accepted(self, n: Node, e: Entry | Barrier, timeout: float) -> None:
         """Wait (at most ``timeout`` s) until ``e`` is accepted (on disk in the outbox) or

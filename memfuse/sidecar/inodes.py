@@ -283,6 +283,17 @@ class Node:
     type_override: _Rare[str | None] = _rare("type_override", None)  # set through user.memfuse.type, sent with the next put
     refused: _Rare[int] = _rare("refused", 0)  # errno of a write refused in the current write session (held back)
     checker: _Rare[WriteChecker | None] = _rare("checker", None)  # writecheck.WriteChecker of the current write session
+    # The content a write session started from, ``(sha256 hex, bytes)``, when only memory
+    # held it (``buf``: the blob cache refused it, a full cache disk), so that the session's
+    # write, withdrawn by its close, can be undone (``Filesystem._withdraw``): the session
+    # changes ``buf`` in place. INVARIANT: set by ``Filesystem._keep_prior`` at a session's
+    # first change of a held ``buf``; taken (cleared) by the session's ``commit``.
+    prior: _Rare[tuple[str, bytes] | None] = _rare("prior", None)
+    # The file keeps the content of a withdrawn write because what it showed before is gone
+    # (``Filesystem._withdraw``): that content is never sent; a write session that does not
+    # replace it whole is refused at close (``Filesystem.commit``). INVARIANT: set only by
+    # ``_withdraw``, cleared by the commit of a session that replaced the content whole.
+    lost_prior: _Rare[bool] = _rare("lost_prior", False)
     # File attributes (records): ``mode`` holds the permission bits shown and sent; ``xmtime``
     # is the explicit mtime (utimensat) the record keeps, None when it follows the last write
     # (``updated_ns``); ``attrs_version``: the version our last attribute change made, when

@@ -40,7 +40,7 @@ import trio
 
 from ..defs import sha256_hex
 from ..wire import Record
-from .cachedir import CacheError, cache_errno, cache_error, private_file
+from .cachedir import CacheError, DiskReserve, cache_errno, cache_error, private_file
 from .witness import WITNESS_NAME, Witness, move_aside
 
 log = logging.getLogger("memfuse.outbox")
@@ -164,8 +164,8 @@ class Entry(_Waitable):
     #: a request carrying it is being sent now (its outcome unknown until the attempt ends)
     in_flight: bool = False
     #: a ``put``: what the file showed before it (``Filesystem.commit``), so that a withdrawn
-    #: write can be undone: (sha256, content length or -1, state, last put); memory only
-    before: tuple[str, int, Any, Any] | None = None
+    #: write can be undone: a ``core.Before`` (its ``sha`` first); memory only
+    before: Any = None
 
     def content_sha(self) -> str | None:
         """The sha256 hex of ``content`` (``sha`` when the writer gave it; hashed once and
@@ -275,6 +275,8 @@ class Journal:
     written at all, and the write-ahead log is checkpointed and truncated whenever the queue
     runs empty (at most every ``CHECKPOINT_EVERY`` s) and after a failed write, so the file
     holds about the bytes of the entries not yet committed (docs/SEMANTICS.md, cache size).
+    On a disk 100 % full that checkpoint needs the ``reserve`` (``DiskReserve``) to give the
+    log's space back; the reserve is made again after an idle checkpoint when space allows.
     """
 
     CHECKPOINT_EVERY = 2.0  # s between idle checkpoints
@@ -293,9 +295,12 @@ class Journal:
     HOLD = 0.2
 
     def __init__(self, path: Path, metrics: Any = None,
-                 before_batch: Callable[[], None] | None = None) -> None:
+                 before_batch: Callable[[], None] | None = None,
+                 reserve: DiskReserve | None = None) -> None:
         self.path = path
         self.metrics = metrics
+        #: the cache disk's reserve, released for a checkpoint a full disk refused (``_wal_truncate``)
+        self.reserve = reserve
         #: called on the trio thread before a batch holding an entry's insert is written
         #: (the sidecar's: ``BlobCache.write_behind``, so the content of every write the
         #: journal accepts is in the blob cache file first, where ``recover`` finds it
@@ -793,14 +798,44 @@ class Journal:
             except OSError as exc:
                 raise sqlite3.OperationalError(f"writing the witness: {exc.strerror or exc}") from exc
 
-    def _checkpoint(self) -> None:
+    def _checkpoint(self, drain: bool = False) -> None:
         """Copy the write-ahead log into the database, truncate it, give free pages back;
-        empty the witness when no entry is left (it then has nothing to witness)."""
-        self._db.execute("PRAGMA incremental_vacuum").fetchall()  # one page per step
-        self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
-        if self.witness.size() and not self._db.execute("SELECT 1 FROM entries LIMIT 1").fetchone():
-            with contextlib.suppress(OSError):
-                self.witness.clear()
+        empty the witness when no entry is left (it then has nothing to witness). The log is
+        truncated first: on a full cache disk the vacuum (which writes to the log) fails, and
+        the truncated log is the space a drained journal gives back (docs/SEMANTICS.md, "The
+        sidecar's own disk"). ``drain``: the queued writes only give space back
+        (``_draining``), so the reserve may be spent (``_wal_truncate``). Raises
+        ``sqlite3.Error``."""
+        self._wal_truncate(drain)
+        try:
+            self._db.execute("PRAGMA incremental_vacuum").fetchall()  # one page per step
+            self._wal_truncate(drain)
+        finally:
+            if self.witness.size() and not self._db.execute("SELECT 1 FROM entries LIMIT 1").fetchone():
+                with contextlib.suppress(OSError):
+                    self.witness.clear()
+
+    def _wal_truncate(self, drain: bool) -> None:
+        """``wal_checkpoint(TRUNCATE)``; when the full disk refuses it (the database cannot
+        grow to take the log's pages), again with the ``reserve`` released
+        (``DiskReserve.spent``), but only once the outbox drained: ``drain`` (the queued
+        writes delete committed rows and add none), or no entry left in the journal. Spent
+        while accepted writes wait, the space would go to more of them and the drain would
+        find the disk full again. Raises ``sqlite3.Error``."""
+        try:
+            self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+        except sqlite3.Error as exc:
+            if self.reserve is None or cache_errno(exc) != errno.ENOSPC:
+                raise
+            if not drain and self._db.execute("SELECT 1 FROM entries LIMIT 1").fetchone():
+                raise
+            self.reserve.spent(lambda: self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall())
+
+    def _draining(self) -> bool:
+        """The queued writes give space back: deletes of committed entries' rows, and no
+        accepted write waiting to be written (on the trio thread)."""
+        return (not any(op[2] is not None for op in self._pending)
+                and any(len(op) > 3 and op[3] and "d" in op[3] for op in self._pending))
 
     async def flush_pending(self, *, due_only: bool = False) -> None:
         """Write everything queued so far in one transaction (from a worker thread).
@@ -907,7 +942,7 @@ class Journal:
                                                   "reason": err.reason, "queued": len(self._pending),
                                                   "retry_in_s": delay})
                 with contextlib.suppress(sqlite3.Error):  # may free the log's space
-                    await trio.to_thread.run_sync(self._checkpoint)
+                    await trio.to_thread.run_sync(self._checkpoint, self._draining())
                 await trio.sleep(delay)
                 delay = min(delay * 2, self.RETRY_MAX)
                 self._wake()
@@ -928,6 +963,9 @@ class Journal:
                 except sqlite3.Error as exc:
                     log.info("outbox checkpoint failed; retried later",
                              extra={"errno": errno.errorcode.get(cache_errno(exc))})
+                else:
+                    if self.reserve is not None:  # made again once space allows
+                        await trio.to_thread.run_sync(self.reserve.fill)
 
     def close(self) -> None:
         """Write what is still queued (best effort: on failure it is logged, and the entries

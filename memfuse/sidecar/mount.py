@@ -32,7 +32,7 @@ from ..client import ApiClient
 from ..content import INDEX_PATH
 from .backoff import Doubling
 from .blobcache import BlobCache
-from .cachedir import secure_cache_dir
+from .cachedir import DiskReserve, secure_cache_dir
 from .control import MOUNT_INFO, write_mount_info
 from .core import Filesystem, Settings
 from .fuse_ops import MemfuseOps
@@ -218,11 +218,14 @@ class Sidecar(StoreSync):
             legacy = config.cache_dir / "blobs"  # one-file-per-blob layout of earlier versions
             if legacy.is_dir():
                 shutil.rmtree(legacy, ignore_errors=True)
+            # space held back so that a full cache disk can still give space back once the
+            # outbox drains (the journal's checkpoint: DiskReserve)
+            reserve = DiskReserve(config.cache_dir / "reserve")
             blobs = BlobCache(config.cache_dir / "blobs.db", metrics=self.metrics)
             # the contents the blob cache holds in memory are written before any journal
             # batch with an accepted write: a journal lost later recovers it from there
             self.journal = Journal(config.cache_dir / "outbox.db", metrics=self.metrics,
-                                   before_batch=blobs.write_behind)
+                                   before_batch=blobs.write_behind, reserve=reserve)
         except OSError as e:  # e.g. a symlink planted in the cache directory (refused)
             raise StartError(f"cache directory {config.cache_dir} unusable: "
                              f"{e.strerror or e}") from None
