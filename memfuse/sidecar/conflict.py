@@ -35,6 +35,7 @@ import trio
 from ..client import ApiClient
 from ..errors import ApiError, Conflict, NotFound, PermanentError, PreconditionFailed, TransientError
 from ..defs import sha256_hex
+from ..diffwork import DiffTooCostly, WorkBudget, bounded_matcher
 from ..wire import Record
 from .identity import RecordIds
 from .inodes import UNKNOWN_BASE
@@ -413,7 +414,16 @@ class ConflictResolver:
             if kind == "append":
                 new = theirs + local[len(base):]
             else:
-                three_way = await trio.to_thread.run_sync(merge_lines, base, theirs, local)
+                try:
+                    three_way = await trio.to_thread.run_sync(merge_lines, base, theirs, local)
+                except DiffTooCostly as err:
+                    # too costly to merge (attack 13 F12): last writer wins, as for an
+                    # overlap; the other version stays in history, nothing is lost
+                    log.warning("merge too costly; last writer wins", extra={
+                        "store": e.store, "path": e.args.get("path"), "record": rid,
+                        "work_limit": err.limit, "local_bytes": len(local),
+                        "theirs_bytes": len(theirs), "entry": e.id})
+                    return None
                 if three_way is None:
                     return None  # the changes overlap: last writer wins
                 new = three_way
@@ -496,7 +506,7 @@ class AnsweredClient:
 _USED = object()
 
 
-def merge_lines(base: bytes, theirs: bytes, ours: bytes) -> bytes | None:
+def merge_lines(base: bytes, theirs: bytes, ours: bytes, budget: WorkBudget | None = None) -> bytes | None:
     """The three-way merge of two changes of ``base`` line by line (``merge3.Merge3``,
     as ``bzr merge`` / ``diff3``): the merged content when the changes touch disjoint
     regions (or make the same change), None when they conflict (both change the same
@@ -505,12 +515,15 @@ def merge_lines(base: bytes, theirs: bytes, ours: bytes) -> bytes | None:
     ours), not a conflict: an overwrite that carries this mount's own queued appends
     (coalesced with them, e.g. ``sed -i`` after ``echo >>`` while the control plane was
     down) meets the other mount's appends there (attack report 12, A9). Pure;
-    ``ConflictResolver.rebase`` runs it in a worker thread (the line diff of two large
-    files takes a while)."""
+    ``ConflictResolver.rebase`` runs it in a worker thread. Its work is bounded
+    (``memfuse.diffwork``: ``budget``, default ``DIFF_WORK_BUDGET`` lines scanned, shared
+    by its two line diffs): raises ``DiffTooCostly`` past it (attack 13 F12: quadratic in
+    lines on hostile input), and the caller falls back to last writer wins."""
     import merge3
 
     m = merge3.Merge3(base.splitlines(keepends=True), theirs.splitlines(keepends=True),
-                      ours.splitlines(keepends=True))
+                      ours.splitlines(keepends=True),
+                      sequence_matcher=bounded_matcher(budget or WorkBudget()))  # type: ignore[arg-type]
     groups = list(m.merge_groups())
     out: list[bytes] = []
     for i, group in enumerate(groups):

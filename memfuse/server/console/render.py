@@ -21,6 +21,7 @@ import nh3
 from markdown_it import MarkdownIt
 from markupsafe import Markup
 
+from memfuse.diffwork import BoundedMatcher, DiffTooCostly, WorkBudget
 from memfuse.server.context import fenced_lines
 
 MARKDOWN_SUFFIXES = (".md", ".markdown", ".mdown", ".mkd")
@@ -132,14 +133,22 @@ class DiffLine:
     text: str
 
 
-MAX_DIFF_LINES = 20_000  # per side; beyond it the diff is refused (difflib is quadratic)
+MAX_DIFF_LINES = 20_000  # per side; beyond it the diff is refused
+# and within it a diff's work is bounded (memfuse.diffwork: difflib is quadratic in lines on
+# hostile input, attack 13 F11): past the budget the diff is refused too ("too large")
 
 
-def unified_diff(a: str, b: str, a_label: str, b_label: str, context: int = 3) -> list[DiffLine] | None:
+def unified_diff(a: str, b: str, a_label: str, b_label: str, context: int = 3,
+                 budget: WorkBudget | None = None) -> list[DiffLine] | None:
     """The unified diff (``difflib``) of ``a`` → ``b`` as typed lines; ``[]`` when equal,
-    None when either side has more than ``MAX_DIFF_LINES`` lines."""
+    None when either side has more than ``MAX_DIFF_LINES`` lines or the diff would take
+    more than ``diffwork.DIFF_WORK_BUDGET`` work (``budget``: a ``WorkBudget`` to spend)."""
     al, bl = a.splitlines(), b.splitlines()
     if len(al) > MAX_DIFF_LINES or len(bl) > MAX_DIFF_LINES:
+        return None
+    try:  # the same matcher difflib.unified_diff runs, counted: it then runs within the bound
+        BoundedMatcher(None, al, bl, budget=budget or WorkBudget()).get_matching_blocks()
+    except DiffTooCostly:
         return None
     out: list[DiffLine] = []
     for line in difflib.unified_diff(al, bl, a_label, b_label, n=context, lineterm=""):
@@ -218,16 +227,21 @@ def _segments(tokens: list[str], spans: list[tuple[int, int, bool]]) -> tuple[Se
     return tuple(out)
 
 
-def word_diff(old: str, new: str) -> tuple[tuple[Segment, ...], tuple[Segment, ...]]:
+def word_diff(old: str, new: str, budget: WorkBudget | None = None) -> tuple[tuple[Segment, ...], tuple[Segment, ...]]:
     """The words of ``old`` and ``new`` (two paired changed lines) with the ones that differ
     marked, as GitHub does: ``difflib.SequenceMatcher`` over word / space / punctuation
-    tokens. Lines that are too long or too different come back unmarked (one segment each)."""
+    tokens. Lines that are too long or too different, or whose diff would pass ``budget``
+    (a ``diffwork.WorkBudget``, shared by a view's diffs), come back unmarked (one segment
+    each)."""
     plain = (Segment(old),) if old else (), (Segment(new),) if new else ()
     if len(old) > MAX_WORD_DIFF_CHARS or len(new) > MAX_WORD_DIFF_CHARS:
         return plain
     a, b = _TOKEN.findall(old), _TOKEN.findall(new)
-    sm = difflib.SequenceMatcher(None, a, b, autojunk=False)
-    if sm.ratio() < MIN_WORD_SIMILARITY:
+    sm = BoundedMatcher(None, a, b, autojunk=False, budget=budget or WorkBudget())
+    try:
+        if sm.ratio() < MIN_WORD_SIMILARITY:
+            return plain
+    except DiffTooCostly:
         return plain
     left: list[tuple[int, int, bool]] = []
     right: list[tuple[int, int, bool]] = []
@@ -241,13 +255,21 @@ def line_diff(a: str, b: str, context: int = 3) -> LineDiff | None:
     """The diff of ``a`` → ``b`` for the console's unified and side-by-side views: hunks of
     changed lines with ``context`` lines around them, line numbers on both sides, and within
     each replaced line paired with its counterpart the changed words marked (:func:`word_diff`).
-    None when either side has more than ``MAX_DIFF_LINES`` lines (difflib is quadratic)."""
+    None when either side has more than ``MAX_DIFF_LINES`` lines or the line diff would
+    take more than ``diffwork.DIFF_WORK_BUDGET`` work (difflib is quadratic on hostile
+    input: attack 13 F11); the word marks share that budget and are left out once it is
+    spent."""
     al, bl = a.splitlines(), b.splitlines()
     if len(al) > MAX_DIFF_LINES or len(bl) > MAX_DIFF_LINES:
         return None
-    sm = difflib.SequenceMatcher(None, al, bl, autojunk=False)
+    budget = WorkBudget()
+    sm = BoundedMatcher(None, al, bl, autojunk=False, budget=budget)
+    try:
+        groups = list(sm.get_grouped_opcodes(context))
+    except DiffTooCostly:
+        return None
     hunks: list[Hunk] = []
-    for group in sm.get_grouped_opcodes(context):
+    for group in groups:
         i0, i9, j0, j9 = group[0][1], group[-1][2], group[0][3], group[-1][4]
         header = f"@@ -{i0 + 1 if i9 > i0 else i0},{i9 - i0} +{j0 + 1 if j9 > j0 else j0},{j9 - j0} @@"
         unified: list[Row] = []
@@ -266,7 +288,7 @@ def line_diff(a: str, b: str, context: int = 3) -> LineDiff | None:
                 o = olds[k] if k < len(olds) else None
                 n = news[k] if k < len(news) else None
                 if o is not None and n is not None:
-                    os_, ns_ = word_diff(o, n)
+                    os_, ns_ = word_diff(o, n, budget)
                 else:
                     os_ = (Segment(o),) if o else ()
                     ns_ = (Segment(n),) if n else ()
