@@ -99,6 +99,7 @@ class NamespaceOps:
         if s in d.children:
             raise FsError(errno.EEXIST)
         n = self._new_node(s, d, True, sm, stat.S_IMODE(mode), time.time_ns())  # the mount's uid / gid
+        n.made = True  # kept when records under it go elsewhere (RemoteApply._prune_implied)
         try:
             self.save_dirs()
         except CacheError as err:
