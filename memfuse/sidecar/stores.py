@@ -36,7 +36,7 @@ import trio
 
 from ..content import INDEX_PATH
 from ..errors import ApiError, Forbidden, Gone, PermanentError, TransientError, Unauthorized
-from ..wire import Attachment, ChangePage, EventPage, Record
+from ..wire import Attachment, Change, ChangePage, EventPage, Record
 from .inodes import ROOT_INO, StoreMount
 from .journal import Entry
 from .cachedir import CacheError
@@ -565,6 +565,8 @@ class StoreSync:
                 if ch.seq <= state.cursor:
                     continue  # already applied (a page asked again after a reconnect)
                 if own or ch.record.updated_by != self.actor:  # ours are applied already
+                    if ch.overwrote is not None and ch.record.updated_by != self.actor:
+                        self.told_overwritten(slug, ch)
                     if self.touches_index(sm, ch.record):
                         self.want_context()
                     inv += self.fs.apply_remote(sm, ch.record)
@@ -581,6 +583,24 @@ class StoreSync:
         state.last_change_at = time.time()
         self.invalidator.submit(inv)
         return True
+
+    def told_overwritten(self, slug: str, ch: Change) -> None:
+        """The feed's change ``ch`` (another writer's) overwrote a version by last writer
+        wins (``Change.overwrote``): when that version is this sidecar's own write (its
+        actor), its agent is told, as the writer that won is (``ConflictResolver.conflict``):
+        a line in ``errors.log`` (``ControlFiles.note_overwritten``), a WARNING and
+        ``memfuse_overwritten``. Versions of other writers are not this mount's to report."""
+        over = ch.overwrote
+        if over is None or over.actor != self.actor:
+            return
+        rec = ch.record
+        self.metrics.overwritten.inc()
+        self.fs.controls.note_overwritten(slug, rec.path, rec.id, over.version, rec.version)
+        log.warning("conflict: this mount's write was overwritten elsewhere; last writer wins, "
+                    "this mount's version stays in history",
+                    extra={"store": slug, "path": rec.path, "record": rec.id,
+                           "lost_version": over.version, "version": rec.version,
+                           "by": rec.updated_by})
 
     async def _events(self) -> None:
         """Follow the workspace's attach / detach / store-changed events: a stream
