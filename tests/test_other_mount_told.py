@@ -141,3 +141,27 @@ def test_a_mount_whose_write_was_not_overwritten_is_told_nothing(pair):
     errs_a = [e for e in _errors(a) if e["path"].endswith(name)]
     errs_b = [e for e in _errors(b) if e["path"].endswith(name)]
     assert errs_a == [] and errs_b == [], (errs_a, errs_b)
+
+
+def test_a_mount_down_while_its_write_was_overwritten_is_told_when_it_comes_back(pair):
+    """The catch-up of a saved mirror at start tells as the feed does."""
+    cp, a, b = pair
+    name = f"back-{uuid.uuid4().hex[:6]}.md"
+    pa, pb = a.mountpoint / "s" / name, b.mountpoint / "s" / name
+    pa.write_text("alpha\nbeta\n")
+    wait_until(lambda: read(pb) == "alpha\nbeta\n", timeout=20, what="v1 in B")
+    mine = pb.read_text()  # B's tool reads version 1
+    sh(f"sed -i s/alpha/FROM-A/ {name}", a.mountpoint / "s")  # A's version 2
+    wait_until(lambda: live_records(cp, "s")[name].version == 2, timeout=20, what="A's edit")
+    a.stop()
+    try:
+        tmp = pb.with_name(f".sed{uuid.uuid4().hex[:6]}")
+        tmp.write_text(mine.replace("alpha", "FROM-B"))
+        os.replace(tmp, pb)  # B's edit made on version 1 overwrites A's
+        wait_until(lambda: live_records(cp, "s")[name].content == "FROM-B\nbeta\n", timeout=30,
+                   what="B's write is the last")
+    finally:
+        a.start(expect="s")
+    wait_until(lambda: read(pa) == "FROM-B\nbeta\n", timeout=20, what="A shows B's write")
+    lines = [e for e in _errors(a) if e.get("overwritten") and e["path"] == name]
+    assert [(e["lost_version"], e["version"]) for e in lines] == [(2, 3)], lines

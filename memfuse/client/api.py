@@ -417,12 +417,12 @@ class ApiClient(AdminEndpoints):
         *,
         mode: int | None = None,
         mtime_ns: int | None = None,
-        overwrite: bool = False,
+        overwrite: bool | None = None,
     ) -> Record:
         """``PUT /v1/stores/{store}/records/{id}``: new content (and type, attributes).
         ``if_match`` is the base sha256 (quoted for you). ``mode`` None keeps the permission
         bits; ``mtime_ns`` None keeps an explicit mtime when the content is the same and
-        clears it when it changes. ``overwrite``: the write is sent by last writer wins over
+        clears it when it changes. ``overwrite`` True: the write is sent by last writer wins over
         a concurrent change (the version it replaces is recorded as overwritten, and its
         writer told through the change feed: ``Change.overwrote``). Identical content, type
         and attributes make no new version. Raises PreconditionFailed (see

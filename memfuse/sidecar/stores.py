@@ -225,7 +225,8 @@ class StoreSync:
         # nothing else meanwhile (_gc_blobs), and add_store trusts the check below
         self._snapshots_running = getattr(self, "_snapshots_running", 0) + 1
         try:
-            resumed = state.load() and await catch_up(self.client, state, self.fs.blobs)
+            resumed = state.load() and await catch_up(
+                self.client, state, self.fs.blobs, lambda ch: self.told_overwritten(slug, ch))
             if resumed and expect_records is not None and len(state.records) != expect_records:
                 log.warning("saved store state does not match the control plane; taking a snapshot",
                             extra={"store": slug, "saved": len(state.records),
@@ -565,7 +566,7 @@ class StoreSync:
                 if ch.seq <= state.cursor:
                     continue  # already applied (a page asked again after a reconnect)
                 if own or ch.record.updated_by != self.actor:  # ours are applied already
-                    if ch.overwrote is not None and ch.record.updated_by != self.actor:
+                    if ch.overwrote is not None:
                         self.told_overwritten(slug, ch)
                     if self.touches_index(sm, ch.record):
                         self.want_context()
@@ -585,13 +586,14 @@ class StoreSync:
         return True
 
     def told_overwritten(self, slug: str, ch: Change) -> None:
-        """The feed's change ``ch`` (another writer's) overwrote a version by last writer
-        wins (``Change.overwrote``): when that version is this sidecar's own write (its
-        actor), its agent is told, as the writer that won is (``ConflictResolver.conflict``):
-        a line in ``errors.log`` (``ControlFiles.note_overwritten``), a WARNING and
-        ``memfuse_overwritten``. Versions of other writers are not this mount's to report."""
+        """A change of the feed (``_apply_page``, or the catch-up of a saved mirror at start)
+        ``ch``: when another writer wrote it by last writer wins (``Change.overwrote``) over
+        a version this sidecar wrote (its actor), its agent is told, as the writer that won
+        is (``ConflictResolver.conflict``): a line in ``errors.log``
+        (``ControlFiles.note_overwritten``), a WARNING and ``memfuse_overwritten``. Versions
+        of other writers, and this sidecar's own overwrites, are not this mount's to report."""
         over = ch.overwrote
-        if over is None or over.actor != self.actor:
+        if over is None or over.actor != self.actor or ch.record.updated_by == self.actor:
             return
         rec = ch.record
         self.metrics.overwritten.inc()
