@@ -144,10 +144,20 @@ def test_a_mount_whose_write_was_not_overwritten_is_told_nothing(pair):
 
 
 def test_a_mount_down_while_its_write_was_overwritten_is_told_when_it_comes_back(pair):
-    """The catch-up of a saved mirror at start tells as the feed does."""
+    """The catch-up of a saved mirror at start tells as the feed does (and a directory that
+    went from A's view with its records stays gone after A's restart: the directory list
+    A saves is written again)."""
     cp, a, b = pair
     name = f"back-{uuid.uuid4().hex[:6]}.md"
     pa, pb = a.mountpoint / "s" / name, b.mountpoint / "s" / name
+    top = f"gone-{uuid.uuid4().hex[:6]}"
+    sh(f"mkdir -p {top}/d1 && echo x > {top}/d1/x.md", b.mountpoint / "s")
+    wait_until(lambda: read(a.mountpoint / "s" / top / "d1" / "x.md") == "x\n", timeout=20,
+               what="A shows d1")
+    sh(f"mkdir {top}/a-made", a.mountpoint / "s")  # A saves its directory list, d1 in it
+    sh(f"mv {top}/d1 {top}/d2", b.mountpoint / "s")
+    wait_until(lambda: not os.path.exists(a.mountpoint / "s" / top / "d1"), timeout=20,
+               what="A shows no d1")
     pa.write_text("alpha\nbeta\n")
     wait_until(lambda: read(pb) == "alpha\nbeta\n", timeout=20, what="v1 in B")
     mine = pb.read_text()  # B's tool reads version 1
@@ -165,3 +175,4 @@ def test_a_mount_down_while_its_write_was_overwritten_is_told_when_it_comes_back
     wait_until(lambda: read(pa) == "FROM-B\nbeta\n", timeout=20, what="A shows B's write")
     lines = [e for e in _errors(a) if e.get("overwritten") and e["path"] == name]
     assert [(e["lost_version"], e["version"]) for e in lines] == [(2, 3)], lines
+    assert sorted(os.listdir(a.mountpoint / "s" / top)) == ["a-made", "d2"]

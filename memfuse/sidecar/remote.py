@@ -86,6 +86,9 @@ class RemoteApply:
     _rejected: dict[Node, tuple[int, str]]  # rejected.RejectedFiles: node -> (errno, code)
     _rejected_remote: dict[Node, set[tuple[int, str]]]  # rejected.RejectedFiles: changes noted
     controls: ControlFiles
+    #: directories went (``_prune_implied``) since the directory list was last saved
+    #: (``save_pruned_dirs``)
+    dirs_pruned: bool = False
 
     if TYPE_CHECKING:  # what this part calls of the other parts of ``core.Filesystem``
         def _account(self, n: Node, delta: int) -> None: ...
@@ -482,17 +485,25 @@ class RemoteApply:
         implied by records is shown while records are under it, as other mounts see it
         (docs/SEMANTICS.md, "Layout"): a directory moved or emptied elsewhere leaves no
         empty shell here, as a local disk shows no source after ``mv``. Each removal is an
-        entry invalidation in ``inv``; the directory list is saved once when any went (a
-        failure to save is logged: the shell may come back after a restart)."""
-        pruned = False
+        entry invalidation in ``inv``; the directory list is saved by the caller once the
+        page or snapshot is applied (``save_pruned_dirs``: one walk of the tree, not one
+        per directory of a big move)."""
         while (d.children is not None and not d.children and not d.made and not d.unlinked
                and d.store is not None and d is not d.store.root and d.parent is not None):
             parent = d.parent
             inv.append(("entry", parent.ino, d.name))
             self._detach(d)
-            pruned = True
+            self.dirs_pruned = True
             d = parent
-        if pruned:
+
+    def save_pruned_dirs(self) -> None:
+        """Save the directory list (``dirs.json``) when remote changes applied since the last
+        call removed directories (``_prune_implied``); called after each page of the feed and
+        each snapshot applied. A failure to save is logged (the directory list is written
+        again at the next change; until then a restart may show the removed directories as
+        empty ones)."""
+        if self.dirs_pruned:
+            self.dirs_pruned = False
             self._save_dirs_logged()
 
     def reconcile_store(self, sm: StoreMount, records: Iterable[Record | Meta],
@@ -539,6 +550,7 @@ class RemoteApply:
                 self._detach(n)
                 self._bind_rid(n, None)
                 self._prune_implied(parent, inv)
+        self.save_pruned_dirs()
         return inv
 
     def remove_store(self, slug: str) -> list[tuple[Any, ...]]:

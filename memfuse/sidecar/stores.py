@@ -575,6 +575,7 @@ class StoreSync:
                 self.metrics.remote_changes.labels(slug).inc()
                 self.metrics.sync_lag.observe(lag_seconds(ch.record))
         except CacheError as e:  # the changes from the failed one on are asked again
+            self.fs.save_pruned_dirs()
             self.invalidator.submit(inv)
             log.warning("remote change not stored: cache disk error; retrying",
                         extra={"store": slug, "reason": e.reason, "retry_in_s": 5.0})
@@ -582,6 +583,7 @@ class StoreSync:
             return False
         state.cursor = max(state.cursor, page.seq)
         state.last_change_at = time.time()
+        self.fs.save_pruned_dirs()
         self.invalidator.submit(inv)
         return True
 
@@ -873,6 +875,7 @@ class StoreSync:
                 if sm is None:
                     return
                 self.invalidator.submit(self.fs.apply_remote(sm, rec, force=True))
+                self.fs.save_pruned_dirs()
             except (ApiError, CacheError) as e:
                 log.warning("a record changed elsewhere could not be fetched; the next change "
                             "of it brings it", extra={"store": slug, "record": record_id,
