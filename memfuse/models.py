@@ -252,6 +252,11 @@ class RecordUpdate(BaseModel):
     type: str | None = None
     mode: int | None = Mode
     mtime_ns: int | None = MtimeNs
+    #: the write is sent by last writer wins over a concurrent change it did not merge (the
+    #: sidecar's conflict rule, docs/SEMANTICS.md "Conflicts"): the version it replaces is
+    #: recorded as overwritten (``Change.overwrote``), so that version's writer can be told;
+    #: absent, null or false: an ordinary write
+    overwrite: bool | None = None
 
 
 class RecordAppend(BaseModel):
@@ -539,14 +544,25 @@ class ConsolidationJob(BaseModel):
     error: str | None = None
 
 
+class Overwritten(BaseModel):
+    """The version a write replaced by last writer wins (``Change.overwrote``): its number
+    and the actor that wrote it."""
+
+    version: int
+    actor: str
+
+
 class Change(BaseModel):
     """One entry of a store's change feed: the record's state after version ``seq``.
-    ``old_path`` is set for moves; ``record.deleted`` is True for deletes."""
+    ``old_path`` is set for moves; ``record.deleted`` is True for deletes. ``overwrote``:
+    set when this version was written by last writer wins over a concurrent change
+    ([RecordUpdate] ``overwrite``): the version it replaced, whose writer is told."""
 
     seq: int
     operation: Operation
     old_path: str | None = None
     record: Record
+    overwrote: Overwritten | None = None
 
 
 class ChangePage(BaseModel):

@@ -54,7 +54,7 @@ __all__ = [
     "RecordUpdate", "RecordAppend",
     "RecordAttributes", "RecordMove", "PrefixMove", "Restore", "Record", "Version",
     "RecordPage", "MoveResult", "SearchLine", "SearchHit", "SearchPage", "BatchOperation", "BatchRequest", "BatchResult", "BatchResponse",
-    "BATCH_MAX_OPERATIONS", "BATCH_MAX_BYTES", "Change", "ChangePage", "WorkspaceEvent", "EventPage",
+    "BATCH_MAX_OPERATIONS", "BATCH_MAX_BYTES", "Change", "Overwritten", "ChangePage", "WorkspaceEvent", "EventPage",
     "MemoryToolResult", "Problem", "decode", "encode", "build", "convert", "to_jsonable",
 ]
 
@@ -230,6 +230,7 @@ class RecordUpdate(Struct, kw_only=True):
     type: str | None = None
     mode: Mode | None | UnsetType = UNSET
     mtime_ns: MtimeNs | None | UnsetType = UNSET
+    overwrite: bool | None | UnsetType = UNSET  # sent only by last writer wins (``ApiClient.update_record``)
 
 
 class RecordAppend(Struct, kw_only=True):
@@ -475,13 +476,22 @@ class ConsolidationJob(Struct, kw_only=True):
     error: str | None = None
 
 
+class Overwritten(Struct, kw_only=True, gc=False):
+    """The version a write replaced by last writer wins (``Change.overwrote``)."""
+
+    version: int
+    actor: str
+
+
 class Change(Struct, kw_only=True, gc=False):
-    """One entry of a store's change feed: the record's state after version ``seq``."""
+    """One entry of a store's change feed: the record's state after version ``seq``;
+    ``overwrote``: the version it replaced by last writer wins, when it was written so."""
 
     seq: int
     operation: Operation
     old_path: str | None = None
     record: Record
+    overwrote: Overwritten | None = None
 
 
 class ChangePage(Struct, kw_only=True):

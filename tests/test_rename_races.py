@@ -97,9 +97,14 @@ def test_overlapping_sed_edits_are_last_writer_wins_with_a_conflict_line(pair):
                   (f"sed -i s/alpha/FROM-B/ {name}", b.mountpoint / "s"))
     cur = _settled(cp, a, b, name)
     assert cur in ("FROM-A\nbeta\n", "FROM-B\nbeta\n")
-    # the writer that lost the race overwrote the other (last writer wins) and said so
-    conflicts = [e for e in _errors(a) + _errors(b) if e.get("conflict") and e["path"].endswith(name)]
-    assert len(conflicts) == 1, conflicts
+    # the writer that lost the race overwrote the other (last writer wins) and said so; the
+    # mount whose write was overwritten is told by its feed (docs/SEMANTICS.md, "Conflicts")
+    def lines(sc) -> list[dict]:
+        return [e for e in _errors(sc) if e.get("conflict") and e["path"].endswith(name)]
+    wait_until(lambda: len(lines(a)) + len(lines(b)) == 2, timeout=15, what="both mounts told")
+    won, lost = (b, a) if cur == "FROM-B\nbeta\n" else (a, b)
+    assert [e.get("overwritten", False) for e in lines(won)] == [False], lines(won)
+    assert [e.get("overwritten", False) for e in lines(lost)] == [True], lines(lost)
     # the overwritten content is kept as a version in history
     history = _versions(cp, name)
     assert "FROM-A\nbeta\n" in history and "FROM-B\nbeta\n" in history

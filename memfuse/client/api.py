@@ -417,18 +417,22 @@ class ApiClient(AdminEndpoints):
         *,
         mode: int | None = None,
         mtime_ns: int | None = None,
+        overwrite: bool | None = None,
     ) -> Record:
         """``PUT /v1/stores/{store}/records/{id}``: new content (and type, attributes).
         ``if_match`` is the base sha256 (quoted for you). ``mode`` None keeps the permission
         bits; ``mtime_ns`` None keeps an explicit mtime when the content is the same and
-        clears it when it changes. Identical content, type and attributes make no new
-        version. Raises PreconditionFailed (see ``.current_sha256``), NotFound for a deleted
-        record."""
+        clears it when it changes. ``overwrite`` True: the write is sent by last writer wins over
+        a concurrent change (the version it replaces is recorded as overwritten, and its
+        writer told through the change feed: ``Change.overwrote``). Identical content, type
+        and attributes make no new version. Raises PreconditionFailed (see
+        ``.current_sha256``), NotFound for a deleted record."""
+        more: dict[str, Any] = {"overwrite": True} if overwrite else {}
         return await self._call(
             Record,
             "PUT",
             f"/v1/stores/{_seg(store)}/records/{_seg(id)}",
-            body=build(RecordUpdate, content=content, type=type, **_attrs(mode, mtime_ns)),
+            body=build(RecordUpdate, content=content, type=type, **_attrs(mode, mtime_ns), **more),
             if_match=if_match,
             idempotency_key=idempotency_key,
         )

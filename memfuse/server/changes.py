@@ -17,7 +17,8 @@ from typing import Any, Literal, Unpack, cast
 from sqlalchemy import ColumnElement, Connection, Select, func, null, select
 
 from memfuse.defs import FEED_PAGE_MAX, INT64_MAX, page_rows_within
-from memfuse.models import DEFAULT_MODE, Access, Change, ChangePage, EventPage, Operation, Record, WorkspaceEvent
+from memfuse.models import (DEFAULT_MODE, Access, Change, ChangePage, EventPage, Operation, Overwritten, Record,
+                            WorkspaceEvent)
 from memfuse.server import deltas, keys, wakeups
 from memfuse.server.base import _R, _V, AnyRow, Parts, Principal, Resource, ServiceError
 from memfuse.server.db import EventRow
@@ -36,6 +37,7 @@ def _feed_select(with_content: bool) -> Select[Unpack[tuple[Any, ...]]]:
         _V.c.type, _V.c.version, _V.c.sha256, _V.c.size, _V.c.created_at, _V.c.actor,
         _V.c.content if with_content else null().label("content"), _V.c.redacted,
         _V.c.mode, _V.c.mtime_ns, _V.c.base_version, _V.c.chain,
+        _V.c.overwrote, _V.c.overwrote_by,
         _R.c.created_at.label("record_created_at"),
     ).join(_R, _R.c.id == _V.c.record_id)
 
@@ -62,7 +64,9 @@ def _feed_rows(
 
 
 def _change(v: AnyRow | SimpleNamespace, with_content: bool) -> Change:
-    """[Change] of a ``_feed_select`` row: the record as of that version."""
+    """[Change] of a ``_feed_select`` row: the record as of that version (and the version
+    it overwrote by last writer wins, when it did)."""
+    over = v.overwrote
     return Change(
         seq=v.seq,
         operation=Operation(v.operation),
@@ -84,6 +88,7 @@ def _change(v: AnyRow | SimpleNamespace, with_content: bool) -> Change:
             mode=DEFAULT_MODE if v.mode is None else v.mode,
             mtime_ns=v.mtime_ns,
         ),
+        overwrote=None if over is None else Overwritten(version=over, actor=v.overwrote_by or ""),
     )
 
 

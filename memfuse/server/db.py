@@ -69,7 +69,7 @@ log = logging.getLogger(__name__)
 #: the newest Alembic revision (``memfuse/server/migrations/versions/``): a database at it
 #: opens without Alembic (``Database._at_schema_head``). A new revision updates it;
 #: tests/test_migrations.py fails while it is not ``schema.head()``.
-SCHEMA_HEAD = "0018_record_tails"
+SCHEMA_HEAD = "0019_version_overwrote"
 
 
 def utcnow() -> datetime:
@@ -400,6 +400,11 @@ class VersionRow(Base):
     # record; NULL: ``content`` is whole. ``chain``: links since the last whole copy.
     base_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
     chain: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # A version written by last writer wins over a concurrent change (an update with
+    # ``overwrite``; revision 0019): the number and actor of the version it replaced, which
+    # the change feed carries (``Change.overwrote``) so that its writer is told; else NULL.
+    overwrote: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    overwrote_by: Mapped[str | None] = mapped_column(Text, nullable=True)
 
     __table_args__ = (
         UniqueConstraint("record_id", "version", name="uq_versions_record_version"),

@@ -186,6 +186,7 @@ class RecordsService(Resource):
         old_path: str | None = None,
         new: bool = False,
         append: tails.Append | None = None,
+        overwrote: tuple[int, str] | None = None,
     ) -> int:
         """Append version ``rec.version`` (already bumped by the caller) from the record's
         current state and write the record row (inserted when ``new``); sets ``rec.seq``,
@@ -196,7 +197,10 @@ class RecordsService(Resource):
         ``append``: the write is that append (``tails``): with a tail, ``rec.content`` holds
         only the base's frontmatter block and the record's content is written as
         ``tails.write`` says. Any other write of a record with a tail drops the tail (the
-        row's content is the whole live content, read through ``tails.LIVE_CONTENT``)."""
+        row's content is the whole live content, read through ``tails.LIVE_CONTENT``).
+
+        ``overwrote``: (number, actor) of the version this one replaced by last writer wins
+        (an update with ``overwrite``), kept on the version for the change feed."""
         conn.info["memfuse_writes"] = conn.info.get("memfuse_writes", 0) + 1
         rec.updated_at = now
         rec.updated_by = actor
@@ -215,28 +219,28 @@ class RecordsService(Resource):
                 tails.drop(conn, rec.id)
                 rec.tailed = False
         rec.base_content = rec.content if append is None or append.tail is None else None
-        seq: int = _RAW_INSERT_VERSION.scalar(
-            conn,
-            {
-                "record_id": rec.id,
-                "store": rec.store,
-                "version": rec.version,
-                "operation": op.value,
-                "path": rec.path,
-                "old_path": old_path,
-                "type": rec.type,
-                "sha256": rec.sha256,
-                "size": rec.size,
-                "content": stored,
-                "created_at": now,
-                "actor": actor,
-                "redacted": False,
-                "mode": rec.mode,
-                "mtime_ns": rec.mtime_ns,
-                "base_version": base_version,
-                "chain": chain,
-            },
-        )
+        row: dict[str, Any] = {
+            "record_id": rec.id,
+            "store": rec.store,
+            "version": rec.version,
+            "operation": op.value,
+            "path": rec.path,
+            "old_path": old_path,
+            "type": rec.type,
+            "sha256": rec.sha256,
+            "size": rec.size,
+            "content": stored,
+            "created_at": now,
+            "actor": actor,
+            "redacted": False,
+            "mode": rec.mode,
+            "mtime_ns": rec.mtime_ns,
+            "base_version": base_version,
+            "chain": chain,
+        }
+        if overwrote is not None:  # else left out: the statement every other write runs
+            row["overwrote"], row["overwrote_by"] = overwrote
+        seq: int = _RAW_INSERT_VERSION.scalar(conn, row)
         if rec.content is not None:
             history.note_kept(conn, rec.store, rec.size, 1)
         rec.seq = seq
@@ -437,12 +441,15 @@ class RecordsService(Resource):
             mtime = rec.mtime_ns if sha == rec.sha256 else None
         if sha == rec.sha256 and rtype == rec.type and (_mode(mode), mtime) == _attrs(rec):
             return _record_model(rec, with_content=False)
+        # a write by last writer wins: the version it replaces, for that version's writer
+        overwrote = (rec.version, rec.updated_by) if getattr(body, "overwrite", False) else None
         old_size = rec.size
         rec.content, rec.sha256, rec.size, rec.type = content, sha, size, rtype
         rec.mode, rec.mtime_ns = mode, mtime
         rec.version += 1
         self._room(st, size - old_size, 0, grew_bytes=size > old_size, grew_count=False)
-        self._add_version(conn, rec, Operation.modified, p.actor, utcnow(), append=append)
+        self._add_version(conn, rec, Operation.modified, p.actor, utcnow(), append=append,
+                          overwrote=overwrote)
         self._use(conn, st, size - old_size, 0, grew_bytes=size > old_size, grew_count=False)
         return _record_model(rec, with_content=False)
 

@@ -12,8 +12,11 @@ the control plane answers ``412`` (the record changed elsewhere meanwhile):
 - any other change becomes a **three-way line merge** of base, current and local content
   (``merge_lines``) when the two changes touch disjoint lines (or both only add lines at
   the end: kept as two appends, theirs first);
-- else last writer wins: the put is sent unconditionally, the other version stays in the
-  record's history, and the conflict is reported (``on_conflict``: a line in ``errors.log``).
+- else last writer wins: the put is sent unconditionally, marked ``overwrite`` (the control
+  plane records the version it replaced, and the change feed tells that version's writer:
+  ``Change.overwrote``, ``stores.StoreSync.told_overwritten``), the other version stays in
+  the record's history, and the conflict is reported (``on_conflict``: a line in
+  ``errors.log``).
 
 A record deleted elsewhere is created again; a path created elsewhere is taken over (last
 writer wins). A merged put whose file was written again before the merge came back leaves a
@@ -258,7 +261,8 @@ class ConflictResolver:
                     log.warning(f"conflict: {what}; last writer wins, the other version stays in history",
                                 extra={"store": e.store, "path": a.get("path"), "record": rid})
                     rec = await c.update_record(e.store, rid, text.check(), type=typ,
-                                                idempotency_key=e.key + "-lww", **attrs)
+                                                idempotency_key=e.key + "-lww", overwrite=True,
+                                                **attrs)
             except NotFound:
                 rid = None  # deleted elsewhere: re-create it below
         if rid is None:
@@ -277,7 +281,8 @@ class ConflictResolver:
                 log.warning("conflict: path created elsewhere; last writer wins",
                             extra={"store": e.store, "path": a["path"], "record": other})
                 rec = await c.update_record(e.store, other, text.check(), type=typ,
-                                            idempotency_key=e.key + "-lww", **attrs)
+                                            idempotency_key=e.key + "-lww", overwrite=True,
+                                            **attrs)
         e.record = rec
         self.ids.learn(e.node_key, rec)
         if e.node_key is not None:

@@ -193,6 +193,19 @@ class ControlFiles:
         self._add({"time": _now(), "store": store, "path": path, "conflict": True,
                    "reason": what})
 
+    def note_overwritten(self, store: str, path: str, record: str, lost: int, version: int) -> None:
+        """This mount's write (version ``lost`` of record ``record``) was overwritten by
+        another writer's ``version`` by last writer wins (``Change.overwrote``, told by the
+        change feed): a line in ``errors.log`` (``conflict: true``, ``overwritten: true``,
+        the versions, where the lost one is kept; never content)."""
+        self._add({"time": _now(), "store": store, "path": path, "conflict": True,
+                   "overwritten": True, "record": record, "lost_version": lost, "version": version,
+                   "reason": (f"this mount's write (version {lost}) was overwritten elsewhere by "
+                              f"version {version}, written on an older version (last writer wins); "
+                              f"the file now shows version {version}, this mount's stays in the "
+                              f"record's history: `memfuse history {store} <path>` lists it, "
+                              f"`memfuse restore {store} <path> --version {lost}` brings it back")})
+
     def note_restored(self, store: str, path: str, err: int, code: str, reason: str,
                       since: float) -> None:
         """A rejected file kept from before a restart is back at ``path``: unless a line of

@@ -278,6 +278,11 @@ class Node:
     last_put: _Rare[Entry | None] = _rare("last_put", None)  # the outbox Entry of the last content commit
     error: _Rare[str] = _rare("error", "")  # why the last commit was refused ('' when not)
     local_only: _Rare[bool] = _rare("local_only", False)
+    # A directory made here: by ``mkdir``, or kept empty from the saved directory list
+    # (``dirs.json``) at start. It stays when the records under it go elsewhere; a
+    # directory only implied by records (made for them from the control plane's state) goes
+    # with the last of them removed by a remote change (``RemoteApply._prune_implied``).
+    made: _Rare[bool] = _rare("made", False)
     unlinked: _Rare[bool] = _rare("unlinked", False)
     special: _Rare[str] = _rare("special", "")  # .memfuse control files: "status" / "errors"
     type_override: _Rare[str | None] = _rare("type_override", None)  # set through user.memfuse.type, sent with the next put

@@ -130,6 +130,9 @@ class Metrics:
                                registry=r)
         self.conflicts = Counter("memfuse_conflicts", "writes that met a newer version (last writer wins)",
                                  registry=r)
+        self.overwritten = Counter("memfuse_overwritten",
+                                   "this sidecar's writes another writer overwrote by last writer "
+                                   "wins (told by the change feed)", registry=r)
         self.merges = Counter("memfuse_merges", "appends that met a newer version and were rebased onto it",
                               registry=r)
         self.remote_changes = Counter("memfuse_sync_changes_applied",

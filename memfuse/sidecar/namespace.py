@@ -108,6 +108,7 @@ class NamespaceOps:
             raise FsError(errno.EEXIST)
         self._check_dir_name(d, s)
         n = self._new_node(s, d, True, sm, stat.S_IMODE(mode), time.time_ns())  # the mount's uid / gid
+        n.made = True  # kept when records under it go elsewhere (RemoteApply._prune_implied)
         try:
             self.save_dirs()
         except CacheError as err:

@@ -86,6 +86,9 @@ class RemoteApply:
     _rejected: dict[Node, tuple[int, str]]  # rejected.RejectedFiles: node -> (errno, code)
     _rejected_remote: dict[Node, set[tuple[int, str]]]  # rejected.RejectedFiles: changes noted
     controls: ControlFiles
+    #: directories went (``_prune_implied``) since the directory list was last saved
+    #: (``save_pruned_dirs``)
+    dirs_pruned: bool = False
 
     if TYPE_CHECKING:  # what this part calls of the other parts of ``core.Filesystem``
         def _account(self, n: Node, delta: int) -> None: ...
@@ -101,6 +104,8 @@ class RemoteApply:
 
         def _new_node(self, name: str, parent: Node | None, is_dir: bool, store: StoreMount | None,
                       mode: int, now_ns: int, uid: int | None = None, gid: int | None = None) -> Node: ...
+
+        def _save_dirs_logged(self) -> None: ...
 
         def _set_record_key(self, n: Node, rid: str) -> None: ...
 
@@ -146,7 +151,10 @@ class RemoteApply:
             records = kept
         self._insert_records(sm, records)
         for path in self.saved_dirs.get(slug, []):
-            self._ensure_dir(sm, path.split("/"), now)
+            made: list[tuple[Any, ...]] = []
+            d = self._ensure_dir(sm, path.split("/"), now, made)
+            if made and d is not None:
+                d.made = True  # an empty directory kept from before: as if made here
         self._restore_dir_modes(sm)
         return sm
 
@@ -296,10 +304,12 @@ class RemoteApply:
         if rec.deleted:
             if n is None:
                 return []
-            assert n.parent is not None  # a record's file is in the tree
-            gone: list[tuple[Any, ...]] = [("entry", n.parent.ino, n.name)]
+            parent = n.parent
+            assert parent is not None  # a record's file is in the tree
+            gone: list[tuple[Any, ...]] = [("entry", parent.ino, n.name)]
             self._detach(n)
             self._bind_rid(n, None)
+            self._prune_implied(parent, gone)
             return gone
         if rec.content is None and not self.blobs.has(rec.sha256):
             log.error("remote change without content; skipped", extra={"store": sm.slug, "record": rec.id})
@@ -465,7 +475,36 @@ class RemoteApply:
         d.children[n.name] = n
         self._touch_dir(d)
         inv.append(("entry", d.ino, n.name))
+        self._prune_implied(old, inv)
         return inv
+
+    def _prune_implied(self, d: Node, inv: list[tuple[Any, ...]]) -> None:
+        """A remote change (a delete, a move) took a file out of directory ``d``: ``d`` and
+        then each parent that is left empty go, up to the store's root, unless made here
+        (``Node.made``: ``mkdir``, or kept empty from ``dirs.json``). A directory only
+        implied by records is shown while records are under it, as other mounts see it
+        (docs/SEMANTICS.md, "Layout"): a directory moved or emptied elsewhere leaves no
+        empty shell here, as a local disk shows no source after ``mv``. Each removal is an
+        entry invalidation in ``inv``; the directory list is saved by the caller once the
+        page or snapshot is applied (``save_pruned_dirs``: one walk of the tree, not one
+        per directory of a big move)."""
+        while (d.children is not None and not d.children and not d.made and not d.unlinked
+               and d.store is not None and d is not d.store.root and d.parent is not None):
+            parent = d.parent
+            inv.append(("entry", parent.ino, d.name))
+            self._detach(d)
+            self.dirs_pruned = True
+            d = parent
+
+    def save_pruned_dirs(self) -> None:
+        """Save the directory list (``dirs.json``) when remote changes applied since the last
+        call removed directories (``_prune_implied``); called after each page of the feed and
+        each snapshot applied. A failure to save is logged (the directory list is written
+        again at the next change; until then a restart may show the removed directories as
+        empty ones)."""
+        if self.dirs_pruned:
+            self.dirs_pruned = False
+            self._save_dirs_logged()
 
     def reconcile_store(self, sm: StoreMount, records: Iterable[Record | Meta],
                         queued: Sequence[Entry] = ()) -> list[tuple[Any, ...]]:
@@ -505,10 +544,13 @@ class RemoteApply:
                 continue
             if (n.record_id and n.record_id not in live and not n.dirty and not n.local_only
                     and n.key not in busy_keys and n.state == CLEAN and not touched(n.path())):
-                assert n.parent is not None  # a file of the tree
-                inv.append(("entry", n.parent.ino, n.name))
+                parent = n.parent
+                assert parent is not None  # a file of the tree
+                inv.append(("entry", parent.ino, n.name))
                 self._detach(n)
                 self._bind_rid(n, None)
+                self._prune_implied(parent, inv)
+        self.save_pruned_dirs()
         return inv
 
     def remove_store(self, slug: str) -> list[tuple[Any, ...]]:

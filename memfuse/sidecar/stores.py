@@ -36,7 +36,7 @@ import trio
 
 from ..content import INDEX_PATH
 from ..errors import ApiError, Forbidden, Gone, PermanentError, TransientError, Unauthorized
-from ..wire import Attachment, ChangePage, EventPage, Record
+from ..wire import Attachment, Change, ChangePage, EventPage, Record
 from .inodes import ROOT_INO, StoreMount
 from .journal import Entry
 from .cachedir import CacheError
@@ -225,7 +225,8 @@ class StoreSync:
         # nothing else meanwhile (_gc_blobs), and add_store trusts the check below
         self._snapshots_running = getattr(self, "_snapshots_running", 0) + 1
         try:
-            resumed = state.load() and await catch_up(self.client, state, self.fs.blobs)
+            resumed = state.load() and await catch_up(
+                self.client, state, self.fs.blobs, lambda ch: self.told_overwritten(slug, ch))
             if resumed and expect_records is not None and len(state.records) != expect_records:
                 log.warning("saved store state does not match the control plane; taking a snapshot",
                             extra={"store": slug, "saved": len(state.records),
@@ -565,6 +566,8 @@ class StoreSync:
                 if ch.seq <= state.cursor:
                     continue  # already applied (a page asked again after a reconnect)
                 if own or ch.record.updated_by != self.actor:  # ours are applied already
+                    if ch.overwrote is not None:
+                        self.told_overwritten(slug, ch)
                     if self.touches_index(sm, ch.record):
                         self.want_context()
                     inv += self.fs.apply_remote(sm, ch.record)
@@ -572,6 +575,7 @@ class StoreSync:
                 self.metrics.remote_changes.labels(slug).inc()
                 self.metrics.sync_lag.observe(lag_seconds(ch.record))
         except CacheError as e:  # the changes from the failed one on are asked again
+            self.fs.save_pruned_dirs()
             self.invalidator.submit(inv)
             log.warning("remote change not stored: cache disk error; retrying",
                         extra={"store": slug, "reason": e.reason, "retry_in_s": 5.0})
@@ -579,8 +583,28 @@ class StoreSync:
             return False
         state.cursor = max(state.cursor, page.seq)
         state.last_change_at = time.time()
+        self.fs.save_pruned_dirs()
         self.invalidator.submit(inv)
         return True
+
+    def told_overwritten(self, slug: str, ch: Change) -> None:
+        """A change of the feed (``_apply_page``, or the catch-up of a saved mirror at start)
+        ``ch``: when another writer wrote it by last writer wins (``Change.overwrote``) over
+        a version this sidecar wrote (its actor), its agent is told, as the writer that won
+        is (``ConflictResolver.conflict``): a line in ``errors.log``
+        (``ControlFiles.note_overwritten``), a WARNING and ``memfuse_overwritten``. Versions
+        of other writers, and this sidecar's own overwrites, are not this mount's to report."""
+        over = ch.overwrote
+        if over is None or over.actor != self.actor or ch.record.updated_by == self.actor:
+            return
+        rec = ch.record
+        self.metrics.overwritten.inc()
+        self.fs.controls.note_overwritten(slug, rec.path, rec.id, over.version, rec.version)
+        log.warning("conflict: this mount's write was overwritten elsewhere; last writer wins, "
+                    "this mount's version stays in history",
+                    extra={"store": slug, "path": rec.path, "record": rec.id,
+                           "lost_version": over.version, "version": rec.version,
+                           "by": rec.updated_by})
 
     async def _events(self) -> None:
         """Follow the workspace's attach / detach / store-changed events: a stream
@@ -851,6 +875,7 @@ class StoreSync:
                 if sm is None:
                     return
                 self.invalidator.submit(self.fs.apply_remote(sm, rec, force=True))
+                self.fs.save_pruned_dirs()
             except (ApiError, CacheError) as e:
                 log.warning("a record changed elsewhere could not be fetched; the next change "
                             "of it brings it", extra={"store": slug, "record": record_id,

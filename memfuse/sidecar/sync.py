@@ -24,7 +24,7 @@ import time
 import zlib
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
 import msgspec
@@ -740,10 +740,11 @@ class StoreState:
         self.dirty = True
 
 
-async def catch_up(client: ApiClient, state: StoreState, blobs: BlobCache) -> bool:
+async def catch_up(client: ApiClient, state: StoreState, blobs: BlobCache,
+                   on_change: Callable[[Change], None] | None = None) -> bool:
     """Bring a loaded ``state`` up to date through the change feed (no waiting), storing the
-    content of every change in ``blobs``. Returns False when the cursor is gone (410): the
-    caller takes a full snapshot."""
+    content of every change in ``blobs`` and handing each to ``on_change`` (when given).
+    Returns False when the cursor is gone (410): the caller takes a full snapshot."""
     while True:
         try:
             page = await client.changes(state.slug, state.cursor, wait=0, content=True)
@@ -754,6 +755,8 @@ async def catch_up(client: ApiClient, state: StoreState, blobs: BlobCache) -> bo
                 if ch.record.content is not None:
                     blobs.put(ch.record.content.encode("utf-8"), ch.record.sha256)
                 state.apply(ch)
+                if on_change is not None:
+                    on_change(ch)
         state.cursor = max(state.cursor, page.seq)
         if not page.changes:
             return True

@@ -1,0 +1,178 @@
+"""What the other mount sees and is told after a change made elsewhere (docs/SEMANTICS.md,
+"Layout" and "Conflicts"), with two real sidecars on one store of a real ``memfuse serve``:
+
+- a directory moved on mount A (a prefix move of its records) leaves no empty shell of the
+  source on mount B, as a local disk shows no source after ``mv``; a directory B made itself
+  (``mkdir``) stays when the records under it go elsewhere;
+- a write of mount A that overwrote mount B's own write by last writer wins (overlapping
+  edits) is told to B: a ``conflict`` line in B's ``errors.log`` naming the path, the version
+  lost and where it is kept (``memfuse history`` / ``memfuse restore``), and only to B (a mount
+  whose write was not overwritten is told nothing).
+"""
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.mount
+
+from mountutil import live_records, read, sh, two_sidecars, wait_until
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    with two_sidecars(tmp_path_factory.mktemp("told"), "s") as cp_a_b:
+        yield cp_a_b
+
+
+def _errors(sc) -> list[dict]:
+    text = (sc.mountpoint / ".memfuse" / "errors.log").read_text()
+    return [json.loads(ln) for ln in text.splitlines() if ln.strip()]
+
+
+def _tree(p: Path) -> list[str]:
+    return sorted(sh("find . -mindepth 1", p, timeout=20).stdout.split())
+
+
+def test_a_directory_moved_elsewhere_leaves_no_empty_shell_here(pair):
+    cp, a, b = pair
+    top = f"mv-{uuid.uuid4().hex[:6]}"
+    pa, pb = a.mountpoint / "s", b.mountpoint / "s"
+    sh(f"mkdir -p {top}/d1/sub/deep && echo x > {top}/d1/x.md && echo y > {top}/d1/sub/y.md"
+       f" && echo z > {top}/d1/sub/deep/z.md", pa)
+    before = [f"./{top}", f"./{top}/d1", f"./{top}/d1/sub", f"./{top}/d1/sub/deep",
+              f"./{top}/d1/sub/deep/z.md", f"./{top}/d1/sub/y.md", f"./{top}/d1/x.md"]
+    wait_until(lambda: _tree(pb) == before, timeout=20, what="B shows d1")
+    sh(f"mv {top}/d1 {top}/d2", pa)
+    after = [p.replace("/d1", "/d2") for p in before]
+    assert _tree(pa) == sorted(after)
+    wait_until(lambda: read(pb / top / "d2" / "sub" / "deep" / "z.md") == "z\n", timeout=20,
+               what="B shows the moved files")
+    # the records moved one by one: B may show d1's last ones for a moment, never for good
+    wait_until(lambda: _tree(pb) == sorted(after), timeout=20, what="B shows no d1")
+    assert not os.path.exists(pb / top / "d1")
+    r = sh(f"ls {top}/d1", pb, check=False, timeout=10)  # the kernel's entry is gone too
+    assert r.returncode != 0 and "No such file" in r.stderr
+
+
+def test_a_directory_made_here_stays_when_the_records_under_it_go(pair):
+    cp, a, b = pair
+    top = f"keep-{uuid.uuid4().hex[:6]}"
+    pa, pb = a.mountpoint / "s", b.mountpoint / "s"
+    sh(f"mkdir -p {top}/mine", pb)  # B's own directories
+    wait_until(lambda: os.path.isdir(pb / top / "mine"), timeout=10, what="B's mkdir")
+    sh(f"mkdir -p {top}/mine/sub && echo a > {top}/mine/a.md && echo b > {top}/mine/sub/b.md", pa)
+    wait_until(lambda: read(pb / top / "mine" / "sub" / "b.md") == "b\n", timeout=20,
+               what="B shows A's files")
+    sh(f"mv {top}/mine {top}/moved", pa)
+    wait_until(lambda: read(pb / top / "moved" / "sub" / "b.md") == "b\n", timeout=20,
+               what="B shows the move")
+    # B's own directory stays (empty: a local disk's mkdir), A's implied one goes
+    wait_until(lambda: not os.path.exists(pb / top / "mine" / "sub"), timeout=20,
+               what="A's implied subdirectory gone from B")
+    assert os.path.isdir(pb / top / "mine") and os.listdir(pb / top / "mine") == []
+
+
+def test_a_remote_delete_of_the_last_file_removes_the_implied_directory(pair):
+    cp, a, b = pair
+    top = f"rm-{uuid.uuid4().hex[:6]}"
+    pa, pb = a.mountpoint / "s", b.mountpoint / "s"
+    sh(f"mkdir -p {top}/d && echo x > {top}/d/x.md", pa)
+    wait_until(lambda: read(pb / top / "d" / "x.md") == "x\n", timeout=20, what="B shows x")
+    sh(f"rm {top}/d/x.md", pa)
+    assert os.path.isdir(pa / top / "d")  # the mount that removed it: a local disk's rule
+    wait_until(lambda: not os.path.exists(pb / top), timeout=20, what="B shows no empty shell")
+
+
+def _lww(cp, a, b, name: str) -> str:
+    """A and B both edit line 1 of version 1: A commits first, then B's edit made on version
+    1 overwrites A's by last writer wins. Returns the content A wrote (now in history)."""
+    pa, pb = a.mountpoint / "s" / name, b.mountpoint / "s" / name
+    pa.write_text("alpha\nbeta\n")
+    wait_until(lambda: read(pb) == "alpha\nbeta\n", timeout=20, what="v1 in B")
+    mine = pb.read_text()  # B's tool reads version 1
+    sh(f"sed -i s/alpha/FROM-A/ {name}", a.mountpoint / "s")
+    wait_until(lambda: live_records(cp, "s")[name].content == "FROM-A\nbeta\n", timeout=20,
+               what="A's edit committed")
+    wait_until(lambda: os.getxattr(pb, "user.memfuse.sha256").decode()
+               == live_records(cp, "s")[name].sha256, timeout=20, what="B applied A's edit")
+    tmp = pb.with_name(f".sed{uuid.uuid4().hex[:6]}")
+    tmp.write_text(mine.replace("alpha", "FROM-B"))
+    os.replace(tmp, pb)  # B's edit made on version 1
+    wait_until(lambda: live_records(cp, "s")[name].content == "FROM-B\nbeta\n", timeout=30,
+               what="B's write is the last")
+    return "FROM-A\nbeta\n"
+
+
+def test_the_mount_whose_write_was_overwritten_is_told(pair):
+    cp, a, b = pair
+    name = f"told-{uuid.uuid4().hex[:6]}.md"
+    _lww(cp, a, b, name)
+    rec = live_records(cp, "s")[name]
+    # B, the last writer, is told as before
+    assert [e for e in _errors(b) if e.get("conflict") and e["path"].endswith(name)]
+    # A, whose version 2 was overwritten, learns it from the feed
+    def told() -> list[dict]:
+        return [e for e in _errors(a) if e.get("conflict") and e["path"].endswith(name)]
+    wait_until(lambda: told(), timeout=20, what="A told its write was overwritten")
+    wait_until(lambda: read(a.mountpoint / "s" / name) == "FROM-B\nbeta\n", timeout=20,
+               what="A shows the last writer's content")
+    [line] = told()
+    assert line["store"] == "s" and line["path"] == name, line
+    assert line.get("overwritten") is True, line
+    assert line.get("lost_version") == 2 and line.get("version") == rec.version, line
+    assert "memfuse history" in line["reason"] and "restore" in line["reason"], line
+    assert "FROM" not in json.dumps(line)  # never memory content
+
+
+def test_a_mount_whose_write_was_not_overwritten_is_told_nothing(pair):
+    cp, a, b = pair
+    name = f"quiet-{uuid.uuid4().hex[:6]}.md"
+    pa, pb = a.mountpoint / "s" / name, b.mountpoint / "s" / name
+    pa.write_text("one\ntwo\n")
+    wait_until(lambda: read(pb) == "one\ntwo\n", timeout=20, what="v1 in B")
+    sh(f"sed -i s/one/ONE/ {name}", b.mountpoint / "s")  # B edits the version it shows
+    wait_until(lambda: live_records(cp, "s")[name].version == 2, timeout=20, what="B's edit")
+    wait_until(lambda: read(pa) == "ONE\ntwo\n", timeout=20, what="A shows B's edit")
+    errs_a = [e for e in _errors(a) if e["path"].endswith(name)]
+    errs_b = [e for e in _errors(b) if e["path"].endswith(name)]
+    assert errs_a == [] and errs_b == [], (errs_a, errs_b)
+
+
+def test_a_mount_down_while_its_write_was_overwritten_is_told_when_it_comes_back(pair):
+    """The catch-up of a saved mirror at start tells as the feed does (and a directory that
+    went from A's view with its records stays gone after A's restart: the directory list
+    A saves is written again)."""
+    cp, a, b = pair
+    name = f"back-{uuid.uuid4().hex[:6]}.md"
+    pa, pb = a.mountpoint / "s" / name, b.mountpoint / "s" / name
+    top = f"gone-{uuid.uuid4().hex[:6]}"
+    sh(f"mkdir -p {top}/d1 && echo x > {top}/d1/x.md", b.mountpoint / "s")
+    wait_until(lambda: read(a.mountpoint / "s" / top / "d1" / "x.md") == "x\n", timeout=20,
+               what="A shows d1")
+    sh(f"mkdir {top}/a-made", a.mountpoint / "s")  # A saves its directory list, d1 in it
+    sh(f"mv {top}/d1 {top}/d2", b.mountpoint / "s")
+    wait_until(lambda: not os.path.exists(a.mountpoint / "s" / top / "d1"), timeout=20,
+               what="A shows no d1")
+    pa.write_text("alpha\nbeta\n")
+    wait_until(lambda: read(pb) == "alpha\nbeta\n", timeout=20, what="v1 in B")
+    mine = pb.read_text()  # B's tool reads version 1
+    sh(f"sed -i s/alpha/FROM-A/ {name}", a.mountpoint / "s")  # A's version 2
+    wait_until(lambda: live_records(cp, "s")[name].version == 2, timeout=20, what="A's edit")
+    a.stop()
+    try:
+        tmp = pb.with_name(f".sed{uuid.uuid4().hex[:6]}")
+        tmp.write_text(mine.replace("alpha", "FROM-B"))
+        os.replace(tmp, pb)  # B's edit made on version 1 overwrites A's
+        wait_until(lambda: live_records(cp, "s")[name].content == "FROM-B\nbeta\n", timeout=30,
+                   what="B's write is the last")
+    finally:
+        a.start(expect="s")
+    wait_until(lambda: read(pa) == "FROM-B\nbeta\n", timeout=20, what="A shows B's write")
+    lines = [e for e in _errors(a) if e.get("overwritten") and e["path"] == name]
+    assert [(e["lost_version"], e["version"]) for e in lines] == [(2, 3)], lines
+    assert sorted(os.listdir(a.mountpoint / "s" / top)) == ["a-made", "d2"]
