@@ -69,7 +69,7 @@ log = logging.getLogger(__name__)
 #: the newest Alembic revision (``memfuse/server/migrations/versions/``): a database at it
 #: opens without Alembic (``Database._at_schema_head``). A new revision updates it;
 #: tests/test_migrations.py fails while it is not ``schema.head()``.
-SCHEMA_HEAD = "0018_record_tails"
+SCHEMA_HEAD = "0019_fts_pending"
 
 
 def utcnow() -> datetime:
@@ -535,6 +535,9 @@ class Database:
         # stays this writer's. GUARDED_BY(_write_lock). INVARIANT: None or a connection of
         # ``_write_bind`` outside any transaction while ``_write_lock`` is free.
         self._kept: Connection | None = None
+        # SQLite: write_conn transactions committed since the full-text queue was last drained
+        # (``_drain_due``). GUARDED_BY(_write_lock, or _all_lock in memory)
+        self._since_drain = 0
         if self.is_sqlite and self.url.database and not self.is_memory and not self.url.query.get("uri"):
             # a missing directory made 0700, a new file 0600 (it holds memory content and
             # token hashes); fails at once, with a clear message, when they cannot be made
@@ -693,6 +696,8 @@ class Database:
                 with self._write_bind.connect() as conn:
                     with conn.begin():
                         yield conn
+                    if self.is_sqlite:
+                        self._drain_due(conn)
                 return
             kept = self._kept
             if kept is None or kept.closed or kept.invalidated:
@@ -708,9 +713,42 @@ class Database:
                     self._kept = None
                     conn.close()
                 raise
+            self._drain_due(conn)
+            if conn.invalidated or conn.in_transaction():  # a drain that failed half-way
+                self._kept = None
+                conn.close()
         finally:
             if lock is not None:
                 lock.release()
+
+    def _drain_due(self, conn: Connection) -> None:
+        """After a committed ``write_conn`` transaction on SQLite (its lock held, ``conn``
+        outside a transaction): every ``fulltext.DRAIN_EVERY`` of them, index the records
+        queued for the full-text index (``fulltext.drain``) in a transaction of its own. A
+        failure is logged, never raised (the write committed; ranked search drains first)."""
+        self._since_drain += 1
+        if self._since_drain < fulltext.DRAIN_EVERY:
+            return
+        self._since_drain = 0
+        try:
+            with conn.begin():
+                fulltext.drain(conn)
+        except Exception as e:  # noqa: BLE001 - logged: the queue waits for the next drain
+            log.warning("full-text queue drain failed", extra={"error": type(e).__name__})
+
+    def index_pending(self) -> None:
+        """SQLite: index the records queued for the full-text index (``memfuse.server.fulltext``,
+        "Pending") in a write transaction, when any is queued (one read tells); nothing on
+        PostgreSQL. Ranked search calls it before its read, so it finds every record written
+        before it started. Raises what ``write_conn`` raises (``OperationalError`` when the
+        database stays locked)."""
+        if not self.is_sqlite:
+            return
+        with self.read_conn() as conn:
+            if conn.exec_driver_sql(fulltext.PENDING_ANY).first() is None:
+                return
+        with self.write_conn() as conn:
+            fulltext.drain(conn)
 
     def on_dispose(self, fn: Callable[[], object]) -> None:
         """Call ``fn()`` at ``dispose()`` (before the pool closes): stops what listens on the
