@@ -100,6 +100,38 @@ class UTCDateTime(TypeDecorator[datetime]):
             return value.replace(tzinfo=timezone.utc)
         return value.astimezone(timezone.utc)
 
+    def bind_processor(self, dialect: Dialect) -> Callable[[Any], Any] | None:
+        """``process_bind_param`` then the dialect's own processor (``TypeDecorator``'s
+        composition), except on SQLite for a ``datetime``: the naive UTC time's
+        ``isoformat(" ", "microseconds")`` in one step, the text SQLAlchemy's SQLite
+        ``DATETIME`` writes in its default storage format (``YYYY-MM-DD HH:MM:SS.ffffff``),
+        at half its CPU (six times per record create; ``tests/test_wire.py`` compares the
+        two). Used only when the storage format is that default."""
+        composed = super().bind_processor(dialect)
+        if dialect.name != "sqlite" or composed is None:
+            return composed
+        fmt = getattr(self.impl_instance.dialect_impl(dialect), "_storage_format", None)
+        if fmt != _SQLITE_DATETIME_FORMAT:
+            return composed
+        utc = timezone.utc
+
+        def process(value: Any) -> Any:
+            if value.__class__ is not datetime:  # None, a date, a subclass: the composed rule
+                return composed(value)
+            tz = value.tzinfo
+            if tz is not None:
+                if tz is not utc:
+                    value = value.astimezone(utc)
+                value = value.replace(tzinfo=None)
+            return value.isoformat(" ", "microseconds")
+
+        return process
+
+
+#: SQLAlchemy's SQLite ``DATETIME`` default storage format (``UTCDateTime.bind_processor``)
+_SQLITE_DATETIME_FORMAT = ("%(year)04d-%(month)02d-%(day)02d "
+                           "%(hour)02d:%(minute)02d:%(second)02d.%(microsecond)06d")
+
 
 # Feed positions: BIGSERIAL on PostgreSQL; on SQLite it must be exactly INTEGER PRIMARY KEY
 # (the rowid alias) for AUTOINCREMENT.
