@@ -12,7 +12,7 @@ from pathlib import Path
 
 from sqlalchemy import text
 
-from memfuse.models import RecordAppend, RecordCreate, RecordAttributes, RecordMove, Restore, StoreCreate
+from memfuse.models import RecordAppend, RecordAttributes, RecordCreate, RecordMove, RecordUpdate, Restore, StoreCreate
 from memfuse.server import fulltext, schema
 from memfuse.server.db import Database
 from memfuse.server.service import Principal, Service
@@ -226,3 +226,73 @@ def test_postgresql_vector_kept_by_trigger_equals_the_computed_one():
         check()
         assert [h[0] for h in _ranked(svc, "yankee")] == ["notes/quartz.md"]
         svc.db.dispose()
+
+
+def _queued(svc: Service) -> tuple[set[str], set[str]]:
+    """(ids of the records queued for indexing, ids of the records in the FTS table)."""
+    with svc.db.read_conn() as conn:
+        queued = set(conn.execute(text(
+            "SELECT k.record_id FROM records_fts_pending p JOIN records_fts_keys k ON k.k = p.k")).scalars())
+        indexed = set(conn.execute(text(
+            "SELECT k.record_id FROM records_fts f JOIN records_fts_keys k ON k.k = -f.rowid")).scalars())
+    return queued, indexed
+
+
+def test_a_new_record_is_queued_and_a_ranked_search_right_after_its_write_finds_it(tmp_path):
+    """A new record is not indexed in its write's transaction (``fulltext`` "Pending",
+    revision ``0020_fts_pending``): its key is queued, and a ranked search right after the
+    write drains the queue first, so it finds the record (read-your-writes). Writes of a
+    queued record before the drain (an update, a move, a delete, a purge) rank as if it had
+    been indexed at its create; the batch's creates are queued the same way."""
+    svc = _service(tmp_path / "a.db")
+    a = _create(svc, "notes/alpha.md", "# Quasar heading\nfirst words\n")
+    queued, indexed = _queued(svc)
+    assert a["id"] in queued and a["id"] not in indexed  # queued, not indexed (main indexes it here)
+    assert [h[0] for h in _ranked(svc, "quasar")] == ["notes/alpha.md"]  # at once
+    assert _queued(svc) == (set(), {a["id"]})
+    # writes of queued records before any search
+    b = _create(svc, "notes/bravo.md", "old words xylophone\n")
+    c = _create(svc, "notes/charlie.md", "charlie quasar\n")
+    d = _create(svc, "notes/delta.md", "delta quasar\n")
+    e = _create(svc, "notes/echo.md", "echo quasar\n")
+    r = svc.update_record(ADMIN, "s", b["id"], RecordUpdate(content="new words quasar\n"), if_match=f'"{b["sha256"]}"')
+    assert r.status == 200, r.body
+    assert svc.move_record(ADMIN, "s", c["id"], RecordMove(path="moved/charlie.md"),
+                           if_match=f'"{c["sha256"]}"').status == 200
+    assert svc.delete_record(ADMIN, "s", d["id"]).status == 204
+    with svc.db.write_conn() as conn:  # a purge of a queued record
+        conn.execute(text("DELETE FROM versions WHERE record_id = :r"), {"r": e["id"]})
+        conn.execute(text("DELETE FROM records WHERE id = :r"), {"r": e["id"]})
+    ops = [{"op": "create", "body": {"path": f"batch/{i}.md", "content": f"quasar batch {i}\n"}} for i in range(3)]
+    from memfuse.models import BatchRequest
+    replies = svc.batch(ADMIN, "s", BatchRequest.model_validate({"operations": ops}).operations)
+    assert all(x.status == 201 for x in replies)
+    assert len(_queued(svc)[0]) >= 4  # the batch's three and alpha's siblings
+    got = _ranked(svc, "quasar")
+    assert sorted(h[0] for h in got) == ["batch/0.md", "batch/1.md", "batch/2.md", "moved/charlie.md",
+                                         "notes/alpha.md", "notes/bravo.md"]
+    assert _ranked(svc, "xylophone") == []  # the update's old text is not in the index
+    assert _queued(svc)[0] == set()
+    # the same final contents indexed one by one at their writes rank exactly the same
+    fresh = _service(tmp_path / "b.db")
+    for h in got:
+        rec = svc.search(ADMIN, "s", h[0].split("/")[-1]).hits[0].record
+        content = svc.get_record(ADMIN, "s", rec.id).content
+        assert content is not None
+        _create(fresh, h[0], content)
+        _ranked(fresh, "quasar")  # drained after each create
+    assert _ranked(svc, "quasar") == _ranked(fresh, "quasar")
+    svc.db.dispose()
+    fresh.db.dispose()
+
+
+def test_a_writer_drains_the_queue_every_drain_every_writes(tmp_path, monkeypatch):
+    """Without a search the queue stays short: every ``fulltext.DRAIN_EVERY`` committed write
+    transactions the writer indexes it (``Database.write_conn``)."""
+    monkeypatch.setattr(fulltext, "DRAIN_EVERY", 3)
+    svc = _service(tmp_path / "a.db")  # the store's create: one write transaction
+    one = _create(svc, "one.md", "one\n")
+    assert _queued(svc)[0] == {one["id"]}
+    two = _create(svc, "two.md", "two\n")  # the third write: drained after its commit
+    assert _queued(svc) == (set(), {one["id"], two["id"]})
+    svc.db.dispose()

@@ -344,6 +344,34 @@ async def test_live_server_answers_decode_as_the_server_models_them():
         await fake.aclose()
 
 
+def test_utc_datetime_binds_on_sqlite_the_text_sqlalchemy_composes():
+    """``UTCDateTime.bind_processor``'s SQLite shortcut (``isoformat``) writes exactly the
+    text of ``TypeDecorator``'s composition (``process_bind_param``, then SQLite
+    ``DATETIME``'s storage format): aware times in any zone, naive ones, whole seconds, the
+    years 1-9999; None goes through the composition."""
+    import random
+    from datetime import timezone as tzmod
+
+    from sqlalchemy.dialects import sqlite
+    from sqlalchemy.types import TypeDecorator
+
+    from memfuse.server.db import UTCDateTime
+
+    dialect = sqlite.dialect()
+    impl = UTCDateTime().dialect_impl(dialect)
+    fast = impl.bind_processor(dialect)
+    composed = TypeDecorator.bind_processor(impl, dialect)
+    assert fast is not None and composed is not None and fast.__qualname__ != composed.__qualname__
+    rng = random.Random(11)
+    zones = [None, timezone.utc, tzmod(timedelta(hours=5, minutes=30)), tzmod(timedelta(hours=-11))]
+    for _ in range(20_000):
+        t = datetime(1, 1, 2) + timedelta(seconds=rng.randint(0, 86400 * 365 * 9997),
+                                          microseconds=rng.choice([0, rng.randint(0, 999_999)]))
+        t = t.replace(tzinfo=rng.choice(zones))
+        assert fast(t) == composed(t), t
+    assert fast(None) is None is composed(None)
+
+
 def test_snapshot_times_read_from_sqlite_text_equal_sqlalchemys():
     """The snapshot endpoint parses SQLite's stored times itself (memfuse.server.records.
     _sqlite_time): the same aware datetimes as the column type's own reading, microseconds

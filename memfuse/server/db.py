@@ -69,7 +69,7 @@ log = logging.getLogger(__name__)
 #: the newest Alembic revision (``memfuse/server/migrations/versions/``): a database at it
 #: opens without Alembic (``Database._at_schema_head``). A new revision updates it;
 #: tests/test_migrations.py fails while it is not ``schema.head()``.
-SCHEMA_HEAD = "0019_version_overwrote"
+SCHEMA_HEAD = "0020_fts_pending"
 
 
 def utcnow() -> datetime:
@@ -99,6 +99,38 @@ class UTCDateTime(TypeDecorator[datetime]):
         if value.tzinfo is None:
             return value.replace(tzinfo=timezone.utc)
         return value.astimezone(timezone.utc)
+
+    def bind_processor(self, dialect: Dialect) -> Callable[[Any], Any] | None:
+        """``process_bind_param`` then the dialect's own processor (``TypeDecorator``'s
+        composition), except on SQLite for a ``datetime``: the naive UTC time's
+        ``isoformat(" ", "microseconds")`` in one step, the text SQLAlchemy's SQLite
+        ``DATETIME`` writes in its default storage format (``YYYY-MM-DD HH:MM:SS.ffffff``),
+        at half its CPU (six times per record create; ``tests/test_wire.py`` compares the
+        two). Used only when the storage format is that default."""
+        composed = super().bind_processor(dialect)
+        if dialect.name != "sqlite" or composed is None:
+            return composed
+        fmt = getattr(self.impl_instance.dialect_impl(dialect), "_storage_format", None)
+        if fmt != _SQLITE_DATETIME_FORMAT:
+            return composed
+        utc = timezone.utc
+
+        def process(value: Any) -> Any:
+            if value.__class__ is not datetime:  # None, a date, a subclass: the composed rule
+                return composed(value)
+            tz = value.tzinfo
+            if tz is not None:
+                if tz is not utc:
+                    value = value.astimezone(utc)
+                value = value.replace(tzinfo=None)
+            return value.isoformat(" ", "microseconds")
+
+        return process
+
+
+#: SQLAlchemy's SQLite ``DATETIME`` default storage format (``UTCDateTime.bind_processor``)
+_SQLITE_DATETIME_FORMAT = ("%(year)04d-%(month)02d-%(day)02d "
+                           "%(hour)02d:%(minute)02d:%(second)02d.%(microsecond)06d")
 
 
 # Feed positions: BIGSERIAL on PostgreSQL; on SQLite it must be exactly INTEGER PRIMARY KEY
@@ -540,6 +572,9 @@ class Database:
         # stays this writer's. GUARDED_BY(_write_lock). INVARIANT: None or a connection of
         # ``_write_bind`` outside any transaction while ``_write_lock`` is free.
         self._kept: Connection | None = None
+        # SQLite: write_conn transactions committed since the full-text queue was last drained
+        # (``_drain_due``). GUARDED_BY(_write_lock, or _all_lock in memory)
+        self._since_drain = 0
         if self.is_sqlite and self.url.database and not self.is_memory and not self.url.query.get("uri"):
             # a missing directory made 0700, a new file 0600 (it holds memory content and
             # token hashes); fails at once, with a clear message, when they cannot be made
@@ -698,6 +733,8 @@ class Database:
                 with self._write_bind.connect() as conn:
                     with conn.begin():
                         yield conn
+                    if self.is_sqlite:
+                        self._drain_due(conn)
                 return
             kept = self._kept
             if kept is None or kept.closed or kept.invalidated:
@@ -713,9 +750,42 @@ class Database:
                     self._kept = None
                     conn.close()
                 raise
+            self._drain_due(conn)
+            if conn.invalidated or conn.in_transaction():  # a drain that failed half-way
+                self._kept = None
+                conn.close()
         finally:
             if lock is not None:
                 lock.release()
+
+    def _drain_due(self, conn: Connection) -> None:
+        """After a committed ``write_conn`` transaction on SQLite (its lock held, ``conn``
+        outside a transaction): every ``fulltext.DRAIN_EVERY`` of them, index the records
+        queued for the full-text index (``fulltext.drain``) in a transaction of its own. A
+        failure is logged, never raised (the write committed; ranked search drains first)."""
+        self._since_drain += 1
+        if self._since_drain < fulltext.DRAIN_EVERY:
+            return
+        self._since_drain = 0
+        try:
+            with conn.begin():
+                fulltext.drain(conn)
+        except Exception as e:  # noqa: BLE001 - logged: the queue waits for the next drain
+            log.warning("full-text queue drain failed", extra={"error": type(e).__name__})
+
+    def index_pending(self) -> None:
+        """SQLite: index the records queued for the full-text index (``memfuse.server.fulltext``,
+        "Pending") in a write transaction, when any is queued (one read tells); nothing on
+        PostgreSQL. Ranked search calls it before its read, so it finds every record written
+        before it started. Raises what ``write_conn`` raises (``OperationalError`` when the
+        database stays locked)."""
+        if not self.is_sqlite:
+            return
+        with self.read_conn() as conn:
+            if conn.exec_driver_sql(fulltext.PENDING_ANY).first() is None:
+                return
+        with self.write_conn() as conn:
+            fulltext.drain(conn)
 
     def on_dispose(self, fn: Callable[[], object]) -> None:
         """Call ``fn()`` at ``dispose()`` (before the pool closes): stops what listens on the

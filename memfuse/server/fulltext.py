@@ -41,6 +41,21 @@ it without a line of Python):
   not one "file" token) and is cut at ``PG_MAX_CHARS`` characters (a ``tsvector`` holds at
   most 1 MiB; a longer record's tail is not indexed, its substring search still finds it).
 
+**Pending** (SQLite; revision ``0020_fts_pending``): a *new* record is not indexed in its
+write's transaction. ``records_fts_ai`` / ``records_fts_au_seq`` give it its key and queue
+the key in ``records_fts_pending``; ``PENDING_DRAIN`` indexes every queued live record in
+one statement (the same rows and text the triggers wrote before, so ranking is the same) and
+empties the queue. Ranked search drains first (``Database.index_pending``, in a write
+transaction before its read), so it finds every record written before it started; a writer
+drains after every ``DRAIN_EVERY`` write transactions (``Database.write_conn``), so the queue
+stays short when nothing searches. Why: the index's trigger was ~17 % of the writer's
+instructions per single-record create (FTS5 writes a segment per transaction: its data,
+index, docsize and content pages), paid once per drain instead (bench/README.md, "The close
+path, session 13: serve's writer"). Every later write of a queued record (``records_fts_au``,
+``records_fts_ad``) keeps the index as before: the FTS row it deletes is not there yet, the
+one it writes is written again by the drain with the same text. A release older than this
+revision does not drain: upgrade every replica before serving ranked search.
+
 Neither is a SQLAlchemy model: ``install`` hooks their DDL to ``Base.metadata``'s
 ``after_create`` (in-memory databases, tests), and revision ``0007_fulltext`` creates and
 fills them on an existing database (in the form keyed by ``seq``: ``create_statements``),
@@ -57,6 +72,7 @@ from __future__ import annotations
 import re
 import sqlite3
 from collections.abc import Iterable
+from typing import Any
 
 from sqlalchemy import DDL, MetaData, event
 
@@ -71,7 +87,7 @@ PG_MAX_CHARS = 200_000  # characters of a record's content given to to_tsvector
 PG_SEPARATORS = "/.-_@:\\"
 INDEX_OBJECTS = {  # what this module adds beside the models (tables, indexes, columns, triggers)
     "tables": {"records_fts", "records_fts_data", "records_fts_idx", "records_fts_docsize",
-               "records_fts_config", "records_fts_content", "records_fts_keys"},
+               "records_fts_config", "records_fts_content", "records_fts_keys", "records_fts_pending"},
     "indexes": {"ix_records_seq", "ix_records_fts_hit", "ix_records_search"},
     "columns": {"search_vector"},
 }
@@ -172,8 +188,35 @@ _AU_SEQ = ("CREATE TRIGGER IF NOT EXISTS records_fts_au_seq AFTER UPDATE OF seq 
            "WHEN old.seq <= 0 AND new.seq > 0 AND new.deleted = 0 BEGIN "
            "INSERT OR IGNORE INTO records_fts_keys (record_id) VALUES (new.id); "
            f"INSERT OR REPLACE INTO records_fts (rowid, path, headings, body) VALUES ({_KEY_OF_NEW}, {_NEW_ROW}); END")
-#: the index as ``install`` makes it and revision ``0018_record_tails`` leaves it
-SQLITE_DDL = [*_KEYED_DDL_0016[:5], _AU, _AU_SEQ]
+# A new record's indexing deferred (revision ``0020_fts_pending``; module docstring, "Pending"):
+# its insert (a batch's, seq given) or the statement giving it its seq (a single create) only
+# gives it its key and queues the key; ``PENDING_DRAIN`` indexes the queue in one statement.
+_PENDING_TABLE = "CREATE TABLE IF NOT EXISTS records_fts_pending (k INTEGER PRIMARY KEY)"
+_QUEUE_NEW = ("INSERT OR IGNORE INTO records_fts_keys (record_id) VALUES (new.id); "
+              "INSERT OR IGNORE INTO records_fts_pending (k) "
+              "SELECT k FROM records_fts_keys WHERE record_id = new.id; END")
+_AI_PENDING = ("CREATE TRIGGER IF NOT EXISTS records_fts_ai AFTER INSERT ON records "
+               "WHEN new.deleted = 0 AND new.seq > 0 BEGIN " + _QUEUE_NEW)
+_AU_SEQ_PENDING = ("CREATE TRIGGER IF NOT EXISTS records_fts_au_seq AFTER UPDATE OF seq ON records "
+                   "WHEN old.seq <= 0 AND new.seq > 0 AND new.deleted = 0 BEGIN " + _QUEUE_NEW)
+#: the index as ``install`` makes it and revision ``0020_fts_pending`` leaves it
+SQLITE_DDL = [*_KEYED_DDL_0016[:3], _PENDING_TABLE, _AI_PENDING, _KEYED_DDL_0016[4], _AU, _AU_SEQ_PENDING]
+#: whether any record waits for its indexing (SQLite)
+PENDING_ANY = "SELECT 1 FROM records_fts_pending LIMIT 1"
+#: index every queued record that is live (as ``_AI`` / ``_AU_SEQ`` would have at its write:
+#: the same row, the same text; a record written since by ``records_fts_au`` is indexed again
+#: with the same text, one deleted or purged since is skipped), then empty the queue
+PENDING_DRAIN = [
+    "INSERT OR REPLACE INTO records_fts (rowid, path, headings, body) "
+    f"SELECT -k.k, r.path, memfuse_headings(substr(r.content, 1, {PG_MAX_CHARS})), "
+    f"coalesce(substr(r.content, 1, {PG_MAX_CHARS}), '') FROM records_fts_pending p "
+    "JOIN records_fts_keys k ON k.k = p.k JOIN records r ON r.id = k.record_id "
+    "WHERE r.deleted = 0 AND r.seq > 0",
+    "DELETE FROM records_fts_pending",
+]
+#: a writer that committed this many write transactions since the last drain drains
+#: (``Database.write_conn``): the queue stays short when nothing searches
+DRAIN_EVERY = 256
 _KEYED_BACKFILL = [
     "INSERT OR IGNORE INTO records_fts_keys (record_id) SELECT id FROM records WHERE deleted = 0 AND seq > 0",
     "INSERT OR REPLACE INTO records_fts (rowid, path, headings, body) "
@@ -301,6 +344,28 @@ def update_trigger_statements(dialect: str, *, upgrade: bool = True) -> list[str
         return []
     drop = ["DROP TRIGGER IF EXISTS records_fts_au", "DROP TRIGGER IF EXISTS records_fts_au_seq"]
     return [*drop, _AU, _AU_SEQ] if upgrade else [*drop, _KEYED_DDL_0016[5]]
+
+
+def pending_statements(dialect: str, *, upgrade: bool = True) -> list[str]:
+    """The SQL that defers a new record's indexing to ``PENDING_DRAIN`` (revision
+    ``0020_fts_pending``: the queue ``records_fts_pending``, ``records_fts_ai`` and
+    ``records_fts_au_seq`` queueing), or, with ``upgrade`` False, indexes the queue and puts
+    back ``0018_record_tails``'s triggers (its downgrade). ``[]`` on PostgreSQL, whose
+    trigger computes the vector in the row."""
+    if dialect != "sqlite":
+        return []
+    drop = ["DROP TRIGGER IF EXISTS records_fts_ai", "DROP TRIGGER IF EXISTS records_fts_au_seq"]
+    if upgrade:
+        return [_PENDING_TABLE, *drop, _AI_PENDING, _AU_SEQ_PENDING]
+    return [*PENDING_DRAIN, *drop, "DROP TABLE IF EXISTS records_fts_pending", _KEYED_DDL_0016[3], _AU_SEQ]
+
+
+def drain(conn: Any) -> None:
+    """Index the records queued in ``records_fts_pending`` and empty the queue, in the
+    caller's SQLite write transaction (``conn``: a Core ``Connection``). Cost: tokenizing
+    each queued record's first ``PG_MAX_CHARS`` characters, in one statement."""
+    for stmt in PENDING_DRAIN:
+        conn.exec_driver_sql(stmt)
 
 
 def unkey_statements(dialect: str) -> list[str]:

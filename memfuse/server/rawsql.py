@@ -164,7 +164,9 @@ class Raw:
         dialect = conn.dialect
         c = self._compiled(dialect, params)
         args = c.parameters(params)
-        cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+        # the DB-API connection itself: ``driver_connection`` is the same object for our sync
+        # drivers (sqlite3, psycopg), two property calls further
+        cursor = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
         for fn in conn.dispatch.before_cursor_execute:  # the /metrics statement counter, tests' spies
             fn(conn, cursor, c.sql, args, None, False)
         try:

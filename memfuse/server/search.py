@@ -199,6 +199,7 @@ class SearchService(Resource):
             raise ServiceError(422, "invalid_query", "the query has no word to rank by (letters or digits)")
         offset = _decode_offset(cursor) if cursor else 0
         take = min(limit, RANK_MAX_OFFSET - offset)
+        self.db.index_pending()  # SQLite: the records written before this search, indexed
         with self.db.read_conn() as conn:
             st = self._store(conn, p, slug)
             seq = conn.scalar(select(func.max(_V.c.seq)).where(_V.c.store == st.slug)) or 0
