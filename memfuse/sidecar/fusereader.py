@@ -93,8 +93,6 @@ class FuseReader:
         self.owner: Any = None
         self.closed = False
         self._lot = trio.lowlevel.ParkingLot()
-        #: requests whose handler handed the reader role on (tests, status)
-        self.hand_offs = 0
 
     async def wait_readable(self) -> bool:
         """pyfuse3's ``_wait_fuse_readable``: return True once this worker may read a request
@@ -121,7 +119,6 @@ class FuseReader:
         to a parked worker (woken now), or to the next one to come back."""
         if self.owner is not trio.lowlevel.current_task():
             return  # handed on already (a second await of the same request)
-        self.hand_offs += 1
         woken = self._lot.unpark()
         self.owner = woken[0] if woken else None
 
