@@ -745,6 +745,31 @@ def find_secret(content: str) -> str | None:
     return None if found is None else _secret_reason(found, view)
 
 
+#: at most this many secrets are cut out of one text by :func:`redact_secrets`; past it the
+#: whole text is replaced (a text made of secrets says nothing else worth keeping)
+REDACT_MAX = 64
+
+
+def redact_secrets(text: str) -> str:
+    """``text`` with every secret the content rules find (:func:`find_secret`) cut to its
+    first four characters (the vendor prefix, ``ghp_``) and ``[REDACTED]``: for untrusted
+    text memfuse keeps but does not refuse (a consolidation model's summary). Returns
+    ``text`` itself when it holds none. The matches are found in the text as a prompt shows
+    it (:func:`secret_view`), so a text that held a secret comes back in that view (format
+    characters removed, NFKC). More than :data:`REDACT_MAX` secrets: one line saying so.
+    Linear per secret found (one :func:`find_secret` scan each)."""
+    if find_secret(text) is None:
+        return text
+    view = secret_view(text)
+    for _ in range(REDACT_MAX):
+        found = _first_secret(view)
+        if found is None:
+            return view
+        _, m = found
+        view = view[: m.start()] + view[m.start() : m.start() + 4] + REDACTED + view[m.end() :]
+    return "[REDACTED: the text held more than %d secrets]" % REDACT_MAX
+
+
 def _secret_reason(found: tuple[_Rule, re.Match[str]], view: str) -> str:
     """``find_secret``'s reason for a match ``found`` in ``view``: the kind and its line."""
     rule, m = found

@@ -77,17 +77,20 @@ BATCH_MAX_OPERATIONS = 100  # operations in one POST /v1/stores/{store}/batch
 MAX_RECORD_BYTES = 8 * 1024 * 1024  # the largest max_record_bytes with the default body bound
 DEFAULT_MAX_RECORD_BYTES = 1 << 20  # a new store's max_record_bytes
 RECORD_BODY_ENVELOPE = 64 * 1024  # bytes of a write's JSON body besides its content (path, type, syntax)
-# the most one byte of text grows in a JSON body: a newline, tab, quote or backslash is escaped
-# as two bytes (another control character, ``\u00XX``, as six: content made of them may not fit,
-# and is refused 413 ``too_large`` from its declared length, EFBIG at the mount)
-RECORD_BODY_GROWTH = 2
-BATCH_MAX_OPERATIONS = 100  # operations in one POST /v1/stores/{store}/batch
+# the most one byte of valid text (UTF-8) grows in a request body, over every encoder a client
+# may use: JSON escapes a control character other than \b \t \n \f \r as ``\u00XX``, six bytes
+# for one, whether it escapes non-ASCII (``ensure_ascii``: at most six bytes for a 2-byte
+# character, twelve for a 4-byte one) or not (msgspec, the sidecar's and the CLI's); a form's
+# percent-encoding is at most three (``%XX`` a byte). So every valid record of up to a store's
+# ``max_record_bytes`` fits (tests/test_body_bound.py checks every code point)
+RECORD_BODY_GROWTH = 6
 
 
 def record_body_bound(max_record_bytes: int) -> int:
-    """The body bound (bytes) a control plane needs so that a write of any text record of up
-    to ``max_record_bytes`` bytes (UTF-8) fits in one request: each content byte escaped
-    at most ``RECORD_BODY_GROWTH``-fold, plus ``RECORD_BODY_ENVELOPE``. The inverse of
+    """The body bound (bytes) a control plane needs so that a write of any valid record of up
+    to ``max_record_bytes`` bytes (UTF-8) fits in one request, however its client encodes it:
+    each content byte escaped at most ``RECORD_BODY_GROWTH``-fold (the true worst case, a
+    control character as ``\\u00XX``), plus ``RECORD_BODY_ENVELOPE``. The inverse of
     ``largest_record``."""
     return RECORD_BODY_GROWTH * max_record_bytes + RECORD_BODY_ENVELOPE
 
@@ -96,15 +99,17 @@ def largest_record(max_body: int) -> int:
     """The largest ``max_record_bytes`` (bytes) a store may have on a control plane whose
     record writes take bodies of at most ``max_body`` bytes (``memfuse serve --max-body``):
     the largest ``n`` with ``record_body_bound(n) <= max_body`` (0 when none fits). A larger
-    setting is refused 422 ``invalid_limit`` (``Service.create_store`` / ``update_store``)."""
+    setting is refused 422 ``invalid_limit`` (``Service.create_store`` / ``update_store``); a
+    store that has one already (set under a larger ``--max-body``) is named in a warning at
+    the server's start (``memfuse.server.stores.stores_over_body_bound``)."""
     return max(0, (max_body - RECORD_BODY_ENVELOPE) // RECORD_BODY_GROWTH)
 
 
 # the default body bound of record writes, batches, the memory tool and console forms
-# (``memfuse serve --max-body``): a record of ``MAX_RECORD_BYTES`` fits (16 MiB + 64 KiB)
+# (``memfuse serve --max-body``): a record of ``MAX_RECORD_BYTES`` fits (48 MiB + 64 KiB)
 RECORD_BODY_MAX = record_body_bound(MAX_RECORD_BYTES)
 BATCH_MAX_BYTES = RECORD_BODY_MAX  # bytes of one batch request body: holds any one record
-# the smallest body bound a control plane may have: a store with the default limit fits (2 MiB + 64 KiB)
+# the smallest body bound a control plane may have: a store with the default limit fits (6 MiB + 64 KiB)
 RECORD_BODY_MIN = record_body_bound(DEFAULT_MAX_RECORD_BYTES)
 # records one prefix move (POST /v1/stores/{store}/move, a directory rename) moves at most:
 # one request holds the database's one writer a bounded time (~0.2 ms of CPU per record,

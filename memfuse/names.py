@@ -107,6 +107,42 @@ def check_path(path: str) -> str:
     return path
 
 
+#: the store's index (``memfuse.content.INDEX_PATH``): at the store's root it is a file, the one
+#: the prompt block shows, so no directory may take its name there
+INDEX_NAME = "MEMORY.md"
+
+
+def check_new_name(name: str) -> str:
+    """The rules a name must meet to be GIVEN to a new file or directory (create, mkdir, rename
+    target, on every face), beyond :func:`check_component` (which every name already met):
+    it is in Unicode normalization form C. ``é`` typed as ``e`` + U+0301 (NFD, as macOS
+    writes names) and ``é`` as one code point look the same in ``ls``, the console and the
+    prompt, so two such names would be two records a reader cannot tell apart (the
+    memory-store API refuses non-NFC paths too). Raises ``NameError_``. Names made before
+    this rule keep working for every other operation (read, write, delete, rename *from*)."""
+    if not name.isascii() and not unicodedata.is_normalized("NFC", name):
+        nfc = unicodedata.normalize("NFC", name)
+        raise NameError_(f"name is not in Unicode normalization form C (NFC); its NFC form "
+                         f"{nfc!r} looks the same: use that")
+    return name
+
+
+def check_new_path(path: str) -> str:
+    """:func:`check_path` plus the rules of a path a write gives a record (create, move, the
+    target of a prefix move): every component meets :func:`check_new_name`, and
+    :data:`INDEX_NAME` at the store's root is not a directory (``MEMORY.md/x``: the index
+    would become a directory that no agent can write, while its prompt block says to create
+    it). Raises ``NameError_``."""
+    check_path(path)
+    parts = path.split("/")
+    if len(parts) > 1 and parts[0] == INDEX_NAME:
+        raise NameError_(f"{INDEX_NAME} at the store's root is the store's index file; it cannot "
+                         f"be a directory")
+    for part in parts:
+        check_new_name(part)
+    return path
+
+
 def check_slug(slug: str) -> str:
     """Validate a store or workspace slug ``[a-z0-9][a-z0-9._-]{0,62}``; raise ``NameError_``."""
     if not SLUG_RE.match(slug or ""):

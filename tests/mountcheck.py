@@ -163,6 +163,8 @@ def name_errnos(raw: bytes) -> set[int]:
     else:
         if not s or s in (".", "..") or "/" in s or any(ord(c) in FORBIDDEN for c in s):
             bad.add(errno.EINVAL)
+        elif not unicodedata.is_normalized("NFC", s):  # a name given is in NFC
+            bad.add(errno.EINVAL)
     return bad or {0}
 
 

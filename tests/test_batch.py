@@ -18,7 +18,6 @@ from memfuse.client import ApiClient
 from memfuse.errors import Conflict, PreconditionFailed, StoreFull, TransientError
 from memfuse.fake import FakeControlPlane
 from memfuse.wire import BATCH_MAX_OPERATIONS, Record
-from memfuse.server.routes import records as records_routes
 from memfuse.server.app import create_app
 from memfuse.server.records import _usage
 from pgutil import fresh_db_url
@@ -140,7 +139,7 @@ async def test_size_bound_and_whole_batch_refusals(env, monkeypatch):
     one = _op("create", body={"path": "x.md", "content": "x"})
     r = await ws.post("/v1/stores/s/batch", json={"operations": [one] * (BATCH_MAX_OPERATIONS + 1)})
     assert r.status_code == 413 and r.json()["code"] == "batch_too_large"
-    monkeypatch.setattr(records_routes, "BATCH_MAX_BYTES", 1000)
+    monkeypatch.setattr(app.state.service.settings, "max_body", 1000)  # the batch handler's own bound
     r = await ws.post("/v1/stores/s/batch", json={"operations": [
         _op("create", body={"path": f"{i}.md", "content": "y" * 200}) for i in range(10)]})
     assert r.status_code == 413 and r.json()["code"] == "batch_too_large"

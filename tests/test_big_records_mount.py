@@ -1,15 +1,20 @@
 """Records at the size limits through a real mount and a real ``memfuse serve`` (attack 12,
-A2; docs/API.md, "Limits"): a store may not allow records larger than one request carries;
-a file over the store's limit is EFBIG at write(2); a file within the limit whose JSON body
-is over the front door's bound (control characters are escaped six-fold) is refused 413
-``too_large`` before the server reads it, and that refusal reaches the agent (EFBIG at the
-close that waits for it, ``state=rejected``, an errors.log line, the content kept in the
-file), never an endless retry: a later small write of the same store commits and
-``status.json`` says the control plane is reachable.
+A2; verifier N1 of session 12; docs/API.md "A record fits in one request"): a store may not
+allow records larger than one request carries, counting the true worst case of the body (a
+control character escaped six-fold, ``memfuse.defs.RECORD_BODY_GROWTH``), so a file at the
+store's limit made only of control characters commits; a file over the limit is EFBIG at
+write(2).
 
-On main the 413 reached the sidecar as a broken send (``write_error``): the entry was
-retried for ever, every later write of the store stayed pending and the mount reported the
-control plane unreachable.
+A store whose limit was set under a larger ``--max-body`` keeps it when the server restarts
+with a smaller one: the server names it in a warning at start (``stores_over_body_bound``),
+and its records past the body bound are refused 413 ``too_large`` before the server reads
+them; that refusal reaches the agent (EFBIG at the close that waits for it,
+``state=rejected``, an errors.log line, the content kept in the file), never an endless retry:
+a later small write of the same store commits and ``status.json`` says the control plane is
+reachable.
+
+On main a file of ``\\x01`` at the store's limit was refused EFBIG at close (its JSON body was
+three times the bound's allowance), and nothing named a store over a lowered ``--max-body``.
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ import json
 import msgspec
 import pytest
 
-from memfuse.defs import largest_record, record_body_bound
+from memfuse.defs import RECORD_BODY_MIN, largest_record, record_body_bound
 from memfuse.errors import ApiError
 from mountcheck import errors_log, status, wait_drained, write_file, xattr
 from mountutil import ControlPlane, Sidecar, live_records
@@ -27,17 +32,18 @@ pytestmark = [pytest.mark.mount, pytest.mark.timeout(240)]
 
 OK = {"open": None, "write": None, "close": None}
 MIB = 1 << 20
+WORST = b"\x01"  # escaped as \u0001: six bytes of JSON for one of content
 
 
-def test_a_record_the_front_door_refuses_is_a_verdict_not_an_outage(tmp_path):
-    # a front door of 3 MiB (the store's largest record then ~1.47 MiB): the content scans
-    # of the sidecar cost seconds per 8 MiB on a loaded machine
-    body_max = 3 * MIB
+def test_a_record_of_control_characters_at_the_limit_commits_through_a_mount(tmp_path):
+    # the smallest front door (6 MiB + 64 KiB: the store's largest record then 1 MiB): the
+    # content scans of the sidecar cost seconds per 8 MiB on a loaded machine
+    body_max = RECORD_BODY_MIN
     largest = largest_record(body_max)
     cp = ControlPlane(tmp_path, extra_args=("--max-body", str(body_max))).start()
     sc = None
     try:
-        tok = cp.setup_workspace("ws", ("bigs", "other"))
+        tok = cp.setup_workspace("ws", ("bigs",))
         # the store's limit agrees with the front door's: 64 MiB (attack 12) is refused, and
         # so is one byte more than a request carries
         for too_big in (64 * MIB, largest + 1):
@@ -50,17 +56,58 @@ def test_a_record_the_front_door_refuses_is_a_verdict_not_an_outage(tmp_path):
         bigs = mnt / "bigs"
 
         # over the store's limit: EFBIG at write(2), nothing sent
-        assert write_file(bigs / "over.txt", b"x" * (largest + 1))["write"] == "EFBIG"
+        assert write_file(bigs / "over.txt", WORST * (largest + 1))["write"] == "EFBIG"
 
-        # at the limit, but its JSON body is just over the front door's bound: a quote is
-        # escaped as two bytes (the rule's factor), a control character as six
-        ctl = 64 * 1024
-        data = b'"' * (largest - ctl) + b"\x01" * ctl
-        assert len(data) == largest and record_body_bound(largest) <= body_max
+        # at the limit, every byte a control character: its JSON body is six times its size
+        data = WORST * largest
+        assert write_file(bigs / "ctl.txt", data) == OK
         body = len(msgspec.json.encode({"path": "ctl.txt", "content": data.decode()}))
-        assert body_max < body < body_max + 5 * ctl
+        assert 6 * largest < body <= record_body_bound(largest) == body_max
+        wait_drained(mnt, timeout=60)
+        rec = live_records(cp, "bigs")["ctl.txt"]
+        assert rec.size == largest and rec.content == data.decode()
+        assert xattr(bigs / "ctl.txt", "state") == "clean"
+        assert "over.txt" not in live_records(cp, "bigs")
+    finally:
+        try:
+            if sc is not None:
+                sc.stop()
+        finally:
+            cp.stop()
+
+
+def test_a_store_over_a_lowered_body_bound_is_named_at_start_and_its_413_is_a_verdict(tmp_path):
+    # a store allowed 2 MiB records under a front door that carried them; the server then
+    # restarts with the smallest one (largest record 1 MiB)
+    wide = record_body_bound(2 * MIB)
+    cp = ControlPlane(tmp_path, extra_args=("--max-body", str(wide))).start()
+    sc = None
+    try:
+        tok = cp.setup_workspace("ws", ("bigs", "other"))
+        cp.call("update_store", "bigs", max_record_bytes=2 * MIB, max_store_bytes=512 * MIB)
+        cp.stop()
+        offset = cp.log.stat().st_size
+        cp.extra_args = ["--max-body", str(RECORD_BODY_MIN)]
+        cp.start()
+        with cp.log.open("rb") as f:
+            f.seek(offset)
+            lines = [json.loads(x) for x in f.read().splitlines() if x.startswith(b"{")]
+        warned = [x for x in lines if x.get("event") == "stores_over_body_bound"]
+        assert len(warned) == 1, lines
+        w = warned[0]
+        assert w["level"] == "warning" and w["stores"] == "bigs" and w["count"] == 1, w  # not "other"
+        assert w["max_body"] == RECORD_BODY_MIN and w["largest_record"] == largest_record(RECORD_BODY_MIN)
+        assert w["max_body_needed"] == wide and "--max-body" in w["msg"] and "max-record-bytes" in w["msg"]
+        assert cp.call("get_store", "bigs").max_record_bytes == 2 * MIB  # kept, never changed behind the admin's back
+
+        mnt = tmp_path / "mnt"
+        sc = Sidecar(cp, "ws", tok, mnt, tmp_path / "cache").start(expect="bigs")
+        bigs = mnt / "bigs"
+        # within the store's limit, but its body is past the front door's bound: 413
+        # too_large before the server reads it, EFBIG at the close that waits for it
+        data = WORST * (2 * MIB)
         got = write_file(bigs / "ctl.txt", data)
-        assert got == {"open": None, "write": None, "close": "EFBIG"}, got  # the close waits for it
+        assert got == {"open": None, "write": None, "close": "EFBIG"}, got
         assert xattr(bigs / "ctl.txt", "state") == "rejected"
         assert (bigs / "ctl.txt").read_bytes() == data  # what close accepted stays in the file
         logged = [e for e in errors_log(mnt) if "ctl.txt" in json.dumps(e)]

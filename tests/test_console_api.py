@@ -757,6 +757,30 @@ async def test_untrusted_names_and_text_are_escaped(app):
     assert "&lt;img src=x onerror=alert(1)&gt;.md" in pages[1]
 
 
+async def test_a_big_record_renders_only_its_head_as_markdown(app, monkeypatch):
+    """markdown-it-py costs ~15 µs of CPU a character on hostile valid Markdown (``[`` x N):
+    the console renders at most MARKDOWN_RENDER_MAX characters of a record (cut at a line
+    end) and shows the rest only as escaped source, so a 1 MiB record is not a minute of a
+    replica's CPU per view (attack 13 F9); a version viewed again is not rendered again."""
+    from memfuse.server.console import render
+
+    lengths: list[int] = []
+    real = render._md.render
+    monkeypatch.setattr(render._md, "render", lambda t: lengths.append(len(t)) or real(t))
+    render.render_markdown.cache_clear()
+    body = "# head\n\n" + ("[" * 1000 + "\n") * 1000  # ~1 MB of valid, hostile Markdown
+    rid = create(app, "big.md", body, type="user")
+    async with client(app, ADMIN) as c:
+        for _ in range(2):
+            r = await c.get(f"/ui/stores/ws/records/{rid}")
+            assert r.status_code == 200
+            assert "characters are not rendered" in r.text and "<h1>head</h1>" in r.text
+    assert len(lengths) == 1 and lengths[0] <= render.MARKDOWN_RENDER_MAX, lengths
+    small = render.render_content("s.md", "# t\n\nx\n")
+    assert small.unrendered == 0 and "<h1>t</h1>" in small.html
+    assert render.markdown_head("a\n\nb" + "c" * 10, limit=5) == "a\n\n"
+
+
 async def test_store_settings_form(app):
     """(admin) the store page's settings form: description, default type and limits, sizes as
     people write them; bad values are shown by their field and change nothing; CSRF and the

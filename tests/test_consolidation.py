@@ -236,6 +236,21 @@ async def test_new_store_job_writes_a_store_for_review_and_leaves_the_input(cenv
     assert second["changes"] == [] and len(await _snapshot(cenv, "default-consolidated-2")) == 3
 
 
+async def test_a_secret_the_model_echoes_in_its_summary_is_redacted(cenv: Env, model: ScriptedModel):
+    """The summary is untrusted model output kept and shown (API, console): a credential in it
+    is cut out as in every other text memfuse keeps (attack 13 F6); the rest stays."""
+    await _seed(cenv, FILES)
+    token = "ghp_" + "A1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6Q7r8"
+    model.answer({"summary": f"merged; the deploy key was {token} and\u200b ghp_\u200b{token[4:]}",
+                  "changes": []})
+    done = await _wait(cenv, (await _start(cenv))["id"])
+    assert done["status"] == "completed", done
+    assert token not in done["summary"] and token[4:] not in done["summary"], done["summary"]
+    assert done["summary"].startswith("merged; the deploy key was ghp_[REDACTED]"), done["summary"]
+    listed = (await cenv.ws.get("/v1/stores/default/consolidations")).text
+    assert token[4:] not in listed
+
+
 async def test_in_place_job_writes_versions_that_restore_undoes(cenv: Env, model: ScriptedModel):
     seeded = await _seed(cenv, FILES)
     model.answer(ANSWER)

@@ -459,3 +459,18 @@ def test_prompt_text_removes_exactly_the_control_and_format_characters_in_one_pa
                                        rnd.choice([0x200B, 0x2028, 0x2029, 0xD800, 0xE0041, 0xFEFF, 0x85, 13, 10, 9])]))
                        for _ in range(rnd.randint(0, 40)))
         assert content.prompt_text(text) == by_character(text), ascii(text)
+
+
+def test_redact_secrets_cuts_every_secret_and_keeps_the_rest():
+    from memfuse.content import REDACT_MAX, redact_secrets
+    key = "AKIA" + "Q3ZK7W2N5T8VXJ4M"
+    gh = "ghp_" + "A1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6Q7r8"
+    assert redact_secrets("nothing here") == "nothing here"
+    out = redact_secrets(f"aws {key} then {gh} end")
+    assert key[4:] not in out and gh[4:] not in out
+    assert out == "aws AKIA[REDACTED] then ghp_[REDACTED] end"
+    # hidden by a zero-width space: found in the prompt's view, redacted there
+    out = redact_secrets(f"x ghp_\u200b{gh[4:]}")
+    assert gh[4:] not in out and "ghp_[REDACTED]" in out
+    many = " ".join(gh[:-2] + f"{i:02d}" for i in range(REDACT_MAX + 1))
+    assert redact_secrets(many).startswith("[REDACTED: ")

@@ -136,6 +136,27 @@ async def test_mcp_tool_errors_are_tool_results(env, monkeypatch, caplog):
     assert "memory tool memory_view failed (RuntimeError)" in caplog.text
 
 
+async def test_json_nested_too_deep_is_a_parse_error_on_every_face(env, caplog):
+    """A body nested deeper than the JSON parser recurses (``[`` x 100,000) is refused as a
+    parse error where it comes in, never a 500 with a traceback: /mcp answers JSON-RPC's
+    -32700 (400), the record and batch routes 422 (attack 13 F4)."""
+    app, c, rid = env
+    deep = b"[" * 100_000 + b"]" * 100_000
+    h = {"Authorization": f"Bearer {WS}", "Accept": "application/json, text/event-stream",
+         "Content-Type": "application/json"}
+    r = await c.post("/mcp", headers=h, content=deep)
+    assert r.status_code == 400, (r.status_code, r.text[:300])
+    assert r.json()["error"]["code"] == -32700, r.text[:300]
+    for url in ("/v1/stores/ws/records", "/v1/stores/ws/batch", "/v1/workspaces/ws/memory-tool"):
+        r = await c.post(url, headers=h, content=deep)
+        assert r.status_code in (400, 422), (url, r.status_code, r.text[:300])
+    assert "Traceback" not in caplog.text and "RecursionError" not in caplog.text
+    # the face still works afterwards
+    init = await _mcp(c, "initialize", {"protocolVersion": "2025-06-18", "capabilities": {},
+                                        "clientInfo": {"name": "t", "version": "1"}})
+    assert "result" in init
+
+
 async def test_openapi_states_every_integer_bound(env):
     """Every integer parameter and body field in /openapi.json has a minimum and a maximum
     (no larger than 64 bits), so a client generated from it and the server agree."""
@@ -183,7 +204,7 @@ async def test_openapi_states_every_integer_bound(env):
 
 async def test_a_store_never_allows_records_larger_than_one_request_carries(env):
     """``max_record_bytes`` past what the front door takes in one request (its body bound:
-    a record's JSON body may be twice its size, ``memfuse.defs.largest_record``) is 422
+    a record's JSON body may be six times its size, ``memfuse.defs.largest_record``) is 422
     ``invalid_limit`` at create and update, with nothing changed; the largest allowed is
     taken, and a record of that size made of escaped characters (every byte a newline or a
     quote, the body twice the record) is written through the front door. Attack 12 A2: 64 MiB

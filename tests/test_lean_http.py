@@ -97,12 +97,12 @@ async def _against_serve(url: str, token: str) -> None:
 @pytest.mark.timeout(120)
 def test_a_body_over_the_servers_bound_is_its_413_not_a_write_error(tmp_path):
     """A record write whose body is over the front door's bound (its declared length; here
-    ``--max-body 3MiB``): the server answers 413 ``too_large`` and closes without reading
+    ``--max-body 7MiB``): the server answers 413 ``too_large`` and closes without reading
     the body, so the send of its 30 MiB breaks. The lean path reads that answer (as httpx
     does): a permanent refusal, never a ``write_error`` the sidecar would retry for ever as
     an outage (attack 12, A2). The connection that broke is not reused; the next small
     write goes through."""
-    cp = ControlPlane(tmp_path, extra_args=("--max-body", "3MiB")).start()
+    cp = ControlPlane(tmp_path, extra_args=("--max-body", "7MiB")).start()
     try:
         token = cp.setup_workspace("ws").read_text().strip()
         trio.run(_over_the_bound, cp.url, token)
@@ -112,7 +112,7 @@ def test_a_body_over_the_servers_bound_is_its_413_not_a_write_error(tmp_path):
 
 async def _over_the_bound(url: str, token: str) -> None:
     lean, plain = _both(url, token, bounded=True)
-    big = "x" * (30 << 20)  # over the 16 MiB body bound
+    big = "x" * (30 << 20)  # over the 7 MiB body bound
     async with lean, plain:
         for _ in range(3):
             a = await _outcome(lambda: lean.create_record("default", "big.md", big))

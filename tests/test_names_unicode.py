@@ -112,3 +112,52 @@ def test_local_only_patterns_match_exactly_as_fnmatchcase():
     for patterns, name in itertools.product(sets, samples):
         want = any(fnmatch.fnmatchcase(name, p) for p in patterns)
         assert names.is_local_only(name, patterns) == want, (name, patterns)
+
+
+# ---------------------------------------------------------------- names given: NFC, the index
+
+def test_a_name_given_is_in_nfc_and_the_index_is_no_directory():
+    """Two names that look the same (``é`` as one code point and as ``e`` + U+0301) would be
+    two records nobody can tell apart (attack 13 F2): a name given to a new file or directory
+    is in NFC. ``MEMORY.md`` at the store's root is the index file, never a directory (F1)."""
+    from memfuse.names import check_new_name, check_new_path
+
+    nfd, nfc = "e\u0301te\u0301.md", "\u00e9t\u00e9.md"
+    assert check_component(nfd) == nfd  # a name that exists keeps working
+    with pytest.raises(NameError_, match="normalization form C"):
+        check_new_name(nfd)
+    assert check_new_name(nfc) == nfc and check_new_name("plain.md") == "plain.md"
+    assert check_new_name("\u65e5\u672c\u8a9e.md") and check_new_name("\u0928\u092e\u0938\u094d\u0924\u0947")
+    with pytest.raises(NameError_, match="normalization form C"):
+        check_new_name("\u212b.md")  # ANGSTROM SIGN: NFC is U+00C5
+    with pytest.raises(NameError_, match="index file"):
+        check_new_path("MEMORY.md/x.md")
+    assert check_new_path("MEMORY.md") == "MEMORY.md"
+    assert check_new_path("notes/MEMORY.md/x.md")  # only the store's root holds the index
+    with pytest.raises(NameError_, match="normalization form C"):
+        check_new_path(f"notes/{nfd}")
+
+
+async def test_rest_and_memory_tool_refuse_nfd_names_and_an_index_directory():
+    from memfuse.client import ApiClient, ApiError
+    from memfuse.fake import FakeControlPlane
+
+    fake = FakeControlPlane()
+    try:
+        token = await fake.setup("ws", stores=("default",))
+        async with ApiClient(fake.base_url, token, transport=fake.transport, instance="pytest") as api:
+            for path in ("e\u0301.md", "MEMORY.md/x.md", "a\u0301/x.md"):
+                with pytest.raises(ApiError) as ei:
+                    await api.create_record("default", path, "x")
+                assert ei.value.status == 422 and ei.value.code == "invalid_path", path
+                r = await api.memory_tool("ws", {"command": "create", "path": f"/memories/default/{path}",
+                                                 "file_text": "x"})
+                assert r.is_error, path
+            rec = await api.create_record("default", "\u00e9.md", "x")
+            with pytest.raises(ApiError) as ei:
+                await api.move_record("default", rec.id, "MEMORY.md/\u00e9.md")
+            assert ei.value.status == 422, ei.value
+            page = await api.list_records("default")
+            assert [x.path for x in page.records] == ["\u00e9.md"]
+    finally:
+        await fake.aclose()

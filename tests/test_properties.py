@@ -29,6 +29,7 @@ import os
 import shutil
 import tempfile
 import time
+import unicodedata
 import uuid
 from pathlib import Path
 
@@ -86,8 +87,9 @@ valid_components = st.one_of(
     st.sampled_from(["x" * 255, "é" * 127 + "x", "用" * 85, "Notes.md", "notes.md",
                      "cafe\u0301.md", "caf\u00e9.md", "soft-hyphen", " lead", "trail ",
                      "-dash", "a:b", "a\\b", "*?[]", "...", ".hidden", "\U0001F9E0"]),
-).map(_strip_forbidden).map(_fit).filter(
-    lambda s: s not in ("", ".", "..") and not is_local_only(s))
+).map(_strip_forbidden).map(lambda s: unicodedata.normalize("NFC", s)).map(_fit).filter(
+    # a name given is in NFC (SEMANTICS "Names"; the refusal of others: test_names_unicode)
+    lambda s: s not in ("", ".", "..") and not is_local_only(s) and unicodedata.is_normalized("NFC", s))
 
 
 def _paths(prefix_bytes: int):

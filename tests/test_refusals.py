@@ -479,9 +479,11 @@ def test_bad_name_refused_for_create_mkdir_rename(env, label):
 
 def test_names_at_the_limits_are_accepted(env):
     """The edges of the name rules (docs/SEMANTICS.md) that are valid: 255-byte names, other
-    scripts and emoji, decomposed and case-distinct names kept byte-exact."""
+    scripts and emoji, case-distinct names kept byte-exact; a decomposed (NFD) name given is
+    refused EINVAL, its NFC twin is not."""
     d, pre = fresh_dir(env)
-    good = ["x" * 255, "é" * 127 + "x", "cafe\u0301.md", "caf\u00e9.md",
+    assert write_file(d / "cafe\u0301.md", b"x")["open"] == "EINVAL"
+    good = ["x" * 255, "é" * 127 + "x", "caf\u00e9.md",
             "Notes.md", "notes.md", "emoji \U0001F9E0.md", "a b.md"]
     got = {n: write_file(d / n, n.encode()) for n in good}
     assert got == {n: OK for n in good}

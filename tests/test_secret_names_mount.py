@@ -60,3 +60,27 @@ def test_secret_names_are_refused_at_once_and_never_logged(tmp_path):
         assert "AWS access key id" in errors_log(sc.mountpoint)[0]["reason"]
         everything = (sc.mountpoint / ".memfuse" / "errors.log").read_text() + sc.log.read_text()
         assert key not in everything and tok not in everything and key[4:] not in everything
+
+
+def test_nfd_names_and_an_index_directory_are_einval_on_the_mount(tmp_path):
+    """A name given on the mount is in NFC (``é`` typed as ``e`` + U+0301 would be a second
+    record that looks like the first: attack 13 F2), and ``MEMORY.md`` at a store's root is
+    never a directory (mkdir or a directory renamed there: F1); each refusal is EINVAL at
+    once with an errors.log line, nothing is sent; the index file itself works."""
+    with serve_and_mount(tmp_path) as (cp, sc):
+        d = sc.mountpoint / "default"
+        (d / "sub").mkdir()
+        got = {"nfd file": outcome(lambda: (d / "e\u0301.md").write_bytes(b"x\n")),
+               "nfd dir": outcome(lambda: (d / "a\u0301").mkdir()),
+               "index dir": outcome(lambda: (d / "MEMORY.md").mkdir()),
+               "index by rename": outcome(lambda: (d / "sub").rename(d / "MEMORY.md")),
+               "nested index dir": outcome(lambda: (d / "sub" / "MEMORY.md").mkdir()),
+               "nfc file": outcome(lambda: (d / "\u00e9.md").write_bytes(b"y\n")),
+               "index file": outcome(lambda: (d / "MEMORY.md").write_bytes(b"# index\n"))}
+        assert got == {"nfd file": "EINVAL", "nfd dir": "EINVAL", "index dir": "EINVAL",
+                       "index by rename": "EINVAL", "nested index dir": None, "nfc file": None,
+                       "index file": None}, got
+        wait_drained(sc.mountpoint)
+        assert set(live_records(cp)) == {"\u00e9.md", "MEMORY.md"}
+        codes = [(e["errno"], e["code"]) for e in errors_log(sc.mountpoint)]
+        assert codes == [("EINVAL", "invalid_path")] * 4, codes

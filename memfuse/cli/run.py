@@ -90,11 +90,12 @@ def _admin_token(admin_token_file: Path | None) -> tuple[str, Path, bool]:
      "is answered 429 too_many_streams with Retry-After.")
 @opt("--max-streams-per-token", type=click.IntRange(min=1), default=64, show_default=True,
      help="Long-lived responses at once per token (429 too_many_long_polls beyond).")
-@opt("--max-body", type=BYTES, default=str(RECORD_BODY_MAX), show_default="16MiB+64KiB", metavar="SIZE",
+@opt("--max-body", type=BYTES, default=str(RECORD_BODY_MAX), show_default="48MiB+64KiB", metavar="SIZE",
      help="Largest body of a record write, batch, memory-tool call or console form (413 "
      "beyond; /mcp takes 4 MiB, other endpoints 1 MiB). It bounds a store's max_record_bytes: "
-     "at most (SIZE - 64 KiB) / 2, as a record's JSON body may be twice its size (8 MiB by default); "
-     "at least 2MiB+64KiB.")
+     "at most (SIZE - 64 KiB) / 6, as a record's JSON body may be six times its size (a control "
+     "character is escaped as \\u00XX; 8 MiB by default); at least 6MiB+64KiB. A store whose "
+     "max_record_bytes is over it (set under a larger SIZE) is named in a warning at start.")
 @opt("--header-timeout", type=click.FloatRange(min=0.1), default=5.0, show_default=True, metavar="SECONDS",
      help="Time for a request's headers to arrive (also how long an idle keep-alive connection "
      "stays open).")
@@ -166,7 +167,7 @@ def serve(db: str | None, listen: str, admin_token_file: Path | None, migrate: b
             raise click.UsageError("give the database as --db or as --db-file, not both")
         db = _read_db_file(db_file)
     if max_body < RECORD_BODY_MIN:  # every store's default max_record_bytes fits (defs.largest_record)
-        raise click.BadParameter(f"must be at least {RECORD_BODY_MIN} bytes (2MiB+64KiB): a record of a "
+        raise click.BadParameter(f"must be at least {RECORD_BODY_MIN} bytes (6MiB+64KiB): a record of a "
                                  "store's default 1 MiB must fit in one request", param_hint="--max-body")
     from memfuse.server.proxies import parse_trusted
 
@@ -198,6 +199,9 @@ def serve(db: str | None, listen: str, admin_token_file: Path | None, migrate: b
                              max_unauthenticated_per_address=max_unauthenticated_per_address,
                              max_unauthenticated=max_unauthenticated,
                              trusted_proxies=trusted_proxies)
+            # a store allowing records larger than --max-body carries is said at start, never
+            # found at a write's 413 (docs/DEPLOY.md, "Request limits")
+            app.state.service.stores.warn_stores_over_body_bound()
         app.state.service.stale_after_days = stale_after
         app.state.service.expiry_interval = expiry_interval
         cons = app.state.service.consolidation

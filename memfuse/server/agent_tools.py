@@ -37,6 +37,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from memfuse.mcp_server import INDEX, TOOL_INSTRUCTIONS, build_server
 from memfuse.models import MemoryToolResult
+from memfuse.server.gate import mcp_body_bound
 from memfuse.server.memtool import ROOT, MemoryTool, ToolResult, clean_client
 from memfuse.server.service import Principal, Service, ServiceError
 
@@ -161,10 +162,12 @@ def install(app: FastAPI, svc: Service, principal: Callable[..., Any]) -> None:
     backend_var: contextvars.ContextVar[InProcessBackend] = contextvars.ContextVar("memfuse_mcp_backend")
     server = build_server(lambda: backend_var.get())
     instructions_var = type(server).current_instructions  # type: ignore[attr-defined]
+    most = mcp_body_bound(svc.settings.max_body)  # the front door's bound of /mcp, here too
     manager = StreamableHTTPSessionManager(
         app=server,
         stateless=True,
         json_response=True,
+        max_request_body_size=most,
         # Bearer tokens, not cookies, authenticate: a page in a browser cannot use them, so
         # the DNS-rebinding guard (Host / Origin allow-lists) is not needed and would refuse
         # deployments behind a proxy.
@@ -224,11 +227,18 @@ def install(app: FastAPI, svc: Service, principal: Callable[..., Any]) -> None:
                 return
             body += message.get("body", b"")
             more = message.get("more_body", False)
-            if len(body) > 4 * 1024 * 1024:
+            if len(body) > most:
                 await JSONResponse({"error": "request too large"}, status_code=413)(scope, receive, send)
                 return
         instructions = None
-        if _wants_instructions(body):
+        try:
+            wanted = _wants_instructions(body)
+        except RecursionError:  # nested deeper than the parser recurses: JSON-RPC's parse error
+            await JSONResponse({"jsonrpc": "2.0", "id": None, "error": {
+                "code": -32700, "message": "Parse error: JSON nested too deep"}},
+                status_code=400)(scope, receive, send)
+            return
+        if wanted:
             instructions = await backend.instructions()
         sent = False
 
@@ -281,6 +291,10 @@ class _Asgi:
 
 
 def _wants_instructions(body: bytes) -> bool:
+    """Whether the JSON-RPC message (or batch) ``body`` is an ``initialize`` or
+    ``server/discover`` (the requests that carry the instructions). A body that is not JSON
+    is False (the transport answers it); raises RecursionError for JSON nested deeper than
+    the parser recurses, which the caller answers as a parse error (-32700)."""
     try:
         msg = json.loads(body)
     except ValueError:

@@ -16,7 +16,7 @@ of the usage counters, one insert of every idempotency row, one ``pg_notify``, o
 
 Refusals of the whole batch (nothing applied): 401, 403 ``read_only``, 404
 ``store_not_attached`` / ``store_not_found``, 413 ``batch_too_large`` (more than
-``BATCH_MAX_OPERATIONS`` operations or ``BATCH_MAX_BYTES`` bytes), 422 ``validation_error``
+``BATCH_MAX_OPERATIONS`` operations or ``routes.records.batch_max_bytes`` bytes), 422 ``validation_error``
 (a body that is not a batch, or an ``Idempotency-Key`` header on the batch itself: keys belong
 to the operations), 503 (database). Everything else is an operation's own answer.
 """

@@ -64,6 +64,7 @@ from sqlalchemy import Table, false, func, insert, select, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 
+from memfuse import content
 from memfuse.defs import JOBS_PAGE_DEFAULT
 from memfuse.models import Access, BatchOperation, ConsolidationChange, ConsolidationCreate, ConsolidationJob
 from memfuse.server import deltas, keys, tails, wakeups
@@ -552,7 +553,9 @@ class ConsolidationService(Resource):
         for i, pl in enumerate(plans):
             if pl.refusal is not None:
                 raise _Stop(self._refusal(i, ops, pl.refusal.code, pl.refusal.detail))
-        self._write_result(jp, job, plans, ops, summary, out.summary, usage, workspace)
+        # the summary is untrusted model output shown in the API and the console: a secret the
+        # model echoed is cut out as everywhere else memfuse keeps text (attack 13 F6)
+        self._write_result(jp, job, plans, ops, summary, content.redact_secrets(out.summary), usage, workspace)
 
     @staticmethod
     def _refusal(i: int, ops: list[BatchOperation], code: str, detail: str) -> str:

@@ -24,8 +24,8 @@ In order, for every HTTP request:
    cannot fill the database's disk at ``max_record_bytes`` a request.
 3. **Size**: a declared ``Content-Length`` above the endpoint's limit is 413 at once; a
    chunked body is counted as it is read and cut with 413 past the limit. Limits:
-   ``max_body`` for record writes, batches, the memory tool and console forms,
-   ``MCP_MAX_BODY`` for ``/mcp``, ``SMALL_BODY`` elsewhere. The bodies being read at once
+   ``max_body`` for record writes, batches, the memory tool, console forms and ``/mcp``
+   (whose tools write records; at least ``MCP_MAX_BODY``), ``SMALL_BODY`` elsewhere. The bodies being read at once
    share ``body_budget`` bytes (503 ``overloaded`` past it).
 3b. **Head size**: a request whose target and headers exceed ``MAX_HEAD`` bytes is 431
    (hypercorn refuses a longer head only when it arrives in more than one read).
@@ -77,7 +77,15 @@ log = logging.getLogger(__name__)
 MAX_INFLIGHT = 128
 MAX_BODY = RECORD_BODY_MAX  # record writes, batches, the memory tool, console forms (defs: one rule)
 SMALL_BODY = 1024 * 1024  # every other endpoint
-MCP_MAX_BODY = 4 * 1024 * 1024
+MCP_MAX_BODY = 4 * 1024 * 1024  # /mcp's bound when max_body is smaller (a test's app)
+
+
+def mcp_body_bound(max_body: int) -> int:
+    """The body bound (bytes) of ``/mcp`` on a control plane whose record writes take
+    ``max_body`` bytes: that bound (its tools write records, so a store's largest record fits
+    however escaped: ``memfuse.defs.record_body_bound``), at least ``MCP_MAX_BODY`` (the MCP
+    SDK's default). The front door and the MCP face (``memfuse.server.agent_tools``) both apply it."""
+    return max(MCP_MAX_BODY, max_body)
 BODY_BUDGET = 256 * 1024 * 1024  # bytes of request bodies held at once, all requests
 BODY_TIMEOUT = 60.0  # s for a whole body
 RECEIVE_TIMEOUT = 10.0  # s between two pieces of a body
@@ -321,7 +329,7 @@ class Gate:
     def body_limit(self, method: str, path: str) -> int:
         """The largest body ``method path`` may carry, in bytes."""
         if path == "/mcp" or path.startswith("/mcp/"):
-            return MCP_MAX_BODY
+            return mcp_body_bound(self.max_body)
         if method in ("POST", "PUT", "PATCH"):
             if path.startswith("/ui/"):
                 return self.max_body

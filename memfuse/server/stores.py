@@ -14,7 +14,7 @@ from dataclasses import replace
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from memfuse.defs import RECORD_BODY_GROWTH, largest_record
+from memfuse.defs import RECORD_BODY_GROWTH, largest_record, record_body_bound
 from memfuse.models import (
     Access,
     Attachment,
@@ -86,7 +86,47 @@ class StoresService(Resource):
                 422, "invalid_limit",
                 f"max_record_bytes {max_record_bytes} is larger than this control plane takes in one "
                 f"request: at most {most} bytes (its body bound, --max-body, is {self.settings.max_body} "
-                f"bytes; a record's JSON body may be {RECORD_BODY_GROWTH} times its size)")
+                f"bytes; a record's JSON body may be {RECORD_BODY_GROWTH} times its size: a control character is "
+                f"escaped as \\u00XX)")
+
+    #: stores named in full in the warning of ``warn_stores_over_body_bound`` (the count is whole)
+    OVER_BOUND_NAMED = 20
+
+    def stores_over_body_bound(self) -> list[tuple[str, int]]:
+        """The stores whose ``max_record_bytes`` is larger than this control plane takes in one
+        request (``largest_record(Settings.max_body)``; set under a larger ``--max-body``, or
+        before the rule existed): ``(reference, max_record_bytes)`` pairs by reference, the
+        reference being what a root admin names the store by (``keys.ref``: ``notes``, or
+        ``notes~bravo`` in account ``bravo``). Their records past the bound cannot be written
+        (413 ``too_large`` before the body is read; ``EFBIG`` at a mount's close). Reads only
+        the store rows' slug, account and limit (no content)."""
+        most = largest_record(self.settings.max_body)
+        with self.db.read() as s:
+            rows = s.connection().execute(
+                select(_S.c.slug, _S.c.account, _S.c.max_record_bytes).where(_S.c.max_record_bytes > most)).all()
+        return sorted((keys.ref(keys.public(r.slug), r.account), int(r.max_record_bytes)) for r in rows)
+
+    def warn_stores_over_body_bound(self) -> list[tuple[str, int]]:
+        """Log one structured WARNING ``stores_over_body_bound`` when some store allows records
+        larger than one request carries (``stores_over_body_bound``, whose list it returns):
+        the stores (their references, at most ``OVER_BOUND_NAMED``; ``count`` is all of them),
+        the body bound, the largest record it admits, the body bound they need, and what to do.
+        ``memfuse serve`` calls it at start (docs/DEPLOY.md, "Request limits")."""
+        over = self.stores_over_body_bound()
+        if over:
+            biggest = max(n for _, n in over)
+            log.warning(
+                "stores_over_body_bound: %d store(s) allow records larger than --max-body %d takes in one "
+                "request (at most %d bytes); their larger records are refused 413 too_large (EFBIG at a "
+                "mount). Raise --max-body to at least %d, or lower each store's max_record_bytes "
+                "(memfuse store update STORE --max-record-bytes %d)",
+                len(over), self.settings.max_body, largest_record(self.settings.max_body),
+                record_body_bound(biggest), largest_record(self.settings.max_body),
+                extra={"event": "stores_over_body_bound", "stores": ",".join(ref for ref, _ in over[:self.OVER_BOUND_NAMED]),
+                       "count": len(over), "max_body": self.settings.max_body,
+                       "largest_record": largest_record(self.settings.max_body),
+                       "max_body_needed": record_body_bound(biggest)})
+        return over
 
     def _emit(self, s: Session, workspaces: Iterable[str], kind: str, store: str, access: str | None) -> None:
         ws = sorted(set(workspaces))

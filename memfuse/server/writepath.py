@@ -131,9 +131,9 @@ class WritePath:
                      headers: dict[bytes, bytes], start: float) -> bool:
         """``POST .../batch`` as ``routes.records.batch`` serves it (the body read whatever its
         content type); its refusals of the request itself (an ``Idempotency-Key``, a body
-        past ``routes.records.BATCH_MAX_BYTES``, JSON or operations the model refuses) are FastAPI's."""
-        # the batch handler's own bound (one knob: routes.records.BATCH_MAX_BYTES)
-        if headers.get(b"idempotency-key") or len(body) > record_routes.BATCH_MAX_BYTES:
+        past ``routes.records.batch_max_bytes``, JSON or operations the model refuses) are FastAPI's."""
+        # the batch handler's own bound (one knob: routes.records.batch_max_bytes)
+        if headers.get(b"idempotency-key") or len(body) > record_routes.batch_max_bytes(self.svc):
             return False
         try:
             req = BatchRequest.model_validate(json.loads(body))

@@ -41,7 +41,7 @@ log = logging.getLogger("memfuse.outbox")
 __all__ = ["BATCH_MAX_CONTENT", "BATCH_MAX_ENTRIES", "Backoff", "Committer"]
 
 BATCH_MAX_ENTRIES = 100  # entries in one batch (the server's BATCH_MAX_OPERATIONS)
-BATCH_MAX_CONTENT = 4 * 1024 * 1024  # bytes of content in one batch (the server takes 16 MiB)
+BATCH_MAX_CONTENT = 4 * 1024 * 1024  # bytes of content in one batch (the server takes 48 MiB + 64 KiB by default)
 #: sends of one entry that broke (``write_error``: the connection failed while its request
 #: was being sent, no answer read) before it is refused for good, once the control plane
 #: answered other requests since its first broken send (``Committer._broken_send``)

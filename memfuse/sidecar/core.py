@@ -298,11 +298,12 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
     def _check_name(self, d: Node, name: bytes) -> str:
         """``name``, a new entry of directory ``d`` (create, mkdir, rename target), as
         ``str``; refused (``errors.log`` line, ``FsError``) with ``EINVAL`` /
-        ``ENAMETOOLONG`` for the name rules (docs/SEMANTICS.md, "Names") and ``EPERM``
+        ``ENAMETOOLONG`` for the name rules (docs/SEMANTICS.md, "Names": ``check_component``
+        and, for a name given, ``check_new_name``) and ``EPERM``
         (``secret_detected``) for a name holding a secret (``content.find_secret_in_path``;
         the line shows the name redacted)."""
         try:
-            s = names.check_component(name)
+            s = names.check_new_name(names.check_component(name))
         except names.NameError_ as e:
             code = "path_too_long" if e.too_long else "invalid_path"
             self.refuse(d, name.decode("utf-8", "replace"), errno_of(code), e.reason, code)

@@ -98,6 +98,9 @@ class NamespaceOps:
         s = self._check_name(d, name)
         if s in d.children:
             raise FsError(errno.EEXIST)
+        if s == names.INDEX_NAME and not d.path():
+            self.refuse(d, s, errno.EINVAL, f"{names.INDEX_NAME} at the store's root is the store's "
+                        "index file; it cannot be a directory", "invalid_path")
         n = self._new_node(s, d, True, sm, stat.S_IMODE(mode), time.time_ns())  # the mount's uid / gid
         try:
             self.save_dirs()
@@ -164,6 +167,9 @@ class NamespaceOps:
         if sm is not sm2:
             raise FsError(errno.EXDEV)
         s = self._check_name(nd, new_name)
+        if src.is_dir and s == names.INDEX_NAME and not nd.path():
+            self.refuse(nd, s, errno.EINVAL, f"{names.INDEX_NAME} at the store's root is the store's "
+                        "index file; it cannot be a directory", "invalid_path")
         assert od.children is not None and nd.children is not None  # _writable_dir: directories
         dst = nd.children.get(s)
         if dst is src:

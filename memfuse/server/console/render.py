@@ -12,6 +12,7 @@ inline script) is the last line of defence.
 from __future__ import annotations
 
 import difflib
+import functools
 import re
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -61,21 +62,50 @@ def sanitize_html(html: str) -> str:
     )
 
 
+#: the most characters of a record rendered as Markdown; the rest is shown only as text.
+#: markdown-it-py is pure Python and linear but slow on hostile valid Markdown (``[`` x N,
+#: table rows of many cells: ~15 µs of CPU a character here, against ~3 for prose), so an
+#: agent's 1 MiB record would cost a replica ~15 s of CPU per view (attack 13 F9); 64 Ki
+#: characters bound a render to about a second, and ordinary memory files are far smaller.
+MARKDOWN_RENDER_MAX = 64 * 1024
+
+#: rendered heads kept (an LRU keyed by the text: versions are immutable, so a page viewed
+#: again, or by many people, costs no second render); at most ~64 Ki characters each
+RENDER_CACHE_ENTRIES = 32
+
+
+@functools.lru_cache(maxsize=RENDER_CACHE_ENTRIES)
 def render_markdown(text: str) -> Markup:
     """Markdown ``text`` → safe HTML (``Markup``): markdown-it-py with raw HTML disabled,
-    then :func:`sanitize_html`."""
+    then :func:`sanitize_html`. Cached (:data:`RENDER_CACHE_ENTRIES`); callers bound the
+    text's length (:func:`render_content`)."""
     return Markup(sanitize_html(_md.render(text)))
+
+
+def markdown_head(body: str, limit: int = MARKDOWN_RENDER_MAX) -> str:
+    """The part of ``body`` the console renders as Markdown: all of it up to ``limit``
+    characters, else cut at the last blank line (else line end) at or before ``limit``, so a
+    paragraph is not cut in two where it can be helped."""
+    if len(body) <= limit:
+        return body
+    cut = body.rfind("\n\n", 0, limit - 1)
+    if cut > 0:
+        return body[: cut + 2]
+    cut = body.rfind("\n", 0, limit)
+    return body[: cut + 1] if cut > 0 else body[:limit]
 
 
 @dataclass(frozen=True)
 class RenderedContent:
     """A record's content for display: ``frontmatter`` (raw text, shown escaped, or None),
     ``html`` (sanitized Markdown, or None when the record is not Markdown), ``text`` (the
-    whole content, shown escaped in the source view)."""
+    whole content, shown escaped in the source view), ``unrendered`` (characters of the body
+    past :data:`MARKDOWN_RENDER_MAX` left out of ``html``: shown only in the source)."""
 
     frontmatter: str | None
     html: Markup | None
     text: str
+    unrendered: int = 0
 
 
 def render_content(path: str, text: str) -> RenderedContent:
@@ -89,7 +119,8 @@ def render_content(path: str, text: str) -> RenderedContent:
     if m:
         fm = (m.group(1) or "").rstrip("\r\n")
         body = text[m.end():]
-    return RenderedContent(fm, render_markdown(body), text)
+    head = markdown_head(body)
+    return RenderedContent(fm, render_markdown(head), text, len(body) - len(head))
 
 
 @dataclass(frozen=True)

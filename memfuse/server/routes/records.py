@@ -13,7 +13,6 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 
 from memfuse import defs
-from memfuse.defs import BATCH_MAX_BYTES as BATCH_MAX_BYTES  # re-exported: the fast path reads it here too
 from memfuse.models import (
     BatchResponse,
     BatchRequest,
@@ -45,9 +44,17 @@ from memfuse.server.routes.deps import (
     route,
 )
 from memfuse.server.problems import PROBLEM_RESPONSES
-from memfuse.server.service import ServiceError
+from memfuse.server.service import Service, ServiceError
 
 router = APIRouter(responses=PROBLEM_RESPONSES)  # the problem+json answers every operation may give
+
+
+def batch_max_bytes(svc: Service) -> int:
+    """Bytes a batch body may hold (413 ``batch_too_large`` past it): the front door's body
+    bound of record writes (``Settings.max_body``, ``memfuse serve --max-body``; default
+    ``defs.BATCH_MAX_BYTES``), so a batch holds any one record a store may allow
+    (``defs.record_body_bound``). The fast path (``memfuse.server.writepath``) reads it here too."""
+    return svc.settings.max_body
 
 
 @route(router, table.LIST_RECORDS, response_model=RecordPage, tags=["records"])
@@ -159,10 +166,11 @@ async def batch(svc: Svc, request: Request, store: StoreSlug, p: P) -> Response:
         raise ServiceError(422, "validation_error",
                            "a batch takes no Idempotency-Key: give each operation its own idempotency_key")
     raw = bytearray()
+    most = batch_max_bytes(svc)
     async for chunk in request.stream():
         raw += chunk
-        if len(raw) > BATCH_MAX_BYTES:
-            raise ServiceError(413, "batch_too_large", f"a batch body holds at most {BATCH_MAX_BYTES} bytes")
+        if len(raw) > most:
+            raise ServiceError(413, "batch_too_large", f"a batch body holds at most {most} bytes")
     try:  # json.loads, as FastAPI parses the single endpoints' bodies (lone surrogates
         # reach the content rules and become that operation's 422 invalid_content)
         req = BatchRequest.model_validate(json.loads(raw))
