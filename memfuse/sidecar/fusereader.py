@@ -161,6 +161,7 @@ class FuseReader:
             yield
         finally:
             mod._wait_fuse_readable, mod._session_loop = saved
+            self.fd = -1  # (pyfuse3.close closes it next; its number may be reused)
 
 
 def usable_fd(fd_hint: int | None = None) -> int | None:
