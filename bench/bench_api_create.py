@@ -9,9 +9,12 @@ event-loop thread apart from the others), its context switches per request, the 
 Compare branches by running a ``git archive`` copy of the other with ``PYTHONPATH`` in the same
 minutes (wall figures swing with the machine's load; CPU per request holds better).
 
+``--profile PREFIX``: cProfile serve's event-loop thread during each round (``bench/sigprof``),
+its stats in ``PREFIX.rN`` (``pstats``; call counts per request are load-independent).
+
 ``--callgrind DIR``: run ``memfuse serve`` under valgrind's callgrind with instrumentation off
 until a round starts (``callgrind_control -i on``), and report the instructions (Ir, user space,
-all threads) per request of each round: a count that does not depend on the machine's load
+all threads, and the event-loop thread's alone) per request of each round: a count that does not depend on the machine's load
 (valgrind runs one thread at a time, ~50x slower: use ``--n 200``).
 """
 from __future__ import annotations
@@ -20,6 +23,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import stat
 import subprocess
 import sys
@@ -47,12 +51,12 @@ def _stat(path: str) -> tuple[float, float]:
 
 
 def sample(pid: int) -> dict[str, float]:
-    """The process's CPU (user, system, its main thread's user + system, its threads'
-    user + system summed by name) in seconds and its context switches (voluntary +
+    """The process's CPU (user, system, its main thread's user + system and system alone,
+    its threads' user + system summed by name) in seconds and its context switches (voluntary +
     involuntary, all threads) so far."""
     u, s = _stat(f"/proc/{pid}/stat")
     mu, ms = _stat(f"/proc/{pid}/task/{pid}/stat")
-    out = {"user": u, "sys": s, "main": mu + ms}
+    out = {"user": u, "sys": s, "main": mu + ms, "main_sys": ms}
     for task in os.listdir(f"/proc/{pid}/task"):
         try:
             with open(f"/proc/{pid}/task/{task}/comm") as f:
@@ -75,10 +79,13 @@ def _callgrind(pid: int, *args: str) -> None:
     subprocess.run(["callgrind_control", *args, str(pid)], check=True, capture_output=True, timeout=120)
 
 
-def _callgrind_ir(out_dir: Path, pid: int) -> int:
-    """Instructions (Ir) in the dumps callgrind wrote for ``pid`` so far (summed)."""
+def _callgrind_ir(out_dir: Path, pid: int, thread: int | None = None) -> int:
+    """Instructions (Ir) in the dumps callgrind wrote for ``pid`` so far (summed), of one
+    thread (1: the main thread, serve's event loop; ``--separate-threads=yes`` dumps) or
+    all."""
     total = 0
-    for f in out_dir.glob(f"callgrind.out.{pid}*"):
+    pattern = f"callgrind.out.{pid}*" if thread is None else f"callgrind.out.{pid}*-{thread:02d}"
+    for f in out_dir.glob(pattern):
         text = f.read_text(errors="replace")
         m = re.search(r"^totals: (\d+)", text, re.M) or re.search(r"^summary: (\d+)", text, re.M)
         if m:
@@ -92,7 +99,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--callgrind", type=Path, default=None, metavar="DIR",
                     help="count serve's instructions per request with callgrind (dumps in DIR)")
+    ap.add_argument("--profile", type=Path, default=None, metavar="PREFIX",
+                    help="cProfile serve's event-loop thread during each round (bench/sigprof): "
+                         "pstats files PREFIX.rN")
     args = ap.parse_args()
+    if args.profile is not None:  # memfuse serve inherits these (bench/sigprof/sitecustomize.py)
+        args.profile.parent.mkdir(parents=True, exist_ok=True)
+        os.environ["MEMFUSE_SIGPROF"] = str(args.profile)
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            [str(Path(__file__).resolve().parent / "sigprof"), *filter(None, [os.environ.get("PYTHONPATH")])])
     n = args.n
     cg: Path | None = args.callgrind
     if cg is not None:  # memfuse serve under valgrind: the test helper starts this wrapper
@@ -101,7 +116,7 @@ def main() -> None:
         cg.mkdir(parents=True, exist_ok=True)
         wrapper = cg / "memfuse-callgrind"
         wrapper.write_text(f"#!/bin/sh\nexec valgrind --tool=callgrind --instr-atstart=no "
-                           f"--callgrind-out-file={cg}/callgrind.out.%p {sys.executable} "
+                           f"--separate-threads=yes --callgrind-out-file={cg}/callgrind.out.%p {sys.executable} "
                            f"{mountutil.MEMFUSE} \"$@\"\n")
         wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
         mountutil.MEMFUSE = str(wrapper)
@@ -122,6 +137,8 @@ def main() -> None:
                             f.unlink()
                         _callgrind(pid, "-z")
                         _callgrind(pid, "-i", "on")
+                    if args.profile is not None:
+                        os.kill(pid, signal.SIGUSR1)
                     a = sample(pid)
                     t = time.perf_counter()
                     for i in range(n):
@@ -129,19 +146,30 @@ def main() -> None:
                                               idempotency_key=str(uuid.uuid4()))
                     dt = time.perf_counter() - t
                     b = sample(pid)
-                    ir = None
+                    if args.profile is not None:
+                        os.kill(pid, signal.SIGUSR2)
+                        stats = Path(f"{args.profile}.{pid}")
+                        for _ in range(100):  # written by serve's signal handler
+                            if stats.exists():
+                                break
+                            await trio.sleep(0.1)
+                        stats.rename(f"{args.profile}.r{rnd}")
+                    ir = ir_loop = None
                     if cg is not None:
                         _callgrind(pid, "-i", "off")
                         _callgrind(pid, "-d")
                         ir = round(_callgrind_ir(cg, pid) / n)
+                        ir_loop = round(_callgrind_ir(cg, pid, 1) / n)
                     d = {k: b[k] - a.get(k, 0.0) for k in b}
                     print(json.dumps({
                         "round": rnd, "req_s": round(n / dt, 1), "ms_per_req": round(dt / n * 1000, 3),
                         "serve_cpu_ms": round((d["user"] + d["sys"]) / n * 1000, 3),
                         "user_ms": round(d["user"] / n * 1000, 3), "sys_ms": round(d["sys"] / n * 1000, 3),
                         "loop_thread_ms": round(d["main"] / n * 1000, 3),
+                        "loop_sys_ms": round(d["main_sys"] / n * 1000, 3),
                         "other_threads_ms": round((d["user"] + d["sys"] - d["main"]) / n * 1000, 3),
                         "ctx_per_req": round(d["ctx"] / n, 2), "load": loadavg(), "ir_per_req": ir,
+                        "ir_loop_per_req": ir_loop,
                         "threads_ms": {k[7:]: round(v / n * 1000, 3) for k, v in d.items()
                                        if k.startswith("thread:") and v}}), flush=True)
 

@@ -192,14 +192,19 @@ def record_type(path: str, content: str, explicit: str | None, default: str | No
     return found if found is not None else default
 
 
+#: why a type is refused; the value itself is never shown (it is content)
+TYPE_REFUSAL = f"the type is not one of {', '.join(RECORD_TYPES)}"
+
+
 def check_type(t: str | None) -> None:
     """Raise :class:`InvalidType` unless ``t`` is one of ``user``, ``feedback``, ``project``,
     ``reference``. None passes: it is the root index's (absent) type, which
     :func:`record_type` only returns for ``MEMORY.md``."""
     if t is None or t in RECORD_TYPES:
         return
-    shown = t if len(t) <= 40 else t[:40] + "…"
-    raise InvalidType(f"type {shown!r} is not one of {', '.join(RECORD_TYPES)}")
+    # the value is memory content (it can hold anything: a name, a token): the reason, which
+    # reaches logs, errors.log and API answers, never shows it (attack 13 F13)
+    raise InvalidType(TYPE_REFUSAL)
 
 
 # ---------------------------------------------------------------- encoding

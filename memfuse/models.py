@@ -408,10 +408,13 @@ class StaleRecord(BaseModel):
 
 class IndexReport(BaseModel):
     """``GET /v1/stores/{store}/index``: how ``MEMORY.md`` and the records agree.
-    ``missing``: entries linking no live record nor directory; ``unindexed``: live records
-    ``MEMORY.md`` does not mention (first 1,000 in path order; ``unindexed_count`` all of
-    them); ``omitted``: entries on the lines the prompt block cuts; ``entries`` links in
-    all; ``lines`` / ``bytes`` of ``MEMORY.md`` and how many the prompt block shows;
+    ``missing``: entries linking no live record nor directory (first 1,000;
+    ``missing_count`` all of them); ``unindexed``: live records ``MEMORY.md`` does not
+    mention (first 1,000 in path order; ``unindexed_count`` all of them); ``omitted``:
+    entries on the lines the prompt block cuts (first 1,000; ``omitted_count`` all);
+    ``entries`` links in all; ``bytes_scanned``: the UTF-8 bytes of ``MEMORY.md`` read for
+    them (its first 256 Ki characters, whole lines); ``lines`` / ``bytes`` of ``MEMORY.md``
+    and how many the prompt block shows;
     ``stale``: the store's stale records, oldest change first (first 100; ``stale_count``
     all), ``stale_after_days`` the server's age of staleness (0: by review date only)."""
 
@@ -419,9 +422,12 @@ class IndexReport(BaseModel):
     index_exists: bool
     entries: int = 0
     missing: list[IndexEntry] = []
+    missing_count: int = 0
     unindexed: list[str] = []
     unindexed_count: int = 0
     omitted: list[IndexEntry] = []
+    omitted_count: int = 0
+    bytes_scanned: int = 0
     lines: int = 0
     lines_shown: int = 0
     bytes: int = 0

@@ -372,18 +372,23 @@ class StaleRecord(Struct, kw_only=True):
 
 
 class IndexReport(Struct, kw_only=True):
-    """A store's index report: links to nothing (``missing``), records not mentioned
-    (``unindexed``, first 1,000; ``unindexed_count``), entries the prompt block cuts
-    (``omitted``), the sizes of ``MEMORY.md`` in all and shown, and the store's stale
-    records (first 100; ``stale_count``)."""
+    """A store's index report: links to nothing (``missing``, first 1,000;
+    ``missing_count``), records not mentioned (``unindexed``, first 1,000;
+    ``unindexed_count``), entries the prompt block cuts (``omitted``, first 1,000;
+    ``omitted_count``), the UTF-8 bytes of ``MEMORY.md`` read for them (``bytes_scanned``),
+    the sizes of ``MEMORY.md`` in all and shown, and the store's stale records (first 100;
+    ``stale_count``)."""
 
     store: str
     index_exists: bool
     entries: int = 0
     missing: list[IndexEntry] = msgspec.field(default_factory=list)
+    missing_count: int = 0
     unindexed: list[str] = msgspec.field(default_factory=list)
     unindexed_count: int = 0
     omitted: list[IndexEntry] = msgspec.field(default_factory=list)
+    omitted_count: int = 0
+    bytes_scanned: int = 0
     lines: int = 0
     lines_shown: int = 0
     bytes: int = 0

@@ -343,6 +343,8 @@ def test_check_type():
         assert ei.value.code == "invalid_type"
         assert "is not one of user, feedback, project, reference" in ei.value.reason
         assert len(ei.value.reason) < 120
+        if bad.strip() not in ("", "user"):
+            assert bad not in ei.value.reason  # the value is content: never shown
 
 
 # ---------------------------------------------------------------- UTF-8

@@ -197,7 +197,7 @@ def test_import_lists_refusals_and_goes_on(home, tmp_path):
     refused = out.split("refused:\n", 1)[1]
     assert "binary.bin: content is not valid UTF-8 (bad byte at offset 0) [invalid_content]" in refused
     assert "nul.md: content contains a NUL character (at offset 1) [invalid_content]" in refused
-    assert "diary.md: type 'diary' is not one of user, feedback, project, reference [invalid_type]" in refused
+    assert "diary.md: the type is not one of user, feedback, project, reference [invalid_type]" in refused
     assert "keys.md: content holds a secret (GitHub token on line 3)" in refused and "[secret_detected]" in refused
     assert "big.md: record is 2001 bytes, the store allows 1024 [record_too_large]" in refused
     assert "bad\x01name.md: name contains forbidden character U+0001 (Unicode category Cc) [invalid_path]" in refused

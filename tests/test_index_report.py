@@ -114,3 +114,80 @@ def test_cli_index(home):
     assert rep["missing"][0]["target"] == "b.md" and rep["unindexed"] == ["c.md"]
     p = run(["index", "nope"])
     assert p.returncode == 1 and b"no store" in p.stderr
+
+
+# ---------------------------------------------------------------- bounded work (attack 13 F10)
+#: the tester's index: 60,000 distinct links, one a line (575 KB)
+HUGE_INDEX = "".join(f"[]({i})\n" for i in range(60000))
+
+
+async def test_a_huge_index_costs_the_prompt_block_only_what_it_shows(env: Env, monkeypatch):
+    """The block parses the lines it shows and a bounded part of the cut (not the 60,000
+    links), asks about staleness for the shown entries only, and a repeat ask for the same
+    index parses nothing (counted: links read, SQL parameters of the stale lookup)."""
+    from memfuse.server import indexlinks, staleness
+
+    await env.create("MEMORY.md", HUGE_INDEX)
+    parsed = [0]
+    looked_up: list[int] = []
+    target, stale_targets = indexlinks._target, staleness.stale_targets
+
+    def counting_target(raw: str):
+        parsed[0] += 1
+        return target(raw)
+
+    def counting_stale(conn, store, targets, now, days):
+        looked_up.append(len(targets))
+        return stale_targets(conn, store, targets, now, days)
+
+    monkeypatch.setattr(indexlinks, "_target", counting_target)
+    monkeypatch.setattr(staleness, "stale_targets", counting_stale)
+    r = await env.ws.get("/v1/workspaces/ws/context")
+    assert r.status_code == 200, r.text
+    first = r.text
+    assert looked_up == [200]  # the 200 lines shown, one link each
+    assert 0 < parsed[0] <= 200 + indexlinks.OMITTED_SCAN_CHARS // len("[](200)\n")  # not 120,000
+    assert "[memfuse: MEMORY.md is cut here: 59800 more line(s)" in first
+    assert "The entries cut are: `200`, `201`," in first and " and at least " in first
+    parsed[0] = 0
+    again = (await env.ws.get("/v1/workspaces/ws/context")).text
+    assert again == first and parsed[0] == 0 and looked_up == [200, 200]
+
+
+async def test_the_prompt_block_follows_a_changed_index(env: Env):
+    """The views cached by content hash never show an index that changed."""
+    rec = await env.create("MEMORY.md", "- [A](a.md)\n")
+    assert "- [A](a.md)" in (await env.ws.get("/v1/workspaces/ws/context")).text
+    r = await env.ws.put(f"/v1/stores/default/records/{rec['id']}", json={"content": "- [B](b.md)\n"})
+    assert r.status_code == 200, r.text
+    block = (await env.ws.get("/v1/workspaces/ws/context")).text
+    assert "- [B](b.md)" in block and "- [A](a.md)" not in block
+
+
+def test_the_cut_marker_reads_a_bounded_part_of_the_cut():
+    from memfuse.server.indexlinks import OMITTED_SCAN_CHARS
+
+    line = "- [x](a.md)\n"
+    n = OMITTED_SCAN_CHARS // len(line)  # the lines the marker reads
+    assert omitted_marker(line * (n + 10), n + 10).endswith(f"`a.md` and at least {n - 20} more.")
+    assert omitted_marker(line * n, n).endswith(f"`a.md` and {n - 20} more.")
+    assert omitted_marker("x\n" * OMITTED_SCAN_CHARS + line, OMITTED_SCAN_CHARS + 1) == ""
+
+
+async def test_the_index_report_caps_its_lists_and_its_scan(env: Env, monkeypatch):
+    from memfuse.server import indexreport
+
+    text = "- [gone](gone.md)\n" * 5000
+    await env.create("MEMORY.md", text)
+    rep = (await env.ws.get("/v1/stores/default/index")).json()
+    assert rep["entries"] == 5000 and rep["missing_count"] == 5000 and len(rep["missing"]) == 1000
+    assert rep["omitted_count"] == 4800 and len(rep["omitted"]) == 1000
+    assert [e["line"] for e in rep["omitted"][:2]] == [201, 202]
+    assert rep["bytes_scanned"] == rep["bytes"] == len(text)
+    # past REPORT_SCAN_CHARS (whole lines) the index is not read, and the answer says so
+    monkeypatch.setattr(indexreport, "REPORT_SCAN_CHARS", 100 * 18 + 5)
+    rep = (await env.ws.get("/v1/stores/default/index")).json()
+    assert rep["entries"] == rep["missing_count"] == 100 and rep["bytes_scanned"] == 100 * 18
+    assert rep["omitted_count"] == 0 and rep["bytes"] == len(text) and rep["lines"] == 5000
+    page = (await env.admin.get("/ui/stores/default")).text
+    assert "100 missing" in page and "only its first" in page

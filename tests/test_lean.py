@@ -339,3 +339,45 @@ async def test_idle_lean_connections_close_at_once_when_the_server_stops():
             await done.wait()
         assert trio.current_time() - t0 < 3
         await stream.aclose()
+
+
+async def test_lean_write_answers_not_read_are_cut_at_the_send_timeout(tmp_path, caplog):
+    """A client that pipelines creates and reads no answer: once the kernel's buffers are
+    full, the answer's send on the lean path is bounded by the front door's send timeout
+    (``gate.SEND_WITHIN``, served by the lean exchange itself) and the connection closes,
+    logged as a client that did not read."""
+    app = _app(tmp_path, "cut")
+    async with trio.open_nursery() as nursery:
+        url = await nursery.start(lambda task_status: serve(app, "127.0.0.1:0", lean=True,
+                                                           task_status=task_status))
+        await _bootstrap(url)
+        # set after the listening socket was made: its kernel bound (TCP_USER_TIMEOUT, from
+        # the send timeout then: 30 s) does not cut the connection first
+        app.front.send_timeout = 1.0
+        port = int(url.rsplit(":", 1)[1])
+        lean = app.state.lean
+        sock = trio.socket.socket()
+        sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF, 1024)  # a small window
+        await sock.connect(("127.0.0.1", port))
+        data = b"".join(_create(f"cut/{i}.md", "x" * 100) for i in range(3000))
+        caplog.set_level(logging.INFO, logger="memfuse.server.gate")
+        with trio.fail_after(60):
+            while data:  # the server stops reading once its answers back up: then it is cut
+                try:
+                    with trio.move_on_after(5):
+                        data = data[await sock.send(data):]
+                        continue
+                except OSError:  # reset: the server closed the connection
+                    pass
+                break
+            t0 = trio.current_time()
+            while not any("did not read its response" in r.getMessage() for r in caplog.records):
+                assert trio.current_time() - t0 < 1.0 + 10, "not cut by the send timeout"
+                await trio.sleep(0.05)
+        assert 0 < lean.served < 3000
+        sock.close()
+        # the server serves on
+        async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {WS}"}) as c:
+            r = await c.post("/v1/stores/default/records", json={"path": "after.md", "content": "x"})
+            assert r.status_code == 201, r.text
+        nursery.cancel_scope.cancel()

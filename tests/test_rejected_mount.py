@@ -74,7 +74,7 @@ def test_rejected_files_survive_restart_and_cache_is_private(tmp_path):
         got = {"secret": write_file(d / "sub" / "key.md", b"deploy key:\n" + key),
                # a UTF-8 sequence cut at the end: only the whole file shows it, at close
                "utf8 over a record": write_file(d / "old.md", b"caf\xc3"),
-               "type": write_file(d / "typ.md", b"---\ntype: diary\n---\nbody\n"),
+               "type": write_file(d / "typ.md", b"---\ntype: diary of Jane Roe\n---\nbody\n"),
                "size": write_file(small / "big.md", b"x" * 100)}
         assert got == {"secret": {"open": None, "write": "EPERM", "close": None},
                        "utf8 over a record": {"open": None, "write": None, "close": "EILSEQ"},
@@ -101,6 +101,9 @@ def test_rejected_files_survive_restart_and_cache_is_private(tmp_path):
                 ("small", "big.md", "EFBIG", "record_too_large")} <= refused, refused
         body = key.decode().splitlines()[1]
         assert body not in sc.log.read_text()
+        # nor the refused type's value (memory content: attack 13 F13), in the log or errors.log
+        assert "Jane Roe" not in sc.log.read_text()
+        assert "Jane Roe" not in (mnt / ".memfuse" / "errors.log").read_text()
 
         # the cache directory: owner-only, the loose entries made before the start tightened
         m = modes(cache)

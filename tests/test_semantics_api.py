@@ -153,7 +153,8 @@ async def test_refusal_order_size_then_type_then_secret(env: Env):
     assert_problem(await env.ws.post("/v1/stores/default/records", json={"path": "a", "content": big}), 413, "record_too_large")
     bad_type = f"---\ntype: diary\n---\n{tok}\n"
     body = assert_problem(await env.ws.post("/v1/stores/default/records", json={"path": "a", "content": bad_type}), 422, "invalid_type")
-    assert "'diary' is not one of user, feedback, project, reference" in body["detail"]
+    assert "the type is not one of user, feedback, project, reference" in body["detail"]
+    assert "diary" not in body["detail"]
     assert_problem(
         await env.ws.post("/v1/stores/default/records", json={"path": "a", "content": f"{tok}\n"}), 422, "secret_detected"
     )

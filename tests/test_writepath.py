@@ -207,3 +207,59 @@ async def test_request_duration_histogram_sees_fast_writes(fast):
             assert (app.front.writes.served if fast else 2) == 2
         finally:
             app.state.service.db.dispose()
+
+
+# ---------------------------------------------------------------- the fast path's own framing
+# The fast path frames its answers without starlette's ``Response`` and reads the request's
+# URL path without building a ``URL`` (bench/README.md, "serve's loop, session 13"): the same
+# bytes, by construction and by these checks.
+
+
+def test_reply_head_is_what_starlettes_response_frames():
+    from starlette.responses import Response
+
+    from memfuse.server.routes.deps import reply_head, reply_response
+    from memfuse.server.service import Reply
+
+    def starlette(r: Reply) -> Response:  # reply_response as it was written before reply_head
+        headers = dict(r.headers)
+        if r.replayed:
+            headers["Idempotent-Replayed"] = "true"
+        if r.status == 204 or not r.body:
+            return Response(status_code=r.status, headers=headers)
+        return Response(content=r.body, status_code=r.status, headers=headers, media_type="application/json")
+
+    n = 0
+    for status in (200, 201, 204, 304, 404, 409, 412, 100):
+        for body in (b"", b'{"a":1}'):
+            for headers in ({}, {"ETag": '"abc"'}, {"ETag": '"x"', "Content-Type": "text/plain"},
+                            {"Content-Length": "3"}, {"Idempotent-Replayed": "false"}, {"Location": "/x"}):
+                for replayed in (False, True):
+                    r = Reply(status, body, dict(headers), replayed)
+                    want = starlette(r)
+                    got = reply_response(r)
+                    assert (got.status_code, got.raw_headers, got.body) == reply_head(r)
+                    assert reply_head(r) == (want.status_code, want.raw_headers, want.body), r
+                    n += 1
+    assert n == 192
+
+
+def test_url_path_is_starlettes_url_path():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+    from starlette.datastructures import URL
+
+    from memfuse.server.writepath import url_path
+
+    @settings(max_examples=3000, deadline=None)
+    @given(st.text(min_size=0, max_size=30), st.sampled_from([b"h:1", b"bad host/x", None]))
+    def check(tail: str, host: bytes | None) -> None:
+        scope = {"type": "http", "scheme": "http", "server": ("127.0.0.1", 8080), "root_path": "",
+                 "path": "/v1/stores/" + tail, "query_string": b"",
+                 "headers": [(b"host", host)] if host is not None else []}
+        assert url_path(scope) == URL(scope=scope).path
+
+    check()
+    for odd in ("/v1/a b", "/v1/a\tb", "/v1/a?b#c\\d", "/v1/\x00", "/v1/é\u3000", "/v1/x "):
+        scope = {"type": "http", "path": odd, "headers": [], "server": ("::1", 80)}
+        assert url_path(scope) == URL(scope=scope).path

@@ -1,6 +1,6 @@
 """Deterministic profiles of a running sidecar, toggled by signals (bench/README.md, "The close
 path, session 10: sidecar"): with this directory on ``PYTHONPATH`` and ``MEMFUSE_SIGPROF=PREFIX``
-in the environment, a ``memfuse mount`` process (or ``barefs.py``) starts cProfile on its main
+in the environment, a ``memfuse mount`` or ``memfuse serve`` process (or ``barefs.py``) starts cProfile on its main
 thread (the trio thread) at ``SIGUSR1`` and, at ``SIGUSR2``, stops it and writes the stats to
 ``PREFIX.PID`` (``pstats``; call counts per file written are load-independent). Any other
 process, or without the variable, nothing happens. A bench tool, never imported by memfuse."""
@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 
-if os.environ.get("MEMFUSE_SIGPROF") and ("mount" in sys.argv
+if os.environ.get("MEMFUSE_SIGPROF") and ("mount" in sys.argv or "serve" in sys.argv
                                           or any(a.endswith("barefs.py") for a in sys.argv)):
     import cProfile
 

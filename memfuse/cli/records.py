@@ -247,17 +247,25 @@ def index_cmd(target: Target, store_slug: str, as_json: bool) -> None:
     else:
         click.echo(f"MEMORY.md: {rep.entries} entries; {rep.lines} lines ({rep.bytes} bytes), "
                    f"{rep.lines_shown} lines ({rep.bytes_shown} bytes) shown in the prompt block")
-    click.echo(f"missing ({len(rep.missing)}): links to records that do not exist")
+    n_missing = max(rep.missing_count, len(rep.missing))  # a server before the counts: 0
+    click.echo(f"missing ({n_missing}): links to records that do not exist")
     for e in rep.missing:
         click.echo(f"  MEMORY.md:{e.line}: {safe(e.target)}")
+    if n_missing > len(rep.missing):
+        click.echo(f"  … and {n_missing - len(rep.missing)} more")
     click.echo(f"unindexed ({rep.unindexed_count}): records MEMORY.md does not mention")
     for path in rep.unindexed:
         click.echo(f"  {safe(path)}")
     if rep.unindexed_count > len(rep.unindexed):
         click.echo(f"  … and {rep.unindexed_count - len(rep.unindexed)} more")
-    click.echo(f"omitted ({len(rep.omitted)}): entries the prompt block cuts")
+    n_omitted = max(rep.omitted_count, len(rep.omitted))
+    click.echo(f"omitted ({n_omitted}): entries the prompt block cuts")
     for e in rep.omitted:
         click.echo(f"  MEMORY.md:{e.line}: {safe(e.target)}")
+    if n_omitted > len(rep.omitted):
+        click.echo(f"  … and {n_omitted - len(rep.omitted)} more")
+    if rep.index_exists and rep.bytes_scanned and rep.bytes_scanned < rep.bytes:
+        click.echo(f"(only the first {rep.bytes_scanned} bytes of MEMORY.md were read for entries)")
     age = f"unchanged for {rep.stale_after_days} days or " if rep.stale_after_days else ""
     click.echo(f"stale ({rep.stale_count}): records {age}past their review date")
     for r in rep.stale:

@@ -13,13 +13,16 @@ writes nothing.
 from __future__ import annotations
 
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from sqlalchemy import false, select
 
 from memfuse import content as content_rules
 from memfuse.defs import Access
-from memfuse.server.base import Principal, Resource
+from memfuse.server.base import Parts, Principal, Resource
 from memfuse.server import keys, promptline, staleness, tails
 from memfuse.server.db import AttachmentRow, RecordRow, StoreRow, utcnow
 from memfuse.server.indexlinks import entries, omitted_marker
@@ -30,6 +33,7 @@ CONTEXT_TOTAL_MAX_BYTES = 100_000  # default bound of the whole prompt block
 CONTEXT_MIN_BYTES = 1024  # the smallest bound a caller may ask for
 CONTEXT_MAX_BYTES_ENV = "MEMFUSE_CONTEXT_MAX_BYTES"
 MOUNT_ROOT_MAX_CHARS = 4096  # a mount root shown, at most (Linux PATH_MAX)
+INDEX_VIEWS_MAX = 128  # indexes whose shown part a replica keeps (IndexViews), at most
 
 # the opening paragraphs without the mount root and the refusals line (bytes, generous)
 _INTRO_BYTES = 600
@@ -108,10 +112,62 @@ def fenced_lines(block: str) -> list[tuple[bool, str]]:
     return out
 
 
-def _index_section(clean: Callable[[str], str], text: str, path: str, stale_note: str = "") -> str:
-    """``### <path>`` and the (cut, cleaned) index in a fence, with the cut marker after it,
-    then ``stale_note`` (``staleness.stale_marker``) when given."""
-    shown, lines_left, bytes_left = cut_index(text)
+@dataclass(frozen=True)
+class IndexView:
+    """What the prompt block uses of one ``MEMORY.md``: the ``shown`` part, the
+    ``lines_left`` / ``bytes_left`` out (``cut_index``), the cut marker's sentence naming
+    the entries cut (``omitted``: ``indexlinks.omitted_marker``, not yet cleaned) and the
+    ``targets`` of the entries shown (for the stale note), in order."""
+
+    shown: str
+    lines_left: int
+    bytes_left: int
+    omitted: str
+    targets: tuple[str, ...]
+
+    @classmethod
+    def of(cls, text: str) -> "IndexView":
+        """The view of ``text``. Work: a split of ``text`` (C) and the parse of at most the
+        shown part (``CONTEXT_INDEX_MAX_BYTES``) and ``indexlinks.OMITTED_SCAN_CHARS`` of
+        the cut part, whatever the size of ``text`` (attack 13 F10)."""
+        shown, lines_left, bytes_left = cut_index(text)
+        return cls(shown, lines_left, bytes_left, omitted_marker(text, lines_left) if lines_left else "",
+                   tuple(e.target for e in entries(shown) if e.target is not None))
+
+
+class IndexViews:
+    """A bounded cache of ``IndexView`` by the ``(sha256, size)`` of a ``MEMORY.md`` (its
+    content, so an entry is never out of date): the least recently used of at most
+    ``max_entries`` (each at most ~``CONTEXT_INDEX_MAX_BYTES`` + the shown targets) goes
+    first. A sidecar asking again for an unchanged index costs neither its content's read
+    nor its parse. Thread-safe (the routes run in worker threads)."""
+
+    def __init__(self, max_entries: int = INDEX_VIEWS_MAX) -> None:
+        self.max_entries = max_entries
+        self._views: OrderedDict[tuple[str, int], IndexView] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[str, int]) -> IndexView | None:
+        """The view cached for ``key`` (and it becomes the most recent), or None."""
+        with self._lock:
+            view = self._views.get(key)
+            if view is not None:
+                self._views.move_to_end(key)
+            return view
+
+    def put(self, key: tuple[str, int], view: IndexView) -> None:
+        """Keep ``view`` for ``key``, dropping the least recently used beyond the bound."""
+        with self._lock:
+            self._views[key] = view
+            self._views.move_to_end(key)
+            while len(self._views) > self.max_entries:
+                self._views.popitem(last=False)
+
+
+def _index_section(clean: Callable[[str], str], view: IndexView, path: str, stale_note: str = "") -> str:
+    """``### <path>`` and the (cut, cleaned) index of ``view`` in a fence, with the cut
+    marker after it, then ``stale_note`` (``staleness.stale_marker``) when given."""
+    shown, lines_left, bytes_left = view.shown, view.lines_left, view.bytes_left
     body = clean(shown)
     if body.endswith("\n"):
         body = body[:-1]
@@ -124,7 +180,7 @@ def _index_section(clean: Callable[[str], str], text: str, path: str, stale_note
             "",
             f"[memfuse: MEMORY.md is cut here: {lines_left} more line(s) ({bytes_left} bytes) are not "
             f"shown; an index is shown up to {CONTEXT_INDEX_MAX_LINES} lines / {CONTEXT_INDEX_MAX_BYTES} "
-            f"bytes.{clean(omitted_marker(text, lines_left))} Compact MEMORY.md so that it fits: keep one "
+            f"bytes.{clean(view.omitted)} Compact MEMORY.md so that it fits: keep one "
             f"short line per memory and move details into topic files. Read {path} for the rest.]",
         ]
     if stale_note:
@@ -133,7 +189,12 @@ def _index_section(clean: Callable[[str], str], text: str, path: str, stale_note
 
 
 class ContextService(Resource):
-    """``Service`` method: ``context`` (the prompt block)."""
+    """``Service`` method: ``context`` (the prompt block). ``views``: the cache of the
+    indexes' shown parts (default: a new ``IndexViews``)."""
+
+    def __init__(self, parts: Parts, views: IndexViews | None = None) -> None:
+        super().__init__(parts)
+        self.views = views if views is not None else IndexViews()
 
     def context(
         self, p: Principal, ws: str, mount_root: str = "/mnt/memory", max_bytes: int | None = None,
@@ -168,22 +229,28 @@ class ContextService(Resource):
                 .where(AttachmentRow.workspace == wkey)
                 .order_by(StoreRow.public_slug, AttachmentRow.store)
             ).all()
-            indexes: dict[str, str] = {
-                slug: text or ""
-                for slug, text in s.execute(
-                    select(RecordRow.store, tails.LIVE_CONTENT).where(
-                        RecordRow.store.in_([r[1] for r in rows]),
-                        RecordRow.path == content_rules.INDEX_PATH,
-                        RecordRow.deleted == false(),
-                    )
-                )
-            }
+            live_index = (RecordRow.store.in_([r[1] for r in rows]), RecordRow.path == content_rules.INDEX_PATH,
+                          RecordRow.deleted == false())
+            # each index's view by its content's hash: read and parsed only when not cached
+            keys_of = {slug: (sha, size) for slug, sha, size in s.execute(
+                select(RecordRow.store, RecordRow.sha256, RecordRow.size).where(*live_index))}
+            indexes: dict[str, IndexView] = {}
+            for slug, key in keys_of.items():
+                view = self.views.get(key)
+                if view is not None:
+                    indexes[slug] = view
+            if len(indexes) < len(keys_of):
+                for slug, sha, size, text in s.execute(
+                        select(RecordRow.store, RecordRow.sha256, RecordRow.size, tails.LIVE_CONTENT).where(
+                            *live_index, RecordRow.store.in_([k for k in keys_of if k not in indexes]))):
+                    indexes[slug] = IndexView.of(text or "")
+                    self.views.put((sha, size), indexes[slug])
             now = utcnow()
-            stale_notes = {  # the entries of each index linking stale records
+            stale_notes = {  # the entries shown of each index linking stale records
                 slug: staleness.stale_marker(staleness.stale_targets(
-                    s.connection(), slug, [e.target for e in entries(text) if e.target is not None], now,
+                    s.connection(), slug, list(view.targets), now,
                     self.settings.stale_after_days), self.settings.stale_after_days)
-                for slug, text in indexes.items()
+                for slug, view in indexes.items()
             }
         refusals = content_rules.refusals_line(mount_root)
         if mounted and (_nbytes(refusals) + 2 + _nbytes(_stores_left_marker(bound, [], len(rows)))

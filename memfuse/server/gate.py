@@ -96,9 +96,17 @@ SEND_TIMEOUT = 30.0
 AUTH_THREADS = 4  # worker threads for lookups of unknown tokens
 BAD_TOKEN_SECONDS = 60.0  # a refused token is refused again without a query this long
 BAD_TOKEN_MAX = 10_000
+RATE_KEYS_MAX = 10_000  # tokens whose write-bucket key is kept (the table is cleared past it)
 READY_REUSE_SECONDS = 0.25
 DRAIN_SECONDS = 5.0
 PROBES = ("/healthz", "/readyz")
+# ASGI scope extensions an HTTP server may offer (memfuse.server.lean does): ``BODY``, a
+# function ``() -> bytes | None`` giving the whole request body when the server holds all of
+# it already (it is then read: ``receive`` gives no more of it), else None; ``SEND_WITHIN``,
+# ``async (message, seconds)``: ``send(message)`` bounded by the server itself, raising
+# ``TimeoutError`` (the connection then closes) when it does not finish within ``seconds``.
+BODY = "memfuse.body"
+SEND_WITHIN = "memfuse.send_within"
 _TRUE = ("true", "1", "yes", "on")
 
 
@@ -308,8 +316,10 @@ class Gate:
         # path prefixes whose clients may send the token as ``x-api-key`` (it wins over
         # ``Authorization``, as there): Anthropic's memory-store API
         self.api_key_prefixes: tuple[str, ...] = ()
-        self.inflight = 0
+        self.inflight = 0  # read by the gauge ``metrics.inflight`` when scraped
+        metrics.inflight.set_function(lambda: self.inflight)
         self.body_bytes = 0  # bytes of bodies held now
+        self._rate_keys: dict[str, str] = {}  # token → its write buckets' key (a digest)
         self._auth_limiter: anyio.CapacityLimiter | None = None
         self._probe_limiter: anyio.CapacityLimiter | None = None
         self._ready_lock: anyio.Lock | None = None
@@ -369,7 +379,8 @@ class Gate:
             await self._probe(path, receive, send)
             return
         head = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
-        head += sum(len(k) + len(v) + 4 for k, v in scope.get("headers", ()))
+        for k, v in scope.get("headers", ()):
+            head += len(k) + len(v) + 4
         if head > MAX_HEAD:  # hypercorn bounds only a head that arrives in several reads
             await self._refuse(receive, send, 431, "header_too_large",
                                f"the request line and headers are larger than {MAX_HEAD} bytes",
@@ -407,7 +418,11 @@ class Gate:
             scope["memfuse.principal"] = principal
             if method in _WRITE_METHODS and path.startswith("/v1/") and token:
                 # the token's write buckets, from the headers, before the body is read
-                key = hashlib.sha256(token.encode()).hexdigest()[:32]
+                key = self._rate_keys.get(token)
+                if key is None:
+                    if len(self._rate_keys) >= RATE_KEYS_MAX:
+                        self._rate_keys.clear()
+                    key = self._rate_keys[token] = hashlib.sha256(token.encode()).hexdigest()[:32]
                 wait = self.write_rate.take(key, length or 0, time.monotonic())
                 if wait > 0:
                     await self._refuse(receive, send, 429, "rate_limited",
@@ -432,7 +447,7 @@ class Gate:
         held = 0
         try:
             try:
-                body, held = await self._read_body(receive, limit)
+                body, held = await self._read_body(receive, limit, scope)
             except _Refusal as r:
                 await self._refuse(receive, send, r.status, r.code, r.detail, headers=r.headers,
                                    close=True, path=path)
@@ -446,12 +461,10 @@ class Gate:
                                        headers={"Retry-After": "1"}, path=path)
                     return
                 self.inflight += 1
-                self.metrics.inflight.inc()
                 try:
                     await self._run(scope, _replay(body, receive), send, None, body)
                 finally:
                     self.inflight -= 1
-                    self.metrics.inflight.dec()
             else:
                 await self._run(scope, _replay(body, receive), send, lease)
         finally:
@@ -469,6 +482,11 @@ class Gate:
         # a stream sends thousands of lines, and a scope per send was a third of a
         # heartbeat's CPU.
         bound = anyio.CancelScope()
+        # the HTTP server's own bounded send (extension ``SEND_WITHIN``), for the answers of
+        # ``writes``: no scope to enter nor arm (memfuse.server.lean); None under hypercorn
+        within: Callable[[Message, float], Awaitable[None]] | None = None
+        if lease is None and self.writes is not None:
+            within = (scope.get("extensions") or {}).get(SEND_WITHIN)
 
         async def send_bounded(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -497,6 +515,9 @@ class Gate:
                     return
             elif message["type"] == "http.response.body" and not message.get("more_body", False):
                 state["done"] = True
+            if within is not None:  # raises TimeoutError when the send does not finish in time
+                await within(message, self.send_timeout)
+                return
             bound.deadline = anyio.current_time() + self.send_timeout
             try:
                 await send(message)
@@ -504,9 +525,16 @@ class Gate:
                 bound.deadline = float("inf")
 
         try:
+            tried = within is not None
+            if tried:
+                assert self.writes is not None
+                if await self.writes(scope, body, send_bounded):
+                    return
+                within = None  # the app's sends: under ``bound``, as under hypercorn
             with bound:
                 if lease is None:
-                    if not (self.writes is not None and await self.writes(scope, body, send_bounded)):
+                    if not (not tried and self.writes is not None
+                            and await self.writes(scope, body, send_bounded)):
                         await self.app(scope, receive, send_bounded)
                 else:
                     with lease.scope:
@@ -581,9 +609,21 @@ class Gate:
                 self._bad_tokens[digest] = (now + BAD_TOKEN_SECONDS, e.detail)
             raise
 
-    async def _read_body(self, receive: Receive, limit: int) -> tuple[bytes | None, int]:
+    async def _read_body(self, receive: Receive, limit: int, scope: Scope | None = None) -> tuple[bytes | None, int]:
         """The whole body (None when the client left) and the bytes of ``body_budget`` it
-        holds now (the caller gives them back). Raises ``_Refusal`` 413 / 408 / 503."""
+        holds now (the caller gives them back). Raises ``_Refusal`` 413 / 408 / 503. A body
+        the HTTP server holds whole already (``scope``'s extension ``BODY``) is taken at once
+        (nothing to wait for: no deadline), under the same bounds."""
+        take = (scope.get("extensions") or {}).get(BODY) if scope is not None else None
+        whole = take() if take is not None else None
+        if whole is not None:  # as one piece that ends the body, below
+            if len(whole) > limit:
+                raise _Refusal(413, "too_large", f"the body is larger than this endpoint takes ({limit} bytes)")
+            if self.body_bytes + len(whole) > self.body_budget:
+                raise _Refusal(503, "overloaded", "the server holds too many request bodies; retry",
+                               {"Retry-After": "1"})
+            self.body_bytes += len(whole)
+            return whole, len(whole)
         chunks: list[bytes] = []
         size = 0
         deadline = anyio.current_time() + self.body_timeout

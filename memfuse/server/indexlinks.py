@@ -20,6 +20,11 @@ LINK_RE = re.compile(r"\[(?:[^\]\n\\]|\\.)*\]\(\s*(<[^>\n]*>|[^)\s]+)(?:\s+(?:\"
 SCHEME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*:")
 MARKER_NAMES_MAX = 20  # omitted entries the prompt block's marker names at most
 MARKER_NAMES_BYTES = 1000  # and at most this many bytes of their targets
+#: characters of the lines a prompt block cuts that its marker reads for entries (whole
+#: lines; the rest is not read: the marker then says "at least"), so the work per index is
+#: bounded whatever its size (attack 13 F10)
+OMITTED_SCAN_CHARS = 32 * 1024
+_QUERY_RE = re.compile(r"[#?]")
 
 
 @dataclass(frozen=True)
@@ -41,12 +46,12 @@ def _target(raw: str) -> tuple[str | None, bool] | None:
     raw = raw.strip()
     if raw.startswith("<") and raw.endswith(">"):
         raw = raw[1:-1].strip()
-    if not raw or raw.startswith("#") or raw.startswith("/") or SCHEME_RE.match(raw):
+    if not raw or raw[0] in "#/" or SCHEME_RE.match(raw):
         return None
-    raw = re.split(r"[#?]", raw, maxsplit=1)[0]
+    raw = _QUERY_RE.split(raw, maxsplit=1)[0]
     if not raw:
         return None
-    path = unquote(raw)
+    path = unquote(raw) if "%" in raw else raw
     is_dir = path.endswith("/")
     norm = posixpath.normpath(path)
     if norm == "." or norm.startswith("../") or norm == "..":
@@ -54,16 +59,21 @@ def _target(raw: str) -> tuple[str | None, bool] | None:
     return norm, is_dir
 
 
-def entries(text: str) -> list[Entry]:
-    """Every local link of ``MEMORY.md`` text, in order (a line with two links gives two)."""
+def entries(text: str, first_line: int = 1) -> list[Entry]:
+    """Every local link of ``MEMORY.md`` text, in order (a line with two links gives two);
+    ``first_line``: the number of ``text``'s first line (``text`` a part of the file).
+    Work: linear in ``len(text)``; callers bound what they pass (``omitted_marker``, the
+    prompt block's shown part, ``indexreport.REPORT_SCAN_CHARS``)."""
     out: list[Entry] = []
-    for i, line in enumerate(text.split("\n"), 1):
+    seen: dict[str, tuple[str | None, bool] | None] = {}  # a target written many times is read once
+    for i, line in enumerate(text.split("\n"), first_line):
         if "](" not in line:
             continue
         for m in LINK_RE.finditer(line):
-            t = _target(m.group(1))
+            raw = m.group(1)
+            t = seen[raw] if raw in seen else seen.setdefault(raw, _target(raw))
             if t is not None:
-                out.append(Entry(line=i, text=line, target=t[0], raw=m.group(1), dir=t[1]))
+                out.append(Entry(line=i, text=line, target=t[0], raw=raw, dir=t[1]))
     return out
 
 
@@ -77,9 +87,21 @@ def omitted_marker(text: str, lines_left: int) -> str:
     are cut: the targets of the entries on them (at most ``MARKER_NAMES_MAX`` /
     ``MARKER_NAMES_BYTES``, then how many more), or ``""`` when they hold no entry. Each
     target is memory content shown outside the fence: ``promptline.quoted`` (one line, no
-    backtick or bracket, at most ``promptline.NAME_MAX_CHARS`` characters)."""
+    backtick or bracket, at most ``promptline.NAME_MAX_CHARS`` characters).
+
+    Only the first ``OMITTED_SCAN_CHARS`` characters of the lines cut are read (whole
+    lines, unless one line is longer): when more is cut, the count says ``at least K
+    more`` (``possibly more`` when K is 0), so the work is bounded whatever the size of
+    ``text``."""
     first_cut = line_count(text) - lines_left + 1
-    gone = [e for e in entries(text) if e.line >= first_cut]
+    start = 0
+    for _ in range(first_cut - 1):  # at most the lines shown (context.CONTEXT_INDEX_MAX_LINES)
+        start = text.index("\n", start) + 1
+    window = text[start:start + OMITTED_SCAN_CHARS]
+    complete = start + len(window) >= len(text)
+    if not complete and "\n" in window:
+        window = window[:window.rindex("\n") + 1]
+    gone = entries(window, first_cut)
     if not gone:
         return ""
     names: list[str] = []
@@ -92,5 +114,8 @@ def omitted_marker(text: str, lines_left: int) -> str:
         names.append(name)
         size += len(name.encode())
     more = len(gone) - len(names)
-    tail = f" and {more} more" if more else ""
+    if complete:
+        tail = f" and {more} more" if more else ""
+    else:
+        tail = f" and at least {more} more" if more else " and possibly more"
     return f" The entries cut are: {', '.join(names)}{tail}."

@@ -15,6 +15,12 @@ and its records agree, and what of ``MEMORY.md`` the prompt block leaves out.
 - ``omitted``: entries on the lines the prompt block cuts (``context.cut_index``: 200 lines,
   25,000 bytes), which agents never see in their prompt. The prompt block names them too
   (``indexlinks.omitted_marker``);
+- the lists ``missing`` and ``omitted`` hold the first ``ENTRIES_LISTED_MAX`` entries,
+  ``missing_count`` / ``omitted_count`` count them all; only the first
+  ``REPORT_SCAN_CHARS`` characters of ``MEMORY.md`` (whole lines) are read for entries and
+  mentions (``bytes_scanned`` says how many bytes were; a path mentioned only after them counts
+  as unindexed), so the report's work and size are bounded whatever the index (attack 13
+  F10: a 1 MiB index of ``[](a)`` lines made a 14 MiB answer in seconds);
 - ``stale``: the store's stale live records (``staleness``: unchanged for the server's
   ``stale_after_days``, or past their ``review_after``), oldest change first, up to
   ``STALE_MAX`` listed, all counted.
@@ -40,6 +46,8 @@ from memfuse.server.search import cut_line
 WORDISH_RE = re.compile(r"[^\s`'\"()<>\[\]{},;|*]+")
 UNINDEXED_MAX = 1000  # unindexed records listed at most (all are counted)
 STALE_MAX = 100  # stale records listed at most (all are counted)
+ENTRIES_LISTED_MAX = 1000  # missing / omitted entries listed at most (all are counted)
+REPORT_SCAN_CHARS = 256 * 1024  # characters of MEMORY.md read for entries and mentions, at most
 
 
 def _entry_model(e: Entry) -> IndexEntry:
@@ -68,17 +76,22 @@ class IndexReportService(Resource):
                                            .limit(STALE_MAX))]
             stale_count = conn.scalar(select(func.count()).select_from(_R).where(*stale_where)) or 0
         text = (rows.content or "") if rows is not None else ""
+        scanned = text
+        if len(text) > REPORT_SCAN_CHARS:  # whole lines, unless the first is longer
+            scanned = text[:REPORT_SCAN_CHARS]
+            if "\n" in scanned:
+                scanned = scanned[:scanned.rindex("\n") + 1]
         live = set(paths)
         dirs: set[str] = set()
         for path in paths:
             parts = path.split("/")
             for k in range(1, len(parts)):
                 dirs.add("/".join(parts[:k]))
-        found = entries(text)
+        found = entries(scanned)
         missing = [e for e in found if e.target is None or (e.target not in live and e.target not in dirs)]
         linked_files = {e.target for e in found if e.target is not None and not e.dir and e.target in live}
         linked_dirs = {e.target for e in found if e.target is not None and e.target in dirs}
-        words = {w.strip(".:!?").removeprefix("./") for w in WORDISH_RE.findall(text)}
+        words = {w.strip(".:!?").removeprefix("./") for w in WORDISH_RE.findall(scanned)}
         unindexed: list[str] = []
         count = 0
         for path in paths:
@@ -93,11 +106,13 @@ class IndexReportService(Resource):
         total_lines = line_count(text)
         _, lines_left, bytes_left = cut_index(text)
         n_shown = total_lines - lines_left
+        omitted = [e for e in found if e.line > n_shown]
         return IndexReport(
             store=keys.public(st.slug), index_exists=rows is not None, entries=len(found),
-            missing=[_entry_model(e) for e in missing],
+            missing=[_entry_model(e) for e in missing[:ENTRIES_LISTED_MAX]], missing_count=len(missing),
             unindexed=unindexed, unindexed_count=count,
-            omitted=[_entry_model(e) for e in found if e.line > n_shown],
+            omitted=[_entry_model(e) for e in omitted[:ENTRIES_LISTED_MAX]], omitted_count=len(omitted),
+            bytes_scanned=len(scanned.encode()),
             lines=total_lines, lines_shown=n_shown, bytes=len(text.encode()), bytes_shown=len(text.encode()) - bytes_left,
             stale=stale, stale_count=stale_count, stale_after_days=self.settings.stale_after_days,
         )

@@ -24,7 +24,11 @@ count goes on in hypercorn after a hand-over), the response headers it adds (``d
 ``server``), an app error before its answer is a 500 with ``Connection: close``, a response
 not finished or a request body left unread closes the connection, and the close shuts the
 write side before closing the socket. The front door's bounds (body size and deadlines,
-slots, eviction, metrics) are the app's and apply as they do under hypercorn.
+slots, eviction, metrics) are the app's and apply as they do under hypercorn; two scope
+extensions save it work (``memfuse.server.gate.BODY``: a body the connection's buffer holds
+whole is given at once, without a read deadline to arm; ``gate.SEND_WITHIN``: the write
+path's answers are sent under this exchange's own send bound, armed only when the socket
+would block, instead of the front door's cancel scope).
 """
 from __future__ import annotations
 
@@ -38,6 +42,9 @@ from urllib.parse import unquote
 
 import h11
 import trio
+
+from memfuse.server.gate import BODY, SEND_WITHIN
+from memfuse.server.writepath import ROUTE
 
 MAX_RECV = 65536  # bytes read per receive (hypercorn's ``MAX_RECV``)
 
@@ -54,15 +61,16 @@ class Handover(NamedTuple):
 
 class LeanHTTP:
     """The lean path of one server. ``app``: the ASGI app (called as hypercorn calls it,
-    ``app(scope, receive, send)``); ``lean_route(method, path)``: whether a request is served
-    here (decoded path, as ASGI's ``scope["path"]``); ``keep_alive_timeout`` (s) and
+    ``app(scope, receive, send)``); ``lean_route(method, path)``: a true value when a request
+    is served here (decoded path, as ASGI's ``scope["path"]``), given to the app in the scope
+    as ``ROUTE`` (``memfuse.server.writepath``: its route match); ``keep_alive_timeout`` (s) and
     ``keep_alive_max_requests``, ``max_head`` (bytes, h11's ``max_incomplete_event_size``),
     ``response_headers()``: hypercorn's (``Config.response_headers("h11")``),
     ``log_exception(msg)``: hypercorn's error log (``Config.log.exception``),
     ``lifespan_state``: the ASGI lifespan state, copied into each request's scope.
     Event-loop only."""
 
-    def __init__(self, app: Callable[..., Awaitable[None]], lean_route: Callable[[str, str], bool], *,
+    def __init__(self, app: Callable[..., Awaitable[None]], lean_route: Callable[[str, str], Any], *,
                  keep_alive_timeout: float, keep_alive_max_requests: int, max_head: int,
                  response_headers: Callable[[], list[tuple[bytes, bytes]]],
                  log_exception: Callable[[str], Awaitable[None]],
@@ -104,59 +112,70 @@ class LeanHTTP:
         requests = 0
         closed = eof
         while True:
-            # -------- the head, within the header deadline
-            head: _Head | None = None
-            with trio.move_on_after(self.keep_alive_timeout if requests else math.inf) as waiting:
-                self.waiting.add(waiting)
-                try:
-                    while True:
-                        head = parse_head(buf, self.max_head)
-                        if head is not None:
-                            break
-                        if len(buf) > self.max_head or HEAD_END.search(buf) is not None or closed:
-                            # not a lean head (or a partial one and the client left): hypercorn's
-                            return self._handover(buf, closed, requests) if buf else None
-                        if self.terminated:  # as hypercorn's idle timer: closed at once
-                            return None
+            # One cancel scope is the header deadline of the requests that follow, armed (and
+            # in ``self.waiting``) only while a head is awaited: a scope entered per request
+            # was ~5 % of the loop's CPU per record write. A head that came in as the scope
+            # was cancelled (the deadline passed, the server terminates) is read again under
+            # a fresh one, as a scope of its own would have let it through.
+            with trio.CancelScope() as waiting:
+                while True:
+                    # -------- the head, within the header deadline
+                    head = parse_head(buf, self.max_head)
+                    if head is None:
+                        waiting.deadline = trio.current_time() + self.keep_alive_timeout if requests else math.inf
+                        self.waiting.add(waiting)
                         try:
-                            data = await _receive(sock)
-                        except OSError:  # reset
-                            return None
-                        buf += data
-                        closed = not data
-                finally:
-                    self.waiting.discard(waiting)
-            if head is None:  # the header deadline passed, or the server terminates
+                            while head is None:
+                                if len(buf) > self.max_head or HEAD_END.search(buf) is not None or closed:
+                                    # not a lean head (or a partial one and the client left): hypercorn's
+                                    return self._handover(buf, closed, requests) if buf else None
+                                if self.terminated:  # as hypercorn's idle timer: closed at once
+                                    return None
+                                try:
+                                    data = await _receive(sock)
+                                except OSError:  # reset
+                                    return None
+                                buf += data
+                                closed = not data
+                                head = parse_head(buf, self.max_head)
+                        finally:
+                            self.waiting.discard(waiting)
+                            waiting.deadline = math.inf
+                        if waiting.cancel_called:
+                            break  # read again under a fresh scope (above)
+                    path = unquote(head.path.decode("ascii"))
+                    route = self.lean_route(head.method, path)
+                    if not route:
+                        return self._handover(buf, closed, requests)
+                    requests += 1
+                    del buf[:head.size]
+                    # -------- the request, on this task
+                    exchange = _Exchange(self, head, buf, sock, closed, requests)
+                    scope = {
+                        "type": "http", "http_version": "1.1", "asgi": {"spec_version": "2.1", "version": "3.0"},
+                        "method": head.method, "scheme": "http", "path": path, "raw_path": head.path,
+                        "query_string": b"", "root_path": "", "headers": head.headers, "client": client,
+                        "server": server, "state": self.lifespan_state.copy(), ROUTE: route,
+                        "extensions": {BODY: exchange.take_body, SEND_WITHIN: exchange.send_within},
+                    }
+                    try:
+                        await self.app(scope, exchange.receive, exchange.send)
+                    except Exception:  # as hypercorn's ``_handle``: logged, a 500 when nothing was sent
+                        await self.log_exception("Error in ASGI Framework")
+                    if exchange.head is None and not exchange.broken:
+                        await exchange.error(500)
+                    self.served += 1
+                    exchange.finish()
+                    closed = exchange.closed
+                    if (exchange.broken or not exchange.done or exchange.close or self.terminated
+                            or exchange.remaining):
+                        if not exchange.broken:
+                            _shut(sock)
+                        return None
+                    if buf:  # pipelined: other tasks run before the next request (it may not wait)
+                        await trio.lowlevel.checkpoint()
+            if waiting.cancelled_caught:  # the header deadline passed, or the server terminates
                 return None
-            path = unquote(head.path.decode("ascii"))
-            if not self.lean_route(head.method, path):
-                return self._handover(buf, closed, requests)
-            requests += 1
-            del buf[:head.size]
-            # -------- the request, on this task
-            exchange = _Exchange(self, head, buf, sock, closed, requests)
-            scope = {
-                "type": "http", "http_version": "1.1", "asgi": {"spec_version": "2.1", "version": "3.0"},
-                "method": head.method, "scheme": "http", "path": path, "raw_path": head.path,
-                "query_string": b"", "root_path": "", "headers": head.headers, "client": client,
-                "server": server, "state": self.lifespan_state.copy(), "extensions": {},
-            }
-            try:
-                await self.app(scope, exchange.receive, exchange.send)
-            except Exception:  # as hypercorn's ``_handle``: logged, a 500 when nothing was sent
-                await self.log_exception("Error in ASGI Framework")
-            if exchange.head is None and not exchange.broken:
-                await exchange.error(500)
-            self.served += 1
-            exchange.finish()
-            closed = exchange.closed
-            if (exchange.broken or not exchange.done or exchange.close or self.terminated
-                    or exchange.remaining):
-                if not exchange.broken:
-                    _shut(sock)
-                return None
-            if buf:  # pipelined: other tasks run before the next request (it may not wait)
-                await trio.lowlevel.checkpoint()
 
     def _handover(self, raw: bytearray, closed: bool, requests: int) -> Handover:
         if requests:
@@ -245,15 +264,22 @@ async def _receive(sock: socket.socket) -> bytes:
             await trio.lowlevel.wait_readable(sock)
 
 
-async def _send_all(sock: socket.socket, data: bytes) -> None:
+async def _send_all(sock: socket.socket, data: bytes, timeout: float = math.inf) -> None:
     """Send all of ``data`` on ``sock``, waiting (cancellably) while the send buffer is
-    full. Raises ``OSError`` (a reset, a broken pipe)."""
+    full, at most ``timeout`` s from the first wait. Raises ``TimeoutError`` (the time ran
+    out: part of ``data`` may be sent), ``OSError`` (a reset, a broken pipe)."""
     view = memoryview(data)
+    deadline = math.inf
     while view:
         try:
             view = view[sock.send(view):]
         except BlockingIOError:
-            await trio.lowlevel.wait_writable(sock)
+            if deadline == math.inf:
+                deadline = trio.current_time() + timeout
+            with trio.move_on_at(deadline) as waiting:
+                await trio.lowlevel.wait_writable(sock)
+            if waiting.cancelled_caught:
+                raise TimeoutError from None
 
 
 class _Exchange:
@@ -282,6 +308,7 @@ class _Exchange:
         self.done = False  # the answer is complete
         self.broken = False  # the connection failed (reset, a send cut): close it
         self.done_event: trio.Event | None = None
+        self.send_timeout = math.inf  # s a send may take (``send_within``)
 
     async def receive(self) -> dict[str, Any]:
         if self.body_done or self.head is not None or self.broken:
@@ -310,6 +337,42 @@ class _Exchange:
                 return {"type": "http.disconnect"}
             buf += data
             self.closed = not data
+
+    def take_body(self) -> bytes | None:
+        """The whole request body when the connection's buffer, topped up with what the
+        kernel holds already (no waiting), holds all of it and none of it was given yet (it
+        is then given: ``receive`` gives no more of it), else None (the front door's
+        extension ``memfuse.server.gate.BODY``)."""
+        n = self.remaining
+        if self.body_done or self.head is not None or self.broken or n != self.request.length:
+            return None
+        while len(self.buf) < n:  # what the kernel holds already, without waiting
+            if self.closed:
+                return None
+            try:
+                data = self.sock.recv(MAX_RECV)
+            except BlockingIOError:
+                return None
+            except OSError:  # a reset: ``receive`` answers it
+                self.broken = True
+                return None
+            self.buf += data
+            self.closed = not data
+        body = bytes(self.buf[:n])
+        del self.buf[:n]
+        self.remaining = 0
+        self.body_done = True
+        return body
+
+    async def send_within(self, message: dict[str, Any], seconds: float) -> None:
+        """``send(message)``, its write bounded by ``seconds``: raises ``TimeoutError`` past
+        it, the connection then broken (closed without a word more), as the front door's own
+        bound cuts it (``memfuse.server.gate.SEND_WITHIN``)."""
+        self.send_timeout = seconds
+        try:
+            await self.send(message)
+        finally:
+            self.send_timeout = math.inf
 
     async def send(self, message: dict[str, Any]) -> None:
         kind = message["type"]
@@ -372,7 +435,11 @@ class _Exchange:
         if self.broken:
             return
         try:
-            await _send_all(self.sock, data)
+            await _send_all(self.sock, data, self.send_timeout)
+        except TimeoutError:
+            self.broken = True  # cut: the socket is unusable; the front door logs it
+            self.finish()
+            raise
         except OSError:
             self.broken = True  # the client is gone: the app is not told, as under hypercorn
             self.finish()

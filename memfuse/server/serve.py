@@ -495,7 +495,7 @@ class _IdleTimer:
 async def _worker_serve(app: FastAPI, config: Config, connections: Connections | None,
                         shutdown_trigger: Callable[[], Awaitable[object]],
                         task_status: trio.TaskStatus[list[str]],
-                        lean_route: Callable[[str, str], bool] | None = None) -> None:
+                        lean_route: Callable[[str, str], Any] | None = None) -> None:
     """hypercorn's ``worker_serve`` (hypercorn 0.18, ``hypercorn/trio/run.py``, plain TCP
     and Unix sockets only) with one change: each accepted connection is first offered to
     ``connections`` (``memfuse.server.gate.Connections``: the cap on connections without a
@@ -527,8 +527,8 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
     are made, then given to hypercorn as if it had read it (``_TCPServer.first``). An
     evicted connection (``Connections.opened``) is cancelled where it stands and closed.
 
-    A sixth: with ``lean_route`` (``(method, decoded path) -> bool``), a connection's requests
-    that it names are served by ``memfuse.server.lean`` (h11 and the app on the connection's
+    A sixth: with ``lean_route`` (``(method, decoded path) ->`` a true value when served
+    lean), a connection's requests that it names are served by ``memfuse.server.lean`` (h11 and the app on the connection's
     task, no hypercorn object made) until the first that is not, which hypercorn serves
     with the rest of the connection (``_TCPServer.first``, ``requests_before``)."""
     from itertools import chain

@@ -15,7 +15,7 @@ content type FastAPI does not read as JSON) is FastAPI's own. What it serves is 
 ``Service`` call as the FastAPI handler (``Service.create_record`` / ``update_record`` /
 ``batch``), in a worker thread as the FastAPI handler runs it (``hop``: on SQLite the one
 writer thread of ``memfuse.server.writerthread``), and the same response:
-``reply_response`` (status, ``ETag``, ``Idempotent-Replayed``) or the batch's
+``reply_head`` (status, ``ETag``, ``Idempotent-Replayed``: ``reply_response``'s) or the batch's
 ``batch_body``, refusals rendered by ``problems.exception_response``
 as the app's exception handlers render them. The request-duration histogram
 (``http_request_duration_seconds``) and the front door's counters see it as they see a
@@ -40,13 +40,14 @@ from memfuse.models import BatchRequest, RecordCreate, RecordUpdate
 from memfuse.server import routetable as table
 from memfuse.server.batch import batch_body
 from memfuse.server.routes import records as record_routes
-from memfuse.server.routes.deps import reply_response
+from memfuse.server.routes.deps import reply_head
 from memfuse.server.service import Principal, Reply, Service, idempotency_request
 
 log = logging.getLogger(__name__)
 
 IDEMPOTENCY_KEY_MAX = 255  # the Idempotency-Key header's bound (routes.deps.get_idempotency)
 _JSON = b"application/json"
+ROUTE = "memfuse.route"  # the scope's key of the route matched by the HTTP server (``lean_route``)
 # the request headers the fast path reads; any of them twice: FastAPI decides
 _READ = frozenset({b"content-type", b"idempotency-key", b"if-match", b"x-memfuse-account"})
 
@@ -77,7 +78,9 @@ class WritePath:
         method = scope["method"]
         if method not in ("POST", "PUT") or scope.get("query_string"):
             return False
-        m = table.match(method, scope["path"])
+        m = scope.get(ROUTE)  # the lean HTTP path's (``lean_route``), else matched here
+        if m is None:
+            m = table.match(method, scope["path"])
         if m is None or m.route not in _ROUTES:
             return False
         p: Principal | None = scope.get("memfuse.principal")  # the front door's
@@ -110,7 +113,7 @@ class WritePath:
         try:
             if svc.token_upkeep_due():  # token bookkeeping, as the principal dependency does it
                 await anyio.to_thread.run_sync(svc.token_upkeep)
-            idem = idempotency_request(key, method, URL(scope=scope).path, body, value) if key else None
+            idem = idempotency_request(key, method, url_path(scope), body, value) if key else None
             reply: Reply
             if m.route is table.CREATE_RECORD:
                 assert isinstance(parsed, RecordCreate)
@@ -121,10 +124,10 @@ class WritePath:
                 reply = await self.hop(
                     svc.update_record, p, store, m.params["record_id"], parsed,
                     if_match.decode("latin-1") if if_match is not None else None, idem)
-            response = reply_response(reply)
+            answer: tuple[int, list[tuple[bytes, bytes]], bytes] | Response = reply_head(reply)
         except Exception as e:  # rendered as the app's exception handlers would
-            response = self.problem(e, scope)
-        await self._send(scope, send, response, m.route, start)
+            answer = self.problem(e, scope)
+        await self._send(scope, send, answer, m.route, start)
         return True
 
     async def _batch(self, scope: Scope, body: bytes, send: Send, p: Principal, store: str,
@@ -140,23 +143,34 @@ class WritePath:
         except Exception:  # noqa: BLE001 - bad JSON, too deep, refused: FastAPI answers it
             return False
         svc = self.svc
-        response: Response
+        answer: tuple[int, list[tuple[bytes, bytes]], bytes] | Response
         try:
             if svc.token_upkeep_due():
                 await anyio.to_thread.run_sync(svc.token_upkeep)
             replies = await self.hop(svc.batch, p, store, req.operations)
-            response = Response(content=batch_body(replies), media_type="application/json")
+            content = batch_body(replies)
+            # as starlette's Response(content, media_type="application/json") frames it
+            answer = (200, [(b"content-length", str(len(content)).encode("latin-1")),
+                            (b"content-type", _JSON)], content)
         except Exception as e:
-            response = self.problem(e, scope)
-        await self._send(scope, send, response, table.BATCH, start)
+            answer = self.problem(e, scope)
+        await self._send(scope, send, answer, table.BATCH, start)
         return True
 
-    async def _send(self, scope: Scope, send: Send, response: Response, route: table.Route,
-                    start: float) -> None:
-        await response(scope, _no_receive, send)
+    async def _send(self, scope: Scope, send: Send,
+                    answer: tuple[int, list[tuple[bytes, bytes]], bytes] | Response,
+                    route: table.Route, start: float) -> None:
+        """Send ``answer`` (status, headers, body; or a refusal's ``Response``) and count it."""
+        if isinstance(answer, Response):
+            status = answer.status_code
+            await answer(scope, _no_receive, send)
+        else:
+            status, headers, content = answer
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            await send({"type": "http.response.body", "body": content})
         self.served += 1
         if self.histogram is not None:
-            key = (route.path, scope["method"], response.status_code)
+            key = (route.path, scope["method"], status)
             child = self._observe.get(key)
             if child is None:
                 child = self._observe[key] = self.histogram.labels(key[0], key[1], str(key[2]))
@@ -166,11 +180,23 @@ class WritePath:
 _ROUTES = (table.CREATE_RECORD, table.UPDATE_RECORD, table.BATCH)
 
 
-def lean_route(method: str, path: str) -> bool:
-    """Whether ``method path`` (decoded, as ASGI's ``scope["path"]``) is one of the routes
-    this module serves: the requests ``memfuse.server.lean`` serves without hypercorn."""
+def url_path(scope: Scope) -> str:
+    """``starlette.datastructures.URL(scope=scope).path`` (what ``Request.url.path`` gives
+    the FastAPI handlers: the idempotency request's path), without building the URL when
+    the path has no character ``urllib.parse.urlsplit`` strips or removes (ASCII controls
+    and space)."""
+    path: str = scope["path"]
+    if path.isprintable() and " " not in path:
+        return path.replace("?", "%3F").replace("#", "%23").replace("\\", "%5C")
+    return URL(scope=scope).path
+
+
+def lean_route(method: str, path: str) -> table.Match | None:
+    """The route of ``method path`` (decoded, as ASGI's ``scope["path"]``) when it is one of
+    the routes this module serves (the requests ``memfuse.server.lean`` serves without
+    hypercorn; it puts the match in the scope as ``ROUTE``), else None."""
     m = table.match(method, path)
-    return m is not None and m.route in _ROUTES
+    return m if m is not None and m.route in _ROUTES else None
 
 
 async def _no_receive() -> dict[str, Any]:

@@ -16,6 +16,7 @@ import stat
 import time
 from typing import TYPE_CHECKING, NoReturn
 
+from .. import content as content_rules
 from ..errors import errno_of
 from ..defs import MODE_MASK, RECORD_TYPES, sha256_hex
 from .inodes import REJECTED, FsError, Node
@@ -176,8 +177,8 @@ class AttributeOps:
         self._check_writable_file(n)
         t = value.decode("utf-8", "replace").strip()
         if t not in RECORD_TYPES:
-            self.refuse(n.parent, n.name, errno_of("invalid_type"),
-                        f"type {t!r} is not one of {', '.join(RECORD_TYPES)}", "invalid_type")
+            self.refuse(n.parent, n.name, errno_of("invalid_type"), content_rules.TYPE_REFUSAL,
+                        "invalid_type")
         if n.local_only:
             raise FsError(errno.ENOTSUP, "local-only files have no type")
         n.type_override = t

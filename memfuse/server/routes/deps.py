@@ -104,13 +104,31 @@ JobId = Annotated[str, Path(max_length=64)]
 
 
 def reply_response(r: Reply) -> Response:
-    """The response of a write's ``Reply`` (``Idempotent-Replayed: true`` when replayed)."""
+    """The response of a write's ``Reply`` (``Idempotent-Replayed: true`` when replayed):
+    status, headers and body of ``reply_head``."""
+    status, headers, body = reply_head(r)
+    response = Response(content=body, status_code=status)
+    response.raw_headers = headers
+    return response
+
+
+def reply_head(r: Reply) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """The status, ASGI headers (lower-case names, latin-1) and body of a write's ``Reply``
+    as starlette's ``Response`` frames them (its ``init_headers``): the reply's headers,
+    ``idempotent-replayed: true`` when replayed, then ``content-length`` (not for a 204) and,
+    with a body, ``content-type: application/json`` (each unless the reply has it). The one
+    rule of ``reply_response`` and of the record-write fast path (``memfuse.server.writepath``)."""
     headers = dict(r.headers)
     if r.replayed:
         headers["Idempotent-Replayed"] = "true"
-    if r.status == 204 or not r.body:
-        return Response(status_code=r.status, headers=headers)
-    return Response(content=r.body, status_code=r.status, headers=headers, media_type="application/json")
+    raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+    names = {k for k, _ in raw}
+    body = r.body if r.status != 204 and r.body else b""
+    if r.status != 204 and not 100 <= r.status < 200 and r.status != 304 and b"content-length" not in names:
+        raw.append((b"content-length", str(len(body)).encode("latin-1")))
+    if body and b"content-type" not in names:
+        raw.append((b"content-type", b"application/json"))
+    return r.status, raw, body
 
 
 def json_response(model: BaseModel | Sequence[BaseModel], *, etag: str | None = None) -> Response:
