@@ -5,6 +5,9 @@ Each handler converts arguments, calls the core, and builds replies. Every handl
 disk full or failing) its errno with a logged reason; any other exception is logged with a
 traceback and becomes ``FUSEError(EIO)``, because an uncaught exception would kill the whole
 mount (PYFUSE3-NOTES "Process and errors"). Metrics per operation are counted here too.
+Every await of a handler goes through a guard, which first hands the reading of the next
+request to another worker (``fusereader.FuseReader.hand_off``): a handler that never awaits
+keeps its worker the reader, with no task switch (fusereader.py docstring).
 
 Kernel settings (PYFUSE3-NOTES "Kernel settings"): entry and attribute timeouts are long
 (``CACHE_TIMEOUT``, the sidecar invalidates what changes remotely), absent names are cached as
@@ -29,6 +32,7 @@ import pyfuse3
 
 from .control import CONTROL_DIR
 from .core import ContentMissing, Filesystem
+from .fusereader import FuseReader
 from .inodes import CHECK_INVARIANTS, FsError, Handle, Node
 from .invalidator import Invalidator
 from .metrics import LAT_BUCKETS, TIME_MASK, Metrics, OpStats
@@ -52,6 +56,10 @@ OPEN_CATCH_UP = 1.0
 # STATUS_REUSE_S), so an ``ls -l`` beside a busy reader does not render it on every stat
 MODIFYING = frozenset({"setattr", "mkdir", "rmdir", "unlink", "rename", "mknod", "create",
                        "write", "fsync", "setxattr"})  # and a writer's flush (MemfuseOps._flush)
+
+
+def _nothing() -> None:
+    """``MemfuseOps._hand_off`` without a ``FuseReader`` (pyfuse3's own hand-off)."""
 
 
 _H = TypeVar("_H", bound=Callable[..., Awaitable[Any]])
@@ -94,6 +102,7 @@ def _guard(fn: _H) -> _H:
         st.n = c + 1
         t0 = 0.0 if c & TIME_MASK else clock()  # one request in TIME_EVERY is timed
         try:
+            self._hand_off()  # it awaits: another worker reads the next request
             return await fn(self, *args)
         except Exception as e:
             raise _failed(self, name, e) from None
@@ -130,8 +139,9 @@ def _guard_sync(fn: Callable[_P, _R]) -> Callable[_P, Coroutine[Any, Any, _R]]:
             return call(self, *args)
         except ContentMissing as m:  # a clean content absent or damaged in the blob cache:
             try:                     # fetched again, then the request once more (no effect
-                await self.fs.refetch(m.node)  # before the content is read: read, write,
-                return call(self, *args)       # truncate)
+                self._hand_off()               # before the content is read: read, write,
+                await self.fs.refetch(m.node)  # truncate); another worker reads meanwhile
+                return call(self, *args)
             except Exception as e:
                 raise _failed(self, name, e) from None
         except Exception as e:
@@ -170,6 +180,7 @@ def _guard_then(fn: Callable[_P, Any]) -> Callable[_P, Coroutine[Any, Any, Any]]
         try:
             reply = call(self, *args)
             if type(reply) is CoroutineType:
+                self._hand_off()  # another worker reads the next request meanwhile
                 reply = await reply
             return reply
         except Exception as e:
@@ -195,9 +206,15 @@ class MemfuseOps(pyfuse3.Operations):
     enable_acl = False
 
     def __init__(self, fs: Filesystem, metrics: Metrics | None = None,
-                 invalidator: Invalidator | None = None) -> None:
+                 invalidator: Invalidator | None = None,
+                 reader: FuseReader | None = None) -> None:
         super().__init__()
         self.fs = fs
+        #: the lazy reader hand-off (``fusereader``; the mount installs it around
+        #: ``pyfuse3.main()``): every await of a handler goes through one of the guards,
+        #: which call ``_hand_off`` first so that the next request is read meanwhile
+        self.reader = reader
+        self._hand_off: Callable[[], None] = reader.hand_off if reader is not None else _nothing
         self.metrics = metrics or Metrics()
         #: the kernel invalidations queued (``mount.Sidecar``'s; None: nothing is ever
         #: behind): an open for reading of a file still being invalidated waits for it

@@ -35,6 +35,7 @@ from .blobcache import BlobCache
 from .cachedir import DiskReserve, secure_cache_dir
 from .control import MOUNT_INFO, write_mount_info
 from .core import Filesystem, Settings
+from .fusereader import FuseReader, usable_fd
 from .fuse_ops import MemfuseOps
 from .logs import setup_logging
 from .metrics import Metrics
@@ -252,7 +253,9 @@ class Sidecar(StoreSync):
                                f"an accepted {x.get('o')} was lost with the outbox journal and its "
                                "content is gone from the cache: write it again", "journal_lost",
                                x.get("s", ""))
-        self.ops = MemfuseOps(self.fs, self.metrics, self.invalidator)
+        #: who reads the next FUSE request (fusereader.py): installed around pyfuse3.main()
+        self.reader = FuseReader()
+        self.ops = MemfuseOps(self.fs, self.metrics, self.invalidator, self.reader)
         self.task_failures: dict[str, int] = {}  # task name -> unexpected exceptions
         self.state_save_failing = False
 
@@ -686,7 +689,9 @@ class Sidecar(StoreSync):
                                            "stores": len(self.fs.stores), "workspace": config.workspace,
                                            "admin": self.admin_address})
                 task_status.started(self)
-                await pyfuse3.main()
+                fd = usable_fd(config.fuse_fd)
+                with self.reader.installed(fd) if fd is not None else contextlib.nullcontext():
+                    await pyfuse3.main()
                 log.info("FUSE session ended")
                 nursery.cancel_scope.cancel()
         finally:
@@ -794,7 +799,7 @@ class Sidecar(StoreSync):
             log.exception("drain failed; unmounting anyway")
         finally:
             self._drain_scope = None
-            pyfuse3.terminate()
+            self.reader.terminate()  # pyfuse3.terminate(), and the reader's loop ends
 
 async def serve_mount(config: MountConfig, client: ApiClient, *,
                       invalidator: Invalidator | None = None,
