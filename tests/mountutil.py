@@ -341,13 +341,13 @@ class Rig:
     ``sc.kill9()`` (same cache directory); ``rig.cp.freeze()`` SIGSTOPs the server.
 
     Teardown, when the block ends (normally, by an exception, or because a start failed
-    half-way: every process is registered before it starts): what ``defer`` registered
-    and every sidecar (stopped and unmounted) in the reverse order they were added, then the
-    control plane (thawed first when frozen), each step in a ``finally`` of the one before
-    (``contextlib.ExitStack``: a failing step never skips the next, and its exception is
-    chained to the test's own). When the block failed, the tail of every log (``logs``:
-    the server's and the sidecars', and any path the test appends) is printed, which pytest
-    shows with the failure.
+    half-way: every process is registered before it starts): the control plane thawed if
+    frozen; what ``defer`` registered and every sidecar (stopped and unmounted), the last
+    added first; then the control plane stopped. Each step runs in a ``finally`` of the one
+    before (``contextlib.ExitStack``: a failing step never skips the next, and its exception
+    is chained to the test's own). When the block failed, the tail of every log (``logs``:
+    the server's, the sidecars', any path the test appends) is printed: pytest shows it with
+    the failure.
     """
 
     def __init__(self, tmp: Path, serve_args: tuple[str, ...] = (), db_url: str | None = None) -> None:
@@ -370,6 +370,7 @@ class Rig:
     def __exit__(self, typ: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> bool | None:
         failed = exc is not None
+        self._stack.callback(self.cp.thaw)  # first: a frozen server would hold the sidecars' drain
         try:
             return self._stack.__exit__(typ, exc, tb)
         except BaseException:
