@@ -280,13 +280,13 @@ class Sidecar:
         self.proc: subprocess.Popen | None = None
         watch_log(self.log)
 
-    def start(self, expect: str | None | EllipsisType = ...) -> "Sidecar":
-        """Start ``memfuse mount`` and wait (60 s at most) until the mountpoint is mounted and
-        shows the store ``expect`` (None: mounted is enough; left out: the one given before,
-        ``default`` at first). Called again after ``stop`` or ``kill9``, it starts the same
-        sidecar again (same cache directory, log and options). A start that fails (the
-        process exits, or the wait times out: ``AssertionError`` with the log's tail) stops
-        the process and unmounts before raising."""
+    def start(self, expect: str | None | EllipsisType = ..., timeout: float = 60) -> "Sidecar":
+        """Start ``memfuse mount`` and wait (``timeout`` s at most) until the mountpoint is
+        mounted and shows the store ``expect`` (None: mounted is enough; left out: the one
+        given last, ``default`` at first). Called again after ``stop`` or ``kill9``, it starts
+        the same sidecar again (same cache directory, log and options). A start that fails
+        (the process exits, or the wait times out: ``AssertionError`` with the log's tail)
+        stops the process and unmounts before raising."""
         if not isinstance(expect, EllipsisType):
             self.expect = expect
         expect = self.expect
@@ -300,7 +300,7 @@ class Sidecar:
         try:
             wait_for(lambda: is_mounted(self.mountpoint) and
                      (expect is None or os.path.isdir(self.mountpoint / expect)),
-                     60, f"mount at {self.mountpoint}", self.proc, self.log)
+                     timeout, f"mount at {self.mountpoint}", self.proc, self.log)
         except BaseException:
             self.stop()
             raise
