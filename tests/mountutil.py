@@ -381,6 +381,11 @@ class Rig:
                 for p in self.logs:
                     print(f"----- {p.name} (tail) -----\n{_tail(p)}")
 
+    def close(self) -> None:
+        """The teardown, for a rig not used as a ``with`` block (entered by hand with
+        ``__enter__``, e.g. by a helper object whose ``stop`` this is)."""
+        self.__exit__(None, None, None)
+
     def defer(self, fn: Callable[..., object], *args: object) -> None:
         """Run ``fn(*args)`` at teardown, before the sidecars added so far are stopped (e.g.
         kill a writer process that works on a mount before its sidecar goes)."""
@@ -402,13 +407,13 @@ class Rig:
         at teardown. Without ``token``, the workspace's from ``workspace``, which is called
         with ``stores`` and ``access`` the first time. Started (waiting for the store
         ``expect``: ``stores[0]`` unless told, None for none) unless ``start`` is false.
-        Raises ``ValueError`` when another sidecar of this rig has that mountpoint (restart
-        that one instead)."""
+        Raises ``ValueError`` when another sidecar of this rig runs at that mountpoint."""
         if token is None:
             token = self.tokens.get(ws) or self.workspace(ws, stores, access)
         mnt = mountpoint or self.tmp / "mnt"
-        if any(sc.mountpoint == mnt for sc in self.sidecars):
-            raise ValueError(f"{mnt} has a sidecar already: restart it")
+        if any(sc.mountpoint == mnt and sc.proc is not None and sc.proc.poll() is None
+               for sc in self.sidecars):
+            raise ValueError(f"a sidecar of this rig runs at {mnt}")
         sc = Sidecar(self.cp, ws, token, mnt, cache_dir or self.tmp / "cache", *extra,
                      expect=stores[0] if isinstance(expect, EllipsisType) else expect)
         self.sidecars.append(sc)
