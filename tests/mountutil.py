@@ -355,6 +355,7 @@ class Rig:
         self.cp = ControlPlane(tmp, serve_args, db_url)
         self.sidecars: list[Sidecar] = []
         self.tokens: dict[str, Path] = {}  # workspace → token file, from ``workspace``
+        self.stores: dict[str, tuple[str, ...]] = {}  # workspace → its stores, from ``workspace``
         self.logs: list[Path] = [self.cp.log]
         self._stack = ExitStack()
 
@@ -396,6 +397,7 @@ class Rig:
         """``ControlPlane.setup_workspace``: the workspace ``ws`` with ``stores`` attached
         (``access``); its token file, kept in ``tokens``."""
         self.tokens[ws] = self.cp.setup_workspace(ws, stores, access)
+        self.stores[ws] = stores
         return self.tokens[ws]
 
     def sidecar(self, ws: str = "ws", *extra: str, stores: tuple[str, ...] = ("default",),
@@ -406,10 +408,12 @@ class Rig:
         ``mountpoint`` (``tmp/mnt`` unless told) with ``cache_dir`` (``tmp/cache``), stopped
         at teardown. Without ``token``, the workspace's from ``workspace``, which is called
         with ``stores`` and ``access`` the first time. Started (waiting for the store
-        ``expect``: ``stores[0]`` unless told, None for none) unless ``start`` is false.
-        Raises ``ValueError`` when another sidecar of this rig runs at that mountpoint."""
+        ``expect``; unless told, the first of the workspace's stores, or ``stores[0]`` with a
+        ``token``; None for none) unless ``start`` is false. Raises ``ValueError`` when
+        another sidecar of this rig runs at that mountpoint."""
         if token is None:
             token = self.tokens.get(ws) or self.workspace(ws, stores, access)
+            stores = self.stores[ws]
         mnt = mountpoint or self.tmp / "mnt"
         if any(sc.mountpoint == mnt and sc.proc is not None and sc.proc.poll() is None
                for sc in self.sidecars):

@@ -91,7 +91,7 @@ def test_a_store_over_a_lowered_body_bound_is_named_at_start_and_its_413_is_a_ve
         assert w["max_body_needed"] == wide and "--max-body" in w["msg"] and "max-record-bytes" in w["msg"]
         assert cp.call("get_store", "bigs").max_record_bytes == 2 * MIB  # kept, never changed behind the admin's back
 
-        mnt = rig.sidecar("ws", expect="bigs").mountpoint
+        mnt = rig.sidecar("ws").mountpoint  # waits for "bigs", the first of its stores
         bigs = mnt / "bigs"
         # within the store's limit, but its body is past the front door's bound: 413
         # too_large before the server reads it, EFBIG at the close that waits for it
