@@ -290,13 +290,7 @@ class Sidecar:
         if not isinstance(expect, EllipsisType):
             self.expect = expect
         expect = self.expect
-        self.mountpoint.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen(
-            [MEMFUSE, "mount", str(self.mountpoint), "--control-plane", self.cp.url,
-             "--workspace", self.ws, "--token-file", str(self.token_file),
-             "--cache-dir", str(self.cache_dir), "--commit-wait", "10",
-             "--admin-listen", "127.0.0.1:0", *self.extra],
-            stdout=self.log.open("ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.launch()
         try:
             wait_for(lambda: is_mounted(self.mountpoint) and
                      (expect is None or os.path.isdir(self.mountpoint / expect)),
@@ -304,6 +298,18 @@ class Sidecar:
         except BaseException:
             self.stop()
             raise
+        return self
+
+    def launch(self) -> "Sidecar":
+        """Start the ``memfuse mount`` process and return at once, without waiting for the
+        mount (``start`` waits; a test of a start that cannot finish uses this)."""
+        self.mountpoint.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            [MEMFUSE, "mount", str(self.mountpoint), "--control-plane", self.cp.url,
+             "--workspace", self.ws, "--token-file", str(self.token_file),
+             "--cache-dir", str(self.cache_dir), "--commit-wait", "10",
+             "--admin-listen", "127.0.0.1:0", *self.extra],
+            stdout=self.log.open("ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         return self
 
     def stop(self) -> int:
