@@ -409,14 +409,17 @@ class Rig:
     def sidecar(self, ws: str = "ws", *extra: str, stores: tuple[str, ...] = ("default",),
                 access: str = "read_write", token: Path | None = None,
                 mountpoint: Path | None = None, cache_dir: Path | None = None,
-                expect: str | None | EllipsisType = ..., start: bool = True) -> Sidecar:
+                expect: str | None | EllipsisType = ..., start: bool = True,
+                via: ControlPlane | None = None) -> Sidecar:
         """A sidecar of workspace ``ws`` (``extra``: more ``memfuse mount`` options) at
         ``mountpoint`` (``tmp/mnt`` unless told) with ``cache_dir`` (``tmp/cache``), stopped
         at teardown. Without ``token``, the workspace's from ``workspace``, which is called
         with ``stores`` and ``access`` the first time. Started (waiting for the store
         ``expect``; unless told, the first of the workspace's stores, or ``stores[0]`` with a
-        ``token``; None for none) unless ``start`` is false. Raises ``ValueError`` when
-        another sidecar of this rig runs at that mountpoint."""
+        ``token``; None for none) unless ``start`` is false. ``via``: what the sidecar is
+        given as its control plane instead of ``cp`` (anything with a ``url``, e.g. a proxy
+        in front of it). Raises ``ValueError`` when another sidecar of this rig runs at that
+        mountpoint."""
         if token is None:
             token = self.tokens.get(ws) or self.workspace(ws, stores, access)
             stores = self.stores[ws]
@@ -424,7 +427,7 @@ class Rig:
         if any(sc.mountpoint == mnt and sc.proc is not None and sc.proc.poll() is None
                for sc in self.sidecars):
             raise ValueError(f"a sidecar of this rig runs at {mnt}")
-        sc = Sidecar(self.cp, ws, token, mnt, cache_dir or self.tmp / "cache", *extra,
+        sc = Sidecar(via or self.cp, ws, token, mnt, cache_dir or self.tmp / "cache", *extra,
                      expect=stores[0] if isinstance(expect, EllipsisType) else expect)
         self.sidecars.append(sc)
         self.logs.append(sc.log)
