@@ -1,9 +1,11 @@
 """Helpers for tests that drive real FUSE mounts in separate processes.
 
-Every process we start is stopped in a ``finally``; every mount is unmounted there too, with a
-lazy ``fusermount3 -uz`` as the last resort. Every shell command against a mount has a timeout.
-The test process itself touches a mount only through syscalls while the mount is served by
-another process, so nothing here can deadlock the serving loop.
+A test's control plane and sidecars belong to a ``Rig`` (``with Rig(tmp_path) as rig``), whose
+one teardown rule stops every process we start and unmounts every mount, each step in a
+``finally``, with a lazy ``fusermount3 -uz`` as the last resort (``serve_and_mount``,
+``two_sidecars`` and ``mountcheck.MountEnv`` are rigs of a fixed shape). Every shell command
+against a mount has a timeout. The test process itself touches a mount only through syscalls
+while the mount is served by another process, so nothing here can deadlock the serving loop.
 """
 from __future__ import annotations
 
@@ -328,6 +330,8 @@ class Sidecar:
         return self.start()
 
     def kill9(self) -> None:
+        """SIGKILL the sidecar (no drain: what a crash leaves in its cache directory stays),
+        reap it, and unmount lazily; ``start`` brings it back on the same cache directory."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
@@ -462,8 +466,8 @@ def two_sidecars(tmp: Path, store: str = "shared",
     with Rig(tmp) as rig:
         rig.workspace("wa", (store,))
         rig.workspace("wb", (store,))
-        a = rig.sidecar("wa", *a_args, stores=(store,), mountpoint=tmp / "ma", cache_dir=tmp / "ca")
-        b = rig.sidecar("wb", stores=(store,), mountpoint=tmp / "mb", cache_dir=tmp / "cb")
+        a = rig.sidecar("wa", *a_args, mountpoint=tmp / "ma", cache_dir=tmp / "ca")
+        b = rig.sidecar("wb", mountpoint=tmp / "mb", cache_dir=tmp / "cb")
         yield rig.cp, a, b
 
 
