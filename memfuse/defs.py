@@ -10,6 +10,7 @@ import hashlib
 from collections.abc import Iterable
 from datetime import datetime, timezone
 from enum import Enum
+from urllib.parse import parse_qsl, urlencode
 
 __all__ = [
     "RECORD_TYPES",
@@ -41,6 +42,10 @@ __all__ = [
     "SEARCH_PAGE_MAX",
     "SEARCH_LINES_DEFAULT",
     "SEARCH_LINES_MAX",
+    "VERSIONS_PAGE_DEFAULT",
+    "VERSIONS_PAGE_MAX",
+    "VERSIONS_PAGE_BYTES",
+    "next_page_link",
     "FEED_PAGE_MAX",
     "PAGE_CONTENT_BYTES",
     "page_rows_within",
@@ -139,6 +144,21 @@ SEARCH_QUERY_MAX = 256  # characters of ``q``
 SEARCH_PREFIX_MAX = 1024  # characters of ``prefix`` (a record path's bound)
 SEARCH_PAGE_DEFAULT, SEARCH_PAGE_MAX = 20, 100  # records read per search page (``limit``)
 SEARCH_LINES_DEFAULT, SEARCH_LINES_MAX = 5, 100  # matching lines shown per record
+# GET /v1/stores/{store}/records/{id}/versions: versions per page (``limit``; the default is
+# the most, so a client that pages nothing sees as much as it can) and the JSON bytes of one
+# page's versions (without content: a version's path is at most 1 KiB, so this cuts only
+# pages of long paths); a page cut by either carries a ``Link: <…>; rel="next"`` header
+VERSIONS_PAGE_DEFAULT = VERSIONS_PAGE_MAX = 1000
+VERSIONS_PAGE_BYTES = 1 << 20
+
+
+def next_page_link(query: str, cursor: int) -> str:
+    """The ``Link`` header (RFC 8288) of a page whose request had the query string ``query``
+    (raw, percent-encoded) when more follow: ``<?…>; rel="next"``, a reference relative to
+    the request's URL whose query is the request's with ``cursor`` set to ``cursor`` (the
+    other parameters kept, in order). Clients read it with httpx's ``Response.links``."""
+    kept = [(k, v) for k, v in parse_qsl(query, keep_blank_values=True) if k != "cursor"]
+    return f'<?{urlencode([*kept, ("cursor", str(cursor))])}>; rel="next"'
 # the response header of GET /v1/workspaces/{ws}/attachments naming the actor the control plane
 # records on this caller's writes (``ws:<workspace name>/<instance>``): what a sidecar's feed
 # leaves out as its own (docs/API.md "Workspaces and attachments")
