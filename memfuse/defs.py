@@ -7,7 +7,7 @@ the sidecar, which never loads pydantic, can use them.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
 from enum import Enum
 from urllib.parse import parse_qsl, urlencode
@@ -49,6 +49,9 @@ __all__ = [
     "FEED_PAGE_MAX",
     "PAGE_CONTENT_BYTES",
     "page_rows_within",
+    "JSON_TEXT_GROWTH",
+    "json_text_bytes",
+    "json_rows_within",
     "JOBS_PAGE_DEFAULT",
     "JOBS_PAGE_MAX",
     "Access",
@@ -186,6 +189,42 @@ def page_rows_within(sizes: Iterable[int | None], budget: int = PAGE_CONTENT_BYT
             break
         n += 1
     return n
+
+
+# the bytes of JSON one byte of text (UTF-8) escapes to at most in an answer: a control
+# character other than \b \t \n \f \r is ``\u00XX`` (memfuse's encoders — pydantic, msgspec,
+# ``json`` without ``ensure_ascii`` — write other characters as their UTF-8, unescaped)
+JSON_TEXT_GROWTH = 6
+# the bytes JSON escapes in two (``\"`` ``\\`` ``\b`` ``\t`` ``\n`` ``\f`` ``\r``); the other
+# control characters take six (``\u00XX``), every other byte stays itself
+_JSON_SHORT = b'"\\\b\t\n\f\r'
+_JSON_PLAIN = bytes(b for b in range(0x20, 256) if b not in _JSON_SHORT)
+
+
+def json_text_bytes(text: str) -> int:
+    r"""The bytes of ``text`` as the body of a JSON string (without its quotes), as memfuse's
+    answers encode it: its UTF-8 bytes, plus one for each ``"``, ``\``, and ``\b \t \n \f
+    \r`` (two-byte escapes) and five for each other control character (``\u00XX``); at most
+    ``JSON_TEXT_GROWTH`` times its UTF-8. Exact for pydantic's (serde_json's) and msgspec's
+    encoders (tests/test_version_pages.py checks every code point). Two passes in C over the
+    UTF-8 (encode, ``bytes.translate``): a few ms per MiB."""
+    raw = text.encode("utf-8", "surrogatepass")
+    escaped = raw.translate(None, _JSON_PLAIN)  # the bytes JSON escapes, and only those
+    if not escaped:
+        return len(raw)
+    short = sum(escaped.count(c) for c in _JSON_SHORT)  # two bytes each, the others six
+    return len(raw) + short + 5 * (len(escaped) - short)
+
+
+def json_rows_within(texts: Sequence[str | None], budget: int = PAGE_CONTENT_BYTES) -> int:
+    """``page_rows_within`` for rows whose content is ``texts`` (None: none), each counted as
+    its JSON (``json_text_bytes``): how many of the leading rows one page carries when its
+    content is bounded in encoded bytes (a long-poll's or a stream line's page is encoded
+    whole: 8 MiB of control characters would be 48 MiB of JSON). Counts nothing when even
+    the worst growth (``JSON_TEXT_GROWTH`` bytes a character) fits."""
+    if sum(len(t) for t in texts if t) * JSON_TEXT_GROWTH <= budget:
+        return len(texts)
+    return page_rows_within(json_text_bytes(t) if t else 0 for t in texts)
 
 
 # consolidation jobs per page of GET /v1/stores/{store}/consolidations (``limit``)

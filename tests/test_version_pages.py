@@ -173,3 +173,25 @@ async def test_console_record_page_lists_the_newest_with_an_older_link(env):
     for bad in ("x", "0", str(2**70), "-3"):
         r = await c.get(f"/ui/stores/ws/records/{rid}?before={bad}")
         assert r.status_code == 400 and "Traceback" not in r.text, bad
+
+
+def test_json_text_bytes_is_what_the_encoders_write():
+    """``defs.json_text_bytes`` (the JSON byte count of the feed's page budget) is exact for
+    pydantic's and msgspec's encoders, over every code point (and a lone surrogate counted as
+    its three bytes rather than raising), and ``json_rows_within`` cuts by it."""
+    import msgspec
+    from pydantic_core import to_json
+
+    from memfuse.defs import JSON_TEXT_GROWTH, PAGE_CONTENT_BYTES, json_rows_within, json_text_bytes
+
+    every = "".join(chr(c) for c in range(0x110000) if not 0xD800 <= c <= 0xDFFF)
+    assert json_text_bytes(every) == len(to_json(every)) - 2 == len(msgspec.json.encode(every)) - 2
+    for c in every[:0x100]:
+        assert json_text_bytes(c) == len(to_json(c)) - 2 == len(msgspec.json.encode(c)) - 2, repr(c)
+    assert json_text_bytes("\x01") == JSON_TEXT_GROWTH and json_text_bytes("\ud800") == 3
+    third = PAGE_CONTENT_BYTES // 3
+    assert json_rows_within(["a" * third] * 4) == 3  # plain text: its UTF-8
+    assert json_rows_within(["\x01" * (third // 6)] * 4) == 3  # six bytes a character
+    assert json_rows_within(["\x01" * (third // 5)] * 4) == 2
+    assert json_rows_within(["\x01" * PAGE_CONTENT_BYTES, "a"]) == 1 and json_rows_within([]) == 0
+    assert json_rows_within([None, "", "x"]) == 3
