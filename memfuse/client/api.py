@@ -4,7 +4,7 @@ method per endpoint in the document's order (workspaces and feeds, records, admi
 """
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from ..defs import (
@@ -396,7 +396,7 @@ class ApiClient(AdminEndpoints):
 
     async def iter_versions(
         self, store: str, id: str, *, newest_first: bool = False, limit: int = VERSIONS_PAGE_DEFAULT,
-    ) -> AsyncIterator[Version]:
+    ) -> AsyncGenerator[Version, None]:
         """Async generator over every version of the record without content (oldest first, or
         newest first), page after page (``versions_page``, following its cursor): stop
         iterating to read no more pages. Raises what ``versions_page`` raises; no retries."""

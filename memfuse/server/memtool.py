@@ -688,15 +688,15 @@ class MemoryTool:
             if v.content is None:
                 return f"Version {version} of {t.raw} was redacted: its content is gone"
             return self._view_file(t, v.content, c.get("view_range"))
-        page = self.svc.list_versions(self.p, t.in_store, rec.id, limit=HISTORY_MAX_VERSIONS, newest_first=True)
+        newest = self.svc.list_versions(self.p, t.in_store, rec.id, limit=HISTORY_MAX_VERSIONS, newest_first=True)
         lines = [f"History of {t.raw} (newest first; `version` shows one):"]
-        for v in page.versions:
+        for v in newest.versions:
             where = f"{ROOT}/{t.store}/{v.path}"
             size = "redacted" if v.redacted else f"pruned ({format_size(v.size)})" if v.pruned else format_size(v.size)
             lines.append(f"v{v.version}\t{v.created_at.strftime('%Y-%m-%dT%H:%M:%SZ')}\t{v.operation.value}"
                          f"\t{v.actor}\t{size}\t{where}")
-        if page.next_cursor is not None:  # the oldest are left out: each is still shown by `version`
-            lines.append(f"[memfuse: the versions before v{page.next_cursor} are not shown; `version` shows one]")
+        if newest.next_cursor is not None:  # the oldest are left out: each is still shown by `version`
+            lines.append(f"[memfuse: the versions before v{newest.next_cursor} are not shown; `version` shows one]")
         return "\n".join(lines)
 
     def remember(self, c: Mapping[str, Any]) -> str:

@@ -13,7 +13,7 @@ from starlette.responses import Response
 
 from memfuse.content import INDEX_PATH, RECORD_TYPES, ContentError, is_index
 from memfuse.defs import INT64_MAX
-from memfuse.models import Record, RecordCreate, RecordUpdate, Restore, Version
+from memfuse.models import Record, RecordCreate, RecordUpdate, Restore
 from memfuse.server.console import render
 from memfuse.server.console.forms import field_text, newline_style, with_newlines
 from memfuse.server.console.pages import can_write, Ctx, redirect_to, render_page, store_ref

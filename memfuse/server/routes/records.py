@@ -183,7 +183,9 @@ async def batch(svc: Svc, request: Request, store: StoreSlug, p: P) -> Response:
     return Response(content=batch_body(replies), media_type="application/json")
 
 
-@route(router, table.LIST_VERSIONS, response_model=list[Version], tags=["records"])
+@route(router, table.LIST_VERSIONS, response_model=list[Version], tags=["records"], responses={200: {"headers": {
+    "Link": {"description": '<?…&cursor=N>; rel="next" (RFC 8288) when more versions follow: the next '
+             "page's query, relative to this request's URL", "schema": {"type": "string"}}}}})
 def list_versions(
     request: Request,
     svc: Svc,
