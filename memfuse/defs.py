@@ -206,14 +206,15 @@ def json_text_bytes(text: str) -> int:
     answers encode it: its UTF-8 bytes, plus one for each ``"``, ``\``, and ``\b \t \n \f
     \r`` (two-byte escapes) and five for each other control character (``\u00XX``); at most
     ``JSON_TEXT_GROWTH`` times its UTF-8. Exact for pydantic's (serde_json's) and msgspec's
-    encoders (tests/test_version_pages.py checks every code point). Two passes in C over the
-    UTF-8 (encode, ``bytes.translate``): a few ms per MiB."""
+    encoders (tests/test_version_pages.py checks every code point). Passes in C (encode,
+    ``bytes.translate`` twice): 1–5 ms per MiB (bench/README.md, "Change-feed pages bounded
+    in JSON bytes")."""
     raw = text.encode("utf-8", "surrogatepass")
     escaped = raw.translate(None, _JSON_PLAIN)  # the bytes JSON escapes, and only those
     if not escaped:
         return len(raw)
-    short = sum(escaped.count(c) for c in _JSON_SHORT)  # two bytes each, the others six
-    return len(raw) + short + 5 * (len(escaped) - short)
+    six = len(escaped.translate(None, _JSON_SHORT))  # ``\u00XX`` each; the rest two bytes each
+    return len(raw) + (len(escaped) - six) + 5 * six
 
 
 def json_rows_within(texts: Sequence[str | None], budget: int = PAGE_CONTENT_BYTES) -> int:
