@@ -162,6 +162,8 @@ def next_page_link(query: str, cursor: int) -> str:
     other parameters kept, in order). Clients read it with httpx's ``Response.links``."""
     kept = [(k, v) for k, v in parse_qsl(query, keep_blank_values=True) if k != "cursor"]
     return f'<?{urlencode([*kept, ("cursor", str(cursor))])}>; rel="next"'
+
+
 # the response header of GET /v1/workspaces/{ws}/attachments naming the actor the control plane
 # records on this caller's writes (``ws:<workspace name>/<instance>``): what a sidecar's feed
 # leaves out as its own (docs/API.md "Workspaces and attachments")

@@ -18,6 +18,7 @@ from memfuse.defs import (DEFAULT_MODE, RECORDS_PAGE_DEFAULT, RECORDS_PAGE_MAX, 
 from memfuse.models import Record, RecordPage, Version
 from memfuse.server import keys, tails
 from memfuse.server.base import AnyRow, Principal, Resource, ServiceError, _R, _V, holds
+from memfuse.server.db import VERSION_MAX
 from memfuse.server.jsonpieces import json_list_pieces
 from memfuse.server.recordrows import (
     _PAGE_COLUMNS,
@@ -271,11 +272,13 @@ class RecordReadsService(Resource):
             st = self._store(conn, p, slug)
             self._record(conn, st, record_id)
             q = select(*cols).where(_V.c.record_id == record_id)
+            # a cursor past what the version columns hold (32-bit on PostgreSQL: the database
+            # would refuse to compare it) is the end (asc) or no bound at all (desc)
             if newest_first:
-                q = q.where(_V.c.version < cursor) if cursor is not None else q
+                q = q.where(_V.c.version < cursor) if cursor is not None and cursor <= VERSION_MAX else q
                 q = q.order_by(_V.c.version.desc())
             else:
-                q = q.where(_V.c.version > cursor) if cursor is not None else q
+                q = q.where(_V.c.version > min(cursor, VERSION_MAX)) if cursor is not None else q
                 q = q.order_by(_V.c.version)
             rows = conn.execute(q.limit(limit + 1)).all()
         versions = [_version_model(v, with_content=False) for v in rows[:limit]]
