@@ -381,3 +381,59 @@ async def test_lean_write_answers_not_read_are_cut_at_the_send_timeout(tmp_path,
             r = await c.post("/v1/stores/default/records", json={"path": "after.md", "content": "x"})
             assert r.status_code == 201, r.text
         nursery.cancel_scope.cancel()
+
+
+# ---------------------------------------------------------------- the answer's framing
+_NAMES = [b"content-type", b"Content-Type", b"date", b"server", b"etag", b"content-length",
+          b"x-a", b"bad name", b"connection", b"transfer-encoding", b"host", b"", b"Server"]
+_VALUES = [b"application/json", b"hypercorn-h11", b"Thu, 03 Dec 2026 05:00:00 GMT", b'"abc"', b"",
+           b" lead", b"trail ", b"a\x00b", b"a\tb", b"\xe9t\xe9", b"close", b"5", b"12", b"x\r\ny: 1"]
+
+
+def _h11_frames(method: str, close: bool, status: int, headers: list[tuple[bytes, bytes]],
+                body: bytes) -> bytes | None:
+    """What h11 (hypercorn's framer) sends for the answer, or None when it refuses it."""
+    import h11
+
+    from memfuse.server.lean import _Head, _framer
+
+    conn = _framer(_Head(method, b"/", [], 0, close, 0))
+    try:
+        return b"".join(conn.send(e) or b"" for e in (
+            h11.Response(status_code=status, headers=headers), h11.Data(data=body), h11.EndOfMessage()))
+    except h11.LocalProtocolError:
+        return None
+
+
+def test_plain_answers_are_what_h11_frames_also_once_their_headers_were_seen():
+    """``lean._plain_answer`` on random answers (status, header pairs from a pool of good and
+    bad names and values, body): when it frames one, its bytes are h11's; a second call (the
+    repeating headers then known: ``_LINES``) gives the same answer as the first, and a pair
+    h11 refuses is refused every time."""
+    import random
+
+    from memfuse.server import lean
+
+    rnd = random.Random(14)
+    lean._LINES.clear()
+    framed = refused = 0
+    for _ in range(6000):
+        body = rnd.choice([b"", b"{}", b'{"id":"x"}', b"12345"])
+        headers = [(rnd.choice(_NAMES), rnd.choice(_VALUES)) for _ in range(rnd.randrange(0, 3))]
+        if rnd.random() < 0.8:  # mostly answers of the write path: a right length, the usual pairs
+            headers.append((b"content-length", b"%d" % len(body)))
+            headers += [(b"content-type", b"application/json"), (b"date", rnd.choice(_VALUES[2:4])),
+                        (b"server", b"hypercorn-h11")]
+            rnd.shuffle(headers)
+        status = rnd.choice([200, 201, 204, 304, 404, 409, 412, 503, 100])
+        close = rnd.random() < 0.2
+        first = lean._plain_answer(status, headers, body, close)
+        again = lean._plain_answer(status, headers, body, close)
+        assert first == again, headers
+        if first is None:
+            refused += 1
+            continue
+        framed += 1
+        assert first == _h11_frames(rnd.choice(["POST", "PUT"]), close, status, headers, body), headers
+    assert framed > 1000 and refused > 500
+    assert all(k.lower() in lean._REPEATING for k, _ in lean._LINES)

@@ -453,27 +453,45 @@ _FIELD_NAME = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _FIELD_VALUE = re.compile(rb"(?:[\x21-\x7e\x80-\xff](?:[ \t\x21-\x7e\x80-\xff]*[\x21-\x7e\x80-\xff])?)?")
 
 
+#: the framed line (``name: value\r\n``) of each header pair of these names that passed
+#: ``_plain_answer``'s checks: the headers every answer repeats (``date`` changes once a
+#: second, ``server`` and ``content-type`` never) are checked once, not per answer
+_REPEATING = frozenset({b"content-type", b"date", b"server"})
+_LINES: dict[tuple[bytes, bytes], bytes] = {}
+_LINES_MAX = 64  # pairs kept at most (emptied when full: a new date each second)
+
+
 def _plain_answer(status: int, headers: list[tuple[bytes, bytes]], body: bytes, close: bool) -> bytes | None:
     """The bytes h11 sends for a whole answer (``Response``, ``Data``, ``EndOfMessage``) to a
     POST or PUT, when it is plain: status 200-599 but 204 and 304, one ``Content-Length``
     equal to the body's length, no ``Transfer-Encoding``, ``Connection`` or ``Host``, every
     header as h11's grammar has it. Else None (h11 frames it: ``_framer``). ``close``: the
-    client asked to close (h11 then adds ``Connection: close`` last)."""
+    client asked to close (h11 then adds ``Connection: close`` last). A pair of a
+    ``_REPEATING`` name that passed once is not checked again (``_LINES``)."""
     if not 200 <= status < 600 or status in (204, 304):
         return None
     length = 0
     out = [b"HTTP/1.1 %d \r\n" % status]
-    for name, value in headers:
-        low = name.lower()
-        if low == b"content-length":
-            if length or value != b"%d" % len(body):
+    lines = _LINES
+    for pair in headers:
+        line = lines.get(pair)
+        if line is None:
+            name, value = pair
+            low = name.lower()
+            if low == b"content-length":
+                if length or value != b"%d" % len(body):
+                    return None
+                length = 1
+            elif low in (b"transfer-encoding", b"connection", b"host"):
                 return None
-            length = 1
-        elif low in (b"transfer-encoding", b"connection", b"host"):
-            return None
-        if _FIELD_NAME.fullmatch(name) is None or _FIELD_VALUE.fullmatch(value) is None:
-            return None
-        out.append(b"%s: %s\r\n" % (name, value))
+            if _FIELD_NAME.fullmatch(name) is None or _FIELD_VALUE.fullmatch(value) is None:
+                return None
+            line = b"%s: %s\r\n" % (name, value)
+            if low in _REPEATING:
+                if len(lines) >= _LINES_MAX:
+                    lines.clear()
+                lines[(name, value)] = line
+        out.append(line)
     if not length:
         return None
     if close:
