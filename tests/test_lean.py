@@ -437,3 +437,51 @@ def test_plain_answers_are_what_h11_frames_also_once_their_headers_were_seen():
         assert first == _h11_frames(rnd.choice(["POST", "PUT"]), close, status, headers, body), headers
     assert framed > 1000 and refused > 500
     assert all(k.lower() in lean._REPEATING for k, _ in lean._LINES)
+
+
+_LINES_POOL = [b"Host: cp", b"host: cp:8080", b"User-Agent: python-httpx/0.28", b"Accept: */*",
+               b"Authorization: Bearer mf_abc", b"Content-Type: application/json", b"Content-Length: 2",
+               b"content-length: 02", b"Content-Length:  7 ", b"Content-Length: x", b"Idempotency-Key: k1",
+               b"If-Match: \"abc\"", b"Connection: keep-alive", b"Connection: Close", b"connection: te, close",
+               b"Transfer-Encoding: chunked", b"Expect: 100-continue", b"Upgrade: h2c", b"X-A:", b"X-B: \t v \t",
+               b"Bad Name: x", b" folded", b"X-C: a\x00b", b"X-D: caf\xe9", b"X-E : v", b"X-F:v"]
+
+
+def test_request_heads_read_as_h11_reads_them_also_once_their_lines_were_seen():
+    """``lean.parse_head`` on random heads (a pool of good and bad lines): a head it takes is
+    the request h11 reads (method, target, lower-case names, stripped values, keep-alive,
+    length); read again (its lines then known: ``_HEAD_LINES``) it gives the same answer."""
+    import random
+
+    import h11
+
+    from memfuse.server import lean
+
+    rnd = random.Random(14)
+    lean._HEAD_LINES.clear()
+    taken = 0
+    for _ in range(6000):
+        start = rnd.choice([b"POST /v1/stores/s/records HTTP/1.1", b"PUT /v1/stores/s/records/x HTTP/1.1",
+                            b"GET / HTTP/1.1", b"POST /a?b HTTP/1.1"])
+        lines = [rnd.choice(_LINES_POOL) for _ in range(rnd.randrange(0, 7))]
+        if rnd.random() < 0.7:
+            lines += [b"Host: cp", rnd.choice([b"Content-Length: 2", b"Content-Length: 0"])]
+            rnd.shuffle(lines)
+        head = b"\r\n".join([start, *lines]) + b"\r\n\r\n"
+        first = lean.parse_head(head, 16384)
+        again = lean.parse_head(head, 16384)
+        assert first == again, head
+        if first is None:
+            continue
+        taken += 1
+        conn = h11.Connection(h11.SERVER)
+        conn.receive_data(head)
+        event = conn.next_event()
+        assert isinstance(event, h11.Request), head
+        assert (first.method, first.path) == (event.method.decode(), event.target)
+        assert first.headers == list(event.headers), head
+        assert first.length == int(dict(event.headers)[b"content-length"])
+        assert first.close == (not h11._connection._keep_alive(event)), head
+        assert first.size == len(head)
+    assert taken > 400
+    assert not any(n in lean._PER_REQUEST for n, _ in lean._HEAD_LINES.values())
