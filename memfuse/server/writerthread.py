@@ -148,9 +148,10 @@ class WriterThread:
                 slot.result = result
                 os.eventfd_write(slot.fd, 1)  # the waiting task's wake (``_woken``)
                 continue
+            token, task = slot.token, slot.task
+            assert token is not None and task is not None
             try:
-                assert slot.token is not None
-                slot.token.run_sync_soon(trio.lowlevel.reschedule, slot.task, result)
+                token.run_sync_soon(trio.lowlevel.reschedule, task, result)
             except trio.RunFinishedError:  # cannot happen: the task waits for its answer
                 log.error("writer thread: the event loop of a waiting write has ended")
 
