@@ -834,6 +834,8 @@ class StoreSync:
             except CacheError as e:  # a cache: the next mount resumes from the older file
                 log.warning("store state not saved at unmount", extra={"store": slug,
                                                                        "reason": e.reason})
+            finally:
+                state.close()
         log.info("store unmounted", extra={"store": slug, "uncommitted": left})
         return left
 

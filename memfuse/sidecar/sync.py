@@ -329,6 +329,10 @@ class StoreState:
         self._base_bytes = 0
         self._log_size: int | None = None
         self._log_carried = 0  # bytes of content the log's frames carried (part of _log_size)
+        # the log kept open between appends (None: opened at the next one), positioned at
+        # its end (_log_size); closed when the log is started anew, after a failed append,
+        # at a load and by ``close``
+        self._log_fd: int | None = None
         self._changed: set[str] = set()  # ids touched since the last frame written
         self._since: set[str] | None = None  # ids touched since a compaction's snapshot
         self._compacting = False
@@ -342,6 +346,7 @@ class StoreState:
         snapshot)."""
         self._base_id, self._log_size, self._changed = None, None, set()
         self._log_carried = 0
+        self.close()
         try:
             data = self.path.read_bytes()
             fmt = msgspec.json.decode(data, type=_Format).format
@@ -693,29 +698,51 @@ class StoreState:
             if size is None:  # a new log for this base
                 assert self._base_id is not None  # appends extend a base (save, _based)
                 data = _frame(_LOG_ENC.encode(_LogHead(LOG_FORMAT, self._base_id))) + frame
-                fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
-                             FILE_MODE)
+                self.close()
+                self._log_fd = fd = os.open(
+                    self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
             else:
                 data = frame
-                fd = os.open(self.log_path, os.O_WRONLY | os.O_CLOEXEC)
-            try:
-                if size is not None:
-                    if os.fstat(fd).st_size != size:
-                        os.ftruncate(fd, size)  # a torn tail or a failed append
-                    os.lseek(fd, size, os.SEEK_SET)
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
-            finally:
-                os.close(fd)
+                fd = self._log_fd if self._log_fd is not None else self._open_log(size)
+                if os.fstat(fd).st_nlink == 0:  # deleted since it was opened
+                    raise FileNotFoundError(errno.ENOENT, "the store state log was removed")
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
         except FileNotFoundError as exc:  # the log went away: the base alone is saved
+            self.close()
             self._base_id = None
             raise cache_error(exc, f"saving the state of store {self.slug}") from exc
         except OSError as exc:
+            self.close()  # the next append opens it again and cuts a partial frame off
             raise cache_error(exc, f"saving the state of store {self.slug}") from exc
         self._log_size = len(data) if size is None else size + len(data)
         self._log_carried = (0 if size is None else self._log_carried) + sum(len(c) for _, c in carried)
         self._changed.clear()
+
+    def _open_log(self, size: int) -> int:
+        """Open the log to append after its first ``size`` bytes (its whole frames): a
+        longer file (a torn tail, a failed append) is cut there first. Raises ``OSError``."""
+        fd = os.open(self.log_path, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            if os.fstat(fd).st_size != size:
+                os.ftruncate(fd, size)  # a torn tail or a failed append
+            os.lseek(fd, size, os.SEEK_SET)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._log_fd = fd
+        return fd
+
+    def close(self) -> None:
+        """Close the log kept open between appends (a later append opens it again)."""
+        fd, self._log_fd = self._log_fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def __del__(self) -> None:
+        self.close()
 
     def _touch(self, record_id: str) -> None:
         self._changed.add(record_id)
