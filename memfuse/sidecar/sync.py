@@ -742,7 +742,12 @@ class StoreState:
                 os.close(fd)
 
     def __del__(self) -> None:
-        self.close()
+        fd = getattr(self, "_log_fd", None)  # (also at interpreter exit: no helpers)
+        if fd is not None:
+            try:
+                os.close(fd)
+            except Exception:
+                pass
 
     def _touch(self, record_id: str) -> None:
         self._changed.add(record_id)
