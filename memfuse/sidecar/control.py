@@ -187,6 +187,24 @@ class ControlFiles:
                     extra={"store": store, "path": path, "errno": name, "code": code,
                            "reason": reason})
 
+    def note_shadowed(self, store: str, path: str, kind: str, record_path: str, record: str,
+                      version: int) -> None:
+        """A record made or moved elsewhere (``record``, ``version``, at ``record_path``) is
+        not shown here while local state at ``path`` (``kind``: "a local-only file", "a
+        directory made here"...) is in its way (``remote.RemoteApply._shadow``): a line in
+        ``errors.log`` with ``shadowed: true`` and those fields, and a WARNING ``shadowed: a
+        record made elsewhere is hidden by local state here`` with the same fields (paths and
+        ids, never content). Not counted as a refusal: nothing was refused."""
+        reason = (f"{kind} here holds {'this path' if path == record_path else 'a part of its path'}"
+                  f"; record {record} (version {version}) at {record_path}, made elsewhere, is not "
+                  f"shown here while it stays; remove or rename {path} to see the record")
+        self._add({"time": _now(), "store": store, "path": path, "shadowed": True,
+                   "record_path": record_path, "record": record, "version": version,
+                   "reason": reason})
+        log.warning("shadowed: a record made elsewhere is hidden by local state here",
+                    extra={"store": store, "path": path, "record_path": record_path,
+                           "record": record, "version": version, "kind": kind})
+
     def note_conflict(self, store: str, path: str, what: str) -> None:
         """Add a conflict the committer resolved (``conflict: true``, ``reason``) to
         ``errors.log``."""
