@@ -145,3 +145,33 @@ def test_a_store_made_again_under_the_same_name_has_no_old_directories(pair):
     wait_until(lambda: root.is_dir(), timeout=30, what="A mounts the new store")
     drained(a)
     assert sorted(os.listdir(root)) == [], "directories of the deleted store came back"
+
+
+def test_a_record_moved_elsewhere_onto_local_state_stays_at_its_old_path_until_it_goes(pair):
+    """A record moved elsewhere onto the path of an empty directory made on A, or of a
+    local-only file of A: A keeps its local entry (a local-only file is never replaced by
+    the record: it has no other copy), shows the record at its old path meanwhile, says so
+    once, and moves it once the local entry goes."""
+    cp, a, b = pair
+    t = uuid.uuid4().hex[:6]
+    pa, pb = a.mountpoint / "s", b.mountpoint / "s"
+    sh(f"echo one > one{t}.md && echo two > two{t}.md", pb)
+    drained(b)
+    wait_until(lambda: read(pa / f"two{t}.md") == "two\n", timeout=20, what="A shows both")
+    sh(f"mkdir tgt{t} && echo 'mine only' > bak{t}~", pa)
+    sh(f"mv one{t}.md tgt{t}", pb)  # onto A's empty directory
+    ids = {p: r.id for p, r in live_records(cp, "s").items()}
+    cp.call("move_record", "s", ids[f"two{t}.md"], f"bak{t}~")  # onto A's local-only file
+    drained(b)
+    wait_until(lambda: _lines(a, f"tgt{t}") and _lines(a, f"bak{t}~"), timeout=20,
+               what="A says both moves wait")
+    [line] = _lines(a, f"bak{t}~")
+    assert line.get("shadowed") is True and line.get("shown_at") == f"two{t}.md", line
+    assert (pa / f"bak{t}~").read_text() == "mine only\n"  # never replaced by the record
+    assert xattr(pa / f"bak{t}~", "state") == "local"
+    assert read(pa / f"one{t}.md") == "one\n" and read(pa / f"two{t}.md") == "two\n"
+    assert os.path.isdir(pa / f"tgt{t}")
+    sh(f"rmdir tgt{t} && rm bak{t}~", pa)
+    wait_until(lambda: read(pa / f"tgt{t}") == "one\n" and read(pa / f"bak{t}~") == "two\n",
+               timeout=20, what="A shows both records at their new paths")
+    assert not (pa / f"one{t}.md").exists() and not (pa / f"two{t}.md").exists()

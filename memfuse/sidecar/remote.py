@@ -311,7 +311,7 @@ class RemoteApply:
         path, sha256 and attributes decide.
         """
         shadow = self.shadowed.get(sm.slug)
-        hidden = shadow.pop(rec.id, None) if shadow else None  # applied again from here
+        hidden = shadow.get(rec.id) if shadow else None  # a state of it not shown yet
         n = self.by_rid.get(rec.id)
         if n is not None and (n.unlinked or n.store is not sm):
             n = None
@@ -327,9 +327,11 @@ class RemoteApply:
             elif n.version >= rec.version:
                 return []
             if n.state == REJECTED:
-                kept = self._remote_over_rejected(sm, n, rec)
+                kept = self._remote_over_rejected(sm, n, rec, hidden)
                 if kept is not None:
                     return kept
+        if hidden is not None and shadow is not None:
+            del shadow[rec.id]
         if rec.deleted:
             if n is None:
                 return []
@@ -342,8 +344,6 @@ class RemoteApply:
             return gone
         if rec.content is None and not self.blobs.has(rec.sha256):
             log.error("remote change without content; skipped", extra={"store": sm.slug, "record": rec.id})
-            if hidden is not None and shadow is not None:
-                shadow[rec.id] = hidden  # its older state stays the one to show later
             return []
         if rec.content is not None:
             self.blobs.put(rec.content.encode("utf-8"), rec.sha256)
@@ -370,7 +370,7 @@ class RemoteApply:
             self._touch_dir(d)
         else:
             if n.path() != rec.path:
-                inv += self._move_remote(sm, n, rec.path)
+                inv += self._move_remote(sm, n, rec.path, rec, hidden)
             if n.sha != rec.sha256:
                 inv.append(("inode", n.ino))
                 self.note_replaced(n, rec.sha256)
@@ -407,7 +407,8 @@ class RemoteApply:
         return None
 
     def _shadow(self, sm: StoreMount, rec: Record | Meta, blocker: Node,
-                hidden: tuple[Meta, str] | None) -> None:
+                hidden: tuple[Meta, str] | None, shown_at: str | None = None,
+                quiet: bool = False) -> None:
         """Record ``rec`` (a state from the feed, a snapshot or a refetch, of a record not
         shown here) cannot be shown: local state here, ``blocker``, holds its path or a
         component of it. The local entry stays (it was there first; docs/SEMANTICS.md,
@@ -415,23 +416,26 @@ class RemoteApply:
         shown once ``blocker`` goes (``shadow_freed``, ``unshadow``). Said once per record
         version and local path (``hidden``: the entry it had before): a line in
         ``errors.log`` and a WARNING (paths, record id and version, never content); for a
-        rejected file in the way, its ``kept`` line (``_note_rejected_kept``)."""
+        rejected file in the way, its ``kept`` line (``_note_rejected_kept``). ``shown_at``:
+        the record is shown here at that path (a move of it waits), not hidden."""
         where = blocker.path()
         state = rec if isinstance(rec, Meta) else Meta.of(rec)
         self.shadowed.setdefault(sm.slug, {})[rec.id] = (state, where)
-        if hidden is not None and hidden[0].version == rec.version and hidden[1] == where:
+        if quiet or (hidden is not None and hidden[0].version == rec.version
+                     and hidden[1] == where):
             return  # said already
         if blocker.state == REJECTED and not blocker.local_only and not blocker.is_dir:
             at = ("this path" if where == rec.path else f"{rec.path}, below this file's path")
             self._note_rejected_kept(blocker, rec, f"another record now has {at} elsewhere "
                                      f"(record {rec.id}, version {rec.version}); that record "
-                                     "is not shown here while this file is kept")
+                                     + (f"stays shown at {shown_at}" if shown_at is not None
+                                        else "is not shown here") + " while this file is kept")
             return
         kind = ("a directory made here" if blocker.is_dir
                 else "a local-only file" if blocker.local_only
                 else "a file with writes not committed yet" if blocker.dirty or blocker.record_id is None
                 else "a file")
-        self.controls.note_shadowed(sm.slug, where, kind, rec.path, rec.id, rec.version)
+        self.controls.note_shadowed(sm.slug, where, kind, rec.path, rec.id, rec.version, shown_at)
 
     def shadow_freed(self, n: Node) -> None:
         """Local entry ``n`` is leaving its path (unlink, rmdir, a rename away or over it, a
@@ -519,8 +523,9 @@ class RemoteApply:
                         and h.flags & os.O_ACCMODE != os.O_WRONLY):
                     h.replaced, h.across = n.sha, ""
 
-    def _remote_over_rejected(self, sm: StoreMount, n: Node,
-                              rec: Record | Meta) -> list[tuple[Any, ...]] | None:
+    def _remote_over_rejected(self, sm: StoreMount, n: Node, rec: Record | Meta,
+                              hidden: tuple[Meta, str] | None = None
+                              ) -> list[tuple[Any, ...]] | None:
         """A newer state ``rec`` of the record of ``n``, a rejected file (refused for good,
         kept here until fixed: docs/SEMANTICS.md, "Remote changes and rejected files"), from
         the feed or a snapshot. Returns None when applying it as usual loses nothing: the
@@ -530,15 +535,19 @@ class RemoteApply:
         its content is never replaced and it is not removed); its base version stays the one
         it was refused over, so its fix is sent by the conflict rules (a delete elsewhere:
         created again); the change is one ``errors.log`` line and WARNING per version.
-        Returns the invalidations of a move."""
+        Returns the invalidations of a move (``hidden``: the state of the record kept
+        because local state was in the way of its move, ``shadowed``)."""
         known = self.ids.map.get(n.key, (None, None))[1]
         if not rec.deleted and (rec.sha256 == n.sha or (known is not None and known == n.sha)):
             return None
         inv: list[tuple[Any, ...]] = []
         was = n.path()
         moved = not rec.deleted and rec.path != was
+        shadow = self.shadowed.get(sm.slug)
+        if shadow:
+            shadow.pop(rec.id, None)  # this state is applied, or kept again by the move
         if moved:
-            inv = self._move_remote(sm, n, rec.path)
+            inv = self._move_remote(sm, n, rec.path, rec, hidden, quiet=True)
         if rec.deleted:
             what = f"the record was deleted elsewhere (version {rec.version})"
         elif moved and rec.sha256 == known:
@@ -568,22 +577,25 @@ class RemoteApply:
                                 "rejected (the other version is in the record's history); fixing this "
                                 "file sends it over that version by the conflict rules")
 
-    def _move_remote(self, sm: StoreMount, n: Node, path: str) -> list[tuple[Any, ...]]:
+    def _move_remote(self, sm: StoreMount, n: Node, path: str, rec: Record | Meta,
+                     hidden: tuple[Meta, str] | None, quiet: bool = False) -> list[tuple[Any, ...]]:
+        """Move file ``n`` to ``path``, its record's new path (state ``rec``) from a remote
+        change. When local state holds ``path`` or a component of it (``_local_in_way``),
+        ``n`` stays where it is, still shown, and the move waits for that state to go
+        (``_shadow``; ``quiet``: said by the caller, a rejected file's own line). Returns the
+        kernel invalidations to make."""
         parts = path.split("/")
         inv: list[tuple[Any, ...]] = []
+        blocker = self._local_in_way(sm, parts)
+        if blocker is not None and blocker is not n:
+            self._shadow(sm, rec, blocker, hidden, shown_at=n.path(), quiet=quiet)
+            return []
         d = self._ensure_dir(sm, parts[:-1], time.time_ns(), inv)
-        if d is None:
+        if d is None:  # n itself is in the way (a file moved below its own path)
             return []
         assert d.children is not None  # _ensure_dir gives a directory
         cur = d.children.get(parts[-1])
-        if cur is not None and cur is not n:
-            if cur.is_dir or cur.dirty:
-                return []
-            if cur.state == REJECTED:
-                rid = n.record_id or "?"
-                self._note_rejected_kept(cur, None, f"record {rid} was moved onto this path elsewhere; "
-                                         f"it stays shown at {n.path()} while this file is kept")
-                return []
+        if cur is not None and cur is not n:  # the clean file of another record: replaced
             inv.append(("entry", d.ino, cur.name))
             self._detach(cur)
             self._bind_rid(cur, None)
