@@ -311,7 +311,9 @@ class RemoteApply:
         path, sha256 and attributes decide.
         """
         shadow = self.shadowed.get(sm.slug)
-        hidden = shadow.get(rec.id) if shadow else None  # a state of it not shown yet
+        # a state of it kept because local state was in its way: this newer one is applied
+        # or kept instead (``_shadow``, told ``hidden`` so as not to say it twice)
+        hidden = shadow.pop(rec.id, None) if shadow else None
         n = self.by_rid.get(rec.id)
         if n is not None and (n.unlinked or n.store is not sm):
             n = None
@@ -330,8 +332,6 @@ class RemoteApply:
                 kept = self._remote_over_rejected(sm, n, rec, hidden)
                 if kept is not None:
                     return kept
-        if hidden is not None and shadow is not None:
-            del shadow[rec.id]
         if rec.deleted:
             if n is None:
                 return []
@@ -431,7 +431,8 @@ class RemoteApply:
                                      + (f"stays shown at {shown_at}" if shown_at is not None
                                         else "is not shown here") + " while this file is kept")
             return
-        kind = ("a directory made here" if blocker.is_dir
+        kind = ("a directory made here" if blocker.is_dir and blocker.made
+                else "a directory" if blocker.is_dir
                 else "a local-only file" if blocker.local_only
                 else "a file with writes not committed yet" if blocker.dirty or blocker.record_id is None
                 else "a file")
@@ -543,9 +544,6 @@ class RemoteApply:
         inv: list[tuple[Any, ...]] = []
         was = n.path()
         moved = not rec.deleted and rec.path != was
-        shadow = self.shadowed.get(sm.slug)
-        if shadow:
-            shadow.pop(rec.id, None)  # this state is applied, or kept again by the move
         if moved:
             inv = self._move_remote(sm, n, rec.path, rec, hidden, quiet=True)
         if rec.deleted:
