@@ -64,9 +64,14 @@ def test_a_record_under_a_local_only_file_shows_once_the_file_is_removed(pair):
     warned = _warnings(a, "shadowed: a record made elsewhere is hidden by local state here")
     assert [w["record_path"] for w in warned if w["path"] == lo] == [f"{lo}/inner.md"]
     assert all("remote\n" not in json.dumps(w) for w in warned)  # never content
+    # changed elsewhere while hidden: not said again; its newest version is shown later
+    sh(f"echo more >> {lo}/inner.md", pb)
+    drained(b)
+    wait_until(lambda: live_records(cp, "s")[f"{lo}/inner.md"].content == "remote\nmore\n",
+               timeout=20, what="B's append committed")
     sh(f"rm {lo}", pa)
-    wait_until(lambda: read(pa / lo / "inner.md") == "remote\n", timeout=20,
-               what="A shows the record once its local file is gone")
+    wait_until(lambda: read(pa / lo / "inner.md") == "remote\nmore\n", timeout=20,
+               what="A shows the record's newest version once its local file is gone")
     assert xattr(pa / lo / "inner.md", "state") == "clean"
     assert len(_lines(a, lo)) == 1  # said once
 

@@ -414,16 +414,16 @@ class RemoteApply:
         component of it. The local entry stays (it was there first; docs/SEMANTICS.md,
         "Remote changes and local state"); the record's state is kept in ``shadowed`` and
         shown once ``blocker`` goes (``shadow_freed``, ``unshadow``). Said once per record
-        version and local path (``hidden``: the entry it had before): a line in
+        and local path (``hidden``: the entry it had before; a record changed again while
+        hidden is not said again, so a busy one cannot flood ``errors.log``): a line in
         ``errors.log`` and a WARNING (paths, record id and version, never content); for a
         rejected file in the way, its ``kept`` line (``_note_rejected_kept``). ``shown_at``:
         the record is shown here at that path (a move of it waits), not hidden."""
         where = blocker.path()
         state = rec if isinstance(rec, Meta) else Meta.of(rec)
         self.shadowed.setdefault(sm.slug, {})[rec.id] = (state, where)
-        if quiet or (hidden is not None and hidden[0].version == rec.version
-                     and hidden[1] == where):
-            return  # said already
+        if quiet or (hidden is not None and hidden[1] == where):
+            return  # said already (a record changed while hidden is not said again)
         if blocker.state == REJECTED and not blocker.local_only and not blocker.is_dir:
             at = ("this path" if where == rec.path else f"{rec.path}, below this file's path")
             self._note_rejected_kept(blocker, rec, f"another record now has {at} elsewhere "
@@ -466,7 +466,7 @@ class RemoteApply:
         each as a snapshot state (``apply_remote`` with ``force``), from its newest state
         known here (the store's mirror, ``FsListener.known_record``: none → gone; a bare core:
         the state kept). A record still in the way of local state stays shadowed (said
-        again only for a new version or local path). Call only while the store's outbox is
+        again only for another local path). Call only while the store's outbox is
         empty (as for the feed). Returns the kernel invalidations to make."""
         if sm.slug not in self.unshadow_due:
             return []
