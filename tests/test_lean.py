@@ -381,3 +381,107 @@ async def test_lean_write_answers_not_read_are_cut_at_the_send_timeout(tmp_path,
             r = await c.post("/v1/stores/default/records", json={"path": "after.md", "content": "x"})
             assert r.status_code == 201, r.text
         nursery.cancel_scope.cancel()
+
+
+# ---------------------------------------------------------------- the answer's framing
+_NAMES = [b"content-type", b"Content-Type", b"date", b"server", b"etag", b"content-length",
+          b"x-a", b"bad name", b"connection", b"transfer-encoding", b"host", b"", b"Server"]
+_VALUES = [b"application/json", b"hypercorn-h11", b"Thu, 03 Dec 2026 05:00:00 GMT", b'"abc"', b"",
+           b" lead", b"trail ", b"a\x00b", b"a\tb", b"\xe9t\xe9", b"close", b"5", b"12", b"x\r\ny: 1"]
+
+
+def _h11_frames(method: str, close: bool, status: int, headers: list[tuple[bytes, bytes]],
+                body: bytes) -> bytes | None:
+    """What h11 (hypercorn's framer) sends for the answer, or None when it refuses it."""
+    import h11
+
+    from memfuse.server.lean import _Head, _framer
+
+    conn = _framer(_Head(method, b"/", [], 0, close, 0))
+    try:
+        return b"".join(conn.send(e) or b"" for e in (
+            h11.Response(status_code=status, headers=headers), h11.Data(data=body), h11.EndOfMessage()))
+    except h11.LocalProtocolError:
+        return None
+
+
+def test_plain_answers_are_what_h11_frames_also_once_their_headers_were_seen():
+    """``lean._plain_answer`` on random answers (status, header pairs from a pool of good and
+    bad names and values, body): when it frames one, its bytes are h11's; a second call (the
+    repeating headers then known: ``_LINES``) gives the same answer as the first, and a pair
+    h11 refuses is refused every time."""
+    import random
+
+    from memfuse.server import lean
+
+    rnd = random.Random(14)
+    lean._LINES.clear()
+    framed = refused = 0
+    for _ in range(6000):
+        body = rnd.choice([b"", b"{}", b'{"id":"x"}', b"12345"])
+        headers = [(rnd.choice(_NAMES), rnd.choice(_VALUES)) for _ in range(rnd.randrange(0, 3))]
+        if rnd.random() < 0.8:  # mostly answers of the write path: a right length, the usual pairs
+            headers.append((b"content-length", b"%d" % len(body)))
+            headers += [(b"content-type", b"application/json"), (b"date", rnd.choice(_VALUES[2:4])),
+                        (b"server", b"hypercorn-h11")]
+            rnd.shuffle(headers)
+        status = rnd.choice([200, 201, 204, 304, 404, 409, 412, 503, 100])
+        close = rnd.random() < 0.2
+        first = lean._plain_answer(status, headers, body, close)
+        again = lean._plain_answer(status, headers, body, close)
+        assert first == again, headers
+        if first is None:
+            refused += 1
+            continue
+        framed += 1
+        assert first == _h11_frames(rnd.choice(["POST", "PUT"]), close, status, headers, body), headers
+    assert framed > 1000 and refused > 500
+    assert all(k.lower() in lean._REPEATING for k, _ in lean._LINES)
+
+
+_LINES_POOL = [b"Host: cp", b"host: cp:8080", b"User-Agent: python-httpx/0.28", b"Accept: */*",
+               b"Authorization: Bearer mf_abc", b"Content-Type: application/json", b"Content-Length: 2",
+               b"content-length: 02", b"Content-Length:  7 ", b"Content-Length: x", b"Idempotency-Key: k1",
+               b"If-Match: \"abc\"", b"Connection: keep-alive", b"Connection: Close", b"connection: te, close",
+               b"Transfer-Encoding: chunked", b"Expect: 100-continue", b"Upgrade: h2c", b"X-A:", b"X-B: \t v \t",
+               b"Bad Name: x", b" folded", b"X-C: a\x00b", b"X-D: caf\xe9", b"X-E : v", b"X-F:v"]
+
+
+def test_request_heads_read_as_h11_reads_them_also_once_their_lines_were_seen():
+    """``lean.parse_head`` on random heads (a pool of good and bad lines): a head it takes is
+    the request h11 reads (method, target, lower-case names, stripped values, keep-alive,
+    length); read again (its lines then known: ``_HEAD_LINES``) it gives the same answer."""
+    import random
+
+    import h11
+
+    from memfuse.server import lean
+
+    rnd = random.Random(14)
+    lean._HEAD_LINES.clear()
+    taken = 0
+    for _ in range(6000):
+        start = rnd.choice([b"POST /v1/stores/s/records HTTP/1.1", b"PUT /v1/stores/s/records/x HTTP/1.1",
+                            b"GET / HTTP/1.1", b"POST /a?b HTTP/1.1"])
+        lines = [rnd.choice(_LINES_POOL) for _ in range(rnd.randrange(0, 7))]
+        if rnd.random() < 0.7:
+            lines += [b"Host: cp", rnd.choice([b"Content-Length: 2", b"Content-Length: 0"])]
+            rnd.shuffle(lines)
+        head = b"\r\n".join([start, *lines]) + b"\r\n\r\n"
+        first = lean.parse_head(head, 16384)
+        again = lean.parse_head(head, 16384)
+        assert first == again, head
+        if first is None:
+            continue
+        taken += 1
+        conn = h11.Connection(h11.SERVER)
+        conn.receive_data(head)
+        event = conn.next_event()
+        assert isinstance(event, h11.Request), head
+        assert (first.method, first.path) == (event.method.decode(), event.target)
+        assert first.headers == list(event.headers), head
+        assert first.length == int(dict(event.headers)[b"content-length"])
+        assert first.close == (not h11._connection._keep_alive(event)), head
+        assert first.size == len(head)
+    assert taken > 400
+    assert not any(n in lean._PER_REQUEST for n, _ in lean._HEAD_LINES.values())

@@ -92,3 +92,74 @@ def test_under_asyncio_it_is_anyio_to_thread() -> None:
     worker, loop = anyio.run(main, backend="asyncio")
     assert worker != loop
     assert w.jobs == 0 and _alive("wt-test-4") == 0
+
+
+class _Steps(trio.abc.Instrument):
+    """Counts task steps by task name (trio's entry queue runs as a system task named
+    ``...EntryQueue.task``)."""
+
+    def __init__(self) -> None:
+        self.steps: dict[str, int] = {}
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self.steps[task.name] = self.steps.get(task.name, 0) + 1
+
+
+async def test_the_waiting_task_is_woken_straight_not_through_trios_entry_queue() -> None:
+    """The writer thread wakes the waiting task through its eventfd: no step of trio's entry
+    queue task per write (``run_sync_soon`` took one each, and a loop iteration)."""
+    w = WriterThread(name="wt-test-5", idle=5)
+    assert await w.run(lambda: 0) == 0  # the thread started
+    steps = _Steps()
+    trio.lowlevel.add_instrument(steps)
+    try:
+        for i in range(20):
+            assert await w.run(lambda i=i: i) == i
+    finally:
+        trio.lowlevel.remove_instrument(steps)
+    queue_steps = sum(n for name, n in steps.steps.items() if "EntryQueue" in name)
+    assert queue_steps == 0, steps.steps
+    assert len(w._fds) == 1  # one eventfd, reused by every write (one at a time)
+
+
+@pytest.mark.parametrize("eventfd", [True, False])
+async def test_a_cancelled_caller_gets_its_answer_then_the_cancellation(eventfd: bool) -> None:
+    """Cancelled while its job runs, the caller still gets the job's answer; the cancellation
+    comes at its next checkpoint; the eventfd it waited on comes back clean (the next write
+    waits for its own answer, not a stale wake-up)."""
+    w = WriterThread(name="wt-test-6", idle=5, eventfd=eventfd)
+    release = threading.Event()
+
+    def slow() -> str:
+        assert release.wait(5)
+        return "written"
+
+    got: list[str] = []
+    after: list[str] = []
+    with trio.CancelScope() as scope:
+        async with trio.open_nursery() as n:
+            async def caller() -> None:
+                got.append(await w.run(slow))
+                after.append("no checkpoint yet")
+                await trio.lowlevel.checkpoint()
+                after.append("not cancelled")  # pragma: no cover - must not run
+
+            n.start_soon(caller)
+            await trio.sleep(0.05)
+            threading.Timer(0.3, release.set).start()  # after the caller's cancellation
+            scope.cancel()  # the caller is cancelled while it waits (its job not done)
+    assert scope.cancelled_caught
+    assert got == ["written"] and after == ["no checkpoint yet"]
+    # the next writes wait for their own answers
+    gate = threading.Event()
+
+    def later() -> str:
+        assert gate.wait(5)
+        return "later"
+
+    threading.Timer(0.1, gate.set).start()
+    with trio.fail_after(5):
+        assert await w.run(later) == "later"
+        assert [await w.run(lambda i=i: i) for i in range(5)] == list(range(5))
+    if eventfd:
+        assert len(w._fds) == 1

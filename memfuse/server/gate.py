@@ -480,8 +480,8 @@ class Gate:
         state: dict[str, Any] = {"status": 0, "type": b"", "done": False}
         # One cancel scope around the whole request, armed only while a send is under way:
         # a stream sends thousands of lines, and a scope per send was a third of a
-        # heartbeat's CPU.
-        bound = anyio.CancelScope()
+        # heartbeat's CPU. Made where it is entered (``send_bounded`` uses it only in there):
+        # an answer of ``writes`` sent ``within`` needs none.
         # the HTTP server's own bounded send (extension ``SEND_WITHIN``), for the answers of
         # ``writes``: no scope to enter nor arm (memfuse.server.lean); None under hypercorn
         within: Callable[[Message, float], Awaitable[None]] | None = None
@@ -531,6 +531,7 @@ class Gate:
                 if await self.writes(scope, body, send_bounded):
                     return
                 within = None  # the app's sends: under ``bound``, as under hypercorn
+            bound = anyio.CancelScope()
             with bound:
                 if lease is None:
                     if not (not tried and self.writes is not None

@@ -194,6 +194,13 @@ _REQUEST_LINE = re.compile(rb"(POST|PUT) (/[A-Za-z0-9\-._~%!$&'()*+,;=:@/]*) HTT
 _HEADER = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*((?:[\x21-\x7e](?:[\x20-\x7e\t]*[\x21-\x7e])?)?)[ \t]*")
 _NOT_LEAN = frozenset({b"transfer-encoding", b"expect", b"upgrade"})
 _MAX_LENGTH_DIGITS = 18  # a longer Content-Length (past 2**59): hypercorn's
+#: header lines read before, each with its (lower-case name, value) as ``_HEADER`` reads it
+#: (a lean line, not of a ``_NOT_LEAN`` name): the lines a client repeats in every request
+#: (host, user-agent, accept, the token, the content type) are matched once, not per request;
+#: not the lines of ``_PER_REQUEST`` names, which differ in each
+_HEAD_LINES: dict[bytes, tuple[bytes, bytes]] = {}
+_HEAD_LINES_MAX = 256  # lines kept at most (emptied when full)
+_PER_REQUEST = frozenset({b"content-length", b"idempotency-key", b"if-match"})
 
 
 class _Head(NamedTuple):
@@ -222,13 +229,21 @@ def parse_head(buf: bytearray | bytes, max_head: int) -> _Head | None:
     hosts = 0
     length: int | None = None
     close = False
+    known = _HEAD_LINES
     for raw in lines[1:]:
-        h = _HEADER.fullmatch(raw)
-        if h is None:
-            return None
-        name, value = h.group(1).lower(), h.group(2)
-        if name in _NOT_LEAN:
-            return None
+        pair = known.get(raw)
+        if pair is None:
+            h = _HEADER.fullmatch(raw)
+            if h is None:
+                return None
+            pair = (h.group(1).lower(), h.group(2))
+            if pair[0] in _NOT_LEAN:
+                return None
+            if pair[0] not in _PER_REQUEST:
+                if len(known) >= _HEAD_LINES_MAX:
+                    known.clear()
+                known[raw] = pair
+        name, value = pair
         if name == b"host":
             hosts += 1
         elif name == b"content-length":
@@ -237,7 +252,7 @@ def parse_head(buf: bytearray | bytes, max_head: int) -> _Head | None:
             length = int(value)
         elif name == b"connection":
             close = close or any(t.strip().lower() == b"close" for t in value.split(b","))
-        headers.append((name, value))
+        headers.append(pair)
     if hosts != 1 or length is None:
         return None
     return _Head(line.group(1).decode("ascii"), line.group(2), headers, length, close, m.end())
@@ -453,27 +468,45 @@ _FIELD_NAME = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _FIELD_VALUE = re.compile(rb"(?:[\x21-\x7e\x80-\xff](?:[ \t\x21-\x7e\x80-\xff]*[\x21-\x7e\x80-\xff])?)?")
 
 
+#: the framed line (``name: value\r\n``) of each header pair of these names that passed
+#: ``_plain_answer``'s checks: the headers every answer repeats (``date`` changes once a
+#: second, ``server`` and ``content-type`` never) are checked once, not per answer
+_REPEATING = frozenset({b"content-type", b"date", b"server"})
+_LINES: dict[tuple[bytes, bytes], bytes] = {}
+_LINES_MAX = 64  # pairs kept at most (emptied when full: a new date each second)
+
+
 def _plain_answer(status: int, headers: list[tuple[bytes, bytes]], body: bytes, close: bool) -> bytes | None:
     """The bytes h11 sends for a whole answer (``Response``, ``Data``, ``EndOfMessage``) to a
     POST or PUT, when it is plain: status 200-599 but 204 and 304, one ``Content-Length``
     equal to the body's length, no ``Transfer-Encoding``, ``Connection`` or ``Host``, every
     header as h11's grammar has it. Else None (h11 frames it: ``_framer``). ``close``: the
-    client asked to close (h11 then adds ``Connection: close`` last)."""
+    client asked to close (h11 then adds ``Connection: close`` last). A pair of a
+    ``_REPEATING`` name that passed once is not checked again (``_LINES``)."""
     if not 200 <= status < 600 or status in (204, 304):
         return None
     length = 0
     out = [b"HTTP/1.1 %d \r\n" % status]
-    for name, value in headers:
-        low = name.lower()
-        if low == b"content-length":
-            if length or value != b"%d" % len(body):
+    lines = _LINES
+    for pair in headers:
+        line = lines.get(pair)
+        if line is None:
+            name, value = pair
+            low = name.lower()
+            if low == b"content-length":
+                if length or value != b"%d" % len(body):
+                    return None
+                length = 1
+            elif low in (b"transfer-encoding", b"connection", b"host"):
                 return None
-            length = 1
-        elif low in (b"transfer-encoding", b"connection", b"host"):
-            return None
-        if _FIELD_NAME.fullmatch(name) is None or _FIELD_VALUE.fullmatch(value) is None:
-            return None
-        out.append(b"%s: %s\r\n" % (name, value))
+            if _FIELD_NAME.fullmatch(name) is None or _FIELD_VALUE.fullmatch(value) is None:
+                return None
+            line = b"%s: %s\r\n" % (name, value)
+            if low in _REPEATING:
+                if len(lines) >= _LINES_MAX:
+                    lines.clear()
+                lines[(name, value)] = line
+        out.append(line)
     if not length:
         return None
     if close:

@@ -14,11 +14,23 @@ the caller's context (``contextvars``), its result is returned and its exception
 calling task, and the call cannot be cancelled while ``fn`` runs (the task waits for the
 result: a write is never abandoned half-way). Under an event loop other than trio (asyncio:
 Starlette's ``TestClient``) the call is ``anyio.to_thread.run_sync`` itself.
+
+The hand-back (bench/README.md, "The close path, session 14: serve"): the writer thread puts
+the job's outcome in the job's slot and writes the waiting task's own ``eventfd``, which the
+task waits on with ``trio.lowlevel.wait_readable``: the event loop wakes that task straight
+from ``epoll``. trio's ``TrioToken.run_sync_soon`` (its entry queue: a wake-up socket, a system
+task that runs the callback, which reschedules the task) cost one more loop iteration and task
+step per write. The eventfds are kept for reuse (one per write in progress at once). A caller
+cancelled while it waits is not told until its job has finished: the wait is taken up again
+shielded and the result returned (the cancellation comes at the task's next checkpoint), the
+promise ``wait_task_rescheduled`` with ``Abort.FAILED`` kept before. Without ``os.eventfd``
+(not Linux) the hand-back is ``run_sync_soon``'s.
 """
 from __future__ import annotations
 
 import contextvars
 import logging
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -34,8 +46,24 @@ T = TypeVar("T")
 
 IDLE_SECONDS = 10.0  # a thread without a job this long ends (the next job starts another)
 
-_Job = tuple[contextvars.Context, Callable[..., Any], tuple[Any, ...], trio.lowlevel.TrioToken,
-             trio.lowlevel.Task]
+_EVENTFD = hasattr(os, "eventfd")  # Linux
+POOL_MAX = 64  # eventfds kept for reuse at most (more only while more writes wait at once)
+
+
+class _Slot:
+    """One job's hand-back: its outcome (set by the writer thread) and how the waiting task
+    is woken: written to ``fd`` (an eventfd), else through ``token`` (trio's entry queue)."""
+
+    __slots__ = ("result", "fd", "token", "task")
+
+    def __init__(self, fd: int, token: trio.lowlevel.TrioToken | None, task: trio.lowlevel.Task | None) -> None:
+        self.result: outcome.Outcome[Any] | None = None
+        self.fd = fd
+        self.token = token
+        self.task = task
+
+
+_Job = tuple[contextvars.Context, Callable[..., Any], tuple[Any, ...], _Slot]
 
 
 def _cannot_abort(_: Any) -> trio.lowlevel.Abort:
@@ -47,38 +75,67 @@ class WriterThread:
     module docstring), jobs in the order they were submitted. The thread is started by the
     first job and ends by itself after ``idle`` seconds without one (as trio's thread cache
     ends its threads), so nothing has to stop it: an idle server, or an app a test dropped,
-    keeps no thread. ``name``: the thread's name (``ps``, py-spy)."""
+    keeps no thread. ``name``: the thread's name (``ps``, py-spy). ``eventfd``: wake the
+    waiting task through an eventfd (default: where ``os.eventfd`` exists), else through
+    trio's ``run_sync_soon``."""
 
-    def __init__(self, name: str = "memfuse-writer", idle: float = IDLE_SECONDS) -> None:
+    def __init__(self, name: str = "memfuse-writer", idle: float = IDLE_SECONDS, *,
+                 eventfd: bool = _EVENTFD) -> None:
         self.name = name
         self.idle = idle
+        self.eventfd = eventfd
         self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._lock = threading.Lock()
         # GUARDED_BY(_lock). INVARIANT: True while a thread is running that will take every
         # job queued before it ends (it ends only holding _lock with _jobs seen empty).
         self._alive = False
+        # INVARIANT: eventfds no job holds, each with its count at 0 (read after its wake)
+        self._fds: list[int] = []
         self.jobs = 0  # jobs run (tests, the benchmark)
+
+    def __del__(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)``'s result (or exception) from the writer thread. Not a cancellation
         point while ``fn`` runs; raises what ``fn`` raises."""
         try:
-            token = trio.lowlevel.current_trio_token()
+            task = trio.lowlevel.current_task()
         except RuntimeError:  # not under trio
             return await anyio.to_thread.run_sync(fn, *args)
-        self._jobs.put((contextvars.copy_context(), fn, args, token, trio.lowlevel.current_task()))
+        if self.eventfd:
+            fd = self._fds.pop() if self._fds else os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+            slot = _Slot(fd, None, None)
+        else:
+            slot = _Slot(-1, trio.lowlevel.current_trio_token(), task)
+        self._jobs.put((contextvars.copy_context(), fn, args, slot))
         with self._lock:
             if not self._alive:
                 self._alive = True
                 threading.Thread(target=self._work, name=self.name, daemon=True).start()
-        result: T = await trio.lowlevel.wait_task_rescheduled(_cannot_abort)
-        return result
+        if slot.fd < 0:
+            result: T = await trio.lowlevel.wait_task_rescheduled(_cannot_abort)
+            return result
+        read = False
+        try:
+            read = await _woken(slot)
+        finally:
+            if read and len(self._fds) < POOL_MAX:
+                self._fds.append(slot.fd)  # its count back at 0: ready for another job
+            elif read:
+                os.close(slot.fd)
+            # else the wait failed (its fd closed there, or still to be written: left open)
+        assert slot.result is not None
+        value: T = slot.result.unwrap()
+        return value
 
     def _work(self) -> None:
         jobs = self._jobs
         while True:
             try:
-                ctx, fn, args, token, task = jobs.get(timeout=self.idle)
+                ctx, fn, args, slot = jobs.get(timeout=self.idle)
             except queue.Empty:
                 with self._lock:
                     if jobs.empty():
@@ -87,7 +144,33 @@ class WriterThread:
                 continue
             self.jobs += 1
             result = outcome.capture(ctx.run, fn, *args)
+            if slot.fd >= 0:
+                slot.result = result
+                os.eventfd_write(slot.fd, 1)  # the waiting task's wake (``_woken``)
+                continue
+            token, task = slot.token, slot.task
+            assert token is not None and task is not None
             try:
                 token.run_sync_soon(trio.lowlevel.reschedule, task, result)
             except trio.RunFinishedError:  # cannot happen: the task waits for its answer
                 log.error("writer thread: the event loop of a waiting write has ended")
+
+
+async def _woken(slot: _Slot) -> bool:
+    """Wait until the writer thread wrote ``slot.fd`` (its outcome is then in ``slot``), and
+    read the eventfd back to 0; True. A cancellation while waiting waits again, shielded,
+    and is not raised here (the task's next checkpoint raises it): the job runs to its end
+    and its caller gets its answer, as with ``Abort.FAILED``. Any other exception is raised
+    after the wake."""
+    try:
+        await trio.lowlevel.wait_readable(slot.fd)
+    except BaseException as e:  # noqa: BLE001 - the job is under way: its answer first
+        with trio.CancelScope(shield=True):
+            await trio.lowlevel.wait_readable(slot.fd)  # readable once written, not before
+        os.eventfd_read(slot.fd)
+        if not isinstance(e, trio.Cancelled):
+            os.close(slot.fd)  # read, and the thread is done with it
+            raise
+        return True
+    os.eventfd_read(slot.fd)
+    return True

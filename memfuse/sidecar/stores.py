@@ -220,7 +220,8 @@ class StoreSync:
         mirror that does not add up is replaced by a snapshot, and so is one whose blobs
         are mostly missing (the blob cache was deleted or started anew after a system
         crash: ``BlobCache.rebuilt``); a few missing blobs are fetched one by one."""
-        state = StoreState(self.config.cache_dir / "stores" / f"{slug}.json", slug)
+        state = StoreState(self.config.cache_dir / "stores" / f"{slug}.json", slug,
+                           blobs=self.fs.blobs)
         # no blob collection until the store is in the tree: its blobs are referenced by
         # nothing else meanwhile (_gc_blobs), and add_store trusts the check below
         self._snapshots_running = getattr(self, "_snapshots_running", 0) + 1
@@ -364,7 +365,8 @@ class StoreSync:
         for slug in self._saved_slugs():
             if slug in self.fs.stores:
                 continue
-            state = StoreState(self.config.cache_dir / "stores" / f"{slug}.json", slug)
+            state = StoreState(self.config.cache_dir / "stores" / f"{slug}.json", slug,
+                           blobs=self.fs.blobs)
             if not state.load():
                 continue
             missing = self.fs.blobs.missing_digests(m.sha for m in state.records.values())
@@ -720,11 +722,11 @@ class StoreSync:
         written); a mirror without a base yet (a new snapshot) waits for the periodic saver,
         which writes the base. A failure is counted and logged once per streak, never
         raised: the periodic saver retries (the write itself is in the control plane).
-        The contents put behind (``BlobCache.put_behind``) are written first: a saved mirror
-        names no content held only in memory (else a ``kill -9`` and an offline restart
-        would show the file, and answer EIO at its read)."""
+        The frame carries the close's content while the blob cache holds it only in memory
+        (``BlobCache.put_behind``; ``StoreState``'s rule: a saved mirror names no content
+        held only in memory, else a ``kill -9`` and an offline restart would show the file
+        and answer EIO at its read), so the close writes no blob-cache transaction."""
         try:
-            self.fs.blobs.write_behind()
             st.save_log()
         except CacheError as e:
             self._state_not_saved(st, e)
@@ -836,6 +838,8 @@ class StoreSync:
             except CacheError as e:  # a cache: the next mount resumes from the older file
                 log.warning("store state not saved at unmount", extra={"store": slug,
                                                                        "reason": e.reason})
+            finally:
+                state.close()
         log.info("store unmounted", extra={"store": slug, "uncommitted": left})
         return left
 
