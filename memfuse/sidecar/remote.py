@@ -426,10 +426,13 @@ class RemoteApply:
             return  # said already (a record changed while hidden is not said again)
         if blocker.state == REJECTED and not blocker.local_only and not blocker.is_dir:
             at = ("this path" if where == rec.path else f"{rec.path}, below this file's path")
-            self._note_rejected_kept(blocker, rec, f"another record now has {at} elsewhere "
-                                     f"(record {rec.id}, version {rec.version}); that record "
-                                     + (f"stays shown at {shown_at}" if shown_at is not None
-                                        else "is not shown here") + " while this file is kept")
+            if shown_at is not None:
+                what = (f"record {rec.id} was moved onto {at} elsewhere; it stays shown at "
+                        f"{shown_at} while this file is kept")
+            else:
+                what = (f"another record now has {at} elsewhere (record {rec.id}, version "
+                        f"{rec.version}); that record is not shown here while this file is kept")
+            self._note_rejected_kept(blocker, None if shown_at is not None else rec, what)
             return
         kind = ("a directory made here" if blocker.is_dir and blocker.made
                 else "a directory" if blocker.is_dir
