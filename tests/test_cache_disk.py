@@ -261,10 +261,11 @@ def free_bytes(cache: Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def keep_full(cache: Path, name: str, settle: float = 1.0, timeout: float = 30.0) -> Path:
+def keep_full(cache: Path, name: str, settle: float = 2.5, timeout: float = 30.0) -> Path:
     """Fill the cache disk (ballast file ``name``, grown in place, never truncated) and keep
     it 100 % full until the running sidecar has stopped giving space back: ``settle`` s in a
-    row with 0 bytes free; its path. Bounded by ``timeout`` s (``AssertionError``).
+    row with 0 bytes free (longer than the journal's idle checkpoint,
+    ``Journal.CHECKPOINT_EVERY``); its path. Bounded by ``timeout`` s (``AssertionError``).
 
     A disk filled once does not stay full: the sidecar gives its own space back by design
     (a drained journal truncates its write-ahead log and spends its ``DiskReserve``; a
