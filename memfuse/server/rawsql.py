@@ -28,10 +28,51 @@ from typing import Any
 
 from sqlalchemy import exc
 from sqlalchemy.engine import Connection, Dialect
+from sqlalchemy.event.attr import _EmptyListener, _JoinedListener, _ListenerCollection
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.elements import ClauseElement
 
-__all__ = ["Raw", "RawIn", "RawRow"]
+__all__ = ["Raw", "RawIn", "RawRow", "statement_listeners"]
+
+# the last (connection-level, engine-level) listener collections seen and the sequences
+# that hold their listeners, in SQLAlchemy's order (``statement_listeners``); one tuple,
+# replaced whole (threads read it without a lock)
+_LAST: tuple[Any, Any, tuple[Any, ...]] = (None, None, ())
+
+
+def statement_listeners(conn: Connection) -> tuple[Any, ...]:
+    """The sequences that hold the ``before_cursor_execute`` listeners of ``conn``, in the
+    order SQLAlchemy's own iteration of ``conn.dispatch.before_cursor_execute`` calls them:
+    iterate each sequence in turn. The sequences are SQLAlchemy's own deques of the
+    Connection class, the connection, the Engine class and the engine, so a listener added or
+    removed later (``event.listen`` / ``event.remove``) is seen at the next iteration, not
+    through a cache of their contents. Only which deques to read is kept (for the last pair of
+    connection- and engine-level collections); a collection SQLAlchemy replaces (its first
+    instance-level listener turns an ``_EmptyListener`` into a ``_ListenerCollection``) is
+    another object, so the pair no longer matches. A collection of another shape (another
+    SQLAlchemy) falls back to SQLAlchemy's iteration: ``(conn.dispatch.before_cursor_execute,)``.
+    SQLAlchemy's own iteration (``_JoinedListener`` / ``_CompoundListener.__iter__``, two
+    ``chain``s, a property) costs ~10 Python calls per statement (bench/README.md, "The close
+    path, session 14: serve")."""
+    global _LAST
+    joined = conn.dispatch.before_cursor_execute
+    if type(joined) is not _JoinedListener:
+        return (joined,)
+    local = joined.local
+    engine = joined.parent_dispatch.before_cursor_execute
+    last = _LAST
+    if last[0] is local and last[1] is engine:
+        return last[2]
+    parts: list[Any] = []
+    for coll in (local, engine):
+        if type(coll) is _EmptyListener:
+            parts.append(coll.parent_listeners)
+        elif type(coll) is _ListenerCollection:
+            parts += (coll.parent_listeners, coll.listeners)
+        else:
+            return (joined,)
+    _LAST = (local, engine, tuple(parts))
+    return _LAST[2]
 
 
 class RawRow(tuple[Any, ...]):
@@ -166,9 +207,15 @@ class Raw:
         args = c.parameters(params)
         # the DB-API connection itself: ``driver_connection`` is the same object for our sync
         # drivers (sqlite3, psycopg), two property calls further
-        cursor = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
-        for fn in conn.dispatch.before_cursor_execute:  # the /metrics statement counter, tests' spies
-            fn(conn, cursor, c.sql, args, None, False)
+        # (``Connection.connection`` returns ``_dbapi_connection`` when it is set; when not,
+        # the property revalidates or raises)
+        fairy = conn._dbapi_connection  # noqa: SLF001
+        if fairy is None:
+            fairy = conn.connection
+        cursor = fairy.dbapi_connection.cursor()  # type: ignore[union-attr]
+        for listeners in statement_listeners(conn):  # the /metrics statement counter, tests' spies
+            for fn in listeners:
+                fn(conn, cursor, c.sql, args, None, False)
         try:
             cursor.execute(c.sql, args)
         except dialect.loaded_dbapi.Error as e:
