@@ -195,8 +195,9 @@ async def test_reads_of_live_records_at_paths_look_each_path_up_on_sqlite(env):
 def test_raw_calls_the_listeners_sqlalchemy_would_call_without_its_iteration(monkeypatch):
     """``rawsql.statement_listeners``: every ``before_cursor_execute`` listener SQLAlchemy's own
     iteration would call, in its order, as listeners are added and removed at each level
-    (engine, Connection class, one connection, Engine class), through a remove then an add
-    (the same number of listeners, another one) and between two engines in turn; and
+    (engine, Connection class, one connection, Engine class, an ``execution_options`` engine),
+    through a remove then an add (the same number of listeners, another one) and between
+    engines in turn; and
     SQLAlchemy's iterators (~10 Python calls a statement) are not used for it."""
     from sqlalchemy import create_engine, text
     from sqlalchemy.engine import Connection, Engine
@@ -209,7 +210,7 @@ def test_raw_calls_the_listeners_sqlalchemy_would_call_without_its_iteration(mon
             calls.append(name)
         return listener
 
-    fns = {n: spy(n) for n in "abcdex"}
+    fns = {n: spy(n) for n in "abcdefx"}
     raw = Raw(text("SELECT 1"))
 
     def check(conn, want: list[str]) -> None:
@@ -240,7 +241,8 @@ def test_raw_calls_the_listeners_sqlalchemy_would_call_without_its_iteration(mon
         added.remove((target, name))
 
     try:
-        with one.connect() as c1, two.connect() as c2:
+        opt = one.execution_options(memfuse_write=True)  # as db.write_conn's engine
+        with one.connect() as c1, two.connect() as c2, opt.connect() as c3:
             check(c1, [])
             listen(one, "a")
             check(c1, ["a"])
@@ -256,13 +258,19 @@ def test_raw_calls_the_listeners_sqlalchemy_would_call_without_its_iteration(mon
             remove(one, "a")
             listen(one, "d")  # as many listeners as before, another one
             check(c1, ["b", "c", "d"])
+            check(c3, ["b", "d"])
+            listen(opt, "f")
+            check(c3, ["b", "f", "d"])
+            check(c1, ["b", "c", "d"])
             listen(Engine, "e")
             check(c1, ["b", "c", "e", "d"])
             check(c2, ["b", "e", "x"])
+            check(c3, ["b", "f", "e", "d"])
             for target, name in list(added):
                 remove(target, name)
             check(c1, [])
             check(c2, [])
+            check(c3, [])
     finally:
         for target, name in added:
             event.remove(target, "before_cursor_execute", fns[name])

@@ -34,45 +34,48 @@ from sqlalchemy.sql.elements import ClauseElement
 
 __all__ = ["Raw", "RawIn", "RawRow", "statement_listeners"]
 
-# the last (connection-level, engine-level) listener collections seen and the sequences
-# that hold their listeners, in SQLAlchemy's order (``statement_listeners``); one tuple,
-# replaced whole (threads read it without a lock)
-_LAST: tuple[Any, Any, tuple[Any, ...]] = (None, None, ())
+# the listener collections last seen (``statement_listeners``) and the sequences that hold
+# their listeners, in SQLAlchemy's order; one tuple, replaced whole (threads read it without
+# a lock)
+_LAST: tuple[tuple[Any, ...], tuple[Any, ...]] = ((), ())
 
 
 def statement_listeners(conn: Connection) -> tuple[Any, ...]:
     """The sequences that hold the ``before_cursor_execute`` listeners of ``conn``, in the
     order SQLAlchemy's own iteration of ``conn.dispatch.before_cursor_execute`` calls them:
-    iterate each sequence in turn. The sequences are SQLAlchemy's own deques of the
-    Connection class, the connection, the Engine class and the engine, so a listener added or
-    removed later (``event.listen`` / ``event.remove``) is seen at the next iteration, not
-    through a cache of their contents. Only which deques to read is kept (for the last pair of
-    connection- and engine-level collections); a collection SQLAlchemy replaces (its first
-    instance-level listener turns an ``_EmptyListener`` into a ``_ListenerCollection``) is
-    another object, so the pair no longer matches. A collection of another shape (another
-    SQLAlchemy) falls back to SQLAlchemy's iteration: ``(conn.dispatch.before_cursor_execute,)``.
-    SQLAlchemy's own iteration (``_JoinedListener`` / ``_CompoundListener.__iter__``, two
-    ``chain``s, a property) costs ~10 Python calls per statement (bench/README.md, "The close
-    path, session 14: serve")."""
+    iterate each sequence in turn. The sequences are SQLAlchemy's own deques (of the
+    Connection class, the connection, the Engine class, the engine, and of an engine made by
+    ``execution_options`` and its class), so a listener added or removed later
+    (``event.listen`` / ``event.remove``) is seen at the next iteration: their contents are
+    never cached. What is kept is which deques to read, for the last chain of collections
+    seen: the chain is walked per call (attribute reads, no Python call), and a collection
+    SQLAlchemy replaces (its first instance-level listener turns an ``_EmptyListener`` into a
+    ``_ListenerCollection``) is another object, so the chain no longer matches. A collection
+    of another shape (another SQLAlchemy) falls back to SQLAlchemy's iteration:
+    ``(conn.dispatch.before_cursor_execute,)``. SQLAlchemy's own iteration
+    (``_JoinedListener`` / ``_CompoundListener.__iter__``, ``chain``s, a property) costs ~10
+    Python calls per statement (bench/README.md, "The close path, session 14: serve")."""
     global _LAST
-    joined = conn.dispatch.before_cursor_execute
-    if type(joined) is not _JoinedListener:
-        return (joined,)
-    local = joined.local
-    engine = joined.parent_dispatch.before_cursor_execute
+    joined = coll = conn.dispatch.before_cursor_execute
+    chain: list[Any] = []
+    while type(coll) is _JoinedListener:  # its own collection first, then its parent's
+        chain.append(coll.local)
+        coll = coll.parent_dispatch.before_cursor_execute
+    chain.append(coll)
+    key = tuple(chain)
     last = _LAST
-    if last[0] is local and last[1] is engine:
-        return last[2]
+    if last[0] == key:  # the same objects (these collections compare by identity)
+        return last[1]
     parts: list[Any] = []
-    for coll in (local, engine):
-        if type(coll) is _EmptyListener:
-            parts.append(coll.parent_listeners)
-        elif type(coll) is _ListenerCollection:
-            parts += (coll.parent_listeners, coll.listeners)
+    for c in key:
+        if type(c) is _EmptyListener:
+            parts.append(c.parent_listeners)
+        elif type(c) is _ListenerCollection:
+            parts += (c.parent_listeners, c.listeners)
         else:
             return (joined,)
-    _LAST = (local, engine, tuple(parts))
-    return _LAST[2]
+    _LAST = (key, tuple(parts))
+    return _LAST[1]
 
 
 class RawRow(tuple[Any, ...]):
