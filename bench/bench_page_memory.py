@@ -1,9 +1,10 @@
 """Server memory of pages that carry content (attack 13 F7): peak RSS of one ``memfuse serve``
-answering ``GET .../changes?after=0&content=true&limit=1000`` and ``GET .../records?content=true
-&limit=1000`` ``K`` times at once, over ``N`` versions (and ``N`` records) of 1 MiB of U+0001
-(escaped six-fold in JSON: the worst content per stored byte).
+answering ``GET .../changes?after=0&content=true&limit=1000`` (plain, long-poll ``wait=5`` and
+the first line of ``stream=true``) and ``GET .../records?content=true&limit=1000`` ``K`` times
+at once, over ``N`` versions (and ``N`` records) of 1 MiB of U+0001 (escaped six-fold in JSON:
+the worst content per stored byte).
 
-    PYTHONPATH=$PWD .venv/bin/python bench/bench_page_memory.py [--n 40] [--k 4] [--only changes|records]
+    PYTHONPATH=$PWD .venv/bin/python bench/bench_page_memory.py [--n 40] [--k 4] [--only changes|longpoll|stream|records]
 
 Starts its own ``memfuse serve`` (``$PYTHONPATH``'s code: run it with the base tree's to
 compare; SQLite file, default limits) on loopback. Prints, per endpoint, the bytes of one
@@ -33,7 +34,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=40, help="versions / records of 1 MiB")
     ap.add_argument("--k", type=int, default=4, help="concurrent readers")
-    ap.add_argument("--only", choices=("changes", "records"), help="one endpoint (each its own peak)")
+    ap.add_argument("--only", choices=("changes", "longpoll", "stream", "records"),
+                    help="one endpoint (each its own peak)")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="page-memory-"))
     token_file = tmp / "admin.token"
@@ -59,6 +61,8 @@ def run(base: str, pid: int, n: int, k: int, only: str | None) -> None:
         if data is not None:
             req.add_header("Content-Type", "application/json")
         with urllib.request.urlopen(req, timeout=600) as r:
+            if "stream=true" in path:  # the first line (a page), then the stream is closed
+                return r.readline()
             return r.read()
 
     def hwm() -> int:
@@ -75,10 +79,12 @@ def run(base: str, pid: int, n: int, k: int, only: str | None) -> None:
         call("POST", "/v1/stores/snap/records", {"path": f"r{i:03d}.txt", "content": f"r{i:04d}\n" + body})
     print(f"load average {os.getloadavg()[0]:.1f}; {n} versions and {n} records of 1 MiB of U+0001; "
           f"server peak RSS after the writes {hwm()} MiB", flush=True)
-    for name, first in (("changes", "/v1/stores/big/changes?after=0&content=true&limit=1000"),
+    feed = "/v1/stores/big/changes?after=0&content=true&limit=1000"
+    for name, first in (("changes", feed), ("longpoll", feed + "&wait=5"), ("stream", feed + "&stream=true"),
                         ("records", "/v1/stores/snap/records?content=true&limit=1000")):
         if only not in (None, name):
             continue
+        max_seq = json.loads(call("GET", f"/v1/stores/big/records/{rid}?content=false"))["seq"]  # the feed's head
         sizes: list[int] = []
         before = hwm()
         ts = [threading.Thread(target=lambda: sizes.append(len(call("GET", first)))) for _ in range(k)]
@@ -92,17 +98,18 @@ def run(base: str, pid: int, n: int, k: int, only: str | None) -> None:
         while nxt is not None:  # one reader reads everything, following the cursors
             page = json.loads(call("GET", nxt))
             pages += 1
-            if name == "changes":
+            if name != "records":  # the same request from the page's seq (a stream: its next line)
                 rows += len(page["changes"])
-                nxt = (f"/v1/stores/big/changes?after={page['seq']}&content=true&limit=1000"
-                       if page["changes"] else None)
+                nxt = first.replace("after=0", f"after={page['seq']}") if page["changes"] else None
+                if nxt is not None and name != "changes" and page["seq"] == max_seq:
+                    nxt = None  # a long-poll or stream at the head would wait: the end
             else:
                 rows += len(page["records"])
                 nxt = (f"/v1/stores/snap/records?content=true&limit=1000&cursor={page['next_cursor']}"
                        if page["next_cursor"] else None)
         print(f"{k} x GET {name} (first page): {max(sizes) / 2**20:.0f} MiB each, {secs:.1f} s; "
               f"server peak RSS {before} -> {after} MiB (+{after - before}); all {rows} rows in {pages} pages "
-              f"(the last one empty for changes); load average {os.getloadavg()[0]:.1f}", flush=True)
+              f"(the last one empty for plain changes); load average {os.getloadavg()[0]:.1f}", flush=True)
 
 
 if __name__ == "__main__":

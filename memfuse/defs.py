@@ -7,9 +7,10 @@ the sidecar, which never loads pydantic, can use them.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
 from enum import Enum
+from urllib.parse import parse_qsl, urlencode
 
 __all__ = [
     "RECORD_TYPES",
@@ -41,9 +42,16 @@ __all__ = [
     "SEARCH_PAGE_MAX",
     "SEARCH_LINES_DEFAULT",
     "SEARCH_LINES_MAX",
+    "VERSIONS_PAGE_DEFAULT",
+    "VERSIONS_PAGE_MAX",
+    "VERSIONS_PAGE_BYTES",
+    "next_page_link",
     "FEED_PAGE_MAX",
     "PAGE_CONTENT_BYTES",
     "page_rows_within",
+    "JSON_TEXT_GROWTH",
+    "json_text_bytes",
+    "json_rows_within",
     "JOBS_PAGE_DEFAULT",
     "JOBS_PAGE_MAX",
     "Access",
@@ -139,6 +147,23 @@ SEARCH_QUERY_MAX = 256  # characters of ``q``
 SEARCH_PREFIX_MAX = 1024  # characters of ``prefix`` (a record path's bound)
 SEARCH_PAGE_DEFAULT, SEARCH_PAGE_MAX = 20, 100  # records read per search page (``limit``)
 SEARCH_LINES_DEFAULT, SEARCH_LINES_MAX = 5, 100  # matching lines shown per record
+# GET /v1/stores/{store}/records/{id}/versions: versions per page (``limit``; the default is
+# the most, so a client that pages nothing sees as much as it can) and the JSON bytes of one
+# page's versions (without content: a version's path is at most 1 KiB, so this cuts only
+# pages of long paths); a page cut by either carries a ``Link: <…>; rel="next"`` header
+VERSIONS_PAGE_DEFAULT = VERSIONS_PAGE_MAX = 1000
+VERSIONS_PAGE_BYTES = 1 << 20
+
+
+def next_page_link(query: str, cursor: int) -> str:
+    """The ``Link`` header (RFC 8288) of a page whose request had the query string ``query``
+    (raw, percent-encoded) when more follow: ``<?…>; rel="next"``, a reference relative to
+    the request's URL whose query is the request's with ``cursor`` set to ``cursor`` (the
+    other parameters kept, in order). Clients read it with httpx's ``Response.links``."""
+    kept = [(k, v) for k, v in parse_qsl(query, keep_blank_values=True) if k != "cursor"]
+    return f'<?{urlencode([*kept, ("cursor", str(cursor))])}>; rel="next"'
+
+
 # the response header of GET /v1/workspaces/{ws}/attachments naming the actor the control plane
 # records on this caller's writes (``ws:<workspace name>/<instance>``): what a sidecar's feed
 # leaves out as its own (docs/API.md "Workspaces and attachments")
@@ -166,6 +191,43 @@ def page_rows_within(sizes: Iterable[int | None], budget: int = PAGE_CONTENT_BYT
             break
         n += 1
     return n
+
+
+# the bytes of JSON one byte of text (UTF-8) escapes to at most in an answer: a control
+# character other than \b \t \n \f \r is ``\u00XX`` (memfuse's encoders — pydantic, msgspec,
+# ``json`` without ``ensure_ascii`` — write other characters as their UTF-8, unescaped)
+JSON_TEXT_GROWTH = 6
+# the bytes JSON escapes in two (``\"`` ``\\`` ``\b`` ``\t`` ``\n`` ``\f`` ``\r``); the other
+# control characters take six (``\u00XX``), every other byte stays itself
+_JSON_SHORT = b'"\\\b\t\n\f\r'
+_JSON_PLAIN = bytes(b for b in range(0x20, 256) if b not in _JSON_SHORT)
+
+
+def json_text_bytes(text: str) -> int:
+    r"""The bytes of ``text`` as the body of a JSON string (without its quotes), as memfuse's
+    answers encode it: its UTF-8 bytes, plus one for each ``"``, ``\``, and ``\b \t \n \f
+    \r`` (two-byte escapes) and five for each other control character (``\u00XX``); at most
+    ``JSON_TEXT_GROWTH`` times its UTF-8. Exact for pydantic's (serde_json's) and msgspec's
+    encoders (tests/test_version_pages.py checks every code point). Passes in C (encode,
+    ``bytes.translate`` twice): 1–5 ms per MiB (bench/README.md, "Change-feed pages bounded
+    in JSON bytes")."""
+    raw = text.encode("utf-8", "surrogatepass")
+    escaped = raw.translate(None, _JSON_PLAIN)  # the bytes JSON escapes, and only those
+    if not escaped:
+        return len(raw)
+    six = len(escaped.translate(None, _JSON_SHORT))  # ``\u00XX`` each; the rest two bytes each
+    return len(raw) + (len(escaped) - six) + 5 * six
+
+
+def json_rows_within(texts: Sequence[str | None], budget: int = PAGE_CONTENT_BYTES) -> int:
+    """``page_rows_within`` for rows whose content is ``texts`` (None: none), each counted as
+    its JSON (``json_text_bytes``): how many of the leading rows one page carries when its
+    content is bounded in encoded bytes (a long-poll's or a stream line's page is encoded
+    whole: 8 MiB of control characters would be 48 MiB of JSON). Counts nothing when even
+    the worst growth (``JSON_TEXT_GROWTH`` bytes a character) fits."""
+    if sum(len(t) for t in texts if t) * JSON_TEXT_GROWTH <= budget:
+        return len(texts)
+    return page_rows_within(json_text_bytes(t) if t else 0 for t in texts)
 
 
 # consolidation jobs per page of GET /v1/stores/{store}/consolidations (``limit``)

@@ -29,7 +29,7 @@ from typing import Callable
 from hypothesis import HealthCheck, settings
 
 from memfuse import names
-from mountutil import ControlPlane, Sidecar, live_records, wait_until
+from mountutil import ControlPlane, Rig, Sidecar, live_records, wait_until
 
 # ------------------------------------------------------------------ hypothesis budget
 LONG_EXAMPLES = int(os.environ.get("MEMFUSE_HYPOTHESIS_EXAMPLES", "0") or 0)
@@ -197,7 +197,8 @@ def utf8_text_ok(data: bytes) -> bool:
 
 # ------------------------------------------------------------------ the environment
 class MountEnv:
-    """A control plane plus one sidecar of workspace ``ws`` mounted at ``tmp/mnt``.
+    """A control plane plus one sidecar of workspace ``ws`` mounted at ``tmp/mnt`` (a
+    ``mountutil.Rig``: ``stop`` is its teardown).
 
     ``stores`` maps slug → limits (``update_store`` keyword arguments) applied before the
     mount; ``unattached`` stores exist on the control plane but are not attached to ``ws``.
@@ -206,6 +207,7 @@ class MountEnv:
     def __init__(self, tmp: Path, stores: dict[str, dict], unattached: tuple[str, ...] = (),
                  ws: str = "ws") -> None:
         self.tmp, self.stores, self.unattached, self.ws = tmp, stores, unattached, ws
+        self.rig = Rig(tmp)
         self.cp: ControlPlane | None = None
         self.sc: Sidecar | None = None
         self.token_file: Path | None = None
@@ -219,8 +221,8 @@ class MountEnv:
         return self.root / slug
 
     def start(self) -> "MountEnv":
-        self.cp = ControlPlane(self.tmp).start()
-        self.token_file = self.cp.setup_workspace(self.ws, tuple(self.stores))
+        self.cp = self.rig.__enter__().cp
+        self.token_file = self.rig.workspace(self.ws, tuple(self.stores))
         for slug, limits in self.stores.items():
             if limits:
                 self.cp.call("update_store", slug, **limits)
@@ -231,9 +233,9 @@ class MountEnv:
 
     def _mount(self) -> None:
         self.generation += 1
-        self.sc = Sidecar(self.cp, self.ws, self.token_file, self.root,
-                          self.tmp / f"cache{self.generation}")
-        self.sc.start(expect=next(iter(self.stores)))  # assigned first: stop() sees a failed start
+        self.sc = self.rig.sidecar(self.ws, token=self.token_file, mountpoint=self.root,
+                                   cache_dir=self.tmp / f"cache{self.generation}",
+                                   expect=next(iter(self.stores)))
 
     def remount(self) -> None:
         """Stop the sidecar (it drains) and mount again with a fresh cache directory."""
@@ -244,12 +246,7 @@ class MountEnv:
         self._mount()
 
     def stop(self) -> None:
-        try:
-            if self.sc is not None:
-                self.sc.stop()
-        finally:
-            if self.cp is not None:
-                self.cp.stop()
+        self.rig.close()
 
     # --- control-plane views
     def records(self, store: str = "default") -> dict[str, object]:

@@ -1,9 +1,11 @@
 """Helpers for tests that drive real FUSE mounts in separate processes.
 
-Every process we start is stopped in a ``finally``; every mount is unmounted there too, with a
-lazy ``fusermount3 -uz`` as the last resort. Every shell command against a mount has a timeout.
-The test process itself touches a mount only through syscalls while the mount is served by
-another process, so nothing here can deadlock the serving loop.
+A test's control plane and sidecars belong to a ``Rig`` (``with Rig(tmp_path) as rig``), whose
+one teardown rule stops every process we start and unmounts every mount, each step in a
+``finally``, with a lazy ``fusermount3 -uz`` as the last resort (``serve_and_mount``,
+``two_sidecars`` and ``mountcheck.MountEnv`` are rigs of a fixed shape). Every shell command
+against a mount has a timeout. The test process itself touches a mount only through syscalls
+while the mount is served by another process, so nothing here can deadlock the serving loop.
 """
 from __future__ import annotations
 
@@ -16,9 +18,10 @@ import socket
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Iterator
+from types import EllipsisType, TracebackType
+from typing import Callable, Iterator
 
 import trio
 
@@ -151,6 +154,7 @@ class ControlPlane:
         self.token_file.write_text(self.admin_token)
         self.log = tmp / "serve.log"
         self.proc: subprocess.Popen | None = None
+        self.frozen = False  # SIGSTOPped by ``freeze``: ``stop`` sends SIGCONT first
 
     @property
     def url(self) -> str:
@@ -168,13 +172,48 @@ class ControlPlane:
              "--admin-token-file", str(self.token_file), "--migrate", *self.extra_args],
             stdout=self.log.open("ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env=dict(os.environ, MEMFUSE_HOME=str(self.tmp / "home")))
-        url = serve_listening(self.proc, self.log, offset)
+        try:
+            url = serve_listening(self.proc, self.log, offset)
+        except BaseException:
+            self.stop()  # a start that fails half-way leaves no process behind
+            raise
         self.port = int(url.rsplit(":", 1)[1])
         return self
 
     def stop(self) -> None:
+        """SIGTERM (after SIGCONT when frozen), SIGKILL as the last resort; a stopped control
+        plane stops at once. Idempotent."""
         if self.proc is not None:
+            self.thaw()
             stop(self.proc)
+
+    def restart(self, extra_args: tuple[str, ...] | None = None) -> "ControlPlane":
+        """Stop, then start again on the same port and database (sidecars keep their URL);
+        ``extra_args`` replaces the ``memfuse serve`` options when given."""
+        self.stop()
+        if extra_args is not None:
+            self.extra_args = list(extra_args)
+        return self.start()
+
+    def kill(self) -> None:
+        """SIGKILL the server (no graceful shutdown; a frozen one dies too) and reap it."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+        self.frozen = False
+
+    def freeze(self) -> None:
+        """SIGSTOP the server: its port still accepts connections, nothing answers them (a
+        request in flight hangs) until ``thaw``; ``stop`` thaws it first."""
+        assert self.proc is not None and self.proc.poll() is None, "the control plane is not running"
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        self.frozen = True
+
+    def thaw(self) -> None:
+        """SIGCONT a server ``freeze`` stopped; nothing when it is not frozen."""
+        if self.frozen and self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+        self.frozen = False
 
     def call(self, method: str, *args, token: str | None = None, **kwargs):
         """Run one ``ApiClient`` method synchronously (admin token by default)."""
@@ -235,14 +274,37 @@ class Sidecar:
     """A ``memfuse mount`` process for one workspace (its log is watched, see ``watch_log``)."""
 
     def __init__(self, cp: ControlPlane, ws: str, token_file: Path, mountpoint: Path,
-                 cache_dir: Path, *extra: str) -> None:
+                 cache_dir: Path, *extra: str, expect: str | None = "default") -> None:
         self.cp, self.ws, self.token_file = cp, ws, token_file
         self.mountpoint, self.cache_dir, self.extra = mountpoint, cache_dir, extra
+        self.expect = expect  # the store whose directory shows that the mount is up (see start)
         self.log = cache_dir.parent / f"sidecar-{ws}-{mountpoint.name}.log"
         self.proc: subprocess.Popen | None = None
         watch_log(self.log)
 
-    def start(self, expect: str | None = "default") -> "Sidecar":
+    def start(self, expect: str | None | EllipsisType = ..., timeout: float = 60) -> "Sidecar":
+        """Start ``memfuse mount`` and wait (``timeout`` s at most) until the mountpoint is
+        mounted and shows the store ``expect`` (None: mounted is enough; left out: the one
+        given last, ``default`` at first). Called again after ``stop`` or ``kill9``, it starts
+        the same sidecar again (same cache directory, log and options). A start that fails
+        (the process exits, or the wait times out: ``AssertionError`` with the log's tail)
+        stops the process and unmounts before raising."""
+        if not isinstance(expect, EllipsisType):
+            self.expect = expect
+        expect = self.expect
+        self.launch()
+        try:
+            wait_for(lambda: is_mounted(self.mountpoint) and
+                     (expect is None or os.path.isdir(self.mountpoint / expect)),
+                     timeout, f"mount at {self.mountpoint}", self.proc, self.log)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def launch(self) -> "Sidecar":
+        """Start the ``memfuse mount`` process and return at once, without waiting for the
+        mount (``start`` waits; a test of a start that cannot finish uses this)."""
         self.mountpoint.mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen(
             [MEMFUSE, "mount", str(self.mountpoint), "--control-plane", self.cp.url,
@@ -250,39 +312,149 @@ class Sidecar:
              "--cache-dir", str(self.cache_dir), "--commit-wait", "10",
              "--admin-listen", "127.0.0.1:0", *self.extra],
             stdout=self.log.open("ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        wait_for(lambda: is_mounted(self.mountpoint) and
-                 (expect is None or os.path.isdir(self.mountpoint / expect)),
-                 60, f"mount at {self.mountpoint}", self.proc, self.log)
         return self
 
     def stop(self) -> int:
+        """SIGTERM (SIGKILL after 30 s), then a lazy unmount if the mount is still there;
+        the process's exit code (0 when it never started). Idempotent."""
         code = stop(self.proc) if self.proc is not None else 0
         unmount(self.mountpoint)
         return code
 
+    def restart(self, extra: tuple[str, ...] | None = None) -> "Sidecar":
+        """``stop``, then ``start`` on the same cache directory; ``extra`` replaces the
+        sidecar's extra ``memfuse mount`` options when given."""
+        self.stop()
+        if extra is not None:
+            self.extra = extra
+        return self.start()
+
     def kill9(self) -> None:
+        """SIGKILL the sidecar (no drain: what a crash leaves in its cache directory stays),
+        reap it, and unmount lazily; ``start`` brings it back on the same cache directory."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
         unmount(self.mountpoint)
 
 
+class Rig:
+    """One test's control plane and sidecars, with one teardown rule: the shape of every
+    mount test (``with Rig(tmp_path) as rig: sc = rig.sidecar("ws")``).
+
+    Entering starts ``rig.cp``, a ``ControlPlane`` in ``tmp`` (``serve_args``: more ``memfuse
+    serve`` options; ``db_url``: another database than ``tmp/cp.db``, e.g. PostgreSQL from
+    ``pgutil.fresh_db_url``). ``sidecar`` adds a ``Sidecar`` (setting its workspace up when
+    no token is given) and mounts it, or with ``start=False`` leaves the mount to the test
+    (``sc.start()``), which can set store limits first. Either restarts in place:
+    ``rig.cp.restart()`` (same port and database), ``sc.restart()`` / ``sc.start()`` after
+    ``sc.kill9()`` (same cache directory); ``rig.cp.freeze()`` SIGSTOPs the server.
+
+    Teardown, when the block ends (normally, by an exception, or because a start failed
+    half-way: every process is registered before it starts): the control plane thawed if
+    frozen; what ``defer`` registered and every sidecar (stopped and unmounted), the last
+    added first; then the control plane stopped. Each step runs in a ``finally`` of the one
+    before (``contextlib.ExitStack``: a failing step never skips the next, and its exception
+    is chained to the test's own). When the block failed, the tail of every log (``logs``:
+    the server's, the sidecars', any path the test appends) is printed: pytest shows it with
+    the failure.
+    """
+
+    def __init__(self, tmp: Path, serve_args: tuple[str, ...] = (), db_url: str | None = None) -> None:
+        self.tmp = tmp
+        self.cp = ControlPlane(tmp, serve_args, db_url)
+        self.sidecars: list[Sidecar] = []
+        self.tokens: dict[str, Path] = {}  # workspace → token file, from ``workspace``
+        self.stores: dict[str, tuple[str, ...]] = {}  # workspace → its stores, from ``workspace``
+        self.logs: list[Path] = [self.cp.log]
+        self._stack = ExitStack()
+
+    def __enter__(self) -> "Rig":
+        self._stack.callback(self.cp.stop)  # first in, last out
+        try:
+            self.cp.start()
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def __exit__(self, typ: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> bool | None:
+        failed = exc is not None
+        self._stack.callback(self.cp.thaw)  # first: a frozen server would hold the sidecars' drain
+        try:
+            return self._stack.__exit__(typ, exc, tb)
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            if failed:
+                for p in self.logs:
+                    print(f"----- {p.name} (tail) -----\n{_tail(p)}")
+
+    def close(self) -> None:
+        """The teardown, for a rig not used as a ``with`` block (entered by hand with
+        ``__enter__``, e.g. by a helper object whose ``stop`` this is)."""
+        self.__exit__(None, None, None)
+
+    def defer(self, fn: Callable[..., object], *args: object) -> None:
+        """Run ``fn(*args)`` at teardown, before the sidecars added so far are stopped (e.g.
+        kill a writer process that works on a mount before its sidecar goes)."""
+        self._stack.callback(fn, *args)
+
+    def workspace(self, ws: str, stores: tuple[str, ...] = ("default",),
+                  access: str = "read_write") -> Path:
+        """``ControlPlane.setup_workspace``: the workspace ``ws`` with ``stores`` attached
+        (``access``); its token file, kept in ``tokens``."""
+        self.tokens[ws] = self.cp.setup_workspace(ws, stores, access)
+        self.stores[ws] = stores
+        return self.tokens[ws]
+
+    def sidecar(self, ws: str = "ws", *extra: str, stores: tuple[str, ...] = ("default",),
+                access: str = "read_write", token: Path | None = None,
+                mountpoint: Path | None = None, cache_dir: Path | None = None,
+                expect: str | None | EllipsisType = ..., start: bool = True,
+                via: ControlPlane | None = None) -> Sidecar:
+        """A sidecar of workspace ``ws`` (``extra``: more ``memfuse mount`` options) at
+        ``mountpoint`` (``tmp/mnt`` unless told) with ``cache_dir`` (``tmp/cache``), stopped
+        at teardown. Without ``token``, the workspace's from ``workspace``, which is called
+        with ``stores`` and ``access`` the first time. Started (waiting for the store
+        ``expect``; unless told, the first of the workspace's stores, or ``stores[0]`` with a
+        ``token``; None for none) unless ``start`` is false. ``via``: what the sidecar is
+        given as its control plane instead of ``cp`` (anything with a ``url``, e.g. a proxy
+        in front of it). Raises ``ValueError`` when another sidecar of this rig runs at that
+        mountpoint."""
+        if token is None:
+            token = self.tokens.get(ws) or self.workspace(ws, stores, access)
+            stores = self.stores[ws]
+        mnt = mountpoint or self.tmp / "mnt"
+        if any(sc.mountpoint == mnt and sc.proc is not None and sc.proc.poll() is None
+               for sc in self.sidecars):
+            raise ValueError(f"a sidecar of this rig runs at {mnt}")
+        sc = Sidecar(via or self.cp, ws, token, mnt, cache_dir or self.tmp / "cache", *extra,
+                     expect=stores[0] if isinstance(expect, EllipsisType) else expect)
+        self.sidecars.append(sc)
+        self.logs.append(sc.log)
+        self._stack.callback(sc.stop)  # before the start: a start that fails is stopped too
+        if start:
+            sc.start()
+        return sc
+
+
+def _tail(path: Path, n: int = 6000) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError:
+        return ""
+
+
 @contextmanager
 def serve_and_mount(tmp: Path, ws: str = "ws", stores: tuple[str, ...] = ("default",),
                     access: str = "read_write") -> Iterator[tuple[ControlPlane, Sidecar]]:
-    """A control plane and one sidecar mounted at ``tmp/mnt``; both stopped afterwards."""
-    cp = ControlPlane(tmp).start()
-    sc = None
-    try:
-        tok = cp.setup_workspace(ws, stores, access)
-        sc = Sidecar(cp, ws, tok, tmp / "mnt", tmp / "cache").start(expect=stores[0])
-        yield cp, sc
-    finally:
-        try:
-            if sc is not None:
-                sc.stop()
-        finally:
-            cp.stop()
+    """A control plane and one sidecar mounted at ``tmp/mnt`` (a ``Rig``); both stopped
+    afterwards."""
+    with Rig(tmp) as rig:
+        yield rig.cp, rig.sidecar(ws, stores=stores, access=access)
 
 
 @contextmanager
@@ -290,22 +462,13 @@ def two_sidecars(tmp: Path, store: str = "shared",
                  a_args: tuple[str, ...] = ()) -> Iterator[tuple[ControlPlane, Sidecar, Sidecar]]:
     """A control plane and two sidecars on one shared ``store`` (workspaces ``wa`` and ``wb``,
     mounted at ``tmp/ma`` and ``tmp/mb``; ``a_args``: more flags for ``wa``'s sidecar): the
-    setup of every two-mount sync test; all stopped afterwards."""
-    cp = ControlPlane(tmp).start()
-    a = b = None
-    try:
-        ta = cp.setup_workspace("wa", (store,))
-        tb = cp.setup_workspace("wb", (store,))
-        a = Sidecar(cp, "wa", ta, tmp / "ma", tmp / "ca", *a_args).start(expect=store)
-        b = Sidecar(cp, "wb", tb, tmp / "mb", tmp / "cb").start(expect=store)
-        yield cp, a, b
-    finally:
-        try:
-            for sc in (a, b):
-                if sc is not None:
-                    sc.stop()
-        finally:
-            cp.stop()
+    setup of every two-mount sync test (a ``Rig``); all stopped afterwards."""
+    with Rig(tmp) as rig:
+        rig.workspace("wa", (store,))
+        rig.workspace("wb", (store,))
+        a = rig.sidecar("wa", *a_args, mountpoint=tmp / "ma", cache_dir=tmp / "ca")
+        b = rig.sidecar("wb", mountpoint=tmp / "mb", cache_dir=tmp / "cb")
+        yield rig.cp, a, b
 
 
 def sidecar_status(sc: "Sidecar") -> dict:

@@ -15,7 +15,7 @@ import re
 import httpx
 import pytest
 
-from mountutil import ControlPlane, Sidecar, read, sh, wait_until
+from mountutil import ControlPlane, Rig, Sidecar, read, sh, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -34,9 +34,8 @@ def _content(c: httpx.Client, store: str, path: str) -> str | None:
 
 
 def test_a_mount_in_bravo_shows_and_writes_bravos_notes(tmp_path):
-    cp = ControlPlane(tmp_path).start()
-    sc = None
-    try:
+    with Rig(tmp_path) as rig:
+        cp = rig.cp
         with _admin(cp) as root:
             for acct in ("alpha", "bravo"):
                 assert root.post("/v1/accounts", json={"slug": acct}).status_code == 201
@@ -53,8 +52,7 @@ def test_a_mount_in_bravo_shows_and_writes_bravos_notes(tmp_path):
             tok = bravo.post("/v1/tokens", json={"workspace": "bravo-ws"}).json()["token"]
             token_file = tmp_path / "bravo.token"
             token_file.write_text(tok)
-            sc = Sidecar(cp, "bravo-ws", token_file, tmp_path / "mnt", tmp_path / "cache").start(expect="notes")
-            mnt = sc.mountpoint
+            mnt = rig.sidecar("bravo-ws", token=token_file, expect="notes").mountpoint
             assert sorted(p.name for p in mnt.iterdir() if not p.name.startswith(".")) == ["notes"]
             assert read(mnt / "notes" / "a.md") == "bravo says hi\n"
             # a shell writes through the mount: bravo's notes change, alpha's do not
@@ -74,18 +72,12 @@ def test_a_mount_in_bravo_shows_and_writes_bravos_notes(tmp_path):
         finally:
             for c in clients.values():
                 c.close()
-    finally:
-        try:
-            if sc is not None:
-                sc.stop()
-        finally:
-            cp.stop()
 
 
 def test_two_sidecars_of_workspace_agent_in_two_accounts(tmp_path):
-    cp = ControlPlane(tmp_path).start()
-    sidecars: dict[str, Sidecar] = {}
-    try:
+    with Rig(tmp_path) as rig:
+        cp = rig.cp
+        sidecars: dict[str, Sidecar] = {}
         with _admin(cp) as root:
             for acct in ("bravo", "alpha"):
                 assert root.post("/v1/accounts", json={"slug": acct}).status_code == 201
@@ -101,8 +93,9 @@ def test_two_sidecars_of_workspace_agent_in_two_accounts(tmp_path):
                 tok = c.post("/v1/tokens", json={"workspace": "agent"}).json()["token"]
                 token_file = tmp_path / f"{acct}.token"
                 token_file.write_text(tok)
-                sidecars[acct] = Sidecar(cp, "agent", token_file, tmp_path / f"mnt-{acct}",
-                                         tmp_path / f"cache-{acct}", "--actor", "pod-1").start(expect="notes")
+                sidecars[acct] = rig.sidecar("agent", "--actor", "pod-1", token=token_file, expect="notes",
+                                             mountpoint=tmp_path / f"mnt-{acct}",
+                                             cache_dir=tmp_path / f"cache-{acct}")
             for acct, sc in sidecars.items():
                 assert read(sc.mountpoint / "notes" / "a.md") == f"{acct} says hi\n"
             # a shell writes through each mount: each account's notes change, never the other's
@@ -157,9 +150,3 @@ def test_two_sidecars_of_workspace_agent_in_two_accounts(tmp_path):
         finally:
             for c in clients.values():
                 c.close()
-    finally:
-        try:
-            for sc in sidecars.values():
-                sc.stop()
-        finally:
-            cp.stop()

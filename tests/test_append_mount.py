@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sqlite3
 import uuid
 
 import pytest
 
-from mountutil import drained, sidecar_status, MEMFUSE, ControlPlane, Sidecar, read, serve_and_mount, sh, two_sidecars, wait_until
+from mountutil import drained, sidecar_status, MEMFUSE, ControlPlane, Rig, read, serve_and_mount, sh, two_sidecars, wait_until
 
 pytestmark = pytest.mark.mount
 
@@ -82,18 +81,14 @@ def test_appends_journaled_as_suffixes_survive_kill9(tmp_path, blobs):
     (the first append, in flight, applies; its answer is lost). The restarted sidecar
     rebuilds the queued appends (from the blob cache, or from the control plane's version)
     and the control plane and the file hold every line once."""
-    cp = ControlPlane(tmp_path).start()
-    mnt, cache = tmp_path / "mnt", tmp_path / "cache"
-    sc = None
-    frozen = False
-    try:
-        tok = cp.setup_workspace("ws")
-        sc = Sidecar(cp, "ws", tok, mnt, cache, "--commit-wait", "0.5").start()
+    with Rig(tmp_path) as rig:
+        cp = rig.cp
+        sc = rig.sidecar("ws", "--commit-wait", "0.5")
+        mnt, cache = sc.mountpoint, sc.cache_dir
         f = mnt / "default" / "JOURNAL.md"
         f.write_text(BASE)
         drained(sc)
-        os.kill(cp.proc.pid, signal.SIGSTOP)
-        frozen = True
+        cp.freeze()
         sh(f'for i in $(seq 5); do echo "line $i" >> {f}; done', f.parent, timeout=120)
         want = BASE + "".join(f"line {i}\n" for i in range(1, 6))
         assert read(f) == want
@@ -107,21 +102,12 @@ def test_appends_journaled_as_suffixes_survive_kill9(tmp_path, blobs):
         if blobs == "lost":
             for p in cache.glob("blobs.db*"):
                 p.unlink()
-        os.kill(cp.proc.pid, signal.SIGCONT)
-        frozen = False
-        sc = Sidecar(cp, "ws", tok, mnt, cache, "--commit-wait", "0.5").start()
+        cp.thaw()
+        sc.start()  # same cache directory and options
         drained(sc)
         rec = cp.call("find_record", "default", "JOURNAL.md")
         assert cp.call("get_record", "default", rec.id).content == want
         wait_until(lambda: read(f) == want, timeout=30, what="the file shows every line once")
-    finally:
-        try:
-            if frozen:
-                os.kill(cp.proc.pid, signal.SIGCONT)
-            if sc is not None:
-                sc.stop()
-        finally:
-            cp.stop()
 
 
 def test_a_replayed_append_answered_as_of_an_older_version_shows_the_newest(tmp_path):
@@ -135,25 +121,19 @@ def test_a_replayed_append_answered_as_of_an_older_version_shows_the_newest(tmp_
     record as of that older version: the file must still show the newest version, clean
     (it stayed stale until the next write before), and so must the store's mirror on the
     next start."""
-    cp = ControlPlane(tmp_path).start()
-    mnt, cache = tmp_path / "mnt", tmp_path / "cache"
-    sc = None
-    frozen = False
-    try:
-        tok = cp.setup_workspace("ws")
-        ws_token = tok.read_text().strip()
-        sc = Sidecar(cp, "ws", tok, mnt, cache, "--commit-wait", "0.5").start()
+    with Rig(tmp_path) as rig:
+        cp = rig.cp
+        sc = rig.sidecar("ws", "--commit-wait", "0.5")
+        mnt, cache = sc.mountpoint, sc.cache_dir
+        ws_token = sc.token_file.read_text().strip()
         f = mnt / "default" / "JOURNAL.md"
         f.write_text(BASE)
         drained(sc)
         rec = cp.call("find_record", "default", "JOURNAL.md")
-        os.kill(cp.proc.pid, signal.SIGSTOP)
-        frozen = True
+        cp.freeze()
         sh(f'echo "line 1" >> {f}', f.parent, timeout=60)  # accepted: its journal row is written
         sc.kill9()
-        cp.proc.kill()  # the frozen request dies with it, never applied
-        cp.proc.wait(30)
-        frozen = False
+        cp.kill()  # the frozen request dies with it, never applied
         cp.start()
         db = sqlite3.connect(f"file:{cache / 'outbox.db'}?mode=ro", uri=True, timeout=30)
         try:
@@ -172,7 +152,7 @@ def test_a_replayed_append_answered_as_of_an_older_version_shows_the_newest(tmp_
         want = BASE + "line 1\nline 2\n"
         assert v3.version > v2.version and cp.call("get_record", "default", rec.id).content == want
 
-        sc = Sidecar(cp, "ws", tok, mnt, cache, "--commit-wait", "0.5").start()
+        sc.start()  # same cache directory and options
         drained(sc)
         assert len(cp.call("versions", "default", rec.id)) == 3  # the replay added none
         wait_until(lambda: read(f) == want, timeout=30, what="the file shows the newest version")
@@ -180,7 +160,7 @@ def test_a_replayed_append_answered_as_of_an_older_version_shows_the_newest(tmp_
         assert os.getxattr(f, "user.memfuse.state").decode() == "clean"
         sc.stop()
 
-        sc = Sidecar(cp, "ws", tok, mnt, cache, "--commit-wait", "0.5").start()  # the mirror's state
+        sc.start()  # the mirror's state
         assert read(f) == want
         assert os.getxattr(f, "user.memfuse.version").decode() == str(v3.version)
         sh(f'echo "line 3" >> {f}', f.parent, timeout=60)  # the next write lands on the newest, once
@@ -188,14 +168,6 @@ def test_a_replayed_append_answered_as_of_an_older_version_shows_the_newest(tmp_
         want += "line 3\n"
         assert cp.call("get_record", "default", rec.id).content == want
         assert read(f) == want
-    finally:
-        try:
-            if frozen:
-                os.kill(cp.proc.pid, signal.SIGCONT)
-            if sc is not None:
-                sc.stop()
-        finally:
-            cp.stop()
 
 
 def test_a_replayed_leftover_older_than_the_mirror_never_shows(tmp_path):
@@ -205,25 +177,19 @@ def test_a_replayed_leftover_older_than_the_mirror_never_shows(tmp_path):
     the leftover committed as v2, then an append followed). From the first read, the file
     shows v3, not the leftover's older content; once the control plane answers, the replay
     adds no version and the file stays at v3."""
-    cp = ControlPlane(tmp_path).start()
-    mnt, cache = tmp_path / "mnt", tmp_path / "cache"
-    sc = None
-    frozen = False
-    try:
-        tok = cp.setup_workspace("ws")
-        ws_token = tok.read_text().strip()
-        sc = Sidecar(cp, "ws", tok, mnt, cache, "--commit-wait", "0.5").start()
+    with Rig(tmp_path) as rig:
+        cp = rig.cp
+        sc = rig.sidecar("ws", "--commit-wait", "0.5")
+        mnt, cache = sc.mountpoint, sc.cache_dir
+        ws_token = sc.token_file.read_text().strip()
         f = mnt / "default" / "JOURNAL.md"
         f.write_text(BASE)
         drained(sc)
         rec = cp.call("find_record", "default", "JOURNAL.md")
-        os.kill(cp.proc.pid, signal.SIGSTOP)
-        frozen = True
+        cp.freeze()
         sh(f'echo "line 1" >> {f}', f.parent, timeout=60)  # accepted: its journal row is written
         sc.kill9()
-        cp.proc.kill()  # the frozen request dies with it, never applied
-        cp.proc.wait(30)
-        frozen = False
+        cp.kill()  # the frozen request dies with it, never applied
         cp.start()
         journal = {p.name: p.read_bytes() for p in cache.glob("outbox.db*")}  # the leftover
         db = sqlite3.connect(f"file:{cache / 'outbox.db'}?mode=ro", uri=True, timeout=30)
@@ -241,7 +207,7 @@ def test_a_replayed_leftover_older_than_the_mirror_never_shows(tmp_path):
         want = BASE + "line 1\nline 2\n"
         # one run catches the mirror up to v3 (and replays the leftover); stopped, the cache
         # keeps that mirror; the journal is put back as the kill -9 left it
-        sc = Sidecar(cp, "ws", tok, mnt, cache, "--commit-wait", "0.5").start()
+        sc.start()  # same cache directory and options
         drained(sc)
         wait_until(lambda: read(f) == want, timeout=30, what="the newest version")
         sc.stop()
@@ -249,14 +215,12 @@ def test_a_replayed_leftover_older_than_the_mirror_never_shows(tmp_path):
             p.unlink()
         for name, data in journal.items():
             (cache / name).write_bytes(data)
-        os.kill(cp.proc.pid, signal.SIGSTOP)
-        frozen = True
-        sc = Sidecar(cp, "ws", tok, mnt, cache, "--commit-wait", "0.5", "--offline-after", "1").start()
+        cp.freeze()
+        sc.restart(("--commit-wait", "0.5", "--offline-after", "1"))
         assert sidecar_status(sc)["outbox"]["depth"] == 1  # the leftover, replayed, not answered
         assert read(f) == want  # the first read: the newest, not the leftover's content
         assert os.getxattr(f, "user.memfuse.version").decode() == str(v3.version)
-        os.kill(cp.proc.pid, signal.SIGCONT)
-        frozen = False
+        cp.thaw()
         drained(sc)
         assert read(f) == want
         assert os.getxattr(f, "user.memfuse.state").decode() == "clean"
@@ -264,14 +228,6 @@ def test_a_replayed_leftover_older_than_the_mirror_never_shows(tmp_path):
         sh(f'echo "line 3" >> {f}', f.parent, timeout=60)
         drained(sc)
         assert cp.call("get_record", "default", rec.id).content == want + "line 3\n"
-    finally:
-        try:
-            if frozen:
-                os.kill(cp.proc.pid, signal.SIGCONT)
-            if sc is not None:
-                sc.stop()
-        finally:
-            cp.stop()
 
 
 @pytest.fixture(scope="module")
@@ -352,12 +308,10 @@ def test_bytes_damaged_in_the_blob_cache_while_stopped_are_never_served(tmp_path
     damaged entry is dropped with a warning and the content fetched again from the control
     plane), and the next append and a ``sed -i`` commit exact content. The blob cache
     holds a link per append and one whole copy, not both."""
-    cp = ControlPlane(tmp_path).start()
-    mnt, cache = tmp_path / "mnt", tmp_path / "cache"
-    sc = None
-    try:
-        tok = cp.setup_workspace("ws")
-        sc = Sidecar(cp, "ws", tok, mnt, cache).start()
+    with Rig(tmp_path) as rig:
+        cp = rig.cp
+        sc = rig.sidecar("ws")
+        mnt, cache = sc.mountpoint, sc.cache_dir
         f = mnt / "default" / "C.md"
         f.write_text("H" * 2000 + "\n")
         sh(f"for i in $(seq 1 10); do echo line-$i-zzzzzzzzzzzzzzzz >> {f}; done", f.parent, timeout=60)
@@ -373,9 +327,8 @@ def test_bytes_damaged_in_the_blob_cache_while_stopped_are_never_served(tmp_path
         assert stored == (1, 10)  # the 2 KB base whole, a link per append
         for _ in range(2):
             sc.stop()
-            sc = None
             assert _flip_on_disk(cache, b"line-5-zz", b"LINE-5-zz") >= 1
-            sc = Sidecar(cp, "ws", tok, mnt, cache).start()
+            sc.start()
             assert read(f) == want  # exact: never LINE-5
         log = sc.log.read_text()
         assert "damaged; dropped" in log and "fetched again from the control plane" in log
@@ -387,9 +340,3 @@ def test_bytes_damaged_in_the_blob_cache_while_stopped_are_never_served(tmp_path
         rec = cp.call("find_record", "default", "C.md")
         assert cp.call("get_record", "default", rec.id).content == want
         assert read(f) == want
-    finally:
-        try:
-            if sc is not None:
-                sc.stop()
-        finally:
-            cp.stop()

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mountutil import MEMFUSE, ControlPlane, Sidecar, live_records, sh, wait_until
+from mountutil import MEMFUSE, ControlPlane, Rig, Sidecar, live_records, sh, wait_until
 
 pytestmark = pytest.mark.mount
 
@@ -53,11 +53,9 @@ def outbox_empty(sc: Sidecar) -> bool:
 def test_script_mode_and_mtime_survive_restarts(tmp_path):
     """The issue's scenario: chmod 755 + touch -d on a script, then restart the sidecar with
     its cache and with a fresh one: still executable, mtime kept to the nanosecond."""
-    cp = ControlPlane(tmp_path).start()
-    sc = None
-    try:
-        tok = cp.setup_workspace("ws")
-        sc = Sidecar(cp, "ws", tok, tmp_path / "mnt", tmp_path / "cache").start()
+    with Rig(tmp_path) as rig:
+        cp = rig.cp
+        sc = rig.sidecar("ws")
         d = sc.mountpoint / "default"
         sh(f"printf '#!/bin/sh\\necho ran\\n' > s.sh && chmod 755 s.sh && touch -d {T2020} s.sh", d)
         assert sh("./s.sh", d).stdout == "ran\n"
@@ -91,21 +89,15 @@ def test_script_mode_and_mtime_survive_restarts(tmp_path):
         assert (rec.mode, rec.mtime_ns) == (0o755, None)
         assert os.stat(d / "s.sh").st_mtime_ns > want_mtime
         assert sh("./s.sh", d).stdout == "ran\nagain\n"
-    finally:
-        if sc is not None:
-            sc.stop()
-        cp.stop()
 
 
 def test_a_move_keeps_the_mtime_across_restarts_and_exports(tmp_path):
     """Issue 20: ``echo one > c.md; sleep; mv c.md d.md``: after a restart (fresh cache too)
     and in an export, d.md shows the time of the write, not of the mv; so does a file moved
     with its directory."""
-    cp = ControlPlane(tmp_path).start()
-    sc = None
-    try:
-        tok = cp.setup_workspace("ws")
-        sc = Sidecar(cp, "ws", tok, tmp_path / "mnt", tmp_path / "cache").start()
+    with Rig(tmp_path) as rig:
+        cp = rig.cp
+        sc = rig.sidecar("ws")
         d = sc.mountpoint / "default"
         sh("echo one > c.md && mkdir dir && echo two > dir/e.md", d)
         wait_until(lambda: outbox_empty(sc), timeout=10.0, what="outbox drained")
@@ -130,21 +122,15 @@ def test_a_move_keeps_the_mtime_across_restarts_and_exports(tmp_path):
            f"--token-file {cp.token_file}", tmp_path, timeout=60)
         for new in ("d.md", "moved/e.md"):
             assert os.stat(out / new).st_mtime_ns == recs[new].mtime_ns, new
-    finally:
-        if sc is not None:
-            sc.stop()
-        cp.stop()
 
 
 def test_chown_to_another_owner_is_eperm_and_a_no_op_chown_succeeds(tmp_path):
     """Owner and group are the mount's (nothing stores them): a chown that changes nothing
     succeeds, one to another owner is EPERM (``tar x`` says so), never shown until a
     restart and then lost."""
-    cp = ControlPlane(tmp_path).start()
-    sc = None
-    try:
-        tok = cp.setup_workspace("ws")
-        sc = Sidecar(cp, "ws", tok, tmp_path / "mnt", tmp_path / "cache").start()
+    with Rig(tmp_path) as rig:
+        cp = rig.cp
+        sc = rig.sidecar("ws")
         d = sc.mountpoint / "default"
         sh("echo one > f.md", d)
         st = os.stat(d / "f.md")
@@ -169,23 +155,18 @@ def test_chown_to_another_owner_is_eperm_and_a_no_op_chown_succeeds(tmp_path):
         sc.stop()
         sc.start()
         assert (os.stat(d / "t.md").st_uid, os.stat(d / "t.md").st_gid) == (st.st_uid, st.st_gid)
-    finally:
-        if sc is not None:
-            sc.stop()
-        cp.stop()
 
 
 def test_chmod_of_a_clean_file_is_one_version_without_upload(tmp_path):
     """chmod / touch -d of a committed file: one metadata-only version each (same sha256,
     no PUT or POST of content); a chmod to the same mode, none; sed -i and a Python
     replace keep the mode and make exactly one version; another sidecar sees the attributes."""
-    cp = ControlPlane(tmp_path).start()
-    a = b = None
-    try:
-        ta = cp.setup_workspace("wa")
-        tb = cp.setup_workspace("wb")
-        a = Sidecar(cp, "wa", ta, tmp_path / "ma", tmp_path / "ca").start()
-        b = Sidecar(cp, "wb", tb, tmp_path / "mb", tmp_path / "cb").start()
+    with Rig(tmp_path) as rig:
+        cp = rig.cp
+        rig.workspace("wa")
+        rig.workspace("wb")
+        a = rig.sidecar("wa", mountpoint=tmp_path / "ma", cache_dir=tmp_path / "ca")
+        b = rig.sidecar("wb", mountpoint=tmp_path / "mb", cache_dir=tmp_path / "cb")
         da, db_ = a.mountpoint / "default", b.mountpoint / "default"
         sh("echo 'alpha beta' > notes.md", da)
         wait_until(lambda: outbox_empty(a), timeout=10.0, what="outbox drained")
@@ -235,11 +216,6 @@ def test_chmod_of_a_clean_file_is_one_version_without_upload(tmp_path):
         assert stat.S_IMODE(os.stat(da / "notes.md").st_mode) == 0o755
         wait_until(lambda: (db_ / "notes.md").read_text() == "gamma beta\n", timeout=10.0, what="sed result remote")
         assert stat.S_IMODE(os.stat(db_ / "notes.md").st_mode) == 0o755
-    finally:
-        for sc in (a, b):
-            if sc is not None:
-                sc.stop()
-        cp.stop()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to mount for another user")
@@ -251,13 +227,13 @@ def test_copy_tools_keep_modes_and_times_as_a_normal_user(tmp_path):
     uid, gid = user.pw_uid, user.pw_gid
     base = Path(tempfile.mkdtemp(prefix="memfuse-attrs-", dir="/tmp"))  # reachable by nobody
     os.chmod(base, 0o755)
-    cp = ControlPlane(tmp_path).start()
-    sc = None
     as_user = "runuser -u nobody -- "
-    try:
-        tok = cp.setup_workspace("ws")
-        sc = Sidecar(cp, "ws", tok, base / "mnt", tmp_path / "cache",
-                     "--uid", str(uid), "--gid", str(gid), "--allow-other").start()
+    with Rig(tmp_path) as rig:
+        cp = rig.cp
+        # after the sidecar is stopped and unmounted
+        rig.defer(sh, f"chmod -R u+w {base}; rm -rf {base}", "/", 30, False)
+        sc = rig.sidecar("ws", "--uid", str(uid), "--gid", str(gid), "--allow-other",
+                         mountpoint=base / "mnt")
         d = sc.mountpoint / "default"
         src = base / "src"
         (src / "ro").mkdir(parents=True)
@@ -315,10 +291,3 @@ def test_copy_tools_keep_modes_and_times_as_a_normal_user(tmp_path):
         assert (d / "tree2" / "a.md").read_text() == "read only\n"
         wait_until(lambda: outbox_empty(sc), timeout=10.0, what="outbox drained")
         assert live_records(cp)["tree2/a.md"].mode == 0o440
-    finally:
-        try:
-            if sc is not None:
-                sc.stop()
-        finally:
-            cp.stop()
-            sh(f"chmod -R u+w {base}; rm -rf {base}", "/", check=False)

@@ -17,7 +17,7 @@ import stat
 import httpx
 import pytest
 
-from mountutil import ControlPlane, Sidecar, live_records, read, sh, wait_until
+from mountutil import Rig, Sidecar, live_records, read, sh, wait_until
 
 pytestmark = pytest.mark.mount
 
@@ -43,15 +43,14 @@ def _append(path, line: str) -> None:
 
 
 def test_a_backlog_drains_behind_the_mount(tmp_path):
-    cp = ControlPlane(tmp_path).start()
-    sc = None
-    try:
-        tok = cp.setup_workspace("ws", ("s",))
+    with Rig(tmp_path) as rig:
+        cp = rig.cp
+        rig.workspace("ws", ("s",))
         # a record written elsewhere: this sidecar loads it from a snapshot (key r:<id>,
         # its first local write has no key-map row of its own)
         r = cp.call("create_record", "s", "r.md", "r0\n")
         args = ("--drain-timeout", "1", "--offline-after", "2", "--commit-wait", "2")
-        sc = Sidecar(cp, "ws", tok, tmp_path / "mnt", tmp_path / "cache", *args).start(expect="s")
+        sc = rig.sidecar("ws", *args)
         m = sc.mountpoint / "s"
         sh("printf 'a0\\n' > a.md && echo old > old.md && echo gone > gone.md && echo b > b.md "
            "&& mkdir docs && echo doc > docs/d.md", m)
@@ -67,7 +66,6 @@ def test_a_backlog_drains_behind_the_mount(tmp_path):
            "&& chmod 600 b.md && mv docs notes", m, timeout=60)
         assert _status(sc)["outbox"]["depth"] >= N
         sc.stop()  # SIGTERM: the drain times out (1 s), the backlog stays in the journal
-        sc.proc = None
 
         # restart with the control plane still down: mounted at once, the backlog shown
         sc.start(expect="s")
@@ -90,13 +88,11 @@ def test_a_backlog_drains_behind_the_mount(tmp_path):
 
         # a restart in the middle of the drain (still down): nothing changes
         sc.stop()
-        sc.proc = None
         sc.start(expect="s")
         assert _status(sc)["outbox"]["draining"] is True
         assert read(m / "a.md") == want_a and read(m / "later.md") == "later\n"
         assert read(m / "sub" / "new.md") == "NEW\n" and read(m / "moved.md") == "old\n"
         sc.stop()
-        sc.proc = None
 
         # the control plane is back, with a rival change of a.md made meanwhile (line 1):
         # the mount shows the local content at once, then the merge, never the rival's
@@ -123,10 +119,6 @@ def test_a_backlog_drains_behind_the_mount(tmp_path):
         assert all(read(m / p) == c for p, c in want.items())
         # the appends reached the control plane in order, coalesced into few versions
         assert len(cp.call("versions", "s", a.id)) <= 8
-    finally:
-        if sc is not None and sc.proc is not None:
-            sc.stop()
-        cp.stop()
 
 
 def test_a_backlog_written_after_a_remote_change_is_no_conflict(tmp_path):
@@ -135,12 +127,10 @@ def test_a_backlog_written_after_a_remote_change_is_no_conflict(tmp_path):
     before the control plane is back. The backlog's base is the remote version this sidecar
     had seen when the writes were accepted (the witness), not its own older commit (the
     journal's key map): the drain meets no conflict, nothing is logged as one."""
-    cp = ControlPlane(tmp_path).start()
-    sc = None
-    try:
-        tok = cp.setup_workspace("ws", ("s",))
-        sc = Sidecar(cp, "ws", tok, tmp_path / "mnt", tmp_path / "cache", "--drain-timeout", "1",
-                     "--offline-after", "2", "--commit-wait", "2").start(expect="s")
+    with Rig(tmp_path) as rig:
+        cp = rig.cp
+        rig.workspace("ws", ("s",))
+        sc = rig.sidecar("ws", "--drain-timeout", "1", "--offline-after", "2", "--commit-wait", "2")
         m = sc.mountpoint / "s"
         body = "".join(f"line {i:04d} of a file longer than one KiB\n" for i in range(40))
         (m / "f.md").write_text(body)
@@ -161,7 +151,6 @@ def test_a_backlog_written_after_a_remote_change_is_no_conflict(tmp_path):
             want += f"off {i}\n"
         assert _status(sc)["outbox"]["depth"] >= 1
         sc.kill9()  # the journal and its witness as a crash leaves them
-        sc.proc = None
         sc.start(expect="s")  # the control plane still down: mounted from the cache
         assert read(m / "f.md") == want
         cp.start()
@@ -173,7 +162,3 @@ def test_a_backlog_written_after_a_remote_change_is_no_conflict(tmp_path):
         # no conflict resolved last-writer-wins (a reader of the test's own polling may have
         # straddled the remote change: that notice is info, not a conflict)
         assert "conflict:" not in sc.log.read_text()
-    finally:
-        if sc is not None and sc.proc is not None:
-            sc.stop()
-        cp.stop()

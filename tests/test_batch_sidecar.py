@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import errno
 import json
-import os
-import signal
 import subprocess
 import types
 from pathlib import Path
@@ -23,8 +21,8 @@ from memfuse.client import ApiClient
 from memfuse.fake import FakeControlPlane
 from memfuse.server import records as server_records
 from memfuse.sidecar.inodes import CLEAN, REJECTED
-from mountutil import MEMFUSE, ControlPlane, Sidecar as MountedSidecar, unmount
-from test_durability import NO_ADMIN, all_clean, outbox_depth, poll, show_logs, timed
+from mountutil import Rig
+from test_durability import NO_ADMIN, all_clean, outbox_depth, poll, timed
 from test_faults import local, make_sidecar, remote, start, wait_until, write
 from test_token_lifecycle import admin_url, metric
 
@@ -134,13 +132,10 @@ def test_cp_r_of_200_files_commits_in_batches(tmp_path):
         (src / f"d{d}").mkdir(parents=True)
         for i in range(25):
             (src / f"d{d}" / f"f{i:02d}.md").write_text(f"# file {d}/{i}\n" + "x" * (i * 7) + "\n")
-    cp = ControlPlane(tmp_path).start()
-    sc = None
-    mnt = tmp_path / "mnt"
-    try:
-        tok = cp.setup_workspace("ws")
-        sc = MountedSidecar(cp, "ws", tok, mnt, tmp_path / "cache")
-        sc.start()
+    with Rig(tmp_path) as rig:
+        cp = rig.cp
+        sc = rig.sidecar("ws")
+        mnt = sc.mountpoint
         store = mnt / "default"
         copiers = [subprocess.Popen(["cp", "-r", str(src / f"d{d}"), str(store)]) for d in range(8)]
         assert [c.wait(120) for c in copiers] == [0] * 8
@@ -157,12 +152,6 @@ def test_cp_r_of_200_files_commits_in_batches(tmp_path):
         for f in files:
             assert recs[str(f)].content == (src / f).read_text() and recs[str(f)].version == 1
         assert all_clean([store / f for f in files])
-    finally:
-        if sc is not None:
-            sc.stop()
-        unmount(mnt)
-        cp.stop()
-        show_logs(tmp_path / "serve.log")
 
 
 @pytest.mark.timeout(180)
@@ -171,46 +160,24 @@ def test_kill9_with_a_batch_in_flight_loses_nothing(tmp_path):
     (-9), restarted (its outbox replay sends the backlog as a batch, which hangs on the frozen
     control plane) and killed again; the control plane resumes and applies that batch, whose
     response is lost; the third sidecar replays the same batch: every file exactly once."""
-    cp = ControlPlane(tmp_path).start()
-    sc = None
-    stopped = False
-    mnt, cache = tmp_path / "mnt", tmp_path / "cache"
-    try:
-        tok = cp.setup_workspace("ws")
-        sc = MountedSidecar(cp, "ws", tok, mnt, cache, "--commit-wait", "0.2", *NO_ADMIN)
-        sc.start()  # assigned first: a start that fails is still stopped in finally
+    with Rig(tmp_path) as rig:
+        cp = rig.cp
+        sc = rig.sidecar("ws", "--commit-wait", "0.2", *NO_ADMIN)
+        mnt = sc.mountpoint
         store = mnt / "default"
-        os.kill(cp.proc.pid, signal.SIGSTOP)
-        stopped = True
+        cp.freeze()
         for i in range(30):
             timed((store / f"k{i:02d}.md").write_text, f"kept {i}\n")
-        sc.kill9()
-        unmount(mnt)
-        sc = MountedSidecar(cp, "ws", tok, mnt, cache, "--commit-wait", "0.2", *NO_ADMIN)
+        sc.kill9()  # SIGKILL + lazy unmount
         seen = sc.log.read_text().count("replaying outbox")
-        mnt.mkdir(exist_ok=True)  # started without waiting for its mount (the control plane is frozen)
-        sc.proc = subprocess.Popen(
-            [MEMFUSE, "mount", str(mnt), "--control-plane", cp.url, "--workspace", "ws", "--token-file",
-             str(tok), "--cache-dir", str(cache), "--commit-wait", "0.2", *NO_ADMIN],
-            stdout=sc.log.open("ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        sc.launch()  # started without waiting for its mount (the control plane is frozen)
         poll(lambda: sc.log.read_text().count("replaying outbox") > seen, 60, "the outbox replay", sc.log)
         trio.run(trio.sleep, 1.0)  # its batch is sent and hangs
         sc.kill9()
-        unmount(mnt)
-        os.kill(cp.proc.pid, signal.SIGCONT)
-        stopped = False
-        sc = MountedSidecar(cp, "ws", tok, mnt, cache, "--commit-wait", "0.2", *NO_ADMIN)
-        sc.start()  # assigned first: a start that fails is still stopped in finally
+        cp.thaw()
+        sc.start()  # same cache directory and options
         poll(lambda: outbox_depth(mnt) == 0, 60, "the outbox to drain", sc.log)
         recs = {r.path: r for r in cp.call("snapshot", "default", content=True)[0]}
         assert sorted(recs) == [f"k{i:02d}.md" for i in range(30)]
         assert all(r.version == 1 and r.content == f"kept {int(p[1:3])}\n" for p, r in recs.items())
         assert cp.call("get_store", "default").record_count == 30
-    finally:
-        if stopped and cp.proc is not None:
-            os.kill(cp.proc.pid, signal.SIGCONT)
-        if sc is not None:
-            sc.stop()
-        unmount(mnt)
-        cp.stop()
-        show_logs(tmp_path / "serve.log")

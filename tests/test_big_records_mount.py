@@ -26,7 +26,7 @@ import pytest
 from memfuse.defs import RECORD_BODY_MIN, largest_record, record_body_bound
 from memfuse.errors import ApiError
 from mountcheck import errors_log, status, wait_drained, write_file, xattr
-from mountutil import ControlPlane, Sidecar, live_records
+from mountutil import Rig, live_records
 
 pytestmark = [pytest.mark.mount, pytest.mark.timeout(240)]
 
@@ -40,10 +40,9 @@ def test_a_record_of_control_characters_at_the_limit_commits_through_a_mount(tmp
     # content scans of the sidecar cost seconds per 8 MiB on a loaded machine
     body_max = RECORD_BODY_MIN
     largest = largest_record(body_max)
-    cp = ControlPlane(tmp_path, extra_args=("--max-body", str(body_max))).start()
-    sc = None
-    try:
-        tok = cp.setup_workspace("ws", ("bigs",))
+    with Rig(tmp_path, serve_args=("--max-body", str(body_max))) as rig:
+        cp = rig.cp
+        sc = rig.sidecar("ws", stores=("bigs",), start=False)  # mounted once the limit is set
         # the store's limit agrees with the front door's: 64 MiB (attack 12) is refused, and
         # so is one byte more than a request carries
         for too_big in (64 * MIB, largest + 1):
@@ -51,8 +50,8 @@ def test_a_record_of_control_characters_at_the_limit_commits_through_a_mount(tmp
                 cp.call("update_store", "bigs", max_record_bytes=too_big, max_store_bytes=512 * MIB)
             assert (refused.value.status, refused.value.code) == (422, "invalid_limit")
         cp.call("update_store", "bigs", max_record_bytes=largest, max_store_bytes=512 * MIB)
-        mnt = tmp_path / "mnt"
-        sc = Sidecar(cp, "ws", tok, mnt, tmp_path / "cache").start(expect="bigs")
+        sc.start()
+        mnt = sc.mountpoint
         bigs = mnt / "bigs"
 
         # over the store's limit: EFBIG at write(2), nothing sent
@@ -68,27 +67,19 @@ def test_a_record_of_control_characters_at_the_limit_commits_through_a_mount(tmp
         assert rec.size == largest and rec.content == data.decode()
         assert xattr(bigs / "ctl.txt", "state") == "clean"
         assert "over.txt" not in live_records(cp, "bigs")
-    finally:
-        try:
-            if sc is not None:
-                sc.stop()
-        finally:
-            cp.stop()
 
 
 def test_a_store_over_a_lowered_body_bound_is_named_at_start_and_its_413_is_a_verdict(tmp_path):
     # a store allowed 2 MiB records under a front door that carried them; the server then
     # restarts with the smallest one (largest record 1 MiB)
     wide = record_body_bound(2 * MIB)
-    cp = ControlPlane(tmp_path, extra_args=("--max-body", str(wide))).start()
-    sc = None
-    try:
-        tok = cp.setup_workspace("ws", ("bigs", "other"))
+    with Rig(tmp_path, serve_args=("--max-body", str(wide))) as rig:
+        cp = rig.cp
+        rig.workspace("ws", ("bigs", "other"))
         cp.call("update_store", "bigs", max_record_bytes=2 * MIB, max_store_bytes=512 * MIB)
         cp.stop()
         offset = cp.log.stat().st_size
-        cp.extra_args = ["--max-body", str(RECORD_BODY_MIN)]
-        cp.start()
+        cp.restart(("--max-body", str(RECORD_BODY_MIN)))
         with cp.log.open("rb") as f:
             f.seek(offset)
             lines = [json.loads(x) for x in f.read().splitlines() if x.startswith(b"{")]
@@ -100,8 +91,7 @@ def test_a_store_over_a_lowered_body_bound_is_named_at_start_and_its_413_is_a_ve
         assert w["max_body_needed"] == wide and "--max-body" in w["msg"] and "max-record-bytes" in w["msg"]
         assert cp.call("get_store", "bigs").max_record_bytes == 2 * MIB  # kept, never changed behind the admin's back
 
-        mnt = tmp_path / "mnt"
-        sc = Sidecar(cp, "ws", tok, mnt, tmp_path / "cache").start(expect="bigs")
+        mnt = rig.sidecar("ws").mountpoint  # waits for "bigs", the first of its stores
         bigs = mnt / "bigs"
         # within the store's limit, but its body is past the front door's bound: 413
         # too_large before the server reads it, EFBIG at the close that waits for it
@@ -122,9 +112,3 @@ def test_a_store_over_a_lowered_body_bound_is_named_at_start_and_its_413_is_a_ve
         st = status(mnt)
         assert st["control_plane"]["reachable"] is True, st["control_plane"]
         assert xattr(bigs / "small.md", "state") == "clean"
-    finally:
-        try:
-            if sc is not None:
-                sc.stop()
-        finally:
-            cp.stop()

@@ -29,7 +29,7 @@ from memfuse.sidecar.identity import RecordIds
 from memfuse.sidecar.journal import Journal
 from memfuse.sidecar.sync import Meta, StoreState
 from memfuse.wire import Record, datetime_ns, sha256_hex
-from mountutil import ControlPlane, Sidecar, live_records, sh
+from mountutil import ControlPlane, Rig, Sidecar, live_records, sh
 
 EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 T0 = datetime(2026, 11, 30, 12, 0, 0, 123456, tzinfo=timezone.utc)
@@ -268,12 +268,11 @@ def _earlier_format(mirror: Path, fmt: int) -> dict:
 
 
 def test_warm_restart_of_many_records_shows_every_record_and_follows_changes(tmp_path):
-    cp = ControlPlane(tmp_path).start()
-    sc = None
-    try:
-        tok = cp.setup_workspace("ws")
+    with Rig(tmp_path) as rig:
+        cp = rig.cp
+        rig.workspace("ws")
         trio.run(_populate, cp)
-        sc = Sidecar(cp, "ws", tok, tmp_path / "mnt", tmp_path / "cache").start()
+        sc = rig.sidecar("ws")
         root = sc.mountpoint / "default"
         live = _check_every_record(cp, root)
         assert _loaded(sc)[-1]["resumed"] is False and _loaded(sc)[-1]["records"] == N
@@ -317,21 +316,16 @@ def test_warm_restart_of_many_records_shows_every_record_and_follows_changes(tmp
             assert _loaded(sc)[-1]["resumed"] is True
             _check_every_record(cp, root)
             _wait(lambda: json.loads(mirror.read_text()).get("format") == 4, "the mirror saved as format 4")
-    finally:
-        if sc is not None:
-            sc.stop()
-        cp.stop()
 
 
 def test_lost_blob_cache_is_refilled_by_a_snapshot_not_one_request_per_record(tmp_path):
     """A saved mirror whose blobs are gone (the blob cache deleted, or started anew after a
     system crash in a bulk fill) is not resumed record by record: one snapshot refills it."""
-    cp = ControlPlane(tmp_path).start()
-    sc = None
-    try:
-        tok = cp.setup_workspace("ws")
+    with Rig(tmp_path) as rig:
+        cp = rig.cp
+        rig.workspace("ws")
         trio.run(_populate, cp)
-        sc = Sidecar(cp, "ws", tok, tmp_path / "mnt", tmp_path / "cache").start()
+        sc = rig.sidecar("ws")
         assert _loaded(sc)[-1]["resumed"] is False
         sc.stop()
         for f in sc.cache_dir.glob("blobs.db*"):
@@ -343,10 +337,6 @@ def test_lost_blob_cache_is_refilled_by_a_snapshot_not_one_request_per_record(tm
         root = sc.mountpoint / "default"
         some = sorted(live_records(cp).items())[:20]
         assert all((root / path).read_text() == r.content for path, r in some)
-    finally:
-        if sc is not None:
-            sc.stop()
-        cp.stop()
 
 
 def test_blob_cache_missing_and_gc_by_ordered_scan(tmp_path):
@@ -429,15 +419,13 @@ def test_restart_with_pending_changes_keeps_the_control_planes_state_in_the_mirr
     state (not the local one: it is the base of the conditional writes and what an offline
     start shows), and the next start commits each change once, after which the mirror
     equals the control plane again."""
-    cp = ControlPlane(tmp_path).start()
-    sc = None
-    mnt, cache = tmp_path / "mnt", tmp_path / "cache"
-    args = ("--commit-wait", "0.3", "--drain-timeout", "1")
-    try:
-        tok = cp.setup_workspace("ws")
+    with Rig(tmp_path) as rig:
+        cp = rig.cp
+        rig.workspace("ws")
         for name in ("w", "r", "u", "c", "t"):
             cp.call("create_record", "default", f"dir/{name}.md", f"{name} as created\n")
-        sc = Sidecar(cp, "ws", tok, mnt, cache, *args).start()
+        sc = rig.sidecar("ws", "--commit-wait", "0.3", "--drain-timeout", "1")
+        mnt, cache = sc.mountpoint, sc.cache_dir
         store = mnt / "default" / "dir"
         _wait(lambda: len(os.listdir(store)) == 5, "the records to show")
         before = _cp_view(cp)
@@ -449,11 +437,10 @@ def test_restart_with_pending_changes_keeps_the_control_planes_state_in_the_mirr
         os.utime(store / "t.md", ns=(1_700_000_000_000_000_000, 1_700_000_000_000_000_000))
         assert os.getxattr(store / "w.md", "user.memfuse.state") == b"pending"
         assert sc.stop() == 0
-        sc = None
         assert _mirror_view(cache) == before  # the control plane's state, not the local one
 
         cp.start()  # same port and database
-        sc = Sidecar(cp, "ws", tok, mnt, cache, *args).start()
+        sc.start()  # same cache directory and options
         want = {"dir/w.md": "written while down\n", "dir/renamed.md": "r as created\n",
                 "dir/c.md": "c as created\n", "dir/t.md": "t as created\n"}
         _wait(lambda: {p: r.content for p, r in live_records(cp).items()} == want, "the replay", 30)
@@ -465,9 +452,4 @@ def test_restart_with_pending_changes_keeps_the_control_planes_state_in_the_mirr
         errors = (mnt / ".memfuse" / "errors.log").read_text()
         assert "conflict" not in errors, errors
         assert sc.stop() == 0
-        sc = None
         assert _mirror_view(cache) == _cp_view(cp)
-    finally:
-        if sc is not None:
-            sc.stop()
-        cp.stop()

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 import trio
 from click.testing import CliRunner
@@ -262,3 +263,38 @@ def test_loopless_refuses_work_that_suspends():
 
     with pytest.raises(NeedEventLoop):
         run_loopless(sleeps)
+
+
+def test_a_long_history_is_read_in_pages_like_the_service(home, monkeypatch):
+    """``memfuse history`` of a record with 2,100 versions: the local reader answers the
+    version list in pages with the service's ``Link`` (its limit, order and cursor), the CLI
+    follows them, and the whole table is the full path's, every version once."""
+    from memfuse.client import ApiClient
+
+    async def fill() -> str:
+        async with local_client() as api:
+            await ensure_dev_setup(api)
+            rec = await api.create_record("default", "many.md", "1\n")
+            for lo in range(2, 2101, 100):
+                await api.batch("default", [ApiClient.batch_update(rec.id, f"{n}\n") for n in range(lo, min(lo + 100, 2101))])
+            return rec.id
+
+    rid = trio.run(fill)
+    fast = _run(["history", "default", "many.md"])
+    rows = [line.split()[0] for line in fast[1].splitlines()[2:]]
+    assert fast[0] == 0 and rows == [str(n) for n in range(1, 2101)]
+    reader = localread.LocalReadTransport.open(dev_db_path())
+    assert reader is not None
+
+    async def pages() -> list[tuple[int, str | None]]:
+        out = []
+        async with httpx.AsyncClient(transport=reader, base_url="http://local") as c:
+            for q in ("", "?order=desc&limit=7", "?cursor=2000&limit=50", "?order=desc&cursor=3"):
+                r = await c.get(f"/v1/stores/default/records/{rid}/versions{q}")
+                out.append((len(r.json()), r.headers.get("link")))
+        return out
+
+    assert trio.run(pages) == [(1000, '<?cursor=1000>; rel="next"'), (7, '<?order=desc&limit=7&cursor=2094>; rel="next"'),
+                               (50, '<?limit=50&cursor=2050>; rel="next"'), (2, None)]
+    monkeypatch.setattr(localread.LocalReadTransport, "open", classmethod(lambda cls, path: None))
+    assert _run(["history", "default", "many.md"]) == fast

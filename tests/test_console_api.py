@@ -552,7 +552,7 @@ async def test_restore_delete_redact_and_diff(app):
         assert r.status_code == 303
         rec = svc.get_record(ADMIN_P, "ws", rid, with_content=True)
         assert (rec.content, rec.version) == ("one\n", 3)
-        assert svc.list_versions(ADMIN_P, "ws", rid)[-1].operation.value == "restored"
+        assert svc.list_versions(ADMIN_P, "ws", rid).versions[-1].operation.value == "restored"
         r = await c.post(f"/ui/stores/ws/records/{rid}/delete", data={"sha256": "0" * 64})
         assert r.status_code == 412 and "nothing was deleted" in r.text
         r = await c.post(f"/ui/stores/ws/records/{rid}/delete", data={"sha256": rec.sha256})

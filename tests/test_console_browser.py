@@ -640,6 +640,38 @@ def test_redact_asks_for_confirmation(console):
         assert v["redacted"] is True and v["content"] is None
 
 
+def test_long_history_is_paged(console):
+    """A record with 120 versions (made 100 updates a request): its page lists the newest 50,
+    *Older versions…* the 50 before, then the last 20 with no further link; *Newest
+    versions* goes back; the diff form takes any two version numbers."""
+    c = console
+    with c.api() as api:
+        r = api.post("/v1/stores/default/records", json={"path": "long.md", "content": "v1\n", "type": "project"})
+        assert r.status_code == 201, r.text
+        rid = r.json()["id"]
+        for lo in (2, 102):
+            ops = [{"op": "update", "record_id": rid, "body": {"content": f"v{n}\n"}} for n in range(lo, min(lo + 100, 121))]
+            assert api.post("/v1/stores/default/batch", json={"operations": ops}).status_code == 200
+    c.open(f"/ui/stores/default/records/{rid}")
+    c.until(lambda: "History" in c.text(), "the record page")
+    numbers = lambda: [int(r.text.split()[0]) for r in c.css("table.history tbody tr")]  # noqa: E731
+    assert numbers() == list(range(120, 70, -1)) and not c.css("a.newest-versions")
+    c.go(c.link("Older versions…"))
+    c.until(lambda: numbers() == list(range(70, 20, -1)), "the 50 older versions")
+    c.go(c.link("Older versions…"))
+    c.until(lambda: numbers() == list(range(20, 0, -1)), "the oldest 20")
+    assert not c.css("a.older-versions")
+    c.go(c.link("Newest versions"))
+    c.until(lambda: numbers() == list(range(120, 70, -1)), "the newest again")
+    a, b = c.one('form.filters input[name="a"]'), c.one('form.filters input[name="b"]')
+    assert (a.get_attribute("value"), b.get_attribute("value")) == ("119", "120")
+    a.clear()
+    a.send_keys("3")
+    c.go(c.button("Diff"))
+    c.until(lambda: "Version 3 → version 120" in c.text(), "the diff of versions far apart")
+    assert [e.text for e in c.css("table.diff tr.d-add td.code")] == ["v120"]
+
+
 LONG_PATH = "notes/projects/memfuse-console-on-a-phone/meeting-minutes-archive/JOURNAL.jsonl"
 
 

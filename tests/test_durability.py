@@ -25,7 +25,6 @@ import errno
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import threading
@@ -38,7 +37,7 @@ import trio
 
 from memfuse.client import ApiClient
 from memfuse.models import sha256_hex
-from mountutil import ControlPlane, Sidecar, dump_records, is_mounted, stop, unmount, wait_for
+from mountutil import ControlPlane, Rig, dump_records, is_mounted, stop, unmount, wait_for
 
 pytestmark = pytest.mark.mount
 
@@ -200,13 +199,6 @@ def show_logs(*paths: Path) -> None:
         print(f"----- {p.name} (tail) -----\n{tail(p)}")
 
 
-def cp_kill(cp: ControlPlane) -> None:
-    """SIGKILL the control plane (no graceful shutdown)."""
-    assert cp.proc is not None
-    cp.proc.kill()
-    cp.proc.wait(10)
-
-
 def outbox_depth(mountpoint: Path) -> int:
     st = json.loads(timed((mountpoint / ".memfuse" / "status.json").read_text))
     return st["outbox"]["depth"]
@@ -220,6 +212,13 @@ def poll(pred: Callable[[], bool], timeout: float, what: str, log: Path | None =
         time.sleep(0.1)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}\n"
                          + (tail(log) if log else ""))
+
+
+def kill_process(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc`` if it still runs, and reap it (10 s at most)."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(10)
 
 
 def all_clean(paths: list[Path]) -> bool:
@@ -237,12 +236,9 @@ def test_control_plane_killed_during_200_writes(tmp_path):
     after 60; the other 140 closes still return 0 (the first after ``--commit-wait`` at
     most, the rest once accepted: the outbox is in backoff) with ``state=pending``. Started again on the same port and database, the outbox commits them
     all: every record has its content and exactly two versions."""
-    cp = ControlPlane(tmp_path).start()
-    sc = None
-    try:
-        tok = cp.setup_workspace("ws")
-        sc = Sidecar(cp, "ws", tok, tmp_path / "mnt", tmp_path / "cache",
-                     "--commit-wait", "1", *NO_ADMIN).start()
+    with Rig(tmp_path) as rig:
+        cp = rig.cp
+        sc = rig.sidecar("ws", "--commit-wait", "1", *NO_ADMIN)
         store = sc.mountpoint / "default"
         files = [f"f{i:03d}.md" for i in range(100)]
         plan = ([(f, False, f"# {f}\ncreated\n") for f in files]
@@ -258,7 +254,7 @@ def test_control_plane_killed_during_200_writes(tmp_path):
         kill_at = 60
         for f, append, data in plan[:kill_at]:
             do(f, append, data)
-        cp_kill(cp)
+        cp.kill()
         t_down = time.monotonic()
 
         not_pending: list[str] = []
@@ -290,13 +286,6 @@ def test_control_plane_killed_during_200_writes(tmp_path):
         assert all(len(v) == 2 for v in written.values())
         for f in files:  # the mount shows the same
             assert timed((store / f).read_text) == cur[f]
-    finally:
-        try:
-            if sc is not None:
-                sc.stop()
-        finally:
-            cp.stop()
-            show_logs(tmp_path / "serve.log", tmp_path / "sidecar-ws-mnt.log")
 
 
 # ------------------------------------------------------------------ 2. in-process faults
@@ -439,15 +428,12 @@ def test_kill9_sidecar_loses_no_acknowledged_write(tmp_path, freeze):
     the ones in flight are only in memory and on the wire. The sidecar restarted on the
     same cache directory replays its outbox: every acknowledged write is in the control
     plane, a frozen or in-flight one at most once."""
-    cp = ControlPlane(tmp_path).start()
-    sc = None
-    writer = None
-    stopped = False
-    mnt, cache = tmp_path / "mnt", tmp_path / "cache"
     wlog = tmp_path / "writer.log"
-    try:
-        tok = cp.setup_workspace("ws")
-        sc = Sidecar(cp, "ws", tok, mnt, cache, "--commit-wait", "0.5", *NO_ADMIN).start()
+    with Rig(tmp_path) as rig:
+        cp = rig.cp
+        rig.logs.append(tmp_path / "writer.err")
+        sc = rig.sidecar("ws", "--commit-wait", "0.5", *NO_ADMIN)
+        mnt = sc.mountpoint
         store = mnt / "default"
         nthreads, nfiles, rounds = 4, 10, 8
         plan: list[list[tuple[str, bool, str]]] = []
@@ -467,11 +453,11 @@ def test_kill9_sidecar_loses_no_acknowledged_write(tmp_path, freeze):
         (tmp_path / "writer.py").write_text(WRITER)
         writer = subprocess.Popen([sys.executable, str(tmp_path / "writer.py"), str(pf), str(wlog)],
                                   stdout=subprocess.DEVNULL, stderr=(tmp_path / "writer.err").open("wb"))
+        rig.defer(kill_process, writer)  # before the sidecar is stopped
         poll(lambda: len(_log_lines(wlog)) >= 60, 60, "60 acknowledged writes", sc.log)
         n_at_stop = len(_log_lines(wlog))
         if freeze:
-            os.kill(cp.proc.pid, signal.SIGSTOP)  # requests now hang: the committer's is in flight
-            stopped = True
+            cp.freeze()  # requests now hang: the committer's is in flight
             poll(lambda: len(_log_lines(wlog)) >= n_at_stop + 24, 60,
                  "24 more acknowledged (pending) writes", sc.log)
         else:
@@ -479,8 +465,7 @@ def test_kill9_sidecar_loses_no_acknowledged_write(tmp_path, freeze):
         sc.kill9()  # SIGKILL + lazy unmount
         writer.wait(30)
         if freeze:
-            os.kill(cp.proc.pid, signal.SIGCONT)  # the frozen request is applied now, response lost
-            stopped = False
+            cp.thaw()  # the frozen request is applied now, response lost
 
         lines = _log_lines(wlog)
         assert writer.returncode == 0, tail(tmp_path / "writer.err")
@@ -507,7 +492,7 @@ def test_kill9_sidecar_loses_no_acknowledged_write(tmp_path, freeze):
         print(f"acknowledged: {sum(acked.values()) + nthreads} writes "
               f"({n_at_stop} before SIGSTOP); in flight: {len(maybe_next)}")
 
-        sc = Sidecar(cp, "ws", tok, mnt, cache, "--commit-wait", "0.5", *NO_ADMIN).start()
+        sc.start()  # same cache directory and options
         # the outbox is replayed before the mount; give it a moment if entries remain
         poll(lambda: outbox_depth(mnt) == 0, 30, "the outbox to drain", sc.log)
         check_store(cp_state(cp), written, {k: v for k, v in maybe_next.items()})
@@ -516,20 +501,6 @@ def test_kill9_sidecar_loses_no_acknowledged_write(tmp_path, freeze):
         assert all_clean([store / rel for rel in written])
         if freeze:
             assert "replaying outbox" in tail(sc.log, 100_000)
-    finally:
-        try:
-            if stopped and cp.proc is not None:
-                os.kill(cp.proc.pid, signal.SIGCONT)
-            if writer is not None and writer.poll() is None:
-                writer.kill()
-                writer.wait(10)
-            if sc is not None:
-                sc.stop()
-            unmount(mnt)
-        finally:
-            cp.stop()
-            show_logs(tmp_path / "serve.log", tmp_path / "sidecar-ws-mnt.log",
-                      tmp_path / "writer.err")
 
 
 # ------------------------------------------------------------------ 4. SIGTERM, control plane down
@@ -540,13 +511,10 @@ def test_sigterm_with_pending_writes_and_control_plane_down(tmp_path):
     """With the control plane down and 20 writes pending, SIGTERM makes the sidecar exit 0
     within ``--drain-timeout`` (2 s) and unmount; the next start, with the control plane back,
     commits them (each once)."""
-    cp = ControlPlane(tmp_path).start()
-    sc = None
-    mnt, cache = tmp_path / "mnt", tmp_path / "cache"
-    try:
-        tok = cp.setup_workspace("ws")
-        args = ("--commit-wait", "0.3", "--drain-timeout", "2", *NO_ADMIN)
-        sc = Sidecar(cp, "ws", tok, mnt, cache, *args).start()
+    with Rig(tmp_path) as rig:
+        cp = rig.cp
+        sc = rig.sidecar("ws", "--commit-wait", "0.3", "--drain-timeout", "2", *NO_ADMIN)
+        mnt = sc.mountpoint
         store = mnt / "default"
         written: dict[str, list[str]] = {}
         for i in range(5):  # committed while the control plane is up
@@ -554,7 +522,7 @@ def test_sigterm_with_pending_writes_and_control_plane_down(tmp_path):
             timed(write, store / f, f"up {i}\n", False)
             written[f] = [f"up {i}\n"]
         poll(lambda: all_clean([store / f for f in written]), 10, "the first writes to commit")
-        cp_kill(cp)
+        cp.kill()
         not_pending: list[str] = []
 
         def down_writer(ids: range) -> Callable[[], None]:
@@ -581,23 +549,14 @@ def test_sigterm_with_pending_writes_and_control_plane_down(tmp_path):
         assert not is_mounted(mnt)
         log = tail(sc.log, 100_000)
         assert "drain timed out" in log and "unmounted" in log
-        sc = None
 
         cp.start()
-        sc = Sidecar(cp, "ws", tok, mnt, cache, *args).start()
-        poll(lambda: outbox_depth(mnt) == 0, 30, "the outbox to drain", tmp_path / "sidecar-ws-mnt.log")
+        sc.start()  # same cache directory and options
+        poll(lambda: outbox_depth(mnt) == 0, 30, "the outbox to drain", sc.log)
         check_store(cp_state(cp), written)
         for f, seq in written.items():
             assert timed((store / f).read_text) == seq[-1]
         assert all_clean([store / f for f in written])
-    finally:
-        try:
-            if sc is not None:
-                sc.stop()
-            unmount(mnt)
-        finally:
-            cp.stop()
-            show_logs(tmp_path / "serve.log", tmp_path / "sidecar-ws-mnt.log")
 
 
 # ------------------------------------------------------------------ 5. fsync, control plane down
@@ -608,14 +567,10 @@ def test_fsync_with_control_plane_down_gives_eio_then_commits(tmp_path):
     """fsync waits for the control plane's acknowledgement: down, it fails with EIO after
     ``--fsync-timeout`` (1 s), but the write is accepted — close() returns 0, the file reads
     back, ``state=pending`` — and commits once the control plane is back."""
-    cp = ControlPlane(tmp_path).start()
-    sc = None
-    mnt, cache = tmp_path / "mnt", tmp_path / "cache"
-    try:
-        tok = cp.setup_workspace("ws")
-        sc = Sidecar(cp, "ws", tok, mnt, cache, "--commit-wait", "0.3", "--fsync-timeout", "1",
-                     *NO_ADMIN).start()
-        store = mnt / "default"
+    with Rig(tmp_path) as rig:
+        cp = rig.cp
+        sc = rig.sidecar("ws", "--commit-wait", "0.3", "--fsync-timeout", "1", *NO_ADMIN)
+        store = sc.mountpoint / "default"
         timed(write, store / "old.md", "before\n", False)
         poll(lambda: all_clean([store / "old.md"]), 10, "old.md to commit")
 
@@ -629,7 +584,7 @@ def test_fsync_with_control_plane_down_gives_eio_then_commits(tmp_path):
         timed(fsync_up)
         assert timed(state, store / "up.md") == "clean"
 
-        cp_kill(cp)
+        cp.kill()
         results: dict[str, object] = {}
 
         def write_fsync_close(name: str, flags: int, data: bytes) -> None:
@@ -662,14 +617,6 @@ def test_fsync_with_control_plane_down_gives_eio_then_commits(tmp_path):
         check_store(cp_state(cp), {"old.md": ["before\n", "before\nappended while down\n"],
                                    "new.md": ["fsynced while down\n"],
                                    "up.md": ["synced\n"]})
-    finally:
-        try:
-            if sc is not None:
-                sc.stop()
-            unmount(mnt)
-        finally:
-            cp.stop()
-            show_logs(tmp_path / "serve.log", tmp_path / "sidecar-ws-mnt.log")
 
 
 def test_start_while_control_plane_down_mounts_from_cache(tmp_path):
@@ -677,14 +624,10 @@ def test_start_while_control_plane_down_mounts_from_cache(tmp_path):
     outage mounts the stores as last seen (reads work, writes are accepted as pending), and
     everything commits once the control plane is back."""
     import json as _json
-    from mountutil import ControlPlane, Sidecar, wait_for
 
-    cp = ControlPlane(tmp_path).start()
-    sc = None
-    try:
-        tok = cp.setup_workspace("ws")
-        sc = Sidecar(cp, "ws", tok, tmp_path / "mnt", tmp_path / "cache",
-                     "--offline-after", "1", "--commit-wait", "0.5").start()
+    with Rig(tmp_path) as rig:
+        cp = rig.cp
+        sc = rig.sidecar("ws", "--offline-after", "1", "--commit-wait", "0.5")
         (sc.mountpoint / "default" / "known.md").write_text("known\n")
         # another actor's write after ours moves the change-feed cursor past our own
         # version (which the feed leaves out): the saved state must still hold known.md
@@ -694,8 +637,7 @@ def test_start_while_control_plane_down_mounts_from_cache(tmp_path):
         time.sleep(2.5)  # one periodic save of the store state
         assert sc.stop() == 0
         cp.stop()  # the outage begins
-        sc = Sidecar(cp, "ws", tok, tmp_path / "mnt", tmp_path / "cache",
-                     "--offline-after", "1", "--commit-wait", "0.5").start()
+        sc.start()  # same cache directory and options
         store = sc.mountpoint / "default"
         assert (store / "known.md").read_text() == "known\n"
         assert (store / "other.md").read_text() == "from elsewhere\n"
@@ -717,10 +659,6 @@ def test_start_while_control_plane_down_mounts_from_cache(tmp_path):
         wait_for(lambda: _json.loads((sc.mountpoint / ".memfuse" / "status.json")
                                      .read_text())["control_plane"]["reachable"], 30,
                  "status.json to say the control plane is reachable again")
-    finally:
-        if sc is not None:
-            sc.stop()
-        cp.stop()
 
 
 def test_commit_wait_zero_close_never_fails_an_accepted_write(tmp_path):
@@ -729,12 +667,9 @@ def test_commit_wait_zero_close_never_fails_an_accepted_write(tmp_path):
     journal) all return 0, each once its write is on disk in the outbox, and every record
     reaches the control plane with its content. (A full cache disk with ``--commit-wait 0``
     still answers ``ENOSPC``: test_cache_disk.)"""
-    cp = ControlPlane(tmp_path).start()
-    sc = None
-    try:
-        tok = cp.setup_workspace("ws")
-        sc = Sidecar(cp, "ws", tok, tmp_path / "mnt", tmp_path / "cache",
-                     "--commit-wait", "0", *NO_ADMIN).start()
+    with Rig(tmp_path) as rig:
+        cp = rig.cp
+        sc = rig.sidecar("ws", "--commit-wait", "0", *NO_ADMIN)
         store = sc.mountpoint / "default"
         for i in range(50):  # os.close raises the flush's errno: returning means 0
             timed(write, store / f"n{i:02d}.md", f"note {i}\n", False, timeout=30)
@@ -745,9 +680,3 @@ def test_commit_wait_zero_close_never_fails_an_accepted_write(tmp_path):
             return all(got.get(f"n{i:02d}.md") == f"note {i}\n" for i in range(50))
 
         wait_for(all_there, 60, "the 50 records on the control plane")
-    finally:
-        try:
-            if sc is not None:
-                sc.stop()
-        finally:
-            cp.stop()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import threading
 import time
@@ -16,7 +15,7 @@ import types
 import httpx
 import pytest
 
-from mountutil import ControlPlane, Sidecar, live_records, read, serve_and_mount, sh, wait_until
+from mountutil import Rig, live_records, read, serve_and_mount, sh, wait_until
 
 pytestmark = pytest.mark.mount
 
@@ -31,7 +30,7 @@ def test_a_paused_control_plane_is_noticed_within_seconds(tmp_path):
         sh("echo before > a.md", mnt / "s")
         assert _status(mnt)["control_plane"]["reachable"] is True
         admin = "http://" + _status(mnt)["admin"]
-        os.kill(cp.proc.pid, signal.SIGSTOP)
+        cp.freeze()
         try:
             t0 = time.monotonic()
             sh("echo during > b.md", mnt / "s", timeout=30)
@@ -56,7 +55,7 @@ def test_a_paused_control_plane_is_noticed_within_seconds(tmp_path):
             assert "memfuse_control_plane_no_answer_total 1.0" in metrics
             assert _status(mnt)["outbox"]["depth"] >= 2
         finally:
-            os.kill(cp.proc.pid, signal.SIGCONT)
+            cp.thaw()
         wait_until(lambda: _status(mnt)["control_plane"]["reachable"] is True, timeout=60,
                    what="the control plane reachable again")
         wait_until(lambda: _status(mnt)["outbox"]["depth"] == 0, timeout=60, what="outbox drained")
@@ -158,14 +157,14 @@ def test_a_dripping_control_plane_delays_a_restart_by_offline_after_at_most(tmp_
     within ``--offline-after`` (3 s) plus a bound, showing the write the last run's outbox
     kept; the requests caught in the drip are cut at their total deadline (30 s), and the
     write commits once the control plane answers at full speed again."""
-    cp = ControlPlane(tmp_path).start()
-    proxy = DripProxy(cp.port)
-    via = types.SimpleNamespace(url=proxy.url)  # what Sidecar takes of a control plane
-    sc = None
-    try:
-        tok = cp.setup_workspace("ws", ("s",))
+    with Rig(tmp_path) as rig:
+        cp = rig.cp
+        proxy = DripProxy(cp.port)
+        rig.defer(proxy.close)  # after the sidecar is stopped
+        via = types.SimpleNamespace(url=proxy.url)  # what Sidecar takes of a control plane
+        rig.workspace("ws", ("s",))
         args = ("--offline-after", "3", "--commit-wait", "2", "--drain-timeout", "1")
-        sc = Sidecar(via, "ws", tok, tmp_path / "mnt", tmp_path / "cache", *args).start(expect="s")
+        sc = rig.sidecar("ws", *args, via=via)
         m = sc.mountpoint / "s"
         sh("echo before > a.md", m)
         wait_until(lambda: _status(sc.mountpoint)["outbox"]["depth"] == 0, timeout=30,
@@ -200,13 +199,6 @@ def test_a_dripping_control_plane_delays_a_restart_by_offline_after_at_most(tmp_
                    what="outbox drained")
         sh("echo after > c.md", m, timeout=30)
         wait_until(lambda: "c.md" in live_records(cp, "s"), timeout=30, what="c.md committed")
-    finally:
-        try:
-            if sc is not None:
-                sc.stop()
-        finally:
-            proxy.close()
-            cp.stop()
 
 
 def test_own_commits_missing_from_the_mirror_come_back_after_an_offline_start(tmp_path):
@@ -222,14 +214,14 @@ def test_own_commits_missing_from_the_mirror_come_back_after_an_offline_start(tm
     from the cursor, past those versions)."""
     from memfuse.sidecar.sync import StoreState
 
-    cp = ControlPlane(tmp_path).start()
-    proxy = DripProxy(cp.port)
-    via = types.SimpleNamespace(url=proxy.url)  # what Sidecar takes of a control plane
-    sc = None
-    try:
-        tok = cp.setup_workspace("ws", ("s",))
+    with Rig(tmp_path) as rig:
+        cp = rig.cp
+        proxy = DripProxy(cp.port)
+        rig.defer(proxy.close)  # after the sidecar is stopped
+        via = types.SimpleNamespace(url=proxy.url)  # what Sidecar takes of a control plane
+        rig.workspace("ws", ("s",))
         args = ("--offline-after", "3", "--commit-wait", "5", "--drain-timeout", "1")
-        sc = Sidecar(via, "ws", tok, tmp_path / "mnt", tmp_path / "cache", *args).start(expect="s")
+        sc = rig.sidecar("ws", *args, via=via)
         m = sc.mountpoint / "s"
         f = m / "log.txt"
         sh("printf 'head\\n' > log.txt", m)
@@ -283,10 +275,3 @@ def test_own_commits_missing_from_the_mirror_come_back_after_an_offline_start(tm
         sc.stop()
         sc.start(expect="s")
         assert read(f) == want
-    finally:
-        try:
-            if sc is not None:
-                sc.stop()
-        finally:
-            proxy.close()
-            cp.stop()

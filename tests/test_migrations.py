@@ -311,7 +311,7 @@ def test_fixture_from_memfuse_0_1_0_upgrades_with_rows_intact(tmp_path):
     assert paths == ["MEMORY.md", "a.md", "sub/c.md"]
     assert [a.store.slug for a in svc.list_attachments(ADMIN, "agent-2")] == ["notes"]
     rid = next(r.id for r in svc.list_records(ADMIN, "notes").records if r.path == "a.md")
-    versions = svc.list_versions(ADMIN, "notes", rid)
+    versions = svc.list_versions(ADMIN, "notes", rid).versions
     assert [(v.version, v.redacted) for v in versions] == [(1, True), (2, False)]
     # 0003: records and versions from before the attributes show the defaults, and take them
     assert all((r.mode, r.mtime_ns) == (0o644, None) for r in svc.list_records(ADMIN, "notes").records)

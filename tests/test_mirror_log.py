@@ -316,3 +316,60 @@ def test_a_big_batch_of_changes_goes_into_a_compaction(tmp_path):
     assert json.loads(st.path.read_text())["base"] != first
     assert st.log_path.stat().st_size < 100
     _same(st)
+
+
+# ------------------------------------------------------------------ unit: contents carried
+def test_a_frame_carries_the_contents_held_behind_instead_of_writing_them(tmp_path):
+    """A close's save (``save_log``) writes no blob-cache transaction: the frame carries the
+    content the blob cache holds only in memory, and a load after a ``kill -9`` (the
+    contents behind never written) stores it in the blob cache, checked against its digest.
+    More than ``CARRY_MAX`` bytes are written to the blob cache first; a base (compaction)
+    carries nothing: the contents behind are written before its snapshot."""
+    from memfuse.defs import sha256_hex
+    from memfuse.sidecar.blobcache import BlobCache
+
+    blobs = BlobCache(tmp_path / "blobs.db")
+    st = StoreState(tmp_path / "s.json", "s", blobs=blobs)
+    st.reset([rec(i) for i in range(20)], 20)
+    st.save()  # the base
+    fresh = "written here\n"
+    sha = sha256_hex(fresh.encode())
+    blobs.put_behind(fresh.encode(), sha)  # the close's content (Filesystem.commit)
+    st.put(rec(500, path="new.md", content=fresh))
+    writes = blobs._db.total_changes
+    assert st.save_log()
+    assert blobs._db.total_changes == writes, "a blob-cache transaction per close"
+    assert sha in blobs._behind  # still only in memory
+    # kill -9: the contents behind are lost with the process; the log carried them
+    crashed = BlobCache(tmp_path / "blobs.db")
+    assert crashed.missing_digests([bytes.fromhex(sha)])
+    again = StoreState(st.path, "s", blobs=crashed)
+    assert again.load() and again.records == st.records
+    assert not crashed.missing_digests([bytes.fromhex(sha)])
+    assert crashed.get(sha) == fresh.encode()
+    # a carried content that does not hash to its digest is not stored
+    forged = "forged\n"
+    fsha = sha256_hex(forged.encode())
+    blobs.put_behind(b"other bytes\n", fsha)
+    st.put(rec(501, path="forged.md", content=forged))
+    assert st.save_log()
+    crashed2 = BlobCache(tmp_path / "blobs.db")
+    assert StoreState(st.path, "s", blobs=crashed2).load()
+    assert crashed2.missing_digests([bytes.fromhex(fsha)])
+    # past CARRY_MAX: written to the blob cache first, nothing carried
+    big = "x" * (sync.CARRY_MAX + 1)
+    bsha = sha256_hex(big.encode())
+    blobs.put_behind(big.encode(), bsha)
+    st.put(rec(502, path="big.md", content=big))
+    carried = st._log_carried
+    assert st.save_log()
+    assert st._log_carried == carried and bsha not in blobs._behind
+    assert not BlobCache(tmp_path / "blobs.db").missing_digests([bytes.fromhex(bsha)])
+    # a compaction's base names no content held only in memory
+    late = "late\n"
+    lsha = sha256_hex(late.encode())
+    blobs.put_behind(late.encode(), lsha)
+    st.put(rec(503, path="late.md", content=late))
+    trio.run(st.compact)
+    assert lsha not in blobs._behind
+    assert not BlobCache(tmp_path / "blobs.db").missing_digests([bytes.fromhex(lsha)])

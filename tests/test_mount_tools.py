@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from mountutil import ControlPlane, Sidecar, live_records, serve_and_mount, sh, wait_until
+from mountutil import ControlPlane, Rig, live_records, serve_and_mount, sh, wait_until
 
 pytestmark = pytest.mark.mount
 
@@ -304,31 +304,26 @@ def test_a_read_only_store_shows_no_write_bits(tmp_path):
     import subprocess
     import tempfile
 
-    cp = ControlPlane(tmp_path).start()
-    try:
-        tok = cp.setup_workspace("ro", ("default",), "read_only")
+    with Rig(tmp_path) as rig:
+        cp = rig.cp
+        rig.workspace("ro", ("default",), "read_only")
         cp.call("create_record", "default", "notes/a.md", "x\n", mode=0o664)
         # a mountpoint another user can reach (pytest's tmp_path is root's, 0700)
         base = Path(tempfile.mkdtemp(prefix="memfuse-ro-"))
+        rig.defer(shutil.rmtree, base, True)  # after the sidecar is stopped
         os.chmod(base, 0o755)
-        sc = Sidecar(cp, "ro", tok, base / "mnt", tmp_path / "cache", "--allow-other").start()
-        try:
-            store = sc.mountpoint / "default"
-            modes = {p: stat.S_IMODE(os.stat(store / p).st_mode) for p in ("", "notes", "notes/a.md")}
-            assert modes == {"": 0o555, "notes": 0o555, "notes/a.md": 0o444}
-            probe = (f"test -w {store}/notes/a.md; echo $?; test -r {store}/notes/a.md; echo $?; "
-                     f"test -w {store}; echo $?")
-            r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-                                "sh", "-c", probe], capture_output=True, text=True, timeout=30)
-            assert r.stdout == "1\n0\n1\n", r.stderr
-            assert _errno_of(lambda: (store / "notes" / "a.md").write_text("y")) == errno.EROFS
-            assert _errno_of(lambda: os.chmod(store / "notes" / "a.md", 0o644)) == errno.EROFS
-            assert (store / "notes" / "a.md").read_text() == "x\n"
-        finally:
-            sc.stop()
-            shutil.rmtree(base, ignore_errors=True)
-    finally:
-        cp.stop()
+        sc = rig.sidecar("ro", "--allow-other", mountpoint=base / "mnt")
+        store = sc.mountpoint / "default"
+        modes = {p: stat.S_IMODE(os.stat(store / p).st_mode) for p in ("", "notes", "notes/a.md")}
+        assert modes == {"": 0o555, "notes": 0o555, "notes/a.md": 0o444}
+        probe = (f"test -w {store}/notes/a.md; echo $?; test -r {store}/notes/a.md; echo $?; "
+                 f"test -w {store}; echo $?")
+        r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                            "sh", "-c", probe], capture_output=True, text=True, timeout=30)
+        assert r.stdout == "1\n0\n1\n", r.stderr
+        assert _errno_of(lambda: (store / "notes" / "a.md").write_text("y")) == errno.EROFS
+        assert _errno_of(lambda: os.chmod(store / "notes" / "a.md", 0o644)) == errno.EROFS
+        assert (store / "notes" / "a.md").read_text() == "x\n"
 
 
 def test_restart_keeps_identical_tree(tmp_path):
@@ -343,28 +338,19 @@ def test_restart_keeps_identical_tree(tmp_path):
                 out[str(fp.relative_to(root))] = hashlib.sha256(fp.read_bytes()).hexdigest()
         return out
 
-    cp = ControlPlane(tmp_path).start()
-    try:
-        tok = cp.setup_workspace("ws")
-        sc = Sidecar(cp, "ws", tok, tmp_path / "mnt", tmp_path / "cache").start()
-        try:
-            store = sc.mountpoint / "default"
-            sh("mkdir -p a/b && echo one > a/b/x.md && printf 'ü 用户\\n' > 'a/sp ace.md' "
-               "&& for i in $(seq 1 50); do echo $i > f$i.md; done && echo t > MEMORY.md "
-               "&& sed -i s/one/uno/ a/b/x.md && mv f1.md a/f1.md && rm f2.md", store)
-            before = tree(store)
-        finally:
-            assert sc.stop() == 0
+    with Rig(tmp_path) as rig:
+        sc = rig.sidecar("ws")
+        store = sc.mountpoint / "default"
+        sh("mkdir -p a/b && echo one > a/b/x.md && printf 'ü 用户\\n' > 'a/sp ace.md' "
+           "&& for i in $(seq 1 50); do echo $i > f$i.md; done && echo t > MEMORY.md "
+           "&& sed -i s/one/uno/ a/b/x.md && mv f1.md a/f1.md && rm f2.md", store)
+        before = tree(store)
+        assert sc.stop() == 0
         assert not (tmp_path / "mnt" / "default").exists()
         # a fresh cache directory too: everything must come from the control plane
-        sc = Sidecar(cp, "ws", tok, tmp_path / "mnt", tmp_path / "cache2").start()
-        try:
-            assert tree(sc.mountpoint / "default") == before
-            assert len(before) == 52
-        finally:
-            sc.stop()
-    finally:
-        cp.stop()
+        sc = rig.sidecar("ws", cache_dir=tmp_path / "cache2")
+        assert tree(sc.mountpoint / "default") == before
+        assert len(before) == 52
 
 
 def test_invalid_utf8_refused_at_write_or_close_and_fixable(env, d):

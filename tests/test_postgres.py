@@ -21,7 +21,8 @@ API_TESTS = ["tests/test_api.py", "tests/test_batch.py", "tests/test_semantics_a
              "tests/test_hostile.py::test_on_postgresql_caps_hold_and_a_revocation_on_one_replica_cuts_on_the_other",
              "tests/test_ranked_search.py", "tests/test_index_report.py", "tests/test_staleness.py",
              "tests/test_append_versions.py", "tests/test_consolidation.py", "tests/test_accounts.py",
-             "tests/test_rawsql.py", "tests/test_pg_contract.py", "tests/test_record_tails.py"]
+             "tests/test_rawsql.py", "tests/test_pg_contract.py", "tests/test_record_tails.py",
+             "tests/test_version_pages.py"]
 
 
 @pytest.mark.timeout(1800)

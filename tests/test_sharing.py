@@ -12,7 +12,7 @@ import uuid
 import httpx
 import pytest
 
-from mountutil import ControlPlane, Sidecar, read, sh, two_sidecars, wait_until
+from mountutil import Rig, read, sh, two_sidecars, wait_until
 
 pytestmark = pytest.mark.mount
 
@@ -127,12 +127,11 @@ def test_parallel_appends_from_two_sidecars_keep_every_line(pair):
 
 
 def test_attach_detach_events_sighup_and_admin_api(tmp_path):
-    cp = ControlPlane(tmp_path).start()
-    sc = None
-    try:
-        tok = cp.setup_workspace("w1", ("default",))
+    with Rig(tmp_path) as rig:
+        cp = rig.cp
+        rig.workspace("w1", ("default",))
         cp.call("create_store", "extra")
-        sc = Sidecar(cp, "w1", tok, tmp_path / "m", tmp_path / "c").start()
+        sc = rig.sidecar("w1", mountpoint=tmp_path / "m", cache_dir=tmp_path / "c")
         m = sc.mountpoint
         # attach → the store directory appears
         cp.call("attach", "w1", "extra", access="read_write")
@@ -186,21 +185,14 @@ def test_attach_detach_events_sighup_and_admin_api(tmp_path):
         wait_until(lambda: attachment_reads() > before, 30, "the SIGHUP reconcile")
         assert sc.proc.poll() is None
         assert sorted(os.listdir(m)) == [".memfuse", "default", "extra"]
-    finally:
-        if sc is not None:
-            sc.stop()
-        cp.stop()
 
 
 def test_cache_dir_lock_and_stale_mount_cleanup(tmp_path):
     """Two sidecars cannot share a cache directory; a mount left by a kill -9 is cleaned."""
-    cp = ControlPlane(tmp_path).start()
-    a = b = None
-    try:
-        tok = cp.setup_workspace("w1", ("default",))
-        a = Sidecar(cp, "w1", tok, tmp_path / "m1", tmp_path / "c").start()
+    with Rig(tmp_path) as rig:
+        a = rig.sidecar("w1", mountpoint=tmp_path / "m1", cache_dir=tmp_path / "c")
         (a.mountpoint / "default" / "x.md").write_text("x\n")
-        b = Sidecar(cp, "w1", tok, tmp_path / "m2", tmp_path / "c")
+        b = rig.sidecar("w1", mountpoint=tmp_path / "m2", cache_dir=tmp_path / "c", start=False)
         with pytest.raises(AssertionError):
             b.start()
         assert b.proc.wait(10) != 0
@@ -215,8 +207,3 @@ def test_cache_dir_lock_and_stale_mount_cleanup(tmp_path):
         metrics = httpx.get(f"http://{st['admin']}/metrics", timeout=10).text
         assert 'memfuse_api_calls_total{endpoint="GET /v1/stores/{}/changes"' in metrics
         assert "memfuse_fuse_ops_total" in metrics
-    finally:
-        for sc in (a, b):
-            if sc is not None:
-                sc.stop()
-        cp.stop()

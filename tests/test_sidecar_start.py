@@ -255,17 +255,14 @@ def test_real_sidecar_admin_api_needs_the_token_for_mount_changes(tmp_path):
     import httpx
 
     from memfuse.sidecar.admin import read_status_file
-    from mountutil import Sidecar, unmount
+    from mountutil import Rig
 
-    cp = ControlPlane(tmp_path).start()
-    sc = None
-    try:
-        token = cp.setup_workspace("ws", ("notes", "team"))
+    with Rig(tmp_path) as rig:
+        rig.workspace("ws", ("notes", "team"))
         admin_token = tmp_path / "admin.token"
         admin_token.write_text("sidecar-admin-secret\n")
-        sc = Sidecar(cp, "ws", token, tmp_path / "mnt", tmp_path / "cache",
-                     "--admin-token-file", str(admin_token)).start(expect="notes")
-        mnt = tmp_path / "mnt"
+        sc = rig.sidecar("ws", "--admin-token-file", str(admin_token))
+        mnt = sc.mountpoint
         url = "http://" + read_status_file(mnt)["admin"]
 
         def stores() -> list[str]:
@@ -289,8 +286,3 @@ def test_real_sidecar_admin_api_needs_the_token_for_mount_changes(tmp_path):
         wait_for(lambda: stores() == ["notes", "team"], 10, "notes back")
         assert sc.stop() == 0
         assert not sock.exists()
-    finally:
-        if sc is not None:
-            sc.stop()
-        unmount(tmp_path / "mnt")
-        cp.stop()

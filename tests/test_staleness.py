@@ -136,7 +136,7 @@ def test_two_replicas_sweep_at_once_and_delete_each_record_once(tmp_path):
         assert not errors, errors
         assert sum(counts) == 40
         for rid in ids:
-            ops = [v.operation.value for v in a.list_versions(ADMIN, "s", rid)]
+            ops = [v.operation.value for v in a.list_versions(ADMIN, "s", rid).versions]
             assert ops == ["created", "deleted"], ops
         for db in dbs:
             db.dispose()

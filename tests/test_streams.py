@@ -117,6 +117,43 @@ async def test_a_catch_up_comes_page_by_page_in_order():
         assert [p.seq for p in pages] == [made[1].seq, made[3].seq, made[4].seq]
 
 
+async def test_stream_lines_and_long_polls_are_bounded_in_json_bytes():
+    """A page carries at most defs.PAGE_CONTENT_BYTES of content counted as JSON (a control
+    character is six bytes there): four versions of 700 KiB of U+0001 (2.8 MB stored, 16.8 MB
+    of JSON) come one per stream line and one per long-poll, each whole, in order, once."""
+    from memfuse.defs import PAGE_CONTENT_BYTES, json_text_bytes
+
+    body = "\x01" * (700 * 1024)
+    async with server() as (app, base, admin, ws):
+        rec = await admin.create_record("default", "ctl.txt", "0" + body)
+        for i in range(1, 4):
+            rec = await admin.update_record("default", rec.id, f"{i}" + body)
+
+        def check(pages) -> None:
+            got = [c.record.content for p in pages for c in p.changes]
+            assert got == [f"{i}" + body for i in range(4)]
+            for p in pages:  # one version each: two would be 8.4 MiB of JSON
+                assert len(p.changes) == 1 and json_text_bytes(p.changes[0].record.content) <= PAGE_CONTENT_BYTES
+
+        stream = ws.changes_stream("default", 0, content=True)
+        pages = []
+        with trio.fail_after(60):
+            async for p in stream:
+                if p.changes:
+                    pages.append(p)
+                if p.seq == rec.seq:
+                    break
+        await stream.aclose()
+        check(pages)
+        pages, after = [], 0
+        with trio.fail_after(60):
+            while after < rec.seq:
+                p = await ws.changes("default", after, wait=1, content=True)
+                pages.append(p)
+                after = p.seq
+        check(pages)
+
+
 async def test_event_stream_sends_attach_and_detach():
     async with server() as (app, base, admin, ws):
         start = (await ws.workspace_events("ws", 0)).seq

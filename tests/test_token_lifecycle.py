@@ -25,8 +25,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mountutil import ControlPlane, Sidecar, live_records
-from test_durability import check_store, cp_state, poll, show_logs, state, timed, write
+from mountutil import ControlPlane, Rig, Sidecar, live_records
+from test_durability import check_store, cp_state, poll, state, timed, write
 from test_token_source import kubelet_secret
 
 pytestmark = pytest.mark.mount
@@ -54,23 +54,22 @@ def token_id(cp: ControlPlane, name: str) -> str:
     return next(t.id for t in cp.call("list_tokens", workspace=WS) if t.name == name)
 
 
-def start(tmp: Path, cp: ControlPlane, token: str) -> tuple[Sidecar, Path]:
-    secret = tmp / "secret"
+def start(rig: Rig, token: str) -> tuple[Sidecar, Path]:
+    """The rig's sidecar of ``WS`` mounted with ``token`` in a Secret volume; the volume."""
+    secret = rig.tmp / "secret"
     secret.mkdir()
     link = kubelet_secret(secret, token, 1)
-    sc = Sidecar(cp, WS, link, tmp / "mnt", tmp / "cache", "--commit-wait", "2",
-                 "--token-check-interval", "0.5")
-    return sc.start(), secret
+    sc = rig.sidecar(WS, "--commit-wait", "2", "--token-check-interval", "0.5", token=link)
+    return sc, secret
 
 
 @pytest.mark.timeout(240)
 def test_rotation_under_load_loses_nothing(tmp_path):
-    cp = ControlPlane(tmp_path).start()
-    sc = None
-    try:
-        cp.setup_workspace(WS)
+    with Rig(tmp_path) as rig:
+        cp = rig.cp
+        rig.workspace(WS)
         old = cp.call("create_token", workspace=WS, name="old")
-        sc, secret = start(tmp_path, cp, old.token)
+        sc, secret = start(rig, old.token)
         pid = sc.proc.pid
         mnt = sc.mountpoint / "default"
         expected: dict[str, list[str]] = {}
@@ -133,21 +132,15 @@ def test_rotation_under_load_loses_nothing(tmp_path):
         used = {t.name: t for t in cp.call("list_tokens", workspace=WS, include_revoked=True)}
         assert used["old"].state == used["new"].state == "revoked"
         assert used["newer"].state == "active" and used["newer"].last_used_at is not None
-    finally:
-        show_logs(*([sc.log] if sc else []), cp.log)
-        if sc is not None:
-            sc.stop()
-        cp.stop()
 
 
 @pytest.mark.timeout(240)
 def test_revoked_then_expired_token_keeps_writes_pending_until_a_token_is_back(tmp_path):
-    cp = ControlPlane(tmp_path).start()
-    sc = None
-    try:
-        cp.setup_workspace(WS)
+    with Rig(tmp_path) as rig:
+        cp = rig.cp
+        rig.workspace(WS)
         first = cp.call("create_token", workspace=WS, name="first")
-        sc, secret = start(tmp_path, cp, first.token)
+        sc, secret = start(rig, first.token)
         mnt = sc.mountpoint / "default"
         admin = admin_url(sc.mountpoint)
         timed(write, mnt / "x.md", "before\n", False)
@@ -214,8 +207,3 @@ def test_revoked_then_expired_token_keeps_writes_pending_until_a_token_is_back(t
         assert [v["operation"] for v in got["y.md"]["versions"]] == ["created"]
         assert got["z.md"]["content"] == "expired\n" and len(got["z.md"]["versions"]) == 1
         assert status(sc.mountpoint)["outbox"]["refused"] == 0
-    finally:
-        show_logs(*([sc.log] if sc else []), cp.log)
-        if sc is not None:
-            sc.stop()
-        cp.stop()

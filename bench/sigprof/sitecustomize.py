@@ -1,26 +1,64 @@
-"""Deterministic profiles of a running sidecar, toggled by signals (bench/README.md, "The close
-path, session 10: sidecar"): with this directory on ``PYTHONPATH`` and ``MEMFUSE_SIGPROF=PREFIX``
-in the environment, a ``memfuse mount`` or ``memfuse serve`` process (or ``barefs.py``) starts cProfile on its main
-thread (the trio thread) at ``SIGUSR1`` and, at ``SIGUSR2``, stops it and writes the stats to
-``PREFIX.PID`` (``pstats``; call counts per file written are load-independent). Any other
-process, or without the variable, nothing happens. A bench tool, never imported by memfuse."""
+"""Profiles of a running sidecar, toggled by signals (bench/README.md, "The close path,
+session 10: sidecar"): with this directory on ``PYTHONPATH`` and ``MEMFUSE_SIGPROF=PREFIX`` in
+the environment, a ``memfuse mount`` or ``memfuse serve`` process (or ``barefs.py``) starts a
+profile of its main thread (the trio thread) at ``SIGUSR1`` and, at ``SIGUSR2``, stops it and
+writes it to ``PREFIX.PID``. Any other process, or without the variable, nothing happens. A
+bench tool, never imported by memfuse.
+
+Two kinds (``MEMFUSE_SIGPROF_MODE``):
+
+- ``cprofile`` (the default): cProfile, stats in ``pstats`` form (call counts per file written
+  are load-independent; times carry cProfile's cost per call).
+- ``sample``: a statistical profile of CPU time: ``setitimer(ITIMER_PROF)`` every
+  ``MEMFUSE_SIGPROF_US`` µs of process CPU (default 500) and, at each tick, the main thread's
+  Python stack at its next bytecode boundary (so time in a C call or a syscall counts for the
+  Python line that made it; time blocked in ``epoll`` is not CPU and is never sampled). Output:
+  collapsed stacks (``frame;frame;... count`` per line, flamegraph.pl's input), root first.
+"""
 import os
 import signal
 import sys
 
 if os.environ.get("MEMFUSE_SIGPROF") and ("mount" in sys.argv or "serve" in sys.argv
                                           or any(a.endswith("barefs.py") for a in sys.argv)):
-    import cProfile
+    _out = os.environ["MEMFUSE_SIGPROF"]
+    if os.environ.get("MEMFUSE_SIGPROF_MODE", "cprofile") == "sample":
+        import collections
 
-    _prof = cProfile.Profile()
+        _counts: collections.Counter = collections.Counter()
+        _every = int(os.environ.get("MEMFUSE_SIGPROF_US", "500")) / 1e6
 
-    def _on(sig: int, frame: object) -> None:
-        _prof.enable()
+        def _tick(sig: int, frame: object) -> None:
+            names = []
+            f = frame
+            while f is not None:
+                co = f.f_code  # type: ignore[attr-defined]
+                names.append(f"{co.co_filename.rsplit('/', 2)[-2:][-1]}:{co.co_name}:{f.f_lineno}")  # type: ignore[attr-defined]
+                f = f.f_back  # type: ignore[attr-defined]
+            _counts[";".join(reversed(names))] += 1
 
-    def _off(sig: int, frame: object) -> None:
-        _prof.disable()
-        _prof.dump_stats(f"{os.environ['MEMFUSE_SIGPROF']}.{os.getpid()}")
-        _prof.clear()
+        def _on(sig: int, frame: object) -> None:
+            _counts.clear()
+            signal.signal(signal.SIGPROF, _tick)
+            signal.setitimer(signal.ITIMER_PROF, _every, _every)
+
+        def _off(sig: int, frame: object) -> None:
+            signal.setitimer(signal.ITIMER_PROF, 0, 0)
+            with open(f"{_out}.{os.getpid()}", "w") as fh:
+                for stack, n in _counts.most_common():
+                    fh.write(f"{stack} {n}\n")
+    else:
+        import cProfile
+
+        _prof = cProfile.Profile()
+
+        def _on(sig: int, frame: object) -> None:
+            _prof.enable()
+
+        def _off(sig: int, frame: object) -> None:
+            _prof.disable()
+            _prof.dump_stats(f"{_out}.{os.getpid()}")
+            _prof.clear()
 
     signal.signal(signal.SIGUSR1, _on)
     signal.signal(signal.SIGUSR2, _off)

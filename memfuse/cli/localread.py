@@ -22,7 +22,7 @@ made by the real service and compares the output byte for byte.
 
 Served (admin only: local mode is admin): ``GET /v1/stores``, ``/v1/stores/{s}``,
 ``/v1/stores/{s}/records?path=P[&include_deleted=true][&limit=N]`` (``find_record``),
-``/v1/stores/{s}/records/{id}[?content=...]``, ``.../records/{id}/versions``,
+``/v1/stores/{s}/records/{id}[?content=...]``, ``.../records/{id}/versions[?limit=&order=&cursor=]``,
 ``.../records/{id}/versions/{n}``, ``/v1/tokens[?workspace=&include_revoked=]`` and
 ``/v1/stores/{s}/search`` in path order (``--rank`` goes the full way), ``/v1/workspaces``
 and ``/v1/workspaces/{ws}/attachments``; all but the tokens only while every store's key is
@@ -36,7 +36,7 @@ import sqlite3
 import unicodedata
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import unquote
 
 import httpx
@@ -53,6 +53,11 @@ from memfuse.defs import (
     LIVE_CONTENT_SQL,
     RECORDS_PAGE_DEFAULT,
     RECORDS_PAGE_MAX,
+    VERSIONS_PAGE_BYTES,
+    VERSIONS_PAGE_DEFAULT,
+    VERSIONS_PAGE_MAX,
+    next_page_link,
+    page_rows_within,
 )
 
 __all__ = ["LocalReadTransport", "schema_head"]
@@ -68,6 +73,14 @@ def _record_sql(cols: list[str]) -> str:
 
 
 _JSON = {"content-type": "application/json"}
+
+
+class _Linked(NamedTuple):
+    """An answer encoded already (``body``), and the ``cursor`` of the next page when more
+    follow (sent as its ``Link`` header), else None."""
+
+    body: bytes
+    cursor: int | None
 
 # the search API's bounds (memfuse.server.search), as the CLI asks within them
 _QUERY_MAX = 256
@@ -219,6 +232,10 @@ class LocalReadTransport(httpx.AsyncBaseTransport):
                 self._conn.execute("COMMIT")
         except sqlite3.Error as e:
             raise NeedEventLoop(f"sqlite: {e}") from None
+        if isinstance(body, _Linked):  # a page encoded already, and its link to the next
+            headers = _JSON if body.cursor is None else {
+                **_JSON, "link": next_page_link(request.url.query.decode("ascii"), body.cursor)}
+            return httpx.Response(200, headers=headers, content=body.body, request=request)
         return httpx.Response(200, headers=_JSON, content=msgspec.json.encode(body), request=request)
 
     # ------------------------------------------------------------ answers
@@ -267,11 +284,11 @@ class LocalReadTransport(httpx.AsyncBaseTransport):
             return self._search(st["slug"], q)
         if len(rest) == 2 and rest[0] == "records" and set(q) <= {"content"}:
             return self._record(st["slug"], rest[1], _flag(q, "content", True))
-        if len(rest) in (3, 4) and rest[0] == "records" and rest[2] == "versions" and not q:
+        if len(rest) == 3 and rest[0] == "records" and rest[2] == "versions" and set(q) <= {"limit", "order", "cursor"}:
             self._record(st["slug"], rest[1], False)
-            if len(rest) == 3:
-                sql = f"SELECT {', '.join(_VERSION_COLS)} FROM versions WHERE record_id = ? ORDER BY version"
-                return [_row(r, _VERSION_COLS) for r in self._conn.execute(sql, (rest[1],))]
+            return self._versions(rest[1], q)
+        if len(rest) == 4 and rest[0] == "records" and rest[2] == "versions" and not q:
+            self._record(st["slug"], rest[1], False)
             n = _bounded({"n": rest[3]}, "n", 0, 1, 2**63 - 1)
             cols = _VERSION_COLS + ["content", "base_version"]
             v = _row(self._one(f"SELECT {', '.join(cols)} FROM versions WHERE record_id = ? AND version = ?",
@@ -282,6 +299,26 @@ class LocalReadTransport(httpx.AsyncBaseTransport):
                 v["content"] = None
             return v
         raise NeedEventLoop("not served here")
+
+    def _versions(self, rid: str, q: dict[str, str]) -> _Linked:
+        """A page of ``GET .../records/{id}/versions`` (``limit``, ``order``, ``cursor``), cut
+        as the service cuts it (``memfuse.server.recordreads``: ``limit`` versions and
+        ``defs.VERSIONS_PAGE_BYTES`` of their JSON), with its ``Link`` when more follow."""
+        limit = _bounded(q, "limit", VERSIONS_PAGE_DEFAULT, 1, VERSIONS_PAGE_MAX)
+        cursor = _bounded(q, "cursor", -1, 0, INT64_MAX)
+        order = q.get("order", "asc")
+        if order not in ("asc", "desc"):
+            raise NeedEventLoop("a bad order: the full path refuses it")
+        cmp, way = (">", "") if order == "asc" else ("<", " DESC")
+        after = f" AND version {cmp} ?" if cursor >= 0 else ""
+        sql = (f"SELECT {', '.join(_VERSION_COLS)} FROM versions WHERE record_id = ?{after} "
+               f"ORDER BY version{way} LIMIT ?")
+        args = (rid, cursor, limit + 1) if cursor >= 0 else (rid, limit + 1)
+        rows = [_row(r, _VERSION_COLS) for r in self._conn.execute(sql, args)]
+        encoded = [msgspec.json.encode(r) for r in rows[:limit]]
+        n = page_rows_within((len(b) + 1 for b in encoded), VERSIONS_PAGE_BYTES)  # with its "," or "["
+        more = len(rows) > n
+        return _Linked(b"[" + b",".join(encoded[:n]) + b"]", rows[n - 1]["version"] if more else None)
 
     def _workspaces(self, rest: list[str]) -> Any:
         """``GET /v1/workspaces`` (by name) and ``/v1/workspaces/{ws}/attachments`` (by store,

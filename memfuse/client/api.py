@@ -4,7 +4,7 @@ method per endpoint in the document's order (workspaces and feeds, records, admi
 """
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from ..defs import (
@@ -15,6 +15,7 @@ from ..defs import (
     RECORDS_PAGE_MAX,
     SEARCH_LINES_DEFAULT,
     SEARCH_PAGE_DEFAULT,
+    VERSIONS_PAGE_DEFAULT,
     Access,
     prefix_move_timeout,
 )
@@ -366,11 +367,52 @@ class ApiClient(AdminEndpoints):
             params["skip_actor"] = skip_actor
         return PageStream(self, ChangePage, f"/v1/stores/{_seg(store)}/changes", params, read_timeout)
 
+    async def versions_page(
+        self, store: str, id: str, *, cursor: int | None = None, limit: int = VERSIONS_PAGE_DEFAULT,
+        newest_first: bool = False,
+    ) -> tuple[list[Version], int | None]:
+        """``GET .../records/{id}/versions``: one page of the record's versions without
+        content, oldest first after version ``cursor`` (or ``newest_first``: newest first
+        before it); ``limit`` 1–1000 (the server may answer fewer: its pages are also bounded
+        in bytes). Returns the versions and the next page's ``cursor`` (from the answer's
+        ``Link: <…>; rel="next"``), None on the last page (and from a server that does not
+        page). Raises NotFound (``record_not_found``, ``store_not_found``)."""
+        params: dict[str, Any] = {"limit": limit}
+        if newest_first:
+            params["order"] = "desc"
+        if cursor is not None:
+            params["cursor"] = cursor
+        path = f"/v1/stores/{_seg(store)}/records/{_seg(id)}/versions"
+        resp = await self._request("GET", path, params=params)
+        page = self._parse(_VERSIONS, resp, "GET", path)
+        link = resp.links.get("next", {}).get("url")
+        if link is None:
+            return page, None
+        nxt = resp.url.join(link).params.get("cursor", "")
+        if not (nxt.isascii() and nxt.isdigit()):
+            raise TransientError(f"GET {path}: the next page's link has no cursor", status=resp.status_code,
+                                 code="bad_response", method="GET", path=path)
+        return page, int(nxt)
+
+    async def iter_versions(
+        self, store: str, id: str, *, newest_first: bool = False, limit: int = VERSIONS_PAGE_DEFAULT,
+    ) -> AsyncGenerator[Version, None]:
+        """Async generator over every version of the record without content (oldest first, or
+        newest first), page after page (``versions_page``, following its cursor): stop
+        iterating to read no more pages. Raises what ``versions_page`` raises; no retries."""
+        cursor: int | None = None
+        while True:
+            page, cursor = await self.versions_page(store, id, cursor=cursor, limit=limit, newest_first=newest_first)
+            for v in page:
+                yield v
+            if cursor is None:
+                return
+
     async def versions(self, store: str, id: str) -> list[Version]:
-        """``GET .../records/{id}/versions``: every version without content, oldest first."""
-        return await self._call(
-            _VERSIONS, "GET", f"/v1/stores/{_seg(store)}/records/{_seg(id)}/versions"
-        )
+        """Every version of the record without content, oldest first (all the pages of
+        ``GET .../records/{id}/versions``: a record may have many; ``iter_versions`` reads
+        them a page at a time)."""
+        return [v async for v in self.iter_versions(store, id)]
 
     async def version(self, store: str, id: str, n: int) -> Version:
         """``GET .../records/{id}/versions/{n}``: version ``n`` with content (``None`` when

@@ -16,7 +16,7 @@ from typing import Any, Literal, Unpack, cast
 
 from sqlalchemy import ColumnElement, Connection, Select, func, null, select
 
-from memfuse.defs import FEED_PAGE_MAX, INT64_MAX, page_rows_within
+from memfuse.defs import FEED_PAGE_MAX, INT64_MAX, json_rows_within, page_rows_within
 from memfuse.models import (DEFAULT_MODE, Access, Change, ChangePage, EventPage, Operation, Overwritten, Record,
                             WorkspaceEvent)
 from memfuse.server import deltas, keys, wakeups
@@ -47,7 +47,9 @@ def _feed_rows(
 ) -> tuple[list[Any], bool]:
     """The change-feed rows (``_feed_select``) matching ``conds``, oldest first: at most
     ``limit``, and with content at most what ``defs.page_rows_within`` lets one page carry
-    (their sizes are read first, without content, so content past the budget is never read).
+    (their sizes are read first, without content, so content past the budget is never read),
+    then at most what ``defs.json_rows_within`` lets it carry as JSON (the same budget in
+    encoded bytes: a long-poll's shared page and a stream line are encoded whole).
     Append versions' content is made whole. Returns the rows and whether the page was cut
     (by ``limit`` or by bytes): then more versions may follow the last one."""
     if not with_content:
@@ -60,7 +62,10 @@ def _feed_rows(
     rows = conn.execute(
         _feed_select(True).where(*conds, _V.c.seq <= sizes[n - 1].seq).order_by(_V.c.seq).limit(n)
     ).all()
-    return deltas.resolve(conn, rows), len(sizes) >= limit or n < len(sizes)
+    rows = deltas.resolve(conn, rows)
+    # the same budget counted in JSON bytes (long-polls and streams encode a page whole)
+    kept = json_rows_within([None if r.redacted else r.content for r in rows])
+    return rows[:kept], len(sizes) >= limit or kept < len(sizes)
 
 
 def _change(v: AnyRow | SimpleNamespace, with_content: bool) -> Change:

@@ -55,7 +55,8 @@ class LocalTransport(httpx.AsyncBaseTransport):
     most once, on the first request this transport does not serve itself). Served here, in a
     worker thread each (as the app's handlers run), with the app's bodies and headers:
     ``GET /v1/stores/{s}/records`` (``cursor``, ``limit``, ``content``, ``path``,
-    ``include_deleted``), ``GET .../records/{id}`` (``content``), ``GET .../records/{id}/versions``,
+    ``include_deleted``), ``GET .../records/{id}`` (``content``), ``GET .../records/{id}/versions``
+    (``limit``, ``order``, ``cursor``),
     ``GET .../versions/{n}``, ``GET /v1/stores/{s}/search``; ``GET /v1/stores``,
     ``/v1/stores/{s}``, ``/v1/workspaces``, ``/v1/workspaces/{ws}/attachments``. The database is opened (and
     upgraded to the newest schema revision, as the app does) on the first request.
@@ -142,11 +143,14 @@ class LocalTransport(httpx.AsyncBaseTransport):
                 return self._search(token, instance, path["store"], params)
             if r is table.GET_RECORD:
                 return self._get_record(token, instance, path["store"], path["record_id"], params)
-            if r in (table.LIST_VERSIONS, table.GET_VERSION) and not params:
-                n = _int(path["n"], 0, 2**63 - 1) if r is table.GET_VERSION else None
-                if r is table.GET_VERSION and n is None:
+            if r is table.GET_VERSION and not params:
+                n = _int(path["n"], 0, 2**63 - 1)
+                if n is None:
                     return None
-                return self._versions(token, instance, path["store"], path["record_id"], n)
+                return self._version(token, instance, path["store"], path["record_id"], n)
+            if r is table.LIST_VERSIONS:
+                return self._versions(token, instance, path["store"], path["record_id"], params,
+                                      request.url.query.decode("ascii"))
         except _Plain:
             return None
         return None
@@ -226,14 +230,25 @@ class LocalTransport(httpx.AsyncBaseTransport):
 
         return call
 
-    def _versions(self, token: str, instance: str | None, slug: str, rid: str,
-                  n: int | None) -> Callable[[], tuple[bytes, dict[str, str]]]:
+    def _version(self, token: str, instance: str | None, slug: str, rid: str,
+                 n: int) -> Callable[[], tuple[bytes, dict[str, str]]]:
+        return lambda: (self.service.get_version(self._principal(token, instance), slug, rid, n)
+                        .model_dump_json().encode(), {})
+
+    def _versions(self, token: str, instance: str | None, slug: str, rid: str, q: dict[str, str],
+                  query: str) -> Callable[[], tuple[bytes, dict[str, str]]]:
+        self._take(q, {"limit", "order", "cursor"})
+        order = q.get("order", "asc")
+        if order not in ("asc", "desc"):
+            raise _Plain()
+        limit = self._bounded(q, "limit", defs.VERSIONS_PAGE_DEFAULT, 1, defs.VERSIONS_PAGE_MAX)
+        cursor = self._bounded(q, "cursor", -1, 0, defs.INT64_MAX)
+
         def call() -> tuple[bytes, dict[str, str]]:
-            p = self._principal(token, instance)
-            if n is not None:
-                return self.service.get_version(p, slug, rid, n).model_dump_json().encode(), {}
-            versions = self.service.list_versions(p, slug, rid)
-            return b"[" + b",".join(v.model_dump_json().encode() for v in versions) + b"]", {}
+            page = self.service.list_versions(self._principal(token, instance), slug, rid, limit=limit,
+                                              cursor=None if cursor < 0 else cursor,
+                                              newest_first=order == "desc")
+            return page.body(), page.headers(query)
 
         return call
 

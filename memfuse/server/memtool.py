@@ -87,6 +87,7 @@ SEARCH_MAX_LINE_CHARS = LINE_MAX_CHARS  # a matching line is shown up to this ma
 SEARCH_PAGE = 100  # files one search request reads at most
 NOTES_FILE = "notes.md"  # remember appends here, at the store root
 SCAN_PAGE = 1000  # records per snapshot page while listing
+HISTORY_MAX_VERSIONS = 100  # versions one history shows at most (the newest)
 
 
 def _redacted(path: str) -> str:
@@ -660,7 +661,8 @@ class MemoryTool:
         return text
 
     def history(self, c: Mapping[str, Any]) -> str:
-        """The versions of the file at ``path`` (also a deleted one), newest first; with
+        """The versions of the file at ``path`` (also a deleted one), newest first (at most
+        ``HISTORY_MAX_VERSIONS``, then a line saying which are left out); with
         ``version``, that version's content (line-numbered and bounded like ``view``)."""
         t = parse_path(c.get("path"))
         if t.is_root or t.is_store_root:
@@ -686,13 +688,15 @@ class MemoryTool:
             if v.content is None:
                 return f"Version {version} of {t.raw} was redacted: its content is gone"
             return self._view_file(t, v.content, c.get("view_range"))
-        versions = self.svc.list_versions(self.p, t.in_store, rec.id)
+        newest = self.svc.list_versions(self.p, t.in_store, rec.id, limit=HISTORY_MAX_VERSIONS, newest_first=True)
         lines = [f"History of {t.raw} (newest first; `version` shows one):"]
-        for v in reversed(versions):
+        for v in newest.versions:
             where = f"{ROOT}/{t.store}/{v.path}"
             size = "redacted" if v.redacted else f"pruned ({format_size(v.size)})" if v.pruned else format_size(v.size)
             lines.append(f"v{v.version}\t{v.created_at.strftime('%Y-%m-%dT%H:%M:%SZ')}\t{v.operation.value}"
                          f"\t{v.actor}\t{size}\t{where}")
+        if newest.next_cursor is not None:  # the oldest are left out: each is still shown by `version`
+            lines.append(f"[memfuse: the versions before v{newest.next_cursor} are not shown; `version` shows one]")
         return "\n".join(lines)
 
     def remember(self, c: Mapping[str, Any]) -> str:

@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 from sqlalchemy import false, func, select, text, tuple_
 
 from memfuse import content as content_rules
 from memfuse import wire
-from memfuse.defs import DEFAULT_MODE, RECORDS_PAGE_DEFAULT, RECORDS_PAGE_MAX, page_rows_within
+from memfuse.defs import (DEFAULT_MODE, RECORDS_PAGE_DEFAULT, RECORDS_PAGE_MAX, VERSIONS_PAGE_BYTES,
+                          VERSIONS_PAGE_DEFAULT, next_page_link, page_rows_within)
 from memfuse.models import Record, RecordPage, Version
 from memfuse.server import keys, tails
 from memfuse.server.base import AnyRow, Principal, Resource, ServiceError, _R, _V, holds
+from memfuse.server.db import VERSION_MAX
 from memfuse.server.jsonpieces import json_list_pieces
 from memfuse.server.recordrows import (
     _PAGE_COLUMNS,
@@ -33,6 +36,27 @@ from memfuse.server.recordrows import (
 from memfuse.server.records import RecordsService
 
 log = logging.getLogger("memfuse.server.service")  # every room of the Service logs under one name
+
+
+@dataclass(frozen=True)
+class VersionList:
+    """One page of a record's versions (``RecordReadsService.list_versions``): ``versions``
+    in the page's order, ``encoded`` each one's JSON (what the answer's array holds, measured
+    for the page's byte bound), ``next_cursor`` the number of the last version when more
+    follow (the ``cursor`` of the next page), else None."""
+
+    versions: list[Version]
+    encoded: list[bytes]
+    next_cursor: int | None
+
+    def body(self) -> bytes:
+        """The JSON array of the page's versions (the answer's body)."""
+        return b"[" + b",".join(self.encoded) + b"]"
+
+    def headers(self, query: str) -> dict[str, str]:
+        """The answer's headers for a request whose query string was ``query`` (raw): when
+        more follow, ``Link`` to the next page (``defs.next_page_link``), else none."""
+        return {} if self.next_cursor is None else {"Link": next_page_link(query, self.next_cursor)}
 
 
 class RecordReadsService(Resource):
@@ -233,15 +257,35 @@ class RecordReadsService(Resource):
             st = self._store(conn, p, slug)
             return _record_model(self._record(conn, st, record_id), with_content=with_content)
 
-    def list_versions(self, p: Principal, slug: str, record_id: str) -> list[Version]:
-        """Every version of the record without content, oldest first."""
+    def list_versions(
+        self, p: Principal, slug: str, record_id: str, *, limit: int = VERSIONS_PAGE_DEFAULT,
+        cursor: int | None = None, newest_first: bool = False,
+    ) -> VersionList:
+        """One page of the record's versions (deleted records too), without content: oldest
+        first (after version ``cursor``), or with ``newest_first`` newest first (before
+        version ``cursor``). At most ``limit`` versions and at most
+        ``defs.VERSIONS_PAGE_BYTES`` of their JSON (``defs.page_rows_within``: at least one
+        version). ``next_cursor``: the last version's number when more follow, else None.
+        404 ``store_not_found`` / ``record_not_found``."""
+        cols = [c for c in _V.c if c.name != "content"]
         with self.db.read_conn() as conn:
             st = self._store(conn, p, slug)
             self._record(conn, st, record_id)
-            rows = conn.execute(
-                select(_V).where(_V.c.record_id == record_id).order_by(_V.c.version)
-            ).all()
-            return [_version_model(v, with_content=False) for v in rows]
+            q = select(*cols).where(_V.c.record_id == record_id)
+            # a cursor past what the version columns hold (32-bit on PostgreSQL: the database
+            # would refuse to compare it) is the end (asc) or no bound at all (desc)
+            if newest_first:
+                q = q.where(_V.c.version < cursor) if cursor is not None and cursor <= VERSION_MAX else q
+                q = q.order_by(_V.c.version.desc())
+            else:
+                q = q.where(_V.c.version > min(cursor, VERSION_MAX)) if cursor is not None else q
+                q = q.order_by(_V.c.version)
+            rows = conn.execute(q.limit(limit + 1)).all()
+        versions = [_version_model(v, with_content=False) for v in rows[:limit]]
+        encoded = [v.model_dump_json().encode() for v in versions]
+        n = page_rows_within((len(b) + 1 for b in encoded), VERSIONS_PAGE_BYTES)  # with its "," or "["
+        more = len(rows) > n
+        return VersionList(versions[:n], encoded[:n], versions[n - 1].version if more else None)
 
     def get_version(self, p: Principal, slug: str, record_id: str, n: int) -> Version:
         """Version ``n`` with content (None when redacted); 404 ``version_not_found``."""

@@ -77,7 +77,7 @@ from memfuse.server.db import Database
 from memfuse.server.indexreport import IndexReportService
 from memfuse.server.jobspec import ConsolidationSettings
 from memfuse.server.memstores import MemoryStoresService
-from memfuse.server.recordreads import RecordReadsService
+from memfuse.server.recordreads import RecordReadsService, VersionList  # noqa: F401  (VersionList: list_versions answers it)
 from memfuse.server.recordrows import _usage  # noqa: F401  (_usage: for tests)
 from memfuse.server.records import RecordsService
 from memfuse.server.search import SearchService

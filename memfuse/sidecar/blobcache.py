@@ -537,6 +537,43 @@ class BlobCache:
                 raise
 
     @_locked_mem
+    def held_behind(self, digests: Iterable[bytes], max_bytes: int) -> dict[bytes, bytes] | None:
+        """The contents of ``digests`` (sha256s as 32 ``bytes``) held only in memory now
+        (put behind, not written yet), ``{digest: content}``; None when together they pass
+        ``max_bytes`` (the caller then writes them: ``write_behind``). Nothing is written:
+        a store mirror's log frame carries these contents instead (``StoreState``'s rule,
+        ``sync.CARRY_MAX``), so a close need not write a blob-cache transaction of its own."""
+        behind = self._behind
+        if not behind:
+            return {}
+        out: dict[bytes, bytes] = {}
+        size = 0
+        for d in digests:
+            data = behind.get(d.hex())
+            if data is not None:
+                size += len(data)
+                if size > max_bytes:
+                    return None
+                out[d] = data
+        return out
+
+    @_locked
+    def put_carried(self, rows: Iterable[tuple[bytes, bytes]]) -> int:
+        """Store the contents a store mirror's log carried (``StoreState.load``: the
+        contents of this sidecar's own closes, held only in memory when their frame was
+        written), ``[(sha256 as 32 bytes, content)]``, each only when its content hashes to
+        its digest and it is not held already; returns how many were stored. Raises
+        ``CacheError`` when the file cannot be written."""
+        want = {d: data for d, data in rows if hashlib.sha256(data).digest() == d}
+        missing = self.missing_digests(want)
+        if not missing:
+            return 0
+        with self.batch():
+            for d in missing:
+                self._put(want[d], d.hex())
+        return len(missing)
+
+    @_locked_mem
     def write_behind(self) -> None:
         """Write the contents put behind now (``put_behind``; the sidecar's
         ``_blobs_behind`` task calls it every ``BLOBS_BEHIND_EVERY`` s). A failure is

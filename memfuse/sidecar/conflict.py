@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import aclosing
 from typing import Any, Callable
 
 import trio
@@ -350,10 +351,11 @@ class ConflictResolver:
             raise local_refusal("journal_lost", lost) from None
         base = cur.content if cur.sha256 == base_sha else None
         if base is None:
-            for v in reversed(await c.versions(e.store, rid)):
-                if v.sha256 == base_sha and not (v.redacted or v.pruned):
-                    base = (await c.version(e.store, rid, v.version)).content
-                    break
+            async with aclosing(c.iter_versions(e.store, rid, newest_first=True)) as history:
+                async for v in history:  # newest first: pages read only until found
+                    if v.sha256 == base_sha and not (v.redacted or v.pruned):
+                        base = (await c.version(e.store, rid, v.version)).content
+                        break
         log.info("a queued append whose base was gone here is rebuilt from the control plane",
                  extra={"store": e.store, "path": a.get("path"), "record": rid, "entry": e.id,
                         "base_sha256": base_sha, "found": base is not None})

@@ -187,6 +187,29 @@ class ControlFiles:
                     extra={"store": store, "path": path, "errno": name, "code": code,
                            "reason": reason})
 
+    def note_shadowed(self, store: str, path: str, kind: str, record_path: str, record: str,
+                      version: int, shown_at: str | None = None) -> None:
+        """A record made or moved elsewhere (``record``, ``version``, at ``record_path``) is
+        not shown there while local state at ``path`` (``kind``: "a local-only file", "a
+        directory made here"...) is in its way (``remote.RemoteApply._shadow``; ``shown_at``:
+        a record moved elsewhere stays shown at that path meanwhile): a line in
+        ``errors.log`` with ``shadowed: true`` and those fields, and a WARNING ``shadowed: a
+        record made elsewhere is hidden by local state here`` with the same fields (paths and
+        ids, never content). Not counted as a refusal: nothing was refused."""
+        holds = "this path" if path == record_path else "a part of its path"
+        where = ("is not shown here" if shown_at is None
+                 else f"stays shown here at {shown_at}")
+        reason = (f"{kind} here holds {holds}; record {record} (version {version}) at "
+                  f"{record_path}, made or moved there elsewhere, {where} while it stays; "
+                  f"remove or rename {path} here to see the record at {record_path}")
+        self._add({"time": _now(), "store": store, "path": path, "shadowed": True,
+                   "record_path": record_path, "record": record, "version": version,
+                   **({"shown_at": shown_at} if shown_at is not None else {}),
+                   "reason": reason})
+        log.warning("shadowed: a record made elsewhere is hidden by local state here",
+                    extra={"store": store, "path": path, "record_path": record_path,
+                           "record": record, "version": version, "kind": kind})
+
     def note_conflict(self, store: str, path: str, what: str) -> None:
         """Add a conflict the committer resolved (``conflict: true``, ``reason``) to
         ``errors.log``."""

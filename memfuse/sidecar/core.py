@@ -205,6 +205,8 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         self.by_rid = {}
         self.handles = {}
         self.stores = {}
+        self.shadowed = {}
+        self.unshadow_due = set()
         self._next_ino = ROOT_INO
         self._next_fh = 0
         self.controls = ControlFiles(self, journal=journal, host=listener, mount_root=mount_root)

@@ -74,6 +74,8 @@ class WriteState(enum.StrEnum):
 CLEAN, PENDING, REJECTED = WriteState.CLEAN, WriteState.PENDING, WriteState.REJECTED
 DIR_MODE = 0o755  # permission bits of a directory nobody chmod-ed
 DIR_MODES_KEY = "_modes"  # dirs.json: {slug: {dir path ("" = store root): mode}}; never a slug
+#: dirs.json: {slug: the creation time of the store its directories were made in}; never a slug
+STORE_CREATED_KEY = "_created"
 
 
 _MODES: dict[int, int] = {}
@@ -393,6 +395,10 @@ class StoreMount:
     count: int = 0  # live records (files that are not local-only)
     local_count: int = 0  # live local-only files (never sent; bounded by max_records apart)
     local_used: int = 0  # bytes of the live local-only files
+    #: the store's creation time (``Store.created_at``, ISO 8601) as the control plane gave
+    #: it: which store of that slug this is (one deleted and made again is another); ''
+    #: when unknown (mounted from the cache at an offline start)
+    created: str = ""
 
     @property
     def writable(self) -> bool:

@@ -69,5 +69,10 @@ class FsListener(Protocol):
         answer carries and the feed, past it, will not bring): fetch the record and apply
         it like a feed state (``StoreSync.refetch_record``). Never blocks."""
 
+    def shadow_freed(self, slug: str) -> None:
+        """A local entry that kept a record of ``slug`` from being shown went
+        (``RemoteApply.shadow_freed``): once the store's outbox is empty, apply its shadowed
+        records again (``Filesystem.unshadow``; ``StoreSync.shadow_freed``). Never blocks."""
+
     def status(self) -> dict[str, Any]:
         """The fuller status document (``.memfuse/status.json``)."""

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from .. import names
 from ..defs import PREFIX_MOVE_MAX
-from .inodes import (DIR_MODE, DIR_MODES_KEY, PENDING, RENAME_EXCHANGE, RENAME_NOREPLACE, FsError,
+from .inodes import (DIR_MODE, DIR_MODES_KEY, PENDING, RENAME_EXCHANGE, RENAME_NOREPLACE,
+                     STORE_CREATED_KEY, FsError,
                      Node, StoreMount)
 from .cachedir import CacheError, cache_error, write_private
 from .journal import DELETE, MOVE, MOVE_PREFIX
@@ -60,6 +61,8 @@ class NamespaceOps:
         def _child(self, d: Node, name: bytes) -> Node: ...
 
         def _drop_if_unused(self, n: Node) -> None: ...
+
+        def shadow_freed(self, n: Node) -> None: ...
 
         def _has_remote(self, d: Node) -> bool: ...
 
@@ -120,6 +123,10 @@ class NamespaceOps:
         return n
 
     def _detach(self, n: Node) -> None:
+        """Take ``n`` out of its directory (unlink, rmdir, a rename over it, a remote
+        change): it is ``unlinked`` from now on, and a record not shown here because ``n``
+        was in its way is due to be shown (``RemoteApply.shadow_freed``)."""
+        self.shadow_freed(n)
         self._live(n, -1)
         parent = n.parent
         assert parent is not None and parent.children is not None  # n is in the tree
@@ -214,6 +221,7 @@ class NamespaceOps:
         if dst is not None:
             dst.dirty = False
             self._detach(dst)
+        self.shadow_freed(src)  # its old path is free: a record may wait for it
         del od.children[src.name]
         self._touch_dir(od)
         src.name, src.parent = s, nd
@@ -338,13 +346,20 @@ class NamespaceOps:
 
     def save_dirs(self) -> None:
         """Persist every directory path of every store (``dirs.json`` in the cache), so a
-        directory made by mkdir and still empty survives a restart of the sidecar. Atomic
-        (tmp + rename); directories holding records are implied by them anyway."""
+        directory made by mkdir and still empty survives a restart of the sidecar, with
+        each store's creation time (``StoreMount.created``: a store deleted and made again
+        under the same slug gets none of them, ``RemoteApply.add_store``). Atomic (tmp +
+        rename); directories holding records are implied by them anyway."""
         if self.dirs_file is None:
             return
         out: dict[str, Any] = {}
         modes: dict[str, dict[str, int]] = {}
+        was = self.saved_dirs.get(STORE_CREATED_KEY)
+        created: dict[str, str] = {}
         for slug, sm in self.stores.items():
+            made_in = sm.created or (was.get(slug) if isinstance(was, dict) else None)
+            if made_in:
+                created[slug] = made_in
             paths: list[str] = []
             chmodded = {"": stat.S_IMODE(sm.root.mode)} if stat.S_IMODE(sm.root.mode) != DIR_MODE else {}
             stack = [sm.root]
@@ -360,6 +375,7 @@ class NamespaceOps:
             if chmodded:
                 modes[slug] = chmodded
         out[DIR_MODES_KEY] = modes
+        out[STORE_CREATED_KEY] = created
         tmp = self.dirs_file.with_suffix(".tmp")
         try:
             write_private(tmp, json.dumps(out))

@@ -18,8 +18,10 @@ from .inodes import PENDING, FsError, Node, StoreMount, shared_mode
 from .journal import ATTRS, DELETE, MOVE, MOVE_PREFIX, PUT, Entry
 
 if TYPE_CHECKING:
+    from ..wire import Record
     from .committer import Committer
     from .identity import RecordIds
+    from .sync import Meta
 
 log = logging.getLogger("memfuse.fs")
 
@@ -55,7 +57,9 @@ class OutboxOverlay:
 
         def node_by_key(self, key: str | None) -> Node | None: ...
 
-        def _move_remote(self, sm: StoreMount, n: Node, path: str) -> list[tuple[Any, ...]]: ...
+        def _move_remote(self, sm: StoreMount, n: Node, path: str, rec: Record | Meta,
+                         hidden: tuple[Meta, str] | None, quiet: bool = False
+                         ) -> list[tuple[Any, ...]]: ...
 
         def invalidate(self, items: list[tuple[Any, ...]]) -> None: ...
 
@@ -161,7 +165,7 @@ class OutboxOverlay:
             n = self.by_rid.get(rec.id)
             if n is None or n.unlinked or n.store is not sm or n.path() == rec.path:
                 continue
-            inv += self._move_remote(sm, n, rec.path)
+            inv += self._move_remote(sm, n, rec.path, rec, None)
             moved += 1
         src = self._node_at(sm, e.args.get("from", ""))
         if (src is not None and src is not sm.root and src.is_dir and src.parent is not None

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..defs import DEFAULT_MODE, RECORD_TYPES, datetime_ns
 from ..wire import Record
-from .inodes import CLEAN, DIR_MODES_KEY, REJECTED, Handle, Node, StoreMount, shared_mode
+from .inodes import (CLEAN, DIR_MODES_KEY, REJECTED, STORE_CREATED_KEY, Handle, Node, StoreMount,
+                     shared_mode)
 from .journal import MOVE_PREFIX, Entry
 from .sync import Meta
 
@@ -89,6 +90,15 @@ class RemoteApply:
     #: directories went (``_prune_implied``) since the directory list was last saved
     #: (``save_pruned_dirs``)
     dirs_pruned: bool = False
+    #: slug -> record id -> (the newest state of that record from the feed or a snapshot,
+    #: as a ``Meta``; the path of the local entry in its way): records made or moved
+    #: elsewhere that this mount does not show because local state holds their path or a
+    #: component of it (``_shadow``); shown once that local state goes (``unshadow``).
+    #: GUARDED_BY the trio thread (created by ``Filesystem.__init__``)
+    shadowed: dict[str, dict[str, tuple[Meta, str]]]
+    #: stores where a local entry in the way of a shadowed record went (``shadow_freed``)
+    #: since their shadowed records were last applied again (``unshadow``)
+    unshadow_due: set[str]
 
     if TYPE_CHECKING:  # what this part calls of the other parts of ``core.Filesystem``
         def _account(self, n: Node, delta: int) -> None: ...
@@ -116,9 +126,13 @@ class RemoteApply:
 
     def add_store(self, slug: str, access: str, records: Sequence[Record | Meta], *,
                   limits: dict[str, Any] | None = None, contents: dict[str, bytes] | None = None,
-                  cached: bool = False) -> StoreMount:
+                  cached: bool = False, created: str = "") -> StoreMount:
         """Put one attached store under the root, built from a snapshot of its live records
-        (``Record`` or mirror ``Meta`` objects; the nodes share their strings).
+        (``Record`` or mirror ``Meta`` objects; the nodes share their strings), with the
+        empty directories and directory modes kept in ``dirs.json`` for it, unless they were
+        made in another store of that slug (``created``: the store's creation time,
+        ``Store.created_at``; one deleted and made again is another store; '' when unknown:
+        they are kept).
 
         ``contents`` maps record id → bytes for records whose blob is not already cached;
         a record whose content is neither given nor cached is left out (logged). Which blobs
@@ -127,7 +141,7 @@ class RemoteApply:
         """
         now = time.time_ns()
         root = self._new_node(slug, self.root, True, None, 0o755, now)
-        sm = StoreMount(slug=slug, access=access, root=root, **(limits or {}))
+        sm = StoreMount(slug=slug, access=access, root=root, created=created, **(limits or {}))
         root.store = sm
         self.stores[slug] = sm
         contents = contents or {}
@@ -150,13 +164,26 @@ class RemoteApply:
                     kept.append(rec)
             records = kept
         self._insert_records(sm, records)
-        for path in self.saved_dirs.get(slug, []):
-            made: list[tuple[Any, ...]] = []
-            d = self._ensure_dir(sm, path.split("/"), now, made)
-            if made and d is not None:
-                d.made = True  # an empty directory kept from before: as if made here
-        self._restore_dir_modes(sm)
+        if not self._dirs_of_another_store(sm):
+            for path in self.saved_dirs.get(slug, []):
+                made: list[tuple[Any, ...]] = []
+                d = self._ensure_dir(sm, path.split("/"), now, made)
+                if made and d is not None:
+                    d.made = True  # an empty directory kept from before: as if made here
+            self._restore_dir_modes(sm)
         return sm
+
+    def _dirs_of_another_store(self, sm: StoreMount) -> bool:
+        """Whether the directories ``dirs.json`` keeps for ``sm``'s slug were made in another
+        store of that slug (deleted since, and made again: attack 13 F5): both creation
+        times known and different. Logged (INFO) when so: they are not put back."""
+        saved = self.saved_dirs.get(STORE_CREATED_KEY)
+        was = saved.get(sm.slug) if isinstance(saved, dict) else None
+        if not (sm.created and was and was != sm.created):
+            return False
+        log.info("directories kept for an earlier store of this name dropped",
+                 extra={"store": sm.slug, "created": sm.created, "earlier": was})
+        return True
 
     def _insert_records(self, sm: StoreMount, records: Iterable[Record | Meta]) -> None:
         """Add clean files for ``records`` (``Record`` or mirror ``Meta``) to a store being
@@ -283,6 +310,10 @@ class RemoteApply:
         writes come back through the feed), unless ``force`` (after a snapshot), where the
         path, sha256 and attributes decide.
         """
+        shadow = self.shadowed.get(sm.slug)
+        # a state of it kept because local state was in its way: this newer one is applied
+        # or kept instead (``_shadow``, told ``hidden`` so as not to say it twice)
+        hidden = shadow.pop(rec.id, None) if shadow else None
         n = self.by_rid.get(rec.id)
         if n is not None and (n.unlinked or n.store is not sm):
             n = None
@@ -298,7 +329,7 @@ class RemoteApply:
             elif n.version >= rec.version:
                 return []
             if n.state == REJECTED:
-                kept = self._remote_over_rejected(sm, n, rec)
+                kept = self._remote_over_rejected(sm, n, rec, hidden)
                 if kept is not None:
                     return kept
         if rec.deleted:
@@ -319,23 +350,14 @@ class RemoteApply:
         inv: list[tuple[Any, ...]] = []
         if n is None:
             parts = rec.path.split("/")
-            d = self._ensure_dir(sm, parts[:-1], time.time_ns(), inv)
-            if d is None:
-                log.warning("remote record path crosses a local file; skipped",
-                            extra={"store": sm.slug, "record": rec.id})
+            blocker = self._local_in_way(sm, parts)
+            if blocker is not None:
+                self._shadow(sm, rec, blocker, hidden)
                 return []
-            assert d.children is not None  # _ensure_dir gives a directory
+            d = self._ensure_dir(sm, parts[:-1], time.time_ns(), inv)
+            assert d is not None and d.children is not None  # no file in the way (above)
             cur = d.children.get(parts[-1])
-            if cur is not None:
-                if cur.is_dir or cur.dirty or cur.record_id is None:
-                    log.warning("remote record collides with a local entry; local kept",
-                                extra={"store": sm.slug, "record": rec.id})
-                    return []
-                if cur.state == REJECTED:
-                    self._note_rejected_kept(cur, rec, "another record now has this path elsewhere "
-                                             f"(record {rec.id}, version {rec.version}); that record "
-                                             "is not shown here while this file is kept")
-                    return []
+            if cur is not None:  # the clean file of another record: this one replaces it
                 inv.append(("entry", d.ino, cur.name))
                 self._detach(cur)
                 self._bind_rid(cur, None)
@@ -348,7 +370,7 @@ class RemoteApply:
             self._touch_dir(d)
         else:
             if n.path() != rec.path:
-                inv += self._move_remote(sm, n, rec.path)
+                inv += self._move_remote(sm, n, rec.path, rec, hidden)
             if n.sha != rec.sha256:
                 inv.append(("inode", n.ino))
                 self.note_replaced(n, rec.sha256)
@@ -359,6 +381,113 @@ class RemoteApply:
         self._account(n, n.size - old)
         if (n.mode, n.mtime_ns) != before and not any(i[0] == "inode" and i[1] == n.ino for i in inv):
             inv.append(("attr", n.ino))
+        return inv
+
+    def _local_in_way(self, sm: StoreMount, parts: list[str]) -> Node | None:
+        """The local entry that keeps a record not shown here at path ``parts`` (its
+        components) from being shown: a file where the path needs a directory (a local-only
+        file, a rejected file, a file not committed yet), or at the path itself a directory
+        (made here, or holding such files), a file with unsent writes, a file with no record
+        (local-only, refused at create, not committed yet) or a rejected file. None when the
+        path is free, or holds only the clean file of another record (replaced)."""
+        d = sm.root
+        for comp in parts[:-1]:
+            assert d.children is not None  # a directory (checked below)
+            child = d.children.get(comp)
+            if child is None:
+                return None  # the rest of the path is made
+            if child.children is None:
+                return child
+            d = child
+        assert d.children is not None  # a directory
+        cur = d.children.get(parts[-1])
+        if cur is not None and (cur.is_dir or cur.dirty or cur.record_id is None
+                                or cur.state == REJECTED):
+            return cur
+        return None
+
+    def _shadow(self, sm: StoreMount, rec: Record | Meta, blocker: Node,
+                hidden: tuple[Meta, str] | None, shown_at: str | None = None,
+                quiet: bool = False) -> None:
+        """Record ``rec`` (a state from the feed, a snapshot or a refetch, of a record not
+        shown here) cannot be shown: local state here, ``blocker``, holds its path or a
+        component of it. The local entry stays (it was there first; docs/SEMANTICS.md,
+        "Remote changes and local state"); the record's state is kept in ``shadowed`` and
+        shown once ``blocker`` goes (``shadow_freed``, ``unshadow``). Said once per record
+        and local path (``hidden``: the entry it had before; a record changed again while
+        hidden is not said again, so a busy one cannot flood ``errors.log``): a line in
+        ``errors.log`` and a WARNING (paths, record id and version, never content); for a
+        rejected file in the way, its ``kept`` line (``_note_rejected_kept``). ``shown_at``:
+        the record is shown here at that path (a move of it waits), not hidden."""
+        where = blocker.path()
+        state = rec if isinstance(rec, Meta) else Meta.of(rec)
+        self.shadowed.setdefault(sm.slug, {})[rec.id] = (state, where)
+        if quiet or (hidden is not None and hidden[1] == where):
+            return  # said already (a record changed while hidden is not said again)
+        if blocker.state == REJECTED and not blocker.local_only and not blocker.is_dir:
+            at = ("this path" if where == rec.path else f"{rec.path}, below this file's path")
+            if shown_at is not None:
+                what = (f"record {rec.id} was moved onto {at} elsewhere; it stays shown at "
+                        f"{shown_at} while this file is kept")
+            else:
+                what = (f"another record now has {at} elsewhere (record {rec.id}, version "
+                        f"{rec.version}); that record is not shown here while this file is kept")
+            self._note_rejected_kept(blocker, None if shown_at is not None else rec, what)
+            return
+        kind = ("a directory made here" if blocker.is_dir and blocker.made
+                else "a directory" if blocker.is_dir
+                else "a local-only file" if blocker.local_only
+                else "a file with writes not committed yet" if blocker.dirty or blocker.record_id is None
+                else "a file")
+        self.controls.note_shadowed(sm.slug, where, kind, rec.path, rec.id, rec.version, shown_at)
+
+    def shadow_freed(self, n: Node) -> None:
+        """Local entry ``n`` is leaving its path (unlink, rmdir, a rename away or over it, a
+        remote change): when a record not shown here (``shadowed``) waits for that path or
+        one below it, its store's shadowed records are due to be applied again
+        (``unshadow``), which the sidecar does once the store's outbox is empty
+        (``FsListener.shadow_freed``). Costs nothing for a store with none."""
+        sm = n.store
+        if sm is None or sm.slug in self.unshadow_due:
+            return
+        entries = self.shadowed.get(sm.slug)
+        if not entries:
+            return
+        path = n.path()
+        below = path + "/"
+        if any(w == path or w.startswith(below) for _, w in entries.values()):
+            self.unshadow_due.add(sm.slug)
+            if self.listener is not None:
+                try:
+                    self.listener.shadow_freed(sm.slug)
+                except Exception:  # a listener's failure never fails the syscall
+                    log.exception("shadow_freed listener failed", extra={"store": sm.slug})
+
+    def unshadow(self, sm: StoreMount) -> list[tuple[Any, ...]]:
+        """Apply again the records of ``sm`` not shown because local state was in their way
+        (``shadowed``), when a local entry in the way of one went since (``unshadow_due``):
+        each as a snapshot state (``apply_remote`` with ``force``), from its newest state
+        known here (the store's mirror, ``FsListener.known_record``: none → gone; a bare core:
+        the state kept). A record still in the way of local state stays shadowed (said
+        again only for another local path). Call only while the store's outbox is
+        empty (as for the feed). Returns the kernel invalidations to make."""
+        if sm.slug not in self.unshadow_due:
+            return []
+        self.unshadow_due.discard(sm.slug)
+        entries = self.shadowed.get(sm.slug, {})
+        inv: list[tuple[Any, ...]] = []
+        for rid, (kept, _) in list(entries.items()):
+            state: Meta | None = kept
+            if self.listener is not None:
+                state = self.listener.known_record(sm.slug, rid)
+            if state is None:
+                del entries[rid]
+                continue
+            inv += self.apply_remote(sm, state, force=True)
+            if rid not in entries and rid in self.by_rid:
+                log.info("a record hidden by local state here is shown now",
+                         extra={"store": sm.slug, "path": state.path, "record": rid,
+                                "version": state.version})
         return inv
 
     def kernel_behind(self, ino: int) -> bool:
@@ -398,8 +527,9 @@ class RemoteApply:
                         and h.flags & os.O_ACCMODE != os.O_WRONLY):
                     h.replaced, h.across = n.sha, ""
 
-    def _remote_over_rejected(self, sm: StoreMount, n: Node,
-                              rec: Record | Meta) -> list[tuple[Any, ...]] | None:
+    def _remote_over_rejected(self, sm: StoreMount, n: Node, rec: Record | Meta,
+                              hidden: tuple[Meta, str] | None = None
+                              ) -> list[tuple[Any, ...]] | None:
         """A newer state ``rec`` of the record of ``n``, a rejected file (refused for good,
         kept here until fixed: docs/SEMANTICS.md, "Remote changes and rejected files"), from
         the feed or a snapshot. Returns None when applying it as usual loses nothing: the
@@ -409,7 +539,8 @@ class RemoteApply:
         its content is never replaced and it is not removed); its base version stays the one
         it was refused over, so its fix is sent by the conflict rules (a delete elsewhere:
         created again); the change is one ``errors.log`` line and WARNING per version.
-        Returns the invalidations of a move."""
+        Returns the invalidations of a move (``hidden``: the state of the record kept
+        because local state was in the way of its move, ``shadowed``)."""
         known = self.ids.map.get(n.key, (None, None))[1]
         if not rec.deleted and (rec.sha256 == n.sha or (known is not None and known == n.sha)):
             return None
@@ -417,7 +548,7 @@ class RemoteApply:
         was = n.path()
         moved = not rec.deleted and rec.path != was
         if moved:
-            inv = self._move_remote(sm, n, rec.path)
+            inv = self._move_remote(sm, n, rec.path, rec, hidden, quiet=True)
         if rec.deleted:
             what = f"the record was deleted elsewhere (version {rec.version})"
         elif moved and rec.sha256 == known:
@@ -447,25 +578,29 @@ class RemoteApply:
                                 "rejected (the other version is in the record's history); fixing this "
                                 "file sends it over that version by the conflict rules")
 
-    def _move_remote(self, sm: StoreMount, n: Node, path: str) -> list[tuple[Any, ...]]:
+    def _move_remote(self, sm: StoreMount, n: Node, path: str, rec: Record | Meta,
+                     hidden: tuple[Meta, str] | None, quiet: bool = False) -> list[tuple[Any, ...]]:
+        """Move file ``n`` to ``path``, its record's new path (state ``rec``) from a remote
+        change. When local state holds ``path`` or a component of it (``_local_in_way``),
+        ``n`` stays where it is, still shown, and the move waits for that state to go
+        (``_shadow``; ``quiet``: said by the caller, a rejected file's own line). Returns the
+        kernel invalidations to make."""
         parts = path.split("/")
         inv: list[tuple[Any, ...]] = []
+        blocker = self._local_in_way(sm, parts)
+        if blocker is not None and blocker is not n:
+            self._shadow(sm, rec, blocker, hidden, shown_at=n.path(), quiet=quiet)
+            return []
         d = self._ensure_dir(sm, parts[:-1], time.time_ns(), inv)
-        if d is None:
+        if d is None:  # n itself is in the way (a file moved below its own path)
             return []
         assert d.children is not None  # _ensure_dir gives a directory
         cur = d.children.get(parts[-1])
-        if cur is not None and cur is not n:
-            if cur.is_dir or cur.dirty:
-                return []
-            if cur.state == REJECTED:
-                rid = n.record_id or "?"
-                self._note_rejected_kept(cur, None, f"record {rid} was moved onto this path elsewhere; "
-                                         f"it stays shown at {n.path()} while this file is kept")
-                return []
+        if cur is not None and cur is not n:  # the clean file of another record: replaced
             inv.append(("entry", d.ino, cur.name))
             self._detach(cur)
             self._bind_rid(cur, None)
+        self.shadow_freed(n)  # its old path is free: a record may wait for it
         old = n.parent
         assert old is not None and old.children is not None  # n is in the tree
         inv.append(("entry", old.ino, n.name))
@@ -528,6 +663,7 @@ class RemoteApply:
 
         inv: list[tuple[Any, ...]] = []
         live: set[str] = set()
+        self.unshadow_due.discard(sm.slug)  # every record is applied again below
         for rec in records:
             live.add(rec.id)
             n = self.by_rid.get(rec.id)
@@ -550,6 +686,9 @@ class RemoteApply:
                 self._detach(n)
                 self._bind_rid(n, None)
                 self._prune_implied(parent, inv)
+        shadow = self.shadowed.get(sm.slug, {})
+        for rid in [r for r in shadow if r not in live]:
+            del shadow[rid]
         self.save_pruned_dirs()
         return inv
 
@@ -561,6 +700,8 @@ class RemoteApply:
         sm.detached = True
         inv: list[tuple[Any, ...]] = [("entry", self.root.ino, slug)]
         self._detach(sm.root)
+        self.shadowed.pop(slug, None)  # loaded again, the store is built afresh
+        self.unshadow_due.discard(slug)
         # the tree taken out is found by no key: a store loaded again gets new nodes, and
         # results of its entries still queued find those (``overlay_outbox``) or none
         for n in self._walk_files(sm.root):

@@ -220,7 +220,8 @@ class StoreSync:
         mirror that does not add up is replaced by a snapshot, and so is one whose blobs
         are mostly missing (the blob cache was deleted or started anew after a system
         crash: ``BlobCache.rebuilt``); a few missing blobs are fetched one by one."""
-        state = StoreState(self.config.cache_dir / "stores" / f"{slug}.json", slug)
+        state = StoreState(self.config.cache_dir / "stores" / f"{slug}.json", slug,
+                           blobs=self.fs.blobs)
         # no blob collection until the store is in the tree: its blobs are referenced by
         # nothing else meanwhile (_gc_blobs), and add_store trusts the check below
         self._snapshots_running = getattr(self, "_snapshots_running", 0) + 1
@@ -337,7 +338,8 @@ class StoreSync:
             state.access, state.limits, state.dirty = att.access.value, limits, True
         # every blob is cached (_load_state checked, nothing awaited since)
         self.fs.add_store(slug, att.access.value, list(state.records.values()), limits=limits,
-                          cached=True, unsent=self._unsent(slug))
+                          cached=True, unsent=self._unsent(slug),
+                          created=att.store.created_at.isoformat())
         if queued_before:  # its feed first catches up with our versions too (_catch_up_own)
             self.own_unseen.add(slug)
         self.invalidator.submit([("entry", ROOT_INO, slug)])
@@ -363,7 +365,8 @@ class StoreSync:
         for slug in self._saved_slugs():
             if slug in self.fs.stores:
                 continue
-            state = StoreState(self.config.cache_dir / "stores" / f"{slug}.json", slug)
+            state = StoreState(self.config.cache_dir / "stores" / f"{slug}.json", slug,
+                           blobs=self.fs.blobs)
             if not state.load():
                 continue
             missing = self.fs.blobs.missing_digests(m.sha for m in state.records.values())
@@ -583,6 +586,9 @@ class StoreSync:
             return False
         state.cursor = max(state.cursor, page.seq)
         state.last_change_at = time.time()
+        # a record this page brought may wait for local state that went (the mirror has
+        # the page's states now)
+        inv += self.fs.unshadow(sm)
         self.fs.save_pruned_dirs()
         self.invalidator.submit(inv)
         return True
@@ -716,11 +722,11 @@ class StoreSync:
         written); a mirror without a base yet (a new snapshot) waits for the periodic saver,
         which writes the base. A failure is counted and logged once per streak, never
         raised: the periodic saver retries (the write itself is in the control plane).
-        The contents put behind (``BlobCache.put_behind``) are written first: a saved mirror
-        names no content held only in memory (else a ``kill -9`` and an offline restart
-        would show the file, and answer EIO at its read)."""
+        The frame carries the close's content while the blob cache holds it only in memory
+        (``BlobCache.put_behind``; ``StoreState``'s rule: a saved mirror names no content
+        held only in memory, else a ``kill -9`` and an offline restart would show the file
+        and answer EIO at its read), so the close writes no blob-cache transaction."""
         try:
-            self.fs.blobs.write_behind()
             st.save_log()
         except CacheError as e:
             self._state_not_saved(st, e)
@@ -832,6 +838,8 @@ class StoreSync:
             except CacheError as e:  # a cache: the next mount resumes from the older file
                 log.warning("store state not saved at unmount", extra={"store": slug,
                                                                        "reason": e.reason})
+            finally:
+                state.close()
         log.info("store unmounted", extra={"store": slug, "uncommitted": left})
         return left
 
@@ -849,6 +857,34 @@ class StoreSync:
             self.task_failures["reconcile"] = self.task_failures.get("reconcile", 0) + 1
             self.metrics.task_failures.labels("reconcile").inc()
             log.exception("reconcile failed unexpectedly")
+
+    def shadow_freed(self, slug: str) -> None:
+        """``FsListener``: a local entry in the way of a record of ``slug`` not shown here
+        went; its shadowed records are applied again once the store's outbox is empty
+        (``apply_shadowed``), in a task of the sidecar's nursery (nothing when not running:
+        the next feed page applies them)."""
+        if self._nursery is not None:
+            self._nursery.start_soon(self.apply_shadowed, slug, name=f"unshadow {slug}")
+
+    async def apply_shadowed(self, slug: str) -> None:
+        """Show the records of ``slug`` that local state here kept hidden and that may be
+        shown now (``Filesystem.unshadow``), once the store's outbox is empty (every local
+        change committed first, as for a feed page). Each wait for the outbox is bounded by
+        ``REFETCH_TIMEOUT`` s; past it, the wait is logged and starts again while the store
+        is mounted and the records are still due (a feed page with changes applies them
+        too: ``_apply_page``)."""
+        while slug in self.fs.unshadow_due and slug in self.fs.stores:
+            with trio.move_on_after(REFETCH_TIMEOUT) as cs:
+                await self.committer.wait_store_idle(slug)
+            if cs.cancelled_caught:
+                log.info("records hidden by local state wait for the store's outbox",
+                         extra={"store": slug, "waited_s": REFETCH_TIMEOUT})
+                continue
+            sm = self.fs.stores.get(slug)
+            if sm is not None:
+                self.invalidator.submit(self.fs.unshadow(sm))
+                self.fs.save_pruned_dirs()
+            return
 
     def record_stale(self, slug: str, record_id: str) -> None:
         """``FsListener``: fetch record ``record_id`` of ``slug`` and apply it

@@ -34,7 +34,7 @@ from ..client import ApiClient
 from ..errors import Gone
 from ..defs import DEFAULT_MODE, RECORD_TYPES, datetime_ns
 from ..wire import Change, Record
-from .cachedir import FILE_MODE, cache_error
+from .cachedir import FILE_MODE, CacheError, cache_error
 
 if TYPE_CHECKING:
     from .blobcache import BlobCache
@@ -173,6 +173,13 @@ class Meta(msgspec.Struct, gc=False):
 LOG_FRACTION = 0.25  # a log past this fraction of its base (and LOG_MIN) is compacted
 LOG_MIN = 64 * 1024  # bytes: a small store's log is never compacted below this
 LOG_FORMAT = 1
+#: bytes of content one log frame may carry (``StoreState``: the contents, held only in memory,
+#: of the records it names; past it they are written to the blob cache first)
+CARRY_MAX = 64 * 1024
+#: a log whose frames carried more content than this is compacted whatever its other bytes
+#: (the carried bytes do not count towards ``LOG_FRACTION``: a close's content would
+#: otherwise make a small store's base be rewritten every few dozen closes)
+CARRIED_MAX = 4 << 20
 _FRAME = struct.Struct("<2sII")  # magic, payload length, CRC-32 of the payload
 _MAGIC = b"MJ"
 # a record as a log row: Meta's fields in order
@@ -189,13 +196,16 @@ class _LogHead(msgspec.Struct, array_like=True, frozen=True):
 class _LogEntry(msgspec.Struct, array_like=True, frozen=True):
     """One save appended to a mirror log: the records changed since the previous frame
     (``put``: their state now, as ``_Row``; ``removed``: their ids) and the cursor, access
-    and limits at the same moment."""
+    and limits at the same moment; ``carried``: the contents of ``put`` records that the
+    blob cache held only in memory when the frame was written (``[sha256 as 32 bytes,
+    content]``; absent in frames of earlier releases)."""
 
     cursor: int
     access: str
     limits: dict[str, int]
     put: list[_Row]
     removed: list[str]
+    carried: list[tuple[bytes, bytes]] = []
 
 
 _LOG_ENC = msgspec.msgpack.Encoder()
@@ -290,10 +300,20 @@ class StoreState:
     ``kill -9`` loses nothing written (the page cache keeps it); a power loss may lose the
     tail of the log or leave a base unreadable, which loads an older, consistent state
     (caught up from its cursor) or takes a snapshot.
+
+    A saved mirror names no content held only in memory (``blobs``, the blob cache passed
+    in, holds a close's content behind: ``BlobCache.put_behind``), else a ``kill -9`` and an
+    offline restart would show a file whose read fails. The rule, here only: a frame
+    carries the contents its records have behind (``_LogEntry.carried``, up to
+    ``CARRY_MAX`` bytes; past that they are written to the blob cache first, as they are
+    before every base is snapshotted), and ``load`` stores what the log carried in the
+    blob cache (``BlobCache.put_carried``). So a close's save (``save_log``) is one frame
+    and no blob-cache transaction. Without ``blobs`` (tests, tools) nothing is carried.
     """
 
-    def __init__(self, path: Path, slug: str) -> None:
+    def __init__(self, path: Path, slug: str, blobs: BlobCache | None = None) -> None:
         self.path = path
+        self.blobs = blobs
         self.log_path = path.with_suffix(".log")
         self.slug = slug
         self.cursor = 0
@@ -308,6 +328,11 @@ class StoreState:
         self._base_id: str | None = None
         self._base_bytes = 0
         self._log_size: int | None = None
+        self._log_carried = 0  # bytes of content the log's frames carried (part of _log_size)
+        # the log kept open between appends (None: opened at the next one), positioned at
+        # its end (_log_size); closed when the log is started anew, after a failed append,
+        # at a load and by ``close``
+        self._log_fd: int | None = None
         self._changed: set[str] = set()  # ids touched since the last frame written
         self._since: set[str] | None = None  # ids touched since a compaction's snapshot
         self._compacting = False
@@ -320,6 +345,8 @@ class StoreState:
         False when there is none or it is unreadable (then the caller takes a full
         snapshot)."""
         self._base_id, self._log_size, self._changed = None, None, set()
+        self._log_carried = 0
+        self.close()
         try:
             data = self.path.read_bytes()
             fmt = msgspec.json.decode(data, type=_Format).format
@@ -391,6 +418,7 @@ class StoreState:
         assert first is not None  # else head is None
         good, applied = first[1], 0
         recs = self.records
+        carried: list[tuple[bytes, bytes]] = []
         for payload, end in frames:
             try:
                 entry = _ENTRY_DEC.decode(payload)
@@ -407,12 +435,32 @@ class StoreState:
                 recs[m.id] = m
             for i in entry.removed:
                 recs.pop(i, None)
+            carried += entry.carried
             self.cursor, self.access, self.limits = entry.cursor, entry.access, dict(entry.limits)
             good, applied = end, applied + 1
         if good != len(data):
             log.info("store state log tail ignored (torn or unreadable)",
                      extra={"store": self.slug, "ignored_bytes": len(data) - good})
         self._log_size = good
+        self._log_carried = sum(len(c) for _, c in carried)
+        self._store_carried(carried)
+
+    def _store_carried(self, carried: list[tuple[bytes, bytes]]) -> None:
+        """Store in the blob cache the contents the log carried for records the mirror
+        still names (the class's rule). A failure is logged: those contents are then
+        missing, fetched again at the load's check when the control plane answers."""
+        if not carried or self.blobs is None:
+            return
+        live = {m.sha for m in self.records.values()}
+        try:
+            stored = self.blobs.put_carried((d, c) for d, c in carried if d in live)
+        except CacheError as e:
+            log.warning("contents carried by the store state log not stored",
+                        extra={"store": self.slug, "reason": e.reason})
+            return
+        if stored:
+            log.info("contents carried by the store state log stored",
+                     extra={"store": self.slug, "contents": stored})
 
     def _load_v4(self, m: _Mirror) -> None:
         """Take a decoded format-4 mirror (``load``). Raises ``ValueError`` / ``IndexError``
@@ -442,7 +490,10 @@ class StoreState:
 
     def _snapshot(self) -> _Snapshot:
         """The mirror now, for a base (a list of the ``Meta`` objects, which are never
-        changed in place: a change replaces them)."""
+        changed in place: a change replaces them). The contents held behind are written
+        to the blob cache first (the class's rule: a base carries none)."""
+        if self.blobs is not None:
+            self.blobs.write_behind()
         return _Snapshot(list(self.records.values()), self.cursor, self.access,
                          dict(self.limits), os.urandom(8).hex())
 
@@ -522,7 +573,7 @@ class StoreState:
             self._reset_since = False
             self.dirty = True
             return
-        self._base_id, self._base_bytes, self._log_size = snap.base, size, None
+        self._base_id, self._base_bytes, self._log_size, self._log_carried = snap.base, size, None, 0
         self._changed = since  # what changed before the snapshot is in the base
         self._append()
         self.dirty = False
@@ -533,11 +584,14 @@ class StoreState:
         changed since the last save (estimated at the base's bytes per record) would pass
         ``LOG_FRACTION`` of it (and ``LOG_MIN``): a big batch of changes (a long catch-up)
         then goes into a base written by a worker thread, not a frame encoded on the trio
-        thread."""
+        thread. The contents the frames carried count apart (``CARRIED_MAX``)."""
         if self._base_id is None:
             return True
         frame = len(self._changed) * self._base_bytes / max(1, len(self.records))
-        return (self._log_size or 0) + frame > max(LOG_MIN, self._base_bytes * LOG_FRACTION)
+        if self._log_carried > CARRIED_MAX:
+            return True
+        own = (self._log_size or 0) - self._log_carried
+        return own + frame > max(LOG_MIN, self._base_bytes * LOG_FRACTION)
 
     def save(self) -> None:
         """Save on the calling thread: append the changes since the last save to the log
@@ -630,35 +684,70 @@ class StoreState:
             else:
                 put.append((m.id, m.dir, m.name, m.type, m.version, m.sha, m.size,
                             m.updated_ns, m.mode, m.mtime_ns))
+        carried: list[tuple[bytes, bytes]] = []
+        if self.blobs is not None and put:
+            held = self.blobs.held_behind((row[5] for row in put), CARRY_MAX)
+            if held is None:  # too much to carry: written to the blob cache first
+                self.blobs.write_behind()
+            else:
+                carried = list(held.items())
         frame = _frame(_LOG_ENC.encode(_LogEntry(self.cursor, self.access, self.limits,
-                                                 put, removed)))
+                                                 put, removed, carried)))
         size = self._log_size
         try:
             if size is None:  # a new log for this base
                 assert self._base_id is not None  # appends extend a base (save, _based)
                 data = _frame(_LOG_ENC.encode(_LogHead(LOG_FORMAT, self._base_id))) + frame
-                fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
-                             FILE_MODE)
+                self.close()
+                self._log_fd = fd = os.open(
+                    self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
             else:
                 data = frame
-                fd = os.open(self.log_path, os.O_WRONLY | os.O_CLOEXEC)
-            try:
-                if size is not None:
-                    if os.fstat(fd).st_size != size:
-                        os.ftruncate(fd, size)  # a torn tail or a failed append
-                    os.lseek(fd, size, os.SEEK_SET)
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
-            finally:
-                os.close(fd)
+                fd = self._log_fd if self._log_fd is not None else self._open_log(size)
+                if os.fstat(fd).st_nlink == 0:  # deleted since it was opened
+                    raise FileNotFoundError(errno.ENOENT, "the store state log was removed")
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
         except FileNotFoundError as exc:  # the log went away: the base alone is saved
+            self.close()
             self._base_id = None
             raise cache_error(exc, f"saving the state of store {self.slug}") from exc
         except OSError as exc:
+            self.close()  # the next append opens it again and cuts a partial frame off
             raise cache_error(exc, f"saving the state of store {self.slug}") from exc
         self._log_size = len(data) if size is None else size + len(data)
+        self._log_carried = (0 if size is None else self._log_carried) + sum(len(c) for _, c in carried)
         self._changed.clear()
+
+    def _open_log(self, size: int) -> int:
+        """Open the log to append after its first ``size`` bytes (its whole frames): a
+        longer file (a torn tail, a failed append) is cut there first. Raises ``OSError``."""
+        fd = os.open(self.log_path, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            if os.fstat(fd).st_size != size:
+                os.ftruncate(fd, size)  # a torn tail or a failed append
+            os.lseek(fd, size, os.SEEK_SET)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._log_fd = fd
+        return fd
+
+    def close(self) -> None:
+        """Close the log kept open between appends (a later append opens it again)."""
+        fd, self._log_fd = self._log_fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def __del__(self) -> None:
+        fd = getattr(self, "_log_fd", None)  # (also at interpreter exit: no helpers)
+        if fd is not None:
+            try:
+                os.close(fd)
+            except Exception:
+                pass
 
     def _touch(self, record_id: str) -> None:
         self._changed.add(record_id)

@@ -12,7 +12,8 @@ from typing import Any
 from starlette.responses import Response
 
 from memfuse.content import INDEX_PATH, RECORD_TYPES, ContentError, is_index
-from memfuse.models import Record, RecordCreate, RecordUpdate, Restore, Version
+from memfuse.defs import INT64_MAX
+from memfuse.models import Record, RecordCreate, RecordUpdate, Restore
 from memfuse.server.console import render
 from memfuse.server.console.forms import field_text, newline_style, with_newlines
 from memfuse.server.console.pages import can_write, Ctx, redirect_to, render_page, store_ref
@@ -29,18 +30,30 @@ def _store_seq(ctx: Ctx, slug: str) -> int:
     return ctx.svc.list_records(ctx.principal, slug, limit=1).seq
 
 
-def _record_and_versions(ctx: Ctx, slug: str, rid: str) -> tuple[Record, list[Version]]:
-    rec = ctx.svc.get_record(ctx.principal, slug, rid, with_content=True)
-    versions = ctx.svc.list_versions(ctx.principal, slug, rid)
-    return rec, versions
+HISTORY_ROWS = 50  # versions a record page lists (the newest, or those before ``?before=N``)
+
+
+def _version_query(ctx: Ctx, name: str) -> int | None:
+    """Query parameter ``name`` as a version number (1 to 2**63 - 1), None when absent; 400
+    ``validation_error`` for anything else."""
+    raw = ctx.q(name)
+    if not raw:
+        return None
+    if not (raw.isascii() and raw.isdigit() and 1 <= int(raw) <= INT64_MAX):
+        raise ServiceError(400, "validation_error", f"{name} must be a version number")
+    return int(raw)
 
 
 def record_page(ctx: Ctx) -> Response:
-    """GET ``/stores/{store}/records/{id}[?version=N]``: content (Markdown rendered safely),
-    type, path, history with restore / redact, a diff form, edit and delete."""
+    """GET ``/stores/{store}/records/{id}[?version=N][&before=M]``: content (Markdown
+    rendered safely), type, path, history with restore / redact, a diff form, edit and
+    delete. The history lists the newest ``HISTORY_ROWS`` versions (those before ``M`` with
+    ``before``), then an "Older versions" link to the next ones."""
     slug, rid = ctx.path("store"), ctx.path("rid")
     seq = _store_seq(ctx, slug)  # before the reads: a change after them reaches the page
-    rec, versions = _record_and_versions(ctx, slug, rid)
+    before = _version_query(ctx, "before")
+    rec = ctx.svc.get_record(ctx.principal, slug, rid, with_content=True)
+    history = ctx.svc.list_versions(ctx.principal, slug, rid, limit=HISTORY_ROWS, cursor=before, newest_first=True)
     shown = None
     if ctx.q("version"):
         try:
@@ -53,11 +66,10 @@ def record_page(ctx: Ctx) -> Response:
     else:
         text, path = rec.content, rec.path
     rendered = render.render_content(path, text) if text is not None else None
-    prev = versions[-2].version if len(versions) > 1 else versions[-1].version
     return render_page(
-        ctx, "record.html", current_store=slug, rec=rec, versions=list(reversed(versions)), shown=shown,
+        ctx, "record.html", current_store=slug, rec=rec, versions=history.versions, shown=shown,
         rendered=rendered, can_write=can_write(ctx, slug), is_index=is_index(rec.path),
-        diff_a=prev, diff_b=versions[-1].version,
+        diff_a=max(1, rec.version - 1), diff_b=rec.version, older=history.next_cursor, paged=before is not None,
         live_url=ctx.url("stores", slug, "live", after=seq),
     )
 
@@ -66,7 +78,7 @@ def diff_page(ctx: Ctx) -> Response:
     """GET ``/stores/{store}/records/{id}/diff?a=N&b=M[&view=split]``: the diff of two
     versions with line numbers and changed words marked, unified (default) or side by side."""
     slug, rid = ctx.path("store"), ctx.path("rid")
-    rec, versions = _record_and_versions(ctx, slug, rid)
+    rec = ctx.svc.get_record(ctx.principal, slug, rid, with_content=False)
     try:
         a, b = int(ctx.q("a")), int(ctx.q("b"))
     except ValueError:
@@ -78,8 +90,7 @@ def diff_page(ctx: Ctx) -> Response:
     redacted = [v.version for v in (va, vb) if v.content is None]
     if not redacted:
         d = render.line_diff(va.content or "", vb.content or "")
-    return render_page(ctx, "diff.html", current_store=slug, rec=rec, versions=list(reversed(versions)), va=va, vb=vb,
-                 d=d, view=view, redacted=redacted)
+    return render_page(ctx, "diff.html", current_store=slug, rec=rec, va=va, vb=vb, d=d, view=view, redacted=redacted)
 
 
 def consolidations_page(ctx: Ctx) -> Response:

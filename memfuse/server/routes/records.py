@@ -183,9 +183,27 @@ async def batch(svc: Svc, request: Request, store: StoreSlug, p: P) -> Response:
     return Response(content=batch_body(replies), media_type="application/json")
 
 
-@route(router, table.LIST_VERSIONS, response_model=list[Version], tags=["records"])
-def list_versions(svc: Svc, store: StoreSlug, record_id: str, p: P) -> Response:
-    return json_response(svc.list_versions(p, store, record_id))
+@route(router, table.LIST_VERSIONS, response_model=list[Version], tags=["records"], responses={200: {"headers": {
+    "Link": {"description": '<?…&cursor=N>; rel="next" (RFC 8288) when more versions follow: the next '
+             "page's query, relative to this request's URL", "schema": {"type": "string"}}}}})
+def list_versions(
+    request: Request,
+    svc: Svc,
+    store: StoreSlug,
+    record_id: str,
+    p: P,
+    limit: Annotated[int, Query(ge=1, le=defs.VERSIONS_PAGE_MAX,
+                                description="versions in this page")] = defs.VERSIONS_PAGE_DEFAULT,
+    order: Annotated[Literal["asc", "desc"], Query(
+        description="asc: oldest first; desc: newest first")] = "asc",
+    cursor: Annotated[int | None, Query(ge=0, le=defs.INT64_MAX, description=(
+        "the last version number of the previous page (its Link rel=next gives it): this "
+        "page holds the versions after it (asc) or before it (desc)"))] = None,
+) -> Response:
+    """A page of the record's versions without content (docs/API.md, "Records"); when more
+    follow, the header ``Link: <?…cursor=N…>; rel="next"`` gives the next page's query."""
+    page = svc.list_versions(p, store, record_id, limit=limit, cursor=cursor, newest_first=order == "desc")
+    return Response(content=page.body(), headers=page.headers(request.url.query), media_type="application/json")
 
 
 @route(router, table.GET_VERSION, response_model=Version, tags=["records"])
