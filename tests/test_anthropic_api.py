@@ -367,6 +367,17 @@ def test_forged_pages_are_refused_as_bad_requests_never_500(server, ws_token, no
                 r = h.get(where, headers=hdr, params={"page": page(value)})
                 assert r.status_code == 400, (where, value, r.status_code, r.text)
                 assert r.json()["error"]["type"] == "invalid_request_error"
+        # JSON the decoder cannot hold (nested deeper than the stack) and strings no listing
+        # puts in a page (a lone surrogate, a NUL): 400 too, not a 500 with a traceback (attack 14 F2)
+        raw = ["[" * 5000 + "]" * 5000, '{"k":"m","q":' + "[" * 3000 + "]" * 3000 + "}",
+               '{"k":"m","q":["",0],"a":["m","\\ud800","x"]}', '{"k":"m","q":["\\udfff",0],"a":["p","x"]}',
+               '{"k":"m","q":["",0],"a":["m","a\\u0000b","00000000-0000-0000-0000-000000000000"]}']
+        for where in (f"{url}/{notes}/memories", f"{url}/{notes}/memory_versions", url):
+            for text in raw:
+                forged_page = base64.urlsafe_b64encode(text.encode()).decode().rstrip("=")
+                r = h.get(where, headers=hdr, params={"page": forged_page})
+                assert r.status_code == 400, (where, text[:60], r.status_code, r.text[:300])
+                assert r.json()["error"]["type"] == "invalid_request_error"
         # a page the listing made still pages on
         r = h.get(f"{url}/{notes}/memory_versions", headers=hdr, params={"limit": 1})
         assert r.status_code == 200
