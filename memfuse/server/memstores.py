@@ -29,7 +29,7 @@ from sqlalchemy import delete, false, select, tuple_, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
-from memfuse.defs import page_rows_within
+from memfuse.defs import json_rows_within, page_rows_within
 from memfuse.models import Access, MoveResult, Record, RecordCreate, RecordMove, RecordUpdate, StoreCreate
 from memfuse.server import deltas, keys, tails
 from memfuse.server.anthropic_models import DeletedMemoryStore, MemoryStoreOut
@@ -320,14 +320,18 @@ class MemoryStoresService(Resource):
     def _with_content(conn: Connection, items: list[ListedItem]) -> tuple[list[ListedItem], bool]:
         """The leading ``items`` one page with content may carry (``defs.page_rows_within``
         by the records' sizes; prefixes count 0), their rows read again with their live
-        content (a record deleted meanwhile is left out); and whether items were cut."""
+        content (a record deleted meanwhile is left out), then at most what
+        ``defs.json_rows_within`` lets the page carry as JSON (the same budget in encoded
+        bytes: the page is encoded whole, and 8 MiB of control characters is 48 MiB of
+        JSON); and whether items were cut."""
         n = page_rows_within(it.row.size if it.row is not None else 0 for it in items)
         ids = [it.row.id for it in items[:n] if it.row is not None]
         rows = {r.id: r for r in conn.execute(
             select(*_MEMORY_COLUMNS, tails.LIVE_CONTENT).select_from(_R).where(_R.c.id.in_(ids))).all()} if ids else {}
         out = [it if it.row is None else ListedItem(rows[it.row.id], None, it.after)
                for it in items[:n] if it.row is None or it.row.id in rows]
-        return out, n < len(items)
+        kept = json_rows_within([it.row.content if it.row is not None else None for it in out])
+        return out[:kept], n < len(items) or kept < len(out)
 
     def ms_update_memory(
         self, p: Principal, slug: str, record_id: str, *, content: str | None, path: str | None,
@@ -405,6 +409,11 @@ class MemoryStoresService(Resource):
                 whole = conn.execute(select(_V).where(_V.c.seq.in_(seqs)).order_by(_V.c.seq)).all()
                 # append versions' content made whole (oldest first: links reused)
                 rows = list(reversed(deltas.resolve(conn, whole)))
+                # the same budget in JSON bytes (the page is encoded whole; a redacted or
+                # deleted version shows no content: anthropic_api.version_out)
+                kept = json_rows_within(
+                    [None if r.redacted or r.operation == "deleted" else r.content for r in rows])
+                more, rows = more or kept < len(rows), rows[:kept]
         return rows, more
 
     def ms_get_version(self, p: Principal, slug: str, seq: int, *, with_content: bool) -> AnyRow:
