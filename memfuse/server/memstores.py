@@ -278,8 +278,9 @@ class MemoryStoresService(Resource):
         With ``depth`` > 0 a record more than ``depth`` segments below the prefix is rolled
         up into one prefix item for its first ``depth`` segments, and the listing seeks past
         that directory (one query per rolled-up directory, not one per record). With content
-        a page holds at most ``defs.PAGE_CONTENT_BYTES`` of it (at least one memory); the
-        content is read only for the memories the page keeps."""
+        a page holds at most ``defs.PAGE_CONTENT_BYTES`` of it, as UTF-8 and as JSON (at least
+        one memory; ``_with_content``); the content is read only for the memories the page
+        keeps by size."""
         path_col = self._path_col()
         with self.db.read_conn() as conn:
             st = self._store(conn, p, slug)
@@ -377,8 +378,9 @@ class MemoryStoresService(Resource):
         older than ``before_seq``, filtered by record, memfuse operations, creation time
         (inclusive) and actor (``actor_exact``: the actor string; ``actor_instance``: a
         sidecar's writes, ``ws:<any>/<instance>``); and whether more follow. With content a
-        page holds at most ``defs.PAGE_CONTENT_BYTES`` of it (at least one version), read only
-        for the versions it keeps."""
+        page holds at most ``defs.PAGE_CONTENT_BYTES`` of it, as UTF-8 and as JSON
+        (``defs.json_rows_within``; at least one version), read only for the versions it
+        keeps by size."""
         cols = [c for c in _V.c if c.name != "content"]
         with self.db.read_conn() as conn:
             st = self._store(conn, p, slug)
