@@ -4,7 +4,12 @@ the first line of ``stream=true``) and ``GET .../records?content=true&limit=1000
 at once, over ``N`` versions (and ``N`` records) of 1 MiB of U+0001 (escaped six-fold in JSON:
 the worst content per stored byte).
 
-    PYTHONPATH=$PWD .venv/bin/python bench/bench_page_memory.py [--n 40] [--k 4] [--only changes|longpoll|stream|records]
+    PYTHONPATH=$PWD .venv/bin/python bench/bench_page_memory.py [--n 40] [--k 4]
+        [--only changes|longpoll|stream|records|memories|memversions]
+
+``memories`` / ``memversions``: Anthropic's memory-store face, ``GET /v1/memory_stores/
+memstore_snap/memories?view=full&limit=100`` and ``.../memstore_big/memory_versions?view=full
+&limit=100`` (the same records and versions; attack 14 F6).
 
 Starts its own ``memfuse serve`` (``$PYTHONPATH``'s code: run it with the base tree's to
 compare; SQLite file, default limits) on loopback. Prints, per endpoint, the bytes of one
@@ -34,7 +39,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=40, help="versions / records of 1 MiB")
     ap.add_argument("--k", type=int, default=4, help="concurrent readers")
-    ap.add_argument("--only", choices=("changes", "longpoll", "stream", "records"),
+    ap.add_argument("--only", choices=("changes", "longpoll", "stream", "records", "memories", "memversions"),
                     help="one endpoint (each its own peak)")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="page-memory-"))
@@ -81,7 +86,9 @@ def run(base: str, pid: int, n: int, k: int, only: str | None) -> None:
           f"server peak RSS after the writes {hwm()} MiB", flush=True)
     feed = "/v1/stores/big/changes?after=0&content=true&limit=1000"
     for name, first in (("changes", feed), ("longpoll", feed + "&wait=5"), ("stream", feed + "&stream=true"),
-                        ("records", "/v1/stores/snap/records?content=true&limit=1000")):
+                        ("records", "/v1/stores/snap/records?content=true&limit=1000"),
+                        ("memories", "/v1/memory_stores/memstore_snap/memories?view=full&limit=100"),
+                        ("memversions", "/v1/memory_stores/memstore_big/memory_versions?view=full&limit=100")):
         if only not in (None, name):
             continue
         max_seq = json.loads(call("GET", f"/v1/stores/big/records/{rid}?content=false"))["seq"]  # the feed's head
@@ -98,15 +105,18 @@ def run(base: str, pid: int, n: int, k: int, only: str | None) -> None:
         while nxt is not None:  # one reader reads everything, following the cursors
             page = json.loads(call("GET", nxt))
             pages += 1
-            if name != "records":  # the same request from the page's seq (a stream: its next line)
+            if name in ("changes", "longpoll", "stream"):  # the same request from the page's seq (a stream: its next line)
                 rows += len(page["changes"])
                 nxt = first.replace("after=0", f"after={page['seq']}") if page["changes"] else None
                 if nxt is not None and name != "changes" and page["seq"] == max_seq:
                     nxt = None  # a long-poll or stream at the head would wait: the end
-            else:
+            elif name == "records":
                 rows += len(page["records"])
                 nxt = (f"/v1/stores/snap/records?content=true&limit=1000&cursor={page['next_cursor']}"
                        if page["next_cursor"] else None)
+            else:  # the memory-store face: ``data`` and an opaque ``next_page``
+                rows += len(page["data"])
+                nxt = f"{first}&page={page['next_page']}" if page["next_page"] else None
         print(f"{k} x GET {name} (first page): {max(sizes) / 2**20:.0f} MiB each, {secs:.1f} s; "
               f"server peak RSS {before} -> {after} MiB (+{after - before}); all {rows} rows in {pages} pages "
               f"(the last one empty for plain changes); load average {os.getloadavg()[0]:.1f}", flush=True)

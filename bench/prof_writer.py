@@ -3,10 +3,11 @@
 as ``memfuse serve``'s writer thread calls it; CPU per create from ``time.thread_time`` (issue 25
 item 2; bench/README.md, "The close path, session 12: serve's writer").
 
-Usage: ``python bench/prof_writer.py [--n 2000] [--rounds 3] [--nosync] [--bus] [--profile FILE]``;
+Usage: ``python bench/prof_writer.py [--n 2000] [--rounds 3] [--nosync] [--bus] [--metrics] [--profile FILE]``;
 one JSON line per round: CPU ms per create (this thread: user + system), wall ms, and, with
 ``--bus`` (the commit watcher started as ``memfuse serve`` starts it), the memfuse-bus
-thread's CPU per create (``/proc``). ``--nosync``: ``PRAGMA synchronous=OFF`` on
+thread's CPU per create (``/proc``). ``--metrics``: the ``/metrics`` statement counter
+listening as ``memfuse serve`` has it. ``--nosync``: ``PRAGMA synchronous=OFF`` on
 every connection, so the figure excludes the commit's fsync (the durability promise keeps it in
 ``memfuse serve``; here only to read the rest). ``--profile FILE``: cProfile of the last round
 to FILE (pstats).
@@ -39,6 +40,7 @@ from common import loadavg  # noqa: E402
 from memfuse.models import RecordCreate, WorkspaceCreate  # noqa: E402
 from memfuse.server.base import IdempotencyRequest, Principal  # noqa: E402
 from memfuse.server.db import Database  # noqa: E402
+from memfuse.server.limits import ServerMetrics  # noqa: E402
 from memfuse.server.service import Service  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -69,6 +71,8 @@ def main() -> None:
     ap.add_argument("--nosync", action="store_true")
     ap.add_argument("--profile", type=Path, default=None)
     ap.add_argument("--bus", action="store_true", help="run the commit watcher (memfuse-bus) as serve does")
+    ap.add_argument("--metrics", action="store_true",
+                    help="count statements for /metrics (a before_cursor_execute listener) as serve does")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="prof-writer-") as d:
         if args.nosync:  # every engine's connections, from the first (the schema's)
@@ -77,6 +81,8 @@ def main() -> None:
                 dbapi_conn.execute("PRAGMA synchronous=OFF")
         db = Database(f"sqlite:///{d}/cp.db")
         svc = Service(db)
+        if args.metrics:
+            ServerMetrics().count_statements(db.engine)
         if args.bus:
             svc.records.bus.start()
         admin = Principal(workspace=None, name="bench")

@@ -174,7 +174,8 @@ FEED_PAGE_MAX = 1000
 # bytes of content (UTF-8, the rows' ``size``) one page carrying content may hold: every page
 # with content (change feed and its long-polls / streams, store snapshots, the memory-store
 # face's memories and versions with ``view=full``) stops adding rows past it, so a page's memory
-# is bounded by bytes and not only by rows (``limit``); see ``page_rows_within``
+# is bounded by bytes and not only by rows (``limit``); see ``page_rows_within``, and
+# ``json_rows_within``: every one of them counts it again in encoded JSON bytes
 PAGE_CONTENT_BYTES = 8 * 1024 * 1024
 
 

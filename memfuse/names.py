@@ -152,6 +152,16 @@ def check_new_path(path: str) -> str:
     return path
 
 
+def check_new_dir_path(path: str) -> str:
+    """:func:`check_new_path` for a path a write gives a DIRECTORY (the target prefix of a
+    store-wide move, whose records land at ``path/...``): its first component is a directory
+    even when it is the only one, so :func:`check_dir_name` applies to it (``MEMORY.md`` is
+    refused; ``notes/MEMORY.md`` is not). Raises ``NameError_``."""
+    check_new_path(path)
+    check_dir_name("", path.split("/")[0])
+    return path
+
+
 def check_slug(slug: str) -> str:
     """Validate a store or workspace slug ``[a-z0-9][a-z0-9._-]{0,62}``; raise ``NameError_``."""
     if not SLUG_RE.match(slug or ""):

@@ -367,6 +367,17 @@ def test_forged_pages_are_refused_as_bad_requests_never_500(server, ws_token, no
                 r = h.get(where, headers=hdr, params={"page": page(value)})
                 assert r.status_code == 400, (where, value, r.status_code, r.text)
                 assert r.json()["error"]["type"] == "invalid_request_error"
+        # JSON the decoder cannot hold (nested deeper than the stack) and strings no listing
+        # puts in a page (a lone surrogate, a NUL): 400 too, not a 500 with a traceback (attack 14 F2)
+        raw = ["[" * 5000 + "]" * 5000, '{"k":"m","q":' + "[" * 3000 + "]" * 3000 + "}",
+               '{"k":"m","q":["",0],"a":["m","\\ud800","x"]}', '{"k":"m","q":["\\udfff",0],"a":["p","x"]}',
+               '{"k":"m","q":["",0],"a":["m","a\\u0000b","00000000-0000-0000-0000-000000000000"]}']
+        for where in (f"{url}/{notes}/memories", f"{url}/{notes}/memory_versions", url):
+            for text in raw:
+                forged_page = base64.urlsafe_b64encode(text.encode()).decode().rstrip("=")
+                r = h.get(where, headers=hdr, params={"page": forged_page})
+                assert r.status_code == 400, (where, text[:60], r.status_code, r.text[:300])
+                assert r.json()["error"]["type"] == "invalid_request_error"
         # a page the listing made still pages on
         r = h.get(f"{url}/{notes}/memory_versions", headers=hdr, params={"limit": 1})
         assert r.status_code == 200
@@ -612,3 +623,55 @@ def test_full_view_pages_bounded_in_bytes(agent, admin):
     assert 1 <= len(first_m.data) <= 8 and first_m.has_next_page()
     got = [(x.path, x.content) for x in mem.list(store, view="full", limit=20)]
     assert got == [("/big.md", text(9))] + [(f"/more/{i}.md", text(i)) for i in range(1, 10)]
+
+
+def test_full_view_pages_bounded_in_encoded_bytes(server, ws_token, admin):
+    """A hostile writer's memories of control characters (``\x01`` is six bytes of JSON,
+    ``\u0001``): a ``view=full`` page of memories or versions holds at most
+    defs.PAGE_CONTENT_BYTES of *encoded* content (defs.json_rows_within; at least one item),
+    not 8 MiB of raw content built into ~48 MiB of JSON per answer (attack 14 F6), and
+    following ``next_page`` still yields every item once with its content."""
+    import json
+
+    from memfuse.defs import PAGE_CONTENT_BYTES
+
+    ctl = 1_000_000  # 6 MB of JSON each: one per page by encoded bytes, eight by raw bytes
+
+    def text(i: int) -> str:
+        return chr(1) * (ctl - 1) + str(i)
+
+    store = admin.beta.memory_stores.create(name="ctl pages", workspace_id="ws").id
+    url = f"{server.url}/v1/memory_stores/{store}"
+    hdr = {"x-api-key": ws_token, "anthropic-version": "2023-06-01", "anthropic-beta": "agent-memory-2026-07-22"}
+    with httpx.Client(timeout=120, headers=hdr) as h:
+        mid = None
+        for i in range(3):  # three memories, the first with three versions
+            r = h.post(f"{url}/memories", json={"path": f"/ctl/{i}.md", "content": text(i)})
+            assert r.status_code == 200, r.text
+            mid = mid or r.json()["id"]
+        for i in (10, 11):
+            r = h.post(f"{url}/memories/{mid}", json={"content": text(i)})
+            assert r.status_code == 200, r.text
+
+        def follow(where: str, params: dict[str, object]) -> list[tuple[str, str]]:
+            got, page = [], None
+            for _ in range(20):
+                r = h.get(f"{url}/{where}", params={**params, "view": "full", "limit": 20,
+                                                   **({"page": page} if page else {})})
+                assert r.status_code == 200, r.text
+                body = json.loads(r.content)
+                encoded = sum(len(json.dumps(x["content"], ensure_ascii=False)) - 2 for x in body["data"])
+                assert len(body["data"]) == 1 or encoded <= PAGE_CONTENT_BYTES, (where, len(body["data"]), encoded)
+                assert len(r.content) < PAGE_CONTENT_BYTES + 64 * 1024, (where, len(r.content))
+                got += [(x["id"], x["content"]) for x in body["data"]]
+                page = body["next_page"]
+                if page is None:
+                    return got
+            raise AssertionError(f"{where}: more than 20 pages")
+
+        memories = follow("memories", {"path_prefix": "/ctl/"})
+        assert [c for _, c in memories] == [text(11), text(1), text(2)]
+        assert len({i for i, _ in memories}) == 3
+        versions = follow("memory_versions", {"memory_id": mid})
+        assert [c for _, c in versions] == [text(11), text(10), text(0)]
+        assert len({i for i, _ in versions}) == 3

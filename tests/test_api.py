@@ -492,6 +492,35 @@ async def test_pages_with_content_are_bounded_in_bytes(env: Env):
     assert len(seen) == len(want) and dict(seen) == want
 
 
+async def test_snapshot_pages_bounded_in_encoded_bytes(env: Env):
+    """A hostile writer's records of control characters (``\x01`` is six bytes of JSON): a
+    snapshot page with content holds at most defs.PAGE_CONTENT_BYTES of *encoded* content
+    (defs.json_rows_within, the change feed's rule; at least one record), not 8 MiB of raw
+    content sent as ~48 MiB of JSON (attack 14 F6), and the cursors still yield every record
+    once with its content."""
+    import json
+
+    from memfuse.defs import PAGE_CONTENT_BYTES
+
+    def ctl(i: int) -> str:
+        return chr(1) * (BIG - 1) + str(i)  # 6 MB of JSON: one per page by encoded bytes
+
+    for i in range(3):
+        await env.create(f"ctl{i}.md", ctl(i))
+    seen, cursor = [], None
+    for _ in range(20):
+        params = {"content": "true", "limit": 1000, **({"cursor": cursor} if cursor else {})}
+        r = await env.ws.get("/v1/stores/default/records", params=params)
+        assert r.status_code == 200, r.text
+        assert len(r.content) < PAGE_CONTENT_BYTES + 64 * 1024, len(r.content)
+        page = json.loads(r.content)
+        seen += [(x["path"], x["content"]) for x in page["records"]]
+        cursor = page["next_cursor"]
+        if cursor is None:
+            break
+    assert seen == [(f"ctl{i}.md", ctl(i)) for i in range(3)]
+
+
 async def test_changes_cursor_expired(env: Env):
     await env.create("a.md")
     r = await env.ws.get("/v1/stores/default/changes", params={"after": 1000})

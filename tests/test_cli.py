@@ -606,6 +606,38 @@ def test_diff_between_versions(home):
     assert seen.splitlines()[:3] == ["--- default/notes/a.md@2", "+++ default/notes/a.md@3", "@@ -1,2 +0,0 @@"]
 
 
+async def _make_pair(path: str, v1: str, v2: str) -> None:
+    async with local_client() as api:
+        await ensure_dev_setup(api)
+        r = await api.create_record("default", path, v1)
+        await api.update_record("default", r.id, v2, if_match=r.sha256)
+
+
+def test_diff_is_bounded_in_work_as_the_consoles(home):
+    """`memfuse diff` of two versions whose every other line differs (difflib's quadratic
+    case; memory content is untrusted) stops at diffwork's budget with a one-line error
+    (attack 14 F5: 33 s of CPU for 12,000 lines), counted in work, never timed; the same
+    shape at 200 lines is diffed exactly as difflib does."""
+    import difflib
+
+    def pair(n: int) -> tuple[str, str]:
+        lines = [f"line {i:05d} " + "abcdefghij" * 3 + "\n" for i in range(n)]
+        return "".join(lines), "".join(("CHANGED " + ln) if i % 2 else ln for i, ln in enumerate(lines))
+
+    big, small = pair(4000), pair(200)
+    trio.run(_make_pair, "bomb/big.md", *big)
+    trio.run(_make_pair, "bomb/small.md", *small)
+    p = run(["diff", "default", "bomb/big.md"], timeout=120)
+    assert p.returncode == 1 and p.stdout == b"", (p.returncode, p.stdout[:200])
+    assert_one_line_error(p.stderr)
+    assert b"too large to diff" in p.stderr
+    p = run(["diff", "default", "bomb/small.md"])
+    assert p.returncode == 0, p.stderr
+    want = difflib.unified_diff(small[0].splitlines(keepends=True), small[1].splitlines(keepends=True),
+                                "default/bomb/small.md@1", "default/bomb/small.md@2")
+    assert p.stdout.decode() == "".join(want)
+
+
 def test_history_shows_where_a_record_moved(home):
     trio.run(_make_moved)
     p = run(["history", "default", "new/name.md"])

@@ -443,3 +443,42 @@ async def test_a_reader_whose_reads_straddle_a_change_is_based_on_what_it_holds(
         nursery.cancel_scope.cancel()
     await client.aclose()
     await other.aclose()
+
+
+async def test_namespace_changes_in_a_directory_no_longer_in_the_tree_fail_enoent(tmp_path: Path):
+    """A directory inode still held (a shell's cwd) but out of the tree: removed here, or its
+    store taken out of the mount. create / mknod / mkdir / a rename into it fail ``ENOENT``
+    and nothing is queued (attack 14 F4; tests/test_other_mount_told.py has the remote
+    prune on real mounts)."""
+    fake = FakeControlPlane(seed=0)
+    token = await fake.setup("ws", stores=("default", "other"))
+    client = ApiClient(fake.base_url, token, transport=fake.transport, instance="core-test")
+    journal = Journal(tmp_path / "outbox.db")
+    fs = Filesystem(BlobCache(tmp_path / "blobs.db"), client, journal, Settings(commit_wait=5),
+                    "ws", dirs_file=tmp_path / "dirs.json")
+    sm = fs.add_store("default", "read_write", [])
+    top = fs.mkdir(sm.root.ino, b"top", 0o755, 0, 0)
+    sub = fs.mkdir(top.ino, b"sub", 0o755, 0, 0)
+    h = fs.create(sm.root.ino, b"f.md", 0o644, os.O_WRONLY, 0, 0)
+    fs.release(h.fh)
+    fs.rmdir(top.ino, b"sub")
+    fs.rmdir(sm.root.ino, b"top")
+    sm2 = fs.add_store("other", "read_write", [])
+    kept = fs.mkdir(sm2.root.ino, b"kept", 0o755, 0, 0)
+    fs.remove_store("other")
+    depth = fs.committer.depth()
+    for d in (top, sub, kept):
+        for op in (lambda: fs.create(d.ino, b"here.md", 0o644, os.O_WRONLY, 0, 0),
+                   lambda: fs.mkdir(d.ino, b"new", 0o755, 0, 0),
+                   lambda: fs.rename(sm.root.ino, b"f.md", d.ino, b"f.md", 0)):
+            with pytest.raises(FsError) as e:
+                op()
+            assert e.value.errno == errno.ENOENT
+        assert d.children == {}
+    assert [n.path() for n in fs._walk_files(sm.root)] == ["f.md"]
+    assert fs.committer.depth() == depth
+    fs.check_invariants()
+    journal.close()
+    fs.blobs.close()
+    await client.aclose()
+    await fake.aclose()

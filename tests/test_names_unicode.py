@@ -157,7 +157,19 @@ async def test_rest_and_memory_tool_refuse_nfd_names_and_an_index_directory():
             with pytest.raises(ApiError) as ei:
                 await api.move_record("default", rec.id, "MEMORY.md/\u00e9.md")
             assert ei.value.status == 422, ei.value
+            # the store-wide move takes the same rule: its target prefix is a directory even
+            # with one component (attack 14 F7: it made the root MEMORY.md a directory)
+            await api.create_record("default", "nfc/base.md", "x")
+            for to in ("MEMORY.md/", "MEMORY.md"):
+                with pytest.raises(ApiError) as ei:
+                    await api.move_prefix("default", "nfc/", to)
+                assert ei.value.status == 422 and ei.value.code == "invalid_path", (to, ei.value)
+            r = await api.memory_tool("ws", {"command": "rename", "old_path": "/memories/default/nfc",
+                                             "new_path": "/memories/default/MEMORY.md"})
+            assert r.is_error
+            moved = await api.move_prefix("default", "nfc/", "notes/MEMORY.md/")  # not the root
+            assert [x.path for x in moved.records] == ["notes/MEMORY.md/base.md"]
             page = await api.list_records("default")
-            assert [x.path for x in page.records] == ["\u00e9.md"]
+            assert sorted(x.path for x in page.records) == ["notes/MEMORY.md/base.md", "\u00e9.md"]
     finally:
         await fake.aclose()

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import os
+import stat
+import subprocess
 import uuid
 from pathlib import Path
 
@@ -20,7 +22,7 @@ import pytest
 
 pytestmark = pytest.mark.mount
 
-from mountutil import live_records, read, sh, two_sidecars, wait_until
+from mountutil import drained, live_records, read, sh, two_sidecars, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -176,3 +178,87 @@ def test_a_mount_down_while_its_write_was_overwritten_is_told_when_it_comes_back
     lines = [e for e in _errors(a) if e.get("overwritten") and e["path"] == name]
     assert [(e["lost_version"], e["version"]) for e in lines] == [(2, 3)], lines
     assert sorted(os.listdir(a.mountpoint / "s" / top)) == ["a-made", "d2"]
+
+
+def _shell_in(cwd: Path) -> subprocess.Popen:
+    """A bash whose cwd is ``cwd``; it waits for one line on stdin, then runs
+    ``echo x > here.md`` there and prints the create's exit status and error."""
+    return subprocess.Popen(["bash", "-c", "cd \"$1\" && read _ && { echo x > here.md; echo rc=$?; } 2>&1",
+                             "bash", str(cwd)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, LC_ALL="C.UTF-8"))
+
+
+def _create_in_gone_dir(cp, b, top: str, shell: subprocess.Popen, dfd: int) -> None:
+    """The directory ``top/pa/sub`` is gone from B while ``shell``'s cwd and ``dfd`` hold
+    it: every namespace change there fails ENOENT, and nothing reaches the control plane."""
+    pb = b.mountpoint / "s"
+    out, _ = shell.communicate("go\n", timeout=30)
+    assert "rc=1" in out and "No such file or directory" in out, out
+    for make in (lambda: os.mkdir("newdir", dir_fd=dfd),
+                 lambda: os.mknod("node.md", 0o644 | stat.S_IFREG, dir_fd=dfd),
+                 lambda: os.close(os.open("opened.md", os.O_CREAT | os.O_WRONLY, 0o644, dir_fd=dfd))):
+        with pytest.raises(FileNotFoundError):
+            make()
+    (pb / f"{top}-mv.md").write_text("mv\n")
+    sfd = os.open(pb, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with pytest.raises(FileNotFoundError):  # a rename into it
+            os.rename(f"{top}-mv.md", "moved.md", src_dir_fd=sfd, dst_dir_fd=dfd)
+    finally:
+        os.close(sfd)
+    assert read(pb / f"{top}-mv.md") == "mv\n"
+    assert os.listdir(dfd) == []
+    drained(b)
+    assert not [p for p in live_records(cp, "s") if p.startswith(f"{top}/pa")]
+    assert not os.path.exists(pb / top / "pa")
+    # made again here, the same path is B's own new file: no conflict "created elsewhere"
+    sh(f"mkdir -p {top}/pa/sub && echo again > {top}/pa/sub/here.md", pb)
+    drained(b)
+    assert live_records(cp, "s")[f"{top}/pa/sub/here.md"].content == "again\n"
+    assert read(pb / top / "pa" / "sub" / "here.md") == "again\n"
+    assert [e for e in _errors(b) if top in e.get("path", "")] == []
+
+
+@pytest.mark.parametrize("how", ["moved", "deleted"])
+def test_a_create_in_a_directory_pruned_under_a_shell_fails_enoent(pair, how):
+    """Attack 14 F4: a shell on B sits in ``pa/sub``; A moves (or deletes) the last record
+    under it, B prunes ``pa/sub`` and ``pa``; the shell's ``echo x > here.md`` fails ENOENT
+    (as on a local disk whose cwd was removed) instead of committing a file B never shows."""
+    cp, a, b = pair
+    top = f"prune-{how}-{uuid.uuid4().hex[:6]}"
+    pa, pb = a.mountpoint / "s", b.mountpoint / "s"
+    sh(f"mkdir -p {top}/pa/sub && echo 1 > {top}/pa/sub/f.md", pa)
+    wait_until(lambda: read(pb / top / "pa" / "sub" / "f.md") == "1\n", timeout=20, what="B shows f.md")
+    shell = _shell_in(pb / top / "pa" / "sub")
+    dfd = os.open(pb / top / "pa" / "sub", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        if how == "moved":
+            sh(f"mv {top}/pa/sub/f.md {top}-f.md", pa)
+        else:
+            sh(f"rm {top}/pa/sub/f.md", pa)
+        wait_until(lambda: not os.path.exists(pb / top / "pa"), timeout=20, what="B pruned pa")
+        _create_in_gone_dir(cp, b, top, shell, dfd)
+    finally:
+        os.close(dfd)
+        if shell.poll() is None:
+            shell.kill()
+        shell.wait(timeout=10)
+
+
+def test_a_create_in_a_directory_removed_here_fails_enoent(pair):
+    """The same rule for a directory removed on this mount (rmdir of a shell's cwd)."""
+    cp, a, b = pair
+    top = f"rmdir-{uuid.uuid4().hex[:6]}"
+    pb = b.mountpoint / "s"
+    sh(f"mkdir -p {top}/pa/sub", pb)
+    shell = _shell_in(pb / top / "pa" / "sub")
+    dfd = os.open(pb / top / "pa" / "sub", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        sh(f"rmdir {top}/pa/sub {top}/pa", pb)
+        _create_in_gone_dir(cp, b, top, shell, dfd)
+    finally:
+        os.close(dfd)
+        if shell.poll() is None:
+            shell.kill()
+        shell.wait(timeout=10)

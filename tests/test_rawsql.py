@@ -190,3 +190,105 @@ async def test_reads_of_live_records_at_paths_look_each_path_up_on_sqlite(env):
         for statement, parameters in seen:
             plan = " ".join(row[3] for row in conn.exec_driver_sql("EXPLAIN QUERY PLAN " + statement, parameters))
             assert "path=?" in plan and "ix_records_usage" not in plan, (statement, plan)
+
+
+def test_raw_calls_the_listeners_sqlalchemy_would_call_without_its_iteration(monkeypatch):
+    """``rawsql.statement_listeners``: every ``before_cursor_execute`` listener SQLAlchemy's own
+    iteration would call, in its order, as listeners are added and removed at each level
+    (engine, Connection class, one connection, Engine class, an ``execution_options`` engine),
+    through a remove then an add (the same number of listeners, another one) and between
+    engines in turn; and
+    SQLAlchemy's iterators (~10 Python calls a statement) are not used for it."""
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import Connection, Engine
+    from sqlalchemy.event.attr import _CompoundListener, _EmptyListener
+
+    calls: list[str] = []
+
+    def spy(name: str):
+        def listener(conn, cursor, statement, parameters, context, executemany):
+            calls.append(name)
+        return listener
+
+    fns = {n: spy(n) for n in "abcdefx"}
+    raw = Raw(text("SELECT 1"))
+
+    def check(conn, want: list[str]) -> None:
+        calls.clear()
+        for fn in conn.dispatch.before_cursor_execute:  # SQLAlchemy's own iteration and order
+            fn(conn, None, "", (), None, False)
+        assert calls == want
+        calls.clear()
+
+        def no(self):
+            raise AssertionError("SQLAlchemy's listener iteration used")
+
+        with monkeypatch.context() as m:
+            m.setattr(_CompoundListener, "__iter__", no)
+            m.setattr(_EmptyListener, "__iter__", no)
+            raw.run(conn, {})
+        assert calls == want
+
+    one, two = create_engine("sqlite://"), create_engine("sqlite://")
+    added: list[tuple[object, str]] = []
+
+    def listen(target, name: str) -> None:
+        event.listen(target, "before_cursor_execute", fns[name])
+        added.append((target, name))
+
+    def remove(target, name: str) -> None:
+        event.remove(target, "before_cursor_execute", fns[name])
+        added.remove((target, name))
+
+    try:
+        opt = one.execution_options(memfuse_write=True)  # as db.write_conn's engine
+        with one.connect() as c1, two.connect() as c2, opt.connect() as c3:
+            check(c1, [])
+            listen(one, "a")
+            check(c1, ["a"])
+            listen(two, "x")
+            check(c2, ["x"])
+            check(c1, ["a"])
+            listen(Connection, "b")
+            check(c1, ["b", "a"])
+            listen(c1, "c")
+            check(c1, ["b", "c", "a"])
+            check(c2, ["b", "x"])
+            check(c1, ["b", "c", "a"])  # the same connection just before: no other pair between
+            remove(one, "a")
+            listen(one, "d")  # as many listeners as before, another one
+            check(c1, ["b", "c", "d"])
+            check(c3, ["b", "d"])
+            listen(opt, "f")
+            check(c3, ["b", "f", "d"])
+            check(c1, ["b", "c", "d"])
+            listen(Engine, "e")
+            check(c1, ["b", "c", "e", "d"])
+            check(c2, ["b", "e", "x"])
+            check(c3, ["b", "f", "e", "d"])
+            for target, name in list(added):
+                remove(target, name)
+            check(c1, [])
+            check(c2, [])
+            check(c3, [])
+    finally:
+        for target, name in added:
+            event.remove(target, "before_cursor_execute", fns[name])
+        one.dispose()
+        two.dispose()
+
+
+def test_raw_on_a_closed_connection_is_refused_as_core_refuses_it():
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine("sqlite://")
+    try:
+        conn = engine.connect()
+        Raw(text("SELECT 1")).run(conn, {})
+        conn.close()
+        with pytest.raises(exc.ResourceClosedError):
+            conn.execute(text("SELECT 1"))
+        with pytest.raises(exc.ResourceClosedError):
+            Raw(text("SELECT 1")).run(conn, {})
+    finally:
+        engine.dispose()

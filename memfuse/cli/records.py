@@ -130,12 +130,18 @@ def show(target: Target, store_slug: str, path: str, version_n: int | None) -> N
 def unified_diff(old: str, new: str, old_label: str, new_label: str, context: int = 3) -> str:
     """``old`` → ``new`` as ``diff -u`` prints it (``difflib.unified_diff`` over lines, their
     endings kept), with diff's ``\\ No newline at end of file`` after a last line that has
-    none; ``""`` when equal."""
+    none; ``""`` when equal. Bounded in work as every diff of untrusted content
+    (``memfuse.diffwork``, the console's rule): raises ``diffwork.DiffTooCostly`` past
+    ``diffwork.DIFF_WORK_BUDGET`` (difflib is quadratic in lines on hostile input)."""
     import difflib
 
+    from memfuse.diffwork import BoundedMatcher
+
+    a, b = old.splitlines(keepends=True), new.splitlines(keepends=True)
+    # the matcher difflib.unified_diff runs, counted first: it then runs within the bound
+    BoundedMatcher(None, a, b).get_matching_blocks()
     out = []
-    for line in difflib.unified_diff(old.splitlines(keepends=True), new.splitlines(keepends=True),
-                                     old_label, new_label, n=context):
+    for line in difflib.unified_diff(a, b, old_label, new_label, n=context):
         out.append(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n")
     return "".join(out)
 
@@ -155,7 +161,9 @@ def diff(target: Target, store_slug: str, path: str, from_n: int | None, to_n: i
     does (default: its last change), each side labelled with the path the record had then (a
     move alone prints just the two labels). Deleted versions read as empty; a redacted or pruned
     version is an error. Memory content is untrusted: to a terminal, control characters are
-    shown as escapes."""
+    shown as escapes. Versions too large to diff (``memfuse.diffwork``'s work bound, the
+    console's) are an error."""
+    from memfuse.diffwork import DiffTooCostly
 
     async def version_of(api: ApiClient, rec: Record, n: int) -> tuple[str, str]:
         """(content, the record's path at version ``n``); version 0: empty, at PATH."""
@@ -181,7 +189,12 @@ def diff(target: Target, store_slug: str, path: str, from_n: int | None, to_n: i
         new_label = f"{store_slug}/{new_path}@{new_n}"
         if old == new and old_path != new_path:  # a move alone: its two names, as git shows a rename
             return f"--- {old_label}\n+++ {new_label}\n"
-        return unified_diff(old, new, old_label, new_label, context)
+        try:
+            return unified_diff(old, new, old_label, new_label, context)
+        except DiffTooCostly as err:
+            raise click.ClickException(
+                f"versions {old_n} and {new_n} of {store_slug}/{path} are too large to diff (more than "
+                f"{err.limit:,} line comparisons); `memfuse show --version N` prints each") from None
 
     out = _read_api(target, body)
     if stdout_is_terminal():  # each line made safe, its line break kept

@@ -311,7 +311,7 @@ def _decode_page(page: str | None, kind: str) -> dict[str, Any] | None:
         return None
     try:
         value = json.loads(base64.urlsafe_b64decode(page + "=" * (-len(page) % 4)))
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: JSON nested deeper than the stack
         value = None
     if not isinstance(value, dict) or value.get("k") != kind or not _PAGE_SHAPES[kind](value):
         raise _bad("page is not a next_page value of this listing")
@@ -319,7 +319,17 @@ def _decode_page(page: str | None, kind: str) -> dict[str, Any] | None:
 
 
 def _is_str(v: Any) -> bool:
-    return isinstance(v, str)
+    """A string a listing could have put in a page: valid UTF-8 (JSON's ``\\ud800`` decodes to
+    a lone surrogate, which no database parameter can carry) without NUL (a record path or
+    id never holds one; PostgreSQL text cannot)."""
+    if not isinstance(v, str) or "\0" in v:
+        return False
+    if not v.isascii():
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError:
+            return False
+    return True
 
 
 def _is_int64(v: Any) -> bool:
@@ -332,7 +342,7 @@ def _is_number(v: Any) -> bool:
 
 def _memory_position(v: Any) -> bool:
     """``ListedItem.after``: ``["m", path, record id]`` or ``["p", first path after a prefix]``."""
-    return (isinstance(v, list) and all(isinstance(x, str) for x in v)
+    return (isinstance(v, list) and all(_is_str(x) for x in v)
             and ((len(v) == 3 and v[0] == "m") or (len(v) == 2 and v[0] == "p")))
 
 

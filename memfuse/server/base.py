@@ -137,15 +137,16 @@ def _check_path(path: str, what: str = "path") -> str:
         raise _name_error(err, what) from None
 
 
-def _check_new_path(path: str, what: str = "path") -> str:
+def _check_new_path(path: str, what: str = "path", *, directory: bool = False) -> str:
     """``_check_path`` for a path a write gives a record (create, move, the target of a
     prefix move): also ``names.check_new_path`` (NFC names, no directory named like the
     index at the root), plus the secret rules of content applied to the name
     (``content.find_secret_in_path``): a path holding a credential would show in listings,
     history, the console and logs. 422 ``secret_detected`` (the code content secrets use;
-    the detail names the kind and a redacted form, never the secret)."""
+    the detail names the kind and a redacted form, never the secret). ``directory``: the path
+    is a directory's (a prefix move's target): ``names.check_new_dir_path`` instead."""
     try:
-        path = names.check_new_path(path)
+        path = (names.check_new_dir_path if directory else names.check_new_path)(path)
     except names.NameError_ as err:
         raise _name_error(err, what) from None
     found = content_rules.find_secret_in_path(path)

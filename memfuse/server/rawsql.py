@@ -28,10 +28,54 @@ from typing import Any
 
 from sqlalchemy import exc
 from sqlalchemy.engine import Connection, Dialect
+from sqlalchemy.event.attr import _EmptyListener, _JoinedListener, _ListenerCollection
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.elements import ClauseElement
 
-__all__ = ["Raw", "RawIn", "RawRow"]
+__all__ = ["Raw", "RawIn", "RawRow", "statement_listeners"]
+
+# the listener collections last seen (``statement_listeners``) and the sequences that hold
+# their listeners, in SQLAlchemy's order; one tuple, replaced whole (threads read it without
+# a lock)
+_LAST: tuple[tuple[Any, ...], tuple[Any, ...]] = ((), ())
+
+
+def statement_listeners(conn: Connection) -> tuple[Any, ...]:
+    """The sequences that hold the ``before_cursor_execute`` listeners of ``conn``, in the
+    order SQLAlchemy's own iteration of ``conn.dispatch.before_cursor_execute`` calls them:
+    iterate each sequence in turn. The sequences are SQLAlchemy's own deques (of the
+    Connection class, the connection, the Engine class, the engine, and of an engine made by
+    ``execution_options`` and its class), so a listener added or removed later
+    (``event.listen`` / ``event.remove``) is seen at the next iteration: their contents are
+    never cached. What is kept is which deques to read, for the last chain of collections
+    seen: the chain is walked per call (attribute reads, no Python call), and a collection
+    SQLAlchemy replaces (its first instance-level listener turns an ``_EmptyListener`` into a
+    ``_ListenerCollection``) is another object, so the chain no longer matches. A collection
+    of another shape (another SQLAlchemy) falls back to SQLAlchemy's iteration:
+    ``(conn.dispatch.before_cursor_execute,)``. SQLAlchemy's own iteration
+    (``_JoinedListener`` / ``_CompoundListener.__iter__``, ``chain``s, a property) costs ~10
+    Python calls per statement (bench/README.md, "The close path, session 14: serve")."""
+    global _LAST
+    joined = coll = conn.dispatch.before_cursor_execute
+    chain: list[Any] = []
+    while type(coll) is _JoinedListener:  # its own collection first, then its parent's
+        chain.append(coll.local)
+        coll = coll.parent_dispatch.before_cursor_execute
+    chain.append(coll)
+    key = tuple(chain)
+    last = _LAST
+    if last[0] == key:  # the same objects (these collections compare by identity)
+        return last[1]
+    parts: list[Any] = []
+    for c in key:
+        if type(c) is _EmptyListener:
+            parts.append(c.parent_listeners)
+        elif type(c) is _ListenerCollection:
+            parts += (c.parent_listeners, c.listeners)
+        else:
+            return (joined,)
+    _LAST = (key, tuple(parts))
+    return _LAST[1]
 
 
 class RawRow(tuple[Any, ...]):
@@ -166,9 +210,15 @@ class Raw:
         args = c.parameters(params)
         # the DB-API connection itself: ``driver_connection`` is the same object for our sync
         # drivers (sqlite3, psycopg), two property calls further
-        cursor = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
-        for fn in conn.dispatch.before_cursor_execute:  # the /metrics statement counter, tests' spies
-            fn(conn, cursor, c.sql, args, None, False)
+        # (``Connection.connection`` returns ``_dbapi_connection`` when it is set; when not,
+        # the property revalidates or raises)
+        fairy = conn._dbapi_connection  # noqa: SLF001
+        if fairy is None:
+            fairy = conn.connection
+        cursor = fairy.dbapi_connection.cursor()  # type: ignore[union-attr]
+        for listeners in statement_listeners(conn):  # the /metrics statement counter, tests' spies
+            for fn in listeners:
+                fn(conn, cursor, c.sql, args, None, False)
         try:
             cursor.execute(c.sql, args)
         except dialect.loaded_dbapi.Error as e:

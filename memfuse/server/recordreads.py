@@ -14,7 +14,8 @@ from sqlalchemy import false, func, select, text, tuple_
 from memfuse import content as content_rules
 from memfuse import wire
 from memfuse.defs import (DEFAULT_MODE, RECORDS_PAGE_DEFAULT, RECORDS_PAGE_MAX, VERSIONS_PAGE_BYTES,
-                          VERSIONS_PAGE_DEFAULT, next_page_link, page_rows_within)
+                          VERSIONS_PAGE_DEFAULT, json_rows_within, next_page_link,
+                          page_rows_within)
 from memfuse.models import Record, RecordPage, Version
 from memfuse.server import keys, tails
 from memfuse.server.base import AnyRow, Principal, Resource, ServiceError, _R, _V, holds
@@ -80,8 +81,8 @@ class RecordReadsService(Resource):
         ``0005_records_path_bytes``; with ``include_deleted`` it sorts the store's records).
         With ``raw_times`` on SQLite the two times come as stored text (``_sqlite_time``);
         the last member says whether they do. With content a page holds at most
-        ``defs.PAGE_CONTENT_BYTES`` of it (``page_rows_within``; at least one record), and
-        more follow when it was cut."""
+        ``defs.PAGE_CONTENT_BYTES`` of it (``page_rows_within``; at least one record), counted
+        again in JSON bytes (``json_rows_within``), and more follow when it was cut."""
         with self.db.read_conn() as conn:
             st = self._store(conn, p, slug)
             seq = conn.scalar(select(func.max(_V.c.seq)).where(_V.c.store == st.slug)) or 0
@@ -113,7 +114,10 @@ class RecordReadsService(Resource):
                 last = sizes[n - 1]  # the cursor is the last one read, and it is on the next page)
                 q = q.where(tuple_(path_col, _R.c.id) <= tuple_(last.path, last.id))
             rows = conn.execute(q.order_by(path_col, _R.c.id).limit(n + 1)).all()
-        return rows[:n], cut or len(rows) > n, seq, raw_times
+        # the same budget in JSON bytes (one rule with the change feed: a page's answer holds at
+        # most 8 MiB of encoded content, whoever reads it whole)
+        kept = json_rows_within([r.content for r in rows[:n]])
+        return rows[:kept], cut or len(rows) > kept, seq, raw_times
 
     def list_records(
         self,

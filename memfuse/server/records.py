@@ -639,7 +639,7 @@ class RecordsService(Resource):
         (nothing changes); 422 ``invalid_path`` / ``path_too_long`` for bad prefixes or
         targets, or when ``to_prefix`` is inside ``from_prefix``."""
         src = _check_path(body.from_prefix.rstrip("/"), "from_prefix")
-        dst = _check_new_path(body.to_prefix.rstrip("/"), "to_prefix")
+        dst = _check_new_path(body.to_prefix.rstrip("/"), "to_prefix", directory=True)
         if dst == src or dst.startswith(src + "/"):
             raise ServiceError(422, "invalid_path", "to_prefix is inside from_prefix")
 

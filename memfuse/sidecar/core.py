@@ -302,9 +302,26 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         return n.store
 
     def _writable_dir(self, d: Node) -> StoreMount:
+        """The store of directory ``d``, where a namespace change (create, mknod, mkdir,
+        unlink, rmdir, either side of a rename) is about to happen; the one place those
+        resolve their parent inode. Raises ``FsError``: ``ENOTDIR`` (not a directory),
+        ``EACCES`` (the mount root, ``.memfuse``), ``ENOENT`` (``d`` or a directory above it
+        is no longer in the tree: removed here, pruned or deleted by a remote change, its
+        store taken out of the mount; a shell's cwd still holds the inode. As on a local
+        filesystem whose cwd was rmdir'ed, nothing is made there, so nothing is sent for a
+        path no one here can see: attack 14 F4), ``EROFS`` (a read-only store)."""
         if not d.is_dir:
             raise FsError(errno.ENOTDIR)
         sm = self._store_of(d)
+        a = d
+        while a is not sm.root:
+            if a._x is not None and a.unlinked:  # Node: _x None, not unlinked
+                raise FsError(errno.ENOENT, "the directory was removed")
+            parent = a.parent
+            assert parent is not None  # a node of a store, below its root
+            a = parent
+        if sm.detached:
+            raise FsError(errno.ENOENT, f"store {sm.slug} was taken out of the mount")
         if not sm.writable:
             raise FsError(errno.EROFS, f"store {sm.slug} is attached read-only")
         return sm
