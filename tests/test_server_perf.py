@@ -364,16 +364,26 @@ async def test_record_writes_wake_only_their_stores_feeds(env):
     events = notifier.subscribe(EVENTS, "ws")
     other_events = notifier.subscribe(EVENTS, "elsewhere")
     try:
+        # A write's wakes are posted to the loop by the writer thread, which wakes the
+        # request's own task straight (writerthread: an eventfd): the answer may come a loop
+        # pass before the wakes run, so each wake is awaited (bounded) and a wake that must
+        # not come is checked after the loop has run what was posted.
         await _create(me, "a.md")
-        assert feed.event.is_set()
+        with trio.fail_after(5):
+            await feed.event.wait()
+        await trio.sleep(0.05)
         assert not feed_skip.event.is_set() and not other_feed.event.is_set() and not events.event.is_set()
         await _create(peer, "b.md")
-        assert feed_skip.event.is_set() and not other_feed.event.is_set() and not events.event.is_set()
+        with trio.fail_after(5):
+            await feed_skip.event.wait()
+        await trio.sleep(0.05)
+        assert not other_feed.event.is_set() and not events.event.is_set()
         r = await admin.put("/v1/workspaces/ws/attachments/other", json={"access": "read_only"})
         assert r.status_code == 200
-        await trio.sleep(0)
         # an attachment change wakes that workspace's events, nobody's feed
-        assert events.event.is_set()
+        with trio.fail_after(5):
+            await events.event.wait()
+        await trio.sleep(0.05)
         assert not other_feed.event.is_set() and not other_events.event.is_set()
     finally:
         for w in (feed, feed_skip, other_feed, events, other_events):

@@ -182,7 +182,7 @@ class RemoteApply:
         if not (sm.created and was and was != sm.created):
             return False
         log.info("directories kept for an earlier store of this name dropped",
-                 extra={"store": sm.slug, "created": sm.created, "earlier": was})
+                 extra={"store": sm.slug, "store_created": sm.created, "earlier": was})
         return True
 
     def _insert_records(self, sm: StoreMount, records: Iterable[Record | Meta]) -> None:
