@@ -16,6 +16,8 @@ import os
 import stat
 import subprocess
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -189,6 +191,21 @@ def _shell_in(cwd: Path) -> subprocess.Popen:
                             env=dict(os.environ, LC_ALL="C.UTF-8"))
 
 
+@contextmanager
+def _held_dir(cwd: Path) -> Iterator[tuple[subprocess.Popen, int]]:
+    """A shell sitting in ``cwd`` (``_shell_in``) and a directory descriptor open on it, both
+    let go afterwards (the shell killed if it still runs)."""
+    shell = _shell_in(cwd)
+    dfd = os.open(cwd, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        yield shell, dfd
+    finally:
+        os.close(dfd)
+        if shell.poll() is None:
+            shell.kill()
+        shell.wait(timeout=10)
+
+
 def _create_in_gone_dir(cp, b, top: str, shell: subprocess.Popen, dfd: int) -> None:
     """The directory ``top/pa/sub`` is gone from B while ``shell``'s cwd and ``dfd`` hold
     it: every namespace change there fails ENOENT, and nothing reaches the control plane."""
@@ -230,20 +247,13 @@ def test_a_create_in_a_directory_pruned_under_a_shell_fails_enoent(pair, how):
     pa, pb = a.mountpoint / "s", b.mountpoint / "s"
     sh(f"mkdir -p {top}/pa/sub && echo 1 > {top}/pa/sub/f.md", pa)
     wait_until(lambda: read(pb / top / "pa" / "sub" / "f.md") == "1\n", timeout=20, what="B shows f.md")
-    shell = _shell_in(pb / top / "pa" / "sub")
-    dfd = os.open(pb / top / "pa" / "sub", os.O_RDONLY | os.O_DIRECTORY)
-    try:
+    with _held_dir(pb / top / "pa" / "sub") as (shell, dfd):
         if how == "moved":
             sh(f"mv {top}/pa/sub/f.md {top}-f.md", pa)
         else:
             sh(f"rm {top}/pa/sub/f.md", pa)
         wait_until(lambda: not os.path.exists(pb / top / "pa"), timeout=20, what="B pruned pa")
         _create_in_gone_dir(cp, b, top, shell, dfd)
-    finally:
-        os.close(dfd)
-        if shell.poll() is None:
-            shell.kill()
-        shell.wait(timeout=10)
 
 
 def test_a_create_in_a_directory_removed_here_fails_enoent(pair):
@@ -252,13 +262,6 @@ def test_a_create_in_a_directory_removed_here_fails_enoent(pair):
     top = f"rmdir-{uuid.uuid4().hex[:6]}"
     pb = b.mountpoint / "s"
     sh(f"mkdir -p {top}/pa/sub", pb)
-    shell = _shell_in(pb / top / "pa" / "sub")
-    dfd = os.open(pb / top / "pa" / "sub", os.O_RDONLY | os.O_DIRECTORY)
-    try:
+    with _held_dir(pb / top / "pa" / "sub") as (shell, dfd):
         sh(f"rmdir {top}/pa/sub {top}/pa", pb)
         _create_in_gone_dir(cp, b, top, shell, dfd)
-    finally:
-        os.close(dfd)
-        if shell.poll() is None:
-            shell.kill()
-        shell.wait(timeout=10)
