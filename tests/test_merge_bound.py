@@ -5,7 +5,6 @@ here"; normal inputs merge and diff exactly as before. Work is counted, never ti
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import uuid
 
@@ -16,6 +15,7 @@ from memfuse.diffwork import DIFF_WORK_BUDGET, BoundedMatcher, DiffTooCostly, Wo
 from memfuse.server.console import render
 from memfuse.sidecar.conflict import merge_lines
 
+from mountcheck import errors_log
 from mountutil import live_records, read, two_sidecars, wait_until
 
 
@@ -89,11 +89,6 @@ def pair(tmp_path_factory):
         yield cp_a_b
 
 
-def _errors(sc) -> list[dict]:
-    text = (sc.mountpoint / ".memfuse" / "errors.log").read_text()
-    return [json.loads(ln) for ln in text.splitlines() if ln.strip()]
-
-
 def _state(p) -> str:
     try:
         return os.getxattr(p, "user.memfuse.state").decode()
@@ -128,8 +123,8 @@ def test_a_merge_past_the_budget_is_last_writer_wins_and_the_store_goes_on(pair)
     wait_until(lambda: _state(small) == "clean", timeout=30, what="the small file committed")
     wait_until(lambda: live_records(cp, "s")[name].content == ours, timeout=30,
                what="B's write is the latest version")
-    conflicts = [e for e in _errors(b) if e.get("conflict") and e["path"].endswith(name)]
-    assert len(conflicts) == 1, _errors(b)  # last writer wins, and says so
+    conflicts = [e for e in errors_log(b.mountpoint) if e.get("conflict") and e["path"].endswith(name)]
+    assert len(conflicts) == 1, errors_log(b.mountpoint)  # last writer wins, and says so
     rec = live_records(cp, "s")[name]
     history = [cp.call("version", "s", rec.id, v.version).content for v in cp.call("versions", "s", rec.id)]
     assert v2 in history  # nothing lost

@@ -24,6 +24,7 @@ import pytest
 
 pytestmark = pytest.mark.mount
 
+from mountcheck import errors_log
 from mountutil import drained, live_records, read, sh, two_sidecars, wait_until
 
 
@@ -31,11 +32,6 @@ from mountutil import drained, live_records, read, sh, two_sidecars, wait_until
 def pair(tmp_path_factory):
     with two_sidecars(tmp_path_factory.mktemp("told"), "s") as cp_a_b:
         yield cp_a_b
-
-
-def _errors(sc) -> list[dict]:
-    text = (sc.mountpoint / ".memfuse" / "errors.log").read_text()
-    return [json.loads(ln) for ln in text.splitlines() if ln.strip()]
 
 
 def _tree(p: Path) -> list[str]:
@@ -118,10 +114,10 @@ def test_the_mount_whose_write_was_overwritten_is_told(pair):
     _lww(cp, a, b, name)
     rec = live_records(cp, "s")[name]
     # B, the last writer, is told as before
-    assert [e for e in _errors(b) if e.get("conflict") and e["path"].endswith(name)]
+    assert [e for e in errors_log(b.mountpoint) if e.get("conflict") and e["path"].endswith(name)]
     # A, whose version 2 was overwritten, learns it from the feed
     def told() -> list[dict]:
-        return [e for e in _errors(a) if e.get("conflict") and e["path"].endswith(name)]
+        return [e for e in errors_log(a.mountpoint) if e.get("conflict") and e["path"].endswith(name)]
     wait_until(lambda: told(), timeout=20, what="A told its write was overwritten")
     wait_until(lambda: read(a.mountpoint / "s" / name) == "FROM-B\nbeta\n", timeout=20,
                what="A shows the last writer's content")
@@ -142,8 +138,8 @@ def test_a_mount_whose_write_was_not_overwritten_is_told_nothing(pair):
     sh(f"sed -i s/one/ONE/ {name}", b.mountpoint / "s")  # B edits the version it shows
     wait_until(lambda: live_records(cp, "s")[name].version == 2, timeout=20, what="B's edit")
     wait_until(lambda: read(pa) == "ONE\ntwo\n", timeout=20, what="A shows B's edit")
-    errs_a = [e for e in _errors(a) if e["path"].endswith(name)]
-    errs_b = [e for e in _errors(b) if e["path"].endswith(name)]
+    errs_a = [e for e in errors_log(a.mountpoint) if e["path"].endswith(name)]
+    errs_b = [e for e in errors_log(b.mountpoint) if e["path"].endswith(name)]
     assert errs_a == [] and errs_b == [], (errs_a, errs_b)
 
 
@@ -177,7 +173,7 @@ def test_a_mount_down_while_its_write_was_overwritten_is_told_when_it_comes_back
     finally:
         a.start(expect="s")
     wait_until(lambda: read(pa) == "FROM-B\nbeta\n", timeout=20, what="A shows B's write")
-    lines = [e for e in _errors(a) if e.get("overwritten") and e["path"] == name]
+    lines = [e for e in errors_log(a.mountpoint) if e.get("overwritten") and e["path"] == name]
     assert [(e["lost_version"], e["version"]) for e in lines] == [(2, 3)], lines
     assert sorted(os.listdir(a.mountpoint / "s" / top)) == ["a-made", "d2"]
 
@@ -234,7 +230,7 @@ def _create_in_gone_dir(cp, b, top: str, shell: subprocess.Popen, dfd: int) -> N
     drained(b)
     assert live_records(cp, "s")[f"{top}/pa/sub/here.md"].content == "again\n"
     assert read(pb / top / "pa" / "sub" / "here.md") == "again\n"
-    assert [e for e in _errors(b) if top in e.get("path", "")] == []
+    assert [e for e in errors_log(b.mountpoint) if top in e.get("path", "")] == []
 
 
 @pytest.mark.parametrize("how", ["moved", "deleted"])

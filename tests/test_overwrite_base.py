@@ -25,6 +25,7 @@ import pytest
 
 pytestmark = pytest.mark.mount
 
+from mountcheck import errors_log
 from mountutil import ControlPlane, Sidecar, live_records, read, sh, sidecar_status, two_sidecars, wait_until
 
 
@@ -32,11 +33,6 @@ from mountutil import ControlPlane, Sidecar, live_records, read, sh, sidecar_sta
 def pair(tmp_path_factory):
     with two_sidecars(tmp_path_factory.mktemp("ob"), "s") as cp_a_b:
         yield cp_a_b
-
-
-def _errors(sc: Sidecar) -> list[dict]:
-    text = (sc.mountpoint / ".memfuse" / "errors.log").read_text()
-    return [json.loads(ln) for ln in text.splitlines() if ln.strip()]
 
 
 def _depth(sc: Sidecar) -> int:
@@ -94,14 +90,14 @@ def test_an_overwrite_made_on_the_version_read_merges_a_rival_change_applied_sin
     pb = b.mountpoint / "s" / name
     wait_until(lambda: read(pb) == v1, timeout=15, what="v1 in B")
     mine = pb.read_text()  # B's tool reads version 1
-    errs = len(_errors(a)) + len(_errors(b))
+    errs = len(errors_log(a.mountpoint)) + len(errors_log(b.mountpoint))
     sh(f"sed -i s/^k3=.*/k3=EDIT_A/ {name}", a.mountpoint / "s")  # A commits version 2
     v2 = v1.replace("k3=v3", "k3=EDIT_A")
     _shown(pb, v2)  # B's mount applied it from the feed
     _rewrite(pb, mine.replace("k7=v7", "k7=EDIT_B"), style)  # B's edit, made on version 1
     cur = _settled(cp, a, b, name)
     assert cur == v1.replace("k3=v3", "k3=EDIT_A").replace("k7=v7", "k7=EDIT_B"), cur
-    assert len(_errors(a)) + len(_errors(b)) == errs  # merged: no conflict
+    assert len(errors_log(a.mountpoint)) + len(errors_log(b.mountpoint)) == errs  # merged: no conflict
 
 
 def test_an_overlapping_overwrite_on_an_older_version_is_reported(pair):
@@ -116,8 +112,8 @@ def test_an_overlapping_overwrite_on_an_older_version_is_reported(pair):
     _shown(pb, "FROM-A\nbeta\n")
     _rewrite(pb, mine.replace("alpha", "FROM-B"), "rename")
     assert _settled(cp, a, b, name) == "FROM-B\nbeta\n"  # last writer wins...
-    conflicts = [e for e in _errors(b) if e.get("conflict") and e["path"].endswith(name)]
-    assert len(conflicts) == 1, _errors(b)  # ... and says so
+    conflicts = [e for e in errors_log(b.mountpoint) if e.get("conflict") and e["path"].endswith(name)]
+    assert len(conflicts) == 1, errors_log(b.mountpoint)  # ... and says so
     rec = live_records(cp, "s")[name]
     history = [cp.call("version", "s", rec.id, v.version).content for v in cp.call("versions", "s", rec.id)]
     assert "FROM-A\nbeta\n" in history
@@ -134,10 +130,10 @@ def test_a_reader_served_the_new_version_bases_the_overwrite_on_it(pair):
     wait_until(lambda: read(pb) == v1, timeout=15, what="v1 in B")
     sh(f"echo added >> {name}", a.mountpoint / "s")
     wait_until(lambda: read(pb) == "one\ntwo\nadded\n", timeout=15, what="v2 read in B")
-    errs = len(_errors(b))
+    errs = len(errors_log(b.mountpoint))
     _rewrite(pb, "one\n", "rename")  # B deletes lines it saw, "added" among them
     assert _settled(cp, a, b, name) == "one\n"
-    assert len(_errors(b)) == errs
+    assert len(errors_log(b.mountpoint)) == errs
 
 
 def test_sed_on_a_header_while_another_mount_appends_keeps_every_line(pair):
@@ -329,7 +325,7 @@ def test_sed_on_a_mount_that_is_itself_appending_keeps_the_other_mounts_lines(pa
     # A's lines are all committed and B's sed never read some of them: each is merged in
     # (or the rewrite that overwrote it is reported as a conflict)
     missing = [f"A-{i}" for i in range(1, n_lines + 1) if not any(ln.startswith(f"A-{i} ") for ln in lines)]
-    conflicts = [e for e in _errors(b) if e.get("conflict") and e["path"].endswith(name)]
+    conflicts = [e for e in errors_log(b.mountpoint) if e.get("conflict") and e["path"].endswith(name)]
     assert not missing or conflicts, f"A's lines lost silently: {missing}"
     assert not missing, f"A's lines lost (reported): {missing}; {conflicts}"
 
@@ -350,7 +346,7 @@ def test_an_overwrite_after_an_own_append_committed_cleanly_merges_the_other_mou
     pc = c.mountpoint / "s" / name
     wait_until(lambda: read(pc) == v1, timeout=15, what="v1 in C")
     mine = pc.read_text()  # the editor in C reads version 1
-    errs = len(_errors(a)) + len(_errors(c))
+    errs = len(errors_log(a.mountpoint)) + len(errors_log(c.mountpoint))
     c.feed_file.write_text("")
     try:
         sh(f"echo C-1 >> {name}", c.mountpoint / "s")  # C's own version 2, committed cleanly
@@ -367,7 +363,7 @@ def test_an_overwrite_after_an_own_append_committed_cleanly_merges_the_other_mou
     assert cur == v1.replace("counter=0", "counter=1") + "C-1\nA-1\n", cur
     wait_until(lambda: read(a.mountpoint / "s" / name) == cur and read(pc) == cur,
                timeout=15, what="both mounts show the stored content")
-    assert len(_errors(a)) + len(_errors(c)) == errs  # merged: no conflict
+    assert len(errors_log(a.mountpoint)) + len(errors_log(c.mountpoint)) == errs  # merged: no conflict
 
 
 def test_a_reader_whose_reads_straddle_a_remote_change_makes_the_overwrite_a_reported_conflict(held):
@@ -384,7 +380,7 @@ def test_a_reader_whose_reads_straddle_a_remote_change_makes_the_overwrite_a_rep
     (a.mountpoint / "s" / name).write_text(v1)
     pc = c.mountpoint / "s" / name
     wait_until(lambda: read(pc) == v1, timeout=15, what="v1 in C")
-    errs = len([e for e in _errors(c) if e.get("conflict")])
+    errs = len([e for e in errors_log(c.mountpoint) if e.get("conflict")])
     with open(pc, "rb", buffering=0) as f:
         first = f.read(1500)  # the reader in C: version 1 up to byte 1500
         v2 = v1.replace("line 05", "A-1 inserted\nline 05")
@@ -400,7 +396,7 @@ def test_a_reader_whose_reads_straddle_a_remote_change_makes_the_overwrite_a_rep
     _rewrite(pc, ours, "rename")
     wait_until(lambda: _depth(a) == 0 and _depth(c) == 0, timeout=60, what="both outboxes drained")
     cur = live_records(cp, "s")[name].content
-    conflicts = [e for e in _errors(c) if e.get("conflict")]
+    conflicts = [e for e in errors_log(c.mountpoint) if e.get("conflict")]
     assert len(conflicts) == errs + 1 and conflicts[-1]["path"].endswith(name), conflicts
     assert cur == ours, cur  # last writer wins; version 2 stays in history
 
@@ -448,7 +444,7 @@ def test_sed_after_an_outage_on_a_mount_with_queued_own_appends_keeps_the_other_
             b.write_file.unlink(missing_ok=True)
             b.feed_file.unlink(missing_ok=True)
         cur = _settled(cp, a, b, name)
-        conflicts = [e for e in _errors(a) + _errors(b) if e.get("conflict")]
+        conflicts = [e for e in errors_log(a.mountpoint) + errors_log(b.mountpoint) if e.get("conflict")]
         lines = cur.splitlines()
         missing = [w for w in ("A-1", "A-2", "A-3", "B-1", "B-2") if w not in lines]
         assert not missing, f"acknowledged lines lost: {missing} (conflicts reported: {conflicts})"

@@ -22,6 +22,7 @@ import trio
 
 pytestmark = pytest.mark.mount
 
+from mountcheck import errors_log
 from mountutil import ControlPlane, Sidecar, live_records, read, sh, two_sidecars, wait_until
 from test_faults import conflict_lines, local, make_sidecar, remote, start, write
 from test_faults import wait_until as wait_until_async
@@ -34,11 +35,6 @@ from memfuse.fake import FakeControlPlane
 def pair(tmp_path_factory):
     with two_sidecars(tmp_path_factory.mktemp("rr"), "s") as cp_a_b:
         yield cp_a_b
-
-
-def _errors(sc: Sidecar) -> list[dict]:
-    text = (sc.mountpoint / ".memfuse" / "errors.log").read_text()
-    return [json.loads(ln) for ln in text.splitlines() if ln.strip()]
 
 
 def _depth(sc: Sidecar) -> int:
@@ -84,7 +80,7 @@ def test_disjoint_sed_edits_on_two_mounts_both_survive(pair):
         _concurrently(cp, (f"sed -i s/alpha/ALPHA{i}/ {name}", a.mountpoint / "s"),
                       (f"sed -i s/gamma/GAMMA{i}/ {name}", b.mountpoint / "s"))
         _settled(cp, a, b, name, f"ALPHA{i}\nbeta\nGAMMA{i}\n")
-        assert not [e for e in _errors(a) + _errors(b) if e.get("conflict") and e["path"].endswith(name)]
+        assert not [e for e in errors_log(a.mountpoint) + errors_log(b.mountpoint) if e.get("conflict") and e["path"].endswith(name)]
         # one record, no stray temporaries
         assert not [p for p in live_records(cp, "s") if p.startswith("sed")]
 
@@ -100,7 +96,7 @@ def test_overlapping_sed_edits_are_last_writer_wins_with_a_conflict_line(pair):
     # the writer that lost the race overwrote the other (last writer wins) and said so; the
     # mount whose write was overwritten is told by its feed (docs/SEMANTICS.md, "Conflicts")
     def lines(sc) -> list[dict]:
-        return [e for e in _errors(sc) if e.get("conflict") and e["path"].endswith(name)]
+        return [e for e in errors_log(sc.mountpoint) if e.get("conflict") and e["path"].endswith(name)]
     wait_until(lambda: len(lines(a)) + len(lines(b)) == 2, timeout=15, what="both mounts told")
     won, lost = (b, a) if cur == "FROM-B\nbeta\n" else (a, b)
     assert [e.get("overwritten", False) for e in lines(won)] == [False], lines(won)

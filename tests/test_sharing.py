@@ -12,6 +12,7 @@ import uuid
 import httpx
 import pytest
 
+from mountcheck import errors_log
 from mountutil import Rig, read, sh, two_sidecars, wait_until
 
 pytestmark = pytest.mark.mount
@@ -93,11 +94,6 @@ def _status(sc) -> dict:
         return json.load(f)
 
 
-def _errors(sc) -> list[dict]:
-    with open(sc.mountpoint / ".memfuse" / "errors.log") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def test_parallel_appends_from_two_sidecars_keep_every_line(pair):
     """Two sidecars append to one shared journal at once (``echo ... >> j.md`` loops): every
     line of both writers is in the record exactly once, each writer's in its order, both
@@ -122,7 +118,7 @@ def test_parallel_appends_from_two_sidecars_keep_every_line(pair):
     assert [x for x in lines if x.startswith("B ")] == [f"B {i}" for i in range(1, n + 1)], final
     wait_until(lambda: read(pa) == final and read(pb) == final, timeout=10,
                what="both sidecars show the merged journal")
-    assert not [e for sc in (a, b) for e in _errors(sc) if e.get("conflict") and name in e["path"]]
+    assert not [e for sc in (a, b) for e in errors_log(sc.mountpoint) if e.get("conflict") and name in e["path"]]
     assert sum(_status(sc)["outbox"]["merged"] for sc in (a, b)) > merged0  # the races happened
 
 
