@@ -15,7 +15,7 @@ import types
 import httpx
 import pytest
 
-from mountutil import Rig, live_records, read, serve_and_mount, sh, wait_until
+from mountutil import Rig, Sidecar, live_records, read, serve_and_mount, sh, wait_until
 
 pytestmark = pytest.mark.mount
 
@@ -64,6 +64,17 @@ def test_a_paused_control_plane_is_noticed_within_seconds(tmp_path):
             "a.md": "before\n", "b.md": "during\n", "c.md": "more\n"}
         metrics = httpx.get(f"{admin}/metrics", timeout=5).text
         assert "memfuse_control_plane_up 1.0" in metrics
+
+
+def _sidecar_through_drip(rig: Rig, commit_wait: int) -> tuple[DripProxy, Sidecar]:
+    """Workspace ``ws`` on store ``s``, its sidecar reaching ``rig``'s control plane through a
+    ``DripProxy`` (closed after the sidecar stops), offline after 3 s, ``commit_wait`` s."""
+    proxy = DripProxy(rig.cp.port)
+    rig.defer(proxy.close)  # after the sidecar is stopped
+    via = types.SimpleNamespace(url=proxy.url)  # what Sidecar takes of a control plane
+    rig.workspace("ws", ("s",))
+    args = ("--offline-after", "3", "--commit-wait", str(commit_wait), "--drain-timeout", "1")
+    return proxy, rig.sidecar("ws", *args, via=via)
 
 
 class DripProxy:
@@ -159,12 +170,7 @@ def test_a_dripping_control_plane_delays_a_restart_by_offline_after_at_most(tmp_
     write commits once the control plane answers at full speed again."""
     with Rig(tmp_path) as rig:
         cp = rig.cp
-        proxy = DripProxy(cp.port)
-        rig.defer(proxy.close)  # after the sidecar is stopped
-        via = types.SimpleNamespace(url=proxy.url)  # what Sidecar takes of a control plane
-        rig.workspace("ws", ("s",))
-        args = ("--offline-after", "3", "--commit-wait", "2", "--drain-timeout", "1")
-        sc = rig.sidecar("ws", *args, via=via)
+        proxy, sc = _sidecar_through_drip(rig, commit_wait=2)
         m = sc.mountpoint / "s"
         sh("echo before > a.md", m)
         wait_until(lambda: _status(sc.mountpoint)["outbox"]["depth"] == 0, timeout=30,
@@ -216,12 +222,7 @@ def test_own_commits_missing_from_the_mirror_come_back_after_an_offline_start(tm
 
     with Rig(tmp_path) as rig:
         cp = rig.cp
-        proxy = DripProxy(cp.port)
-        rig.defer(proxy.close)  # after the sidecar is stopped
-        via = types.SimpleNamespace(url=proxy.url)  # what Sidecar takes of a control plane
-        rig.workspace("ws", ("s",))
-        args = ("--offline-after", "3", "--commit-wait", "5", "--drain-timeout", "1")
-        sc = rig.sidecar("ws", *args, via=via)
+        proxy, sc = _sidecar_through_drip(rig, commit_wait=5)
         m = sc.mountpoint / "s"
         f = m / "log.txt"
         sh("printf 'head\\n' > log.txt", m)
