@@ -160,6 +160,11 @@ class BlobCache:
     """
 
     def __init__(self, path: Path, metrics: Any = None) -> None:
+        """Open (create) the cache file ``path``; ``metrics``: the sidecar's, counting failed
+        writes (or None). A file that cannot be trusted is started anew (``rebuilt``).
+        Raises ``CacheError`` when the disk refuses to open it (``ENOSPC`` for a full disk:
+        SQLite could not grow its ``-shm``; the files are left as they are), ``OSError`` when
+        it cannot be made (a symlink in its place)."""
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.rebuilt = False  # the file was left by a crash during a bulk fill: made anew
@@ -183,13 +188,37 @@ class BlobCache:
         self.metrics = metrics  # counts failed writes (the sidecar's), or None
         private_file(path)  # 0600 (memory content); SQLite's -wal / -shm files get its mode
         self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+        try:
+            self._open()
+        except sqlite3.Error as exc:  # a full disk (a -shm that cannot grow), an I/O error
+            with contextlib.suppress(sqlite3.Error):
+                self._db.close()
+            raise cache_error(exc, "opening the blob cache") from exc
+        self._checkpointer: threading.Thread | None = None
+
+    @staticmethod
+    def remove_files(path: Path) -> int:
+        """Delete the cache file ``path`` and its ``-wal`` / ``-shm`` / ``-journal`` files
+        (no connection may have it open); the bytes they held. A cache: its content is
+        fetched again from the control plane. Never raises."""
+        freed = 0
+        for suffix in ("", "-wal", "-shm", "-journal"):
+            with contextlib.suppress(OSError):
+                f = f"{path}{suffix}"
+                size = os.stat(f).st_blocks * 512
+                os.unlink(f)
+                freed += size
+        return freed
+
+    def _open(self) -> None:
+        """Check the file just opened (started anew when it cannot be trusted: ``rebuilt``)
+        and set it up. Raises ``sqlite3.Error``."""
+        path = self.path
         if not self._trusted():
             log.warning("blob cache left by a crash during a bulk fill, or unreadable; "
                         "starting it anew (content is fetched again)", extra={"path": str(path)})
             self._db.close()
-            for suffix in ("", "-wal", "-shm", "-journal"):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(f"{path}{suffix}")
+            self.remove_files(path)
             private_file(path)
             self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
             self.rebuilt = True
@@ -200,7 +229,6 @@ class BlobCache:
         # 1 MiB content on the trio thread would pay that every time (the close of an
         # append to a 1 MiB file: ~3x its cost); the copy runs behind instead
         self._db.execute(f"PRAGMA wal_autocheckpoint={AUTOCHECKPOINT_PAGES}")
-        self._checkpointer: threading.Thread | None = None
         self._db.execute("PRAGMA journal_size_limit=1048576")
         self._db.execute("CREATE TABLE IF NOT EXISTS blobs (sha TEXT PRIMARY KEY, data BLOB NOT NULL)")
         self._db.execute("CREATE TABLE IF NOT EXISTS fill (what TEXT NOT NULL)")  # bulk's marker

@@ -297,6 +297,12 @@ class Journal:
     def __init__(self, path: Path, metrics: Any = None,
                  before_batch: Callable[[], None] | None = None,
                  reserve: DiskReserve | None = None) -> None:
+        """Open (create) the journal at ``path``. A file that is damaged or not a database
+        is moved aside (kept, ``moved_aside``) and a new one made; one the disk refuses
+        (full: ``SQLITE_FULL``, a ``-shm`` that cannot grow; an I/O error) or that is locked
+        is left exactly as it is, never moved aside (it may hold accepted writes not sent
+        yet): ``CacheError`` (``ENOSPC`` for a full disk, else ``EIO`` / the OS's errno).
+        Raises ``OSError`` when the file cannot be made (a symlink in its place)."""
         self.path = path
         self.metrics = metrics
         #: the cache disk's reserve, released for a checkpoint a full disk refused (``_wal_truncate``)
@@ -317,16 +323,30 @@ class Journal:
         except sqlite3.DatabaseError as exc:  # corrupt, or not a database: keep it, start anew
             with contextlib.suppress(Exception):
                 self._db.close()
+            if isinstance(exc, sqlite3.OperationalError):
+                # a full disk (SQLITE_FULL, a -shm that cannot grow), an I/O error, a lock:
+                # not damage, and the journal may hold accepted writes not sent yet: it
+                # stays as it is, and the caller decides (the start makes room, or says why)
+                self.witness.close()
+                raise cache_error(exc, "opening the outbox journal") from exc
             self.moved_aside = move_aside(path)
             log.error("the outbox journal is unreadable; moved aside (kept for inspection) and "
                       "started anew; what it held is recovered from the witness and the blob cache",
                       extra={"path": str(path), "moved_to": str(self.moved_aside),
                              "error": str(exc)[:200]})
-            self._open(path)
+            try:
+                self._open(path)
+            except sqlite3.Error as again:  # a new, empty journal the disk refuses
+                with contextlib.suppress(Exception):
+                    self._db.close()
+                self.witness.close()
+                raise cache_error(again, "opening the outbox journal") from again
 
     def _open(self, path: Path) -> None:
         """Open (create) the journal's SQLite file and its tables; ``sqlite3.DatabaseError``
-        when it is corrupt or not a database (``quick_check`` included)."""
+        when it is corrupt or not a database (``quick_check`` included), its subclass
+        ``sqlite3.OperationalError`` when the disk refused (full, I/O error) or the file is
+        locked."""
         private_file(path)  # 0600; SQLite gives its -wal / -shm files the same mode
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         check = self._db.execute("PRAGMA quick_check").fetchone()
