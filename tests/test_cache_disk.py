@@ -592,3 +592,49 @@ def test_stores_that_do_not_fit_the_cache_disk_say_so_while_the_start_waits(tmp_
         assert full and "needed_bytes" in full[-1] and "free_bytes" in full[-1], full[-1:]
         assert full[-1]["needed_bytes"] > 8 << 20
         assert sc.stop() == 0
+
+
+def test_space_freed_on_a_full_cache_disk_is_not_taken_by_the_blob_cache_log(small_cache):
+    """attack 14 F1: on a full cache disk the blob cache's checkpoint (the collection's, the
+    one after a failed write, the one behind the writes) copied its write-ahead log into a
+    database file that grew into whatever was freed, and failed again: the space an operator
+    freed went to the cache, and the outbox journal stayed refused. A checkpoint that must
+    copy pages now waits until the disk has room for them; one that only truncates the log
+    still runs, giving its space back (docs/SEMANTICS.md, "The sidecar's own disk")."""
+    from memfuse.sidecar.blobcache import BlobCache
+
+    blobs = BlobCache(small_cache / "blobs.db")
+    try:
+        for i in range(16):  # ~2.5 MB in the log, not copied yet (behind: from 4 MiB)
+            blobs.put(bytes([65 + i]) * (160 * 1024))
+        assert os.stat(small_cache / "blobs.db-wal").st_size > 2 << 20
+        db_size = os.stat(small_cache / "blobs.db").st_size
+        ballast = fill_disk(small_cache, 0)
+        assert free_bytes(small_cache) == 0
+        with open(ballast, "r+b") as f:  # the operator frees 512 KiB
+            f.truncate(os.stat(ballast).st_size - (512 << 10))
+        freed = free_bytes(small_cache)
+        assert freed >= 512 << 10
+        blobs.checkpoint()
+        assert free_bytes(small_cache) >= freed - (64 << 10), "the log's checkpoint took the space"
+        assert os.stat(small_cache / "blobs.db").st_size == db_size
+        assert len(blobs.read(sha256_of(bytes([65]) * (160 * 1024)))) == 160 * 1024  # all held
+
+        ballast.unlink()  # room: the log is copied and truncated
+        blobs.checkpoint()
+        assert os.stat(small_cache / "blobs.db-wal").st_size == 0
+        blobs.put(b"one more" * 1000)  # a log again, all of it copied by a checkpoint that
+        _, frames, copied = blobs._db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        wal = os.stat(small_cache / "blobs.db-wal").st_blocks * 512  # left it in place
+        assert wal > 0 and frames == copied
+        fill_disk(small_cache, 0, "ballast2")
+        before = free_bytes(small_cache)
+        blobs.checkpoint()  # a full disk: only a truncation, which gives the log back
+        assert free_bytes(small_cache) >= before + wal - 4096
+    finally:
+        blobs.close()
+
+
+def sha256_of(data: bytes) -> str:
+    import hashlib
+    return hashlib.sha256(data).hexdigest()

@@ -296,7 +296,8 @@ class Journal:
 
     def __init__(self, path: Path, metrics: Any = None,
                  before_batch: Callable[[], None] | None = None,
-                 reserve: DiskReserve | None = None) -> None:
+                 reserve: DiskReserve | None = None,
+                 on_full: Callable[[], None] | None = None) -> None:
         """Open (create) the journal at ``path``. A file that is damaged or not a database
         is moved aside (kept, ``moved_aside``) and a new one made; one the disk refuses
         (full: ``SQLITE_FULL``, a ``-shm`` that cannot grow; an I/O error) or that is locked
@@ -312,6 +313,10 @@ class Journal:
         #: journal accepts is in the blob cache file first, where ``recover`` finds it
         #: should the journal be lost); must not raise
         self.before_batch = before_batch
+        #: called on the trio thread after a batch failed for a full disk (the sidecar's:
+        #: ``BlobCache.checkpoint``, which gives its write-ahead log's space back when that
+        #: costs none, so the space goes to the accepted writes: attack 14 F1); must not raise
+        self.on_full = on_full
         #: where an unreadable journal was moved aside at this start (kept, named in the
         #: log), else None
         self.moved_aside: Path | None = None
@@ -963,6 +968,8 @@ class Journal:
                                                   "retry_in_s": delay})
                 with contextlib.suppress(sqlite3.Error):  # may free the log's space
                     await trio.to_thread.run_sync(self._checkpoint, self._draining())
+                if err.errno == errno.ENOSPC and self.on_full is not None:
+                    self.on_full()
                 await trio.sleep(delay)
                 delay = min(delay * 2, self.RETRY_MAX)
                 self._wake()

@@ -263,7 +263,8 @@ def open_cache(cache_dir: Path, metrics: Any = None) -> tuple[DiskReserve, BlobC
             # the contents the blob cache holds in memory are written before any journal
             # batch with an accepted write: a journal lost later recovers it from there
             journal = Journal(cache_dir / "outbox.db", metrics=metrics,
-                              before_batch=blobs.write_behind, reserve=reserve)
+                              before_batch=blobs.write_behind, reserve=reserve,
+                              on_full=blobs.checkpoint)
         except CacheError as e:
             if e.errno != errno.ENOSPC:
                 raise StartError(f"the cache directory {cache_dir} cannot be used: {e.reason}; "
@@ -632,6 +633,18 @@ class Sidecar(StoreSync):
             await trio.sleep(self.BLOBS_BEHIND_EVERY)
             self.fs.blobs.write_behind()
 
+    #: s between looks at the disk reserve (``_reserve_refill``)
+    RESERVE_EVERY = 30.0
+
+    async def _reserve_refill(self) -> None:
+        """Make the cache disk's reserve again once space allows (``DiskReserve.fill``: the
+        disk has four times its size free) every ``RESERVE_EVERY`` s: the journal refills
+        it only after an idle checkpoint of its own, which a journal that writes nothing
+        never runs, and a start on a full disk releases it (attack 14 F1)."""
+        while True:
+            await trio.sleep(self.RESERVE_EVERY)
+            await trio.to_thread.run_sync(self.reserve.fill)
+
     async def _liveness(self) -> None:
         """Notice a control plane that has stopped answering (paused, black-holed network)
         within ``NO_ANSWER_AFTER`` s, long before a request's read timeout (30 s): the
@@ -708,6 +721,7 @@ class Sidecar(StoreSync):
                 await nursery.start(self.committer.run)
                 self._spawn("liveness", self._liveness)
                 self._spawn("blobs-behind", self._blobs_behind)
+                self._spawn("reserve", self._reserve_refill)
                 if self.client.token_file is not None:
                     self._spawn("token-watch", self._token_watch)
                 # the admin API first, so /healthz and /readyz answer while loading
