@@ -211,11 +211,12 @@ def open_cache(cache_dir: Path, metrics: Any = None) -> tuple[DiskReserve, BlobC
 
     A full cache disk is not a damaged journal (attack 14 F3): the journal is never moved
     aside for it (``Journal``), and the start makes room from what the sidecar owns and can
-    drop, least loss first, until the disk has ``START_ROOM`` bytes free or nothing is left:
-    the disk reserve (``DiskReserve``: made again once space allows), the blob cache's
-    write-ahead log (checkpointed and truncated, when that can finish), then the blob cache
-    itself (a cache of content the control plane holds: fetched again as the stores load).
-    Never the journal, the witness or the store mirrors. What was given up is logged (one
+    drop, least loss first: while the disk has less than ``START_ROOM`` bytes free, the disk
+    reserve (``DiskReserve``: made again once space allows) and the blob cache's write-ahead
+    log (checkpointed and truncated, when that can finish); when the journal or the blob
+    cache still cannot be opened, the blob cache itself (a cache of content the control
+    plane holds: fetched again as the stores load; not before, since an offline start
+    reads from it). Never the journal, the witness or the store mirrors. What was given up is logged (one
     WARNING). A disk that still refuses the journal or the blob cache raises ``StartError``
     with one sentence: the cache directory, what is full, what to do (exit 1). Raises
     ``OSError`` when a file cannot be made (a symlink planted in the directory)."""
@@ -226,8 +227,9 @@ def open_cache(cache_dir: Path, metrics: Any = None) -> tuple[DiskReserve, BlobC
     given: dict[str, int] = {}  # what was given up to make room -> bytes it held
     blobs: BlobCache | None = None
 
-    def make_room() -> bool:
-        """Give up the next thing the sidecar can drop; False when nothing is left."""
+    def make_room(drop: bool = True) -> bool:
+        """Give up the next thing the sidecar can drop (the blob cache itself only when
+        ``drop``); False when nothing is left."""
         nonlocal blobs
         if "reserve" not in given:
             given["reserve"] = reserve.release()
@@ -240,7 +242,7 @@ def open_cache(cache_dir: Path, metrics: Any = None) -> tuple[DiskReserve, BlobC
             given["blob cache log"] = before - (wal.stat().st_blocks * 512 if wal.exists() else 0)
             if given["blob cache log"] > 0:
                 return True
-        if "blob cache" not in given:
+        if "blob cache" not in given and drop:
             if blobs is not None:
                 blobs.close()
                 blobs = None
@@ -255,11 +257,11 @@ def open_cache(cache_dir: Path, metrics: Any = None) -> tuple[DiskReserve, BlobC
     while journal is None:
         try:
             if "reserve" not in given and short():
-                make_room()  # the reserve first: it is there for this
+                make_room(drop=False)  # the reserve first: it is there for this
             if blobs is None:
                 blobs = BlobCache(blobs_path, metrics=metrics)
-            if short() and make_room():
-                continue  # its log truncated, or the cache dropped (opened anew, empty)
+            if short():
+                make_room(drop=False)  # its log, when that can be truncated
             # the contents the blob cache holds in memory are written before any journal
             # batch with an accepted write: a journal lost later recovers it from there
             journal = Journal(cache_dir / "outbox.db", metrics=metrics,

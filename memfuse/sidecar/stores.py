@@ -203,8 +203,9 @@ class StoreSync:
         control plane is unreachable, refuses the token, or the cache disk refuses a write.
         ``what`` ("loading notes") names the step in the log; ``need``: the bytes of
         content it stores (a store's ``usage_bytes``), said with the disk's free bytes when
-        the disk is full, in the log and in ``load_error`` (``/readyz``, the status), so a
-        cache disk too small for the stores is told, not only retried (attack 14)."""
+        the disk is full, in the log and in ``load_error`` (``/readyz``, the status; no
+        store name there: ``/readyz`` is open on TCP), so a cache disk too small for the
+        stores is told, not only retried (attack 14)."""
         retry = Doubling(0.2, 5.0)
         while True:
             try:
@@ -221,14 +222,15 @@ class StoreSync:
                 free, size = free_bytes(cache_dir), disk_size(cache_dir)
                 if e.errno == errno.ENOSPC:
                     self.load_error = (
-                        f"the cache disk of {cache_dir} is full while {what}: "
-                        + (f"its content needs {need} bytes, " if need is not None else "")
+                        f"the cache disk of {cache_dir} is full: "
+                        + (f"a store to load needs {need} bytes for its content, "
+                           if need is not None else "")
                         + f"{free} bytes are free of {size}; give the cache volume more room "
                         "(docs/DEPLOY.md, cache size) or free space on it: the start goes on "
                         "by itself")
                 else:
                     self.load_error = (f"the cache disk of {cache_dir} refused a write while "
-                                       f"{what}: {e.reason}; retrying")
+                                       f"loading: {e.reason}; retrying")
                 log.warning(f"cache disk refused a write while {what}; retrying",
                             extra={"errno": errno.errorcode.get(e.errno), "reason": e.reason,
                                    "needed_bytes": need, "free_bytes": free, "disk_bytes": size,
