@@ -31,7 +31,7 @@ from sqlalchemy.engine import Connection
 from memfuse import content as content_rules
 from memfuse.defs import SEARCH_LINES_DEFAULT, SEARCH_PAGE_DEFAULT
 from memfuse.models import SearchHit, SearchLine, SearchPage
-from memfuse.server import fulltext, tails
+from memfuse.server import budget, fulltext, tails
 from memfuse.server.base import _R, _V, Principal, Resource, ServiceError, _check_path, fold
 from memfuse.server.recordrows import _decode_cursor, _encode_cursor, _record_model
 
@@ -172,6 +172,7 @@ class SearchService(Resource):
         rows = rows[:limit]
         hits: list[SearchHit] = []
         for r in rows:
+            budget.check()  # a client gone, or the read's time up: stop (memfuse.server.budget)
             path_match = match != "content" and needle in (r.path if case_sensitive else fold(r.path))
             lines: list[SearchLine] = []
             count = 0
@@ -247,6 +248,7 @@ class SearchService(Resource):
         hits: list[SearchHit] = []
         m = fulltext.Matcher(words)
         for r, score in rows:
+            budget.check()
             path_match = match != "content" and m.path(r.path)
             lines: list[SearchLine] = []
             count = 0
