@@ -40,7 +40,8 @@ CASES = [("ranked limit=100", "lisbon omega", "relevance", 100),
 
 def _text(i: int) -> str:
     rnd = random.Random(i)
-    lines, size = [], 0
+    lines: list[str] = []
+    size = 0
     while size < 900_000:
         line = " ".join(rnd.choice(WORDS) for _ in range(12)) + f" {i}-{len(lines)}\n"
         lines.append(line)

@@ -13,12 +13,14 @@ and every later ``check`` raises, so the request stops at its next statement or 
 attaches its connection and turns an interrupted statement into that same error.
 
 The error: ``ServiceError`` 504 ``timeout`` (the answer a client still there gets; a client
-gone gets none). Thread-safe: ``end`` runs on the event loop, ``attach`` / ``detach`` /
+gone gets none). Thread-safe: ``end`` runs on the event loop (a PostgreSQL cancel, a round
+trip, is sent from a thread of its own), ``attach`` / ``detach`` /
 ``check`` on the request's worker thread.
 """
 from __future__ import annotations
 
 import logging
+import sqlite3
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -51,9 +53,19 @@ class Budget:
             if self.reason is not None:
                 return
             self.reason = reason
-            conns = list(self._conns)
-            for c in conns:  # under the lock: a connection detached is never interrupted
-                _interrupt(c)
+            remote = []
+            for c in self._conns:  # under the lock: a connection detached is never interrupted
+                if isinstance(c, sqlite3.Connection):
+                    _interrupt(c)  # sets a flag: never waits
+                else:
+                    remote.append(c)
+        for c in remote:  # a cancel request is a round trip: on a thread, not the caller's loop
+            threading.Thread(target=self._cancel, args=(c,), name="memfuse-cancel", daemon=True).start()
+
+    def _cancel(self, dbapi_conn: Any) -> None:
+        with self._lock:  # still the request's: a connection back in the pool is left alone
+            if any(c is dbapi_conn for c in self._conns):
+                _interrupt(dbapi_conn)
 
     def check(self) -> None:
         """Raise ``ServiceError`` 504 ``timeout`` once the budget has ended."""
