@@ -37,8 +37,11 @@ TICK = os.sysconf("SC_CLK_TCK")
 
 def threads_cpu(pid: int) -> dict[str, float]:
     """CPU seconds (user + system) of ``pid``'s threads so far, summed by thread name (the
-    main thread as ``main``)."""
-    out: dict[str, float] = {}
+    main thread as ``main``), and of the whole process as ``all`` (with the threads that
+    ended: trio's idle worker threads exit after 10 s, their CPU leaves the thread list)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    out: dict[str, float] = {"all": (int(fields[11]) + int(fields[12])) / TICK}
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             with open(f"/proc/{pid}/task/{tid}/stat") as f:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -68,6 +69,7 @@ def main() -> None:
                 prof = cProfile.Profile()
             creates = reads = 0.0
             size = 0
+            ru0 = resource.getrusage(resource.RUSAGE_THREAD)
             os.getpgrp()  # the round's start for callgrind (--dump-before=getpgrp)
             for i in range(args.n):
                 c0 = time.thread_time()
@@ -87,10 +89,13 @@ def main() -> None:
                 creates += c1 - c0
                 reads += c2 - c1
             os.getpgrp()  # the round's end
+            ru1 = resource.getrusage(resource.RUSAGE_THREAD)
             if prof is not None:
                 prof.dump_stats(str(args.profile))
             print(json.dumps({"round": rnd, "read_cpu_ms": round(reads / args.n * 1000, 4),
                               "create_cpu_ms": round(creates / args.n * 1000, 4),
+                              "round_user_sys_ms": [round((ru1.ru_utime - ru0.ru_utime) / args.n * 1000, 4),
+                                                    round((ru1.ru_stime - ru0.ru_stime) / args.n * 1000, 4)],
                               "page_bytes": size // args.n, "load": loadavg()}), flush=True)
         db.dispose()
 
