@@ -15,6 +15,9 @@ costs in periodic work), and counters read from the sidecars' and serve's ``/met
 ``DIR/prof.PID``, the last round's). ``--strace DIR``: ``strace -c -f`` of each process
 during the last round (syscall counts per file; the run is slower then, its CPU figures are
 not figures). One JSON line per round on stdout.
+
+To compare two trees, run each tree's own copy of this script from its ``bench/`` with
+``PYTHONPATH`` at that tree (``common.py`` puts its own tree first on ``sys.path``).
 """
 from __future__ import annotations
 

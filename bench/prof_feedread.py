@@ -12,6 +12,9 @@ reads (pstats). Instructions per read: run it under ``valgrind --tool=callgrind
 --dump-before=getpgrp`` with ``--rounds 1``, once as it is and once with ``--no-read``
 (the script calls ``os.getpgrp()`` right before and after the round: the second dump holds
 the round alone); the difference over ``n`` is a read's.
+
+To compare two trees, run each tree's own copy of this script from its ``bench/`` with
+``PYTHONPATH`` at that tree (``common.py`` puts its own tree first on ``sys.path``).
 """
 from __future__ import annotations
 
