@@ -38,8 +38,9 @@ In order, for every HTTP request:
    none is free), and one of its token's ``max_per_token`` (``Shares``: 429
    ``too_many_requests``, ``Retry-After: 1``, so one token cannot hold every slot; a request
    without a token, a console page, one of its client address's ``max_per_token``). A ``GET``
-   under ``/v1/`` or ``/ui/`` runs under a ``memfuse.server.budget.Budget``: its database work is
-   interrupted when its client disconnects or ``read_budget`` s have passed; a long-lived response (long-poll, stream, console live page) takes a lease
+   under ``/v1/`` or ``/ui/`` runs under a ``memfuse.server.budget.Budget``: its database
+   work is interrupted when its client disconnects or ``read_budget`` s have passed (504
+   ``timeout``). A long-lived response (long-poll, stream, console live page) takes a lease
    of the ``StreamClass`` instead (``memfuse.server.streamclass``: per-token and per-replica
    caps, 429 with ``Retry-After``), and ends within a moment of its token's revocation or
    expiry.
@@ -80,7 +81,7 @@ from memfuse.server.streamclass import Lease, StreamClass
 log = logging.getLogger(__name__)
 
 MAX_INFLIGHT = 128
-READ_BUDGET = 30.0  # s a read (GET under /v1/) may work before its database work is interrupted
+READ_BUDGET = 30.0  # s a read (GET under /v1/, /ui/) may work before its database work is interrupted
 
 
 def default_per_token(max_inflight: int) -> int:
@@ -523,8 +524,8 @@ class Gate:
                 lease.close()
 
     def _token_key(self, token: str) -> str:
-        """The key of ``token``'s write buckets and request share (a digest: no token is
-        kept as a key of a table that outlives its request). The table is cleared past
+        """The key of ``token``'s write buckets and request share (a digest, so the tables
+        keyed by it hold no token), remembered per token; the memo is cleared past
         ``RATE_KEYS_MAX`` tokens."""
         key = self._rate_keys.get(token)
         if key is None:
