@@ -32,6 +32,8 @@ after the request may have left is raised (the caller's idempotency key covers a
 from __future__ import annotations
 
 import os
+import select
+import socket
 import ssl
 from urllib.parse import urlsplit
 
@@ -70,24 +72,70 @@ def proxy_configured() -> bool:
 
 
 class _Conn:
-    """One HTTP/1.1 connection (a trio stream), idle between two exchanges: every answer
-    read on it so far was whole, with nothing after it, and allowed keep-alive."""
+    """One HTTP/1.1 connection, idle between two exchanges: every answer read on it so far
+    was whole, with nothing after it, and allowed keep-alive. A plain (``http``) connection
+    is its non-blocking socket, read and written here with trio's waits
+    (``trio.lowlevel.wait_readable`` / ``wait_writable``) and nothing between: trio's
+    ``SocketStream`` and socket wrappers cost a scheduler pass after every send and a
+    failed ``recv`` before every wait (bench/README.md, "The close path, session 15: the
+    commit exchange"). A TLS connection is its ``trio.SSLStream`` (``stream``)."""
 
-    __slots__ = ("stream", "sock")
+    __slots__ = ("stream", "sock", "_poll")
 
-    def __init__(self, stream: trio.abc.Stream, sock: trio.socket.SocketType) -> None:
-        self.stream = stream
+    def __init__(self, stream: trio.abc.Stream | None, sock: socket.socket) -> None:
+        self.stream = stream  # None: plain, ``sock`` itself is read and written
         self.sock = sock
+        self._poll = select.poll()  # kept: one poll(2) per reuse check (``reusable``)
+        self._poll.register(sock.fileno(), select.POLLIN)
 
     def reusable(self) -> bool:
-        """Idle and still open as far as the socket tells: nothing to read (an EOF or stray
-        bytes from the server make it readable)."""
+        """Idle and still open as far as the socket tells: nothing to read (an EOF, a reset
+        or stray bytes from the server make it readable)."""
         try:
-            return not self.sock.is_readable()
+            return not self._poll.poll(0)
         except OSError:
             return False
 
+    async def send_all(self, data: bytes) -> None:
+        """Send all of ``data``. Raises ``OSError`` (plain), ``trio.BrokenResourceError`` /
+        ``ssl.SSLError`` (TLS), ``trio.ClosedResourceError``. A plain send that the kernel
+        takes at once is no checkpoint: the wait for the answer that follows is one."""
+        if self.stream is not None:
+            await self.stream.send_all(data)
+            return
+        sock = self.sock
+        with memoryview(data) as view:
+            sent = 0
+            while sent < len(view):
+                try:
+                    sent += sock.send(view[sent:])
+                except BlockingIOError:
+                    await trio.lowlevel.wait_writable(sock)
+
+    async def receive(self, wait: bool) -> bytes:
+        """The next bytes the server sent (b"" at EOF); ``wait``: wait for them before the
+        first ``recv`` (the answer to a request just sent is not there yet). Raises as
+        ``send_all``."""
+        if self.stream is not None:
+            return bytes(await self.stream.receive_some(READ_SIZE))
+        sock = self.sock
+        if not wait:
+            try:
+                return sock.recv(READ_SIZE)
+            except BlockingIOError:
+                pass
+        while True:
+            await trio.lowlevel.wait_readable(sock)
+            try:
+                return sock.recv(READ_SIZE)
+            except BlockingIOError:
+                pass
+
     async def aclose(self) -> None:
+        if self.stream is None:
+            trio.lowlevel.notify_closing(self.sock)
+            self.sock.close()
+            return
         with trio.CancelScope(shield=True):
             try:
                 await trio.aclose_forcefully(self.stream)
@@ -136,18 +184,25 @@ class LeanHTTP:
         try:
             with trio.fail_after(self.timeout):
                 tcp = await trio.open_tcp_stream(self.host, self.port)
-                stream: trio.abc.Stream = tcp
                 if self.https:
                     ctx = self.ssl_context or ssl.create_default_context()
                     tls = trio.SSLStream(tcp, ctx, server_hostname=self.host, https_compatible=True)
-                    await tls.do_handshake()
-                    stream = tls
+                    try:
+                        await tls.do_handshake()
+                    except BaseException:
+                        await trio.aclose_forcefully(tcp)
+                        raise
+                    conn = _Conn(tls, tcp.socket)  # type: ignore[arg-type]  # poll(2)s its fileno
+                else:  # the stream's socket (TCP_NODELAY set) taken out of trio's wrappers
+                    sock = socket.socket(fileno=tcp.socket.detach())
+                    sock.setblocking(False)
+                    conn = _Conn(None, sock)
         except trio.TooSlowError:
             raise httpx.ConnectTimeout("timed out connecting") from None
         except (OSError, trio.BrokenResourceError, ssl.SSLError) as exc:
             raise httpx.ConnectError(str(exc) or type(exc).__name__) from None
         self.connections_opened += 1
-        return _Conn(stream, tcp.socket)
+        return conn
 
     async def _take(self) -> tuple[_Conn, bool]:
         """A connection for the next request and whether it was idle in the pool (reused)."""
@@ -232,7 +287,7 @@ class LeanHTTP:
             # no timeout of its own: ``scope`` (the request's deadline, ``timeout`` s from
             # its start) ends earlier than one started now would (``_receive``)
             try:
-                await c.stream.send_all(data)
+                await c.send_all(data)
             except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError) as exc:
                 failed = httpx.WriteError(str(exc) or type(exc).__name__)
                 # the server may have answered before it read the whole body (a 413 from the
@@ -268,16 +323,16 @@ class LeanHTTP:
             return resp if resp.status >= 400 else None
         return None
 
-    async def _read(self, c: _Conn, scope: trio.CancelScope) -> bytes:
-        """The next bytes of the answer (b"" at EOF). Each read is bounded by ``timeout`` s
-        (``httpx.Timeout``'s read timeout); while ``scope`` ends sooner than that (always
-        before the head arrived: it started earlier with the same bound) no scope of its
-        own is entered."""
+    async def _read(self, c: _Conn, scope: trio.CancelScope, wait: bool = False) -> bytes:
+        """The next bytes of the answer (b"" at EOF; ``wait``: none can be there yet,
+        ``_Conn.receive``). Each read is bounded by ``timeout`` s (``httpx.Timeout``'s read
+        timeout); while ``scope`` ends sooner than that (always before the head arrived: it
+        started earlier with the same bound) no scope of its own is entered."""
         try:
             if scope.deadline <= trio.current_time() + self.timeout:
-                return bytes(await c.stream.receive_some(READ_SIZE))
+                return await c.receive(wait)
             with trio.fail_after(self.timeout):  # the body's deadline moved on (extend)
-                return bytes(await c.stream.receive_some(READ_SIZE))
+                return await c.receive(wait)
         except trio.TooSlowError:
             raise httpx.ReadTimeout("timed out reading the answer") from None
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError) as exc:
@@ -294,8 +349,10 @@ class LeanHTTP:
         the connection is not reused then. ``scope``'s deadline moves on as the body
         arrives (``deadline.extend``)."""
         buf = b""
+        wait = True  # the request was just sent: its answer is not there yet
         while True:
-            got = await self._read(c, scope)
+            got = await self._read(c, scope, wait)
+            wait = False
             buf += got
             head = _simple_head(buf, method) if got else False
             if head is False or (head is None and len(buf) > _HEAD_MAX):
