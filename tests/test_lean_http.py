@@ -6,15 +6,20 @@ answer, a connection closed before or after an answer, garbage, 503 with ``Retry
 Each case runs through both paths and compares what the caller sees."""
 from __future__ import annotations
 
+import socket
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
 import trio
+from hypothesis import given
+from hypothesis import strategies as st
 
 from memfuse.client import ApiClient
 from memfuse.errors import ApiError, Conflict, PreconditionFailed, TransientError, Unauthorized
 
+from mountcheck import hyp_settings
 from mountutil import ControlPlane
 
 
@@ -474,3 +479,109 @@ async def test_answers_read_as_h11_reads_them(form, pieces):
             await lean.aclose()
         assert lean.connections_opened == (1 if form in _REUSED else 2), form
         nursery.cancel_scope.cancel()
+
+
+# ---------------------------------------------------------------- header lines as h11 reads them
+
+_LINE_BYTES = b"aZ09-!~:;, \t\"\x00\x01\x0b\x0c\r\n\x7f\x80\xff("
+
+
+def _h11_head(raw: bytes) -> tuple[Any, ...] | None:
+    """``_h11_reads`` of ``raw`` (an answer to a POST), None when h11 refuses it."""
+    import h11
+
+    try:
+        return _h11_reads(raw)
+    except h11.RemoteProtocolError:
+        return None
+
+
+@pytest.mark.timeout(120)
+@given(lines=st.lists(st.binary(min_size=1, max_size=12).map(
+    lambda b: bytes(_LINE_BYTES[x % len(_LINE_BYTES)] for x in b)), max_size=4))
+@hyp_settings(400)
+def test_header_lines_read_as_h11_reads_them(lines):
+    """An answer head read without h11 (``lean._simple_head``: header lines checked by
+    ``_TOKEN`` / ``_FIELD``, not by h11's expression) is exactly what h11 reads from it
+    (status, reason, the headers' names and values, the body), for header lines made of
+    the bytes that matter to h11's grammar (token and field bytes, ``:``, blanks, NUL, VT,
+    FF, CR, LF, DEL, obs-text); whatever it does not read, h11 is handed. And the plain
+    form is read here, not handed on: a head h11 reads whose lines hold neither CR nor LF
+    (nor a second ``Content-Length`` or a ``Transfer-Encoding``, nor a folded line) is
+    read without h11."""
+    from memfuse.client.lean import _simple_head
+
+    raw = (b"HTTP/1.1 200 OK\r\n" + b"".join(ln + b"\r\n" for ln in lines)
+           + b"Content-Length: 2\r\n\r\nok")
+    head = _simple_head(raw, "POST")
+    assert head is not None  # the head is whole
+    h11_read = _h11_head(raw)
+    if head is False:
+        plain = all(b"\r" not in ln and b"\n" not in ln and not ln[:1].isspace() for ln in lines)
+        names = [ln.partition(b":")[0].strip().lower() for ln in lines]
+        framing = b"content-length" in names or b"transfer-encoding" in names
+        assert h11_read is None or not plain or framing, (raw, h11_read)
+        return
+    assert h11_read is not None, raw
+    status, reason, headers, start, size, _ = head
+    assert (status, reason, headers, raw[start:start + size]) == h11_read, raw
+    assert start + size == len(raw)
+
+
+@pytest.mark.timeout(60)
+async def test_an_exchange_on_a_kept_connection_waits_once():
+    """A request on a kept connection whose answer comes whole costs the trio thread one
+    scheduler pass: the one that waits for the answer. Neither the send (taken by the
+    kernel at once) nor a read attempted before the answer can be there makes one (trio's
+    ``SocketStream`` yields after every send: two passes per commit request, each ~20 us
+    of the sidecar's CPU)."""
+    from memfuse.client.lean import LeanHTTP
+
+    class Passes(trio.abc.Instrument):
+        def __init__(self) -> None:
+            self.waits = 0
+
+        def before_io_wait(self, timeout: float) -> None:
+            self.waits += 1
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(10)
+    port = listener.getsockname()[1]
+
+    def serve() -> None:  # in a thread: this trio run has only the client's passes
+        conn, _ = listener.accept()
+        conn.settimeout(10)
+        with conn:
+            buf = b""
+            while True:
+                while b"\r\n\r\n" not in buf or len(buf.partition(b"\r\n\r\n")[2]) < 2:
+                    got = conn.recv(65536)
+                    if not got:
+                        return
+                    buf += got
+                buf = buf.partition(b"\r\n\r\n")[2][2:]  # each request's body is b"{}"
+                body = _record_body("a.md")
+                conn.sendall(_OK % len(body) + body)
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    try:
+        lean = LeanHTTP(f"http://127.0.0.1:{port}", None, 5.0)
+        passes = Passes()
+        try:
+            await lean.exchange("POST", "/x", [("Content-Type", "application/json")], b"{}")
+            counts = []
+            for _ in range(5):
+                trio.lowlevel.add_instrument(passes)
+                passes.waits = 0
+                a = await lean.exchange("POST", "/x", [("Content-Type", "application/json")], b"{}")
+                trio.lowlevel.remove_instrument(passes)
+                assert a.status == 201
+                counts.append(passes.waits)
+        finally:
+            await lean.aclose()
+        assert lean.connections_opened == 1
+        assert counts == [1] * 5, counts
+    finally:
+        listener.close()
+        server.join(timeout=10)
