@@ -1,10 +1,11 @@
 """A lean HTTP/1.1 path for the sidecar's ordinary requests: pooled keep-alive connections
-on trio streams (TCP, TLS through ``trio.SSLStream`` with the client's ``ssl.SSLContext``),
-framed with h11's rules (the protocol library httpx's own transport, httpcore, uses): the
-request written as h11 writes it, with h11's own expressions checking the request line and
-every header; an answer in the control plane's plain form (``_simple_head``) read directly,
-any other handed with every byte read to an h11 connection, which reads it or refuses it as
-it always did (``LeanHTTP._receive``). h11's state machine cost ~0.2 ms of the sidecar's CPU
+(TCP: the non-blocking socket with trio's waits, ``_Conn``; TLS through ``trio.SSLStream``
+with the client's ``ssl.SSLContext``), framed with h11's rules (the protocol library httpx's
+own transport, httpcore, uses): the request written as h11 writes it, with h11's own
+expressions checking the request line and every header; an answer in the control plane's
+plain form (``_simple_head``: header lines of h11's grammar) read directly, any other
+handed with every byte read to an h11 connection, which reads it or refuses it as it always
+did (``LeanHTTP._receive``). h11's state machine cost ~0.2 ms of the sidecar's CPU
 per commit request on the benchmark machine (bench/README.md, "The close path, session 11").
 
 Why: the outbox sends one small request per ``close(2)`` when one file is written at a time
