@@ -240,8 +240,8 @@ class LeanHTTP:
         got = self._validated.get(key)
         if got is None:
             items = _h11_headers([("Host", self.host_header), *fixed])._full_items
-            block = b"".join([b"%s: %s\r\n" % (raw, value) for raw, name, value in items if name == b"host"]
-                             + [b"%s: %s\r\n" % (raw, value) for raw, name, value in items if name != b"host"])
+            ordered = [kv for kv in items if kv[1] == b"host"] + [kv for kv in items if kv[1] != b"host"]
+            block = b"".join([b"%s: %s\r\n" % (raw, value) for raw, _, value in ordered])
             got = (items, block)
             if len(self._validated) >= _VALIDATED_MAX:
                 self._validated.clear()
@@ -320,7 +320,8 @@ class LeanHTTP:
         return resp
 
     async def _early_answer(self, c: _Conn, scope: trio.CancelScope, method: str, target: str,
-                            hdrs: list[tuple[bytes, bytes, bytes]], length: int | None, body: bytes) -> "Answer | None":
+                            hdrs: list[tuple[bytes, bytes, bytes]], length: int | None,
+                            body: bytes) -> "Answer | None":
         """The answer the server sent before the request's send broke (it answered without
         reading the whole body and closed the connection), or None when none can be read
         (the connection gives EOF or an error first). Bounded by ``scope`` and by
@@ -383,7 +384,8 @@ class LeanHTTP:
         return Answer(status, reason, headers, buf[start:]), keep_alive
 
     async def _receive_h11(self, c: _Conn, scope: trio.CancelScope, method: str, target: str,
-                           hdrs: list[tuple[bytes, bytes, bytes]], length: int | None, body: bytes, buf: bytes,
+                           hdrs: list[tuple[bytes, bytes, bytes]], length: int | None,
+                           body: bytes, buf: bytes,
                            last: bytes) -> "Answer":
         """Read the answer through h11, given the bytes ``buf`` read so far (``last``: the
         last read's, b"" for an EOF): an h11 client connection is told of the request sent
