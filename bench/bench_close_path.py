@@ -15,9 +15,11 @@ later loop pass, as from a socket) and answers with a ``Record``: what is measur
 FUSE adapter, the core, the committer's worker and trio's scheduling of the three tasks a
 close involves (the request's, the committer's, the journal's), not pyfuse3's dispatch, the
 kernel round trips or the client's HTTP exchange (memfuse/client, measured by the whole
-sidecar: ``prof_write.py``). Prints the thread CPU µs per file of each round and their
-median; under callgrind, run it with two ``--files`` counts and subtract (the difference
-over the extra files is the instructions per file, start-up excluded).
+sidecar: ``prof_write.py``). The garbage collector runs with the sidecar process's
+thresholds (``mount.tune_gc``; ``--gc default``: CPython's). Prints the thread CPU µs per
+file of each round and their median, and the median µs of each request; under callgrind,
+run it with two ``--files`` counts and subtract (the difference over the extra files is the
+instructions per file, start-up excluded).
 """
 from __future__ import annotations
 
@@ -45,10 +47,13 @@ from memfuse.sidecar.journal import Journal  # noqa: E402
 from memfuse.wire import Record, sha256_hex  # noqa: E402
 
 
-class Ctx:
+class _Ctx:
     """A request context (``pyfuse3.RequestContext`` ignores keyword arguments)."""
     uid = gid = pid = 0
     umask = 0o022
+
+
+Ctx: Any = _Ctx  # passed where a ``pyfuse3.RequestContext`` goes
 
 
 class StubClient:
@@ -145,7 +150,15 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--size", type=int, default=550, help="bytes per file")
     ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--gc", choices=("sidecar", "default"), default="sidecar",
+                    help="the collector's thresholds: the sidecar process's (mount.tune_gc, "
+                         "where the code run has it) or CPython's default")
     a = ap.parse_args()
+    if a.gc == "sidecar":
+        import memfuse.sidecar.mount as mount
+        tune = getattr(mount, "tune_gc", None)  # (not in releases before session 15)
+        if tune is not None:
+            tune()
     res = trio.run(run, a.files, a.rounds, a.size, a.quiet)
     print(f"median {statistics.median(res):.1f} µs CPU per file "
           f"(rounds: {', '.join(f'{x:.1f}' for x in res)}; load {os.getloadavg()[0]:.1f})")
