@@ -330,11 +330,14 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         """``name``, a new entry of directory ``d`` (create, mkdir, rename target), as
         ``str``; refused (``errors.log`` line, ``FsError``) with ``EINVAL`` /
         ``ENAMETOOLONG`` for the name rules (docs/SEMANTICS.md, "Names": ``check_component``
-        and, for a name given, ``check_new_name``) and ``EPERM``
+        and, for a name given, ``check_new_name``; at a store's root ``check_root_name``, no
+        look-alike of the index) and ``EPERM``
         (``secret_detected``) for a name holding a secret (``content.find_secret_in_path``;
         the line shows the name redacted)."""
         try:
             s = names.check_new_name(names.check_component(name))
+            if d.store is not None and d is d.store.root:
+                names.check_root_name(s)
         except names.NameError_ as e:
             code = "path_too_long" if e.too_long else "invalid_path"
             self.refuse(d, name.decode("utf-8", "replace"), errno_of(code), e.reason, code)
