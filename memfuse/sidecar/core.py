@@ -972,7 +972,10 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             try:
                 await e.wait_accepted(JOURNAL_WAIT)
             except CacheError as err:
-                await self._journal_refused(n, e, err, deadline)
+                # shielded: a signal to the closing process (interrupts.py) does not cut a
+                # withdrawal in two; this wait has its own bound (the close's --commit-wait)
+                with trio.CancelScope(shield=True):
+                    await self._journal_refused(n, e, err, deadline)
                 return
         else:  # a local-only file's kept copy: ENOSPC / EIO when the disk refuses it
             await self._wait_accepted(n, e, JOURNAL_WAIT)

@@ -34,6 +34,7 @@ from .control import CONTROL_DIR
 from .core import ContentMissing, Filesystem
 from .fusereader import FuseReader
 from .inodes import CHECK_INVARIANTS, FsError, Handle, Node
+from .interrupts import Interrupts
 from .invalidator import Invalidator
 from .metrics import LAT_BUCKETS, TIME_MASK, Metrics, OpStats
 from .cachedir import CacheError
@@ -207,9 +208,12 @@ class MemfuseOps(pyfuse3.Operations):
 
     def __init__(self, fs: Filesystem, metrics: Metrics | None = None,
                  invalidator: Invalidator | None = None,
-                 reader: FuseReader | None = None) -> None:
+                 reader: FuseReader | None = None, interrupts: Interrupts | None = None) -> None:
         super().__init__()
         self.fs = fs
+        #: the openers of writable descriptors, watched while a close or fsync waits: a
+        #: signal to one ends its wait with EINTR (``interrupts``; pyfuse3 hides FUSE_INTERRUPT)
+        self.interrupts = interrupts if interrupts is not None else Interrupts()
         #: the lazy reader hand-off (``fusereader``; the mount installs it around
         #: ``pyfuse3.main()``): every await of a handler goes through one of the guards,
         #: which call ``_hand_off`` first so that the next request is read meanwhile
@@ -398,19 +402,24 @@ class MemfuseOps(pyfuse3.Operations):
             # a remote change of the file has not reached the kernel's pages and size yet
             # (Invalidator.behind): the reader gets the new content once it has
             # (Filesystem._served)
-            return self._open_caught_up(inode, flags)
+            return self._open_caught_up(inode, flags, ctx.pid)
         h = self.fs.open(inode, flags)
+        if flags & _WRITABLE:
+            self.interrupts.opened(h.fh, ctx.pid)
         if h.snapshot is not None:  # a .memfuse file: reads from this open's snapshot,
             # never from another's pages
             return pyfuse3.FileInfo(fh=h.fh, direct_io=True, keep_cache=False)
         return pyfuse3.FileInfo(h.fh)  # keep_cache (pyfuse3's default), no direct_io
 
-    async def _open_caught_up(self, inode: int, flags: int) -> pyfuse3.FileInfo:
-        """``open`` once the kernel invalidation of ``inode`` still queued was performed
-        (at most ``OPEN_CATCH_UP`` s; ``Filesystem.open`` follows with no await between)."""
+    async def _open_caught_up(self, inode: int, flags: int, pid: int) -> pyfuse3.FileInfo:
+        """``open`` (by thread ``pid``) once the kernel invalidation of ``inode`` still queued
+        was performed (at most ``OPEN_CATCH_UP`` s; ``Filesystem.open`` follows with no await
+        between)."""
         assert self.invalidator is not None  # open() checked
         await self.invalidator.catch_up(inode, OPEN_CATCH_UP)
         h = self.fs.open(inode, flags)
+        if flags & _WRITABLE:
+            self.interrupts.opened(h.fh, pid)
         if h.snapshot is not None:  # (a .memfuse file is never invalidated: not reached)
             return pyfuse3.FileInfo(fh=h.fh, direct_io=True, keep_cache=False)
         return pyfuse3.FileInfo(h.fh)
@@ -418,6 +427,7 @@ class MemfuseOps(pyfuse3.Operations):
     def _create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                 ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         h = self.fs.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid)
+        self.interrupts.opened(h.fh, ctx.pid)
         return pyfuse3.FileInfo(fh=h.fh, keep_cache=True), self.attrs(h.node)
 
     @_guard_sync
@@ -447,7 +457,10 @@ class MemfuseOps(pyfuse3.Operations):
         """A writer's flush: commit and wait (``Filesystem.flush``); what ``MODIFYING`` does
         for the other modifying requests (a reader's flush changes nothing)."""
         try:
-            await self.fs.flush(h)
+            with self.interrupts.watch(h.fh) as w:
+                await self.fs.flush(h)
+            if w.interrupted:
+                raise FsError(errno.EINTR, "interrupted by a signal; the write stays queued")
         finally:
             self.fs.controls.changed()
             if CHECK_INVARIANTS:  # tests: MEMFUSE_CHECK_INVARIANTS=1
@@ -455,10 +468,15 @@ class MemfuseOps(pyfuse3.Operations):
 
     @_guard
     async def fsync(self, fh: int, datasync: bool) -> None:
-        await self.fs.fsync(self.fs.handle(fh))
+        h = self.fs.handle(fh)
+        with self.interrupts.watch(fh) as w:
+            await self.fs.fsync(h)
+        if w.interrupted:
+            raise FsError(errno.EINTR, "interrupted by a signal; the write stays queued")
 
     @_guard_sync
     def release(self, fh: int) -> None:
+        self.interrupts.released(fh)
         self.fs.release(fh)
 
     # ------------------------------------------------------------------ misc

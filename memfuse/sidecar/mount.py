@@ -44,6 +44,7 @@ from .identity import RecordIds
 from .journal import PUT, Entry, Journal
 from .config import MountConfig as MountConfig  # re-exported: callers import it from here
 from .stores import StoreSync
+from .interrupts import Interrupts
 from .invalidator import Invalidator
 from .sync import Meta, StoreState
 
@@ -255,7 +256,10 @@ class Sidecar(StoreSync):
                                x.get("s", ""))
         #: who reads the next FUSE request (fusereader.py): installed around pyfuse3.main()
         self.reader = FuseReader()
-        self.ops = MemfuseOps(self.fs, self.metrics, self.invalidator, self.reader)
+        #: a close or fsync waiting for the control plane ends (EINTR) when its process is
+        #: signalled (interrupts.py: pyfuse3 does not pass FUSE_INTERRUPT on)
+        self.interrupts = Interrupts()
+        self.ops = MemfuseOps(self.fs, self.metrics, self.invalidator, self.reader, self.interrupts)
         self.task_failures: dict[str, int] = {}  # task name -> unexpected exceptions
         self.state_save_failing = False
 
@@ -676,6 +680,7 @@ class Sidecar(StoreSync):
                 mounted = True
                 self.invalidator.active = True
                 self._spawn("invalidator", self.invalidator.run)
+                self._spawn("interrupts", self.interrupts.run)
                 self._mounted = True
                 for slug in self.fs.stores:
                     self._start_feed(slug)

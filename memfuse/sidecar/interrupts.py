@@ -1,0 +1,124 @@
+"""Ctrl-C of a process blocked in close(2) or fsync(2) on the mount (docs/SEMANTICS.md, "Writes
+and close"): the waiting request answers ``EINTR`` once the process has a signal to take.
+
+When a process waiting for a FUSE request gets a signal it does not block, the kernel sends
+``FUSE_INTERRUPT`` for that request and then waits, uninterruptibly but for SIGKILL, for the
+filesystem's answer (linux fs/fuse/dev.c, ``request_wait_answer``). pyfuse3 3.5 never hands
+that message to Python: libfuse answers it itself, and pyfuse3 registers no
+``fuse_req_interrupt_func`` and passes ``flush`` / ``fsync`` neither the request nor its
+context (pyfuse3 handlers.pxi). So the sidecar looks from the other side: the process that
+opened the descriptor (``RequestContext.pid`` at open / create, a thread id) is watched while
+its close or fsync waits, and the wait ends when ``/proc/<pid>/status`` shows a signal
+pending that the thread does not block (``(SigPnd | ShdPnd) & ~SigBlk``, the condition that
+made the kernel send the interrupt). The write stays accepted and queued, as for any close
+that returned before the control plane answered.
+
+Limits: the watched process is the descriptor's opener (pyfuse3 gives no pid for flush or
+fsync): a close or fsync by another process (a child that inherited the descriptor) waits
+its whole bound, as does one whose opener's thread has exited, or whose pid the sidecar's
+pid namespace does not show (``pid`` 0).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from types import TracebackType
+
+import trio
+
+log = logging.getLogger(__name__)
+
+#: s between two looks at the waiting processes' pending signals (while any waits)
+POLL = 0.1
+
+
+def signal_pending(pid: int, proc: str = "/proc") -> bool:
+    """Whether thread ``pid`` has a signal pending that it does not block: ``SigPnd``
+    (its own) or ``ShdPnd`` (its process's) and not ``SigBlk``, read from
+    ``<proc>/<pid>/status`` (proc(5)). False when the thread is gone or unreadable."""
+    try:
+        with open(f"{proc}/{pid}/status", "rb") as f:
+            text = f.read()
+    except OSError:
+        return False
+    pending = blocked = 0
+    for line in text.split(b"\n"):
+        if line.startswith((b"SigPnd:", b"ShdPnd:")):
+            pending |= int(line.split(b":", 1)[1], 16)
+        elif line.startswith(b"SigBlk:"):
+            blocked = int(line.split(b":", 1)[1], 16)
+    return bool(pending & ~blocked)
+
+
+class Interrupts:
+    """The openers of the mount's writable descriptors and the close / fsync waits to end
+    when their opener is signalled. ``pending(pid)`` tells whether a thread has a signal to
+    take (default :func:`signal_pending`); ``poll``: s between looks. ``run`` is the
+    sidecar's background task that looks while any request waits."""
+
+    def __init__(self, pending: Callable[[int], bool] = signal_pending, poll: float = POLL) -> None:
+        self.pending = pending
+        self.poll = poll
+        self.openers: dict[int, int] = {}  # fh -> the opener's thread id
+        self._waiting: dict[trio.CancelScope, int] = {}  # a wait's scope -> the thread watched
+        self._wake = trio.Event()
+
+    def opened(self, fh: int, pid: int) -> None:
+        """Handle ``fh`` was opened (for writing) by thread ``pid`` (0: not known)."""
+        if pid:
+            self.openers[fh] = pid
+
+    def released(self, fh: int) -> None:
+        """Handle ``fh`` is gone."""
+        self.openers.pop(fh, None)
+
+    def watch(self, fh: int) -> Watch:
+        """The context of one close or fsync of ``fh``: ``with interrupts.watch(fh) as w:``
+        around the wait; ``w.interrupted`` is true after it when the opener was signalled
+        (the wait was cancelled). Costs a dict lookup when nobody is known to watch."""
+        return Watch(self, self.openers.get(fh, 0))
+
+    async def run(self) -> None:
+        """Look at the waiting requests' threads every ``poll`` s while any waits; cancel
+        the wait of each that has a signal to take. Never returns."""
+        while True:
+            if not self._waiting:
+                self._wake = trio.Event()
+                await self._wake.wait()
+            await trio.sleep(self.poll)
+            for scope, pid in list(self._waiting.items()):
+                if not scope.cancel_called and self.pending(pid):
+                    log.info("a close or fsync waiting on the mount was interrupted by a signal "
+                             "to its process; answered EINTR, the write stays queued",
+                             extra={"pid": pid})
+                    scope.cancel()
+
+
+class Watch:
+    """One wait watched by ``Interrupts`` (see ``Interrupts.watch``)."""
+
+    __slots__ = ("_owner", "_pid", "_scope", "interrupted")
+
+    def __init__(self, owner: Interrupts, pid: int) -> None:
+        self._owner = owner
+        self._pid = pid
+        self._scope: trio.CancelScope | None = None
+        self.interrupted = False
+
+    def __enter__(self) -> Watch:
+        if self._pid:
+            scope = self._scope = trio.CancelScope()
+            scope.__enter__()
+            self._owner._waiting[scope] = self._pid
+            self._owner._wake.set()
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
+                 tb: TracebackType | None) -> bool:
+        scope = self._scope
+        if scope is None:
+            return False
+        del self._owner._waiting[scope]
+        handled = scope.__exit__(et, ev, tb)
+        self.interrupted = scope.cancelled_caught
+        return bool(handled)

@@ -1,0 +1,182 @@
+"""Ctrl-C of a process blocked in fsync(2) / close(2) on the mount (docs/SEMANTICS.md, "Writes
+and close"; attack 14 F8): the wait ends with EINTR within a poll of the signal, the write
+stays queued and lands once the control plane answers. pyfuse3 does not pass FUSE_INTERRUPT
+on, so the sidecar watches the opener's pending signals (memfuse/sidecar/interrupts.py).
+"""
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import trio
+
+from memfuse.sidecar.interrupts import Interrupts, signal_pending
+
+# writes, says so, then fsyncs (or closes); a KeyboardInterrupt is printed with the time it took
+_WRITER = r"""
+import os, sys, time
+fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+os.write(fd, b"kept\n")
+print("waiting", flush=True)
+t0 = time.monotonic()
+try:
+    os.fsync(fd) if sys.argv[2] == "fsync" else os.close(fd)
+except KeyboardInterrupt:
+    print(f"interrupted {time.monotonic() - t0:.2f}", flush=True)
+    sys.exit(3)
+except OSError as e:
+    print(f"error {e.errno} {time.monotonic() - t0:.2f}", flush=True)
+    sys.exit(4)
+print(f"returned {time.monotonic() - t0:.2f}", flush=True)
+"""
+
+
+def test_signal_pending_reads_the_threads_pending_and_blocked_signals():
+    """A signal this thread blocks is pending but not to take; unblocked it is taken (and
+    handled), after which nothing is pending."""
+    got = []
+    old = signal.signal(signal.SIGUSR1, lambda *_: got.append(1))
+    try:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+        try:
+            assert not signal_pending(threading.get_native_id())
+            os.kill(os.getpid(), signal.SIGUSR1)
+            assert signal.SIGUSR1 in signal.sigpending()
+            assert not signal_pending(threading.get_native_id())  # blocked: the kernel waits on
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
+        assert got == [1] and not signal_pending(threading.get_native_id())
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+    assert not signal_pending(0) and not signal_pending(2**22 + 12345)  # no such thread
+
+
+async def test_a_watched_wait_ends_when_its_opener_is_signalled():
+    signalled: set[int] = set()
+    ints = Interrupts(pending=lambda pid: pid in signalled, poll=0.02)
+    ints.opened(7, 4242)
+    ints.opened(8, 0)  # no pid known: never interrupted
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ints.run)
+        with ints.watch(7) as w:
+            await trio.sleep(0.1)  # not signalled: the wait goes on
+        assert not w.interrupted
+        with trio.move_on_after(5) as guard:
+            with ints.watch(7) as w:
+                signalled.add(4242)
+                await trio.sleep(10)
+        assert w.interrupted and not guard.cancelled_caught
+        with ints.watch(8) as w8:
+            await trio.sleep(0.1)
+        assert not w8.interrupted
+        ints.released(7)
+        assert ints.openers == {}
+        nursery.cancel_scope.cancel()
+
+
+def _start_writer(path, how: str) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-c", _WRITER, str(path), how], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    line = _readline(p, 30)
+    assert line == "waiting\n", (line, p.stderr.read() if p.poll() is not None else "")
+    return p
+
+
+def _readline(p: subprocess.Popen, timeout: float) -> str:
+    out: list[str] = []
+    t = threading.Thread(target=lambda: out.append(p.stdout.readline()), daemon=True)
+    t.start()
+    t.join(timeout)
+    return out[0] if out else ""
+
+
+@pytest.mark.mount
+def test_ctrl_c_of_an_fsync_blocked_on_a_stopped_control_plane_returns_at_once(tmp_path):
+    from mountutil import Rig, live_records, sh, sidecar_status, wait_until
+
+    with Rig(tmp_path) as rig:
+        sc = rig.sidecar("ws", "--fsync-timeout", "25")
+        d = sc.mountpoint / "default"
+        rig.cp.freeze()
+        try:
+            sh("echo x > first.md", d, timeout=30)  # the outbox learns the control plane is down
+            wait_until(lambda: sidecar_status(sc)["control_plane"]["reachable"] is False, timeout=30,
+                       what="the control plane seen down")
+            p = _start_writer(d / "f.md", "fsync")
+            try:
+                time.sleep(1.5)
+                assert p.poll() is None, "fsync returned while the control plane is stopped"
+                t0 = time.monotonic()
+                p.send_signal(signal.SIGINT)
+                line = _readline(p, 40)
+                took = time.monotonic() - t0
+                assert p.wait(30) == 3, (line, p.stderr.read())
+            finally:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait(10)
+            assert line.startswith("interrupted"), line
+            assert took < 2.5, f"fsync went on {took:.1f} s after SIGINT ({line.strip()})"
+            # the write stays queued and the file shows it
+            assert (d / "f.md").read_bytes() == b"kept\n"
+            assert os.getxattr(d / "f.md", "user.memfuse.state") == b"pending"
+        finally:
+            rig.cp.thaw()
+        wait_until(lambda: sidecar_status(sc)["outbox"]["depth"] == 0, timeout=60, what="outbox drained")
+        recs = live_records(rig.cp)
+        assert {k: r.content for k, r in recs.items()} == {"first.md": "x\n", "f.md": "kept\n"}
+
+
+@pytest.mark.parametrize("op", ["flush", "fsync"])
+async def test_a_close_or_fsync_of_a_writer_answers_eintr_when_its_opener_is_signalled(op):
+    """The handlers' side (the close path cannot be held long on a real mount: the outbox
+    learns a stopped control plane within 3 s and the close then returns): a writer's
+    descriptor opened by thread 4242; its close (flush) or fsync waits for the commit until
+    4242 has a signal to take, then answers EINTR; another descriptor's wait goes on."""
+    from types import SimpleNamespace
+
+    import pyfuse3
+
+    from memfuse.sidecar.fuse_ops import MemfuseOps
+
+    handles = {fh: SimpleNamespace(fh=fh, flags=os.O_WRONLY, node=SimpleNamespace(dirty=True), snapshot=None)
+               for fh in (5, 6)}
+    waits: list[int] = []
+
+    async def wait_commit(h):
+        waits.append(h.fh)
+        await trio.sleep_forever()
+
+    fs = SimpleNamespace(open=lambda ino, flags: handles[ino], handle=lambda fh, allow_stale=False: handles[fh],
+                         flush=wait_commit, fsync=wait_commit, release=lambda fh: None,
+                         controls=SimpleNamespace(changed=lambda: None), check_invariants_after=lambda op: None)
+    signalled: set[int] = set()
+    ops = MemfuseOps(fs, interrupts=Interrupts(pending=lambda pid: pid in signalled, poll=0.02))  # type: ignore[arg-type]
+    assert (await ops.open(5, os.O_WRONLY, SimpleNamespace(pid=4242))).fh == 5
+    assert (await ops.open(6, os.O_WRONLY, SimpleNamespace(pid=4343))).fh == 6
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ops.interrupts.run)
+        other = trio.CancelScope()
+
+        async def other_wait():
+            with other:
+                await getattr(ops, op)(6, *(() if op == "flush" else (False,)))
+
+        nursery.start_soon(other_wait)
+        with trio.fail_after(5):
+            signalled.add(4242)
+            with pytest.raises(pyfuse3.FUSEError) as ei:
+                await getattr(ops, op)(5, *(() if op == "flush" else (False,)))
+        assert ei.value.errno == errno.EINTR and sorted(waits) == [5, 6]
+        await trio.sleep(0.1)
+        assert not other.cancelled_caught  # 4343 was not signalled: still waiting
+        other.cancel()
+        await ops.release(5)
+        assert list(ops.interrupts.openers) == [6]
+        nursery.cancel_scope.cancel()
