@@ -37,21 +37,39 @@ print(f"returned {time.monotonic() - t0:.2f}", flush=True)
 """
 
 
-def test_signal_pending_reads_the_threads_pending_and_blocked_signals():
-    """A signal this thread blocks is pending but not to take; unblocked it is taken (and
-    handled), after which nothing is pending."""
+def test_signal_pending_reads_the_pending_stop_signals_a_thread_does_not_block():
+    """A stopped process keeps the signals sent to it pending: one of the stop signals
+    (SIGINT...) counts, SIGUSR1 only when asked for; a signal the thread blocks never counts
+    (the kernel does not interrupt it either); no such thread: False."""
+    p = subprocess.Popen(["sleep", "60"])
+    try:
+        os.kill(p.pid, signal.SIGSTOP)
+        with open(f"/proc/{p.pid}/stat") as f:
+            for _ in range(1000):
+                f.seek(0)
+                if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                    break
+                time.sleep(0.01)
+        assert not signal_pending(p.pid)
+        os.kill(p.pid, signal.SIGUSR1)
+        assert not signal_pending(p.pid) and signal_pending(p.pid, {signal.SIGUSR1})
+        os.kill(p.pid, signal.SIGINT)
+        assert signal_pending(p.pid)
+    finally:
+        p.kill()
+        p.wait(10)
     got = []
     old = signal.signal(signal.SIGUSR1, lambda *_: got.append(1))
+    me, usr1 = threading.get_native_id(), {signal.SIGUSR1}
     try:
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+        signal.pthread_sigmask(signal.SIG_BLOCK, usr1)
         try:
-            assert not signal_pending(threading.get_native_id())
             os.kill(os.getpid(), signal.SIGUSR1)
             assert signal.SIGUSR1 in signal.sigpending()
-            assert not signal_pending(threading.get_native_id())  # blocked: the kernel waits on
+            assert not signal_pending(me, usr1)  # pending, blocked
         finally:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
-        assert got == [1] and not signal_pending(threading.get_native_id())
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, usr1)
+        assert got == [1] and not signal_pending(me, usr1)
     finally:
         signal.signal(signal.SIGUSR1, old)
     assert not signal_pending(0) and not signal_pending(2**22 + 12345)  # no such thread
@@ -123,6 +141,7 @@ def test_ctrl_c_of_an_fsync_blocked_on_a_stopped_control_plane_returns_at_once(t
                     p.wait(10)
             assert line.startswith("interrupted"), line
             assert took < 2.5, f"fsync went on {took:.1f} s after SIGINT ({line.strip()})"
+            assert "was interrupted by a signal to its process" in sc.log.read_text()
             # the write stays queued and the file shows it
             assert (d / "f.md").read_bytes() == b"kept\n"
             assert os.getxattr(d / "f.md", "user.memfuse.state") == b"pending"

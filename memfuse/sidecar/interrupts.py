@@ -8,9 +8,10 @@ that message to Python: libfuse answers it itself, and pyfuse3 registers no
 ``fuse_req_interrupt_func`` and passes ``flush`` / ``fsync`` neither the request nor its
 context (pyfuse3 handlers.pxi). So the sidecar looks from the other side: the process that
 opened the descriptor (``RequestContext.pid`` at open / create, a thread id) is watched while
-its close or fsync waits, and the wait ends when ``/proc/<pid>/status`` shows a signal
-pending that the thread does not block (``(SigPnd | ShdPnd) & ~SigBlk``, the condition that
-made the kernel send the interrupt). The write stays accepted and queued, as for any close
+its close or fsync waits, and the wait ends when ``/proc/<pid>/status`` shows one of
+:data:`STOP_SIGNALS` pending that the thread does not block (``(SigPnd | ShdPnd) & ~SigBlk``:
+the condition on which the kernel sent the interrupt, narrowed to the signals that stop a
+program). The write stays accepted and queued, as for any close
 that returned before the control plane answered.
 
 Limits: the watched process is the descriptor's opener (pyfuse3 gives no pid for flush or
@@ -21,7 +22,8 @@ pid namespace does not show (``pid`` 0).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import signal
+from collections.abc import Callable, Iterable
 from types import TracebackType
 
 import trio
@@ -31,11 +33,32 @@ log = logging.getLogger(__name__)
 #: s between two looks at the waiting processes' pending signals (while any waits)
 POLL = 0.1
 
+#: the signals that end a wait: those a person or a supervisor sends to stop a program
+#: (Ctrl-C, Ctrl-\\, a tool's timeout, a closed terminal). Not SIGCHLD, SIGWINCH, SIGALRM...,
+#: which a program takes in passing (vim resizing while it fsyncs would see EINTR, and
+#: "E667: Fsync failed", where it sees success today)
+STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT})
 
-def signal_pending(pid: int, proc: str = "/proc") -> bool:
-    """Whether thread ``pid`` has a signal pending that it does not block: ``SigPnd``
-    (its own) or ``ShdPnd`` (its process's) and not ``SigBlk``, read from
-    ``<proc>/<pid>/status`` (proc(5)). False when the thread is gone or unreadable."""
+
+def _mask(signals: Iterable[int]) -> int:
+    """The bit mask of ``signals`` as ``/proc/<pid>/status`` shows sets: signal n is bit n-1."""
+    m = 0
+    for s in signals:
+        m |= 1 << (int(s) - 1)
+    return m
+
+
+_STOP_MASK = _mask(STOP_SIGNALS)
+
+
+def signal_pending(pid: int, signals: Iterable[int] | None = None, proc: str = "/proc") -> bool:
+    """Whether thread ``pid`` has one of ``signals`` (default :data:`STOP_SIGNALS`) pending
+    that it does not block: in ``SigPnd`` (its own) or ``ShdPnd`` (its process's) and not in
+    ``SigBlk``, read from ``<proc>/<pid>/status`` (proc(5)). False when the thread is gone
+    or unreadable (``pid`` 0: unknown)."""
+    if pid <= 0:
+        return False
+    want = _STOP_MASK if signals is None else _mask(signals)
     try:
         with open(f"{proc}/{pid}/status", "rb") as f:
             text = f.read()
@@ -47,7 +70,7 @@ def signal_pending(pid: int, proc: str = "/proc") -> bool:
             pending |= int(line.split(b":", 1)[1], 16)
         elif line.startswith(b"SigBlk:"):
             blocked = int(line.split(b":", 1)[1], 16)
-    return bool(pending & ~blocked)
+    return bool(pending & ~blocked & want)
 
 
 class Interrupts:
