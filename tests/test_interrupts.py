@@ -82,19 +82,19 @@ async def test_a_watched_wait_ends_when_its_opener_is_signalled():
     ints.opened(8, 0)  # no pid known: never interrupted
     async with trio.open_nursery() as nursery:
         nursery.start_soon(ints.run)
-        with ints.watch(7) as w:
-            await trio.sleep(0.1)  # not signalled: the wait goes on
-        assert not w.interrupted
-        with trio.move_on_after(5) as guard:
-            with ints.watch(7) as w:
-                signalled.add(4242)
-                await trio.sleep(10)
-        assert w.interrupted and not guard.cancelled_caught
-        with ints.watch(8) as w8:
-            await trio.sleep(0.1)
+        with trio.move_on_after(0.2) as scope, ints.watch(7, scope) as w:
+            await trio.sleep(10)  # not signalled: the deadline ends it
+        assert scope.cancelled_caught and not w.interrupted
+        with trio.move_on_after(5) as scope, ints.watch(7, scope) as w:
+            signalled.add(4242)
+            await trio.sleep(10)
+        assert w.interrupted and scope.cancelled_caught
+        signalled.add(0)
+        with trio.move_on_after(0.2) as scope, ints.watch(8, scope) as w8:
+            await trio.sleep(10)
         assert not w8.interrupted
         ints.released(7)
-        assert ints.openers == {}
+        assert ints.openers == {} and not ints._waiting
         nursery.cancel_scope.cancel()
 
 
@@ -152,50 +152,37 @@ def test_ctrl_c_of_an_fsync_blocked_on_a_stopped_control_plane_returns_at_once(t
         assert {k: r.content for k, r in recs.items()} == {"first.md": "x\n", "f.md": "kept\n"}
 
 
-@pytest.mark.parametrize("op", ["flush", "fsync"])
-async def test_a_close_or_fsync_of_a_writer_answers_eintr_when_its_opener_is_signalled(op):
-    """The handlers' side (the close path cannot be held long on a real mount: the outbox
-    learns a stopped control plane within 3 s and the close then returns): a writer's
-    descriptor opened by thread 4242; its close (flush) or fsync waits for the commit until
-    4242 has a signal to take, then answers EINTR; another descriptor's wait goes on."""
-    from types import SimpleNamespace
+@pytest.mark.mount
+def test_ctrl_c_of_a_close_waiting_for_its_commit_returns_at_once(tmp_path):
+    """A close waits for the commit (``--commit-wait``) until the outbox learns that the
+    control plane is down (3 s of silence): the first close after it stopped waits ~3 s.
+    SIGINT 0.5 s into it ends it within a poll; the write stays queued and lands."""
+    from mountutil import Rig, live_records, sidecar_status, wait_until
 
-    import pyfuse3
-
-    from memfuse.sidecar.fuse_ops import MemfuseOps
-
-    handles = {fh: SimpleNamespace(fh=fh, flags=os.O_WRONLY, node=SimpleNamespace(dirty=True), snapshot=None)
-               for fh in (5, 6)}
-    waits: list[int] = []
-
-    async def wait_commit(h):
-        waits.append(h.fh)
-        await trio.sleep_forever()
-
-    fs = SimpleNamespace(open=lambda ino, flags: handles[ino], handle=lambda fh, allow_stale=False: handles[fh],
-                         flush=wait_commit, fsync=wait_commit, release=lambda fh: None,
-                         controls=SimpleNamespace(changed=lambda: None), check_invariants_after=lambda op: None)
-    signalled: set[int] = set()
-    ops = MemfuseOps(fs, interrupts=Interrupts(pending=lambda pid: pid in signalled, poll=0.02))  # type: ignore[arg-type]
-    assert (await ops.open(5, os.O_WRONLY, SimpleNamespace(pid=4242))).fh == 5
-    assert (await ops.open(6, os.O_WRONLY, SimpleNamespace(pid=4343))).fh == 6
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(ops.interrupts.run)
-        other = trio.CancelScope()
-
-        async def other_wait():
-            with other:
-                await getattr(ops, op)(6, *(() if op == "flush" else (False,)))
-
-        nursery.start_soon(other_wait)
-        with trio.fail_after(5):
-            signalled.add(4242)
-            with pytest.raises(pyfuse3.FUSEError) as ei:
-                await getattr(ops, op)(5, *(() if op == "flush" else (False,)))
-        assert ei.value.errno == errno.EINTR and sorted(waits) == [5, 6]
-        await trio.sleep(0.1)
-        assert not other.cancelled_caught  # 4343 was not signalled: still waiting
-        other.cancel()
-        await ops.release(5)
-        assert list(ops.interrupts.openers) == [6]
-        nursery.cancel_scope.cancel()
+    with Rig(tmp_path) as rig:
+        sc = rig.sidecar("ws", "--commit-wait", "30")
+        d = sc.mountpoint / "default"
+        rig.cp.freeze()
+        try:
+            p = _start_writer(d / "c.md", "close")
+            try:
+                time.sleep(0.5)
+                assert p.poll() is None, "close returned while the control plane is stopped"
+                t0 = time.monotonic()
+                p.send_signal(signal.SIGINT)
+                line = _readline(p, 40)
+                took = time.monotonic() - t0
+                assert p.wait(30) == 3, (line, p.stderr.read())
+            finally:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait(10)
+            assert line.startswith("interrupted"), line
+            # on main the close ran its 3 s (the control plane seen down) before the signal
+            assert took < 1.5 and float(line.split()[1]) < 2.0, (took, line)
+            assert "was interrupted by a signal to its process" in sc.log.read_text()
+            assert (d / "c.md").read_bytes() == b"kept\n"
+        finally:
+            rig.cp.thaw()
+        wait_until(lambda: sidecar_status(sc)["outbox"]["depth"] == 0, timeout=60, what="outbox drained")
+        assert {k: r.content for k, r in live_records(rig.cp).items()} == {"c.md": "kept\n"}

@@ -34,7 +34,6 @@ from .control import CONTROL_DIR
 from .core import ContentMissing, Filesystem
 from .fusereader import FuseReader
 from .inodes import CHECK_INVARIANTS, FsError, Handle, Node
-from .interrupts import Interrupts
 from .invalidator import Invalidator
 from .metrics import LAT_BUCKETS, TIME_MASK, Metrics, OpStats
 from .cachedir import CacheError
@@ -208,12 +207,12 @@ class MemfuseOps(pyfuse3.Operations):
 
     def __init__(self, fs: Filesystem, metrics: Metrics | None = None,
                  invalidator: Invalidator | None = None,
-                 reader: FuseReader | None = None, interrupts: Interrupts | None = None) -> None:
+                 reader: FuseReader | None = None) -> None:
         super().__init__()
         self.fs = fs
-        #: the openers of writable descriptors, watched while a close or fsync waits: a
-        #: signal to one ends its wait with EINTR (``interrupts``; pyfuse3 hides FUSE_INTERRUPT)
-        self.interrupts = interrupts if interrupts is not None else Interrupts()
+        #: the openers of writable descriptors (``Filesystem.interrupts``): a stop signal to
+        #: one ends its close's or fsync's wait with EINTR (pyfuse3 hides FUSE_INTERRUPT)
+        self.interrupts = fs.interrupts
         #: the lazy reader hand-off (``fusereader``; the mount installs it around
         #: ``pyfuse3.main()``): every await of a handler goes through one of the guards,
         #: which call ``_hand_off`` first so that the next request is read meanwhile
@@ -457,10 +456,7 @@ class MemfuseOps(pyfuse3.Operations):
         """A writer's flush: commit and wait (``Filesystem.flush``); what ``MODIFYING`` does
         for the other modifying requests (a reader's flush changes nothing)."""
         try:
-            with self.interrupts.watch(h.fh) as w:
-                await self.fs.flush(h)
-            if w.interrupted:
-                raise FsError(errno.EINTR, "interrupted by a signal; the write stays queued")
+            await self.fs.flush(h)
         finally:
             self.fs.controls.changed()
             if CHECK_INVARIANTS:  # tests: MEMFUSE_CHECK_INVARIANTS=1
@@ -468,11 +464,7 @@ class MemfuseOps(pyfuse3.Operations):
 
     @_guard
     async def fsync(self, fh: int, datasync: bool) -> None:
-        h = self.fs.handle(fh)
-        with self.interrupts.watch(fh) as w:
-            await self.fs.fsync(h)
-        if w.interrupted:
-            raise FsError(errno.EINTR, "interrupted by a signal; the write stays queued")
+        await self.fs.fsync(self.fs.handle(fh))
 
     @_guard_sync
     def release(self, fh: int) -> None:

@@ -243,11 +243,15 @@ class Sidecar(StoreSync):
             settings.gid = config.gid
         self.journal_recovered, self.journal_lost = self._recover_journal(blobs, ids)
         self.invalidator = invalidator if invalidator is not None else Invalidator()
+        #: a close or fsync waiting for the control plane ends (EINTR) when its process gets
+        #: a stop signal (interrupts.py: pyfuse3 does not pass FUSE_INTERRUPT on)
+        self.interrupts = Interrupts()
         self.fs = Filesystem(blobs, client, self.journal, settings, config.workspace,
                              dirs_file=config.cache_dir / "dirs.json",
                              rejected=self.journal.load_rejected(),
                              local=self.journal.load_local(), ids=ids, listener=self,
-                             metrics=self.metrics, mount_root=str(config.mountpoint))
+                             metrics=self.metrics, mount_root=str(config.mountpoint),
+                             interrupts=self.interrupts)
         self.committer = self.fs.committer
         for x in self.journal_lost:  # named in errors.log (the log and status.json: above, below)
             self.fs.note_error(None, (x.get("a") or {}).get("path", ""), errno.EIO,
@@ -256,10 +260,7 @@ class Sidecar(StoreSync):
                                x.get("s", ""))
         #: who reads the next FUSE request (fusereader.py): installed around pyfuse3.main()
         self.reader = FuseReader()
-        #: a close or fsync waiting for the control plane ends (EINTR) when its process is
-        #: signalled (interrupts.py: pyfuse3 does not pass FUSE_INTERRUPT on)
-        self.interrupts = Interrupts()
-        self.ops = MemfuseOps(self.fs, self.metrics, self.invalidator, self.reader, self.interrupts)
+        self.ops = MemfuseOps(self.fs, self.metrics, self.invalidator, self.reader)
         self.task_failures: dict[str, int] = {}  # task name -> unexpected exceptions
         self.state_save_failing = False
 
