@@ -245,29 +245,48 @@ def check_text(text: str) -> bytes:
 _SUSPECT_RE = re.compile(r"[^\t\n\x20-\x7e]")
 _STRIP_CATEGORIES = frozenset(("Cc", "Cf", "Zl", "Zp", "Cs"))
 
+#: Unicode's Default_Ignorable_Code_Point ranges (DerivedCoreProperties.txt, unchanged from
+#: Unicode 14.0 to 16.0; UAX #44): code points a renderer shows as nothing. Beyond the Cf
+#: characters they hold the combining grapheme joiner (U+034F), the variation selectors
+#: (U+FE00-FE0F, U+E0100-E01EF: "smuggled" invisible text), the Mongolian free variation
+#: selectors, the Khmer inherent vowels, the Hangul fillers (U+115F, U+1160, U+3164, U+FFA0)
+#: and reserved ones. A token split by one of them reads, and copies, as the token (attack 15
+#: F2), so ``prompt_text`` removes them too. ``unicodedata`` does not carry the property.
+_IGNORABLE_RANGES: tuple[tuple[int, int], ...] = (
+    (0xAD, 0xAD), (0x34F, 0x34F), (0x61C, 0x61C), (0x115F, 0x1160), (0x17B4, 0x17B5),
+    (0x180B, 0x180F), (0x200B, 0x200F), (0x202A, 0x202E), (0x2060, 0x206F), (0x3164, 0x3164),
+    (0xFE00, 0xFE0F), (0xFEFF, 0xFEFF), (0xFFA0, 0xFFA0), (0xFFF0, 0xFFF8),
+    (0x1BCA0, 0x1BCA3), (0x1D173, 0x1D17A), (0xE0000, 0xE0FFF),
+)
+
 
 #: the code points ``prompt_text`` removes (categories ``_STRIP_CATEGORIES`` but tab and
-#: newline) as ranges, for the Unicode version ``_STRIP_UNICODE`` (Python 3.11's
-#: ``unicodedata``); under another version they are computed from ``unicodedata`` once
-#: (``_strip_ranges``, ~0.4 s). tests/test_content.py checks the table against the computation.
+#: newline, and ``_IGNORABLE_RANGES``) as ranges, for the Unicode version ``_STRIP_UNICODE``
+#: (Python 3.11's ``unicodedata``); under another version they are computed from
+#: ``unicodedata`` once (``_strip_ranges``, ~0.4 s). tests/test_content.py checks the table
+#: against the computation.
 _STRIP_UNICODE = "14.0.0"
 _STRIP_RANGES: tuple[tuple[int, int], ...] = (
-    (0x0, 0x8), (0xB, 0x1F), (0x7F, 0x9F), (0xAD, 0xAD), (0x600, 0x605), (0x61C, 0x61C),
-    (0x6DD, 0x6DD), (0x70F, 0x70F), (0x890, 0x891), (0x8E2, 0x8E2), (0x180E, 0x180E),
-    (0x200B, 0x200F), (0x2028, 0x202E), (0x2060, 0x2064), (0x2066, 0x206F), (0xD800, 0xDFFF),
-    (0xFEFF, 0xFEFF), (0xFFF9, 0xFFFB), (0x110BD, 0x110BD), (0x110CD, 0x110CD),
-    (0x13430, 0x13438), (0x1BCA0, 0x1BCA3), (0x1D173, 0x1D17A), (0xE0001, 0xE0001),
-    (0xE0020, 0xE007F),
+    (0x0, 0x8), (0xB, 0x1F), (0x7F, 0x9F), (0xAD, 0xAD), (0x34F, 0x34F), (0x600, 0x605),
+    (0x61C, 0x61C), (0x6DD, 0x6DD), (0x70F, 0x70F), (0x890, 0x891), (0x8E2, 0x8E2),
+    (0x115F, 0x1160), (0x17B4, 0x17B5), (0x180B, 0x180F), (0x200B, 0x200F), (0x2028, 0x202E),
+    (0x2060, 0x206F), (0x3164, 0x3164), (0xD800, 0xDFFF), (0xFE00, 0xFE0F), (0xFEFF, 0xFEFF),
+    (0xFFA0, 0xFFA0), (0xFFF0, 0xFFFB), (0x110BD, 0x110BD), (0x110CD, 0x110CD),
+    (0x13430, 0x13438), (0x1BCA0, 0x1BCA3), (0x1D173, 0x1D17A), (0xE0000, 0xE0FFF),
 )
 _strip_re: re.Pattern[str] | None = None
 
 
 def _strip_ranges() -> list[tuple[int, int]]:
-    """The code points of categories ``_STRIP_CATEGORIES`` but tab and newline, as sorted
-    inclusive ranges, from this Python's ``unicodedata`` (every code point: ~0.4 s)."""
+    """The code points of categories ``_STRIP_CATEGORIES`` but tab and newline, and those of
+    ``_IGNORABLE_RANGES``, as sorted inclusive ranges, from this Python's ``unicodedata``
+    (every code point: ~0.4 s)."""
+    ignorable: set[int] = set()
+    for a, b in _IGNORABLE_RANGES:
+        ignorable.update(range(a, b + 1))
     out: list[tuple[int, int]] = []
     for c in range(sys.maxunicode + 1):
-        if c not in (9, 10) and unicodedata.category(chr(c)) in _STRIP_CATEGORIES:
+        if c not in (9, 10) and (c in ignorable or unicodedata.category(chr(c)) in _STRIP_CATEGORIES):
             if out and out[-1][1] == c - 1:
                 out[-1] = (out[-1][0], c)
             else:
@@ -290,7 +309,9 @@ def _stripper() -> re.Pattern[str]:
 def prompt_text(text: str) -> str:
     """``text`` as the prompt block renders it: control characters (Cc, except tab and
     newline), Unicode format characters (Cf: zero-width, bidi controls, BOM, tag characters,
-    ...), line / paragraph separators and lone surrogates removed; ``\\r\\n`` becomes
+    ...), every other default-ignorable code point (``_IGNORABLE_RANGES``: variation
+    selectors, the combining grapheme joiner, Hangul fillers, ...), line / paragraph
+    separators and lone surrogates removed; ``\\r\\n`` becomes
     ``\\n`` (a lone ``\\r`` is removed like any control character).
 
     The one normalisation of the prompt block (``memfuse.server.context``) and of the secret
