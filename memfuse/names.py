@@ -123,16 +123,25 @@ def check_dir_name(parent: str, name: str) -> str:
     return name
 
 
-#: characters TR39's skeleton drops (Default_Ignorable_Code_Point, UCD
-#: DerivedCoreProperties.txt) that the category rule (:data:`FORBIDDEN_CATEGORIES`) lets
-#: through since they are not format characters: the combining grapheme joiner U+034F, the
-#: Hangul fillers U+115F, U+1160, U+3164, U+FFA0, the Khmer inherent vowels U+17B4–U+17B5,
-#: the Mongolian variation selectors U+180B–U+180D, U+180F, the variation selectors
-#: U+FE00–U+FE0F and U+E0100–U+E01EF, the unassigned U+2065 and U+FFF0–U+FFF8; and
-#: U+2800 BRAILLE PATTERN BLANK, which renders as a space. Drawn as nothing (or a blank),
-#: they would hide in a name that looks like the index.
-_INVISIBLE_RE = re.compile("[\u034f\u115f\u1160\u17b4\u17b5\u180b-\u180d\u180f\u2065\u2800\u3164"
-                           "\ufe00-\ufe0f\uffa0\ufff0-\ufff8\U000e0100-\U000e01ef]")
+#: Unicode's Default_Ignorable_Code_Point ranges (DerivedCoreProperties.txt, unchanged from
+#: Unicode 14.0 to 16.0; UAX #44): code points a renderer shows as nothing. Beyond the Cf
+#: characters (refused in names: :data:`FORBIDDEN_CATEGORIES`) they hold the combining
+#: grapheme joiner (U+034F), the variation selectors (U+FE00-FE0F, U+E0100-E01EF: "smuggled"
+#: invisible text), the Mongolian free variation selectors, the Khmer inherent vowels, the
+#: Hangul fillers (U+115F, U+1160, U+3164, U+FFA0) and reserved ones. ``unicodedata`` does
+#: not carry the property. Used by the prompt block (``content.prompt_text``) and by
+#: :func:`index_fold` (TR39's skeleton drops them).
+DEFAULT_IGNORABLE_RANGES: tuple[tuple[int, int], ...] = (
+    (0xAD, 0xAD), (0x34F, 0x34F), (0x61C, 0x61C), (0x115F, 0x1160), (0x17B4, 0x17B5),
+    (0x180B, 0x180F), (0x200B, 0x200F), (0x202A, 0x202E), (0x2060, 0x206F), (0x3164, 0x3164),
+    (0xFE00, 0xFE0F), (0xFEFF, 0xFEFF), (0xFFA0, 0xFFA0), (0xFFF0, 0xFFF8),
+    (0x1BCA0, 0x1BCA3), (0x1D173, 0x1D17A), (0xE0000, 0xE0FFF),
+)
+
+#: what :func:`index_fold` drops: the default-ignorable code points, and U+2800 BRAILLE
+#: PATTERN BLANK, which renders as a space (a name that looks like the index could hide them)
+_INVISIBLE_RE = re.compile("[" + "".join(f"\\U{a:08x}-\\U{b:08x}" for a, b in DEFAULT_IGNORABLE_RANGES)
+                           + "\\u2800]")
 
 #: Letters of other scripts drawn like the letters of ``memory.md`` (upper or lower case), each
 #: mapped to that letter: the entries of Unicode TR39's confusables data (confusables.txt,
@@ -162,7 +171,7 @@ def index_fold(name: str) -> str:
     """The form in which two names that a reader would take for one another (in ``ls``, the
     console, a prompt) are equal, for the index's letters: NFKC (compatibility forms:
     fullwidth, mathematical, ligatures, no-break spaces), the invisible characters
-    (:data:`_INVISIBLE_RE`) dropped, the other scripts' look-alikes of ``memory.md``'s
+    (:data:`DEFAULT_IGNORABLE_RANGES`, U+2800) dropped, the other scripts' look-alikes of ``memory.md``'s
     letters mapped to them (:data:`_INDEX_LOOKALIKES`), case folded (``str.casefold``: a
     case-insensitive disk — macOS, Windows — or a reader takes ``memory.md`` for
     ``MEMORY.md``), ``rn`` read as ``m``, whitespace at either end and dots at the end removed
