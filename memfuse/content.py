@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from memfuse.defs import RECORD_TYPES
-from memfuse.names import INDEX_NAME
+from memfuse.names import DEFAULT_IGNORABLE_RANGES, INDEX_NAME
 
 __all__ = [
     "RECORD_TYPES",
@@ -246,19 +246,10 @@ _SUSPECT_RE = re.compile(r"[^\t\n\x20-\x7e]")
 _PLAIN_BYTES = bytes([9, 10, *range(0x20, 0x7F)])  # the ASCII characters _SUSPECT_RE does not match
 _STRIP_CATEGORIES = frozenset(("Cc", "Cf", "Zl", "Zp", "Cs"))
 
-#: Unicode's Default_Ignorable_Code_Point ranges (DerivedCoreProperties.txt, unchanged from
-#: Unicode 14.0 to 16.0; UAX #44): code points a renderer shows as nothing. Beyond the Cf
-#: characters they hold the combining grapheme joiner (U+034F), the variation selectors
-#: (U+FE00-FE0F, U+E0100-E01EF: "smuggled" invisible text), the Mongolian free variation
-#: selectors, the Khmer inherent vowels, the Hangul fillers (U+115F, U+1160, U+3164, U+FFA0)
-#: and reserved ones. A token split by one of them reads, and copies, as the token (attack 15
-#: F2), so ``prompt_text`` removes them too. ``unicodedata`` does not carry the property.
-_IGNORABLE_RANGES: tuple[tuple[int, int], ...] = (
-    (0xAD, 0xAD), (0x34F, 0x34F), (0x61C, 0x61C), (0x115F, 0x1160), (0x17B4, 0x17B5),
-    (0x180B, 0x180F), (0x200B, 0x200F), (0x202A, 0x202E), (0x2060, 0x206F), (0x3164, 0x3164),
-    (0xFE00, 0xFE0F), (0xFEFF, 0xFEFF), (0xFFA0, 0xFFA0), (0xFFF0, 0xFFF8),
-    (0x1BCA0, 0x1BCA3), (0x1D173, 0x1D17A), (0xE0000, 0xE0FFF),
-)
+#: Unicode's Default_Ignorable_Code_Point ranges (``memfuse.names.DEFAULT_IGNORABLE_RANGES``:
+#: code points a renderer shows as nothing). A token split by one of them reads, and copies,
+#: as the token (attack 15 F2), so ``prompt_text`` removes them too.
+_IGNORABLE_RANGES = DEFAULT_IGNORABLE_RANGES
 
 
 #: the code points ``prompt_text`` removes (categories ``_STRIP_CATEGORIES`` but tab and

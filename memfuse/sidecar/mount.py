@@ -46,6 +46,7 @@ from .identity import RecordIds
 from .journal import PUT, Entry, Journal
 from .config import MountConfig as MountConfig  # re-exported: callers import it from here
 from .stores import StoreSync
+from .interrupts import Interrupts
 from .invalidator import Invalidator
 from .sync import Meta, StoreState
 
@@ -375,11 +376,15 @@ class Sidecar(StoreSync):
             settings.gid = config.gid
         self.journal_recovered, self.journal_lost = self._recover_journal(blobs, ids)
         self.invalidator = invalidator if invalidator is not None else Invalidator()
+        #: a close or fsync waiting for the control plane ends (EINTR) when its process gets
+        #: a stop signal (interrupts.py: pyfuse3 does not pass FUSE_INTERRUPT on)
+        self.interrupts = Interrupts()
         self.fs = Filesystem(blobs, client, self.journal, settings, config.workspace,
                              dirs_file=config.cache_dir / "dirs.json",
                              rejected=self.journal.load_rejected(),
                              local=self.journal.load_local(), ids=ids, listener=self,
-                             metrics=self.metrics, mount_root=str(config.mountpoint))
+                             metrics=self.metrics, mount_root=str(config.mountpoint),
+                             interrupts=self.interrupts)
         self.committer = self.fs.committer
         for x in self.journal_lost:  # named in errors.log (the log and status.json: above, below)
             self.fs.note_error(None, (x.get("a") or {}).get("path", ""), errno.EIO,
@@ -825,6 +830,7 @@ class Sidecar(StoreSync):
                 mounted = True
                 self.invalidator.active = True
                 self._spawn("invalidator", self.invalidator.run)
+                self._spawn("interrupts", self.interrupts.run)
                 self._mounted = True
                 for slug in self.fs.stores:
                     self._start_feed(slug)
