@@ -12,8 +12,9 @@ the control plane answers ``412`` (the record changed elsewhere meanwhile):
 - any other change becomes a **three-way line merge** of base, current and local content
   (``merge_lines``) when the two changes touch disjoint lines (or both only add lines at
   the end: kept as two appends, theirs first);
-- else last writer wins: the put is sent unconditionally, marked ``overwrite`` (the control
-  plane records the version it replaced, and the change feed tells that version's writer:
+- else last writer wins: the put is sent unconditionally, marked ``overwrite`` with the
+  version it was made on (the control plane records the version it replaced and the writers
+  of every version after that base, whose changes it drops, and the change feed tells each:
   ``Change.overwrote``, ``stores.StoreSync.told_overwritten``), the other version stays in
   the record's history, and the conflict is reported (``on_conflict``: a line in
   ``errors.log``).
@@ -261,9 +262,11 @@ class ConflictResolver:
                                      "stays in history")
                     log.warning(f"conflict: {what}; last writer wins, the other version stays in history",
                                 extra={"store": e.store, "path": a.get("path"), "record": rid})
+                    # the version it was made on: every writer of a later one is told
+                    # (their changes go too), not only the writer of the version replaced
                     rec = await c.update_record(e.store, rid, text.check(), type=typ,
                                                 idempotency_key=e.key + "-lww", overwrite=True,
-                                                **attrs)
+                                                overwrite_base=sha, **attrs)
             except NotFound:
                 rid = None  # deleted elsewhere: re-create it below
         if rid is None:
