@@ -1,11 +1,13 @@
 """Every author whose edits a last-writer-wins overwrite drops is told (docs/SEMANTICS.md
 "Conflicts"; attack 15 F6), with two real sidecars on one store of a real ``memfuse serve``:
 
-mount A's write merged onto mount B's edit makes a version written by A that holds B's
-line; A's next write, made before that merge came back (on A's own content without B's
-line) and overlapping it (adjacent lines: no clean three-way merge), replaces that version
-by last writer wins. The version replaced is A's, but the edit it drops is B's: B gets the
-``overwritten`` line in its ``errors.log`` (naming its own version), not only A.
+a slow tool on mount A read version 1; mount B's edit (version 2) reaches A; A appends to
+the file (version 3, written by A, holds B's line); then the tool's rename, made on version
+1 and overlapping B's line (adjacent lines: no clean three-way merge), replaces version 3
+by last writer wins. The version replaced is A's own, but the edit it drops is B's: B gets
+the ``overwritten`` line in its ``errors.log`` (naming its version 2), not only A its
+``conflict`` line. On main the feed named only A (the writer of version 3): B was told
+nothing.
 """
 from __future__ import annotations
 
