@@ -254,7 +254,8 @@ class ConflictResolver:
                 else:  # last writer wins, said in errors.log and the log
                     if sha == UNKNOWN_BASE:
                         why = ("a reader of this file was served parts of two versions (its reads "
-                               "straddled a change)")
+                               "straddled a change), so this write may hold lines no one wrote (a "
+                               "line cut or doubled): check it")
                         what = "written on parts of two versions"
                     else:
                         why, what = "the record changed elsewhere", "record changed elsewhere"
