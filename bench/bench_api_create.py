@@ -3,11 +3,15 @@
 time, and the server's CPU per request is read from ``/proc`` (issue 25 item 2, the server half
 of the close path; bench/README.md, "The close path").
 
-Usage: ``python bench/bench_api_create.py [--n 1000] [--rounds 3]``; one JSON line per round:
+Usage: ``python bench/bench_api_create.py [--n 1000] [--rounds 3] [--client httpx|lean]``; one
+JSON line per round:
 requests/s, ms per request (wall), serve's CPU ms per request (all threads; user / system; the
 event-loop thread apart from the others), its context switches per request, the load average.
 Compare branches by running a ``git archive`` copy of the other with ``PYTHONPATH`` in the same
 minutes (wall figures swing with the machine's load; CPU per request holds better).
+
+``--client lean``: the sidecar's own client path (``ApiClient(lean=True)``: a request's head and
+body in one write), not httpx (two writes: the server often reads the head before its body).
 
 ``--profile PREFIX``: cProfile serve's event-loop thread during each round (``bench/sigprof``),
 its stats in ``PREFIX.rN`` (``pstats``; call counts per request are load-independent).
@@ -99,6 +103,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--callgrind", type=Path, default=None, metavar="DIR",
                     help="count serve's instructions per request with callgrind (dumps in DIR)")
+    ap.add_argument("--client", choices=("httpx", "lean"), default="httpx",
+                    help="the client: httpx (head and body in two writes) or the sidecar's lean "
+                         "HTTP/1.1 path (ApiClient(lean=True): one write per request)")
     ap.add_argument("--profile", type=Path, default=None, metavar="PREFIX",
                     help="cProfile serve's event-loop thread during each round (bench/sigprof): "
                          "pstats files PREFIX.rN")
@@ -127,7 +134,7 @@ def main() -> None:
         pid = cp.proc.pid
 
         async def go() -> None:
-            async with ApiClient(cp.url, tok) as c:
+            async with ApiClient(cp.url, tok, lean=args.client == "lean") as c:
                 for i in range(50):  # warm: connection, caches, statements compiled
                     await c.create_record(STORE, f"warm/{i}.md", content(i).decode(),
                                           idempotency_key=str(uuid.uuid4()))
@@ -162,7 +169,7 @@ def main() -> None:
                         ir_loop = round(_callgrind_ir(cg, pid, 1) / n)
                     d = {k: b[k] - a.get(k, 0.0) for k in b}
                     print(json.dumps({
-                        "round": rnd, "req_s": round(n / dt, 1), "ms_per_req": round(dt / n * 1000, 3),
+                        "round": rnd, "client": args.client, "req_s": round(n / dt, 1), "ms_per_req": round(dt / n * 1000, 3),
                         "serve_cpu_ms": round((d["user"] + d["sys"]) / n * 1000, 3),
                         "user_ms": round(d["user"] / n * 1000, 3), "sys_ms": round(d["sys"] / n * 1000, 3),
                         "loop_thread_ms": round(d["main"] / n * 1000, 3),
