@@ -47,6 +47,7 @@ from memfuse.server.gate import BODY, SEND_WITHIN
 from memfuse.server.writepath import ROUTE
 
 MAX_RECV = 65536  # bytes read per receive (hypercorn's ``MAX_RECV``)
+_ROUTES_MAX = 256  # routes kept at most per server (``LeanHTTP._routes``; emptied when full)
 
 
 class Handover(NamedTuple):
@@ -63,12 +64,14 @@ class LeanHTTP:
     """The lean path of one server. ``app``: the ASGI app (called as hypercorn calls it,
     ``app(scope, receive, send)``); ``lean_route(method, path)``: a true value when a request
     is served here (decoded path, as ASGI's ``scope["path"]``), given to the app in the scope
-    as ``ROUTE`` (``memfuse.server.writepath``: its route match); ``keep_alive_timeout`` (s) and
+    as ``ROUTE`` (``memfuse.server.writepath``: its route match; a function of its arguments
+    alone: its answer is kept per target and given to every request for it, read only);
+    ``keep_alive_timeout`` (s) and
     ``keep_alive_max_requests``, ``max_head`` (bytes, h11's ``max_incomplete_event_size``),
     ``response_headers()``: hypercorn's (``Config.response_headers("h11")``),
     ``log_exception(msg)``: hypercorn's error log (``Config.log.exception``),
     ``lifespan_state``: the ASGI lifespan state, copied into each request's scope.
-    Event-loop only."""
+    ``watch`` must run beside ``serve`` (it keeps the header deadlines). Event-loop only."""
 
     def __init__(self, app: Callable[..., Awaitable[None]], lean_route: Callable[[str, str], Any], *,
                  keep_alive_timeout: float, keep_alive_max_requests: int, max_head: int,
@@ -83,6 +86,10 @@ class LeanHTTP:
         self.response_headers = response_headers
         self.log_exception = log_exception
         self.lifespan_state = lifespan_state if lifespan_state is not None else {}
+        # (method, raw target) → (decoded path, ``lean_route``'s answer) of requests seen: a
+        # sidecar writes every create to the same target (``lean_route`` must be a function of
+        # its arguments alone; its match is shared by the requests, read only)
+        self._routes: dict[tuple[str, bytes], tuple[str, Any]] = {}
         self.served = 0  # requests answered here (tests, the benchmark)
         self.handed_over = 0  # connections handed to hypercorn after a lean request
         # INVARIANT: ``waiting`` maps the cancel scope of each connection waiting for a
@@ -206,8 +213,15 @@ class LeanHTTP:
                             self.untimed.discard(waiting)
                         if waiting.cancel_called:
                             break  # read again under a fresh scope (above)
-                    path = unquote(head.path.decode("ascii"))
-                    route = self.lean_route(head.method, path)
+                    key = (head.method, head.path)
+                    seen = self._routes.get(key)
+                    if seen is None:
+                        path = unquote(head.path.decode("ascii"))
+                        seen = (path, self.lean_route(head.method, path))
+                        if len(self._routes) >= _ROUTES_MAX:
+                            self._routes.clear()
+                        self._routes[key] = seen
+                    path, route = seen
                     if not route:
                         return self._handover(buf, closed, requests)
                     requests += 1
