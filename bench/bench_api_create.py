@@ -19,6 +19,9 @@ its stats in ``PREFIX.rN`` (``pstats``; call counts per request are load-indepen
 ``--callgrind DIR``: run ``memfuse serve`` under valgrind's callgrind with instrumentation off
 until a round starts (``callgrind_control -i on``), and report the instructions (Ir, user space,
 all threads, and the event-loop thread's alone) per request of each round: a count that does not depend on the machine's load
+(but for the loop's periodic work, which grows with the round's wall time: ``ir_loop_net_per_req``
+subtracts the loop's instructions per second measured idle right after the round, times the
+round's wall time)
 (valgrind runs one thread at a time, ~50x slower: use ``--n 200``).
 """
 from __future__ import annotations
@@ -161,12 +164,27 @@ def main() -> None:
                                 break
                             await trio.sleep(0.1)
                         stats.rename(f"{args.profile}.r{rnd}")
-                    ir = ir_loop = None
+                    ir = ir_loop = ir_loop_net = None
                     if cg is not None:
                         _callgrind(pid, "-i", "off")
                         _callgrind(pid, "-d")
                         ir = round(_callgrind_ir(cg, pid) / n)
-                        ir_loop = round(_callgrind_ir(cg, pid, 1) / n)
+                        loop_total = _callgrind_ir(cg, pid, 1)
+                        ir_loop = round(loop_total / n)
+                        # the loop's periodic work (timers, sweeps) per second, idle: the same
+                        # work in the round's wall time is not the requests' (under valgrind on
+                        # a loaded machine a round takes minutes)
+                        for f in cg.glob(f"callgrind.out.{pid}*"):
+                            f.unlink()
+                        _callgrind(pid, "-z")
+                        _callgrind(pid, "-i", "on")
+                        t_idle = time.perf_counter()
+                        await trio.sleep(min(dt, 30.0))
+                        _callgrind(pid, "-i", "off")
+                        idle_dt = time.perf_counter() - t_idle
+                        _callgrind(pid, "-d")
+                        idle_rate = _callgrind_ir(cg, pid, 1) / idle_dt
+                        ir_loop_net = round((loop_total - idle_rate * dt) / n)
                     d = {k: b[k] - a.get(k, 0.0) for k in b}
                     print(json.dumps({
                         "round": rnd, "client": args.client, "req_s": round(n / dt, 1), "ms_per_req": round(dt / n * 1000, 3),
@@ -176,7 +194,7 @@ def main() -> None:
                         "loop_sys_ms": round(d["main_sys"] / n * 1000, 3),
                         "other_threads_ms": round((d["user"] + d["sys"] - d["main"]) / n * 1000, 3),
                         "ctx_per_req": round(d["ctx"] / n, 2), "load": loadavg(), "ir_per_req": ir,
-                        "ir_loop_per_req": ir_loop,
+                        "ir_loop_per_req": ir_loop, "ir_loop_net_per_req": ir_loop_net,
                         "threads_ms": {k[7:]: round(v / n * 1000, 3) for k, v in d.items()
                                        if k.startswith("thread:") and v}}), flush=True)
 
