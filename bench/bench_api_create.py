@@ -174,8 +174,10 @@ def main() -> None:
                         # the loop's periodic work (timers, sweeps) per second, idle: the same
                         # work in the round's wall time is not the requests' (under valgrind on
                         # a loaded machine a round takes minutes)
+                        kept = cg / f"round{rnd}"  # the round's dumps, for callgrind_annotate
+                        kept.mkdir(exist_ok=True)
                         for f in cg.glob(f"callgrind.out.{pid}*"):
-                            f.unlink()
+                            f.rename(kept / f.name)
                         _callgrind(pid, "-z")
                         _callgrind(pid, "-i", "on")
                         t_idle = time.perf_counter()
