@@ -488,13 +488,16 @@ class Gate:
         # the HTTP server's own bounded send (extension ``SEND_WITHIN``), for the answers of
         # ``writes``: no scope to enter nor arm (memfuse.server.lean); None under hypercorn
         within: Callable[[Message, float], Awaitable[None]] | None = None
+        # the front door cleared the connection already when it authenticated the request
+        # (``Connections.cleared`` is then a no-op: the connection never counts again)
+        cleared = scope.get("memfuse.principal")
         if lease is None and self.writes is not None:
             within = (scope.get("extensions") or {}).get(SEND_WITHIN)
 
         async def send_bounded(message: Message) -> None:
             if message["type"] == "http.response.start":
                 state["status"] = message["status"]
-                if message["status"] < 400 or scope.get("memfuse.authenticated"):
+                if (message["status"] < 400 or scope.get("memfuse.authenticated")) and cleared is None:
                     # served, or refused to a client the app authenticated (the console checks
                     # its own sessions: a 429 past a token's live pages is not anonymous)
                     self.connections.cleared(scope.get("client"))

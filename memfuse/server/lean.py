@@ -279,6 +279,9 @@ _MAX_LENGTH_DIGITS = 18  # a longer Content-Length (past 2**59): hypercorn's
 _HEAD_LINES: dict[bytes, tuple[bytes, bytes]] = {}
 _HEAD_LINES_MAX = 256  # lines kept at most (emptied when full)
 _PER_REQUEST = frozenset({b"content-length", b"idempotency-key", b"if-match"})
+#: ``Connection`` values read before, each with whether it asks to close (``keep-alive`` in
+#: every request of a client that says so): bounded as ``_HEAD_LINES``
+_CLOSES: dict[bytes, bool] = {}
 
 
 class _Head(NamedTuple):
@@ -329,7 +332,13 @@ def parse_head(buf: bytearray | bytes, max_head: int) -> _Head | None:
                 return None
             length = int(value)
         elif name == b"connection":
-            close = close or any(t.strip().lower() == b"close" for t in value.split(b","))
+            closes = _CLOSES.get(value)
+            if closes is None:
+                closes = any(t.strip().lower() == b"close" for t in value.split(b","))
+                if len(_CLOSES) >= _HEAD_LINES_MAX:
+                    _CLOSES.clear()
+                _CLOSES[value] = closes
+            close = close or closes
         headers.append(pair)
     if hosts != 1 or length is None:
         return None
@@ -387,6 +396,9 @@ class _Exchange:
     body piece (a whole answer of known length: one write). An answer that is not plain
     (no or a wrong ``Content-Length``, a ``Connection`` header, several pieces, 204/304, a
     header h11 refuses) is framed by h11 itself, given the request's method and keep-alive."""
+
+    __slots__ = ("lean", "request", "buf", "sock", "closed", "requests", "remaining", "body_done", "close",
+                 "head", "h11", "status", "done", "broken", "done_event", "send_timeout")
 
     def __init__(self, lean: LeanHTTP, request: _Head, buf: bytearray, sock: socket.socket,
                  closed: bool, requests: int) -> None:
