@@ -289,7 +289,7 @@ def test_canonical_hash_is_jsons_text_for_any_value():
     values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
                           | st.dictionaries(text, inner, max_size=4), max_leaves=20)
 
-    @settings(max_examples=3000, deadline=None)
+    @settings(max_examples=400, deadline=None)  # a few s on a quiet machine, ~30 s at load 14
     @given(values)
     def check(value: Any) -> None:
         assert canonical_sha256(value) == want(value)
