@@ -112,10 +112,17 @@ def main() -> None:
     ap.add_argument("--profile", type=Path, default=None, metavar="PREFIX",
                     help="cProfile serve's event-loop thread during each round (bench/sigprof): "
                          "pstats files PREFIX.rN")
+    ap.add_argument("--steady", action="store_true",
+                    help="serve reads token revocations every 600 s, not every second (bench/sigprof/"
+                         "sitecustomize.py): instruction counts per request free of the worker-thread "
+                         "hops a slow (valgrind) request makes for them")
     args = ap.parse_args()
-    if args.profile is not None:  # memfuse serve inherits these (bench/sigprof/sitecustomize.py)
-        args.profile.parent.mkdir(parents=True, exist_ok=True)
-        os.environ["MEMFUSE_SIGPROF"] = str(args.profile)
+    if args.steady:
+        os.environ["MEMFUSE_BENCH_REVOCATION_S"] = "600"
+    if args.profile is not None or args.steady:  # memfuse serve inherits these (bench/sigprof/sitecustomize.py)
+        if args.profile is not None:
+            args.profile.parent.mkdir(parents=True, exist_ok=True)
+            os.environ["MEMFUSE_SIGPROF"] = str(args.profile)
         os.environ["PYTHONPATH"] = os.pathsep.join(
             [str(Path(__file__).resolve().parent / "sigprof"), *filter(None, [os.environ.get("PYTHONPATH")])])
     n = args.n
@@ -189,7 +196,7 @@ def main() -> None:
                         ir_loop_net = round((loop_total - idle_rate * dt) / n)
                     d = {k: b[k] - a.get(k, 0.0) for k in b}
                     print(json.dumps({
-                        "round": rnd, "client": args.client, "req_s": round(n / dt, 1), "ms_per_req": round(dt / n * 1000, 3),
+                        "round": rnd, "client": args.client, "steady": args.steady, "req_s": round(n / dt, 1), "ms_per_req": round(dt / n * 1000, 3),
                         "serve_cpu_ms": round((d["user"] + d["sys"]) / n * 1000, 3),
                         "user_ms": round(d["user"] / n * 1000, 3), "sys_ms": round(d["sys"] / n * 1000, 3),
                         "loop_thread_ms": round(d["main"] / n * 1000, 3),
