@@ -470,3 +470,171 @@ async def test_a_withdrawn_write_whose_earlier_content_is_gone_never_sends_it(tm
         assert rec.content == "whole\n"
         nursery.cancel_scope.cancel()
     await client.aclose()
+
+
+def queue_writes(rig: Rig, sc, first: int, count: int) -> list[dict]:
+    """With the control plane stopped, write ``count`` files (accepted: queued in the
+    outbox journal), then stop the sidecar (its drain gives up: they stay in the journal)
+    and start the control plane again. The writer's outcomes."""
+    rig.cp.stop()
+    out = write_files(sc.mountpoint / "default", first, count, 16 * 1024)
+    assert {r["close"] for r in out} == {None}, out  # accepted (the disk has room yet)
+    assert sc.stop() == 0
+    rig.cp.start()
+    return out
+
+
+def no_journal_moved_aside(cache: Path) -> None:
+    assert not [p.name for p in cache.iterdir() if ".corrupt-" in p.name], sorted(os.listdir(cache))
+
+
+@pytest.mark.timeout(300)
+def test_a_sidecar_starts_on_a_full_cache_disk_and_sends_its_queued_writes(tmp_path, small_cache):
+    """attack 14 F3: a sidecar stopped with writes in its outbox journal, its cache disk
+    then filled by another program (100 %): the next start moved the journal aside as
+    "unreadable" (SQLite's I/O error of a ``-shm`` that cannot grow) and exited with a bare
+    ``OperationalError``. A full disk is not a damaged journal: the start makes room from
+    what the sidecar owns and can drop (its disk reserve first), mounts, and the queued
+    writes reach the control plane (docs/SEMANTICS.md, "The sidecar's own disk")."""
+    with Rig(tmp_path) as rig:
+        cp = rig.cp
+        sc = rig.sidecar("ws", "--commit-wait", "3", "--drain-timeout", "2", cache_dir=small_cache)
+        assert write_files(sc.mountpoint / "default", 0, 3, 16 * 1024)[0]["close"] is None
+        queued = queue_writes(rig, sc, 10, 5)
+        fill_disk(small_cache, 0, "other-program.bin")
+        assert free_bytes(small_cache) == 0
+        sc.start()
+        want = [0, 1, 2] + [r["i"] for r in queued]
+
+        def all_there() -> bool:
+            recs = live_records(cp)
+            return all(f"f{i:03d}.md" in recs for i in want)
+        wait_until(all_there, 60, "every queued write on the control plane")
+        recs = live_records(cp)
+        for i in want:
+            assert recs[f"f{i:03d}.md"].content == content(i)[:16 * 1024], i
+        no_journal_moved_aside(small_cache)
+        assert sc.stop() == 0
+    assert unexpected_log_lines(sc.log) == []
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.expect_sidecar_errors  # the refused start's one line; checked below
+def test_a_cache_disk_with_no_room_to_make_fails_the_start_with_a_sentence(tmp_path, small_cache):
+    """attack 14 F3: a full cache disk where the sidecar has nothing left to give (its reserve
+    spent, no blob cache): the start fails (exit 1) with one sentence naming the cache
+    directory, that its disk is full and what to do, never a raw SQLite error; the journal
+    is kept as it is (not moved aside), and once space is freed the next start sends what
+    it holds."""
+    with Rig(tmp_path) as rig:
+        cp = rig.cp
+        sc = rig.sidecar("ws", "--commit-wait", "3", "--drain-timeout", "2", cache_dir=small_cache)
+        queued = queue_writes(rig, sc, 0, 4)
+        journal = (small_cache / "outbox.db").read_bytes()
+        for name in ("blobs.db", "blobs.db-wal", "blobs.db-shm"):
+            (small_cache / name).unlink(missing_ok=True)
+        os.truncate(small_cache / "reserve", 0)  # spent, as after a full disk
+        ballast = fill_disk(small_cache, 0, "other-program.bin")
+        assert free_bytes(small_cache) == 0
+        sc.launch()
+        assert sc.proc.wait(60) == 1
+        text = sc.log.read_text()
+        assert "OperationalError" not in text and "Traceback" not in text, text[-3000:]
+        line = [json.loads(x) for x in text.splitlines() if x.startswith("{")][-1]
+        assert line["level"] == "error", line
+        assert str(small_cache) in line["msg"] and "full" in line["msg"], line
+        assert "free" in line["msg"], line  # what to do
+        assert unexpected_log_lines(sc.log) == [x for x in text.splitlines() if x.startswith("{")][-1:]
+        offset = sc.log.stat().st_size
+        assert (small_cache / "outbox.db").read_bytes() == journal  # kept as it was
+        no_journal_moved_aside(small_cache)
+
+        ballast.unlink()
+        sc.start()
+        wait_until(lambda: all(f"f{r['i']:03d}.md" in live_records(cp) for r in queued), 60,
+                   "the queued writes on the control plane")
+        no_journal_moved_aside(small_cache)
+        assert sc.stop() == 0
+    assert unexpected_log_lines(sc.log, offset) == []
+
+
+@pytest.mark.timeout(300)
+def test_stores_that_do_not_fit_the_cache_disk_say_so_while_the_start_waits(tmp_path, small_cache):
+    """attack 14 (the silent start): a new sidecar whose store holds more content than its
+    cache disk can take logged "cache disk refused a write while loading default; retrying"
+    every few seconds and nothing else. While it waits, ``/readyz`` and the status say why
+    (the cache disk, the bytes the store needs, the bytes free) and the log line says the
+    sizes too (docs/DEPLOY.md, "When things go wrong")."""
+    import httpx
+
+    with Rig(tmp_path) as rig:
+        token = rig.workspace("ws")
+        for i in range(12):  # ~11 MB (12 contents of ~0.9 MB): more than the 8 MiB cache disk
+            big = "".join(f"record {i} line {k}\n" for k in range(45000))
+            rig.cp.call("create_record", "default", f"big{i:02d}.md", big)
+        sc = rig.sidecar("ws", cache_dir=small_cache, token=token, start=False)
+        sc.launch()
+        sock = small_cache / "admin.sock"
+        wait_until(lambda: sock.exists(), 60, "the admin socket")
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://sidecar",
+                          timeout=10) as c:
+            def said() -> bool:
+                r = c.get("/readyz")
+                return r.status_code == 503 and "cache disk" in r.text
+            wait_until(said, 90, "/readyz saying the cache disk is too small")
+            reason = c.get("/readyz").json()["detail"]
+            assert str(small_cache) in reason and "bytes are free" in reason, reason
+            st = c.get("/v1/status").json()
+            assert st["ready"] is False and "cache disk" in (st["cache"]["load_error"] or ""), st["cache"]
+        assert sc.proc.poll() is None  # still trying: space may come
+        lines = [json.loads(x) for x in sc.log.read_text().splitlines() if x.startswith("{")]
+        full = [x for x in lines if "loading default" in x["msg"] and "cache disk" in x["msg"]]
+        assert full and "needed_bytes" in full[-1] and "free_bytes" in full[-1], full[-1:]
+        assert full[-1]["needed_bytes"] > 8 << 20
+        assert sc.stop() == 0
+
+
+def test_space_freed_on_a_full_cache_disk_is_not_taken_by_the_blob_cache_log(small_cache):
+    """attack 14 F1: on a full cache disk the blob cache's checkpoint (the collection's, the
+    one after a failed write, the one behind the writes) copied its write-ahead log into a
+    database file that grew into whatever was freed, and failed again: the space an operator
+    freed went to the cache, and the outbox journal stayed refused. A checkpoint that must
+    copy pages now waits until the disk has room for them; one that only truncates the log
+    still runs, giving its space back (docs/SEMANTICS.md, "The sidecar's own disk")."""
+    from memfuse.sidecar.blobcache import BlobCache
+
+    blobs = BlobCache(small_cache / "blobs.db")
+    try:
+        for i in range(16):  # ~2.5 MB in the log, not copied yet (behind: from 4 MiB)
+            blobs.put(bytes([65 + i]) * (160 * 1024))
+        assert os.stat(small_cache / "blobs.db-wal").st_size > 2 << 20
+        db_size = os.stat(small_cache / "blobs.db").st_size
+        ballast = fill_disk(small_cache, 0)
+        assert free_bytes(small_cache) == 0
+        with open(ballast, "r+b") as f:  # the operator frees 512 KiB
+            f.truncate(os.stat(ballast).st_size - (512 << 10))
+        freed = free_bytes(small_cache)
+        assert freed >= 512 << 10
+        blobs.checkpoint()
+        assert free_bytes(small_cache) >= freed - (64 << 10), "the log's checkpoint took the space"
+        assert os.stat(small_cache / "blobs.db").st_size == db_size
+        assert len(blobs.read(sha256_of(bytes([65]) * (160 * 1024)))) == 160 * 1024  # all held
+
+        ballast.unlink()  # room: the log is copied and truncated
+        blobs.checkpoint()
+        assert os.stat(small_cache / "blobs.db-wal").st_size == 0
+        blobs.put(b"one more" * 1000)  # a log again, all of it copied by a checkpoint that
+        _, frames, copied = blobs._db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        wal = os.stat(small_cache / "blobs.db-wal").st_blocks * 512  # left it in place
+        assert wal > 0 and frames == copied
+        fill_disk(small_cache, 0, "ballast2")
+        before = free_bytes(small_cache)
+        blobs.checkpoint()  # a full disk: only a truncation, which gives the log back
+        assert free_bytes(small_cache) >= before + wal - 4096
+    finally:
+        blobs.close()
+
+
+def sha256_of(data: bytes) -> str:
+    import hashlib
+    return hashlib.sha256(data).hexdigest()

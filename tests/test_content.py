@@ -451,14 +451,19 @@ def test_prompt_text_removes_exactly_the_control_and_format_characters_in_one_pa
         assert list(content._STRIP_RANGES) == content._strip_ranges()
     cats = content._STRIP_CATEGORIES
 
+    def ignorable(ch: str) -> bool:
+        return any(a <= ord(ch) <= b for a, b in content._IGNORABLE_RANGES)
+
     def by_character(text: str) -> str:
         text = text.replace("\r\n", "\n")
-        return "".join(ch for ch in text if ch in "\t\n" or unicodedata.category(ch) not in cats)
+        return "".join(ch for ch in text
+                       if ch in "\t\n" or (unicodedata.category(ch) not in cats and not ignorable(ch)))
 
     rnd = random.Random(12)
     for _ in range(2000):
         text = "".join(chr(rnd.choice([rnd.randint(0, 0x80), rnd.randint(0, 0x3000), rnd.randint(0, sys.maxunicode),
-                                       rnd.choice([0x200B, 0x2028, 0x2029, 0xD800, 0xE0041, 0xFEFF, 0x85, 13, 10, 9])]))
+                                       rnd.choice([0x200B, 0x2028, 0x2029, 0xD800, 0xE0041, 0xFEFF, 0x85, 13, 10, 9,
+                                   0x34F, 0xFE0F, 0x3164, 0xFFA0, 0x115F, 0xE0100, 0x17B4, 0x180B])]))
                        for _ in range(rnd.randint(0, 40)))
         assert content.prompt_text(text) == by_character(text), ascii(text)
 

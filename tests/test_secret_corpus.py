@@ -161,6 +161,26 @@ def test_a_format_character_inside_any_secret_does_not_hide_it(index: int):
         assert found is not None and found.startswith(kind), (kind, hex(ord(cf)), found)
 
 
+#: default-ignorable code points that are not Cf (attack 15 F2): the combining grapheme
+#: joiner, variation selectors (U+FE0F, U+FE00, a supplementary one), the Mongolian free
+#: variation selector, the Khmer inherent vowel, the Hangul fillers: invisible, so a token
+#: split by them reads and copies as the token
+IGNORABLE = ["\u034f", "\ufe0f", "\ufe00", "\U000e0100", "\u180b", "\u17b4", "\u3164", "\uffa0",
+             "\u115f", "\u1160"]
+
+
+@pytest.mark.parametrize("mark", IGNORABLE, ids=[f"U+{ord(c):04X}" for c in IGNORABLE])
+def test_an_invisible_mark_that_is_not_a_format_character_does_not_hide_a_secret(mark: str):
+    """Each sample with ``mark`` inserted at three places of its secret part is still found,
+    and the prompt block's text drops the mark (fails before attack 15 F2's fix)."""
+    for kind, text in _samples():
+        n = len(text)
+        hidden = text[:n - 12] + mark + text[n - 12:n - 7] + mark + text[n - 7:n - 3] + mark + text[n - 3:]
+        found = find_secret(hidden)
+        assert found is not None and found.startswith(kind), (kind, found)
+        assert mark not in prompt_text(hidden)
+
+
 def test_full_width_letters_do_not_hide_a_secret():
     for kind, text in _samples():
         wide = "".join(chr(ord(ch) + 0xFEE0) if "!" <= ch <= "~" else ch for ch in text)

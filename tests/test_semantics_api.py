@@ -342,12 +342,15 @@ async def test_context_strips_control_and_format_characters(env: Env):
         "- zero\u200bwidth bidi\u202eevil\u202c bom\ufeff soft\u00adhyphen\n"
         "- tags \U000e0049\U000e0067\U000e006e\U000e006f\U000e0072\U000e0065 end\u2028sep\n"
         "- crlf\r\n- tab\tkept, ünïcode and emoji 🙂 kept\n"
+        "- cgj\u034fjoin vs\ufe0fsel\U000e0100x filler\u3164y\uffa0z\n"
     )
     await env.create("MEMORY.md", nasty)
     await env.admin.patch("/v1/stores/default", json={"description": "notes\u202e\x1b]0;x\x07"})
     text = await env.context()
-    for ch in ["\x1b", "\x07", "\r", "\u200b", "\u202e", "\u202c", "\ufeff", "\u00ad", "\u2028", "\U000e0049"]:
+    for ch in ["\x1b", "\x07", "\r", "\u200b", "\u202e", "\u202c", "\ufeff", "\u00ad", "\u2028", "\U000e0049",
+               "\u034f", "\ufe0f", "\U000e0100", "\u3164", "\uffa0"]:
         assert ch not in text, repr(ch)
+    assert "- cgjjoin vsselx filleryz" in text
     assert "- crlf\n- tab\tkept, ünïcode and emoji 🙂 kept" in text
     assert "zerowidth bidievil" in text
 

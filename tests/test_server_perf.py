@@ -421,10 +421,10 @@ async def test_idle_long_polls_make_no_database_queries(env):
             n.start_soon(events)
 
     await both()  # may read once
-    before = counter._value.get()
+    before = counter.value()
     for _ in range(3):
         await both()
-    assert counter._value.get() == before
+    assert counter.value() == before
     # and a write still wakes them
     result = {}
 
@@ -679,3 +679,60 @@ async def test_prefix_move_past_the_bound_is_refused(env, monkeypatch):
     assert sorted(x["path"] for x in r.json()["records"]) == ["m/0.md", "m/1.md", "m/2.md"]
     r = await me.post("/v1/stores/default/move", json={"from_prefix": "m/0.md", "to_prefix": "k"})
     assert r.status_code == 200 and r.json() == {"records": []}
+
+
+async def test_a_feed_read_costs_one_statement_per_step_and_pages_as_changes_page(env):
+    """A change-feed read (``Service.feed_read``: what each create costs once for the other
+    sidecars' streams and long-polls that wait on its store, whatever their number) runs one
+    statement per step: BEGIN (SQLite), both heads in one, the sizes, the rows
+    (bench/README.md, "The close path, session 15: the echo"; main ran the heads apart). Its
+    pages are the ones ``changes_page`` answers: creates, an append version made whole, a
+    move, a delete, ``skip_actor``, a limit, with and without content."""
+    app, admin, me, peer = env
+    svc = app.state.service
+    counter = app.state.metrics.db_statements
+    p = Principal(workspace="ws", instance="me")
+    key = svc.check_feed_access(p, "default")
+    start = svc.feed_read(key, 0, with_content=False).store_top
+    a = await _create(peer, "a.md", "one\n")
+    r = await peer.post(f"/v1/stores/default/records/{a['id']}/append", json={"append": "two\n"},
+                        headers={"If-Match": a["sha256"]})
+    assert r.status_code == 200, r.text
+    await _create(me, "mine.md")
+    r = await peer.post(f"/v1/stores/default/records/{a['id']}/move", json={"path": "b.md"})
+    assert r.status_code == 200, r.text
+    b = await _create(peer, "gone.md")
+    assert (await peer.delete(f"/v1/stores/default/records/{b['id']}")).status_code == 204
+    prev = svc.feed_read(key, start, with_content=False).store_top
+    top = (await _create(peer, "last.md"))["seq"]
+    before = counter.value()
+    fr = svc.feed_read(key, prev)  # the one create, as a stream woken by it reads it
+    assert [c.record.path for c in fr.changes] == ["last.md"]
+    steps = 4 if svc.db.is_sqlite else 3  # BEGIN is sent by the driver itself on PostgreSQL
+    assert counter.value() - before == steps
+    for content in (True, False):
+        for skip in (None, ME):
+            for limit in (1, 2, 100):
+                got = {}
+                for way in ("changes_page", "feed_read"):
+                    after, changes = start, []
+                    while True:
+                        if way == "changes_page":
+                            page = svc.changes_page(p, "default", after, limit=limit, with_content=content,
+                                                    skip_actor=skip)
+                        else:
+                            page, _ = svc.feed_read(key, after, limit=limit, with_content=content).page(skip)
+                            if skip is None:  # unfiltered, the shared page is changes_page's
+                                assert page.model_dump() == svc.changes_page(
+                                    p, "default", after, limit=limit, with_content=content).model_dump()
+                        if not page.changes and page.seq == after:
+                            break
+                        changes += page.changes
+                        after = page.seq
+                    got[way] = ([c.model_dump() for c in changes], after)
+                    assert [c.record.path for c in changes] == (
+                        ["a.md", "a.md"] + ([] if skip else ["mine.md"]) + ["b.md", "gone.md", "gone.md", "last.md"])
+                    if content:
+                        assert changes[1].record.content == "one\ntwo\n"  # the append made whole
+                    assert changes[-2].record.deleted and after == top
+                assert got["changes_page"] == got["feed_read"]

@@ -104,6 +104,14 @@ def test_a_secret_hidden_by_a_format_character_is_refused():
     assert r is not None and r.errno == errno.EPERM
 
 
+def test_a_secret_hidden_by_a_variation_selector_or_a_hangul_filler_is_refused():
+    """Attack 15 F2: ``ghp_69`` + U+034F + ... + U+3164 + ... closed with 0 on the mount."""
+    for mark in ("\u034f", "\ufe0f", "\u3164", "\U000e0100"):
+        f = File()
+        r = f.write(GH[:6] + mark + GH[6:20] + mark + GH[20:])
+        assert r is not None and r.errno == errno.EPERM, ascii(mark)
+
+
 def test_a_file_holding_a_secret_already_is_judged_at_close_not_at_each_write():
     f = File(("key " + GH + "\n").encode(), trusted=False)
     assert f.write(b"a clean line\n") is None

@@ -14,10 +14,30 @@ Two kinds (``MEMFUSE_SIGPROF_MODE``):
   Python stack at its next bytecode boundary (so time in a C call or a syscall counts for the
   Python line that made it; time blocked in ``epoll`` is not CPU and is never sampled). Output:
   collapsed stacks (``frame;frame;... count`` per line, flamegraph.pl's input), root first.
+
+With ``MEMFUSE_THREAD_NAMES=1`` every Python thread of any process started with this directory
+on ``PYTHONPATH`` also gets its Python name as its OS name (``prctl(PR_SET_NAME)``, the first
+15 bytes), so ``/proc/PID/task/*/comm`` tells the threads apart (``bench/prof_echo.py``).
 """
 import os
 import signal
 import sys
+
+if os.environ.get("MEMFUSE_THREAD_NAMES") == "1":
+    import ctypes
+    import threading
+
+    _libc = ctypes.CDLL(None, use_errno=True)
+    _inner = threading.Thread._bootstrap_inner  # type: ignore[attr-defined]
+
+    def _named(self: threading.Thread) -> None:
+        try:
+            _libc.prctl(15, self.name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+        except Exception:
+            pass
+        _inner(self)
+
+    threading.Thread._bootstrap_inner = _named  # type: ignore[attr-defined]
 
 if os.environ.get("MEMFUSE_SIGPROF") and ("mount" in sys.argv or "serve" in sys.argv
                                           or any(a.endswith("barefs.py") for a in sys.argv)):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Literal, Unpack, cast
 
-from sqlalchemy import ColumnElement, Connection, Select, func, null, select
+from sqlalchemy import ColumnElement, Connection, Select, bindparam, func, null, select
 
 from memfuse.defs import FEED_PAGE_MAX, INT64_MAX, json_rows_within, page_rows_within
 from memfuse.models import (DEFAULT_MODE, Access, Change, ChangePage, EventPage, Operation, Overwritten, Record,
@@ -22,6 +22,7 @@ from memfuse.models import (DEFAULT_MODE, Access, Change, ChangePage, EventPage,
 from memfuse.server import deltas, keys, wakeups
 from memfuse.server.base import _R, _V, AnyRow, Parts, Principal, Resource, ServiceError
 from memfuse.server.db import EventRow
+from memfuse.server.rawsql import Raw
 
 MAX_WAIT_SECONDS = 60.0  # the longest a long-poll may ask to wait
 _EventKind = Literal["attached", "detached", "store_changed"]  # WorkspaceEvent.kind: what EventRow.kind holds
@@ -42,26 +43,52 @@ def _feed_select(with_content: bool) -> Select[Unpack[tuple[Any, ...]]]:
     ).join(_R, _R.c.id == _V.c.record_id)
 
 
+def _feed_where(skip: bool) -> list[ColumnElement[bool]]:
+    """The versions of a feed page: of store ``:store`` with ``:after`` < seq <= ``:top``
+    and, when ``skip``, not written by ``:actor``."""
+    conds = [_V.c.store == bindparam("store"), _V.c.seq > bindparam("after"), _V.c.seq <= bindparam("top")]
+    if skip:
+        conds.append(_V.c.actor != bindparam("actor"))
+    return conds
+
+
+# The feed's statements, run on the DB-API cursor (memfuse.server.rawsql: a feed read is made
+# for every create that another sidecar's stream or long-poll waits on; through Core its five
+# statements cost more CPU than the create itself, bench/README.md "The close path, session
+# 15: the echo"). Keyed by whether the actor ``:actor`` is left out (and, for rows, whether
+# content is read); ``:lim`` bounds the rows.
+_TOPS = Raw(select(select(func.max(_V.c.seq)).scalar_subquery().label("top"),
+                   select(func.max(_V.c.seq)).where(_V.c.store == bindparam("store"))
+                   .scalar_subquery().label("store_top")))
+_SIZES = {skip: Raw(select(_V.c.seq, _V.c.size).where(*_feed_where(skip)).order_by(_V.c.seq)
+                    .limit(bindparam("lim"))) for skip in (False, True)}
+_ROWS = {(skip, content): Raw(_feed_select(content).where(*_feed_where(skip)).order_by(_V.c.seq)
+                              .limit(bindparam("lim"))) for skip in (False, True) for content in (False, True)}
+
+
 def _feed_rows(
-    conn: Connection, conds: list[ColumnElement[bool]], limit: int, with_content: bool,
+    conn: Connection, store: str, after: int, top: int, actor: str | None, limit: int, with_content: bool,
 ) -> tuple[list[Any], bool]:
-    """The change-feed rows (``_feed_select``) matching ``conds``, oldest first: at most
-    ``limit``, and with content at most what ``defs.page_rows_within`` lets one page carry
+    """The change-feed rows (``_feed_select``) of store ``store`` with ``after`` < seq <=
+    ``top``, leaving out those of ``actor`` when given, oldest first: at most ``limit``, and
+    with content at most what ``defs.page_rows_within`` lets one page carry
     (their sizes are read first, without content, so content past the budget is never read),
     then at most what ``defs.json_rows_within`` lets it carry as JSON (the same budget in
     encoded bytes: a long-poll's shared page and a stream line are encoded whole).
     Append versions' content is made whole. Returns the rows and whether the page was cut
     (by ``limit`` or by bytes): then more versions may follow the last one."""
+    skip = actor is not None
+    params: dict[str, Any] = {"store": store, "after": after, "top": top, "lim": limit}
+    if skip:
+        params["actor"] = actor
     if not with_content:
-        rows = conn.execute(_feed_select(False).where(*conds).order_by(_V.c.seq).limit(limit)).all()
+        rows = _ROWS[(skip, False)].all(conn, params)
         return list(rows), len(rows) >= limit
-    sizes = conn.execute(select(_V.c.seq, _V.c.size).where(*conds).order_by(_V.c.seq).limit(limit)).all()
+    sizes = _SIZES[skip].all(conn, params)
     n = page_rows_within(r.size for r in sizes)
     if n == 0:
         return [], False
-    rows = conn.execute(
-        _feed_select(True).where(*conds, _V.c.seq <= sizes[n - 1].seq).order_by(_V.c.seq).limit(n)
-    ).all()
+    rows = _ROWS[(skip, True)].all(conn, {**params, "top": sizes[n - 1].seq, "lim": n})
     rows = deltas.resolve(conn, rows)
     # the same budget counted in JSON bytes (long-polls and streams encode a page whole)
     kept = json_rows_within([None if r.redacted else r.content for r in rows])
@@ -231,10 +258,11 @@ class ChangesService(Resource):
         after = max(-1, min(after, INT64_MAX))  # a 64-bit column: beyond it there is nothing
         stamp = self.notifier.stamp()
         with self.db.read_conn() as conn:
-            top = conn.scalar(select(func.max(_V.c.seq))) or 0
-            store_top = conn.scalar(select(func.max(_V.c.seq)).where(_V.c.store == slug)) or 0
-            rows, cut = _feed_rows(conn, [_V.c.store == slug, _V.c.seq > after, _V.c.seq <= store_top],
-                                   limit, with_content)
+            conn.begin()  # one read transaction (the Raw statements do not begin one)
+            tops = _TOPS.first(conn, {"store": slug})
+            assert tops is not None  # a SELECT of two aggregates has one row
+            top, store_top = tops.top or 0, tops.store_top or 0
+            rows, cut = _feed_rows(conn, slug, after, store_top, None, limit, with_content)
         self.notifier.learn_head(slug, store_top, stamp)
         return FeedRead(slug, after, [_change(v, with_content) for v in rows], store_top, top, cut)
 
@@ -257,21 +285,21 @@ class ChangesService(Resource):
         still moves past them (to the store's latest version when the page is not full), so
         a page may be empty with ``seq`` > ``after``."""
         with self.db.read_conn() as conn:
+            conn.begin()  # one read transaction (the Raw statements do not begin one)
             st = self._store(conn, p, slug)
-            top = conn.scalar(select(func.max(_V.c.seq))) or 0
+            tops = _TOPS.first(conn, {"store": st.slug})
+            assert tops is not None  # a SELECT of two aggregates has one row
+            top = tops.top or 0
             if after > top:
                 raise ServiceError(
                     410, "cursor_expired", f"cursor {after} is beyond this server's feed ({top}); take a snapshot"
                 )
-            conds = [_V.c.store == st.slug, _V.c.seq > after]
             skip = skip_actor or None
-            store_top = 0
-            if skip is not None:
-                # Read the store's latest seq first: every version of the store up to it has
-                # committed (a store's versions commit in seq order), so the page may claim it.
-                store_top = conn.scalar(select(func.max(_V.c.seq)).where(_V.c.store == st.slug)) or 0
-                conds += [_V.c.seq <= store_top, _V.c.actor != skip]
-            rows, cut = _feed_rows(conn, conds, limit, with_content)
+            # The store's latest seq, read first: every version of the store up to it has
+            # committed (a store's versions commit in seq order), so the page may claim it.
+            store_top = tops.store_top or 0
+            rows, cut = _feed_rows(conn, st.slug, max(-1, min(after, INT64_MAX)),
+                                   store_top if skip is not None else INT64_MAX, skip, limit, with_content)
         changes = [_change(v, with_content) for v in rows]
         if skip is not None and not cut:
             seq = max(after, store_top)

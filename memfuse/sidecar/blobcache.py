@@ -13,6 +13,7 @@ import hashlib
 import logging
 import os
 import sqlite3
+import struct
 import threading
 from pathlib import Path
 from collections.abc import Callable, Iterable
@@ -20,7 +21,7 @@ from typing import Any, Concatenate, Iterator, ParamSpec, TypeVar
 
 from ..defs import sha256_hex
 from .cachedir import private_file
-from .cachedir import CacheError, cache_error
+from .cachedir import CacheError, cache_error, free_bytes
 
 log = logging.getLogger("memfuse.mount")
 
@@ -50,6 +51,11 @@ BEHIND_BYTES = 1 << 20
 #: are written again after a write of them met a full disk (``BlobCache._write_behind``):
 #: the space a drained journal gives back goes to accepted writes, not to a cache
 FULL_HEADROOM = 1 << 20
+#: where the wal-index (a WAL database's ``-shm`` file) keeps ``mxFrame`` (the log's last
+#: valid frame, in the first copy of its header) and ``nBackfill`` (the frames already
+#: copied into the database), 32-bit native byte order, and the bytes to read for both
+#: (https://www.sqlite.org/walformat.html, "The WAL-Index Header"; ``_uncopied_bytes``)
+WAL_INDEX = (16, 96, 100)
 
 
 def _put_sql(n: int) -> str:
@@ -160,6 +166,11 @@ class BlobCache:
     """
 
     def __init__(self, path: Path, metrics: Any = None) -> None:
+        """Open (create) the cache file ``path``; ``metrics``: the sidecar's, counting failed
+        writes (or None). A file that cannot be trusted is started anew (``rebuilt``).
+        Raises ``CacheError`` when the disk refuses to open it (``ENOSPC`` for a full disk:
+        SQLite could not grow its ``-shm``; the files are left as they are), ``OSError`` when
+        it cannot be made (a symlink in its place)."""
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.rebuilt = False  # the file was left by a crash during a bulk fill: made anew
@@ -183,13 +194,37 @@ class BlobCache:
         self.metrics = metrics  # counts failed writes (the sidecar's), or None
         private_file(path)  # 0600 (memory content); SQLite's -wal / -shm files get its mode
         self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+        try:
+            self._open()
+        except sqlite3.Error as exc:  # a full disk (a -shm that cannot grow), an I/O error
+            with contextlib.suppress(sqlite3.Error):
+                self._db.close()
+            raise cache_error(exc, "opening the blob cache") from exc
+        self._checkpointer: threading.Thread | None = None
+
+    @staticmethod
+    def remove_files(path: Path) -> int:
+        """Delete the cache file ``path`` and its ``-wal`` / ``-shm`` / ``-journal`` files
+        (no connection may have it open); the bytes they held. A cache: its content is
+        fetched again from the control plane. Never raises."""
+        freed = 0
+        for suffix in ("", "-wal", "-shm", "-journal"):
+            with contextlib.suppress(OSError):
+                f = f"{path}{suffix}"
+                size = os.stat(f).st_blocks * 512
+                os.unlink(f)
+                freed += size
+        return freed
+
+    def _open(self) -> None:
+        """Check the file just opened (started anew when it cannot be trusted: ``rebuilt``)
+        and set it up. Raises ``sqlite3.Error``."""
+        path = self.path
         if not self._trusted():
             log.warning("blob cache left by a crash during a bulk fill, or unreadable; "
                         "starting it anew (content is fetched again)", extra={"path": str(path)})
             self._db.close()
-            for suffix in ("", "-wal", "-shm", "-journal"):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(f"{path}{suffix}")
+            self.remove_files(path)
             private_file(path)
             self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
             self.rebuilt = True
@@ -200,8 +235,8 @@ class BlobCache:
         # 1 MiB content on the trio thread would pay that every time (the close of an
         # append to a 1 MiB file: ~3x its cost); the copy runs behind instead
         self._db.execute(f"PRAGMA wal_autocheckpoint={AUTOCHECKPOINT_PAGES}")
-        self._checkpointer: threading.Thread | None = None
         self._db.execute("PRAGMA journal_size_limit=1048576")
+        self._page_size = int(self._db.execute("PRAGMA page_size").fetchone()[0])
         self._db.execute("CREATE TABLE IF NOT EXISTS blobs (sha TEXT PRIMARY KEY, data BLOB NOT NULL)")
         self._db.execute("CREATE TABLE IF NOT EXISTS fill (what TEXT NOT NULL)")  # bulk's marker
         # appends stored as links to the blob they extend (``put_append``)
@@ -235,10 +270,44 @@ class BlobCache:
                 self._wal_truncate()
         return err
 
-    def _wal_truncate(self) -> None:
-        """``wal_checkpoint(TRUNCATE)`` (the cache never spends the disk's reserve, which is
-        the journal's: ``cachedir.DiskReserve``). Raises ``sqlite3.Error``."""
+    def _wal_truncate(self) -> bool:
+        """``wal_checkpoint(TRUNCATE)`` when it fits (``_checkpoint_fits``); whether it ran.
+        The cache never spends the disk's reserve, which is the journal's
+        (``cachedir.DiskReserve``). Raises ``sqlite3.Error``."""
+        if not self._checkpoint_fits():
+            return False
         self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+        return True
+
+    def _uncopied_bytes(self) -> int:
+        """Bytes a checkpoint would still copy from the write-ahead log into the database
+        file, at most what the file grows by: the frames past ``nBackfill`` up to
+        ``mxFrame`` (read from the wal-index, ``-shm``: ``WAL_INDEX``) times the page size;
+        0 when every frame was copied (a checkpoint then only truncates the log) or when it
+        cannot be told (no ``-shm``)."""
+        try:
+            with open(f"{self.path}-shm", "rb") as f:
+                head = f.read(WAL_INDEX[2])
+        except OSError:
+            return 0
+        if len(head) < WAL_INDEX[2]:
+            return 0
+        mx_frame: int = struct.unpack_from("=I", head, WAL_INDEX[0])[0]
+        backfill: int = struct.unpack_from("=I", head, WAL_INDEX[1])[0]
+        return max(0, mx_frame - backfill) * self._page_size
+
+    def _checkpoint_fits(self) -> bool:
+        """Whether a checkpoint may run now (attack 14 F1): one that only truncates the log
+        always; one that copies pages only while the disk has room for them beyond
+        ``FULL_HEADROOM``. On a full disk a checkpoint copies what fits into the growing
+        database file and fails, giving nothing back: the space an operator (or the drained
+        journal) frees would go to it, not to the accepted writes (docs/SEMANTICS.md, "The
+        sidecar's own disk")."""
+        todo = self._uncopied_bytes()
+        if not todo:
+            return True
+        free = free_bytes(self.path.parent)
+        return free < 0 or free >= todo + FULL_HEADROOM
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
@@ -662,6 +731,8 @@ class BlobCache:
             if os.stat(f"{self.path}-wal").st_size < CHECKPOINT_BEHIND_BYTES:
                 return
         except OSError:
+            return
+        if not self._checkpoint_fits():  # the disk's last space goes to accepted writes
             return
         t = threading.Thread(target=self._checkpoint_thread, name="blobcache-checkpoint", daemon=True)
         self._checkpointer = t

@@ -134,17 +134,23 @@ class CacheError(OSError):
         self.reason = reason
 
 
+#: SQLite's extended code for a shared-memory file (``-shm``) it could not grow: on a full
+#: disk, the error of opening (or first reading) a WAL database whose ``-shm`` is new
+SQLITE_IOERR_SHMSIZE = getattr(sqlite3, "SQLITE_IOERR_SHMSIZE", 4874)
+
+
 def cache_errno(exc: BaseException) -> int:
     """The errno a failed write to the cache directory stands for: ``ENOSPC`` for a full
-    disk (``SQLITE_FULL``, ``OSError(ENOSPC)`` or ``EDQUOT``), the OS errno of another
-    ``OSError``, else ``EIO``."""
+    disk (``SQLITE_FULL``, ``SQLITE_IOERR_SHMSIZE``: a ``-shm`` that cannot grow,
+    ``OSError(ENOSPC)`` or ``EDQUOT``), the OS errno of another ``OSError``, else
+    ``EIO``."""
     if isinstance(exc.__cause__, OSError) and exc.__cause__.errno:
         return cache_errno(exc.__cause__)  # e.g. the journal's witness: raised as sqlite3's
     if isinstance(exc, OSError) and exc.errno:
         return errno.ENOSPC if exc.errno == errno.EDQUOT else exc.errno
     if isinstance(exc, sqlite3.Error):
         code = getattr(exc, "sqlite_errorcode", None)
-        if code is not None and code & 0xFF == sqlite3.SQLITE_FULL:
+        if code is not None and (code & 0xFF == sqlite3.SQLITE_FULL or code == SQLITE_IOERR_SHMSIZE):
             return errno.ENOSPC
         if "full" in str(exc):
             return errno.ENOSPC
@@ -161,6 +167,11 @@ def cache_error(exc: BaseException, what: str) -> CacheError:
         reason = f"the sidecar's cache disk failed ({what}: {errno.errorcode.get(err, err)})"
     return CacheError(err, reason)
 
+
+#: bytes free on the cache disk a start wants before it opens the outbox journal and the
+#: blob cache (their ``-shm`` files, a first write-ahead log); less, and the start makes room
+#: from the sidecar's own files (``mount.open_cache``)
+START_ROOM = 256 << 10
 
 #: bytes the cache directory keeps allocated in ``reserve`` (``DiskReserve``), at most a
 #: sixteenth of its file system: what a full disk needs to give space back
@@ -201,11 +212,27 @@ class DiskReserve:
         self.spent_count = 0  # times the reserve was released for a checkpoint
         self.fill()
 
-    def _held(self) -> int:
+    def held(self) -> int:
+        """Bytes the reserve's file holds allocated now (0 when it is missing)."""
         try:
             return os.stat(self.path).st_blocks * 512
         except OSError:
             return 0
+
+    def release(self) -> int:
+        """Give the reserve's space back (its file truncated to 0; made again by ``fill``
+        when space allows); the bytes given back. Never raises."""
+        with self._lock:
+            held = self.held()
+            try:
+                fd = _open_nofollow(self.path, os.O_RDWR)
+                try:
+                    os.ftruncate(fd, 0)
+                finally:
+                    os.close(fd)
+            except OSError:
+                return 0
+            return held
 
     def fill(self) -> None:
         """Allocate the reserve's bytes (``posix_fallocate``) when it holds fewer and the
@@ -213,7 +240,7 @@ class DiskReserve:
         if not self.size:
             return
         with self._lock:
-            if self._held() >= self.size:
+            if self.held() >= self.size:
                 return
             try:
                 st = os.statvfs(self.path.parent)
@@ -232,14 +259,26 @@ class DiskReserve:
         """Run ``fn`` (a checkpoint that failed for a full disk) with the reserve's space
         released; the reserve is made again later (``fill``) when space allows. Raises what
         ``fn`` raises."""
+        self.release()
         with self._lock:
-            try:
-                fd = _open_nofollow(self.path, os.O_RDWR)
-                try:
-                    os.ftruncate(fd, 0)
-                finally:
-                    os.close(fd)
-            except OSError:
-                pass
             self.spent_count += 1
         return fn()
+
+
+def free_bytes(path: Path) -> int:
+    """Bytes free on the file system of ``path`` for an unprivileged writer
+    (``statvfs``: ``f_bavail``); -1 when it cannot be told."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return -1
+    return st.f_bavail * st.f_frsize
+
+
+def disk_size(path: Path) -> int:
+    """Bytes of the file system of ``path`` (``statvfs``); -1 when it cannot be told."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return -1
+    return st.f_blocks * st.f_frsize

@@ -296,7 +296,14 @@ class Journal:
 
     def __init__(self, path: Path, metrics: Any = None,
                  before_batch: Callable[[], None] | None = None,
-                 reserve: DiskReserve | None = None) -> None:
+                 reserve: DiskReserve | None = None,
+                 on_full: Callable[[], None] | None = None) -> None:
+        """Open (create) the journal at ``path``. A file that is damaged or not a database
+        is moved aside (kept, ``moved_aside``) and a new one made; one the disk refuses
+        (full: ``SQLITE_FULL``, a ``-shm`` that cannot grow; an I/O error) or that is locked
+        is left exactly as it is, never moved aside (it may hold accepted writes not sent
+        yet): ``CacheError`` (``ENOSPC`` for a full disk, else ``EIO`` / the OS's errno).
+        Raises ``OSError`` when the file cannot be made (a symlink in its place)."""
         self.path = path
         self.metrics = metrics
         #: the cache disk's reserve, released for a checkpoint a full disk refused (``_wal_truncate``)
@@ -306,6 +313,10 @@ class Journal:
         #: journal accepts is in the blob cache file first, where ``recover`` finds it
         #: should the journal be lost); must not raise
         self.before_batch = before_batch
+        #: called on the trio thread after a batch failed for a full disk (the sidecar's:
+        #: ``BlobCache.checkpoint``, which gives its write-ahead log's space back when that
+        #: costs none, so the space goes to the accepted writes: attack 14 F1); must not raise
+        self.on_full = on_full
         #: where an unreadable journal was moved aside at this start (kept, named in the
         #: log), else None
         self.moved_aside: Path | None = None
@@ -317,16 +328,30 @@ class Journal:
         except sqlite3.DatabaseError as exc:  # corrupt, or not a database: keep it, start anew
             with contextlib.suppress(Exception):
                 self._db.close()
+            if isinstance(exc, sqlite3.OperationalError):
+                # a full disk (SQLITE_FULL, a -shm that cannot grow), an I/O error, a lock:
+                # not damage, and the journal may hold accepted writes not sent yet: it
+                # stays as it is, and the caller decides (the start makes room, or says why)
+                self.witness.close()
+                raise cache_error(exc, "opening the outbox journal") from exc
             self.moved_aside = move_aside(path)
             log.error("the outbox journal is unreadable; moved aside (kept for inspection) and "
                       "started anew; what it held is recovered from the witness and the blob cache",
                       extra={"path": str(path), "moved_to": str(self.moved_aside),
                              "error": str(exc)[:200]})
-            self._open(path)
+            try:
+                self._open(path)
+            except sqlite3.Error as again:  # a new, empty journal the disk refuses
+                with contextlib.suppress(Exception):
+                    self._db.close()
+                self.witness.close()
+                raise cache_error(again, "opening the outbox journal") from again
 
     def _open(self, path: Path) -> None:
         """Open (create) the journal's SQLite file and its tables; ``sqlite3.DatabaseError``
-        when it is corrupt or not a database (``quick_check`` included)."""
+        when it is corrupt or not a database (``quick_check`` included), its subclass
+        ``sqlite3.OperationalError`` when the disk refused (full, I/O error) or the file is
+        locked."""
         private_file(path)  # 0600; SQLite gives its -wal / -shm files the same mode
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         check = self._db.execute("PRAGMA quick_check").fetchone()
@@ -943,6 +968,8 @@ class Journal:
                                                   "retry_in_s": delay})
                 with contextlib.suppress(sqlite3.Error):  # may free the log's space
                     await trio.to_thread.run_sync(self._checkpoint, self._draining())
+                if err.errno == errno.ENOSPC and self.on_full is not None:
+                    self.on_full()
                 await trio.sleep(delay)
                 delay = min(delay * 2, self.RETRY_MAX)
                 self._wake()

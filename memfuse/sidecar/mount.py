@@ -13,6 +13,7 @@ import contextlib
 import errno
 import fcntl
 import functools
+import gc
 import logging
 import math
 import os
@@ -32,7 +33,8 @@ from ..client import ApiClient
 from ..content import INDEX_PATH
 from .backoff import Doubling
 from .blobcache import BlobCache
-from .cachedir import DiskReserve, secure_cache_dir
+from .cachedir import (START_ROOM, CacheError, DiskReserve, disk_size, free_bytes,
+                       secure_cache_dir)
 from .control import MOUNT_INFO, write_mount_info
 from .core import Filesystem, Settings
 from .fusereader import FuseReader, usable_fd
@@ -44,6 +46,7 @@ from .identity import RecordIds
 from .journal import PUT, Entry, Journal
 from .config import MountConfig as MountConfig  # re-exported: callers import it from here
 from .stores import StoreSync
+from .interrupts import Interrupts
 from .invalidator import Invalidator
 from .sync import Meta, StoreState
 
@@ -72,6 +75,34 @@ def fix_mmap_threshold() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1)
+
+
+#: the cyclic garbage collector's thresholds for the sidecar's process (``tune_gc``);
+#: CPython's defaults are (700, 10, 10). The same numbers as ``memfuse serve``'s
+#: (``memfuse.server.serve.GC_THRESHOLDS``), for the same reason.
+GC_THRESHOLDS = (50_000, 20, 10)
+
+
+def tune_gc(thresholds: tuple[int, int, int] = GC_THRESHOLDS) -> None:
+    """Set the garbage collector's thresholds (``gc.set_threshold``) for the sidecar's
+    process; called once by ``run_mount`` (the entry point of ``memfuse mount`` and
+    ``memfuse dev``: process-wide, so not from ``Sidecar``, which tests run inside their own
+    process).
+
+    Why: the sidecar keeps a large heap of long-lived objects (every file's ``Node``, the
+    stores' mirrors: 60,000-75,000 tracked objects holding 1,000-2,000 files), and
+    every FUSE request and commit allocates objects (coroutines, trio events, outbox
+    entries) of which a few dozen per file written stay alive (the new file's node, its
+    mirror entry, its key). With CPython's first threshold of 700 that live growth alone ran
+    a collection every ~40 files, a second-generation one every ~350 and a full collection of
+    the whole heap (37-43 ms, on the trio thread that answers the kernel) in each run of
+    1,000-2,000 files: 34-59 µs of CPU per file written, 2-4 % of the sidecar's CPU per
+    create-write-close, and pauses that hold every request (bench/README.md, "The close
+    path, session 15: sidecar"). The requests make almost no garbage cycles (33 objects
+    collected over 2,000 files), so reference counting frees nearly everything and a first
+    threshold of 50,000 keeps no more memory than what is alive anyway; collections become
+    rare (none in 2,000 files). Reference: the ``gc`` module documentation."""
+    gc.set_threshold(*thresholds)
 
 
 class StartError(Exception):
@@ -195,6 +226,116 @@ class CacheLock:
         os.close(self.fd)
 
 
+#: the files of the cache directory that are the sidecar's own (the rest is someone else's)
+OWN_FILES = re.compile(r"(outbox\.db|blobs\.db|accepted\.log|reserve|lock|dirs\.json|"
+                       r"mount\.json|admin\.sock|stores)(-wal|-shm|-journal|\.corrupt-.*)?$")
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def open_cache(cache_dir: Path, metrics: Any = None) -> tuple[DiskReserve, BlobCache, Journal]:
+    """The cache directory's disk reserve, blob cache and outbox journal, opened at start
+    (``metrics``: the sidecar's, or None).
+
+    A full cache disk is not a damaged journal (attack 14 F3): the journal is never moved
+    aside for it (``Journal``), and the start makes room from what the sidecar owns and can
+    drop, least loss first: while the disk has less than ``START_ROOM`` bytes free, the disk
+    reserve (``DiskReserve``: made again once space allows) and the blob cache's write-ahead
+    log (checkpointed and truncated, when that can finish); when the journal or the blob
+    cache still cannot be opened, the blob cache itself (a cache of content the control
+    plane holds: fetched again as the stores load; not before, since an offline start
+    reads from it). Never the journal, the witness or the store mirrors. What was given up is logged (one
+    WARNING). A disk that still refuses the journal or the blob cache raises ``StartError``
+    with one sentence: the cache directory, what is full, what to do (exit 1). Raises
+    ``OSError`` when a file cannot be made (a symlink planted in the directory)."""
+    # space held back so that a full cache disk can still give space back once the outbox
+    # drains (the journal's checkpoint: DiskReserve)
+    reserve = DiskReserve(cache_dir / "reserve")
+    blobs_path = cache_dir / "blobs.db"
+    given: dict[str, int] = {}  # what was given up to make room -> bytes it held
+    blobs: BlobCache | None = None
+
+    def make_room(drop: bool = True) -> bool:
+        """Give up the next thing the sidecar can drop (the blob cache itself only when
+        ``drop``); False when nothing is left."""
+        nonlocal blobs
+        if "reserve" not in given:
+            given["reserve"] = reserve.release()
+            if given["reserve"]:
+                return True
+        if "blob cache log" not in given and blobs is not None:
+            wal = Path(f"{blobs_path}-wal")
+            before = wal.stat().st_blocks * 512 if wal.exists() else 0
+            blobs.checkpoint()  # failures ignored: the next step drops it whole
+            given["blob cache log"] = before - (wal.stat().st_blocks * 512 if wal.exists() else 0)
+            if given["blob cache log"] > 0:
+                return True
+        if "blob cache" not in given and drop:
+            if blobs is not None:
+                blobs.close()
+                blobs = None
+            given["blob cache"] = BlobCache.remove_files(blobs_path)
+            return given["blob cache"] > 0
+        return False
+
+    def short() -> bool:
+        return 0 <= free_bytes(cache_dir) < START_ROOM
+
+    journal: Journal | None = None
+    while journal is None:
+        try:
+            if "reserve" not in given and short():
+                make_room(drop=False)  # the reserve first: it is there for this
+            if blobs is None:
+                blobs = BlobCache(blobs_path, metrics=metrics)
+            if short():
+                make_room(drop=False)  # its log, when that can be truncated
+            # the contents the blob cache holds in memory are written before any journal
+            # batch with an accepted write: a journal lost later recovers it from there
+            journal = Journal(cache_dir / "outbox.db", metrics=metrics,
+                              before_batch=blobs.write_behind, reserve=reserve,
+                              on_full=blobs.checkpoint)
+        except CacheError as e:
+            if e.errno != errno.ENOSPC:
+                raise StartError(f"the cache directory {cache_dir} cannot be used: {e.reason}; "
+                                 "check its disk (the outbox journal outbox.db may hold accepted "
+                                 "writes not sent yet: keep it)") from None
+            if not make_room():
+                if blobs is not None:
+                    blobs.close()
+                raise StartError(_full_sentence(cache_dir)) from None
+    if any(given.values()):
+        log.warning("the cache disk was full at start; space given back by the sidecar's own "
+                    "files to open the outbox journal", extra={
+                        "cache_dir": str(cache_dir), "free_bytes": free_bytes(cache_dir),
+                        **{k.replace(" ", "_") + "_bytes": v for k, v in given.items() if v}})
+    assert blobs is not None
+    return reserve, blobs, journal
+
+
+def _full_sentence(cache_dir: Path) -> str:
+    """Why a start on a full cache disk gave up, and what to do (``open_cache``)."""
+    others: list[tuple[int, str]] = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(cache_dir):
+            if not OWN_FILES.match(entry.name):
+                with contextlib.suppress(OSError):
+                    others.append((entry.stat(follow_symlinks=False).st_blocks * 512, entry.name))
+    others.sort(reverse=True)
+    journal = cache_dir / "outbox.db"
+    size = journal.stat().st_size if journal.exists() else 0
+    named = ", ".join(f"{n} ({_mib(b)})" for b, n in others[:3])
+    return (f"the cache disk of {cache_dir} is full ({free_bytes(cache_dir)} bytes free of "
+            f"{_mib(disk_size(cache_dir))}; the start needs {START_ROOM // 1024} KiB): the outbox "
+            "journal cannot be opened, even with the sidecar's disk reserve and blob cache given "
+            f"up. Keep outbox.db ({size} bytes: accepted writes not sent yet, sent at the next "
+            "start); free space on that disk"
+            + (f" (files there that are not the sidecar's: {named})" if named else "")
+            + " or give the cache volume more room (docs/DEPLOY.md, cache size), then start again")
+
+
 class Sidecar(StoreSync):
     """One running sidecar: outbox, filesystem, sync tasks and mount (the admin API's target).
 
@@ -219,14 +360,7 @@ class Sidecar(StoreSync):
             legacy = config.cache_dir / "blobs"  # one-file-per-blob layout of earlier versions
             if legacy.is_dir():
                 shutil.rmtree(legacy, ignore_errors=True)
-            # space held back so that a full cache disk can still give space back once the
-            # outbox drains (the journal's checkpoint: DiskReserve)
-            reserve = DiskReserve(config.cache_dir / "reserve")
-            blobs = BlobCache(config.cache_dir / "blobs.db", metrics=self.metrics)
-            # the contents the blob cache holds in memory are written before any journal
-            # batch with an accepted write: a journal lost later recovers it from there
-            self.journal = Journal(config.cache_dir / "outbox.db", metrics=self.metrics,
-                                   before_batch=blobs.write_behind, reserve=reserve)
+            self.reserve, blobs, self.journal = open_cache(config.cache_dir, self.metrics)
         except OSError as e:  # e.g. a symlink planted in the cache directory (refused)
             raise StartError(f"cache directory {config.cache_dir} unusable: "
                              f"{e.strerror or e}") from None
@@ -242,11 +376,15 @@ class Sidecar(StoreSync):
             settings.gid = config.gid
         self.journal_recovered, self.journal_lost = self._recover_journal(blobs, ids)
         self.invalidator = invalidator if invalidator is not None else Invalidator()
+        #: a close or fsync waiting for the control plane ends (EINTR) when its process gets
+        #: a stop signal (interrupts.py: pyfuse3 does not pass FUSE_INTERRUPT on)
+        self.interrupts = Interrupts()
         self.fs = Filesystem(blobs, client, self.journal, settings, config.workspace,
                              dirs_file=config.cache_dir / "dirs.json",
                              rejected=self.journal.load_rejected(),
                              local=self.journal.load_local(), ids=ids, listener=self,
-                             metrics=self.metrics, mount_root=str(config.mountpoint))
+                             metrics=self.metrics, mount_root=str(config.mountpoint),
+                             interrupts=self.interrupts)
         self.committer = self.fs.committer
         for x in self.journal_lost:  # named in errors.log (the log and status.json: above, below)
             self.fs.note_error(None, (x.get("a") or {}).get("path", ""), errno.EIO,
@@ -317,6 +455,7 @@ class Sidecar(StoreSync):
         self._drain_scope: trio.CancelScope | None = None
         self.admin_socket: str | None = None
         self.last_start_error: str | None = None
+        self.load_error: str | None = None  # StoreSync.load_error
         # requests for a new prompt block (.memfuse/context.md); one pending is enough
         self._context_send, self._context_recv = trio.open_memory_channel(1)
         self.metrics.bind(
@@ -337,7 +476,8 @@ class Sidecar(StoreSync):
         """Why ``/readyz`` fails, or ``None`` when ready."""
         reasons = []
         if not self.fs.ready:
-            reasons.append("the first load and mount are not done yet")
+            reasons.append("the first load and mount are not done yet"
+                           + (f": {self.load_error}" if self.load_error else ""))
         if self.client.auth_failure is not None:
             tf = self.client.token_file
             reasons.append(f"authentication outage: {self.client.auth_failure}; writes are kept "
@@ -465,7 +605,8 @@ class Sidecar(StoreSync):
                        "journal_recovered": self.journal_recovered,
                        "journal_lost": [{"store": x.get("s"), "path": (x.get("a") or {}).get("path"),
                                          "op": x.get("o")} for x in self.journal_lost],
-                       "state_save_failing": self.state_save_failing}
+                       "state_save_failing": self.state_save_failing,
+                       "load_error": self.load_error, "free_bytes": free_bytes(self.config.cache_dir)}
         st["offline_start"] = self.offline_start
         ctl = self.fs.controls
         st["context"] = {"fetched_age_s": round(time.time() - ctl.context_at, 3)
@@ -527,6 +668,18 @@ class Sidecar(StoreSync):
         while True:
             await trio.sleep(self.BLOBS_BEHIND_EVERY)
             self.fs.blobs.write_behind()
+
+    #: s between looks at the disk reserve (``_reserve_refill``)
+    RESERVE_EVERY = 30.0
+
+    async def _reserve_refill(self) -> None:
+        """Make the cache disk's reserve again once space allows (``DiskReserve.fill``: the
+        disk has four times its size free) every ``RESERVE_EVERY`` s: the journal refills
+        it only after an idle checkpoint of its own, which a journal that writes nothing
+        never runs, and a start on a full disk releases it (attack 14 F1)."""
+        while True:
+            await trio.sleep(self.RESERVE_EVERY)
+            await trio.to_thread.run_sync(self.reserve.fill)
 
     async def _liveness(self) -> None:
         """Notice a control plane that has stopped answering (paused, black-holed network)
@@ -604,6 +757,7 @@ class Sidecar(StoreSync):
                 await nursery.start(self.committer.run)
                 self._spawn("liveness", self._liveness)
                 self._spawn("blobs-behind", self._blobs_behind)
+                self._spawn("reserve", self._reserve_refill)
                 if self.client.token_file is not None:
                     self._spawn("token-watch", self._token_watch)
                 # the admin API first, so /healthz and /readyz answer while loading
@@ -676,6 +830,7 @@ class Sidecar(StoreSync):
                 mounted = True
                 self.invalidator.active = True
                 self._spawn("invalidator", self.invalidator.run)
+                self._spawn("interrupts", self.interrupts.run)
                 self._mounted = True
                 for slug in self.fs.stores:
                     self._start_feed(slug)
@@ -829,6 +984,7 @@ def run_mount(config: MountConfig, client_factory: Callable[[], ApiClient]) -> i
     code: 0 after a stop, 1 when the sidecar could not start (``StartError``, logged as one
     line)."""
     setup_logging(config.debug, config.log_format)
+    tune_gc()
 
     async def main() -> int:
         async with client_factory() as client:

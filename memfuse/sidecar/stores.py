@@ -39,7 +39,7 @@ from ..errors import ApiError, Forbidden, Gone, PermanentError, TransientError, 
 from ..wire import Attachment, Change, ChangePage, EventPage, Record
 from .inodes import ROOT_INO, StoreMount
 from .journal import Entry
-from .cachedir import CacheError
+from .cachedir import CacheError, disk_size, free_bytes
 from .backoff import Doubling
 from .sync import Meta, StoreState, catch_up, lag_seconds
 
@@ -127,6 +127,10 @@ class StoreSync:
     _no_stream_until: float
     GC_EVERY: float
     last_start_error: str | None
+    #: why loading a store waits on the cache disk (``_retrying``: full, or failing), in
+    #: one sentence for ``/readyz`` and the status (``cache.load_error``); None once a load
+    #: went through
+    load_error: str | None
 
     if TYPE_CHECKING:  # Sidecar's methods this part calls
         async def supervise(self, name: str, fn: Callable[..., Awaitable[object]], *args: Any,
@@ -193,20 +197,44 @@ class StoreSync:
             retry.reset()
 
     # ------------------------------------------------------------------ loading
-    async def _retrying(self, what: str, fn: Callable[[], Awaitable[R]]) -> R:
+    async def _retrying(self, what: str, fn: Callable[[], Awaitable[R]],
+                        need: int | None = None) -> R:
+        """``await fn()`` until it returns, retrying (0.2 s doubling to 5 s) while the
+        control plane is unreachable, refuses the token, or the cache disk refuses a write.
+        ``what`` ("loading notes") names the step in the log; ``need``: the bytes of
+        content it stores (a store's ``usage_bytes``), said with the disk's free bytes when
+        the disk is full, in the log and in ``load_error`` (``/readyz``, the status; no
+        store name there: ``/readyz`` is open on TCP), so a cache disk too small for the
+        stores is told, not only retried (attack 14)."""
         retry = Doubling(0.2, 5.0)
         while True:
             try:
-                return await fn()
+                out = await fn()
+                self.load_error = None
+                return out
             except TransientError as e:
                 self.last_start_error = e.code or (f"HTTP {e.status}" if e.status else type(e).__name__)
                 log.warning(f"control plane unreachable while {what}; retrying",
                             extra={"status": e.status, "code": e.code, "retry_in_s": retry.delay})
                 await trio.sleep(retry.next())
             except CacheError as e:
+                cache_dir = self.config.cache_dir
+                free, size = free_bytes(cache_dir), disk_size(cache_dir)
+                if e.errno == errno.ENOSPC:
+                    self.load_error = (
+                        f"the cache disk of {cache_dir} is full: "
+                        + (f"a store to load needs {need} bytes for its content, "
+                           if need is not None else "")
+                        + f"{free} bytes are free of {size}; give the cache volume more room "
+                        "(docs/DEPLOY.md, cache size) or free space on it: the start goes on "
+                        "by itself")
+                else:
+                    self.load_error = (f"the cache disk of {cache_dir} refused a write while "
+                                       f"loading: {e.reason}; retrying")
                 log.warning(f"cache disk refused a write while {what}; retrying",
                             extra={"errno": errno.errorcode.get(e.errno), "reason": e.reason,
-                                   "retry_in_s": retry.delay})
+                                   "needed_bytes": need, "free_bytes": free, "disk_bytes": size,
+                                   "cache_dir": str(cache_dir), "retry_in_s": retry.delay})
                 await trio.sleep(retry.next())
             except Unauthorized as e:  # an authentication outage: wait for a valid token
                 self.last_start_error = f"HTTP {e.status}: the token was refused"
@@ -327,7 +355,8 @@ class StoreSync:
         # answered after the load's catch-up is a version of ours the feed leaves out
         queued_before = self.committer.depth(slug)
         state = await self._retrying(
-            f"loading {slug}", lambda: self._load_state(slug, att.store.record_count))
+            f"loading {slug}", lambda: self._load_state(slug, att.store.record_count),
+            need=att.store.usage_bytes)
         if slug in self.fs.stores:
             return
         self.states[slug] = state
