@@ -627,6 +627,14 @@ def _cli(cp, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
+def _wait_sync(c: httpx.Client, job_id: str, timeout: float = 30) -> str:
+    deadline = utcnow() + timedelta(seconds=timeout)
+    while (status := c.get(f"/v1/consolidations/{job_id}").json()["status"]) not in TERMINAL:
+        assert utcnow() < deadline, f"job {job_id} still {status}"
+        threading.Event().wait(0.05)
+    return status
+
+
 def test_cli_then_a_restart_while_a_job_runs_marks_it_failed_and_frees_the_store(tmp_path, model: ScriptedModel):
     """``memfuse serve --consolidation-*``, the CLI (``consolidate``, ``job list|show|cancel``)
     against it, then the replica killed while its job waits for the model: another process on
@@ -637,7 +645,9 @@ def test_cli_then_a_restart_while_a_job_runs_marks_it_failed_and_frees_the_store
     key.write_text(API_KEY)
     model.answer(ANSWER)
     cp = ControlPlane(tmp_path, extra_args=("--consolidation-model-url", model.url,
-                                            "--consolidation-api-key-file", str(key))).start()
+                                            "--consolidation-api-key-file", str(key),
+                                            "--consolidation-max-unreviewed", "1",
+                                            "--consolidation-workspace-jobs-per-hour", "2")).start()
     headers = {"Authorization": f"Bearer {cp.admin_token}"}
     try:
         with httpx.Client(base_url=cp.url, headers=headers, timeout=30) as c:
@@ -657,6 +667,22 @@ def test_cli_then_a_restart_while_a_job_runs_marks_it_failed_and_frees_the_store
             assert r.returncode == 1 and "job_finished" in r.stderr
             r = _cli(cp, "consolidate", "default")
             assert r.returncode == 2 and "--instructions" in r.stderr
+            # a workspace token's jobs: the serve flags bound them (attack 15 F4)
+            assert c.post("/v1/workspaces", json={"name": "w", "default_store": False}).status_code == 201
+            assert c.put("/v1/workspaces/w/attachments/default", json={"access": "read_write"}).status_code == 200
+            wt = c.post("/v1/tokens", json={"workspace": "w"}).json()["token"]
+            wh = {"Authorization": f"Bearer {wt}"}
+            r = c.post("/v1/stores/default/consolidations", json={"instructions": "x"}, headers=wh)
+            assert r.status_code == 409 and r.json()["code"] == "review_pending", r.text  # the CLI's output waits
+            assert c.put("/v1/workspaces/w/attachments/default-consolidated-1", json={}).status_code == 200
+            model.answer({"summary": "", "changes": []})  # in place, changing nothing
+            for _ in range(2):
+                r = c.post("/v1/stores/default/consolidations", json={"instructions": "x", "output": "in_place"},
+                           headers=wh)
+                assert r.status_code == 202, r.text
+                assert _wait_sync(c, r.json()["id"]) != "pending"
+            r = c.post("/v1/stores/default/consolidations", json={"instructions": "x"}, headers=wh)
+            assert r.status_code == 429 and r.json()["code"] == "rate_limited" and r.headers["retry-after"], r.text
             model.hold = True
             model.arrived.clear()  # the CLI's job arrived already
             r = c.post("/v1/stores/default/consolidations", json={"instructions": "x", "output": "in_place"})

@@ -30,7 +30,10 @@ a store it only saw part of; the model's answer at most ``max_output_tokens`` to
 answer fails the job), ``MAX_CHANGES`` changes and ``max_output_bytes`` bytes of content; the
 whole job at most ``timeout`` seconds; one ``pending`` or ``running`` job per store, which
 the database enforces (a unique index over the active jobs: 409 ``job_running`` on any
-replica).
+replica). A workspace token's jobs also (``_check_workspace_bounds``, attack 15 F4): at most
+``max_unreviewed`` ``new_store`` outputs of a store waiting for review (409
+``review_pending``), at most ``workspace_jobs_per_hour`` jobs a workspace creates in an hour
+(429 ``rate_limited``); an admin's and the scheduler's jobs are not bounded there.
 
 Jobs are rows (``consolidation_jobs``). The process running a job refreshes its
 ``heartbeat_at`` every ``heartbeat`` seconds; a job whose heartbeat is older than
@@ -169,7 +172,7 @@ class ConsolidationService(Resource):
         """Refuse a job workspace ``p`` asks for on store row ``st`` past the bounds of
         ``ConsolidationSettings`` (``max_unreviewed``, ``workspace_jobs_per_hour``; 0 = off):
         409 ``review_pending`` when a ``new_store`` job would add to ``max_unreviewed`` outputs
-        of the store still waiting for a person (``unreviewed_outputs``), 429 ``rate_limited``
+        of the store still waiting for a person (``_unreviewed_outputs``), 429 ``rate_limited``
         (``Retry-After``: s until the oldest job of the hour leaves it) past the hourly rate.
         Locks the workspace's row first, so a workspace's concurrent requests are counted one
         after the other (PostgreSQL; SQLite writes one at a time anyway)."""
@@ -177,7 +180,7 @@ class ConsolidationService(Resource):
         assert p.workspace is not None
         conn.execute(select(_W.c.name).where(_W.c.name == p.workspace).with_for_update())
         if output == "new_store" and cfg.max_unreviewed > 0:
-            waiting = self.unreviewed_outputs(conn, st.slug)
+            waiting = self._unreviewed_outputs(conn, st.slug)
             if waiting >= cfg.max_unreviewed:
                 raise ServiceError(409, "review_pending",
                                    f"store {keys.public(st.slug)!r} has {waiting} consolidation output(s) waiting "
@@ -198,7 +201,7 @@ class ConsolidationService(Resource):
                                    headers={"Retry-After": str(wait)})
 
     @staticmethod
-    def unreviewed_outputs(conn: Connection, store: str) -> int:
+    def _unreviewed_outputs(conn: Connection, store: str) -> int:
         """How many ``new_store`` outputs of the store whose key is ``store`` wait for review:
         its pending or running ``new_store`` jobs, and the output stores of its completed ones
         that still exist, are not archived and are attached to no workspace (a person accepts
