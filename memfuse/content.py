@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from memfuse.defs import RECORD_TYPES
-from memfuse.names import INDEX_NAME
+from memfuse.names import DEFAULT_IGNORABLE_RANGES, INDEX_NAME
 
 __all__ = [
     "RECORD_TYPES",
@@ -243,21 +243,13 @@ def check_text(text: str) -> bytes:
 # ---------------------------------------------------------------- the text as the prompt shows it
 
 _SUSPECT_RE = re.compile(r"[^\t\n\x20-\x7e]")
+_PLAIN_BYTES = bytes([9, 10, *range(0x20, 0x7F)])  # the ASCII characters _SUSPECT_RE does not match
 _STRIP_CATEGORIES = frozenset(("Cc", "Cf", "Zl", "Zp", "Cs"))
 
-#: Unicode's Default_Ignorable_Code_Point ranges (DerivedCoreProperties.txt, unchanged from
-#: Unicode 14.0 to 16.0; UAX #44): code points a renderer shows as nothing. Beyond the Cf
-#: characters they hold the combining grapheme joiner (U+034F), the variation selectors
-#: (U+FE00-FE0F, U+E0100-E01EF: "smuggled" invisible text), the Mongolian free variation
-#: selectors, the Khmer inherent vowels, the Hangul fillers (U+115F, U+1160, U+3164, U+FFA0)
-#: and reserved ones. A token split by one of them reads, and copies, as the token (attack 15
-#: F2), so ``prompt_text`` removes them too. ``unicodedata`` does not carry the property.
-_IGNORABLE_RANGES: tuple[tuple[int, int], ...] = (
-    (0xAD, 0xAD), (0x34F, 0x34F), (0x61C, 0x61C), (0x115F, 0x1160), (0x17B4, 0x17B5),
-    (0x180B, 0x180F), (0x200B, 0x200F), (0x202A, 0x202E), (0x2060, 0x206F), (0x3164, 0x3164),
-    (0xFE00, 0xFE0F), (0xFEFF, 0xFEFF), (0xFFA0, 0xFFA0), (0xFFF0, 0xFFF8),
-    (0x1BCA0, 0x1BCA3), (0x1D173, 0x1D17A), (0xE0000, 0xE0FFF),
-)
+#: Unicode's Default_Ignorable_Code_Point ranges (``memfuse.names.DEFAULT_IGNORABLE_RANGES``:
+#: code points a renderer shows as nothing). A token split by one of them reads, and copies,
+#: as the token (attack 15 F2), so ``prompt_text`` removes them too.
+_IGNORABLE_RANGES = DEFAULT_IGNORABLE_RANGES
 
 
 #: the code points ``prompt_text`` removes (categories ``_STRIP_CATEGORIES`` but tab and
@@ -318,9 +310,17 @@ def prompt_text(text: str) -> str:
     detector (:func:`secret_view`), so that what the detector reads is what the model reads.
     Pure ASCII text costs one regex scan that finds nothing."""
     text = text.replace("\r\n", "\n")
-    if _SUSPECT_RE.search(text) is None:
+    if _plain(text):
         return text
     return _stripper().sub("", text)
+
+
+def _plain(text: str) -> bool:
+    """``_SUSPECT_RE.search(text) is None`` (only tab, newline and printable ASCII: nothing
+    for ``prompt_text`` to remove), ~4x cheaper for ASCII text than the regex's step per
+    character: any non-ASCII character is suspect, and in ASCII what is left after deleting
+    the plain bytes is."""
+    return text.isascii() and not text.encode("ascii").translate(None, _PLAIN_BYTES)
 
 
 def secret_view(text: str) -> str:
@@ -708,35 +708,64 @@ def _matches(rule: _Rule, content: str, low: str | None) -> Iterator[re.Match[st
     yield from rule.pattern.finditer(content)
 
 
-#: each rule with its hints, whether they are looked for in the lower-cased text, and the
-#: length of its shortest hint (a text shorter than that holds none of them: a name's
-#: components, ``r0`` or ``notes.md``, skip most rules without a search): read by
-#: ``_first_secret`` as plain loops (no generator per rule: a scan of a short name or a note
-#: of a few hundred bytes, three per file written, was mostly that overhead)
-_HINTED: tuple[tuple[_Rule, tuple[str, ...], bool, int], ...] = tuple(
-    (r, r.hints, r.lower, min(map(len, r.hints))) for r in _RULES)
+#: a hint as ``_first_secret`` looks for it: (looked for in the lower-cased text, the literal)
+Hint = tuple[bool, str]
+#: the characters of ordinary text, most frequent first (space, newline, English letters): a
+#: hint's *gate* is its character latest in this order, or one not in it at all (upper
+#: case, a digit, punctuation), so rarely in a text that holds no hint
+_COMMON_CHARS = " \netaoinsrhldcumfpgwybvkxjqz"
+
+
+def _gate(hint: str) -> str:
+    """The character of ``hint`` least likely in ordinary text (``_COMMON_CHARS``)."""
+    return max(hint, key=lambda ch: _COMMON_CHARS.find(ch) if ch in _COMMON_CHARS else len(_COMMON_CHARS))
+
+
+#: every hint once, grouped by gate: ((gate, ((hint, (lower, hint)), ...)), ...) for the
+#: hints looked for in the text as written, then for those looked for in the lower-cased
+#: text. ``gate in text`` is one ``memchr``, and a hint is in a text only if each of its
+#: characters is, so a hint is looked for only where its gate is: the same answer as ``hint
+#: in text`` for each (a search of 60 hints through a note, one Python step each, was most of
+#: a create's secret scans: bench/README.md, "The close path, session 15: serve's writer")
+_GATED: tuple[tuple[tuple[str, tuple[tuple[str, Hint], ...]], ...], ...] = tuple(
+    tuple((g, tuple((h, (lower, h)) for h in hs if _gate(h) == g))
+          for g in dict.fromkeys(_gate(h) for h in hs))
+    for lower in (False, True)
+    for hs in [tuple(dict.fromkeys(h for r in _RULES if r.lower == lower for h in r.hints))])
+#: the indexes in ``_RULES`` of the rules that have each hint
+_RULES_OF: dict[Hint, tuple[int, ...]] = {
+    hint: tuple(i for i, r in enumerate(_RULES) if r.lower == hint[0] and hint[1] in r.hints)
+    for group in _GATED for _, gated in group for _, hint in gated}
+_NO_HINTS: frozenset[Hint] = frozenset()
+
+
+def _hints(content: str, low: str) -> frozenset[Hint]:
+    """``hints_in(content)``, given ``low = content.lower()``."""
+    found: list[Hint] | None = None
+    for text, group in ((content, _GATED[0]), (low, _GATED[1])):
+        for g, gated in group:
+            if g in text:
+                for h, hint in gated:
+                    if h in text:
+                        if found is None:
+                            found = []
+                        found.append(hint)
+    return _NO_HINTS if found is None else frozenset(found)
 
 
 def _first_secret(content: str, in_name: bool = False,
                   present: frozenset[Hint] | None = None) -> tuple[_Rule, re.Match[str]] | None:
     """The first rule (in ``_RULES`` order) with a match in ``content`` that passes its
     check, and the match; None. ``present``: the hints known to occur in ``content`` (a
-    superset: ``hints_in``), instead of looking for each one here."""
+    superset: ``hints_in``), instead of looking for each one here. Only the rules with a
+    hint in the text run (``_Rule.hints``: the others cannot match)."""
     low = content.lower()  # a rule with ``lower`` looks for its hints in it
-    size, low_size = len(content), len(low)  # (``lower`` may lengthen a text: "İ" → "i̇")
-    for rule, hints, lower, shortest in _HINTED:
-        if (low_size if lower else size) < shortest:
-            continue  # no hint fits in the text: no match possible (``_Rule.hints``)
-        if present is not None:
-            if not any((lower, h) in present for h in hints):
-                continue  # no hint: no match possible (``_Rule.hints``)
-        else:
-            text = low if lower else content
-            for h in hints:
-                if h in text:
-                    break
-            else:
-                continue  # no hint: no match possible (``_Rule.hints``)
+    if present is None:
+        present = _hints(content, low)
+    if not present:
+        return None
+    for i in sorted({i for hint in present for i in _RULES_OF.get(hint, ())}):
+        rule = _RULES[i]
         for m in _matches(rule, content, low):
             if rule.check(m, content) and (not in_name or _name_check(rule, m)):
                 return rule, m
@@ -802,8 +831,6 @@ def _secret_reason(found: tuple[_Rule, re.Match[str]], view: str) -> str:
     return f"{rule.kind} on line {view.count(chr(10), 0, m.start()) + 1}"
 
 
-#: a hint as ``_first_secret`` looks for it: (looked for in the lower-cased text, the literal)
-Hint = tuple[bool, str]
 #: the longest hint, in characters: an occurrence of a hint that ends in an appended suffix
 #: starts at most this many characters minus one before it (``memfuse.secretscan``)
 HINT_MAX_CHARS = max(len(h) for r in _RULES for h in r.hints)
@@ -814,9 +841,7 @@ def hints_in(text: str) -> frozenset[Hint]:
     ones in ``text.lower()``): the rules whose hint is absent cannot match ``text``, so
     ``_first_secret(text, present=hints_in(text))`` is ``_first_secret(text)``. A full pass
     per hint, as ``_first_secret``'s own gate (~0.6 ms per 16 KiB here)."""
-    low = text.lower()
-    return frozenset((lower, h) for _, hints, lower, _ in _HINTED for h in hints
-                     if h in (low if lower else text))
+    return _hints(text, text.lower())
 
 
 def find_secret_in_view(content: str, present: frozenset[Hint]) -> str | None:
@@ -868,6 +893,11 @@ def find_secret_in_path(path: str) -> NameSecret | None:
     random-looking secret parts, so ordinary names (dates, ticket numbers, UUIDs, hashes,
     ``ASIA-pacific.md``, ``sk-learn.md``) do not match: tests/test_content.py runs them
     over realistic names."""
+    if _plain(path) and not _hints(path, path.lower()) and (
+            "_" not in path or not _hints(spaced := path.replace("_", " "), spaced.lower())):
+        # every component is its own view, and a secret in one needs a hint in it or in it
+        # with ``_`` read as a space: in the whole path, read the same way (one pass)
+        return None
     parts = path.split("/")
     for i, comp in enumerate(parts):
         view = secret_view(comp)  # as the prompt shows it (a name reaches prompts too)

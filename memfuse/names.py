@@ -123,6 +123,94 @@ def check_dir_name(parent: str, name: str) -> str:
     return name
 
 
+#: Unicode's Default_Ignorable_Code_Point ranges (DerivedCoreProperties.txt, unchanged from
+#: Unicode 14.0 to 16.0; UAX #44): code points a renderer shows as nothing. Beyond the Cf
+#: characters (refused in names: :data:`FORBIDDEN_CATEGORIES`) they hold the combining
+#: grapheme joiner (U+034F), the variation selectors (U+FE00-FE0F, U+E0100-E01EF: "smuggled"
+#: invisible text), the Mongolian free variation selectors, the Khmer inherent vowels, the
+#: Hangul fillers (U+115F, U+1160, U+3164, U+FFA0) and reserved ones. ``unicodedata`` does
+#: not carry the property. Used by the prompt block (``content.prompt_text``) and by
+#: :func:`index_fold` (TR39's skeleton drops them).
+DEFAULT_IGNORABLE_RANGES: tuple[tuple[int, int], ...] = (
+    (0xAD, 0xAD), (0x34F, 0x34F), (0x61C, 0x61C), (0x115F, 0x1160), (0x17B4, 0x17B5),
+    (0x180B, 0x180F), (0x200B, 0x200F), (0x202A, 0x202E), (0x2060, 0x206F), (0x3164, 0x3164),
+    (0xFE00, 0xFE0F), (0xFEFF, 0xFEFF), (0xFFA0, 0xFFA0), (0xFFF0, 0xFFF8),
+    (0x1BCA0, 0x1BCA3), (0x1D173, 0x1D17A), (0xE0000, 0xE0FFF),
+)
+
+#: what :func:`index_fold` drops: the default-ignorable code points, and U+2800 BRAILLE
+#: PATTERN BLANK, which renders as a space (a name that looks like the index could hide them)
+_INVISIBLE_RE = re.compile("[" + "".join(f"\\U{a:08x}-\\U{b:08x}" for a, b in DEFAULT_IGNORABLE_RANGES)
+                           + "\\u2800]")
+
+#: Letters of other scripts drawn like the letters of ``memory.md`` (upper or lower case), each
+#: mapped to that letter: the entries of Unicode TR39's confusables data (confusables.txt,
+#: "skeleton") whose prototype is ``m``/``M``, ``e``/``E``, ``o``/``O``, ``r``/``R``,
+#: ``y``/``Y``, ``d``/``D`` or ``.`` and that NFKC does not already fold (it folds the
+#: fullwidth, mathematical and letterlike forms: ``ＭＥＭＯＲＹ．ｍｄ``, ``𝐌``, ``ℳ``, ``ⅾ``).
+#: Greek, Cyrillic, Coptic, Armenian, Cherokee, Lisu, Canadian syllabics, small capitals,
+#: the digit zeros of many scripts for ``o``; ``rn`` for ``m`` is handled in
+#: :func:`index_fold`. Only the index's letters: this is not a general confusables table.
+_INDEX_LOOKALIKES = {
+    "m": "\u039c\u03fa\u041c\u2c98\u13b7\u15f0\u16d6\ua4df\U000102b0\U00010311\u043c\u1d0d",
+    "e": "\u0395\u0415\u13ac\ua4f0\u2d39\u22ff\U00010286\u0435\u04bd\uab32\u212e",
+    "o": ("0\u039f\u041e\u0555\u2c9e\u2d54\ua4f3\u07c0\u3007\u0b20\u0d20\u09e6\u0b66"
+          "\u03bf\u03c3\u043e\u0585\u05e1\u2c9f\u10ff\u101d\u1040\u1d0f\u1d11\uab3d"
+          "\u0966\u0a66\u0ae6\u0be6\u0c66\u0ce6\u0d66\u0e50\u0ed0\u0647\u0665\u06f5\u06d5"
+          "\u0c02\u0c82\u0d02\u0d82\U00010292\U000102ab\U00010404\U0001042c\U00010516\U000114d0"),
+    "r": "\u01a6\u13a1\u13d2\u1587\ua4e3\u0433\u1d26\u2c85\uab47\uab48",
+    "y": "\u03a5\u04ae\u2ca8\u13a9\ua4ec\U000102b2\u0443\u04af\u0263\u028f\u03b3\u10e7\u1eff",
+    "d": "\u0501\u13e7\u146f\ua4d2\u13a0\u15de\u15ea\ua4d3",
+    ".": "\u0660\u06f0\u0701\u0702\ua60e\ua4f8\U00010a50\U0001d16d",
+}
+_END_RE = re.compile(r"^\s+|[\s.]+$")  # whitespace at the start, whitespace and dots at the end
+_INDEX_FOLD_TABLE = str.maketrans({ch: to for to, chars in _INDEX_LOOKALIKES.items() for ch in chars})
+
+
+def index_fold(name: str) -> str:
+    """The form in which two names that a reader would take for one another (in ``ls``, the
+    console, a prompt) are equal, for the index's letters: NFKC (compatibility forms:
+    fullwidth, mathematical, ligatures, no-break spaces), the invisible characters
+    (:data:`DEFAULT_IGNORABLE_RANGES`, U+2800) dropped, the other scripts' look-alikes of ``memory.md``'s
+    letters mapped to them (:data:`_INDEX_LOOKALIKES`), case folded (``str.casefold``: a
+    case-insensitive disk — macOS, Windows — or a reader takes ``memory.md`` for
+    ``MEMORY.md``), ``rn`` read as ``m``, whitespace at either end and dots at the end removed
+    (``"MEMORY.md "`` shows as ``MEMORY.md``; Windows drops trailing spaces and dots).
+    After TR39's skeleton (Unicode Technical Standard #39, section 4), restricted to
+    what :func:`looks_like_index` needs."""
+    s = _INVISIBLE_RE.sub("", unicodedata.normalize("NFKC", name))
+    s = s.translate(_INDEX_FOLD_TABLE).casefold().replace("rn", "m")
+    return _END_RE.sub("", s)
+
+
+_INDEX_FOLDED = index_fold(INDEX_NAME)
+
+
+def looks_like_index(name: str) -> bool:
+    """Whether ``name`` (one component) is not :data:`INDEX_NAME` but would be taken for it:
+    ``index_fold`` makes them equal (``MEMORY.md `` with a trailing space or U+00A0,
+    ``ＭＥＭＯＲＹ.md``, ``memory.md``, ``MEMORY.md`` with a Cyrillic ``М`` / ``Е`` / ``О``,
+    ``MEM0RY.md``...). An ASCII name without ``ry`` costs a ``lower()``."""
+    if name == INDEX_NAME:
+        return False
+    if name.isascii() and "ry" not in name.lower():
+        return False  # in ASCII only case, 0 for o and rn for m fold: the "ry" stays
+    return index_fold(name) == _INDEX_FOLDED
+
+
+def check_root_name(name: str) -> str:
+    """The rule of a name GIVEN at a store's root (create, mkdir, rename target, the first
+    component of a path written on any face): it is not a look-alike of the store's index
+    (:func:`looks_like_index`), whose name the prompt block and the console show: a
+    ``MEMORY.md `` or ``ＭＥＭＯＲＹ.md`` beside (or instead of) the real index would be
+    read as the index by an agent or a person. Raises ``NameError_``; names made before
+    this rule keep working for every other operation."""
+    if looks_like_index(name):
+        raise NameError_(f"name {ascii(name)} looks like the store's index {INDEX_NAME} but is "
+                         f"not it; the root's {INDEX_NAME} is the only name of that look")
+    return name
+
+
 def check_new_name(name: str) -> str:
     """The rules a name must meet to be GIVEN to a new file or directory (create, mkdir, rename
     target, on every face), beyond :func:`check_component` (which every name already met):
@@ -140,11 +228,13 @@ def check_new_name(name: str) -> str:
 
 def check_new_path(path: str) -> str:
     """:func:`check_path` plus the rules of a path a write gives a record (create, move, the
-    target of a prefix move): every component meets :func:`check_new_name`, and its first
-    component, when it is a directory, :func:`check_dir_name` (``MEMORY.md/x`` is refused).
+    target of a prefix move): every component meets :func:`check_new_name`, its first
+    component :func:`check_root_name` (no look-alike of the index) and, when it is a
+    directory, :func:`check_dir_name` (``MEMORY.md/x`` is refused).
     Raises ``NameError_``."""
     check_path(path)
     parts = path.split("/")
+    check_root_name(parts[0])
     if len(parts) > 1:
         check_dir_name("", parts[0])
     for part in parts:

@@ -665,10 +665,10 @@ async def test_idle_live_page_makes_no_database_queries(app, monkeypatch):
         r = await c.get(f"/ui/stores/ws/live?after={seq}")  # looks once: learns the head, access
         assert r.status_code == 200 and "event: change" not in r.text
         monkeypatch.setattr(web, "LIVE_STREAM_SECONDS", 2.5)
-        before = counter._value.get()
+        before = counter.value()
         r = await c.get(f"/ui/stores/ws/live?after={seq}")
         assert r.text.count(": keep-alive") >= 5 and "event: change" not in r.text, r.text
-        assert counter._value.get() == before
+        assert counter.value() == before
     # a write wakes an open page: the change event comes long before the page's end (the
     # app called as ASGI directly: httpx's ASGITransport hands over a body only once complete)
     monkeypatch.setattr(web, "LIVE_STREAM_SECONDS", 60.0)

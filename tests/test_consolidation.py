@@ -227,6 +227,11 @@ async def test_new_store_job_writes_a_store_for_review_and_leaves_the_input(cenv
     assert req["tools"][0]["name"] == TOOL_NAME and req["max_tokens"] > 0
     prompt = req["messages"][0]["content"]
     assert "Merge duplicates." in prompt and "We deploy with make ship." in prompt
+    # a workspace's request is an agent's, never the owner's (memory content an agent read
+    # must not gain the owner's authority): labelled by its workspace, not its instance label
+    assert ("Instructions requested by an agent (workspace ws) with write access to the store, "
+            "not by its administrator:\nMerge duplicates." in prompt), prompt[:300]
+    assert "owner" not in prompt and "sc1" not in prompt.split("The store's files")[0]
     assert "Recent changes" in prompt and '"operation": "created"' in prompt
     # listing, newest first; the other workspace sees nothing
     listed = (await cenv.ws.get("/v1/stores/default/consolidations")).json()
@@ -237,6 +242,8 @@ async def test_new_store_job_writes_a_store_for_review_and_leaves_the_input(cenv
     model.answer({"summary": "", "changes": []})
     second = await _wait(cenv, (await _start(cenv))["id"])
     assert second["status"] == "completed" and second["output_store"] == "default-consolidated-2"
+    prompt = model.requests[-1][1]["messages"][0]["content"]  # an admin token's job
+    assert "Instructions from the store's administrator:\nMerge duplicates." in prompt, prompt[:300]
     assert second["changes"] == [] and len(await _snapshot(cenv, "default-consolidated-2")) == 3
 
 

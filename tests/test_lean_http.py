@@ -6,15 +6,22 @@ answer, a connection closed before or after an answer, garbage, 503 with ``Retry
 Each case runs through both paths and compares what the caller sees."""
 from __future__ import annotations
 
+import socket
+import struct
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import httpx
 import pytest
 import trio
+from hypothesis import given
+from hypothesis import strategies as st
 
 from memfuse.client import ApiClient
 from memfuse.errors import ApiError, Conflict, PreconditionFailed, TransientError, Unauthorized
 
+from mountcheck import hyp_settings
 from mountutil import ControlPlane
 
 
@@ -162,6 +169,11 @@ async def _serve(behaviour: str, nursery: trio.Nursery) -> int:
                 if behaviour == "garbage":
                     await stream.send_all(b"NOT HTTP AT ALL\r\n\r\n")
                     return
+                if behaviour == "slow":  # within the client's timeout
+                    await trio.sleep(0.3)
+                if behaviour == "mid-answer":  # the head, part of the body, then the close
+                    await stream.send_all(_OK % 400 + b'{"id":')
+                    return
                 if behaviour == "503":
                     body = b'{"type":"about:blank","title":"busy","status":503,"code":"busy"}'
                     await stream.send_all(b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 7\r\n"
@@ -171,6 +183,9 @@ async def _serve(behaviour: str, nursery: trio.Nursery) -> int:
                 body = _record_body("a.md")
                 await stream.send_all(_OK % len(body) + body)
                 if behaviour == "answer-then-close":
+                    return
+                if behaviour == "answer-then-reset":  # an RST, not a FIN
+                    stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                     return
         except trio.BrokenResourceError:
             pass
@@ -182,7 +197,7 @@ async def _serve(behaviour: str, nursery: trio.Nursery) -> int:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("behaviour", ["silent", "close", "garbage", "503", "refused"])
+@pytest.mark.parametrize("behaviour", ["silent", "close", "garbage", "503", "refused", "mid-answer"])
 async def test_wire_failures_classified_as_httpx_does(behaviour):
     """Each failure reaches the caller as the same ``ApiError`` (class, status, code,
     ``Retry-After``) through the lean path as through httpx."""
@@ -201,7 +216,7 @@ async def test_wire_failures_classified_as_httpx_does(behaviour):
         assert a == b, (a, b)
         assert a[0] == TransientError.__name__
         want = {"silent": "read_timeout", "close": "protocol_error", "garbage": "protocol_error",
-                "503": "busy", "refused": "connect_error"}[behaviour]
+                "503": "busy", "refused": "connect_error", "mid-answer": "protocol_error"}[behaviour]
         assert a[2] == want
         if behaviour == "503":
             assert a[3] == 7.0
@@ -209,11 +224,29 @@ async def test_wire_failures_classified_as_httpx_does(behaviour):
 
 
 @pytest.mark.timeout(60)
-async def test_connection_closed_by_the_server_after_an_answer_is_not_reused():
-    """A server that closes its side after answering (idle keep-alive expiry): the next
-    request opens a new connection instead of failing on the dead one."""
+async def test_a_slow_answer_within_the_timeout_is_read_on_a_kept_connection():
+    """An answer that comes 0.3 s after its request (the client's timeout 2 s): read, on
+    one kept connection, as through httpx."""
     async with trio.open_nursery() as nursery:
-        port = await _serve("answer-then-close", nursery)
+        port = await _serve("slow", nursery)
+        lean, plain = _both(f"http://127.0.0.1:{port}", "t", timeout=2, bounded=True)
+        async with lean, plain:
+            for _ in range(3):
+                a = await lean.create_record("default", "a.md", "x\n")
+                b = await plain.create_record("default", "a.md", "x\n")
+                assert a == b and a.path == "a.md"
+            assert lean._lean is not None and lean._lean.connections_opened == 1
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("behaviour", ["answer-then-close", "answer-then-reset"])
+async def test_connection_closed_by_the_server_after_an_answer_is_not_reused(behaviour):
+    """A server that closes its side after answering (idle keep-alive expiry), or resets
+    the connection: the next request opens a new connection instead of failing on the
+    dead one."""
+    async with trio.open_nursery() as nursery:
+        port = await _serve(behaviour, nursery)
         async with ApiClient(f"http://127.0.0.1:{port}", "t", lean=True, timeout=5) as c:
             assert c._lean is not None
             for _ in range(3):
@@ -473,4 +506,163 @@ async def test_answers_read_as_h11_reads_them(form, pieces):
         finally:
             await lean.aclose()
         assert lean.connections_opened == (1 if form in _REUSED else 2), form
+        nursery.cancel_scope.cancel()
+
+
+# ---------------------------------------------------------------- header lines as h11 reads them
+
+_LINE_BYTES = b"aZ09-!~:;, \t\"\x00\x01\x0b\x0c\r\n\x7f\x80\xff("
+
+
+def _h11_head(raw: bytes) -> tuple[Any, ...] | None:
+    """``_h11_reads`` of ``raw`` (an answer to a POST), None when h11 refuses it."""
+    import h11
+
+    try:
+        return _h11_reads(raw)
+    except h11.RemoteProtocolError:
+        return None
+
+
+@pytest.mark.timeout(120)
+@given(lines=st.lists(st.binary(min_size=1, max_size=12).map(
+    lambda b: bytes(_LINE_BYTES[x % len(_LINE_BYTES)] for x in b)), max_size=4))
+@hyp_settings(400)
+def test_header_lines_read_as_h11_reads_them(lines):
+    """An answer head read without h11 (``lean._simple_head``: header lines checked by
+    ``_TOKEN`` / ``_FIELD``, not by h11's expression) is exactly what h11 reads from it
+    (status, reason, the headers' names and values, the body), for header lines made of
+    the bytes that matter to h11's grammar (token and field bytes, ``:``, blanks, NUL, VT,
+    FF, CR, LF, DEL, obs-text); whatever it does not read, h11 is handed. And the plain
+    form is read here, not handed on: a head h11 reads whose lines hold neither CR nor LF
+    (nor a second ``Content-Length`` or a ``Transfer-Encoding``, nor a folded line) is
+    read without h11."""
+    from memfuse.client.lean import _simple_head
+
+    raw = (b"HTTP/1.1 200 OK\r\n" + b"".join(ln + b"\r\n" for ln in lines)
+           + b"Content-Length: 2\r\n\r\nok")
+    head = _simple_head(raw, "POST")
+    assert head is not None  # the head is whole
+    h11_read = _h11_head(raw)
+    if head is False:
+        plain = all(b"\r" not in ln and b"\n" not in ln and not ln[:1].isspace() for ln in lines)
+        names = [ln.partition(b":")[0].strip().lower() for ln in lines]
+        framing = b"content-length" in names or b"transfer-encoding" in names
+        assert h11_read is None or not plain or framing, (raw, h11_read)
+        return
+    assert h11_read is not None, raw
+    status, reason, headers, start, size, _ = head
+    assert (status, reason, headers, raw[start:start + size]) == h11_read, raw
+    assert start + size == len(raw)
+
+
+@pytest.mark.timeout(60)
+async def test_an_exchange_on_a_kept_connection_waits_once():
+    """A request on a kept connection whose answer comes whole costs the trio thread one
+    scheduler pass: the one that waits for the answer. Neither the send (taken by the
+    kernel at once) nor a read attempted before the answer can be there makes one (trio's
+    ``SocketStream`` yields after every send: two passes per commit request, each ~20 us
+    of the sidecar's CPU)."""
+    from memfuse.client.lean import LeanHTTP
+
+    class Passes(trio.abc.Instrument):
+        def __init__(self) -> None:
+            self.waits = 0
+
+        def before_io_wait(self, timeout: float) -> None:
+            self.waits += 1
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(10)
+    port = listener.getsockname()[1]
+
+    def serve() -> None:  # in a thread: this trio run has only the client's passes
+        conn, _ = listener.accept()
+        conn.settimeout(10)
+        with conn:
+            buf = b""
+            while True:
+                while b"\r\n\r\n" not in buf or len(buf.partition(b"\r\n\r\n")[2]) < 2:
+                    got = conn.recv(65536)
+                    if not got:
+                        return
+                    buf += got
+                buf = buf.partition(b"\r\n\r\n")[2][2:]  # each request's body is b"{}"
+                body = _record_body("a.md")
+                conn.sendall(_OK % len(body) + body)
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    try:
+        lean = LeanHTTP(f"http://127.0.0.1:{port}", None, 5.0)
+        passes = Passes()
+        try:
+            await lean.exchange("POST", "/x", [("Content-Type", "application/json")], b"{}")
+            counts = []
+            for _ in range(5):
+                trio.lowlevel.add_instrument(passes)
+                passes.waits = 0
+                a = await lean.exchange("POST", "/x", [("Content-Type", "application/json")], b"{}")
+                trio.lowlevel.remove_instrument(passes)
+                assert a.status == 201
+                counts.append(passes.waits)
+        finally:
+            await lean.aclose()
+        assert lean.connections_opened == 1
+        assert counts == [1] * 5, counts
+    finally:
+        listener.close()
+        server.join(timeout=10)
+
+
+@pytest.mark.timeout(60)
+async def test_tls_answers_on_a_kept_connection_and_a_new_one_after_a_close(tmp_path):
+    """Over TLS (``https://``, the client's context trusting the server's self-signed
+    certificate) the lean path reads answers on one kept connection, and opens a new one
+    once the server closed the kept one; a certificate the context does not trust is a
+    connect error."""
+    import ssl
+    import subprocess
+
+    from memfuse.client.lean import LeanHTTP
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
+                    "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True, timeout=60)
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server.load_cert_chain(str(cert), str(key))
+    answers = {"n": 0}
+
+    async def handler(stream: trio.SSLStream) -> None:
+        try:
+            while await _read_request(stream):  # type: ignore[arg-type]
+                answers["n"] += 1
+                body = _record_body("a.md")
+                await stream.send_all(_OK % len(body) + body)
+                if answers["n"] == 3:  # then the server closes this connection
+                    return
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        finally:
+            await trio.aclose_forcefully(stream)
+
+    async with trio.open_nursery() as nursery:
+        listeners = await trio.open_ssl_over_tcp_listeners(0, server, host="127.0.0.1")
+        port = listeners[0].transport_listener.socket.getsockname()[1]
+        nursery.start_soon(trio.serve_listeners, handler, listeners)
+        lean = LeanHTTP(f"https://127.0.0.1:{port}", ssl.create_default_context(cafile=str(cert)), 5.0)
+        try:
+            for i in range(5):
+                a = await lean.exchange("POST", "/x", [("Content-Type", "application/json")], b"{}")
+                assert a.status == 201 and a.content == _record_body("a.md"), i
+                if i == 2:
+                    await trio.sleep(0.1)  # the server's close arrives
+        finally:
+            await lean.aclose()
+        assert lean.connections_opened == 2
+        untrusting = LeanHTTP(f"https://127.0.0.1:{port}", ssl.create_default_context(), 5.0)
+        with pytest.raises(httpx.ConnectError):
+            await untrusting.exchange("POST", "/x", [], b"{}")
+        await untrusting.aclose()
         nursery.cancel_scope.cancel()

@@ -150,9 +150,9 @@ async def test_a_create_costs_nine_statements_and_begin(env):
     app, me = env
     await _create(me, "warm.md", **{"Idempotency-Key": "w"})
     counter = app.state.metrics.db_statements
-    before = counter._value.get()
+    before = counter.value()
     await _create(me, "d/one.md", **{"Idempotency-Key": "one"})
-    assert counter._value.get() - before == 9 + 1
+    assert counter.value() - before == 9 + 1
 
 
 async def test_reads_of_live_records_at_paths_look_each_path_up_on_sqlite(env):

@@ -421,10 +421,10 @@ async def test_idle_long_polls_make_no_database_queries(env):
             n.start_soon(events)
 
     await both()  # may read once
-    before = counter._value.get()
+    before = counter.value()
     for _ in range(3):
         await both()
-    assert counter._value.get() == before
+    assert counter.value() == before
     # and a write still wakes them
     result = {}
 
@@ -705,11 +705,11 @@ async def test_a_feed_read_costs_one_statement_per_step_and_pages_as_changes_pag
     assert (await peer.delete(f"/v1/stores/default/records/{b['id']}")).status_code == 204
     prev = svc.feed_read(key, start, with_content=False).store_top
     top = (await _create(peer, "last.md"))["seq"]
-    before = counter._value.get()
+    before = counter.value()
     fr = svc.feed_read(key, prev)  # the one create, as a stream woken by it reads it
     assert [c.record.path for c in fr.changes] == ["last.md"]
     steps = 4 if svc.db.is_sqlite else 3  # BEGIN is sent by the driver itself on PostgreSQL
-    assert counter._value.get() - before == steps
+    assert counter.value() - before == steps
     for content in (True, False):
         for skip in (None, ME):
             for limit in (1, 2, 100):

@@ -286,3 +286,32 @@ def test_real_sidecar_admin_api_needs_the_token_for_mount_changes(tmp_path):
         wait_for(lambda: stores() == ["notes", "team"], 10, "notes back")
         assert sc.stop() == 0
         assert not sock.exists()
+
+
+def test_the_sidecar_process_raises_the_collectors_first_threshold(tmp_path, monkeypatch):
+    """``run_mount`` (the entry point of ``memfuse mount``) sets the sidecar's garbage
+    collector thresholds (``mount.tune_gc``) before the sidecar runs: with CPython's first
+    threshold of 700, the live growth of a write (a node, a mirror entry) ran a collection
+    every ~25 files and a full one of the whole heap every 1,000-2,000 (bench/README.md,
+    "The close path, session 15: sidecar")."""
+    import gc
+
+    from memfuse.sidecar import mount as mount_mod
+
+    seen: list[tuple[int, ...]] = []
+
+    def run(main, *args, **kwargs):  # trio.run: the thresholds the sidecar would run with
+        main().close()  # (never started)
+        seen.append(gc.get_threshold())
+        return 0
+
+    before = gc.get_threshold()
+    monkeypatch.setattr(mount_mod, "setup_logging", lambda *a, **k: None)  # process-wide
+    monkeypatch.setattr(mount_mod.trio, "run", run)
+    try:
+        config = mount_mod.MountConfig(mountpoint=tmp_path / "mnt", workspace="ws",
+                                       cache_dir=tmp_path / "cache")
+        assert mount_mod.run_mount(config, lambda: None) == 0
+    finally:
+        gc.set_threshold(*before)
+    assert len(seen) == 1 and seen[0][0] >= 50_000, seen  # CPython's default: 700

@@ -4,10 +4,14 @@ session 12: serve's writer"), with the same commit / rollback behaviour as a poo
 broken connection replaced, and the kept one closed by ``dispose``."""
 from __future__ import annotations
 
+import sqlite3
+
 import pytest
 from sqlalchemy import event, text
+from sqlalchemy.exc import IntegrityError, OperationalError
 
 from memfuse.server.db import Database
+from memfuse.server.rawsql import Raw
 
 
 @pytest.fixture
@@ -88,3 +92,101 @@ def test_dispose_closes_the_kept_connection(tmp_path):
     assert kept is not None and not kept.closed
     d.dispose()
     assert d._kept is None and kept.closed
+
+
+# ---------------------------------------------------------------- the transaction on the driver
+# (session 15): BEGIN IMMEDIATE through Raw, the driver's commit / rollback, SQLAlchemy's
+# transaction only when a Core statement inside autobegins it
+
+_INSERT = Raw(text("INSERT INTO t (k, v) VALUES (:k, :v)"))
+
+
+def test_a_write_transaction_runs_on_the_driver_not_through_sqlalchemys(db):
+    """No SQLAlchemy ``begin`` / ``commit`` for a transaction of raw statements; the
+    ``BEGIN IMMEDIATE`` is still seen by the statement listeners, the rows are committed
+    (another connection reads them) and the connection is left outside a transaction."""
+    seen: list[str] = []
+    events: list[str] = []
+
+    def spy(conn, cursor, statement, parameters, context, executemany):
+        seen.append(statement)
+
+    listeners = [("before_cursor_execute", spy)] + [
+        (name, (lambda name: lambda *a: events.append(name))(name)) for name in ("begin", "commit", "rollback")]
+    for name, fn in listeners:
+        event.listen(db.engine, name, fn)
+    try:
+        with db.write_conn() as conn:
+            _INSERT.run(conn, {"k": 1, "v": "a"})
+            _INSERT.run(conn, {"k": 2, "v": "b"})
+    finally:
+        for name, fn in listeners:
+            event.remove(db.engine, name, fn)
+    assert events == []
+    assert seen[0] == "BEGIN IMMEDIATE" and len(seen) == 3
+    assert _rows(db) == [(1, "a"), (2, "b")]
+    assert not db._kept.connection.dbapi_connection.in_transaction and not db._kept.in_transaction()
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_a_core_statement_inside_joins_the_drivers_transaction(db, fail):
+    """A Core statement in the block (SQLAlchemy autobegins) runs in the same transaction:
+    both committed, or both rolled back by an error; the connection is kept either way."""
+    kept = db._kept
+    try:
+        with db.write_conn() as conn:
+            _INSERT.run(conn, {"k": 1, "v": "raw"})
+            conn.execute(text("INSERT INTO t (k, v) VALUES (2, 'core')"))
+            _INSERT.run(conn, {"k": 3, "v": "raw"})
+            if fail:
+                raise RuntimeError("refused")
+    except RuntimeError:
+        assert fail
+    assert _rows(db) == ([] if fail else [(1, "raw"), (2, "core"), (3, "raw")])
+    assert db._kept is kept and not kept.in_transaction()
+    assert not kept.connection.dbapi_connection.in_transaction
+    with db.write_conn() as conn:  # and the next one runs
+        _INSERT.run(conn, {"k": 9, "v": "next"})
+    assert (9, "next") in _rows(db)
+
+
+@pytest.mark.parametrize("core", [False, True])
+def test_a_commit_that_fails_is_rolled_back_and_raised_as_sqlalchemy_raises_it(db, core):
+    """A commit the database refuses (a deferred foreign key left dangling) raises
+    SQLAlchemy's ``IntegrityError`` (``Writer.write`` retries on it), leaves nothing written
+    and the connection usable, on the driver's commit and on SQLAlchemy's (``core``)."""
+    with db.write_conn() as conn:
+        conn.exec_driver_sql("CREATE TABLE c (k INTEGER PRIMARY KEY, "
+                             "t INTEGER REFERENCES t(k) DEFERRABLE INITIALLY DEFERRED)")
+    with pytest.raises(IntegrityError):
+        with db.write_conn() as conn:
+            _INSERT.run(conn, {"k": 1, "v": "gone"})
+            if core:
+                conn.execute(text("INSERT INTO c (k, t) VALUES (1, 42)"))
+            else:
+                Raw(text("INSERT INTO c (k, t) VALUES (1, 42)")).run(conn, {})
+    assert _rows(db) == []
+    assert not db._kept.connection.dbapi_connection.in_transaction
+    with db.write_conn() as conn:
+        _INSERT.run(conn, {"k": 2, "v": "kept"})
+    assert _rows(db) == [(2, "kept")]
+
+
+def test_a_begin_refused_while_another_writer_holds_the_database_raises_and_keeps_the_connection(db, tmp_path):
+    """``BEGIN IMMEDIATE`` refused (another process's writer holds the lock past the busy
+    timeout): ``OperationalError``, nothing begun, the next write runs."""
+    with db.write_conn() as conn:
+        conn.exec_driver_sql("PRAGMA busy_timeout=50")  # the kept connection waits 50 ms
+    kept = db._kept
+    other = sqlite3.connect(str(tmp_path / "cp.db"), isolation_level=None)
+    try:
+        other.execute("BEGIN IMMEDIATE")
+        with pytest.raises(OperationalError):
+            with db.write_conn() as conn:
+                _INSERT.run(conn, {"k": 1, "v": "blocked"})
+        other.execute("ROLLBACK")
+    finally:
+        other.close()
+    with db.write_conn() as conn:
+        _INSERT.run(conn, {"k": 2, "v": "after"})
+    assert db._kept is kept and _rows(db) == [(2, "after")]

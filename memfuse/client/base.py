@@ -10,6 +10,7 @@ import email.utils
 import functools
 import logging
 import math
+import re
 import ssl
 import time
 from collections.abc import Callable
@@ -71,6 +72,9 @@ INSTANCE_HEADER = "X-Memfuse-Instance"
 #: s without a line before a stream counts as dead: two heartbeats (20 s each) and a margin
 STREAM_READ_TIMEOUT = 45.0
 IDEMPOTENCY_HEADER = "Idempotency-Key"
+#: the request headers ``ApiSession._send`` sets, by their lower-case names (the lean path's)
+_LOWER = {"If-Match": "if-match", IDEMPOTENCY_HEADER: "idempotency-key", "Accept": "accept",
+          "Content-Type": "content-type", "Authorization": "authorization"}
 
 
 # ---------------------------------------------------------------- error classification
@@ -268,8 +272,17 @@ def _memory_tool_command(command: dict[str, Any]) -> dict[str, Any]:
 
 
 def _seg(value: str | int) -> str:
-    """Percent-encode one URL path segment."""
-    return quote(str(value), safe="")
+    """Percent-encode one URL path segment (``quote(value, safe="")``; a segment of
+    unreserved characters only, as store slugs and record ids are, is returned as it is
+    without ``quote``'s work)."""
+    value = str(value)
+    if _UNRESERVED.fullmatch(value) is not None:
+        return value
+    return quote(value, safe="")
+
+
+#: a path segment that ``quote(..., safe="")`` leaves as it is (RFC 3986 unreserved)
+_UNRESERVED = re.compile(r"[A-Za-z0-9_.~-]+")
 
 
 def _bool(value: bool) -> str:
@@ -534,7 +547,8 @@ class ApiSession:
                         defaults = self._lean_defaults = {
                             k: v for k, v in self._http.headers.items() if k != "accept-encoding"}
                     merged = defaults.copy()
-                    merged.update((k.lower(), v) for k, v in headers.items())
+                    for k, v in headers.items():
+                        merged[_LOWER.get(k) or k.lower()] = v
                     got = await lean.exchange(method, path, list(merged.items()), kwargs.get("content"))
                     if raw_ok and 200 <= got.status < 300 and got.plain():
                         raw = got

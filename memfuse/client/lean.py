@@ -1,10 +1,11 @@
 """A lean HTTP/1.1 path for the sidecar's ordinary requests: pooled keep-alive connections
-on trio streams (TCP, TLS through ``trio.SSLStream`` with the client's ``ssl.SSLContext``),
-framed with h11's rules (the protocol library httpx's own transport, httpcore, uses): the
-request written as h11 writes it, with h11's own expressions checking the request line and
-every header; an answer in the control plane's plain form (``_simple_head``) read directly,
-any other handed with every byte read to an h11 connection, which reads it or refuses it as
-it always did (``LeanHTTP._receive``). h11's state machine cost ~0.2 ms of the sidecar's CPU
+(TCP: the non-blocking socket with trio's waits, ``_Conn``; TLS through ``trio.SSLStream``
+with the client's ``ssl.SSLContext``), framed with h11's rules (the protocol library httpx's
+own transport, httpcore, uses): the request written as h11 writes it, with h11's own
+expressions checking the request line and every header; an answer in the control plane's
+plain form (``_simple_head``: header lines of h11's grammar) read directly, any other
+handed with every byte read to an h11 connection, which reads it or refuses it as it always
+did (``LeanHTTP._receive``). h11's state machine cost ~0.2 ms of the sidecar's CPU
 per commit request on the benchmark machine (bench/README.md, "The close path, session 11").
 
 Why: the outbox sends one small request per ``close(2)`` when one file is written at a time
@@ -32,6 +33,8 @@ after the request may have left is raised (the caller's idempotency key covers a
 from __future__ import annotations
 
 import os
+import select
+import socket
 import ssl
 from urllib.parse import urlsplit
 
@@ -41,7 +44,7 @@ import trio
 from h11._events import method_re as _METHOD_RE, request_target_re as _TARGET_RE
 from h11._headers import Headers as _H11Headers, _field_value_re as _VALUE_RE
 from h11._headers import normalize_and_validate as _h11_headers
-from h11._readers import header_field_re as _FIELD_RE, status_line_re as _STATUS_RE
+from h11._readers import status_line_re as _STATUS_RE
 
 from . import deadline
 
@@ -70,24 +73,70 @@ def proxy_configured() -> bool:
 
 
 class _Conn:
-    """One HTTP/1.1 connection (a trio stream), idle between two exchanges: every answer
-    read on it so far was whole, with nothing after it, and allowed keep-alive."""
+    """One HTTP/1.1 connection, idle between two exchanges: every answer read on it so far
+    was whole, with nothing after it, and allowed keep-alive. A plain (``http``) connection
+    is its non-blocking socket, read and written here with trio's waits
+    (``trio.lowlevel.wait_readable`` / ``wait_writable``) and nothing between: trio's
+    ``SocketStream`` and socket wrappers cost a scheduler pass after every send and a
+    failed ``recv`` before every wait (bench/README.md, "The close path, session 15: the
+    commit exchange"). A TLS connection is its ``trio.SSLStream`` (``stream``)."""
 
-    __slots__ = ("stream", "sock")
+    __slots__ = ("stream", "sock", "_poll")
 
-    def __init__(self, stream: trio.abc.Stream, sock: trio.socket.SocketType) -> None:
-        self.stream = stream
+    def __init__(self, stream: trio.abc.Stream | None, sock: socket.socket) -> None:
+        self.stream = stream  # None: plain, ``sock`` itself is read and written
         self.sock = sock
+        self._poll = select.poll()  # kept: one poll(2) per reuse check (``reusable``)
+        self._poll.register(sock.fileno(), select.POLLIN)
 
     def reusable(self) -> bool:
-        """Idle and still open as far as the socket tells: nothing to read (an EOF or stray
-        bytes from the server make it readable)."""
+        """Idle and still open as far as the socket tells: nothing to read (an EOF, a reset
+        or stray bytes from the server make it readable)."""
         try:
-            return not self.sock.is_readable()
+            return not self._poll.poll(0)
         except OSError:
             return False
 
+    async def send_all(self, data: bytes) -> None:
+        """Send all of ``data``. Raises ``OSError`` (plain), ``trio.BrokenResourceError`` /
+        ``ssl.SSLError`` (TLS), ``trio.ClosedResourceError``. A plain send that the kernel
+        takes at once is no checkpoint: the wait for the answer that follows is one."""
+        if self.stream is not None:
+            await self.stream.send_all(data)
+            return
+        sock = self.sock
+        with memoryview(data) as view:
+            sent = 0
+            while sent < len(view):
+                try:
+                    sent += sock.send(view[sent:])
+                except BlockingIOError:
+                    await trio.lowlevel.wait_writable(sock)
+
+    async def receive(self, wait: bool) -> bytes:
+        """The next bytes the server sent (b"" at EOF); ``wait``: wait for them before the
+        first ``recv`` (the answer to a request just sent is not there yet). Raises as
+        ``send_all``."""
+        if self.stream is not None:
+            return bytes(await self.stream.receive_some(READ_SIZE))
+        sock = self.sock
+        if not wait:
+            try:
+                return sock.recv(READ_SIZE)
+            except BlockingIOError:
+                pass
+        while True:
+            await trio.lowlevel.wait_readable(sock)
+            try:
+                return sock.recv(READ_SIZE)
+            except BlockingIOError:
+                pass
+
     async def aclose(self) -> None:
+        if self.stream is None:
+            trio.lowlevel.notify_closing(self.sock)
+            self.sock.close()
+            return
         with trio.CancelScope(shield=True):
             try:
                 await trio.aclose_forcefully(self.stream)
@@ -122,8 +171,9 @@ class LeanHTTP:
         self.timeout = float(timeout)
         self._idle: list[_Conn] = []
         #: the headers of a request other than ``_PER_REQUEST`` -> h11's validated and
-        #: normalized form of them after ``Host`` (``_headers``)
-        self._validated: dict[tuple[tuple[str, str], ...], list[tuple[bytes, bytes, bytes]]] = {}
+        #: normalized form of them after ``Host``, and their lines (``_headers``)
+        self._validated: dict[tuple[tuple[str, str], ...],
+                              tuple[list[tuple[bytes, bytes, bytes]], bytes]] = {}
         self.connections_opened = 0  # for tests and status: how often a connection was made
 
     async def aclose(self) -> None:
@@ -136,18 +186,25 @@ class LeanHTTP:
         try:
             with trio.fail_after(self.timeout):
                 tcp = await trio.open_tcp_stream(self.host, self.port)
-                stream: trio.abc.Stream = tcp
                 if self.https:
                     ctx = self.ssl_context or ssl.create_default_context()
                     tls = trio.SSLStream(tcp, ctx, server_hostname=self.host, https_compatible=True)
-                    await tls.do_handshake()
-                    stream = tls
+                    try:
+                        await tls.do_handshake()
+                    except BaseException:
+                        await trio.aclose_forcefully(tcp)
+                        raise
+                    conn = _Conn(tls, tcp.socket)  # type: ignore[arg-type]  # poll(2)s its fileno
+                else:  # the stream's socket (TCP_NODELAY set) taken out of trio's wrappers
+                    sock = socket.socket(fileno=tcp.socket.detach())
+                    sock.setblocking(False)
+                    conn = _Conn(None, sock)
         except trio.TooSlowError:
             raise httpx.ConnectTimeout("timed out connecting") from None
         except (OSError, trio.BrokenResourceError, ssl.SSLError) as exc:
             raise httpx.ConnectError(str(exc) or type(exc).__name__) from None
         self.connections_opened += 1
-        return _Conn(stream, tcp.socket)
+        return conn
 
     async def _take(self) -> tuple[_Conn, bool]:
         """A connection for the next request and whether it was idle in the pool (reused)."""
@@ -158,17 +215,21 @@ class LeanHTTP:
             await c.aclose()
         return await self._connect(), False
 
-    def _headers(self, headers: list[tuple[str, str]], length: int | None) -> _H11Headers:
-        """``Host``, ``headers`` and ``Content-Length: length`` (None: none) as h11's
-        ``Headers``, validated and normalized by h11's own ``normalize_and_validate`` (its
-        ``LocalProtocolError`` raised for an illegal name or value, conflicting lengths, a
-        second ``Transfer-Encoding``). The headers that are the same from one request to
-        the next are validated once per distinct set: each request's headers cost h11 two
-        regular expressions per header, ~100 us of the sidecar's CPU per commit request on
-        the benchmark machine (9 headers), though only the idempotency key, ``If-Match`` and
-        the length change. ``Content-Length`` and ``Transfer-Encoding`` are each validated
-        with all of their kind (the first among the per-request headers, the second never),
-        so h11's checks across headers hold as before; ``Host`` is counted by ``Request``."""
+    def _headers(self, headers: list[tuple[str, str]],
+                 length: int | None) -> tuple[list[tuple[bytes, bytes, bytes]], bytes]:
+        """``Host``, ``headers`` and ``Content-Length: length`` (None: none) validated and
+        normalized by h11's own ``normalize_and_validate`` (its ``LocalProtocolError``
+        raised for an illegal name or value, conflicting lengths, a second
+        ``Transfer-Encoding``): ``(items, lines)``, h11's ``(raw name, lower-case name,
+        value)`` items and the header lines h11 writes for them (``Host`` first, then the
+        others in order: its ``write_request``). The headers that are the same from one
+        request to the next are validated, and their lines written, once per distinct set:
+        each request's headers cost h11 two regular expressions per header, ~100 us of the
+        sidecar's CPU per commit request on the benchmark machine (9 headers), though only
+        the idempotency key, ``If-Match`` and the length change. ``Content-Length`` and
+        ``Transfer-Encoding`` are each validated with all of their kind (the first among the
+        per-request headers, the second never), so h11's checks across headers hold as
+        before; ``Host`` is counted by ``Request``."""
         fixed: list[tuple[str, str]] = []
         varying: list[tuple[str, str]] = []
         for kv in headers:
@@ -176,13 +237,18 @@ class LeanHTTP:
         if length is not None:
             varying.append(("Content-Length", str(length)))
         key = tuple(fixed)
-        items = self._validated.get(key)
-        if items is None:
+        got = self._validated.get(key)
+        if got is None:
             items = _h11_headers([("Host", self.host_header), *fixed])._full_items
+            ordered = [kv for kv in items if kv[1] == b"host"] + [kv for kv in items if kv[1] != b"host"]
+            block = b"".join([b"%s: %s\r\n" % (raw, value) for raw, _, value in ordered])
+            got = (items, block)
             if len(self._validated) >= _VALIDATED_MAX:
                 self._validated.clear()
-            self._validated[key] = items
-        return _H11Headers(items + _varying_items(varying))
+            self._validated[key] = got
+        items, block = got
+        more = _varying_items(varying)  # never ``Host``: written after the others, in order
+        return items + more, block + b"".join([b"%s: %s\r\n" % (raw, value) for raw, _, value in more])
 
     async def send(self, method: str, path: str, headers: list[tuple[str, str]],
                    content: bytes | None) -> httpx.Response:
@@ -225,14 +291,14 @@ class LeanHTTP:
         try:
             target = self.prefix + path
             try:
-                hdrs = self._headers(headers, length)
-                data = _request_head(method, target, hdrs) + body
+                hdrs, lines = self._headers(headers, length)
+                data = _request_head(method, target, lines) + body
             except h11.LocalProtocolError as exc:
                 raise httpx.LocalProtocolError(str(exc)) from None
             # no timeout of its own: ``scope`` (the request's deadline, ``timeout`` s from
             # its start) ends earlier than one started now would (``_receive``)
             try:
-                await c.stream.send_all(data)
+                await c.send_all(data)
             except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError) as exc:
                 failed = httpx.WriteError(str(exc) or type(exc).__name__)
                 # the server may have answered before it read the whole body (a 413 from the
@@ -254,7 +320,8 @@ class LeanHTTP:
         return resp
 
     async def _early_answer(self, c: _Conn, scope: trio.CancelScope, method: str, target: str,
-                            hdrs: _H11Headers, length: int | None, body: bytes) -> "Answer | None":
+                            hdrs: list[tuple[bytes, bytes, bytes]], length: int | None,
+                            body: bytes) -> "Answer | None":
         """The answer the server sent before the request's send broke (it answered without
         reading the whole body and closed the connection), or None when none can be read
         (the connection gives EOF or an error first). Bounded by ``scope`` and by
@@ -268,23 +335,23 @@ class LeanHTTP:
             return resp if resp.status >= 400 else None
         return None
 
-    async def _read(self, c: _Conn, scope: trio.CancelScope) -> bytes:
-        """The next bytes of the answer (b"" at EOF). Each read is bounded by ``timeout`` s
-        (``httpx.Timeout``'s read timeout); while ``scope`` ends sooner than that (always
-        before the head arrived: it started earlier with the same bound) no scope of its
-        own is entered."""
+    async def _read(self, c: _Conn, scope: trio.CancelScope, wait: bool = False) -> bytes:
+        """The next bytes of the answer (b"" at EOF; ``wait``: none can be there yet,
+        ``_Conn.receive``). Each read is bounded by ``timeout`` s (``httpx.Timeout``'s read
+        timeout); while ``scope`` ends sooner than that (always before the head arrived: it
+        started earlier with the same bound) no scope of its own is entered."""
         try:
             if scope.deadline <= trio.current_time() + self.timeout:
-                return bytes(await c.stream.receive_some(READ_SIZE))
+                return await c.receive(wait)
             with trio.fail_after(self.timeout):  # the body's deadline moved on (extend)
-                return bytes(await c.stream.receive_some(READ_SIZE))
+                return await c.receive(wait)
         except trio.TooSlowError:
             raise httpx.ReadTimeout("timed out reading the answer") from None
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError) as exc:
             raise httpx.ReadError(str(exc) or type(exc).__name__) from None
 
     async def _receive(self, c: _Conn, scope: trio.CancelScope, method: str, target: str,
-                       hdrs: _H11Headers, length: int | None,
+                       hdrs: list[tuple[bytes, bytes, bytes]], length: int | None,
                        body: bytes) -> tuple["Answer", bool]:
         """Read one whole answer: ``(answer, reusable)``. An answer in the plain form the
         control plane gives (``_simple_head``: HTTP/1.1, ``Content-Length``, no
@@ -294,8 +361,10 @@ class LeanHTTP:
         the connection is not reused then. ``scope``'s deadline moves on as the body
         arrives (``deadline.extend``)."""
         buf = b""
+        wait = True  # the request was just sent: its answer is not there yet
         while True:
-            got = await self._read(c, scope)
+            got = await self._read(c, scope, wait)
+            wait = False
             buf += got
             head = _simple_head(buf, method) if got else False
             if head is False or (head is None and len(buf) > _HEAD_MAX):
@@ -315,14 +384,15 @@ class LeanHTTP:
         return Answer(status, reason, headers, buf[start:]), keep_alive
 
     async def _receive_h11(self, c: _Conn, scope: trio.CancelScope, method: str, target: str,
-                           hdrs: _H11Headers, length: int | None, body: bytes, buf: bytes,
+                           hdrs: list[tuple[bytes, bytes, bytes]], length: int | None,
+                           body: bytes, buf: bytes,
                            last: bytes) -> "Answer":
         """Read the answer through h11, given the bytes ``buf`` read so far (``last``: the
         last read's, b"" for an EOF): an h11 client connection is told of the request sent
         (its bytes dropped: they were sent already) and then reads as it always did."""
         conn = h11.Connection(h11.CLIENT)
         try:
-            conn.send(h11.Request(method=method, target=target, headers=hdrs))
+            conn.send(h11.Request(method=method, target=target, headers=_H11Headers(hdrs)))
             if body:
                 conn.send(h11.Data(data=body))
             conn.send(h11.EndOfMessage())
@@ -395,41 +465,49 @@ def _varying_items(varying: list[tuple[str, str]]) -> list[tuple[bytes, bytes, b
     return _h11_headers(varying)._full_items
 
 
-def _request_head(method: str, target: str, hdrs: _H11Headers) -> bytes:
-    """The request line and header block h11 writes for ``method`` ``target`` with the
-    validated ``hdrs`` (``Host`` first, then the others in order; h11's ``write_request``),
-    the method and target checked by h11's own expressions (``LocalProtocolError``)."""
+def _request_head(method: str, target: str, lines: bytes) -> bytes:
+    """The request line h11 writes for ``method`` ``target`` (both checked by h11's own
+    expressions: ``LocalProtocolError``), the header ``lines`` (``LeanHTTP._headers``) and
+    the blank line that ends the head."""
     m, t = method.encode("ascii"), target.encode("ascii")
     if _METHOD_RE.fullmatch(m) is None:
         raise h11.LocalProtocolError("Illegal method characters")
     if _TARGET_RE.fullmatch(t) is None:
         raise h11.LocalProtocolError("Illegal target characters")
-    items = hdrs._full_items
-    lines = [b"%s %s HTTP/1.1\r\n" % (m, t)]
-    lines += [b"%s: %s\r\n" % (raw, value) for raw, name, value in items if name == b"host"]
-    lines += [b"%s: %s\r\n" % (raw, value) for raw, name, value in items if name != b"host"]
-    lines.append(b"\r\n")
-    return b"".join(lines)
+    return b"%s %s HTTP/1.1\r\n%s\r\n" % (m, t, lines)
 
 
 _Head = tuple[int, bytes, list[tuple[bytes, bytes]], int, int, bool]
+
+#: a header line of an answer, as h11 reads one (``header_field`` of its ``_abnf``, RFC 9110
+#: section 5): ``field-name ":" OWS field-value OWS``, the name a ``token`` (no ``:`` in it:
+#: the line's first colon ends it) and the rest any run of ``field-vchar`` (h11's
+#: ``[^\x00\s]``) and ``SP`` / ``HTAB`` (the OWS either side and the blanks inside a value),
+#: so a line is h11's exactly when its name holds only ``_TOKEN`` bytes and the rest no
+#: byte outside ``_FIELD``; the value is the rest without its OWS. Checked with
+#: ``bytes.translate`` (the bytes left after deleting the allowed ones: none), ~5 us less per
+#: answer than h11's expression, which backtracks over each value (bench/README.md, "The
+#: close path, session 15: the commit exchange"). tests/test_lean_http.py holds it to h11's
+#: reading (``test_header_lines_read_as_h11_reads_them``).
+_TOKEN = b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+_FIELD = bytes(b for b in range(256) if b not in b"\x00\n\r\x0b\x0c")
 
 
 def _simple_head(buf: bytes, method: str) -> "_Head | None | bool":
     """The head of the answer starting ``buf`` when it is in the plain form read without h11:
     ``(status, reason, headers, body offset, body length, keep-alive)``; None when more
     bytes are needed to tell; False when it is not that form (h11 reads it). The form: a
-    status line ``HTTP/1.1 NNN reason`` and header lines that h11's own expressions accept
-    whole (no obsolete line folding), CRLF line ends only, a final status other than 204 /
-    304 to a request other than ``HEAD``, exactly one ``Content-Length`` and no
-    ``Transfer-Encoding``. Keep-alive unless a ``Connection`` header names ``close``."""
+    status line ``HTTP/1.1 NNN reason`` (h11's own expression) and header lines of h11's
+    grammar (``_field_line``; no obsolete line folding), CRLF line ends only, a final
+    status other than 204 / 304 to a request other than ``HEAD``, exactly one
+    ``Content-Length`` and no ``Transfer-Encoding``. Keep-alive unless a ``Connection``
+    header names ``close``."""
     end = buf.find(b"\r\n\r\n")
-    region = buf if end < 0 else buf[:end + 2]
-    if region.count(b"\n") != region.count(b"\r\n"):
-        return False  # a bare LF (h11 accepts those line ends)
     if end < 0:
+        if b"\n" in buf.replace(b"\r\n", b""):
+            return False  # a bare LF (h11 accepts those line ends)
         return None
-    lines = buf[:end].split(b"\r\n")
+    lines = buf[:end].split(b"\r\n")  # a bare CR or LF left in a line: refused below
     m = _STATUS_RE.fullmatch(lines[0])
     if m is None or m["http_version"] != b"1.1" or method == "HEAD":
         return False
@@ -440,10 +518,10 @@ def _simple_head(buf: bytes, method: str) -> "_Head | None | bool":
     size = -1
     keep_alive = True
     for line in lines[1:]:
-        f = _FIELD_RE.fullmatch(line)
-        if f is None:
+        name, colon, value = line.partition(b":")
+        if not colon or not name or name.translate(None, _TOKEN) or value.translate(None, _FIELD):
             return False
-        name, value = f["field_name"].lower(), f["field_value"]
+        name, value = name.lower(), value.strip(b" \t")
         if name == b"content-length":
             if size >= 0 or not value.isdigit() or not value.isascii():
                 return False

@@ -101,6 +101,22 @@ _J = cast(Table, ConsolidationJobRow.__table__)
 _W = cast(Table, WorkspaceRow.__table__)
 
 
+def instructions_label(job: AnyRow) -> str:
+    """Who gave job ``job``'s instructions, as the model reads it before them
+    (``jobspec.SYSTEM_PROMPT``): an admin token or the scheduler (``requested_by``
+    ``admin:...``, ``scheduled``) is the store's administrator; a workspace token is an agent
+    with write access, never "the store's owner": its request may carry text the agent read
+    in memories (memory content is untrusted and must not gain an owner's authority). The
+    workspace is named by its public name (a slug), not by the client's self-chosen instance
+    label."""
+    by = job.requested_by or ""
+    if job.scheduled or by.startswith("admin:"):
+        return "Instructions from the store's administrator"
+    ws = by[3:].split("/", 1)[0] if by.startswith("ws:") else "unknown"
+    return (f"Instructions requested by an agent (workspace {ws}) with write access to the store, "
+            "not by its administrator")
+
+
 class ConsolidationService(Resource):
     """``Service`` methods of consolidation jobs: ``create_consolidation``,
     ``get_consolidation``, ``list_consolidations``, ``cancel_consolidation``, and the runner
@@ -459,7 +475,7 @@ class ConsolidationService(Resource):
         """The Messages API request of a job: the system prompt, the instructions and the
         store's files as JSON, the forced tool call."""
         files = [{"path": r.path, "content": r.content} for r in records]
-        parts = [f"Store: {keys.public(job.store)}\n\nInstructions from the store's owner:\n{job.instructions}\n\n"
+        parts = [f"Store: {keys.public(job.store)}\n\n{instructions_label(job)}:\n{job.instructions}\n\n"
                  f"The store's files ({len(files)}), as JSON:\n{json.dumps(files, ensure_ascii=False)}"]
         if history:
             parts.append("Recent changes (oldest first), as JSON:\n" + json.dumps(history, ensure_ascii=False))

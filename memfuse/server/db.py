@@ -57,7 +57,7 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.engine import URL, Connection, Dialect, Engine, make_url
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import DBAPIError, InvalidRequestError, SQLAlchemyError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 from sqlalchemy.pool import StaticPool
 
@@ -575,6 +575,10 @@ class Database:
         # SQLite: write_conn transactions committed since the full-text queue was last drained
         # (``_drain_due``). GUARDED_BY(_write_lock, or _all_lock in memory)
         self._since_drain = 0
+        # SQLite file: the kept connection while ``write_conn`` holds a transaction it began on
+        # the driver (``_driver_transaction``), else None: SQLAlchemy's ``begin`` of it (the
+        # autobegin of a Core statement inside) then emits nothing. GUARDED_BY(_write_lock)
+        self._driver_open: Connection | None = None
         if self.is_sqlite and self.url.database and not self.is_memory and not self.url.query.get("uri"):
             # a missing directory made 0700, a new file 0600 (it holds memory content and
             # token hashes); fails at once, with a clear message, when they cannot be made
@@ -661,6 +665,8 @@ class Database:
 
         @event.listens_for(engine, "begin")
         def _on_begin(conn: Connection) -> None:
+            if conn is self._driver_open:
+                return  # in write_conn's transaction, begun on the driver: SQLAlchemy joins it
             if conn.get_execution_options().get("memfuse_write"):
                 begin_write.run(conn, {})
             else:
@@ -742,14 +748,8 @@ class Database:
                     kept.close()
                 kept = self._kept = self._write_bind.connect()
             conn = kept
-            try:
-                with conn.begin():
-                    yield conn
-            except BaseException:
-                if conn.invalidated or conn.in_transaction():  # not usable as it is: a new one next time
-                    self._kept = None
-                    conn.close()
-                raise
+            with self._driver_transaction(conn):
+                yield conn
             self._drain_due(conn)
             if conn.invalidated or conn.in_transaction():  # a drain that failed half-way
                 self._kept = None
@@ -757,6 +757,56 @@ class Database:
         finally:
             if lock is not None:
                 lock.release()
+
+    @contextmanager
+    def _driver_transaction(self, conn: Connection) -> Iterator[None]:
+        """``with conn.begin():`` for the kept connection (``_write_lock`` held, ``conn`` outside
+        any transaction), on the DB-API connection: ``BEGIN IMMEDIATE`` through ``Raw`` (the
+        ``before_cursor_execute`` listeners see it, as they see SQLAlchemy's), the driver's
+        ``commit()`` when the block ends without error, its ``rollback()`` otherwise.
+        SQLAlchemy's transaction machinery (``RootTransaction``, its ``begin`` / ``commit``
+        events and pool bookkeeping) cost ~77 Python calls a transaction (bench/README.md,
+        "The close path, session 15: serve's writer"). A Core statement inside autobegins
+        SQLAlchemy's transaction, which joins this one (``_on_begin`` emits nothing for it)
+        and ends it through SQLAlchemy (``commit`` / ``rollback``): the same end on the
+        driver. Raises what ``BEGIN IMMEDIATE`` or the commit raises (``OperationalError``:
+        database locked, disk I/O), after a rollback; a connection left in a transaction or
+        invalidated is closed and not kept."""
+        _BEGIN_WRITE.run(conn, {})
+        self._driver_open = conn
+        try:
+            yield
+            self._driver_open = None
+            tx = conn.get_transaction()
+            if tx is not None:  # SQLAlchemy's, autobegun inside: it ends the driver's too
+                tx.commit()
+            else:
+                dbapi = _driver(conn)
+                if dbapi is None:  # invalidated inside, without an error: nothing to commit
+                    raise InvalidRequestError("the write transaction's connection was invalidated")
+                try:
+                    dbapi.commit()
+                except conn.dialect.loaded_dbapi.Error as e:  # as SQLAlchemy raises it
+                    raise DBAPIError.instance(None, None, e, conn.dialect.loaded_dbapi.Error,
+                                              dialect=conn.dialect) from e
+        except BaseException:
+            self._driver_open = None
+            keep = False
+            try:
+                tx = conn.get_transaction()
+                if tx is not None:
+                    tx.rollback()
+                dbapi = _driver(conn)
+                if dbapi is not None:
+                    if dbapi.in_transaction:
+                        dbapi.rollback()
+                    keep = not dbapi.in_transaction and not conn.invalidated
+            except Exception:  # noqa: BLE001 - the first error is the one to raise
+                log.warning("rollback of a write transaction failed: its connection is closed")
+            if not keep and self._kept is conn:
+                self._kept = None  # not usable as it is: a new one next time
+                conn.close()
+            raise
 
     def _drain_due(self, conn: Connection) -> None:
         """After a committed ``write_conn`` transaction on SQLite (its lock held, ``conn``
@@ -812,6 +862,15 @@ class Database:
         self.engine.dispose()
 
 
+def _driver(conn: Connection) -> Any:
+    """``conn``'s DB-API connection (sqlite3), or None when it has none (invalidated,
+    closed); never reconnects, as ``Connection.connection`` would."""
+    fairy = conn._dbapi_connection  # noqa: SLF001
+    return None if fairy is None else fairy.dbapi_connection
+
+
+# on the DB-API cursor (memfuse.server.rawsql): write_conn's transactions on the kept connection
+_BEGIN_WRITE = Raw(text("BEGIN IMMEDIATE"))
 DISPOSE_WAIT_SECONDS = 5.0  # how long dispose() waits for a write in progress (the kept connection)
 WAL_SWITCH_SECONDS = 5.0  # how long a new connection may wait to switch a new file to WAL
 

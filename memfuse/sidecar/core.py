@@ -56,6 +56,7 @@ from .attributes import AttributeOps
 from .blobcache import BlobCache
 from .cachedir import CacheError
 from .control import CONTROL_DIR, FILES, ControlFiles
+from .interrupts import Interrupts
 from .inodes import (CLEAN, PENDING, REJECTED, ROOT_INO, UNKNOWN_BASE, FsError, Handle, InodeTable,
                      Node, Settings, StoreMount)
 from .namespace import NamespaceOps
@@ -128,7 +129,8 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
     ``Committer``, listening to it itself), ``ids`` (the record identity shared with the
     committer; default: an empty one on ``journal``), ``listener`` (the sidecar, an
     ``FsListener``; None for a bare core), ``metrics``, ``mount_root`` (the mountpoint, for
-    the prompt block) and ``backoff_max`` (the committer's retry cap, s).
+    the prompt block), ``backoff_max`` (the committer's retry cap, s) and ``interrupts``
+    (``interrupts.Interrupts``: Ctrl-C of a waiting close or fsync).
 
     Concurrency (one trio thread; the rule that stands for a lock): no ``await`` between the
     changes of one operation. Only ``flush`` / ``fsync`` (and ``_wait_accepted``) await, after
@@ -170,11 +172,15 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
                  dirs_file: Path | None = None, rejected: list[dict[str, Any]] | None = None,
                  local: list[dict[str, Any]] | None = None, *, ids: RecordIds | None = None,
                  listener: FsListener | None = None, metrics: Any = None,
-                 mount_root: str = "", backoff_max: float = 30.0) -> None:
+                 mount_root: str = "", backoff_max: float = 30.0,
+                 interrupts: Interrupts | None = None) -> None:
         """``rejected``: the rejected files a previous process kept
         (``Journal.load_rejected``), ``local``: its local-only files
-        (``Journal.load_local``); both put back as each store is added (``add_store``)."""
+        (``Journal.load_local``); both put back as each store is added (``add_store``).
+        ``interrupts``: the openers of writable handles, whose stop signals end a close's or
+        an fsync's wait for the control plane (its ``run`` is the sidecar's task)."""
         self.blobs = blobs
+        self.interrupts = interrupts if interrupts is not None else Interrupts()
         self.client = client  # refetch: a clean content the blob cache lost or found damaged
         self.hashes = Sha256States()
         self.recent = RecentContents(min_bytes=APPEND_CHECK_MIN)
@@ -330,11 +336,14 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         """``name``, a new entry of directory ``d`` (create, mkdir, rename target), as
         ``str``; refused (``errors.log`` line, ``FsError``) with ``EINVAL`` /
         ``ENAMETOOLONG`` for the name rules (docs/SEMANTICS.md, "Names": ``check_component``
-        and, for a name given, ``check_new_name``) and ``EPERM``
+        and, for a name given, ``check_new_name``; at a store's root ``check_root_name``, no
+        look-alike of the index) and ``EPERM``
         (``secret_detected``) for a name holding a secret (``content.find_secret_in_path``;
         the line shows the name redacted)."""
         try:
             s = names.check_new_name(names.check_component(name))
+            if d.store is not None and d is d.store.root:
+                names.check_root_name(s)
         except names.NameError_ as e:
             code = "path_too_long" if e.too_long else "invalid_path"
             self.refuse(d, name.decode("utf-8", "replace"), errno_of(code), e.reason, code)
@@ -939,7 +948,9 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         then return as soon as the write is accepted, or as soon as the outbox learns it
         while this close waits.
 
-        Raises ``FsError`` with the refusal's errno when the control plane refused the content
+        Raises ``FsError`` ``EINTR`` when the process that opened ``h`` gets a stop signal
+        while the close waits for the control plane (``interrupts``: the write stays
+        queued), and with the refusal's errno when the control plane refused the content
         for good (the content stays here, ``state=rejected``). A transient failure is not an
         error: the write stays accepted and the outbox retries (docs/SEMANTICS.md, "Writes and close").
         A written local-only file is never sent: the close returns once its kept copy is on
@@ -975,17 +986,21 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             await self._wait_accepted(n, e, JOURNAL_WAIT)
         c = self.committer
         if not e.done.is_set() and not c.failing:  # (committed already: no scope to enter)
-            with trio.move_on_at(deadline):
+            # a stop signal to the process that opened h ends the wait (interrupts.py)
+            with trio.move_on_at(deadline) as scope, self.interrupts.watch(h.fh, scope) as w:
                 # e.changed is set when e finishes and, for every queued entry, when the
                 # outbox starts failing (Committer._attempt_failed)
                 while not e.done.is_set() and not c.failing:
                     await e.changed.wait()
+            if w.interrupted:
+                raise FsError(errno.EINTR, "interrupted by a signal; the write stays queued")
         if e.done.is_set() and e.errno:
             raise FsError(e.errno, e.reason)
 
     async def fsync(self, h: Handle) -> None:
         """fsync(2): commit and wait for the control plane's acknowledgement; ``EIO`` after
-        ``fsync_timeout`` s (the write stays accepted)."""
+        ``fsync_timeout`` s, ``EINTR`` once the process that opened ``h`` has a stop signal
+        to take (``interrupts``; the write stays accepted either way)."""
         n = h.node
         e = self.commit(n)
         e = e or (n.last_put if n.state == PENDING and not (n.local_only or n.unlinked) else None)
@@ -995,8 +1010,10 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             return
         deadline = trio.current_time() + self.settings.fsync_timeout
         await self._wait_accepted(n, e, self.settings.fsync_timeout)
-        with trio.move_on_at(deadline):
-            await e.done.wait()
+        with trio.move_on_at(deadline) as scope, self.interrupts.watch(h.fh, scope) as w:
+            await e.done.wait()  # (or a stop signal to the process that opened h)
+        if w.interrupted:
+            raise FsError(errno.EINTR, "interrupted by a signal; the write stays queued")
         if not e.done.is_set():
             raise FsError(errno.EIO, "control plane did not acknowledge within fsync timeout")
         if e.errno:

@@ -210,6 +210,9 @@ class MemfuseOps(pyfuse3.Operations):
                  reader: FuseReader | None = None) -> None:
         super().__init__()
         self.fs = fs
+        #: the openers of writable descriptors (``Filesystem.interrupts``): a stop signal to
+        #: one ends its close's or fsync's wait with EINTR (pyfuse3 hides FUSE_INTERRUPT)
+        self.interrupts = fs.interrupts
         #: the lazy reader hand-off (``fusereader``; the mount installs it around
         #: ``pyfuse3.main()``): every await of a handler goes through one of the guards,
         #: which call ``_hand_off`` first so that the next request is read meanwhile
@@ -398,19 +401,24 @@ class MemfuseOps(pyfuse3.Operations):
             # a remote change of the file has not reached the kernel's pages and size yet
             # (Invalidator.behind): the reader gets the new content once it has
             # (Filesystem._served)
-            return self._open_caught_up(inode, flags)
+            return self._open_caught_up(inode, flags, ctx.pid)
         h = self.fs.open(inode, flags)
+        if flags & _WRITABLE:
+            self.interrupts.opened(h.fh, ctx.pid)
         if h.snapshot is not None:  # a .memfuse file: reads from this open's snapshot,
             # never from another's pages
             return pyfuse3.FileInfo(fh=h.fh, direct_io=True, keep_cache=False)
         return pyfuse3.FileInfo(h.fh)  # keep_cache (pyfuse3's default), no direct_io
 
-    async def _open_caught_up(self, inode: int, flags: int) -> pyfuse3.FileInfo:
-        """``open`` once the kernel invalidation of ``inode`` still queued was performed
-        (at most ``OPEN_CATCH_UP`` s; ``Filesystem.open`` follows with no await between)."""
+    async def _open_caught_up(self, inode: int, flags: int, pid: int) -> pyfuse3.FileInfo:
+        """``open`` (by thread ``pid``) once the kernel invalidation of ``inode`` still queued
+        was performed (at most ``OPEN_CATCH_UP`` s; ``Filesystem.open`` follows with no await
+        between)."""
         assert self.invalidator is not None  # open() checked
         await self.invalidator.catch_up(inode, OPEN_CATCH_UP)
         h = self.fs.open(inode, flags)
+        if flags & _WRITABLE:
+            self.interrupts.opened(h.fh, pid)
         if h.snapshot is not None:  # (a .memfuse file is never invalidated: not reached)
             return pyfuse3.FileInfo(fh=h.fh, direct_io=True, keep_cache=False)
         return pyfuse3.FileInfo(h.fh)
@@ -418,6 +426,7 @@ class MemfuseOps(pyfuse3.Operations):
     def _create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                 ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         h = self.fs.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid)
+        self.interrupts.opened(h.fh, ctx.pid)
         return pyfuse3.FileInfo(fh=h.fh, keep_cache=True), self.attrs(h.node)
 
     @_guard_sync
@@ -459,6 +468,7 @@ class MemfuseOps(pyfuse3.Operations):
 
     @_guard_sync
     def release(self, fh: int) -> None:
+        self.interrupts.released(fh)
         self.fs.release(fh)
 
     # ------------------------------------------------------------------ misc
