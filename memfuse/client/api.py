@@ -166,8 +166,10 @@ class ApiClient(AdminEndpoints):
                                    model: str | None = None, include_history: bool = False) -> ConsolidationJob:
         """``POST /v1/stores/{store}/consolidations``: start a consolidation job (docs/API.md,
         "Consolidation jobs"); the job comes back ``pending``. Raises Conflict
-        (``job_running``, ``consolidation_disabled``), NotFound, Forbidden, PermanentError
-        (413 ``input_too_large``); ``ValueError`` before any request for a bad body."""
+        (``job_running``, ``consolidation_disabled``, ``review_pending``: a workspace's outputs
+        wait for review), TransientError (429 ``rate_limited``: a workspace's jobs per hour,
+        ``retry_after``), NotFound, Forbidden, PermanentError (413 ``input_too_large``);
+        ``ValueError`` before any request for a bad body."""
         body = build(ConsolidationCreate, instructions=instructions, output=output, model=model,
                      include_history=include_history)
         return await self._call(ConsolidationJob, "POST", f"/v1/stores/{_seg(store)}/consolidations", body=body)
