@@ -3,11 +3,15 @@
 time, and the server's CPU per request is read from ``/proc`` (issue 25 item 2, the server half
 of the close path; bench/README.md, "The close path").
 
-Usage: ``python bench/bench_api_create.py [--n 1000] [--rounds 3]``; one JSON line per round:
+Usage: ``python bench/bench_api_create.py [--n 1000] [--rounds 3] [--client httpx|lean]``; one
+JSON line per round:
 requests/s, ms per request (wall), serve's CPU ms per request (all threads; user / system; the
 event-loop thread apart from the others), its context switches per request, the load average.
 Compare branches by running a ``git archive`` copy of the other with ``PYTHONPATH`` in the same
 minutes (wall figures swing with the machine's load; CPU per request holds better).
+
+``--client lean``: the sidecar's own client path (``ApiClient(lean=True)``: a request's head and
+body in one write), not httpx (two writes: the server often reads the head before its body).
 
 ``--profile PREFIX``: cProfile serve's event-loop thread during each round (``bench/sigprof``),
 its stats in ``PREFIX.rN`` (``pstats``; call counts per request are load-independent).
@@ -15,6 +19,9 @@ its stats in ``PREFIX.rN`` (``pstats``; call counts per request are load-indepen
 ``--callgrind DIR``: run ``memfuse serve`` under valgrind's callgrind with instrumentation off
 until a round starts (``callgrind_control -i on``), and report the instructions (Ir, user space,
 all threads, and the event-loop thread's alone) per request of each round: a count that does not depend on the machine's load
+(but for the loop's periodic work, which grows with the round's wall time: ``ir_loop_net_per_req``
+subtracts the loop's instructions per second measured idle right after the round, times the
+round's wall time)
 (valgrind runs one thread at a time, ~50x slower: use ``--n 200``).
 """
 from __future__ import annotations
@@ -99,13 +106,23 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--callgrind", type=Path, default=None, metavar="DIR",
                     help="count serve's instructions per request with callgrind (dumps in DIR)")
+    ap.add_argument("--client", choices=("httpx", "lean"), default="httpx",
+                    help="the client: httpx (head and body in two writes) or the sidecar's lean "
+                         "HTTP/1.1 path (ApiClient(lean=True): one write per request)")
     ap.add_argument("--profile", type=Path, default=None, metavar="PREFIX",
                     help="cProfile serve's event-loop thread during each round (bench/sigprof): "
                          "pstats files PREFIX.rN")
+    ap.add_argument("--steady", action="store_true",
+                    help="serve reads token revocations every 600 s, not every second (bench/sigprof/"
+                         "sitecustomize.py): instruction counts per request free of the worker-thread "
+                         "hops a slow (valgrind) request makes for them")
     args = ap.parse_args()
-    if args.profile is not None:  # memfuse serve inherits these (bench/sigprof/sitecustomize.py)
-        args.profile.parent.mkdir(parents=True, exist_ok=True)
-        os.environ["MEMFUSE_SIGPROF"] = str(args.profile)
+    if args.steady:
+        os.environ["MEMFUSE_BENCH_REVOCATION_S"] = "600"
+    if args.profile is not None or args.steady:  # memfuse serve inherits these (bench/sigprof/sitecustomize.py)
+        if args.profile is not None:
+            args.profile.parent.mkdir(parents=True, exist_ok=True)
+            os.environ["MEMFUSE_SIGPROF"] = str(args.profile)
         os.environ["PYTHONPATH"] = os.pathsep.join(
             [str(Path(__file__).resolve().parent / "sigprof"), *filter(None, [os.environ.get("PYTHONPATH")])])
     n = args.n
@@ -127,7 +144,7 @@ def main() -> None:
         pid = cp.proc.pid
 
         async def go() -> None:
-            async with ApiClient(cp.url, tok) as c:
+            async with ApiClient(cp.url, tok, lean=args.client == "lean") as c:
                 for i in range(50):  # warm: connection, caches, statements compiled
                     await c.create_record(STORE, f"warm/{i}.md", content(i).decode(),
                                           idempotency_key=str(uuid.uuid4()))
@@ -154,22 +171,39 @@ def main() -> None:
                                 break
                             await trio.sleep(0.1)
                         stats.rename(f"{args.profile}.r{rnd}")
-                    ir = ir_loop = None
+                    ir = ir_loop = ir_loop_net = None
                     if cg is not None:
                         _callgrind(pid, "-i", "off")
                         _callgrind(pid, "-d")
                         ir = round(_callgrind_ir(cg, pid) / n)
-                        ir_loop = round(_callgrind_ir(cg, pid, 1) / n)
+                        loop_total = _callgrind_ir(cg, pid, 1)
+                        ir_loop = round(loop_total / n)
+                        # the loop's periodic work (timers, sweeps) per second, idle: the same
+                        # work in the round's wall time is not the requests' (under valgrind on
+                        # a loaded machine a round takes minutes)
+                        kept = cg / f"round{rnd}"  # the round's dumps, for callgrind_annotate
+                        kept.mkdir(exist_ok=True)
+                        for f in cg.glob(f"callgrind.out.{pid}*"):
+                            f.rename(kept / f.name)
+                        _callgrind(pid, "-z")
+                        _callgrind(pid, "-i", "on")
+                        t_idle = time.perf_counter()
+                        await trio.sleep(min(dt, 30.0))
+                        _callgrind(pid, "-i", "off")
+                        idle_dt = time.perf_counter() - t_idle
+                        _callgrind(pid, "-d")
+                        idle_rate = _callgrind_ir(cg, pid, 1) / idle_dt
+                        ir_loop_net = round((loop_total - idle_rate * dt) / n)
                     d = {k: b[k] - a.get(k, 0.0) for k in b}
                     print(json.dumps({
-                        "round": rnd, "req_s": round(n / dt, 1), "ms_per_req": round(dt / n * 1000, 3),
+                        "round": rnd, "client": args.client, "steady": args.steady, "req_s": round(n / dt, 1), "ms_per_req": round(dt / n * 1000, 3),
                         "serve_cpu_ms": round((d["user"] + d["sys"]) / n * 1000, 3),
                         "user_ms": round(d["user"] / n * 1000, 3), "sys_ms": round(d["sys"] / n * 1000, 3),
                         "loop_thread_ms": round(d["main"] / n * 1000, 3),
                         "loop_sys_ms": round(d["main_sys"] / n * 1000, 3),
                         "other_threads_ms": round((d["user"] + d["sys"] - d["main"]) / n * 1000, 3),
                         "ctx_per_req": round(d["ctx"] / n, 2), "load": loadavg(), "ir_per_req": ir,
-                        "ir_loop_per_req": ir_loop,
+                        "ir_loop_per_req": ir_loop, "ir_loop_net_per_req": ir_loop_net,
                         "threads_ms": {k[7:]: round(v / n * 1000, 3) for k, v in d.items()
                                        if k.startswith("thread:") and v}}), flush=True)
 

@@ -257,6 +257,10 @@ class RecordUpdate(BaseModel):
     #: recorded as overwritten (``Change.overwrote``), so that version's writer can be told;
     #: absent, null or false: an ordinary write
     overwrite: bool | None = None
+    #: with ``overwrite``: the sha256 of the version the write was made on (the ``If-Match``
+    #: that failed); every writer of a version after it is named in ``Change.overwrote.also``
+    #: (their changes are dropped too), not only the writer of the version replaced
+    overwrite_base: str | None = None
 
 
 class RecordAppend(BaseModel):
@@ -546,10 +550,13 @@ class ConsolidationJob(BaseModel):
 
 class Overwritten(BaseModel):
     """The version a write replaced by last writer wins (``Change.overwrote``): its number
-    and the actor that wrote it."""
+    and the actor that wrote it. ``also``: every other writer whose changes the write
+    dropped (a version made after the one the write was made on, [RecordUpdate]
+    ``overwrite_base``), each with its newest such version (no ``also`` of its own)."""
 
     version: int
     actor: str
+    also: list["Overwritten"] = []
 
 
 class Change(BaseModel):

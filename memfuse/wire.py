@@ -231,6 +231,7 @@ class RecordUpdate(Struct, kw_only=True):
     mode: Mode | None | UnsetType = UNSET
     mtime_ns: MtimeNs | None | UnsetType = UNSET
     overwrite: bool | None | UnsetType = UNSET  # sent only by last writer wins (``ApiClient.update_record``)
+    overwrite_base: str | None | UnsetType = UNSET  # with ``overwrite``: the version it was made on
 
 
 class RecordAppend(Struct, kw_only=True):
@@ -476,11 +477,13 @@ class ConsolidationJob(Struct, kw_only=True):
     error: str | None = None
 
 
-class Overwritten(Struct, kw_only=True, gc=False):
-    """The version a write replaced by last writer wins (``Change.overwrote``)."""
+class Overwritten(Struct, kw_only=True):
+    """The version a write replaced by last writer wins (``Change.overwrote``); ``also``: the
+    other writers whose changes it dropped, each with its newest such version."""
 
     version: int
     actor: str
+    also: list[Overwritten] = msgspec.field(default_factory=list)
 
 
 class Change(Struct, kw_only=True, gc=False):

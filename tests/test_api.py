@@ -1158,3 +1158,50 @@ async def test_attributes_across_writes_moves_and_restore(env: Env):
     assert (r.json()["mode"], r.json()["mtime_ns"], r.json()["sha256"]) == (0o750, T2020, sha("v1"))
     r = await env.ws.post(f"{url}/restore", json={"version": 1})
     assert r.json()["version"] == 7  # already that state: no version
+
+
+async def test_an_overwrite_names_every_writer_whose_changes_it_drops(env: Env):
+    """``overwrite`` with ``overwrite_base`` (attack 15 F6): the feed's ``overwrote`` names the
+    version replaced and, in ``also``, the writer of every content version after the base
+    (each with its newest one); an unknown base stands for "since the overwriter's own
+    previous version"; no base: the version replaced alone (as before)."""
+    async with _client(env.app, WS_TOKEN, **{"X-Memfuse-Instance": "sc2"}) as b, \
+            _client(env.app, WS_TOKEN, **{"X-Memfuse-Instance": "sc3"}) as c:
+        a = env.ws  # actor ws:ws/sc1
+
+        async def put(who, rid, text, **kw):
+            r = await who.put(f"/v1/stores/default/records/{rid}", json={"content": text, **kw})
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        async def over(rid, version):
+            r = await env.admin.get("/v1/stores/default/changes", params={"after": 0})
+            [ch] = [ch for ch in r.json()["changes"]
+                    if ch["record"]["id"] == rid and ch["record"]["version"] == version]
+            o = ch["overwrote"]
+            return (o["version"], o["actor"], [(x["version"], x["actor"]) for x in o["also"]])
+
+        r = await a.post("/v1/stores/default/records", json={"path": "ow.md", "content": "1\n"})
+        rid = r.json()["id"]
+        await put(b, rid, "2\n")                                    # v2 B
+        await put(c, rid, "3\n")                                    # v3 C
+        await put(b, rid, "4\n")                                    # v4 B
+        r = await b.patch(f"/v1/stores/default/records/{rid}", json={"mode": 0o600})
+        assert r.status_code == 200, r.text                         # v5 B: attributes only
+        await put(a, rid, "6\n")                                    # v6 A (holds B's and C's)
+        # A overwrites its own v6 with a write made on v1: B's and C's changes go too
+        await put(a, rid, "7\n", overwrite=True, overwrite_base=sha("1\n"))
+        assert await over(rid, 7) == (6, "ws:ws/sc1", [(4, "ws:ws/sc2"), (3, "ws:ws/sc3")])
+        # made on v6 (the version replaced's own content): only its writer
+        await put(c, rid, "8\n")
+        await put(a, rid, "9\n", overwrite=True, overwrite_base=sha("7\n"))
+        assert await over(rid, 9) == (8, "ws:ws/sc3", [])
+        # a base no version has: the versions since A's own previous one (v9)
+        await put(b, rid, "10\n")
+        await put(a, rid, "11\n")
+        await put(a, rid, "12\n", overwrite=True, overwrite_base="0" * 64)
+        assert await over(rid, 12) == (11, "ws:ws/sc1", [(10, "ws:ws/sc2")])
+        # no base: the version replaced alone
+        await put(c, rid, "13\n")
+        await put(a, rid, "14\n", overwrite=True)
+        assert await over(rid, 14) == (13, "ws:ws/sc3", [])

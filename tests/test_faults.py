@@ -514,7 +514,9 @@ async def test_no_append_or_no_base_is_last_writer_wins_with_a_conflict_line(tmp
     sc = await make_sidecar(tmp_path, fake, token)
     async with trio.open_nursery() as nursery:
         await start(sc, nursery)
-        await write(sc, "r.md", b"one\n")
+        # a partial last line: the fake's concurrent edit (a line appended) is no whole-line
+        # append after a rewrite of it (which merges: attack 15 F5), it overlaps the rewrite
+        await write(sc, "r.md", b"one")
         fake.faults.precondition_race = 1
         await write(sc, "r.md", b"rewritten\n")
         assert (await remote(fake))["r.md"] == b"rewritten\n"

@@ -263,3 +263,59 @@ def test_url_path_is_starlettes_url_path():
     for odd in ("/v1/a b", "/v1/a\tb", "/v1/a?b#c\\d", "/v1/\x00", "/v1/é\u3000", "/v1/x "):
         scope = {"type": "http", "path": odd, "headers": [], "server": ("::1", 80)}
         assert url_path(scope) == URL(scope=scope).path
+
+
+def test_canonical_hash_is_jsons_text_for_any_value():
+    """``canonical_sha256`` (the idempotency request hash of every write, on the event loop)
+    hashes the text ``json.dumps(value, sort_keys=True, separators=(",", ":"),
+    ensure_ascii=False)`` gives (UTF-8, lone surrogates kept) for any value, whichever
+    encoder wrote it: msgspec for values without floats, json for the rest (floats, NaN,
+    lone surrogates, subclasses, keys that are not strings, nesting past the walk)."""
+    import enum
+    import hashlib
+
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from memfuse.server.base import canonical_sha256
+
+    def want(value: Any) -> str:
+        text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+    text = st.text(st.characters(codec=None, min_codepoint=0, max_codepoint=0x10FFFF), max_size=12)
+    scalars = (st.none() | st.booleans() | st.integers() | st.integers(min_value=-2**70, max_value=2**70)
+               | st.floats(allow_nan=True, allow_infinity=True) | text)
+    values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
+                          | st.dictionaries(text, inner, max_size=4), max_leaves=20)
+
+    @settings(max_examples=400, deadline=None)  # a few s on a quiet machine, ~30 s at load 14
+    @given(values)
+    def check(value: Any) -> None:
+        assert canonical_sha256(value) == want(value)
+        parsed = json.loads(json.dumps(value))  # as the write path has it (NaN is parsed back)
+        assert canonical_sha256(parsed) == want(parsed)
+
+    check()
+
+    class Color(enum.IntEnum):
+        RED = 1
+
+    class Name(str):
+        pass
+
+    odd: list[Any] = [{"b": 1, "a": [True, None, 1.0]}, {1: "int key", "1": "str key"}, {True: 1},
+                      [Color.RED], {"k": Name("v")}, {Name("k"): 2}, "\ud800", {"\udfff": "x"}, 10**40,
+                      -10**40, {"é": 1, "e": 2, "\U0001d11e": 3, "\uffff": 4}, "\x00\x1f\x7f\u2028\\\"/"]
+    deep: Any = "leaf"
+    for _ in range(5000):
+        deep = [deep]
+    odd.append(deep)
+    for value in odd:
+        try:
+            expected = want(value)
+        except (RecursionError, TypeError, ValueError) as e:
+            with pytest.raises(type(e)):
+                canonical_sha256(value)
+            continue
+        assert canonical_sha256(value) == expected, value

@@ -78,7 +78,12 @@ def consolidate(target: Target, store_slug: str, instructions: str | None, instr
                 in_place: bool, model: str | None, include_history: bool, wait_s: float | None,
                 as_json: bool) -> None:
     """Start a consolidation job on STORE: a model rewrites its records into a new store for
-    review (default) or in place."""
+    review (default) or in place.
+
+    The new store is attached to no workspace: an admin reviews it (the console shows the
+    diff) and attaches it (accepts) or archives it (discards). With a workspace token, a new
+    job is refused while the store has a few outputs waiting for review (409 review_pending)
+    and past the server's jobs per hour (429 rate_limited)."""
     if (instructions is None) == (instructions_file is None):
         raise click.UsageError("give the instructions as --instructions or --instructions-file (one of them)")
     if instructions_file is not None:

@@ -143,6 +143,11 @@ def _admin_token(admin_token_file: Path | None) -> tuple[str, Path, bool]:
      metavar="SECONDS", help="Scheduled maintenance: at most one scheduled job per store in this time (0: off).")
 @opt("--consolidation-schedule-output", type=click.Choice(["new_store", "in_place"]), default="new_store",
      show_default=True, help="Where scheduled jobs write.")
+@opt("--consolidation-max-unreviewed", type=click.IntRange(min=0), default=2, show_default=True,
+     help="Jobs a workspace token starts: refused (409 review_pending) while the store has this many "
+     "new-store outputs waiting for review (not attached, not archived) or running. 0: no bound.")
+@opt("--consolidation-workspace-jobs-per-hour", type=click.IntRange(min=0), default=10, show_default=True,
+     help="Jobs one workspace token may start in any hour (429 rate_limited past it). 0: no bound.")
 @opt("--trusted-proxy", "trusted_proxies", multiple=True, metavar="CIDR",
      help="Address or CIDR block of a TLS-terminating proxy whose X-Forwarded-Proto is believed "
      "(repeatable; the environment variable takes a comma-separated list). A request through it "
@@ -162,7 +167,8 @@ def serve(db: str | None, listen: str, admin_token_file: Path | None, migrate: b
           consolidation_model_url: str | None, consolidation_api_key_file: Path | None,
           consolidation_model: str, consolidation_timeout: float, consolidation_max_input_bytes: int,
           consolidation_max_output_tokens: int, consolidation_idle_after: float, consolidation_interval: float,
-          consolidation_schedule_output: str,
+          consolidation_schedule_output: str, consolidation_max_unreviewed: int,
+          consolidation_workspace_jobs_per_hour: int,
           trusted_proxies: tuple[str, ...], db_file: Path | None, log_format: str, debug: bool) -> None:
     """Run the reference control plane (HTTP API v1) on a database."""
     from memfuse.cli.db import database_errors
@@ -225,6 +231,8 @@ def serve(db: str | None, listen: str, admin_token_file: Path | None, migrate: b
         cons.max_output_bytes = max(cons.max_output_bytes, consolidation_max_input_bytes)
         cons.idle_after, cons.interval = consolidation_idle_after, consolidation_interval
         cons.schedule_output = consolidation_schedule_output  # type: ignore[assignment]
+        cons.max_unreviewed = consolidation_max_unreviewed
+        cons.workspace_jobs_per_hour = consolidation_workspace_jobs_per_hour
         if cons.enabled:  # the SDK takes seconds to import: not in the first job's time
             import threading
 

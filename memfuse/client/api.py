@@ -166,8 +166,10 @@ class ApiClient(AdminEndpoints):
                                    model: str | None = None, include_history: bool = False) -> ConsolidationJob:
         """``POST /v1/stores/{store}/consolidations``: start a consolidation job (docs/API.md,
         "Consolidation jobs"); the job comes back ``pending``. Raises Conflict
-        (``job_running``, ``consolidation_disabled``), NotFound, Forbidden, PermanentError
-        (413 ``input_too_large``); ``ValueError`` before any request for a bad body."""
+        (``job_running``, ``consolidation_disabled``, ``review_pending``: a workspace's outputs
+        wait for review), TransientError (429 ``rate_limited``: a workspace's jobs per hour,
+        ``retry_after``), NotFound, Forbidden, PermanentError (413 ``input_too_large``);
+        ``ValueError`` before any request for a bad body."""
         body = build(ConsolidationCreate, instructions=instructions, output=output, model=model,
                      include_history=include_history)
         return await self._call(ConsolidationJob, "POST", f"/v1/stores/{_seg(store)}/consolidations", body=body)
@@ -460,16 +462,21 @@ class ApiClient(AdminEndpoints):
         mode: int | None = None,
         mtime_ns: int | None = None,
         overwrite: bool | None = None,
+        overwrite_base: str | None = None,
     ) -> Record:
         """``PUT /v1/stores/{store}/records/{id}``: new content (and type, attributes).
         ``if_match`` is the base sha256 (quoted for you). ``mode`` None keeps the permission
         bits; ``mtime_ns`` None keeps an explicit mtime when the content is the same and
         clears it when it changes. ``overwrite`` True: the write is sent by last writer wins over
         a concurrent change (the version it replaces is recorded as overwritten, and its
-        writer told through the change feed: ``Change.overwrote``). Identical content, type
+        writer told through the change feed: ``Change.overwrote``); ``overwrite_base``: the
+        sha256 the write was made on, so that every writer of a version after it is told
+        too (``Change.overwrote.also``). Identical content, type
         and attributes make no new version. Raises PreconditionFailed (see
         ``.current_sha256``), NotFound for a deleted record."""
         more: dict[str, Any] = {"overwrite": True} if overwrite else {}
+        if overwrite and overwrite_base:
+            more["overwrite_base"] = overwrite_base
         return await self._call(
             Record,
             "PUT",

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Unpack, cast
 
+import msgspec
 from pydantic import BaseModel
 from sqlalchemy import Table, and_, bindparam, delete, func, insert, select
 from sqlalchemy.engine import Connection, Row
@@ -324,12 +325,43 @@ def body_sha256(body: bytes) -> str:
 #: ``json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)``'s encoder,
 #: made once (``json.dumps`` builds one per call for arguments other than its defaults)
 _CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+#: the same text as UTF-8 for a value of ``_msgspec_exact`` types (msgspec escapes strings as
+#: ``json`` does with ``ensure_ascii=False``, sorts keys by code point, writes any ``int``; it
+#: writes floats otherwise, and refuses lone surrogates: those values take ``_CANONICAL``)
+_CANONICAL_FAST = msgspec.json.Encoder(order="sorted")
+
+
+def _msgspec_exact(value: object) -> bool:
+    """Whether ``value`` holds only ``dict`` (with ``str`` keys), ``list``, ``str``, ``int``,
+    ``bool`` and None, as exactly those types: what ``_CANONICAL_FAST`` writes as
+    ``_CANONICAL`` does (no float, no subclass). Raises ``RecursionError`` when too deep."""
+    kind = type(value)
+    if kind is str or kind is int or kind is bool or value is None:
+        return True
+    if kind is dict:
+        for k, v in value.items():  # type: ignore[attr-defined]
+            if type(k) is not str or not (type(v) is str or _msgspec_exact(v)):
+                return False
+        return True
+    if kind is list:
+        for v in value:  # type: ignore[attr-defined]
+            if not (type(v) is str or _msgspec_exact(v)):
+                return False
+        return True
+    return False
 
 
 def canonical_sha256(value: object) -> str:
     """sha256 hex of ``value`` (a parsed JSON body) as canonical JSON: keys sorted, no
     whitespace, UTF-8 (lone surrogates kept). The idempotency request hash of a write: equal
-    for the same body however it was spaced or ordered, alone or inside a batch."""
+    for the same body however it was spaced or ordered, alone or inside a batch. The text is
+    ``_CANONICAL``'s; for a value without floats (``_msgspec_exact``) msgspec writes the same
+    bytes ~5x faster (tests/test_idempotency.py compares them on random values)."""
+    try:
+        if _msgspec_exact(value):
+            return hashlib.sha256(_CANONICAL_FAST.encode(value)).hexdigest()
+    except (UnicodeEncodeError, RecursionError):
+        pass  # a lone surrogate (kept below), a value too deep for the walk: json's answer
     text = _CANONICAL.encode(value)
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 

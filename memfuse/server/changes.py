@@ -23,6 +23,7 @@ from memfuse.server import deltas, keys, wakeups
 from memfuse.server.base import _R, _V, AnyRow, Parts, Principal, Resource, ServiceError
 from memfuse.server.db import EventRow
 from memfuse.server.rawsql import Raw
+from memfuse.server.records import decode_overwrote
 
 MAX_WAIT_SECONDS = 60.0  # the longest a long-poll may ask to wait
 _EventKind = Literal["attached", "detached", "store_changed"]  # WorkspaceEvent.kind: what EventRow.kind holds
@@ -120,8 +121,16 @@ def _change(v: AnyRow | SimpleNamespace, with_content: bool) -> Change:
             mode=DEFAULT_MODE if v.mode is None else v.mode,
             mtime_ns=v.mtime_ns,
         ),
-        overwrote=None if over is None else Overwritten(version=over, actor=v.overwrote_by or ""),
+        overwrote=None if over is None else _overwritten(over, v.overwrote_by),
     )
+
+
+def _overwritten(version: int, by: str | None) -> Overwritten:
+    """[Overwritten] of a version's ``overwrote`` / ``overwrote_by`` columns
+    (``records.decode_overwrote``): the version replaced and its writer, ``also`` the other
+    writers whose changes the overwrite dropped."""
+    (n, actor), *rest = decode_overwrote(version, by)
+    return Overwritten(version=n, actor=actor, also=[Overwritten(version=m, actor=a) for m, a in rest])
 
 
 @dataclass

@@ -8,8 +8,8 @@ writes what the model answered as versions whose actor is ``job:<id>``:
 
 - ``new_store`` (the default): a new store ``<store>-consolidated-<n>`` holding the input's
   records with the model's changes applied, for a person to review and swap in; attached
-  nowhere when an admin asked, attached ``read_only`` to the caller's workspace when a
-  workspace token asked (so it can read what it asked for);
+  nowhere, whoever asked: the model's text (its ``MEMORY.md`` too) is untrusted and reaches
+  no workspace's prompt block until an admin accepts it by attaching it (attack 15 F4);
 - ``in_place``: the store itself; every change is an ordinary version (restore undoes it),
   each update and delete made ``If-Match`` the content the model read, so a record changed
   since then fails the job instead of being overwritten.
@@ -30,7 +30,10 @@ a store it only saw part of; the model's answer at most ``max_output_tokens`` to
 answer fails the job), ``MAX_CHANGES`` changes and ``max_output_bytes`` bytes of content; the
 whole job at most ``timeout`` seconds; one ``pending`` or ``running`` job per store, which
 the database enforces (a unique index over the active jobs: 409 ``job_running`` on any
-replica).
+replica). A workspace token's jobs also (``_check_workspace_bounds``, attack 15 F4): at most
+``max_unreviewed`` ``new_store`` outputs of a store waiting for review (409
+``review_pending``), at most ``workspace_jobs_per_hour`` jobs a workspace creates in an hour
+(429 ``rate_limited``); an admin's and the scheduler's jobs are not bounded there.
 
 Jobs are rows (``consolidation_jobs``). The process running a job refreshes its
 ``heartbeat_at`` every ``heartbeat`` seconds; a job whose heartbeat is older than
@@ -66,12 +69,12 @@ from sqlalchemy.exc import IntegrityError
 
 from memfuse import content
 from memfuse.defs import JOBS_PAGE_DEFAULT
-from memfuse.models import Access, BatchOperation, ConsolidationChange, ConsolidationCreate, ConsolidationJob
-from memfuse.server import deltas, keys, tails, wakeups
+from memfuse.models import BatchOperation, ConsolidationChange, ConsolidationCreate, ConsolidationJob
+from memfuse.server import deltas, keys, tails
 from memfuse.server.accounts import AccountsService
 from memfuse.server.base import _A, _R, _S, _V, AnyRow, Parts, Principal, Reply, Resource, ServiceError
 from memfuse.server.batch import BatchService, _LateRefusal, _Planned
-from memfuse.server.db import ConsolidationJobRow, EventRow, WorkspaceRow, utcnow
+from memfuse.server.db import ConsolidationJobRow, WorkspaceRow, utcnow
 from memfuse.server.jobspec import (
     ACTIVE,
     ConsolidationSettings,
@@ -95,7 +98,6 @@ from memfuse.server.jobspec import (
 log = logging.getLogger("memfuse.server.consolidation")
 
 _J = cast(Table, ConsolidationJobRow.__table__)
-_E = cast(Table, EventRow.__table__)
 _W = cast(Table, WorkspaceRow.__table__)
 
 
@@ -156,6 +158,8 @@ class ConsolidationService(Resource):
         try:
             with self.db.write_conn() as conn:
                 st = self._store(conn, p, slug, write=True)
+                if p.workspace is not None:  # an agent's jobs are bounded (attack 15 F4)
+                    self._check_workspace_bounds(conn, p, st, body.output, now)
                 if body.output == "new_store":  # refused now, before the model is paid for
                     self.accounts.check_store_quota(conn, st.account)
                 if body.output == "in_place" and getattr(st, "archived_at", None) is not None:
@@ -176,8 +180,57 @@ class ConsolidationService(Resource):
                                "wait for it or cancel it") from None
         log.info("consolidation job created", extra={"job": job_id, "store": slug, "output": body.output,
                                                       "scheduled": scheduled})
-        self._start_job(job_id, p.workspace)
+        self._start_job(job_id)
         return _job_model(row)
+
+    def _check_workspace_bounds(self, conn: Connection, p: Principal, st: AnyRow, output: str,
+                                now: datetime) -> None:
+        """Refuse a job workspace ``p`` asks for on store row ``st`` past the bounds of
+        ``ConsolidationSettings`` (``max_unreviewed``, ``workspace_jobs_per_hour``; 0 = off):
+        409 ``review_pending`` when a ``new_store`` job would add to ``max_unreviewed`` outputs
+        of the store still waiting for a person (``_unreviewed_outputs``), 429 ``rate_limited``
+        (``Retry-After``: s until the oldest job of the hour leaves it) past the hourly rate.
+        Locks the workspace's row first, so a workspace's concurrent requests are counted one
+        after the other (PostgreSQL; SQLite writes one at a time anyway)."""
+        cfg = self.consolidation
+        assert p.workspace is not None
+        conn.execute(select(_W.c.name).where(_W.c.name == p.workspace).with_for_update())
+        if output == "new_store" and cfg.max_unreviewed > 0:
+            waiting = self._unreviewed_outputs(conn, st.slug)
+            if waiting >= cfg.max_unreviewed:
+                raise ServiceError(409, "review_pending",
+                                   f"store {keys.public(st.slug)!r} has {waiting} consolidation output(s) waiting "
+                                   f"for review (at most {cfg.max_unreviewed}): an admin attaches one (accepts it) "
+                                   "or archives it (discards it) before another job may start")
+        if cfg.workspace_jobs_per_hour > 0:
+            since = now - timedelta(hours=1)
+            mine = select(_J.c.created_at).join(_S, _S.c.slug == _J.c.store).where(
+                _S.c.account == st.account, _J.c.created_at > since,
+                _J.c.requested_by.startswith(f"ws:{keys.public(p.workspace)}/", autoescape=True))
+            times = sorted(conn.execute(mine).scalars())
+            if len(times) >= cfg.workspace_jobs_per_hour:
+                oldest = times[-cfg.workspace_jobs_per_hour]
+                wait = max(1, int((oldest - since).total_seconds()) + 1)
+                raise ServiceError(429, "rate_limited",
+                                   f"this workspace started {len(times)} consolidation jobs in the last hour "
+                                   f"(at most {cfg.workspace_jobs_per_hour})",
+                                   headers={"Retry-After": str(wait)})
+
+    @staticmethod
+    def _unreviewed_outputs(conn: Connection, store: str) -> int:
+        """How many ``new_store`` outputs of the store whose key is ``store`` wait for review:
+        its pending or running ``new_store`` jobs, and the output stores of its completed ones
+        that still exist, are not archived and are attached to no workspace (a person accepts
+        an output by attaching it, discards it by archiving it)."""
+        active = conn.scalar(select(func.count()).select_from(_J).where(
+            _J.c.store == store, _J.c.output == "new_store", _J.c.status.in_(ACTIVE))) or 0
+        attached = select(_A.c.store).where(_A.c.store == _S.c.slug).exists()
+        outputs = select(_J.c.output_store).where(
+            _J.c.store == store, _J.c.output == "new_store", _J.c.status == "completed",
+            _J.c.output_store.is_not(None))
+        waiting = conn.scalar(select(func.count()).select_from(_S).where(
+            _S.c.slug.in_(outputs), _S.c.archived_at.is_(None), ~attached)) or 0
+        return int(active) + int(waiting)
 
     def get_consolidation(self, p: Principal, job_id: str) -> ConsolidationJob:
         """The job; 404 ``job_not_found`` when there is none or the caller may not see its
@@ -291,10 +344,10 @@ class ConsolidationService(Resource):
 
     # ------------------------------------------------------------ the runner
 
-    def _start_job(self, job_id: str, workspace: str | None) -> None:
+    def _start_job(self, job_id: str) -> None:
         cancel = threading.Event()
         self._job_cancels[job_id] = cancel
-        t = threading.Thread(target=self._run_job, args=(job_id, workspace, cancel),
+        t = threading.Thread(target=self._run_job, args=(job_id, cancel),
                              name=f"consolidation-{job_id[:8]}", daemon=True)
         self._job_threads[job_id] = t
         t.start()
@@ -325,12 +378,12 @@ class ConsolidationService(Resource):
                 cancel.set()
                 return
 
-    def _run_job(self, job_id: str, workspace: str | None, cancel: threading.Event) -> None:
+    def _run_job(self, job_id: str, cancel: threading.Event) -> None:
         stop = threading.Event()
         threading.Thread(target=self._ticker, args=(job_id, cancel, stop), daemon=True,
                          name=f"consolidation-beat-{job_id[:8]}").start()
         try:
-            self._run_job_inner(job_id, workspace, cancel)
+            self._run_job_inner(job_id, cancel)
         except _Gone:
             log.info("consolidation job ended elsewhere (canceled or failed)", extra={"job": job_id})
         except _Stop as e:
@@ -367,7 +420,7 @@ class ConsolidationService(Resource):
         if cancel.is_set():  # not a cancel (the row would say so): stop_jobs, at shutdown
             raise _Stop("the control plane shut down while the job ran; nothing was written")
 
-    def _run_job_inner(self, job_id: str, workspace: str | None, cancel: threading.Event) -> None:
+    def _run_job_inner(self, job_id: str, cancel: threading.Event) -> None:
         cfg = self.consolidation
         started = time.monotonic()
         deadline = started + cfg.timeout
@@ -393,7 +446,7 @@ class ConsolidationService(Resource):
             conn.execute(update(_J).where(_J.c.id == job_id).values(usage=json.dumps(usage)))
         out = self._parse_answer(message)
         self._beat(job_id, cancel)
-        self._apply(jp, job, records, out, usage, workspace)
+        self._apply(jp, job, records, out, usage)
 
     def _job_input(self, jp: Principal, job: AnyRow) -> tuple[Sequence[AnyRow], int, list[dict[str, Any]]]:
         """The store's live records (path order), its change-feed seq, and its recent history
@@ -510,8 +563,7 @@ class ConsolidationService(Resource):
 
     # ------------------------------------------------------------ writing the result
 
-    def _apply(self, jp: JobPrincipal, job: AnyRow, records: Sequence[AnyRow], out: Output, usage: dict[str, int],
-               workspace: str | None) -> None:
+    def _apply(self, jp: JobPrincipal, job: AnyRow, records: Sequence[AnyRow], out: Output, usage: dict[str, int]) -> None:
         """Check the answer against the input and write it in one transaction (see module
         doc). Raises ``_Stop`` for a refused change (nothing written), ``_Gone`` when the job
         was canceled meanwhile."""
@@ -571,7 +623,7 @@ class ConsolidationService(Resource):
                 raise _Stop(self._refusal(i, ops, pl.refusal.code, pl.refusal.detail))
         # the summary is untrusted model output shown in the API and the console: a secret the
         # model echoed is cut out as everywhere else memfuse keeps text (attack 13 F6)
-        self._write_result(jp, job, plans, ops, summary, content.redact_secrets(out.summary), usage, workspace)
+        self._write_result(jp, job, plans, ops, summary, content.redact_secrets(out.summary), usage)
 
     @staticmethod
     def _refusal(i: int, ops: list[BatchOperation], code: str, detail: str) -> str:
@@ -579,7 +631,7 @@ class ConsolidationService(Resource):
         return f"a {what} the model asked for was refused ({code}: {_cut(detail, 200)}); nothing was written"
 
     def _write_result(self, jp: JobPrincipal, job: AnyRow, plans: list[_Planned], ops: list[BatchOperation],
-                      changes: list[dict[str, Any]], summary: str, usage: dict[str, int], workspace: str | None) -> None:
+                      changes: list[dict[str, Any]], summary: str, usage: dict[str, int]) -> None:
         new_store = job.output == "new_store"
         savepoints = False  # a refusal after a write (an account's byte quota): again, per operation
         for attempt in range(5):
@@ -588,7 +640,7 @@ class ConsolidationService(Resource):
             made: list[str] = []  # the output store's key (memfuse.server.keys), set by prepare
             if new_store:
                 target = self._free_output_slug(job.store)
-                prepare = self._new_store_maker(job, target, workspace, made)
+                prepare = self._new_store_maker(job, target, made)
 
             def finish(conn: Connection, replies: list[Reply], target: str = target) -> None:
                 for i, r in enumerate(replies):
@@ -639,8 +691,7 @@ class ConsolidationService(Resource):
             n += 1
         return output_slug(store, n)
 
-    def _new_store_maker(self, job: AnyRow, name: str, workspace: str | None,
-                         made: list[str] | None = None) -> Callable[[Connection], None]:
+    def _new_store_maker(self, job: AnyRow, name: str, made: list[str] | None = None) -> Callable[[Connection], None]:
         made = [] if made is None else made  # receives the new store's key
         def prepare(conn: Connection) -> None:
             src = conn.execute(select(_S).where(_S.c.slug == job.store)).one()
@@ -659,15 +710,6 @@ class ConsolidationService(Resource):
                 max_history_bytes=src.max_history_bytes, max_history_versions=src.max_history_versions,
                 history_min_age_s=src.history_min_age_s, created_at=now,
                 usage_bytes=0, record_count=0, version_bytes=0, version_count=0))
-            if workspace is not None:  # the caller may read what it asked for
-                conn.execute(insert(_A).values(workspace=workspace, store=slug, access=Access.read_only.value,
-                                               instructions="", created_at=now))
-                conn.execute(select(_W.c.name).where(_W.c.name == workspace).with_for_update())
-                # a single-row insert always has its key (SQLAlchemy types it Optional for any insert)
-                seq = conn.execute(insert(_E).values(workspace=workspace, kind="attached", store=slug,  # type: ignore[index]
-                                                     access=Access.read_only.value, created_at=now)).inserted_primary_key[0]
-                wakeups.note_events(workspace, seq)
-                wakeups.note_acl()
         return prepare
 
     # ------------------------------------------------------------ scheduled maintenance

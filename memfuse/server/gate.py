@@ -264,9 +264,14 @@ class WriteRate:
 
     def take(self, key: str, size: int, now: float) -> float:
         writes, nbytes, at = self._buckets.get(key, (self.burst, self.bytes_burst, now))
-        writes = min(self.burst, writes + (now - at) * self.rate)
-        nbytes = min(self.bytes_burst, nbytes + (now - at) * self.bytes_rate)
-        want = min(float(size), self.bytes_burst)  # a body larger than a burst waits for a full bucket
+        # ``min(a, b)`` is ``b if b < a else a``, written out (the builtin's call costs more than
+        # the rest of this step: bench/README.md, "The close path, session 15: serve's loop")
+        writes += (now - at) * self.rate
+        writes = writes if writes < self.burst else self.burst
+        nbytes += (now - at) * self.bytes_rate
+        nbytes = nbytes if nbytes < self.bytes_burst else self.bytes_burst
+        want = float(size)
+        want = self.bytes_burst if self.bytes_burst < want else want  # a body larger than a burst waits for a full bucket
         if writes >= 1 and nbytes >= want:
             self._buckets[key] = (writes - 1, nbytes - want, now)
             if len(self._buckets) > 10_000:
@@ -421,15 +426,12 @@ class Gate:
             self.connections.cleared(scope.get("client"))
             await self._probe(path, receive, send)
             return
-        head = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
-        for k, v in scope.get("headers", ()):
-            head += len(k) + len(v) + 4
+        head, length, chunked, token, instance, api_key = _headers(scope)
         if head > MAX_HEAD:  # hypercorn bounds only a head that arrives in several reads
             await self._refuse(receive, send, 431, "header_too_large",
                                f"the request line and headers are larger than {MAX_HEAD} bytes",
                                close=True, path=path)
             return
-        length, chunked, token, instance, api_key = _headers(scope)
         if api_key and path.startswith(self.api_key_prefixes or ("\0",)):
             token = api_key
         limit = self.body_limit(method, path)
@@ -603,13 +605,16 @@ class Gate:
         # the HTTP server's own bounded send (extension ``SEND_WITHIN``), for the answers of
         # ``writes``: no scope to enter nor arm (memfuse.server.lean); None under hypercorn
         within: Callable[[Message, float], Awaitable[None]] | None = None
+        # the front door cleared the connection already when it authenticated the request
+        # (``Connections.cleared`` is then a no-op: the connection never counts again)
+        cleared = scope.get("memfuse.principal")
         if lease is None and self.writes is not None:
             within = (scope.get("extensions") or {}).get(SEND_WITHIN)
 
         async def send_bounded(message: Message) -> None:
             if message["type"] == "http.response.start":
                 state["status"] = message["status"]
-                if message["status"] < 400 or scope.get("memfuse.authenticated"):
+                if (message["status"] < 400 or scope.get("memfuse.authenticated")) and cleared is None:
                     # served, or refused to a client the app authenticated (the console checks
                     # its own sessions: a 429 past a token's live pages is not anonymous)
                     self.connections.cleared(scope.get("client"))
@@ -902,13 +907,22 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-def _headers(scope: Scope) -> tuple[int | None, bool, str | None, str | None, str | None]:
-    """(Content-Length or None, chunked, bearer token or None, X-Memfuse-Instance or None,
-    X-Api-Key or None)."""
+_GATE_HEADERS = frozenset({b"content-length", b"transfer-encoding", b"authorization", b"x-memfuse-instance",
+                           b"x-api-key"})
+
+
+def _headers(scope: Scope) -> tuple[int, int | None, bool, str | None, str | None, str | None]:
+    """(the head's size: the target and every header name and value, 4 bytes more a header;
+    Content-Length or None, chunked, bearer token or None, X-Memfuse-Instance or None,
+    X-Api-Key or None), in one pass over the headers."""
     length: int | None = None
     chunked = False
     token = instance = api_key = None
+    head = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
     for k, v in scope.get("headers", ()):
+        head += len(k) + len(v) + 4
+        if k not in _GATE_HEADERS:
+            continue  # one set lookup for the headers the front door does not read
         if k == b"content-length":
             try:
                 length = int(v)
@@ -924,7 +938,7 @@ def _headers(scope: Scope) -> tuple[int | None, bool, str | None, str | None, st
             instance = v.decode("latin-1")
         elif k == b"x-api-key":
             api_key = v.decode("latin-1").strip() or None
-    return length, chunked, token, instance, api_key
+    return head, length, chunked, token, instance, api_key
 
 
 def _problem(status: int, code: str, detail: str) -> bytes:

@@ -102,7 +102,14 @@ class ConsolidationSettings:
     ``max_tokens``; ``max_output_bytes``: content bytes the answer may write; ``heartbeat`` /
     ``stale_after``: s between a running job's heartbeats / after which a silent job is
     marked failed. Scheduled maintenance: ``idle_after`` and ``interval`` (s; 0 = off),
-    ``schedule_output``, ``schedule_instructions``, ``schedule_tick`` (s between rounds)."""
+    ``schedule_output``, ``schedule_instructions``, ``schedule_tick`` (s between rounds).
+
+    Jobs a workspace token starts (attack 15 F4; an admin's and the scheduler's are not
+    bounded here): ``max_unreviewed``, the most ``new_store`` outputs of one store still
+    waiting for review (its active ``new_store`` jobs, and output stores neither attached to
+    any workspace nor archived) before the next job is refused (409 ``review_pending``);
+    ``workspace_jobs_per_hour``, the most jobs one workspace creates in any hour (429
+    ``rate_limited``); 0 turns either bound off."""
 
     model_url: str | None = None
     api_key_file: Path | None = None
@@ -118,6 +125,8 @@ class ConsolidationSettings:
     schedule_output: Literal["new_store", "in_place"] = "new_store"
     schedule_instructions: str = SCHEDULED_INSTRUCTIONS
     schedule_tick: float = 60.0
+    max_unreviewed: int = 2
+    workspace_jobs_per_hour: int = 10
 
     @property
     def enabled(self) -> bool:

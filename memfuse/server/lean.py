@@ -47,6 +47,7 @@ from memfuse.server.gate import BODY, SEND_WITHIN
 from memfuse.server.writepath import ROUTE
 
 MAX_RECV = 65536  # bytes read per receive (hypercorn's ``MAX_RECV``)
+_ROUTES_MAX = 256  # routes kept at most per server (``LeanHTTP._routes``; emptied when full)
 
 
 class Handover(NamedTuple):
@@ -63,12 +64,14 @@ class LeanHTTP:
     """The lean path of one server. ``app``: the ASGI app (called as hypercorn calls it,
     ``app(scope, receive, send)``); ``lean_route(method, path)``: a true value when a request
     is served here (decoded path, as ASGI's ``scope["path"]``), given to the app in the scope
-    as ``ROUTE`` (``memfuse.server.writepath``: its route match); ``keep_alive_timeout`` (s) and
+    as ``ROUTE`` (``memfuse.server.writepath``: its route match; a function of its arguments
+    alone: its answer is kept per target and given to every request for it, read only);
+    ``keep_alive_timeout`` (s) and
     ``keep_alive_max_requests``, ``max_head`` (bytes, h11's ``max_incomplete_event_size``),
     ``response_headers()``: hypercorn's (``Config.response_headers("h11")``),
     ``log_exception(msg)``: hypercorn's error log (``Config.log.exception``),
     ``lifespan_state``: the ASGI lifespan state, copied into each request's scope.
-    Event-loop only."""
+    ``watch`` must run beside ``serve`` (it keeps the header deadlines). Event-loop only."""
 
     def __init__(self, app: Callable[..., Awaitable[None]], lean_route: Callable[[str, str], Any], *,
                  keep_alive_timeout: float, keep_alive_max_requests: int, max_head: int,
@@ -83,19 +86,84 @@ class LeanHTTP:
         self.response_headers = response_headers
         self.log_exception = log_exception
         self.lifespan_state = lifespan_state if lifespan_state is not None else {}
+        # (method, raw target) → (decoded path, ``lean_route``'s answer) of requests seen: a
+        # sidecar writes every create to the same target (``lean_route`` must be a function of
+        # its arguments alone; its match is shared by the requests, read only)
+        self._routes: dict[tuple[str, bytes], tuple[str, Any]] = {}
         self.served = 0  # requests answered here (tests, the benchmark)
         self.handed_over = 0  # connections handed to hypercorn after a lean request
-        # INVARIANT: ``waiting`` holds the cancel scopes of the connections waiting for a
-        # request head (idle); ``terminate`` cancels them, and once ``terminated`` no
-        # connection waits for another request.
-        self.waiting: set[trio.CancelScope] = set()
+        # INVARIANT: ``waiting`` maps the cancel scope of each connection waiting for a
+        # request head (idle) to its header deadline (``trio.current_time()`` clock), in the
+        # order of those deadlines: each is ``keep_alive_timeout`` after the moment it was
+        # put in, so the first one is the earliest; ``untimed`` holds those waiting without
+        # a deadline (no request answered yet). ``watch`` cancels a scope once its deadline
+        # has passed, ``terminate`` all of them, and once ``terminated`` no connection waits
+        # for another request.
+        self.waiting: dict[trio.CancelScope, float] = {}
+        self.untimed: set[trio.CancelScope] = set()
         self.terminated = False
+        self._watcher: trio.lowlevel.Task | None = None  # ``watch``'s task while it is parked
+        self._watch_scope = trio.CancelScope()
 
     def terminate(self) -> None:
-        """The server stops: idle connections close now, busy ones after their answer."""
+        """The server stops: idle connections close now, busy ones after their answer;
+        ``watch`` returns."""
         self.terminated = True
-        for scope in self.waiting:
+        for scope in (*self.waiting, *self.untimed):
             scope.cancel()
+        self._watch_scope.cancel()
+
+    async def watch(self) -> None:
+        """The header deadlines of this server's connections (run it in the server's
+        nursery for as long as ``serve`` may be called; it returns at ``terminate``, or is
+        cancelled): a connection still waiting for a request head at its deadline has its
+        cancel scope cancelled (``serve`` then closes it). One task sleeping until the
+        earliest deadline instead of a deadline per connection moved twice per request: a
+        cancel scope's deadline is set and cleared through trio's deadline heap and a
+        context manager, ~3 % of the loop's CPU per record write (bench/README.md, "The close
+        path, session 15: serve's loop"). A deadline put in while this task sleeps is never
+        earlier than the end of its sleep (deadlines are ``keep_alive_timeout`` after they
+        are put in; the sleep is at most that long), so nothing has to wake it, except when
+        it is parked (no connection waited through a whole sleep): the next wait wakes it."""
+        waiting = self.waiting
+        with self._watch_scope:
+            while True:
+                now = trio.current_time()
+                while waiting:
+                    scope, deadline = next(iter(waiting.items()))
+                    if deadline > now:
+                        break
+                    del waiting[scope]  # ``serve`` discards it again: no harm
+                    scope.cancel()
+                if waiting:
+                    await trio.sleep_until(next(iter(waiting.values())))
+                    continue
+                await trio.sleep_until(now + self.keep_alive_timeout)
+                if not waiting:  # idle: parked until a connection waits (``_wait_from``)
+                    self._watcher = trio.lowlevel.current_task()
+                    await trio.lowlevel.wait_task_rescheduled(self._unpark)
+
+    @property
+    def parked(self) -> bool:
+        """Whether ``watch`` is parked (no connection has waited for a head since its last
+        sleep; tests)."""
+        return self._watcher is not None
+
+    def _unpark(self, _: Any) -> trio.lowlevel.Abort:
+        """``watch`` is cancelled while parked: no connection reschedules it after this."""
+        self._watcher = None
+        return trio.lowlevel.Abort.SUCCEEDED
+
+    def _wait_from(self, scope: trio.CancelScope, requests: int) -> None:
+        """``scope``'s connection waits for a request head from now (``watch``)."""
+        if not requests:  # hypercorn's idle timer runs from the previous answer: none yet
+            self.untimed.add(scope)
+            return
+        self.waiting[scope] = trio.current_time() + self.keep_alive_timeout
+        watcher = self._watcher
+        if watcher is not None:  # parked: woken once (``_unpark`` clears it when cancelled)
+            self._watcher = None
+            trio.lowlevel.reschedule(watcher)
 
     async def serve(self, sock: socket.socket, first: bytes, eof: bool,
                     client: tuple[str, int] | None, server: tuple[str, int] | None) -> Handover | None:
@@ -112,18 +180,19 @@ class LeanHTTP:
         requests = 0
         closed = eof
         while True:
-            # One cancel scope is the header deadline of the requests that follow, armed (and
-            # in ``self.waiting``) only while a head is awaited: a scope entered per request
-            # was ~5 % of the loop's CPU per record write. A head that came in as the scope
-            # was cancelled (the deadline passed, the server terminates) is read again under
-            # a fresh one, as a scope of its own would have let it through.
+            # One cancel scope per connection is the header deadline of the requests that
+            # follow, in ``self.waiting`` (``watch`` cancels it past the deadline) only while a
+            # head is awaited: a scope entered per request was ~5 % of the loop's CPU per
+            # record write. A head that came in as the scope was cancelled (the deadline
+            # passed, the server terminates) is read again under a fresh one, as a scope of
+            # its own would have let it through.
+            answered = False  # an answer was sent since the last read: the next read waits first
             with trio.CancelScope() as waiting:
                 while True:
                     # -------- the head, within the header deadline
                     head = parse_head(buf, self.max_head)
                     if head is None:
-                        waiting.deadline = trio.current_time() + self.keep_alive_timeout if requests else math.inf
-                        self.waiting.add(waiting)
+                        self._wait_from(waiting, requests)
                         try:
                             while head is None:
                                 if len(buf) > self.max_head or HEAD_END.search(buf) is not None or closed:
@@ -132,19 +201,27 @@ class LeanHTTP:
                                 if self.terminated:  # as hypercorn's idle timer: closed at once
                                     return None
                                 try:
-                                    data = await _receive(sock)
+                                    data = await _receive(sock, answered)
                                 except OSError:  # reset
                                     return None
+                                answered = False
                                 buf += data
                                 closed = not data
                                 head = parse_head(buf, self.max_head)
                         finally:
-                            self.waiting.discard(waiting)
-                            waiting.deadline = math.inf
+                            self.waiting.pop(waiting, None)
+                            self.untimed.discard(waiting)
                         if waiting.cancel_called:
                             break  # read again under a fresh scope (above)
-                    path = unquote(head.path.decode("ascii"))
-                    route = self.lean_route(head.method, path)
+                    key = (head.method, head.path)
+                    seen = self._routes.get(key)
+                    if seen is None:
+                        path = unquote(head.path.decode("ascii"))
+                        seen = (path, self.lean_route(head.method, path))
+                        if len(self._routes) >= _ROUTES_MAX:
+                            self._routes.clear()
+                        self._routes[key] = seen
+                    path, route = seen
                     if not route:
                         return self._handover(buf, closed, requests)
                     requests += 1
@@ -174,6 +251,7 @@ class LeanHTTP:
                         return None
                     if buf:  # pipelined: other tasks run before the next request (it may not wait)
                         await trio.lowlevel.checkpoint()
+                    answered = True
             if waiting.cancelled_caught:  # the header deadline passed, or the server terminates
                 return None
 
@@ -201,6 +279,9 @@ _MAX_LENGTH_DIGITS = 18  # a longer Content-Length (past 2**59): hypercorn's
 _HEAD_LINES: dict[bytes, tuple[bytes, bytes]] = {}
 _HEAD_LINES_MAX = 256  # lines kept at most (emptied when full)
 _PER_REQUEST = frozenset({b"content-length", b"idempotency-key", b"if-match"})
+#: ``Connection`` values read before, each with whether it asks to close (``keep-alive`` in
+#: every request of a client that says so): bounded as ``_HEAD_LINES``
+_CLOSES: dict[bytes, bool] = {}
 
 
 class _Head(NamedTuple):
@@ -251,7 +332,13 @@ def parse_head(buf: bytearray | bytes, max_head: int) -> _Head | None:
                 return None
             length = int(value)
         elif name == b"connection":
-            close = close or any(t.strip().lower() == b"close" for t in value.split(b","))
+            closes = _CLOSES.get(value)
+            if closes is None:
+                closes = any(t.strip().lower() == b"close" for t in value.split(b","))
+                if len(_CLOSES) >= _HEAD_LINES_MAX:
+                    _CLOSES.clear()
+                _CLOSES[value] = closes
+            close = close or closes
         headers.append(pair)
     if hosts != 1 or length is None:
         return None
@@ -269,9 +356,14 @@ def _shut(sock: socket.socket) -> None:
 # The socket's own calls, not ``trio.SocketStream``'s (a context manager for its errors, a
 # conflict detector and two checkpoints per call: ~10 % of a record write's loop CPU). Each
 # connection has one task, so one reader and one writer at a time.
-async def _receive(sock: socket.socket) -> bytes:
+async def _receive(sock: socket.socket, wait_first: bool = False) -> bytes:
     """The next bytes of ``sock`` (b"" at the client's end), waiting for them (a
-    checkpoint: cancellable). Raises ``OSError`` (a reset)."""
+    checkpoint: cancellable). ``wait_first``: wait until the socket is readable before the
+    first read (just after an answer, when a client that waits for its answer cannot have
+    sent more yet: a read that fails with ``EAGAIN`` saved, a system call and an exception;
+    bytes already there only cost a loop pass). Raises ``OSError`` (a reset)."""
+    if wait_first:
+        await trio.lowlevel.wait_readable(sock)
     while True:
         try:
             return sock.recv(MAX_RECV)
@@ -304,6 +396,9 @@ class _Exchange:
     body piece (a whole answer of known length: one write). An answer that is not plain
     (no or a wrong ``Content-Length``, a ``Connection`` header, several pieces, 204/304, a
     header h11 refuses) is framed by h11 itself, given the request's method and keep-alive."""
+
+    __slots__ = ("lean", "request", "buf", "sock", "closed", "requests", "remaining", "body_done", "close",
+                 "head", "h11", "status", "done", "broken", "done_event", "send_timeout")
 
     def __init__(self, lean: LeanHTTP, request: _Head, buf: bytearray, sock: socket.socket,
                  closed: bool, requests: int) -> None:

@@ -98,6 +98,66 @@ _SCANS = AppendScans()
 MAX_PREFIX_MOVE = PREFIX_MOVE_MAX
 
 
+
+#: how many of a record's newest versions an overwrite looks through for the writers it
+#: drops (``overwritten_authors``): a bound on the work of one write
+OVERWRITE_SCAN = 64
+
+
+def overwritten_authors(conn: Connection, rec: Any, base: str | None, actor: str) -> list[tuple[int, str]]:
+    """Who a last-writer-wins write of record ``rec`` by ``actor`` drops changes of
+    (docs/SEMANTICS.md "Conflicts"; attack 15 F6): [(number, actor)] of the version it
+    replaces (``rec.version``, ``rec.updated_by``: always first, as before), then, for every
+    other writer of a version made after the one the write was made on, that writer's
+    newest such version (newest first). The write's content was made on ``base`` (the
+    sha256 its ``If-Match`` named, [RecordUpdate] ``overwrite_base``) and replaces the
+    record whole, so every content change after that version is dropped, whoever made it:
+    e.g. mount B's edit held by a version mount A merged or appended on top of it, which A
+    overwrites (the version replaced is A's; the edit lost is B's). ``base`` not among the
+    record's ``OVERWRITE_SCAN`` newest versions (a content that was never a version: a
+    sidecar's local content before a merge, a read of parts of two versions): the versions
+    after ``actor``'s own newest one before the version replaced stand in for it. ``base``
+    None: only the version replaced (its writer). Versions that did not change the content
+    (a move, attributes) drop nothing and name no one; nor does ``actor`` itself (told by
+    its own conflict line)."""
+    first = (rec.version, rec.updated_by)
+    if not base:
+        return [first]
+    rows = conn.execute(
+        select(_V.c.version, _V.c.sha256, _V.c.actor)
+        .where(_V.c.record_id == rec.id, _V.c.version <= rec.version)
+        .order_by(_V.c.version.desc()).limit(OVERWRITE_SCAN)).all()
+    at = next((i for i, r in enumerate(rows) if r.sha256 == base), None)
+    if at is None:  # since the writer's own newest version before the one replaced
+        at = next((i for i, r in enumerate(rows) if i and r.actor == actor), len(rows))
+    out, seen = [first], {first[1], actor}
+    for i, r in enumerate(rows[:at]):
+        changed = i + 1 >= len(rows) or rows[i + 1].sha256 != r.sha256
+        if changed and r.actor not in seen and "\n" not in r.actor:
+            seen.add(r.actor)
+            out.append((r.version, r.actor))
+    return out
+
+
+def encode_overwrote(authors: list[tuple[int, str]]) -> str:
+    """The ``versions.overwrote_by`` text of ``overwritten_authors``' list: the first actor
+    (the writer of the version replaced, the column's meaning since migration 0019), then one
+    line ``<version> <actor>`` per other writer whose changes were dropped
+    (``decode_overwrote`` reads it)."""
+    return "\n".join([authors[0][1], *(f"{n} {a}" for n, a in authors[1:])])
+
+
+def decode_overwrote(version: int, text: str | None) -> list[tuple[int, str]]:
+    """``encode_overwrote`` read back, with the replaced ``version`` (``versions.overwrote``):
+    [(number, actor)], the version replaced first. A line that does not parse is skipped."""
+    first, *rest = (text or "").split("\n")
+    out = [(version, first)]
+    for line in rest:
+        n, _, a = line.partition(" ")
+        if n.isdigit() and a:
+            out.append((int(n), a))
+    return out
+
 class RecordsService(Resource):
     """``Service`` methods: record writes (``create_record``, ``update_record``,
     ``append_record``, ``set_attributes``, ``move_record``, ``move_prefix``, ``delete_record``,
@@ -186,7 +246,7 @@ class RecordsService(Resource):
         old_path: str | None = None,
         new: bool = False,
         append: tails.Append | None = None,
-        overwrote: tuple[int, str] | None = None,
+        overwrote: list[tuple[int, str]] | None = None,
     ) -> int:
         """Append version ``rec.version`` (already bumped by the caller) from the record's
         current state and write the record row (inserted when ``new``); sets ``rec.seq``,
@@ -200,7 +260,9 @@ class RecordsService(Resource):
         row's content is the whole live content, read through ``tails.LIVE_CONTENT``).
 
         ``overwrote``: (number, actor) of the version this one replaced by last writer wins
-        (an update with ``overwrite``), kept on the version for the change feed."""
+        (an update with ``overwrite``), then those of the other writers whose changes it
+        drops (``overwritten_authors``), kept on the version for the change feed
+        (``encode_overwrote``)."""
         conn.info["memfuse_writes"] = conn.info.get("memfuse_writes", 0) + 1
         rec.updated_at = now
         rec.updated_by = actor
@@ -239,7 +301,7 @@ class RecordsService(Resource):
             "chain": chain,
         }
         if overwrote is not None:  # else left out: the statement every other write runs
-            row["overwrote"], row["overwrote_by"] = overwrote
+            row["overwrote"], row["overwrote_by"] = overwrote[0][0], encode_overwrote(overwrote)
         seq: int = _RAW_INSERT_VERSION.scalar(conn, row)
         if rec.content is not None:
             history.note_kept(conn, rec.store, rec.size, 1)
@@ -441,8 +503,9 @@ class RecordsService(Resource):
             mtime = rec.mtime_ns if sha == rec.sha256 else None
         if sha == rec.sha256 and rtype == rec.type and (_mode(mode), mtime) == _attrs(rec):
             return _record_model(rec, with_content=False)
-        # a write by last writer wins: the version it replaces, for that version's writer
-        overwrote = (rec.version, rec.updated_by) if getattr(body, "overwrite", False) else None
+        # a write by last writer wins: the version it replaces, for the writers it drops
+        overwrote = (overwritten_authors(conn, rec, getattr(body, "overwrite_base", None), p.actor)
+                     if getattr(body, "overwrite", False) else None)
         old_size = rec.size
         rec.content, rec.sha256, rec.size, rec.type = content, sha, size, rtype
         rec.mode, rec.mtime_ns = mode, mtime

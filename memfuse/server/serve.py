@@ -752,6 +752,8 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
                 sock.listen(config.backlog)
                 binds.append(f"http://{repr_socket_addr(sock.family, sock.getsockname())}")
             task_status.started(binds)
+            if lean is not None:
+                server_nursery.start_soon(lean.watch)  # its header deadlines (ends at terminate)
             try:
                 async with trio.open_nursery(strict_exception_groups=True) as nursery:
                     nursery.start_soon(raise_shutdown, shutdown_trigger)

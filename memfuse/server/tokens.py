@@ -105,9 +105,18 @@ def _label(name: str | None) -> str:
 
 
 def _principal_of(e: _Entry, instance: str | None) -> Principal:
-    return Principal(workspace=e.workspace, name=e.name, instance=_clean_instance(instance),
-                     account=e.account, root_token=e.workspace is None and e.account is None,
-                     token_id=e.token_id, expires_at=e.expires_at)
+    """The principal of cache entry ``e`` called with ``X-Memfuse-Instance`` ``instance``: made
+    from the entry's fields (none of which changes) and kept on it for the next request with
+    the same instance (a frozen dataclass of seven fields is ~2 µs to build, on the event
+    loop per request)."""
+    last = e.last
+    if last is not None and last[0] == instance:
+        return last[1]
+    p = Principal(workspace=e.workspace, name=e.name, instance=_clean_instance(instance),
+                  account=e.account, root_token=e.workspace is None and e.account is None,
+                  token_id=e.token_id, expires_at=e.expires_at)
+    e.last = (instance, p)  # one assignment: a worker thread reading it sees the old or the new
+    return p
 
 
 def _digest(token: str) -> str:
@@ -124,6 +133,7 @@ class _Entry:
     account: str | None = None  # the token's account (None: a root admin token)
     used: bool = False  # used since last_used_at was last written (or found fresh)
     seen: float = 0.0  # monotonic: last request with this token
+    last: tuple[str | None, Principal] | None = None  # the last principal made of it (``_principal_of``)
 
 
 class TokenCache:

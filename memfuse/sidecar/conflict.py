@@ -12,8 +12,9 @@ the control plane answers ``412`` (the record changed elsewhere meanwhile):
 - any other change becomes a **three-way line merge** of base, current and local content
   (``merge_lines``) when the two changes touch disjoint lines (or both only add lines at
   the end: kept as two appends, theirs first);
-- else last writer wins: the put is sent unconditionally, marked ``overwrite`` (the control
-  plane records the version it replaced, and the change feed tells that version's writer:
+- else last writer wins: the put is sent unconditionally, marked ``overwrite`` with the
+  version it was made on (the control plane records the version it replaced and the writers
+  of every version after that base, whose changes it drops, and the change feed tells each:
   ``Change.overwrote``, ``stores.StoreSync.told_overwritten``), the other version stays in
   the record's history, and the conflict is reported (``on_conflict``: a line in
   ``errors.log``).
@@ -253,7 +254,8 @@ class ConflictResolver:
                 else:  # last writer wins, said in errors.log and the log
                     if sha == UNKNOWN_BASE:
                         why = ("a reader of this file was served parts of two versions (its reads "
-                               "straddled a change)")
+                               "straddled a change), so this write may hold lines no one wrote (a "
+                               "line cut or doubled): check it")
                         what = "written on parts of two versions"
                     else:
                         why, what = "the record changed elsewhere", "record changed elsewhere"
@@ -261,9 +263,11 @@ class ConflictResolver:
                                      "stays in history")
                     log.warning(f"conflict: {what}; last writer wins, the other version stays in history",
                                 extra={"store": e.store, "path": a.get("path"), "record": rid})
+                    # the version it was made on: every writer of a later one is told
+                    # (their changes go too), not only the writer of the version replaced
                     rec = await c.update_record(e.store, rid, text.check(), type=typ,
                                                 idempotency_key=e.key + "-lww", overwrite=True,
-                                                **attrs)
+                                                overwrite_base=sha, **attrs)
             except NotFound:
                 rid = None  # deleted elsewhere: re-create it below
         if rid is None:
@@ -521,7 +525,9 @@ def merge_lines(base: bytes, theirs: bytes, ours: bytes, budget: WorkBudget | No
     of ``base`` is what two appenders do, kept as ``rebase`` keeps an append (theirs, then
     ours), not a conflict: an overwrite that carries this mount's own queued appends
     (coalesced with them, e.g. ``sed -i`` after ``echo >>`` while the control plane was
-    down) meets the other mount's appends there (attack report 12, A9). Pure;
+    down) meets the other mount's appends there (attack report 12, A9). Another: when
+    theirs only appended whole lines to ``base``, ours changing its last lines keeps them
+    after ours (``_after_their_append``; attack 15 F5). Pure;
     ``ConflictResolver.rebase`` runs it in a worker thread. Its work is bounded
     (``memfuse.diffwork``: ``budget``, default ``DIFF_WORK_BUDGET`` lines scanned, shared
     by its two line diffs): raises ``DiffTooCostly`` past it (attack 13 F12: quadratic in
@@ -537,12 +543,27 @@ def merge_lines(base: bytes, theirs: bytes, ours: bytes, budget: WorkBudget | No
         if group[0] == "conflict":
             _, at, theirs_added, ours_added = group
             if at or i != len(groups) - 1:
-                return None
+                return _after_their_append(base, theirs, ours)
             out.extend(theirs_added)  # both appended: theirs landed first, ours after
             out.extend(ours_added)
             continue
         out.extend(group[1])
     return b"".join(out)
+
+
+def _after_their_append(base: bytes, theirs: bytes, ours: bytes) -> bytes | None:
+    """``ours`` then the whole lines ``theirs`` added after the end of ``base``, when that is
+    all ``theirs`` did (another mount's ``echo >> f``) and ``ours`` ends a line; else None.
+    The merge ``merge_lines`` gives for a rewrite that changed ``base``'s last lines (or
+    all of a one-line file: ``sed -i`` of a journal's only line while another mount
+    appends, attack 15 F5), which ``diff3`` counts as a conflict with an insertion right
+    after them: the appended lines are kept after ours, as they would be after any other
+    change of ours."""
+    if len(theirs) <= len(base) or not theirs.startswith(base):
+        return None
+    if (base and not base.endswith(b"\n")) or (ours and not ours.endswith(b"\n")):
+        return None  # a partial line: joining it to another would make a line no one wrote
+    return ours + theirs[len(base):]
 
 
 def local_refusal(code: str, detail: str) -> ApiError:

@@ -625,20 +625,26 @@ class StoreSync:
     def told_overwritten(self, slug: str, ch: Change) -> None:
         """A change of the feed (``_apply_page``, or the catch-up of a saved mirror at start)
         ``ch``: when another writer wrote it by last writer wins (``Change.overwrote``) over
-        a version this sidecar wrote (its actor), its agent is told, as the writer that won
-        is (``ConflictResolver.conflict``): a line in ``errors.log``
-        (``ControlFiles.note_overwritten``), a WARNING and ``memfuse_overwritten``. Versions
-        of other writers, and this sidecar's own overwrites, are not this mount's to report."""
+        a version this sidecar wrote (its actor), or dropped this sidecar's changes held by a
+        version written after the one it was made on (``Overwritten.also``: e.g. this
+        mount's edit merged into another mount's version, which that mount overwrote), its
+        agent is told, as the writer that won is (``ConflictResolver.conflict``): a line in
+        ``errors.log`` (``ControlFiles.note_overwritten``, naming this mount's newest version
+        dropped), a WARNING and ``memfuse_overwritten``. Changes of other writers only, and
+        this sidecar's own overwrites, are not this mount's to report."""
         over = ch.overwrote
-        if over is None or over.actor != self.actor or ch.record.updated_by == self.actor:
+        if over is None or ch.record.updated_by == self.actor:
+            return
+        lost = next((o.version for o in (over, *over.also) if o.actor == self.actor), None)
+        if lost is None:
             return
         rec = ch.record
         self.metrics.overwritten.inc()
-        self.fs.controls.note_overwritten(slug, rec.path, rec.id, over.version, rec.version)
+        self.fs.controls.note_overwritten(slug, rec.path, rec.id, lost, rec.version)
         log.warning("conflict: this mount's write was overwritten elsewhere; last writer wins, "
                     "this mount's version stays in history",
                     extra={"store": slug, "path": rec.path, "record": rec.id,
-                           "lost_version": over.version, "version": rec.version,
+                           "lost_version": lost, "version": rec.version,
                            "by": rec.updated_by})
 
     async def _events(self) -> None:
