@@ -111,6 +111,20 @@ async def test_index_follows_every_write(env: Env):
     assert paths(await ranked(env, "delta")) == ["one.md"]
 
 
+async def test_ranked_lines_come_from_the_indexed_text_only(env: Env):
+    """A hit's lines, line count and snippet are made from the text the index holds of it (its
+    first 200,000 characters, fulltext.PG_MAX_CHARS), not from the whole record: a page of
+    large records costs what one of 200,000-character records does (attack 15 F3)."""
+    filler = "plain filler words on a line\n" * 9_000  # ~270,000 characters
+    await batch_create(env, {"big.md": "the lisbon omega line\n" + filler + "a late lisbon line\n"})
+    hit = (await ranked(env, "lisbon"))["hits"][0]
+    assert hit["lines"] == [{"line": 1, "text": "the lisbon omega line"}] and hit["line_matches"] == 1
+    assert hit["snippet"] == "the lisbon omega line"
+    # substring search still reads the whole record
+    plain = (await env.ws.get(URL, params={"q": "lisbon"})).json()["hits"][0]
+    assert plain["line_matches"] == 2
+
+
 async def test_ranked_pages_and_refusals(env: Env):
     await batch_create(env, {f"n/{i:03}.md": "hotel " * (i + 1) + "\n" for i in range(25)})
     seen: list[str] = []

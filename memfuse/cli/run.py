@@ -85,6 +85,13 @@ def _admin_token(admin_token_file: Path | None) -> tuple[str, Path, bool]:
 @opt("--max-requests", type=click.IntRange(min=1), default=128, show_default=True,
      help="Ordinary requests in the app at once (a request counts once its body is read); "
      "one more is answered 503 overloaded with Retry-After.")
+@opt("--max-requests-per-token", type=click.IntRange(min=1), default=None,
+     show_default="a quarter of --max-requests",
+     help="Ordinary requests of one token in the app at once; one more is answered 429 "
+     "too_many_requests with Retry-After, so one token cannot hold every request slot.")
+@opt("--read-timeout", type=click.FloatRange(min=0.1), default=30.0, show_default=True, metavar="SECONDS",
+     help="Time a read (GET under /v1/) may work: its database work is then interrupted and "
+     "it is answered 504 timeout. Its client's disconnect interrupts it at once.")
 @opt("--max-streams", type=click.IntRange(min=1), default=20_000, show_default=True,
      help="Long-lived responses at once (long-polls, streams, console live pages); one more "
      "is answered 429 too_many_streams with Retry-After.")
@@ -153,7 +160,8 @@ def _admin_token(admin_token_file: Path | None) -> tuple[str, Path, bool]:
      help="Log lines as JSON objects (one per event, the exception as a field) or as text.")
 @opt("--debug", is_flag=True, help="Verbose logging.")
 def serve(db: str | None, listen: str, admin_token_file: Path | None, migrate: bool, no_streams: bool,
-          max_requests: int, max_streams: int, max_streams_per_token: int, max_body: int,
+          max_requests: int, max_requests_per_token: int | None, read_timeout: float,
+          max_streams: int, max_streams_per_token: int, max_body: int,
           header_timeout: float, body_timeout: float, body_read_timeout: float,
           max_unauthenticated_per_address: int, max_unauthenticated: int, stale_after: int, expiry_interval: float,
           consolidation_model_url: str | None, consolidation_api_key_file: Path | None,
@@ -198,7 +206,9 @@ def serve(db: str | None, listen: str, admin_token_file: Path | None, migrate: b
 
         with database_errors(url):
             app = create_app(url, static_tokens={token: None}, schema="migrate" if migrate or not db else "check",
-                             streams=not no_streams, max_inflight=max_requests, max_long_polls=max_streams,
+                             streams=not no_streams, max_inflight=max_requests,
+                             max_inflight_per_token=max_requests_per_token, read_budget=read_timeout,
+                             max_long_polls=max_streams,
                              max_long_polls_per_token=max_streams_per_token, max_body=max_body,
                              header_timeout=header_timeout, body_timeout=body_timeout,
                              receive_timeout=body_read_timeout,

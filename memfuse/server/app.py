@@ -163,6 +163,8 @@ def create_app(
     schema: str = "migrate",
     faces: bool = True,
     max_inflight: int = gate.MAX_INFLIGHT,
+    max_inflight_per_token: int | None = None,
+    read_budget: float = gate.READ_BUDGET,
     max_long_polls: int = streamclass.MAX_STREAMS,
     max_long_polls_per_token: int = streamclass.MAX_STREAMS_PER_TOKEN,
     send_timeout: float = gate.SEND_TIMEOUT,
@@ -187,7 +189,9 @@ def create_app(
     None, ``$MEMFUSE_CONTEXT_MAX_BYTES`` or 100,000.
     ``schema``: ``"migrate"`` (upgrade the database to the newest revision first) or
     ``"check"`` (refuse a database behind it), see ``memfuse.server.db.Database``.
-    ``max_inflight`` (ordinary requests in the app at once), ``max_long_polls`` and
+    ``max_inflight`` (ordinary requests in the app at once), ``max_inflight_per_token`` (of
+    them, one token's; default ``gate.default_per_token``), ``read_budget`` (s a read's
+    database work may take, ``memfuse.server.budget``), ``max_long_polls`` and
     ``max_long_polls_per_token`` (long-lived responses: long-polls, streams, console live
     pages, per replica and per token), ``send_timeout`` (s a send to a client may take),
     ``max_body`` (bytes of a record write's, batch's, memory-tool call's or console form's
@@ -259,7 +263,7 @@ def create_app(
         app.add_middleware(proxies.TrustedProxyScheme, trusted=trusted)
     app.front = gate.Gate(
         app.serve_fastapi, svc, metrics, stream_class, max_inflight=max_inflight,
-        send_timeout=send_timeout, max_body=max_body, body_timeout=body_timeout,
+        max_per_token=max_inflight_per_token, read_budget=read_budget, send_timeout=send_timeout, max_body=max_body, body_timeout=body_timeout,
         receive_timeout=receive_timeout, header_timeout=header_timeout,
         max_unauthenticated_per_address=max_unauthenticated_per_address,
         max_unauthenticated=max_unauthenticated,

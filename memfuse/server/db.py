@@ -61,7 +61,7 @@ from sqlalchemy.exc import DBAPIError, InvalidRequestError, SQLAlchemyError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 from sqlalchemy.pool import StaticPool
 
-from memfuse.server import fulltext
+from memfuse.server import budget, fulltext
 from memfuse.server.rawsql import Raw
 
 log = logging.getLogger(__name__)
@@ -712,13 +712,26 @@ class Database:
     @contextmanager
     def read_conn(self) -> Iterator[Connection]:
         """``read()`` without the ORM: a Core connection in a read transaction, rolled back
-        at the end (for the hot read paths). Same locking rules."""
+        at the end (for the hot read paths). Same locking rules. In a read request with a
+        budget (``memfuse.server.budget``) the connection is attached to it: its statements
+        are interrupted when the budget ends, which raises ``ServiceError`` 504 ``timeout``."""
+        b = budget.CURRENT.get()
+        if b is not None:
+            b.check()
         if self._all_lock is not None:
             self._all_lock.acquire()
         try:
             with self.engine.connect() as conn:
                 try:
-                    yield conn
+                    if b is None:
+                        yield conn
+                    else:
+                        try:
+                            with b.attached(conn.connection.dbapi_connection):
+                                yield conn
+                        except DBAPIError:
+                            b.check()  # interrupted by the budget's end: its error instead
+                            raise
                 finally:
                     conn.rollback()
         finally:

@@ -35,7 +35,12 @@ In order, for every HTTP request:
    the connection's start, or the previous answer, until the request's headers are in).
 5. **Slots**: an ordinary request takes one of ``max_inflight`` slots only once its body is
    read, for as long as the app works on it (503 ``overloaded``, ``Retry-After: 1`` when
-   none is free); a long-lived response (long-poll, stream, console live page) takes a lease
+   none is free), and one of its token's ``max_per_token`` (``Shares``: 429
+   ``too_many_requests``, ``Retry-After: 1``, so one token cannot hold every slot; a request
+   without a token, a console page, one of its client address's ``max_per_token``). A ``GET``
+   under ``/v1/`` or ``/ui/`` runs under a ``memfuse.server.budget.Budget``: its database
+   work is interrupted when its client disconnects or ``read_budget`` s have passed (504
+   ``timeout``). A long-lived response (long-poll, stream, console live page) takes a lease
    of the ``StreamClass`` instead (``memfuse.server.streamclass``: per-token and per-replica
    caps, 429 with ``Retry-After``), and ends within a moment of its token's revocation or
    expiry.
@@ -68,6 +73,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from memfuse.defs import RECORD_BODY_MAX, sha256_hex
+from memfuse.server import budget
 from memfuse.server.limits import MAX_HEAD, PROBLEM_JSON, ServerMetrics
 from memfuse.server.service import Principal, Service, ServiceError
 from memfuse.server.streamclass import Lease, StreamClass
@@ -75,6 +81,13 @@ from memfuse.server.streamclass import Lease, StreamClass
 log = logging.getLogger(__name__)
 
 MAX_INFLIGHT = 128
+READ_BUDGET = 30.0  # s a read (GET under /v1/, /ui/) may work before its database work is interrupted
+
+
+def default_per_token(max_inflight: int) -> int:
+    """The default share of ``max_inflight`` request slots one token may hold: a quarter of
+    them, at least 1 (128 slots: 32)."""
+    return max(1, max_inflight // 4)
 MAX_BODY = RECORD_BODY_MAX  # record writes, batches, the memory tool, console forms (defs: one rule)
 SMALL_BODY = 1024 * 1024  # every other endpoint
 MCP_MAX_BODY = 4 * 1024 * 1024  # /mcp's bound when max_body is smaller (a test's app)
@@ -274,6 +287,31 @@ class WriteRate:
                 del self._buckets[key]
 
 
+class Shares:
+    """Each token's share of the request slots: at most ``per_token`` ordinary requests of one
+    token (by its key, ``Gate._token_key``) in the app at once. Event-loop only."""
+
+    def __init__(self, per_token: int) -> None:
+        self.per_token = per_token
+        self._held: dict[str, int] = {}  # key → requests of that token in the app now
+
+    def take(self, key: str) -> bool:
+        """Take one of ``key``'s share: False (nothing taken) when it holds ``per_token``."""
+        n = self._held.get(key, 0)
+        if n >= self.per_token:
+            return False
+        self._held[key] = n + 1
+        return True
+
+    def give(self, key: str) -> None:
+        """Give back one taken with ``take``."""
+        n = self._held[key] - 1
+        if n:
+            self._held[key] = n
+        else:
+            del self._held[key]
+
+
 class Gate:
     """ASGI wrapper of the app: the steps of the module docstring.
 
@@ -284,10 +322,13 @@ class Gate:
     path prefix to a function ``(ServiceError, scope) -> ASGI response`` for prefixes whose
     401 has its own form (``/mcp``). ``connections``: the caps of connections without a valid
     token (per address, ``max_unauthenticated_per_address``, and in all, ``max_unauthenticated``),
-    when the server applies them (``memfuse.server.serve``)."""
+    when the server applies them (``memfuse.server.serve``). ``max_per_token``: the ordinary
+    requests one token may have in the app at once (default ``default_per_token``);
+    ``read_budget``: s a read's database work may take (``memfuse.server.budget``)."""
 
     def __init__(self, app: ASGIApp, svc: Service, metrics: ServerMetrics, streams: StreamClass, *,
-                 max_inflight: int = MAX_INFLIGHT, send_timeout: float = SEND_TIMEOUT,
+                 max_inflight: int = MAX_INFLIGHT, max_per_token: int | None = None,
+                 read_budget: float = READ_BUDGET, send_timeout: float = SEND_TIMEOUT,
                  max_body: int = MAX_BODY, body_timeout: float = BODY_TIMEOUT,
                  receive_timeout: float = RECEIVE_TIMEOUT, body_budget: int = BODY_BUDGET,
                  header_timeout: float = HEADER_TIMEOUT,
@@ -306,6 +347,8 @@ class Gate:
         self.fast = fast
         self.ready = ready
         self.max_inflight = max_inflight
+        self.shares = Shares(default_per_token(max_inflight) if max_per_token is None else max_per_token)
+        self.read_budget = read_budget
         self.send_timeout = send_timeout
         self.max_body = max_body
         self.body_timeout = body_timeout
@@ -420,11 +463,7 @@ class Gate:
             scope["memfuse.principal"] = principal
             if method in _WRITE_METHODS and path.startswith("/v1/") and token:
                 # the token's write buckets, from the headers, before the body is read
-                key = self._rate_keys.get(token)
-                if key is None:
-                    if len(self._rate_keys) >= RATE_KEYS_MAX:
-                        self._rate_keys.clear()
-                    key = self._rate_keys[token] = hashlib.sha256(token.encode()).hexdigest()[:32]
+                key = self._token_key(token)
                 wait = self.write_rate.take(key, length or 0, time.monotonic())
                 if wait > 0:
                     await self._refuse(receive, send, 429, "rate_limited",
@@ -462,17 +501,96 @@ class Gate:
                                        "the server is at its request limit; retry",
                                        headers={"Retry-After": "1"}, path=path)
                     return
+                share = self._share_key(principal, token, scope)
+                if share is not None and not self.shares.take(share):
+                    await self._refuse(receive, send, 429, "too_many_requests",
+                                       "this client has as many requests in the server at once as "
+                                       "one token (or one address without a token) may; retry",
+                                       headers={"Retry-After": "1"}, path=path)
+                    return
                 self.inflight += 1
                 try:
-                    await self._run(scope, _replay(body, receive), send, None, body)
+                    if method == "GET" and path.startswith(("/v1/", "/ui/")):
+                        await self._run_read(scope, body, receive, send)
+                    else:
+                        await self._run(scope, _replay(body, receive), send, None, body)
                 finally:
                     self.inflight -= 1
+                    if share is not None:
+                        self.shares.give(share)
             else:
                 await self._run(scope, _replay(body, receive), send, lease)
         finally:
             self.body_bytes -= held
             if lease is not None:
                 lease.close()
+
+    def _token_key(self, token: str) -> str:
+        """The key of ``token``'s write buckets and request share (a digest, so the tables
+        keyed by it hold no token), remembered per token; the memo is cleared past
+        ``RATE_KEYS_MAX`` tokens."""
+        key = self._rate_keys.get(token)
+        if key is None:
+            if len(self._rate_keys) >= RATE_KEYS_MAX:
+                self._rate_keys.clear()
+            key = self._rate_keys[token] = hashlib.sha256(token.encode()).hexdigest()[:32]
+        return key
+
+    def _share_key(self, principal: Principal | None, token: str | None, scope: Scope) -> str | None:
+        """Whose share of the slots an ordinary request takes (``Shares``): its token's (by
+        ``_token_key``), else, without a token (console pages, the API docs), its client
+        address's (behind a proxy: the proxy's, as for ``Connections``); None when the
+        server gave no address."""
+        if principal is not None and token:
+            return self._token_key(token)
+        peer = scope.get("client")
+        if isinstance(peer, (tuple, list)) and peer:
+            return f"addr {peer[0]}"
+        return None
+
+    async def _run_read(self, scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
+        """``_run`` for a read (an ordinary ``GET`` under ``/v1/`` or ``/ui/``) under a ``Budget`` of
+        ``read_budget`` s: once its body is read the connection's messages are watched here,
+        and its client's disconnect, or the budget's end, interrupts its database work
+        (``memfuse.server.budget``); the app then answers 504 ``timeout`` if the client is
+        still there. The app's ``receive`` gives the body, then ``http.disconnect`` once the
+        client has gone."""
+        b = budget.Budget()
+        gone = anyio.Event()
+
+        async def watch() -> None:
+            with anyio.move_on_after(self.read_budget):
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                b.end(budget.GONE)
+                gone.set()
+                return
+            b.end(budget.DEADLINE)
+
+        given = False
+
+        async def app_receive() -> Message:
+            nonlocal given
+            if not given:
+                given = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        reset = budget.CURRENT.set(b)
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(watch)
+                try:
+                    await self._run(scope, app_receive, send, None, body)
+                finally:
+                    tg.cancel_scope.cancel()
+        finally:
+            budget.CURRENT.reset(reset)
+            if b.reason == budget.GONE:
+                self.metrics.refused.labels("client_gone").inc()
+            elif b.reason == budget.DEADLINE:
+                self.metrics.refused.labels("timeout").inc()
 
     async def _run(self, scope: Scope, receive: Receive, send: Send, lease: Lease | None,
                    body: bytes = b"") -> None:
