@@ -19,8 +19,12 @@ import trio
 from memfuse.sidecar.interrupts import Interrupts, signal_pending
 
 # writes, says so, then fsyncs (or closes); a KeyboardInterrupt is printed with the time it took
+#: the writer takes Ctrl-C as a shell's foreground program does, even when this test runs
+#: with SIGINT ignored (started in the background by a non-interactive shell: POSIX has its
+#: asynchronous commands ignore SIGINT and SIGQUIT, and exec keeps an ignored signal ignored)
 _WRITER = r"""
-import os, sys, time
+import os, signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
 fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
 os.write(fd, b"kept\n")
 print("waiting", flush=True)
@@ -41,7 +45,9 @@ def test_signal_pending_reads_the_pending_stop_signals_a_thread_does_not_block()
     """A stopped process keeps the signals sent to it pending: one of the stop signals
     (SIGINT...) counts, SIGUSR1 only when asked for; a signal the thread blocks never counts
     (the kernel does not interrupt it either); no such thread: False."""
-    p = subprocess.Popen(["sleep", "60"])
+    # SIGINT at its default disposition in the child (an ignored one is discarded, never
+    # pending; this test may run with it ignored: see _WRITER)
+    p = subprocess.Popen(["sleep", "60"], preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         os.kill(p.pid, signal.SIGSTOP)
         with open(f"/proc/{p.pid}/stat") as f:

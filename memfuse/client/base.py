@@ -10,6 +10,7 @@ import email.utils
 import functools
 import logging
 import math
+import random
 import re
 import ssl
 import time
@@ -52,6 +53,25 @@ from ..wire import (
 )
 
 log = logging.getLogger("memfuse.client")
+
+#: s at most a request refused for its token's share of the request slots (429
+#: ``too_many_requests``) is sent again for (``ApiSession._send``)
+SHARE_WAIT = 30.0
+#: s at most between two of those attempts, whatever ``Retry-After`` says
+SHARE_RETRY_MAX = 5.0
+
+
+async def _pause(seconds: float) -> None:
+    """Wait ``seconds``: ``time.sleep`` when the running coroutine is driven without an event
+    loop (``retries.run_loopless``), else ``trio.sleep`` (trio imported only then)."""
+    from .retries import _LOOPLESS
+
+    if _LOOPLESS.get():
+        time.sleep(seconds)
+        return
+    import trio
+
+    await trio.sleep(seconds)
 
 
 def _package_version() -> str:
@@ -482,7 +502,33 @@ class ApiSession:
         assert isinstance(resp, httpx.Response)  # raw_ok=False: never an Answer
         return resp
 
-    async def _send(
+    async def _send(self, method: str, path: str, **kw: Any) -> "httpx.Response | Answer":
+        """``_send_once``, sent again while the control plane refuses it for its token's
+        share of the request slots (429 ``too_many_requests``: refused at the front door
+        before the app, so never applied, whatever the method; docs/API.md, "Request
+        slots"): the server's ``Retry-After`` (at most ``SHARE_RETRY_MAX`` s) with jitter
+        between attempts, for at most ``SHARE_WAIT`` s in all, then that refusal is raised.
+        A client with more requests in flight than its share (parallel memory-tool calls
+        of one token) so queues instead of failing. Raises what ``_send_once`` raises."""
+        deadline: float | None = None
+        while True:
+            try:
+                return await self._send_once(method, path, **kw)
+            except TransientError as e:
+                if e.status != 429 or e.code != "too_many_requests":
+                    raise
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + SHARE_WAIT
+                after = e.retry_after if e.retry_after is not None else 1.0
+                delay = min(after, SHARE_RETRY_MAX) * random.uniform(0.5, 1.0)
+                if now + delay > deadline:
+                    raise
+                log.debug("%s %s: over its token's share of the request slots; sent again in "
+                          "%.2f s", method, path, delay)
+                await _pause(delay)
+
+    async def _send_once(
         self,
         method: str,
         path: str,
