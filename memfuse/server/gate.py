@@ -567,15 +567,11 @@ class Gate:
                 return
             b.end(budget.DEADLINE)
 
-        given = False
-
-        async def app_receive() -> Message:
-            nonlocal given
-            if not given:
-                given = True
-                return {"type": "http.request", "body": body, "more_body": False}
+        async def gone_receive() -> Message:  # the connection's messages are watch()'s
             await gone.wait()
             return {"type": "http.disconnect"}
+
+        app_receive = _replay(body, gone_receive)
 
         reset = budget.CURRENT.set(b)
         try:
@@ -894,7 +890,8 @@ async def _nothing() -> Message:
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
-    """A ``receive`` that gives the body read already, then the connection's own messages."""
+    """A ``receive`` that gives the body read already, then what ``receive`` gives (the
+    connection's own messages, or a read's disconnect once its watcher saw it: ``_run_read``)."""
     given = False
 
     async def replay() -> Message:
