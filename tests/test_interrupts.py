@@ -114,6 +114,26 @@ def _start_writer(path, how: str) -> subprocess.Popen:
     return p
 
 
+def _interrupt_writer(path, how: str, after: float) -> tuple[str, float]:
+    """Start ``_WRITER`` on ``path`` (``how``: ``fsync`` or ``close``), check it still waits
+    ``after`` s later, send it SIGINT; return its line and the seconds from the signal to
+    that line. The writer must have exited 3 (its KeyboardInterrupt); killed if left."""
+    p = _start_writer(path, how)
+    try:
+        time.sleep(after)
+        assert p.poll() is None, f"{how} returned while the control plane is stopped"
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGINT)
+        line = _readline(p, 40)
+        took = time.monotonic() - t0
+        assert p.wait(30) == 3, (line, p.stderr.read())
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+    return line, took
+
+
 def _readline(p: subprocess.Popen, timeout: float) -> str:
     out: list[str] = []
     t = threading.Thread(target=lambda: out.append(p.stdout.readline()), daemon=True)
@@ -134,19 +154,7 @@ def test_ctrl_c_of_an_fsync_blocked_on_a_stopped_control_plane_returns_at_once(t
             sh("echo x > first.md", d, timeout=30)  # the outbox learns the control plane is down
             wait_until(lambda: sidecar_status(sc)["control_plane"]["reachable"] is False, timeout=30,
                        what="the control plane seen down")
-            p = _start_writer(d / "f.md", "fsync")
-            try:
-                time.sleep(1.5)
-                assert p.poll() is None, "fsync returned while the control plane is stopped"
-                t0 = time.monotonic()
-                p.send_signal(signal.SIGINT)
-                line = _readline(p, 40)
-                took = time.monotonic() - t0
-                assert p.wait(30) == 3, (line, p.stderr.read())
-            finally:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait(10)
+            line, took = _interrupt_writer(d / "f.md", "fsync", after=1.5)
             assert line.startswith("interrupted"), line
             assert took < 2.5, f"fsync went on {took:.1f} s after SIGINT ({line.strip()})"
             assert "was interrupted by a signal to its process" in sc.log.read_text()
@@ -172,19 +180,7 @@ def test_ctrl_c_of_a_close_waiting_for_its_commit_returns_at_once(tmp_path):
         d = sc.mountpoint / "default"
         rig.cp.freeze()
         try:
-            p = _start_writer(d / "c.md", "close")
-            try:
-                time.sleep(0.5)
-                assert p.poll() is None, "close returned while the control plane is stopped"
-                t0 = time.monotonic()
-                p.send_signal(signal.SIGINT)
-                line = _readline(p, 40)
-                took = time.monotonic() - t0
-                assert p.wait(30) == 3, (line, p.stderr.read())
-            finally:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait(10)
+            line, took = _interrupt_writer(d / "c.md", "close", after=0.5)
             assert line.startswith("interrupted"), line
             # on main the close ran its 3 s (the control plane seen down) before the signal
             assert took < 1.5 and float(line.split()[1]) < 2.0, (took, line)
