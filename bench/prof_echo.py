@@ -32,8 +32,10 @@ import urllib.request
 from pathlib import Path
 
 import common
+from bench_grep import ctx_switches
 from bench_write import STORE, WS, write_files
 from common import Mount, Session, loadavg
+from prof_write import stop_tracer
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -56,16 +58,6 @@ def threads_cpu(pid: int) -> dict[str, float]:
         fields = raw.rsplit(")", 1)[1].split()
         out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / TICK
     return out
-
-
-def ctx_switches(pid: int) -> int:
-    """Voluntary + involuntary context switches of ``pid``'s main thread so far."""
-    n = 0
-    with open(f"/proc/{pid}/task/{pid}/status") as f:
-        for line in f:
-            if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
-                n += int(line.split()[1])
-    return n
 
 
 def diff(a: dict[str, float], b: dict[str, float], per: float) -> dict[str, float]:
@@ -175,12 +167,7 @@ def main() -> int:
                 for pid in pids.values():
                     os.kill(pid, signal.SIGUSR2)
             for t in tracers:
-                t.send_signal(signal.SIGINT)
-                try:
-                    t.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    t.kill()
-                    t.wait()
+                stop_tracer(t)
             time.sleep(0.5)
             i0 = {k: threads_cpu(p) for k, p in pids.items()}
             t0 = time.monotonic()

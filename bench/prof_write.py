@@ -53,7 +53,8 @@ def _record(pid: int, out: Path) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def _stop(p: subprocess.Popen) -> None:
+def stop_tracer(p: subprocess.Popen) -> None:
+    """SIGINT to a tracer (py-spy, strace) so it writes its output; killed after 60 s."""
     p.send_signal(signal.SIGINT)
     try:
         p.wait(timeout=60)
@@ -166,7 +167,7 @@ def main() -> int:
                     cg = {"sidecar_ir_per_file": round((ir - idle * busy) / a.n),
                           "sidecar_ir_per_file_raw": round(ir / a.n), "idle_ir_per_s": round(idle)}
                 for p in spies:
-                    _stop(p)
+                    stop_tracer(p)
                 peer = None
                 if jfs is not None:
                     peer = a.n / write_files(jfs.mountpoint / f"r{r}t{t}", a.n, threads=t)
