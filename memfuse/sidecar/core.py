@@ -943,10 +943,11 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         """close(2): commit a dirty file; wait until it is accepted (on disk in the outbox
         journal, at most ``journal.JOURNAL_WAIT`` s), then up to ``commit_wait`` s from the
         start of the close for the control plane (0: not at all),
-        unless the outbox knows it is unreachable (``Committer.failing``: its last attempt
-        failed with a connection error, timeout, 5xx or 429 and none was answered since):
-        then return as soon as the write is accepted, or as soon as the outbox learns it
-        while this close waits.
+        unless the outbox knows no commit can come soon (``Committer.failing``: its last
+        attempt failed with a connection error, timeout, 5xx or 429 and none was answered
+        since, or the control plane refuses the token the token file still gives): then
+        return as soon as the write is accepted, or as soon as the outbox learns it while
+        this close waits.
 
         Raises ``FsError`` ``EINTR`` when the process that opened ``h`` gets a stop signal
         while the close waits for the control plane (``interrupts``: the write stays

@@ -415,8 +415,8 @@ class Sidecar(StoreSync):
 
         def auth(ok: bool) -> None:
             self.metrics.auth_ok.set(1 if ok else 0)
-            if ok:  # the token works again: retry what waits now
-                self.committer.poke()
+            if ok:  # the token works again: retry what waits now, closes wait for commits
+                self.committer.auth_restored()
                 self._token_changed.set()
                 self._token_changed = trio.Event()
             else:
@@ -618,6 +618,8 @@ class Sidecar(StoreSync):
         st["auth"] = {"ok": self.client.auth_failure is None, "error": self.client.auth_failure,
                       "failures": self.client.auth_failures,
                       "commits_deferred": self.committer.auth_waits,
+                      # closes return once accepted (the outbox's authentication outage)
+                      "closes_wait": self.committer.auth_refused is None,
                       "token_file": str(tf.path) if tf is not None else None,
                       "token_reloads": tf.reloads if tf is not None else 0}
         return st
@@ -718,7 +720,7 @@ class Sidecar(StoreSync):
         self.metrics.token_reloads.inc()
         self._token_changed.set()
         self._token_changed = trio.Event()
-        self.committer.poke()
+        self.committer.auth_restored()  # worth waiting for again: retried now
 
     async def _token_watch(self) -> None:
         """Look at ``--token-file`` every ``token_check_interval`` s (a ``stat``; re-read when
