@@ -111,7 +111,7 @@ class RejectedFiles:
 
     def keep_aside(self, sm: StoreMount, path: str, data: bytes, err: int, code: str,
                    reason: str, why: str, *, mode: int | None = None, type_: str | None = None,
-                   mtime_ns: int | None = None) -> str:
+                   mtime_ns: int | None = None, restoring: bool = False) -> str:
         """A refused write of ``path`` (store-relative) that the tree cannot show there
         (``why``: a directory made elsewhere holds the path, or a file crosses it) is kept
         as a new rejected file beside it, never dropped: ``<stem>.rejected<ext>`` (then
@@ -119,7 +119,10 @@ class RejectedFiles:
         ``data``, ``state=rejected``, ``err`` / ``code``, a reason naming ``path``, and
         kept across restarts like any rejected file. Not sent until it changes; writing it
         (or copying it) to a free path commits it. One line in ``errors.log`` (the kept
-        file's path, ``err``, ``code``, the reason). Returns the kept file's path."""
+        file's path, ``err``, ``code``, the reason). ``restoring``: called while a store's
+        rejected rows are put back (``_restore_rejected``, which writes them all once done:
+        a write now would replace the store's rows before the rest are back). Returns the
+        kept file's path."""
         parts = path.split("/")
         d = sm.root
         for comp in parts[:-1]:
@@ -154,9 +157,10 @@ class RejectedFiles:
             f"is kept in this file, not sent; write or copy it to a free path to commit it, "
             f"delete it when done"), False, None
         self._rejected[n] = (err, code or CODE_BY_ERRNO.get(err, ""))
-        self.sync_rejected()
         self.note_error(d, name, err, n.error, code, sm.slug)
-        self.invalidate([("entry", d.ino, name)])
+        if not restoring:
+            self.sync_rejected()
+            self.invalidate([("entry", d.ino, name)])
         log.warning("refused write kept aside: its path is taken here",
                     extra={"store": sm.slug, "path": path, "kept": kept,
                            "errno": errno.errorcode.get(err, str(err)), "code": code})
@@ -214,14 +218,18 @@ class RejectedFiles:
             for n in [n for n in self._rejected if n.store is not None
                       and n.store.slug == sm.slug and n.store is not sm]:
                 del self._rejected[n]  # the nodes of the earlier mount of this store
+        aside = False
         for row in rows:
             try:
-                self._restore_one(sm, row)
+                aside = self._restore_one(sm, row) or aside
             except Exception:  # a bad row must not stop the mount
                 log.exception("rejected file not restored", extra={"store": sm.slug,
                                                                    "path": row.get("path")})
+        if aside:  # the rows of the files kept beside their path, every other one with them
+            self.sync_rejected()
 
-    def _restore_one(self, sm: StoreMount, row: dict[str, Any]) -> None:
+    def _restore_one(self, sm: StoreMount, row: dict[str, Any]) -> bool:
+        """Put back one rejected row of ``sm``; True when it was kept beside its path."""
         data: bytes = row["content"]
         path: str = row["path"]
         parts = path.split("/")
@@ -240,8 +248,9 @@ class RejectedFiles:
                 self._rejected_saved[row["node_key"]] = (sm.slug, "moved aside")
                 self._rejected_rows.pop(row["node_key"], None)
                 self.keep_aside(sm, path, data, row["errno"], row["code"], row["reason"], why,
-                                mode=row["mode"], type_=row["type"], mtime_ns=row["mtime_ns"])
-                return
+                                mode=row["mode"], type_=row["type"], mtime_ns=row["mtime_ns"],
+                                restoring=True)
+                return True
             n = cur
         if n is None:
             n = self._new_node(parts[-1], d, False, sm, row["mode"] or 0o644, time.time_ns())
@@ -271,3 +280,4 @@ class RejectedFiles:
                  extra={"store": sm.slug, "path": path,
                         "errno": errno.errorcode.get(row["errno"], row["errno"]),
                         "code": row["code"]})
+        return False
