@@ -392,9 +392,9 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         n = h.node
         x = n._x
         if x is not None and "shown" in x and n.buf is None and self.kernel_behind(n.ino):
-            older = self._read_shown(h, n, x)
+            older = self._read_shown(h, n, x, off, size)
             if older is not None:
-                return older[off:off + size]
+                return older
         if h.replaced and not self._read_across(h, n, off):
             pass  # the reader holds the replaced content, or a mix: not served the current one
         elif x is not None and ("read_base" in x or "unread" in x or "shown" in x):
@@ -411,21 +411,30 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             raise ContentMissing(n)
         return data
 
-    def _read_shown(self, h: Handle, n: Node, x: dict[str, Any]) -> bytes | None:
-        """A read of file ``n`` (side table ``x``) through ``h`` while the kernel may still
-        hold the size (and pages) of an older content (``Node.shown``: the invalidation of a
-        change has not reached it, ``kernel_behind``). The kernel cuts what a read returns
+    def _read_shown(self, h: Handle, n: Node, x: dict[str, Any], off: int,
+                    size: int) -> bytes | None:
+        """A read of bytes ``[off, off+size)`` of file ``n`` (side table ``x``) through ``h``
+        while the kernel may still hold the size (and pages) of an older content
+        (``Node.shown``: the invalidation of a change has not reached it,
+        ``kernel_behind``). The kernel cuts what a read returns
         at the size it holds, so a reader served the current content would get it cut at
         the older size, content no one wrote (attack 15 F1: ``sed -i`` committed it): the
         reader is served that older content whole instead, which becomes the base of an
         overwrite (``_served``), and the handle is checked against it once the kernel is
         told (``Handle.replaced``: a later read of the current content from an offset on
-        holds parts of two). Returns the older content, or None when the blob cache no
-        longer holds it: the reader is then served the current content, and an overwrite
-        after it is last writer wins with a conflict line (``UNKNOWN_BASE``). Nothing awaits
-        here."""
+        holds parts of two). Returns those bytes of the older content, or None when the
+        blob cache no longer holds it (the kernel asks only for bytes within its size: an
+        empty answer is a missing blob): the reader is then served the current content,
+        and an overwrite after it is last writer wins with a conflict line
+        (``UNKNOWN_BASE``). Raises ``CacheError`` when the cache cannot be read. Nothing
+        awaits here."""
         shown = x["shown"]
-        older = self._cached_blob(shown) if shown != n.sha else None
+        older = None
+        if shown != n.sha:
+            kept = self.recent.get(shown)
+            older = kept[off:off + size] if kept is not None else self.blobs.read(shown, off, size)
+            if not older and size > 0:
+                older = None
         if older is None:
             if shown != n.sha and x.get("read_base") != UNKNOWN_BASE:
                 x["read_base"] = UNKNOWN_BASE
