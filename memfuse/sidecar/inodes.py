@@ -314,7 +314,9 @@ class Node:
     # INVARIANT: set only by ``RemoteApply.note_replaced`` (a remote change of content, or
     # the merge of our own write shown, when not set already: the oldest version no reader
     # was served a newer one after), by a reader served while the kernel may still
-    # show an older content (``shown``), and by a reader whose reads straddled a change
+    # show an older content (``shown``; ``UNKNOWN_BASE`` when that content is no longer
+    # cached and the reader got the current one, ``Filesystem._read_shown``), and by a
+    # reader whose reads straddled a change
     # (``Filesystem._read_across``: the replaced content it holds, or ``UNKNOWN_BASE``
     # when it holds parts of two); cleared by a reader's open or read
     # (``Filesystem.open`` / ``read``: served the current content) and by the commit of a
