@@ -391,7 +391,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             return h.snapshot[off:off + size]
         n = h.node
         x = n._x
-        if x is not None and "shown" in x and n.buf is None and self.kernel_behind(n.ino):
+        if x is not None and x.get("shown") and n.buf is None and self.kernel_behind(n.ino):
             older = self._read_shown(h, n, x, off, size)
             if older is not None:
                 return older
@@ -1175,6 +1175,10 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             self._mark_rejected(n, e.errno, e.code)
             self.sync_rejected()
         self.controls.changed()
+        if n._x is not None:
+            # the kernel holds the withdrawn write (its size), not an older content a
+            # reader could be served whole while it is told (Filesystem._read_shown)
+            n._x.pop("shown", None)
         self.invalidate([("inode", n.ino)])
 
     def _prior_content(self, e: Entry, b: Before) -> bytes | None:

@@ -277,7 +277,7 @@ class MemfuseOps(pyfuse3.Operations):
         else:
             size = n.cur_size()
             a.st_nlink = self.fs.nlink(n)
-            if "shown" in n._x and n.ino in self._behind:
+            if n._x.get("shown") and n.ino in self._behind:
                 # the kernel takes this size while it still holds an older content's: its
                 # readers get the current content from now on (Filesystem.read)
                 self.fs.kernel_told_size(n)

@@ -355,7 +355,8 @@ class Node:
     # (else it keeps the older content it may show); cleared, with ``read_base`` and
     # ``unread``, by a reader served while the kernel is not behind (``Filesystem._served``),
     # and alone when the file's attributes are sent to the kernel while it is behind
-    # (``Filesystem.kernel_told_size``: it holds the current size then). Its blob is kept
+    # (``Filesystem.kernel_told_size``: it holds the current size then) and by a withdrawn
+    # write (``Filesystem._withdraw``: the kernel holds that write). Its blob is kept
     # (``_gc_blobs``).
     shown: _Rare[str] = _rare("shown", "")
     # True while no reader here opened or read the file since its content was made: by a
