@@ -11,6 +11,10 @@ worker per store (docs/ARCHITECTURE.md, "The path of a write").
   after ``SEND_FAILURES_MAX`` of them the entry is refused (``_broken_send``). A ``put`` that
   meets a concurrent change is resolved by the conflict protocol (``conflict.ConflictResolver``);
   the node keys of entries are resolved through the record identity (``identity.RecordIds``).
+  Each entry carries the creation time of the store it was written in (``STORE_CREATED``):
+  one written in a store since deleted and made again under its slug is refused, never
+  sent (``_refuse_replaced``; the store's identity is asked again after any failed attempt,
+  ``_confirm``).
 - ``Backoff`` — the one retry policy of every retry path here: exponential with full
   jitter, at least the server's ``Retry-After``, capped.
 """
@@ -589,16 +593,22 @@ class Committer:
         try:
             st = await self.client.get_store(store)
         except (TransientError, Unauthorized) as err:
+            # an attempt like a commit's: the outage is told the same way (``failing``)
+            if isinstance(err, Unauthorized):
+                self._token_refused(err)
+            else:
+                self._attempt_failed(err)
             self._confirm_failures += 1
             delay = self.backoff.delay(self._confirm_failures, getattr(err, "retry_after", None))
             with trio.move_on_after(delay):
                 await self._poke.wait()
             return False
         except ApiError:
-            pass
+            self._attempt_answered()
         except Exception:  # an answer we cannot read: no verdict, never a dropped entry
             log.exception("store identity not confirmed", extra={"store": store})
         else:
+            self._attempt_answered()
             self.confirmed[store] = st.created_at.isoformat()
         self._confirm_failures = 0
         self._unconfirmed.discard(store)
