@@ -24,6 +24,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Unpack, cast
@@ -591,11 +592,20 @@ class AccessRules:
         return st
 
 
+#: How the answer of the write running in this context may leave as soon as its transaction
+#: commits (``Writer.write`` calls it once with the ``Reply``, before the long-poll wake-ups
+#: and the full-text drain): set by the record-write fast path (``memfuse.server.writepath``)
+#: around its write's thread hop; None (the default): the answer leaves when ``write`` returns.
+#: The function must not raise and must not block.
+EARLY_ANSWER: ContextVar[Callable[[Reply], None] | None] = ContextVar("memfuse_early_answer", default=None)
+
+
 class Writer:
     """The one write transaction of the control plane (``write``) with its idempotency
     check and store, over ``db``; what a write changed is published to the other replicas on
     ``bus`` and wakes this process's long-polls through ``notifier`` after the commit
-    (``memfuse.server.wakeups``)."""
+    (``memfuse.server.wakeups``), after its answer was handed to ``EARLY_ANSWER``'s function
+    when one is set."""
 
     db: Database
     notifier: Notifier
@@ -628,10 +638,23 @@ class Writer:
         request with the same key committed meanwhile (PostgreSQL's concurrent writers)
         replays that request's stored answer (``idem_settled``). Raises ``ServiceError`` from
         ``fn``, or 422 ``idempotency_key_reused``; ``sqlalchemy.exc.OperationalError`` when the
-        database stays locked."""
+        database stays locked. With ``EARLY_ANSWER`` set (and ``feed``), the reply of the
+        write that commits is handed to its function right after the commit (before the
+        write transaction's follow-up, ``Database.write_conn``'s ``committed``), then returned."""
+        early = EARLY_ANSWER.get() if feed is not None else None
+        ready: list[Reply] = []  # the reply of the attempt under way, once made (for ``early``)
+        answered: Callable[[], None] | None = None
+        if early is not None:
+            def answered() -> None:
+                if ready:
+                    try:
+                        early(ready[-1])
+                    except Exception:  # noqa: BLE001 - the write committed: its reply is returned
+                        log.exception("early answer failed")
         for attempt in range(3):
+            ready.clear()
             try:
-                with (self.db.write_conn() if feed is not None else self.db.write()) as s:
+                with (self.db.write_conn(committed=answered) if feed is not None else self.db.write()) as s:
                     # ``s`` is what the branch above opened: a Core connection with ``feed``, else a Session
                     conn = cast(Connection, s) if feed is not None else cast(Session, s).connection()
                     wakeups.begin_notes()
@@ -666,6 +689,8 @@ class Writer:
                         )
                     notes, vseqs, eseqs = wakeups.take_notes()
                     self.bus.publish(conn, notes)  # PostgreSQL: delivered at commit, if it commits
+                    if answered is not None:
+                        ready.append(Reply(status, body, headers))
                 break
             except IntegrityError:
                 # A concurrent transaction (another process, PostgreSQL) took the same path or
