@@ -18,8 +18,8 @@ import httpx
 import pytest
 import trio
 
-from memfuse.server import wakeups
 from memfuse.server.app import create_app
+from memfuse.server.db import Database
 from memfuse.server.lean import _Exchange, parse_head
 from memfuse.server.serve import serve
 
@@ -50,23 +50,24 @@ async def _answer(stream: trio.SocketStream) -> bytes:
         got += data
 
 
-async def test_the_answer_leaves_before_the_wake_ups_of_its_commit(tmp_path, monkeypatch):
-    """The long-poll wake-ups of a create (``Notifier.committed``, after the commit) are held
-    until the client has read its answer: the answer came first, and the write is done (a
-    read sees it). Without the early answer the client waits for the wake-ups (the test's
-    5 s bound fails)."""
+async def test_the_answer_leaves_before_the_follow_up_of_its_commit(tmp_path, monkeypatch):
+    """The work after a create's commit (``Database.write_conn``'s full-text drain,
+    ``_drain_due``) is held until the client has read its answer: the answer came first, the
+    commit's wake-ups had run (this process's head of the store's feed is the new version's,
+    as when the answer came after them), and the write is done (a read sees it). Without the
+    early answer the client waits for the drain (the test's 5 s bound fails)."""
     app = create_app(f"sqlite:///{tmp_path / 'e.db'}", static_tokens={ADMIN: None, WS: "ws"})
+    hold = threading.Event()  # set: the follow-up of each write waits for ``held``
     held = threading.Event()  # set by the test once the client has its answer
     blocked: list[bool] = []
-    real = wakeups.Notifier.committed
+    real = Database._drain_due
 
-    def committed(self: Any, notes: Any, **kw: Any) -> None:
+    def drain_due(self: Database, conn: Any) -> None:
         if hold.is_set():
             blocked.append(held.wait(30))  # bounded: a failing test does not hang
-        real(self, notes, **kw)
+        real(self, conn)
 
-    hold = threading.Event()
-    monkeypatch.setattr(wakeups.Notifier, "committed", committed)
+    monkeypatch.setattr(Database, "_drain_due", drain_due)
     async with trio.open_nursery() as nursery:
         url = await nursery.start(lambda task_status: serve(app, "127.0.0.1:0", lean=True,
                                                            task_status=task_status))
@@ -75,6 +76,8 @@ async def test_the_answer_leaves_before_the_wake_ups_of_its_commit(tmp_path, mon
             assert (await a.post("/v1/stores", json={"slug": "default"})).status_code == 201
             assert (await a.put("/v1/workspaces/ws/attachments/default",
                                 json={"access": "read_write"})).status_code == 200
+        notifier = app.state.service.notifier
+        heads = dict(notifier._heads)  # noqa: SLF001 - what the wake-ups taught it
         port = int(url.rsplit(":", 1)[1])
         stream = await trio.open_tcp_stream("127.0.0.1", port)
         try:
@@ -84,8 +87,11 @@ async def test_the_answer_leaves_before_the_wake_ups_of_its_commit(tmp_path, mon
                 with trio.fail_after(5):
                     raw = await _answer(stream)
                 assert raw.startswith(b"HTTP/1.1 201 \r\n"), raw
-                assert not blocked or len(blocked) == i, blocked  # the previous wake-ups done
-                held.set()  # the answer is here: let the wake-ups of its commit run
+                assert len(blocked) == i, blocked  # this write's follow-up still held
+                moved = {k: v for k, v in notifier._heads.items() if heads.get(k) != v}  # noqa: SLF001
+                assert len(moved) == 1, (heads, notifier._heads)  # noqa: SLF001 - the new version's seq
+                heads.update(moved)
+                held.set()  # the answer is here: let the follow-up run
                 with trio.fail_after(10):
                     while len(blocked) < i + 1:
                         await trio.sleep(0.01)

@@ -638,19 +638,23 @@ class Writer:
         request with the same key committed meanwhile (PostgreSQL's concurrent writers)
         replays that request's stored answer (``idem_settled``). Raises ``ServiceError`` from
         ``fn``, or 422 ``idempotency_key_reused``; ``sqlalchemy.exc.OperationalError`` when the
-        database stays locked. With ``EARLY_ANSWER`` set (and ``feed``), the reply of the
-        write that commits is handed to its function right after the commit (before the
-        write transaction's follow-up, ``Database.write_conn``'s ``committed``), then returned."""
+        database stays locked. With ``EARLY_ANSWER`` set (and ``feed``), the commit's wake-ups
+        run and its reply is handed to that function as soon as the transaction commits (before
+        ``Database.write_conn``'s follow-up work, the full-text drain), then the reply is returned."""
         early = EARLY_ANSWER.get() if feed is not None else None
-        ready: list[Reply] = []  # the reply of the attempt under way, once made (for ``early``)
+        # the committing attempt's reply and notes, made at the end of its transaction (``early``)
+        ready: list[tuple[Reply, list[wakeups.Note], list[int], list[int]]] = []
         answered: Callable[[], None] | None = None
         if early is not None:
             def answered() -> None:
-                if ready:
-                    try:
-                        early(ready[-1])
-                    except Exception:  # noqa: BLE001 - the write committed: its reply is returned
-                        log.exception("early answer failed")
+                if not ready:
+                    return  # a replay: nothing written, the reply is returned
+                reply, notes, vseqs, eseqs = ready[-1]
+                self.notifier.committed(notes, own=(vseqs, eseqs))  # as below, before the answer
+                try:
+                    early(reply)
+                except Exception:  # noqa: BLE001 - the write committed: its reply is returned
+                    log.exception("early answer failed")
         for attempt in range(3):
             ready.clear()
             try:
@@ -690,7 +694,7 @@ class Writer:
                     notes, vseqs, eseqs = wakeups.take_notes()
                     self.bus.publish(conn, notes)  # PostgreSQL: delivered at commit, if it commits
                     if answered is not None:
-                        ready.append(Reply(status, body, headers))
+                        ready.append((Reply(status, body, headers), notes, vseqs, eseqs))
                 break
             except IntegrityError:
                 # A concurrent transaction (another process, PostgreSQL) took the same path or
@@ -710,7 +714,8 @@ class Writer:
                     raise
                 log.info("write refused (%d %s) after a request with its key committed: replayed", e.status, e.code)
                 return replay
-        self.notifier.committed(notes, own=(vseqs, eseqs))
+        if answered is None:  # else ``answered`` did, as the transaction committed
+            self.notifier.committed(notes, own=(vseqs, eseqs))
         return Reply(status, body, headers)
 
     def idem_cleanup(self, conn: Connection) -> None:
