@@ -200,3 +200,49 @@ async def test_early_answers_are_the_plain_ones_and_only_on_a_connection_that_st
         finally:
             a.close()
             b.close()
+
+
+async def test_early_answers_on_the_database_of_the_api_tests(monkeypatch):
+    """The same early answers where ``Database.write_conn`` opens a connection per write
+    (in-memory SQLite here; PostgreSQL with ``MEMFUSE_TEST_DB_URL``, ``tests/pgutil.py``): each
+    create's answer went out through ``send_early``, and the records are there."""
+    from pgutil import fresh_db_url
+
+    sent: list[int] = []
+    real = _Exchange.send_early
+
+    def send_early(self: _Exchange, status: int, headers: Any, body: bytes) -> None:
+        real(self, status, headers, body)
+        if self.early is not None:
+            sent.append(status)
+
+    monkeypatch.setattr(_Exchange, "send_early", send_early)
+    with fresh_db_url() as db_url:
+        app = create_app(db_url, static_tokens={ADMIN: None, WS: "ws"})
+        async with trio.open_nursery() as nursery:
+            url = await nursery.start(lambda task_status: serve(app, "127.0.0.1:0", lean=True,
+                                                               task_status=task_status))
+            async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {ADMIN}"},
+                                         timeout=30) as a:
+                assert (await a.post("/v1/workspaces", json={"name": "ws", "default_store": False})).status_code == 201
+                assert (await a.post("/v1/stores", json={"slug": "default"})).status_code == 201
+                assert (await a.put("/v1/workspaces/ws/attachments/default",
+                                    json={"access": "read_write"})).status_code == 200
+            stream = await trio.open_tcp_stream("127.0.0.1", int(url.rsplit(":", 1)[1]))
+            try:
+                for i in range(3):
+                    await stream.send_all(_create(f"m{i}.md"))
+                    with trio.fail_after(10):
+                        raw = await _answer(stream)
+                    assert raw.startswith(b"HTTP/1.1 201 \r\n"), raw
+                await stream.send_all(_create("m0.md"))  # a refusal: answered after the hop
+                with trio.fail_after(10):
+                    raw = await _answer(stream)
+                assert raw.startswith(b"HTTP/1.1 409 \r\n"), raw
+            finally:
+                await stream.aclose()
+            assert sent == [201, 201, 201]
+            async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {WS}"}) as c:
+                r = await c.get("/v1/stores/default/records", params={"prefix": "m"})
+                assert r.status_code == 200 and all(f'"m{i}.md"' in r.text for i in range(3)), r.text
+            nursery.cancel_scope.cancel()
