@@ -593,8 +593,8 @@ class AccessRules:
 
 
 #: How the answer of the write running in this context may leave as soon as its transaction
-#: commits (``Writer.write`` calls it once with the ``Reply``, before the long-poll wake-ups
-#: and the full-text drain): set by the record-write fast path (``memfuse.server.writepath``)
+#: commits (``Writer.write`` calls it once with the ``Reply``, after the commit's wake-ups and
+#: before the full-text drain): set by the record-write fast path (``memfuse.server.writepath``)
 #: around its write's thread hop; None (the default): the answer leaves when ``write`` returns.
 #: The function must not raise and must not block.
 EARLY_ANSWER: ContextVar[Callable[[Reply], None] | None] = ContextVar("memfuse_early_answer", default=None)
@@ -604,8 +604,8 @@ class Writer:
     """The one write transaction of the control plane (``write``) with its idempotency
     check and store, over ``db``; what a write changed is published to the other replicas on
     ``bus`` and wakes this process's long-polls through ``notifier`` after the commit
-    (``memfuse.server.wakeups``), after its answer was handed to ``EARLY_ANSWER``'s function
-    when one is set."""
+    (``memfuse.server.wakeups``), then hands its answer to ``EARLY_ANSWER``'s function when
+    one is set."""
 
     db: Database
     notifier: Notifier

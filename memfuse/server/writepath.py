@@ -19,7 +19,10 @@ writer thread of ``memfuse.server.writerthread``), and the same response:
 ``batch_body``, refusals rendered by ``problems.exception_response``
 as the app's exception handlers render them. The request-duration histogram
 (``http_request_duration_seconds``) and the front door's counters see it as they see a
-FastAPI-served request.
+FastAPI-served request. When the HTTP server offers ``gate.EARLY`` (the lean path), a create's or
+update's answer leaves from the write's thread as its transaction commits (``base.EARLY_ANSWER``:
+framed by the same ``reply_head``); the sends after the hop then only finish it
+(bench/README.md, "The close path, session 16: serve").
 """
 from __future__ import annotations
 
@@ -38,11 +41,11 @@ from starlette.types import Scope, Send
 
 from memfuse.models import BatchRequest, RecordCreate, RecordUpdate
 from memfuse.server import routetable as table
+from memfuse.server.base import EARLY_ANSWER
 from memfuse.server.batch import batch_body
+from memfuse.server.gate import EARLY
 from memfuse.server.routes import records as record_routes
 from memfuse.server.routes.deps import reply_head
-from memfuse.server.base import EARLY_ANSWER
-from memfuse.server.gate import EARLY
 from memfuse.server.service import Principal, Reply, Service, idempotency_request
 
 log = logging.getLogger(__name__)
