@@ -46,6 +46,7 @@ __all__ = [
     "VERSIONS_PAGE_DEFAULT",
     "VERSIONS_PAGE_MAX",
     "VERSIONS_PAGE_BYTES",
+    "versions_page_rows",
     "next_page_link",
     "FEED_PAGE_MAX",
     "PAGE_CONTENT_BYTES",
@@ -155,6 +156,15 @@ SEARCH_LINES_DEFAULT, SEARCH_LINES_MAX = 5, 100  # matching lines shown per reco
 # pages of long paths); a page cut by either carries a ``Link: <…>; rel="next"`` header
 VERSIONS_PAGE_DEFAULT = VERSIONS_PAGE_MAX = 1000
 VERSIONS_PAGE_BYTES = 1 << 20
+
+
+def versions_page_rows(encoded: Sequence[bytes]) -> int:
+    """How many of the leading versions (``encoded``: each version's JSON, in page order) one
+    page of ``GET .../records/{id}/versions`` carries: as many as fit ``VERSIONS_PAGE_BYTES``
+    of the page's JSON array, each counted with the ``[`` or ``,`` before it
+    (``page_rows_within``: at least one; 0 for none). The control plane's pages and the CLI's
+    local reads (``memfuse.cli.localread``) cut by it."""
+    return page_rows_within((len(b) + 1 for b in encoded), VERSIONS_PAGE_BYTES)
 
 
 def next_page_link(query: str, cursor: int) -> str:

@@ -234,3 +234,16 @@ def test_content_page_is_the_two_step_page_byte_rule():
     assert content_page([], reader([]), lambda t: t) == ([], False) and reads == []
     # rows gone between the two reads: what is left, not cut by that
     assert content_page([1, 1, 1], reader(["x"]), lambda t: t) == (["x"], False)
+
+
+def test_versions_page_rows_counts_each_version_with_its_separator():
+    """``defs.versions_page_rows``, the one byte rule of a versions page (the control plane's
+    and the CLI's local reads): each version's JSON plus the ``[`` or ``,`` before it fits
+    ``VERSIONS_PAGE_BYTES``; at least one version."""
+    from memfuse.defs import versions_page_rows
+
+    half = b"v" * (VERSIONS_PAGE_BYTES // 2 - 1)  # with its separator: half the page exactly
+    assert versions_page_rows([half, half, half]) == 2
+    assert versions_page_rows([half + b"v", half]) == 1  # one byte over with the separators
+    assert versions_page_rows([b"v" * (VERSIONS_PAGE_BYTES + 1), b"{}"]) == 1
+    assert versions_page_rows([]) == 0

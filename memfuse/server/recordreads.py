@@ -13,8 +13,8 @@ from sqlalchemy import false, func, select, text, tuple_
 
 from memfuse import content as content_rules
 from memfuse import wire
-from memfuse.defs import (DEFAULT_MODE, RECORDS_PAGE_DEFAULT, RECORDS_PAGE_MAX, VERSIONS_PAGE_BYTES,
-                          VERSIONS_PAGE_DEFAULT, content_page, next_page_link, page_rows_within)
+from memfuse.defs import (DEFAULT_MODE, RECORDS_PAGE_DEFAULT, RECORDS_PAGE_MAX, VERSIONS_PAGE_DEFAULT, content_page,
+                          next_page_link, versions_page_rows)
 from memfuse.models import Record, RecordPage, Version
 from memfuse.server import keys, tails
 from memfuse.server.base import AnyRow, Principal, Resource, ServiceError, _R, _V, holds
@@ -266,7 +266,7 @@ class RecordReadsService(Resource):
         """One page of the record's versions (deleted records too), without content: oldest
         first (after version ``cursor``), or with ``newest_first`` newest first (before
         version ``cursor``). At most ``limit`` versions and at most
-        ``defs.VERSIONS_PAGE_BYTES`` of their JSON (``defs.page_rows_within``: at least one
+        ``defs.VERSIONS_PAGE_BYTES`` of their JSON (``defs.versions_page_rows``: at least one
         version). ``next_cursor``: the last version's number when more follow, else None.
         404 ``store_not_found`` / ``record_not_found``."""
         cols = [c for c in _V.c if c.name != "content"]
@@ -285,7 +285,7 @@ class RecordReadsService(Resource):
             rows = conn.execute(q.limit(limit + 1)).all()
         versions = [_version_model(v, with_content=False) for v in rows[:limit]]
         encoded = [v.model_dump_json().encode() for v in versions]
-        n = page_rows_within((len(b) + 1 for b in encoded), VERSIONS_PAGE_BYTES)  # with its "," or "["
+        n = versions_page_rows(encoded)
         more = len(rows) > n
         return VersionList(versions[:n], encoded[:n], versions[n - 1].version if more else None)
 
