@@ -478,7 +478,8 @@ def written_and_seen(a: "Sidecar", b: "Sidecar", store: str, name: str, text: st
     two-mount conflict test (``two_sidecars``). Returns the file's path on ``a`` and on ``b``."""
     pa, pb = a.mountpoint / store / name, b.mountpoint / store / name
     pa.write_text(text)
-    wait_until(lambda: read(pb) == text, timeout=timeout, what=f"{name} written on A shown by B")
+    wait_until(lambda: read(pb) == text, timeout=timeout,
+               what=f"{name} written on {a.mountpoint.name} shown by {b.mountpoint.name}")
     return pa, pb
 
 
