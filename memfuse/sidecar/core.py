@@ -943,10 +943,11 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         """close(2): commit a dirty file; wait until it is accepted (on disk in the outbox
         journal, at most ``journal.JOURNAL_WAIT`` s), then up to ``commit_wait`` s from the
         start of the close for the control plane (0: not at all),
-        unless the outbox knows it is unreachable (``Committer.failing``: its last attempt
-        failed with a connection error, timeout, 5xx or 429 and none was answered since):
-        then return as soon as the write is accepted, or as soon as the outbox learns it
-        while this close waits.
+        unless the outbox knows no commit can come soon (``Committer.failing``: its last
+        attempt failed with a connection error, timeout, 5xx or 429 and none was answered
+        since, or the control plane refuses the token the token file still gives): then
+        return as soon as the write is accepted, or as soon as the outbox learns it while
+        this close waits.
 
         Raises ``FsError`` ``EINTR`` when the process that opened ``h`` gets a stop signal
         while the close waits for the control plane (``interrupts``: the write stays
@@ -1208,6 +1209,9 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             return
         n = self.node_by_key(e.node_key)
         if e.op == PUT:
+            if e.errno and n is None and not e.withdrawn:
+                self._refused_unshown(e)
+                return
             if e.errno:
                 self.note_error(n.parent if n else None, n.name if n else e.args.get("path", ""),
                                 e.errno, e.reason, e.code, e.store)
@@ -1264,6 +1268,34 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
                 n.xmtime = e.record.mtime_ns  # the control plane keeps the mtime across a move
         elif e.op in (DELETE, MOVE) and e.errno:
             self.note_error(None, e.args.get("path", ""), e.errno, e.reason, e.code, e.store)
+
+    def _refused_unshown(self, e: Entry) -> None:
+        """A put refused for good whose file the tree does not show because its path is a
+        directory here (made elsewhere: a queued write shown over a tree that could not
+        hold it at start, attack 13): its content is kept as a rejected file beside its
+        path (``keep_aside``), never dropped. Otherwise (the file deleted here since, a
+        path free or holding another file, a put without its content: an append sent as a
+        suffix) the ``errors.log`` line only, as before."""
+        path = e.args.get("path", "")
+        sm = self.stores.get(e.store)
+        data = e.content  # (a sent put holds it: ``Committer`` reads a deferred one first)
+        cur = self._node_at(sm, path) if sm is not None else None
+        deleted = any(q.node_key == e.node_key and q.op == DELETE
+                      for q in self.committer.queues.get(e.store, ()))
+        if sm is None or data is None or cur is None or not cur.is_dir or deleted:
+            self.note_error(None, path, e.errno, e.reason, e.code, e.store)
+            return
+        self.keep_aside(sm, path, data, e.errno, e.code, e.reason, "a directory",
+                        mode=e.args.get("mode"), type_=e.args.get("type"))
+
+    def _node_at(self, sm: StoreMount, path: str) -> Node | None:
+        """The node at store-relative ``path`` of ``sm``'s tree, or None."""
+        n: Node | None = sm.root
+        for comp in path.split("/"):
+            if n is None or n.children is None:
+                return None
+            n = n.children.get(comp)
+        return n
 
     def _reconcile_answer(self, n: Node, rec: Record) -> None:
         """A commit of ``n`` was answered with ``rec``, the version ``n`` now claims: unless
