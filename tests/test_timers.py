@@ -1,4 +1,4 @@
-"""The bounds of many waits kept by one task (``memfuse.sidecar.timers``) and the close's
+"""The bounds of many waits kept by one task (``memfuse.timers``) and the close's
 bounded wait for its entry (``Entry.wait_accepted``), which uses them instead of a trio cancel
 scope per close (bench/README.md, "The close path, session 16: sidecar")."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import logging
 import pytest
 import trio
 
-from memfuse.sidecar import timers
+from memfuse import timers
 from memfuse.sidecar.cachedir import CacheError
 from memfuse.sidecar.committer import Committer
 from memfuse.sidecar.journal import PUT, Journal
@@ -63,7 +63,7 @@ async def test_a_failing_wake_is_logged_and_the_keeper_goes_on(caplog):
     now = trio.current_time()
     timers.call_at(now + 0.01, lambda: 1 / 0)
     timers.call_at(now + 0.03, ev.set)
-    with caplog.at_level(logging.ERROR, logger="memfuse.sidecar"), trio.fail_after(5):
+    with caplog.at_level(logging.ERROR, logger="memfuse.timers"), trio.fail_after(5):
         await ev.wait()
     assert "a timer's wake-up failed" in caplog.text
 

@@ -40,7 +40,7 @@ import trio
 
 from ..defs import sha256_hex
 from ..wire import Record
-from . import timers
+from .. import timers
 from .cachedir import CacheError, DiskReserve, cache_errno, cache_error, private_file
 from .witness import WITNESS_NAME, Witness, move_aside
 

@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 import trio
 
-log = logging.getLogger("memfuse.sidecar")
+log = logging.getLogger("memfuse.timers")
 
 #: timers below this count are never compacted (a rebuild would cost more than it frees)
 COMPACT_MIN = 64
