@@ -1,6 +1,7 @@
 """A lost outbox journal is never silent (docs/SEMANTICS.md "What an accepted write
 survives"). With the control plane down, writes close with 0 (accepted into ``outbox.db``);
-the sidecar stops; ``outbox.db`` is deleted, emptied, its write-ahead log cut, or corrupted.
+the sidecar stops; ``outbox.db`` is deleted, emptied, its write-ahead log cut, or corrupted
+(or deleted with its witness: then nothing names the writes and the start says so).
 At the next start the sidecar requeues every accepted write whose content the blob cache
 still holds (the witness ``accepted.log``, kept apart from the journal, names them), moves a
 corrupt journal aside (kept) instead of crash-looping, and names every write it cannot
@@ -27,6 +28,9 @@ def _status(sc: Sidecar) -> dict:
 
 def _damage(cache: Path, how: str) -> None:
     db = cache / "outbox.db"
+    if how == "with_witness":  # a double fault: the journal and its witness both deleted
+        (cache / "accepted.log").unlink()
+        how = "deleted"
     if how in ("deleted", "all_gone"):
         for suffix in ("", "-wal", "-shm"):
             Path(f"{db}{suffix}").unlink(missing_ok=True)
@@ -51,7 +55,7 @@ def _damage(cache: Path, how: str) -> None:
 
 
 @pytest.mark.expect_sidecar_errors("a corrupt journal and unrecoverable writes are logged as errors")
-@pytest.mark.parametrize("how", ["deleted", "emptied", "wal_cut", "corrupt", "all_gone"])
+@pytest.mark.parametrize("how", ["deleted", "emptied", "wal_cut", "corrupt", "all_gone", "with_witness"])
 def test_accepted_writes_survive_a_lost_journal_or_are_named(tmp_path, how):
     cp = ControlPlane(tmp_path).start()
     sc = None
@@ -89,12 +93,29 @@ def test_accepted_writes_survive_a_lost_journal_or_are_named(tmp_path, how):
             lost_lines = [x for x in lines if "lost with the outbox journal" in x.get("msg", "")]
             assert len(lost_lines) == 1 and lost_lines[0]["lost"] == len(want), lost_lines
             assert all(f"s/{p}" in lost_lines[0]["writes"] for p in want), lost_lines
+            assert st["cache"]["journal_missing"] is None  # the witness named each one
+            return
+        if how == "with_witness":
+            # nothing on disk names what was lost: the start says so, loudly, once
+            assert "may be lost" in st["cache"]["journal_missing"], st["cache"]
+            assert st["cache"]["journal_lost"] == [] and st["cache"]["journal_recovered"] == 0
+            errors = [json.loads(ln) for ln in (sc.mountpoint / ".memfuse" / "errors.log").read_text().splitlines()]
+            (line,) = [e for e in errors if e.get("code") == "journal_missing"]
+            assert line["errno"] == "EIO" and "accepted.log" in line["reason"], line
+            lines = [json.loads(ln) for ln in sc.log.read_text().splitlines() if ln.startswith("{")]
+            gone = [x for x in lines if "journal and witness both gone" in x.get("msg", "")]
+            assert len(gone) == 1 and gone[0]["level"] == "error", gone
+            # the mount shows what the control plane holds (the writes are lost)
+            assert read(m / "base.md") == "base\n" and read(m / "f00.md") is None
+            sc.stop()
+            sc.start(expect="s")  # said once: the next start has a journal again
+            assert _status(sc)["cache"]["journal_missing"] is None
             return
         wait_until(lambda: _status(sc)["outbox"]["depth"] == 0, timeout=60, what="outbox drained")
         recs = live_records(cp, "s")
         assert {p: r.content for p, r in recs.items()} == want
         assert all(read(m / p) == c for p, c in want.items())
-        assert st["cache"]["journal_lost"] == []
+        assert st["cache"]["journal_lost"] == [] and st["cache"]["journal_missing"] is None
         assert st["cache"]["journal_recovered"] >= (1 if how == "wal_cut" else N + 1)
         if how == "corrupt":
             aside = Path(st["cache"]["journal_moved_aside"])

@@ -112,20 +112,27 @@ def test_renamed_rejected_file_is_kept_at_its_new_path(tmp_path):
     stop(fs, j)
 
 
-def test_path_taken_meanwhile_drops_it_with_a_trace(tmp_path):
+def test_path_taken_meanwhile_keeps_it_beside_with_a_trace(tmp_path):
     fs, j = start(tmp_path, [])
-    with pytest.raises(FsError):
-        write(fs, "k.md", BAD, create=True)
+    for name in ("k.md", "m.md"):
+        with pytest.raises(FsError):
+            write(fs, name, BAD, create=True)
     trio.run(j.flush_pending)
     stop(fs, j)
-    # meanwhile another sidecar made a record at that path
+    # meanwhile another sidecar made a record at that path: the rejected file is kept
+    # beside it (before, it was dropped with an errors.log line: its content lost); the
+    # other rejected file of the store, put back after it, keeps its row
     fs, j = start(tmp_path, [rec("r9", "k.md", "other\n")])
-    assert tree(fs) == {"k.md": b"other\n"}
-    (line,) = [e for e in fs.errors if e["path"] == "k.md" and "dropped" in e["reason"]]
-    assert line["errno"] == "EILSEQ"
+    assert tree(fs) == {"k.md": b"other\n", "k.rejected.md": BAD, "m.md": BAD}
+    assert fs.stores["default"].root.children["k.rejected.md"].state == REJECTED
+    (line,) = [e for e in fs.errors if e["path"] == "k.rejected.md"]
+    assert line["errno"] == "EILSEQ" and "k.md" in line["reason"]
     fs.sync_rejected()
     trio.run(j.flush_pending)
-    assert j.load_rejected() == []  # not dropped again at every start
+    assert sorted(r["path"] for r in j.load_rejected()) == ["k.rejected.md", "m.md"]
+    stop(fs, j)
+    fs, j = start(tmp_path, [rec("r9", "k.md", "other\n")])
+    assert tree(fs) == {"k.md": b"other\n", "k.rejected.md": BAD, "m.md": BAD}  # kept once
     stop(fs, j)
 
 
@@ -298,10 +305,11 @@ def test_a_snapshot_after_a_reconnect_keeps_rejected_files_and_says_so_once(tmp_
     fs.reconcile_store(sm, snapshot)  # the same snapshot again: nothing new to say
     assert len(fs.errors) == before + 3
     # across a restart a.md is kept; b.md, whose path the next process finds taken by
-    # r3, is dropped with its trace (the rule of a restart, test_path_taken_meanwhile...)
+    # r3, is kept beside it (the rule of a restart, test_path_taken_meanwhile...)
     trio.run(j.flush_pending)
     stop(fs, j)
     fs, j = start(tmp_path, snapshot)
-    assert tree(fs) == {"a.md": BAD, "b.md": b"three\n"}
-    assert [e["path"] for e in fs.errors if "dropped" in e.get("reason", "")] == ["b.md"]
+    assert tree(fs) == {"a.md": BAD, "b.md": b"three\n", "b.rejected.md": BAD}
+    (line,) = [e for e in fs.errors if e["path"] == "b.rejected.md"]
+    assert "b.md" in line["reason"] and "another record's path" in line["reason"]
     stop(fs, j)

@@ -147,6 +147,12 @@ class Committer:
         #: was answered (or none was made yet), else since when (``time.time()``) and why
         #: its attempts fail transiently (``unreachable``: ``{"since", "error"}``)
         self.unreachable: dict[str, Any] | None = None
+        #: the authentication outage as the outbox sees it: None while the token is accepted
+        #: (or untried), else since when (``time.time()``) and the client's reason
+        #: (``{"since", "error"}``): set when a commit attempt met a 401 for a token the
+        #: client had just re-read its token file for (``ApiClient.auth_failure``), cleared
+        #: by an answered attempt or a new token (``auth_restored``)
+        self.auth_refused: dict[str, Any] | None = None
         #: ask the journal to hold each new entry's insert (``Journal.add(hold=True)``) while
         #: the control plane answers: set by the filesystem when a close waits for the
         #: commit (``--commit-wait`` well above ``Journal.HOLD``), so a write acknowledged
@@ -171,12 +177,13 @@ class Committer:
     # --- the control plane's reachability, as the outbox sees it ------------------------------
     @property
     def failing(self) -> bool:
-        """Whether the outbox is in backoff: its last commit attempt failed transiently
-        (connection error, timeout, 5xx, 429) and none was answered since. A ``close`` then
-        returns once its write is accepted, without waiting for a commit that cannot come
-        (``Filesystem.flush``). A 401 does not count: a rotated token is re-read within
-        seconds, so a commit may well come within ``--commit-wait``."""
-        return self.unreachable is not None
+        """Whether no commit can come soon, so a ``close`` returns once its write is
+        accepted instead of waiting out ``--commit-wait`` (``Filesystem.flush``): the outbox
+        is in backoff (its last commit attempt failed transiently: connection error,
+        timeout, 5xx, 429, and none was answered since: ``unreachable``), or in an
+        authentication outage (a commit met a 401 for the token the token file still gives,
+        re-read at that 401: ``auth_refused``; a rotated token ends it at once)."""
+        return self.unreachable is not None or self.auth_refused is not None
 
     def _attempt_failed(self, err: ApiError) -> None:
         """A commit attempt (single or batch) failed transiently: note since when, and on
@@ -190,10 +197,48 @@ class Committer:
             self.unreachable["error"] = why
             return
         self.unreachable = {"since": time.time(), "error": why}
-        self.journal.hurry()  # no acknowledgement is coming soon: make held entries durable
         log.warning("control plane unreachable for commits; closes return once their write "
                     "is accepted", extra={"status": err.status, "code": why,
                                           "depth": self.depth()})
+        self._wake_all()
+
+    def _token_refused(self, err: ApiError) -> None:
+        """A commit attempt (single or batch) met a 401. When the client has re-read its
+        token file for it and the token is still refused (``ApiClient.auth_failure``; a
+        token that changed meanwhile is tried again first), the outbox is in an
+        authentication outage: ``failing`` until a token is accepted (``auth_restored``),
+        and every waiting ``close`` returns now, its write accepted and pending."""
+        self.auth_waits += 1
+        why = getattr(self.client, "auth_failure", None)
+        if not why:
+            return  # a token taken up meanwhile: its retry may well commit within the wait
+        self.failed_attempts += 1
+        for w in self._watched:
+            w.notify()
+        if self.auth_refused is not None:
+            self.auth_refused["error"] = why
+            return
+        self.auth_refused = {"since": time.time(), "error": why}
+        log.warning("authentication outage: the control plane refuses the token; closes "
+                    "return once their write is accepted", extra={
+                        "status": err.status, "code": err.code, "depth": self.depth()})
+        self._wake_all()
+
+    def auth_restored(self) -> None:
+        """A token was accepted again, or a new one taken up (``ApiClient.auth_listener``,
+        ``TokenFile.on_change``): the authentication outage is over, closes wait for their
+        commit again (one refused again starts it anew); queued entries are retried now."""
+        if self.auth_refused is not None:
+            log.info("authentication outage over for commits", extra={
+                "down_s": round(time.time() - self.auth_refused["since"], 3),
+                "depth": self.depth()})
+            self.auth_refused = None
+        self.poke()
+
+    def _wake_all(self) -> None:
+        """``failing`` became true: make held journal rows durable (no acknowledgement is
+        coming soon) and wake every queued entry's waiters."""
+        self.journal.hurry()
         for q in self.queues.values():
             for e in q:
                 e.notify()
@@ -239,6 +284,8 @@ class Committer:
                      extra={"down_s": round(time.time() - self.unreachable["since"], 3),
                             "depth": self.depth()})
             self.unreachable = None
+        if self.auth_refused is not None:  # answered: the token was accepted
+            self.auth_restored()
 
     def no_answer(self, seconds: float) -> None:
         """The control plane has answered nothing for ``seconds`` while a request waits (a
@@ -353,7 +400,7 @@ class Committer:
                   sha=sha, append_base=append_base)
         # the witness notes the record id and base the entry is written on (Journal.recover)
         self.journal.add(e, self.ids.get(node_key, store) if node_key is not None else None,
-                         hold=self.hold_journal and self.unreachable is None)
+                         hold=self.hold_journal and not self.failing)
         self._enqueue(e)
         return e
 
@@ -720,7 +767,7 @@ class Committer:
                 elif isinstance(err, TransientError):
                     self._attempt_failed(err)
                 else:  # an authentication outage, as in _commit_with_retry
-                    self.auth_waits += 1
+                    self._token_refused(err)
                 if self.metrics is not None:
                     self.metrics.retries.inc()
                 delay = self.backoff.delay(attempts, err.retry_after)
@@ -792,9 +839,9 @@ class Committer:
             except Unauthorized as err:
                 # an authentication outage (token revoked, expired, or rotated and not yet
                 # re-read), not a refusal of this write: it stays first in the queue
-                self.auth_waits += 1
                 e.sent = was  # refused before anything was applied
                 e.notify()
+                self._token_refused(err)
                 delay = self.backoff.delay(e.attempts)
                 log.info("commit deferred: the control plane refused the token; will retry",
                          extra={"entry": e.id, "op": e.op, "store": e.store,

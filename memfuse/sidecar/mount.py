@@ -44,6 +44,7 @@ from .metrics import Metrics
 from .committer import Committer
 from .identity import RecordIds
 from .journal import PUT, Entry, Journal
+from .witness import WITNESS_NAME
 from .config import MountConfig as MountConfig  # re-exported: callers import it from here
 from .stores import StoreSync
 from .interrupts import Interrupts
@@ -315,6 +316,32 @@ def open_cache(cache_dir: Path, metrics: Any = None) -> tuple[DiskReserve, BlobC
     return reserve, blobs, journal
 
 
+def journal_gone(cache_dir: Path) -> tuple[bool, bool]:
+    """(whether the witness of the outbox journal, ``accepted.log``, is missing or empty,
+    whether the journal, ``outbox.db``, is too) in a cache directory a sidecar used before
+    (a store mirror is there, ``stores/*.json``: written only after the journal was opened);
+    (False, False) in one never used. Called before the journal is opened. Nothing else on disk names the writes such a double loss took: the store
+    mirrors hold committed versions only and the blob cache content without paths
+    (docs/SEMANTICS.md "What an accepted write survives"), so the start can only say that
+    accepted writes may be lost (``Sidecar.journal_missing``). An idle journal is never
+    empty (its tables) and an idle witness is: the witness alone proves nothing."""
+    def empty(p: Path) -> bool:
+        try:
+            return os.stat(p).st_size == 0
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False  # unreadable is not gone: opening it says why
+
+    stores = cache_dir / "stores"
+    try:
+        used = any(e.name.endswith(".json") for e in os.scandir(stores))
+    except OSError:
+        used = False
+    witness = used and empty(cache_dir / WITNESS_NAME)
+    return witness, witness and empty(cache_dir / "outbox.db")
+
+
 def _full_sentence(cache_dir: Path) -> str:
     """Why a start on a full cache disk gave up, and what to do (``open_cache``)."""
     others: list[tuple[int, str]] = []
@@ -360,6 +387,7 @@ class Sidecar(StoreSync):
             legacy = config.cache_dir / "blobs"  # one-file-per-blob layout of earlier versions
             if legacy.is_dir():
                 shutil.rmtree(legacy, ignore_errors=True)
+            witness_gone, gone = journal_gone(config.cache_dir)
             self.reserve, blobs, self.journal = open_cache(config.cache_dir, self.metrics)
         except OSError as e:  # e.g. a symlink planted in the cache directory (refused)
             raise StartError(f"cache directory {config.cache_dir} unusable: "
@@ -386,6 +414,23 @@ class Sidecar(StoreSync):
                              metrics=self.metrics, mount_root=str(config.mountpoint),
                              interrupts=self.interrupts)
         self.committer = self.fs.committer
+        #: the outbox journal and its witness were both gone at start (``journal_gone``; or
+        #: the journal moved aside as corrupt with no witness lines): what the previous
+        #: process accepted and did not commit cannot be named; said in the log, errors.log
+        #: and status.json (``cache.journal_missing``), never silently
+        self.journal_missing: str | None = None
+        if gone or (witness_gone and self.journal.moved_aside is not None
+                    and not self.leftovers):
+            self.journal_missing = (
+                "the outbox journal (outbox.db) and its witness (accepted.log) were both "
+                "missing, empty or unreadable at start in a cache directory used before: "
+                "writes accepted before this start and not committed may be lost, and nothing "
+                "else on disk names them; check the files written before it")
+            log.error("outbox journal and witness both gone: accepted writes not committed "
+                      "may be lost and cannot be named",
+                      extra={"cache_dir": str(config.cache_dir), "moved_aside":
+                             str(self.journal.moved_aside) if self.journal.moved_aside else None})
+            self.fs.note_error(None, "", errno.EIO, self.journal_missing, "journal_missing")
         for x in self.journal_lost:  # named in errors.log (the log and status.json: above, below)
             self.fs.note_error(None, (x.get("a") or {}).get("path", ""), errno.EIO,
                                f"an accepted {x.get('o')} was lost with the outbox journal and its "
@@ -415,8 +460,8 @@ class Sidecar(StoreSync):
 
         def auth(ok: bool) -> None:
             self.metrics.auth_ok.set(1 if ok else 0)
-            if ok:  # the token works again: retry what waits now
-                self.committer.poke()
+            if ok:  # the token works again: retry what waits now, closes wait for commits
+                self.committer.auth_restored()
                 self._token_changed.set()
                 self._token_changed = trio.Event()
             else:
@@ -561,6 +606,10 @@ class Sidecar(StoreSync):
         """``FsListener``: an invalidation of ``ino``'s content not performed yet."""
         return self.invalidator.behind(ino)
 
+    def kernel_served_older(self, ino: int) -> None:
+        """``FsListener``: a reader was served the older content the kernel still shows."""
+        self.invalidator.served_older(ino)
+
     def committed_size(self, slug: str, record_id: str) -> int | None:
         """``FsListener``: the record's size in the store's mirror, None when unknown."""
         state = self.states.get(slug)
@@ -603,6 +652,7 @@ class Sidecar(StoreSync):
                        "journal_error": self.journal.error.reason if self.journal.error else None,
                        "journal_moved_aside": str(self.journal.moved_aside) if self.journal.moved_aside else None,
                        "journal_recovered": self.journal_recovered,
+                       "journal_missing": self.journal_missing,
                        "journal_lost": [{"store": x.get("s"), "path": (x.get("a") or {}).get("path"),
                                          "op": x.get("o")} for x in self.journal_lost],
                        "state_save_failing": self.state_save_failing,
@@ -618,6 +668,8 @@ class Sidecar(StoreSync):
         st["auth"] = {"ok": self.client.auth_failure is None, "error": self.client.auth_failure,
                       "failures": self.client.auth_failures,
                       "commits_deferred": self.committer.auth_waits,
+                      # closes return once accepted (the outbox's authentication outage)
+                      "closes_wait": self.committer.auth_refused is None,
                       "token_file": str(tf.path) if tf is not None else None,
                       "token_reloads": tf.reloads if tf is not None else 0}
         return st
@@ -718,7 +770,7 @@ class Sidecar(StoreSync):
         self.metrics.token_reloads.inc()
         self._token_changed.set()
         self._token_changed = trio.Event()
-        self.committer.poke()
+        self.committer.auth_restored()  # worth waiting for again: retried now
 
     async def _token_watch(self) -> None:
         """Look at ``--token-file`` every ``token_check_interval`` s (a ``stat``; re-read when

@@ -25,6 +25,7 @@ import errno
 import logging
 import stat
 import time
+import uuid
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CODE_BY_ERRNO
@@ -69,6 +70,8 @@ class RejectedFiles:
         def note_error(self, where: Node | None, name: str, err: int, reason: str,
                        code: str = "", store: str = "") -> None: ...
 
+        def invalidate(self, items: list[tuple[Any, ...]]) -> None: ...
+
     def _init_rejected(self, saved: list[dict[str, Any]] | None) -> None:
         self._rejected: dict[Node, tuple[int, str]] = {}  # node -> (errno, code)
         # node -> (version, what) of each remote change kept out of it (remote.py)
@@ -105,6 +108,63 @@ class RejectedFiles:
                "type": n.type_override, "mode": stat.S_IMODE(n.mode), "mtime_ns": n.xmtime,
                "created": prev["created"] if prev else time.time()}
         return sig, row
+
+    def keep_aside(self, sm: StoreMount, path: str, data: bytes, err: int, code: str,
+                   reason: str, why: str, *, mode: int | None = None, type_: str | None = None,
+                   mtime_ns: int | None = None, restoring: bool = False) -> str:
+        """A refused write of ``path`` (store-relative) that the tree cannot show there
+        (``why``: a directory made elsewhere holds the path, or a file crosses it) is kept
+        as a new rejected file beside it, never dropped: ``<stem>.rejected<ext>`` (then
+        ``.rejected-2``...) in the deepest directory of ``path`` the tree has, with
+        ``data``, ``state=rejected``, ``err`` / ``code``, a reason naming ``path``, and
+        kept across restarts like any rejected file. Not sent until it changes; writing it
+        (or copying it) to a free path commits it. One line in ``errors.log`` (the kept
+        file's path, ``err``, ``code``, the reason). ``restoring``: called while a store's
+        rejected rows are put back (``_restore_rejected``, which writes them all once done:
+        a write now would replace the store's rows before the rest are back). Returns the
+        kept file's path."""
+        parts = path.split("/")
+        d = sm.root
+        for comp in parts[:-1]:
+            assert d.children is not None  # a directory
+            child = d.children.get(comp)
+            if child is None or not child.is_dir:
+                break
+            d = child
+        assert d.children is not None  # a directory
+        base = parts[-1]
+        stem, dot, ext = base.rpartition(".")
+        stem, ext = (stem, "." + ext) if dot and stem else (base, "")
+        name, i = "", 1
+        while not name or name in d.children:
+            tag = ".rejected" + (f"-{i}" if i > 1 else "")
+            room = 255 - len((tag + ext).encode())
+            name = stem.encode()[:room].decode("utf-8", "ignore") + tag + ext
+            i += 1
+        now = time.time_ns()
+        n = self._new_node(name, d, False, sm, mode if mode is not None else 0o644, now)
+        n.key = "n:" + uuid.uuid4().hex
+        self.by_key[n.key] = n
+        self._live(n, +1)
+        sha = sha256_hex(data)
+        self.blobs.put(data, sha)
+        n.sha, n.size, n.buf = sha, len(data), None
+        self._account(n, len(data))
+        n.xmtime, n.type_override = mtime_ns, type_
+        kept = n.path()
+        n.state, n.error, n.dirty, n.last_put = REJECTED, (
+            f"a write of {path} was refused ({reason}) and {path} is {why} here: its content "
+            f"is kept in this file, not sent; write or copy it to a free path to commit it, "
+            f"delete it when done"), False, None
+        self._rejected[n] = (err, code or CODE_BY_ERRNO.get(err, ""))
+        self.note_error(d, name, err, n.error, code, sm.slug)
+        if not restoring:
+            self.sync_rejected()
+            self.invalidate([("entry", d.ino, name)])
+        log.warning("refused write kept aside: its path is taken here",
+                    extra={"store": sm.slug, "path": path, "kept": kept,
+                           "errno": errno.errorcode.get(err, str(err)), "code": code})
+        return kept
 
     def sync_rejected(self) -> None:
         """Write the rejected files of the mounted stores to the journal when they changed
@@ -147,8 +207,8 @@ class RejectedFiles:
     def _restore_rejected(self, sm: StoreMount) -> None:
         """Put back the rejected files a previous process kept for store ``sm`` (just
         loaded): at their path, with their content, ``state=rejected`` and the reason. A
-        file whose path now holds another record, or crosses a file, is not restored: the
-        loss is written to ``errors.log`` and the log (with the path, never the content).
+        file whose path now holds another record or a directory, or crosses a file, is kept
+        beside it instead (``keep_aside``), named in ``errors.log`` and the log.
 
         A store mounted again in the same process (detached, then attached) gets back the
         rejected files it had when it was taken out of the mount."""
@@ -158,14 +218,18 @@ class RejectedFiles:
             for n in [n for n in self._rejected if n.store is not None
                       and n.store.slug == sm.slug and n.store is not sm]:
                 del self._rejected[n]  # the nodes of the earlier mount of this store
+        aside = False
         for row in rows:
             try:
-                self._restore_one(sm, row)
+                aside = self._restore_one(sm, row) or aside
             except Exception:  # a bad row must not stop the mount
                 log.exception("rejected file not restored", extra={"store": sm.slug,
                                                                    "path": row.get("path")})
+        if aside:  # the rows of the files kept beside their path, every other one with them
+            self.sync_rejected()
 
-    def _restore_one(self, sm: StoreMount, row: dict[str, Any]) -> None:
+    def _restore_one(self, sm: StoreMount, row: dict[str, Any]) -> bool:
+        """Put back one rejected row of ``sm``; True when it was kept beside its path."""
         data: bytes = row["content"]
         path: str = row["path"]
         parts = path.split("/")
@@ -177,15 +241,16 @@ class RejectedFiles:
             cur = d.children.get(parts[-1]) if d is not None and d.children is not None else None
             if d is None or (cur is not None and (cur.is_dir or cur.record_id != row["record_id"]
                                                   or cur.record_id is None)):
-                why = ("a directory or file is in its way" if d is None or (cur is not None and cur.is_dir)
-                       else "another record now has its path")
-                self.note_error(None, path, row["errno"],
-                                f"a rejected file kept from before the restart was dropped: {why} "
-                                f"(it was refused: {row['reason']})", row["code"], sm.slug)
-                # the row goes at the next sync_rejected (a signature nothing matches)
-                self._rejected_saved[row["node_key"]] = (sm.slug, "dropped")
+                why = ("crossed by a file" if d is None else "a directory" if cur is not None
+                       and cur.is_dir else "another record's path")
+                # its row goes at the next sync_rejected (a signature nothing matches); the
+                # content stays, beside it (a new rejected file, with a row of its own)
+                self._rejected_saved[row["node_key"]] = (sm.slug, "moved aside")
                 self._rejected_rows.pop(row["node_key"], None)
-                return
+                self.keep_aside(sm, path, data, row["errno"], row["code"], row["reason"], why,
+                                mode=row["mode"], type_=row["type"], mtime_ns=row["mtime_ns"],
+                                restoring=True)
+                return True
             n = cur
         if n is None:
             n = self._new_node(parts[-1], d, False, sm, row["mode"] or 0o644, time.time_ns())
@@ -215,3 +280,4 @@ class RejectedFiles:
                  extra={"store": sm.slug, "path": path,
                         "errno": errno.errorcode.get(row["errno"], row["errno"]),
                         "code": row["code"]})
+        return False
