@@ -5,23 +5,29 @@
   is attached (not after a restart either), and a write to such a file never brings the
   old content into the new store;
 - F5: writes queued for the deleted store (the control plane refused the token meanwhile)
-  are never committed into the new store: each is refused and named in ``errors.log``.
+  are never committed into the new store: each is refused and named in ``errors.log``;
+  so are those a previous process left in the journal (no mount: the committer alone).
 """
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
 import time
 import uuid
 
+from datetime import datetime, timezone
+from types import SimpleNamespace
+
 import httpx
 import pytest
+import trio
 
+from memfuse.sidecar.committer import STORE_CREATED, Committer
+from memfuse.sidecar.journal import DELETE, PUT, Journal
 from mountcheck import errors_log
 from mountutil import Rig, drained, live_records, read, sh, sidecar_status, wait_until
-
-pytestmark = pytest.mark.mount
 
 
 def _delete_store(cp, slug: str) -> None:
@@ -45,6 +51,7 @@ def _listing(root) -> list[str] | None:
         return None
 
 
+@pytest.mark.mount
 def test_readers_of_a_deleted_store_show_none_of_its_files_once_it_is_made_again(tmp_path):
     with Rig(tmp_path) as rig:
         a = rig.sidecar("ws", mountpoint=tmp_path / "ma", cache_dir=tmp_path / "ca")
@@ -82,6 +89,7 @@ def test_readers_of_a_deleted_store_show_none_of_its_files_once_it_is_made_again
         assert st["records"] == 1, st
 
 
+@pytest.mark.mount
 def test_writes_queued_for_a_deleted_store_are_refused_not_sent_to_the_new_one(tmp_path):
     with Rig(tmp_path) as rig:
         tok = rig.workspace("ws")
@@ -115,3 +123,51 @@ def test_writes_queued_for_a_deleted_store_are_refused_not_sent_to_the_new_one(t
         sh("echo fresh > fresh.md", root)
         drained(c)
         assert {p: r.content for p, r in live_records(cp, slug).items()} == {"fresh.md": "fresh\n"}
+
+
+class _StoreOnly:
+    """A client stand-in that answers only ``get_store`` (the store under the slug now: made
+    at ``created``); any send fails the test."""
+
+    def __init__(self, created: datetime) -> None:
+        self.created, self.asked = created, 0
+
+    async def get_store(self, slug: str) -> SimpleNamespace:
+        self.asked += 1
+        return SimpleNamespace(slug=slug, created_at=self.created)
+
+    def __getattr__(self, name):
+        raise AssertionError(f"sent to the control plane: {name}")
+
+
+async def test_the_outbox_never_sends_a_replayed_write_of_a_deleted_store(tmp_path):
+    """Entries a previous process left (stamped with the store they were written in) are
+    refused, never sent, once the control plane names another store under their slug."""
+    old = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    j = Journal(tmp_path / "outbox.db")
+    c1 = Committer(_StoreOnly(old), j, {}, store_created=lambda slug: old.isoformat())
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(j.run)
+        left = [c1.submit("s", PUT, "n:1", {"path": "a.md"}, b"purge me"),
+                c1.submit("s", DELETE, "n:2", {"path": "b.md"})]
+        with trio.fail_after(10):
+            for e in left:
+                await e.durable.wait()
+        nursery.cancel_scope.cancel()
+    j.close()
+    j2 = Journal(tmp_path / "outbox.db")
+    entries, _ = j2.load()
+    assert [e.args.get(STORE_CREATED) for e in entries] == [old.isoformat()] * 2  # kept
+    client = _StoreOnly(datetime(2026, 2, 1, tzinfo=timezone.utc))  # made again since
+    c2 = Committer(client, j2, {})
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(j2.run)
+        await nursery.start(c2.run)
+        c2.replay(entries)
+        with trio.fail_after(10):
+            await c2.wait_idle()
+        nursery.cancel_scope.cancel()
+    assert client.asked == 1
+    assert [(e.errno, e.code) for e in entries] == [(errno.ESTALE, "store_replaced")] * 2
+    assert c2.refused == 2 and c2.committed == 0
+    j2.close()
