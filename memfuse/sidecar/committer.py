@@ -419,11 +419,12 @@ class Committer:
         """Accept one change: queue it for the journal and for its store's worker. ``sha``:
         the sha256 of ``content`` when the caller has it (not hashed again); ``append_base``:
         (sha256, length) of the content ``content`` extends, when the caller checked it
-        (``Entry.append_base``)."""
+        (``Entry.append_base``). ``args`` is the entry's own (not copied): it gets the
+        creation time of the store it is written in (``STORE_CREATED``), when known."""
         self._seq += 1
         created = self.store_created(store)
         if created:
-            args = {**args, STORE_CREATED: created}
+            args[STORE_CREATED] = created  # the callers pass a dict of their own
         e = Entry(id=self._seq, store=store, op=op, node_key=node_key, args=args, content=content,
                   sha=sha, append_base=append_base)
         # the witness notes the record id and base the entry is written on (Journal.recover)
