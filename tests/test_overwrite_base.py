@@ -401,6 +401,35 @@ def test_a_reader_whose_reads_straddle_a_remote_change_makes_the_overwrite_a_rep
     assert cur == ours, cur  # last writer wins; version 2 stays in history
 
 
+def test_a_reader_whose_next_read_comes_after_a_longer_change_gets_no_byte_of_it(held):
+    """torn16b (attack 16 F1, the "tails"): a reader in C read version 1 whole (its first
+    read(2)); A's longer version 2 reaches C. On main the kernel was told at once, and the
+    reader's next read(2), past version 1's end, refreshed the size and got version 2's
+    bytes past it: version 1 followed by the tail of version 2, which ``sed -i`` committed.
+    The invalidation waits for the reader to close: its next read is the end of version 1;
+    once it closed, C reads version 2."""
+    cp, a, c = held
+    name = f"tail-{uuid.uuid4().hex[:6]}.log"
+    v1 = "A 0\n" + "".join(f"b {i} {'x' * 32}\n" for i in range(1, 41)) + "B 0\n"
+    (a.mountpoint / "s" / name).write_text(v1)
+    pc = c.mountpoint / "s" / name
+    wait_until(lambda: read(pc) == v1, timeout=15, what="v1 in C")
+    v2 = v1.replace("A 0\n", "A 1zzzz\n")
+    with open(pc, "rb", buffering=0) as f:
+        got = f.read(4096)  # version 1 whole, as sed's first read
+        assert got == v1.encode()
+        sh(f"sed -i 's/^A 0$/A 1zzzz/' {name}", a.mountpoint / "s")
+        _shown(pc, v2)  # C's sidecar applied version 2 (getxattr: no reader served it)
+
+        def told_or_waiting() -> bool:
+            inv = sidecar_status(c)["invalidations"]
+            return inv["pending"] == 0 or inv.get("waiting_for_readers", 0) > 0
+        wait_until(told_or_waiting, timeout=15, what="C's invalidation made or waiting")
+        got += f.read(4096)  # sed's next read, past version 1's end
+    assert got == v1.encode(), got[len(v1) - 10:]
+    wait_until(lambda: read(pc) == v2, timeout=15, what="version 2 read in C once closed")
+
+
 def _v1_sized_in_cs_kernel(a, c, name: str) -> str:
     """Version 1 of ``name``, written by A, whose size C's kernel holds (a stat; no reader in
     C read it: no page cached). Returns it."""
