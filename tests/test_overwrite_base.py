@@ -430,6 +430,33 @@ def test_a_reader_whose_next_read_comes_after_a_longer_change_gets_no_byte_of_it
     wait_until(lambda: read(pc) == v2, timeout=15, what="version 2 read in C once closed")
 
 
+def test_a_listing_while_a_reader_is_open_keeps_the_older_size_for_it(held):
+    """torn16b: as above, with ``ls -l`` in C while the reader is open and C's kernel not
+    told yet (invalidations held): the listing's attributes (readdirplus) gave the kernel
+    version 2's size, and the reader's next read got version 2's tail. The kernel is given
+    the size of the version the reader reads until the reader closes."""
+    cp, a, c = held
+    name = f"tail-ls-{uuid.uuid4().hex[:6]}.log"
+    v1 = "A 0\n" + "".join(f"b {i} {'x' * 32}\n" for i in range(1, 41)) + "B 0\n"
+    (a.mountpoint / "s" / name).write_text(v1)
+    pc = c.mountpoint / "s" / name
+    wait_until(lambda: read(pc) == v1, timeout=15, what="v1 in C")
+    v2 = v1.replace("A 0\n", "A 1zzzz\n")
+    with open(pc, "rb", buffering=0) as f:
+        got = f.read(4096)
+        assert got == v1.encode()
+        c.hold_file.write_text("")
+        try:
+            sh(f"sed -i 's/^A 0$/A 1zzzz/' {name}", a.mountpoint / "s")
+            _shown(pc, v2)
+            sh("ls -l >/dev/null", c.mountpoint / "s")
+            got += f.read(4096)
+        finally:
+            c.hold_file.unlink(missing_ok=True)
+    assert got == v1.encode(), got[len(v1) - 10:]
+    wait_until(lambda: read(pc) == v2, timeout=15, what="version 2 read in C once closed")
+
+
 def _v1_sized_in_cs_kernel(a, c, name: str) -> str:
     """Version 1 of ``name``, written by A, whose size C's kernel holds (a stat; no reader in
     C read it: no page cached). Returns it."""

@@ -504,6 +504,19 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         if not x:
             n._x = None  # back on the warm paths
 
+    def shown_size(self, n: Node) -> int | None:
+        """The size of the older content the kernel still shows of file ``n``
+        (``Node.shown``, the invalidation of a change not made yet: ``kernel_behind``) while
+        a handle holds ``n`` open for reading (``reading``: the invalidation waits for it),
+        to answer the kernel's attribute requests with; None otherwise, or when that content
+        is no longer cached. Never blocks."""
+        x = n._x
+        shown = x.get("shown") if x is not None else None
+        if not shown or shown == n.sha or not self.reading(n.ino):
+            return None
+        older = self._cached_blob(shown)
+        return None if older is None else len(older)
+
     def kernel_told_size(self, n: Node) -> None:
         """The attributes of file ``n`` (its current size) are being sent to the kernel (a
         lookup, getattr or readdirplus answer) while the invalidation of a change has not
