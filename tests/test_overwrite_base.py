@@ -369,7 +369,8 @@ def test_an_overwrite_after_an_own_append_committed_cleanly_merges_the_other_mou
 def test_a_reader_whose_reads_straddle_a_remote_change_makes_the_overwrite_a_reported_conflict(held):
     """verify 11, "F3 at a higher edit rate" (the silent merge): a reader in mount C reads
     the first part of version 1, mount A inserts a line (version 2), C applies it and its
-    kernel drops the pages; the reader's next read gets version 2's bytes from there on, so
+    kernel drops the pages (once the reader held the file open past ``READER_LINGER``:
+    the invalidation waits for it that long, torn16b); the reader's next read gets version 2's bytes from there on, so
     it holds parts of both (a line twice, A's line missing). Its rewrite was based on
     version 2 (the read "served the current content"): sent as a clean write, the duplicate
     and the loss were silent. No version is what the reader holds: last writer wins, with
@@ -388,6 +389,10 @@ def test_a_reader_whose_reads_straddle_a_remote_change_makes_the_overwrite_a_rep
         wait_until(lambda: live_records(cp, "s")[name].content == v2, timeout=30,
                    what="A's version 2 committed")
         _shown(pc, v2)  # C applied version 2 (no reader served it)
+        # the invalidation waits for this reader (torn16b), READER_LINGER s at most: a
+        # reader open longer than that straddles the change
+        wait_until(lambda: sidecar_status(c)["invalidations"].get("waiting_for_readers", 1) > 0,
+                   timeout=15, what="C's invalidation waiting for the reader")
         wait_until(lambda: sidecar_status(c)["invalidations"]["pending"] == 0, timeout=15,
                    what="C's kernel dropped version 1's pages")
         got = first + f.read()  # version 2 from byte 1500 on
