@@ -11,6 +11,10 @@ worker per store (docs/ARCHITECTURE.md, "The path of a write").
   after ``SEND_FAILURES_MAX`` of them the entry is refused (``_broken_send``). A ``put`` that
   meets a concurrent change is resolved by the conflict protocol (``conflict.ConflictResolver``);
   the node keys of entries are resolved through the record identity (``identity.RecordIds``).
+  Each entry carries the creation time of the store it was written in (``STORE_CREATED``):
+  one written in a store since deleted and made again under its slug is refused, never
+  sent (``_refuse_replaced``; the store's identity is asked again after any failed attempt,
+  ``_confirm``).
 - ``Backoff`` — the one retry policy of every retry path here: exponential with full
   jitter, at least the server's ``Retry-After``, capped.
 """
@@ -38,7 +42,11 @@ from .listeners import CommitListener
 
 log = logging.getLogger("memfuse.outbox")
 
-__all__ = ["BATCH_MAX_CONTENT", "BATCH_MAX_ENTRIES", "Backoff", "Committer"]
+__all__ = ["BATCH_MAX_CONTENT", "BATCH_MAX_ENTRIES", "STORE_CREATED", "Backoff", "Committer"]
+
+#: the ``Entry.args`` key of the creation time of the store an entry was written in
+#: (``Committer.submit``); an entry without it (an older journal) is sent as before
+STORE_CREATED = "store_created"
 
 BATCH_MAX_ENTRIES = 100  # entries in one batch (the server's BATCH_MAX_OPERATIONS)
 BATCH_MAX_CONTENT = 4 * 1024 * 1024  # bytes of content in one batch (the server takes 48 MiB + 64 KiB by default)
@@ -105,8 +113,23 @@ class Committer:
                  ids: RecordIds | dict[str, tuple[str | None, str | None]],
                  listener: CommitListener | None = None, *,
                  base_content: Callable[[str], bytes | None] | None = None,
-                 backoff_max: float = 30.0, metrics: Any = None) -> None:
+                 backoff_max: float = 30.0, metrics: Any = None,
+                 store_created: Callable[[str], str] | None = None) -> None:
         self.metrics = metrics
+        #: slug -> the creation time (``Store.created_at``, ISO 8601) of the store mounted
+        #: under it now, '' when unknown: stamped on each entry at ``submit``
+        #: (``args[STORE_CREATED]``, kept in the journal with it)
+        self.store_created = store_created or (lambda slug: "")
+        #: slug -> the creation time of the store the control plane holds under it, as last
+        #: learnt (the attachments, or ``_confirm``). INVARIANT: an entry stamped with
+        #: another store's creation time is never sent (``_refuse_replaced``): a store
+        #: deleted and made again under its slug is another store (attack 16 F5)
+        self.confirmed: dict[str, str] = {}
+        #: stores whose identity is asked again (``_confirm``) before their next send: every
+        #: store with queued entries after a failed attempt (an outage may hide a delete and
+        #: a re-creation), and every store of a replayed backlog
+        self._unconfirmed: set[str] = set()
+        self._confirm_failures = 0
         self.client = client
         self.journal = journal
         #: node key -> (record id, sha256), persisted in the journal's ``keymap`` table
@@ -190,6 +213,7 @@ class Committer:
         the transition wake every queued entry's waiters (a ``close`` waiting for its
         commit returns then)."""
         why = err.code or (f"http_{err.status}" if err.status else "unreachable")
+        self._unconfirmed.update(self.queues)
         self.failed_attempts += 1
         for w in self._watched:
             w.notify()
@@ -209,6 +233,7 @@ class Committer:
         authentication outage: ``failing`` until a token is accepted (``auth_restored``),
         and every waiting ``close`` returns now, its write accepted and pending."""
         self.auth_waits += 1
+        self._unconfirmed.update(self.queues)
         why = getattr(self.client, "auth_failure", None)
         if not why:
             return  # a token taken up meanwhile: its retry may well commit within the wait
@@ -394,8 +419,12 @@ class Committer:
         """Accept one change: queue it for the journal and for its store's worker. ``sha``:
         the sha256 of ``content`` when the caller has it (not hashed again); ``append_base``:
         (sha256, length) of the content ``content`` extends, when the caller checked it
-        (``Entry.append_base``)."""
+        (``Entry.append_base``). ``args`` is the entry's own (not copied): it gets the
+        creation time of the store it is written in (``STORE_CREATED``), when known."""
         self._seq += 1
+        created = self.store_created(store)
+        if created:
+            args[STORE_CREATED] = created  # the callers pass a dict of their own
         e = Entry(id=self._seq, store=store, op=op, node_key=node_key, args=args, content=content,
                   sha=sha, append_base=append_base)
         # the witness notes the record id and base the entry is written on (Journal.recover)
@@ -429,6 +458,7 @@ class Committer:
                 # the previous process may have sent it (its answer lost with the process)
                 first.add((e.store, e.node_key))
                 e.sent = True
+            self._unconfirmed.add(e.store)
             self._enqueue(e)
 
     def backlog_left(self) -> int:
@@ -533,6 +563,10 @@ class Committer:
                 ev = self._wakeups[store] = trio.Event()
                 await ev.wait()
                 continue
+            if store in self._unconfirmed and not await self._confirm(store):
+                continue
+            if self._refuse_replaced(store, q):
+                continue
             if store in self._to_coalesce:
                 self._to_coalesce.discard(store)
                 if len(q) > 1:
@@ -550,6 +584,69 @@ class Committer:
                 self._inflight.pop(store).set()
             if not e.withdrawn:  # (withdrawn: out of the queue already, never sent)
                 self._finished(store, q, e)
+
+    async def _confirm(self, store: str) -> bool:
+        """Ask the control plane which store it holds under ``store`` now (``GET
+        /v1/stores/{slug}``: its creation time) into ``confirmed``. False after a transient
+        failure or a refused token (waited out: backoff, or a ``poke``): the caller asks
+        again. A store not found (deleted) or not readable gives no verdict: the sends get
+        their own answer."""
+        try:
+            st = await self.client.get_store(store)
+        except (TransientError, Unauthorized) as err:
+            # an attempt like a commit's: the outage is told the same way (``failing``)
+            if isinstance(err, Unauthorized):
+                self._token_refused(err)
+            else:
+                self._attempt_failed(err)
+            self._confirm_failures += 1
+            delay = self.backoff.delay(self._confirm_failures, getattr(err, "retry_after", None))
+            with trio.move_on_after(delay):
+                await self._poke.wait()
+            return False
+        except ApiError:
+            self._attempt_answered()
+        except Exception:  # an answer we cannot read: no verdict, never a dropped entry
+            log.exception("store identity not confirmed", extra={"store": store})
+        else:
+            self._attempt_answered()
+            self.confirmed[store] = st.created_at.isoformat()
+        self._confirm_failures = 0
+        self._unconfirmed.discard(store)
+        return True
+
+    def _refuse_replaced(self, store: str, q: deque[Entry]) -> bool:
+        """Refuse for good the first entry of ``q`` when it was written in another store
+        of that slug (``_replaced``), and finish it. Returns whether one was refused."""
+        e = q[0]
+        if not self._replaced(e):
+            return False
+        self._finished(store, q, e)
+        return True
+
+    def _stamp_differs(self, e: Entry) -> bool:
+        """Whether ``e``'s stamp and the store's ``confirmed`` creation time are both known
+        and differ."""
+        made_in, now = e.args.get(STORE_CREATED), self.confirmed.get(e.store)
+        return bool(made_in and now and made_in != now)
+
+    def _replaced(self, e: Entry) -> bool:
+        """Whether ``e`` was written in another store of its slug than the one the control
+        plane holds now (its stamp and ``confirmed`` both known and different: the store was
+        deleted and made again under its name); then ``e`` is refused for good (``ESTALE``,
+        ``store_replaced``, logged; the caller finishes it): it is never sent."""
+        if not self._stamp_differs(e):
+            return False
+        store, made_in, now = e.store, e.args.get(STORE_CREATED), self.confirmed.get(e.store)
+        e.errno, e.code = errno.ESTALE, "store_replaced"
+        e.reason = ("the store was deleted (a new store has its name); this change was "
+                    "made in the deleted store and is not sent to the new one")
+        self.refused += 1
+        log.warning("write of a deleted store refused: a new store has its name",
+                    extra={"store": store, "entry": e.id, "op": e.op,
+                           "path": e.args.get("path") or e.args.get("from"),
+                           "store_created": made_in, "now_created": now})
+        return True
 
     def _coalesce(self, store: str, q: deque[Entry]) -> None:
         """Successive queued ``put``s of one file become one: a ``put`` followed later in the
@@ -732,6 +829,11 @@ class Committer:
             attempts += 1
             if any(e.withdrawn for e, _ in batch):
                 return _WITHDRAWN
+            if attempts > 1 and store in self._unconfirmed:  # a failure since: which store now?
+                if not await self._confirm(store):
+                    continue
+                if any(self._stamp_differs(e) for e, _ in batch):
+                    return _WITHDRAWN  # built again: the worker refuses those first
             was = [e.sent for e in carried]
             for e in carried:
                 e.sent = e.in_flight = True
@@ -799,6 +901,11 @@ class Committer:
         while True:
             if e.withdrawn:
                 return  # its close took it back (``withdraw``): never sent
+            if e.attempts and e.store in self._unconfirmed:  # a failure since: which store now?
+                if not await self._confirm(e.store):
+                    continue
+                if self._replaced(e):
+                    return
             e.attempts += 1
             was, e.sent, e.in_flight = e.sent, True, True
             client, answered = answered, None

@@ -199,7 +199,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
                             "made earlier are not restored", extra={"file": str(dirs_file)})
         self.committer = Committer(client, journal, self.ids, listener=self,
                                    base_content=self._cached_blob, backoff_max=backoff_max,
-                                   metrics=metrics)
+                                   metrics=metrics, store_created=self._store_created)
         self.settings = settings or Settings()
         # a close that waits for the commit need not wait for the journal too when the
         # acknowledgement comes first (Journal.HOLD); with --commit-wait 0 (or near it) the
@@ -300,6 +300,46 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         if sm is not None:
             self.take_local(sm)
         return super().remove_store(slug)
+
+    def _store_created(self, slug: str) -> str:
+        """The creation time of the store mounted under ``slug`` (``StoreMount.created``),
+        '' when none is or it is unknown: the stamp of the entries written in it
+        (``Committer.submit``)."""
+        sm = self.stores.get(slug)
+        return sm.created if sm is not None else ""
+
+    def forget_store(self, slug: str) -> int:
+        """The store that was mounted under ``slug`` (taken out of the tree already:
+        ``remove_store``) was deleted, and another store made under its name (attack 16
+        F7): the rejected and local-only files kept for a later mount of it are dropped, not
+        carried into the new store (their content belonged to the deleted one), each named
+        in ``errors.log`` (path, code ``store_replaced``; never content); their journal rows
+        go. Returns how many were dropped."""
+        assert slug not in self.stores, "forget a store once it is out of the tree"
+        rows = list(self._rejected_restore.pop(slug, []))
+        for k, r in list(self._rejected_rows.items()):
+            if r["store"] == slug:
+                rows.append(r)
+                del self._rejected_rows[k]
+                self._rejected_saved.pop(k, None)
+        for n in [n for n in self._rejected if n.store is not None and n.store.slug == slug]:
+            del self._rejected[n]
+        if rows:
+            self.journal.replace_rejected([slug], [])
+        local = list(self._local_restore.pop(slug, []))
+        for key, sig in list(self._local_saved.items()):
+            if sig[0] == slug:
+                self.journal.delete_local(key)
+                del self._local_saved[key]
+        for row in local:
+            self.journal.delete_local(row["node_key"])
+        paths = sorted({str(r.get("path", "")) for r in (*rows, *local)})
+        for path in paths:
+            self.note_error(None, path, errno.ESTALE,
+                            "the store was deleted (a new store has its name): this file of "
+                            "the deleted store is not carried into the new one",
+                            "store_replaced", slug)
+        return len(paths)
 
     # ------------------------------------------------------------------ checks
     def _store_of(self, n: Node) -> StoreMount:

@@ -586,7 +586,16 @@ class Sidecar(StoreSync):
     def entry_finished(self, e: Entry) -> None:
         """``FsListener``: an outbox entry finished and the tree shows it: the store's
         mirror follows (``StoreState.committed``) and is saved at once
-        (``save_committed``); a store's MEMORY.md changed: a new prompt block is wanted."""
+        (``save_committed``); a store's MEMORY.md changed: a new prompt block is wanted; an
+        entry refused because its store was deleted and made again (``store_replaced``)
+        while the tree still shows the deleted one: the attachments are reconciled."""
+        if e.code == "store_replaced" and self._nursery is not None:
+            # the outbox learnt that the store under this slug is another one (deleted and
+            # made again, e.g. during an authentication outage that hid the workspace's
+            # events): the attachments are reconciled, which replaces the tree (``_replace``)
+            sm = self.fs.stores.get(e.store)
+            if sm is not None and sm.created != self.committer.confirmed.get(e.store):
+                self._nursery.start_soon(self._reconcile_logged)
         state = self.states.get(e.store)
         if state is not None:
             state.committed(e)

@@ -37,7 +37,7 @@ import trio
 from ..content import INDEX_PATH
 from ..errors import ApiError, Forbidden, Gone, PermanentError, TransientError, Unauthorized
 from ..wire import Attachment, Change, ChangePage, EventPage, Record
-from .inodes import ROOT_INO, StoreMount
+from .inodes import ROOT_INO, STORE_CREATED_KEY, StoreMount
 from .journal import Entry
 from .cachedir import CacheError, disk_size, free_bytes
 from .backoff import Doubling
@@ -354,6 +354,14 @@ class StoreSync:
         # entries of a store taken out still commit (nothing new queues while it is out); one
         # answered after the load's catch-up is a version of ours the feed leaves out
         queued_before = self.committer.depth(slug)
+        created = att.store.created_at.isoformat()
+        self.committer.confirmed[slug] = created
+        if self._saved_identity(slug) not in ("", created):
+            log.warning("the saved state of this store is of a deleted store of that name; "
+                        "taking a snapshot", extra={"store": slug, "store_created": created,
+                                                     "earlier": self._saved_identity(slug)})
+            self._drop_mirror(slug)
+            self.fs.forget_store(slug)
         state = await self._retrying(
             f"loading {slug}", lambda: self._load_state(slug, att.store.record_count),
             need=att.store.usage_bytes)
@@ -367,14 +375,22 @@ class StoreSync:
             state.access, state.limits, state.dirty = att.access.value, limits, True
         # every blob is cached (_load_state checked, nothing awaited since)
         self.fs.add_store(slug, att.access.value, list(state.records.values()), limits=limits,
-                          cached=True, unsent=self._unsent(slug),
-                          created=att.store.created_at.isoformat())
+                          cached=True, unsent=self._unsent(slug), created=created)
+        if self._saved_identity(slug) != created:  # which store the cache now holds
+            self.fs._save_dirs_logged()
         if queued_before:  # its feed first catches up with our versions too (_catch_up_own)
             self.own_unseen.add(slug)
         self.invalidator.submit([("entry", ROOT_INO, slug)])
         self.want_context()
         if self._mounted:  # before the mount, run() starts every store's feed once mounted
             self._start_feed(slug)
+
+    def _saved_identity(self, slug: str) -> str:
+        """The creation time of the store of ``slug`` the cache last held (``dirs.json``,
+        ``Filesystem.save_dirs``), '' when unknown."""
+        saved = self.fs.saved_dirs.get(STORE_CREATED_KEY)
+        was = saved.get(slug) if isinstance(saved, dict) else None
+        return was if isinstance(was, str) else ""
 
     def _unsent(self, slug: str) -> list[Entry]:
         """The entries of ``slug`` the previous process left that are not queued again yet
@@ -403,7 +419,8 @@ class StoreSync:
             self.states[slug] = state
             self.own_unseen.add(slug)
             self.fs.add_store(slug, state.access, records, limits=state.limits or None,
-                              cached=True, unsent=self._unsent(slug))
+                              cached=True, unsent=self._unsent(slug),
+                              created=self._saved_identity(slug))
         self.offline_start = True
         log.warning("control plane unreachable or too slow at start: mounted from the local "
                     "cache; writes are accepted and commit once it answers",
@@ -800,6 +817,10 @@ class StoreSync:
             added, removed = [], []
             for slug, att in want.items():
                 sm = self.fs.stores.get(slug)
+                if sm is not None and self._replaced(sm, att):
+                    await self._replace(sm, att)
+                    added.append(slug)
+                    continue
                 if sm is None:
                     if slug not in self.admin_unmounted:
                         await self._add_attachment(att)
@@ -850,11 +871,51 @@ class StoreSync:
             left = await self._remove(slug)
             return {"store": slug, "mounted": False, "uncommitted": left}
 
-    async def _remove(self, slug: str) -> int:
-        """Commit the store's dirty files (bounded wait), then take it out of the mount."""
+    def _replaced(self, sm: StoreMount, att: Attachment) -> bool:
+        """Whether the store attached under ``sm``'s slug is another store than the one
+        mounted (deleted and made again under its name: both creation times known and
+        different). The one place the sidecar tells stores of one slug apart; the outbox
+        keeps the same rule for the entries (``Committer._refuse_replaced``)."""
+        created = att.store.created_at.isoformat()
+        self.committer.confirmed[sm.slug] = created
+        return bool(sm.created) and sm.created != created
+
+    async def _replace(self, sm: StoreMount, att: Attachment) -> None:
+        """The store mounted under ``sm.slug`` was deleted and another store made under its
+        name (attack 16 F7, F5): nothing of the old one is carried over. Its tree goes (the
+        kernel's entries invalidated), and so do its mirror and its local-only and rejected
+        files (``Filesystem.forget_store``, each named in ``errors.log``); its queued writes
+        are refused, never sent to the new store (``Committer.confirmed`` already names the
+        new one); its unflushed writes are not committed. Then the new store is loaded from
+        a snapshot."""
+        slug = sm.slug
+        log.warning("the store was deleted and a new store made under its name; everything "
+                    "kept of the deleted one is dropped", extra={
+                        "store": slug, "store_created": att.store.created_at.isoformat(),
+                        "earlier": sm.created, "queued": self.committer.depth(slug)})
+        await self._remove(slug, commit=False)
+        self.fs.forget_store(slug)
+        self._drop_mirror(slug)
+        await self._add_attachment(att)
+
+    def _drop_mirror(self, slug: str) -> None:
+        """Delete the saved mirror of ``slug`` (its base and log): the next load takes a
+        snapshot. A failure is logged; the load's own checks still apply."""
+        StoreState(self.config.cache_dir / "stores" / f"{slug}.json", slug,
+                   blobs=self.fs.blobs).discard()
+
+    async def _remove(self, slug: str, *, commit: bool = True) -> int:
+        """Commit the store's dirty files (bounded wait), then take it out of the mount.
+        ``commit`` false (the store was deleted and another made under its name): its dirty
+        files are not committed, each is named in ``errors.log``."""
         sm = self.fs.stores[slug]
         for n in self.fs.dirty_nodes(sm):
-            self.fs.commit_quietly(n)
+            if commit:
+                self.fs.commit_quietly(n)
+            else:
+                self.fs.note_error(n.parent, n.name, errno.ESTALE,
+                                   "the store was deleted (a new store has its name); this "
+                                   "unsaved write is not sent to the new one", "store_replaced")
         with trio.move_on_after(self.config.commit_wait):
             await self.committer.wait_store_idle(slug)
         left = self.committer.depth(slug)

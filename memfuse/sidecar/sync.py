@@ -734,6 +734,18 @@ class StoreState:
         self._log_fd = fd
         return fd
 
+    def discard(self) -> None:
+        """Delete the saved mirror (its base and its log; a missing one is no error): it
+        held another store of this slug (deleted since). A failure is logged: the next
+        load's own checks still apply."""
+        self.close()
+        for p in (self.path, self.log_path):
+            try:
+                p.unlink(missing_ok=True)
+            except OSError as e:
+                log.warning("saved store state not deleted", extra={"store": self.slug,
+                                                                   "file": str(p), "error": str(e)})
+
     def close(self) -> None:
         """Close the log kept open between appends (a later append opens it again)."""
         fd, self._log_fd = self._log_fd, None
