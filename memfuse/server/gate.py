@@ -128,70 +128,88 @@ class Connections:
     answer below 400 or one the app marked ``memfuse.authenticated``: a console page, whose
     session the console checks): at most ``cap`` per client address (0: no cap), and at most
     ``max_total`` in all (0: no cap). ``memfuse.server.serve`` calls ``opened`` when it
-    accepts a connection (False: close it at once) and ``closed`` when it ends; the ``Gate``
-    calls ``active`` when a request on it starts and ``cleared`` once one authenticated.
-    Event-loop only.
+    accepts a connection and ``closed`` when it ends; the ``Gate`` calls ``active`` when a
+    request on it starts and ``cleared`` once one authenticated. Event-loop only.
 
-    At ``max_total`` (``full``) the server closes a new connection whose request head has not
-    arrived yet at once (``turned_away``); a new one whose head is in is kept and the one idle
-    the longest is evicted (its ``evict`` callback, given to ``opened``, is called: the
-    server closes it): the oldest connection still waiting for a request's headers, or for a
-    next request after a refusal, is the one whose header deadline is furthest gone. A flood
-    of connections that never finish their heads, from any number of addresses, then can
-    neither hold the server's descriptors nor keep the kernel's listen backlog full ahead of
-    a client that sends its request (``memfuse.server.serve._accept_forever``;
-    tests/test_hostile.py, bench/README.md "Hostile clients"). Every such close is counted
-    (``evicted``, ``turned_away``: the metric ``memfuse_server_connections_evicted_total``
-    by reason) and logged (at most one line per ``LOG_EVERY`` s, with the totals). Memory: one dict
-    entry per connection."""
+    One rule for both caps. At a cap (``full`` in all, ``at_cap(peer)`` for an address) the
+    server closes a new connection whose request head has not arrived yet at once
+    (``turned_away``); a new one whose head is in is kept (``opened``) and the one idle the
+    longest is evicted (its ``evict`` callback, given to ``opened``, is called: the server
+    closes it): of the connection's address at its cap, of all addresses at ``max_total``.
+    The one idle the longest is the oldest still waiting for a request's headers, or for a
+    next request after a refusal: the one whose header deadline is furthest gone. A flood of
+    connections that never finish their heads, from any number of addresses or from the one
+    address a client shares with it (a NAT, an ingress, the node's kubelet probes: attack 16
+    F3), then can neither hold the server's descriptors nor keep the kernel's listen backlog
+    full nor shut out a client that sends its request
+    (``memfuse.server.serve._accept_forever``; tests/test_hostile.py, bench/README.md
+    "Hostile clients"). Every such close is counted (``evicted``, ``evicted_at_address``,
+    ``turned_away``, ``refused``: the metrics ``memfuse_server_connections_evicted_total``
+    by reason and ``memfuse_server_connections_refused_total``) and logged (at most one line
+    per ``LOG_EVERY`` s, with the totals). Memory: two dict entries per connection."""
 
     LOG_EVERY = 5.0  # s between two log lines about evictions
 
     def __init__(self, cap: int = MAX_UNAUTHENTICATED_PER_ADDRESS, max_total: int = MAX_UNAUTHENTICATED) -> None:
         self.cap = cap
         self.max_total = max_total
-        self.refused = 0
-        self.evicted = 0  # the oldest closed for a new connection whose head was in
-        self.refused_at_cap = 0  # new connections without their head closed at the cap
+        self.refused = 0  # new connections without their head closed at their address's cap
+        self.evicted = 0  # the oldest of all closed for a new connection whose head was in
+        self.evicted_at_address = 0  # the oldest of an address at its cap, likewise
+        self.refused_at_cap = 0  # new connections without their head closed at ``max_total``
         # INVARIANT: ``_pending`` holds every open connection (host, port) not cleared yet,
         # with its evict callback, in the order of its last activity (accepted, or a request
-        # started on it: ``active``), oldest first; ``_per_host`` counts its keys per host.
+        # started on it: ``active``), oldest first; ``_hosts[host]`` holds the same keys of
+        # that host in the same order (no empty entry).
         self._pending: dict[tuple[str, int], Callable[[], object] | None] = {}
-        self._per_host: dict[str, int] = {}
+        self._hosts: dict[str, dict[tuple[str, int], None]] = {}
         self._logged_at = -math.inf
 
+    def at_cap(self, peer: tuple[str, int]) -> bool:
+        """Whether a new connection from ``peer`` meets a cap: its address holds ``cap``
+        connections without a valid token, or ``full``."""
+        return (bool(self.cap) and len(self._hosts.get(peer[0], ())) >= self.cap) or self.full
+
     def opened(self, peer: tuple[str, int], evict: Callable[[], object] | None = None) -> bool:
-        """Count a new connection from ``peer``: False when its address is at ``cap`` (the
-        caller closes it at once). At ``max_total``, the oldest pending connection's
-        ``evict`` is called and it stops counting."""
+        """Count a new connection from ``peer`` (the server calls it only for a connection
+        whose request head is in when ``at_cap(peer)``): at its address's ``cap`` the
+        address's connection idle the longest is evicted (its ``evict`` called, it stops
+        counting), and at ``max_total`` the oldest of all. Returns True (kept)."""
         host = peer[0]
-        if self.cap and self._per_host.get(host, 0) >= self.cap:
-            self.refused += 1
-            return False
-        while self.max_total and len(self._pending) >= self.max_total:
-            oldest = next(iter(self._pending))
-            callback = self._pending.pop(oldest)
-            self._drop(oldest[0])
-            self.evicted += 1
-            if callback is not None:
-                callback()
-            self._log_eviction()
         if peer in self._pending:  # a reused (host, port): the old connection has ended
-            del self._pending[peer]
-            self._drop(host)
+            self._forget(peer)
+        mine = self._hosts.get(host)
+        while self.cap and mine is not None and len(mine) >= self.cap:
+            self._evict(next(iter(mine)))
+            self.evicted_at_address += 1
+            mine = self._hosts.get(host)
+        while self.max_total and len(self._pending) >= self.max_total:
+            self._evict(next(iter(self._pending)))
+            self.evicted += 1
         self._pending[peer] = evict
-        self._per_host[host] = self._per_host.get(host, 0) + 1
+        self._hosts.setdefault(host, {})[peer] = None
         return True
+
+    def _evict(self, peer: tuple[str, int]) -> None:
+        callback = self._pending.get(peer)
+        self._forget(peer)
+        if callback is not None:
+            callback()
+        self._log_eviction()
 
     @property
     def full(self) -> bool:
         """Whether ``max_total`` connections without a valid token are open."""
         return bool(self.max_total) and len(self._pending) >= self.max_total
 
-    def turned_away(self) -> None:
-        """Count (and log) a new connection closed at once at ``max_total``: its request head
-        had not arrived."""
-        self.refused_at_cap += 1
+    def turned_away(self, peer: tuple[str, int] | None = None) -> None:
+        """Count (and log) a new connection (from ``peer``) closed at once at a cap: its
+        request head had not arrived. Counted as ``refused`` when only its address was at
+        its cap, else as ``refused_at_cap``."""
+        if peer is not None and not self.full:
+            self.refused += 1
+        else:
+            self.refused_at_cap += 1
         self._log_eviction()
 
     def active(self, peer: Any) -> None:
@@ -200,32 +218,37 @@ class Connections:
             key = (peer[0], peer[1])
             if key in self._pending:
                 self._pending[key] = self._pending.pop(key)
+                mine = self._hosts[key[0]]
+                mine[key] = mine.pop(key)
 
     def cleared(self, peer: Any) -> None:
+        """``peer``'s connection showed a valid token (or asked a probe): it no longer counts."""
         if isinstance(peer, (tuple, list)) and len(peer) >= 2:
-            peer = (peer[0], peer[1])
-            if peer in self._pending:
-                del self._pending[peer]
-                self._drop(peer[0])
+            key = (peer[0], peer[1])
+            if key in self._pending:
+                self._forget(key)
 
     def closed(self, peer: tuple[str, int]) -> None:
+        """``peer``'s connection ended."""
         self.cleared(peer)
 
-    def _drop(self, host: str) -> None:
-        n = self._per_host.get(host, 1) - 1
-        if n:
-            self._per_host[host] = n
-        else:
-            self._per_host.pop(host, None)
+    def _forget(self, peer: tuple[str, int]) -> None:
+        del self._pending[peer]
+        mine = self._hosts[peer[0]]
+        del mine[peer]
+        if not mine:
+            del self._hosts[peer[0]]
 
     def _log_eviction(self) -> None:
         now = time.monotonic()
         if now - self._logged_at >= self.LOG_EVERY:
-            log.warning("closing connections without a token: at the cap of unauthenticated connections "
+            log.warning("closing connections without a token: at a cap of unauthenticated connections "
                         "(the oldest for a new request; new ones whose request has not arrived)",
-                        extra={"reason": "max_unauthenticated", "cap": self.max_total,
+                        extra={"reason": "max_unauthenticated", "cap": self.max_total, "cap_per_address": self.cap,
                                # totals since the start (a line the log's rate limit drops loses none)
-                               "evicted_oldest": self.evicted, "refused_without_head": self.refused_at_cap})
+                               "evicted_oldest": self.evicted, "evicted_oldest_of_address": self.evicted_at_address,
+                               "refused_without_head": self.refused_at_cap,
+                               "refused_without_head_at_address": self.refused})
             self._logged_at = now
 
     @property
