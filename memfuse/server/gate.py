@@ -75,6 +75,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from memfuse.defs import RECORD_BODY_MAX, sha256_hex
 from memfuse.server import budget
 from memfuse.server.limits import MAX_HEAD, PROBLEM_JSON, ServerMetrics
+from memfuse.server.readslots import MAX_READS, READS_PER_TOKEN, ReadSlots
 from memfuse.server.service import Principal, Service, ServiceError
 from memfuse.server.streamclass import Lease, StreamClass
 
@@ -264,7 +265,7 @@ class _Refusal(Exception):
 
 _TITLES = {401: "Unauthorized", 408: "Request Timeout", 413: "Content Too Large",
            431: "Request Header Fields Too Large",
-           429: "Too Many Requests", 503: "Service Unavailable"}
+           429: "Too Many Requests", 503: "Service Unavailable", 504: "Gateway Timeout"}
 
 
 WRITE_RATE, WRITE_BURST = 500.0, 2_000  # writes / s of one token, and its burst
@@ -347,11 +348,14 @@ class Gate:
     token (per address, ``max_unauthenticated_per_address``, and in all, ``max_unauthenticated``),
     when the server applies them (``memfuse.server.serve``). ``max_per_token``: the ordinary
     requests one token may have in the app at once (default ``default_per_token``);
-    ``read_budget``: s a read's database work may take (``memfuse.server.budget``)."""
+    ``read_budget``: s a read may wait for a read slot and work (``memfuse.server.budget``);
+    ``max_reads`` / ``max_reads_per_token``: the reads the app works on at once, in all and
+    per token (``memfuse.server.readslots``)."""
 
     def __init__(self, app: ASGIApp, svc: Service, metrics: ServerMetrics, streams: StreamClass, *,
                  max_inflight: int = MAX_INFLIGHT, max_per_token: int | None = None,
                  read_budget: float = READ_BUDGET, send_timeout: float = SEND_TIMEOUT,
+                 max_reads: int = MAX_READS, max_reads_per_token: int = READS_PER_TOKEN,
                  max_body: int = MAX_BODY, body_timeout: float = BODY_TIMEOUT,
                  receive_timeout: float = RECEIVE_TIMEOUT, body_budget: int = BODY_BUDGET,
                  header_timeout: float = HEADER_TIMEOUT,
@@ -372,6 +376,7 @@ class Gate:
         self.max_inflight = max_inflight
         self.shares = Shares(default_per_token(max_inflight) if max_per_token is None else max_per_token)
         self.read_budget = read_budget
+        self.reads = ReadSlots(max_reads_per_token, max_reads)
         self.send_timeout = send_timeout
         self.max_body = max_body
         self.body_timeout = body_timeout
@@ -534,7 +539,7 @@ class Gate:
                 self.inflight += 1
                 try:
                     if method == "GET" and path.startswith(("/v1/", "/ui/")):
-                        await self._run_read(scope, body, receive, send)
+                        await self._run_read(scope, body, receive, send, share)
                     else:
                         await self._run(scope, _replay(body, receive), send, None, body)
                 finally:
@@ -571,15 +576,19 @@ class Gate:
             return f"addr {peer[0]}"
         return None
 
-    async def _run_read(self, scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
+    async def _run_read(self, scope: Scope, body: bytes, receive: Receive, send: Send,
+                        share: str | None) -> None:
         """``_run`` for a read (an ordinary ``GET`` under ``/v1/`` or ``/ui/``) under a ``Budget`` of
         ``read_budget`` s: once its body is read the connection's messages are watched here,
         and its client's disconnect, or the budget's end, interrupts its database work
         (``memfuse.server.budget``); the app then answers 504 ``timeout`` if the client is
         still there. The app's ``receive`` gives the body, then ``http.disconnect`` once the
-        client has gone."""
+        client has gone. The read first waits for one of ``share``'s read slots (``reads``,
+        ``memfuse.server.readslots``) within the same budget: past it, 504 ``timeout`` here
+        (its client gone: no answer)."""
         b = budget.Budget()
         gone = anyio.Event()
+        waiting = anyio.CancelScope()  # the wait for a read slot, cancelled when the budget ends
 
         async def watch() -> None:
             with anyio.move_on_after(self.read_budget):
@@ -587,8 +596,10 @@ class Gate:
                     pass
                 b.end(budget.GONE)
                 gone.set()
+                waiting.cancel()
                 return
             b.end(budget.DEADLINE)
+            waiting.cancel()
 
         async def gone_receive() -> Message:  # the connection's messages are watch()'s
             await gone.wait()
@@ -601,7 +612,26 @@ class Gate:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(watch)
                 try:
-                    await self._run(scope, app_receive, send, None, body)
+                    held = share is None  # a read without a key (no address) takes no slot
+                    with waiting:
+                        if not held:
+                            assert share is not None
+                            await self.reads.acquire(share)
+                            held = True
+                    if not held:
+                        if b.reason == budget.DEADLINE:  # counted below, as a read cut at it
+                            problem = _problem(504, "timeout", b.error().detail)
+                            self.metrics.answered(504)
+                            await send({"type": "http.response.start", "status": 504, "headers": [
+                                (b"content-type", PROBLEM_JSON),
+                                (b"content-length", str(len(problem)).encode())]})
+                            await send({"type": "http.response.body", "body": problem})
+                        return
+                    try:
+                        await self._run(scope, app_receive, send, None, body)
+                    finally:
+                        if share is not None:
+                            self.reads.release(share)
                 finally:
                     tg.cancel_scope.cancel()
         finally:
