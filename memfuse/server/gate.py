@@ -40,7 +40,10 @@ In order, for every HTTP request:
    without a token, a console page, one of its client address's ``max_per_token``). A ``GET``
    under ``/v1/`` or ``/ui/`` runs under a ``memfuse.server.budget.Budget``: its database
    work is interrupted when its client disconnects or ``read_budget`` s have passed (504
-   ``timeout``). A long-lived response (long-poll, stream, console live page) takes a lease
+   ``timeout``); before the app sees it, it waits (within that budget) for one of its
+   token's read slots (``memfuse.server.readslots.ReadSlots``: the reads the app works on
+   at once, per token and in all, waiting tokens served in turn), so one token's reads
+   cannot take the CPU from every other client. A long-lived response (long-poll, stream, console live page) takes a lease
    of the ``StreamClass`` instead (``memfuse.server.streamclass``: per-token and per-replica
    caps, 429 with ``Retry-After``), and ends within a moment of its token's revocation or
    expiry.
