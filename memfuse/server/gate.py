@@ -121,9 +121,14 @@ PROBES = ("/healthz", "/readyz")
 # function ``() -> bytes | None`` giving the whole request body when the server holds all of
 # it already (it is then read: ``receive`` gives no more of it), else None; ``SEND_WITHIN``,
 # ``async (message, seconds)``: ``send(message)`` bounded by the server itself, raising
-# ``TimeoutError`` (the connection then closes) when it does not finish within ``seconds``.
+# ``TimeoutError`` (the connection then closes) when it does not finish within ``seconds``;
+# ``EARLY``, ``(status, headers, body) -> None``, callable from another thread while the
+# request's task waits for that thread: the whole answer sent at once as the server would frame
+# it, when it can be without waiting; the answer the app sends after it is then this one
+# (``memfuse.server.lean._Exchange.send_early``).
 BODY = "memfuse.body"
 SEND_WITHIN = "memfuse.send_within"
+EARLY = "memfuse.send_early"
 _TRUE = ("true", "1", "yes", "on")
 
 
@@ -544,13 +549,13 @@ class Gate:
                     if method == "GET" and path.startswith(("/v1/", "/ui/")):
                         await self._run_read(scope, body, receive, send, share)
                     else:
-                        await self._run(scope, _replay(body, receive), send, None, body)
+                        await self._run(scope, replay(body, receive), send, None, body)
                 finally:
                     self.inflight -= 1
                     if share is not None:
                         self.shares.give(share)
             else:
-                await self._run(scope, _replay(body, receive), send, lease)
+                await self._run(scope, replay(body, receive), send, lease)
         finally:
             self.body_bytes -= held
             if lease is not None:
@@ -608,7 +613,7 @@ class Gate:
             await gone.wait()
             return {"type": "http.disconnect"}
 
-        app_receive = _replay(body, gone_receive)
+        app_receive = replay(body, gone_receive)
 
         reset = budget.CURRENT.set(b)
         try:
@@ -945,9 +950,13 @@ async def _nothing() -> Message:
     return {"type": "http.request", "body": b"", "more_body": False}
 
 
-def _replay(body: bytes, receive: Receive) -> Receive:
-    """A ``receive`` that gives the body read already, then what ``receive`` gives (the
-    connection's own messages, or a read's disconnect once its watcher saw it: ``_run_read``)."""
+def replay(body: bytes, receive: Receive) -> Receive:
+    """An ASGI ``receive`` for an app whose request body was read before it runs: its first
+    call gives ``body`` whole (one ``http.request`` message, ``more_body`` False), every later
+    call what ``receive`` gives (the connection's own messages; a read's disconnect once its
+    watcher saw it, ``_run_read``; the fake control plane's disconnect when its client
+    closes the response, ``memfuse.fake``). Used wherever a body is read ahead of an app:
+    the gate's requests, ``/mcp`` (``memfuse.server.agent_tools``) and the fake's streams."""
     given = False
 
     async def replay() -> Message:
