@@ -330,6 +330,9 @@ async def test_a_reader_served_while_the_kernel_is_behind_is_based_on_what_it_st
         def kernel_served_older(self, ino):
             older.append(ino)
 
+        def reader_closed(self, ino):
+            pass
+
         def committed_size(self, slug, rid):
             return None
 

@@ -83,3 +83,38 @@ async def test_a_read_served_the_older_content_while_the_kernel_invalidates_is_i
             await inv.settle(5)
         assert calls == [5, 5, 7] and not inv.behind(7)
         nursery.cancel_scope.cancel()
+
+
+async def test_an_invalidation_waits_for_the_files_readers_within_its_bound(monkeypatch):
+    """torn16b: an inode held open for reading (``reading``) is invalidated once its last
+    reader closed (``reader_closed``), never while it reads (its read(2) calls would
+    straddle the change: the older version followed by the newer one's tail); it stays
+    ``behind`` meanwhile (reads are served the older content), other inodes are not held,
+    and a reader that never closes holds it ``linger`` seconds at most."""
+    calls: list[int] = []
+    import memfuse.sidecar.invalidator as mod
+    monkeypatch.setattr(mod.pyfuse3, "invalidate_inode",
+                        lambda ino, attr_only=False: calls.append(ino))
+    readers = {5: 1, 9: 1}
+    inv = Invalidator(reading=lambda ino: readers.get(ino, 0) > 0, linger=0.3)
+    inv.active = True
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(inv.run)
+        inv.submit([("inode", 5), ("inode", 7), ("attr", 5)])
+        with trio.fail_after(5):
+            while 7 not in calls:
+                await trio.sleep(0.01)
+        await trio.sleep(0.1)
+        assert calls == [7] and inv.behind(5) and inv.waiting == 1 and inv.pending == 2
+        assert await inv.catch_up(5, 0.05) is False
+        readers[5] = 0
+        inv.reader_closed(5)
+        with trio.fail_after(5):
+            assert await inv.catch_up(5, 5) is True
+        assert calls == [7, 5, 5] and inv.waiting == 0 and inv.pending == 0
+        start = trio.current_time()
+        inv.submit([("inode", 9)])  # its reader never closes: made after the bound
+        with trio.fail_after(5):
+            assert await inv.catch_up(9, 5) is True
+        assert trio.current_time() - start >= 0.3 and calls[-1] == 9
+        nursery.cancel_scope.cancel()

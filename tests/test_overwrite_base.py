@@ -350,7 +350,8 @@ def test_an_overwrite_after_an_own_append_committed_cleanly_merges_the_other_mou
 def test_a_reader_whose_reads_straddle_a_remote_change_makes_the_overwrite_a_reported_conflict(held):
     """verify 11, "F3 at a higher edit rate" (the silent merge): a reader in mount C reads
     the first part of version 1, mount A inserts a line (version 2), C applies it and its
-    kernel drops the pages; the reader's next read gets version 2's bytes from there on, so
+    kernel drops the pages (once the reader held the file open past ``READER_LINGER``:
+    the invalidation waits for it that long, torn16b); the reader's next read gets version 2's bytes from there on, so
     it holds parts of both (a line twice, A's line missing). Its rewrite was based on
     version 2 (the read "served the current content"): sent as a clean write, the duplicate
     and the loss were silent. No version is what the reader holds: last writer wins, with
@@ -367,6 +368,10 @@ def test_a_reader_whose_reads_straddle_a_remote_change_makes_the_overwrite_a_rep
         wait_until(lambda: live_records(cp, "s")[name].content == v2, timeout=30,
                    what="A's version 2 committed")
         _shown(pc, v2)  # C applied version 2 (no reader served it)
+        # the invalidation waits for this reader (torn16b), READER_LINGER s at most: a
+        # reader open longer than that straddles the change
+        wait_until(lambda: sidecar_status(c)["invalidations"].get("waiting_for_readers", 1) > 0,
+                   timeout=15, what="C's invalidation waiting for the reader")
         wait_until(lambda: sidecar_status(c)["invalidations"]["pending"] == 0, timeout=15,
                    what="C's kernel dropped version 1's pages")
         got = first + f.read()  # version 2 from byte 1500 on
@@ -378,6 +383,62 @@ def test_a_reader_whose_reads_straddle_a_remote_change_makes_the_overwrite_a_rep
     conflicts = [e for e in errors_log(c.mountpoint) if e.get("conflict")]
     assert len(conflicts) == errs + 1 and conflicts[-1]["path"].endswith(name), conflicts
     assert cur == ours, cur  # last writer wins; version 2 stays in history
+
+
+def test_a_reader_whose_next_read_comes_after_a_longer_change_gets_no_byte_of_it(held):
+    """torn16b (attack 16 F1, the "tails"): a reader in C read version 1 whole (its first
+    read(2)); A's longer version 2 reaches C. On main the kernel was told at once, and the
+    reader's next read(2), past version 1's end, refreshed the size and got version 2's
+    bytes past it: version 1 followed by the tail of version 2, which ``sed -i`` committed.
+    The invalidation waits for the reader to close: its next read is the end of version 1;
+    once it closed, C reads version 2."""
+    cp, a, c = held
+    name = f"tail-{uuid.uuid4().hex[:6]}.log"
+    v1 = "A 0\n" + "".join(f"b {i} {'x' * 32}\n" for i in range(1, 41)) + "B 0\n"
+    (a.mountpoint / "s" / name).write_text(v1)
+    pc = c.mountpoint / "s" / name
+    wait_until(lambda: read(pc) == v1, timeout=15, what="v1 in C")
+    v2 = v1.replace("A 0\n", "A 1zzzz\n")
+    with open(pc, "rb", buffering=0) as f:
+        got = f.read(4096)  # version 1 whole, as sed's first read
+        assert got == v1.encode()
+        sh(f"sed -i 's/^A 0$/A 1zzzz/' {name}", a.mountpoint / "s")
+        _shown(pc, v2)  # C's sidecar applied version 2 (getxattr: no reader served it)
+
+        def told_or_waiting() -> bool:
+            inv = sidecar_status(c)["invalidations"]
+            return inv["pending"] == 0 or inv.get("waiting_for_readers", 0) > 0
+        wait_until(told_or_waiting, timeout=15, what="C's invalidation made or waiting")
+        got += f.read(4096)  # sed's next read, past version 1's end
+    assert got == v1.encode(), got[len(v1) - 10:]
+    wait_until(lambda: read(pc) == v2, timeout=15, what="version 2 read in C once closed")
+
+
+def test_a_listing_while_a_reader_is_open_keeps_the_older_size_for_it(held):
+    """torn16b: as above, with ``ls -l`` in C while the reader is open and C's kernel not
+    told yet (invalidations held): the listing's attributes (readdirplus) gave the kernel
+    version 2's size, and the reader's next read got version 2's tail. The kernel is given
+    the size of the version the reader reads until the reader closes."""
+    cp, a, c = held
+    name = f"tail-ls-{uuid.uuid4().hex[:6]}.log"
+    v1 = "A 0\n" + "".join(f"b {i} {'x' * 32}\n" for i in range(1, 41)) + "B 0\n"
+    (a.mountpoint / "s" / name).write_text(v1)
+    pc = c.mountpoint / "s" / name
+    wait_until(lambda: read(pc) == v1, timeout=15, what="v1 in C")
+    v2 = v1.replace("A 0\n", "A 1zzzz\n")
+    with open(pc, "rb", buffering=0) as f:
+        got = f.read(4096)
+        assert got == v1.encode()
+        c.hold_file.write_text("")
+        try:
+            sh(f"sed -i 's/^A 0$/A 1zzzz/' {name}", a.mountpoint / "s")
+            _shown(pc, v2)
+            sh("ls -l >/dev/null", c.mountpoint / "s")
+            got += f.read(4096)
+        finally:
+            c.hold_file.unlink(missing_ok=True)
+    assert got == v1.encode(), got[len(v1) - 10:]
+    wait_until(lambda: read(pc) == v2, timeout=15, what="version 2 read in C once closed")
 
 
 def _v1_sized_in_cs_kernel(a, c, name: str) -> str:

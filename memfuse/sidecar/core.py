@@ -504,6 +504,19 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         if not x:
             n._x = None  # back on the warm paths
 
+    def shown_size(self, n: Node) -> int | None:
+        """The size of the older content the kernel still shows of file ``n``
+        (``Node.shown``, the invalidation of a change not made yet: ``kernel_behind``) while
+        a handle holds ``n`` open for reading (``reading``: the invalidation waits for it),
+        to answer the kernel's attribute requests with; None otherwise, or when that content
+        is no longer cached. Never blocks."""
+        x = n._x
+        shown = x.get("shown") if x is not None else None
+        if not shown or shown == n.sha or not self.reading(n.ino):
+            return None
+        older = self._cached_blob(shown)
+        return None if older is None else len(older)
+
     def kernel_told_size(self, n: Node) -> None:
         """The attributes of file ``n`` (its current size) are being sent to the kernel (a
         lookup, getattr or readdirplus answer) while the invalidation of a change has not
@@ -1227,6 +1240,17 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
                             "cache_disk_full" if err.errno == errno.ENOSPC else "cache_disk_error")
             raise FsError(err.errno, err.reason) from None
 
+    def reading(self, ino: int) -> bool:
+        """True while a handle open for reading (not a directory's) holds file ``ino``: the
+        kernel invalidation of a change of it waits for its release (``Invalidator``), so
+        no reader's reads straddle the change. Walks the open handles (only when a change
+        of an open file is about to reach the kernel). Never blocks."""
+        n = self.inodes.get(ino)
+        if n is None or n.opened <= 0:
+            return False
+        return any(h.node is n and not h.is_dir and h.flags & os.O_ACCMODE != os.O_WRONLY
+                   for h in self.handles.values())
+
     def release(self, fh: int) -> None:
         """The last close of handle ``fh`` (unknown handles are ignored): a file still dirty
         (flush not called, or failed) is committed (``commit_quietly``), never dropped."""
@@ -1237,6 +1261,8 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         n.opened -= 1
         if n.dirty:  # flush was not called (or failed): never drop the write
             self.commit_quietly(n)
+        if self.listener is not None and not h.is_dir and h.flags & os.O_ACCMODE != os.O_WRONLY:
+            self.listener.reader_closed(n.ino)  # a change of it may wait for its readers
         if n._x is not None:  # else neither special nor unlinked (Node: _x)
             if n.special:
                 self.controls.closed(n.special)

@@ -278,9 +278,18 @@ class MemfuseOps(pyfuse3.Operations):
             size = n.cur_size()
             a.st_nlink = self.fs.nlink(n)
             if n._x.get("shown") and n.ino in self._behind:
-                # the kernel takes this size while it still holds an older content's: its
-                # readers get the current content from now on (Filesystem.read)
-                self.fs.kernel_told_size(n)
+                older = self.fs.shown_size(n)
+                if older is not None:
+                    # a reader holds the file open and reads the older content whole
+                    # (Filesystem._read_shown) until it closes: the kernel keeps its size,
+                    # else that reader's next read past it would get the current content's
+                    # bytes (torn16b); its pages, dropped if the mtime changed, are filled
+                    # with the older content again
+                    size = older
+                else:
+                    # the kernel takes this size while it still holds an older content's:
+                    # its readers get the current content from now on (Filesystem.read)
+                    self.fs.kernel_told_size(n)
         a.st_size = size
         a.st_blocks = (size + 511) // 512
         a.st_atime_ns = n.atime_ns

@@ -20,6 +20,13 @@ import trio
 
 log = logging.getLogger("memfuse.sync")
 
+#: Seconds an invalidation of a file's content or attributes waits for the readers that
+#: have the file open to close it (``Invalidator.reading``): a reader whose read(2) calls
+#: straddled the invalidation would get the older content up to its size and the newer
+#: content's bytes past it (torn16b: ``sed -i`` committed them). Past this bound the
+#: invalidation is made anyway (a reader still open then is flagged: ``Handle.replaced``).
+READER_LINGER = 2.0
+
 
 class Invalidator:
     """Queues kernel cache invalidations and performs them from a worker thread.
@@ -35,11 +42,25 @@ class Invalidator:
     (docs/SEMANTICS.md, "Conflicts": the base of an overwrite); ``catch_up(ino, timeout)``
     waits for it. ``hold``: a fault hook for tests, awaited before each batch is performed
     (it widens that window); None in production.
+
+    ``reading(ino)`` (set once the filesystem exists; None: nothing waits) says whether a
+    handle open for reading holds ``ino``: its ``("inode", ino)`` and ``("attr", ino)``
+    requests then wait until ``reader_closed(ino)`` finds none left, at most ``linger``
+    seconds (``READER_LINGER``), so no reader's reads straddle the change: a reader gets
+    the content of one version whole (the older one, ``Filesystem._read_shown``).
     """
 
-    def __init__(self, hold: Callable[[], Awaitable[None]] | None = None) -> None:
+    def __init__(self, hold: Callable[[], Awaitable[None]] | None = None,
+                 reading: Callable[[int], bool] | None = None,
+                 linger: float = READER_LINGER) -> None:
         self.active = False
         self._hold = hold
+        self.reading = reading
+        self.linger = linger
+        # INVARIANT: ino -> (deadline on trio's clock, its requests) of the ("inode", ino) /
+        # ("attr", ino) requests waiting for the readers of ino to close; they stay counted
+        # in ``behind_inodes`` and ``pending`` until performed. Trio thread only.
+        self._waiting: dict[int, tuple[float, list[tuple[Any, ...]]]] = {}
         # unbounded: submit() is called from synchronous code on the trio thread and must
         # not block; the worker takes everything queued at once as one batch
         self._send, self._recv = trio.open_memory_channel(math.inf)
@@ -77,6 +98,11 @@ class Invalidator:
         """Invalidations submitted and not performed (or dropped) yet."""
         return self._outstanding
 
+    @property
+    def waiting(self) -> int:
+        """Inodes whose invalidation waits for their readers to close (``reading``)."""
+        return len(self._waiting)
+
     def behind(self, ino: int) -> bool:
         """True while an ``("inode", ino)`` invalidation is queued or being performed: the
         kernel may still serve the pages and size of ``ino``'s older content. One dict
@@ -93,6 +119,33 @@ class Invalidator:
         pages whose mtime or size changed). Never blocks."""
         if ino in self._performing:
             self._again.add(ino)
+
+    def reader_closed(self, ino: int) -> None:
+        """A handle open for reading on ``ino`` was released: its waiting invalidations are
+        made once no reader is left (``reading``). Never blocks."""
+        if ino in self._waiting:
+            self._send.send_nowait([])  # wakes run(), which checks the waiting ones
+
+    def _due(self, batch: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+        """The requests of ``batch`` and of the waiting ones to perform now; those of inodes a
+        reader holds open (``reading``) wait, up to ``linger`` s from their first wait."""
+        now = trio.current_time()
+        out: list[tuple[Any, ...]] = []
+        for ino in list(self._waiting):
+            deadline, items = self._waiting[ino]
+            if now >= deadline or self.reading is None or not self.reading(ino):
+                del self._waiting[ino]
+                out += items
+        for item in batch:
+            ino = item[1]
+            if item[0] in ("inode", "attr") and self.reading is not None and (
+                    ino in self._waiting or self.reading(ino)):
+                deadline, items = self._waiting.get(ino, (now + self.linger, []))
+                items.append(item)
+                self._waiting[ino] = (deadline, items)
+            else:
+                out.append(item)
+        return out
 
     async def catch_up(self, ino: int, timeout: float) -> bool:
         """Wait (up to ``timeout`` s) until no invalidation of ``ino``'s content is pending
@@ -122,12 +175,22 @@ class Invalidator:
     async def run(self) -> None:
         """Perform queued invalidations until cancelled."""
         # no `async with self._recv`: a run() restarted by its supervisor reads the same channel
-        async for batch in self._recv:
+        while True:
+            batch: list[tuple[Any, ...]] = []
+            wake = min((d for d, _ in self._waiting.values()), default=math.inf)
+            with trio.move_on_at(wake):
+                try:
+                    batch = await self._recv.receive()
+                except trio.EndOfChannel:
+                    return
             while True:
                 try:
                     batch += self._recv.receive_nowait()
                 except trio.WouldBlock:
                     break
+            batch = self._due(batch)
+            if not batch:
+                continue
             try:
                 if batch and self.active:
                     if self._hold is not None:

@@ -55,6 +55,11 @@ class FsListener(Protocol):
         (``invalidate``) and has not reached the kernel yet: until then the kernel may serve
         a reader the pages and size of the content before that change."""
 
+    def reader_closed(self, ino: int) -> None:
+        """A handle open for reading on file ``ino`` was released: a kernel invalidation of
+        it waiting for its readers (``Invalidator.reading``) may be made now. Never
+        blocks."""
+
     def kernel_served_older(self, ino: int) -> None:
         """A reader of inode ``ino`` was served the older content the kernel still holds the
         size of (``kernel_behind``; ``Filesystem.read``): if the invalidation is being

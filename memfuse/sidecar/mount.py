@@ -414,6 +414,8 @@ class Sidecar(StoreSync):
                              metrics=self.metrics, mount_root=str(config.mountpoint),
                              interrupts=self.interrupts)
         self.committer = self.fs.committer
+        if self.invalidator.reading is None:  # a change waits for the file's readers
+            self.invalidator.reading = self.fs.reading
         #: the outbox journal and its witness were both gone at start (``journal_gone``; or
         #: the journal moved aside as corrupt with no witness lines): what the previous
         #: process accepted and did not commit cannot be named; said in the log, errors.log
@@ -606,6 +608,10 @@ class Sidecar(StoreSync):
         """``FsListener``: an invalidation of ``ino``'s content not performed yet."""
         return self.invalidator.behind(ino)
 
+    def reader_closed(self, ino: int) -> None:
+        """``FsListener``: a handle open for reading on ``ino`` was released."""
+        self.invalidator.reader_closed(ino)
+
     def kernel_served_older(self, ino: int) -> None:
         """``FsListener``: a reader was served the older content the kernel still shows."""
         self.invalidator.served_older(ino)
@@ -644,7 +650,8 @@ class Sidecar(StoreSync):
         st["admin"] = self.admin_address
         st["admin_socket"] = self.admin_socket
         st["invalidations"] = {"done": self.invalidator.done, "failed": self.invalidator.failed,
-                               "pending": self.invalidator.pending}
+                               "pending": self.invalidator.pending,
+                               "waiting_for_readers": self.invalidator.waiting}
         st["errors_logged"] = len(self.fs.errors)
         st["feed_tasks"] = self.feed_tasks
         st["task_failures"] = dict(self.task_failures)
