@@ -385,6 +385,70 @@ async def test_slow_headers_are_capped_per_address_and_cut_at_the_header_deadlin
     assert len(held) >= 1 and all(t < LIMITS["header_timeout"] + 4 for t in held), sorted(ends)
 
 
+async def test_slow_headers_from_a_clients_own_address_do_not_shut_it_out(server):
+    """Three times the per-address cap of connections that never finish their heads, from the
+    address a good client shares with them (one NAT, one ingress, the node's kubelet probes),
+    reopened as soon as closed: each new connection of the good client, ``curl /healthz``
+    and an authenticated read, is answered 200 in time. Its head is in when it is accepted,
+    so it takes the place of that address's connection idle the longest (attack 16 F3: the
+    per-address cap closed it at once, before its request was read: 14 of 20 curls reset)."""
+    s = server
+    source = "127.0.0.6"
+    cap = LIMITS["max_unauthenticated_per_address"]
+    stop_ = trio.Event()
+    opened = 0
+
+    async def slowloris() -> None:
+        nonlocal opened
+        while not stop_.is_set():
+            try:
+                stream = await connect(s, source)
+            except OSError:
+                await trio.sleep(0.05)
+                continue
+            opened += 1
+            try:
+                await stream.send_all(b"GET /v1/stores HTTP/1.1\r\nHost: x\r\n")
+                while not stop_.is_set():
+                    await stream.send_all(b"X-a: b\r\n")
+                    with trio.move_on_after(0.3):
+                        if not await stream.receive_some(65536):
+                            break  # closed by the server: open another at once
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                pass
+            finally:
+                await stream.aclose()
+
+    answers: list[tuple[str, object, float]] = []
+    with trio.fail_after(90):
+        async with trio.open_nursery() as n:
+            for _ in range(cap * 3):
+                n.start_soon(slowloris)
+            await trio.sleep(1.0)  # the address is at its cap
+            for _ in range(8):
+                t0 = time.monotonic()
+                r = await trio.run_process(
+                    ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "--interface", source,
+                     "--max-time", str(GOOD_BOUND + 3), f"{s.url}/healthz"],
+                    capture_stdout=True, capture_stderr=True, check=False)
+                answers.append(("curl healthz", r.stdout.decode() or r.returncode, time.monotonic() - t0))
+                t0 = time.monotonic()
+                transport = httpx.AsyncHTTPTransport(local_address=source)  # a new connection
+                async with httpx.AsyncClient(transport=transport, base_url=s.url, headers=_auth(s.good),
+                                             timeout=GOOD_BOUND + 3) as c:
+                    try:
+                        status: object = (await c.get(f"/v1/stores/default/records/{s.rid}")).status_code
+                    except httpx.HTTPError as e:
+                        status = repr(e)
+                answers.append(("read", status, time.monotonic() - t0))
+                await trio.sleep(0.1)
+            stop_.set()
+    print("answers", answers, "attack connections opened", opened)
+    bad = [a for a in answers if a[1] not in (200, "200") or a[2] > GOOD_BOUND]
+    assert not bad, f"{len(bad)} of {len(answers)} answers failed or were slow: {bad}"
+    assert opened > cap * 3, opened  # the attack's connections were closed and reopened
+
+
 async def test_closed_connections_leave_the_per_address_cap_at_once(server):
     """A client that makes many short requests without a (valid) token, each on a connection it
     closes, is not mistaken for a slowloris: a closed connection leaves the cap when the client
@@ -612,31 +676,42 @@ async def test_a_flood_of_header_incomplete_connections_from_many_addresses_does
 
 
 def test_the_cap_of_unauthenticated_connections_evicts_the_one_idle_the_longest():
-    """``Connections`` (the bookkeeping behind the test above): past the cap in all, the
+    """``Connections`` (the bookkeeping behind the tests above): past the cap in all, the
     connection whose last request started longest ago is evicted (its callback called, it no
-    longer counts), a cleared one never is; the per-address cap still refuses first."""
+    longer counts), a cleared one never is; at an address's cap, the one of that address idle
+    the longest, whatever the others of all."""
     from memfuse.server.gate import Connections
 
     c = Connections(cap=2, max_total=3)
     evicted: list[str] = []
+    assert not c.at_cap(("10.0.0.1", 1))
     assert c.opened(("10.0.0.1", 1), lambda: evicted.append("a"))
     assert c.opened(("10.0.0.2", 1), lambda: evicted.append("b"))
     assert c.opened(("10.0.0.3", 1), lambda: evicted.append("c"))
-    assert c.full and c.unauthenticated == 3
+    assert c.full and c.unauthenticated == 3 and c.at_cap(("10.0.0.9", 1))
     c.active(("10.0.0.1", 1))  # a request on a: b is now the one idle the longest
     assert c.opened(("10.0.0.4", 1), lambda: evicted.append("d"))
     assert evicted == ["b"] and c.evicted == 1 and c.unauthenticated == 3
     c.cleared(["10.0.0.3", 1])  # authenticated: out of the count, never evicted
     assert not c.full
     assert c.opened(("10.0.0.1", 2), lambda: evicted.append("a2"))
-    assert not c.opened(("10.0.0.1", 3))  # the per-address cap (2) refuses, evicting nobody
-    assert c.refused == 1 and evicted == ["b"]
+    assert c.full
+    c.cleared(("10.0.0.4", 1))
+    assert not c.full and c.at_cap(("10.0.0.1", 3)) and not c.at_cap(("10.0.0.5", 1))
+    c.active(("10.0.0.1", 1))  # a2 is now 10.0.0.1's one idle the longest
+    assert c.opened(("10.0.0.1", 3), lambda: evicted.append("a3"))  # its head was in
+    assert evicted == ["b", "a2"] and c.evicted_at_address == 1 and c.unauthenticated == 2
     assert c.opened(("10.0.0.5", 1), lambda: evicted.append("e"))
-    assert evicted == ["b", "a"]  # a was active before 10.0.0.4 and 10.0.0.1:2 opened
+    assert c.full and evicted == ["b", "a2"]
+    assert c.opened(("10.0.0.6", 1), lambda: evicted.append("f"))
+    assert evicted == ["b", "a2", "a"] and c.evicted == 2  # the oldest of all
     c.closed(("10.0.0.1", 1))  # the evicted connection's end is a no-op
     assert c.unauthenticated == 3
-    c.turned_away()
-    assert c.refused_at_cap == 1
+    c.turned_away(("10.0.0.7", 1))  # at the cap in all
+    assert c.refused_at_cap == 1 and c.refused == 0
+    c.closed(("10.0.0.6", 1))
+    c.turned_away(("10.0.0.1", 4))  # at its address's cap only
+    assert c.refused == 1 and c.refused_at_cap == 1
 
 
 async def test_replay_gives_the_body_read_ahead_then_the_connections_messages():

@@ -90,8 +90,14 @@ def _admin_token(admin_token_file: Path | None) -> tuple[str, Path, bool]:
      help="Ordinary requests of one token in the app at once; one more is answered 429 "
      "too_many_requests with Retry-After, so one token cannot hold every request slot.")
 @opt("--read-timeout", type=click.FloatRange(min=0.1), default=30.0, show_default=True, metavar="SECONDS",
-     help="Time a read (GET under /v1/) may work: its database work is then interrupted and "
-     "it is answered 504 timeout. Its client's disconnect interrupts it at once.")
+     help="Time a read (GET under /v1/) may wait for a read slot and work: its database work is "
+     "then interrupted and it is answered 504 timeout. Its client's disconnect interrupts it at once.")
+@opt("--max-reads", type=click.IntRange(min=1), default=8, show_default=True,
+     help="Reads (GET under /v1/, /ui/) the app works on at once; the others wait, a slot going "
+     "to each waiting token in turn. Bounds the CPU the reads take from every other client.")
+@opt("--max-reads-per-token", type=click.IntRange(min=1), default=2, show_default=True,
+     help="Reads of one token (or one address without a token) the app works on at once; its "
+     "others wait their turn.")
 @opt("--max-streams", type=click.IntRange(min=1), default=20_000, show_default=True,
      help="Long-lived responses at once (long-polls, streams, console live pages); one more "
      "is answered 429 too_many_streams with Retry-After.")
@@ -161,6 +167,7 @@ def _admin_token(admin_token_file: Path | None) -> tuple[str, Path, bool]:
 @opt("--debug", is_flag=True, help="Verbose logging.")
 def serve(db: str | None, listen: str, admin_token_file: Path | None, migrate: bool, no_streams: bool,
           max_requests: int, max_requests_per_token: int | None, read_timeout: float,
+          max_reads: int, max_reads_per_token: int,
           max_streams: int, max_streams_per_token: int, max_body: int,
           header_timeout: float, body_timeout: float, body_read_timeout: float,
           max_unauthenticated_per_address: int, max_unauthenticated: int, stale_after: int, expiry_interval: float,
@@ -208,6 +215,7 @@ def serve(db: str | None, listen: str, admin_token_file: Path | None, migrate: b
             app = create_app(url, static_tokens={token: None}, schema="migrate" if migrate or not db else "check",
                              streams=not no_streams, max_inflight=max_requests,
                              max_inflight_per_token=max_requests_per_token, read_budget=read_timeout,
+                             max_reads=max_reads, max_reads_per_token=max_reads_per_token,
                              max_long_polls=max_streams,
                              max_long_polls_per_token=max_streams_per_token, max_body=max_body,
                              header_timeout=header_timeout, body_timeout=body_timeout,

@@ -39,7 +39,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from memfuse.models import BatchRequest
 from memfuse import defs
-from memfuse.server import gate, limits, longpoll, proxies, streamclass, streams as streaming, writepath, writerthread
+from memfuse.server import gate, limits, longpoll, proxies, readslots, streamclass, streams as streaming, writepath, writerthread
 from memfuse.server.apidocs import install_docs
 from memfuse.server.db import Database
 from memfuse.server.routes import accounts, consolidations, feeds, records, stores, tokens, workspaces
@@ -165,6 +165,8 @@ def create_app(
     max_inflight: int = gate.MAX_INFLIGHT,
     max_inflight_per_token: int | None = None,
     read_budget: float = gate.READ_BUDGET,
+    max_reads: int = readslots.MAX_READS,
+    max_reads_per_token: int = readslots.READS_PER_TOKEN,
     max_long_polls: int = streamclass.MAX_STREAMS,
     max_long_polls_per_token: int = streamclass.MAX_STREAMS_PER_TOKEN,
     send_timeout: float = gate.SEND_TIMEOUT,
@@ -191,7 +193,9 @@ def create_app(
     ``"check"`` (refuse a database behind it), see ``memfuse.server.db.Database``.
     ``max_inflight`` (ordinary requests in the app at once), ``max_inflight_per_token`` (of
     them, one token's; default ``gate.default_per_token``), ``read_budget`` (s a read's
-    database work may take, ``memfuse.server.budget``), ``max_long_polls`` and
+    wait for a read slot and database work may take, ``memfuse.server.budget``),
+    ``max_reads`` / ``max_reads_per_token`` (reads the app works on at once, in all and per
+    token, ``memfuse.server.readslots``), ``max_long_polls`` and
     ``max_long_polls_per_token`` (long-lived responses: long-polls, streams, console live
     pages, per replica and per token), ``send_timeout`` (s a send to a client may take),
     ``max_body`` (bytes of a record write's, batch's, memory-tool call's or console form's
@@ -263,7 +267,8 @@ def create_app(
         app.add_middleware(proxies.TrustedProxyScheme, trusted=trusted)
     app.front = gate.Gate(
         app.serve_fastapi, svc, metrics, stream_class, max_inflight=max_inflight,
-        max_per_token=max_inflight_per_token, read_budget=read_budget, send_timeout=send_timeout, max_body=max_body, body_timeout=body_timeout,
+        max_per_token=max_inflight_per_token, read_budget=read_budget,
+        max_reads=max_reads, max_reads_per_token=max_reads_per_token, send_timeout=send_timeout, max_body=max_body, body_timeout=body_timeout,
         receive_timeout=receive_timeout, header_timeout=header_timeout,
         max_unauthenticated_per_address=max_unauthenticated_per_address,
         max_unauthenticated=max_unauthenticated,

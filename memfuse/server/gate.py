@@ -40,7 +40,10 @@ In order, for every HTTP request:
    without a token, a console page, one of its client address's ``max_per_token``). A ``GET``
    under ``/v1/`` or ``/ui/`` runs under a ``memfuse.server.budget.Budget``: its database
    work is interrupted when its client disconnects or ``read_budget`` s have passed (504
-   ``timeout``). A long-lived response (long-poll, stream, console live page) takes a lease
+   ``timeout``); before the app sees it, it waits (within that budget) for one of its
+   token's read slots (``memfuse.server.readslots.ReadSlots``: the reads the app works on
+   at once, per token and in all, waiting tokens served in turn), so one token's reads
+   cannot take the CPU from every other client. A long-lived response (long-poll, stream, console live page) takes a lease
    of the ``StreamClass`` instead (``memfuse.server.streamclass``: per-token and per-replica
    caps, 429 with ``Retry-After``), and ends within a moment of its token's revocation or
    expiry.
@@ -75,6 +78,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from memfuse.defs import RECORD_BODY_MAX, sha256_hex
 from memfuse.server import budget
 from memfuse.server.limits import MAX_HEAD, PROBLEM_JSON, ServerMetrics
+from memfuse.server.readslots import MAX_READS, READS_PER_TOKEN, ReadSlots
 from memfuse.server.service import Principal, Service, ServiceError
 from memfuse.server.streamclass import Lease, StreamClass
 
@@ -133,70 +137,88 @@ class Connections:
     answer below 400 or one the app marked ``memfuse.authenticated``: a console page, whose
     session the console checks): at most ``cap`` per client address (0: no cap), and at most
     ``max_total`` in all (0: no cap). ``memfuse.server.serve`` calls ``opened`` when it
-    accepts a connection (False: close it at once) and ``closed`` when it ends; the ``Gate``
-    calls ``active`` when a request on it starts and ``cleared`` once one authenticated.
-    Event-loop only.
+    accepts a connection and ``closed`` when it ends; the ``Gate`` calls ``active`` when a
+    request on it starts and ``cleared`` once one authenticated. Event-loop only.
 
-    At ``max_total`` (``full``) the server closes a new connection whose request head has not
-    arrived yet at once (``turned_away``); a new one whose head is in is kept and the one idle
-    the longest is evicted (its ``evict`` callback, given to ``opened``, is called: the
-    server closes it): the oldest connection still waiting for a request's headers, or for a
-    next request after a refusal, is the one whose header deadline is furthest gone. A flood
-    of connections that never finish their heads, from any number of addresses, then can
-    neither hold the server's descriptors nor keep the kernel's listen backlog full ahead of
-    a client that sends its request (``memfuse.server.serve._accept_forever``;
-    tests/test_hostile.py, bench/README.md "Hostile clients"). Every such close is counted
-    (``evicted``, ``turned_away``: the metric ``memfuse_server_connections_evicted_total``
-    by reason) and logged (at most one line per ``LOG_EVERY`` s, with the totals). Memory: one dict
-    entry per connection."""
+    One rule for both caps. At a cap (``full`` in all, ``at_cap(peer)`` for an address) the
+    server closes a new connection whose request head has not arrived yet at once
+    (``turned_away``); a new one whose head is in is kept (``opened``) and the one idle the
+    longest is evicted (its ``evict`` callback, given to ``opened``, is called: the server
+    closes it): of the connection's address at its cap, of all addresses at ``max_total``.
+    The one idle the longest is the oldest still waiting for a request's headers, or for a
+    next request after a refusal: the one whose header deadline is furthest gone. A flood of
+    connections that never finish their heads, from any number of addresses or from the one
+    address a client shares with it (a NAT, an ingress, the node's kubelet probes: attack 16
+    F3), then can neither hold the server's descriptors nor keep the kernel's listen backlog
+    full nor shut out a client that sends its request
+    (``memfuse.server.serve._accept_forever``; tests/test_hostile.py, bench/README.md
+    "Hostile clients"). Every such close is counted (``evicted``, ``evicted_at_address``,
+    ``turned_away``, ``refused``: the metrics ``memfuse_server_connections_evicted_total``
+    by reason and ``memfuse_server_connections_refused_total``) and logged (at most one line
+    per ``LOG_EVERY`` s, with the totals). Memory: two dict entries per connection."""
 
     LOG_EVERY = 5.0  # s between two log lines about evictions
 
     def __init__(self, cap: int = MAX_UNAUTHENTICATED_PER_ADDRESS, max_total: int = MAX_UNAUTHENTICATED) -> None:
         self.cap = cap
         self.max_total = max_total
-        self.refused = 0
-        self.evicted = 0  # the oldest closed for a new connection whose head was in
-        self.refused_at_cap = 0  # new connections without their head closed at the cap
+        self.refused = 0  # new connections without their head closed at their address's cap
+        self.evicted = 0  # the oldest of all closed for a new connection whose head was in
+        self.evicted_at_address = 0  # the oldest of an address at its cap, likewise
+        self.refused_at_cap = 0  # new connections without their head closed at ``max_total``
         # INVARIANT: ``_pending`` holds every open connection (host, port) not cleared yet,
         # with its evict callback, in the order of its last activity (accepted, or a request
-        # started on it: ``active``), oldest first; ``_per_host`` counts its keys per host.
+        # started on it: ``active``), oldest first; ``_hosts[host]`` holds the same keys of
+        # that host in the same order (no empty entry).
         self._pending: dict[tuple[str, int], Callable[[], object] | None] = {}
-        self._per_host: dict[str, int] = {}
+        self._hosts: dict[str, dict[tuple[str, int], None]] = {}
         self._logged_at = -math.inf
 
+    def at_cap(self, peer: tuple[str, int]) -> bool:
+        """Whether a new connection from ``peer`` meets a cap: its address holds ``cap``
+        connections without a valid token, or ``full``."""
+        return (bool(self.cap) and len(self._hosts.get(peer[0], ())) >= self.cap) or self.full
+
     def opened(self, peer: tuple[str, int], evict: Callable[[], object] | None = None) -> bool:
-        """Count a new connection from ``peer``: False when its address is at ``cap`` (the
-        caller closes it at once). At ``max_total``, the oldest pending connection's
-        ``evict`` is called and it stops counting."""
+        """Count a new connection from ``peer`` (the server calls it only for a connection
+        whose request head is in when ``at_cap(peer)``): at its address's ``cap`` the
+        address's connection idle the longest is evicted (its ``evict`` called, it stops
+        counting), and at ``max_total`` the oldest of all. Returns True (kept)."""
         host = peer[0]
-        if self.cap and self._per_host.get(host, 0) >= self.cap:
-            self.refused += 1
-            return False
-        while self.max_total and len(self._pending) >= self.max_total:
-            oldest = next(iter(self._pending))
-            callback = self._pending.pop(oldest)
-            self._drop(oldest[0])
-            self.evicted += 1
-            if callback is not None:
-                callback()
-            self._log_eviction()
         if peer in self._pending:  # a reused (host, port): the old connection has ended
-            del self._pending[peer]
-            self._drop(host)
+            self._forget(peer)
+        mine = self._hosts.get(host)
+        while self.cap and mine is not None and len(mine) >= self.cap:
+            self._evict(next(iter(mine)))
+            self.evicted_at_address += 1
+            mine = self._hosts.get(host)
+        while self.max_total and len(self._pending) >= self.max_total:
+            self._evict(next(iter(self._pending)))
+            self.evicted += 1
         self._pending[peer] = evict
-        self._per_host[host] = self._per_host.get(host, 0) + 1
+        self._hosts.setdefault(host, {})[peer] = None
         return True
+
+    def _evict(self, peer: tuple[str, int]) -> None:
+        callback = self._pending.get(peer)
+        self._forget(peer)
+        if callback is not None:
+            callback()
+        self._log_eviction()
 
     @property
     def full(self) -> bool:
         """Whether ``max_total`` connections without a valid token are open."""
         return bool(self.max_total) and len(self._pending) >= self.max_total
 
-    def turned_away(self) -> None:
-        """Count (and log) a new connection closed at once at ``max_total``: its request head
-        had not arrived."""
-        self.refused_at_cap += 1
+    def turned_away(self, peer: tuple[str, int] | None = None) -> None:
+        """Count (and log) a new connection (from ``peer``) closed at once at a cap: its
+        request head had not arrived. Counted as ``refused`` when only its address was at
+        its cap, else as ``refused_at_cap``."""
+        if peer is not None and not self.full:
+            self.refused += 1
+        else:
+            self.refused_at_cap += 1
         self._log_eviction()
 
     def active(self, peer: Any) -> None:
@@ -205,32 +227,37 @@ class Connections:
             key = (peer[0], peer[1])
             if key in self._pending:
                 self._pending[key] = self._pending.pop(key)
+                mine = self._hosts[key[0]]
+                mine[key] = mine.pop(key)
 
     def cleared(self, peer: Any) -> None:
+        """``peer``'s connection showed a valid token (or asked a probe): it no longer counts."""
         if isinstance(peer, (tuple, list)) and len(peer) >= 2:
-            peer = (peer[0], peer[1])
-            if peer in self._pending:
-                del self._pending[peer]
-                self._drop(peer[0])
+            key = (peer[0], peer[1])
+            if key in self._pending:
+                self._forget(key)
 
     def closed(self, peer: tuple[str, int]) -> None:
+        """``peer``'s connection ended."""
         self.cleared(peer)
 
-    def _drop(self, host: str) -> None:
-        n = self._per_host.get(host, 1) - 1
-        if n:
-            self._per_host[host] = n
-        else:
-            self._per_host.pop(host, None)
+    def _forget(self, peer: tuple[str, int]) -> None:
+        del self._pending[peer]
+        mine = self._hosts[peer[0]]
+        del mine[peer]
+        if not mine:
+            del self._hosts[peer[0]]
 
     def _log_eviction(self) -> None:
         now = time.monotonic()
         if now - self._logged_at >= self.LOG_EVERY:
-            log.warning("closing connections without a token: at the cap of unauthenticated connections "
+            log.warning("closing connections without a token: at a cap of unauthenticated connections "
                         "(the oldest for a new request; new ones whose request has not arrived)",
-                        extra={"reason": "max_unauthenticated", "cap": self.max_total,
+                        extra={"reason": "max_unauthenticated", "cap": self.max_total, "cap_per_address": self.cap,
                                # totals since the start (a line the log's rate limit drops loses none)
-                               "evicted_oldest": self.evicted, "refused_without_head": self.refused_at_cap})
+                               "evicted_oldest": self.evicted, "evicted_oldest_of_address": self.evicted_at_address,
+                               "refused_without_head": self.refused_at_cap,
+                               "refused_without_head_at_address": self.refused})
             self._logged_at = now
 
     @property
@@ -246,7 +273,7 @@ class _Refusal(Exception):
 
 _TITLES = {401: "Unauthorized", 408: "Request Timeout", 413: "Content Too Large",
            431: "Request Header Fields Too Large",
-           429: "Too Many Requests", 503: "Service Unavailable"}
+           429: "Too Many Requests", 503: "Service Unavailable", 504: "Gateway Timeout"}
 
 
 WRITE_RATE, WRITE_BURST = 500.0, 2_000  # writes / s of one token, and its burst
@@ -329,11 +356,14 @@ class Gate:
     token (per address, ``max_unauthenticated_per_address``, and in all, ``max_unauthenticated``),
     when the server applies them (``memfuse.server.serve``). ``max_per_token``: the ordinary
     requests one token may have in the app at once (default ``default_per_token``);
-    ``read_budget``: s a read's database work may take (``memfuse.server.budget``)."""
+    ``read_budget``: s a read may wait for a read slot and work (``memfuse.server.budget``);
+    ``max_reads`` / ``max_reads_per_token``: the reads the app works on at once, in all and
+    per token (``memfuse.server.readslots``)."""
 
     def __init__(self, app: ASGIApp, svc: Service, metrics: ServerMetrics, streams: StreamClass, *,
                  max_inflight: int = MAX_INFLIGHT, max_per_token: int | None = None,
                  read_budget: float = READ_BUDGET, send_timeout: float = SEND_TIMEOUT,
+                 max_reads: int = MAX_READS, max_reads_per_token: int = READS_PER_TOKEN,
                  max_body: int = MAX_BODY, body_timeout: float = BODY_TIMEOUT,
                  receive_timeout: float = RECEIVE_TIMEOUT, body_budget: int = BODY_BUDGET,
                  header_timeout: float = HEADER_TIMEOUT,
@@ -354,6 +384,7 @@ class Gate:
         self.max_inflight = max_inflight
         self.shares = Shares(default_per_token(max_inflight) if max_per_token is None else max_per_token)
         self.read_budget = read_budget
+        self.reads = ReadSlots(max_reads_per_token, max_reads)
         self.send_timeout = send_timeout
         self.max_body = max_body
         self.body_timeout = body_timeout
@@ -516,7 +547,7 @@ class Gate:
                 self.inflight += 1
                 try:
                     if method == "GET" and path.startswith(("/v1/", "/ui/")):
-                        await self._run_read(scope, body, receive, send)
+                        await self._run_read(scope, body, receive, send, share)
                     else:
                         await self._run(scope, replay(body, receive), send, None, body)
                 finally:
@@ -553,15 +584,19 @@ class Gate:
             return f"addr {peer[0]}"
         return None
 
-    async def _run_read(self, scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
+    async def _run_read(self, scope: Scope, body: bytes, receive: Receive, send: Send,
+                        share: str | None) -> None:
         """``_run`` for a read (an ordinary ``GET`` under ``/v1/`` or ``/ui/``) under a ``Budget`` of
         ``read_budget`` s: once its body is read the connection's messages are watched here,
         and its client's disconnect, or the budget's end, interrupts its database work
         (``memfuse.server.budget``); the app then answers 504 ``timeout`` if the client is
         still there. The app's ``receive`` gives the body, then ``http.disconnect`` once the
-        client has gone."""
+        client has gone. The read first waits for one of ``share``'s read slots (``reads``,
+        ``memfuse.server.readslots``) within the same budget: past it, 504 ``timeout`` here
+        (its client gone: no answer)."""
         b = budget.Budget()
         gone = anyio.Event()
+        waiting = anyio.CancelScope()  # the wait for a read slot, cancelled when the budget ends
 
         async def watch() -> None:
             with anyio.move_on_after(self.read_budget):
@@ -569,8 +604,10 @@ class Gate:
                     pass
                 b.end(budget.GONE)
                 gone.set()
+                waiting.cancel()
                 return
             b.end(budget.DEADLINE)
+            waiting.cancel()
 
         async def gone_receive() -> Message:  # the connection's messages are watch()'s
             await gone.wait()
@@ -583,7 +620,26 @@ class Gate:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(watch)
                 try:
-                    await self._run(scope, app_receive, send, None, body)
+                    held = share is None  # a read without a key (no address) takes no slot
+                    with waiting:
+                        if not held:
+                            assert share is not None
+                            await self.reads.acquire(share)
+                            held = True
+                    if not held:
+                        if b.reason == budget.DEADLINE:  # counted below, as a read cut at it
+                            problem = _problem(504, "timeout", b.error().detail)
+                            self.metrics.answered(504)
+                            await send({"type": "http.response.start", "status": 504, "headers": [
+                                (b"content-type", PROBLEM_JSON),
+                                (b"content-length", str(len(problem)).encode())]})
+                            await send({"type": "http.response.body", "body": problem})
+                        return
+                    try:
+                        await self._run(scope, app_receive, send, None, body)
+                    finally:
+                        if share is not None:
+                            self.reads.release(share)
                 finally:
                     tg.cancel_scope.cancel()
         finally:

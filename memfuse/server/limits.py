@@ -41,6 +41,9 @@ class _Connections(Protocol):
     def evicted(self) -> int: ...
 
     @property
+    def evicted_at_address(self) -> int: ...
+
+    @property
     def refused_at_cap(self) -> int: ...
 
 
@@ -217,13 +220,16 @@ def front_collector(front: Front, stream_class: StreamClass) -> Callable[[], lis
                               "Connections that have not shown a valid token yet")
         u.add_metric([], front.connections.unauthenticated)
         r = CounterMetricFamily("memfuse_server_connections_refused",
-                                "Connections closed at once: their address had too many without a token")
+                                "New connections closed at once, their request not arrived: their address "
+                                "had too many without a token")
         r.add_metric([], front.connections.refused)
         e = CounterMetricFamily("memfuse_server_connections_evicted",
-                                "Connections without a token closed at the cap of them in all, by reason "
-                                "(oldest: the one idle the longest, for a new request; no_head: a new one "
-                                "whose request had not arrived)", labels=["reason"])
+                                "Connections without a token closed at a cap of them, by reason (oldest: the "
+                                "one idle the longest of all, for a new request; address_oldest: the one idle "
+                                "the longest of the new request's address, at its cap; no_head: a new one "
+                                "whose request had not arrived, at the cap in all)", labels=["reason"])
         e.add_metric(["oldest"], front.connections.evicted)
+        e.add_metric(["address_oldest"], front.connections.evicted_at_address)
         e.add_metric(["no_head"], front.connections.refused_at_cap)
         b = GaugeMetricFamily("memfuse_server_request_body_bytes", "Bytes of request bodies held now")
         b.add_metric([], front.body_bytes)

@@ -317,20 +317,23 @@ async def _accept_forever(listener: socket.socket, nursery: trio.Nursery,
     """Accept connections on the listening socket ``listener`` until cancelled (then close
     it), starting ``handle(connection, first, peer, scope)`` in ``nursery`` for each: trio's
     ``serve_listeners`` (trio 0.22, ``_highlevel_serve_listeners.py``: errors of capacity such
-    as EMFILE are logged and retried after 0.1 s) with one change, for when ``connections``
-    is at its cap of connections without a valid token: a new connection whose request head
-    has begun to arrive but is not complete (read without waiting), or whose client left, is
-    closed at once, before any task or trio object is made for it (counted and logged by
+    as EMFILE are logged and retried after 0.1 s) with one change, for when a new
+    connection meets a cap of connections without a valid token (``Connections.at_cap``: its
+    address's, or the one of all addresses): one whose request head has begun to arrive but
+    is not complete (read without waiting), or whose client left, is closed at once, before
+    any task or trio object is made for it (counted and logged by
     ``Connections.turned_away``); one whose head is in is started with those bytes
     (``first``); one that has sent nothing yet is looked at again ``LIMBO_SECONDS`` later,
     without a task (a client's request may be a moment behind its connection: the listening
     socket's ``TCP_DEFER_ACCEPT`` holds such a connection back, but not one the kernel took
     by SYN cookie, as it does under a flood): started if its head is in by then, else
-    closed. ``Connections.opened`` makes room for those started by evicting the oldest. Every connection
-    from an address (``peer``: host, port) is counted by ``Connections.opened`` here, before
-    its task starts (closed at once past the per-address cap), with ``scope.cancel`` as its
-    eviction: ``handle`` runs the connection in ``scope`` and reports its end
-    (``Connections.closed``).
+    closed. ``Connections.opened`` makes room for those started by evicting the one idle the
+    longest (of the address, of all). Every connection from an address (``peer``: host,
+    port) is counted by ``Connections.opened`` here, before its task starts, with
+    ``scope.cancel`` as its eviction: ``handle`` runs the connection in ``scope`` and reports
+    its end (``Connections.closed``). So a client that sends its request is never shut out
+    by connections that do not, from other addresses or its own (one NAT, one ingress, the
+    node's probes: attack 16 F3).
 
     Why: a flood of connections that never finish their heads fills the kernel's listen
     backlog; a client's SYN is then dropped (retried after 1, 3, 7 s) and its connection
@@ -362,15 +365,14 @@ async def _accept_forever(listener: socket.socket, nursery: trio.Nursery,
     def start(conn: socket.socket, peer: tuple[str, int] | None, first: bytes) -> None:
         scope = trio.CancelScope()  # entered by the connection's task; cancelled to evict it
         # counted here, not in the task: the connections of one batch count at once
-        if connections is not None and peer is not None and not connections.opened(peer, scope.cancel):
-            conn.close()  # the per-address cap
-            return
+        if connections is not None and peer is not None:
+            connections.opened(peer, scope.cancel)
         nursery.start_soon(handle, conn, first, peer, scope)
 
-    def turn_away(conn: socket.socket) -> None:
+    def turn_away(conn: socket.socket, peer: tuple[str, int] | None) -> None:
         conn.close()
         if connections is not None:
-            connections.turned_away()
+            connections.turned_away(peer)
 
     try:
         while True:
@@ -383,10 +385,11 @@ async def _accept_forever(listener: socket.socket, nursery: trio.Nursery,
             while limbo and limbo[0][0] + LIMBO_SECONDS <= now:
                 _, conn, waited = limbo.popleft()
                 first, state = head_state(conn)
-                if state == "head":
-                    start(conn, waited, first)
+                if state == "head" or (state == "nothing" and connections is not None
+                                          and not connections.at_cap(waited)):
+                    start(conn, waited, first)  # its head is in, or it meets a cap no more
                 else:
-                    turn_away(conn)
+                    turn_away(conn, waited)
             for _ in range(ACCEPT_BATCH):
                 try:
                     conn, addr = listener.accept()
@@ -401,7 +404,7 @@ async def _accept_forever(listener: socket.socket, nursery: trio.Nursery,
                     await trio.sleep(0.1)
                     break
                 peer: tuple[str, int] | None = (addr[0], addr[1]) if isinstance(addr, tuple) else None
-                if connections is None or peer is None or not connections.full:
+                if connections is None or peer is None or not connections.at_cap(peer):
                     start(conn, peer, b"")
                     continue
                 first, state = head_state(conn)
@@ -410,9 +413,10 @@ async def _accept_forever(listener: socket.socket, nursery: trio.Nursery,
                 elif state == "nothing":
                     limbo.append((now, conn, peer))
                     if len(limbo) > LIMBO_MAX:
-                        turn_away(limbo.popleft()[1])
+                        _, old, old_peer = limbo.popleft()
+                        turn_away(old, old_peer)
                 else:
-                    turn_away(conn)
+                    turn_away(conn, peer)
             await trio.lowlevel.checkpoint()
     finally:
         for _, conn, _ in limbo:
