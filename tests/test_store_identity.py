@@ -125,6 +125,47 @@ def test_writes_queued_for_a_deleted_store_are_refused_not_sent_to_the_new_one(t
         assert {p: r.content for p, r in live_records(cp, slug).items()} == {"fresh.md": "fresh\n"}
 
 
+@pytest.mark.mount
+def test_writes_of_a_deleted_store_replayed_at_a_start_never_show_in_the_new_one(tmp_path):
+    """A sidecar stopped with writes queued for a store that is then deleted and made again
+    under its slug starts on the same cache directory: its journal's writes of the deleted
+    store are shown at the start (replayed), then refused (``store_replaced``) and must leave
+    the new store's tree, not stay as rejected files showing the deleted store's content.
+    This is also the path of attack 16 F9, where the cache directory was another account's
+    workspace of the same name: its private file showed in the other account's mount."""
+    with Rig(tmp_path) as rig:
+        tok = rig.workspace("ws")
+        ctok = tmp_path / "c.token"
+        shutil.copy(tok, ctok)
+        os.chmod(ctok, 0o600)
+        c = rig.sidecar("ws", "--token-check-interval", "1", "--drain-timeout", "1", token=ctok,
+                        mountpoint=tmp_path / "mc", cache_dir=tmp_path / "cc")
+        cp = rig.cp
+        slug = f"tmpr{uuid.uuid4().hex[:4]}"
+        cp.call("create_store", slug)
+        cp.call("attach", "ws", slug, access="read_write")
+        root = c.mountpoint / slug
+        wait_until(lambda: root.is_dir(), timeout=30, what="C mounts the store")
+        good = ctok.read_text()
+        ctok.write_text("mf_" + "0" * 40 + "\n")  # an unknown token: an authentication outage
+        time.sleep(3)  # taken up within --token-check-interval (1 s)
+        sh("echo PRIVATE > secret-plan.md", root, timeout=60)
+        assert sidecar_status(c)["outbox"]["depth"] >= 1
+        c.stop()  # the write stays in the journal (its drain cannot commit it)
+        _remake(cp, slug)
+        ctok.write_text(good)
+        c.expect = slug
+        c.start()
+        wait_until(lambda: sidecar_status(c)["outbox"]["depth"] == 0, timeout=60,
+                   what="C's outbox finished")
+        assert live_records(cp, slug) == {}, "a write of the deleted store landed in the new one"
+        wait_until(lambda: _listing(root) == [], timeout=30,
+                   what="C shows the new, empty store (not the deleted store's file)")
+        assert read(root / "secret-plan.md") is None
+        refused = {e.get("path") for e in errors_log(c.mountpoint) if e.get("code") == "store_replaced"}
+        assert "secret-plan.md" in refused, errors_log(c.mountpoint)
+
+
 class _StoreOnly:
     """A client stand-in that answers only ``get_store`` (the store under the slug now: made
     at ``created``); any send fails the test."""

@@ -42,11 +42,14 @@ from .listeners import CommitListener
 
 log = logging.getLogger("memfuse.outbox")
 
-__all__ = ["BATCH_MAX_CONTENT", "BATCH_MAX_ENTRIES", "STORE_CREATED", "Backoff", "Committer"]
+__all__ = ["BATCH_MAX_CONTENT", "BATCH_MAX_ENTRIES", "STORE_CREATED", "STORE_REPLACED", "Backoff", "Committer"]
 
 #: the ``Entry.args`` key of the creation time of the store an entry was written in
 #: (``Committer.submit``); an entry without it (an older journal) is sent as before
 STORE_CREATED = "store_created"
+#: the code of a write refused because it was made in a store deleted since, whose slug another
+#: store has now (``Committer._replaced``): never sent, and never shown in the new store
+STORE_REPLACED = "store_replaced"
 
 BATCH_MAX_ENTRIES = 100  # entries in one batch (the server's BATCH_MAX_OPERATIONS)
 BATCH_MAX_CONTENT = 4 * 1024 * 1024  # bytes of content in one batch (the server takes 48 MiB + 64 KiB by default)
@@ -638,7 +641,7 @@ class Committer:
         if not self._stamp_differs(e):
             return False
         store, made_in, now = e.store, e.args.get(STORE_CREATED), self.confirmed.get(e.store)
-        e.errno, e.code = errno.ESTALE, "store_replaced"
+        e.errno, e.code = errno.ESTALE, STORE_REPLACED
         e.reason = ("the store was deleted (a new store has its name); this change was "
                     "made in the deleted store and is not sent to the new one")
         self.refused += 1

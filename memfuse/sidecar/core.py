@@ -62,7 +62,7 @@ from .inodes import (CLEAN, PENDING, REJECTED, ROOT_INO, UNKNOWN_BASE, FsError, 
 from .namespace import NamespaceOps
 from .limits import WriteLimits
 from .overlay import OutboxOverlay
-from .committer import Committer
+from .committer import STORE_REPLACED, Committer
 from .identity import RecordIds
 from .journal import ATTRS, DELETE, JOURNAL_WAIT, MOVE, MOVE_PREFIX, PUT, Barrier, Entry, Journal
 from .listeners import FsListener
@@ -338,7 +338,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             self.note_error(None, path, errno.ESTALE,
                             "the store was deleted (a new store has its name): this file of "
                             "the deleted store is not carried into the new one",
-                            "store_replaced", slug)
+                            STORE_REPLACED, slug)
         return len(paths)
 
     # ------------------------------------------------------------------ checks
@@ -1353,7 +1353,9 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
                     n.version = e.record.version
                     self.sync_rejected()
                 return
-            if e.errno:
+            if e.errno and e.code == STORE_REPLACED and n.buf is None:
+                self._drop_replaced(n)
+            elif e.errno:
                 n.state, n.error = REJECTED, e.reason
                 self._mark_rejected(n, e.errno, e.code)
                 self.sync_rejected()
@@ -1394,6 +1396,26 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
                 n.xmtime = e.record.mtime_ns  # the control plane keeps the mtime across a move
         elif e.op in (DELETE, MOVE) and e.errno:
             self.note_error(None, e.args.get("path", ""), e.errno, e.reason, e.code, e.store)
+
+    def _drop_replaced(self, n: Node) -> None:
+        """The last write of file ``n`` was refused because it was made in a store deleted
+        since, whose slug another store has now (``STORE_REPLACED``: replayed from the
+        journal at a start, e.g. a cache directory another workspace of that name used, in
+        another account: attack 16 F9). Its content belongs to the deleted store: the file
+        leaves this store's tree (the kernel's entry invalidated) instead of staying as a
+        rejected file that would show it in the new store; the refusal is in ``errors.log``
+        already (path, code). A record of the new store waiting for the path is shown again
+        (``shadow_freed``). Never blocks."""
+        parent = n.parent
+        if parent is None:
+            return
+        self.shadow_freed(n)
+        inv: list[tuple[Any, ...]] = [("entry", parent.ino, n.name)]
+        self._detach(n)
+        self._bind_rid(n, None)
+        self._prune_implied(parent, inv)
+        self.invalidate(inv)
+        self.controls.changed()
 
     def _refused_unshown(self, e: Entry) -> None:
         """A put refused for good whose file the tree does not show because its path is a

@@ -41,7 +41,7 @@ from .fusereader import FuseReader, usable_fd
 from .fuse_ops import MemfuseOps
 from .logs import setup_logging
 from .metrics import Metrics
-from .committer import Committer
+from .committer import STORE_REPLACED, Committer
 from .identity import RecordIds
 from .journal import PUT, Entry, Journal
 from .witness import WITNESS_NAME
@@ -589,7 +589,7 @@ class Sidecar(StoreSync):
         (``save_committed``); a store's MEMORY.md changed: a new prompt block is wanted; an
         entry refused because its store was deleted and made again (``store_replaced``)
         while the tree still shows the deleted one: the attachments are reconciled."""
-        if e.code == "store_replaced" and self._nursery is not None:
+        if e.code == STORE_REPLACED and self._nursery is not None:
             # the outbox learnt that the store under this slug is another one (deleted and
             # made again, e.g. during an authentication outage that hid the workspace's
             # events): the attachments are reconciled, which replaces the tree (``_replace``)

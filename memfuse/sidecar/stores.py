@@ -42,6 +42,7 @@ from .journal import Entry
 from .cachedir import CacheError, disk_size, free_bytes
 from .backoff import Doubling
 from .sync import Meta, StoreState, catch_up, lag_seconds
+from .committer import STORE_REPLACED
 
 if TYPE_CHECKING:
     from ..client import ApiClient
@@ -915,7 +916,7 @@ class StoreSync:
             else:
                 self.fs.note_error(n.parent, n.name, errno.ESTALE,
                                    "the store was deleted (a new store has its name); this "
-                                   "unsaved write is not sent to the new one", "store_replaced")
+                                   "unsaved write is not sent to the new one", STORE_REPLACED)
         with trio.move_on_after(self.config.commit_wait):
             await self.committer.wait_store_idle(slug)
         left = self.committer.depth(slug)
