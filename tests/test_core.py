@@ -296,9 +296,14 @@ async def test_a_reader_served_while_the_kernel_is_behind_is_based_on_what_it_st
     """docs/SEMANTICS.md "Conflicts": until the kernel invalidation of a remote change
     reaches the kernel (``FsListener.kernel_behind``), a reader may get the pages and size of
     the content before it (``Node.shown``): an open or read meanwhile keeps (or makes) that
-    the base of an overwrite; once the kernel caught up, a reader is served the current
-    content. Content this mount wrote itself (no reader since: ``unread``) counts too."""
+    the base of an overwrite, and a read is served that content whole (the kernel cuts
+    reads at the size it holds: the current content would reach the reader cut, attack 15
+    F1); once the kernel caught up, or was sent the file's attributes (its current size), a
+    reader is served the current content. Content this mount wrote itself (no reader since:
+    ``unread``) counts too. When the shown content is no longer cached, the reader gets
+    the current content and the base is unknown (``UNKNOWN_BASE``)."""
     from memfuse.sidecar.core import sha256_hex
+    from memfuse.sidecar.inodes import UNKNOWN_BASE
 
     fake = FakeControlPlane(seed=0)
     token = await fake.setup("ws", stores=("default",))
@@ -307,6 +312,7 @@ async def test_a_reader_served_while_the_kernel_is_behind_is_based_on_what_it_st
     other = ApiClient(fake.base_url, other_token, transport=fake.transport, instance="other")
     journal = Journal(tmp_path / "outbox.db")
     behind: set[int] = set()
+    older: list[int] = []  # inodes whose reader was served the content the kernel shows
 
     class Kernel:  # the sidecar's place: which inodes' invalidations are still queued
         def entry_finished(self, e):
@@ -320,6 +326,9 @@ async def test_a_reader_served_while_the_kernel_is_behind_is_based_on_what_it_st
 
         def kernel_behind(self, ino):
             return ino in behind
+
+        def kernel_served_older(self, ino):
+            older.append(ino)
 
         def committed_size(self, slug, rid):
             return None
@@ -358,8 +367,9 @@ async def test_a_reader_served_while_the_kernel_is_behind_is_based_on_what_it_st
         v1 = sha256_hex(b"v1\n")
         assert n.read_base == v1 and n.shown == v1 and behind == {n.ino}
         h = fs.open(n.ino, os.O_RDONLY)  # the kernel may still serve v1: v1 stays the base
-        assert fs.read(h, 0, 4096) == b"v1\nv2\n"  # (what the kernel shows, within v1's size)
-        assert n.read_base == v1
+        assert fs.read(h, 0, 4096) == b"v1\n"  # v1 whole, not v2 cut at v1's size
+        assert fs.read(h, 1, 4096) == b"1\n"
+        assert n.read_base == v1 and h.replaced == v1 and older == [n.ino, n.ino]
         behind.clear()  # the invalidation reached the kernel
         assert fs.read(h, 0, 4096) == b"v1\nv2\n"
         assert n.read_base == "" and n.shown == "" and not n.unread
@@ -377,6 +387,24 @@ async def test_a_reader_served_while_the_kernel_is_behind_is_based_on_what_it_st
         assert n.shown == mine and not n.read_base  # no reader was served it...
         fs.release(fs.open(n.ino, os.O_RDONLY).fh)  # ... until one, while the kernel shows it
         assert n.read_base == mine
+        fs.kernel_told_size(n)  # a getattr answered: the kernel holds the current size
+        h = fs.open(n.ino, os.O_RDONLY)
+        assert fs.read(h, 0, 4096) == b"mine\ntheirs\n" and not n.shown
+        fs.release(h.fh)
+        behind.clear()
+        fs.release(fs.open(n.ino, os.O_RDONLY).fh)
+        # the content the kernel shows is gone from the cache: the current one is served,
+        # and the base of an overwrite is unknown (last writer wins with a conflict line)
+        await other.update_record("default", rec.id, "replaced\n")
+        await feed()
+        cur = sha256_hex(b"mine\ntheirs\n")
+        assert n.shown == cur
+        fs.recent.drop(cur)
+        fs.blobs.gc({n.sha})
+        h = fs.open(n.ino, os.O_RDONLY)
+        assert fs.read(h, 0, 4096) == b"replaced\n"
+        assert n.read_base == UNKNOWN_BASE
+        fs.release(h.fh)
         fs.check_invariants()
         nursery.cancel_scope.cancel()
     journal.close()

@@ -50,3 +50,36 @@ async def test_submissions_while_the_mount_is_down_are_never_behind():
     assert not inv.behind(3) and inv.pending == 0
     with trio.fail_after(1):
         assert await inv.catch_up(3, 1) is True
+
+
+async def test_a_read_served_the_older_content_while_the_kernel_invalidates_is_invalidated_again(
+        monkeypatch):
+    """A reader served the older content (``served_older``) while the worker thread performs
+    that inode's invalidation may have its page filled after the kernel dropped the pages:
+    the inode is invalidated once more afterwards, once (a read during that one is not
+    followed again), and a read while the request is only queued needs nothing more."""
+    calls: list[int] = []
+    inv = Invalidator()
+
+    def invalidate_inode(ino: int, attr_only: bool = False) -> None:
+        calls.append(ino)
+        if ino == 5:  # a read served the older content meanwhile, on the trio thread
+            trio.from_thread.run_sync(inv.served_older, ino)
+
+    import memfuse.sidecar.invalidator as mod
+    monkeypatch.setattr(mod.pyfuse3, "invalidate_inode", invalidate_inode)
+    inv.active = True
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(inv.run)
+        inv.submit([("inode", 5)])
+        inv.served_older(5)  # queued, not performed yet: the kernel holds the older pages
+        with trio.fail_after(5):
+            while inv.pending or inv.behind(5):
+                await inv.catch_up(5, 1)
+                await trio.sleep(0.01)
+        assert calls == [5, 5]  # again once, not for the read during the second one
+        inv.submit([("inode", 7)])
+        with trio.fail_after(5):
+            await inv.settle(5)
+        assert calls == [5, 5, 7] and not inv.behind(7)
+        nursery.cancel_scope.cancel()

@@ -401,6 +401,94 @@ def test_a_reader_whose_reads_straddle_a_remote_change_makes_the_overwrite_a_rep
     assert cur == ours, cur  # last writer wins; version 2 stays in history
 
 
+def _v1_sized_in_cs_kernel(a, c, name: str) -> str:
+    """Version 1 of ``name``, written by A, whose size C's kernel holds (a stat; no reader in
+    C read it: no page cached). Returns it."""
+    v1 = "counter=0\n" + "".join(f"line {i} {'x' * 40}\n" for i in range(1, 9)) + "the end\n"
+    (a.mountpoint / "s" / name).write_text(v1)
+    pc = c.mountpoint / "s" / name
+    _shown(pc, v1)
+    wait_until(lambda: sidecar_status(c)["invalidations"]["pending"] == 0, timeout=15,
+               what="C's kernel told every change so far")
+    assert os.stat(pc).st_size == len(v1)  # version 1's size in C's kernel
+    return v1
+
+
+def _longer_v2_held_from_cs_kernel(a, c, name: str, v1: str) -> str:
+    """A's ``sed -i`` makes the first line of ``name`` longer (version 2, returned); C's
+    sidecar applies it while C's invalidations are held (the test removes ``c.hold_file``):
+    C's kernel still holds version 1's size."""
+    c.hold_file.write_text("")
+    sh(f"sed -i s/^counter=0/counter=123456/ {name}", a.mountpoint / "s")
+    v2 = v1.replace("counter=0", "counter=123456")
+    _shown(c.mountpoint / "s" / name, v2)  # C's sidecar applied version 2; its kernel was not told
+    return v2
+
+
+def test_a_reader_open_when_a_longer_version_arrives_reads_the_older_one_whole(held):
+    """Attack 15 F1 (two mounts' ``sed -i`` committed a version cut at the older size): a
+    reader in C opened version 1; C's sidecar applies A's longer version 2 and its kernel,
+    not told yet, still holds version 1's size. The reader's reads reach the sidecar (no
+    page cached) and the kernel cuts what they return at that size: served version 2 (on
+    main), it got version 2 without its last bytes, content no one wrote. It is served the
+    version whose size the kernel holds, whole, until the kernel is told."""
+    cp, a, c = held
+    name = f"size-{uuid.uuid4().hex[:6]}.log"
+    pc = c.mountpoint / "s" / name
+    v1 = _v1_sized_in_cs_kernel(a, c, name)
+    with open(pc, "rb", buffering=0) as f:
+        try:
+            v2 = _longer_v2_held_from_cs_kernel(a, c, name, v1)
+            got = f.read()
+        finally:
+            c.hold_file.unlink(missing_ok=True)
+    assert got == v1.encode(), (got[-30:], len(got), len(v1), len(v2))
+    wait_until(lambda: read(pc) == v2, timeout=15, what="version 2 read in C once told")
+
+
+def test_sed_on_a_longer_version_the_kernel_was_not_told_of_keeps_the_last_line(held):
+    """Attack 15 F1: ``sed -i`` in C while C's kernel holds version 1's size and C's sidecar
+    version 2 (A's longer first line): on main its reads were served version 2 cut at
+    version 1's size, and the merge of its rewrite (based on version 1, what the kernel
+    showed) committed a version with the last line cut. It reads version 1 whole: its edit
+    is merged onto version 2, every line kept."""
+    cp, a, c = held
+    name = f"sed-size-{uuid.uuid4().hex[:6]}.log"
+    v1 = _v1_sized_in_cs_kernel(a, c, name)
+    try:
+        v2 = _longer_v2_held_from_cs_kernel(a, c, name, v1)
+        sh(f"sed -i 's/^line 3 .*/line 3 C/' {name}", c.mountpoint / "s")
+    finally:
+        c.hold_file.unlink(missing_ok=True)
+    wait_until(lambda: _depth(a) == 0 and _depth(c) == 0, timeout=60, what="both outboxes drained")
+    cur = live_records(cp, "s")[name].content
+    want = "\n".join("line 3 C" if ln.startswith("line 3 ") else ln for ln in v2.split("\n"))
+    assert cur == want, cur[-60:]
+
+
+def test_a_listing_that_tells_the_kernel_a_shorter_version_s_size_serves_that_version(held):
+    """The other way round (attack 15 F1): while C's invalidations are held, ``ls -l`` in C
+    sends the kernel the attributes of A's shorter version 2 (readdirplus): the kernel now
+    cuts reads at version 2's size, so a reader there is served version 2, not version 1
+    (which it would get cut at that size: bytes no one wrote)."""
+    cp, a, c = held
+    name = f"ls-{uuid.uuid4().hex[:6]}.log"
+    pc = c.mountpoint / "s" / name
+    v1 = _v1_sized_in_cs_kernel(a, c, name)
+    v2 = v1.replace("line 1 ", "l1 ")
+    c.hold_file.write_text("")
+    try:
+        sh(f"sed -i 's/^line 1 /l1 /' {name}", a.mountpoint / "s")
+        _shown(pc, v2)
+        listed = [ln for ln in sh("ls -l", c.mountpoint / "s").stdout.splitlines()
+                  if ln.endswith(" " + name)]
+        assert len(listed) == 1 and f" {len(v2)} " in listed[0], listed
+        got = pc.read_bytes()
+    finally:
+        c.hold_file.unlink(missing_ok=True)
+    assert got == v2.encode(), (got[-30:], len(got), len(v1), len(v2))
+
+
 def test_sed_after_an_outage_on_a_mount_with_queued_own_appends_keeps_the_other_mounts_lines(tmp_path):
     """Attack report 12, A9 (atk12/t_chaos.py): while the control plane is down, mount B
     appends lines (its first one is retried at the head of its outbox, the next ones queue)

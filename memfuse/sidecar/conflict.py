@@ -254,8 +254,9 @@ class ConflictResolver:
                 else:  # last writer wins, said in errors.log and the log
                     if sha == UNKNOWN_BASE:
                         why = ("a reader of this file was served parts of two versions (its reads "
-                               "straddled a change), so this write may hold lines no one wrote (a "
-                               "line cut or doubled): check it")
+                               "straddled a change, or one version at the size of another), so "
+                               "this write may hold lines no one wrote (a line cut or doubled): "
+                               "check it")
                         what = "written on parts of two versions"
                     else:
                         why, what = "the record changed elsewhere", "record changed elsewhere"

@@ -391,6 +391,10 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             return h.snapshot[off:off + size]
         n = h.node
         x = n._x
+        if x is not None and x.get("shown") and n.buf is None and self.kernel_behind(n.ino):
+            older = self._read_shown(h, n, x, off, size)
+            if older is not None:
+                return older
         if h.replaced and not self._read_across(h, n, off):
             pass  # the reader holds the replaced content, or a mix: not served the current one
         elif x is not None and ("read_base" in x or "unread" in x or "shown" in x):
@@ -406,6 +410,45 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         if not data and size > 0:  # absent or damaged (dropped): MemfuseOps refetches it
             raise ContentMissing(n)
         return data
+
+    def _read_shown(self, h: Handle, n: Node, x: dict[str, Any], off: int,
+                    size: int) -> bytes | None:
+        """A read of bytes ``[off, off+size)`` of file ``n`` (side table ``x``) through ``h``
+        while the kernel may still hold the size (and pages) of an older content
+        (``Node.shown``: the invalidation of a change has not reached it,
+        ``kernel_behind``). The kernel cuts what a read returns
+        at the size it holds, so a reader served the current content would get it cut at
+        the older size, content no one wrote (attack 15 F1: ``sed -i`` committed it): the
+        reader is served that older content whole instead, which becomes the base of an
+        overwrite (``_served``), and the handle is checked against it once the kernel is
+        told (``Handle.replaced``: a later read of the current content from an offset on
+        holds parts of two). Returns those bytes of the older content, or None when the
+        blob cache no longer holds it (the kernel asks only for bytes within its size: an
+        empty answer is a missing blob): the reader is then served the current content,
+        and an overwrite after it is last writer wins with a conflict line
+        (``UNKNOWN_BASE``). Raises ``CacheError`` when the cache cannot be read. Nothing
+        awaits here."""
+        shown = x["shown"]
+        older = None
+        if shown != n.sha:
+            kept = self.recent.get(shown)
+            older = kept[off:off + size] if kept is not None else self.blobs.read(shown, off, size)
+            if not older and size > 0:
+                older = None
+        if older is None:
+            if shown != n.sha and x.get("read_base") != UNKNOWN_BASE:
+                x["read_base"] = UNKNOWN_BASE
+                log.warning("a reader was served a file's content while the kernel still held "
+                            "the size of an older one no longer cached; its overwrite is last "
+                            "writer wins with a conflict line",
+                            extra={"store": n.store.slug if n.store else None, "path": n.path()})
+            return None
+        self._served(n, x)
+        if h.replaced != shown:
+            h.replaced, h.across = shown, ""
+        if self.listener is not None:
+            self.listener.kernel_served_older(n.ino)
+        return older
 
     def _read_across(self, h: Handle, n: Node, off: int) -> bool:
         """A read at byte ``off`` through ``h``, a handle open for reading when a remote
@@ -460,6 +503,19 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         x.pop("served", None)
         if not x:
             n._x = None  # back on the warm paths
+
+    def kernel_told_size(self, n: Node) -> None:
+        """The attributes of file ``n`` (its current size) are being sent to the kernel (a
+        lookup, getattr or readdirplus answer) while the invalidation of a change has not
+        reached it (``kernel_behind``, ``Node.shown`` set): the kernel takes that size and
+        drops its pages of the older content when the size or mtime differs, so its readers
+        are served the current content from now on (``read``), not the older one. Never
+        blocks."""
+        x = n._x
+        if x is not None:
+            x.pop("shown", None)
+            if not x:
+                n._x = None
 
     def _cached_blob(self, sha: str) -> bytes | None:
         """The cached content whose sha256 is ``sha`` (checked), None when the blob cache
@@ -1120,6 +1176,10 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             self._mark_rejected(n, e.errno, e.code)
             self.sync_rejected()
         self.controls.changed()
+        if n._x is not None:
+            # the kernel holds the withdrawn write (its size), not an older content a
+            # reader could be served whole while it is told (Filesystem._read_shown)
+            n._x.pop("shown", None)
         self.invalidate([("inode", n.ino)])
 
     def _prior_content(self, e: Entry, b: Before) -> bytes | None:

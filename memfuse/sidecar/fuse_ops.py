@@ -277,6 +277,10 @@ class MemfuseOps(pyfuse3.Operations):
         else:
             size = n.cur_size()
             a.st_nlink = self.fs.nlink(n)
+            if n._x.get("shown") and n.ino in self._behind:
+                # the kernel takes this size while it still holds an older content's: its
+                # readers get the current content from now on (Filesystem.read)
+                self.fs.kernel_told_size(n)
         a.st_size = size
         a.st_blocks = (size + 511) // 512
         a.st_atime_ns = n.atime_ns

@@ -314,7 +314,9 @@ class Node:
     # INVARIANT: set only by ``RemoteApply.note_replaced`` (a remote change of content, or
     # the merge of our own write shown, when not set already: the oldest version no reader
     # was served a newer one after), by a reader served while the kernel may still
-    # show an older content (``shown``), and by a reader whose reads straddled a change
+    # show an older content (``shown``; ``UNKNOWN_BASE`` when that content is no longer
+    # cached and the reader got the current one, ``Filesystem._read_shown``), and by a
+    # reader whose reads straddled a change
     # (``Filesystem._read_across``: the replaced content it holds, or ``UNKNOWN_BASE``
     # when it holds parts of two); cleared by a reader's open or read
     # (``Filesystem.open`` / ``read``: served the current content) and by the commit of a
@@ -346,10 +348,16 @@ class Node:
     # and its size) while the invalidation of a change of it has not reached the kernel
     # (``FsListener.kernel_behind``): a reader served meanwhile may get it, so it becomes
     # that reader's ``read_base`` (unless an older one is kept).
+    # While the kernel is behind, readers are served this content whole, not the current one
+    # (``Filesystem._read_shown``: the kernel cuts reads at the size it holds).
     # INVARIANT: set only by ``RemoteApply.note_replaced`` to the content being replaced,
-    # when the kernel is not behind on the file already (else it keeps the older content
-    # it may show); cleared, with ``read_base`` and ``unread``, by a reader served while the
-    # kernel is not behind (``Filesystem._served``). Its blob is kept (``_gc_blobs``).
+    # when the kernel is not behind on the file already or was told its current size since
+    # (else it keeps the older content it may show); cleared, with ``read_base`` and
+    # ``unread``, by a reader served while the kernel is not behind (``Filesystem._served``),
+    # and alone when the file's attributes are sent to the kernel while it is behind
+    # (``Filesystem.kernel_told_size``: it holds the current size then) and by a withdrawn
+    # write (``Filesystem._withdraw``: the kernel holds that write). Its blob is kept
+    # (``_gc_blobs``).
     shown: _Rare[str] = _rare("shown", "")
     # True while no reader here opened or read the file since its content was made: by a
     # writer here, or elsewhere (a record the feed created here, a remote change of its
@@ -424,9 +432,11 @@ class Handle:
     # read gets is checked against it (``Filesystem._read_across``; verify 11: a ``sed -i``
     # whose reads straddled a merge shown got the older bytes up to one offset and the
     # merge's after it, while its base became the merge).
-    # INVARIANT: set only by ``RemoteApply.note_replaced`` (the first replacement since the
-    # handle's last check); cleared by ``Filesystem._read_across`` when the reader is served
-    # the current content (a pure append of it).
+    # INVARIANT: set by ``RemoteApply.note_replaced`` (the first replacement since the
+    # handle's last check) and by ``Filesystem._read_shown`` (the reader was served the
+    # older content the kernel still shows, ``Node.shown``); cleared by
+    # ``Filesystem._read_across`` when the reader is served the current content (a pure
+    # append of it).
     replaced: str = ""
     # What the reader holds once ``replaced`` was checked: '' (not checked yet), ``"old"``
     # (exactly the replaced content: the rest of the file is the same bytes) or ``"mixed"``

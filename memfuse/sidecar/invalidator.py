@@ -25,7 +25,8 @@ class Invalidator:
     """Queues kernel cache invalidations and performs them from a worker thread.
 
     Requests are ``("entry", parent_ino, name: str)``, ``("inode", ino)`` (attributes and
-    pages) and ``("attr", ino)`` (attributes only). ``active`` is
+    pages; ``("inode", ino, "again")`` when ``served_older`` made it once more) and
+    ``("attr", ino)`` (attributes only). ``active`` is
     False until the mount is up (nothing is cached before that).
 
     ``behind(ino)`` says whether the kernel may still hold an older content of ``ino``: an
@@ -53,6 +54,12 @@ class Invalidator:
         # common case).
         self.behind_inodes: dict[int, int] = {}
         self._progress = trio.Event()  # set (and replaced) after every batch
+        # INVARIANT: the inodes of the ("inode", ino) requests (not "again") of the batch
+        # being performed by the worker thread (empty between batches); ``_again``: those of
+        # them a reader was served the older content of meanwhile (``served_older``),
+        # invalidated once more when the batch returns. Trio thread only.
+        self._performing: set[int] = set()
+        self._again: set[int] = set()
 
     def submit(self, items: list[tuple[Any, ...]]) -> None:
         """Queue kernel invalidations (``("entry", parent_ino, name)``, ``("inode", ino)``,
@@ -75,6 +82,17 @@ class Invalidator:
         kernel may still serve the pages and size of ``ino``'s older content. One dict
         lookup (every open and read of a changed file asks)."""
         return ino in self.behind_inodes
+
+    def served_older(self, ino: int) -> None:
+        """A reader of ``ino`` was served the older content whose size the kernel holds
+        (``behind``; ``Filesystem.read``). When the kernel is performing that invalidation
+        right now it may have dropped the file's pages before this read's page was filled:
+        that page would then stay cached after the invalidation. So the inode is invalidated
+        once more after the batch (once: a read during that one is not followed again; the
+        kernel, told the attributes are stale, refreshes them at the next read and drops
+        pages whose mtime or size changed). Never blocks."""
+        if ino in self._performing:
+            self._again.add(ino)
 
     async def catch_up(self, ino: int, timeout: float) -> bool:
         """Wait (up to ``timeout`` s) until no invalidation of ``ino``'s content is pending
@@ -114,8 +132,11 @@ class Invalidator:
                 if batch and self.active:
                     if self._hold is not None:
                         await self._hold()
+                    self._performing = {item[1] for item in batch
+                                        if item[0] == "inode" and len(item) == 2}
                     await trio.to_thread.run_sync(self._run_batch, batch)
             finally:
+                again, self._performing, self._again = self._again, set(), set()
                 stale = self.behind_inodes
                 for item in batch:
                     if item[0] == "inode":
@@ -131,6 +152,8 @@ class Invalidator:
                     self._outstanding = 0
                     self._settled.set()
                     self._settled = trio.Event()
+                if again:
+                    self.submit([("inode", ino, "again") for ino in sorted(again)])
 
     async def settle(self, timeout: float = 5.0) -> None:
         """Wait (up to ``timeout`` s) until everything submitted so far reached the kernel."""

@@ -55,6 +55,13 @@ class FsListener(Protocol):
         (``invalidate``) and has not reached the kernel yet: until then the kernel may serve
         a reader the pages and size of the content before that change."""
 
+    def kernel_served_older(self, ino: int) -> None:
+        """A reader of inode ``ino`` was served the older content the kernel still holds the
+        size of (``kernel_behind``; ``Filesystem.read``): if the invalidation is being
+        performed right now, the kernel may have dropped its pages already and keep that
+        read's page, so the invalidation is made once more afterwards
+        (``Invalidator.served_older``). Never blocks."""
+
     def committed_size(self, slug: str, record_id: str) -> int | None:
         """Bytes of the record as the control plane holds it (the store's mirror), None when
         unknown."""

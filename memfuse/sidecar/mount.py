@@ -606,6 +606,10 @@ class Sidecar(StoreSync):
         """``FsListener``: an invalidation of ``ino``'s content not performed yet."""
         return self.invalidator.behind(ino)
 
+    def kernel_served_older(self, ino: int) -> None:
+        """``FsListener``: a reader was served the older content the kernel still shows."""
+        self.invalidator.served_older(ino)
+
     def committed_size(self, slug: str, record_id: str) -> int | None:
         """``FsListener``: the record's size in the store's mirror, None when unknown."""
         state = self.states.get(slug)

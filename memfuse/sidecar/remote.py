@@ -516,7 +516,9 @@ class RemoteApply:
             base = n.served if n.unread else n.sha
             if base and base != sha:
                 n.read_base = base
-        if n.sha and not self.kernel_behind(n.ino):
+        if n.sha and (not n.shown or not self.kernel_behind(n.ino)):
+            # (behind with no ``shown``: the kernel was told n's attributes since,
+            # ``Filesystem.kernel_told_size``)
             n.shown = n.sha
         n.unread = True  # ``sha`` is served to nobody yet
         if n.opened and n.sha and n.sha != sha:
