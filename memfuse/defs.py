@@ -7,9 +7,10 @@ the sidecar, which never loads pydantic, can use them.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timezone
 from enum import Enum
+from typing import TypeVar
 from urllib.parse import parse_qsl, urlencode
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "VERSIONS_PAGE_DEFAULT",
     "VERSIONS_PAGE_MAX",
     "VERSIONS_PAGE_BYTES",
+    "versions_page_rows",
     "next_page_link",
     "FEED_PAGE_MAX",
     "PAGE_CONTENT_BYTES",
@@ -52,6 +54,7 @@ __all__ = [
     "JSON_TEXT_GROWTH",
     "json_text_bytes",
     "json_rows_within",
+    "content_page",
     "JOBS_PAGE_DEFAULT",
     "JOBS_PAGE_MAX",
     "Access",
@@ -155,6 +158,15 @@ VERSIONS_PAGE_DEFAULT = VERSIONS_PAGE_MAX = 1000
 VERSIONS_PAGE_BYTES = 1 << 20
 
 
+def versions_page_rows(encoded: Sequence[bytes]) -> int:
+    """How many of the leading versions (``encoded``: each version's JSON, in page order) one
+    page of ``GET .../records/{id}/versions`` carries: as many as fit ``VERSIONS_PAGE_BYTES``
+    of the page's JSON array, each counted with the ``[`` or ``,`` before it
+    (``page_rows_within``: at least one; 0 for none). The control plane's pages and the CLI's
+    local reads (``memfuse.cli.localread``) cut by it."""
+    return page_rows_within((len(b) + 1 for b in encoded), VERSIONS_PAGE_BYTES)
+
+
 def next_page_link(query: str, cursor: int) -> str:
     """The ``Link`` header (RFC 8288) of a page whose request had the query string ``query``
     (raw, percent-encoded) when more follow: ``<?…>; rel="next"``, a reference relative to
@@ -174,8 +186,8 @@ FEED_PAGE_MAX = 1000
 # bytes of content (UTF-8, the rows' ``size``) one page carrying content may hold: every page
 # with content (change feed and its long-polls / streams, store snapshots, the memory-store
 # face's memories and versions with ``view=full``) stops adding rows past it, so a page's memory
-# is bounded by bytes and not only by rows (``limit``); see ``page_rows_within``, and
-# ``json_rows_within``: every one of them counts it again in encoded JSON bytes
+# is bounded by bytes and not only by rows (``limit``): each applies ``content_page`` (by the
+# rows' sizes, ``page_rows_within``, then again in encoded JSON bytes, ``json_rows_within``)
 PAGE_CONTENT_BYTES = 8 * 1024 * 1024
 
 
@@ -229,6 +241,35 @@ def json_rows_within(texts: Sequence[str | None], budget: int = PAGE_CONTENT_BYT
     if sum(len(t) for t in texts if t) * JSON_TEXT_GROWTH <= budget:
         return len(texts)
     return page_rows_within(json_text_bytes(t) if t else 0 for t in texts)
+
+
+_Row = TypeVar("_Row")
+
+
+def content_page(sizes: Sequence[int | None], read: Callable[[int], Sequence[_Row]],
+                 text: Callable[[_Row], str | None]) -> tuple[list[_Row], bool]:
+    """The page byte rule of every listing that carries content (the change feed and its
+    long-polls and streams, store snapshots, the memory-store face's memories and versions),
+    in its two steps:
+
+    1. by size: ``n`` = ``page_rows_within(sizes)`` (``sizes``: each candidate row's content
+       bytes, UTF-8, in page order, None counted as 0), then ``read(n)`` reads the first
+       ``n`` rows with their content, so content past the budget is never read. It returns
+       them in page order: fewer when some went meanwhile, one more when the caller reads
+       one ahead to learn whether more follow;
+    2. in JSON bytes: of the first ``n`` rows read, as many as ``json_rows_within`` lets the
+       page carry (``text(row)``: the content the answer shows, None for none), since an
+       answer is encoded whole.
+
+    Returns the rows kept and whether the page was cut (by step 1, by step 2, or with a row
+    read ahead): then more may follow its last row. ``([], False)`` when ``sizes`` is
+    empty (``read`` is not called). A cut by the caller's row limit is the caller's to add."""
+    n = page_rows_within(sizes)
+    if n == 0:
+        return [], False
+    rows = read(n)
+    kept = json_rows_within([text(r) for r in rows[:n]])
+    return list(rows[:kept]), n < len(sizes) or kept < len(rows)
 
 
 # consolidation jobs per page of GET /v1/stores/{store}/consolidations (``limit``)

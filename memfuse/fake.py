@@ -28,6 +28,7 @@ import httpx
 
 from memfuse.models import Problem
 from memfuse.server.app import create_app
+from memfuse.server.gate import replay
 
 if TYPE_CHECKING:  # for the annotations only
     import asyncio
@@ -177,7 +178,6 @@ async def _stream_request(fake: FakeControlPlane, request: httpx.Request) -> htt
     import sniffio
 
     body = await request.aread()
-    sent_body = False
     left = anyio.Event()
     started = anyio.Event()
     send_ch, recv_ch = anyio.create_memory_object_stream[tuple[bytes, bool]](1000)
@@ -189,13 +189,11 @@ async def _stream_request(fake: FakeControlPlane, request: httpx.Request) -> htt
         "client": ("127.0.0.1", 1), "headers": [(k.lower(), v) for k, v in request.headers.raw],
     }
 
-    async def receive() -> Message:
-        nonlocal sent_body
-        if not sent_body:
-            sent_body = True
-            return {"type": "http.request", "body": body, "more_body": False}
+    async def gone() -> Message:  # the connection's messages after the body: the client leaving
         await left.wait()
         return {"type": "http.disconnect"}
+
+    receive = replay(body, gone)
 
     async def send(message: Message) -> None:
         if message["type"] == "http.response.start":

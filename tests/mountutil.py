@@ -472,6 +472,33 @@ def two_sidecars(tmp: Path, store: str = "shared",
         yield rig.cp, a, b
 
 
+def written_and_seen(a: "Sidecar", b: "Sidecar", store: str, name: str, text: str,
+                     timeout: float = 20) -> tuple[Path, Path]:
+    """Write ``text`` to the file ``name`` of ``store`` through mount ``a`` and wait until mount
+    ``b`` shows it (at most ``timeout`` s; ``AssertionError`` past it): the first step of every
+    two-mount conflict test (``two_sidecars``). Returns the file's path on ``a`` and on ``b``."""
+    pa, pb = a.mountpoint / store / name, b.mountpoint / store / name
+    pa.write_text(text)
+    wait_until(lambda: read(pb) == text, timeout=timeout,
+               what=f"{name} written on {a.mountpoint.name} shown by {b.mountpoint.name}")
+    return pa, pb
+
+
+def wait_applied(p: Path, sha256: str, timeout: float = 20, what: str = "the version applied") -> None:
+    """Wait until the mount of ``p`` holds the version of ``p`` whose content sha256 is ``sha256``
+    (hex), asked by its ``user.memfuse.sha256`` attribute: a read would make that version the
+    one a tool read. At most ``timeout`` s (``AssertionError`` past it)."""
+    wait_until(lambda: os.getxattr(p, "user.memfuse.sha256").decode() == sha256, timeout=timeout, what=what)
+
+
+def replace_like_sed(p: Path, text: str) -> None:
+    """What ``sed -i`` does to ``p``: ``text`` written to a new temporary file beside it, then
+    renamed over it."""
+    tmp = p.with_name(f".sed{secrets.token_hex(3)}")
+    tmp.write_text(text)
+    os.replace(tmp, p)
+
+
 def sidecar_status(sc: "Sidecar") -> dict:
     """The mount's ``.memfuse/status.json`` as a dict."""
     with open(sc.mountpoint / ".memfuse" / "status.json") as f:

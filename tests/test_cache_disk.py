@@ -19,12 +19,14 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 from mountcheck import errors_log, status, wait_until, xattr
-from mountutil import Rig, live_records, unexpected_log_lines
+from mountutil import Rig, Sidecar, live_records, unexpected_log_lines
 
 pytestmark = pytest.mark.mount
 
@@ -88,6 +90,20 @@ def small_cache(tmp_path):
         subprocess.run(["umount", "-l", str(d)], timeout=30)
 
 
+@pytest.fixture
+def on_small_cache(tmp_path, small_cache):
+    """The setup of the full-cache-disk mount tests: ``with on_small_cache(*flags,
+    commit_wait="3") as (rig, sc)`` is a ``Rig`` in ``tmp_path`` whose workspace ``ws`` has
+    its sidecar ``sc`` mounted at ``tmp_path/mnt`` (``memfuse mount --commit-wait
+    commit_wait`` and ``flags``) with its cache directory on the 8 MiB tmpfs ``small_cache``.
+    A ``with`` block in the test, so that a failure inside it prints the rig's log tails."""
+    @contextmanager
+    def rig_on_small_cache(*flags: str, commit_wait: str = "3") -> Iterator[tuple[Rig, Sidecar]]:
+        with Rig(tmp_path) as rig:
+            yield rig, rig.sidecar("ws", "--commit-wait", commit_wait, *flags, cache_dir=small_cache)
+    return rig_on_small_cache
+
+
 @pytest.mark.timeout(300)
 def write_local(path: Path) -> str | None:
     """Write ``FILE_BYTES`` to a local-only file in a subprocess bounded by a timeout; the
@@ -101,21 +117,17 @@ def write_local(path: Path) -> str | None:
 
 
 @pytest.mark.parametrize("commit_wait", ["10", "0"])
-def test_full_cache_disk_gives_enospc_at_close_never_hangs_and_recovers(tmp_path, small_cache,
+def test_full_cache_disk_gives_enospc_at_close_never_hangs_and_recovers(on_small_cache, small_cache,
                                                                         commit_wait):
     """The control plane answering: a write the full disk refuses is committed within the
     close's wait, so the close returns 0 (it is in the control plane). With ``--commit-wait
     0`` a close may give up first: then ``ENOSPC`` (not ``EIO`` for a zero wait) and the write
     is withdrawn, never sent (docs/SEMANTICS.md, "The sidecar's own disk")."""
-    with Rig(tmp_path) as rig:
-        cp = rig.cp
-        sc = rig.sidecar("ws", "--commit-wait", commit_wait, cache_dir=small_cache)
-        root = tmp_path / "mnt"
+    with on_small_cache(commit_wait=commit_wait) as (rig, sc):
+        cp, root = rig.cp, sc.mountpoint
         admin = status(root)["admin"]
         # leave ~700 KB free: a few 96 KB files fit, then the disk is full
-        st = os.statvfs(small_cache)
-        ballast = small_cache / "ballast"
-        ballast.write_bytes(b"\0" * max(0, st.f_bavail * st.f_frsize - 700 * 1024))
+        ballast = fill_disk(small_cache, 700 * 1024)
 
         first = write_files(root / "default", 0, 20)
         outcomes = {r["close"] for r in first}
@@ -182,23 +194,19 @@ def append(path: Path, text: str) -> str | None:
 
 
 @pytest.mark.timeout(300)
-def test_close_failing_on_a_full_cache_disk_means_the_write_did_not_happen(tmp_path, small_cache):
+def test_close_failing_on_a_full_cache_disk_means_the_write_did_not_happen(on_small_cache, small_cache):
     """attack 12 A3: the cache disk full and the control plane down, a close fails with
     ENOSPC (not EIO) and the write is withdrawn: the file shows what it showed before,
     and the write never reaches the control plane once it is back. An append the agent
     retries then appears once. With the control plane answering (the disk still full), a
     close returns 0 and the write is there (docs/SEMANTICS.md, "The sidecar's own disk")."""
-    with Rig(tmp_path) as rig:
-        cp = rig.cp
-        sc = rig.sidecar("ws", "--commit-wait", "3", cache_dir=small_cache)
-        root = tmp_path / "mnt"
+    with on_small_cache() as (rig, sc):
+        cp, root = rig.cp, sc.mountpoint
         log_md = root / "default" / "log.md"
         assert append(log_md, "line-0\n") is None
         wait_until(lambda: "log.md" in live_records(cp), 30, "log.md committed")
         cp.stop()  # the control plane down (its port refuses connections)
-        st = os.statvfs(small_cache)
-        ballast = small_cache / "ballast"
-        ballast.write_bytes(b"\0" * max(0, st.f_bavail * st.f_frsize - 700 * 1024))
+        fill_disk(small_cache, 700 * 1024)
 
         first = write_files(root / "default", 0, 20)
         outcomes = {r["close"] for r in first}
@@ -290,7 +298,7 @@ def keep_full(cache: Path, name: str, settle: float = 2.5, timeout: float = 30.0
 
 
 @pytest.mark.timeout(300)
-def test_a_withdrawn_append_to_a_file_only_memory_held_is_undone(tmp_path, small_cache):
+def test_a_withdrawn_append_to_a_file_only_memory_held_is_undone(on_small_cache, small_cache):
     """Session 12's verifier (N3, 1): a file whose content the full disk kept out of the blob
     cache (held in memory only) lost that content when an append to it was withdrawn: the
     append stayed in the file as ``state=rejected`` and the file's next write committed it
@@ -298,10 +306,8 @@ def test_a_withdrawn_append_to_a_file_only_memory_held_is_undone(tmp_path, small
     The content before the append is kept for the withdrawal (``Node.prior``): the file
     shows it again, and the retried append appears once (docs/SEMANTICS.md, "The sidecar's
     own disk")."""
-    with Rig(tmp_path) as rig:
-        cp = rig.cp
-        sc = rig.sidecar("ws", "--commit-wait", "3", cache_dir=small_cache)
-        root = tmp_path / "mnt"
+    with on_small_cache() as (rig, sc):
+        cp, root = rig.cp, sc.mountpoint
         fill_disk(small_cache, 0)  # the cache disk full; the control plane answers
         # 64 contents wait for the blob cache (BEHIND_MAX): from then on it refuses each
         # new content at once, which stays in memory only
@@ -334,7 +340,7 @@ def test_a_withdrawn_append_to_a_file_only_memory_held_is_undone(tmp_path, small
 
 
 @pytest.mark.timeout(300)
-def test_a_drained_journal_gives_the_full_cache_disk_space_back(tmp_path, small_cache):
+def test_a_drained_journal_gives_the_full_cache_disk_space_back(on_small_cache, small_cache):
     """Session 12's verifier (N3, 2): the cache disk full and the control plane down, then
     back: everything committed, yet the disk stayed 100 % full (the journal's write-ahead
     log could not be checkpointed into a database that could not grow; the blob cache's
@@ -342,10 +348,8 @@ def test_a_drained_journal_gives_the_full_cache_disk_space_back(tmp_path, small_
     was down again failed although nothing waited. Once the outbox drains, the journal
     gives its log back (with the disk's reserve, ``DiskReserve``) and the blob cache waits
     for room: the next write is accepted (docs/SEMANTICS.md, "The sidecar's own disk")."""
-    with Rig(tmp_path) as rig:
-        cp = rig.cp
-        sc = rig.sidecar("ws", "--commit-wait", "3", cache_dir=small_cache)
-        root = tmp_path / "mnt"
+    with on_small_cache() as (rig, sc):
+        cp, root = rig.cp, sc.mountpoint
         log_md = root / "default" / "log.md"
         assert append(log_md, "line-0\n") is None
         wait_until(lambda: "log.md" in live_records(cp), 30, "log.md committed")
@@ -359,13 +363,9 @@ def test_a_drained_journal_gives_the_full_cache_disk_space_back(tmp_path, small_
         wait_until(lambda: all(f"f{i:03d}.md" in live_records(cp) for i in kept), 60,
                    "the accepted writes committed")
         wait_until(lambda: status(root)["outbox"]["depth"] == 0, 60, "the outbox drained")
-
-        def free() -> int:
-            st = os.statvfs(small_cache)
-            return st.f_bavail * st.f_frsize
         # the ballast still there: what the sidecar gives back is its own (measured: ~550 KB
         # of the 8 MiB disk within 2 s; 0 bytes before)
-        wait_until(lambda: free() >= 256 * 1024, 20, "space given back after the drain")
+        wait_until(lambda: free_bytes(small_cache) >= 256 * 1024, 20, "space given back after the drain")
         cp.stop()  # down again: the next write must be taken by the journal
         assert append(log_md, "line-1\n") is None
         assert log_md.read_bytes() == b"line-0\nline-1\n"
@@ -489,16 +489,15 @@ def no_journal_moved_aside(cache: Path) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_a_sidecar_starts_on_a_full_cache_disk_and_sends_its_queued_writes(tmp_path, small_cache):
+def test_a_sidecar_starts_on_a_full_cache_disk_and_sends_its_queued_writes(on_small_cache, small_cache):
     """attack 14 F3: a sidecar stopped with writes in its outbox journal, its cache disk
     then filled by another program (100 %): the next start moved the journal aside as
     "unreadable" (SQLite's I/O error of a ``-shm`` that cannot grow) and exited with a bare
     ``OperationalError``. A full disk is not a damaged journal: the start makes room from
     what the sidecar owns and can drop (its disk reserve first), mounts, and the queued
     writes reach the control plane (docs/SEMANTICS.md, "The sidecar's own disk")."""
-    with Rig(tmp_path) as rig:
+    with on_small_cache("--drain-timeout", "2") as (rig, sc):
         cp = rig.cp
-        sc = rig.sidecar("ws", "--commit-wait", "3", "--drain-timeout", "2", cache_dir=small_cache)
         assert write_files(sc.mountpoint / "default", 0, 3, 16 * 1024)[0]["close"] is None
         queued = queue_writes(rig, sc, 10, 5)
         fill_disk(small_cache, 0, "other-program.bin")
@@ -520,15 +519,14 @@ def test_a_sidecar_starts_on_a_full_cache_disk_and_sends_its_queued_writes(tmp_p
 
 @pytest.mark.timeout(300)
 @pytest.mark.expect_sidecar_errors  # the refused start's one line; checked below
-def test_a_cache_disk_with_no_room_to_make_fails_the_start_with_a_sentence(tmp_path, small_cache):
+def test_a_cache_disk_with_no_room_to_make_fails_the_start_with_a_sentence(on_small_cache, small_cache):
     """attack 14 F3: a full cache disk where the sidecar has nothing left to give (its reserve
     spent, no blob cache): the start fails (exit 1) with one sentence naming the cache
     directory, that its disk is full and what to do, never a raw SQLite error; the journal
     is kept as it is (not moved aside), and once space is freed the next start sends what
     it holds."""
-    with Rig(tmp_path) as rig:
+    with on_small_cache("--drain-timeout", "2") as (rig, sc):
         cp = rig.cp
-        sc = rig.sidecar("ws", "--commit-wait", "3", "--drain-timeout", "2", cache_dir=small_cache)
         queued = queue_writes(rig, sc, 0, 4)
         journal = (small_cache / "outbox.db").read_bytes()
         for name in ("blobs.db", "blobs.db-wal", "blobs.db-shm"):

@@ -639,6 +639,28 @@ def test_the_cap_of_unauthenticated_connections_evicts_the_one_idle_the_longest(
     assert c.refused_at_cap == 1
 
 
+async def test_replay_gives_the_body_read_ahead_then_the_connections_messages():
+    """``gate.replay``, the one ``receive`` of every app whose body was read before it runs
+    (the gate's requests and reads, ``/mcp``, the fake control plane's streams): the body
+    whole in one message, then each later call is the wrapped ``receive``'s, in order."""
+    from memfuse.server.gate import replay
+
+    later = [{"type": "http.disconnect"}, {"type": "http.disconnect"}]
+    calls = 0
+
+    async def receive():
+        nonlocal calls
+        calls += 1
+        return later.pop(0)
+
+    r = replay(b'{"q": 1}', receive)
+    assert await r() == {"type": "http.request", "body": b'{"q": 1}', "more_body": False}
+    assert calls == 0  # the body is not the connection's to give again
+    assert await r() == {"type": "http.disconnect"} and await r() == {"type": "http.disconnect"}
+    assert calls == 2 and later == []
+    assert await replay(b"", receive)() == {"type": "http.request", "body": b"", "more_body": False}
+
+
 # ---------------------------------------------------------------- 3. idle long-lived responses
 
 

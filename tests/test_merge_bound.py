@@ -16,7 +16,7 @@ from memfuse.server.console import render
 from memfuse.sidecar.conflict import merge_lines
 
 from mountcheck import errors_log
-from mountutil import live_records, read, two_sidecars, wait_until
+from mountutil import live_records, read, two_sidecars, wait_applied, wait_until, written_and_seen
 
 
 def _lines(n: int) -> list[str]:
@@ -103,9 +103,7 @@ def test_a_merge_past_the_budget_is_last_writer_wins_and_the_store_goes_on(pair)
     cp, a, b = pair
     name = f"big-{uuid.uuid4().hex[:6]}.md"
     v1 = "".join(_lines(4000))
-    (a.mountpoint / "s" / name).write_text(v1)
-    pb = b.mountpoint / "s" / name
-    wait_until(lambda: read(pb) == v1, timeout=30, what="v1 in B")
+    _, pb = written_and_seen(a, b, "s", name, v1, timeout=30)
     mine = pb.read_text()  # B's tool reads version 1
     v2 = "".join(_alternate(_lines(4000)))
     (a.mountpoint / "s" / name).write_text(v2)  # A commits version 2
@@ -113,8 +111,7 @@ def test_a_merge_past_the_budget_is_last_writer_wins_and_the_store_goes_on(pair)
     wait_until(lambda: live_records(cp, "s")[name].content == v2, timeout=30, what="v2 stored")
     ours = "LINE " + mine
     want = hashlib.sha256(v2.encode()).hexdigest()
-    wait_until(lambda: os.getxattr(pb, "user.memfuse.sha256").decode() == want, timeout=30,
-               what="v2 applied in B from the feed")  # no read: B's tool saw version 1
+    wait_applied(pb, want, timeout=30, what="v2 applied in B from the feed")  # no read: B's tool saw version 1
     tmp = pb.with_name(f"sed{uuid.uuid4().hex[:6]}")
     tmp.write_text(ours)
     os.replace(tmp, pb)  # B's edit of line 1, made on version 1 (sed -i)

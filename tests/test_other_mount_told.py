@@ -25,7 +25,8 @@ import pytest
 pytestmark = pytest.mark.mount
 
 from mountcheck import errors_log
-from mountutil import drained, live_records, read, sh, two_sidecars, wait_until
+from mountutil import (drained, live_records, read, replace_like_sed, sh, two_sidecars, wait_applied, wait_until,
+                       written_and_seen)
 
 
 @pytest.fixture(scope="module")
@@ -91,18 +92,13 @@ def test_a_remote_delete_of_the_last_file_removes_the_implied_directory(pair):
 def _lww(cp, a, b, name: str) -> str:
     """A and B both edit line 1 of version 1: A commits first, then B's edit made on version
     1 overwrites A's by last writer wins. Returns the content A wrote (now in history)."""
-    pa, pb = a.mountpoint / "s" / name, b.mountpoint / "s" / name
-    pa.write_text("alpha\nbeta\n")
-    wait_until(lambda: read(pb) == "alpha\nbeta\n", timeout=20, what="v1 in B")
+    _, pb = written_and_seen(a, b, "s", name, "alpha\nbeta\n")
     mine = pb.read_text()  # B's tool reads version 1
     sh(f"sed -i s/alpha/FROM-A/ {name}", a.mountpoint / "s")
     wait_until(lambda: live_records(cp, "s")[name].content == "FROM-A\nbeta\n", timeout=20,
                what="A's edit committed")
-    wait_until(lambda: os.getxattr(pb, "user.memfuse.sha256").decode()
-               == live_records(cp, "s")[name].sha256, timeout=20, what="B applied A's edit")
-    tmp = pb.with_name(f".sed{uuid.uuid4().hex[:6]}")
-    tmp.write_text(mine.replace("alpha", "FROM-B"))
-    os.replace(tmp, pb)  # B's edit made on version 1
+    wait_applied(pb, live_records(cp, "s")[name].sha256, what="B applied A's edit")
+    replace_like_sed(pb, mine.replace("alpha", "FROM-B"))  # B's edit made on version 1
     wait_until(lambda: live_records(cp, "s")[name].content == "FROM-B\nbeta\n", timeout=30,
                what="B's write is the last")
     return "FROM-A\nbeta\n"
@@ -132,9 +128,7 @@ def test_the_mount_whose_write_was_overwritten_is_told(pair):
 def test_a_mount_whose_write_was_not_overwritten_is_told_nothing(pair):
     cp, a, b = pair
     name = f"quiet-{uuid.uuid4().hex[:6]}.md"
-    pa, pb = a.mountpoint / "s" / name, b.mountpoint / "s" / name
-    pa.write_text("one\ntwo\n")
-    wait_until(lambda: read(pb) == "one\ntwo\n", timeout=20, what="v1 in B")
+    pa, pb = written_and_seen(a, b, "s", name, "one\ntwo\n")
     sh(f"sed -i s/one/ONE/ {name}", b.mountpoint / "s")  # B edits the version it shows
     wait_until(lambda: live_records(cp, "s")[name].version == 2, timeout=20, what="B's edit")
     wait_until(lambda: read(pa) == "ONE\ntwo\n", timeout=20, what="A shows B's edit")
@@ -149,7 +143,6 @@ def test_a_mount_down_while_its_write_was_overwritten_is_told_when_it_comes_back
     A saves is written again)."""
     cp, a, b = pair
     name = f"back-{uuid.uuid4().hex[:6]}.md"
-    pa, pb = a.mountpoint / "s" / name, b.mountpoint / "s" / name
     top = f"gone-{uuid.uuid4().hex[:6]}"
     sh(f"mkdir -p {top}/d1 && echo x > {top}/d1/x.md", b.mountpoint / "s")
     wait_until(lambda: read(a.mountpoint / "s" / top / "d1" / "x.md") == "x\n", timeout=20,
@@ -158,16 +151,13 @@ def test_a_mount_down_while_its_write_was_overwritten_is_told_when_it_comes_back
     sh(f"mv {top}/d1 {top}/d2", b.mountpoint / "s")
     wait_until(lambda: not os.path.exists(a.mountpoint / "s" / top / "d1"), timeout=20,
                what="A shows no d1")
-    pa.write_text("alpha\nbeta\n")
-    wait_until(lambda: read(pb) == "alpha\nbeta\n", timeout=20, what="v1 in B")
+    pa, pb = written_and_seen(a, b, "s", name, "alpha\nbeta\n")
     mine = pb.read_text()  # B's tool reads version 1
     sh(f"sed -i s/alpha/FROM-A/ {name}", a.mountpoint / "s")  # A's version 2
     wait_until(lambda: live_records(cp, "s")[name].version == 2, timeout=20, what="A's edit")
     a.stop()
     try:
-        tmp = pb.with_name(f".sed{uuid.uuid4().hex[:6]}")
-        tmp.write_text(mine.replace("alpha", "FROM-B"))
-        os.replace(tmp, pb)  # B's edit made on version 1 overwrites A's
+        replace_like_sed(pb, mine.replace("alpha", "FROM-B"))  # B's edit made on version 1 overwrites A's
         wait_until(lambda: live_records(cp, "s")[name].content == "FROM-B\nbeta\n", timeout=30,
                    what="B's write is the last")
     finally:
@@ -189,11 +179,14 @@ def _shell_in(cwd: Path) -> subprocess.Popen:
 
 @contextmanager
 def _held_dir(cwd: Path) -> Iterator[tuple[subprocess.Popen, int]]:
-    """A shell sitting in ``cwd`` (``_shell_in``) and a directory descriptor open on it, both
-    let go afterwards (the shell killed if it still runs)."""
+    """A shell sitting in ``cwd`` (``_shell_in``: its ``cd`` done before this yields; under
+    load the test's ``rmdir`` came first and the ``cd`` failed) and a directory descriptor
+    open on it, both let go afterwards (the shell killed if it still runs)."""
     shell = _shell_in(cwd)
     dfd = os.open(cwd, os.O_RDONLY | os.O_DIRECTORY)
     try:
+        wait_until(lambda: os.readlink(f"/proc/{shell.pid}/cwd") == str(cwd), timeout=20,
+                   what="the shell in its directory")
         yield shell, dfd
     finally:
         os.close(dfd)

@@ -26,7 +26,8 @@ import pytest
 pytestmark = pytest.mark.mount
 
 from mountcheck import errors_log
-from mountutil import ControlPlane, Sidecar, live_records, read, sh, sidecar_status, two_sidecars, wait_until
+from mountutil import (ControlPlane, Sidecar, live_records, read, sh, sidecar_status, two_sidecars, wait_applied,
+                       wait_until, written_and_seen)
 
 
 @pytest.fixture(scope="module")
@@ -42,15 +43,7 @@ def _depth(sc: Sidecar) -> int:
 def _shown(p: Path, content: str) -> None:
     """Wait until the mount shows ``content`` at ``p`` by its sha256 attribute (no open, no
     read: nothing is served to a reader)."""
-    want = hashlib.sha256(content.encode()).hexdigest()
-
-    def sha() -> str | None:
-        try:
-            return os.getxattr(p, "user.memfuse.sha256").decode()
-        except OSError:
-            return None
-
-    wait_until(lambda: sha() == want, timeout=15, what=f"{p.name} applied from the feed")
+    wait_applied(p, hashlib.sha256(content.encode()).hexdigest(), timeout=15, what=f"{p.name} applied from the feed")
 
 
 def _settled(cp, a, b, name: str) -> str:
@@ -86,9 +79,7 @@ def test_an_overwrite_made_on_the_version_read_merges_a_rival_change_applied_sin
     cp, a, b = pair
     name = f"base-{style}-{uuid.uuid4().hex[:6]}.md"
     v1 = "".join(f"k{i}=v{i}\n" for i in range(1, 11))
-    (a.mountpoint / "s" / name).write_text(v1)
-    pb = b.mountpoint / "s" / name
-    wait_until(lambda: read(pb) == v1, timeout=15, what="v1 in B")
+    _, pb = written_and_seen(a, b, "s", name, v1, timeout=15)
     mine = pb.read_text()  # B's tool reads version 1
     errs = len(errors_log(a.mountpoint)) + len(errors_log(b.mountpoint))
     sh(f"sed -i s/^k3=.*/k3=EDIT_A/ {name}", a.mountpoint / "s")  # A commits version 2
@@ -104,9 +95,7 @@ def test_an_overlapping_overwrite_on_an_older_version_is_reported(pair):
     cp, a, b = pair
     name = f"clash-{uuid.uuid4().hex[:6]}.md"
     v1 = "alpha\nbeta\n"
-    (a.mountpoint / "s" / name).write_text(v1)
-    pb = b.mountpoint / "s" / name
-    wait_until(lambda: read(pb) == v1, timeout=15, what="v1 in B")
+    _, pb = written_and_seen(a, b, "s", name, v1, timeout=15)
     mine = pb.read_text()
     sh(f"sed -i s/alpha/FROM-A/ {name}", a.mountpoint / "s")
     _shown(pb, "FROM-A\nbeta\n")
@@ -125,9 +114,7 @@ def test_a_reader_served_the_new_version_bases_the_overwrite_on_it(pair):
     cp, a, b = pair
     name = f"served-{uuid.uuid4().hex[:6]}.md"
     v1 = "one\ntwo\n"
-    (a.mountpoint / "s" / name).write_text(v1)
-    pb = b.mountpoint / "s" / name
-    wait_until(lambda: read(pb) == v1, timeout=15, what="v1 in B")
+    _, pb = written_and_seen(a, b, "s", name, v1, timeout=15)
     sh(f"echo added >> {name}", a.mountpoint / "s")
     wait_until(lambda: read(pb) == "one\ntwo\nadded\n", timeout=15, what="v2 read in B")
     errs = len(errors_log(b.mountpoint))
@@ -263,9 +250,7 @@ def test_sed_reading_the_page_cache_before_a_remote_append_reaches_it_keeps_the_
     cp, a, c = held
     name = f"pages-{uuid.uuid4().hex[:6]}.log"
     v1 = "counter=0\n" + "x" * 100 + "\n"
-    (a.mountpoint / "s" / name).write_text(v1)
-    pc = c.mountpoint / "s" / name
-    wait_until(lambda: read(pc) == v1, timeout=15, what="v1 in C")
+    _, pc = written_and_seen(a, c, "s", name, v1, timeout=15)
     cur = _sed_while_the_kernel_shows_the_older_version(cp, a, c, name, v1, 1, read_first=True)
     assert cur == "counter=1\n" + "x" * 100 + "\nA-1\n", cur
 
@@ -277,9 +262,7 @@ def test_sed_over_its_own_write_before_a_remote_append_reaches_the_kernel_keeps_
     cp, a, c = held
     name = f"own-{uuid.uuid4().hex[:6]}.log"
     v1 = "counter=0\n" + "y" * 100 + "\n"
-    (a.mountpoint / "s" / name).write_text(v1)
-    pc = c.mountpoint / "s" / name
-    wait_until(lambda: read(pc) == v1, timeout=15, what="v1 in C")
+    _, pc = written_and_seen(a, c, "s", name, v1, timeout=15)
     sh(f"sed -i s/^counter=.*/counter=1/ {name}", c.mountpoint / "s")  # C's own version
     mine = v1.replace("counter=0", "counter=1")
     wait_until(lambda: _depth(c) == 0 and read(a.mountpoint / "s" / name) == mine,
@@ -342,9 +325,7 @@ def test_an_overwrite_after_an_own_append_committed_cleanly_merges_the_other_mou
     cp, a, c = held
     name = f"ownapp-{style}-{uuid.uuid4().hex[:6]}.log"
     v1 = "counter=0\n" + "".join(f"base {i:02d} {'b' * 88}\n" for i in range(12))
-    (a.mountpoint / "s" / name).write_text(v1)
-    pc = c.mountpoint / "s" / name
-    wait_until(lambda: read(pc) == v1, timeout=15, what="v1 in C")
+    _, pc = written_and_seen(a, c, "s", name, v1, timeout=15)
     mine = pc.read_text()  # the editor in C reads version 1
     errs = len(errors_log(a.mountpoint)) + len(errors_log(c.mountpoint))
     c.feed_file.write_text("")
@@ -377,9 +358,7 @@ def test_a_reader_whose_reads_straddle_a_remote_change_makes_the_overwrite_a_rep
     cp, a, c = held
     name = f"torn-{uuid.uuid4().hex[:6]}.log"
     v1 = "counter=0\n" + "".join(f"line {i:02d} {'x' * 92}\n" for i in range(1, 30))
-    (a.mountpoint / "s" / name).write_text(v1)
-    pc = c.mountpoint / "s" / name
-    wait_until(lambda: read(pc) == v1, timeout=15, what="v1 in C")
+    _, pc = written_and_seen(a, c, "s", name, v1, timeout=15)
     errs = len([e for e in errors_log(c.mountpoint) if e.get("conflict")])
     with open(pc, "rb", buffering=0) as f:
         first = f.read(1500)  # the reader in C: version 1 up to byte 1500
@@ -510,9 +489,7 @@ def test_sed_after_an_outage_on_a_mount_with_queued_own_appends_keeps_the_other_
                         hold_file=tmp_path / "hold").start(expect="s")
         name = "J.log"
         v1 = "counter=0\n" + "".join(f"base {i:02d} {'b' * 88}\n" for i in range(12))
-        (a.mountpoint / "s" / name).write_text(v1)
-        pb = b.mountpoint / "s" / name
-        wait_until(lambda: read(pb) == v1, timeout=15, what="v1 in B")
+        _, pb = written_and_seen(a, b, "s", name, v1, timeout=15)
         cp.stop()  # the outage: every close below is accepted into its mount's journal
         sh(f"timeout 60 sh -c 'echo B-1 >> {name}'", b.mountpoint / "s")
         sh(f"timeout 60 sh -c 'echo A-1 >> {name}'", a.mountpoint / "s")

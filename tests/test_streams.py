@@ -321,3 +321,57 @@ async def test_a_client_that_never_reads_is_cut_off_and_frees_its_slot():
         finally:
             await sock.aclose()
 
+
+
+async def test_a_long_polls_wait_tries_again_at_each_wake_up_until_answered():
+    """``longpoll._woken_until``, the one wait of the change feed's and the events' long-polls:
+    an attempt now and one after each commit that concerns it (the skipped actor's own wakes
+    nothing), each with its waiter subscribed first; None at the deadline or when the service
+    is closing; no waiter left behind."""
+    from types import SimpleNamespace
+
+    from memfuse.server import longpoll, wakeups
+
+    notifier = wakeups.Notifier()
+    svc = SimpleNamespace(notifier=notifier, closing=False)
+    tries: list[int] = []
+
+    async def attempt():
+        tries.append(len(notifier._waiters))  # subscribed before the attempt
+        return "page" if len(tries) == 3 else None
+
+    async def commits():
+        for actor in ("me", "other", "other"):
+            await trio.sleep(0.05)
+            notifier.committed([wakeups.Note("f", "s", 10 + len(tries), actor)])
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(commits)
+        got = await longpoll._woken_until(svc, wakeups.FEED, "s", "me", trio.current_time() + 60, attempt)
+    assert got == "page" and tries == [1, 1, 1] and not notifier._waiters
+
+    async def nothing():
+        tries.append(len(notifier._waiters))
+
+    tries.clear()  # the deadline: once more when the wait ends, then None
+    assert await longpoll._woken_until(svc, wakeups.EVENTS, "ws", None, trio.current_time() + 0.1, nothing) is None
+    assert tries == [1, 1] and not notifier._waiters
+    tries.clear()
+    svc.closing = True
+    assert await longpoll._woken_until(svc, wakeups.EVENTS, "ws", None, trio.current_time() + 60, nothing) is None
+    assert tries == [1] and not notifier._waiters
+
+
+def test_no_events_after_a_cursor_between_the_known_bounds():
+    """``Notifier.no_events_after``, the one rule by which an events long-poll or stream skips
+    its read: only a cursor between the workspace's latest event (upper bound) and the latest
+    event of all (lower bound), and only while the cache is trusted."""
+    from memfuse.server import wakeups
+
+    n = wakeups.Notifier()
+    assert not n.no_events_after("ws", 0)  # nothing known: read
+    n.learn_events("ws", 5, 7, n.stamp())
+    assert n.no_events_after("ws", 5) and n.no_events_after("ws", 7)
+    assert not n.no_events_after("ws", 4) and not n.no_events_after("ws", 8)
+    n.trusted = False
+    assert not n.no_events_after("ws", 6)

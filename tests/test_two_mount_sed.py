@@ -23,7 +23,8 @@ import pytest
 pytestmark = pytest.mark.mount
 
 from mountcheck import errors_log
-from mountutil import drained, live_records, read, sh, two_sidecars, wait_until
+from mountutil import (drained, live_records, read, replace_like_sed, sh, two_sidecars, wait_applied, wait_until,
+                       written_and_seen)
 
 
 @pytest.fixture(scope="module")
@@ -32,31 +33,21 @@ def pair(tmp_path_factory):
         yield cp_a_b
 
 
-def _replace(p, text: str) -> None:
-    """What ``sed -i`` does: a temporary file renamed over ``p``."""
-    tmp = p.with_name(f".sed{uuid.uuid4().hex[:6]}")
-    tmp.write_text(text)
-    os.replace(tmp, p)
-
-
 def test_an_edit_held_by_a_version_the_overwriting_mount_wrote_is_told_to_its_author(pair):
     cp, a, b = pair
     name = f"held-{uuid.uuid4().hex[:6]}.md"
-    pa, pb = a.mountpoint / "s" / name, b.mountpoint / "s" / name
     v1 = "".join(f"l{i} orig\n" for i in range(10))
-    pa.write_text(v1)
-    wait_until(lambda: read(pb) == v1, timeout=20, what="v1 in B")
+    pa, pb = written_and_seen(a, b, "s", name, v1)
     mine = pa.read_text()  # A's slow tool (sed) reads version 1
     sh(f"sed -i s/^l6.orig/l6_EDIT-B/ {name}", b.mountpoint / "s")  # B's version 2
     wait_until(lambda: live_records(cp, "s")[name].version == 2, timeout=20, what="B's edit")
     v2 = live_records(cp, "s")[name].sha256
     # A applies it (asked by xattr: a read would make version 2 what A's tool read)
-    wait_until(lambda: os.getxattr(pa, "user.memfuse.sha256").decode() == v2, timeout=20,
-               what="A applied B's edit")
+    wait_applied(pa, v2, what="A applied B's edit")
     sh(f"echo tail-A >> {name}", a.mountpoint / "s")  # A's version 3: B's line is in it
     wait_until(lambda: live_records(cp, "s")[name].version == 3, timeout=20, what="A's append")
     # the slow tool's rename: line 5, next to B's line 6 (no clean three-way merge)
-    _replace(pa, mine.replace("l5 orig", "l5_EDIT-A"))
+    replace_like_sed(pa, mine.replace("l5 orig", "l5_EDIT-A"))
     wait_until(lambda: live_records(cp, "s")[name].version == 4, timeout=30, what="A's rewrite")
     drained(a, b)
     rec = live_records(cp, "s")[name]
@@ -79,17 +70,14 @@ def test_an_edit_held_by_a_version_the_overwriting_mount_wrote_is_told_to_its_au
 def test_a_sed_of_a_journals_only_line_keeps_the_lines_another_mount_appended(pair):
     cp, a, b = pair
     name = f"journal-{uuid.uuid4().hex[:6]}.md"
-    pa, pb = a.mountpoint / "s" / name, b.mountpoint / "s" / name
-    pa.write_text("head 0\n")
-    wait_until(lambda: read(pb) == "head 0\n", timeout=20, what="v1 in B")
+    pa, pb = written_and_seen(a, b, "s", name, "head 0\n")
     sh(f"echo 'app 1' >> {name}", a.mountpoint / "s")  # A's version 2
     wait_until(lambda: live_records(cp, "s")[name].version == 2, timeout=20, what="A's append")
     v2 = live_records(cp, "s")[name].sha256
     # B's sed read version 1 before the append reached B; its rename comes after
     mine = "head 0\n"
-    wait_until(lambda: os.getxattr(pb, "user.memfuse.sha256").decode() == v2, timeout=20,
-               what="B applied A's append")
-    _replace(pb, mine.replace("head 0", "head 1"))
+    wait_applied(pb, v2, what="B applied A's append")
+    replace_like_sed(pb, mine.replace("head 0", "head 1"))
     drained(a, b)
     wait_until(lambda: live_records(cp, "s")[name].version >= 3, timeout=20, what="B's edit")
     assert live_records(cp, "s")[name].content == "head 1\napp 1\n"

@@ -199,3 +199,51 @@ def test_json_text_bytes_is_what_the_encoders_write():
     assert json_rows_within(["\x01" * (third // 5)] * 4) == 2
     assert json_rows_within(["\x01" * PAGE_CONTENT_BYTES, "a"]) == 1 and json_rows_within([]) == 0
     assert json_rows_within([None, "", "x"]) == 3
+
+
+def test_content_page_is_the_two_step_page_byte_rule():
+    """``defs.content_page``, the one page byte rule of the change feed, store snapshots and
+    the memory-store face's memories and versions: rows are read only up to what their sizes
+    let one page carry (at least one), then cut again by their content as JSON; a row read
+    ahead, or any cut, says more may follow."""
+    from memfuse.defs import PAGE_CONTENT_BYTES, content_page
+
+    third = PAGE_CONTENT_BYTES // 3
+    reads: list[int] = []
+
+    def reader(texts: list[str | None], ahead: int = 0):
+        def read(n: int) -> list[str | None]:
+            reads.append(n)
+            return texts[:n + ahead]
+        return read
+
+    plain = ["a" * third] * 4
+    assert content_page([third] * 4, reader(plain), lambda t: t) == (plain[:3], True)
+    assert reads == [3]  # the fourth row's content is never read
+    assert content_page([third] * 2, reader(plain[:2]), lambda t: t) == (plain[:2], False)
+    # the sizes let three through, their JSON (six bytes a character) only two
+    ctl = ["\x01" * (third // 5)] * 3
+    assert content_page([third // 5] * 3, reader(ctl), lambda t: t) == (ctl[:2], True)
+    # what the answer shows is counted (a redacted row: none), not the row's size alone
+    assert content_page([third // 5] * 3, reader(ctl), lambda t: None) == (ctl, False)
+    # a row read one ahead: kept out, and more follow
+    assert content_page([1, 1], reader(["x", "y", "z"], ahead=1), lambda t: t) == (["x", "y"], True)
+    # a row larger than the budget is served alone; none: nothing read
+    assert content_page([PAGE_CONTENT_BYTES + 1, 1], reader(["b", "c"]), lambda t: t) == (["b"], True)
+    reads.clear()
+    assert content_page([], reader([]), lambda t: t) == ([], False) and reads == []
+    # rows gone between the two reads: what is left, not cut by that
+    assert content_page([1, 1, 1], reader(["x"]), lambda t: t) == (["x"], False)
+
+
+def test_versions_page_rows_counts_each_version_with_its_separator():
+    """``defs.versions_page_rows``, the one byte rule of a versions page (the control plane's
+    and the CLI's local reads): each version's JSON plus the ``[`` or ``,`` before it fits
+    ``VERSIONS_PAGE_BYTES``; at least one version."""
+    from memfuse.defs import versions_page_rows
+
+    half = b"v" * (VERSIONS_PAGE_BYTES // 2 - 1)  # with its separator: half the page exactly
+    assert versions_page_rows([half, half, half]) == 2
+    assert versions_page_rows([half + b"v", half]) == 1  # one byte over with the separators
+    assert versions_page_rows([b"v" * (VERSIONS_PAGE_BYTES + 1), b"{}"]) == 1
+    assert versions_page_rows([]) == 0

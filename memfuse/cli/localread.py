@@ -53,11 +53,10 @@ from memfuse.defs import (
     LIVE_CONTENT_SQL,
     RECORDS_PAGE_DEFAULT,
     RECORDS_PAGE_MAX,
-    VERSIONS_PAGE_BYTES,
     VERSIONS_PAGE_DEFAULT,
     VERSIONS_PAGE_MAX,
     next_page_link,
-    page_rows_within,
+    versions_page_rows,
 )
 
 __all__ = ["LocalReadTransport", "schema_head"]
@@ -303,7 +302,8 @@ class LocalReadTransport(httpx.AsyncBaseTransport):
     def _versions(self, rid: str, q: dict[str, str]) -> _Linked:
         """A page of ``GET .../records/{id}/versions`` (``limit``, ``order``, ``cursor``), cut
         as the service cuts it (``memfuse.server.recordreads``: ``limit`` versions and
-        ``defs.VERSIONS_PAGE_BYTES`` of their JSON), with its ``Link`` when more follow."""
+        ``defs.VERSIONS_PAGE_BYTES`` of their JSON: ``defs.versions_page_rows``), with its ``Link``
+        when more follow."""
         limit = _bounded(q, "limit", VERSIONS_PAGE_DEFAULT, 1, VERSIONS_PAGE_MAX)
         cursor = _bounded(q, "cursor", -1, 0, INT64_MAX)
         order = q.get("order", "asc")
@@ -316,7 +316,7 @@ class LocalReadTransport(httpx.AsyncBaseTransport):
         args = (rid, cursor, limit + 1) if cursor >= 0 else (rid, limit + 1)
         rows = [_row(r, _VERSION_COLS) for r in self._conn.execute(sql, args)]
         encoded = [msgspec.json.encode(r) for r in rows[:limit]]
-        n = page_rows_within((len(b) + 1 for b in encoded), VERSIONS_PAGE_BYTES)  # with its "," or "["
+        n = versions_page_rows(encoded)
         more = len(rows) > n
         return _Linked(b"[" + b",".join(encoded[:n]) + b"]", rows[n - 1]["version"] if more else None)
 

@@ -33,11 +33,11 @@ from fastapi.responses import JSONResponse, Response
 from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 from mcp.server.transport_security import TransportSecuritySettings
 from starlette.routing import Route
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from memfuse.mcp_server import INDEX, TOOL_INSTRUCTIONS, build_server
 from memfuse.models import MemoryToolResult
-from memfuse.server.gate import mcp_body_bound
+from memfuse.server.gate import mcp_body_bound, replay
 from memfuse.server.memtool import ROOT, MemoryTool, ToolResult, clean_client
 from memfuse.server.service import Principal, Service, ServiceError
 
@@ -240,19 +240,11 @@ def install(app: FastAPI, svc: Service, principal: Callable[..., Any]) -> None:
             return
         if wanted:
             instructions = await backend.instructions()
-        sent = False
-
-        async def replay() -> Message:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
 
         t1 = backend_var.set(backend)
         t2 = instructions_var.set(instructions)
         try:
-            await manager.handle_request(scope, replay, send)
+            await manager.handle_request(scope, replay(body, receive), send)
         finally:
             backend_var.reset(t1)
             instructions_var.reset(t2)

@@ -16,7 +16,7 @@ from typing import Any, Literal, Unpack, cast
 
 from sqlalchemy import ColumnElement, Connection, Select, bindparam, func, null, select
 
-from memfuse.defs import FEED_PAGE_MAX, INT64_MAX, json_rows_within, page_rows_within
+from memfuse.defs import FEED_PAGE_MAX, INT64_MAX, content_page
 from memfuse.models import (DEFAULT_MODE, Access, Change, ChangePage, EventPage, Operation, Overwritten, Record,
                             WorkspaceEvent)
 from memfuse.server import deltas, keys, wakeups
@@ -72,10 +72,9 @@ def _feed_rows(
 ) -> tuple[list[Any], bool]:
     """The change-feed rows (``_feed_select``) of store ``store`` with ``after`` < seq <=
     ``top``, leaving out those of ``actor`` when given, oldest first: at most ``limit``, and
-    with content at most what ``defs.page_rows_within`` lets one page carry
-    (their sizes are read first, without content, so content past the budget is never read),
-    then at most what ``defs.json_rows_within`` lets it carry as JSON (the same budget in
-    encoded bytes: a long-poll's shared page and a stream line are encoded whole).
+    with content at most what ``defs.content_page`` lets one page carry (their sizes are
+    read first, without content, so content past the budget is never read; then the same
+    budget in JSON bytes: a long-poll's shared page and a stream line are encoded whole).
     Append versions' content is made whole. Returns the rows and whether the page was cut
     (by ``limit`` or by bytes): then more versions may follow the last one."""
     skip = actor is not None
@@ -86,14 +85,12 @@ def _feed_rows(
         rows = _ROWS[(skip, False)].all(conn, params)
         return list(rows), len(rows) >= limit
     sizes = _SIZES[skip].all(conn, params)
-    n = page_rows_within(r.size for r in sizes)
-    if n == 0:
-        return [], False
-    rows = _ROWS[(skip, True)].all(conn, {**params, "top": sizes[n - 1].seq, "lim": n})
-    rows = deltas.resolve(conn, rows)
-    # the same budget counted in JSON bytes (long-polls and streams encode a page whole)
-    kept = json_rows_within([None if r.redacted else r.content for r in rows])
-    return rows[:kept], len(sizes) >= limit or kept < len(sizes)
+
+    def read(n: int) -> list[Any]:  # the first n rows with content, append versions' made whole
+        return deltas.resolve(conn, _ROWS[(skip, True)].all(conn, {**params, "top": sizes[n - 1].seq, "lim": n}))
+
+    rows, cut = content_page([r.size for r in sizes], read, lambda r: None if r.redacted else r.content)
+    return rows, cut or len(sizes) >= limit
 
 
 def _change(v: AnyRow | SimpleNamespace, with_content: bool) -> Change:
@@ -138,7 +135,7 @@ class FeedRead:
     """One shared read of a store's change feed (``feed_read``): ``changes`` after ``after``
     up to ``store_top`` (the store's latest seq when read), ``top`` the latest seq of all
     stores (a cursor beyond it is expired), ``full`` when ``limit`` or the page byte
-    budget (``defs.page_rows_within``) cut the read."""
+    budget (``defs.content_page``) cut the read."""
 
     store: str
     after: int

@@ -513,13 +513,13 @@ class Gate:
                     if method == "GET" and path.startswith(("/v1/", "/ui/")):
                         await self._run_read(scope, body, receive, send)
                     else:
-                        await self._run(scope, _replay(body, receive), send, None, body)
+                        await self._run(scope, replay(body, receive), send, None, body)
                 finally:
                     self.inflight -= 1
                     if share is not None:
                         self.shares.give(share)
             else:
-                await self._run(scope, _replay(body, receive), send, lease)
+                await self._run(scope, replay(body, receive), send, lease)
         finally:
             self.body_bytes -= held
             if lease is not None:
@@ -571,7 +571,7 @@ class Gate:
             await gone.wait()
             return {"type": "http.disconnect"}
 
-        app_receive = _replay(body, gone_receive)
+        app_receive = replay(body, gone_receive)
 
         reset = budget.CURRENT.set(b)
         try:
@@ -889,9 +889,13 @@ async def _nothing() -> Message:
     return {"type": "http.request", "body": b"", "more_body": False}
 
 
-def _replay(body: bytes, receive: Receive) -> Receive:
-    """A ``receive`` that gives the body read already, then what ``receive`` gives (the
-    connection's own messages, or a read's disconnect once its watcher saw it: ``_run_read``)."""
+def replay(body: bytes, receive: Receive) -> Receive:
+    """An ASGI ``receive`` for an app whose request body was read before it runs: its first
+    call gives ``body`` whole (one ``http.request`` message, ``more_body`` False), every later
+    call what ``receive`` gives (the connection's own messages; a read's disconnect once its
+    watcher saw it, ``_run_read``; the fake control plane's disconnect when its client
+    closes the response, ``memfuse.fake``). Used wherever a body is read ahead of an app:
+    the gate's requests, ``/mcp`` (``memfuse.server.agent_tools``) and the fake's streams."""
     given = False
 
     async def replay() -> Message:

@@ -152,20 +152,14 @@ async def changes(svc: Service, reads: FeedReads, request: Request, p: Principal
             if not fr.full:
                 return None
 
+    async def attempt() -> Response | None:
+        got = await answer(False)
+        return None if got is None else _page_response(*got)
+
     async def body() -> Response:
-        while True:
-            waiter = notifier.subscribe(wakeups.FEED, slug, skip_actor)
-            try:
-                got = await answer(False)
-                if got is not None:
-                    return _page_response(*got)
-                remaining = deadline - anyio.current_time()
-                if remaining <= 0 or svc.closing:
-                    break
-                with anyio.move_on_after(remaining):
-                    await waiter.event.wait()
-            finally:
-                notifier.unsubscribe(waiter)
+        found = await _woken_until(svc, wakeups.FEED, slug, skip_actor, deadline, attempt)
+        if found is not None:
+            return found
         got = await answer(True)
         if got is not None:
             return _page_response(*got)
@@ -185,31 +179,47 @@ async def events(svc: Service, request: Request, p: Principal, ws: str, after: i
     key = cached if cached is not None else await anyio.to_thread.run_sync(svc.check_events_access, p, ws)
     deadline = anyio.current_time() + min(wait, MAX_WAIT_SECONDS)
 
-    def quiet() -> bool:
-        bounds = notifier.event_bounds(key)
-        return bounds is not None and bounds[0] <= after <= bounds[1]
+    async def attempt() -> Response | None:
+        if not notifier.no_events_after(key, after):
+            page = await anyio.to_thread.run_sync(lambda: svc.events_page(p, ws, after, limit))
+            if page.events:
+                return _page_response(page, None)
+        return None
 
     async def body() -> Response:
-        while True:
-            waiter = notifier.subscribe(wakeups.EVENTS, key)
-            try:
-                if not quiet():
-                    page = await anyio.to_thread.run_sync(lambda: svc.events_page(p, ws, after, limit))
-                    if page.events:
-                        return _page_response(page, None)
-                remaining = deadline - anyio.current_time()
-                if remaining <= 0 or svc.closing:
-                    break
-                with anyio.move_on_after(remaining):
-                    await waiter.event.wait()
-            finally:
-                notifier.unsubscribe(waiter)
-        if quiet():
+        found = await _woken_until(svc, wakeups.EVENTS, key, None, deadline, attempt)
+        if found is not None:
+            return found
+        if notifier.no_events_after(key, after):
             return _page_response(EventPage(events=[], seq=after), None)
         return _page_response(await anyio.to_thread.run_sync(lambda: svc.events_page(p, ws, after, limit)), None)
 
     result = await _until_disconnect(request, body)
     return result if result is not None else Response(status_code=204)
+
+
+async def _woken_until(svc: Service, kind: str, key: str, skip_actor: str | None, deadline: float,
+                       attempt: Callable[[], Awaitable[Response | None]]) -> Response | None:
+    """The wait of a long-poll: ``attempt()`` now, and again each time a commit of ``kind``
+    (``wakeups.FEED`` / ``wakeups.EVENTS``) on ``key`` wakes it (``skip_actor``'s own commits
+    left out), until it gives a response (returned), ``deadline`` (``anyio.current_time()``)
+    passes or the service is closing (None: the caller answers its final page). A waiter is
+    subscribed before each attempt, so a commit between the attempt and the wait is not
+    missed; it is unsubscribed however the attempt ends (its exception propagates)."""
+    notifier = svc.notifier
+    while True:
+        waiter = notifier.subscribe(kind, key, skip_actor)
+        try:
+            got = await attempt()
+            if got is not None:
+                return got
+            remaining = deadline - anyio.current_time()
+            if remaining <= 0 or svc.closing:
+                return None
+            with anyio.move_on_after(remaining):
+                await waiter.event.wait()
+        finally:
+            notifier.unsubscribe(waiter)
 
 
 def _page_response(page: ChangePage | EventPage, raw: bytes | None) -> Response:

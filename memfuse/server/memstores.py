@@ -29,7 +29,7 @@ from sqlalchemy import delete, false, select, tuple_, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
-from memfuse.defs import json_rows_within, page_rows_within
+from memfuse.defs import content_page
 from memfuse.models import Access, MoveResult, Record, RecordCreate, RecordMove, RecordUpdate, StoreCreate
 from memfuse.server import deltas, keys, tails
 from memfuse.server.anthropic_models import DeletedMemoryStore, MemoryStoreOut
@@ -279,7 +279,7 @@ class MemoryStoresService(Resource):
         up into one prefix item for its first ``depth`` segments, and the listing seeks past
         that directory (one query per rolled-up directory, not one per record). With content
         a page holds at most ``defs.PAGE_CONTENT_BYTES`` of it, as UTF-8 and as JSON (at least
-        one memory; ``_with_content``); the content is read only for the memories the page
+        one memory; ``_with_content``, ``defs.content_page``); the content is read only for the memories the page
         keeps by size."""
         path_col = self._path_col()
         with self.db.read_conn() as conn:
@@ -319,20 +319,21 @@ class MemoryStoresService(Resource):
 
     @staticmethod
     def _with_content(conn: Connection, items: list[ListedItem]) -> tuple[list[ListedItem], bool]:
-        """The leading ``items`` one page with content may carry (``defs.page_rows_within``
-        by the records' sizes; prefixes count 0), their rows read again with their live
-        content (a record deleted meanwhile is left out), then at most what
-        ``defs.json_rows_within`` lets the page carry as JSON (the same budget in encoded
-        bytes: the page is encoded whole, and 8 MiB of control characters is 48 MiB of
-        JSON); and whether items were cut."""
-        n = page_rows_within(it.row.size if it.row is not None else 0 for it in items)
-        ids = [it.row.id for it in items[:n] if it.row is not None]
-        rows = {r.id: r for r in conn.execute(
-            select(*_MEMORY_COLUMNS, tails.LIVE_CONTENT).select_from(_R).where(_R.c.id.in_(ids))).all()} if ids else {}
-        out = [it if it.row is None else ListedItem(rows[it.row.id], None, it.after)
-               for it in items[:n] if it.row is None or it.row.id in rows]
-        kept = json_rows_within([it.row.content if it.row is not None else None for it in out])
-        return out[:kept], n < len(items) or kept < len(out)
+        """The leading ``items`` one page with content may carry (``defs.content_page``: by
+        the records' sizes, prefixes counting 0, then in encoded JSON bytes: the page is
+        encoded whole, and 8 MiB of control characters is 48 MiB of JSON), their rows read
+        again with their live content (a record deleted meanwhile is left out); and whether
+        items were cut."""
+
+        def read(n: int) -> list[ListedItem]:
+            ids = [it.row.id for it in items[:n] if it.row is not None]
+            rows = {r.id: r for r in conn.execute(select(*_MEMORY_COLUMNS, tails.LIVE_CONTENT).select_from(_R)
+                                                  .where(_R.c.id.in_(ids))).all()} if ids else {}
+            return [it if it.row is None else ListedItem(rows[it.row.id], None, it.after)
+                    for it in items[:n] if it.row is None or it.row.id in rows]
+
+        return content_page([it.row.size if it.row is not None else 0 for it in items], read,
+                            lambda it: it.row.content if it.row is not None else None)
 
     def ms_update_memory(
         self, p: Principal, slug: str, record_id: str, *, content: str | None, path: str | None,
@@ -379,7 +380,7 @@ class MemoryStoresService(Resource):
         (inclusive) and actor (``actor_exact``: the actor string; ``actor_instance``: a
         sidecar's writes, ``ws:<any>/<instance>``); and whether more follow. With content a
         page holds at most ``defs.PAGE_CONTENT_BYTES`` of it, as UTF-8 and as JSON
-        (``defs.json_rows_within``; at least one version), read only for the versions it
+        (``defs.content_page``; at least one version), read only for the versions it
         keeps by size."""
         cols = [c for c in _V.c if c.name != "content"]
         with self.db.read_conn() as conn:
@@ -405,17 +406,18 @@ class MemoryStoresService(Resource):
                 rows = [r for r in rows if r.actor.rpartition("/")[2] == actor_instance]
             more, rows = len(rows) > limit, rows[:limit]
             if with_content and rows:
-                # content only for the versions one page may carry (defs.page_rows_within)
-                n = page_rows_within(r.size for r in rows)
-                more, seqs = more or n < len(rows), [r.seq for r in rows[:n]]
-                whole = conn.execute(select(_V).where(_V.c.seq.in_(seqs)).order_by(_V.c.seq)).all()
-                # append versions' content made whole (oldest first: links reused)
-                rows = list(reversed(deltas.resolve(conn, whole)))
-                # the same budget in JSON bytes (the page is encoded whole; a redacted or
-                # deleted version shows no content: anthropic_api.version_out)
-                kept = json_rows_within(
-                    [None if r.redacted or r.operation == "deleted" else r.content for r in rows])
-                more, rows = more or kept < len(rows), rows[:kept]
+                listed = rows
+
+                def read(n: int) -> list[Any]:  # content only for the versions one page may carry
+                    seqs = [r.seq for r in listed[:n]]
+                    whole = conn.execute(select(_V).where(_V.c.seq.in_(seqs)).order_by(_V.c.seq)).all()
+                    # append versions' content made whole (oldest first: links reused)
+                    return list(reversed(deltas.resolve(conn, whole)))
+
+                # a redacted or deleted version shows no content (anthropic_api.version_out)
+                rows, cut = content_page([r.size for r in listed], read,
+                                         lambda r: None if r.redacted or r.operation == "deleted" else r.content)
+                more = more or cut
         return rows, more
 
     def ms_get_version(self, p: Principal, slug: str, seq: int, *, with_content: bool) -> AnyRow:

@@ -13,9 +13,8 @@ from sqlalchemy import false, func, select, text, tuple_
 
 from memfuse import content as content_rules
 from memfuse import wire
-from memfuse.defs import (DEFAULT_MODE, RECORDS_PAGE_DEFAULT, RECORDS_PAGE_MAX, VERSIONS_PAGE_BYTES,
-                          VERSIONS_PAGE_DEFAULT, json_rows_within, next_page_link,
-                          page_rows_within)
+from memfuse.defs import (DEFAULT_MODE, RECORDS_PAGE_DEFAULT, RECORDS_PAGE_MAX, VERSIONS_PAGE_DEFAULT, content_page,
+                          next_page_link, versions_page_rows)
 from memfuse.models import Record, RecordPage, Version
 from memfuse.server import keys, tails
 from memfuse.server.base import AnyRow, Principal, Resource, ServiceError, _R, _V, holds
@@ -81,8 +80,8 @@ class RecordReadsService(Resource):
         ``0005_records_path_bytes``; with ``include_deleted`` it sorts the store's records).
         With ``raw_times`` on SQLite the two times come as stored text (``_sqlite_time``);
         the last member says whether they do. With content a page holds at most
-        ``defs.PAGE_CONTENT_BYTES`` of it (``page_rows_within``; at least one record), counted
-        again in JSON bytes (``json_rows_within``), and more follow when it was cut."""
+        ``defs.PAGE_CONTENT_BYTES`` of it, counted again in JSON bytes (``content_page``; at
+        least one record), and more follow when it was cut."""
         with self.db.read_conn() as conn:
             st = self._store(conn, p, slug)
             seq = conn.scalar(select(func.max(_V.c.seq)).where(_V.c.store == st.slug)) or 0
@@ -106,18 +105,17 @@ class RecordReadsService(Resource):
             # with content: the sizes first, so content past the page's byte budget is never read
             keys_q = q.with_only_columns(_R.c.path, _R.c.id, _R.c.size)
             sizes = conn.execute(keys_q.order_by(path_col, _R.c.id).limit(limit + 1)).all()
-            n = page_rows_within(r.size for r in sizes[:limit])
-            if n == 0:
-                return [], False, seq, raw_times
-            cut = len(sizes) > n
-            if cut:  # up to the last record kept (a record created meanwhile may push it out: then
-                last = sizes[n - 1]  # the cursor is the last one read, and it is on the next page)
-                q = q.where(tuple_(path_col, _R.c.id) <= tuple_(last.path, last.id))
-            rows = conn.execute(q.order_by(path_col, _R.c.id).limit(n + 1)).all()
-        # the same budget in JSON bytes (one rule with the change feed: a page's answer holds at
-        # most 8 MiB of encoded content, whoever reads it whole)
-        kept = json_rows_within([r.content for r in rows[:n]])
-        return rows[:kept], cut or len(rows) > kept, seq, raw_times
+
+            def read(n: int) -> Sequence[AnyRow]:  # the first n with content, and one more if any
+                q_n = q
+                if len(sizes) > n:  # up to the last record kept (a record created meanwhile may push it
+                    last = sizes[n - 1]  # out: then the cursor is the last one read, on the next page)
+                    q_n = q.where(tuple_(path_col, _R.c.id) <= tuple_(last.path, last.id))
+                return conn.execute(q_n.order_by(path_col, _R.c.id).limit(n + 1)).all()
+
+            # one rule with the change feed: a page's answer holds at most 8 MiB of content
+            page, cut = content_page([r.size for r in sizes[:limit]], read, lambda r: r.content)
+        return page, cut or len(sizes) > limit, seq, raw_times
 
     def list_records(
         self,
@@ -268,7 +266,7 @@ class RecordReadsService(Resource):
         """One page of the record's versions (deleted records too), without content: oldest
         first (after version ``cursor``), or with ``newest_first`` newest first (before
         version ``cursor``). At most ``limit`` versions and at most
-        ``defs.VERSIONS_PAGE_BYTES`` of their JSON (``defs.page_rows_within``: at least one
+        ``defs.VERSIONS_PAGE_BYTES`` of their JSON (``defs.versions_page_rows``: at least one
         version). ``next_cursor``: the last version's number when more follow, else None.
         404 ``store_not_found`` / ``record_not_found``."""
         cols = [c for c in _V.c if c.name != "content"]
@@ -287,7 +285,7 @@ class RecordReadsService(Resource):
             rows = conn.execute(q.limit(limit + 1)).all()
         versions = [_version_model(v, with_content=False) for v in rows[:limit]]
         encoded = [v.model_dump_json().encode() for v in versions]
-        n = page_rows_within((len(b) + 1 for b in encoded), VERSIONS_PAGE_BYTES)  # with its "," or "["
+        n = versions_page_rows(encoded)
         more = len(rows) > n
         return VersionList(versions[:n], encoded[:n], versions[n - 1].version if more else None)
 

@@ -195,13 +195,9 @@ class Streams:
         cached = svc.cached_events_key(p, ws)
         key = cached if cached is not None else await anyio.to_thread.run_sync(svc.check_events_access, p, ws)
 
-        def quiet() -> bool:
-            bounds = notifier.event_bounds(key)
-            return bounds is not None and bounds[0] <= cursor <= bounds[1]
-
         async def lines() -> tuple[list[bytes], bool]:
             nonlocal cursor
-            if quiet():
+            if notifier.no_events_after(key, cursor):
                 return [], False
             at = cursor
             page = await anyio.to_thread.run_sync(lambda: svc.events_page(p, ws, at, limit))

@@ -464,6 +464,12 @@ class Notifier:
             w = self._ev_ws.get(ws)
             return None if w is None else (w, self._ev_top)
 
+    def no_events_after(self, ws: str, seq: int) -> bool:
+        """Whether the cache knows workspace ``ws`` has no event after ``seq`` (a cursor
+        between the two ``event_bounds``): a long-poll or stream of its events needs no read."""
+        bounds = self.event_bounds(ws)
+        return bounds is not None and bounds[0] <= seq <= bounds[1]
+
     def readable(self, scope: str, kind: str, key: str) -> bool:
         """Whether ``scope`` (a token scope) was found allowed to read ``key`` (a store for
         ``FEED``, a workspace for ``EVENTS``) since access last changed."""
