@@ -5,7 +5,8 @@ of the close path; bench/README.md, "The close path").
 
 Usage: ``python bench/bench_api_create.py [--n 1000] [--rounds 3] [--client httpx|lean]``; one
 JSON line per round:
-requests/s, ms per request (wall), serve's CPU ms per request (all threads; user / system; the
+requests/s, ms per request (wall; and the median and 90th percentile of the requests' round
+trips, ``p50_ms`` / ``p90_ms``, which a loaded machine's stalls move less than the mean), serve's CPU ms per request (all threads; user / system; the
 event-loop thread apart from the others), its context switches per request, the load average.
 Compare branches by running a ``git archive`` copy of the other with ``PYTHONPATH`` in the same
 minutes (wall figures swing with the machine's load; CPU per request holds better).
@@ -157,11 +158,15 @@ def main() -> None:
                     if args.profile is not None:
                         os.kill(pid, signal.SIGUSR1)
                     a = sample(pid)
+                    times: list[float] = []  # each request's round trip, s
                     t = time.perf_counter()
                     for i in range(n):
+                        t_req = time.perf_counter()
                         await c.create_record(STORE, f"r{rnd}/{i}.md", content(i).decode(),
                                               idempotency_key=str(uuid.uuid4()))
+                        times.append(time.perf_counter() - t_req)
                     dt = time.perf_counter() - t
+                    times.sort()
                     b = sample(pid)
                     if args.profile is not None:
                         os.kill(pid, signal.SIGUSR2)
@@ -197,6 +202,7 @@ def main() -> None:
                     d = {k: b[k] - a.get(k, 0.0) for k in b}
                     print(json.dumps({
                         "round": rnd, "client": args.client, "steady": args.steady, "req_s": round(n / dt, 1), "ms_per_req": round(dt / n * 1000, 3),
+                        "p50_ms": round(times[n // 2] * 1000, 3), "p90_ms": round(times[n * 9 // 10] * 1000, 3),
                         "serve_cpu_ms": round((d["user"] + d["sys"]) / n * 1000, 3),
                         "user_ms": round(d["user"] / n * 1000, 3), "sys_ms": round(d["sys"] / n * 1000, 3),
                         "loop_thread_ms": round(d["main"] / n * 1000, 3),

@@ -17,7 +17,8 @@ event feeds) have their head bounded so, then each of their lines (a page or a h
 ``read_timeout`` s from when it is awaited, moved on as its bytes arrive
 (``stream.PageStream._lines``). One rule in one place: every path calls ``extend``. No trio import here
 (the CLI's read commands import this module through ``base`` and never load trio); the
-scope is any object with a ``deadline`` (``trio.CancelScope``).
+scope is any object with a ``deadline``: a ``trio.CancelScope`` (httpx path, streams) or the
+lean path's ``lean._Bound`` (kept by the timer keeper, ``memfuse.timers``).
 """
 from __future__ import annotations
 

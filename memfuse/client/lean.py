@@ -46,6 +46,7 @@ from h11._headers import Headers as _H11Headers, _field_value_re as _VALUE_RE
 from h11._headers import normalize_and_validate as _h11_headers
 from h11._readers import status_line_re as _STATUS_RE
 
+from .. import timers
 from . import deadline
 
 #: idle keep-alive connections kept for reuse
@@ -132,6 +133,14 @@ class _Conn:
             except BlockingIOError:
                 pass
 
+    def cut(self) -> None:
+        """Shut the connection down both ways (its request's deadline passed: ``_Bound``);
+        the descriptor stays open until ``aclose``."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:  # not connected any more: nothing to wake
+            pass
+
     async def aclose(self) -> None:
         if self.stream is None:
             trio.lowlevel.notify_closing(self.sock)
@@ -142,6 +151,38 @@ class _Conn:
                 await trio.aclose_forcefully(self.stream)
             except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
+
+
+class _Bound:
+    """The total deadline of one request (``deadline``: ``trio.current_time()``, moved on
+    by ``deadline.extend`` as the body arrives), kept by the run's timer keeper
+    (``memfuse.timers``) instead of a trio cancel scope (~58 k instructions each, one per
+    commit request: bench/README.md, "The close path, session 16: sidecar"). At the
+    deadline the connection in use (``conn``) is shut down (``shutdown(2)`` both ways): a
+    wait on it ends at once (readable at EOF), every later read gives EOF and every send
+    fails, so whatever the exchange awaits ends with a transport error, which ``exchange``
+    turns into the deadline's ``httpx.ReadTimeout`` (``expired``). The connection is never
+    reused then (an exchange that failed closes it)."""
+
+    __slots__ = ("deadline", "conn", "expired", "_timer")
+
+    def __init__(self, deadline: float) -> None:
+        self.deadline = deadline
+        self.conn: _Conn | None = None
+        self.expired = False
+        self._timer = timers.call_at(deadline, self._due)
+
+    def _due(self) -> None:
+        if trio.current_time() < self.deadline:  # moved on since (``deadline.extend``)
+            self._timer = timers.call_at(self.deadline, self._due)
+            return
+        self.expired = True
+        if self.conn is not None:
+            self.conn.cut()
+
+    def cancel(self) -> None:
+        """The exchange ended: nothing happens at the deadline."""
+        self._timer.cancel()
 
 
 class _StaleConnection(Exception):
@@ -182,9 +223,11 @@ class LeanHTTP:
         for c in idle:
             await c.aclose()
 
-    async def _connect(self) -> _Conn:
+    async def _connect(self, until: float = float("inf")) -> _Conn:
+        """A new connection, made within ``timeout`` s and before ``until``
+        (``trio.current_time()``: its request's deadline)."""
         try:
-            with trio.fail_after(self.timeout):
+            with trio.fail_at(min(trio.current_time() + self.timeout, until)):
                 tcp = await trio.open_tcp_stream(self.host, self.port)
                 if self.https:
                     ctx = self.ssl_context or ssl.create_default_context()
@@ -206,14 +249,15 @@ class LeanHTTP:
         self.connections_opened += 1
         return conn
 
-    async def _take(self) -> tuple[_Conn, bool]:
-        """A connection for the next request and whether it was idle in the pool (reused)."""
+    async def _take(self, until: float = float("inf")) -> tuple[_Conn, bool]:
+        """A connection for the next request and whether it was idle in the pool (reused);
+        a new one is made before ``until`` (``_connect``)."""
         while self._idle:
             c = self._idle.pop()
             if c.reusable():
                 return c, True
             await c.aclose()
-        return await self._connect(), False
+        return await self._connect(until), False
 
     def _headers(self, headers: list[tuple[str, str]],
                  length: int | None) -> tuple[list[tuple[bytes, bytes, bytes]], bytes]:
@@ -266,17 +310,24 @@ class LeanHTTP:
         as ``send``."""
         body = content or b""
         length = len(body) if content is not None or method in ("POST", "PUT", "PATCH") else None
-        resp: Answer | None = None
-        with trio.CancelScope(deadline=trio.current_time() + self.timeout) as scope:
+        bound = _Bound(trio.current_time() + self.timeout)
+        try:
             try:
-                resp = await self._exchange(scope, method, path, headers, length, body)
+                return await self._exchange(bound, method, path, headers, length, body)
             except _StaleConnection:  # sent again, once, on a new connection (within the deadline)
-                resp = await self._exchange(scope, method, path, headers, length, body, fresh=True)
-        if resp is None:  # the scope's deadline passed (a drip, or a server that stalls)
-            raise httpx.ReadTimeout(deadline.message(self.timeout))
-        return resp
+                if not bound.expired:
+                    return await self._exchange(bound, method, path, headers, length, body, fresh=True)
+        except httpx.TransportError:
+            # what an exchange cut at its deadline ended with (an EOF, a failed send or read,
+            # a connect cut short) is the deadline's timeout
+            if not (bound.expired or trio.current_time() >= bound.deadline):
+                raise
+        finally:
+            bound.cancel()
+        # the deadline passed (a drip, or a server that stalls)
+        raise httpx.ReadTimeout(deadline.message(self.timeout))
 
-    async def _exchange(self, scope: trio.CancelScope, method: str, path: str,
+    async def _exchange(self, scope: _Bound, method: str, path: str,
                         headers: list[tuple[str, str]], length: int | None,
                         body: bytes, fresh: bool = False) -> "Answer":
         """One request on a pooled connection (``fresh``: a new one). Raises
@@ -284,9 +335,12 @@ class LeanHTTP:
         server closed it as idle while the request went out: the request never arrived
         whole, so ``exchange`` sends it once more on a new connection), else as ``send``."""
         if fresh:
-            c, reused = await self._connect(), False
+            c, reused = await self._connect(scope.deadline), False
         else:
-            c, reused = await self._take()
+            c, reused = await self._take(scope.deadline)
+        scope.conn = c
+        if scope.expired:  # (while it connected)
+            c.cut()
         ok = reuse = False
         try:
             target = self.prefix + path
@@ -319,7 +373,7 @@ class LeanHTTP:
             await c.aclose()
         return resp
 
-    async def _early_answer(self, c: _Conn, scope: trio.CancelScope, method: str, target: str,
+    async def _early_answer(self, c: _Conn, scope: _Bound, method: str, target: str,
                             hdrs: list[tuple[bytes, bytes, bytes]], length: int | None,
                             body: bytes) -> "Answer | None":
         """The answer the server sent before the request's send broke (it answered without
@@ -335,7 +389,7 @@ class LeanHTTP:
             return resp if resp.status >= 400 else None
         return None
 
-    async def _read(self, c: _Conn, scope: trio.CancelScope, wait: bool = False) -> bytes:
+    async def _read(self, c: _Conn, scope: _Bound, wait: bool = False) -> bytes:
         """The next bytes of the answer (b"" at EOF; ``wait``: none can be there yet,
         ``_Conn.receive``). Each read is bounded by ``timeout`` s (``httpx.Timeout``'s read
         timeout); while ``scope`` ends sooner than that (always before the head arrived: it
@@ -350,7 +404,7 @@ class LeanHTTP:
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError) as exc:
             raise httpx.ReadError(str(exc) or type(exc).__name__) from None
 
-    async def _receive(self, c: _Conn, scope: trio.CancelScope, method: str, target: str,
+    async def _receive(self, c: _Conn, scope: _Bound, method: str, target: str,
                        hdrs: list[tuple[bytes, bytes, bytes]], length: int | None,
                        body: bytes) -> tuple["Answer", bool]:
         """Read one whole answer: ``(answer, reusable)``. An answer in the plain form the
@@ -383,7 +437,7 @@ class LeanHTTP:
             return await self._receive_h11(c, scope, method, target, hdrs, length, body, buf, b"x"), False
         return Answer(status, reason, headers, buf[start:]), keep_alive
 
-    async def _receive_h11(self, c: _Conn, scope: trio.CancelScope, method: str, target: str,
+    async def _receive_h11(self, c: _Conn, scope: _Bound, method: str, target: str,
                            hdrs: list[tuple[bytes, bytes, bytes]], length: int | None,
                            body: bytes, buf: bytes,
                            last: bytes) -> "Answer":

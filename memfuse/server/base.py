@@ -24,6 +24,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Unpack, cast
@@ -591,11 +592,20 @@ class AccessRules:
         return st
 
 
+#: How the answer of the write running in this context may leave as soon as its transaction
+#: commits (``Writer.write`` calls it once with the ``Reply``, after the commit's wake-ups and
+#: before the full-text drain): set by the record-write fast path (``memfuse.server.writepath``)
+#: around its write's thread hop; None (the default): the answer leaves when ``write`` returns.
+#: The function must not raise and must not block.
+EARLY_ANSWER: ContextVar[Callable[[Reply], None] | None] = ContextVar("memfuse_early_answer", default=None)
+
+
 class Writer:
     """The one write transaction of the control plane (``write``) with its idempotency
     check and store, over ``db``; what a write changed is published to the other replicas on
     ``bus`` and wakes this process's long-polls through ``notifier`` after the commit
-    (``memfuse.server.wakeups``)."""
+    (``memfuse.server.wakeups``), then hands its answer to ``EARLY_ANSWER``'s function when
+    one is set."""
 
     db: Database
     notifier: Notifier
@@ -628,10 +638,27 @@ class Writer:
         request with the same key committed meanwhile (PostgreSQL's concurrent writers)
         replays that request's stored answer (``idem_settled``). Raises ``ServiceError`` from
         ``fn``, or 422 ``idempotency_key_reused``; ``sqlalchemy.exc.OperationalError`` when the
-        database stays locked."""
+        database stays locked. With ``EARLY_ANSWER`` set (and ``feed``), the commit's wake-ups
+        run and its reply is handed to that function as soon as the transaction commits (before
+        ``Database.write_conn``'s follow-up work, the full-text drain), then the reply is returned."""
+        early = EARLY_ANSWER.get() if feed is not None else None
+        # the committing attempt's reply and notes, made at the end of its transaction (``early``)
+        ready: list[tuple[Reply, list[wakeups.Note], list[int], list[int]]] = []
+        answered: Callable[[], None] | None = None
+        if early is not None:
+            def answered() -> None:
+                if not ready:
+                    return  # a replay: nothing written, the reply is returned
+                reply, notes, vseqs, eseqs = ready[-1]
+                self.notifier.committed(notes, own=(vseqs, eseqs))  # as below, before the answer
+                try:
+                    early(reply)
+                except Exception:  # noqa: BLE001 - the write committed: its reply is returned
+                    log.exception("early answer failed")
         for attempt in range(3):
+            ready.clear()
             try:
-                with (self.db.write_conn() if feed is not None else self.db.write()) as s:
+                with (self.db.write_conn(committed=answered) if feed is not None else self.db.write()) as s:
                     # ``s`` is what the branch above opened: a Core connection with ``feed``, else a Session
                     conn = cast(Connection, s) if feed is not None else cast(Session, s).connection()
                     wakeups.begin_notes()
@@ -666,6 +693,8 @@ class Writer:
                         )
                     notes, vseqs, eseqs = wakeups.take_notes()
                     self.bus.publish(conn, notes)  # PostgreSQL: delivered at commit, if it commits
+                    if answered is not None:
+                        ready.append((Reply(status, body, headers), notes, vseqs, eseqs))
                 break
             except IntegrityError:
                 # A concurrent transaction (another process, PostgreSQL) took the same path or
@@ -685,7 +714,8 @@ class Writer:
                     raise
                 log.info("write refused (%d %s) after a request with its key committed: replayed", e.status, e.code)
                 return replay
-        self.notifier.committed(notes, own=(vseqs, eseqs))
+        if answered is None:  # else ``answered`` did, as the transaction committed
+            self.notifier.committed(notes, own=(vseqs, eseqs))
         return Reply(status, body, headers)
 
     def idem_cleanup(self, conn: Connection) -> None:

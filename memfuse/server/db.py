@@ -739,11 +739,13 @@ class Database:
                 self._all_lock.release()
 
     @contextmanager
-    def write_conn(self) -> Iterator[Connection]:
+    def write_conn(self, committed: Callable[[], None] | None = None) -> Iterator[Connection]:
         """``write()`` without the ORM: a Core connection in a write transaction (``BEGIN
         IMMEDIATE`` on SQLite), committed when the block ends without error and rolled back
         otherwise. Same locking rules and errors as ``write()``. On an SQLite file every such
-        transaction runs on one connection kept between them (``_kept``)."""
+        transaction runs on one connection kept between them (``_kept``). ``committed()`` is
+        called once the transaction has committed, before the follow-up work of a write
+        (SQLite: the full-text drain, ``_drain_due``); it must not raise."""
         lock = self._all_lock if self._all_lock is not None else self._write_lock
         if lock is not None:
             lock.acquire()
@@ -752,6 +754,8 @@ class Database:
                 with self._write_bind.connect() as conn:
                     with conn.begin():
                         yield conn
+                    if committed is not None:
+                        committed()
                     if self.is_sqlite:
                         self._drain_due(conn)
                 return
@@ -763,6 +767,8 @@ class Database:
             conn = kept
             with self._driver_transaction(conn):
                 yield conn
+            if committed is not None:
+                committed()
             self._drain_due(conn)
             if conn.invalidated or conn.in_transaction():  # a drain that failed half-way
                 self._kept = None

@@ -117,9 +117,14 @@ PROBES = ("/healthz", "/readyz")
 # function ``() -> bytes | None`` giving the whole request body when the server holds all of
 # it already (it is then read: ``receive`` gives no more of it), else None; ``SEND_WITHIN``,
 # ``async (message, seconds)``: ``send(message)`` bounded by the server itself, raising
-# ``TimeoutError`` (the connection then closes) when it does not finish within ``seconds``.
+# ``TimeoutError`` (the connection then closes) when it does not finish within ``seconds``;
+# ``EARLY``, ``(status, headers, body) -> None``, callable from another thread while the
+# request's task waits for that thread: the whole answer sent at once as the server would frame
+# it, when it can be without waiting; the answer the app sends after it is then this one
+# (``memfuse.server.lean._Exchange.send_early``).
 BODY = "memfuse.body"
 SEND_WITHIN = "memfuse.send_within"
+EARLY = "memfuse.send_early"
 _TRUE = ("true", "1", "yes", "on")
 
 

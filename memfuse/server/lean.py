@@ -43,7 +43,7 @@ from urllib.parse import unquote
 import h11
 import trio
 
-from memfuse.server.gate import BODY, SEND_WITHIN
+from memfuse.server.gate import BODY, EARLY, SEND_WITHIN
 from memfuse.server.writepath import ROUTE
 
 MAX_RECV = 65536  # bytes read per receive (hypercorn's ``MAX_RECV``)
@@ -233,7 +233,8 @@ class LeanHTTP:
                         "method": head.method, "scheme": "http", "path": path, "raw_path": head.path,
                         "query_string": b"", "root_path": "", "headers": head.headers, "client": client,
                         "server": server, "state": self.lifespan_state.copy(), ROUTE: route,
-                        "extensions": {BODY: exchange.take_body, SEND_WITHIN: exchange.send_within},
+                        "extensions": {BODY: exchange.take_body, SEND_WITHIN: exchange.send_within,
+                                       EARLY: exchange.send_early},
                     }
                     try:
                         await self.app(scope, exchange.receive, exchange.send)
@@ -398,7 +399,7 @@ class _Exchange:
     header h11 refuses) is framed by h11 itself, given the request's method and keep-alive."""
 
     __slots__ = ("lean", "request", "buf", "sock", "closed", "requests", "remaining", "body_done", "close",
-                 "head", "h11", "status", "done", "broken", "done_event", "send_timeout")
+                 "head", "h11", "status", "done", "broken", "done_event", "send_timeout", "early")
 
     def __init__(self, lean: LeanHTTP, request: _Head, buf: bytearray, sock: socket.socket,
                  closed: bool, requests: int) -> None:
@@ -419,6 +420,10 @@ class _Exchange:
         self.broken = False  # the connection failed (reset, a send cut): close it
         self.done_event: trio.Event | None = None
         self.send_timeout = math.inf  # s a send may take (``send_within``)
+        # the answer framed and sent by ``send_early`` (status, its bytes, how many of them
+        # went out), else None. INVARIANT: once set, it is the answer: ``send`` sends the rest
+        # of its bytes and nothing else
+        self.early: tuple[int, bytes, int] | None = None
 
     async def receive(self) -> dict[str, Any]:
         if self.body_done or self.head is not None or self.broken:
@@ -484,6 +489,30 @@ class _Exchange:
         finally:
             self.send_timeout = math.inf
 
+    def send_early(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        """The whole answer (``status``, ASGI ``headers``, ``body``), framed as ``send`` frames
+        it, sent now with one non-blocking write, from any thread, while this request's task
+        waits for that thread (the gate's extension ``EARLY``: the write path's answer leaves
+        as its transaction commits, before the event loop is woken; bench/README.md, "The
+        close path, session 16: serve"). Only an answer that is plain (``_plain_answer``) on a
+        connection that stays open, before anything was sent; otherwise nothing happens and
+        the app's ``send`` frames it as ever. What the write did not take (the socket's buffer
+        full, an error) is sent by ``send``, which sends nothing else: the app's own answer,
+        sent after this, must be this one. Never raises."""
+        if (self.head is not None or self.early is not None or self.done or self.broken or self.close
+                or self.requests >= self.lean.keep_alive_max_requests):
+            return
+        framed = [(bytes(k).strip(), bytes(v).strip()) for k, v in headers]
+        framed += self.lean.response_headers()
+        data = _plain_answer(status, framed, body, False)
+        if data is None:
+            return
+        try:
+            sent = self.sock.send(data)
+        except OSError:  # the buffer full, or the client gone: ``send`` finds out
+            sent = 0
+        self.early = (status, data, sent)
+
     async def send(self, message: dict[str, Any]) -> None:
         kind = message["type"]
         if self.done or self.broken:
@@ -491,6 +520,10 @@ class _Exchange:
         if kind == "http.response.start":
             if self.head is not None:
                 raise RuntimeError("http.response.start sent twice")
+            if self.early is not None:  # sent (``send_early``): its head is out
+                self.status = self.early[0]
+                self.head = (self.status, [])
+                return
             headers = [(bytes(k).strip(), bytes(v).strip()) for k, v in message.get("headers", ())]
             headers += self.lean.response_headers()
             if self.requests >= self.lean.keep_alive_max_requests:
@@ -502,6 +535,14 @@ class _Exchange:
             raise RuntimeError(f"unexpected ASGI message {kind!r}")
         body = message.get("body", b"")
         more = message.get("more_body", False)
+        early = self.early
+        if early is not None:  # the whole answer: what of it did not go out yet
+            self.head = b""
+            self.done = True
+            if early[2] < len(early[1]):
+                await self._write(early[1][early[2]:])
+            self.finish()
+            return
         head, self.head = self.head, b""
         data: bytes | None = None
         if isinstance(head, tuple):
@@ -622,14 +663,17 @@ def _framer(request: _Head) -> h11.Connection:
     return conn
 
 
-_DATES: list[Any] = [0, b""]
+#: (second, its ``Date`` value), replaced whole: read and written from the event loop and
+#: from a write's thread (``_Exchange.send_early``), never a second paired with another's value
+_DATE: tuple[int, bytes] = (0, b"")
 
 
 def date_header() -> bytes:
-    """The ``Date`` value (RFC 9110 IMF-fixdate) of now, formatted once a second."""
+    """The ``Date`` value (RFC 9110 IMF-fixdate) of now, formatted once a second. Thread-safe."""
+    global _DATE
     now = int(time.time())
-    if _DATES[0] != now:
+    kept = _DATE
+    if kept[0] != now:
         from wsgiref.handlers import format_date_time
-        _DATES[0], _DATES[1] = now, format_date_time(now).encode("ascii")
-    value: bytes = _DATES[1]
-    return value
+        kept = _DATE = (now, format_date_time(now).encode("ascii"))
+    return kept[1]

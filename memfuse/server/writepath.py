@@ -19,7 +19,10 @@ writer thread of ``memfuse.server.writerthread``), and the same response:
 ``batch_body``, refusals rendered by ``problems.exception_response``
 as the app's exception handlers render them. The request-duration histogram
 (``http_request_duration_seconds``) and the front door's counters see it as they see a
-FastAPI-served request.
+FastAPI-served request. When the HTTP server offers ``gate.EARLY`` (the lean path), a create's or
+update's answer leaves from the write's thread as its transaction commits (``base.EARLY_ANSWER``:
+framed by the same ``reply_head``); the sends after the hop then only finish it
+(bench/README.md, "The close path, session 16: serve").
 """
 from __future__ import annotations
 
@@ -38,7 +41,9 @@ from starlette.types import Scope, Send
 
 from memfuse.models import BatchRequest, RecordCreate, RecordUpdate
 from memfuse.server import routetable as table
+from memfuse.server.base import EARLY_ANSWER
 from memfuse.server.batch import batch_body
+from memfuse.server.gate import EARLY
 from memfuse.server.routes import records as record_routes
 from memfuse.server.routes.deps import reply_head
 from memfuse.server.service import Principal, Reply, Service, idempotency_request
@@ -115,15 +120,21 @@ class WritePath:
                 await anyio.to_thread.run_sync(svc.token_upkeep)
             idem = idempotency_request(key, method, url_path(scope), body, value) if key else None
             reply: Reply
-            if m.route is table.CREATE_RECORD:
-                assert isinstance(parsed, RecordCreate)
-                reply = await self.hop(svc.create_record, p, store, parsed, idem)
-            else:
-                assert isinstance(parsed, RecordUpdate)
-                if_match = headers.get(b"if-match")
-                reply = await self.hop(
-                    svc.update_record, p, store, m.params["record_id"], parsed,
-                    if_match.decode("latin-1") if if_match is not None else None, idem)
+            early = (scope.get("extensions") or {}).get(EARLY)
+            token = EARLY_ANSWER.set(_early_sender(early)) if early is not None else None
+            try:
+                if m.route is table.CREATE_RECORD:
+                    assert isinstance(parsed, RecordCreate)
+                    reply = await self.hop(svc.create_record, p, store, parsed, idem)
+                else:
+                    assert isinstance(parsed, RecordUpdate)
+                    if_match = headers.get(b"if-match")
+                    reply = await self.hop(
+                        svc.update_record, p, store, m.params["record_id"], parsed,
+                        if_match.decode("latin-1") if if_match is not None else None, idem)
+            finally:
+                if token is not None:
+                    EARLY_ANSWER.reset(token)
             answer: tuple[int, list[tuple[bytes, bytes]], bytes] | Response = reply_head(reply)
         except Exception as e:  # rendered as the app's exception handlers would
             answer = self.problem(e, scope)
@@ -178,6 +189,15 @@ class WritePath:
 
 
 _ROUTES = (table.CREATE_RECORD, table.UPDATE_RECORD, table.BATCH)
+
+
+def _early_sender(early: Callable[[int, list[tuple[bytes, bytes]], bytes], None]) -> Callable[[Reply], None]:
+    """``EARLY_ANSWER``'s function for a request whose HTTP server offers ``gate.EARLY``: the
+    write's reply framed by ``reply_head`` (the same answer ``_send`` sends after the hop)
+    and sent through ``early`` from the write's thread as its transaction commits."""
+    def send(reply: Reply) -> None:
+        early(*reply_head(reply))
+    return send
 
 
 def url_path(scope: Scope) -> str:
