@@ -23,8 +23,12 @@ pytestmark = pytest.mark.mount
 N = 12  # files under d/sub
 
 
+def _status(sc: Sidecar) -> dict:
+    return json.loads((sc.mountpoint / ".memfuse" / "status.json").read_text())
+
+
 def _depth(sc: Sidecar) -> int:
-    return json.loads((sc.mountpoint / ".memfuse" / "status.json").read_text())["outbox"]["depth"]
+    return _status(sc)["outbox"]["depth"]
 
 
 def _tree(root) -> set[str]:
@@ -59,7 +63,10 @@ def test_a_directory_move_replayed_after_a_kill_shows_where_it_committed(tmp_pat
         cp.stop()  # the move is queued, not sent
         sh("mv d e", m, timeout=30)
         wait_until(lambda: _depth(sc) == 1, timeout=10, what="the move queued")
-        time.sleep(1)  # the local-only file's new path written too (its own journal row)
+        # the local-only file's new path written too (its own journal row, queued with no
+        # close waiting for it: a lazy write; a fixed 1 s wait was short under load)
+        wait_until(lambda: _status(sc)["cache"]["journal_queued"] == 0, timeout=30,
+                   what="the journal written")
         sc.kill9()  # the move is in the journal only
         sc.proc = None
 

@@ -40,10 +40,11 @@ def _depth(sc: Sidecar) -> int:
     return json.loads((sc.mountpoint / ".memfuse" / "status.json").read_text())["outbox"]["depth"]
 
 
-def _shown(p: Path, content: str) -> None:
-    """Wait until the mount shows ``content`` at ``p`` by its sha256 attribute (no open, no
-    read: nothing is served to a reader)."""
-    wait_applied(p, hashlib.sha256(content.encode()).hexdigest(), timeout=15, what=f"{p.name} applied from the feed")
+def _shown(p: Path, content: str, timeout: float = 15) -> None:
+    """Wait (at most ``timeout`` s) until the mount shows ``content`` at ``p`` by its sha256
+    attribute (no open, no read: nothing is served to a reader)."""
+    wait_applied(p, hashlib.sha256(content.encode()).hexdigest(), timeout=timeout,
+                 what=f"{p.name} applied from the feed")
 
 
 def _settled(cp, a, b, name: str) -> str:
@@ -359,23 +360,24 @@ def test_a_reader_whose_reads_straddle_a_remote_change_makes_the_overwrite_a_rep
     cp, a, c = held
     name = f"torn-{uuid.uuid4().hex[:6]}.log"
     v1 = "counter=0\n" + "".join(f"line {i:02d} {'x' * 92}\n" for i in range(1, 30))
-    _, pc = written_and_seen(a, c, "s", name, v1, timeout=15)
+    # the setup's waits end at their event; their bounds are generous for a loaded machine
+    # (15 s, a bound on the feed's delay, was the only timing this setup assumed)
+    _, pc = written_and_seen(a, c, "s", name, v1, timeout=60)
     errs = len([e for e in errors_log(c.mountpoint) if e.get("conflict")])
     with open(pc, "rb", buffering=0) as f:
         first = f.read(1500)  # the reader in C: version 1 up to byte 1500
         v2 = v1.replace("line 05", "A-1 inserted\nline 05")
         sh(f"sed -i 's/^line 05/A-1 inserted\\nline 05/' {name}", a.mountpoint / "s")
-        wait_until(lambda: live_records(cp, "s")[name].content == v2, timeout=30,
+        wait_until(lambda: live_records(cp, "s")[name].content == v2, timeout=60,
                    what="A's version 2 committed")
-        _shown(pc, v2)  # C applied version 2 (no reader served it)
-        # the invalidation waits for this reader (torn16b), READER_LINGER s at most: a
-        # reader open longer than that straddles the change
-        wait_until(lambda: sidecar_status(c)["invalidations"].get("waiting_for_readers", 1) > 0,
-                   timeout=15, what="C's invalidation waiting for the reader")
-        wait_until(lambda: sidecar_status(c)["invalidations"]["pending"] == 0, timeout=15,
+        _shown(pc, v2, timeout=60)  # C applied version 2 (no reader served it)
+        # the invalidation waits for this reader (torn16b), READER_LINGER s at most (counted
+        # in "pending" meanwhile): a reader open longer than that straddles the change
+        wait_until(lambda: sidecar_status(c)["invalidations"]["pending"] == 0, timeout=60,
                    what="C's kernel dropped version 1's pages")
+        inv = sidecar_status(c)["invalidations"]
         got = first + f.read()  # version 2 from byte 1500 on
-    assert got != v1.encode() and got != v2.encode()
+    assert got != v1.encode() and got != v2.encode(), (len(got), got == v1.encode(), inv)
     ours = got.decode().replace("counter=0", "counter=1")
     _rewrite(pc, ours, "rename")
     wait_until(lambda: _depth(a) == 0 and _depth(c) == 0, timeout=60, what="both outboxes drained")
