@@ -217,17 +217,9 @@ class Committer:
         commit returns then)."""
         why = err.code or (f"http_{err.status}" if err.status else "unreachable")
         self._unconfirmed.update(self.queues)
-        self.failed_attempts += 1
-        for w in self._watched:
-            w.notify()
-        if self.unreachable is not None:
-            self.unreachable["error"] = why
-            return
-        self.unreachable = {"since": time.time(), "error": why}
-        log.warning("control plane unreachable for commits; closes return once their write "
-                    "is accepted", extra={"status": err.status, "code": why,
-                                          "depth": self.depth()})
-        self._wake_all()
+        self._outage("unreachable", why, err.status, why,
+                     "control plane unreachable for commits; closes return once their write "
+                     "is accepted")
 
     def _token_refused(self, err: ApiError) -> None:
         """A commit attempt (single or batch) met a 401. When the client has re-read its
@@ -240,16 +232,27 @@ class Committer:
         why = getattr(self.client, "auth_failure", None)
         if not why:
             return  # a token taken up meanwhile: its retry may well commit within the wait
+        self._outage("auth_refused", why, err.status, err.code,
+                     "authentication outage: the control plane refuses the token; closes "
+                     "return once their write is accepted")
+
+    def _outage(self, kind: str, why: str, status: int | None, code: str | None,
+                message: str) -> None:
+        """One commit attempt failed with no commit coming soon (``failing``): ``kind`` is
+        the outage it shows, ``"unreachable"`` or ``"auth_refused"`` (the attribute holding
+        ``{"since": epoch s, "error": why}`` while it lasts). Counts the attempt and wakes
+        the closes watching their entries; an outage already on only takes the new ``why``;
+        one starting is logged (``message``, with ``status`` and ``code``) and wakes every
+        queued entry's waiters (``_wake_all``): a waiting ``close`` returns then."""
         self.failed_attempts += 1
         for w in self._watched:
             w.notify()
-        if self.auth_refused is not None:
-            self.auth_refused["error"] = why
+        state = getattr(self, kind)
+        if state is not None:
+            state["error"] = why
             return
-        self.auth_refused = {"since": time.time(), "error": why}
-        log.warning("authentication outage: the control plane refuses the token; closes "
-                    "return once their write is accepted", extra={
-                        "status": err.status, "code": err.code, "depth": self.depth()})
+        setattr(self, kind, {"since": time.time(), "error": why})
+        log.warning(message, extra={"status": status, "code": code, "depth": self.depth()})
         self._wake_all()
 
     def auth_restored(self) -> None:
