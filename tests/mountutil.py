@@ -23,6 +23,7 @@ from pathlib import Path
 from types import EllipsisType, TracebackType
 from typing import Callable, Iterator
 
+import httpx
 import trio
 
 from memfuse.client import ApiClient
@@ -222,6 +223,13 @@ class ControlPlane:
             async with ApiClient(self.url, token or self.admin_token) as c:
                 return await getattr(c, method)(*args, **kwargs)
         return trio.run(go)
+
+    def delete_store(self, slug: str) -> None:
+        """Delete store ``slug`` (admin), through the face that deletes stores (the
+        memory-store API: ``DELETE /v1/memory_stores/memstore_<slug>``)."""
+        r = httpx.delete(f"{self.url}/v1/memory_stores/memstore_{slug}",
+                         headers={"Authorization": f"Bearer {self.admin_token}"}, timeout=30)
+        assert r.status_code in (200, 204), r.text
 
     def setup_workspace(self, ws: str, stores: tuple[str, ...] = ("default",),
                         access: str = "read_write") -> Path:

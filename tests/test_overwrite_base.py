@@ -391,6 +391,18 @@ def test_a_reader_whose_reads_straddle_a_remote_change_makes_the_overwrite_a_rep
     assert cur == ours, cur  # last writer wins; version 2 stays in history
 
 
+def _tail_case(a, c, prefix: str) -> tuple[str, Path, str, str]:
+    """The file of the "tails" tests (torn16b): version 1 (42 lines) written on A and read in
+    C; version 2 its first line made 4 bytes longer (``sed -i 's/^A 0$/A 1zzzz/'``).
+    Returns ``(name, its path in C, v1, v2)``."""
+    name = f"{prefix}-{uuid.uuid4().hex[:6]}.log"
+    v1 = "A 0\n" + "".join(f"b {i} {'x' * 32}\n" for i in range(1, 41)) + "B 0\n"
+    (a.mountpoint / "s" / name).write_text(v1)
+    pc = c.mountpoint / "s" / name
+    wait_until(lambda: read(pc) == v1, timeout=15, what="v1 in C")
+    return name, pc, v1, v1.replace("A 0\n", "A 1zzzz\n")
+
+
 def test_a_reader_whose_next_read_comes_after_a_longer_change_gets_no_byte_of_it(held):
     """torn16b (attack 16 F1, the "tails"): a reader in C read version 1 whole (its first
     read(2)); A's longer version 2 reaches C. On main the kernel was told at once, and the
@@ -399,12 +411,7 @@ def test_a_reader_whose_next_read_comes_after_a_longer_change_gets_no_byte_of_it
     The invalidation waits for the reader to close: its next read is the end of version 1;
     once it closed, C reads version 2."""
     cp, a, c = held
-    name = f"tail-{uuid.uuid4().hex[:6]}.log"
-    v1 = "A 0\n" + "".join(f"b {i} {'x' * 32}\n" for i in range(1, 41)) + "B 0\n"
-    (a.mountpoint / "s" / name).write_text(v1)
-    pc = c.mountpoint / "s" / name
-    wait_until(lambda: read(pc) == v1, timeout=15, what="v1 in C")
-    v2 = v1.replace("A 0\n", "A 1zzzz\n")
+    name, pc, v1, v2 = _tail_case(a, c, "tail")
     with open(pc, "rb", buffering=0) as f:
         got = f.read(4096)  # version 1 whole, as sed's first read
         assert got == v1.encode()
@@ -426,12 +433,7 @@ def test_a_listing_while_a_reader_is_open_keeps_the_older_size_for_it(held):
     version 2's size, and the reader's next read got version 2's tail. The kernel is given
     the size of the version the reader reads until the reader closes."""
     cp, a, c = held
-    name = f"tail-ls-{uuid.uuid4().hex[:6]}.log"
-    v1 = "A 0\n" + "".join(f"b {i} {'x' * 32}\n" for i in range(1, 41)) + "B 0\n"
-    (a.mountpoint / "s" / name).write_text(v1)
-    pc = c.mountpoint / "s" / name
-    wait_until(lambda: read(pc) == v1, timeout=15, what="v1 in C")
-    v2 = v1.replace("A 0\n", "A 1zzzz\n")
+    name, pc, v1, v2 = _tail_case(a, c, "tail-ls")
     with open(pc, "rb", buffering=0) as f:
         got = f.read(4096)
         assert got == v1.encode()

@@ -20,7 +20,6 @@ import uuid
 from datetime import datetime, timezone
 from types import SimpleNamespace
 
-import httpx
 import pytest
 import trio
 
@@ -30,18 +29,39 @@ from mountcheck import errors_log
 from mountutil import Rig, drained, live_records, read, sh, sidecar_status, wait_until
 
 
-def _delete_store(cp, slug: str) -> None:
-    r = httpx.delete(f"{cp.url}/v1/memory_stores/memstore_{slug}",
-                     headers={"Authorization": f"Bearer {cp.admin_token}"}, timeout=30)
-    assert r.status_code in (200, 204), r.text
-
-
 def _remake(cp, slug: str, ws: str = "ws") -> None:
     """Delete the store and make it again under its slug, attached again, at once (no wait
     between: the sidecars may see only the end state)."""
-    _delete_store(cp, slug)
+    cp.delete_store(slug)
     cp.call("create_store", slug)
     cp.call("attach", ws, slug, access="read_write")
+
+
+def _sidecar_with_own_token(rig, tmp_path, prefix: str, *extra: str):
+    """Sidecar C of workspace ``ws`` on a token file of its own (re-read every second, so a
+    test can make the control plane refuse it), and a new store ``<prefix><4 hex>`` attached
+    read-write and mounted: ``(c, token file, slug, the store's directory)``."""
+    tok = rig.workspace("ws")
+    ctok = tmp_path / "c.token"
+    shutil.copy(tok, ctok)
+    os.chmod(ctok, 0o600)
+    c = rig.sidecar("ws", "--token-check-interval", "1", *extra, token=ctok,
+                    mountpoint=tmp_path / "mc", cache_dir=tmp_path / "cc")
+    slug = f"{prefix}{uuid.uuid4().hex[:4]}"
+    rig.cp.call("create_store", slug)
+    rig.cp.call("attach", "ws", slug, access="read_write")
+    root = c.mountpoint / slug
+    wait_until(lambda: root.is_dir(), timeout=30, what="C mounts the store")
+    return c, ctok, slug, root
+
+
+def _refuse_token(ctok) -> str:
+    """Put an unknown token in ``ctok`` (an authentication outage) and wait until the
+    sidecar took it up; returns the good token, to be written back."""
+    good = ctok.read_text()
+    ctok.write_text("mf_" + "0" * 40 + "\n")
+    time.sleep(3)  # taken up within --token-check-interval (1 s)
+    return good
 
 
 def _listing(root) -> list[str] | None:
@@ -92,23 +112,11 @@ def test_readers_of_a_deleted_store_show_none_of_its_files_once_it_is_made_again
 @pytest.mark.mount
 def test_writes_queued_for_a_deleted_store_are_refused_not_sent_to_the_new_one(tmp_path):
     with Rig(tmp_path) as rig:
-        tok = rig.workspace("ws")
-        ctok = tmp_path / "c.token"
-        shutil.copy(tok, ctok)
-        os.chmod(ctok, 0o600)
-        c = rig.sidecar("ws", "--token-check-interval", "1", token=ctok,
-                        mountpoint=tmp_path / "mc", cache_dir=tmp_path / "cc")
+        c, ctok, slug, root = _sidecar_with_own_token(rig, tmp_path, "tmpx")
         cp = rig.cp
-        slug = f"tmpx{uuid.uuid4().hex[:4]}"
-        cp.call("create_store", slug)
-        cp.call("attach", "ws", slug, access="read_write")
-        root = c.mountpoint / slug
-        wait_until(lambda: root.is_dir(), timeout=30, what="C mounts the store")
         sh("echo before > before.md", root)
         drained(c)
-        good = ctok.read_text()
-        ctok.write_text("mf_" + "0" * 40 + "\n")  # an unknown token: an authentication outage
-        time.sleep(3)  # taken up within --token-check-interval (1 s)
+        good = _refuse_token(ctok)
         sh("echo queued1 > q1.md && echo q2 >> before.md && echo n0 > new0.md", root, timeout=60)
         assert sidecar_status(c)["outbox"]["depth"] >= 1
         _remake(cp, slug)
@@ -134,21 +142,9 @@ def test_writes_of_a_deleted_store_replayed_at_a_start_never_show_in_the_new_one
     This is also the path of attack 16 F9, where the cache directory was another account's
     workspace of the same name: its private file showed in the other account's mount."""
     with Rig(tmp_path) as rig:
-        tok = rig.workspace("ws")
-        ctok = tmp_path / "c.token"
-        shutil.copy(tok, ctok)
-        os.chmod(ctok, 0o600)
-        c = rig.sidecar("ws", "--token-check-interval", "1", "--drain-timeout", "1", token=ctok,
-                        mountpoint=tmp_path / "mc", cache_dir=tmp_path / "cc")
+        c, ctok, slug, root = _sidecar_with_own_token(rig, tmp_path, "tmpr", "--drain-timeout", "1")
         cp = rig.cp
-        slug = f"tmpr{uuid.uuid4().hex[:4]}"
-        cp.call("create_store", slug)
-        cp.call("attach", "ws", slug, access="read_write")
-        root = c.mountpoint / slug
-        wait_until(lambda: root.is_dir(), timeout=30, what="C mounts the store")
-        good = ctok.read_text()
-        ctok.write_text("mf_" + "0" * 40 + "\n")  # an unknown token: an authentication outage
-        time.sleep(3)  # taken up within --token-check-interval (1 s)
+        good = _refuse_token(ctok)
         sh("echo PRIVATE > secret-plan.md", root, timeout=60)
         assert sidecar_status(c)["outbox"]["depth"] >= 1
         c.stop()  # the write stays in the journal (its drain cannot commit it)
