@@ -1406,15 +1406,10 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         rejected file that would show it in the new store; the refusal is in ``errors.log``
         already (path, code). A record of the new store waiting for the path is shown again
         (``shadow_freed``). Never blocks."""
-        parent = n.parent
-        if parent is None:
+        if n.parent is None:
             return
         self.shadow_freed(n)
-        inv: list[tuple[Any, ...]] = [("entry", parent.ino, n.name)]
-        self._detach(n)
-        self._bind_rid(n, None)
-        self._prune_implied(parent, inv)
-        self.invalidate(inv)
+        self.invalidate(self._remove_file(n))
         self.controls.changed()
 
     def _refused_unshown(self, e: Entry) -> None:
@@ -1435,15 +1430,6 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             return
         self.keep_aside(sm, path, data, e.errno, e.code, e.reason, "a directory",
                         mode=e.args.get("mode"), type_=e.args.get("type"))
-
-    def _node_at(self, sm: StoreMount, path: str) -> Node | None:
-        """The node at store-relative ``path`` of ``sm``'s tree, or None."""
-        n: Node | None = sm.root
-        for comp in path.split("/"):
-            if n is None or n.children is None:
-                return None
-            n = n.children.get(comp)
-        return n
 
     def _reconcile_answer(self, n: Node, rec: Record) -> None:
         """A commit of ``n`` was answered with ``rec``, the version ``n`` now claims: unless

@@ -257,6 +257,20 @@ class RemoteApply:
             sm.count += count
             sm.used += used
 
+    def _remove_file(self, n: Node) -> list[tuple[Any, ...]]:
+        """Take file ``n`` (in the tree) out of it without a change of its own to send: its
+        record deleted elsewhere, gone from a snapshot, or its write refused for a store
+        deleted since. It leaves its directory and its record identity; directories that
+        only held it go too (``_prune_implied``). Returns the kernel invalidations to submit
+        (its entry first)."""
+        parent = n.parent
+        assert parent is not None  # a file of the tree
+        inv: list[tuple[Any, ...]] = [("entry", parent.ino, n.name)]
+        self._detach(n)
+        self._bind_rid(n, None)
+        self._prune_implied(parent, inv)
+        return inv
+
     def _restore_dir_modes(self, sm: StoreMount) -> None:
         """Give the store's directories the modes saved in ``dirs.json`` (directory modes
         are local to this sidecar: docs/SEMANTICS.md)."""
@@ -335,13 +349,7 @@ class RemoteApply:
         if rec.deleted:
             if n is None:
                 return []
-            parent = n.parent
-            assert parent is not None  # a record's file is in the tree
-            gone: list[tuple[Any, ...]] = [("entry", parent.ino, n.name)]
-            self._detach(n)
-            self._bind_rid(n, None)
-            self._prune_implied(parent, gone)
-            return gone
+            return self._remove_file(n)
         if rec.content is None and not self.blobs.has(rec.sha256):
             log.error("remote change without content; skipped", extra={"store": sm.slug, "record": rec.id})
             return []
@@ -682,12 +690,7 @@ class RemoteApply:
                 continue
             if (n.record_id and n.record_id not in live and not n.dirty and not n.local_only
                     and n.key not in busy_keys and n.state == CLEAN and not touched(n.path())):
-                parent = n.parent
-                assert parent is not None  # a file of the tree
-                inv.append(("entry", parent.ino, n.name))
-                self._detach(n)
-                self._bind_rid(n, None)
-                self._prune_implied(parent, inv)
+                inv += self._remove_file(n)
         shadow = self.shadowed.get(sm.slug, {})
         for rid in [r for r in shadow if r not in live]:
             del shadow[rid]
