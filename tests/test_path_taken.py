@@ -152,3 +152,40 @@ def test_local_only_files_and_queued_writes_whose_path_was_taken_are_kept_beside
         sh("mv notes/q~.rejected notes/q.md", m, timeout=30)
         wait_until(lambda: "notes/q.md" in live_records(cp, "s"), timeout=30, what="q.md committed")
         assert live_records(cp, "s")["notes/q.md"].content == "swap q\n"
+
+
+def test_a_rejected_file_where_a_queued_change_passed_is_kept_at_the_next_start(tmp_path):
+    """While the control plane is down: ``notes/p`` written (queued), moved to ``notes/q``
+    (queued), then a refused write at ``notes/p`` (a UTF-8 sequence cut at its end: rejected
+    here, at close). At the next start the queued changes are shown on the tree as they were
+    made, passing through ``notes/p``: the rejected file made there later is never dropped by
+    them (on main the queued write's file replaced it, then moved away with it)."""
+    with Rig(tmp_path) as rig:
+        cp = rig.cp
+        rig.workspace("ws", ("s",))
+        sc = rig.sidecar("ws", "--drain-timeout", "1", "--offline-after", "2", "--commit-wait", "2")
+        m = sc.mountpoint / "s"
+        sh("mkdir notes", m, timeout=30)
+        wait_until(lambda: _status(sc)["outbox"]["depth"] == 0, timeout=30, what="idle")
+        cp.stop()
+        sh("echo mine > notes/p && mv notes/p notes/q", m, timeout=30)
+        fd = os.open(m / "notes" / "p", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, b"ok \xc3")
+        finally:
+            with pytest.raises(OSError):
+                os.close(fd)
+        assert os.getxattr(m / "notes" / "p", STATE) == b"rejected"
+        sc.stop()  # its drain times out: the writes stay in the journal
+        cp.start()
+        sc.start(expect="s")
+        wait_until(lambda: _status(sc)["outbox"]["depth"] == 0, timeout=60, what="backlog drained")
+        assert read(m / "notes" / "q") == "mine\n"
+        kept = [p for p in ("p", "p.rejected") if (m / "notes" / p).exists()]
+        assert len(kept) == 1, os.listdir(m / "notes")
+        assert (m / "notes" / kept[0]).read_bytes() == b"ok \xc3"
+        assert os.getxattr(m / "notes" / kept[0], STATE) == b"rejected"
+        assert set(live_records(cp, "s")) == {"notes/q"}
+        sc.stop()
+        sc.start(expect="s")
+        assert (m / "notes" / kept[0]).read_bytes() == b"ok \xc3"

@@ -63,6 +63,8 @@ class LocalFiles:
     if TYPE_CHECKING:  # what this part calls of the other parts of ``core.Filesystem``
         def aside_place(self, sm: StoreMount, path: str) -> tuple[Node, str]: ...
 
+        def note_kept_aside(self, n: Node, path: str, why: str) -> None: ...
+
         def _content(self, n: Node) -> bytes: ...
 
         def _ensure_dir(self, sm: StoreMount, parts: list[str], ts: int,
@@ -211,14 +213,7 @@ class LocalFiles:
         self._live(n, +1)
         self._local.add(n)
         if key != row["node_key"]:
-            kept = n.path()
-            self.note_error(d, name, errno.EEXIST,
-                            f"a local-only file {path} kept from before the restart could not "
-                            f"be put back: {path} is {why} here (made elsewhere meanwhile); it "
-                            f"is kept in this file, still local-only (never sent); rename it "
-                            f"to use it, delete it when done", "local_file_kept_aside", sm.slug)
-            log.warning("local-only file kept aside: its path is taken here",
-                        extra={"store": sm.slug, "path": path, "kept": kept})
+            self.note_kept_aside(n, path, why)
             return True
         self._local_saved[n.key] = self._local_sig(n)
         return False

@@ -136,6 +136,27 @@ class RejectedFiles:
             i += 1
         return d, name
 
+    def note_kept_aside(self, n: Node, path: str, why: str) -> None:
+        """File ``n`` (a local-only or rejected file: state that exists only here) could
+        not be put at its path ``path`` (``why``: what holds it) and was put at
+        ``aside_place`` instead: one line in ``errors.log`` (the new path, ``EEXIST`` and
+        ``local_file_kept_aside`` for a local-only file, else its refusal's errno and code;
+        a reason naming ``path``) and a WARNING log line; never the content."""
+        assert n.store is not None and n.parent is not None  # a file of the tree
+        sm, kept = n.store, n.path()
+        if n.local_only:
+            err, code = errno.EEXIST, "local_file_kept_aside"
+            what = "a local-only file (kept here, never sent)"
+        else:
+            err, code = self._rejected.get(n, (errno.EEXIST, ""))
+            what = f"a rejected file ({n.error})"
+        self.note_error(n.parent, n.name, err,
+                        f"{path}, {what}, could not be put back at its path: {path} is {why} "
+                        f"here; it is kept in this file as it was; rename it to use it, "
+                        f"delete it when done", code, sm.slug)
+        log.warning("file kept aside: its path is taken here",
+                    extra={"store": sm.slug, "path": path, "kept": kept, "code": code})
+
     def keep_aside(self, sm: StoreMount, path: str, data: bytes, err: int, code: str,
                    reason: str, why: str, *, mode: int | None = None, type_: str | None = None,
                    mtime_ns: int | None = None, restoring: bool = False) -> str:
