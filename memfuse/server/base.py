@@ -25,8 +25,8 @@ import threading
 import time
 from collections.abc import Callable
 from contextvars import ContextVar
-from dataclasses import dataclass, field
-from datetime import timedelta
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, Unpack, cast
 
 import msgspec
@@ -215,7 +215,10 @@ class Principal:
     ``instance`` the sidecar id from ``X-Memfuse-Instance``; ``token_id`` the database
     token's id (None for a static token) and ``expires_at`` its expiry (wall-clock epoch
     seconds, None when it does not expire): what ends the caller's long-lived responses
-    (``memfuse.server.streamclass``). Neither takes part in equality.
+    (``memfuse.server.streamclass``). Neither takes part in equality. ``store_created``:
+    this request's ``Memfuse-Store-Created`` (the creation time of the store its write was
+    made for, RFC 3339; ``with_store_created``), checked by every write's store lookup
+    (``AccessRules.store``); not part of equality either.
     """
 
     workspace: str | None
@@ -225,6 +228,7 @@ class Principal:
     root_token: bool = field(default=False, compare=False)
     token_id: str | None = field(default=None, compare=False)
     expires_at: float | None = field(default=None, compare=False)
+    store_created: str | None = field(default=None, compare=False)
 
     @property
     def is_admin(self) -> bool:
@@ -570,6 +574,8 @@ class AccessRules:
             raise ServiceError(404, "store_not_attached", f"store {slug!r} is not attached to this workspace")
         if write and not p.is_admin and st.access != Access.read_write.value:
             raise ServiceError(403, "read_only", f"store {slug!r} is attached read-only")
+        if write and p.store_created is not None:
+            check_store_identity(st, p.store_created)
         return st
 
     @staticmethod
@@ -590,6 +596,40 @@ class AccessRules:
             raise ServiceError(404, "store_not_attached",
                                f"store {keys.public(key)!r} is not attached to this workspace")
         return st
+
+
+def with_store_created(p: Principal, value: str | None) -> Principal:
+    """``p`` for a request that sent ``Memfuse-Store-Created: value`` (``p`` itself when it
+    sent none): its writes are refused unless the store they name is the one created then
+    (``check_store_identity``). Used by the front door and the principal dependency."""
+    if not value:
+        return p
+    return replace(p, store_created=value)
+
+
+def _utc(t: datetime) -> datetime:
+    return t.replace(tzinfo=timezone.utc) if t.tzinfo is None else t
+
+
+def check_store_identity(st: AnyRow, created: str) -> None:
+    """The store precondition of a write (docs/API.md "Store identity"): ``created`` (the
+    ``Memfuse-Store-Created`` header, RFC 3339) must be the creation time of ``st``, the
+    store row the write's transaction read (and, on PostgreSQL, locked): so a write made for
+    a store deleted since, whose slug another store has now, never lands in that one, with
+    no window between a check and the write. Raises ``ServiceError`` 412 ``store_replaced``
+    on a mismatch, 422 ``validation_error`` for a value that is no date-time."""
+    try:
+        want = _utc(datetime.fromisoformat(created.strip()))
+    except ValueError:
+        raise ServiceError(422, "validation_error",
+                           "Memfuse-Store-Created must be an RFC 3339 date-time (the store's created_at)") from None
+    have = st.created_at
+    have = _utc(datetime.fromisoformat(have) if isinstance(have, str) else have)
+    if want != have:
+        raise ServiceError(412, "store_replaced",
+                           f"the store {keys.public(st.slug)!r} this write was made for was deleted; "
+                           "the store of that name now is another one (created "
+                           f"{have.isoformat()}): nothing was written")
 
 
 #: How the answer of the write running in this context may leave as soon as its transaction

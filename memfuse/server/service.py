@@ -58,6 +58,7 @@ from memfuse.server.base import (
     canonical_sha256,
     idempotency_request,
     parse_if_match,
+    with_store_created,
 )
 from memfuse.server import staleness
 from memfuse.server.accounts import AccountsService
