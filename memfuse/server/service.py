@@ -110,6 +110,7 @@ __all__ = [
     "idempotency_request",
     "cut_index",
     "parse_if_match",
+    "with_store_created",
 ]
 
 
