@@ -185,6 +185,11 @@ ACTOR_HEADER = "Memfuse-Actor"
 # the write's transaction, refusing a write of a store deleted and made again under its slug
 # with 412 ``store_replaced`` (docs/API.md "Store identity"); a write without it is not checked
 STORE_CREATED_HEADER = "Memfuse-Store-Created"
+# the request header naming the sidecar instance that sends it (an opaque id of at most 64
+# characters ``[A-Za-z0-9._-]``, one per running sidecar): kept on the versions its writes
+# make, so its change feed leaves out exactly its own versions (``skip_writer``), not those of
+# another sidecar given the same actor name (docs/API.md "Change feed")
+WRITER_HEADER = "Memfuse-Writer"
 # changes / events per page of GET .../changes and .../events (``limit``: also the default), in the
 # app's Query(...), the long-poll fast path and the streams
 FEED_PAGE_MAX = 1000

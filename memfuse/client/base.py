@@ -36,7 +36,7 @@ from ..errors import (
     TransientError,
     Unauthorized,
 )
-from ..defs import STORE_CREATED_HEADER
+from ..defs import STORE_CREATED_HEADER, WRITER_HEADER
 from ..tokenfile import TokenFile
 
 if TYPE_CHECKING:
@@ -438,6 +438,8 @@ class ApiSession:
             headers[INSTANCE_HEADER] = instance
         self.base_url = base_url.rstrip("/")
         self.instance = instance
+        #: the sidecar instance id sent on writes (``set_writer``); None: none sent
+        self.writer: str | None = None
         #: the actor the control plane records on this client's writes, as it last said
         #: (``Memfuse-Actor`` on ``list_attachments``' answer); None until then, and from a
         #: control plane that does not say
@@ -477,6 +479,12 @@ class ApiSession:
             from .lean import LeanHTTP, proxy_configured
             if transport is None and not proxy_configured():
                 self._lean = LeanHTTP(self.base_url, tls_context(self.base_url), self.timeout)
+
+    def set_writer(self, writer: str) -> None:
+        """Send ``Memfuse-Writer: writer`` on every write from now on: the id of this sidecar
+        instance (at most 64 characters ``[A-Za-z0-9._-]``), kept on the versions it writes,
+        so its change feed leaves out exactly those (``changes(skip_writer=...)``)."""
+        self.writer = writer
 
     def set_instance(self, instance: str) -> None:
         """Send ``X-Memfuse-Instance: instance`` from now on (the sidecar id on versions)."""
@@ -583,9 +591,12 @@ class ApiSession:
             headers[IDEMPOTENCY_HEADER] = idempotency_key
         if accept is not None:
             headers["Accept"] = accept
-        created = _STORE_CREATED.get()
-        if created is not None and method != "GET":
-            headers[STORE_CREATED_HEADER] = created
+        if method != "GET":
+            created = _STORE_CREATED.get()
+            if created is not None:
+                headers[STORE_CREATED_HEADER] = created
+            if self.writer is not None:
+                headers[WRITER_HEADER] = self.writer
         timeout = None
         if wait > 0:
             timeout = httpx.Timeout(self.timeout, read=wait + self.timeout)

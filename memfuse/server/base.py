@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -218,7 +219,9 @@ class Principal:
     (``memfuse.server.streamclass``). Neither takes part in equality. ``store_created``:
     this request's ``Memfuse-Store-Created`` (the creation time of the store its write was
     made for, RFC 3339; ``with_store_created``), checked by every write's store lookup
-    (``AccessRules.store``); not part of equality either.
+    (``AccessRules.store``); ``writer`` its ``Memfuse-Writer`` (the sidecar instance that
+    sends it, kept on the versions it writes: ``versions.writer``, what that sidecar's
+    change feed leaves out); neither is part of equality.
     """
 
     workspace: str | None
@@ -229,6 +232,7 @@ class Principal:
     token_id: str | None = field(default=None, compare=False)
     expires_at: float | None = field(default=None, compare=False)
     store_created: str | None = field(default=None, compare=False)
+    writer: str | None = field(default=None, compare=False)
 
     @property
     def is_admin(self) -> bool:
@@ -261,6 +265,13 @@ class Principal:
         if self.workspace is None:
             return f"admin:{self.name or 'static'}"
         return f"ws:{keys.public(self.workspace)}/{self.instance or 'api'}"
+
+    @property
+    def feed_key(self) -> str:
+        """What the change feed tells this caller's versions by (``skip_actor`` /
+        ``skip_writer``, the notifier's notes): its writer id when it sent one, else its
+        actor. The two never look alike (a writer id has no ``:``)."""
+        return self.writer or self.actor
 
     @property
     def scope(self) -> str:
@@ -598,13 +609,21 @@ class AccessRules:
         return st
 
 
-def with_store_created(p: Principal, value: str | None) -> Principal:
-    """``p`` for a request that sent ``Memfuse-Store-Created: value`` (``p`` itself when it
-    sent none): its writes are refused unless the store they name is the one created then
-    (``check_store_identity``). Used by the front door and the principal dependency."""
-    if not value:
+#: what a ``Memfuse-Writer`` value may be (an opaque sidecar instance id); another is ignored
+_WRITER = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+def with_write_headers(p: Principal, store_created: str | None, writer: str | None) -> Principal:
+    """``p`` for a request that sent ``Memfuse-Store-Created: store_created`` and / or
+    ``Memfuse-Writer: writer`` (``p`` itself when it sent neither): its writes are refused
+    unless the store they name is the one created then (``check_store_identity``), and the
+    versions they make record ``writer`` (a value that is no writer id is ignored). Used by
+    the front door and the principal dependency."""
+    if writer is not None and _WRITER.fullmatch(writer) is None:
+        writer = None
+    if not store_created and not writer:
         return p
-    return replace(p, store_created=value)
+    return replace(p, store_created=store_created or None, writer=writer)
 
 
 def _utc(t: datetime) -> datetime:

@@ -22,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import time
+import uuid
 from pathlib import Path
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, Callable
@@ -481,9 +482,15 @@ class Sidecar(StoreSync):
         # answer replaces it (StoreSync.learn_actor): a control plane that does not name it
         # records this
         self.actor = f"ws:{config.workspace}/{self.instance}"
-        # the control plane leaves our own versions out of the feed (no wake-up per own
-        # commit); _feed still checks the actor, for control planes that ignore skip_actor
-        self._feed_kw = {"skip_actor": self.actor}
+        # This process's writer id (``Memfuse-Writer`` on every write, kept on the versions
+        # it makes): the control plane leaves exactly our own versions out of the feed (no
+        # wake-up per own commit) by it, not by the actor, so another sidecar given the same
+        # --actor still sees ours and we its (attack 16 F8); a control plane without
+        # ``skip_writer`` leaves out the actor's (``skip_actor``), as before. One per process:
+        # versions an earlier process wrote arrive through the catch-up at start anyway.
+        self.writer = uuid.uuid4().hex
+        client.set_writer(self.writer)
+        self._feed_kw = {"skip_actor": self.actor, "skip_writer": self.writer}
         self.feeds: dict[str, trio.CancelScope] = {}
         self.admin_unmounted: set[str] = set()
         self.admin_address: str | None = None
