@@ -188,7 +188,7 @@ STORE_CREATED_HEADER = "Memfuse-Store-Created"
 # the request header naming the sidecar instance that sends it (an opaque id of at most 64
 # characters ``[A-Za-z0-9._-]``, one per running sidecar): kept on the versions its writes
 # make, so its change feed leaves out exactly its own versions (``skip_writer``), not those of
-# another sidecar given the same actor name (docs/API.md "Change feed")
+# another sidecar given the same actor name (docs/API.md "Endpoints", GET .../changes)
 WRITER_HEADER = "Memfuse-Writer"
 # changes / events per page of GET .../changes and .../events (``limit``: also the default), in the
 # app's Query(...), the long-poll fast path and the streams

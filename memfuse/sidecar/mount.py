@@ -471,10 +471,9 @@ class Sidecar(StoreSync):
                 self.metrics.auth_failures.inc()
         client.auth_listener = auth
         # The actor name (``--actor``: a pod name, USER@HOST...), stable across restarts so
-        # history names the agent or pod a person recognises. The live change feed skips
-        # exactly this actor's versions (applied here already, or superseded by later local
-        # changes): two sidecars of one workspace running at once must not share it (the
-        # defaults differ, docs/CLI.md). A restart is safe: the catch-up at start skips
+        # history names the agent or pod a person recognises. Two sidecars of one workspace
+        # may share it: the live change feed skips this process's own versions by its
+        # writer id (below), not by the actor. A restart is safe: the catch-up at start skips
         # nothing, so versions an earlier process wrote after its last saved cursor arrive.
         self.instance = re.sub(r"[^A-Za-z0-9._@:+-]", "-", client.instance or "sidecar")[:100]
         client.set_instance(self.instance)

@@ -8,7 +8,7 @@ Create Date: 2026-12-03
   opaque id a sidecar makes at its start, one per running sidecar), NULL for a write sent
   without it (every existing version, every other face). The change feed leaves out a
   sidecar's own versions by it (``skip_writer``), not by the actor: two sidecars given one
-  ``--actor`` see each other's writes (docs/API.md "Change feed"). Never shown.
+  ``--actor`` see each other's writes (docs/API.md "Endpoints", GET .../changes). Never shown.
 
 Nullable: the previous release keeps working on the upgraded schema (it never reads it, and
 its versions leave it NULL).
