@@ -22,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import time
+import uuid
 from pathlib import Path
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, Callable
@@ -486,10 +487,9 @@ class Sidecar(StoreSync):
                 self.metrics.auth_failures.inc()
         client.auth_listener = auth
         # The actor name (``--actor``: a pod name, USER@HOST...), stable across restarts so
-        # history names the agent or pod a person recognises. The live change feed skips
-        # exactly this actor's versions (applied here already, or superseded by later local
-        # changes): two sidecars of one workspace running at once must not share it (the
-        # defaults differ, docs/CLI.md). A restart is safe: the catch-up at start skips
+        # history names the agent or pod a person recognises. Two sidecars of one workspace
+        # may share it: the live change feed skips this process's own versions by its
+        # writer id (below), not by the actor. A restart is safe: the catch-up at start skips
         # nothing, so versions an earlier process wrote after its last saved cursor arrive.
         self.instance = re.sub(r"[^A-Za-z0-9._@:+-]", "-", client.instance or "sidecar")[:100]
         client.set_instance(self.instance)
@@ -497,9 +497,15 @@ class Sidecar(StoreSync):
         # answer replaces it (StoreSync.learn_actor): a control plane that does not name it
         # records this
         self.actor = f"ws:{config.workspace}/{self.instance}"
-        # the control plane leaves our own versions out of the feed (no wake-up per own
-        # commit); _feed still checks the actor, for control planes that ignore skip_actor
-        self._feed_kw = {"skip_actor": self.actor}
+        # This process's writer id (``Memfuse-Writer`` on every write, kept on the versions
+        # it makes): the control plane leaves exactly our own versions out of the feed (no
+        # wake-up per own commit) by it, not by the actor, so another sidecar given the same
+        # --actor still sees ours and we its (attack 16 F8); a control plane without
+        # ``skip_writer`` leaves out the actor's (``skip_actor``), as before. One per process:
+        # versions an earlier process wrote arrive through the catch-up at start anyway.
+        self.writer = uuid.uuid4().hex
+        client.set_writer(self.writer)
+        self._feed_kw = {"skip_actor": self.actor, "skip_writer": self.writer}
         self.feeds: dict[str, trio.CancelScope] = {}
         self.admin_unmounted: set[str] = set()
         self.admin_address: str | None = None
