@@ -393,22 +393,28 @@ def test_a_reader_whose_reads_straddle_a_remote_change_makes_the_overwrite_a_rep
     assert cur == ours, cur  # last writer wins; version 2 stays in history
 
 
-def _outlasting_reader(cp, a, c, prefix: str, mode: str,
-                       meanwhile: bool = False) -> tuple[str, Path, bytes, str, str]:
+def _outlasting_reader(cp, a, c, prefix: str, mode: str, meanwhile: bool = False,
+                       append: bool = False) -> tuple[str, Path, bytes, str, str]:
     """attack 17 F1: a reader in C (``open(..., mode)``) reads the first 8 KiB of version 1
     (300 lines, 26 KB); A replaces the file (a temporary renamed over it) by a shorter
     version 2 (60 lines, 5 KB); C's sidecar applies it, and the kernel invalidation waits
     for the reader ``READER_LINGER`` s at most: the reader is still open past it; then it
     reads on to its EOF (``meanwhile``: then another open in C, still reading it, reads
-    version 2). Returns ``(name, its path in C, what the reader got, v1, v2)``."""
+    version 2; ``append``: A appends a line instead, version 2 extends version 1). Returns ``(name, its path in C, what the reader got, v1, v2)``."""
     name = f"{prefix}-{uuid.uuid4().hex[:6]}.md"
     v1 = "".join(f"v1 line {i:04d} {'x' * 70}\n" for i in range(300))
     v2 = "".join(f"v2 line {i:04d} {'x' * 70}\n" for i in range(60))
+    if append:
+        v2 = v1 + "A appended\n"
     _, pc = written_and_seen(a, c, "s", name, v1, timeout=60)
     with open(pc, mode, buffering=0) as f:
         got = f.read(8192)
         done = sidecar_status(c)["invalidations"]["done"]
-        _rewrite(a.mountpoint / "s" / name, v2, "rename")
+        if append:
+            with open(a.mountpoint / "s" / name, "a") as w:
+                w.write("A appended\n")
+        else:
+            _rewrite(a.mountpoint / "s" / name, v2, "rename")
         wait_until(lambda: live_records(cp, "s")[name].content == v2, timeout=60,
                    what="A's version 2 committed")
         _shown(pc, v2, timeout=60)  # C applied version 2 (no reader served it)
@@ -445,6 +451,18 @@ def test_a_reader_open_past_the_linger_across_a_remote_replace_reads_the_older_v
     wait_until(lambda: _depth(a) == 0 and _depth(c) == 0, timeout=60, what="both outboxes drained")
     assert live_records(cp, "s")[name].content == v2 + "C edit\n"
     assert len(errors_log(c.mountpoint)) == errs  # merged: no conflict
+
+
+def test_a_reader_open_past_the_linger_across_a_remote_append_reads_the_appended_line(held):
+    """A reader open for reading only past ``READER_LINGER`` while another mount appends to
+    the file (``tail -f`` on a journal): the file keeps its inode (no older content kept
+    for the reader), and the reader's next reads get the appended line, as on a local
+    disk."""
+    cp, a, c = held
+    kept = sidecar_status(c)["invalidations"].get("kept_for_readers", 0)
+    name, pc, got, v1, v2 = _outlasting_reader(cp, a, c, "append", "rb", append=True)
+    assert got == v2.encode(), (len(got), len(v1), got[-40:])
+    assert sidecar_status(c)["invalidations"].get("kept_for_readers", 0) == kept
 
 
 def test_a_reader_open_for_writing_cut_past_the_linger_makes_its_overwrite_a_straddle_conflict(held):

@@ -1318,8 +1318,10 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         answers itself (attack 17 F1: ``sed -i`` committed the older version cut at 16384
         bytes, a version no one wrote).
 
-        When only readers hold the file (every handle ``O_RDONLY``), its content is clean and
-        the older content the kernel shows is cached (``Node.shown``): the readers keep it
+        When only readers hold the file (every handle ``O_RDONLY``), its content is clean, the
+        older content the kernel shows is cached (``Node.shown``) and the current one does
+        not extend it (an append reaches the readers of that inode, as on a local disk:
+        ``tail -f``): the readers keep it
         (docs/SEMANTICS.md "Conflicts", local-disk semantics). The file (record, key, state,
         ``read_base``) moves to a new inode; the old inode stays, ``unlinked`` and ``kept``,
         with the older content and size, serving its handles until they close and the
@@ -1359,6 +1361,12 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         older = self._cached_blob(shown)
         if older is None:
             return None
+        if n.size > len(older):
+            cur = self._cached_blob(n.sha)
+            if cur is not None and cur.startswith(older):
+                # an append: the readers get the appended bytes on that inode, as on a
+                # local disk (``tail -f``; ``_read_across`` serves it)
+                return None
         ino = n.ino
         ghost = Node(ino, n.name, parent, False, sm, n.mode, n.uid, n.gid, n.atime_ns,
                      n.mtime_ns, n.ctime_ns)
