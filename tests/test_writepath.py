@@ -319,3 +319,34 @@ def test_canonical_hash_is_jsons_text_for_any_value():
                 canonical_sha256(value)
             continue
         assert canonical_sha256(value) == expected, value
+
+
+def test_the_raw_body_is_hashed_only_when_a_stored_row_is_compared(monkeypatch):
+    """The idempotency request of a write (made on the event loop) hashes its canonical JSON
+    only; the raw bytes' sha256 (the alternative identity of rows stored by releases before
+    the batch endpoint) is computed when a stored row is compared, and still matches."""
+    from types import SimpleNamespace
+
+    from memfuse.server import base
+    from memfuse.server.service import ServiceError
+
+    real = base.body_sha256
+    hashed: list[bytes] = []
+    monkeypatch.setattr(base, "body_sha256", lambda b: hashed.append(b) or real(b))
+    raw = b'{"path": "notes/a.md",   "content": "x"}'
+    idem = base.idempotency_request("k1", "POST", "/v1/stores/s/records", raw, json.loads(raw))
+    assert hashed == []  # nothing but the canonical hash on the loop
+
+    def row(request_hash: str) -> SimpleNamespace:
+        return SimpleNamespace(method="POST", url_path="/v1/stores/s/records", request_hash=request_hash,
+                               status=201, response_body='{"id": "r"}', response_headers="{}")
+
+    assert base.Writer.idem_replay(row(idem.body_sha256), idem).replayed and hashed == []
+    assert base.Writer.idem_replay(row(real(raw)), idem).replayed  # a row stored with the raw hash
+    assert hashed == [raw]
+    with pytest.raises(ServiceError) as e:
+        base.Writer.idem_replay(row(real(b"{}")), idem)
+    assert e.value.code == "idempotency_key_reused"
+    # a body that is not JSON: its raw hash is its identity
+    bad = base.idempotency_request("k2", "POST", "/v1/stores/s/records", b"{nope")
+    assert bad.body_sha256 == real(b"{nope")
