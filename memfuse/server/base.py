@@ -361,6 +361,26 @@ def _msgspec_exact(value: object) -> bool:
     return False
 
 
+_DECODE = msgspec.json.Decoder().decode
+
+
+def parse_json(raw: bytes) -> Any:
+    """``json.loads(raw)``: its value, or what it raises (``ValueError``, ``RecursionError``).
+    What FastAPI (starlette's ``Request.json``) makes of a JSON body, read ~5x faster: msgspec
+    decodes it, and its value is taken when it holds only what ``_msgspec_exact`` allows (no
+    float: msgspec and ``json`` could differ in the last bit), else ``json.loads`` reads it
+    (a float, and everything msgspec refuses and ``json`` takes: ``NaN``, ``1e400``, a
+    byte-order mark, UTF-16, lone surrogates). Each value msgspec takes, ``json`` reads the
+    same (duplicate keys: the last; integers of any size; tests/test_writepath.py)."""
+    try:
+        value = _DECODE(raw)
+        if _msgspec_exact(value):
+            return value
+    except Exception:  # noqa: BLE001 - refused or too deep for msgspec: json's answer
+        pass
+    return json.loads(raw)
+
+
 def canonical_sha256(value: object) -> str:
     """sha256 hex of ``value`` (a parsed JSON body) as canonical JSON: keys sorted, no
     whitespace, UTF-8 (lone surrogates kept). The idempotency request hash of a write: equal

@@ -26,7 +26,6 @@ framed by the same ``reply_head``); the sends after the hop then only finish it
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -41,7 +40,7 @@ from starlette.types import Scope, Send
 
 from memfuse.models import BatchRequest, RecordCreate, RecordUpdate
 from memfuse.server import routetable as table
-from memfuse.server.base import EARLY_ANSWER
+from memfuse.server.base import EARLY_ANSWER, parse_json
 from memfuse.server.batch import batch_body
 from memfuse.server.gate import EARLY
 from memfuse.server.routes import records as record_routes
@@ -108,8 +107,8 @@ class WritePath:
         if len(key) > IDEMPOTENCY_KEY_MAX:
             return False
         model: type[BaseModel] = RecordCreate if m.route is table.CREATE_RECORD else RecordUpdate
-        try:  # json.loads, then the model: what FastAPI does with a JSON body
-            value = json.loads(body)
+        try:  # json.loads (``parse_json``), then the model: what FastAPI does with a JSON body
+            value = parse_json(body)
             parsed = model.model_validate(value)
         except Exception:  # noqa: BLE001 - bad JSON, too deep, refused: FastAPI answers it
             return False
@@ -154,7 +153,7 @@ class WritePath:
         if headers.get(b"idempotency-key") or len(body) > record_routes.batch_max_bytes(self.svc):
             return False
         try:
-            req = BatchRequest.model_validate(json.loads(body))
+            req = BatchRequest.model_validate(parse_json(body))
         except Exception:  # noqa: BLE001 - bad JSON, too deep, refused: FastAPI answers it
             return False
         svc = self.svc
