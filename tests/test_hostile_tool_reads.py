@@ -268,7 +268,8 @@ async def test_an_mcp_call_ended_by_its_read_budget_is_a_tool_error_not_a_logged
             raise self.error
 
     backend = object.__new__(InProcessBackend)
-    backend.tool = Tool(ServiceError(504, "timeout", "the request took longer than the server allows a read"))  # type: ignore[assignment]
+    late = ServiceError(504, "timeout", "the request took longer than the server allows a read")
+    backend.tool = Tool(late)  # type: ignore[assignment]
     text, err = await backend.call({"command": "view", "path": "/memories"})
     assert err is True and "longer than the server allows a read" in text
     assert "failed" not in caplog.text
