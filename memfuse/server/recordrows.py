@@ -276,12 +276,13 @@ def _live_at_or_under(n: int, pg: bool) -> Any:
     under = select(_R.c.path, null().label("id")).where(
         _R.c.store == bindparam("store"), _R.c.deleted == false(),
         col >= bindparam("lo"), col < bindparam("hi")).limit(1)
-    return union_all(select(at.subquery("at_").c), select(under.subquery("under_").c))
+    a, u = at.subquery("at_"), under.subquery("under_")
+    return union_all(select(a.c.path, a.c.id), select(u.c.path, u.c.id))
 
 
 #: ``_live_at_or_under`` by "is PostgreSQL"
-_RAW_SELECT_LIVE_AT_OR_UNDER = {pg: RawIn("paths", lambda n, pg=pg: _live_at_or_under(n, pg))
-                                for pg in (False, True)}
+_RAW_SELECT_LIVE_AT_OR_UNDER = {False: RawIn("paths", lambda n: _live_at_or_under(n, False)),
+                                True: RawIn("paths", lambda n: _live_at_or_under(n, True))}
 
 
 _SELECT_ACCOUNT_MAX_BYTES = select(AccountRow.__table__.c.max_bytes).where(

@@ -405,7 +405,7 @@ class RecordsService(Resource):
         secret = content_rules.find_secret(body.content)  # outside the write lock
         sha = _HASHES.digest(raw)
 
-        def fn(conn: Connection, st: Any) -> Record:
+        def fn(conn: Connection, st: Any) -> wire.Record:
             _check_writable(st)
             _check_record_size(st, len(raw))
             rtype = _resolve_type(path, body.content, body.type, st.default_type)
