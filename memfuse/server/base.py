@@ -21,12 +21,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable
 from contextvars import ContextVar
-from dataclasses import dataclass, field
-from datetime import timedelta
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, Unpack, cast
 
 import msgspec
@@ -215,7 +216,12 @@ class Principal:
     ``instance`` the sidecar id from ``X-Memfuse-Instance``; ``token_id`` the database
     token's id (None for a static token) and ``expires_at`` its expiry (wall-clock epoch
     seconds, None when it does not expire): what ends the caller's long-lived responses
-    (``memfuse.server.streamclass``). Neither takes part in equality.
+    (``memfuse.server.streamclass``). Neither takes part in equality. ``store_created``:
+    this request's ``Memfuse-Store-Created`` (the creation time of the store its write was
+    made for, RFC 3339; ``with_store_created``), checked by every write's store lookup
+    (``AccessRules.store``); ``writer`` its ``Memfuse-Writer`` (the sidecar instance that
+    sends it, kept on the versions it writes: ``versions.writer``, what that sidecar's
+    change feed leaves out); neither is part of equality.
     """
 
     workspace: str | None
@@ -225,6 +231,8 @@ class Principal:
     root_token: bool = field(default=False, compare=False)
     token_id: str | None = field(default=None, compare=False)
     expires_at: float | None = field(default=None, compare=False)
+    store_created: str | None = field(default=None, compare=False)
+    writer: str | None = field(default=None, compare=False)
 
     @property
     def is_admin(self) -> bool:
@@ -259,6 +267,13 @@ class Principal:
         return f"ws:{keys.public(self.workspace)}/{self.instance or 'api'}"
 
     @property
+    def feed_key(self) -> str:
+        """What the change feed tells this caller's versions by (``skip_actor`` /
+        ``skip_writer``, the notifier's notes): its writer id when it sent one, else its
+        actor. The two never look alike (a writer id has no ``:``)."""
+        return self.writer or self.actor
+
+    @property
     def scope(self) -> str:
         """Idempotency-key scope: the token's workspace (its key), ``admin`` for the root
         admin, ``acct:<account>`` for an admin acting in one account."""
@@ -272,13 +287,22 @@ class IdempotencyRequest:
     """The identity of a write sent with ``Idempotency-Key``: key, method, URL path and the
     sha256 of the body (``request_sha256``: of its canonical JSON, so the same operation
     sent alone or inside a batch is the same request). ``alt_sha256``: the sha256 of the raw
-    bytes, which releases before the batch endpoint stored; a stored row with either matches."""
+    bytes, which releases before the batch endpoint stored; a stored row with either matches.
+    ``raw``: those bytes, hashed only when a stored row is compared (``alternative``), not
+    for every write on the event loop (bench/README.md, "The close path, session 17")."""
 
     key: str
     method: str
     url_path: str
     body_sha256: str
     alt_sha256: str | None = None
+    raw: bytes | None = field(default=None, repr=False, compare=False)
+
+    def alternative(self) -> str | None:
+        """``alt_sha256``, else the sha256 of ``raw`` (None without either)."""
+        if self.alt_sha256 is not None or self.raw is None:
+            return self.alt_sha256
+        return body_sha256(self.raw)
 
 
 @dataclass
@@ -352,6 +376,26 @@ def _msgspec_exact(value: object) -> bool:
     return False
 
 
+_DECODE = msgspec.json.Decoder().decode
+
+
+def parse_json(raw: bytes) -> Any:
+    """``json.loads(raw)``: its value, or what it raises (``ValueError``, ``RecursionError``).
+    What FastAPI (starlette's ``Request.json``) makes of a JSON body, read ~5x faster: msgspec
+    decodes it, and its value is taken when it holds only what ``_msgspec_exact`` allows (no
+    float: msgspec and ``json`` could differ in the last bit), else ``json.loads`` reads it
+    (a float, and everything msgspec refuses and ``json`` takes: ``NaN``, ``1e400``, a
+    byte-order mark, UTF-16, lone surrogates). Each value msgspec takes, ``json`` reads the
+    same (duplicate keys: the last; integers of any size; tests/test_writepath.py)."""
+    try:
+        value = _DECODE(raw)
+        if _msgspec_exact(value):
+            return value
+    except Exception:  # noqa: BLE001 - refused or too deep for msgspec: json's answer
+        pass
+    return json.loads(raw)
+
+
 def canonical_sha256(value: object) -> str:
     """sha256 hex of ``value`` (a parsed JSON body) as canonical JSON: keys sorted, no
     whitespace, UTF-8 (lone surrogates kept). The idempotency request hash of a write: equal
@@ -373,17 +417,18 @@ _UNPARSED = object()
 def idempotency_request(key: str, method: str, url_path: str, raw: bytes,
                         parsed: object = _UNPARSED) -> IdempotencyRequest:
     """The ``IdempotencyRequest`` of a single write whose raw body is ``raw`` (empty for a
-    body-less DELETE): canonical hash of the parsed body, raw hash as the alternative.
+    body-less DELETE): canonical hash of the parsed body, raw hash as the alternative (of
+    ``raw``, hashed when a stored row is compared: ``IdempotencyRequest.alternative``).
     ``parsed``: ``json.loads(raw)`` when the caller has it already (not parsed again)."""
-    raw_hash = body_sha256(raw)
     try:
         if parsed is not _UNPARSED:
             canon = canonical_sha256(parsed)
         else:
             canon = canonical_sha256(json.loads(raw)) if raw.strip() else canonical_sha256(None)
     except ValueError:
-        canon = raw_hash  # not JSON: the request is refused anyway; keep the raw identity
-    return IdempotencyRequest(key, method, url_path, canon, raw_hash)
+        raw_hash = body_sha256(raw)  # not JSON: the request is refused anyway; keep the raw identity
+        return IdempotencyRequest(key, method, url_path, raw_hash, raw_hash)
+    return IdempotencyRequest(key, method, url_path, canon, raw=raw)
 
 
 # Statements of the hot paths, built once (parameters at execution). A request names a store
@@ -570,6 +615,8 @@ class AccessRules:
             raise ServiceError(404, "store_not_attached", f"store {slug!r} is not attached to this workspace")
         if write and not p.is_admin and st.access != Access.read_write.value:
             raise ServiceError(403, "read_only", f"store {slug!r} is attached read-only")
+        if write and p.store_created is not None:
+            check_store_identity(st, p.store_created)
         return st
 
     @staticmethod
@@ -590,6 +637,64 @@ class AccessRules:
             raise ServiceError(404, "store_not_attached",
                                f"store {keys.public(key)!r} is not attached to this workspace")
         return st
+
+
+#: what a ``Memfuse-Writer`` value may be (an opaque sidecar instance id); another is ignored
+_WRITER = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+def with_write_headers(p: Principal, store_created: str | None, writer: str | None) -> Principal:
+    """``p`` for a request that sent ``Memfuse-Store-Created: store_created`` and / or
+    ``Memfuse-Writer: writer`` (``p`` itself when it sent neither): its writes are refused
+    unless the store they name is the one created then (``check_store_identity``), and the
+    versions they make record ``writer`` (a value that is no writer id is ignored). Used by
+    the front door and the principal dependency."""
+    if not store_created and not writer:
+        return p
+    key = (id(p), store_created, writer)
+    hit = _WITH_HEADERS.get(key)
+    if hit is not None and hit[0] is p:  # a sidecar sends the same values on every write
+        return hit[1]
+    if writer is not None and _WRITER.fullmatch(writer) is None:
+        writer = None
+    derived = replace(p, store_created=store_created or None, writer=writer)
+    if len(_WITH_HEADERS) >= _WITH_HEADERS_MAX:
+        _WITH_HEADERS.clear()
+    _WITH_HEADERS[key] = (p, derived)  # ``p`` kept: its id names no other object meanwhile
+    return derived
+
+
+#: ``with_write_headers``' answers by (id of the principal, its two values), with the
+#: principal itself: the token cache gives one ``Principal`` object per token and instance
+#: (``tokens._principal_of``), so a sidecar's writes of one store derive theirs once, not
+#: with ``dataclasses.replace`` (~2 us) on each. At most ``_WITH_HEADERS_MAX``, then cleared.
+_WITH_HEADERS: dict[tuple[int, str | None, str | None], tuple[Principal, Principal]] = {}
+_WITH_HEADERS_MAX = 1024
+
+
+def _utc(t: datetime) -> datetime:
+    return t.replace(tzinfo=timezone.utc) if t.tzinfo is None else t
+
+
+def check_store_identity(st: AnyRow, created: str) -> None:
+    """The store precondition of a write (docs/API.md "Store identity"): ``created`` (the
+    ``Memfuse-Store-Created`` header, RFC 3339) must be the creation time of ``st``, the
+    store row the write's transaction read (and, on PostgreSQL, locked): so a write made for
+    a store deleted since, whose slug another store has now, never lands in that one, with
+    no window between a check and the write. Raises ``ServiceError`` 412 ``store_replaced``
+    on a mismatch, 422 ``validation_error`` for a value that is no date-time."""
+    try:
+        want = _utc(datetime.fromisoformat(created.strip()))
+    except ValueError:
+        raise ServiceError(422, "validation_error",
+                           "Memfuse-Store-Created must be an RFC 3339 date-time (the store's created_at)") from None
+    have = st.created_at
+    have = _utc(datetime.fromisoformat(have) if isinstance(have, str) else have)
+    if want != have:
+        raise ServiceError(412, "store_replaced",
+                           f"the store {keys.public(st.slug)!r} this write was made for was deleted; "
+                           "the store of that name now is another one (created "
+                           f"{have.isoformat()}): nothing was written")
 
 
 #: How the answer of the write running in this context may leave as soon as its transaction
@@ -752,8 +857,8 @@ class Writer:
     def idem_replay(row: AnyRow, idem: IdempotencyRequest) -> Reply:
         """The stored response ``row`` for ``idem``; 422 ``idempotency_key_reused`` when the
         row is of another request."""
-        if (row.method, row.url_path) != (idem.method, idem.url_path) or row.request_hash not in (
-                idem.body_sha256, idem.alt_sha256):
+        if (row.method, row.url_path) != (idem.method, idem.url_path) or (
+                row.request_hash != idem.body_sha256 and row.request_hash != idem.alternative()):
             raise ServiceError(
                 422, "idempotency_key_reused", "this Idempotency-Key was used for a different request"
             )
