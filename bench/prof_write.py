@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/prof_write.py [--n 1000] [--rounds 3] [--threads 1,4,16]
                                          [--juicefs] [--pyspy DIR] [--callgrind DIR]
-                                         [--cprofile PREFIX]
+                                         [--cprofile PREFIX] [--trace DIR]
 
 One ``memfuse serve`` (SQLite) and one sidecar (``--commit-wait`` 10 s: every close returns
 once the control plane has the record). Each round writes ``n`` files of ~550 B
@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 import common
+import sched_trace
 from bench_write import STORE, WS, write_files
 from common import Mount, Session, cpu_s, loadavg
 
@@ -112,6 +113,11 @@ def main() -> int:
     ap.add_argument("--pyspy", type=Path)
     ap.add_argument("--label", default="")
     ap.add_argument("--callgrind", type=Path, metavar="DIR")
+    ap.add_argument("--trace", type=Path, metavar="DIR",
+                    help="perf sched record of the first round's one-writer part (DIR/sched.data, "
+                         "--trace-seconds long) cut into the pipeline's segments per file "
+                         "(bench/sched_trace.py): a 'trace' object in that round's line")
+    ap.add_argument("--trace-seconds", type=float, default=2.0)
     ap.add_argument("--cprofile", metavar="PREFIX",
                     help="cProfile the sidecar's trio thread during each one-writer part "
                          "(bench/sigprof: stats in PREFIX.PID, the last part's)")
@@ -147,6 +153,10 @@ def main() -> int:
                     callgrind_ir(m.pid, a.callgrind)  # zeroed
                 if a.cprofile and t == 1:
                     os.kill(m.pid, signal.SIGUSR1)
+                tracer = None
+                if a.trace and r == 0 and t == 1:
+                    a.trace.mkdir(parents=True, exist_ok=True)
+                    tracer = sched_trace.record(a.trace / "sched.data", a.trace_seconds)
                 tz = time.monotonic()
                 c0 = (cpu_s(m.pid), cpu_s(s.cp.proc.pid))
                 u0 = user_sys(m.pid)
@@ -168,6 +178,10 @@ def main() -> int:
                           "sidecar_ir_per_file_raw": round(ir / a.n), "idle_ir_per_s": round(idle)}
                 for p in spies:
                     stop_tracer(p)
+                if tracer is not None:
+                    tracer.wait(timeout=a.trace_seconds + 120)
+                    cg["trace"] = sched_trace.analyse(sched_trace.script(a.trace / "sched.data"),
+                                                      os.getpid(), m.pid, s.cp.proc.pid)
                 peer = None
                 if jfs is not None:
                     peer = a.n / write_files(jfs.mountpoint / f"r{r}t{t}", a.n, threads=t)

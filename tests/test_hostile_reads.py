@@ -9,6 +9,7 @@ And ``ReadSlots`` itself: caps, the turn between tokens, a cancelled wait.
 """
 from __future__ import annotations
 
+import socket
 import statistics
 import time
 
@@ -17,9 +18,10 @@ import httpx
 import pytest
 import trio
 
-from memfuse.server.readslots import ReadSlots
-from mountutil import stop
-from test_hostile import _auth, admin_client, start
+from memfuse.server.readslots import ReadSlots, is_cheap
+from mountutil import stop, wait_until
+from pgutil import fresh_db_url
+from test_hostile import ADMIN, _auth, admin_client, start
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -81,7 +83,12 @@ async def _reader(port: int, token: str, path: str, done: list[float], stop_: tr
 
 
 async def test_one_tokens_heavy_reads_do_not_take_the_cpu_from_other_clients(tmp_path):
-    s = start(tmp_path, f"sqlite:///{tmp_path / 'cp.db'}", "reads", {"header_timeout": 10})
+    with fresh_db_url(f"sqlite:///{tmp_path / 'cp.db'}") as db:
+        await _flood_case(tmp_path, db)
+
+
+async def _flood_case(tmp_path, db: str) -> None:
+    s = start(tmp_path, db, "reads", {"header_timeout": 10})
     try:
         evil = await _workspace(s.url, "evil")
         good = await _workspace(s.url, "good")
@@ -169,3 +176,147 @@ def test_read_slots_cap_each_token_and_all_and_serve_waiting_tokens_in_turn():
     trio.run(main)
     with pytest.raises(ValueError):
         ReadSlots(per_key=0)
+
+
+def test_cheap_reads_take_further_slots_and_pass_their_own_tokens_waiting_heavy_reads():
+    """A read estimated cheap (one record, a small page without content) may take one more
+    slot of its token and one of ``cheap_total`` more in all (here 1), and goes before its own token's
+    heavy read that waits for the token's cap; heavy reads stay at ``per_key`` per token and
+    ``total`` in all, every slot held counting."""
+    order: list[str] = []
+
+    async def main() -> None:
+        slots = ReadSlots(per_key=2, total=3, cheap_per_key=1, cheap_total=1)
+        release: dict[str, trio.Event] = {}
+
+        async def read(key: str, name: str, cheap: bool) -> None:
+            await slots.acquire(key, cheap)
+            order.append(name)
+            release[name] = trio.Event()
+            await release[name].wait()
+            slots.release(key)
+
+        async def start(key: str, name: str, cheap: bool = False) -> None:
+            n.start_soon(read, key, name, cheap)
+            await trio.sleep(0.01)
+
+        async def done(name: str) -> None:
+            release[name].set()
+            await trio.sleep(0.01)
+
+        async with trio.open_nursery() as n:
+            await start("a", "a1")
+            await start("a", "a2")
+            await start("a", "a3")  # a's heavy cap: waits
+            await start("a", "ac1", cheap=True)  # a's further slot, at once
+            await start("a", "ac2", cheap=True)  # a holds 3: waits
+            await start("b", "b1")  # 3 held in all: a heavy read waits
+            await start("b", "bc1", cheap=True)  # the further slot in all
+            await start("c", "cc1", cheap=True)  # 4 held: waits
+            assert order == ["a1", "a2", "ac1", "bc1"] and slots.running == 4 and slots.waiting == 4
+            await done("a1")  # a's cheap read passes its waiting heavy one (a holds 2)
+            assert order[-1] == "ac2"
+            await done("ac1")  # 3 held, cheap: c's turn; no heavy read may start
+            assert order[-1] == "cc1" and slots.running == 4
+            await done("bc1")  # 3 held: a3 (a at its cap) and b1 (total) still wait
+            await done("cc1")  # 2 held: b1 in turn (a still at its cap)
+            assert order[-1] == "b1"
+            await done("a2")
+            assert order[-1] == "a3" and slots.waiting == 0
+            for name in ("ac2", "b1", "a3"):
+                await done(name)
+        assert slots.running == 0 and slots.waiting == 0
+
+    trio.run(main)
+    with pytest.raises(ValueError):
+        ReadSlots(cheap_total=-1)
+
+
+@pytest.mark.parametrize("target, cheap", [
+    ("/v1/stores/s/records/r1", True),
+    ("/v1/stores/s/records/r1/versions/3", True),
+    ("/v1/stores/s", True),
+    ("/v1/stores/s/records?limit=50", True),
+    ("/v1/stores/s/records?limit=20&content=false&cursor=x", True),
+    ("/v1/stores/s/records/r1/versions?limit=10", True),
+    ("/v1/stores/s/records", False),  # the default page: 500
+    ("/v1/stores/s/records?limit=51", False),
+    ("/v1/stores/s/records?limit=5&content=true", False),
+    ("/v1/stores/s/records?limit=5&content=1", False),
+    ("/v1/stores/s/records?limit=5&limit=6", False),
+    ("/v1/stores/s/search?q=x&limit=1", False),
+    ("/v1/workspaces/w/context", False),
+    ("/ui/stores/s", False),
+])
+def test_which_reads_are_estimated_cheap(target, cheap):
+    path, _, query = target.partition("?")
+    assert is_cheap(path, query.encode()) is cheap
+
+
+BIG = "/v1/stores/w/records?limit=1000&content=true"  # 9 records of 900 KB: an 8 MB answer
+
+
+def _stalled(port: int, token: str, target: str) -> socket.socket:
+    """A connection asking ``GET target`` that never reads its answer (a receive buffer of a
+    few KB): the server's send of a big answer blocks, its read slot held (until the 30 s
+    send bound or the connection's close)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(10)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(f"GET {target} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n\r\n".encode())
+    return sock
+
+
+def test_a_read_waiting_past_its_budget_is_504_and_a_cheap_read_passes_its_tokens_long_ones(tmp_path):
+    """One token's two reads hold its two read slots (answers of 8 MB their client does not
+    read): its next heavy read (a page of 100 records, a few ms of work) waits for a slot
+    until ``--read-timeout`` and is answered 504 ``timeout``; its reads estimated cheap (one
+    record, a page of 5) are answered 200 meanwhile, as is another token's heavy read; once
+    the stalled clients leave, the token's slots are free again. Real ``memfuse serve`` (on
+    PostgreSQL too, tests/test_postgres.py)."""
+    budget = 4.0
+    with fresh_db_url(f"sqlite:///{tmp_path / 'cp.db'}") as db:
+        s = start(tmp_path, db, "slots", {"read_timeout": budget})
+        held: list[socket.socket] = []
+        try:
+            tokens: dict[str, str] = {}
+            with httpx.Client(base_url=s.url, headers=_auth(ADMIN), timeout=60) as a:
+                assert a.post("/v1/stores", json={"slug": "w"}).status_code == 201
+                for name in ("hog", "other"):
+                    assert a.post("/v1/workspaces", json={"name": name, "default_store": False}).status_code == 201
+                    r = a.put(f"/v1/workspaces/{name}/attachments/w", json={"access": "read_write"})
+                    assert r.status_code == 200, r.text
+                    tokens[name] = a.post("/v1/tokens", json={"workspace": name, "name": name}).json()["token"]
+            hog = httpx.Client(base_url=s.url, headers=_auth(tokens["hog"]), timeout=60)
+            other = httpx.Client(base_url=s.url, headers=_auth(tokens["other"]), timeout=60)
+            with hog, other:
+                for i in range(9):
+                    r = hog.post("/v1/stores/w/records", json={"path": f"big{i}.md", "content": "word " * 180_000})
+                    assert r.status_code == 201, r.text
+                rid = hog.post("/v1/stores/w/records", json={"path": "small.md", "content": "hi\n"}).json()["id"]
+                held = [_stalled(s.port, tokens["hog"], BIG) for _ in range(2)]
+                time.sleep(1.5)  # both answers built (0.1-0.3 s each) and stuck in their sends
+                t0 = time.monotonic()
+                r = hog.get("/v1/stores/w/records?limit=100")
+                waited = time.monotonic() - t0
+                assert r.status_code == 504, r.text
+                assert r.headers["content-type"].startswith("application/problem+json")
+                assert r.json()["code"] == "timeout" and waited >= budget * 0.9, (r.json(), waited)
+                # the token's cheap reads take a further slot: answered, not held up
+                r = hog.get(f"/v1/stores/w/records/{rid}")
+                assert r.status_code == 200 and r.json()["content"] == "hi\n", r.text
+                assert hog.get("/v1/stores/w/records?limit=5").status_code == 200
+                assert other.get("/v1/stores/w/records?limit=100").status_code == 200
+                metrics = httpx.get(s.url + "/metrics", timeout=10).text
+                assert 'memfuse_server_refused_total{reason="timeout"}' in metrics
+                for sock in held:
+                    sock.close()
+                held = []
+                # their sends fail, their slots are given back
+                wait_until(lambda: hog.get("/v1/stores/w/records?limit=100").status_code == 200,
+                           timeout=30, what="the token's read slots free again")
+        finally:
+            for sock in held:
+                sock.close()
+            stop(s.proc)

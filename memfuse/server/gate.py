@@ -78,7 +78,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from memfuse.defs import RECORD_BODY_MAX, sha256_hex
 from memfuse.server import budget
 from memfuse.server.limits import MAX_HEAD, PROBLEM_JSON, ServerMetrics
-from memfuse.server.readslots import MAX_READS, READS_PER_TOKEN, ReadSlots
+from memfuse.server.readslots import MAX_READS, READS_PER_TOKEN, ReadSlots, is_cheap
 from memfuse.server.service import Principal, Service, ServiceError
 from memfuse.server.streamclass import Lease, StreamClass
 
@@ -624,7 +624,8 @@ class Gate:
                     with waiting:
                         if not held:
                             assert share is not None
-                            await self.reads.acquire(share)
+                            await self.reads.acquire(share, is_cheap(scope["path"],
+                                                                     scope.get("query_string", b"")))
                             held = True
                     if not held:
                         if b.reason == budget.DEADLINE:  # counted below, as a read cut at it

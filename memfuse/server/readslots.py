@@ -14,6 +14,17 @@ goes to the next token in turn (round robin over the tokens that wait, each toke
 reads in their order). One token's flood then costs another client at most the wait for
 one read to end, and the CPU is shared by at most ``total`` reads.
 
+A token's own heavy reads must not hold up its quick ones either: a console tab's page of one
+record behind the same token's export (two pages of 1,000 records that may take up to
+``--read-timeout``) would otherwise wait for one of them to end. So a read estimated cheap
+(``is_cheap``: one record, one version, one store, one account or job, a page of at most
+``SMALL_PAGE`` records without content) may also take one of ``cheap_per_key`` further slots of
+its token, and one of ``cheap_total`` further slots in all: a token's heavy reads still run at
+most ``per_key`` at once (every slot a key holds counts), all heavy reads at most ``total``
+(every slot held counts), and the CPU is shared by at most ``total + cheap_total`` reads, the
+extra ones each a few milliseconds. A waiting cheap read may go before its own token's
+waiting heavy read that cannot (its cap reached); reads of one kind keep their order.
+
 The wait is bounded by the read's budget (``memfuse.server.gate.Gate._run_read``: its client
 leaving, or ``read_budget`` s, end it) and its length by the request slots a token and all
 tokens may hold (``Shares``, ``max_inflight``). Event-loop only.
@@ -21,52 +32,103 @@ tokens may hold (``Shares``, ``max_inflight``). Event-loop only.
 from __future__ import annotations
 
 from collections import deque
+from urllib.parse import parse_qsl
 
 import anyio
 
+from memfuse.server import routetable as table
+
 READS_PER_TOKEN = 2  # reads of one token (or one address without a token) the app works on at once
 MAX_READS = 8  # reads the app works on at once, all tokens
+CHEAP_PER_TOKEN = 1  # further slots of a token for its reads estimated cheap
+CHEAP_READS = 4  # further slots in all for reads estimated cheap
+SMALL_PAGE = 50  # records (without content) of a page estimated cheap
+# one row each, bounded by the record size limit (or holding no content)
+_CHEAP_ROUTES = frozenset({table.GET_RECORD, table.GET_VERSION, table.GET_STORE,
+                           table.GET_ACCOUNT, table.GET_CONSOLIDATION})
+_FALSE = frozenset({"0", "false", "off", "no", "f", "n"})  # as the app's bool query parameters
+
+
+def is_cheap(path: str, query: bytes) -> bool:
+    """Whether a ``GET`` of decoded URL ``path`` with raw ``query`` string is a read estimated
+    cheap (module docstring): a v1 route answering one row (a record, a version, a store, an
+    account, a job), or a page of records or versions whose ``limit`` is at most
+    ``SMALL_PAGE`` and that asks no ``content``. Everything else (searches, the prompt block,
+    bigger pages, the console, a query it cannot read) is not."""
+    m = table.match("GET", path)
+    if m is None:
+        return False
+    if m.route in _CHEAP_ROUTES:
+        return True
+    if m.route not in (table.LIST_RECORDS, table.LIST_VERSIONS):
+        return False
+    try:
+        args = parse_qsl(query.decode("ascii"), strict_parsing=False)
+    except UnicodeDecodeError:
+        return False
+    limit = [v for k, v in args if k == "limit"]
+    if len(limit) != 1 or not limit[0].isdigit() or int(limit[0]) > SMALL_PAGE:
+        return False
+    return all(v.lower() in _FALSE for k, v in args if k == "content")
 
 
 class ReadSlots:
     """``total`` read slots, at most ``per_key`` per key (a token's digest, or an address),
-    handed out fairly (module docstring). ``acquire(key)`` waits for one (cancellable: a
-    slot given meanwhile is given back), ``release(key)`` gives it back. ``running``: slots
-    held now; ``waiting``: reads waiting now."""
+    and for reads estimated cheap ``cheap_total`` more, ``cheap_per_key`` more per key,
+    handed out fairly (module docstring). ``acquire(key, cheap)`` waits for one
+    (cancellable: a slot given meanwhile is given back), ``release(key)`` gives it back.
+    ``running``: slots held now; ``waiting``: reads waiting now."""
 
-    def __init__(self, per_key: int = READS_PER_TOKEN, total: int = MAX_READS) -> None:
-        if per_key < 1 or total < 1:
-            raise ValueError("read slots: per_key and total must be at least 1")
+    def __init__(self, per_key: int = READS_PER_TOKEN, total: int = MAX_READS,
+                 cheap_per_key: int = CHEAP_PER_TOKEN, cheap_total: int = CHEAP_READS) -> None:
+        if per_key < 1 or total < 1 or cheap_per_key < 0 or cheap_total < 0:
+            raise ValueError("read slots: per_key and total must be at least 1, the cheap "
+                             "ones at least 0")
         self.per_key = per_key
         self.total = total
+        self.cheap_per_key = cheap_per_key
+        self.cheap_total = cheap_total
         self.running = 0
         self.waiting = 0
         # INVARIANT: ``_held[k]`` is the slots key k holds (no zero entry), their sum is
-        # ``running`` <= ``total``; ``_queues`` holds the keys with reads waiting (no empty
-        # deque), in the order they are served next (round robin: a key served goes last),
-        # each with its waiters' events oldest first, ``waiting`` of them in all; a key
-        # waits only while it holds ``per_key`` or all ``total`` are held (``_grant``).
+        # ``running`` <= ``total + cheap_total``; a read that is not cheap was granted only
+        # while its key held < ``per_key`` and ``running`` < ``total`` (so at most
+        # ``per_key`` of a key's and ``total`` in all run); a cheap one while its key held <
+        # ``per_key + cheap_per_key`` and ``running`` < ``total + cheap_total``
+        # (``_fits``). ``_queues`` holds the keys with reads waiting (no empty deque), in the
+        # order they are served next (round robin: a key served goes last), each with its
+        # waiters (event, cheap) oldest first, ``waiting`` of them in all; a read waits only
+        # while it does not fit (``_grant`` hands out every slot that frees).
         self._held: dict[str, int] = {}
-        self._queues: dict[str, deque[anyio.Event]] = {}
+        self._queues: dict[str, deque[tuple[anyio.Event, bool]]] = {}
 
-    async def acquire(self, key: str) -> None:
-        """Take one of ``key``'s slots, waiting (in its turn) while none is free. Raises
-        the cancellation that ends a wait (nothing is then held)."""
-        # (no read waits that could take it: a key waits only while a cap holds it back)
-        if self.running < self.total and self._held.get(key, 0) < self.per_key:
+    def _fits(self, key: str, cheap: bool) -> bool:
+        held = self._held.get(key, 0)
+        if cheap:
+            return (held < self.per_key + self.cheap_per_key
+                    and self.running < self.total + self.cheap_total)
+        return held < self.per_key and self.running < self.total
+
+    async def acquire(self, key: str, cheap: bool = False) -> None:
+        """Take one of ``key``'s slots (``cheap``: a read estimated cheap, ``is_cheap``),
+        waiting (in its turn) while none is free. Raises the cancellation that ends a wait
+        (nothing is then held)."""
+        # (no read waits that could take it: a read waits only while its caps hold it back,
+        # and the same caps hold back a later read of its key and kind)
+        if self._fits(key, cheap):
             self._take(key)
             return
-        event = anyio.Event()
-        self._queues.setdefault(key, deque()).append(event)
+        waiter = (anyio.Event(), cheap)
+        self._queues.setdefault(key, deque()).append(waiter)
         self.waiting += 1
         try:
-            await event.wait()
+            await waiter[0].wait()
         except BaseException:
-            if event.is_set():  # granted as it was cancelled: give it back
+            if waiter[0].is_set():  # granted as it was cancelled: give it back
                 self.release(key)
             else:
                 queue = self._queues[key]
-                queue.remove(event)
+                queue.remove(waiter)
                 self.waiting -= 1
                 if not queue:
                     del self._queues[key]
@@ -88,15 +150,29 @@ class ReadSlots:
         self.running += 1
 
     def _grant(self) -> None:
-        """Give the free slots to the waiting keys in turn, skipping keys at ``per_key``."""
+        """Give the free slots to the waiting keys in turn: to each key's oldest waiting
+        read that fits (``_fits``), skipping keys with none."""
         for key in list(self._queues):
-            if self.running >= self.total:
+            if self.running >= self.total + self.cheap_total:
                 return
-            if self._held.get(key, 0) >= self.per_key:
+            queue = self._queues[key]
+            kinds: set[bool] = set()
+            for waiter in queue:  # the oldest read of each kind, the older first
+                if waiter[1] in kinds:
+                    continue
+                if self._fits(key, waiter[1]):
+                    break
+                kinds.add(waiter[1])
+                if len(kinds) == 2:
+                    break
+            else:
                 continue
-            queue = self._queues.pop(key)
-            queue.popleft().set()
-            self.waiting -= 1
-            self._take(key)
+            if waiter[1] in kinds:  # neither kind fits
+                continue
+            queue.remove(waiter)
+            del self._queues[key]
             if queue:
                 self._queues[key] = queue  # its next read waits behind the other keys'
+            waiter[0].set()
+            self.waiting -= 1
+            self._take(key)

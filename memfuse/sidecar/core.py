@@ -1415,20 +1415,36 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         """A put refused for good whose file the tree does not show because its path is a
         directory here (made elsewhere: a queued write shown over a tree that could not
         hold it at start, attack 13): its content is kept as a rejected file beside its
-        path (``keep_aside``), never dropped. Otherwise (the file deleted here since, a
-        path free or holding another file, a put without its content: an append sent as a
-        suffix) the ``errors.log`` line only, as before."""
+        path (``keep_aside``), never dropped; so is one whose path crosses a file (a record
+        made elsewhere at ``notes/x`` while the write of ``notes/x/y`` was queued:
+        ``parent_is_file``). Otherwise (the file deleted here since, a path free or holding
+        another file: replaced here by a later move, a put without its content: an append
+        sent as a suffix) the ``errors.log`` line only, as before."""
         path = e.args.get("path", "")
         sm = self.stores.get(e.store)
         data = e.content  # (a sent put holds it: ``Committer`` reads a deferred one first)
-        cur = self._node_at(sm, path) if sm is not None else None
+        why = self._unshown_why(sm, path) if sm is not None else None
         deleted = any(q.node_key == e.node_key and q.op == DELETE
                       for q in self.committer.queues.get(e.store, ()))
-        if sm is None or data is None or cur is None or not cur.is_dir or deleted:
+        if sm is None or data is None or why is None or deleted:
             self.note_error(None, path, e.errno, e.reason, e.code, e.store)
             return
-        self.keep_aside(sm, path, data, e.errno, e.code, e.reason, "a directory",
+        self.keep_aside(sm, path, data, e.errno, e.code, e.reason, why,
                         mode=e.args.get("mode"), type_=e.args.get("type"))
+
+    @staticmethod
+    def _unshown_why(sm: StoreMount, path: str) -> str | None:
+        """Why the tree of ``sm`` cannot show a file at store-relative ``path``: ``"a
+        directory"`` (one is at the path), ``"crossed by a file"`` (a file is at one of its
+        directories), None when it could (the path is free or holds a file)."""
+        d: Node | None = sm.root
+        for comp in path.split("/") if path else ():
+            if d is None:
+                return None
+            if d.children is None:
+                return "crossed by a file"
+            d = d.children.get(comp)
+        return "a directory" if d is not None and d.is_dir else None
 
     def _reconcile_answer(self, n: Node, rec: Record) -> None:
         """A commit of ``n`` was answered with ``rec``, the version ``n`` now claims: unless

@@ -37,6 +37,7 @@ import errno
 import logging
 import stat
 import time
+import uuid
 from typing import TYPE_CHECKING, Any
 
 from ..defs import sha256_hex
@@ -60,6 +61,10 @@ class LocalFiles:
     journal: Journal
 
     if TYPE_CHECKING:  # what this part calls of the other parts of ``core.Filesystem``
+        def aside_place(self, sm: StoreMount, path: str) -> tuple[Node, str]: ...
+
+        def note_kept_aside(self, n: Node, path: str, why: str) -> None: ...
+
         def _content(self, n: Node) -> bytes: ...
 
         def _ensure_dir(self, sm: StoreMount, parts: list[str], ts: int,
@@ -166,39 +171,49 @@ class LocalFiles:
 
     def _restore_local(self, sm: StoreMount) -> None:
         """Put back the local-only files kept for store ``sm`` (just loaded): at their path,
-        with their content, mode and mtime. One whose path now holds a record or crosses
-        one is not restored: the loss is written to ``errors.log`` and the log (with the
-        path, never the content), and its row is deleted."""
+        with their content, mode and mtime. One whose path now holds a record or a
+        directory, or crosses a record (made elsewhere meanwhile), is put back beside it
+        instead, never dropped: a local-only file at ``aside_place`` (``<stem>.rejected<ext>``),
+        named in ``errors.log`` (``EEXIST``, ``local_file_kept_aside``: both paths, never the
+        content) and the log; its row is replaced by the new file's."""
+        aside = False
         for row in self._local_restore.pop(sm.slug, []):
             try:
-                self._restore_local_one(sm, row)
+                aside = self._restore_local_one(sm, row) or aside
             except Exception:  # a bad row must not stop the mount
                 log.exception("local-only file not restored",
                               extra={"store": sm.slug, "path": row.get("path")})
+        if aside:  # the kept file's row written, the old one deleted, in one go
+            self.sync_local()
 
-    def _restore_local_one(self, sm: StoreMount, row: dict[str, Any]) -> None:
+    def _restore_local_one(self, sm: StoreMount, row: dict[str, Any]) -> bool:
+        """Put back one local-only row of ``sm``; True when it was kept beside its path."""
         path: str = row["path"]
         parts = path.split("/")
         now = time.time_ns()
         d = self._ensure_dir(sm, parts[:-1], now)
         cur = d.children.get(parts[-1]) if d is not None and d.children is not None else None
+        key = row["node_key"]
         if d is None or cur is not None:
-            why = ("a file is in its way" if d is None
-                   else "a directory now has its path" if cur is not None and cur.is_dir
-                   else "a record now has its path")
-            self.note_error(None, path, errno.EEXIST,
-                            f"a local-only file kept from before the restart was dropped: {why}",
-                            "local_file_dropped", sm.slug)
-            self._local_saved[row["node_key"]] = (sm.slug, "dropped")  # deleted at next sync
-            return
+            why = ("crossed by a file" if d is None
+                   else "a directory" if cur is not None and cur.is_dir else "a record's path")
+            d, name = self.aside_place(sm, path)
+            key = "n:" + uuid.uuid4().hex
+            self._local_saved[row["node_key"]] = (sm.slug, "moved aside")  # deleted at the sync
+        else:
+            name = parts[-1]
         data: bytes = row["content"]
-        n = self._new_node(parts[-1], d, False, sm, row["mode"] & 0o7777, now)
+        n = self._new_node(name, d, False, sm, row["mode"] & 0o7777, now)
         n.local_only = True
-        n.key = row["node_key"]
+        n.key = key
         self.by_key[n.key] = n
         # in memory when the cache disk refuses it; written to the blob cache at the next close
         self._hold_content(n, data, sha256_hex(data), "a local-only file kept from before the restart")
         n.mtime_ns = n.ctime_ns = row["mtime_ns"]
         self._live(n, +1)
         self._local.add(n)
+        if key != row["node_key"]:
+            self.note_kept_aside(n, path, why)
+            return True
         self._local_saved[n.key] = self._local_sig(n)
+        return False

@@ -14,7 +14,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..defs import sha256_hex
-from .inodes import PENDING, FsError, Node, StoreMount, shared_mode
+from .inodes import PENDING, REJECTED, FsError, Node, StoreMount, shared_mode
 from .journal import ATTRS, DELETE, MOVE, MOVE_PREFIX, PUT, Entry
 
 if TYPE_CHECKING:
@@ -37,6 +37,9 @@ class OutboxOverlay:
     stores: dict[str, StoreMount]
     ids: RecordIds
     committer: Committer
+    # files that exist only here (local-only, rejected) taken off a path a queued change
+    # passes through while ``overlay_outbox`` runs, with their store and path (``_unpark``)
+    _parked: list[tuple[Node, StoreMount, str]]
 
     if TYPE_CHECKING:  # what this part calls of the other parts of ``core.Filesystem``
         def _account(self, n: Node, delta: int) -> None: ...
@@ -65,6 +68,10 @@ class OutboxOverlay:
 
         def _save_dirs_logged(self) -> None: ...
 
+        def aside_place(self, sm: StoreMount, path: str) -> tuple[Node, str]: ...
+
+        def note_kept_aside(self, n: Node, path: str, why: str) -> None: ...
+
     def overlay_outbox(self, entries: list[Entry]) -> int:
         """Show what the outbox a previous process left holds on top of the stores just
         loaded (the control plane's state), before the mount serves and while the backlog
@@ -85,6 +92,7 @@ class OutboxOverlay:
         applied."""
         last: dict[int, tuple[Node, Entry]] = {}  # ino -> (file, its last queued put)
         applied = 0
+        self._parked = []
         for e in entries:
             sm = self.stores.get(e.store)
             if sm is None or sm.root.children is None:
@@ -147,7 +155,29 @@ class OutboxOverlay:
             old = n.cur_size()
             self._hold_content(n, data, sha256_hex(data), "a queued write")
             self._account(n, n.cur_size() - old)
+        self._unpark()
         return applied
+
+    def _unpark(self) -> None:
+        """Put the files parked by ``_overlay_place`` back: each at its own path when the
+        queued changes left it free (they passed through it before the file was made
+        there), else beside it (``aside_place``, named in ``errors.log``); never dropped."""
+        parked, self._parked = self._parked, []
+        for n, sm, path in parked:
+            parts = path.split("/")
+            d = self._ensure_dir(sm, parts[:-1], time.time_ns())
+            cur = d.children.get(parts[-1]) if d is not None and d.children is not None else None
+            if d is None or cur is not None:
+                why = ("crossed by a file" if d is None else "a directory" if cur is not None
+                       and cur.is_dir else "a queued change's file")
+                d, name = self.aside_place(sm, path)
+            else:
+                why, name = "", parts[-1]
+            assert d.children is not None  # a directory
+            n.parent, n.name = d, name
+            d.children[name] = n
+            if why:
+                self.note_kept_aside(n, path, why)
 
     def _show_unshown_move(self, e: Entry) -> None:
         """A queued ``move_prefix`` the tree could not show at start (``Entry.unshown``)
@@ -239,6 +269,13 @@ class OutboxOverlay:
         assert d.children is not None  # _ensure_dir gives a directory
         old = d.children.get(parts[-1])
         if old is not None and old is not keep:
+            if not old.is_dir and (old.local_only or old.state == REJECTED):
+                # state that exists only here (restored from its row, saved after the queued
+                # change was made: that change passed through this path before): parked, put
+                # back once the queue is shown (``_unpark``), never dropped
+                self._parked.append((old, sm, old.path()))
+                del d.children[parts[-1]]
+                return d, parts[-1]
             if old.is_dir and old.children:
                 if keep is None or not keep.is_dir or not _dirs_only(old):
                     return None

@@ -109,20 +109,13 @@ class RejectedFiles:
                "created": prev["created"] if prev else time.time()}
         return sig, row
 
-    def keep_aside(self, sm: StoreMount, path: str, data: bytes, err: int, code: str,
-                   reason: str, why: str, *, mode: int | None = None, type_: str | None = None,
-                   mtime_ns: int | None = None, restoring: bool = False) -> str:
-        """A refused write of ``path`` (store-relative) that the tree cannot show there
-        (``why``: a directory made elsewhere holds the path, or a file crosses it) is kept
-        as a new rejected file beside it, never dropped: ``<stem>.rejected<ext>`` (then
-        ``.rejected-2``...) in the deepest directory of ``path`` the tree has, with
-        ``data``, ``state=rejected``, ``err`` / ``code``, a reason naming ``path``, and
-        kept across restarts like any rejected file. Not sent until it changes; writing it
-        (or copying it) to a free path commits it. One line in ``errors.log`` (the kept
-        file's path, ``err``, ``code``, the reason). ``restoring``: called while a store's
-        rejected rows are put back (``_restore_rejected``, which writes them all once done:
-        a write now would replace the store's rows before the rest are back). Returns the
-        kept file's path."""
+    def aside_place(self, sm: StoreMount, path: str) -> tuple[Node, str]:
+        """Where content of ``path`` (store-relative) that the tree cannot show there (its
+        path, or a directory on it, taken by a record or a directory made elsewhere) is kept
+        beside it, never dropped: the deepest directory of ``path`` the tree has and a free
+        name there, ``<stem>.rejected<ext>`` (``notes/x.md`` → ``x.rejected.md``; then
+        ``.rejected-2``...; at most 255 bytes). The one naming rule of every file kept aside:
+        refused writes (``keep_aside``) and local-only files (``LocalFiles``)."""
         parts = path.split("/")
         d = sm.root
         for comp in parts[:-1]:
@@ -141,6 +134,43 @@ class RejectedFiles:
             room = 255 - len((tag + ext).encode())
             name = stem.encode()[:room].decode("utf-8", "ignore") + tag + ext
             i += 1
+        return d, name
+
+    def note_kept_aside(self, n: Node, path: str, why: str) -> None:
+        """File ``n`` (a local-only or rejected file: state that exists only here) could
+        not be put at its path ``path`` (``why``: what holds it) and was put at
+        ``aside_place`` instead: one line in ``errors.log`` (the new path, ``EEXIST`` and
+        ``local_file_kept_aside`` for a local-only file, else its refusal's errno and code;
+        a reason naming ``path``) and a WARNING log line; never the content."""
+        assert n.store is not None and n.parent is not None  # a file of the tree
+        sm, kept = n.store, n.path()
+        if n.local_only:
+            err, code = errno.EEXIST, "local_file_kept_aside"
+            what = "a local-only file (kept here, never sent)"
+        else:
+            err, code = self._rejected.get(n, (errno.EEXIST, ""))
+            what = f"a rejected file ({n.error})"
+        self.note_error(n.parent, n.name, err,
+                        f"{path}, {what}, could not be put back at its path: {path} is {why} "
+                        f"here; it is kept in this file as it was; rename it to use it, "
+                        f"delete it when done", code, sm.slug)
+        log.warning("file kept aside: its path is taken here",
+                    extra={"store": sm.slug, "path": path, "kept": kept, "code": code})
+
+    def keep_aside(self, sm: StoreMount, path: str, data: bytes, err: int, code: str,
+                   reason: str, why: str, *, mode: int | None = None, type_: str | None = None,
+                   mtime_ns: int | None = None, restoring: bool = False) -> str:
+        """A refused write of ``path`` (store-relative) that the tree cannot show there
+        (``why``: a directory made elsewhere holds the path, or a file crosses it) is kept
+        as a new rejected file beside it, never dropped (at ``aside_place``), with
+        ``data``, ``state=rejected``, ``err`` / ``code``, a reason naming ``path``, and
+        kept across restarts like any rejected file. Not sent until it changes; writing it
+        (or copying it) to a free path commits it. One line in ``errors.log`` (the kept
+        file's path, ``err``, ``code``, the reason). ``restoring``: called while a store's
+        rejected rows are put back (``_restore_rejected``, which writes them all once done:
+        a write now would replace the store's rows before the rest are back). Returns the
+        kept file's path."""
+        d, name = self.aside_place(sm, path)
         now = time.time_ns()
         n = self._new_node(name, d, False, sm, mode if mode is not None else 0o644, now)
         n.key = "n:" + new_key()
