@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import time
 import uuid
 from datetime import datetime, timezone
 
@@ -177,3 +178,34 @@ async def test_hold_waits_for_the_commit_in_flight_and_wait_idle_for_the_last(tm
         assert e2.done.is_set() and not e2.errno and c.depth() == 0
         nursery.cancel_scope.cancel()
     journal.close()
+
+
+async def test_the_journal_survives_its_clock_passing_a_due_time_while_it_arranges_its_sleep(
+        tmp_path, monkeypatch):
+    """``Journal.run`` checks that the first held insert is not due yet, then arranges its
+    sleep until then; on a loaded machine the clock can pass the due time in between
+    (seen under valgrind at load 20: ``move_on_after`` raised ``ValueError`` for a negative
+    delay and the journal task died). Here the first event it makes for that sleep takes
+    longer than what was left: the journal still writes the insert when due."""
+    journal = Journal(tmp_path / "outbox.db")
+    journal.HOLD = 0.05
+    c = Committer(GatedClient(), journal, {})  # never run: the insert is written when due
+    c.hold_journal = True
+    real, slept = trio.Event, []
+
+    def slow_event() -> trio.Event:
+        if not slept:
+            slept.append(1)
+            time.sleep(0.1)  # past the insert's due time (HOLD = 0.05 s)
+        return real()
+
+    e = c.submit("s", PUT, "n:1", {"path": "a.md"}, b"a\n")  # a held insert
+    async with trio.open_nursery() as nursery:
+        monkeypatch.setattr(trio, "Event", slow_event)
+        nursery.start_soon(journal.run)
+        with trio.fail_after(10):
+            await e.durable.wait()
+        monkeypatch.setattr(trio, "Event", real)
+        nursery.cancel_scope.cancel()
+    journal.close()
+    assert slept

@@ -984,7 +984,9 @@ class Journal:
                 self._wakeup = trio.Event()
                 self._sleeping_until = due
                 try:
-                    with trio.move_on_after(due - time.monotonic()):
+                    # (the clock read again: it may have passed ``due`` since the check,
+                    # on a loaded machine; ``move_on_after`` refuses a negative delay)
+                    with trio.move_on_after(max(0.0, due - time.monotonic())):
                         await self._wakeup.wait()
                 finally:
                     self._sleeping_until = None
