@@ -180,6 +180,16 @@ def next_page_link(query: str, cursor: int) -> str:
 # records on this caller's writes (``ws:<workspace name>/<instance>``): what a sidecar's feed
 # leaves out as its own (docs/API.md "Workspaces and attachments")
 ACTOR_HEADER = "Memfuse-Actor"
+# the request header of a record write naming the store it was made for by that store's
+# creation time (``Store.created_at``, RFC 3339): a precondition the control plane checks in
+# the write's transaction, refusing a write of a store deleted and made again under its slug
+# with 412 ``store_replaced`` (docs/API.md "Store identity"); a write without it is not checked
+STORE_CREATED_HEADER = "Memfuse-Store-Created"
+# the request header naming the sidecar instance that sends it (an opaque id of at most 64
+# characters ``[A-Za-z0-9._-]``, one per running sidecar): kept on the versions its writes
+# make, so its change feed leaves out exactly its own versions (``skip_writer``), not those of
+# another sidecar given the same actor name (docs/API.md "Endpoints", GET .../changes)
+WRITER_HEADER = "Memfuse-Writer"
 # changes / events per page of GET .../changes and .../events (``limit``: also the default), in the
 # app's Query(...), the long-poll fast path and the streams
 FEED_PAGE_MAX = 1000

@@ -4,7 +4,7 @@
 and :class:`PermanentError` (refused for good) with one subclass per refusal a caller tells
 apart (:class:`Unauthorized` 401, :class:`Forbidden` 403, :class:`NotFound` 404,
 :class:`Conflict` 409, :class:`Gone` 410, :class:`PreconditionFailed` 412,
-:class:`StoreFull` 507). ``ERRNO_BY_CODE`` maps a refusal's problem ``code`` to the errno a
+:class:`StoreReplaced` 412 ``store_replaced``, :class:`StoreFull` 507). ``ERRNO_BY_CODE`` maps a refusal's problem ``code`` to the errno a
 system call returns (the table in docs/API.md); every other view of that table is derived
 from it here (``errno_for``, ``errno_of``, ``ERRNO_NAME_BY_CODE``, ``CODE_BY_ERRNO``).
 
@@ -35,6 +35,7 @@ __all__ = [
     "Conflict",
     "Gone",
     "PreconditionFailed",
+    "StoreReplaced",
     "StoreFull",
 ]
 
@@ -141,6 +142,12 @@ class PreconditionFailed(PermanentError):
         return sha if isinstance(sha, str) else None
 
 
+class StoreReplaced(PermanentError):
+    """412 ``store_replaced``: the write named (``Memfuse-Store-Created``) a store that was
+    deleted since, and another store has its slug now; nothing was written. Not a
+    :class:`PreconditionFailed`: no newer version of the record to merge with exists."""
+
+
 # The one refusal → errno table (the errno table of docs/API.md): a refusal's problem ``code``
 # → the errno a system call on the mount returns for it. Every other view is derived from it:
 # ``errno_for`` (an ``ApiError``'s errno: the sidecar's committer), ``errno_of`` (the errno of
@@ -163,6 +170,7 @@ ERRNO_BY_CODE: dict[str, int] = {
     "store_archived": errno.EACCES,  # archived through the memory-store API (docs/ANTHROPIC-API.md)
     "store_not_found": errno.ENOENT,
     "store_not_attached": errno.ENOENT,
+    "store_replaced": errno.ESTALE,  # the write's store was deleted; another has its slug now
     "path_exists": errno.EEXIST,
     "parent_is_file": errno.ENOTDIR,
     "path_is_directory": errno.EISDIR,

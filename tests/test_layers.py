@@ -287,10 +287,42 @@ def test_witness_reads_lost_entries_and_bases_with_a_cut_last_line(tmp_path):
     with open(w.path, "a") as f:  # the sixth entry's line, cut by a crash
         f.write(json.dumps(lines[5], separators=(",", ":"))[:40])
     lost, keys, top = w.unfinished(present={2, 3})
-    assert [x["i"] for x in lost] == [4, 5] and lost[0]["a"] == {"path": 'p"4.md'}
-    assert keys == {"r:0": ("rec0", "h0")} and top == 5
+    # the cut line stands for its entry (it may have been accepted): named, never replayed
+    assert [x["i"] for x in lost] == [4, 5, 6] and lost[0]["a"] == {"path": 'p"4.md'}
+    assert lost[2]["damaged"] and lost[2]["h"] is None and lost[2]["s"] == "s"
+    assert keys == {"r:0": ("rec0", "h0")} and top == 6 and w.damaged == 0
     # r:0's key-map line (a commit learnt) is newer than its entries: the key map is its base
     assert w.bases == {"r:1": ("rec1", "base3")}
+    w.close()
+
+
+def test_damaged_witness_lines_are_never_fatal_nor_silent(tmp_path):
+    """attack17 F5: a witness line of JSON of another shape (``{"i":"x"}``: the start used to
+    crash on ``int("x")``) or of garbage is counted in ``damaged``, never fatal; a line cut
+    after its entry id stands for that entry (a placeholder with the store, op and path its
+    text still holds), never replayed; a line of a finished entry cut or not stays finished."""
+    from memfuse.sidecar.witness import Witness
+
+    w = Witness(tmp_path / "accepted.log")
+    good = {"i": 1, "k": "k1", "s": "notes", "o": "put", "n": "n:a", "a": {"path": "a.md"},
+            "t": 1.0, "h": "h1", "r": None, "b": None}
+    cut = json.dumps({**good, "i": 7, "k": "k7", "a": {"path": "wit005.md"}},
+                     separators=(",", ":"))[:75]
+    with open(w.path, "w") as f:
+        f.write("\n".join([
+            json.dumps(good, separators=(",", ":")),
+            '{"i":"x","k":null,"s":5}',  # JSON, of another shape
+            '{"i":3,"k":null,"s":5}',  # an integer id, the rest of another shape
+            '{"d":"1"}', '{"m":5}', "[1,2,3]", "\x00\x01garbage", "",
+            cut,  # cut after its path: the store, op and path still read
+            '{"i":9',  # cut inside its id: which entry cannot be known
+        ]) + "\n")
+    lost, keys, top = w.unfinished(present=set())
+    assert w.damaged == 7 and keys == {} and top == 7
+    assert [x["i"] for x in lost] == [1, 7]
+    assert lost[0] == good
+    assert lost[1]["damaged"] and lost[1]["h"] is None
+    assert (lost[1]["s"], lost[1]["o"], lost[1]["a"]) == ("notes", "put", {"path": "wit005.md"})
     w.close()
 
 

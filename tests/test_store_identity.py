@@ -6,7 +6,10 @@
   old content into the new store;
 - F5: writes queued for the deleted store (the control plane refused the token meanwhile)
   are never committed into the new store: each is refused and named in ``errors.log``;
-  so are those a previous process left in the journal (no mount: the committer alone).
+  so are those a previous process left in the journal (no mount: the committer alone);
+  and so is one already on its way when the store is deleted and made again (held by a
+  proxy between the sidecar's check and the control plane): the control plane refuses it
+  (``Memfuse-Store-Created``, 412 ``store_replaced``).
 """
 from __future__ import annotations
 
@@ -14,6 +17,8 @@ import errno
 import os
 import shutil
 import signal
+import socket
+import threading
 import time
 import uuid
 
@@ -128,6 +133,102 @@ def test_writes_queued_for_a_deleted_store_are_refused_not_sent_to_the_new_one(t
         refused = {e.get("path") for e in errors_log(c.mountpoint) if e.get("code") == "store_replaced"}
         assert {"q1.md", "before.md", "new0.md"} <= refused, errors_log(c.mountpoint)
         # the new store works as usual from C
+        sh("echo fresh > fresh.md", root)
+        drained(c)
+        assert {p: r.content for p, r in live_records(cp, slug).items()} == {"fresh.md": "fresh\n"}
+
+
+class _HoldProxy:
+    """A TCP proxy in front of the control plane that, while ``hold`` is set, holds every
+    write request (not a GET) whose path starts with ``hold``, with the rest of its
+    connection, until ``release`` (60 s at most); ``held`` counts those held. Threads;
+    ``close`` stops everything."""
+
+    def __init__(self, port: int) -> None:
+        self.target = ("127.0.0.1", port)
+        self.hold: bytes | None = None
+        self.held = 0
+        self.released = threading.Event()
+        self._socks: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+                server = socket.create_connection(self.target, timeout=5)
+            except OSError:
+                return
+            server.settimeout(None)
+            with self._lock:
+                self._socks += [client, server]
+            threading.Thread(target=self._pipe, args=(client, server, True), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, False), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, up: bool) -> None:
+        try:
+            while data := src.recv(65536):
+                if up and self.hold is not None:
+                    method, _, rest = data.partition(b" ")
+                    if method in (b"POST", b"PUT", b"PATCH", b"DELETE") and rest.startswith(self.hold):
+                        with self._lock:
+                            self.held += 1
+                        self.released.wait(60)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            try:
+                dst.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.released.set()
+        self.listener.close()
+        with self._lock:
+            for s in self._socks:
+                s.close()
+
+
+@pytest.mark.mount
+def test_a_write_on_its_way_when_its_store_is_made_again_is_refused_by_the_control_plane(tmp_path):
+    """The window the sidecar's own check leaves (attack 16 F5, ghost16's leftover): a write
+    checked against the store's identity and sent, held by a proxy while the store is
+    deleted and made again, then let through. The control plane refuses it (the store it
+    names is gone: 412 ``store_replaced``), nothing lands in the new store, the write is
+    named in ``errors.log`` (``ESTALE``), and so is the write queued behind it (refused
+    without being sent)."""
+    with Rig(tmp_path) as rig:
+        cp = rig.cp
+        proxy = _HoldProxy(int(cp.url.rsplit(":", 1)[1]))
+        rig.defer(proxy.close)
+        rig.workspace("ws")
+        c = rig.sidecar("ws", "--commit-wait", "0.5", via=proxy, mountpoint=tmp_path / "mc",
+                        cache_dir=tmp_path / "cc")
+        slug = f"tmph{uuid.uuid4().hex[:4]}"
+        cp.call("create_store", slug)
+        cp.call("attach", "ws", slug, access="read_write")
+        root = c.mountpoint / slug
+        wait_until(lambda: root.is_dir(), timeout=30, what="C mounts the store")
+        sh("echo before > before.md", root)
+        drained(c)
+        proxy.hold = f"/v1/stores/{slug}/".encode()
+        sh("echo held > held.md", root)  # close returns after --commit-wait: pending
+        wait_until(lambda: proxy.held >= 1, timeout=30, what="the write reaches the proxy")
+        sh("echo behind >> before.md", root)  # queued behind the held write
+        _remake(cp, slug)
+        proxy.hold = None
+        proxy.released.set()
+        wait_until(lambda: sidecar_status(c)["outbox"]["depth"] == 0, timeout=60,
+                   what="C's outbox finished")
+        assert live_records(cp, slug) == {}, "a write of the deleted store landed in the new one"
+        refused = {e.get("path"): e for e in errors_log(c.mountpoint) if e.get("code") == "store_replaced"}
+        assert {"held.md", "before.md"} <= set(refused), errors_log(c.mountpoint)
+        wait_until(lambda: _listing(root) == [], timeout=30, what="C shows the new, empty store")
         sh("echo fresh > fresh.md", root)
         drained(c)
         assert {p: r.content for p, r in live_records(cp, slug).items()} == {"fresh.md": "fresh\n"}

@@ -622,7 +622,7 @@ def default_actor(cache_dir: Path | None = None) -> str:
           "head within 30 s (plus a long poll's wait), its body at 64 KiB/s at least.")
 @opt("--actor", "--instance", "actor", metavar="NAME",
      help="Who writes through this mount, recorded on every version (history, the console, the "
-          "API's updated_by) as ws:WORKSPACE/NAME; stable across restarts, so it must differ "
+          "API's updated_by) as ws:WORKSPACE/NAME; stable across restarts, so it should differ "
           "between sidecars of one workspace running at once. In Kubernetes the manifests pass "
           "the pod name (downward API). Default: USER@HOST.CACHE (CACHE: 6 hex digits of the "
           "cache directory's path, which no two running sidecars share). --instance is the old "

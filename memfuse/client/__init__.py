@@ -49,6 +49,7 @@ from ..errors import (  # noqa: F401  (re-exported)
     PermanentError,
     PreconditionFailed,
     StoreFull,
+    StoreReplaced,
     TransientError,
     Unauthorized,
 )
@@ -64,6 +65,7 @@ from .base import (  # noqa: F401
     endpoint_label,
     parse_retry_after,
     quote_etag,
+    store_precondition,
     tls_context,
     unquote_etag,
 )
@@ -82,6 +84,8 @@ __all__ = [
     "Gone",
     "PreconditionFailed",
     "StoreFull",
+    "StoreReplaced",
+    "store_precondition",
     "PageStream",
     "STREAM_READ_TIMEOUT",
     "quote_etag",

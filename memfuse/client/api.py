@@ -323,17 +323,23 @@ class ApiClient(AdminEndpoints):
         content: bool = True,
         limit: int = FEED_PAGE_MAX,
         skip_actor: str | None = None,
+        skip_writer: str | None = None,
     ) -> ChangePage:
         """``GET /v1/stores/{store}/changes``: versions with seq > ``after``, oldest first;
         long-polls up to ``wait`` s (0–60) while empty. Resume with ``after=page.seq``.
         ``skip_actor``: leave out versions whose actor is exactly this (a sidecar's own
         writes, ``ws:<workspace>/<instance>``); ``page.seq`` still moves past them, so a page
         may be empty with a new ``seq``, and the long-poll keeps waiting while only such
-        versions arrive.
+        versions arrive. ``skip_writer``: leave out instead the versions written with
+        ``Memfuse-Writer`` exactly this (one sidecar's own writes: ``set_writer``; another
+        sidecar of the same actor's are kept); a control plane without it keeps to
+        ``skip_actor``.
         Raises Gone (410 ``cursor_expired``) when ``after`` is unknown → take a snapshot."""
         params: dict[str, Any] = {"after": after, "wait": _num(wait), "content": _bool(content), "limit": limit}
         if skip_actor:
             params["skip_actor"] = skip_actor
+        if skip_writer:
+            params["skip_writer"] = skip_writer
         return await self._call(
             ChangePage,
             "GET",
@@ -350,6 +356,7 @@ class ApiClient(AdminEndpoints):
         limit: int = FEED_PAGE_MAX,
         skip_actor: str | None = None,
         read_timeout: float = STREAM_READ_TIMEOUT,
+        skip_writer: str | None = None,
     ) -> PageStream[ChangePage]:
         """``GET /v1/stores/{store}/changes?stream=true`` (docs/API.md, "Streams"): an async
         iterator of the pages ``changes`` would answer, each as soon as the server has it, and
@@ -367,6 +374,8 @@ class ApiClient(AdminEndpoints):
         params: dict[str, Any] = {"after": after, "stream": "true", "content": _bool(content), "limit": limit}
         if skip_actor:
             params["skip_actor"] = skip_actor
+        if skip_writer:
+            params["skip_writer"] = skip_writer
         return PageStream(self, ChangePage, f"/v1/stores/{_seg(store)}/changes", params, read_timeout)
 
     async def versions_page(

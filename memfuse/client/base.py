@@ -6,6 +6,7 @@ model and the secrecy rules.
 """
 from __future__ import annotations
 
+import contextlib
 import email.utils
 import functools
 import logging
@@ -14,7 +15,8 @@ import random
 import re
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 from urllib.parse import quote
 
@@ -30,9 +32,11 @@ from ..errors import (
     PermanentError,
     PreconditionFailed,
     StoreFull,
+    StoreReplaced,
     TransientError,
     Unauthorized,
 )
+from ..defs import STORE_CREATED_HEADER, WRITER_HEADER
 from ..tokenfile import TokenFile
 
 if TYPE_CHECKING:
@@ -95,6 +99,26 @@ IDEMPOTENCY_HEADER = "Idempotency-Key"
 #: the request headers ``ApiSession._send`` sets, by their lower-case names (the lean path's)
 _LOWER = {"If-Match": "if-match", IDEMPOTENCY_HEADER: "idempotency-key", "Accept": "accept",
           "Content-Type": "content-type", "Authorization": "authorization"}
+
+
+#: the identity of the store the writes sent in this context were made for (its creation
+#: time, RFC 3339), set by ``store_precondition``; None: no precondition sent
+_STORE_CREATED: ContextVar[str | None] = ContextVar("memfuse_store_created", default=None)
+
+
+@contextlib.contextmanager
+def store_precondition(created: str | None) -> Iterator[None]:
+    """Inside (the current task only: a context variable), every request but a ``GET``
+    carries ``Memfuse-Store-Created: <created>``, the creation time (``Store.created_at``,
+    RFC 3339) of the store its write was made for: the control plane refuses the write with
+    412 ``store_replaced`` (:class:`StoreReplaced`) when the store of that slug is another
+    one now (deleted and made again), in the write's own transaction (docs/API.md "Store
+    identity"). ``created`` None or '' sends nothing (a write not checked, as outside)."""
+    token = _STORE_CREATED.set(created or None)
+    try:
+        yield
+    finally:
+        _STORE_CREATED.reset(token)
 
 
 # ---------------------------------------------------------------- error classification
@@ -220,8 +244,10 @@ def _error_from(status: int, problem: dict[str, Any], reason: str | None, retry_
     if not problem:
         problem = {"type": "about:blank", "title": title, "status": status}
     retry_after = None
-    if status in _STATUS_CLASSES:
-        cls: type[ApiError] = _STATUS_CLASSES[status]
+    if status == 412 and code == "store_replaced":  # not a version to merge with: refused
+        cls: type[ApiError] = StoreReplaced
+    elif status in _STATUS_CLASSES:
+        cls = _STATUS_CLASSES[status]
     elif status >= 500 or status in (408, 429):  # 408: the body was too slow; send it again
         cls = TransientError
         retry_after = parse_retry_after(retry_header)
@@ -412,6 +438,8 @@ class ApiSession:
             headers[INSTANCE_HEADER] = instance
         self.base_url = base_url.rstrip("/")
         self.instance = instance
+        #: the sidecar instance id sent on writes (``set_writer``); None: none sent
+        self.writer: str | None = None
         #: the actor the control plane records on this client's writes, as it last said
         #: (``Memfuse-Actor`` on ``list_attachments``' answer); None until then, and from a
         #: control plane that does not say
@@ -451,6 +479,12 @@ class ApiSession:
             from .lean import LeanHTTP, proxy_configured
             if transport is None and not proxy_configured():
                 self._lean = LeanHTTP(self.base_url, tls_context(self.base_url), self.timeout)
+
+    def set_writer(self, writer: str) -> None:
+        """Send ``Memfuse-Writer: writer`` on every write from now on: the id of this sidecar
+        instance (at most 64 characters ``[A-Za-z0-9._-]``), kept on the versions it writes,
+        so its change feed leaves out exactly those (``changes(skip_writer=...)``)."""
+        self.writer = writer
 
     def set_instance(self, instance: str) -> None:
         """Send ``X-Memfuse-Instance: instance`` from now on (the sidecar id on versions)."""
@@ -557,6 +591,12 @@ class ApiSession:
             headers[IDEMPOTENCY_HEADER] = idempotency_key
         if accept is not None:
             headers["Accept"] = accept
+        if method != "GET":
+            created = _STORE_CREATED.get()
+            if created is not None:
+                headers[STORE_CREATED_HEADER] = created
+            if self.writer is not None:
+                headers[WRITER_HEADER] = self.writer
         timeout = None
         if wait > 0:
             timeout = httpx.Timeout(self.timeout, read=wait + self.timeout)

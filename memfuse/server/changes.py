@@ -39,18 +39,29 @@ def _feed_select(with_content: bool) -> Select[Unpack[tuple[Any, ...]]]:
         _V.c.type, _V.c.version, _V.c.sha256, _V.c.size, _V.c.created_at, _V.c.actor,
         _V.c.content if with_content else null().label("content"), _V.c.redacted,
         _V.c.mode, _V.c.mtime_ns, _V.c.base_version, _V.c.chain,
-        _V.c.overwrote, _V.c.overwrote_by,
+        _V.c.overwrote, _V.c.overwrote_by, _V.c.writer,
         _R.c.created_at.label("record_created_at"),
     ).join(_R, _R.c.id == _V.c.record_id)
 
 
 def _feed_where(skip: bool) -> list[ColumnElement[bool]]:
     """The versions of a feed page: of store ``:store`` with ``:after`` < seq <= ``:top``
-    and, when ``skip``, not written by ``:actor``."""
+    and, when ``skip``, not written by ``:actor`` (a version's ``feed_key``: the sidecar
+    instance that wrote it, else its actor)."""
     conds = [_V.c.store == bindparam("store"), _V.c.seq > bindparam("after"), _V.c.seq <= bindparam("top")]
     if skip:
-        conds.append(_V.c.actor != bindparam("actor"))
+        conds.append(feed_key(_V.c.writer, _V.c.actor) != bindparam("actor"))
     return conds
+
+
+def feed_key(writer: Any, actor: Any) -> Any:
+    """What the change feed tells a version's writer by (``skip_actor`` / ``skip_writer``):
+    the sidecar instance that wrote it (``versions.writer``, ``Memfuse-Writer``) when it
+    sent one, else its actor (``Principal.feed_key`` for the caller). On columns, the SQL
+    expression; on a row's values, the value."""
+    if isinstance(writer, ColumnElement):
+        return func.coalesce(writer, actor)
+    return writer or actor
 
 
 # The feed's statements, run on the DB-API cursor (memfuse.server.rawsql: a feed read is made
@@ -143,16 +154,18 @@ class FeedRead:
     store_top: int
     top: int
     full: bool
+    #: the ``feed_key`` of each change's version (its writer's), in order
+    keys: list[str]
     _encoded: bytes | None = None
     _page: ChangePage | None = None
 
     def page(self, skip_actor: str | None) -> tuple[ChangePage, bytes | None]:
         """The page a long-poll answers (``changes_page`` rules for ``skip_actor``: versions of
-        that actor left out, ``seq`` past them), and its JSON when it is the shared
-        unfiltered page (encoded once for every waiter), else None."""
+        that writer, ``feed_key``, left out, ``seq`` past them), and its JSON when it is the
+        shared unfiltered page (encoded once for every waiter), else None."""
         seq = self.changes[-1].seq if self.full else max(self.after, self.store_top)
-        if skip_actor is not None and any(c.record.updated_by == skip_actor for c in self.changes):
-            kept = [c for c in self.changes if c.record.updated_by != skip_actor]
+        if skip_actor is not None and skip_actor in self.keys:
+            kept = [c for c, k in zip(self.changes, self.keys) if k != skip_actor]
             return ChangePage(changes=kept, seq=seq), None
         if self._page is None:  # the same page for every waiter: built and encoded once
             self._page = ChangePage(changes=self.changes, seq=seq)
@@ -270,7 +283,8 @@ class ChangesService(Resource):
             top, store_top = tops.top or 0, tops.store_top or 0
             rows, cut = _feed_rows(conn, slug, after, store_top, None, limit, with_content)
         self.notifier.learn_head(slug, store_top, stamp)
-        return FeedRead(slug, after, [_change(v, with_content) for v in rows], store_top, top, cut)
+        return FeedRead(slug, after, [_change(v, with_content) for v in rows], store_top, top, cut,
+                        [feed_key(v.writer, v.actor) for v in rows])
 
     def changes_page(
         self,
@@ -287,7 +301,8 @@ class ChangesService(Resource):
         server has written. With content a page holds at most ``defs.PAGE_CONTENT_BYTES`` of
         it (at least one version): a short page is not the end, the end is an empty page.
 
-        ``skip_actor``: versions whose actor is exactly this are left out; the page's ``seq``
+        ``skip_actor``: versions whose ``feed_key`` is exactly this are left out (the
+        sidecar instance that wrote them, ``Memfuse-Writer``, else their actor); the page's ``seq``
         still moves past them (to the store's latest version when the page is not full), so
         a page may be empty with ``seq`` > ``after``."""
         with self.db.read_conn() as conn:

@@ -69,7 +69,7 @@ log = logging.getLogger(__name__)
 #: the newest Alembic revision (``memfuse/server/migrations/versions/``): a database at it
 #: opens without Alembic (``Database._at_schema_head``). A new revision updates it;
 #: tests/test_migrations.py fails while it is not ``schema.head()``.
-SCHEMA_HEAD = "0020_fts_pending"
+SCHEMA_HEAD = "0021_version_writer"
 
 
 def utcnow() -> datetime:
@@ -437,6 +437,9 @@ class VersionRow(Base):
     # the change feed carries (``Change.overwrote``) so that its writer is told; else NULL.
     overwrote: Mapped[int | None] = mapped_column(Integer, nullable=True)
     overwrote_by: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # the sidecar instance that wrote it (``Memfuse-Writer``), NULL without one: what a
+    # sidecar's change feed leaves out as its own (``skip_writer``; revision 0021)
+    writer: Mapped[str | None] = mapped_column(Text, nullable=True)
 
     __table_args__ = (
         UniqueConstraint("record_id", "version", name="uq_versions_record_version"),

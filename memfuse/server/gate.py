@@ -79,7 +79,7 @@ from memfuse.defs import RECORD_BODY_MAX, sha256_hex
 from memfuse.server import budget
 from memfuse.server.limits import MAX_HEAD, PROBLEM_JSON, ServerMetrics
 from memfuse.server.readslots import MAX_READS, READS_PER_TOKEN, ReadSlots, is_cheap
-from memfuse.server.service import Principal, Service, ServiceError
+from memfuse.server.service import Principal, Service, ServiceError, with_write_headers
 from memfuse.server.streamclass import Lease, StreamClass
 
 log = logging.getLogger(__name__)
@@ -462,7 +462,7 @@ class Gate:
             self.connections.cleared(scope.get("client"))
             await self._probe(path, receive, send)
             return
-        head, length, chunked, token, instance, api_key = _headers(scope)
+        head, length, chunked, token, instance, api_key, store_created, writer = _headers(scope)
         if head > MAX_HEAD:  # hypercorn bounds only a head that arrives in several reads
             await self._refuse(receive, send, 431, "header_too_large",
                                f"the request line and headers are larger than {MAX_HEAD} bytes",
@@ -496,6 +496,7 @@ class Gate:
                                    headers={"Retry-After": "1"}, close=pending, path=path)
                 return
             self.connections.cleared(scope.get("client"))
+            principal = with_write_headers(principal, store_created, writer)
             scope["memfuse.principal"] = principal
             if method in _WRITE_METHODS and path.startswith("/v1/") and token:
                 # the token's write buckets, from the headers, before the body is read
@@ -971,16 +972,18 @@ def replay(body: bytes, receive: Receive) -> Receive:
 
 
 _GATE_HEADERS = frozenset({b"content-length", b"transfer-encoding", b"authorization", b"x-memfuse-instance",
-                           b"x-api-key"})
+                           b"x-api-key", b"memfuse-store-created", b"memfuse-writer"})
 
 
-def _headers(scope: Scope) -> tuple[int, int | None, bool, str | None, str | None, str | None]:
+def _headers(scope: Scope) -> tuple[int, int | None, bool, str | None, str | None, str | None, str | None,
+                                   str | None]:
     """(the head's size: the target and every header name and value, 4 bytes more a header;
     Content-Length or None, chunked, bearer token or None, X-Memfuse-Instance or None,
-    X-Api-Key or None), in one pass over the headers."""
+    X-Api-Key or None, Memfuse-Store-Created or None, Memfuse-Writer or None), in one pass
+    over the headers."""
     length: int | None = None
     chunked = False
-    token = instance = api_key = None
+    token = instance = api_key = store_created = writer = None
     head = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
     for k, v in scope.get("headers", ()):
         head += len(k) + len(v) + 4
@@ -1001,7 +1004,11 @@ def _headers(scope: Scope) -> tuple[int, int | None, bool, str | None, str | Non
             instance = v.decode("latin-1")
         elif k == b"x-api-key":
             api_key = v.decode("latin-1").strip() or None
-    return head, length, chunked, token, instance, api_key
+        elif k == b"memfuse-store-created":
+            store_created = v.decode("latin-1")
+        elif k == b"memfuse-writer":
+            writer = v.decode("latin-1")
+    return head, length, chunked, token, instance, api_key, store_created, writer
 
 
 def _problem(status: int, code: str, detail: str) -> bytes:

@@ -316,7 +316,7 @@ class FastPath:
                 if is_changes:
                     run = await self.streams.changes(
                         self.reads, p, target, after, limit=limit, content=content in _TRUE,
-                        skip_actor=q.get("skip_actor") or None)
+                        skip_actor=q.get("skip_writer") or q.get("skip_actor") or None)
                 else:
                     run = await self.streams.events(p, target, after, limit=limit)
             except Exception as e:  # refused before the first byte: the usual problem response
@@ -327,7 +327,7 @@ class FastPath:
         try:
             if is_changes:
                 response = await changes(self.svc, self.reads, request, p, target, after, wait, limit=limit,
-                                         content=content in _TRUE, skip_actor=q.get("skip_actor") or None)
+                                         content=content in _TRUE, skip_actor=q.get("skip_writer") or q.get("skip_actor") or None)
             else:
                 response = await events(self.svc, request, p, target, after, wait, limit=limit)
         except Exception as e:  # rendered as the app's exception handlers would

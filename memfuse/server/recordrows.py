@@ -342,9 +342,10 @@ class BatchStore:
         self.seqs.reverse()  # pop() takes the smallest
         self.deferring = True
 
-    def defer_create(self, rec: "_Rec", actor: str, now: datetime) -> None:
+    def defer_create(self, rec: "_Rec", actor: str, now: datetime, writer: str | None = None) -> None:
         """Queue the insert of ``rec`` (a new record, version 1) and its ``created`` version
-        with the next reserved seq; sets ``rec.seq``; notes the feed."""
+        (by ``actor``, sent by sidecar instance ``writer``) with the next reserved seq; sets
+        ``rec.seq``; notes the feed."""
         seq = self.seqs.pop()
         rec.seq = seq
         rec.updated_at, rec.updated_by = now, actor
@@ -355,12 +356,12 @@ class BatchStore:
             "operation": Operation.created.value, "path": rec.path, "old_path": None,
             "type": rec.type, "sha256": rec.sha256, "size": rec.size, "content": rec.content,
             "created_at": now, "actor": actor, "redacted": False, "mode": rec.mode,
-            "mtime_ns": rec.mtime_ns, "base_version": None, "chain": 0,
+            "mtime_ns": rec.mtime_ns, "base_version": None, "chain": 0, "writer": writer,
         })
         self.paths[rec.path] = rec.id
         parts = rec.path.split("/")
         self.dirs.update("/".join(parts[:i]) for i in range(1, len(parts)))
-        wakeups.note_feed(rec.store, seq, actor)
+        wakeups.note_feed(rec.store, seq, writer or actor)
         if not self.seqs:
             self.deferring = False
 

@@ -247,6 +247,7 @@ class RecordsService(Resource):
         new: bool = False,
         append: tails.Append | None = None,
         overwrote: list[tuple[int, str]] | None = None,
+        writer: str | None = None,
     ) -> int:
         """Append version ``rec.version`` (already bumped by the caller) from the record's
         current state and write the record row (inserted when ``new``); sets ``rec.seq``,
@@ -262,7 +263,8 @@ class RecordsService(Resource):
         ``overwrote``: (number, actor) of the version this one replaced by last writer wins
         (an update with ``overwrite``), then those of the other writers whose changes it
         drops (``overwritten_authors``), kept on the version for the change feed
-        (``encode_overwrote``)."""
+        (``encode_overwrote``). ``writer``: the sidecar instance that wrote it
+        (``Principal.writer``), kept on the version for the change feed."""
         conn.info["memfuse_writes"] = conn.info.get("memfuse_writes", 0) + 1
         rec.updated_at = now
         rec.updated_by = actor
@@ -302,11 +304,13 @@ class RecordsService(Resource):
         }
         if overwrote is not None:  # else left out: the statement every other write runs
             row["overwrote"], row["overwrote_by"] = overwrote[0][0], encode_overwrote(overwrote)
+        if writer is not None:
+            row["writer"] = writer
         seq: int = _RAW_INSERT_VERSION.scalar(conn, row)
         if rec.content is not None:
             history.note_kept(conn, rec.store, rec.size, 1)
         rec.seq = seq
-        wakeups.note_feed(rec.store, seq, actor)
+        wakeups.note_feed(rec.store, seq, writer or actor)
         if new:
             _RAW_UPDATE_RECORD.run(conn, {"rid": rec.id, "seq": seq})
         else:
@@ -436,11 +440,11 @@ class RecordsService(Resource):
             )
             self._room(st, len(raw), 1, grew_bytes=True, grew_count=True)  # refused before any write
             if deferred:
-                st.defer_create(rec, p.actor, now)  # written with the batch's other creates
+                st.defer_create(rec, p.actor, now, p.writer)  # written with the batch's other creates
                 history.note_kept(conn, st.slug, rec.size, 1)
                 conn.info["memfuse_writes"] = conn.info.get("memfuse_writes", 0) + 1  # as if written
             else:
-                self._add_version(conn, rec, Operation.created, p.actor, now, new=True)
+                self._add_version(conn, rec, Operation.created, p.actor, now, new=True, writer=p.writer)
             self._use(conn, st, len(raw), 1, grew_bytes=True, grew_count=True)
             return _record_model(rec, with_content=False)
 
@@ -512,7 +516,7 @@ class RecordsService(Resource):
         rec.version += 1
         self._room(st, size - old_size, 0, grew_bytes=size > old_size, grew_count=False)
         self._add_version(conn, rec, Operation.modified, p.actor, utcnow(), append=append,
-                          overwrote=overwrote)
+                          overwrote=overwrote, writer=p.writer)
         self._use(conn, st, size - old_size, 0, grew_bytes=size > old_size, grew_count=False)
         return _record_model(rec, with_content=False)
 
@@ -621,7 +625,7 @@ class RecordsService(Resource):
                 mtime = mtime_effective_ns(None, rec.updated_at)
             rec.mode, rec.mtime_ns = mode, mtime
             rec.version += 1
-            self._add_version(conn, rec, Operation.modified, p.actor, utcnow())
+            self._add_version(conn, rec, Operation.modified, p.actor, utcnow(), writer=p.writer)
             return _record_model(rec, with_content=False)
 
         return fn
@@ -664,7 +668,7 @@ class RecordsService(Resource):
                     raise ServiceError(409, "path_exists", f"{new_path!r} exists", record_id=target.id)
                 rec.deleted = True
                 rec.version += 1
-                self._add_version(conn, rec, Operation.deleted, p.actor, now)
+                self._add_version(conn, rec, Operation.deleted, p.actor, now, writer=p.writer)
                 d_bytes = -rec.size
                 if (target.sha256, target.type, *_attrs(target)) != (rec.sha256, new_type, *_attrs(rec)):
                     d_bytes += rec.size - target.size
@@ -674,7 +678,7 @@ class RecordsService(Resource):
                     # the renamed file replaces the target's inode: its mode and mtime too
                     target.mode, target.mtime_ns = rec.mode, rec.mtime_ns
                     target.version += 1
-                    self._add_version(conn, target, Operation.modified, p.actor, now)
+                    self._add_version(conn, target, Operation.modified, p.actor, now, writer=p.writer)
                 self._use(conn, st, d_bytes, -1, grew_bytes=False, grew_count=False)  # shrinks
                 return MoveResult(records=[_record_model(target, with_content=False)])
             self._check_clash(conn, st, new_path, frozenset((rec.id,)))
@@ -682,7 +686,7 @@ class RecordsService(Resource):
             rec.path, rec.type = new_path, new_type
             _pin_mtime(rec)  # rename(2) keeps the file's mtime: the moved version stores it
             rec.version += 1
-            self._add_version(conn, rec, Operation.moved, p.actor, now, old_path=old_path)
+            self._add_version(conn, rec, Operation.moved, p.actor, now, old_path=old_path, writer=p.writer)
             return MoveResult(records=[_record_model(rec, with_content=False)])
 
         return fn
@@ -767,6 +771,7 @@ class RecordsService(Resource):
                     "type": r.type, "sha256": r.sha256, "size": r.size, "content": stored,
                     "created_at": now, "actor": p.actor, "redacted": False, "mode": r.mode,
                     "mtime_ns": r.mtime_ns, "base_version": base_version, "chain": chain,
+                    "writer": p.writer,
                 })
             seqs = reserve_seqs(conn, len(versions))  # ascending: in the order of the new paths
             for v, seq in zip(versions, seqs):
@@ -793,7 +798,7 @@ class RecordsService(Resource):
             if kept_n:
                 history.note_kept(conn, st.slug, kept_bytes, kept_n)
             for seq in seqs:  # every seq: the notifier tells this process's versions apart
-                wakeups.note_feed(st.slug, seq, p.actor)
+                wakeups.note_feed(st.slug, seq, p.feed_key)
             log.info("moved %d records in store %s", len(plan), st.slug)
             return MoveResult(records=[_record_model(r, with_content=False) for r, _, _ in plan])
 
@@ -821,7 +826,7 @@ class RecordsService(Resource):
             _check_if_match(if_match, rec.sha256)
             rec.deleted = True
             rec.version += 1
-            self._add_version(conn, rec, Operation.deleted, p.actor, utcnow())
+            self._add_version(conn, rec, Operation.deleted, p.actor, utcnow(), writer=p.writer)
             self._use(conn, st, -rec.size, -1, grew_bytes=False, grew_count=False)
             return None
 
@@ -867,7 +872,7 @@ class RecordsService(Resource):
             rec.mode, rec.mtime_ns = v.mode, v.mtime_ns
             rec.deleted = False
             rec.version += 1
-            self._add_version(conn, rec, Operation.restored, p.actor, utcnow(), old_path=old_path)
+            self._add_version(conn, rec, Operation.restored, p.actor, utcnow(), old_path=old_path, writer=p.writer)
             self._use(conn, st, d_bytes, 1 if grew_count else 0, grew_bytes=grew_bytes, grew_count=grew_count)
             return _record_model(rec, with_content=False)
 

@@ -58,6 +58,7 @@ from memfuse.server.base import (
     canonical_sha256,
     idempotency_request,
     parse_if_match,
+    with_write_headers,
 )
 from memfuse.server import staleness
 from memfuse.server.accounts import AccountsService
@@ -109,6 +110,7 @@ __all__ = [
     "idempotency_request",
     "cut_index",
     "parse_if_match",
+    "with_write_headers",
 ]
 
 

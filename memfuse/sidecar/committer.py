@@ -14,7 +14,10 @@ worker per store (docs/ARCHITECTURE.md, "The path of a write").
   Each entry carries the creation time of the store it was written in (``STORE_CREATED``):
   one written in a store since deleted and made again under its slug is refused, never
   sent (``_refuse_replaced``; the store's identity is asked again after any failed attempt,
-  ``_confirm``).
+  ``_confirm``). Every request of an entry also names that store (``store_precondition``:
+  ``Memfuse-Store-Created``), so one sent in the moment between that check and its arrival
+  is refused by the control plane in the write's own transaction (412 ``store_replaced``,
+  ``StoreReplaced``: the same refusal, ``ESTALE``).
 - ``Backoff`` — the one retry policy of every retry path here: exponential with full
   jitter, at least the server's ``Retry-After``, capped.
 """
@@ -32,8 +35,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
 import trio
 
-from ..client import ApiClient
-from ..errors import ApiError, Conflict, NotFound, TransientError, Unauthorized, errno_for
+from ..client import ApiClient, store_precondition
+from ..errors import ApiError, Conflict, NotFound, StoreReplaced, TransientError, Unauthorized, errno_for
 from ..wire import BatchOperation
 from .conflict import AnsweredClient, ConflictResolver, local_refusal
 from .identity import RecordIds
@@ -765,6 +768,8 @@ class Committer:
         for e in q:
             if e.op not in (PUT, ATTRS, DELETE, MOVE) or e.node_key is None or len(out) >= BATCH_MAX_ENTRIES:
                 break
+            if out and e.args.get(STORE_CREATED) != out[0][0].args.get(STORE_CREATED):
+                break  # one batch names one store (``store_precondition``)
             self.fill(e)
             if e.op == PUT and e.content is None and e.suffix_only is not None:
                 break  # sent alone (ConflictResolver.put), as an append on its base
@@ -867,7 +872,8 @@ class Committer:
                 e.sent = e.in_flight = True
             try:
                 try:
-                    outcomes = await self.client.batch(store, ops)
+                    with store_precondition(carried[0].args.get(STORE_CREATED) if carried else None):
+                        outcomes = await self.client.batch(store, ops)
                 finally:
                     for e in carried:
                         e.in_flight = False
@@ -908,6 +914,8 @@ class Committer:
                     await self._poke.wait()
             except ApiError as err:
                 self._attempt_answered()
+                if isinstance(err, StoreReplaced):  # each entry gets its own refusal
+                    self._unconfirmed.add(store)
                 if err.status == 405 or (err.status == 404 and err.code in ("not_found", "")):
                     self.batching = False
                     log.info("the control plane has no batch endpoint; committing one by one",
@@ -988,6 +996,8 @@ class Committer:
                 if isinstance(err, TransientError):  # pragma: no cover - caught above
                     raise
                 self._attempt_answered()
+                if isinstance(err, StoreReplaced):  # the entries after it are refused unsent
+                    self._unconfirmed.add(e.store)
                 self.refused += 1
                 e.errno = errno_for(err)
                 e.reason = err.detail or err.code or f"HTTP {err.status}"
@@ -1018,7 +1028,8 @@ class Committer:
         apply = self._appliers.get(e.op)
         if apply is None:  # pragma: no cover - journal corruption
             raise local_refusal("validation_error", f"unknown outbox op {e.op!r}")
-        await apply(e, client if client is not None else self.client, e.args)
+        with store_precondition(e.args.get(STORE_CREATED)):  # refused if another store now
+            await apply(e, client if client is not None else self.client, e.args)
 
     async def _set_attrs(self, e: Entry, c: ApiClient, a: dict[str, Any]) -> None:
         """Set the mode and / or mtime of a record whose content the control plane has."""

@@ -678,13 +678,17 @@ class Journal:
         whose content ``content_of(sha256)`` still gives (the blob cache; ops without content
         always), queued again here with their ids and idempotency keys, so one that did
         commit before the loss is not applied twice; the key map the witness saw; the
-        witness lines of the accepted writes that cannot be recovered: their content is gone).
+        witness lines of the accepted writes that cannot be recovered: their content is gone,
+        or their witness line is damaged, ``Witness.unfinished``'s placeholders).
         The lost ones are marked finished in the witness, so they are named once."""
         present = {int(r[0]) for r in self._db.execute("SELECT id FROM entries")}
         lost, keys, self._witness_top = self.witness.unfinished(present)
         back: list[Entry] = []
         gone: list[dict[str, Any]] = []
         for x in lost:
+            if x.get("damaged"):  # its witness line is cut: what it wrote cannot be known
+                gone.append(x)
+                continue
             content = None
             if x.get("h"):
                 content = content_of(x["h"])

@@ -22,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import time
+import uuid
 from pathlib import Path
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, Callable
@@ -316,9 +317,10 @@ def open_cache(cache_dir: Path, metrics: Any = None) -> tuple[DiskReserve, BlobC
     return reserve, blobs, journal
 
 
-def journal_gone(cache_dir: Path) -> tuple[bool, bool]:
+def journal_gone(cache_dir: Path) -> tuple[bool, bool, bool]:
     """(whether the witness of the outbox journal, ``accepted.log``, is missing or empty,
-    whether the journal, ``outbox.db``, is too) in a cache directory a sidecar used before
+    whether the journal, ``outbox.db``, is too, whether the journal alone is) in a cache
+    directory a sidecar used before
     (a store mirror is there, ``stores/*.json``: written only after the journal was opened);
     (False, False) in one never used. Called before the journal is opened. Nothing else on disk names the writes such a double loss took: the store
     mirrors hold committed versions only and the blob cache content without paths
@@ -339,7 +341,8 @@ def journal_gone(cache_dir: Path) -> tuple[bool, bool]:
     except OSError:
         used = False
     witness = used and empty(cache_dir / WITNESS_NAME)
-    return witness, witness and empty(cache_dir / "outbox.db")
+    journal = used and empty(cache_dir / "outbox.db")
+    return witness, witness and journal, journal
 
 
 def _full_sentence(cache_dir: Path) -> str:
@@ -387,7 +390,7 @@ class Sidecar(StoreSync):
             legacy = config.cache_dir / "blobs"  # one-file-per-blob layout of earlier versions
             if legacy.is_dir():
                 shutil.rmtree(legacy, ignore_errors=True)
-            witness_gone, gone = journal_gone(config.cache_dir)
+            witness_gone, gone, journal_empty = journal_gone(config.cache_dir)
             self.reserve, blobs, self.journal = open_cache(config.cache_dir, self.metrics)
         except OSError as e:  # e.g. a symlink planted in the cache directory (refused)
             raise StartError(f"cache directory {config.cache_dir} unusable: "
@@ -416,13 +419,28 @@ class Sidecar(StoreSync):
         self.committer = self.fs.committer
         if self.invalidator.reading is None:  # a change waits for the file's readers
             self.invalidator.reading = self.fs.reading
+            # ... and past the bound, they keep the older content (a new inode for the path)
+            self.invalidator.outlasted = self.fs.readers_outlasted
         #: the outbox journal and its witness were both gone at start (``journal_gone``; or
         #: the journal moved aside as corrupt with no witness lines): what the previous
         #: process accepted and did not commit cannot be named; said in the log, errors.log
         #: and status.json (``cache.journal_missing``), never silently
         self.journal_missing: str | None = None
-        if gone or (witness_gone and self.journal.moved_aside is not None
-                    and not self.leftovers):
+        damaged = self.journal.witness.damaged
+        if damaged and (journal_empty or self.journal.moved_aside is not None):
+            # the journal lacked entries and the witness has lines it cannot read (garbage,
+            # another shape: attack17 F5): what they named cannot be told
+            self.journal_missing = (
+                f"the outbox journal (outbox.db) was missing, empty or unreadable at start and "
+                f"{damaged} line(s) of its witness (accepted.log) could not be read: writes "
+                "accepted before this start and not committed may be lost, and nothing else on "
+                "disk names them; check the files written before it")
+            log.error("outbox journal gone and its witness damaged: accepted writes not "
+                      "committed may be lost and cannot all be named",
+                      extra={"cache_dir": str(config.cache_dir), "damaged_lines": damaged})
+            self.fs.note_error(None, "", errno.EIO, self.journal_missing, "journal_missing")
+        elif gone or (witness_gone and self.journal.moved_aside is not None
+                      and not self.leftovers):
             self.journal_missing = (
                 "the outbox journal (outbox.db) and its witness (accepted.log) were both "
                 "missing, empty or unreadable at start in a cache directory used before: "
@@ -434,10 +452,11 @@ class Sidecar(StoreSync):
                              str(self.journal.moved_aside) if self.journal.moved_aside else None})
             self.fs.note_error(None, "", errno.EIO, self.journal_missing, "journal_missing")
         for x in self.journal_lost:  # named in errors.log (the log and status.json: above, below)
+            why = ("its line in the witness (accepted.log) is damaged, so what it wrote is not "
+                   "known" if x.get("damaged") else "its content is gone from the cache")
             self.fs.note_error(None, (x.get("a") or {}).get("path", ""), errno.EIO,
-                               f"an accepted {x.get('o')} was lost with the outbox journal and its "
-                               "content is gone from the cache: write it again", "journal_lost",
-                               x.get("s", ""))
+                               f"an accepted {x.get('o')} was lost with the outbox journal and "
+                               f"{why}: write it again", "journal_lost", x.get("s", ""))
         #: who reads the next FUSE request (fusereader.py): installed around pyfuse3.main()
         self.reader = FuseReader()
         self.ops = MemfuseOps(self.fs, self.metrics, self.invalidator, self.reader)
@@ -470,10 +489,9 @@ class Sidecar(StoreSync):
                 self.metrics.auth_failures.inc()
         client.auth_listener = auth
         # The actor name (``--actor``: a pod name, USER@HOST...), stable across restarts so
-        # history names the agent or pod a person recognises. The live change feed skips
-        # exactly this actor's versions (applied here already, or superseded by later local
-        # changes): two sidecars of one workspace running at once must not share it (the
-        # defaults differ, docs/CLI.md). A restart is safe: the catch-up at start skips
+        # history names the agent or pod a person recognises. Two sidecars of one workspace
+        # may share it: the live change feed skips this process's own versions by its
+        # writer id (below), not by the actor. A restart is safe: the catch-up at start skips
         # nothing, so versions an earlier process wrote after its last saved cursor arrive.
         self.instance = re.sub(r"[^A-Za-z0-9._@:+-]", "-", client.instance or "sidecar")[:100]
         client.set_instance(self.instance)
@@ -481,9 +499,15 @@ class Sidecar(StoreSync):
         # answer replaces it (StoreSync.learn_actor): a control plane that does not name it
         # records this
         self.actor = f"ws:{config.workspace}/{self.instance}"
-        # the control plane leaves our own versions out of the feed (no wake-up per own
-        # commit); _feed still checks the actor, for control planes that ignore skip_actor
-        self._feed_kw = {"skip_actor": self.actor}
+        # This process's writer id (``Memfuse-Writer`` on every write, kept on the versions
+        # it makes): the control plane leaves exactly our own versions out of the feed (no
+        # wake-up per own commit) by it, not by the actor, so another sidecar given the same
+        # --actor still sees ours and we its (attack 16 F8); a control plane without
+        # ``skip_writer`` leaves out the actor's (``skip_actor``), as before. One per process:
+        # versions an earlier process wrote arrive through the catch-up at start anyway.
+        self.writer = uuid.uuid4().hex
+        client.set_writer(self.writer)
+        self._feed_kw = {"skip_actor": self.actor, "skip_writer": self.writer}
         self.feeds: dict[str, trio.CancelScope] = {}
         self.admin_unmounted: set[str] = set()
         self.admin_address: str | None = None
@@ -660,7 +684,8 @@ class Sidecar(StoreSync):
         st["admin_socket"] = self.admin_socket
         st["invalidations"] = {"done": self.invalidator.done, "failed": self.invalidator.failed,
                                "pending": self.invalidator.pending,
-                               "waiting_for_readers": self.invalidator.waiting}
+                               "waiting_for_readers": self.invalidator.waiting,
+                               "kept_for_readers": self.invalidator.kept}
         st["errors_logged"] = len(self.fs.errors)
         st["feed_tasks"] = self.feed_tasks
         st["task_failures"] = dict(self.task_failures)

@@ -71,7 +71,8 @@ REFETCH_TIMEOUT = 120.0
 class FeedKw(TypedDict, total=False):
     """The keyword arguments every change-feed request carries (``Sidecar._feed_kw``)."""
 
-    skip_actor: str  # leave out the versions this actor wrote (applied here already)
+    skip_actor: str  # leave out the versions this actor wrote (a control plane without skip_writer)
+    skip_writer: str  # leave out the versions this sidecar instance wrote (applied here already)
 
 
 class StoreSync:
@@ -615,12 +616,15 @@ class StoreSync:
             for ch in page.changes:
                 if ch.seq <= state.cursor:
                     continue  # already applied (a page asked again after a reconnect)
-                if own or ch.record.updated_by != self.actor:  # ours are applied already
-                    if ch.overwrote is not None:
-                        self.told_overwritten(slug, ch)
-                    if self.touches_index(sm, ch.record):
-                        self.want_context()
-                    inv += self.fs.apply_remote(sm, ch.record)
+                # our own versions are left out by the control plane (``skip_writer``), not
+                # here by actor: another sidecar given the same actor writes versions of that
+                # actor too (a control plane that sends ours anyway: each is applied as the
+                # catch-up applies them, ``own``: a file at that version or newer is left alone)
+                if ch.overwrote is not None:
+                    self.told_overwritten(slug, ch)
+                if self.touches_index(sm, ch.record):
+                    self.want_context()
+                inv += self.fs.apply_remote(sm, ch.record)
                 state.apply(ch)
                 self.metrics.remote_changes.labels(slug).inc()
                 self.metrics.sync_lag.observe(lag_seconds(ch.record))
@@ -800,9 +804,9 @@ class StoreSync:
     # ------------------------------------------------------------------ mount / umount signals
     def learn_actor(self) -> None:
         """Take the actor the control plane records on this sidecar's writes (the client's
-        ``actor``, from the attachments answer) as ``actor`` and the feeds' ``skip_actor``:
-        the versions it leaves out and ``_apply_page`` skips as its own. A control plane that
-        does not say leaves the sidecar's own ``ws:<workspace>/<instance>``."""
+        ``actor``, from the attachments answer) as ``actor`` and the feeds' ``skip_actor``
+        (what a control plane without ``skip_writer`` leaves out as ours). A control plane
+        that does not say leaves the sidecar's own ``ws:<workspace>/<instance>``."""
         told = self.client.actor
         if told and told != self.actor:
             log.info("actor named by the control plane", extra={"actor": told, "was": self.actor})

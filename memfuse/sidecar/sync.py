@@ -795,7 +795,7 @@ class StoreState:
 
     def committed(self, e: Entry) -> None:
         """Mirror what this sidecar's own committed outbox entry did on the control plane.
-        The change feed leaves our own versions out (``skip_actor``), so this is how they
+        The change feed leaves our own versions out (``skip_writer``), so this is how they
         reach the mirror; a restart or an offline start then shows them.
         A record is never moved back to an older version than the mirror holds: a replayed
         entry (left in the journal by a crash after it committed) is answered by its

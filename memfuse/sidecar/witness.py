@@ -55,6 +55,9 @@ class Witness:
         #: a record loaded from a snapshot, is memory only), the base of the replayed put
         #: (``Sidecar._recover_journal``)
         self.bases: dict[str, tuple[Any, Any]] = {}
+        #: lines of the witness that ``unfinished`` could not read as any of its shapes
+        #: (JSON of another shape, wrong types, garbage), set by it
+        self.damaged = 0
 
     def size(self) -> int:
         return os.fstat(self._fd).st_size
@@ -80,7 +83,14 @@ class Witness:
     def unfinished(self, present: set[int]) -> tuple[list[dict[str, Any]], dict[str, tuple[Any, Any]], int]:
         """(entries accepted, not finished and not in ``present`` (the journal's entry ids),
         in order; the key map the witness saw, node key -> (record id, sha256); the highest
-        entry id it names). A line cut by a crash (the last one) is skipped.
+        entry id it names). A damaged line is never fatal and never silent (attack17 F5):
+        one cut (a crash of the machine, an edit) whose entry id can still be read stands for
+        its entry, which, unfinished and missing from the journal, comes back as a placeholder
+        (``"damaged": True``, with the store, op and path when its text still holds them,
+        never replayed: ``Journal.recover`` names it lost); any other line that does not read
+        as one of the witness's shapes (JSON of another shape, wrong types, garbage) is
+        counted in ``damaged``, for the start to say that writes may be lost when the
+        journal lacked entries too (``Sidecar.journal_missing``).
 
         A line of an accepted entry is read in full only when needed (a lost entry, the
         first line of a node key for ``bases``); for the others the id and node key are
@@ -93,6 +103,7 @@ class Witness:
         # line: which of the two the sidecar knew last (``bases``)
         first_pos: dict[int, int] = {}
         last_key: dict[str, int] = {}
+        self.damaged = 0
         try:
             text = self.path.read_text("utf-8", errors="replace")
         except OSError:
@@ -112,36 +123,43 @@ class Witness:
             try:
                 x = json.loads(raw)
             except ValueError:
-                continue
-            if not isinstance(x, dict):
-                continue
-            if "d" in x:
+                x = None
+            if isinstance(x, dict) and _is_int(x.get("d")) and len(x) == 1:
                 added.pop(x["d"], None)
-            elif "m" in x:
+            elif isinstance(x, dict) and isinstance(x.get("m"), str):
                 keys[x["m"]] = (x.get("r"), x.get("h"))
                 last_key[x["m"]] = pos
-            elif "i" in x:
-                added[int(x["i"])] = (x.get("n"), x)
-                top = max(top, int(x["i"]))
-                first_pos.setdefault(int(x["i"]), pos)
+            elif isinstance(x, dict) and _entry_shape(x):
+                added[x["i"]] = (x.get("n"), x)
+                top = max(top, x["i"])
+                first_pos.setdefault(x["i"], pos)
+            elif raw.strip():
+                cut = _WITNESS_ID.match(raw)
+                if cut is not None and x is None:  # cut short: its entry stands, unreadable
+                    i = int(cut.group(1))
+                    added[i] = (None, raw)
+                    top = max(top, i)
+                    first_pos.setdefault(i, pos)
+                else:
+                    self.damaged += 1
 
-        def full(line: str | dict[str, Any]) -> dict[str, Any] | None:
+        def full(i: int, line: str | dict[str, Any]) -> dict[str, Any]:
             if isinstance(line, dict):
                 return line
             try:
                 x = json.loads(line)
-            except ValueError:  # cut by a crash
-                return None
-            return x if isinstance(x, dict) and "i" in x else None
+            except ValueError:  # cut by a crash or an edit
+                x = None
+            if isinstance(x, dict) and _entry_shape(x):
+                return x
+            return _placeholder(i, line)
 
         self.bases = {}
         seen: set[str] = set()
         lost = []
         for i, (node_key, line) in sorted(added.items()):
             if i not in present:
-                x = full(line)
-                if x is not None:
-                    lost.append(x)
+                lost.append(full(i, line))
             if node_key and node_key not in seen:
                 seen.add(node_key)
                 # the base the sidecar knew last: the ident the entry was written on,
@@ -149,10 +167,37 @@ class Witness:
                 # then the base (the journal's, or ``keys`` when it is lost)
                 if first_pos.get(i, -1) < last_key.get(node_key, -1):
                     continue
-                x = full(line)
-                if x is not None and x.get("r"):
+                x = full(i, line)
+                if x.get("r") and not x.get("damaged"):
                     self.bases[node_key] = (x.get("r"), x.get("b"))
         return lost, keys, top
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _entry_shape(x: dict[str, Any]) -> bool:
+    """Whether ``x`` has the shape of an accepted entry's line as ``Journal.add`` writes it:
+    an integer id, string idempotency key, store and op, a string or null node key, an
+    object or null args and a string or null sha256."""
+    return (_is_int(x.get("i")) and isinstance(x.get("k"), str) and isinstance(x.get("s"), str)
+            and isinstance(x.get("o"), str) and isinstance(x.get("n"), (str, type(None)))
+            and isinstance(x.get("a"), (dict, type(None))) and isinstance(x.get("h"), (str, type(None))))
+
+
+def _placeholder(i: int, line: str) -> dict[str, Any]:
+    """What a damaged line of accepted entry ``i`` still says, for naming it lost: its store,
+    op and path when its text holds them whole, ``"damaged": True``; no content hash, so it
+    is never replayed."""
+    def field(name: str) -> str | None:
+        m = re.search(r'"%s":"([^"\\]*)"' % name, line)
+        return m.group(1) if m else None
+
+    path = field("path")
+    return {"i": i, "k": None, "s": field("s") or "", "o": field("o") or "write",
+            "n": None, "a": {"path": path} if path is not None else {}, "h": None,
+            "damaged": True}
 
 
 #: the head of an accepted entry's witness line as ``Journal.add`` writes it (json.dumps of
@@ -160,3 +205,5 @@ class Witness:
 _WITNESS_HEAD = re.compile(r'\{"i":(\d+),"k":"[^"\\]*","s":"[^"\\]*","o":"[^"\\]*","n":(?:null|"([^"\\]*)")')
 #: a finished entry's witness line
 _WITNESS_DONE = re.compile(r'\{"d":(\d+)\}$')
+#: the start of an accepted entry's line, enough to know its id when the rest is cut
+_WITNESS_ID = re.compile(r'\{"i":(\d+)[,}]')

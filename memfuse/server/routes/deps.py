@@ -26,7 +26,8 @@ from memfuse import defs
 from memfuse.server import streams as streaming
 from memfuse.server.jsonpieces import json_list_pieces
 from memfuse.server.routetable import Route
-from memfuse.server.service import IdempotencyRequest, Principal, Reply, Service, idempotency_request
+from memfuse.server.service import (IdempotencyRequest, Principal, Reply, Service, idempotency_request,
+                                    with_write_headers)
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -73,6 +74,8 @@ async def get_principal(
         p = svc.authenticate_cached(token, x_memfuse_instance)  # no database, no thread
         if p is None:
             p = await anyio.to_thread.run_sync(svc.authenticate, token, x_memfuse_instance)
+        p = with_write_headers(p, request.headers.get(defs.STORE_CREATED_HEADER),
+                               request.headers.get(defs.WRITER_HEADER))
     if svc.token_upkeep_due():  # token bookkeeping: a few statements a minute (tokens.py)
         await anyio.to_thread.run_sync(svc.token_upkeep)
     account = requested_account(request)

@@ -53,12 +53,18 @@ async def changes(
     limit: Annotated[int, Query(ge=1, le=defs.FEED_PAGE_MAX)] = defs.FEED_PAGE_MAX,
     skip_actor: Annotated[
         str | None,
-        Query(description="leave out versions whose actor is exactly this "
-              "(a sidecar's own writes); seq still moves past them and a long-poll keeps waiting"),
+        Query(description="leave out versions whose actor is exactly this, among those written "
+              "without Memfuse-Writer (a sidecar's own writes); seq still moves past them and a "
+              "long-poll keeps waiting"),
+    ] = None,
+    skip_writer: Annotated[
+        str | None,
+        Query(description="leave out versions written with Memfuse-Writer exactly this (one sidecar's "
+              "own writes, not those of another sidecar of the same actor); wins over skip_actor"),
     ] = None,
     stream: Annotated[bool, Query(description="answer an NDJSON stream of pages (docs/API.md)")] = False,
 ) -> Response:
-    skip = skip_actor or None
+    skip = skip_writer or skip_actor or None
     if stream and request.app.state.streams.enabled:
         return StreamResponse(await request.app.state.streams.changes(
             request.app.state.feed_reads, p, store, after, limit=limit, content=content, skip_actor=skip))
