@@ -116,6 +116,12 @@ BAD_TOKEN_MAX = 10_000
 RATE_KEYS_MAX = 10_000  # tokens whose write-bucket key is kept (the table is cleared past it)
 READY_REUSE_SECONDS = 0.25
 DRAIN_SECONDS = 5.0
+#: s a connection whose client was seen gone (a read's ``http.disconnect``) is remembered by
+#: its (address, port): the requests it had pipelined behind, still in the server's buffer,
+#: end at once, uncounted work (attack17 F4). The client's port of a connection it closed
+#: stays in TIME_WAIT (60 s on Linux) so no other connection can come from it meanwhile.
+GONE_MEMORY = 10.0
+GONE_MAX = 4096  # peers remembered at most (the oldest half forgotten when full)
 PROBES = ("/healthz", "/readyz")
 # ASGI scope extensions an HTTP server may offer (memfuse.server.lean does): ``BODY``, a
 # function ``() -> bytes | None`` giving the whole request body when the server holds all of
@@ -385,6 +391,8 @@ class Gate:
         self.shares = Shares(default_per_token(max_inflight) if max_per_token is None else max_per_token)
         self.read_budget = read_budget
         self.reads = ReadSlots(max_reads_per_token, max_reads)
+        #: (address, port) -> monotonic time its client was seen gone (``GONE_MEMORY``)
+        self._gone: dict[Any, float] = {}
         self.send_timeout = send_timeout
         self.max_body = max_body
         self.body_timeout = body_timeout
@@ -457,6 +465,10 @@ class Gate:
             await self.app(scope, receive, send)
             return
         path, method = scope["path"], scope["method"]
+        if self._gone and self._left(scope.get("client")):
+            # a request its client pipelined before it left: nobody to answer (attack17 F4)
+            self.metrics.refused.labels("client_gone").inc()
+            return
         self.connections.active(scope.get("client"))
         if path in PROBES or (path == "/metrics" and method == "GET"):
             self.connections.cleared(scope.get("client"))
@@ -533,17 +545,19 @@ class Gate:
             if body is None:
                 return  # the client left
             if lease is None:
+                # these two end the connection after their answer (attack17 F4): requests a
+                # client pipelined behind one would each be refused in turn, long after it left
                 if self.inflight >= self.max_inflight:
                     await self._refuse(receive, send, 503, "overloaded",
                                        "the server is at its request limit; retry",
-                                       headers={"Retry-After": "1"}, path=path)
+                                       headers={"Retry-After": "1"}, close=True, path=path)
                     return
                 share = self._share_key(principal, token, scope)
                 if share is not None and not self.shares.take(share):
                     await self._refuse(receive, send, 429, "too_many_requests",
                                        "this client has as many requests in the server at once as "
                                        "one token (or one address without a token) may; retry",
-                                       headers={"Retry-After": "1"}, path=path)
+                                       headers={"Retry-After": "1"}, close=True, path=path)
                     return
                 self.inflight += 1
                 try:
@@ -603,6 +617,7 @@ class Gate:
             with anyio.move_on_after(self.read_budget):
                 while (await receive())["type"] != "http.disconnect":
                     pass
+                self._note_gone(scope.get("client"))
                 b.end(budget.GONE)
                 gone.set()
                 waiting.cancel()
@@ -898,6 +913,27 @@ class Gate:
     def _select_1(self) -> None:
         with self.svc.db.read_conn() as conn:
             conn.exec_driver_sql("SELECT 1")
+
+    # ------------------------------------------------------------ clients gone
+
+    def _note_gone(self, client: Any) -> None:
+        """The connection from ``client`` (address, port) closed: remembered ``GONE_MEMORY`` s."""
+        if client is None:
+            return
+        if len(self._gone) >= GONE_MAX:
+            for k in list(self._gone)[:GONE_MAX // 2]:  # insertion order: the oldest first
+                del self._gone[k]
+        self._gone[client] = time.monotonic()
+
+    def _left(self, client: Any) -> bool:
+        """Whether ``client``'s connection was seen closed within ``GONE_MEMORY`` s."""
+        seen = self._gone.get(client)
+        if seen is None:
+            return False
+        if time.monotonic() - seen > GONE_MEMORY:
+            del self._gone[client]
+            return False
+        return True
 
     # ------------------------------------------------------------ refusals
 
