@@ -166,3 +166,31 @@ async def test_forbidden_is_not_an_auth_outage(fake, tmp_path):
         with pytest.raises(Forbidden):
             await api.create_record("default", "x.md", "x")
         assert api.auth_failure is None and api.auth_failures == 0
+
+
+async def test_a_token_of_another_workspace_is_checked_before_any_write_is_sent(fake, tmp_path):
+    """attack17 F6, in process: a client acting for ``ws`` (``expect_workspace``) given a
+    token of ``att`` checks it once and sends nothing with it (the write raises
+    ``Unauthorized`` ``wrong_workspace`` unsent: an authentication outage, never the
+    ``store_not_attached`` refusal of the write); a token of ``ws`` taken up resumes."""
+    await fake.setup("ws", stores=("default",))
+    wrong = await fake.setup("att", stores=("other",))
+    path = tmp_path / "token"
+    path.write_text(wrong)
+    seen: list[bool] = []
+    async with ApiClient(fake.base_url, TokenFile(path), transport=fake.transport,
+                         bounded=True) as api:
+        api.expect_workspace("ws")
+        api.auth_listener = seen.append
+        before = fake.counters.forwarded
+        for _ in range(3):
+            with pytest.raises(Unauthorized) as exc:
+                await api.create_record("default", "a.md", "x", idempotency_key="k1")
+            assert exc.value.code == "wrong_workspace"
+        assert fake.counters.forwarded - before == 1  # the check alone, once
+        reason = "the token is for workspace att, this sidecar is for ws"
+        assert api.auth_failure == reason and seen == [False]
+        path.write_text(fake.new_token("ws"))
+        api.refresh_token()
+        rec = await api.create_record("default", "a.md", "x", idempotency_key="k1")
+        assert rec.path == "a.md" and api.auth_failure is None and seen == [False, True]
