@@ -7,6 +7,7 @@ model and the secrecy rules.
 from __future__ import annotations
 
 import contextlib
+import copy
 import email.utils
 import functools
 import logging
@@ -464,6 +465,10 @@ class ApiSession:
         #: it raise ``Unauthorized`` unsent until another token is taken up
         self._wrong: tuple[int, str] | None = None
         self._check_lock: Any = None  # a trio.Lock, made at the first check
+        #: checks made so far, and the TransientError of the last when it got no answer:
+        #: callers that waited for that check fail with it rather than each trying in turn
+        self._checks = 0
+        self._check_error: TransientError | None = None
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
             headers=headers,
@@ -728,6 +733,7 @@ class ApiSession:
         if self._check_lock is None:
             self._check_lock = trio.Lock()
         tf = self.token_file
+        waited_for = self._checks
         async with self._check_lock:
             while True:  # a token taken up during the check is checked in turn
                 gen = tf.generation if tf is not None else 0
@@ -737,7 +743,15 @@ class ApiSession:
                 if self._wrong is not None and self._wrong[0] == gen:
                     raise Unauthorized(self._wrong[1], status=401, code="wrong_workspace",
                                        detail=self._wrong[1], method="GET", path=path)
-                resp = await self._send_once("GET", path, check=True)
+                if self._checks != waited_for and self._check_error is not None:
+                    raise copy.copy(self._check_error)  # the check this caller waited for
+                self._checks += 1
+                try:
+                    resp = await self._send_once("GET", path, check=True)
+                except TransientError as e:
+                    self._check_error = e
+                    raise
+                self._check_error = None
                 assert isinstance(resp, httpx.Response)
                 told = resp.headers.get(ACTOR_HEADER) or ""
                 theirs = told[3:].rsplit("/", 1)[0] if told.startswith("ws:") else None
