@@ -258,3 +258,60 @@ def test_closes_return_once_accepted_while_the_token_is_refused_and_wait_again_a
         assert set(recs) == {"a.md", "b.md"} | {f"n{i}.md" for i in range(4)}
         assert all(recs[f"n{i}.md"].content == f"note {i}\n" for i in range(4))
         assert status(sc.mountpoint)["outbox"]["refused"] == 0
+
+
+@pytest.mark.timeout(240)
+def test_a_token_of_another_workspace_is_an_outage_not_a_refusal(tmp_path):
+    """attack17 F6: the token file of ``ws``'s sidecar gets a valid token of workspace
+    ``att`` (a rotation mistake) while writes wait for an expired token: status
+    ``auth.ok: false`` naming both workspaces, ``/readyz`` 503, the writes kept pending (on
+    main they were refused for good, ``store_not_attached``) and none sent with that token;
+    the right token back commits them all."""
+    with Rig(tmp_path) as rig:
+        cp = rig.cp
+        rig.workspace(WS)
+        rig.workspace("att", ("other",))
+        first = cp.call("create_token", workspace=WS, name="first")
+        sc, secret = start(rig, first.token)
+        mnt = sc.mountpoint / "default"
+        admin = admin_url(sc.mountpoint)
+        timed(write, mnt / "a.md", "before\n", False)
+        assert timed(state, mnt / "a.md") == "clean"
+
+        cp.call("revoke_token", first.id)  # the outage of attack17's repro (expired)
+        timed(write, mnt / "q0.md", "queued 0\n", False)
+        assert timed(state, mnt / "q0.md") == "pending"
+
+        wrong = cp.call("create_token", workspace="att", name="wrong")
+        kubelet_secret(secret, wrong.token, 2)
+        poll(lambda: status(sc.mountpoint)["auth"]["token_reloads"] >= 1, 30, "token reload",
+             sc.log)
+        for i in (1, 2):
+            timed(write, mnt / f"q{i}.md", f"queued {i}\n", False, timeout=60)
+        reason = "the token is for workspace att, this sidecar is for ws"
+        poll(lambda: status(sc.mountpoint)["auth"]["error"] == reason, 30, "wrong workspace named",
+             sc.log)
+        time.sleep(2)  # the outbox retries meanwhile: with the wrong token, nothing goes
+        st = status(sc.mountpoint)
+        assert not st["auth"]["ok"] and not st["ready"], st["auth"]
+        assert st["outbox"]["refused"] == 0 and st["outbox"]["depth"] == 3, st["outbox"]
+        assert all(timed(state, mnt / f"q{i}.md") == "pending" for i in range(3))
+        r = httpx.get(f"{admin}/readyz", timeout=10)
+        assert r.status_code == 503 and reason in r.json()["detail"], r.text
+        assert metric(admin, "memfuse_auth_ok") == 0.0
+        errors = sc.mountpoint / ".memfuse" / "errors.log"
+        assert "store_not_attached" not in (timed(errors.read_text) if errors.exists() else "")
+        assert sc.log.read_text().count("the token is for another workspace") == 1  # logged once
+        assert set(live_records(cp)) == {"a.md"}
+
+        right = cp.call("create_token", workspace=WS, name="right")
+        kubelet_secret(secret, right.token, 3)
+        poll(lambda: status(sc.mountpoint)["outbox"]["depth"] == 0, 60, "outbox drained", sc.log)
+        recs = live_records(cp)
+        assert set(recs) == {"a.md", "q0.md", "q1.md", "q2.md"}
+        assert all(recs[f"q{i}.md"].content == f"queued {i}\n" for i in range(3))
+        assert all(timed(state, mnt / f"q{i}.md") == "clean" for i in range(3))
+        st = status(sc.mountpoint)
+        assert st["auth"]["ok"] and st["outbox"]["refused"] == 0
+        poll(lambda: httpx.get(f"{admin}/readyz", timeout=10).status_code == 200, 30, "ready",
+             sc.log)

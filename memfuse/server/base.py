@@ -39,7 +39,7 @@ from sqlalchemy.orm import Session
 
 from memfuse import content as content_rules
 from memfuse import names
-from memfuse.defs import RECORD_BODY_MAX
+from memfuse.defs import ACTOR_HEADER, RECORD_BODY_MAX
 from memfuse.models import Access
 from memfuse.server import history, keys, wakeups
 from memfuse.server.rawsql import Raw, RawRow
@@ -540,10 +540,16 @@ class AccessRules:
                 if row is None:  # a static token of a workspace that does not exist
                     raise ServiceError(404, "workspace_not_found", f"no workspace {ws!r}")
                 return row
+            # the refusal names the token's own actor (``Memfuse-Actor``, as an answer to it
+            # does): a sidecar given a token of another workspace tells the rotation mistake
+            # from a deleted workspace (memfuse.client.base ``expect_workspace``). Only the
+            # caller's own workspace is named: nothing about ``ws`` or another account
             own = s.get(WorkspaceRow, p.workspace)
+            told = {ACTOR_HEADER: p.actor} if p.actor.isascii() and p.actor.isprintable() else None
             if own is not None and AccessRules._in_account(s, ws, own.account) is not None:
-                raise ServiceError(403, "forbidden", "the token belongs to another workspace")
-            raise ServiceError(404, "workspace_not_found", f"no workspace {ws!r}")
+                raise ServiceError(403, "forbidden", "the token belongs to another workspace",
+                                   headers=told)
+            raise ServiceError(404, "workspace_not_found", f"no workspace {ws!r}", headers=told)
         if p.account is None:  # the root admin
             name, account = keys.split(ws)
             if account is not None:  # a reference ``<name>~<account>`` (a key has that form too)
