@@ -417,6 +417,128 @@ async def test_a_reader_served_while_the_kernel_is_behind_is_based_on_what_it_st
     await fake.aclose()
 
 
+async def test_readers_that_outlast_the_linger_keep_the_older_content_on_its_inode(tmp_path: Path):
+    """attack 17 F1 (``Filesystem.readers_outlasted``, asked once ``READER_LINGER`` passed
+    with readers open): a file held only by readers moves to a new inode with the current
+    content; the old inode keeps the older content whole for them (no version cut at the
+    newer size), refuses an open for writing (``ESTALE``: the kernel looks the name up
+    again), keeps the overwrite base while open, and leaves the tables once closed. A file
+    also open for writing is not split: its reader, which the kernel may cut at the
+    shorter size, holds parts of two versions (``UNKNOWN_BASE``)."""
+    from memfuse.sidecar.core import sha256_hex
+    from memfuse.sidecar.inodes import UNKNOWN_BASE
+
+    fake = FakeControlPlane(seed=0)
+    token = await fake.setup("ws", stores=("default",))
+    other_token = await fake.setup("other", stores=("default",))
+    client = ApiClient(fake.base_url, token, transport=fake.transport, instance="core-test")
+    other = ApiClient(fake.base_url, other_token, transport=fake.transport, instance="other")
+    journal = Journal(tmp_path / "outbox.db")
+    behind: set[int] = set()
+
+    class Kernel:  # the sidecar's place: invalidations stay queued (the readers hold them)
+        def entry_finished(self, e):
+            pass
+
+        def entry_conflicted(self, e, what):
+            pass
+
+        def invalidate(self, items):
+            behind.update(i[1] for i in items if i[0] == "inode")
+
+        def kernel_behind(self, ino):
+            return ino in behind
+
+        def kernel_served_older(self, ino):
+            pass
+
+        def reader_closed(self, ino):
+            pass
+
+        def committed_size(self, slug, rid):
+            return None
+
+        def known_record(self, slug, rid):
+            return None
+
+        def status(self):
+            return {}
+
+    fs = Filesystem(BlobCache(tmp_path / "blobs.db"), client, journal, Settings(commit_wait=5), "ws",
+                    listener=Kernel())
+    cursor = 0
+
+    async def feed() -> None:
+        nonlocal cursor
+        await fs.committer.wait_idle()
+        page = await client.changes("default", cursor)
+        inv = []
+        for ch in page.changes:
+            inv += fs.apply_remote(sm, ch.record)
+        cursor = page.seq
+        fs.invalidate(inv)
+
+    v1 = b"".join(b"v1 line %04d\n" % i for i in range(400))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(journal.run)
+        await nursery.start(fs.committer.run)
+        sm = fs.add_store("default", "read_write", [])
+        rec = await other.create_record("default", "f.md", v1.decode())
+        await feed()
+        n = sm.root.children["f.md"]
+        old_ino = n.ino
+        h = fs.open(old_ino, os.O_RDONLY)
+        assert fs.read(h, 0, 4096) == v1[:4096]
+        await other.update_record("default", rec.id, "v2\n")
+        await feed()
+        assert behind == {old_ino}
+        assert fs.readers_outlasted(old_ino) == [("entry", sm.root.ino, "f.md")]
+        behind.clear()  # the old inode's requests are never made (Invalidator: KEPT)
+        ghost = fs.inodes[old_ino]
+        assert ghost is h.node and ghost.kept and ghost.unlinked and n.ino != old_ino
+        assert fs.inodes[n.ino] is n and sm.root.children["f.md"] is n and ghost.record_id is None
+        assert fs.read(h, 4096, 1 << 20) == v1[4096:]  # the older content, whole
+        with pytest.raises(FsError) as e:
+            fs.open(old_ino, os.O_WRONLY)
+        assert e.value.errno == errno.ESTALE
+        h2 = fs.open(n.ino, os.O_RDONLY)  # the name's inode: the current content
+        assert fs.read(h2, 0, 4096) == b"v2\n"
+        fs.release(h2.fh)
+        assert n.read_base == sha256_hex(v1)  # kept while the older content is open
+        fs.check_invariants()
+        fs.release(h.fh)
+        assert old_ino not in fs.inodes
+        fs.release(fs.open(n.ino, os.O_RDONLY).fh)
+        assert n.read_base == ""  # the reader of the older content closed: the current one
+        # a file also open for writing keeps today's rules: made, its reader marked
+        h = fs.open(n.ino, os.O_RDONLY)
+        assert fs.read(h, 0, 4096) == b"v2\n"
+        w = fs.open(n.ino, os.O_RDWR)
+        await other.update_record("default", rec.id, "v3\n")
+        await feed()
+        assert fs.readers_outlasted(n.ino) is None and n.ino in fs.inodes
+        assert h.across == "" and n.read_base == sha256_hex(b"v2\n")  # v3 not shorter
+        fs.release(w.fh)
+        fs.release(h.fh)
+        behind.clear()
+        h = fs.open(n.ino, os.O_RDONLY)
+        w = fs.open(n.ino, os.O_RDWR)
+        assert fs.read(h, 0, 2) == b"v3"
+        await other.update_record("default", rec.id, "4\n")  # shorter: the kernel may cut h
+        await feed()
+        assert fs.readers_outlasted(n.ino) is None
+        assert h.across == "mixed" and n.read_base == UNKNOWN_BASE
+        fs.release(w.fh)
+        fs.release(h.fh)
+        fs.check_invariants()
+        nursery.cancel_scope.cancel()
+    journal.close()
+    fs.blobs.close()
+    await client.aclose()
+    await other.aclose()
+    await fake.aclose()
+
+
 async def test_a_reader_whose_reads_straddle_a_change_is_based_on_what_it_holds(tmp_path: Path):
     """docs/SEMANTICS.md "Conflicts" (verify 11, the silent merge of F3): a handle open for
     reading when a remote change replaces the content (``Handle.replaced``) is checked at

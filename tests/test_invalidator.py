@@ -118,3 +118,35 @@ async def test_an_invalidation_waits_for_the_files_readers_within_its_bound(monk
             assert await inv.catch_up(9, 5) is True
         assert trio.current_time() - start >= 0.3 and calls[-1] == 9
         nursery.cancel_scope.cancel()
+
+
+async def test_readers_that_outlast_the_bound_keep_the_inode_when_the_filesystem_can(monkeypatch):
+    """attack 17 F1: past ``linger`` with its reader still open, an inode's waiting requests
+    are not sent to the kernel when ``outlasted`` moves the file to a new inode (it returns
+    the name's entry invalidation instead: made), yet count as made (not ``behind``, not
+    ``pending``); when it returns None they are made as before."""
+    calls: list[tuple[str, object]] = []
+    import memfuse.sidecar.invalidator as mod
+    monkeypatch.setattr(mod.pyfuse3, "invalidate_inode",
+                        lambda ino, attr_only=False: calls.append(("inode", ino)))
+    monkeypatch.setattr(mod.pyfuse3, "invalidate_entry",
+                        lambda parent, name: calls.append(("entry", (parent, name))))
+    asked: list[int] = []
+
+    def outlasted(ino: int) -> list[tuple[object, ...]] | None:
+        asked.append(ino)
+        return [("entry", 1, "f.md")] if ino == 5 else None
+
+    inv = Invalidator(reading=lambda ino: True, linger=0.2, outlasted=outlasted)
+    inv.active = True
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(inv.run)
+        inv.submit([("inode", 5), ("attr", 5), ("inode", 9)])
+        with trio.fail_after(5):
+            assert await inv.catch_up(5, 5) is True and await inv.catch_up(9, 5) is True
+            while inv.pending:
+                await trio.sleep(0.01)
+        assert sorted(asked) == [5, 9], asked
+        assert ("inode", 5) not in calls and ("entry", (1, b"f.md")) in calls, calls
+        assert ("inode", 9) in calls and inv.kept == 1 and inv.waiting == 0, calls
+        nursery.cancel_scope.cancel()

@@ -364,7 +364,9 @@ def test_a_reader_whose_reads_straddle_a_remote_change_makes_the_overwrite_a_rep
     # (15 s, a bound on the feed's delay, was the only timing this setup assumed)
     _, pc = written_and_seen(a, c, "s", name, v1, timeout=60)
     errs = len([e for e in errors_log(c.mountpoint) if e.get("conflict")])
-    with open(pc, "rb", buffering=0) as f:
+    # open for reading and writing: a writer holding the file keeps these rules (a reader
+    # alone keeps the older version whole: the next tests)
+    with open(pc, "r+b", buffering=0) as f:
         first = f.read(1500)  # the reader in C: version 1 up to byte 1500
         done = sidecar_status(c)["invalidations"]["done"]
         v2 = v1.replace("line 05", "A-1 inserted\nline 05")
@@ -389,6 +391,100 @@ def test_a_reader_whose_reads_straddle_a_remote_change_makes_the_overwrite_a_rep
     conflicts = [e for e in errors_log(c.mountpoint) if e.get("conflict")]
     assert len(conflicts) == errs + 1 and conflicts[-1]["path"].endswith(name), conflicts
     assert cur == ours, cur  # last writer wins; version 2 stays in history
+
+
+def _outlasting_reader(cp, a, c, prefix: str, mode: str, meanwhile: bool = False,
+                       append: bool = False) -> tuple[str, Path, bytes, str, str]:
+    """attack 17 F1: a reader in C (``open(..., mode)``) reads the first 8 KiB of version 1
+    (300 lines, 26 KB); A replaces the file (a temporary renamed over it) by a shorter
+    version 2 (60 lines, 5 KB); C's sidecar applies it, and the kernel invalidation waits
+    for the reader ``READER_LINGER`` s at most: the reader is still open past it; then it
+    reads on to its EOF (``meanwhile``: then another open in C, still reading it, reads
+    version 2; ``append``: A appends a line instead, version 2 extends version 1). Returns ``(name, its path in C, what the reader got, v1, v2)``."""
+    name = f"{prefix}-{uuid.uuid4().hex[:6]}.md"
+    v1 = "".join(f"v1 line {i:04d} {'x' * 70}\n" for i in range(300))
+    v2 = "".join(f"v2 line {i:04d} {'x' * 70}\n" for i in range(60))
+    if append:
+        v2 = v1 + "A appended\n"
+    _, pc = written_and_seen(a, c, "s", name, v1, timeout=60)
+    with open(pc, mode, buffering=0) as f:
+        got = f.read(8192)
+        done = sidecar_status(c)["invalidations"]["done"]
+        if append:
+            with open(a.mountpoint / "s" / name, "a") as w:
+                w.write("A appended\n")
+        else:
+            _rewrite(a.mountpoint / "s" / name, v2, "rename")
+        wait_until(lambda: live_records(cp, "s")[name].content == v2, timeout=60,
+                   what="A's version 2 committed")
+        _shown(pc, v2, timeout=60)  # C applied version 2 (no reader served it)
+        # past the linger: what the invalidation does (made, or the name's entry instead)
+        wait_until(lambda: (lambda st: st["done"] > done and st["pending"] == 0)(
+                       sidecar_status(c)["invalidations"]), timeout=60,
+                   what="C's invalidation of version 1 made past the linger")
+        while True:
+            b = f.read(4096)
+            if not b:
+                break
+            got += b
+        if meanwhile:  # a new open, the reader still open: the name's current version
+            assert read(pc) == v2
+    return name, pc, got, v1, v2
+
+
+def test_a_reader_open_past_the_linger_across_a_remote_replace_reads_the_older_version_whole(held):
+    """attack 17 F1: a reader open for reading only, past ``READER_LINGER``, while another
+    mount replaces the file by a shorter version: on main the invalidation was made then,
+    the kernel learnt the shorter size and answered the reader's next read with EOF: it
+    held version 1 cut at 8 KiB, no version (a slow ``sed -i`` committed it). As on a local
+    disk (a descriptor opened before a rename over the file), it reads version 1 whole: the
+    file moved to a new inode, the old one kept for it. An open meanwhile reads version 2,
+    and the reader's edit written back is based on version 1 (merged onto version 2), not
+    on the version 2 that open was served."""
+    cp, a, c = held
+    kept = sidecar_status(c)["invalidations"].get("kept_for_readers", 0)
+    name, pc, got, v1, v2 = _outlasting_reader(cp, a, c, "keep", "rb", meanwhile=True)
+    assert got == v1.encode(), (len(got), len(v1), got[-40:])
+    assert sidecar_status(c)["invalidations"].get("kept_for_readers", 0) == kept + 1
+    errs = len(errors_log(c.mountpoint))
+    _rewrite(pc, got.decode() + "C edit\n", "rename")
+    wait_until(lambda: _depth(a) == 0 and _depth(c) == 0, timeout=60, what="both outboxes drained")
+    assert live_records(cp, "s")[name].content == v2 + "C edit\n"
+    assert len(errors_log(c.mountpoint)) == errs  # merged: no conflict
+
+
+def test_a_reader_open_past_the_linger_across_a_remote_append_reads_the_appended_line(held):
+    """A reader open for reading only past ``READER_LINGER`` while another mount appends to
+    the file (``tail -f`` on a journal): the file keeps its inode (no older content kept
+    for the reader), and the reader's next reads get the appended line, as on a local
+    disk."""
+    cp, a, c = held
+    kept = sidecar_status(c)["invalidations"].get("kept_for_readers", 0)
+    name, pc, got, v1, v2 = _outlasting_reader(cp, a, c, "append", "rb", append=True)
+    assert got == v2.encode(), (len(got), len(v1), got[-40:])
+    assert sidecar_status(c)["invalidations"].get("kept_for_readers", 0) == kept
+
+
+def test_a_reader_open_for_writing_cut_past_the_linger_makes_its_overwrite_a_straddle_conflict(held):
+    """attack 17 F1, a handle open for writing (``r+b``: today's rules, no inode kept):
+    the kernel answers the reader's read past version 2's size with EOF, without asking
+    the sidecar, so it holds version 1 cut at 8 KiB; written back, that content is no
+    version. On main the overwrite was named by the generic conflict line only; it is
+    named by the straddle line (``a reader of this file was served parts of two
+    versions``), and A, whose version it replaced, is told (``overwritten``)."""
+    cp, a, c = held
+    errs = len(errors_log(c.mountpoint))
+    name, pc, got, v1, v2 = _outlasting_reader(cp, a, c, "cut", "r+b")
+    assert got == v1.encode()[:8192], len(got)  # cut by the kernel at version 2's size
+    ours = got.decode() + "C edit\n"
+    _rewrite(pc, ours, "rename")
+    wait_until(lambda: _depth(a) == 0 and _depth(c) == 0, timeout=60, what="both outboxes drained")
+    assert live_records(cp, "s")[name].content == ours  # last writer wins
+    lines = [e for e in errors_log(c.mountpoint)[errs:] if e.get("path", "").endswith(name)]
+    assert lines and "parts of two versions" in lines[-1]["reason"], lines
+    wait_until(lambda: any(e.get("overwritten") and e.get("path", "").endswith(name)
+                           for e in errors_log(a.mountpoint)),
+               timeout=60, what="A told its version was overwritten")
 
 
 def _tail_case(a, c, prefix: str) -> tuple[str, Path, str, str]:

@@ -319,3 +319,81 @@ def test_canonical_hash_is_jsons_text_for_any_value():
                 canonical_sha256(value)
             continue
         assert canonical_sha256(value) == expected, value
+
+
+def test_the_raw_body_is_hashed_only_when_a_stored_row_is_compared(monkeypatch):
+    """The idempotency request of a write (made on the event loop) hashes its canonical JSON
+    only; the raw bytes' sha256 (the alternative identity of rows stored by releases before
+    the batch endpoint) is computed when a stored row is compared, and still matches."""
+    from types import SimpleNamespace
+
+    from memfuse.server import base
+    from memfuse.server.service import ServiceError
+
+    real = base.body_sha256
+    hashed: list[bytes] = []
+    monkeypatch.setattr(base, "body_sha256", lambda b: hashed.append(b) or real(b))
+    raw = b'{"path": "notes/a.md",   "content": "x"}'
+    idem = base.idempotency_request("k1", "POST", "/v1/stores/s/records", raw, json.loads(raw))
+    assert hashed == []  # nothing but the canonical hash on the loop
+
+    def row(request_hash: str) -> SimpleNamespace:
+        return SimpleNamespace(method="POST", url_path="/v1/stores/s/records", request_hash=request_hash,
+                               status=201, response_body='{"id": "r"}', response_headers="{}")
+
+    assert base.Writer.idem_replay(row(idem.body_sha256), idem).replayed and hashed == []
+    assert base.Writer.idem_replay(row(real(raw)), idem).replayed  # a row stored with the raw hash
+    assert hashed == [raw]
+    with pytest.raises(ServiceError) as e:
+        base.Writer.idem_replay(row(real(b"{}")), idem)
+    assert e.value.code == "idempotency_key_reused"
+    # a body that is not JSON: its raw hash is its identity
+    bad = base.idempotency_request("k2", "POST", "/v1/stores/s/records", b"{nope")
+    assert bad.body_sha256 == real(b"{nope")
+
+
+def test_parse_json_is_json_loads():
+    """``parse_json`` (the write path's reading of a JSON body, on the event loop) gives what
+    ``json.loads`` gives, or raises what it raises, for any bytes: msgspec's value where it
+    is exactly json's, json's own where msgspec refuses or a float is in it."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from memfuse.server.base import parse_json
+
+    def same(raw: bytes) -> None:
+        try:
+            want: Any = json.loads(raw)
+        except (ValueError, RecursionError) as e:
+            with pytest.raises(type(e)):
+                parse_json(raw)
+            return
+        got = parse_json(raw)
+        assert got == want or (want != want and got != got), raw  # NaN is not NaN
+        assert repr(got) == repr(want), raw  # types and float bits too
+
+    text = st.text(st.characters(codec=None, min_codepoint=0, max_codepoint=0x10FFFF), max_size=12)
+    scalars = (st.none() | st.booleans() | st.integers(min_value=-2**70, max_value=2**70)
+               | st.floats(allow_nan=True, allow_infinity=True) | text)
+    values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
+                          | st.dictionaries(text, inner, max_size=4), max_leaves=20)
+
+    @settings(max_examples=300, deadline=None)
+    @given(values, st.booleans())
+    def check(value: Any, ascii_: bool) -> None:
+        same(json.dumps(value, ensure_ascii=ascii_).encode("utf-8", "surrogatepass"))
+
+    check()
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.binary(max_size=24))
+    def check_bytes(raw: bytes) -> None:
+        same(raw)
+
+    check_bytes()
+    for raw in [b'{"a":1,"a":2}', b'{"a":123456789012345678901234567890}', b'"\\ud800"', b'"\xed\xa0\x80"',
+                b'"a\x01b"', b'"\xff"', b'1e400', b'NaN', b'-Infinity', b'\xef\xbb\xbf{"a": 1}',
+                '{"a": "b"}'.encode("utf-16"), '{"a": "b"}'.encode("utf-32-le"), b' {} ', b'{}x', b'[1,]',
+                b'"\\u0000"', b'1.0', b'-0', b'0.1', b'1E2', b'"\\/"', b'01', b'', b'  ', b'[' * 5000 + b']' * 5000,
+                b'{"path": "a.md", "content": "\\u00e9\\ud83d\\ude00"}', b'{"mode": 420, "x": [true, null]}']:
+        same(raw)

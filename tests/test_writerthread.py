@@ -163,3 +163,75 @@ async def test_a_cancelled_caller_gets_its_answer_then_the_cancellation(eventfd:
         assert [await w.run(lambda i=i: i) for i in range(5)] == list(range(5))
     if eventfd:
         assert len(w._fds) == 1
+
+
+
+class _HoldBeforeIOWait(trio.abc.Instrument):
+    """Once armed: the next time the event loop is about to block, it is held ``seconds``
+    more (a blocking sleep: the GIL free), then ``started`` (a job's event) is noted."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.started: threading.Event | None = None
+        self.seen: list[bool] = []
+
+    def before_io_wait(self, timeout: float) -> None:
+        if self.started is not None:
+            time.sleep(self.seconds)
+            self.seen.append(self.started.is_set())
+            self.started = None
+
+
+async def test_a_job_is_handed_over_as_the_loop_blocks_not_while_it_runs() -> None:
+    """A job given to an idle thread is put in its queue when the event loop is about to
+    block, not while the loop still runs (and holds the GIL): the thread is woken once, and
+    finds the GIL free. Held here: the loop is kept busy (a blocking sleep that lets the GIL
+    go) as it is about to block, before the hand-over: the job has not started by then (put
+    in the queue at once, the thread took it during that sleep)."""
+    hold = _HoldBeforeIOWait(0.1)
+    trio.lowlevel.add_instrument(hold)  # before the writer's: its hook runs first
+    try:
+        w = WriterThread(name="wt-test-7", idle=5)
+        assert await w.run(lambda: 0) == 0  # the thread started and waits for a job
+        for i in range(3):
+            started = threading.Event()
+
+            def job(i: int = i, started: threading.Event = started) -> int:
+                started.set()
+                return i
+
+            with trio.fail_after(5):
+                while not w._waiting:  # the thread back at its queue (done answering the last)
+                    await trio.sleep(0.01)
+            hold.started = started
+            with trio.fail_after(5):
+                assert await w.run(job) == i
+            assert started.is_set()
+        assert hold.seen == [False, False, False]
+    finally:
+        trio.lowlevel.remove_instrument(hold)
+
+
+async def test_jobs_given_to_a_busy_thread_keep_their_order() -> None:
+    """A busy thread takes what is given at once (its put wakes nothing), in order, behind
+    what was held."""
+    w = WriterThread(name="wt-test-8", idle=5)
+    release = threading.Event()
+    order: list[int] = []
+
+    def blocking() -> None:
+        assert release.wait(5)
+        order.append(0)
+
+    async with trio.open_nursery() as n:
+        n.start_soon(w.run, blocking)
+        await trio.sleep(0.05)  # the thread is busy with it
+
+        async def later(i: int) -> None:
+            await w.run(order.append, i)
+
+        for i in range(1, 6):
+            n.start_soon(later, i)
+            await trio.lowlevel.checkpoint()
+        release.set()
+    assert order == [0, 1, 2, 3, 4, 5]

@@ -287,13 +287,22 @@ class IdempotencyRequest:
     """The identity of a write sent with ``Idempotency-Key``: key, method, URL path and the
     sha256 of the body (``request_sha256``: of its canonical JSON, so the same operation
     sent alone or inside a batch is the same request). ``alt_sha256``: the sha256 of the raw
-    bytes, which releases before the batch endpoint stored; a stored row with either matches."""
+    bytes, which releases before the batch endpoint stored; a stored row with either matches.
+    ``raw``: those bytes, hashed only when a stored row is compared (``alternative``), not
+    for every write on the event loop (bench/README.md, "The close path, session 17")."""
 
     key: str
     method: str
     url_path: str
     body_sha256: str
     alt_sha256: str | None = None
+    raw: bytes | None = field(default=None, repr=False, compare=False)
+
+    def alternative(self) -> str | None:
+        """``alt_sha256``, else the sha256 of ``raw`` (None without either)."""
+        if self.alt_sha256 is not None or self.raw is None:
+            return self.alt_sha256
+        return body_sha256(self.raw)
 
 
 @dataclass
@@ -367,6 +376,26 @@ def _msgspec_exact(value: object) -> bool:
     return False
 
 
+_DECODE = msgspec.json.Decoder().decode
+
+
+def parse_json(raw: bytes) -> Any:
+    """``json.loads(raw)``: its value, or what it raises (``ValueError``, ``RecursionError``).
+    What FastAPI (starlette's ``Request.json``) makes of a JSON body, read ~5x faster: msgspec
+    decodes it, and its value is taken when it holds only what ``_msgspec_exact`` allows (no
+    float: msgspec and ``json`` could differ in the last bit), else ``json.loads`` reads it
+    (a float, and everything msgspec refuses and ``json`` takes: ``NaN``, ``1e400``, a
+    byte-order mark, UTF-16, lone surrogates). Each value msgspec takes, ``json`` reads the
+    same (duplicate keys: the last; integers of any size; tests/test_writepath.py)."""
+    try:
+        value = _DECODE(raw)
+        if _msgspec_exact(value):
+            return value
+    except Exception:  # noqa: BLE001 - refused or too deep for msgspec: json's answer
+        pass
+    return json.loads(raw)
+
+
 def canonical_sha256(value: object) -> str:
     """sha256 hex of ``value`` (a parsed JSON body) as canonical JSON: keys sorted, no
     whitespace, UTF-8 (lone surrogates kept). The idempotency request hash of a write: equal
@@ -388,17 +417,18 @@ _UNPARSED = object()
 def idempotency_request(key: str, method: str, url_path: str, raw: bytes,
                         parsed: object = _UNPARSED) -> IdempotencyRequest:
     """The ``IdempotencyRequest`` of a single write whose raw body is ``raw`` (empty for a
-    body-less DELETE): canonical hash of the parsed body, raw hash as the alternative.
+    body-less DELETE): canonical hash of the parsed body, raw hash as the alternative (of
+    ``raw``, hashed when a stored row is compared: ``IdempotencyRequest.alternative``).
     ``parsed``: ``json.loads(raw)`` when the caller has it already (not parsed again)."""
-    raw_hash = body_sha256(raw)
     try:
         if parsed is not _UNPARSED:
             canon = canonical_sha256(parsed)
         else:
             canon = canonical_sha256(json.loads(raw)) if raw.strip() else canonical_sha256(None)
     except ValueError:
-        canon = raw_hash  # not JSON: the request is refused anyway; keep the raw identity
-    return IdempotencyRequest(key, method, url_path, canon, raw_hash)
+        raw_hash = body_sha256(raw)  # not JSON: the request is refused anyway; keep the raw identity
+        return IdempotencyRequest(key, method, url_path, raw_hash, raw_hash)
+    return IdempotencyRequest(key, method, url_path, canon, raw=raw)
 
 
 # Statements of the hot paths, built once (parameters at execution). A request names a store
@@ -827,8 +857,8 @@ class Writer:
     def idem_replay(row: AnyRow, idem: IdempotencyRequest) -> Reply:
         """The stored response ``row`` for ``idem``; 422 ``idempotency_key_reused`` when the
         row is of another request."""
-        if (row.method, row.url_path) != (idem.method, idem.url_path) or row.request_hash not in (
-                idem.body_sha256, idem.alt_sha256):
+        if (row.method, row.url_path) != (idem.method, idem.url_path) or (
+                row.request_hash != idem.body_sha256 and row.request_hash != idem.alternative()):
             raise ServiceError(
                 422, "idempotency_key_reused", "this Idempotency-Key was used for a different request"
             )

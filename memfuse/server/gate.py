@@ -43,7 +43,9 @@ In order, for every HTTP request:
    ``timeout``); before the app sees it, it waits (within that budget) for one of its
    token's read slots (``memfuse.server.readslots.ReadSlots``: the reads the app works on
    at once, per token and in all, waiting tokens served in turn), so one token's reads
-   cannot take the CPU from every other client. A long-lived response (long-poll, stream, console live page) takes a lease
+   cannot take the CPU from every other client. A read-only tool call (a ``POST`` of the
+   memory tool or ``/mcp`` that only reads, ``memfuse.server.readslots.read_call``) is such
+   a read too. A long-lived response (long-poll, stream, console live page) takes a lease
    of the ``StreamClass`` instead (``memfuse.server.streamclass``: per-token and per-replica
    caps, 429 with ``Retry-After``), and ends within a moment of its token's revocation or
    expiry.
@@ -78,7 +80,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from memfuse.defs import RECORD_BODY_MAX, sha256_hex
 from memfuse.server import budget
 from memfuse.server.limits import MAX_HEAD, PROBLEM_JSON, ServerMetrics
-from memfuse.server.readslots import MAX_READS, READS_PER_TOKEN, ReadSlots, is_cheap
+from memfuse.server.readslots import MAX_READS, READS_PER_TOKEN, ReadSlots, is_cheap, read_call
 from memfuse.server.service import Principal, Service, ServiceError, with_write_headers
 from memfuse.server.streamclass import Lease, StreamClass
 
@@ -116,6 +118,12 @@ BAD_TOKEN_MAX = 10_000
 RATE_KEYS_MAX = 10_000  # tokens whose write-bucket key is kept (the table is cleared past it)
 READY_REUSE_SECONDS = 0.25
 DRAIN_SECONDS = 5.0
+#: s a connection whose client was seen gone (a read's ``http.disconnect``) is remembered by
+#: its (address, port): the requests it had pipelined behind, still in the server's buffer,
+#: end at once, uncounted work (attack17 F4). The client's port of a connection it closed
+#: stays in TIME_WAIT (60 s on Linux) so no other connection can come from it meanwhile.
+GONE_MEMORY = 10.0
+GONE_MAX = 4096  # peers remembered at most (the oldest half forgotten when full)
 PROBES = ("/healthz", "/readyz")
 # ASGI scope extensions an HTTP server may offer (memfuse.server.lean does): ``BODY``, a
 # function ``() -> bytes | None`` giving the whole request body when the server holds all of
@@ -385,6 +393,8 @@ class Gate:
         self.shares = Shares(default_per_token(max_inflight) if max_per_token is None else max_per_token)
         self.read_budget = read_budget
         self.reads = ReadSlots(max_reads_per_token, max_reads)
+        #: (address, port) -> monotonic time its client was seen gone (``GONE_MEMORY``)
+        self._gone: dict[Any, float] = {}
         self.send_timeout = send_timeout
         self.max_body = max_body
         self.body_timeout = body_timeout
@@ -457,6 +467,10 @@ class Gate:
             await self.app(scope, receive, send)
             return
         path, method = scope["path"], scope["method"]
+        if self._gone and self._left(scope.get("client")):
+            # a request its client pipelined before it left: nobody to answer (attack17 F4)
+            self.metrics.refused.labels("client_gone").inc()
+            return
         self.connections.active(scope.get("client"))
         if path in PROBES or (path == "/metrics" and method == "GET"):
             self.connections.cleared(scope.get("client"))
@@ -533,22 +547,27 @@ class Gate:
             if body is None:
                 return  # the client left
             if lease is None:
+                # these two end the connection after their answer (attack17 F4): requests a
+                # client pipelined behind one would each be refused in turn, long after it left
                 if self.inflight >= self.max_inflight:
                     await self._refuse(receive, send, 503, "overloaded",
                                        "the server is at its request limit; retry",
-                                       headers={"Retry-After": "1"}, path=path)
+                                       headers={"Retry-After": "1"}, close=True, path=path)
                     return
                 share = self._share_key(principal, token, scope)
                 if share is not None and not self.shares.take(share):
                     await self._refuse(receive, send, 429, "too_many_requests",
                                        "this client has as many requests in the server at once as "
                                        "one token (or one address without a token) may; retry",
-                                       headers={"Retry-After": "1"}, path=path)
+                                       headers={"Retry-After": "1"}, close=True, path=path)
                     return
                 self.inflight += 1
                 try:
                     if method == "GET" and path.startswith(("/v1/", "/ui/")):
-                        await self._run_read(scope, body, receive, send, share)
+                        await self._run_read(scope, body, receive, send, share,
+                                             is_cheap(path, scope.get("query_string", b"")))
+                    elif method == "POST" and (cheap := read_call(path, body)) is not None:
+                        await self._run_read(scope, body, receive, send, share, cheap)
                     else:
                         await self._run(scope, replay(body, receive), send, None, body)
                 finally:
@@ -586,15 +605,16 @@ class Gate:
         return None
 
     async def _run_read(self, scope: Scope, body: bytes, receive: Receive, send: Send,
-                        share: str | None) -> None:
-        """``_run`` for a read (an ordinary ``GET`` under ``/v1/`` or ``/ui/``) under a ``Budget`` of
+                        share: str | None, cheap: bool) -> None:
+        """``_run`` for a read (an ordinary ``GET`` under ``/v1/`` or ``/ui/``, a read-only tool
+        call: ``memfuse.server.readslots.read_call``; ``cheap``: estimated cheap) under a ``Budget`` of
         ``read_budget`` s: once its body is read the connection's messages are watched here,
         and its client's disconnect, or the budget's end, interrupts its database work
         (``memfuse.server.budget``); the app then answers 504 ``timeout`` if the client is
         still there. The app's ``receive`` gives the body, then ``http.disconnect`` once the
         client has gone. The read first waits for one of ``share``'s read slots (``reads``,
         ``memfuse.server.readslots``) within the same budget: past it, 504 ``timeout`` here
-        (its client gone: no answer)."""
+        (the body ``refusal_bodies`` gives for the path, e.g. MCP's; its client gone: no answer)."""
         b = budget.Budget()
         gone = anyio.Event()
         waiting = anyio.CancelScope()  # the wait for a read slot, cancelled when the budget ends
@@ -603,6 +623,7 @@ class Gate:
             with anyio.move_on_after(self.read_budget):
                 while (await receive())["type"] != "http.disconnect":
                     pass
+                self._note_gone(scope.get("client"))
                 b.end(budget.GONE)
                 gone.set()
                 waiting.cancel()
@@ -625,15 +646,15 @@ class Gate:
                     with waiting:
                         if not held:
                             assert share is not None
-                            await self.reads.acquire(share, is_cheap(scope["path"],
-                                                                     scope.get("query_string", b"")))
+                            await self.reads.acquire(share, cheap)
                             held = True
                     if not held:
                         if b.reason == budget.DEADLINE:  # counted below, as a read cut at it
-                            problem = _problem(504, "timeout", b.error().detail)
+                            problem, ctype = self._refusal_body(scope["path"], 504, "timeout",
+                                                                b.error().detail)
                             self.metrics.answered(504)
                             await send({"type": "http.response.start", "status": 504, "headers": [
-                                (b"content-type", PROBLEM_JSON),
+                                (b"content-type", ctype),
                                 (b"content-length", str(len(problem)).encode())]})
                             await send({"type": "http.response.body", "body": problem})
                         return
@@ -899,6 +920,27 @@ class Gate:
         with self.svc.db.read_conn() as conn:
             conn.exec_driver_sql("SELECT 1")
 
+    # ------------------------------------------------------------ clients gone
+
+    def _note_gone(self, client: Any) -> None:
+        """The connection from ``client`` (address, port) closed: remembered ``GONE_MEMORY`` s."""
+        if client is None:
+            return
+        if len(self._gone) >= GONE_MAX:
+            for k in list(self._gone)[:GONE_MAX // 2]:  # insertion order: the oldest first
+                del self._gone[k]
+        self._gone[client] = time.monotonic()
+
+    def _left(self, client: Any) -> bool:
+        """Whether ``client``'s connection was seen closed within ``GONE_MEMORY`` s."""
+        seen = self._gone.get(client)
+        if seen is None:
+            return False
+        if time.monotonic() - seen > GONE_MEMORY:
+            del self._gone[client]
+            return False
+        return True
+
     # ------------------------------------------------------------ refusals
 
     def _count(self, status: int, code: str) -> None:
@@ -916,9 +958,7 @@ class Gate:
         with ``close``, the request's body is left unread and the connection is closed after
         the answer."""
         self._count(status, code)
-        render = next((fn for prefix, fn in self.refusal_bodies.items() if path.startswith(prefix)), None)
-        body, ctype = render(status, code, detail) if render is not None else (_problem(status, code, detail),
-                                                                              PROBLEM_JSON)
+        body, ctype = self._refusal_body(path, status, code, detail)
         hdrs = [(b"content-type", ctype), (b"content-length", str(len(body)).encode())]
         hdrs += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]
         messages: list[Message] = [{"type": "http.response.start", "status": status, "headers": hdrs},
@@ -929,6 +969,14 @@ class Gate:
                 await send_(m)
 
         await self._drained(receive, respond, {}, send, close=close)
+
+    def _refusal_body(self, path: str, status: int, code: str, detail: str) -> tuple[bytes, bytes]:
+        """(body, content type) of a refusal of ``path``: what ``refusal_bodies`` gives for
+        it, else a problem (RFC 9457)."""
+        render = next((fn for prefix, fn in self.refusal_bodies.items() if path.startswith(prefix)), None)
+        if render is not None:
+            return render(status, code, detail)
+        return _problem(status, code, detail), PROBLEM_JSON
 
     async def _drained(self, receive: Receive, response: Any, scope: Scope, send: Send, *, close: bool) -> None:
         """Send ``response`` (an ASGI app) while discarding what the server queued of the

@@ -26,7 +26,6 @@ framed by the same ``reply_head``); the sends after the hop then only finish it
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -41,7 +40,7 @@ from starlette.types import Scope, Send
 
 from memfuse.models import BatchRequest, RecordCreate, RecordUpdate
 from memfuse.server import routetable as table
-from memfuse.server.base import EARLY_ANSWER
+from memfuse.server.base import EARLY_ANSWER, parse_json
 from memfuse.server.batch import batch_body
 from memfuse.server.gate import EARLY
 from memfuse.server.routes import records as record_routes
@@ -108,8 +107,8 @@ class WritePath:
         if len(key) > IDEMPOTENCY_KEY_MAX:
             return False
         model: type[BaseModel] = RecordCreate if m.route is table.CREATE_RECORD else RecordUpdate
-        try:  # json.loads, then the model: what FastAPI does with a JSON body
-            value = json.loads(body)
+        try:  # json.loads (``parse_json``), then the model: what FastAPI does with a JSON body
+            value = parse_json(body)
             parsed = model.model_validate(value)
         except Exception:  # noqa: BLE001 - bad JSON, too deep, refused: FastAPI answers it
             return False
@@ -121,7 +120,8 @@ class WritePath:
             idem = idempotency_request(key, method, url_path(scope), body, value) if key else None
             reply: Reply
             early = (scope.get("extensions") or {}).get(EARLY)
-            token = EARLY_ANSWER.set(_early_sender(early)) if early is not None else None
+            sender = _EarlySender(early, self, m.route, method, start) if early is not None else None
+            token = EARLY_ANSWER.set(sender) if sender is not None else None
             try:
                 if m.route is table.CREATE_RECORD:
                     assert isinstance(parsed, RecordCreate)
@@ -135,10 +135,13 @@ class WritePath:
             finally:
                 if token is not None:
                     EARLY_ANSWER.reset(token)
-            answer: tuple[int, list[tuple[bytes, bytes]], bytes] | Response = reply_head(reply)
+            answer: tuple[int, list[tuple[bytes, bytes]], bytes] | Response
+            # the answer framed for the early send is this reply's (not framed again)
+            answer = sender.framed if sender is not None and sender.framed is not None else reply_head(reply)
         except Exception as e:  # rendered as the app's exception handlers would
             answer = self.problem(e, scope)
-        await self._send(scope, send, answer, m.route, start)
+        await self._send(scope, send, answer, m.route, start,
+                         observed=sender is not None and sender.framed is not None)
         return True
 
     async def _batch(self, scope: Scope, body: bytes, send: Send, p: Principal, store: str,
@@ -150,7 +153,7 @@ class WritePath:
         if headers.get(b"idempotency-key") or len(body) > record_routes.batch_max_bytes(self.svc):
             return False
         try:
-            req = BatchRequest.model_validate(json.loads(body))
+            req = BatchRequest.model_validate(parse_json(body))
         except Exception:  # noqa: BLE001 - bad JSON, too deep, refused: FastAPI answers it
             return False
         svc = self.svc
@@ -170,8 +173,9 @@ class WritePath:
 
     async def _send(self, scope: Scope, send: Send,
                     answer: tuple[int, list[tuple[bytes, bytes]], bytes] | Response,
-                    route: table.Route, start: float) -> None:
-        """Send ``answer`` (status, headers, body; or a refusal's ``Response``) and count it."""
+                    route: table.Route, start: float, observed: bool = False) -> None:
+        """Send ``answer`` (status, headers, body; or a refusal's ``Response``) and count it
+        (``observed``: its duration was observed already, as it left early)."""
         if isinstance(answer, Response):
             status = answer.status_code
             await answer(scope, _no_receive, send)
@@ -180,8 +184,15 @@ class WritePath:
             await send({"type": "http.response.start", "status": status, "headers": headers})
             await send({"type": "http.response.body", "body": content})
         self.served += 1
+        if not observed:
+            self.observe(route, scope["method"], status, start)
+
+    def observe(self, route: table.Route, method: str, status: int, start: float) -> None:
+        """Observe an answer's duration (from ``start``, ``time.perf_counter``) in the
+        request-duration histogram. Any thread (prometheus_client's children lock; a child
+        looked up twice at once is the same child)."""
         if self.histogram is not None:
-            key = (route.path, scope["method"], status)
+            key = (route.path, method, status)
             child = self._observe.get(key)
             if child is None:
                 child = self._observe[key] = self.histogram.labels(key[0], key[1], str(key[2]))
@@ -191,13 +202,31 @@ class WritePath:
 _ROUTES = (table.CREATE_RECORD, table.UPDATE_RECORD, table.BATCH)
 
 
-def _early_sender(early: Callable[[int, list[tuple[bytes, bytes]], bytes], None]) -> Callable[[Reply], None]:
+class _EarlySender:
     """``EARLY_ANSWER``'s function for a request whose HTTP server offers ``gate.EARLY``: the
-    write's reply framed by ``reply_head`` (the same answer ``_send`` sends after the hop)
-    and sent through ``early`` from the write's thread as its transaction commits."""
-    def send(reply: Reply) -> None:
-        early(*reply_head(reply))
-    return send
+    write's reply framed by ``reply_head`` and sent through ``early`` from the write's thread
+    as its transaction commits; what it framed is kept (``framed``: the answer ``_send``
+    sends after the hop, not framed again on the event loop) and the request's duration is
+    observed there too (``WritePath.observe``): bookkeeping off the loop, which runs beside
+    the client taking its answer (bench/README.md, "The close path, session 17")."""
+
+    __slots__ = ("early", "path", "route", "method", "start", "framed")
+
+    def __init__(self, early: Callable[[int, list[tuple[bytes, bytes]], bytes], None], path: WritePath,
+                 route: table.Route, method: str, start: float) -> None:
+        self.early = early
+        self.path = path
+        self.route = route
+        self.method = method
+        self.start = start
+        # INVARIANT: None until the answer is framed and sent (then observed); set once
+        self.framed: tuple[int, list[tuple[bytes, bytes]], bytes] | None = None
+
+    def __call__(self, reply: Reply) -> None:
+        framed = reply_head(reply)
+        self.early(*framed)
+        self.framed = framed
+        self.path.observe(self.route, self.method, framed[0], self.start)
 
 
 def url_path(scope: Scope) -> str:

@@ -25,6 +25,19 @@ cancelled while it waits is not told until its job has finished: the wait is tak
 shielded and the result returned (the cancellation comes at the task's next checkpoint), the
 promise ``wait_task_rescheduled`` with ``Abort.FAILED`` kept before. Without ``os.eventfd``
 (not Linux) the hand-back is ``run_sync_soon``'s.
+
+The hand-over (bench/README.md, "The close path, session 17: serve's loop"): a job given while
+the thread waits for one is not put in its queue at once but when the event loop is about to
+block (``_HandOver``, a trio instrument's ``before_io_wait``: the end of the loop's batch of
+task steps, right before ``epoll_wait`` drops the GIL). Put at once, the ``queue.put`` woke the
+thread while the loop still held the GIL: it ran ~10 µs, blocked on the GIL and was woken a
+second time when the loop dropped it (its ``epoll_ctl`` for the eventfd's wait, then its
+``epoll_wait``): two more context switches and a cross-CPU wake per write, and the loop
+stalled in that ``epoll_ctl`` until the thread let the GIL go (0.70 ms a create, profiled).
+Woken as the loop blocks, the thread finds the GIL free unless it wakes within the few µs of
+Python left before ``epoll_wait`` (an idle CPU can: the pipeline's trace still counts a
+second wake then; only a hand-over inside the GIL's release would end it). A job given while the thread is busy (its queue not waited on) is put
+at once: it wakes nothing, and the thread takes it as soon as it is done.
 """
 from __future__ import annotations
 
@@ -66,6 +79,40 @@ class _Slot:
 _Job = tuple[contextvars.Context, Callable[..., Any], tuple[Any, ...], _Slot]
 
 
+class _HandOver(trio.abc.Instrument):
+    """The hand-over of one trio run (module docstring): ``due`` holds the writers with jobs
+    held back (``WriterThread._held``), each once; ``before_io_wait`` puts their jobs in
+    their queues as the event loop is about to block. Never raises (an instrument that
+    raises is removed by trio, and held jobs would then wait forever)."""
+
+    def __init__(self) -> None:
+        self.due: list[WriterThread] = []
+
+    def before_io_wait(self, timeout: float) -> None:
+        due = self.due
+        while due:
+            writer = due.pop()
+            try:
+                writer._hand_over()
+            except BaseException:  # noqa: BLE001 - cannot happen; logged, never raised to trio
+                log.exception("writer thread: handing jobs over failed")
+
+
+#: the hand-over instrument of the current trio run (added to the run by its first job)
+_HAND_OVER: trio.lowlevel.RunVar[_HandOver] = trio.lowlevel.RunVar("memfuse_writer_hand_over")
+
+
+def _hand_over_of_run() -> _HandOver:
+    """The current trio run's ``_HandOver``, added to the run as an instrument at first use."""
+    try:
+        return _HAND_OVER.get()
+    except LookupError:
+        h = _HandOver()
+        trio.lowlevel.add_instrument(h)
+        _HAND_OVER.set(h)
+        return h
+
+
 def _cannot_abort(_: Any) -> trio.lowlevel.Abort:
     return trio.lowlevel.Abort.FAILED  # the write runs to its end; the task gets its answer
 
@@ -91,6 +138,14 @@ class WriterThread:
         self._alive = False
         # INVARIANT: eventfds no job holds, each with its count at 0 (read after its wake)
         self._fds: list[int] = []
+        # Event-loop only. INVARIANT: jobs given and not yet put in ``_jobs``, in the order
+        # given; when not empty, this writer is in its run's ``_HandOver.due`` (once), which
+        # puts them in ``_jobs`` before the loop next blocks; no job is put in ``_jobs``
+        # directly while one is held (the order of the jobs is the order they were given).
+        self._held: list[_Job] = []
+        # True while the thread waits for a job in ``_jobs.get`` (set and cleared by the
+        # thread holding the GIL, read by the loop): a job put then wakes it (held back)
+        self._waiting = False
         self.jobs = 0  # jobs run (tests, the benchmark)
 
     def __del__(self) -> None:
@@ -110,11 +165,14 @@ class WriterThread:
             slot = _Slot(fd, None, None)
         else:
             slot = _Slot(-1, trio.lowlevel.current_trio_token(), task)
-        self._jobs.put((contextvars.copy_context(), fn, args, slot))
-        with self._lock:
-            if not self._alive:
-                self._alive = True
-                threading.Thread(target=self._work, name=self.name, daemon=True).start()
+        job = (contextvars.copy_context(), fn, args, slot)
+        if self._held or self._waiting or not self._alive:  # its put would wake the thread now
+            if not self._held:
+                _hand_over_of_run().due.append(self)
+            self._held.append(job)
+        else:  # the thread is busy: it takes the job when done, nothing to wake
+            self._jobs.put(job)
+            self._start()  # it may have been ending (idle) as it was read alive
         if slot.fd < 0:
             result: T = await trio.lowlevel.wait_task_rescheduled(_cannot_abort)
             return result
@@ -131,17 +189,35 @@ class WriterThread:
         value: T = slot.result.unwrap()
         return value
 
+    def _hand_over(self) -> None:
+        """Put the held jobs in the thread's queue (``_HandOver``, as the loop is about to
+        block), starting the thread if none runs."""
+        held, self._held = self._held, []
+        for job in held:
+            self._jobs.put(job)
+        self._start()
+
+    def _start(self) -> None:
+        """Start the thread unless one runs (that one takes every job queued before it ends)."""
+        with self._lock:
+            if not self._alive:
+                self._alive = True
+                threading.Thread(target=self._work, name=self.name, daemon=True).start()
+
     def _work(self) -> None:
         jobs = self._jobs
         while True:
+            self._waiting = True
             try:
                 ctx, fn, args, slot = jobs.get(timeout=self.idle)
             except queue.Empty:
+                self._waiting = False
                 with self._lock:
                     if jobs.empty():
                         self._alive = False
                         return
                 continue
+            self._waiting = False
             self.jobs += 1
             result = outcome.capture(ctx.run, fn, *args)
             if slot.fd >= 0:

@@ -537,12 +537,25 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             if shown and "read_base" not in x and shown != n.sha:
                 x["read_base"] = shown
             return
-        x.pop("read_base", None)
+        if not self._kept_open(x):  # else the next overwrite may be of a kept inode's reader
+            x.pop("read_base", None)
         x.pop("unread", None)
         x.pop("shown", None)
         x.pop("served", None)
         if not x:
             n._x = None  # back on the warm paths
+
+    @staticmethod
+    def _kept_open(x: dict[str, Any]) -> bool:
+        """Whether a kept inode of an older content of the file whose side table is ``x``
+        is still open (``Node.kept_open``, pruned here of the closed ones)."""
+        kept = x.get("kept_open")
+        if not kept:
+            return False
+        kept[:] = [g for g in kept if g.opened > 0]
+        if not kept:
+            del x["kept_open"]
+        return bool(kept)
 
     def shown_size(self, n: Node) -> int | None:
         """The size of the older content the kernel still shows of file ``n``
@@ -789,6 +802,11 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         if writing:
             if special:
                 raise FsError(errno.EACCES, ".memfuse files are read-only")
+            if x is not None and n.kept:
+                # the older content kept for its readers (keep_for_readers), reached through
+                # a name the kernel has not dropped yet: the kernel looks it up again on
+                # ESTALE and opens the file's current inode
+                raise FsError(errno.ESTALE, "the file was replaced; open it again")
             self._check_writable_file(n)
             n.refused = 0  # a new write session: its content is judged at commit
             n.checker = None  # ... and at each write (writecheck), from what it holds now
@@ -1290,6 +1308,114 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             return False
         return any(h.node is n and not h.is_dir and h.flags & os.O_ACCMODE != os.O_WRONLY
                    for h in self.handles.values())
+
+    def readers_outlasted(self, ino: int) -> list[tuple[Any, ...]] | None:
+        """The invalidation of a change of file ``ino`` waited ``READER_LINGER`` s for the
+        handles open for reading on it (``reading``) and some are still open
+        (``Invalidator``). Made now, it would give the kernel the current content's size
+        and drop its pages: a reader's next read(2) would get the current content's bytes
+        after the older ones, or, at or past the current (shorter) size, an EOF the kernel
+        answers itself (attack 17 F1: ``sed -i`` committed the older version cut at 16384
+        bytes, a version no one wrote).
+
+        When only readers hold the file (every handle ``O_RDONLY``), its content is clean, the
+        older content the kernel shows is cached (``Node.shown``) and the current one does
+        not extend it (an append reaches the readers of that inode, as on a local disk:
+        ``tail -f``): the readers keep it
+        (docs/SEMANTICS.md "Conflicts", local-disk semantics). The file (record, key, state,
+        ``read_base``) moves to a new inode; the old inode stays, ``unlinked`` and ``kept``,
+        with the older content and size, serving its handles until they close and the
+        kernel forgets it. Returns the invalidations to make instead: the name's entry, so
+        that the next open looks it up and gets the new inode; the old inode is not
+        invalidated (its pages and size are its content's).
+
+        Otherwise (a handle open for writing, ``O_RDWR`` included, keeps today's rules; the
+        older content not cached) returns None and the invalidation is made: each reader
+        open that may now be cut by the kernel at the shorter size, or hold parts of two,
+        makes the overwrite base unknown (``Node.read_base`` ``UNKNOWN_BASE``: last writer
+        wins with the straddle conflict line). Never blocks."""
+        n = self.inodes.get(ino)
+        if n is None or n.children is not None or n.opened <= 0:
+            return None
+        mine = [h for h in self.handles.values() if h.node is n]
+        kept = self._keep_for_readers(n, mine)
+        if kept is not None:
+            return kept
+        self._readers_may_straddle(n, mine)
+        return None
+
+    def _keep_for_readers(self, n: Node, mine: list[Handle]) -> list[tuple[Any, ...]] | None:
+        """``readers_outlasted``'s split of file ``n`` (handles ``mine``): the old inode kept
+        for them, the file on a new one. Returns the entry invalidation, or None when it
+        does not apply."""
+        x, sm, parent = n._x, n.store, n.parent
+        if (x is None or n.unlinked or n.dirty or n.buf is not None or sm is None or sm.detached
+                or parent is None or n.local_only):
+            return None
+        shown = x.get("shown")
+        if not shown or shown == n.sha:
+            return None
+        if any(h.is_dir or h.snapshot is not None or h.flags & os.O_ACCMODE != os.O_RDONLY
+               or h.across == "mixed" for h in mine):
+            return None
+        older = self._cached_blob(shown)
+        if older is None:
+            return None
+        if n.size > len(older):
+            cur = self._cached_blob(n.sha)
+            if cur is not None and cur.startswith(older):
+                # an append: the readers get the appended bytes on that inode, as on a
+                # local disk (``tail -f``; ``_read_across`` serves it)
+                return None
+        ino = n.ino
+        ghost = Node(ino, n.name, parent, False, sm, n.mode, n.uid, n.gid, n.atime_ns,
+                     n.mtime_ns, n.ctime_ns)
+        ghost.sha, ghost.size = shown, len(older)
+        ghost.unlinked = True
+        ghost.kept = True
+        ghost.nlookup, n.nlookup = n.nlookup, 0
+        ghost.opened, n.opened = n.opened, 0
+        for h in mine:
+            h.node, h.replaced, h.across = ghost, "", ""
+        n.ino = self._next_ino
+        self._next_ino += 1
+        self.inodes[n.ino] = n
+        self.inodes[ino] = ghost
+        x.pop("shown", None)  # the kernel holds nothing of the new inode
+        x.setdefault("kept_open", []).append(ghost)
+        log.info("readers open past the linger keep the older content of a file replaced "
+                 "elsewhere; the path has a new inode",
+                 extra={"store": sm.slug, "path": n.path(), "old_ino": ino, "ino": n.ino,
+                        "readers": len(mine)})
+        return [("entry", parent.ino, n.name)]
+
+    def _readers_may_straddle(self, n: Node, mine: list[Handle]) -> None:
+        """The invalidation of file ``n`` is made while handles ``mine`` hold it open for
+        reading (``readers_outlasted``). A reader whose handle was open when its content
+        was replaced (``Handle.replaced``) and not checked since (``Handle.across``) may be
+        anywhere in that older content: when the current content is shorter than it, the
+        kernel answers a read at or past the current size with EOF without asking here, so
+        the reader may hold the older content cut there (no version); a read below it comes
+        here and is checked (``_read_across``). Such a handle holds parts of two versions
+        (``"mixed"``) and the overwrite base is unknown (last writer wins with the straddle
+        conflict line; a reader that had read the older content whole is counted too: what
+        it holds cannot be told apart here)."""
+        cur_size = n.cur_size()
+        for h in mine:
+            if (h.is_dir or h.snapshot is not None or h.flags & os.O_ACCMODE == os.O_WRONLY
+                    or not h.replaced or h.across):
+                continue
+            old = self._cached_blob(h.replaced)
+            if old is not None and cur_size >= len(old):
+                continue  # every read below the current size comes here (pages dropped)
+            h.across = "mixed"
+            if n.read_base != UNKNOWN_BASE:
+                n.read_base = UNKNOWN_BASE
+                log.info("a reader was served parts of two contents of a file (it was open "
+                         "past the linger when the kernel was told a shorter content: its "
+                         "reads may be cut there); its overwrite is last writer wins with a "
+                         "conflict line",
+                         extra={"store": n.store.slug if n.store else None, "path": n.path()})
 
     def release(self, fh: int) -> None:
         """The last close of handle ``fh`` (unknown handles are ignored): a file still dirty

@@ -286,6 +286,20 @@ class Node:
     # with the last of them removed by a remote change (``RemoteApply._prune_implied``).
     made: _Rare[bool] = _rare("made", False)
     unlinked: _Rare[bool] = _rare("unlinked", False)
+    # The older content of a file kept under its inode for the readers that held it open
+    # past ``READER_LINGER`` when a remote change replaced it (``Filesystem.keep_for_readers``):
+    # the path has a new inode (the current content) and this one, ``unlinked``, serves those
+    # readers its content whole until they close, as a local disk serves a descriptor opened
+    # before a rename over the file. INVARIANT: set only by ``keep_for_readers``, on a node
+    # with no key and no record (never sent, found by no key); an open for writing of it is
+    # refused (``ESTALE``: the kernel looks the name up again and opens the current inode).
+    kept: _Rare[bool] = _rare("kept", False)
+    # The kept inodes of this file's older contents (``kept``) that readers may still hold
+    # open: while one is, the overwrite base (``read_base``, what they read) is not cleared
+    # by a reader served the current content (``Filesystem._served``): the next overwrite may
+    # be theirs. INVARIANT: appended to only by ``Filesystem.keep_for_readers``; pruned of
+    # the closed ones by ``Filesystem._kept_open``.
+    kept_open: _Rare["list[Node] | None"] = _rare("kept_open", None)
     special: _Rare[str] = _rare("special", "")  # .memfuse control files: "status" / "errors"
     type_override: _Rare[str | None] = _rare("type_override", None)  # set through user.memfuse.type, sent with the next put
     refused: _Rare[int] = _rare("refused", 0)  # errno of a write refused in the current write session (held back)

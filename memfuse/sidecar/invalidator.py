@@ -27,6 +27,10 @@ log = logging.getLogger("memfuse.sync")
 #: invalidation is made anyway (a reader still open then is flagged: ``Handle.replaced``).
 READER_LINGER = 2.0
 
+#: The last element of a request of an inode kept for its readers (``Invalidator.outlasted``):
+#: counted as made, never sent to the kernel (an object no file name is).
+KEPT: Any = object()
+
 
 class Invalidator:
     """Queues kernel cache invalidations and performs them from a worker thread.
@@ -48,14 +52,21 @@ class Invalidator:
     requests then wait until ``reader_closed(ino)`` finds none left, at most ``linger``
     seconds (``READER_LINGER``), so no reader's reads straddle the change: a reader gets
     the content of one version whole (the older one, ``Filesystem._read_shown``).
+    ``outlasted(ino)`` (set with ``reading``; None: none) is asked when that bound passed
+    with readers still open: it returns the invalidations to make instead (the file moved
+    to a new inode, the old one kept for its readers: ``Filesystem.readers_outlasted``),
+    or None, and the waiting requests are made.
     """
 
     def __init__(self, hold: Callable[[], Awaitable[None]] | None = None,
                  reading: Callable[[int], bool] | None = None,
-                 linger: float = READER_LINGER) -> None:
+                 linger: float = READER_LINGER,
+                 outlasted: Callable[[int], list[tuple[Any, ...]] | None] | None = None) -> None:
         self.active = False
         self._hold = hold
         self.reading = reading
+        self.outlasted = outlasted
+        self.kept = 0  # files moved to a new inode, the old one kept for its readers
         self.linger = linger
         # INVARIANT: ino -> (deadline on trio's clock, its requests) of the ("inode", ino) /
         # ("attr", ino) requests waiting for the readers of ino to close; they stay counted
@@ -133,9 +144,20 @@ class Invalidator:
         out: list[tuple[Any, ...]] = []
         for ino in list(self._waiting):
             deadline, items = self._waiting[ino]
-            if now >= deadline or self.reading is None or not self.reading(ino):
+            if self.reading is None or not self.reading(ino):
                 del self._waiting[ino]
                 out += items
+            elif now >= deadline:
+                del self._waiting[ino]
+                instead = self.outlasted(ino) if self.outlasted is not None else None
+                if instead is None:
+                    out += items
+                    continue
+                # the old inode keeps the older content for its readers: not invalidated
+                # (its requests count as made: ``KEPT``); the name's entry is, instead
+                self.kept += 1
+                out += [(item[0], ino, KEPT) for item in items]
+                self.submit(instead)
         for item in batch:
             ino = item[1]
             if item[0] in ("inode", "attr") and self.reading is not None and (
@@ -157,6 +179,8 @@ class Invalidator:
 
     def _run_batch(self, batch: list[tuple[Any, ...]]) -> None:
         for item in batch:
+            if item[-1] is KEPT:
+                continue
             try:
                 if item[0] == "entry":
                     pyfuse3.invalidate_entry(item[1], item[2].encode("utf-8"))

@@ -419,6 +419,8 @@ class Sidecar(StoreSync):
         self.committer = self.fs.committer
         if self.invalidator.reading is None:  # a change waits for the file's readers
             self.invalidator.reading = self.fs.reading
+            # ... and past the bound, they keep the older content (a new inode for the path)
+            self.invalidator.outlasted = self.fs.readers_outlasted
         #: the outbox journal and its witness were both gone at start (``journal_gone``; or
         #: the journal moved aside as corrupt with no witness lines): what the previous
         #: process accepted and did not commit cannot be named; said in the log, errors.log
@@ -682,7 +684,8 @@ class Sidecar(StoreSync):
         st["admin_socket"] = self.admin_socket
         st["invalidations"] = {"done": self.invalidator.done, "failed": self.invalidator.failed,
                                "pending": self.invalidator.pending,
-                               "waiting_for_readers": self.invalidator.waiting}
+                               "waiting_for_readers": self.invalidator.waiting,
+                               "kept_for_readers": self.invalidator.kept}
         st["errors_logged"] = len(self.fs.errors)
         st["feed_tasks"] = self.feed_tasks
         st["task_failures"] = dict(self.task_failures)
