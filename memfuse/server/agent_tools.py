@@ -60,7 +60,14 @@ class InProcessBackend:
         bad = _bad_name(command, "arguments")
         if bad is not None:
             return f"{bad}: not valid Unicode text (a lone surrogate code point)", True
-        r: ToolResult = await anyio.to_thread.run_sync(self.tool.run, command)
+        try:
+            r: ToolResult = await anyio.to_thread.run_sync(self.tool.run, command)
+        except ServiceError as e:
+            if e.code != "timeout":
+                raise
+            # a read ended by its budget (memfuse.server.budget): past --read-timeout, or its
+            # client gone (then no one reads this); the model may retry or ask for less
+            return e.detail, True
         return _text(r.content), r.is_error
 
     async def instructions(self) -> str:
@@ -187,6 +194,7 @@ def install(app: FastAPI, svc: Service, principal: Callable[..., Any]) -> None:
     front = getattr(app, "front", None)  # memfuse.server.gate.Gate: authenticates /mcp first
     if front is not None:
         front.auth_refusals[MCP_PATH] = unauthorized
+        front.refusal_bodies[MCP_PATH] = _rpc_refusal
 
     async def mcp_app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -280,6 +288,18 @@ class _Asgi:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self.fn(scope, receive, send)
+
+
+RPC_SERVER_ERROR = -32000  # JSON-RPC's "server error" range: the front door's refusals of /mcp
+
+
+def _rpc_refusal(status: int, code: str, detail: str) -> tuple[bytes, bytes]:
+    """(body, content type) of the front door's refusal of a ``/mcp`` request with HTTP
+    ``status`` (429, 503, 504 ``timeout`` ...): a JSON-RPC error response (id null: the
+    request was not read as JSON-RPC), ``data`` holding the status and the problem code."""
+    return json.dumps({"jsonrpc": "2.0", "id": None, "error": {
+        "code": RPC_SERVER_ERROR, "message": detail,
+        "data": {"status": status, "code": code}}}).encode(), b"application/json"
 
 
 def _wants_instructions(body: bytes) -> bool:

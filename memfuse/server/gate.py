@@ -43,7 +43,9 @@ In order, for every HTTP request:
    ``timeout``); before the app sees it, it waits (within that budget) for one of its
    token's read slots (``memfuse.server.readslots.ReadSlots``: the reads the app works on
    at once, per token and in all, waiting tokens served in turn), so one token's reads
-   cannot take the CPU from every other client. A long-lived response (long-poll, stream, console live page) takes a lease
+   cannot take the CPU from every other client. A read-only tool call (a ``POST`` of the
+   memory tool or ``/mcp`` that only reads, ``memfuse.server.readslots.read_call``) is such
+   a read too. A long-lived response (long-poll, stream, console live page) takes a lease
    of the ``StreamClass`` instead (``memfuse.server.streamclass``: per-token and per-replica
    caps, 429 with ``Retry-After``), and ends within a moment of its token's revocation or
    expiry.
@@ -78,7 +80,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from memfuse.defs import RECORD_BODY_MAX, sha256_hex
 from memfuse.server import budget
 from memfuse.server.limits import MAX_HEAD, PROBLEM_JSON, ServerMetrics
-from memfuse.server.readslots import MAX_READS, READS_PER_TOKEN, ReadSlots, is_cheap
+from memfuse.server.readslots import MAX_READS, READS_PER_TOKEN, ReadSlots, is_cheap, read_call
 from memfuse.server.service import Principal, Service, ServiceError, with_write_headers
 from memfuse.server.streamclass import Lease, StreamClass
 
@@ -562,7 +564,10 @@ class Gate:
                 self.inflight += 1
                 try:
                     if method == "GET" and path.startswith(("/v1/", "/ui/")):
-                        await self._run_read(scope, body, receive, send, share)
+                        await self._run_read(scope, body, receive, send, share,
+                                             is_cheap(path, scope.get("query_string", b"")))
+                    elif method == "POST" and (cheap := read_call(path, body)) is not None:
+                        await self._run_read(scope, body, receive, send, share, cheap)
                     else:
                         await self._run(scope, replay(body, receive), send, None, body)
                 finally:
@@ -600,15 +605,16 @@ class Gate:
         return None
 
     async def _run_read(self, scope: Scope, body: bytes, receive: Receive, send: Send,
-                        share: str | None) -> None:
-        """``_run`` for a read (an ordinary ``GET`` under ``/v1/`` or ``/ui/``) under a ``Budget`` of
+                        share: str | None, cheap: bool) -> None:
+        """``_run`` for a read (an ordinary ``GET`` under ``/v1/`` or ``/ui/``, a read-only tool
+        call: ``memfuse.server.readslots.read_call``; ``cheap``: estimated cheap) under a ``Budget`` of
         ``read_budget`` s: once its body is read the connection's messages are watched here,
         and its client's disconnect, or the budget's end, interrupts its database work
         (``memfuse.server.budget``); the app then answers 504 ``timeout`` if the client is
         still there. The app's ``receive`` gives the body, then ``http.disconnect`` once the
         client has gone. The read first waits for one of ``share``'s read slots (``reads``,
         ``memfuse.server.readslots``) within the same budget: past it, 504 ``timeout`` here
-        (its client gone: no answer)."""
+        (the body ``refusal_bodies`` gives for the path, e.g. MCP's; its client gone: no answer)."""
         b = budget.Budget()
         gone = anyio.Event()
         waiting = anyio.CancelScope()  # the wait for a read slot, cancelled when the budget ends
@@ -640,15 +646,15 @@ class Gate:
                     with waiting:
                         if not held:
                             assert share is not None
-                            await self.reads.acquire(share, is_cheap(scope["path"],
-                                                                     scope.get("query_string", b"")))
+                            await self.reads.acquire(share, cheap)
                             held = True
                     if not held:
                         if b.reason == budget.DEADLINE:  # counted below, as a read cut at it
-                            problem = _problem(504, "timeout", b.error().detail)
+                            problem, ctype = self._refusal_body(scope["path"], 504, "timeout",
+                                                                b.error().detail)
                             self.metrics.answered(504)
                             await send({"type": "http.response.start", "status": 504, "headers": [
-                                (b"content-type", PROBLEM_JSON),
+                                (b"content-type", ctype),
                                 (b"content-length", str(len(problem)).encode())]})
                             await send({"type": "http.response.body", "body": problem})
                         return
@@ -952,9 +958,7 @@ class Gate:
         with ``close``, the request's body is left unread and the connection is closed after
         the answer."""
         self._count(status, code)
-        render = next((fn for prefix, fn in self.refusal_bodies.items() if path.startswith(prefix)), None)
-        body, ctype = render(status, code, detail) if render is not None else (_problem(status, code, detail),
-                                                                              PROBLEM_JSON)
+        body, ctype = self._refusal_body(path, status, code, detail)
         hdrs = [(b"content-type", ctype), (b"content-length", str(len(body)).encode())]
         hdrs += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]
         messages: list[Message] = [{"type": "http.response.start", "status": status, "headers": hdrs},
@@ -965,6 +969,14 @@ class Gate:
                 await send_(m)
 
         await self._drained(receive, respond, {}, send, close=close)
+
+    def _refusal_body(self, path: str, status: int, code: str, detail: str) -> tuple[bytes, bytes]:
+        """(body, content type) of a refusal of ``path``: what ``refusal_bodies`` gives for
+        it, else a problem (RFC 9457)."""
+        render = next((fn for prefix, fn in self.refusal_bodies.items() if path.startswith(prefix)), None)
+        if render is not None:
+            return render(status, code, detail)
+        return _problem(status, code, detail), PROBLEM_JSON
 
     async def _drained(self, receive: Receive, response: Any, scope: Scope, send: Send, *, close: bool) -> None:
         """Send ``response`` (an ASGI app) while discarding what the server queued of the

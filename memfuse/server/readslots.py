@@ -25,6 +25,11 @@ most ``per_key`` at once (every slot a key holds counts), all heavy reads at mos
 extra ones each a few milliseconds. A waiting cheap read may go before its own token's
 waiting heavy read that cannot (its cap reached); reads of one kind keep their order.
 
+Read-only tool calls are reads too (attack17 F3: 30 memory-tool views of one token made
+another client's answers 14-20 times slower): a ``POST`` of the memory tool
+(``/v1/workspaces/{ws}/memory-tool``) whose command only reads, and a ``POST /mcp`` whose
+JSON-RPC messages only read (``read_call``), take a read slot as a ``GET`` does.
+
 The wait is bounded by the read's budget (``memfuse.server.gate.Gate._run_read``: its client
 leaving, or ``read_budget`` s, end it) and its length by the request slots a token and all
 tokens may hold (``Shares``, ``max_inflight``). Event-loop only.
@@ -33,6 +38,8 @@ from __future__ import annotations
 
 from collections import deque
 from urllib.parse import parse_qsl
+
+import json
 
 import anyio
 
@@ -46,6 +53,17 @@ SMALL_PAGE = 50  # records (without content) of a page estimated cheap
 # one row each, bounded by the record size limit (or holding no content)
 _CHEAP_ROUTES = frozenset({table.GET_RECORD, table.GET_VERSION, table.GET_STORE,
                            table.GET_ACCOUNT, table.GET_CONSOLIDATION})
+# memory-tool commands that only read (memfuse.server.memtool); their MCP tools are
+# ``memory_<command>`` (memfuse.mcp_server.TOOLS marks them read_only_hint, tested)
+READ_COMMANDS = frozenset({"view", "search", "history"})
+# MCP methods that read no data (answered from the process): with the read tools' calls
+# only these, a POST /mcp is a cheap read; any other method or tool makes it a write
+_MCP_PROTOCOL = frozenset({"ping", "tools/list", "notifications/initialized",
+                           "notifications/cancelled"})
+# MCP methods that read data (the prompt block, a store's index, its stores)
+_MCP_READS = frozenset({"initialize", "server/discover", "resources/list", "resources/read",
+                        "resources/templates/list"})
+MEMORY_TOOL_SUFFIX = "/memory-tool"
 _FALSE = frozenset({"0", "false", "off", "no", "f", "n"})  # as the app's bool query parameters
 
 
@@ -70,6 +88,48 @@ def is_cheap(path: str, query: bytes) -> bool:
     if len(limit) != 1 or not limit[0].isdigit() or int(limit[0]) > SMALL_PAGE:
         return False
     return all(v.lower() in _FALSE for k, v in args if k == "content")
+
+
+def read_call(path: str, body: bytes) -> bool | None:
+    """Whether a ``POST`` of decoded URL ``path`` with ``body`` is a read-only tool call
+    (module docstring): None when it is not (a write, another endpoint, a body that is not
+    the JSON it should be: the app answers it), else whether it is estimated cheap (an MCP
+    request of protocol methods only, ``tools/list``, ``ping``...). A memory-tool command in
+    ``READ_COMMANDS``, an MCP message (or batch) of read tools' calls and reading methods."""
+    if path.endswith(MEMORY_TOOL_SUFFIX):
+        if not path.startswith("/v1/workspaces/") or path.count("/") != 4:
+            return None
+        msg = _json(body)
+        return False if isinstance(msg, dict) and msg.get("command") in READ_COMMANDS else None
+    if path != "/mcp":
+        return None
+    msg = _json(body)
+    msgs = msg if isinstance(msg, list) else [msg]
+    cheap = True
+    for m in msgs:
+        if not isinstance(m, dict) or not isinstance(m.get("method"), str):
+            return None
+        method = m["method"]
+        if method in _MCP_PROTOCOL:
+            continue
+        cheap = False
+        if method in _MCP_READS:
+            continue
+        params = m.get("params")
+        name = params.get("name") if isinstance(params, dict) else None
+        if (method != "tools/call" or not isinstance(name, str)
+                or name.removeprefix("memory_") not in READ_COMMANDS or not name.startswith("memory_")):
+            return None
+    return cheap if msgs else None
+
+
+def _json(body: bytes) -> object:
+    """``body`` decoded as JSON, None when it is not JSON (or nested deeper than the parser
+    recurses)."""
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError):
+        return None
 
 
 class ReadSlots:
