@@ -119,39 +119,60 @@ def _refusals(url: str, reason: str) -> float:
     return 0.0
 
 
-async def test_one_accounts_tokens_cannot_take_another_accounts_feed(tmp_path):
-    (tmp_path / "root.token").write_text(ROOT)
-    with fresh_db_url(f"sqlite:///{tmp_path / 'cp.db'}") as db:
-        log = tmp_path / "serve.log"
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A ``memfuse serve`` with ``PER_REPLICA`` stream slots, ``PER_TOKEN`` per token and the
+    default share per account: its URL."""
+    tmp = tmp_path_factory.mktemp("acct-streams")
+    (tmp / "root.token").write_text(ROOT)
+    with fresh_db_url(f"sqlite:///{tmp / 'cp.db'}") as db:
+        log = tmp / "serve.log"
         proc = subprocess.Popen(
             [MEMFUSE, "serve", "--db", db, "--listen", "127.0.0.1:0", "--admin-token-file",
-             str(tmp_path / "root.token"), "--migrate", f"--max-streams={PER_REPLICA}",
+             str(tmp / "root.token"), "--migrate", f"--max-streams={PER_REPLICA}",
              f"--max-streams-per-token={PER_TOKEN}"],
             stdout=log.open("ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=dict(os.environ, MEMFUSE_HOME=str(tmp_path / "home")))
+            env=dict(os.environ, MEMFUSE_HOME=str(tmp / "home")))
         try:
-            url = serve_listening(proc, log)
-            tokens = await _setup(url)
-            with trio.fail_after(90):
-                async with AsyncExitStack() as stack:
-                    # alpha's six tokens: its share opens, every further stream is refused
-                    got = await _fill(url, tokens["alpha"], "alpha-notes", stack)
-                    assert got[:SHARE] == [(200, "")] * SHARE, got
-                    assert set(got[SHARE:]) == {(429, "too_many_account_streams")}, got
-                    # a second account at its share too: the two leave the replica's other slots
-                    got = await _fill(url, tokens["bravo"], "bravo-notes", stack)
-                    assert got.count((200, "")) == SHARE, got
-                    assert _refusals(url, "too_many_account_streams") == 2 * (6 * PER_TOKEN - SHARE)
-                    # the default account's sidecar: its feed opens and carries a write at once
-                    assert await _feed_sees_a_write(url, tokens["side"][0]) < 5
-                    # the root admin (no account) has a share of its own
-                    async with httpx.AsyncClient(base_url=url, headers=_auth(ROOT), timeout=30) as root:
-                        assert (await _open(root, "side-notes", stack)).status_code == 200
+            yield serve_listening(proc, log)
         finally:
             stop(proc)
 
 
-def test_the_share_counts_bound_leases_per_account_and_releases_them():
+async def test_one_accounts_tokens_cannot_take_another_accounts_feed(server):
+    url = server
+    tokens = await _setup(url)
+    with trio.fail_after(90):
+        async with AsyncExitStack() as stack:
+            # alpha's six tokens: its share opens, every further stream is refused
+            got = await _fill(url, tokens["alpha"], "alpha-notes", stack)
+            assert got[:SHARE] == [(200, "")] * SHARE, got
+            assert set(got[SHARE:]) == {(429, "too_many_account_streams")}, got
+            # a second account at its share too: the two leave the replica's other slots
+            got = await _fill(url, tokens["bravo"], "bravo-notes", stack)
+            assert got.count((200, "")) == SHARE, got
+            assert _refusals(url, "too_many_account_streams") == 2 * (6 * PER_TOKEN - SHARE)
+            # the default account's sidecar: its feed opens and carries a write at once
+            assert await _feed_sees_a_write(url, tokens["side"][0]) < 5
+            # the root admin (no account) has a share of its own
+            async with httpx.AsyncClient(base_url=url, headers=_auth(ROOT), timeout=30) as root:
+                assert (await _open(root, "side-notes", stack)).status_code == 200
+
+
+async def test_reads_one_after_another_on_one_keep_alive_connection_are_all_answered(server):
+    """The end of a read's request cycle (hypercorn's ``http.disconnect`` once the answer is
+    sent) is not its client leaving: the next request on the same connection is answered,
+    not dropped as one pipelined by a client gone (a 500 from hypercorn, every second
+    request, after attack17 F4's fix)."""
+    before = _refusals(server, "client_gone")
+    async with httpx.AsyncClient(base_url=server, headers=_auth(ROOT), timeout=30,
+                                 limits=httpx.Limits(max_connections=1)) as c:
+        got = [(await c.get("/v1/stores", params={"limit": 1})).status_code for _ in range(6)]
+    assert got == [200] * 6
+    assert _refusals(server, "client_gone") == before
+
+
+async def test_the_share_counts_bound_leases_per_account_and_releases_them():
     """``StreamClass``'s share: by account (root admin and static tokens share ``none``),
     checked after the token's cap, given back on close; the default is 2/5 of the replica."""
     from memfuse.server.service import Principal, ServiceError
