@@ -619,23 +619,10 @@ class Gate:
         gone = anyio.Event()
         waiting = anyio.CancelScope()  # the wait for a read slot, cancelled when the budget ends
 
-        answered = False  # the answer's last piece is being sent: the request cycle ends
-
-        async def read_send(message: Message) -> None:
-            nonlocal answered
-            if message["type"] == "http.response.body" and not message.get("more_body", False):
-                answered = True
-            await send(message)
-
         async def watch() -> None:
             with anyio.move_on_after(self.read_budget):
                 while (await receive())["type"] != "http.disconnect":
                     pass
-                if answered:
-                    # the HTTP server's disconnect at the end of the request cycle (hypercorn
-                    # gives one once the answer is sent), not a client gone: its keep-alive
-                    # connection's next request must not be taken for a pipelined one (F4)
-                    return
                 self._note_gone(scope.get("client"))
                 b.end(budget.GONE)
                 gone.set()
@@ -672,7 +659,7 @@ class Gate:
                             await send({"type": "http.response.body", "body": problem})
                         return
                     try:
-                        await self._run(scope, app_receive, read_send, None, body)
+                        await self._run(scope, app_receive, send, None, body)
                     finally:
                         if share is not None:
                             self.reads.release(share)
