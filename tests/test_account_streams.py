@@ -93,10 +93,7 @@ async def _feed_sees_a_write(url: str, token: str) -> float:
     async with AsyncExitStack() as stack:
         c = await stack.enter_async_context(httpx.AsyncClient(
             base_url=url, headers=_auth(token, **{"X-Memfuse-Instance": "side-1"}), timeout=30))
-        async with httpx.AsyncClient(base_url=url, headers=_auth(token), timeout=30) as first:
-            # (another connection: a request after a read on one connection is dropped on main
-            # since b2655a6, see the xfail test below)
-            head = (await _ok(await first.get("/v1/stores/side-notes/records", params={"limit": 1})))["seq"]
+        head = (await _ok(await c.get("/v1/stores/side-notes/records", params={"limit": 1})))["seq"]
         req = c.build_request("GET", "/v1/stores/side-notes/changes", params={"after": head, "stream": "true"})
         r = await c.send(req, stream=True)
         stack.push_async_callback(r.aclose)
@@ -162,13 +159,11 @@ async def test_one_accounts_tokens_cannot_take_another_accounts_feed(server):
                 assert (await _open(root, "side-notes", stack)).status_code == 200
 
 
-@pytest.mark.xfail(strict=True, reason="regression since b2655a6 (attack17 F4's GONE_MEMORY): the disconnect "
-                   "hypercorn gives at the end of every request cycle is taken for the client leaving")
 async def test_reads_one_after_another_on_one_keep_alive_connection_are_all_answered(server):
     """The end of a read's request cycle (hypercorn's ``http.disconnect`` once the answer is
     sent) is not its client leaving: the next request on the same connection is answered,
     not dropped as one pipelined by a client gone (a 500 from hypercorn, every second
-    request, after attack17 F4's fix)."""
+    request, after b2655a6; fixed on main by 688f0f0)."""
     before = _refusals(server, "client_gone")
     async with httpx.AsyncClient(base_url=server, headers=_auth(ROOT), timeout=30,
                                  limits=httpx.Limits(max_connections=1)) as c:
