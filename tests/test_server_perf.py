@@ -268,7 +268,7 @@ def _older_database_gets_usage_columns_filled(url):
     svc.db.dispose()
     old = create_engine(normalize_db_url(url))
     with old.begin() as con:  # as memfuse 0.1.0 left it before these columns: no migration history
-        for col in ("overwrote", "overwrote_by"):  # nor 0019's overwrite columns
+        for col in ("overwrote", "overwrote_by", "writer"):  # nor 0019's overwrite columns, 0021's writer
             con.exec_driver_sql(f"ALTER TABLE versions DROP COLUMN {col}")
         con.exec_driver_sql("DROP TABLE record_tails")  # nor 0018's tails
         con.exec_driver_sql("DROP INDEX ux_workspaces_account_public_name")  # nor 0017's workspace names

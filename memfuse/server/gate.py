@@ -118,12 +118,7 @@ BAD_TOKEN_MAX = 10_000
 RATE_KEYS_MAX = 10_000  # tokens whose write-bucket key is kept (the table is cleared past it)
 READY_REUSE_SECONDS = 0.25
 DRAIN_SECONDS = 5.0
-#: s a connection whose client was seen gone (a read's ``http.disconnect``) is remembered by
-#: its (address, port): the requests it had pipelined behind, still in the server's buffer,
-#: end at once, uncounted work (attack17 F4). The client's port of a connection it closed
-#: stays in TIME_WAIT (60 s on Linux) so no other connection can come from it meanwhile.
-GONE_MEMORY = 10.0
-GONE_MAX = 4096  # peers remembered at most (the oldest half forgotten when full)
+
 PROBES = ("/healthz", "/readyz")
 # ASGI scope extensions an HTTP server may offer (memfuse.server.lean does): ``BODY``, a
 # function ``() -> bytes | None`` giving the whole request body when the server holds all of
@@ -393,8 +388,6 @@ class Gate:
         self.shares = Shares(default_per_token(max_inflight) if max_per_token is None else max_per_token)
         self.read_budget = read_budget
         self.reads = ReadSlots(max_reads_per_token, max_reads)
-        #: (address, port) -> monotonic time its client was seen gone (``GONE_MEMORY``)
-        self._gone: dict[Any, float] = {}
         self.send_timeout = send_timeout
         self.max_body = max_body
         self.body_timeout = body_timeout
@@ -467,10 +460,6 @@ class Gate:
             await self.app(scope, receive, send)
             return
         path, method = scope["path"], scope["method"]
-        if self._gone and self._left(scope.get("client")):
-            # a request its client pipelined before it left: nobody to answer (attack17 F4)
-            self.metrics.refused.labels("client_gone").inc()
-            return
         self.connections.active(scope.get("client"))
         if path in PROBES or (path == "/metrics" and method == "GET"):
             self.connections.cleared(scope.get("client"))
@@ -618,12 +607,20 @@ class Gate:
         b = budget.Budget()
         gone = anyio.Event()
         waiting = anyio.CancelScope()  # the wait for a read slot, cancelled when the budget ends
+        answered = False  # the answer's last byte handed to the server: a disconnect now is its end
+
+        async def send_(message: Message) -> None:
+            nonlocal answered
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                answered = True  # before the send: hypercorn ends the stream (a disconnect) in it
+            await send(message)
 
         async def watch() -> None:
             with anyio.move_on_after(self.read_budget):
                 while (await receive())["type"] != "http.disconnect":
                     pass
-                self._note_gone(scope.get("client"))
+                if answered:  # hypercorn's end of an answered request, not the client leaving
+                    return
                 b.end(budget.GONE)
                 gone.set()
                 waiting.cancel()
@@ -653,13 +650,13 @@ class Gate:
                             problem, ctype = self._refusal_body(scope["path"], 504, "timeout",
                                                                 b.error().detail)
                             self.metrics.answered(504)
-                            await send({"type": "http.response.start", "status": 504, "headers": [
+                            await send_({"type": "http.response.start", "status": 504, "headers": [
                                 (b"content-type", ctype),
                                 (b"content-length", str(len(problem)).encode())]})
-                            await send({"type": "http.response.body", "body": problem})
+                            await send_({"type": "http.response.body", "body": problem})
                         return
                     try:
-                        await self._run(scope, app_receive, send, None, body)
+                        await self._run(scope, app_receive, send_, None, body)
                     finally:
                         if share is not None:
                             self.reads.release(share)
@@ -919,27 +916,6 @@ class Gate:
     def _select_1(self) -> None:
         with self.svc.db.read_conn() as conn:
             conn.exec_driver_sql("SELECT 1")
-
-    # ------------------------------------------------------------ clients gone
-
-    def _note_gone(self, client: Any) -> None:
-        """The connection from ``client`` (address, port) closed: remembered ``GONE_MEMORY`` s."""
-        if client is None:
-            return
-        if len(self._gone) >= GONE_MAX:
-            for k in list(self._gone)[:GONE_MAX // 2]:  # insertion order: the oldest first
-                del self._gone[k]
-        self._gone[client] = time.monotonic()
-
-    def _left(self, client: Any) -> bool:
-        """Whether ``client``'s connection was seen closed within ``GONE_MEMORY`` s."""
-        seen = self._gone.get(client)
-        if seen is None:
-            return False
-        if time.monotonic() - seen > GONE_MEMORY:
-            del self._gone[client]
-            return False
-        return True
 
     # ------------------------------------------------------------ refusals
 
