@@ -66,7 +66,14 @@ class AttributeOps:
         ``ESTALE`` for a bad handle, and the size refusals of ``truncate`` (``EFBIG``,
         ``ENOSPC``, ``EISDIR``)."""
         if fh is not None and size is not None:
-            self.handle(fh).modified = True
+            # ftruncate(0) empties the file for a rewrite (vim's in-place save: open
+            # O_WRONLY|O_CREAT, ftruncate(0), write, fsync, close): until the next write the
+            # session holds nothing of its own, as after an O_TRUNC open, so a flush then
+            # (a close of the descriptor inherited by a child the writer forked: exec or exit
+            # of `sh -c ...`) commits nothing (``Filesystem.flush``); the write's fsync or
+            # final close does, or the release if none comes (attack17 F10: the emptied file
+            # was committed mid-save, another mount's append merged onto it, its lines lost)
+            self.handle(fh).modified = size > 0
         by_path = size is not None and fh is None and n.opened == 0
         self._set_attributes(n, size=size, mode=mode, uid=uid, gid=gid, atime_ns=atime_ns,
                              mtime_ns=mtime_ns, judge=by_path)

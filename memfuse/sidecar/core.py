@@ -1093,6 +1093,8 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             # truncated at open. A shell redirection (`echo x > f`) opens, dup2()s and closes
             # the first descriptor before writing; committing here would make an empty
             # version. The commit happens at the final flush after a write, or at release.
+            # The same after an ftruncate(0) through it with no write since (AttributeOps.setattr):
+            # a child's close of an inherited descriptor mid-save commits no emptied file.
             return
         e = self.commit(n)
         if e is None:

@@ -438,7 +438,7 @@ class Handle:
     flags: int
     is_dir: bool = False
     entries: list[tuple[str, Node]] | None = None
-    modified: bool = False  # write(2) or ftruncate(2) through this handle since open
+    modified: bool = False  # write(2) or ftruncate(2) to a size > 0 through this handle since open (or its last ftruncate(0))
     snapshot: bytes | None = None  # .memfuse files: content generated once at open
     # The sha256 of the content the file had when a remote change or the merge of our own
     # write replaced it while this handle was open for reading ('' when none since): the
