@@ -18,7 +18,9 @@ exactly as ``find_secret`` runs them.
 Exact by construction: the answer is ``find_secret(context + suffix)``'s, hit or miss
 (``tests/test_secretscan.py`` compares them over random appends). It is used only for a window
 that is its own ``secret_view`` (nothing ``prompt_text`` strips, NFKC-normalized), where
-``find_secret`` reads the text once as written; any other window is scanned by
+``find_secret`` reads the text once as written, then its encoded forms
+(``content._encoded_secret``: escapes, base64 / hex runs, rot13, a pass each over the whole
+window, here too); any other window is scanned by
 ``find_secret`` whole, as before, and keeps nothing. A window longer than ``MAX_CHARS`` (a
 context with no line end in its last 16 KiB) is not kept.
 
@@ -29,7 +31,6 @@ is changed under one lock (the control plane scans from worker threads).
 from __future__ import annotations
 
 import threading
-import unicodedata
 from collections import OrderedDict
 
 from memfuse import content as content_rules
@@ -44,10 +45,10 @@ MAX_CHARS = 64 * 1024
 
 
 def _clean(text: str) -> bool:
-    """Whether ``text`` is its own ``secret_view``: nothing stripped by ``prompt_text`` and
-    NFKC-normalized (ASCII is)."""
-    return content_rules.prompt_text(text) == text and (
-        text.isascii() or unicodedata.is_normalized("NFKC", text))
+    """Whether ``text`` is its own ``secret_view`` (nothing stripped by ``prompt_text``, no
+    gap between token characters, NFKC-normalized, no look-alike letter; ASCII text is its
+    own view when ``prompt_text`` strips nothing)."""
+    return content_rules.secret_view(text) == text
 
 
 class AppendScans:
@@ -80,9 +81,10 @@ class AppendScans:
                 self._kept.move_to_end(base)
         hints: frozenset[Hint] | None = None
         if (kept is not None and kept[0].endswith(context)
-                and content_rules.prompt_text(suffix) == suffix
-                and (window.isascii() or unicodedata.is_normalized("NFKC", window))):
-            # context is clean (a part of a clean window) and so is suffix: window is too.
+                and (_clean(suffix) if window.isascii() else _clean(window))):
+            # context is clean (a part of a clean window) and so is suffix: an ASCII window
+            # is too (its view is prompt_text's, character by character); a non-ASCII one
+            # is checked whole (a gap at context's end may meet a token character).
             # A hint in window lies in context (so in the kept window: among kept[1]) or
             # overlaps suffix (so in edge)
             edge = context[max(0, len(context) - (HINT_MAX_CHARS - 1)):] + suffix

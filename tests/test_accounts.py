@@ -547,6 +547,13 @@ async def test_workspace_tokens_stay_in_their_account(world):
     async with _client(app, ids["alpha"]["ws_token"]) as c:
         r = await c.get("/v1/workspaces/bravo-ws/attachments")
         assert r.status_code == 404 and r.json()["code"] == "workspace_not_found"
+        # the refusal names the token's own workspace (a sidecar tells a token of another
+        # workspace from a deleted one: attack17 F6), the same for a missing workspace
+        assert r.headers["Memfuse-Actor"] == "ws:alpha-ws/api"
+        r = await c.get("/v1/workspaces/no-such-ws/attachments")
+        assert r.status_code == 404 and r.headers["Memfuse-Actor"] == "ws:alpha-ws/api"
+        r = await c.get(f"/v1/workspaces/{SAME_WS}/attachments")  # another of its account
+        assert r.status_code == 403 and r.headers["Memfuse-Actor"] == "ws:alpha-ws/api"
         r = await c.get("/v1/stores/bravo-notes/records")
         assert r.status_code == 404
         # its own account's store attached account-wide (read-only) is there

@@ -15,6 +15,7 @@ from mcp import Client, StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 
 from memfuse.client import ApiClient
+from memfuse.server.streams import HEARTBEAT_SECONDS
 from mountutil import MEMFUSE, read, serve_and_mount, wait_until
 
 pytestmark = pytest.mark.mount
@@ -36,8 +37,10 @@ def tool(cp, token_file, command: dict) -> tuple[str, bool]:
 
 
 def test_tool_write_appears_in_the_mount_and_back(live):
-    """Each of 10 tool writes is read from the mount (test bound 3 s; the median must be
-    under 1 s); a mount write is visible to view at once (close commits)."""
+    """Each of 10 tool writes is read from the mount (the median must be under 1 s; each
+    within half the feed's 20 s heartbeat, the other way a change could reach the mount, as in
+    test_sharing's latency test: 3 s each was inside a loaded machine's noise); a mount write
+    is visible to view at once (close commits)."""
     cp, sc, tok = live
     d = "t-" + uuid.uuid4().hex[:6]
     lat = []
@@ -47,10 +50,11 @@ def test_tool_write_appears_in_the_mount_and_back(live):
                               "file_text": f"fact {i}\n"}) == (
             f"File created successfully at: /memories/default/{d}/f{i}.md", False)
         p = sc.mountpoint / "default" / d / f"f{i}.md"
-        lat.append(wait_until(lambda: read(p) == f"fact {i}\n", 3.0, f"tool write {i} in the mount") - t0)
+        lat.append(wait_until(lambda: read(p) == f"fact {i}\n", HEARTBEAT_SECONDS / 2,
+                              f"tool write {i} in the mount") - t0)
     lat.sort()
     print(f"tool write → mount: p50={lat[5] * 1000:.0f} ms max={lat[-1] * 1000:.0f} ms")
-    assert lat[5] < 1.0
+    assert lat[5] < 1.0, lat
     # the other way: a write through the mount, then view at once
     (sc.mountpoint / "default" / d / "from-mount.md").write_text("written with cat\n")
     assert tool(cp, tok, {"command": "view", "path": f"/memories/default/{d}/from-mount.md"}) == (

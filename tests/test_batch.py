@@ -243,13 +243,19 @@ async def test_operation_refused_after_it_wrote_reruns_the_batch_with_savepoints
     from memfuse.server import records
     from memfuse.server.base import ServiceError
     app, admin, ws = env
-    real = records._record_model
+    real, real_answer = records._record_model, records.record_answer
 
     def late(rec, *, with_content):
         if rec.path in ("late.md", "late2.md"):
             raise ServiceError(422, "invalid_type", "refused late (test)")
         return real(rec, with_content=with_content)
+
+    def late_answer(rec):  # a create's answer (the move's is _record_model's)
+        if rec.path in ("late.md", "late2.md"):
+            raise ServiceError(422, "invalid_type", "refused late (test)")
+        return real_answer(rec)
     monkeypatch.setattr(records, "_record_model", late)
+    monkeypatch.setattr(records, "record_answer", late_answer)
     r = await ws.post("/v1/stores/s/records", json={"path": "a.md", "content": "a"})
     a = r.json()
     results = await _batch(ws, [

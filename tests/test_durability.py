@@ -541,11 +541,12 @@ def test_sigterm_with_pending_writes_and_control_plane_down(tmp_path):
         assert outbox_depth(mnt) == 21
 
         t0 = time.monotonic()
-        code = stop(sc.proc, timeout=30)
+        code = stop(sc.proc, timeout=60)
         took = time.monotonic() - t0
         print(f"SIGTERM → exit {code} in {took:.2f} s")
-        assert code == 0
-        assert took < 2 + 3, f"exit took {took:.1f} s with --drain-timeout 2"
+        assert code == 0  # a drain waited out ends in SIGKILL after 60 s
+        # the 2 s drain and the exit's own work (4.7 s in all at a load of 17: 2 + 3 was 1.07x)
+        assert took < 2 + 18, f"exit took {took:.1f} s with --drain-timeout 2"
         assert not is_mounted(mnt)
         log = tail(sc.log, 100_000)
         assert "drain timed out" in log and "unmounted" in log
@@ -600,13 +601,13 @@ def test_fsync_with_control_plane_down_gives_eio_then_commits(tmp_path):
             finally:
                 os.close(fd)  # raises if close() did not return 0
 
-        timed(write_fsync_close, "new.md", os.O_TRUNC, b"fsynced while down\n", timeout=20)
-        timed(write_fsync_close, "old.md", os.O_APPEND, b"appended while down\n", timeout=20)
+        timed(write_fsync_close, "new.md", os.O_TRUNC, b"fsynced while down\n", timeout=40)
+        timed(write_fsync_close, "old.md", os.O_APPEND, b"appended while down\n", timeout=40)
         print("fsync results:", results)
         for name in ("new.md", "old.md"):
             err, took = results[name]
             assert err == "EIO", (name, results[name])
-            assert 0.9 <= took < 5, (name, took)
+            assert 0.9 <= took < 10, (name, took)  # --fsync-timeout 1; an fsync never cut hangs
             assert timed(state, store / name) == "pending"
         assert timed((store / "new.md").read_text) == "fsynced while down\n"
         assert timed((store / "old.md").read_text) == "before\nappended while down\n"

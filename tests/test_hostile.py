@@ -42,7 +42,9 @@ ADMIN = "hostile-admin-token"
 MIB = 1024 * 1024
 BIG = 300 * 1000 * 1000  # the 300 MB body
 GOOD_BOUND = 2.0  # s: the longest any watched answer may take on a loaded shared machine
-LIMITS = dict(max_requests=16, max_streams=12, max_streams_per_token=4, header_timeout=2,
+LIMITS = dict(max_requests=16, max_streams=12, max_streams_per_token=4, max_streams_per_account=12,
+              # (one account here: its share is the whole replica; test_account_streams checks shares)
+              header_timeout=2,
               body_timeout=6, body_read_timeout=2, max_unauthenticated_per_address=8,
               # the body bound the body attacks are measured against (the default, 48 MiB +
               # 64 KiB for 8 MiB records, would let a token's chunked body be read that far)

@@ -9,6 +9,7 @@ And ``ReadSlots`` itself: caps, the turn between tokens, a cancelled wait.
 """
 from __future__ import annotations
 
+import select
 import socket
 import statistics
 import time
@@ -296,7 +297,10 @@ def test_a_read_waiting_past_its_budget_is_504_and_a_cheap_read_passes_its_token
                     assert r.status_code == 201, r.text
                 rid = hog.post("/v1/stores/w/records", json={"path": "small.md", "content": "hi\n"}).json()["id"]
                 held = [_stalled(s.port, tokens["hog"], BIG) for _ in range(2)]
-                time.sleep(1.5)  # both answers built (0.1-0.3 s each) and stuck in their sends
+                # both answers built (0.1-0.3 s each quiet, more on a busy machine: a fixed 1.5 s
+                # sleep was short of that) and in their sends, holding their slots
+                wait_until(lambda: len(select.select(held, [], [], 0)[0]) == 2, timeout=60,
+                           what="both big answers begun on their stalled connections")
                 t0 = time.monotonic()
                 r = hog.get("/v1/stores/w/records?limit=100")
                 waited = time.monotonic() - t0

@@ -362,7 +362,7 @@ async def test_a_dripping_answer_is_cut_at_the_request_deadline():
                     await call()
                 took = trio.current_time() - t0
                 assert err.value.code == "read_timeout", err.value
-                assert 0.9 < took < 4, took
+                assert 0.9 < took < 15, took  # 1 s, where the drip lasts 45 s
         async with ApiClient(url, "t", timeout=1) as plain:  # per-read timeouts only
             with trio.move_on_after(3) as scope:
                 await plain.changes("default", 0, wait=0)
@@ -406,7 +406,7 @@ async def test_a_dripping_stream_line_is_cut_at_its_deadline():
             took = trio.current_time() - t0
             await stream.aclose()
             assert err.value.code == "read_timeout", err.value
-            assert 0.9 < took < 4, took
+            assert 0.9 < took < 15, took  # 1 s, where the line's drip lasts 44 s
         async with ApiClient(url, "t", timeout=1) as plain:  # per-read timeouts only
             stream = plain.changes_stream("default", 0, read_timeout=1)
             with trio.move_on_after(3) as scope:

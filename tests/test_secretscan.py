@@ -130,19 +130,22 @@ def _old_view(text: str) -> str:
 
 
 def _old_find_secret(text: str) -> str | None:
-    view = _old_view(text)
+    # the views of session 17 (gaps, look-alikes: content.secret_view), then session 15's
+    view = content.secret_view(text)
     found = _old_first_secret(view)
-    if found is None and view != text:
-        view = text
-        found = _old_first_secret(view)
-    return None if found is None else content._secret_reason(found, view)
+    for alt in (_old_view(text), text):
+        if found is None and alt != view:
+            found = _old_first_secret(alt)
+            if found is not None:
+                return content._secret_reason(found, alt)
+    return content._encoded_secret(view) if found is None else content._secret_reason(found, view)
 
 
 def _old_find_secret_in_path(path: str) -> tuple[str, int, str] | None:
     """(kind, component, redacted path), or None."""
     parts = path.split("/")
     for i, comp in enumerate(parts):
-        view = _old_view(comp)
+        view = content.secret_view(comp)
         bases = [comp, view] if view != comp else [comp]
         for text, base in [(b, b) for b in bases] + [(b.replace("_", " "), b) for b in bases if "_" in b]:
             found = _old_first_secret(text, in_name=True)

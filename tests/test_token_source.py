@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from memfuse.client import ApiClient, Forbidden, Unauthorized
+from memfuse.client import ApiClient, Forbidden, TransientError, Unauthorized
 from memfuse.fake import FakeControlPlane
 from memfuse.models import sha256_hex
 from memfuse.sidecar.committer import Committer
@@ -166,3 +166,57 @@ async def test_forbidden_is_not_an_auth_outage(fake, tmp_path):
         with pytest.raises(Forbidden):
             await api.create_record("default", "x.md", "x")
         assert api.auth_failure is None and api.auth_failures == 0
+
+
+async def test_a_token_of_another_workspace_is_checked_before_any_write_is_sent(fake, tmp_path):
+    """attack17 F6, in process: a client acting for ``ws`` (``expect_workspace``) given a
+    token of ``att`` checks it once and sends nothing with it (the write raises
+    ``Unauthorized`` ``wrong_workspace`` unsent: an authentication outage, never the
+    ``store_not_attached`` refusal of the write); a token of ``ws`` taken up resumes."""
+    await fake.setup("ws", stores=("default",))
+    wrong = await fake.setup("att", stores=("other",))
+    path = tmp_path / "token"
+    path.write_text(wrong)
+    seen: list[bool] = []
+    async with ApiClient(fake.base_url, TokenFile(path), transport=fake.transport,
+                         bounded=True) as api:
+        api.expect_workspace("ws")
+        api.auth_listener = seen.append
+        before = fake.counters.forwarded
+        for _ in range(3):
+            with pytest.raises(Unauthorized) as exc:
+                await api.create_record("default", "a.md", "x", idempotency_key="k1")
+            assert exc.value.code == "wrong_workspace"
+        assert fake.counters.forwarded - before == 1  # the check alone, once
+        reason = "the token is for workspace att, this sidecar is for ws"
+        assert api.auth_failure == reason and seen == [False]
+        path.write_text(fake.new_token("ws"))
+        api.refresh_token()
+        rec = await api.create_record("default", "a.md", "x", idempotency_key="k1")
+        assert rec.path == "a.md" and api.auth_failure is None and seen == [False, True]
+
+
+async def test_callers_waiting_for_an_unanswered_token_check_fail_with_it(fake, tmp_path):
+    """The control plane down while a token is unchecked: callers that waited for that
+    check fail with its ``TransientError`` rather than each trying again in turn (which,
+    with a black-holed network, would serialize their timeouts)."""
+    token = await fake.setup("ws", stores=("default",))
+    async with ApiClient(fake.base_url, token, transport=fake.transport, bounded=True) as api:
+        api.expect_workspace("ws")
+        fake.faults.outage = True
+        failed: list[str] = []
+
+        async def one(i: int) -> None:
+            try:
+                await api.create_record("default", f"{i}.md", "x", idempotency_key=f"k{i}")
+            except TransientError as e:
+                failed.append(e.code)
+
+        async with trio.open_nursery() as n:
+            for i in range(5):
+                n.start_soon(one, i)
+        assert len(failed) == 5 and fake.counters.outage_refused == 1
+        fake.faults.outage = False
+        before = fake.counters.forwarded
+        assert (await api.create_record("default", "a.md", "x", idempotency_key="k9")).path == "a.md"
+        assert fake.counters.forwarded - before == 2 and api.auth_failure is None

@@ -397,3 +397,44 @@ def test_snapshot_times_read_from_sqlite_text_equal_sqlalchemys():
         assert mine == read(text) == t and mine.utcoffset() == timedelta(0) and mine.isoformat() == t.isoformat()
     assert _sqlite_time("2026-12-01 06:08:36") == datetime(2026, 12, 1, 6, 8, 36, tzinfo=timezone.utc)
     assert _sqlite_time("2026-12-01 06:08:36.5") == datetime(2026, 12, 1, 6, 8, 36, 500000, tzinfo=timezone.utc)
+
+
+def test_a_create_answer_encoded_by_msgspec_is_pydantics_record_json():
+    """A create's answer is ``wire.Record`` encoded by msgspec (``recordrows.record_answer``,
+    ``base.answer_json``), no longer a pydantic ``Record``: the same bytes as
+    ``_record_model(...).model_dump_json()`` for random records (times with and without
+    microseconds, naive and aware frontmatter dates, no type, attributes set or not, text
+    that JSON escapes); and the stored headers of an idempotent answer are
+    ``json.dumps``' (``base.headers_json``)."""
+    import json
+    import random
+
+    from memfuse.server.base import answer_json, headers_json
+    from memfuse.server.recordrows import _Rec, _record_model, record_answer
+
+    rng = random.Random(17)
+    texts = ["notes/a.md", "ü ß/\u2028\x01\"q\"\\.md", "MEMORY.md", "日本/語.md", "a/\ud7ff\ue000.md"]
+
+    def when(naive: bool = False) -> datetime | None:
+        if rng.random() < 0.3:
+            return None
+        t = datetime(1970, 1, 1, tzinfo=timezone.utc) + timedelta(
+            seconds=rng.randint(0, 86400 * 365 * 100), microseconds=rng.choice([0, rng.randint(0, 999_999)]))
+        return t.replace(tzinfo=None) if naive else t
+
+    for _ in range(3000):
+        created = when() or T1
+        rec = _Rec(id=f"{rng.getrandbits(128):032x}", store=rng.choice(["s", "notes~acme", "a.b-c"]),
+                   path=rng.choice(texts), type=rng.choice([None, "user", "project"]),
+                   version=rng.randint(1, 2**40), sha256=f"{rng.getrandbits(256):064x}",
+                   size=rng.randint(0, 2**20), content="x", deleted=rng.random() < 0.1,
+                   created_at=created, updated_at=rng.choice([created, when() or T2]),
+                   updated_by=rng.choice(["ws:w/side-1", "admin:static", "ws:ü/\x7f"]),
+                   seq=rng.randint(1, 2**62), mode=rng.choice([None, 0o644, 0o4755, 0]),
+                   mtime_ns=rng.choice([None, 0, -1_577_923_200_123_456_789, 2**62]),
+                   review_after=when(rng.random() < 0.5), expires_at=when())
+        assert answer_json(record_answer(rec)) == _record_model(rec, with_content=False).model_dump_json().encode()
+        etag = f'"{rec.sha256}"'
+        for headers in ({"ETag": etag}, {}, {"ETag": '"a\\b"'}, {"ETag": '"é"'}, {"ETag": '""'},
+                        {"ETag": etag, "X": "y"}, {"ETag": "x"}):
+            assert headers_json(headers) == json.dumps(headers)

@@ -103,6 +103,11 @@ def _admin_token(admin_token_file: Path | None) -> tuple[str, Path, bool]:
      "is answered 429 too_many_streams with Retry-After.")
 @opt("--max-streams-per-token", type=click.IntRange(min=1), default=64, show_default=True,
      help="Long-lived responses at once per token (429 too_many_long_polls beyond).")
+@opt("--max-streams-per-account", type=click.IntRange(min=1), default=None, show_default="2/5 of --max-streams",
+     help="Long-lived responses at once per account, all its tokens together (429 "
+     "too_many_account_streams beyond): one account cannot take the slots other accounts' "
+     "sidecars need for their change feeds. Root admin and static tokens share one. Set it to "
+     "--max-streams on a server with one account.")
 @opt("--max-body", type=BYTES, default=str(RECORD_BODY_MAX), show_default="48MiB+64KiB", metavar="SIZE",
      help="Largest body of a record write, batch, memory-tool call or console form (413 "
      "beyond; /mcp takes 4 MiB, other endpoints 1 MiB). It bounds a store's max_record_bytes: "
@@ -168,7 +173,7 @@ def _admin_token(admin_token_file: Path | None) -> tuple[str, Path, bool]:
 def serve(db: str | None, listen: str, admin_token_file: Path | None, migrate: bool, no_streams: bool,
           max_requests: int, max_requests_per_token: int | None, read_timeout: float,
           max_reads: int, max_reads_per_token: int,
-          max_streams: int, max_streams_per_token: int, max_body: int,
+          max_streams: int, max_streams_per_token: int, max_streams_per_account: int | None, max_body: int,
           header_timeout: float, body_timeout: float, body_read_timeout: float,
           max_unauthenticated_per_address: int, max_unauthenticated: int, stale_after: int, expiry_interval: float,
           consolidation_model_url: str | None, consolidation_api_key_file: Path | None,
@@ -217,7 +222,8 @@ def serve(db: str | None, listen: str, admin_token_file: Path | None, migrate: b
                              max_inflight_per_token=max_requests_per_token, read_budget=read_timeout,
                              max_reads=max_reads, max_reads_per_token=max_reads_per_token,
                              max_long_polls=max_streams,
-                             max_long_polls_per_token=max_streams_per_token, max_body=max_body,
+                             max_long_polls_per_token=max_streams_per_token,
+                             max_long_polls_per_account=max_streams_per_account, max_body=max_body,
                              header_timeout=header_timeout, body_timeout=body_timeout,
                              receive_timeout=body_read_timeout,
                              max_unauthenticated_per_address=max_unauthenticated_per_address,

@@ -7,6 +7,7 @@ model and the secrecy rules.
 from __future__ import annotations
 
 import contextlib
+import copy
 import email.utils
 import functools
 import logging
@@ -36,7 +37,7 @@ from ..errors import (
     TransientError,
     Unauthorized,
 )
-from ..defs import STORE_CREATED_HEADER, WRITER_HEADER
+from ..defs import ACTOR_HEADER, STORE_CREATED_HEADER, WRITER_HEADER
 from ..tokenfile import TokenFile
 
 if TYPE_CHECKING:
@@ -454,6 +455,20 @@ class ApiSession:
         self._next_request = 0
         #: when the control plane last answered anything (``time.monotonic()``; 0: never)
         self.last_answer = 0.0
+        #: the workspace this client acts for (``expect_workspace``); None: any token goes
+        self._expect_ws: str | None = None
+        #: the token generation (``TokenFile.generation``, 0 for a fixed token) found to be
+        #: for ``_expect_ws`` (or not a token matter); None: not yet checked. Invariant: no
+        #: request other than the check's own is sent with a token of another generation
+        self._checked: int | None = None
+        #: (generation, reason) of the token found to be another workspace's: requests with
+        #: it raise ``Unauthorized`` unsent until another token is taken up
+        self._wrong: tuple[int, str] | None = None
+        self._check_lock: Any = None  # a trio.Lock, made at the first check
+        #: checks made so far, and the TransientError of the last when it got no answer:
+        #: callers that waited for that check fail with it rather than each trying in turn
+        self._checks = 0
+        self._check_error: TransientError | None = None
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
             headers=headers,
@@ -485,6 +500,20 @@ class ApiSession:
         instance (at most 64 characters ``[A-Za-z0-9._-]``), kept on the versions it writes,
         so its change feed leaves out exactly those (``changes(skip_writer=...)``)."""
         self.writer = writer
+
+    def expect_workspace(self, ws: str) -> None:
+        """Act for workspace ``ws`` only (the sidecar's ``--workspace``; needs trio): each
+        token taken up (the first, and each new one of the token file) is checked with
+        ``GET /v1/workspaces/{ws}/attachments`` before any other request is sent with it. A
+        token the control plane says is another workspace's (403, or a 404 whose
+        ``Memfuse-Actor`` names another workspace) is an authentication outage like a 401:
+        ``auth_failure`` says "the token is for workspace X, this sidecar is for ws",
+        ``auth_listener(False)`` is told, it is logged once, and every request raises
+        ``Unauthorized`` (code ``wrong_workspace``) unsent until a new token is taken up
+        and checked. A check that gets no answer raises its ``TransientError`` to the
+        request that made it; the next request checks again."""
+        self._expect_ws = ws
+        self._checked = None
 
     def set_instance(self, instance: str) -> None:
         """Send ``X-Memfuse-Instance: instance`` from now on (the sidecar id on versions)."""
@@ -577,10 +606,14 @@ class ApiSession:
         exclude_none: bool = False,
         stream: bool = False,
         read_timeout: float | None = None,
+        check: bool = False,
     ) -> "httpx.Response | Answer":
         """Send one request and read its answer: the lean path (``lean.LeanHTTP``) for an
         ordinary request when there is one, else httpx; a 401 is sent once more when the
-        token file holds a new token. ``raw_ok``: a successful answer of the lean path
+        token file holds a new token. A token not yet checked for ``expect_workspace`` is
+        checked first (``_check_token``; raises its ``Unauthorized`` or ``TransientError``);
+        ``check``: this request is that check (its 403 / 404 is returned, not raised, and
+        says nothing of the token's validity). ``raw_ok``: a successful answer of the lean path
         is returned as its ``lean.Answer`` (no ``httpx.Response`` built: ``_call`` decodes
         only its body); anything else is an ``httpx.Response``. Raises the ``ApiError`` of a
         non-2xx answer (``_http_error``) or of a transport failure (``_transport_error``)."""
@@ -616,6 +649,9 @@ class ApiSession:
                                and not stream) else None
         raw: Answer | None = None
         for attempt in (1, 2):
+            if self._expect_ws is not None and not check and (
+                    tf.generation if tf is not None else 0) != self._checked:
+                await self._check_token()
             generation = None
             if tf is not None:
                 generation = tf.generation
@@ -667,7 +703,8 @@ class ApiSession:
             self._observe(method, path, str(resp.status_code), t0)
             log.debug("%s %s -> %s", method, path, resp.status_code)
             if resp.status_code != 401:
-                self._auth_ok()
+                if resp.is_success or not check:
+                    self._auth_ok()
                 break
             if tf is not None and attempt == 1 and (tf.generation != generation or tf.refresh()):
                 log.info("%s %s: token refused; sending again with the token file's new token",
@@ -677,11 +714,71 @@ class ApiSession:
             if tf is None or tf.generation == generation:  # refused: the token in use
                 self._auth_failed(resp)
             break
-        if not resp.is_success:
+        if not resp.is_success and not (check and resp.status_code in (403, 404)):
             if stream:
                 await resp.aclose()
             raise _http_error(resp, method, path)
         return resp
+
+    async def _check_token(self) -> None:
+        """Check the token in use for ``expect_workspace`` (one ``GET .../attachments``,
+        concurrent callers waiting for the one check) unless done for its generation.
+        Raises ``Unauthorized`` (code ``wrong_workspace``) for a token the control plane
+        says is another workspace's, and what the check's request raises (a 401's
+        ``Unauthorized``, a ``TransientError``)."""
+        import trio  # only the sidecar sets expect_workspace
+
+        ws = self._expect_ws
+        assert ws is not None
+        if self._check_lock is None:
+            self._check_lock = trio.Lock()
+        tf = self.token_file
+        waited_for = self._checks
+        async with self._check_lock:
+            while True:  # a token taken up during the check is checked in turn
+                gen = tf.generation if tf is not None else 0
+                if gen == self._checked:
+                    return
+                path = f"/v1/workspaces/{_seg(ws)}/attachments"
+                if self._wrong is not None and self._wrong[0] == gen:
+                    raise Unauthorized(self._wrong[1], status=401, code="wrong_workspace",
+                                       detail=self._wrong[1], method="GET", path=path)
+                if self._checks != waited_for and self._check_error is not None:
+                    raise copy.copy(self._check_error)  # the check this caller waited for
+                self._checks += 1
+                try:
+                    resp = await self._send_once("GET", path, check=True)
+                except TransientError as e:
+                    self._check_error = e
+                    raise
+                self._check_error = None
+                assert isinstance(resp, httpx.Response)
+                told = resp.headers.get(ACTOR_HEADER) or ""
+                theirs = told[3:].rsplit("/", 1)[0] if told.startswith("ws:") else None
+                mine = ws.split("~", 1)[0]  # a key or reference ``<name>~<account>``: its name
+                named = theirs if theirs and theirs != mine else None
+                # 403: another workspace of its account (named by a control plane that says);
+                # 404: another account's workspace, or none: a token matter only when named
+                wrong = resp.status_code == 403 or (resp.status_code == 404 and named is not None)
+                if gen != (tf.generation if tf is not None else 0):
+                    continue  # answered for a token taken up meanwhile: check the one in use
+                if not wrong:  # its workspace, or a 404 that is no token matter
+                    if self._wrong is not None:
+                        self._wrong = None
+                        log.info("the token is for this workspace again", extra={"workspace": ws})
+                    self._checked = gen
+                    return
+                reason = (f"the token is for workspace {named}, this sidecar is for {ws}"
+                          if named is not None else
+                          f"the token is for another workspace, this sidecar is for {ws}")
+                self._wrong = (gen, reason)
+                self.auth_failures += 1
+                log.warning("the token is for another workspace; writes are kept until a "
+                            "token of this workspace comes",
+                            extra={"workspace": ws, "token_workspace": named,
+                                   "token_file": str(tf.path) if tf is not None else None})
+                self.auth_failure = reason
+                self._tell_auth(False)
 
     async def _send_bounded(self, request: httpx.Request, stream: bool, head: float) -> httpx.Response:
         """Send ``request`` through httpx within its total deadline (``deadline``): the head

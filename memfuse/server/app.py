@@ -169,6 +169,7 @@ def create_app(
     max_reads_per_token: int = readslots.READS_PER_TOKEN,
     max_long_polls: int = streamclass.MAX_STREAMS,
     max_long_polls_per_token: int = streamclass.MAX_STREAMS_PER_TOKEN,
+    max_long_polls_per_account: int | None = None,
     send_timeout: float = gate.SEND_TIMEOUT,
     max_body: int = gate.MAX_BODY,
     body_timeout: float = gate.BODY_TIMEOUT,
@@ -197,7 +198,8 @@ def create_app(
     ``max_reads`` / ``max_reads_per_token`` (reads the app works on at once, in all and per
     token, ``memfuse.server.readslots``), ``max_long_polls`` and
     ``max_long_polls_per_token`` (long-lived responses: long-polls, streams, console live
-    pages, per replica and per token), ``send_timeout`` (s a send to a client may take),
+    pages, per replica and per token), ``max_long_polls_per_account`` (the same per
+    account; None: 2/5 of ``max_long_polls``, ``streamclass.default_per_account``), ``send_timeout`` (s a send to a client may take),
     ``max_body`` (bytes of a record write's, batch's, memory-tool call's or console form's
     body), ``body_timeout`` / ``receive_timeout`` (s for a whole body / between two pieces of
     it), ``header_timeout`` (s for a request's headers; ``memfuse.server.serve`` applies it),
@@ -236,7 +238,8 @@ def create_app(
     reads = longpoll.FeedReads(svc)
     open_streams = streaming.Streams(svc, heartbeat=stream_heartbeat, lifetime=stream_lifetime,
                                      enabled=streams)
-    stream_class = streamclass.StreamClass(svc, per_replica=max_long_polls, per_token=max_long_polls_per_token)
+    stream_class = streamclass.StreamClass(svc, per_replica=max_long_polls, per_token=max_long_polls_per_token,
+                                           per_account=max_long_polls_per_account)
     metrics.add_collector(limits.notifier_collector(svc.notifier, svc.bus, open_streams))
     from memfuse.server import history
     metrics.add_collector(history.collector())

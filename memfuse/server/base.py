@@ -39,7 +39,7 @@ from sqlalchemy.orm import Session
 
 from memfuse import content as content_rules
 from memfuse import names
-from memfuse.defs import RECORD_BODY_MAX
+from memfuse.defs import ACTOR_HEADER, RECORD_BODY_MAX
 from memfuse.models import Access
 from memfuse.server import history, keys, wakeups
 from memfuse.server.rawsql import Raw, RawRow
@@ -540,10 +540,16 @@ class AccessRules:
                 if row is None:  # a static token of a workspace that does not exist
                     raise ServiceError(404, "workspace_not_found", f"no workspace {ws!r}")
                 return row
+            # the refusal names the token's own actor (``Memfuse-Actor``, as an answer to it
+            # does): a sidecar given a token of another workspace tells the rotation mistake
+            # from a deleted workspace (memfuse.client.base ``expect_workspace``). Only the
+            # caller's own workspace is named: nothing about ``ws`` or another account
             own = s.get(WorkspaceRow, p.workspace)
+            told = {ACTOR_HEADER: p.actor} if p.actor.isascii() and p.actor.isprintable() else None
             if own is not None and AccessRules._in_account(s, ws, own.account) is not None:
-                raise ServiceError(403, "forbidden", "the token belongs to another workspace")
-            raise ServiceError(404, "workspace_not_found", f"no workspace {ws!r}")
+                raise ServiceError(403, "forbidden", "the token belongs to another workspace",
+                                   headers=told)
+            raise ServiceError(404, "workspace_not_found", f"no workspace {ws!r}", headers=told)
         if p.account is None:  # the root admin
             name, account = keys.split(ws)
             if account is not None:  # a reference ``<name>~<account>`` (a key has that form too)
@@ -697,6 +703,34 @@ def check_store_identity(st: AnyRow, created: str) -> None:
                            f"{have.isoformat()}): nothing was written")
 
 
+_ANSWER_ENCODER = msgspec.json.Encoder()
+
+
+def headers_json(headers: dict[str, str]) -> str:
+    """``json.dumps(headers)``: the stored headers of an idempotent answer. An answer's only
+    header is nearly always its ``ETag`` (a quoted sha256, hex): that text written directly."""
+    if len(headers) == 1:
+        etag = headers.get("ETag")
+        if etag is not None and len(etag) > 2 and etag[0] == etag[-1] == '"' and etag[1:-1].isalnum() \
+                and etag.isascii():
+            return '{"ETag": "\\"' + etag[1:-1] + '\\""}'
+    return json.dumps(headers)
+
+#: What a write's ``fn`` may return: its answer as a pydantic model, as a msgspec ``Struct``
+#: of ``memfuse.wire`` (the same members, order and JSON: a create's ``Record``,
+#: ``recordrows.record_answer``), or None (no body)
+Answer = BaseModel | msgspec.Struct | None
+
+
+def answer_json(result: BaseModel | msgspec.Struct) -> bytes:
+    """The JSON body of a write's answer ``result``: msgspec's encoding of a ``Struct``,
+    pydantic's ``model_dump_json`` of a model (the same bytes for the same members: the
+    ``wire`` structs mirror the models, ``tests/test_wire.py``)."""
+    if isinstance(result, msgspec.Struct):
+        return _ANSWER_ENCODER.encode(result)
+    return result.model_dump_json().encode()
+
+
 #: How the answer of the write running in this context may leave as soon as its transaction
 #: commits (``Writer.write`` calls it once with the ``Reply``, after the commit's wake-ups and
 #: before the full-text drain): set by the record-write fast path (``memfuse.server.writepath``)
@@ -728,7 +762,7 @@ class Writer:
         p: Principal,
         idem: IdempotencyRequest | None,
         status: int,
-        fn: Callable[[Any], BaseModel | None],
+        fn: Callable[[Any], Answer],
         *,
         etag: bool = False,
         feed: str | None = None,
@@ -777,7 +811,7 @@ class Writer:
                     history.settle(conn)  # the kept versions counted; pruned when over budget
                     if feed is None:
                         wakeups.note_acl()  # admin writes: access answers may have changed
-                    body = result.model_dump_json().encode() if result is not None else b""
+                    body = answer_json(result) if result is not None else b""
                     headers: dict[str, str] = {}
                     if etag and result is not None and getattr(result, "sha256", None):
                         headers["ETag"] = f'"{getattr(result, "sha256")}"'
@@ -792,7 +826,7 @@ class Writer:
                                 "request_hash": idem.body_sha256,
                                 "status": status,
                                 "response_body": body.decode(),
-                                "response_headers": json.dumps(headers),
+                                "response_headers": headers_json(headers),
                                 "created_at": utcnow(),
                             },
                         )
@@ -950,7 +984,7 @@ class Resource:
         p: Principal,
         idem: IdempotencyRequest | None,
         status: int,
-        fn: Callable[[Any], BaseModel | None],
+        fn: Callable[[Any], Answer],
         *,
         etag: bool = False,
         feed: str | None = None,

@@ -50,12 +50,14 @@ from memfuse.server.base import (
     IDEMPOTENCY_TTL,
     REASONS,
     _INSERT_IDEM,
+    Answer,
     IdempotencyRequest,
     Parts,
     Principal,
     Reply,
     Resource,
     ServiceError,
+    answer_json,
     canonical_sha256,
 )
 from memfuse.server.db import utcnow
@@ -122,7 +124,7 @@ class _Planned:
     write ``fn(conn, st)`` with its idempotency identity and success status."""
 
     refusal: ServiceError | None = None
-    fn: Callable[[Connection, Any], BaseModel | None] | None = None
+    fn: Callable[[Connection, Any], Answer] | None = None
     idem: IdempotencyRequest | None = None
     status: int = 200
     etag: bool = False
@@ -152,7 +154,7 @@ class BatchService(Resource):
             body = model.model_validate(op.body or {}) if model is not None else None
         except ValidationError as err:
             return _Planned(_validation_problem(err, f"operations.{i}.body"))
-        fn: Callable[[Connection, Any], BaseModel | None]
+        fn: Callable[[Connection, Any], Answer]
         try:
             if op.op == "create":
                 fn = self.records._create_op(p, body)  # type: ignore[arg-type]
@@ -301,7 +303,7 @@ class BatchService(Resource):
                     raise
         except ServiceError as err:
             return Reply(err.status, problem_body(err), {"Content-Type": "application/problem+json"})
-        body = result.model_dump_json().encode() if result is not None else b""
+        body = answer_json(result) if result is not None else b""
         headers: dict[str, str] = {}
         if pl.etag and result is not None and getattr(result, "sha256", None):
             headers["ETag"] = f'"{getattr(result, "sha256")}"'  # a Record's (as Writer.write)

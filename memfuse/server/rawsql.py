@@ -28,7 +28,7 @@ from typing import Any
 
 from sqlalchemy import exc
 from sqlalchemy.engine import Connection, Dialect
-from sqlalchemy.event.attr import _EmptyListener, _JoinedListener, _ListenerCollection
+from sqlalchemy.event.attr import _EmptyListener, _empty_collection, _JoinedListener, _ListenerCollection
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.elements import ClauseElement
 
@@ -74,7 +74,11 @@ def statement_listeners(conn: Connection) -> tuple[Any, ...]:
             parts += (c.parent_listeners, c.listeners)
         else:
             return (joined,)
-    _LAST = (key, tuple(parts))
+    # SQLAlchemy's ``_empty_collection`` (the class-level collection of a class that refuses
+    # class-level listeners, ``_sa_propagate_class_events = False``: an ``OptionEngine``'s)
+    # never holds a listener (its ``append`` does nothing) and costs a Python ``__iter__``
+    # call per statement: left out
+    _LAST = (key, tuple(c for c in parts if type(c) is not _empty_collection))
     return _LAST[1]
 
 
@@ -194,19 +198,32 @@ class Raw:
         self.stmt = stmt
         self._cache: dict[tuple[str, frozenset[str]], _Compiled] = {}
         self._lock = threading.Lock()
+        # the last statement compiled or found: (dialect, its parameter names, it), replaced
+        # whole (threads read it without the lock); a statement runs with the same names
+        # nearly always, found by one comparison of the names (no frozenset built and hashed)
+        self._last: tuple[Dialect, frozenset[str], _Compiled] | None = None
 
     def _compiled(self, dialect: Dialect, params: Mapping[str, Any]) -> _Compiled:
-        key = (dialect.name, frozenset(params))
+        last = self._last
+        if last is not None and last[0] is dialect and params.keys() == last[1]:
+            return last[2]
+        names = frozenset(params)
+        key = (dialect.name, names)
         c = self._cache.get(key)
         if c is None:
             c = _Compiled(self.stmt, dialect, list(params))
             with self._lock:
                 self._cache[key] = c
+        self._last = (dialect, names, c)
         return c
 
     def _execute(self, conn: Connection, params: Mapping[str, Any]) -> tuple[Any, _Compiled]:
         dialect = conn.dialect
-        c = self._compiled(dialect, params)
+        last = self._last  # ``_compiled``'s first test, without its call
+        if last is not None and last[0] is dialect and params.keys() == last[1]:
+            c = last[2]
+        else:
+            c = self._compiled(dialect, params)
         args = c.parameters(params)
         # the DB-API connection itself: ``driver_connection`` is the same object for our sync
         # drivers (sqlite3, psycopg), two property calls further

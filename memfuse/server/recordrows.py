@@ -16,10 +16,11 @@ from datetime import datetime, timezone
 from typing import Any
 
 import msgspec
-from sqlalchemy import String, bindparam, false, func, insert, select, text, type_coerce, update
+from sqlalchemy import String, bindparam, false, func, insert, null, select, text, type_coerce, union_all, update
 from sqlalchemy.engine import Connection
 
 from memfuse import content as content_rules
+from memfuse import wire
 from memfuse.defs import mtime_effective_ns
 from memfuse.defs import DEFAULT_MODE, Operation
 from memfuse.models import Record, Version
@@ -260,6 +261,30 @@ _RAW_SELECT_LIVE_AT_PATHS = RawIn("paths", lambda n: select(_R.c.path, _R.c.id).
     _R.c.path.in_([bindparam(f"paths{i}") for i in range(n)])).order_by(LIVE_PATHS_ORDER))
 
 
+def _live_at_or_under(n: int, pg: bool) -> Any:
+    """A create's one read of the live records that refuse its path (``_create_op``): (path,
+    id) of those at any of the ``n`` paths ``paths0`` .. (the path and its ancestors, as
+    ``_RAW_SELECT_LIVE_AT_PATHS``: ordered by path, so each is looked up on the path index),
+    then (path, NULL) of one live record under the directory ``lo`` .. ``hi`` (as
+    ``_SELECT_LIVE_UNDER``), if any: two statements' rows in one (bench/README.md, "The close
+    path, session 17: serve's writer"). Each part in its own subquery, which keeps its own
+    ``ORDER BY`` / ``LIMIT`` (``tests/test_rawsql.py`` checks the plans)."""
+    at = select(_R.c.path, _R.c.id).where(
+        _R.c.store == bindparam("store"), _R.c.deleted == false(),
+        _R.c.path.in_([bindparam(f"paths{i}") for i in range(n)])).order_by(LIVE_PATHS_ORDER)
+    col = _R.c.path.collate("C") if pg else _R.c.path
+    under = select(_R.c.path, null().label("id")).where(
+        _R.c.store == bindparam("store"), _R.c.deleted == false(),
+        col >= bindparam("lo"), col < bindparam("hi")).limit(1)
+    a, u = at.subquery("at_"), under.subquery("under_")
+    return union_all(select(a.c.path, a.c.id), select(u.c.path, u.c.id))
+
+
+#: ``_live_at_or_under`` by "is PostgreSQL"
+_RAW_SELECT_LIVE_AT_OR_UNDER = {False: RawIn("paths", lambda n: _live_at_or_under(n, False)),
+                                True: RawIn("paths", lambda n: _live_at_or_under(n, True))}
+
+
 _SELECT_ACCOUNT_MAX_BYTES = select(AccountRow.__table__.c.max_bytes).where(
     AccountRow.__table__.c.slug == bindparam("account"))
 _SELECT_ACCOUNT_OTHER_BYTES = select(func.coalesce(func.sum(_S.c.usage_bytes), 0)).where(
@@ -412,6 +437,19 @@ def _record_model(rec: _Rec | AnyRow, *, with_content: bool) -> Record:
         review_after=getattr(rec, "review_after", None),
         expires_at=getattr(rec, "expires_at", None),
     )
+
+
+def record_answer(rec: _Rec) -> wire.Record:
+    """``_record_model(rec, with_content=False)`` as the ``wire.Record`` msgspec struct: the same
+    members, order and JSON (``base.answer_json``; ``tests/test_wire.py``), without a pydantic
+    validation and serialization: a create's answer (bench/README.md, "The close path,
+    session 17: serve's writer")."""
+    return wire.Record(
+        id=rec.id, store=keys.public(rec.store), path=rec.path, type=rec.type, version=rec.version,
+        sha256=rec.sha256, size=rec.size, deleted=rec.deleted, created_at=rec.created_at,
+        updated_at=rec.updated_at, updated_by=rec.updated_by, seq=rec.seq, content=None,
+        mode=_mode(rec.mode), mtime_ns=rec.mtime_ns, review_after=rec.review_after,
+        expires_at=rec.expires_at)
 
 
 def _version_model(v: AnyRow, *, with_content: bool) -> Version:

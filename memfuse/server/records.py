@@ -17,6 +17,7 @@ from sqlalchemy import false, select, update
 from sqlalchemy.engine import Connection
 
 from memfuse import content as content_rules
+from memfuse import wire
 from memfuse.defs import PREFIX_MOVE_MAX, mtime_effective_ns
 from memfuse.hashstate import Sha256States
 from memfuse.secretscan import AppendScans
@@ -53,7 +54,7 @@ from memfuse.server.recordrows import (
     BatchStore,
     _RAW_INSERT_RECORD,
     _RAW_INSERT_VERSION,
-    _RAW_SELECT_LIVE_AT_PATHS,
+    _RAW_SELECT_LIVE_AT_OR_UNDER,
     _RAW_SELECT_LIVE_UNDER,
     _RAW_SELECT_RECORD,
     _RAW_UPDATE_RECORD,
@@ -77,6 +78,7 @@ from memfuse.server.recordrows import (
     _pin_mtime,
     _record_model,
     _resolve_type,
+    record_answer,
     _secret_error,
     _sqlite_time,
     _usage,
@@ -398,7 +400,7 @@ class RecordsService(Resource):
         return self._write(p, idem, 201, lambda conn: op(conn, self._store(conn, p, slug, write=True)),
                            etag=True, feed=slug)
 
-    def _create_op(self, p: Principal, body: RecordCreate) -> Callable[[Connection, Any], Record]:
+    def _create_op(self, p: Principal, body: RecordCreate) -> Callable[[Connection, Any], wire.Record]:
         """``create_record``'s checks that need no database (path, content, secrets: raised
         here), and the write itself as ``fn(conn, st)`` under the store's lock (``st``: the
         store row read for writing)."""
@@ -407,7 +409,7 @@ class RecordsService(Resource):
         secret = content_rules.find_secret(body.content)  # outside the write lock
         sha = _HASHES.digest(raw)
 
-        def fn(conn: Connection, st: Any) -> Record:
+        def fn(conn: Connection, st: Any) -> wire.Record:
             _check_writable(st)
             _check_record_size(st, len(raw))
             rtype = _resolve_type(path, body.content, body.type, st.default_type)
@@ -416,21 +418,29 @@ class RecordsService(Resource):
             deferred = isinstance(st, BatchStore) and st.deferring
             parts = path.split("/")
             ancestors = ["/".join(parts[:i]) for i in range(1, len(parts))]
-            hits: dict[str, str] = {}  # path -> id of the live records there
             if deferred:
                 other = st.paths.get(path)
-            else:  # the live records at the path and at its ancestors: one indexed read
-                hits = {r.path: r.id for r in _RAW_SELECT_LIVE_AT_PATHS.all(
-                    conn, {"store": st.slug, "paths": [path, *ancestors]})}
+                if other is not None:
+                    raise ServiceError(409, "path_exists", f"{path!r} exists", record_id=other)
+                self._check_clash(conn, st, path)
+            else:
+                # one read: the live records at the path and at its ancestors (path -> id),
+                # and one live record under ``path/`` (its id read as None), if any
+                pg = self.db.engine.dialect.name == "postgresql"
+                hits: dict[str, str | None] = {r.path: r.id for r in _RAW_SELECT_LIVE_AT_OR_UNDER[pg].all(
+                    conn, {"store": st.slug, "paths": [path, *ancestors], "lo": path + "/", "hi": path + "0"})}
                 other = hits.get(path)
-            if other is not None:
-                raise ServiceError(409, "path_exists", f"{path!r} exists", record_id=other)
-            if not deferred:
-                hit = next((a for a in ancestors if a in hits), None)
-                if hit is not None:  # _check_clash's refusal, its parents part done here
+                if other is not None:
+                    raise ServiceError(409, "path_exists", f"{path!r} exists", record_id=other)
+                # then _check_clash's refusals, in its order
+                hit = next((a for a in ancestors if hits.get(a) is not None), None)
+                if hit is not None:
                     raise ServiceError(409, "parent_is_file",
                                        f"{hit!r} is a file, so {path!r} cannot be under it")
-            self._check_clash(conn, st, path, parents=deferred)
+                below = next((q for q, rid in hits.items() if rid is None), None)
+                if below is not None:
+                    raise ServiceError(409, "path_is_directory",
+                                       f"{path!r} is a directory ({below!r} is under it), so it cannot be a file")
             now = utcnow()
             rec = _Rec(
                 id=str(uuid.uuid4()), store=st.slug, path=path, type=rtype, version=1,
@@ -446,7 +456,7 @@ class RecordsService(Resource):
             else:
                 self._add_version(conn, rec, Operation.created, p.actor, now, new=True, writer=p.writer)
             self._use(conn, st, len(raw), 1, grew_bytes=True, grew_count=True)
-            return _record_model(rec, with_content=False)
+            return record_answer(rec)
 
         return fn
 

@@ -4,11 +4,17 @@
 A long-lived response never holds one of the ordinary request slots
 (``memfuse.server.gate``); it holds a ``Lease`` of this class instead:
 
-- **Caps**: at most ``per_replica`` leases at once in this process (429 ``too_many_streams``)
-  and ``per_token`` per token (429 ``too_many_long_polls``, the code clients already know),
-  both with ``Retry-After`` (``RETRY_AFTER`` s; RFC 6585 §4, RFC 9110 §10.2.3). A lease first
-  counts against the replica (``enter``, before anything is known of the caller), then
-  against its token once authenticated (``Lease.bind``).
+- **Caps**: at most ``per_replica`` leases at once in this process (429 ``too_many_streams``),
+  ``per_token`` per token (429 ``too_many_long_polls``, the code clients already know) and
+  ``per_account`` per account (429 ``too_many_account_streams``), all with ``Retry-After``
+  (``RETRY_AFTER`` s; RFC 6585 §4, RFC 9110 §10.2.3). A lease first counts against the
+  replica (``enter``, before anything is known of the caller), then against its token and
+  its account once authenticated (``Lease.bind``). The account's share is what keeps one
+  account's many tokens from taking every slot of the replica, so that another account's
+  sidecars still get their change feeds (attack17 F8): by default 2/5 of ``per_replica``
+  (``default_per_account``), so two accounts together still leave a fifth of the slots.
+  Callers of no account (the root admin's tokens, static tokens) share one share
+  (``account_key``).
 - **Tokens**: a bound lease runs in its ``scope`` (an anyio ``CancelScope``), cancelled when
   its token is revoked (``revoke``: this process's revocations at once; other replicas' by
   the ``TOKEN_REVOKED`` topic of the commit bus, as they commit) and at its token's
@@ -40,6 +46,7 @@ log = logging.getLogger(__name__)
 
 MAX_STREAMS = 20_000  # leases per replica
 MAX_STREAMS_PER_TOKEN = 64  # leases per token
+ACCOUNT_SHARE = (2, 5)  # an account's default share of the replica's leases: 2/5
 RETRY_AFTER = 5  # seconds, on a refusal
 
 
@@ -50,11 +57,12 @@ class Lease:
     why it was cut (``"token revoked"``, ``"token expired"``). Release it with ``close()``
     (idempotent)."""
 
-    __slots__ = ("_cls", "key", "token_id", "scope", "revoked", "_post", "_closed")
+    __slots__ = ("_cls", "key", "account", "token_id", "scope", "revoked", "_post", "_closed")
 
     def __init__(self, cls: StreamClass) -> None:
         self._cls = cls
         self.key: str | None = None  # the per-token key once bound
+        self.account: str | None = None  # the per-account key once bound
         self.token_id: str | None = None
         self.scope = anyio.CancelScope()
         self.revoked = False
@@ -73,7 +81,9 @@ class Lease:
     def bind(self, p: Principal) -> None:
         """Count this lease against ``p``'s token (idempotent for the same principal) and
         arm the revocation and expiry cut. Raises ``ServiceError`` 429 ``too_many_long_polls``
-        when the token already holds ``per_token`` leases, 401 when its token expired."""
+        when the token already holds ``per_token`` leases, 429 ``too_many_account_streams``
+        when its account already holds ``per_account``, 401 when its token expired (the
+        lease then counts against neither)."""
         if self.key is not None:
             return
         self._cls._bind(self, p)
@@ -85,21 +95,34 @@ class Lease:
             self._cls._release(self)
 
 
+def default_per_account(per_replica: int) -> int:
+    """An account's default share of ``per_replica`` leases: ``ACCOUNT_SHARE`` of them (at
+    least 1), so that two accounts at their share leave the others a fifth of the replica."""
+    num, den = ACCOUNT_SHARE
+    return max(1, per_replica * num // den)
+
+
 class StreamClass:
     """The long-lived responses of one process (see the module docstring).
 
-    ``per_replica`` and ``per_token``: the caps. ``svc``: the ``Service`` (its notifier's
-    ``TOKEN_REVOKED`` topic and resets, its bus's scans, and ``tokens_gone`` for a recheck).
-    ``open``: leases now; ``refused``: refusals so far (for /metrics)."""
+    ``per_replica``, ``per_token`` and ``per_account`` (None: ``default_per_account``): the
+    caps, in leases. ``svc``: the ``Service`` (its notifier's ``TOKEN_REVOKED`` topic and
+    resets, its bus's scans, and ``tokens_gone`` for a recheck). ``open``: leases now;
+    ``cut``: leases ended by a revocation or expiry so far (for /metrics; refusals are
+    counted by the front door under their code)."""
 
     def __init__(self, svc: Any, *, per_replica: int = MAX_STREAMS,
-                 per_token: int = MAX_STREAMS_PER_TOKEN) -> None:
+                 per_token: int = MAX_STREAMS_PER_TOKEN, per_account: int | None = None) -> None:
         self.svc = svc
         self.per_replica = per_replica
         self.per_token = per_token
+        self.per_account = default_per_account(per_replica) if per_account is None else per_account
         self.open = 0
         self.cut = 0  # leases ended by a revocation or an expiry
+        # invariant: _per_key[k] / _per_account[a] = bound, unreleased leases with key k /
+        # account a (no zero entries); open >= sum of either
         self._per_key: dict[str, int] = {}
+        self._per_account: dict[str, int] = {}
         self._by_token: dict[str, set[Lease]] = {}  # token id → bound leases
         self._lock = threading.Lock()  # _by_token, read by revoke from other threads
         self._recheck_lock = threading.Lock()
@@ -127,11 +150,24 @@ class StreamClass:
             return "id:" + p.token_id
         return "static:" + (p.workspace if p.workspace is not None else "")
 
+    @staticmethod
+    def account_key(p: Principal) -> str:
+        """What the per-account cap counts: ``acct:`` and the principal's account (a
+        workspace token's workspace's, an account admin's), or ``none`` for callers of no
+        account (root admin tokens, static tokens): one share for the operator's own."""
+        return "acct:" + p.account if p.account is not None else "none"
+
     def _bind(self, lease: Lease, p: Principal) -> None:
         key = self.token_key(p)
         if self._per_key.get(key, 0) >= self.per_token:
             raise ServiceError(429, "too_many_long_polls",
                                f"this token already holds {self.per_token} long-polls, streams or live pages",
+                               headers={"Retry-After": str(RETRY_AFTER)})
+        account = self.account_key(p)
+        if self._per_account.get(account, 0) >= self.per_account:
+            raise ServiceError(429, "too_many_account_streams",
+                               f"this account already holds {self.per_account} long-polls, streams or "
+                               "live pages on this server; retry",
                                headers={"Retry-After": str(RETRY_AFTER)})
         if p.expires_at is not None:
             left = p.expires_at - time.time()
@@ -139,7 +175,8 @@ class StreamClass:
                 raise ServiceError(401, "unauthorized", "token expired", headers={"WWW-Authenticate": "Bearer"})
             lease.scope.deadline = anyio.current_time() + left
         self._per_key[key] = self._per_key.get(key, 0) + 1
-        lease.key = key
+        self._per_account[account] = self._per_account.get(account, 0) + 1
+        lease.key, lease.account = key, account
         if p.token_id is not None:
             lease.token_id = p.token_id
             lease._post = wakeups.loop_poster()
@@ -154,6 +191,12 @@ class StreamClass:
                 self._per_key[lease.key] = n
             else:
                 self._per_key.pop(lease.key, None)
+        if lease.account is not None:
+            n = self._per_account.get(lease.account, 1) - 1
+            if n:
+                self._per_account[lease.account] = n
+            else:
+                self._per_account.pop(lease.account, None)
         if lease.token_id is not None:
             with self._lock:
                 group = self._by_token.get(lease.token_id)

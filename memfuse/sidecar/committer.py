@@ -147,7 +147,11 @@ class Committer:
         #: the one backoff policy of every retry of a commit, a batch and the worker itself
         self.backoff = Backoff(cap=backoff_max)
         self.queues: dict[str, deque[Entry]] = {}
-        self._wakeups: dict[str, trio.Event] = {}
+        #: store -> where its worker parks while its queue is empty (the store has a worker
+        #: once it is here); unparked by every entry queued (``_enqueue``) and by a
+        #: ``withdraw``. INVARIANT: a worker parks only after seeing its queue empty, with no
+        #: await between, so no entry queued is left unseen
+        self._wakeups: dict[str, trio.lowlevel.ParkingLot] = {}
         self._nursery: trio.Nursery | None = None
         self._seq = journal.next_id()
         self._backlog: list[Entry] = []  # what ``replay`` queued (``backlog_left``)
@@ -158,15 +162,20 @@ class Committer:
         self.refused = 0
         self.retries = 0
         self.auth_waits = 0  # commit attempts deferred because the token was refused (401)
-        self.idle = trio.Event()
-        self.idle.set()
+        #: set by the worker that finds every queue empty, made by ``wait_idle`` (no event
+        #: is made or set per commit while nobody waits for the outbox to drain)
+        self._idle: trio.Event | None = None
         self._store_idle: dict[str, trio.Event] = {}
         self._poke = trio.Event()
         #: entries finished (committed or refused) per store since start; a reconcile after
         #: ``410`` compares it across its snapshot to see whether a local commit landed
         self.finished: dict[str, int] = {}
         self._held: dict[str, trio.Event] = {}  # stores whose next commit waits (``hold``)
-        self._inflight: dict[str, trio.Event] = {}  # set when the store's current commit ends
+        #: stores with a commit in flight (a worker between taking its first entry and
+        #: finishing it); ``_inflight_done[store]``, made by ``hold`` when it must wait for
+        #: one, is set when it ends
+        self._inflight: set[str] = set()
+        self._inflight_done: dict[str, trio.Event] = {}
         self.unexpected = 0  # commit attempts that failed with an unexpected exception
         #: commit a backlog of one store in batches (``POST .../batch``); turned off when the
         #: control plane answers that it has no such endpoint
@@ -370,7 +379,7 @@ class Committer:
         e.withdrawn = True
         e.errno, e.reason, e.code = errno_, reason, code
         e.finish()
-        self._wakeups[e.store].set()  # an emptied queue: its worker goes idle
+        self._wakeups[e.store].unpark()  # an emptied queue: its worker goes idle
         self.poke()
         return True
 
@@ -447,12 +456,13 @@ class Committer:
             self._to_coalesce.add(e.store)
         q = self.queues.setdefault(e.store, deque())
         q.append(e)
-        self.idle = trio.Event() if self.idle.is_set() else self.idle
-        if e.store not in self._wakeups:
-            self._wakeups[e.store] = trio.Event()
+        lot = self._wakeups.get(e.store)
+        if lot is None:
+            self._wakeups[e.store] = trio.lowlevel.ParkingLot()
             if self._nursery is not None:
                 self._nursery.start_soon(self._worker, e.store)
-        self._wakeups[e.store].set()
+        elif lot:  # (its worker is parked: woken; else it sees the entry when it looks)
+            lot.unpark()
 
     def replay(self, entries: list[Entry]) -> None:
         """Queue entries a previous process accepted but did not finish, ahead of anything
@@ -505,7 +515,9 @@ class Committer:
     async def wait_idle(self) -> None:
         """Return once every queued entry is finished."""
         while self.depth():
-            await self.idle.wait()
+            if self._idle is None:
+                self._idle = trio.Event()
+            await self._idle.wait()
 
     def queued(self, store: str) -> list[Entry]:
         """The store's unfinished entries, in order (the first may be in flight)."""
@@ -522,7 +534,10 @@ class Committer:
         self._held[store] = ev
         try:
             while store in self._inflight:
-                await self._inflight[store].wait()
+                done = self._inflight_done.get(store)
+                if done is None:
+                    done = self._inflight_done[store] = trio.Event()
+                await done.wait()
             yield
         finally:
             del self._held[store]
@@ -567,10 +582,10 @@ class Committer:
                 ev = self._store_idle.pop(store, None)
                 if ev is not None:
                     ev.set()
-                if not self.depth():
-                    self.idle.set()
-                ev = self._wakeups[store] = trio.Event()
-                await ev.wait()
+                if self._idle is not None and not self.depth():
+                    self._idle.set()
+                    self._idle = None
+                await self._wakeups[store].park()
                 continue
             if store in self._unconfirmed and not await self._confirm(store):
                 continue
@@ -586,11 +601,11 @@ class Committer:
                 continue
             e = q[0]
             self.fill(e)
-            self._inflight[store] = trio.Event()
+            self._inflight.add(store)
             try:
                 await self._commit_with_retry(e)
             finally:
-                self._inflight.pop(store).set()
+                self._end_inflight(store)
             if not e.withdrawn:  # (withdrawn: out of the queue already, never sent)
                 self._finished(store, q, e)
 
@@ -807,7 +822,7 @@ class Committer:
         A transient failure of the batch retries it (same keys: what was applied replays); a
         server without the endpoint (404 ``not_found`` / 405) turns batching off; any other
         refusal of the whole batch commits the entries one by one."""
-        self._inflight[store] = trio.Event()
+        self._inflight.add(store)
         try:
             ops = [op for _, op in batch if op is not None]
             outcomes = await self._send_batch(store, ops, batch)
@@ -823,7 +838,14 @@ class Committer:
                 await self._commit_with_retry(e, first)
                 self._finished(store, q, e)
         finally:
-            self._inflight.pop(store).set()
+            self._end_inflight(store)
+
+    def _end_inflight(self, store: str) -> None:
+        """The store's commit in flight ended: ``hold`` may go on."""
+        self._inflight.discard(store)
+        done = self._inflight_done.pop(store, None)
+        if done is not None:
+            done.set()
 
     async def _send_batch(self, store: str, ops: list[BatchOperation],
                           batch: list[tuple[Entry, BatchOperation | None]]) -> list[Any] | None:

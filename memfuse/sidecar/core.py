@@ -37,7 +37,6 @@ import os
 import sqlite3
 import stat
 import time
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
@@ -64,7 +63,7 @@ from .limits import WriteLimits
 from .overlay import OutboxOverlay
 from .committer import STORE_REPLACED, Committer
 from .identity import RecordIds
-from .journal import ATTRS, DELETE, JOURNAL_WAIT, MOVE, MOVE_PREFIX, PUT, Barrier, Entry, Journal
+from .journal import ATTRS, DELETE, JOURNAL_WAIT, MOVE, MOVE_PREFIX, PUT, Barrier, Entry, Journal, new_key
 from .listeners import FsListener
 from .localfiles import LocalFiles
 from .recent import RecentContents
@@ -853,7 +852,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         n = self._new_node(s, d, False, sm, stat.S_IMODE(mode) & MODE_MASK, time.time_ns())
         n.unread = True  # made by a writer; no reader was served it yet (Node.unread)
         n.local_only = local
-        n.key = "n:" + uuid.uuid4().hex
+        n.key = "n:" + new_key()
         self.by_key[n.key] = n
         n.buf = bytearray()
         n.dirty = True  # a local-only file is kept once closed (LocalFiles), even empty

@@ -1,7 +1,7 @@
 """Record identity: which control-plane record a file of the mount is, and at which version.
 
 A file's outbox identity is its *node key*: ``r:<record id>`` for records loaded from the
-control plane, ``n:<uuid>`` for files created here (memfuse/sidecar/INVARIANTS.md,
+control plane, ``n:<key>`` for files created here (memfuse/sidecar/INVARIANTS.md,
 "Identity"). ``RecordIds`` maps node keys to ``(record id, last known sha256)``: learnt from
 commits (persisted in the journal's ``keymap`` table, so a replay after a crash resolves the
 keys of records the previous process created), from remote changes and from first local

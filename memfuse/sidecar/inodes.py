@@ -185,7 +185,7 @@ def _rare(name: str, default: Any) -> Any:
 class Node:
     """One inode. Directories have ``children``; files have content state.
 
-    ``key`` names the file in the outbox (``r:<record id>`` / ``n:<uuid>``); ``sha`` is the
+    ``key`` names the file in the outbox (``r:<record id>`` / ``n:<key>``); ``sha`` is the
     blob of the current content when ``buf`` is None (64 hex digits; held as 32 bytes, the
     same ``bytes`` object as the store mirror's entry). ``local_only`` files never leave the sidecar.
 
@@ -243,7 +243,7 @@ class Node:
 
     @property
     def key(self) -> str:
-        """The outbox key: ``r:<record id>``, ``n:<uuid>``, or '' (directories, control files)."""
+        """The outbox key: ``r:<record id>``, ``n:<key>``, or '' (directories, control files)."""
         k = self._key
         if k is None:  # a record loaded from the control plane: its key is implicit
             rid = self.record_id
@@ -621,7 +621,7 @@ class InodeTable:
         self._drop_if_unused(n)
 
     def node_by_key(self, key: str | None) -> Node | None:
-        """The node whose outbox key is ``key`` (``r:<id>`` / ``n:<uuid>``), or None. Keys
+        """The node whose outbox key is ``key`` (``r:<id>`` / ``n:<key>``), or None. Keys
         of nodes that keep theirs implicitly (``Node._key`` None: ``r:`` + record id) are
         found through ``by_rid``; ``by_key`` holds the others and wins."""
         if not key:

@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import json
 import logging
+import os
 import sqlite3
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -52,6 +53,34 @@ log = logging.getLogger("memfuse.outbox")
 #: with its errno (``ENOSPC``, ``EIO``); only a disk stalled this long makes close fail with
 #: ``EIO``. Long enough that a loaded machine's fsync never trips it (ext4 commits every 5 s).
 JOURNAL_WAIT = 30.0
+
+
+class _Keys:
+    """Where ``new_key`` draws from: a random 64-bit prefix per process (``os.urandom``,
+    drawn again in a forked child) and a counter. INVARIANT: no two calls in any two
+    processes give the same key but by a collision of two random prefixes (2**-64 per pair
+    of processes)."""
+
+    prefix = ""
+    count: "itertools.count[int]" = itertools.count()
+
+    @classmethod
+    def reset(cls) -> None:
+        cls.prefix, cls.count = os.urandom(8).hex(), itertools.count()
+
+
+_Keys.reset()
+os.register_at_fork(after_in_child=_Keys.reset)
+
+
+def new_key() -> str:
+    """A new unique key of 32 lowercase hex characters, the shape of ``uuid4().hex``: an
+    entry's idempotency key (``Entry.key``) and a new file's outbox key (``n:<key>``).
+    ~1 µs against ``uuid4``'s ~4.5 µs (a ``getrandom`` system call and a ``UUID`` object);
+    two are made per file created and written (docs/ARCHITECTURE.md, "The path of a
+    write"). Never raises."""
+    return f"{_Keys.prefix}{next(_Keys.count):016x}"
+
 
 #: the statement of a queued held insert not built yet (``Journal.add``, ``Journal._build``)
 _UNBUILT = "-- unbuilt held insert"
@@ -117,7 +146,7 @@ class Entry(_Waitable):
     node_key: str | None
     args: dict[str, Any]
     content: bytes | None = None
-    key: str = field(default_factory=lambda: uuid.uuid4().hex)
+    key: str = field(default_factory=new_key)
     created: float = field(default_factory=time.time)
     durable: trio.Event = field(default_factory=trio.Event)
     done: trio.Event = field(default_factory=trio.Event)
@@ -184,9 +213,11 @@ class Entry(_Waitable):
         return self.sha
 
     def finish(self) -> None:
-        """The entry is committed or refused for good (``done``)."""
+        """The entry is committed or refused for good (``done``); whoever waits on
+        ``changed`` is woken. ``changed`` stays set from then on (not replaced, as
+        ``notify`` does): every wait on it looks at ``done`` first."""
         self.done.set()
-        self.notify()
+        self.changed.set()
 
 
 #: links of an append chain ``Journal.read_put`` follows at most (a longer one is sent as an
@@ -967,7 +998,9 @@ class Journal:
                 self._wakeup = trio.Event()
                 self._sleeping_until = due
                 try:
-                    with trio.move_on_after(due - time.monotonic()):
+                    # (the clock read again: it may have passed ``due`` since the check,
+                    # on a loaded machine; ``move_on_after`` refuses a negative delay)
+                    with trio.move_on_after(max(0.0, due - time.monotonic())):
                         await self._wakeup.wait()
                 finally:
                     self._sleeping_until = None

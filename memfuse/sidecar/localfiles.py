@@ -37,12 +37,12 @@ import errno
 import logging
 import stat
 import time
-import uuid
 from typing import TYPE_CHECKING, Any
 
 from ..defs import sha256_hex
 from .inodes import FsError, Node, StoreMount
 from .cachedir import CacheError
+from .journal import new_key
 
 if TYPE_CHECKING:
     from .journal import Journal
@@ -198,7 +198,7 @@ class LocalFiles:
             why = ("crossed by a file" if d is None
                    else "a directory" if cur is not None and cur.is_dir else "a record's path")
             d, name = self.aside_place(sm, path)
-            key = "n:" + uuid.uuid4().hex
+            key = "n:" + new_key()
             self._local_saved[row["node_key"]] = (sm.slug, "moved aside")  # deleted at the sync
         else:
             name = parts[-1]

@@ -488,6 +488,9 @@ class Sidecar(StoreSync):
             else:
                 self.metrics.auth_failures.inc()
         client.auth_listener = auth
+        # a token of another workspace (a rotation mistake) is an authentication outage
+        # like a 401, found before any write is sent with it (attack17 F6)
+        client.expect_workspace(config.workspace)
         # The actor name (``--actor``: a pod name, USER@HOST...), stable across restarts so
         # history names the agent or pod a person recognises. Two sidecars of one workspace
         # may share it: the live change feed skips this process's own versions by its

@@ -230,7 +230,7 @@ class OutboxOverlay:
 
     def _overlay_node(self, sm: StoreMount, key: str | None) -> Node | None:
         """The file of store ``sm`` a queued entry's node ``key`` names: by key, or (a file
-        created by the previous process, ``n:<uuid>``, since committed) through the
+        created by the previous process, ``n:<key>``, since committed) through the
         record id the key map holds for it; such a node takes the key back, as it had it in
         that process, so the entry's result finds it (``_on_commit``)."""
         n = self.node_by_key(key)

@@ -25,13 +25,13 @@ import errno
 import logging
 import stat
 import time
-import uuid
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CODE_BY_ERRNO
 from ..defs import sha256_hex
 from .cachedir import CacheError
 from .inodes import REJECTED, FsError, Node, StoreMount
+from .journal import new_key
 
 if TYPE_CHECKING:
     from .blobcache import BlobCache
@@ -173,7 +173,7 @@ class RejectedFiles:
         d, name = self.aside_place(sm, path)
         now = time.time_ns()
         n = self._new_node(name, d, False, sm, mode if mode is not None else 0o644, now)
-        n.key = "n:" + uuid.uuid4().hex
+        n.key = "n:" + new_key()
         self.by_key[n.key] = n
         self._live(n, +1)
         sha = sha256_hex(data)

@@ -335,7 +335,7 @@ def live(svc: Service) -> Callable[[Request], Awaitable[Response]]:
             return Response("log in first\n", status_code=401, media_type="text/plain")
         lease = request.scope.get("memfuse.lease")  # the front door's (memfuse.server.streamclass)
         if lease is not None:
-            try:  # per-token cap; revocation and expiry end the page's stream
+            try:  # per-token and per-account caps; revocation and expiry end the page's stream
                 lease.bind(p)
             except ServiceError as err:
                 return Response(f"{err.detail}\n", status_code=err.status, media_type="text/plain",
