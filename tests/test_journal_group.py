@@ -88,7 +88,7 @@ async def test_concurrent_closes_share_one_transaction(tmp_path):
             await trio.to_thread.run_sync(j.entered.wait, 30)  # the first close's transaction
             for i in range(1, 16):
                 nursery.start_soon(close, i)
-            while j.depth() < 15:  # the 15 queue behind it
+            while j.depth() < 16:  # the 15 queue behind it (the first counts until on disk)
                 await trio.sleep(0.001)
             assert accepted == []  # nobody is accepted before their transaction commits
             j.release.set()
@@ -98,6 +98,32 @@ async def test_concurrent_closes_share_one_transaction(tmp_path):
     inserts = [[i for op, i in b if op == "INSERT"] for b in j.batches]
     assert inserts == [[1], list(range(2, 17))], inserts
     assert rows(j) == list(range(1, 17))
+    j.close()
+
+
+async def test_depth_counts_the_batch_being_written_until_it_is_on_disk(tmp_path):
+    """``depth`` (``status.json``'s ``cache.journal_queued``) is 0 only once every accepted
+    write is on disk: a batch taken out of the queue and still in its transaction (the fsync,
+    slow on a loaded machine) counts, for a ``kill -9`` then loses it
+    (test_killmove waited for 0 and killed a queued directory move before its row was
+    written); a batch that fails to write counts again as queued."""
+    j = CountingJournal(tmp_path / "outbox.db", hold=True, fail=1,
+                        exc=sqlite3.OperationalError("disk I/O error"))
+    c = Committer(Offline(), j, {})
+    e = c.submit("s", "move_prefix", None, {"from": "d", "to": "e"})
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(j.run)
+            await trio.to_thread.run_sync(j.entered.wait, 30)  # its transaction has begun
+            assert rows(j) == [] and not e.durable.is_set()
+            assert j.depth() == 1  # not on disk: still counted
+            j.release.set()  # that transaction fails: the write is queued again ...
+            while j.failures < 1:  # (run's failure path and backoff yield to this task)
+                await trio.sleep(0)
+            assert rows(j) == [] and j.depth() == 1  # ... and counted, before its retry
+            await e.durable.wait()
+            assert rows(j) == [e.id] and j.depth() == 0
+            nursery.cancel_scope.cancel()
     j.close()
 
 

@@ -65,8 +65,10 @@ def test_a_directory_move_replayed_after_a_kill_shows_where_it_committed(tmp_pat
         cp.stop()  # the move is queued, not sent
         sh("mv d e", m, timeout=30)
         wait_until(lambda: _depth(sc) == 1, timeout=10, what="the move queued")
-        # the local-only file's new path written too (its own journal row, queued with no
-        # close waiting for it: a lazy write; a fixed 1 s wait was short under load)
+        # the move's row on disk (and the local-only file's new path: its own journal row,
+        # queued with no close waiting for it, a lazy write; a fixed 1 s wait was short under
+        # load). 0 counts the batch being written too (Journal.depth): it once did not, and
+        # under load the kill came while the move's transaction was still in its fsync
         wait_until(lambda: _status(sc)["cache"]["journal_queued"] == 0, timeout=30,
                    what="the journal written")
         sc.kill9()  # the move is in the journal only

@@ -460,6 +460,10 @@ class Journal:
         self._sleeping_until: float | None = None
         self.wakeups = 0  # times ``run`` woke (tests: held inserts do not wake it per file)
         self.held_skipped = 0  # held inserts never written: their entry finished first
+        #: INVARIANT: the number of writes in the batch ``flush_pending`` is writing now
+        #: (taken out of ``_pending``, not yet committed), 0 whenever none is being written;
+        #: ``depth`` counts them, so "nothing queued" means "everything on disk"
+        self._writing = 0
         self._lock = trio.Lock()
         self.error: CacheError | None = None  # the last write failure, None once one succeeds
         self.failures = 0  # failed batch writes since start
@@ -721,8 +725,11 @@ class Journal:
         return False
 
     def depth(self) -> int:
-        """Queued writes not yet on disk."""
-        return len(self._pending)
+        """Writes not yet on disk: those queued and those of the batch being written (a
+        batch leaves the queue when its transaction starts, in a worker thread, and is on
+        disk only once it commits: a ``kill -9`` meanwhile loses it, so 0 means every
+        write accepted so far is on disk; ``status.json``'s ``cache.journal_queued``)."""
+        return len(self._pending) + self._writing
 
     # --- queued writes, applied in order by run() -------------------------------------------
     def add(self, e: Entry, ident: tuple[str | None, str | None] | None = None, *,
@@ -943,6 +950,7 @@ class Journal:
                 self._build(batch)
                 if self.before_batch is not None and any(op[2] is not None for op in batch):
                     self.before_batch()
+                self._writing = len(batch)
                 try:
                     await trio.to_thread.run_sync(self._apply, batch)
                 except BaseException as exc:
@@ -966,6 +974,8 @@ class Journal:
                         w.journal_error = (err.errno, err.reason)
                         w.notify()
                     raise err from exc
+                finally:
+                    self._writing = 0  # committed, or back in the queue
             self.error = None
             for w in waiters:
                 w.journal_error = None
