@@ -345,6 +345,9 @@ async def test_a_held_insert_acknowledged_first_is_never_written(tmp_path):
     async with ApiClient(fake.base_url, token, transport=fake.transport) as api:
         j = CountingJournal(tmp_path / "outbox.db")
         j.HOLD = 10.0  # longer than any commit of a loaded machine
+        # the key map rows wait 5 s for company (not 0.25 s): at load 15-20 the 20 closes
+        # outlasted LAZY_DELAY and their rows went in 4 lazy transactions (km17)
+        j.LAZY_DELAY = 5.0
         c = Committer(api, j, {})
         c.hold_journal = True
         with trio.fail_after(60):
