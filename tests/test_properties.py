@@ -419,6 +419,17 @@ def make_machine(env: MountEnv, local_base: Path, runs: list[str]):
         def rename(self, pick, over):  # over an existing file or directory, or to a new name
             src = self._pick(pick, "any")
             dst = self._pick(pick, "any" if over else "new")
+            sp, dp = self.l / src, self.l / dst
+            if (os.path.isfile(sp) and not os.path.islink(sp) and is_local_only(src.rsplit("/", 1)[-1])
+                    and not is_local_only(dst.rsplit("/", 1)[-1]) and os.path.isdir(dp.parent)
+                    and (not os.path.lexists(dp) or (os.path.isfile(dp) and not os.path.islink(dp)))
+                    and not utf8_text_ok(sp.read_bytes())):
+                # a local-only file is judged under a normal name: content refused there fails
+                # the rename (docs/SEMANTICS.md "Refusals at write(2)", rename(2)), nothing moves
+                mount = outcome(lambda: os.rename(self.m / src, self.m / dst))
+                note(f"rename({src}, {dst}): mount {mount}, expected EILSEQ (not renamed)")
+                assert mount == "EILSEQ", f"rename({src}, {dst}): mount {mount}"
+                return
             self._both(f"rename({src}, {dst})", lambda r: os.rename(r / src, r / dst))
 
         @rule(pick=st.data())
