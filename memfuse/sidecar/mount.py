@@ -430,27 +430,21 @@ class Sidecar(StoreSync):
         if damaged and (journal_empty or self.journal.moved_aside is not None):
             # the journal lacked entries and the witness has lines it cannot read (garbage,
             # another shape: attack17 F5): what they named cannot be told
-            self.journal_missing = (
+            self._say_journal_missing(
                 f"the outbox journal (outbox.db) was missing, empty or unreadable at start and "
-                f"{damaged} line(s) of its witness (accepted.log) could not be read: writes "
-                "accepted before this start and not committed may be lost, and nothing else on "
-                "disk names them; check the files written before it")
-            log.error("outbox journal gone and its witness damaged: accepted writes not "
-                      "committed may be lost and cannot all be named",
-                      extra={"cache_dir": str(config.cache_dir), "damaged_lines": damaged})
-            self.fs.note_error(None, "", errno.EIO, self.journal_missing, "journal_missing")
+                f"{damaged} line(s) of its witness (accepted.log) could not be read",
+                "outbox journal gone and its witness damaged: accepted writes not committed may "
+                "be lost and cannot all be named",
+                {"cache_dir": str(config.cache_dir), "damaged_lines": damaged})
         elif gone or (witness_gone and self.journal.moved_aside is not None
                       and not self.leftovers):
-            self.journal_missing = (
+            self._say_journal_missing(
                 "the outbox journal (outbox.db) and its witness (accepted.log) were both "
-                "missing, empty or unreadable at start in a cache directory used before: "
-                "writes accepted before this start and not committed may be lost, and nothing "
-                "else on disk names them; check the files written before it")
-            log.error("outbox journal and witness both gone: accepted writes not committed "
-                      "may be lost and cannot be named",
-                      extra={"cache_dir": str(config.cache_dir), "moved_aside":
-                             str(self.journal.moved_aside) if self.journal.moved_aside else None})
-            self.fs.note_error(None, "", errno.EIO, self.journal_missing, "journal_missing")
+                "missing, empty or unreadable at start in a cache directory used before",
+                "outbox journal and witness both gone: accepted writes not committed may be "
+                "lost and cannot be named",
+                {"cache_dir": str(config.cache_dir), "moved_aside":
+                 str(self.journal.moved_aside) if self.journal.moved_aside else None})
         for x in self.journal_lost:  # named in errors.log (the log and status.json: above, below)
             why = ("its line in the witness (accepted.log) is damaged, so what it wrote is not "
                    "known" if x.get("damaged") else "its content is gone from the cache")
@@ -558,6 +552,16 @@ class Sidecar(StoreSync):
                            "in the outbox and commit once a valid token is "
                            + (f"in {tf.path}" if tf is not None else "given"))
         return "; ".join(reasons) or None
+
+    def _say_journal_missing(self, what: str, log_msg: str, extra: dict[str, Any]) -> None:
+        """Accepted writes may have been lost and nothing on disk names them (``what``: why):
+        said once, loudly: ``journal_missing`` (status.json), an error log line ``log_msg``
+        with ``extra``, an ``errors.log`` line (``EIO``, code ``journal_missing``)."""
+        self.journal_missing = (
+            f"{what}: writes accepted before this start and not committed may be lost, and "
+            "nothing else on disk names them; check the files written before it")
+        log.error(log_msg, extra=extra)
+        self.fs.note_error(None, "", errno.EIO, self.journal_missing, "journal_missing")
 
     def _recover_journal(self, blobs: BlobCache, ids: RecordIds) -> tuple[int, list[dict[str, Any]]]:
         """A journal missing, emptied, cut short or corrupt (moved aside by ``Journal``) is
