@@ -635,3 +635,56 @@ async def test_namespace_changes_in_a_directory_no_longer_in_the_tree_fail_enoen
     fs.blobs.close()
     await client.aclose()
     await fake.aclose()
+
+
+async def test_a_refetch_never_applies_a_state_older_than_a_local_change_made_meanwhile(
+        tmp_path: Path):
+    """``StoreSync.refetch_record`` (a commit answer that named a state the tree does not
+    show) fetches the record once the store's outbox is idle and applies it once it is idle
+    again. A local change committed while the GET was in flight is newer than the state
+    fetched: here an unlink. Applied, that older state brought the unlinked file back, clean,
+    with the content it had (found by test_properties' ``MountVsLocal``: a rejected file
+    renamed, its move's answer asked a refetch, then the file was unlinked)."""
+    from types import SimpleNamespace
+
+    from memfuse.sidecar.stores import StoreSync
+    fake = FakeControlPlane(seed=0)
+    token = await fake.setup("ws", stores=("default",))
+    client = ApiClient(fake.base_url, token, transport=fake.transport, instance="core-test")
+    journal = Journal(tmp_path / "outbox.db")
+    fs = Filesystem(BlobCache(tmp_path / "blobs.db"), client, journal, Settings(commit_wait=5),
+                    "ws", dirs_file=tmp_path / "dirs.json")
+    unlinked: list[int] = []
+
+    class Racing:  # the control plane's answer arrives after the file was unlinked here
+        async def get_record(self, *a, **kw):
+            rec = await client.get_record(*a, **kw)
+            if not unlinked:
+                fs.unlink(sm.root.ino, b"a.md")
+                unlinked.append(fs.committer.depth("default"))
+            return rec
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(journal.run)
+        await nursery.start(fs.committer.run)
+        sm = fs.add_store("default", "read_write", [])
+        h = fs.create(sm.root.ino, b"a.md", 0o644, os.O_WRONLY, 0, 0)
+        fs.write(h, 0, b"x\n")
+        await fs.flush(h)
+        fs.release(h.fh)
+        rid = sm.root.children["a.md"].record_id
+        assert rid is not None
+        host = SimpleNamespace(committer=fs.committer, client=Racing(), fs=fs,
+                               invalidator=SimpleNamespace(submit=lambda items: None))
+        with trio.fail_after(30):
+            await StoreSync.refetch_record(host, "default", rid)  # type: ignore[arg-type]
+            await fs.committer.wait_idle()
+        assert unlinked == [1]  # the unlink's delete was queued during the GET
+        assert list(sm.root.children) == []
+        assert (await client.list_records("default")).records == []
+        fs.check_invariants()
+        nursery.cancel_scope.cancel()
+    journal.close()
+    fs.blobs.close()
+    await client.aclose()
+    await fake.aclose()

@@ -27,7 +27,7 @@ from .inodes import (DIR_MODE, DIR_MODES_KEY, PENDING, RENAME_EXCHANGE, RENAME_N
                      STORE_CREATED_KEY, FsError,
                      Node, StoreMount)
 from .cachedir import CacheError, cache_error, write_private
-from .journal import DELETE, MOVE, MOVE_PREFIX
+from .journal import DELETE, MOVE, MOVE_PREFIX, new_key
 
 if TYPE_CHECKING:
     from .committer import Committer
@@ -45,6 +45,7 @@ class NamespaceOps:
     # ``Filesystem.__init__``)
     inodes: dict[int, Node]
     by_key: dict[str, Node]
+    by_rid: dict[str, Node]
     stores: dict[str, StoreMount]
     committer: Committer
     metrics: Any
@@ -235,6 +236,28 @@ class NamespaceOps:
         self.sync_rejected()  # rejected files moved (or replaced) keep their new paths
         self.sync_local()  # so do local-only files; one renamed onto a normal name is a record
 
+    def _leave_record(self, n: Node) -> None:
+        """File ``n``, renamed onto a local-only name, leaves its record (the ``DELETE``
+        queued under its old key deletes it): from now on it is a local file like one made
+        under such a name, with a new key and no record id, version or overwrite base. So
+        nothing said about that record reaches it: not the answer to a put still in flight
+        (it names the old path: taken for a move made elsewhere, the record was fetched
+        again, found deleted by that ``DELETE``, and the deletion removed this file), not a
+        remote change of it (a rival edit moved the local file back over the record's
+        path), not a refetch. The committer resolves the old key on its own
+        (``RecordIds``). Renamed back onto a normal name, the file is a new record."""
+        if n._key and self.by_key.get(n._key) is n:
+            del self.by_key[n._key]
+        if n.record_id and self.by_rid.get(n.record_id) is n:
+            del self.by_rid[n.record_id]
+        n.record_id, n.version, n.rtype, n.last_put = None, 0, None, None
+        n.key = "n:" + new_key()
+        self.by_key[n.key] = n
+        x = n._x
+        if x is not None:
+            for k in ("replacing", "read_base", "served", "attrs_version"):
+                x.pop(k, None)
+
     def _adopt_key(self, src: Node, dst: Node) -> None:
         """``src`` replaces ``dst`` locally and takes over its record (key and id)."""
         if src._key and self.by_key.get(src._key) is src:
@@ -298,6 +321,7 @@ class NamespaceOps:
             self._live(src, -1)
             src.local_only = True
             self._live(src, +1)
+            self._leave_record(src)
             self._local.add(src)  # kept from now on (LocalFiles), under its new name
             return False
         if src.dirty and src.opened == 0:

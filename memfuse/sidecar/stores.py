@@ -1001,13 +1001,23 @@ class StoreSync:
         empty. Asked when a commit answer carried a change made elsewhere that the tree
         cannot show from what it holds (attack finding 4: a move answered with content
         appended elsewhere, a put answered at a path the record was moved to elsewhere).
+        Fetched again when an entry of the store finished while it was fetched (its state
+        may be older than that local change).
         Bounded by ``REFETCH_TIMEOUT`` s; a failure is logged (the next change of the record
         brings it), never raised."""
         with trio.move_on_after(REFETCH_TIMEOUT) as cs:
             try:
-                await self.committer.wait_store_idle(slug)
-                rec = await self.client.get_record(slug, record_id, content=True)
-                await self.committer.wait_store_idle(slug)
+                while True:
+                    await self.committer.wait_store_idle(slug)
+                    done = self.committer.finished.get(slug, 0)
+                    rec = await self.client.get_record(slug, record_id, content=True)
+                    await self.committer.wait_store_idle(slug)
+                    # a local change committed while the record was fetched (an unlink, a
+                    # move, a write of it) is newer than ``rec``: applied, the older state
+                    # would undo it (an unlinked file came back with the content it had
+                    # before), so it is fetched again; nothing awaits from here to the apply
+                    if self.committer.finished.get(slug, 0) == done:
+                        break
                 sm = self.fs.stores.get(slug)
                 if sm is None:
                     return
