@@ -169,6 +169,8 @@ class Connections:
         self.evicted = 0  # the oldest of all closed for a new connection whose head was in
         self.evicted_at_address = 0  # the oldest of an address at its cap, likewise
         self.refused_at_cap = 0  # new connections without their head closed at ``max_total``
+        self.open = 0  # connections open now (``opened``, not yet ``closed``), with or without a token
+        self.gone = 0  # connections ended because their client had gone (``client_left``)
         # INVARIANT: ``_pending`` holds every open connection (host, port) not cleared yet,
         # with its evict callback, in the order of its last activity (accepted, or a request
         # started on it: ``active``), oldest first; ``_hosts[host]`` holds the same keys of
@@ -187,6 +189,7 @@ class Connections:
         whose request head is in when ``at_cap(peer)``): at its address's ``cap`` the
         address's connection idle the longest is evicted (its ``evict`` called, it stops
         counting), and at ``max_total`` the oldest of all. Returns True (kept)."""
+        self.open += 1
         host = peer[0]
         if peer in self._pending:  # a reused (host, port): the old connection has ended
             self._forget(peer)
@@ -241,8 +244,14 @@ class Connections:
                 self._forget(key)
 
     def closed(self, peer: tuple[str, int]) -> None:
-        """``peer``'s connection ended."""
+        """``peer``'s connection ended (one call per ``opened``)."""
+        self.open -= 1
         self.cleared(peer)
+
+    def client_left(self) -> None:
+        """Count a connection the server ended because its client had gone
+        (``memfuse.server.lean.client_gone``): the requests it had sent were not run."""
+        self.gone += 1
 
     def _forget(self, peer: tuple[str, int]) -> None:
         del self._pending[peer]

@@ -46,6 +46,12 @@ class _Connections(Protocol):
     @property
     def refused_at_cap(self) -> int: ...
 
+    @property
+    def open(self) -> int: ...
+
+    @property
+    def gone(self) -> int: ...
+
 
 class Front(Protocol):
     """What the metrics read of the front door (``memfuse.server.gate.Gate``; named here, so
@@ -233,6 +239,12 @@ def front_collector(front: Front, stream_class: StreamClass) -> Callable[[], lis
         e.add_metric(["no_head"], front.connections.refused_at_cap)
         b = GaugeMetricFamily("memfuse_server_request_body_bytes", "Bytes of request bodies held now")
         b.add_metric([], front.body_bytes)
-        return [o, c, u, r, e, b]
+        n = GaugeMetricFamily("memfuse_server_connections", "Connections open now")
+        n.add_metric([], front.connections.open)
+        g = CounterMetricFamily("memfuse_server_connections_client_gone",
+                                "Connections ended because their client had gone (a reset, or an answer "
+                                "that could not be sent): the requests it had sent and pipelined were not run")
+        g.add_metric([], front.connections.gone)
+        return [o, c, u, r, e, b, n, g]
 
     return collect

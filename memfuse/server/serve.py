@@ -551,6 +551,10 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
     from hypercorn.utils import ShutdownError, parse_socket_addr, raise_shutdown, repr_socket_addr, wrap_app
 
     from memfuse.server.lean import LeanHTTP
+    from memfuse.server.lean import client_gone as lean_client_gone
+
+    # counts a connection ended because its client had gone (``Connections.client_left``)
+    on_client_gone = connections.client_left if connections is not None else None
 
     class _HTTP11Only(H11Protocol):
         """hypercorn's HTTP/1.1 protocol without its switch to HTTP/2 on a cleartext
@@ -594,6 +598,24 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
                 await self.send(RawData(data=held))
             await super().stream_send(event)
 
+        # the connection's ``_TCPServer`` (set by its ``protocol`` setter)
+        tcp: Any = None
+
+        async def _maybe_recycle(self) -> None:
+            # An answer is over. hypercorn goes on to the next request the client pipelined
+            # (h11 holds them, the kernel more) even when its client has gone: each was run
+            # and its answer sent to nobody (attack17 F4: 1,000 pipelined reads a connection
+            # ran on for a minute after their client left). A client gone (``client_gone``: a
+            # reset, or an answer it could not be sent) ends the connection here instead: the
+            # reader stops, nothing it pipelined runs.
+            tcp = self.tcp
+            if tcp is not None and tcp.client_gone():
+                await self._close_stream()
+                tcp.stop_reading()
+                await self.send(Closed())
+                return
+            await super()._maybe_recycle()
+
         def _frame(self, event: Any) -> bytes:
             """h11's bytes of ``event`` (b"" when the connection is in error, as hypercorn's
             ``_send_h11_event`` sends nothing then)."""
@@ -614,32 +636,63 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
         def __init__(self, *args: Any) -> None:
             super().__init__(*args)
             self.idle_task = _IdleTimer(self)
+            # the reader (``_read_data``), cancelled by ``stop_reading``: it may be parked
+            # until the answer being sent is over (h11's PAUSED), with requests pipelined
+            self.reading = trio.CancelScope()
+            self.send_failed = False  # an answer could not be sent: the client is gone
+
+        def client_gone(self) -> bool:
+            """Whether the connection's client is gone (an answer could not be sent, or
+            ``memfuse.server.lean.client_gone``); counted once (``on_client_gone``) when so."""
+            gone = self.send_failed or lean_client_gone(self.stream.socket)
+            if gone and on_client_gone is not None:
+                on_client_gone()
+            return gone
+
+        def stop_reading(self) -> None:
+            """Nothing more is read from the connection, nor run of what was read."""
+            self.reading.cancel()
+
+        async def protocol_send(self, event: Any) -> None:
+            # hypercorn's, remembering a send that failed (it tells only the protocol, whose
+            # stream ends, and then runs the client's next pipelined request)
+            if not isinstance(event, RawData):
+                await super().protocol_send(event)
+                return
+            async with self.send_lock:
+                try:
+                    with trio.CancelScope(shield=True):
+                        await self.stream.send_all(event.data)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    self.send_failed = True
+                    await self.protocol.handle(Closed())
 
         async def _read_data(self) -> None:
             # hypercorn's loop, without a cancel scope per read when there is no read
             # timeout (``config.read_timeout`` None: the idle timer bounds an idle connection),
             # given first what ``_first_head`` read
             try:
-                if self.first:
-                    await self.protocol.handle(RawData(self.first))
-                if self.first_eof:  # as the loop below ends on the client's EOF
-                    await self.protocol.handle(RawData(b""))
-                    await self.protocol.handle(Closed())
-                    return
-                timeout = self.config.read_timeout
-                while True:
-                    try:
-                        if timeout is None:
-                            data = await self.stream.receive_some(MAX_RECV)
-                        else:
-                            with trio.fail_after(timeout):
+                with self.reading:
+                    if self.first:
+                        await self.protocol.handle(RawData(self.first))
+                    if self.first_eof:  # as the loop below ends on the client's EOF
+                        await self.protocol.handle(RawData(b""))
+                        await self.protocol.handle(Closed())
+                        return
+                    timeout = self.config.read_timeout
+                    while True:
+                        try:
+                            if timeout is None:
                                 data = await self.stream.receive_some(MAX_RECV)
-                    except (trio.ClosedResourceError, trio.BrokenResourceError, trio.TooSlowError):
-                        break
-                    else:
-                        await self.protocol.handle(RawData(bytes(data)))
-                        if data == b"":
+                            else:
+                                with trio.fail_after(timeout):
+                                    data = await self.stream.receive_some(MAX_RECV)
+                        except (trio.ClosedResourceError, trio.BrokenResourceError, trio.TooSlowError):
                             break
+                        else:
+                            await self.protocol.handle(RawData(bytes(data)))
+                            if data == b"":
+                                break
                 await self.protocol.handle(Closed())
             finally:
                 self.idle_task.end()  # the peer is gone: nothing to keep alive
@@ -681,9 +734,12 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
 
         @protocol.setter
         def protocol(self, wrapper: ProtocolWrapper) -> None:
-            if type(wrapper.protocol) is H11Protocol:
-                wrapper.protocol.__class__ = _HTTP11Only
-                wrapper.protocol.keep_alive_requests = self.requests_before
+            protocol = wrapper.protocol
+            if type(protocol) is H11Protocol:
+                protocol.__class__ = _HTTP11Only
+                assert isinstance(protocol, _HTTP11Only)
+                protocol.keep_alive_requests = self.requests_before
+                protocol.tcp = self
             self._protocol = wrapper
 
     # hypercorn types its ASGI app with its own TypedDict scopes; starlette's are plain mappings
@@ -699,7 +755,8 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
                         keep_alive_max_requests=config.keep_alive_max_requests,
                         max_head=config.h11_max_incomplete_size,
                         response_headers=_response_headers(config),
-                        log_exception=config.log.exception, lifespan_state=lifespan_state)
+                        log_exception=config.log.exception, lifespan_state=lifespan_state,
+                        on_client_gone=on_client_gone)
         state = getattr(app, "state", None)
         if state is not None:
             state.lean = lean  # its counters, for tests and benchmarks
@@ -720,11 +777,19 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
                     first, eof = await _first_head(stream, config.keep_alive_timeout, first_bytes)
                     if first is None:
                         return  # no head in time, or the client left before it: closed (finally)
+                    if lean_client_gone(conn):  # it sent its requests and left: none of them runs
+                        if on_client_gone is not None:
+                            on_client_gone()
+                        return
                     served = 0
                     if lean is not None:
                         sock = stream.socket
-                        over = await lean.serve(conn, first, eof, parse_socket_addr(sock.family, sock.getpeername()),
-                                                parse_socket_addr(sock.family, sock.getsockname()))
+                        try:
+                            addresses = (parse_socket_addr(sock.family, sock.getpeername()),
+                                         parse_socket_addr(sock.family, sock.getsockname()))
+                        except OSError:  # reset since (ENOTCONN): as hypercorn's run(), closed quietly
+                            return
+                        over = await lean.serve(conn, first, eof, *addresses)
                         if over is None:
                             return  # the connection is over: closed (finally)
                         first, eof, served = over
