@@ -21,6 +21,7 @@ import pytest
 import trio
 
 from memfuse.server.app import create_app
+from memfuse.server.limits import MAX_PIPELINED
 from memfuse.server.serve import serve
 
 CONNECTIONS, PIPELINED = 20, 200
@@ -157,6 +158,18 @@ def _metric(text: str, name: str) -> float:
     return sum(float(v) for v in re.findall(r"^%s(?:\{[^}]*\})? ([0-9.e+-]+)$" % re.escape(name), text, re.M))
 
 
+def _heads(raw: bytes) -> list[bytes]:
+    """The heads of the answers in ``raw`` (each answer's body skipped by its Content-Length)."""
+    heads = []
+    while raw:
+        head, sep, raw = raw.partition(b"\r\n\r\n")
+        assert sep and head.startswith(b"HTTP/1.1 "), head[:200]
+        heads.append(head)
+        m = re.search(rb"\r\ncontent-length: *([0-9]+)", head, re.I)
+        raw = raw[int(m.group(1)) if m else 0:]
+    return heads
+
+
 async def _metrics(probe: httpx.AsyncClient) -> str:
     r = await probe.get("/metrics")
     assert r.status_code == 200
@@ -206,7 +219,7 @@ async def test_a_refusal_for_a_full_share_or_server_ends_the_connection_and_noth
                 while chunk := await sock.recv(65536):
                     got += chunk
             sock.close()
-            heads = [h for h in got.split(b"\r\n\r\n") if h.startswith(b"HTTP/1.1 ")]
+            heads = _heads(got)
             assert len(heads) == 1, got[:2000]
             assert heads[0].startswith(b"HTTP/1.1 %d " % refusal), heads[0]
             assert b"\r\nconnection: close" in heads[0].lower(), heads[0]
@@ -230,8 +243,8 @@ async def test_requests_pipelined_by_clients_that_left_are_not_run(tmp_path, lea
     of the others, at most the few it started before the reset arrived (one hop of this
     event loop), never the rest: before, hypercorn's path ran all M, each answer sent to
     nobody (attack17 F4: a minute of it). Every connection ends within a bound, counted in
-    ``memfuse_server_connections_client_gone_total``, and another client's reads stay
-    answered meanwhile. A connection reset before the server started on it is no error
+    ``memfuse_server_connections_ended_total{reason="client_gone"}``, and another client's
+    reads stay answered meanwhile. A connection reset before the server started on it is no error
     (before: ``connection failed; dropped`` and a traceback, logged at ERROR, for each)."""
     n, m = 20, 200
     caplog.set_level(logging.WARNING, logger="memfuse.server")
@@ -285,8 +298,8 @@ async def test_requests_pipelined_by_clients_that_left_are_not_run(tmp_path, lea
             # the first answers of the n/2 that waited for one, and at most 3 more each
             assert answered <= n // 2 * 4, f"{answered} requests of {n} connections that had left were run"
             assert reads and max(reads) < 10.0, reads  # answered meanwhile (a shared machine: generous)
-            gone = _metric(after, "memfuse_server_connections_client_gone_total") - _metric(
-                before, "memfuse_server_connections_client_gone_total")
+            gone = _metric(after, "memfuse_server_connections_ended_total{reason=\"client_gone\"}") - _metric(
+                before, "memfuse_server_connections_ended_total{reason=\"client_gone\"}")
             assert gone >= n // 2, gone  # at least those reset before the server started on them
             r = await good.get("/v1/stores/default/records?limit=1")
             assert r.status_code == 200
@@ -294,3 +307,48 @@ async def test_requests_pipelined_by_clients_that_left_are_not_run(tmp_path, lea
     app.state.service.db.dispose()
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert not errors, [r.getMessage() for r in errors]
+
+
+async def test_a_client_that_pipelines_without_reading_is_answered_a_bounded_run_then_closed(tmp_path):
+    """200 reads pipelined at once, the client reading nothing until they are all sent: the
+    server answers ``MAX_PIPELINED`` of them in a row, the last with ``Connection: close``, then
+    ends the connection; the rest are never run (before: every one, until the send buffer
+    was full, ~350 a connection). Counted in
+    ``memfuse_server_connections_ended_total{reason="pipelined"}``. A client that waits for
+    each answer is never cut (the run starts again at each answer it waited for)."""
+    app = create_app(f"sqlite:///{tmp_path / 'cp.db'}", static_tokens={ADMIN: None, WS: "ws"})
+    async with trio.open_nursery() as nursery:
+        url = await nursery.start(serve, app, "127.0.0.1:0")
+        port = int(url.rsplit(":", 1)[1])
+        await _bootstrap(url)
+        async with httpx.AsyncClient(base_url=url, timeout=30) as probe:
+            before = await _metrics(probe)
+            open_before = _metric(before, "memfuse_server_connections")
+            sock = trio.socket.socket()
+            await sock.connect(("127.0.0.1", port))
+            data = b"".join(_request(False, i) for i in range(200))
+            while data:  # fits the socket buffers
+                data = data[await sock.send(data):]
+            got = b""
+            with trio.fail_after(30):  # until the server closes the connection
+                while chunk := await sock.recv(65536):
+                    got += chunk
+            sock.close()
+            heads = _heads(got)
+            assert len(heads) == MAX_PIPELINED, len(heads)
+            assert all(h.startswith(b"HTTP/1.1 200 ") for h in heads)
+            assert b"\r\nconnection: close" in heads[-1].lower(), heads[-1]
+            assert not any(b"\r\nconnection: close" in h.lower() for h in heads[:-1])
+            after = await _until_closed(probe, open_before, 30)
+            answered = _metric(after, "memfuse_server_requests_total") - _metric(before, "memfuse_server_requests_total")
+            assert answered == MAX_PIPELINED, answered
+            cut = 'memfuse_server_connections_ended_total{reason="pipelined"}'
+            assert _metric(after, cut) - _metric(before, cut) == 1
+            # one at a time, waiting for each answer: far past the bound on one connection
+            async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {WS}"}, timeout=30) as c:
+                for _ in range(MAX_PIPELINED * 2):
+                    assert (await c.get("/v1/stores/default/records?limit=1")).status_code == 200
+            assert _metric(await _metrics(probe), cut) - _metric(before, cut) == 1
+            assert _metric(await _metrics(probe), "memfuse_server_connections") <= open_before + 1
+        nursery.cancel_scope.cancel()
+    app.state.service.db.dispose()

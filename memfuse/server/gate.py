@@ -170,7 +170,8 @@ class Connections:
         self.evicted_at_address = 0  # the oldest of an address at its cap, likewise
         self.refused_at_cap = 0  # new connections without their head closed at ``max_total``
         self.open = 0  # connections open now (``opened``, not yet ``closed``), with or without a token
-        self.gone = 0  # connections ended because their client had gone (``client_left``)
+        # connections the server ended early, by reason (``ended``)
+        self.ended_early: dict[str, int] = {"client_gone": 0, "pipelined": 0}
         # INVARIANT: ``_pending`` holds every open connection (host, port) not cleared yet,
         # with its evict callback, in the order of its last activity (accepted, or a request
         # started on it: ``active``), oldest first; ``_hosts[host]`` holds the same keys of
@@ -248,10 +249,12 @@ class Connections:
         self.open -= 1
         self.cleared(peer)
 
-    def client_left(self) -> None:
-        """Count a connection the server ended because its client had gone
-        (``memfuse.server.lean.client_gone``): the requests it had sent were not run."""
-        self.gone += 1
+    def ended(self, reason: str) -> None:
+        """Count a connection the server ended early: ``"client_gone"`` (its client had gone,
+        ``memfuse.server.lean.client_gone``: the requests it had sent were not run) or
+        ``"pipelined"`` (``memfuse.server.limits.MAX_PIPELINED`` answers in a row to a client
+        that pipelines without reading)."""
+        self.ended_early[reason] = self.ended_early.get(reason, 0) + 1
 
     def _forget(self, peer: tuple[str, int]) -> None:
         del self._pending[peer]

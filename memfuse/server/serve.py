@@ -15,6 +15,8 @@ import logging
 import math
 import os
 import socket
+import struct
+import termios
 from collections import deque
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -26,7 +28,7 @@ from hypercorn.config import Config
 from . import consolidation, staleness
 from .writepath import lean_route
 from .lean import HEAD_END as _HEAD_END  # the blank line ending a request's head, as h11 finds it
-from .limits import MAX_HEAD, SEND_TIMEOUT
+from .limits import MAX_HEAD, MAX_PIPELINED, SEND_TIMEOUT
 
 if TYPE_CHECKING:  # for the annotations only
     from fastapi import FastAPI
@@ -553,8 +555,8 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
     from memfuse.server.lean import LeanHTTP
     from memfuse.server.lean import client_gone as lean_client_gone
 
-    # counts a connection ended because its client had gone (``Connections.client_left``)
-    on_client_gone = connections.client_left if connections is not None else None
+    # counts a connection ended early, by reason (``Connections.ended``)
+    on_ended = connections.ended if connections is not None else None
 
     class _HTTP11Only(H11Protocol):
         """hypercorn's HTTP/1.1 protocol without its switch to HTTP/2 on a cleartext
@@ -578,7 +580,28 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
         # length (a stream, a long-lived answer) has its head sent at once, as before.
         _held: bytes = b""
 
+        # INVARIANT: ``pipelined`` counts the answers in a row whose head went out while the
+        # client's next request had arrived already (its bytes held by h11 or the kernel: it
+        # sent it without waiting for the answer); an answer sent with nothing of it in sets
+        # it back to 0. The answer that makes it ``MAX_PIPELINED`` carries ``Connection:
+        # close`` and the connection ends after it (``pipelined_cut``).
+        pipelined = 0
+
+        def _pipelined_cut(self) -> bool:
+            """Count an answer about to start (``pipelined``); True when it is the last one of
+            the connection (a deep pipeline), then counted (``Connections.ended``)."""
+            nxt = bool(self.connection.trailing_data[0]) or (self.tcp is not None and self.tcp.readable())
+            self.pipelined = self.pipelined + 1 if nxt else 0
+            if self.pipelined < MAX_PIPELINED:
+                return False
+            if on_ended is not None:
+                on_ended("pipelined")
+            return True
+
         async def stream_send(self, event: Any) -> None:
+            if isinstance(event, HyResponse) and event.status_code >= 200 and self._pipelined_cut():
+                event = HyResponse(stream_id=event.stream_id, status_code=event.status_code,
+                                   headers=[*event.headers, (b"connection", b"close")])
             if (isinstance(event, HyResponse) and event.status_code >= 200 and not self._held
                     and any(k.lower() == b"content-length" for k, _ in event.headers)
                     and not any(k.lower() == b"transfer-encoding" for k, _ in event.headers)):
@@ -645,9 +668,19 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
             """Whether the connection's client is gone (an answer could not be sent, or
             ``memfuse.server.lean.client_gone``); counted once (``on_client_gone``) when so."""
             gone = self.send_failed or lean_client_gone(self.stream.socket)
-            if gone and on_client_gone is not None:
-                on_client_gone()
+            if gone and on_ended is not None:
+                on_ended("client_gone")
             return gone
+
+        def readable(self) -> bool:
+            """Whether bytes of the client wait in the kernel, not read yet (``FIONREAD``)."""
+            fd = self.stream.socket.fileno()
+            if fd < 0:
+                return False
+            try:
+                return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0] > 0
+            except OSError:
+                return False
 
         def stop_reading(self) -> None:
             """Nothing more is read from the connection, nor run of what was read."""
@@ -756,7 +789,7 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
                         max_head=config.h11_max_incomplete_size,
                         response_headers=_response_headers(config),
                         log_exception=config.log.exception, lifespan_state=lifespan_state,
-                        on_client_gone=on_client_gone)
+                        on_client_gone=None if on_ended is None else lambda: on_ended("client_gone"))
         state = getattr(app, "state", None)
         if state is not None:
             state.lean = lean  # its counters, for tests and benchmarks
@@ -778,8 +811,8 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
                     if first is None:
                         return  # no head in time, or the client left before it: closed (finally)
                     if lean_client_gone(conn):  # it sent its requests and left: none of them runs
-                        if on_client_gone is not None:
-                            on_client_gone()
+                        if on_ended is not None:
+                            on_ended("client_gone")
                         return
                     served = 0
                     if lean is not None:
