@@ -678,9 +678,10 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
             if fd < 0:
                 return False
             try:
-                return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0] > 0
+                waiting: int = struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
             except OSError:
                 return False
+            return waiting > 0
 
         def stop_reading(self) -> None:
             """Nothing more is read from the connection, nor run of what was read."""
