@@ -536,7 +536,15 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
     A sixth: with ``lean_route`` (``(method, decoded path) ->`` a true value when served
     lean), a connection's requests that it names are served by ``memfuse.server.lean`` (h11 and the app on the connection's
     task, no hypercorn object made) until the first that is not, which hypercorn serves
-    with the rest of the connection (``_TCPServer.first``, ``requests_before``)."""
+    with the rest of the connection (``_TCPServer.first``, ``requests_before``).
+
+    A seventh: requests a client pipelined are not run once it has gone (attack17 F4):
+    hypercorn ran each, its answer sent to nobody. A client that reset its connection, or
+    could not be sent an answer (``memfuse.server.lean.client_gone``), ends the connection
+    before its first request and at the end of each answer (``_HTTP11Only._maybe_recycle``:
+    the reader, parked while the answer is under way, is cancelled); and the answer that makes
+    ``MAX_PIPELINED`` in a row to a client whose next request was already in carries
+    ``Connection: close`` (``_HTTP11Only._pipelined_cut``). Counted by ``Connections.ended``."""
     from itertools import chain
 
     import h11
@@ -584,7 +592,7 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
         # client's next request had arrived already (its bytes held by h11 or the kernel: it
         # sent it without waiting for the answer); an answer sent with nothing of it in sets
         # it back to 0. The answer that makes it ``MAX_PIPELINED`` carries ``Connection:
-        # close`` and the connection ends after it (``pipelined_cut``).
+        # close`` and the connection ends after it (``_pipelined_cut``).
         pipelined = 0
 
         def _pipelined_cut(self) -> bool:
@@ -666,7 +674,7 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
 
         def client_gone(self) -> bool:
             """Whether the connection's client is gone (an answer could not be sent, or
-            ``memfuse.server.lean.client_gone``); counted once (``on_client_gone``) when so."""
+            ``memfuse.server.lean.client_gone``); counted (``Connections.ended``) when so."""
             gone = self.send_failed or lean_client_gone(self.stream.socket)
             if gone and on_ended is not None:
                 on_ended("client_gone")
