@@ -169,6 +169,9 @@ class Connections:
         self.evicted = 0  # the oldest of all closed for a new connection whose head was in
         self.evicted_at_address = 0  # the oldest of an address at its cap, likewise
         self.refused_at_cap = 0  # new connections without their head closed at ``max_total``
+        self.open = 0  # connections open now (``opened``, not yet ``closed``), with or without a token
+        # connections the server ended early, by reason (``ended``)
+        self.ended_early: dict[str, int] = {"client_gone": 0, "pipelined": 0}
         # INVARIANT: ``_pending`` holds every open connection (host, port) not cleared yet,
         # with its evict callback, in the order of its last activity (accepted, or a request
         # started on it: ``active``), oldest first; ``_hosts[host]`` holds the same keys of
@@ -187,6 +190,7 @@ class Connections:
         whose request head is in when ``at_cap(peer)``): at its address's ``cap`` the
         address's connection idle the longest is evicted (its ``evict`` called, it stops
         counting), and at ``max_total`` the oldest of all. Returns True (kept)."""
+        self.open += 1
         host = peer[0]
         if peer in self._pending:  # a reused (host, port): the old connection has ended
             self._forget(peer)
@@ -241,8 +245,16 @@ class Connections:
                 self._forget(key)
 
     def closed(self, peer: tuple[str, int]) -> None:
-        """``peer``'s connection ended."""
+        """``peer``'s connection ended (one call per ``opened``)."""
+        self.open -= 1
         self.cleared(peer)
+
+    def ended(self, reason: str) -> None:
+        """Count a connection the server ended early: ``"client_gone"`` (its client had gone,
+        ``memfuse.server.lean.client_gone``: the requests it had sent were not run) or
+        ``"pipelined"`` (``memfuse.server.limits.MAX_PIPELINED`` answers in a row to a client
+        that pipelines without reading)."""
+        self.ended_early[reason] = self.ended_early.get(reason, 0) + 1
 
     def _forget(self, peer: tuple[str, int]) -> None:
         del self._pending[peer]

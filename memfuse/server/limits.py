@@ -46,6 +46,12 @@ class _Connections(Protocol):
     @property
     def refused_at_cap(self) -> int: ...
 
+    @property
+    def open(self) -> int: ...
+
+    @property
+    def ended_early(self) -> dict[str, int]: ...
+
 
 class Front(Protocol):
     """What the metrics read of the front door (``memfuse.server.gate.Gate``; named here, so
@@ -59,6 +65,12 @@ class Front(Protocol):
 
 SEND_TIMEOUT = 30.0  # s a send to a client may take (memfuse.server.gate, memfuse.server.serve)
 MAX_HEAD = 16 * 1024  # bytes of a request line and headers (hypercorn's default); 431 past it
+# Answers in a row a connection is sent while its client's next request is in already (it
+# pipelines without reading): the last carries ``Connection: close`` (memfuse.server.serve,
+# hypercorn's path; the lean path serves record writes, bounded by the write rate). A client
+# that reads each answer before its next request never counts; one that pipelines and never
+# reads cost ~350 answers a connection before (its send buffer full: attack17 F4).
+MAX_PIPELINED = 64
 PROBLEM_JSON = b"application/problem+json"
 
 
@@ -233,6 +245,16 @@ def front_collector(front: Front, stream_class: StreamClass) -> Callable[[], lis
         e.add_metric(["no_head"], front.connections.refused_at_cap)
         b = GaugeMetricFamily("memfuse_server_request_body_bytes", "Bytes of request bodies held now")
         b.add_metric([], front.body_bytes)
-        return [o, c, u, r, e, b]
+        n = GaugeMetricFamily("memfuse_server_connections", "Connections open now")
+        n.add_metric([], front.connections.open)
+        g = CounterMetricFamily("memfuse_server_connections_ended",
+                                "Connections the server ended early, by reason (client_gone: their client "
+                                "had gone, a reset or an answer that could not be sent, and what it had "
+                                "sent and pipelined was not run; pipelined: an answer with Connection: "
+                                "close after MAX_PIPELINED in a row to a client that pipelines without "
+                                "reading)", labels=["reason"])
+        for reason, count in front.connections.ended_early.items():
+            g.add_metric([reason], count)
+        return [o, c, u, r, e, b, n, g]
 
     return collect

@@ -15,6 +15,8 @@ import logging
 import math
 import os
 import socket
+import struct
+import termios
 from collections import deque
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -26,7 +28,7 @@ from hypercorn.config import Config
 from . import consolidation, staleness
 from .writepath import lean_route
 from .lean import HEAD_END as _HEAD_END  # the blank line ending a request's head, as h11 finds it
-from .limits import MAX_HEAD, SEND_TIMEOUT
+from .limits import MAX_HEAD, MAX_PIPELINED, SEND_TIMEOUT
 
 if TYPE_CHECKING:  # for the annotations only
     from fastapi import FastAPI
@@ -534,7 +536,15 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
     A sixth: with ``lean_route`` (``(method, decoded path) ->`` a true value when served
     lean), a connection's requests that it names are served by ``memfuse.server.lean`` (h11 and the app on the connection's
     task, no hypercorn object made) until the first that is not, which hypercorn serves
-    with the rest of the connection (``_TCPServer.first``, ``requests_before``)."""
+    with the rest of the connection (``_TCPServer.first``, ``requests_before``).
+
+    A seventh: requests a client pipelined are not run once it has gone (attack17 F4):
+    hypercorn ran each, its answer sent to nobody. A client that reset its connection, or
+    could not be sent an answer (``memfuse.server.lean.client_gone``), ends the connection
+    before its first request and at the end of each answer (``_HTTP11Only._maybe_recycle``:
+    the reader, parked while the answer is under way, is cancelled); and the answer that makes
+    ``MAX_PIPELINED`` in a row to a client whose next request was already in carries
+    ``Connection: close`` (``_HTTP11Only._pipelined_cut``). Counted by ``Connections.ended``."""
     from itertools import chain
 
     import h11
@@ -551,6 +561,10 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
     from hypercorn.utils import ShutdownError, parse_socket_addr, raise_shutdown, repr_socket_addr, wrap_app
 
     from memfuse.server.lean import LeanHTTP
+    from memfuse.server.lean import client_gone as lean_client_gone
+
+    # counts a connection ended early, by reason (``Connections.ended``)
+    on_ended = connections.ended if connections is not None else None
 
     class _HTTP11Only(H11Protocol):
         """hypercorn's HTTP/1.1 protocol without its switch to HTTP/2 on a cleartext
@@ -574,7 +588,28 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
         # length (a stream, a long-lived answer) has its head sent at once, as before.
         _held: bytes = b""
 
+        # INVARIANT: ``pipelined`` counts the answers in a row whose head went out while the
+        # client's next request had arrived already (its bytes held by h11 or the kernel: it
+        # sent it without waiting for the answer); an answer sent with nothing of it in sets
+        # it back to 0. The answer that makes it ``MAX_PIPELINED`` carries ``Connection:
+        # close`` and the connection ends after it (``_pipelined_cut``).
+        pipelined = 0
+
+        def _pipelined_cut(self) -> bool:
+            """Count an answer about to start (``pipelined``); True when it is the last one of
+            the connection (a deep pipeline), then counted (``Connections.ended``)."""
+            nxt = bool(self.connection.trailing_data[0]) or (self.tcp is not None and self.tcp.readable())
+            self.pipelined = self.pipelined + 1 if nxt else 0
+            if self.pipelined < MAX_PIPELINED:
+                return False
+            if on_ended is not None:
+                on_ended("pipelined")
+            return True
+
         async def stream_send(self, event: Any) -> None:
+            if isinstance(event, HyResponse) and event.status_code >= 200 and self._pipelined_cut():
+                event = HyResponse(stream_id=event.stream_id, status_code=event.status_code,
+                                   headers=[*event.headers, (b"connection", b"close")])
             if (isinstance(event, HyResponse) and event.status_code >= 200 and not self._held
                     and any(k.lower() == b"content-length" for k, _ in event.headers)
                     and not any(k.lower() == b"transfer-encoding" for k, _ in event.headers)):
@@ -593,6 +628,24 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
                 held, self._held = self._held, b""
                 await self.send(RawData(data=held))
             await super().stream_send(event)
+
+        # the connection's ``_TCPServer`` (set by its ``protocol`` setter)
+        tcp: Any = None
+
+        async def _maybe_recycle(self) -> None:
+            # An answer is over. hypercorn goes on to the next request the client pipelined
+            # (h11 holds them, the kernel more) even when its client has gone: each was run
+            # and its answer sent to nobody (attack17 F4: 1,000 pipelined reads a connection
+            # ran on for a minute after their client left). A client gone (``client_gone``: a
+            # reset, or an answer it could not be sent) ends the connection here instead: the
+            # reader stops, nothing it pipelined runs.
+            tcp = self.tcp
+            if tcp is not None and tcp.client_gone():
+                await self._close_stream()
+                tcp.stop_reading()
+                await self.send(Closed())
+                return
+            await super()._maybe_recycle()
 
         def _frame(self, event: Any) -> bytes:
             """h11's bytes of ``event`` (b"" when the connection is in error, as hypercorn's
@@ -614,32 +667,74 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
         def __init__(self, *args: Any) -> None:
             super().__init__(*args)
             self.idle_task = _IdleTimer(self)
+            # the reader (``_read_data``), cancelled by ``stop_reading``: it may be parked
+            # until the answer being sent is over (h11's PAUSED), with requests pipelined
+            self.reading = trio.CancelScope()
+            self.send_failed = False  # an answer could not be sent: the client is gone
+
+        def client_gone(self) -> bool:
+            """Whether the connection's client is gone (an answer could not be sent, or
+            ``memfuse.server.lean.client_gone``); counted (``Connections.ended``) when so."""
+            gone = self.send_failed or lean_client_gone(self.stream.socket)
+            if gone and on_ended is not None:
+                on_ended("client_gone")
+            return gone
+
+        def readable(self) -> bool:
+            """Whether bytes of the client wait in the kernel, not read yet (``FIONREAD``)."""
+            fd = self.stream.socket.fileno()
+            if fd < 0:
+                return False
+            try:
+                waiting: int = struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+            except OSError:
+                return False
+            return waiting > 0
+
+        def stop_reading(self) -> None:
+            """Nothing more is read from the connection, nor run of what was read."""
+            self.reading.cancel()
+
+        async def protocol_send(self, event: Any) -> None:
+            # hypercorn's, remembering a send that failed (it tells only the protocol, whose
+            # stream ends, and then runs the client's next pipelined request)
+            if not isinstance(event, RawData):
+                await super().protocol_send(event)
+                return
+            async with self.send_lock:
+                try:
+                    with trio.CancelScope(shield=True):
+                        await self.stream.send_all(event.data)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    self.send_failed = True
+                    await self.protocol.handle(Closed())
 
         async def _read_data(self) -> None:
             # hypercorn's loop, without a cancel scope per read when there is no read
             # timeout (``config.read_timeout`` None: the idle timer bounds an idle connection),
             # given first what ``_first_head`` read
             try:
-                if self.first:
-                    await self.protocol.handle(RawData(self.first))
-                if self.first_eof:  # as the loop below ends on the client's EOF
-                    await self.protocol.handle(RawData(b""))
-                    await self.protocol.handle(Closed())
-                    return
-                timeout = self.config.read_timeout
-                while True:
-                    try:
-                        if timeout is None:
-                            data = await self.stream.receive_some(MAX_RECV)
-                        else:
-                            with trio.fail_after(timeout):
+                with self.reading:
+                    if self.first:
+                        await self.protocol.handle(RawData(self.first))
+                    if self.first_eof:  # as the loop below ends on the client's EOF
+                        await self.protocol.handle(RawData(b""))
+                        await self.protocol.handle(Closed())
+                        return
+                    timeout = self.config.read_timeout
+                    while True:
+                        try:
+                            if timeout is None:
                                 data = await self.stream.receive_some(MAX_RECV)
-                    except (trio.ClosedResourceError, trio.BrokenResourceError, trio.TooSlowError):
-                        break
-                    else:
-                        await self.protocol.handle(RawData(bytes(data)))
-                        if data == b"":
+                            else:
+                                with trio.fail_after(timeout):
+                                    data = await self.stream.receive_some(MAX_RECV)
+                        except (trio.ClosedResourceError, trio.BrokenResourceError, trio.TooSlowError):
                             break
+                        else:
+                            await self.protocol.handle(RawData(bytes(data)))
+                            if data == b"":
+                                break
                 await self.protocol.handle(Closed())
             finally:
                 self.idle_task.end()  # the peer is gone: nothing to keep alive
@@ -681,9 +776,12 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
 
         @protocol.setter
         def protocol(self, wrapper: ProtocolWrapper) -> None:
-            if type(wrapper.protocol) is H11Protocol:
-                wrapper.protocol.__class__ = _HTTP11Only
-                wrapper.protocol.keep_alive_requests = self.requests_before
+            protocol = wrapper.protocol
+            if type(protocol) is H11Protocol:
+                protocol.__class__ = _HTTP11Only
+                assert isinstance(protocol, _HTTP11Only)
+                protocol.keep_alive_requests = self.requests_before
+                protocol.tcp = self
             self._protocol = wrapper
 
     # hypercorn types its ASGI app with its own TypedDict scopes; starlette's are plain mappings
@@ -699,7 +797,8 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
                         keep_alive_max_requests=config.keep_alive_max_requests,
                         max_head=config.h11_max_incomplete_size,
                         response_headers=_response_headers(config),
-                        log_exception=config.log.exception, lifespan_state=lifespan_state)
+                        log_exception=config.log.exception, lifespan_state=lifespan_state,
+                        on_client_gone=None if on_ended is None else lambda: on_ended("client_gone"))
         state = getattr(app, "state", None)
         if state is not None:
             state.lean = lean  # its counters, for tests and benchmarks
@@ -720,11 +819,19 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
                     first, eof = await _first_head(stream, config.keep_alive_timeout, first_bytes)
                     if first is None:
                         return  # no head in time, or the client left before it: closed (finally)
+                    if lean_client_gone(conn):  # it sent its requests and left: none of them runs
+                        if on_ended is not None:
+                            on_ended("client_gone")
+                        return
                     served = 0
                     if lean is not None:
                         sock = stream.socket
-                        over = await lean.serve(conn, first, eof, parse_socket_addr(sock.family, sock.getpeername()),
-                                                parse_socket_addr(sock.family, sock.getsockname()))
+                        try:
+                            addresses = (parse_socket_addr(sock.family, sock.getpeername()),
+                                         parse_socket_addr(sock.family, sock.getsockname()))
+                        except OSError:  # reset since (ENOTCONN): as hypercorn's run(), closed quietly
+                            return
+                        over = await lean.serve(conn, first, eof, *addresses)
                         if over is None:
                             return  # the connection is over: closed (finally)
                         first, eof, served = over
