@@ -155,9 +155,8 @@ def test_an_older_releases_cache_is_taken_over_only_by_the_account_whose_stores_
 
 def test_offline_the_one_cache_of_the_workspace_is_used_and_two_are_refused(tmp_path, monkeypatch):
     """The control plane does not answer: the one cache of the workspace on this host is
-    used (of whatever account); none: the default name (the sidecar then waits for the
-    control plane as before); two accounts' caches: refused, naming both and
-    ``--cache-dir``."""
+    used (of whatever account); none: refused past ``--start-timeout`` (as the sidecar
+    would be); two accounts' caches: refused, naming both and ``--cache-dir``."""
     from mountutil import refused_port
 
     from memfuse.cli.mountcache import cache_dir_for, choose_cache_dir
@@ -165,7 +164,8 @@ def test_offline_the_one_cache_of_the_workspace_is_used_and_two_are_refused(tmp_
     monkeypatch.setenv("MEMFUSE_HOME", str(tmp_path / "home"))
     with refused_port() as port:
         url = f"http://127.0.0.1:{port}"
-        assert choose_cache_dir(url, "tok", "agent", 0.5, print) == cache_dir_for(url, "agent")
+        with pytest.raises(ValueError, match="did not answer within --start-timeout"):
+            choose_cache_dir(url, "tok", "agent", 1.5, print)
         bravo = cache_dir_for(url, "agent", "bravo")
         bravo.mkdir(parents=True)
         assert choose_cache_dir(url, "tok", "agent", 0.5, print) == bravo

@@ -89,8 +89,8 @@ async def _ask(control_plane: str, token: Any, workspace: str,
                wait: float) -> tuple[str, dict[str, str]] | None:
     """(the workspace's account, its stores: slug → creation time). Each question waits at
     most ``LOOKUP_TIMEOUT`` s; while the control plane does not answer it is asked again every
-    ``RETRY_S`` until ``wait`` s have passed (0: one question). None then, or when the control
-    plane refuses (401, 403, 404: the sidecar says why on its own)."""
+    ``RETRY_S`` until ``wait`` s have passed (0: one question), then ``TimeoutError``. None
+    when the control plane refuses (401, 403, 404: the sidecar says why on its own)."""
     deadline = trio.current_time() + wait
     async with ApiClient(control_plane, token, lean=True, bounded=True) as c:
         while True:
@@ -103,7 +103,7 @@ async def _ask(control_plane: str, token: Any, workspace: str,
                 return None
             except (TransientError, trio.TooSlowError):
                 if trio.current_time() + RETRY_S >= deadline:
-                    return None
+                    raise TimeoutError from None
                 await trio.sleep(RETRY_S)
 
 
@@ -112,18 +112,28 @@ def choose_cache_dir(control_plane: str, token: Any, workspace: str, start_timeo
     """The cache directory of ``memfuse mount`` without ``--cache-dir`` (module docstring).
     ``token``: what ``ApiClient`` takes; ``start_timeout``: seconds to wait for the control
     plane when no cache of the workspace exists (0: no bound); ``say``: one line to the user
-    (a cache taken over). Raises ``ValueError`` when the control plane does not answer and
-    several accounts' caches of the workspace exist (the message names them)."""
+    (a cache taken over). Raises ``ValueError`` with the reason when the control plane does
+    not answer and several accounts' caches of the workspace exist (naming them), or none
+    (past ``start_timeout``: the sidecar would have nothing to start from either)."""
     existing = _existing(control_plane, workspace)
     wait = 0.0 if existing else (start_timeout or math.inf)
-    answer = trio.run(_ask, control_plane, token, workspace, wait)
-    if answer is None:
-        if len(existing) > 1:
+    try:
+        answer = trio.run(_ask, control_plane, token, workspace, wait)
+    except TimeoutError:
+        if len(existing) == 1:
+            return existing[0]
+        if existing:
             raise ValueError(
                 f"the control plane did not answer, and {len(existing)} cache directories of "
                 f"workspace {workspace} (of different accounts) are on this host: "
-                f"{', '.join(str(p) for p in existing)}; pass --cache-dir to name its own")
-        return existing[0] if existing else cache_dir_for(control_plane, workspace)
+                f"{', '.join(str(p) for p in existing)}; pass --cache-dir to name its own"
+            ) from None
+        raise ValueError(
+            f"the control plane at {control_plane} did not answer within --start-timeout "
+            f"({start_timeout:g} s) and nothing of workspace {workspace} is cached on this "
+            "host to start from") from None
+    if answer is None:  # refused: the sidecar says why
+        return existing[0] if len(existing) == 1 else cache_dir_for(control_plane, workspace)
     account, stores = answer
     mine = cache_dir_for(control_plane, workspace, account)
     old = cache_dir_for(control_plane, workspace)
