@@ -698,6 +698,7 @@ def mount(
     else:
         _prepare_mountpoint(mountpoint)
         mountpoint = Path(os.path.realpath(mountpoint))
+    sidecar_process_setup()  # before any request: the account's below loads httpcore
     cache = cache_dir
     if cache is None:  # keyed by the workspace's account (memfuse.cli.mountcache)
         from memfuse.cli.mountcache import choose_cache_dir
@@ -708,7 +709,6 @@ def mount(
         except ValueError as e:
             raise click.ClickException(str(e)) from None
     inst = actor_name(actor or default_actor(cache))
-    sidecar_process_setup()
 
     from memfuse.sidecar.mount import MountConfig, run_mount
 
