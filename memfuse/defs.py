@@ -180,6 +180,13 @@ def next_page_link(query: str, cursor: int) -> str:
 # records on this caller's writes (``ws:<workspace name>/<instance>``): what a sidecar's feed
 # leaves out as its own (docs/API.md "Workspaces and attachments")
 ACTOR_HEADER = "Memfuse-Actor"
+# the response header of GET /v1/workspaces/{ws}/attachments naming the workspace's account
+# (docs/API.md "Workspaces and attachments"): what ``memfuse mount`` keys its default cache
+# directory by, so two accounts' workspaces of one name on one host never share it
+ACCOUNT_HEADER = "Memfuse-Account"
+# the account of every object made before accounts, and of those made naming none
+# (docs/API.md "Accounts"); a control plane that does not send ``ACCOUNT_HEADER`` has only it
+DEFAULT_ACCOUNT = "default"
 # the request header of a record write naming the store it was made for by that store's
 # creation time (``Store.created_at``, RFC 3339): a precondition the control plane checks in
 # the write's transaction, refusing a write of a store deleted and made again under its slug

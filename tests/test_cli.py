@@ -320,6 +320,11 @@ def test_mount_builds_config_and_client(home, tmp_path, monkeypatch):
         return 3
 
     monkeypatch.setattr(mount_mod, "run_mount", fake_run_mount)
+
+    async def account(*args):  # the workspace's account, as the control plane would say
+        return "default", {}
+    import memfuse.cli.mountcache as mountcache
+    monkeypatch.setattr(mountcache, "_ask", account)
     tf = tmp_path / "ws.token"
     tf.write_text("ws-token-abc\n")
     mp = tmp_path / "m"

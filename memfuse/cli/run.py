@@ -546,17 +546,6 @@ def _check_nonempty(mountpoint: Path, allow: bool) -> None:
                err=True)
 
 
-def _mount_cache_dir(control_plane: str, workspace: str) -> Path:
-    """Default sidecar cache: ``<user cache dir>/<workspace>-<sha256(url)[:8]>`` (or under
-    ``$MEMFUSE_HOME/cache`` when set)."""
-    import platformdirs
-
-    home = os.environ.get("MEMFUSE_HOME")
-    root = Path(home).expanduser() / "cache" if home else Path(platformdirs.user_cache_dir("memfuse"))
-    digest = hashlib.sha256(control_plane.rstrip("/").encode()).hexdigest()[:8]
-    return root / f"{workspace}-{digest}"
-
-
 class _UnstattedPath(click.ParamType):
     """A path that click does not ``stat``: with ``--fuse-fd`` MOUNTPOINT is a FUSE mount
     already, served by this very process, so a ``stat`` before it serves would never return."""
@@ -605,7 +594,9 @@ def default_actor(cache_dir: Path | None = None) -> str:
 @opt("--token-check-interval", type=click.FloatRange(min=0.1), default=5.0, show_default=True,
      metavar="S", help="Seconds between checks of --token-file for a new token (a stat).")
 @opt("--cache-dir", type=click.Path(file_okay=False, path_type=Path),
-     help="Local cache and outbox. Default: <user cache dir>/memfuse/<workspace>-<url hash>.")
+     help="Local cache and outbox. Default: <user cache dir>/memfuse/<workspace>-<url hash> "
+          "(<workspace>~<account>-<url hash> for a workspace of an account other than default; "
+          "asked from the control plane, see docs/CLI.md).")
 @opt("--uid", type=int, help="Owner uid shown for files (default: this process's).")
 @opt("--gid", type=int, help="Owner gid shown for files (default: this process's).")
 @opt("--allow-other", is_flag=True, help="Let other users (e.g. the agent container) use the mount.")
@@ -707,9 +698,17 @@ def mount(
     else:
         _prepare_mountpoint(mountpoint)
         mountpoint = Path(os.path.realpath(mountpoint))
-    cache = cache_dir or _mount_cache_dir(control_plane, workspace)
+    sidecar_process_setup()  # before any request: the account's below loads httpcore
+    cache = cache_dir
+    if cache is None:  # keyed by the workspace's account (memfuse.cli.mountcache)
+        from memfuse.cli.mountcache import choose_cache_dir
+
+        try:
+            cache = choose_cache_dir(control_plane, token, workspace, start_timeout,
+                                     lambda line: click.echo(line, err=True))
+        except ValueError as e:
+            raise click.ClickException(str(e)) from None
     inst = actor_name(actor or default_actor(cache))
-    sidecar_process_setup()
 
     from memfuse.sidecar.mount import MountConfig, run_mount
 

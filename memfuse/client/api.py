@@ -8,6 +8,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from ..defs import (
+    ACCOUNT_HEADER,
     ACTOR_HEADER,
     FEED_PAGE_MAX,
     JOBS_PAGE_DEFAULT,
@@ -108,13 +109,15 @@ class ApiClient(AdminEndpoints):
         """``GET /v1/workspaces/{ws}/attachments``: the stores attached to ``ws``, sorted by
         slug. Raises NotFound (``workspace_not_found``), Forbidden for another workspace.
         Keeps the answer's ``Memfuse-Actor`` (the actor of this client's writes) in
-        :attr:`actor`."""
+        :attr:`actor` and its ``Memfuse-Account`` (the workspace's account) in
+        :attr:`account`."""
         path = f"/v1/workspaces/{_seg(ws)}/attachments"
         resp = await self._request("GET", path)
         atts = self._parse(_ATTACHMENTS, resp, "GET", path)
         told = resp.headers.get(ACTOR_HEADER)
         if told:
             self.actor = told
+        self.account = resp.headers.get(ACCOUNT_HEADER) or self.account
         return atts
 
     async def workspace_events(self, ws: str, after: int = 0, wait: float = 0) -> EventPage:

@@ -445,6 +445,10 @@ class ApiSession:
         #: (``Memfuse-Actor`` on ``list_attachments``' answer); None until then, and from a
         #: control plane that does not say
         self.actor: str | None = None
+        #: the account of the workspace whose attachments this client listed last
+        #: (``Memfuse-Account`` on ``list_attachments``' answer); None until then, and from a
+        #: control plane that does not say
+        self.account: str | None = None
         #: called as ``observer(endpoint, status, seconds)`` after every request (metrics);
         #: ``endpoint`` is a low-cardinality template such as ``PUT /v1/stores/{}/records/{}``
         self.observer: Callable[[str, str, float], None] | None = None

@@ -61,6 +61,7 @@ from sqlalchemy.exc import DBAPIError, InvalidRequestError, SQLAlchemyError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 from sqlalchemy.pool import StaticPool
 
+from memfuse import defs
 from memfuse.server import budget, fulltext
 from memfuse.server.rawsql import Raw
 
@@ -154,7 +155,7 @@ IDEM_SCOPE = String(100).with_variant(String(140), "postgresql")
 
 #: the account every object of a database made before accounts belongs to (revision
 #: 0013_accounts), and where the root admin creates objects when it names no account
-DEFAULT_ACCOUNT = "default"
+DEFAULT_ACCOUNT = defs.DEFAULT_ACCOUNT
 
 
 class AccountRow(Base):

@@ -221,6 +221,7 @@ class Service:
         self.delete_attachment = self.stores.delete_attachment
         self.check_workspace = self.stores.check_workspace
         self.list_attachments = self.stores.list_attachments
+        self.workspace_attachments = self.stores.workspace_attachments
         self.stores_over_body_bound = self.stores.stores_over_body_bound
         self.warn_stores_over_body_bound = self.stores.warn_stores_over_body_bound
         # record_reads

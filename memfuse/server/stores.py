@@ -435,15 +435,21 @@ class StoresService(Resource):
 
     def list_attachments(self, p: Principal, ws: str) -> list[Attachment]:
         """The workspace's attachments, by store slug."""
+        return self.workspace_attachments(p, ws)[1]
+
+    def workspace_attachments(self, p: Principal, ws: str) -> tuple[str, list[Attachment]]:
+        """(the workspace's account, its attachments by store slug): ``list_attachments``
+        with the account, which a workspace without stores shows nowhere else."""
         with self.db.read() as s:
-            wkey = self._workspace(s, p, ws).name  # the key
+            row = self._workspace(s, p, ws)
+            wkey, account = row.name, row.account  # the key
             rows = s.execute(
                 select(AttachmentRow, StoreRow)
                 .join(StoreRow, StoreRow.slug == AttachmentRow.store)
                 .where(AttachmentRow.workspace == wkey)
                 .order_by(StoreRow.public_slug, AttachmentRow.store)
             ).all()
-            return [
+            return account, [
                 Attachment(
                     workspace=keys.public(wkey),
                     store=_store_model(st),

@@ -43,7 +43,7 @@ from ..defs import sha256_hex
 from ..diffwork import DiffTooCostly, WorkBudget, bounded_matcher
 from ..wire import Record
 from .identity import RecordIds
-from .inodes import UNKNOWN_BASE
+from .inodes import ABSENT_BASE, UNKNOWN_BASE
 from .journal import Entry, Journal
 
 log = logging.getLogger("memfuse.outbox")
@@ -188,7 +188,7 @@ class ConflictResolver:
         (``ApiClient.append_record``, ``If-Match`` ``sha``, idempotency key
         ``<key>-append``): the same outcome as the whole content, with fewer bytes."""
         local = e.content or b""
-        if sha is None or sha == UNKNOWN_BASE or len(local) < APPEND_MIN_BYTES:
+        if sha is None or sha in (UNKNOWN_BASE, ABSENT_BASE) or len(local) < APPEND_MIN_BYTES:
             return None
         ab = e.append_base
         if base is None and ab is not None and ab[0] == sha and 0 < ab[1] < len(local):
@@ -258,6 +258,10 @@ class ConflictResolver:
                                "this write may hold lines no one wrote (a line cut or doubled): "
                                "check it")
                         what = "written on parts of two versions"
+                    elif sha == ABSENT_BASE:  # Filesystem._create_existing
+                        why = ("the path was created elsewhere while this file was created "
+                               "here")
+                        what = "path created elsewhere"
                     else:
                         why, what = "the record changed elsewhere", "record changed elsewhere"
                     self.conflict(e, f"{why}; this write is now the latest version, the other one "
@@ -409,8 +413,10 @@ class ConflictResolver:
         times in a row (the entry backs off and tries again); API errors as the client
         raises them."""
         local = e.content or b""
-        if base_sha == UNKNOWN_BASE:
-            return None  # written on parts of two versions (Handle.across): no merge base
+        if base_sha in (UNKNOWN_BASE, ABSENT_BASE):
+            # written on parts of two versions (Handle.across), or on none (a create that
+            # opened a record made elsewhere just before, Filesystem._create_existing)
+            return None
         ab = e.append_base
         if base is None and base_sha and ab is not None and ab[0] == base_sha and ab[1] <= len(local):
             base = local[:ab[1]]  # the put extends that version (checked when it was made)

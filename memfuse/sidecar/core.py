@@ -56,7 +56,7 @@ from .blobcache import BlobCache
 from .cachedir import CacheError
 from .control import CONTROL_DIR, FILES, ControlFiles
 from .interrupts import Interrupts
-from .inodes import (CLEAN, PENDING, REJECTED, ROOT_INO, UNKNOWN_BASE, FsError, Handle, InodeTable,
+from .inodes import (ABSENT_BASE, CLEAN, PENDING, REJECTED, ROOT_INO, UNKNOWN_BASE, FsError, Handle, InodeTable,
                      Node, Settings, StoreMount)
 from .namespace import NamespaceOps
 from .limits import WriteLimits
@@ -829,14 +829,22 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         """create(2) of ``name`` in directory ``parent_ino`` with permission bits ``mode``
         (``uid`` / ``gid``, the caller's, are not used: every file belongs to the mount's
         ``--uid`` / ``--gid``); returns the open ``Handle`` (the new file counts one kernel
-        lookup). Raises ``FsError``: ``EEXIST``, ``ENOTDIR``, ``EACCES`` (mount root), ``EROFS``,
-        ``EINVAL`` / ``ENAMETOOLONG`` (name rules), ``ENOSPC`` (the store's record limit)."""
+        lookup). A name that exists here is opened as ``open(2)`` would (``flags``;
+        ``_create_existing``), ``EEXIST`` only with ``O_EXCL``. Raises ``FsError``:
+        ``EEXIST``, ``EISDIR``, ``ENOTDIR``, ``EACCES`` (mount root), ``EROFS``, ``EINVAL`` /
+        ``ENAMETOOLONG`` (name rules), ``ENOSPC`` (the store's record limit)."""
         d = self.node(parent_ino)
         sm = self._writable_dir(d)
         assert d.children is not None  # _writable_dir: a directory
+        try:
+            old = d.children.get(name.decode("utf-8"))
+        except UnicodeDecodeError:
+            old = None
+        if old is not None:
+            if flags & os.O_EXCL:
+                raise FsError(errno.EEXIST)
+            return self._create_existing(old, flags)
         s = self._check_name(d, name)
-        if s in d.children:
-            raise FsError(errno.EEXIST)
         local = self.is_local_only(s)
         if not local and sm.count >= sm.max_records:
             self.refuse(d, s, errno_of("store_full"),
@@ -862,6 +870,28 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         n.nlookup += 1
         self._touch_dir(d)
         return self._new_handle(n, flags)
+
+    def _create_existing(self, n: Node, flags: int) -> Handle:
+        """create(2) without ``O_EXCL`` of the name of ``n``, which exists here: the kernel
+        looked the name up absent (its negative entry), then a change made elsewhere was
+        applied at it (another mount's create of the same path at the same moment) before
+        the kernel's CREATE came. On a local disk such an open opens the file, so it is
+        opened as ``open`` would (``O_TRUNC`` truncates it; a directory is ``EISDIR``) and
+        counts one kernel lookup, never ``EEXIST`` (attack 17 F9: ``open(p, "w")`` and
+        dash's ``>`` failed). A writer that truncates it read no version of it: its
+        overwrite is based on none (``ABSENT_BASE``), last writer wins with a conflict
+        line, as for a create that reaches the control plane second. Raises what ``open``
+        raises."""
+        if n.children is not None:
+            raise FsError(errno.EISDIR)
+        h = self.open(n.ino, flags)
+        n.nlookup += 1
+        if flags & os.O_TRUNC and not n.local_only and n.store is not None:
+            n.read_base = ABSENT_BASE
+        log.info("create of a name made elsewhere just before: the file is opened",
+                 extra={"store": n.store.slug if n.store else None, "path": n.path(),
+                        "truncated": bool(flags & os.O_TRUNC)})
+        return h
 
     def _touch_dir(self, d: Node) -> None:
         d.mtime_ns = d.ctime_ns = time.time_ns()

@@ -400,7 +400,8 @@ class MemfuseOps(pyfuse3.Operations):
     def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
               ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         if stat.S_ISREG(mode):
-            fi, attrs = self._create(parent_inode, name, mode, os.O_WRONLY, ctx)
+            # O_EXCL: mknod(2) of a name that exists is EEXIST (Filesystem.create)
+            fi, attrs = self._create(parent_inode, name, mode, os.O_WRONLY | os.O_EXCL, ctx)
             self.fs.release(fi.fh)
             return attrs
         raise FsError(errno.EPERM, "special files are not supported")

@@ -465,6 +465,16 @@ class Handle:
 #: is), the digest of no content anyone can make.
 UNKNOWN_BASE = "0" * 64
 
+#: ``Node.read_base`` of a file a writer here asked to create (``O_CREAT | O_TRUNC``, not
+#: ``O_EXCL``) where the kernel had looked the name up absent, while a record made
+#: elsewhere at that name was applied here before the create came (``Filesystem.create``
+#: opens that file instead: attack 17 F9): the writer read no version of it, so its
+#: overwrite is sent ``If-Match`` this tag, which no version has, and resolved as a path
+#: created elsewhere, last writer wins with a conflict line, the other version kept in
+#: history (``ConflictResolver.put``): the same outcome as when the other create reaches
+#: the control plane after this one is sent. 64 hex digits, as ``UNKNOWN_BASE``.
+ABSENT_BASE = "0" * 63 + "1"
+
 @dataclass
 class Settings:
     """Tunables of one mount (see ``MountConfig``). Times in seconds."""

@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 from fastapi.responses import PlainTextResponse, Response
 
-from memfuse.defs import ACTOR_HEADER
+from memfuse.defs import ACCOUNT_HEADER, ACTOR_HEADER
 from memfuse.models import Attachment, AttachmentPut, Workspace, WorkspaceCreate
 from memfuse.server import routetable as table
 from memfuse.server.routes.deps import Idem, P, StoreSlug, Svc, json_response, reply_response, route
@@ -39,9 +39,11 @@ def delete_attachment(svc: Svc, ws: str, store: StoreSlug, p: P, idem: Idem) -> 
 
 @route(router, table.LIST_ATTACHMENTS, response_model=list[Attachment], tags=["workspace"])
 def list_attachments(svc: Svc, ws: str, p: P) -> Response:
-    r = json_response(svc.list_attachments(p, ws))
+    account, atts = svc.workspace_attachments(p, ws)
+    r = json_response(atts)
     if p.actor.isascii() and p.actor.isprintable():  # a header value (a sidecar's always is)
         r.headers[ACTOR_HEADER] = p.actor  # the actor of the caller's writes: a sidecar's own
+    r.headers[ACCOUNT_HEADER] = account  # a slug: what `memfuse mount` keys its cache dir by
     return r
 
 
