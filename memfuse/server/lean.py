@@ -70,15 +70,20 @@ class LeanHTTP:
     ``keep_alive_max_requests``, ``max_head`` (bytes, h11's ``max_incomplete_event_size``),
     ``response_headers()``: hypercorn's (``Config.response_headers("h11")``),
     ``log_exception(msg)``: hypercorn's error log (``Config.log.exception``),
-    ``lifespan_state``: the ASGI lifespan state, copied into each request's scope.
+    ``lifespan_state``: the ASGI lifespan state, copied into each request's scope;
+    ``write``: when given, what serves a lean request instead of ``app`` (same signature;
+    ``memfuse.server.gate.Gate.write``: the front door's steps for a record write without
+    its general request path, everything else handed to the app's front door).
     ``watch`` must run beside ``serve`` (it keeps the header deadlines). Event-loop only."""
 
     def __init__(self, app: Callable[..., Awaitable[None]], lean_route: Callable[[str, str], Any], *,
                  keep_alive_timeout: float, keep_alive_max_requests: int, max_head: int,
                  response_headers: Callable[[], list[tuple[bytes, bytes]]],
                  log_exception: Callable[[str], Awaitable[None]],
-                 lifespan_state: dict[str, Any] | None = None) -> None:
+                 lifespan_state: dict[str, Any] | None = None,
+                 write: Callable[..., Awaitable[None]] | None = None) -> None:
         self.app = app
+        self.write = write if write is not None else app
         self.lean_route = lean_route
         self.keep_alive_timeout = keep_alive_timeout
         self.keep_alive_max_requests = keep_alive_max_requests
@@ -237,7 +242,7 @@ class LeanHTTP:
                                        EARLY: exchange.send_early},
                     }
                     try:
-                        await self.app(scope, exchange.receive, exchange.send)
+                        await self.write(scope, exchange.receive, exchange.send)
                     except Exception:  # as hypercorn's ``_handle``: logged, a 500 when nothing was sent
                         await self.log_exception("Error in ASGI Framework")
                     if exchange.head is None and not exchange.broken:

@@ -699,7 +699,9 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
                         keep_alive_max_requests=config.keep_alive_max_requests,
                         max_head=config.h11_max_incomplete_size,
                         response_headers=_response_headers(config),
-                        log_exception=config.log.exception, lifespan_state=lifespan_state)
+                        log_exception=config.log.exception, lifespan_state=lifespan_state,
+                        # the front door's record-write route (memfuse.server.gate.Gate.write)
+                        write=getattr(getattr(app, "front", None), "write", None))
         state = getattr(app, "state", None)
         if state is not None:
             state.lean = lean  # its counters, for tests and benchmarks
