@@ -61,6 +61,11 @@ Sending: any part of a response may take at most ``send_timeout`` s (see
 the connections that have not yet shown a valid token (or asked a probe), per client address
 and in all (past the global cap the oldest is evicted); ``memfuse.server.serve`` applies it
 when it accepts them.
+
+The lean HTTP path (``memfuse.server.lean``) hands a record write (create, update, batch) to
+``Gate.write`` instead: the same steps and refusals for a write whose head shows a cached token
+(through the same methods), without the general request path; any other request goes to
+``__call__`` before anything is counted.
 """
 from __future__ import annotations
 
