@@ -195,12 +195,13 @@ class LeanHTTP:
             with trio.CancelScope() as waiting:
                 while True:
                     # -------- the head, within the header deadline
-                    head = parse_head(buf, self.max_head)
+                    # an empty buffer (the usual case after an answer) has no head to look for
+                    head = parse_head(buf, self.max_head) if buf else None
                     if head is None:
                         self._wait_from(waiting, requests)
                         try:
                             while head is None:
-                                if len(buf) > self.max_head or HEAD_END.search(buf) is not None or closed:
+                                if buf and (len(buf) > self.max_head or HEAD_END.search(buf) is not None) or closed:
                                     # not a lean head (or a partial one and the client left): hypercorn's
                                     return self._handover(buf, closed, requests) if buf else None
                                 if self.terminated:  # as hypercorn's idle timer: closed at once
