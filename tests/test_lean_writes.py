@@ -14,6 +14,7 @@ token, an unknown token), 403 (a read-only attachment), 404, 413 (declared), 429
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -103,16 +104,19 @@ async def test_the_lean_write_route_answers_as_the_general_path_does(database, t
     # a cached database token is trusted while revocations were read within this (1 s by
     # default: past it a write looks its token up on a thread, the general path's way)
     monkeypatch.setattr(tokens, "REVOCATION_CHECK_SECONDS", 120.0)
-    async with trio.open_nursery() as nursery:
+    with contextlib.ExitStack() as schemas, trio.fail_after(150):  # each plane's schema, dropped after the servers
         urls = []
         for name in ("lean", "plain"):
             if database is None:
                 urls.append(f"sqlite:///{tmp_path / name}.db")
             else:
                 monkeypatch.setenv(ENV, database)
-                cm = fresh_db_url()
-                urls.append(cm.__enter__())
-                nursery.start_soon(_exit_at_end, cm)
+                urls.append(schemas.enter_context(fresh_db_url()))
+        await _compare(urls)
+
+
+async def _compare(urls: list[str]) -> None:
+    async with trio.open_nursery() as nursery:
         lean = await _plane(nursery, urls[0], True)
         plain = await _plane(nursery, urls[1], False)
         assert lean.app.state.lean.write is not None
@@ -199,10 +203,3 @@ async def test_the_lean_write_route_answers_as_the_general_path_does(database, t
         assert got[0] == got[1] and len(got[0]) == 8, " ".join(got[0])
         nursery.cancel_scope.cancel()
 
-
-async def _exit_at_end(cm: Any) -> None:
-    """Leave ``cm`` (a fresh PostgreSQL schema) when the test's nursery is cancelled."""
-    try:
-        await trio.sleep_forever()
-    finally:
-        cm.__exit__(None, None, None)
