@@ -235,3 +235,65 @@ async def test_jobs_given_to_a_busy_thread_keep_their_order() -> None:
             await trio.lowlevel.checkpoint()
         release.set()
     assert order == [0, 1, 2, 3, 4, 5]
+
+
+
+def _installed_hand_over() -> bool:
+    """Whether a writer's hand-over instrument is among the run's ``before_io_wait`` hooks."""
+    from trio._core._run import GLOBAL_RUN_CONTEXT
+
+    from memfuse.server.writerthread import _HandOver
+
+    hooks = GLOBAL_RUN_CONTEXT.runner.instruments.data.get("before_io_wait", {})
+    return any(isinstance(h, _HandOver) for h in hooks)
+
+
+class _SeeHeld(trio.abc.Instrument):
+    """Added before the writer's hand-over (its hook runs first): at each loop iteration,
+    whether ``writer`` holds jobs and whether the hand-over is installed."""
+
+    def __init__(self, writer: WriterThread) -> None:
+        self.writer = writer
+        self.seen: list[tuple[bool, bool]] = []
+
+    def before_io_wait(self, timeout: float) -> None:
+        self.seen.append((bool(self.writer._held), _installed_hand_over()))
+
+
+async def test_the_hand_over_is_installed_only_while_a_job_is_held() -> None:
+    """The hand-over's hook (trio calls an installed one on every loop iteration, ~4.2 k
+    instructions through ``Instruments.call``) is in the run exactly while a job is held
+    back: the loop's iterations with nothing held do not call it (on main it stayed for the
+    run's life), jobs still reach the thread in order, and an instrument added before it
+    keeps its place."""
+    w = WriterThread(name="wt-test-9", idle=5)
+    see = _SeeHeld(w)
+    trio.lowlevel.add_instrument(see)
+    try:
+        results: list[int] = []
+
+        async def give(i: int) -> None:
+            results.append(await w.run(lambda: i))
+
+        for i in range(3):
+            with trio.fail_after(5):
+                while i and not w._waiting:  # the thread idle at its queue: the next job is held
+                    await trio.sleep(0.01)
+                await give(i)
+            await trio.sleep(0.02)  # idle iterations of the loop
+            assert not _installed_hand_over()
+        with trio.fail_after(5):
+            while not w._waiting:
+                await trio.sleep(0.01)
+            async with trio.open_nursery() as n:  # several given at once, held together
+                for i in range(3, 7):
+                    n.start_soon(give, i)
+        assert sorted(results) == list(range(7)) and results[:3] == [0, 1, 2]
+        assert (True, True) in see.seen  # held: installed (the job waited for the loop's block)
+        assert (False, False) in see.seen  # nothing held: not installed
+        assert all(held == installed for held, installed in see.seen), see.seen
+        from trio._core._run import GLOBAL_RUN_CONTEXT
+
+        assert next(iter(GLOBAL_RUN_CONTEXT.runner.instruments.data["before_io_wait"])) is see
+    finally:
+        trio.lowlevel.remove_instrument(see)

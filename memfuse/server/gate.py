@@ -61,6 +61,11 @@ Sending: any part of a response may take at most ``send_timeout`` s (see
 the connections that have not yet shown a valid token (or asked a probe), per client address
 and in all (past the global cap the oldest is evicted); ``memfuse.server.serve`` applies it
 when it accepts them.
+
+The lean HTTP path (``memfuse.server.lean``) hands a record write (create, update, batch) to
+``Gate.write`` instead: the same steps and refusals for a write whose head shows a cached token
+(through the same methods), without the general request path; any other request goes to
+``__call__`` before anything is counted.
 """
 from __future__ import annotations
 
@@ -80,7 +85,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from memfuse.defs import RECORD_BODY_MAX, sha256_hex
 from memfuse.server import budget
 from memfuse.server.limits import MAX_HEAD, PROBLEM_JSON, ServerMetrics
-from memfuse.server.readslots import MAX_READS, READS_PER_TOKEN, ReadSlots, is_cheap, read_call
+from memfuse.server.readslots import (MAX_READS, MEMORY_TOOL_SUFFIX, READS_PER_TOKEN, ReadSlots, is_cheap,
+                                      read_call)
 from memfuse.server.service import Principal, Service, ServiceError, with_write_headers
 from memfuse.server.streamclass import Lease, StreamClass
 
@@ -416,6 +422,7 @@ class Gate:
         # ``Authorization``, as there): Anthropic's memory-store API
         self.api_key_prefixes: tuple[str, ...] = ()
         self.inflight = 0  # read by the gauge ``metrics.inflight`` when scraped
+        self.lean_writes = 0  # requests ``write`` took itself (tests, the benchmark)
         metrics.inflight.set_function(lambda: self.inflight)
         self.body_bytes = 0  # bytes of bodies held now
         self._rate_keys: dict[str, str] = {}  # token → its write buckets' key (a digest)
@@ -515,14 +522,7 @@ class Gate:
             scope["memfuse.principal"] = principal
             if method in _WRITE_METHODS and path.startswith("/v1/") and token:
                 # the token's write buckets, from the headers, before the body is read
-                key = self._token_key(token)
-                wait = self.write_rate.take(key, length or 0, time.monotonic())
-                if wait > 0:
-                    await self._refuse(receive, send, 429, "rate_limited",
-                                       "this token writes faster than the control plane allows; "
-                                       "retry after the time in Retry-After",
-                                       headers={"Retry-After": str(max(1, math.ceil(wait)))},
-                                       close=pending, path=path)
+                if await self._rate_refused(token, length, receive, send, pending, path):
                     return
         lease: Lease | None = None
         if self.long_lived(method, path, scope.get("query_string", b"")):
@@ -539,28 +539,12 @@ class Gate:
             scope["memfuse.lease"] = lease
         held = 0
         try:
-            try:
-                body, held = await self._read_body(receive, limit, scope)
-            except _Refusal as r:
-                await self._refuse(receive, send, r.status, r.code, r.detail, headers=r.headers,
-                                   close=True, path=path)
-                return
+            body, held = await self._body(receive, send, limit, scope, path)
             if body is None:
-                return  # the client left
+                return  # the client left, or refused
             if lease is None:
-                # these two end the connection after their answer (attack17 F4): requests a
-                # client pipelined behind one would each be refused in turn, long after it left
-                if self.inflight >= self.max_inflight:
-                    await self._refuse(receive, send, 503, "overloaded",
-                                       "the server is at its request limit; retry",
-                                       headers={"Retry-After": "1"}, close=True, path=path)
-                    return
                 share = self._share_key(principal, token, scope)
-                if share is not None and not self.shares.take(share):
-                    await self._refuse(receive, send, 429, "too_many_requests",
-                                       "this client has as many requests in the server at once as "
-                                       "one token (or one address without a token) may; retry",
-                                       headers={"Retry-After": "1"}, close=True, path=path)
+                if await self._slot_refused(share, receive, send, path):
                     return
                 self.inflight += 1
                 try:
@@ -581,6 +565,130 @@ class Gate:
             self.body_bytes -= held
             if lease is not None:
                 lease.close()
+
+    async def write(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A record write (create, update, batch: the routes ``memfuse.server.writepath``
+        serves) from an HTTP server that offers ``SEND_WITHIN`` (``memfuse.server.lean``):
+        the steps ``__call__`` takes for it, without its general request path (probes,
+        long-lived responses, reads, the app's bounded sends: bench/README.md, "The close
+        path, session 18: serve's loop"). Taken here only when the head alone shows the
+        common case: a ``/v1/`` ``POST`` / ``PUT`` with a ``Content-Length`` within the
+        endpoint's bound, a head within ``MAX_HEAD``, a bearer token the service resolves
+        without the database (``Service.authenticate_cached``), no ``x-api-key`` that would
+        replace it; every other request (a 401, 413, 431, an unknown token, a chunked body)
+        goes to ``__call__`` before anything is counted or taken, so its answer is that
+        path's own. From then on the steps, their order and every refusal (429
+        ``rate_limited``, the body's 413 / 408 / 503, 503 ``overloaded``, 429
+        ``too_many_requests``) are ``__call__``'s, through the same methods; a request the
+        write path declines (``writes`` False: FastAPI's own refusals) is run as
+        ``__call__`` runs it."""
+        path = scope["path"]
+        head, length, chunked, token, instance, api_key, store_created, writer = _headers(scope)
+        within = (scope.get("extensions") or {}).get(SEND_WITHIN)
+        limit = self.body_limit(scope["method"], path)
+        principal: Principal | None = None
+        if (within is not None and self.writes is not None and not chunked and token
+                and length is not None and length <= limit and head <= MAX_HEAD
+                and scope["method"] in ("POST", "PUT") and path.startswith("/v1/")
+                and not path.endswith(MEMORY_TOOL_SUFFIX)
+                and not (api_key and path.startswith(self.api_key_prefixes or ("\0",)))):
+            try:
+                principal = self.svc.authenticate_cached(token, instance)
+            except ServiceError:
+                principal = None
+        if principal is None:
+            await self(scope, receive, send)
+            return
+        assert token is not None and length is not None and self.writes is not None and within is not None
+        self.lean_writes += 1
+        client = scope.get("client")
+        self.connections.active(client)
+        self.connections.cleared(client)
+        scope["memfuse.principal"] = with_write_headers(principal, store_created, writer)
+        if await self._rate_refused(token, length, receive, send, bool(length), path):
+            return
+        held = 0
+        try:
+            body, held = await self._body(receive, send, limit, scope, path)
+            if body is None:
+                return  # the client left, or refused
+            share = self._token_key(token)  # ``_share_key`` of a request with a principal and a token
+            if await self._slot_refused(share, receive, send, path):
+                return
+            self.inflight += 1
+            status = 0
+            try:
+                async def send_(message: Message) -> None:
+                    # as ``_run``'s ``send_bounded`` for a write's answer: the head (of known
+                    # length; held by the server until the body) as it is, the body bounded
+                    nonlocal status
+                    if message["type"] == "http.response.start":
+                        status = message["status"]
+                        await send(message)
+                        return
+                    await within(message, self.send_timeout)
+
+                try:
+                    if await self.writes(scope, body, send_):
+                        return
+                except TimeoutError:
+                    log.info("client did not read its response; connection dropped",
+                             extra={"path": path, "timeout_s": self.send_timeout})
+                    return
+                await self._run(scope, replay(body, receive), send, None, body, offer_writes=False)
+            finally:
+                if status:
+                    self.metrics.answered(status)
+                self.inflight -= 1
+                self.shares.give(share)
+        finally:
+            self.body_bytes -= held
+
+    async def _rate_refused(self, token: str, length: int | None, receive: Receive, send: Send,
+                            pending: bool, path: str) -> bool:
+        """Draw a write of ``length`` body bytes on ``token``'s write buckets (``WriteRate``,
+        before the body is read); True when refused (429 ``rate_limited`` with
+        ``Retry-After`` sent; ``pending``: a body is left unread, the connection closes)."""
+        wait = self.write_rate.take(self._token_key(token), length or 0, time.monotonic())
+        if wait <= 0:
+            return False
+        await self._refuse(receive, send, 429, "rate_limited",
+                           "this token writes faster than the control plane allows; "
+                           "retry after the time in Retry-After",
+                           headers={"Retry-After": str(max(1, math.ceil(wait)))},
+                           close=pending, path=path)
+        return True
+
+    async def _body(self, receive: Receive, send: Send, limit: int, scope: Scope,
+                    path: str) -> tuple[bytes | None, int]:
+        """``_read_body``, its refusals (413, 408, 503) answered (the connection then closes):
+        (None, 0) when refused or the client left, else (the body, the bytes of
+        ``body_budget`` it holds: the caller gives them back)."""
+        try:
+            return await self._read_body(receive, limit, scope)
+        except _Refusal as r:
+            await self._refuse(receive, send, r.status, r.code, r.detail, headers=r.headers,
+                               close=True, path=path)
+            return None, 0
+
+    async def _slot_refused(self, share: str | None, receive: Receive, send: Send, path: str) -> bool:
+        """Whether an ordinary request whose body is read is refused a request slot: 503
+        ``overloaded`` at ``max_inflight``, 429 ``too_many_requests`` when ``share``'s
+        (``_share_key``) is full; both end the connection after their answer (attack17 F4:
+        requests a client pipelined behind one would each be refused in turn, long after it
+        left). Not refused: one of ``share``'s taken (the caller gives it back)."""
+        if self.inflight >= self.max_inflight:
+            await self._refuse(receive, send, 503, "overloaded",
+                               "the server is at its request limit; retry",
+                               headers={"Retry-After": "1"}, close=True, path=path)
+            return True
+        if share is not None and not self.shares.take(share):
+            await self._refuse(receive, send, 429, "too_many_requests",
+                               "this client has as many requests in the server at once as "
+                               "one token (or one address without a token) may; retry",
+                               headers={"Retry-After": "1"}, close=True, path=path)
+            return True
+        return False
 
     def _token_key(self, token: str) -> str:
         """The key of ``token``'s write buckets and request share (a digest, so the tables
@@ -682,10 +790,10 @@ class Gate:
                 self.metrics.refused.labels("timeout").inc()
 
     async def _run(self, scope: Scope, receive: Receive, send: Send, lease: Lease | None,
-                   body: bytes = b"") -> None:
+                   body: bytes = b"", offer_writes: bool = True) -> None:
         """Run the app with bounded sends (an ordinary request first offered to ``writes``
-        with its ``body``); a lease's response runs in its scope and, when the lease is cut,
-        is ended here."""
+        with its ``body``, unless ``offer_writes`` is False: ``write`` did); a lease's
+        response runs in its scope and, when the lease is cut, is ended here."""
         state: dict[str, Any] = {"status": 0, "type": b"", "done": False}
         # One cancel scope around the whole request, armed only while a send is under way:
         # a stream sends thousands of lines, and a scope per send was a third of a
@@ -697,7 +805,8 @@ class Gate:
         # the front door cleared the connection already when it authenticated the request
         # (``Connections.cleared`` is then a no-op: the connection never counts again)
         cleared = scope.get("memfuse.principal")
-        if lease is None and self.writes is not None:
+        writes = self.writes if offer_writes else None
+        if lease is None and writes is not None:
             within = (scope.get("extensions") or {}).get(SEND_WITHIN)
 
         async def send_bounded(message: Message) -> None:
@@ -739,15 +848,15 @@ class Gate:
         try:
             tried = within is not None
             if tried:
-                assert self.writes is not None
-                if await self.writes(scope, body, send_bounded):
+                assert writes is not None
+                if await writes(scope, body, send_bounded):
                     return
                 within = None  # the app's sends: under ``bound``, as under hypercorn
             bound = anyio.CancelScope()
             with bound:
                 if lease is None:
-                    if not (not tried and self.writes is not None
-                            and await self.writes(scope, body, send_bounded)):
+                    if not (not tried and writes is not None
+                            and await writes(scope, body, send_bounded)):
                         await self.app(scope, receive, send_bounded)
                 else:
                     with lease.scope:

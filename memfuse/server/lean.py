@@ -73,7 +73,10 @@ class LeanHTTP:
     ``log_exception(msg)``: hypercorn's error log (``Config.log.exception``),
     ``lifespan_state``: the ASGI lifespan state, copied into each request's scope;
     ``on_client_gone()``: called when a connection ends with requests pipelined on it and
-    not run, because its client had gone (``client_gone``).
+    not run, because its client had gone (``client_gone``);
+    ``write``: when given, what serves a lean request instead of ``app`` (same signature;
+    ``memfuse.server.gate.Gate.write``: the front door's steps for a record write without
+    its general request path, everything else handed to the app's front door).
     ``watch`` must run beside ``serve`` (it keeps the header deadlines). Event-loop only."""
 
     def __init__(self, app: Callable[..., Awaitable[None]], lean_route: Callable[[str, str], Any], *,
@@ -81,8 +84,10 @@ class LeanHTTP:
                  response_headers: Callable[[], list[tuple[bytes, bytes]]],
                  log_exception: Callable[[str], Awaitable[None]],
                  lifespan_state: dict[str, Any] | None = None,
-                 on_client_gone: Callable[[], None] | None = None) -> None:
+                 on_client_gone: Callable[[], None] | None = None,
+                 write: Callable[..., Awaitable[None]] | None = None) -> None:
         self.app = app
+        self.write = write if write is not None else app
         self.lean_route = lean_route
         self.keep_alive_timeout = keep_alive_timeout
         self.keep_alive_max_requests = keep_alive_max_requests
@@ -196,12 +201,13 @@ class LeanHTTP:
             with trio.CancelScope() as waiting:
                 while True:
                     # -------- the head, within the header deadline
-                    head = parse_head(buf, self.max_head)
+                    # an empty buffer (the usual case after an answer) has no head to look for
+                    head = parse_head(buf, self.max_head) if buf else None
                     if head is None:
                         self._wait_from(waiting, requests)
                         try:
                             while head is None:
-                                if len(buf) > self.max_head or HEAD_END.search(buf) is not None or closed:
+                                if buf and (len(buf) > self.max_head or HEAD_END.search(buf) is not None) or closed:
                                     # not a lean head (or a partial one and the client left): hypercorn's
                                     return self._handover(buf, closed, requests) if buf else None
                                 if self.terminated:  # as hypercorn's idle timer: closed at once
@@ -243,7 +249,7 @@ class LeanHTTP:
                                        EARLY: exchange.send_early},
                     }
                     try:
-                        await self.app(scope, exchange.receive, exchange.send)
+                        await self.write(scope, exchange.receive, exchange.send)
                     except Exception:  # as hypercorn's ``_handle``: logged, a 500 when nothing was sent
                         await self.log_exception("Error in ASGI Framework")
                     if exchange.head is None and not exchange.broken:

@@ -798,7 +798,9 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
                         max_head=config.h11_max_incomplete_size,
                         response_headers=_response_headers(config),
                         log_exception=config.log.exception, lifespan_state=lifespan_state,
-                        on_client_gone=None if on_ended is None else lambda: on_ended("client_gone"))
+                        on_client_gone=None if on_ended is None else lambda: on_ended("client_gone"),
+                        # the front door's record-write route (memfuse.server.gate.Gate.write)
+                        write=getattr(getattr(app, "front", None), "write", None))
         state = getattr(app, "state", None)
         if state is not None:
             state.lean = lean  # its counters, for tests and benchmarks

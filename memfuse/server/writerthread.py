@@ -83,10 +83,32 @@ class _HandOver(trio.abc.Instrument):
     """The hand-over of one trio run (module docstring): ``due`` holds the writers with jobs
     held back (``WriterThread._held``), each once; ``before_io_wait`` puts their jobs in
     their queues as the event loop is about to block. Never raises (an instrument that
-    raises is removed by trio, and held jobs would then wait forever)."""
+    raises is removed by trio, and held jobs would then wait forever).
+
+    Installed in the run only while ``due`` is not empty (``arm``; ``before_io_wait``
+    takes it out once it has handed everything over): trio calls an installed hook on every
+    loop iteration (~4.2 k instructions each through ``Instruments.call``), and the loop of
+    ``memfuse serve`` turns several times per write with nothing held. trio's public
+    ``add_instrument`` finds an instrument's hooks with ``dir()`` (~30 µs, more than the
+    calls it would save), so the hook is put in and taken out of the run's table of
+    ``before_io_wait`` hooks directly (``_hooks``, the dict ``trio._core.Instruments``
+    calls; its ``_all`` entry too, so that trio's own removal of a failed instrument still
+    works); where that table is not what trio 0.25-0.35 has, the instrument is added once
+    with ``add_instrument`` and stays (``_hooks`` None)."""
 
     def __init__(self) -> None:
         self.due: list[WriterThread] = []
+        # the run's ``Instruments`` table (hook name → {instrument: None}), or None: added
+        # for good through the public API. INVARIANT (when not None): this instrument is in
+        # ``_hooks["before_io_wait"]`` and ``_hooks["_all"]`` exactly while ``due`` is not empty
+        self._hooks: dict[str, dict[trio.abc.Instrument, None]] | None = None
+
+    def arm(self) -> None:
+        """``due`` just became non-empty: be called as the loop next blocks."""
+        hooks = self._hooks
+        if hooks is not None:
+            hooks["_all"][self] = None
+            hooks.setdefault("before_io_wait", {})[self] = None
 
     def before_io_wait(self, timeout: float) -> None:
         due = self.due
@@ -96,19 +118,45 @@ class _HandOver(trio.abc.Instrument):
                 writer._hand_over()
             except BaseException:  # noqa: BLE001 - cannot happen; logged, never raised to trio
                 log.exception("writer thread: handing jobs over failed")
+        hooks = self._hooks
+        if hooks is not None:  # nothing held: out of the loop's iterations until the next job
+            hooks["_all"].pop(self, None)
+            mine = hooks.get("before_io_wait")
+            if mine is not None:
+                mine.pop(self, None)
+                if not mine:  # as trio leaves it: no entry, no call
+                    del hooks["before_io_wait"]
 
 
-#: the hand-over instrument of the current trio run (added to the run by its first job)
+#: the hand-over instrument of the current trio run (made by its first job)
 _HAND_OVER: trio.lowlevel.RunVar[_HandOver] = trio.lowlevel.RunVar("memfuse_writer_hand_over")
 
 
+def _run_hooks() -> dict[str, dict[trio.abc.Instrument, None]] | None:
+    """The current trio run's table of instrument hooks (``trio._core._instrumentation.
+    Instruments.data``), or None when trio's internals are not the ones this was written
+    for (the hand-over then stays installed: correct, and dearer)."""
+    try:
+        from trio._core._run import GLOBAL_RUN_CONTEXT  # trio's own; checked below
+
+        data = GLOBAL_RUN_CONTEXT.runner.instruments.data
+    except (ImportError, AttributeError):
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("_all"), dict):
+        return None
+    return data
+
+
 def _hand_over_of_run() -> _HandOver:
-    """The current trio run's ``_HandOver``, added to the run as an instrument at first use."""
+    """The current trio run's ``_HandOver`` (made at first use; installed in the run only
+    while it holds jobs, ``_HandOver.arm``, or for good where trio's table is not reachable)."""
     try:
         return _HAND_OVER.get()
     except LookupError:
         h = _HandOver()
-        trio.lowlevel.add_instrument(h)
+        h._hooks = _run_hooks()
+        if h._hooks is None:
+            trio.lowlevel.add_instrument(h)
         _HAND_OVER.set(h)
         return h
 
@@ -168,7 +216,10 @@ class WriterThread:
         job = (contextvars.copy_context(), fn, args, slot)
         if self._held or self._waiting or not self._alive:  # its put would wake the thread now
             if not self._held:
-                _hand_over_of_run().due.append(self)
+                hand_over = _hand_over_of_run()
+                if not hand_over.due:
+                    hand_over.arm()
+                hand_over.due.append(self)
             self._held.append(job)
         else:  # the thread is busy: it takes the job when done, nothing to wake
             self._jobs.put(job)
