@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from sqlalchemy import bindparam, event, exc, false, insert, select
+from sqlalchemy import bindparam, event, exc, false, func, insert, select
 
 from memfuse.server.app import create_app
 from memfuse.server.base import _I, _R, _S, _V, _RAW_INSERT_IDEM, _RAW_SELECT_IDEM, _SELECT_IDEM
@@ -19,6 +19,7 @@ from memfuse.server.recordrows import (
     _RAW_SELECT_RECORD,
     _SELECT_LIVE_UNDER,
     _SELECT_RECORD,
+    next_seq_sql,
 )
 from pgutil import fresh_db_url
 
@@ -141,18 +142,93 @@ def test_what_raw_cannot_run_is_refused_at_its_first_compile():
     assert _S is not None
 
 
-async def test_a_create_costs_eight_statements_and_begin(env):
+async def test_a_create_costs_seven_statements_and_begin(env):
     """The idempotency lookup, the store row, the live records at the path and its
-    ancestors with the ``path/`` range (one statement since session 17), the record and version inserts, the record's seq, the
-    usage and history counters, the idempotency row (bench/README.md); on SQLite our
-    ``BEGIN IMMEDIATE``, on PostgreSQL the commit bus's ``pg_notify`` (its BEGIN is the
-    driver's, not counted)."""
+    ancestors with the ``path/`` range (one statement since session 17), the record's insert
+    with its version's seq (``next_seq_sql``; no statement of its own since session 18), the
+    version's insert, the usage and history counters, the idempotency row (bench/README.md);
+    on SQLite our ``BEGIN IMMEDIATE``, on PostgreSQL the commit bus's ``pg_notify`` (its
+    BEGIN is the driver's, not counted)."""
     app, me = env
     await _create(me, "warm.md", **{"Idempotency-Key": "w"})
     counter = app.state.metrics.db_statements
     before = counter.value()
     await _create(me, "d/one.md", **{"Idempotency-Key": "one"})
-    assert counter.value() - before == 8 + 1
+    assert counter.value() - before == 7 + 1
+
+
+async def test_a_new_records_seq_is_its_first_versions_and_the_feed_stays_ascending(env):
+    """A record created alone, in a batch (deferred and not) and after the latest versions
+    are gone (a purge of the newest record) has its first version's seq, each new one past
+    every seq ever given (SQLite: ``sqlite_sequence`` follows), and is found by ranked search
+    (indexed through the queue, as when its seq came by a second statement)."""
+    app, me = env
+    db = app.state.service.db
+    seqs = [(await _create(me, "one.md"))["seq"]]
+    ops = [{"op": "create", "body": {"path": f"b/{i}.md", "content": f"batch word{i}\n"}} for i in range(3)]
+    r = await me.post("/v1/stores/s/batch", json={"operations": ops})
+    assert r.status_code == 200, r.text
+    top = await _create(me, "top.md")
+    seqs.append(top["seq"])
+    # the newest record and its versions gone: a seq is still never given twice
+    r = await me.delete(f"/v1/stores/s/records/{top['id']}")
+    assert r.status_code in (200, 204), r.text
+    with db.write_conn() as conn:
+        gone = conn.execute(select(func.max(_V.c.seq))).scalar_one()
+        conn.execute(_V.delete().where(_V.c.record_id == top["id"]))
+        conn.execute(_R.delete().where(_R.c.id == top["id"]))
+    after = await _create(me, "after.md", **{"Idempotency-Key": "after"})
+    assert after["seq"] > gone
+    seqs.append(after["seq"])
+    with db.read_conn() as conn:
+        rows = conn.execute(select(_R.c.id, _R.c.path, _R.c.seq, _V.c.seq.label("vseq")).join(
+            _V, (_V.c.record_id == _R.c.id) & (_V.c.version == 1))).all()
+        assert rows and all(row.seq == row.vseq for row in rows), rows
+        if db.is_sqlite:
+            ever = conn.exec_driver_sql("SELECT seq FROM sqlite_sequence WHERE name = 'versions'").scalar()
+            assert ever == conn.execute(select(func.max(_V.c.seq))).scalar_one() == after["seq"]
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+    for q, want in (("word1", ["b/1.md"]), ("after", ["after.md"])):
+        r = await me.get("/v1/stores/s/search", params={"q": q, "order": "relevance"})
+        assert r.status_code == 200, r.text
+        assert [h["record"]["path"] for h in r.json()["hits"]] == want
+
+
+def test_the_next_seq_is_the_one_sqlites_autoincrement_gives():
+    """``next_seq_sql`` (SQLite) against SQLite's own choice, in random states of a table
+    like ``versions``: inserts with and without a seq (above and below the top), deletes
+    (the top row too), ``sqlite_sequence`` moved up, down or gone."""
+    import random
+    import sqlite3
+
+    rng = random.Random(18)
+    conn = sqlite3.connect(":memory:", isolation_level=None)
+    conn.execute("CREATE TABLE versions (seq INTEGER PRIMARY KEY AUTOINCREMENT, x INTEGER)")
+    expr = next_seq_sql(False)
+    checked = 0
+    for _ in range(3000):
+        top = conn.execute("SELECT max(seq) FROM versions").fetchone()[0] or 0
+        op = rng.randrange(7)
+        if op == 0:
+            conn.execute("INSERT INTO versions (x) VALUES (1)")
+        elif op == 1 and top:
+            seq = rng.randrange(1, top + 20)
+            conn.execute("INSERT OR IGNORE INTO versions (seq, x) VALUES (?, 2)", (seq,))
+        elif op == 2 and top:
+            conn.execute("DELETE FROM versions WHERE seq >= ?", (rng.randrange(1, top + 1),))
+        elif op == 3:
+            conn.execute("UPDATE sqlite_sequence SET seq = ? WHERE name = 'versions'", (rng.randrange(0, top + 10),))
+        elif op == 4:
+            conn.execute("DELETE FROM sqlite_sequence WHERE name = 'versions'")
+        want_row = conn.execute(f"SELECT {expr}").fetchone()
+        conn.execute("SAVEPOINT probe")
+        conn.execute("INSERT INTO versions (x) VALUES (3)")
+        got = conn.execute("SELECT last_insert_rowid()").fetchone()[0]
+        conn.execute("ROLLBACK TO probe")
+        conn.execute("RELEASE probe")
+        assert want_row[0] == got
+        checked += 1
+    assert checked == 3000
 
 
 async def test_reads_of_live_records_at_paths_look_each_path_up_on_sqlite(env):

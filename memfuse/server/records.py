@@ -52,8 +52,9 @@ from memfuse.server import deltas, history, keys, staleness, tails, wakeups
 from memfuse.server.db import utcnow, version_in_range
 from memfuse.server.recordrows import (
     BatchStore,
-    _RAW_INSERT_RECORD,
+    _RAW_INSERT_NEW_RECORD,
     _RAW_INSERT_VERSION,
+    _RAW_INSERT_VERSION_AT,
     _RAW_SELECT_LIVE_AT_OR_UNDER,
     _RAW_SELECT_LIVE_UNDER,
     _RAW_SELECT_RECORD,
@@ -271,9 +272,10 @@ class RecordsService(Resource):
         rec.updated_at = now
         rec.updated_by = actor
         rec.review_after, rec.expires_at = staleness.record_dates(rec.content)
-        if new:
-            rec.seq = 0
-            _RAW_INSERT_RECORD.run(conn, rec.values())  # before the version that references it
+        if new:  # before the version that references it, with the version's seq (``next_seq_sql``)
+            values = rec.values()
+            del values["seq"]
+            rec.seq = _RAW_INSERT_NEW_RECORD[conn.dialect.name == "postgresql"].scalar(conn, values)
             stored, base_version, chain = rec.content, None, 0
         elif append is not None:
             whole = RecordsService._appended_content(conn, rec, append)
@@ -308,14 +310,16 @@ class RecordsService(Resource):
             row["overwrote"], row["overwrote_by"] = overwrote[0][0], encode_overwrote(overwrote)
         if writer is not None:
             row["writer"] = writer
-        seq: int = _RAW_INSERT_VERSION.scalar(conn, row)
+        seq: int
+        if new:  # the record has its version's seq already
+            seq = row["seq"] = rec.seq
+            _RAW_INSERT_VERSION_AT.run(conn, row)
+        else:
+            seq = rec.seq = _RAW_INSERT_VERSION.scalar(conn, row)
         if rec.content is not None:
             history.note_kept(conn, rec.store, rec.size, 1)
-        rec.seq = seq
         wakeups.note_feed(rec.store, seq, writer or actor)
-        if new:
-            _RAW_UPDATE_RECORD.run(conn, {"rid": rec.id, "seq": seq})
-        else:
+        if not new:
             values = rec.values()
             for k in ("id", "store", "created_at"):
                 del values[k]
