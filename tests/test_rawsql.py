@@ -142,8 +142,9 @@ def test_what_raw_cannot_run_is_refused_at_its_first_compile():
     assert _S is not None
 
 
-async def test_a_create_costs_seven_statements_and_begin(env):
-    """The idempotency lookup, the store row, the live records at the path and its
+async def test_a_create_costs_six_statements_and_begin(env):
+    """The store row with the idempotency key's lookup (``IDEM_PROBE``; its own statement
+    before session 18), the live records at the path and its
     ancestors with the ``path/`` range (one statement since session 17), the record's insert
     with its version's seq (``next_seq_sql``; no statement of its own since session 18), the
     version's insert, the usage and history counters, the idempotency row (bench/README.md);
@@ -154,7 +155,7 @@ async def test_a_create_costs_seven_statements_and_begin(env):
     counter = app.state.metrics.db_statements
     before = counter.value()
     await _create(me, "d/one.md", **{"Idempotency-Key": "one"})
-    assert counter.value() - before == 7 + 1
+    assert counter.value() - before == 6 + 1
 
 
 async def test_a_new_records_seq_is_its_first_versions_and_the_feed_stays_ascending(env):
@@ -368,3 +369,63 @@ def test_raw_on_a_closed_connection_is_refused_as_core_refuses_it():
             Raw(text("SELECT 1")).run(conn, {})
     finally:
         engine.dispose()
+
+
+async def test_a_key_looked_up_with_the_store_row_answers_as_the_lookup_first(env):
+    """``Writer.write(store_first=True)``: a workspace token's keyed write looks its key up in
+    the store row's statement (``IDEM_PROBE``). Every answer is the one of the lookup first:
+    a replay (byte for byte), 422 for the key with another body, a replay when the store is
+    read-only or detached since (the store read refuses, the key's stored answer wins), a
+    key whose row expired is a new write, a write without a key is not looked up, and a
+    ``fn`` that never reads the store still replays (its writes undone)."""
+    from datetime import timedelta
+
+    from memfuse.server.base import IdempotencyRequest, Principal
+
+    app, me = env
+    db = app.state.service.db
+    t = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=t, base_url="http://t", headers={"Authorization": f"Bearer {ADMIN}"}) as a:
+        body = {"path": "k.md", "content": "x\n"}
+        first = await me.post("/v1/stores/s/records", json=body, headers={"Idempotency-Key": "k"})
+        assert first.status_code == 201, first.text
+        again = await me.post("/v1/stores/s/records", json=body, headers={"Idempotency-Key": "k"})
+        assert (again.status_code, again.content, again.headers["idempotent-replayed"]) == (201, first.content, "true")
+        other = await me.post("/v1/stores/s/records", json={**body, "path": "o.md"}, headers={"Idempotency-Key": "k"})
+        assert (other.status_code, other.json()["code"]) == (422, "idempotency_key_reused")
+        # the row expired: deleted, the write made anew
+        with db.write_conn() as conn:
+            conn.execute(_I.update().where(_I.c.key == "k").values(created_at=utcnow() - timedelta(days=2)))
+        fresh = await me.post("/v1/stores/s/records", json={**body, "path": "k2.md"}, headers={"Idempotency-Key": "k"})
+        assert fresh.status_code == 201 and "idempotent-replayed" not in fresh.headers, fresh.text
+        # read-only, then detached: the stored answer still, a new key refused
+        ro = await me.post("/v1/stores/s/records", json={**body, "path": "r.md"}, headers={"Idempotency-Key": "r"})
+        assert ro.status_code == 201
+        assert (await a.put("/v1/workspaces/ws/attachments/s", json={"access": "read_only"})).status_code == 200
+        r = await me.post("/v1/stores/s/records", json={**body, "path": "r.md"}, headers={"Idempotency-Key": "r"})
+        assert (r.status_code, r.content, r.headers.get("idempotent-replayed")) == (201, ro.content, "true")
+        r = await me.post("/v1/stores/s/records", json={**body, "path": "n.md"}, headers={"Idempotency-Key": "n"})
+        assert (r.status_code, r.json()["code"]) == (403, "read_only")
+        assert (await a.delete("/v1/workspaces/ws/attachments/s")).status_code in (200, 204)
+        r = await me.post("/v1/stores/s/records", json={**body, "path": "r.md"}, headers={"Idempotency-Key": "r"})
+        assert (r.status_code, r.content, r.headers.get("idempotent-replayed")) == (201, ro.content, "true")
+        r = await me.post("/v1/stores/s/records", json={**body, "path": "r.md"}, headers={"Idempotency-Key": "r2"})
+        assert (r.status_code, r.json()["code"]) == (404, "store_not_attached")
+    # a ``fn`` that does not read the store first: the key found after it, its writes undone
+    writer = app.state.service.records.writer
+    p = Principal(workspace="ws", instance="me")
+    idem = IdempotencyRequest("k", "POST", "/v1/stores/s/records", "h", "h")
+    calls: list[int] = []
+
+    def fn(conn):
+        calls.append(1)
+        conn.execute(_I.insert().values(scope="elsewhere", key="undone", method="POST", url_path="/", request_hash="h",
+                                        status=201, response_body="", response_headers="{}", created_at=utcnow()))
+        return None
+
+    with pytest.raises(Exception) as err:  # noqa: PT011 - the stored row is of another request: 422
+        writer.write(p, idem, 201, fn, feed="s", store_first=True)
+    assert getattr(err.value, "code", None) == "idempotency_key_reused"
+    assert calls == [1]
+    with db.read_conn() as conn:
+        assert conn.execute(select(_I.c.id).where(_I.c.key == "undone")).first() is None

@@ -402,7 +402,7 @@ class RecordsService(Resource):
         frontmatter, else the store's ``default_type`` (None for the root ``MEMORY.md``)."""
         op = self._create_op(p, body)
         return self._write(p, idem, 201, lambda conn: op(conn, self._store(conn, p, slug, write=True)),
-                           etag=True, feed=slug)
+                           etag=True, feed=slug, store_first=True)
 
     def _create_op(self, p: Principal, body: RecordCreate) -> Callable[[Connection, Any], wire.Record]:
         """``create_record``'s checks that need no database (path, content, secrets: raised
@@ -482,7 +482,7 @@ class RecordsService(Resource):
         survives later edits of a file without frontmatter)."""
         op = self._update_op(p, record_id, body, if_match)
         return self._write(p, idem, 200, lambda conn: op(conn, self._store(conn, p, slug, write=True)),
-                           etag=True, feed=slug)
+                           etag=True, feed=slug, store_first=True)
 
     def _update_op(
         self, p: Principal, record_id: str, body: RecordUpdate, if_match: str | None
@@ -554,7 +554,7 @@ class RecordsService(Resource):
         content the record held already."""
         op = self._append_op(p, record_id, body, if_match)
         return self._write(p, idem, 200, lambda conn: op(conn, self._store(conn, p, slug, write=True)),
-                           etag=True, feed=slug)
+                           etag=True, feed=slug, store_first=True)
 
     def _append_op(
         self, p: Principal, record_id: str, body: RecordAppend, if_match: str | None
@@ -617,7 +617,7 @@ class RecordsService(Resource):
         ``if_match`` does not match the current content."""
         op = self._attrs_op(p, record_id, body, if_match)
         return self._write(p, idem, 200, lambda conn: op(conn, self._store(conn, p, slug, write=True)),
-                           etag=True, feed=slug)
+                           etag=True, feed=slug, store_first=True)
 
     def _attrs_op(
         self, p: Principal, record_id: str, body: RecordAttributes, if_match: str | None
@@ -660,7 +660,7 @@ class RecordsService(Resource):
         drops / re-derives the type."""
         op = self._move_op(p, record_id, body, if_match)
         return self._write(p, idem, 200, lambda conn: op(conn, self._store(conn, p, slug, write=True)),
-                           feed=slug)
+                           feed=slug, store_first=True)
 
     def _move_op(
         self, p: Principal, record_id: str, body: RecordMove, if_match: str | None
@@ -830,7 +830,7 @@ class RecordsService(Resource):
         404 when missing or already deleted; 412 when ``if_match`` does not match."""
         op = self._delete_op(p, record_id, if_match)
         return self._write(p, idem, 204, lambda conn: op(conn, self._store(conn, p, slug, write=True)),
-                           feed=slug)
+                           feed=slug, store_first=True)
 
     def _delete_op(self, p: Principal, record_id: str, if_match: str | None) -> Callable[[Connection, Any], None]:
         """``delete_record`` as ``_create_op`` splits ``create_record``."""
