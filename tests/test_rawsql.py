@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from sqlalchemy import bindparam, event, exc, false, insert, select
+from sqlalchemy import bindparam, event, exc, false, func, insert, select
 
 from memfuse.server.app import create_app
 from memfuse.server.base import _I, _R, _S, _V, _RAW_INSERT_IDEM, _RAW_SELECT_IDEM, _SELECT_IDEM
@@ -19,6 +19,7 @@ from memfuse.server.recordrows import (
     _RAW_SELECT_RECORD,
     _SELECT_LIVE_UNDER,
     _SELECT_RECORD,
+    next_seq_sql,
 )
 from pgutil import fresh_db_url
 
@@ -141,18 +142,94 @@ def test_what_raw_cannot_run_is_refused_at_its_first_compile():
     assert _S is not None
 
 
-async def test_a_create_costs_eight_statements_and_begin(env):
-    """The idempotency lookup, the store row, the live records at the path and its
-    ancestors with the ``path/`` range (one statement since session 17), the record and version inserts, the record's seq, the
-    usage and history counters, the idempotency row (bench/README.md); on SQLite our
-    ``BEGIN IMMEDIATE``, on PostgreSQL the commit bus's ``pg_notify`` (its BEGIN is the
-    driver's, not counted)."""
+async def test_a_create_costs_six_statements_and_begin(env):
+    """The store row with the idempotency key's lookup (``IDEM_PROBE``; its own statement
+    before session 18), the live records at the path and its
+    ancestors with the ``path/`` range (one statement since session 17), the record's insert
+    with its version's seq (``next_seq_sql``; no statement of its own since session 18), the
+    version's insert, the usage and history counters, the idempotency row (bench/README.md);
+    on SQLite our ``BEGIN IMMEDIATE``, on PostgreSQL the commit bus's ``pg_notify`` (its
+    BEGIN is the driver's, not counted)."""
     app, me = env
     await _create(me, "warm.md", **{"Idempotency-Key": "w"})
     counter = app.state.metrics.db_statements
     before = counter.value()
     await _create(me, "d/one.md", **{"Idempotency-Key": "one"})
-    assert counter.value() - before == 8 + 1
+    assert counter.value() - before == 6 + 1
+
+
+async def test_a_new_records_seq_is_its_first_versions_and_the_feed_stays_ascending(env):
+    """A record created alone, in a batch (deferred and not) and after the latest versions
+    are gone (a purge of the newest record) has its first version's seq, each new one past
+    every seq ever given (SQLite: ``sqlite_sequence`` follows), and is found by ranked search
+    (indexed through the queue, as when its seq came by a second statement)."""
+    app, me = env
+    db = app.state.service.db
+    seqs = [(await _create(me, "one.md"))["seq"]]
+    ops = [{"op": "create", "body": {"path": f"b/{i}.md", "content": f"batch word{i}\n"}} for i in range(3)]
+    r = await me.post("/v1/stores/s/batch", json={"operations": ops})
+    assert r.status_code == 200, r.text
+    top = await _create(me, "top.md")
+    seqs.append(top["seq"])
+    # the newest record and its versions gone: a seq is still never given twice
+    r = await me.delete(f"/v1/stores/s/records/{top['id']}")
+    assert r.status_code in (200, 204), r.text
+    with db.write_conn() as conn:
+        gone = conn.execute(select(func.max(_V.c.seq))).scalar_one()
+        conn.execute(_V.delete().where(_V.c.record_id == top["id"]))
+        conn.execute(_R.delete().where(_R.c.id == top["id"]))
+    after = await _create(me, "after.md", **{"Idempotency-Key": "after"})
+    assert after["seq"] > gone
+    seqs.append(after["seq"])
+    with db.read_conn() as conn:
+        rows = conn.execute(select(_R.c.id, _R.c.path, _R.c.seq, _V.c.seq.label("vseq")).join(
+            _V, (_V.c.record_id == _R.c.id) & (_V.c.version == 1))).all()
+        assert rows and all(row.seq == row.vseq for row in rows), rows
+        if db.is_sqlite:
+            ever = conn.exec_driver_sql("SELECT seq FROM sqlite_sequence WHERE name = 'versions'").scalar()
+            assert ever == conn.execute(select(func.max(_V.c.seq))).scalar_one() == after["seq"]
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+    for q, want in (("word1", ["b/1.md"]), ("after", ["after.md"])):
+        r = await me.get("/v1/stores/s/search", params={"q": q, "order": "relevance"})
+        assert r.status_code == 200, r.text
+        assert [h["record"]["path"] for h in r.json()["hits"]] == want
+
+
+def test_the_next_seq_is_the_one_sqlites_autoincrement_gives():
+    """``next_seq_sql`` (SQLite) against SQLite's own choice, in random states of a table
+    like ``versions``: inserts with and without a seq (above and below the top), deletes
+    (the top row too), ``sqlite_sequence`` moved up, down or gone."""
+    import random
+    import sqlite3
+
+    rng = random.Random(18)
+    conn = sqlite3.connect(":memory:", isolation_level=None)
+    conn.execute("CREATE TABLE versions (seq INTEGER PRIMARY KEY AUTOINCREMENT, x INTEGER)")
+    expr = next_seq_sql(False)
+    checked = 0
+    for _ in range(3000):
+        top = conn.execute("SELECT max(seq) FROM versions").fetchone()[0] or 0
+        op = rng.randrange(7)
+        if op == 0:
+            conn.execute("INSERT INTO versions (x) VALUES (1)")
+        elif op == 1 and top:
+            seq = rng.randrange(1, top + 20)
+            conn.execute("INSERT OR IGNORE INTO versions (seq, x) VALUES (?, 2)", (seq,))
+        elif op == 2 and top:
+            conn.execute("DELETE FROM versions WHERE seq >= ?", (rng.randrange(1, top + 1),))
+        elif op == 3:
+            conn.execute("UPDATE sqlite_sequence SET seq = ? WHERE name = 'versions'", (rng.randrange(0, top + 10),))
+        elif op == 4:
+            conn.execute("DELETE FROM sqlite_sequence WHERE name = 'versions'")
+        want_row = conn.execute(f"SELECT {expr}").fetchone()
+        conn.execute("SAVEPOINT probe")
+        conn.execute("INSERT INTO versions (x) VALUES (3)")
+        got = conn.execute("SELECT last_insert_rowid()").fetchone()[0]
+        conn.execute("ROLLBACK TO probe")
+        conn.execute("RELEASE probe")
+        assert want_row[0] == got
+        checked += 1
+    assert checked == 3000
 
 
 async def test_reads_of_live_records_at_paths_look_each_path_up_on_sqlite(env):
@@ -292,3 +369,63 @@ def test_raw_on_a_closed_connection_is_refused_as_core_refuses_it():
             Raw(text("SELECT 1")).run(conn, {})
     finally:
         engine.dispose()
+
+
+async def test_a_key_looked_up_with_the_store_row_answers_as_the_lookup_first(env):
+    """``Writer.write(store_first=True)``: a workspace token's keyed write looks its key up in
+    the store row's statement (``IDEM_PROBE``). Every answer is the one of the lookup first:
+    a replay (byte for byte), 422 for the key with another body, a replay when the store is
+    read-only or detached since (the store read refuses, the key's stored answer wins), a
+    key whose row expired is a new write, a write without a key is not looked up, and a
+    ``fn`` that never reads the store still replays (its writes undone)."""
+    from datetime import timedelta
+
+    from memfuse.server.base import IdempotencyRequest, Principal
+
+    app, me = env
+    db = app.state.service.db
+    t = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=t, base_url="http://t", headers={"Authorization": f"Bearer {ADMIN}"}) as a:
+        body = {"path": "k.md", "content": "x\n"}
+        first = await me.post("/v1/stores/s/records", json=body, headers={"Idempotency-Key": "k"})
+        assert first.status_code == 201, first.text
+        again = await me.post("/v1/stores/s/records", json=body, headers={"Idempotency-Key": "k"})
+        assert (again.status_code, again.content, again.headers["idempotent-replayed"]) == (201, first.content, "true")
+        other = await me.post("/v1/stores/s/records", json={**body, "path": "o.md"}, headers={"Idempotency-Key": "k"})
+        assert (other.status_code, other.json()["code"]) == (422, "idempotency_key_reused")
+        # the row expired: deleted, the write made anew
+        with db.write_conn() as conn:
+            conn.execute(_I.update().where(_I.c.key == "k").values(created_at=utcnow() - timedelta(days=2)))
+        fresh = await me.post("/v1/stores/s/records", json={**body, "path": "k2.md"}, headers={"Idempotency-Key": "k"})
+        assert fresh.status_code == 201 and "idempotent-replayed" not in fresh.headers, fresh.text
+        # read-only, then detached: the stored answer still, a new key refused
+        ro = await me.post("/v1/stores/s/records", json={**body, "path": "r.md"}, headers={"Idempotency-Key": "r"})
+        assert ro.status_code == 201
+        assert (await a.put("/v1/workspaces/ws/attachments/s", json={"access": "read_only"})).status_code == 200
+        r = await me.post("/v1/stores/s/records", json={**body, "path": "r.md"}, headers={"Idempotency-Key": "r"})
+        assert (r.status_code, r.content, r.headers.get("idempotent-replayed")) == (201, ro.content, "true")
+        r = await me.post("/v1/stores/s/records", json={**body, "path": "n.md"}, headers={"Idempotency-Key": "n"})
+        assert (r.status_code, r.json()["code"]) == (403, "read_only")
+        assert (await a.delete("/v1/workspaces/ws/attachments/s")).status_code in (200, 204)
+        r = await me.post("/v1/stores/s/records", json={**body, "path": "r.md"}, headers={"Idempotency-Key": "r"})
+        assert (r.status_code, r.content, r.headers.get("idempotent-replayed")) == (201, ro.content, "true")
+        r = await me.post("/v1/stores/s/records", json={**body, "path": "r.md"}, headers={"Idempotency-Key": "r2"})
+        assert (r.status_code, r.json()["code"]) == (404, "store_not_attached")
+    # a ``fn`` that does not read the store first: the key found after it, its writes undone
+    writer = app.state.service.records.writer
+    p = Principal(workspace="ws", instance="me")
+    idem = IdempotencyRequest("k", "POST", "/v1/stores/s/records", "h", "h")
+    calls: list[int] = []
+
+    def fn(conn):
+        calls.append(1)
+        conn.execute(_I.insert().values(scope="elsewhere", key="undone", method="POST", url_path="/", request_hash="h",
+                                        status=201, response_body="", response_headers="{}", created_at=utcnow()))
+        return None
+
+    with pytest.raises(Exception) as err:  # noqa: PT011 - the stored row is of another request: 422
+        writer.write(p, idem, 201, fn, feed="s", store_first=True)
+    assert getattr(err.value, "code", None) == "idempotency_key_reused"
+    assert calls == [1]
+    with db.read_conn() as conn:
+        assert conn.execute(select(_I.c.id).where(_I.c.key == "undone")).first() is None

@@ -477,6 +477,22 @@ _RAW_ACCOUNT_STORE = {False: Raw(_SELECT_ACCOUNT_STORE), True: Raw(_SELECT_ACCOU
 _RAW_ATTACHED_STORE = {False: Raw(_SELECT_ATTACHED_STORE), True: Raw(_SELECT_ATTACHED_STORE_FOR_UPDATE)}
 _RAW_INSERT_IDEM = Raw(_INSERT_IDEM)
 _RAW_SELECT_IDEM = Raw(_SELECT_IDEM)
+#: a workspace token's store row for writing with, as ``idem_id``, the id of the row of the
+#: write's idempotency key (``idem_scope``, ``idem_key``; NULL: none): the key's lookup of
+#: ``Writer.write(store_first=True)`` without a statement of its own (bench/README.md, "The
+#: close path, session 18: serve's writer statements")
+_RAW_ATTACHED_STORE_PROBE = Raw(_SELECT_ATTACHED_STORE_FOR_UPDATE.add_columns(
+    select(_I.c.id).where(_I.c.scope == bindparam("idem_scope"), _I.c.key == bindparam("idem_key"))
+    .scalar_subquery().label("idem_id")))
+#: ``Connection.info`` key of the idempotency key (scope, key) that ``AccessRules.store``
+#: looks up beside the store row of a write (``Writer.write``, ``store_first``)
+IDEM_PROBE = "memfuse_idem_probe"
+
+
+class IdemFound(Exception):
+    """The store row read for a write (``AccessRules.store``) came with a row of the write's
+    idempotency key: ``Writer.write`` runs the write again with the key's full lookup first
+    (a replay, a key reused, an expired row)."""
 
 
 # ---------------------------------------------------------------- the parts every resource is built from
@@ -591,7 +607,10 @@ class AccessRules:
         account's, an account admin its own only). The row's ``slug`` is the store's key:
         what the caller queries and writes with, never what it shows (``keys.public``). A
         write locks the store row on PostgreSQL (serialises the store's versions). A name no
-        store can have (``keys.possible``) is a missing store, found without a query."""
+        store can have (``keys.possible``) is a missing store, found without a query. The
+        idempotency key that ``Writer.write`` left for a write in ``conn.info[IDEM_PROBE]``
+        (``store_first``) is taken out and, for a workspace token, looked up in the store
+        row's statement: a row of it raises ``IdemFound`` before any refusal."""
         if not keys.possible(slug):
             if p.is_admin:
                 raise ServiceError(404, "store_not_found", f"no store {slug!r}")
@@ -614,7 +633,14 @@ class AccessRules:
                 named = _RAW_NAMED_STORE[write].all(conn, {"slug": slug})
                 st = named[0] if len(named) == 1 else None
         else:
-            st = _RAW_ATTACHED_STORE[write].first(conn, {"slug": slug, "ws": p.workspace})
+            probe = conn.info.pop(IDEM_PROBE, None) if write else None
+            if probe is None:
+                st = _RAW_ATTACHED_STORE[write].first(conn, {"slug": slug, "ws": p.workspace})
+            else:
+                st = _RAW_ATTACHED_STORE_PROBE.first(
+                    conn, {"slug": slug, "ws": p.workspace, "idem_scope": probe[0], "idem_key": probe[1]})
+                if st is not None and st.idem_id is not None:
+                    raise IdemFound
         if st is None:
             if p.is_admin:
                 raise ServiceError(404, "store_not_found", f"no store {slug!r}")
@@ -766,6 +792,7 @@ class Writer:
         *,
         etag: bool = False,
         feed: str | None = None,
+        store_first: bool = False,
     ) -> Reply:
         """Run ``fn`` in a write transaction with the idempotency check and store; commit;
         wake long-polls. ``fn`` gets an ORM ``Session`` or, with ``feed`` (the slug of the
@@ -779,7 +806,17 @@ class Writer:
         ``fn``, or 422 ``idempotency_key_reused``; ``sqlalchemy.exc.OperationalError`` when the
         database stays locked. With ``EARLY_ANSWER`` set (and ``feed``), the commit's wake-ups
         run and its reply is handed to that function as soon as the transaction commits (before
-        ``Database.write_conn``'s follow-up work, the full-text drain), then the reply is returned."""
+        ``Database.write_conn``'s follow-up work, the full-text drain), then the reply is returned.
+
+        ``store_first``: ``fn``'s first statement is the store row read for writing
+        (``AccessRules.store``); for a workspace token the idempotency key is then looked up
+        in that statement (``IDEM_PROBE``) instead of one of its own before ``fn``: no row,
+        the write goes on; a row (``IdemFound``), the transaction is rolled back and the
+        write runs again with the full lookup first (a replay, 422, an expired row deleted);
+        a refusal of the store read is answered as any refusal of ``fn`` (the key's stored
+        answer when one committed, ``idem_settled``). A key ``fn`` left unread is looked up
+        after it, before its own row is written (a row: ``fn``'s writes are rolled back and
+        the write runs again as above). Same answers as the lookup first."""
         early = EARLY_ANSWER.get() if feed is not None else None
         # the committing attempt's reply and notes, made at the end of its transaction (``early``)
         ready: list[tuple[Reply, list[wakeups.Note], list[int], list[int]]] = []
@@ -794,6 +831,7 @@ class Writer:
                     early(reply)
                 except Exception:  # noqa: BLE001 - the write committed: its reply is returned
                     log.exception("early answer failed")
+        probe = store_first and idem is not None and not p.is_admin
         for attempt in range(3):
             ready.clear()
             try:
@@ -803,11 +841,20 @@ class Writer:
                     wakeups.begin_notes()
                     history.reset(conn)
                     if idem is not None:
-                        replay = self.idem_lookup(conn, p, idem)
-                        if replay is not None:
-                            wakeups.take_notes()
-                            return replay
-                    result = fn(s)
+                        if probe:  # looked up with the store row (``AccessRules.store``)
+                            self.idem_cleanup(conn)
+                            conn.info[IDEM_PROBE] = (p.scope, idem.key)
+                        else:
+                            replay = self.idem_lookup(conn, p, idem)
+                            if replay is not None:
+                                wakeups.take_notes()
+                                return replay
+                    try:
+                        result = fn(s)
+                    finally:
+                        unread = conn.info.pop(IDEM_PROBE, None)
+                    if unread is not None and _RAW_SELECT_IDEM.first(conn, {"scope": unread[0], "key": unread[1]}):
+                        raise IdemFound  # ``fn`` did not read the store first: its writes undone
                     history.settle(conn)  # the kept versions counted; pruned when over budget
                     if feed is None:
                         wakeups.note_acl()  # admin writes: access answers may have changed
@@ -835,6 +882,10 @@ class Writer:
                     if answered is not None:
                         ready.append((Reply(status, body, headers), notes, vseqs, eseqs))
                 break
+            except IdemFound:
+                wakeups.take_notes()
+                probe = False  # again, with the key's full lookup first
+                continue
             except IntegrityError:
                 # A concurrent transaction (another process, PostgreSQL) took the same path or
                 # idempotency key first: run again, the checks now see it.
@@ -988,5 +1039,6 @@ class Resource:
         *,
         etag: bool = False,
         feed: str | None = None,
+        store_first: bool = False,
     ) -> Reply:
-        return self.writer.write(p, idem, status, fn, etag=etag, feed=feed)
+        return self.writer.write(p, idem, status, fn, etag=etag, feed=feed, store_first=store_first)

@@ -13,7 +13,8 @@ it without a line of Python):
   joins on ``seq``, finds nothing during a rolling update instead of wrong records. Filled
   by three triggers on ``records`` (``records_fts_ai`` / ``_au`` / ``_ad``) for the rows
   that are live and have their seq (``deleted = 0 AND seq > 0``; a new record is inserted
-  with seq 0 and given its seq by the next statement), from the first ``PG_MAX_CHARS``
+  with its seq, ``recordrows.next_seq_sql``; a release before session 18 inserted it with
+  seq 0 and gave it its seq by the next statement, ``records_fts_au_seq``), from the first ``PG_MAX_CHARS``
   characters of the content, as on PostgreSQL. ``records_fts_au`` does nothing when the
   indexed text is unchanged (live before and after, same path, same first ``PG_MAX_CHARS``
   characters): an append to a record longer than that, or a change of its attributes, costs

@@ -16,7 +16,8 @@ from datetime import datetime, timezone
 from typing import Any
 
 import msgspec
-from sqlalchemy import String, bindparam, false, func, insert, null, select, text, type_coerce, union_all, update
+from sqlalchemy import (String, bindparam, false, func, insert, literal_column, null, select, text, type_coerce, union_all,
+                        update)
 from sqlalchemy.engine import Connection
 
 from memfuse import content as content_rules
@@ -250,8 +251,35 @@ _SELECT_LIVE_UNDER_PG = select(_R.c.path).where(
 # The statements of a create and an update, run on the DB-API cursor (``memfuse.server.rawsql``:
 # the SQL above, compiled once per dialect). A version's insert hands back its seq (RETURNING:
 # SQLite 3.35+, PostgreSQL), as Core's ``inserted_primary_key`` did.
-_RAW_INSERT_RECORD = Raw(_INSERT_RECORD)
 _RAW_INSERT_VERSION = Raw(_INSERT_VERSION.returning(_V.c.seq))
+
+
+def next_seq_sql(pg: bool) -> str:
+    """The change-feed seq the versions' next insert without an explicit ``seq`` would take,
+    as an SQL expression that also takes it (the one rule of seqs given ahead of their
+    version: ``reserve_seqs``, a new record's insert). PostgreSQL: ``nextval`` of the
+    versions' sequence (taken: a later insert without a seq gets the next one). SQLite: what
+    its ``AUTOINCREMENT`` picks, one past the larger of ``sqlite_sequence``'s value (the
+    largest seq ever given, none before the first insert) and the largest seq in the table;
+    not taken by itself: the version's insert with that explicit seq moves
+    ``sqlite_sequence`` to it, and the transaction's write lock (``BEGIN IMMEDIATE``) keeps
+    any other writer from taking it between the two. ``tests/test_rawsql.py`` checks it
+    against SQLite's own choice in random states."""
+    if pg:
+        return "nextval(pg_get_serial_sequence('versions', 'seq'))"
+    return ("(max(coalesce((SELECT sqlite_sequence.seq FROM sqlite_sequence WHERE sqlite_sequence.name = 'versions'), 0), "
+            "coalesce((SELECT max(versions.seq) FROM versions), 0)) + 1)")
+
+
+#: A new record's insert, its seq given ahead of its version (``next_seq_sql``) and handed
+#: back (RETURNING): the version is then inserted with that seq (``_RAW_INSERT_VERSION_AT``),
+#: and the record needs no second statement for its seq (bench/README.md, "The close path,
+#: session 18: serve's writer statements"); by "is PostgreSQL". The parameters: every column
+#: but ``seq``.
+_RAW_INSERT_NEW_RECORD = {pg: Raw(_INSERT_RECORD.values(seq=literal_column(next_seq_sql(pg))).returning(_R.c.seq))
+                          for pg in (False, True)}
+#: a version's insert with its seq given (``seq`` among the parameters)
+_RAW_INSERT_VERSION_AT = Raw(_INSERT_VERSION)
 _RAW_UPDATE_RECORD = Raw(_UPDATE_RECORD)
 _RAW_UPDATE_USAGE = Raw(_UPDATE_USAGE)
 _RAW_SELECT_RECORD = Raw(_SELECT_RECORD)
@@ -312,17 +340,15 @@ def _account_room(conn: Connection, st: AnyRow | BatchStore, store_bytes: int) -
 
 def reserve_seqs(conn: Connection, n: int) -> list[int]:
     """``n`` change-feed seqs for versions this transaction inserts with an explicit ``seq``,
-    ascending (PostgreSQL: ``nextval`` of the versions' sequence; SQLite: past
-    ``sqlite_sequence``, which the database's write lock, held by the transaction, keeps
-    for it; an insert with an explicit seq moves ``sqlite_sequence`` past it)."""
+    ascending, from ``next_seq_sql`` (PostgreSQL: ``nextval`` of the versions' sequence, one
+    a seq; SQLite: from the next seq on, which the database's write lock, held by the
+    transaction, keeps for it; an insert with an explicit seq moves ``sqlite_sequence`` past
+    it)."""
     if conn.dialect.name == "postgresql":
         return list(conn.execute(text(
-            "SELECT nextval(pg_get_serial_sequence('versions', 'seq')) FROM generate_series(1, :n)"),
-            {"n": n}).scalars())
-    top = conn.execute(text("SELECT seq FROM sqlite_sequence WHERE name = 'versions'")).scalar()
-    if top is None:
-        top = conn.execute(select(func.max(_V.c.seq))).scalar()
-    return list(range((top or 0) + 1, (top or 0) + 1 + n))
+            f"SELECT {next_seq_sql(True)} FROM generate_series(1, :n)"), {"n": n}).scalars())
+    first = int(conn.execute(text(f"SELECT {next_seq_sql(False)}")).scalar_one())
+    return list(range(first, first + n))
 
 
 class BatchStore:

@@ -52,8 +52,9 @@ from memfuse.server import deltas, history, keys, staleness, tails, wakeups
 from memfuse.server.db import utcnow, version_in_range
 from memfuse.server.recordrows import (
     BatchStore,
-    _RAW_INSERT_RECORD,
+    _RAW_INSERT_NEW_RECORD,
     _RAW_INSERT_VERSION,
+    _RAW_INSERT_VERSION_AT,
     _RAW_SELECT_LIVE_AT_OR_UNDER,
     _RAW_SELECT_LIVE_UNDER,
     _RAW_SELECT_RECORD,
@@ -271,9 +272,10 @@ class RecordsService(Resource):
         rec.updated_at = now
         rec.updated_by = actor
         rec.review_after, rec.expires_at = staleness.record_dates(rec.content)
-        if new:
-            rec.seq = 0
-            _RAW_INSERT_RECORD.run(conn, rec.values())  # before the version that references it
+        if new:  # before the version that references it, with the version's seq (``next_seq_sql``)
+            values = rec.values()
+            del values["seq"]
+            rec.seq = _RAW_INSERT_NEW_RECORD[conn.dialect.name == "postgresql"].scalar(conn, values)
             stored, base_version, chain = rec.content, None, 0
         elif append is not None:
             whole = RecordsService._appended_content(conn, rec, append)
@@ -308,14 +310,16 @@ class RecordsService(Resource):
             row["overwrote"], row["overwrote_by"] = overwrote[0][0], encode_overwrote(overwrote)
         if writer is not None:
             row["writer"] = writer
-        seq: int = _RAW_INSERT_VERSION.scalar(conn, row)
+        seq: int
+        if new:  # the record has its version's seq already
+            seq = row["seq"] = rec.seq
+            _RAW_INSERT_VERSION_AT.run(conn, row)
+        else:
+            seq = rec.seq = _RAW_INSERT_VERSION.scalar(conn, row)
         if rec.content is not None:
             history.note_kept(conn, rec.store, rec.size, 1)
-        rec.seq = seq
         wakeups.note_feed(rec.store, seq, writer or actor)
-        if new:
-            _RAW_UPDATE_RECORD.run(conn, {"rid": rec.id, "seq": seq})
-        else:
+        if not new:
             values = rec.values()
             for k in ("id", "store", "created_at"):
                 del values[k]
@@ -398,7 +402,7 @@ class RecordsService(Resource):
         frontmatter, else the store's ``default_type`` (None for the root ``MEMORY.md``)."""
         op = self._create_op(p, body)
         return self._write(p, idem, 201, lambda conn: op(conn, self._store(conn, p, slug, write=True)),
-                           etag=True, feed=slug)
+                           etag=True, feed=slug, store_first=True)
 
     def _create_op(self, p: Principal, body: RecordCreate) -> Callable[[Connection, Any], wire.Record]:
         """``create_record``'s checks that need no database (path, content, secrets: raised
@@ -478,7 +482,7 @@ class RecordsService(Resource):
         survives later edits of a file without frontmatter)."""
         op = self._update_op(p, record_id, body, if_match)
         return self._write(p, idem, 200, lambda conn: op(conn, self._store(conn, p, slug, write=True)),
-                           etag=True, feed=slug)
+                           etag=True, feed=slug, store_first=True)
 
     def _update_op(
         self, p: Principal, record_id: str, body: RecordUpdate, if_match: str | None
@@ -550,7 +554,7 @@ class RecordsService(Resource):
         content the record held already."""
         op = self._append_op(p, record_id, body, if_match)
         return self._write(p, idem, 200, lambda conn: op(conn, self._store(conn, p, slug, write=True)),
-                           etag=True, feed=slug)
+                           etag=True, feed=slug, store_first=True)
 
     def _append_op(
         self, p: Principal, record_id: str, body: RecordAppend, if_match: str | None
@@ -613,7 +617,7 @@ class RecordsService(Resource):
         ``if_match`` does not match the current content."""
         op = self._attrs_op(p, record_id, body, if_match)
         return self._write(p, idem, 200, lambda conn: op(conn, self._store(conn, p, slug, write=True)),
-                           etag=True, feed=slug)
+                           etag=True, feed=slug, store_first=True)
 
     def _attrs_op(
         self, p: Principal, record_id: str, body: RecordAttributes, if_match: str | None
@@ -656,7 +660,7 @@ class RecordsService(Resource):
         drops / re-derives the type."""
         op = self._move_op(p, record_id, body, if_match)
         return self._write(p, idem, 200, lambda conn: op(conn, self._store(conn, p, slug, write=True)),
-                           feed=slug)
+                           feed=slug, store_first=True)
 
     def _move_op(
         self, p: Principal, record_id: str, body: RecordMove, if_match: str | None
@@ -826,7 +830,7 @@ class RecordsService(Resource):
         404 when missing or already deleted; 412 when ``if_match`` does not match."""
         op = self._delete_op(p, record_id, if_match)
         return self._write(p, idem, 204, lambda conn: op(conn, self._store(conn, p, slug, write=True)),
-                           feed=slug)
+                           feed=slug, store_first=True)
 
     def _delete_op(self, p: Principal, record_id: str, if_match: str | None) -> Callable[[Connection, Any], None]:
         """``delete_record`` as ``_create_op`` splits ``create_record``."""
