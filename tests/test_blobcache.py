@@ -361,3 +361,23 @@ def test_a_write_behind_is_a_few_statements_whatever_it_holds(tmp_path, monkeypa
     for sha, data in items + more:
         assert b2.get(sha) == data
     b2.close()
+
+
+def test_a_write_behind_past_put_rows_goes_in_chunks(tmp_path, monkeypatch):
+    """More contents behind than one statement takes (``PUT_ROWS``): one ``SELECT`` and one
+    ``INSERT`` per ``PUT_ROWS`` of them, every content stored and read back exact."""
+    import memfuse.sidecar.blobcache as bc
+
+    monkeypatch.setattr(bc, "BEHIND_MAX", bc.PUT_ROWS + 50)
+    b = BlobCache(tmp_path / "blobs.db")
+    items = blobs("many", bc.PUT_ROWS + 50, 40)
+    statements: list[str] = []
+    b._db.set_trace_callback(statements.append)
+    for sha, data in items:
+        b.put_behind(data, sha)
+    b._db.set_trace_callback(None)
+    assert sum(s.startswith("INSERT") for s in statements) == 2
+    assert sum(s.startswith("SELECT sha FROM appends") for s in statements) == 2
+    assert _rows_in_file(b.path) == {s for s, _ in items}
+    assert all(b.get(sha) == data for sha, data in items)
+    b.close()

@@ -598,11 +598,11 @@ class BlobCache:
                 skip.add(sha)
             else:
                 self._db.execute("DELETE FROM appends WHERE sha=?", (sha,))
-        rows = [v for sha in shas if sha not in skip for v in (sha, held[sha])]
+        values: list[str | bytes] = [v for sha in shas if sha not in skip for v in (sha, held[sha])]
         step = 2 * PUT_ROWS
-        for k in range(0, len(rows), step):
-            chunk = rows[k:k + step]
-            self._db.execute(_PUT_SQL if len(chunk) == step else _put_sql(len(chunk) // 2), chunk)
+        for k in range(0, len(values), step):
+            part = values[k:k + step]
+            self._db.execute(_PUT_SQL if len(part) == step else _put_sql(len(part) // 2), part)
 
     @_locked_mem
     def put_behind(self, data: bytes, sha: str) -> None:
