@@ -309,3 +309,75 @@ def test_contents_put_behind_stay_served_while_the_disk_refuses_them(tmp_path, m
     b.write_behind()
     assert _rows_in_file(b.path) == {s1}
     b.close()
+
+
+def test_a_write_behind_is_a_few_statements_whatever_it_holds(tmp_path, monkeypatch):
+    """The write of the contents put behind (``BEHIND_MAX`` of them, on the close that
+    fills it: the trio thread) is one ``SELECT`` of the append links among them and one
+    multi-row ``INSERT``, not two statements per content (130 for 64 contents before:
+    bench/README.md, "The close path, session 18: sidecar"); ``batch`` writes what waits the
+    same way. Each content still follows ``put``'s rule: one held as an append link whose
+    chain resolves is not stored whole again; a link whose chain is broken gives way to the
+    whole content, which reads exact."""
+    import memfuse.sidecar.blobcache as bc
+    from test_blobcache_appends import appended
+
+    b = BlobCache(tmp_path / "blobs.db")
+    base = b"H" * 2000 + b"\n"
+    base_sha = b.put(base)
+    kept_sha, kept = appended(b, base, b"kept link\n")  # a link that resolves
+    broken_sha, broken = appended(b, kept, b"broken link\n")
+    b._db.execute("DELETE FROM appends WHERE sha=?", (kept_sha,))  # breaks ``broken``'s chain
+    kept_sha, kept = appended(b, base, b"kept again\n")
+    assert b.read(broken_sha) == b""
+    statements: list[str] = []
+    b._db.set_trace_callback(statements.append)
+    n = bc.BEHIND_MAX
+    items = blobs("behind", n - 2, 550) + [(kept_sha, kept), (broken_sha, broken)]
+    for sha, data in items:
+        b.put_behind(data, sha)  # the last one writes them all
+    b._db.set_trace_callback(None)
+    writes = [s for s in statements if not s.startswith(("PRAGMA", "SELECT base, base_len",
+                                                           "SELECT length(data)"))]
+    assert len(writes) <= 5, writes[:8]  # BEGIN, SELECT links, DELETE broken, INSERT, COMMIT
+    assert _rows_in_file(b.path) >= {s for s, _ in items if s != kept_sha}
+    assert kept_sha not in _rows_in_file(b.path)  # held as a link: not stored whole
+    assert b._db.execute("SELECT COUNT(*) FROM appends WHERE sha=?", (broken_sha,)).fetchone()[0] == 0
+    for sha, data in items:
+        assert b.read(sha) == data and b.get(sha) == data
+    # ``batch`` writes what waits with it, the same way
+    more = blobs("batch", 10, 300)
+    for sha, data in more:
+        b.put_behind(data, sha)
+    statements.clear()
+    b._db.set_trace_callback(statements.append)
+    with b.batch():
+        pass
+    b._db.set_trace_callback(None)
+    assert len(statements) <= 4, statements[:8]
+    assert _rows_in_file(b.path) >= {s for s, _ in more}
+    b.close()
+    b2 = BlobCache(tmp_path / "blobs.db")
+    for sha, data in items + more:
+        assert b2.get(sha) == data
+    b2.close()
+
+
+def test_a_write_behind_past_put_rows_goes_in_chunks(tmp_path, monkeypatch):
+    """More contents behind than one statement takes (``PUT_ROWS``): one ``SELECT`` and one
+    ``INSERT`` per ``PUT_ROWS`` of them, every content stored and read back exact."""
+    import memfuse.sidecar.blobcache as bc
+
+    monkeypatch.setattr(bc, "BEHIND_MAX", bc.PUT_ROWS + 50)
+    b = BlobCache(tmp_path / "blobs.db")
+    items = blobs("many", bc.PUT_ROWS + 50, 40)
+    statements: list[str] = []
+    b._db.set_trace_callback(statements.append)
+    for sha, data in items:
+        b.put_behind(data, sha)
+    b._db.set_trace_callback(None)
+    assert sum(s.startswith("INSERT") for s in statements) == 2
+    assert sum(s.startswith("SELECT sha FROM appends") for s in statements) == 2
+    assert _rows_in_file(b.path) == {s for s, _ in items}
+    assert all(b.get(sha) == data for sha, data in items)
+    b.close()

@@ -316,8 +316,7 @@ class BlobCache:
         with self._lock:
             behind = self._behind
             with self._batch():
-                for sha, data in behind.items():  # the contents put behind go with it
-                    self._put(data, sha)
+                self._put_held(behind)  # the contents put behind go with it
                 yield
             if behind:
                 self._behind, self._behind_bytes = {}, 0
@@ -577,6 +576,34 @@ class BlobCache:
             self._checkpoint_behind()
         return sha
 
+    def _put_held(self, held: dict[str, bytes]) -> None:
+        """``_put`` of each content of ``held`` (``{sha256 hex: content}``), inside a
+        ``_batch``, in a fixed number of statements per ``PUT_ROWS`` contents instead of
+        two per content: one ``SELECT`` of those held as append links (a link whose chain
+        resolves keeps them from being stored whole; a broken one is deleted), one
+        multi-row ``INSERT OR IGNORE``. The write behind a close's ``put_behind``
+        (``BEHIND_MAX`` contents, on the trio thread) was 2 statements a content. Raises
+        ``sqlite3.Error`` (``_batch`` rolls back and raises ``CacheError``)."""
+        if not held:
+            return
+        shas = list(held)
+        linked: list[str] = []
+        for k in range(0, len(shas), PUT_ROWS):
+            chunk = shas[k:k + PUT_ROWS]
+            linked += [r[0] for r in self._db.execute(
+                "SELECT sha FROM appends WHERE sha IN (" + ",".join("?" * len(chunk)) + ")", chunk)]
+        skip: set[str] = set()
+        for sha in linked:  # (rare: the feed bringing back the content of our own append)
+            if self._link_chain(sha) is not None:
+                skip.add(sha)
+            else:
+                self._db.execute("DELETE FROM appends WHERE sha=?", (sha,))
+        values: list[str | bytes] = [v for sha in shas if sha not in skip for v in (sha, held[sha])]
+        step = 2 * PUT_ROWS
+        for k in range(0, len(values), step):
+            part = values[k:k + step]
+            self._db.execute(_PUT_SQL if len(part) == step else _put_sql(len(part) // 2), part)
+
     @_locked_mem
     def put_behind(self, data: bytes, sha: str) -> None:
         """``put`` for a content whose sha256 ``sha`` the caller computed from ``data``
@@ -663,8 +690,7 @@ class BlobCache:
             return
         try:
             with self._batch():
-                for sha, data in self._behind.items():
-                    self._put(data, sha)
+                self._put_held(self._behind)
         except CacheError as err:
             self._disk_full = err.errno == errno.ENOSPC
             if not quiet:
