@@ -378,7 +378,22 @@ _CONFUSABLES = str.maketrans({
     "α": "a", "ι": "i", "ν": "v", "ο": "o", "ρ": "p", "υ": "u", "Α": "A", "Β": "B", "Ε": "E",
     "Ζ": "Z", "Η": "H", "Ι": "I", "Κ": "K", "Μ": "M", "Ν": "N", "Ο": "O", "Ρ": "P", "Τ": "T",
     "Υ": "Y", "Χ": "X",
+    # Armenian (confusables.txt rows whose skeleton is one ASCII letter; attack18 F1: ``ghp_``
+    # with Armenian ``հ``)
+    "հ": "h", "ո": "n", "ս": "u", "օ": "o", "ց": "g", "զ": "q", "Ս": "U", "Օ": "O",
+    # punctuation look-alikes of the vendor prefixes' ``-`` and ``_`` (attack18 F1: an
+    # ``sk-ant-api03-`` key with U+2011 / U+2212 for its hyphens): the hyphens and dashes
+    # confusables.txt maps to ``-`` (U+2011 is U+2010 after NFKC), and the low lines it maps
+    # to ``_`` that NFKC leaves (U+2017 is mapped before NFKC: ``_PRE_NFKC``)
+    # (not the em dash and the horizontal bar: confusables.txt reads them as U+30FC, and prose
+    # is full of them)
+    "\u2010": "-", "\u2012": "-", "\u2013": "-", "\u2043": "-", "\u2212": "-", "\u02d7": "-",
+    "\u058a": "-", "\u1806": "-", "\u06d4": "-", "\u2cba": "-", "\u2796": "-", "\u02cd": "_",
 })
+
+#: mapped before NFKC, which would turn them into something else (U+2017 DOUBLE LOW LINE
+#: into a space and a combining mark, which splits a token)
+_PRE_NFKC = str.maketrans({"\u2017": "_"})
 
 _ANY_CONFUSABLE = re.compile("[" + "".join(chr(c) for c in _CONFUSABLES) + "]")
 
@@ -397,7 +412,8 @@ def secret_view(text: str) -> str:
     and combining marks between two token characters dropped (``_gap_re``: a no-break
     space, a Braille blank or an accent inside a token), then NFKC (full-width and other
     compatibility forms of ASCII, ``ｇｈｐ＿…``, read as ASCII, as a model reads them), then
-    Cyrillic / Greek look-alikes of ASCII letters read as the letter (``_CONFUSABLES``).
+    Cyrillic / Greek / Armenian look-alikes of ASCII letters, and look-alike hyphens and
+    low lines, read as the ASCII character (``_CONFUSABLES``, ``_PRE_NFKC``).
     Keeps every newline (line numbers hold). Returns ``text`` itself (no copy) when nothing
     changes: ASCII text costs what :func:`prompt_text` costs."""
     out = prompt_text(text)
@@ -405,6 +421,8 @@ def secret_view(text: str) -> str:
         any_gap, gaps = _gap_re()
         if any_gap.search(out) is not None:
             out = gaps.sub("", out)
+        if "\u2017" in out:
+            out = out.translate(_PRE_NFKC)
         out = unicodedata.normalize("NFKC", out)
         if not out.isascii() and _ANY_CONFUSABLE.search(out) is not None:
             out = out.translate(_CONFUSABLES)

@@ -291,6 +291,9 @@ def _forms(tok: str) -> dict[str, str]:
         "two gaps": f"{tok[:6]}\u00a0\u0301{tok[6:20]}\u2800{tok[20:]}",
         "cyrillic p": tok.replace("p", "\u0440", 1),
         "full-width g and cyrillic p": "\uff47h\u0440" + tok[3:],
+        "armenian h": tok.replace("h", "\u0570", 1),
+        "double low line": tok.replace("_", "\u2017", 1),
+        "modifier low macron": tok.replace("_", "\u02cd", 1),
         "json escape": '{"t": "\\u0067hp_' + tok[4:] + '"}',
         "json surrogate pair and escapes": '{"e": "\\ud83d\\ude00\\n", "t": "gh\\u0070\\u005f' + tok[4:] + '"}',
         "python hex escape": "gh\\x70_" + tok[4:],
@@ -322,6 +325,21 @@ def test_disguised_and_encoded_tokens_are_found_and_never_named(name: str) -> No
     assert tok[4:12] not in reason
     red = content.redact_secrets(text)
     assert tok[4:] not in red and tok[12:] not in red and find_secret(red) is None, red
+
+
+@pytest.mark.parametrize("dash", ["\u2010", "\u2011", "\u2012", "\u2013", "\u2212", "\ufe63", "\uff0d"])
+def test_an_anthropic_key_with_look_alike_hyphens_is_found(dash: str) -> None:
+    """attack18 F1: ``sk-ant-api03-…`` with its hyphens swapped for a look-alike (U+2011
+    non-breaking hyphen, U+2212 minus, …) reads as the key in the prompt: refused."""
+    key = "s" + "k-ant-api03-" + rnd(93, URLSAFE) + "AA"
+    text = "# notes\nkey: " + key.replace("-", dash) + "\n"
+    reason = find_secret(text)
+    assert reason is not None and reason.startswith("Anthropic API key") and reason.endswith("on line 2"), reason
+
+
+def test_dashes_in_prose_are_not_secrets() -> None:
+    """Dashes read as hyphens make no secret of ordinary prose."""
+    assert find_secret("Plans \u2014 the sk\u2013ant idea \u2212 was dropped; ghp\u2017 is a prefix.\n") is None
 
 
 def test_gaps_are_dropped_only_between_token_characters() -> None:
