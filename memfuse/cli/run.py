@@ -109,8 +109,8 @@ def _admin_token(admin_token_file: Path | None) -> tuple[str, Path, bool]:
      "sidecars need for their change feeds. Root admin and static tokens share one. Set it to "
      "--max-streams on a server with one account.")
 @opt("--max-body", type=BYTES, default=str(RECORD_BODY_MAX), show_default="48MiB+64KiB", metavar="SIZE",
-     help="Largest body of a record write, batch, memory-tool call or console form (413 "
-     "beyond; /mcp takes 4 MiB, other endpoints 1 MiB). It bounds a store's max_record_bytes: "
+     help="Largest body of a record write, batch, memory-tool call, console form or /mcp "
+     "request (413 beyond; /mcp takes at least 4 MiB, other endpoints 1 MiB). It bounds a store's max_record_bytes: "
      "at most (SIZE - 64 KiB) / 6, as a record's JSON body may be six times its size (a control "
      "character is escaped as \\u00XX; 8 MiB by default); at least 6MiB+64KiB. A store whose "
      "max_record_bytes is over it (set under a larger SIZE) is named in a warning at start.")
