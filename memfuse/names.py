@@ -174,11 +174,14 @@ def index_fold(name: str) -> str:
     (:data:`DEFAULT_IGNORABLE_RANGES`, U+2800) dropped, the other scripts' look-alikes of ``memory.md``'s
     letters mapped to them (:data:`_INDEX_LOOKALIKES`), case folded (``str.casefold``: a
     case-insensitive disk — macOS, Windows — or a reader takes ``memory.md`` for
-    ``MEMORY.md``), ``rn`` read as ``m``, whitespace at either end and dots at the end removed
+    ``MEMORY.md``), combining marks dropped (``MEMORY.m`` + ``ḋ``, ``MEMORY.md`` + U+0332
+    COMBINING LOW LINE: attack18 F7), ``rn`` read as ``m``, whitespace at either end and dots at the end removed
     (``"MEMORY.md "`` shows as ``MEMORY.md``; Windows drops trailing spaces and dots).
     After TR39's skeleton (Unicode Technical Standard #39, section 4), restricted to
     what :func:`looks_like_index` needs."""
     s = _INVISIBLE_RE.sub("", unicodedata.normalize("NFKC", name))
+    if not s.isascii():  # combining marks dropped: ``MEMORY.md`` + U+0332 draws an underlined d
+        s = "".join(c for c in unicodedata.normalize("NFD", s) if unicodedata.category(c) not in ("Mn", "Me"))
     s = s.translate(_INDEX_FOLD_TABLE).casefold().replace("rn", "m")
     return _END_RE.sub("", s)
 

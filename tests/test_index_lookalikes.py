@@ -36,6 +36,10 @@ LOOKALIKES = [
     "MEMORY.md\u3164",  # HANGUL FILLER: drawn as nothing, not a format character
     "MEMORY.md\ufe0f",  # a variation selector
     "MEMORY\u0660md",  # ARABIC-INDIC DIGIT ZERO for the dot
+    "MEMORY.md\u0332",  # COMBINING LOW LINE: an underlined d (attack18 F7)
+    "MEMORY.md\u0301",  # a combining acute over the d
+    "MEMORY.m\u1e0b",  # LATIN SMALL LETTER D WITH DOT ABOVE (NFC)
+    "M\u0305EMORY.md",  # a combining overline
 ]
 ORDINARY = ["MEMORY.md", "notes.md", "MEMORY.md.bak", ".MEMORY.md", "MEMORY.txt", "memory",
             "MEMORIES.md", "MEMORY .md", "MEMORYmd", "memory-notes.md", "history.md", "\u65e5\u672c.md"]
