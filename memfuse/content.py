@@ -626,6 +626,16 @@ _REFERENCE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)+")
 _TEMPLATE_CHARS = frozenset("<>{}$%()[]*\\|")
 
 
+_PERCENT_HEX = re.compile(r"%[0-9A-Fa-f]{2}")
+
+
+def _percent_char(m: re.Match[str]) -> str:
+    """One URL escape ``%HH`` as the character it stands for (a byte above 0x7f as U+FFFD:
+    only whether the password is a template or a placeholder is asked of it)."""
+    b = int(m.group()[1:], 16)
+    return chr(b) if b < 0x80 else "\ufffd"
+
+
 def _real_password(value: str, assignment: bool = False) -> bool:
     """Whether ``value`` (after ``password =``, or in ``user:value@`` of a URL) looks like a
     real password rather than a placeholder (``<password>``, ``${DB_PASSWORD}``, ``****``,
@@ -861,8 +871,10 @@ _RULES: tuple[_Rule, ...] = (
         "URL with a password",
         # detect-secrets BasicAuthDetector: user:password@ in any URL (database URLs first of
         # all: postgresql://app:…@db/app); templated or placeholder passwords pass
-        re.compile(r"://([^\s:/?#\[\]@'\"`<>]{1,128}):([^\s/?#\[\]@'\"`<>]{1,256})@[A-Za-z0-9\[]"),
-        lambda m, text: _real_password(m.group(2)),
+        # (an empty user too: Redis's redis://:password@host; a password's %XX escapes are
+        # read decoded, not as a %(name)s template: attack18 F3)
+        re.compile(r"://([^\s:/?#\[\]@'\"`<>]{0,128}):([^\s/?#\[\]@'\"`<>]{1,256})@[A-Za-z0-9\[]"),
+        lambda m, text: _real_password(_PERCENT_HEX.sub(_percent_char, m.group(2))),
         ("://",),
     ),
     _Rule(

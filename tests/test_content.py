@@ -152,6 +152,8 @@ POSITIVE: list[tuple[str, str]] = [
     ("Google OAuth access token", "Authorization: Bearer " + "ya" + "29." + rnd(150, URLSAFE)),
     ("URL with a password", "DATABASE_URL=postgresql://app:" + "Zq8vR2kLm" + "@db.internal:5432/app"),
     ("URL with a password", "mongodb+srv://svc:" + rnd(20) + "@cluster0.mongodb.net/prod"),
+    ("URL with a password", "REDIS_URL=redis://:" + "Tr0ub4dor3xyzQ9" + "@cache:6379/0"),  # attack18 F3
+    ("URL with a password", "postgresql://app:" + "S3cr3tP4ssw0rdXyz%40" + "@db.internal/app"),
     ("password assignment", "password = " + "Tr0ub4dor&3"),
     ("password assignment", 'POSTGRES_PASSWORD: "' + rnd(12) + '"'),
     ("secret assignment", "client_secret = " + rnd(32)),
@@ -205,6 +207,8 @@ NEGATIVE = [
     "-----BEGIN PRIVATE KEY-----\nMIIEvQIBADANBgkqhkiG9w0BAQEFAASC...\n-----END PRIVATE KEY-----\n",
     "Webhook: https://hooks.slack.com/services/T00000000/B00000000/XXXXXXXXXXXXXXXXXXXXXXXX\n",
     "See https://github.com/octo/repo/pull/123 and https://example.com/path?token=abc&sig=xyz.\n",
+    "DSN = 'postgresql://app:%(password)s@db.internal/app' and redis://:${REDIS_PASSWORD}@cache:6379/0\n",
+    "redis://:%3Cpassword%3E@cache:6379 (fill in), http://[::1]:8080/ and ws://:443@x\n",
     "- [user role](user_role.md): senior engineer, prefers short answers\n- [testing](feedback_testing.md)\n",
     "---\nname: testing\ndescription: integration tests hit a real database\nmetadata:\n  type: feedback\n---\n\nBody.\n",
     # code
