@@ -466,8 +466,9 @@ def decoded_view(view: str) -> str:
     return secret_view(_ESCAPE_RE.sub(_unescape, view))
 
 
-#: a run that may be a base64 / base64url (28+: a 20-character token) or hex (40+) encoding
-_ENCODED_RUN = re.compile(r"(?<![A-Za-z0-9+/_-])[A-Za-z0-9+/_-]{28,}={0,2}")
+#: a run that may be a base64 / base64url (27+: a 20-character token is 27 characters and a
+#: ``=``, attack18 F4) or hex (40+) encoding
+_ENCODED_RUN = re.compile(r"(?<![A-Za-z0-9+/_-])[A-Za-z0-9+/_-]{27,}={0,2}")
 _HEX_RUN = re.compile(r"(?:[0-9a-fA-F]{2}){20,}")
 _ROT13 = bytes.maketrans(
     b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz",
@@ -479,10 +480,10 @@ _RUN_CHARS = bytes(0x61 if chr(b) in string.ascii_letters + string.digits + "+/_
 
 
 def _has_run(view: str) -> bool:
-    """Whether ``view`` holds a run ``_ENCODED_RUN`` would find (28 base64 characters in a
+    """Whether ``view`` holds a run ``_ENCODED_RUN`` would find (27 base64 characters in a
     row): a ``bytes.translate`` and one search in C, ~20x cheaper than the regex's step per
     character over ordinary text, where it finds none."""
-    return b"a" * 28 in view.encode("utf-8", "surrogatepass").translate(_RUN_CHARS)
+    return b"a" * 27 in view.encode("utf-8", "surrogatepass").translate(_RUN_CHARS)
 
 
 def _run_decoded(run: str) -> str:

@@ -346,6 +346,16 @@ def test_dashes_in_prose_are_not_secrets() -> None:
     assert find_secret("Plans \u2014 the sk\u2013ant idea \u2212 was dropped; ghp\u2017 is a prefix.\n") is None
 
 
+def test_base64_of_a_bare_aws_key_id_is_found() -> None:
+    """attack18 F4: a 20-character AWS access key id is 27 base64 characters and a ``=``."""
+    kid = "AKIA" + "Q3EGRVNUZ7XK2M5P"
+    enc = base64.b64encode(kid.encode()).decode()
+    assert len(enc.rstrip("=")) == 27
+    reason = find_secret("# keys\nid: " + enc + "\n")
+    assert reason is not None and reason.startswith("AWS access key id") and reason.endswith("on line 2"), reason
+    assert find_secret("id: " + base64.urlsafe_b64encode(kid.encode()).decode().rstrip("=") + "\n") is not None
+
+
 def test_gaps_are_dropped_only_between_token_characters() -> None:
     """The scan view drops a blank-looking character or a combining mark inside a run of
     token characters, keeps it elsewhere (NFKC then makes a no-break space a space), keeps
