@@ -1034,6 +1034,14 @@ def find_secret(content: str) -> str | None:
                 if found is not None:
                     view = alt
                     break
+    if found is None and "\u202e" in content:
+        # U+202E RIGHT-TO-LEFT OVERRIDE draws what follows it on its line in reverse order,
+        # so a token written backwards after it shows as the token in a browser or an
+        # editor (attack18 F2): each line read reversed too (the lines keep their numbers)
+        rev = "\n".join(line[::-1] for line in view.split("\n"))
+        found = _first_secret(rev)
+        if found is not None:
+            view = rev
     return _encoded_secret(view) if found is None else _secret_reason(found, view)
 
 

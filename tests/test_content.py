@@ -356,6 +356,15 @@ def test_base64_of_a_bare_aws_key_id_is_found() -> None:
     assert find_secret("id: " + base64.urlsafe_b64encode(kid.encode()).decode().rstrip("=") + "\n") is not None
 
 
+def test_a_reversed_token_after_a_right_to_left_override_is_found() -> None:
+    """attack18 F2: ``\\u202e`` + the token written backwards is drawn as the token."""
+    tok = "gh" + "p_" + rnd(36)
+    reason = find_secret("# notes\nsee \u202e" + tok[::-1] + " here\nmore\n")
+    assert reason is not None and reason.startswith("GitHub token") and reason.endswith("on line 2"), reason
+    assert find_secret("plain " + tok[::-1] + "\n") is None  # backwards without the override: drawn backwards
+    assert find_secret("\u202eordinary text, reversed\n") is None
+
+
 def test_gaps_are_dropped_only_between_token_characters() -> None:
     """The scan view drops a blank-looking character or a combining mark inside a run of
     token characters, keeps it elsewhere (NFKC then makes a no-break space a space), keeps
