@@ -48,7 +48,7 @@ from memfuse.server.base import (
     _check_path,
     parse_if_match,
 )
-from memfuse.server import deltas, history, keys, staleness, tails, wakeups
+from memfuse.server import deltas, history, keys, prescan, staleness, tails, wakeups
 from memfuse.server.db import utcnow, version_in_range
 from memfuse.server.recordrows import (
     BatchStore,
@@ -410,7 +410,7 @@ class RecordsService(Resource):
         store row read for writing)."""
         path = _check_new_path(body.path)
         raw = _check_content(body.content)
-        secret = content_rules.find_secret(body.content)  # outside the write lock
+        secret = prescan.find_secret(body.content)  # outside the write lock (and the writer thread: prescan)
         sha = _HASHES.digest(raw)
 
         def fn(conn: Connection, st: Any) -> wire.Record:
@@ -489,7 +489,7 @@ class RecordsService(Resource):
     ) -> Callable[[Connection, Any], Record]:
         """``update_record`` as ``_create_op`` splits ``create_record``."""
         raw = _check_content(body.content)
-        secret = content_rules.find_secret(body.content)  # outside the write lock
+        secret = prescan.find_secret(body.content)  # outside the write lock (and the writer thread: prescan)
         sha = _HASHES.digest(raw)
 
         def fn(conn: Connection, st: Any) -> Record:

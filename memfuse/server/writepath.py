@@ -40,6 +40,7 @@ from starlette.types import Scope, Send
 
 from memfuse.models import BatchRequest, RecordCreate, RecordUpdate
 from memfuse.server import routetable as table
+from memfuse.server.prescan import prescanned
 from memfuse.server.base import EARLY_ANSWER, parse_json
 from memfuse.server.batch import batch_body
 from memfuse.server.gate import EARLY
@@ -123,15 +124,17 @@ class WritePath:
             sender = _EarlySender(early, self, m.route, method, start) if early is not None else None
             token = EARLY_ANSWER.set(sender) if sender is not None else None
             try:
-                if m.route is table.CREATE_RECORD:
-                    assert isinstance(parsed, RecordCreate)
-                    reply = await self.hop(svc.create_record, p, store, parsed, idem)
-                else:
-                    assert isinstance(parsed, RecordUpdate)
-                    if_match = headers.get(b"if-match")
-                    reply = await self.hop(
-                        svc.update_record, p, store, m.params["record_id"], parsed,
-                        if_match.decode("latin-1") if if_match is not None else None, idem)
+                # a large content's secret scan runs before the writer thread (prescan)
+                async with prescanned((parsed.content,)):  # type: ignore[attr-defined]
+                    if m.route is table.CREATE_RECORD:
+                        assert isinstance(parsed, RecordCreate)
+                        reply = await self.hop(svc.create_record, p, store, parsed, idem)
+                    else:
+                        assert isinstance(parsed, RecordUpdate)
+                        if_match = headers.get(b"if-match")
+                        reply = await self.hop(
+                            svc.update_record, p, store, m.params["record_id"], parsed,
+                            if_match.decode("latin-1") if if_match is not None else None, idem)
             finally:
                 if token is not None:
                     EARLY_ANSWER.reset(token)
@@ -161,7 +164,10 @@ class WritePath:
         try:
             if svc.token_upkeep_due():
                 await anyio.to_thread.run_sync(svc.token_upkeep)
-            replies = await self.hop(svc.batch, p, store, req.operations)
+            # the large contents' secret scans run before the writer thread (prescan)
+            async with prescanned(op.body.get("content") for op in req.operations
+                                  if op.body is not None and op.op in ("create", "update")):
+                replies = await self.hop(svc.batch, p, store, req.operations)
             content = batch_body(replies)
             # as starlette's Response(content, media_type="application/json") frames it
             answer = (200, [(b"content-length", str(len(content)).encode("latin-1")),
