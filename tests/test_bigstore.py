@@ -396,7 +396,7 @@ def test_store_build_skips_paths_through_files_and_counts_what_it_shows(tmp_path
 def test_mmap_threshold_is_fixed_with_glibc():
     import platform
 
-    from memfuse.sidecar.mount import fix_mmap_threshold
+    from memfuse.procmem import fix_mmap_threshold
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("not glibc: no mallopt")
     assert fix_mmap_threshold() is True
