@@ -19,6 +19,7 @@ import trio
 from memfuse import content as content_rules
 from memfuse.client import ApiClient
 from memfuse.fake import FakeControlPlane
+from memfuse.server import prescan as server_prescan
 from memfuse.server import records as server_records
 from memfuse.sidecar.inodes import CLEAN, REJECTED
 from mountutil import Rig
@@ -34,9 +35,11 @@ def _server_only_secret(monkeypatch) -> None:
     detector): its refusal arrives inside a batch."""
     def find_secret(text: str):
         return "test marker (line 1)" if MARKER in text else content_rules.find_secret(text)
-    monkeypatch.setattr(server_records, "content_rules",
-                        types.SimpleNamespace(**{k: getattr(content_rules, k) for k in dir(content_rules)
-                                                 if not k.startswith("__")} | {"find_secret": find_secret}))
+    server_rules = types.SimpleNamespace(**{k: getattr(content_rules, k) for k in dir(content_rules)
+                                            if not k.startswith("__")} | {"find_secret": find_secret})
+    # the write path scans through memfuse.server.prescan (large contents on a worker thread)
+    monkeypatch.setattr(server_records, "content_rules", server_rules)
+    monkeypatch.setattr(server_prescan, "content_rules", server_rules)
 
 
 async def test_backlog_commits_in_batches_each_entry_as_alone(tmp_path, monkeypatch):
