@@ -239,3 +239,42 @@ def test_rm_on_one_mount_racing_a_write_on_the_other_ends_with_every_mount_agree
                                                f"plane holds of {name}")
             time.sleep(0.5)  # a stale state applied late would show by now
             assert agree(), f"round {k}: a mount changed {name} after agreeing"
+
+
+def test_mv_dir_on_one_mount_racing_writes_in_it_on_the_other_ends_with_every_mount_agreeing(tmp_path):
+    """F11 with real tools: mount A ``mv dd ee`` while mount B writes ``dd/new.md`` and
+    appends to ``dd/one.md``, four rounds: both mounts end showing the files the control
+    plane holds, where it holds them, with its content (bounded polls)."""
+    from mountutil import live_records, two_sidecars, wait_until
+
+    def tree(root: Path, *tops: str) -> dict[str, str]:
+        out = {}
+        for top in tops:
+            for dirpath, _, names in os.walk(root / top):
+                for n in names:
+                    p = Path(dirpath) / n
+                    out[str(p.relative_to(root))] = p.read_text()
+        return out
+
+    with two_sidecars(tmp_path, "s") as (cp, a, b):
+        A, B = a.mountpoint / "s", b.mountpoint / "s"
+        for k in range(4):
+            dd, ee = f"dd{k}", f"ee{k}"
+            subprocess.run(["sh", "-c", f"mkdir -p {A / dd} && echo one > {A / dd}/one.md"],
+                           check=True, timeout=30)
+            wait_until(lambda: (B / dd / "one.md").exists(), timeout=20, what=f"B shows {dd}")
+            procs = [subprocess.Popen(["mv", str(A / dd), str(A / ee)]),
+                     subprocess.Popen(["sh", "-c", f"echo new > {B / dd}/new.md; "
+                                                   f"echo more >> {B / dd}/one.md"])]
+            for p in procs:
+                p.wait(timeout=30)
+
+            def agree() -> bool:
+                want = {path: r.content for path, r in live_records(cp, "s").items()
+                        if path.startswith((dd + "/", ee + "/"))}
+                return tree(A, dd, ee) == want and tree(B, dd, ee) == want
+
+            wait_until(agree, timeout=30, what=f"round {k}: both mounts show what the control "
+                                               f"plane holds under {dd} and {ee}")
+            time.sleep(0.5)
+            assert agree(), f"round {k}: a mount changed after agreeing"
