@@ -210,6 +210,43 @@ async def test_a_directory_move_answered_after_another_mounts_writes_shows_them_
         nursery.cancel_scope.cancel()
 
 
+async def test_a_delete_and_a_directory_move_without_a_race_fetch_nothing(tmp_path):
+    """Outside the race nothing more is asked: a delete and a directory move whose records
+    no other mount changed meanwhile fetch no record (no ``GET .../records/{id}``), and
+    leave nothing noted once the feed has passed them."""
+    fake = FakeControlPlane(seed=0)
+    ta = await fake.setup("wa")
+    tb = await fake.setup("wb")
+    a = sidecar(tmp_path, fake, "wa", ta)
+    b = sidecar(tmp_path, fake, "wb", tb)
+    fetched: list[str] = []
+    get_record = a.client.get_record
+
+    async def counting(store, rid, *args, **kw):
+        fetched.append(rid)
+        return await get_record(store, rid, *args, **kw)
+
+    a.client.get_record = counting  # type: ignore[method-assign]
+    async with trio.open_nursery() as nursery:
+        await start(a, nursery)
+        await start(b, nursery)
+        for i in range(3):
+            await write(a, f"dd/f{i}.md", b"%d\n" % i)
+        await write(a, "gone.md", b"x\n")
+        await settled(fake, a, b)
+        root = a.fs.stores["default"].root
+        a.fs.rename(root.ino, b"dd", root.ino, b"ee", 0)
+        a.fs.unlink(root.ino, b"gone.md")
+        await a.committer.wait_store_idle("default")
+        assert a.states["default"].own_newer  # noted until the feed passes them
+        await write(b, "other.md", b"b\n")  # the feed moves on past them
+        want = {f"ee/f{i}.md": b"%d\n" % i for i in range(3)} | {"other.md": b"b\n"}
+        assert await settled(fake, a, b) == want
+        assert fetched == []
+        assert a.states["default"].own_newer == {}
+        nursery.cancel_scope.cancel()
+
+
 # ---------------------------------------------------------------------------- real mounts
 def test_rm_on_one_mount_racing_a_write_on_the_other_ends_with_every_mount_agreeing(tmp_path):
     """F9 with real tools: mount A ``rm f`` at the same moment mount B ``echo ... >> f`` (or

@@ -1617,7 +1617,9 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         before the move (it shows the older content). The feed cannot bring either: it
         leaves our move out, and passes the other writer's versions made before it
         (``StoreState.own_newer``; attack 18 F11). A file here at another path than the
-        answer's was moved (or unlinked) here since: its queued entry says so."""
+        answer's was moved (or unlinked) here since: its queued entry says so; one written
+        here since has its put queued, sent on the content it showed, so a change made
+        elsewhere meets it there (merged, or last writer wins), as after a single move."""
         sm = self.stores.get(e.store)
         if sm is None:
             return
@@ -1632,6 +1634,8 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             if n.unlinked:
                 continue
             n.version = max(n.version, rec.version)
+            if n.last_put is not None and not n.last_put.done.is_set():
+                continue  # written here since: its put, on the older content, is merged
             if rec.version == n.version and not n.dirty and n.buf is None and n.sha != rec.sha256:
                 log.info("a directory move answer carries a change made elsewhere; fetching "
                          "the record", extra={"store": e.store, "record": rec.id,
