@@ -39,7 +39,7 @@ from sqlalchemy.orm import Session
 
 from memfuse import content as content_rules
 from memfuse import names
-from memfuse.defs import ACTOR_HEADER, RECORD_BODY_MAX
+from memfuse.defs import ACTOR_HEADER, RECORD_BODY_MAX, SEQ_HEADER
 from memfuse.models import Access
 from memfuse.server import history, keys, wakeups
 from memfuse.server.rawsql import Raw, RawRow
@@ -303,6 +303,14 @@ class IdempotencyRequest:
         if self.alt_sha256 is not None or self.raw is None:
             return self.alt_sha256
         return body_sha256(self.raw)
+
+
+def seq_header(headers: dict[str, str], seq: int | None) -> None:
+    """Set ``SEQ_HEADER`` (``Memfuse-Seq``: docs/API.md) in a write's reply ``headers`` to
+    ``seq``, the change-feed seq of the version a write answered without a body made (a
+    delete's 204); nothing when None (no version made)."""
+    if seq is not None:
+        headers[SEQ_HEADER] = str(seq)
 
 
 @dataclass
@@ -862,6 +870,8 @@ class Writer:
                     headers: dict[str, str] = {}
                     if etag and result is not None and getattr(result, "sha256", None):
                         headers["ETag"] = f'"{getattr(result, "sha256")}"'
+                    if result is None and feed is not None:
+                        seq_header(headers, wakeups.version_seq_since(0))
                     if idem is not None:
                         _RAW_INSERT_IDEM.run(
                             conn,
