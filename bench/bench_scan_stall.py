@@ -29,6 +29,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 TREE = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(TREE / "tests"))
@@ -36,7 +37,7 @@ sys.path.insert(0, str(TREE / "tests"))
 from mountutil import serve_listening, stop  # noqa: E402
 
 
-def _post(url: str, token: str, body: dict, timeout: float) -> tuple[int, bytes]:
+def _post(url: str, token: str, body: dict[str, Any], timeout: float) -> tuple[int, bytes]:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
                                  headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
     try:
@@ -108,9 +109,9 @@ def main() -> int:
                 i += 1
                 time.sleep(0.1)
 
-        batches: list[dict] = []
+        batches: list[dict[str, Any]] = []
 
-        def attack(body: dict) -> None:
+        def attack(body: dict[str, Any]) -> None:
             t = time.monotonic()
             try:
                 status, out = _post(f"{url}/v1/stores/b/batch", tokens["b"], body, 300)
