@@ -1,7 +1,7 @@
 """Another tenant's write while one token posts batches of records that are costly to scan for
 secrets (attack18 F5's stall.py, measured).
 
-    .venv/bin/python bench/bench_scan_stall.py [--batches 2] [--records 40] [--kib 1024]
+    .venv/bin/python bench/bench_scan_stall.py [--batches 2] [--records 40] [--kib 976]
 
 One ``memfuse serve`` (SQLite file, default limits; this tree's code: ``PYTHONPATH`` is set to
 it) on loopback, workspaces ``a`` and ``b`` with a store each and a database token each. The
@@ -61,7 +61,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, default=2)
     ap.add_argument("--records", type=int, default=40)
-    ap.add_argument("--kib", type=int, default=1024)
+    ap.add_argument("--kib", type=int, default=976)  # under a store's default 1 MiB record bound
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="scanstall-"))
     admin = secrets.token_urlsafe(24)

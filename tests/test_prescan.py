@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import random
 import threading
+import time
 from typing import Any
 
 import httpx
@@ -232,3 +233,52 @@ def test_scan_budget_refills_and_charges_cpu_time() -> None:
     assert b.wait("k") == 0
     assert b.scan("k", lambda: sum(range(200_000))) == sum(range(200_000))
     assert 0 < b.charged - 3.0 < 1.0
+
+
+def test_one_tokens_prescans_run_one_at_a_time(tmp_path, monkeypatch) -> None:
+    """Large writes sent at once by one token are scanned one after the other (one worker
+    thread of anyio's pool at a time: the others stay free for other tenants); another
+    token's scan runs beside them."""
+    lock = threading.Lock()
+    running: dict[str, int] = {}
+    most: dict[str, int] = {}
+    real = content.find_secret
+
+    def spy(text: str) -> str | None:
+        if len(text) < prescan.PRESCAN_MIN:
+            return real(text)
+        who = "ws2" if text.startswith("ws2") else "ws"
+        with lock:
+            running[who] = running.get(who, 0) + 1
+            most[who] = max(most.get(who, 0), running[who])
+            both = running.get("ws", 0) and running.get("ws2", 0)
+            most["both"] = max(most.get("both", 0), 1 if both else 0)
+        try:
+            time.sleep(0.3)  # long enough for the other requests to arrive meanwhile
+            return real(text)
+        finally:
+            with lock:
+                running[who] -= 1
+
+    monkeypatch.setattr(content, "find_secret", spy)
+    statuses: list[int] = []
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            app, base = await _served(tmp_path, nursery)
+            async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {WS}"}, timeout=60) as c, \
+                    httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {WS2}"}, timeout=60) as c2:
+                async def create(client: httpx.AsyncClient, store: str, name: str, text: str) -> None:
+                    r = await client.post(f"/v1/stores/{store}/records", json={"path": name, "content": text})
+                    statuses.append(r.status_code)
+
+                async with trio.open_nursery() as n:
+                    for i in range(4):
+                        n.start_soon(create, c, "default", f"a{i}.md", _big(30 + i))
+                    n.start_soon(create, c2, "other", "b.md", "ws2" + _big(40) + "ws2" + _big(41))
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert statuses == [201] * 5, statuses
+    assert most["ws"] == 1, most
+    assert most.get("both") == 1, most

@@ -11,7 +11,7 @@ a second, bursts of ``SCAN_BURST``. A token whose bucket is empty (in debt after
 scan) is refused its next large scan with 429 ``rate_limited`` and ``Retry-After`` (the
 seconds until the bucket is back above zero) before any of it runs; a scan that starts runs
 to its end (its cost is known only then), so a token's debt is at most one scan past its
-bucket. Prose never meets the bound: 0.5 s of scan a second is ~45 MiB/s of prose, past the
+bucket. Prose never meets the bound: 0.25 s of scan a second is ~22 MiB/s of prose, past the
 write buckets' 16 MiB/s.
 
 Thread safety: the table is changed under one lock (scans run on worker threads).
@@ -29,9 +29,9 @@ __all__ = ["SCAN_RATE", "SCAN_BURST", "ScanBudget"]
 T = TypeVar("T")
 
 #: CPU seconds of large secret scans one token may make a replica do, a second
-SCAN_RATE = 0.5
+SCAN_RATE = 0.25
 #: the most it may ask for at once (CPU seconds; a new or idle token starts full)
-SCAN_BURST = 10.0
+SCAN_BURST = 5.0
 #: tokens kept at most (past it, the ones whose bucket has filled again are forgotten)
 KEYS_MAX = 10_000
 
