@@ -132,7 +132,9 @@ def find_append_secret(context: str, suffix: str, pre: tuple[str, str | None] | 
         raise refusal(e) from None
 
 
-# tokens with a prescan running, each with the lock its next prescan waits on (event loop only)
+# tokens with a prescan running, each with the lock its next prescan waits on (event loop
+# only). INVARIANT: the count is the prescans of that key waiting or running (≥ 1); the entry
+# is removed when it would reach 0
 _RUNNING: dict[str, tuple[anyio.Lock, int]] = {}
 
 
