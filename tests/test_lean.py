@@ -177,6 +177,17 @@ async def test_lean_answers_as_hypercorn_does(tmp_path):
         # body (FastAPI's 422), an update of no record, a batch
         a, _ = await p.both([_create("x.md", token=None)])
         assert _statuses(a) == [401] and b"connection: close" in a
+        # two Authorization headers (a workspace's and the admin's, either order; a GET):
+        # 400 problem, neither token used, nothing stored
+        for extra in (f"Authorization: Bearer {ADMIN}\r\n", f"authorization: Bearer {WS}\r\n"):
+            a, _ = await p.both([_create("two.md", extra=extra)])
+            assert _statuses(a) == [400] and b'"code": "invalid_request"' in a, a
+            assert b"content-type: application/problem+json" in a, a
+        a, _ = await p.both([_req("GET", "/v1/stores/default/records?path=two.md",
+                                  extra=f"Authorization: Bearer {ADMIN}\r\n", close=True)])
+        assert _statuses(a) == [400], a
+        a, _ = await p.both([_req("GET", "/v1/stores/default/records?path=two.md", close=True)])
+        assert _statuses(a) == [200] and b'"records":[]' in a, a
         a, _ = await p.both([_req("POST", "/v1/stores/nope/records", b'{"path":"n.md","content":"x"}'),
                              _req("POST", "/v1/stores/default/records", b'{"path": 5}'),
                              _req("PUT", "/v1/stores/default/records/00000000-0000-0000-0000-000000000000",

@@ -43,6 +43,7 @@ from memfuse.defs import ACTOR_HEADER, RECORD_BODY_MAX, SEQ_HEADER
 from memfuse.models import Access
 from memfuse.server import history, keys, wakeups
 from memfuse.server.rawsql import Raw, RawRow
+from memfuse.server.scanbudget import ScanBudget
 from memfuse.server.db import (
     AccountRow,
     AttachmentRow,
@@ -964,8 +965,8 @@ class Writer:
 class Parts:
     """What every resource service is built from (``Resource.__init__``): the database, the
     wake-ups of this process (``notifier``) and of the other replicas (``bus``), the shared
-    ``settings``, the access rules and the write transaction. ``Parts.build`` makes the
-    usual set over one database."""
+    ``settings``, the access rules, the write transaction and the tokens' secret-scan budget
+    (``scans``). ``Parts.build`` makes the usual set over one database."""
 
     db: Database
     notifier: Notifier
@@ -973,6 +974,8 @@ class Parts:
     settings: Settings
     access: AccessRules
     writer: Writer
+    #: each token's budget of large secret scans (``memfuse.server.scanbudget``)
+    scans: ScanBudget = field(default_factory=ScanBudget)
 
     @classmethod
     def build(cls, db: Database, settings: Settings) -> Parts:
@@ -997,9 +1000,11 @@ class Resource:
     settings: Settings
     access: AccessRules
     writer: Writer
+    scans: ScanBudget
 
     def __init__(self, parts: Parts) -> None:
         self.db = parts.db
+        self.scans = parts.scans
         self.notifier = parts.notifier
         self.bus = parts.bus
         self.settings = parts.settings
