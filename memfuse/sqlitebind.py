@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import sqlite3
 
-_NONE_TO_NULL = {}.get  # _NONE_TO_NULL(None) is None: a C call, no Python frame
+_NOTHING: dict[object, None] = {}
+_NONE_TO_NULL = _NOTHING.get  # _NONE_TO_NULL(None) is None: a C call, no Python frame
 
 
 def bind_none_directly() -> None:
