@@ -14,12 +14,12 @@ from typing import Any
 import httpx
 import pytest
 import trio
+from planeutil import serve_app, setup_ws
 from test_lean import ADMIN, WS
 
 from memfuse import content
 from memfuse.server import prescan
 from memfuse.server.app import create_app
-from memfuse.server.serve import serve
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -47,12 +47,8 @@ def test_large_contents_are_scanned_off_the_writer_thread(tmp_path, monkeypatch)
         app = create_app(f"sqlite:///{tmp_path / 'cp.db'}", static_tokens={ADMIN: None, WS: "ws"},
                          max_body=4 * 1024 * 1024)
         async with trio.open_nursery() as nursery:
-            base = await nursery.start(lambda task_status: serve(app, "127.0.0.1:0", lean=True, task_status=task_status))
-            async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30) as a:
-                assert (await a.post("/v1/workspaces", json={"name": "ws", "default_store": False})).status_code == 201
-                assert (await a.post("/v1/stores", json={"slug": "default"})).status_code == 201
-                r = await a.put("/v1/workspaces/ws/attachments/default", json={"access": "read_write"})
-                assert r.status_code == 200, r.text
+            base = await serve_app(nursery, app, lean=True)
+            await setup_ws(base, ADMIN)
             async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {WS}"}, timeout=30) as c:
                 big = _big(1)
                 assert len(big) >= prescan.PRESCAN_MIN

@@ -22,6 +22,7 @@ from memfuse.server.recordrows import (
     next_seq_sql,
 )
 from pgutil import fresh_db_url
+from planeutil import attach_ws
 
 ADMIN, WS = "raw-admin", "raw-ws"
 
@@ -34,10 +35,7 @@ async def env():
         async with httpx.AsyncClient(transport=t, base_url="http://t", headers={"Authorization": f"Bearer {ADMIN}"}) as a, \
                 httpx.AsyncClient(transport=t, base_url="http://t",
                                   headers={"Authorization": f"Bearer {WS}", "X-Memfuse-Instance": "me"}) as me:
-            assert (await a.post("/v1/workspaces", json={"name": "ws", "default_store": False})).status_code == 201
-            assert (await a.post("/v1/stores", json={"slug": "s"})).status_code == 201
-            r = await a.put("/v1/workspaces/ws/attachments/s", json={"access": "read_write"})
-            assert r.status_code == 200, r.text
+            await attach_ws(a, (("s", "read_write"),))
             yield app, me
         app.state.service.db.dispose()
 
