@@ -13,7 +13,7 @@ until the next open for writing, so what it left behind never replaces the store
 from __future__ import annotations
 
 import errno
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .. import content as content_rules  # the server enforces the same rules
 from ..errors import errno_of
@@ -29,6 +29,8 @@ class WriteLimits:
     if TYPE_CHECKING:  # the filesystem's methods this part calls
         def note_error(self, where: Node | None, name: str, err: int, reason: str,
                        code: str = "", store: str = "") -> None: ...
+
+        def invalidate(self, items: list[tuple[Any, ...]]) -> None: ...
 
     def _check_size(self, n: Node, size: int, truncating: bool = False) -> None:
         """``EFBIG`` when a write ending at byte ``size`` (or, ``truncating``, a truncation
@@ -107,6 +109,11 @@ class WriteLimits:
             # until the next open for writing, and its close reports the refusal too
             n.refused, n.state, n.error = r.errno, REJECTED, r.reason
             n.last_put = None  # an earlier put landing later must not mark it clean
+        # the kernel's pages may hold the refused bytes already: a write through a shared
+        # mmap is in the page cache before its write-back reaches us (attack18 F13), and
+        # with keep_cache a later read would be served them. Dropped (after the file's
+        # readers close, Invalidator.reading; an open meanwhile waits for it: catch_up)
+        self.invalidate([("inode", n.ino)])
         raise FsError(r.errno, r.reason, r.code)
 
     def _type_refusal(self, n: Node, text: str) -> Refusal | None:
