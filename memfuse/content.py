@@ -1023,6 +1023,12 @@ def find_secret(content: str) -> str | None:
     literal prefix): about 50 ms per MiB of ordinary text, under 150 ms per MiB for the
     adversarial inputs in the tests.
     """
+    return _find(content, _RLO in content)
+
+
+def _find(content: str, rlo: bool) -> str | None:
+    """``find_secret(content)``, each line also read reversed when ``rlo`` (the text held a
+    right-to-left override: ``_rendered_views``)."""
     view = secret_view(content)
     found = _first_secret(view)
     if found is None:
@@ -1034,15 +1040,56 @@ def find_secret(content: str) -> str | None:
                 if found is not None:
                     view = alt
                     break
-    if found is None and "\u202e" in content:
-        # U+202E RIGHT-TO-LEFT OVERRIDE draws what follows it on its line in reverse order,
-        # so a token written backwards after it shows as the token in a browser or an
-        # editor (attack18 F2): each line read reversed too (the lines keep their numbers)
-        rev = "\n".join(line[::-1] for line in view.split("\n"))
-        found = _first_secret(rev)
-        if found is not None:
-            view = rev
+    if found is None:
+        for alt in _rendered_views(view, rlo):
+            found = _first_secret(alt)
+            if found is not None:
+                view = alt
+                break
     return _encoded_secret(view) if found is None else _secret_reason(found, view)
+
+
+_RLO = "\u202e"
+
+#: Markdown / HTML that a rendered view (the console) draws as nothing *between two token
+#: characters*, so a token split by it shows whole (attack18 F2): an HTML comment on one
+#: line, ``*`` / ``**`` / ``***`` (emphasis: ``ghp_AB**CD**`` draws ``ghp_AB`` and a bold
+#: ``CD``) and ``~~`` (strike-through). Dropped only there, so prose keeps its words apart
+#: (``a * b``, ``x*y`` in code joins two words, which no secret rule reads as a secret
+#: unless the two halves are one: the prose corpus of tests/test_secret_corpus.py holds)
+#: (written to start with a character class: the search skips to a ``*``, ``~`` or ``<`` at
+#: C speed, then looks behind; ~50 ms per MiB of Markdown dense with them, 5x the plain form)
+_MARKUP_SPLIT = re.compile(r"[*~<](?<=[\w-][*~<])(?:(?<=\*)\*{0,2}|(?<=~)~|(?<=<)!--[^\n]*?-->)"
+                           r"(?:\*{1,3}|~~|<!--[^\n]*?-->)*(?=[\w-])")
+
+
+def markup_view(view: str) -> str:
+    """``view`` with the Markdown / HTML a renderer draws as nothing removed where it sits
+    between two token characters (``_MARKUP_SPLIT``); ``view`` itself when it holds no
+    ``*``, ``~`` or ``<!--``. The same lines."""
+    if "*" not in view and "~" not in view and "<!--" not in view:
+        return view
+    return _MARKUP_SPLIT.sub("", view)
+
+
+def _reversed_lines(view: str) -> str:
+    """Each line of ``view`` reversed (the lines keep their numbers)."""
+    return "\n".join(line[::-1] for line in view.split("\n"))
+
+
+def _rendered_views(view: str, rlo: bool) -> Iterator[str]:
+    """The views of ``view`` (a :func:`secret_view`) as a renderer may draw it, other than
+    ``view`` itself, in the order the rules read them: each line reversed when the text held
+    U+202E RIGHT-TO-LEFT OVERRIDE (``rlo``: it draws what follows it on its line in reverse
+    order, so a token written backwards after it shows as the token in a browser or an
+    editor, attack18 F2; the view has the override removed already), then the Markdown /
+    HTML view (:func:`markup_view`). The one list :func:`find_secret`,
+    :func:`find_secret_in_view` and :func:`redact_secrets` read."""
+    if rlo:
+        yield _reversed_lines(view)
+    md = markup_view(view)
+    if md is not view and md != view:
+        yield md
 
 
 #: at most this many secrets are cut out of one text by :func:`redact_secrets`; past it the
@@ -1056,21 +1103,50 @@ def redact_secrets(text: str) -> str:
     text memfuse keeps but does not refuse (a consolidation model's summary). Returns
     ``text`` itself when it holds none. The matches are found in the text as a prompt shows
     it (:func:`secret_view`), so a text that held a secret comes back in that view (format
-    characters removed, NFKC). More than :data:`REDACT_MAX` secrets: one line saying so.
-    Linear per secret found (one :func:`find_secret` scan each)."""
-    if find_secret(text) is None:
+    characters removed, NFKC); one found only as a renderer draws the text
+    (``_rendered_views``: reversed after a right-to-left override, split by Markdown) is cut
+    in that drawing, and its line comes back as drawn. More than :data:`REDACT_MAX`
+    secrets: one line saying so. Linear per secret found (one :func:`find_secret` scan
+    each)."""
+    rlo = _RLO in text
+    if _find(text, rlo) is None:
         return text
     view = secret_view(text)
     for _ in range(REDACT_MAX):
         found = _first_secret(view)
+        if found is not None:
+            view = _redact_at(view, found[1])
+            continue
+        for alt in _rendered_views(view, rlo):
+            found = _first_secret(alt)
+            if found is not None:
+                view = _redact_rendered(view, alt, found[1], rlo)
+                break
         if found is None:
-            if find_secret(view) is None:
+            if _find(view, rlo) is None:
                 return view
             # a secret only in an encoded form (base64, escapes, rot13) or only in the
             # text as written: no span of the view to cut
             return "[REDACTED: the text held a secret in a form not cut out]"
-        view = _redact_at(view, found[1])
     return "[REDACTED: the text held more than %d secrets]" % REDACT_MAX
+
+
+def _redact_rendered(view: str, alt: str, m: re.Match[str], rlo: bool) -> str:
+    """``view`` with the secret found at ``m`` in ``alt`` (one of ``_rendered_views(view,
+    rlo)``) cut: in the reversed view, its span on its line of ``view`` replaced by
+    :data:`REDACTED` (the vendor prefix is not kept: it reads backwards there); in the
+    markup view, its line replaced by that line of ``alt`` with the secret cut to its first
+    four characters. The other lines as they were."""
+    line = alt.count("\n", 0, m.start())
+    lines = view.split("\n")
+    if rlo and alt == _reversed_lines(view):
+        start = alt.rfind("\n", 0, m.start()) + 1  # the line's start in alt
+        text = lines[line]
+        a, b = m.start() - start, min(m.end() - start, len(text))
+        lines[line] = text[: len(text) - b] + REDACTED + text[len(text) - a :]
+    else:
+        lines[line] = _redact_at(alt, m).split("\n")[line]
+    return "\n".join(lines)
 
 
 def _secret_reason(found: tuple[_Rule, re.Match[str]], view: str, form: str = "") -> str:
@@ -1101,6 +1177,12 @@ def find_secret_in_view(content: str, present: frozenset[Hint]) -> str | None:
     forms (``_encoded_secret``, over the whole text). The same answer as
     ``find_secret(content)``: the rules left out cannot match (their hints are absent)."""
     found = _first_secret(content, present=present) if present else None
+    if found is None:  # as ``_find`` reads it: the markup view (no override in a view)
+        for alt in _rendered_views(content, False):
+            found = _first_secret(alt)
+            if found is not None:
+                content = alt
+                break
     return _encoded_secret(content) if found is None else _secret_reason(found, content)
 
 

@@ -180,6 +180,11 @@ def next_page_link(query: str, cursor: int) -> str:
 # records on this caller's writes (``ws:<workspace name>/<instance>``): what a sidecar's feed
 # leaves out as its own (docs/API.md "Workspaces and attachments")
 ACTOR_HEADER = "Memfuse-Actor"
+# the response header of a record write answered without a body (DELETE's 204, and ``seq`` of
+# such an operation's batch result): the change-feed seq of the version it made, so its
+# writer can tell the record's older versions in the feed, which leaves its own out
+# (docs/API.md "Records")
+SEQ_HEADER = "Memfuse-Seq"
 # the response header of GET /v1/workspaces/{ws}/attachments naming the workspace's account
 # (docs/API.md "Workspaces and attachments"): what ``memfuse mount`` keys its default cache
 # directory by, so two accounts' workspaces of one name on one host never share it

@@ -474,12 +474,14 @@ class BatchResult(BaseModel):
     """The answer one operation of a batch would have had alone: ``status`` (201, 200, 204 or
     the refusal's), ``body`` (the [Record] / [MoveResult], a [Problem] for a refusal, None for
     204), ``etag`` (the ``ETag`` header it would have had), ``replayed`` (the stored answer of
-    its ``idempotency_key``)."""
+    its ``idempotency_key``), ``seq`` (for a 204: the ``Memfuse-Seq`` header it would have
+    had, the change-feed seq of the version it made; left out otherwise)."""
 
     status: int
     body: dict[str, Any] | None = None
     etag: str | None = None
     replayed: bool = False
+    seq: int | None = None
 
 
 class BatchResponse(BaseModel):

@@ -420,12 +420,14 @@ class BatchRequest(Struct, kw_only=True):
 class BatchResult(Struct, kw_only=True):
     """The answer one operation of a batch would have had alone: ``status``, ``body`` (a
     Record / MoveResult as a dict, a Problem for a refusal, None for 204), ``etag``,
-    ``replayed``."""
+    ``replayed``, ``seq`` (a 204's ``Memfuse-Seq``: the seq of the version it made; None
+    from a control plane that does not tell it)."""
 
     status: int
     body: dict[str, Any] | None = None
     etag: str | None = None
     replayed: bool = False
+    seq: int | None = None
 
 
 class BatchResponse(Struct, kw_only=True):

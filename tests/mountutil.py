@@ -103,6 +103,18 @@ def wait_until(pred, timeout: float = 30.0, what: str = "condition", poll: float
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
+def serve_process(args: list[str], log: Path, *, env: dict[str, str] | None = None,
+                  cwd: Path | str | None = None) -> subprocess.Popen:
+    """``memfuse serve`` with the options ``args`` (give it ``--listen 127.0.0.1:0``: a port
+    picked here and bound later by the server could be taken meanwhile on a shared machine),
+    started in ``cwd`` with ``env`` as its whole environment (this process's when None), its
+    output appended to ``log``, no stdin; returns at once. ``serve_listening`` (with the
+    log's size before the start as its offset) waits for its URL, ``stop`` ends it."""
+    with log.open("ab") as out:
+        return subprocess.Popen([MEMFUSE, "serve", *args], stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=env, cwd=cwd)
+
+
 def serve_listening(proc: subprocess.Popen, log: Path, offset: int = 0, timeout: float = 120) -> str:
     """The URL a ``memfuse serve`` started with its output to ``log`` (which held ``offset``
     bytes before) listens on, from its line ``memfuse serve: listening on URL``; waits for
@@ -169,11 +181,10 @@ class ControlPlane:
         by the server could be taken meanwhile by another process on a shared machine); a
         restart listens on the same port again, so sidecars keep their URL."""
         offset = self.log.stat().st_size if self.log.exists() else 0
-        self.proc = subprocess.Popen(
-            [MEMFUSE, "serve", "--db", self.db_url, "--listen", f"127.0.0.1:{self.port}",
+        self.proc = serve_process(
+            ["--db", self.db_url, "--listen", f"127.0.0.1:{self.port}",
              "--admin-token-file", str(self.token_file), "--migrate", *self.extra_args],
-            stdout=self.log.open("ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=dict(os.environ, MEMFUSE_HOME=str(self.tmp / "home")))
+            self.log, env=dict(os.environ, MEMFUSE_HOME=str(self.tmp / "home")))
         try:
             url = serve_listening(self.proc, self.log, offset)
         except BaseException:

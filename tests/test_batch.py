@@ -181,6 +181,58 @@ async def test_keys_are_per_operation_and_shared_with_single_requests(env):
     assert [v["version"] for v in versions] == [1, 2]
 
 
+async def test_a_delete_tells_the_seq_of_its_version_alone_in_a_batch_and_replayed(env):
+    """A delete is answered without a body (204); ``Memfuse-Seq`` (a batch result's ``seq``)
+    gives the change-feed seq of its ``deleted`` version, the same when its idempotency key
+    replays it, so its writer can tell older versions in the feed, which leaves its own out
+    (attack 18 F9). Other results carry no ``seq``."""
+    app, admin, ws = env
+    one = (await ws.post("/v1/stores/s/records", json={"path": "d1.md", "content": "x"})).json()
+    two = (await ws.post("/v1/stores/s/records", json={"path": "d2.md", "content": "y"})).json()
+
+    async def deleted_seq(rid: str) -> int:
+        versions = (await ws.get(f"/v1/stores/s/records/{rid}/versions")).json()
+        assert versions[-1]["operation"] == "deleted"
+        return versions[-1]["seq"]
+
+    r = await ws.delete(f"/v1/stores/s/records/{one['id']}", headers={"Idempotency-Key": "del-1"})
+    assert r.status_code == 204 and r.content == b""
+    assert int(r.headers["memfuse-seq"]) == await deleted_seq(one["id"])
+    again = await ws.delete(f"/v1/stores/s/records/{one['id']}", headers={"Idempotency-Key": "del-1"})
+    assert again.status_code == 204 and again.headers.get("idempotent-replayed") == "true"
+    assert again.headers["memfuse-seq"] == r.headers["memfuse-seq"]
+    results = await _batch(ws, [
+        _op("create", body={"path": "d3.md", "content": "z"}),
+        _op("delete", record_id=two["id"], idempotency_key="del-2"),
+        _op("delete", record_id=two["id"], idempotency_key="del-2"),  # replayed in the batch
+        _op("delete", record_id=one["id"]),  # already deleted: 404, no seq
+    ])
+    assert [x["status"] for x in results] == [201, 204, 204, 404]
+    assert "seq" not in results[0] and "seq" not in results[3]
+    assert results[1]["seq"] == results[2]["seq"] == await deleted_seq(two["id"])
+    assert results[1]["body"] is None
+    r = await ws.get("/v1/stores/s/changes", params={"after": results[1]["seq"] - 1})
+    [ch] = r.json()["changes"]
+    assert ch["record"]["id"] == two["id"] and ch["record"]["deleted"]
+
+
+async def test_the_client_returns_a_deletes_seq_alone_and_in_a_batch():
+    """``ApiClient.delete_record`` returns the ``Memfuse-Seq`` of the delete; ``batch``
+    gives it as a delete's outcome (what the sidecar's outbox keeps: ``Entry.seq``)."""
+    fake = FakeControlPlane(seed=3)
+    try:
+        token = await fake.setup("ws", stores=("default",))
+        async with ApiClient(fake.base_url, token, transport=fake.transport, instance="i") as api:
+            a = await api.create_record("default", "a.md", "alpha")
+            b = await api.create_record("default", "b.md", "beta")
+            seq = await api.delete_record("default", a.id, idempotency_key="d-a")
+            assert seq == (await api.get_record("default", a.id)).seq
+            [out] = await api.batch("default", [api.batch_delete(b.id, idempotency_key="d-b")])
+            assert out == (await api.get_record("default", b.id)).seq and out > seq
+    finally:
+        await fake.aclose()
+
+
 async def test_batch_retried_after_a_lost_response_applies_nothing_twice():
     fake = FakeControlPlane(seed=7)
     try:

@@ -23,7 +23,8 @@ from memfuse import cli as cli_mod
 from memfuse.cli import cli
 from memfuse.client import ApiClient
 from memfuse.devenv import dev_db_path, ensure_dev_setup, local_client
-from mountutil import serve_listening
+from mountutil import serve_listening, serve_process
+from mountutil import stop as stop_process
 
 MEMFUSE = Path(sys.executable).with_name("memfuse")
 
@@ -385,32 +386,27 @@ def test_status_reads_status_json(home, tmp_path):
 
 
 class Server:
-    """A ``memfuse serve`` subprocess; give it ``--listen 127.0.0.1:0`` (a port picked here and
-    bound later by the server could be taken meanwhile on a shared machine) and take its URL
-    from ``wait_ready``."""
+    """A ``memfuse serve`` subprocess (``mountutil.serve_process``, started in ``cwd``) with
+    the options ``args``; give it ``--listen 127.0.0.1:0`` and take its URL from
+    ``wait_ready``. ``start`` after ``stop`` starts it again, its output appended to ``log``."""
 
-    def __init__(self, args: list[str], log: Path):
-        self.log = log
-        self._fh = open(log, "wb")
-        self.proc = subprocess.Popen([str(MEMFUSE), "serve", *args], stdout=self._fh, stderr=subprocess.STDOUT,
-                                     env=dict(os.environ))
+    def __init__(self, args: list[str], log: Path, cwd: Path | None = None):
+        self.args, self.log, self.cwd = args, log, cwd
+        self.start()
+
+    def start(self) -> None:
+        self.offset = self.log.stat().st_size if self.log.exists() else 0  # this start's output from here
+        self.proc = serve_process(self.args, self.log, cwd=self.cwd)
 
     def wait_ready(self, timeout: float = 60.0) -> str:
         """The URL the server listens on, once it answers ``/healthz``."""
-        url = serve_listening(self.proc, self.log, timeout=timeout)
+        url = serve_listening(self.proc, self.log, self.offset, timeout=timeout)
         assert httpx.get(url + "/healthz", timeout=30).status_code == 200, self.log.read_text()
         return url
 
     def stop(self) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        self._fh.close()
-        return self.proc.returncode
+        """SIGTERM, SIGKILL as the last resort (``mountutil.stop``); the exit code."""
+        return stop_process(self.proc)
 
 
 def test_serve_subprocess_and_remote_commands(home, tmp_path):
@@ -836,11 +832,7 @@ def test_readme_deployment_block_on_a_fresh_machine(home, tmp_path):
     p = subprocess.run([str(MEMFUSE), "db", "upgrade", "--db", db], cwd=work, capture_output=True, timeout=60)
     assert p.returncode == 0, p.stderr
     log = tmp_path / "serve.log"
-    fh = open(log, "wb")
-    proc = subprocess.Popen([str(MEMFUSE), "serve", "--db", db, "--listen", "127.0.0.1:0",
-                             "--admin-token-file", "admin.token"], cwd=work, stdout=fh, stderr=subprocess.STDOUT)
-    server = Server.__new__(Server)
-    server.log, server._fh, server.proc = log, fh, proc
+    server = Server(["--db", db, "--listen", "127.0.0.1:0", "--admin-token-file", "admin.token"], log, cwd=work)
     try:
         url = server.wait_ready()
         admin = work / "admin.token"
@@ -867,13 +859,10 @@ def test_readme_deployment_block_on_a_fresh_machine(home, tmp_path):
     assert rc == 0, log.read_text()
     # restarted with the same file: the token is read, not replaced
     token = (work / "admin.token").read_text()
-    server._fh = open(log, "wb")
-    server.proc = subprocess.Popen([str(MEMFUSE), "serve", "--db", db, "--listen", "127.0.0.1:0",
-                                    "--admin-token-file", "admin.token"], cwd=work, stdout=server._fh,
-                                   stderr=subprocess.STDOUT)
+    server.start()
     try:
         server.wait_ready()
-        assert "admin token read from admin.token" in log.read_text()
+        assert "admin token read from admin.token" in log.read_bytes()[server.offset:].decode()
     finally:
         server.stop()
     assert (work / "admin.token").read_text() == token

@@ -29,7 +29,7 @@ from memfuse.client import NeedEventLoop, run_loopless, with_retries
 from memfuse.devenv import dev_db_path, ensure_dev_setup, local_client
 from memfuse.errors import TransientError
 from memfuse.wire import Access
-from mountutil import serve_listening, stop
+from mountutil import serve_listening, serve_process, stop
 
 #: every read command, with the cases the fast path answers and some it hands on
 READS = [
@@ -173,10 +173,8 @@ def test_server_reads_match_the_trio_path(filled, tmp_path, monkeypatch):
     token = tmp_path / "admin.token"
     token.write_text("admin-secret-token-7\n")
     log = tmp_path / "serve.log"
-    with log.open("wb") as fh:
-        proc = subprocess.Popen([sys.executable, "-c", "from memfuse.cli import main; main()", "serve",
-                                 "--db", f"sqlite:///{db}", "--listen", "127.0.0.1:0",
-                                 "--admin-token-file", str(token)], stdout=fh, stderr=subprocess.STDOUT)
+    proc = serve_process(["--db", f"sqlite:///{db}", "--listen", "127.0.0.1:0", "--admin-token-file", str(token)],
+                         log)
     try:
         url = serve_listening(proc, log)
         env = {"MEMFUSE_CONTROL_PLANE": url, "MEMFUSE_TOKEN_FILE": str(token)}

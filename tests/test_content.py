@@ -625,3 +625,29 @@ def test_redact_secrets_cuts_every_secret_and_keeps_the_rest():
     assert gh[4:] not in out and "ghp_[REDACTED]" in out
     many = " ".join(gh[:-2] + f"{i:02d}" for i in range(REDACT_MAX + 1))
     assert redact_secrets(many).startswith("[REDACTED: ")
+
+
+@pytest.mark.parametrize("split", ["<!-- x -->", "<!---->", "**", "*", "***", "~~", "**<!-- a -->**"])
+def test_a_token_split_by_markup_drawn_as_nothing_is_found_and_redacted(split: str) -> None:
+    """attack18 F2: an HTML comment, or emphasis / strike-through markers, inside a token:
+    the console's Markdown draws the whole token. Found (on its line), and ``redact_secrets``
+    cuts it; the same markup between words of prose is no secret."""
+    tok = "gh" + "p_" + rnd(36)
+    text = f"# notes\nsee {tok[:10]}{split}{tok[10:]}{split.rstrip('-> x<!a')} here\nmore\n"
+    reason = find_secret(text)
+    assert reason is not None and reason.startswith("GitHub token") and reason.endswith("on line 2"), (split, reason)
+    red = content.redact_secrets(text)
+    assert tok[10:] not in red and find_secret(red) is None and "ghp_[REDACTED]" in red, red
+    assert red.startswith("# notes\nsee ") and red.endswith(" here\nmore\n"), red
+    assert find_secret(f"a{split}b, x{split}y and **bold** and 2*3*4 ghp{split}is a prefix\n") is None
+
+
+def test_redact_secrets_reads_a_reversed_token_after_an_override_as_find_secret_does() -> None:
+    """attack18 F2 (rlo18's rest): ``redact_secrets`` cut nothing of a token written backwards
+    after U+202E (``find_secret`` found it): it cuts it now, other lines kept."""
+    tok = "gh" + "p_" + rnd(36)
+    text = "# notes\nsee \u202e" + tok[::-1] + " here\nmore\n"
+    red = content.redact_secrets(text)
+    assert tok[4:12] not in red and tok[4:12][::-1] not in red, red
+    assert find_secret(red) is None and red.startswith("# notes\n") and red.endswith("\nmore\n"), red
+    assert "[REDACTED]" in red.split("\n")[1], red

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import trio
+from coreutil import QueuedKernel, core_and_other
 
 from memfuse.client import ApiClient
 from memfuse.fake import FakeControlPlane
@@ -305,62 +306,10 @@ async def test_a_reader_served_while_the_kernel_is_behind_is_based_on_what_it_st
     from memfuse.sidecar.core import sha256_hex
     from memfuse.sidecar.inodes import UNKNOWN_BASE
 
-    fake = FakeControlPlane(seed=0)
-    token = await fake.setup("ws", stores=("default",))
-    other_token = await fake.setup("other", stores=("default",))
-    client = ApiClient(fake.base_url, token, transport=fake.transport, instance="core-test")
-    other = ApiClient(fake.base_url, other_token, transport=fake.transport, instance="other")
-    journal = Journal(tmp_path / "outbox.db")
-    behind: set[int] = set()
-    older: list[int] = []  # inodes whose reader was served the content the kernel shows
-
-    class Kernel:  # the sidecar's place: which inodes' invalidations are still queued
-        def entry_finished(self, e):
-            pass
-
-        def entry_conflicted(self, e, what):
-            pass
-
-        def invalidate(self, items):
-            behind.update(i[1] for i in items if i[0] == "inode")
-
-        def kernel_behind(self, ino):
-            return ino in behind
-
-        def kernel_served_older(self, ino):
-            older.append(ino)
-
-        def reader_closed(self, ino):
-            pass
-
-        def committed_size(self, slug, rid):
-            return None
-
-        def known_record(self, slug, rid):
-            return None
-
-        def status(self):
-            return {}
-
-    fs = Filesystem(BlobCache(tmp_path / "blobs.db"), client, journal, Settings(commit_wait=5), "ws",
-                    listener=Kernel())
-    cursor = 0
-
-    async def feed() -> list:
-        nonlocal cursor
-        await fs.committer.wait_idle()
-        page = await client.changes("default", cursor)
-        inv = []
-        for ch in page.changes:
-            inv += fs.apply_remote(sm, ch.record)
-        cursor = page.seq
-        fs.invalidate(inv)  # as StoreSync does: queued, performed later
-        return inv
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(journal.run)
-        await nursery.start(fs.committer.run)
-        sm = fs.add_store("default", "read_write", [])
+    kernel = QueuedKernel()  # the sidecar's place: which inodes' invalidations are still queued
+    behind, older = kernel.behind, kernel.older
+    async with core_and_other(tmp_path, kernel) as core:
+        fs, sm, other, feed = core.fs, core.sm, core.other, core.feed
         rec = await other.create_record("default", "f.md", "v1\n")
         await feed()
         n = sm.root.children["f.md"]
@@ -409,12 +358,6 @@ async def test_a_reader_served_while_the_kernel_is_behind_is_based_on_what_it_st
         assert n.read_base == UNKNOWN_BASE
         fs.release(h.fh)
         fs.check_invariants()
-        nursery.cancel_scope.cancel()
-    journal.close()
-    fs.blobs.close()
-    await client.aclose()
-    await other.aclose()
-    await fake.aclose()
 
 
 async def test_readers_that_outlast_the_linger_keep_the_older_content_on_its_inode(tmp_path: Path):
@@ -428,61 +371,11 @@ async def test_readers_that_outlast_the_linger_keep_the_older_content_on_its_ino
     from memfuse.sidecar.core import sha256_hex
     from memfuse.sidecar.inodes import UNKNOWN_BASE
 
-    fake = FakeControlPlane(seed=0)
-    token = await fake.setup("ws", stores=("default",))
-    other_token = await fake.setup("other", stores=("default",))
-    client = ApiClient(fake.base_url, token, transport=fake.transport, instance="core-test")
-    other = ApiClient(fake.base_url, other_token, transport=fake.transport, instance="other")
-    journal = Journal(tmp_path / "outbox.db")
-    behind: set[int] = set()
-
-    class Kernel:  # the sidecar's place: invalidations stay queued (the readers hold them)
-        def entry_finished(self, e):
-            pass
-
-        def entry_conflicted(self, e, what):
-            pass
-
-        def invalidate(self, items):
-            behind.update(i[1] for i in items if i[0] == "inode")
-
-        def kernel_behind(self, ino):
-            return ino in behind
-
-        def kernel_served_older(self, ino):
-            pass
-
-        def reader_closed(self, ino):
-            pass
-
-        def committed_size(self, slug, rid):
-            return None
-
-        def known_record(self, slug, rid):
-            return None
-
-        def status(self):
-            return {}
-
-    fs = Filesystem(BlobCache(tmp_path / "blobs.db"), client, journal, Settings(commit_wait=5), "ws",
-                    listener=Kernel())
-    cursor = 0
-
-    async def feed() -> None:
-        nonlocal cursor
-        await fs.committer.wait_idle()
-        page = await client.changes("default", cursor)
-        inv = []
-        for ch in page.changes:
-            inv += fs.apply_remote(sm, ch.record)
-        cursor = page.seq
-        fs.invalidate(inv)
-
     v1 = b"".join(b"v1 line %04d\n" % i for i in range(400))
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(journal.run)
-        await nursery.start(fs.committer.run)
-        sm = fs.add_store("default", "read_write", [])
+    kernel = QueuedKernel()  # the sidecar's place: invalidations stay queued (the readers hold them)
+    behind = kernel.behind
+    async with core_and_other(tmp_path, kernel) as core:
+        fs, sm, other, feed = core.fs, core.sm, core.other, core.feed
         rec = await other.create_record("default", "f.md", v1.decode())
         await feed()
         n = sm.root.children["f.md"]
@@ -531,12 +424,6 @@ async def test_readers_that_outlast_the_linger_keep_the_older_content_on_its_ino
         fs.release(w.fh)
         fs.release(h.fh)
         fs.check_invariants()
-        nursery.cancel_scope.cancel()
-    journal.close()
-    fs.blobs.close()
-    await client.aclose()
-    await other.aclose()
-    await fake.aclose()
 
 
 async def test_a_reader_whose_reads_straddle_a_change_is_based_on_what_it_holds(tmp_path: Path):
@@ -549,27 +436,8 @@ async def test_a_reader_whose_reads_straddle_a_change_is_based_on_what_it_holds(
     from memfuse.sidecar.core import sha256_hex
     from memfuse.sidecar.inodes import UNKNOWN_BASE
 
-    fake = FakeControlPlane(seed=0)
-    token = await fake.setup("ws", stores=("default",))
-    other_token = await fake.setup("other", stores=("default",))
-    client = ApiClient(fake.base_url, token, transport=fake.transport, instance="core-test")
-    other = ApiClient(fake.base_url, other_token, transport=fake.transport, instance="other")
-    journal = Journal(tmp_path / "outbox.db")
-    fs = Filesystem(BlobCache(tmp_path / "blobs.db"), client, journal, Settings(commit_wait=5), "ws")
-    cursor = 0
-
-    async def feed() -> None:
-        nonlocal cursor
-        await fs.committer.wait_idle()
-        page = await client.changes("default", cursor)
-        for ch in page.changes:
-            fs.apply_remote(sm, ch.record)
-        cursor = page.seq
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(journal.run)
-        await nursery.start(fs.committer.run)
-        sm = fs.add_store("default", "read_write", [])
+    async with core_and_other(tmp_path) as core:
+        fs, sm, other, feed = core.fs, core.sm, core.other, core.feed
         v1 = "".join(f"line {i}\n" for i in range(10))
         for name, v2, off, want in [
             ("append.md", v1 + "A-1\n", 0, "current"),  # an append: the reader reads on into it
@@ -593,9 +461,6 @@ async def test_a_reader_whose_reads_straddle_a_change_is_based_on_what_it_holds(
                 assert n.read_base == UNKNOWN_BASE and h.across == "mixed"
             fs.release(h.fh)
             fs.check_invariants()
-        nursery.cancel_scope.cancel()
-    await client.aclose()
-    await other.aclose()
 
 
 async def test_namespace_changes_in_a_directory_no_longer_in_the_tree_fail_enoent(tmp_path: Path):

@@ -24,14 +24,10 @@ import uuid
 from pathlib import Path
 
 import pytest
-import trio
+from coreutil import core_and_other
 
-from memfuse.client import ApiClient
-from memfuse.fake import FakeControlPlane
-from memfuse.sidecar.blobcache import BlobCache
-from memfuse.sidecar.core import Filesystem, FsError, Settings
+from memfuse.sidecar.core import FsError
 from memfuse.sidecar.inodes import ABSENT_BASE
-from memfuse.sidecar.journal import Journal
 
 
 async def test_a_create_of_a_name_applied_from_elsewhere_meanwhile_opens_it(tmp_path: Path):
@@ -40,27 +36,8 @@ async def test_a_create_of_a_name_applied_from_elsewhere_meanwhile_opens_it(tmp_
     writer wins with a conflict, the other version in history); ``O_APPEND`` without
     ``O_TRUNC`` appends to it (no conflict); ``O_EXCL`` is ``EEXIST``; a directory is
     ``EISDIR``."""
-    fake = FakeControlPlane(seed=0)
-    token = await fake.setup("ws", stores=("default",))
-    other_token = await fake.setup("other", stores=("default",))
-    client = ApiClient(fake.base_url, token, transport=fake.transport, instance="core-test")
-    other = ApiClient(fake.base_url, other_token, transport=fake.transport, instance="other")
-    journal = Journal(tmp_path / "outbox.db")
-    fs = Filesystem(BlobCache(tmp_path / "blobs.db"), client, journal, Settings(commit_wait=5), "ws")
-    cursor = 0
-
-    async def feed() -> None:
-        nonlocal cursor
-        await fs.committer.wait_idle()
-        page = await client.changes("default", cursor)
-        for ch in page.changes:
-            fs.apply_remote(sm, ch.record)
-        cursor = page.seq
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(journal.run)
-        await nursery.start(fs.committer.run)
-        sm = fs.add_store("default", "read_write", [])
+    async with core_and_other(tmp_path) as core:
+        fs, sm, other, feed = core.fs, core.sm, core.other, core.feed
         root = sm.root
         rec = await other.create_record("default", "f.md", "theirs\n")
         await other.create_record("default", "g.md", "theirs\n")
@@ -101,9 +78,6 @@ async def test_a_create_of_a_name_applied_from_elsewhere_meanwhile_opens_it(tmp_
         recs, _ = await other.snapshot("default", content=True)
         assert {r.path: r.content for r in recs}["g.md"] == "theirs\nappended\n"
         fs.check_invariants()
-        nursery.cancel_scope.cancel()
-    await client.aclose()
-    await other.aclose()
 
 
 # ---------------------------------------------------------------------------- real mounts

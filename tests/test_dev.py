@@ -6,12 +6,14 @@ import os
 import pwd
 import resource
 import shutil
+import shlex
 import signal
-import stat
 import subprocess
 import sys
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -20,16 +22,11 @@ from mountutil import MEMFUSE, is_mounted, sh, stop, unmount, wait_for
 pytestmark = pytest.mark.mount
 
 
-def start_dev(mnt: Path, env: dict, log: Path, user: str | None = None,
-              ready=None) -> subprocess.Popen:
-    cmd = [MEMFUSE, "dev", str(mnt)]
-    as_user = {}
-    if user:  # the process itself runs as the user, so signals reach it directly
-        pw = pwd.getpwnam(user)
-        as_user = {"user": pw.pw_uid, "group": pw.pw_gid, "extra_groups": [], "cwd": env["HOME"]}
-    proc = subprocess.Popen(cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, env=dict(os.environ, **env), **as_user)
-    wait_for(ready or (lambda: is_mounted(mnt) and (mnt / "default").is_dir()), 60,
+def start_dev(mnt: Path, env: dict, log: Path) -> subprocess.Popen:
+    proc = subprocess.Popen([MEMFUSE, "dev", str(mnt)], stdout=log.open("ab"),
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env=dict(os.environ, **env))
+    wait_for(lambda: is_mounted(mnt) and (mnt / "default").is_dir(), 60,
              "memfuse dev", proc, log)
     return proc
 
@@ -191,26 +188,74 @@ def test_dev_refuses_a_nonempty_mountpoint_unless_asked(tmp_path):
     assert (mnt / "existing.txt").read_text() == "mine\n"
 
 
+def _blocked_dirs(uid: int, reach: list[Path]) -> dict[Path, set[str]]:
+    """The directories on the way to the paths ``reach`` (resolved) that user ``uid`` may not
+    search (not its own, no o+x), each with the names of its entries on the way."""
+    blocked: dict[Path, set[str]] = {}
+    for p in reach:
+        p = p.resolve()
+        for parent, child in zip(p.parents, [p, *p.parents]):
+            st = parent.stat()
+            if st.st_uid != uid and not st.st_mode & 0o001:
+                blocked.setdefault(parent, set()).add(child.name)
+    return blocked
+
+
 @contextmanager
-def _normal_user_allowed(user: str, paths: list[Path]):
-    """Let ``user`` open /dev/fuse and reach the venv's interpreter, as on a normal Debian
-    machine (this image has /dev/fuse 0600 and Python under /root); restore afterwards."""
-    changed: list[tuple[Path, int]] = []
+def _user_view(priv: Path, uid: int, reach: list[Path]) -> Iterator[int]:
+    """A mount namespace of this test's own, held by a root ``sleep`` (its pid yielded; enter
+    it with ``nsenter -t PID -m``), in which the normal user ``uid`` reaches every path of
+    ``reach`` and may open /dev/fuse, as on a normal Debian machine, with nothing shared
+    changed: this image keeps Python under /root (0700) and may have /dev/fuse 0600, and
+    chmodding those (as this test once did, restoring them afterwards) let two runs at once
+    undo each other's modes (attack18 F8). In the namespace each directory on the way that
+    the user may not search (``_blocked_dirs``) is covered by a tmpfs (0755) holding only
+    its entries on the way, bind-mounted from the real ones, and /dev/fuse by a 0666 node of
+    the same device (on a tmpfs at ``priv/stash``, an empty directory here). A FUSE mount
+    made inside lives in the namespace only; the namespace ends with the holder (stopped on
+    leaving) and the processes started in it."""
+    holder = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "--",
+                               "sleep", "1800"], stdin=subprocess.DEVNULL)
     try:
-        for p in [Path("/dev/fuse"), *paths]:
-            mode = stat.S_IMODE(p.stat().st_mode)
-            want = mode | (0o066 if p == Path("/dev/fuse") else 0o001)
-            if want != mode:
-                changed.append((p, mode))
-                os.chmod(p, want)
-        yield
+        mine = os.readlink("/proc/self/ns/mnt")
+        wait_for(lambda: os.readlink(f"/proc/{holder.pid}/ns/mnt") != mine, 30,
+                 "the test's mount namespace", holder)
+        q = lambda p: shlex.quote(str(p))
+        stash = priv / "stash"
+        stash.mkdir()
+        dev = os.stat("/dev/fuse").st_rdev
+        script = ["set -eu", f"mount -t tmpfs -o mode=0700 tmpfs {q(stash)}",
+                  f"mknod -m 0666 {q(stash / 'fuse')} c {os.major(dev)} {os.minor(dev)}",
+                  f"mount --bind {q(stash / 'fuse')} /dev/fuse"]
+        blocked = _blocked_dirs(uid, reach)
+        for i, d in enumerate(sorted(blocked, key=lambda d: len(d.parts))):  # outer ones first
+            ways = [(d / name, stash / f"{i}-{name}", "mkdir" if (d / name).is_dir() else "touch")
+                    for name in sorted(blocked[d])]
+            script += [f"{make} {q(kept)} && mount --bind {q(real)} {q(kept)}"
+                       for real, kept, make in ways]
+            script.append(f"mount -t tmpfs -o mode=0755 tmpfs {q(d)}")
+            script += [f"{make} {q(real)} && mount --bind {q(kept)} {q(real)}"
+                       for real, kept, make in ways]
+        subprocess.run(["nsenter", "-t", str(holder.pid), "-m", "--", "sh", "-c",
+                        "\n".join(script)], check=True, capture_output=True, timeout=60)
+        yield holder.pid
     finally:
-        for p, mode in reversed(changed):
-            os.chmod(p, mode)
+        stop(holder)
+
+
+def _mounted_in(pid: int, path: Path) -> bool:
+    """Whether ``path`` is a mountpoint in the mount namespace of process ``pid``."""
+    with open(f"/proc/{pid}/mounts") as f:
+        return any(line.split()[1] == str(path) for line in f)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create the test user")
 def test_dev_as_normal_user(tmp_path):
+    """``memfuse dev`` run by a normal user: it mounts (fusermount3), the user's tools write
+    and edit through it, files are the user's, Ctrl-C unmounts. The user's home is a private
+    directory of this run under /tmp (not under pytest's root-only one), and what the user
+    must reach on this image is made reachable in a mount namespace of the test's own
+    (``_user_view``), so two runs at once never touch each other's modes."""
     user = "memfuse-test"
     try:
         pwd.getpwnam(user)
@@ -218,29 +263,38 @@ def test_dev_as_normal_user(tmp_path):
         subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/bin/bash", user],
                        check=True, capture_output=True)
     pw = pwd.getpwnam(user)
-    home = tmp_path / "u"
-    home.mkdir()
-    os.chown(home, pw.pw_uid, pw.pw_gid)
-    os.chmod(tmp_path, 0o755)
-    parents = {q for exe in (Path(sys.executable).resolve(), Path(MEMFUSE).resolve(),
-                             Path(__file__).resolve(), home.resolve())
-               for q in exe.parents}
-    with _normal_user_allowed(user, sorted(parents, key=lambda q: len(q.parts))):
-        env = {"HOME": str(home), "MEMFUSE_HOME": str(home / "data")}
-        mnt, log = home / "memory", tmp_path / "dev-user.log"
-        # without allow_other only the mounting user may enter the mount (root included),
-        # so every check runs as that user
-        mounted = lambda: is_mounted(mnt) and subprocess.run(
-            ["runuser", "-u", user, "--", "test", "-d", str(mnt / "default")]).returncode == 0
-        proc = start_dev(mnt, env, log, user=user, ready=mounted)
-        try:
-            as_user = f"runuser -u {user} -- "
-            out = sh(as_user + f"bash -c 'echo \"prefers tea\" > {mnt}/default/prefs.md && "
-                     f"sed -i s/tea/coffee/ {mnt}/default/prefs.md && grep -r coffee {mnt} && "
-                     f"stat -c %u {mnt}/default/prefs.md'", home).stdout
-            assert out == f"{mnt}/default/prefs.md:prefers coffee\n{pw.pw_uid}\n"
-            assert interrupt(proc) == 0, log.read_text()[-2000:]
-            assert not is_mounted(mnt)
-        finally:
-            stop(proc)
-            unmount(mnt)
+    priv = Path(tempfile.mkdtemp(prefix="memfuse-normal-user-"))  # this run's, 0700
+    try:
+        os.chmod(priv, 0o755)
+        home = priv / "u"
+        home.mkdir()
+        os.chown(home, pw.pw_uid, pw.pw_gid)
+        reach = [Path(sys.executable), Path(MEMFUSE), Path(__file__).parent, home]
+        with _user_view(priv, pw.pw_uid, reach) as ns:
+            # the console on a port of the kernel's choice: the default one's "a free port
+            # when taken" is probed before the bind, which another dev can take meanwhile
+            env = {"HOME": str(home), "MEMFUSE_HOME": str(home / "data"),
+                   "MEMFUSE_CONSOLE_LISTEN": "127.0.0.1:0"}
+            mnt, log = home / "memory", tmp_path / "dev-user.log"
+            as_user = ["nsenter", "-t", str(ns), "-m", f"--wd={home}", "--", "setpriv",
+                       f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--clear-groups", "--"]
+            # without allow_other only the mounting user may enter the mount (root included),
+            # so every check runs as that user, in the namespace
+            mounted = lambda: _mounted_in(ns, mnt) and subprocess.run(
+                [*as_user, "test", "-d", str(mnt / "default")], timeout=30).returncode == 0
+            proc = subprocess.Popen([*as_user, MEMFUSE, "dev", str(mnt)], stdout=log.open("ab"),
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=dict(os.environ, **env))
+            try:  # nsenter and setpriv exec: proc is memfuse dev itself, signals reach it
+                wait_for(mounted, 60, "memfuse dev", proc, log)
+                out = sh(shlex.join(as_user) + f" bash -c 'echo \"prefers tea\" > "
+                         f"{mnt}/default/prefs.md && sed -i s/tea/coffee/ {mnt}/default/prefs.md"
+                         f" && grep -r coffee {mnt} && stat -c %u {mnt}/default/prefs.md'",
+                         home).stdout
+                assert out == f"{mnt}/default/prefs.md:prefers coffee\n{pw.pw_uid}\n"
+                assert interrupt(proc) == 0, log.read_text()[-2000:]
+                assert not _mounted_in(ns, mnt)
+            finally:
+                stop(proc)
+    finally:
+        shutil.rmtree(priv, ignore_errors=True)

@@ -17,11 +17,11 @@ from typing import Any
 import httpx
 import pytest
 import trio
+from planeutil import serve_app, setup_ws
 
 from memfuse.server.app import create_app
 from memfuse.server.db import Database
 from memfuse.server.lean import _Exchange, parse_head
-from memfuse.server.serve import serve
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -69,13 +69,8 @@ async def test_the_answer_leaves_before_the_follow_up_of_its_commit(tmp_path, mo
 
     monkeypatch.setattr(Database, "_drain_due", drain_due)
     async with trio.open_nursery() as nursery:
-        url = await nursery.start(lambda task_status: serve(app, "127.0.0.1:0", lean=True,
-                                                           task_status=task_status))
-        async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30) as a:
-            assert (await a.post("/v1/workspaces", json={"name": "ws", "default_store": False})).status_code == 201
-            assert (await a.post("/v1/stores", json={"slug": "default"})).status_code == 201
-            assert (await a.put("/v1/workspaces/ws/attachments/default",
-                                json={"access": "read_write"})).status_code == 200
+        url = await serve_app(nursery, app, lean=True)
+        await setup_ws(url, ADMIN)
         notifier = app.state.service.notifier
         heads = dict(notifier._heads)  # noqa: SLF001 - what the wake-ups taught it
         port = int(url.rsplit(":", 1)[1])
@@ -220,14 +215,8 @@ async def test_early_answers_on_the_database_of_the_api_tests(monkeypatch):
     with fresh_db_url() as db_url:
         app = create_app(db_url, static_tokens={ADMIN: None, WS: "ws"})
         async with trio.open_nursery() as nursery:
-            url = await nursery.start(lambda task_status: serve(app, "127.0.0.1:0", lean=True,
-                                                               task_status=task_status))
-            async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {ADMIN}"},
-                                         timeout=30) as a:
-                assert (await a.post("/v1/workspaces", json={"name": "ws", "default_store": False})).status_code == 201
-                assert (await a.post("/v1/stores", json={"slug": "default"})).status_code == 201
-                assert (await a.put("/v1/workspaces/ws/attachments/default",
-                                    json={"access": "read_write"})).status_code == 200
+            url = await serve_app(nursery, app, lean=True)
+            await setup_ws(url, ADMIN)
             stream = await trio.open_tcp_stream("127.0.0.1", int(url.rsplit(":", 1)[1]))
             try:
                 for i in range(3):

@@ -36,6 +36,7 @@ import trio
 from memfuse.server.serve import LIMBO_MAX
 from mountutil import serve_listening, stop
 from pgutil import fresh_db_url
+from planeutil import attach_ws
 
 MEMFUSE = Path(sys.executable).with_name("memfuse")
 ADMIN = "hostile-admin-token"
@@ -109,10 +110,8 @@ def server(tmp_path_factory):
 
 async def _setup(url: str) -> tuple[str, str]:
     async with admin_client(url) as a:
-        assert (await a.post("/v1/workspaces", json={"name": "ws", "default_store": False})).status_code == 201
-        assert (await a.post("/v1/stores", json={"slug": "default"})).status_code == 201
-        assert (await a.put("/v1/workspaces/ws/attachments/default", json={"access": "read_write"})).status_code == 200
-        good = (await a.post("/v1/tokens", json={"workspace": "ws", "name": "good"})).json()["token"]
+        good = await attach_ws(a, token_name="good")
+        assert good is not None
     async with httpx.AsyncClient(base_url=url, headers=_auth(good), timeout=30) as c:
         r = await c.post("/v1/stores/default/records", json={"path": "a.md", "content": "hello\n"})
         assert r.status_code == 201, r.text

@@ -22,24 +22,16 @@ import httpx
 import pytest
 import trio
 from hypercorn.config import Config
+from planeutil import serve_app, setup_ws
 
 from memfuse.server import serve as serve_mod
 from memfuse.server.app import create_app
-from memfuse.server.serve import serve
 
 pytestmark = pytest.mark.timeout(120)
 
 ADMIN = "lean-admin-token"
 WS = "lean-ws-token"
 MAX_BODY = 64 * 1024
-
-
-async def _bootstrap(url: str) -> None:
-    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30) as a:
-        assert (await a.post("/v1/workspaces", json={"name": "ws", "default_store": False})).status_code == 201
-        assert (await a.post("/v1/stores", json={"slug": "default"})).status_code == 201
-        r = await a.put("/v1/workspaces/ws/attachments/default", json={"access": "read_write"})
-        assert r.status_code == 200, r.text
 
 
 def _app(tmp_path, name: str) -> Any:
@@ -143,9 +135,8 @@ async def _pair(tmp_path, nursery: trio.Nursery) -> Pair:
     apps, ports = [], []
     for name, lean in (("lean", True), ("plain", False)):
         app = _app(tmp_path, name)
-        url = await nursery.start(lambda task_status, app=app, lean=lean: serve(
-            app, "127.0.0.1:0", lean=lean, task_status=task_status))
-        await _bootstrap(url)
+        url = await serve_app(nursery, app, lean=lean)
+        await setup_ws(url, ADMIN)
         apps.append(app)
         ports.append(int(url.rsplit(":", 1)[1]))
     return Pair(ports[0], ports[1], apps[0], apps[1])
@@ -177,6 +168,17 @@ async def test_lean_answers_as_hypercorn_does(tmp_path):
         # body (FastAPI's 422), an update of no record, a batch
         a, _ = await p.both([_create("x.md", token=None)])
         assert _statuses(a) == [401] and b"connection: close" in a
+        # two Authorization headers (a workspace's and the admin's, either order; a GET):
+        # 400 problem, neither token used, nothing stored
+        for extra in (f"Authorization: Bearer {ADMIN}\r\n", f"authorization: Bearer {WS}\r\n"):
+            a, _ = await p.both([_create("two.md", extra=extra)])
+            assert _statuses(a) == [400] and b'"code": "invalid_request"' in a, a
+            assert b"content-type: application/problem+json" in a, a
+        a, _ = await p.both([_req("GET", "/v1/stores/default/records?path=two.md",
+                                  extra=f"Authorization: Bearer {ADMIN}\r\n", close=True)])
+        assert _statuses(a) == [400], a
+        a, _ = await p.both([_req("GET", "/v1/stores/default/records?path=two.md", close=True)])
+        assert _statuses(a) == [200] and b'"records":[]' in a, a
         a, _ = await p.both([_req("POST", "/v1/stores/nope/records", b'{"path":"n.md","content":"x"}'),
                              _req("POST", "/v1/stores/default/records", b'{"path": 5}'),
                              _req("PUT", "/v1/stores/default/records/00000000-0000-0000-0000-000000000000",
@@ -396,9 +398,8 @@ async def test_lean_write_answers_not_read_are_cut_at_the_send_timeout(tmp_path,
     logged as a client that did not read."""
     app = _app(tmp_path, "cut")
     async with trio.open_nursery() as nursery:
-        url = await nursery.start(lambda task_status: serve(app, "127.0.0.1:0", lean=True,
-                                                           task_status=task_status))
-        await _bootstrap(url)
+        url = await serve_app(nursery, app, lean=True)
+        await setup_ws(url, ADMIN)
         # set after the listening socket was made: its kernel bound (TCP_USER_TIMEOUT, from
         # the send timeout then: 30 s) does not cut the connection first
         app.front.send_timeout = 1.0

@@ -23,11 +23,11 @@ import httpx
 import pytest
 import trio
 from pgutil import ENV, fresh_db_url, pg_bindir, pg_cluster
+from planeutil import serve_app, setup_ws
 from test_lean import ADMIN, WS, _create, _normal, _req, _statuses, _talk
 
 from memfuse.server import gate, tokens
 from memfuse.server.app import create_app
-from memfuse.server.serve import serve
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -59,17 +59,11 @@ class Plane:
 async def _plane(nursery: trio.Nursery, url: str, lean: bool) -> Plane:
     app = create_app(url, static_tokens={ADMIN: None, WS: "ws"}, max_body=MAX_BODY,
                      receive_timeout=0.5, body_timeout=2, header_timeout=2)
-    base = await nursery.start(lambda task_status: serve(app, "127.0.0.1:0", lean=lean, task_status=task_status))
+    base = await serve_app(nursery, app, lean=lean)
     plane = Plane(app, int(base.rsplit(":", 1)[1]))
-    async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30) as a:
-        assert (await a.post("/v1/workspaces", json={"name": "ws", "default_store": False})).status_code == 201
-        for slug, access in (("default", "read_write"), ("ro", "read_only")):
-            assert (await a.post("/v1/stores", json={"slug": slug})).status_code == 201
-            r = await a.put(f"/v1/workspaces/ws/attachments/{slug}", json={"access": access})
-            assert r.status_code == 200, r.text
-        r = await a.post("/v1/tokens", json={"workspace": "ws", "name": "db"})
-        assert r.status_code == 201, r.text
-        plane.token = r.json()["token"]
+    token = await setup_ws(base, ADMIN, (("default", "read_write"), ("ro", "read_only")), token_name="db")
+    assert token is not None
+    plane.token = token
     return plane
 
 

@@ -18,6 +18,7 @@ import trio
 
 from memfuse.server.app import create_app
 from pgutil import fresh_db_url
+from planeutil import attach_ws
 
 ADMIN = "test-admin-token"
 WS_TOKEN = "test-ws-token"
@@ -36,10 +37,7 @@ async def env(tmp_path):
     with fresh_db_url(f"sqlite:///{tmp_path / 'cp.db'}") as url:
         app = create_app(url, static_tokens={ADMIN: None, WS_TOKEN: "ws"})
         async with _client(app, ADMIN) as admin, _client(app, WS_TOKEN) as ws:
-            assert (await admin.post("/v1/workspaces", json={"name": "ws", "default_store": False})).status_code == 201
-            assert (await admin.post("/v1/stores", json={"slug": "default"})).status_code == 201
-            r = await admin.put("/v1/workspaces/ws/attachments/default", json={"access": "read_write"})
-            assert r.status_code == 200, r.text
+            await attach_ws(admin)
             yield admin, ws
         app.state.service.db.dispose()
 

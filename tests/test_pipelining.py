@@ -19,10 +19,10 @@ import time
 import httpx
 import pytest
 import trio
+from planeutil import serve_app, setup_ws
 
 from memfuse.server.app import create_app
 from memfuse.server.limits import MAX_PIPELINED
-from memfuse.server.serve import serve
 
 CONNECTIONS, PIPELINED = 20, 200
 SEND_TIMEOUT = 2.0
@@ -68,7 +68,7 @@ async def test_pipelining_without_reading_is_bounded_and_cut(tmp_path):
     doc = app.openapi_bytes()
     assert app.openapi_bytes() is doc  # built once
     async with trio.open_nursery() as nursery:
-        url = await nursery.start(serve, app, "127.0.0.1:0")
+        url = await serve_app(nursery, app)
         host, port = url.split("//")[1].rsplit(":", 1)
         port = int(port)
         async with httpx.AsyncClient(base_url=url, timeout=10) as probe:
@@ -133,11 +133,7 @@ ADMIN, WS = "pipe-admin-token", "pipe-ws-token"
 
 
 async def _bootstrap(url: str) -> None:
-    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30) as a:
-        assert (await a.post("/v1/workspaces", json={"name": "ws", "default_store": False})).status_code == 201
-        assert (await a.post("/v1/stores", json={"slug": "default"})).status_code == 201
-        r = await a.put("/v1/workspaces/ws/attachments/default", json={"access": "read_write"})
-        assert r.status_code == 200, r.text
+    await setup_ws(url, ADMIN)
     async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {WS}"}, timeout=30) as c:
         r = await c.post("/v1/stores/default/records", json={"path": "a.md", "content": "hello\n" * 500})
         assert r.status_code == 201, r.text
@@ -201,7 +197,7 @@ async def test_a_refusal_for_a_full_share_or_server_ends_the_connection_and_noth
     from ``/metrics`` once the connection's task has ended (``memfuse_server_connections``)."""
     app = create_app(f"sqlite:///{tmp_path / 'cp.db'}", static_tokens={ADMIN: None, WS: "ws"})
     async with trio.open_nursery() as nursery:
-        url = await nursery.start(serve, app, "127.0.0.1:0")
+        url = await serve_app(nursery, app)
         port = int(url.rsplit(":", 1)[1])
         await _bootstrap(url)
         async with httpx.AsyncClient(base_url=url, timeout=30) as probe:
@@ -250,7 +246,7 @@ async def test_requests_pipelined_by_clients_that_left_are_not_run(tmp_path, lea
     caplog.set_level(logging.WARNING, logger="memfuse.server")
     app = create_app(f"sqlite:///{tmp_path / 'cp.db'}", static_tokens={ADMIN: None, WS: "ws"})
     async with trio.open_nursery() as nursery:
-        url = await nursery.start(serve, app, "127.0.0.1:0")
+        url = await serve_app(nursery, app)
         port = int(url.rsplit(":", 1)[1])
         await _bootstrap(url)
         async with httpx.AsyncClient(base_url=url, timeout=30) as probe, \
@@ -329,7 +325,7 @@ async def test_a_client_that_pipelines_without_reading_is_answered_a_bounded_run
     each answer is never cut (the run starts again at each answer it waited for)."""
     app = create_app(f"sqlite:///{tmp_path / 'cp.db'}", static_tokens={ADMIN: None, WS: "ws"})
     async with trio.open_nursery() as nursery:
-        url = await nursery.start(serve, app, "127.0.0.1:0")
+        url = await serve_app(nursery, app)
         port = int(url.rsplit(":", 1)[1])
         await _bootstrap(url)
         async with httpx.AsyncClient(base_url=url, timeout=30) as probe:

@@ -201,6 +201,13 @@ async def test_tail_starts_grows_folds_and_ends_with_every_version_exact(api, fa
     with pytest.raises(ApiError) as err:
         await api.append_record(STORE, rec.id, "XK2PLR8WQT\n", if_match=half.sha256, idempotency_key="k2")
     assert err.value.code == "secret_detected"
+    # a large suffix too, scanned before the write lock after the context read then
+    # (``prescan.append_verdict``: the tail's end, here)
+    from memfuse.server import prescan
+    big = "XK2PLR8WQT\n" + LINE * (prescan.PRESCAN_MIN // len(LINE) + 1)
+    with pytest.raises(ApiError) as err:
+        await api.append_record(STORE, rec.id, big, if_match=half.sha256, idempotency_key="k3")
+    assert err.value.code == "secret_detected"
     contents.append(contents[-1] + "key AKIAZ7VQ3M")
     # any other write ends the tail and writes the whole content
     cur = await api.get_record(STORE, rec.id, content=False)

@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from memfuse.sidecar.logs import JsonFormatter, RepeatFilter
-from mountutil import serve_listening, stop
+from mountutil import serve_listening, serve_process, stop
 from pgutil import pg_bindir, pg_cluster, pg_url
 
 MEMFUSE = Path(sys.executable).with_name("memfuse")
@@ -211,9 +211,8 @@ def test_database_outage_is_a_few_json_lines_and_metrics(postgres, tmp_path):
     log = tmp_path / "serve.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMFUSE_")}
     env.update(MEMFUSE_HOME=str(tmp_path / "home"), MEMFUSE_DB_FILE=str(db_file))
-    proc = subprocess.Popen([MEMFUSE, "serve", "--listen", "127.0.0.1:0", "--admin-token-file", str(token),
-                             "--migrate"], stdout=log.open("ab"), stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, env=env)
+    proc = serve_process(["--listen", "127.0.0.1:0", "--admin-token-file", str(token), "--migrate"], log,
+                         env=env)
     try:
         base = serve_listening(proc, log)
         auth = {"Authorization": "Bearer ops-admin-token"}
@@ -291,9 +290,8 @@ def test_log_format_text(tmp_path):
     log = tmp_path / "serve.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMFUSE_")}
     env.update(MEMFUSE_HOME=str(tmp_path / "home"), MEMFUSE_LOG_FORMAT="text")
-    proc = subprocess.Popen([MEMFUSE, "serve", "--db", f"sqlite:///{tmp_path / 'cp.db'}", "--listen",
-                             "127.0.0.1:0", "--admin-token-file", str(token), "--migrate"],
-                            stdout=log.open("ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    proc = serve_process(["--db", f"sqlite:///{tmp_path / 'cp.db'}", "--listen", "127.0.0.1:0",
+                          "--admin-token-file", str(token), "--migrate"], log, env=env)
     try:
         serve_listening(proc, log)
     finally:

@@ -17,6 +17,7 @@ from memfuse.server import fulltext
 from memfuse.server.db import normalize_db_url
 from memfuse.server.service import Principal, _usage
 from pgutil import fresh_db_url
+from planeutil import attach_ws
 from test_api import WOKEN
 
 ADMIN = "perf-admin-token"
@@ -36,12 +37,7 @@ async def env():
         app = create_app(url, static_tokens={ADMIN: None, WS_TOKEN: "ws"})
         async with _client(app, ADMIN) as admin, _client(app, WS_TOKEN, **{"X-Memfuse-Instance": "me"}) as me, \
                 _client(app, WS_TOKEN, **{"X-Memfuse-Instance": "peer"}) as peer:
-            assert (await admin.post("/v1/workspaces", json={"name": "ws", "default_store": False})).status_code == 201
-            assert (await admin.post("/v1/stores", json={"slug": "default"})).status_code == 201
-            assert (await admin.post("/v1/stores", json={"slug": "other"})).status_code == 201
-            for slug in ("default", "other"):
-                r = await admin.put(f"/v1/workspaces/ws/attachments/{slug}", json={"access": "read_write"})
-                assert r.status_code == 200, r.text
+            await attach_ws(admin, (("default", "read_write"), ("other", "read_write")))
             yield app, admin, me, peer
         app.state.service.db.dispose()
 

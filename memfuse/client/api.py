@@ -16,6 +16,7 @@ from ..defs import (
     RECORDS_PAGE_MAX,
     SEARCH_LINES_DEFAULT,
     SEARCH_PAGE_DEFAULT,
+    SEQ_HEADER,
     VERSIONS_PAGE_DEFAULT,
     Access,
     prefix_move_timeout,
@@ -56,6 +57,7 @@ from .base import (
     _attrs,
     _memory_tool_command,
     _seg,
+    _seq_of,
     _bool,
     _num,
     _BATCH_ENDPOINTS,
@@ -596,15 +598,18 @@ class ApiClient(AdminEndpoints):
 
     async def delete_record(
         self, store: str, id: str, if_match: str | None = None, idempotency_key: str | None = None
-    ) -> None:
+    ) -> int | None:
         """``DELETE /v1/stores/{store}/records/{id}``: delete (a ``deleted`` version is kept).
-        Raises NotFound when already deleted, PreconditionFailed on ``if_match`` mismatch."""
-        await self._request(
+        Returns the change-feed seq of the ``deleted`` version (``Memfuse-Seq``), None from a
+        control plane that does not tell it. Raises NotFound when already deleted,
+        PreconditionFailed on ``if_match`` mismatch."""
+        resp = await self._request(
             "DELETE",
             f"/v1/stores/{_seg(store)}/records/{_seg(id)}",
             if_match=if_match,
             idempotency_key=idempotency_key,
         )
+        return _seq_of(resp.headers.get(SEQ_HEADER))
 
     # ------------------------------------------------------------ records: batches
     # Each builder gives the operation exactly as the single method above sends it (same
@@ -669,8 +674,8 @@ class ApiClient(AdminEndpoints):
         """``POST /v1/stores/{store}/batch``: apply ``operations`` (at most
         ``BATCH_MAX_OPERATIONS``, built with the ``batch_*`` builders) in order in one
         transaction. Returns one outcome per operation, in order: what its single method would
-        have returned (``Record`` for create / update / attrs, ``MoveResult`` for move, None
-        for delete), or the ``ApiError`` it would have raised (not raised here: a refused
+        have returned (``Record`` for create / update / attrs, ``MoveResult`` for move, the
+        ``deleted`` version's seq or None for delete), or the ``ApiError`` it would have raised (not raised here: a refused
         operation leaves nothing, the others are applied).
 
         Raises for the batch as a whole (nothing applied): ``TransientError`` (retry the same
@@ -694,7 +699,7 @@ class ApiClient(AdminEndpoints):
                 if op.op == "move":
                     out.append(convert(res.body, MoveResult))
                 elif op.op == "delete":
-                    out.append(None)
+                    out.append(res.seq)
                 else:
                     out.append(convert(res.body, Record))
             except ValueError:  # msgspec.ValidationError

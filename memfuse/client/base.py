@@ -332,6 +332,13 @@ def _seg(value: str | int) -> str:
 _UNRESERVED = re.compile(r"[A-Za-z0-9_.~-]+")
 
 
+def _seq_of(header: str | None) -> int | None:
+    """A ``Memfuse-Seq`` header's value as an int, None when absent or not a number."""
+    if header is None or not header.strip().isdigit():
+        return None
+    return int(header.strip())
+
+
 def _bool(value: bool) -> str:
     return "true" if value else "false"
 

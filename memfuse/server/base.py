@@ -39,10 +39,11 @@ from sqlalchemy.orm import Session
 
 from memfuse import content as content_rules
 from memfuse import names
-from memfuse.defs import ACTOR_HEADER, RECORD_BODY_MAX
+from memfuse.defs import ACTOR_HEADER, RECORD_BODY_MAX, SEQ_HEADER
 from memfuse.models import Access
 from memfuse.server import history, keys, wakeups
 from memfuse.server.rawsql import Raw, RawRow
+from memfuse.server.scanbudget import ScanBudget
 from memfuse.server.db import (
     AccountRow,
     AttachmentRow,
@@ -303,6 +304,14 @@ class IdempotencyRequest:
         if self.alt_sha256 is not None or self.raw is None:
             return self.alt_sha256
         return body_sha256(self.raw)
+
+
+def seq_header(headers: dict[str, str], seq: int | None) -> None:
+    """Set ``SEQ_HEADER`` (``Memfuse-Seq``: docs/API.md) in a write's reply ``headers`` to
+    ``seq``, the change-feed seq of the version a write answered without a body made (a
+    delete's 204); nothing when None (no version made)."""
+    if seq is not None:
+        headers[SEQ_HEADER] = str(seq)
 
 
 @dataclass
@@ -862,6 +871,8 @@ class Writer:
                     headers: dict[str, str] = {}
                     if etag and result is not None and getattr(result, "sha256", None):
                         headers["ETag"] = f'"{getattr(result, "sha256")}"'
+                    if result is None and feed is not None:
+                        seq_header(headers, wakeups.version_seq_since(0))
                     if idem is not None:
                         _RAW_INSERT_IDEM.run(
                             conn,
@@ -954,8 +965,8 @@ class Writer:
 class Parts:
     """What every resource service is built from (``Resource.__init__``): the database, the
     wake-ups of this process (``notifier``) and of the other replicas (``bus``), the shared
-    ``settings``, the access rules and the write transaction. ``Parts.build`` makes the
-    usual set over one database."""
+    ``settings``, the access rules, the write transaction and the tokens' secret-scan budget
+    (``scans``). ``Parts.build`` makes the usual set over one database."""
 
     db: Database
     notifier: Notifier
@@ -963,6 +974,8 @@ class Parts:
     settings: Settings
     access: AccessRules
     writer: Writer
+    #: each token's budget of large secret scans (``memfuse.server.scanbudget``)
+    scans: ScanBudget = field(default_factory=ScanBudget)
 
     @classmethod
     def build(cls, db: Database, settings: Settings) -> Parts:
@@ -987,9 +1000,11 @@ class Resource:
     settings: Settings
     access: AccessRules
     writer: Writer
+    scans: ScanBudget
 
     def __init__(self, parts: Parts) -> None:
         self.db = parts.db
+        self.scans = parts.scans
         self.notifier = parts.notifier
         self.bus = parts.bus
         self.settings = parts.settings

@@ -34,6 +34,7 @@ from sqlalchemy import bindparam, delete, select
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 
+from memfuse.defs import SEQ_HEADER
 from memfuse.models import (
     BATCH_MAX_OPERATIONS,
     BatchOperation,
@@ -59,6 +60,7 @@ from memfuse.server.base import (
     ServiceError,
     answer_json,
     canonical_sha256,
+    seq_header,
 )
 from memfuse.server.db import utcnow
 from memfuse.server import routetable as table
@@ -101,9 +103,11 @@ def batch_body(replies: list[Reply]) -> bytes:
     parts = []
     for r in replies:
         etag = r.headers.get("ETag")
-        parts.append(b'{"status":%d,"replayed":%s,"etag":%s,"body":%s}' % (
+        seq = r.headers.get(SEQ_HEADER)
+        parts.append(b'{"status":%d,"replayed":%s,"etag":%s,%s"body":%s}' % (
             r.status, b"true" if r.replayed else b"false",
-            json.dumps(etag.strip('"')).encode() if etag else b"null", r.body or b"null"))
+            json.dumps(etag.strip('"')).encode() if etag else b"null",
+            b'"seq":%d,' % int(seq) if seq else b"", r.body or b"null"))
     return b'{"results":[' + b",".join(parts) + b"]}"
 
 
@@ -307,6 +311,8 @@ class BatchService(Resource):
         headers: dict[str, str] = {}
         if pl.etag and result is not None and getattr(result, "sha256", None):
             headers["ETag"] = f'"{getattr(result, "sha256")}"'  # a Record's (as Writer.write)
+        if result is None:  # a delete's 204: the seq of its version (as Writer.write)
+            seq_header(headers, wakeups.version_seq_since(mark))
         reply = Reply(pl.status, body, headers)
         if idem is not None:
             if idem.key in stored:  # an expired row of the same key: the new answer replaces it

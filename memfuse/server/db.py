@@ -61,7 +61,7 @@ from sqlalchemy.exc import DBAPIError, InvalidRequestError, SQLAlchemyError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 from sqlalchemy.pool import StaticPool
 
-from memfuse import defs
+from memfuse import defs, sqlitebind  # noqa: F401 - None binds as NULL without the search
 from memfuse.server import budget, fulltext
 from memfuse.server.rawsql import Raw
 

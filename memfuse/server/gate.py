@@ -135,6 +135,10 @@ PROBES = ("/healthz", "/readyz")
 # request's task waits for that thread: the whole answer sent at once as the server would frame
 # it, when it can be without waiting; the answer the app sends after it is then this one
 # (``memfuse.server.lean._Exchange.send_early``).
+#: ``_headers``' token (or X-Api-Key) of a request that gives the header twice: refused with
+#: 400 ``invalid_request`` (a proxy may add a credential to a client's, or keep the first of
+#: two where this server would read the last: attack18 scan19), never one of them chosen
+TWO_TOKENS = "\0two"
 BODY = "memfuse.body"
 SEND_WITHIN = "memfuse.send_within"
 EARLY = "memfuse.send_early"
@@ -292,7 +296,7 @@ class _Refusal(Exception):
         self.status, self.code, self.detail, self.headers = status, code, detail, headers or {}
 
 
-_TITLES = {401: "Unauthorized", 408: "Request Timeout", 413: "Content Too Large",
+_TITLES = {400: "Bad Request", 401: "Unauthorized", 408: "Request Timeout", 413: "Content Too Large",
            431: "Request Header Fields Too Large",
            429: "Too Many Requests", 503: "Service Unavailable", 504: "Gateway Timeout"}
 
@@ -494,6 +498,11 @@ class Gate:
             token = api_key
         limit = self.body_limit(method, path)
         pending = chunked or bool(length)  # a body not read yet
+        if token is TWO_TOKENS:
+            await self._refuse(receive, send, 400, "invalid_request",
+                               "the request gives its credential twice (two Authorization or "
+                               "X-Api-Key headers); send one", close=pending, path=path)
+            return
         if length is not None and length > limit:
             await self._refuse(receive, send, 413, "too_large",
                                f"the body is larger than this endpoint takes ({limit} bytes)",
@@ -588,7 +597,7 @@ class Gate:
         limit = self.body_limit(scope["method"], path)
         principal: Principal | None = None
         if (within is not None and self.writes is not None and not chunked and token
-                and length is not None and length <= limit and head <= MAX_HEAD
+                and token is not TWO_TOKENS and length is not None and length <= limit and head <= MAX_HEAD
                 and scope["method"] in ("POST", "PUT") and path.startswith("/v1/")
                 and not path.endswith(MEMORY_TOOL_SUFFIX)
                 and not (api_key and path.startswith(self.api_key_prefixes or ("\0",)))):
@@ -1125,9 +1134,11 @@ def _headers(scope: Scope) -> tuple[int, int | None, bool, str | None, str | Non
     """(the head's size: the target and every header name and value, 4 bytes more a header;
     Content-Length or None, chunked, bearer token or None, X-Memfuse-Instance or None,
     X-Api-Key or None, Memfuse-Store-Created or None, Memfuse-Writer or None), in one pass
-    over the headers."""
+    over the headers. The token (or the X-Api-Key) is ``TWO_TOKENS`` when the header is
+    given more than once."""
     length: int | None = None
     chunked = False
+    seen_auth = seen_key = False
     token = instance = api_key = store_created = writer = None
     head = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
     for k, v in scope.get("headers", ()):
@@ -1142,12 +1153,20 @@ def _headers(scope: Scope) -> tuple[int, int | None, bool, str | None, str | Non
         elif k == b"transfer-encoding":
             chunked = b"chunked" in v.lower()
         elif k == b"authorization":
+            if seen_auth:  # two credentials: which one counts is not ours to guess (``TWO_TOKENS``)
+                token = TWO_TOKENS
+                continue
+            seen_auth = True
             scheme, _, cred = v.decode("latin-1").partition(" ")
             if scheme.lower() == "bearer" and cred.strip():
                 token = cred.strip()
         elif k == b"x-memfuse-instance":
             instance = v.decode("latin-1")
         elif k == b"x-api-key":
+            if seen_key:
+                api_key = TWO_TOKENS
+                continue
+            seen_key = True
             api_key = v.decode("latin-1").strip() or None
         elif k == b"memfuse-store-created":
             store_created = v.decode("latin-1")

@@ -1,64 +1,195 @@
-"""Secret scans of large contents run before a write reaches the writer thread (attack18 F5).
+"""Secret scans of large contents run before a write reaches the writer thread, each charged
+to its token's scan budget (attack18 F5).
 
 ``memfuse.server.writerthread.WriterThread`` runs every lean record write of a replica, one at a
-time. A write's secret scan (``memfuse.content.find_secret``: each base64 / hex run decoded and
+time, and every write of any front door holds the database's write lock (SQLite: one writer).
+A write's secret scan (``memfuse.content.find_secret``: each base64 / hex run decoded and
 scanned again) costs about 1.1 s per MiB of adversarial content, so a batch of forty 1 MiB
 records made of base64 runs held that one thread for ~45 s and another workspace's 3-byte write
-waited 93 s. ``prescanned(texts)`` scans the contents of ``PRESCAN_MIN`` characters or more in a
-worker thread of anyio's pool first and keeps the verdicts in a context variable for the write
-(the writer thread runs a job in a copy of the submitter's context); ``find_secret(text)`` is
-what the write path calls instead of ``content.find_secret``: the verdict kept for that text,
-else the scan. The scan still holds the GIL, so the writer thread shares the interpreter with it
-(a switch every ``sys.getswitchinterval()``, 5 ms) instead of waiting for the whole of it.
+waited 93 s. So:
+
+- ``prescanned(texts, appends=..., ...)`` scans the contents of ``PRESCAN_MIN`` characters or
+  more, and the appends whose suffix is that long (with the context the scan reads before
+  the suffix: ``RecordsService.append_context``, read then), in a worker thread of anyio's
+  pool first, one request of a token at a time, and keeps the verdicts in a context variable
+  for the write (the writer thread runs a job in a copy of the submitter's context).
+- ``find_secret(text, key, budget)`` is what the write path calls instead of
+  ``content.find_secret``: the verdict kept for that text, else the scan, a large one charged
+  to ``key``. An append's: ``append_verdict`` before the write lock (kept, else the context
+  read and the scan run there, in the request's thread), ``find_append_secret`` under it
+  (that verdict when the context read there is the one scanned, else the scan).
+- Every large scan, wherever it runs (the FastAPI routes, the memory tool, the console scan
+  in their own worker thread), is charged to its token's ``ScanBudget``
+  (``memfuse.server.scanbudget``): a token whose budget is spent gets 429 ``rate_limited``
+  with ``Retry-After`` before any more of its scans run.
+
+The scan still holds the GIL, so the writer thread shares the interpreter with it (a switch
+every ``sys.getswitchinterval()``, 5 ms) instead of waiting for the whole of it.
 """
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextvars import ContextVar
+from dataclasses import dataclass, field
 
 import anyio
 
 from memfuse import content as content_rules
+from memfuse.server.base import Principal, ServiceError
+from memfuse.server.scanbudget import ScanBudget
 
 #: contents shorter than this (characters) are scanned where they are written: a hop to a
 #: worker thread costs more than their scan (~11 ms per MiB of prose, 50 ms for the worst)
 PRESCAN_MIN = 64 * 1024
 
-#: the verdicts of the current write's large contents, content → ``find_secret``'s answer
-_VERDICTS: ContextVar[dict[str, str | None] | None] = ContextVar("memfuse_prescanned", default=None)
+
+@dataclass
+class _Kept:
+    """The verdicts of the current write's large scans: content → ``find_secret``'s answer;
+    an append's suffix → (the context scanned before it, the answer for context + suffix)."""
+
+    contents: dict[str, str | None] = field(default_factory=dict)
+    appends: dict[str, tuple[str, str | None]] = field(default_factory=dict)
 
 
-def find_secret(text: str) -> str | None:
+_KEPT: ContextVar[_Kept | None] = ContextVar("memfuse_prescanned", default=None)
+
+
+def scan_key(p: Principal) -> str:
+    """The key of ``p``'s scan budget: its database token, else (a static token) its
+    account, workspace and name."""
+    return p.token_id or f"static\0{p.account}\0{p.workspace}\0{p.name}"
+
+
+def refusal(e: ScanBudget.Refused) -> ServiceError:
+    """The API's answer to a spent scan budget: 429 ``rate_limited`` with ``Retry-After``."""
+    return ServiceError(429, "rate_limited",
+                        "this token's large writes take more secret scanning than the control plane "
+                        "allows one token; retry after the time in Retry-After",
+                        headers={"Retry-After": str(e.retry_after)})
+
+
+def _charged(budget: ScanBudget | None, key: str | None, text: str) -> str | None:
+    """``content.find_secret(text)``, charged to ``key`` when it is large (429 raised when
+    its budget is spent)."""
+    if budget is None or key is None or len(text) < PRESCAN_MIN:
+        return content_rules.find_secret(text)
+    try:
+        return budget.scan(key, content_rules.find_secret, text)
+    except ScanBudget.Refused as e:
+        raise refusal(e) from None
+
+
+def find_secret(text: str, key: str | None = None, budget: ScanBudget | None = None) -> str | None:
     """``memfuse.content.find_secret(text)``, taken from the verdicts :func:`prescanned`
-    kept when it scanned ``text`` (same answer: the same function on the same text)."""
-    verdicts = _VERDICTS.get()
-    if verdicts is not None and len(text) >= PRESCAN_MIN:
+    kept when it scanned ``text`` (same answer: the same function on the same text), else
+    scanned here (charged to ``key``'s ``budget`` when large: ``ServiceError`` 429 when it is
+    spent)."""
+    kept = _KEPT.get()
+    if kept is not None and len(text) >= PRESCAN_MIN:
         try:
-            return verdicts[text]
+            return kept.contents[text]
         except KeyError:
             pass
-    return content_rules.find_secret(text)
+    return _charged(budget, key, text)
 
 
-def _scan_all(texts: list[str]) -> dict[str, str | None]:
-    return {t: content_rules.find_secret(t) for t in texts}
+def append_verdict(suffix: str, read_context: Callable[[], str | None], key: str | None = None,
+                   budget: ScanBudget | None = None) -> tuple[str, str | None] | None:
+    """For an append of a large ``suffix`` (``PRESCAN_MIN`` characters or more): (the
+    context scanned before it, the verdict of context + suffix), the one :func:`prescanned`
+    kept, else scanned now after ``read_context()`` (None: no such record, nothing
+    scanned), charged to ``key``'s ``budget`` (``ServiceError`` 429 when it is spent).
+    None for a small suffix: scanned by the write itself."""
+    if len(suffix) < PRESCAN_MIN:
+        return None
+    kept = _KEPT.get()
+    if kept is not None:
+        got = kept.appends.get(suffix)
+        if got is not None:
+            return got
+    context = read_context()
+    if context is None:
+        return None
+    return context, _charged(budget, key, context + suffix)
+
+
+def find_append_secret(context: str, suffix: str, pre: tuple[str, str | None] | None,
+                       scan: Callable[[], str | None], key: str | None = None,
+                       budget: ScanBudget | None = None) -> str | None:
+    """The verdict of ``context + suffix`` (an append, under the write lock): ``pre``'s
+    (:func:`append_verdict`) when it was scanned after this very ``context``, else
+    ``scan()`` (the write path's ``AppendScans.find_secret``), charged to ``key``'s
+    ``budget`` when ``suffix`` is large (``ServiceError`` 429 when it is spent)."""
+    if pre is not None and pre[0] == context:
+        return pre[1]
+    if len(suffix) < PRESCAN_MIN or budget is None or key is None:
+        return scan()
+    try:
+        return budget.scan(key, scan)
+    except ScanBudget.Refused as e:
+        raise refusal(e) from None
+
+
+# tokens with a prescan running, each with the lock its next prescan waits on (event loop
+# only). INVARIANT: the count is the prescans of that key waiting or running (≥ 1); the entry
+# is removed when it would reach 0
+_RUNNING: dict[str, tuple[anyio.Lock, int]] = {}
+
+
+def _scan_all(texts: list[str], appends: list[tuple[str, str]],
+              context_of: Callable[[str], str | None] | None,
+              key: str | None, budget: ScanBudget | None) -> _Kept:
+    kept = _Kept()
+    for t in texts:
+        if t not in kept.contents:
+            kept.contents[t] = _charged(budget, key, t)
+    for record_id, suffix in appends:
+        context = context_of(record_id) if context_of is not None else None
+        if context is not None:  # no such record: the write refuses it, nothing to scan
+            kept.appends[suffix] = (context, _charged(budget, key, context + suffix))
+    return kept
 
 
 @contextlib.asynccontextmanager
-async def prescanned(texts: Iterable[object]) -> AsyncIterator[None]:
-    """Scan the strings of ``texts`` with ``PRESCAN_MIN`` characters or more in a worker
-    thread (``anyio.to_thread.run_sync``, cancellable: the scan is abandoned, not waited for,
-    when the request is cancelled) and keep their verdicts for :func:`find_secret` inside the
-    ``async with``. Other items (None, dicts, short strings) are skipped. Raises nothing of
-    its own."""
+async def prescanned(texts: Iterable[object], *, appends: Iterable[tuple[str, object]] = (),
+                     context_of: Callable[[str], str | None] | None = None,
+                     p: Principal | None = None, budget: ScanBudget | None = None) -> AsyncIterator[None]:
+    """Scan the strings of ``texts`` with ``PRESCAN_MIN`` characters or more, and the
+    appends ``(record_id, suffix)`` of ``appends`` whose suffix is that long (after the
+    context ``context_of(record_id)`` gives: None skips it), in a worker thread
+    (``anyio.to_thread.run_sync``, cancellable: the scan is abandoned, not waited for,
+    when the request is cancelled), and keep their verdicts for :func:`find_secret` /
+    :func:`find_append_secret` inside the ``async with``. Other items (None, dicts, short
+    strings) are skipped. With ``p`` and ``budget``: one prescan of ``p``'s token at a time
+    (the next waits here, on the event loop), each scan charged to its budget; raises
+    ``ServiceError`` 429 ``rate_limited`` (with ``Retry-After``) when it is spent, before
+    the next scan runs."""
     big = [t for t in texts if isinstance(t, str) and len(t) >= PRESCAN_MIN]
-    if not big:
+    more = [(r, s) for r, s in appends if isinstance(s, str) and len(s) >= PRESCAN_MIN]
+    if not big and not more:
         yield
         return
-    verdicts = await anyio.to_thread.run_sync(_scan_all, big, abandon_on_cancel=True)
-    token = _VERDICTS.set(verdicts)
+    key = scan_key(p) if p is not None and budget is not None else None
+    if key is None:
+        kept = await anyio.to_thread.run_sync(_scan_all, big, more, context_of, None, None,
+                                              abandon_on_cancel=True)
+    else:
+        lock, n = _RUNNING.get(key) or (anyio.Lock(), 0)
+        _RUNNING[key] = (lock, n + 1)
+        try:
+            async with lock:
+                kept = await anyio.to_thread.run_sync(_scan_all, big, more, context_of, key, budget,
+                                                      abandon_on_cancel=True)
+        finally:
+            lock, n = _RUNNING[key]
+            if n > 1:
+                _RUNNING[key] = (lock, n - 1)
+            else:
+                del _RUNNING[key]
+    token = _KEPT.set(kept)
     try:
         yield
     finally:
-        _VERDICTS.reset(token)
+        _KEPT.reset(token)

@@ -410,7 +410,8 @@ class RecordsService(Resource):
         store row read for writing)."""
         path = _check_new_path(body.path)
         raw = _check_content(body.content)
-        secret = prescan.find_secret(body.content)  # outside the write lock (and the writer thread: prescan)
+        # outside the write lock (and the writer thread: prescan), charged to the token
+        secret = prescan.find_secret(body.content, prescan.scan_key(p), self.scans)
         sha = _HASHES.digest(raw)
 
         def fn(conn: Connection, st: Any) -> wire.Record:
@@ -489,7 +490,8 @@ class RecordsService(Resource):
     ) -> Callable[[Connection, Any], Record]:
         """``update_record`` as ``_create_op`` splits ``create_record``."""
         raw = _check_content(body.content)
-        secret = prescan.find_secret(body.content)  # outside the write lock (and the writer thread: prescan)
+        # outside the write lock (and the writer thread: prescan), charged to the token
+        secret = prescan.find_secret(body.content, prescan.scan_key(p), self.scans)
         sha = _HASHES.digest(raw)
 
         def fn(conn: Connection, st: Any) -> Record:
@@ -556,6 +558,18 @@ class RecordsService(Resource):
         return self._write(p, idem, 200, lambda conn: op(conn, self._store(conn, p, slug, write=True)),
                            etag=True, feed=slug, store_first=True)
 
+    def append_context(self, record_id: str) -> str | None:
+        """The text an append to ``record_id`` is scanned after (``tails.scan_context`` of
+        the record's tail, else of its whole content), read now on a read connection (the
+        write checks it is still the one before it takes the verdict: ``prescan``); None
+        when there is no such record. No access check: the text is only scanned, never
+        answered."""
+        with self.db.read_conn() as conn:
+            row = tails.read_for_append(conn, record_id)
+        if row is None:
+            return None
+        return tails.scan_context(row.tail if row.tail is not None else (row.content or ""))
+
     def _append_op(
         self, p: Principal, record_id: str, body: RecordAppend, if_match: str | None
     ) -> Callable[[Connection, Any], Record]:
@@ -565,6 +579,10 @@ class RecordsService(Resource):
             raise ServiceError(428, "precondition_required",
                                "an append needs If-Match: the sha256 of the version it extends")
         raw = _check_content(body.append)
+        key = prescan.scan_key(p)
+        # a large suffix is scanned now, outside the write lock (unless prescanned), after
+        # the context read now: ``fn`` takes the verdict when it reads the same context
+        pre = prescan.append_verdict(body.append, lambda: self.append_context(record_id), key, self.scans)
 
         def fn(conn: Connection, st: Any) -> Record:
             _check_writable(st)
@@ -592,7 +610,11 @@ class RecordsService(Resource):
                     sha = _HASHES.extend(rec.sha256, raw) or _HASHES.digest(content.encode("utf-8"))
             # the context's hints are known when this process scanned the append that made
             # rec's content (secretscan): then only the suffix is looked through
-            secret = _SCANS.find_secret(context, body.append, rec.sha256, sha) if raw else None
+            # a large suffix was scanned before (prescan: its verdict kept when ``context`` is
+            # the one it read), else here, charged to the token
+            secret = prescan.find_append_secret(
+                context, body.append, pre, lambda: _SCANS.find_secret(context, body.append, rec.sha256, sha),
+                key, self.scans) if raw else None
             return self._put_content(conn, st, p, rec, body, content, rec.size + len(raw), sha, secret,
                                      append=append)
 
@@ -875,7 +897,8 @@ class RecordsService(Resource):
                 raise ServiceError(409, "path_exists", f"{v.path!r} exists", record_id=other)
             self._check_clash(conn, st, v.path, frozenset((rec.id,)))
             _check_record_size(st, v.size)
-            secret = content_rules.find_secret(v.content)
+            # under the write lock (the version is read there), charged to the token when large
+            secret = prescan.find_secret(v.content, prescan.scan_key(p), self.scans)
             if secret is not None:
                 raise _secret_error(secret)
             grew_count = rec.deleted

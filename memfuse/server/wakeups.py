@@ -109,6 +109,15 @@ def notes_rollback(mark: int) -> None:
         del notes[mark:]
 
 
+def version_seq_since(mark: int) -> int | None:
+    """The highest seq of the versions the running transaction wrote after
+    ``notes_mark()`` returned ``mark`` (0: since ``begin_notes``), None when it wrote none:
+    the ``Memfuse-Seq`` of a write answered without a body (a delete's 204)."""
+    notes = getattr(_tx, "notes", None) or []
+    seqs = [n.seq for n in notes[mark:] if n.kind == "f"]
+    return max(seqs) if seqs else None
+
+
 def note_feed(store: str, seq: int, actor: str) -> None:
     """The transaction wrote a version of ``store`` with ``seq`` by ``actor``."""
     _add(Note("f", store, seq, actor))

@@ -125,7 +125,7 @@ class WritePath:
             token = EARLY_ANSWER.set(sender) if sender is not None else None
             try:
                 # a large content's secret scan runs before the writer thread (prescan)
-                async with prescanned((parsed.content,)):  # type: ignore[attr-defined]
+                async with prescanned((parsed.content,), p=p, budget=svc.parts.scans):  # type: ignore[attr-defined]
                     if m.route is table.CREATE_RECORD:
                         assert isinstance(parsed, RecordCreate)
                         reply = await self.hop(svc.create_record, p, store, parsed, idem)
@@ -165,8 +165,11 @@ class WritePath:
             if svc.token_upkeep_due():
                 await anyio.to_thread.run_sync(svc.token_upkeep)
             # the large contents' secret scans run before the writer thread (prescan)
-            async with prescanned(op.body.get("content") for op in req.operations
-                                  if op.body is not None and op.op in ("create", "update")):
+            async with prescanned((op.body.get("content") for op in req.operations
+                                   if op.body is not None and op.op in ("create", "update")),
+                                  appends=[(op.record_id, op.body.get("append")) for op in req.operations
+                                           if op.body is not None and op.op == "append" and op.record_id],
+                                  context_of=svc.records.append_context, p=p, budget=svc.parts.scans):
                 replies = await self.hop(svc.batch, p, store, req.operations)
             content = batch_body(replies)
             # as starlette's Response(content, media_type="application/json") frames it

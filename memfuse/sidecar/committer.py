@@ -1052,7 +1052,7 @@ class Committer:
         e.record_id = rid
         if rid is not None:
             try:
-                await c.delete_record(e.store, rid, idempotency_key=e.key)
+                e.seq = await c.delete_record(e.store, rid, idempotency_key=e.key)
             except NotFound:
                 pass
         self.ids.learn(e.node_key, None)

@@ -1523,8 +1523,11 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         if e.op == MOVE_PREFIX or e.node_key is None:
             if e.errno:
                 self.note_error(None, e.args.get("from", ""), e.errno, e.reason, e.code, e.store)
-            elif e.unshown:
+                return
+            if e.unshown:
                 self._show_unshown_move(e)
+            if e.op == MOVE_PREFIX:
+                self._reconcile_moved(e)
             return
         n = self.node_by_key(e.node_key)
         if e.op == PUT:
@@ -1639,6 +1642,42 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
                 return "crossed by a file"
             d = d.children.get(comp)
         return "a directory" if d is not None and d.is_dir else None
+
+    def _reconcile_moved(self, e: Entry) -> None:
+        """A directory move of ours (``move_prefix``) was answered with every record it
+        moved (``e.moved``), as the control plane held them: each file here takes its
+        record's version (as a single move's answer gives it, ``_on_commit``), and a record
+        this tree does not show as the answer has it is fetched and applied
+        (``FsListener.record_stale``): one made under the directory elsewhere before the
+        move (the tree has no file of it), or a file whose content was changed elsewhere
+        before the move (it shows the older content). The feed cannot bring either: it
+        leaves our move out, and passes the other writer's versions made before it
+        (``StoreState.own_newer``; attack 18 F11). A file here at another path than the
+        answer's was moved (or unlinked) here since: its queued entry says so; one written
+        here since has its put queued, sent on the content it showed, so a change made
+        elsewhere meets it there (merged, or last writer wins), as after a single move."""
+        sm = self.stores.get(e.store)
+        if sm is None:
+            return
+        for rec in e.moved:
+            n = self.by_rid.get(rec.id)
+            if n is None or n.store is not sm:
+                log.info("a directory move answer carries a record made elsewhere; fetching it",
+                         extra={"store": e.store, "record": rec.id, "version": rec.version})
+                if self.listener is not None:
+                    self.listener.record_stale(e.store, rec.id)
+                continue
+            if n.unlinked:
+                continue
+            n.version = max(n.version, rec.version)
+            if n.last_put is not None and not n.last_put.done.is_set():
+                continue  # written here since: its put, on the older content, is merged
+            if rec.version == n.version and not n.dirty and n.buf is None and n.sha != rec.sha256:
+                log.info("a directory move answer carries a change made elsewhere; fetching "
+                         "the record", extra={"store": e.store, "record": rec.id,
+                                              "version": rec.version})
+                if self.listener is not None:
+                    self.listener.record_stale(e.store, rec.id)
 
     def _reconcile_answer(self, n: Node, rec: Record) -> None:
         """A commit of ``n`` was answered with ``rec``, the version ``n`` now claims: unless

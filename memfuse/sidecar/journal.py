@@ -159,6 +159,9 @@ class Entry(_Waitable):
     #: control plane now holds (``record.sha256``'s), else None
     merged: bytes | None = None
     record_id: str | None = None  # delete / move: the record the op acted on
+    #: a committed delete: the change-feed seq of its ``deleted`` version (the answer's
+    #: ``Memfuse-Seq``), None when not told (already deleted, an older control plane)
+    seq: int | None = None
     moved: list[Record] = field(default_factory=list)  # move_prefix: the records moved
     #: a ``move`` / ``move_prefix`` replayed at start that the tree could not show
     #: (``OutboxOverlay._overlay_move``: its target taken): its answer is applied to the

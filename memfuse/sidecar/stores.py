@@ -568,6 +568,7 @@ class StoreSync:
         if state is not None and held > state.cursor:
             state.cursor = held
             state.dirty = True
+            state.drop_passed()
 
     async def _catch_up_own(self, slug: str) -> None:
         """The first feed requests of a store in ``own_unseen``: every version since its
@@ -606,6 +607,7 @@ class StoreSync:
                 self.cursor_held[slug] = max(self.cursor_held.get(slug, 0), page.seq)
             else:
                 state.cursor = max(state.cursor, page.seq)
+                state.drop_passed()
             return True
         if self.feed_hold is not None and not own:
             await self.feed_hold()
@@ -622,6 +624,12 @@ class StoreSync:
                 # catch-up applies them, ``own``: a file at that version or newer is left alone)
                 if ch.overwrote is not None:
                     self.told_overwritten(slug, ch)
+                if state.older_than_own(ch):
+                    # another writer's version made before a delete or directory move of
+                    # ours that this mount shows (``StoreState.own_newer``): passed over
+                    state.cursor = max(state.cursor, ch.seq)
+                    state.dirty = True
+                    continue
                 if self.touches_index(sm, ch.record):
                     self.want_context()
                 inv += self.fs.apply_remote(sm, ch.record)
@@ -636,6 +644,7 @@ class StoreSync:
             await trio.sleep(5.0)
             return False
         state.cursor = max(state.cursor, page.seq)
+        state.drop_passed()
         state.last_change_at = time.time()
         # a record this page brought may wait for local state that went (the mirror has
         # the page's states now)

@@ -322,6 +322,21 @@ class StoreState:
         self.last_change_at = 0.0
         self.access = "read_write"  # the attachment as last seen, for an offline start
         self.limits: dict[str, int] = {}
+        #: record id -> the change-feed ``seq`` of a version of it this sidecar wrote whose
+        #: state the tree and this mirror show (``committed``: a delete, a directory move),
+        #: while the cursor is below it. INVARIANT: a feed change of such a record with a
+        #: lower ``seq`` is older than what this mount shows, and is never applied
+        #: (``older_than_own``). The feed leaves our own versions out (``skip_writer``), so a
+        #: page (fetched before ours committed, or after it) may hold another writer's
+        #: version made before ours; applied, it undid our delete (the file back with the
+        #: other's content, attack 18 F9) or our move (the other's file at the old path,
+        #: F11). A write's or a single move's answer needs no entry: its version number is
+        #: on the file (``Node.version``) and on the mirror's record, which refuse older
+        #: states already; a deleted record has no file, and a directory move's answer
+        #: does not reach the files' versions. An entry leaves once the cursor reaches it
+        #: (nothing older can come any more). Memory only: after a restart the catch-up
+        #: from the saved cursor applies our own versions too, in order.
+        self.own_newer: dict[str, int] = {}
         # what is on disk: the id of the base our log extends (None: the next save rewrites
         # the base), its size, and the bytes of the log's whole frames (None: no log of
         # that base yet; the next append starts one)
@@ -807,6 +822,8 @@ class StoreState:
             self._put_newer(e.record)
         elif e.op == "delete":
             self.remove(e.record_id)
+            if e.record_id is not None and e.seq is not None:
+                self._own_version(e.record_id, e.seq)
         elif e.op == "move" and e.record is not None:
             if e.record_id != e.record.id:  # moved over another record: the source is gone
                 self.remove(e.record_id)
@@ -814,6 +831,30 @@ class StoreState:
         elif e.op == "move_prefix":
             for r in e.moved:
                 self._put_newer(r)
+                self._own_version(r.id, r.seq)
+
+    def _own_version(self, record_id: str, seq: int) -> None:
+        """Note a version of ours the feed leaves out (``own_newer``), unless passed."""
+        if seq > self.cursor and seq > self.own_newer.get(record_id, 0):
+            self.own_newer[record_id] = seq
+
+    def older_than_own(self, ch: Change) -> bool:
+        """Whether feed change ``ch`` is older than a version of its record this sidecar
+        wrote and shows (``own_newer``): then it is not applied (to the tree nor to this
+        mirror); the cursor still passes it. The one place of that rule."""
+        own = self.own_newer.get(ch.record.id)
+        if own is None:
+            return False
+        if own <= self.cursor:  # passed: nothing older can come
+            del self.own_newer[ch.record.id]
+            return False
+        return ch.seq < own
+
+    def drop_passed(self) -> None:
+        """Forget the entries of ``own_newer`` the cursor has reached."""
+        if self.own_newer:
+            cur = self.cursor
+            self.own_newer = {k: v for k, v in self.own_newer.items() if v > cur}
 
     def _put_newer(self, r: Record) -> None:
         """``put`` unless the mirror holds a newer version of ``r`` (``committed``)."""

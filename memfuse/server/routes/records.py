@@ -150,7 +150,9 @@ def move_prefix(svc: Svc, store: StoreSlug, body: PrefixMove, p: P, idem: Idem) 
     return reply_response(svc.move_prefix(p, store, body, idem))
 
 
-@route(router, table.DELETE_RECORD, status_code=204, tags=["records"])
+@route(router, table.DELETE_RECORD, status_code=204, tags=["records"], responses={204: {
+    "description": "Deleted (a `deleted` version is kept)", "headers": {defs.SEQ_HEADER: {
+        "description": "the change-feed seq of the `deleted` version", "schema": {"type": "integer"}}}}})
 def delete_record(svc: Svc, store: StoreSlug, record_id: str, p: P, idem: Idem, if_match: IfMatch = None) -> Response:
     return reply_response(svc.delete_record(p, store, record_id, if_match, idem))
 
