@@ -119,3 +119,80 @@ def test_inplace_saves_against_appends_from_another_mount_are_all_kept_or_named(
         final = live_records(cp, "s")[name].content
         assert [k for k in appended if f"{k}\n" not in final] == [], final
         assert all(f"L{i:03d} text a{i}\n" in final for i in range(20)), final
+
+
+@pytest.mark.parametrize("other", ["reader", "writer"])
+def test_another_descriptor_closed_mid_save_commits_no_emptied_file(pair, other):
+    """Another descriptor of the file closed between an in-place save's ftruncate(0) and its
+    write — a reader's, or a writer's that wrote before the save (under load the kernel's
+    late release of the previous save's or of a reader's descriptor arrives there) — commits
+    nothing: the emptied file is never a version another mount or the prompt could see
+    (on main its release, or its flush, committed the emptied file: the flake of
+    test_inplace_saves_against_appends_from_another_mount_are_all_kept_or_named)."""
+    cp, a, b = pair
+    name = f"cl-{other}-{uuid.uuid4().hex[:6]}.md"
+    pa, pb = written_and_seen(a, b, "s", name, "line one\nline two\n")
+    if other == "reader":
+        held = os.open(pa, os.O_RDONLY)
+        assert os.read(held, 100) == b"line one\nline two\n"
+    else:
+        held = os.open(pa, os.O_WRONLY | os.O_APPEND)
+        os.write(held, b"line three\n")  # the save below replaces it (it read no version with it)
+    closed = False
+    try:
+        inplace_save(pa, "line one EDITED\n", lambda: os.close(held))
+        closed = True
+    finally:
+        if not closed:
+            os.close(held)
+    drained(a, b)
+    vs = contents(cp, name)
+    assert "" not in vs, vs
+    assert vs[-1] == "line one EDITED\n", vs
+    wait_until(lambda: pb.read_text() == "line one EDITED\n", timeout=20, what="B shows the save")
+
+
+def test_a_shell_rewrite_while_a_reader_holds_the_file_is_one_version_and_an_emptied_one_is_kept(pair):
+    """``sh``: ``> f`` (an ``O_TRUNC`` open) while another descriptor of the file is open,
+    closed before the write: one new version, the written one, no empty one; a file really
+    closed empty (``: > f``, an ``O_TRUNC`` open closed with nothing written) is committed
+    empty, with a reader open or not."""
+    cp, a, b = pair
+    name = f"sh-{uuid.uuid4().hex[:6]}.md"
+    pa, pb = written_and_seen(a, b, "s", name, "old text\n")
+    subprocess.run(["sh", "-c", 'exec 3< "$1"; { exec 3<&-; echo new text; } > "$1"', "sh", str(pa)],
+                   timeout=30, check=True)
+    drained(a, b)
+    assert contents(cp, name) == ["old text\n", "new text\n"]
+    subprocess.run(["sh", "-c", 'exec 3< "$1"; : > "$1"; exec 3<&-', "sh", str(pa)],
+                   timeout=30, check=True)
+    drained(a, b)
+    assert contents(cp, name) == ["old text\n", "new text\n", ""]
+    wait_until(lambda: pb.read_text() == "", timeout=20, what="B shows the file closed empty")
+
+
+def test_a_save_in_several_writes_is_one_version_when_other_descriptors_close_between(pair):
+    """A save made of several writes (ftruncate(0), write, write, fsync, close) while other
+    descriptors of the file close between its writes (a reader's, an earlier save's, whose
+    release the kernel sends late): one new version, the whole save; on main the release
+    committed the save's first write alone (a version with half the file)."""
+    cp, a, b = pair
+    name = f"mw-{uuid.uuid4().hex[:6]}.md"
+    pa, pb = written_and_seen(a, b, "s", name, "first\nsecond\n")
+    readers = [os.open(pa, os.O_RDONLY) for _ in range(2)]
+    fd = os.open(pa, os.O_WRONLY | os.O_CREAT)
+    try:
+        os.ftruncate(fd, 0)
+        os.close(readers.pop())  # before the first write
+        os.write(fd, b"first EDITED\n")
+        os.close(readers.pop())  # between the writes
+        os.write(fd, b"second EDITED\n")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        for r in readers:
+            os.close(r)
+    drained(a, b)
+    assert contents(cp, name) == ["first\nsecond\n", "first EDITED\nsecond EDITED\n"]
+    wait_until(lambda: pb.read_text() == "first EDITED\nsecond EDITED\n", timeout=20,
+               what="B shows the save")

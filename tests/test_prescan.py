@@ -96,7 +96,7 @@ async def _served(tmp_path, nursery: trio.Nursery) -> tuple[Any, str]:
     the store ``default`` / ``other`` attached read-write; (app, base URL)."""
     app = create_app(f"sqlite:///{tmp_path / 'cp.db'}", static_tokens={ADMIN: None, WS: "ws", WS2: "ws2"},
                      max_body=4 * 1024 * 1024)
-    base = await nursery.start(lambda task_status: serve(app, "127.0.0.1:0", lean=True, task_status=task_status))
+    base = await serve_app(nursery, app)
     async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30) as a:
         for ws, store in (("ws", "default"), ("ws2", "other")):
             assert (await a.post("/v1/workspaces", json={"name": ws, "default_store": False})).status_code == 201

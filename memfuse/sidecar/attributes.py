@@ -48,6 +48,8 @@ class AttributeOps:
 
         def handle(self, fh: int, *, allow_stale: bool = False) -> Handle: ...
 
+        def rewriting(self, n: Node, h: Handle) -> None: ...
+
         def refuse(self, where: Node | None, name: str, err: int, reason: str, code: str = "") -> NoReturn: ...
 
         def sync_local(self) -> None: ...
@@ -65,18 +67,22 @@ class AttributeOps:
         ``EACCES`` on the root or ``.memfuse``, ``EROFS`` on a read-only store, ``EBADF`` /
         ``ESTALE`` for a bad handle, and the size refusals of ``truncate`` (``EFBIG``,
         ``ENOSPC``, ``EISDIR``)."""
-        if fh is not None and size is not None:
-            # ftruncate(0) empties the file for a rewrite (vim's in-place save: open
-            # O_WRONLY|O_CREAT, ftruncate(0), write, fsync, close): until the next write the
-            # session holds nothing of its own, as after an O_TRUNC open, so a flush then
-            # (a close of the descriptor inherited by a child the writer forked: exec or exit
-            # of `sh -c ...`) commits nothing (``Filesystem.flush``); the write's fsync or
-            # final close does, or the release if none comes (attack17 F10: the emptied file
-            # was committed mid-save, another mount's append merged onto it, its lines lost)
-            self.handle(fh).modified = size > 0
+        h = self.handle(fh) if fh is not None and size is not None else None
+        if h is not None:
+            h.modified = True
         by_path = size is not None and fh is None and n.opened == 0
         self._set_attributes(n, size=size, mode=mode, uid=uid, gid=gid, atime_ns=atime_ns,
                              mtime_ns=mtime_ns, judge=by_path)
+        if h is not None and size == 0:
+            # ftruncate(0) empties the file for a rewrite (vim's in-place save: open
+            # O_WRONLY|O_CREAT, ftruncate(0), write, fsync, close): no handle holds a write
+            # of its own until its next one, so no flush or release commits the emptied
+            # file, nor the first of the rewrite's writes, before the rewrite's own close
+            # (Filesystem.rewriting, Node.rewriters: a child the writer forked closes its
+            # copy of the descriptor, a reader's or an earlier writer's release arrives
+            # late; attack17 F10: the emptied file was committed mid-save, another mount's
+            # append merged onto it, its lines lost)
+            self.rewriting(n, h)
         if by_path:
             self.commit_quietly(n)  # truncate(2) by path: no close will follow to commit it
 

@@ -823,7 +823,34 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         elif flags & os.O_TRUNC:
             n.dirty = True  # opening with O_TRUNC is a write, even of nothing
             n.replacing = True
-        return self._new_handle(n, flags)
+        h = self._new_handle(n, flags)
+        if flags & os.O_TRUNC:
+            self.rewriting(n, h)
+        return h
+
+    def rewriting(self, n: Node, h: Handle) -> None:
+        """``h`` (open on ``n``) emptied the file for a rewrite (an ``O_TRUNC`` open, a
+        ``ftruncate(0)``): what any handle of it wrote before is gone, so none holds a write
+        of its own (``Handle.modified``) until its next one; ``h`` rewrites the file until it
+        is released (``Node.rewriters``). Costs a walk of the open handles when the file has
+        others open."""
+        if h.fh not in n.rewriters:
+            n.rewriters = n.rewriters + (h.fh,)
+        h.modified = False
+        if n.opened > 1:
+            for x in self.handles.values():
+                if x.node is n:
+                    x.modified = False
+
+    @staticmethod
+    def rewritten_by_another(n: Node, h: Handle) -> bool:
+        """Whether another open handle of ``n`` is rewriting it (``Node.rewriters``) and ``h``
+        wrote nothing since it was emptied: ``h``'s fsync or release then commits nothing (the
+        emptied file, or the first of the rewrite's writes, is not a version; the rewrite's
+        close commits it)."""
+        if h.modified or n._x is None:
+            return False
+        return any(fh != h.fh for fh in n.rewriters)
 
     def create(self, parent_ino: int, name: bytes, mode: int, flags: int, uid: int, gid: int) -> Handle:
         """create(2) of ``name`` in directory ``parent_ino`` with permission bits ``mode``
@@ -1123,7 +1150,8 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             # truncated at open. A shell redirection (`echo x > f`) opens, dup2()s and closes
             # the first descriptor before writing; committing here would make an empty
             # version. The commit happens at the final flush after a write, or at release.
-            # The same after an ftruncate(0) through it with no write since (AttributeOps.setattr):
+            # The same after the file was emptied for a rewrite, through this handle or
+            # another, with nothing written through this one since (Filesystem.rewriting):
             # a child's close of an inherited descriptor mid-save commits no emptied file.
             return
         e = self.commit(n)
@@ -1161,7 +1189,9 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         ``fsync_timeout`` s, ``EINTR`` once the process that opened ``h`` has a stop signal
         to take (``interrupts``; the write stays accepted either way)."""
         n = h.node
-        e = self.commit(n)
+        # (a handle with no write of its own while another rewrites the file: nothing of
+        # its own to make durable; the rewrite's close commits it)
+        e = None if self.rewritten_by_another(n, h) else self.commit(n)
         e = e or (n.last_put if n.state == PENDING and not (n.local_only or n.unlinked) else None)
         if e is None and n.local_only and not n.unlinked:
             e = self.journal.barrier()  # its kept copy may still be queued
@@ -1456,7 +1486,13 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             return
         n = h.node
         n.opened -= 1
-        if n.dirty:  # flush was not called (or failed): never drop the write
+        if n._x is not None and fh in n.rewriters:  # (else no side table: Node._x)
+            n.rewriters = tuple(r for r in n.rewriters if r != fh)
+        # flush was not called (or failed): never drop the write; but a handle with no
+        # write of its own while another rewrites the file commits nothing (a reader's or
+        # an earlier writer's release arrives late, after the next save emptied the file:
+        # Node.rewriters); the rewrite's close, or its release, commits it
+        if n.dirty and not self.rewritten_by_another(n, h):
             self.commit_quietly(n)
         if self.listener is not None and not h.is_dir and h.flags & os.O_ACCMODE != os.O_WRONLY:
             self.listener.reader_closed(n.ino)  # a change of it may wait for its readers

@@ -358,6 +358,19 @@ class Node:
     # ``_make_buf``) and ``NamespaceOps._adopt_key``; cleared by ``Filesystem.commit`` of
     # the session.
     replacing: _Rare[bool] = _rare("replacing", False)
+    # The open handles (``fh``) that emptied the file for a rewrite (an ``O_TRUNC`` open,
+    # ``ftruncate(0)``: vim's in-place save, ``echo x > f``, ``cp``). The emptying takes
+    # every handle's writes away (``Handle.modified`` cleared: ``Filesystem.rewriting``);
+    # while a rewriter is open, a handle with no write since commits nothing at its fsync or
+    # release (``Filesystem.rewritten_by_another``), as none does at its flush: a reader's
+    # or an earlier writer's release that the kernel sends late, after the next save emptied
+    # the file, commits neither the emptied file nor the rewrite's first writes. The
+    # rewrite is committed by its own close (flush after a write, fsync) or, closed with
+    # nothing written, by the release of the last rewriter (as ``: > f``).
+    # INVARIANT: each is the ``fh`` of an open handle of this node, held once; added by
+    # ``Filesystem.rewriting`` (from ``Filesystem.open`` and ``AttributeOps.setattr``),
+    # removed only by ``Filesystem.release`` of its handle.
+    rewriters: _Rare[tuple[int, ...]] = _rare("rewriters", ())
     # The sha256 of the content the kernel may still serve a reader of this file (its pages
     # and its size) while the invalidation of a change of it has not reached the kernel
     # (``FsListener.kernel_behind``): a reader served meanwhile may get it, so it becomes
@@ -438,7 +451,9 @@ class Handle:
     flags: int
     is_dir: bool = False
     entries: list[tuple[str, Node]] | None = None
-    modified: bool = False  # write(2) or ftruncate(2) to a size > 0 through this handle since open (or its last ftruncate(0))
+    # write(2) or ftruncate(2) through this handle since open and since the file was last
+    # emptied for a rewrite, through any handle (``Filesystem.rewriting``)
+    modified: bool = False
     snapshot: bytes | None = None  # .memfuse files: content generated once at open
     # The sha256 of the content the file had when a remote change or the merge of our own
     # write replaced it while this handle was open for reading ('' when none since): the
@@ -590,6 +605,10 @@ class InodeTable:
         for n in self.inodes.values():
             assert n.state == CLEAN or not (n.is_dir or n.special), \
                 f"{n.path()!r}: a directory or control file in state {n.state}"
+            fhs = n.rewriters if n._x is not None else ()
+            assert len(set(fhs)) == len(fhs) and all(
+                fh in self.handles and self.handles[fh].node is n for fh in fhs), \
+                f"{n.path()!r}: rewriters {fhs} are not its open handles"
 
     def _new_node(self, name: str, parent: Node | None, is_dir: bool, store: StoreMount | None,
                   mode: int, now_ns: int, uid: int | None = None, gid: int | None = None) -> Node:
