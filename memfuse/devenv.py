@@ -243,6 +243,21 @@ class ConsoleServer:
         self._cancel: Any = None
 
     def start(self) -> str:
+        import errno
+
+        listen = self._address()
+        try:
+            return self._start_at(listen)
+        except OSError as e:
+            # the port was free when _address looked and taken before the bind (another
+            # process started at the same moment: two `memfuse dev` at once)
+            if e.errno != errno.EADDRINUSE or not self.fallback or listen.endswith(":0"):
+                raise
+            return self._start_at(listen.rpartition(":")[0] + ":0")
+
+    def _start_at(self, listen: str) -> str:
+        """Serve on ``listen`` (``HOST:PORT``) in the console thread; the base URL. Raises
+        what the bind raised (``OSError``), ``TimeoutError`` (not started in time)."""
         import threading
 
         import trio
@@ -251,8 +266,6 @@ class ConsoleServer:
 
         ready = threading.Event()
         outcome: dict[str, Any] = {}
-
-        listen = self._address()
 
         async def main() -> None:
             self._token = trio.lowlevel.current_trio_token()
