@@ -153,23 +153,71 @@ def test_an_older_releases_cache_is_taken_over_only_by_the_account_whose_stores_
                 c.close()
 
 
-def test_offline_the_one_cache_of_the_workspace_is_used_and_two_are_refused(tmp_path, monkeypatch):
-    """The control plane does not answer: the one cache of the workspace on this host is
-    used (of whatever account); none: refused past ``--start-timeout`` (as the sidecar
-    would be); two accounts' caches: refused, naming both and ``--cache-dir``."""
+def test_offline_only_a_cache_known_to_be_the_tokens_is_used(tmp_path, monkeypatch):
+    """The control plane does not answer, so the token's account is not known (attack 19
+    F3): a cache directory is used only when this token chose it (its mark,
+    ``owner.json``), or it is the ``<workspace>-<hash>`` of an older release that marked
+    none. Another account's ``agent~bravo`` is never used by another token: refused, naming
+    it and ``--cache-dir``; none at all: refused past ``--start-timeout`` (as the sidecar
+    would be). On main the one cache of the workspace was used, of whatever account."""
     from mountutil import refused_port
 
+    from memfuse.cli import mountcache
     from memfuse.cli.mountcache import cache_dir_for, choose_cache_dir
 
     monkeypatch.setenv("MEMFUSE_HOME", str(tmp_path / "home"))
     with refused_port() as port:
         url = f"http://127.0.0.1:{port}"
         with pytest.raises(ValueError, match="did not answer within --start-timeout"):
-            choose_cache_dir(url, "tok", "agent", 1.5, print)
+            choose_cache_dir(url, "tok-default", "agent", 1.5, print)
         bravo = cache_dir_for(url, "agent", "bravo")
         bravo.mkdir(parents=True)
-        assert choose_cache_dir(url, "tok", "agent", 0.5, print) == bravo
-        cache_dir_for(url, "agent", "alpha").mkdir()
+        mountcache._write_mark(bravo, "bravo", mountcache._mark("tok-bravo"))
         with pytest.raises(ValueError, match="--cache-dir") as ei:
-            choose_cache_dir(url, "tok", "agent", 0.5, print)
-        assert "agent~alpha" in str(ei.value) and "agent~bravo" in str(ei.value)
+            choose_cache_dir(url, "tok-default", "agent", 0.5, print)
+        assert "agent~bravo" in str(ei.value) and "not known to be its own" in str(ei.value)
+        assert choose_cache_dir(url, "tok-bravo", "agent", 0.5, print) == bravo
+        legacy = cache_dir_for(url, "agent")
+        legacy.mkdir()  # an older release's, marked by no token
+        assert choose_cache_dir(url, "tok-default", "agent", 0.5, print) == legacy
+        assert choose_cache_dir(url, "tok-bravo", "agent", 0.5, print) == bravo
+        mountcache._write_mark(legacy, "default", mountcache._mark("tok-default"))
+        with pytest.raises(ValueError, match="not known to be its own"):
+            choose_cache_dir(url, "tok-acme", "agent", 0.5, print)
+
+
+def test_a_refused_token_never_takes_another_accounts_cache(tmp_path, monkeypatch):
+    """With the control plane up, a token it refuses (junk, or revoked: 401) says nothing of
+    its account (attack 19 F3): bravo's ``agent~bravo`` (chosen and marked by bravo's token
+    when it answered) is not taken by it (on main it was, and showed bravo's files and
+    unsent writes); bravo's own token still gets it, and bravo's token once revoked too (it
+    chose it: the sidecar then says why it is refused)."""
+    from memfuse.cli.mountcache import OWNER_FILE, cache_dir_for, choose_cache_dir
+    from memfuse.tokenfile import TokenFile
+
+    monkeypatch.setenv("MEMFUSE_HOME", str(tmp_path / "home"))
+    with Rig(tmp_path) as rig:
+        cp = rig.cp
+        accts = _accounts_with_agent(cp, tmp_path)
+        try:
+            bravo_tok = TokenFile(accts["bravo"][1])
+            got = choose_cache_dir(cp.url, bravo_tok, "agent", 10, print)
+            assert got == cache_dir_for(cp.url, "agent", "bravo")
+            owner = (got / OWNER_FILE).read_text()
+            assert bravo_tok.token not in owner and '"account": "bravo"' in owner
+            (got / "outbox.db").write_text("bravo's queued writes")
+            junk = tmp_path / "junk.token"
+            junk.write_text("mf_thisisnotatoken0000000000000000000000")
+            with pytest.raises(ValueError, match="refused") as ei:
+                choose_cache_dir(cp.url, TokenFile(junk), "agent", 10, print)
+            assert str(got) in str(ei.value) and "--cache-dir" in str(ei.value)
+            c = accts["bravo"][0]
+            tokens = c.get("/v1/tokens").json()
+            tokens = tokens.get("tokens", tokens) if isinstance(tokens, dict) else tokens
+            for t in tokens:
+                assert c.delete(f"/v1/tokens/{t['id']}").status_code in (200, 204)
+            assert choose_cache_dir(cp.url, bravo_tok, "agent", 10, print) == got
+            assert (got / "outbox.db").read_text() == "bravo's queued writes"
+        finally:
+            for c, _ in accts.values():
+                c.close()

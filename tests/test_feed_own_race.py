@@ -101,8 +101,15 @@ async def write(sc: Sidecar, path: str, data: bytes, append: bool = False) -> No
 
 
 def files(sc: Sidecar) -> dict[str, bytes]:
+    """The files of store ``default`` this sidecar shows as records (path -> content)."""
     sm = sc.fs.stores["default"]
-    return {n.path(): sc.fs._content(n) for n in sc.fs._walk_files(sm.root)}
+    return {n.path(): sc.fs._content(n) for n in sc.fs._walk_files(sm.root) if not n.local_only}
+
+
+def local_files(sc: Sidecar) -> dict[str, bytes]:
+    """The local-only files of store ``default`` (``f~``...): path -> content."""
+    sm = sc.fs.stores["default"]
+    return {n.path(): sc.fs._content(n) for n in sc.fs._walk_files(sm.root) if n.local_only}
 
 
 async def server(fake: FakeControlPlane, *scs: Sidecar) -> tuple[dict[str, bytes], list[int]]:
@@ -168,6 +175,47 @@ async def test_a_delete_answered_after_another_mounts_write_stays_deleted_here(t
         # A writes again: a new record, its content only (not B's from a revived copy)
         await write(a, "f.md", b"again\n")
         assert (await settled(fake, a, b)) == {"f.md": b"again\n"}
+        a.fs.check_invariants()
+        b.fs.check_invariants()
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("how", ["append", "overwrite"])
+async def test_a_rename_onto_a_local_only_name_answered_after_another_mounts_write(tmp_path, how):
+    """attack 19 F2: mount B appends to (or overwrites) f.md, then mount A's ``mv f.md
+    f.md~`` (a local-only name: the record is deleted, the file kept here) commits after it,
+    while A holds a feed page with B's version fetched before its delete was answered. A
+    must show f.md~ only, with what A had when it moved it, never f.md again (B's version
+    of a record A deleted), nor B's content in its f.md~; the control plane and B end with
+    no f.md."""
+    fake = FakeControlPlane(seed=0)
+    ta = await fake.setup("wa")
+    tb = await fake.setup("wb")
+    hold = Hold()
+    a = sidecar(tmp_path, fake, "wa", ta, hold)
+    b = sidecar(tmp_path, fake, "wb", tb)
+    async with trio.open_nursery() as nursery:
+        await start(a, nursery)
+        await start(b, nursery)
+        await write(a, "f.md", b"base\n")
+        await settled(fake, a, b)
+
+        hold.on = True
+        await write(b, "f.md", b"B wrote\n", append=how == "append")
+        with trio.fail_after(20):
+            await hold.entered.wait()  # A's feed holds the page with B's version
+        root = a.fs.stores["default"].root
+        a.fs.rename(root.ino, b"f.md", root.ino, b"f.md~", 0)
+        with trio.fail_after(20):
+            await a.committer.wait_store_idle("default")
+        hold.release()
+
+        assert await settled(fake, a, b) == {}
+        await trio.sleep(0.3)  # a stale state applied late (a refetch) would show by now
+        assert files(a) == {} and lookup(a, "f.md") is None
+        assert local_files(a) == {"f.md~": b"base\n"}
+        assert local_files(b) == {}
+        assert not [m for m in a.states["default"].records.values() if m.path == "f.md"]
         a.fs.check_invariants()
         b.fs.check_invariants()
         nursery.cancel_scope.cancel()
@@ -276,6 +324,38 @@ def test_rm_on_one_mount_racing_a_write_on_the_other_ends_with_every_mount_agree
                                                f"plane holds of {name}")
             time.sleep(0.5)  # a stale state applied late would show by now
             assert agree(), f"round {k}: a mount changed {name} after agreeing"
+
+
+def test_mv_onto_a_local_only_name_racing_a_write_on_the_other_ends_with_every_mount_agreeing(tmp_path):
+    """attack 19 F2 with real tools: mount A ``mv f f~`` (a local-only name: the record is
+    deleted, the file kept on A) at the same moment mount B ``echo ... >> f`` (or ``>``),
+    six rounds. Both mounts end showing what the control plane holds of ``f`` (nothing, or
+    B's re-created record), A keeps ``f~`` (local-only), B has no ``f~`` (bounded polls)."""
+    from mountutil import live_records, read, two_sidecars, wait_until
+
+    with two_sidecars(tmp_path, "s") as (cp, a, b):
+        A, B = a.mountpoint / "s", b.mountpoint / "s"
+        for k in range(6):
+            name = f"lo{k}.md"
+            subprocess.run(["sh", "-c", f"echo base > {A / name}"], check=True, timeout=30)
+            wait_until(lambda: read(B / name) == "base\n", timeout=20, what=f"B shows {name}")
+            op = ">>" if k % 2 == 0 else ">"
+            procs = [subprocess.Popen(["mv", str(A / name), str(A / (name + "~"))]),
+                     subprocess.Popen(["sh", "-c", f"echo 'B wrote' {op} {B / name}"])]
+            for p in procs:
+                p.wait(timeout=30)
+
+            def agree() -> bool:
+                rec = live_records(cp, "s").get(name)
+                want = rec.content if rec is not None else None
+                return read(A / name) == want and read(B / name) == want
+
+            wait_until(agree, timeout=30, what=f"round {k}: both mounts show what the control "
+                                               f"plane holds of {name}")
+            time.sleep(0.5)  # a stale state applied late would show by now
+            assert agree(), f"round {k}: a mount changed {name} after agreeing"
+            assert read(A / (name + "~")) is not None, f"round {k}: A lost its {name}~"
+            assert read(B / (name + "~")) is None, f"round {k}: B shows A's local-only {name}~"
 
 
 def test_mv_dir_on_one_mount_racing_writes_in_it_on_the_other_ends_with_every_mount_agreeing(tmp_path):
