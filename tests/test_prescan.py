@@ -74,6 +74,44 @@ def test_large_contents_are_scanned_off_the_writer_thread(tmp_path, monkeypatch)
     assert "memfuse-writer" not in seen, seen
 
 
+def test_a_batch_of_contents_under_the_bound_is_scanned_off_the_writer_thread(tmp_path, monkeypatch) -> None:
+    """attack19 F1: contents each just under ``PRESCAN_MIN`` whose batch sums past it are
+    scanned before the writer thread (on main they were scanned on it, one after another);
+    the verdicts still refuse the one with a secret."""
+    seen: list[str] = []
+    real = content.find_secret
+
+    def spy(text: str) -> str | None:
+        if len(text) >= prescan.PRESCAN_MIN // 2:
+            seen.append(threading.current_thread().name)
+        return real(text)
+
+    monkeypatch.setattr(content, "find_secret", spy)
+    answers: dict[str, Any] = {}
+    n = prescan.PRESCAN_MIN - 1
+
+    async def main() -> None:
+        app = create_app(f"sqlite:///{tmp_path / 'cp.db'}", static_tokens={ADMIN: None, WS: "ws"},
+                         max_body=4 * 1024 * 1024)
+        async with trio.open_nursery() as nursery:
+            base = await serve_app(nursery, app, lean=True)
+            await setup_ws(base, ADMIN)
+            async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {WS}"}, timeout=30) as c:
+                ops = [{"op": "create", "body": {"path": f"u{i}.md", "content": _big(30 + i)[:n]}}
+                       for i in range(4)]
+                ops.append({"op": "create", "body": {"path": "s.md", "content": (TOKEN + "\n" + _big(40))[:n]}})
+                r = await c.post("/v1/stores/default/batch", json={"operations": ops})
+                answers["batch"] = [x["status"] for x in r.json()["results"]]
+            answers["lean_writes"] = int(app.front.lean_writes)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert answers["batch"] == [201, 201, 201, 201, 422], answers
+    assert answers["lean_writes"] >= 1, answers  # the lean route, whose hop is the writer thread
+    assert len(seen) >= 5, seen  # each content scanned (the refused one too)
+    assert "memfuse-writer" not in seen, seen
+
+
 def test_prescan_keeps_find_secrets_answers() -> None:
     """``prescan.find_secret`` answers as ``content.find_secret`` with and without kept verdicts."""
     token = "gh" + "p_" + "R8xkQ2mZp4LwT9vNc3YhJ6bF1sD7gK0aEu5W"

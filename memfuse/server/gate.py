@@ -181,7 +181,7 @@ class Connections:
         self.refused_at_cap = 0  # new connections without their head closed at ``max_total``
         self.open = 0  # connections open now (``opened``, not yet ``closed``), with or without a token
         # connections the server ended early, by reason (``ended``)
-        self.ended_early: dict[str, int] = {"client_gone": 0, "pipelined": 0}
+        self.ended_early: dict[str, int] = {"client_gone": 0, "pipelined": 0, "framing": 0}
         # INVARIANT: ``_pending`` holds every open connection (host, port) not cleared yet,
         # with its evict callback, in the order of its last activity (accepted, or a request
         # started on it: ``active``), oldest first; ``_hosts[host]`` holds the same keys of
@@ -263,7 +263,8 @@ class Connections:
         """Count a connection the server ended early: ``"client_gone"`` (its client had gone,
         ``memfuse.server.lean.client_gone``: the requests it had sent were not run) or
         ``"pipelined"`` (``memfuse.server.limits.MAX_PIPELINED`` answers in a row to a client
-        that pipelines without reading)."""
+        that pipelines without reading) or ``"framing"`` (a request with both Content-Length
+        and Transfer-Encoding, answered 400: ``memfuse.server.serve``)."""
         self.ended_early[reason] = self.ended_early.get(reason, 0) + 1
 
     def _forget(self, peer: tuple[str, int]) -> None:

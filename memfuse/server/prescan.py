@@ -8,9 +8,10 @@ scanned again) costs about 1.1 s per MiB of adversarial content, so a batch of f
 records made of base64 runs held that one thread for ~45 s and another workspace's 3-byte write
 waited 93 s. So:
 
-- ``prescanned(texts, appends=..., ...)`` scans the contents of ``PRESCAN_MIN`` characters or
-  more, and the appends whose suffix is that long (with the context the scan reads before
-  the suffix: ``RecordsService.append_context``, read then), in a worker thread of anyio's
+- ``prescanned(texts, appends=..., ...)`` scans all the contents and appends of a request whose
+  strings sum to ``PRESCAN_MIN`` characters or more (a batch of 100 contents of 65,000
+  characters each is one: attack19 F1), each append with the context the scan reads before
+  the suffix (``RecordsService.append_context``, read then), in a worker thread of anyio's
   pool first, one request of a token at a time, and keeps the verdicts in a context variable
   for the write (the writer thread runs a job in a copy of the submitter's context).
 - ``find_secret(text, key, budget)`` is what the write path calls instead of
@@ -70,10 +71,10 @@ def refusal(e: ScanBudget.Refused) -> ServiceError:
                         headers={"Retry-After": str(e.retry_after)})
 
 
-def _charged(budget: ScanBudget | None, key: str | None, text: str) -> str | None:
-    """``content.find_secret(text)``, charged to ``key`` when it is large (429 raised when
-    its budget is spent)."""
-    if budget is None or key is None or len(text) < PRESCAN_MIN:
+def _charged(budget: ScanBudget | None, key: str | None, text: str, always: bool = False) -> str | None:
+    """``content.find_secret(text)``, charged to ``key`` when it is large, or ``always``
+    (a prescan's: part of a large request) (429 raised when its budget is spent)."""
+    if budget is None or key is None or (len(text) < PRESCAN_MIN and not always):
         return content_rules.find_secret(text)
     try:
         return budget.scan(key, content_rules.find_secret, text)
@@ -87,7 +88,7 @@ def find_secret(text: str, key: str | None = None, budget: ScanBudget | None = N
     scanned here (charged to ``key``'s ``budget`` when large: ``ServiceError`` 429 when it is
     spent)."""
     kept = _KEPT.get()
-    if kept is not None and len(text) >= PRESCAN_MIN:
+    if kept is not None:
         try:
             return kept.contents[text]
         except KeyError:
@@ -102,13 +103,13 @@ def append_verdict(suffix: str, read_context: Callable[[], str | None], key: str
     kept, else scanned now after ``read_context()`` (None: no such record, nothing
     scanned), charged to ``key``'s ``budget`` (``ServiceError`` 429 when it is spent).
     None for a small suffix: scanned by the write itself."""
-    if len(suffix) < PRESCAN_MIN:
-        return None
     kept = _KEPT.get()
     if kept is not None:
         got = kept.appends.get(suffix)
         if got is not None:
             return got
+    if len(suffix) < PRESCAN_MIN:
+        return None
     context = read_context()
     if context is None:
         return None
@@ -144,11 +145,11 @@ def _scan_all(texts: list[str], appends: list[tuple[str, str]],
     kept = _Kept()
     for t in texts:
         if t not in kept.contents:
-            kept.contents[t] = _charged(budget, key, t)
+            kept.contents[t] = _charged(budget, key, t, always=True)
     for record_id, suffix in appends:
         context = context_of(record_id) if context_of is not None else None
         if context is not None:  # no such record: the write refuses it, nothing to scan
-            kept.appends[suffix] = (context, _charged(budget, key, context + suffix))
+            kept.appends[suffix] = (context, _charged(budget, key, context + suffix, always=True))
     return kept
 
 
@@ -156,19 +157,22 @@ def _scan_all(texts: list[str], appends: list[tuple[str, str]],
 async def prescanned(texts: Iterable[object], *, appends: Iterable[tuple[str, object]] = (),
                      context_of: Callable[[str], str | None] | None = None,
                      p: Principal | None = None, budget: ScanBudget | None = None) -> AsyncIterator[None]:
-    """Scan the strings of ``texts`` with ``PRESCAN_MIN`` characters or more, and the
-    appends ``(record_id, suffix)`` of ``appends`` whose suffix is that long (after the
-    context ``context_of(record_id)`` gives: None skips it), in a worker thread
+    """When the strings of ``texts`` and the suffixes of ``appends`` ``(record_id,
+    suffix)`` sum to ``PRESCAN_MIN`` characters or more, scan all of them (each suffix
+    after the context ``context_of(record_id)`` gives: None skips it), in a worker thread
     (``anyio.to_thread.run_sync``, cancellable: the scan is abandoned, not waited for,
     when the request is cancelled), and keep their verdicts for :func:`find_secret` /
-    :func:`find_append_secret` inside the ``async with``. Other items (None, dicts, short
-    strings) are skipped. With ``p`` and ``budget``: one prescan of ``p``'s token at a time
+    :func:`find_append_secret` inside the ``async with``; a smaller request is left to
+    the write. Other items (None, dicts, empty strings) are skipped. With ``p`` and ``budget``: one prescan of ``p``'s token at a time
     (the next waits here, on the event loop), each scan charged to its budget; raises
     ``ServiceError`` 429 ``rate_limited`` (with ``Retry-After``) when it is spent, before
     the next scan runs."""
-    big = [t for t in texts if isinstance(t, str) and len(t) >= PRESCAN_MIN]
-    more = [(r, s) for r, s in appends if isinstance(s, str) and len(s) >= PRESCAN_MIN]
-    if not big and not more:
+    big = [t for t in texts if isinstance(t, str) and t]
+    more = [(r, s) for r, s in appends if isinstance(s, str) and s]
+    # one rule: a request whose strings sum to PRESCAN_MIN characters or more is scanned
+    # here, all of it, so the writer thread never scans more than PRESCAN_MIN characters
+    # of one request (attack19 F1: a batch of 100 contents of 65,000 characters each)
+    if sum(map(len, big)) + sum(len(s) for _, s in more) < PRESCAN_MIN:
         yield
         return
     key = scan_key(p) if p is not None and budget is not None else None

@@ -134,6 +134,15 @@ def release_database(app: FastAPI) -> None:
         os.close(fd)
 
 
+def framing_problem() -> bytes:
+    """The body (problem+json, 400 ``invalid_request``) of the answer to a request that gives
+    both Content-Length and Transfer-Encoding (``_HTTP11Only._create_stream``)."""
+    from memfuse.server.gate import _problem
+    return _problem(400, "invalid_request",
+                    "the request gives both Content-Length and Transfer-Encoding; send one "
+                    "(the connection is closed)")
+
+
 async def serve(app: FastAPI, listen: str = "127.0.0.1:8080", *, lean: bool = True,
                 task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
     """Serve the ASGI ``app`` on ``listen`` (``HOST:PORT``; port 0 picks a free one) until
@@ -578,6 +587,29 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
 
         async def _check_protocol(self, event: Any) -> None:
             return None
+
+        async def _create_stream(self, request: Any) -> None:
+            # attack19 F4: a request with both Content-Length and Transfer-Encoding (h11
+            # frames it by the chunks and kept the connection: the bytes after the last chunk
+            # ran as a second request, one a proxy framing by Content-Length never saw) is
+            # refused here, before a stream is made, and the connection closed (RFC 9112
+            # §6.3); its body is never read, nothing after it runs. h11 itself refuses any
+            # Transfer-Encoding but ``chunked`` (case and surrounding spaces aside, RFC 9112
+            # §7) and a second one: 501 and close. The lean front door hands every request
+            # with a Transfer-Encoding to hypercorn (``memfuse.server.lean``): one place.
+            names = {name for name, _ in request.headers}
+            if b"transfer-encoding" in names and b"content-length" in names:
+                body = framing_problem()
+                await self._send_h11_event(h11.Response(status_code=400, headers=[
+                    (b"content-length", str(len(body)).encode()), (b"content-type", b"application/problem+json"),
+                    (b"connection", b"close"), *self.config.response_headers("h11")]))
+                await self._send_h11_event(h11.Data(data=body))
+                await self._send_h11_event(h11.EndOfMessage())
+                if on_ended is not None:
+                    on_ended("framing")
+                await self.send(Closed())
+                return  # no stream: the loop reading the request's body ends at once
+            await super()._create_stream(request)
 
         # INVARIANT: ``_held`` is the head of a response of known length (``Content-Length``,
         # not chunked) that h11 has framed and that is not sent yet; it leaves with the next
