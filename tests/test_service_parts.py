@@ -12,8 +12,9 @@ from memfuse.server.base import Resource
 from memfuse.server.db import Database
 from memfuse.server.service import Service
 
-# quota checks the resources call on each other; no caller outside the service uses them
-NOT_OFFERED = {"check_store_quota", "check_token_quota"}
+# quota checks the resources call on each other, and the read the lean write path makes before
+# an append's prescan (``writepath`` calls it on ``svc.records``); no other caller uses them
+NOT_OFFERED = {"check_store_quota", "check_token_quota", "append_context"}
 
 
 @pytest.fixture
