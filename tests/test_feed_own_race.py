@@ -15,9 +15,11 @@ serve``, after which every mount agrees with the control plane.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import time
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -68,6 +70,33 @@ async def start(sc: Sidecar, nursery: trio.Nursery) -> None:
     for slug in sc.fs.stores:
         sc._start_feed(slug)
     sc.fs.ready = True
+
+
+@contextlib.asynccontextmanager
+async def two_mounts(tmp: Path, hold: Hold) -> AsyncIterator[tuple[FakeControlPlane, Sidecar, Sidecar]]:
+    """The fake control plane and two started sidecars on its store ``default``: A (workspace
+    ``wa``, its feed held by ``hold``) and B (``wb``); stopped when the block ends."""
+    fake = FakeControlPlane(seed=0)
+    ta = await fake.setup("wa")
+    tb = await fake.setup("wb")
+    a = sidecar(tmp, fake, "wa", ta, hold)
+    b = sidecar(tmp, fake, "wb", tb)
+    async with trio.open_nursery() as nursery:
+        await start(a, nursery)
+        await start(b, nursery)
+        yield fake, a, b
+        nursery.cancel_scope.cancel()
+
+
+async def own_change_while_held(hold: Hold, a: Sidecar, change: Callable[[], object]) -> None:
+    """Once A's feed holds a page (with B's versions), make A's own ``change`` through its
+    core and wait (bounded) until it is committed; then let the page be applied."""
+    with trio.fail_after(20):
+        await hold.entered.wait()
+    change()
+    with trio.fail_after(20):
+        await a.committer.wait_store_idle("default")
+    hold.release()
 
 
 def lookup(sc: Sidecar, path: str):
@@ -146,26 +175,14 @@ async def test_a_delete_answered_after_another_mounts_write_stays_deleted_here(t
     it (the control plane ends with the record deleted), while A holds a feed page with B's
     version, fetched before its delete was answered. A must not show f.md again (nor keep it
     in its mirror), and a later feed page (long after) must not bring it back either."""
-    fake = FakeControlPlane(seed=0)
-    ta = await fake.setup("wa")
-    tb = await fake.setup("wb")
     hold = Hold()
-    a = sidecar(tmp_path, fake, "wa", ta, hold)
-    b = sidecar(tmp_path, fake, "wb", tb)
-    async with trio.open_nursery() as nursery:
-        await start(a, nursery)
-        await start(b, nursery)
+    async with two_mounts(tmp_path, hold) as (fake, a, b):
         await write(a, "f.md", b"base\n")
         await settled(fake, a, b)
 
         hold.on = True
         await write(b, "f.md", b"B wrote\n", append=how == "append")
-        with trio.fail_after(20):
-            await hold.entered.wait()  # A's feed holds the page with B's version
-        a.fs.unlink(a.fs.stores["default"].root.ino, b"f.md")
-        with trio.fail_after(20):
-            await a.committer.wait_store_idle("default")
-        hold.release()
+        await own_change_while_held(hold, a, lambda: a.fs.unlink(a.fs.stores["default"].root.ino, b"f.md"))
 
         assert await settled(fake, a, b) == {}
         await trio.sleep(0.3)  # a stale state applied late (a refetch) would show by now
@@ -177,7 +194,6 @@ async def test_a_delete_answered_after_another_mounts_write_stays_deleted_here(t
         assert (await settled(fake, a, b)) == {"f.md": b"again\n"}
         a.fs.check_invariants()
         b.fs.check_invariants()
-        nursery.cancel_scope.cancel()
 
 
 @pytest.mark.parametrize("how", ["append", "overwrite"])
@@ -188,27 +204,15 @@ async def test_a_rename_onto_a_local_only_name_answered_after_another_mounts_wri
     must show f.md~ only, with what A had when it moved it, never f.md again (B's version
     of a record A deleted), nor B's content in its f.md~; the control plane and B end with
     no f.md."""
-    fake = FakeControlPlane(seed=0)
-    ta = await fake.setup("wa")
-    tb = await fake.setup("wb")
     hold = Hold()
-    a = sidecar(tmp_path, fake, "wa", ta, hold)
-    b = sidecar(tmp_path, fake, "wb", tb)
-    async with trio.open_nursery() as nursery:
-        await start(a, nursery)
-        await start(b, nursery)
+    async with two_mounts(tmp_path, hold) as (fake, a, b):
         await write(a, "f.md", b"base\n")
         await settled(fake, a, b)
 
         hold.on = True
         await write(b, "f.md", b"B wrote\n", append=how == "append")
-        with trio.fail_after(20):
-            await hold.entered.wait()  # A's feed holds the page with B's version
         root = a.fs.stores["default"].root
-        a.fs.rename(root.ino, b"f.md", root.ino, b"f.md~", 0)
-        with trio.fail_after(20):
-            await a.committer.wait_store_idle("default")
-        hold.release()
+        await own_change_while_held(hold, a, lambda: a.fs.rename(root.ino, b"f.md", root.ino, b"f.md~", 0))
 
         assert await settled(fake, a, b) == {}
         await trio.sleep(0.3)  # a stale state applied late (a refetch) would show by now
@@ -218,7 +222,6 @@ async def test_a_rename_onto_a_local_only_name_answered_after_another_mounts_wri
         assert not [m for m in a.states["default"].records.values() if m.path == "f.md"]
         a.fs.check_invariants()
         b.fs.check_invariants()
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_directory_move_answered_after_another_mounts_writes_shows_them_moved(tmp_path):
@@ -226,28 +229,16 @@ async def test_a_directory_move_answered_after_another_mounts_writes_shows_them_
     commits (the control plane moves both, B's changes with them), while A holds a feed page
     with B's versions at the old path. A must show ``ee/new.md`` and ``ee/one.md`` with B's
     content, nothing left under ``dd``, as the control plane and B do."""
-    fake = FakeControlPlane(seed=0)
-    ta = await fake.setup("wa")
-    tb = await fake.setup("wb")
     hold = Hold()
-    a = sidecar(tmp_path, fake, "wa", ta, hold)
-    b = sidecar(tmp_path, fake, "wb", tb)
-    async with trio.open_nursery() as nursery:
-        await start(a, nursery)
-        await start(b, nursery)
+    async with two_mounts(tmp_path, hold) as (fake, a, b):
         await write(a, "dd/one.md", b"one\n")
         await settled(fake, a, b)
 
         hold.on = True
         await write(b, "dd/new.md", b"new\n")
         await write(b, "dd/one.md", b"more\n", append=True)
-        with trio.fail_after(20):
-            await hold.entered.wait()  # A's feed holds a page with B's versions
         root = a.fs.stores["default"].root
-        a.fs.rename(root.ino, b"dd", root.ino, b"ee", 0)
-        with trio.fail_after(20):
-            await a.committer.wait_store_idle("default")
-        hold.release()
+        await own_change_while_held(hold, a, lambda: a.fs.rename(root.ino, b"dd", root.ino, b"ee", 0))
 
         want = {"ee/new.md": b"new\n", "ee/one.md": b"one\nmore\n"}
         assert await settled(fake, a, b) == want
@@ -255,7 +246,6 @@ async def test_a_directory_move_answered_after_another_mounts_writes_shows_them_
         assert files(a) == want and lookup(a, "dd") is None
         a.fs.check_invariants()
         b.fs.check_invariants()
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_delete_and_a_directory_move_without_a_race_fetch_nothing(tmp_path):
@@ -296,21 +286,22 @@ async def test_a_delete_and_a_directory_move_without_a_race_fetch_nothing(tmp_pa
 
 
 # ---------------------------------------------------------------------------- real mounts
-def test_rm_on_one_mount_racing_a_write_on_the_other_ends_with_every_mount_agreeing(tmp_path):
-    """F9 with real tools: mount A ``rm f`` at the same moment mount B ``echo ... >> f`` (or
-    ``>``), six rounds. Whatever order the control plane took them in (the record deleted,
-    or B's write re-creating it), both mounts end showing what the control plane holds:
-    no file where it has none, its content where it has one (bounded polls)."""
+def _rounds_against_b_writing(tmp_path: Path, prefix: str, a_argv: Callable[[Path], list[str]],
+                              after: Callable[[int, Path, Path, str], None] | None = None) -> None:
+    """Six rounds on two real mounts A and B of store ``s``: A runs ``a_argv(A / name)`` at
+    the same moment B runs ``echo 'B wrote' >> name`` (``>`` every other round); both mounts
+    then end showing what the control plane holds of ``name`` (bounded polls), still so
+    0.5 s later; ``after(k, A, B, name)`` checks more."""
     from mountutil import live_records, read, two_sidecars, wait_until
 
     with two_sidecars(tmp_path, "s") as (cp, a, b):
         A, B = a.mountpoint / "s", b.mountpoint / "s"
         for k in range(6):
-            name = f"del{k}.md"
+            name = f"{prefix}{k}.md"
             subprocess.run(["sh", "-c", f"echo base > {A / name}"], check=True, timeout=30)
             wait_until(lambda: read(B / name) == "base\n", timeout=20, what=f"B shows {name}")
             op = ">>" if k % 2 == 0 else ">"
-            procs = [subprocess.Popen(["rm", str(A / name)]),
+            procs = [subprocess.Popen(a_argv(A / name)),
                      subprocess.Popen(["sh", "-c", f"echo 'B wrote' {op} {B / name}"])]
             for p in procs:
                 p.wait(timeout=30)
@@ -324,6 +315,16 @@ def test_rm_on_one_mount_racing_a_write_on_the_other_ends_with_every_mount_agree
                                                f"plane holds of {name}")
             time.sleep(0.5)  # a stale state applied late would show by now
             assert agree(), f"round {k}: a mount changed {name} after agreeing"
+            if after is not None:
+                after(k, A, B, name)
+
+
+def test_rm_on_one_mount_racing_a_write_on_the_other_ends_with_every_mount_agreeing(tmp_path):
+    """F9 with real tools: mount A ``rm f`` at the same moment mount B ``echo ... >> f`` (or
+    ``>``), six rounds. Whatever order the control plane took them in (the record deleted,
+    or B's write re-creating it), both mounts end showing what the control plane holds:
+    no file where it has none, its content where it has one (bounded polls)."""
+    _rounds_against_b_writing(tmp_path, "del", lambda f: ["rm", str(f)])
 
 
 def test_mv_onto_a_local_only_name_racing_a_write_on_the_other_ends_with_every_mount_agreeing(tmp_path):
@@ -331,31 +332,13 @@ def test_mv_onto_a_local_only_name_racing_a_write_on_the_other_ends_with_every_m
     deleted, the file kept on A) at the same moment mount B ``echo ... >> f`` (or ``>``),
     six rounds. Both mounts end showing what the control plane holds of ``f`` (nothing, or
     B's re-created record), A keeps ``f~`` (local-only), B has no ``f~`` (bounded polls)."""
-    from mountutil import live_records, read, two_sidecars, wait_until
+    from mountutil import read
 
-    with two_sidecars(tmp_path, "s") as (cp, a, b):
-        A, B = a.mountpoint / "s", b.mountpoint / "s"
-        for k in range(6):
-            name = f"lo{k}.md"
-            subprocess.run(["sh", "-c", f"echo base > {A / name}"], check=True, timeout=30)
-            wait_until(lambda: read(B / name) == "base\n", timeout=20, what=f"B shows {name}")
-            op = ">>" if k % 2 == 0 else ">"
-            procs = [subprocess.Popen(["mv", str(A / name), str(A / (name + "~"))]),
-                     subprocess.Popen(["sh", "-c", f"echo 'B wrote' {op} {B / name}"])]
-            for p in procs:
-                p.wait(timeout=30)
+    def local_only_kept_on_a(k: int, A: Path, B: Path, name: str) -> None:
+        assert read(A / (name + "~")) is not None, f"round {k}: A lost its {name}~"
+        assert read(B / (name + "~")) is None, f"round {k}: B shows A's local-only {name}~"
 
-            def agree() -> bool:
-                rec = live_records(cp, "s").get(name)
-                want = rec.content if rec is not None else None
-                return read(A / name) == want and read(B / name) == want
-
-            wait_until(agree, timeout=30, what=f"round {k}: both mounts show what the control "
-                                               f"plane holds of {name}")
-            time.sleep(0.5)  # a stale state applied late would show by now
-            assert agree(), f"round {k}: a mount changed {name} after agreeing"
-            assert read(A / (name + "~")) is not None, f"round {k}: A lost its {name}~"
-            assert read(B / (name + "~")) is None, f"round {k}: B shows A's local-only {name}~"
+    _rounds_against_b_writing(tmp_path, "lo", lambda f: ["mv", str(f), f"{f}~"], local_only_kept_on_a)
 
 
 def test_mv_dir_on_one_mount_racing_writes_in_it_on_the_other_ends_with_every_mount_agreeing(tmp_path):

@@ -30,6 +30,16 @@ def _big(seed: int) -> str:
     return "\n".join(base64.b64encode(r.randbytes(300)).decode() for _ in range(200)) + "\n"
 
 
+async def _served_ws(tmp_path, nursery: trio.Nursery) -> tuple[Any, str]:
+    """A lean control plane (bodies up to 4 MiB) with workspace ws (token ``WS``) and its
+    store ``default``; (app, base URL)."""
+    app = create_app(f"sqlite:///{tmp_path / 'cp.db'}", static_tokens={ADMIN: None, WS: "ws"},
+                     max_body=4 * 1024 * 1024)
+    base = await serve_app(nursery, app, lean=True)
+    await setup_ws(base, ADMIN)
+    return app, base
+
+
 def test_large_contents_are_scanned_off_the_writer_thread(tmp_path, monkeypatch) -> None:
     seen: list[str] = []
     real = content.find_secret
@@ -44,11 +54,8 @@ def test_large_contents_are_scanned_off_the_writer_thread(tmp_path, monkeypatch)
     answers: dict[str, Any] = {}
 
     async def main() -> None:
-        app = create_app(f"sqlite:///{tmp_path / 'cp.db'}", static_tokens={ADMIN: None, WS: "ws"},
-                         max_body=4 * 1024 * 1024)
         async with trio.open_nursery() as nursery:
-            base = await serve_app(nursery, app, lean=True)
-            await setup_ws(base, ADMIN)
+            app, base = await _served_ws(tmp_path, nursery)
             async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {WS}"}, timeout=30) as c:
                 big = _big(1)
                 assert len(big) >= prescan.PRESCAN_MIN
@@ -91,11 +98,8 @@ def test_a_batch_of_contents_under_the_bound_is_scanned_off_the_writer_thread(tm
     n = prescan.PRESCAN_MIN - 1
 
     async def main() -> None:
-        app = create_app(f"sqlite:///{tmp_path / 'cp.db'}", static_tokens={ADMIN: None, WS: "ws"},
-                         max_body=4 * 1024 * 1024)
         async with trio.open_nursery() as nursery:
-            base = await serve_app(nursery, app, lean=True)
-            await setup_ws(base, ADMIN)
+            app, base = await _served_ws(tmp_path, nursery)
             async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {WS}"}, timeout=30) as c:
                 ops = [{"op": "create", "body": {"path": f"u{i}.md", "content": _big(30 + i)[:n]}}
                        for i in range(4)]
