@@ -76,8 +76,13 @@ def _charged(budget: ScanBudget | None, key: str | None, text: str, always: bool
     (a prescan's: part of a large request) (429 raised when its budget is spent)."""
     if budget is None or key is None or (len(text) < PRESCAN_MIN and not always):
         return content_rules.find_secret(text)
+    return _budgeted(budget, key, content_rules.find_secret, text)
+
+
+def _budgeted(budget: ScanBudget, key: str, scan: Callable[..., str | None], *args: str) -> str | None:
+    """``scan(*args)`` charged to ``key``'s ``budget``; ``ServiceError`` 429 when it is spent."""
     try:
-        return budget.scan(key, content_rules.find_secret, text)
+        return budget.scan(key, scan, *args)
     except ScanBudget.Refused as e:
         raise refusal(e) from None
 
@@ -127,10 +132,7 @@ def find_append_secret(context: str, suffix: str, pre: tuple[str, str | None] | 
         return pre[1]
     if len(suffix) < PRESCAN_MIN or budget is None or key is None:
         return scan()
-    try:
-        return budget.scan(key, scan)
-    except ScanBudget.Refused as e:
-        raise refusal(e) from None
+    return _budgeted(budget, key, scan)
 
 
 # tokens with a prescan running, each with the lock its next prescan waits on (event loop
