@@ -618,9 +618,8 @@ class Gate:
             return
         assert token is not None and length is not None and self.writes is not None and within is not None
         self.lean_writes += 1
-        client = scope.get("client")
-        self.connections.active(client)
-        self.connections.cleared(client)
+        # ``__call__``'s ``active`` then ``cleared``: the second forgets what the first reorders
+        self.connections.cleared(scope.get("client"))
         scope["memfuse.principal"] = with_write_headers(principal, store_created, writer)
         share = self._token_key(token, digest)  # ``_share_key`` of a request with a principal and a token
         refusal = self._rate_refusal(share, length, receive, send, bool(length), path)

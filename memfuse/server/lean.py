@@ -165,12 +165,13 @@ class LeanHTTP:
         self._watcher = None
         return trio.lowlevel.Abort.SUCCEEDED
 
-    def _wait_from(self, scope: trio.CancelScope, requests: int) -> None:
-        """``scope``'s connection waits for a request head from now (``watch``)."""
+    def _wait_from(self, scope: trio.CancelScope, requests: int, clock: trio.abc.Clock) -> None:
+        """``scope``'s connection waits for a request head from now (``watch``); ``clock``:
+        the run's (``trio.current_time()``'s, without its two wrappers per request)."""
         if not requests:  # hypercorn's idle timer runs from the previous answer: none yet
             self.untimed.add(scope)
             return
-        self.waiting[scope] = trio.current_time() + self.keep_alive_timeout
+        self.waiting[scope] = clock.current_time() + self.keep_alive_timeout
         watcher = self._watcher
         if watcher is not None:  # parked: woken once (``_unpark`` clears it when cancelled)
             self._watcher = None
@@ -190,6 +191,7 @@ class LeanHTTP:
         buf = bytearray(first)
         requests = 0
         closed = eof
+        clock = trio.lowlevel.current_clock()
         while True:
             # One cancel scope per connection is the header deadline of the requests that
             # follow, in ``self.waiting`` (``watch`` cancels it past the deadline) only while a
@@ -204,7 +206,7 @@ class LeanHTTP:
                     # an empty buffer (the usual case after an answer) has no head to look for
                     head = parse_head(buf, self.max_head) if buf else None
                     if head is None:
-                        self._wait_from(waiting, requests)
+                        self._wait_from(waiting, requests, clock)
                         try:
                             while head is None:
                                 if buf and (len(buf) > self.max_head or HEAD_END.search(buf) is not None) or closed:
