@@ -320,3 +320,30 @@ def test_one_tokens_prescans_run_one_at_a_time(tmp_path, monkeypatch) -> None:
     assert statuses == [201] * 5, statuses
     assert most["ws"] == 1, most
     assert most.get("both") == 1, most
+
+
+def test_a_small_write_makes_no_prescan_context_manager_on_the_event_loop() -> None:
+    """A request below ``PRESCAN_MIN`` (every file a sidecar commits, nearly) gets the one
+    shared do-nothing context manager: no async generator made, started and closed per write
+    on the event loop (trio's async-generator hooks, a weak set, the context manager:
+    bench/README.md, "The close path, session 20: serve's loop"); a large one still scans."""
+    small = prescan.prescanned(("short\n", None, ""), appends=[("r1", "tail\n")])
+    assert small is prescan.prescanned(("other\n",))
+    made: list[object] = []
+
+    async def main() -> None:
+        import sys
+
+        hooks = sys.get_asyncgen_hooks()
+        sys.set_asyncgen_hooks(firstiter=lambda g: made.append(g), finalizer=hooks.finalizer)
+        try:
+            async with prescan.prescanned(("short\n",)):
+                pass
+        finally:
+            sys.set_asyncgen_hooks(*hooks)
+        big = _big(5) + TOKEN + "\n"
+        async with prescan.prescanned((big,)):
+            assert prescan.find_secret(big) == content.find_secret(big)
+
+    trio.run(main)
+    assert made == []

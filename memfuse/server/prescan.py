@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Callable, Iterable
+from contextlib import AbstractAsyncContextManager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
@@ -155,17 +156,18 @@ def _scan_all(texts: list[str], appends: list[tuple[str, str]],
     return kept
 
 
-@contextlib.asynccontextmanager
-async def prescanned(texts: Iterable[object], *, appends: Iterable[tuple[str, object]] = (),
-                     context_of: Callable[[str], str | None] | None = None,
-                     p: Principal | None = None, budget: ScanBudget | None = None) -> AsyncIterator[None]:
-    """When the strings of ``texts`` and the suffixes of ``appends`` ``(record_id,
-    suffix)`` sum to ``PRESCAN_MIN`` characters or more, scan all of them (each suffix
-    after the context ``context_of(record_id)`` gives: None skips it), in a worker thread
-    (``anyio.to_thread.run_sync``, cancellable: the scan is abandoned, not waited for,
-    when the request is cancelled), and keep their verdicts for :func:`find_secret` /
-    :func:`find_append_secret` inside the ``async with``; a smaller request is left to
-    the write. Other items (None, dicts, empty strings) are skipped. With ``p`` and ``budget``: one prescan of ``p``'s token at a time
+def prescanned(texts: Iterable[object], *, appends: Iterable[tuple[str, object]] = (),
+               context_of: Callable[[str], str | None] | None = None,
+               p: Principal | None = None, budget: ScanBudget | None = None) -> AbstractAsyncContextManager[None]:
+    """An async context manager: when the strings of ``texts`` and the suffixes of ``appends``
+    ``(record_id, suffix)`` sum to ``PRESCAN_MIN`` characters or more, it scans all of them
+    (each suffix after the context ``context_of(record_id)`` gives: None skips it), in a
+    worker thread (``anyio.to_thread.run_sync``, cancellable: the scan is abandoned, not
+    waited for, when the request is cancelled), and keeps their verdicts for
+    :func:`find_secret` / :func:`find_append_secret` inside the ``async with``; a smaller
+    request is left to the write (a shared context manager that does nothing: no generator,
+    no context manager made per write on the event loop). Other items (None, dicts, empty
+    strings) are skipped. With ``p`` and ``budget``: one prescan of ``p``'s token at a time
     (the next waits here, on the event loop), each scan charged to its budget; raises
     ``ServiceError`` 429 ``rate_limited`` (with ``Retry-After``) when it is spent, before
     the next scan runs."""
@@ -175,8 +177,20 @@ async def prescanned(texts: Iterable[object], *, appends: Iterable[tuple[str, ob
     # here, all of it, so the writer thread never scans more than PRESCAN_MIN characters
     # of one request (attack19 F1: a batch of 100 contents of 65,000 characters each)
     if sum(map(len, big)) + sum(len(s) for _, s in more) < PRESCAN_MIN:
-        yield
-        return
+        return _NOTHING
+    return _prescanned(big, more, context_of, p, budget)
+
+
+#: ``prescanned``'s answer for a request too small to scan first (reusable: it holds nothing)
+_NOTHING: AbstractAsyncContextManager[None] = contextlib.nullcontext()
+
+
+@contextlib.asynccontextmanager
+async def _prescanned(big: list[str], more: list[tuple[str, str]],
+                      context_of: Callable[[str], str | None] | None,
+                      p: Principal | None, budget: ScanBudget | None) -> AsyncIterator[None]:
+    """``prescanned``'s scans of ``big`` (the contents) and ``more`` (the appends), kept
+    for the ``async with``."""
     key = scan_key(p) if p is not None and budget is not None else None
     if key is None:
         kept = await anyio.to_thread.run_sync(_scan_all, big, more, context_of, None, None,
