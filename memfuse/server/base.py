@@ -983,7 +983,7 @@ class Parts:
     settings: Settings
     access: AccessRules
     writer: Writer
-    #: each token's budget of large secret scans (``memfuse.server.scanbudget``)
+    #: each token's budget of secret scans (``memfuse.server.scanbudget``; from ``prescan.CHARGE_MIN`` chars)
     scans: ScanBudget = field(default_factory=ScanBudget)
 
     @classmethod

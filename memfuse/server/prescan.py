@@ -15,12 +15,13 @@ waited 93 s. So:
   pool first, one request of a token at a time, and keeps the verdicts in a context variable
   for the write (the writer thread runs a job in a copy of the submitter's context).
 - ``find_secret(text, key, budget)`` is what the write path calls instead of
-  ``content.find_secret``: the verdict kept for that text, else the scan, a large one charged
-  to ``key``. An append's: ``append_verdict`` before the write lock (kept, else the context
+  ``content.find_secret``: the verdict kept for that text, else the scan, charged to ``key``
+  when the text has ``CHARGE_MIN`` characters or more. An append's: ``append_verdict`` before the write lock (kept, else the context
   read and the scan run there, in the request's thread), ``find_append_secret`` under it
   (that verdict when the context read there is the one scanned, else the scan).
-- Every large scan, wherever it runs (the FastAPI routes, the memory tool, the console scan
-  in their own worker thread), is charged to its token's ``ScanBudget``
+- Every scan of ``CHARGE_MIN`` characters or more, wherever it runs (the writer thread,
+  the FastAPI routes, the memory tool, the console scan in their own worker thread), is
+  charged to its token's ``ScanBudget``
   (``memfuse.server.scanbudget``): a token whose budget is spent gets 429 ``rate_limited``
   with ``Retry-After`` before any more of its scans run.
 
@@ -41,9 +42,18 @@ from memfuse import content as content_rules
 from memfuse.server.base import Principal, ServiceError
 from memfuse.server.scanbudget import ScanBudget
 
-#: contents shorter than this (characters) are scanned where they are written: a hop to a
-#: worker thread costs more than their scan (~11 ms per MiB of prose, 50 ms for the worst)
-PRESCAN_MIN = 64 * 1024
+#: requests whose contents and append suffixes sum to less than this (characters) are scanned
+#: where they are written, in the writer thread: a hop to a worker thread costs more than the
+#: scan of prose (~11 ms per MiB), and the worst content (~1.1 s per MiB of base64 runs) holds
+#: the writer at most ~18 ms (attack20 F1: at 64 Ki characters, 70 ms a write, and sixteen
+#: connections of one token kept the writer busy: another workspace's write waited p50 0.42 s)
+PRESCAN_MIN = 16 * 1024
+#: contents (and appends, with their context) of this many characters or more are charged to
+#: their token's scan budget wherever they are scanned (attack20 F1: under ``PRESCAN_MIN``
+#: they were not, so a token's scans in the writer thread had no bound but the write rate);
+#: a smaller one's worst scan (~1 ms) costs no more than the write itself, which the write
+#: buckets bound, and is not charged (the lookup and two clock reads would be most of it)
+CHARGE_MIN = 1024
 
 
 @dataclass
@@ -67,15 +77,16 @@ def scan_key(p: Principal) -> str:
 def refusal(e: ScanBudget.Refused) -> ServiceError:
     """The API's answer to a spent scan budget: 429 ``rate_limited`` with ``Retry-After``."""
     return ServiceError(429, "rate_limited",
-                        "this token's large writes take more secret scanning than the control plane "
+                        "this token's writes take more secret scanning than the control plane "
                         "allows one token; retry after the time in Retry-After",
                         headers={"Retry-After": str(e.retry_after)})
 
 
 def _charged(budget: ScanBudget | None, key: str | None, text: str, always: bool = False) -> str | None:
-    """``content.find_secret(text)``, charged to ``key`` when it is large, or ``always``
-    (a prescan's: part of a large request) (429 raised when its budget is spent)."""
-    if budget is None or key is None or (len(text) < PRESCAN_MIN and not always):
+    """``content.find_secret(text)``, charged to ``key`` when it has ``CHARGE_MIN``
+    characters or more, or ``always`` (a prescan's: part of a large request) (429 raised
+    when its budget is spent)."""
+    if budget is None or key is None or (len(text) < CHARGE_MIN and not always):
         return content_rules.find_secret(text)
     return _budgeted(budget, key, content_rules.find_secret, text)
 
@@ -91,8 +102,8 @@ def _budgeted(budget: ScanBudget, key: str, scan: Callable[..., str | None], *ar
 def find_secret(text: str, key: str | None = None, budget: ScanBudget | None = None) -> str | None:
     """``memfuse.content.find_secret(text)``, taken from the verdicts :func:`prescanned`
     kept when it scanned ``text`` (same answer: the same function on the same text), else
-    scanned here (charged to ``key``'s ``budget`` when large: ``ServiceError`` 429 when it is
-    spent)."""
+    scanned here (charged to ``key``'s ``budget`` from ``CHARGE_MIN`` characters on:
+    ``ServiceError`` 429 when it is spent)."""
     kept = _KEPT.get()
     if kept is not None:
         try:
@@ -128,10 +139,11 @@ def find_append_secret(context: str, suffix: str, pre: tuple[str, str | None] | 
     """The verdict of ``context + suffix`` (an append, under the write lock): ``pre``'s
     (:func:`append_verdict`) when it was scanned after this very ``context``, else
     ``scan()`` (the write path's ``AppendScans.find_secret``), charged to ``key``'s
-    ``budget`` when ``suffix`` is large (``ServiceError`` 429 when it is spent)."""
+    ``budget`` when ``context + suffix`` has ``CHARGE_MIN`` characters or more
+    (``ServiceError`` 429 when it is spent)."""
     if pre is not None and pre[0] == context:
         return pre[1]
-    if len(suffix) < PRESCAN_MIN or budget is None or key is None:
+    if len(context) + len(suffix) < CHARGE_MIN or budget is None or key is None:
         return scan()
     return _budgeted(budget, key, scan)
 
