@@ -16,9 +16,10 @@ waited 93 s. So:
   for the write (the writer thread runs a job in a copy of the submitter's context).
 - ``find_secret(text, key, budget)`` is what the write path calls instead of
   ``content.find_secret``: the verdict kept for that text, else the scan, charged to ``key``
-  when the text has ``CHARGE_MIN`` characters or more. An append's: ``append_verdict`` before the write lock (kept, else the context
-  read and the scan run there, in the request's thread), ``find_append_secret`` under it
-  (that verdict when the context read there is the one scanned, else the scan).
+  when the text has ``CHARGE_MIN`` characters or more. An append's: ``append_verdict``
+  before the write lock (kept, else the context read and the scan run there, in the
+  request's thread), ``find_append_secret`` under it (that verdict when the context read
+  there is the one scanned, else the scan).
 - Every scan of ``CHARGE_MIN`` characters or more, wherever it runs (the writer thread,
   the FastAPI routes, the memory tool, the console scan in their own worker thread), is
   charged to its token's ``ScanBudget``
