@@ -313,6 +313,55 @@ def test_scans_in_the_writer_thread_are_charged_too(tmp_path, monkeypatch) -> No
     assert answers["small"] == 201, answers
 
 
+def test_one_tokens_large_scans_run_one_at_a_time_on_every_face(tmp_path, monkeypatch) -> None:
+    """attack20 F2: the memory tool (and the memory-store API, MCP: every face that scans in
+    its own thread before the write lock) scans a token's large contents one at a time, as
+    the lean routes' prescan does, so one token's threads cannot take the GIL from the writer
+    thread; another token's scan is not held by them, and every write is answered."""
+    lock = threading.Lock()
+    active: dict[str, int] = {}
+    peak: dict[str, int] = {}
+    real = content.find_secret
+
+    def spy(text: str) -> str | None:
+        if len(text) >= prescan.PRESCAN_MIN:
+            who = "ws2" if text.startswith("ws2") else "ws"
+            with lock:
+                active[who] = active.get(who, 0) + 1
+                peak[who] = max(peak.get(who, 0), active[who])
+            time.sleep(0.15)  # widen the window in which a second scan of the token would overlap
+            with lock:
+                active[who] -= 1
+        return real(text)
+
+    monkeypatch.setattr(content, "find_secret", spy)
+    statuses: list[int] = []
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            _, base = await _served(tmp_path, nursery)
+
+            async def tool(token: str, ws: str, store: str, i: int) -> None:
+                async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {token}"},
+                                             timeout=60) as c:
+                    text = (ws + "\n" if ws == "ws2" else "") + _big(10 + i)
+                    r = await c.post(f"/v1/workspaces/{ws}/memory-tool",
+                                     json={"command": "create", "path": f"/memories/{store}/m{i}.md",
+                                           "file_text": text})
+                    statuses.append(r.status_code)
+
+            async with trio.open_nursery() as inner:
+                for i in range(4):
+                    inner.start_soon(tool, WS, "ws", "default", i)
+                inner.start_soon(tool, WS2, "ws2", "other", 9)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert statuses == [200] * 5, statuses
+    assert peak.get("ws") == 1, peak  # one token's four large scans never overlapped
+    assert peak.get("ws2") == 1, peak
+
+
 def test_scan_budget_refills_and_charges_cpu_time() -> None:
     from memfuse.server.scanbudget import ScanBudget
 
