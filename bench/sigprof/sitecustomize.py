@@ -67,6 +67,41 @@ if os.environ.get("MEMFUSE_SIGPROF") and ("mount" in sys.argv or "serve" in sys.
             with open(f"{_out}.{os.getpid()}", "w") as fh:
                 for stack, n in _counts.most_common():
                     fh.write(f"{stack} {n}\n")
+    elif os.environ.get("MEMFUSE_SIGPROF_MODE") == "opcodes":
+        import collections
+
+        _ops: collections.Counter = collections.Counter()
+        _calls: collections.Counter = collections.Counter()
+
+        def _local(frame: object, event: str, arg: object) -> object:
+            if event == "opcode":
+                _ops[frame.f_code] += 1  # type: ignore[attr-defined]
+            return _local
+
+        def _global(frame: object, event: str, arg: object) -> object:
+            frame.f_trace_opcodes = True  # type: ignore[attr-defined]
+            _calls[frame.f_code] += 1  # type: ignore[attr-defined]
+            return _local
+
+        def _on(sig: int, frame: object) -> None:
+            _ops.clear()
+            _calls.clear()
+            sys.settrace(_global)
+            f = frame
+            while f is not None:  # the frames running now (trio.run's) count from here on
+                f.f_trace, f.f_trace_opcodes = _local, True  # type: ignore[attr-defined]
+                f = f.f_back  # type: ignore[attr-defined]
+
+        def _off(sig: int, frame: object) -> None:
+            sys.settrace(None)
+            f = frame
+            while f is not None:
+                f.f_trace = None  # type: ignore[attr-defined]
+                f = f.f_back  # type: ignore[attr-defined]
+            with open(f"{_out}.{os.getpid()}", "w") as fh:
+                for co in sorted(set(_ops) | set(_calls), key=lambda c: -_ops[c]):
+                    fh.write(f"{_ops[co]}\t{_calls[co]}\t{co.co_filename}:{co.co_firstlineno}:"
+                             f"{co.co_qualname}\n")
     else:
         import cProfile
 
