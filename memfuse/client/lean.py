@@ -197,6 +197,9 @@ class LeanHTTP:
     the start, its body at ``deadline.MIN_BODY_RATE`` after that). Not thread-safe; one
     trio run."""
 
+    #: the header names each request gives its own value (lower case; ``_headers``)
+    PER_REQUEST = _PER_REQUEST
+
     def __init__(self, base_url: str, ssl_context: ssl.SSLContext | None, timeout: float) -> None:
         u = urlsplit(base_url)
         if u.scheme not in ("http", "https") or not u.hostname:
@@ -259,8 +262,9 @@ class LeanHTTP:
             await c.aclose()
         return await self._connect(until), False
 
-    def _headers(self, headers: list[tuple[str, str]],
-                 length: int | None) -> tuple[list[tuple[bytes, bytes, bytes]], bytes]:
+    def _headers(self, headers: list[tuple[str, str]], length: int | None,
+                 varying: list[tuple[str, str]] | None = None,
+                 ) -> tuple[list[tuple[bytes, bytes, bytes]], bytes]:
         """``Host``, ``headers`` and ``Content-Length: length`` (None: none) validated and
         normalized by h11's own ``normalize_and_validate`` (its ``LocalProtocolError``
         raised for an illegal name or value, conflicting lengths, a second
@@ -273,13 +277,17 @@ class LeanHTTP:
         the idempotency key, ``If-Match`` and the length change. ``Content-Length`` and
         ``Transfer-Encoding`` are each validated with all of their kind (the first among the
         per-request headers, the second never), so h11's checks across headers hold as
-        before; ``Host`` is counted by ``Request``."""
-        fixed: list[tuple[str, str]] = []
-        varying: list[tuple[str, str]] = []
-        for kv in headers:
-            (varying if kv[0].lower() in _PER_REQUEST else fixed).append(kv)
+        before; ``Host`` is counted by ``Request``. ``varying``: the caller split them already
+        (``headers`` then holds none of ``_PER_REQUEST``, ``varying`` only those)."""
+        if varying is None:
+            fixed: list[tuple[str, str]] = []
+            varying = []
+            for kv in headers:
+                (varying if kv[0].lower() in _PER_REQUEST else fixed).append(kv)
+        else:
+            fixed = headers
         if length is not None:
-            varying.append(("Content-Length", str(length)))
+            varying = [*varying, ("Content-Length", str(length))]
         key = tuple(fixed)
         got = self._validated.get(key)
         if got is None:
@@ -303,20 +311,23 @@ class LeanHTTP:
         return (await self.exchange(method, path, headers, content)).response()
 
     async def exchange(self, method: str, path: str, headers: list[tuple[str, str]],
-                       content: bytes | None) -> "Answer":
+                       content: bytes | None,
+                       varying: list[tuple[str, str]] | None = None) -> "Answer":
         """``send``, the answer as an ``Answer`` (status, headers, body): a caller that
         only decodes a successful answer's body skips building an ``httpx.Response``
         (~50 us of the sidecar's CPU per commit request on the benchmark machine). Raises
-        as ``send``."""
+        as ``send``. ``varying``: the headers named in ``_PER_REQUEST`` given apart (then
+        ``headers`` holds none of them; ``_headers``)."""
         body = content or b""
         length = len(body) if content is not None or method in ("POST", "PUT", "PATCH") else None
         bound = _Bound(trio.current_time() + self.timeout)
         try:
             try:
-                return await self._exchange(bound, method, path, headers, length, body)
+                return await self._exchange(bound, method, path, headers, length, body, varying)
             except _StaleConnection:  # sent again, once, on a new connection (within the deadline)
                 if not bound.expired:
-                    return await self._exchange(bound, method, path, headers, length, body, fresh=True)
+                    return await self._exchange(bound, method, path, headers, length, body, varying,
+                                                fresh=True)
         except httpx.TransportError:
             # what an exchange cut at its deadline ended with (an EOF, a failed send or read,
             # a connect cut short) is the deadline's timeout
@@ -329,7 +340,8 @@ class LeanHTTP:
 
     async def _exchange(self, scope: _Bound, method: str, path: str,
                         headers: list[tuple[str, str]], length: int | None,
-                        body: bytes, fresh: bool = False) -> "Answer":
+                        body: bytes, varying: list[tuple[str, str]] | None = None,
+                        fresh: bool = False) -> "Answer":
         """One request on a pooled connection (``fresh``: a new one). Raises
         ``_StaleConnection`` when the send on a pooled connection broke with no answer (the
         server closed it as idle while the request went out: the request never arrived
@@ -345,7 +357,7 @@ class LeanHTTP:
         try:
             target = self.prefix + path
             try:
-                hdrs, lines = self._headers(headers, length)
+                hdrs, lines = self._headers(headers, length, varying)
                 data = _request_head(method, target, lines) + body
             except h11.LocalProtocolError as exc:
                 raise httpx.LocalProtocolError(str(exc)) from None
