@@ -14,6 +14,11 @@ Two kinds (``MEMFUSE_SIGPROF_MODE``):
   Python stack at its next bytecode boundary (so time in a C call or a syscall counts for the
   Python line that made it; time blocked in ``epoll`` is not CPU and is never sampled). Output:
   collapsed stacks (``frame;frame;... count`` per line, flamegraph.pl's input), root first.
+- ``opcodes``: every bytecode the main thread executes counted per code object
+  (``sys.settrace`` with ``f_trace_opcodes``; ~50x slower): lines ``opcodes<TAB>calls<TAB>
+  file:line:qualname``, most opcodes first. Load-independent like cProfile's call counts,
+  and unlike them it weighs a function by the work it does (bench/README.md, "The close
+  path, session 20: sidecar": trio's share of a file, per loop pass and per task step).
 
 With ``MEMFUSE_THREAD_NAMES=1`` every Python thread of any process started with this directory
 on ``PYTHONPATH`` also gets its Python name as its OS name (``prctl(PR_SET_NAME)``, the first
