@@ -177,6 +177,12 @@ async def test_lean_answers_as_hypercorn_does(tmp_path):
         a, _ = await p.both([_req("GET", "/v1/stores/default/records?path=two.md",
                                   extra=f"Authorization: Bearer {ADMIN}\r\n", close=True)])
         assert _statuses(a) == [400], a
+        # a bearer token and another X-Api-Key (attack20 F3): two credentials too; the same
+        # token in both is one credential
+        a, _ = await p.both([_create("two.md", extra=f"X-Api-Key: {ADMIN}\r\n")])
+        assert _statuses(a) == [400] and b'"code": "invalid_request"' in a, a
+        a, _ = await p.both([_create("one.md", extra=f"X-Api-Key: {WS}\r\n")])
+        assert _statuses(a) == [201], a
         a, _ = await p.both([_req("GET", "/v1/stores/default/records?path=two.md", close=True)])
         assert _statuses(a) == [200] and b'"records":[]' in a, a
         a, _ = await p.both([_req("POST", "/v1/stores/nope/records", b'{"path":"n.md","content":"x"}'),

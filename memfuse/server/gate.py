@@ -504,7 +504,8 @@ class Gate:
         if token is TWO_TOKENS:
             await self._refuse(receive, send, 400, "invalid_request",
                                "the request gives its credential twice (two Authorization or "
-                               "X-Api-Key headers); send one", close=pending, path=path)
+                               "X-Api-Key headers, or a bearer token and another X-Api-Key); "
+                               "send one", close=pending, path=path)
             return
         if length is not None and length > limit:
             await self._refuse(receive, send, 413, "too_large",
@@ -1173,7 +1174,8 @@ def _headers(scope: Scope) -> tuple[int, int | None, bool, str | None, str | Non
     Content-Length or None, chunked, bearer token or None, X-Memfuse-Instance or None,
     X-Api-Key or None, Memfuse-Store-Created or None, Memfuse-Writer or None), in one pass
     over the headers. The token (or the X-Api-Key) is ``TWO_TOKENS`` when the header is
-    given more than once."""
+    given more than once; the token is when a bearer token and an X-Api-Key that differ
+    are both given (on any path: which one counts is not ours to guess)."""
     length: int | None = None
     chunked = False
     seen_auth = seen_key = False
@@ -1210,6 +1212,8 @@ def _headers(scope: Scope) -> tuple[int, int | None, bool, str | None, str | Non
             store_created = v.decode("latin-1")
         elif k == b"memfuse-writer":
             writer = v.decode("latin-1")
+    if token is not None and api_key is not None and token != api_key:
+        token = TWO_TOKENS  # a bearer token and another X-Api-Key: two credentials (attack20 F3)
     return head, length, chunked, token, instance, api_key, store_created, writer
 
 
