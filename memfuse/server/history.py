@@ -40,7 +40,7 @@ from sqlalchemy.engine import Connection
 
 from memfuse.defs import HISTORY_BYTES_FACTOR, HISTORY_MIN_AGE_S, HISTORY_VERSIONS_FACTOR, INT64_MAX
 from memfuse.server import deltas
-from memfuse.server.db import RecordRow, StoreRow, VersionRow, utcnow
+from memfuse.server.db import RecordRow, StoreRow, VersionRow, info_of, utcnow
 from memfuse.server.rawsql import Raw
 
 if TYPE_CHECKING:  # for the annotations only
@@ -119,7 +119,7 @@ def usage(st: Any) -> tuple[int, int]:
 def note_kept(conn: Connection, store: str, d_bytes: int, d_count: int) -> None:
     """Note in this transaction that ``store`` keeps ``d_count`` more versions holding
     ``d_bytes`` more content (negative: content removed, by a redaction)."""
-    kept = conn.info.setdefault(_KEY, {})
+    kept = info_of(conn).setdefault(_KEY, {})
     b, n = kept.get(store, (0, 0))
     kept[store] = (b + d_bytes, n + d_count)
 
@@ -136,13 +136,13 @@ def kept_rollback(conn: Connection, mark: dict[str, tuple[int, int]]) -> None:
 
 def reset(conn: Connection) -> None:
     """Drop notes left on a pooled connection by a transaction that did not settle."""
-    conn.info.pop(_KEY, None)
+    info_of(conn).pop(_KEY, None)
 
 
 def settle(conn: Connection) -> None:
     """At the end of a record write transaction: add the noted kept versions to each
     store's counters, then prune each store that is over its history budget."""
-    kept = conn.info.pop(_KEY, None)
+    kept = info_of(conn).pop(_KEY, None)
     if not kept:
         return
     for store, (d_bytes, d_count) in kept.items():
@@ -161,7 +161,7 @@ def settle_with_usage(conn: Connection, store: str, d_bytes: int, d_count: int) 
     in this transaction (then settled here, pruning as ``settle`` would): one UPDATE for a
     write that changes both. False (nothing done) when nothing is noted for ``store``: the
     caller updates its usage counters itself."""
-    kept: dict[str, tuple[int, int]] | None = conn.info.get(_KEY)
+    kept: dict[str, tuple[int, int]] | None = info_of(conn).get(_KEY)
     kb, kn = kept.get(store, (0, 0)) if kept else (0, 0)
     if not (kb or kn):
         return False

@@ -8,7 +8,6 @@ mapped here to problem codes. The change feed that reads these versions is in ``
 from __future__ import annotations
 
 import logging
-import uuid
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any
@@ -49,7 +48,7 @@ from memfuse.server.base import (
     parse_if_match,
 )
 from memfuse.server import deltas, history, keys, prescan, staleness, tails, wakeups
-from memfuse.server.db import utcnow, version_in_range
+from memfuse.server.db import info_of, utcnow, version_in_range
 from memfuse.server.recordrows import (
     BatchStore,
     _RAW_INSERT_NEW_RECORD,
@@ -84,6 +83,7 @@ from memfuse.server.recordrows import (
     _sqlite_time,
     _usage,
     _version_model,
+    new_record_id,
     reserve_seqs,
 )
 
@@ -268,7 +268,8 @@ class RecordsService(Resource):
         drops (``overwritten_authors``), kept on the version for the change feed
         (``encode_overwrote``). ``writer``: the sidecar instance that wrote it
         (``Principal.writer``), kept on the version for the change feed."""
-        conn.info["memfuse_writes"] = conn.info.get("memfuse_writes", 0) + 1
+        info = info_of(conn)
+        info["memfuse_writes"] = info.get("memfuse_writes", 0) + 1
         rec.updated_at = now
         rec.updated_by = actor
         rec.review_after, rec.expires_at = staleness.record_dates(rec.content)
@@ -448,7 +449,7 @@ class RecordsService(Resource):
                                        f"{path!r} is a directory ({below!r} is under it), so it cannot be a file")
             now = utcnow()
             rec = _Rec(
-                id=str(uuid.uuid4()), store=st.slug, path=path, type=rtype, version=1,
+                id=new_record_id(), store=st.slug, path=path, type=rtype, version=1,
                 sha256=sha, size=len(raw), content=body.content, deleted=False,
                 created_at=now, updated_at=now, updated_by=p.actor, seq=0,
                 mode=body.mode, mtime_ns=body.mtime_ns,
