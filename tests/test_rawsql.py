@@ -474,3 +474,73 @@ async def test_a_key_looked_up_with_the_store_row_answers_as_the_lookup_first(en
     assert calls == [1]
     with db.read_conn() as conn:
         assert conn.execute(select(_I.c.id).where(_I.c.key == "undone")).first() is None
+
+
+def test_a_new_record_id_is_a_random_uuid4_as_str_uuid4_writes_it():
+    """``recordrows.new_record_id`` (a create's id without ``uuid.UUID``'s constructor): the
+    text ``str(uuid.uuid4())`` gives, version 4, variant RFC 4122, all other bits random."""
+    import uuid
+
+    from memfuse.server.recordrows import new_record_id
+
+    ids = [new_record_id() for _ in range(4000)]
+    assert len(set(ids)) == len(ids)
+    for s in ids:
+        u = uuid.UUID(s)
+        assert str(u) == s and u.version == 4 and u.variant == uuid.RFC_4122
+    # every bit but the version's four and the variant's two takes both values
+    ones = zero = 0
+    for s in ids:
+        n = uuid.UUID(s).int
+        ones |= n
+        zero |= ~n
+    fixed = (0xF << 76) | (0x3 << 62)
+    mask = (1 << 128) - 1
+    assert ones & ~fixed & mask == ~fixed & mask and zero & ~fixed & mask == ~fixed & mask
+
+
+def test_info_of_is_the_connections_info(tmp_path):
+    """``db.info_of(conn)`` is ``conn.info`` (the same dict), on the kept write connection, a
+    pooled one, and an invalidated one (which revalidates, as ``conn.info`` does)."""
+    from memfuse.server.db import Database, info_of
+
+    db = Database(f"sqlite:///{tmp_path}/cp.db")
+    try:
+        with db.write_conn() as conn:
+            assert info_of(conn) is conn.info
+            info_of(conn)["probe"] = 1
+        with db.write_conn() as conn:
+            assert conn.info["probe"] == 1
+        with db.read_conn() as conn:
+            assert info_of(conn) is conn.info
+        with db.engine.connect() as conn:
+            conn.invalidate()
+            assert info_of(conn) is conn.info
+    finally:
+        db.dispose()
+
+
+def test_a_record_writes_store_row_has_the_columns_the_record_writes_read():
+    """``base.RECORD_WRITE_COLUMNS``: the store row a record write reads with its idempotency
+    key (``_RAW_ATTACHED_STORE_PROBE``) has those columns, the attachment's access, the
+    account's quota and the key's row, and no others (the driver describes and converts each);
+    and every column of the store row that ``records.py`` and ``recordrows.py`` read from a
+    store row (``st.<column>``, ``store.<column>``) is among them."""
+    import re
+    from pathlib import Path
+
+    from memfuse.server import base
+    from memfuse.server.db import StoreRow
+
+    stmt = base._RAW_ATTACHED_STORE_PROBE.stmt
+    assert [c.name for c in stmt.selected_columns] == [*base.RECORD_WRITE_COLUMNS, "access",
+                                                        "account_max_bytes", "idem_id"]
+    columns = set(StoreRow.__table__.c.keys())
+    src = Path(base.__file__).parent
+    read: set[str] = set()
+    for name in ("records.py", "recordrows.py"):
+        text_ = (src / name).read_text()
+        read |= set(re.findall(r"\bst\.([a-z_]+)", text_)) | set(re.findall(r"\bstore\.([a-z_]+)", text_))
+        read |= set(re.findall(r"getattr\(st, \"([a-z_]+)\"", text_))
+    assert read & columns <= set(base.RECORD_WRITE_COLUMNS), read & columns - set(base.RECORD_WRITE_COLUMNS)
+    assert {"slug", "max_record_bytes", "default_type", "usage_bytes"} <= read  # the scan finds reads
