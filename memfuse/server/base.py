@@ -493,13 +493,16 @@ _RAW_SELECT_IDEM = Raw(_SELECT_IDEM)
 #: close path, session 18: serve's writer statements")
 #: The row has only the store's columns that a record write (``Writer.write(store_first=True)``:
 #: ``records``' create, update, append, attributes, move, delete) and ``AccessRules.store``
-#: read (``RECORD_WRITE_COLUMNS``), not all 20: the driver describes and converts every
+#: read (``RECORD_WRITE_COLUMNS``), not all 20 (15 of them): the driver describes and converts every
 #: column of every row (~1 k instructions a column; bench/README.md, "The close path, session
 #: 20: serve's writer"). A record write that reads another column of ``st`` fails with
 #: ``AttributeError`` in the tests of that write (``tests/test_rawsql.py`` reads every column
 #: of the store row that ``records.py`` and ``recordrows.py`` name).
 RECORD_WRITE_COLUMNS = ("slug", "account", "default_type", "max_record_bytes", "max_store_bytes", "max_records",
-                        "usage_bytes", "record_count", "created_at", "archived_at")
+                        "usage_bytes", "record_count", "created_at", "archived_at",
+                        # the history budget's (``history.settle_with_usage``)
+                        "max_history_bytes", "max_history_versions", "history_min_age_s",
+                        "version_bytes", "version_count")
 _RAW_ATTACHED_STORE_PROBE = Raw(
     select(*(_S.c[name] for name in RECORD_WRITE_COLUMNS), _A.c.access)
     .join_from(_S, _A, and_(_A.c.store == _S.c.slug, _A.c.workspace == bindparam("ws")))

@@ -294,6 +294,8 @@ def next_seq_sql(pg: bool) -> str:
 #: but ``seq``.
 _RAW_INSERT_NEW_RECORD = {pg: Raw(_INSERT_RECORD.values(seq=literal_column(next_seq_sql(pg))).returning(_R.c.seq))
                           for pg in (False, True)}
+#: a new record's insert with its seq given (SQLite: read by ``_live_at_or_under``)
+_RAW_INSERT_RECORD = Raw(_INSERT_RECORD)
 #: a version's insert with its seq given (``seq`` among the parameters)
 _RAW_INSERT_VERSION_AT = Raw(_INSERT_VERSION)
 _RAW_UPDATE_RECORD = Raw(_UPDATE_RECORD)
@@ -315,7 +317,13 @@ def _live_at_or_under(n: int, pg: bool) -> Any:
     table of an ``IN`` list's values for every run, ~40 % of this statement's instructions
     (bench/README.md, "The close path, session 20: serve's writer"); the caller reads the
     rows into a dict, so they need no order. The part under the directory in its own
-    subquery, which keeps its ``LIMIT`` (``tests/test_rawsql.py`` checks the plans)."""
+    subquery, which keeps its ``LIMIT`` (``tests/test_rawsql.py`` checks the plans).
+
+    SQLite: a last row (NULL, the seq the new record and its version take: ``next_seq_sql``),
+    read under the transaction's write lock, so the record is inserted with it
+    (``_RAW_INSERT_RECORD``) without a RETURNING: SQLite runs a RETURNING through an
+    ephemeral table, ~30 k instructions (bench/README.md, "The close path, session 20").
+    PostgreSQL takes its seq from the sequence at the insert (``_RAW_INSERT_NEW_RECORD``)."""
     arms = [select(_R.c.path, _R.c.id).where(
         _R.c.store == bindparam("store"), _R.c.deleted == false(), _R.c.path == bindparam(f"paths{i}"))
         for i in range(n)]
@@ -323,7 +331,10 @@ def _live_at_or_under(n: int, pg: bool) -> Any:
     under = select(_R.c.path, null().label("id")).where(
         _R.c.store == bindparam("store"), _R.c.deleted == false(),
         col >= bindparam("lo"), col < bindparam("hi")).limit(1).subquery("under_")
-    return union_all(*arms, select(under.c.path, under.c.id))
+    parts = [*arms, select(under.c.path, under.c.id)]
+    if not pg:
+        parts.append(select(null().label("path"), literal_column(next_seq_sql(False)).label("id")))
+    return union_all(*parts)
 
 
 #: ``_live_at_or_under`` by "is PostgreSQL"

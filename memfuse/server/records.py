@@ -52,6 +52,7 @@ from memfuse.server.db import info_of, utcnow, version_in_range
 from memfuse.server.recordrows import (
     BatchStore,
     _RAW_INSERT_NEW_RECORD,
+    _RAW_INSERT_RECORD,
     _RAW_INSERT_VERSION,
     _RAW_INSERT_VERSION_AT,
     _RAW_SELECT_LIVE_AT_OR_UNDER,
@@ -275,8 +276,11 @@ class RecordsService(Resource):
         rec.review_after, rec.expires_at = staleness.record_dates(rec.content)
         if new:  # before the version that references it, with the version's seq (``next_seq_sql``)
             values = rec.values()
-            del values["seq"]
-            rec.seq = _RAW_INSERT_NEW_RECORD[conn.dialect.name == "postgresql"].scalar(conn, values)
+            if rec.seq > 0:  # read ahead (SQLite: ``recordrows._live_at_or_under``)
+                _RAW_INSERT_RECORD.run(conn, values)
+            else:
+                del values["seq"]
+                rec.seq = _RAW_INSERT_NEW_RECORD[conn.dialect.name == "postgresql"].scalar(conn, values)
             stored, base_version, chain = rec.content, None, 0
         elif append is not None:
             whole = RecordsService._appended_content(conn, rec, append)
@@ -378,7 +382,7 @@ class RecordsService(Resource):
             _account_room(conn, st, b)
         if isinstance(st, BatchStore):  # a batch writes the counters once, at its end
             st.record_count, st.usage_bytes = n, b
-        elif (d_bytes or d_count) and not history.settle_with_usage(conn, st.slug, d_bytes, d_count):
+        elif (d_bytes or d_count) and not history.settle_with_usage(conn, st, d_bytes, d_count):
             _RAW_UPDATE_USAGE.run(conn, {"slug_": st.slug, "d_bytes": d_bytes, "d_count": d_count})
 
     @staticmethod
@@ -422,6 +426,7 @@ class RecordsService(Resource):
             if secret is not None:
                 raise _secret_error(secret)
             deferred = isinstance(st, BatchStore) and st.deferring
+            seq = 0  # the seq read with the paths (SQLite), else given at the insert
             parts = path.split("/")
             ancestors = ["/".join(parts[:i]) for i in range(1, len(parts))]
             if deferred:
@@ -433,8 +438,10 @@ class RecordsService(Resource):
                 # one read: the live records at the path and at its ancestors (path -> id),
                 # and one live record under ``path/`` (its id read as None), if any
                 pg = self.db.engine.dialect.name == "postgresql"
-                hits: dict[str, str | None] = {r.path: r.id for r in _RAW_SELECT_LIVE_AT_OR_UNDER[pg].all(
+                hits: dict[str | None, Any] = {r.path: r.id for r in _RAW_SELECT_LIVE_AT_OR_UNDER[pg].all(
                     conn, {"store": st.slug, "paths": [path, *ancestors], "lo": path + "/", "hi": path + "0"})}
+                if not pg:  # SQLite: the row (NULL, the seq this create takes)
+                    seq = hits.pop(None)
                 other = hits.get(path)
                 if other is not None:
                     raise ServiceError(409, "path_exists", f"{path!r} exists", record_id=other)
@@ -451,7 +458,7 @@ class RecordsService(Resource):
             rec = _Rec(
                 id=new_record_id(), store=st.slug, path=path, type=rtype, version=1,
                 sha256=sha, size=len(raw), content=body.content, deleted=False,
-                created_at=now, updated_at=now, updated_by=p.actor, seq=0,
+                created_at=now, updated_at=now, updated_by=p.actor, seq=seq,
                 mode=body.mode, mtime_ns=body.mtime_ns,
             )
             self._room(st, len(raw), 1, grew_bytes=True, grew_count=True)  # refused before any write
