@@ -242,3 +242,38 @@ def test_the_kept_write_connection_has_its_own_larger_page_cache(db):
     assert WRITER_CACHE_KIB >= 8192
     with db.read_conn() as conn:
         assert conn.exec_driver_sql("PRAGMA cache_size").scalar() == -2000
+
+
+def test_a_write_transactions_statements_call_the_listeners_of_its_start(db):
+    """``SharedCursorConnection.raw_listeners``: the ``Raw`` statements of a ``write_conn``
+    transaction call the ``before_cursor_execute`` listeners found at its first statement,
+    each of its statements (the /metrics counter counts every one); a listener removed
+    meanwhile is not called again (SQLAlchemy's deques are read live), one added to an
+    engine with no listener yet is called from the next transaction on."""
+    calls: list[str] = []
+
+    def spy(name):
+        def fn(conn, cursor, statement, parameters, context, executemany):
+            calls.append(name + ":" + statement.split()[0])
+        return fn
+
+    a, b = spy("a"), spy("b")
+    insert = Raw(text("INSERT INTO t (k, v) VALUES (:k, 'x')"))
+    event.listen(db.engine, "before_cursor_execute", a)
+    try:
+        with db.write_conn() as conn:
+            insert.run(conn, {"k": 1})
+            insert.run(conn, {"k": 2})
+            event.remove(db.engine, "before_cursor_execute", a)
+            insert.run(conn, {"k": 3})
+        assert calls == ["a:BEGIN", "a:INSERT", "a:INSERT"]
+        calls.clear()
+        event.listen(db.engine, "before_cursor_execute", b)
+        with db.write_conn() as conn:
+            insert.run(conn, {"k": 4})
+        assert calls == ["b:BEGIN", "b:INSERT"]
+    finally:
+        for fn in (a, b):
+            if event.contains(db.engine, "before_cursor_execute", fn):
+                event.remove(db.engine, "before_cursor_execute", fn)
+    assert [k for k, _ in _rows(db)] == [1, 2, 3, 4]

@@ -63,7 +63,7 @@ from sqlalchemy.pool import StaticPool
 
 from memfuse import defs, sqlitebind  # noqa: F401 - None binds as NULL without the search
 from memfuse.server import budget, fulltext
-from memfuse.server.rawsql import Raw, SharedCursorConnection
+from memfuse.server.rawsql import Raw, SharedCursorConnection, statement_listeners
 
 log = logging.getLogger(__name__)
 
@@ -805,6 +805,7 @@ class Database:
         self._driver_open = conn
         shared = _driver(conn)
         if type(shared) is SharedCursorConnection:  # the transaction's Raw statements share one cursor
+            shared.raw_listeners = statement_listeners(conn)  # and its listeners (rawsql)
             shared.raw_cursor = shared.cursor()
         else:
             shared = None
