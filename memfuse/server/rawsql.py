@@ -256,8 +256,8 @@ class Raw:
         fairy = conn._dbapi_connection  # noqa: SLF001
         if fairy is None:
             fairy = conn.connection
-        dbapi = fairy.dbapi_connection  # type: ignore[union-attr]
-        cursor = dbapi.raw_cursor if type(dbapi) is SharedCursorConnection else None
+        dbapi: Any = fairy.dbapi_connection
+        cursor: Any = dbapi.raw_cursor if type(dbapi) is SharedCursorConnection else None
         own = cursor is None
         if own:
             cursor = dbapi.cursor()
