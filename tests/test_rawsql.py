@@ -4,6 +4,8 @@ SQLAlchemy Core gives (rows, stored values, errors, listeners), on SQLite and, w
 statements bench/README.md counts ("The close path, session 10: serve")."""
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 from sqlalchemy import bindparam, event, exc, false, func, insert, select
@@ -544,3 +546,42 @@ def test_a_record_writes_store_row_has_the_columns_the_record_writes_read():
         read |= set(re.findall(r"getattr\(st, \"([a-z_]+)\"", text_))
     assert read & columns <= set(base.RECORD_WRITE_COLUMNS), read & columns - set(base.RECORD_WRITE_COLUMNS)
     assert {"slug", "max_record_bytes", "default_type", "usage_bytes"} <= read  # the scan finds reads
+
+
+def test_a_versions_insert_on_sqlite_takes_its_seq_without_returning(tmp_path):
+    """A record write's version (update, append, delete) on SQLite takes its seq as the
+    driver's ``lastrowid`` (``Raw.inserted_rowid``: ``versions.seq`` is the rowid), not by
+    ``RETURNING`` (an ephemeral table a statement; bench/README.md, "The close path, session
+    20"): the seq each answer and the change feed carry is the version's own."""
+    from memfuse.models import RecordCreate, RecordUpdate, WorkspaceCreate
+    from memfuse.server.base import Principal
+    from memfuse.server.db import Database
+    from memfuse.server.service import Service
+
+    db = Database(f"sqlite:///{tmp_path}/cp.db")
+    seen: list[str] = []
+
+    def spy(conn, cursor, statement, parameters, context, executemany):
+        if statement.startswith("INSERT INTO versions"):
+            seen.append(statement)
+
+    try:
+        svc = Service(db)
+        svc.create_workspace(Principal(workspace=None, name="t"), WorkspaceCreate(name="ws"))
+        p = Principal(workspace="ws", instance="t")
+        event.listen(db.engine, "before_cursor_execute", spy)
+        made = json.loads(svc.create_record(p, "ws", RecordCreate(path="a.md", content="x\n")).body)
+        other = json.loads(svc.create_record(p, "ws", RecordCreate(path="b.md", content="y\n")).body)
+        seqs = [made["seq"], other["seq"]]
+        for i in range(3):
+            r = svc.update_record(p, "ws", made["id"], RecordUpdate(content=f"v{i}\n"))
+            seqs.append(json.loads(r.body)["seq"])
+        r = svc.delete_record(p, "ws", other["id"])
+        seqs.append(int(r.headers["Memfuse-Seq"]))
+        with db.read_conn() as conn:
+            stored = [row[0] for row in conn.exec_driver_sql("SELECT seq FROM versions ORDER BY seq")]
+        assert seqs == stored and seqs == sorted(set(seqs)), (seqs, stored)
+        assert len(seen) == 6 and not any("RETURNING" in s for s in seen), seen
+    finally:
+        event.remove(db.engine, "before_cursor_execute", spy)
+        db.dispose()

@@ -302,6 +302,20 @@ class Raw:
                 cursor.close()
         return [c.make_row(t) for t in rows]
 
+    def inserted_rowid(self, conn: Connection, params: Mapping[str, Any]) -> int:
+        """Execute an ``INSERT`` of one row on SQLite; the rowid it gave (the driver's
+        ``lastrowid``: for a table whose ``INTEGER PRIMARY KEY`` is its rowid, that key),
+        what ``RETURNING`` of the key would give without SQLite's ephemeral table of a
+        ``RETURNING`` (~30 k instructions; bench/README.md, "The close path, session 20").
+        SQLite only (``TypeError`` elsewhere)."""
+        if conn.dialect.name != "sqlite":
+            raise TypeError("inserted_rowid: SQLite only")
+        cursor, _, own = self._execute(conn, params)
+        rowid: int = cursor.lastrowid
+        if own:
+            cursor.close()
+        return rowid
+
     def scalar(self, conn: Connection, params: Mapping[str, Any]) -> Any:
         """The first column of the first row, or None."""
         row = self.first(conn, params)

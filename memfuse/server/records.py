@@ -320,7 +320,10 @@ class RecordsService(Resource):
             seq = row["seq"] = rec.seq
             _RAW_INSERT_VERSION_AT.run(conn, row)
         else:
-            seq = rec.seq = _RAW_INSERT_VERSION.scalar(conn, row)
+            if conn.dialect.name == "sqlite":  # seq is the rowid: no RETURNING (rawsql)
+                seq = rec.seq = _RAW_INSERT_VERSION_AT.inserted_rowid(conn, row)
+            else:
+                seq = rec.seq = _RAW_INSERT_VERSION.scalar(conn, row)
         if rec.content is not None:
             history.note_kept(conn, rec.store, rec.size, 1)
         wakeups.note_feed(rec.store, seq, writer or actor)
