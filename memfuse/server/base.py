@@ -389,6 +389,19 @@ def _msgspec_exact(value: object) -> bool:
 _DECODE = msgspec.json.Decoder().decode
 
 
+def parse_json_exact(raw: bytes) -> tuple[Any, bool]:
+    """``parse_json(raw)``'s value, and whether it holds only what ``_msgspec_exact`` allows
+    (checked there: ``canonical_sha256(value, exact=True)`` does not walk it again). Raises
+    what ``parse_json`` raises."""
+    try:
+        value = _DECODE(raw)
+        if _msgspec_exact(value):
+            return value, True
+    except Exception:  # noqa: BLE001 - refused or too deep for msgspec: json's answer
+        pass
+    return json.loads(raw), False
+
+
 def parse_json(raw: bytes) -> Any:
     """``json.loads(raw)``: its value, or what it raises (``ValueError``, ``RecursionError``).
     What FastAPI (starlette's ``Request.json``) makes of a JSON body, read ~5x faster: msgspec
@@ -397,23 +410,18 @@ def parse_json(raw: bytes) -> Any:
     (a float, and everything msgspec refuses and ``json`` takes: ``NaN``, ``1e400``, a
     byte-order mark, UTF-16, lone surrogates). Each value msgspec takes, ``json`` reads the
     same (duplicate keys: the last; integers of any size; tests/test_writepath.py)."""
-    try:
-        value = _DECODE(raw)
-        if _msgspec_exact(value):
-            return value
-    except Exception:  # noqa: BLE001 - refused or too deep for msgspec: json's answer
-        pass
-    return json.loads(raw)
+    return parse_json_exact(raw)[0]
 
 
-def canonical_sha256(value: object) -> str:
+def canonical_sha256(value: object, exact: bool = False) -> str:
     """sha256 hex of ``value`` (a parsed JSON body) as canonical JSON: keys sorted, no
     whitespace, UTF-8 (lone surrogates kept). The idempotency request hash of a write: equal
     for the same body however it was spaced or ordered, alone or inside a batch. The text is
     ``_CANONICAL``'s; for a value without floats (``_msgspec_exact``) msgspec writes the same
-    bytes ~5x faster (tests/test_idempotency.py compares them on random values)."""
+    bytes ~5x faster (tests/test_idempotency.py compares them on random values). ``exact``:
+    the caller knows ``_msgspec_exact(value)`` holds (``parse_json_exact``)."""
     try:
-        if _msgspec_exact(value):
+        if exact or _msgspec_exact(value):
             return hashlib.sha256(_CANONICAL_FAST.encode(value)).hexdigest()
     except (UnicodeEncodeError, RecursionError):
         pass  # a lone surrogate (kept below), a value too deep for the walk: json's answer
@@ -425,14 +433,15 @@ _UNPARSED = object()
 
 
 def idempotency_request(key: str, method: str, url_path: str, raw: bytes,
-                        parsed: object = _UNPARSED) -> IdempotencyRequest:
+                        parsed: object = _UNPARSED, exact: bool = False) -> IdempotencyRequest:
     """The ``IdempotencyRequest`` of a single write whose raw body is ``raw`` (empty for a
     body-less DELETE): canonical hash of the parsed body, raw hash as the alternative (of
     ``raw``, hashed when a stored row is compared: ``IdempotencyRequest.alternative``).
-    ``parsed``: ``json.loads(raw)`` when the caller has it already (not parsed again)."""
+    ``parsed``: ``json.loads(raw)`` when the caller has it already (not parsed again);
+    ``exact``: ``parse_json_exact`` said it holds only what msgspec writes as ``json`` does."""
     try:
         if parsed is not _UNPARSED:
-            canon = canonical_sha256(parsed)
+            canon = canonical_sha256(parsed, exact)
         else:
             canon = canonical_sha256(json.loads(raw)) if raw.strip() else canonical_sha256(None)
     except ValueError:
@@ -992,7 +1001,7 @@ class Parts:
     settings: Settings
     access: AccessRules
     writer: Writer
-    #: each token's budget of large secret scans (``memfuse.server.scanbudget``)
+    #: each token's budget of secret scans (``memfuse.server.scanbudget``; from ``prescan.CHARGE_MIN`` chars)
     scans: ScanBudget = field(default_factory=ScanBudget)
 
     @classmethod

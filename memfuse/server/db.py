@@ -581,6 +581,9 @@ class Database:
         # SQLite: write_conn transactions committed since the full-text queue was last drained
         # (``_drain_due``). GUARDED_BY(_write_lock, or _all_lock in memory)
         self._since_drain = 0
+        # SQLite file: the WAL checkpoint of the kept connection, run after a write's answer
+        # (``_checkpoint_due``) instead of inside its commit. GUARDED_BY(_write_lock)
+        self._wal = WalCheckpoints()
         # SQLite file: the kept connection while ``write_conn`` holds a transaction it began on
         # the driver (``_driver_transaction``), else None: SQLAlchemy's ``begin`` of it (the
         # autobegin of a Core statement inside) then emits nothing. GUARDED_BY(_write_lock)
@@ -771,9 +774,13 @@ class Database:
                 if kept is not None:
                     kept.close()
                 kept = self._kept = self._write_bind.connect()
+<<<<<<< HEAD
                 dbapi = _driver(kept)
                 if dbapi is not None:  # its page cache (per connection) holds the write path's indexes
                     dbapi.execute(f"PRAGMA cache_size=-{WRITER_CACHE_KIB}")
+=======
+                self._wal.take_over(kept)
+>>>>>>> main
             conn = kept
             with self._driver_transaction(conn):
                 yield conn
@@ -783,6 +790,8 @@ class Database:
             if conn.invalidated or conn.in_transaction():  # a drain that failed half-way
                 self._kept = None
                 conn.close()
+            else:
+                self._wal.due(conn)
         finally:
             if lock is not None:
                 lock.release()
@@ -924,6 +933,80 @@ def _driver(conn: Connection) -> Any:
     closed); never reconnects, as ``Connection.connection`` would."""
     fairy = conn._dbapi_connection  # noqa: SLF001
     return None if fairy is None else fairy.dbapi_connection
+
+
+class WalCheckpoints:
+    """The WAL checkpoints of an SQLite file's kept write connection (``Database.write_conn``),
+    run after a write's answer instead of inside its commit.
+
+    SQLite's automatic checkpoint (``wal_autocheckpoint``, 1,000 frames by default) runs in the
+    ``COMMIT`` that crosses it: that write waits for the copy of the log into the database and
+    two fsyncs (the log's, the database file's) before it is answered. A create writes ~20
+    frames (one page of each b-tree it touches), so every ~50th create paid ~1 ms more, on the
+    critical path of a ``close(2)`` (bench/README.md, "The close path, session 20: the WAL
+    checkpoint"). Here the kept connection runs with ``wal_autocheckpoint=0`` and, after a
+    committed transaction has been answered (``write_conn`` calls ``due`` after
+    ``committed()`` and the full-text drain), a ``PRAGMA wal_checkpoint(PASSIVE)`` once about
+    ``FRAMES`` frames were written since the last one: the same work and the same rule as
+    SQLite's own (PASSIVE, the automatic checkpoint's mode: it never waits for a reader or a
+    writer), in the time the client spends on the answer. Durability is unchanged: a commit is
+    on disk at its own fsync of the log (``synchronous=FULL``); a checkpoint only moves pages.
+
+    Frames per transaction are not known before a checkpoint reports the log's size, so the
+    interval in transactions is learnt: ``every`` starts at ``FIRST_EVERY`` and is set after
+    each checkpoint to the transactions that made ``FRAMES`` frames at the last rate seen,
+    within ``[1, MAX_EVERY]``. A checkpoint that fails (disk error, database locked) is logged
+    and tried again at the next transaction; it never fails the write, which committed.
+
+    Other connections (readers that write, the CLI in local mode, another process) keep
+    SQLite's automatic checkpoint: if this one stops running, theirs still bound the log.
+    """
+
+    FRAMES = 1000  # SQLite's default wal_autocheckpoint (frames)
+    FIRST_EVERY = 32  # transactions before the first checkpoint of a connection
+    MAX_EVERY = 1000  # at most this many transactions between two checkpoints
+
+    def __init__(self) -> None:
+        # GUARDED_BY(Database._write_lock). INVARIANT: ``since`` counts the kept connection's
+        # committed transactions since its last checkpoint (or since it was taken over)
+        self.since = 0
+        self.every = self.FIRST_EVERY
+        self.runs = 0  # checkpoints run (tests, the benchmark)
+
+    def take_over(self, conn: Connection) -> None:
+        """``conn`` is the new kept write connection: turn its automatic checkpoint off.
+        A failure leaves it on (SQLite checkpoints in the commit, as before), logged."""
+        self.since, self.every = 0, self.FIRST_EVERY
+        dbapi = _driver(conn)
+        try:
+            if dbapi is not None:  # on the driver: outside SQLAlchemy's autobegun transaction
+                dbapi.execute("PRAGMA wal_autocheckpoint=0")
+        except sqlite3.Error as e:
+            log.warning("WAL checkpoint: automatic checkpoint left on",
+                        extra={"error": type(e).__name__})
+
+    def due(self, conn: Connection) -> None:
+        """After a committed transaction of ``conn`` (outside any transaction, the write lock
+        held): checkpoint when ``every`` transactions have committed since the last one.
+        Never raises."""
+        self.since += 1
+        if self.since < self.every:
+            return
+        dbapi = _driver(conn)
+        if dbapi is None:
+            return
+        try:  # on the driver, in autocommit: a checkpoint cannot run inside a transaction
+            row = dbapi.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        except sqlite3.Error as e:
+            log.warning("WAL checkpoint failed; tried again after the next write",
+                        extra={"error": type(e).__name__})
+            self.every = self.since + 1
+            return
+        self.runs += 1
+        frames = int(row[1]) if row is not None and row[1] is not None and int(row[1]) > 0 else 0
+        if frames > 0:
+            self.every = max(1, min(self.MAX_EVERY, self.since * self.FRAMES // frames))
+        self.since = 0
 
 
 # on the DB-API cursor (memfuse.server.rawsql): write_conn's transactions on the kept connection

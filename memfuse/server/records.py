@@ -419,7 +419,7 @@ class RecordsService(Resource):
         path = _check_new_path(body.path)
         raw = _check_content(body.content)
         # outside the write lock (and the writer thread: prescan), charged to the token
-        secret = prescan.find_secret(body.content, prescan.scan_key(p), self.scans)
+        secret = prescan.find_secret(body.content, prescan.scan_key(p), self.scans, alone=True)
         sha = _HASHES.digest(raw)
 
         def fn(conn: Connection, st: Any) -> wire.Record:
@@ -502,7 +502,7 @@ class RecordsService(Resource):
         """``update_record`` as ``_create_op`` splits ``create_record``."""
         raw = _check_content(body.content)
         # outside the write lock (and the writer thread: prescan), charged to the token
-        secret = prescan.find_secret(body.content, prescan.scan_key(p), self.scans)
+        secret = prescan.find_secret(body.content, prescan.scan_key(p), self.scans, alone=True)
         sha = _HASHES.digest(raw)
 
         def fn(conn: Connection, st: Any) -> Record:
