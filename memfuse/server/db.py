@@ -774,13 +774,10 @@ class Database:
                 if kept is not None:
                     kept.close()
                 kept = self._kept = self._write_bind.connect()
-<<<<<<< HEAD
                 dbapi = _driver(kept)
                 if dbapi is not None:  # its page cache (per connection) holds the write path's indexes
                     dbapi.execute(f"PRAGMA cache_size=-{WRITER_CACHE_KIB}")
-=======
                 self._wal.take_over(kept)
->>>>>>> main
             conn = kept
             with self._driver_transaction(conn):
                 yield conn
