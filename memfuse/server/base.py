@@ -55,6 +55,7 @@ from memfuse.server.db import (
     TokenRow,
     VersionRow,
     WorkspaceRow,
+    info_of,
     utcnow,
 )
 
@@ -499,9 +500,26 @@ _RAW_SELECT_IDEM = Raw(_SELECT_IDEM)
 #: write's idempotency key (``idem_scope``, ``idem_key``; NULL: none): the key's lookup of
 #: ``Writer.write(store_first=True)`` without a statement of its own (bench/README.md, "The
 #: close path, session 18: serve's writer statements")
-_RAW_ATTACHED_STORE_PROBE = Raw(_SELECT_ATTACHED_STORE_FOR_UPDATE.add_columns(
-    select(_I.c.id).where(_I.c.scope == bindparam("idem_scope"), _I.c.key == bindparam("idem_key"))
-    .scalar_subquery().label("idem_id")))
+#: The row has only the store's columns that a record write (``Writer.write(store_first=True)``:
+#: ``records``' create, update, append, attributes, move, delete) and ``AccessRules.store``
+#: read (``RECORD_WRITE_COLUMNS``), not all 20 (15 of them): the driver describes and converts every
+#: column of every row (~1 k instructions a column; bench/README.md, "The close path, session
+#: 20: serve's writer"). A record write that reads another column of ``st`` fails with
+#: ``AttributeError`` in the tests of that write (``tests/test_rawsql.py`` reads every column
+#: of the store row that ``records.py`` and ``recordrows.py`` name).
+RECORD_WRITE_COLUMNS = ("slug", "account", "default_type", "max_record_bytes", "max_store_bytes", "max_records",
+                        "usage_bytes", "record_count", "created_at", "archived_at",
+                        # the history budget's (``history.settle_with_usage``)
+                        "max_history_bytes", "max_history_versions", "history_min_age_s",
+                        "version_bytes", "version_count")
+_RAW_ATTACHED_STORE_PROBE = Raw(
+    select(*(_S.c[name] for name in RECORD_WRITE_COLUMNS), _A.c.access)
+    .join_from(_S, _A, and_(_A.c.store == _S.c.slug, _A.c.workspace == bindparam("ws")))
+    .where(_S.c.public_slug == bindparam("slug"))
+    .add_columns(_ACCOUNT_MAX_BYTES,
+                 select(_I.c.id).where(_I.c.scope == bindparam("idem_scope"), _I.c.key == bindparam("idem_key"))
+                 .scalar_subquery().label("idem_id"))
+    .with_for_update(of=_S))
 #: ``Connection.info`` key of the idempotency key (scope, key) that ``AccessRules.store``
 #: looks up beside the store row of a write (``Writer.write``, ``store_first``)
 IDEM_PROBE = "memfuse_idem_probe"
@@ -651,7 +669,7 @@ class AccessRules:
                 named = _RAW_NAMED_STORE[write].all(conn, {"slug": slug})
                 st = named[0] if len(named) == 1 else None
         else:
-            probe = conn.info.pop(IDEM_PROBE, None) if write else None
+            probe = info_of(conn).pop(IDEM_PROBE, None) if write else None
             if probe is None:
                 st = _RAW_ATTACHED_STORE[write].first(conn, {"slug": slug, "ws": p.workspace})
             else:
@@ -861,7 +879,7 @@ class Writer:
                     if idem is not None:
                         if probe:  # looked up with the store row (``AccessRules.store``)
                             self.idem_cleanup(conn)
-                            conn.info[IDEM_PROBE] = (p.scope, idem.key)
+                            info_of(conn)[IDEM_PROBE] = (p.scope, idem.key)
                         else:
                             replay = self.idem_lookup(conn, p, idem)
                             if replay is not None:
@@ -870,7 +888,7 @@ class Writer:
                     try:
                         result = fn(s)
                     finally:
-                        unread = conn.info.pop(IDEM_PROBE, None)
+                        unread = info_of(conn).pop(IDEM_PROBE, None)
                     if unread is not None and _RAW_SELECT_IDEM.first(conn, {"scope": unread[0], "key": unread[1]}):
                         raise IdemFound  # ``fn`` did not read the store first: its writes undone
                     history.settle(conn)  # the kept versions counted; pruned when over budget

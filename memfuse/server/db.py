@@ -63,7 +63,7 @@ from sqlalchemy.pool import StaticPool
 
 from memfuse import defs, sqlitebind  # noqa: F401 - None binds as NULL without the search
 from memfuse.server import budget, fulltext
-from memfuse.server.rawsql import Raw
+from memfuse.server.rawsql import Raw, SharedCursorConnection, statement_listeners
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,9 @@ class UTCDateTime(TypeDecorator[datetime]):
         utc = timezone.utc
 
         def process(value: Any) -> Any:
-            if value.__class__ is not datetime:  # None, a date, a subclass: the composed rule
+            if value is None:  # NULL (the composed rule's answer, without its three calls)
+                return None
+            if value.__class__ is not datetime:  # a date, a subclass: the composed rule
                 return composed(value)
             tz = value.tzinfo
             if tz is not None:
@@ -643,7 +645,8 @@ class Database:
         else:
             engine = create_engine(
                 self.url,
-                connect_args={"check_same_thread": False, "timeout": 5.0},
+                # SharedCursorConnection: write_conn's statements share one cursor (rawsql)
+                connect_args={"check_same_thread": False, "timeout": 5.0, "factory": SharedCursorConnection},
                 pool_size=10,
                 max_overflow=30,
                 # the connection used last comes back first: its SQLite page cache is still
@@ -771,6 +774,9 @@ class Database:
                 if kept is not None:
                     kept.close()
                 kept = self._kept = self._write_bind.connect()
+                dbapi = _driver(kept)
+                if dbapi is not None:  # its page cache (per connection) holds the write path's indexes
+                    dbapi.execute(f"PRAGMA cache_size=-{WRITER_CACHE_KIB}")
                 self._wal.take_over(kept)
             conn = kept
             with self._driver_transaction(conn):
@@ -803,8 +809,23 @@ class Database:
         invalidated is closed and not kept."""
         _BEGIN_WRITE.run(conn, {})
         self._driver_open = conn
+        shared = _driver(conn)
+        if type(shared) is SharedCursorConnection:  # the transaction's Raw statements share one cursor
+            shared.raw_listeners = statement_listeners(conn)  # and its listeners (rawsql)
+            shared.raw_cursor = shared.cursor()
+        else:
+            shared = None
         try:
-            yield
+            try:
+                yield
+            finally:
+                if shared is not None:  # closed before the end: no statement left open past it
+                    cursor, shared.raw_cursor = shared.raw_cursor, None
+                    if cursor is not None:
+                        try:
+                            cursor.close()
+                        except sqlite3.Error:  # its connection closed inside: nothing left open
+                            pass
             self._driver_open = None
             tx = conn.get_transaction()
             if tx is not None:  # SQLAlchemy's, autobegun inside: it ends the driver's too
@@ -891,6 +912,19 @@ class Database:
         self.engine.dispose()
 
 
+def info_of(conn: Connection) -> dict[Any, Any]:
+    """``conn.info`` (the dict kept with its DB-API connection) read without ``Connection.info``'s
+    and ``Connection.connection``'s property calls (~1.5 k instructions each read, and a record
+    create read it nine times; bench/README.md, "The close path, session 20: serve's writer"):
+    the pool's connection's own (memoized) ``info``; ``conn.info`` itself when ``conn`` has no
+    DB-API connection (invalidated, closed: it revalidates or raises, as before)."""
+    fairy = conn._dbapi_connection  # noqa: SLF001
+    if fairy is None:
+        return conn.info
+    info: dict[Any, Any] = fairy.info
+    return info
+
+
 def _driver(conn: Connection) -> Any:
     """``conn``'s DB-API connection (sqlite3), or None when it has none (invalidated,
     closed); never reconnects, as ``Connection.connection`` would."""
@@ -974,6 +1008,14 @@ class WalCheckpoints:
 
 # on the DB-API cursor (memfuse.server.rawsql): write_conn's transactions on the kept connection
 _BEGIN_WRITE = Raw(text("BEGIN IMMEDIATE"))
+#: KiB of SQLite page cache of the kept write connection (``write_conn``; SQLite's default is
+#: 2,000 KiB). Every create inserts into five indexes keyed by a random id (the record's id
+#: twice, its version's ``(record_id, version)``, its full-text key, its idempotency key), each
+#: at a random leaf page: once a store's file outgrows the cache those pages are read again
+#: from the file, read system calls per create growing with the store (4.2 → 15.3 over 8,000
+#: creates; 3.4 → 6.8 with 64 MiB; bench/README.md, "The close path, session 20: serve's
+#: writer"). One connection: the memory is bounded by this, allocated only as pages are read.
+WRITER_CACHE_KIB = 16384
 DISPOSE_WAIT_SECONDS = 5.0  # how long dispose() waits for a write in progress (the kept connection)
 WAL_SWITCH_SECONDS = 5.0  # how long a new connection may wait to switch a new file to WAL
 
