@@ -87,14 +87,16 @@ def _callgrind(pid: int, *args: str) -> None:
     subprocess.run(["callgrind_control", *args, str(pid)], check=True, capture_output=True, timeout=120)
 
 
-def _callgrind_ir(out_dir: Path, pid: int, thread: int | None = None) -> int:
+def _callgrind_ir(out_dir: Path, pid: int, thread: int | None = None, trigger: str | None = None) -> int:
     """Instructions (Ir) in the dumps callgrind wrote for ``pid`` so far (summed), of one
     thread (1: the main thread, serve's event loop; ``--separate-threads=yes`` dumps) or
-    all."""
+    all; ``trigger``: only the dumps made before that function ran (``--split``)."""
     total = 0
     pattern = f"callgrind.out.{pid}*" if thread is None else f"callgrind.out.{pid}*-{thread:02d}"
     for f in out_dir.glob(pattern):
         text = f.read_text(errors="replace")
+        if trigger is not None and f"Trigger: --dump-before={trigger}\n" not in text[:2000]:
+            continue
         m = re.search(r"^totals: (\d+)", text, re.M) or re.search(r"^summary: (\d+)", text, re.M)
         if m:
             total += int(m.group(1))
@@ -113,6 +115,12 @@ def main() -> None:
     ap.add_argument("--profile", type=Path, default=None, metavar="PREFIX",
                     help="cProfile serve's event-loop thread during each round (bench/sigprof): "
                          "pstats files PREFIX.rN")
+    ap.add_argument("--split", action="store_true",
+                    help="with --callgrind: also split the loop's instructions at the request's "
+                         "receive and the writer's wake (callgrind dumps before ``sock_recv`` and "
+                         "``os_eventfd_read``): ``ir_loop_to_hop_per_req`` (the head read, checked, "
+                         "handed to the writer thread: the trace's ``send_to_hop``) and "
+                         "``ir_loop_after_hop_per_req`` (the answer's end, the wait for the next)")
     ap.add_argument("--steady", action="store_true",
                     help="serve reads token revocations every 600 s, not every second (bench/sigprof/"
                          "sitecustomize.py): instruction counts per request free of the worker-thread "
@@ -133,7 +141,8 @@ def main() -> None:
 
         cg.mkdir(parents=True, exist_ok=True)
         wrapper = cg / "memfuse-callgrind"
-        wrapper.write_text(f"#!/bin/sh\nexec valgrind --tool=callgrind --instr-atstart=no "
+        split = " --dump-before=sock_recv --dump-before=os_eventfd_read" if args.split else ""
+        wrapper.write_text(f"#!/bin/sh\nexec valgrind --tool=callgrind --instr-atstart=no{split} "
                            f"--separate-threads=yes --callgrind-out-file={cg}/callgrind.out.%p {sys.executable} "
                            f"{mountutil.MEMFUSE} \"$@\"\n")
         wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
@@ -177,12 +186,16 @@ def main() -> None:
                             await trio.sleep(0.1)
                         stats.rename(f"{args.profile}.r{rnd}")
                     ir = ir_loop = ir_loop_net = None
+                    split_ir: dict[str, int] = {}
                     if cg is not None:
                         _callgrind(pid, "-i", "off")
                         _callgrind(pid, "-d")
                         ir = round(_callgrind_ir(cg, pid) / n)
                         loop_total = _callgrind_ir(cg, pid, 1)
                         ir_loop = round(loop_total / n)
+                        if args.split:  # a dump before the writer's wake ends a segment from the receive
+                            split_ir = {"ir_loop_to_hop_per_req": round(_callgrind_ir(cg, pid, 1, "os_eventfd_read") / n),
+                                        "ir_loop_after_hop_per_req": round(_callgrind_ir(cg, pid, 1, "sock_recv") / n)}
                         # the loop's periodic work (timers, sweeps) per second, idle: the same
                         # work in the round's wall time is not the requests' (under valgrind on
                         # a loaded machine a round takes minutes)
@@ -209,7 +222,7 @@ def main() -> None:
                         "loop_sys_ms": round(d["main_sys"] / n * 1000, 3),
                         "other_threads_ms": round((d["user"] + d["sys"] - d["main"]) / n * 1000, 3),
                         "ctx_per_req": round(d["ctx"] / n, 2), "load": loadavg(), "ir_per_req": ir,
-                        "ir_loop_per_req": ir_loop, "ir_loop_net_per_req": ir_loop_net,
+                        "ir_loop_per_req": ir_loop, "ir_loop_net_per_req": ir_loop_net, **split_ir,
                         "threads_ms": {k[7:]: round(v / n * 1000, 3) for k, v in d.items()
                                        if k.startswith("thread:") and v}}), flush=True)
 

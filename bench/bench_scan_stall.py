@@ -11,6 +11,10 @@ decoded and scanned again, ~1.1 s of scan per MiB). Meanwhile the victim (a's to
 a 3-byte record every 0.1 s, one after the other, and each create's latency is taken. Prints
 one JSON object: the victim's latencies (n, p50, p90, max, ms; failures), each batch's status,
 its per-operation statuses and its time, and the server's CPU seconds.
+
+``--singles N --seconds S`` (attack20 F1): instead of batches, N threads of the attacker each
+post single creates of ``--chars`` characters of base64 runs back to back for S seconds
+(``singles``: the count of each status).
 """
 from __future__ import annotations
 
@@ -62,6 +66,9 @@ def main() -> int:
     ap.add_argument("--batches", type=int, default=2)
     ap.add_argument("--records", type=int, default=40)
     ap.add_argument("--kib", type=int, default=976)  # under a store's default 1 MiB record bound
+    ap.add_argument("--singles", type=int, default=0, help="attacker threads of single creates (no batches)")
+    ap.add_argument("--seconds", type=float, default=30.0, help="how long the single creates go on")
+    ap.add_argument("--chars", type=int, default=64_977, help="characters of each single create")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="scanstall-"))
     admin = secrets.token_urlsafe(24)
@@ -88,7 +95,7 @@ def main() -> int:
             assert status == 201, out
             tokens[ws] = json.loads(out)["token"]
         r = random.Random(1)
-        bodies = [{"operations": [{"op": "create", "body": {"path": f"s{b}_{i}.md", "content": _content(r, args.kib * 1024)}}
+        bodies = [] if args.singles else [{"operations": [{"op": "create", "body": {"path": f"s{b}_{i}.md", "content": _content(r, args.kib * 1024)}}
                                   for i in range(args.records)]} for b in range(args.batches)]
         lat: list[float] = []
         fails: list[str] = []
@@ -122,11 +129,31 @@ def main() -> int:
             except Exception as e:  # noqa: BLE001
                 batches.append({"error": repr(e)[:120], "seconds": round(time.monotonic() - t, 2)})
 
+        singles: dict[str, int] = {}
+        end: list[float] = []
+
+        def single(t: int) -> None:
+            rs = random.Random(100 + t)
+            i = 0
+            while time.monotonic() < end[0]:
+                body = {"path": f"t{t}_{i}.md", "content": _content(rs, args.chars)[:args.chars]}
+                try:
+                    status, _ = _post(f"{url}/v1/stores/b/records", tokens["b"], body, 300)
+                    key = str(status)
+                except Exception as e:  # noqa: BLE001
+                    key = type(e).__name__
+                singles[key] = singles.get(key, 0) + 1
+                i += 1
+
         cpu0 = _cpu(proc.pid)
         vt = threading.Thread(target=victim)
         vt.start()
         time.sleep(1.0)
-        ats = [threading.Thread(target=attack, args=(b,)) for b in bodies]
+        if args.singles:
+            bodies = []
+            end.append(time.monotonic() + args.seconds)
+        ats = [threading.Thread(target=single, args=(t,)) for t in range(args.singles)]
+        ats += [threading.Thread(target=attack, args=(b,)) for b in bodies]
         for a in ats:
             a.start()
         for a in ats:
@@ -139,7 +166,7 @@ def main() -> int:
             "victim": {"n": len(ms), "p50_ms": round(statistics.median(ms), 1) if ms else None,
                        "p90_ms": round(ms[int(0.9 * (len(ms) - 1))], 1) if ms else None,
                        "max_ms": round(ms[-1], 1) if ms else None, "failures": fails[:5], "n_failures": len(fails)},
-            "batches": batches, "serve_cpu_s": round(cpu, 1),
+            "batches": batches, "singles": singles, "serve_cpu_s": round(cpu, 1),
             "args": vars(args)}, indent=1))
         return 0
     finally:

@@ -97,3 +97,47 @@ def test_opstats_buckets_are_cumulative_with_prometheus_bounds() -> None:
     assert got[("memfuse_fuse_ops_total", (("op", "statfs"),))] == 2
     assert not any(name.startswith("memfuse_fuse_op_seconds") and ("op", "statfs") in labels
                    for name, labels in got)
+
+
+async def test_what_every_close_counts_takes_no_prometheus_lock(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every create-write-close counts the kernel's ``security.capability`` probe
+    (``memfuse_fuse_errors_total{errno="ENODATA"}``), an API call with its latency
+    (``Metrics.api_observer``) and a commit (``memfuse_outbox_committed_total``): plain
+    numbers updated on the trio thread (``metrics.PlainCounter``, ``ApiLatency``), not
+    prometheus-client's children, whose ``inc`` / ``observe`` take a lock and make three
+    Python calls each (bench/README.md, "The close path, session 20: sidecar"). They still
+    reach the exposition as the counters and the histogram they were."""
+    import prometheus_client.values as values
+
+    locked = 0
+    inc = values.MutexValue.inc
+
+    def counting(self: object, amount: float) -> None:
+        nonlocal locked
+        locked += 1
+        inc(self, amount)
+
+    monkeypatch.setattr(values.MutexValue, "inc", counting)
+    m = Metrics()
+    ops, ino = make_ops(tmp_path, m)
+    observe = m.api_observer()
+    for seconds in (0.003, 0.004, 7.0):
+        with pytest.raises(pyfuse3.FUSEError):
+            await ops.getxattr(ino, b"security.capability", Ctx)
+        observe("POST /v1/stores/{}/records", "201", seconds)
+        m.commits.labels("put").inc()
+    observe("POST /v1/stores/{}/records", "503", 0.2)
+    assert locked == 0
+    got = samples(m)
+    ep = "POST /v1/stores/{}/records"
+    assert got[("memfuse_fuse_errors_total", (("errno", "ENODATA"), ("op", "getxattr")))] == 3
+    assert got[("memfuse_api_calls_total", (("endpoint", ep), ("status", "201")))] == 3
+    assert got[("memfuse_api_calls_total", (("endpoint", ep), ("status", "503")))] == 1
+    assert got[("memfuse_api_call_seconds_count", (("endpoint", ep),))] == 4
+    assert got[("memfuse_api_call_seconds_sum", (("endpoint", ep),))] == pytest.approx(7.207)
+    assert got[("memfuse_api_call_seconds_bucket", (("endpoint", ep), ("le", "0.005")))] == 2
+    assert got[("memfuse_api_call_seconds_bucket", (("endpoint", ep), ("le", "5.0")))] == 3
+    assert got[("memfuse_api_call_seconds_bucket", (("endpoint", ep), ("le", "+Inf")))] == 4
+    assert got[("memfuse_outbox_committed_total", (("op", "put"),))] == 3
+    assert len(LAT_BUCKETS) + 1 == sum(1 for k in got if k[0] == "memfuse_api_call_seconds_bucket")

@@ -231,3 +231,47 @@ async def test_the_sidecar_waits_out_retry_after(tmp_path, fake):
         nursery.cancel_scope.cancel()
     sc.journal.close()
     await sc.client.aclose()
+
+
+async def test_a_writes_counted_store_row_is_the_row_after_its_update(admin, api, fake, monkeypatch):
+    """``history.settle_with_usage`` checks the budget on the store row as read for writing
+    plus the write's deltas (no RETURNING: bench/README.md, "The close path, session 20:
+    serve's writer"): at every check those values are the row's own, read in the same
+    transaction, for creates, updates, appends, deletes, restores and moves, with an
+    idempotency key (the store row of ``base.RECORD_WRITE_COLUMNS``) and without (every
+    column), in a store whose small budget prunes."""
+    from sqlalchemy import select
+
+    from memfuse.server.base import _S
+
+    await admin.update_store(STORE, max_history_versions=3, history_min_age_s=0)
+    checked: list[int] = []
+    real = history._prune
+
+    def prune(conn, store, st=None):
+        if st is not None:
+            row = conn.execute(select(*history._BUDGET_COLUMNS).where(_S.c.slug == store)).one()
+            assert {k: getattr(st, k) for k in row._mapping} == dict(row._mapping)
+            checked.append(1)
+        return real(conn, store, st)
+
+    monkeypatch.setattr(history, "_prune", prune)
+    n = 0
+
+    def key() -> str:
+        nonlocal n
+        n += 1
+        return f"k{n}"
+
+    a = await api.create_record(STORE, "a.md", "x" * 100, idempotency_key=key())
+    b = await api.create_record(STORE, "b.md", "y" * 50)
+    for i in range(4):
+        a = await api.update_record(STORE, a.id, f"{i}" * (90 + i), idempotency_key=key() if i % 2 else None)
+    await api.append_record(STORE, a.id, "tail\n", a.sha256, idempotency_key=key())
+    await api.move_record(STORE, b.id, "c/b.md")
+    await api.delete_record(STORE, b.id, idempotency_key=key())
+    newest = max(v.version for v in await api.versions(STORE, b.id) if not v.pruned)
+    await api.restore(STORE, b.id, newest, idempotency_key=key())
+    assert len(checked) >= 8
+    st = await admin.get_store(STORE)
+    assert st.history_versions <= 3 and st.record_count == 2

@@ -177,6 +177,12 @@ async def test_lean_answers_as_hypercorn_does(tmp_path):
         a, _ = await p.both([_req("GET", "/v1/stores/default/records?path=two.md",
                                   extra=f"Authorization: Bearer {ADMIN}\r\n", close=True)])
         assert _statuses(a) == [400], a
+        # a bearer token and another X-Api-Key (attack20 F3): two credentials too; the same
+        # token in both is one credential
+        a, _ = await p.both([_create("two.md", extra=f"X-Api-Key: {ADMIN}\r\n")])
+        assert _statuses(a) == [400] and b'"code": "invalid_request"' in a, a
+        a, _ = await p.both([_create("one.md", extra=f"X-Api-Key: {WS}\r\n")])
+        assert _statuses(a) == [201], a
         a, _ = await p.both([_req("GET", "/v1/stores/default/records?path=two.md", close=True)])
         assert _statuses(a) == [200] and b'"records":[]' in a, a
         a, _ = await p.both([_req("POST", "/v1/stores/nope/records", b'{"path":"n.md","content":"x"}'),
@@ -534,3 +540,23 @@ def test_request_heads_read_as_h11_reads_them_also_once_their_lines_were_seen():
         assert first.size == len(head)
     assert taken > 400
     assert not any(n in lean._PER_REQUEST for n, _ in lean._HEAD_LINES.values())
+
+
+def test_header_pair_reads_a_line_as_the_header_grammar_does():
+    """``lean.header_pair`` (no regular expression for a name seen before) gives what the
+    full line grammar ``lean._HEADER`` gives, on random lines of the bytes that matter (names,
+    colons, spaces and tabs, controls, DEL, obs-text, CR, LF); a mutant that lets a tab,
+    DEL or obs-text through, or strips other bytes, fails it."""
+    import random
+
+    from memfuse.server import lean
+
+    alphabet = [b"a", b"Z", b"-", b"_", b":", b" ", b"\t", b"\x7f", b"\x80", b"\xff", b"\x00", b"\r",
+                b"\n", b"~", b"!", b'"', b"(", b"9", b"=", b"\x1f", b"x"]
+    r = random.Random(20)
+    for _ in range(40_000):
+        line = b"".join(r.choice(alphabet) for _ in range(r.randint(0, 12)))
+        if r.random() < 0.5:
+            line = r.choice([b"Content-Length", b"idempotency-key", b"X"]) + line
+        m = lean._HEADER.fullmatch(line)
+        assert lean.header_pair(line) == (None if m is None else (m.group(1).lower(), m.group(2))), line

@@ -681,3 +681,47 @@ async def test_tls_answers_on_a_kept_connection_and_a_new_one_after_a_close(tmp_
             await untrusting.exchange("POST", "/x", [], b"{}")
         await untrusting.aclose()
         nursery.cancel_scope.cancel()
+
+
+def test_a_stores_commit_requests_check_their_request_line_and_hex_keys_once(monkeypatch):
+    """Every create of a store is ``POST`` to one target with a 32-hex idempotency key: the
+    request line is checked by h11's expressions once and kept (``lean._REQUEST_LINES``),
+    a key of letters and digits is a field value without h11's expression; anything else is
+    checked as before, and an illegal target is refused every time (bench/README.md, "The
+    close path, session 20: sidecar")."""
+    import h11
+
+    from memfuse.client import lean
+    from memfuse.sidecar.journal import new_key
+
+    calls = {"method": 0, "target": 0, "value": 0}
+
+    class Counting:
+        def __init__(self, name: str, pattern: Any) -> None:
+            self.name, self.pattern = name, pattern
+
+        def fullmatch(self, s: bytes) -> Any:
+            calls[self.name] += 1
+            return self.pattern.fullmatch(s)
+
+    monkeypatch.setattr(lean, "_METHOD_RE", Counting("method", lean._METHOD_RE))
+    monkeypatch.setattr(lean, "_TARGET_RE", Counting("target", lean._TARGET_RE))
+    monkeypatch.setattr(lean, "_VALUE_RE", Counting("value", lean._VALUE_RE))
+    monkeypatch.setattr(lean, "_REQUEST_LINES", {})
+    for _ in range(50):
+        head = lean._request_head("POST", "/v1/stores/notes/records", b"Host: x\r\n")
+        assert head == b"POST /v1/stores/notes/records HTTP/1.1\r\nHost: x\r\n\r\n"
+        key = new_key()
+        assert lean._varying_items([("Idempotency-Key", key), ("Content-Length", "550")]) == [
+            (b"Idempotency-Key", b"idempotency-key", key.encode()),
+            (b"Content-Length", b"content-length", b"550")]
+    assert calls == {"method": 1, "target": 1, "value": 0}
+    for _ in range(2):
+        with pytest.raises(h11.LocalProtocolError):
+            lean._request_head("POST", "/a b", b"")
+    assert calls["target"] == 3
+    assert lean._varying_items([("If-Match", '"abc"')])[0][2] == b'"abc"'
+    assert calls["value"] == 1
+    # a value h11 refuses still goes to h11's own validation (LocalProtocolError)
+    with pytest.raises(h11.LocalProtocolError):
+        lean._varying_items([("Idempotency-Key", " k")])

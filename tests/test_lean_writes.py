@@ -197,3 +197,27 @@ async def _compare(urls: list[str]) -> None:
         assert got[0] == got[1] and len(got[0]) == 8, " ".join(got[0])
         nursery.cancel_scope.cancel()
 
+
+
+async def test_a_lean_write_hashes_its_token_once_not_per_request(tmp_path, monkeypatch):
+    """The front door keeps a token's digest once the token authenticated (``Gate._token_key``):
+    the lean write route hands it to the token cache instead of hashing the token again per
+    request (bench/README.md, "The close path, session 20: serve's loop"); a refused token is
+    not kept."""
+    monkeypatch.setattr(tokens, "REVOCATION_CHECK_SECONDS", 120.0)
+    hashed: list[bytes] = []
+    real = tokens.sha256_hex
+    monkeypatch.setattr(tokens, "sha256_hex", lambda data: hashed.append(data) or real(data))
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            plane = await _plane(nursery, f"sqlite:///{tmp_path / 'cp.db'}", True)
+            a = _normal(await _talk(plane.port, [_create("t0.md", token=plane.token, close=True)]))
+            assert _statuses(a) == [201], a  # looked up on a thread: the general path
+            before, hashed[:] = _written(plane), []
+            a = _normal(await _talk(plane.port, [_create(f"t{i}.md", token=plane.token, close=i == 3) for i in range(1, 4)]))
+            assert _statuses(a) == [201, 201, 201] and _written(plane) == before + 3, a
+            assert hashed == [], hashed  # three lean writes, their token not hashed again
+            a = _normal(await _talk(plane.port, [_create("u.md", token="nobody-has-this-token", close=True)]))
+            assert _statuses(a) == [401], a
+            assert "nobody-has-this-token" not in plane.app.front._digests
+            nursery.cancel_scope.cancel()

@@ -158,7 +158,9 @@ def test_large_appends_are_scanned_outside_the_write_lock(tmp_path, monkeypatch)
 
     def spying(real: Any) -> Any:
         def spy(text: str, *args: Any) -> str | None:
-            if len(text) >= prescan.PRESCAN_MIN:
+            # the scans of the ~80 KB suffixes (a small suffix's scan with its 16 Ki
+            # characters of context is done in place, under the lock, as it should be)
+            if len(text) >= 64 * 1024:
                 seen.append((threading.current_thread().name, holder["db"]._write_lock.locked()))
             return real(text, *args)
         return spy
@@ -255,6 +257,111 @@ def test_one_tokens_large_scans_are_bounded(tmp_path) -> None:
     assert answers["small"] == 201 and answers["other"] == 201, answers
 
 
+def _mid(seed: int, chars: int) -> str:
+    """``chars`` characters of base64 runs (the costly kind to scan), no secret."""
+    r = random.Random(seed)
+    out = ""
+    while len(out) < chars:
+        out += base64.b64encode(r.randbytes(300)).decode() + "\n"
+    return out[:chars]
+
+
+def test_scans_in_the_writer_thread_are_charged_too(tmp_path, monkeypatch) -> None:
+    """attack20 F1: contents just under ``PRESCAN_MIN``, scanned in the writer thread, are
+    charged to their token as well, so a token past its budget is refused them (429) before
+    they reach the writer; under ``CHARGE_MIN`` nothing is charged or refused. Lean route and
+    batch; the writer thread is the scanning one (spied), another token goes on."""
+    scanned_on: list[tuple[int, str]] = []
+    real = content.find_secret
+
+    def spy(text: str) -> str | None:
+        if len(text) >= prescan.CHARGE_MIN:
+            scanned_on.append((len(text), threading.current_thread().name))
+        return real(text)
+
+    monkeypatch.setattr(content, "find_secret", spy)
+    answers: dict[str, Any] = {}
+    under = prescan.PRESCAN_MIN - 200  # one content, scanned where it is written
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            app, base = await _served_ws(tmp_path, nursery)
+            scans = app.state.service.parts.scans
+            scans.rate, scans.burst = 0.001, 0.001  # one charged scan spends it for a long while
+            async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {WS}"}, timeout=30) as c:
+                r = await c.post("/v1/stores/default/records", json={"path": "a.md", "content": _mid(1, under)})
+                answers["first"] = r.status_code
+                answers["charged"] = scans.charged > 0
+                n = len(scanned_on)
+                r = await c.post("/v1/stores/default/records", json={"path": "b.md", "content": _mid(2, under)})
+                answers["second"] = (r.status_code, r.json().get("code"), int(r.headers.get("retry-after", "0")))
+                ops = [{"op": "create", "body": {"path": "c.md", "content": _mid(3, 4000)}}]
+                r = await c.post("/v1/stores/default/batch", json={"operations": ops})
+                answers["batch"] = (r.status_code, [x["status"] for x in r.json().get("results", [])])
+                answers["scanned_after"] = len(scanned_on) - n
+                r = await c.post("/v1/stores/default/records",
+                                 json={"path": "small.md", "content": _mid(4, prescan.CHARGE_MIN - 1)})
+                answers["small"] = r.status_code
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert answers["first"] == 201 and answers["charged"], answers
+    assert scanned_on and scanned_on[0] == (under, "memfuse-writer"), scanned_on
+    assert answers["second"][:2] == (429, "rate_limited") and answers["second"][2] >= 1, answers
+    assert answers["batch"] == (200, [429]), answers  # the operation refused, as an append in a batch is
+    assert answers["scanned_after"] == 0, answers  # refused before any scan ran
+    assert answers["small"] == 201, answers
+
+
+def test_one_tokens_large_scans_run_one_at_a_time_on_every_face(tmp_path, monkeypatch) -> None:
+    """attack20 F2: the memory tool (and the memory-store API, MCP: every face that scans in
+    its own thread before the write lock) scans a token's large contents one at a time, as
+    the lean routes' prescan does, so one token's threads cannot take the GIL from the writer
+    thread; another token's scan is not held by them, and every write is answered."""
+    lock = threading.Lock()
+    active: dict[str, int] = {}
+    peak: dict[str, int] = {}
+    real = content.find_secret
+
+    def spy(text: str) -> str | None:
+        if len(text) >= prescan.PRESCAN_MIN:
+            who = "ws2" if text.startswith("ws2") else "ws"
+            with lock:
+                active[who] = active.get(who, 0) + 1
+                peak[who] = max(peak.get(who, 0), active[who])
+            time.sleep(0.15)  # widen the window in which a second scan of the token would overlap
+            with lock:
+                active[who] -= 1
+        return real(text)
+
+    monkeypatch.setattr(content, "find_secret", spy)
+    statuses: list[int] = []
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            _, base = await _served(tmp_path, nursery)
+
+            async def tool(token: str, ws: str, store: str, i: int) -> None:
+                async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {token}"},
+                                             timeout=60) as c:
+                    text = (ws + "\n" if ws == "ws2" else "") + _big(10 + i)
+                    r = await c.post(f"/v1/workspaces/{ws}/memory-tool",
+                                     json={"command": "create", "path": f"/memories/{store}/m{i}.md",
+                                           "file_text": text})
+                    statuses.append(r.status_code)
+
+            async with trio.open_nursery() as inner:
+                for i in range(4):
+                    inner.start_soon(tool, WS, "ws", "default", i)
+                inner.start_soon(tool, WS2, "ws2", "other", 9)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert statuses == [200] * 5, statuses
+    assert peak.get("ws") == 1, peak  # one token's four large scans never overlapped
+    assert peak.get("ws2") == 1, peak
+
+
 def test_scan_budget_refills_and_charges_cpu_time() -> None:
     from memfuse.server.scanbudget import ScanBudget
 
@@ -320,3 +427,30 @@ def test_one_tokens_prescans_run_one_at_a_time(tmp_path, monkeypatch) -> None:
     assert statuses == [201] * 5, statuses
     assert most["ws"] == 1, most
     assert most.get("both") == 1, most
+
+
+def test_a_small_write_makes_no_prescan_context_manager_on_the_event_loop() -> None:
+    """A request below ``PRESCAN_MIN`` (every file a sidecar commits, nearly) gets the one
+    shared do-nothing context manager: no async generator made, started and closed per write
+    on the event loop (trio's async-generator hooks, a weak set, the context manager:
+    bench/README.md, "The close path, session 20: serve's loop"); a large one still scans."""
+    small = prescan.prescanned(("short\n", None, ""), appends=[("r1", "tail\n")])
+    assert small is prescan.prescanned(("other\n",))
+    made: list[object] = []
+
+    async def main() -> None:
+        import sys
+
+        hooks = sys.get_asyncgen_hooks()
+        sys.set_asyncgen_hooks(firstiter=lambda g: made.append(g), finalizer=hooks.finalizer)
+        try:
+            async with prescan.prescanned(("short\n",)):
+                pass
+        finally:
+            sys.set_asyncgen_hooks(*hooks)
+        big = _big(5) + TOKEN + "\n"
+        async with prescan.prescanned((big,)):
+            assert prescan.find_secret(big) == content.find_secret(big)
+
+    trio.run(main)
+    assert made == []

@@ -4,6 +4,8 @@ SQLAlchemy Core gives (rows, stored values, errors, listeners), on SQLite and, w
 statements bench/README.md counts ("The close path, session 10: serve")."""
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 from sqlalchemy import bindparam, event, exc, false, func, insert, select
@@ -277,9 +279,13 @@ async def test_reads_of_live_records_at_paths_look_each_path_up_on_sqlite(env):
     db = app.state.service.db
     seen: list[tuple[str, object]] = []
 
+    arms: list[tuple[str, object]] = []  # the create's read (``recordrows._live_at_or_under``)
+
     def spy(conn, cursor, statement, parameters, context, executemany):
         if ".path IN (" in statement and "FROM records" in statement:
             seen.append((statement, parameters))
+        elif "UNION ALL" in statement and "FROM records" in statement and "under_" in statement:
+            arms.append((statement, parameters))
 
     event.listen(db.engine, "before_cursor_execute", spy)
     try:
@@ -292,16 +298,22 @@ async def test_reads_of_live_records_at_paths_look_each_path_up_on_sqlite(env):
         assert r.status_code == 200, r.text
     finally:
         event.remove(db.engine, "before_cursor_execute", spy)
-    assert len(seen) >= 3  # the create's, the move's, the batch's
+    assert len(seen) >= 2  # the move's, the batch's
+    assert len(arms) >= 2  # the creates' (a/b/c/d.md, m.md): one arm per path, no IN list
     # the one rule on both databases (PostgreSQL: a sort of the few rows found) ...
     assert all("ORDER BY records.path" in statement for statement, _ in seen), seen
     if not db.is_sqlite:
         return
     # ... and what it is for on SQLite, whose planner has no statistics
     with db.read_conn() as conn:
-        for statement, parameters in seen:
+        for statement, parameters in seen + arms:
             plan = " ".join(row[3] for row in conn.exec_driver_sql("EXPLAIN QUERY PLAN " + statement, parameters))
             assert "path=?" in plan and "ix_records_usage" not in plan, (statement, plan)
+        # a create's read builds no ephemeral table (an IN list's values: ~40 % of the
+        # statement's instructions; bench/README.md, "The close path, session 20")
+        for statement, parameters in arms:
+            ops = [row[1] for row in conn.exec_driver_sql("EXPLAIN " + statement, parameters)]
+            assert "OpenEphemeral" not in ops, (statement, ops)
 
 
 def test_raw_calls_the_listeners_sqlalchemy_would_call_without_its_iteration(monkeypatch):
@@ -464,3 +476,112 @@ async def test_a_key_looked_up_with_the_store_row_answers_as_the_lookup_first(en
     assert calls == [1]
     with db.read_conn() as conn:
         assert conn.execute(select(_I.c.id).where(_I.c.key == "undone")).first() is None
+
+
+def test_a_new_record_id_is_a_random_uuid4_as_str_uuid4_writes_it():
+    """``recordrows.new_record_id`` (a create's id without ``uuid.UUID``'s constructor): the
+    text ``str(uuid.uuid4())`` gives, version 4, variant RFC 4122, all other bits random."""
+    import uuid
+
+    from memfuse.server.recordrows import new_record_id
+
+    ids = [new_record_id() for _ in range(4000)]
+    assert len(set(ids)) == len(ids)
+    for s in ids:
+        u = uuid.UUID(s)
+        assert str(u) == s and u.version == 4 and u.variant == uuid.RFC_4122
+    # every bit but the version's four and the variant's two takes both values
+    ones = zero = 0
+    for s in ids:
+        n = uuid.UUID(s).int
+        ones |= n
+        zero |= ~n
+    fixed = (0xF << 76) | (0x3 << 62)
+    mask = (1 << 128) - 1
+    assert ones & ~fixed & mask == ~fixed & mask and zero & ~fixed & mask == ~fixed & mask
+
+
+def test_info_of_is_the_connections_info(tmp_path):
+    """``db.info_of(conn)`` is ``conn.info`` (the same dict), on the kept write connection, a
+    pooled one, and an invalidated one (which revalidates, as ``conn.info`` does)."""
+    from memfuse.server.db import Database, info_of
+
+    db = Database(f"sqlite:///{tmp_path}/cp.db")
+    try:
+        with db.write_conn() as conn:
+            assert info_of(conn) is conn.info
+            info_of(conn)["probe"] = 1
+        with db.write_conn() as conn:
+            assert conn.info["probe"] == 1
+        with db.read_conn() as conn:
+            assert info_of(conn) is conn.info
+        with db.engine.connect() as conn:
+            conn.invalidate()
+            assert info_of(conn) is conn.info
+    finally:
+        db.dispose()
+
+
+def test_a_record_writes_store_row_has_the_columns_the_record_writes_read():
+    """``base.RECORD_WRITE_COLUMNS``: the store row a record write reads with its idempotency
+    key (``_RAW_ATTACHED_STORE_PROBE``) has those columns, the attachment's access, the
+    account's quota and the key's row, and no others (the driver describes and converts each);
+    and every column of the store row that ``records.py`` and ``recordrows.py`` read from a
+    store row (``st.<column>``, ``store.<column>``) is among them."""
+    import re
+    from pathlib import Path
+
+    from memfuse.server import base
+    from memfuse.server.db import StoreRow
+
+    stmt = base._RAW_ATTACHED_STORE_PROBE.stmt
+    assert [c.name for c in stmt.selected_columns] == [*base.RECORD_WRITE_COLUMNS, "access",
+                                                        "account_max_bytes", "idem_id"]
+    columns = set(StoreRow.__table__.c.keys())
+    src = Path(base.__file__).parent
+    read: set[str] = set()
+    for name in ("records.py", "recordrows.py"):
+        text_ = (src / name).read_text()
+        read |= set(re.findall(r"\bst\.([a-z_]+)", text_)) | set(re.findall(r"\bstore\.([a-z_]+)", text_))
+        read |= set(re.findall(r"getattr\(st, \"([a-z_]+)\"", text_))
+    assert read & columns <= set(base.RECORD_WRITE_COLUMNS), read & columns - set(base.RECORD_WRITE_COLUMNS)
+    assert {"slug", "max_record_bytes", "default_type", "usage_bytes"} <= read  # the scan finds reads
+
+
+def test_a_versions_insert_on_sqlite_takes_its_seq_without_returning(tmp_path):
+    """A record write's version (update, append, delete) on SQLite takes its seq as the
+    driver's ``lastrowid`` (``Raw.inserted_rowid``: ``versions.seq`` is the rowid), not by
+    ``RETURNING`` (an ephemeral table a statement; bench/README.md, "The close path, session
+    20"): the seq each answer and the change feed carry is the version's own."""
+    from memfuse.models import RecordCreate, RecordUpdate, WorkspaceCreate
+    from memfuse.server.base import Principal
+    from memfuse.server.db import Database
+    from memfuse.server.service import Service
+
+    db = Database(f"sqlite:///{tmp_path}/cp.db")
+    seen: list[str] = []
+
+    def spy(conn, cursor, statement, parameters, context, executemany):
+        if statement.startswith("INSERT INTO versions"):
+            seen.append(statement)
+
+    try:
+        svc = Service(db)
+        svc.create_workspace(Principal(workspace=None, name="t"), WorkspaceCreate(name="ws"))
+        p = Principal(workspace="ws", instance="t")
+        event.listen(db.engine, "before_cursor_execute", spy)
+        made = json.loads(svc.create_record(p, "ws", RecordCreate(path="a.md", content="x\n")).body)
+        other = json.loads(svc.create_record(p, "ws", RecordCreate(path="b.md", content="y\n")).body)
+        seqs = [made["seq"], other["seq"]]
+        for i in range(3):
+            r = svc.update_record(p, "ws", made["id"], RecordUpdate(content=f"v{i}\n"))
+            seqs.append(json.loads(r.body)["seq"])
+        r = svc.delete_record(p, "ws", other["id"])
+        seqs.append(int(r.headers["Memfuse-Seq"]))
+        with db.read_conn() as conn:
+            stored = [row[0] for row in conn.exec_driver_sql("SELECT seq FROM versions ORDER BY seq")]
+        assert seqs == stored and seqs == sorted(set(seqs)), (seqs, stored)
+        assert len(seen) == 6 and not any("RETURNING" in s for s in seen), seen
+    finally:
+        event.remove(db.engine, "before_cursor_execute", spy)
+        db.dispose()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sqlite3
 
 import pytest
-from sqlalchemy import event, text
+from sqlalchemy import column, event, text
 from sqlalchemy.exc import IntegrityError, OperationalError
 
 from memfuse.server.db import Database
@@ -190,3 +190,90 @@ def test_a_begin_refused_while_another_writer_holds_the_database_raises_and_keep
     with db.write_conn() as conn:
         _INSERT.run(conn, {"k": 2, "v": "after"})
     assert db._kept is kept and _rows(db) == [(2, "after")]
+
+
+def test_raw_statements_of_a_write_transaction_share_one_cursor_closed_at_its_end(db):
+    """``rawsql.SharedCursorConnection``: the ``Raw`` statements of one ``write_conn``
+    transaction on the kept connection run on one cursor (not a cursor made and closed per
+    statement: bench/README.md, "The close path, session 20: serve's writer"), closed before
+    the transaction ends; a ``first`` of a result of several rows leaves no read open past
+    it (the file checkpoints whole after it), and statements outside such a transaction
+    (another connection) still get a cursor each."""
+    cursors: list[object] = []
+
+    def spy(conn, cursor, statement, parameters, context, executemany):
+        cursors.append(cursor)
+
+    insert, every = Raw(text("INSERT INTO t (k, v) VALUES (:k, :v)")), Raw(text("SELECT k FROM t ORDER BY k").columns(column("k")))
+    event.listen(db.engine, "before_cursor_execute", spy)
+    try:
+        with db.write_conn() as conn:
+            for k in range(3):
+                insert.run(conn, {"k": k, "v": "x"})
+            assert every.first(conn, {})[0] == 0  # two rows left unread
+            insert.run(conn, {"k": 9, "v": "y"})
+        shared = cursors[1:]  # after BEGIN IMMEDIATE (made before the cursor)
+        assert len(shared) == 5 and all(c is shared[0] for c in shared), cursors
+        with pytest.raises(sqlite3.ProgrammingError):  # closed with the transaction
+            shared[0].execute("SELECT 1")
+        cursors.clear()
+        with db.read_conn() as conn:
+            assert every.first(conn, {})[0] == 0
+            assert every.first(conn, {})[0] == 0
+        assert len(cursors) == 2 and cursors[0] is not cursors[1]
+    finally:
+        event.remove(db.engine, "before_cursor_execute", spy)
+    with db.write_conn() as conn:  # nothing holds a read of the file: the checkpoint is whole
+        pass
+    dbapi = db._kept.connection.dbapi_connection
+    busy, _, _ = dbapi.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+    assert busy == 0
+    assert [k for k, _ in _rows(db)] == [0, 1, 2, 9]
+
+
+def test_the_kept_write_connection_has_its_own_larger_page_cache(db):
+    """``WRITER_CACHE_KIB``: the kept write connection's SQLite page cache (a create's random
+    index leaves stay cached as the store grows; bench/README.md, "The close path, session 20:
+    serve's writer"); the pool's readers keep SQLite's default."""
+    from memfuse.server.db import WRITER_CACHE_KIB
+
+    with db.write_conn() as conn:
+        assert conn.exec_driver_sql("PRAGMA cache_size").scalar() == -WRITER_CACHE_KIB
+    assert WRITER_CACHE_KIB >= 8192
+    with db.read_conn() as conn:
+        assert conn.exec_driver_sql("PRAGMA cache_size").scalar() == -2000
+
+
+def test_a_write_transactions_statements_call_the_listeners_of_its_start(db):
+    """``SharedCursorConnection.raw_listeners``: the ``Raw`` statements of a ``write_conn``
+    transaction call the ``before_cursor_execute`` listeners found at its first statement,
+    each of its statements (the /metrics counter counts every one); a listener removed
+    meanwhile is not called again (SQLAlchemy's deques are read live), one added to an
+    engine with no listener yet is called from the next transaction on."""
+    calls: list[str] = []
+
+    def spy(name):
+        def fn(conn, cursor, statement, parameters, context, executemany):
+            calls.append(name + ":" + statement.split()[0])
+        return fn
+
+    a, b = spy("a"), spy("b")
+    insert = Raw(text("INSERT INTO t (k, v) VALUES (:k, 'x')"))
+    event.listen(db.engine, "before_cursor_execute", a)
+    try:
+        with db.write_conn() as conn:
+            insert.run(conn, {"k": 1})
+            insert.run(conn, {"k": 2})
+            event.remove(db.engine, "before_cursor_execute", a)
+            insert.run(conn, {"k": 3})
+        assert calls == ["a:BEGIN", "a:INSERT", "a:INSERT"]
+        calls.clear()
+        event.listen(db.engine, "before_cursor_execute", b)
+        with db.write_conn() as conn:
+            insert.run(conn, {"k": 4})
+        assert calls == ["b:BEGIN", "b:INSERT"]
+    finally:
+        for fn in (a, b):
+            if event.contains(db.engine, "before_cursor_execute", fn):
+                event.remove(db.engine, "before_cursor_execute", fn)
+    assert [k for k, _ in _rows(db)] == [1, 2, 3, 4]

@@ -397,3 +397,31 @@ def test_parse_json_is_json_loads():
                 b'"\\u0000"', b'1.0', b'-0', b'0.1', b'1E2', b'"\\/"', b'01', b'', b'  ', b'[' * 5000 + b']' * 5000,
                 b'{"path": "a.md", "content": "\\u00e9\\ud83d\\ude00"}', b'{"mode": 420, "x": [true, null]}']:
         same(raw)
+
+
+def test_the_idempotency_hash_does_not_walk_the_body_parse_json_walked(monkeypatch):
+    """The write path reads a body with ``parse_json_exact`` (its walk tells whether msgspec
+    writes the value as json does) and hands that verdict to the idempotency hash, which then
+    does not walk the value again on the event loop (bench/README.md, "The close path, session
+    20: serve's loop"); the hash is the same, and a float body still takes json's text."""
+    import hashlib
+
+    from memfuse.server import base
+
+    real = base._msgspec_exact
+    walked: list[object] = []
+    monkeypatch.setattr(base, "_msgspec_exact", lambda v: walked.append(v) or real(v))
+    raw = b'{"path": "notes/a.md", "content": "x\\u00e9", "mode": 420, "tags": ["a", {"b": null}]}'
+    value, exact = base.parse_json_exact(raw)
+    assert exact and value == json.loads(raw) and walked
+    walked.clear()
+    idem = base.idempotency_request("k1", "POST", "/v1/stores/s/records", raw, value, exact)
+    assert walked == []
+    text = json.dumps(json.loads(raw), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    assert idem.body_sha256 == hashlib.sha256(text.encode()).hexdigest()
+    floaty = b'{"path": "b.md", "content": "y", "n": 1e16}'
+    value, exact = base.parse_json_exact(floaty)
+    assert not exact and value == json.loads(floaty)
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    assert base.idempotency_request("k2", "POST", "/p", floaty, value, exact).body_sha256 == \
+        hashlib.sha256(text.encode()).hexdigest()

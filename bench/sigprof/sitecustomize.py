@@ -14,6 +14,11 @@ Two kinds (``MEMFUSE_SIGPROF_MODE``):
   Python stack at its next bytecode boundary (so time in a C call or a syscall counts for the
   Python line that made it; time blocked in ``epoll`` is not CPU and is never sampled). Output:
   collapsed stacks (``frame;frame;... count`` per line, flamegraph.pl's input), root first.
+- ``opcodes``: every bytecode the main thread executes counted per code object
+  (``sys.settrace`` with ``f_trace_opcodes``; ~50x slower): lines ``opcodes<TAB>calls<TAB>
+  file:line:qualname``, most opcodes first. Load-independent like cProfile's call counts,
+  and unlike them it weighs a function by the work it does (bench/README.md, "The close
+  path, session 20: sidecar": trio's share of a file, per loop pass and per task step).
 
 With ``MEMFUSE_THREAD_NAMES=1`` every Python thread of any process started with this directory
 on ``PYTHONPATH`` also gets its Python name as its OS name (``prctl(PR_SET_NAME)``, the first
@@ -67,6 +72,41 @@ if os.environ.get("MEMFUSE_SIGPROF") and ("mount" in sys.argv or "serve" in sys.
             with open(f"{_out}.{os.getpid()}", "w") as fh:
                 for stack, n in _counts.most_common():
                     fh.write(f"{stack} {n}\n")
+    elif os.environ.get("MEMFUSE_SIGPROF_MODE") == "opcodes":
+        import collections
+
+        _ops: collections.Counter = collections.Counter()
+        _calls: collections.Counter = collections.Counter()
+
+        def _local(frame: object, event: str, arg: object) -> object:
+            if event == "opcode":
+                _ops[frame.f_code] += 1  # type: ignore[attr-defined]
+            return _local
+
+        def _global(frame: object, event: str, arg: object) -> object:
+            frame.f_trace_opcodes = True  # type: ignore[attr-defined]
+            _calls[frame.f_code] += 1  # type: ignore[attr-defined]
+            return _local
+
+        def _on(sig: int, frame: object) -> None:
+            _ops.clear()
+            _calls.clear()
+            sys.settrace(_global)
+            f = frame
+            while f is not None:  # the frames running now (trio.run's) count from here on
+                f.f_trace, f.f_trace_opcodes = _local, True  # type: ignore[attr-defined]
+                f = f.f_back  # type: ignore[attr-defined]
+
+        def _off(sig: int, frame: object) -> None:
+            sys.settrace(None)
+            f = frame
+            while f is not None:
+                f.f_trace = None  # type: ignore[attr-defined]
+                f = f.f_back  # type: ignore[attr-defined]
+            with open(f"{_out}.{os.getpid()}", "w") as fh:
+                for co in sorted(set(_ops) | set(_calls), key=lambda c: -_ops[c]):
+                    fh.write(f"{_ops[co]}\t{_calls[co]}\t{co.co_filename}:{co.co_firstlineno}:"
+                             f"{co.co_qualname}\n")
     else:
         import cProfile
 

@@ -679,10 +679,20 @@ class ApiSession:
                     if defaults is None:
                         defaults = self._lean_defaults = {
                             k: v for k, v in self._http.headers.items() if k != "accept-encoding"}
+                    # the per-request headers (idempotency key, If-Match) apart: the lean
+                    # path validates the others once per set (LeanHTTP._headers); the
+                    # defaults (the client's own headers) hold none of them
                     merged = defaults.copy()
+                    varying = []
+                    per_request = lean.PER_REQUEST
                     for k, v in headers.items():
-                        merged[_LOWER.get(k) or k.lower()] = v
-                    got = await lean.exchange(method, path, list(merged.items()), kwargs.get("content"))
+                        lk = _LOWER.get(k) or k.lower()
+                        if lk in per_request:
+                            varying.append((lk, v))
+                        else:
+                            merged[lk] = v
+                    got = await lean.exchange(method, path, list(merged.items()), kwargs.get("content"),
+                                              varying)
                     if raw_ok and 200 <= got.status < 300 and got.plain():
                         raw = got
                     else:

@@ -197,6 +197,9 @@ class LeanHTTP:
     the start, its body at ``deadline.MIN_BODY_RATE`` after that). Not thread-safe; one
     trio run."""
 
+    #: the header names each request gives its own value (lower case; ``_headers``)
+    PER_REQUEST = _PER_REQUEST
+
     def __init__(self, base_url: str, ssl_context: ssl.SSLContext | None, timeout: float) -> None:
         u = urlsplit(base_url)
         if u.scheme not in ("http", "https") or not u.hostname:
@@ -259,8 +262,9 @@ class LeanHTTP:
             await c.aclose()
         return await self._connect(until), False
 
-    def _headers(self, headers: list[tuple[str, str]],
-                 length: int | None) -> tuple[list[tuple[bytes, bytes, bytes]], bytes]:
+    def _headers(self, headers: list[tuple[str, str]], length: int | None,
+                 varying: list[tuple[str, str]] | None = None,
+                 ) -> tuple[list[tuple[bytes, bytes, bytes]], bytes]:
         """``Host``, ``headers`` and ``Content-Length: length`` (None: none) validated and
         normalized by h11's own ``normalize_and_validate`` (its ``LocalProtocolError``
         raised for an illegal name or value, conflicting lengths, a second
@@ -273,13 +277,17 @@ class LeanHTTP:
         the idempotency key, ``If-Match`` and the length change. ``Content-Length`` and
         ``Transfer-Encoding`` are each validated with all of their kind (the first among the
         per-request headers, the second never), so h11's checks across headers hold as
-        before; ``Host`` is counted by ``Request``."""
-        fixed: list[tuple[str, str]] = []
-        varying: list[tuple[str, str]] = []
-        for kv in headers:
-            (varying if kv[0].lower() in _PER_REQUEST else fixed).append(kv)
+        before; ``Host`` is counted by ``Request``. ``varying``: the caller split them already
+        (``headers`` then holds none of ``_PER_REQUEST``, ``varying`` only those)."""
+        if varying is None:
+            fixed: list[tuple[str, str]] = []
+            varying = []
+            for kv in headers:
+                (varying if kv[0].lower() in _PER_REQUEST else fixed).append(kv)
+        else:
+            fixed = headers
         if length is not None:
-            varying.append(("Content-Length", str(length)))
+            varying = [*varying, ("Content-Length", str(length))]
         key = tuple(fixed)
         got = self._validated.get(key)
         if got is None:
@@ -303,20 +311,23 @@ class LeanHTTP:
         return (await self.exchange(method, path, headers, content)).response()
 
     async def exchange(self, method: str, path: str, headers: list[tuple[str, str]],
-                       content: bytes | None) -> "Answer":
+                       content: bytes | None,
+                       varying: list[tuple[str, str]] | None = None) -> "Answer":
         """``send``, the answer as an ``Answer`` (status, headers, body): a caller that
         only decodes a successful answer's body skips building an ``httpx.Response``
         (~50 us of the sidecar's CPU per commit request on the benchmark machine). Raises
-        as ``send``."""
+        as ``send``. ``varying``: the headers named in ``_PER_REQUEST`` given apart (then
+        ``headers`` holds none of them; ``_headers``)."""
         body = content or b""
         length = len(body) if content is not None or method in ("POST", "PUT", "PATCH") else None
         bound = _Bound(trio.current_time() + self.timeout)
         try:
             try:
-                return await self._exchange(bound, method, path, headers, length, body)
+                return await self._exchange(bound, method, path, headers, length, body, varying)
             except _StaleConnection:  # sent again, once, on a new connection (within the deadline)
                 if not bound.expired:
-                    return await self._exchange(bound, method, path, headers, length, body, fresh=True)
+                    return await self._exchange(bound, method, path, headers, length, body, varying,
+                                                fresh=True)
         except httpx.TransportError:
             # what an exchange cut at its deadline ended with (an EOF, a failed send or read,
             # a connect cut short) is the deadline's timeout
@@ -329,7 +340,8 @@ class LeanHTTP:
 
     async def _exchange(self, scope: _Bound, method: str, path: str,
                         headers: list[tuple[str, str]], length: int | None,
-                        body: bytes, fresh: bool = False) -> "Answer":
+                        body: bytes, varying: list[tuple[str, str]] | None = None,
+                        fresh: bool = False) -> "Answer":
         """One request on a pooled connection (``fresh``: a new one). Raises
         ``_StaleConnection`` when the send on a pooled connection broke with no answer (the
         server closed it as idle while the request went out: the request never arrived
@@ -345,7 +357,7 @@ class LeanHTTP:
         try:
             target = self.prefix + path
             try:
-                hdrs, lines = self._headers(headers, length)
+                hdrs, lines = self._headers(headers, length, varying)
                 data = _request_head(method, target, lines) + body
             except h11.LocalProtocolError as exc:
                 raise httpx.LocalProtocolError(str(exc)) from None
@@ -511,24 +523,36 @@ def _varying_items(varying: list[tuple[str, str]]) -> list[tuple[bytes, bytes, b
         if name == b"content-length":
             if not (value.isdigit() and len(value) <= 20) or (len(value) > 1 and value[:1] == b"0"):
                 break
-        elif _VALUE_RE.fullmatch(value) is None:
-            break
+        elif not value.isalnum() and _VALUE_RE.fullmatch(value) is None:
+            break  # (letters and digits only, an idempotency key: h11's field value)
         out.append((raw, name, value))
     else:
         return out
     return _h11_headers(varying)._full_items
 
 
+#: (method, target) -> its request line, checked (``_request_head``): a store's creates all
+#: go to one target; cleared when full
+_REQUEST_LINES: dict[tuple[str, str], bytes] = {}
+_REQUEST_LINES_MAX = 256
+
+
 def _request_head(method: str, target: str, lines: bytes) -> bytes:
     """The request line h11 writes for ``method`` ``target`` (both checked by h11's own
-    expressions: ``LocalProtocolError``), the header ``lines`` (``LeanHTTP._headers``) and
-    the blank line that ends the head."""
-    m, t = method.encode("ascii"), target.encode("ascii")
-    if _METHOD_RE.fullmatch(m) is None:
-        raise h11.LocalProtocolError("Illegal method characters")
-    if _TARGET_RE.fullmatch(t) is None:
-        raise h11.LocalProtocolError("Illegal target characters")
-    return b"%s %s HTTP/1.1\r\n%s\r\n" % (m, t, lines)
+    expressions: ``LocalProtocolError``; a line made once is kept, ``_REQUEST_LINES``), the
+    header ``lines`` (``LeanHTTP._headers``) and the blank line that ends the head."""
+    line = _REQUEST_LINES.get((method, target))
+    if line is None:
+        m, t = method.encode("ascii"), target.encode("ascii")
+        if _METHOD_RE.fullmatch(m) is None:
+            raise h11.LocalProtocolError("Illegal method characters")
+        if _TARGET_RE.fullmatch(t) is None:
+            raise h11.LocalProtocolError("Illegal target characters")
+        line = b"%s %s HTTP/1.1\r\n" % (m, t)
+        if len(_REQUEST_LINES) >= _REQUEST_LINES_MAX:
+            _REQUEST_LINES.clear()
+        _REQUEST_LINES[(method, target)] = line
+    return b"%s%s\r\n" % (line, lines)
 
 
 _Head = tuple[int, bytes, list[tuple[bytes, bytes]], int, int, bool]
@@ -537,14 +561,20 @@ _Head = tuple[int, bytes, list[tuple[bytes, bytes]], int, int, bool]
 #: section 5): ``field-name ":" OWS field-value OWS``, the name a ``token`` (no ``:`` in it:
 #: the line's first colon ends it) and the rest any run of ``field-vchar`` (h11's
 #: ``[^\x00\s]``) and ``SP`` / ``HTAB`` (the OWS either side and the blanks inside a value),
-#: so a line is h11's exactly when its name holds only ``_TOKEN`` bytes and the rest no
-#: byte outside ``_FIELD``; the value is the rest without its OWS. Checked with
-#: ``bytes.translate`` (the bytes left after deleting the allowed ones: none), ~5 us less per
+#: so a line is h11's exactly when its name holds only ``_TOKEN`` bytes and the rest none
+#: of ``\x00 \n \r \x0b \x0c``; the value is the rest without its OWS. Checked with
+#: ``bytes.translate`` (the bytes left after deleting the allowed ones: none) and, for the
+#: values, ``count`` / ``in`` over the whole head (session 20), ~5 us less per
 #: answer than h11's expression, which backtracks over each value (bench/README.md, "The
 #: close path, session 15: the commit exchange"). tests/test_lean_http.py holds it to h11's
 #: reading (``test_header_lines_read_as_h11_reads_them``).
 _TOKEN = b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
-_FIELD = bytes(b for b in range(256) if b not in b"\x00\n\r\x0b\x0c")
+#: header names found to be ``_TOKEN`` bytes only (the control plane sends the same few on
+#: every answer): a ``bytes.translate`` with a 78-byte delete set costs ~1,800 instructions
+#: (its table is built per call); cleared when full. The field values' rule (no byte of
+#: ``\x00 \n \r \x0b \x0c``) is checked on the whole head at once (``_simple_head``).
+_TOKEN_NAMES: set[bytes] = set()
+_TOKEN_NAMES_MAX = 256
 
 
 def _simple_head(buf: bytes, method: str) -> "_Head | None | bool":
@@ -561,7 +591,12 @@ def _simple_head(buf: bytes, method: str) -> "_Head | None | bool":
         if b"\n" in buf.replace(b"\r\n", b""):
             return False  # a bare LF (h11 accepts those line ends)
         return None
-    lines = buf[:end].split(b"\r\n")  # a bare CR or LF left in a line: refused below
+    head = buf[:end]
+    lines = head.split(b"\r\n")
+    seps = len(lines) - 1
+    if (head.count(b"\r") != seps or head.count(b"\n") != seps or b"\x00" in head
+            or b"\x0b" in head or b"\x0c" in head):
+        return False  # a bare CR or LF, or a NUL, VT or FF: no field value holds one
     m = _STATUS_RE.fullmatch(lines[0])
     if m is None or m["http_version"] != b"1.1" or method == "HEAD":
         return False
@@ -573,8 +608,14 @@ def _simple_head(buf: bytes, method: str) -> "_Head | None | bool":
     keep_alive = True
     for line in lines[1:]:
         name, colon, value = line.partition(b":")
-        if not colon or not name or name.translate(None, _TOKEN) or value.translate(None, _FIELD):
+        if not colon or not name:
             return False
+        if name not in _TOKEN_NAMES:
+            if name.translate(None, _TOKEN):
+                return False
+            if len(_TOKEN_NAMES) >= _TOKEN_NAMES_MAX:
+                _TOKEN_NAMES.clear()
+            _TOKEN_NAMES.add(name)
         name, value = name.lower(), value.strip(b" \t")
         if name == b"content-length":
             if size >= 0 or not value.isdigit() or not value.isascii():

@@ -55,6 +55,7 @@ from memfuse.server.db import (
     TokenRow,
     VersionRow,
     WorkspaceRow,
+    info_of,
     utcnow,
 )
 
@@ -388,6 +389,19 @@ def _msgspec_exact(value: object) -> bool:
 _DECODE = msgspec.json.Decoder().decode
 
 
+def parse_json_exact(raw: bytes) -> tuple[Any, bool]:
+    """``parse_json(raw)``'s value, and whether it holds only what ``_msgspec_exact`` allows
+    (checked there: ``canonical_sha256(value, exact=True)`` does not walk it again). Raises
+    what ``parse_json`` raises."""
+    try:
+        value = _DECODE(raw)
+        if _msgspec_exact(value):
+            return value, True
+    except Exception:  # noqa: BLE001 - refused or too deep for msgspec: json's answer
+        pass
+    return json.loads(raw), False
+
+
 def parse_json(raw: bytes) -> Any:
     """``json.loads(raw)``: its value, or what it raises (``ValueError``, ``RecursionError``).
     What FastAPI (starlette's ``Request.json``) makes of a JSON body, read ~5x faster: msgspec
@@ -396,23 +410,18 @@ def parse_json(raw: bytes) -> Any:
     (a float, and everything msgspec refuses and ``json`` takes: ``NaN``, ``1e400``, a
     byte-order mark, UTF-16, lone surrogates). Each value msgspec takes, ``json`` reads the
     same (duplicate keys: the last; integers of any size; tests/test_writepath.py)."""
-    try:
-        value = _DECODE(raw)
-        if _msgspec_exact(value):
-            return value
-    except Exception:  # noqa: BLE001 - refused or too deep for msgspec: json's answer
-        pass
-    return json.loads(raw)
+    return parse_json_exact(raw)[0]
 
 
-def canonical_sha256(value: object) -> str:
+def canonical_sha256(value: object, exact: bool = False) -> str:
     """sha256 hex of ``value`` (a parsed JSON body) as canonical JSON: keys sorted, no
     whitespace, UTF-8 (lone surrogates kept). The idempotency request hash of a write: equal
     for the same body however it was spaced or ordered, alone or inside a batch. The text is
     ``_CANONICAL``'s; for a value without floats (``_msgspec_exact``) msgspec writes the same
-    bytes ~5x faster (tests/test_idempotency.py compares them on random values)."""
+    bytes ~5x faster (tests/test_idempotency.py compares them on random values). ``exact``:
+    the caller knows ``_msgspec_exact(value)`` holds (``parse_json_exact``)."""
     try:
-        if _msgspec_exact(value):
+        if exact or _msgspec_exact(value):
             return hashlib.sha256(_CANONICAL_FAST.encode(value)).hexdigest()
     except (UnicodeEncodeError, RecursionError):
         pass  # a lone surrogate (kept below), a value too deep for the walk: json's answer
@@ -424,14 +433,15 @@ _UNPARSED = object()
 
 
 def idempotency_request(key: str, method: str, url_path: str, raw: bytes,
-                        parsed: object = _UNPARSED) -> IdempotencyRequest:
+                        parsed: object = _UNPARSED, exact: bool = False) -> IdempotencyRequest:
     """The ``IdempotencyRequest`` of a single write whose raw body is ``raw`` (empty for a
     body-less DELETE): canonical hash of the parsed body, raw hash as the alternative (of
     ``raw``, hashed when a stored row is compared: ``IdempotencyRequest.alternative``).
-    ``parsed``: ``json.loads(raw)`` when the caller has it already (not parsed again)."""
+    ``parsed``: ``json.loads(raw)`` when the caller has it already (not parsed again);
+    ``exact``: ``parse_json_exact`` said it holds only what msgspec writes as ``json`` does."""
     try:
         if parsed is not _UNPARSED:
-            canon = canonical_sha256(parsed)
+            canon = canonical_sha256(parsed, exact)
         else:
             canon = canonical_sha256(json.loads(raw)) if raw.strip() else canonical_sha256(None)
     except ValueError:
@@ -490,9 +500,26 @@ _RAW_SELECT_IDEM = Raw(_SELECT_IDEM)
 #: write's idempotency key (``idem_scope``, ``idem_key``; NULL: none): the key's lookup of
 #: ``Writer.write(store_first=True)`` without a statement of its own (bench/README.md, "The
 #: close path, session 18: serve's writer statements")
-_RAW_ATTACHED_STORE_PROBE = Raw(_SELECT_ATTACHED_STORE_FOR_UPDATE.add_columns(
-    select(_I.c.id).where(_I.c.scope == bindparam("idem_scope"), _I.c.key == bindparam("idem_key"))
-    .scalar_subquery().label("idem_id")))
+#: The row has only the store's columns that a record write (``Writer.write(store_first=True)``:
+#: ``records``' create, update, append, attributes, move, delete) and ``AccessRules.store``
+#: read (``RECORD_WRITE_COLUMNS``), not all 20 (15 of them): the driver describes and converts every
+#: column of every row (~1 k instructions a column; bench/README.md, "The close path, session
+#: 20: serve's writer"). A record write that reads another column of ``st`` fails with
+#: ``AttributeError`` in the tests of that write (``tests/test_rawsql.py`` reads every column
+#: of the store row that ``records.py`` and ``recordrows.py`` name).
+RECORD_WRITE_COLUMNS = ("slug", "account", "default_type", "max_record_bytes", "max_store_bytes", "max_records",
+                        "usage_bytes", "record_count", "created_at", "archived_at",
+                        # the history budget's (``history.settle_with_usage``)
+                        "max_history_bytes", "max_history_versions", "history_min_age_s",
+                        "version_bytes", "version_count")
+_RAW_ATTACHED_STORE_PROBE = Raw(
+    select(*(_S.c[name] for name in RECORD_WRITE_COLUMNS), _A.c.access)
+    .join_from(_S, _A, and_(_A.c.store == _S.c.slug, _A.c.workspace == bindparam("ws")))
+    .where(_S.c.public_slug == bindparam("slug"))
+    .add_columns(_ACCOUNT_MAX_BYTES,
+                 select(_I.c.id).where(_I.c.scope == bindparam("idem_scope"), _I.c.key == bindparam("idem_key"))
+                 .scalar_subquery().label("idem_id"))
+    .with_for_update(of=_S))
 #: ``Connection.info`` key of the idempotency key (scope, key) that ``AccessRules.store``
 #: looks up beside the store row of a write (``Writer.write``, ``store_first``)
 IDEM_PROBE = "memfuse_idem_probe"
@@ -642,7 +669,7 @@ class AccessRules:
                 named = _RAW_NAMED_STORE[write].all(conn, {"slug": slug})
                 st = named[0] if len(named) == 1 else None
         else:
-            probe = conn.info.pop(IDEM_PROBE, None) if write else None
+            probe = info_of(conn).pop(IDEM_PROBE, None) if write else None
             if probe is None:
                 st = _RAW_ATTACHED_STORE[write].first(conn, {"slug": slug, "ws": p.workspace})
             else:
@@ -852,7 +879,7 @@ class Writer:
                     if idem is not None:
                         if probe:  # looked up with the store row (``AccessRules.store``)
                             self.idem_cleanup(conn)
-                            conn.info[IDEM_PROBE] = (p.scope, idem.key)
+                            info_of(conn)[IDEM_PROBE] = (p.scope, idem.key)
                         else:
                             replay = self.idem_lookup(conn, p, idem)
                             if replay is not None:
@@ -861,7 +888,7 @@ class Writer:
                     try:
                         result = fn(s)
                     finally:
-                        unread = conn.info.pop(IDEM_PROBE, None)
+                        unread = info_of(conn).pop(IDEM_PROBE, None)
                     if unread is not None and _RAW_SELECT_IDEM.first(conn, {"scope": unread[0], "key": unread[1]}):
                         raise IdemFound  # ``fn`` did not read the store first: its writes undone
                     history.settle(conn)  # the kept versions counted; pruned when over budget
@@ -974,7 +1001,7 @@ class Parts:
     settings: Settings
     access: AccessRules
     writer: Writer
-    #: each token's budget of large secret scans (``memfuse.server.scanbudget``)
+    #: each token's budget of secret scans (``memfuse.server.scanbudget``; from ``prescan.CHARGE_MIN`` chars)
     scans: ScanBudget = field(default_factory=ScanBudget)
 
     @classmethod

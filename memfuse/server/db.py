@@ -63,7 +63,7 @@ from sqlalchemy.pool import StaticPool
 
 from memfuse import defs, sqlitebind  # noqa: F401 - None binds as NULL without the search
 from memfuse.server import budget, fulltext
-from memfuse.server.rawsql import Raw
+from memfuse.server.rawsql import Raw, SharedCursorConnection, statement_listeners
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,9 @@ class UTCDateTime(TypeDecorator[datetime]):
         utc = timezone.utc
 
         def process(value: Any) -> Any:
-            if value.__class__ is not datetime:  # None, a date, a subclass: the composed rule
+            if value is None:  # NULL (the composed rule's answer, without its three calls)
+                return None
+            if value.__class__ is not datetime:  # a date, a subclass: the composed rule
                 return composed(value)
             tz = value.tzinfo
             if tz is not None:
@@ -579,6 +581,9 @@ class Database:
         # SQLite: write_conn transactions committed since the full-text queue was last drained
         # (``_drain_due``). GUARDED_BY(_write_lock, or _all_lock in memory)
         self._since_drain = 0
+        # SQLite file: the WAL checkpoint of the kept connection, run after a write's answer
+        # (``_checkpoint_due``) instead of inside its commit. GUARDED_BY(_write_lock)
+        self._wal = WalCheckpoints()
         # SQLite file: the kept connection while ``write_conn`` holds a transaction it began on
         # the driver (``_driver_transaction``), else None: SQLAlchemy's ``begin`` of it (the
         # autobegin of a Core statement inside) then emits nothing. GUARDED_BY(_write_lock)
@@ -640,7 +645,8 @@ class Database:
         else:
             engine = create_engine(
                 self.url,
-                connect_args={"check_same_thread": False, "timeout": 5.0},
+                # SharedCursorConnection: write_conn's statements share one cursor (rawsql)
+                connect_args={"check_same_thread": False, "timeout": 5.0, "factory": SharedCursorConnection},
                 pool_size=10,
                 max_overflow=30,
                 # the connection used last comes back first: its SQLite page cache is still
@@ -768,6 +774,10 @@ class Database:
                 if kept is not None:
                     kept.close()
                 kept = self._kept = self._write_bind.connect()
+                dbapi = _driver(kept)
+                if dbapi is not None:  # its page cache (per connection) holds the write path's indexes
+                    dbapi.execute(f"PRAGMA cache_size=-{WRITER_CACHE_KIB}")
+                self._wal.take_over(kept)
             conn = kept
             with self._driver_transaction(conn):
                 yield conn
@@ -777,6 +787,8 @@ class Database:
             if conn.invalidated or conn.in_transaction():  # a drain that failed half-way
                 self._kept = None
                 conn.close()
+            else:
+                self._wal.due(conn)
         finally:
             if lock is not None:
                 lock.release()
@@ -797,8 +809,23 @@ class Database:
         invalidated is closed and not kept."""
         _BEGIN_WRITE.run(conn, {})
         self._driver_open = conn
+        shared = _driver(conn)
+        if type(shared) is SharedCursorConnection:  # the transaction's Raw statements share one cursor
+            shared.raw_listeners = statement_listeners(conn)  # and its listeners (rawsql)
+            shared.raw_cursor = shared.cursor()
+        else:
+            shared = None
         try:
-            yield
+            try:
+                yield
+            finally:
+                if shared is not None:  # closed before the end: no statement left open past it
+                    cursor, shared.raw_cursor = shared.raw_cursor, None
+                    if cursor is not None:
+                        try:
+                            cursor.close()
+                        except sqlite3.Error:  # its connection closed inside: nothing left open
+                            pass
             self._driver_open = None
             tx = conn.get_transaction()
             if tx is not None:  # SQLAlchemy's, autobegun inside: it ends the driver's too
@@ -885,6 +912,19 @@ class Database:
         self.engine.dispose()
 
 
+def info_of(conn: Connection) -> dict[Any, Any]:
+    """``conn.info`` (the dict kept with its DB-API connection) read without ``Connection.info``'s
+    and ``Connection.connection``'s property calls (~1.5 k instructions each read, and a record
+    create read it nine times; bench/README.md, "The close path, session 20: serve's writer"):
+    the pool's connection's own (memoized) ``info``; ``conn.info`` itself when ``conn`` has no
+    DB-API connection (invalidated, closed: it revalidates or raises, as before)."""
+    fairy = conn._dbapi_connection  # noqa: SLF001
+    if fairy is None:
+        return conn.info
+    info: dict[Any, Any] = fairy.info
+    return info
+
+
 def _driver(conn: Connection) -> Any:
     """``conn``'s DB-API connection (sqlite3), or None when it has none (invalidated,
     closed); never reconnects, as ``Connection.connection`` would."""
@@ -892,8 +932,90 @@ def _driver(conn: Connection) -> Any:
     return None if fairy is None else fairy.dbapi_connection
 
 
+class WalCheckpoints:
+    """The WAL checkpoints of an SQLite file's kept write connection (``Database.write_conn``),
+    run after a write's answer instead of inside its commit.
+
+    SQLite's automatic checkpoint (``wal_autocheckpoint``, 1,000 frames by default) runs in the
+    ``COMMIT`` that crosses it: that write waits for the copy of the log into the database and
+    two fsyncs (the log's, the database file's) before it is answered. A create writes ~20
+    frames (one page of each b-tree it touches), so every ~50th create paid ~1 ms more, on the
+    critical path of a ``close(2)`` (bench/README.md, "The close path, session 20: the WAL
+    checkpoint"). Here the kept connection runs with ``wal_autocheckpoint=0`` and, after a
+    committed transaction has been answered (``write_conn`` calls ``due`` after
+    ``committed()`` and the full-text drain), a ``PRAGMA wal_checkpoint(PASSIVE)`` once about
+    ``FRAMES`` frames were written since the last one: the same work and the same rule as
+    SQLite's own (PASSIVE, the automatic checkpoint's mode: it never waits for a reader or a
+    writer), in the time the client spends on the answer. Durability is unchanged: a commit is
+    on disk at its own fsync of the log (``synchronous=FULL``); a checkpoint only moves pages.
+
+    Frames per transaction are not known before a checkpoint reports the log's size, so the
+    interval in transactions is learnt: ``every`` starts at ``FIRST_EVERY`` and is set after
+    each checkpoint to the transactions that made ``FRAMES`` frames at the last rate seen,
+    within ``[1, MAX_EVERY]``. A checkpoint that fails (disk error, database locked) is logged
+    and tried again at the next transaction; it never fails the write, which committed.
+
+    Other connections (readers that write, the CLI in local mode, another process) keep
+    SQLite's automatic checkpoint: if this one stops running, theirs still bound the log.
+    """
+
+    FRAMES = 1000  # SQLite's default wal_autocheckpoint (frames)
+    FIRST_EVERY = 32  # transactions before the first checkpoint of a connection
+    MAX_EVERY = 1000  # at most this many transactions between two checkpoints
+
+    def __init__(self) -> None:
+        # GUARDED_BY(Database._write_lock). INVARIANT: ``since`` counts the kept connection's
+        # committed transactions since its last checkpoint (or since it was taken over)
+        self.since = 0
+        self.every = self.FIRST_EVERY
+        self.runs = 0  # checkpoints run (tests, the benchmark)
+
+    def take_over(self, conn: Connection) -> None:
+        """``conn`` is the new kept write connection: turn its automatic checkpoint off.
+        A failure leaves it on (SQLite checkpoints in the commit, as before), logged."""
+        self.since, self.every = 0, self.FIRST_EVERY
+        dbapi = _driver(conn)
+        try:
+            if dbapi is not None:  # on the driver: outside SQLAlchemy's autobegun transaction
+                dbapi.execute("PRAGMA wal_autocheckpoint=0")
+        except sqlite3.Error as e:
+            log.warning("WAL checkpoint: automatic checkpoint left on",
+                        extra={"error": type(e).__name__})
+
+    def due(self, conn: Connection) -> None:
+        """After a committed transaction of ``conn`` (outside any transaction, the write lock
+        held): checkpoint when ``every`` transactions have committed since the last one.
+        Never raises."""
+        self.since += 1
+        if self.since < self.every:
+            return
+        dbapi = _driver(conn)
+        if dbapi is None:
+            return
+        try:  # on the driver, in autocommit: a checkpoint cannot run inside a transaction
+            row = dbapi.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        except sqlite3.Error as e:
+            log.warning("WAL checkpoint failed; tried again after the next write",
+                        extra={"error": type(e).__name__})
+            self.every = self.since + 1
+            return
+        self.runs += 1
+        frames = int(row[1]) if row is not None and row[1] is not None and int(row[1]) > 0 else 0
+        if frames > 0:
+            self.every = max(1, min(self.MAX_EVERY, self.since * self.FRAMES // frames))
+        self.since = 0
+
+
 # on the DB-API cursor (memfuse.server.rawsql): write_conn's transactions on the kept connection
 _BEGIN_WRITE = Raw(text("BEGIN IMMEDIATE"))
+#: KiB of SQLite page cache of the kept write connection (``write_conn``; SQLite's default is
+#: 2,000 KiB). Every create inserts into five indexes keyed by a random id (the record's id
+#: twice, its version's ``(record_id, version)``, its full-text key, its idempotency key), each
+#: at a random leaf page: once a store's file outgrows the cache those pages are read again
+#: from the file, read system calls per create growing with the store (4.2 → 15.3 over 8,000
+#: creates; 3.4 → 6.8 with 64 MiB; bench/README.md, "The close path, session 20: serve's
+#: writer"). One connection: the memory is bounded by this, allocated only as pages are read.
+WRITER_CACHE_KIB = 16384
 DISPOSE_WAIT_SECONDS = 5.0  # how long dispose() waits for a write in progress (the kept connection)
 WAL_SWITCH_SECONDS = 5.0  # how long a new connection may wait to switch a new file to WAL
 

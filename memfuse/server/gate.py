@@ -69,7 +69,6 @@ The lean HTTP path (``memfuse.server.lean``) hands a record write (create, updat
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -89,6 +88,7 @@ from memfuse.server.readslots import (MAX_READS, MEMORY_TOOL_SUFFIX, READS_PER_T
                                       read_call)
 from memfuse.server.service import Principal, Service, ServiceError, with_write_headers
 from memfuse.server.streamclass import Lease, StreamClass
+from memfuse.server.tokens import token_digest
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ SEND_TIMEOUT = 30.0
 AUTH_THREADS = 4  # worker threads for lookups of unknown tokens
 BAD_TOKEN_SECONDS = 60.0  # a refused token is refused again without a query this long
 BAD_TOKEN_MAX = 10_000
-RATE_KEYS_MAX = 10_000  # tokens whose write-bucket key is kept (the table is cleared past it)
+RATE_KEYS_MAX = 10_000  # tokens whose digest is kept (``Gate._token_key``; the table is cleared past it)
 READY_REUSE_SECONDS = 0.25
 DRAIN_SECONDS = 5.0
 
@@ -430,7 +430,9 @@ class Gate:
         self.lean_writes = 0  # requests ``write`` took itself (tests, the benchmark)
         metrics.inflight.set_function(lambda: self.inflight)
         self.body_bytes = 0  # bytes of bodies held now
-        self._rate_keys: dict[str, str] = {}  # token → its write buckets' key (a digest)
+        # token → its ``token_digest`` (the token cache's key; its first 32 characters key the
+        # token's write buckets and request share), so a token is hashed once, not per request
+        self._digests: dict[str, str] = {}
         self._auth_limiter: anyio.CapacityLimiter | None = None
         self._probe_limiter: anyio.CapacityLimiter | None = None
         self._ready_lock: anyio.Lock | None = None
@@ -502,7 +504,8 @@ class Gate:
         if token is TWO_TOKENS:
             await self._refuse(receive, send, 400, "invalid_request",
                                "the request gives its credential twice (two Authorization or "
-                               "X-Api-Key headers); send one", close=pending, path=path)
+                               "X-Api-Key headers, or a bearer token and another X-Api-Key); "
+                               "send one", close=pending, path=path)
             return
         if length is not None and length > limit:
             await self._refuse(receive, send, 413, "too_large",
@@ -532,7 +535,9 @@ class Gate:
             scope["memfuse.principal"] = principal
             if method in _WRITE_METHODS and path.startswith("/v1/") and token:
                 # the token's write buckets, from the headers, before the body is read
-                if await self._rate_refused(token, length, receive, send, pending, path):
+                refusal = self._rate_refusal(self._token_key(token), length, receive, send, pending, path)
+                if refusal is not None:
+                    await refusal
                     return
         lease: Lease | None = None
         if self.long_lived(method, path, scope.get("query_string", b"")):
@@ -554,7 +559,9 @@ class Gate:
                 return  # the client left, or refused
             if lease is None:
                 share = self._share_key(principal, token, scope)
-                if await self._slot_refused(share, receive, send, path):
+                refusal = self._slot_refusal(share, receive, send, path)
+                if refusal is not None:
+                    await refusal
                     return
                 self.inflight += 1
                 try:
@@ -602,8 +609,9 @@ class Gate:
                 and scope["method"] in ("POST", "PUT") and path.startswith("/v1/")
                 and not path.endswith(MEMORY_TOOL_SUFFIX)
                 and not (api_key and path.startswith(self.api_key_prefixes or ("\0",)))):
+            digest = self._digests.get(token) or token_digest(token)
             try:
-                principal = self.svc.authenticate_cached(token, instance)
+                principal = self.svc.authenticate_cached(token, instance, digest)
             except ServiceError:
                 principal = None
         if principal is None:
@@ -611,19 +619,30 @@ class Gate:
             return
         assert token is not None and length is not None and self.writes is not None and within is not None
         self.lean_writes += 1
-        client = scope.get("client")
-        self.connections.active(client)
-        self.connections.cleared(client)
+        # ``__call__``'s ``active`` then ``cleared``: the second forgets what the first reorders
+        self.connections.cleared(scope.get("client"))
         scope["memfuse.principal"] = with_write_headers(principal, store_created, writer)
-        if await self._rate_refused(token, length, receive, send, bool(length), path):
+        share = self._token_key(token, digest)  # ``_share_key`` of a request with a principal and a token
+        refusal = self._rate_refusal(share, length, receive, send, bool(length), path)
+        if refusal is not None:
+            await refusal
             return
         held = 0
         try:
-            body, held = await self._body(receive, send, limit, scope, path)
-            if body is None:
-                return  # the client left, or refused
-            share = self._token_key(token)  # ``_share_key`` of a request with a principal and a token
-            if await self._slot_refused(share, receive, send, path):
+            try:  # the body the server holds whole (the usual case) without a coroutine of ``_body``'s
+                body = self._held_body(scope, limit)
+            except _Refusal as r:
+                await self._body_refused(r, receive, send, path)
+                return
+            if body is not None:
+                held = len(body)
+            else:
+                body, held = await self._body(receive, send, limit, scope, path)
+                if body is None:
+                    return  # the client left, or refused
+            refusal = self._slot_refusal(share, receive, send, path)
+            if refusal is not None:
+                await refusal
                 return
             self.inflight += 1
             status = 0
@@ -654,20 +673,22 @@ class Gate:
         finally:
             self.body_bytes -= held
 
-    async def _rate_refused(self, token: str, length: int | None, receive: Receive, send: Send,
-                            pending: bool, path: str) -> bool:
-        """Draw a write of ``length`` body bytes on ``token``'s write buckets (``WriteRate``,
-        before the body is read); True when refused (429 ``rate_limited`` with
-        ``Retry-After`` sent; ``pending``: a body is left unread, the connection closes)."""
-        wait = self.write_rate.take(self._token_key(token), length or 0, time.monotonic())
+    def _rate_refusal(self, key: str, length: int | None, receive: Receive, send: Send,
+                      pending: bool, path: str) -> Awaitable[None] | None:
+        """Draw a write of ``length`` body bytes on the write buckets of the token whose
+        ``_token_key`` is ``key`` (``WriteRate``, before the body is read): None when it
+        fits, else the refusal for the caller to await (429 ``rate_limited`` with
+        ``Retry-After``; ``pending``: a body is left unread, the connection closes). Not a
+        coroutine itself: the common case makes none (bench/README.md, "The close path,
+        session 20: serve's loop")."""
+        wait = self.write_rate.take(key, length or 0, time.monotonic())
         if wait <= 0:
-            return False
-        await self._refuse(receive, send, 429, "rate_limited",
-                           "this token writes faster than the control plane allows; "
-                           "retry after the time in Retry-After",
-                           headers={"Retry-After": str(max(1, math.ceil(wait)))},
-                           close=pending, path=path)
-        return True
+            return None
+        return self._refuse(receive, send, 429, "rate_limited",
+                            "this token writes faster than the control plane allows; "
+                            "retry after the time in Retry-After",
+                            headers={"Retry-After": str(max(1, math.ceil(wait)))},
+                            close=pending, path=path)
 
     async def _body(self, receive: Receive, send: Send, limit: int, scope: Scope,
                     path: str) -> tuple[bytes | None, int]:
@@ -677,39 +698,46 @@ class Gate:
         try:
             return await self._read_body(receive, limit, scope)
         except _Refusal as r:
-            await self._refuse(receive, send, r.status, r.code, r.detail, headers=r.headers,
-                               close=True, path=path)
+            await self._body_refused(r, receive, send, path)
             return None, 0
 
-    async def _slot_refused(self, share: str | None, receive: Receive, send: Send, path: str) -> bool:
-        """Whether an ordinary request whose body is read is refused a request slot: 503
-        ``overloaded`` at ``max_inflight``, 429 ``too_many_requests`` when ``share``'s
-        (``_share_key``) is full; both end the connection after their answer (attack17 F4:
-        requests a client pipelined behind one would each be refused in turn, long after it
-        left). Not refused: one of ``share``'s taken (the caller gives it back)."""
-        if self.inflight >= self.max_inflight:
-            await self._refuse(receive, send, 503, "overloaded",
-                               "the server is at its request limit; retry",
-                               headers={"Retry-After": "1"}, close=True, path=path)
-            return True
-        if share is not None and not self.shares.take(share):
-            await self._refuse(receive, send, 429, "too_many_requests",
-                               "this client has as many requests in the server at once as "
-                               "one token (or one address without a token) may; retry",
-                               headers={"Retry-After": "1"}, close=True, path=path)
-            return True
-        return False
+    async def _body_refused(self, r: _Refusal, receive: Receive, send: Send, path: str) -> None:
+        """Answer a refusal of the body (``_read_body``, ``_held_body``); the connection closes."""
+        await self._refuse(receive, send, r.status, r.code, r.detail, headers=r.headers, close=True, path=path)
 
-    def _token_key(self, token: str) -> str:
+    def _slot_refusal(self, share: str | None, receive: Receive, send: Send, path: str) -> Awaitable[None] | None:
+        """None when an ordinary request whose body is read gets a request slot (one of
+        ``share``'s taken: the caller gives it back), else its refusal for the caller to
+        await: 503 ``overloaded`` at ``max_inflight``, 429 ``too_many_requests`` when
+        ``share``'s (``_share_key``) is full; both end the connection after their answer
+        (attack17 F4: requests a client pipelined behind one would each be refused in turn,
+        long after it left). Not a coroutine itself, as ``_rate_refusal``."""
+        if self.inflight >= self.max_inflight:
+            return self._refuse(receive, send, 503, "overloaded",
+                                "the server is at its request limit; retry",
+                                headers={"Retry-After": "1"}, close=True, path=path)
+        if share is not None and not self.shares.take(share):
+            return self._refuse(receive, send, 429, "too_many_requests",
+                                "this client has as many requests in the server at once as "
+                                "one token (or one address without a token) may; retry",
+                                headers={"Retry-After": "1"}, close=True, path=path)
+        return None
+
+    def _token_key(self, token: str, digest: str | None = None) -> str:
         """The key of ``token``'s write buckets and request share (a digest, so the tables
-        keyed by it hold no token), remembered per token; the memo is cleared past
-        ``RATE_KEYS_MAX`` tokens."""
-        key = self._rate_keys.get(token)
-        if key is None:
-            if len(self._rate_keys) >= RATE_KEYS_MAX:
-                self._rate_keys.clear()
-            key = self._rate_keys[token] = hashlib.sha256(token.encode()).hexdigest()[:32]
-        return key
+        keyed by it hold no token): the first 32 characters of its ``token_digest``
+        (``digest``, when the caller has it), which is remembered per token for the next
+        request (hashed once, not per request: ``write`` gives it to the token cache too).
+        Called only for a token that authenticated, so only those are kept; the memo is
+        cleared past ``RATE_KEYS_MAX`` tokens (its keys are raw tokens, as they were when it
+        held the 32 characters alone, since session 12: bounded, event-loop only)."""
+        digests = self._digests
+        kept = digests.get(token)
+        if kept is None:
+            if len(digests) >= RATE_KEYS_MAX:
+                digests.clear()
+            kept = digests[token] = digest if digest is not None else token_digest(token)
+        return kept[:32]
 
     def _share_key(self, principal: Principal | None, token: str | None, scope: Scope) -> str | None:
         """Whose share of the slots an ordinary request takes (``Shares``): its token's (by
@@ -946,15 +974,8 @@ class Gate:
         holds now (the caller gives them back). Raises ``_Refusal`` 413 / 408 / 503. A body
         the HTTP server holds whole already (``scope``'s extension ``BODY``) is taken at once
         (nothing to wait for: no deadline), under the same bounds."""
-        take = (scope.get("extensions") or {}).get(BODY) if scope is not None else None
-        whole = take() if take is not None else None
-        if whole is not None:  # as one piece that ends the body, below
-            if len(whole) > limit:
-                raise _Refusal(413, "too_large", f"the body is larger than this endpoint takes ({limit} bytes)")
-            if self.body_bytes + len(whole) > self.body_budget:
-                raise _Refusal(503, "overloaded", "the server holds too many request bodies; retry",
-                               {"Retry-After": "1"})
-            self.body_bytes += len(whole)
+        whole = self._held_body(scope, limit) if scope is not None else None
+        if whole is not None:
             return whole, len(whole)
         chunks: list[bytes] = []
         size = 0
@@ -986,6 +1007,23 @@ class Gate:
             self.body_bytes -= size
             raise
         return (chunks[0] if len(chunks) == 1 else b"".join(chunks)), size
+
+    def _held_body(self, scope: Scope, limit: int) -> bytes | None:
+        """The whole body when the HTTP server holds it already (``scope``'s extension
+        ``BODY``: nothing to wait for, no deadline), as ``_read_body`` takes one piece that
+        ends the body, under the same bounds: its bytes then held in ``body_bytes`` (the
+        caller gives them back); None when the server does not hold it whole. Raises
+        ``_Refusal`` 413 / 503."""
+        take = (scope.get("extensions") or {}).get(BODY)
+        whole = take() if take is not None else None
+        if whole is not None:
+            if len(whole) > limit:
+                raise _Refusal(413, "too_large", f"the body is larger than this endpoint takes ({limit} bytes)")
+            if self.body_bytes + len(whole) > self.body_budget:
+                raise _Refusal(503, "overloaded", "the server holds too many request bodies; retry",
+                               {"Retry-After": "1"})
+            self.body_bytes += len(whole)
+        return whole
 
     async def _probe(self, path: str, receive: Receive, send: Send) -> None:
         if path == "/healthz":
@@ -1136,7 +1174,8 @@ def _headers(scope: Scope) -> tuple[int, int | None, bool, str | None, str | Non
     Content-Length or None, chunked, bearer token or None, X-Memfuse-Instance or None,
     X-Api-Key or None, Memfuse-Store-Created or None, Memfuse-Writer or None), in one pass
     over the headers. The token (or the X-Api-Key) is ``TWO_TOKENS`` when the header is
-    given more than once."""
+    given more than once; the token is when a bearer token and an X-Api-Key that differ
+    are both given (on any path: which one counts is not ours to guess)."""
     length: int | None = None
     chunked = False
     seen_auth = seen_key = False
@@ -1173,6 +1212,8 @@ def _headers(scope: Scope) -> tuple[int, int | None, bool, str | None, str | Non
             store_created = v.decode("latin-1")
         elif k == b"memfuse-writer":
             writer = v.decode("latin-1")
+    if token is not None and api_key is not None and token != api_key:
+        token = TWO_TOKENS  # a bearer token and another X-Api-Key: two credentials (attack20 F3)
     return head, length, chunked, token, instance, api_key, store_created, writer
 
 

@@ -40,7 +40,7 @@ from sqlalchemy.engine import Connection
 
 from memfuse.defs import HISTORY_BYTES_FACTOR, HISTORY_MIN_AGE_S, HISTORY_VERSIONS_FACTOR, INT64_MAX
 from memfuse.server import deltas
-from memfuse.server.db import RecordRow, StoreRow, VersionRow, utcnow
+from memfuse.server.db import RecordRow, StoreRow, VersionRow, info_of, utcnow
 from memfuse.server.rawsql import Raw
 
 if TYPE_CHECKING:  # for the annotations only
@@ -69,7 +69,10 @@ _BUDGET_COLUMNS = (_S.c.slug, _S.c.max_history_bytes, _S.c.max_store_bytes, _S.c
                    _S.c.max_records, _S.c.history_min_age_s, _S.c.version_bytes, _S.c.usage_bytes,
                    _S.c.version_count, _S.c.record_count)
 _UPDATE_KEPT_RETURNING = _UPDATE_KEPT.returning(*_BUDGET_COLUMNS)
-#: a write's usage counters and kept-version counters in one statement (``settle_with_usage``)
+#: a write's usage counters and kept-version counters in one statement (``settle_with_usage``),
+#: without RETURNING: SQLite runs a RETURNING through an ephemeral table, ~30 k instructions
+#: plus ~2 k a column (an UPDATE of the store row 23 k without, 70 k with the ten
+#: ``_BUDGET_COLUMNS``; bench/README.md, "The close path, session 20: serve's writer")
 _UPDATE_USAGE_KEPT = (
     update(_S)
     .where(_S.c.slug == bindparam("slug_"))
@@ -77,7 +80,6 @@ _UPDATE_USAGE_KEPT = (
             record_count=_S.c.record_count + bindparam("d_count"),
             version_bytes=_S.c.version_bytes + bindparam("k_bytes"),
             version_count=_S.c.version_count + bindparam("k_count"))
-    .returning(*_BUDGET_COLUMNS)
 )
 # the two updates of every record write, run on the DB-API cursor (memfuse.server.rawsql)
 _RAW_UPDATE_KEPT_RETURNING = Raw(_UPDATE_KEPT_RETURNING)
@@ -119,7 +121,7 @@ def usage(st: Any) -> tuple[int, int]:
 def note_kept(conn: Connection, store: str, d_bytes: int, d_count: int) -> None:
     """Note in this transaction that ``store`` keeps ``d_count`` more versions holding
     ``d_bytes`` more content (negative: content removed, by a redaction)."""
-    kept = conn.info.setdefault(_KEY, {})
+    kept = info_of(conn).setdefault(_KEY, {})
     b, n = kept.get(store, (0, 0))
     kept[store] = (b + d_bytes, n + d_count)
 
@@ -136,13 +138,13 @@ def kept_rollback(conn: Connection, mark: dict[str, tuple[int, int]]) -> None:
 
 def reset(conn: Connection) -> None:
     """Drop notes left on a pooled connection by a transaction that did not settle."""
-    conn.info.pop(_KEY, None)
+    info_of(conn).pop(_KEY, None)
 
 
 def settle(conn: Connection) -> None:
     """At the end of a record write transaction: add the noted kept versions to each
     store's counters, then prune each store that is over its history budget."""
-    kept = conn.info.pop(_KEY, None)
+    kept = info_of(conn).pop(_KEY, None)
     if not kept:
         return
     for store, (d_bytes, d_count) in kept.items():
@@ -155,22 +157,43 @@ def settle(conn: Connection) -> None:
             conn.execute(_UPDATE_KEPT, params)
 
 
-def settle_with_usage(conn: Connection, store: str, d_bytes: int, d_count: int) -> bool:
-    """Add ``d_bytes`` / ``d_count`` to ``store``'s usage counters (``usage_bytes`` /
-    ``record_count``) in the same statement as what ``note_kept`` noted for ``store`` so far
-    in this transaction (then settled here, pruning as ``settle`` would): one UPDATE for a
-    write that changes both. False (nothing done) when nothing is noted for ``store``: the
-    caller updates its usage counters itself."""
-    kept: dict[str, tuple[int, int]] | None = conn.info.get(_KEY)
+class _Counted:
+    """A store row's ``_BUDGET_COLUMNS`` after a write added to its counters (what the
+    UPDATE's RETURNING gave): ``st``'s values plus the deltas."""
+
+    __slots__ = ("slug", "max_history_bytes", "max_store_bytes", "max_history_versions", "max_records",
+                 "history_min_age_s", "version_bytes", "usage_bytes", "version_count", "record_count")
+
+    def __init__(self, st: Any, d_bytes: int, d_count: int, k_bytes: int, k_count: int) -> None:
+        self.slug = st.slug
+        self.max_history_bytes, self.max_store_bytes = st.max_history_bytes, st.max_store_bytes
+        self.max_history_versions, self.max_records = st.max_history_versions, st.max_records
+        self.history_min_age_s = st.history_min_age_s
+        self.usage_bytes, self.record_count = st.usage_bytes + d_bytes, st.record_count + d_count
+        self.version_bytes, self.version_count = st.version_bytes + k_bytes, st.version_count + k_count
+
+
+def settle_with_usage(conn: Connection, st: Any, d_bytes: int, d_count: int) -> bool:
+    """Add ``d_bytes`` / ``d_count`` to store ``st``'s usage counters (``usage_bytes`` /
+    ``record_count``) in the same statement as what ``note_kept`` noted for it so far in this
+    transaction (then settled here, pruning as ``settle`` would): one UPDATE for a write that
+    changes both. ``st``: the store row this transaction read for writing (under the write
+    lock: SQLite's, PostgreSQL's ``FOR UPDATE``) with nothing in it changing the row's
+    counters since, so its counters plus the deltas are the row's new ones (the budget check
+    needs no RETURNING; ``tests/test_history_budget.py`` compares them with the row). False
+    (nothing done) when nothing is noted for the store: the caller updates its usage counters
+    itself."""
+    kept: dict[str, tuple[int, int]] | None = info_of(conn).get(_KEY)
+    store = st.slug
     kb, kn = kept.get(store, (0, 0)) if kept else (0, 0)
     if not (kb or kn):
         return False
     assert kept is not None  # kb or kn came from it
     del kept[store]
-    row = _RAW_UPDATE_USAGE_KEPT.first(conn, {"slug_": store, "d_bytes": d_bytes, "d_count": d_count,
-                                              "k_bytes": kb, "k_count": kn})
+    _RAW_UPDATE_USAGE_KEPT.run(conn, {"slug_": store, "d_bytes": d_bytes, "d_count": d_count,
+                                      "k_bytes": kb, "k_count": kn})
     if kb > 0 or kn > 0:
-        _prune(conn, store, row)
+        _prune(conn, store, _Counted(st, d_bytes, d_count, kb, kn))
     return True
 
 

@@ -165,12 +165,13 @@ class LeanHTTP:
         self._watcher = None
         return trio.lowlevel.Abort.SUCCEEDED
 
-    def _wait_from(self, scope: trio.CancelScope, requests: int) -> None:
-        """``scope``'s connection waits for a request head from now (``watch``)."""
+    def _wait_from(self, scope: trio.CancelScope, requests: int, clock: trio.abc.Clock) -> None:
+        """``scope``'s connection waits for a request head from now (``watch``); ``clock``:
+        the run's (``trio.current_time()``'s, without its two wrappers per request)."""
         if not requests:  # hypercorn's idle timer runs from the previous answer: none yet
             self.untimed.add(scope)
             return
-        self.waiting[scope] = trio.current_time() + self.keep_alive_timeout
+        self.waiting[scope] = clock.current_time() + self.keep_alive_timeout
         watcher = self._watcher
         if watcher is not None:  # parked: woken once (``_unpark`` clears it when cancelled)
             self._watcher = None
@@ -190,6 +191,7 @@ class LeanHTTP:
         buf = bytearray(first)
         requests = 0
         closed = eof
+        clock = trio.lowlevel.current_clock()
         while True:
             # One cancel scope per connection is the header deadline of the requests that
             # follow, in ``self.waiting`` (``watch`` cancels it past the deadline) only while a
@@ -204,7 +206,7 @@ class LeanHTTP:
                     # an empty buffer (the usual case after an answer) has no head to look for
                     head = parse_head(buf, self.max_head) if buf else None
                     if head is None:
-                        self._wait_from(waiting, requests)
+                        self._wait_from(waiting, requests, clock)
                         try:
                             while head is None:
                                 if buf and (len(buf) > self.max_head or HEAD_END.search(buf) is not None) or closed:
@@ -306,6 +308,15 @@ _PER_REQUEST = frozenset({b"content-length", b"idempotency-key", b"if-match"})
 #: ``Connection`` values read before, each with whether it asks to close (``keep-alive`` in
 #: every request of a client that says so): bounded as ``_HEAD_LINES``
 _CLOSES: dict[bytes, bool] = {}
+#: ``_HEADER``'s two halves for ``header_pair``: a field name, and the bytes a value may hold
+#: (its first and last one not a space or tab: those are stripped around it)
+_NAME = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_VALUE_BYTES = bytes(range(0x20, 0x7F)) + b"\t"
+#: field names read before, each with its lower-case form (bounded as ``_HEAD_LINES``)
+_NAMES: dict[bytes, bytes] = {}
+#: request lines read before, each with its (method, raw target) as ``_REQUEST_LINE`` reads
+#: them: a sidecar sends every create to the same target; bounded as ``_HEAD_LINES``
+_REQUEST_LINES: dict[bytes, tuple[str, bytes]] = {}
 
 
 class _Head(NamedTuple):
@@ -327,9 +338,14 @@ def parse_head(buf: bytearray | bytes, max_head: int) -> _Head | None:
         return None
     end = m.start() - 1
     lines = bytes(buf[:end]).split(b"\r\n")
-    line = _REQUEST_LINE.fullmatch(lines[0])
-    if line is None:
-        return None
+    target = _REQUEST_LINES.get(lines[0])
+    if target is None:
+        line = _REQUEST_LINE.fullmatch(lines[0])
+        if line is None:
+            return None
+        if len(_REQUEST_LINES) >= _HEAD_LINES_MAX:
+            _REQUEST_LINES.clear()
+        target = _REQUEST_LINES[lines[0]] = (line.group(1).decode("ascii"), line.group(2))
     headers: list[tuple[bytes, bytes]] = []
     hosts = 0
     length: int | None = None
@@ -338,10 +354,9 @@ def parse_head(buf: bytearray | bytes, max_head: int) -> _Head | None:
     for raw in lines[1:]:
         pair = known.get(raw)
         if pair is None:
-            h = _HEADER.fullmatch(raw)
-            if h is None:
+            pair = header_pair(raw)
+            if pair is None:
                 return None
-            pair = (h.group(1).lower(), h.group(2))
             if pair[0] in _NOT_LEAN:
                 return None
             if pair[0] not in _PER_REQUEST:
@@ -366,7 +381,31 @@ def parse_head(buf: bytearray | bytes, max_head: int) -> _Head | None:
         headers.append(pair)
     if hosts != 1 or length is None:
         return None
-    return _Head(line.group(1).decode("ascii"), line.group(2), headers, length, close, m.end())
+    return _Head(target[0], target[1], headers, length, close, m.end())
+
+
+def header_pair(raw: bytes) -> tuple[bytes, bytes] | None:
+    """The (lower-case name, value) of the header line ``raw`` as ``_HEADER.fullmatch`` reads
+    it, or None where it does not match: the name before the first colon (a field name:
+    checked once per distinct name, ``_NAMES``), the value after it without the spaces and
+    tabs around it, every byte of it printable ASCII, a space or a tab. For the lines whose
+    value differs in each request (``Content-Length``, ``Idempotency-Key``): the regular
+    expression cost ~3 k instructions a line (bench/README.md, "The close path, session
+    20: serve's loop"; tests/test_lean.py compares both on random lines)."""
+    name, colon, rest = raw.partition(b":")
+    if not colon:
+        return None
+    low = _NAMES.get(name)
+    if low is None:
+        if _NAME.fullmatch(name) is None:
+            return None
+        if len(_NAMES) >= _HEAD_LINES_MAX:
+            _NAMES.clear()
+        low = _NAMES[name] = name.lower()
+    value = rest.strip(b" \t")
+    if value.translate(None, _VALUE_BYTES):  # a byte left that a value may not hold
+        return None
+    return low, value
 
 
 def client_gone(sock: socket.socket) -> bool:

@@ -21,6 +21,7 @@ pings a connection before each checkout, ``db._make_engine``).
 """
 from __future__ import annotations
 
+import sqlite3
 import threading
 from operator import itemgetter
 from collections.abc import Callable, Mapping, Sequence
@@ -32,7 +33,7 @@ from sqlalchemy.event.attr import _EmptyListener, _empty_collection, _JoinedList
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.elements import ClauseElement
 
-__all__ = ["Raw", "RawIn", "RawRow", "statement_listeners"]
+__all__ = ["Raw", "RawIn", "RawRow", "SharedCursorConnection", "statement_listeners"]
 
 # the listener collections last seen (``statement_listeners``) and the sequences that hold
 # their listeners, in SQLAlchemy's order; one tuple, replaced whole (threads read it without
@@ -80,6 +81,26 @@ def statement_listeners(conn: Connection) -> tuple[Any, ...]:
     # call per statement: left out
     _LAST = (key, tuple(c for c in parts if type(c) is not _empty_collection))
     return _LAST[1]
+
+
+class SharedCursorConnection(sqlite3.Connection):
+    """The ``sqlite3`` connection class of ``memfuse.server.db``'s SQLite file engines (the
+    driver's ``factory``): ``raw_cursor`` is the one cursor every ``Raw`` statement on it runs
+    on while set, instead of a cursor made and closed per statement (~2.5 k instructions of
+    each; bench/README.md, "The close path, session 20: serve's writer"). ``Database.write_conn``
+    sets it for its transactions on the kept connection and closes it before the transaction
+    ends (which resets a statement left unfinished, e.g. by ``first`` of a result of several
+    rows), so no statement stays open past the transaction. None (the default): a cursor per
+    statement, as on any other connection."""
+
+    raw_cursor: sqlite3.Cursor | None = None
+    #: while ``raw_cursor`` is set: the ``before_cursor_execute`` listener sequences
+    #: (``statement_listeners``) as they were at the transaction's first statement, which its
+    #: ``Raw`` statements read instead of walking SQLAlchemy's dispatch chain again (~5.6 k
+    #: instructions a statement): a listener added or removed while a write transaction runs
+    #: is seen from the next transaction on (the deques are still read live: one added to a
+    #: collection that existed is called at once)
+    raw_listeners: tuple[Any, ...] = ()
 
 
 class RawRow(tuple[Any, ...]):
@@ -217,7 +238,10 @@ class Raw:
         self._last = (dialect, names, c)
         return c
 
-    def _execute(self, conn: Connection, params: Mapping[str, Any]) -> tuple[Any, _Compiled]:
+    def _execute(self, conn: Connection, params: Mapping[str, Any]) -> tuple[Any, _Compiled, bool]:
+        """Run the statement; (the cursor holding its result, the compiled statement, whether
+        the cursor is this statement's own: the caller closes it then, else it is the
+        connection's ``raw_cursor``, left open)."""
         dialect = conn.dialect
         last = self._last  # ``_compiled``'s first test, without its call
         if last is not None and last[0] is dialect and params.keys() == last[1]:
@@ -232,40 +256,65 @@ class Raw:
         fairy = conn._dbapi_connection  # noqa: SLF001
         if fairy is None:
             fairy = conn.connection
-        cursor = fairy.dbapi_connection.cursor()  # type: ignore[union-attr]
-        for listeners in statement_listeners(conn):  # the /metrics statement counter, tests' spies
+        dbapi: Any = fairy.dbapi_connection
+        cursor: Any = dbapi.raw_cursor if type(dbapi) is SharedCursorConnection else None
+        own = cursor is None
+        if own:
+            cursor = dbapi.cursor()
+            sequences = statement_listeners(conn)
+        else:  # in a write_conn transaction: its listeners (``SharedCursorConnection``)
+            sequences = dbapi.raw_listeners
+        for listeners in sequences:  # the /metrics statement counter, tests' spies
             for fn in listeners:
                 fn(conn, cursor, c.sql, args, None, False)
         try:
             cursor.execute(c.sql, args)
         except dialect.loaded_dbapi.Error as e:
-            cursor.close()
+            if own:
+                cursor.close()
             raise exc.DBAPIError.instance(c.sql, args, e, dialect.loaded_dbapi.Error,
                                           dialect=dialect) from e
-        return cursor, c
+        return cursor, c, own
 
     def run(self, conn: Connection, params: Mapping[str, Any]) -> None:
         """Execute, no result."""
-        cursor, _ = self._execute(conn, params)
-        cursor.close()
+        cursor, _, own = self._execute(conn, params)
+        if own:
+            cursor.close()
 
     def first(self, conn: Connection, params: Mapping[str, Any]) -> RawRow | None:
         """The first row, or None."""
-        cursor, c = self._execute(conn, params)
+        cursor, c, own = self._execute(conn, params)
         try:
             t = cursor.fetchone()
         finally:
-            cursor.close()
+            if own:
+                cursor.close()
         return None if t is None else c.make_row(t)
 
     def all(self, conn: Connection, params: Mapping[str, Any]) -> list[RawRow]:
         """Every row."""
-        cursor, c = self._execute(conn, params)
+        cursor, c, own = self._execute(conn, params)
         try:
             rows = cursor.fetchall()
         finally:
-            cursor.close()
+            if own:
+                cursor.close()
         return [c.make_row(t) for t in rows]
+
+    def inserted_rowid(self, conn: Connection, params: Mapping[str, Any]) -> int:
+        """Execute an ``INSERT`` of one row on SQLite; the rowid it gave (the driver's
+        ``lastrowid``: for a table whose ``INTEGER PRIMARY KEY`` is its rowid, that key),
+        what ``RETURNING`` of the key would give without SQLite's ephemeral table of a
+        ``RETURNING`` (~30 k instructions; bench/README.md, "The close path, session 20").
+        SQLite only (``TypeError`` elsewhere)."""
+        if conn.dialect.name != "sqlite":
+            raise TypeError("inserted_rowid: SQLite only")
+        cursor, _, own = self._execute(conn, params)
+        rowid: int = cursor.lastrowid
+        if own:
+            cursor.close()
+        return rowid
 
     def scalar(self, conn: Connection, params: Mapping[str, Any]) -> Any:
         """The first column of the first row, or None."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import os
 from collections.abc import Iterable
 from datetime import datetime, timezone
 
@@ -118,6 +119,21 @@ def _decode_cursor(cursor: str) -> tuple[str, str]:
 
 
 _RECORD_COLUMNS = tuple(c.name for c in _R.c)
+
+#: the bits of a random 128-bit number kept (all but the version's four and the variant's two)
+#: and set (version 4, variant RFC 4122) to make it a random UUID (``new_record_id``)
+_UUID4_KEEP = 0xFFFFFFFF_FFFF_0FFF_3FFF_FFFFFFFFFFFF
+_UUID4_SET = 0x00000000_0000_4000_8000_000000000000
+
+
+def new_record_id(urandom: Any = os.urandom, from_bytes: Any = int.from_bytes) -> str:
+    """A new record's id: ``str(uuid.uuid4())`` (16 bytes of ``os.urandom``, version 4,
+    variant RFC 4122, lower-case hex in 8-4-4-4-12) without ``uuid.UUID``'s constructor
+    and its checks: ~2 µs less a create (bench/README.md, "The close path, session 20:
+    serve's writer"; ``tests/test_rawsql.py`` reads ids back with ``uuid.UUID``). The
+    arguments are bound once (not for callers)."""
+    x = "%032x" % (from_bytes(urandom(16)) & _UUID4_KEEP | _UUID4_SET)
+    return f"{x[:8]}-{x[8:12]}-{x[12:16]}-{x[16:20]}-{x[20:]}"
 
 
 class _Rec:
@@ -278,6 +294,8 @@ def next_seq_sql(pg: bool) -> str:
 #: but ``seq``.
 _RAW_INSERT_NEW_RECORD = {pg: Raw(_INSERT_RECORD.values(seq=literal_column(next_seq_sql(pg))).returning(_R.c.seq))
                           for pg in (False, True)}
+#: a new record's insert with its seq given (SQLite: read by ``_live_at_or_under``)
+_RAW_INSERT_RECORD = Raw(_INSERT_RECORD)
 #: a version's insert with its seq given (``seq`` among the parameters)
 _RAW_INSERT_VERSION_AT = Raw(_INSERT_VERSION)
 _RAW_UPDATE_RECORD = Raw(_UPDATE_RECORD)
@@ -291,21 +309,32 @@ _RAW_SELECT_LIVE_AT_PATHS = RawIn("paths", lambda n: select(_R.c.path, _R.c.id).
 
 def _live_at_or_under(n: int, pg: bool) -> Any:
     """A create's one read of the live records that refuse its path (``_create_op``): (path,
-    id) of those at any of the ``n`` paths ``paths0`` .. (the path and its ancestors, as
-    ``_RAW_SELECT_LIVE_AT_PATHS``: ordered by path, so each is looked up on the path index),
-    then (path, NULL) of one live record under the directory ``lo`` .. ``hi`` (as
+    id) of those at any of the ``n`` paths ``paths0`` .. (the path and its ancestors), then
+    (path, NULL) of one live record under the directory ``lo`` .. ``hi`` (as
     ``_SELECT_LIVE_UNDER``), if any: two statements' rows in one (bench/README.md, "The close
-    path, session 17: serve's writer"). Each part in its own subquery, which keeps its own
-    ``ORDER BY`` / ``LIMIT`` (``tests/test_rawsql.py`` checks the plans)."""
-    at = select(_R.c.path, _R.c.id).where(
-        _R.c.store == bindparam("store"), _R.c.deleted == false(),
-        _R.c.path.in_([bindparam(f"paths{i}") for i in range(n)])).order_by(LIVE_PATHS_ORDER)
+    path, session 17: serve's writer"). One ``UNION ALL`` arm per path (``path = ?``, each
+    looked up on ``ix_records_live_path``), not ``path IN (...)``: SQLite builds an ephemeral
+    table of an ``IN`` list's values for every run, ~40 % of this statement's instructions
+    (bench/README.md, "The close path, session 20: serve's writer"); the caller reads the
+    rows into a dict, so they need no order. The part under the directory in its own
+    subquery, which keeps its ``LIMIT`` (``tests/test_rawsql.py`` checks the plans).
+
+    SQLite: a last row (NULL, the seq the new record and its version take: ``next_seq_sql``),
+    read under the transaction's write lock, so the record is inserted with it
+    (``_RAW_INSERT_RECORD``) without a RETURNING: SQLite runs a RETURNING through an
+    ephemeral table, ~30 k instructions (bench/README.md, "The close path, session 20").
+    PostgreSQL takes its seq from the sequence at the insert (``_RAW_INSERT_NEW_RECORD``)."""
+    arms = [select(_R.c.path, _R.c.id).where(
+        _R.c.store == bindparam("store"), _R.c.deleted == false(), _R.c.path == bindparam(f"paths{i}"))
+        for i in range(n)]
     col = _R.c.path.collate("C") if pg else _R.c.path
     under = select(_R.c.path, null().label("id")).where(
         _R.c.store == bindparam("store"), _R.c.deleted == false(),
-        col >= bindparam("lo"), col < bindparam("hi")).limit(1)
-    a, u = at.subquery("at_"), under.subquery("under_")
-    return union_all(select(a.c.path, a.c.id), select(u.c.path, u.c.id))
+        col >= bindparam("lo"), col < bindparam("hi")).limit(1).subquery("under_")
+    parts = [*arms, select(under.c.path, under.c.id)]
+    if not pg:
+        parts.append(select(null().label("path"), literal_column(next_seq_sql(False)).label("id")))
+    return union_all(*parts)
 
 
 #: ``_live_at_or_under`` by "is PostgreSQL"

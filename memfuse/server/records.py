@@ -8,7 +8,6 @@ mapped here to problem codes. The change feed that reads these versions is in ``
 from __future__ import annotations
 
 import logging
-import uuid
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any
@@ -49,10 +48,11 @@ from memfuse.server.base import (
     parse_if_match,
 )
 from memfuse.server import deltas, history, keys, prescan, staleness, tails, wakeups
-from memfuse.server.db import utcnow, version_in_range
+from memfuse.server.db import info_of, utcnow, version_in_range
 from memfuse.server.recordrows import (
     BatchStore,
     _RAW_INSERT_NEW_RECORD,
+    _RAW_INSERT_RECORD,
     _RAW_INSERT_VERSION,
     _RAW_INSERT_VERSION_AT,
     _RAW_SELECT_LIVE_AT_OR_UNDER,
@@ -84,6 +84,7 @@ from memfuse.server.recordrows import (
     _sqlite_time,
     _usage,
     _version_model,
+    new_record_id,
     reserve_seqs,
 )
 
@@ -268,14 +269,18 @@ class RecordsService(Resource):
         drops (``overwritten_authors``), kept on the version for the change feed
         (``encode_overwrote``). ``writer``: the sidecar instance that wrote it
         (``Principal.writer``), kept on the version for the change feed."""
-        conn.info["memfuse_writes"] = conn.info.get("memfuse_writes", 0) + 1
+        info = info_of(conn)
+        info["memfuse_writes"] = info.get("memfuse_writes", 0) + 1
         rec.updated_at = now
         rec.updated_by = actor
         rec.review_after, rec.expires_at = staleness.record_dates(rec.content)
         if new:  # before the version that references it, with the version's seq (``next_seq_sql``)
             values = rec.values()
-            del values["seq"]
-            rec.seq = _RAW_INSERT_NEW_RECORD[conn.dialect.name == "postgresql"].scalar(conn, values)
+            if rec.seq > 0:  # read ahead (SQLite: ``recordrows._live_at_or_under``)
+                _RAW_INSERT_RECORD.run(conn, values)
+            else:
+                del values["seq"]
+                rec.seq = _RAW_INSERT_NEW_RECORD[conn.dialect.name == "postgresql"].scalar(conn, values)
             stored, base_version, chain = rec.content, None, 0
         elif append is not None:
             whole = RecordsService._appended_content(conn, rec, append)
@@ -315,7 +320,10 @@ class RecordsService(Resource):
             seq = row["seq"] = rec.seq
             _RAW_INSERT_VERSION_AT.run(conn, row)
         else:
-            seq = rec.seq = _RAW_INSERT_VERSION.scalar(conn, row)
+            if conn.dialect.name == "sqlite":  # seq is the rowid: no RETURNING (rawsql)
+                seq = rec.seq = _RAW_INSERT_VERSION_AT.inserted_rowid(conn, row)
+            else:
+                seq = rec.seq = _RAW_INSERT_VERSION.scalar(conn, row)
         if rec.content is not None:
             history.note_kept(conn, rec.store, rec.size, 1)
         wakeups.note_feed(rec.store, seq, writer or actor)
@@ -377,7 +385,7 @@ class RecordsService(Resource):
             _account_room(conn, st, b)
         if isinstance(st, BatchStore):  # a batch writes the counters once, at its end
             st.record_count, st.usage_bytes = n, b
-        elif (d_bytes or d_count) and not history.settle_with_usage(conn, st.slug, d_bytes, d_count):
+        elif (d_bytes or d_count) and not history.settle_with_usage(conn, st, d_bytes, d_count):
             _RAW_UPDATE_USAGE.run(conn, {"slug_": st.slug, "d_bytes": d_bytes, "d_count": d_count})
 
     @staticmethod
@@ -411,7 +419,7 @@ class RecordsService(Resource):
         path = _check_new_path(body.path)
         raw = _check_content(body.content)
         # outside the write lock (and the writer thread: prescan), charged to the token
-        secret = prescan.find_secret(body.content, prescan.scan_key(p), self.scans)
+        secret = prescan.find_secret(body.content, prescan.scan_key(p), self.scans, alone=True)
         sha = _HASHES.digest(raw)
 
         def fn(conn: Connection, st: Any) -> wire.Record:
@@ -421,6 +429,7 @@ class RecordsService(Resource):
             if secret is not None:
                 raise _secret_error(secret)
             deferred = isinstance(st, BatchStore) and st.deferring
+            seq = 0  # the seq read with the paths (SQLite), else given at the insert
             parts = path.split("/")
             ancestors = ["/".join(parts[:i]) for i in range(1, len(parts))]
             if deferred:
@@ -432,8 +441,10 @@ class RecordsService(Resource):
                 # one read: the live records at the path and at its ancestors (path -> id),
                 # and one live record under ``path/`` (its id read as None), if any
                 pg = self.db.engine.dialect.name == "postgresql"
-                hits: dict[str, str | None] = {r.path: r.id for r in _RAW_SELECT_LIVE_AT_OR_UNDER[pg].all(
+                hits: dict[str | None, Any] = {r.path: r.id for r in _RAW_SELECT_LIVE_AT_OR_UNDER[pg].all(
                     conn, {"store": st.slug, "paths": [path, *ancestors], "lo": path + "/", "hi": path + "0"})}
+                if not pg:  # SQLite: the row (NULL, the seq this create takes)
+                    seq = hits.pop(None)
                 other = hits.get(path)
                 if other is not None:
                     raise ServiceError(409, "path_exists", f"{path!r} exists", record_id=other)
@@ -448,9 +459,9 @@ class RecordsService(Resource):
                                        f"{path!r} is a directory ({below!r} is under it), so it cannot be a file")
             now = utcnow()
             rec = _Rec(
-                id=str(uuid.uuid4()), store=st.slug, path=path, type=rtype, version=1,
+                id=new_record_id(), store=st.slug, path=path, type=rtype, version=1,
                 sha256=sha, size=len(raw), content=body.content, deleted=False,
-                created_at=now, updated_at=now, updated_by=p.actor, seq=0,
+                created_at=now, updated_at=now, updated_by=p.actor, seq=seq,
                 mode=body.mode, mtime_ns=body.mtime_ns,
             )
             self._room(st, len(raw), 1, grew_bytes=True, grew_count=True)  # refused before any write
@@ -491,7 +502,7 @@ class RecordsService(Resource):
         """``update_record`` as ``_create_op`` splits ``create_record``."""
         raw = _check_content(body.content)
         # outside the write lock (and the writer thread: prescan), charged to the token
-        secret = prescan.find_secret(body.content, prescan.scan_key(p), self.scans)
+        secret = prescan.find_secret(body.content, prescan.scan_key(p), self.scans, alone=True)
         sha = _HASHES.digest(raw)
 
         def fn(conn: Connection, st: Any) -> Record:

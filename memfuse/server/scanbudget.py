@@ -4,11 +4,13 @@ A write's secret scan (``memfuse.content.find_secret``) costs from ~11 ms per Mi
 ~1.1 s per MiB of adversarial content (base64 runs, each decoded and scanned again). The
 front door's write buckets (``memfuse.server.gate.WriteRate``) bound a token's body bytes,
 16 MiB/s in bursts of 256 MiB: hundreds of seconds of scan CPU a token could ask for at once
-on a machine with 2 CPUs. So the large scans (``memfuse.server.prescan.PRESCAN_MIN`` characters
-or more: the small ones cost less than their request) are charged, in CPU seconds measured on
-the scanning thread (``time.thread_time``), to a bucket of their token: ``SCAN_RATE`` seconds
-a second, bursts of ``SCAN_BURST``. A token whose bucket is empty (in debt after its last
-scan) is refused its next large scan with 429 ``rate_limited`` and ``Retry-After`` (the
+on a machine with 2 CPUs. So every scan of ``memfuse.server.prescan.CHARGE_MIN`` characters
+or more (the smaller ones cost no more than their request: attack20 F1 showed that leaving the
+scans under ``PRESCAN_MIN``, done in the writer thread, uncharged let one token keep that
+thread busy) is charged, in CPU seconds measured on the scanning thread
+(``time.thread_time``), to a bucket of its token: ``SCAN_RATE`` seconds a second, bursts of
+``SCAN_BURST``. A token whose bucket is empty (in debt after its last scan) is refused its
+next charged scan with 429 ``rate_limited`` and ``Retry-After`` (the
 seconds until the bucket is back above zero) before any of it runs; a scan that starts runs
 to its end (its cost is known only then), so a token's debt is at most one scan past its
 bucket. Prose never meets the bound: 0.25 s of scan a second is ~22 MiB/s of prose, past the
@@ -28,7 +30,7 @@ __all__ = ["SCAN_RATE", "SCAN_BURST", "ScanBudget"]
 
 T = TypeVar("T")
 
-#: CPU seconds of large secret scans one token may make a replica do, a second
+#: CPU seconds of secret scans one token may make a replica do, a second
 SCAN_RATE = 0.25
 #: the most it may ask for at once (CPU seconds; a new or idle token starts full)
 SCAN_BURST = 5.0
@@ -37,7 +39,7 @@ KEYS_MAX = 10_000
 
 
 class ScanBudget:
-    """``wait(key)``: 0 when ``key``'s bucket allows a large scan now, else the seconds
+    """``wait(key)``: 0 when ``key``'s bucket allows a charged scan now, else the seconds
     until it does; ``charge(key, seconds)`` takes a scan's CPU seconds from it (the bucket
     may go below zero: the debt is paid before the next scan). ``scan(key, fn, *args)``
     does both around ``fn(*args)`` and returns its result, or raises ``Refused`` (with
@@ -67,7 +69,7 @@ class ScanBudget:
         return level if level < self.burst else self.burst
 
     def wait(self, key: str) -> float:
-        """Seconds until ``key`` may start a large scan (0: now)."""
+        """Seconds until ``key`` may start a charged scan (0: now)."""
         now = self.clock()
         with self._lock:
             level = self._level(key, now)

@@ -119,8 +119,11 @@ def _principal_of(e: _Entry, instance: str | None) -> Principal:
     return p
 
 
-def _digest(token: str) -> str:
+def token_digest(token: str) -> str:
+    """The sha256 hex of a bearer token as the tokens table stores it (``token_sha256``) and
+    the positive cache keys it."""
     return sha256_hex(token.encode("utf-8", "surrogatepass"))
+
 
 
 @dataclass
@@ -215,7 +218,7 @@ class TokensService(Resource):
         assert token  # authenticate_cached refused a missing one
         cache: TokenCache = self._token_cache
         self._read_revocations()
-        digest = _digest(token)
+        digest = token_digest(token)
         mono, wall = time.monotonic(), time.time()
         hit = cache.entries.get(digest)
         if hit is not None and hit.until > mono and (hit.expires_at is None or hit.expires_at > wall):
@@ -256,12 +259,15 @@ class TokensService(Resource):
         cache.entries[digest] = entry
         return _principal_of(entry, instance)
 
-    def authenticate_cached(self, token: str | None, instance: str | None = None) -> Principal | None:
+    def authenticate_cached(self, token: str | None, instance: str | None = None,
+                            digest: str | None = None) -> Principal | None:
         """Resolve a bearer token without touching the database (on the event loop): static
         tokens, and database tokens in the positive cache while it may be trusted (entry
         younger than ``TOKEN_CACHE_SECONDS``, not expired, revocations read within
         ``REVOCATION_CHECK_SECONDS``). None when the database must
-        be asked (``authenticate``). Raises ``ServiceError`` 401 when the token is missing."""
+        be asked (``authenticate``). Raises ``ServiceError`` 401 when the token is missing.
+        ``digest``: ``token_digest(token)`` when the caller has it already (the front door
+        keeps it per token: not hashed again per request)."""
         if not token:
             raise _unauthorized("a bearer token is required")
         raw = token.encode("utf-8", "surrogatepass")
@@ -270,7 +276,7 @@ class TokensService(Resource):
                 return Principal(workspace=workspace, name="static", instance=_clean_instance(instance),
                                  root_token=workspace is None)
         cache: TokenCache = self._token_cache
-        hit = cache.entries.get(sha256_hex(raw))
+        hit = cache.entries.get(digest if digest is not None else sha256_hex(raw))
         mono = time.monotonic()
         revocations_fresh = self.bus.revocations_live or mono - cache.checked_at <= REVOCATION_CHECK_SECONDS
         if (hit is None or hit.until < mono or not revocations_fresh
@@ -301,7 +307,7 @@ class TokensService(Resource):
     def token_id_of(self, token: str) -> str | None:
         """The id of a database token this process authenticated lately (in the positive
         cache), else None (static tokens have none). No database."""
-        e = self._token_cache.entries.get(_digest(token))
+        e = self._token_cache.entries.get(token_digest(token))
         return e.token_id if e is not None else None
 
     def _read_revocations(self) -> None:

@@ -41,7 +41,7 @@ from starlette.types import Scope, Send
 from memfuse.models import BatchRequest, RecordCreate, RecordUpdate
 from memfuse.server import routetable as table
 from memfuse.server.prescan import prescanned
-from memfuse.server.base import EARLY_ANSWER, parse_json
+from memfuse.server.base import EARLY_ANSWER, parse_json, parse_json_exact
 from memfuse.server.batch import batch_body
 from memfuse.server.gate import EARLY
 from memfuse.server.routes import records as record_routes
@@ -109,8 +109,9 @@ class WritePath:
             return False
         model: type[BaseModel] = RecordCreate if m.route is table.CREATE_RECORD else RecordUpdate
         try:  # json.loads (``parse_json``), then the model: what FastAPI does with a JSON body
-            value = parse_json(body)
-            parsed = model.model_validate(value)
+            value, exact = parse_json_exact(body)
+            # ``model.model_validate(value)`` without its Python frame: pydantic's own call
+            parsed: RecordCreate | RecordUpdate = model.__pydantic_validator__.validate_python(value)
         except Exception:  # noqa: BLE001 - bad JSON, too deep, refused: FastAPI answers it
             return False
         svc = self.svc
@@ -118,14 +119,14 @@ class WritePath:
         try:
             if svc.token_upkeep_due():  # token bookkeeping, as the principal dependency does it
                 await anyio.to_thread.run_sync(svc.token_upkeep)
-            idem = idempotency_request(key, method, url_path(scope), body, value) if key else None
+            idem = idempotency_request(key, method, url_path(scope), body, value, exact) if key else None
             reply: Reply
             early = (scope.get("extensions") or {}).get(EARLY)
             sender = _EarlySender(early, self, m.route, method, start) if early is not None else None
             token = EARLY_ANSWER.set(sender) if sender is not None else None
             try:
                 # a large content's secret scan runs before the writer thread (prescan)
-                async with prescanned((parsed.content,), p=p, budget=svc.parts.scans):  # type: ignore[attr-defined]
+                async with prescanned((parsed.content,), p=p, budget=svc.parts.scans):
                     if m.route is table.CREATE_RECORD:
                         assert isinstance(parsed, RecordCreate)
                         reply = await self.hop(svc.create_record, p, store, parsed, idem)

@@ -228,8 +228,14 @@ class WriterThread:
             result: T = await trio.lowlevel.wait_task_rescheduled(_cannot_abort)
             return result
         read = False
-        try:
-            read = await _woken(slot)
+        try:  # the wake: the eventfd read once written (no coroutine of its own per write)
+            try:
+                await trio.lowlevel.wait_readable(slot.fd)
+            except BaseException as e:  # noqa: BLE001 - the job is under way: its answer first
+                read = await _woken_after(slot, e)
+            else:
+                os.eventfd_read(slot.fd)
+                read = True
         finally:
             if read and len(self._fds) < POOL_MAX:
                 self._fds.append(slot.fd)  # its count back at 0: ready for another job
@@ -273,7 +279,7 @@ class WriterThread:
             result = outcome.capture(ctx.run, fn, *args)
             if slot.fd >= 0:
                 slot.result = result
-                os.eventfd_write(slot.fd, 1)  # the waiting task's wake (``_woken``)
+                os.eventfd_write(slot.fd, 1)  # the waiting task's wake (``run``)
                 continue
             token, task = slot.token, slot.task
             assert token is not None and task is not None
@@ -283,21 +289,17 @@ class WriterThread:
                 log.error("writer thread: the event loop of a waiting write has ended")
 
 
-async def _woken(slot: _Slot) -> bool:
-    """Wait until the writer thread wrote ``slot.fd`` (its outcome is then in ``slot``), and
-    read the eventfd back to 0; True. A cancellation while waiting waits again, shielded,
-    and is not raised here (the task's next checkpoint raises it): the job runs to its end
-    and its caller gets its answer, as with ``Abort.FAILED``. Any other exception is raised
-    after the wake."""
-    try:
-        await trio.lowlevel.wait_readable(slot.fd)
-    except BaseException as e:  # noqa: BLE001 - the job is under way: its answer first
-        with trio.CancelScope(shield=True):
-            await trio.lowlevel.wait_readable(slot.fd)  # readable once written, not before
-        os.eventfd_read(slot.fd)
-        if not isinstance(e, trio.Cancelled):
-            os.close(slot.fd)  # read, and the thread is done with it
-            raise
-        return True
+async def _woken_after(slot: _Slot, e: BaseException) -> bool:
+    """The wait of ``WriterThread.run`` for the writer thread's write of ``slot.fd`` raised
+    ``e``: the job is under way, so wait again, shielded, and read the eventfd back to 0
+    (its outcome is then in ``slot``); True when ``e`` is a cancellation (not raised here:
+    the task's next checkpoint raises it; the job ran to its end and its caller gets its
+    answer, as with ``Abort.FAILED``), else ``e`` raised after the wake (``slot.fd``
+    closed: read, and the thread is done with it)."""
+    with trio.CancelScope(shield=True):
+        await trio.lowlevel.wait_readable(slot.fd)  # readable once written, not before
     os.eventfd_read(slot.fd)
+    if not isinstance(e, trio.Cancelled):
+        os.close(slot.fd)
+        raise e
     return True

@@ -982,7 +982,8 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         # a file written in one go had its whole content scanned for secrets at that write
         # (WriteChecker.clean_len): the same text, so not scanned again
         scanned = not checked and ch is not None and ch.clean_len == len(data)
-        refusal = self._precheck(n, data, checked=checked, base_sha=prev_sha, sha=sha,
+        path = n.path()  # (no await from here to the submit: the path of both)
+        refusal = self._precheck(n, data, path, checked=checked, base_sha=prev_sha, sha=sha,
                                  secret_free=scanned)
         if refusal is not None:
             n.state, n.error, n.last_put = REJECTED, refusal.reason, None
@@ -992,7 +993,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             raise refusal
         # the attributes ride with the content (cp -p, install -m, sed -i's fchmod)
         assert n.store is not None  # a record's file (not local-only, not a control file)
-        args = {"path": n.path(), "type": n.type_override, "mode": stat.S_IMODE(n.mode),
+        args = {"path": path, "type": n.type_override, "mode": stat.S_IMODE(n.mode),
                 "mtime_ns": n.xmtime}
         # the base of an overwrite is the version the writer could have read: when the
         # feed replaced the content readers here were served before this write replaced

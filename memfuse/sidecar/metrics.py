@@ -102,6 +102,80 @@ class FuseOpsCollector(Collector):
         yield lat
 
 
+class Count:
+    """One child of a ``PlainCounter``: a plain number (``n``), no lock. Callers on the trio
+    thread may add to ``n`` inline (``c.n += 1``) instead of calling ``inc``."""
+
+    __slots__ = ("n",)
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def inc(self, amount: int = 1) -> None:
+        """Count ``amount`` more (as ``Counter.inc``)."""
+        self.n += amount
+
+
+class PlainCounter(Collector):
+    """A labelled counter kept as plain numbers, exported as ``NAME_total{labels}`` at scrape
+    time: what ``prometheus_client.Counter`` exposes but its ``_created`` samples, at a
+    fraction of its cost per increment (``Counter.inc`` takes a lock and makes three
+    Python calls; every create-write-close counts a commit, an API call and the kernel's
+    ``ENODATA`` probe: bench/README.md, "The close path, session 20: sidecar"). Updated on
+    the trio thread only; a scrape from another thread reads a snapshot under the GIL."""
+
+    def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...]) -> None:
+        self.name, self.documentation, self.labelnames = name, documentation, list(labelnames)
+        self.children: dict[tuple[str, ...], Count] = {}
+
+    def labels(self, *values: str) -> Count:
+        """The ``Count`` of these label values (made on first use); look it up once and keep
+        it on a hot path."""
+        key = tuple(str(v) for v in values)
+        if len(key) != len(self.labelnames):
+            raise ValueError(f"{self.name}: expected labels {self.labelnames}, got {key}")
+        c = self.children.get(key)
+        if c is None:
+            c = self.children[key] = Count()
+        return c
+
+    def collect(self) -> Iterator[Metric]:
+        """The counter family, one sample per label set."""
+        fam = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for key, c in sorted(self.children.items()):
+            fam.add_metric(list(key), c.n)
+        yield fam
+
+
+class ApiLatency(Collector):
+    """``memfuse_api_call_seconds{endpoint}``, the control-plane API calls' latency histogram
+    (buckets ``LAT_BUCKETS``), one ``OpStats`` per endpoint with every call timed (its ``n``
+    the calls observed): the histogram ``prometheus_client.Histogram`` made (no
+    ``_created``), updated inline on the trio thread (``mount.Sidecar``'s observer)."""
+
+    def __init__(self) -> None:
+        self.endpoints: dict[str, OpStats] = {}
+
+    def labels(self, endpoint: str) -> OpStats:
+        """The ``OpStats`` of ``endpoint`` (made on first use)."""
+        st = self.endpoints.get(endpoint)
+        if st is None:
+            st = self.endpoints[endpoint] = OpStats()
+        return st
+
+    def collect(self) -> Iterator[Metric]:
+        """The histogram family, from a snapshot of every endpoint's numbers."""
+        lat = HistogramMetricFamily("memfuse_api_call_seconds", "control-plane API call latency",
+                                    labels=["endpoint"])
+        for name, st in sorted(self.endpoints.items()):
+            counts, total, cum, buckets = list(st.buckets), st.sum, 0, []
+            for le, c in zip(_LE, counts):
+                cum += c
+                buckets.append((le, float(cum)))
+            lat.add_metric([name], buckets, total)
+        yield lat
+
+
 class Metrics:
     """The sidecar's metrics. Names are ``memfuse_*``; latencies in seconds."""
 
@@ -115,15 +189,19 @@ class Metrics:
         # per-request count and latency: plain numbers, exported at scrape time (OpStats)
         self.fuse_ops = FuseOpsCollector()
         r.register(self.fuse_ops)
-        self.fuse_errors = Counter("memfuse_fuse_errors", "FUSE operations answered with an errno",
-                                   ["op", "errno"], registry=r)
-        self.api_calls = Counter("memfuse_api_calls", "control-plane API calls",
-                                 ["endpoint", "status"], registry=r)
-        self.api_latency = Histogram("memfuse_api_call_seconds", "control-plane API call latency",
-                                     ["endpoint"], buckets=LAT_BUCKETS, registry=r)
+        # counted on every create-write-close: plain numbers (PlainCounter, ApiLatency)
+        self.fuse_errors = PlainCounter("memfuse_fuse_errors", "FUSE operations answered with an errno",
+                                        ("op", "errno"))
+        r.register(self.fuse_errors)
+        self.api_calls = PlainCounter("memfuse_api_calls", "control-plane API calls",
+                                      ("endpoint", "status"))
+        r.register(self.api_calls)
+        self.api_latency = ApiLatency()
+        r.register(self.api_latency)
         self.refusals = Counter("memfuse_refusals", "writes refused for good, by reason",
                                 ["reason"], registry=r)
-        self.commits = Counter("memfuse_outbox_committed", "outbox entries committed", ["op"], registry=r)
+        self.commits = PlainCounter("memfuse_outbox_committed", "outbox entries committed", ("op",))
+        r.register(self.commits)
         self.retries = Counter("memfuse_outbox_retries", "transient commit failures retried", registry=r)
         self.batches = Counter("memfuse_outbox_batches",
                                "batches of outbox entries the control plane answered (POST .../batch)",
@@ -174,6 +252,27 @@ class Metrics:
             "waited (a paused process, a black-holed network)", registry=r)
         self.token_reloads = Counter("memfuse_token_reloads",
                                      "times a changed --token-file was taken up", registry=r)
+
+    def api_observer(self) -> Callable[[str, str, float], None]:
+        """An ``ApiSession.observer``: each control-plane API call answered (or failed)
+        ``observe(endpoint, status, seconds)`` counted in ``memfuse_api_calls_total{endpoint,
+        status}`` and timed in ``memfuse_api_call_seconds{endpoint}``. Every commit request
+        comes here: the children of an (endpoint, status) are looked up once and their plain
+        numbers updated inline (no lock, no further call). Call it on the trio thread."""
+        children: dict[tuple[str, str], tuple[Count, OpStats]] = {}
+        calls, latency = self.api_calls, self.api_latency
+
+        def observe(endpoint: str, status: str, seconds: float) -> None:
+            c = children.get((endpoint, status))
+            if c is None:
+                c = children[(endpoint, status)] = (calls.labels(endpoint, status),
+                                                    latency.labels(endpoint))
+            c[0].n += 1
+            lat = c[1]
+            lat.n += 1
+            lat.sum += seconds
+            lat.buckets[bisect_left(LAT_BUCKETS, seconds)] += 1
+        return observe
 
     def bind(self, *, depth: Callable[[], float], oldest: Callable[[], float],
              records: Callable[[], float], cache_bytes: Callable[[], float],

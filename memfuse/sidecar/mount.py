@@ -435,18 +435,7 @@ class Sidecar(StoreSync):
         self.task_failures: dict[str, int] = {}  # task name -> unexpected exceptions
         self.state_save_failing = False
 
-        # the metric children of each (endpoint, status) seen, looked up once: labels()
-        # takes a lock and builds its key per call, and every commit request comes here
-        children: dict[tuple[str, str], tuple[Any, Any]] = {}
-
-        def observe(endpoint: str, status: str, seconds: float) -> None:
-            c = children.get((endpoint, status))
-            if c is None:
-                c = children[(endpoint, status)] = (self.metrics.api_calls.labels(endpoint, status),
-                                                    self.metrics.api_latency.labels(endpoint))
-            c[0].inc()
-            c[1].observe(seconds)
-        client.observer = observe
+        client.observer = self.metrics.api_observer()  # every commit request comes here
         self._token_changed = trio.Event()  # set (and replaced) when a new token is in use
         if client.token_file is not None:
             client.token_file.on_change = self._token_taken_up
