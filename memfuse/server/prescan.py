@@ -122,10 +122,7 @@ def _one_scan_of_token(key: str) -> Iterator[None]:
         _THREAD_SCANS[key] = (lock, n + 1)
     try:
         if not lock.acquire(timeout=SCAN_WAIT):
-            raise ServiceError(429, "rate_limited",
-                               "this token's writes take more secret scanning than the control plane "
-                               "allows one token; retry after the time in Retry-After",
-                               headers={"Retry-After": "1"})
+            raise refusal(ScanBudget.Refused(1))
         try:
             yield
         finally:

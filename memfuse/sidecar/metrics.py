@@ -56,6 +56,15 @@ class OpStats:
         """Requests handled (``memfuse_fuse_ops_total``)."""
         return self.n
 
+    def cumulative(self) -> tuple[list[tuple[str, float]], float]:
+        """A snapshot as a histogram sample: ((le, cumulative count) per bucket, +Inf last;
+        the sum in seconds)."""
+        counts, total, cum, buckets = list(self.buckets), self.sum, 0, []
+        for le, c in zip(_LE, counts):
+            cum += c
+            buckets.append((le, float(cum)))
+        return buckets, total
+
     def observe(self, seconds: float) -> None:
         """One request handled and timed at ``seconds``. (The guards in ``fuse_ops`` do the
         same updates inline: a method call per request is a measurable share of its cost.)"""
@@ -89,14 +98,10 @@ class FuseOpsCollector(Collector):
                                     f"FUSE handler latency (one request in {TIME_EVERY} timed)",
                                     labels=["op"])
         for name, st in sorted(self.ops.items()):
-            counts, total, cum = list(st.buckets), st.sum, 0
             ops.add_metric([name], st.n)
-            if not any(counts):
+            buckets, total = st.cumulative()
+            if not buckets[-1][1]:
                 continue  # counted only (``inc``): no histogram, as before any observation
-            buckets = []
-            for le, c in zip(_LE, counts):
-                cum += c
-                buckets.append((le, float(cum)))
             lat.add_metric([name], buckets, total)
         yield ops
         yield lat
@@ -168,11 +173,7 @@ class ApiLatency(Collector):
         lat = HistogramMetricFamily("memfuse_api_call_seconds", "control-plane API call latency",
                                     labels=["endpoint"])
         for name, st in sorted(self.endpoints.items()):
-            counts, total, cum, buckets = list(st.buckets), st.sum, 0, []
-            for le, c in zip(_LE, counts):
-                cum += c
-                buckets.append((le, float(cum)))
-            lat.add_metric([name], buckets, total)
+            lat.add_metric([name], *st.cumulative())
         yield lat
 
 
