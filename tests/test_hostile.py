@@ -137,29 +137,62 @@ async def new_token(url: str, name: str, ttl: int | None = None) -> dict:
 # ---------------------------------------------------------------- the watch
 
 
+TICK = 0.01  # s: the period of the watch's own clock (``watched``)
+
+
+class Seen(list):
+    """The watch's answers, (name, status, s), and how many of its requests are awaited now."""
+
+    inflight = 0
+
+
 @asynccontextmanager
 async def watched(s: Server, what: str):
     """Run the block while probes and the good client are asked in a loop; on the way out
     (after each loop answered at least twice, waiting at most 15 s for that), every answer
-    must have been 200 within ``GOOD_BOUND`` s."""
-    seen: list[tuple[str, int, float]] = []
+    must have been 200 within ``GOOD_BOUND`` s of the server's time.
+
+    The server's time is an answer's time less the time this test process itself stood
+    still while the answer was awaited: a tick every ``TICK`` s measures how late this
+    process's event loop wakes (a garbage collection of the whole suite's heap, the test's
+    own synchronous work, the process descheduled), and the lateness of the ticks that fell
+    within an answer is the client's, not the server's. Without it a pause of the test
+    process alone failed the watch (CI of f073dc5: one /healthz at 2.44 s while /readyz and
+    the read, asked on the same cadence, stayed fast)."""
+    seen = Seen()
+    spans: list[tuple[str, int, float, float]] = []  # (name, status, start, end)
+    stalls: list[tuple[float, float]] = []  # (tick's end, how late it woke), late > TICK only
     stop_ = trio.Event()
 
     async def loop(client: httpx.AsyncClient, name: str, path: str) -> None:
         while not stop_.is_set():
             t0 = time.monotonic()
+            seen.inflight += 1
             try:
                 r = await client.get(path)
                 status = r.status_code
             except httpx.HTTPError as e:
                 status = -1
                 print(what, name, "failed:", type(e).__name__, e)
-            seen.append((name, status, time.monotonic() - t0))
+            finally:
+                seen.inflight -= 1
+            t1 = time.monotonic()
+            seen.append((name, status, t1 - t0))
+            spans.append((name, status, t0, t1))
             await trio.sleep(0.05)
+
+    async def clock() -> None:
+        while not stop_.is_set():
+            t0 = time.monotonic()
+            await trio.sleep(TICK)
+            t1 = time.monotonic()
+            if t1 - t0 - TICK > TICK:
+                stalls.append((t1, t1 - t0 - TICK))
 
     async with httpx.AsyncClient(base_url=s.url, timeout=GOOD_BOUND + 3) as probe, \
             httpx.AsyncClient(base_url=s.url, headers=_auth(s.good), timeout=GOOD_BOUND + 3) as good:
         async with trio.open_nursery() as n:
+            n.start_soon(clock)
             n.start_soon(loop, probe, "healthz", "/healthz")
             n.start_soon(loop, probe, "readyz", "/readyz")
             n.start_soon(loop, good, "read", f"/v1/stores/default/records/{s.rid}")
@@ -172,10 +205,54 @@ async def watched(s: Server, what: str):
                     while any(sum(1 for x in seen if x[0] == name) < 2 for name in ("healthz", "readyz", "read")):
                         await trio.sleep(0.05)
                 stop_.set()
-    bad = [x for x in seen if x[1] != 200 or x[2] > GOOD_BOUND]
-    assert not bad, f"{what}: {len(bad)} of {len(seen)} watched answers failed or were slow: {bad[:5]}"
+    bad = [(name, status, round(t1 - t0, 3), round(server_time(t0, t1, stalls), 3))
+           for name, status, t0, t1 in spans
+           if status != 200 or server_time(t0, t1, stalls) > GOOD_BOUND]
+    assert not bad, (f"{what}: {len(bad)} of {len(seen)} watched answers failed or were slow "
+                     f"(name, status, s, s of the server's): {bad[:5]}; this process's own stalls: "
+                     f"{[(round(t, 3), round(d, 3)) for t, d in stalls if d > 0.1][:10]}")
     for name in ("healthz", "readyz", "read"):
         assert sum(1 for x in seen if x[0] == name) >= 2, (what, name, len(seen))
+
+
+def server_time(t0: float, t1: float, stalls: list[tuple[float, float]]) -> float:
+    """The time of an answer awaited from ``t0`` to ``t1`` (monotonic s) less this process's
+    own stalls within it: each ``(end, late)`` of ``stalls`` is a span of ``late`` s ending at
+    ``end``; the part of it inside [t0, t1] is subtracted."""
+    own = sum(max(0.0, min(t1, end) - max(t0, end - late)) for end, late in stalls)
+    return (t1 - t0) - own
+
+
+def test_server_time_takes_off_only_the_stalls_of_this_process_within_the_answer():
+    assert server_time(10.0, 13.0, []) == 3.0
+    assert server_time(10.0, 13.0, [(12.5, 2.0)]) == 1.0  # a 2 s pause of this process inside
+    assert server_time(10.0, 13.0, [(11.0, 2.0)]) == 2.0  # half of it before the request began
+    assert server_time(10.0, 13.0, [(9.0, 1.0), (14.5, 1.0)]) == 3.0  # both outside
+    assert server_time(10.0, 13.0, [(15.0, 6.0)]) == 0.0  # the whole answer in a pause
+
+
+async def test_the_watch_fails_for_a_stalled_server_and_not_for_a_stalled_test(server):
+    """The watch every test here relies on: a pause of this process (its event loop blocked
+    2.5 s) is not the server's and passes; the server stopped 2.5 s (SIGSTOP) fails it."""
+    import signal
+
+    with trio.fail_after(60):
+        async with watched(server, "a stalled test") as seen:
+            await trio.sleep(0.3)
+            while not seen.inflight:
+                await trio.sleep(0)
+            time.sleep(2.5)  # blocks this process's event loop while an answer is awaited
+            await trio.sleep(0.3)
+        assert max(x[2] for x in seen) > 2.5  # the answer awaited took that long, as the test saw it
+        with pytest.raises(AssertionError, match="watched answers failed or were slow"):
+            async with watched(server, "a stalled server"):
+                await trio.sleep(0.3)
+                os.kill(server.proc.pid, signal.SIGSTOP)
+                try:
+                    await trio.sleep(2.5)
+                finally:
+                    os.kill(server.proc.pid, signal.SIGCONT)
+                await trio.sleep(0.3)
 
 
 # ---------------------------------------------------------------- raw connections
