@@ -542,6 +542,32 @@ def test_request_heads_read_as_h11_reads_them_also_once_their_lines_were_seen():
     assert not any(n in lean._PER_REQUEST for n, _ in lean._HEAD_LINES.values())
 
 
+def test_the_memos_of_head_lines_keep_no_long_line():
+    """Any client, before it is authenticated, chooses the lines of its request heads (up to
+    ``max_head``): the memos of lines seen (request lines, header lines, names, ``Connection``
+    values) keep only short ones, so heads of distinct long lines leave them small (attack21:
+    256 lines of ~15 KB in each grew ``memfuse serve`` by 38 MB); a long line still reads the
+    same, each time."""
+    import os
+
+    from memfuse.server import lean
+
+    for memo in (lean._REQUEST_LINES, lean._HEAD_LINES, lean._NAMES, lean._CLOSES):
+        memo.clear()
+    for i in range(1200):
+        big = os.urandom(3500).hex().encode()  # 7,000 bytes a line
+        kind = i % 4
+        line = {1: b"X-Pad: " + big, 2: b"X" + big + b": v", 3: b"Connection: keep-alive" + big}.get(kind, b"X-Q: v")
+        head = b"POST /v1/" + (big if kind == 0 else b"x") + b" HTTP/1.1\r\nHost: a\r\n" + line + \
+            b"\r\nContent-Length: 0\r\n\r\n"
+        got = lean.parse_head(head, 16384)
+        assert got is not None and got == lean.parse_head(head, 16384)
+        assert got.path == b"/v1/" + (big if kind == 0 else b"x") and got.length == 0
+    kept = sum(len(k) + len(repr(v)) for memo in (lean._REQUEST_LINES, lean._HEAD_LINES, lean._NAMES, lean._CLOSES)
+               for k, v in memo.items())
+    assert kept < 64 * 1024, kept
+
+
 def test_header_pair_reads_a_line_as_the_header_grammar_does():
     """``lean.header_pair`` (no regular expression for a name seen before) gives what the
     full line grammar ``lean._HEADER`` gives, on random lines of the bytes that matter (names,

@@ -10,7 +10,8 @@ long-polls at the head need no read. The writes themselves are in ``records`` an
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Literal, Unpack, cast
 
@@ -26,6 +27,11 @@ from memfuse.server.rawsql import Raw
 from memfuse.server.records import decode_overwrote
 
 MAX_WAIT_SECONDS = 60.0  # the longest a long-poll may ask to wait
+# bytes one change of a feed read holds in memory besides its path and content (its Change
+# and Record models, seq, times, hashes, names): ~2.9 KB measured (tracemalloc, CPython 3.11,
+# pydantic 2), a read of 1,000 changes without content ~2.8 MB (bench/README.md, "Hostile
+# clients")
+CHANGE_BYTES = 3 * 1024
 _EventKind = Literal["attached", "detached", "store_changed"]  # WorkspaceEvent.kind: what EventRow.kind holds
 
 
@@ -158,6 +164,9 @@ class FeedRead:
     keys: list[str]
     _encoded: bytes | None = None
     _page: ChangePage | None = None
+    #: called with the bytes of the shared page's JSON once it is encoded (``page``): the
+    #: cache that holds this read counts them (``longpoll.FeedReads``)
+    on_encoded: Callable[[int], None] | None = field(default=None, repr=False, compare=False)
 
     def page(self, skip_actor: str | None) -> tuple[ChangePage, bytes | None]:
         """The page a long-poll answers (``changes_page`` rules for ``skip_actor``: versions of
@@ -170,7 +179,19 @@ class FeedRead:
         if self._page is None:  # the same page for every waiter: built and encoded once
             self._page = ChangePage(changes=self.changes, seq=seq)
             self._encoded = self._page.model_dump_json().encode()
+            if self.on_encoded is not None:
+                self.on_encoded(len(self._encoded))
         return self._page, self._encoded
+
+    def nbytes(self) -> int:
+        """About the memory this read holds, in bytes, not counting its JSON (``page``): per
+        change ``CHANGE_BYTES`` (its models, the seq, times, hashes, names) plus its path(s)
+        and content (the UTF-8 ``size``: no more than Python's ``str`` of it takes)."""
+        n = 0
+        for c in self.changes:
+            r = c.record
+            n += CHANGE_BYTES + len(r.path) + len(c.old_path or "") + (r.size if r.content is not None else 0)
+        return n
 
 
 # ---------------------------------------------------------------- the feeds

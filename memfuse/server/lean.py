@@ -232,9 +232,10 @@ class LeanHTTP:
                     if seen is None:
                         path = unquote(head.path.decode("ascii"))
                         seen = (path, self.lean_route(head.method, path))
-                        if len(self._routes) >= _ROUTES_MAX:
-                            self._routes.clear()
-                        self._routes[key] = seen
+                        if len(head.path) <= _KEPT_LINE_MAX:
+                            if len(self._routes) >= _ROUTES_MAX:
+                                self._routes.clear()
+                            self._routes[key] = seen
                     path, route = seen
                     if not route:
                         return self._handover(buf, closed, requests)
@@ -304,6 +305,11 @@ _MAX_LENGTH_DIGITS = 18  # a longer Content-Length (past 2**59): hypercorn's
 #: not the lines of ``_PER_REQUEST`` names, which differ in each
 _HEAD_LINES: dict[bytes, tuple[bytes, bytes]] = {}
 _HEAD_LINES_MAX = 256  # lines kept at most (emptied when full)
+#: the longest line (request line, header line, name, value) those memos keep: the lines a
+#: client repeats are short (a token's is ~80 bytes), and any client, before it is
+#: authenticated, chooses the lines (up to ``max_head``, 16 KiB: 256 of them in each memo
+#: would be tens of MiB, attack21); a longer one is read each time
+_KEPT_LINE_MAX = 512
 _PER_REQUEST = frozenset({b"content-length", b"idempotency-key", b"if-match"})
 #: ``Connection`` values read before, each with whether it asks to close (``keep-alive`` in
 #: every request of a client that says so): bounded as ``_HEAD_LINES``
@@ -343,9 +349,11 @@ def parse_head(buf: bytearray | bytes, max_head: int) -> _Head | None:
         line = _REQUEST_LINE.fullmatch(lines[0])
         if line is None:
             return None
-        if len(_REQUEST_LINES) >= _HEAD_LINES_MAX:
-            _REQUEST_LINES.clear()
-        target = _REQUEST_LINES[lines[0]] = (line.group(1).decode("ascii"), line.group(2))
+        target = (line.group(1).decode("ascii"), line.group(2))
+        if len(lines[0]) <= _KEPT_LINE_MAX:
+            if len(_REQUEST_LINES) >= _HEAD_LINES_MAX:
+                _REQUEST_LINES.clear()
+            _REQUEST_LINES[lines[0]] = target
     headers: list[tuple[bytes, bytes]] = []
     hosts = 0
     length: int | None = None
@@ -359,7 +367,7 @@ def parse_head(buf: bytearray | bytes, max_head: int) -> _Head | None:
                 return None
             if pair[0] in _NOT_LEAN:
                 return None
-            if pair[0] not in _PER_REQUEST:
+            if pair[0] not in _PER_REQUEST and len(raw) <= _KEPT_LINE_MAX:
                 if len(known) >= _HEAD_LINES_MAX:
                     known.clear()
                 known[raw] = pair
@@ -374,9 +382,10 @@ def parse_head(buf: bytearray | bytes, max_head: int) -> _Head | None:
             closes = _CLOSES.get(value)
             if closes is None:
                 closes = any(t.strip().lower() == b"close" for t in value.split(b","))
-                if len(_CLOSES) >= _HEAD_LINES_MAX:
-                    _CLOSES.clear()
-                _CLOSES[value] = closes
+                if len(value) <= _KEPT_LINE_MAX:
+                    if len(_CLOSES) >= _HEAD_LINES_MAX:
+                        _CLOSES.clear()
+                    _CLOSES[value] = closes
             close = close or closes
         headers.append(pair)
     if hosts != 1 or length is None:
@@ -399,9 +408,11 @@ def header_pair(raw: bytes) -> tuple[bytes, bytes] | None:
     if low is None:
         if _NAME.fullmatch(name) is None:
             return None
-        if len(_NAMES) >= _HEAD_LINES_MAX:
-            _NAMES.clear()
-        low = _NAMES[name] = name.lower()
+        low = name.lower()
+        if len(name) <= _KEPT_LINE_MAX:
+            if len(_NAMES) >= _HEAD_LINES_MAX:
+                _NAMES.clear()
+            _NAMES[name] = low
     value = rest.strip(b" \t")
     if value.translate(None, _VALUE_BYTES):  # a byte left that a value may not hold
         return None

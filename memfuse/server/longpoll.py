@@ -22,6 +22,8 @@ past its cursor while it slept (versions of the actor it skips), so that ``seq``
 from __future__ import annotations
 
 import logging
+import threading
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -38,7 +40,18 @@ from memfuse.server.service import MAX_WAIT_SECONDS, FeedRead, Principal, Servic
 
 log = logging.getLogger(__name__)
 
-_SHARED_READS_MAX = 4096
+# The finished reads FeedReads keeps: they exist so that every waiter woken by one commit
+# shares one read (and one JSON encoding), so a kept read is useful only while its store's
+# head is the one it read up to (the others are dropped as the head moves) and only for the
+# few (cursor, limit, content) keys those waiters ask at once. Bounded in bytes, since any
+# token that may read a store chooses the keys (attack21 F1: 150 long-polls of distinct
+# limits kept ~1 GB): 32 MiB holds the largest page (8 MiB of content, its JSON and 1,000
+# changes, ~20 MiB) with a smaller one beside it; the least recently used goes first.
+SHARED_READS_BYTES = 32 * 1024 * 1024
+SHARED_READS_MAX = 4096  # reads kept at most, however small
+_ENTRY_BYTES = 1024  # what a kept read costs besides its changes (key, objects, its page's)
+
+_Key = tuple[str, int, int, bool]  # (store key, cursor, limit, with content)
 
 
 class _Flight:
@@ -50,35 +63,59 @@ class _Flight:
         self.error: BaseException | None = None
 
 
+class _Kept:
+    __slots__ = ("read", "cost")
+
+    def __init__(self, read: FeedRead, cost: int) -> None:
+        self.read = read
+        self.cost = cost
+
+
 class FeedReads:
     """Single-flight change-feed reads: one ``Service.feed_read`` per (store, cursor, limit,
-    content) at a time; a finished read is reused while the store's head is still the one it
-    read up to (so every waiter woken by one commit shares it). Event-loop only."""
+    content) at a time; a finished read is kept while the store's head is still the one it
+    read up to (so every waiter woken by one commit shares it), within ``max_bytes`` (its
+    changes, ``FeedRead.nbytes``, and its JSON once encoded) and ``max_entries``, the least
+    recently used dropped first. A read whose head moved is dropped when the ``Notifier``
+    learns the new head (``on_heads``), or found so. ``read`` runs on the event loop; the
+    kept reads are guarded by a lock (the heads move in any thread)."""
 
-    def __init__(self, svc: Service) -> None:
+    def __init__(self, svc: Service, *, max_bytes: int = SHARED_READS_BYTES,
+                 max_entries: int = SHARED_READS_MAX) -> None:
         self.svc = svc
-        # keyed by (store key, cursor, limit, with content)
-        self._flights: dict[tuple[str, int, int, bool], _Flight] = {}
-        self._done: dict[tuple[str, int, int, bool], FeedRead] = {}
+        self.max_bytes = max_bytes
+        self.max_entries = max_entries
+        self._flights: dict[_Key, _Flight] = {}
+        self._lock = threading.Lock()
+        self._done: OrderedDict[_Key, _Kept] = OrderedDict()  # least recently used first
+        self._by_store: dict[str, set[_Key]] = {}  # the keys of _done of each store
+        self.bytes = 0  # what the kept reads hold (``_Kept.cost`` summed)
         self.reads = 0  # database reads made (for tests and metrics)
+        svc.notifier.on_heads.append(self._heads_moved)
+
+    @property
+    def kept(self) -> int:
+        """Finished reads kept now."""
+        return len(self._done)
 
     async def read(self, slug: str, after: int, limit: int, content: bool) -> FeedRead:
         key = (slug, after, limit, content)
-        hit = self._done.get(key)
+        hit = self._hit(key)
         if hit is not None:
-            if self.svc.notifier.head(slug) == hit.store_top:
-                return hit
-            del self._done[key]
+            return hit
         flight = self._flights.get(key)
         if flight is None:
             flight = self._flights[key] = _Flight()
             try:
                 self.reads += 1
-                flight.result = await anyio.to_thread.run_sync(
-                    lambda: self.svc.feed_read(slug, after, limit=limit, with_content=content))
-                if len(self._done) >= _SHARED_READS_MAX:
-                    self._done.clear()
-                self._done[key] = flight.result
+
+                def run() -> tuple[FeedRead, int]:
+                    fr = self.svc.feed_read(slug, after, limit=limit, with_content=content)
+                    return fr, fr.nbytes()
+
+                fr, cost = await anyio.to_thread.run_sync(run)
+                flight.result = fr
+                self._keep(key, fr, cost)
             except BaseException as e:
                 flight.error = e
                 raise
@@ -94,6 +131,71 @@ class FeedReads:
                                headers={"Retry-After": "1"})
         assert flight.result is not None
         return flight.result
+
+    # ------------------------------------------------------------ the kept reads
+
+    def _hit(self, key: _Key) -> FeedRead | None:
+        with self._lock:
+            k = self._done.get(key)
+            if k is None:
+                return None
+            if self.svc.notifier.head(key[0]) == k.read.store_top:
+                self._done.move_to_end(key)
+                return k.read
+            self._drop(key)
+            return None
+
+    def _keep(self, key: _Key, fr: FeedRead, cost: int) -> None:
+        """Keep ``fr``, read for ``key``, unless its store's head moved since (it then serves
+        only the waiters of its flight); drop the reads of that store at an older head."""
+        store = key[0]
+        with self._lock:
+            if self.svc.notifier.head(store) != fr.store_top:
+                return
+            for other in [o for o in self._by_store.get(store, ()) if self._done[o].read.store_top != fr.store_top]:
+                self._drop(other)
+            if key in self._done:
+                self._drop(key)
+            kept = self._done[key] = _Kept(fr, _ENTRY_BYTES + cost)
+            self._by_store.setdefault(store, set()).add(key)
+            self.bytes += kept.cost
+            fr.on_encoded = lambda n: self._grow(key, kept, n)
+            self._evict()
+
+    def _grow(self, key: _Key, kept: _Kept, n: int) -> None:
+        """A kept read's page was encoded (``n`` bytes of JSON): count them."""
+        with self._lock:
+            if self._done.get(key) is kept:
+                kept.cost += n
+                self.bytes += n
+                self._evict()
+
+    def _evict(self) -> None:  # under the lock
+        while self._done and (self.bytes > self.max_bytes or len(self._done) > self.max_entries):
+            self._drop(next(iter(self._done)))
+
+    def _drop(self, key: _Key) -> None:  # under the lock
+        kept = self._done.pop(key)
+        kept.read.on_encoded = None  # the cycle read -> hook -> _Kept -> read: freed at once, not by a later gc
+        self.bytes -= kept.cost
+        keys = self._by_store[key[0]]
+        keys.discard(key)
+        if not keys:
+            del self._by_store[key[0]]
+
+    def _heads_moved(self, moved: dict[str, int] | None) -> None:
+        """``Notifier.on_heads``: drop the reads at a head no longer their store's (from any
+        thread; None: every head forgotten, every read dropped)."""
+        if moved is not None and not any(store in self._by_store for store in moved):
+            return  # the usual commit: nothing kept of its stores (no lock taken)
+        with self._lock:
+            if moved is None:
+                for key in list(self._done):
+                    self._drop(key)
+                return
+            for store, head in moved.items():
+                for key in [k for k in self._by_store.get(store, ()) if self._done[k].read.store_top != head]:
+                    self._drop(key)
 
 
 async def _until_disconnect(request: Request, body: Callable[[], Awaitable[Any]]) -> Any:

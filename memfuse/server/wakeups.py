@@ -321,6 +321,10 @@ class Notifier:
         self.wakeups = 0  # waiters woken (a counter for /metrics)
         self.on_subscribe: Callable[[], None] | None = None  # the Bus starts lazily
         self.on_reset: list[Callable[[], None]] = []  # called by reset(): forget other caches too
+        # called with the heads that moved ({store: new latest seq}), or None when every head
+        # was forgotten, outside the lock, from whichever thread moved them: the caches of
+        # what a head made true drop what can no longer be served (longpoll.FeedReads)
+        self.on_heads: list[Callable[[dict[str, int] | None], None]] = []
         self.track_own = False  # set by a Bus that scans (an SQLite file)
         self._own_versions: set[int] = set()
         self._own_events: set[int] = set()
@@ -379,6 +383,7 @@ class Notifier:
         while ``track_own`` is set so that a scan can tell them from other processes'."""
         wake: list[_Waiter] = []
         topics: list[Note] = []
+        moved: dict[str, int] | None = {}
         with self._lock:
             if own is not None and self.track_own:
                 self._own_versions.update(own[0])
@@ -387,6 +392,8 @@ class Notifier:
                 if n.kind == "f":
                     if (local or self.trusted) and n.seq > self._heads.get(n.key, -1):
                         self._heads[n.key] = n.seq
+                        if moved is not None:
+                            moved[n.key] = n.seq
                     for w in self._by_key.get((FEED, n.key), ()):
                         if n.actor is None or w.skip_actor != n.actor:
                             wake.append(w)
@@ -408,7 +415,10 @@ class Notifier:
                     topics.append(n)
                 elif n.kind == "*":
                     self._forget()
+                    moved = None
                     wake.extend(self._waiters)
+        if moved is None or moved:
+            self._heads_moved(moved)
         self._wake(wake)
         for n in topics:
             for cb in self._topics.get(n.key, ()):
@@ -431,12 +441,20 @@ class Notifier:
         with self._lock:
             self.trusted = trusted
             self._forget()
+        self._heads_moved(None)
         for fn in self.on_reset:
             try:
                 fn()
             except Exception:
                 log.exception("reset callback failed")
         self.wake_all()
+
+    def _heads_moved(self, moved: dict[str, int] | None) -> None:
+        for fn in self.on_heads:
+            try:
+                fn(moved)
+            except Exception:
+                log.exception("heads callback failed")
 
     def _forget(self) -> None:
         self._epoch += 1
@@ -487,9 +505,10 @@ class Notifier:
     def learn_head(self, store: str, seq: int, stamp: CacheStamp) -> None:
         """A read begun at ``stamp`` found the store's latest version seq ``seq``."""
         with self._lock:
-            if stamp.epoch == self._epoch and self.trusted:
-                if seq > self._heads.get(store, -1):
-                    self._heads[store] = seq
+            if stamp.epoch != self._epoch or not self.trusted or seq <= self._heads.get(store, -1):
+                return
+            self._heads[store] = seq
+        self._heads_moved({store: seq})
 
     def learn_events(self, ws: str, ws_upper: int, top_lower: int, stamp: CacheStamp) -> None:
         """A read begun at ``stamp`` found no event of ``ws`` beyond ``ws_upper`` and the latest
