@@ -969,6 +969,7 @@ class WalCheckpoints:
         self.since = 0
         self.every = self.FIRST_EVERY
         self.runs = 0  # checkpoints run (tests, the benchmark)
+        self.frames = 0  # log frames the checkpoints found, summed (the benchmark: frames a write)
 
     def take_over(self, conn: Connection) -> None:
         """``conn`` is the new kept write connection: turn its automatic checkpoint off.
@@ -1002,6 +1003,7 @@ class WalCheckpoints:
         self.runs += 1
         frames = int(row[1]) if row is not None and row[1] is not None and int(row[1]) > 0 else 0
         if frames > 0:
+            self.frames += frames
             self.every = max(1, min(self.MAX_EVERY, self.since * self.FRAMES // frames))
         self.since = 0
 
