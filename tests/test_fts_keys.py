@@ -66,6 +66,7 @@ def test_a_write_that_keeps_the_indexed_text_leaves_the_index_alone_and_ranking_
     big = _create(svc, "journal/ledger.md", _big())
     small = _create(svc, "notes/quartz.md", "quartz notes\n")
     _create(svc, "notes/other.md", "# Quartz\nother words\n")
+    svc.db.index_pending()  # the new records keyed and indexed (revision 0023: keys given at the drain)
     before = _index_state(svc)
     sha = big["sha256"]
     for i in range(5):  # appends past the indexed head: the index is not written
@@ -229,10 +230,10 @@ def test_postgresql_vector_kept_by_trigger_equals_the_computed_one():
 
 
 def _queued(svc: Service) -> tuple[set[str], set[str]]:
-    """(ids of the records queued for indexing, ids of the records in the FTS table)."""
+    """(ids of the records queued for indexing, ids of the records in the FTS table)."""  # 0023: ids queued
     with svc.db.read_conn() as conn:
         queued = set(conn.execute(text(
-            "SELECT k.record_id FROM records_fts_pending p JOIN records_fts_keys k ON k.k = p.k")).scalars())
+            "SELECT record_id FROM records_fts_pending")).scalars())
         indexed = set(conn.execute(text(
             "SELECT k.record_id FROM records_fts f JOIN records_fts_keys k ON k.k = -f.rowid")).scalars())
     return queued, indexed
@@ -240,7 +241,7 @@ def _queued(svc: Service) -> tuple[set[str], set[str]]:
 
 def test_a_new_record_is_queued_and_a_ranked_search_right_after_its_write_finds_it(tmp_path):
     """A new record is not indexed in its write's transaction (``fulltext`` "Pending",
-    revision ``0020_fts_pending``): its key is queued, and a ranked search right after the
+    revisions ``0020_fts_pending``, ``0023_fts_queue_ids``): its id is queued, and a ranked search right after the
     write drains the queue first, so it finds the record (read-your-writes). Writes of a
     queued record before the drain (an update, a move, a delete, a purge) rank as if it had
     been indexed at its create; the batch's creates are queued the same way."""

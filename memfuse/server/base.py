@@ -74,8 +74,9 @@ _T = cast(Table, TokenRow.__table__)
 
 #: What every read of the live records at a list of paths (``path IN (...)``: a create's path
 #: and its ancestors, a batch's creates, a move's target's ancestors) is ordered by. Without
-#: it SQLite's planner (no statistics) takes ``ix_records_usage`` (``store = ? AND deleted =
-#: ?``, two equalities) for three or more paths and reads every live record of the store:
+#: it SQLite's planner (no statistics) took ``ix_records_usage`` (``store = ? AND deleted =
+#: ?``, two equalities; dropped by revision ``0022_drop_records_usage``) for three or more
+#: paths and read every live record of the store:
 #: a create of ``a/b/c.md`` cost ~0.5 ms more per 1,500 records in its store (bench/README.md,
 #: "The close path, session 12: serve's writer"). Ordered by path, it looks each path up on a
 #: path index (``ix_records_live_path`` / ``ix_records_store_path``: no sort needed);

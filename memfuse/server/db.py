@@ -70,7 +70,7 @@ log = logging.getLogger(__name__)
 #: the newest Alembic revision (``memfuse/server/migrations/versions/``): a database at it
 #: opens without Alembic (``Database._at_schema_head``). A new revision updates it;
 #: tests/test_migrations.py fails while it is not ``schema.head()``.
-SCHEMA_HEAD = "0021_version_writer"
+SCHEMA_HEAD = "0023_fts_queue_ids"
 
 
 def utcnow() -> datetime:
@@ -359,8 +359,9 @@ class RecordRow(Base):
             postgresql_where=deleted == false(),
         ),
         Index("ix_records_store_path", "store", "path", "id"),
-        # count and sum of live sizes per store without a table scan (the usage backfill)
-        Index("ix_records_usage", "store", "deleted", "size"),
+        # (``ix_records_usage (store, deleted, size)`` until revision 0022_drop_records_usage:
+        # only revision 0002's backfill of the usage counters read it; every record write paid
+        # a page of it in the log, bench/README.md "The close path, session 21")
         # the expiry sweep's scan: live records with an expiry, by time
         Index("ix_records_expires", "expires_at", sqlite_where=(deleted == false()) & expires_at.is_not(None),
               postgresql_where=(deleted == false()) & expires_at.is_not(None)),
@@ -969,6 +970,7 @@ class WalCheckpoints:
         self.since = 0
         self.every = self.FIRST_EVERY
         self.runs = 0  # checkpoints run (tests, the benchmark)
+        self.frames = 0  # log frames the checkpoints found, summed (the benchmark: frames a write)
 
     def take_over(self, conn: Connection) -> None:
         """``conn`` is the new kept write connection: turn its automatic checkpoint off.
@@ -1002,6 +1004,7 @@ class WalCheckpoints:
         self.runs += 1
         frames = int(row[1]) if row is not None and row[1] is not None and int(row[1]) > 0 else 0
         if frames > 0:
+            self.frames += frames
             self.every = max(1, min(self.MAX_EVERY, self.since * self.FRAMES // frames))
         self.since = 0
 

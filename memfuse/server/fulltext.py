@@ -42,11 +42,14 @@ it without a line of Python):
   not one "file" token) and is cut at ``PG_MAX_CHARS`` characters (a ``tsvector`` holds at
   most 1 MiB; a longer record's tail is not indexed, its substring search still finds it).
 
-**Pending** (SQLite; revision ``0020_fts_pending``): a *new* record is not indexed in its
-write's transaction. ``records_fts_ai`` / ``records_fts_au_seq`` give it its key and queue
-the key in ``records_fts_pending``; ``PENDING_DRAIN`` indexes every queued live record in
-one statement (the same rows and text the triggers wrote before, so ranking is the same) and
-empties the queue. Ranked search drains first (``Database.index_pending``, in a write
+**Pending** (SQLite; revisions ``0020_fts_pending``, ``0023_fts_queue_ids``): a *new*
+record is not indexed in its write's transaction. ``records_fts_ai`` / ``records_fts_au_seq``
+queue its id in ``records_fts_pending`` (``WITHOUT ROWID``: one page of the write-ahead log
+a create; 0020 gave the key there and queued it, three pages: bench/README.md, "The close
+path, session 21: serve's WAL pages"); ``PENDING_DRAIN`` gives every queued live record its
+key (a record written since its create has one already, from ``records_fts_au``), indexes
+them in one statement (the same rows and text the triggers wrote before, so ranking is the
+same) and empties the queue. Ranked search drains first (``Database.index_pending``, in a write
 transaction before its read), so it finds every record written before it started; a writer
 drains after every ``DRAIN_EVERY`` write transactions (``Database.write_conn``), so the queue
 stays short when nothing searches. Why: the index's trigger was ~17 % of the writer's
@@ -189,9 +192,11 @@ _AU_SEQ = ("CREATE TRIGGER IF NOT EXISTS records_fts_au_seq AFTER UPDATE OF seq 
            "WHEN old.seq <= 0 AND new.seq > 0 AND new.deleted = 0 BEGIN "
            "INSERT OR IGNORE INTO records_fts_keys (record_id) VALUES (new.id); "
            f"INSERT OR REPLACE INTO records_fts (rowid, path, headings, body) VALUES ({_KEY_OF_NEW}, {_NEW_ROW}); END")
-# A new record's indexing deferred (revision ``0020_fts_pending``; module docstring, "Pending"):
-# its insert (a batch's, seq given) or the statement giving it its seq (a single create) only
-# gives it its key and queues the key; ``PENDING_DRAIN`` indexes the queue in one statement.
+# A new record's indexing deferred (revision ``0020_fts_pending``): its insert (a batch's,
+# seq given) or the statement giving it its seq (a single create) gave it its key and queued
+# the key; ``_PENDING_DRAIN_0020`` indexed the queue in one statement. Revision
+# ``0023_fts_queue_ids`` queues the record's id instead (``_QUEUE_TABLE``): its key is given
+# at the drain.
 _PENDING_TABLE = "CREATE TABLE IF NOT EXISTS records_fts_pending (k INTEGER PRIMARY KEY)"
 _QUEUE_NEW = ("INSERT OR IGNORE INTO records_fts_keys (record_id) VALUES (new.id); "
               "INSERT OR IGNORE INTO records_fts_pending (k) "
@@ -200,18 +205,41 @@ _AI_PENDING = ("CREATE TRIGGER IF NOT EXISTS records_fts_ai AFTER INSERT ON reco
                "WHEN new.deleted = 0 AND new.seq > 0 BEGIN " + _QUEUE_NEW)
 _AU_SEQ_PENDING = ("CREATE TRIGGER IF NOT EXISTS records_fts_au_seq AFTER UPDATE OF seq ON records "
                    "WHEN old.seq <= 0 AND new.seq > 0 AND new.deleted = 0 BEGIN " + _QUEUE_NEW)
-#: the index as ``install`` makes it and revision ``0020_fts_pending`` leaves it
-SQLITE_DDL = [*_KEYED_DDL_0016[:3], _PENDING_TABLE, _AI_PENDING, _KEYED_DDL_0016[4], _AU, _AU_SEQ_PENDING]
-#: whether any record waits for its indexing (SQLite)
-PENDING_ANY = "SELECT 1 FROM records_fts_pending LIMIT 1"
-#: index every queued record that is live (as ``_AI`` / ``_AU_SEQ`` would have at its write:
-#: the same row, the same text; a record written since by ``records_fts_au`` is indexed again
-#: with the same text, one deleted or purged since is skipped), then empty the queue
-PENDING_DRAIN = [
+_PENDING_DRAIN_0020 = [
     "INSERT OR REPLACE INTO records_fts (rowid, path, headings, body) "
     f"SELECT -k.k, r.path, memfuse_headings(substr(r.content, 1, {PG_MAX_CHARS})), "
     f"coalesce(substr(r.content, 1, {PG_MAX_CHARS}), '') FROM records_fts_pending p "
     "JOIN records_fts_keys k ON k.k = p.k JOIN records r ON r.id = k.record_id "
+    "WHERE r.deleted = 0 AND r.seq > 0",
+    "DELETE FROM records_fts_pending",
+]
+#: the queue of revision ``0023_fts_queue_ids`` (module docstring, "Pending"): the ids of the
+#: new records not indexed yet, one b-tree (``WITHOUT ROWID``) that a create writes one page
+#: of; the 0020 form wrote three (the key's row, ``records_fts_keys``' index of record ids,
+#: the queued key)
+_QUEUE_TABLE = ("CREATE TABLE IF NOT EXISTS records_fts_pending "
+                "(record_id VARCHAR(36) NOT NULL PRIMARY KEY) WITHOUT ROWID")
+_QUEUE_NEW_ID = "INSERT OR IGNORE INTO records_fts_pending (record_id) VALUES (new.id); END"
+_AI_QUEUE = ("CREATE TRIGGER IF NOT EXISTS records_fts_ai AFTER INSERT ON records "
+             "WHEN new.deleted = 0 AND new.seq > 0 BEGIN " + _QUEUE_NEW_ID)
+_AU_SEQ_QUEUE = ("CREATE TRIGGER IF NOT EXISTS records_fts_au_seq AFTER UPDATE OF seq ON records "
+                 "WHEN old.seq <= 0 AND new.seq > 0 AND new.deleted = 0 BEGIN " + _QUEUE_NEW_ID)
+#: the index as ``install`` makes it and revision ``0023_fts_queue_ids`` leaves it
+SQLITE_DDL = [*_KEYED_DDL_0016[:3], _QUEUE_TABLE, _AI_QUEUE, _KEYED_DDL_0016[4], _AU, _AU_SEQ_QUEUE]
+#: whether any record waits for its indexing (SQLite)
+PENDING_ANY = "SELECT 1 FROM records_fts_pending LIMIT 1"
+#: give every queued live record its key (kept if it has one: a write of it since, through
+#: ``records_fts_au``, gave it one), index it (as ``_AI`` / ``_AU_SEQ`` would have at its
+#: write: the same row, the same text; a record written since by ``records_fts_au`` is
+#: indexed again with the same text, one deleted or purged since is skipped), then empty the
+#: queue
+PENDING_DRAIN = [
+    "INSERT OR IGNORE INTO records_fts_keys (record_id) SELECT r.id FROM records_fts_pending p "
+    "JOIN records r ON r.id = p.record_id WHERE r.deleted = 0 AND r.seq > 0",
+    "INSERT OR REPLACE INTO records_fts (rowid, path, headings, body) "
+    f"SELECT -k.k, r.path, memfuse_headings(substr(r.content, 1, {PG_MAX_CHARS})), "
+    f"coalesce(substr(r.content, 1, {PG_MAX_CHARS}), '') FROM records_fts_pending p "
+    "JOIN records r ON r.id = p.record_id JOIN records_fts_keys k ON k.record_id = r.id "
     "WHERE r.deleted = 0 AND r.seq > 0",
     "DELETE FROM records_fts_pending",
 ]
@@ -358,7 +386,22 @@ def pending_statements(dialect: str, *, upgrade: bool = True) -> list[str]:
     drop = ["DROP TRIGGER IF EXISTS records_fts_ai", "DROP TRIGGER IF EXISTS records_fts_au_seq"]
     if upgrade:
         return [_PENDING_TABLE, *drop, _AI_PENDING, _AU_SEQ_PENDING]
-    return [*PENDING_DRAIN, *drop, "DROP TABLE IF EXISTS records_fts_pending", _KEYED_DDL_0016[3], _AU_SEQ]
+    return [*_PENDING_DRAIN_0020, *drop, "DROP TABLE IF EXISTS records_fts_pending", _KEYED_DDL_0016[3], _AU_SEQ]
+
+
+def queue_id_statements(dialect: str, *, upgrade: bool = True) -> list[str]:
+    """The SQL that makes the queue of new records hold their ids, their keys given at the
+    drain (revision ``0023_fts_queue_ids``: ``_QUEUE_TABLE``, ``records_fts_ai`` and
+    ``records_fts_au_seq`` queueing the id), or, with ``upgrade`` False, puts back
+    ``0020_fts_pending``'s queue of keys (its downgrade). Either way the queue is drained
+    first in the form it has (its records indexed), so it starts empty. ``[]`` on PostgreSQL."""
+    if dialect != "sqlite":
+        return []
+    drop = ["DROP TRIGGER IF EXISTS records_fts_ai", "DROP TRIGGER IF EXISTS records_fts_au_seq",
+            "DROP TABLE IF EXISTS records_fts_pending"]
+    if upgrade:
+        return [*_PENDING_DRAIN_0020, *drop, _QUEUE_TABLE, _AI_QUEUE, _AU_SEQ_QUEUE]
+    return [*PENDING_DRAIN, *drop, _PENDING_TABLE, _AI_PENDING, _AU_SEQ_PENDING]
 
 
 def drain(conn: Any) -> None:
