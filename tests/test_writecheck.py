@@ -139,6 +139,21 @@ def test_padding_the_rules_do_not_read_does_not_push_a_secret_out_of_the_window(
     assert r is not None and r.errno == errno.EPERM, pad
 
 
+def test_a_long_comment_opened_or_closed_by_the_write_is_read_whole():
+    """An HTML comment inside a token, longer than the window, hides it from the markup view
+    only whole: the write that closes it (or opens it, written last) reads back (on) to the
+    comment's other end on its line."""
+    f = File(("# t\nnote: " + GH[:6] + "<!--" + "x" * 3 * WINDOW).encode())
+    r = f.write("-->" + GH[6:] + "\n")
+    assert r is not None and r.errno == errno.EPERM
+    g = File(("# t\nnote: " + "_" * 10 + "x" * 3 * WINDOW + "-->" + GH[6:] + "\nmore\n").encode())
+    r = g.write(GH[:6] + "<!--", off=10)
+    assert r is not None and r.errno == errno.EPERM
+    # on another line, a comment is prose: nothing to refuse
+    h = File(("# t\n<!--" + "x" * 3 * WINDOW + "\n").encode())
+    assert h.write("--> done\n") is None
+
+
 def test_padding_past_the_cap_is_left_to_close_and_costs_the_cap():
     """The window takes at most WINDOW_CAP bytes of the file on each side: more padding than
     that is not read at the write (the close reads the file whole and refuses it), so a file

@@ -16,7 +16,9 @@ What a write is refused for, judged on the file's bytes as they would stand afte
   window holds :data:`WINDOW` bytes on each side *as the secret rules read them*
   (``content.scan_floor``: what a view removes, such as zero-width spaces, counts for
   nothing), so padding a token with invisible characters does not push its start out of
-  it (attack21 F3); it takes at most :data:`WINDOW_CAP` bytes of the file on each side.
+  it (attack21 F3), and a write that opens or closes an HTML comment (one line) reads to
+  the comment's other end on its line; it takes at most :data:`WINDOW_CAP` bytes of the file
+  on each side.
   A secret longer than the window, or split by more padding than the cap, is refused at
   close.
 - ``EINVAL``: the frontmatter (within its first 64 Ki characters), once closed, names a
@@ -196,6 +198,16 @@ class WriteChecker:
         end = off + len(data)
         ws = cls._reach(buf, min(off, old_len), -1)
         we = cls._reach(buf, end, 1) if end < old_len else end
+        # an HTML comment (one line) the write closes or opens hides what it holds, however
+        # long, from the markup view: its other end, on the same line, is in the window too
+        # (the line's rest, within the cap)
+        if b"-->" in data and ws > 0:
+            lo = max(0, min(off, old_len) - WINDOW_CAP)
+            ws = min(ws, lo + bytes(buf[lo:min(off, old_len)]).rfind(b"\n") + 1)
+        if b"<!--" in data and we < old_len:
+            hi = min(old_len, end + WINDOW_CAP)
+            nl = bytes(buf[end:hi]).find(b"\n")
+            we = max(we, hi if nl < 0 else end + nl + 1)
         after = bytes(buf[ws:off]) + b"\0" * max(0, off - old_len) + data + bytes(buf[end:we])
         found = content_rules.find_secret(after.decode("utf-8", "ignore"))
         if found is None:
