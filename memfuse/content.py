@@ -68,6 +68,7 @@ __all__ = [
     "SECRET_KINDS",
     "prompt_text",
     "secret_view",
+    "scan_floor",
 ]
 
 INDEX_PATH = INDEX_NAME  # the store's index (memfuse.names: no directory may take its name)
@@ -464,6 +465,41 @@ def decoded_view(view: str) -> str:
     if "\\" not in view and "%" not in view and "&" not in view:
         return view
     return secret_view(_ESCAPE_RE.sub(_unescape, view))
+
+
+#: the Markdown / HTML :func:`markup_view` may drop, wherever it stands (:func:`scan_floor`)
+_MARKUP_ANYWHERE = re.compile(r"[*~]+|<!--[^\n]*?-->")
+
+
+def _floor_text(text: str) -> str:
+    """``text`` with everything some view of the secret rules may remove taken out, in any
+    context (:func:`scan_floor`)."""
+    out = prompt_text(text)
+    if not out.isascii():
+        out = _gap_re()[0].sub("", out)  # gaps, wherever they stand (not only between tokens)
+    return out
+
+
+def scan_floor(text: str) -> int:
+    """A lower bound of the UTF-8 bytes that ``text``, as a part of a larger text, adds to any
+    view the secret rules read of it (:func:`find_secret`: :func:`secret_view`, its rendered
+    views, :func:`decoded_view`): its bytes with everything a view may remove taken out
+    wherever it stands, not only where the view removes it: what :func:`prompt_text` removes
+    (format and default-ignorable characters, controls), the gap characters (``_gap_re``:
+    non-ASCII spaces, Braille blank, combining marks), Markdown emphasis and one-line HTML
+    comments (``_MARKUP_SPLIT``), escapes read as what they decode to (``_ESCAPE_RE``).
+
+    For a window of context around a write (``memfuse.sidecar.writecheck``): a window whose
+    context holds N bytes by this measure holds N bytes of every view, so padding made of
+    what a view removes (a run of zero-width spaces inside a token: attack21 F3) does not
+    push a token's start out of it. Ordinary ASCII text without ``*``, ``~``, ``<!--``,
+    ``\\``, ``%`` or ``&`` costs what :func:`prompt_text` costs and measures its length."""
+    out = _floor_text(text)
+    if "\\" in out or "%" in out or "&" in out:
+        out = _floor_text(_ESCAPE_RE.sub(_unescape, out))
+    if "*" in out or "~" in out or "<!--" in out:
+        out = _MARKUP_ANYWHERE.sub("", out)
+    return len(out) if out.isascii() else len(out.encode("utf-8", "surrogatepass"))
 
 
 #: a run that may be a base64 / base64url (27+: a 20-character token is 27 characters and a
@@ -1059,8 +1095,14 @@ _RLO = "\u202e"
 #: unless the two halves are one: the prose corpus of tests/test_secret_corpus.py holds)
 #: (written to start with a character class: the search skips to a ``*``, ``~`` or ``<`` at
 #: C speed, then looks behind; ~50 ms per MiB of Markdown dense with them, 5x the plain form)
-_MARKUP_SPLIT = re.compile(r"[*~<](?<=[\w-][*~<])(?:(?<=\*)\*{0,2}|(?<=~)~|(?<=<)!--[^\n]*?-->)"
-                           r"(?:\*{1,3}|~~|<!--[^\n]*?-->)*(?=[\w-])")
+#: The first marker and the run after it are atomic (the run a possessive repetition whose
+#: alternatives start with different characters; a comment ends at its first ``-->``, as
+#: HTML's and CommonMark's do, not at a later one the former lazy group reached): a
+#: run of n markers not followed by a token character fails in O(n), where the former
+#: ``(?:\*{1,3}|...)*`` tried every way to cut it in ones, twos and threes (exponential:
+#: ``a`` and 30 ``*`` took 5 s, one more ``*`` ~1.7x that; session 21).
+_MARKUP_SPLIT = re.compile(r"[*~<](?<=[\w-][*~<])(?>(?<=\*)|(?<=~)~|(?<=<)!--[^\n]*?-->)"
+                           r"(?>\*|~~|<!--[^\n]*?-->)*+(?=[\w-])")
 
 
 def markup_view(view: str) -> str:

@@ -129,8 +129,10 @@ def check_dir_name(parent: str, name: str) -> str:
 #: grapheme joiner (U+034F), the variation selectors (U+FE00-FE0F, U+E0100-E01EF: "smuggled"
 #: invisible text), the Mongolian free variation selectors, the Khmer inherent vowels, the
 #: Hangul fillers (U+115F, U+1160, U+3164, U+FFA0) and reserved ones. ``unicodedata`` does
-#: not carry the property. Used by the prompt block (``content.prompt_text``) and by
-#: :func:`index_fold` (TR39's skeleton drops them).
+#: not carry the property; tests/test_names_unicode.py checks this table against Perl's
+#: copy of the Unicode database (``Unicode::UCD``) where it is installed. The one list: used
+#: by the prompt block (``content.prompt_text``) and the secret rules, by :func:`index_fold`
+#: (TR39's skeleton drops them) and by :func:`check_new_name` (no name given holds one).
 DEFAULT_IGNORABLE_RANGES: tuple[tuple[int, int], ...] = (
     (0xAD, 0xAD), (0x34F, 0x34F), (0x61C, 0x61C), (0x115F, 0x1160), (0x17B4, 0x17B5),
     (0x180B, 0x180F), (0x200B, 0x200F), (0x202A, 0x202E), (0x2060, 0x206F), (0x3164, 0x3164),
@@ -138,10 +140,12 @@ DEFAULT_IGNORABLE_RANGES: tuple[tuple[int, int], ...] = (
     (0x1BCA0, 0x1BCA3), (0x1D173, 0x1D17A), (0xE0000, 0xE0FFF),
 )
 
+_IGNORABLE_CLASS = "".join(f"\\U{a:08x}-\\U{b:08x}" for a, b in DEFAULT_IGNORABLE_RANGES)
+#: one default-ignorable code point (:func:`check_new_name` refuses a name holding one)
+_IGNORABLE_RE = re.compile("[" + _IGNORABLE_CLASS + "]")
 #: what :func:`index_fold` drops: the default-ignorable code points, and U+2800 BRAILLE
 #: PATTERN BLANK, which renders as a space (a name that looks like the index could hide them)
-_INVISIBLE_RE = re.compile("[" + "".join(f"\\U{a:08x}-\\U{b:08x}" for a, b in DEFAULT_IGNORABLE_RANGES)
-                           + "\\u2800]")
+_INVISIBLE_RE = re.compile("[" + _IGNORABLE_CLASS + "\\u2800]")
 
 #: Letters of other scripts drawn like the letters of ``memory.md`` (upper or lower case), each
 #: mapped to that letter: the entries of Unicode TR39's confusables data (confusables.txt,
@@ -217,12 +221,23 @@ def check_root_name(name: str) -> str:
 def check_new_name(name: str) -> str:
     """The rules a name must meet to be GIVEN to a new file or directory (create, mkdir, rename
     target, on every face), beyond :func:`check_component` (which every name already met):
-    it is in Unicode normalization form C. ``é`` typed as ``e`` + U+0301 (NFD, as macOS
+    it holds no default-ignorable code point (:data:`DEFAULT_IGNORABLE_RANGES`: beyond the
+    format characters ``check_component`` refuses, the Hangul fillers U+3164 / U+115F /
+    U+1160 / U+FFA0, the variation selectors, the Mongolian free variation selectors, U+034F,
+    the Khmer inherent vowels...: drawn as nothing, so ``a\u3164b.md`` would be a twin of
+    ``ab.md`` that a reader cannot tell apart, attack21), and it is in Unicode normalization
+    form C. ``é`` typed as ``e`` + U+0301 (NFD, as macOS
     writes names) and ``é`` as one code point look the same in ``ls``, the console and the
     prompt, so two such names would be two records a reader cannot tell apart (the
     memory-store API refuses non-NFC paths too). Raises ``NameError_``. Names made before
-    this rule keep working for every other operation (read, write, delete, rename *from*)."""
-    if not name.isascii() and not unicodedata.is_normalized("NFC", name):
+    these rules keep working for every other operation (read, write, delete, rename *from*)."""
+    if name.isascii():
+        return name
+    bad = _IGNORABLE_RE.search(name)
+    if bad is not None:
+        raise NameError_(f"name contains invisible character U+{ord(bad.group()):04X} (a Unicode "
+                         f"default-ignorable code point, drawn as nothing)")
+    if not unicodedata.is_normalized("NFC", name):
         nfc = unicodedata.normalize("NFC", name)
         raise NameError_(f"name is not in Unicode normalization form C (NFC); its NFC form "
                          f"{nfc!r} looks the same: use that")

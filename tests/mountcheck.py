@@ -148,6 +148,14 @@ MAX_COMPONENTS = 32
 # characters, from the Unicode database (not memfuse.names: an independent oracle)
 FORBIDDEN = frozenset(cp for cp in range(sys.maxunicode + 1)
                       if unicodedata.category(chr(cp)) in ("Cc", "Cf", "Zl", "Zp", "Cs"))
+# ... and, in a name given (create, mkdir, rename target), Unicode's
+# Default_Ignorable_Code_Point (DerivedCoreProperties.txt, written out here again: the
+# oracle's own copy; memfuse's is checked against Perl's Unicode::UCD in test_names_unicode)
+IGNORABLE = frozenset(cp for a, b in (
+    (0xAD, 0xAD), (0x34F, 0x34F), (0x61C, 0x61C), (0x115F, 0x1160), (0x17B4, 0x17B5),
+    (0x180B, 0x180F), (0x200B, 0x200F), (0x202A, 0x202E), (0x2060, 0x206F), (0x3164, 0x3164),
+    (0xFE00, 0xFE0F), (0xFEFF, 0xFEFF), (0xFFA0, 0xFFA0), (0xFFF0, 0xFFF8), (0x1BCA0, 0x1BCA3),
+    (0x1D173, 0x1D17A), (0xE0000, 0xE0FFF)) for cp in range(a, b + 1))
 
 
 def name_errnos(raw: bytes) -> set[int]:
@@ -162,6 +170,8 @@ def name_errnos(raw: bytes) -> set[int]:
         bad.add(errno.EINVAL)
     else:
         if not s or s in (".", "..") or "/" in s or any(ord(c) in FORBIDDEN for c in s):
+            bad.add(errno.EINVAL)
+        elif any(ord(c) in IGNORABLE for c in s):  # a name given holds none
             bad.add(errno.EINVAL)
         elif not unicodedata.is_normalized("NFC", s):  # a name given is in NFC
             bad.add(errno.EINVAL)

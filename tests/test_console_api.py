@@ -717,6 +717,30 @@ def test_markdown_is_inert():
     assert '<a href="https://example.com" title="t" rel="noopener noreferrer nofollow">ok</a>' in html
 
 
+def test_protocol_relative_links_are_external_links():
+    """attack21: ``[d](//evil.example/x)`` (and its spellings: a reference definition,
+    ``///``, ``&#47;&#47;``) is a link to another host, not a console page: it gets what an
+    ``https://`` link gets (nh3's ``rel="noopener noreferrer nofollow"``, on every link),
+    no ``target``; backslash and tab spellings a browser would read as ``//`` come out
+    percent-encoded (a path on this host); an image from another host stays subject to the
+    page's ``img-src 'self'``."""
+    from memfuse.server.console.session import CONTENT_SECURITY_POLICY
+
+    rel = 'rel="noopener noreferrer nofollow"'
+    for md, href in (("[d](//evil.example/x)", "//evil.example/x"),
+                     ("[d](https://evil.example/x)", "https://evil.example/x"),
+                     ("[d]: //evil.example/r\n\n[d]", "//evil.example/r"),
+                     ("[d](///evil.example)", "///evil.example"),
+                     ("[d](&#47;&#47;evil.example)", "//evil.example"),
+                     ("[d](/\\evil.example)", "/%5Cevil.example"),
+                     ("[d](\\\\evil.example)", "%5Cevil.example"),
+                     ("[d](/&#9;/evil.example)", "/%09/evil.example")):
+        html = str(render_markdown(md))
+        assert f'<a href="{href}" {rel}>d</a>' in html, (md, html)
+        assert "target=" not in html
+    assert "img-src 'self'" in CONTENT_SECURITY_POLICY
+
+
 def test_unified_diff():
     lines = unified_diff("a\nb\n", "a\nc\n", "v1", "v2")
     assert [(ln.kind, ln.text) for ln in lines] == [

@@ -642,6 +642,26 @@ def test_a_token_split_by_markup_drawn_as_nothing_is_found_and_redacted(split: s
     assert find_secret(f"a{split}b, x{split}y and **bold** and 2*3*4 ghp{split}is a prefix\n") is None
 
 
+@pytest.mark.timeout(20)
+def test_a_run_of_markup_not_followed_by_a_token_is_linear() -> None:
+    """Session 21: the markup view's run ``(?:\\*{1,3}|...)*`` tried every way to cut a run
+    of ``*`` that no token character follows (``a`` and 30 ``*``: 5 s, each ``*`` more ~1.7x:
+    one short record held a server's scan thread for ever). Now linear: 100,000 markers in
+    well under a second, and the view is unchanged where a token follows."""
+    import time
+
+    tok = "gh" + "p_" + rnd(36)
+    for run in ("*" * 100_000, "~~" * 50_000 + "~", "<!-- x -->" * 10_000, "*~~<!---->" * 10_000):
+        t = time.perf_counter()
+        assert find_secret("a" + run) is None and find_secret(f"{tok[:8]}{run}\n") is None
+        assert content.markup_view("a" + run + " b") == "a" + run + " b"
+        assert time.perf_counter() - t < 2.0, run[:12]
+    assert content.markup_view("a" + "*" * 1000 + "b") == "ab"
+    assert find_secret(f"see {tok[:8]}{'*' * 1000}{tok[8:]}\n") is not None
+    # a comment ends at its first ``-->`` (HTML, CommonMark): ``-->b`` after it is text
+    assert content.markup_view("a<!-- x --> -->b") == "a<!-- x --> -->b"
+
+
 def test_redact_secrets_reads_a_reversed_token_after_an_override_as_find_secret_does() -> None:
     """attack18 F2 (rlo18's rest): ``redact_secrets`` cut nothing of a token written backwards
     after U+202E (``find_secret`` found it): it cuts it now, other lines kept."""

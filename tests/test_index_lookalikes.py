@@ -54,7 +54,11 @@ def test_lookalikes_of_the_index_are_refused_at_the_root_only():
             with pytest.raises(NameError_, match="looks like the store's index") as ei:
                 check(path)
             assert not ei.value.too_long and ascii(name) in ei.value.reason
-        assert check_new_path(f"notes/{name}/x.md")  # below the root: an ordinary name
+        if names._IGNORABLE_RE.search(name) is None:
+            assert check_new_path(f"notes/{name}/x.md")  # below the root: an ordinary name
+        else:  # ... but for the invisible character it holds (refused in any name given)
+            with pytest.raises(NameError_, match="invisible character"):
+                check_new_path(f"notes/{name}/x.md")
     for name in ORDINARY:
         assert not looks_like_index(name), name
     assert check_new_path("MEMORY.md") == "MEMORY.md"

@@ -173,3 +173,83 @@ async def test_rest_and_memory_tool_refuse_nfd_names_and_an_index_directory():
             assert sorted(x.path for x in page.records) == ["notes/MEMORY.md/base.md", "\u00e9.md"]
     finally:
         await fake.aclose()
+
+
+# ---------------------------------------------------------------- names given: no default-ignorable
+
+def _ignorable() -> list[int]:
+    return [cp for a, b in names.DEFAULT_IGNORABLE_RANGES for cp in range(a, b + 1)]
+
+
+def test_the_default_ignorable_table_is_unicodes():
+    """``names.DEFAULT_IGNORABLE_RANGES`` (the one list: names, the prompt block, the secret
+    rules) is Unicode's Default_Ignorable_Code_Point, as Perl's copy of the Unicode database
+    gives it (``unicodedata`` does not carry the property); skipped without Perl."""
+    import shutil
+    import subprocess
+
+    if shutil.which("perl") is None:
+        pytest.skip("no perl")
+    out = subprocess.run(
+        ["perl", "-MUnicode::UCD=prop_invlist", "-e",
+         'print join(",", prop_invlist("Default_Ignorable_Code_Point")), "\n"'],
+        capture_output=True, text=True, timeout=30)
+    if out.returncode != 0:
+        pytest.skip(f"no Unicode::UCD: {out.stderr.strip()}")
+    inv = [int(x) for x in out.stdout.split(",")]
+    ranges = [(inv[i], inv[i + 1] - 1) for i in range(0, len(inv), 2)]
+    merged: list[tuple[int, int]] = []
+    for a, b in names.DEFAULT_IGNORABLE_RANGES:
+        if merged and merged[-1][1] == a - 1:
+            merged[-1] = (merged[-1][0], b)
+        else:
+            merged.append((a, b))
+    assert merged == ranges
+
+
+def test_a_name_given_holds_no_default_ignorable_code_point():
+    """Attack21: ``a\\u3164b.md`` (Hangul filler) or ``a\\u180bb.md`` (Mongolian free variation
+    selector) draws as ``ab.md``: every default-ignorable code point is refused in a name
+    given, on its own and inside a word, naming the code point; a name that exists keeps
+    working (``check_component``: only the category rule)."""
+    from memfuse.names import check_new_name, check_new_path
+
+    for cp in _ignorable():
+        ch = chr(cp)
+        for name in (f"a{ch}b.md", f"{ch}.md"):
+            with pytest.raises(NameError_) as ei:
+                check_new_name(name)
+            assert f"U+{cp:04X}" in ei.value.reason and not ei.value.too_long, hex(cp)
+        if unicodedata.category(ch) not in FORBIDDEN_CATEGORIES:
+            assert check_component(f"a{ch}b.md")  # made before the rule: still a name
+    for path in ("notes/a\u3164b.md", "a\u180bb/x.md", "x/\ufe0f"):
+        with pytest.raises(NameError_, match="invisible character"):
+            check_new_path(path)
+    # the characters around them stay names: Hangul letters, Mongolian letters, a keycap base
+    for name in ("\ud55c\uae00.md", "\u1820\u1821.md", "\u2764.md", "\u3163.md", "\u3165.md"):
+        assert check_new_name(name) == name
+
+
+async def test_rest_and_memory_tool_refuse_default_ignorable_names():
+    from memfuse.client import ApiClient, ApiError
+    from memfuse.fake import FakeControlPlane
+
+    fake = FakeControlPlane()
+    try:
+        token = await fake.setup("ws", stores=("default",))
+        async with ApiClient(fake.base_url, token, transport=fake.transport, instance="pytest") as api:
+            for path in ("a\u3164b.md", "a\u180bb.md", "d\ufe0f/x.md", "a\u034fb.md"):
+                with pytest.raises(ApiError) as ei:
+                    await api.create_record("default", path, "x")
+                assert ei.value.status == 422 and ei.value.code == "invalid_path", ascii(path)
+                r = await api.memory_tool("ws", {"command": "create", "path": f"/memories/default/{path}",
+                                                 "file_text": "x"})
+                assert r.is_error, ascii(path)
+            rec = await api.create_record("default", "ab.md", "x")
+            with pytest.raises(ApiError) as ei:
+                await api.move_record("default", rec.id, "a\u3164b.md")
+            assert ei.value.status == 422, ei.value
+            page = await api.list_records("default")
+            assert [x.path for x in page.records] == ["ab.md"]
+    finally:
+        await fake.aclose()

@@ -40,7 +40,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, r
                                  run_state_machine_as_test)
 
 from memfuse.models import sha256_hex
-from mountcheck import (FORBIDDEN, MAX_COMPONENT, MAX_COMPONENTS, MAX_PATH, MountEnv,
+from mountcheck import (FORBIDDEN, IGNORABLE, MAX_COMPONENT, MAX_COMPONENTS, MAX_PATH, MountEnv,
                         budget_seconds, hyp_settings, is_local_only, name_errnos, outcome,
                         status, utf8_text_ok, wait_drained, wait_until, write_file,
                         xattr)
@@ -70,7 +70,7 @@ def fresh_dir(env: MountEnv, group: str) -> tuple[Path, str]:
 
 # ====================================================================== strategies
 def _strip_forbidden(s: str) -> str:
-    return "".join(c for c in s if ord(c) not in FORBIDDEN and c != "/")
+    return "".join(c for c in s if ord(c) not in FORBIDDEN and ord(c) not in IGNORABLE and c != "/")
 
 
 def _fit(s: str, limit: int = MAX_COMPONENT) -> str:

@@ -370,6 +370,32 @@ def test_appends_to_a_journal_are_refused_at_write_and_a_rejected_journal_stays_
     assert env.contents("default", pre) == {"J.jsonl": fixed.decode()}
 
 
+def test_invisible_padding_does_not_hide_a_secret_from_the_write_check(env):
+    """Attack21 F3: ``printf 'note: ghp_%s' "$ZWSP_x1000" >> f`` then ``printf '%s\\n' "$K" >>
+    f``: the second write completes a token the rules read whole (they drop zero-width
+    spaces), 3,000 bytes of the file past its start: it fails with EPERM, as without the
+    padding, and is not applied. The same with no-break spaces (a gap a view drops between
+    token characters) written with ``os.write``."""
+    d, pre = fresh_dir(env)
+    key = "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(36))
+    for name, pad in (("zw.md", "\u200b"), ("nb.md", "\u00a0")):
+        head = ("note: gh" + "p_" + pad * 1000).encode()
+        vars_ = {"PAD": pad * 1000, "KEY": key}
+        # bash's printf builtin: the exit status is write(2)'s (close's result is ignored)
+        assert sh(f"printf 'note: gh''p_%s' \"$PAD\" >> {name}; echo $?", d, timeout=30,
+                  env=vars_).stdout == "0\n"
+        r = sh(f"printf '%s\\n' \"$KEY\" >> {name}; echo $?", d, timeout=30, env=vars_)
+        assert r.stdout == "1\n" and os.strerror(errno.EPERM) in r.stderr, (name, r)
+        assert (d / name).read_bytes() == head
+        assert xattr(d / name, "state") == "clean"
+        assert write_file(d / name, key.encode(), os.O_WRONLY | os.O_APPEND) == {
+            "open": None, "write": "EPERM", "close": None}
+        assert len(logged(env, "default", f"{pre}/{name}", errno.EPERM)) == 2
+    wait_drained(env.root)
+    stored = env.contents("default", pre)
+    assert stored == {"zw.md": "note: gh" + "p_" + "\u200b" * 1000, "nb.md": "note: gh" + "p_" + "\u00a0" * 1000}
+
+
 # ====================================================================== detached / not attached
 def test_detached_store(env):
     root = env.root
@@ -439,6 +465,10 @@ BAD_NAMES = {
     "word joiner U+2060": ("a\u2060b.md".encode(), errno.EINVAL),
     "bidi isolate U+2066 (Trojan Source)": ("a\u2066b.md".encode(), errno.EINVAL),
     "soft hyphen U+00AD": ("soft\u00adhyphen.md".encode(), errno.EINVAL),
+    # default-ignorable, not format characters: drawn as nothing (attack21)
+    "Hangul filler U+3164": ("a\u3164b.md".encode(), errno.EINVAL),
+    "Mongolian variation selector U+180B": ("a\u180bb.md".encode(), errno.EINVAL),
+    "variation selector U+FE0F": ("a\ufe0fb.md".encode(), errno.EINVAL),
     "not UTF-8": (b"caf\xe9.md", errno.EINVAL),
     "256 bytes": (b"x" * 256, errno.ENAMETOOLONG),
     "256 bytes of 2-byte characters": ("é".encode() * 128, errno.ENAMETOOLONG),

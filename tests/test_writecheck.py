@@ -12,7 +12,7 @@ import pytest
 
 from memfuse import content as content_rules
 from memfuse.sidecar import writecheck
-from memfuse.sidecar.writecheck import HEAD_BYTES, WINDOW, Refusal, WriteChecker
+from memfuse.sidecar.writecheck import HEAD_BYTES, WINDOW, WINDOW_CAP, Refusal, WriteChecker
 
 GH = "gh" + "p_" + "aB3dE5fG7hJ9kL1mN3pQ5rS7tU9vW1xY3zA5"  # built from pieces: a GitHub token shape
 
@@ -110,6 +110,86 @@ def test_a_secret_hidden_by_a_variation_selector_or_a_hangul_filler_is_refused()
         f = File()
         r = f.write(GH[:6] + mark + GH[6:20] + mark + GH[20:])
         assert r is not None and r.errno == errno.EPERM, ascii(mark)
+
+
+#: padding the secret rules do not read (each a view removes it between a token's halves),
+#: repeated to fill 3 * WINDOW bytes of the file (attack21 F3)
+PADS = {
+    "zero width space": "\u200b", "variation selector": "\ufe0f", "Hangul filler": "\u3164",
+    "soft hyphen": "\u00ad", "no-break space": "\u00a0", "combining mark": "\u0301",
+    "escaped zero width space": "\\u200b", "HTML reference": "&#8203;", "emphasis": "*",
+    "strike-through": "~~", "HTML comment": "<!-- -->",
+}
+
+
+@pytest.mark.parametrize("pad", list(PADS))
+def test_padding_the_rules_do_not_read_does_not_push_a_secret_out_of_the_window(pad):
+    """Attack21 F3: ``printf 'note: ghp_%s' "$ZWSP_x1000" >> f`` then the token's rest: the
+    second write completes the secret and fails with EPERM (the window holds WINDOW bytes as
+    the rules read them, not as the file holds them); and the same with the token's start
+    written last, before the padding (the window after the write)."""
+    padding = PADS[pad] * (3 * WINDOW // len(PADS[pad].encode()) + 1)
+    f = File()
+    assert f.write("note: " + GH[:4] + padding) is None
+    r = f.write(GH[4:] + "\n")
+    assert r is not None and r.errno == errno.EPERM and r.code == "secret_detected", pad
+    assert bytes(f.buf) == ("note: " + GH[:4] + padding).encode()
+    g = File(("note: ____" + padding + GH[4:] + "\n").encode())
+    r = g.write(GH[:4], off=6)
+    assert r is not None and r.errno == errno.EPERM, pad
+
+
+def test_a_long_comment_opened_or_closed_by_the_write_is_read_whole():
+    """An HTML comment inside a token, longer than the window, hides it from the markup view
+    only whole: the write that closes it (or opens it, written last) reads back (on) to the
+    comment's other end on its line."""
+    f = File(("# t\nnote: " + GH[:6] + "<!--" + "x" * 3 * WINDOW).encode())
+    r = f.write("-->" + GH[6:] + "\n")
+    assert r is not None and r.errno == errno.EPERM
+    g = File(("# t\nnote: " + "_" * 10 + "x" * 3 * WINDOW + "-->" + GH[6:] + "\nmore\n").encode())
+    r = g.write(GH[:6] + "<!--", off=10)
+    assert r is not None and r.errno == errno.EPERM
+    # on another line, a comment is prose: nothing to refuse
+    h = File(("# t\n<!--" + "x" * 3 * WINDOW + "\n").encode())
+    assert h.write("--> done\n") is None
+
+
+def test_padding_past_the_cap_is_left_to_close_and_costs_the_cap():
+    """The window takes at most WINDOW_CAP bytes of the file on each side: more padding than
+    that is not read at the write (the close reads the file whole and refuses it), so a file
+    of padding written in 4 KiB chunks costs each write a bounded window, not the file."""
+    padding = "\u200b" * (WINDOW_CAP // 3 + 10)
+    f = File()
+    assert f.write("note: " + GH[:4] + padding) is None
+    assert f.write(GH[4:] + "\n") is None  # past the cap: judged at close
+    assert f.ck.clean_len == -1
+    assert content_rules.find_secret(f.buf.decode()) is not None
+
+
+def test_a_file_of_padding_written_in_chunks_reads_a_bounded_window(monkeypatch):
+    scanned = {"floor": 0, "secret": 0}
+    real_floor, real_find = content_rules.scan_floor, content_rules.find_secret
+
+    def floor(text):
+        scanned["floor"] += len(text.encode())
+        return real_floor(text)
+
+    def find(text):
+        scanned["secret"] += len(text.encode())
+        return real_find(text)
+
+    monkeypatch.setattr(writecheck.content_rules, "scan_floor", floor)
+    monkeypatch.setattr(writecheck.content_rules, "find_secret", find)
+    f = File()
+    chunk = ("\u200b" * 1365).encode()
+    writes = 256
+    for _ in range(writes):
+        assert f.write(chunk) is None
+    # each write: its bytes and at most WINDOW_CAP before them, in the rules' scans (twice: the
+    # window after the write, and before it only when it found a secret), and the floor's
+    # rounds (each at least half again the one before: at most 3x the cap)
+    assert scanned["secret"] <= writes * (len(chunk) + WINDOW_CAP)
+    assert scanned["floor"] <= writes * 3 * WINDOW_CAP
 
 
 def test_a_file_holding_a_secret_already_is_judged_at_close_not_at_each_write():

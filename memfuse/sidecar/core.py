@@ -380,9 +380,10 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         (``secret_detected``) for a name holding a secret (``content.find_secret_in_path``;
         the line shows the name redacted)."""
         try:
-            s = names.check_new_name(names.check_component(name))
+            s = names.check_component(name)
             if d.store is not None and d is d.store.root:
-                names.check_root_name(s)
+                names.check_root_name(s)  # first, as in ``check_new_path``: the same reason
+            names.check_new_name(s)
         except names.NameError_ as e:
             code = "path_too_long" if e.too_long else "invalid_path"
             self.refuse(d, name.decode("utf-8", "replace"), errno_of(code), e.reason, code)

@@ -12,8 +12,15 @@ What a write is refused for, judged on the file's bytes as they would stand afte
   too). A multi-byte sequence cut at the end of the file waits for the next write; only
   a byte that cannot continue it is refused.
 - ``EPERM``: it completes a secret (``memfuse.content.find_secret``, on the text as the
-  prompt renders it) in the window of :data:`WINDOW` bytes on each side of the bytes written,
-  which held none before. A secret longer than the window is refused at close.
+  prompt renders it) in the window around the bytes written, which held none before. The
+  window holds :data:`WINDOW` bytes on each side *as the secret rules read them*
+  (``content.scan_floor``: what a view removes, such as zero-width spaces, counts for
+  nothing), so padding a token with invisible characters does not push its start out of
+  it (attack21 F3), and a write that opens or closes an HTML comment (one line) reads to
+  the comment's other end on its line; it takes at most :data:`WINDOW_CAP` bytes of the file
+  on each side.
+  A secret longer than the window, or split by more padding than the cap, is refused at
+  close.
 - ``EINVAL``: the frontmatter (within its first 64 Ki characters), once closed, names a
   ``type`` outside the four, where before it did not.
 
@@ -21,7 +28,8 @@ Content that is refusable already (a rejected file being fixed, a cut sequence l
 elsewhere) does not make later writes fail: close judges the whole file, as before.
 
 Cost per write: the bytes written plus a few bytes of context for UTF-8; the window (about
-``2 * WINDOW`` bytes) for secrets; the head of the file (YAML parse) only for a write
+``2 * WINDOW`` bytes of ordinary text, at most ``2 * WINDOW_CAP`` of a file padded with
+what the rules do not read) for secrets; the head of the file (YAML parse) only for a write
 within the first :data:`HEAD_BYTES` of a file that starts with a frontmatter fence. A 1 MiB
 file written in 4 KiB chunks is never rescanned whole.
 """
@@ -40,10 +48,15 @@ if TYPE_CHECKING:
 #: what is judged: a file's bytes (``Node.buf``: a ``bytearray``, or an ``AppendBuffer``)
 _Buffer = Union[bytes, bytearray, "AppendBuffer"]
 
-__all__ = ["Refusal", "WriteChecker", "WINDOW", "HEAD_BYTES", "FENCES"]
+__all__ = ["Refusal", "WriteChecker", "WINDOW", "WINDOW_CAP", "HEAD_BYTES", "FENCES"]
 
-#: bytes of context on each side of a write scanned for a secret it completes
+#: bytes of context on each side of a write scanned for a secret it completes, as the
+#: secret rules read them (``content.scan_floor``)
 WINDOW = 2048
+#: bytes of the file on each side of a write that the window takes at most, however little
+#: of them the rules read (a file of zero-width spaces: each write reads this much, not the
+#: whole file; what lies beyond is judged at close)
+WINDOW_CAP = 16 * 1024
 #: bytes that may hold a frontmatter: 64 Ki characters of at most 4 bytes, plus the fences
 HEAD_BYTES = 4 * 64 * 1024 + 16
 #: how a frontmatter opens (after an optional BOM): a content that starts otherwise has none
@@ -158,18 +171,48 @@ class WriteChecker:
 
     # ------------------------------------------------------------------ secrets
     @staticmethod
-    def _check_secret(buf: _Buffer, off: int, data: bytes) -> tuple[Refusal | None, bool]:
+    def _reach(buf: _Buffer, pos: int, step: int) -> int:
+        """Where the window's context on one side of byte ``pos`` ends (``step`` -1: its
+        start, before ``pos``; 1: its end, after it): the nearest offset such that the bytes
+        between hold :data:`WINDOW` bytes as the secret rules read them
+        (``content.scan_floor``), or the file's edge, or :data:`WINDOW_CAP` bytes away. The
+        context grows by half at least each round: its cost is linear in what it takes."""
+        limit = 0 if step < 0 else len(buf)
+        ext = WINDOW
+        while True:
+            edge = max(limit, pos - ext) if step < 0 else min(limit, pos + ext)
+            if edge == limit or ext >= WINDOW_CAP:
+                return edge
+            part = bytes(buf[edge:pos] if step < 0 else buf[pos:edge]).decode("utf-8", "ignore")
+            short = WINDOW - content_rules.scan_floor(part)
+            if short <= 0:
+                return edge
+            ext = min(WINDOW_CAP, ext + max(short, ext // 2))
+
+    @classmethod
+    def _check_secret(cls, buf: _Buffer, off: int, data: bytes) -> tuple[Refusal | None, bool]:
         """The secret verdict of writing ``data`` at ``off`` into ``buf`` (the window around
-        it), and whether that window was the whole content after the write and held no
-        secret."""
+        it: ``_reach``), and whether that window was the whole content after the write and
+        held no secret."""
         old_len = len(buf)
         end = off + len(data)
-        ws = max(0, min(off, old_len) - WINDOW)
-        after = bytes(buf[ws:off]) + b"\0" * max(0, off - old_len) + data + bytes(buf[end:end + WINDOW])
+        ws = cls._reach(buf, min(off, old_len), -1)
+        we = cls._reach(buf, end, 1) if end < old_len else end
+        # an HTML comment (one line) the write closes or opens hides what it holds, however
+        # long, from the markup view: its other end, on the same line, is in the window too
+        # (the line's rest, within the cap)
+        if b"-->" in data and ws > 0:
+            lo = max(0, min(off, old_len) - WINDOW_CAP)
+            ws = min(ws, lo + bytes(buf[lo:min(off, old_len)]).rfind(b"\n") + 1)
+        if b"<!--" in data and we < old_len:
+            hi = min(old_len, end + WINDOW_CAP)
+            nl = bytes(buf[end:hi]).find(b"\n")
+            we = max(we, hi if nl < 0 else end + nl + 1)
+        after = bytes(buf[ws:off]) + b"\0" * max(0, off - old_len) + data + bytes(buf[end:we])
         found = content_rules.find_secret(after.decode("utf-8", "ignore"))
         if found is None:
-            return None, ws == 0 and end + WINDOW >= old_len
-        before = bytes(buf[ws:end + WINDOW])
+            return None, ws == 0 and we >= old_len
+        before = bytes(buf[ws:we])
         if content_rules.find_secret(before.decode("utf-8", "ignore")) is not None:
             return None, False  # held one already: close judges the file
         kind = found.rsplit(" on line ", 1)[0]

@@ -51,7 +51,9 @@ _FRONTMATTER = re.compile(r"\A\ufeff?---[ \t]*\r?\n(.*?\r?\n)?(?:---|\.\.\.)[ \t
 def sanitize_html(html: str) -> str:
     """Clean ``html`` with nh3: only the tags and attributes the console allows, URLs only
     ``http``/``https``/``mailto`` (relative URLs are kept), every link gets ``rel="noopener
-    noreferrer nofollow"``. Event handlers, ``style`` attributes, ``<script>``,
+    noreferrer nofollow"`` (a protocol-relative ``//host`` link, which leaves the console as
+    an ``https://`` one does, too: it is every ``<a>``; pages are served with
+    ``Referrer-Policy: no-referrer`` and ``img-src 'self'``). Event handlers, ``style`` attributes, ``<script>``,
     ``<iframe>``, forms and comments are removed."""
     return nh3.clean(
         html,
