@@ -153,12 +153,14 @@ def test_buckets_refill_at_the_rate() -> None:
     assert wt.wait("k") == pytest.approx(1.0)
 
 
-def test_the_database_charges_each_write_transaction_and_refuses_a_requests_first(tmp_path) -> None:
+@pytest.mark.parametrize("memory", [False, True])
+def test_the_database_charges_each_write_transaction_and_refuses_a_requests_first(tmp_path, memory) -> None:
     """``Database.write_conn`` / ``write`` (both engines' one place) charge the request's token
     the time they hold the writer, and refuse the request's first transaction (429) when its
     bucket is in debt, before it runs; a later transaction of the same request is charged,
-    never refused (a write is not cut half-way); without a request's charge nothing is."""
-    db = Database(f"sqlite:///{tmp_path / 'w.db'}")
+    never refused (a write is not cut half-way); without a request's charge nothing is. In
+    memory: the branch PostgreSQL takes (no write lock of this process: the transaction)."""
+    db = Database("sqlite://" if memory else f"sqlite:///{tmp_path / 'w.db'}")
     try:
         wt = WriterTime(rate=0.001, burst=0.001)
         charge = Charge("k", wt)
@@ -199,6 +201,8 @@ def test_the_root_admin_is_not_charged() -> None:
     assert acct is not None and acct.key == "t1"
     ws = writertime.charge_of(Principal("ws", token_id="t2"), wt)
     assert ws is not None and ws.key == "t2"
+    static = Principal("ws")  # a static token: the key of its scan budget too
+    assert writertime.charge_of(static, wt).key == prescan.scan_key(static)
 
 
 async def test_the_sidecar_sends_a_refused_move_and_create_again(tmp_path) -> None:
