@@ -23,9 +23,9 @@ back above zero; ``prescan.refusal``, the same answer as the scan budget's):
 - at the front door, before the body is read or the write queues (``Gate``: the same step as
   the write buckets, for every ``/v1/`` write);
 - at the request's first write transaction, once it holds the writer's lock and before it
-  does anything (``Charge.enter``): the faces the front door does not check (``/mcp``, the
-  memory tool, which read and write through one ``POST``) and the writes of one token that
-  passed the front door together while its bucket was still full and queued at the lock. A
+  does anything (``Charge.enter``): the face the front door does not check (``/mcp``, whose
+  calls read and write through one ``POST``) and the writes of one token that passed the
+  front door together while its bucket was still full and queued at the lock. A
   request's later transactions (a retry of ``Writer.write``, the second transaction of a
   multi-step write) are charged, never refused: a write is not cut half-way.
 
@@ -52,8 +52,8 @@ every token's charge higher alike.
 The root admin token (``Principal.root_token``: the operator's, which restores and imports
 whole deployments and can stop the server anyway) is not charged or refused; an account's
 admin token and every workspace token are, each under its own key (``prescan.scan_key``).
-Writes outside a request (the expiry sweep, consolidation's jobs) have no token and are
-not charged.
+Writes outside a request (the expiry sweep, consolidation's jobs) and the console's (a
+session cookie, no token at the front door) have no charge.
 
 Thread safety: ``WriterTime`` is ``ScanBudget``'s (one lock); a ``Charge`` belongs to one
 request, whose transactions run one after another.
