@@ -62,6 +62,7 @@ def test_a_token_past_its_writer_time_is_refused_and_another_is_not(tmp_path) ->
             app, base = await _served(tmp_path, nursery)
             wt = app.state.service.parts.writer_time
             wt.rate, wt.burst = 0.001, 0.001  # one move spends it for a long while
+            wt.charge("another tenant", 0.0)  # the writer is shared: the buckets apply
             async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {WS}"}, timeout=30) as c:
                 r = await c.post("/v1/stores/default/move", json={"from_prefix": "a", "to_prefix": "b"})
                 answers["move"] = r.status_code
@@ -111,6 +112,7 @@ def test_the_writer_time_refills(tmp_path) -> None:
         async with trio.open_nursery() as nursery:
             app, base = await _served(tmp_path, nursery)
             wt = app.state.service.parts.writer_time
+            wt.charge("another tenant", 0.0)  # the writer is shared: the buckets apply
             async with ApiClient(base, WS) as api:
                 await api.move_prefix("default", "a", "b")
                 # the move's time, plus debt for a second at the rate set below
@@ -140,6 +142,7 @@ def test_the_writer_time_refills(tmp_path) -> None:
 def test_buckets_refill_at_the_rate() -> None:
     now = [100.0]
     wt = WriterTime(rate=0.5, burst=2.0, clock=lambda: now[0])
+    wt.charge("other", 0.0)  # another token wrote: the writer is shared for SHARED_WINDOW s
     assert wt.wait("k") == 0 and wt.refused_now("k") is None
     wt.charge("k", 4.0)  # 2 s in debt: 4 s at 0.5 a second
     assert wt.wait("k") == pytest.approx(4.0)
@@ -149,6 +152,7 @@ def test_buckets_refill_at_the_rate() -> None:
     now[0] += 4.0
     assert wt.wait("k") == 0 and wt.refused_now("k") is None
     now[0] += 100.0  # never past the burst
+    wt.charge("other", 0.0)
     wt.charge("k", 2.5)
     assert wt.wait("k") == pytest.approx(1.0)
 
@@ -163,6 +167,7 @@ def test_the_database_charges_each_write_transaction_and_refuses_a_requests_firs
     db = Database("sqlite://" if memory else f"sqlite:///{tmp_path / 'w.db'}")
     try:
         wt = WriterTime(rate=0.001, burst=0.001)
+        wt.charge("another tenant", 0.0)  # the writer is shared: the buckets apply
         charge = Charge("k", wt)
         mine = writertime.CURRENT.set(charge)
         try:
@@ -192,6 +197,27 @@ def test_the_database_charges_each_write_transaction_and_refuses_a_requests_firs
             s.connection().exec_driver_sql("SELECT 1")
     finally:
         db.dispose()
+
+
+def test_a_token_alone_on_the_writer_is_neither_refused_nor_put_in_debt() -> None:
+    """Work-conserving: while no other key was charged within ``shared_window`` s, a token's
+    charges take its bucket to zero at most and it is never refused (a lone ``cp -r`` or import
+    runs at the writer's speed); once another token writes, its charges count in full and it
+    is refused while in debt; when the other has been quiet ``shared_window`` s, it is not."""
+    now = [0.0]
+    wt = WriterTime(rate=0.5, burst=2.0, clock=lambda: now[0], shared_window=10.0)
+    for _ in range(100):  # 100 s of writer time alone
+        wt.charge("k", 1.0)
+        now[0] += 0.01
+        assert wt.wait("k") == 0 and wt.refused_now("k") is None
+    assert wt._level("k", now[0]) >= 0
+    wt.charge("victim", 0.002)  # another tenant writes
+    assert wt.wait("k") == 0  # no debt was kept from when it was alone
+    wt.charge("k", 3.0)  # counted in full now
+    assert wt.wait("k") == pytest.approx(6.0, abs=0.1) and wt.refused_now("k") is not None
+    assert wt.wait("victim") == 0
+    now[0] += 10.5  # the victim quiet past the window: the writer is the token's alone again
+    assert wt.wait("k") == 0 and wt.refused_now("k") is None
 
 
 def test_the_root_admin_is_not_charged() -> None:

@@ -29,6 +29,12 @@ back above zero; ``prescan.refusal``, the same answer as the scan budget's):
   request's later transactions (a retry of ``Writer.write``, the second transaction of a
   multi-step write) are charged, never refused: a write is not cut half-way.
 
+The buckets are work-conserving (``WriterTime``): they apply only while the writer is shared,
+i.e. another token was charged within ``SHARED_WINDOW`` s. A token alone on the writer is never
+refused and is not put in debt (its charges take its bucket to zero at most), so one agent's
+``cp -r`` of 10,000 files, a lone import or one sidecar's backlog drain runs at the writer's
+full speed; the share below is what it is held to once another tenant writes.
+
 A transaction that starts runs to its end (its cost is known only then), so a token's debt is
 at most one transaction (per writer it may run at once: one on SQLite) past its bucket.
 
@@ -66,17 +72,20 @@ from collections.abc import Callable
 from contextvars import ContextVar
 from typing import TYPE_CHECKING
 
-from memfuse.server.scanbudget import ScanBudget
+from memfuse.server.scanbudget import KEYS_MAX, ScanBudget
 
 if TYPE_CHECKING:
     from memfuse.server.base import Principal, ServiceError
 
-__all__ = ["WRITER_RATE", "WRITER_BURST", "WriterTime", "Charge", "CURRENT", "charge_of", "refusal"]
+__all__ = ["WRITER_RATE", "WRITER_BURST", "SHARED_WINDOW", "WriterTime", "Charge", "CURRENT", "charge_of", "refusal"]
 
 #: seconds of the writer one token may hold, a second
 WRITER_RATE = 0.25
 #: the most it may hold at once (seconds; a new or idle token starts full)
 WRITER_BURST = 10.0
+#: seconds after another token's write during which the writer counts as shared (the budget
+#: applies); past it a token alone on the writer is neither charged into debt nor refused
+SHARED_WINDOW = 10.0
 
 DETAIL = ("this token's writes hold the database's writer longer than the control plane "
           "allows one token; retry after the time in Retry-After")
@@ -84,11 +93,58 @@ DETAIL = ("this token's writes hold the database's writer longer than the contro
 
 class WriterTime(ScanBudget):
     """Each token's bucket of writer seconds: ``ScanBudget``'s (``wait``, ``charge``) at
-    ``WRITER_RATE`` / ``WRITER_BURST`` by default."""
+    ``WRITER_RATE`` / ``WRITER_BURST`` by default, work-conserving: the buckets apply only
+    while the writer is shared, i.e. another key was charged within ``shared_window`` s
+    (``SHARED_WINDOW``). A token alone on the writer is never refused and its charges take its
+    bucket down to zero at most, never into debt: a lone agent's ``cp -r`` of 10,000 files or a
+    lone import runs at the writer's full speed. Once another token writes, the next charges
+    of a token count in full, and a token in debt is refused until its bucket is back above
+    zero, so a second tenant waits behind at most one long write in four."""
 
     def __init__(self, rate: float = WRITER_RATE, burst: float = WRITER_BURST,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, shared_window: float | None = None) -> None:
         super().__init__(rate, burst, clock)
+        self.shared_window = SHARED_WINDOW if shared_window is None else float(shared_window)
+        # INVARIANT: ``_last`` is (key, clock) of the latest charge, ``_other`` of the latest
+        # charge by a key other than ``_last``'s (so the latest charge by any key other than
+        # ``k`` is ``_last`` when ``k`` is not ``_last``'s key, else ``_other``). GUARDED_BY(_lock)
+        self._last: tuple[str, float] | None = None
+        self._other: tuple[str, float] | None = None
+
+    def _shared(self, key: str, now: float) -> bool:
+        """Whether a key other than ``key`` was charged within ``shared_window`` s. Under ``_lock``."""
+        seen = self._last if self._last is not None and self._last[0] != key else self._other
+        return seen is not None and now - seen[1] <= self.shared_window
+
+    def wait(self, key: str) -> float:
+        """Seconds until ``key`` may start a write transaction (0: now; always 0 while no
+        other key was charged within ``shared_window``)."""
+        now = self.clock()
+        with self._lock:
+            if not self._shared(key, now):
+                return 0.0
+            level = self._level(key, now)
+        return 0.0 if level >= 0 else -level / self.rate
+
+    def charge(self, key: str, seconds: float) -> None:
+        """Take ``seconds`` (writer time that ran) from ``key``'s bucket: in full while the
+        writer is shared, else down to zero at most (a debt it had stays, and refills)."""
+        now = self.clock()
+        with self._lock:
+            shared = self._shared(key, now)
+            level = self._level(key, now)
+            after = level - seconds
+            if not shared and after < 0:
+                after = min(level, 0.0)
+            self.charged += seconds
+            self._levels[key] = (after, now)
+            if self._last is None or self._last[0] != key:
+                self._other = self._last
+            self._last = (key, now)
+            if len(self._levels) > KEYS_MAX:
+                for k, (lv, at) in list(self._levels.items()):
+                    if lv + (now - at) * self.rate >= self.burst:
+                        del self._levels[k]
 
     def refused_now(self, key: str) -> ServiceError | None:
         """None when ``key`` may write now, else the 429 to answer (counted in ``refused``)."""
