@@ -39,7 +39,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from memfuse.models import BatchRequest
 from memfuse import defs
-from memfuse.server import gate, limits, longpoll, proxies, readslots, streamclass, streams as streaming, writepath, writerthread
+from memfuse.server import gate, limits, longpoll, proxies, readslots, streamclass, streams as streaming, writepath, writerthread, writertime
 from memfuse.server.apidocs import install_docs
 from memfuse.server.db import Database
 from memfuse.server.routes import accounts, consolidations, feeds, records, stores, tokens, workspaces
@@ -182,6 +182,8 @@ def create_app(
     stream_lifetime: float = streaming.LIFETIME_SECONDS,
     trusted_proxies: tuple[str, ...] | list[str] = (),
     write_rate: gate.WriteRate | None = None,
+    writer_time_rate: float = writertime.WRITER_RATE,
+    writer_time_burst: float = writertime.WRITER_BURST,
 ) -> FastAPI:
     """Build the control-plane app over the database at ``db_url``.
 
@@ -208,7 +210,9 @@ def create_app(
     same in all; past it the oldest is closed; 0: no cap): the limits of the front door
     (``memfuse.server.gate``; ``app.front``) and of ``memfuse.server.streamclass``
     (``app.state.stream_class``). ``write_rate``: the per-token write buckets (``gate.WriteRate``, default
-    ``gate.WriteRate()``). ``app.state.metrics`` is the ``ServerMetrics``.
+    ``gate.WriteRate()``). ``writer_time_rate`` / ``writer_time_burst``: each token's seconds
+    holding the database's writer, a second and at once (``memfuse.server.writertime``;
+    ``svc.parts.writer_time``). ``app.state.metrics`` is the ``ServerMetrics``.
     ``streams``: serve ``stream=true`` on the change feed and the workspace events
     (``memfuse.server.streams``); False answers it as a server without streams would (a
     long-poll, or the plain page), which clients handle by long-polling.
@@ -235,6 +239,7 @@ def create_app(
     db = Database(db_url, schema=schema)
     metrics.count_statements(db.engine)
     svc = Service(db, static_tokens, context_max_bytes=context_max_bytes, max_body=max_body)
+    svc.parts.writer_time.rate, svc.parts.writer_time.burst = float(writer_time_rate), float(writer_time_burst)
     reads = longpoll.FeedReads(svc)
     open_streams = streaming.Streams(svc, heartbeat=stream_heartbeat, lifetime=stream_lifetime,
                                      enabled=streams)

@@ -44,6 +44,7 @@ from memfuse.models import Access
 from memfuse.server import history, keys, wakeups
 from memfuse.server.rawsql import Raw, RawRow
 from memfuse.server.scanbudget import ScanBudget
+from memfuse.server.writertime import WriterTime
 from memfuse.server.db import (
     AccountRow,
     AttachmentRow,
@@ -1004,6 +1005,8 @@ class Parts:
     writer: Writer
     #: each token's budget of secret scans (``memfuse.server.scanbudget``; from ``prescan.CHARGE_MIN`` chars)
     scans: ScanBudget = field(default_factory=ScanBudget)
+    #: each token's time holding the database's writer (``memfuse.server.writertime``)
+    writer_time: WriterTime = field(default_factory=WriterTime)
 
     @classmethod
     def build(cls, db: Database, settings: Settings) -> Parts:

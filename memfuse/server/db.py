@@ -62,7 +62,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 from sqlalchemy.pool import StaticPool
 
 from memfuse import defs, sqlitebind  # noqa: F401 - None binds as NULL without the search
-from memfuse.server import budget, fulltext
+from memfuse.server import budget, fulltext, writertime
 from memfuse.server.rawsql import Raw, SharedCursorConnection, statement_listeners
 
 log = logging.getLogger(__name__)
@@ -706,16 +706,22 @@ class Database:
         rolled back otherwise. On SQLite it starts with ``BEGIN IMMEDIATE`` and may raise
         ``sqlalchemy.exc.OperationalError`` ("database is locked") after 5 s of contention."""
         lock = self._all_lock if self._all_lock is not None else self._write_lock
+        charge = writertime.CURRENT.get()
         if lock is not None:
             lock.acquire()
         try:
-            with Session(self._write_bind, expire_on_commit=False, autoflush=True) as s:
-                try:
-                    yield s
-                    s.commit()
-                except BaseException:
-                    s.rollback()
-                    raise
+            start = charge.enter() if charge is not None else 0.0  # the token's writer time (429)
+            try:
+                with Session(self._write_bind, expire_on_commit=False, autoflush=True) as s:
+                    try:
+                        yield s
+                        s.commit()
+                    except BaseException:
+                        s.rollback()
+                        raise
+            finally:
+                if charge is not None:
+                    charge.leave(start)
         finally:
             if lock is not None:
                 lock.release()
@@ -756,15 +762,23 @@ class Database:
         otherwise. Same locking rules and errors as ``write()``. On an SQLite file every such
         transaction runs on one connection kept between them (``_kept``). ``committed()`` is
         called once the transaction has committed, before the follow-up work of a write
-        (SQLite: the full-text drain, ``_drain_due``); it must not raise."""
+        (SQLite: the full-text drain, ``_drain_due``); it must not raise. The transaction's
+        time (to its commit) is charged to the request's token (``writertime.CURRENT``),
+        whose first write transaction is refused 429 here when that token's time is spent."""
         lock = self._all_lock if self._all_lock is not None else self._write_lock
+        charge = writertime.CURRENT.get()
         if lock is not None:
             lock.acquire()
         try:
+            start = charge.enter() if charge is not None else 0.0  # the token's writer time (429)
             if self._write_lock is None:  # PostgreSQL (writers side by side), in-memory SQLite
                 with self._write_bind.connect() as conn:
-                    with conn.begin():
-                        yield conn
+                    try:
+                        with conn.begin():
+                            yield conn
+                    finally:
+                        if charge is not None:
+                            charge.leave(start)
                     if committed is not None:
                         committed()
                     if self.is_sqlite:
@@ -780,8 +794,12 @@ class Database:
                     dbapi.execute(f"PRAGMA cache_size=-{WRITER_CACHE_KIB}")
                 self._wal.take_over(kept)
             conn = kept
-            with self._driver_transaction(conn):
-                yield conn
+            try:
+                with self._driver_transaction(conn):
+                    yield conn
+            finally:
+                if charge is not None:
+                    charge.leave(start)
             if committed is not None:
                 committed()
             self._drain_due(conn)
@@ -885,8 +903,12 @@ class Database:
         with self.read_conn() as conn:
             if conn.exec_driver_sql(fulltext.PENDING_ANY).first() is None:
                 return
-        with self.write_conn() as conn:
-            fulltext.drain(conn)
+        mine = writertime.CURRENT.set(None)  # earlier writes' work (any token's): nobody's writer time
+        try:
+            with self.write_conn() as conn:
+                fulltext.drain(conn)
+        finally:
+            writertime.CURRENT.reset(mine)
 
     def on_dispose(self, fn: Callable[[], object]) -> None:
         """Call ``fn()`` at ``dispose()`` (before the pool closes): stops what listens on the

@@ -82,7 +82,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from memfuse.defs import RECORD_BODY_MAX, sha256_hex
-from memfuse.server import budget
+from memfuse.server import budget, writertime
 from memfuse.server.limits import MAX_HEAD, PROBLEM_JSON, ServerMetrics
 from memfuse.server.readslots import (MAX_READS, MEMORY_TOOL_SUFFIX, READS_PER_TOKEN, ReadSlots, is_cheap,
                                       read_call)
@@ -402,6 +402,9 @@ class Gate:
         self.app = app
         self.writes = writes
         self.write_rate = write_rate if write_rate is not None else WriteRate()
+        # each token's writer time (memfuse.server.writertime): the service's, which the
+        # database charges
+        self.writer_time: writertime.WriterTime = svc.parts.writer_time
         self.svc = svc
         self.metrics = metrics
         self.streams = streams
@@ -513,6 +516,7 @@ class Gate:
                                close=pending, path=path)
             return
         principal: Principal | None = None
+        charge: writertime.Charge | None = None  # a write's account of writer time (its token's)
         if path.startswith("/v1/") or path == "/mcp" or path.startswith("/mcp/"):
             try:
                 principal = await self._authenticate(token, instance)
@@ -533,9 +537,14 @@ class Gate:
             self.connections.cleared(scope.get("client"))
             principal = with_write_headers(principal, store_created, writer)
             scope["memfuse.principal"] = principal
+            if method in _WRITE_METHODS:
+                charge = writertime.charge_of(principal, self.writer_time)
             if method in _WRITE_METHODS and path.startswith("/v1/") and token:
-                # the token's write buckets, from the headers, before the body is read
-                refusal = self._rate_refusal(self._token_key(token), length, receive, send, pending, path)
+                # the token's writer time, then its write buckets, from the headers, before
+                # the body is read
+                refusal = self._writer_refusal(charge, receive, send, pending, path)
+                if refusal is None:
+                    refusal = self._rate_refusal(self._token_key(token), length, receive, send, pending, path)
                 if refusal is not None:
                     await refusal
                     return
@@ -553,6 +562,7 @@ class Gate:
                 return
             scope["memfuse.lease"] = lease
         held = 0
+        charged = writertime.CURRENT.set(charge) if charge is not None else None
         try:
             body, held = await self._body(receive, send, limit, scope, path)
             if body is None:
@@ -582,6 +592,8 @@ class Gate:
             self.body_bytes -= held
             if lease is not None:
                 lease.close()
+            if charged is not None:
+                writertime.CURRENT.reset(charged)
 
     async def write(self, scope: Scope, receive: Receive, send: Send) -> None:
         """A record write (create, update, batch: the routes ``memfuse.server.writepath``
@@ -623,11 +635,15 @@ class Gate:
         self.connections.cleared(scope.get("client"))
         scope["memfuse.principal"] = with_write_headers(principal, store_created, writer)
         share = self._token_key(token, digest)  # ``_share_key`` of a request with a principal and a token
-        refusal = self._rate_refusal(share, length, receive, send, bool(length), path)
+        charge = writertime.charge_of(principal, self.writer_time)
+        refusal = self._writer_refusal(charge, receive, send, bool(length), path)
+        if refusal is None:
+            refusal = self._rate_refusal(share, length, receive, send, bool(length), path)
         if refusal is not None:
             await refusal
             return
         held = 0
+        charged = writertime.CURRENT.set(charge) if charge is not None else None
         try:
             try:  # the body the server holds whole (the usual case) without a coroutine of ``_body``'s
                 body = self._held_body(scope, limit)
@@ -672,6 +688,8 @@ class Gate:
                 self.shares.give(share)
         finally:
             self.body_bytes -= held
+            if charged is not None:
+                writertime.CURRENT.reset(charged)
 
     def _rate_refusal(self, key: str, length: int | None, receive: Receive, send: Send,
                       pending: bool, path: str) -> Awaitable[None] | None:
@@ -689,6 +707,19 @@ class Gate:
                             "retry after the time in Retry-After",
                             headers={"Retry-After": str(max(1, math.ceil(wait)))},
                             close=pending, path=path)
+
+    def _writer_refusal(self, charge: writertime.Charge | None, receive: Receive, send: Send,
+                        pending: bool, path: str) -> Awaitable[None] | None:
+        """None when ``charge``'s token may write now (or ``charge`` is None: not charged),
+        else the refusal for the caller to await: 429 ``rate_limited`` with ``Retry-After``
+        while the token's writer time (``memfuse.server.writertime``) is in debt, before the
+        body is read or the write queues. Not a coroutine itself, as ``_rate_refusal``."""
+        if charge is None:
+            return None
+        e = self.writer_time.refused_now(charge.key)
+        if e is None:
+            return None
+        return self._refuse(receive, send, e.status, e.code, e.detail, headers=e.headers, close=pending, path=path)
 
     async def _body(self, receive: Receive, send: Send, limit: int, scope: Scope,
                     path: str) -> tuple[bytes | None, int]:

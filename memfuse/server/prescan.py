@@ -76,12 +76,14 @@ def scan_key(p: Principal) -> str:
     return p.token_id or f"static\0{p.account}\0{p.workspace}\0{p.name}"
 
 
-def refusal(e: ScanBudget.Refused) -> ServiceError:
-    """The API's answer to a spent scan budget: 429 ``rate_limited`` with ``Retry-After``."""
-    return ServiceError(429, "rate_limited",
-                        "this token's writes take more secret scanning than the control plane "
-                        "allows one token; retry after the time in Retry-After",
-                        headers={"Retry-After": str(e.retry_after)})
+SCAN_DETAIL = ("this token's writes take more secret scanning than the control plane "
+               "allows one token; retry after the time in Retry-After")
+
+
+def refusal(e: ScanBudget.Refused, detail: str = SCAN_DETAIL) -> ServiceError:
+    """The API's answer to a spent budget of a token (its scans; ``detail`` another's, the
+    writer time of ``memfuse.server.writertime``): 429 ``rate_limited`` with ``Retry-After``."""
+    return ServiceError(429, "rate_limited", detail, headers={"Retry-After": str(e.retry_after)})
 
 
 def _charged(budget: ScanBudget | None, key: str | None, text: str, always: bool = False,
