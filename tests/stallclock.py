@@ -17,9 +17,11 @@ origin differs): time what is bounded with it too.
 
 - ``loop_stalls()`` (trio tests): a task of the test's event loop, which sees anything that
   keeps the loop from running (GC, a blocking call in the test, the process descheduled);
-- ``thread_stalls()`` (synchronous tests): a daemon thread, which sees what holds the GIL
-  (GC) or stops the process, not the main thread blocked in a system call (that is the
-  measured thing's own waiting).
+- ``thread_stalls()`` (synchronous tests, and trio tests whose server runs in this process):
+  a daemon thread, which sees what holds the GIL (GC) or stops the process, not the main
+  thread blocked in a system call (that is the measured thing's own waiting), nor an event
+  loop kept busy or blocked by its own code: a server in this process that blocks its loop
+  is slow, and must stay so (``loop_stalls`` would excuse it).
 
 Only ever subtract: a lower bound (something waited *at least* so long) needs no stall
 clock, a stall only lengthens what the test sees.
@@ -37,18 +39,38 @@ TICK = 0.01  # s: the period of the clocks
 class Stalls:
     """This process's stalls seen by a clock: ``spans``, ``(end, late)`` each."""
 
-    def __init__(self) -> None:
+    def __init__(self, tick: float = TICK) -> None:
         self.spans: list[tuple[float, float]] = []
+        self.tick = tick
+        #: when the tick under way should end (None: none under way). A tick that has not
+        #: woken yet counts as late since then: right after a stall the measuring code may
+        #: run before the clock does (the thread clock waits for the GIL, the loop clock's
+        #: task for its turn), and its stall would not be seen yet
+        self.due: float | None = None
+        self._lock = threading.Lock()  # a tick's end noted at once (the thread clock)
+
+    def start(self, t0: float) -> None:
+        """A tick begins at ``t0``."""
+        self.due = t0 + self.tick
 
     def note(self, t0: float, t1: float, tick: float) -> None:
         """A tick asked to sleep ``tick`` s from ``t0`` woke at ``t1``."""
         late = t1 - t0 - tick
-        if late > tick:
-            self.spans.append((t1, late))
+        with self._lock:
+            if late > tick:
+                self.spans.append((t1, late))
+            self.due = None
 
     def own(self, t0: float, t1: float) -> float:
         """The seconds of this process's stalls inside [t0, t1]."""
-        return sum(max(0.0, min(t1, end) - max(t0, end - late)) for end, late in list(self.spans))
+        with self._lock:
+            spans = list(self.spans)
+            due = self.due
+        if due is not None:
+            now = time.monotonic()
+            if now - due > self.tick:
+                spans.append((now, now - due))  # the tick under way, late so far
+        return sum(max(0.0, min(t1, end) - max(t0, end - late)) for end, late in spans)
 
     def time(self, t0: float, t1: float) -> float:
         """The time from ``t0`` to ``t1`` less this process's own stalls within it."""
@@ -75,33 +97,40 @@ async def loop_stalls(tick: float = TICK) -> AsyncIterator[Stalls]:
     """A clock on the test's trio event loop for the block's duration."""
     import trio
 
-    st = Stalls()
+    st = Stalls(tick)
 
     async def clock() -> None:
         while True:
             t0 = time.monotonic()
+            st.start(t0)
             await trio.sleep(tick)
-            st.note(t0, time.monotonic(), tick)
+            t1 = time.monotonic()
+            st.note(t0, t1, tick)
 
-    async with trio.open_nursery() as n:
-        n.start_soon(clock)
-        try:
-            yield st
-        finally:
-            n.cancel_scope.cancel()
+    try:
+        async with trio.open_nursery() as n:
+            n.start_soon(clock)
+            try:
+                yield st
+            finally:
+                n.cancel_scope.cancel()
+    finally:
+        st.due = None  # the clock has stopped: no tick under way
 
 
 @contextmanager
 def thread_stalls(tick: float = TICK) -> Iterator[Stalls]:
     """A clock on a thread of this process for the block's duration."""
-    st = Stalls()
+    st = Stalls(tick)
     stop = threading.Event()
 
     def clock() -> None:
         while not stop.is_set():
             t0 = time.monotonic()
+            st.start(t0)
             stop.wait(tick)
-            st.note(t0, time.monotonic(), tick)
+            t1 = time.monotonic()
+            st.note(t0, t1, tick)
 
     t = threading.Thread(target=clock, name="stall clock", daemon=True)
     t.start()
@@ -110,3 +139,4 @@ def thread_stalls(tick: float = TICK) -> Iterator[Stalls]:
     finally:
         stop.set()
         t.join(5)
+        st.due = None

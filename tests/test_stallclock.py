@@ -32,6 +32,14 @@ async def test_the_loop_clock_sees_the_event_loop_blocked_and_not_a_wait():
         t2 = time.monotonic()
     assert st.time(t0, t1) > 0.4
     assert 0.9 < st.own(t1, t2) < 1.2 and st.time(t1, t2) < 0.3, st.spans
+    async with loop_stalls() as st:
+        await trio.sleep(0.05)
+        t0 = time.monotonic()
+        time.sleep(1.0)
+        t1 = time.monotonic()
+        # judged before the clock's task has run again: its tick under way counts
+        assert not st.spans and 0.9 < st.own(t0, t1) < 1.2
+    assert st.own(t0, t1) < 0.1  # the clock stopped: nothing under way
 
 
 def test_the_thread_clock_sees_the_process_stopped_and_not_a_wait():
