@@ -9,6 +9,7 @@ stop of a call whose client left while it waited. And ``read_call`` itself.
 from __future__ import annotations
 
 import json
+import select
 import socket
 import statistics
 import time
@@ -168,7 +169,10 @@ def test_a_tool_read_waiting_past_its_budget_is_504_in_its_faces_shape_and_ends_
                     r = hog.post("/v1/stores/w/records", json={"path": f"big{i}.md", "content": "word " * 180_000})
                     assert r.status_code == 201, r.text
                 held = [_stalled(s.port, tokens["hog"], BIG) for _ in range(2)]
-                time.sleep(1.5)  # both answers built and stuck in their sends
+                # both answers built and stuck in their sends, holding their slots (a fixed
+                # 1.5 s sleep fell short on a busy machine in test_hostile_reads' twin)
+                wait_until(lambda: len(select.select(held, [], [], 0)[0]) == 2, timeout=60,
+                           what="both big answers begun on their stalled connections")
                 t0 = time.monotonic()
                 r = hog.post("/v1/workspaces/hog/memory-tool", json=view)
                 waited = time.monotonic() - t0

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from mountutil import Rig, Sidecar, live_records, read, sh, wait_until
+from stallclock import thread_stalls
 
 pytestmark = pytest.mark.mount
 
@@ -44,10 +45,14 @@ def test_a_paused_control_plane_is_noticed_within_seconds(tmp_path):
             cpst = st["control_plane"]
             assert cpst["reachable"] is False and cpst["error"] == "no_answer", cpst
             assert cpst["no_answer_s"] >= 2.5, cpst
-            # a close now returns as soon as its write is accepted
-            t0 = time.monotonic()
-            sh("echo more > c.md", mnt / "s", timeout=30)
-            assert time.monotonic() - t0 < 2.5
+            # a close now returns as soon as its write is accepted (this process's own write:
+            # a shell to start took seconds at a load of 9; its time less this process's own
+            # stalls, stallclock: a pause of the test is not the mount's)
+            with thread_stalls() as stalls:
+                t0 = time.monotonic()
+                (mnt / "s" / "c.md").write_text("more\n")
+                t1 = time.monotonic()
+            assert stalls.time(t0, t1) < 2.5, (t1 - t0, stalls.worst())
             # reads are served from the cache meanwhile
             assert read(mnt / "s" / "a.md") == "before\n"
             assert read(mnt / "s" / "b.md") == "during\n"
