@@ -239,7 +239,9 @@ async def test_the_watch_fails_for_a_stalled_server_and_not_for_a_stalled_test(s
                 await trio.sleep(0)
             time.sleep(2.5)  # blocks this process's event loop while an answer is awaited
             await trio.sleep(0.3)
-        assert max(x[2] for x in seen) > 2.5  # the answer awaited took that long, as the test saw it
+        # the answer awaited took that long as the test saw it, or it was lost on a kept
+        # connection the server closed at its keep-alive time meanwhile (excused, not judged)
+        assert max(x[2] for x in seen) > 2.5 or any(x[1] > 2.5 for x in seen.excused), (seen, seen.excused)
         with pytest.raises(AssertionError, match="watched answers failed or were slow"):
             async with watched(server, "a stalled server"):
                 await trio.sleep(0.3)
