@@ -325,6 +325,33 @@ async def test_session_ends_with_its_token_and_is_stored_hashed(app):
         assert (await c.get("/ui/stores/ws")).status_code == 303
 
 
+async def test_a_token_keeps_at_most_its_cap_of_console_sessions(app):
+    """Logins of one token past ``MAX_SESSIONS_PER_TOKEN`` end its oldest sessions (attack21:
+    300 logins in 15 s made 300 rows of 12 hours); the newest stay valid, and another token's
+    sessions are not touched. A database token (by id) and a static one (by digest)."""
+    import json as _json
+
+    from sqlalchemy import func, select
+
+    from memfuse.models import TokenCreate
+    from memfuse.server.db import ConsoleSessionRow
+    from memfuse.server.sessions import MAX_SESSIONS_PER_TOKEN
+
+    svc = app.state.service
+    tok = _json.loads(svc.create_token(ADMIN_P, TokenCreate(workspace="ws", name="looper")).body)["token"]
+    made = {token: [svc.create_session(token)[0] for _ in range(MAX_SESSIONS_PER_TOKEN + 8)] for token in (tok, RO)}
+    for token, sessions in made.items():  # judged after both tokens' logins: neither ended the other's
+        for s in sessions[:8]:
+            with pytest.raises(ServiceError) as ei:
+                svc.session_principal(s)
+            assert ei.value.status == 401
+        for s in sessions[8:]:
+            assert svc.session_principal(s).workspace == ("ws" if token == tok else "viewer")
+    with svc.db.read_conn() as conn:
+        n = conn.execute(select(func.count()).select_from(ConsoleSessionRow.__table__)).scalar()
+    assert n == 2 * MAX_SESSIONS_PER_TOKEN
+
+
 async def test_session_cookie_over_tls_from_a_trusted_proxy_only():
     """``X-Forwarded-Proto: https`` from a --trusted-proxy address: the cookie is
     ``__Host-memfuse_session``, ``Secure``, ``Path=/``; from any other peer the header is

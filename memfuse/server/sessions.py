@@ -35,6 +35,10 @@ from memfuse.server.db import ConsoleSessionRow, TokenRow, utcnow
 log = logging.getLogger("memfuse.server.service")
 
 SESSION_SECONDS = 12 * 3600  # a console session ends this long after login at the latest
+#: console sessions one token keeps at most (browsers, profiles, devices of its person); a
+#: login past it ends that token's oldest: a token logging in in a loop cannot grow the table
+#: (attack21: 300 logins in 15 s made 300 rows of 12 hours)
+MAX_SESSIONS_PER_TOKEN = 32
 _CS = cast(Table, ConsoleSessionRow.__table__)
 _TK = cast(Table, TokenRow.__table__)
 
@@ -73,7 +77,8 @@ class SessionsService(Resource):
     def create_session(self, token: str, instance: str | None = None,
                        seconds: float = SESSION_SECONDS) -> tuple[str, Principal, datetime]:
         """Log in with ``token``: returns (session id for the cookie, the principal, when the
-        session ends). Expired sessions of every token are deleted on the way. Raises
+        session ends). Expired sessions of every token are deleted on the way, and the token's
+        oldest sessions past ``MAX_SESSIONS_PER_TOKEN`` (the new one counted) end. Raises
         ``ServiceError`` 401 when the token is not valid (``authenticate``). Worker thread."""
         p = self.tokens.authenticate(token, instance)
         digest = sha256_hex(token.encode("utf-8", "surrogatepass"))
@@ -90,11 +95,19 @@ class SessionsService(Resource):
             if row.expires_at is not None:
                 ends = min(ends, row.expires_at)
         session_id = secrets.token_urlsafe(32)
+        new = session_digest(session_id)
+        # the token's sessions (a database token's by its indexed id; a static token's by digest)
+        mine = _CS.c.token_id == token_id if token_id is not None else _CS.c.token_sha256 == digest
+        kept = (select(_CS.c.id_sha256).where(mine, _CS.c.id_sha256 != new)
+                .order_by(_CS.c.created_at.desc(), _CS.c.id_sha256).limit(MAX_SESSIONS_PER_TOKEN - 1))
         with self.db.write_conn() as conn:
             conn.execute(delete(_CS).where(_CS.c.expires_at <= now))
-            conn.execute(insert(_CS).values(id_sha256=session_digest(session_id), token_id=token_id,
+            conn.execute(insert(_CS).values(id_sha256=new, token_id=token_id,
                                             token_sha256=digest, workspace=p.workspace, created_at=now,
                                             expires_at=ends))
+            # INVARIANT: a token has at most MAX_SESSIONS_PER_TOKEN sessions: the new one and its
+            # newest others; the oldest past it end here (logged out as by ``end_session``)
+            conn.execute(delete(_CS).where(mine, _CS.c.id_sha256 != new, _CS.c.id_sha256.not_in(kept)))
         return session_id, p, ends
 
     def session_principal(self, session_id: str | None, instance: str | None = None) -> Principal:
