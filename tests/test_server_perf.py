@@ -270,6 +270,8 @@ def _older_database_gets_usage_columns_filled(url):
         for col in ("overwrote", "overwrote_by", "writer"):  # nor 0019's overwrite columns, 0021's writer
             con.exec_driver_sql(f"ALTER TABLE versions DROP COLUMN {col}")
         con.exec_driver_sql("DROP TABLE record_tails")  # nor 0018's tails
+        # with 0001's usage index (0022 drops it)
+        con.exec_driver_sql("CREATE INDEX ix_records_usage ON records (store, deleted, size)")
         con.exec_driver_sql("DROP INDEX ux_workspaces_account_public_name")  # nor 0017's workspace names
         con.exec_driver_sql("ALTER TABLE workspaces DROP COLUMN public_name")
         con.exec_driver_sql("DROP INDEX ux_stores_account_public_slug")  # nor 0014's store names

@@ -256,7 +256,7 @@ _KEYED_BACKFILL = [
 SQLITE_DROP = ["DROP TRIGGER IF EXISTS records_fts_au_seq", "DROP TRIGGER IF EXISTS records_fts_au", "DROP TRIGGER IF EXISTS records_fts_ad",
                "DROP TRIGGER IF EXISTS records_fts_ai", "DROP INDEX IF EXISTS ix_records_seq",
                "DROP INDEX IF EXISTS ix_records_fts_hit", "DROP TABLE IF EXISTS records_fts_keys",
-               "DROP TABLE IF EXISTS records_fts"]
+               "DROP TABLE IF EXISTS records_fts_pending", "DROP TABLE IF EXISTS records_fts"]
 
 
 def _pg_words(expr: str) -> str:

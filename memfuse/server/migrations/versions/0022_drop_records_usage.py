@@ -26,7 +26,9 @@ depends_on = None
 
 
 def upgrade() -> None:
-    op.drop_index("ix_records_usage", table_name="records")
+    # IF EXISTS (both dialects; offline SQL too): a database whose schema a later memfuse's
+    # ``create_all`` made and that was stamped older never had it
+    op.execute("DROP INDEX IF EXISTS ix_records_usage")
 
 
 def downgrade() -> None:
