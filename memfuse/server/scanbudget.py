@@ -80,11 +80,16 @@ class ScanBudget:
         now = self.clock()
         with self._lock:
             self.charged += seconds
-            self._levels[key] = (self._level(key, now) - seconds, now)
+            self._levels[key] = (self._taken(key, self._level(key, now), seconds, now), now)
             if len(self._levels) > KEYS_MAX:
                 for k, (lv, at) in list(self._levels.items()):
                     if lv + (now - at) * self.rate >= self.burst:
                         del self._levels[k]
+
+    def _taken(self, key: str, level: float, seconds: float, now: float) -> float:
+        """``key``'s level after a charge of ``seconds`` from ``level`` at ``now`` (under
+        ``_lock``): all of it here; subclasses may take less (``writertime.WriterTime``)."""
+        return level - seconds
 
     def scan(self, key: str, fn: Callable[..., T], *args: object) -> T:
         """``fn(*args)`` charged to ``key`` (its CPU time on this thread); raises

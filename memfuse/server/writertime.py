@@ -72,7 +72,7 @@ from collections.abc import Callable
 from contextvars import ContextVar
 from typing import TYPE_CHECKING
 
-from memfuse.server.scanbudget import KEYS_MAX, ScanBudget
+from memfuse.server.scanbudget import ScanBudget
 
 if TYPE_CHECKING:
     from memfuse.server.base import Principal, ServiceError
@@ -126,25 +126,17 @@ class WriterTime(ScanBudget):
             level = self._level(key, now)
         return 0.0 if level >= 0 else -level / self.rate
 
-    def charge(self, key: str, seconds: float) -> None:
-        """Take ``seconds`` (writer time that ran) from ``key``'s bucket: in full while the
-        writer is shared, else down to zero at most (a debt it had stays, and refills)."""
-        now = self.clock()
-        with self._lock:
-            shared = self._shared(key, now)
-            level = self._level(key, now)
-            after = level - seconds
-            if not shared and after < 0:
-                after = min(level, 0.0)
-            self.charged += seconds
-            self._levels[key] = (after, now)
-            if self._last is None or self._last[0] != key:
-                self._other = self._last
-            self._last = (key, now)
-            if len(self._levels) > KEYS_MAX:
-                for k, (lv, at) in list(self._levels.items()):
-                    if lv + (now - at) * self.rate >= self.burst:
-                        del self._levels[k]
+    def _taken(self, key: str, level: float, seconds: float, now: float) -> float:
+        """A charge of ``seconds`` (writer time that ran, ``ScanBudget.charge``): in full while
+        the writer is shared, else down to zero at most (a debt it had stays, and refills);
+        the charge is noted as ``key``'s latest. Under ``_lock``."""
+        after = level - seconds
+        if after < 0 and not self._shared(key, now):
+            after = min(level, 0.0)
+        if self._last is None or self._last[0] != key:
+            self._other = self._last
+        self._last = (key, now)
+        return after
 
     def refused_now(self, key: str) -> ServiceError | None:
         """None when ``key`` may write now, else the 429 to answer (counted in ``refused``)."""
