@@ -34,7 +34,9 @@ from typing import Any
 
 TREE = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(TREE / "tests"))
+sys.path.insert(0, str(TREE / "bench"))
 
+from common import cpu_s  # noqa: E402
 from mountutil import serve_listening, stop  # noqa: E402
 
 
@@ -137,13 +139,13 @@ def main() -> int:
                     fails.append(f"attacker {status} {out[:80]!r}")
                     time.sleep(1)
 
-        cpu0 = _cpu(proc.pid)
+        cpu0 = cpu_s(proc.pid)
         threads = [threading.Thread(target=victim)] + ([] if args.quiet else [threading.Thread(target=attacker)])
         for th in threads:
             th.start()
         for th in threads:
             th.join()
-        cpu = _cpu(proc.pid) - cpu0
+        cpu = cpu_s(proc.pid) - cpu0
         ms = sorted(x * 1000 for x in lat)
         print(json.dumps({
             "victim": {"n": len(ms), "p50_ms": round(statistics.median(ms), 1) if ms else None,
@@ -158,12 +160,6 @@ def main() -> int:
         return 0
     finally:
         stop(proc)
-
-
-def _cpu(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 if __name__ == "__main__":
