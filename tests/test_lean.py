@@ -148,6 +148,37 @@ def _statuses(raw: bytes) -> list[int]:
     return [int(s) for s in re.findall(rb"HTTP/1\.1 ([0-9]{3}) \r\n", raw)]
 
 
+async def test_a_connection_hypercorn_took_comes_back_for_its_next_record_writes(tmp_path):
+    """A read on a keep-alive connection hands it to hypercorn; once hypercorn's answer is
+    over and the client's next request is a record write, the connection goes back to the
+    lean path (``LeanHTTP.takes_back``): a sidecar whose connection carried one page read
+    had every later write of it served by hypercorn, up to 1,000 of them. Answers stay
+    byte for byte hypercorn's; a read pipelined behind a write, and a write pipelined
+    behind a read (h11 holds it: not handed back mid-pipeline), are served as before."""
+    async with trio.open_nursery() as nursery:
+        p = await _pair(tmp_path, nursery)
+        lean = p.lean_app.state.lean
+        get = _req("GET", "/v1/stores/default/records?path=a.md")
+        # a read first, then writes, a read again, writes again (a pause between the
+        # pieces: each arrives after the last answer, as a client waiting for it sends)
+        a, _ = await p.both([get, 0.2, _create("a.md"), 0.2, _create("b.md"), 0.2, get, 0.2,
+                             _create("c.md"), 0.2, _create("d.md", close=True)])
+        assert _statuses(a) == [200, 201, 201, 200, 201, 201], a
+        assert lean.served == 4, lean.served  # every create, none by hypercorn
+        assert lean.handed_back == 2 and lean.handed_over == 1
+        # a write pipelined behind a read: hypercorn serves both (h11 holds the write)
+        served, back = lean.served, lean.handed_back
+        a, _ = await p.both([get + _create("e.md"), 0.3, _create("f.md", close=True)])
+        assert _statuses(a) == [200, 201, 201], a
+        assert lean.handed_back == back + 1 and lean.served == served + 1  # f.md: lean again
+        # a head cut in two after the read: hypercorn's (not a whole head), answered the same
+        whole = _create("g.md", close=True)
+        a, _ = await p.both([get, 0.2, whole[:20], 0.1, whole[20:]])
+        assert _statuses(a) == [200, 201], a
+        assert lean.handed_back == back + 1
+        nursery.cancel_scope.cancel()
+
+
 async def test_lean_answers_as_hypercorn_does(tmp_path):
     async with trio.open_nursery() as nursery:
         p = await _pair(tmp_path, nursery)

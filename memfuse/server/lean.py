@@ -102,6 +102,7 @@ class LeanHTTP:
         self._routes: dict[tuple[str, bytes], tuple[str, Any]] = {}
         self.served = 0  # requests answered here (tests, the benchmark)
         self.handed_over = 0  # connections handed to hypercorn after a lean request
+        self.handed_back = 0  # connections given back here by hypercorn (``takes_back``)
         self.cut_gone = 0  # connections ended with requests pipelined unread: their client had gone
         # INVARIANT: ``waiting`` maps the cancel scope of each connection waiting for a
         # request head (idle) to its header deadline (``trio.current_time()`` clock), in the
@@ -177,11 +178,46 @@ class LeanHTTP:
             self._watcher = None
             trio.lowlevel.reschedule(watcher)
 
+    def _route(self, head: _Head) -> tuple[str, Any]:
+        """(decoded path, ``lean_route``'s answer) of ``head``'s request, memoized per
+        (method, raw target) (``_routes``)."""
+        key = (head.method, head.path)
+        seen = self._routes.get(key)
+        if seen is None:
+            path = unquote(head.path.decode("ascii"))
+            seen = (path, self.lean_route(head.method, path))
+            if len(head.path) <= _KEPT_LINE_MAX:
+                if len(self._routes) >= _ROUTES_MAX:
+                    self._routes.clear()
+                self._routes[key] = seen
+        return seen
+
+    def takes_back(self, data: bytes) -> bool:
+        """Whether a connection hypercorn serves comes back here (counted in
+        ``handed_back``): ``data``, what its client sent once hypercorn's last answer was
+        over and nothing else of it was left unread, starts with a whole request head that
+        ``serve`` serves (``parse_head``, ``lean_route``). Without this, one read on a
+        connection (a sidecar's page, its status) made hypercorn serve every later record
+        write on it, until it closed (``keep_alive_max_requests``, 1,000 requests by
+        default): ~0.6 ms more of the event loop's CPU per write (bench/README.md, "The close
+        path, session 22"). Cheap when it is not (one ``startswith`` for a request other than
+        ``POST`` / ``PUT``)."""
+        if not data.startswith((b"POST ", b"PUT ")):
+            return False
+        head = parse_head(data, self.max_head)
+        if head is None or not self._route(head)[1]:
+            return False
+        self.handed_back += 1
+        return True
+
     async def serve(self, sock: socket.socket, first: bytes, eof: bool,
-                    client: tuple[str, int] | None, server: tuple[str, int] | None) -> Handover | None:
+                    client: tuple[str, int] | None, server: tuple[str, int] | None,
+                    requests: int = 0) -> Handover | None:
         """Serve the connection ``sock`` (non-blocking, as trio keeps it; ``first``: the bytes
         read of it so far, a request head among them; ``eof``: the client closed its end after
-        them) as long as its requests are lean ones (``parse_head``). Returns a ``Handover``
+        them) as long as its requests are lean ones (``parse_head``). ``requests``: those
+        answered on it before (by hypercorn, when it gives the connection back:
+        ``takes_back``), counted toward ``keep_alive_max_requests``. Returns a ``Handover``
         for hypercorn, or None when the connection is over (the caller closes the socket; the
         write side is shut here when an answer was sent). Never raises for the client's
         doing (a reset, a vanished client, bad bytes); a cancellation (eviction, the end of
@@ -189,7 +225,6 @@ class LeanHTTP:
         # INVARIANT: ``buf`` holds the bytes read and not consumed: from the first byte of
         # the request being read (or awaited) on, what hypercorn gets at a hand-over.
         buf = bytearray(first)
-        requests = 0
         closed = eof
         clock = trio.lowlevel.current_clock()
         while True:
@@ -227,16 +262,7 @@ class LeanHTTP:
                             self.untimed.discard(waiting)
                         if waiting.cancel_called:
                             break  # read again under a fresh scope (above)
-                    key = (head.method, head.path)
-                    seen = self._routes.get(key)
-                    if seen is None:
-                        path = unquote(head.path.decode("ascii"))
-                        seen = (path, self.lean_route(head.method, path))
-                        if len(head.path) <= _KEPT_LINE_MAX:
-                            if len(self._routes) >= _ROUTES_MAX:
-                                self._routes.clear()
-                            self._routes[key] = seen
-                    path, route = seen
+                    path, route = self._route(head)
                     if not route:
                         return self._handover(buf, closed, requests)
                     requests += 1

@@ -545,7 +545,9 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
     A sixth: with ``lean_route`` (``(method, decoded path) ->`` a true value when served
     lean), a connection's requests that it names are served by ``memfuse.server.lean`` (h11 and the app on the connection's
     task, no hypercorn object made) until the first that is not, which hypercorn serves
-    with the rest of the connection (``_TCPServer.first``, ``requests_before``).
+    (``_TCPServer.first``, ``requests_before``); once hypercorn is between two requests and
+    the client's next bytes start a lean request, the connection goes back to the lean path
+    (``_TCPServer.handback``, ``LeanHTTP.takes_back``).
 
     A seventh: requests a client pipelined are not run once it has gone (attack17 F4):
     hypercorn ran each, its answer sent to nobody. A client that reset its connection, or
@@ -764,6 +766,9 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
                         except (trio.ClosedResourceError, trio.BrokenResourceError, trio.TooSlowError):
                             break
                         else:
+                            if data and lean is not None and self._between_requests() and lean.takes_back(data):
+                                self.handback = bytes(data)  # ``handle`` gives it to the lean path
+                                return
                             await self.protocol.handle(RawData(bytes(data)))
                             if data == b"":
                                 break
@@ -780,7 +785,33 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
         # F4; tests/test_connection_errors.py). When a send holds the lock (it may be blocked
         # on a client that does not read), the write side is not shut: closing the stream
         # ends that send with ``ClosedResourceError``, which ``protocol_send`` handles.
+        # INVARIANT: None while hypercorn serves the connection; once set (``_read_data``,
+        # ``_between_requests`` true), the bytes its client sent next, a lean request's whole
+        # head first: hypercorn has ended without closing the connection (``_close``) and
+        # ``handle`` serves it with the lean path again from those bytes on
+        handback: bytes | None = None
+
+        def _between_requests(self) -> bool:
+            """Whether hypercorn is between two requests of this connection: the last answer
+            is over (h11's next cycle started: both sides ``IDLE``), no request of it runs,
+            h11 holds no byte of the client's not read yet, and the server does not
+            terminate. Then the connection may go back to the lean path (``handback``)."""
+            proto = self._protocol.protocol
+            if type(proto) is not _HTTP11Only or proto.stream is not None:
+                return False
+            conn = proto.connection
+            return (conn.our_state is h11.IDLE and conn.their_state is h11.IDLE
+                    and not conn.trailing_data[0] and not self.context.terminated.is_set())
+
+        @property
+        def requests(self) -> int:
+            """Requests answered on the connection so far (lean's before, then hypercorn's)."""
+            proto = self._protocol.protocol
+            return int(getattr(proto, "keep_alive_requests", self.requests_before))
+
         async def _close(self) -> None:
+            if self.handback is not None:  # the connection goes on, on the lean path
+                return
             try:
                 if self.send_lock.locked():  # by a send (or by this task: not re-entered)
                     raise trio.WouldBlock
@@ -869,10 +900,18 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
                         if over is None:
                             return  # the connection is over: closed (finally)
                         first, eof, served = over
-                    # (hypercorn types the stream as its TLS one; it serves plain streams too: its own run())
-                    server = _TCPServer(asgi, config, context, ConnectionState(lifespan_state.copy()), stream)
-                    server.first, server.first_eof, server.requests_before = first, eof, served
-                    await server
+                    while True:
+                        # (hypercorn types the stream as its TLS one; it serves plain streams too: its own run())
+                        server = _TCPServer(asgi, config, context, ConnectionState(lifespan_state.copy()), stream)
+                        server.first, server.first_eof, server.requests_before = first, eof, served
+                        await server
+                        if server.handback is None or lean is None:
+                            break
+                        # between two requests, the next one a lean request: the lean path again
+                        over = await lean.serve(conn, server.handback, False, *addresses, requests=server.requests)
+                        if over is None:
+                            return  # the connection is over: closed (finally)
+                        first, eof, served = over
                 except* Exception:
                     # supervision: whatever one connection raises (hypercorn catches only the app's
                     # own errors and OSError) ends that connection here, logged, and never reaches the
