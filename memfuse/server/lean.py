@@ -192,7 +192,7 @@ class LeanHTTP:
                 self._routes[key] = seen
         return seen
 
-    def takes_back(self, data: bytes) -> bool:
+    def takes_back(self, data: bytes | bytearray) -> bool:
         """Whether a connection hypercorn serves comes back here (counted in
         ``handed_back``): ``data``, what its client sent once hypercorn's last answer was
         over and nothing else of it was left unread, starts with a whole request head that
