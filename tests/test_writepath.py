@@ -315,13 +315,16 @@ async def test_request_duration_histogram_sees_fast_writes(fast):
                 r = await a.put(f"/v1/stores/s/records/{r.json()['id']}", json={"content": "y"},
                                 headers={"If-Match": '"0"'})
                 assert r.status_code == 412
+                r = await a.post(f"{r.request.url.path}/append", json={"append": "z"}, headers={"If-Match": '"0"'})
+                assert r.status_code == 412
                 text = (await a.get("/metrics")).text
             for status, method, route in [("201", "POST", "/v1/stores/{store}/records"),
-                                          ("412", "PUT", "/v1/stores/{store}/records/{record_id}")]:
+                                          ("412", "PUT", "/v1/stores/{store}/records/{record_id}"),
+                                          ("412", "POST", "/v1/stores/{store}/records/{record_id}/append")]:
                 line = (f'http_request_duration_seconds_count{{method="{method}",route="{route}",'
                         f'status="{status}"}} 1.0')
                 assert line in text, text[:2000]
-            assert (app.front.writes.served if fast else 2) == 2
+            assert (app.front.writes.served if fast else 3) == 3
         finally:
             app.state.service.db.dispose()
 
