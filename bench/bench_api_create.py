@@ -3,8 +3,8 @@
 time, and the server's CPU per request is read from ``/proc`` (issue 25 item 2, the server half
 of the close path; bench/README.md, "The close path").
 
-Usage: ``python bench/bench_api_create.py [--n 1000] [--rounds 3] [--client httpx|lean]``; one
-JSON line per round:
+Usage: ``python bench/bench_api_create.py [--n 1000] [--rounds 3] [--client httpx|lean]
+[--op create|append]``; one JSON line per round:
 requests/s, ms per request (wall; and the median and 90th percentile of the requests' round
 trips, ``p50_ms`` / ``p90_ms``, which a loaded machine's stalls move less than the mean), serve's CPU ms per request (all threads; user / system; the
 event-loop thread apart from the others), its context switches per request, the load average.
@@ -13,6 +13,13 @@ minutes (wall figures swing with the machine's load; CPU per request holds bette
 
 ``--client lean``: the sidecar's own client path (``ApiClient(lean=True)``: a request's head and
 body in one write), not httpx (two writes: the server often reads the head before its body).
+
+``--op append``: appends instead (``POST .../records/{id}/append``, what the sidecar sends for
+``echo line >> f``): each round appends ``--n`` lines of ~60 bytes to a record of its own
+(created before the round, as the warm-up's record), each with the ``If-Match`` of the version
+the previous append made and an ``Idempotency-Key``; ``--op mixed``: a create and an append in
+turn, on the one connection (bench/README.md, "The close path, session 22: appends on the lean
+path").
 
 ``--profile PREFIX``: cProfile serve's event-loop thread during each round (``bench/sigprof``),
 its stats in ``PREFIX.rN`` (``pstats``; call counts per request are load-independent).
@@ -112,6 +119,10 @@ def main() -> None:
     ap.add_argument("--client", choices=("httpx", "lean"), default="httpx",
                     help="the client: httpx (head and body in two writes) or the sidecar's lean "
                          "HTTP/1.1 path (ApiClient(lean=True): one write per request)")
+    ap.add_argument("--op", choices=("create", "append", "mixed"), default="create",
+                    help="the request: a create of a new record, or an append of one line to a "
+                         "record of the round's (If-Match the version the previous one made), "
+                         "or the two in turn (mixed)")
     ap.add_argument("--profile", type=Path, default=None, metavar="PREFIX",
                     help="cProfile serve's event-loop thread during each round (bench/sigprof): "
                          "pstats files PREFIX.rN")
@@ -155,10 +166,30 @@ def main() -> None:
 
         async def go() -> None:
             async with ApiClient(cp.url, tok, lean=args.client == "lean") as c:
+                # the record each append of a round extends: (id, sha256 of its current version)
+                journal = ["", ""]
+
+                async def one(rnd: int | str, i: int) -> None:
+                    if args.op == "create" or (args.op == "mixed" and i % 2 == 0):
+                        await c.create_record(STORE, f"r{rnd}/{i}.md", content(i).decode(),
+                                              idempotency_key=str(uuid.uuid4()))
+                        return
+                    rec = await c.append_record(STORE, journal[0], f'{{"n": {i}, "event": "appended by the bench"}}\n',
+                                                journal[1], idempotency_key=str(uuid.uuid4()))
+                    journal[1] = rec.sha256
+
+                async def new_journal(rnd: int | str) -> None:
+                    rec = await c.create_record(STORE, f"journal-{rnd}.md", "# journal\n",
+                                                idempotency_key=str(uuid.uuid4()))
+                    journal[:] = [rec.id, rec.sha256]
+
+                if args.op != "create":
+                    await new_journal("warm")
                 for i in range(50):  # warm: connection, caches, statements compiled
-                    await c.create_record(STORE, f"warm/{i}.md", content(i).decode(),
-                                          idempotency_key=str(uuid.uuid4()))
+                    await one("warm", i)
                 for rnd in range(args.rounds):
+                    if args.op != "create":
+                        await new_journal(rnd)
                     if cg is not None:
                         for f in cg.glob(f"callgrind.out.{pid}*"):
                             f.unlink()
@@ -171,8 +202,7 @@ def main() -> None:
                     t = time.perf_counter()
                     for i in range(n):
                         t_req = time.perf_counter()
-                        await c.create_record(STORE, f"r{rnd}/{i}.md", content(i).decode(),
-                                              idempotency_key=str(uuid.uuid4()))
+                        await one(rnd, i)
                         times.append(time.perf_counter() - t_req)
                     dt = time.perf_counter() - t
                     times.sort()
@@ -214,7 +244,7 @@ def main() -> None:
                         ir_loop_net = round((loop_total - idle_rate * dt) / n)
                     d = {k: b[k] - a.get(k, 0.0) for k in b}
                     print(json.dumps({
-                        "round": rnd, "client": args.client, "steady": args.steady, "req_s": round(n / dt, 1), "ms_per_req": round(dt / n * 1000, 3),
+                        "round": rnd, "op": args.op, "client": args.client, "steady": args.steady, "req_s": round(n / dt, 1), "ms_per_req": round(dt / n * 1000, 3),
                         "p50_ms": round(times[n // 2] * 1000, 3), "p90_ms": round(times[n * 9 // 10] * 1000, 3),
                         "serve_cpu_ms": round((d["user"] + d["sys"]) / n * 1000, 3),
                         "user_ms": round(d["user"] / n * 1000, 3), "sys_ms": round(d["sys"] / n * 1000, 3),

@@ -36,6 +36,13 @@ def _create(path: str, *, close: bool = False) -> bytes:
             % (len(body), b"Connection: close\r\n" if close else b"") + body)
 
 
+def _append(record_id: str, text: str, etag: str) -> bytes:
+    body = json.dumps({"append": text}).encode()
+    return (b"POST /v1/stores/default/records/%s/append HTTP/1.1\r\nHost: e\r\nAuthorization: Bearer %s\r\n"
+            b"Content-Type: application/json\r\nIf-Match: %s\r\nContent-Length: %d\r\n\r\n"
+            % (record_id.encode(), WS.encode(), etag.encode(), len(body)) + body)
+
+
 async def _answer(stream: trio.SocketStream) -> bytes:
     """One whole answer (head and its ``content-length`` body) read from ``stream``."""
     got = b""
@@ -200,7 +207,7 @@ async def test_early_answers_are_the_plain_ones_and_only_on_a_connection_that_st
 async def test_early_answers_on_the_database_of_the_api_tests(monkeypatch):
     """The same early answers where ``Database.write_conn`` opens a connection per write
     (in-memory SQLite here; PostgreSQL with ``MEMFUSE_TEST_DB_URL``, ``tests/pgutil.py``): each
-    create's answer went out through ``send_early``, and the records are there."""
+    create's and append's answer went out through ``send_early``, and the records are there."""
     from pgutil import fresh_db_url
 
     sent: list[int] = []
@@ -224,14 +231,31 @@ async def test_early_answers_on_the_database_of_the_api_tests(monkeypatch):
                     with trio.fail_after(10):
                         raw = await _answer(stream)
                     assert raw.startswith(b"HTTP/1.1 201 \r\n"), raw
+                    if i == 0:
+                        first = json.loads(raw.partition(b"\r\n\r\n")[2])
                 await stream.send_all(_create("m0.md"))  # a refusal: answered after the hop
                 with trio.fail_after(10):
                     raw = await _answer(stream)
                 assert raw.startswith(b"HTTP/1.1 409 \r\n"), raw
+                # appends (``echo >>``) to m0.md: each answer early too, a stale one after the hop
+                etag = f'"{first["sha256"]}"'
+                for line in ("one", "two", "stale"):
+                    await stream.send_all(_append(first["id"], f"{line}\n", etag))
+                    with trio.fail_after(10):
+                        raw = await _answer(stream)
+                    if line == "stale":
+                        assert raw.startswith(b"HTTP/1.1 412 \r\n"), raw
+                    else:
+                        assert raw.startswith(b"HTTP/1.1 200 \r\n"), raw
+                        etag = '"' + json.loads(raw.partition(b"\r\n\r\n")[2])["sha256"] + '"'
+                    if line == "two":
+                        etag = f'"{first["sha256"]}"'  # stale now
             finally:
                 await stream.aclose()
-            assert sent == [201, 201, 201]
+            assert sent == [201, 201, 201, 200, 200]
             async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {WS}"}) as c:
                 r = await c.get("/v1/stores/default/records", params={"prefix": "m"})
                 assert r.status_code == 200 and all(f'"m{i}.md"' in r.text for i in range(3)), r.text
+                r = await c.get(f"/v1/stores/default/records/{first['id']}")
+                assert r.json()["content"] == "early\none\ntwo\n", r.text
             nursery.cancel_scope.cancel()

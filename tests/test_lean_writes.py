@@ -1,5 +1,5 @@
 """The front door's route for record writes on the lean path (``memfuse.server.gate.Gate.write``,
-what ``memfuse.server.lean`` calls for a create, update or batch instead of the app's general
+what ``memfuse.server.lean`` calls for a create, update, append or batch instead of the app's general
 request path) answers byte for byte as hypercorn and the general path do, on SQLite and on
 PostgreSQL: two control planes with the same state, one served lean, one not, are sent the same
 requests on real loopback sockets and their answers compared (``tests/test_lean.py``'s
@@ -10,7 +10,8 @@ a thread: the general path; the next ones come from the token cache: the lean ro
 idempotent replay, 409 (the path exists), 412 (``If-Match`` stale), 422 (FastAPI's), 401 (no
 token, an unknown token), 403 (a read-only attachment), 404, 413 (declared), 429
 ``rate_limited`` (the token's write buckets), 503 ``overloaded`` and 429 ``too_many_requests``
-(the request slots), a batch; and the lean route's counter shows which of them it took.
+(the request slots), a batch, appends (200, 412, 428, 404, 422, a replay, a secret); and the
+lean route's counter shows which of them it took.
 """
 from __future__ import annotations
 
@@ -147,6 +148,38 @@ async def _compare(urls: list[str]) -> None:
                                       _req("POST", "/v1/stores/default/records", b'{"path": 5}', close=True)])
         assert _statuses(a) == [404, 422], a
 
+        # appends (``echo >>``, the sidecar's commonest write): the lean route's (counted), with
+        # FastAPI's answers: 200 with the new ETag, 412 stale, 428 without If-Match, 404, an
+        # idempotent replay, 422 (the model's: FastAPI's own) and a secret refused
+        for plane in (lean, plain):
+            await _record(plane, "a.md")
+        written = _written(lean)
+
+        def add(p: Plane, text: str, etag: str | None, *, rid: str | None = None, extra: str = "",
+                close: bool = False, body: bytes | None = None) -> bytes:
+            return _req("POST", f"/v1/stores/default/records/{rid or p.ids['a.md']}/append",
+                        json.dumps({"append": text}).encode() if body is None else body,
+                        extra=(f"If-Match: {etag}\r\n" if etag else "") + extra, close=close)
+
+        a = await _both(lean, plain, lambda p: add(p, "one\n", p.etags["a.md"]) + add(p, "two\n", '"stale"')
+                        + add(p, "three\n", None) + add(p, "x\n", p.etags["a.md"], rid="no-such-id")
+                        + add(p, "", p.etags["a.md"], body=b'{"content": "x"}', close=True))
+        assert _statuses(a) == [200, 412, 428, 404, 422], a
+        assert b"precondition_required" in a and b"record_not_found" in a and b"etag: " in a, a
+        for plane in (lean, plain):
+            await _record(plane, "a.md")
+        key = "Idempotency-Key: ak-1\r\n"
+        secret = "token = ghp_" + "a1B2c3D4" * 5 + "\n"
+        a = await _both(lean, plain, lambda p: add(p, "four\n", p.etags["a.md"], extra=key)
+                        + add(p, "four\n", p.etags["a.md"], extra=key)
+                        + add(p, secret, '"' + "0" * 64 + '"') + add(p, secret, "*", close=True))
+        assert _statuses(a) == [200, 200, 412, 428] and b"idempotent-replayed: true" in a.lower(), a
+        for plane in (lean, plain):
+            await _record(plane, "a.md")
+        a = await _both(lean, plain, lambda p: add(p, secret, p.etags["a.md"], close=True))
+        assert _statuses(a) == [422] and b"secret_detected" in a, a
+        assert _written(lean) == written + 10, (_written(lean), written)  # every append took the lean route
+
         # 403: the workspace's store attached read-only; a batch
         a = await _both(lean, plain, _req("POST", "/v1/stores/ro/records", b'{"path":"r.md","content":"x"}',
                                           close=True))
@@ -195,6 +228,13 @@ async def _compare(urls: list[str]) -> None:
                 r = await c.get("/v1/stores/default/records", params={"limit": 100})
                 got.append(sorted(x["path"] for x in r.json()["records"]))
         assert got[0] == got[1] and len(got[0]) == 8, " ".join(got[0])
+        contents = []
+        for plane in (lean, plain):
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{plane.port}",
+                                         headers={"Authorization": f"Bearer {ADMIN}"}) as c:
+                r = await c.get(f"/v1/stores/default/records/{plane.ids['a.md']}")
+                contents.append(r.json()["content"])
+        assert contents[0] == contents[1] == "new\none\nfour\n", contents
         nursery.cancel_scope.cancel()
 
 

@@ -1,5 +1,5 @@
-"""The record-write fast path (``memfuse.server.writepath``): a create or update served
-straight from ASGI answers exactly what FastAPI answers for it (status, headers, body), and
+"""The record-write fast path (``memfuse.server.writepath``): a create, update, append or batch
+served straight from ASGI answers exactly what FastAPI answers for it (status, headers, body), and
 every request it cannot answer so (bad JSON, a body the model refuses, another content type,
 an over-long Idempotency-Key, an account named, a query string, a header twice) is left to
 FastAPI. Each scenario runs twice on two fresh control planes, one with the fast path and one
@@ -114,8 +114,42 @@ async def _scenario(fast: bool) -> tuple[list[tuple[Any, ...]], int]:
                                                                              "Idempotency-Key": "k2"})
                 await send(c, "PUT", one, json={"content": "star\n"}, headers={"If-Match": "*",
                                                                              "Idempotency-Key": "k2"})
-                await send(c, "PUT", one, json={"content": "star\n"})
+                cur = (await send(c, "PUT", one, json={"content": "star\n"})).headers["etag"]
                 await send(c, "PUT", f"{rec}/no-such-id", json={"content": "x"})
+                # appends (``echo >>``): If-Match, a stale one, none or * (428), an unknown
+                # record, an idempotent replay and the key on another body, attributes, an
+                # empty suffix (no version), the service's refusals
+                add = f"{one}/append"
+                nxt = (await send(c, "POST", add, json={"append": "more\n"}, headers={"If-Match": cur})).headers["etag"]
+                await send(c, "POST", add, json={"append": "stale\n"}, headers={"If-Match": cur})
+                await send(c, "POST", add, json={"append": "none\n"})
+                await send(c, "POST", add, json={"append": "star\n"}, headers={"If-Match": "*",
+                                                                               "Idempotency-Key": "k6"})
+                await send(c, "POST", f"{rec}/no-such-id/append", json={"append": "x\n"}, headers={"If-Match": nxt})
+                keyed = {"If-Match": nxt, "Idempotency-Key": "k5"}
+                r = await send(c, "POST", add, json={"append": "k\n", "type": "feedback", "mode": 0o600,
+                                                     "mtime_ns": 1_700_000_000_000_000_000}, headers=keyed)
+                await send(c, "POST", add, json={"append": "k\n", "type": "feedback", "mode": 0o600,
+                                                 "mtime_ns": 1_700_000_000_000_000_000}, headers=keyed)
+                await send(c, "POST", add, json={"append": "other\n"}, headers=keyed)
+                nxt = r.headers["etag"]
+                await send(c, "POST", add, json={"append": ""}, headers={"If-Match": nxt})  # nothing changes
+                await send(c, "POST", add, json={"append": "token = ghp_" + "a1B2c3D4" * 5 + "\n"},
+                           headers={"If-Match": nxt})  # secret_detected
+                await send(c, "POST", add, json={"append": "x" * 5000}, headers={"If-Match": nxt})  # too large
+                await send(c, "POST", add, json={"append": "a\u0000b"}, headers={"If-Match": nxt})  # invalid_content
+                await send(ro, "POST", add, json={"append": "x\n"}, headers={"If-Match": nxt})  # read_only
+                await send(c, "POST", "/v1/stores/nope/records/x/append", json={"append": "x\n"},
+                           headers={"If-Match": nxt})
+                # appends left to FastAPI: its own 422s and readings
+                await send(c, "POST", add, json={"content": "x\n"}, headers={"If-Match": nxt})  # append missing
+                await send(c, "POST", add, content=b"{nope", headers={"Content-Type": "application/json",
+                                                                      "If-Match": nxt})
+                await send(c, "POST", add, content=b'{"append": "t\\n"}', headers={"Content-Type": "text/plain",
+                                                                                   "If-Match": nxt})
+                await send(c, "POST", add, json={"append": "twice\n"}, headers=[("If-Match", nxt), ("If-Match", nxt)])
+                await send(c, "POST", add + "?account=default", json={"append": "q\n"}, headers={"If-Match": nxt})
+                await send(c, "POST", add, json={"append": "last\n"}, headers={"If-Match": nxt})
                 # what the fast path leaves to FastAPI: its own 422s and readings
                 await send(c, "POST", rec, content=b"{not json", headers={"Content-Type": "application/json"})
                 await send(c, "POST", rec, json={"path": "m.md"})  # content missing
@@ -179,8 +213,91 @@ async def test_fast_path_answers_as_fastapi_does():
     # a batch body nested too deep to parse is a 422 (it was an unhandled 500)
     assert [a[2] for a in fast[-2:]] == [422, 422]
     assert all(json.loads(a[4])["code"] == "validation_error" for a in fast[-2:])
-    # the fast path served the well-formed writes (22 of them) and batches (7), FastAPI the rest
-    assert served == 29
+    # the appends: served as FastAPI serves them (200 with the new ETag, a replay, 412, 428,
+    # 404, the service's 422s, 413, 403)
+    appends = [(a[2], json.loads(a[4]).get("code") if a[4].startswith("{") else None)
+               for a in fast if a[1].split("?")[0].endswith("/append")]
+    assert appends[:14] == [(200, None), (412, "precondition_failed"), (428, "precondition_required"),
+                            (428, "precondition_required"), (404, "record_not_found"), (200, None), (200, None),
+                            (422, "idempotency_key_reused"), (200, None), (422, "secret_detected"),
+                            (413, "record_too_large"), (422, "invalid_content"), (403, "read_only"),
+                            (404, "store_not_attached")], appends
+    replayed = [a for a in fast if a[1].endswith("/append") and ("idempotent-replayed", "true") in a[3]]
+    assert len(replayed) == 1 and "etag" in dict(replayed[0][3])
+    # the fast path served the well-formed writes (22 creates and updates, 15 appends) and
+    # batches (7), FastAPI the rest
+    assert served == 44
+
+
+async def test_a_large_append_is_scanned_before_the_hop(monkeypatch):
+    """An append whose suffix has ``PRESCAN_MIN`` characters or more is served here with its
+    secret scan (the suffix after its context) run before the write's hop, on a worker
+    thread (``prescan``, as the batch path scans its appends), never in the hop; the verdict
+    kept still refuses a secret, and a request the service refuses 428 (no ``If-Match``)
+    costs no scan. On main the append route was FastAPI's: no hop at all."""
+    import threading
+
+    from memfuse import content
+    from memfuse.server import prescan
+
+    events: list[tuple[str, object]] = []  # ("scan", in a hop), ("hop", its function), ("hopped", "")
+    real_scan = content.find_secret
+    hop_threads: set[int] = set()
+
+    def scan(text: str) -> str | None:
+        if len(text) >= prescan.PRESCAN_MIN:
+            events.append(("scan", threading.get_ident() in hop_threads))
+        return real_scan(text)
+
+    monkeypatch.setattr(content, "find_secret", scan)
+    with fresh_db_url() as url:
+        app = create_app(url, static_tokens={ADMIN: None}, faces=False)
+        writes = app.front.writes
+        real_hop = writes.hop
+
+        async def hop(fn: Any, *args: Any) -> Any:
+            events.append(("hop", fn.__name__))
+
+            def run(*a: Any) -> Any:  # the hop's own thread: no large scan may run there
+                hop_threads.add(threading.get_ident())
+                try:
+                    return fn(*a)
+                finally:
+                    hop_threads.discard(threading.get_ident())
+
+            try:
+                return await real_hop(run, *args)
+            finally:
+                events.append(("hopped", ""))
+
+        writes.hop = hop
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url=BASE,
+                                         headers={"Authorization": f"Bearer {ADMIN}"}) as a:
+                assert (await a.post("/v1/stores", json={"slug": "s"})).status_code == 201
+                r = await a.post("/v1/stores/s/records", json={"path": "j.md", "content": "# journal\n"})
+                assert r.status_code == 201
+                add = f"/v1/stores/s/records/{r.json()['id']}/append"
+                events.clear()
+                big = "".join(f"line {i} of a long journal entry\n" for i in range(600))
+                assert len(big) >= prescan.PRESCAN_MIN
+                r = await a.post(add, json={"append": big}, headers={"If-Match": r.headers["etag"]})
+                assert r.status_code == 200, r.text
+                # scanned once, before the hop, on a thread that is not in a hop
+                assert events == [("scan", False), ("hop", "append_record"), ("hopped", "")], events
+                etag = r.headers["etag"]
+                events.clear()
+                secret = big + "token = ghp_" + "a1B2c3D4" * 5 + "\n"
+                r = await a.post(add, json={"append": secret}, headers={"If-Match": etag})
+                assert r.status_code == 422 and r.json()["code"] == "secret_detected", r.text
+                assert events == [("scan", False), ("hop", "append_record"), ("hopped", "")], events
+                events.clear()
+                r = await a.post(add, json={"append": big})
+                assert r.status_code == 428 and r.json()["code"] == "precondition_required", r.text
+                assert events == [], events  # refused before any scan or hop
+            assert writes.served == 4
+        finally:
+            app.state.service.db.dispose()
 
 
 @pytest.mark.parametrize("fast", [True, False])
@@ -198,13 +315,16 @@ async def test_request_duration_histogram_sees_fast_writes(fast):
                 r = await a.put(f"/v1/stores/s/records/{r.json()['id']}", json={"content": "y"},
                                 headers={"If-Match": '"0"'})
                 assert r.status_code == 412
+                r = await a.post(f"{r.request.url.path}/append", json={"append": "z"}, headers={"If-Match": '"0"'})
+                assert r.status_code == 412
                 text = (await a.get("/metrics")).text
             for status, method, route in [("201", "POST", "/v1/stores/{store}/records"),
-                                          ("412", "PUT", "/v1/stores/{store}/records/{record_id}")]:
+                                          ("412", "PUT", "/v1/stores/{store}/records/{record_id}"),
+                                          ("412", "POST", "/v1/stores/{store}/records/{record_id}/append")]:
                 line = (f'http_request_duration_seconds_count{{method="{method}",route="{route}",'
                         f'status="{status}"}} 1.0')
                 assert line in text, text[:2000]
-            assert (app.front.writes.served if fast else 2) == 2
+            assert (app.front.writes.served if fast else 3) == 3
         finally:
             app.state.service.db.dispose()
 

@@ -62,7 +62,7 @@ the connections that have not yet shown a valid token (or asked a probe), per cl
 and in all (past the global cap the oldest is evicted); ``memfuse.server.serve`` applies it
 when it accepts them.
 
-The lean HTTP path (``memfuse.server.lean``) hands a record write (create, update, batch) to
+The lean HTTP path (``memfuse.server.lean``) hands a record write (create, update, append, batch) to
 ``Gate.write`` instead: the same steps and refusals for a write whose head shows a cached token
 (through the same methods), without the general request path; any other request goes to
 ``__call__`` before anything is counted.
@@ -596,7 +596,7 @@ class Gate:
                 writertime.CURRENT.reset(charged)
 
     async def write(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """A record write (create, update, batch: the routes ``memfuse.server.writepath``
+        """A record write (create, update, append, batch: the routes ``memfuse.server.writepath``
         serves) from an HTTP server that offers ``SEND_WITHIN`` (``memfuse.server.lean``):
         the steps ``__call__`` takes for it, without its general request path (probes,
         long-lived responses, reads, the app's bounded sends: bench/README.md, "The close

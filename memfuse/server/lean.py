@@ -7,8 +7,8 @@ send lock), ``H11Protocol``, an ``HTTPStream``, a task per request with a memory
 the body (``spawn_app``) and an event per piece of the answer; for a record write that was
 about a third of the event loop's CPU. ``LeanHTTP.serve`` reads a connection's request heads
 itself (``parse_head``: a strict subset of the grammar h11, hypercorn's parser, reads, with the
-same head bound) and, as long as each is one of the three write routes
-(``memfuse.server.writepath.lean_route``: create, update, batch; HTTP/1.1, one ``Host``, a
+same head bound) and, as long as each is one of the record-write routes
+(``memfuse.server.writepath.lean_route``: create, update, append, batch; HTTP/1.1, one ``Host``, a
 ``Content-Length`` body, no ``Expect``, ``Upgrade``, ``Transfer-Encoding`` or query string),
 calls the ASGI app (the front door, ``memfuse.server.gate``, then the write path or FastAPI)
 on the connection's own task, its answer framed as h11 frames it (``_plain_answer``; h11
@@ -192,7 +192,7 @@ class LeanHTTP:
                 self._routes[key] = seen
         return seen
 
-    def takes_back(self, data: bytes) -> bool:
+    def takes_back(self, data: bytes | bytearray) -> bool:
         """Whether a connection hypercorn serves comes back here (counted in
         ``handed_back``): ``data``, what its client sent once hypercorn's last answer was
         over and nothing else of it was left unread, starts with a whole request head that

@@ -162,6 +162,18 @@ def decode_overwrote(version: int, text: str | None) -> list[tuple[int, str]]:
             out.append((int(n), a))
     return out
 
+
+def check_append_if_match(if_match: str | None) -> None:
+    """An append's first check (``append_record``): ``ServiceError`` 428
+    ``precondition_required`` when ``if_match`` names no version (absent, empty or ``*``),
+    before anything else is read or scanned. The record-write fast path asks it before its
+    prescan (``memfuse.server.writepath``): a request refused so costs no scan."""
+    tags = parse_if_match(if_match)
+    if tags is None or tags == ["*"]:
+        raise ServiceError(428, "precondition_required",
+                           "an append needs If-Match: the sha256 of the version it extends")
+
+
 class RecordsService(Resource):
     """``Service`` methods: record writes (``create_record``, ``update_record``,
     ``append_record``, ``set_attributes``, ``move_record``, ``move_prefix``, ``delete_record``,
@@ -585,10 +597,7 @@ class RecordsService(Resource):
         self, p: Principal, record_id: str, body: RecordAppend, if_match: str | None
     ) -> Callable[[Connection, Any], Record]:
         """``append_record`` as ``_create_op`` splits ``create_record``."""
-        tags = parse_if_match(if_match)
-        if tags is None or tags == ["*"]:
-            raise ServiceError(428, "precondition_required",
-                               "an append needs If-Match: the sha256 of the version it extends")
+        check_append_if_match(if_match)
         raw = _check_content(body.append)
         key = prescan.scan_key(p)
         # a large suffix is scanned now, outside the write lock (unless prescanned), after

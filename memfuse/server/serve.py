@@ -698,6 +698,12 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
         first_eof = False
         idle_task: _IdleTimer  # type: ignore[assignment]  # hypercorn's TrioSingleTask, replaced
 
+        # INVARIANT: None while hypercorn serves the connection; once set (``_read_data``,
+        # ``_between_requests`` true), the bytes its client sent next, a lean request's whole
+        # head first: hypercorn has ended without closing the connection (``_close``) and
+        # ``handle`` serves it with the lean path again from those bytes on
+        handback: bytes | None = None
+
         def __init__(self, *args: Any) -> None:
             super().__init__(*args)
             self.idle_task = _IdleTimer(self)
@@ -785,12 +791,6 @@ async def _worker_serve(app: FastAPI, config: Config, connections: Connections |
         # F4; tests/test_connection_errors.py). When a send holds the lock (it may be blocked
         # on a client that does not read), the write side is not shut: closing the stream
         # ends that send with ``ClosedResourceError``, which ``protocol_send`` handles.
-        # INVARIANT: None while hypercorn serves the connection; once set (``_read_data``,
-        # ``_between_requests`` true), the bytes its client sent next, a lean request's whole
-        # head first: hypercorn has ended without closing the connection (``_close``) and
-        # ``handle`` serves it with the lean path again from those bytes on
-        handback: bytes | None = None
-
         def _between_requests(self) -> bool:
             """Whether hypercorn is between two requests of this connection: the last answer
             is over (h11's next cycle started: both sides ``IDLE``), no request of it runs,

@@ -1,9 +1,11 @@
 """The record-write fast path: ``POST /v1/stores/{store}/records`` (create),
-``PUT /v1/stores/{store}/records/{record_id}`` (update) and ``POST /v1/stores/{store}/batch``
-(the sidecar's outbox sends overlapping closes as one batch) served straight from ASGI, under the
-front door (``memfuse.server.gate``), without FastAPI's routing, middleware stack, dependency
-resolution and body handling (bench/README.md, "The close path": they were about a quarter
-of ``memfuse serve``'s CPU per created file).
+``PUT /v1/stores/{store}/records/{record_id}`` (update), ``POST
+/v1/stores/{store}/records/{record_id}/append`` (append: the sidecar's ``echo line >> f``) and
+``POST /v1/stores/{store}/batch`` (the sidecar's outbox sends overlapping closes as one batch)
+served straight from ASGI, under the front door (``memfuse.server.gate``), without FastAPI's
+routing, middleware stack, dependency resolution and body handling (bench/README.md, "The
+close path": they were about a quarter of ``memfuse serve``'s CPU per created file; "The
+close path, session 22: appends on the lean path").
 
 ``WritePath`` answers only a request it can answer *exactly* as FastAPI would: a well-formed
 JSON body (``Content-Type: application/json``) that the route's pydantic model accepts, the
@@ -13,16 +15,17 @@ returns False having sent nothing, and FastAPI serves the request with the same 
 every refusal of the request's shape (422 ``validation_error`` with FastAPI's error list, a
 content type FastAPI does not read as JSON) is FastAPI's own. What it serves is the same
 ``Service`` call as the FastAPI handler (``Service.create_record`` / ``update_record`` /
-``batch``), in a worker thread as the FastAPI handler runs it (``hop``: on SQLite the one
-writer thread of ``memfuse.server.writerthread``), and the same response:
+``append_record`` / ``batch``), in a worker thread as the FastAPI handler runs it (``hop``: on
+SQLite the one writer thread of ``memfuse.server.writerthread``; a large content's or append's
+secret scan runs before it, ``memfuse.server.prescan``), and the same response:
 ``reply_head`` (status, ``ETag``, ``Idempotent-Replayed``: ``reply_response``'s) or the batch's
 ``batch_body``, refusals rendered by ``problems.exception_response``
 as the app's exception handlers render them. The request-duration histogram
 (``http_request_duration_seconds``) and the front door's counters see it as they see a
-FastAPI-served request. When the HTTP server offers ``gate.EARLY`` (the lean path), a create's or
-update's answer leaves from the write's thread as its transaction commits (``base.EARLY_ANSWER``:
-framed by the same ``reply_head``); the sends after the hop then only finish it
-(bench/README.md, "The close path, session 16: serve").
+FastAPI-served request. When the HTTP server offers ``gate.EARLY`` (the lean path), a create's,
+update's or append's answer leaves from the write's thread as its transaction commits
+(``base.EARLY_ANSWER``: framed by the same ``reply_head``); the sends after the hop then only
+finish it (bench/README.md, "The close path, session 16: serve").
 """
 from __future__ import annotations
 
@@ -38,11 +41,12 @@ from starlette.datastructures import URL
 from starlette.responses import Response
 from starlette.types import Scope, Send
 
-from memfuse.models import BatchRequest, RecordCreate, RecordUpdate
+from memfuse.models import BatchRequest, RecordAppend, RecordCreate, RecordUpdate
 from memfuse.server import routetable as table
 from memfuse.server.prescan import prescanned
 from memfuse.server.base import EARLY_ANSWER, parse_json, parse_json_exact
 from memfuse.server.batch import batch_body
+from memfuse.server.records import check_append_if_match
 from memfuse.server.gate import EARLY
 from memfuse.server.routes import records as record_routes
 from memfuse.server.routes.deps import reply_head
@@ -107,11 +111,11 @@ class WritePath:
         key = headers.get(b"idempotency-key", b"").decode("latin-1")
         if len(key) > IDEMPOTENCY_KEY_MAX:
             return False
-        model: type[BaseModel] = RecordCreate if m.route is table.CREATE_RECORD else RecordUpdate
+        model: type[BaseModel] = _MODELS[m.route]
         try:  # json.loads (``parse_json``), then the model: what FastAPI does with a JSON body
             value, exact = parse_json_exact(body)
             # ``model.model_validate(value)`` without its Python frame: pydantic's own call
-            parsed: RecordCreate | RecordUpdate = model.__pydantic_validator__.validate_python(value)
+            parsed: RecordCreate | RecordUpdate | RecordAppend = model.__pydantic_validator__.validate_python(value)
         except Exception:  # noqa: BLE001 - bad JSON, too deep, refused: FastAPI answers it
             return False
         svc = self.svc
@@ -125,17 +129,23 @@ class WritePath:
             sender = _EarlySender(early, self, m.route, method, start) if early is not None else None
             token = EARLY_ANSWER.set(sender) if sender is not None else None
             try:
-                # a large content's secret scan runs before the writer thread (prescan)
-                async with prescanned((parsed.content,), p=p, budget=svc.parts.scans):
-                    if m.route is table.CREATE_RECORD:
-                        assert isinstance(parsed, RecordCreate)
+                # a large content's (an append's: its suffix after its context) secret scan
+                # runs before the writer thread (prescan)
+                if isinstance(parsed, RecordCreate):
+                    async with prescanned((parsed.content,), p=p, budget=svc.parts.scans):
                         reply = await self.hop(svc.create_record, p, store, parsed, idem)
+                else:
+                    raw_match = headers.get(b"if-match")  # as FastAPI's ``IfMatch`` header reads it
+                    if_match = raw_match.decode("latin-1") if raw_match is not None else None
+                    record_id = m.params["record_id"]
+                    if isinstance(parsed, RecordUpdate):
+                        async with prescanned((parsed.content,), p=p, budget=svc.parts.scans):
+                            reply = await self.hop(svc.update_record, p, store, record_id, parsed, if_match, idem)
                     else:
-                        assert isinstance(parsed, RecordUpdate)
-                        if_match = headers.get(b"if-match")
-                        reply = await self.hop(
-                            svc.update_record, p, store, m.params["record_id"], parsed,
-                            if_match.decode("latin-1") if if_match is not None else None, idem)
+                        check_append_if_match(if_match)  # the service's first refusal: no scan for it
+                        async with prescanned((), appends=[(record_id, parsed.append)],
+                                              context_of=svc.records.append_context, p=p, budget=svc.parts.scans):
+                            reply = await self.hop(svc.append_record, p, store, record_id, parsed, if_match, idem)
             finally:
                 if token is not None:
                     EARLY_ANSWER.reset(token)
@@ -209,7 +219,11 @@ class WritePath:
             child.observe(time.perf_counter() - start)
 
 
-_ROUTES = (table.CREATE_RECORD, table.UPDATE_RECORD, table.BATCH)
+# the single-record routes served here, each with its body's model
+_MODELS: dict[table.Route, type[BaseModel]] = {
+    table.CREATE_RECORD: RecordCreate, table.UPDATE_RECORD: RecordUpdate, table.APPEND_RECORD: RecordAppend}
+# every route served here (``lean_route``: the requests ``memfuse.server.lean`` serves)
+_ROUTES = (*_MODELS, table.BATCH)
 
 
 class _EarlySender:
