@@ -187,6 +187,12 @@ async def test_a_connection_hypercorn_took_comes_back_for_its_next_record_writes
         assert _statuses(a) == [200, 201, 201, 200, 201, 201], a
         assert lean.served == 4, lean.served  # every create, none by hypercorn
         assert lean.handed_back == 2 and lean.handed_over == 1
+        # what an operator sees of it (/metrics)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{p.lean_port}") as c:
+            text = (await c.get("/metrics")).text
+        assert "memfuse_server_lean_requests_total 4.0" in text, text
+        assert 'memfuse_server_lean_handovers_total{direction="back"} 2.0' in text
+        assert 'memfuse_server_lean_handovers_total{direction="to_hypercorn"} 1.0' in text
         # a write pipelined behind a read: hypercorn serves both (h11 holds the write)
         served, back = lean.served, lean.handed_back
         a, _ = await p.both([get + _create("e.md"), 0.3, _create("f.md", close=True)])

@@ -290,6 +290,7 @@ def create_app(
             hop=writerthread.WriterThread().run if db.is_sqlite else None),
     )
     metrics.add_collector(limits.front_collector(app.front, stream_class))
+    metrics.add_collector(limits.lean_collector(app.state))
 
     if faces:
         from memfuse.server.console import install_console

@@ -217,6 +217,31 @@ def notifier_collector(notifier: Notifier, bus: Bus,
     return collect
 
 
+def lean_collector(state: Any) -> Callable[[], list[Metric]]:
+    """Metric families of the lean path of the server serving the app whose ``state`` this is
+    (``memfuse.server.lean.LeanHTTP``, ``state.lean`` once ``serve`` runs; none before, or
+    without it): the record writes it answered, and the connections it handed to hypercorn
+    and got back (``takes_back``), so an operator sees which path a sidecar's writes take."""
+
+    def collect() -> list[Metric]:
+        lean = getattr(state, "lean", None)
+        if lean is None:
+            return []
+        served = CounterMetricFamily("memfuse_server_lean_requests",
+                                     "Record writes answered on the lean path (without hypercorn's "
+                                     "per-request machinery)")
+        served.add_metric([], lean.served)
+        moved = CounterMetricFamily("memfuse_server_lean_handovers",
+                                    "Keep-alive connections moved between the lean path and hypercorn, by "
+                                    "direction (to_hypercorn: a request other than a record write after "
+                                    "one; back: a record write after hypercorn's answer)", labels=["direction"])
+        moved.add_metric(["to_hypercorn"], lean.handed_over)
+        moved.add_metric(["back"], lean.handed_back)
+        return [served, moved]
+
+    return collect
+
+
 def front_collector(front: Front, stream_class: StreamClass) -> Callable[[], list[Metric]]:
     """Metric families of the front door (``memfuse.server.gate.Gate``) and the long-lived
     responses (``memfuse.server.streamclass.StreamClass``)."""
