@@ -70,7 +70,7 @@ log = logging.getLogger(__name__)
 #: the newest Alembic revision (``memfuse/server/migrations/versions/``): a database at it
 #: opens without Alembic (``Database._at_schema_head``). A new revision updates it;
 #: tests/test_migrations.py fails while it is not ``schema.head()``.
-SCHEMA_HEAD = "0023_fts_queue_ids"
+SCHEMA_HEAD = "0024_fts_queue_updates"
 
 
 def utcnow() -> datetime:

@@ -42,12 +42,13 @@ it without a line of Python):
   not one "file" token) and is cut at ``PG_MAX_CHARS`` characters (a ``tsvector`` holds at
   most 1 MiB; a longer record's tail is not indexed, its substring search still finds it).
 
-**Pending** (SQLite; revisions ``0020_fts_pending``, ``0023_fts_queue_ids``): a *new*
+**Pending** (SQLite; revisions ``0020_fts_pending``, ``0023_fts_queue_ids``,
+``0024_fts_queue_updates``): a *new*
 record is not indexed in its write's transaction. ``records_fts_ai`` / ``records_fts_au_seq``
 queue its id in ``records_fts_pending`` (``WITHOUT ROWID``: one page of the write-ahead log
 a create; 0020 gave the key there and queued it, three pages: bench/README.md, "The close
 path, session 21: serve's WAL pages"); ``PENDING_DRAIN`` gives every queued live record its
-key (a record written since its create has one already, from ``records_fts_au``), indexes
+key (a restored record has one already: a key is kept while the record's row exists), indexes
 them in one statement (the same rows and text the triggers wrote before, so ranking is the
 same) and empties the queue. Ranked search drains first (``Database.index_pending``, in a write
 transaction before its read), so it finds every record written before it started; a writer
@@ -55,10 +56,19 @@ drains after every ``DRAIN_EVERY`` write transactions (``Database.write_conn``),
 stays short when nothing searches. Why: the index's trigger was ~17 % of the writer's
 instructions per single-record create (FTS5 writes a segment per transaction: its data,
 index, docsize and content pages), paid once per drain instead (bench/README.md, "The close
-path, session 13: serve's writer"). Every later write of a queued record (``records_fts_au``,
-``records_fts_ad``) keeps the index as before: the FTS row it deletes is not there yet, the
-one it writes is written again by the drain with the same text. A release older than this
-revision does not drain: upgrade every replica before serving ranked search.
+path, session 13: serve's writer"). Updates too (revision ``0024_fts_queue_updates``):
+``records_fts_au`` queues the id of a row that is indexable after an update that changed its
+path or indexed head (an append or an update of a record under ``PG_MAX_CHARS`` characters, a
+move, a restore) instead of writing its whole indexed text to the FTS table in the write's
+transaction (~45 % of an append's pages of the write-ahead log: bench/README.md, "The close
+path, session 22: appends re-indexed at the drain"); until the drain its FTS row holds the
+text before, which nothing reads (only ranked search reads ``records_fts``, after draining),
+and the drain's ``INSERT OR REPLACE`` by its key replaces it. A row that stops being
+indexable (a delete) leaves the FTS table at once, in its write's transaction
+(``records_fts_au``, ``records_fts_ad``; ranked search also joins ``records`` and skips a
+deleted one); the drain skips a queued record deleted or purged since. A release older than
+``0023_fts_queue_ids`` cannot drain this queue: upgrade every replica before serving ranked
+search (one of ``0023`` drains what ``0024``'s trigger queues).
 
 Neither is a SQLAlchemy model: ``install`` hooks their DDL to ``Base.metadata``'s
 ``after_create`` (in-memory databases, tests), and revision ``0007_fulltext`` creates and
@@ -157,6 +167,11 @@ _KEY_OF_NEW = "-(SELECT k FROM records_fts_keys WHERE record_id = new.id)"
 _KEY_OF_OLD = "-(SELECT k FROM records_fts_keys WHERE record_id = old.id)"
 _NEW_ROW = (f"new.path, memfuse_headings(substr(new.content, 1, {PG_MAX_CHARS})), "
             f"coalesce(substr(new.content, 1, {PG_MAX_CHARS}), '')")
+#: ``records_fts_au``'s condition (every form since ``0016_fts_record_keys``): the row was or
+#: is indexable, unless it is live before and after with the same path and indexed head
+_AU_WHEN = ("WHEN NOT (old.deleted = 0 AND old.seq > 0 AND new.deleted = 0 AND new.seq > 0 "
+            "AND old.path IS new.path "
+            f"AND substr(old.content, 1, {PG_MAX_CHARS}) IS substr(new.content, 1, {PG_MAX_CHARS})) BEGIN ")
 #: the index as revision ``0016_fts_record_keys`` leaves it (module docstring): the FTS rowid
 #: is ``-k`` of the record's row in ``records_fts_keys``
 _KEYED_DDL_0016 = [
@@ -173,9 +188,7 @@ _KEYED_DDL_0016 = [
     "DELETE FROM records_fts_keys WHERE record_id = old.id; END",
     # nothing to do when the indexed text stays (an append past PG_MAX_CHARS, an attribute)
     "CREATE TRIGGER IF NOT EXISTS records_fts_au AFTER UPDATE ON records " + (_AU_BODY := (
-        "WHEN NOT (old.deleted = 0 AND old.seq > 0 AND new.deleted = 0 AND new.seq > 0 "
-        "AND old.path IS new.path "
-        f"AND substr(old.content, 1, {PG_MAX_CHARS}) IS substr(new.content, 1, {PG_MAX_CHARS})) BEGIN "
+        _AU_WHEN +
         f"DELETE FROM records_fts WHERE old.deleted = 0 AND old.seq > 0 AND rowid = {_KEY_OF_OLD}; "
         "INSERT OR IGNORE INTO records_fts_keys (record_id) SELECT new.id WHERE new.deleted = 0 AND new.seq > 0; "
         f"INSERT OR REPLACE INTO records_fts (rowid, path, headings, body) SELECT {_KEY_OF_NEW}, {_NEW_ROW} "
@@ -224,15 +237,29 @@ _AI_QUEUE = ("CREATE TRIGGER IF NOT EXISTS records_fts_ai AFTER INSERT ON record
              "WHEN new.deleted = 0 AND new.seq > 0 BEGIN " + _QUEUE_NEW_ID)
 _AU_SEQ_QUEUE = ("CREATE TRIGGER IF NOT EXISTS records_fts_au_seq AFTER UPDATE OF seq ON records "
                  "WHEN old.seq <= 0 AND new.seq > 0 AND new.deleted = 0 BEGIN " + _QUEUE_NEW_ID)
-#: the index as ``install`` makes it and revision ``0023_fts_queue_ids`` leaves it
-SQLITE_DDL = [*_KEYED_DDL_0016[:3], _QUEUE_TABLE, _AI_QUEUE, _KEYED_DDL_0016[4], _AU, _AU_SEQ_QUEUE]
+#: ``records_fts_au`` as revision ``0024_fts_queue_updates`` makes it (module docstring,
+#: "Pending"): a row that stops being indexable (a delete) leaves the index now; one that is
+#: indexable after the update (an append or an update of a live record whose path or indexed
+#: head changed, a move, a restore) is queued, its FTS row (the old text, if any) replaced by
+#: the drain's ``INSERT OR REPLACE`` by its key. An append to a record under ``PG_MAX_CHARS``
+#: wrote its whole indexed text to the FTS table in its transaction before (~45 % of its
+#: write-ahead log pages): one page of the queue now (bench/README.md, "The close path,
+#: session 22: appends re-indexed at the drain")
+_AU_QUEUE = ("CREATE TRIGGER IF NOT EXISTS records_fts_au AFTER UPDATE OF path, content, deleted ON records "
+             + _AU_WHEN +
+             "DELETE FROM records_fts WHERE old.deleted = 0 AND old.seq > 0 "
+             f"AND NOT (new.deleted = 0 AND new.seq > 0) AND rowid = {_KEY_OF_OLD}; "
+             "INSERT OR IGNORE INTO records_fts_pending (record_id) SELECT new.id "
+             "WHERE new.deleted = 0 AND new.seq > 0; END")
+#: the index as ``install`` makes it and revision ``0024_fts_queue_updates`` leaves it
+SQLITE_DDL = [*_KEYED_DDL_0016[:3], _QUEUE_TABLE, _AI_QUEUE, _KEYED_DDL_0016[4], _AU_QUEUE, _AU_SEQ_QUEUE]
 #: whether any record waits for its indexing (SQLite)
 PENDING_ANY = "SELECT 1 FROM records_fts_pending LIMIT 1"
-#: give every queued live record its key (kept if it has one: a write of it since, through
-#: ``records_fts_au``, gave it one), index it (as ``_AI`` / ``_AU_SEQ`` would have at its
-#: write: the same row, the same text; a record written since by ``records_fts_au`` is
-#: indexed again with the same text, one deleted or purged since is skipped), then empty the
-#: queue
+#: give every queued live record its key (kept if it has one: an updated or restored record,
+#: or one a release before ``0024_fts_queue_updates`` indexed at a write), index it (as
+#: ``_AI`` / ``_AU_SEQ`` / ``_AU`` would have at its write: the same row, the same text; an
+#: updated record's FTS row, the text before, replaced by its key; one deleted or purged
+#: since is skipped), then empty the queue
 PENDING_DRAIN = [
     "INSERT OR IGNORE INTO records_fts_keys (record_id) SELECT r.id FROM records_fts_pending p "
     "JOIN records r ON r.id = p.record_id WHERE r.deleted = 0 AND r.seq > 0",
@@ -402,6 +429,17 @@ def queue_id_statements(dialect: str, *, upgrade: bool = True) -> list[str]:
     if upgrade:
         return [*_PENDING_DRAIN_0020, *drop, _QUEUE_TABLE, _AI_QUEUE, _AU_SEQ_QUEUE]
     return [*PENDING_DRAIN, *drop, _PENDING_TABLE, _AI_PENDING, _AU_SEQ_PENDING]
+
+
+def queue_update_statements(dialect: str, *, upgrade: bool = True) -> list[str]:
+    """The SQL that makes ``records_fts_au`` queue an updated record that stays or becomes
+    indexable instead of indexing it in the write's transaction (revision
+    ``0024_fts_queue_updates``: ``_AU_QUEUE``), or, with ``upgrade`` False, puts back
+    ``0018_record_tails``'s ``_AU`` (its downgrade; records queued by either form are indexed
+    by the same drain). ``[]`` on PostgreSQL."""
+    if dialect != "sqlite":
+        return []
+    return ["DROP TRIGGER IF EXISTS records_fts_au", _AU_QUEUE if upgrade else _AU]
 
 
 def drain(conn: Any) -> None:
