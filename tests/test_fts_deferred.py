@@ -6,36 +6,22 @@ leaves the index at once; ranking is the same as a database that indexed the fin
 at their creates. Main indexed every such write in its transaction (nothing queued)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from alembic import command
 from sqlalchemy import text
+from test_fts_keys import ADMIN, _append, _create
 
-from memfuse.models import RecordAppend, RecordCreate, RecordMove, RecordUpdate, Restore, StoreCreate
+from memfuse.models import RecordMove, RecordUpdate, Restore, StoreCreate
 from memfuse.server import fulltext, schema
 from memfuse.server.db import Database
-from memfuse.server.service import Principal, Service
-
-ADMIN = Principal(workspace=None, name="test")
+from memfuse.server.service import Service
 
 
 def _service(path: Path) -> Service:
     svc = Service(Database(f"sqlite:///{path}"))
     svc.create_store(ADMIN, StoreCreate(slug="s"))
     return svc
-
-
-def _create(svc: Service, path: str, content: str) -> dict:
-    r = svc.create_record(ADMIN, "s", RecordCreate(path=path, content=content))
-    assert r.status == 201, r.body
-    return json.loads(r.body)
-
-
-def _append(svc: Service, rid: str, sha: str, suffix: str) -> str:
-    r = svc.append_record(ADMIN, "s", rid, RecordAppend(append=suffix), if_match=f'"{sha}"')
-    assert r.status == 200, r.body
-    return str(json.loads(r.body)["sha256"])
 
 
 def _paths(svc: Service, q: str) -> list[str]:
