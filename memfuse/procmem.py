@@ -80,6 +80,24 @@ def free_heap_bytes() -> int | None:
     return int(fn().fordblks)
 
 
+def rss_bytes() -> int | None:
+    """This process's resident set (``/proc/self/statm``), None where there is none."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+_PAGE = 4096
+try:
+    import os as _os
+
+    _PAGE = _os.sysconf("SC_PAGE_SIZE")
+except (ValueError, OSError, AttributeError):
+    pass
+
+
 def trim() -> bool:
     """``malloc_trim(0)``: give the free pages of every heap back to the kernel. Returns
     whether any was; False where the C library has none."""
@@ -92,16 +110,19 @@ def trim() -> bool:
 
 class Trimmer:
     """A daemon thread that, every ``every`` s, gives the heaps' free memory back
-    (``trim``) when it passes ``free_min`` bytes (``free_heap_bytes``): what a burst of big
-    buffers leaves behind leaves the RSS within ``every`` s, while a steady stream of
-    appends keeps reusing its buffers' pages (module docstring). ``start`` / ``stop``;
-    ``trims``: how many trims ran. Nothing happens where glibc's ``mallinfo2`` is
-    missing."""
+    (``trim``) when at least ``free_min`` bytes are free in them (``free_heap_bytes``) and
+    the RSS grew by ``free_min`` since the last trim left it: what a burst of big buffers
+    leaves behind leaves the RSS within ``every`` s, while a steady stream of appends keeps
+    reusing its buffers' pages (module docstring), and a heap whose free memory was given
+    back already is not walked again every period. ``start`` / ``stop``; ``trims``: how
+    many trims ran. Nothing happens where glibc's ``mallinfo2`` is missing."""
 
     def __init__(self, every: float = TRIM_EVERY, free_min: int = TRIM_FREE_MIN) -> None:
         self.every = every
         self.free_min = free_min
         self.trims = 0
+        #: the RSS the last trim left (bytes), None before the first
+        self.rss_after: int | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -115,12 +136,16 @@ class Trimmer:
         self._stop.set()
 
     def check(self) -> bool:
-        """One look: trim when the free heap memory passes ``free_min``; whether it did."""
+        """One look (class docstring): whether it trimmed."""
         free = free_heap_bytes()
         if free is None or free < self.free_min:
             return False
+        rss = rss_bytes()
+        if rss is not None and self.rss_after is not None and rss - self.rss_after < self.free_min:
+            return False
         trim()
         self.trims += 1
+        self.rss_after = rss_bytes()
         return True
 
     def _run(self) -> None:
