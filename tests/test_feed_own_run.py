@@ -12,11 +12,11 @@ passed over without content.
   ``changes_page(skip_actor="w1")`` (the SQL filter, the reference) does; pages of a small
   ``limit`` over a mix of writers give the same changes and the same last cursor as the
   reference's pages, and no content read starts at a cursor followed by ``w1``'s version;
-- a real ``memfuse serve``: a stream with ``skip_writer`` over appends of its own writer to a
-  big record, then another writer's append: the stream's line is the other writer's change,
-  and the server's feed reads with content made meanwhile are none (``/metrics``'s
-  ``memfuse_server_feed_reads_total`` is not there: counted in process instead, by a
-  wrapper of ``Service.feed_read``).
+- through the app: a long-poll with ``skip_writer`` behind 20 versions of its own writer
+  answers an empty page past them, and no shared read with content is made (counted by a
+  wrapper of ``Service.feed_read``; before this change one was).
+
+Runs on in-memory SQLite, and on PostgreSQL through ``tests/test_postgres.py``.
 """
 from __future__ import annotations
 
@@ -29,16 +29,18 @@ from memfuse.models import RecordAppend, RecordCreate, StoreCreate
 from memfuse.server.db import Database
 from memfuse.server.longpoll import FeedReads
 from memfuse.server.service import Service
+from pgutil import fresh_db_url
 
 pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture
 def svc():
-    s = Service(Database("sqlite://"), {"adm": None})
-    s.create_store(s.authenticate("adm"), StoreCreate(slug="s"))
-    yield s
-    s.db.dispose()
+    with fresh_db_url() as url:
+        s = Service(Database(url), {"adm": None})
+        s.create_store(s.authenticate("adm"), StoreCreate(slug="s"))
+        yield s
+        s.db.dispose()
 
 
 def _as(svc: Service, writer: str):
@@ -158,11 +160,16 @@ async def test_an_own_append_run_over_a_big_record_reads_no_content(svc):
 
 async def test_a_long_poll_behind_its_own_versions_reads_no_content_through_the_app():
     # end to end (fails before this change: the long-poll's shared read read them with content)
-    import httpx
-    from memfuse.client import ApiClient
     from memfuse.server.app import create_app
 
-    app = create_app("sqlite://", static_tokens={"adm": None, "wst": "ws"}, faces=False)
+    with fresh_db_url() as url:
+        await _through_the_app(create_app(url, static_tokens={"adm": None, "wst": "ws"}, faces=False))
+
+
+async def _through_the_app(app) -> None:
+    import httpx
+    from memfuse.client import ApiClient
+
     try:
         t = httpx.ASGITransport(app=app)
         async with ApiClient("http://test", "adm", transport=t) as admin:
