@@ -35,7 +35,8 @@ for p in (str(REPO), str(REPO / "tests")):
 
 import trio  # noqa: E402
 
-from memfuse.client import ApiClient  # noqa: E402
+from memfuse.client import ApiClient
+from memfuse.errors import TransientError  # noqa: E402
 from mountutil import ControlPlane, MEMFUSE, is_mounted, stop, unmount  # noqa: E402
 
 PY = sys.executable
@@ -244,13 +245,22 @@ def make_dataset(root: Path, n: int, seed: int = 42) -> list[tuple[str, str]]:
 
 async def populate(url: str, token: str, store: str, files: list[tuple[str, str]],
                    concurrency: int = 16) -> None:
-    """Create every file as a record through the API, ``concurrency`` requests at a time."""
+    """Create every file as a record through the API, ``concurrency`` requests at a time; a
+    create refused with 429 (the token's write rate, ``memfuse.server.gate``: nothing was
+    written) is sent again after its ``Retry-After``."""
     async with ApiClient(url, token, timeout=120) as api:
         it = iter(files)
 
         async def worker() -> None:
             for rel, text in it:
-                await api.create_record(store, rel, text)
+                for _ in range(1000):
+                    try:
+                        await api.create_record(store, rel, text)
+                        break
+                    except TransientError as e:
+                        if e.status != 429:
+                            raise
+                        await trio.sleep(min(max(e.retry_after or 0.1, 0.05), 5.0))
 
         async with trio.open_nursery() as n:
             for _ in range(concurrency):

@@ -23,7 +23,7 @@ API_TESTS = ["tests/test_api.py", "tests/test_batch.py", "tests/test_semantics_a
              "tests/test_append_versions.py", "tests/test_consolidation.py", "tests/test_accounts.py",
              "tests/test_rawsql.py", "tests/test_pg_contract.py", "tests/test_record_tails.py",
              "tests/test_version_pages.py", "tests/test_token_share.py", "tests/test_hostile_reads.py",
-             "tests/test_store_precondition.py", "tests/test_feed_writer.py", "tests/test_hostile_tool_reads.py",
+             "tests/test_store_precondition.py", "tests/test_feed_writer.py", "tests/test_feed_own_run.py", "tests/test_hostile_tool_reads.py",
              "tests/test_account_streams.py"]
 
 

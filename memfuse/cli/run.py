@@ -210,13 +210,14 @@ def serve(db: str | None, listen: str, admin_token_file: Path | None, migrate: b
         made.watch_sqlite(url)
         made.watch(admin_token_file if admin_token_file is not None else data_dir(create=False) / "admin.token")
         token, token_path, generated = _admin_token(admin_token_file)
-        from memfuse.procmem import fix_mmap_threshold
+        from memfuse.procmem import fix_mmap_threshold, start_trimmer
         from memfuse.server.app import create_app
         from memfuse.server.serve import AlreadyServing, claim_database, release_database, tune_gc
         from memfuse.server.serve import serve as serve_app
 
         tune_gc()  # thousands of streams: see memfuse.server.serve.tune_gc
-        fix_mmap_threshold()  # big bodies' buffers given back when freed (attack18 F10)
+        fix_mmap_threshold()  # malloc's policy: memfuse.procmem (attack18 F10, appends)
+        start_trimmer()  # what bursts of big bodies leave free goes back within seconds
 
         with database_errors(url):
             app = create_app(url, static_tokens={token: None}, schema="migrate" if migrate or not db else "check",

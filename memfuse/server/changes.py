@@ -82,6 +82,10 @@ _SIZES = {skip: Raw(select(_V.c.seq, _V.c.size).where(*_feed_where(skip)).order_
                     .limit(bindparam("lim"))) for skip in (False, True)}
 _ROWS = {(skip, content): Raw(_feed_select(content).where(*_feed_where(skip)).order_by(_V.c.seq)
                               .limit(bindparam("lim"))) for skip in (False, True) for content in (False, True)}
+# the seq and ``feed_key`` of each version a page would hold (no content, no other column):
+# how far a reader's own versions run from its cursor (``ChangesService.feed_own_run``)
+_KEYS = Raw(select(_V.c.seq, feed_key(_V.c.writer, _V.c.actor).label("k")).join(_R, _R.c.id == _V.c.record_id)
+            .where(*_feed_where(False)).order_by(_V.c.seq).limit(bindparam("lim")))
 
 
 def _feed_rows(
@@ -162,6 +166,9 @@ class FeedRead:
     full: bool
     #: the ``feed_key`` of each change's version (its writer's), in order
     keys: list[str]
+    #: set on a read of the reader's own versions only (``ChangesService.feed_own_run``):
+    #: the seq its page moves the cursor to, with no change in it
+    upto: int | None = None
     _encoded: bytes | None = None
     _page: ChangePage | None = None
     #: called with the bytes of the shared page's JSON once it is encoded (``page``): the
@@ -172,6 +179,8 @@ class FeedRead:
         """The page a long-poll answers (``changes_page`` rules for ``skip_actor``: versions of
         that writer, ``feed_key``, left out, ``seq`` past them), and its JSON when it is the
         shared unfiltered page (encoded once for every waiter), else None."""
+        if self.upto is not None:  # the reader's own versions, left unread (``feed_own_run``)
+            return ChangePage(changes=[], seq=self.upto), None
         seq = self.changes[-1].seq if self.full else max(self.after, self.store_top)
         if skip_actor is not None and skip_actor in self.keys:
             kept = [c for c, k in zip(self.changes, self.keys) if k != skip_actor]
@@ -306,6 +315,41 @@ class ChangesService(Resource):
         self.notifier.learn_head(slug, store_top, stamp)
         return FeedRead(slug, after, [_change(v, with_content) for v in rows], store_top, top, cut,
                         [feed_key(v.writer, v.actor) for v in rows])
+
+    def feed_own_run(self, slug: str, after: int, skip: str, *,
+                     limit: int = FEED_PAGE_MAX) -> tuple[int, FeedRead | None]:
+        """How far the versions after ``after`` of store ``slug`` (its key) are the reader's
+        own (``feed_key`` ``skip``: a long-poll or stream with ``skip_writer`` / ``skip_actor``),
+        read by seq and writer only, at most ``limit`` of them: a reader's own versions are
+        left out of its page, so their content need not be read, made whole (append versions)
+        nor sized in JSON. Before this a sidecar's stream, at each wake-up, read every version
+        it had written since its cursor with content: a 1 MiB journal's every append, whole
+        (bench/README.md, "Appends, session 23").
+
+        Returns ``(after', None)`` when a version of another writer follows: ``after'`` is
+        the seq of the last own version before it (``after`` when the first is another's),
+        the cursor a content read (``feed_read``) starts from; or ``(upto, read)`` when every
+        version read is the reader's own: ``read`` is a ``FeedRead`` without changes whose
+        page moves the cursor to ``upto`` (the last one read when ``limit`` cut the read,
+        ``full``; else the store's head). No access check (``check_feed_access`` first);
+        teaches the ``Notifier`` the head, as ``feed_read`` does."""
+        after = max(-1, min(after, INT64_MAX))  # a 64-bit column: beyond it there is nothing
+        stamp = self.notifier.stamp()
+        with self.db.read_conn() as conn:
+            conn.begin()  # one read transaction (the Raw statements do not begin one)
+            tops = _TOPS.first(conn, {"store": slug})
+            assert tops is not None  # a SELECT of two aggregates has one row
+            top, store_top = tops.top or 0, tops.store_top or 0
+            rows = _KEYS.all(conn, {"store": slug, "after": after, "top": store_top, "lim": limit})
+        self.notifier.learn_head(slug, store_top, stamp)
+        own = 0
+        for r in rows:
+            if r.k != skip:
+                return (rows[own - 1].seq if own else after), None
+            own += 1
+        full = len(rows) >= limit
+        upto = rows[-1].seq if full else max(after, store_top)
+        return upto, FeedRead(slug, after, [], store_top, top, full, [], upto=upto)
 
     def changes_page(
         self,

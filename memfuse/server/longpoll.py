@@ -98,11 +98,26 @@ class FeedReads:
         """Finished reads kept now."""
         return len(self._done)
 
-    async def read(self, slug: str, after: int, limit: int, content: bool) -> FeedRead:
+    async def read(self, slug: str, after: int, limit: int, content: bool, skip: str | None = None) -> FeedRead:
+        """The shared read of ``slug``'s feed after ``after`` (``FeedRead``; its ``page(skip)``
+        is what the caller answers). ``skip``: the ``feed_key`` the caller leaves out
+        (``skip_writer`` / ``skip_actor``); with ``content``, the caller's own versions that
+        lead the read are passed over by seq and writer first (``Service.feed_own_run``), so
+        their content is never read: the read starts after them, or is a ``FeedRead`` with
+        no change when nothing else follows."""
         key = (slug, after, limit, content)
         hit = self._hit(key)
         if hit is not None:
             return hit
+        if content and skip is not None:
+            after, own = await anyio.to_thread.run_sync(
+                lambda: self.svc.feed_own_run(slug, after, skip, limit=limit))
+            if own is not None:
+                return own
+            key = (slug, after, limit, content)
+            hit = self._hit(key)
+            if hit is not None:
+                return hit
         flight = self._flights.get(key)
         if flight is None:
             flight = self._flights[key] = _Flight()
@@ -244,7 +259,7 @@ async def changes(svc: Service, reads: FeedReads, request: Request, p: Principal
         while True:
             if notifier.head(slug) == cursor:
                 return None  # nothing after the cursor: no read
-            fr = await reads.read(slug, cursor, limit, content)
+            fr = await reads.read(slug, cursor, limit, content, skip_actor)
             if cursor > fr.top:
                 raise _expired(cursor, fr.top)
             page, raw = fr.page(skip_actor)

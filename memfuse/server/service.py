@@ -264,6 +264,7 @@ class Service:
         self.check_events_access = self.changes.check_events_access
         self.cached_events_key = self.changes.cached_events_key
         self.feed_read = self.changes.feed_read
+        self.feed_own_run = self.changes.feed_own_run
         self.changes_page = self.changes.changes_page
         # contexts
         self.context = self.contexts.context

@@ -161,7 +161,7 @@ class Streams:
             nonlocal cursor
             if notifier.head(slug) == cursor:
                 return [], False
-            fr = await reads.read(slug, cursor, limit, content)
+            fr = await reads.read(slug, cursor, limit, content, skip_actor)
             if cursor > fr.top:
                 raise ServiceError(410, "cursor_expired",
                                    f"cursor {cursor} is beyond this server's feed ({fr.top}); take a snapshot")

@@ -32,7 +32,7 @@ import trio
 
 from ..client import ApiClient
 from ..content import INDEX_PATH
-from ..procmem import fix_mmap_threshold
+from ..procmem import fix_mmap_threshold, start_trimmer
 from .backoff import Doubling
 from .blobcache import BlobCache
 from .cachedir import (START_ROOM, CacheError, DiskReserve, disk_size, free_bytes,
@@ -811,7 +811,8 @@ class Sidecar(StoreSync):
 
     async def _run(self, sigs: AsyncIterator[int], task_status: trio.TaskStatus[Sidecar]) -> int:
         config = self.config
-        fix_mmap_threshold()  # before the first big buffer (docs/SCALING.md)
+        fix_mmap_threshold()  # before the first big buffer (docs/SCALING.md, memfuse.procmem)
+        start_trimmer()
         if config.fuse_fd is None:
             check_mountpoint_free(config.mountpoint)  # before anything is loaded
         lock = CacheLock(config.cache_dir)
