@@ -736,6 +736,7 @@ class Committer:
             a.errno, a.reason, a.code, a.record = e.errno, e.reason, e.code, e.record
             self.finished[store] = self.finished.get(store, 0) + 1
             self.journal.remove(a)
+            a.settle()
             a.finish()
             try:
                 self.listener.entry_finished(a)
@@ -748,6 +749,7 @@ class Committer:
         self._broken_sends.pop(e.id, None)
         self.finished[store] = self.finished.get(store, 0) + 1
         self.journal.remove(e)
+        e.settle()
         e.finish()
         try:
             self.listener.entry_finished(e)
