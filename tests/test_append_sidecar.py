@@ -247,4 +247,9 @@ async def test_a_file_appended_to_keeps_only_its_last_put_in_memory(tmp_path):
         puts = [o for o in gc.get_objects() if isinstance(o, Entry) and o.node_key == n.key]
         assert puts == [n.last_put]
         assert n.last_put.done.is_set() and n.last_put.before is None
+        # the versions an append superseded are not kept as bases either (``recent``): the
+        # file's last content only, which the next append starts from
+        assert list(sc.fs.recent._items) == [n.sha]
+        await append(sc, "j.md", b"one more\n")
+        assert list(sc.fs.recent._items) == [n.sha] and sc.fs.recent.hits
         nursery.cancel_scope.cancel()
