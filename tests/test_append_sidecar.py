@@ -247,9 +247,18 @@ async def test_a_file_appended_to_keeps_only_its_last_put_in_memory(tmp_path):
         puts = [o for o in gc.get_objects() if isinstance(o, Entry) and o.node_key == n.key]
         assert puts == [n.last_put]
         assert n.last_put.done.is_set() and n.last_put.before is None
+        # nor its content once finished (``Entry.finished_with``): the blob cache holds it
+        assert n.last_put.content is None and n.last_put.sha == n.sha
         # the versions an append superseded are not kept as bases either (``recent``): the
         # file's last content only, which the next append starts from
         assert list(sc.fs.recent._items) == [n.sha]
         await append(sc, "j.md", b"one more\n")
         assert list(sc.fs.recent._items) == [n.sha] and sc.fs.recent.hits
+        # no finished put of any file holds its content: a session does not keep the last
+        # content of every file it wrote
+        for i in range(5):
+            await write(sc, f"other{i}.md", BASE + str(i).encode())
+        await sc.committer.wait_idle()
+        gc.collect()
+        assert not [o for o in gc.get_objects() if isinstance(o, Entry) and o.content is not None]
         nursery.cancel_scope.cancel()

@@ -742,6 +742,7 @@ class Committer:
                 self.listener.entry_finished(a)
             except Exception:
                 log.exception("outbox result handler failed", extra={"entry": a.id})
+            a.finished_with()
         if e.absorbed:
             self._absorbed[store] = self._absorbed.get(store, 0) - len(e.absorbed)
         e.absorbed = []
@@ -755,6 +756,7 @@ class Committer:
             self.listener.entry_finished(e)
         except Exception:
             log.exception("outbox result handler failed", extra={"entry": e.id})
+        e.finished_with()
 
     # --- batches: a backlog of one store in one request ---------------------------------------
     def _batch_of(self, q: deque[Entry]) -> list[tuple[Entry, BatchOperation | None]]:

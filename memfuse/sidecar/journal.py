@@ -227,6 +227,16 @@ class Entry(_Waitable):
         entry's close undoes the write from ``before`` after finishing it)."""
         self.before = None
 
+    def finished_with(self) -> None:
+        """The committer finished the entry and its listener applied the result: its
+        content is let go (``content`` None; ``sha`` stays). Nothing reads a finished put's
+        content after that: the blob cache holds it (or the node's buffer, when the cache
+        disk refused it; a withdrawal's undo reads those, ``Filesystem._prior_content``).
+        Kept, ``Node.last_put`` held the last content of every file written."""
+        if self.content is not None:
+            self.content_sha()  # (the sha256 stays known)
+            self.content = None
+
     def finish(self) -> None:
         """The entry is committed or refused for good (``done``); whoever waits on
         ``changed`` is woken. ``changed`` stays set from then on (not replaced, as
