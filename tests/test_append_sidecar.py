@@ -219,3 +219,46 @@ async def test_a_replayed_append_without_its_base_is_applied_once(tmp_path):
     # whole, 412, the record already holds it; then one probe of the entry's own keys (its
     # "-append" key was used: the write was applied before, ConflictResolver.applied_before)
     assert calls == [("update", len(BASE) + 5), ("update", 0)]
+
+
+async def test_a_file_appended_to_keeps_only_its_last_put_in_memory(tmp_path):
+    """Each put of a file records what the file showed before it (``Entry.before``, to undo
+    a write its close withdraws), the file's previous put among it. Once a put is on disk or
+    committed it can no longer be withdrawn and lets that go (``Entry.settle``): kept, every
+    put held the one before it, so every version of a journal appended to stayed in memory
+    (1 MiB a line at 1 MiB, faulted in afresh; bench/README.md, "Appends, session 23")."""
+    import gc
+
+    from memfuse.sidecar.journal import Entry
+
+    fake = FakeControlPlane(seed=23)
+    token = await fake.setup("ws")
+    sc = await make_sidecar(tmp_path, fake, token)
+    async with trio.open_nursery() as nursery:
+        await start(sc, nursery)
+        n = await write(sc, "j.md", BASE)
+        for i in range(12):
+            await append(sc, "j.md", f"line {i}\n".encode())
+            e = n.last_put
+            assert e is not None and (e.durable.is_set() or e.done.is_set())
+            assert e.before is None  # on disk or committed: never withdrawn, nothing kept for it
+        await sc.committer.wait_idle()
+        gc.collect()
+        puts = [o for o in gc.get_objects() if isinstance(o, Entry) and o.node_key == n.key]
+        assert puts == [n.last_put]
+        assert n.last_put.done.is_set() and n.last_put.before is None
+        # nor its content once finished (``Entry.finished_with``): the blob cache holds it
+        assert n.last_put.content is None and n.last_put.sha == n.sha
+        # the versions an append superseded are not kept as bases either (``recent``): the
+        # file's last content only, which the next append starts from
+        assert list(sc.fs.recent._items) == [n.sha]
+        await append(sc, "j.md", b"one more\n")
+        assert list(sc.fs.recent._items) == [n.sha] and sc.fs.recent.hits
+        # no finished put of any file holds its content: a session does not keep the last
+        # content of every file it wrote
+        for i in range(5):
+            await write(sc, f"other{i}.md", BASE + str(i).encode())
+        await sc.committer.wait_idle()
+        gc.collect()
+        assert not [o for o in gc.get_objects() if isinstance(o, Entry) and o.content is not None]
+        nursery.cancel_scope.cancel()

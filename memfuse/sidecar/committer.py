@@ -736,11 +736,13 @@ class Committer:
             a.errno, a.reason, a.code, a.record = e.errno, e.reason, e.code, e.record
             self.finished[store] = self.finished.get(store, 0) + 1
             self.journal.remove(a)
+            a.settle()
             a.finish()
             try:
                 self.listener.entry_finished(a)
             except Exception:
                 log.exception("outbox result handler failed", extra={"entry": a.id})
+            a.finished_with()
         if e.absorbed:
             self._absorbed[store] = self._absorbed.get(store, 0) - len(e.absorbed)
         e.absorbed = []
@@ -748,11 +750,13 @@ class Committer:
         self._broken_sends.pop(e.id, None)
         self.finished[store] = self.finished.get(store, 0) + 1
         self.journal.remove(e)
+        e.settle()
         e.finish()
         try:
             self.listener.entry_finished(e)
         except Exception:
             log.exception("outbox result handler failed", extra={"entry": e.id})
+        e.finished_with()
 
     # --- batches: a backlog of one store in one request ---------------------------------------
     def _batch_of(self, q: deque[Entry]) -> list[tuple[Entry, BatchOperation | None]]:

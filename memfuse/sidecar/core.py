@@ -608,6 +608,12 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         (``_account``) is the caller's."""
         n.sha, n.size = sha, len(data)
         self.recent.keep(sha, data)  # the base of the next append to it (``_make_buf``)
+        if base is not None and base[0] != sha:
+            # the content this one extends is superseded: the base of no next append (a
+            # rebase or a reader of it reads the blob cache). Kept, ``recent`` held the last
+            # versions of one journal, each 1 MiB a line at 1 MiB (bench/README.md,
+            # "Appends, session 23")
+            self.recent.drop(base[0])
         try:
             if base is None or not self.blobs.put_append(sha, base[0], base[1], data[base[1]:]):
                 if hashed:

@@ -31,6 +31,15 @@ pyfuse3's own count of waiting workers (a C field this module cannot reach) stay
 loop starts one more worker after each request read until ``max_tasks`` (99) and keeps them:
 up to 99 parked tasks, as many as pyfuse3 allows to run handlers at once anyway.
 
+A worker's first read allocates its request buffer (libfuse's ``fuse_session_receive_buf``:
+``max_write`` + 4 KiB, 1 MiB + 4 KiB here), kept until the worker ends. So ``hand_off``
+wakes a parked worker that has read before (``_warm``) and one that never did only when none
+is parked: the workers that read stay the few that ever awaited at once. Handed to the
+longest parked of all, every flush woke another new worker until all 99 had a buffer:
+~100 MiB of heap, each new buffer taking the place of a freed 1 MiB content of an append to
+a 1 MiB file, whose next content then faulted in fresh pages, 257 an append for the first
+~100 appends (bench/README.md, "Appends, session 23").
+
 Depends on pyfuse3's internals (3.4 and 3.5, ``src/pyfuse3/internal.pxi``: the loop calls
 ``_wait_fuse_readable()`` and starts ``_session_loop`` by their module-global names); with
 another version, without a single ``/dev/fuse`` descriptor in the process, or with
@@ -92,7 +101,10 @@ class FuseReader:
         #: the role); None: the next worker to come back takes it
         self.owner: Any = None
         self.closed = False
-        self._lot = trio.lowlevel.ParkingLot()
+        #: the workers that read a request since ``installed`` (their buffer is allocated)
+        self._warm: set[Any] = set()
+        self._lot = trio.lowlevel.ParkingLot()  # parked workers of ``_warm``
+        self._cold = trio.lowlevel.ParkingLot()  # parked workers that never read
 
     async def wait_readable(self) -> bool:
         """pyfuse3's ``_wait_fuse_readable``: return True once this worker may read a request
@@ -104,9 +116,11 @@ class FuseReader:
         if owner is None:
             self.owner = task
         elif owner is not task:
-            await self._lot.park()  # hand_off made this task the owner, or close woke it
+            # hand_off makes this task the owner, or close wakes it
+            await (self._lot if task in self._warm else self._cold).park()
             if self.closed:
                 return False
+        self._warm.add(task)
         try:
             await trio.lowlevel.wait_readable(self.fd)
         except trio.ClosedResourceError:
@@ -119,7 +133,7 @@ class FuseReader:
         to a parked worker (woken now), or to the next one to come back."""
         if self.owner is not trio.lowlevel.current_task():
             return  # handed on already (a second await of the same request)
-        woken = self._lot.unpark()
+        woken = self._lot.unpark() or self._cold.unpark()  # one that read before, if any
         self.owner = woken[0] if woken else None
 
     def close(self) -> None:
@@ -130,6 +144,8 @@ class FuseReader:
         self.closed = True
         self.owner = None
         self._lot.unpark_all()
+        self._cold.unpark_all()
+        self._warm.clear()
         if self.fd >= 0:  # (no task waiting on it is fine)
             trio.lowlevel.notify_closing(self.fd)
 
@@ -153,6 +169,7 @@ class FuseReader:
         """This reader in place of pyfuse3's for the ``with`` block (around ``main()``),
         reading ``fd`` (``usable_fd``)."""
         self.fd, self.owner, self.closed = fd, None, False
+        self._warm.clear()
         mod: Any = pyfuse3
         saved = (mod._wait_fuse_readable, mod._session_loop)
         mod._wait_fuse_readable = self.wait_readable

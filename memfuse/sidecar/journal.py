@@ -203,7 +203,11 @@ class Entry(_Waitable):
     #: a request carrying it is being sent now (its outcome unknown until the attempt ends)
     in_flight: bool = False
     #: a ``put``: what the file showed before it (``Filesystem.commit``), so that a withdrawn
-    #: write can be undone: a ``core.Before`` (its ``sha`` first); memory only
+    #: write can be undone: a ``core.Before`` (its ``sha`` first); memory only.
+    #: INVARIANT: None once the journal wrote the entry (``durable``) or the committer
+    #: finished it (``settle``): it can no longer be withdrawn then, and a ``Before`` holds
+    #: the previous put (``Before.put``), whose own ``before`` held the one before it: kept,
+    #: every version of a file written again and again stayed in memory (issue 25 item 1)
     before: Any = None
 
     def content_sha(self) -> str | None:
@@ -214,6 +218,24 @@ class Entry(_Waitable):
         if self.sha is None:
             self.sha = sha256_hex(self.content)
         return self.sha
+
+    def settle(self) -> None:
+        """The entry can no longer be withdrawn (``Committer.withdraw``: only an entry
+        neither on disk nor finished is): what the file showed before it (``before``, the
+        previous put and its content) is let go. Called by the journal when the entry is on
+        disk and by the committer when it finishes it (not by ``finish``: a withdrawn
+        entry's close undoes the write from ``before`` after finishing it)."""
+        self.before = None
+
+    def finished_with(self) -> None:
+        """The committer finished the entry and its listener applied the result: its
+        content is let go (``content`` None; ``sha`` stays). Nothing reads a finished put's
+        content after that: the blob cache holds it (or the node's buffer, when the cache
+        disk refused it; a withdrawal's undo reads those, ``Filesystem._prior_content``).
+        Kept, ``Node.last_put`` held the last content of every file written."""
+        if self.content is not None:
+            self.content_sha()  # (the sha256 stays known)
+            self.content = None
 
     def finish(self) -> None:
         """The entry is committed or refused for good (``done``); whoever waits on
@@ -982,6 +1004,8 @@ class Journal:
             self.error = None
             for w in waiters:
                 w.journal_error = None
+                if isinstance(w, Entry):
+                    w.settle()
                 w.durable.set()
                 w.notify()
 

@@ -18,7 +18,9 @@ those very bytes, or read them from the content-addressed blob cache under that 
 
 Memory: at most ``max_bytes`` of contents (default ``RECENT_BYTES``), least recently used
 evicted first; contents shorter than ``min_bytes`` are not kept (reading them back costs
-less than keeping them). A kept content is usually still referenced by its outbox entry
+less than keeping them). The close of an append drops the content it extends
+(``core.Filesystem._hold_content``): the base of no next append, so the bound holds the last
+contents of several files, not the last versions of one. A kept content is usually still referenced by its outbox entry
 (``Entry.content``) until it commits. Every method runs on the trio thread (no lock).
 """
 from __future__ import annotations
