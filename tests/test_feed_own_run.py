@@ -155,7 +155,7 @@ async def test_an_own_append_run_over_a_big_record_reads_no_content(svc):
     assert cursor == svc.changes_page(svc.authenticate("adm"), "s", after, skip_actor="w1").seq
     rr = svc.append_record(_as(svc, "w2"), "s", rid, RecordAppend(append="theirs\n"), etag, None)
     seqs, _ = await _pages(reads, key, cursor, 1000, "w1")
-    assert len(seqs) == 1 and calls == [(cursor, True)]
+    assert len(seqs) == 1 and calls[0] == (cursor, True)  # (then one at the head: nothing)
 
 
 async def test_a_long_poll_behind_its_own_versions_reads_no_content_through_the_app():
@@ -187,3 +187,25 @@ async def _through_the_app(app) -> None:
             assert [c for c in calls if c[1]] == []
     finally:
         app.state.service.db.dispose()
+
+
+async def test_readers_woken_by_another_writer_share_one_read(svc):
+    # attack23 HIGH 1: every reader woken by one commit made a read of its own first (the
+    # own-run), so N waiters made N + 1 reads; a reader whose store's latest commit was not
+    # its own makes none (``Notifier.last_writer``)
+    _write(svc, ["w1"] * 3 + ["w2"])
+    key = svc.check_feed_access(svc.authenticate("adm"), "s")
+    calls = _counting(svc)
+    own: list[str] = []
+    real = svc.feed_own_run
+
+    def feed_own_run(slug, after, skip, **kw):
+        own.append(skip)
+        return real(slug, after, skip, **kw)
+
+    svc.feed_own_run = feed_own_run  # type: ignore[method-assign]
+    reads = FeedReads(svc)
+    for skip in [f"r{i}" for i in range(20)] + ["w1"] * 5:
+        fr = await reads.read(key, 0, 1000, True, skip)
+        assert len(fr.page(skip)[0].changes) == (1 if skip == "w1" else 4)
+    assert own == [] and calls == [(0, True)]

@@ -314,6 +314,9 @@ class Notifier:
         self._epoch = 0
         self._acl_gen = 0
         self._heads: dict[str, int] = {}  # store → latest version seq (exact)
+        # store → the feed key of the latest commit of its versions that this process learnt
+        # (None: several writers in one commit); a hint only (``last_writer``), never a bound
+        self._last_writer: dict[str, str | None] = {}
         self._ev_ws: dict[str, int] = {}  # workspace → upper bound of its latest event seq
         self._ev_top = 0  # lower bound of the latest event seq of all
         self._readable: set[tuple[str, str, str]] = set()  # (scope, kind, key) found readable
@@ -392,6 +395,7 @@ class Notifier:
                 if n.kind == "f":
                     if (local or self.trusted) and n.seq > self._heads.get(n.key, -1):
                         self._heads[n.key] = n.seq
+                        self._last_writer[n.key] = n.actor
                         if moved is not None:
                             moved[n.key] = n.seq
                     for w in self._by_key.get((FEED, n.key), ()):
@@ -460,6 +464,7 @@ class Notifier:
         self._epoch += 1
         self._acl_gen += 1
         self._heads.clear()
+        self._last_writer.clear()
         self._ev_ws.clear()
         self._ev_top = 0
         self._readable.clear()
@@ -481,6 +486,13 @@ class Notifier:
         if not self.trusted:
             return None
         return self._heads.get(store)
+
+    def last_writer(self, store: str) -> str | None:
+        """The feed key (``changes.feed_key``) of the latest commit of ``store``'s versions this
+        process learnt, None when unknown or several wrote in it. A hint for the change feed's
+        readers (``FeedReads.read``: whether a reader may be behind versions of its own), not
+        a fact about the database."""
+        return self._last_writer.get(store)
 
     def event_bounds(self, ws: str) -> tuple[int, int] | None:
         """``(upper bound of ws's latest event seq, lower bound of the latest event seq)`` if
