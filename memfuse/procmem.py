@@ -21,7 +21,7 @@ The policy, and why (bench/README.md, "Appends, session 23: the allocator"):
   threshold ``TRIM_THRESHOLD`` (8 MiB: a heap's free top up to that stays mapped between
   two appends). What a burst leaves free beyond that, in the heaps' tops or between live
   blocks, is given back by ``Trimmer`` (``malloc_trim(0)``) within ``TRIM_EVERY`` s once
-  the free heap memory passes ``TRIM_FREE_MIN``.
+  the free heap memory passes ``TRIM_FREE_MIN`` (and moved since its last trim).
 """
 from __future__ import annotations
 
@@ -42,6 +42,8 @@ TRIM_THRESHOLD = 8 << 20
 TRIM_EVERY = 2.0
 #: bytes of free heap memory (``mallinfo2().fordblks``) from which ``Trimmer`` trims
 TRIM_FREE_MIN = 16 << 20
+#: bytes the free heap memory must have moved by since the last trim for another
+TRIM_MOVED = 1 << 20
 
 
 def _libc() -> Any:
@@ -80,24 +82,6 @@ def free_heap_bytes() -> int | None:
     return int(fn().fordblks)
 
 
-def rss_bytes() -> int | None:
-    """This process's resident set (``/proc/self/statm``), None where there is none."""
-    try:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * _PAGE
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-_PAGE = 4096
-try:
-    import os as _os
-
-    _PAGE = _os.sysconf("SC_PAGE_SIZE")
-except (ValueError, OSError, AttributeError):
-    pass
-
-
 def trim() -> bool:
     """``malloc_trim(0)``: give the free pages of every heap back to the kernel. Returns
     whether any was; False where the C library has none."""
@@ -111,18 +95,20 @@ def trim() -> bool:
 class Trimmer:
     """A daemon thread that, every ``every`` s, gives the heaps' free memory back
     (``trim``) when at least ``free_min`` bytes are free in them (``free_heap_bytes``) and
-    the RSS grew by ``free_min`` since the last trim left it: what a burst of big buffers
-    leaves behind leaves the RSS within ``every`` s, while a steady stream of appends keeps
-    reusing its buffers' pages (module docstring), and a heap whose free memory was given
-    back already is not walked again every period. ``start`` / ``stop``; ``trims``: how
-    many trims ran. Nothing happens where glibc's ``mallinfo2`` is missing."""
+    that figure moved by ``TRIM_MOVED`` or more since the last trim (something was freed or
+    taken since): what a burst of big buffers leaves behind leaves the RSS within ``every``
+    s, and an idle process's heap is not walked again every period. A steady stream of
+    appends refaults its buffers' pages once per trim at most (module docstring).
+    ``start`` / ``stop``; ``trims``: how many trims ran. Nothing happens where glibc's
+    ``mallinfo2`` is missing. (attack23: gated on the RSS instead, a trim made mid-burst
+    kept what the burst freed after it in the RSS.)"""
 
     def __init__(self, every: float = TRIM_EVERY, free_min: int = TRIM_FREE_MIN) -> None:
         self.every = every
         self.free_min = free_min
         self.trims = 0
-        #: the RSS the last trim left (bytes), None before the first
-        self.rss_after: int | None = None
+        #: the free heap bytes the last trim left, None before the first
+        self.free_after: int | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -140,12 +126,11 @@ class Trimmer:
         free = free_heap_bytes()
         if free is None or free < self.free_min:
             return False
-        rss = rss_bytes()
-        if rss is not None and self.rss_after is not None and rss - self.rss_after < self.free_min:
+        if self.free_after is not None and abs(free - self.free_after) < TRIM_MOVED:
             return False
         trim()
         self.trims += 1
-        self.rss_after = rss_bytes()
+        self.free_after = free_heap_bytes()
         return True
 
     def _run(self) -> None:

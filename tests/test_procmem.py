@@ -71,3 +71,26 @@ def test_a_burst_s_free_memory_leaves_the_rss_with_the_trimmer(trimmer):
         assert given_later >= 48 and trims == 1  # once: the heap's free pages were given back
     else:
         assert given_later < 8 and trims == 0
+
+
+def test_what_is_freed_after_a_trim_mid_burst_is_given_back_too():
+    # attack23 MED: gated on the RSS, a trim made at a burst's peak kept what the burst
+    # freed after it (the RSS never grew again past the peak)
+    out = _run("""
+        import re, time
+        from memfuse.procmem import Trimmer, fix_mmap_threshold
+        assert fix_mmap_threshold()
+        def rss(): return int(re.search(r"VmRSS:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) // 1024
+        blocks = [b"b" * (1 << 20) + b"%d" % i for i in range(160)]
+        del blocks[:64:2]  # a first part of the burst freed: 32 MiB of holes
+        t = Trimmer(every=0.1, free_min=16 << 20).start()
+        time.sleep(0.5)
+        first = t.trims
+        del blocks[32::2]  # more of the burst freed after that trim: 48 MiB
+        held = rss()
+        time.sleep(0.8)
+        t.stop()
+        print(first, t.trims, held - rss())
+    """)
+    first, trims, given = (int(x) for x in out.split())
+    assert first == 1 and trims == 2 and given >= 32

@@ -101,15 +101,19 @@ class FeedReads:
     async def read(self, slug: str, after: int, limit: int, content: bool, skip: str | None = None) -> FeedRead:
         """The shared read of ``slug``'s feed after ``after`` (``FeedRead``; its ``page(skip)``
         is what the caller answers). ``skip``: the ``feed_key`` the caller leaves out
-        (``skip_writer`` / ``skip_actor``); with ``content``, the caller's own versions that
-        lead the read are passed over by seq and writer first (``Service.feed_own_run``), so
-        their content is never read: the read starts after them, or is a ``FeedRead`` with
-        no change when nothing else follows."""
+        (``skip_writer`` / ``skip_actor``); with ``content``, when the store's latest commit
+        was the caller's own (``Notifier.last_writer``), the caller's own versions that lead
+        the read are passed over by seq and writer first (``Service.feed_own_run``), so their
+        content is never read: the read starts after them, or is a ``FeedRead`` with no
+        change when nothing else follows (its page moves the cursor past them)."""
         key = (slug, after, limit, content)
         hit = self._hit(key)
         if hit is not None:
             return hit
-        if content and skip is not None:
+        if content and skip is not None and self.svc.notifier.last_writer(slug) == skip:
+            # the store's latest commit was the reader's own: it may be behind a run of its
+            # own versions. Otherwise (woken by another writer: every reader of a store woken
+            # by one commit) no read of its own is made, and the content read stays shared
             after, own = await anyio.to_thread.run_sync(
                 lambda: self.svc.feed_own_run(slug, after, skip, limit=limit))
             if own is not None:

@@ -314,6 +314,11 @@ class Notifier:
         self._epoch = 0
         self._acl_gen = 0
         self._heads: dict[str, int] = {}  # store → latest version seq (exact)
+        # store → (seq, feed key) of the latest commit of its versions whose note this process
+        # saw (key None: several writers in one commit); a hint only (``last_writer``), never
+        # a bound: kept by the notes' seqs whether or not the heads are trusted or were
+        # learnt first from a read
+        self._last_writer: dict[str, tuple[int, str | None]] = {}
         self._ev_ws: dict[str, int] = {}  # workspace → upper bound of its latest event seq
         self._ev_top = 0  # lower bound of the latest event seq of all
         self._readable: set[tuple[str, str, str]] = set()  # (scope, kind, key) found readable
@@ -390,6 +395,8 @@ class Notifier:
                 self._own_events.update(own[1])
             for n in notes:
                 if n.kind == "f":
+                    if n.seq >= self._last_writer.get(n.key, (-1, None))[0]:
+                        self._last_writer[n.key] = (n.seq, n.actor)
                     if (local or self.trusted) and n.seq > self._heads.get(n.key, -1):
                         self._heads[n.key] = n.seq
                         if moved is not None:
@@ -460,6 +467,8 @@ class Notifier:
         self._epoch += 1
         self._acl_gen += 1
         self._heads.clear()
+        # (``_last_writer`` stays: a hint; a stale one costs a small read or a content read,
+        # never a wrong answer)
         self._ev_ws.clear()
         self._ev_top = 0
         self._readable.clear()
@@ -481,6 +490,13 @@ class Notifier:
         if not self.trusted:
             return None
         return self._heads.get(store)
+
+    def last_writer(self, store: str) -> str | None:
+        """The feed key (``changes.feed_key``) of the latest commit of ``store``'s versions this
+        process learnt, None when unknown or several wrote in it. A hint for the change feed's
+        readers (``FeedReads.read``: whether a reader may be behind versions of its own), not
+        a fact about the database."""
+        return self._last_writer.get(store, (-1, None))[1]
 
     def event_bounds(self, ws: str) -> tuple[int, int] | None:
         """``(upper bound of ws's latest event seq, lower bound of the latest event seq)`` if

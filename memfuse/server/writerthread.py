@@ -242,8 +242,16 @@ class WriterThread:
             elif read:
                 os.close(slot.fd)
             # else the wait failed (its fd closed there, or still to be written: left open)
-        assert slot.result is not None
-        value: T = slot.result.unwrap()
+        # out of the slot before it is unwrapped: an exception raised here carries this frame in
+        # its traceback, and this frame's ``slot`` held the outcome holding the exception: a
+        # cycle that kept every refused write's request (its body, its parsed content) until
+        # the cyclic collector ran, which the server's thresholds make rare (attack23 HIGH 2)
+        got, slot.result = slot.result, None
+        assert got is not None
+        try:
+            value: T = got.unwrap()
+        finally:
+            del got
         return value
 
     def _hand_over(self) -> None:
@@ -277,14 +285,17 @@ class WriterThread:
             self._waiting = False
             self.jobs += 1
             result = outcome.capture(ctx.run, fn, *args)
+            del ctx, fn, args  # (nothing of the job stays on this thread while it waits)
             if slot.fd >= 0:
                 slot.result = result
+                del result
                 os.eventfd_write(slot.fd, 1)  # the waiting task's wake (``run``)
                 continue
             token, task = slot.token, slot.task
             assert token is not None and task is not None
             try:
                 token.run_sync_soon(trio.lowlevel.reschedule, task, result)
+                del result, slot, token, task
             except trio.RunFinishedError:  # cannot happen: the task waits for its answer
                 log.error("writer thread: the event loop of a waiting write has ended")
 
