@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, Literal, Unpack, cast
+from typing import Any, Literal, TypeVar, Unpack, cast
 
 from sqlalchemy import ColumnElement, Connection, Select, bindparam, func, null, select
 
@@ -32,6 +32,7 @@ MAX_WAIT_SECONDS = 60.0  # the longest a long-poll may ask to wait
 # pydantic 2), a read of 1,000 changes without content ~2.8 MB (bench/README.md, "Hostile
 # clients")
 CHANGE_BYTES = 3 * 1024
+_T = TypeVar("_T")
 _EventKind = Literal["attached", "detached", "store_changed"]  # WorkspaceEvent.kind: what EventRow.kind holds
 
 
@@ -297,13 +298,13 @@ class ChangesService(Resource):
             return None
         return self._events_keys.get((p.scope, ws))
 
-    def feed_read(self, slug: str, after: int, *, limit: int = FEED_PAGE_MAX, with_content: bool = True) -> FeedRead:
-        """``slug``: the store's key (``check_feed_access``'s answer). The store's versions with seq > ``after`` (at most ``limit``, oldest first, nobody
-        left out) for long-polls, which share one read among all their waiters at the same
-        cursor and filter it each (``FeedRead.page``). No access check: callers run
-        ``check_feed_access`` first. Reads the store's latest seq first and no version beyond
-        it (a store's versions commit in seq order, so the read has no gaps) and teaches the
-        ``Notifier`` that head."""
+    def _read_to_head(self, slug: str, after: int,
+                      read: Callable[[Connection, int, int], _T]) -> tuple[int, int, int, _T]:
+        """One read transaction of store ``slug``'s feed (its key) up to its head, for the
+        long-polls' reads (``feed_read``, ``feed_own_run``): ``after`` clamped to the 64-bit
+        column, the latest seq of all stores (``top``) and of the store (``store_top``) read
+        first, then ``read(conn, after, store_top)``; the ``Notifier`` learns the head.
+        Returns ``(after, top, store_top, what read returned)``."""
         after = max(-1, min(after, INT64_MAX))  # a 64-bit column: beyond it there is nothing
         stamp = self.notifier.stamp()
         with self.db.read_conn() as conn:
@@ -311,8 +312,20 @@ class ChangesService(Resource):
             tops = _TOPS.first(conn, {"store": slug})
             assert tops is not None  # a SELECT of two aggregates has one row
             top, store_top = tops.top or 0, tops.store_top or 0
-            rows, cut = _feed_rows(conn, slug, after, store_top, None, limit, with_content)
+            got = read(conn, after, store_top)
         self.notifier.learn_head(slug, store_top, stamp)
+        return after, top, store_top, got
+
+    def feed_read(self, slug: str, after: int, *, limit: int = FEED_PAGE_MAX, with_content: bool = True) -> FeedRead:
+        """``slug``: the store's key (``check_feed_access``'s answer). The store's versions with seq > ``after`` (at most ``limit``, oldest first, nobody
+        left out) for long-polls, which share one read among all their waiters at the same
+        cursor and filter it each (``FeedRead.page``). No access check: callers run
+        ``check_feed_access`` first. Reads the store's latest seq first and no version beyond
+        it (a store's versions commit in seq order, so the read has no gaps) and teaches the
+        ``Notifier`` that head."""
+        after, top, store_top, (rows, cut) = self._read_to_head(
+            slug, after, lambda conn, after, store_top: _feed_rows(conn, slug, after, store_top, None, limit,
+                                                                   with_content))
         return FeedRead(slug, after, [_change(v, with_content) for v in rows], store_top, top, cut,
                         [feed_key(v.writer, v.actor) for v in rows])
 
@@ -333,15 +346,9 @@ class ChangesService(Resource):
         page moves the cursor to ``upto`` (the last one read when ``limit`` cut the read,
         ``full``; else the store's head). No access check (``check_feed_access`` first);
         teaches the ``Notifier`` the head, as ``feed_read`` does."""
-        after = max(-1, min(after, INT64_MAX))  # a 64-bit column: beyond it there is nothing
-        stamp = self.notifier.stamp()
-        with self.db.read_conn() as conn:
-            conn.begin()  # one read transaction (the Raw statements do not begin one)
-            tops = _TOPS.first(conn, {"store": slug})
-            assert tops is not None  # a SELECT of two aggregates has one row
-            top, store_top = tops.top or 0, tops.store_top or 0
-            rows = _KEYS.all(conn, {"store": slug, "after": after, "top": store_top, "lim": limit})
-        self.notifier.learn_head(slug, store_top, stamp)
+        after, top, store_top, rows = self._read_to_head(
+            slug, after, lambda conn, after, store_top: _KEYS.all(
+                conn, {"store": slug, "after": after, "top": store_top, "lim": limit}))
         own = 0
         for r in rows:
             if r.k != skip:
