@@ -26,6 +26,7 @@ The policy, and why (bench/README.md, "Appends, session 23: the allocator"):
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import threading
 from typing import Any
@@ -46,7 +47,10 @@ TRIM_FREE_MIN = 16 << 20
 TRIM_MOVED = 1 << 20
 
 
+@functools.cache
 def _libc() -> Any:
+    """This process's C library (one handle: ``Trimmer`` looks every few seconds), None
+    where it cannot be opened."""
     try:
         return ctypes.CDLL(None)
     except OSError:

@@ -19,6 +19,7 @@ from pathlib import Path
 from collections.abc import Callable, Iterable
 from typing import Any, Concatenate, Iterator, ParamSpec, TypeVar
 
+from .. import procmem
 from ..defs import sha256_hex
 from .cachedir import private_file
 from .cachedir import CacheError, cache_error, free_bytes
@@ -72,12 +73,7 @@ def _trim_heap(db: sqlite3.Connection) -> None:
     journal through the heap; without this ~4 MiB more stay resident."""
     with contextlib.suppress(sqlite3.Error):
         db.execute("PRAGMA shrink_memory")
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError, ImportError):
-        pass
+    procmem.trim()
 
 
 _P = ParamSpec("_P")
