@@ -3,6 +3,7 @@
     .venv/bin/python bench/prof_write.py [--n 1000] [--rounds 3] [--threads 1,4,16]
                                          [--juicefs] [--pyspy DIR] [--callgrind DIR]
                                          [--cprofile PREFIX] [--trace DIR]
+                                         [--count-syncs] [--ablate-serve-fsync]
 
 One ``memfuse serve`` (SQLite) and one sidecar (``--commit-wait`` 10 s: every close returns
 once the control plane has the record). Each round writes ``n`` files of ~550 B
@@ -20,8 +21,14 @@ machine as on a quiet one, less the idle rate measured right after: ``idle_ir_pe
 that subtraction: ``sidecar_ir_per_file_raw``); the
 sidecar then runs ~50x slower, so its files/s and CPU are not figures, and with several
 writers its batches differ from a normal run's. Every row splits the CPU per file into
-user and system time (``cpu_ms_per_file_user_sys``). Results go to stdout as JSON lines,
-one per measurement.
+user and system time (``cpu_ms_per_file_user_sys``). ``--count-syncs``: the one-writer part
+of the first round counts the ``fsync(2)`` and ``fdatasync(2)`` calls of serve, the sidecar and
+JuiceFS (``perf stat`` on the ``syscalls`` tracepoints; root or ``perf_event_paranoid`` <= 1),
+per file written: a ``syncs_per_file`` object in that round's line. ``--ablate-serve-fsync``:
+``memfuse serve`` commits without waiting for the disk (``bench/ablate_fsync``: SQLite's
+``synchronous=NORMAL``, JuiceFS's durability), an ablation that prices the control plane's
+per-commit ``fdatasync``, never a mode of memfuse. Results go to stdout as JSON lines, one per
+measurement.
 """
 from __future__ import annotations
 
@@ -34,6 +41,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import common
 import sched_trace
@@ -62,6 +70,53 @@ def stop_tracer(p: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         p.kill()
         p.wait()
+
+
+def _children(pid: int) -> list[int]:
+    """The child processes of ``pid`` (``/proc/PID/task/*/children``), e.g. the JuiceFS daemon
+    its ``juicefs mount`` starts."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(x) for x in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return out
+
+
+class _SyncCount:
+    """``perf stat`` of the ``fsync`` and ``fdatasync`` system calls of named groups of processes
+    (all their threads), from construction to ``stop``."""
+
+    EVENTS = ("syscalls:sys_enter_fsync", "syscalls:sys_enter_fdatasync")
+
+    def __init__(self, groups: dict[str, list[int]]) -> None:
+        self.procs = {}
+        for name, pids in groups.items():
+            self.procs[name] = subprocess.Popen(
+                ["perf", "stat", "-x", ",", "-e", ",".join(self.EVENTS), "-p", ",".join(map(str, pids))],
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        time.sleep(0.3)  # perf attached
+
+    def stop(self, files: int) -> dict[str, float | None]:
+        """Syncs per file of each group (None when perf could not count them)."""
+        out: dict[str, float | None] = {}
+        for name, p in self.procs.items():
+            p.send_signal(signal.SIGINT)
+            try:
+                _, err = p.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                out[name] = None
+                continue
+            total, seen = 0, False
+            for line in err.splitlines():
+                fields = line.split(",")
+                if len(fields) > 2 and fields[2] in self.EVENTS and fields[0].strip().isdigit():
+                    total += int(fields[0])
+                    seen = True
+            out[name] = round(total / files, 3) if seen else None
+        return out
 
 
 def user_sys(pid: int) -> tuple[float, float]:
@@ -121,7 +176,16 @@ def main() -> int:
     ap.add_argument("--cprofile", metavar="PREFIX",
                     help="cProfile the sidecar's trio thread during each one-writer part "
                          "(bench/sigprof: stats in PREFIX.PID, the last part's)")
+    ap.add_argument("--count-syncs", action="store_true",
+                    help="fsync/fdatasync calls per file of serve, the sidecar and JuiceFS in the first "
+                         "round's one-writer part (perf stat): 'syncs_per_file' in that line")
+    ap.add_argument("--ablate-serve-fsync", action="store_true",
+                    help="memfuse serve commits with SQLite synchronous=NORMAL (bench/ablate_fsync): "
+                         "what the control plane's per-commit fdatasync costs; not a memfuse mode")
     a = ap.parse_args()
+    if a.ablate_serve_fsync:  # inherited by memfuse serve (bench/ablate_fsync/sitecustomize.py)
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            [str(Path(__file__).resolve().parent / "ablate_fsync"), *filter(None, [os.environ.get("PYTHONPATH")])])
     if a.callgrind is not None:
         a.callgrind = a.callgrind.resolve()
         a.callgrind.mkdir(parents=True, exist_ok=True)
@@ -153,20 +217,24 @@ def main() -> int:
                     callgrind_ir(m.pid, a.callgrind)  # zeroed
                 if a.cprofile and t == 1:
                     os.kill(m.pid, signal.SIGUSR1)
+                cg: dict[str, Any] = {}
                 tracer = None
                 if a.trace and r == 0 and t == 1:
                     a.trace.mkdir(parents=True, exist_ok=True)
                     tracer = sched_trace.record(a.trace / "sched.data", a.trace_seconds)
+                counting = a.count_syncs and r == 0 and t == 1
+                syncs = _SyncCount({"serve": [s.cp.proc.pid], "sidecar": [m.pid]}) if counting else None
                 tz = time.monotonic()
                 c0 = (cpu_s(m.pid), cpu_s(s.cp.proc.pid))
                 u0 = user_sys(m.pid)
                 dt = write_files(m.mountpoint / STORE / f"r{r}t{t}", a.n, threads=t)
                 c1 = (cpu_s(m.pid), cpu_s(s.cp.proc.pid))
                 u1 = user_sys(m.pid)
+                if syncs is not None:
+                    cg["syncs_per_file"] = syncs.stop(a.n)
                 if a.cprofile and t == 1:
                     time.sleep(0.6)  # the journal's lazy write of the last files (LAZY_DELAY)
                     os.kill(m.pid, signal.SIGUSR2)
-                cg = {}
                 if a.callgrind:
                     time.sleep(0.6)  # the journal's lazy write of the last files (LAZY_DELAY)
                     ir, busy = callgrind_ir(m.pid, a.callgrind), time.monotonic() - tz
@@ -174,8 +242,8 @@ def main() -> int:
                     time.sleep(2.0)  # nothing written: what the sidecar runs per second idle
                     idle = callgrind_ir(m.pid, a.callgrind) / (time.monotonic() - tz)
                     _cg(m.pid, "-i", "off")
-                    cg = {"sidecar_ir_per_file": round((ir - idle * busy) / a.n),
-                          "sidecar_ir_per_file_raw": round(ir / a.n), "idle_ir_per_s": round(idle)}
+                    cg.update({"sidecar_ir_per_file": round((ir - idle * busy) / a.n),
+                          "sidecar_ir_per_file_raw": round(ir / a.n), "idle_ir_per_s": round(idle)})
                 for p in spies:
                     stop_tracer(p)
                 if tracer is not None:
@@ -184,7 +252,12 @@ def main() -> int:
                                                       os.getpid(), m.pid, s.cp.proc.pid)
                 peer = None
                 if jfs is not None:
+                    jsyncs = None
+                    if counting and jfs.proc is not None:
+                        jsyncs = _SyncCount({"juicefs": [jfs.proc.pid, *_children(jfs.proc.pid)]})
                     peer = a.n / write_files(jfs.mountpoint / f"r{r}t{t}", a.n, threads=t)
+                    if jsyncs is not None:
+                        cg.setdefault("syncs_per_file", {}).update(jsyncs.stop(a.n))
                 row = {"label": a.label, "round": r, "writers": t, "files_s": round(a.n / dt, 1),
                        "juicefs_files_s": round(peer, 1) if peer else None,
                        "vs_juicefs": round(a.n / dt / peer, 2) if peer else None,
