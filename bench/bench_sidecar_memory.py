@@ -149,8 +149,8 @@ def check_mount(mountpoint: Path, slug: str, files: list[tuple[str, str]], head_
                    if len(files) > 2 else range(len(files)))
     for i in picks:
         path, text = files[i]
-        got = (root / path).read_text()
-        assert got == text, f"{root / path}: read {len(got)} characters, wrote {len(text)}"
+        back = (root / path).read_text()
+        assert back == text, f"{root / path}: read {len(back)} characters, wrote {len(text)}"
     return len(picks)
 
 
