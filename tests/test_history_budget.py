@@ -275,3 +275,17 @@ async def test_a_writes_counted_store_row_is_the_row_after_its_update(admin, api
     assert len(checked) >= 8
     st = await admin.get_store(STORE)
     assert st.history_versions <= 3 and st.record_count == 2
+
+
+async def test_a_minimum_age_past_year_one_keeps_every_version_and_never_fails_a_write(admin, api):
+    """attack24 F2: ``history_min_age_s`` is accepted up to 2**63 - 1; a cutoff of now minus
+    that is before year 1 (``OverflowError``: a 500 on every write that met the budget, and a
+    mount retrying it forever). It means no version is old enough to prune (``utc_shift``)."""
+    for age in (64_000_000_000, 2**63 - 1):
+        await admin.update_store(STORE, max_history_versions=1, history_min_age_s=age)
+        assert (await admin.get_store(STORE)).history_min_age_s == age
+        rec = await api.create_record(STORE, f"old-{age}.md", "v0\n")
+        for i in range(1, 4):
+            rec = await api.update_record(STORE, rec.id, f"v{i}\n")
+        assert rec.version == 4
+        assert not any(v.pruned for v in await api.versions(STORE, rec.id))

@@ -140,3 +140,36 @@ def test_two_replicas_sweep_at_once_and_delete_each_record_once(tmp_path):
             assert ops == ["created", "deleted"], ops
         for db in dbs:
             db.dispose()
+
+
+def test_a_time_outside_what_utc_can_hold_is_no_date():
+    # attack24 F1: an offset that takes a time before year 1 or past 9999 in UTC raised
+    # OverflowError in every write's frontmatter read (a 500; a mount wedged on it)
+    d = staleness.record_dates
+    for v in ("0001-01-01T00:00:00+01:00", "'0001-01-01T00:00:00+01:00'", "9999-12-31T23:59:59-01:00",
+              "'9999-12-31T23:59:59-01:00'", "'0001-01-01 00:30+14:00'"):
+        assert d(f"---\nexpires: {v}\nreview_after: {v}\n---\nx\n") == (None, None), v
+    assert d("---\nexpires: 9999-12-31T23:59:59+00:00\n---\n") == (None, datetime(9999, 12, 31, 23, 59, 59, tzinfo=UTC))
+
+
+async def test_every_write_of_a_time_utc_cannot_hold_succeeds(env: Env):
+    text = "---\nexpires: 0001-01-01T00:00:00+01:00\nreview_after: 9999-12-31T23:59:59-01:00\n---\nx\n"
+    rec = await env.create("f1.md", text)
+    got = await env.get(rec["id"])
+    assert got["expires_at"] is None and got["review_after"] is None
+    r = await env.ws.put(f"/v1/stores/default/records/{rec['id']}", json={"content": text + "y\n"},
+                         headers={"If-Match": f'"{got["sha256"]}"'})
+    assert r.status_code == 200, r.text
+    await batch_create(env, {"f1b.md": text})
+    assert "f1b.md" in await env.live_paths()
+
+
+def test_a_stale_after_past_year_one_is_no_error(tmp_path):
+    # attack24 F5: --stale-after 99999999 (days) made the index report a 500
+    db = Database(f"sqlite:///{tmp_path}/s.db")
+    try:
+        with db.read_conn() as conn:
+            for days in (99_999_999, 2**62):
+                conn.execute(_R.select().where(staleness.stale_condition(datetime.now(UTC), days))).fetchall()
+    finally:
+        db.dispose()

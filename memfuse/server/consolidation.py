@@ -74,7 +74,7 @@ from memfuse.server import deltas, keys, tails
 from memfuse.server.accounts import AccountsService
 from memfuse.server.base import _A, _R, _S, _V, AnyRow, Parts, Principal, Reply, Resource, ServiceError
 from memfuse.server.batch import BatchService, _LateRefusal, _Planned
-from memfuse.server.db import ConsolidationJobRow, WorkspaceRow, utcnow
+from memfuse.server.db import ConsolidationJobRow, WorkspaceRow, utc_shift, utcnow
 from memfuse.server.jobspec import (
     ACTIVE,
     ConsolidationSettings,
@@ -327,7 +327,7 @@ class ConsolidationService(Resource):
     def reap_stale_jobs(self) -> int:
         """Mark failed every pending or running job whose heartbeat is older than
         ``stale_after`` (the process running it stopped); returns how many."""
-        cutoff = utcnow() - timedelta(seconds=self.consolidation.stale_after)
+        cutoff = utc_shift(utcnow(), -self.consolidation.stale_after)
         with self.db.read_conn() as conn:
             stale = conn.execute(select(_J.c.id).where(_J.c.status.in_(ACTIVE), _J.c.heartbeat_at < cutoff)
                                  .limit(100)).scalars().all()
@@ -723,8 +723,8 @@ class ConsolidationService(Resource):
             return []
         self.reap_stale_jobs()
         now = now or utcnow()
-        idle_cut = now - timedelta(seconds=cfg.idle_after)
-        interval_cut = now - timedelta(seconds=cfg.interval)
+        idle_cut = utc_shift(now, -cfg.idle_after)
+        interval_cut = utc_shift(now, -cfg.interval)
         due: list[tuple[str, str]] = []
         with self.db.read_conn() as conn:
             outputs = select(_J.c.output_store).where(_J.c.output == "new_store", _J.c.output_store.is_not(None))

@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +76,23 @@ SCHEMA_HEAD = "0024_fts_queue_updates"
 def utcnow() -> datetime:
     """Current time, timezone-aware UTC."""
     return datetime.now(timezone.utc)
+
+
+#: the earliest and latest aware UTC times Python can hold (years 1 and 9999)
+UTC_MIN = datetime.min.replace(tzinfo=timezone.utc)
+UTC_MAX = datetime.max.replace(tzinfo=timezone.utc)
+
+
+def utc_shift(base: datetime, seconds: float) -> datetime:
+    """``base + timedelta(seconds=seconds)`` (``seconds`` may be negative), clamped to
+    [``UTC_MIN``, ``UTC_MAX``]: a duration that reaches past year 1 or 9999 (a limit, TTL or
+    age of up to 2**63 s that the API and the flags accept) means "before / after any time
+    there is", never ``OverflowError``. The one rule for a time computed from a duration given
+    by a client, a store's settings or a flag (attack24 F2, F5)."""
+    try:
+        return base + timedelta(seconds=seconds)
+    except OverflowError:
+        return UTC_MAX if seconds > 0 else UTC_MIN
 
 
 class UTCDateTime(TypeDecorator[datetime]):

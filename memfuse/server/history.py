@@ -31,7 +31,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from datetime import timedelta
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
@@ -40,7 +39,7 @@ from sqlalchemy.engine import Connection
 
 from memfuse.defs import HISTORY_BYTES_FACTOR, HISTORY_MIN_AGE_S, HISTORY_VERSIONS_FACTOR, INT64_MAX
 from memfuse.server import deltas
-from memfuse.server.db import RecordRow, StoreRow, VersionRow, info_of, utcnow
+from memfuse.server.db import RecordRow, StoreRow, VersionRow, info_of, utc_shift, utcnow
 from memfuse.server.rawsql import Raw
 
 if TYPE_CHECKING:  # for the annotations only
@@ -211,7 +210,7 @@ def _prune(conn: Connection, store: str, st: Any = None) -> None:
         return
     if _idle_until.get(store, 0.0) > time.monotonic():
         return
-    cutoff = utcnow() - timedelta(seconds=min_age)
+    cutoff = utc_shift(utcnow(), -min_age)  # a min age past year 1: nothing is old enough
     rows = conn.execute(
         select(_V.c.seq, _V.c.size, _V.c.record_id, _V.c.version, _R.c.deleted, _R.c.version.label("current"))
         .select_from(_V.join(_R, _R.c.id == _V.c.record_id))

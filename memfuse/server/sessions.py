@@ -23,14 +23,14 @@ from __future__ import annotations
 import hmac
 import logging
 import secrets
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Protocol, cast
 
 from sqlalchemy import Table, delete, insert, select
 
 from memfuse.models import sha256_hex
 from memfuse.server.base import Parts, Principal, Resource, _unauthorized
-from memfuse.server.db import ConsoleSessionRow, TokenRow, utcnow
+from memfuse.server.db import ConsoleSessionRow, TokenRow, utc_shift, utcnow
 
 log = logging.getLogger("memfuse.server.service")
 
@@ -83,7 +83,7 @@ class SessionsService(Resource):
         p = self.tokens.authenticate(token, instance)
         digest = sha256_hex(token.encode("utf-8", "surrogatepass"))
         now = utcnow()
-        ends = now + timedelta(seconds=seconds)
+        ends = utc_shift(now, seconds)
         token_id = None
         if not any(hmac.compare_digest(k.encode("utf-8", "surrogatepass"), token.encode("utf-8", "surrogatepass"))
                    for k in list(self.tokens.static_tokens)):

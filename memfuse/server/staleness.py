@@ -26,7 +26,7 @@ never deleted twice nor deleted over a newer change.
 from __future__ import annotations
 
 import logging
-from datetime import date, datetime, time, timedelta, timezone
+from datetime import date, datetime, time, timezone
 from dataclasses import replace
 from typing import Protocol
 
@@ -35,7 +35,7 @@ from sqlalchemy.engine import Connection
 
 from memfuse import content as content_rules
 from memfuse.server.base import LIVE_PATHS_ORDER, _R, _S, IdempotencyRequest, Principal, Reply, ServiceError
-from memfuse.server.db import Database
+from memfuse.server.db import Database, utc_shift
 from memfuse.server import promptline
 
 
@@ -59,15 +59,22 @@ EXPIRY_ACTOR = Principal(workspace=None, name="expiry")  # versions say admin:ex
 
 def _when(value: object) -> datetime | None:
     """A frontmatter value as an aware UTC time: a date is its midnight UTC; a naive time is
-    UTC; a string in ISO 8601 form likewise; anything else None."""
+    UTC; a string in ISO 8601 form likewise; anything else None, and so is a time whose UTC
+    offset takes it before year 1 or past 9999 (``0001-01-01T00:00:00+01:00``: not a time
+    Python can hold in UTC; attack24 F1, a 500 on every write of it)."""
     if isinstance(value, str):
         v = value.strip()
         try:
             value = datetime.fromisoformat(v.replace("Z", "+00:00")) if ("T" in v or " " in v) else date.fromisoformat(v)
-        except ValueError:
+        except (ValueError, OverflowError):
             return None
     if isinstance(value, datetime):
-        return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value.astimezone(timezone.utc)
+        if value.tzinfo is None:
+            return value.replace(tzinfo=timezone.utc)
+        try:
+            return value.astimezone(timezone.utc)
+        except (OverflowError, ValueError):
+            return None
     if isinstance(value, date):
         return datetime.combine(value, time(0), tzinfo=timezone.utc)
     return None
@@ -87,7 +94,7 @@ def stale_condition(now: datetime, stale_after_days: int) -> ColumnElement[bool]
     """The SQL condition of a stale live record (module docstring)."""
     conds = [and_(_R.c.review_after.is_not(None), _R.c.review_after <= now)]
     if stale_after_days > 0:
-        conds.append(_R.c.updated_at < now - timedelta(days=stale_after_days))
+        conds.append(_R.c.updated_at < utc_shift(now, -86400.0 * stale_after_days))
     return or_(*conds)
 
 

@@ -71,7 +71,7 @@ from memfuse.server.base import (
 )
 from memfuse.server import keys, wakeups
 from memfuse.server.accounts import AccountsService
-from memfuse.server.db import TokenRow, utcnow
+from memfuse.server.db import TokenRow, utc_shift, utcnow
 
 log = logging.getLogger("memfuse.server.service")  # every room of the Service logs under one name
 
@@ -459,7 +459,7 @@ class TokensService(Resource):
                 self.accounts.check_token_quota(s, account)
             raw = "mf_" + secrets.token_urlsafe(32)
             now = utcnow()
-            expires = now + timedelta(seconds=body.ttl_seconds) if body.ttl_seconds else None
+            expires = utc_shift(now, body.ttl_seconds) if body.ttl_seconds else None
             row = TokenRow(
                 id=str(uuid.uuid4()), token_sha256=sha256_hex(raw.encode()), workspace=wkey,
                 name=body.name, created_at=now, expires_at=expires, account=account,
