@@ -166,7 +166,11 @@ class Committer:
         #: is made or set per commit while nobody waits for the outbox to drain)
         self._idle: trio.Event | None = None
         self._store_idle: dict[str, trio.Event] = {}
+        # INVARIANT: ``_poke`` is set (and replaced) at every ``poke``, ``_urgent`` only at an
+        # urgent one: a wait out of a failure the control plane answered (5xx, 429) ends only
+        # at ``_urgent`` (``_back_off``)
         self._poke = trio.Event()
+        self._urgent = trio.Event()
         #: entries finished (committed or refused) per store since start; a reconcile after
         #: ``410`` compares it across its snapshot to see whether a local commit landed
         self.finished: dict[str, int] = {}
@@ -276,7 +280,7 @@ class Committer:
                 "down_s": round(time.time() - self.auth_refused["since"], 3),
                 "depth": self.depth()})
             self.auth_refused = None
-        self.poke()
+        self.poke(urgent=True)
 
     def _wake_all(self) -> None:
         """``failing`` became true: make held journal rows durable (no acknowledgement is
@@ -380,7 +384,7 @@ class Committer:
         e.errno, e.reason, e.code = errno_, reason, code
         e.finish()
         self._wakeups[e.store].unpark()  # an emptied queue: its worker goes idle
-        self.poke()
+        self.poke(urgent=True)
         return True
 
     # --- views of the parts -------------------------------------------------------------------
@@ -488,12 +492,28 @@ class Committer:
             self._backlog = []
         return left
 
-    def poke(self) -> None:
-        """The control plane answered someone (e.g. the change feed): retry waiting commits
-        now instead of at the end of their backoff."""
+    def poke(self, *, urgent: bool = False) -> None:
+        """The control plane answered someone (e.g. the change feed): retry now, instead of
+        at the end of their backoff, the commits whose last attempt got no answer (refused
+        connection, reset, timeout: the outage may be over). ``urgent``: every waiting
+        commit, also one the control plane answered with a failure for now (5xx, 429), whose
+        backoff (and ``Retry-After``) is otherwise waited out whole (``_back_off``): a new
+        token, a withdrawn entry, a close that must learn now."""
         if self.depth():
             self._poke.set()
             self._poke = trio.Event()
+            if urgent:
+                self._urgent.set()
+                self._urgent = trio.Event()
+
+    async def _back_off(self, delay: float, err: ApiError) -> None:
+        """Wait ``delay`` s after the transient failure ``err`` before the next attempt, or
+        less: until a ``poke`` when ``err`` had no answer (``err.status`` None), until an
+        urgent one when the control plane answered it (5xx, 429: it is up and said "not
+        now"; a change-feed page every second poked a commit refused with 500 once a second
+        whatever its backoff, attack24 F4)."""
+        with trio.move_on_after(delay):
+            await (self._poke if err.status is None else self._urgent).wait()
 
     def depth(self, store: str | None = None) -> int:
         """Entries not yet finished, in one store or in all."""
@@ -625,8 +645,11 @@ class Committer:
                 self._attempt_failed(err)
             self._confirm_failures += 1
             delay = self.backoff.delay(self._confirm_failures, getattr(err, "retry_after", None))
-            with trio.move_on_after(delay):
-                await self._poke.wait()
+            if isinstance(err, TransientError):
+                await self._back_off(delay, err)
+            else:
+                with trio.move_on_after(delay):  # (a new token pokes)
+                    await self._poke.wait()
             return False
         except ApiError:
             self._attempt_answered()
@@ -914,8 +937,11 @@ class Committer:
                 log.info("batch deferred: will retry", extra={
                     "store": store, "operations": len(ops), "attempt": attempts,
                     "status": err.status, "code": err.code, "retry_in_s": round(delay, 3)})
-                with trio.move_on_after(delay):
-                    await self._poke.wait()
+                if isinstance(err, TransientError):
+                    await self._back_off(delay, err)
+                else:
+                    with trio.move_on_after(delay):  # (a new token pokes)
+                        await self._poke.wait()
             except ApiError as err:
                 self._attempt_answered()
                 if isinstance(err, StoreReplaced):  # each entry gets its own refusal
@@ -981,8 +1007,7 @@ class Committer:
                          extra={"entry": e.id, "op": e.op, "store": e.store,
                                 "attempt": e.attempts, "status": err.status, "code": err.code,
                                 "retry_in_s": round(delay, 3)})
-                with trio.move_on_after(delay):  # or sooner, once the control plane answers
-                    await self._poke.wait()
+                await self._back_off(delay, err)  # or sooner, once the control plane answers
             except Unauthorized as err:
                 # an authentication outage (token revoked, expired, or rotated and not yet
                 # re-read), not a refusal of this write: it stays first in the queue

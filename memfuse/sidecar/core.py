@@ -1231,7 +1231,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         did not happen. A request in flight is waited for first, at most ``WITHDRAW_WAIT`` s."""
         c = self.committer
         tried = c.failed_attempts
-        c.poke()
+        c.poke(urgent=True)
         with c.watch(e), trio.move_on_at(deadline):
             while not (e.done.is_set() or e.durable.is_set()):
                 if c.failing and c.failed_attempts > tried and not e.in_flight:
