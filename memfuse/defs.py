@@ -1,8 +1,9 @@
 """Constants, enums and pure helpers of the control-plane API v1 (docs/API.md).
 
 Shared by the server's pydantic models (:mod:`memfuse.models`, which re-exports all of this)
-and the client's msgspec Structs (:mod:`memfuse.wire`). Imports only the standard library, so
-the sidecar, which never loads pydantic, can use them.
+and the client's msgspec Structs (:mod:`memfuse.wire`). Imports only the standard library and
+msgspec (``json_text_bytes`` measures with its encoder), so the sidecar, which never loads
+pydantic, can use them.
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from datetime import datetime, timezone
 from enum import Enum
 from typing import TypeVar
 from urllib.parse import parse_qsl, urlencode
+
+import msgspec
 
 __all__ = [
     "RECORD_TYPES",
@@ -236,6 +239,10 @@ JSON_TEXT_GROWTH = 6
 # control characters take six (``\u00XX``), every other byte stays itself
 _JSON_SHORT = b'"\\\b\t\n\f\r'
 _JSON_PLAIN = bytes(b for b in range(0x20, 256) if b not in _JSON_SHORT)
+# characters up to which ``json_text_bytes`` measures a text by encoding it (its JSON, at most
+# six bytes a character, is then a transient of at most 384 KiB)
+_JSON_ENCODE_MAX = 64 * 1024
+_json_encode = msgspec.json.Encoder().encode
 
 
 def json_text_bytes(text: str) -> int:
@@ -243,9 +250,17 @@ def json_text_bytes(text: str) -> int:
     answers encode it: its UTF-8 bytes, plus one for each ``"``, ``\``, and ``\b \t \n \f
     \r`` (two-byte escapes) and five for each other control character (``\u00XX``); at most
     ``JSON_TEXT_GROWTH`` times its UTF-8. Exact for pydantic's (serde_json's) and msgspec's
-    encoders (tests/test_version_pages.py checks every code point). Passes in C (encode,
+    encoders (tests/test_version_pages.py checks every code point). A text of at most
+    ``_JSON_ENCODE_MAX`` characters is measured by encoding it (msgspec: ~0.35 µs per KB, its
+    JSON a transient of at most six bytes a character), a longer one, or one msgspec refuses
+    (a lone surrogate, counted as its three bytes), in C without its JSON (encode,
     ``bytes.translate`` twice): 1–5 ms per MiB (bench/README.md, "Change-feed pages bounded
-    in JSON bytes")."""
+    in JSON bytes", "Sidecar memory, session 24")."""
+    if len(text) <= _JSON_ENCODE_MAX:
+        try:
+            return len(_json_encode(text)) - 2
+        except UnicodeEncodeError:
+            pass
     raw = text.encode("utf-8", "surrogatepass")
     escaped = raw.translate(None, _JSON_PLAIN)  # the bytes JSON escapes, and only those
     if not escaped:
@@ -399,6 +414,9 @@ def one_line(text: object) -> str:
 #: A record's live content as SQL over the ``records`` table (unaliased): its stored content
 #: plus what was appended since (``record_tails``, revision ``0018_record_tails``). The one
 #: rule every reader of live content goes through (``memfuse.server.tails.LIVE_CONTENT``, and
-#: the CLI's local reads); NULL when ``records.content`` is (a redacted deleted record).
-LIVE_CONTENT_SQL = ("(records.content || coalesce((SELECT record_tails.tail FROM record_tails "
-                    "WHERE record_tails.record_id = records.id), ''))")
+#: the CLI's local reads); NULL when ``records.content`` is (a redacted deleted record). A
+#: record without a tail is its stored content itself, not a copy concatenated with ``''``
+#: (``||`` is NULL when its tail is: 0.03 s less SQLite CPU a 100,000-record snapshot,
+#: bench/README.md "Sidecar memory, session 24").
+LIVE_CONTENT_SQL = ("coalesce(records.content || (SELECT record_tails.tail FROM record_tails "
+                    "WHERE record_tails.record_id = records.id), records.content)")

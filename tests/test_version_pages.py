@@ -193,6 +193,12 @@ def test_json_text_bytes_is_what_the_encoders_write():
     for c in every[:0x100]:
         assert json_text_bytes(c) == len(to_json(c)) - 2 == len(msgspec.json.encode(c)) - 2, repr(c)
     assert json_text_bytes("\x01") == JSON_TEXT_GROWTH and json_text_bytes("\ud800") == 3
+    # measured by encoding up to _JSON_ENCODE_MAX characters, without the JSON past it: one count
+    from memfuse.defs import _JSON_ENCODE_MAX
+    mix = ("a\x01\"\n\\é\u2028\U0001f600\x7f" * _JSON_ENCODE_MAX)[:_JSON_ENCODE_MAX]
+    for text in (mix, mix + "\x02", mix[:-1] + "\ud800", mix[:-1] + "\ud800\x03"):
+        # a lone surrogate counted as its three bytes, as any other character of three
+        assert json_text_bytes(text) == len(to_json(text.replace("\ud800", "\u0800"))) - 2, len(text)
     third = PAGE_CONTENT_BYTES // 3
     assert json_rows_within(["a" * third] * 4) == 3  # plain text: its UTF-8
     assert json_rows_within(["\x01" * (third // 6)] * 4) == 3  # six bytes a character
