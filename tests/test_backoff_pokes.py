@@ -29,11 +29,21 @@ class Failing:
                              retry_after=self.retry_after)
 
 
-async def _attempts_after_pokes(tmp_path, status: int | None, urgent: bool) -> int:
-    """Attempts of one entry whose first failed (asking for 20 s), after 5 pokes 0.1 s apart."""
-    journal = Journal(tmp_path / f"outbox-{status}-{urgent}.db")
-    client = Failing(status, retry_after=20.0)
+class _Fixed:
+    """A backoff of 20 s after any failure (the pokes, 0.1 s apart, come well within it)."""
+
+    def delay(self, attempts: int, retry_after: float | None = None, floor: float = 0.0) -> float:
+        return 20.0
+
+
+async def _attempts_after_pokes(tmp_path, status: int | None, urgent: bool,
+                                retry_after: float | None = 20.0) -> int:
+    """Attempts of one entry whose first failed (its backoff 20 s), after 5 pokes 0.1 s
+    apart."""
+    journal = Journal(tmp_path / f"outbox-{status}-{urgent}-{retry_after}.db")
+    client = Failing(status, retry_after=retry_after)
     c = Committer(client, journal, {})
+    c.backoff = _Fixed()
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(journal.run)
@@ -59,6 +69,9 @@ async def test_an_answered_failure_waits_its_backoff_through_pokes(tmp_path):
 
 async def test_a_failure_without_an_answer_goes_again_at_each_poke(tmp_path):
     assert await _attempts_after_pokes(tmp_path, None, urgent=False) >= 5
+    # a proxy's "the control plane is down" (502 / 503 / 504 without Retry-After) likewise
+    assert await _attempts_after_pokes(tmp_path, 502, urgent=False, retry_after=None) >= 5
+    assert await _attempts_after_pokes(tmp_path, 503, urgent=False, retry_after=20.0) == 1
 
 
 async def test_an_urgent_poke_ends_any_wait(tmp_path):

@@ -75,6 +75,11 @@ NOT_SENT_CODES = frozenset({"connect_error", "connect_timeout", "pool_timeout"})
 _WITHDRAWN: list[Any] = []
 
 
+#: a proxy's answers for a control plane it cannot reach (RFC 9110 15.6.3-15.6.5): without
+#: ``Retry-After``, no answer of the control plane itself (``Committer._back_off``)
+GATEWAY_STATUSES = frozenset({502, 503, 504})
+
+
 @dataclass(frozen=True)
 class Backoff:
     """Exponential backoff with full jitter (AWS Architecture Blog, "Exponential Backoff
@@ -508,12 +513,15 @@ class Committer:
 
     async def _back_off(self, delay: float, err: ApiError) -> None:
         """Wait ``delay`` s after the transient failure ``err`` before the next attempt, or
-        less: until a ``poke`` when ``err`` had no answer (``err.status`` None), until an
-        urgent one when the control plane answered it (5xx, 429: it is up and said "not
-        now"; a change-feed page every second poked a commit refused with 500 once a second
+        less: until a ``poke`` when the control plane did not answer it (no status; or a
+        proxy's 502 / 503 / 504 without ``Retry-After``: the control plane behind it is
+        down, and a change-feed page says it is back), until an urgent one when the control
+        plane answered it (500, 429, a 503 with ``Retry-After``: it is up and said "not now";
+        a change-feed page every second poked a commit refused with 500 once a second
         whatever its backoff, attack24 F4)."""
+        unanswered = err.status is None or (err.status in GATEWAY_STATUSES and err.retry_after is None)
         with trio.move_on_after(delay):
-            await (self._poke if err.status is None else self._urgent).wait()
+            await (self._poke if unanswered else self._urgent).wait()
 
     def depth(self, store: str | None = None) -> int:
         """Entries not yet finished, in one store or in all."""
