@@ -172,8 +172,9 @@ class Committer:
         self._idle: trio.Event | None = None
         self._store_idle: dict[str, trio.Event] = {}
         # INVARIANT: ``_poke`` is set (and replaced) at every ``poke``, ``_urgent`` only at an
-        # urgent one: a wait out of a failure the control plane answered (5xx, 429) ends only
-        # at ``_urgent`` (``_back_off``)
+        # urgent one: a wait out of a failure the control plane answered (500, 429, a 503 with
+        # ``Retry-After``; not a proxy's 502 / 503 / 504 without one) ends only at ``_urgent``
+        # (``_back_off``)
         self._poke = trio.Event()
         self._urgent = trio.Event()
         #: entries finished (committed or refused) per store since start; a reconcile after
@@ -500,8 +501,9 @@ class Committer:
     def poke(self, *, urgent: bool = False) -> None:
         """The control plane answered someone (e.g. the change feed): retry now, instead of
         at the end of their backoff, the commits whose last attempt got no answer (refused
-        connection, reset, timeout: the outage may be over). ``urgent``: every waiting
-        commit, also one the control plane answered with a failure for now (5xx, 429), whose
+        connection, reset, timeout, a proxy's 502 / 503 / 504: the outage may be over).
+        ``urgent``: every waiting commit, also one the control plane answered with a failure
+        for now (500, 429, a 503 with ``Retry-After``), whose
         backoff (and ``Retry-After``) is otherwise waited out whole (``_back_off``): a new
         token, a withdrawn entry, a close that must learn now."""
         if self.depth():
