@@ -1,7 +1,7 @@
 """A commit that failed transiently waits out its backoff, or less when poked
 (``Committer.poke``: the control plane answered someone, e.g. a change-feed page): a failure
 that got no answer (connection refused, timeout) is retried at the poke, one the control
-plane answered (5xx, 429: up, and "not now") only at an urgent poke (a new token, a withdrawn
+plane answered (500, 429: up, and "not now") only at an urgent poke (a new token, a withdrawn
 entry, a close that must learn now) — attack24 F4: a feed page every second made a commit
 refused with 500 go again every second whatever its backoff, with two log lines each time."""
 from __future__ import annotations

@@ -34,7 +34,6 @@ from memfuse.models import (
     Version,
 )
 from memfuse.server.base import (
-    LIVE_PATHS_ORDER,
     _R,
     _V,
     AnyRow,
@@ -227,16 +226,11 @@ class RecordsService(Resource):
             if deferred:
                 hit = next((a for a in ancestors if st.paths.get(a) not in (None, *skip)), None)
             if hit is None:
-                if skip:
-                    row = conn.execute(select(_R.c.id, _R.c.path).where(
-                        _R.c.store == st.slug, _R.c.deleted == false(), _R.c.path.in_(ancestors),
-                        *not_skipped).order_by(LIVE_PATHS_ORDER).limit(1)).first()
-                    hit = row.path if row is not None else None
-                else:  # a batch's create: the statement built once, not at every call (~0.2 ms:
-                    # bench/README.md, "Sidecar memory, session 24"); in the same order, at most
-                    # one row a path
-                    rows = _RAW_SELECT_LIVE_AT_PATHS.all(conn, {"store": st.slug, "paths": ancestors})
-                    hit = rows[0].path if rows else None
+                # the statement built once, not at every call (~0.2 ms a batch's create:
+                # bench/README.md, "Sidecar memory, session 24"): the live records at the
+                # ancestors in path order, at most one a path; the first not skipped is the hit
+                rows = _RAW_SELECT_LIVE_AT_PATHS.all(conn, {"store": st.slug, "paths": ancestors})
+                hit = next((r.path for r in rows if r.id not in skip), None)
             if hit is not None:
                 raise ServiceError(409, "parent_is_file",
                                    f"{hit!r} is a file, so {path!r} cannot be under it")

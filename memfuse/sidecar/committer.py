@@ -514,16 +514,18 @@ class Committer:
                 self._urgent = trio.Event()
 
     async def _back_off(self, delay: float, err: ApiError) -> None:
-        """Wait ``delay`` s after the transient failure ``err`` before the next attempt, or
-        less: until a ``poke`` when the control plane did not answer it (no status; or a
-        proxy's 502 / 503 / 504 without ``Retry-After``: the control plane behind it is
-        down, and a change-feed page says it is back), until an urgent one when the control
-        plane answered it (500, 429, a 503 with ``Retry-After``: it is up and said "not now";
-        a change-feed page every second poked a commit refused with 500 once a second
-        whatever its backoff, attack24 F4)."""
-        unanswered = err.status is None or (err.status in GATEWAY_STATUSES and err.retry_after is None)
+        """Wait ``delay`` s after the failed attempt ``err`` (transient, or a refused token)
+        before the next one, or less: until a ``poke`` when the control plane did not answer
+        it (no status; or a proxy's 502 / 503 / 504 without ``Retry-After``: the control
+        plane behind it is down, and a change-feed page says it is back) or refused the token
+        (a new one pokes); until an urgent one when the control plane answered it for now
+        (500, 429, a 503 with ``Retry-After``: it is up and said "not now"; a change-feed
+        page every second poked a commit refused with 500 once a second whatever its backoff,
+        attack24 F4)."""
+        now_only = isinstance(err, TransientError) and err.status is not None and not (
+            err.status in GATEWAY_STATUSES and err.retry_after is None)
         with trio.move_on_after(delay):
-            await (self._poke if unanswered else self._urgent).wait()
+            await (self._urgent if now_only else self._poke).wait()
 
     def depth(self, store: str | None = None) -> int:
         """Entries not yet finished, in one store or in all."""
@@ -655,11 +657,7 @@ class Committer:
                 self._attempt_failed(err)
             self._confirm_failures += 1
             delay = self.backoff.delay(self._confirm_failures, getattr(err, "retry_after", None))
-            if isinstance(err, TransientError):
-                await self._back_off(delay, err)
-            else:
-                with trio.move_on_after(delay):  # (a new token pokes)
-                    await self._poke.wait()
+            await self._back_off(delay, err)
             return False
         except ApiError:
             self._attempt_answered()
@@ -947,11 +945,7 @@ class Committer:
                 log.info("batch deferred: will retry", extra={
                     "store": store, "operations": len(ops), "attempt": attempts,
                     "status": err.status, "code": err.code, "retry_in_s": round(delay, 3)})
-                if isinstance(err, TransientError):
-                    await self._back_off(delay, err)
-                else:
-                    with trio.move_on_after(delay):  # (a new token pokes)
-                        await self._poke.wait()
+                await self._back_off(delay, err)
             except ApiError as err:
                 self._attempt_answered()
                 if isinstance(err, StoreReplaced):  # each entry gets its own refusal
@@ -1029,8 +1023,7 @@ class Committer:
                          extra={"entry": e.id, "op": e.op, "store": e.store,
                                 "attempt": e.attempts, "status": err.status, "code": err.code,
                                 "retry_in_s": round(delay, 3)})
-                with trio.move_on_after(delay):  # or sooner: a new token, an answer
-                    await self._poke.wait()
+                await self._back_off(delay, err)  # or sooner: a new token, an answer
             except ApiError as err:
                 if isinstance(err, TransientError):  # pragma: no cover - caught above
                     raise
