@@ -391,6 +391,9 @@ def test_set_type_xattr_makes_a_version(env, d):
     p, pre = d
     (p / "t.md").write_text("likes tea\n")
     os.setxattr(p / "t.md", "user.memfuse.type", b"user")
+    # read your write, as a local disk: the type set shows at once, before its commit
+    # (newuser25: the old type read back for ~0.5 s, while the change went out)
+    assert os.getxattr(p / "t.md", "user.memfuse.type") == b"user"
     r = rec(cp, f"{pre}/t.md")
     _wait(lambda: cp.call("get_record", "default", r.id, content=False).type == "user")
     assert os.getxattr(p / "t.md", "user.memfuse.type") == b"user"

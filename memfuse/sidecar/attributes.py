@@ -168,7 +168,11 @@ class AttributeOps:
                  "sha256": n.sha if n.buf is None else sha256_hex(bytes(n.buf)),
                  "state": "local" if n.local_only else n.state, "updated_at": n.updated_at,
                  "error": n.error,
-                 "type": n.rtype or ""}[key]
+                 # a type set and not yet committed shows at once (read your write): the
+                 # record's type rule (``content.record_type``: the explicit type wins, the
+                 # root index has none)
+                 "type": (content_rules.record_type(n.path(), "", n.type_override, n.rtype)
+                          if key == "type" else None) or ""}[key]
         if not value and key not in ("error",):
             raise FsError(errno.ENODATA)
         return value.encode("utf-8")
