@@ -126,6 +126,15 @@ def test_rejected_files_survive_restart_and_cache_is_private(tmp_path):
         st = status(mnt)["outbox"]
         assert (st["committed"], st["refused"]) == (0, 0)  # nothing was sent again
         assert {p: r.content for p, r in live_records(cp).items()} == {"old.md": "v1\n"}
+        # the log's line for each rejected file kept: the code it was refused with (newuser25:
+        # a write refused at write(2) was kept as invalid_request, the EINVAL's generic code)
+        lines = [json.loads(ln) for ln in sc.log.read_text().splitlines() if ln.startswith("{")]
+        kept = {(ln.get("store"), ln.get("path"), ln.get("errno"), ln.get("code"))
+                for ln in lines if ln["msg"] == "rejected file kept from before the restart"}
+        assert kept == {("default", "sub/key.md", "EPERM", "secret_detected"),
+                        ("default", "old.md", "EILSEQ", "invalid_content"),
+                        ("default", "typ.md", "EINVAL", "invalid_type"),
+                        ("small", "big.md", "EFBIG", "record_too_large")}, kept
         # errors.log still says why each file is rejected: the same lines as before the restart
         assert errors_log(mnt) == log_before
         assert {(e["store"], e["path"], e["errno"], e["code"]) for e in log_before} >= {

@@ -814,7 +814,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
                 # ESTALE and opens the file's current inode
                 raise FsError(errno.ESTALE, "the file was replaced; open it again")
             self._check_writable_file(n)
-            n.refused = 0  # a new write session: its content is judged at commit
+            n.refused, n.refused_code = 0, ""  # a new write session: its content is judged at commit
             n.checker = None  # ... and at each write (writecheck), from what it holds now
         if special:  # one consistent snapshot per open: json.load may read twice
             h = self._new_handle(n, flags)
@@ -979,7 +979,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         if n.refused:
             # an earlier put still in flight must not mark the file clean when it lands
             n.state, n.last_put = REJECTED, None
-            self._mark_rejected(n, n.refused, "")
+            self._mark_rejected(n, n.refused, n.refused_code)
             self.sync_rejected()
             raise FsError(n.refused, n.error)
         if n.lost_prior:

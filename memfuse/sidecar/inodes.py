@@ -193,7 +193,7 @@ class Node:
     loaded from the control plane is not stored (``_key`` None means ``"r:" + record_id``;
     ``InodeTable._bind_rid`` writes it out before the id changes); times are int ns, the
     update time is ``updated_ns`` (``updated_at`` is rendered from it); fields few nodes set
-    (``buf``, ``last_put``, ``error``, ``type_override``, ``special``, ``refused``,
+    (``buf``, ``last_put``, ``error``, ``type_override``, ``special``, ``refused`` and its code,
     ``xmtime``, ``attrs_version``, ``local_only``, ``unlinked``) live in a dict per node
     (``_x``) that exists only once one of them is set. ``opened`` (open handles) is a slot:
     every ``open`` and ``release`` changes it (a warm ``grep -r`` opens every file), and in
@@ -303,6 +303,7 @@ class Node:
     special: _Rare[str] = _rare("special", "")  # .memfuse control files: "status" / "errors"
     type_override: _Rare[str | None] = _rare("type_override", None)  # set through user.memfuse.type, sent with the next put
     refused: _Rare[int] = _rare("refused", 0)  # errno of a write refused in the current write session (held back)
+    refused_code: _Rare[str] = _rare("refused_code", "")  # its problem code (``refused``'s, set with it)
     checker: _Rare[WriteChecker | None] = _rare("checker", None)  # writecheck.WriteChecker of the current write session
     # The content a write session started from, ``(sha256 hex, bytes)``, when only memory
     # held it (``buf``: the blob cache refused it, a full cache disk), so that the session's

@@ -51,7 +51,7 @@ class WriteLimits:
             # the content) must not replace the stored record: hold it back until the next
             # open for writing (docs/SEMANTICS.md: the stored record untouched).
             if n.dirty and n.refused != errno.EFBIG:  # else nothing changed, or held already
-                n.refused, n.state, n.error = errno.EFBIG, REJECTED, reason
+                n.refused, n.refused_code, n.state, n.error = errno.EFBIG, "record_too_large", REJECTED, reason
             raise FsError.of("record_too_large", reason)
 
     def _note_size_refusal(self, n: Node, err: int, reason: str, code: str) -> None:
@@ -77,7 +77,7 @@ class WriteLimits:
             reason += f" ({sm.local_used} of them in local-only files)"
         self._note_size_refusal(n, errno_of("store_full"), reason, "store_full")
         if n.dirty and not n.local_only:
-            n.refused, n.state, n.error = errno.ENOSPC, REJECTED, reason
+            n.refused, n.refused_code, n.state, n.error = errno.ENOSPC, "store_full", REJECTED, reason
         raise FsError.of("store_full", reason)
 
     def _judge(self, n: Node, buf: WriteBuffer, off: int, data: bytes | None = None,
@@ -107,7 +107,7 @@ class WriteLimits:
             # as for EFBIG: what this session left behind (a truncation at open, vim's
             # ftruncate, earlier writes) must not replace the stored record; held back
             # until the next open for writing, and its close reports the refusal too
-            n.refused, n.state, n.error = r.errno, REJECTED, r.reason
+            n.refused, n.refused_code, n.state, n.error = r.errno, r.code, REJECTED, r.reason
             n.last_put = None  # an earlier put landing later must not mark it clean
         # the kernel's pages may hold the refused bytes already: a write through a shared
         # mmap is in the page cache before its write-back reaches us (attack18 F13), and
