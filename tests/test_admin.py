@@ -533,6 +533,12 @@ def test_status_json_and_odd_shapes(runner, tmp_path):
     text = format_status(sized)
     assert "64 MiB" in text and "1.5 KiB" in text and "12 B" in text and "67108864" in text  # count: no unit
     assert text.count("67108864") == 1
+    # a store's ``bytes`` too, and a duration in a store's row as in a field: the unit with
+    # the value, not in the header (newuser25: BYTES 222150, LAST REMOTE CHANGE AGE S)
+    row = format_status({"stores": [{"slug": "s", "records": 3, "bytes": 222150,
+                                      "last_remote_change_age_s": 12.5}]})
+    assert "216.9 KiB" in row and "222150" not in row, row
+    assert "LAST REMOTE CHANGE AGE" in row and "AGE S" not in row and "12.5 s" in row, row
 
 
 def test_status_errors(runner, tmp_path, monkeypatch):

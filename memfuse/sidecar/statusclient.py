@@ -202,8 +202,12 @@ def _dict_table(items: list[dict[str, Any]], first: list[str], indent: str = "  
     cols = [c for c in first if any(c in it for it in items)]
     for it in items:
         cols += [k for k in it if k not in cols]
-    rows = [[_scalar(it.get(c)) for c in cols] for it in items]
-    return _table(rows, [_label(c).upper() for c in cols], indent)
+    # a duration (``*_s``) as ``_fields`` shows it: the label without the unit, the value
+    # with it (``last_remote_change_age_s`` 12.5 → LAST REMOTE CHANGE AGE, ``12.5s``)
+    durations = {c for c in cols if str(c).endswith("_s")}
+    rows = [[_duration(it[c]) if c in durations and it.get(c) is not None else _scalar(it.get(c))
+             for c in cols] for it in items]
+    return _table(rows, [_label(c[:-2] if c in durations else c).upper() for c in cols], indent)
 
 
 def _fields(d: Mapping[str, Any], first: list[str], indent: str, durations: tuple[str, ...] = (),
@@ -230,6 +234,11 @@ def _fields(d: Mapping[str, Any], first: list[str], indent: str, durations: tupl
     return out
 
 
+def _is_bytes(key: Any) -> bool:
+    """A status key whose value is a byte count: ``bytes`` (a store's) or ``*_bytes``."""
+    return str(key) == "bytes" or str(key).endswith("_bytes")
+
+
 def _label(key: Any) -> str:
     return " ".join(str(key).replace("_", " ").split())
 
@@ -248,8 +257,8 @@ def format_status(data: dict[str, Any]) -> str:
     access, records, then any other store keys), the outbox (depth, oldest age, committed,
     refused by the control plane, retries, then any other keys), then every other key,
     nested ones indented (labels: ``OUTBOX_LABELS``, ``STATUS_LABELS``, else the key's
-    words). Keys ending in ``_s`` are durations in seconds and print as such; keys ending in
-    ``_bytes`` are byte counts and print in binary units, as ``store list`` and the console do
+    words). Keys ending in ``_s`` are durations in seconds and print as such; ``bytes`` and keys
+    ending in ``_bytes`` are byte counts and print in binary units, as ``store list`` and the console do
     (``67108864`` → ``64 MiB``, ``1536`` → ``1.5 KiB``, ``12`` → ``12 B``)."""
 
     def human(n: int) -> str:
@@ -262,7 +271,7 @@ def format_status(data: dict[str, Any]) -> str:
 
     def sizes(v: Any) -> Any:
         if isinstance(v, dict):
-            return {k: human(x) if str(k).endswith("_bytes") and type(x) is int else sizes(x) for k, x in v.items()}
+            return {k: human(x) if _is_bytes(k) and type(x) is int else sizes(x) for k, x in v.items()}
         if isinstance(v, list):
             return [sizes(x) for x in v]
         return v
