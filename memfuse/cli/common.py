@@ -507,7 +507,9 @@ def cli(verbose: bool) -> None:
 
     Start with `memfuse dev` (embedded control plane on a local SQLite file, workspace `dev`
     with store `default` mounted at ./memory). Every option also reads MEMFUSE_<OPTION> from
-    the environment (exceptions: --version, --help). Rules shared by every command: docs/CLI.md.
+    the environment (exceptions: --version, --help, and the options that pick a version or
+    a diff's ends: show/restore/redact --version, diff --from/--to/--unified). Rules shared by
+    every command: docs/CLI.md.
     """
     global VERBOSE
     VERBOSE = verbose
