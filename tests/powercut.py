@@ -44,12 +44,16 @@ and SQLite rebuilds it from the WAL at the first open, as after a real crash. Lo
 ``fcntl``, ``flock``) are kept by the kernel for a FUSE filesystem that does not implement
 them: they work between processes of this machine. No product setting is changed for this.
 
-The cut (``PowerCutMount.cut``): the processes that use the mount (open files, mmaps, working
-directory) are SIGKILLed first and reaped or waited for; then the filesystem process is told
-(SIGUSR1) to write its report (what it drops: ``CutReport``) and SIGKILLs itself, so it never
-writes another byte to the backing directory; the mount is then removed (``fusermount3
--uz``). Every wait is bounded. Leaving the ``with`` block without a cut is a clean shutdown
-(SIGTERM: every overlay is written to the backing files, as ``sync`` at a shutdown would).
+The cut (``PowerCutMount.cut``, ``cut_all`` for several disks of one machine at once): the
+processes that use the mount (open files, mmaps, working directory) are stopped (SIGSTOP);
+the filesystem process is told (SIGUSR1) to write its report (what it drops: ``CutReport``)
+and SIGKILLs itself, so it never writes another byte to the backing directory nor finishes
+a fsync in flight; then the stopped processes are SIGKILLed and the mount is removed
+(``fusermount3 -uz``). Every wait is bounded. Leaving the ``with`` block without a cut is a
+clean shutdown (SIGTERM: every overlay is written to the backing files, as ``sync`` at a
+shutdown would). ``fsync_delay`` makes every fsync slow (``PowerCutMount``): a write
+answered before its fsync finished is then lost by a cut made right after the answer, on
+any machine.
 
 Limits: one backing directory on one local filesystem; regular files and directories only
 (symlink, link and mknod → ``EPERM``); no xattrs (``ENOSYS``: the kernel stops asking);
@@ -154,13 +158,15 @@ def _renameat2(old_fd: int, old: bytes, new_fd: int, new: bytes, flags: int) -> 
 
 class PowerCutOps(pyfuse3.Operations):
     """The passthrough with volatile data (module docstring). Every handler is synchronous
-    inside (no ``await``), so each runs whole before the next: no lock is needed.
-    GUARDED_BY(the trio thread): every attribute."""
+    inside (no ``await``; ``fsync`` sleeps ``fsync_delay`` s first, then syncs without one),
+    so each runs whole before the next: no lock is needed. GUARDED_BY(the trio thread):
+    every attribute."""
 
     enable_writeback_cache = False  # writes reach ``write`` at once, in order
 
-    def __init__(self, backing: Path) -> None:
+    def __init__(self, backing: Path, fsync_delay: float = 0.0) -> None:
         super().__init__()
+        self.fsync_delay = fsync_delay  # s every fsync takes before it syncs (a slow disk)
         fd = os.open(backing, os.O_PATH | os.O_DIRECTORY)
         st = os.fstat(fd)
         root = Inode(pyfuse3.ROOT_INODE, (st.st_dev, st.st_ino), fd, ".", nlookup=1)
@@ -476,8 +482,14 @@ class PowerCutOps(pyfuse3.Operations):
         with _errors():
             if self.cut:
                 raise pyfuse3.FUSEError(errno.EIO)
+            node = self.handles[fh]  # the fsync holds the descriptor: no release meanwhile
+        if self.fsync_delay > 0:
+            await trio.sleep(self.fsync_delay)  # a slow disk; other requests are served meanwhile
+        with _errors():
+            if self.cut:
+                raise pyfuse3.FUSEError(errno.EIO)
             self.stats["fsyncs"] += 1
-            self._sync(self.handles[fh])
+            self._sync(node)
 
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
         with _errors():
@@ -523,11 +535,12 @@ class PowerCutOps(pyfuse3.Operations):
             return s
 
 
-async def serve(backing: Path, mountpoint: Path, report: Path) -> None:
+async def serve(backing: Path, mountpoint: Path, report: Path, fsync_delay: float = 0.0) -> None:
     """Mount ``backing`` at ``mountpoint`` until SIGTERM / SIGINT (every overlay synced, then
     unmounted) or SIGUSR1 (the cut: ``report`` written as JSON — ``dropped``, the files whose
-    unsynced data the cut loses, and ``stats`` — then this process SIGKILLs itself)."""
-    ops = PowerCutOps(backing)
+    unsynced data the cut loses, and ``stats`` — then this process SIGKILLs itself). Every fsync takes ``fsync_delay`` s.
+    """
+    ops = PowerCutOps(backing, fsync_delay)
     options = set(pyfuse3.default_options) | {f"fsname={FSNAME}", f"subtype={FSNAME}"}
     pyfuse3.init(ops, str(mountpoint), options)
     clean = False
@@ -558,9 +571,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("backing", type=Path)
     ap.add_argument("mountpoint", type=Path)
     ap.add_argument("--report", type=Path, required=True)
+    ap.add_argument("--fsync-delay", type=float, default=0.0,
+                    help="seconds every fsync waits before it syncs and answers (a slow disk)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-    trio.run(serve, args.backing.resolve(), args.mountpoint.resolve(), args.report.resolve())
+    trio.run(serve, args.backing.resolve(), args.mountpoint.resolve(), args.report.resolve(),
+             args.fsync_delay)
     return 0
 
 
@@ -602,11 +618,21 @@ class PowerCutMount:
     ``with PowerCutMount(b, m) as pc: ... pc.cut()``: entering waits (``timeout`` s at most)
     for the mount; ``cut()`` is the power cut; leaving the block without a cut is a clean
     shutdown (every overlay written to ``backing``); either way the mount is gone afterwards
-    (a lazy unmount in a ``finally``) and the process reaped."""
+    (a lazy unmount in a ``finally``) and the process reaped.
+
+    ``fsync_delay`` (s): every fsync waits that long before it syncs and answers, a slow
+    disk. It makes "answered before its fsync" deterministic to catch: a program that
+    answers a write and syncs it afterwards (in a background task, a group commit after the
+    answer) has its data still unsynced for at least that long after the answer, so a cut
+    made at once after the answer loses it, however fast the machine; a program that
+    answers after its fsync only gets slower. Unlike a slow local disk, the kernel holds
+    the file's inode lock across a FUSE fsync: writes to that file wait for it (a program
+    that fsyncs one file in a loop while writing it crawls)."""
 
     def __init__(self, backing: Path, mountpoint: Path, log: Path | None = None,
-                 timeout: float = 30.0) -> None:
+                 timeout: float = 30.0, fsync_delay: float = 0.0) -> None:
         self.backing, self.mountpoint = backing, mountpoint
+        self.fsync_delay = fsync_delay
         self.log = log or mountpoint.parent / "powercut.log"
         self.report = mountpoint.parent / f"{mountpoint.name}.cut.json"
         self.timeout = timeout
@@ -618,7 +644,7 @@ class PowerCutMount:
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, __file__, str(self.backing), str(self.mountpoint),
-                 "--report", str(self.report)],
+                 "--report", str(self.report), "--fsync-delay", str(self.fsync_delay)],
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         try:
             proc = self.proc
@@ -663,22 +689,14 @@ class PowerCutMount:
         return out
 
     def cut(self, kill: bool = True) -> CutReport:
-        """The power cut: with ``kill`` (the default), every process using the mount is
-        SIGKILLed and waited for (``timeout`` s at most: ``AssertionError`` past it); then the
-        filesystem drops every unsynced byte and dies, and the mount is removed. Afterwards
-        the backing directory holds only what was fsynced (and the metadata). Returns the
-        ``CutReport``; a second call raises ``AssertionError``."""
+        """The power cut of this mount alone: ``cut_all(self, kill=kill)``."""
+        return cut_all(self, kill=kill)[0]
+
+    def _die(self) -> None:
+        """Tell the filesystem to cut (SIGUSR1: it writes its report and SIGKILLs itself, so
+        it answers nothing more and writes no other byte to the backing directory) and reap
+        it (``timeout`` s at most, else SIGKILL and ``AssertionError``)."""
         assert self.proc is not None and self.proc.poll() is None, "the power-cut mount is not up"
-        killed: list[int] = []
-        if kill:
-            killed = self.users()
-            for pid in killed:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            _wait(lambda: not [p for p in killed if _alive(p)], self.timeout,
-                  f"the processes using the mount ({killed}) to die")
         self.report.unlink(missing_ok=True)
         self.proc.send_signal(signal.SIGUSR1)
         try:
@@ -686,7 +704,8 @@ class PowerCutMount:
         except subprocess.TimeoutExpired:
             self._end(clean=False)
             raise AssertionError("the power-cut filesystem did not die at the cut") from None
-        self._end(clean=False)
+
+    def _report(self, killed: list[int]) -> CutReport:
         if not self.report.exists():
             raise AssertionError("the power-cut filesystem wrote no report:\n"
                                  + self.log.read_text(errors="replace")[-3000:])
@@ -715,6 +734,51 @@ class PowerCutMount:
                                timeout=self.timeout)
             _wait(lambda: not _mounted(self.mountpoint), self.timeout,
                   f"{self.mountpoint} to be unmounted")
+
+
+def cut_all(*mounts: PowerCutMount, kill: bool = True) -> list[CutReport]:
+    """One power cut of every mount in ``mounts`` (one machine losing power: its disks at
+    once), in the order that lets no process act between the instant and its death:
+
+    1. with ``kill``, every process using any of the mounts is stopped (SIGSTOP: it runs no
+       more code; one waiting on a request of the filesystem stays in the kernel);
+    2. each filesystem cuts: it drops every unsynced byte and dies at once, so a fsync in
+       flight (``fsync_delay``) never completes, and a request in flight fails;
+    3. the stopped processes are SIGKILLed and waited for (``timeout`` s at most); each
+       mount is removed (``fusermount3 -uz``) and its unmount waited for.
+
+    Killing the processes first instead would let a fsync they have in flight complete (a
+    process killed while it waits for a FUSE answer dies only once the answer came), which
+    would hide a write answered before its fsync. A caller that wants its processes gone
+    first passes ``kill=False`` after killing them. Returns each mount's ``CutReport``
+    (``killed``: the pids of step 3, on every report). Raises ``AssertionError`` when a wait
+    times out; every mount is removed even then."""
+    timeout = max(m.timeout for m in mounts)
+    stopped: list[int] = []
+    try:
+        if kill:
+            stopped = sorted({pid for m in mounts for pid in m.users()})
+            for pid in stopped:
+                _signal(pid, signal.SIGSTOP)
+        for m in mounts:
+            m._die()
+    finally:
+        for pid in stopped:
+            _signal(pid, signal.SIGKILL)
+        try:
+            _wait(lambda: not [p for p in stopped if _alive(p)], timeout,
+                  f"the processes using the mount ({stopped}) to die")
+        finally:
+            for m in mounts:
+                m._end(clean=False)
+    return [m._report(stopped) for m in mounts]
+
+
+def _signal(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def _alive(pid: int) -> bool:
