@@ -17,12 +17,12 @@ The model (what the backing directory holds at any moment = what survives a powe
   process's memory (``Dirty``: 4 KiB pages and the file's size), never in the backing file;
   reads, ``stat`` and shared mmaps see the overlay (it plays the page cache). ``fsync(2)`` or
   ``fdatasync(2)`` of the file, through any descriptor, writes its overlay into the backing
-  file and drops it. Nothing else syncs: not ``close(2)`` (flush, release), not the kernel's
-  writeback of an mmap, not ``syncfs`` / ``sync`` (there is no FUSE request for them), not
-  unmounting. A file's size grown by writes is data too: it is durable at the fsync.
+  file and drops it (``msync(MS_SYNC)`` too: the kernel sends it as a fsync). Nothing else
+  syncs: not ``close(2)`` (flush, release), not the kernel's writeback of an mmap, not
+  ``syncfs`` / ``sync`` (no request reaches the filesystem), not unmounting. A file's size grown by writes is data too: it is durable at the fsync.
 - **Metadata is durable at once.** create, mkdir, unlink, rmdir, rename, truncate (also
   ``O_TRUNC``), chmod, chown and utimens are applied to the backing directory by the handler,
-  before it answers. That is stricter than real filesystems: ext4 (data=ordered) commits
+  before it answers. That is kinder to the program than real filesystems: ext4 (data=ordered) commits
   metadata in its journal every few seconds, so a rename or unlink that was not followed by
   an fsync of the directory can be lost, and a rename over a file whose new data was not
   fsynced can leave that file empty (ext4's ``auto_da_alloc`` flushes that data in the
@@ -56,7 +56,8 @@ answered before its fsync finished is then lost by a cut made right after the an
 any machine.
 
 Limits: one backing directory on one local filesystem; regular files and directories only
-(symlink, link and mknod → ``EPERM``); no xattrs (``ENOSYS``: the kernel stops asking);
+(symlink, link and mknod → ``EPERM``); no xattrs (``ENOSYS``: the kernel stops asking); no
+``fallocate`` (glibc's ``posix_fallocate`` then writes the range: data, volatile as any);
 mounting needs root (CI runs as root; the tests skip otherwise). Inode numbers on the mount
 are the harness's own (not the backing file's): each known file holds an ``O_PATH``
 descriptor of its backing file, so a backing inode number is never reused while the harness

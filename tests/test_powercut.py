@@ -2,27 +2,37 @@
 (tests/powercut.py: a FUSE filesystem that keeps every byte not fsynced in memory, and
 ``cut()`` drops it).
 
+0. The harness's data model against a reference, on its handlers (no mount).
 1. The harness can fail: a file written without fsync is gone after the cut, with fsync it
-   stays; SQLite in WAL mode keeps every committed transaction with ``synchronous=FULL`` and
-   loses them with ``OFF`` or ``NORMAL`` (nothing else in the suite can see that difference).
+   stays; a shared mmap is seen by readers and kept only after msync; SQLite in WAL mode
+   keeps every committed transaction with ``synchronous=FULL`` and loses them with ``OFF``,
+   ``NORMAL``, or a fsync made after the commit was answered (nothing else in the suite can
+   see those differences).
 2. The control plane (``memfuse serve``) with its SQLite database on the power-cut disk:
    every write the API acknowledged is there, with its content and version, after the cut
    and a restart on what the disk kept.
 3. The sidecar with its cache directory on the power-cut disk and the control plane down,
-   so closes return 0 on the outbox journal alone: after SIGKILL and the cut, a new sidecar
-   on what the disk kept sends every one of them to the control plane, exactly once.
+   so closes return 0 on the outbox journal alone: after the cut (the sidecar dies with
+   it), a new sidecar on what the disk kept sends every one of them to the control plane,
+   exactly once.
+4. Both on power-cut disks, the control plane up, so closes return 0 on its answer alone:
+   after one cut of both, every one of them is there, once.
 
-Real FUSE mounts: needs root and /dev/fuse (CI has both; skipped otherwise, which CI counts
-as a failure). Every mount is unmounted in a ``finally`` (``PowerCutMount``, ``Rig``).
+The memfuse tests run on a slow disk (``SLOW_FSYNC`` a fsync): a write answered before its
+fsync finished is lost by the cut that comes right after the answer, whatever the machine's
+speed. Real FUSE mounts: needs root and /dev/fuse (CI has both; skipped otherwise, which CI
+counts as a failure). Every mount is unmounted in a ``finally`` (``PowerCutMount``, ``Rig``).
 """
 from __future__ import annotations
 
+import mmap
 import os
+import random
 import shutil
+import sqlite3
 import subprocess
 import sys
 import time
-import random
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -130,6 +140,33 @@ def test_unsynced_file_data_is_gone_after_the_cut_and_synced_data_stays(tmp_path
     assert report.dropped_paths() == {"lost.txt", "part.txt", "sub/new.txt"}
 
 
+@mount_test
+def test_shared_mmap_writes_are_seen_by_readers_and_kept_only_after_msync(tmp_path):
+    """MAP_SHARED on the power-cut mount (what SQLite's ``-shm`` needs): a write through a
+    shared mapping is seen by another process's ``read(2)`` at once (one page cache); the
+    kernel writes the dirty pages back to the filesystem as data, volatile like any write
+    (dropped by the cut), unless ``msync(MS_SYNC)`` (a fsync) synced them."""
+    disk, mnt = tmp_path / "disk", tmp_path / "mnt"
+    with PowerCutMount(disk, mnt) as pc:
+        for name, sync in (("kept.bin", True), ("lost.bin", False)):
+            with open(mnt / name, "wb") as f:
+                f.write(b"." * 8192)
+                f.flush()
+                os.fsync(f.fileno())
+            with open(mnt / name, "r+b") as f, mmap.mmap(f.fileno(), 8192) as mm:
+                mm[0:4], mm[4096:4100] = b"AAAA", b"BBBB"
+                seen = subprocess.run(["head", "-c", "4", str(mnt / name)], capture_output=True,
+                                      timeout=30, check=True).stdout
+                assert seen == b"AAAA", name
+                if sync:
+                    mm.flush()  # msync(MS_SYNC)
+        report = pc.cut()
+    kept, lost = (disk / "kept.bin").read_bytes(), (disk / "lost.bin").read_bytes()
+    assert (kept[:4], kept[4096:4100]) == (b"AAAA", b"BBBB")
+    assert lost == b"." * 8192
+    assert report.dropped_paths() == {"lost.bin"}
+
+
 SQLITE_WRITER = r'''
 import sqlite3, sys, time
 path, sync, n, done = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
@@ -177,7 +214,6 @@ def test_sqlite_wal_keeps_committed_transactions_only_with_synchronous_full(tmp_
             proc.kill()
             proc.wait(30)
     print(sync, report)
-    import sqlite3
     db = sqlite3.connect(disk / "t.db")
     try:
         rows = db.execute("SELECT count(*) FROM t").fetchone()[0]
