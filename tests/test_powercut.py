@@ -170,10 +170,7 @@ def test_shared_mmap_writes_are_seen_by_readers_and_kept_only_after_msync(tmp_pa
 SQLITE_WRITER = r'''
 import sqlite3, sys, time
 path, sync, n, done = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-db = sqlite3.connect(path, isolation_level=None)
-db.execute("PRAGMA journal_mode=WAL")
-db.execute("PRAGMA synchronous=FULL")
-db.execute("CREATE TABLE t (i INTEGER PRIMARY KEY, v TEXT)")  # the schema is durable
+db = sqlite3.connect(path, isolation_level=None)  # made on the disk before the mount (WAL)
 db.execute(f"PRAGMA synchronous={'OFF' if sync == 'DEFERRED' else sync}")
 for i in range(n):
     db.execute("BEGIN")
@@ -197,12 +194,20 @@ def test_sqlite_wal_keeps_committed_transactions_only_with_synchronous_full(tmp_
     lost with ``NORMAL`` (the WAL fsynced only at a checkpoint: none of 50 small
     transactions reaches one) and ``OFF``; and with ``DEFERRED`` (``OFF``, then one fsync
     of the WAL right *after* the commits were answered: a group commit after the answer) on
-    a slow disk (1 s a fsync) they are lost too: the cut stops the writer before it cuts the
+    a slow disk (5 s a fsync: the test's reaction has that long) they are lost too: the cut stops the writer before it cuts the
     disk, so the fsync in flight never completes (killing the writer first would wait for
     that fsync, and find nothing lost)."""
     n = 50
     disk, mnt, done = tmp_path / "disk", tmp_path / "mnt", tmp_path / "done"
-    with PowerCutMount(disk, mnt, fsync_delay=1.0 if sync == "DEFERRED" else 0.0) as pc:
+    disk.mkdir()
+    db = sqlite3.connect(disk / "t.db")  # the schema, durable before the power-cut mount
+    try:
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("CREATE TABLE t (i INTEGER PRIMARY KEY, v TEXT)")
+        db.commit()
+    finally:
+        db.close()
+    with PowerCutMount(disk, mnt, fsync_delay=5.0 if sync == "DEFERRED" else 0.0) as pc:
         proc = subprocess.Popen([sys.executable, "-c", SQLITE_WRITER, str(mnt / "t.db"), sync,
                                  str(n), str(done)], stdin=subprocess.DEVNULL)
         try:
