@@ -295,8 +295,8 @@ def test_control_plane_keeps_every_acknowledged_write_across_a_power_cut(tmp_pat
 def test_sidecar_closes_acknowledged_by_the_journal_survive_a_power_cut(tmp_path):
     """The sidecar's cache directory on the power-cut disk, the control plane down: 20 new
     files and appends to two files (one committed before the outage, one new), every close
-    returning 0 on the outbox journal alone; the sidecar SIGKILLed and the power cut; the
-    control plane back and a new sidecar on what the disk kept: every write reaches the
+    returning 0 on the outbox journal alone; the power cut right after the last close (the
+    sidecar dies with it, its journal's fsyncs slow: ``SLOW_FSYNC``); the control plane back and a new sidecar on what the disk kept: every write reaches the
     control plane, each file once, with its last content (``check_store``)."""
     disk, cache = tmp_path / "cachedisk", tmp_path / "cache"
     with PowerCutMount(disk, cache, fsync_delay=SLOW_FSYNC) as pc:
