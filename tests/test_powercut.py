@@ -400,19 +400,15 @@ def test_closes_acknowledged_by_the_control_plane_survive_a_power_cut_of_both_di
 
 @mount_test
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(strict=True, reason="session 25 finding, reported to the lead: the sidecar's "
-                   "fsyncdir returns 0 at once, before the directory's rename / unlink is in "
-                   "the outbox journal (fsynced) or committed; a power cut right after loses "
-                   "them")
 def test_a_rename_and_an_unlink_whose_directory_fsync_returned_survive_a_power_cut(tmp_path):
     """The POSIX idiom for a durable rename (write a file, close, rename it, fsync the
     directory: Python's atomic-write libraries, git, SQLite's own journals) and a durable
     unlink, with the control plane down: once ``fsync`` of the directory returned 0, a
     power cut must not bring back the old name nor the deleted file. (Seen in session 25:
     both come back, 3 of 3 runs, and also with a plain ``kill -9`` of the sidecar right
-    after the directory's fsync and no power cut at all: ``fsyncdir`` answers 0 in ~0.6 ms
-    without waiting for the entries to reach the journal. xfail until the product decides;
-    strict, so a fix shows.)"""
+    after the directory's fsync and no power cut at all: ``fsyncdir`` answered 0 in ~0.6 ms
+    without waiting for the entries to reach the journal. Now it waits for them to be
+    accepted: ``Filesystem.fsyncdir``.)"""
     disk, cache = tmp_path / "cachedisk", tmp_path / "cache"
     with PowerCutMount(disk, cache, fsync_delay=SLOW_FSYNC) as pc:
         with Rig(tmp_path) as rig:

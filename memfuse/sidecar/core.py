@@ -1216,6 +1216,18 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         if e.errno:
             raise FsError(e.errno, e.reason)
 
+    async def fsyncdir(self, h: Handle) -> None:
+        """fsync(2) of a directory (POSIX: its entries durable; the idiom of a durable rename:
+        write, close, rename, fsync the directory): return once every change queued so far
+        (this directory's create, rename, unlink, mkdir and rmdir among them) is accepted, on
+        disk in the outbox journal (a ``Barrier``), or committed; a crash or a power cut then
+        loses none of them (docs/SEMANTICS.md, "Namespace changes"). It does not wait for the
+        control plane, as a file's fsync does for its content. Raises ``FsError`` with the
+        journal's errno when the cache disk refuses the write (``ENOSPC``, ``EIO``), ``EIO``
+        after ``fsync_timeout`` s. (powercut25: it returned 0 at once, and a rename and an
+        unlink it had answered for came back after a power cut, and after a kill -9.)"""
+        await self._wait_accepted(h.node, self.journal.barrier(), self.settings.fsync_timeout)
+
     async def _journal_refused(self, n: Node, e: Entry, err: CacheError, deadline: float) -> None:
         """The close of a write the outbox journal could not take (``err``: the cache disk
         is full, ``ENOSPC``, or fails, ``EIO``): the one rule of docs/SEMANTICS.md ("The

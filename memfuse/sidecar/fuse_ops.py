@@ -365,9 +365,9 @@ class MemfuseOps(pyfuse3.Operations):
     def releasedir(self, fh: int) -> None:
         self.fs.release(fh)
 
-    @_guard_sync
-    def fsyncdir(self, fh: int, datasync: bool) -> None:
-        return None
+    @_guard
+    async def fsyncdir(self, fh: int, datasync: bool) -> None:
+        await self.fs.fsyncdir(self.fs.handle(fh))
 
     @_guard_sync
     def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
