@@ -3,7 +3,7 @@
     .venv/bin/python bench/prof_write.py [--n 1000] [--rounds 3] [--threads 1,4,16]
                                          [--juicefs] [--pyspy DIR] [--callgrind DIR]
                                          [--cprofile PREFIX] [--trace DIR]
-                                         [--count-syncs] [--ablate-serve-fsync]
+                                         [--count-syncs] [--ablate-serve-fsync [off|deferred]]
 
 One ``memfuse serve`` (SQLite) and one sidecar (``--commit-wait`` 10 s: every close returns
 once the control plane has the record). Each round writes ``n`` files of ~550 B
@@ -27,7 +27,10 @@ JuiceFS (``perf stat`` on the ``syscalls`` tracepoints; root or ``perf_event_par
 per file written: a ``syncs_per_file`` object in that round's line. ``--ablate-serve-fsync``:
 ``memfuse serve`` commits without waiting for the disk (``bench/ablate_fsync``: SQLite's
 ``synchronous=NORMAL``, JuiceFS's durability), an ablation that prices the control plane's
-per-commit ``fdatasync``, never a mode of memfuse. Results go to stdout as JSON lines, one per
+per-commit ``fdatasync``, never a mode of memfuse; ``--ablate-serve-fsync deferred``
+(``bench/ablate_fsync_deferred``): a syncer thread ``fdatasync``s serve's WAL after each answer
+and the sidecar journals every write at once, the cost of the deferred-sync design (bench/README.md,
+"Priced in session 25"). Results go to stdout as JSON lines, one per
 measurement.
 """
 from __future__ import annotations
@@ -179,13 +182,17 @@ def main() -> int:
     ap.add_argument("--count-syncs", action="store_true",
                     help="fsync/fdatasync calls per file of serve, the sidecar and JuiceFS in the first "
                          "round's one-writer part (perf stat): 'syncs_per_file' in that line")
-    ap.add_argument("--ablate-serve-fsync", action="store_true",
-                    help="memfuse serve commits with SQLite synchronous=NORMAL (bench/ablate_fsync): "
-                         "what the control plane's per-commit fdatasync costs; not a memfuse mode")
+    ap.add_argument("--ablate-serve-fsync", nargs="?", const="off", choices=("off", "deferred"),
+                    help="memfuse serve commits with SQLite synchronous=NORMAL: 'off' (the default "
+                         "when named, bench/ablate_fsync): what the control plane's per-commit "
+                         "fdatasync costs; 'deferred' (bench/ablate_fsync_deferred): a syncer thread "
+                         "fdatasyncs the WAL after each answer and the sidecar journals every write "
+                         "at once, the cost of the proposed close path; never a memfuse mode")
     a = ap.parse_args()
-    if a.ablate_serve_fsync:  # inherited by memfuse serve (bench/ablate_fsync/sitecustomize.py)
+    if a.ablate_serve_fsync:  # inherited by memfuse serve (bench/ablate_fsync*/sitecustomize.py)
+        d = "ablate_fsync" if a.ablate_serve_fsync == "off" else "ablate_fsync_deferred"
         os.environ["PYTHONPATH"] = os.pathsep.join(
-            [str(Path(__file__).resolve().parent / "ablate_fsync"), *filter(None, [os.environ.get("PYTHONPATH")])])
+            [str(Path(__file__).resolve().parent / d), *filter(None, [os.environ.get("PYTHONPATH")])])
     if a.callgrind is not None:
         a.callgrind = a.callgrind.resolve()
         a.callgrind.mkdir(parents=True, exist_ok=True)
