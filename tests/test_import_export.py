@@ -119,7 +119,9 @@ def test_round_trip_is_byte_exact_with_types(home, tmp_path):
                  "4913", ".memfuse/", "link.md"):
         assert name in r.stdout.split("skipped: ", 1)[1], name
     assert "created user_role.md (user)" in r.stdout and "created MEMORY.md (index)" in r.stdout
-    ok("import", "work", str(src / "workspace"))
+    r = ok("import", "work", str(src / "workspace"), "--quiet")  # the summary alone
+    assert r.stdout.startswith(f"imported {len(WORKSPACE)} of {len(WORKSPACE)} file(s) into work"), r.stdout
+    assert "created " not in r.stdout and len(r.stdout.splitlines()) == 1, r.stdout
     ok("import", "profile", str(src / "profile"))
 
     recs = store_records("claude")

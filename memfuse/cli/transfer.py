@@ -77,8 +77,9 @@ def _echo_with(bar: Any) -> Callable[[str], None]:
 @click.argument("directory", metavar="DIR",
                 type=click.Path(exists=True, file_okay=False, readable=True, path_type=Path))
 @opt("--dry-run", is_flag=True, help="Check every file against the store's rules; write nothing.")
+@opt("-q", "--quiet", is_flag=True, help="No line per file: only the summary, what was skipped and what was refused.")
 @api_options
-def import_(target: Target, store_slug: str, directory: Path, dry_run: bool) -> None:
+def import_(target: Target, store_slug: str, directory: Path, dry_run: bool, quiet: bool) -> None:
     """Load the memory files under DIR into STORE, keeping their paths.
 
     Every regular file becomes the record at its path relative to DIR (a Claude Code memory
@@ -106,8 +107,8 @@ def import_(target: Target, store_slug: str, directory: Path, dry_run: bool) -> 
     bar = progress_bar(len(files), "checking" if dry_run else "importing", "file")
     try:
         items = files if bar is None else _ticking(bar, files)
-        report = _api(target, lambda api: import_files(api, store_slug, items, dry_run, _echo_with(bar),
-                                                       manifest))
+        echo = (lambda line: None) if quiet else _echo_with(bar)
+        report = _api(target, lambda api: import_files(api, store_slug, items, dry_run, echo, manifest))
     finally:
         if bar is not None:
             bar.close()
