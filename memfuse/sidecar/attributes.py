@@ -14,7 +14,7 @@ from __future__ import annotations
 import errno
 import stat
 import time
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Callable, NoReturn
 
 from .. import content as content_rules
 from ..errors import errno_of
@@ -153,7 +153,20 @@ class AttributeOps:
         self.committer.submit(n.store.slug, ATTRS, n.key, {"path": n.path(), **changed})
 
     # ------------------------------------------------------------------ xattrs
-    XATTRS = ("id", "version", "sha256", "state", "updated_at", "error", "type")
+    #: each readable ``user.memfuse.<key>``'s value of a record file ('' when it has none),
+    #: computed only for the key asked (``sha256`` of a file being written hashes its buffer)
+    _XATTR_VALUES: dict[str, Callable[[Node], str]] = {
+        "id": lambda n: n.record_id or "",
+        "version": lambda n: str(n.version) if n.record_id else "",
+        "sha256": lambda n: n.sha if n.buf is None else sha256_hex(bytes(n.buf)),
+        "state": lambda n: "local" if n.local_only else n.state,
+        "updated_at": lambda n: n.updated_at,
+        "error": lambda n: n.error,
+        # a type set and not yet committed shows at once (read your write), by the record's
+        # type rule (``content.record_type``: the explicit type wins, the root index has none)
+        "type": lambda n: content_rules.record_type(n.path(), "", n.type_override, n.rtype) or "",
+    }
+    XATTRS = tuple(_XATTR_VALUES)
 
     def getxattr(self, n: Node, name: str) -> bytes:
         """The value of ``user.memfuse.<key>`` for a record file (``id``, ``version``, ``sha256``,
@@ -164,15 +177,7 @@ class AttributeOps:
         key = name[len("user.memfuse."):]
         if n.is_dir or n.special or key not in self.XATTRS:
             raise FsError(errno.ENODATA)
-        value = {"id": n.record_id or "", "version": str(n.version) if n.record_id else "",
-                 "sha256": n.sha if n.buf is None else sha256_hex(bytes(n.buf)),
-                 "state": "local" if n.local_only else n.state, "updated_at": n.updated_at,
-                 "error": n.error,
-                 # a type set and not yet committed shows at once (read your write): the
-                 # record's type rule (``content.record_type``: the explicit type wins, the
-                 # root index has none)
-                 "type": (content_rules.record_type(n.path(), "", n.type_override, n.rtype)
-                          if key == "type" else None) or ""}[key]
+        value = self._XATTR_VALUES[key](n)
         if not value and key not in ("error",):
             raise FsError(errno.ENODATA)
         return value.encode("utf-8")
