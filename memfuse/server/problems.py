@@ -93,6 +93,14 @@ def install_error_handlers(app: FastAPI) -> None:
         return problem_response(422, "validation_error", detail, errors=errors)
 
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 400 and isinstance(exc.__cause__, (ValueError, RecursionError)):
+            # FastAPI's answer to a body ``json.loads`` refused with other than a
+            # JSONDecodeError (an integer of more than 4,300 digits, Python's bound on
+            # integer parsing; JSON nested past the parser's depth): 400 "There was an error
+            # parsing the body". Answered as its JSONDecodeError is, and as the batch route
+            # answers the same bodies: 422 ``validation_error``, ``json_invalid``.
+            return await on_validation_error(request, RequestValidationError(
+                [{"loc": ["body"], "msg": f"invalid JSON: {exc.__cause__}", "type": "json_invalid"}]))
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         detail = exc.detail if isinstance(exc.detail, str) else ""
         if exc.status_code == 404 and detail == "Not Found":
