@@ -232,6 +232,34 @@ def test_xattrs(env, d):
     assert e.value.errno == errno.ENOTSUP
 
 
+def test_state_of_a_file_with_unflushed_writes_is_dirty(env, d):
+    """``user.memfuse.state`` reads ``dirty`` while a write is not yet flushed (the file open,
+    written, not closed), for a new file and for a record being rewritten; ``id`` and
+    ``version`` are still the last committed version's; ``clean`` again after the close
+    (attack26 F3: it read ``clean``, telling an agent an unsaved write was saved)."""
+    cp, _ = env
+    p, pre = d
+    sh("echo one > old.md", p)
+    fd = os.open(p / "new.md", os.O_CREAT | os.O_WRONLY, 0o644)
+    try:
+        os.write(fd, b"new\n")
+        assert os.getxattr(p / "new.md", "user.memfuse.state") == b"dirty"
+        assert _errno_of(lambda: os.getxattr(p / "new.md", "user.memfuse.id")) == errno.ENODATA
+    finally:
+        os.close(fd)
+    assert os.getxattr(p / "new.md", "user.memfuse.state") == b"clean"
+    fd = os.open(p / "old.md", os.O_WRONLY | os.O_TRUNC)
+    try:
+        os.write(fd, b"two\n")
+        assert os.getxattr(p / "old.md", "user.memfuse.state") == b"dirty"
+        assert os.getxattr(p / "old.md", "user.memfuse.version") == b"1"
+    finally:
+        os.close(fd)
+    assert os.getxattr(p / "old.md", "user.memfuse.state") == b"clean"
+    assert os.getxattr(p / "old.md", "user.memfuse.version") == b"2"
+    assert rec(cp, f"{pre}/old.md").version == 2
+
+
 def _renameat2(src: Path, dst: Path, flags: int) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     AT_FDCWD = -100

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Callable, NoReturn
 from .. import content as content_rules
 from ..errors import errno_of
 from ..defs import MODE_MASK, RECORD_TYPES, sha256_hex
-from .inodes import REJECTED, FsError, Node
+from .inodes import DIRTY, REJECTED, FsError, Node
 from .journal import ATTRS
 
 if TYPE_CHECKING:
@@ -159,7 +159,9 @@ class AttributeOps:
         "id": lambda n: n.record_id or "",
         "version": lambda n: str(n.version) if n.record_id else "",
         "sha256": lambda n: n.sha if n.buf is None else sha256_hex(bytes(n.buf)),
-        "state": lambda n: "local" if n.local_only else n.state,
+        # ``dirty``: written here since the last commit and not yet flushed (closed or
+        # fsynced), so not in the outbox: the write state describes the content before it
+        "state": lambda n: "local" if n.local_only else DIRTY if n.dirty else n.state,
         "updated_at": lambda n: n.updated_at,
         "error": lambda n: n.error,
         # a type set and not yet committed shows at once (read your write), by the record's

@@ -63,7 +63,9 @@ class WriteState(enum.StrEnum):
     put back at start (``RejectedFiles``); PENDING → the state before the put: a put its
     close withdrew (``Filesystem._withdraw``: the cache disk refused it, no answer in time). Directories and control files stay CLEAN. The
     orthogonal ``Node.dirty`` says a write session changed the content since the last
-    commit: the state then still describes the content before it.
+    commit: the state then still describes the content before it, and ``user.memfuse.state``
+    shows ``DIRTY`` ("dirty") instead (attack26 F3: it read ``clean`` for a file with unflushed
+    writes, while ``cat`` showed them).
     """
 
     CLEAN = "clean"
@@ -72,6 +74,9 @@ class WriteState(enum.StrEnum):
 
 
 CLEAN, PENDING, REJECTED = WriteState.CLEAN, WriteState.PENDING, WriteState.REJECTED
+#: ``user.memfuse.state`` of a file with writes not yet flushed (``Node.dirty``): not a
+#: ``WriteState`` (the write state is of the content last committed), only what it shows
+DIRTY = "dirty"
 DIR_MODE = 0o755  # permission bits of a directory nobody chmod-ed
 DIR_MODES_KEY = "_modes"  # dirs.json: {slug: {dir path ("" = store root): mode}}; never a slug
 #: dirs.json: {slug: the creation time of the store its directories were made in}; never a slug
