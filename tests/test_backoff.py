@@ -25,3 +25,18 @@ def test_a_cap_not_on_the_doubling_path_is_reached_exactly():
 def test_refuses_a_delay_that_cannot_grow(first, cap):
     with pytest.raises(ValueError):
         Doubling(first, cap)
+
+
+def test_a_servers_retry_after_is_waited_out_up_to_its_bound():
+    """A feed answered 429 / 503 with ``Retry-After`` waits at least that long, at most
+    ``RETRY_AFTER_MAX``; the doubling goes on underneath (attack26 F6: the change feed retried
+    every 5 s against ``Retry-After: 20``)."""
+    from memfuse.sidecar.backoff import RETRY_AFTER_MAX
+    r = Doubling(0.2, 5.0)
+    assert r.next(20.0) == 20.0
+    assert r.delay == 0.4  # the doubling is unchanged by the server's ask
+    assert r.next(None) == 0.4
+    assert r.next(0.1) == 0.8  # a shorter ask never shortens the backoff
+    assert r.next(1e9) == RETRY_AFTER_MAX
+    assert r.next(float("nan")) == 3.2
+    assert r.next(float("inf")) == RETRY_AFTER_MAX

@@ -8,7 +8,11 @@ The loops here wait for one answer each (a feed, a load), so their delays are de
 """
 from __future__ import annotations
 
-__all__ = ["Doubling"]
+__all__ = ["Doubling", "RETRY_AFTER_MAX"]
+
+#: the longest wait (s) a server's ``Retry-After`` makes these loops take (the committer's
+#: ``Backoff.cap`` default): a control plane asking for an hour is not left unasked an hour
+RETRY_AFTER_MAX = 30.0
 
 
 class Doubling:
@@ -27,10 +31,15 @@ class Doubling:
         self.cap = cap
         self.delay = first
 
-    def next(self) -> float:
-        """The delay to wait now (s); the following one is twice as long, at most ``cap``."""
+    def next(self, retry_after: float | None = None) -> float:
+        """The delay to wait now (s); the following one is twice as long, at most ``cap``.
+        ``retry_after``: the server's ``Retry-After`` (s) of the failure waited for, if it
+        gave one: the wait is at least that, itself at most ``RETRY_AFTER_MAX`` (RFC 9110
+        §10.2.3; the commit path's rule, ``committer.Backoff``, caps it alike)."""
         d = self.delay
         self.delay = min(d * 2, self.cap)
+        if retry_after is not None and retry_after == retry_after:  # not NaN
+            d = max(d, min(retry_after, RETRY_AFTER_MAX))
         return d
 
     def reset(self) -> None:

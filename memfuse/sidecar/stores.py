@@ -216,9 +216,10 @@ class StoreSync:
                 return out
             except TransientError as e:
                 self.last_start_error = e.code or (f"HTTP {e.status}" if e.status else type(e).__name__)
+                wait = retry.next(e.retry_after)
                 log.warning(f"control plane unreachable while {what}; retrying",
-                            extra={"status": e.status, "code": e.code, "retry_in_s": retry.delay})
-                await trio.sleep(retry.next())
+                            extra={"status": e.status, "code": e.code, "retry_in_s": wait})
+                await trio.sleep(wait)
             except CacheError as e:
                 cache_dir = self.config.cache_dir
                 free, size = free_bytes(cache_dir), disk_size(cache_dir)
@@ -528,9 +529,10 @@ class StoreSync:
                 try:
                     await self._resync(slug)
                 except TransientError as e:
+                    wait = retry.next(e.retry_after)
                     log.info("snapshot after 410 failed; retrying",
-                             extra={"store": slug, "status": e.status, "retry_in_s": retry.delay})
-                    await trio.sleep(retry.next())
+                             extra={"store": slug, "status": e.status, "retry_in_s": wait})
+                    await trio.sleep(wait)
                 except Unauthorized:  # an authentication outage: wait for a valid token
                     await self._wait_token(retry.next())
                 except CacheError as e:
@@ -539,9 +541,10 @@ class StoreSync:
                     await trio.sleep(5.0)
                 continue
             except TransientError as e:
+                wait = retry.next(e.retry_after)  # a 429's or 503's Retry-After is waited out
                 log.info("change feed unreachable; retrying",
-                         extra={"store": slug, "status": e.status, "code": e.code, "retry_in_s": retry.delay})
-                await trio.sleep(retry.next())
+                         extra={"store": slug, "status": e.status, "code": e.code, "retry_in_s": wait})
+                await trio.sleep(wait)
                 probe = not self._streams_ok()  # a stream's first line is a probe already
                 continue
             except Unauthorized:
@@ -709,9 +712,10 @@ class StoreSync:
                 page = await self.client.workspace_events(self.config.workspace, cursor, wait=25)
                 retry.reset()
             except ApiError as e:
+                wait = retry.next(e.retry_after)
                 log.info("workspace events unreachable; retrying",
-                         extra={"status": e.status, "code": e.code, "retry_in_s": retry.delay})
-                await trio.sleep(retry.next())
+                         extra={"status": e.status, "code": e.code, "retry_in_s": wait})
+                await trio.sleep(wait)
                 continue
             cursor = max(cursor, page.seq)
             await self._on_events(page)
