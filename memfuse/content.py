@@ -30,6 +30,7 @@ import bisect
 import binascii
 import codecs
 import html
+import functools
 import itertools
 import json
 import re
@@ -133,10 +134,32 @@ def frontmatter(content: str) -> dict[str, Any] | None:
     try:
         import yaml  # here: most processes (the sidecar) never parse front matter
 
-        data = yaml.safe_load(block)
+        data = yaml.load(block, Loader=_frontmatter_loader())
     except Exception:  # yaml.YAMLError, and RecursionError / MemoryError-ish on hostile input
         return None
     return data if isinstance(data, dict) else None
+
+
+@functools.cache
+def _frontmatter_loader() -> type:
+    """``yaml.SafeLoader`` but for a value that looks like a date and is none (``2026-02-30``,
+    ``0000-01-01``): its text, not an error that loses the whole frontmatter (attack26: one
+    such value in any key made the file's ``type:`` silently ignored). Every other tag is
+    SafeLoader's. Built at first use: importing yaml costs the sidecar, which never parses
+    front matter."""
+    import yaml
+
+    class FrontmatterLoader(yaml.SafeLoader):  # type: ignore[misc]  # yaml ships no types here
+        pass
+
+    def timestamp(loader: yaml.SafeLoader, node: yaml.Node) -> Any:
+        try:
+            return yaml.SafeLoader.construct_yaml_timestamp(loader, node)
+        except (ValueError, OverflowError):
+            return loader.construct_scalar(node)
+
+    FrontmatterLoader.add_constructor("tag:yaml.org,2002:timestamp", timestamp)
+    return FrontmatterLoader
 
 
 def frontmatter_head(content: str) -> str:
