@@ -648,3 +648,45 @@ def test_space_freed_on_a_full_cache_disk_is_not_taken_by_the_blob_cache_log(sma
 def sha256_of(data: bytes) -> str:
     import hashlib
     return hashlib.sha256(data).hexdigest()
+
+
+async def test_a_directory_fsync_refused_by_a_full_disk_names_the_directory(tmp_path):
+    """``Filesystem.fsyncdir`` whose changes the outbox journal cannot take (the cache disk
+    full): ``ENOSPC``, and the ``errors.log`` line names the store and the directory (``.``
+    for the store's root), not the mount root's entry with no store (attack26 F8: ``store=""
+    path=agent``). The filesystem core against the in-process control plane, the journal's
+    barrier refusing as a full disk does."""
+    import trio
+    from memfuse.client import ApiClient
+    from memfuse.fake import FakeControlPlane
+    from memfuse.sidecar.blobcache import BlobCache
+    from memfuse.sidecar.cachedir import CacheError
+    from memfuse.sidecar.core import Filesystem, FsError, Settings
+    from memfuse.sidecar.journal import Journal
+
+    fake = FakeControlPlane(seed=0)
+    token = await fake.setup("ws", stores=("default",))
+    client = ApiClient(fake.base_url, token, transport=fake.transport, instance="disk-test")
+    journal = Journal(tmp_path / "outbox.db")
+    fs = Filesystem(BlobCache(tmp_path / "blobs.db"), client, journal, Settings(commit_wait=5), "ws")
+
+    class Refused:
+        async def wait_accepted(self, timeout: float) -> None:
+            raise CacheError(errno.ENOSPC, "the sidecar's cache disk is full (writing the outbox journal)")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(journal.run)
+        await nursery.start(fs.committer.run)
+        sm = fs.add_store("default", "read_write", [])
+        sub = fs.mkdir(sm.root.ino, b"notes", 0o755, 0, 0)
+        journal.barrier = Refused  # type: ignore[method-assign]
+        for node, path in ((sm.root, "."), (sub, "notes")):
+            h = fs.opendir(node.ino)
+            with pytest.raises(FsError) as ei:
+                await fs.fsyncdir(h)
+            assert ei.value.errno == errno.ENOSPC
+            line = fs.controls.errors[-1]
+            assert (line["store"], line["path"], line["errno"], line["code"]) == (
+                "default", path, "ENOSPC", "cache_disk_full"), line
+        nursery.cancel_scope.cancel()
+    await client.aclose()

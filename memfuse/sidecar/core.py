@@ -1374,9 +1374,15 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         except CacheError as err:
             if n.last_put is e:
                 n.error = err.reason
-            self.note_error(n.parent if n.store is not None else None, n.name, err.errno,
+            if n.is_dir and n.store is not None:  # a directory's fsync: the directory itself
+                # ("." for the store's root, which the mount root's entry named it before)
+                where, name, store = None, n.path() or ".", n.store.slug
+            else:
+                where, name, store = (n.parent if n.store is not None else None), n.name, ""
+            self.note_error(where, name, err.errno,
                             err.reason + "; the write is kept in memory and retried",
-                            "cache_disk_full" if err.errno == errno.ENOSPC else "cache_disk_error")
+                            "cache_disk_full" if err.errno == errno.ENOSPC else "cache_disk_error",
+                            store=store)
             raise FsError(err.errno, err.reason) from None
 
     def reading(self, ino: int) -> bool:
