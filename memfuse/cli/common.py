@@ -453,8 +453,9 @@ class Seconds(click.ParamType):
         if n == math.inf and self.forever:
             return n
         if n < self.min or (self.min_open and n == self.min) or n > MAX_SECONDS:
-            low = f"above {self.min:g}" if self.min_open else f"from {self.min:g}"
-            self.fail(f"{value!r} is not {low} to {MAX_SECONDS:.0f} seconds"
+            bounds = (f"above {self.min:g} and at most {MAX_SECONDS:.0f}" if self.min_open
+                      else f"from {self.min:g} to {MAX_SECONDS:.0f}")
+            self.fail(f"{value!r} is not a number of seconds {bounds}"
                       + (" (or inf: forever)" if self.forever else ""), param, ctx)
         return n + 0.0  # -0.0 as 0.0
 
