@@ -130,12 +130,12 @@ class StoreCreate(BaseModel):
     slug: str = Field(pattern=SLUG_PATTERN)
     description: str = ""
     default_type: Literal["user", "feedback", "project", "reference"] = "project"
-    max_record_bytes: int = Field(default=DEFAULT_MAX_RECORD_BYTES, gt=0, le=INT64_MAX)
-    max_store_bytes: int = Field(default=64 << 20, gt=0, le=INT64_MAX)
-    max_records: int = Field(default=10_000, gt=0, le=INT64_MAX)
-    max_history_bytes: int | None = Field(default=None, gt=0, le=INT64_MAX)
-    max_history_versions: int | None = Field(default=None, gt=0, le=INT64_MAX)
-    history_min_age_s: int | None = Field(default=None, ge=0, le=INT64_MAX)
+    max_record_bytes: int = Field(default=DEFAULT_MAX_RECORD_BYTES, gt=0, le=INT64_MAX, strict=True)
+    max_store_bytes: int = Field(default=64 << 20, gt=0, le=INT64_MAX, strict=True)
+    max_records: int = Field(default=10_000, gt=0, le=INT64_MAX, strict=True)
+    max_history_bytes: int | None = Field(default=None, gt=0, le=INT64_MAX, strict=True)
+    max_history_versions: int | None = Field(default=None, gt=0, le=INT64_MAX, strict=True)
+    history_min_age_s: int | None = Field(default=None, ge=0, le=INT64_MAX, strict=True)
     # The owning account, as in ``WorkspaceCreate.account``.
     account: str | None = Field(default=None, pattern=SLUG_PATTERN)
 
@@ -143,12 +143,12 @@ class StoreCreate(BaseModel):
 class StoreUpdate(BaseModel):
     description: str | None = None
     default_type: Literal["user", "feedback", "project", "reference"] | None = None
-    max_record_bytes: int | None = Field(default=None, gt=0, le=INT64_MAX)
-    max_store_bytes: int | None = Field(default=None, gt=0, le=INT64_MAX)
-    max_records: int | None = Field(default=None, gt=0, le=INT64_MAX)
-    max_history_bytes: int | None = Field(default=None, gt=0, le=INT64_MAX)
-    max_history_versions: int | None = Field(default=None, gt=0, le=INT64_MAX)
-    history_min_age_s: int | None = Field(default=None, ge=0, le=INT64_MAX)
+    max_record_bytes: int | None = Field(default=None, gt=0, le=INT64_MAX, strict=True)
+    max_store_bytes: int | None = Field(default=None, gt=0, le=INT64_MAX, strict=True)
+    max_records: int | None = Field(default=None, gt=0, le=INT64_MAX, strict=True)
+    max_history_bytes: int | None = Field(default=None, gt=0, le=INT64_MAX, strict=True)
+    max_history_versions: int | None = Field(default=None, gt=0, le=INT64_MAX, strict=True)
+    history_min_age_s: int | None = Field(default=None, ge=0, le=INT64_MAX, strict=True)
 
 
 class Store(BaseModel):
@@ -192,7 +192,7 @@ class TokenCreate(BaseModel):
 
     workspace: str | None = None
     name: str = Field(default="", max_length=200)
-    ttl_seconds: int | None = Field(default=None, ge=1, le=MAX_TOKEN_TTL_SECONDS)
+    ttl_seconds: int | None = Field(default=None, ge=1, le=MAX_TOKEN_TTL_SECONDS, strict=True)  # true is not 1 s
     # an admin token (no workspace) for this account only (an account admin); the root
     # admin's when None (docs/API.md "Accounts")
     account: str | None = Field(default=None, pattern=SLUG_PATTERN)
@@ -299,7 +299,7 @@ class PrefixMove(BaseModel):
 
 
 class Restore(BaseModel):
-    version: int = Field(ge=1, le=INT64_MAX)
+    version: int = Field(ge=1, le=INT64_MAX, strict=True)
 
 
 class Record(BaseModel):

@@ -525,8 +525,13 @@ def test_status_json_and_odd_shapes(runner, tmp_path):
     odd = {"ready": False, "stores": "n/a", "outbox": 3, "list": [1, "a"], "nested": {"x": {"y": [{"z": 1}]}}}
     text = format_status(odd)
     assert "ready: no" in text and "stores: n/a" in text and "outbox: 3" in text
-    assert "list: 1, a" in text and "Z" in text
+    assert "list:   1, a" in text and "Z" in text
     assert format_status({}) == ""
+    # every value in one column, lists and empty ones too; an empty dict is "-", not a bare
+    # "task failures:" (attack26 F8: "journal lost: -" out of line)
+    lines = format_status({"errors_logged": 2, "journal_lost": [], "task_failures": {}, "mounts": ["a", "b"]}
+                          ).splitlines()
+    assert lines == ["errors.log lines: 2", "journal lost:     -", "task failures:    -", "mounts:           a, b"], lines
     # byte counts print as people read them (store list, the console), not raw
     sized = {"stores": [{"slug": "s", "local_bytes": 1536, "max_store_bytes": 67108864}],
              "cache": {"used_bytes": 12, "count": 67108864}}

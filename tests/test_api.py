@@ -727,6 +727,31 @@ async def test_openapi(env: Env):
     assert put["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/RecordUpdate")
 
 
+async def test_integer_fields_take_json_integers_only(env: Env):
+    """JSON true is not 1 (a token with ttl_seconds true lived 1 s), "10" is not 10, 1.5 is not
+    an integer: 422 validation_error, nothing made or changed (attack26 F8; the accounts'
+    quotas were strict already)."""
+    for bad in (True, "3600", 3600.5):
+        r = await env.admin.post("/v1/tokens", json={"workspace": "ws", "name": "t", "ttl_seconds": bad})
+        assert_problem(r, 422, "validation_error")
+        for field in ("max_records", "max_record_bytes", "max_history_versions", "history_min_age_s"):
+            assert_problem(await env.admin.post("/v1/stores", json={"slug": "strict", field: bad}), 422,
+                           "validation_error")
+            assert_problem(await env.admin.patch("/v1/stores/default", json={field: bad}), 422, "validation_error")
+    assert all(t["name"] != "t" for t in (await env.admin.get("/v1/tokens")).json())
+    assert (await env.admin.get("/v1/stores/strict")).status_code == 404
+    rec = await env.create("strict.md", "v1")
+    url = f"/v1/stores/default/records/{rec['id']}"
+    await env.ws.put(url, json={"content": "v2"})
+    assert_problem(await env.ws.post(f"{url}/restore", json={"version": True}), 422, "validation_error")
+    # integers still go through
+    r = await env.admin.post("/v1/tokens", json={"workspace": "ws", "name": "ok", "ttl_seconds": 3600})
+    assert r.status_code == 201 and r.json()["expires_at"], r.text
+    assert (await env.ws.post(f"{url}/restore", json={"version": 1})).status_code == 200
+    r = await env.admin.patch("/v1/stores/default", json={"max_records": 500, "history_min_age_s": 0})
+    assert r.status_code == 200 and r.json()["max_records"] == 500, r.text
+
+
 async def test_admin_resources_and_events(env: Env):
     r = await env.admin.get("/v1/workspaces")
     assert [w["name"] for w in r.json()] == ["other", "ws"]

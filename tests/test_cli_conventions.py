@@ -5,6 +5,7 @@ MEMFUSE_HOME in a tmp dir)."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -32,6 +33,51 @@ NO_ENVVAR = {
     (("diff",), "--to"): "as show --version",
     (("diff",), "--unified"): "how much context one diff shows, not a setting",
 }
+
+#: (command path, option) → its own variable MEMFUSE_<COMMAND>_<FLAG>, where MEMFUSE_<FLAG> means
+#: something else to other commands (one name, one type, one meaning); docs/CLI.md lists each
+OWN_ENVVAR = {
+    (("mount",), "--admin-socket"): "MEMFUSE_MOUNT_ADMIN_SOCKET",  # a switch; MEMFUSE_ADMIN_SOCKET: a path
+    (("context",), "--max-bytes"): "MEMFUSE_CONTEXT_MAX_BYTES",  # the block's bound; MEMFUSE_MAX_BYTES: a quota
+    (("consolidate",), "--instructions"): "MEMFUSE_CONSOLIDATE_INSTRUCTIONS",  # to the model; not attach's
+}
+
+#: every variable that more than one command reads → what it means to all of them (their
+#: types are checked to agree): a new sharing is declared here, after checking the meaning
+SHARED_MEANING = {
+    "MEMFUSE_CONTROL_PLANE": "the control plane's URL",
+    "MEMFUSE_TOKEN_FILE": "the file holding the API token",
+    "MEMFUSE_JSON": "print JSON",
+    "MEMFUSE_DEBUG": "verbose logging",
+    "MEMFUSE_LOG_FORMAT": "the log line format (json or text)",
+    "MEMFUSE_WORKSPACE": "the workspace acted on",
+    "MEMFUSE_ACCOUNT": "the account acted on",
+    "MEMFUSE_DB": "the database URL",
+    "MEMFUSE_MOUNTPOINT": "the mount's directory",
+    "MEMFUSE_ACTOR": "who writes through the mount",
+    "MEMFUSE_ADMIN_LISTEN": "the sidecar's admin HTTP address",
+    "MEMFUSE_ADMIN": "the sidecar's admin API URL",
+    "MEMFUSE_ADMIN_SOCKET": "the sidecar's admin Unix socket path",
+    "MEMFUSE_ADMIN_TOKEN_FILE": "the admin bearer token file of the server or sidecar the command runs or asks",
+    "MEMFUSE_CACHE_DIR": "the sidecar's cache directory",
+    "MEMFUSE_DRAIN_TIMEOUT": "seconds to finish pending work on SIGTERM/SIGINT or the end of input",
+    "MEMFUSE_READ_ONLY": "attach read-only",
+    "MEMFUSE_MAX_STORES": "an account's quota of stores",
+    "MEMFUSE_MAX_BYTES": "an account's quota of live bytes",
+    "MEMFUSE_MAX_TOKENS": "an account's quota of active tokens",
+    "MEMFUSE_DESCRIPTION": "a store's description",
+    "MEMFUSE_DEFAULT_TYPE": "a store's default record type",
+    "MEMFUSE_MAX_RECORD_BYTES": "a store's record size limit",
+    "MEMFUSE_MAX_STORE_BYTES": "a store's size limit",
+    "MEMFUSE_MAX_RECORDS": "a store's record count limit",
+    "MEMFUSE_MAX_HISTORY_BYTES": "a store's history budget in bytes",
+    "MEMFUSE_MAX_HISTORY_VERSIONS": "a store's history budget in versions",
+    "MEMFUSE_HISTORY_MIN_AGE": "a store's history budget's minimum age",
+}
+
+#: values each parameter type sharing a variable must treat alike (the same value, or refused)
+PROBES = ["0", "1", "-1", "0.05", "2.5", "1024", "nan", "inf", "30m", "10M", "unlimited", "true", "false",
+          "json", "text", "x", "/nonexistent-memfuse-probe/admin.sock", ""]
 
 
 def invoke(args: list[str], env: dict[str, str] | None = None):
@@ -76,7 +122,13 @@ def test_every_option_reads_memfuse_and_its_flag_name(monkeypatch):
                 if not is_help:
                     assert f"`{' '.join(('memfuse', *path, long))}`" in docs, (path, long)
                 continue
+            expected = OWN_ENVVAR.get((path, long), expected)
             assert param.envvar == expected, (path, long, param.envvar)
+            if expected != envvar_for(*param.opts):  # its own name: MEMFUSE_<FLAG> is not read
+                with monkeypatch.context() as m:
+                    m.setenv(envvar_for(*param.opts), "x")
+                    assert param.resolve_envvar_value(ctx) is None, (path, long)
+                assert f"`{expected}`" in docs, expected
             with monkeypatch.context() as m:
                 m.setenv(expected, "x")
                 assert param.resolve_envvar_value(ctx) == "x", (path, long)
@@ -86,6 +138,173 @@ def test_every_option_reads_memfuse_and_its_flag_name(monkeypatch):
                     assert param.resolve_envvar_value(ctx) is None, (path, long, auto)
             seen += 1
     assert seen > 80  # the whole tree was walked (lazy commands too)
+
+
+def _probe(param: click.Parameter, ctx: click.Context) -> list[object]:
+    """What ``param``'s type makes of each of :data:`PROBES` (its value, or ``refused``)."""
+    out: list[object] = []
+    for v in PROBES:
+        try:
+            out.append(param.type.convert(v, param, ctx))
+        except Exception:  # noqa: BLE001 — refused, however the type says it
+            out.append("refused")
+    return out
+
+
+def test_every_variable_has_one_type_and_one_meaning(monkeypatch):
+    """A variable read by more than one command means one thing to all of them: it is
+    declared in SHARED_MEANING, and every option or argument reading it has a type that
+    converts every probe alike (attack26 F5: MEMFUSE_ADMIN_SOCKET was a
+    path to `status` and a boolean to `mount`; MEMFUSE_MAX_BYTES a size, a quota and an int)."""
+    for k in list(os.environ):
+        if k.startswith("MEMFUSE_"):
+            monkeypatch.delenv(k)
+    root = click.Context(cli, info_name="memfuse", **cli.context_settings)
+    readers: dict[str, list[tuple[tuple[str, ...], click.Parameter, click.Context]]] = {}
+    for path, cmd, ctx in walk(cli, root):
+        for param in cmd.get_params(ctx):
+            names = [param.envvar] if isinstance(param.envvar, str) else list(param.envvar or [])
+            for name in names:
+                readers.setdefault(name, []).append((path, param, ctx))
+    shared = {name for name, rs in readers.items() if len({p for p, _, _ in rs}) > 1}
+    assert shared == set(SHARED_MEANING), (shared - set(SHARED_MEANING), set(SHARED_MEANING) - shared)
+    for name in shared:
+        (path0, first, ctx0), *rest = readers[name]
+        want = (isinstance(first, click.Option) and first.is_flag, first.multiple, first.nargs, _probe(first, ctx0))
+        for path, param, ctx in rest:
+            got = (isinstance(param, click.Option) and param.is_flag, param.multiple, param.nargs, _probe(param, ctx))
+            assert got == want, (name, path0, path, want, got)
+
+
+def _duration_options():
+    """(command path, option, its context) of every duration flag of the tree: a Seconds or
+    Duration type, or a name or metavar that says time."""
+    from memfuse.cli.admin import Duration
+    from memfuse.cli.common import Seconds
+
+    root = click.Context(cli, info_name="memfuse", **cli.context_settings)
+    timely = re.compile(r"timeout|interval|wait|after|ttl|age|delay|period|seconds")
+    for path, cmd, ctx in walk(cli, root):
+        for param in cmd.get_params(ctx):
+            if not isinstance(param, click.Option) or param.is_flag:
+                continue
+            long = next(o for o in param.opts if o.startswith("--"))
+            if (isinstance(param.type, (Seconds, Duration)) or timely.search(long)
+                    or param.metavar in {"S", "SECONDS", "DURATION", "DAYS"}):
+                yield path, long, param, ctx
+
+
+def test_no_option_takes_a_plain_float():
+    """Every float option is a duration of one type, ``Seconds`` (attack26 F4: --commit-wait
+    was a plain float and took nan, inf and -1)."""
+    from memfuse.cli.common import Seconds
+
+    root = click.Context(cli, info_name="memfuse", **cli.context_settings)
+    for path, cmd, ctx in walk(cli, root):
+        for param in cmd.get_params(ctx):
+            assert not isinstance(param.type, (click.types.FloatParamType, click.FloatRange)), (path, param.name)
+    durations = list(_duration_options())
+    assert len(durations) >= 20
+    for path, long, param, _ in durations:
+        assert isinstance(param.type, (Seconds, click.IntRange)) or type(param.type).__name__ == "Duration", \
+            (path, long, param.type)
+
+
+@pytest.mark.parametrize("value", ["nan", "-1", "inf", "-inf", "1e400"])
+def test_every_duration_flag_refuses_nan_negative_and_inf(value, monkeypatch):
+    """nan, -1 and inf given to any duration flag, or to its MEMFUSE_<FLAG>, are a usage error
+    naming the flag (exit 2), before the command runs; only a flag meaning "forever" takes inf
+    (``mount --start-timeout``)."""
+    for k in list(os.environ):
+        if k.startswith("MEMFUSE_"):
+            monkeypatch.delenv(k)
+    for path, long, param, ctx in _duration_options():
+        forever = getattr(param.type, "forever", False) and value in ("inf", "1e400")
+        cmd = ctx.command
+        if forever:
+            assert param.process_value(ctx, value) == float("inf"), (path, long)
+            continue
+        with pytest.raises(click.BadParameter) as err:  # the flag (parsed first: it is given first)
+            cmd.make_context(path[-1], [long, value], parent=ctx.parent)
+        assert f"'{long}'" in err.value.format_message(), (path, long, err.value.format_message())
+        if param.envvar:
+            with monkeypatch.context() as m, pytest.raises(click.BadParameter) as err:
+                m.setenv(param.envvar, value)
+                param.handle_parse_result(click.Context(cmd, parent=ctx.parent, info_name=path[-1]), {}, [])
+            assert f"'{long}'" in err.value.format_message() and param.envvar in err.value.format_message()
+
+
+def test_duration_zero_where_it_means_something():
+    """0 stays: --commit-wait 0 (do not wait for the control plane), --drain-timeout 0,
+    --start-timeout 0 (forever), consolidate --wait 0, the serve intervals 0 (off); a fsync
+    timeout of 0 (EIO at once) is refused."""
+    mount = cli.get_command(click.Context(cli), "mount")
+    base = ["/nonexistent-memfuse-probe", "--control-plane", "http://127.0.0.1:9", "--workspace", "w"]
+    params = mount.make_context("mount", [*base, "--commit-wait", "0", "--drain-timeout", "0", "--offline-after", "0",
+                                          "--start-timeout", "0"]).params
+    assert (params["commit_wait"], params["drain_timeout"], params["offline_after"], params["start_timeout"]) == (0, 0, 0, 0)
+    with pytest.raises(click.BadParameter) as err:
+        mount.make_context("mount", [*base, "--fsync-timeout", "0"])
+    assert "'--fsync-timeout'" in err.value.format_message()
+    with pytest.raises(click.BadParameter) as err:  # from the environment too
+        _make_with_env(mount, base, {"MEMFUSE_COMMIT_WAIT": "nan"})
+    assert "'--commit-wait' (env var: 'MEMFUSE_COMMIT_WAIT')" in err.value.format_message()
+
+
+def _make_with_env(cmd: click.Command, args: list[str], env: dict[str, str]) -> click.Context:
+    """``cmd.make_context`` (parse only: nothing runs) with ``env`` in the environment."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return cmd.make_context(cmd.name or "", list(args))  # (click consumes the list)
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def test_admin_socket_variable_is_a_path_and_mount_has_its_own(monkeypatch, capsys):
+    """MEMFUSE_ADMIN_SOCKET is the socket's path (status, mounts); mount's switch reads
+    MEMFUSE_MOUNT_ADMIN_SOCKET, and an old boolean word in MEMFUSE_ADMIN_SOCKET with a notice
+    (attack26 F5: MEMFUSE_ADMIN_SOCKET=/x/admin.sock memfuse mount exited "not a valid boolean")."""
+    from memfuse.cli.run import _old_admin_socket_switch
+
+    for k in list(os.environ):
+        if k.startswith("MEMFUSE_"):
+            monkeypatch.delenv(k)
+    mount = cli.get_command(click.Context(cli), "mount")
+    base = ["/nonexistent-memfuse-probe", "--control-plane", "http://127.0.0.1:9", "--workspace", "w"]
+    assert _make_with_env(mount, base, {"MEMFUSE_ADMIN_SOCKET": "/x/admin.sock"}).params["admin_socket"] is True
+    assert _make_with_env(mount, base, {"MEMFUSE_MOUNT_ADMIN_SOCKET": "false"}).params["admin_socket"] is False
+    monkeypatch.setenv("MEMFUSE_ADMIN_SOCKET", "/x/admin.sock")
+    assert _old_admin_socket_switch() is None and capsys.readouterr().err == ""
+    monkeypatch.setenv("MEMFUSE_ADMIN_SOCKET", "False")
+    assert _old_admin_socket_switch() is False
+    assert "set MEMFUSE_MOUNT_ADMIN_SOCKET instead" in capsys.readouterr().err
+    status = cli.get_command(click.Context(cli), "status")
+    assert _make_with_env(status, [], {"MEMFUSE_ADMIN_SOCKET": "/x/admin.sock"}).params["admin_socket"] == \
+        Path("/x/admin.sock")
+
+
+def test_sidecar_config_refuses_what_the_flags_refuse(tmp_path):
+    """MountConfig and the core's Settings (any caller, not only the CLI) refuse nan, inf and
+    negative durations, a zero fsync timeout; 0 commit wait stays, inf start timeout is forever."""
+    from memfuse.sidecar.config import MountConfig
+    from memfuse.sidecar.inodes import Settings
+
+    ok = dict(mountpoint=tmp_path / "m", workspace="w", cache_dir=tmp_path / "c")
+    MountConfig(**ok, commit_wait=0, start_timeout=float("inf"))
+    Settings(commit_wait=0)
+    for field, value in [("commit_wait", float("nan")), ("fsync_timeout", 0), ("drain_timeout", -1),
+                         ("offline_after", float("inf")), ("token_check_interval", 0), ("start_timeout", -1),
+                         ("commit_wait", "3")]:
+        with pytest.raises(ValueError, match=field):
+            MountConfig(**ok, **{field: value})
+    for field, value in [("commit_wait", float("nan")), ("fsync_timeout", float("inf")), ("commit_wait", -0.5)]:
+        with pytest.raises(ValueError, match=field):
+            Settings(**{field: value})
 
 
 def test_version_variables_do_not_steer_commands(home):

@@ -114,13 +114,13 @@ def test_round_trip_is_byte_exact_with_types(home, tmp_path):
     ok("store", "create", "profile", "--default-type", "user")
 
     r = ok("import", "claude", str(src / "claude"))
-    assert f"imported {len(CLAUDE)} of {len(CLAUDE)} file(s) into claude: {len(CLAUDE)} created; 0 refused; 9 skipped" in r.stdout
+    assert f"imported {len(CLAUDE)} file(s) into claude ({len(CLAUDE)} created); 0 unchanged, 0 refused, 9 skipped" in r.stdout
     for name in (".DS_Store", ".git/", "user_role.md~", ".#user_role.md", "#user_role.md#", ".user_role.md.swp",
                  "4913", ".memfuse/", "link.md"):
         assert name in r.stdout.split("skipped: ", 1)[1], name
     assert "created user_role.md (user)" in r.stdout and "created MEMORY.md (index)" in r.stdout
     r = ok("import", "work", str(src / "workspace"), "--quiet")  # the summary alone
-    assert r.stdout.startswith(f"imported {len(WORKSPACE)} of {len(WORKSPACE)} file(s) into work"), r.stdout
+    assert r.stdout.startswith(f"imported {len(WORKSPACE)} file(s) into work"), r.stdout
     assert "created " not in r.stdout and len(r.stdout.splitlines()) == 1, r.stdout
     ok("import", "profile", str(src / "profile"))
 
@@ -147,6 +147,8 @@ def test_round_trip_is_byte_exact_with_types(home, tmp_path):
     # export → import again: nothing changes (no new versions)
     r = ok("import", "claude", str(tmp_path / "out" / "claude"))
     assert f"{len(CLAUDE)} unchanged" in r.stdout and "created" not in r.stdout.split("imported", 1)[1]
+    # the summary says nothing was imported (newuser26: "imported 5 of 7 file(s) ...: 5 unchanged")
+    assert f"imported 0 file(s) into claude; {len(CLAUDE)} unchanged, 0 refused, 0 skipped" in r.stdout
 
 
 def test_export_through_the_console_script(home, tmp_path):
@@ -172,7 +174,7 @@ def test_import_updates_by_path_and_keeps_types(home, tmp_path):
     r = ok("import", "s", str(src))
     assert "updated a.md (feedback)" in r.stdout  # the record's current type is kept
     assert "unchanged b.md (project)" in r.stdout and "created c.md (project)" in r.stdout
-    assert "1 created, 1 updated, 1 unchanged" in r.stdout
+    assert "imported 2 file(s) into s (1 created, 1 updated); 1 unchanged, 0 refused, 0 skipped" in r.stdout
 
 
 def test_import_lists_refusals_and_goes_on(home, tmp_path):
@@ -190,12 +192,12 @@ def test_import_lists_refusals_and_goes_on(home, tmp_path):
 
     r = ok("import", "strict", str(src), "--dry-run")
     assert "would create ok.md (project)" in r.stdout
-    assert "checked 1 of 7 file(s) into strict: 1 would create; 6 refused; 0 skipped (dry run: nothing written)" in r.stdout
+    assert "would import 1 file(s) into strict (1 to create); 0 unchanged, 6 refused, 0 skipped (dry run: nothing written)" in r.stdout
     assert store_records("strict") == {}
 
     r = ok("import", "strict", str(src))  # exit 0: something was imported
     out = r.stdout
-    assert "imported 1 of 7 file(s) into strict: 1 created; 6 refused; 0 skipped" in out
+    assert "imported 1 file(s) into strict (1 created); 0 unchanged, 6 refused, 0 skipped" in out
     refused = out.split("refused:\n", 1)[1]
     assert "binary.bin: content is not valid UTF-8 (bad byte at offset 0) [invalid_content]" in refused
     assert "nul.md: content contains a NUL character (at offset 1) [invalid_content]" in refused
@@ -219,7 +221,7 @@ def test_import_into_a_full_store_lists_each_refusal(home, tmp_path):
     write_tree(src, {f"n{i}.md": f"note {i}\n" for i in range(5)})
     ok("store", "create", "tiny", "--max-records", "3")
     r = ok("import", "tiny", str(src))
-    assert "3 created; 2 refused" in r.stdout
+    assert "imported 3 file(s) into tiny (3 created); 0 unchanged, 2 refused" in r.stdout
     assert r.stdout.count("[store_full]") == 2
 
 
@@ -359,7 +361,7 @@ def test_export_then_import_gives_the_same_records_field_by_field(home, tmp_path
 
     ok("store", "create", "rt")  # default type project
     r = ok("import", "rt", str(out))
-    assert f"imported {len(FAITHFUL)} of {len(FAITHFUL)} file(s) into rt: {len(FAITHFUL)} created; 0 refused; 0 skipped" in r.stdout
+    assert f"imported {len(FAITHFUL)} file(s) into rt ({len(FAITHFUL)} created); 0 unchanged, 0 refused, 0 skipped" in r.stdout
     assert "skipped:" not in r.stdout
     assert _fields("rt") == src
 
@@ -374,7 +376,7 @@ def test_export_then_import_gives_the_same_records_field_by_field(home, tmp_path
     shutil.copytree(out, copy, copy_function=shutil.copyfile)
     ok("store", "create", "rt2")
     r = ok("import", "rt2", str(copy))
-    assert "0 refused; 0 skipped" in r.stdout
+    assert "0 refused, 0 skipped" in r.stdout
     assert _fields("rt2") == src
 
     # a file edited after the export is imported as a plain file: frontmatter / default type,
@@ -455,7 +457,7 @@ def test_import_and_export_show_a_progress_bar_on_a_terminal_only(home, tmp_path
     assert re.search(r"importing: +\d+%\|", text), text  # the bar, with its percentage
     assert re.search(r"\b[1-9]\d*/60\b", text) and "\r" in text  # it moved on (redrawn in place)
     assert "created notes/n059.md (project)" in text  # the per-file lines still show
-    assert "imported 60 of 60 file(s) into bars: 60 created" in text
+    assert "imported 60 file(s) into bars (60 created)" in text
 
     code, shown = _on_a_terminal(["export", "bars", str(tmp_path / "out")])
     text = shown.decode("utf-8", "replace")
@@ -468,7 +470,7 @@ def test_import_and_export_show_a_progress_bar_on_a_terminal_only(home, tmp_path
     write_tree(src, {"notes/n000.md": "changed\n"})
     p = subprocess.run([str(MEMFUSE), "import", "bars", str(src)], capture_output=True, timeout=120)
     assert p.returncode == 0, p.stderr
-    assert b"updated notes/n000.md (project)" in p.stdout and b"1 updated, 59 unchanged" in p.stdout
+    assert b"updated notes/n000.md (project)" in p.stdout and b"(1 updated); 59 unchanged" in p.stdout
     assert p.stderr == b"" and b"\r" not in p.stdout and b"%|" not in p.stdout
     p = subprocess.run([str(MEMFUSE), "export", "bars", str(tmp_path / "out2")], capture_output=True, timeout=120)
     assert p.returncode == 0, p.stderr

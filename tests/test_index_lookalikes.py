@@ -171,7 +171,7 @@ def test_cli_import_refuses_lookalikes(home, tmp_path):
     runner = CliRunner()
     assert runner.invoke(cli, ["store", "create", "s"], catch_exceptions=False).exit_code == 0
     r = runner.invoke(cli, ["import", "s", str(src)], catch_exceptions=False)
-    assert "2 created; 2 refused" in r.stdout, r.stdout
+    assert "(2 created); 0 unchanged, 2 refused" in r.stdout, r.stdout
     assert "looks like the store's index" in r.stdout, r.stdout
 
     async def paths():

@@ -8,6 +8,7 @@ record commands are in ``records``.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -286,6 +287,8 @@ class Duration(click.ParamType):
             n = float(num)
         except ValueError:
             self.fail(f"{value!r} is not a duration (e.g. 3600, 30m, 12h, 90d)", param, ctx)
+        if not math.isfinite(n):  # inf, 1e400: int() of it raised OverflowError (exit 1, no usage error)
+            self.fail(f"{value!r} must be between 1 second and 10 years", param, ctx)
         if unit not in self._UNITS:
             self.fail(f"unknown unit in {value!r} (use s, m, h, d or w)", param, ctx)
         seconds = int(n * self._UNITS[unit])
@@ -412,14 +415,43 @@ def _account_rows(accounts: list[Any]) -> str:
     return _table(rows, ["ACCOUNT", "STORES", "BYTES", "TOKENS", "CREATED"])
 
 
+UNLIMITED = "unlimited"
+
+
+class QuotaParam(click.ParamType):
+    """A quota: a count (``QuotaParam(False)``) or a byte size (``QuotaParam(True)``: 512M,
+    2G, as BYTES), or ``unlimited`` (``UNLIMITED``)."""
+
+    def __init__(self, size: bool) -> None:
+        self.size = size
+        self.name = "SIZE|unlimited" if size else "N|unlimited"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int | str:
+        if isinstance(value, str) and value.strip().lower() == UNLIMITED:
+            return UNLIMITED
+        if self.size:
+            if isinstance(value, str) and value.strip() == "0":
+                return 0  # a quota of zero bytes (as the API takes it), not a size error
+            return int(BYTES.convert(value, param, ctx))
+        return int(click.IntRange(min=0).convert(value, param, ctx))
+
+
+def _quota(value: int | str | None) -> int | None:
+    """A :class:`QuotaParam` value as the API takes it: ``unlimited`` (or not given) is None."""
+    return None if value is None or value == UNLIMITED else int(value)
+
+
+# --max-stores, --max-bytes, --max-tokens (and their MEMFUSE_MAX_* variables) have the same
+# type in 'account create' and 'account set': one name, one type (attack26 F5)
 @account.command("create")
 @click.argument("slug")
-@opt("--max-stores", type=click.IntRange(min=0), help="Quota: stores (default: unlimited).")
-@opt("--max-bytes", type=BYTES, help="Quota: live bytes of all its stores (512M, 2G...; default: unlimited).")
-@opt("--max-tokens", type=click.IntRange(min=0), help="Quota: active tokens (default: unlimited).")
+@opt("--max-stores", type=QuotaParam(False), help="Quota: stores (a number, or 'unlimited', the default).")
+@opt("--max-bytes", type=QuotaParam(True),
+     help="Quota: live bytes of all its stores (512M, 2G..., or 'unlimited', the default).")
+@opt("--max-tokens", type=QuotaParam(False), help="Quota: active tokens (a number, or 'unlimited', the default).")
 @api_options
-def account_create(target: Target, slug: str, max_stores: int | None, max_bytes: int | None,
-                   max_tokens: int | None) -> None:
+def account_create(target: Target, slug: str, max_stores: int | str | None, max_bytes: int | str | None,
+                   max_tokens: int | str | None) -> None:
     """Create account SLUG (root admin). Give it an admin with
     'memfuse token create --account SLUG'."""
     from memfuse.names import NameError_, check_slug
@@ -429,8 +461,8 @@ def account_create(target: Target, slug: str, max_stores: int | None, max_bytes:
     except NameError_ as e:
         raise click.BadParameter(e.reason, param_hint="SLUG") from None
     key = _key()
-    a = _api(target, lambda api: with_retries(lambda: api.create_account(
-        slug, max_stores=max_stores, max_bytes=max_bytes, max_tokens=max_tokens, idempotency_key=key)))
+    quotas = {"max_stores": _quota(max_stores), "max_bytes": _quota(max_bytes), "max_tokens": _quota(max_tokens)}
+    a = _api(target, lambda api: with_retries(lambda: api.create_account(slug, **quotas, idempotency_key=key)))
     click.echo(f"created account {a.slug}")
 
 
@@ -467,27 +499,6 @@ def account_show(target: Target, slug: str, as_json: bool) -> None:
         click.echo("No store is attached to every workspace of the account.")
 
 
-UNLIMITED = "unlimited"
-
-
-class QuotaParam(click.ParamType):
-    """A quota: a count (``QuotaParam(False)``) or a byte size (``QuotaParam(True)``: 512M,
-    2G, as ``--max-bytes`` of 'account create'), or ``unlimited`` (``UNLIMITED``)."""
-
-    def __init__(self, size: bool) -> None:
-        self.size = size
-        self.name = "SIZE|unlimited" if size else "N|unlimited"
-
-    def convert(self, value: Any, param: Any, ctx: Any) -> int | str:
-        if isinstance(value, str) and value.strip().lower() == UNLIMITED:
-            return UNLIMITED
-        if self.size:
-            if isinstance(value, str) and value.strip() == "0":
-                return 0  # a quota of zero bytes (as the API takes it), not a size error
-            return int(BYTES.convert(value, param, ctx))
-        return int(click.IntRange(min=0).convert(value, param, ctx))
-
-
 @account.command("set")
 @click.argument("slug")
 @opt("--max-stores", type=QuotaParam(False), help="Quota: stores (a number, or 'unlimited').")
@@ -500,7 +511,7 @@ def account_set(target: Target, slug: str, max_stores: int | str | None, max_byt
     lifts one. A quota below the current usage refuses new stores, tokens or growing
     writes, and deletes nothing."""
     given = (("max_stores", max_stores), ("max_bytes", max_bytes), ("max_tokens", max_tokens))
-    quotas = {k: (None if v == UNLIMITED else int(v)) for k, v in given if v is not None}
+    quotas = {k: _quota(v) for k, v in given if v is not None}
     if not quotas:
         raise click.UsageError("give at least one of --max-stores, --max-bytes, --max-tokens")
     key = _key()

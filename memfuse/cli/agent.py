@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import click
 
-from memfuse.cli.common import Target, _run, _setup_logging, api_options, cli, opt
+from memfuse.cli.common import Seconds, Target, _run, _setup_logging, api_options, cli, opt
 
 
 @cli.command()
 @opt("--workspace", required=True, metavar="WS", help="Workspace whose stores the tools act on.")
 @opt("--client-name", default="mcp", show_default=True, metavar="NAME",
      help="Recorded on every version written through the tools as actor tool:NAME.")
-@opt("--drain-timeout", type=click.FloatRange(min=0), default=None, metavar="S",
+@opt("--drain-timeout", type=Seconds(), default=None, metavar="S",
      help="When stdin closes (the client's shutdown), finish the requests already read for "
           "up to S seconds before exiting. Default: the request timeout (30 s).")
 @opt("--debug", is_flag=True, help="Verbose logging (stderr).")

@@ -2,13 +2,14 @@
 
 ``opt`` (an option that also reads ``MEMFUSE_<OPTION>``), ``MemfuseGroup`` (every failure as
 one line on stderr and exit status 1; a closed stdout pipe as a quiet status 141), ``Target`` / ``api_options`` / ``_api`` (where API
-commands go: a control plane with a token, or local mode), ``ByteSize``, and the tables, byte
+commands go: a control plane with a token, or local mode), ``ByteSize``, ``Seconds`` (every duration flag), and the tables, byte
 counts and times commands print. The commands themselves are in the sibling modules; this
 room defines none except the root group ``cli``.
 """
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import sys
@@ -420,6 +421,48 @@ class ByteSize(click.ParamType):
 
 
 BYTES = ByteSize()
+
+
+class Seconds(click.ParamType):
+    """A duration in seconds, the one type of every duration flag (``--commit-wait``,
+    ``--fsync-timeout``, ``--read-timeout``, ``consolidate --wait``...) and so of its
+    ``MEMFUSE_<FLAG>`` variable, which click converts through the same type: a finite number
+    from ``min`` (``min_open``: more than ``min``) up to :data:`MAX_SECONDS`. ``nan``, a
+    negative number and ``inf`` are refused with a usage error naming the flag; ``inf`` is
+    taken only by a flag whose ``forever`` says it means "wait forever" (``mount
+    --start-timeout``). (attack26: ``--commit-wait nan`` made a close fail with EIO at once
+    and its write commit afterwards.)"""
+
+    name = "seconds"
+
+    def __init__(self, min: float = 0.0, *, min_open: bool = False, forever: bool = False) -> None:
+        self.min = min
+        self.min_open = min_open
+        self.forever = forever
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            n = float(value)
+        else:
+            try:
+                n = float(str(value).strip())
+            except ValueError:
+                self.fail(f"{value!r} is not a number of seconds", param, ctx)
+        if math.isnan(n):
+            self.fail(f"{value!r} is not a number of seconds", param, ctx)
+        if n == math.inf and self.forever:
+            return n
+        if n < self.min or (self.min_open and n == self.min) or n > MAX_SECONDS:
+            bounds = (f"above {self.min:g} and at most {MAX_SECONDS:.0f}" if self.min_open
+                      else f"from {self.min:g} to {MAX_SECONDS:.0f}")
+            self.fail(f"{value!r} is not a number of seconds {bounds}"
+                      + (" (or inf: forever)" if self.forever else ""), param, ctx)
+        return n + 0.0  # -0.0 as 0.0
+
+
+#: the longest duration a flag takes (about 31 years): longer ones overflow the clocks they
+#: are added to (``time.sleep``, ``threading.Event.wait``); ``forever`` flags also take ``inf``
+MAX_SECONDS = 1e9
 
 
 def _setup_logging(debug: bool) -> None:

@@ -10,6 +10,7 @@ import msgspec
 import trio
 
 from memfuse.cli.common import (
+    Seconds,
     Target,
     _api,
     _fmt_time,
@@ -62,7 +63,7 @@ async def _wait(api: ApiClient, job: ConsolidationJob, timeout: float) -> Consol
 
 @cli.command("consolidate")
 @click.argument("store_slug", metavar="STORE")
-@opt("--instructions", metavar="TEXT", help="What the model should do with the store.")
+@opt("--instructions", metavar="TEXT", envvar="MEMFUSE_CONSOLIDATE_INSTRUCTIONS", help="What the model should do with the store.")
 @opt("--instructions-file", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
      help="Read the instructions from FILE instead.")
 @opt("--in-place", is_flag=True,
@@ -70,7 +71,7 @@ async def _wait(api: ApiClient, job: ConsolidationJob, timeout: float) -> Consol
 @opt("--model", help="Model name (default: the server's).")
 @opt("--include-history", is_flag=True,
      help="Also give the model the store's recent change history (paths, operations, actors, times).")
-@opt("--wait", "wait_s", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
+@opt("--wait", "wait_s", type=Seconds(), default=None, metavar="SECONDS",
      help="Wait up to SECONDS for the job to end and print it (exit 1 unless it completed).")
 @opt("--json", "as_json", is_flag=True, help="Print the job as JSON (the API's body).")
 @api_options

@@ -294,7 +294,7 @@ def index_cmd(target: Target, store_slug: str, as_json: bool) -> None:
 @opt("--mount-root", metavar="DIR",
      help="Where the stores are mounted. Default: in local mode, the mountpoint of a running "
           "`memfuse dev` of that workspace; else the server's default, /mnt/memory.")
-@opt("--max-bytes", type=click.IntRange(min=1024), metavar="N",
+@opt("--max-bytes", type=click.IntRange(min=1024), metavar="N", envvar="MEMFUSE_CONTEXT_MAX_BYTES",
      help="Bound of the whole block in bytes (server default 100,000); what does not fit is "
           "replaced by a marker that says what was left out.")
 @api_options

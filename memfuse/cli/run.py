@@ -20,11 +20,13 @@ import sys
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from memfuse.cli.common import (
     BYTES,
     DEFAULT_ADMIN_LISTEN,
     DEFAULT_LISTEN,
+    Seconds,
     Target,
     _one_line,
     _run,
@@ -34,6 +36,27 @@ from memfuse.cli.common import (
 from memfuse.client import ApiClient
 from memfuse.defs import RECORD_BODY_MAX, RECORD_BODY_MIN
 from memfuse.tokenfile import TokenFile, TokenFileError
+
+
+#: the variable of ``mount --admin-socket/--no-admin-socket`` (a boolean): MEMFUSE_ADMIN_SOCKET
+#: is the socket's path, for ``memfuse status`` and ``memfuse mounts`` (attack26 F5: one name,
+#: one type; docs/CLI.md)
+MOUNT_ADMIN_SOCKET_ENV = "MEMFUSE_MOUNT_ADMIN_SOCKET"
+
+
+def _old_admin_socket_switch() -> bool | None:
+    """``mount``'s switch from MEMFUSE_ADMIN_SOCKET as releases before session 26 read it (a
+    boolean word: ``false``, ``0``...), said once on stderr; None when that variable is not a
+    boolean word (unset, or the socket path ``memfuse status`` reads: not the mount's)."""
+    value = os.environ.get("MEMFUSE_ADMIN_SOCKET", "").strip().lower()
+    words = {"1": True, "true": True, "t": True, "yes": True, "y": True, "on": True,
+             "0": False, "false": False, "f": False, "no": False, "n": False, "off": False}
+    if value not in words:
+        return None
+    click.echo(f"memfuse: MEMFUSE_ADMIN_SOCKET={value} read as {MOUNT_ADMIN_SOCKET_ENV}={value}; "
+               f"set {MOUNT_ADMIN_SOCKET_ENV} instead (MEMFUSE_ADMIN_SOCKET is the socket's path, "
+               "for memfuse status and memfuse mounts)", err=True)
+    return words[value]
 
 
 def _admin_token(admin_token_file: Path | None) -> tuple[str, Path, bool]:
@@ -89,7 +112,7 @@ def _admin_token(admin_token_file: Path | None) -> tuple[str, Path, bool]:
      show_default="a quarter of --max-requests",
      help="Ordinary requests of one token in the app at once; one more is answered 429 "
      "too_many_requests with Retry-After, so one token cannot hold every request slot.")
-@opt("--read-timeout", type=click.FloatRange(min=0.1), default=30.0, show_default=True, metavar="SECONDS",
+@opt("--read-timeout", type=Seconds(0.1), default=30.0, show_default=True, metavar="SECONDS",
      help="Time a read (GET under /v1/) may wait for a read slot and work: its database work is "
      "then interrupted and it is answered 504 timeout. Its client's disconnect interrupts it at once.")
 @opt("--max-reads", type=click.IntRange(min=1), default=8, show_default=True,
@@ -114,12 +137,12 @@ def _admin_token(admin_token_file: Path | None) -> tuple[str, Path, bool]:
      "at most (SIZE - 64 KiB) / 6, as a record's JSON body may be six times its size (a control "
      "character is escaped as \\u00XX; 8 MiB by default); at least 6MiB+64KiB. A store whose "
      "max_record_bytes is over it (set under a larger SIZE) is named in a warning at start.")
-@opt("--header-timeout", type=click.FloatRange(min=0.1), default=5.0, show_default=True, metavar="SECONDS",
+@opt("--header-timeout", type=Seconds(0.1), default=5.0, show_default=True, metavar="SECONDS",
      help="Time for a request's headers to arrive (also how long an idle keep-alive connection "
      "stays open).")
-@opt("--body-timeout", type=click.FloatRange(min=0.1), default=60.0, show_default=True, metavar="SECONDS",
+@opt("--body-timeout", type=Seconds(0.1), default=60.0, show_default=True, metavar="SECONDS",
      help="Time for a whole request body to arrive (408 beyond).")
-@opt("--body-read-timeout", type=click.FloatRange(min=0.1), default=10.0, show_default=True, metavar="SECONDS",
+@opt("--body-read-timeout", type=Seconds(0.1), default=10.0, show_default=True, metavar="SECONDS",
      help="Longest wait for the next piece of a request body (408 beyond).")
 @opt("--max-unauthenticated-per-address", type=click.IntRange(min=0), default=64, show_default=True,
      help="Connections per client address that have not shown a valid token yet (more are "
@@ -131,7 +154,7 @@ def _admin_token(admin_token_file: Path | None) -> tuple[str, Path, bool]:
 @opt("--stale-after", type=click.IntRange(min=0), default=90, show_default=True, metavar="DAYS",
      help="A record unchanged for DAYS is stale: the prompt block names the MEMORY.md entries "
      "linking it and the console lists it (also a record past its frontmatter review_after). 0: off.")
-@opt("--expiry-interval", type=click.FloatRange(min=0), default=60.0, show_default=True, metavar="SECONDS",
+@opt("--expiry-interval", type=Seconds(), default=60.0, show_default=True, metavar="SECONDS",
      help="How often to delete the records past their frontmatter `expires` (a deleted version, "
      "restorable). 0: never.")
 @opt("--consolidation-model-url", metavar="URL",
@@ -141,16 +164,16 @@ def _admin_token(admin_token_file: Path | None) -> tuple[str, Path, bool]:
      help="File holding the Messages API key (read at each job's start; never logged).")
 @opt("--consolidation-model", default="claude-sonnet-4-5", show_default=True,
      help="Model a job uses when its request names none.")
-@opt("--consolidation-timeout", type=click.FloatRange(min=1), default=600.0, show_default=True,
+@opt("--consolidation-timeout", type=Seconds(1), default=600.0, show_default=True,
      metavar="SECONDS", help="How long a consolidation job may run (the model call included).")
 @opt("--consolidation-max-input-bytes", type=click.IntRange(min=1), default=512 * 1024, show_default=True,
      help="Largest store (paths and contents of its live records) a job reads; larger: refused.")
 @opt("--consolidation-max-output-tokens", type=click.IntRange(min=1), default=32_000, show_default=True,
      help="The model's max_tokens; an answer cut there fails the job.")
-@opt("--consolidation-idle-after", type=click.FloatRange(min=0), default=0.0, show_default=True,
+@opt("--consolidation-idle-after", type=Seconds(), default=0.0, show_default=True,
      metavar="SECONDS", help="Scheduled maintenance: consolidate a store once it has been idle this long "
      "(with --consolidation-interval; 0: off).")
-@opt("--consolidation-interval", type=click.FloatRange(min=0), default=0.0, show_default=True,
+@opt("--consolidation-interval", type=Seconds(), default=0.0, show_default=True,
      metavar="SECONDS", help="Scheduled maintenance: at most one scheduled job per store in this time (0: off).")
 @opt("--consolidation-schedule-output", type=click.Choice(["new_store", "in_place"]), default="new_store",
      show_default=True, help="Where scheduled jobs write.")
@@ -594,7 +617,7 @@ def default_actor(cache_dir: Path | None = None) -> str:
      help="File holding the workspace token (else $MEMFUSE_TOKEN). Re-read when it changes "
           "(checked every --token-check-interval and on every 401), so a rotated Secret needs "
           "no restart.")
-@opt("--token-check-interval", type=click.FloatRange(min=0.1), default=5.0, show_default=True,
+@opt("--token-check-interval", type=Seconds(0.1), default=5.0, show_default=True,
      metavar="S", help="Seconds between checks of --token-file for a new token (a stat).")
 @opt("--cache-dir", type=click.Path(file_okay=False, path_type=Path),
      help="Local cache and outbox. Default: <user cache dir>/memfuse/<workspace>-<url hash> "
@@ -607,14 +630,14 @@ def default_actor(cache_dir: Path | None = None) -> str:
      help="Sidecar admin HTTP (/healthz, /readyz, /metrics, /v1/status); '' for the Unix "
           "socket only. A taken address is an error (no other port is tried): give each "
           "sidecar on a host its own, or port 0 for a free one.")
-@opt("--commit-wait", type=float, default=10.0, show_default=True, metavar="S",
+@opt("--commit-wait", type=Seconds(), default=10.0, show_default=True, metavar="S",
      help="Seconds close() waits for the control plane's commit (0: return once the write "
           "is on disk in the outbox journal, which has its own bound).")
-@opt("--fsync-timeout", type=float, default=60.0, show_default=True, metavar="S",
+@opt("--fsync-timeout", type=Seconds(min_open=True), default=60.0, show_default=True, metavar="S",
      help="Seconds fsync() waits for the commit before EIO.")
-@opt("--drain-timeout", type=float, default=20.0, show_default=True, metavar="S",
+@opt("--drain-timeout", type=Seconds(), default=20.0, show_default=True, metavar="S",
      help="Seconds to drain the outbox on SIGTERM/SIGINT.")
-@opt("--offline-after", type=float, default=10.0, show_default=True, metavar="S",
+@opt("--offline-after", type=Seconds(), default=10.0, show_default=True, metavar="S",
      help="Seconds the whole start may take (listing the attachments and loading every store) "
           "when stores are saved in the cache; past that, those not loaded yet are mounted as they "
           "were (writes the outbox holds are shown on them and sent once the control plane "
@@ -633,15 +656,15 @@ def default_actor(cache_dir: Path | None = None) -> str:
      help="File holding the bearer token that mount changes (POST/DELETE /v1/mounts/...) need on "
      "the TCP admin API, loopback included. Without it they are refused on TCP and served only on "
      "the Unix socket <cache dir>/admin.sock (mode 0600).")
-@opt("--admin-socket/--no-admin-socket", default=True, show_default=True,
+@opt("--admin-socket/--no-admin-socket", default=True, show_default=True, envvar=MOUNT_ADMIN_SOCKET_ENV,
      help="Serve the admin API on <cache dir>/admin.sock (used by `memfuse mounts`).")
 @opt("--fuse-fd", type=click.IntRange(min=0), metavar="N",
      help="Serve an already mounted FUSE connection: N is an open /dev/fuse descriptor that a "
      "privileged helper opened and mounted at MOUNTPOINT (libfuse >= 3.3 takes /dev/fd/N), so this "
      "process needs no mount privilege; the helper unmounts.")
-@opt("--start-timeout", type=click.FloatRange(min=0), default=60.0, show_default=True, metavar="S",
+@opt("--start-timeout", type=Seconds(forever=True), default=60.0, show_default=True, metavar="S",
      help="Seconds to wait for the control plane at start when nothing is cached to mount, "
-     "then exit 1 with the reason (0: wait forever).")
+     "then exit 1 with the reason (0 or inf: wait forever).")
 @opt("--debug", is_flag=True, help="Verbose logging (and FUSE debug).")
 def mount(
     mountpoint: Path,
@@ -712,6 +735,9 @@ def mount(
         except ValueError as e:
             raise click.ClickException(str(e)) from None
     inst = actor_name(actor or default_actor(cache))
+    if click.get_current_context().get_parameter_source("admin_socket") is ParameterSource.DEFAULT:
+        old = _old_admin_socket_switch()  # neither the flag nor MEMFUSE_MOUNT_ADMIN_SOCKET given
+        admin_socket = admin_socket if old is None else old
 
     from memfuse.sidecar.mount import MountConfig, run_mount
 

@@ -18,8 +18,8 @@ import click
 from memfuse.cli.common import Target, _api, _human_bytes, _one_line, api_options, cli, opt
 from memfuse.client import with_retries
 from memfuse.transfer import (
-    IMPORT_ACTIONS,
     MANIFEST_PATH,
+    ImportReport,
     ManifestError,
     export_records,
     import_files,
@@ -117,15 +117,7 @@ def import_(target: Target, store_slug: str, directory: Path, dry_run: bool, qui
     for path in sorted(manifest or (), key=lambda p: p.encode("utf-8")):
         if path not in found:
             report.refused.append((path, f"listed in {MANIFEST_PATH} but not a regular file in DIR [missing]"))
-    counts = report.counts()
-    parts = [f"{counts[a]} {a}" for a in IMPORT_ACTIONS if counts.get(a)]
-    verb = "checked" if dry_run else "imported"
-    click.echo(
-        f"{verb} {len(report.done)} of {len(files)} file(s) into {store_slug}"
-        + (f": {', '.join(parts)}" if parts else "")
-        + f"; {len(report.refused)} refused; {len(report.skipped)} skipped"
-        + (" (dry run: nothing written)" if dry_run else "")
-    )
+    click.echo(import_summary(report, store_slug, dry_run))
     if report.skipped:
         click.echo("skipped: " + ", ".join(shown(s) for s in report.skipped))
     if report.refused:
@@ -134,6 +126,24 @@ def import_(target: Target, store_slug: str, directory: Path, dry_run: bool, qui
             click.echo(f"  {shown(path)}: {reason}")
     if files and not report.done:
         raise click.ClickException(f"nothing imported: all {len(files)} file(s) were refused")
+
+
+def import_summary(report: ImportReport, store_slug: str, dry_run: bool) -> str:
+    """The summary line of ``memfuse import``: how many files were imported (created or
+    updated; a dry run: would be), then unchanged, refused, skipped, each counted on its own
+    (newuser26: "imported 5 of 7 file(s) ...: 5 unchanged" when nothing was imported)."""
+    counts = report.counts()
+    if dry_run:
+        kinds = (("would create", "to create"), ("would update", "to update"))
+    else:
+        kinds = (("created", "created"), ("updated", "updated"))
+    imported = sum(counts.get(action, 0) for action, _ in kinds)
+    detail = ", ".join(f"{counts[action]} {word}" for action, word in kinds if counts.get(action))
+    return (f"{'would import' if dry_run else 'imported'} {imported} file(s) into {store_slug}"
+            + (f" ({detail})" if detail else "")
+            + f"; {counts.get('unchanged', 0)} unchanged, {len(report.refused)} refused, "
+            f"{len(report.skipped)} skipped"
+            + (" (dry run: nothing written)" if dry_run else ""))
 
 
 @cli.command()

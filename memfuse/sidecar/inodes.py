@@ -506,6 +506,11 @@ class Settings:
     fsync_timeout: float = 60.0
     local_only_patterns: tuple[str, ...] = names.DEFAULT_LOCAL_ONLY
 
+    def __post_init__(self) -> None:
+        from .config import check_seconds
+
+        check_seconds(self, "commit_wait", "fsync_timeout", positive=("fsync_timeout",))
+
 
 #: invariants found broken by ``check_invariants_after`` in this process (tests read it)
 BROKEN_INVARIANTS: list[str] = []

@@ -220,17 +220,20 @@ def _fields(d: Mapping[str, Any], first: list[str], indent: str, durations: tupl
     out: list[str] = []
     for k in keys:
         v, label = d[k], labels[k]
-        if isinstance(v, dict):
+        head = f"{indent}{(label + ':').ljust(width + 1)}"  # every value in one column
+        if isinstance(v, dict) and v:
             out.append(f"{indent}{label}:")
             out += _fields(v, [], indent + "  ", tuple(x for x in v if str(x).endswith("_s")))
+        elif isinstance(v, dict):  # an empty one: "-", as an empty list (was a bare "task failures:")
+            out.append(f"{head} -")
         elif isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
-            out.append(f"{indent}{label}: {len(v)}")
+            out.append(f"{head} {len(v)}")
             out += _dict_table(v, [], indent + "  ")
         elif isinstance(v, list):
-            out.append(f"{indent}{label}: " + (", ".join(_scalar(x) for x in v) if v else "-"))
+            out.append(f"{head} " + (", ".join(_scalar(x) for x in v) if v else "-"))
         else:
             shown = _duration(v) if k in durations else _scalar(v)
-            out.append(f"{indent}{(label + ':').ljust(width + 1)} {shown}")
+            out.append(f"{head} {shown}")
     return out
 
 
