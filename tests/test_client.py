@@ -401,6 +401,32 @@ def _mock_client(handler, **kw) -> ApiClient:
     return ApiClient("http://mock", "tok-secret-123", transport=httpx.MockTransport(handler), **kw)
 
 
+@pytest.mark.parametrize("retry_after", ["0", "-1", "Thu, 01 Jan 1970 00:00:00 GMT"])
+async def test_a_share_refusal_with_no_wait_is_not_sent_again_at_once(retry_after):
+    """A 429 ``too_many_requests`` whose ``Retry-After`` asks no wait (0, negative, a past
+    date) is sent again after a floor that doubles (``SHARE_RETRY_MIN``), never in a tight
+    loop (verify26: a proxy answering ``Retry-After: 0`` drew ~2,000 requests a second)."""
+    calls: list[float] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(time.monotonic())
+        if len(calls) <= 5:
+            return httpx.Response(429, headers={"Retry-After": retry_after},
+                                  json={"title": "Too Many Requests", "status": 429, "code": "too_many_requests"})
+        return httpx.Response(200, json={"slug": "s", "records": 0})
+
+    from memfuse.client.base import SHARE_RETRY_MIN
+    c = _mock_client(handler)
+    try:
+        await c._request("GET", "/v1/stores/s")
+    finally:
+        await c.aclose()
+    assert len(calls) == 6
+    gaps = [b - a for a, b in zip(calls, calls[1:])]
+    for i, gap in enumerate(gaps):  # jitter: at least half the floor, which doubles
+        assert gap >= SHARE_RETRY_MIN * 2 ** i * 0.5 * 0.99, gaps
+
+
 async def test_classification_of_handmade_responses():
     date = email.utils.formatdate(time.time() + 30, usegmt=True)
     answers = {

@@ -64,6 +64,10 @@ log = logging.getLogger("memfuse.client")
 SHARE_WAIT = 30.0
 #: s at most between two of those attempts, whatever ``Retry-After`` says
 SHARE_RETRY_MAX = 5.0
+#: s at least before the first of those attempts, doubled after each (up to
+#: ``SHARE_RETRY_MAX``): a ``Retry-After`` of 0, negative or a past date is no reason to send
+#: again at once (verify26: a proxy answering ``Retry-After: 0`` drew ~2,000 requests a second)
+SHARE_RETRY_MIN = 0.05
 
 
 async def _pause(seconds: float) -> None:
@@ -580,11 +584,12 @@ class ApiSession:
         """``_send_once``, sent again while the control plane refuses it for its token's
         share of the request slots (429 ``too_many_requests``: refused at the front door
         before the app, so never applied, whatever the method; docs/API.md, "Request
-        slots"): the server's ``Retry-After`` (at most ``SHARE_RETRY_MAX`` s) with jitter
-        between attempts, for at most ``SHARE_WAIT`` s in all, then that refusal is raised.
+        slots"): the server's ``Retry-After`` (at least ``SHARE_RETRY_MIN`` s doubling, at
+        most ``SHARE_RETRY_MAX`` s) with jitter between attempts, for at most ``SHARE_WAIT`` s in all, then that refusal is raised.
         A client with more requests in flight than its share (parallel memory-tool calls
         of one token) so queues instead of failing. Raises what ``_send_once`` raises."""
         deadline: float | None = None
+        floor = SHARE_RETRY_MIN
         while True:
             try:
                 return await self._send_once(method, path, **kw)
@@ -595,7 +600,8 @@ class ApiSession:
                 if deadline is None:
                     deadline = now + SHARE_WAIT
                 after = e.retry_after if e.retry_after is not None else 1.0
-                delay = min(after, SHARE_RETRY_MAX) * random.uniform(0.5, 1.0)
+                delay = min(max(after, floor), SHARE_RETRY_MAX) * random.uniform(0.5, 1.0)
+                floor = min(floor * 2, SHARE_RETRY_MAX)
                 if now + delay > deadline:
                     raise
                 log.debug("%s %s: over its token's share of the request slots; sent again in "
