@@ -155,7 +155,8 @@ def _frontmatter_loader() -> type:
     def timestamp(loader: yaml.SafeLoader, node: yaml.Node) -> Any:
         try:
             return yaml.SafeLoader.construct_yaml_timestamp(loader, node)
-        except (ValueError, OverflowError):
+        except (ValueError, OverflowError, AttributeError, TypeError):
+            # AttributeError: an explicit ``!!timestamp`` on text that is no date at all
             return loader.construct_scalar(node)
 
     FrontmatterLoader.add_constructor("tag:yaml.org,2002:timestamp", timestamp)
