@@ -202,7 +202,8 @@ def test_no_option_takes_a_plain_float():
     root = click.Context(cli, info_name="memfuse", **cli.context_settings)
     for path, cmd, ctx in walk(cli, root):
         for param in cmd.get_params(ctx):
-            assert not isinstance(param.type, (click.types.FloatParamType, click.FloatRange)), (path, param.name)
+            assert isinstance(param.type, Seconds) or not isinstance(
+                param.type, (click.types.FloatParamType, click.FloatRange)), (path, param.name)
     durations = list(_duration_options())
     assert len(durations) >= 20
     for path, long, param, _ in durations:
@@ -210,7 +211,7 @@ def test_no_option_takes_a_plain_float():
             (path, long, param.type)
 
 
-@pytest.mark.parametrize("value", ["nan", "-1", "inf", "-inf", "1e400"])
+@pytest.mark.parametrize("value", ["nan", "-1", "inf", "-inf", "1e400", "1_000", "\u0663", "0x10"])
 def test_every_duration_flag_refuses_nan_negative_and_inf(value, monkeypatch):
     """nan, -1 and inf given to any duration flag, or to its MEMFUSE_<FLAG>, are a usage error
     naming the flag (exit 2), before the command runs; only a flag meaning "forever" takes inf
@@ -218,8 +219,12 @@ def test_every_duration_flag_refuses_nan_negative_and_inf(value, monkeypatch):
     for k in list(os.environ):
         if k.startswith("MEMFUSE_"):
             monkeypatch.delenv(k)
+    from memfuse.cli.common import Seconds
+
     for path, long, param, ctx in _duration_options():
-        forever = getattr(param.type, "forever", False) and value in ("inf", "1e400")
+        if value in ("1_000", "\u0663") and not isinstance(param.type, Seconds):
+            continue  # a whole number of days (IntRange) reads them as int() does: 1000, 3
+        forever = getattr(param.type, "forever", False) and value == "inf"
         cmd = ctx.command
         if forever:
             assert param.process_value(ctx, value) == float("inf"), (path, long)

@@ -423,38 +423,45 @@ class ByteSize(click.ParamType):
 BYTES = ByteSize()
 
 
-class Seconds(click.ParamType):
+class Seconds(click.FloatRange):
     """A duration in seconds, the one type of every duration flag (``--commit-wait``,
     ``--fsync-timeout``, ``--read-timeout``, ``consolidate --wait``...) and so of its
-    ``MEMFUSE_<FLAG>`` variable, which click converts through the same type: a finite number
-    from ``min`` (``min_open``: more than ``min``) up to :data:`MAX_SECONDS`. ``nan``, a
-    negative number and ``inf`` are refused with a usage error naming the flag; ``inf`` is
-    taken only by a flag whose ``forever`` says it means "wait forever" (``mount
-    --start-timeout``). (attack26: ``--commit-wait nan`` made a close fail with EIO at once
-    and its write commit afterwards.)"""
+    ``MEMFUSE_<FLAG>`` variable, which click converts through the same type: a decimal number
+    (ASCII digits, an optional exponent: ``5``, ``0.25``, ``1e3``) from ``min`` (``min_open``:
+    more than ``min``) up to :data:`MAX_SECONDS`. ``nan``, a negative number, a number past
+    the bound (``1e400``) and ``inf`` are refused with a usage error naming the flag; the word
+    ``inf`` is taken only by a flag whose ``forever`` says it means "wait forever" (``mount
+    --start-timeout``). A ``click.FloatRange`` so that ``--help`` shows the lower bound
+    (``x>=0.1``). (attack26: ``--commit-wait nan`` made a close fail with EIO at once and its
+    write commit afterwards; verify26: ``1e400`` read as forever, ``1_000`` and non-ASCII
+    digits taken as numbers.)"""
 
     name = "seconds"
+    _NUMBER = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?", re.ASCII)
+    _FOREVER = frozenset({"inf", "+inf", "infinity", "+infinity"})
 
     def __init__(self, min: float = 0.0, *, min_open: bool = False, forever: bool = False) -> None:
-        self.min = min
-        self.min_open = min_open
+        super().__init__(min=min, min_open=min_open)
         self.forever = forever
 
     def convert(self, value: Any, param: Any, ctx: Any) -> float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             n = float(value)
         else:
-            try:
-                n = float(str(value).strip())
-            except ValueError:
+            text = str(value).strip()
+            if self.forever and text.lower() in self._FOREVER:
+                return math.inf
+            if not self._NUMBER.fullmatch(text):
                 self.fail(f"{value!r} is not a number of seconds", param, ctx)
+            n = float(text)
         if math.isnan(n):
             self.fail(f"{value!r} is not a number of seconds", param, ctx)
-        if n == math.inf and self.forever:
+        if n == math.inf and self.forever and not isinstance(value, str):
             return n
-        if n < self.min or (self.min_open and n == self.min) or n > MAX_SECONDS:
-            bounds = (f"above {self.min:g} and at most {MAX_SECONDS:.0f}" if self.min_open
-                      else f"from {self.min:g} to {MAX_SECONDS:.0f}")
+        low = float(self.min or 0.0)
+        if n < low or (self.min_open and n == low) or n > MAX_SECONDS:
+            bounds = (f"above {low:g} and at most {MAX_SECONDS:.0f}" if self.min_open
+                      else f"from {low:g} to {MAX_SECONDS:.0f}")
             self.fail(f"{value!r} is not a number of seconds {bounds}"
                       + (" (or inf: forever)" if self.forever else ""), param, ctx)
         return n + 0.0  # -0.0 as 0.0

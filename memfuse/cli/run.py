@@ -633,7 +633,7 @@ def default_actor(cache_dir: Path | None = None) -> str:
 @opt("--commit-wait", type=Seconds(), default=10.0, show_default=True, metavar="S",
      help="Seconds close() waits for the control plane's commit (0: return once the write "
           "is on disk in the outbox journal, which has its own bound).")
-@opt("--fsync-timeout", type=Seconds(min_open=True), default=60.0, show_default=True, metavar="S",
+@opt("--fsync-timeout", type=Seconds(0.1), default=60.0, show_default=True, metavar="S",
      help="Seconds fsync() waits for the commit before EIO.")
 @opt("--drain-timeout", type=Seconds(), default=20.0, show_default=True, metavar="S",
      help="Seconds to drain the outbox on SIGTERM/SIGINT.")
