@@ -55,7 +55,7 @@ class WorkspaceCreate(BaseModel):
     name: str = Field(pattern=SLUG_PATTERN)
     # Also a store named like the workspace, attached read-write (an existing store of that
     # name is attached, not recreated). False: the workspace starts with no store.
-    default_store: bool = True
+    default_store: bool = Field(default=True, strict=True)  # JSON true/false only: "no" is no bool
     # The owning account (docs/API.md "Accounts"): the root admin's choice, as
     # ``X-Memfuse-Account`` names it; anyone else may name only its own. None: the caller's.
     account: str | None = Field(default=None, pattern=SLUG_PATTERN)
@@ -256,7 +256,7 @@ class RecordUpdate(BaseModel):
     #: sidecar's conflict rule, docs/SEMANTICS.md "Conflicts"): the version it replaces is
     #: recorded as overwritten (``Change.overwrote``), so that version's writer can be told;
     #: absent, null or false: an ordinary write
-    overwrite: bool | None = None
+    overwrite: bool | None = Field(default=None, strict=True)
     #: with ``overwrite``: the sha256 of the version the write was made on (the ``If-Match``
     #: that failed); every writer of a version after it is named in ``Change.overwrote.also``
     #: (their changes are dropped too), not only the writer of the version replaced
@@ -288,7 +288,7 @@ class RecordMove(BaseModel):
     id and history and gets this record's content as a new version; this record is deleted."""
 
     path: str
-    replace: bool = False
+    replace: bool = Field(default=False, strict=True)
 
 
 class PrefixMove(BaseModel):
@@ -511,7 +511,7 @@ class ConsolidationCreate(BaseModel):
     instructions: str = Field(min_length=1, max_length=CONSOLIDATION_INSTRUCTIONS_MAX_CHARS)
     output: Literal["new_store", "in_place"] = "new_store"
     model: str | None = Field(default=None, min_length=1, max_length=200)
-    include_history: bool = False
+    include_history: bool = Field(default=False, strict=True)
 
 
 class ConsolidationUsage(BaseModel):

@@ -752,6 +752,24 @@ async def test_integer_fields_take_json_integers_only(env: Env):
     assert r.status_code == 200 and r.json()["max_records"] == 500, r.text
 
 
+async def test_boolean_fields_take_json_booleans_only(env: Env):
+    """"on", "no", 1 and 0.0 are no booleans: a move with ``replace: "on"`` replaced the target
+    (verify26 F6); 422 validation_error, nothing moved or made."""
+    a = await env.create("b-src.md", "src")
+    await env.create("b-dst.md", "dst")
+    for bad in ("on", "no", 1, 0.0):
+        r = await env.ws.post(f"/v1/stores/default/records/{a['id']}/move", json={"path": "b-dst.md", "replace": bad})
+        assert_problem(r, 422, "validation_error")
+        r = await env.ws.put(f"/v1/stores/default/records/{a['id']}", json={"content": "x", "overwrite": bad})
+        assert_problem(r, 422, "validation_error")
+        r = await env.admin.post("/v1/workspaces", json={"name": "boolws", "default_store": bad})
+        assert_problem(r, 422, "validation_error")
+    assert (await env.ws.get(f"/v1/stores/default/records/{a['id']}")).json()["path"] == "b-src.md"
+    assert (await env.admin.get("/v1/workspaces/boolws")).status_code == 404
+    r = await env.ws.post(f"/v1/stores/default/records/{a['id']}/move", json={"path": "b-dst.md", "replace": True})
+    assert r.status_code == 200, r.text
+
+
 async def test_admin_resources_and_events(env: Env):
     r = await env.admin.get("/v1/workspaces")
     assert [w["name"] for w in r.json()] == ["other", "ws"]
