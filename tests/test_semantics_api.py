@@ -397,6 +397,10 @@ def test_context_bound_setting(monkeypatch):
     assert app.state.service.context_max_bytes == 4096
     app = create_app("sqlite://", context_max_bytes=20_000)
     assert app.state.service.context_max_bytes == 20_000
+    for bad in ("abc", "-5", "1e5", "\u0663\u0663\u0663\u0663", "100"):  # named in the error (verify26 F7)
+        monkeypatch.setenv("MEMFUSE_CONTEXT_MAX_BYTES", bad)
+        with pytest.raises(ValueError, match=r"\$MEMFUSE_CONTEXT_MAX_BYTES"):
+            create_app("sqlite://")
     monkeypatch.delenv("MEMFUSE_CONTEXT_MAX_BYTES")
     assert create_app("sqlite://").state.service.context_max_bytes == 100_000
     with pytest.raises(ValueError):

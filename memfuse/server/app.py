@@ -231,7 +231,13 @@ def create_app(
     """
     if context_max_bytes is None:
         env = os.environ.get(CONTEXT_MAX_BYTES_ENV, "").strip()
+        if env and not (env.isascii() and env.isdigit()):
+            raise ValueError(f"${CONTEXT_MAX_BYTES_ENV} must be a whole number of bytes "
+                             f"(at least {CONTEXT_MIN_BYTES}), not {env[:40]!r}")
         context_max_bytes = int(env) if env else CONTEXT_TOTAL_MAX_BYTES
+        if context_max_bytes < CONTEXT_MIN_BYTES:
+            raise ValueError(f"${CONTEXT_MAX_BYTES_ENV} must be at least {CONTEXT_MIN_BYTES} bytes, "
+                             f"not {context_max_bytes}")
     if context_max_bytes < CONTEXT_MIN_BYTES:
         raise ValueError(f"context_max_bytes must be at least {CONTEXT_MIN_BYTES}")
     trusted = proxies.parse_trusted(trusted_proxies)
