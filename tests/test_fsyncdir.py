@@ -19,6 +19,7 @@ import errno
 import json
 import os
 import sqlite3
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -177,3 +178,45 @@ async def test_a_directory_fsync_makes_the_directory_list_durable_once_per_chang
     dirs.unlink()
     synced.unlink()
     assert load_dirs(dirs) == {}
+
+
+async def test_the_durable_directory_list_is_bounded_one_write_at_a_time_and_fails_with_the_disk(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stalled cache disk: the directory's fsync gives up after ``fsync_timeout`` with
+    ``EIO`` and the write goes on in its thread; the next fsync starts no second one while
+    it runs (a stall piles up no threads), and is answered once it ends. A full disk:
+    ``ENOSPC``, with an ``errors.log`` line."""
+    import memfuse.sidecar.namespace as namespace
+    async with core(tmp_path) as (fake, fs, client):
+        fs.settings.fsync_timeout = 0.3
+        root = fs.stores["default"].root
+        fs.mkdir(root.ino, b"d", 0o755, 0, 0)
+        stalled, calls = threading.Event(), []
+        real = namespace.write_fsynced
+
+        def stalling(path: Path, text: str) -> None:
+            calls.append(path)
+            assert stalled.wait(30)
+            real(path, text)
+        monkeypatch.setattr(namespace, "write_fsynced", stalling)
+        for _ in range(2):
+            with pytest.raises(FsError) as exc:
+                await fsyncdir(fs, root)
+            assert exc.value.errno == errno.EIO
+        assert len(calls) == 1 and fs.dirs_writing
+        stalled.set()
+        fs.settings.fsync_timeout = 20
+        await fsyncdir(fs, root)  # the stalled write ends; it held this change already
+        assert len(calls) == 1 and not fs.dirs_writing
+
+        def full(path: Path, text: str) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(namespace, "write_fsynced", full)
+        fs.mkdir(root.ino, b"e", 0o755, 0, 0)
+        with pytest.raises(FsError) as exc:
+            await fsyncdir(fs, root)
+        assert exc.value.errno == errno.ENOSPC
+        assert list(fs.errors)[-1]["code"] == "cache_disk_full"
+        monkeypatch.setattr(namespace, "write_fsynced", real)
+        await fsyncdir(fs, root)  # space back: written
+    assert json.loads((tmp_path / "dirs.synced.json").read_text())["default"] == ["d", "e"]

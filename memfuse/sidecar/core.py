@@ -89,6 +89,10 @@ REFETCH_TIMEOUT = 30.0
 #: batch being written to end, before deciding whether it can be withdrawn (beyond it: kept,
 #: the close returns 0: it may have landed)
 WITHDRAW_WAIT = 10.0
+#: s between looks of a directory's fsync at the durable copy of the directory list being
+#: written for an earlier one (``_sync_dirs``: only while that write outlived its fsync, a
+#: stalled cache disk)
+DIRS_WRITING_POLL = 0.05
 
 
 class ContentMissing(FsError):
@@ -1226,7 +1230,9 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         and a local-only file never kept yet (``LocalFiles``). A file committed once is
         named by its put, record and moves already; its later writes are content, which a
         directory's fsync does not promise."""
-        out = []
+        out: list[Node] = []
+        if d.store is None or d.store.detached:  # the mount root, .memfuse; an unmounted store
+            return out
         for c in (d.children or {}).values():
             if not c.dirty or c.children is not None or c.special or c.unlinked:
                 continue
@@ -1265,28 +1271,35 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
                 # judges it again and reports the refusal, as it would have
                 n.dirty = True
         barrier = self.journal.barrier()
-        dirs = self.dirs_to_sync()
-        if dirs is not None:
-            await self._sync_dirs(d, *dirs, deadline)
+        change = self.dirs_unsynced()
+        if change:
+            await self._sync_dirs(d, change, deadline)
         await self._wait_accepted(d, barrier, max(0.0, deadline - trio.current_time()))
 
-    async def _sync_dirs(self, d: Node, text: str, change: int, deadline: float) -> None:
-        """``write_dirs_durably`` in a worker thread, until ``deadline``
-        (``trio.current_time()``): ``FsError`` with the cache disk's errno when it refuses
-        (and an ``errors.log`` line), ``EIO`` when it did not finish in time (the write goes
-        on in its thread)."""
+    async def _sync_dirs(self, d: Node, change: int, deadline: float) -> None:
+        """Until the durable copy of the directory list holds change ``change``
+        (``write_dirs_durably`` in a worker thread, one at a time: an earlier fsync's still
+        running is waited for, and may have written it), at most until ``deadline``
+        (``trio.current_time()``). Raises ``FsError`` with the cache disk's errno when it
+        refuses the write (and an ``errors.log`` line), ``EIO`` when it is not done in time
+        (the write goes on in its thread)."""
         with trio.move_on_at(deadline):
-            try:
-                await trio.to_thread.run_sync(self.write_dirs_durably, text, change,
-                                              abandon_on_cancel=True)
-            except OSError as exc:
-                err = cache_error(exc, "saving the directory list")
-                if self.metrics is not None:
-                    self.metrics.cache_write_errors.labels(
-                        "dirs", errno.errorcode.get(err.errno, str(err.errno))).inc()
-                self.note_error(d.parent if d.store is not None else None, d.name, err.errno, err.reason,
-                                "cache_disk_full" if err.errno == errno.ENOSPC else "cache_disk_error")
-                raise FsError(err.errno, err.reason) from None
+            while not self.dirs_synced(change):
+                if self.dirs_writing:
+                    await trio.sleep(DIRS_WRITING_POLL)
+                    continue
+                try:
+                    await trio.to_thread.run_sync(self.write_dirs_durably, *self.dirs_to_sync(),
+                                                  abandon_on_cancel=True)
+                except OSError as exc:
+                    err = cache_error(exc, "saving the directory list")
+                    if self.metrics is not None:
+                        self.metrics.cache_write_errors.labels(
+                            "dirs", errno.errorcode.get(err.errno, str(err.errno))).inc()
+                    self.note_error(d.parent if d.store is not None else None, d.name, err.errno,
+                                    err.reason, "cache_disk_full" if err.errno == errno.ENOSPC
+                                    else "cache_disk_error")
+                    raise FsError(err.errno, err.reason) from None
             return
         raise FsError(errno.EIO, "the directory list was not on disk within the fsync timeout")
 

@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import stat
-import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -58,12 +57,15 @@ class NamespaceOps:
     #: slug -> directory paths made here; ``DIR_MODES_KEY`` -> their modes (``dirs.json``)
     saved_dirs: dict[str, Any]
     #: how many times the directory list was saved (``save_dirs``), and that count when its
-    #: durable copy was last written (``write_dirs_durably``; set from a worker thread, under
-    #: ``_dirs_sync_lock``, which serializes those writes). INVARIANT: ``_dirs_synced <=
-    #: _dirs_changes``; they start at 0 and 1 (what a start loaded was never fsynced here).
+    #: durable copy was last written (``write_dirs_durably``, set from its worker thread).
+    #: INVARIANT: ``_dirs_synced <= _dirs_changes``; they start at 0 and 1 (what a start
+    #: loaded was never fsynced here).
     _dirs_changes: int
     _dirs_synced: int
-    _dirs_sync_lock: threading.Lock
+    #: True while a worker thread writes the durable copy: set on the trio thread before the
+    #: thread starts (``dirs_to_sync``), cleared by that thread when it ends, so at most one
+    #: runs (a stalled disk piles up no threads: an fsync that gave up left it running)
+    dirs_writing: bool
     _local: set[Node]  # ``LocalFiles``: the local-only files
 
     if TYPE_CHECKING:  # what this part calls of the other parts of ``core.Filesystem``
@@ -385,7 +387,7 @@ class NamespaceOps:
         ``saved_dirs``; called by ``Filesystem.__init__``."""
         self.dirs_file = dirs_file
         self._dirs_changes, self._dirs_synced = 1, 0
-        self._dirs_sync_lock = threading.Lock()
+        self.dirs_writing = False
         self.saved_dirs = load_dirs(dirs_file) if dirs_file is not None else {}
 
     def save_dirs(self) -> None:
@@ -413,32 +415,43 @@ class NamespaceOps:
             raise err from exc
         self.saved_dirs = out
 
-    def dirs_to_sync(self) -> tuple[str, int] | None:
-        """What a directory's fsync must make durable of the directory list: the list as the
-        tree holds it now (JSON, ``dirs.json``'s shape) and the change count it reflects, for
-        ``write_dirs_durably`` (in a worker thread); None when its durable copy holds it
-        already (no mkdir, rmdir, directory rename or chmod since) or there is no cache."""
+    def dirs_unsynced(self) -> int:
+        """The change of the directory list (a count of ``save_dirs``) a directory's fsync
+        must see durable, 0 when its durable copy holds it already (no mkdir, rmdir,
+        directory rename or chmod since) or there is no cache."""
         if self.dirs_file is None or self._dirs_synced >= self._dirs_changes:
-            return None
+            return 0
+        return self._dirs_changes
+
+    def dirs_synced(self, change: int) -> bool:
+        """Whether the durable copy holds change ``change`` of the directory list."""
+        return self._dirs_synced >= change
+
+    def dirs_to_sync(self) -> tuple[str, int]:
+        """The directory list as the tree holds it now (JSON, ``dirs.json``'s shape) and the
+        change it reflects, for ``write_dirs_durably`` in a worker thread, which the caller
+        starts now (``dirs_writing`` is set until it ends). Not while one runs."""
+        assert not self.dirs_writing
+        self.dirs_writing = True
         return json.dumps(self._dirs_state()), self._dirs_changes
 
     def write_dirs_durably(self, text: str, change: int) -> None:
         """Blocking, for a worker thread (``Filesystem.fsyncdir``): write the directory list
         ``text`` (``dirs_to_sync``) to ``dirs.synced.json`` beside ``dirs.json`` (a temporary
         file, fsynced, renamed over it: ``privfile.write_private``), then fsync the cache
-        directory, so the list as of ``change`` survives a power cut (``load_dirs``). A list
-        of an older change than the one written already is not written. Raises ``OSError``."""
+        directory, so the list as of ``change`` survives a power cut (``load_dirs``). Clears
+        ``dirs_writing`` when it ends. Raises ``OSError``."""
         assert self.dirs_file is not None
-        with self._dirs_sync_lock:
-            if change <= self._dirs_synced:
-                return
+        try:
             write_fsynced(synced_dirs_file(self.dirs_file), text)
             fd = os.open(self.dirs_file.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             try:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            self._dirs_synced = change
+            self._dirs_synced = max(self._dirs_synced, change)
+        finally:
+            self.dirs_writing = False
 
     def _dirs_state(self) -> dict[str, Any]:
         """The directory list as the tree holds it now (``save_dirs``)."""
