@@ -103,6 +103,7 @@ async def test_a_directory_fsync_commits_the_open_files_only_memory_names(tmp_pa
         fs.unlink(root.ino, b"gone.md")
         await fsyncdir(fs, root)
 
+        assert root.children is not None
         n = {c.name: c for c in root.children.values()}
         on_disk = journal_puts(tmp_path)
         assert on_disk.get(n["open2.md"].key) == "open2.md"
@@ -187,18 +188,19 @@ async def test_the_durable_directory_list_is_bounded_one_write_at_a_time_and_fai
     it runs (a stall piles up no threads), and is answered once it ends. A full disk:
     ``ENOSPC``, with an ``errors.log`` line."""
     import memfuse.sidecar.namespace as namespace
+    target = "memfuse.sidecar.namespace.write_fsynced"  # privfile.write_private, as it uses it
     async with core(tmp_path) as (fake, fs, client):
         fs.settings.fsync_timeout = 0.3
         root = fs.stores["default"].root
         fs.mkdir(root.ino, b"d", 0o755, 0, 0)
         stalled, calls = threading.Event(), []
-        real = namespace.write_fsynced
+        real = getattr(namespace, "write_fsynced")
 
         def stalling(path: Path, text: str) -> None:
             calls.append(path)
             assert stalled.wait(30)
             real(path, text)
-        monkeypatch.setattr(namespace, "write_fsynced", stalling)
+        monkeypatch.setattr(target, stalling)
         for _ in range(2):
             with pytest.raises(FsError) as exc:
                 await fsyncdir(fs, root)
@@ -211,12 +213,12 @@ async def test_the_durable_directory_list_is_bounded_one_write_at_a_time_and_fai
 
         def full(path: Path, text: str) -> None:
             raise OSError(errno.ENOSPC, "No space left on device")
-        monkeypatch.setattr(namespace, "write_fsynced", full)
+        monkeypatch.setattr(target, full)
         fs.mkdir(root.ino, b"e", 0o755, 0, 0)
         with pytest.raises(FsError) as exc:
             await fsyncdir(fs, root)
         assert exc.value.errno == errno.ENOSPC
         assert list(fs.errors)[-1]["code"] == "cache_disk_full"
-        monkeypatch.setattr(namespace, "write_fsynced", real)
+        monkeypatch.setattr(target, real)
         await fsyncdir(fs, root)  # space back: written
     assert json.loads((tmp_path / "dirs.synced.json").read_text())["default"] == ["d", "e"]
