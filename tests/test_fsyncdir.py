@@ -160,6 +160,8 @@ async def test_a_directory_fsync_makes_the_directory_list_durable_once_per_chang
     dirs, synced = tmp_path / "dirs.json", tmp_path / "dirs.synced.json"
     async with core(tmp_path) as (fake, fs, client):
         root = fs.stores["default"].root
+        await fsyncdir(fs, root)
+        assert not synced.exists()  # no list to keep
         fs.mkdir(root.ino, b"kept", 0o700, 0, 0)
         await fsyncdir(fs, root)
         assert json.loads(synced.read_text())["default"] == ["kept"]
@@ -169,6 +171,11 @@ async def test_a_directory_fsync_makes_the_directory_list_durable_once_per_chang
         fs.mkdir(root.ino, b"later", 0o755, 0, 0)  # not fsynced
         assert json.loads(dirs.read_text())["default"] == ["kept", "later"]
         assert json.loads(synced.read_text())["default"] == ["kept"]
+        # an older list never replaces a newer one (two writes that outlived their fsyncs)
+        fs.dirs_writing = True
+        fs.write_dirs_durably('{"default": ["older"]}', fs._dirs_synced - 1)
+        assert json.loads(synced.read_text())["default"] == ["kept"]
+        assert not fs.dirs_writing and not list(tmp_path.glob(".dirs.synced.json.*"))
     from memfuse.sidecar.namespace import load_dirs  # (here: the module runs on older code)
     # a start reads dirs.json while it is whole (the newest list), the durable copy when a
     # power cut left dirs.json without its bytes
@@ -187,20 +194,18 @@ async def test_the_durable_directory_list_is_bounded_one_write_at_a_time_and_fai
     ``EIO`` and the write goes on in its thread; the next fsync starts no second one while
     it runs (a stall piles up no threads), and is answered once it ends. A full disk:
     ``ENOSPC``, with an ``errors.log`` line."""
-    import memfuse.sidecar.namespace as namespace
-    target = "memfuse.sidecar.namespace.write_fsynced"  # privfile.write_private, as it uses it
     async with core(tmp_path) as (fake, fs, client):
         fs.settings.fsync_timeout = 0.3
         root = fs.stores["default"].root
         fs.mkdir(root.ino, b"d", 0o755, 0, 0)
         stalled, calls = threading.Event(), []
-        real = getattr(namespace, "write_fsynced")
+        real = fs.write_dirs_durably
 
-        def stalling(path: Path, text: str) -> None:
-            calls.append(path)
+        def stalling(text: str, change: int) -> None:
+            calls.append(change)
             assert stalled.wait(30)
-            real(path, text)
-        monkeypatch.setattr(target, stalling)
+            real(text, change)
+        monkeypatch.setattr(fs, "write_dirs_durably", stalling)
         for _ in range(2):
             with pytest.raises(FsError) as exc:
                 await fsyncdir(fs, root)
@@ -211,14 +216,15 @@ async def test_the_durable_directory_list_is_bounded_one_write_at_a_time_and_fai
         await fsyncdir(fs, root)  # the stalled write ends; it held this change already
         assert len(calls) == 1 and not fs.dirs_writing
 
-        def full(path: Path, text: str) -> None:
+        def full(text: str, change: int) -> None:
+            fs.dirs_writing = False  # (as write_dirs_durably does when it ends)
             raise OSError(errno.ENOSPC, "No space left on device")
-        monkeypatch.setattr(target, full)
+        monkeypatch.setattr(fs, "write_dirs_durably", full)
         fs.mkdir(root.ino, b"e", 0o755, 0, 0)
         with pytest.raises(FsError) as exc:
             await fsyncdir(fs, root)
         assert exc.value.errno == errno.ENOSPC
         assert list(fs.errors)[-1]["code"] == "cache_disk_full"
-        monkeypatch.setattr(target, real)
+        monkeypatch.setattr(fs, "write_dirs_durably", real)
         await fsyncdir(fs, root)  # space back: written
     assert json.loads((tmp_path / "dirs.synced.json").read_text())["default"] == ["d", "e"]

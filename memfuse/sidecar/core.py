@@ -1288,9 +1288,15 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
                 if self.dirs_writing:
                     await trio.sleep(DIRS_WRITING_POLL)
                     continue
+                text, latest = self.dirs_to_sync()
+                started = False
+
+                def write() -> None:
+                    nonlocal started
+                    started = True
+                    self.write_dirs_durably(text, latest)
                 try:
-                    await trio.to_thread.run_sync(self.write_dirs_durably, *self.dirs_to_sync(),
-                                                  abandon_on_cancel=True)
+                    await trio.to_thread.run_sync(write, abandon_on_cancel=True)
                 except OSError as exc:
                     err = cache_error(exc, "saving the directory list")
                     if self.metrics is not None:
@@ -1300,6 +1306,9 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
                                     err.reason, "cache_disk_full" if err.errno == errno.ENOSPC
                                     else "cache_disk_error")
                     raise FsError(err.errno, err.reason) from None
+                finally:
+                    if not started:  # cancelled before its thread ran: it never will
+                        self.dirs_writing = False
             return
         raise FsError(errno.EIO, "the directory list was not on disk within the fsync timeout")
 

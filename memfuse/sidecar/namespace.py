@@ -19,14 +19,16 @@ import errno
 import json
 import logging
 import os
+import itertools
 import stat
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from .. import names
 from ..defs import PREFIX_MOVE_MAX
-from ..privfile import write_private as write_fsynced
+from ..privfile import FILE_MODE
 from .inodes import (DIR_MODE, DIR_MODES_KEY, PENDING, RENAME_EXCHANGE, RENAME_NOREPLACE,
                      STORE_CREATED_KEY, FsError,
                      Node, StoreMount)
@@ -63,9 +65,13 @@ class NamespaceOps:
     _dirs_changes: int
     _dirs_synced: int
     #: True while a worker thread writes the durable copy: set on the trio thread before the
-    #: thread starts (``dirs_to_sync``), cleared by that thread when it ends, so at most one
-    #: runs (a stalled disk piles up no threads: an fsync that gave up left it running)
+    #: thread starts (``dirs_to_sync``), cleared when it ends (or did not start), so that
+    #: one runs at a time (a stalled disk piles up no threads: an fsync that gave up left
+    #: its write running)
     dirs_writing: bool
+    #: orders the durable copies' renames (``write_dirs_durably``): an older list never
+    #: replaces a newer one
+    _dirs_rename_lock: threading.Lock
     _local: set[Node]  # ``LocalFiles``: the local-only files
 
     if TYPE_CHECKING:  # what this part calls of the other parts of ``core.Filesystem``
@@ -386,9 +392,12 @@ class NamespaceOps:
         """Load the directory list a previous process kept (``load_dirs``) into
         ``saved_dirs``; called by ``Filesystem.__init__``."""
         self.dirs_file = dirs_file
-        self._dirs_changes, self._dirs_synced = 1, 0
-        self.dirs_writing = False
         self.saved_dirs = load_dirs(dirs_file) if dirs_file is not None else {}
+        # a list loaded may not be on disk (dirs.json is not fsynced): the first directory
+        # fsync writes its durable copy
+        self._dirs_changes, self._dirs_synced = (1 if self.saved_dirs else 0), 0
+        self.dirs_writing = False
+        self._dirs_rename_lock = threading.Lock()
 
     def save_dirs(self) -> None:
         """Persist every directory path of every store (``dirs.json`` in the cache), so a
@@ -438,19 +447,36 @@ class NamespaceOps:
     def write_dirs_durably(self, text: str, change: int) -> None:
         """Blocking, for a worker thread (``Filesystem.fsyncdir``): write the directory list
         ``text`` (``dirs_to_sync``) to ``dirs.synced.json`` beside ``dirs.json`` (a temporary
-        file, fsynced, renamed over it: ``privfile.write_private``), then fsync the cache
-        directory, so the list as of ``change`` survives a power cut (``load_dirs``). Clears
-        ``dirs_writing`` when it ends. Raises ``OSError``."""
+        file of its own, mode 0600, fsynced, renamed over it unless a newer list was), then
+        fsync the cache directory, so the list as of ``change`` survives a power cut
+        (``load_dirs``). Clears ``dirs_writing`` when it ends. Raises ``OSError`` (the
+        temporary file removed)."""
         assert self.dirs_file is not None
+        path = synced_dirs_file(self.dirs_file)
+        tmp = path.with_name(f".{path.name}.{next(_TMP_SEQ)}.tmp")
         try:
-            write_fsynced(synced_dirs_file(self.dirs_file), text)
-            fd = os.open(self.dirs_file.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW,
+                         FILE_MODE)
             try:
+                view = memoryview(text.encode("utf-8"))
+                while view:
+                    view = view[os.write(fd, view):]
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            self._dirs_synced = max(self._dirs_synced, change)
+            with self._dirs_rename_lock:
+                if change <= self._dirs_synced:
+                    return  # (the temporary file is removed below)
+                os.replace(tmp, path)
+                fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                self._dirs_synced = change
         finally:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
             self.dirs_writing = False
 
     def _dirs_state(self) -> dict[str, Any]:
@@ -492,6 +518,10 @@ class NamespaceOps:
             log.warning("directory list not saved", extra={"reason": err.reason})
 
 
+#: numbers the temporary files of ``write_dirs_durably``
+_TMP_SEQ = itertools.count(1)
+
+
 def synced_dirs_file(dirs_file: Path) -> Path:
     """The durable copy of the directory list ``dirs_file`` (``dirs.synced.json``)."""
     return dirs_file.with_suffix(".synced.json")
@@ -503,26 +533,23 @@ def load_dirs(dirs_file: Path) -> dict[str, Any]:
     its name and drops its bytes), the durable copy the last fsync of a directory wrote
     (``dirs.synced.json``), else none (a WARNING: empty directories made earlier are not
     restored)."""
-    found = False
+    damaged = False
     for path in (dirs_file, synced_dirs_file(dirs_file)):
         try:
-            text = path.read_text()
+            saved = json.loads(path.read_text())
         except FileNotFoundError:
             continue
         except (OSError, ValueError):
-            found = True
+            damaged = True
             continue
-        found = True
-        try:
-            saved = json.loads(text)
-        except ValueError:
+        if not isinstance(saved, dict):
+            damaged = True
             continue
-        if isinstance(saved, dict):
-            if path != dirs_file:
-                log.warning("directory list in the cache is unreadable (a power cut?); the copy "
-                            "the last fsync of a directory made is used", extra={"file": str(path)})
-            return saved
-    if found:
+        if damaged:
+            log.warning("directory list in the cache is unreadable (a power cut?); the copy "
+                        "the last fsync of a directory made is used", extra={"file": str(dirs_file)})
+        return saved
+    if damaged:
         log.warning("directory list in the cache is unreadable; empty directories "
                     "made earlier are not restored", extra={"file": str(dirs_file)})
     return {}
