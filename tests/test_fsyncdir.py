@@ -99,6 +99,11 @@ async def test_a_directory_fsync_commits_the_open_files_only_memory_names(tmp_pa
         stays = create(fs, sub, "stays.md", b"in a subdirectory\n")
         bad = create(fs, root, "bad.md", b"caf\xc3")  # a character cut: judged at close
         swap = create(fs, root, "notes.md~", b"local only\n")
+        kept = create(fs, root, ".notes.md.swp", b"kept once\n")
+        with trio.fail_after(20):
+            await fs.fsync(kept)  # its row names .notes.md.swp
+        fs.write(kept, 10, b"more\n")
+        fs.rename(root.ino, b".notes.md.swp", root.ino, b".notes.md.swo", 0)  # still being written
         gone = create(fs, root, "gone.md", b"unlinked while open\n")
         fs.unlink(root.ino, b"gone.md")
         await fsyncdir(fs, root)
@@ -116,15 +121,18 @@ async def test_a_directory_fsync_commits_the_open_files_only_memory_names(tmp_pa
         assert bad.node.state == REJECTED and bad.node.dirty
         assert fs.journal.load_rejected()[0]["path"] == "bad.md"
         assert swap.node.key in fs._local_saved  # kept (its own table), never sent
+        assert fs._local_saved[kept.node.key][1] == ".notes.md.swo"  # under its new name
+        assert {r["path"]: r["content"] for r in fs.journal.load_local()} == {
+            "notes.md~": b"local only\n", ".notes.md.swo": b"kept once\nmore\n"}
         assert gone.node.last_put is None
 
         with pytest.raises(FsError) as exc:
             await fs.flush(bad)  # its writer still learns it at close
         assert exc.value.errno == errno.EILSEQ
-        for h in (opened, moved, stays, swap, gone):
+        for h in (opened, moved, stays, swap, kept, gone):
             with trio.fail_after(20):
                 await fs.flush(h)  # the outbox is failing: returns once accepted
-        for h in (opened, moved, stays, bad, swap, gone):
+        for h in (opened, moved, stays, bad, swap, kept, gone):
             fs.release(h.fh)
         fs.check_invariants()
         fake.faults.outage = False

@@ -1227,7 +1227,8 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         entry and no record carries them. A record's file with no record and no put (created
         and not closed yet, or renamed while still open: a create is queued at close) that
         is not rejected (a rejected file is kept with its name already, ``RejectedFiles``),
-        and a local-only file never kept yet (``LocalFiles``). A file committed once is
+        and a local-only file whose kept row does not name it here (never kept, or renamed
+        while being written: its row waits for its close, ``LocalFiles``). A file committed once is
         named by its put, record and moves already; its later writes are content, which a
         directory's fsync does not promise."""
         out: list[Node] = []
@@ -1237,7 +1238,9 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             if not c.dirty or c.children is not None or c.special or c.unlinked:
                 continue
             if c.local_only:
-                if c.key not in self._local_saved:
+                # (a row loaded at start is (store, "kept"): its path is not known here)
+                saved = self._local_saved.get(c.key)
+                if saved is None or len(saved) < 5 or saved[1] != c.path():
                     out.append(c)
             elif c.record_id is None and c.last_put is None and c.state != REJECTED:
                 out.append(c)

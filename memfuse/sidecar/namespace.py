@@ -393,6 +393,11 @@ class NamespaceOps:
         ``saved_dirs``; called by ``Filesystem.__init__``."""
         self.dirs_file = dirs_file
         self.saved_dirs = load_dirs(dirs_file) if dirs_file is not None else {}
+        if dirs_file is not None:  # the temporary files of writes a crash cut short
+            synced = synced_dirs_file(dirs_file)
+            for tmp in dirs_file.parent.glob(f".{synced.name}.*.tmp"):
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
         # a list loaded may not be on disk (dirs.json is not fsynced): the first directory
         # fsync writes its durable copy
         self._dirs_changes, self._dirs_synced = (1 if self.saved_dirs else 0), 0
