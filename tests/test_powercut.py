@@ -25,11 +25,13 @@ counts as a failure). Every mount is unmounted in a ``finally`` (``PowerCutMount
 """
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import random
 import shutil
 import sqlite3
+import stat
 import subprocess
 import sys
 import time
@@ -435,3 +437,85 @@ def test_a_rename_and_an_unlink_whose_directory_fsync_returned_survive_a_power_c
             drained(sc, timeout=30)
             live = {r["path"]: r["content"] for r in cp_state(cp) if not r["deleted"]}
             assert live == {"b.md": "renamed after its close\n"}, live
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        timed(os.fsync, fd)
+    finally:
+        os.close(fd)
+
+
+@mount_test
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("how", ["power cut", "kill -9"])
+def test_a_file_named_while_open_survives_once_its_directory_fsync_returned(tmp_path, how):
+    """POSIX: once fsync of a directory returned, its entries survive a crash; a file's name
+    too when the file is still open for writing (its content need not). With the control
+    plane down: a file created and written, renamed while open, and one created in a
+    subdirectory and renamed into the directory while open, then the directory's fsync, then
+    a power cut (or a kill -9 of the sidecar) before their writers close. (attack26 F1: both
+    names were gone after the restart, in both cases: a create reaches the outbox only at
+    close, so the directory's fsync had nothing to wait for. Now it commits such files as
+    their own fsync would: ``Filesystem.fsyncdir``.)"""
+    disk, cache = tmp_path / "cachedisk", tmp_path / "cache"
+    with PowerCutMount(disk, cache, fsync_delay=SLOW_FSYNC) as pc:
+        with Rig(tmp_path) as rig:
+            cp = rig.cp
+            sc = rig.sidecar("ws", "--commit-wait", "0.3", "--admin-listen", "", cache_dir=cache)
+            store = sc.mountpoint / "default"
+            timed(write, store / "kept.md", "committed before the outage\n", False)
+            wait_for(lambda: os.getxattr(store / "kept.md", "user.memfuse.state") == b"clean",
+                     30, "kept.md to commit")
+            cp.kill()
+            os.mkdir(store / "sub")
+            fds = []
+            try:
+                fds.append(os.open(store / "open.md", os.O_WRONLY | os.O_CREAT, 0o644))
+                os.write(fds[-1], b"open\n")
+                os.rename(store / "open.md", store / "open2.md")
+                fds.append(os.open(store / "sub" / "in.md", os.O_WRONLY | os.O_CREAT, 0o644))
+                os.write(fds[-1], b"moved in\n")
+                os.rename(store / "sub" / "in.md", store / "in.md")
+                fsync_dir(store)
+                if how == "power cut":
+                    print(pc.cut())
+                    sc.cache_dir = disk  # a new sidecar on what the disk kept
+                sc.kill9()
+            finally:
+                for fd in fds:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)  # ENOTCONN: the sidecar is gone
+            cp.start()
+            sc.start()
+            drained(sc, timeout=30)
+            live = {r["path"]: r["content"] for r in cp_state(cp) if not r["deleted"]}
+            assert live == {"kept.md": "committed before the outage\n",
+                            "open2.md": "open\n", "in.md": "moved in\n"}, live
+            assert {"open2.md", "in.md"} <= set(os.listdir(store))
+
+
+@mount_test
+@pytest.mark.timeout(300)
+def test_an_empty_directory_survives_a_power_cut_once_its_parent_fsync_returned(tmp_path):
+    """An empty directory made by mkdir lives in this sidecar alone (``dirs.json``, not
+    fsynced): once its parent's fsync returned it survives a power cut, with its mode, also
+    when another mkdir (not fsynced) rewrote the list after it. (attack26 F2: it was gone;
+    now the directory's fsync writes a durable copy, ``dirs.synced.json``.)"""
+    disk, cache = tmp_path / "cachedisk", tmp_path / "cache"
+    with PowerCutMount(disk, cache, fsync_delay=SLOW_FSYNC) as pc:
+        with Rig(tmp_path) as rig:
+            sc = rig.sidecar("ws", "--admin-listen", "", cache_dir=cache)
+            store = sc.mountpoint / "default"
+            os.mkdir(store / "empty", 0o750)
+            os.chmod(store / "empty", 0o750)  # (the umask)
+            os.mkdir(store / "empty" / "inner")
+            fsync_dir(store)
+            os.mkdir(store / "later")  # after the fsync: dirs.json rewritten, not fsynced
+            print(pc.cut())
+            sc.kill9()
+            sc.cache_dir = disk
+            sc.start()
+            assert os.path.isdir(store / "empty" / "inner")
+            assert stat.S_IMODE(os.stat(store / "empty").st_mode) == 0o750

@@ -31,7 +31,6 @@ submitted.
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import sqlite3
@@ -53,7 +52,7 @@ from ..secretscan import AppendScans
 from .appendbuf import AppendBuffer, WriteBuffer
 from .attributes import AttributeOps
 from .blobcache import BlobCache
-from .cachedir import CacheError
+from .cachedir import CacheError, cache_error
 from .control import CONTROL_DIR, FILES, ControlFiles
 from .interrupts import Interrupts
 from .inodes import (ABSENT_BASE, CLEAN, PENDING, REJECTED, ROOT_INO, UNKNOWN_BASE, FsError, Handle, InodeTable,
@@ -90,6 +89,10 @@ REFETCH_TIMEOUT = 30.0
 #: batch being written to end, before deciding whether it can be withdrawn (beyond it: kept,
 #: the close returns 0: it may have landed)
 WITHDRAW_WAIT = 10.0
+#: s between looks of a directory's fsync at the durable copy of the directory list being
+#: written for an earlier one (``_sync_dirs``: only while that write outlived its fsync, a
+#: stalled cache disk)
+DIRS_WRITING_POLL = 0.05
 
 
 class ContentMissing(FsError):
@@ -188,14 +191,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         self.ids = ids if ids is not None else RecordIds(journal, {})
         self.listener = listener
         self.metrics = metrics  # memfuse.sidecar.metrics.Metrics, or None
-        self.dirs_file = dirs_file
-        self.saved_dirs = {}
-        if dirs_file is not None and dirs_file.exists():
-            try:
-                self.saved_dirs = json.loads(dirs_file.read_text())
-            except (OSError, ValueError):
-                log.warning("directory list in the cache is unreadable; empty directories "
-                            "made earlier are not restored", extra={"file": str(dirs_file)})
+        self.init_dirs(dirs_file)  # dirs.json (NamespaceOps.load_dirs)
         self.committer = Committer(client, journal, self.ids, listener=self,
                                    base_content=self._cached_blob, backoff_max=backoff_max,
                                    metrics=metrics, store_created=self._store_created)
@@ -1197,12 +1193,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         ``fsync_timeout`` s, ``EINTR`` once the process that opened ``h`` has a stop signal
         to take (``interrupts``; the write stays accepted either way)."""
         n = h.node
-        # (a handle with no write of its own while another rewrites the file: nothing of
-        # its own to make durable; the rewrite's close commits it)
-        e = None if self.rewritten_by_another(n, h) else self.commit(n)
-        e = e or (n.last_put if n.state == PENDING and not (n.local_only or n.unlinked) else None)
-        if e is None and n.local_only and not n.unlinked:
-            e = self.journal.barrier()  # its kept copy may still be queued
+        e = self._fsync_commit(n, h)
         if e is None:
             return
         deadline = trio.current_time() + self.settings.fsync_timeout
@@ -1216,17 +1207,113 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         if e.errno:
             raise FsError(e.errno, e.reason)
 
+    def _fsync_commit(self, n: Node, h: Handle | None = None) -> Entry | Barrier | None:
+        """What an fsync of file ``n`` (through handle ``h``) makes durable, and waits for:
+        its content as it holds it now, committed (``commit``: raises its refusals), else
+        the put of it still pending, else (a local-only file) a ``Barrier`` behind its kept
+        copy; None when there is nothing to wait for. A handle with no write of its own while
+        another rewrites the file commits nothing (the rewrite's close commits it). The one
+        rule of a file's fsync and of a directory's for the files only it holds
+        (``fsyncdir``)."""
+        e = None if h is not None and self.rewritten_by_another(n, h) else self.commit(n)
+        e = e or (n.last_put if n.state == PENDING and not (n.local_only or n.unlinked) else None)
+        if e is None and n.local_only and not n.unlinked:
+            e = self.journal.barrier()  # its kept copy may still be queued
+        return e
+
+    def _names_only_here(self, d: Node) -> list[Node]:
+        """The files of directory ``d`` (its own entries, not its subdirectories') whose name
+        only this process's memory holds: being written and never committed, so no outbox
+        entry and no record carries them. A record's file with no record and no put (created
+        and not closed yet, or renamed while still open: a create is queued at close) that
+        is not rejected (a rejected file is kept with its name already, ``RejectedFiles``),
+        and a local-only file whose kept row does not name it here (never kept, or renamed
+        while being written: its row waits for its close, ``LocalFiles``). A file committed once is
+        named by its put, record and moves already; its later writes are content, which a
+        directory's fsync does not promise."""
+        out: list[Node] = []
+        if d.store is None or d.store.detached:  # the mount root, .memfuse; an unmounted store
+            return out
+        for c in (d.children or {}).values():
+            if not c.dirty or c.children is not None or c.special or c.unlinked:
+                continue
+            if c.local_only:
+                # (a row loaded at start is (store, "kept"): its path is not known here)
+                saved = self._local_saved.get(c.key)
+                if saved is None or len(saved) < 5 or saved[1] != c.path():
+                    out.append(c)
+            elif c.record_id is None and c.last_put is None and c.state != REJECTED:
+                out.append(c)
+        return out
+
     async def fsyncdir(self, h: Handle) -> None:
         """fsync(2) of a directory (POSIX: its entries durable; the idiom of a durable rename:
         write, close, rename, fsync the directory): return once every change queued so far
         (this directory's create, rename, unlink, mkdir and rmdir among them) is accepted, on
         disk in the outbox journal (a ``Barrier``), or committed; a crash or a power cut then
-        loses none of them (docs/SEMANTICS.md, "Namespace changes"). It does not wait for the
-        control plane, as a file's fsync does for its content. Raises ``FsError`` with the
-        journal's errno when the cache disk refuses the write (``ENOSPC``, ``EIO``), ``EIO``
-        after ``fsync_timeout`` s. (powercut25: it returned 0 at once, and a rename and an
-        unlink it had answered for came back after a power cut, and after a kill -9.)"""
-        await self._wait_accepted(h.node, self.journal.barrier(), self.settings.fsync_timeout)
+        loses none of them (docs/SEMANTICS.md, "Namespace changes"). Its files whose name
+        only memory holds (``_names_only_here``: created, or renamed, while still open for
+        writing) are committed first as their own fsync would (``_fsync_commit``: what they
+        hold now; their close commits the rest), so their names are in that journal too; a
+        refused one is kept rejected with its name (never sent) and judged again at its
+        close, which reports it. The directory list (empty directories made by mkdir, their
+        modes) is made durable too (``write_dirs_durably``) when it changed since.
+        It does not wait for the control plane, as a file's fsync does for its content: the
+        journal holds the names. Raises ``FsError`` with the cache disk's errno when it
+        refuses the write (``ENOSPC``, ``EIO``), ``EIO`` after ``fsync_timeout`` s.
+        (powercut25: it returned 0 at once, and a rename and an unlink it had answered for
+        came back after a power cut, and after a kill -9; attack26: a file renamed while
+        open, and an empty directory, were lost.)"""
+        d = h.node
+        deadline = trio.current_time() + self.settings.fsync_timeout
+        for n in self._names_only_here(d):
+            try:
+                self._fsync_commit(n)
+            except FsError:
+                # refused (kept rejected, with its name: RejectedFiles): its writer's close
+                # judges it again and reports the refusal, as it would have
+                n.dirty = True
+        barrier = self.journal.barrier()
+        change = self.dirs_unsynced()
+        if change:
+            await self._sync_dirs(d, change, deadline)
+        await self._wait_accepted(d, barrier, max(0.0, deadline - trio.current_time()))
+
+    async def _sync_dirs(self, d: Node, change: int, deadline: float) -> None:
+        """Until the durable copy of the directory list holds change ``change``
+        (``write_dirs_durably`` in a worker thread, one at a time: an earlier fsync's still
+        running is waited for, and may have written it), at most until ``deadline``
+        (``trio.current_time()``). Raises ``FsError`` with the cache disk's errno when it
+        refuses the write (and an ``errors.log`` line), ``EIO`` when it is not done in time
+        (the write goes on in its thread)."""
+        with trio.move_on_at(deadline):
+            while not self.dirs_synced(change):
+                if self.dirs_writing:
+                    await trio.sleep(DIRS_WRITING_POLL)
+                    continue
+                text, latest = self.dirs_to_sync()
+                started = False
+
+                def write() -> None:
+                    nonlocal started
+                    started = True
+                    self.write_dirs_durably(text, latest)
+                try:
+                    await trio.to_thread.run_sync(write, abandon_on_cancel=True)
+                except OSError as exc:
+                    err = cache_error(exc, "saving the directory list")
+                    if self.metrics is not None:
+                        self.metrics.cache_write_errors.labels(
+                            "dirs", errno.errorcode.get(err.errno, str(err.errno))).inc()
+                    self.note_error(d.parent if d.store is not None else None, d.name, err.errno,
+                                    err.reason, "cache_disk_full" if err.errno == errno.ENOSPC
+                                    else "cache_disk_error")
+                    raise FsError(err.errno, err.reason) from None
+                finally:
+                    if not started:  # cancelled before its thread ran: it never will
+                        self.dirs_writing = False
+            return
+        raise FsError(errno.EIO, "the directory list was not on disk within the fsync timeout")
 
     async def _journal_refused(self, n: Node, e: Entry, err: CacheError, deadline: float) -> None:
         """The close of a write the outbox journal could not take (``err``: the cache disk

@@ -7,7 +7,10 @@ sees the local sequence. Renames follow rename(2) / renameat2(2) (``RENAME_NOREP
 ``RENAME_EXCHANGE`` → ``EINVAL``; across stores → ``EXDEV``); a file renamed over another takes
 over the target's record (docs/SEMANTICS.md, "Namespace changes"). Empty directories made by
 mkdir, and directory modes, are local to this sidecar: kept in ``dirs.json`` in the cache
-(``save_dirs``, written whole on every change of the directory set). Nothing here awaits.
+(``save_dirs``, written whole on every change of the directory set, not fsynced: it survives a
+``kill -9``), and made durable by the fsync of a directory (``write_dirs_durably``, in a
+worker thread: ``dirs.synced.json``, fsynced, then the cache directory), which a start reads
+when a power cut left ``dirs.json`` unreadable (``load_dirs``). Nothing here awaits.
 """
 from __future__ import annotations
 
@@ -16,13 +19,16 @@ import errno
 import json
 import logging
 import os
+import itertools
 import stat
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from .. import names
 from ..defs import PREFIX_MOVE_MAX
+from ..privfile import FILE_MODE
 from .inodes import (DIR_MODE, DIR_MODES_KEY, PENDING, RENAME_EXCHANGE, RENAME_NOREPLACE,
                      STORE_CREATED_KEY, FsError,
                      Node, StoreMount)
@@ -52,6 +58,20 @@ class NamespaceOps:
     dirs_file: Path | None
     #: slug -> directory paths made here; ``DIR_MODES_KEY`` -> their modes (``dirs.json``)
     saved_dirs: dict[str, Any]
+    #: how many times the directory list was saved (``save_dirs``), and that count when its
+    #: durable copy was last written (``write_dirs_durably``, set from its worker thread).
+    #: INVARIANT: ``_dirs_synced <= _dirs_changes``; they start at 0 and 1 (what a start
+    #: loaded was never fsynced here).
+    _dirs_changes: int
+    _dirs_synced: int
+    #: True while a worker thread writes the durable copy: set on the trio thread before the
+    #: thread starts (``dirs_to_sync``), cleared when it ends (or did not start), so that
+    #: one runs at a time (a stalled disk piles up no threads: an fsync that gave up left
+    #: its write running)
+    dirs_writing: bool
+    #: orders the durable copies' renames (``write_dirs_durably``): an older list never
+    #: replaces a newer one
+    _dirs_rename_lock: threading.Lock
     _local: set[Node]  # ``LocalFiles``: the local-only files
 
     if TYPE_CHECKING:  # what this part calls of the other parts of ``core.Filesystem``
@@ -368,14 +388,104 @@ class NamespaceOps:
             d = child
         return d
 
+    def init_dirs(self, dirs_file: Path | None) -> None:
+        """Load the directory list a previous process kept (``load_dirs``) into
+        ``saved_dirs``; called by ``Filesystem.__init__``."""
+        self.dirs_file = dirs_file
+        self.saved_dirs = load_dirs(dirs_file) if dirs_file is not None else {}
+        if dirs_file is not None:  # the temporary files of writes a crash cut short
+            synced = synced_dirs_file(dirs_file)
+            for tmp in dirs_file.parent.glob(f".{synced.name}.*.tmp"):
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
+        # a list loaded may not be on disk (dirs.json is not fsynced): the first directory
+        # fsync writes its durable copy
+        self._dirs_changes, self._dirs_synced = (1 if self.saved_dirs else 0), 0
+        self.dirs_writing = False
+        self._dirs_rename_lock = threading.Lock()
+
     def save_dirs(self) -> None:
         """Persist every directory path of every store (``dirs.json`` in the cache), so a
         directory made by mkdir and still empty survives a restart of the sidecar, with
         each store's creation time (``StoreMount.created``: a store deleted and made again
         under the same slug gets none of them, ``RemoteApply.add_store``). Atomic (tmp +
-        rename); directories holding records are implied by them anyway."""
+        rename), not fsynced: a directory's fsync makes the list durable
+        (``write_dirs_durably``); directories holding records are implied by them anyway."""
         if self.dirs_file is None:
             return
+        self._dirs_changes += 1  # (a failed save too: the durable copy is written from the tree)
+        out = self._dirs_state()
+        tmp = self.dirs_file.with_suffix(".tmp")
+        try:
+            write_private(tmp, json.dumps(out))
+            os.replace(tmp, self.dirs_file)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            err = cache_error(exc, "saving the directory list")
+            if self.metrics is not None:
+                self.metrics.cache_write_errors.labels(
+                    "dirs", errno.errorcode.get(err.errno, str(err.errno))).inc()
+            raise err from exc
+        self.saved_dirs = out
+
+    def dirs_unsynced(self) -> int:
+        """The change of the directory list (a count of ``save_dirs``) a directory's fsync
+        must see durable, 0 when its durable copy holds it already (no mkdir, rmdir,
+        directory rename or chmod since) or there is no cache."""
+        if self.dirs_file is None or self._dirs_synced >= self._dirs_changes:
+            return 0
+        return self._dirs_changes
+
+    def dirs_synced(self, change: int) -> bool:
+        """Whether the durable copy holds change ``change`` of the directory list."""
+        return self._dirs_synced >= change
+
+    def dirs_to_sync(self) -> tuple[str, int]:
+        """The directory list as the tree holds it now (JSON, ``dirs.json``'s shape) and the
+        change it reflects, for ``write_dirs_durably`` in a worker thread, which the caller
+        starts now (``dirs_writing`` is set until it ends). Not while one runs."""
+        assert not self.dirs_writing
+        self.dirs_writing = True
+        return json.dumps(self._dirs_state()), self._dirs_changes
+
+    def write_dirs_durably(self, text: str, change: int) -> None:
+        """Blocking, for a worker thread (``Filesystem.fsyncdir``): write the directory list
+        ``text`` (``dirs_to_sync``) to ``dirs.synced.json`` beside ``dirs.json`` (a temporary
+        file of its own, mode 0600, fsynced, renamed over it unless a newer list was), then
+        fsync the cache directory, so the list as of ``change`` survives a power cut
+        (``load_dirs``). Clears ``dirs_writing`` when it ends. Raises ``OSError`` (the
+        temporary file removed)."""
+        assert self.dirs_file is not None
+        path = synced_dirs_file(self.dirs_file)
+        tmp = path.with_name(f".{path.name}.{next(_TMP_SEQ)}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW,
+                         FILE_MODE)
+            try:
+                view = memoryview(text.encode("utf-8"))
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            with self._dirs_rename_lock:
+                if change <= self._dirs_synced:
+                    return  # (the temporary file is removed below)
+                os.replace(tmp, path)
+                fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                self._dirs_synced = change
+        finally:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            self.dirs_writing = False
+
+    def _dirs_state(self) -> dict[str, Any]:
+        """The directory list as the tree holds it now (``save_dirs``)."""
         out: dict[str, Any] = {}
         modes: dict[str, dict[str, int]] = {}
         was = self.saved_dirs.get(STORE_CREATED_KEY)
@@ -400,19 +510,7 @@ class NamespaceOps:
                 modes[slug] = chmodded
         out[DIR_MODES_KEY] = modes
         out[STORE_CREATED_KEY] = created
-        tmp = self.dirs_file.with_suffix(".tmp")
-        try:
-            write_private(tmp, json.dumps(out))
-            os.replace(tmp, self.dirs_file)
-        except OSError as exc:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            err = cache_error(exc, "saving the directory list")
-            if self.metrics is not None:
-                self.metrics.cache_write_errors.labels(
-                    "dirs", errno.errorcode.get(err.errno, str(err.errno))).inc()
-            raise err from exc
-        self.saved_dirs = out
+        return out
 
     def _save_dirs_logged(self) -> None:
         """``save_dirs`` after a change that already happened (rmdir, rename, a directory's
@@ -423,3 +521,40 @@ class NamespaceOps:
             self.save_dirs()
         except CacheError as err:
             log.warning("directory list not saved", extra={"reason": err.reason})
+
+
+#: numbers the temporary files of ``write_dirs_durably``
+_TMP_SEQ = itertools.count(1)
+
+
+def synced_dirs_file(dirs_file: Path) -> Path:
+    """The durable copy of the directory list ``dirs_file`` (``dirs.synced.json``)."""
+    return dirs_file.with_suffix(".synced.json")
+
+
+def load_dirs(dirs_file: Path) -> dict[str, Any]:
+    """The directory list a previous process kept: ``dirs_file`` (``dirs.json``, written at
+    every change, not fsynced), else, when it is missing or unreadable (a power cut keeps
+    its name and drops its bytes), the durable copy the last fsync of a directory wrote
+    (``dirs.synced.json``), else none (a WARNING: empty directories made earlier are not
+    restored)."""
+    damaged = False
+    for path in (dirs_file, synced_dirs_file(dirs_file)):
+        try:
+            saved = json.loads(path.read_text())
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError):
+            damaged = True
+            continue
+        if not isinstance(saved, dict):
+            damaged = True
+            continue
+        if damaged:
+            log.warning("directory list in the cache is unreadable (a power cut?); the copy "
+                        "the last fsync of a directory made is used", extra={"file": str(dirs_file)})
+        return saved
+    if damaged:
+        log.warning("directory list in the cache is unreadable; empty directories "
+                    "made earlier are not restored", extra={"file": str(dirs_file)})
+    return {}

@@ -1,0 +1,238 @@
+"""What fsync(2) of a directory promises, on the filesystem core without FUSE (the mount
+and power-cut tests are in test_powercut.py, section 5): the directory's own entries are
+durable once it returns, those only memory held included (docs/SEMANTICS.md, "Namespace
+changes"; attack26 F1, F2).
+
+- A file created, or renamed into the directory, while still open for writing has no
+  outbox entry until its close: the directory's fsync commits it as the file's own fsync
+  would (what it holds now), with the control plane down, waiting for the journal alone.
+  Not the files of a subdirectory, not a file unlinked while open; a refused content is
+  kept rejected (never sent) and its writer's close still reports it; a local-only file is
+  kept, never sent.
+- The directory list (``dirs.json``, not fsynced) gets a durable copy
+  (``dirs.synced.json``), written once per change of the list, read at start when a power
+  cut left ``dirs.json`` unreadable.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import sqlite3
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from memfuse.client import ApiClient
+from memfuse.fake import FakeControlPlane
+from memfuse.sidecar.blobcache import BlobCache
+from memfuse.sidecar.core import Filesystem, FsError, Settings
+from memfuse.sidecar.inodes import PENDING, REJECTED, Handle, Node
+from memfuse.sidecar.journal import Journal
+
+
+@asynccontextmanager
+async def core(tmp: Path) -> AsyncIterator[tuple[FakeControlPlane, Filesystem, ApiClient]]:
+    """``ws``'s ``Filesystem`` on the fake control plane (store ``default`` added), its
+    journal and committer running; ``dirs.json`` in ``tmp``; a file's fsync would wait 60 s
+    for the control plane."""
+    fake = FakeControlPlane(seed=26)
+    token = await fake.setup("ws", stores=("default",))
+    client = ApiClient(fake.base_url, token, transport=fake.transport, instance="fsyncdir-test")
+    journal = Journal(tmp / "outbox.db")
+    fs = Filesystem(BlobCache(tmp / "blobs.db"), client, journal,
+                    Settings(commit_wait=0.2, fsync_timeout=60), "ws", dirs_file=tmp / "dirs.json")
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(journal.run)
+            await nursery.start(fs.committer.run)
+            fs.add_store("default", "read_write", [])
+            yield fake, fs, client
+            nursery.cancel_scope.cancel()
+    finally:
+        journal.close()
+        fs.blobs.close()
+        await client.aclose()
+        await fake.aclose()
+
+
+def journal_puts(tmp: Path) -> dict[str, str]:
+    """The puts on disk in the outbox journal (``outbox.db``, read by another connection,
+    as a start after a power cut reads it): node key -> path."""
+    db = sqlite3.connect(tmp / "outbox.db")
+    try:
+        rows = db.execute("SELECT node_key, args FROM entries WHERE op = 'put'").fetchall()
+    finally:
+        db.close()
+    return {k: json.loads(a)["path"] for k, a in rows}
+
+
+def create(fs: Filesystem, d: Node, name: str, data: bytes) -> Handle:
+    h = fs.create(d.ino, name.encode(), 0o644, os.O_WRONLY, 0, 0)
+    fs.write(h, 0, data)
+    return h
+
+
+async def fsyncdir(fs: Filesystem, d: Node) -> None:
+    h = fs.opendir(d.ino)
+    try:
+        with trio.fail_after(20):  # a file's fsync would wait fsync_timeout (60 s)
+            await fs.fsyncdir(h)
+    finally:
+        fs.release(h.fh)
+
+
+async def test_a_directory_fsync_commits_the_open_files_only_memory_names(tmp_path: Path) -> None:
+    async with core(tmp_path) as (fake, fs, client):
+        root = fs.stores["default"].root
+        sub = fs.mkdir(root.ino, b"sub", 0o755, 0, 0)
+        fake.faults.outage = True  # the names must be durable without the control plane
+        opened = create(fs, root, "open.md", b"open\n")
+        fs.rename(root.ino, b"open.md", root.ino, b"open2.md", 0)
+        moved = create(fs, sub, "moved.md", b"moved in\n")
+        fs.rename(sub.ino, b"moved.md", root.ino, b"moved.md", 0)  # its name is root's now
+        stays = create(fs, sub, "stays.md", b"in a subdirectory\n")
+        bad = create(fs, root, "bad.md", b"caf\xc3")  # a character cut: judged at close
+        swap = create(fs, root, "notes.md~", b"local only\n")
+        kept = create(fs, root, ".notes.md.swp", b"kept once\n")
+        with trio.fail_after(20):
+            await fs.fsync(kept)  # its row names .notes.md.swp
+        fs.write(kept, 10, b"more\n")
+        fs.rename(root.ino, b".notes.md.swp", root.ino, b".notes.md.swo", 0)  # still being written
+        gone = create(fs, root, "gone.md", b"unlinked while open\n")
+        fs.unlink(root.ino, b"gone.md")
+        await fsyncdir(fs, root)
+
+        assert root.children is not None
+        n = {c.name: c for c in root.children.values()}
+        on_disk = journal_puts(tmp_path)
+        assert on_disk.get(n["open2.md"].key) == "open2.md"
+        assert on_disk.get(n["moved.md"].key) == "moved.md"
+        assert set(on_disk.values()) == {"open2.md", "moved.md"}  # nothing else sent
+        assert n["open2.md"].state == PENDING and not n["open2.md"].dirty
+        # a subdirectory's file is not this directory's entry: left to its close
+        assert stays.node.dirty and stays.node.last_put is None
+        # refused: kept rejected with its name (never sent), judged again at its close
+        assert bad.node.state == REJECTED and bad.node.dirty
+        assert fs.journal.load_rejected()[0]["path"] == "bad.md"
+        assert swap.node.key in fs._local_saved  # kept (its own table), never sent
+        assert fs._local_saved[kept.node.key][1] == ".notes.md.swo"  # under its new name
+        assert {r["path"]: r["content"] for r in fs.journal.load_local()} == {
+            "notes.md~": b"local only\n", ".notes.md.swo": b"kept once\nmore\n"}
+        assert gone.node.last_put is None
+
+        with pytest.raises(FsError) as exc:
+            await fs.flush(bad)  # its writer still learns it at close
+        assert exc.value.errno == errno.EILSEQ
+        for h in (opened, moved, stays, swap, kept, gone):
+            with trio.fail_after(20):
+                await fs.flush(h)  # the outbox is failing: returns once accepted
+        for h in (opened, moved, stays, bad, swap, kept, gone):
+            fs.release(h.fh)
+        fs.check_invariants()
+        fake.faults.outage = False
+        fs.committer.poke(urgent=True)
+        with trio.fail_after(30):
+            await fs.committer.wait_idle()
+        records, _ = await client.snapshot("default", content=True)
+        assert {r.path: r.content for r in records} == {
+            "open2.md": "open\n", "moved.md": "moved in\n", "sub/stays.md": "in a subdirectory\n"}
+        # one version each: the close after the directory's fsync wrote nothing more
+        assert {r.path: r.version for r in records}["open2.md"] == 1
+
+
+async def test_a_directory_fsync_writes_the_rest_at_close(tmp_path: Path) -> None:
+    """What the directory's fsync committed is what the file held then; its close commits
+    what was written since, as after a file's fsync."""
+    async with core(tmp_path) as (fake, fs, client):
+        root = fs.stores["default"].root
+        h = create(fs, root, "log.md", b"one\n")
+        await fsyncdir(fs, root)
+        fs.write(h, 4, b"two\n")
+        with trio.fail_after(20):
+            await fs.flush(h)
+        fs.release(h.fh)
+        with trio.fail_after(30):
+            await fs.committer.wait_idle()
+        records, _ = await client.snapshot("default", content=True)
+        assert [(r.path, r.content) for r in records] == [("log.md", "one\ntwo\n")]
+
+
+async def test_a_directory_fsync_makes_the_directory_list_durable_once_per_change(
+        tmp_path: Path) -> None:
+    dirs, synced = tmp_path / "dirs.json", tmp_path / "dirs.synced.json"
+    async with core(tmp_path) as (fake, fs, client):
+        root = fs.stores["default"].root
+        await fsyncdir(fs, root)
+        assert not synced.exists()  # no list to keep
+        fs.mkdir(root.ino, b"kept", 0o700, 0, 0)
+        await fsyncdir(fs, root)
+        assert json.loads(synced.read_text())["default"] == ["kept"]
+        ino = synced.stat().st_ino
+        await fsyncdir(fs, root)  # nothing changed: not written again (it is replaced)
+        assert synced.stat().st_ino == ino
+        fs.mkdir(root.ino, b"later", 0o755, 0, 0)  # not fsynced
+        assert json.loads(dirs.read_text())["default"] == ["kept", "later"]
+        assert json.loads(synced.read_text())["default"] == ["kept"]
+        # an older list never replaces a newer one (two writes that outlived their fsyncs)
+        fs.dirs_writing = True
+        fs.write_dirs_durably('{"default": ["older"]}', fs._dirs_synced - 1)
+        assert json.loads(synced.read_text())["default"] == ["kept"]
+        assert not fs.dirs_writing and not list(tmp_path.glob(".dirs.synced.json.*"))
+    from memfuse.sidecar.namespace import load_dirs  # (here: the module runs on older code)
+    # a start reads dirs.json while it is whole (the newest list), the durable copy when a
+    # power cut left dirs.json without its bytes
+    assert load_dirs(dirs)["default"] == ["kept", "later"]
+    dirs.write_bytes(b"")
+    saved: dict[str, Any] = load_dirs(dirs)
+    assert saved["default"] == ["kept"] and saved["_modes"] == {"default": {"kept": 0o700}}
+    dirs.unlink()
+    synced.unlink()
+    assert load_dirs(dirs) == {}
+
+
+async def test_the_durable_directory_list_is_bounded_one_write_at_a_time_and_fails_with_the_disk(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stalled cache disk: the directory's fsync gives up after ``fsync_timeout`` with
+    ``EIO`` and the write goes on in its thread; the next fsync starts no second one while
+    it runs (a stall piles up no threads), and is answered once it ends. A full disk:
+    ``ENOSPC``, with an ``errors.log`` line."""
+    async with core(tmp_path) as (fake, fs, client):
+        fs.settings.fsync_timeout = 0.3
+        root = fs.stores["default"].root
+        fs.mkdir(root.ino, b"d", 0o755, 0, 0)
+        stalled, calls = threading.Event(), []
+        real = fs.write_dirs_durably
+
+        def stalling(text: str, change: int) -> None:
+            calls.append(change)
+            assert stalled.wait(30)
+            real(text, change)
+        monkeypatch.setattr(fs, "write_dirs_durably", stalling)
+        for _ in range(2):
+            with pytest.raises(FsError) as exc:
+                await fsyncdir(fs, root)
+            assert exc.value.errno == errno.EIO
+        assert len(calls) == 1 and fs.dirs_writing
+        stalled.set()
+        fs.settings.fsync_timeout = 20
+        await fsyncdir(fs, root)  # the stalled write ends; it held this change already
+        assert len(calls) == 1 and not fs.dirs_writing
+
+        def full(text: str, change: int) -> None:
+            fs.dirs_writing = False  # (as write_dirs_durably does when it ends)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(fs, "write_dirs_durably", full)
+        fs.mkdir(root.ino, b"e", 0o755, 0, 0)
+        with pytest.raises(FsError) as exc:
+            await fsyncdir(fs, root)
+        assert exc.value.errno == errno.ENOSPC
+        assert list(fs.errors)[-1]["code"] == "cache_disk_full"
+        monkeypatch.setattr(fs, "write_dirs_durably", real)
+        await fsyncdir(fs, root)  # space back: written
+    assert json.loads((tmp_path / "dirs.synced.json").read_text())["default"] == ["d", "e"]
