@@ -188,6 +188,15 @@ async def test_a_directory_fsync_makes_the_directory_list_durable_once_per_chang
     # a start reads dirs.json while it is whole (the newest list), the durable copy when a
     # power cut left dirs.json without its bytes
     assert load_dirs(dirs)["default"] == ["kept", "later"]
+    # or when the power cut kept an older dirs.json whole (its last rename lost): the list
+    # of the higher generation wins, dirs.json on a tie
+    whole = json.loads(dirs.read_text())
+    older = dict(whole, default=["gone"], _generation=json.loads(synced.read_text())["_generation"] - 1)
+    dirs.write_text(json.dumps(older))
+    assert load_dirs(dirs)["default"] == ["kept"]
+    dirs.write_text(json.dumps(dict(older, _generation=older["_generation"] + 1)))
+    assert load_dirs(dirs)["default"] == ["gone"]
+    assert whole["_generation"] > json.loads(synced.read_text())["_generation"]
     dirs.write_bytes(b"")
     saved: dict[str, Any] = load_dirs(dirs)
     assert saved["default"] == ["kept"] and saved["_modes"] == {"default": {"kept": 0o700}}

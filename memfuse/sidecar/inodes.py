@@ -81,6 +81,9 @@ DIR_MODE = 0o755  # permission bits of a directory nobody chmod-ed
 DIR_MODES_KEY = "_modes"  # dirs.json: {slug: {dir path ("" = store root): mode}}; never a slug
 #: dirs.json: {slug: the creation time of the store its directories were made in}; never a slug
 STORE_CREATED_KEY = "_created"
+#: dirs.json and its durable copy: the count of directory-list writes behind it, growing
+#: across restarts; a start reads the readable file with the highest (``load_dirs``); never a slug
+DIRS_GENERATION_KEY = "_generation"
 
 
 _MODES: dict[int, int] = {}

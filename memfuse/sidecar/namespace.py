@@ -10,7 +10,8 @@ mkdir, and directory modes, are local to this sidecar: kept in ``dirs.json`` in 
 (``save_dirs``, written whole on every change of the directory set, not fsynced: it survives a
 ``kill -9``), and made durable by the fsync of a directory (``write_dirs_durably``, in a
 worker thread: ``dirs.synced.json``, fsynced, then the cache directory), which a start reads
-when a power cut left ``dirs.json`` unreadable (``load_dirs``). Nothing here awaits.
+when a power cut left ``dirs.json`` unreadable or older (``load_dirs``: the higher generation
+wins). Nothing here awaits.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from .. import names
 from ..defs import PREFIX_MOVE_MAX
 from ..privfile import FILE_MODE
-from .inodes import (DIR_MODE, DIR_MODES_KEY, PENDING, RENAME_EXCHANGE, RENAME_NOREPLACE,
+from .inodes import (DIR_MODE, DIR_MODES_KEY, DIRS_GENERATION_KEY, PENDING, RENAME_EXCHANGE, RENAME_NOREPLACE,
                      STORE_CREATED_KEY, FsError,
                      Node, StoreMount)
 from .cachedir import CacheError, cache_error, write_private
@@ -401,6 +402,8 @@ class NamespaceOps:
         # a list loaded may not be on disk (dirs.json is not fsynced): the first directory
         # fsync writes its durable copy
         self._dirs_changes, self._dirs_synced = (1 if self.saved_dirs else 0), 0
+        # the generation the lists written from now on count from (``_dirs_state``)
+        self._dirs_generation = _generation(self.saved_dirs)
         self.dirs_writing = False
         self._dirs_rename_lock = threading.Lock()
 
@@ -510,6 +513,7 @@ class NamespaceOps:
                 modes[slug] = chmodded
         out[DIR_MODES_KEY] = modes
         out[STORE_CREATED_KEY] = created
+        out[DIRS_GENERATION_KEY] = self._dirs_generation + self._dirs_changes
         return out
 
     def _save_dirs_logged(self) -> None:
@@ -532,13 +536,23 @@ def synced_dirs_file(dirs_file: Path) -> Path:
     return dirs_file.with_suffix(".synced.json")
 
 
+def _generation(saved: dict[str, Any]) -> int:
+    """A directory list's generation (``DIRS_GENERATION_KEY``; 0 for none or a list written
+    before it existed)."""
+    g = saved.get(DIRS_GENERATION_KEY)
+    return g if isinstance(g, int) and not isinstance(g, bool) and g >= 0 else 0
+
+
 def load_dirs(dirs_file: Path) -> dict[str, Any]:
-    """The directory list a previous process kept: ``dirs_file`` (``dirs.json``, written at
-    every change, not fsynced), else, when it is missing or unreadable (a power cut keeps
-    its name and drops its bytes), the durable copy the last fsync of a directory wrote
-    (``dirs.synced.json``), else none (a WARNING: empty directories made earlier are not
-    restored)."""
+    """The directory list a previous process kept: of ``dirs_file`` (``dirs.json``, written at
+    every change, not fsynced) and the durable copy the last fsync of a directory wrote
+    (``dirs.synced.json``), the readable one of the higher generation (``dirs.json`` on a
+    tie): after a power cut ``dirs.json`` may be unreadable (its name kept, its bytes
+    dropped) or an older list (its rename lost), and the durable copy then holds what a
+    directory's fsync promised. None readable: a WARNING (empty directories made earlier are
+    not restored) when one was there."""
     damaged = False
+    best: dict[str, Any] | None = None
     for path in (dirs_file, synced_dirs_file(dirs_file)):
         try:
             saved = json.loads(path.read_text())
@@ -550,10 +564,14 @@ def load_dirs(dirs_file: Path) -> dict[str, Any]:
         if not isinstance(saved, dict):
             damaged = True
             continue
-        if damaged:
-            log.warning("directory list in the cache is unreadable (a power cut?); the copy "
-                        "the last fsync of a directory made is used", extra={"file": str(dirs_file)})
-        return saved
+        if best is None or _generation(saved) > _generation(best):
+            if best is not None or damaged:
+                log.warning("directory list in the cache is unreadable or older than its copy "
+                            "the last fsync of a directory made (a power cut?); that copy is used",
+                            extra={"file": str(dirs_file)})
+            best = saved
+    if best is not None:
+        return best
     if damaged:
         log.warning("directory list in the cache is unreadable; empty directories "
                     "made earlier are not restored", extra={"file": str(dirs_file)})
