@@ -146,6 +146,46 @@ async def test_a_directory_fsync_commits_the_open_files_only_memory_names(tmp_pa
         assert {r.path: r.version for r in records}["open2.md"] == 1
 
 
+@pytest.mark.parametrize("fsynced_first", [False, True])
+async def test_a_directory_fsync_keeps_a_rename_over_a_record_of_a_file_still_open(
+        tmp_path: Path, fsynced_first: bool) -> None:
+    """``os.replace`` of a temporary still open (``NamedTemporaryFile(delete=False)`` replaced
+    inside its ``with``), then the directory's fsync: the target's new content is in the
+    outbox journal, under the target's record, before the fsync returns; the close adds no
+    version (review26 F1: the put waited for the close, so a kill -9 after the fsync left the
+    target's old content, and with the temporary fsynced first its delete only)."""
+    async with core(tmp_path) as (fake, fs, client):
+        root = fs.stores["default"].root
+        old = create(fs, root, "target.md", b"old\n")
+        with trio.fail_after(20):
+            await fs.flush(old)
+        fs.release(old.fh)
+        with trio.fail_after(30):
+            await fs.committer.wait_idle()
+        target_key = old.node.key
+        fake.faults.outage = True
+        tmp = create(fs, root, "tmpab12.md", b"new\n")
+        if fsynced_first:
+            with pytest.raises(FsError):  # the control plane is down: EIO after the wait
+                fs.settings.fsync_timeout = 0.5
+                await fs.fsync(tmp)
+            fs.settings.fsync_timeout = 60
+        fs.rename(root.ino, b"tmpab12.md", root.ino, b"target.md", 0)
+        assert tmp.node.renamed_over
+        await fsyncdir(fs, root)
+        assert journal_puts(tmp_path).get(target_key) == "target.md"
+        assert not tmp.node.renamed_over and not tmp.node.dirty
+        with trio.fail_after(20):
+            await fs.flush(tmp)
+        fs.release(tmp.fh)
+        fake.faults.outage = False
+        fs.committer.poke(urgent=True)
+        with trio.fail_after(30):
+            await fs.committer.wait_idle()
+        records, _ = await client.snapshot("default", content=True)
+        assert [(r.path, r.content, r.version) for r in records] == [("target.md", "new\n", 2)]
+
+
 async def test_a_directory_fsync_writes_the_rest_at_close(tmp_path: Path) -> None:
     """What the directory's fsync committed is what the file held then; its close commits
     what was written since, as after a file's fsync."""
@@ -227,6 +267,8 @@ async def test_the_durable_directory_list_is_bounded_one_write_at_a_time_and_fai
             with pytest.raises(FsError) as exc:
                 await fsyncdir(fs, root)
             assert exc.value.errno == errno.EIO
+            line = list(fs.errors)[-1]  # told, at the store's root (review26 F7)
+            assert (line["store"], line["path"], line["errno"]) == ("default", ".", "EIO"), line
         assert len(calls) == 1 and fs.dirs_writing
         stalled.set()
         fs.settings.fsync_timeout = 20
@@ -241,7 +283,22 @@ async def test_the_durable_directory_list_is_bounded_one_write_at_a_time_and_fai
         with pytest.raises(FsError) as exc:
             await fsyncdir(fs, root)
         assert exc.value.errno == errno.ENOSPC
-        assert list(fs.errors)[-1]["code"] == "cache_disk_full"
+        line = list(fs.errors)[-1]
+        assert (line["code"], line["store"], line["path"]) == ("cache_disk_full", "default", "."), line
         monkeypatch.setattr(fs, "write_dirs_durably", real)
         await fsyncdir(fs, root)  # space back: written
     assert json.loads((tmp_path / "dirs.synced.json").read_text())["default"] == ["d", "e"]
+
+
+async def test_the_leftovers_of_a_cut_durable_write_are_removed_only_once_the_cache_is_ours(
+        tmp_path: Path) -> None:
+    """A temporary file of a durable directory-list write a crash cut short is removed by
+    ``remove_dirs_tmp`` (``Sidecar.run`` calls it once it holds the cache's lock), never by
+    building a ``Filesystem``: a second start on a cache in use would take a running
+    sidecar's file from under its rename (review26 F6)."""
+    stray = tmp_path / ".dirs.synced.json.7.tmp"
+    stray.write_text("{}")
+    async with core(tmp_path) as (fake, fs, client):
+        assert stray.exists()
+        fs.remove_dirs_tmp()
+        assert not stray.exists()

@@ -35,6 +35,7 @@ import logging
 import os
 import sqlite3
 import stat
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -942,6 +943,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         if not n.dirty or n.is_dir or n.special:
             return None
         n.dirty = False
+        n.renamed_over = False  # this commit carries (or refuses) what the name shows
         ch = n.checker
         n.checker = None  # the whole content is judged here; a later write starts afresh
         if n.unlinked:
@@ -1242,7 +1244,9 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
                 saved = self._local_saved.get(c.key)
                 if saved is None or len(saved) < 5 or saved[1] != c.path():
                     out.append(c)
-            elif c.record_id is None and c.last_put is None and c.state != REJECTED:
+            elif c.state != REJECTED and (c.renamed_over or (c.record_id is None and c.last_put is None)):
+                # (renamed over a record while open: the target's name shows content only
+                # memory holds, its put waits for the close: Node.renamed_over)
                 out.append(c)
         return out
 
@@ -1292,11 +1296,19 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
                     await trio.sleep(DIRS_WRITING_POLL)
                     continue
                 text, latest = self.dirs_to_sync()
-                started = False
+                # exactly one side ends the write (``dirs_writing``): the thread once it
+                # claims the job (``write_dirs_durably`` clears it when done), or this task
+                # when it is cancelled first; trio may still run a thread it started after
+                # the task was cancelled (``abandon_on_cancel``), which then drops the job
+                claim = threading.Lock()
+                claimed = dropped = False
 
                 def write() -> None:
-                    nonlocal started
-                    started = True
+                    nonlocal claimed
+                    with claim:
+                        if dropped:
+                            return
+                        claimed = True
                     self.write_dirs_durably(text, latest)
                 try:
                     await trio.to_thread.run_sync(write, abandon_on_cancel=True)
@@ -1305,15 +1317,18 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
                     if self.metrics is not None:
                         self.metrics.cache_write_errors.labels(
                             "dirs", errno.errorcode.get(err.errno, str(err.errno))).inc()
-                    self.note_error(d.parent if d.store is not None else None, d.name, err.errno,
-                                    err.reason, "cache_disk_full" if err.errno == errno.ENOSPC
-                                    else "cache_disk_error")
+                    self._note_at(d, err.errno, err.reason, "cache_disk_full" if err.errno == errno.ENOSPC
+                                  else "cache_disk_error")
                     raise FsError(err.errno, err.reason) from None
                 finally:
-                    if not started:  # cancelled before its thread ran: it never will
-                        self.dirs_writing = False
+                    with claim:
+                        if not claimed:  # no thread took it: none will (review26 F5)
+                            dropped = True
+                            self.dirs_writing = False
             return
-        raise FsError(errno.EIO, "the directory list was not on disk within the fsync timeout")
+        reason = "the directory list was not on disk within the fsync timeout"
+        self._note_at(d, errno.EIO, reason, "cache_disk_error")
+        raise FsError(errno.EIO, reason)
 
     async def _journal_refused(self, n: Node, e: Entry, err: CacheError, deadline: float) -> None:
         """The close of a write the outbox journal could not take (``err``: the cache disk
@@ -1461,16 +1476,18 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         except CacheError as err:
             if n.last_put is e:
                 n.error = err.reason
-            if n.is_dir and n.store is not None:  # a directory's fsync: the directory itself
-                # ("." for the store's root, which the mount root's entry named it before)
-                where, name, store = None, n.path() or ".", n.store.slug
-            else:
-                where, name, store = (n.parent if n.store is not None else None), n.name, ""
-            self.note_error(where, name, err.errno,
-                            err.reason + "; the write is kept in memory and retried",
-                            "cache_disk_full" if err.errno == errno.ENOSPC else "cache_disk_error",
-                            store=store)
+            self._note_at(n, err.errno, err.reason + "; the write is kept in memory and retried",
+                          "cache_disk_full" if err.errno == errno.ENOSPC else "cache_disk_error")
             raise FsError(err.errno, err.reason) from None
+
+    def _note_at(self, n: Node, err: int, reason: str, code: str) -> None:
+        """``note_error`` of a refusal met by an operation on ``n`` itself: a file at its
+        path, a directory (a directory's fsync) as itself, ``.`` for a store's root (the
+        mount root's entry named it with no store: attack26 F8)."""
+        if n.is_dir and n.store is not None:
+            self.note_error(None, n.path() or ".", err, reason, code, store=n.store.slug)
+        else:
+            self.note_error(n.parent if n.store is not None else None, n.name, err, reason, code)
 
     def reading(self, ino: int) -> bool:
         """True while a handle open for reading (not a directory's) holds file ``ino``: the

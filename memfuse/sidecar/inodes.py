@@ -367,6 +367,14 @@ class Node:
     # ``_make_buf``) and ``NamespaceOps._adopt_key``; cleared by ``Filesystem.commit`` of
     # the session.
     replacing: _Rare[bool] = _rare("replacing", False)
+    # True while a file renamed over a record (or from a local-only name onto a record's)
+    # holds content no put has carried yet: the target's name shows it, but the outbox and
+    # the control plane still hold the target's old content (the put waits for the file's
+    # close), so a directory's fsync must commit it (``Filesystem._names_only_here``).
+    # INVARIANT: set by ``NamespaceOps._rename_file_remote`` where it adopts the target's key
+    # of a dirty file; cleared by ``Filesystem.commit`` (review26 F1: ``os.replace`` of a
+    # temporary still open, then the directory's fsync, lost the new content at a kill -9).
+    renamed_over: _Rare[bool] = _rare("renamed_over", False)
     # The open handles (``fh``) that emptied the file for a rewrite (an ``O_TRUNC`` open,
     # ``ftruncate(0)``: vim's in-place save, ``echo x > f``, ``cp``). The emptying takes
     # every handle's writes away (``Handle.modified`` cleared: ``Filesystem.rewriting``);

@@ -207,7 +207,8 @@ class CacheLock:
 
 
 #: the files of the cache directory that are the sidecar's own (the rest is someone else's)
-OWN_FILES = re.compile(r"(outbox\.db|blobs\.db|accepted\.log|reserve|lock|dirs\.json|"
+OWN_FILES = re.compile(r"(outbox\.db|blobs\.db|accepted\.log|reserve|lock|dirs\.json|dirs\.synced\.json|"
+                       r"\.dirs\.synced\.json\.\d+\.tmp|"
                        r"mount\.json|admin\.sock|stores)(-wal|-shm|-journal|\.corrupt-.*)?$")
 
 
@@ -816,6 +817,7 @@ class Sidecar(StoreSync):
         if config.fuse_fd is None:
             check_mountpoint_free(config.mountpoint)  # before anything is loaded
         lock = CacheLock(config.cache_dir)
+        self.fs.remove_dirs_tmp()  # (once the cache is ours: another start's may be in flight)
         mounted = False
         try:
             async with trio.open_nursery() as nursery:

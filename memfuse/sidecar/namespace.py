@@ -332,6 +332,7 @@ class NamespaceOps:
             # a temporary becomes a real file: its content goes to the target's record
             if dst is not None and not dst.local_only:
                 self._adopt_key(src, dst)
+                src.renamed_over = True
             self._live(src, -1)
             src.local_only = False
             self._live(src, +1)
@@ -353,6 +354,8 @@ class NamespaceOps:
             # nothing to move; src takes over dst's record, so fixing or deleting src later
             # acts on that record (as a local-only file renamed over it does)
             self._adopt_key(src, dst)
+            if src.dirty:  # still being written: its content reaches the record at its close
+                src.renamed_over = True
             return False
         if dst is not None and not dst.local_only:
             # A rename over a record (sed -i, os.replace, an editor's save, mv over a file)
@@ -366,6 +369,7 @@ class NamespaceOps:
             self.committer.submit(sm.slug, DELETE, src.key, {"path": old_path})
             self._adopt_key(src, dst)
             src.dirty = True
+            src.renamed_over = True
             return True
         self.committer.submit(sm.slug, MOVE, src.key, {"path": old_path, "to": new_path,
                                                         "replace": False})
@@ -394,11 +398,6 @@ class NamespaceOps:
         ``saved_dirs``; called by ``Filesystem.__init__``."""
         self.dirs_file = dirs_file
         self.saved_dirs = load_dirs(dirs_file) if dirs_file is not None else {}
-        if dirs_file is not None:  # the temporary files of writes a crash cut short
-            synced = synced_dirs_file(dirs_file)
-            for tmp in dirs_file.parent.glob(f".{synced.name}.*.tmp"):
-                with contextlib.suppress(OSError):
-                    tmp.unlink()
         # a list loaded may not be on disk (dirs.json is not fsynced): the first directory
         # fsync writes its durable copy
         self._dirs_changes, self._dirs_synced = (1 if self.saved_dirs else 0), 0
@@ -406,6 +405,18 @@ class NamespaceOps:
         self._dirs_generation = _generation(self.saved_dirs)
         self.dirs_writing = False
         self._dirs_rename_lock = threading.Lock()
+
+    def remove_dirs_tmp(self) -> None:
+        """Remove the temporary files of durable directory-list writes a crash cut short
+        (``write_dirs_durably``). Only once the cache directory's lock is this process's
+        (``Sidecar.run``): a second start on a cache in use must not take a running
+        sidecar's file from under its rename (review26 F6)."""
+        if self.dirs_file is None:
+            return
+        synced = synced_dirs_file(self.dirs_file)
+        for tmp in self.dirs_file.parent.glob(f".{synced.name}.*.tmp"):
+            with contextlib.suppress(OSError):
+                tmp.unlink()
 
     def save_dirs(self) -> None:
         """Persist every directory path of every store (``dirs.json`` in the cache), so a
