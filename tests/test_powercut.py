@@ -331,7 +331,7 @@ def test_sidecar_closes_acknowledged_by_the_journal_survive_a_power_cut(tmp_path
             sc.start()
 
             def all_there() -> bool:
-                got = {r["path"]: r["content"] for r in cp_state(cp) if not r["deleted"]}
+                got = live(cp)
                 return all(got.get(p) == seq[-1] for p, seq in written.items())
             deadline = time.monotonic() + 30
             while not all_there():
@@ -387,7 +387,7 @@ def test_closes_acknowledged_by_the_control_plane_survive_a_power_cut_of_both_di
             sc.start()
 
             def all_there() -> bool:
-                got = {r["path"]: r["content"] for r in cp_state(cp) if not r["deleted"]}
+                got = live(cp)
                 return all(got.get(p) == seq[-1] for p, seq in written.items())
             deadline = time.monotonic() + 30
             while not all_there():
@@ -398,6 +398,32 @@ def test_closes_acknowledged_by_the_control_plane_survive_a_power_cut_of_both_di
 
 
 # ------------------------------------------------------------------ 5. a directory's fsync
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        timed(os.fsync, fd)
+    finally:
+        os.close(fd)
+
+
+def live(cp) -> dict[str, str]:
+    """The control plane's live records of store ``default``: path -> content."""
+    return {r["path"]: r["content"] for r in cp_state(cp) if not r["deleted"]}
+
+
+def outage_after_one_commit(rig, cache: Path, name: str, text: str):
+    """A sidecar of ``ws`` (commit wait 0.3 s, its cache in ``cache``) that committed
+    ``name`` (``text``), then the control plane stopped: (cp, sidecar, store directory)."""
+    cp = rig.cp
+    sc = rig.sidecar("ws", "--commit-wait", "0.3", "--admin-listen", "", cache_dir=cache)
+    store = sc.mountpoint / "default"
+    timed(write, store / name, text, False)
+    wait_for(lambda: os.getxattr(store / name, "user.memfuse.state") == b"clean",
+             30, f"{name} to commit")
+    cp.kill()
+    return cp, sc, store
 
 
 @mount_test
@@ -414,37 +440,18 @@ def test_a_rename_and_an_unlink_whose_directory_fsync_returned_survive_a_power_c
     disk, cache = tmp_path / "cachedisk", tmp_path / "cache"
     with PowerCutMount(disk, cache, fsync_delay=SLOW_FSYNC) as pc:
         with Rig(tmp_path) as rig:
-            cp = rig.cp
-            sc = rig.sidecar("ws", "--commit-wait", "0.3", "--admin-listen", "", cache_dir=cache)
-            store = sc.mountpoint / "default"
-            timed(write, store / "gone.md", "to be deleted\n", False)
-            wait_for(lambda: os.getxattr(store / "gone.md", "user.memfuse.state") == b"clean",
-                     30, "gone.md to commit")
-            cp.kill()
+            cp, sc, store = outage_after_one_commit(rig, cache, "gone.md", "to be deleted\n")
             timed(write, store / "a.md", "renamed after its close\n", False)  # accepted
             os.rename(store / "a.md", store / "b.md")
             os.unlink(store / "gone.md")
-            fd = os.open(store, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                timed(os.fsync, fd)
-            finally:
-                os.close(fd)
+            fsync_dir(store)
             print(pc.cut())
             sc.kill9()
             cp.start()
             sc.cache_dir = disk
             sc.start()
             drained(sc, timeout=30)
-            live = {r["path"]: r["content"] for r in cp_state(cp) if not r["deleted"]}
-            assert live == {"b.md": "renamed after its close\n"}, live
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        timed(os.fsync, fd)
-    finally:
-        os.close(fd)
+            assert live(cp) == {"b.md": "renamed after its close\n"}, live(cp)
 
 
 @mount_test
@@ -462,13 +469,7 @@ def test_a_file_named_while_open_survives_once_its_directory_fsync_returned(tmp_
     disk, cache = tmp_path / "cachedisk", tmp_path / "cache"
     with PowerCutMount(disk, cache, fsync_delay=SLOW_FSYNC) as pc:
         with Rig(tmp_path) as rig:
-            cp = rig.cp
-            sc = rig.sidecar("ws", "--commit-wait", "0.3", "--admin-listen", "", cache_dir=cache)
-            store = sc.mountpoint / "default"
-            timed(write, store / "kept.md", "committed before the outage\n", False)
-            wait_for(lambda: os.getxattr(store / "kept.md", "user.memfuse.state") == b"clean",
-                     30, "kept.md to commit")
-            cp.kill()
+            cp, sc, store = outage_after_one_commit(rig, cache, "kept.md", "committed before the outage\n")
             os.mkdir(store / "sub")
             fds = []
             try:
@@ -490,9 +491,9 @@ def test_a_file_named_while_open_survives_once_its_directory_fsync_returned(tmp_
             cp.start()
             sc.start()
             drained(sc, timeout=30)
-            live = {r["path"]: r["content"] for r in cp_state(cp) if not r["deleted"]}
-            assert live == {"kept.md": "committed before the outage\n",
-                            "open2.md": "open\n", "in.md": "moved in\n"}, live
+            got = live(cp)
+            assert got == {"kept.md": "committed before the outage\n",
+                           "open2.md": "open\n", "in.md": "moved in\n"}, got
             assert {"open2.md", "in.md"} <= set(os.listdir(store))
 
 

@@ -49,14 +49,16 @@ def _old_admin_socket_switch() -> bool | None:
     boolean word: ``false``, ``0``...), said once on stderr; None when that variable is not a
     boolean word (unset, or the socket path ``memfuse status`` reads: not the mount's)."""
     value = os.environ.get("MEMFUSE_ADMIN_SOCKET", "").strip().lower()
-    words = {"1": True, "true": True, "t": True, "yes": True, "y": True, "on": True,
-             "0": False, "false": False, "f": False, "no": False, "n": False, "off": False}
-    if value not in words:
+    try:  # click's own boolean words, as a flag's variable reads them
+        switch = click.BOOL.convert(value, None, None) if value else None
+    except click.BadParameter:
+        return None
+    if switch is None:
         return None
     click.echo(f"memfuse: MEMFUSE_ADMIN_SOCKET={value} read as {MOUNT_ADMIN_SOCKET_ENV}={value}; "
                f"set {MOUNT_ADMIN_SOCKET_ENV} instead (MEMFUSE_ADMIN_SOCKET is the socket's path, "
                "for memfuse status and memfuse mounts)", err=True)
-    return words[value]
+    return bool(switch)
 
 
 def _admin_token(admin_token_file: Path | None) -> tuple[str, Path, bool]:

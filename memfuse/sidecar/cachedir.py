@@ -107,10 +107,11 @@ def private_file(path: Path) -> None:
         os.close(fd)
 
 
-def write_private(path: Path, text: str | bytes) -> None:
+def write_private(path: Path, text: str | bytes, *, sync: bool = False) -> None:
     """Write ``text`` (a ``str``, written as UTF-8, or ``bytes`` as they are) to ``path``,
-    created or truncated, mode ``0600``. A symlink at ``path`` is refused (``OSError``
-    ``ELOOP``), never followed. Raises ``OSError``."""
+    created or truncated, mode ``0600``; ``sync``: fsync it before it is closed (the durable
+    directory list, ``NamespaceOps.write_dirs_durably``). A symlink at ``path`` is refused
+    (``OSError`` ``ELOOP``), never followed. Raises ``OSError``."""
     fd = _open_nofollow(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     try:
         os.fchmod(fd, FILE_MODE)
@@ -118,6 +119,8 @@ def write_private(path: Path, text: str | bytes) -> None:
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view):]
+        if sync:
+            os.fsync(fd)
     finally:
         os.close(fd)
 

@@ -53,7 +53,7 @@ from ..secretscan import AppendScans
 from .appendbuf import AppendBuffer, WriteBuffer
 from .attributes import AttributeOps
 from .blobcache import BlobCache
-from .cachedir import CacheError, cache_error
+from .cachedir import CacheError
 from .control import CONTROL_DIR, FILES, ControlFiles
 from .interrupts import Interrupts
 from .inodes import (ABSENT_BASE, CLEAN, PENDING, REJECTED, ROOT_INO, UNKNOWN_BASE, FsError, Handle, InodeTable,
@@ -1313,10 +1313,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
                 try:
                     await trio.to_thread.run_sync(write, abandon_on_cancel=True)
                 except OSError as exc:
-                    err = cache_error(exc, "saving the directory list")
-                    if self.metrics is not None:
-                        self.metrics.cache_write_errors.labels(
-                            "dirs", errno.errorcode.get(err.errno, str(err.errno))).inc()
+                    err = self.dirs_error(exc)
                     self._note_at(d, err.errno, err.reason, "cache_disk_full" if err.errno == errno.ENOSPC
                                   else "cache_disk_error")
                     raise FsError(err.errno, err.reason) from None

@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from .. import names
 from ..defs import PREFIX_MOVE_MAX
-from ..privfile import FILE_MODE
 from .inodes import (DIR_MODE, DIR_MODES_KEY, DIRS_GENERATION_KEY, PENDING, RENAME_EXCHANGE, RENAME_NOREPLACE,
                      STORE_CREATED_KEY, FsError,
                      Node, StoreMount)
@@ -436,12 +435,16 @@ class NamespaceOps:
         except OSError as exc:
             with contextlib.suppress(OSError):
                 tmp.unlink()
-            err = cache_error(exc, "saving the directory list")
-            if self.metrics is not None:
-                self.metrics.cache_write_errors.labels(
-                    "dirs", errno.errorcode.get(err.errno, str(err.errno))).inc()
-            raise err from exc
+            raise self.dirs_error(exc) from exc
         self.saved_dirs = out
+
+    def dirs_error(self, exc: OSError) -> CacheError:
+        """The ``CacheError`` of a failed write of the directory list (``save_dirs``, its
+        durable copy), counted in ``memfuse_cache_write_errors_total{part="dirs"}``."""
+        err = cache_error(exc, "saving the directory list")
+        if self.metrics is not None:
+            self.metrics.cache_write_errors.labels("dirs", errno.errorcode.get(err.errno, str(err.errno))).inc()
+        return err
 
     def dirs_unsynced(self) -> int:
         """The change of the directory list (a count of ``save_dirs``) a directory's fsync
@@ -474,15 +477,7 @@ class NamespaceOps:
         path = synced_dirs_file(self.dirs_file)
         tmp = path.with_name(f".{path.name}.{next(_TMP_SEQ)}.tmp")
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW,
-                         FILE_MODE)
-            try:
-                view = memoryview(text.encode("utf-8"))
-                while view:
-                    view = view[os.write(fd, view):]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            write_private(tmp, text, sync=True)
             with self._dirs_rename_lock:
                 if change <= self._dirs_synced:
                     return  # (the temporary file is removed below)
