@@ -40,6 +40,11 @@ OWN_ENVVAR = {
     (("mount",), "--admin-socket"): "MEMFUSE_MOUNT_ADMIN_SOCKET",  # a switch; MEMFUSE_ADMIN_SOCKET: a path
     (("context",), "--max-bytes"): "MEMFUSE_CONTEXT_MAX_BYTES",  # the block's bound; MEMFUSE_MAX_BYTES: a quota
     (("consolidate",), "--instructions"): "MEMFUSE_CONSOLIDATE_INSTRUCTIONS",  # to the model; not attach's
+    # the sidecar's admin token: MEMFUSE_ADMIN_TOKEN_FILE is serve's (the platform's admin token)
+    (("mount",), "--admin-token-file"): "MEMFUSE_SIDECAR_ADMIN_TOKEN_FILE",
+    (("status",), "--admin-token-file"): "MEMFUSE_SIDECAR_ADMIN_TOKEN_FILE",
+    (("mounts", "add"), "--admin-token-file"): "MEMFUSE_SIDECAR_ADMIN_TOKEN_FILE",
+    (("mounts", "remove"), "--admin-token-file"): "MEMFUSE_SIDECAR_ADMIN_TOKEN_FILE",
 }
 
 #: every variable that more than one command reads → what it means to all of them (their
@@ -58,7 +63,7 @@ SHARED_MEANING = {
     "MEMFUSE_ADMIN_LISTEN": "the sidecar's admin HTTP address",
     "MEMFUSE_ADMIN": "the sidecar's admin API URL",
     "MEMFUSE_ADMIN_SOCKET": "the sidecar's admin Unix socket path",
-    "MEMFUSE_ADMIN_TOKEN_FILE": "the admin bearer token file of the server or sidecar the command runs or asks",
+    "MEMFUSE_SIDECAR_ADMIN_TOKEN_FILE": "the bearer token file of the sidecar's admin API the command serves or asks",
     "MEMFUSE_CACHE_DIR": "the sidecar's cache directory",
     "MEMFUSE_DRAIN_TIMEOUT": "seconds to finish pending work on SIGTERM/SIGINT or the end of input",
     "MEMFUSE_READ_ONLY": "attach read-only",
@@ -291,6 +296,41 @@ def test_admin_socket_variable_is_a_path_and_mount_has_its_own(monkeypatch, caps
     status = cli.get_command(click.Context(cli), "status")
     assert _make_with_env(status, [], {"MEMFUSE_ADMIN_SOCKET": "/x/admin.sock"}).params["admin_socket"] == \
         Path("/x/admin.sock")
+
+
+def test_control_plane_admin_token_never_reaches_a_sidecar(monkeypatch, capsys, tmp_path):
+    """MEMFUSE_ADMIN_TOKEN_FILE is memfuse serve's admin token (the platform's); the sidecar
+    commands read MEMFUSE_SIDECAR_ADMIN_TOKEN_FILE, and say so when only the former is set.
+    (Before session 27 one variable named both: exported for serve, `memfuse status --admin
+    URL` sent the platform's admin token to a sidecar's admin API, and `mount` accepted it as
+    its own.)"""
+    from memfuse.cli.common import control_plane_token_unread
+
+    for k in list(os.environ):
+        if k.startswith("MEMFUSE_"):
+            monkeypatch.delenv(k)
+    platform = tmp_path / "platform.token"
+    platform.write_text("mfa_platform\n")
+    env = {"MEMFUSE_ADMIN_TOKEN_FILE": str(platform)}
+    mount = cli.get_command(click.Context(cli), "mount")
+    base = ["/nonexistent-memfuse-probe", "--control-plane", "http://127.0.0.1:9", "--workspace", "w"]
+    assert _make_with_env(mount, base, env).params["admin_token_file"] is None
+    status = cli.get_command(click.Context(cli), "status")
+    assert _make_with_env(status, ["--admin", "http://127.0.0.1:9"], env).params["admin_token_file"] is None
+    assert _make_with_env(status, [], {"MEMFUSE_SIDECAR_ADMIN_TOKEN_FILE": "/x/t"}).params["admin_token_file"] \
+        == Path("/x/t")
+    serve = cli.get_command(click.Context(cli), "serve")
+    assert _make_with_env(serve, [], env).params["admin_token_file"] == platform
+    # the notice, and the refusal of `mounts add --admin URL` without the sidecar's token
+    monkeypatch.setenv("MEMFUSE_ADMIN_TOKEN_FILE", str(platform))
+    assert "MEMFUSE_SIDECAR_ADMIN_TOKEN_FILE" in control_plane_token_unread(None)
+    assert control_plane_token_unread(Path("/x/t")) == ""
+    r = CliRunner().invoke(cli, ["mounts", "add", "notes", "--admin", "http://127.0.0.1:9"],
+                           env={"MEMFUSE_ADMIN_TOKEN_FILE": str(platform)})
+    assert r.exit_code == 2 and "MEMFUSE_SIDECAR_ADMIN_TOKEN_FILE" in r.output, r.output
+    assert "mfa_platform" not in r.output
+    monkeypatch.delenv("MEMFUSE_ADMIN_TOKEN_FILE")
+    assert control_plane_token_unread(None) == ""
 
 
 def test_sidecar_config_refuses_what_the_flags_refuse(tmp_path):

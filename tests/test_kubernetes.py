@@ -185,7 +185,8 @@ def test_the_admin_port_is_not_reachable_for_mutations(tree):
     listen = _flag(sidecar, "--admin-listen")
     port = int(listen.rpartition(":")[2])
     assert _flag(sidecar, "--admin-token-file") is None
-    assert not any(e["name"] == "MEMFUSE_ADMIN_TOKEN_FILE" for e in sidecar.get("env", []))
+    assert not any(e["name"] in ("MEMFUSE_ADMIN_TOKEN_FILE", "MEMFUSE_SIDECAR_ADMIN_TOKEN_FILE")
+               for e in sidecar.get("env", []))
     port_names = {p["name"] for p in sidecar["ports"] if p["containerPort"] == port}
     labels = pod_labels(agent)
     policies = [p for p in objs if p["kind"] == "NetworkPolicy"

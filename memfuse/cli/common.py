@@ -70,6 +70,23 @@ def opt(*decls: str, **kw: Any) -> Callable[[Any], Any]:
     return click.option(*decls, **kw)
 
 
+#: the variable of the sidecar's admin token file (``mount``, ``status``, ``mounts add|remove``
+#: ``--admin-token-file``): ``MEMFUSE_ADMIN_TOKEN_FILE`` is ``memfuse serve``'s, the control
+#: plane's bootstrap admin token, which must never be sent to a sidecar's admin API nor
+#: become one (one name, two secrets, before session 27; docs/CLI.md)
+SIDECAR_ADMIN_TOKEN_ENV = "MEMFUSE_SIDECAR_ADMIN_TOKEN_FILE"
+
+
+def control_plane_token_unread(given: object) -> str:
+    """A notice for a sidecar command run without its token file (``given`` is None) while
+    ``MEMFUSE_ADMIN_TOKEN_FILE`` (``memfuse serve``'s admin token) is set: that variable is not
+    read for a sidecar, and the notice says which one is. "" when there is nothing to say."""
+    if given is not None or not os.environ.get("MEMFUSE_ADMIN_TOKEN_FILE"):
+        return ""
+    return (f"MEMFUSE_ADMIN_TOKEN_FILE (memfuse serve's admin token) is not read for a sidecar; "
+            f"its token file is --admin-token-file or {SIDECAR_ADMIN_TOKEN_ENV}")
+
+
 #: Exit status after stdout turned out to be a closed pipe (``memfuse history ... | head -1``):
 #: 128 + SIGPIPE, the status a shell reports for git, grep and coreutils, which die of the
 #: signal when they write to a pipe whose reader has gone (POSIX ``write(2)``: EPIPE, SIGPIPE).

@@ -26,11 +26,13 @@ from memfuse.cli.common import (
     BYTES,
     DEFAULT_ADMIN_LISTEN,
     DEFAULT_LISTEN,
+    SIDECAR_ADMIN_TOKEN_ENV,
     Seconds,
     Target,
     _one_line,
     _run,
     cli,
+    control_plane_token_unread,
     opt,
 )
 from memfuse.client import ApiClient
@@ -654,7 +656,7 @@ def default_actor(cache_dir: Path | None = None) -> str:
           "name.")
 @opt("--log-format", type=click.Choice(["json", "text"]), default="json", show_default=True,
      help="Log line format on stderr.")
-@opt("--admin-token-file", type=click.Path(dir_okay=False, path_type=Path),
+@opt("--admin-token-file", type=click.Path(dir_okay=False, path_type=Path), envvar=SIDECAR_ADMIN_TOKEN_ENV,
      help="File holding the bearer token that mount changes (POST/DELETE /v1/mounts/...) need on "
      "the TCP admin API, loopback included. Without it they are refused on TCP and served only on "
      "the Unix socket <cache dir>/admin.sock (mode 0600).")
@@ -714,6 +716,9 @@ def mount(
     if token is None:
         raise click.UsageError("no token: pass --token-file F (or set MEMFUSE_TOKEN_FILE / MEMFUSE_TOKEN)")
     admin_token = None
+    hint = control_plane_token_unread(admin_token_file)
+    if hint and admin_listen:
+        click.echo(f"memfuse: {hint}; mount changes are refused on TCP", err=True)
     if admin_token_file is not None:
         try:
             admin_token = read_admin_token(admin_token_file)
@@ -824,7 +829,7 @@ def _check_fuse_fd(fd: int) -> None:
 @opt("--admin", "admin_url", metavar="URL",
      help="Ask the sidecar's TCP admin API instead (GET URL/v1/status), e.g. http://127.0.0.1:9464; "
           "needs --admin-token-file.")
-@opt("--admin-token-file", type=click.Path(dir_okay=False, path_type=Path),
+@opt("--admin-token-file", type=click.Path(dir_okay=False, path_type=Path), envvar=SIDECAR_ADMIN_TOKEN_ENV,
      help="Bearer token for --admin (the sidecar's --admin-token-file): on TCP the status needs it.")
 @opt("--admin-socket", type=click.Path(dir_okay=False, path_type=Path),
      help="Ask the sidecar's admin Unix socket instead (<cache dir>/admin.sock; no token).")
@@ -839,6 +844,9 @@ def status(mountpoint: Path, admin_url: str | None, admin_token_file: Path | Non
     from memfuse.sidecar.statusclient import StatusUnavailable, fetch_status, format_status, read_status_file
 
     token = None
+    hint = control_plane_token_unread(admin_token_file) if admin_url else ""
+    if hint:
+        click.echo(f"memfuse: {hint}", err=True)
     if admin_token_file is not None:
         from memfuse.sidecar.admin import read_admin_token
 

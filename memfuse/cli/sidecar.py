@@ -2,7 +2,8 @@
 
 By default over the sidecar's Unix socket ``<cache dir>/admin.sock`` (mode 0600: run it as the
 sidecar's user, e.g. ``kubectl exec POD -c memfuse -- memfuse mounts remove notes``; the image
-sets ``MEMFUSE_CACHE_DIR``), or over TCP with ``--admin URL --admin-token-file F``. Registers
+sets ``MEMFUSE_CACHE_DIR``), or over TCP with ``--admin URL --admin-token-file F`` (its variable:
+``MEMFUSE_SIDECAR_ADMIN_TOKEN_FILE``, never the control plane's). Registers
 the ``mounts`` group on ``memfuse.cli.common.cli`` when imported.
 """
 from __future__ import annotations
@@ -11,11 +12,12 @@ from pathlib import Path
 
 import click
 
-from memfuse.cli.common import _one_line, cli, opt
+from memfuse.cli.common import SIDECAR_ADMIN_TOKEN_ENV, _one_line, cli, control_plane_token_unread, opt
 
 
 def _target(f):
     f = opt("--admin-token-file", type=click.Path(dir_okay=False, path_type=Path),
+            envvar=SIDECAR_ADMIN_TOKEN_ENV,
             help="Bearer token for --admin (the sidecar's --admin-token-file).")(f)
     f = opt("--admin", "admin_url", metavar="URL",
             help="The sidecar's TCP admin API (e.g. http://127.0.0.1:9464) instead of its Unix socket.")(f)
@@ -38,7 +40,9 @@ def _call(method: str, store: str, cache_dir: Path | None, admin_socket: Path | 
     token = None
     if admin_url:
         if admin_token_file is None:
-            raise click.UsageError("--admin URL needs --admin-token-file (mount changes over TCP need the token)")
+            hint = control_plane_token_unread(admin_token_file)
+            raise click.UsageError("--admin URL needs --admin-token-file (mount changes over TCP need the token)"
+                                   + (f"; {hint}" if hint else ""))
         try:
             token = read_admin_token(admin_token_file)
         except ValueError as e:
