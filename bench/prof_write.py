@@ -178,7 +178,8 @@ def main() -> int:
     ap.add_argument("--trace-seconds", type=float, default=2.0)
     ap.add_argument("--cprofile", metavar="PREFIX",
                     help="cProfile the sidecar's trio thread during each one-writer part "
-                         "(bench/sigprof: stats in PREFIX.PID, the last part's)")
+                         "(bench/sigprof: stats in PREFIX.PID, the last part's; PREFIX's directory "
+                         "is made if missing)")
     ap.add_argument("--count-syncs", action="store_true",
                     help="fsync/fdatasync calls per file of serve, the sidecar and JuiceFS in the first "
                          "round's one-writer part (perf stat): 'syncs_per_file' in that line")
@@ -199,7 +200,9 @@ def main() -> int:
         common.MEMFUSE = _callgrind_launcher(a.callgrind)
     threads = [int(x) for x in a.threads.split(",") if x]
     if a.cprofile:  # inherited by the sidecar (bench/sigprof/sitecustomize.py)
-        os.environ["MEMFUSE_SIGPROF"] = str(Path(a.cprofile).resolve())
+        prefix = Path(a.cprofile).resolve()
+        prefix.parent.mkdir(parents=True, exist_ok=True)  # the sidecar writes PREFIX.PID there
+        os.environ["MEMFUSE_SIGPROF"] = str(prefix)
         os.environ["PYTHONPATH"] = os.pathsep.join(
             [str(Path(__file__).resolve().parent / "sigprof"), *filter(None, [os.environ.get("PYTHONPATH")])])
     with Session(quick=True, verbose=True) as s:

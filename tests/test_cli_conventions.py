@@ -352,6 +352,75 @@ def test_sidecar_config_refuses_what_the_flags_refuse(tmp_path):
             Settings(**{field: value})
 
 
+def test_sidecar_config_bounds_durations_as_the_flags_do(tmp_path):
+    """MountConfig and Settings take at most MAX_SECONDS (1e9), as the flags: 1e10 and 1e300
+    were taken and overflow the clocks they are added to (``threading.Event.wait``,
+    ``time.sleep``); inf only where it means forever (start_timeout)."""
+    from memfuse.durations import MAX_SECONDS
+    from memfuse.sidecar.config import MountConfig
+    from memfuse.sidecar.inodes import Settings
+
+    ok = dict(mountpoint=tmp_path / "m", workspace="w", cache_dir=tmp_path / "c")
+    names = ("commit_wait", "fsync_timeout", "drain_timeout", "offline_after", "token_check_interval",
+             "start_timeout")
+    assert MAX_SECONDS == 1e9
+    MountConfig(**ok, **{name: 1e9 for name in names})
+    Settings(commit_wait=1e9, fsync_timeout=1e9)
+    for value in (1e10, 1e300, 10**400):
+        for name in names:
+            with pytest.raises(ValueError, match=rf"MountConfig\.{name} = .* is not a number of seconds"):
+                MountConfig(**ok, **{name: value})
+        for name in ("commit_wait", "fsync_timeout"):
+            with pytest.raises(ValueError, match=rf"Settings\.{name} = "):
+                Settings(**{name: value})
+
+
+#: values for a duration, as given on the command line (and so to MEMFUSE_<FLAG>)
+DURATION_TABLE = ["0", "-0", "0.05", "0.1", "1", "1e3", "999999999.5", "1e9", "1000000000.5", "1e10",
+                  "1e300", "1e400", "-1", "-1e400", "nan", "inf", "-inf"]
+
+
+@pytest.mark.parametrize("flag, field", [("--commit-wait", "commit_wait"), ("--drain-timeout", "drain_timeout"),
+                                         ("--offline-after", "offline_after"), ("--start-timeout", "start_timeout")])
+def test_mount_flag_and_mount_config_agree(flag, field, tmp_path, monkeypatch):
+    """A mount flag and MountConfig's field take and refuse the same durations (one rule,
+    ``memfuse.durations``): the flag's text, and the number it reads as given to MountConfig
+    (``1e400`` reads as inf: the flag's text is a number past the bound, which only the
+    field meaning forever takes as inf)."""
+    from memfuse.sidecar.config import MountConfig
+
+    for k in list(os.environ):
+        if k.startswith("MEMFUSE_"):
+            monkeypatch.delenv(k)
+    mount = cli.get_command(click.Context(cli), "mount")
+    base = ["/nonexistent-memfuse-probe", "--control-plane", "http://127.0.0.1:9", "--workspace", "w"]
+    ok = dict(mountpoint=tmp_path / "m", workspace="w", cache_dir=tmp_path / "c")
+    param = next(p for p in mount.params if p.name == field)
+    forever = field == "start_timeout"
+    for text in DURATION_TABLE:
+        try:
+            flag_took = mount.make_context("mount", [*base, flag, text]).params[field] is not None
+        except click.BadParameter as err:
+            assert f"'{flag}'" in err.format_message()
+            flag_took = False
+        try:
+            MountConfig(**ok, **{field: float(text)})
+            config_took = True
+        except ValueError as err:
+            assert field in str(err)
+            config_took = False
+        if text == "1e400" and forever:  # the number, not the word: the flag refuses it
+            assert (flag_took, config_took) == (False, True)
+            continue
+        assert flag_took == config_took, (flag, text, flag_took, config_took)
+        try:  # a number given to the flag's type (a default, a caller's value) by the same rule
+            param.type.convert(float(text), param, None)
+            type_took = True
+        except click.BadParameter:
+            type_took = False
+        assert type_took == config_took, (flag, text)
+
+
 def test_version_variables_do_not_steer_commands(home):
     async def setup():
         async with local_client() as api:

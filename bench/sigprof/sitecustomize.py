@@ -2,7 +2,8 @@
 session 10: sidecar"): with this directory on ``PYTHONPATH`` and ``MEMFUSE_SIGPROF=PREFIX`` in
 the environment, a ``memfuse mount`` or ``memfuse serve`` process (or ``barefs.py``) starts a
 profile of its main thread (the trio thread) at ``SIGUSR1`` and, at ``SIGUSR2``, stops it and
-writes it to ``PREFIX.PID``. Any other process, or without the variable, nothing happens. A
+writes it to ``PREFIX.PID`` (its directory made if missing; a failed write said on stderr,
+never raised into the process). Any other process, or without the variable, nothing happens. A
 bench tool, never imported by memfuse.
 
 Two kinds (``MEMFUSE_SIGPROF_MODE``):
@@ -46,7 +47,21 @@ if os.environ.get("MEMFUSE_THREAD_NAMES") == "1":
 
 if os.environ.get("MEMFUSE_SIGPROF") and ("mount" in sys.argv or "serve" in sys.argv
                                           or any(a.endswith("barefs.py") for a in sys.argv)):
+    from collections.abc import Callable
+
     _out = os.environ["MEMFUSE_SIGPROF"]
+
+    def _dump(write: Callable[[str], object]) -> None:
+        """``write(path)`` the stats to ``PREFIX.PID``, its directory made if missing; a write
+        that fails is said on stderr, never raised: the handler runs on the profiled process's
+        main thread, where an exception would end it (a sidecar under prof_write.py died so,
+        and the bench with ConnectionAbortedError on its mount)."""
+        path = f"{_out}.{os.getpid()}"
+        try:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            write(path)
+        except OSError as e:
+            print(f"sigprof: stats not written to {path}: {e}", file=sys.stderr, flush=True)
     if os.environ.get("MEMFUSE_SIGPROF_MODE", "cprofile") == "sample":
         import collections
 
@@ -69,9 +84,13 @@ if os.environ.get("MEMFUSE_SIGPROF") and ("mount" in sys.argv or "serve" in sys.
 
         def _off(sig: int, frame: object) -> None:
             signal.setitimer(signal.ITIMER_PROF, 0, 0)
-            with open(f"{_out}.{os.getpid()}", "w") as fh:
-                for stack, n in _counts.most_common():
-                    fh.write(f"{stack} {n}\n")
+
+            def write(path: str) -> None:
+                with open(path, "w") as fh:
+                    for stack, n in _counts.most_common():
+                        fh.write(f"{stack} {n}\n")
+
+            _dump(write)
     elif os.environ.get("MEMFUSE_SIGPROF_MODE") == "opcodes":
         import collections
 
@@ -103,10 +122,14 @@ if os.environ.get("MEMFUSE_SIGPROF") and ("mount" in sys.argv or "serve" in sys.
             while f is not None:
                 f.f_trace = None  # type: ignore[attr-defined]
                 f = f.f_back  # type: ignore[attr-defined]
-            with open(f"{_out}.{os.getpid()}", "w") as fh:
-                for co in sorted(set(_ops) | set(_calls), key=lambda c: -_ops[c]):
-                    fh.write(f"{_ops[co]}\t{_calls[co]}\t{co.co_filename}:{co.co_firstlineno}:"
-                             f"{co.co_qualname}\n")
+
+            def write(path: str) -> None:
+                with open(path, "w") as fh:
+                    for co in sorted(set(_ops) | set(_calls), key=lambda c: -_ops[c]):
+                        fh.write(f"{_ops[co]}\t{_calls[co]}\t{co.co_filename}:{co.co_firstlineno}:"
+                                 f"{co.co_qualname}\n")
+
+            _dump(write)
     else:
         import cProfile
 
@@ -117,7 +140,7 @@ if os.environ.get("MEMFUSE_SIGPROF") and ("mount" in sys.argv or "serve" in sys.
 
         def _off(sig: int, frame: object) -> None:
             _prof.disable()
-            _prof.dump_stats(f"{_out}.{os.getpid()}")
+            _dump(_prof.dump_stats)
             _prof.clear()
 
     signal.signal(signal.SIGUSR1, _on)

@@ -23,6 +23,7 @@ import click
 
 from memfuse.client import ApiClient
 from memfuse.defs import one_line, parse_byte_size
+from memfuse.durations import NOT_SECONDS, seconds_bounds, seconds_problem
 from memfuse.errors import ApiError
 
 
@@ -445,10 +446,11 @@ class Seconds(click.FloatRange):
     ``--fsync-timeout``, ``--read-timeout``, ``consolidate --wait``...) and so of its
     ``MEMFUSE_<FLAG>`` variable, which click converts through the same type: a decimal number
     (ASCII digits, an optional exponent: ``5``, ``0.25``, ``1e3``) from ``min`` (``min_open``:
-    more than ``min``) up to :data:`MAX_SECONDS`. ``nan``, a negative number, a number past
-    the bound (``1e400``) and ``inf`` are refused with a usage error naming the flag; the word
-    ``inf`` is taken only by a flag whose ``forever`` says it means "wait forever" (``mount
-    --start-timeout``). A ``click.FloatRange`` so that ``--help`` shows the lower bound
+    more than ``min``) up to :data:`memfuse.durations.MAX_SECONDS`, by the rule the sidecar's
+    options also follow (:func:`memfuse.durations.seconds_problem`). ``nan``, a negative
+    number, a number past the bound (``1e400``) and ``inf`` are refused with a usage error
+    naming the flag; the word ``inf`` is taken only by a flag whose ``forever`` says it means
+    "wait forever" (``mount --start-timeout``). A ``click.FloatRange`` so that ``--help`` shows the lower bound
     (``x>=0.1``). (attack26: ``--commit-wait nan`` made a close fail with EIO at once and its
     write commit afterwards; verify26: ``1e400`` read as forever, ``1_000`` and non-ASCII
     digits taken as numbers.)"""
@@ -462,31 +464,24 @@ class Seconds(click.FloatRange):
         self.forever = forever
 
     def convert(self, value: Any, param: Any, ctx: Any) -> float:
+        n: float
+        low = float(self.min or 0.0)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            n = float(value)
+            n = value
         else:
             text = str(value).strip()
             if self.forever and text.lower() in self._FOREVER:
                 return math.inf
             if not self._NUMBER.fullmatch(text):
-                self.fail(f"{value!r} is not a number of seconds", param, ctx)
+                self.fail(f"{value!r} {NOT_SECONDS}", param, ctx)
             n = float(text)
-        if math.isnan(n):
-            self.fail(f"{value!r} is not a number of seconds", param, ctx)
-        if n == math.inf and self.forever and not isinstance(value, str):
-            return n
-        low = float(self.min or 0.0)
-        if n < low or (self.min_open and n == low) or n > MAX_SECONDS:
-            bounds = (f"above {low:g} and at most {MAX_SECONDS:.0f}" if self.min_open
-                      else f"from {low:g} to {MAX_SECONDS:.0f}")
-            self.fail(f"{value!r} is not a number of seconds {bounds}"
-                      + (" (or inf: forever)" if self.forever else ""), param, ctx)
-        return n + 0.0  # -0.0 as 0.0
-
-
-#: the longest duration a flag takes (about 31 years): longer ones overflow the clocks they
-#: are added to (``time.sleep``, ``threading.Event.wait``); ``forever`` flags also take ``inf``
-MAX_SECONDS = 1e9
+            if n == math.inf:  # 1e400: past the bound, never the word for forever
+                self.fail(f"{value!r} {NOT_SECONDS} {seconds_bounds(low, low_open=self.min_open, forever=self.forever)}",
+                          param, ctx)
+        problem = seconds_problem(n, low, low_open=self.min_open, forever=self.forever)
+        if problem is not None:
+            self.fail(f"{value!r} {problem}", param, ctx)
+        return float(n) + 0.0  # -0.0 as 0.0
 
 
 def _setup_logging(debug: bool) -> None:

@@ -2,27 +2,10 @@
 so its parts (``stores.StoreSync``) can name the type without importing the sidecar."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
-def check_seconds(owner: object, *names: str, positive: tuple[str, ...] = (),
-                  forever: tuple[str, ...] = ()) -> None:
-    """Raise ``ValueError`` naming the field when one of ``owner``'s duration fields
-    ``names`` is not a finite number of seconds >= 0 (``positive``: > 0; ``forever``: ``inf``
-    taken too, as "wait forever"). The CLI refuses such values with a usage error first
-    (``memfuse.cli.common.Seconds``); this keeps any other caller from passing them (attack26:
-    a ``nan`` commit wait made close fail with EIO and the write commit afterwards)."""
-    for name in names:
-        v = getattr(owner, name)
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ValueError(f"{type(owner).__name__}.{name} must be a number of seconds, not {v!r}")
-        if v == math.inf and name in forever:
-            continue
-        if math.isnan(v) or math.isinf(v) or v < 0 or (v == 0 and name in positive):
-            bound = "> 0" if name in positive else ">= 0"
-            raise ValueError(f"{type(owner).__name__}.{name} must be a finite number of seconds {bound}, not {v!r}")
+from memfuse.durations import check_seconds
 
 
 @dataclass

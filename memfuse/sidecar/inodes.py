@@ -23,6 +23,7 @@ from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, Generic, Iterator, NoReturn, TypeVar
 
 from .. import names
+from ..durations import check_seconds
 from ..errors import errno_of
 
 if TYPE_CHECKING:
@@ -518,8 +519,6 @@ class Settings:
     local_only_patterns: tuple[str, ...] = names.DEFAULT_LOCAL_ONLY
 
     def __post_init__(self) -> None:
-        from .config import check_seconds
-
         check_seconds(self, "commit_wait", "fsync_timeout", positive=("fsync_timeout",))
 
 
