@@ -302,3 +302,43 @@ async def test_the_leftovers_of_a_cut_durable_write_are_removed_only_once_the_ca
         assert stray.exists()
         fs.remove_dirs_tmp()
         assert not stray.exists()
+
+
+async def test_the_directory_list_keeps_the_directories_of_a_store_not_loaded_yet(
+        tmp_path: Path) -> None:
+    """A start that has not loaded every store yet (an offline start whose saved mirror of
+    one store is unreadable: it loads once the control plane answers; a store taken out of
+    the mount): every write of the directory list (a directory's fsync, a mkdir) keeps that
+    store's entries (its empty directories, their modes, its creation time) as the list read
+    at start had them. Before, the list was written from the mounted stores alone: a
+    directory's fsync made durable a list without them (dirs.synced.json, of a higher
+    generation than dirs.json: the next start lost them) and a mkdir in another store
+    dropped them from dirs.json and from memory (lost when the store loaded)."""
+    from memfuse.sidecar.namespace import load_dirs
+    dirs, synced = tmp_path / "dirs.json", tmp_path / "dirs.synced.json"
+    created = "2026-01-01T00:00:00+00:00"
+    async with core(tmp_path) as (fake, fs, client):
+        other = fs.add_store("other", "read_write", [], created=created)
+        fs.mkdir(other.root.ino, b"keep", 0o700, 0, 0)
+        await fsyncdir(fs, other.root)
+    # the next start: "other" is not loaded (yet)
+    async with core(tmp_path) as (fake, fs, client):
+        root = fs.stores["default"].root
+        fs.mkdir(root.ino, b"made", 0o755, 0, 0)
+        await fsyncdir(fs, root)
+        for path in (dirs, synced):
+            saved = json.loads(path.read_text())
+            assert saved["other"] == ["keep"], path
+            assert saved["_modes"].get("other") == {"keep": 0o700}, path
+            assert saved["_created"].get("other") == created, path
+        # the store loads later in the same process: its directory is back
+        other = fs.add_store("other", "read_write", [], created=created)
+        assert other.root.children is not None and list(other.root.children) == ["keep"]
+        assert other.root.children["keep"].mode & 0o777 == 0o700
+        fs.remove_store("other")  # taken out of the mount: kept for a later mount of it
+        fs.mkdir(root.ino, b"made2", 0o755, 0, 0)
+        await fsyncdir(fs, root)
+    assert load_dirs(dirs)["other"] == ["keep"]
+    dirs.write_bytes(b"")  # a power cut kept dirs.json's name, not its bytes
+    saved = load_dirs(dirs)
+    assert saved["other"] == ["keep"] and saved["default"] == ["made", "made2"]
