@@ -435,3 +435,27 @@ async def test_a_directory_fsync_keeps_a_file_whose_close_was_withdrawn(tmp_path
         assert puts.get(h.node.key) == "empty.md"
         assert puts.get(g.node.key) == "found.md" and rejected_paths(tmp_path) == []
         fs.release(w.fh)
+
+
+async def test_a_directory_fsync_keeps_a_new_file_whose_write_was_refused_in_its_session(
+        tmp_path: Path) -> None:
+    """A file created and written, one of its writes refused at write(2) (here ``EFBIG``:
+    past the store's ``max_record_bytes``), still open: ``state=rejected`` with no kept row
+    yet (its close keeps it). The directory's fsync keeps it rejected with its name, as
+    docs/SEMANTICS.md says of "a write refused in the session". Before, ``_names_only_here``
+    left out every rejected file (assumed kept with its name already): nothing named it,
+    and a kill -9 after the fsync lost it."""
+    async with core(tmp_path) as (fake, fs, client):
+        root = fs.stores["default"].root
+        fs.stores["default"].max_record_bytes = 10
+        h = create(fs, root, "big.md", b"12345\n")
+        with pytest.raises(FsError) as exc:
+            fs.write(h, 6, b"past the limit\n")
+        assert exc.value.errno == errno.EFBIG
+        assert h.node.state == REJECTED and h.node.dirty
+        await fsyncdir(fs, root)
+        assert rejected_paths(tmp_path) == ["big.md"] and journal_puts(tmp_path) == {}
+        with pytest.raises(FsError) as exc:
+            await fs.flush(h)  # its writer still learns it at close
+        assert exc.value.errno == errno.EFBIG
+        fs.release(h.fh)
