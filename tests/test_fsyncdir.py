@@ -8,10 +8,12 @@ changes"; attack26 F1, F2).
   would (what it holds now), with the control plane down, waiting for the journal alone.
   Not the files of a subdirectory, not a file unlinked while open; a refused content is
   kept rejected (never sent) and its writer's close still reports it; a local-only file is
-  kept, never sent.
+  kept, never sent; so is a rejected file renamed while being rewritten (its kept row
+  named the old path), and an empty file whose creating write its close withdrew (fsync27).
 - The directory list (``dirs.json``, not fsynced) gets a durable copy
   (``dirs.synced.json``), written once per change of the list, read at start when a power
-  cut left ``dirs.json`` unreadable.
+  cut left ``dirs.json`` unreadable; every write of it keeps the entries of stores not
+  mounted at that moment (fsync27).
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ from memfuse.fake import FakeControlPlane
 from memfuse.sidecar.blobcache import BlobCache
 from memfuse.sidecar.core import Filesystem, FsError, Settings
 from memfuse.sidecar.inodes import PENDING, REJECTED, Handle, Node
-from memfuse.sidecar.journal import Journal
+from memfuse.sidecar.journal import Entry, Journal
 
 
 @asynccontextmanager
@@ -302,3 +304,158 @@ async def test_the_leftovers_of_a_cut_durable_write_are_removed_only_once_the_ca
         assert stray.exists()
         fs.remove_dirs_tmp()
         assert not stray.exists()
+
+
+def rejected_paths(tmp: Path) -> list[str]:
+    """The paths of the rejected files kept on disk in the outbox journal (its ``rejected``
+    table, read by another connection, as a start after a kill -9 reads it)."""
+    db = sqlite3.connect(tmp / "outbox.db")
+    try:
+        return sorted(p for (p,) in db.execute("SELECT path FROM rejected"))
+    finally:
+        db.close()
+
+
+async def test_the_directory_list_keeps_the_directories_of_a_store_not_loaded_yet(
+        tmp_path: Path) -> None:
+    """A start that has not loaded every store yet (an offline start whose saved mirror of
+    one store is unreadable: it loads once the control plane answers; a store taken out of
+    the mount): every write of the directory list (a directory's fsync, a mkdir) keeps that
+    store's entries (its empty directories, their modes, its creation time) as the list read
+    at start had them. Before, the list was written from the mounted stores alone: a
+    directory's fsync made durable a list without them (dirs.synced.json, of a higher
+    generation than dirs.json: the next start lost them) and a mkdir in another store
+    dropped them from dirs.json and from memory (lost when the store loaded)."""
+    from memfuse.sidecar.namespace import load_dirs
+    dirs, synced = tmp_path / "dirs.json", tmp_path / "dirs.synced.json"
+    created = "2026-01-01T00:00:00+00:00"
+    async with core(tmp_path) as (fake, fs, client):
+        other = fs.add_store("other", "read_write", [], created=created)
+        fs.mkdir(other.root.ino, b"keep", 0o700, 0, 0)
+        await fsyncdir(fs, other.root)
+    # the next start: "other" is not loaded (yet)
+    async with core(tmp_path) as (fake, fs, client):
+        root = fs.stores["default"].root
+        fs.mkdir(root.ino, b"made", 0o755, 0, 0)
+        await fsyncdir(fs, root)
+        for path in (dirs, synced):
+            saved = json.loads(path.read_text())
+            assert saved["other"] == ["keep"], path
+            assert saved["_modes"].get("other") == {"keep": 0o700}, path
+            assert saved["_created"].get("other") == created, path
+        # the store loads later in the same process: its directory is back
+        other = fs.add_store("other", "read_write", [], created=created)
+        assert other.root.children is not None and list(other.root.children) == ["keep"]
+        assert other.root.children["keep"].mode & 0o777 == 0o700
+        fs.remove_store("other")  # taken out of the mount: kept for a later mount of it
+        fs.mkdir(root.ino, b"made2", 0o755, 0, 0)
+        await fsyncdir(fs, root)
+    assert load_dirs(dirs)["other"] == ["keep"]
+    dirs.write_bytes(b"")  # a power cut kept dirs.json's name, not its bytes
+    saved = load_dirs(dirs)
+    assert saved["other"] == ["keep"] and saved["default"] == ["made", "made2"]
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+async def test_a_directory_fsync_keeps_the_new_name_of_a_rejected_file_renamed_while_rewritten(
+        tmp_path: Path, fixed: bool) -> None:
+    """A rejected file (kept with its name in the journal, ``RejectedFiles``) being rewritten
+    and renamed while still open, then the directory's fsync: its name is durable as any
+    file's whose name only memory holds (``_names_only_here``): committed as its own fsync
+    would, so a fixed content is a put under the new name (the kept row goes) and a content
+    still refused is kept rejected under the new name. Before, its kept row named the old
+    path until the close (``_rejected_row`` keeps the row of a file being rewritten), so a
+    kill -9 after the fsync put it back at its old name."""
+    async with core(tmp_path) as (fake, fs, client):
+        root = fs.stores["default"].root
+        h = create(fs, root, "bad.md", b"caf\xc3")  # a character cut: refused at close
+        with pytest.raises(FsError):
+            await fs.flush(h)
+        fs.release(h.fh)
+        n = h.node
+        with trio.fail_after(20):
+            await fs.journal.barrier().wait_accepted(20)
+        assert n.state == REJECTED and rejected_paths(tmp_path) == ["bad.md"]
+        fake.faults.outage = True
+        w = fs.open(n.ino, os.O_WRONLY | os.O_TRUNC)
+        fs.write(w, 0, b"fixed\n" if fixed else b"still caf\xc3")
+        fs.rename(root.ino, b"bad.md", root.ino, b"good.md", 0)
+        await fsyncdir(fs, root)
+        if fixed:
+            assert rejected_paths(tmp_path) == []
+            assert journal_puts(tmp_path).get(n.key) == "good.md"
+            assert n.state == PENDING
+        else:
+            assert rejected_paths(tmp_path) == ["good.md"]
+            assert n.state == REJECTED and n.dirty  # judged again at its close
+        fs.release(w.fh)
+
+
+async def test_a_directory_fsync_keeps_a_file_whose_close_was_withdrawn(tmp_path: Path) -> None:
+    """A file whose close the full cache disk withdrew (``Filesystem._withdraw``): created
+    by the write, it is an empty file that no put and no record name; one whose earlier
+    content is lost keeps the withdrawn content rejected (``Node.lost_prior``), and then
+    renamed while rewritten whole its kept row names the old path. The directory's fsync
+    keeps both names (``_names_only_here``: the empty file committed as such). Before,
+    the first was skipped (not being written) and the second's row named its old path: a
+    kill -9 after the fsync lost both names."""
+    async with core(tmp_path) as (fake, fs, client):
+        root = fs.stores["default"].root
+        fake.faults.outage = True
+
+        async def withdrawn(h: Handle, text: bytes, lose_prior: bool = False) -> None:
+            """A write committed and withdrawn by its close at once (as
+            ``_journal_refused`` does): out of the journal's queue, never sent."""
+            n = h.node
+            fs.write(h, n.cur_size(), text)
+            e = fs.commit(n)
+            assert isinstance(e, Entry)
+            before = e.before  # (let go once the journal wrote it)
+            if not await fs.journal.withdraw(e, 10):  # written already: its row goes
+                fs.journal.remove(e)  # (on a full disk it never was)
+            assert fs.committer.withdraw(e, errno.ENOSPC, "the cache disk is full", "cache_disk_full")
+            e.before = before
+            if lose_prior:  # nothing here holds what the file showed before it
+                e.before = before._replace(put=None, held=None, prefix=-1, state=REJECTED, sha="0" * 64)
+            fs._withdraw(n, e)
+
+        h = create(fs, root, "empty.md", b"")
+        await withdrawn(h, b"refused by the disk\n")
+        assert h.node.cur_size() == 0 and not h.node.dirty and h.node.last_put is None
+        fs.release(h.fh)
+        g = create(fs, root, "lost.md", b"")
+        await withdrawn(g, b"held\n", lose_prior=True)
+        fs.release(g.fh)
+        assert g.node.state == REJECTED and g.node.lost_prior
+        w = fs.open(g.node.ino, os.O_WRONLY | os.O_TRUNC)
+        fs.write(w, 0, b"whole again\n")
+        fs.rename(root.ino, b"lost.md", root.ino, b"found.md", 0)
+        await fsyncdir(fs, root)
+        puts = journal_puts(tmp_path)
+        assert puts.get(h.node.key) == "empty.md"
+        assert puts.get(g.node.key) == "found.md" and rejected_paths(tmp_path) == []
+        fs.release(w.fh)
+
+
+async def test_a_directory_fsync_keeps_a_new_file_whose_write_was_refused_in_its_session(
+        tmp_path: Path) -> None:
+    """A file created and written, one of its writes refused at write(2) (here ``EFBIG``:
+    past the store's ``max_record_bytes``), still open: ``state=rejected`` with no kept row
+    yet (its close keeps it). The directory's fsync keeps it rejected with its name, as
+    docs/SEMANTICS.md says of "a write refused in the session". Before, ``_names_only_here``
+    left out every rejected file (assumed kept with its name already): nothing named it,
+    and a kill -9 after the fsync lost it."""
+    async with core(tmp_path) as (fake, fs, client):
+        root = fs.stores["default"].root
+        fs.stores["default"].max_record_bytes = 10
+        h = create(fs, root, "big.md", b"12345\n")
+        with pytest.raises(FsError) as exc:
+            fs.write(h, 6, b"past the limit\n")
+        assert exc.value.errno == errno.EFBIG
+        assert h.node.state == REJECTED and h.node.dirty
+        await fsyncdir(fs, root)
+        assert rejected_paths(tmp_path) == ["big.md"] and journal_puts(tmp_path) == {}
+        with pytest.raises(FsError) as exc:
+            await fs.flush(h)  # its writer still learns it at close
+        assert exc.value.errno == errno.EFBIG
+        fs.release(h.fh)

@@ -26,6 +26,7 @@ counts as a failure). Every mount is unmounted in a ``finally`` (``PowerCutMount
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 import random
@@ -520,3 +521,48 @@ def test_an_empty_directory_survives_a_power_cut_once_its_parent_fsync_returned(
             sc.start()
             assert os.path.isdir(store / "empty" / "inner")
             assert stat.S_IMODE(os.stat(store / "empty").st_mode) == 0o750
+
+
+@mount_test
+@pytest.mark.timeout(300)
+def test_a_rejected_file_renamed_while_rewritten_keeps_its_new_name_once_its_directory_fsync_returned(
+        tmp_path):
+    """Two files refused at close (a character cut at the end: ``EILSEQ``, kept rejected
+    with their names in the journal), each opened again, rewritten (one fixed, one still
+    refused) and renamed while open, then the directory's fsync and a kill -9 of the sidecar
+    before their writers close: the restart shows them under their new names, the fixed one
+    a record, the other still rejected. (fsync27: the kept row of a rejected file being
+    rewritten named its old path until its close, so the restart put it back there and
+    nothing named the new one.)"""
+    with Rig(tmp_path) as rig:
+        cp = rig.cp
+        sc = rig.sidecar("ws", "--commit-wait", "0.3", "--admin-listen", "",
+                         cache_dir=tmp_path / "cache")
+        store = sc.mountpoint / "default"
+        for name in ("fix.md", "bad.md"):
+            fd = os.open(store / name, os.O_WRONLY | os.O_CREAT, 0o644)
+            os.write(fd, b"caf\xc3")
+            with pytest.raises(OSError) as exc:
+                os.close(fd)  # the close reports the refusal
+            assert exc.value.errno == errno.EILSEQ
+        cp.kill()
+        fds = []
+        try:
+            for name, text in (("fix.md", b"fixed\n"), ("bad.md", b"still caf\xc3")):
+                fds.append(os.open(store / name, os.O_WRONLY | os.O_TRUNC))
+                os.write(fds[-1], text)
+            os.rename(store / "fix.md", store / "fixed.md")
+            os.rename(store / "bad.md", store / "worse.md")
+            fsync_dir(store)
+            sc.kill9()
+        finally:
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)  # ENOTCONN: the sidecar is gone
+        cp.start()
+        sc.start()
+        drained(sc, timeout=30)
+        assert live(cp) == {"fixed.md": "fixed\n"}, live(cp)
+        assert sorted(os.listdir(store)) == ["fixed.md", "worse.md"]
+        assert os.getxattr(store / "worse.md", "user.memfuse.state") == b"rejected"
+        assert (store / "worse.md").read_bytes() == b"still caf\xc3"

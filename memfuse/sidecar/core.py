@@ -1225,28 +1225,42 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
 
     def _names_only_here(self, d: Node) -> list[Node]:
         """The files of directory ``d`` (its own entries, not its subdirectories') whose name
-        only this process's memory holds: being written and never committed, so no outbox
-        entry and no record carries them. A record's file with no record and no put (created
-        and not closed yet, or renamed while still open: a create is queued at close) that
-        is not rejected (a rejected file is kept with its name already, ``RejectedFiles``),
-        and a local-only file whose kept row does not name it here (never kept, or renamed
-        while being written: its row waits for its close, ``LocalFiles``). A file committed once is
-        named by its put, record and moves already; its later writes are content, which a
-        directory's fsync does not promise."""
+        only this process's memory holds: no outbox entry, record or kept row names them
+        there. The one rule, by what keeps a file's name across a restart:
+
+        - a record's file: its record or a put. Not one with neither: created and not closed
+          yet, or renamed while still open (a create is queued at close), or one a write
+          created whose close withdrew it (``_withdraw``: an empty file, never sent, not
+          being written); nor one renamed over a record while still open (the target's name
+          shows content only memory holds, its put waits for the close:
+          ``Node.renamed_over``);
+        - a rejected file (``RejectedFiles``) and a local-only file (``LocalFiles``): its
+          kept row. Not one being written whose row does not name it here (never kept, or
+          renamed while being rewritten: the row keeps what was kept last until the file is
+          judged or closed again). Before, a rejected file renamed while being rewritten
+          was left out: its row named the old path and a kill -9 put it back there.
+
+        A file committed once is named by its put, record and moves already; its later
+        writes are content, which a directory's fsync does not promise."""
         out: list[Node] = []
         if d.store is None or d.store.detached:  # the mount root, .memfuse; an unmounted store
             return out
         for c in (d.children or {}).values():
-            if not c.dirty or c.children is not None or c.special or c.unlinked:
+            if c.children is not None or c.special or c.unlinked:
                 continue
-            if c.local_only:
-                # (a row loaded at start is (store, "kept"): its path is not known here)
-                saved = self._local_saved.get(c.key)
-                if saved is None or len(saved) < 5 or saved[1] != c.path():
-                    out.append(c)
-            elif c.state != REJECTED and (c.renamed_over or (c.record_id is None and c.last_put is None)):
-                # (renamed over a record while open: the target's name shows content only
-                # memory holds, its put waits for the close: Node.renamed_over)
+            if c.local_only or c.state == REJECTED:
+                if not c.dirty:
+                    continue  # its row is written as it changes (sync_local, sync_rejected)
+                if c.local_only:
+                    # (a row loaded at start is (store, "kept"): its path is not known here)
+                    saved = self._local_saved.get(c.key)
+                    if saved is None or len(saved) < 5 or saved[1] != c.path():
+                        out.append(c)
+                else:
+                    row = self._rejected_rows.get(c.key)
+                    if row is None or row["path"] != c.path():
+                        out.append(c)
+            elif c.renamed_over or (c.record_id is None and c.last_put is None):
                 out.append(c)
         return out
 
@@ -1271,6 +1285,9 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         d = h.node
         deadline = trio.current_time() + self.settings.fsync_timeout
         for n in self._names_only_here(d):
+            # (not being written: a file a write created whose close withdrew it, empty, is
+            # committed as it shows; its name is all there is to keep)
+            n.dirty = True
             try:
                 self._fsync_commit(n)
             except FsError:

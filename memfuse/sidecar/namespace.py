@@ -494,11 +494,30 @@ class NamespaceOps:
             self.dirs_writing = False
 
     def _dirs_state(self) -> dict[str, Any]:
-        """The directory list as the tree holds it now (``save_dirs``)."""
+        """The directory list as the tree holds it now (``save_dirs``, ``dirs_to_sync``):
+        the mounted stores' from their trees; every other store's (not loaded yet: an
+        offline start mounts a store whose saved mirror is unreadable only once the control
+        plane answers; or taken out of the mount) carried over as the list last read or
+        written had it (``saved_dirs``), as its rejected and local-only files are kept until
+        it is mounted again. Before, a list written while a store was not mounted lacked its
+        directories: a directory's fsync made that list durable, of a higher generation
+        than ``dirs.json``, and the next start lost them; a mkdir dropped them at once."""
         out: dict[str, Any] = {}
         modes: dict[str, dict[str, int]] = {}
-        was = self.saved_dirs.get(STORE_CREATED_KEY)
+        saved = self.saved_dirs
+        was = saved.get(STORE_CREATED_KEY)
+        was_modes = saved.get(DIR_MODES_KEY)
         created: dict[str, str] = {}
+        for slug, kept in saved.items():
+            if slug in _DIRS_META or slug in self.stores or not isinstance(kept, list):
+                continue
+            out[slug] = kept
+            kept_modes = was_modes.get(slug) if isinstance(was_modes, dict) else None
+            if isinstance(kept_modes, dict) and kept_modes:
+                modes[slug] = kept_modes
+            kept_in = was.get(slug) if isinstance(was, dict) else None
+            if isinstance(kept_in, str) and kept_in:
+                created[slug] = kept_in
         for slug, sm in self.stores.items():
             made_in = sm.created or (was.get(slug) if isinstance(was, dict) else None)
             if made_in:
@@ -532,6 +551,9 @@ class NamespaceOps:
         except CacheError as err:
             log.warning("directory list not saved", extra={"reason": err.reason})
 
+
+#: the keys of a directory list that are not a store's slug
+_DIRS_META = frozenset((DIR_MODES_KEY, STORE_CREATED_KEY, DIRS_GENERATION_KEY))
 
 #: numbers the temporary files of ``write_dirs_durably``
 _TMP_SEQ = itertools.count(1)
