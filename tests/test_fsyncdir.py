@@ -562,3 +562,63 @@ async def test_a_directory_fsync_keeps_a_new_file_whose_write_was_refused_in_its
             await fs.flush(h)  # its writer still learns it at close
         assert exc.value.errno == errno.EFBIG
         fs.release(h.fh)
+
+
+async def test_the_directory_list_holds_only_directories_made_here(tmp_path: Path) -> None:
+    """review27 R4: the directory list holds the directories made here (mkdir, or kept from
+    the list), not those only implied by records. Before, it held every directory: one
+    implied by a record deleted elsewhere while the store was out of the mount came back,
+    when it was mounted again, as an empty directory made here (SEMANTICS: an emptied
+    implied directory leaves no empty shell). A directory made here that holds records
+    stays made: its records going elsewhere leave it, as mkdir's."""
+    async with core(tmp_path) as (fake, fs, client):
+        rec = await client.create_record("default", "notes/a.md", "a\n")
+        await client.create_record("default", "made/b.md", "b\n")
+        records, _ = await client.snapshot("default", content=True)
+        fs.remove_store("default")
+        sm = fs.add_store("default", "read_write", records)
+        assert sm.root.children is not None
+        made = sm.root.children["made"]
+        made.made = True  # as if made here by mkdir before its record was written in it
+        fs.mkdir(sm.root.ino, b"empty", 0o755, 0, 0)  # any save of the list
+        saved = json.loads((tmp_path / "dirs.json").read_text())
+        assert saved["default"] == ["empty", "made"] and saved["_made_only"] == ["default"]
+        fs.remove_store("default")
+        await client.delete_record("default", rec.id)  # elsewhere, while out of the mount
+        records, _ = await client.snapshot("default", content=True)
+        sm = fs.add_store("default", "read_write", records)
+        assert sm.root.children is not None
+        assert sorted(sm.root.children) == ["empty", "made"]
+        assert sm.root.children["made"].made  # holds a record, made here: stays made
+
+
+async def test_a_restart_brings_back_no_directory_only_records_implied(tmp_path: Path) -> None:
+    """review27 R4b: R4 across a restart (the record deleted elsewhere while the sidecar was
+    down): the next start shows the directory made here, not the implied one."""
+    async with core(tmp_path) as (fake, fs, client):
+        await client.create_record("default", "notes/a.md", "a\n")
+        records, _ = await client.snapshot("default", content=True)
+        fs.remove_store("default")
+        sm = fs.add_store("default", "read_write", records)
+        fs.mkdir(sm.root.ino, b"made", 0o755, 0, 0)
+        await fsyncdir(fs, sm.root)
+    async with core(tmp_path) as (fake, fs, client):  # a new control plane: no records
+        sm = fs.stores["default"]
+        assert sm.root.children is not None and sorted(sm.root.children) == ["made"]
+
+
+async def test_a_directory_list_written_before_keeps_implied_directories_implied(
+        tmp_path: Path) -> None:
+    """A list written before review27 R4 (every directory, no ``_made_only``): at load, a
+    listed directory no record implies comes back made (an empty one kept, as before); one
+    records imply is left implied, and the next write of the list leaves it out."""
+    (tmp_path / "dirs.json").write_text(json.dumps({"default": ["empty", "notes"]}))
+    async with core(tmp_path) as (fake, fs, client):
+        await client.create_record("default", "notes/a.md", "a\n")
+        records, _ = await client.snapshot("default", content=True)
+        fs.remove_store("default")
+        sm = fs.add_store("default", "read_write", records)
+        assert sm.root.children is not None
+        assert sm.root.children["empty"].made and not sm.root.children["notes"].made
+        fs.mkdir(sm.root.ino, b"new", 0o755, 0, 0)
+        assert json.loads((tmp_path / "dirs.json").read_text())["default"] == ["empty", "new"]
