@@ -8,8 +8,10 @@ changes"; attack26 F1, F2).
   would (what it holds now), with the control plane down, waiting for the journal alone.
   Not the files of a subdirectory, not a file unlinked while open; a refused content is
   kept rejected (never sent) and its writer's close still reports it; a local-only file is
-  kept, never sent; so is a rejected file renamed while being rewritten (its kept row
-  named the old path), and an empty file whose creating write its close withdrew (fsync27).
+  kept, never sent; so is a new rejected file renamed while being rewritten (its kept row
+  named the old path: fsync27). Not a rejected record's file (its record and queued move
+  name it), nor an empty file whose creating write its close withdrew (nothing sent), and
+  a name whose content is missing from the blob cache is answered ``EIO`` (review27).
 - The directory list (``dirs.json``, not fsynced) gets a durable copy
   (``dirs.synced.json``), written once per change of the list, read at start when a power
   cut left ``dirs.json`` unreadable; every write of it keeps the entries of stores not
@@ -391,40 +393,41 @@ async def test_a_directory_fsync_keeps_the_new_name_of_a_rejected_file_renamed_w
         fs.release(w.fh)
 
 
-async def test_a_directory_fsync_keeps_a_file_whose_close_was_withdrawn(tmp_path: Path) -> None:
+async def withdrawn(fs: Filesystem, h: Handle, text: bytes, lose_prior: bool = False) -> None:
+    """A write of ``h`` committed and withdrawn by its close at once (as
+    ``Filesystem._journal_refused`` does): out of the journal's queue, never sent."""
+    n = h.node
+    fs.write(h, n.cur_size(), text)
+    e = fs.commit(n)
+    assert isinstance(e, Entry)
+    before = e.before  # (let go once the journal wrote it)
+    if not await fs.journal.withdraw(e, 10):  # written already: its row goes
+        fs.journal.remove(e)  # (on a full disk it never was)
+    assert fs.committer.withdraw(e, errno.ENOSPC, "the cache disk is full", "cache_disk_full")
+    e.before = before
+    if lose_prior:  # nothing here holds what the file showed before it
+        e.before = before._replace(put=None, held=None, prefix=-1, state=REJECTED, sha="0" * 64)
+    fs._withdraw(n, e)
+
+
+async def test_a_directory_fsync_and_the_files_whose_close_was_withdrawn(tmp_path: Path) -> None:
     """A file whose close the full cache disk withdrew (``Filesystem._withdraw``): created
-    by the write, it is an empty file that no put and no record name; one whose earlier
-    content is lost keeps the withdrawn content rejected (``Node.lost_prior``), and then
-    renamed while rewritten whole its kept row names the old path. The directory's fsync
-    keeps both names (``_names_only_here``: the empty file committed as such). Before,
-    the first was skipped (not being written) and the second's row named its old path: a
-    kill -9 after the fsync lost both names."""
+    by the write, it is an empty file that no put and no record name, not being written:
+    the directory's fsync sends nothing for it (docs/SEMANTICS.md: "nothing sent"; its name
+    is kept in memory alone). One whose earlier content is lost keeps the withdrawn content
+    rejected (``Node.lost_prior``); renamed while rewritten whole, its kept row names the
+    old path: the directory's fsync keeps its new name (``_names_only_here``). (fsync27
+    committed the first empty; review27 R1: that empty create met another writer's record
+    at the path and replaced its content.)"""
     async with core(tmp_path) as (fake, fs, client):
         root = fs.stores["default"].root
         fake.faults.outage = True
-
-        async def withdrawn(h: Handle, text: bytes, lose_prior: bool = False) -> None:
-            """A write committed and withdrawn by its close at once (as
-            ``_journal_refused`` does): out of the journal's queue, never sent."""
-            n = h.node
-            fs.write(h, n.cur_size(), text)
-            e = fs.commit(n)
-            assert isinstance(e, Entry)
-            before = e.before  # (let go once the journal wrote it)
-            if not await fs.journal.withdraw(e, 10):  # written already: its row goes
-                fs.journal.remove(e)  # (on a full disk it never was)
-            assert fs.committer.withdraw(e, errno.ENOSPC, "the cache disk is full", "cache_disk_full")
-            e.before = before
-            if lose_prior:  # nothing here holds what the file showed before it
-                e.before = before._replace(put=None, held=None, prefix=-1, state=REJECTED, sha="0" * 64)
-            fs._withdraw(n, e)
-
         h = create(fs, root, "empty.md", b"")
-        await withdrawn(h, b"refused by the disk\n")
+        await withdrawn(fs, h, b"refused by the disk\n")
         assert h.node.cur_size() == 0 and not h.node.dirty and h.node.last_put is None
         fs.release(h.fh)
         g = create(fs, root, "lost.md", b"")
-        await withdrawn(g, b"held\n", lose_prior=True)
+        await withdrawn(fs, g, b"held\n", lose_prior=True)
         fs.release(g.fh)
         assert g.node.state == REJECTED and g.node.lost_prior
         w = fs.open(g.node.ino, os.O_WRONLY | os.O_TRUNC)
@@ -432,9 +435,109 @@ async def test_a_directory_fsync_keeps_a_file_whose_close_was_withdrawn(tmp_path
         fs.rename(root.ino, b"lost.md", root.ino, b"found.md", 0)
         await fsyncdir(fs, root)
         puts = journal_puts(tmp_path)
-        assert puts.get(h.node.key) == "empty.md"
+        assert h.node.key not in puts and not h.node.dirty and h.node.last_put is None
         assert puts.get(g.node.key) == "found.md" and rejected_paths(tmp_path) == []
         fs.release(w.fh)
+
+
+async def test_a_directory_fsync_does_not_send_a_withdrawn_empty_file_over_another_writers_record(
+        tmp_path: Path) -> None:
+    """review27 R1: a file whose creating write its close withdrew (empty, never sent);
+    meanwhile another writer creates a record at that path. A later directory fsync sends
+    nothing: the other writer's content stays (fsync27 committed the empty file, whose
+    create met ``path_exists`` and replaced that content with '')."""
+    async with core(tmp_path) as (fake, fs, client):
+        root = fs.stores["default"].root
+        fake.faults.outage = True
+        h = create(fs, root, "notes.md", b"")
+        await withdrawn(fs, h, b"refused by the disk\n")
+        fs.release(h.fh)
+        assert h.node.cur_size() == 0 and h.node.last_put is None and not h.node.dirty
+        fake.faults.outage = False
+        await client.create_record("default", "notes.md", "theirs\n")
+        await fsyncdir(fs, root)
+        assert h.node.key not in journal_puts(tmp_path)
+        fs.committer.poke(urgent=True)
+        with trio.fail_after(30):
+            await fs.committer.wait_idle()
+        records, _ = await client.snapshot("default", content=True)
+        assert {r.path: r.content for r in records} == {"notes.md": "theirs\n"}
+
+
+async def test_a_directory_fsync_sends_nothing_for_a_rejected_record_another_handle_rewrites(
+        tmp_path: Path) -> None:
+    """review27 R2: a record whose update was refused (kept rejected, the record holds v1)
+    opened O_TRUNC with nothing written yet and renamed while open, then the directory's
+    fsync: its record and the queued move name it, so nothing is committed (fsync27
+    committed the emptied file, an empty version nobody wrote: the rewrite's handle's own
+    fsync commits nothing, ``rewritten_by_another``)."""
+    async with core(tmp_path) as (fake, fs, client):
+        root = fs.stores["default"].root
+        h = create(fs, root, "bad.md", b"v1\n")
+        with trio.fail_after(20):
+            await fs.flush(h)
+        fs.release(h.fh)
+        with trio.fail_after(30):
+            await fs.committer.wait_idle()
+        n = h.node
+        u = fs.open(n.ino, os.O_WRONLY | os.O_TRUNC)
+        fs.write(u, 0, b"caf\xc3")
+        with pytest.raises(FsError):
+            await fs.flush(u)
+        fs.release(u.fh)
+        assert n.state == REJECTED and n.record_id
+        with trio.fail_after(20):
+            await fs.journal.barrier().wait_accepted(20)
+        w = fs.open(n.ino, os.O_WRONLY | os.O_TRUNC)  # nothing written through it yet
+        fs.rename(root.ino, b"bad.md", root.ino, b"good.md", 0)
+        await fsyncdir(fs, root)
+        sent = journal_puts(tmp_path).get(n.key)
+        fs.write(w, 0, b"still caf\xc3")
+        with pytest.raises(FsError):
+            await fs.flush(w)
+        fs.release(w.fh)
+        fs.committer.poke(urgent=True)
+        with trio.fail_after(30):
+            await fs.committer.wait_idle()
+        records, _ = await client.snapshot("default", content=True)
+        got = {r.path: (r.content, r.version) for r in records}
+        assert sent is None and got == {"good.md": ("v1\n", 2)}, (sent, got)
+
+
+async def test_a_directory_fsync_answers_eio_for_a_name_whose_content_is_missing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """review27 R5: a local-only file (its content in the blob cache) open by a reader,
+    renamed over a record: the target's new content waits for the close
+    (``renamed_over``). Its blob missing (a damaged cache), the directory's fsync cannot
+    keep it: ``EIO`` and an ``errors.log`` line, not 0 (``ContentMissing`` is an
+    ``FsError`` and was taken for a refusal kept rejected)."""
+    async with core(tmp_path) as (fake, fs, client):
+        root = fs.stores["default"].root
+        t = create(fs, root, "x.md", b"old\n")
+        with trio.fail_after(20):
+            await fs.flush(t)
+        fs.release(t.fh)
+        with trio.fail_after(30):
+            await fs.committer.wait_idle()
+        s = create(fs, root, ".x.md.swp", b"new content\n")
+        with trio.fail_after(20):
+            await fs.flush(s)
+        fs.release(s.fh)
+        n = s.node
+        assert n.buf is None and n.sha
+        r = fs.open(n.ino, os.O_RDONLY)  # a reader keeps it open
+        fs.rename(root.ino, b".x.md.swp", root.ino, b"x.md", 0)
+        assert n.dirty and n.renamed_over
+        real = fs.blobs.get
+        monkeypatch.setattr(fs.blobs, "get", lambda sha: None if sha == n.sha else real(sha))
+        fs.recent.drop(n.sha)
+        fake.faults.outage = True
+        lines = len(fs.errors)
+        with pytest.raises(FsError) as exc:
+            await fsyncdir(fs, root)
+        assert exc.value.errno == errno.EIO
+        assert len(fs.errors) > lines
+        fs.release(r.fh)
 
 
 async def test_a_directory_fsync_keeps_a_new_file_whose_write_was_refused_in_its_session(
@@ -459,3 +562,63 @@ async def test_a_directory_fsync_keeps_a_new_file_whose_write_was_refused_in_its
             await fs.flush(h)  # its writer still learns it at close
         assert exc.value.errno == errno.EFBIG
         fs.release(h.fh)
+
+
+async def test_the_directory_list_holds_only_directories_made_here(tmp_path: Path) -> None:
+    """review27 R4: the directory list holds the directories made here (mkdir, or kept from
+    the list), not those only implied by records. Before, it held every directory: one
+    implied by a record deleted elsewhere while the store was out of the mount came back,
+    when it was mounted again, as an empty directory made here (SEMANTICS: an emptied
+    implied directory leaves no empty shell). A directory made here that holds records
+    stays made: its records going elsewhere leave it, as mkdir's."""
+    async with core(tmp_path) as (fake, fs, client):
+        rec = await client.create_record("default", "notes/a.md", "a\n")
+        await client.create_record("default", "made/b.md", "b\n")
+        records, _ = await client.snapshot("default", content=True)
+        fs.remove_store("default")
+        sm = fs.add_store("default", "read_write", records)
+        assert sm.root.children is not None
+        made = sm.root.children["made"]
+        made.made = True  # as if made here by mkdir before its record was written in it
+        fs.mkdir(sm.root.ino, b"empty", 0o755, 0, 0)  # any save of the list
+        saved = json.loads((tmp_path / "dirs.json").read_text())
+        assert saved["default"] == ["empty", "made"] and saved["_made_only"] == ["default"]
+        fs.remove_store("default")
+        await client.delete_record("default", rec.id)  # elsewhere, while out of the mount
+        records, _ = await client.snapshot("default", content=True)
+        sm = fs.add_store("default", "read_write", records)
+        assert sm.root.children is not None
+        assert sorted(sm.root.children) == ["empty", "made"]
+        assert sm.root.children["made"].made  # holds a record, made here: stays made
+
+
+async def test_a_restart_brings_back_no_directory_only_records_implied(tmp_path: Path) -> None:
+    """review27 R4b: R4 across a restart (the record deleted elsewhere while the sidecar was
+    down): the next start shows the directory made here, not the implied one."""
+    async with core(tmp_path) as (fake, fs, client):
+        await client.create_record("default", "notes/a.md", "a\n")
+        records, _ = await client.snapshot("default", content=True)
+        fs.remove_store("default")
+        sm = fs.add_store("default", "read_write", records)
+        fs.mkdir(sm.root.ino, b"made", 0o755, 0, 0)
+        await fsyncdir(fs, sm.root)
+    async with core(tmp_path) as (fake, fs, client):  # a new control plane: no records
+        sm = fs.stores["default"]
+        assert sm.root.children is not None and sorted(sm.root.children) == ["made"]
+
+
+async def test_a_directory_list_written_before_keeps_implied_directories_implied(
+        tmp_path: Path) -> None:
+    """A list written before review27 R4 (every directory, no ``_made_only``): at load, a
+    listed directory no record implies comes back made (an empty one kept, as before); one
+    records imply is left implied, and the next write of the list leaves it out."""
+    (tmp_path / "dirs.json").write_text(json.dumps({"default": ["empty", "notes"]}))
+    async with core(tmp_path) as (fake, fs, client):
+        await client.create_record("default", "notes/a.md", "a\n")
+        records, _ = await client.snapshot("default", content=True)
+        fs.remove_store("default")
+        sm = fs.add_store("default", "read_write", records)
+        assert sm.root.children is not None
+        assert sm.root.children["empty"].made and not sm.root.children["notes"].made
+        fs.mkdir(sm.root.ino, b"new", 0o755, 0, 0)
+        assert json.loads((tmp_path / "dirs.json").read_text())["default"] == ["empty", "new"]

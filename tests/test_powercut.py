@@ -566,3 +566,41 @@ def test_a_rejected_file_renamed_while_rewritten_keeps_its_new_name_once_its_dir
         assert sorted(os.listdir(store)) == ["fixed.md", "worse.md"]
         assert os.getxattr(store / "worse.md", "user.memfuse.state") == b"rejected"
         assert (store / "worse.md").read_bytes() == b"still caf\xc3"
+
+
+@mount_test
+@pytest.mark.timeout(300)
+def test_a_directory_fsync_sends_no_empty_version_of_a_rejected_record_another_handle_rewrites(
+        tmp_path):
+    """review27 R2 on a mount: a record whose update was refused (``EILSEQ``, kept rejected:
+    the record holds v1) opened ``O_TRUNC`` with nothing written yet and renamed while open;
+    another process's directory fsync sends nothing for it (its record and the rename's
+    queued move name it): the control plane holds v1 under the new name, after the fsync and
+    after the rewrite is refused again. (fsync27 committed the emptied file: ``good.md`` =
+    '', a version nobody wrote.)"""
+    with Rig(tmp_path) as rig:
+        cp = rig.cp
+        sc = rig.sidecar("ws", "--commit-wait", "2", "--admin-listen", "",
+                         cache_dir=tmp_path / "cache")
+        store = sc.mountpoint / "default"
+        (store / "bad.md").write_bytes(b"v1\n")
+        wait_for(lambda: os.getxattr(store / "bad.md", "user.memfuse.state") == b"clean", 20,
+                 "bad.md clean")
+        fd = os.open(store / "bad.md", os.O_WRONLY | os.O_TRUNC)
+        os.write(fd, b"caf\xc3")
+        with pytest.raises(OSError) as exc:
+            os.close(fd)
+        assert exc.value.errno == errno.EILSEQ
+        w = os.open(store / "bad.md", os.O_WRONLY | os.O_TRUNC)  # a rewrite starts
+        try:
+            os.rename(store / "bad.md", store / "good.md")
+            fsync_dir(store)  # any process's durable rename in this directory
+            drained(sc, timeout=30)
+            after_fsync = live(cp)
+            os.write(w, b"still caf\xc3")
+        finally:
+            with pytest.raises(OSError):
+                os.close(w)  # refused again: EILSEQ
+        drained(sc, timeout=30)
+        assert after_fsync == {"good.md": "v1\n"}, after_fsync
+        assert live(cp) == {"good.md": "v1\n"}, live(cp)

@@ -1228,17 +1228,21 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         only this process's memory holds: no outbox entry, record or kept row names them
         there. The one rule, by what keeps a file's name across a restart:
 
+        - only a file being written (``dirty``): one that is not is named by its record,
+          put or kept row, or (created by a write its close withdrew, ``_withdraw``: empty,
+          never sent) by memory alone, as a close that failed leaves it (review27 R1:
+          committing it sent an empty create that replaced another writer's record);
         - a record's file: its record or a put. Not one with neither: created and not closed
-          yet, or renamed while still open (a create is queued at close), or one a write
-          created whose close withdrew it (``_withdraw``: an empty file, never sent, not
-          being written); nor one renamed over a record while still open (the target's name
-          shows content only memory holds, its put waits for the close:
-          ``Node.renamed_over``);
-        - a rejected file (``RejectedFiles``) and a local-only file (``LocalFiles``): its
-          kept row. Not one being written whose row does not name it here (never kept, or
-          renamed while being rewritten: the row keeps what was kept last until the file is
-          judged or closed again). Before, a rejected file renamed while being rewritten
-          was left out: its row named the old path and a kill -9 put it back there.
+          yet, or renamed while still open (a create is queued at close); nor one renamed
+          over a record while still open (the target's name shows content only memory
+          holds, its put waits for the close: ``Node.renamed_over``);
+        - a rejected file (``RejectedFiles``): its record or put when it has one (and their
+          queued moves: review27 R2, committing it sent another handle's emptied rewrite),
+          else its kept row; a local-only file (``LocalFiles``): its kept row. Not one whose
+          row does not name it here (never kept, or renamed while being rewritten: the row
+          keeps what was kept last until the file is judged or closed again). Before
+          fsync27, a new rejected file renamed while being rewritten was left out: its row
+          named the old path and a kill -9 put it back there.
 
         A file committed once is named by its put, record and moves already; its later
         writes are content, which a directory's fsync does not promise."""
@@ -1246,20 +1250,22 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         if d.store is None or d.store.detached:  # the mount root, .memfuse; an unmounted store
             return out
         for c in (d.children or {}).values():
-            if c.children is not None or c.special or c.unlinked:
+            if not c.dirty or c.children is not None or c.special or c.unlinked:
+                # (not being written: a kept row is written as it changes, sync_local /
+                # sync_rejected; a file a withdrawn write created keeps its name in memory
+                # alone, never sent: review27 R1)
                 continue
-            if c.local_only or c.state == REJECTED:
-                if not c.dirty:
-                    continue  # its row is written as it changes (sync_local, sync_rejected)
-                if c.local_only:
-                    # (a row loaded at start is (store, "kept"): its path is not known here)
-                    saved = self._local_saved.get(c.key)
-                    if saved is None or len(saved) < 5 or saved[1] != c.path():
-                        out.append(c)
-                else:
-                    row = self._rejected_rows.get(c.key)
-                    if row is None or row["path"] != c.path():
-                        out.append(c)
+            if c.local_only:
+                # (a row loaded at start is (store, "kept"): its path is not known here)
+                saved = self._local_saved.get(c.key)
+                if saved is None or len(saved) < 5 or saved[1] != c.path():
+                    out.append(c)
+            elif c.state == REJECTED:
+                if c.record_id is not None or c.last_put is not None:
+                    continue  # named by its record or put, and their queued moves (review27 R2)
+                row = self._rejected_rows.get(c.key)
+                if row is None or row["path"] != c.path():
+                    out.append(c)
             elif c.renamed_over or (c.record_id is None and c.last_put is None):
                 out.append(c)
         return out
@@ -1270,12 +1276,17 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         (this directory's create, rename, unlink, mkdir and rmdir among them) is accepted, on
         disk in the outbox journal (a ``Barrier``), or committed; a crash or a power cut then
         loses none of them (docs/SEMANTICS.md, "Namespace changes"). Its files whose name
-        only memory holds (``_names_only_here``: created, or renamed, while still open for
-        writing) are committed first as their own fsync would (``_fsync_commit``: what they
-        hold now; their close commits the rest), so their names are in that journal too; a
-        refused one is kept rejected with its name (never sent) and judged again at its
-        close, which reports it. The directory list (empty directories made by mkdir, their
-        modes) is made durable too (``write_dirs_durably``) when it changed since.
+        only memory holds (``_names_only_here``: being written, created or renamed while
+        open, with no record, put or kept row naming them there) are committed first as
+        their own fsync would (``_fsync_commit``, with no handle: what they hold now; their
+        close commits the rest), so their names are in that journal too; a refused one is
+        kept rejected with its name (never sent) and judged again at its close, which
+        reports it. One whose content is missing from the blob cache (``ContentMissing``)
+        is not kept: ``EIO`` once the rest is done, with an ``errors.log`` line. A file not
+        being written is never committed here (a file a withdrawn write created keeps its
+        name in memory alone: nothing sent). The directory list (empty directories made by
+        mkdir, their modes) is made durable too (``write_dirs_durably``) when it changed
+        since.
         It does not wait for the control plane, as a file's fsync does for its content: the
         journal holds the names. Raises ``FsError`` with the cache disk's errno when it
         refuses the write (``ENOSPC``, ``EIO``), ``EIO`` after ``fsync_timeout`` s.
@@ -1284,12 +1295,13 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         open, and an empty directory, were lost.)"""
         d = h.node
         deadline = trio.current_time() + self.settings.fsync_timeout
+        missing: list[Node] = []
         for n in self._names_only_here(d):
-            # (not being written: a file a write created whose close withdrew it, empty, is
-            # committed as it shows; its name is all there is to keep)
-            n.dirty = True
             try:
                 self._fsync_commit(n)
+            except ContentMissing:
+                # (a ContentMissing is an FsError too, but nothing kept the name: review27 R5)
+                missing.append(n)
             except FsError:
                 # refused (kept rejected, with its name: RejectedFiles): its writer's close
                 # judges it again and reports the refusal, as it would have
@@ -1299,6 +1311,12 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         if change:
             await self._sync_dirs(d, change, deadline)
         await self._wait_accepted(d, barrier, max(0.0, deadline - trio.current_time()))
+        if missing:
+            reason = "a directory's fsync could not keep a file's name: its content is missing from the blob cache"
+            for n in missing:
+                log.warning(reason, extra={"store": n.store.slug if n.store else "", "path": n.path()})
+                self._note_at(n, errno.EIO, reason, "cache_disk_error")
+            raise FsError(errno.EIO, reason)
 
     async def _sync_dirs(self, d: Node, change: int, deadline: float) -> None:
         """Until the durable copy of the directory list holds change ``change``

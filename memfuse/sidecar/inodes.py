@@ -85,6 +85,11 @@ STORE_CREATED_KEY = "_created"
 #: dirs.json and its durable copy: the count of directory-list writes behind it, growing
 #: across restarts; a start reads the readable file with the highest (``load_dirs``); never a slug
 DIRS_GENERATION_KEY = "_generation"
+#: dirs.json: the slugs whose lists hold only directories made here (``Node.made``:
+#: review27 R4), every one of them made again at load; a store's list not named there
+#: (written before) held every directory, implied ones too, and only those no record
+#: implies are made again at load; never a slug
+DIRS_MADE_ONLY_KEY = "_made_only"
 
 
 _MODES: dict[int, int] = {}

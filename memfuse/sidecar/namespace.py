@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from .. import names
 from ..defs import PREFIX_MOVE_MAX
-from .inodes import (DIR_MODE, DIR_MODES_KEY, DIRS_GENERATION_KEY, PENDING, RENAME_EXCHANGE, RENAME_NOREPLACE,
+from .inodes import (DIR_MODE, DIR_MODES_KEY, DIRS_GENERATION_KEY, DIRS_MADE_ONLY_KEY, PENDING, RENAME_EXCHANGE, RENAME_NOREPLACE,
                      STORE_CREATED_KEY, FsError,
                      Node, StoreMount)
 from .cachedir import CacheError, cache_error, write_private
@@ -418,8 +418,10 @@ class NamespaceOps:
                 tmp.unlink()
 
     def save_dirs(self) -> None:
-        """Persist every directory path of every store (``dirs.json`` in the cache), so a
-        directory made by mkdir and still empty survives a restart of the sidecar, with
+        """Persist the directories made here of every store (``dirs.json`` in the cache:
+        ``Node.made``, not those only implied by records; ``_dirs_state``), so a directory
+        made by mkdir and still empty survives a restart of the sidecar, and one holding
+        records stays made (kept when they go elsewhere), with
         each store's creation time (``StoreMount.created``: a store deleted and made again
         under the same slug gets none of them, ``RemoteApply.add_store``). Atomic (tmp +
         rename), not fsynced: a directory's fsync makes the list durable
@@ -501,17 +503,27 @@ class NamespaceOps:
         written had it (``saved_dirs``), as its rejected and local-only files are kept until
         it is mounted again. Before, a list written while a store was not mounted lacked its
         directories: a directory's fsync made that list durable, of a higher generation
-        than ``dirs.json``, and the next start lost them; a mkdir dropped them at once."""
+        than ``dirs.json``, and the next start lost them; a mkdir dropped them at once.
+        A mounted store's list holds the directories made here (``Node.made``: mkdir, or
+        kept from the list at load), not those only implied by records: listed, one emptied
+        elsewhere while the store was out of the mount or the sidecar down came back as an
+        empty directory made here (review27 R4), though an emptied implied directory leaves
+        no empty shell. Modes are kept for every directory (``DIR_MODES_KEY``), applied
+        when it is there."""
         out: dict[str, Any] = {}
         modes: dict[str, dict[str, int]] = {}
         saved = self.saved_dirs
         was = saved.get(STORE_CREATED_KEY)
         was_modes = saved.get(DIR_MODES_KEY)
         created: dict[str, str] = {}
+        was_made_only = saved.get(DIRS_MADE_ONLY_KEY)
+        made_only = set(self.stores)
         for slug, kept in saved.items():
             if slug in _DIRS_META or slug in self.stores or not isinstance(kept, list):
                 continue
             out[slug] = kept
+            if isinstance(was_made_only, list) and slug in was_made_only:
+                made_only.add(slug)
             kept_modes = was_modes.get(slug) if isinstance(was_modes, dict) else None
             if isinstance(kept_modes, dict) and kept_modes:
                 modes[slug] = kept_modes
@@ -529,7 +541,8 @@ class NamespaceOps:
                 d = stack.pop()
                 for c in (d.children or {}).values():
                     if c.is_dir:
-                        paths.append(c.path())
+                        if c.made:
+                            paths.append(c.path())
                         stack.append(c)
                         if stat.S_IMODE(c.mode) != DIR_MODE:
                             chmodded[c.path()] = stat.S_IMODE(c.mode)
@@ -539,6 +552,7 @@ class NamespaceOps:
         out[DIR_MODES_KEY] = modes
         out[STORE_CREATED_KEY] = created
         out[DIRS_GENERATION_KEY] = self._dirs_generation + self._dirs_changes
+        out[DIRS_MADE_ONLY_KEY] = sorted(made_only)
         return out
 
     def _save_dirs_logged(self) -> None:
@@ -553,7 +567,7 @@ class NamespaceOps:
 
 
 #: the keys of a directory list that are not a store's slug
-_DIRS_META = frozenset((DIR_MODES_KEY, STORE_CREATED_KEY, DIRS_GENERATION_KEY))
+_DIRS_META = frozenset((DIR_MODES_KEY, STORE_CREATED_KEY, DIRS_GENERATION_KEY, DIRS_MADE_ONLY_KEY))
 
 #: numbers the temporary files of ``write_dirs_durably``
 _TMP_SEQ = itertools.count(1)

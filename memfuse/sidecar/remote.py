@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..defs import DEFAULT_MODE, RECORD_TYPES, datetime_ns
 from ..wire import Record
-from .inodes import (CLEAN, DIR_MODES_KEY, REJECTED, STORE_CREATED_KEY, Handle, Node, StoreMount,
+from .inodes import (CLEAN, DIR_MODES_KEY, DIRS_MADE_ONLY_KEY, REJECTED, STORE_CREATED_KEY, Handle, Node, StoreMount,
                      shared_mode)
 from .journal import MOVE_PREFIX, Entry
 from .sync import Meta
@@ -165,11 +165,16 @@ class RemoteApply:
             records = kept
         self._insert_records(sm, records)
         if not self._dirs_of_another_store(sm):
+            made_only = self.saved_dirs.get(DIRS_MADE_ONLY_KEY)
+            made_only = isinstance(made_only, list) and slug in made_only
             for path in self.saved_dirs.get(slug, []):
                 made: list[tuple[Any, ...]] = []
                 d = self._ensure_dir(sm, path.split("/"), now, made)
-                if made and d is not None:
-                    d.made = True  # an empty directory kept from before: as if made here
+                if d is not None and (made or made_only):
+                    # made here before (a list of made directories only: one holding records
+                    # stays made too), or an empty directory kept from a list written before
+                    # those (every directory listed: one records imply is left implied)
+                    d.made = True
             self._restore_dir_modes(sm)
         return sm
 
