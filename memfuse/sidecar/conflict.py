@@ -11,7 +11,8 @@ the control plane answers ``412`` (the record changed elsewhere meanwhile):
   rebased: the current content plus that suffix;
 - any other change becomes a **three-way line merge** of base, current and local content
   (``merge_lines``) when the two changes touch disjoint lines (or both only add lines at
-  the end: kept as two appends, theirs first);
+  the end: kept as two appends, theirs first; or they touch without a common changed line
+  and the place of every added line is fixed: ``_merge_touching``, attack 27 F3);
 - else last writer wins: the put is sent unconditionally, marked ``overwrite`` with the
   version it was made on (the control plane records the version it replaced and the writers
   of every version after that base, whose changes it drops, and the change feed tells each:
@@ -399,7 +400,7 @@ class ConflictResolver:
         a suffix: ``echo >> f``) becomes the current content plus that suffix; any other
         change becomes a **three-way line merge** of base, current and local content
         (``merge3``, the Breezy project's merge) when the two changes touch disjoint
-        regions. The result is written ``If-Match`` the current version, again (at most
+        regions (or touch without a common changed line: ``merge_lines``). The result is written ``If-Match`` the current version, again (at most
         ``MERGE_ROUNDS``) if that changes meanwhile. ``cur``: the current record, with
         content. Returns the record written (``e.merged`` set to its content), or None when
         the changes overlap, or the base's content is not known here (``base_content``):
