@@ -537,7 +537,8 @@ def test_both_sides_adding_lines_at_the_end_merge_as_two_appends():
     """``merge_lines``: lines both sides added after the base's last line are kept, theirs
     first (attack 12 A9: a rewrite carrying the mount's own queued appends met the other
     mount's appends); the same lines added on both sides once; two insertions at one place
-    inside the file, or changes of the same line, are still a conflict (None)."""
+    inside the file, or changes of the same line, are still a conflict (None); a change of
+    the last line and the other side's lines appended after it merge (attack 27 F3)."""
     from memfuse.sidecar.conflict import merge_lines
 
     base = b"counter=0\nx\nB-1\n"
@@ -545,7 +546,11 @@ def test_both_sides_adding_lines_at_the_end_merge_as_two_appends():
         b"counter=1\nx\nB-1\nA-1\nA-2\nB-2\n"
     assert merge_lines(base, base + b"A-1\n", base + b"A-1\n") == base + b"A-1\n"
     assert merge_lines(base, b"counter=0\nA\nx\nB-1\n", b"counter=0\nB\nx\nB-1\n") is None
-    assert merge_lines(base, b"counter=0\nx\nB-9\n", b"counter=0\nx\nB-1\nB-2\n") is None
+    # theirs changed the last line, ours appended after it: they touch but change no common
+    # line (attack 27 F3): merged, the change then the appended line
+    assert merge_lines(base, b"counter=0\nx\nB-9\n", b"counter=0\nx\nB-1\nB-2\n") == \
+        b"counter=0\nx\nB-9\nB-2\n"
+    assert merge_lines(base, b"counter=0\nx\nB-9\n", b"counter=0\nx\nB-5\nB-2\n") is None
     assert merge_lines(base, b"counter=2\nx\nB-1\n", b"counter=1\nx\nB-1\n") is None
 
 

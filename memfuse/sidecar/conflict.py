@@ -11,7 +11,8 @@ the control plane answers ``412`` (the record changed elsewhere meanwhile):
   rebased: the current content plus that suffix;
 - any other change becomes a **three-way line merge** of base, current and local content
   (``merge_lines``) when the two changes touch disjoint lines (or both only add lines at
-  the end: kept as two appends, theirs first);
+  the end: kept as two appends, theirs first; or they touch without a common changed line
+  and the place of every added line is fixed: ``_merge_touching``, attack 27 F3);
 - else last writer wins: the put is sent unconditionally, marked ``overwrite`` with the
   version it was made on (the control plane records the version it replaced and the writers
   of every version after that base, whose changes it drops, and the change feed tells each:
@@ -399,7 +400,7 @@ class ConflictResolver:
         a suffix: ``echo >> f``) becomes the current content plus that suffix; any other
         change becomes a **three-way line merge** of base, current and local content
         (``merge3``, the Breezy project's merge) when the two changes touch disjoint
-        regions. The result is written ``If-Match`` the current version, again (at most
+        regions (or touch without a common changed line: ``merge_lines``). The result is written ``If-Match`` the current version, again (at most
         ``MERGE_ROUNDS``) if that changes meanwhile. ``cur``: the current record, with
         content. Returns the record written (``e.merged`` set to its content), or None when
         the changes overlap, or the base's content is not known here (``base_content``):
@@ -527,35 +528,109 @@ _USED = object()
 def merge_lines(base: bytes, theirs: bytes, ours: bytes, budget: WorkBudget | None = None) -> bytes | None:
     """The three-way merge of two changes of ``base`` line by line (``merge3.Merge3``,
     as ``bzr merge`` / ``diff3``): the merged content when the changes touch disjoint
-    regions (or make the same change), None when they conflict (both change the same
-    lines, or both insert at the same place). One exception: both adding lines at the end
-    of ``base`` is what two appenders do, kept as ``rebase`` keeps an append (theirs, then
-    ours), not a conflict: an overwrite that carries this mount's own queued appends
-    (coalesced with them, e.g. ``sed -i`` after ``echo >>`` while the control plane was
-    down) meets the other mount's appends there (attack report 12, A9). Another: when
-    theirs only appended whole lines to ``base``, ours changing its last lines keeps them
-    after ours (``_after_their_append``; attack 15 F5). Pure;
+    regions (or make the same change), None when they conflict. Where ``diff3`` sees a
+    conflict because the two changes *touch* (no line between them that neither changed),
+    the region is split into each side's own hunks (``_merge_touching``) and merged when
+    no base line is changed by both and the place of every added line is fixed by the
+    base lines around it: lines one side inserted right before or right after lines the
+    other changed or deleted go before / after that change (attack 27 F3: another mount's
+    appended lines next to this mount's ``sed -i`` of the line before them were lost by
+    last writer wins). Both adding lines at the end of ``base`` is what two appenders do,
+    kept as ``rebase`` keeps an append (theirs, then ours), not a conflict: an overwrite
+    that carries this mount's own queued appends (coalesced with them, e.g. ``sed -i``
+    after ``echo >>`` while the control plane was down) meets the other mount's appends
+    there (attack report 12, A9). When theirs only appended whole lines to ``base``, ours
+    changing its last lines keeps them after ours (``_after_their_append``; attack 15 F5).
+    Still conflicts: a line changed on both sides (differently), both inserting at one
+    place other than the end (which first?), one side inserting between two lines the
+    other changed (where?), two changes of adjacent lines (as ``diff3``), and any merge
+    that would join a partial last line (no newline) to another line. Pure;
     ``ConflictResolver.rebase`` runs it in a worker thread. Its work is bounded
     (``memfuse.diffwork``: ``budget``, default ``DIFF_WORK_BUDGET`` lines scanned, shared
-    by its two line diffs): raises ``DiffTooCostly`` past it (attack 13 F12: quadratic in
+    by all its line diffs): raises ``DiffTooCostly`` past it (attack 13 F12: quadratic in
     lines on hostile input), and the caller falls back to last writer wins."""
     import merge3
 
-    m = merge3.Merge3(base.splitlines(keepends=True), theirs.splitlines(keepends=True),
-                      ours.splitlines(keepends=True),
-                      sequence_matcher=bounded_matcher(budget or WorkBudget()))  # type: ignore[arg-type]
-    groups = list(m.merge_groups())
+    matcher = bounded_matcher(budget or WorkBudget())
+    b_lines = base.splitlines(keepends=True)
+    t_lines = theirs.splitlines(keepends=True)
+    o_lines = ours.splitlines(keepends=True)
+    m = merge3.Merge3(b_lines, t_lines, o_lines, sequence_matcher=matcher)  # type: ignore[arg-type]
     out: list[bytes] = []
-    for i, group in enumerate(groups):
-        if group[0] == "conflict":
-            _, at, theirs_added, ours_added = group
-            if at or i != len(groups) - 1:
+    for region in m.merge_regions():
+        what = region[0]
+        if what == "unchanged":
+            out.extend(b_lines[region[1]:region[2]])
+        elif what in ("a", "same"):
+            out.extend(t_lines[region[1]:region[2]])
+        elif what == "b":
+            out.extend(o_lines[region[1]:region[2]])
+        else:
+            _, zs, ze, ts, te, os_, oe = region  # type: ignore[misc]
+            merged = _merge_touching(b_lines[zs:ze], t_lines[ts:te], o_lines[os_:oe],
+                                     ze == len(b_lines), matcher)
+            if merged is None:
                 return _after_their_append(base, theirs, ours)
-            out.extend(theirs_added)  # both appended: theirs landed first, ours after
-            out.extend(ours_added)
-            continue
-        out.extend(group[1])
+            out.extend(merged)
+    if any(not line.endswith(b"\n") for line in out[:-1]):
+        return None  # a partial line joined to the next: a line no one wrote
     return b"".join(out)
+
+
+#: one side's change of a conflict region: (first base line, end, the lines put there)
+_Hunk = tuple[int, int, list[bytes]]
+
+
+def _hunks(base: list[bytes], side: list[bytes], matcher: Callable[..., Any]) -> list[_Hunk]:
+    """``side``'s changes of ``base`` (its line diff's non-equal opcodes)."""
+    return [(i1, i2, side[j1:j2])
+            for tag, i1, i2, j1, j2 in matcher(None, base, side).get_opcodes()
+            if tag != "equal"]
+
+
+def _merge_touching(base: list[bytes], theirs: list[bytes], ours: list[bytes], at_end: bool,
+                    matcher: Callable[..., Any]) -> list[bytes] | None:
+    """One region ``diff3`` calls a conflict (``base`` lines changed to ``theirs`` on one
+    side, to ``ours`` on the other, with no line in between that both left alone), merged
+    hunk by hunk: each side's hunks (its line diff of the region) are kept in base order
+    when no two of them conflict. Two hunks of the two sides conflict when they change a
+    common base line (unless they are the same change: kept once), change adjacent lines
+    (both replacing or deleting lines: ``diff3``'s rule, kept), both insert at one place
+    (which first? unless at the end of the file, ``at_end``: two appenders, theirs first),
+    or one inserts strictly inside the lines the other changed (where?). An insertion right
+    before or right after the other side's changed lines is not a conflict: the base line
+    it follows or precedes fixes its place. None on a conflict."""
+    th, oh = _hunks(base, theirs, matcher), _hunks(base, ours, matcher)
+    kept: list[tuple[int, int, int, list[bytes]]] = [(i1, i2, 0, lines) for i1, i2, lines in th]
+    for j1, j2, lines in oh:
+        same = False
+        for i1, i2, t_added in th:
+            if (i1, i2, t_added) == (j1, j2, lines):
+                same = True  # the same change on both sides
+            elif i1 < i2 and j1 < j2:
+                if i1 <= j2 and j1 <= i2:
+                    return None  # a common line changed, or adjacent lines changed
+            elif i1 == i2 and j1 == j2:
+                if i1 == j1 and not (at_end and i1 == len(base)):
+                    return None  # both insert at one place
+            elif i1 == i2:
+                if j1 < i1 < j2:
+                    return None  # theirs inserted between lines ours changed
+            elif i1 < j1 < i2:
+                return None  # ours inserted between lines theirs changed
+        if not same:
+            kept.append((j1, j2, 1, lines))
+    # in base order; at one place an insertion goes before a change starting there, and
+    # theirs before ours (two appenders at the end)
+    kept.sort(key=lambda h: (h[0], h[1] != h[0], h[2]))
+    out: list[bytes] = []
+    at = 0
+    for i1, i2, _, lines in kept:
+        out.extend(base[at:i1])
+        out.extend(lines)
+        at = i2
+    out.extend(base[at:])
+    return out
 
 
 def _after_their_append(base: bytes, theirs: bytes, ours: bytes) -> bytes | None:
