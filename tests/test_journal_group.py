@@ -304,7 +304,7 @@ async def test_one_transaction_per_close_in_a_steady_stream(tmp_path, n, hold):
 
         async def writer(w: int) -> None:
             for i in range(per):
-                e = c.submit("default", PUT, f"n:{w}:{i}", {"path": f"w{w}/f{i}.md"}, b"x\n")
+                e = c.submit("default", PUT, f"n:{w}:{i}", {"path": f"w{w}/f{i}.md"}, b"x\n", hold=True)
                 await e.wait_accepted(10)
                 await e.done.wait()  # close waits for the commit
                 assert e.errno == 0
@@ -355,7 +355,7 @@ async def test_a_held_insert_acknowledged_first_is_never_written(tmp_path):
                 nursery.start_soon(j.run)
                 await nursery.start(c.run)
                 for i in range(20):
-                    e = c.submit("default", PUT, f"n:{i}", {"path": f"f{i}.md"}, b"x\n")
+                    e = c.submit("default", PUT, f"n:{i}", {"path": f"f{i}.md"}, b"x\n", hold=True)
                     await e.wait_accepted(30)  # as flush: returns on the acknowledgement
                     assert e.done.is_set() and not e.durable.is_set() and e.errno == 0
                 while j.depth():  # the key map rows, after LAZY_DELAY
@@ -389,7 +389,7 @@ async def test_held_inserts_do_not_wake_the_journal_once_per_close(tmp_path):
                 nursery.start_soon(j.run)
                 await nursery.start(c.run)
                 for i in range(closes):
-                    e = c.submit("default", PUT, f"n:{i}", {"path": f"f{i}.md"}, b"x\n")
+                    e = c.submit("default", PUT, f"n:{i}", {"path": f"f{i}.md"}, b"x\n", hold=True)
                     await e.wait_accepted(30)
                     await e.done.wait()
                     assert e.errno == 0 and not e.durable.is_set()
@@ -417,20 +417,20 @@ async def test_a_held_insert_is_written_when_due_or_when_the_control_plane_fails
         async with trio.open_nursery() as nursery:
             nursery.start_soon(j.run)
             t0 = trio.current_time()
-            e1 = c.submit("s", PUT, "n:1", {"path": "a.md"}, b"a\n")
+            e1 = c.submit("s", PUT, "n:1", {"path": "a.md"}, b"a\n", hold=True)
             await trio.sleep(0.1)
             assert not e1.durable.is_set() and j.batches == []
             await e1.wait_accepted(30)
             assert e1.durable.is_set() and trio.current_time() - t0 >= j.HOLD - 0.01
             assert rows(j) == [1]
             j.HOLD = 30.0
-            e2 = c.submit("s", PUT, "n:2", {"path": "b.md"}, b"b\n")
+            e2 = c.submit("s", PUT, "n:2", {"path": "b.md"}, b"b\n", hold=True)
             await trio.sleep(0.05)
             assert not e2.durable.is_set()
             c._attempt_failed(TransientError("down", code="connect_error"))  # hurries the journal
             with trio.fail_after(10):
                 await e2.wait_accepted(30)
-            e3 = c.submit("s", PUT, "n:3", {"path": "c.md"}, b"c\n")  # failing: not held
+            e3 = c.submit("s", PUT, "n:3", {"path": "c.md"}, b"c\n", hold=True)  # failing: not held
             with trio.fail_after(10):
                 await e3.wait_accepted(30)
             assert rows(j) == [1, 2, 3]
@@ -449,11 +449,11 @@ async def test_a_held_insert_behind_a_lazy_write_is_written_when_due(tmp_path):
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(j.run)
-            e1 = c.submit("s", PUT, "n:1", {"path": "a.md"}, b"a\n")
+            e1 = c.submit("s", PUT, "n:1", {"path": "a.md"}, b"a\n", hold=True)
             await e1.wait_accepted(10)
             j.remove(e1)  # lazy: due LAZY_DELAY from now
             c.hold_journal = True
-            e2 = c.submit("s", PUT, "n:2", {"path": "b.md"}, b"b\n")  # held: due HOLD from now
+            e2 = c.submit("s", PUT, "n:2", {"path": "b.md"}, b"b\n", hold=True)  # held: due HOLD from now
             t0 = trio.current_time()
             while len(j.batches) < 2:  # the lazy delete goes alone, cut before the held insert
                 await trio.sleep(0.01)

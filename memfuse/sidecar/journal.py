@@ -485,6 +485,10 @@ class Journal:
         self._sleeping_until: float | None = None
         self.wakeups = 0  # times ``run`` woke (tests: held inserts do not wake it per file)
         self.held_skipped = 0  # held inserts never written: their entry finished first
+        #: writes queued that want a batch now (``_wake``: an entry not held, a kept row, a
+        #: barrier): a handler that changed the tree without awaiting compares it across its
+        #: call to learn whether it queued one (``fuse_ops._guard_durable``)
+        self.woken = 0
         #: INVARIANT: the number of writes in the batch ``flush_pending`` is writing now
         #: (taken out of ``_pending``, not yet committed), 0 whenever none is being written;
         #: ``depth`` counts them, so "nothing queued" means "everything on disk"
@@ -858,6 +862,7 @@ class Journal:
     def _wake(self) -> None:
         """A queued write someone waits for (or a retry): ``run`` writes the batch now."""
         self._urgent = True
+        self.woken += 1
         self._wakeup.set()
 
     def hurry(self) -> None:
