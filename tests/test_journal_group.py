@@ -26,7 +26,7 @@ from memfuse.errors import TransientError
 from memfuse.fake import FakeControlPlane
 from memfuse.sidecar.cachedir import CacheError
 from memfuse.sidecar.committer import Committer
-from memfuse.sidecar.journal import PUT, Entry, Journal
+from memfuse.sidecar.journal import DELETE, PUT, Entry, Journal
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -47,14 +47,14 @@ class CountingJournal(Journal):
         self.fail, self.exc = fail, exc
         self.RETRY_MIN = self.RETRY_MAX = 0.01
 
-    def _apply(self, batch):
+    def _apply(self, batch, light=False):
         self.batches.append([(op[0].split()[0], op[2]) for op in batch])
         self.entered.set()
         assert self.release.wait(30)
         if self.fail > 0:
             self.fail -= 1
             raise self.exc
-        super()._apply(batch)
+        super()._apply(batch, light)
 
 
 class Offline:
@@ -166,7 +166,7 @@ from pathlib import Path
 from memfuse.sidecar.journal import PUT, Entry, Journal
 
 class Dying(Journal):
-    def _apply(self, batch):
+    def _apply(self, batch, light=False):
         self._db.execute("BEGIN IMMEDIATE")
         for sql, params, *_ in batch:
             self._db.execute(sql, params)
@@ -463,3 +463,47 @@ async def test_a_held_insert_behind_a_lazy_write_is_written_when_due(tmp_path):
             assert rows(j) == [2]
             nursery.cancel_scope.cancel()
     j.close()
+
+
+async def test_a_change_no_call_waits_for_is_never_held_and_committed_without_an_fsync(tmp_path):
+    """ns27: an unlink's entry (``Committer.submit`` without ``hold``) is written at once
+    even while closes' inserts are held (``hold_journal``, ``HOLD`` 30 s here: a held one
+    would not be on disk within the wait), in a light batch (``synchronous=NORMAL``: a
+    kill -9 keeps it, its fsync comes later); a barrier that needs more (a directory's
+    fsync) with nothing left to write fsyncs the log; a close's put is still held. On main
+    the unlink's entry was held like a close's."""
+    j = Journal(tmp_path / "outbox.db")
+    j.HOLD = 30.0
+    c = Committer(object(), j, {})  # type: ignore[arg-type]  (no committer task runs)
+    c.hold_journal = True
+    calls: list[tuple] = []
+    real_apply, real_sync = j._apply, j._sync_log
+
+    def apply(batch, light=False):
+        calls.append(("apply", light))
+        real_apply(batch, light)
+
+    def sync():
+        calls.append(("sync",))
+        real_sync()
+
+    j._apply, j._sync_log = apply, sync  # type: ignore[method-assign]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(j.run)
+        e = c.submit("s", DELETE, "n:1", {"path": "a.md"})
+        with trio.fail_after(10):
+            await e.wait_accepted(10)
+        assert e.durable.is_set() and e.light and calls == [("apply", True)]
+        b = j.barrier()
+        with trio.fail_after(10):
+            await b.wait_accepted(10)
+        assert calls == [("apply", True), ("sync",)]
+        p = c.submit("s", PUT, "n:2", {"path": "b.md"}, b"x\n", hold=True)
+        await trio.sleep(0.3)
+        assert not p.durable.is_set() and not p.light  # held: a close waits for its commit
+        nursery.cancel_scope.cancel()
+    j._db.close()  # killed: no Journal.close(), which would write what is queued
+    j.witness.close()
+    j2 = Journal(tmp_path / "outbox.db")
+    assert [x.key for x in j2.load()[0]] == [e.key]  # the unlink, not the held put
+    j2.close()

@@ -463,7 +463,7 @@ class Committer:
                   sha=sha, append_base=append_base)
         # the witness notes the record id and base the entry is written on (Journal.recover)
         self.journal.add(e, self.ids.get(node_key, store) if node_key is not None else None,
-                         hold=hold and self.hold_journal and not self.failing)
+                         hold=hold and self.hold_journal and not self.failing, light=not hold)
         self._enqueue(e)
         return e
 

@@ -1505,7 +1505,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         of such calls). A journal failing already is not waited for."""
         j = self.journal
         if j.error is None:
-            b = j.barrier()
+            b = j.barrier(light=True)
             try:
                 await b.wait_accepted(min(CHANGE_WAIT, self.settings.fsync_timeout))
                 self._changes_unsettled = 0
