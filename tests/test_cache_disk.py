@@ -690,3 +690,33 @@ async def test_a_directory_fsync_refused_by_a_full_disk_names_the_directory(tmp_
                 "default", path, "ENOSPC", "cache_disk_full"), line
         nursery.cancel_scope.cancel()
     await client.aclose()
+
+
+@pytest.mark.timeout(300)
+def test_a_rename_or_unlink_on_a_full_cache_disk_returns_0_and_is_committed(on_small_cache,
+                                                                            small_cache):
+    """ns27: a rename, an unlink and a chmod wait for their outbox entry to be in the
+    journal (so a kill -9 keeps them), but never fail for it: with the cache disk 100 %
+    full the journal refuses the entry, and the call still returns 0, at once (bounded),
+    the change applied and queued, a log line saying so; it is committed all the same."""
+    with on_small_cache() as (rig, sc):
+        cp, store = rig.cp, sc.mountpoint / "default"
+        for name in ("mv.md", "rm.md", "mode.md"):
+            (store / name).write_text(f"# {name}\n")
+        wait_until(lambda: all(xattr(store / n, "state") == "clean" for n in ("mv.md", "rm.md", "mode.md")),
+                 timeout=30)
+        ballast = keep_full(small_cache, "ballast")
+        try:
+            t0 = time.monotonic()
+            os.rename(store / "mv.md", store / "mv2.md")
+            os.unlink(store / "rm.md")
+            os.chmod(store / "mode.md", 0o600)
+            took = time.monotonic() - t0
+        finally:
+            ballast.unlink()
+        assert took < 12, took  # each at most CHANGE_WAIT (5 s); a failing journal is not waited for
+        assert "returned before the outbox journal had it on disk" in sc.log.read_text()
+        wait_until(lambda: status(sc.mountpoint)["outbox"]["depth"] == 0, timeout=60)
+        recs, _ = cp.call("snapshot", "default", content=False)
+        assert sorted(r.path for r in recs) == ["mode.md", "mv2.md"]
+        assert sorted(os.listdir(store)) == ["mode.md", "mv2.md"]

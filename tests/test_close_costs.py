@@ -199,7 +199,7 @@ async def test_the_journal_survives_its_clock_passing_a_due_time_while_it_arrang
             time.sleep(0.1)  # past the insert's due time (HOLD = 0.05 s)
         return real()
 
-    e = c.submit("s", PUT, "n:1", {"path": "a.md"}, b"a\n")  # a held insert
+    e = c.submit("s", PUT, "n:1", {"path": "a.md"}, b"a\n", hold=True)  # a held insert
     async with trio.open_nursery() as nursery:
         monkeypatch.setattr(trio, "Event", slow_event)
         nursery.start_soon(journal.run)

@@ -25,6 +25,7 @@ import errno
 import json
 import os
 import random
+import stat
 import subprocess
 import sys
 import threading
@@ -501,6 +502,47 @@ def test_kill9_sidecar_loses_no_acknowledged_write(tmp_path, freeze):
         assert all_clean([store / rel for rel in written])
         if freeze:
             assert "replaying outbox" in tail(sc.log, 100_000)
+
+
+@pytest.mark.timeout(150)
+def test_kill9_right_after_rename_unlink_chmod_loses_none_of_them(tmp_path):
+    """A rename, an unlink, a chmod and ``sed -i``'s rename of its temporary file over its
+    target return 0 while the control plane does not answer (SIGSTOP), then the sidecar is
+    killed with SIGKILL at once (well within ``Journal.HOLD``) and started again on the same
+    cache directory: every one of them is on the control plane and on the mount. Before
+    ns27 their entries were held in memory (``Journal.HOLD``, as a close's are, though no
+    call waited for them) and a kill -9 undid them: the file back under its old name, the
+    removed one back, the temporary file a record beside its unchanged target."""
+    with Rig(tmp_path) as rig:
+        cp = rig.cp
+        sc = rig.sidecar("ws", "--commit-wait", "0.5", *NO_ADMIN)
+        store = sc.mountpoint / "default"
+        for name in ("mv.md", "rm.md", "mode.md", "sed.md"):
+            timed((store / name).write_text, f"# {name}\nfirst\n")
+        timed(os.mkdir, store / "dir")
+        timed((store / "dir" / "inner.md").write_text, "# inner\n")
+        poll(lambda: all_clean([store / n for n in ("mv.md", "rm.md", "mode.md", "sed.md")]),
+             30, "the first versions committed", sc.log)
+        cp.freeze()  # the first change's request hangs in flight, the rest queue behind it
+        # sed -i: a temporary file written and closed (accepted: its close waits for the
+        # journal), then renamed over the target
+        timed((store / ".sedtmp").write_text, "# sed.md\nsecond\n")
+        timed(os.rename, store / ".sedtmp", store / "sed.md")
+        timed(os.rename, store / "mv.md", store / "mv2.md")
+        timed(os.unlink, store / "rm.md")
+        timed(os.chmod, store / "mode.md", 0o600)
+        timed(os.rename, store / "dir", store / "dir2")
+        sc.kill9()  # at once: no journal batch of its own for the last changes
+        cp.thaw()
+        sc.start()
+        poll(lambda: outbox_depth(sc.mountpoint) == 0, 60, "the outbox to drain", sc.log)
+        live = {r["path"]: r for r in cp_state(cp) if not r["deleted"]}
+        assert sorted(live) == ["dir2/inner.md", "mode.md", "mv2.md", "sed.md"], sorted(live)
+        assert live["sed.md"]["content"] == "# sed.md\nsecond\n"
+        names = sorted(timed(os.listdir, store))
+        assert names == ["dir2", "mode.md", "mv2.md", "sed.md"], names
+        assert stat.S_IMODE(timed(os.stat, store / "mode.md").st_mode) == 0o600
+        assert timed((store / "sed.md").read_text) == "# sed.md\nsecond\n"
 
 
 # ------------------------------------------------------------------ 4. SIGTERM, control plane down

@@ -36,12 +36,12 @@ class FlakyJournal(Journal):
         self.fail, self.exc, self.batches = fail, exc, []
         self.RETRY_MIN = self.RETRY_MAX = 0.01
 
-    def _apply(self, batch):
+    def _apply(self, batch, light=False):
         self.batches.append([op[2] for op in batch])
         if self.fail > 0:
             self.fail -= 1
             raise self.exc
-        super()._apply(batch)
+        super()._apply(batch, light)
 
 
 class Offline:

@@ -26,7 +26,7 @@ from memfuse.errors import TransientError
 from memfuse.fake import FakeControlPlane
 from memfuse.sidecar.cachedir import CacheError
 from memfuse.sidecar.committer import Committer
-from memfuse.sidecar.journal import PUT, Entry, Journal
+from memfuse.sidecar.journal import DELETE, PUT, Entry, Journal
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -47,14 +47,14 @@ class CountingJournal(Journal):
         self.fail, self.exc = fail, exc
         self.RETRY_MIN = self.RETRY_MAX = 0.01
 
-    def _apply(self, batch):
+    def _apply(self, batch, light=False):
         self.batches.append([(op[0].split()[0], op[2]) for op in batch])
         self.entered.set()
         assert self.release.wait(30)
         if self.fail > 0:
             self.fail -= 1
             raise self.exc
-        super()._apply(batch)
+        super()._apply(batch, light)
 
 
 class Offline:
@@ -166,7 +166,7 @@ from pathlib import Path
 from memfuse.sidecar.journal import PUT, Entry, Journal
 
 class Dying(Journal):
-    def _apply(self, batch):
+    def _apply(self, batch, light=False):
         self._db.execute("BEGIN IMMEDIATE")
         for sql, params, *_ in batch:
             self._db.execute(sql, params)
@@ -304,7 +304,7 @@ async def test_one_transaction_per_close_in_a_steady_stream(tmp_path, n, hold):
 
         async def writer(w: int) -> None:
             for i in range(per):
-                e = c.submit("default", PUT, f"n:{w}:{i}", {"path": f"w{w}/f{i}.md"}, b"x\n")
+                e = c.submit("default", PUT, f"n:{w}:{i}", {"path": f"w{w}/f{i}.md"}, b"x\n", hold=True)
                 await e.wait_accepted(10)
                 await e.done.wait()  # close waits for the commit
                 assert e.errno == 0
@@ -355,7 +355,7 @@ async def test_a_held_insert_acknowledged_first_is_never_written(tmp_path):
                 nursery.start_soon(j.run)
                 await nursery.start(c.run)
                 for i in range(20):
-                    e = c.submit("default", PUT, f"n:{i}", {"path": f"f{i}.md"}, b"x\n")
+                    e = c.submit("default", PUT, f"n:{i}", {"path": f"f{i}.md"}, b"x\n", hold=True)
                     await e.wait_accepted(30)  # as flush: returns on the acknowledgement
                     assert e.done.is_set() and not e.durable.is_set() and e.errno == 0
                 while j.depth():  # the key map rows, after LAZY_DELAY
@@ -389,7 +389,7 @@ async def test_held_inserts_do_not_wake_the_journal_once_per_close(tmp_path):
                 nursery.start_soon(j.run)
                 await nursery.start(c.run)
                 for i in range(closes):
-                    e = c.submit("default", PUT, f"n:{i}", {"path": f"f{i}.md"}, b"x\n")
+                    e = c.submit("default", PUT, f"n:{i}", {"path": f"f{i}.md"}, b"x\n", hold=True)
                     await e.wait_accepted(30)
                     await e.done.wait()
                     assert e.errno == 0 and not e.durable.is_set()
@@ -417,20 +417,20 @@ async def test_a_held_insert_is_written_when_due_or_when_the_control_plane_fails
         async with trio.open_nursery() as nursery:
             nursery.start_soon(j.run)
             t0 = trio.current_time()
-            e1 = c.submit("s", PUT, "n:1", {"path": "a.md"}, b"a\n")
+            e1 = c.submit("s", PUT, "n:1", {"path": "a.md"}, b"a\n", hold=True)
             await trio.sleep(0.1)
             assert not e1.durable.is_set() and j.batches == []
             await e1.wait_accepted(30)
             assert e1.durable.is_set() and trio.current_time() - t0 >= j.HOLD - 0.01
             assert rows(j) == [1]
             j.HOLD = 30.0
-            e2 = c.submit("s", PUT, "n:2", {"path": "b.md"}, b"b\n")
+            e2 = c.submit("s", PUT, "n:2", {"path": "b.md"}, b"b\n", hold=True)
             await trio.sleep(0.05)
             assert not e2.durable.is_set()
             c._attempt_failed(TransientError("down", code="connect_error"))  # hurries the journal
             with trio.fail_after(10):
                 await e2.wait_accepted(30)
-            e3 = c.submit("s", PUT, "n:3", {"path": "c.md"}, b"c\n")  # failing: not held
+            e3 = c.submit("s", PUT, "n:3", {"path": "c.md"}, b"c\n", hold=True)  # failing: not held
             with trio.fail_after(10):
                 await e3.wait_accepted(30)
             assert rows(j) == [1, 2, 3]
@@ -449,11 +449,11 @@ async def test_a_held_insert_behind_a_lazy_write_is_written_when_due(tmp_path):
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(j.run)
-            e1 = c.submit("s", PUT, "n:1", {"path": "a.md"}, b"a\n")
+            e1 = c.submit("s", PUT, "n:1", {"path": "a.md"}, b"a\n", hold=True)
             await e1.wait_accepted(10)
             j.remove(e1)  # lazy: due LAZY_DELAY from now
             c.hold_journal = True
-            e2 = c.submit("s", PUT, "n:2", {"path": "b.md"}, b"b\n")  # held: due HOLD from now
+            e2 = c.submit("s", PUT, "n:2", {"path": "b.md"}, b"b\n", hold=True)  # held: due HOLD from now
             t0 = trio.current_time()
             while len(j.batches) < 2:  # the lazy delete goes alone, cut before the held insert
                 await trio.sleep(0.01)
@@ -463,3 +463,47 @@ async def test_a_held_insert_behind_a_lazy_write_is_written_when_due(tmp_path):
             assert rows(j) == [2]
             nursery.cancel_scope.cancel()
     j.close()
+
+
+async def test_a_change_no_call_waits_for_is_never_held_and_committed_without_an_fsync(tmp_path):
+    """ns27: an unlink's entry (``Committer.submit`` without ``hold``) is written at once
+    even while closes' inserts are held (``hold_journal``, ``HOLD`` 30 s here: a held one
+    would not be on disk within the wait), in a light batch (``synchronous=NORMAL``: a
+    kill -9 keeps it, its fsync comes later); a barrier that needs more (a directory's
+    fsync) with nothing left to write fsyncs the log; a close's put is still held. On main
+    the unlink's entry was held like a close's."""
+    j = Journal(tmp_path / "outbox.db")
+    j.HOLD = 30.0
+    c = Committer(object(), j, {})  # type: ignore[arg-type]  (no committer task runs)
+    c.hold_journal = True
+    calls: list[tuple] = []
+    real_apply, real_sync = j._apply, j._sync_log
+
+    def apply(batch, light=False):
+        calls.append(("apply", light))
+        real_apply(batch, light)
+
+    def sync():
+        calls.append(("sync",))
+        real_sync()
+
+    j._apply, j._sync_log = apply, sync  # type: ignore[method-assign]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(j.run)
+        e = c.submit("s", DELETE, "n:1", {"path": "a.md"})
+        with trio.fail_after(10):
+            await e.wait_accepted(10)
+        assert e.durable.is_set() and e.light and calls == [("apply", True)]
+        b = j.barrier()
+        with trio.fail_after(10):
+            await b.wait_accepted(10)
+        assert calls == [("apply", True), ("sync",)]
+        p = c.submit("s", PUT, "n:2", {"path": "b.md"}, b"x\n", hold=True)
+        await trio.sleep(0.3)
+        assert not p.durable.is_set() and not p.light  # held: a close waits for its commit
+        nursery.cancel_scope.cancel()
+    j._db.close()  # killed: no Journal.close(), which would write what is queued
+    j.witness.close()
+    j2 = Journal(tmp_path / "outbox.db")
+    assert [x.key for x in j2.load()[0]] == [e.key]  # the unlink, not the held put
+    j2.close()

@@ -79,7 +79,7 @@ async def test_a_close_waiting_for_its_held_entry_enters_no_cancel_scope(tmp_pat
     j = Journal(tmp_path / "outbox.db")
     c = Committer(_Offline(), j, {})  # type: ignore[arg-type]
     c.hold_journal = True
-    e = c.submit("s", PUT, "n:1", {"path": "f"}, b"x")
+    e = c.submit("s", PUT, "n:1", {"path": "f"}, b"x", hold=True)
     timers.keeper()  # started outside the counted span
     await trio.sleep(0)
     entered = 0
@@ -114,7 +114,7 @@ async def test_a_wait_for_the_journal_is_still_bounded_without_its_task(tmp_path
     (not by a cancel scope)."""
     j = Journal(tmp_path / "outbox.db")
     c = Committer(_Offline(), j, {})  # type: ignore[arg-type]
-    e = c.submit("s", PUT, "n:1", {"path": "f"}, b"x")
+    e = c.submit("s", PUT, "n:1", {"path": "f"}, b"x", hold=True)
     t0 = trio.current_time()
     with trio.fail_after(5), pytest.raises(CacheError) as ei:
         await e.wait_accepted(0.2)

@@ -443,12 +443,18 @@ class Committer:
     # --- enqueueing (synchronous, on the trio thread: order is fixed here) -------------------
     def submit(self, store: str, op: str, node_key: str | None, args: dict[str, Any],
                content: bytes | None = None, *, sha: str | None = None,
-               append_base: tuple[str, int] | None = None) -> Entry:
+               append_base: tuple[str, int] | None = None, hold: bool = False) -> Entry:
         """Accept one change: queue it for the journal and for its store's worker. ``sha``:
         the sha256 of ``content`` when the caller has it (not hashed again); ``append_base``:
         (sha256, length) of the content ``content`` extends, when the caller checked it
         (``Entry.append_base``). ``args`` is the entry's own (not copied): it gets the
-        creation time of the store it is written in (``STORE_CREATED``), when known."""
+        creation time of the store it is written in (``STORE_CREATED``), when known.
+        ``hold``: the caller's system call waits for the commit (a ``close``, an ``fsync``),
+        so the journal may hold the insert (``Journal.HOLD``, when ``hold_journal`` and not
+        ``failing``): a kill -9 before it is written finds that call not returned yet. Every
+        other change (unlink, rename, attributes, a commit no call waits for) is written at
+        once, and its system call waits until it is (``fuse_ops._guard_durable``): a change
+        whose call returned 0 survives a kill -9 (ns27)."""
         self._seq += 1
         created = self.store_created(store)
         if created:
@@ -457,7 +463,7 @@ class Committer:
                   sha=sha, append_base=append_base)
         # the witness notes the record id and base the entry is written on (Journal.recover)
         self.journal.add(e, self.ids.get(node_key, store) if node_key is not None else None,
-                         hold=self.hold_journal and not self.failing)
+                         hold=hold and self.hold_journal and not self.failing, light=not hold)
         self._enqueue(e)
         return e
 

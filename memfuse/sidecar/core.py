@@ -123,6 +123,13 @@ __all__ = ["Filesystem", "FsListener", "FsError", "ContentMissing", "Before", "S
            "CONTROL_DIR", "CLEAN", "PENDING", "REJECTED"]
 
 
+#: seconds at most a system call that changed the tree without waiting for the control
+#: plane (unlink, rename, rmdir, chmod, utimens, setxattr) waits for the outbox journal to
+#: have the change on disk (``Filesystem.changes_durable``); a healthy disk takes
+#: milliseconds. The call returns 0 after it anyway (the change is applied and queued)
+CHANGE_WAIT = 5.0
+
+
 class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFiles, LocalFiles,
                  WriteLimits, OutboxOverlay):
     """The namespace and semantics of one memfuse mount (see module docstring).
@@ -201,6 +208,9 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         # acknowledgement comes first (Journal.HOLD); with --commit-wait 0 (or near it) the
         # close waits only for the journal, which then writes at once
         self.committer.hold_journal = self.settings.commit_wait > 2 * journal.HOLD
+        #: calls in a row that returned before the journal had their change on disk
+        #: (``changes_durable``: logged at the first of a streak)
+        self._changes_unsettled = 0
         self.workspace = workspace
         self.inodes = {}
         self.by_key = {}
@@ -928,7 +938,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         d.mtime_ns = d.ctime_ns = time.time_ns()
 
     # ------------------------------------------------------------------ flush / fsync / release
-    def commit(self, n: Node) -> Entry | Barrier | None:
+    def commit(self, n: Node, *, hold: bool = False) -> Entry | Barrier | None:
         """Turn a dirty file into an accepted change (outbox ``put``).
 
         Returns the outbox entry, or None when there is nothing to send (not dirty, a
@@ -938,7 +948,9 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         ``ENOSPC``), or by ``_precheck`` (the fast path of the errno table in docs/API.md:
         ``EILSEQ``, ``EPERM``, ``EINVAL``); the file then keeps the refused content with
         ``state=rejected``, the reason is in ``errors.log`` and nothing is sent. Callers
-        without a syscall to fail use ``commit_quietly``.
+        without a syscall to fail use ``commit_quietly``. ``hold``: the caller's system
+        call waits for the commit (``flush``, ``fsync``), so the journal may hold the
+        entry's insert (``Committer.submit``); every other caller's entry is written at once.
         """
         if not n.dirty or n.is_dir or n.special:
             return None
@@ -1018,7 +1030,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             # when that write's put was merged onto a rival change this file does not show
             # yet (ConflictResolver.put_base)
             args["served"] = served
-        e = self.committer.submit(n.store.slug, PUT, n.key, args, data,
+        e = self.committer.submit(n.store.slug, PUT, n.key, args, data, hold=hold,
                                   sha=sha, append_base=(prev_sha, checked) if checked else None)
         e.before = Before(was[0], was[3], checked if checked and prev_sha == was[0] else -1,
                           was[1], was[2], prior[1] if prior is not None and prior[0] == was[0]
@@ -1160,7 +1172,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
             # another, with nothing written through this one since (Filesystem.rewriting):
             # a child's close of an inherited descriptor mid-save commits no emptied file.
             return
-        e = self.commit(n)
+        e = self.commit(n, hold=True)  # this close waits for it: its insert may be held
         if e is None:
             e = n.last_put if n.state == PENDING and not (n.local_only or n.unlinked) else None
             if e is None:
@@ -1195,7 +1207,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         ``fsync_timeout`` s, ``EINTR`` once the process that opened ``h`` has a stop signal
         to take (``interrupts``; the write stays accepted either way)."""
         n = h.node
-        e = self._fsync_commit(n, h)
+        e = self._fsync_commit(n, h, hold=True)
         if e is None:
             return
         deadline = trio.current_time() + self.settings.fsync_timeout
@@ -1209,7 +1221,8 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         if e.errno:
             raise FsError(e.errno, e.reason)
 
-    def _fsync_commit(self, n: Node, h: Handle | None = None) -> Entry | Barrier | None:
+    def _fsync_commit(self, n: Node, h: Handle | None = None, *,
+                      hold: bool = False) -> Entry | Barrier | None:
         """What an fsync of file ``n`` (through handle ``h``) makes durable, and waits for:
         its content as it holds it now, committed (``commit``: raises its refusals), else
         the put of it still pending, else (a local-only file) a ``Barrier`` behind its kept
@@ -1217,7 +1230,7 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         another rewrites the file commits nothing (the rewrite's close commits it). The one
         rule of a file's fsync and of a directory's for the files only it holds
         (``fsyncdir``)."""
-        e = None if h is not None and self.rewritten_by_another(n, h) else self.commit(n)
+        e = None if h is not None and self.rewritten_by_another(n, h) else self.commit(n, hold=hold)
         e = e or (n.last_put if n.state == PENDING and not (n.local_only or n.unlinked) else None)
         if e is None and n.local_only and not n.unlinked:
             e = self.journal.barrier()  # its kept copy may still be queued
@@ -1496,6 +1509,35 @@ class Filesystem(InodeTable, RemoteApply, NamespaceOps, AttributeOps, RejectedFi
         self.sync_rejected()
         self.note_error(n.parent, n.name, errno.EIO, reason, "cache_disk_error")
         raise FsError(errno.EIO, reason)
+
+    async def changes_durable(self, op: str) -> None:
+        """The end of a system call that changed the tree without awaiting (unlink, rename,
+        rmdir, setattr, setxattr: ``fuse_ops._guard_durable``) and queued a write the
+        outbox journal is to keep (an entry, a kept row of a rejected or local-only file):
+        wait until everything queued so far is on disk (a ``Barrier``), at most
+        ``CHANGE_WAIT`` s (and ``fsync_timeout``), so that a change whose call returned 0
+        survives a ``kill -9`` of the sidecar (docs/SEMANTICS.md, "Namespace changes").
+        Never raises: the change is applied and queued whatever happens here; when the
+        journal refuses the write (the cache disk is full or failing) or does not write it
+        within the bound, the call still returns 0 and a log line says so (once per streak
+        of such calls). A journal failing already is not waited for."""
+        j = self.journal
+        if j.error is None:
+            b = j.barrier(light=True)
+            try:
+                await b.wait_accepted(min(CHANGE_WAIT, self.settings.fsync_timeout))
+                self._changes_unsettled = 0
+                return
+            except CacheError as exc:
+                err: CacheError = exc
+        else:
+            err = j.error
+        self._changes_unsettled += 1
+        if self._changes_unsettled == 1:
+            log.warning("a namespace or attribute change returned before the outbox journal "
+                        "had it on disk; it is applied and queued (a kill -9 now may lose it)",
+                        extra={"op": op, "errno": errno.errorcode.get(err.errno),
+                               "reason": err.reason})
 
     async def _wait_accepted(self, n: Node, e: Entry | Barrier, timeout: float) -> None:
         """Wait (at most ``timeout`` s) until ``e`` is accepted (on disk in the outbox) or

@@ -159,6 +159,54 @@ def _guard_sync(fn: Callable[_P, _R]) -> Callable[_P, Coroutine[Any, Any, _R]]:
     return cast(Callable[_P, Coroutine[Any, Any, _R]], wrapper)
 
 
+def _guard_durable(fn: Callable[_P, _R]) -> Callable[_P, Coroutine[Any, Any, _R]]:
+    """``_guard_sync`` for a plain handler that changes what the outbox journal keeps and
+    whose system call does not wait for the control plane (unlink, rename, rmdir, setattr,
+    setxattr): when the call queued a journal write that wants a batch now (an entry, a kept
+    row: ``Journal.woken`` moved), the reply waits until it is on disk
+    (``Filesystem.changes_durable``: bounded, never an error), so a change whose call
+    returned 0 survives a ``kill -9`` of the sidecar (ns27: it was only in memory until the
+    journal's next batch). A call that queued nothing (a chmod to the current mode, the
+    rename of a file being written) answers at once, as ``_guard_sync``."""
+    name = fn.__name__
+    modifying = name in MODIFYING
+    clock = time.perf_counter
+    call = cast(Callable[..., Any], fn)  # called as fn(self, *args): _P includes self
+
+    @functools.wraps(fn)
+    async def wrapper(self: MemfuseOps, *args: Any) -> Any:
+        st = self._op_stats.get(name) or self._stats(name)
+        c = st.n
+        st.n = c + 1
+        t0 = 0.0 if c & TIME_MASK else clock()  # one request in TIME_EVERY is timed
+        journal = self.fs.journal
+        try:
+            woken = journal.woken
+            try:
+                reply = call(self, *args)
+            except ContentMissing as m:  # as _guard_sync: fetched again, the request once more
+                self._hand_off()
+                await self.fs.refetch(m.node)
+                reply = call(self, *args)
+            if journal.woken != woken:
+                self._hand_off()  # another worker reads the next request meanwhile
+                await self.fs.changes_durable(name)
+            return reply
+        except Exception as e:
+            raise _failed(self, name, e) from None
+        finally:
+            if modifying:
+                self.fs.controls.changed()
+                if CHECK_INVARIANTS:  # tests: MEMFUSE_CHECK_INVARIANTS=1
+                    self.fs.check_invariants_after(name)
+            if t0:
+                dt = clock() - t0
+                st.sum += dt  # OpStats.observe, inline (n counted above)
+                st.buckets[bisect_left(LAT_BUCKETS, dt)] += 1
+
+    return cast(Callable[_P, Coroutine[Any, Any, _R]], wrapper)
+
+
 def _guard_then(fn: Callable[_P, Any]) -> Callable[_P, Coroutine[Any, Any, Any]]:
     """``_guard`` for a handler written as a plain function that is done at once in the
     common case (its reply, or None) and otherwise returns a coroutine, awaited for the
@@ -317,7 +365,7 @@ class MemfuseOps(pyfuse3.Operations):
     def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         return self.attrs(self.fs.node(inode))
 
-    @_guard_sync
+    @_guard_durable
     def setattr(self, inode: int, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
                 fh: int | None, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         n = self.fs.node(inode)
@@ -373,15 +421,15 @@ class MemfuseOps(pyfuse3.Operations):
     def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         return self.attrs(self.fs.mkdir(parent_inode, name, mode, ctx.uid, ctx.gid))
 
-    @_guard_sync
+    @_guard_durable
     def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         self.fs.rmdir(parent_inode, name)
 
-    @_guard_sync
+    @_guard_durable
     def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         self.fs.unlink(parent_inode, name)
 
-    @_guard_sync
+    @_guard_durable
     def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int,
                name_new: bytes, flags: int, ctx: pyfuse3.RequestContext) -> None:
         self.fs.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
@@ -510,7 +558,7 @@ class MemfuseOps(pyfuse3.Operations):
     def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> Sequence[bytes]:
         return []
 
-    @_guard_sync
+    @_guard_durable
     def setxattr(self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext) -> None:
         self.fs.setxattr(self.fs.node(inode), name.decode("utf-8", "replace"), value)
 

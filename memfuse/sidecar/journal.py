@@ -103,6 +103,8 @@ class _Waitable:
     done: trio.Event
     changed: trio.Event
     journal_error: tuple[int, str] | None
+    #: its waiter needs only what survives a kill -9, not a power cut (``Journal._apply``)
+    light: bool
 
     def notify(self) -> None:
         """Wake whoever waits on ``changed`` (``wait_accepted``)."""
@@ -209,6 +211,10 @@ class Entry(_Waitable):
     #: the previous put (``Before.put``), whose own ``before`` held the one before it: kept,
     #: every version of a file written again and again stayed in memory (issue 25 item 1)
     before: Any = None
+    #: no system call waits for more than a kill -9's durability of this entry (an unlink,
+    #: a rename, attributes: ``Journal.add(light=True)``): a batch whose waiters are all
+    #: light is written without its fsync (``Journal._apply``); memory only
+    light: bool = False
 
     def content_sha(self) -> str | None:
         """The sha256 hex of ``content`` (``sha`` when the writer gave it; hashed once and
@@ -313,7 +319,9 @@ class Barrier(_Waitable):
     errno = 0
     reason = ""
 
-    def __init__(self) -> None:
+    def __init__(self, light: bool = False) -> None:
+        #: its waiter needs only what survives a kill -9 (``Journal.barrier(light=True)``)
+        self.light = light
         self.durable = trio.Event()
         self.done = self.durable  # nothing to commit beyond the disk
         self.changed = trio.Event()
@@ -485,6 +493,13 @@ class Journal:
         self._sleeping_until: float | None = None
         self.wakeups = 0  # times ``run`` woke (tests: held inserts do not wake it per file)
         self.held_skipped = 0  # held inserts never written: their entry finished first
+        #: writes queued that want a batch now (``_wake``: an entry not held, a kept row, a
+        #: barrier): a handler that changed the tree without awaiting compares it across its
+        #: call to learn whether it queued one (``fuse_ops._guard_durable``)
+        self.woken = 0
+        #: the last transaction was light (``_apply(light=True)``: committed, not fsynced):
+        #: a waiter that needs more, with nothing to write, fsyncs the log (``_sync_log``)
+        self._unsynced = False
         #: INVARIANT: the number of writes in the batch ``flush_pending`` is writing now
         #: (taken out of ``_pending``, not yet committed), 0 whenever none is being written;
         #: ``depth`` counts them, so "nothing queued" means "everything on disk"
@@ -661,9 +676,12 @@ class Journal:
         self._pending.append(["DELETE FROM local_files WHERE node_key=?", (node_key,), None])
         self._wake()
 
-    def barrier(self) -> Barrier:
-        """A ``Barrier`` after everything queued so far (set once it is all on disk)."""
-        b = Barrier()
+    def barrier(self, *, light: bool = False) -> Barrier:
+        """A ``Barrier`` after everything queued so far (set once it is all on disk).
+        ``light``: its waiter needs only what survives a ``kill -9`` of this process (a
+        namespace change's system call: ``Filesystem.changes_durable``), not a power cut:
+        a batch whose waiters are all light is committed without an fsync (``_apply``)."""
+        b = Barrier(light)
         self._waiters.append(b)
         self._wake()
         return b
@@ -758,12 +776,15 @@ class Journal:
 
     # --- queued writes, applied in order by run() -------------------------------------------
     def add(self, e: Entry, ident: tuple[str | None, str | None] | None = None, *,
-            hold: bool = False) -> None:
+            hold: bool = False, light: bool = False) -> None:
         """Queue the insert of entry ``e`` (written by ``run`` in the next batch; ``e.durable``
         is set once it is on disk, its witness line too). ``ident``: the (record id, base
         sha256) its node key maps to now, noted in the witness. ``hold``: the insert does not
         start a transaction for ``HOLD`` s (it goes with any batch written meanwhile); if
-        ``e`` finishes first (``remove``) it is never written. Never blocks, never raises."""
+        ``e`` finishes first (``remove``) it is never written. ``light`` (``Entry.light``):
+        no system call waits for more than a kill -9's durability of it (not held then).
+        Never blocks, never raises."""
+        e.light = light
         ref = None
         if e.op == PUT and e.content is not None and e.node_key is not None:
             ab = e.append_base
@@ -858,6 +879,7 @@ class Journal:
     def _wake(self) -> None:
         """A queued write someone waits for (or a retry): ``run`` writes the batch now."""
         self._urgent = True
+        self.woken += 1
         self._wakeup.set()
 
     def hurry(self) -> None:
@@ -878,16 +900,28 @@ class Journal:
             due = lazy if due is None else min(due, lazy)
         return due
 
-    def _apply(self, batch: list[list[Any]]) -> None:
-        self._db.execute("BEGIN IMMEDIATE")
+    def _apply(self, batch: list[list[Any]], light: bool = False) -> None:
+        """Write ``batch`` in one transaction (worker thread). ``light``: its waiters need
+        only what survives a kill -9 (every one ``Entry.light`` / a light ``Barrier``):
+        committed with ``synchronous=NORMAL``, its write-ahead log frames written, not
+        fsynced; the next fsynced transaction (any other batch) or checkpoint makes them
+        durable across a power cut too, in order (one log). Saves the fsync of each unlink
+        of a ``rm -rf`` (ns27)."""
+        if light:
+            self._db.execute("PRAGMA synchronous=NORMAL")
         try:
-            for sql, params, *_ in batch:
-                self._db.execute(sql, params)
-            self._db.execute("COMMIT")
-        except BaseException:
-            if self._db.in_transaction:
-                self._db.execute("ROLLBACK")
-            raise
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                for sql, params, *_ in batch:
+                    self._db.execute(sql, params)
+                self._db.execute("COMMIT")
+            except BaseException:
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                raise
+        finally:
+            if light:
+                self._db.execute("PRAGMA synchronous=FULL")
         # after the commit, before the waiters learn it is accepted: a crash in between
         # leaves the entry in the journal (the witness is read only for what it lacks)
         lines = [op[3] for op in batch if len(op) > 3]
@@ -896,6 +930,18 @@ class Journal:
                 self.witness.append(lines)
             except OSError as exc:
                 raise sqlite3.OperationalError(f"writing the witness: {exc.strerror or exc}") from exc
+
+    def _sync_log(self) -> None:
+        """fsync the write-ahead log (worker thread): the frames of light batches
+        (``_apply(light=True)``) become durable across a power cut. Raises ``OSError``."""
+        try:
+            fd = os.open(f"{self.path}-wal", os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return  # no log: checkpointed and removed, nothing unsynced in it
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def _checkpoint(self, drain: bool = False) -> None:
         """Copy the write-ahead log into the database, truncate it, give free pages back;
@@ -977,7 +1023,10 @@ class Journal:
                     self.before_batch()
                 self._writing = len(batch)
                 try:
-                    await trio.to_thread.run_sync(self._apply, batch)
+                    # light: every waiter needs only a kill -9's durability (none waits
+                    # for the lazy writes; a batch with no waiter is fsynced as before)
+                    light = bool(waiters) and all(w.light for w in waiters)
+                    await trio.to_thread.run_sync(self._apply, batch, *((True,) if light else ()))
                 except BaseException as exc:
                     self._pending[:0] = batch
                     self._waiters[:0] = waiters
@@ -1001,6 +1050,23 @@ class Journal:
                     raise err from exc
                 finally:
                     self._writing = 0  # committed, or back in the queue
+                self._unsynced = light
+            elif self._unsynced and any(not w.light for w in waiters):
+                # nothing to write, but a waiter needs a power cut's durability of what light
+                # batches committed before it (an unlink, then a directory's fsync): the log
+                # they are in is fsynced
+                try:
+                    await trio.to_thread.run_sync(self._sync_log)
+                except OSError as exc:
+                    self._waiters[:0] = waiters
+                    err = cache_error(exc, "syncing the outbox journal")
+                    self.error = err
+                    self.failures += 1
+                    for w in waiters:
+                        w.journal_error = (err.errno, err.reason)
+                        w.notify()
+                    raise err from exc
+                self._unsynced = False
             self.error = None
             for w in waiters:
                 w.journal_error = None
