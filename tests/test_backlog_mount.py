@@ -53,8 +53,9 @@ def test_a_backlog_drains_behind_the_mount(tmp_path):
         sc = rig.sidecar("ws", *args)
         m = sc.mountpoint / "s"
         sh("printf 'a0\\n' > a.md && echo old > old.md && echo gone > gone.md && echo b > b.md "
-           "&& mkdir docs && echo doc > docs/d.md", m)
-        wait_until(lambda: len(live_records(cp, "s")) == 6, timeout=30, what="base committed")
+           "&& mkdir docs && echo doc > docs/d.md && mkdir -p gonedir/inner && echo x > gonedir/x.md "
+           "&& echo y > gonedir/inner/y.md", m)
+        wait_until(lambda: len(live_records(cp, "s")) == 8, timeout=30, what="base committed")
         wait_until(lambda: _status(sc)["outbox"]["depth"] == 0, timeout=30, what="idle")
 
         cp.stop()  # an outage: every write below is accepted, not committed
@@ -63,7 +64,7 @@ def test_a_backlog_drains_behind_the_mount(tmp_path):
             _append(m / "a.md", f"a{i}\n")
             want_a += f"a{i}\n"
         sh("echo r1 >> r.md && mkdir -p sub && echo new > sub/new.md && mv old.md moved.md && rm gone.md "
-           "&& chmod 600 b.md && mv docs notes", m, timeout=60)
+           "&& chmod 600 b.md && mv docs notes && rm -rf gonedir", m, timeout=60)
         assert _status(sc)["outbox"]["depth"] >= N
         sc.stop()  # SIGTERM: the drain times out (1 s), the backlog stays in the journal
 
@@ -79,6 +80,8 @@ def test_a_backlog_drains_behind_the_mount(tmp_path):
         assert not (m / "old.md").exists() and not (m / "gone.md").exists()
         assert stat.S_IMODE(os.stat(m / "b.md").st_mode) == 0o600
         assert read(m / "notes" / "d.md") == "doc\n" and not (m / "docs").exists()
+        # gonedir's records are still live (their deletes wait in the backlog): the
+        # directories they implied, removed by rm -rf, leave no empty shell (verify27 F3)
         assert sorted(os.listdir(m)) == ["a.md", "b.md", "moved.md", "notes", "r.md", "sub"]
         # new writes are accepted while the backlog waits, and queue behind it
         _append(m / "a.md", "after restart 1\n")
