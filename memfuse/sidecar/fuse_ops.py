@@ -212,8 +212,8 @@ def _guard_then(fn: Callable[_P, Any]) -> Callable[_P, Coroutine[Any, Any, Any]]
     common case (its reply, or None) and otherwise returns a coroutine, awaited for the
     reply (``flush``: a reader's close does nothing, a writer's waits for its commit;
     ``open``: one of a file whose remote change the kernel has not seen yet waits for it).
-    The three guards share ``_failed``; their bodies are kept apart so that none pays a
-    check per request."""
+    The guards (``_guard``, ``_guard_sync``, ``_guard_durable``, this one) share ``_failed``;
+    their bodies are kept apart so that none pays a check per request."""
     name = fn.__name__
     modifying = name in MODIFYING
     clock = time.perf_counter

@@ -1042,12 +1042,7 @@ class Journal:
                         log.info("outbox journal write error", extra={
                             "error": type(exc).__name__, "detail": str(exc)[:200],
                             "sqlite_code": getattr(exc, "sqlite_errorcode", None)})
-                    self.error = err
-                    self.failures += 1
-                    for w in waiters:
-                        w.journal_error = (err.errno, err.reason)
-                        w.notify()
-                    raise err from exc
+                    raise self._refused(waiters, err) from exc
                 finally:
                     self._writing = 0  # committed, or back in the queue
                 self._unsynced = light
@@ -1059,13 +1054,7 @@ class Journal:
                     await trio.to_thread.run_sync(self._sync_log)
                 except OSError as exc:
                     self._waiters[:0] = waiters
-                    err = cache_error(exc, "syncing the outbox journal")
-                    self.error = err
-                    self.failures += 1
-                    for w in waiters:
-                        w.journal_error = (err.errno, err.reason)
-                        w.notify()
-                    raise err from exc
+                    raise self._refused(waiters, cache_error(exc, "syncing the outbox journal")) from exc
                 self._unsynced = False
             self.error = None
             for w in waiters:
@@ -1074,6 +1063,18 @@ class Journal:
                     w.settle()
                 w.durable.set()
                 w.notify()
+
+    def _refused(self, waiters: list[Entry | Barrier], err: CacheError) -> CacheError:
+        """The cache disk refused a batch's write or the log's sync (``flush_pending``):
+        ``err`` is kept (``error``) and counted (``failures``), and every waiter of the
+        batch is told it (``journal_error``) and woken. Returns ``err``, for the caller to
+        raise."""
+        self.error = err
+        self.failures += 1
+        for w in waiters:
+            w.journal_error = (err.errno, err.reason)
+            w.notify()
+        return err
 
     async def run(self) -> None:
         """Group-commit loop: wait for queued writes, apply them, repeat: every write queued
